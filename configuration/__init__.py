@@ -1,0 +1,37 @@
+"""Presets: plain JSON model configurations (installed as `modeling_gpn.configuration`).
+
+Each `*.json` here loads with `GPNConfig.from_json_file(path)` or `GPNConfig.from_pretrained(path)`;
+the `_comment` field says where each size comes from. `preset_path("tiny")` finds one by name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PRESET_DIR = Path(__file__).resolve().parent
+
+
+def list_presets() -> list[str]:
+    """Names of the presets shipped with the package."""
+    return sorted(path.stem for path in PRESET_DIR.glob("*.json"))
+
+
+def preset_path(name_or_path: str) -> Path:
+    """Path of a preset given its name (e.g. "gpn-m-1l-130m") or a path to a JSON file."""
+    candidate = Path(name_or_path)
+    if candidate.suffix == ".json" and candidate.exists():
+        return candidate
+    path = PRESET_DIR / f"{name_or_path}.json"
+    if not path.exists():
+        raise FileNotFoundError(f"No preset named {name_or_path!r}; available: {', '.join(list_presets())}")
+    return path
+
+
+def load_preset(name_or_path: str):
+    """The `GPNConfig` of a model preset."""
+    from modeling_gpn import GPNConfig
+
+    config = GPNConfig.from_json_file(str(preset_path(name_or_path)))
+    if hasattr(config, "_comment"):  # documentation of the preset, not part of the model
+        del config._comment
+    return config

@@ -1,0 +1,30 @@
+"""`gpn convert SRC OUT`: a reference checkpoint to a transformers folder."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .reference import CheckpointError, convert
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("src", help="the reference trainer's checkpoint.pkl, or a folder with params.npz (+ config.json)")
+    parser.add_argument("out", help="output folder (written with save_pretrained: safetensors, config.json, modeling files)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer name or path to save beside the model (e.g. the LLaMA-2 tokenizer)")
+    parser.add_argument("--push-to-hub", metavar="REPO_ID", default=None, help="also publish OUT to this Hub repo (see `gpn push`)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        model = convert(args.src, args.out, tokenizer=args.tokenizer)
+    except CheckpointError as error:
+        print(f"gpn convert: {error}", file=sys.stderr)
+        return 1
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"Converted {args.src} -> {args.out} ({n_params:,} parameters, {model.config.memory_cells:,} memory cells)")
+    if args.push_to_hub:
+        from modeling_gpn.hub import push_folder
+
+        push_folder(args.out, args.push_to_hub)
+    return 0

@@ -1,0 +1,62 @@
+"""The `gpn` console script: one subcommand per job.
+
+Each subcommand lives in its own module, imported only when it runs, which defines
+`add_arguments(parser)` and `run(args) -> int | None`. `gpn --help` lists them; `gpn CMD --help`
+explains every option of one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+
+# name -> (module, one-line help). Keep this interface stable: users script against it.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "convert": ("modeling_gpn.conversion.cli", "convert a reference (JAX) checkpoint to a transformers folder"),
+    "train": ("modeling_gpn.train", "train a GPN (or a Llama baseline) on a text corpus"),
+    "eval": ("modeling_gpn.evaluation.cli", "evaluate a model with lm-eval-harness beside the paper's baselines"),
+    "push": ("modeling_gpn.hub", "publish a model folder to the Hugging Face Hub with a model card"),
+    "inspect": ("modeling_gpn.inspect", "analyse a model's single state (geometry, mean direction, horizons, memory)"),
+    "bench": ("modeling_gpn.bench", "measure training, prefill and decode speed and memory"),
+    "study": ("modeling_gpn.study", "small-scale replication: train and evaluate GPN variants and baselines"),
+    "generate": ("modeling_gpn.generate_cli", "generate text from a model folder or Hub repo"),
+}
+
+
+def available_subcommands() -> dict[str, tuple[str, str]]:
+    return {name: spec for name, spec in SUBCOMMANDS.items() if importlib.util.find_spec(spec[0]) is not None}
+
+
+def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpn",
+        description="Grounded Prediction Networks (arXiv 2605.10643) for the Hugging Face ecosystem.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in available_subcommands().items():
+        sub = subparsers.add_parser(
+            name, help=help_text, description=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        )
+        if name == selected:  # import only the module that will run
+            module = importlib.import_module(module_name)
+            module.add_arguments(sub)
+            sub.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    selected = next((arg for arg in argv if not arg.startswith("-")), None)
+    parser = build_parser(selected if selected in SUBCOMMANDS else None)
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 0 if args.command is None else 2
+    result = args._run(args)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Configuration of a Grounded Prediction Network (GPN).
+
+This file ships to the Hugging Face Hub beside `modeling_gpn.py` (remote code), so it imports nothing
+from the installed `modeling_gpn` package.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedConfig
+
+
+class GPNConfig(PreTrainedConfig):
+    r"""
+    Configuration of a GPN ("A Single-Layer Model Can Do Language Modeling", arXiv 2605.10643).
+
+    A GPN keeps one state vector of width `hidden_size` and, with `use_memory`, one matrix memory of
+    `num_memory_heads` heads of `memory_key_dim` x `memory_value_dim` cells, shared by all
+    `num_predict_layers` predict layers. The three variants of the paper are:
+
+    - GPN (no memory): `use_memory=False`, `num_predict_layers=1`;
+    - GPN+M: `use_memory=True`, `num_predict_layers=1`;
+    - L-layer GPN+M: `use_memory=True`, `num_predict_layers=L`.
+
+    Args:
+        vocab_size: number of tokens; the embedding is tied to the output through a d -> e projection.
+        hidden_size: width d of the state vector.
+        embedding_size: width e of the token embedding.
+        intermediate_size: hidden width of each predict layer's SwiGLU FFN.
+        num_predict_layers: predict layers applied one after the other inside each step.
+        use_memory: whether the model has the gated delta-rule matrix memory (GPN+M).
+        num_memory_heads: memory heads H.
+        memory_key_dim: key width dk of each head.
+        memory_value_dim: value width dv of each head.
+        use_decoder_bias: add a bias after the d -> e decoder projection.
+        rms_norm_eps: epsilon inside every RMSNorm's square root (the reference uses 1e-6).
+        initializer_range: std of the embedding and of the memory read output matrix at initialisation.
+        bptt_segment_length: training keeps the state only every this many tokens and recomputes inside
+            segments (memory-bounded BPTT); `None` stores every step.
+        bptt_truncation_length: stop the gradient through the state every this many tokens (the paper's
+            2-layer model used 512); `None` backpropagates through the whole window.
+        max_length_hint: the window length the model was trained on; evaluation tools use it as the
+            default context length (a GPN itself has no positional limit).
+    """
+
+    model_type = "gpn"
+    attribute_map = {"num_hidden_layers": "num_predict_layers"}
+
+    vocab_size: int = 32000
+    hidden_size: int = 2496
+    embedding_size: int = 768
+    intermediate_size: int = 6656
+    num_predict_layers: int = 1
+    use_memory: bool = True
+    num_memory_heads: int = 15
+    memory_key_dim: int = 128
+    memory_value_dim: int = 256
+    use_decoder_bias: bool = False
+    rms_norm_eps: float = 1e-6
+    initializer_range: float = 0.02
+    bptt_segment_length: int | None = None
+    bptt_truncation_length: int | None = None
+    max_length_hint: int | None = 2048
+    use_cache: bool = True
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    pad_token_id: int | None = None
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self, **kwargs):
+        self._check_values()
+        super().__post_init__(**kwargs)
+
+    def _check_values(self) -> None:
+        """Raise one clear error for any value a GPN cannot be built with."""
+        problems = []
+
+        def positive_int(name: str, value) -> None:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                problems.append(f"{name} must be a positive integer, got {value!r}")
+
+        for name in ("vocab_size", "hidden_size", "embedding_size", "intermediate_size", "num_predict_layers"):
+            positive_int(name, getattr(self, name))
+        if self.use_memory:
+            for name in ("num_memory_heads", "memory_key_dim", "memory_value_dim"):
+                positive_int(name, getattr(self, name))
+        for name in ("bptt_segment_length", "bptt_truncation_length", "max_length_hint"):
+            value = getattr(self, name)
+            if value is not None:
+                positive_int(name, value)
+        if not isinstance(self.rms_norm_eps, (int, float)) or not self.rms_norm_eps > 0:
+            problems.append(f"rms_norm_eps must be a positive number, got {self.rms_norm_eps!r}")
+        if problems:
+            raise ValueError("Invalid GPNConfig: " + "; ".join(problems))
+
+    def validate_architecture(self):
+        """Part of transformers' strict validation (runs again at `save_pretrained`)."""
+        self._check_values()
+
+    @property
+    def memory_cells(self) -> int:
+        """Number of cells in the matrix memory (0 without memory)."""
+        if not self.use_memory:
+            return 0
+        return self.num_memory_heads * self.memory_key_dim * self.memory_value_dim
+
+    @property
+    def state_floats_per_row(self) -> int:
+        """Floats the recurrent cache holds per sequence: p and g (d each) plus the memory."""
+        return 2 * self.hidden_size + self.memory_cells
+
+
+__all__ = ["GPNConfig"]

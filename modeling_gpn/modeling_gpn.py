@@ -1,0 +1,684 @@
+"""PyTorch Grounded Prediction Network (GPN).
+
+"A Single-Layer Model Can Do Language Modeling" (arXiv 2605.10643). One state vector and, for GPN+M,
+one matrix memory are revisited at every token; depth comes from time, not from a layer stack.
+
+Read this file beside `GPN.md`. For each token x_t, with the carried predicted state p, the carried
+grounded state g' (one step older) and the memory M (all zero before the first token):
+
+1. Ground:   g = sigmoid(W_fg rms(p) + b_fg) * p + W_fuse rms(E[x_t])
+2. Write:    M <- e^gamma M + beta k (v - M^T k)       (GPN+M; key from g', the rest from g)
+3. Predict:  c = g; per predict layer  c <- sigmoid(W_pg rms(c) + b_pg) * c + FFN(c) (+ read(c, M))
+4. Decode:   logits = (W_dec rms(p) (+ b_dec)) E^T     with p = c
+5. Carry (p, g, M) to the next token.
+
+transformers convention: `logits[:, t]` predicts token t+1 after reading tokens 0..t, so position t of
+this model is position t+1 of the reference implementation (see `GPN.md`).
+
+The recurrent state and memory are float32 whatever the weights' dtype, as in the reference.
+
+This file and `configuration_gpn.py` ship to the Hub as remote code: they import nothing from the
+installed `modeling_gpn` package.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.cache_utils import Cache, LinearAttentionLayer
+from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput
+
+from .configuration_gpn import GPNConfig
+
+L2_NORM_EPS = 1e-12  # inside the square root of every per-head L2 normalisation, as in the reference
+
+
+# --------------------------------------------------------------------------------------------------
+# The two normalisations of the equations
+# --------------------------------------------------------------------------------------------------
+
+
+class GPNRMSNorm(nn.Module):
+    """rms(x; w) = x / sqrt(mean(x^2) + eps) * w, computed in float32 (returns float32)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    """l2(x) = x / sqrt(sum(x^2) + 1e-12) over the last axis."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + L2_NORM_EPS)
+
+
+def project(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """Apply `linear` in its weights' dtype and return float32 (the state never leaves float32)."""
+    return F.linear(x.to(linear.weight.dtype), linear.weight, linear.bias).float()
+
+
+def linear(in_features: int, out_features: int, bias: bool, init_scheme: str = "lecun") -> nn.Linear:
+    """An `nn.Linear` tagged with its initialisation: "lecun" (default), "zeros" or "normal" (std 0.02)."""
+    layer = nn.Linear(in_features, out_features, bias=bias)
+    layer.init_scheme = init_scheme
+    return layer
+
+
+def lecun_normal_(weight: torch.Tensor) -> None:
+    """LeCun normal as in Flax: truncated at two standard deviations, variance 1 / fan_in."""
+    if getattr(weight, "_is_hf_initialized", False):
+        return
+    fan_in = weight.shape[1]
+    std = math.sqrt(1.0 / fan_in) / 0.87962566103423978  # std of a unit normal truncated at +-2
+    init.trunc_normal_(weight, mean=0.0, std=std, a=-2 * std, b=2 * std)
+
+
+# --------------------------------------------------------------------------------------------------
+# The recurrent cache: (p, g, M) per row, its size independent of the sequence length
+# --------------------------------------------------------------------------------------------------
+
+
+class GPNStateLayer(LinearAttentionLayer):
+    """The single cache layer of a GPN: three recurrent states in fixed buffers updated in place.
+
+    state 0: the predicted state p (batch, d); state 1: the grounded state g (batch, d);
+    state 2: the memory M (batch, H, dk, dv), a (batch, 0) placeholder without memory.
+    """
+
+    PREDICTED, GROUNDED, MEMORY = 0, 1, 2
+
+    def __init__(self, **kwargs):
+        super().__init__(number_of_states=3)
+        self.seen_tokens = 0
+
+    def store(self, predicted: torch.Tensor, grounded: torch.Tensor, memory: torch.Tensor) -> None:
+        for index, tensor in ((self.PREDICTED, predicted), (self.GROUNDED, grounded), (self.MEMORY, memory)):
+            stored = self.recurrent_states[index]
+            if stored is not None and stored.shape != tensor.shape:
+                raise ValueError(
+                    f"GPNCache holds a state of shape {tuple(stored.shape)} but the model produced "
+                    f"{tuple(tensor.shape)}: the batch size changed between calls that share a cache"
+                )
+            self.update_recurrent_state(tensor.detach(), state_idx=index)
+            # The stock layer only marks a state as present on conv updates; GPN has no conv.
+            self.has_previous_state[index] = True
+            if self.device is None:
+                self.device, self.dtype = tensor.device, tensor.dtype
+
+    def reset(self) -> None:
+        super().reset()
+        self.seen_tokens = 0
+
+    def get_seq_length(self) -> int:
+        return self.seen_tokens
+
+    @property
+    def is_croppable(self) -> bool:
+        return False  # a recurrent state cannot be rolled back
+
+    @property
+    def batch_size(self) -> int:
+        state = self.recurrent_states[self.PREDICTED]
+        return -1 if state is None else state.shape[0]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        for index in range(self.number_of_states):
+            if self.is_recurrent_states_initialized[index]:
+                self.recurrent_states[index] = self.recurrent_states[index].repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        for index in range(self.number_of_states):
+            if self.is_recurrent_states_initialized[index]:
+                self.recurrent_states[index] = self.recurrent_states[index][indices, ...]
+
+
+class GPNCache(Cache):
+    """transformers `Cache` holding a GPN's recurrent state (p, g, M) for every row.
+
+    Its size depends on the batch and the model, never on the number of tokens seen. Beam search
+    reorders it through the stock `reorder_cache`; it cannot be cropped (assisted decoding is refused).
+    """
+
+    def __init__(self, config: GPNConfig | None = None, **kwargs):
+        super().__init__(layers=[GPNStateLayer()])
+
+    @property
+    def state_layer(self) -> GPNStateLayer:
+        return self.layers[0]
+
+    @property
+    def has_state(self) -> bool:
+        return all(self.state_layer.has_previous_state.values())
+
+    def get_state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(p, g, M) as copies (the model never mutates the cache's buffers), or None if empty."""
+        if not self.has_state:
+            return None
+        layer = self.state_layer
+        return tuple(layer.recurrent_states[i].clone() for i in range(3))
+
+    def update_state(
+        self, predicted: torch.Tensor, grounded: torch.Tensor, memory: torch.Tensor, num_new_tokens: int
+    ) -> None:
+        """Store the state after `num_new_tokens` more tokens (in place, so addresses stay static)."""
+        self.state_layer.store(predicted, grounded, memory)
+        self.state_layer.seen_tokens += num_new_tokens
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Number of token positions this cache has consumed (padding included)."""
+        return self.state_layer.get_seq_length()
+
+    def nbytes(self) -> int:
+        """Bytes held by the state buffers."""
+        layer = self.state_layer
+        return sum(
+            layer.recurrent_states[i].numel() * layer.recurrent_states[i].element_size()
+            for i in range(3)
+            if layer.recurrent_states[i] is not None
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# The blocks of one step
+# --------------------------------------------------------------------------------------------------
+
+
+class GPNMemoryWrite(nn.Module):
+    """Step 2: the gated delta-rule write, once per token, shared by all predict layers.
+
+    k = l2(relu(W_k rms(g') + b_k)),  v = W_v rms(g),  beta = sigmoid(W_beta rms(g)),
+    gamma = -exp(A_log) * softplus(W_a rms(g) + dt_bias),
+    M <- e^gamma M + beta k (v - M^T k)   -- the error term uses the undecayed M.
+    """
+
+    def __init__(self, config: GPNConfig):
+        super().__init__()
+        d, heads = config.hidden_size, config.num_memory_heads
+        self.num_heads, self.key_dim, self.value_dim = heads, config.memory_key_dim, config.memory_value_dim
+        self.norm = GPNRMSNorm(d, config.rms_norm_eps)
+        self.key = linear(d, heads * self.key_dim, bias=True)
+        self.value = linear(d, heads * self.value_dim, bias=False)
+        self.beta = linear(d, heads, bias=False)
+        self.decay = linear(d, heads, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(heads))
+        self.dt_bias = nn.Parameter(torch.zeros(heads))
+
+    def keys(self, older_grounded: torch.Tensor) -> torch.Tensor:
+        """k (batch, H, dk) from the previous grounded state."""
+        key = project(self.key, self.norm(older_grounded)).view(-1, self.num_heads, self.key_dim)
+        return l2_normalize(F.relu(key))
+
+    def log_decay(self, normed_grounded: torch.Tensor) -> torch.Tensor:
+        """gamma (batch, H) <= 0; the per-head retention of one step is exp(gamma)."""
+        rate = project(self.decay, normed_grounded) + self.dt_bias.float()
+        return -torch.exp(self.A_log.float()) * F.softplus(rate)
+
+    def forward(
+        self, memory: torch.Tensor, older_grounded: torch.Tensor, grounded: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the memory after the write and gamma (batch, H)."""
+        key = self.keys(older_grounded)
+        normed = self.norm(grounded)
+        value = project(self.value, normed).view(-1, self.num_heads, self.value_dim)
+        beta = torch.sigmoid(project(self.beta, normed))
+        gamma = self.log_decay(normed)
+        error = value - torch.einsum("bhk,bhkv->bhv", key, memory)
+        memory = torch.exp(gamma)[..., None, None] * memory + beta[..., None, None] * (
+            key.unsqueeze(-1) * error.unsqueeze(-2)
+        )
+        return memory, gamma
+
+
+class GPNPredictLayer(nn.Module):
+    """Step 3, one predict layer: c <- sigmoid(W_pg rms(c) + b_pg) * c + FFN(c) (+ read(c, M)).
+
+    FFN(c) = W_2 (silu(a) * b) with [a | b] = W_1 rms(c) (the first half gates).
+    read(c, M) = (silu(W_rg rms(c)) * rms(M^T q)) W_o with q = l2(relu(W_q rms(c) + b_q)) per head;
+    the output norm runs over the whole flattened H*dv read vector.
+    """
+
+    def __init__(self, config: GPNConfig):
+        super().__init__()
+        d, f = config.hidden_size, config.intermediate_size
+        eps = config.rms_norm_eps
+        self.gate_norm = GPNRMSNorm(d, eps)
+        self.gate = linear(d, d, bias=True, init_scheme="zeros")
+        self.ffn_norm = GPNRMSNorm(d, eps)
+        self.ffn_in = linear(d, 2 * f, bias=False)
+        self.ffn_out = linear(f, d, bias=False, init_scheme="zeros")
+        self.use_memory = config.use_memory
+        if self.use_memory:
+            heads, dk, dv = config.num_memory_heads, config.memory_key_dim, config.memory_value_dim
+            self.num_heads, self.key_dim, self.value_dim = heads, dk, dv
+            self.read_norm = GPNRMSNorm(d, eps)
+            self.read_query = linear(d, heads * dk, bias=True)
+            self.read_gate = linear(d, heads * dv, bias=False)
+            self.read_out_norm = GPNRMSNorm(heads * dv, eps)
+            self.read_out = linear(heads * dv, d, bias=False, init_scheme="normal")
+
+    def ffn(self, state: torch.Tensor) -> torch.Tensor:
+        gate_branch, value_branch = project(self.ffn_in, self.ffn_norm(state)).chunk(2, dim=-1)
+        return project(self.ffn_out, F.silu(gate_branch) * value_branch)
+
+    def read(self, state: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        normed = self.read_norm(state)
+        query = l2_normalize(F.relu(project(self.read_query, normed)).view(-1, self.num_heads, self.key_dim))
+        read_vector = torch.einsum("bhk,bhkv->bhv", query, memory).flatten(1)
+        return project(self.read_out, F.silu(project(self.read_gate, normed)) * self.read_out_norm(read_vector))
+
+    def forward(self, state: torch.Tensor, memory: torch.Tensor | None) -> torch.Tensor:
+        keep = torch.sigmoid(project(self.gate, self.gate_norm(state)))
+        new_state = keep * state + self.ffn(state)
+        if self.use_memory:
+            new_state = new_state + self.read(state, memory)
+        return new_state
+
+
+# --------------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GPNModelOutput(ModelOutput):
+    """Output of `GPNModel`.
+
+    Args:
+        last_hidden_state: the predicted state p at every position (batch, seq, d), float32;
+            position t is the state that predicts token t+1.
+        cache: the `GPNCache` after the last position, when `use_cache`.
+        hidden_states: with `output_hidden_states`, a one-element tuple holding the predicted states
+            (a GPN has a single state, not a stack of layers).
+        memory_decays: with `output_memory_decays` (GPN+M), gamma (batch, seq, H): the log retention
+            of each memory head at each position (retention per step = exp(gamma)).
+    """
+
+    last_hidden_state: torch.Tensor | None = None
+    cache: Cache | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    memory_decays: torch.Tensor | None = None
+
+
+@dataclass
+class GPNCausalLMOutput(CausalLMOutputWithPast):
+    """`CausalLMOutputWithPast` plus the per-head memory decays (see `GPNModelOutput`)."""
+
+    memory_decays: torch.Tensor | None = None
+
+
+class GPNPreTrainedModel(PreTrainedModel):
+    config_class = GPNConfig
+    config: GPNConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["GPNModel"]
+    _is_stateful = True  # generate() refuses assisted decoding: a recurrent state cannot be rolled back
+    _supports_cache_class = True
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """Initialisation of the reference (GPN.md): "keep half the state, add the token" at step 0.
+
+        transformers visits leaf modules on their own (and, for remote code, skips modules without
+        parameters of their own), so every `nn.Linear` carries its scheme in `init_scheme` (see `linear`).
+        """
+        std = self.config.initializer_range
+        if isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, GPNRMSNorm):
+            init.ones_(module.weight)
+        elif isinstance(module, nn.Linear):
+            scheme = getattr(module, "init_scheme", "lecun")
+            if scheme == "zeros":
+                init.zeros_(module.weight)
+            elif scheme == "normal":
+                init.normal_(module.weight, mean=0.0, std=std)
+            else:
+                lecun_normal_(module.weight)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, GPNMemoryWrite):
+            if not getattr(module.A_log, "_is_hf_initialized", False):
+                module.A_log.copy_(torch.log(torch.empty_like(module.A_log).uniform_(0, 16).clamp_min(1e-4)))
+            if not getattr(module.dt_bias, "_is_hf_initialized", False):
+                low, high = math.log(1e-3), math.log(1e-1)
+                dt = torch.exp(torch.empty_like(module.dt_bias).uniform_(low, high)).clamp_min(1e-4)
+                module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+
+
+class GPNModel(GPNPreTrainedModel):
+    """The GPN recurrence: token ids in, the predicted state p at every position out."""
+
+    def __init__(self, config: GPNConfig):
+        super().__init__(config)
+        d, e, eps = config.hidden_size, config.embedding_size, config.rms_norm_eps
+        self.embed_tokens = nn.Embedding(config.vocab_size, e)
+        self.fuse_norm = GPNRMSNorm(e, eps)
+        self.fuse_proj = linear(e, d, bias=False)
+        self.fuse_gate_norm = GPNRMSNorm(d, eps)
+        self.fuse_gate = linear(d, d, bias=True, init_scheme="zeros")
+        self.memory_write = GPNMemoryWrite(config) if config.use_memory else None
+        self.predict_layers = nn.ModuleList(GPNPredictLayer(config) for _ in range(config.num_predict_layers))
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    # ---- pieces of one step, in the order of the equations ----------------------------------------
+
+    def token_inputs(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """W_fuse rms(E[x]) for every position at once: the token side has no recurrence."""
+        return project(self.fuse_proj, self.fuse_norm(embeddings))
+
+    def ground(self, predicted: torch.Tensor, token_input: torch.Tensor) -> torch.Tensor:
+        """Step 1: g = sigmoid(W_fg rms(p) + b_fg) * p + W_fuse rms(E[x])."""
+        keep = torch.sigmoid(project(self.fuse_gate, self.fuse_gate_norm(predicted)))
+        return keep * predicted + token_input
+
+    def predict(self, grounded: torch.Tensor, memory: torch.Tensor | None) -> torch.Tensor:
+        """Step 3: run the predict layers from c = g; every layer reads the same memory."""
+        state = grounded
+        for layer in self.predict_layers:
+            state = layer(state, memory)
+        return state
+
+    def step(
+        self,
+        predicted: torch.Tensor,
+        older_grounded: torch.Tensor,
+        memory: torch.Tensor,
+        token_input: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One token: (p, g', M) and W_fuse rms(E[x_t]) -> (p_next, g, M_next, gamma)."""
+        grounded = self.ground(predicted, token_input)
+        gamma = None
+        if self.memory_write is not None:
+            memory, gamma = self.memory_write(memory, older_grounded, grounded)
+        return self.predict(grounded, memory if self.memory_write is not None else None), grounded, memory, gamma
+
+    # ---- the state ------------------------------------------------------------------------------
+
+    def zero_state(self, batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(p, g, M) before the first token: all zero, float32."""
+        config = self.config
+        d = config.hidden_size
+        if config.use_memory:
+            memory_shape = (batch_size, config.num_memory_heads, config.memory_key_dim, config.memory_value_dim)
+        else:
+            memory_shape = (batch_size, 0)
+        zeros = lambda *shape: torch.zeros(*shape, device=device, dtype=torch.float32)  # noqa: E731
+        return zeros(batch_size, d), zeros(batch_size, d), zeros(*memory_shape)
+
+    def recurrence(
+        self,
+        token_inputs: torch.Tensor,
+        state: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        output_memory_decays: bool = False,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]:
+        """The plain time loop, one step per position (the path every faster one is tested against).
+
+        Positions where `mask` is 0 leave (p, g, M) exactly unchanged; their output is the carried p.
+        Returns the predicted states (batch, seq, d), the final state and, if asked, gamma (batch, seq, H).
+        """
+        predicted, grounded, memory = state
+        outputs, decays = [], []
+        for t in range(token_inputs.shape[1]):
+            new_predicted, new_grounded, new_memory, gamma = self.step(
+                predicted, grounded, memory, token_inputs[:, t]
+            )
+            if mask is None:
+                predicted, grounded, memory = new_predicted, new_grounded, new_memory
+            else:
+                real = mask[:, t].bool()
+                predicted = torch.where(real[:, None], new_predicted, predicted)
+                grounded = torch.where(real[:, None], new_grounded, grounded)
+                if self.memory_write is not None:
+                    memory = torch.where(real[:, None, None, None], new_memory, memory)
+            outputs.append(predicted)
+            if output_memory_decays and gamma is not None:
+                decays.append(gamma)
+        memory_decays = torch.stack(decays, dim=1) if decays else None
+        return torch.stack(outputs, dim=1), (predicted, grounded, memory), memory_decays
+
+    # ---- forward --------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: GPNCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_memory_decays: bool = False,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> GPNModelOutput | tuple:
+        """Run the recurrence over `input_ids` (or `inputs_embeds`), starting from `cache` if it holds a state.
+
+        Args:
+            input_ids: (batch, seq) token ids in [0, vocab_size).
+            attention_mask: (batch, seq) with 1 for real tokens and 0 for padding, anywhere in the row;
+                padded positions leave the state exactly unchanged. With a cache it may be longer than
+                `input_ids` (as `generate()` passes it): its last `seq` columns are used.
+            cache: a `GPNCache` to continue from and to update (created when `use_cache` and missing).
+            inputs_embeds: (batch, seq, embedding_size) instead of `input_ids`.
+            use_cache: return the state after the last position in a `GPNCache`.
+            output_hidden_states: also return the predicted states as `hidden_states`.
+            output_memory_decays: also return gamma (batch, seq, H), GPN+M only.
+        """
+        _check_unused_kwargs(kwargs)
+        config = self.config
+        use_cache = use_cache if use_cache is not None else (config.use_cache and not self.training)
+        return_dict = return_dict if return_dict is not None else True
+        output_hidden_states = (
+            output_hidden_states if output_hidden_states is not None else config.output_hidden_states
+        )
+
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds")
+        if input_ids is not None:
+            self.check_input_ids(input_ids)
+            embeddings = self.embed_tokens(input_ids)
+        else:
+            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.embedding_size:
+                raise ValueError(
+                    f"inputs_embeds must have shape (batch, seq, {config.embedding_size}), "
+                    f"got {tuple(inputs_embeds.shape)}"
+                )
+            embeddings = inputs_embeds
+        batch_size, seq_len = embeddings.shape[:2]
+        if batch_size == 0 or seq_len == 0:
+            raise ValueError(f"GPN needs at least one row and one token, got input of shape (batch={batch_size}, seq={seq_len})")
+
+        state = cache.get_state() if cache is not None else None
+        if state is not None and state[0].shape[0] != batch_size:
+            raise ValueError(f"The cache holds {state[0].shape[0]} rows but the input has {batch_size}")
+        mask = self.check_attention_mask(attention_mask, batch_size, seq_len, continuing=state is not None)
+        if state is None:
+            state = self.zero_state(batch_size, embeddings.device)
+
+        predicted_states, final_state, memory_decays = self.recurrence(
+            self.token_inputs(embeddings), state, mask, output_memory_decays=output_memory_decays
+        )
+
+        if use_cache:
+            if cache is None:
+                cache = GPNCache(config)
+            cache.update_state(*final_state, num_new_tokens=seq_len)
+        output = GPNModelOutput(
+            last_hidden_state=predicted_states,
+            cache=cache if use_cache else None,
+            hidden_states=(predicted_states,) if output_hidden_states else None,
+            memory_decays=memory_decays,
+        )
+        return output if return_dict else output.to_tuple()
+
+    # ---- input checks (clear errors instead of index errors from deep inside) --------------------
+
+    def check_input_ids(self, input_ids: torch.Tensor) -> None:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must have shape (batch, seq), got {tuple(input_ids.shape)}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
+        if input_ids.numel() == 0:
+            raise ValueError(f"GPN needs at least one row and one token, got input_ids of shape {tuple(input_ids.shape)}")
+        vocab_size = self.config.vocab_size
+        bad = (input_ids < 0) | (input_ids >= vocab_size)
+        if bad.any():
+            position = bad.nonzero()[0].tolist()
+            value = int(input_ids[tuple(position)])
+            raise ValueError(
+                f"Token id {value} at (row {position[0]}, position {position[1]}) is outside the vocabulary "
+                f"[0, {vocab_size}) of this model (vocab_size={vocab_size}); {int(bad.sum())} ids are out of range. "
+                "Was the text tokenized with a different tokenizer?"
+            )
+
+    def check_attention_mask(
+        self, attention_mask: torch.Tensor | None, batch_size: int, seq_len: int, continuing: bool
+    ) -> torch.Tensor | None:
+        """Return a (batch, seq) mask, or None when every position is real."""
+        if attention_mask is None:
+            return None
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size:
+            raise ValueError(
+                f"attention_mask must have shape (batch={batch_size}, seq) like input_ids, got {tuple(attention_mask.shape)}"
+            )
+        mask_len = attention_mask.shape[1]
+        if mask_len < seq_len or (mask_len > seq_len and not continuing):
+            raise ValueError(
+                f"attention_mask has {mask_len} columns but input_ids has {seq_len} tokens; a longer mask is only "
+                "accepted when continuing from a cache (its last columns are used)"
+            )
+        mask = attention_mask[:, -seq_len:]
+        if mask.dtype != torch.bool and not ((mask == 0) | (mask == 1)).all():
+            raise ValueError("attention_mask must contain only 0 (padding) and 1 (real token)")
+        if bool(mask.bool().all()):
+            return None
+        return mask.bool()
+
+
+_IGNORED_FORWARD_KWARGS = {"position_ids", "cache_position", "output_attentions", "token_type_ids"}
+
+
+def _check_unused_kwargs(kwargs: dict) -> None:
+    """generate() and evaluation harnesses pass a few attention-model arguments a GPN has no use for."""
+    unknown = set(kwargs) - _IGNORED_FORWARD_KWARGS
+    if unknown:
+        raise TypeError(f"GPN forward got unexpected arguments: {sorted(unknown)}")
+
+
+class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
+    """GPN with its decoder: logits = (W_dec rms(p) (+ b_dec)) E^T, the embedding tied through d -> e."""
+
+    def __init__(self, config: GPNConfig):
+        super().__init__(config)
+        self.model = GPNModel(config)
+        self.decode_norm = GPNRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.decode_proj = linear(config.hidden_size, config.embedding_size, bias=config.use_decoder_bias)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def decode(self, predicted_states: torch.Tensor) -> torch.Tensor:
+        """Step 4: logits for every given predicted state (the embedding is the output matrix)."""
+        decoded = project(self.decode_proj, self.decode_norm(predicted_states))
+        weight = self.model.embed_tokens.weight
+        return F.linear(decoded.to(weight.dtype), weight)
+
+    def empty_state_logits(self, batch_size: int = 1) -> torch.Tensor:
+        """Logits predicted from the empty (zero) state: the reference's position 0 (batch, vocab)."""
+        predicted = torch.zeros(batch_size, self.config.hidden_size, device=self.device)
+        return self.decode(predicted)
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs) -> None:
+        """generate() gets a `GPNCache` (not a `DynamicCache`) unless the caller passed a cache."""
+        user_cache = model_kwargs.get("cache")
+        if user_cache is not None:
+            if not isinstance(user_cache, GPNCache):
+                raise TypeError(f"A GPN can only continue from a GPNCache, got {type(user_cache).__name__}")
+            user_cache._is_user_defined = True
+            return
+        if generation_config.use_cache is False:
+            return
+        model_kwargs["cache"] = GPNCache(self.config)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: GPNCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_memory_decays: bool = False,
+        return_dict: bool | None = None,
+        logits_to_keep: int = 0,
+        **kwargs,
+    ) -> GPNCausalLMOutput | tuple:
+        """Next-token logits at every position (or the last `logits_to_keep`), and the shifted mean
+        cross-entropy when `labels` are given (label -100 is ignored). See `GPNModel.forward`."""
+        return_dict = return_dict if return_dict is not None else True
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            output_memory_decays=output_memory_decays,
+            return_dict=True,
+            **kwargs,
+        )
+        predicted_states = outputs.last_hidden_state
+        kept = predicted_states if not logits_to_keep else predicted_states[:, -logits_to_keep:]
+        logits = self.decode(kept)
+
+        loss = None
+        if labels is not None:
+            if labels.shape != predicted_states.shape[:2]:
+                raise ValueError(f"labels must have shape {tuple(predicted_states.shape[:2])}, got {tuple(labels.shape)}")
+            full_logits = logits if not logits_to_keep else self.decode(predicted_states)
+            loss = F.cross_entropy(
+                full_logits[:, :-1].float().reshape(-1, full_logits.shape[-1]),
+                labels[:, 1:].reshape(-1).to(full_logits.device),
+                ignore_index=-100,
+            )
+
+        output = GPNCausalLMOutput(
+            loss=loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            memory_decays=outputs.memory_decays,
+        )
+        return output if return_dict else output.to_tuple()
+
+
+GPNConfig.register_for_auto_class()
+GPNForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+GPNModel.register_for_auto_class("AutoModel")
+
+__all__ = ["GPNCache", "GPNForCausalLM", "GPNModel", "GPNPreTrainedModel"]

@@ -1,0 +1,73 @@
+"""Shared test setup.
+
+The reference fixtures and data live outside the repository, in the folder named by the environment
+variable GPN_SHARED_DIR (default: `../shared` beside the repository root). Tests that need them skip
+with a message saying what is missing; `.ci/run` sets GPN_REQUIRE_SHARED=1, which turns those skips
+into failures so CI can never pass by skipping.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DIR = Path(os.environ.get("GPN_SHARED_DIR", REPO_ROOT.parent / "shared")).resolve()
+FIXTURES = SHARED_DIR / "fixtures" / "reference"
+DATA = SHARED_DIR / "data"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def require_shared(relative: str) -> Path:
+    """Path of `relative` inside the shared folder, or skip (fail under GPN_REQUIRE_SHARED=1)."""
+    path = SHARED_DIR / relative
+    if not path.exists():
+        message = (
+            f"missing shared file {path} (set GPN_SHARED_DIR to the folder holding fixtures/ and data/; "
+            "default ../shared beside the repository)"
+        )
+        if os.environ.get("GPN_REQUIRE_SHARED") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+@pytest.fixture
+def shared():
+    return require_shared
+
+
+def tiny_config(**overrides):
+    """A small GPN+M config (the fixtures' shapes) for fast tests."""
+    from modeling_gpn import GPNConfig
+
+    values = dict(
+        vocab_size=97, hidden_size=48, embedding_size=32, intermediate_size=64,
+        num_memory_heads=3, memory_key_dim=8, memory_value_dim=16, eos_token_id=0, bos_token_id=None,
+    )  # fmt: skip
+    values.update(overrides)
+    return GPNConfig(**values)
+
+
+def perturbed_model(config, seed: int = 0):
+    """A model whose zero-initialised gates and outputs are perturbed, so every code path matters."""
+    from modeling_gpn import GPNForCausalLM
+
+    torch.manual_seed(seed)
+    model = GPNForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.1 * torch.randn_like(param))
+            elif param.dim() == 1:
+                param.add_(0.1 * torch.randn_like(param))
+            elif "embed" not in name:
+                param.copy_(0.5 * torch.randn_like(param) / param.shape[1] ** 0.5)
+    return model.eval()
