@@ -35,6 +35,7 @@ from transformers.cache_utils import Cache, LinearAttentionLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput
 
 from .configuration_gpn import GPNConfig
+from .fast_recurrence import fast_recurrence
 
 L2_NORM_EPS = 1e-12  # inside the square root of every per-head L2 normalisation, as in the reference
 
@@ -425,7 +426,24 @@ class GPNModel(GPNPreTrainedModel):
         zeros = lambda *shape: torch.zeros(*shape, device=device, dtype=torch.float32)  # noqa: E731
         return zeros(batch_size, d), zeros(batch_size, d), zeros(*memory_shape)
 
+    use_fast_path: bool = True  # set False on a model (or its class) to run the plain loop
+
     def recurrence(
+        self,
+        token_inputs: torch.Tensor,
+        state: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        output_memory_decays: bool = False,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]:
+        """The time loop: `fast_recurrence.fast_recurrence` when `self.use_fast_path`, else `recurrence_plain`.
+
+        Both compute the same function with the same gradients (tests/test_fast_path.py).
+        """
+        if self.use_fast_path:
+            return fast_recurrence(self, token_inputs, state, mask, output_memory_decays=output_memory_decays)
+        return self.recurrence_plain(token_inputs, state, mask, output_memory_decays=output_memory_decays)
+
+    def recurrence_plain(
         self,
         token_inputs: torch.Tensor,
         state: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -435,11 +453,16 @@ class GPNModel(GPNPreTrainedModel):
         """The plain time loop, one step per position (the path every faster one is tested against).
 
         Positions where `mask` is 0 leave (p, g, M) exactly unchanged; their output is the carried p.
+        With `config.bptt_truncation_length = K` the carried state is detached before every position
+        t > 0 with t % K == 0 (truncated BPTT; the forward values are unchanged).
         Returns the predicted states (batch, seq, d), the final state and, if asked, gamma (batch, seq, H).
         """
         predicted, grounded, memory = state
         outputs, decays = [], []
+        truncation = self.config.bptt_truncation_length
         for t in range(token_inputs.shape[1]):
+            if truncation and t > 0 and t % truncation == 0:
+                predicted, grounded, memory = predicted.detach(), grounded.detach(), memory.detach()
             new_predicted, new_grounded, new_memory, gamma = self.step(
                 predicted, grounded, memory, token_inputs[:, t]
             )
