@@ -148,17 +148,22 @@ def flatten_params(tree: Any, prefix: str = "") -> dict[str, np.ndarray]:
 def infer_config(params: dict[str, np.ndarray], reference_config: dict[str, Any] | None = None) -> GPNConfig:
     """Build a `GPNConfig` from the reference config (if given) checked against the parameter shapes."""
 
-    def shape(name: str) -> tuple[int, ...]:
-        if name not in params:
-            raise CheckpointError(f"Cannot infer the model size: parameter {name!r} is missing")
-        return tuple(params[name].shape)
+    def shape(*names: str) -> tuple[int, ...]:
+        """Shape of the first of `names` present (several parameters reveal the same size)."""
+        for name in names:
+            if name in params:
+                return tuple(params[name].shape)
+        raise CheckpointError(f"Cannot infer the model size: none of {', '.join(names)} is in the checkpoint")
 
     vocab_size, embedding_size = shape("embedding")
-    hidden_size = shape("fuse_proj_k")[1]
+    hidden_size = shape("fuse_proj_k", "fg_gate_k")[-1]
     use_memory = any(name.startswith("write_") for name in params)
     layer_indices = sorted({int(m.group(1)) for name in params if (m := re.match(r"L(\d+)_", name))})
     prefix = "L0_" if use_memory else ""
-    intermediate_size = shape(f"{prefix}ffn_w1_k")[1] // 2
+    if f"{prefix}ffn_w1_k" in params:  # (d, 2f)
+        intermediate_size = shape(f"{prefix}ffn_w1_k")[1] // 2
+    else:  # (f, d)
+        intermediate_size = shape(f"{prefix}ffn_w2_k")[0]
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -169,11 +174,11 @@ def infer_config(params: dict[str, np.ndarray], reference_config: dict[str, Any]
         use_decoder_bias="decode_bias" in params,
     )
     if use_memory:
-        heads = shape("write_A_log")[0]
+        heads = shape("write_A_log", "write_dt_bias", "write_W_beta_k", "write_W_a_k")[-1]
         kwargs.update(
             num_memory_heads=heads,
-            memory_key_dim=shape("write_W_k_k")[1] // heads,
-            memory_value_dim=shape("write_W_v_k")[1] // heads,
+            memory_key_dim=shape("write_W_k_k", "L0_read_W_q_k", "write_W_k_b", "L0_read_W_q_b")[-1] // heads,
+            memory_value_dim=shape("write_W_v_k", "L0_read_W_gate_k", "L0_read_out_norm_w")[-1] // heads,
         )
     if reference_config:
         names = {
