@@ -189,6 +189,22 @@ def check_prepared_folder(folder: str | Path, token: str | None = None) -> list[
 # --------------------------------------------------------------------------------------------------
 # Building the folder
 
+#: Load-time options that transformers 5 saves into tokenizer_config.json; they describe the machine
+#: that saved the tokenizer (or carry a credential), not the tokenizer, so they are not published.
+TOKENIZER_LOAD_OPTIONS = ("is_local", "local_files_only", "cache_dir", "token", "use_auth_token", "_commit_hash", "force_download", "proxies")
+
+
+def _clean_tokenizer_config(path: Path) -> None:
+    if not path.is_file():
+        return
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as error:
+        raise HubPushError(f"{path.name} is not valid JSON: {error}") from error
+    if isinstance(data, dict) and any(key in data for key in TOKENIZER_LOAD_OPTIONS):
+        data = {k: v for k, v in data.items() if k not in TOKENIZER_LOAD_OPTIONS}
+        path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
 
 def prepare_folder(
     model_dir: str | Path,
@@ -270,6 +286,7 @@ def prepare_folder(
             )
         for name in present:
             shutil.copyfile(model_dir / name, out / name)
+    _clean_tokenizer_config(out / "tokenizer_config.json")
     try:
         loaded_tokenizer = AutoTokenizer.from_pretrained(out)
     except Exception as error:  # noqa: BLE001

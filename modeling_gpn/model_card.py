@@ -46,10 +46,15 @@ PAPER_COLUMNS = {"fineweb_ppl": "FineWeb PPL", "lambada_acc": "LAMBADA acc", "la
 #: Known evaluation tasks -> (Hub dataset id, dataset name, dataset config, split) for the model-index.
 KNOWN_DATASETS: list[tuple[str, tuple[str, str, str | None, str | None]]] = [
     ("lambada", ("EleutherAI/lambada_openai", "LAMBADA (OpenAI)", "default", "test")),
-    ("fineweb", ("HuggingFaceFW/fineweb-edu", "FineWeb-Edu", "sample-10BT", None)),
-    ("wikitext", ("Salesforce/wikitext", "WikiText-2", "wikitext-2-raw-v1", "test")),
+    ("fineweb", ("HuggingFaceFW/fineweb-edu", "FineWeb-Edu", "sample-10BT", "train")),
+    ("wikitext", ("EleutherAI/wikitext_document_level", "WikiText-2", "wikitext-2-raw-v1", "test")),
     ("shakespeare", ("karpathy/tiny_shakespeare", "Tiny Shakespeare", None, "test")),
 ]
+
+#: Counts that evaluation tools report beside metrics (shown in the table, not in the model-index).
+COUNT_METRICS = frozenset(
+    {"examples", "target_tokens", "tokens_scored", "windows", "window", "stream_tokens", "dropped_tail_tokens", "documents"}
+)
 
 #: Keys whose values are never written into a card (credentials that a training config might carry).
 SECRET_KEY = re.compile(r"(^|_)(token|hf_token|hub_token|password|secret|api_key|apikey)$", re.IGNORECASE)
@@ -77,6 +82,8 @@ class EvalInfo:
     protocols: dict[str, str]
     lm_eval_version: str | None
     published_baselines: list[dict[str, Any]]
+    measured: dict[str, float] = field(default_factory=dict)
+    data: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -134,6 +141,10 @@ def read_eval_results(path: str | Path) -> EvalInfo:
     baselines = data.get("published_baselines") or []
     baselines = [row for row in baselines if isinstance(row, dict)] if isinstance(baselines, list) else []
     n_params = data.get("n_params")
+    comparison = data.get("comparison") if isinstance(data.get("comparison"), dict) else {}
+    measured = comparison.get("measured") if isinstance(comparison.get("measured"), dict) else {}
+    measured = {str(k): v for k, v in measured.items() if _is_number(v) and math.isfinite(v)}
+    sources = data.get("data") if isinstance(data.get("data"), dict) else {}
     return EvalInfo(
         path=path,
         model=str(data["model"]) if data.get("model") is not None else None,
@@ -143,6 +154,8 @@ def read_eval_results(path: str | Path) -> EvalInfo:
         protocols=protocols,
         lm_eval_version=str(data["lm_eval_version"]) if data.get("lm_eval_version") else None,
         published_baselines=baselines,
+        measured=measured,
+        data={str(k): str(v) for k, v in sources.items()},
     )
 
 
@@ -303,6 +316,12 @@ def model_paper_columns(evaluation: EvalInfo) -> tuple[dict[str, float], dict[st
     """
     values: dict[str, float] = {}
     sources: dict[str, str] = {}
+    for key, value in evaluation.measured.items():  # `gpn eval` states the columns it measured
+        if key in PAPER_COLUMNS:
+            values[key] = value
+            sources[key] = "comparison.measured"
+    if values:
+        return values, sources
     for task, metrics in evaluation.tasks.items():
         protocol = evaluation.protocols.get(task, "")
         for metric, value in metrics.items():
@@ -312,7 +331,7 @@ def model_paper_columns(evaluation: EvalInfo) -> tuple[dict[str, float], dict[st
                 key = "fineweb_ppl"
             elif _is_paper_lambada(task, protocol) and is_ppl:
                 key = "lambada_ppl"
-            elif _is_paper_lambada(task, protocol) and m.startswith("acc") and "norm" not in m:
+            elif _is_paper_lambada(task, protocol) and m == "acc":
                 key = "lambada_acc"
             else:
                 continue
@@ -339,7 +358,9 @@ def _fmt(value: Any) -> str:
         return str(value)
     if isinstance(value, int):
         return f"{value:,}"
-    if value == 0 or 1e-3 <= abs(value) < 1e5:
+    if 1000 <= abs(value) < 1e7:
+        return f"{value:,.1f}"
+    if value == 0 or 1e-4 <= abs(value) < 1000:
         return f"{value:.4g}"
     return f"{value:.3e}"
 
@@ -358,7 +379,12 @@ def _bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _dataset_for(task: str) -> tuple[str, str, str | None, str | None]:
+def _dataset_for(task: str, source: str | None = None) -> tuple[str, str, str | None, str | None]:
+    """(Hub id, name, config, split) of a task: from `gpn eval`'s "hf://NAME (CONFIG, SPLIT)", else by name."""
+    match = re.fullmatch(r"hf://([\w.-]+/[\w.-]+)(?:\s*\(([^,()]*)(?:,\s*([^()]*))?\))?", (source or "").strip())
+    if match:
+        name, config, split = match.group(1), match.group(2), match.group(3)
+        return (name, name.split("/")[-1], (config or "").strip() or None, (split or "").strip() or None)
     for needle, spec in KNOWN_DATASETS:
         if needle in task.lower():
             return spec
@@ -366,27 +392,41 @@ def _dataset_for(task: str) -> tuple[str, str, str | None, str | None]:
 
 
 def eval_results_for_model_index(evaluation: EvalInfo) -> list:
-    """`huggingface_hub.EvalResult`s for every numeric metric of every task."""
+    """`huggingface_hub.EvalResult`s for every metric of every task (counts such as `examples` left out).
+
+    The Hub groups results by (task type, dataset, config, split), so two tasks on one dataset (lm-eval's
+    `lambada_openai` and the paper's `lambada_paper`) share an entry: their metric types are then
+    prefixed with the task (`lambada_paper_acc`) so none is ambiguous, and the entry's task name lists
+    both. Every metric's display name is "TASK METRIC".
+    """
     from huggingface_hub import EvalResult
 
+    specs = {task: _dataset_for(task, evaluation.data.get(task)) for task in evaluation.tasks}
+    sharing: dict[tuple, list[str]] = {}
+    for task, spec in specs.items():
+        sharing.setdefault(spec, []).append(task)
     results = []
     for task, metrics in evaluation.tasks.items():
-        dataset_type, dataset_name, dataset_config, split = _dataset_for(task)
+        dataset_type, dataset_name, dataset_config, split = specs[task]
+        group = sharing[specs[task]]
         for metric, value in metrics.items():
-            results.append(
-                EvalResult(
+            if metric in COUNT_METRICS:
+                continue
+            try:
+                result = EvalResult(
                     task_type="text-generation",
-                    task_name=task,
+                    task_name=", ".join(group),
                     dataset_type=dataset_type,
                     dataset_name=dataset_name,
                     dataset_config=dataset_config,
                     dataset_split=split,
-                    metric_type=metric,
-                    metric_name=metric,
+                    metric_type=metric if len(group) == 1 else f"{task}_{metric}",
+                    metric_name=f"{task} {metric}",
                     metric_value=value,
-                    source_name="gpn eval" + (f" (lm-eval {evaluation.lm_eval_version})" if evaluation.lm_eval_version else ""),
                 )
-            )
+            except (TypeError, ValueError) as error:
+                raise CardError(f"task {task!r}, metric {metric!r} cannot enter the model-index: {error}") from error
+            results.append(result)
     return results
 
 
@@ -397,7 +437,7 @@ def usage_snippet(repo_id: str) -> str:
         "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
         "\n"
         f'repo = "{repo_id}"\n'
-        "tokenizer = AutoTokenizer.from_pretrained(repo)\n"
+        "tokenizer = AutoTokenizer.from_pretrained(repo, trust_remote_code=True)  # it reads config.json too\n"
         "model = AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True)\n"
         "\n"
         f'inputs = tokenizer("{USAGE_PROMPT}", return_tensors="pt")\n'
@@ -549,19 +589,25 @@ def build_card(
     if evaluation is None:
         lines += ["This model has not been evaluated yet (no `eval_results.json` beside the weights): `gpn eval` writes one.", ""]
     else:
-        if measured_from:
+        if measured_from and set(measured_from.values()) == {"comparison.measured"}:
+            lines += ["This model's columns are the ones `gpn eval` measured by the paper's protocols.", ""]
+        elif measured_from:
             lines += ["This model's columns come from: " + ", ".join(f"{PAPER_COLUMNS[k]} = `{v}`" for k, v in measured_from.items()) + ".", ""]
         else:
             lines += ["None of this model's tasks follows the paper's protocols, so its Table 1 columns are empty; all results follow.", ""]
         lines += ["All results of this model" + (f" (lm-eval {evaluation.lm_eval_version})" if evaluation.lm_eval_version else "") + ":", ""]
-        lines += ["| task | metric | value | protocol |", "|---|---|---|---|"]
+        lines += ["| task | metric | value |", "|---|---|---|"]
         for task, metrics in evaluation.tasks.items():
             for metric, value in metrics.items():
                 stderr = evaluation.stderrs.get(task, {}).get(metric)
                 shown = _fmt(value) + (f" ± {_fmt(stderr)}" if stderr is not None else "")
-                protocol = evaluation.protocols.get(task, "").replace("|", "/").replace("\n", " ")
-                lines.append(f"| {task} | {metric} | {shown} | {protocol} |")
+                lines.append(f"| {task} | {metric} | {shown} |")
         lines.append("")
+        protocols = [(task, evaluation.protocols[task]) for task in evaluation.tasks if evaluation.protocols.get(task)]
+        if protocols:
+            lines += ["What each task measures:", ""]
+            lines += [f"- `{task}`: {' '.join(protocol.split())}" for task, protocol in protocols]
+            lines.append("")
 
     lines += [
         "## Citation",
