@@ -127,8 +127,9 @@ def iter_documents(
                 rows = load_dataset(kind, data_files=str(file), split="train", streaming=True)
                 yield from _rows_text(rows, text_column, str(file))
         return
-    if os.path.sep in data and not os.path.exists(data) and data.count("/") > 1:
-        raise ValueError(f"data path {data!r} does not exist")
+    looks_local = data.startswith((".", "/", "~")) or Path(data).suffix.lower() in LOCAL_EXTENSIONS or data.count("/") > 1
+    if looks_local:
+        raise ValueError(f"data path {data!r} does not exist (a Hub dataset id looks like 'owner/name')")
     from datasets import load_dataset
 
     if config is None and data == DEFAULT_DATASET:

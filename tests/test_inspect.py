@@ -283,8 +283,32 @@ def test_gpn_inspect_rejects_bad_input(tiny_llama_vocab_model, tmp_path):
     with pytest.raises(ValueError, match="at least one window"):
         main(["inspect", str(tiny_llama_vocab_model), "--data", str(text), "--tokens", "10", "--seq-len", "64",
               "--output", str(tmp_path), "--quiet"])  # fmt: skip
+    with pytest.raises(ValueError, match="does not exist"):
+        main(["inspect", str(tiny_llama_vocab_model), "--data", str(tmp_path / "missing.txt"), "--output", str(tmp_path)])
     bad = tmp_path / "notes.csv"
     bad.write_text("a,b\n")
     with pytest.raises(ValueError, match="unsupported data file"):
         main(["inspect", str(tiny_llama_vocab_model), "--data", str(bad), "--tokens", "128", "--seq-len", "64",
               "--output", str(tmp_path), "--quiet"])  # fmt: skip
+
+
+def test_report_of_a_gpn_without_memory(tmp_path):
+    """No memory: no retention section, only the two s̄ ablations, and the figures still render."""
+    import matplotlib.image
+    from transformers import AutoTokenizer
+
+    from modeling_gpn.inspect import build_report, report_json, report_markdown, write_figures
+
+    model = perturbed_model(tiny_config(use_memory=False))
+    tokenizer = AutoTokenizer.from_pretrained(require_shared("data/llama2-tokenizer"))
+    windows = torch.randint(3, 97, (4, 32), generator=torch.Generator().manual_seed(3))
+    report = build_report(model, tokenizer, windows, collect(model, windows, progress=False), progress=False)
+    assert report["memory"] is None
+    assert [row["name"] for row in report["ablations"]["rows"]] == [
+        "baseline", "mean_removed_decode", "mean_removed_recurrence"]  # fmt: skip
+    figures = write_figures(report, tmp_path)
+    assert [f.rsplit("/", 1)[-1] for f in figures] == ["geometry.png", "mean_direction.png", "horizons.png", "ablations.png"]
+    assert matplotlib.image.imread(figures[2]).shape[1] > 600
+    json.dumps(report_json(report), allow_nan=False)
+    markdown = report_markdown(report, figures)
+    assert "## Memory retention" not in markdown and "## Causal tests" in markdown
