@@ -749,23 +749,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", default=DEFAULT_DATASET,
                         help="Hub dataset id, or local .txt/.jsonl/.json/.parquet file(s), a folder or a glob")  # fmt: skip
     parser.add_argument("--data-config", default=None,
-                        help=f"Hub dataset configuration (default for {DEFAULT_DATASET}: {DEFAULT_DATASET_CONFIG})")  # fmt: skip
+                        help=f"Hub dataset configuration; None means {DEFAULT_DATASET_CONFIG} for {DEFAULT_DATASET}")  # fmt: skip
     parser.add_argument("--split", default="train", help="Hub dataset split (streamed)")
     parser.add_argument("--text-column", default="text", help="column holding the text in jsonl/parquet/Hub data")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer folder or Hub id (default: the model's)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder or Hub id; None means the model's own")
     parser.add_argument("--output", required=True, help="folder for report.json, report.md and the PNG figures")
     parser.add_argument("--tokens", type=int, default=16384,
                         help="token budget: this many tokens, cut into windows of --seq-len")  # fmt: skip
     parser.add_argument("--seq-len", type=int, default=None,
-                        help="window length (default: the model's max_length_hint, else 2048)")  # fmt: skip
+                        help="window length; None means the model's max_length_hint, else 2048")  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
     parser.add_argument("--top-k", type=int, default=10, help="decoded tokens of s̄ to report")
     parser.add_argument("--max-geometry-states", type=int, default=16384,
                         help="states sampled for the geometry (the paper used 16k)")  # fmt: skip
     parser.add_argument("--ablation-tokens", type=int, default=None,
-                        help="tokens (first windows) for the causal tests (default: all of --tokens)")  # fmt: skip
+                        help="tokens (first windows) for the causal tests; None means all of --tokens")  # fmt: skip
     parser.add_argument("--no-ablations", action="store_true", help="skip the causal tests")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="weights' dtype (the state and memory stay float32)")  # fmt: skip
     parser.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code from the Hub")
