@@ -178,12 +178,24 @@ def check_prepared_folder(folder: str | Path, token: str | None = None) -> list[
         validate_card((folder / "README.md").read_text(encoding="utf-8"))
     except CardError as error:
         raise HubPushError(str(error)) from error
-    secrets = _token_values(token)
+    secrets = [secret.encode() for secret in _token_values(token)]
     for name in files:
-        data = (folder / name).read_bytes()
-        if any(secret.encode() in data for secret in secrets):
+        if secrets and _file_contains(folder / name, secrets):
             raise HubPushError(f"{name} contains the Hub token; refusing to upload it")
     return files
+
+
+def _file_contains(path: Path, needles: list[bytes], chunk_size: int = 1 << 22) -> bool:
+    """Whether any of `needles` occurs in the file (streamed: weights files can be many GB)."""
+    overlap = max(len(n) for n in needles) - 1
+    tail = b""
+    with open(path, "rb") as handle:
+        while chunk := handle.read(chunk_size):
+            window = tail + chunk
+            if any(n in window for n in needles):
+                return True
+            tail = window[-overlap:] if overlap else b""
+    return False
 
 
 # --------------------------------------------------------------------------------------------------

@@ -462,3 +462,26 @@ def test_push_help_lists_every_option(capsys):
     text = capsys.readouterr().out
     for option in ("--private", "--revision", "--commit-message", "--token", "--create-pr", "--dry-run", "--tokenizer"):
         assert option in text
+
+
+def test_convert_push_to_hub_publishes_the_converted_checkpoint(hub_calls, tmp_path, capsys):
+    """`gpn convert SRC OUT --push-to-hub REPO` ends in the same checked upload."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from modeling_gpn.cli import main
+
+    fixture = require_shared("fixtures/reference/sot_m_1l")
+    vocab = {"<unk>": 0, **{chr(ord("a") + i): i + 1 for i in range(26)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<unk>").save_pretrained(tmp_path / "tok")
+
+    out = tmp_path / "converted"
+    assert main(["convert", str(fixture), str(out), "--tokenizer", str(tmp_path / "tok"), "--push-to-hub", "someone/gpn-ref"]) == 0
+    assert [name for name, _ in hub_calls] == ["create_repo", "upload_folder"]
+    upload = hub_calls[-1][1]
+    assert upload["repo_id"] == "someone/gpn-ref"
+    assert {"model.safetensors", "config.json", "modeling_gpn.py", "tokenizer.json", "README.md"} <= set(upload["snapshot"])
+    assert upload["snapshot"]["model.safetensors"] == (out / "model.safetensors").read_bytes()
+    assert "Parameters: 30,022" in upload["snapshot"]["README.md"].decode()  # the reference's own count
