@@ -24,7 +24,12 @@ def run(args: argparse.Namespace) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"Converted {args.src} -> {args.out} ({n_params:,} parameters, {model.config.memory_cells:,} memory cells)")
     if args.push_to_hub:
-        from modeling_gpn.hub import push_folder
+        from modeling_gpn.hub import HubPushError, push_folder
+        from modeling_gpn.model_card import CardError
 
-        push_folder(args.out, args.push_to_hub)
+        try:
+            push_folder(args.out, args.push_to_hub)
+        except (HubPushError, CardError) as error:
+            print(f"gpn convert: converted to {args.out}, but did not publish it: {error}", file=sys.stderr)
+            return 1
     return 0
