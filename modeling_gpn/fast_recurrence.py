@@ -338,6 +338,10 @@ class GPNRecurrenceFunction(torch.autograd.Function):
                 dp, dg, dkey, dM, du = _step_backward(kept[t - start], U[:, t], mask, t, w, s, eps, dp + dP[:, t], dg, dkey, dM, grads)
                 dU[:, t] = du
                 if truncation and t % truncation == 0 and t > 0:
+                    # the state is cut here, the weights are not: the key of step t (from g_{t-1}) still
+                    # contributes to the key projection's gradient, but nothing flows into g_{t-1}
+                    if s.memory:
+                        grads.add_key0(_unit_rms(kept[t - start][1], eps), dkey)
                     dp, dg, dkey, dM = zeros_like(dp), zeros_like(dg), zeros_like(dkey), zeros_like(dM)
             ctx.boundaries[index] = None
         if s.memory:  # the key of the first step came from g0
@@ -404,6 +408,7 @@ class _WeightGrads:
             self.flush()
 
     def add_key0(self, a_g0: torch.Tensor, dkey: torch.Tensor) -> None:
+        """Weight gradient of a key computed from a grounded state outside the chain (g0, or a cut)."""
         width = dkey.shape[1]
         self.big_w[:, :width] += _tmm(a_g0, dkey, self.w.big_w.dtype)
         self.big_b[:width] += dkey.sum(0)
@@ -510,3 +515,73 @@ def fast_recurrence(
     settings = (s, eps, config.bptt_segment_length, config.bptt_truncation_length)
     outputs, p, g, memory, gammas = GPNRecurrenceFunction.apply(token_inputs, p0, g0, M0, mask, settings, *_flatten(w))
     return outputs, (p, g, memory), (gammas if (s.memory and output_memory_decays) else None)
+
+
+# --------------------------------------------------------------------------------------------------
+# Chunked loss: the cross-entropy of the tied decoder without materialising batch x length x vocab logits
+# --------------------------------------------------------------------------------------------------
+
+
+class ChunkedTiedCrossEntropy(torch.autograd.Function):
+    """Sum of cross-entropies of logits = h E^T over rows, computed (and recomputed in backward) in chunks.
+
+    h (N, e), E (V, e), targets (N,) with -100 ignored. Only h, E, the targets and one log-sum-exp per
+    row are kept; the logits of at most `chunk` rows exist at any time. Logits are float32 as in the
+    plain loss (which upcasts them).
+    """
+
+    @staticmethod
+    def forward(ctx, h, E, targets, chunk: int):
+        N = h.shape[0]
+        lse = torch.empty(N, dtype=torch.float32, device=h.device)
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        valid = targets != -100
+        safe = torch.where(valid, targets, torch.zeros_like(targets))
+        for start in range(0, N, chunk):
+            logits = torch.matmul(h[start : start + chunk], E.t()).float()
+            lse[start : start + chunk] = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, safe[start : start + chunk, None])[:, 0]
+            total += ((lse[start : start + chunk] - picked) * valid[start : start + chunk]).sum()
+        ctx.save_for_backward(h, E, safe, valid, lse)
+        ctx.chunk = chunk
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        h, E, safe, valid, lse = ctx.saved_tensors
+        chunk = ctx.chunk
+        dh = torch.empty_like(h, dtype=torch.float32) if ctx.needs_input_grad[0] else None
+        dE = torch.zeros(E.shape, dtype=torch.float32, device=E.device) if ctx.needs_input_grad[1] else None
+        for start in range(0, h.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            logits = torch.matmul(h[rows], E.t()).float()
+            probs = torch.exp(logits - lse[rows, None])
+            probs.scatter_add_(1, safe[rows, None], -torch.ones_like(probs[:, :1]))
+            probs *= (valid[rows] * grad_total)[:, None]
+            g = probs.to(E.dtype)
+            if dh is not None:
+                dh[rows] = torch.matmul(g, E).float()
+            if dE is not None:
+                dE += torch.matmul(g.t(), h[rows]).float()
+        return (
+            None if dh is None else dh.to(h.dtype),
+            None if dE is None else dE.to(E.dtype),
+            None,
+            None,
+        )
+
+
+def chunked_causal_lm_loss(
+    decoded: torch.Tensor, embedding: torch.Tensor, labels: torch.Tensor, chunk_rows: Optional[int] = None
+) -> torch.Tensor:
+    """Mean shifted cross-entropy of logits = decoded E^T (decoded (B, T, e), labels (B, T), -100 ignored).
+
+    Equals `F.cross_entropy(logits[:, :-1].float(), labels[:, 1:])` without holding the (B, T, V) logits.
+    """
+    V, e = embedding.shape
+    if chunk_rows is None:
+        chunk_rows = max(64, (1 << 24) // V)
+    h = decoded[:, :-1].reshape(-1, e).to(embedding.dtype)
+    targets = labels[:, 1:].reshape(-1).to(decoded.device)
+    total = ChunkedTiedCrossEntropy.apply(h, embedding, targets, chunk_rows)
+    return total / (targets != -100).sum()  # nan when nothing is counted, as F.cross_entropy

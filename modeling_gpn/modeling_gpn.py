@@ -35,7 +35,7 @@ from transformers.cache_utils import Cache, LinearAttentionLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput
 
 from .configuration_gpn import GPNConfig
-from .fast_recurrence import fast_recurrence
+from .fast_recurrence import chunked_causal_lm_loss, fast_recurrence
 
 L2_NORM_EPS = 1e-12  # inside the square root of every per-head L2 normalisation, as in the reference
 
@@ -659,10 +659,15 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         output_memory_decays: bool = False,
         return_dict: bool | None = None,
         logits_to_keep: int = 0,
+        return_logits: bool = True,
         **kwargs,
     ) -> GPNCausalLMOutput | tuple:
         """Next-token logits at every position (or the last `logits_to_keep`), and the shifted mean
-        cross-entropy when `labels` are given (label -100 is ignored). See `GPNModel.forward`."""
+        cross-entropy when `labels` are given (label -100 is ignored). See `GPNModel.forward`.
+
+        With `labels` and `return_logits=False` (training), the loss is computed in chunks of positions
+        and never holds the (batch, seq, vocab) logits; `logits` is then None.
+        """
         return_dict = return_dict if return_dict is not None else True
         outputs = self.model(
             input_ids=input_ids,
@@ -676,13 +681,20 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             **kwargs,
         )
         predicted_states = outputs.last_hidden_state
+        if labels is not None and labels.shape != predicted_states.shape[:2]:
+            raise ValueError(f"labels must have shape {tuple(predicted_states.shape[:2])}, got {tuple(labels.shape)}")
+        if labels is not None and not return_logits:
+            decoded = project(self.decode_proj, self.decode_norm(predicted_states))
+            loss = chunked_causal_lm_loss(decoded, self.model.embed_tokens.weight, labels)
+            output = GPNCausalLMOutput(
+                loss=loss, cache=outputs.cache, hidden_states=outputs.hidden_states, memory_decays=outputs.memory_decays
+            )
+            return output if return_dict else output.to_tuple()
         kept = predicted_states if not logits_to_keep else predicted_states[:, -logits_to_keep:]
         logits = self.decode(kept)
 
         loss = None
         if labels is not None:
-            if labels.shape != predicted_states.shape[:2]:
-                raise ValueError(f"labels must have shape {tuple(predicted_states.shape[:2])}, got {tuple(labels.shape)}")
             full_logits = logits if not logits_to_keep else self.decode(predicted_states)
             loss = F.cross_entropy(
                 full_logits[:, :-1].float().reshape(-1, full_logits.shape[-1]),

@@ -1,0 +1,198 @@
+"""The fast recurrence (modeling_gpn/fast_recurrence.py) computes the plain loop's function and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from modeling_gpn import GPNCache
+
+from .conftest import perturbed_model, tiny_config
+
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors gain nothing from two threads, and on busy shared cores the thread hand-offs of
+    every small op cost ~25x in wall time; run these tests single-threaded."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+VARIANTS = {
+    "gpn+m": dict(),
+    "gpn": dict(use_memory=False),
+    "gpn+m-2l": dict(num_predict_layers=2),
+    "gpn+m-bias": dict(use_decoder_bias=True),
+}
+
+
+def run_recurrence(model, fast: bool, token_inputs, state, mask, weights):
+    """Outputs and final state of `GPNModel.recurrence` on the chosen path, plus the gradients of a
+    random linear function of all of them w.r.t. the parameters, the token inputs and the initial state."""
+    core = model.model
+    core.use_fast_path = fast
+    model.zero_grad(set_to_none=True)
+    token_inputs = token_inputs.clone().requires_grad_(True)
+    state = tuple(x.clone().requires_grad_(True) for x in state)
+    outputs, final, _ = core.recurrence(token_inputs, state, mask)
+    objective = (outputs * weights[0]).sum() + sum((x * w).sum() for x, w in zip(final, weights[1:]))
+    objective.backward()
+    grads = {name: p.grad for name, p in core.named_parameters() if p.grad is not None}
+    grads["token_inputs"] = token_inputs.grad
+    for name, x in zip(("p0", "g0", "M0"), state):
+        grads[name] = x.grad
+    return outputs.detach(), tuple(x.detach() for x in final), grads
+
+
+def random_problem(model, batch: int, length: int, mask_kind: str | None, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    config = model.config
+    d = config.hidden_size
+    token_inputs = torch.randn(batch, length, d, generator=generator)
+    state = model.model.zero_state(batch, torch.device("cpu"))
+    state = tuple(torch.randn(x.shape, generator=generator) for x in state)  # a nonzero carried state
+    mask = None
+    if mask_kind == "holes":
+        mask = torch.rand(batch, length, generator=generator) > 0.3
+    elif mask_kind == "left":
+        mask = torch.ones(batch, length, dtype=torch.bool)
+        mask[0, : length // 2] = False
+    outputs_shape = (batch, length, d)
+    weights = [torch.randn(outputs_shape, generator=generator)] + [torch.randn(x.shape, generator=generator) for x in state]
+    return token_inputs, state, mask, weights
+
+
+def assert_same(plain, fast, atol=2e-5, rtol=2e-4):
+    torch.testing.assert_close(fast[0], plain[0], atol=atol, rtol=rtol)
+    for a, b in zip(fast[1], plain[1]):
+        torch.testing.assert_close(a, b, atol=atol, rtol=rtol)
+    assert plain[2].keys() == fast[2].keys()
+    for name in plain[2]:
+        if plain[2][name] is None or plain[2][name].numel() == 0:  # e.g. the empty memory of a GPN
+            assert fast[2][name] is None or not fast[2][name].any(), name
+            continue
+        scale = plain[2][name].abs().max().clamp_min(1e-6)
+        err = (fast[2][name] - plain[2][name]).abs().max() / scale
+        assert err < 1e-4, f"gradient of {name} differs by {err:.2e} (relative to its max)"
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("length,mask_kind", [(1, None), (7, "holes"), (63, None), (63, "left")])
+def test_fast_equals_plain_outputs_and_gradients(variant, length, mask_kind):
+    model = perturbed_model(tiny_config(**VARIANTS[variant]), seed=3).train()
+    problem = random_problem(model, batch=3, length=length, mask_kind=mask_kind, seed=length)
+    plain = run_recurrence(model, False, *problem)
+    fast = run_recurrence(model, True, *problem)
+    assert_same(plain, fast)
+
+
+@pytest.mark.parametrize("variant", ["gpn+m", "gpn+m-2l"])
+def test_segmented_equals_unsegmented_gradients(variant):
+    problem_model = perturbed_model(tiny_config(**VARIANTS[variant]), seed=4).train()
+    problem = random_problem(problem_model, batch=2, length=23, mask_kind="holes", seed=5)
+    results = []
+    for segment in (None, 1, 5, 23, 64):
+        model = perturbed_model(tiny_config(**VARIANTS[variant], bptt_segment_length=segment), seed=4).train()
+        results.append(run_recurrence(model, True, *problem))
+    for other in results[1:]:
+        assert_same(results[0], other, atol=1e-6, rtol=1e-5)
+
+
+def test_truncation_cuts_the_state_gradient_every_k_tokens():
+    k = 4
+    model = perturbed_model(tiny_config(bptt_truncation_length=k, bptt_segment_length=3), seed=6).train()
+    problem = random_problem(model, batch=2, length=13, mask_kind="holes", seed=7)
+    plain = run_recurrence(model, False, *problem)  # the plain loop detaches its state before t = 4, 8, 12
+    fast = run_recurrence(model, True, *problem)
+    assert_same(plain, fast)
+
+    # the loss at position 9 reaches the token inputs of positions 8 and 9 only, never the initial state
+    token_inputs, state, mask, _ = problem
+    model.model.use_fast_path = True
+    token_inputs = token_inputs.clone().requires_grad_(True)
+    state = tuple(x.clone().requires_grad_(True) for x in state)
+    outputs, _, _ = model.model.recurrence(token_inputs, state, None)
+    outputs[:, 9].sum().backward()
+    reached = token_inputs.grad.abs().sum(dim=(0, 2)) > 0
+    assert reached.tolist() == [t in (8, 9) for t in range(13)]
+    assert all(x.grad is None or x.grad.abs().sum() == 0 for x in state)
+
+    # without truncation the same loss reaches every earlier position
+    untruncated = perturbed_model(tiny_config(bptt_segment_length=3), seed=6).train()
+    token_inputs.grad = None
+    outputs, _, _ = untruncated.model.recurrence(token_inputs, state, None)
+    outputs[:, 9].sum().backward()
+    assert (token_inputs.grad.abs().sum(dim=(0, 2))[:10] > 0).all()
+
+
+@pytest.mark.parametrize("variant", ["gpn+m", "gpn+m-bias"])
+def test_causal_lm_loss_and_gradients_with_chunked_loss(variant):
+    model = perturbed_model(tiny_config(**VARIANTS[variant]), seed=8).train()
+    generator = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, model.config.vocab_size, (3, 17), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    results = []
+    for fast, return_logits in ((False, True), (True, True), (True, False)):
+        model.model.use_fast_path = fast
+        model.zero_grad(set_to_none=True)
+        out = model(ids, attention_mask=mask, labels=labels, return_logits=return_logits)
+        assert (out.logits is None) == (not return_logits)
+        out.loss.backward()
+        results.append((out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    for loss, grads in results[1:]:
+        torch.testing.assert_close(loss, results[0][0], atol=1e-5, rtol=1e-5)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, results[0][1][name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+@torch.no_grad()
+def test_inference_fast_path_matches_plain_and_follows_weight_changes():
+    model = perturbed_model(tiny_config(num_predict_layers=2), seed=10)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(11))
+    for _ in range(2):
+        model.model.use_fast_path = False
+        plain = model(ids).logits
+        model.model.use_fast_path = True
+        fast = model(ids).logits
+        torch.testing.assert_close(fast, plain, atol=1e-5, rtol=1e-5)
+        model.model.predict_layers[1].ffn_out.weight.mul_(1.5)  # the folded-weight cache must notice
+
+
+@torch.no_grad()
+def test_generate_fast_equals_plain():
+    model = perturbed_model(tiny_config(), seed=12)
+    prompt = torch.randint(0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(13))
+    texts = []
+    for fast in (False, True):
+        model.model.use_fast_path = fast
+        texts.append(model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0))
+    assert torch.equal(texts[0], texts[1])
+
+
+def test_bf16_tracks_fp32_over_512_tokens():
+    """bf16 weights with a float32 state: next-token log-probs within 0.1 nats of fp32 over 512 tokens
+    (mean abs difference under 0.02), and training gradients pointing the same way (cosine > 0.99)."""
+    config = tiny_config()
+    reference = perturbed_model(config, seed=14)
+    low = perturbed_model(config, seed=14).to(torch.bfloat16)
+    ids = torch.randint(0, config.vocab_size, (2, 512), generator=torch.Generator().manual_seed(15))
+    with torch.no_grad():
+        expected = reference(ids).logits.log_softmax(-1)
+        cache = GPNCache(config)
+        got = low(ids, cache=cache, use_cache=True).logits.float().log_softmax(-1)
+    assert cache.get_state()[2].dtype == torch.float32
+    diff = (got - expected).abs()
+    assert diff.max() < 0.1 and diff.mean() < 0.02, f"max {diff.max():.3f}, mean {diff.mean():.4f}"
+
+    grads = []
+    for model in (reference.train(), low.train()):
+        model.zero_grad(set_to_none=True)
+        model(ids[:, :128], labels=ids[:, :128], return_logits=False).loss.backward()
+        grads.append(torch.cat([p.grad.float().flatten() for p in model.parameters()]))
+    cosine = torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0)
+    assert cosine > 0.99, f"cosine {cosine:.4f}"
