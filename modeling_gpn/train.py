@@ -281,6 +281,22 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: floa
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def build_optimizer(model, config: dict):
+    """AdamW over `parameter_groups` and the warmup + cosine `LambdaLR` (stepped once per optimizer step)."""
+    import torch
+
+    groups = parameter_groups(model, config["weight_decay"])
+    optimizer = torch.optim.AdamW(
+        [{k: v for k, v in g.items() if k != "names"} for g in groups],
+        lr=config["lr"], betas=(config["beta1"], config["beta2"]), eps=config["eps"],
+    )  # fmt: skip
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: lr_factor(step, config["warmup_steps"], config["steps"], config["min_lr_ratio"]),
+    )
+    return optimizer, scheduler
+
+
 class NonFiniteLossError(RuntimeError):
     """The loss or the gradient became NaN/inf; the weights were not updated with it."""
 
@@ -361,21 +377,13 @@ def train(config: dict, resume: str | bool | None = None, skip_nonfinite: bool =
         f"{windows.epochs(config['steps'], config['batch_size']):.2f} epochs"
     )
     if prepare_only:
-        return {"token_cache": str(stream.folder), "tokens": len(stream)}
+        return {"token_cache": str(stream.folder), "tokens": len(stream), "reused_cache": stream.reused}
 
     # ---- model, optimizer, schedule -----------------------------------------------------------
     set_seed(config["seed"])
     model = build_model(config, tokenizer)
     num_params = sum(p.numel() for p in model.parameters())
-    groups = parameter_groups(model, config["weight_decay"])
-    optimizer = torch.optim.AdamW(
-        [{k: v for k, v in g.items() if k != "names"} for g in groups],
-        lr=config["lr"], betas=(config["beta1"], config["beta2"]), eps=config["eps"],
-    )  # fmt: skip
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda step: lr_factor(step, config["warmup_steps"], config["steps"], config["min_lr_ratio"]),
-    )
+    optimizer, scheduler = build_optimizer(model, config)
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)  # stepped by hand, once per optimizer step
 
@@ -547,7 +555,7 @@ def train(config: dict, resume: str | bool | None = None, skip_nonfinite: bool =
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return {"model_dir": str(model_dir), "val_loss": val_loss, "val_ppl": val_ppl, "sample": sample,
-            "run_dir": str(run_dir)}  # fmt: skip
+            "run_dir": str(run_dir), "reused_cache": stream.reused}  # fmt: skip
 
 
 def generate_sample(model, tokenizer, prompt: str, max_new_tokens: int, seed: int) -> str:

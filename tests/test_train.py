@@ -1,0 +1,289 @@
+"""`gpn train`: real training runs on CPU (tiny preset, tinyshakespeare), resume after SIGKILL, 2-process DDP,
+the recipe's optimizer groups and schedule, and clear errors for bad data."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from .conftest import REPO_ROOT, require_shared, tiny_config
+
+from modeling_gpn import train as train_module
+from modeling_gpn.data import DataError, train_bpe_tokenizer
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    train_module.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def small_args(data: Path, out: Path, cache: Path, *extra: str) -> list[str]:
+    """A few-second run of the tiny preset: 512-token BPE, 32-token windows, one thread."""
+    return [
+        "--recipe", "tiny-cpu", "--dataset", str(data), "--bpe-vocab-size", "512", "--seq-len", "32",
+        "--batch-size", "8", "--micro-batch-size", "4", "--eval-windows", "8", "--log-interval", "1",
+        "--eval-interval", "0", "--checkpoint-interval", "0", "--sample-tokens", "0", "--num-threads", "1",
+        "--output-dir", str(out), "--cache-dir", str(cache), "--no-progress", *extra,
+    ]  # fmt: skip
+
+
+def read_log(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines() if line]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_log(run_dir) if "loss" in r and "event" not in r]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("gpn-cache")
+
+
+@pytest.fixture(scope="module")
+def shakespeare() -> Path:
+    return require_shared("data/tinyshakespeare/input.txt")
+
+
+def test_tiny_preset_loss_falls_and_output_loads(tmp_path, cache, shakespeare):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "run"
+    config = train_module.resolve_config(
+        parse(small_args(shakespeare, out, cache, "--steps", "40", "--lr", "0.01", "--warmup-steps", "4",
+                         "--sample-tokens", "8"))
+    )  # fmt: skip
+    summary = train_module.train(config, show_progress=False)
+    curve = losses(out)
+    assert len(curve) == 40
+    start, end = sum(curve[:3]) / 3, sum(curve[-3:]) / 3
+    assert start > math.log(512) - 0.5  # starts near uniform over the vocabulary
+    assert end < start - 1.0, f"loss did not fall clearly: {start:.3f} -> {end:.3f}"
+    assert summary["val_ppl"] < math.exp(start) and math.isfinite(summary["val_ppl"])
+    assert summary["sample"].startswith("ROMEO:")
+
+    model_dir = Path(summary["model_dir"])
+    for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json"):
+        assert (model_dir / name).exists(), name
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert type(model).__name__ == "GPNForCausalLM" and model.config.vocab_size == len(tokenizer) == 512
+    ids = tokenizer("ROMEO:", return_tensors="pt")["input_ids"]
+    generated = model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert generated.shape == (1, ids.shape[1] + 6)
+    assert (out / "tensorboard").exists() and any((out / "tensorboard").rglob("events.out.tfevents*"))
+
+    # A second run over the same corpus and tokenizer memory-maps the cached shards instead of re-tokenizing.
+    again = train_module.resolve_config(parse(small_args(shakespeare, tmp_path / "again", cache)))
+    assert train_module.train(again, prepare_only=True, show_progress=False)["reused_cache"] is True
+
+
+def test_llama_baseline_trains_from_the_same_entry_point(tmp_path, cache, shakespeare):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "llama"
+    config = train_module.resolve_config(
+        parse(small_args(shakespeare, out, cache, "--steps", "3")[2:] + ["--recipe", "tiny-cpu-llama"])
+    )
+    train_module.train(config, show_progress=False)
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_hidden_layers == 2
+    assert len(losses(out)) == 3
+
+
+def _launch(argv: list[str], **kwargs) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    return subprocess.Popen(argv, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, **kwargs)  # fmt: skip
+
+
+def _finish(process: subprocess.Popen, timeout: float = 240) -> str:
+    output, _ = process.communicate(timeout=timeout)
+    assert process.returncode == 0, output[-4000:]
+    return output
+
+
+def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, cache, shakespeare):
+    common = ["--steps", "24", "--checkpoint-interval", "4", "--keep-checkpoints", "3"]
+    train_cli = [sys.executable, "-m", "modeling_gpn.train"]
+    # Tokenize once so both runs start at the same point quickly.
+    train_module.train(train_module.resolve_config(parse(small_args(shakespeare, tmp_path / "p", cache))),
+                       prepare_only=True, show_progress=False)  # fmt: skip
+
+    reference = _launch(train_cli + small_args(shakespeare, tmp_path / "reference", cache, *common))
+    killed_dir = tmp_path / "killed"
+    killed = _launch(train_cli + small_args(shakespeare, killed_dir, cache, *common))
+    deadline = time.time() + 180
+    while not list((killed_dir / "checkpoints").glob("step-*")):
+        assert killed.poll() is None, "the run ended before writing a checkpoint"
+        assert time.time() < deadline, "no checkpoint within 180 s"
+        time.sleep(0.02)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    assert killed.returncode == -signal.SIGKILL
+    assert not (killed_dir / "model").exists(), "the run finished before it was killed"
+    stopped_at = train_module.latest_checkpoint(killed_dir)
+    assert stopped_at is not None and int(stopped_at.name.split("-")[1]) < 24
+
+    resumed = _finish(_launch(train_cli + small_args(shakespeare, killed_dir, cache, *common, "--resume")))
+    assert f"resumed from {stopped_at}" in resumed
+    _finish(reference)
+
+    expected, actual = _weights(tmp_path / "reference" / "model"), _weights(killed_dir / "model")
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), name
+    assert losses(killed_dir) == losses(tmp_path / "reference")  # the log is continued, not duplicated
+
+
+def test_two_process_ddp_matches_one_process(tmp_path, cache, shakespeare):
+    common = ["--steps", "6", "--lr", "0.01", "--warmup-steps", "2"]
+    train_module.train(train_module.resolve_config(parse(small_args(shakespeare, tmp_path / "p", cache))),
+                       prepare_only=True, show_progress=False)  # fmt: skip
+    ddp = _launch(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517",
+         "-m", "modeling_gpn.train", *small_args(shakespeare, tmp_path / "ddp", cache, *common)]
+    )  # fmt: skip
+    single = _launch([sys.executable, "-m", "modeling_gpn.train", *small_args(shakespeare, tmp_path / "one", cache, *common)])
+    _finish(single)
+    output = _finish(ddp)
+    assert "2 process(es) x 1 accumulation x 4 windows" in output, output[-3000:]
+
+    one, two = losses(tmp_path / "one"), losses(tmp_path / "ddp")
+    assert len(one) == len(two) == 6
+    assert max(abs(a - b) for a, b in zip(one, two)) < 1e-4, (one, two)
+    assert one[-1] < one[0]
+    final = [r for r in read_log(tmp_path / "ddp") if r.get("event") == "final"][0]
+    ranks = final["weights_sha256_per_rank"]
+    assert len(ranks) == 2 and ranks[0] == ranks[1]
+
+
+@pytest.fixture(autouse=True)
+def _ddp_env(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+
+
+def test_paper_recipe_weight_decay_groups_and_schedule():
+    recipe = train_module.load_recipe("paper-130m")
+    assert (recipe["seq_len"], recipe["batch_size"], recipe["steps"]) == (2048, 128, 10000)
+    assert (recipe["lr"], recipe["warmup_steps"], recipe["min_lr_ratio"], recipe["weight_decay"]) == (6e-4, 100, 0.1, 0.1)
+    assert (recipe["beta1"], recipe["beta2"], recipe["clip_norm"], recipe["mixed_precision"]) == (0.9, 0.95, 1.0, "bf16")
+    assert recipe["model"] == "gpn-m-1l-130m" and recipe["dataset_config"] == "sample-10BT"
+    assert train_module.load_recipe("paper-130m-2l")["bptt_truncation"] == 512
+    assert train_module.load_recipe("paper-130m-llama")["model"]["model_type"] == "llama"
+
+    from modeling_gpn import GPNForCausalLM
+
+    config = train_module.resolve_config(parse(["--recipe", "paper-130m"]))
+    model = GPNForCausalLM(tiny_config(num_predict_layers=2))
+    optimizer, scheduler = train_module.build_optimizer(model, config)
+    decay, no_decay = train_module.parameter_groups(model, config["weight_decay"])
+    params = dict(model.named_parameters())
+    assert set(decay["names"]) == {n for n, p in params.items() if p.dim() == 2}
+    assert {"model.memory_write.A_log", "model.memory_write.dt_bias"} <= set(no_decay["names"])
+    assert all(params[n].dim() == 1 for n in no_decay["names"])
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+    assert optimizer.defaults["betas"] == (0.9, 0.95)
+
+    lrs = []
+    for _ in range(config["steps"]):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    peak = 6e-4
+    assert lrs[0] == pytest.approx(peak / 100) and lrs[49] == pytest.approx(peak * 50 / 100)
+    assert lrs[99] == pytest.approx(peak) and lrs[100] == pytest.approx(peak)
+    assert all(a <= b for a, b in zip(lrs[:100], lrs[1:100]))
+    assert all(a >= b for a, b in zip(lrs[100:], lrs[101:]))  # cosine only decreases
+    middle = 100 + (10000 - 100) // 2
+    assert lrs[middle] == pytest.approx(peak * (0.1 + 0.9 * 0.5), rel=1e-3)
+    assert lrs[-1] == pytest.approx(peak * 0.1, rel=1e-4) and min(lrs[100:]) >= peak * 0.1 - 1e-12
+
+
+def test_configuration_precedence_and_help(tmp_path):
+    config_file = tmp_path / "mine.json"
+    config_file.write_text(json.dumps({"lr": 0.5, "steps": 7, "seq_len": 16}))
+    config = train_module.resolve_config(parse(["--recipe", "tiny-cpu", "--config", str(config_file), "--steps", "9"]))
+    assert (config["lr"], config["steps"], config["seq_len"]) == (0.5, 9, 16)  # file over recipe, CLI over file
+    assert config["batch_size"] == 16 and config["dataset"] == "shakespeare"  # from the recipe
+    assert train_module.resolve_config(parse(["--recipe", "tiny-cpu", "--hub-data"]))["dataset"] == "HuggingFaceFW/fineweb-edu"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"learning_rate": 1}))
+    with pytest.raises(ValueError, match="Unknown keys.*learning_rate"):
+        train_module.resolve_config(parse(["--config", str(bad)]))
+    with pytest.raises(ValueError, match="No recipe named 'nope'"):
+        train_module.resolve_config(parse(["--recipe", "nope"]))
+    parser = argparse.ArgumentParser()
+    train_module.add_arguments(parser)
+    text = parser.format_help()
+    for option in train_module.OPTIONS:
+        assert "--" + option.key.replace("_", "-") in text
+
+
+def test_nonfinite_loss_stops_naming_the_step_or_is_skipped(tmp_path, cache, shakespeare):
+    args = small_args(shakespeare, tmp_path / "nan", cache, "--steps", "4", "--lr", "1e30", "--warmup-steps", "0")
+    with pytest.raises(train_module.NonFiniteLossError, match="Non-finite loss nan at step 2"):
+        train_module.train(train_module.resolve_config(parse(args)), show_progress=False)
+    assert not (tmp_path / "nan" / "model").exists()
+
+    args = small_args(shakespeare, tmp_path / "skip", cache, "--steps", "4", "--lr", "1e30", "--warmup-steps", "0")
+    train_module.train(train_module.resolve_config(parse(args)), skip_nonfinite=True, show_progress=False)
+    skipped = [r["step"] for r in read_log(tmp_path / "skip") if r.get("event") == "skipped_nonfinite"]
+    assert skipped == [2, 3, 4]
+
+
+def test_bad_data_fails_clearly_before_training(tmp_path, cache):
+    def attempt(dataset: Path, *extra: str) -> None:
+        config = train_module.resolve_config(parse(small_args(dataset, tmp_path / "out", tmp_path / "c", *extra)))
+        train_module.train(config, show_progress=False)
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(DataError, match=r"empty\.txt is empty"):
+        attempt(empty)
+    with pytest.raises(DataError, match="does not exist"):
+        attempt(tmp_path / "missing.txt")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "notes.md").write_text("hello")
+    with pytest.raises(DataError, match="holds no training files"):
+        attempt(folder)
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"this is not parquet" * 10)
+    with pytest.raises(DataError, match=r"Cannot read training file .*broken\.parquet"):
+        attempt(broken)
+    wrong_column = tmp_path / "docs.jsonl"
+    wrong_column.write_text(json.dumps({"body": "some text " * 50}) + "\n")
+    with pytest.raises(DataError, match="no column 'text'"):
+        attempt(wrong_column)
+
+    good = tmp_path / "good.txt"
+    good.write_text("To be, or not to be, that is the question. " * 200)
+    no_eos = tmp_path / "no-eos-tokenizer"
+    tokenizer = train_bpe_tokenizer([good.read_text()], 300)
+    tokenizer.eos_token = None
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(no_eos)
+    config = json.loads((no_eos / "tokenizer_config.json").read_text())
+    config.pop("eos_token", None)
+    (no_eos / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(DataError, match="has no EOS token"):
+        attempt(good, "--tokenizer", str(no_eos))
+    assert not (tmp_path / "out" / "checkpoints").exists()
