@@ -1,0 +1,155 @@
+"""`gpn eval MODEL`: lm-eval-harness plus the paper's protocols, beside the paper's published Table 1.
+
+Runs on any causal LM folder or Hub repo (a GPN, or transformers' own `LlamaForCausalLM` as a
+Transformer++ baseline). Writes two files into `--output-dir`:
+
+`eval_results.json` (schema_version 1; read by the model card generator)::
+
+    {
+      "schema_version": 1,
+      "model": str,                  # the MODEL argument (folder path or Hub repo id)
+      "model_type": str,             # config.model_type ("gpn", "llama", ...)
+      "architecture": str,           # model class name
+      "n_params": int,               # distinct parameters (tied weights once)
+      "layers": int | null,          # GPN: predict layers; others: num_hidden_layers
+      "state_dim": int | null,       # config.hidden_size
+      "max_length": int,             # context length given to lm-eval (GPN default: config.max_length_hint)
+      "dtype": str, "device": str, "batch_size": int, "limit": int | null,
+      "tasks": {task: {metric: float, ...}, ...},
+      "protocols": {task: str, ...}, # one line per task: what the numbers mean
+      "data": {task: str, ...},      # local path(s) or "hf://name (config, split)"
+      "wall_time_s": {task: float, ...},
+      "lm_eval_version": str,
+      "published_baselines": [       # the paper's Table 1 (baselines.json "rows")
+        {"model": str, "layers": int, "state_dim": int, "params": int,
+         "fineweb_ppl": float, "lambada_acc": float, "lambada_ppl": float}, ...],
+      "baselines_citation": str,
+      "baseline_metrics": {column: {"task": str, "metric": str, "higher_is_better": bool, "protocol": str}},
+      "comparison": {
+        "measured": {column: float},                           # columns of Table 1 that were measured
+        "ratio_to_published": {baseline_model: {column: float}}  # measured / published
+      }
+    }
+
+Tasks and their metrics:
+
+- `lambada_openai` (lm-eval): `acc` (whole last word greedy), `perplexity` (per-example summed NLL).
+- `lambada_paper` (paper, `protocols.py`): `acc` (top-1 of the first subword of the last word),
+  `ppl` (pooled over the last word's subwords), `acc_whole_word`, `ppl_per_example`, `examples`,
+  `target_tokens`.
+- `fineweb_paper` (paper, `protocols.py`): `ppl` (the reported convention), `ppl_all_positions`
+  (GPN: first token from the empty state), `ppl_excluding_first`, `tokens_scored`, `windows`,
+  `window`, `stream_tokens`, `dropped_tail_tokens`, `documents`.
+- `wikitext`, `gpn_rolling_ppl` (lm-eval rolling): `word_perplexity`, `byte_perplexity`, `bits_per_byte`.
+
+`eval_report.md`: the published rows and the measured row side by side, ratios to each published
+row, every metric with its wall time, and each row's protocol.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .runner import DEFAULT_TASKS, TASKS, EvalSettings
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="model folder or Hub repo id (a GPN or any transformers causal LM)")
+    parser.add_argument(
+        "--tasks", default=",".join(DEFAULT_TASKS),
+        help=f"comma-separated tasks from: {', '.join(TASKS)}",
+    )  # fmt: skip
+    parser.add_argument(
+        "--data-dir", default=None,
+        help="read every task's data from local files laid out as lambada/lambada_test.jsonl, "
+        "fineweb-edu/*.jsonl, wikitext-2-raw/wiki.test.raw (default: lm-eval's Hub datasets)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--task-data", action="append", default=[], metavar="TASK=SOURCE",
+        help="data of one task: local file(s) (comma-separated; .jsonl/.json/.parquet/.csv/.txt/.raw) or a "
+        "Hub dataset NAME[:CONFIG[:SPLIT]]; repeatable; wins over --data-dir",
+    )  # fmt: skip
+    parser.add_argument("--text-field", default="text", help="text column for fineweb_paper and gpn_rolling_ppl")
+    parser.add_argument("--output-dir", default=None, help="where to write eval_results.json and eval_report.md (default: ./eval-<model name>)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--limit", type=int, default=None, help="first N examples of each LAMBADA/lm-eval task (testing only)")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights' dtype (a GPN's state stays float32)")
+    parser.add_argument("--max-length", type=int, default=None, help="context length for lm-eval (default: config.max_length_hint for a GPN, else the model's positional limit)")
+    parser.add_argument("--fineweb-window", type=int, default=2048, help="window length of the FineWeb protocol (paper: 2048)")
+    parser.add_argument("--fineweb-max-windows", type=int, default=None, help="stop after this many windows")
+    parser.add_argument("--fineweb-max-documents", type=int, default=2000, help="read at most this many documents")
+    parser.add_argument("--fineweb-separator", default="eos", choices=["eos", "bos", "none"], help="token between documents in the stream")
+    parser.add_argument(
+        "--first-position", default=None, choices=["empty_state", "skip"],
+        help="how the first token of a FineWeb window counts in `ppl` (default: empty_state for a GPN, the paper's "
+        "convention; skip otherwise)",
+    )  # fmt: skip
+    parser.add_argument("--bootstrap-iters", type=int, default=0, help="lm-eval bootstrap iterations for standard errors (0: none)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder or repo (default: the model's)")
+    parser.add_argument("--no-trust-remote-code", dest="trust_remote_code", action="store_false", help="refuse remote modeling code")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def parse_task_data(items: list[str]) -> dict[str, str]:
+    """`["lambada_openai=path", ...]` -> dict, with clear errors."""
+    mapping = {}
+    for item in items:
+        task, sep, source = item.partition("=")
+        if not sep or not task or not source:
+            raise ValueError(f"--task-data expects TASK=SOURCE, got {item!r}")
+        if task not in TASKS:
+            raise ValueError(f"--task-data names unknown task {task!r}; tasks: {sorted(TASKS)}")
+        mapping[task] = source
+    return mapping
+
+
+def settings_from_args(args: argparse.Namespace) -> EvalSettings:
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    return EvalSettings(
+        tasks=tasks, data_dir=args.data_dir, task_data=parse_task_data(args.task_data), text_field=args.text_field,
+        batch_size=args.batch_size, limit=args.limit, device=args.device, dtype=args.dtype, max_length=args.max_length,
+        fineweb_window=args.fineweb_window, fineweb_max_windows=args.fineweb_max_windows,
+        fineweb_max_documents=args.fineweb_max_documents, fineweb_separator=args.fineweb_separator,
+        first_position=args.first_position, bootstrap_iters=args.bootstrap_iters,
+        trust_remote_code=args.trust_remote_code, tokenizer=args.tokenizer, progress=not args.quiet,
+    )  # fmt: skip
+
+
+def write_outputs(results: dict, output_dir: str | Path) -> tuple[Path, Path]:
+    """Write `eval_results.json` and `eval_report.md`; returns their paths."""
+    from .report import render_report
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, report_path = out / "eval_results.json", out / "eval_report.md"
+    json_path.write_text(json.dumps(results, indent=2, allow_nan=True) + "\n", encoding="utf-8")
+    report_path.write_text(render_report(results), encoding="utf-8")
+    return json_path, report_path
+
+
+def run(args: argparse.Namespace) -> int:
+    from .runner import check_tasks, evaluate
+
+    try:
+        settings = settings_from_args(args)
+        check_tasks(settings.tasks)
+    except ValueError as error:
+        print(f"gpn eval: {error}", file=sys.stderr)
+        return 2
+    if args.num_threads:
+        import torch
+
+        torch.set_num_threads(args.num_threads)
+    output_dir = args.output_dir or f"eval-{Path(args.model.rstrip('/')).name}"
+    results = evaluate(args.model, settings)
+    json_path, report_path = write_outputs(results, output_dir)
+    for task, metrics in results["tasks"].items():
+        shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float))
+        print(f"{task:16s} {shown}  ({results['wall_time_s'][task]:.1f}s)")
+    print(f"wrote {json_path} and {report_path}")
+    return 0

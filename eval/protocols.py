@@ -1,0 +1,269 @@
+"""The paper's two evaluation protocols, computed directly from a causal LM's log-probabilities.
+
+lm-eval's request types return one summed log-likelihood (and a whole-continuation greedy flag) per
+request, and its rolling perplexity scores each document in windows that overlap by one token. Neither
+can express the paper's numbers exactly, so they are computed here, token by token, from the model's
+own forward pass:
+
+- `lambada_paper` (GPN.md, Table 1, LAMBADA columns). Tokens are made exactly as lm-eval's
+  `lambada_openai` makes them (`HFLM._encode_pair`): context = all words but the last, target = " " +
+  last word; ``whole = tok(context + target)``, ``ctx = tok(context)`` with the tokenizer's default
+  special tokens (LLaMA-2: ``<s>`` in front), and the last word's subwords are ``whole[len(ctx):]``.
+  **acc** = fraction of examples where the arg-max of the distribution predicting the last word's
+  *first* subword equals that subword. **ppl** = exp(sum over all examples and all last-word subwords of
+  -log p / total number of last-word subwords), i.e. the cross-entropy is pooled over tokens, not
+  averaged per example. ``acc_whole_word`` (greedy match of every subword, lm-eval's ``acc``) and
+  ``ppl_per_example`` (exp of the mean per-example summed NLL, lm-eval's ``perplexity``) come from the
+  same numbers as a cross-check against `lambada_openai`.
+- `fineweb_paper` (GPN.md, Table 1, FineWeb column). Documents are tokenized without special tokens,
+  each followed by a separator token (default: EOS), and concatenated into one token stream, which is
+  cut into non-overlapping windows of `window` tokens (the incomplete tail is dropped and counted). Each
+  window starts from the model's zero/empty state (no state crosses a window). Token-level perplexity =
+  exp(total NLL / tokens scored). The first token of a window has no context: under the paper's
+  convention (``first_position="empty_state"``, GPN only) it is predicted from the empty state by
+  `GPNForCausalLM.empty_state_logits()`, so all `window` positions are scored (the reference's
+  convention: its position 0 is the prediction from the zero state); under ``"skip"`` (any causal LM)
+  it is not scored and each window contributes `window - 1` tokens. Both numbers are reported for a GPN.
+
+Batches are right-padded without an attention mask, as lm-eval does: for a causal model (and for the
+GPN recurrence) padding after the last real token cannot change any scored position.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+PAPER_FIRST_POSITION = "empty_state"
+SKIP_FIRST_POSITION = "skip"
+
+
+# --------------------------------------------------------------------------------------------------
+# Paper LAMBADA
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LambadaExample:
+    """One LAMBADA text as token ids: the model reads `context_ids + target_ids[:-1]`."""
+
+    context_ids: list[int]
+    target_ids: list[int]
+
+
+def split_lambada(text: str) -> tuple[str, str]:
+    """lm-eval's `lambada_openai` split: context = all words but the last, target = ' ' + last word."""
+    words = text.split(" ")
+    if len(words) < 2 or not words[-1]:
+        raise ValueError(f"LAMBADA text needs at least two space-separated words ending in a word, got {text[:80]!r}")
+    return " ".join(words[:-1]), " " + words[-1]
+
+
+def encode_lambada(tokenizer, text: str) -> LambadaExample:
+    """Tokenize one LAMBADA text exactly as lm-eval's HFLM does for a causal model (see module doc)."""
+    context, target = split_lambada(text)
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces:
+        target, context = context[-n_spaces:] + target, context[:-n_spaces]
+    whole = tokenizer.encode(context + target)
+    context_ids = tokenizer.encode(context)
+    target_ids = whole[len(context_ids) :]
+    if not target_ids:
+        raise ValueError(f"the last word of {text[:80]!r} produced no tokens")
+    return LambadaExample(context_ids=context_ids, target_ids=target_ids)
+
+
+@dataclass
+class LambadaScore:
+    """Per-example numbers: log-probs of the last word's subwords and whether each was the arg-max."""
+
+    target_logprobs: list[float]
+    target_is_top1: list[bool]
+
+    @property
+    def loglikelihood(self) -> float:
+        return sum(self.target_logprobs)
+
+
+def _batches(order: Sequence[int], batch_size: int) -> Iterable[list[int]]:
+    for start in range(0, len(order), batch_size):
+        yield list(order[start : start + batch_size])
+
+
+def _forward_logits(model, rows: list[list[int]], device: torch.device | str) -> torch.Tensor:
+    """Right-pad `rows` with token 0 (no mask, as lm-eval) and return float32 logits (B, T, V)."""
+    length = max(len(row) for row in rows)
+    batch = torch.zeros(len(rows), length, dtype=torch.long)
+    for i, row in enumerate(rows):
+        batch[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+    with torch.no_grad():
+        return model(input_ids=batch.to(device), use_cache=False).logits.float()
+
+
+def score_lambada(
+    model,
+    examples: Sequence[LambadaExample],
+    batch_size: int = 8,
+    max_length: int | None = None,
+    device: torch.device | str = "cpu",
+    progress: bool = True,
+) -> list[LambadaScore]:
+    """Score every example's last-word subwords (left-truncating the input to `max_length` as lm-eval)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    inputs = []
+    for example in examples:
+        row = (example.context_ids + example.target_ids)[:-1]
+        if max_length is not None:
+            row = row[-max_length:]
+        if len(example.target_ids) > len(row):
+            raise ValueError(f"max_length={max_length} is shorter than a LAMBADA target ({len(example.target_ids)} tokens)")
+        inputs.append(row)
+    order = sorted(range(len(examples)), key=lambda i: -len(inputs[i]))  # longest first, like lm-eval
+    scores: list[LambadaScore | None] = [None] * len(examples)
+    bar = tqdm(total=len(examples), desc="lambada_paper", disable=not progress)
+    for indices in _batches(order, batch_size):
+        logits = _forward_logits(model, [inputs[i] for i in indices], device)
+        for row, i in enumerate(indices):
+            target = examples[i].target_ids
+            end = len(inputs[i])
+            window = logits[row, end - len(target) : end]  # position t predicts token t+1
+            logprobs = F.log_softmax(window.double(), dim=-1)
+            target_tensor = torch.tensor(target, device=window.device)
+            picked = logprobs.gather(-1, target_tensor[:, None])[:, 0]
+            top1 = window.argmax(dim=-1) == target_tensor
+            scores[i] = LambadaScore(picked.tolist(), top1.tolist())
+        bar.update(len(indices))
+    bar.close()
+    return scores  # type: ignore[return-value]
+
+
+def lambada_metrics(scores: Sequence[LambadaScore]) -> dict[str, float]:
+    """The paper's LAMBADA acc and pooled-token ppl, plus lm-eval's whole-word acc and per-example ppl."""
+    if not scores:
+        raise ValueError("no LAMBADA examples were scored")
+    n = len(scores)
+    n_tokens = sum(len(s.target_logprobs) for s in scores)
+    total_nll = -sum(s.loglikelihood for s in scores)
+    return {
+        "acc": sum(s.target_is_top1[0] for s in scores) / n,
+        "ppl": math.exp(total_nll / n_tokens),
+        "acc_whole_word": sum(all(s.target_is_top1) for s in scores) / n,
+        "ppl_per_example": math.exp(total_nll / n),
+        "examples": n,
+        "target_tokens": n_tokens,
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# Paper FineWeb windows
+# --------------------------------------------------------------------------------------------------
+
+
+def token_stream(
+    tokenizer, texts: Iterable[str], separator: str = "eos", max_tokens: int | None = None
+) -> tuple[list[int], int]:
+    """Concatenate documents into one token stream: each tokenized without special tokens, then
+    followed by EOS (`separator="eos"`), preceded by BOS (`"bos"`), or joined with nothing (`"none"`).
+    Stops once `max_tokens` are reached. Returns (stream, number of documents used)."""
+    if separator not in ("eos", "bos", "none"):
+        raise ValueError(f"separator must be 'eos', 'bos' or 'none', got {separator!r}")
+    special = {"eos": tokenizer.eos_token_id, "bos": tokenizer.bos_token_id}.get(separator)
+    if separator != "none" and special is None:
+        raise ValueError(f"the tokenizer has no {separator.upper()} token; choose another separator")
+    stream: list[int] = []
+    used = 0
+    for text in texts:
+        used += 1
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if separator == "bos":
+            stream.append(special)
+        stream.extend(ids)
+        if separator == "eos":
+            stream.append(special)
+        if max_tokens is not None and len(stream) >= max_tokens:
+            return stream[:max_tokens], used
+    return stream, used
+
+
+def has_empty_state(model) -> bool:
+    """Whether the model can predict the first token from its empty state (a GPN)."""
+    return callable(getattr(model, "empty_state_logits", None))
+
+
+def windowed_perplexity(
+    model,
+    stream: Sequence[int],
+    window: int = 2048,
+    batch_size: int = 8,
+    device: torch.device | str = "cpu",
+    max_windows: int | None = None,
+    first_position: str = PAPER_FIRST_POSITION,
+    progress: bool = True,
+) -> dict[str, float]:
+    """The paper's FineWeb perplexity over non-overlapping `window`-token windows of `stream`.
+
+    Returns ``ppl_excluding_first`` (window - 1 scored tokens per window), and for a model with
+    `empty_state_logits` also ``ppl_all_positions`` (all `window` tokens, the first predicted from the
+    empty state: the paper's convention). ``ppl`` is the `first_position` convention
+    ("empty_state", the paper's, needs a GPN; "skip" works for any causal LM); ``tokens_scored`` counts
+    the tokens behind ``ppl``.
+    """
+    if first_position not in (PAPER_FIRST_POSITION, SKIP_FIRST_POSITION):
+        raise ValueError(f"first_position must be 'empty_state' or 'skip', got {first_position!r}")
+    if first_position == PAPER_FIRST_POSITION and not has_empty_state(model):
+        raise ValueError(
+            f"first_position='empty_state' needs a model with empty_state_logits() (a GPN); "
+            f"{type(model).__name__} has none: use first_position='skip'"
+        )
+    if window < 2:
+        raise ValueError(f"window must be at least 2 tokens, got {window}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    n_windows = len(stream) // window
+    if max_windows is not None:
+        n_windows = min(n_windows, max_windows)
+    if n_windows == 0:
+        raise ValueError(f"the token stream has {len(stream)} tokens, fewer than one window of {window}")
+    tokens = torch.tensor(list(stream[: n_windows * window]), dtype=torch.long).view(n_windows, window)
+
+    first_nll = None
+    if has_empty_state(model):
+        with torch.no_grad():
+            empty = F.log_softmax(model.empty_state_logits(1).double()[0], dim=-1).cpu()
+        first_nll = -empty[tokens[:, 0]].sum().item()
+
+    rest_nll = 0.0
+    bar = tqdm(total=n_windows, desc="fineweb_paper", disable=not progress)
+    for start in range(0, n_windows, batch_size):
+        batch = tokens[start : start + batch_size]
+        with torch.no_grad():
+            logits = model(input_ids=batch.to(device), use_cache=False).logits
+        nll = F.cross_entropy(
+            logits[:, :-1].double().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1).to(logits.device),
+            reduction="sum",
+        )
+        rest_nll += nll.item()
+        bar.update(len(batch))
+    bar.close()
+
+    rest_tokens = n_windows * (window - 1)
+    result = {
+        "ppl_excluding_first": math.exp(rest_nll / rest_tokens),
+        "windows": n_windows,
+        "window": window,
+        "stream_tokens": len(stream),
+        "dropped_tail_tokens": len(stream) - n_windows * window,
+    }
+    if first_nll is not None:
+        result["ppl_all_positions"] = math.exp((rest_nll + first_nll) / (n_windows * window))
+    if first_position == PAPER_FIRST_POSITION:
+        result["ppl"], result["tokens_scored"] = result["ppl_all_positions"], n_windows * window
+    else:
+        result["ppl"], result["tokens_scored"] = result["ppl_excluding_first"], rest_tokens
+    return result

@@ -1,0 +1,102 @@
+"""The markdown report: the evaluated model's rows beside the paper's Table 1 (see `cli.py`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+COLUMNS = (("fineweb_ppl", "FineWeb PPL", "{:.2f}"), ("lambada_acc", "LAMBADA acc", "{:.3f}"), ("lambada_ppl", "LAMBADA PPL", "{:.2f}"))
+
+
+def _fmt(value: Any, pattern: str = "{:.4g}") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    return pattern.format(value)
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 1e5 else f"{n:,}"
+
+
+def render_report(results: dict[str, Any]) -> str:
+    """Markdown: Table 1 with the measured row, ratios to every published row, all metrics, protocols."""
+    metrics = results["baseline_metrics"]
+    measured = results["comparison"]["measured"]
+    name = results["model"]
+    lines = [
+        f"# Evaluation of `{name}`",
+        "",
+        f"- model: `{name}` ({results['architecture']}, model_type `{results['model_type']}`), "
+        f"**{results['n_params']:,} parameters** ({_params(results['n_params'])})",
+        f"- lm-eval {results['lm_eval_version']}; max_length {results['max_length']}; dtype {results['dtype']}; "
+        f"device {results['device']}; batch size {results['batch_size']}"
+        + (f"; **limit {results['limit']} examples per task**" if results.get("limit") else ""),
+        "",
+        "## Beside the paper's Table 1",
+        "",
+        f"Published rows: {results['baselines_citation']} Measured rows use the same protocol as the column "
+        "(see *Protocols*); a dash means the task was not run.",
+        "",
+        "| model | source | params | layers | state dim | " + " | ".join(title for _, title, _ in COLUMNS) + " |",
+        "|---|---|---|---|---|" + "---|" * len(COLUMNS),
+    ]
+    for row in results["published_baselines"]:
+        cells = [_fmt(row.get(key), pattern) for key, _, pattern in COLUMNS]
+        lines.append(
+            f"| {row['model']} | published | ≈{_params(row['params'])} | {row['layers']} | {row['state_dim']} | "
+            + " | ".join(cells) + " |"
+        )
+    layers = results.get("layers", "–")
+    state = results.get("state_dim", "–")
+    cells = [_fmt(measured.get(key), pattern) for key, _, pattern in COLUMNS]
+    lines.append(
+        f"| **{name}** | measured | {_params(results['n_params'])} | {layers} | {state} | "
+        + " | ".join(f"**{c}**" for c in cells) + " |"
+    )
+    lines += ["", *_measured_row_notes(results)]
+    lines += [
+        "",
+        "## Ratio of the measured model to each published row",
+        "",
+        "measured / published (perplexity: below 1 is better; accuracy: above 1 is better). "
+        "The paper states its gaps this way (\"within 13% of Transformer++\" = FineWeb PPL ratio 1.13).",
+        "",
+        "| published row | " + " | ".join(f"{title} ratio" for _, title, _ in COLUMNS) + " |",
+        "|---|" + "---|" * len(COLUMNS),
+    ]
+    for model, ratios in results["comparison"]["ratio_to_published"].items():
+        lines.append(f"| {model} | " + " | ".join(_fmt(ratios.get(key), "{:.3f}") for key, _, _ in COLUMNS) + " |")
+    lines += ["", "## All measured metrics", "", "| task | metric | value | wall time (s) |", "|---|---|---|---|"]
+    for task, task_metrics in results["tasks"].items():
+        for metric, value in task_metrics.items():
+            lines.append(f"| {task} | {metric} | {_fmt(value, '{:.6g}')} | {results['wall_time_s'].get(task, 0):.1f} |")
+    lines += ["", "## Protocols", "", "| row / task | protocol | data |", "|---|---|---|"]
+    for key, spec in metrics.items():
+        title = dict((k, t) for k, t, _ in COLUMNS)[key]
+        lines.append(f"| published {title} | {spec['protocol']} | paper |")
+    for task, protocol in results["protocols"].items():
+        lines.append(f"| measured `{task}` | {protocol} | {results['data'].get(task, '')} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _measured_row_notes(results: dict[str, Any]) -> list[str]:
+    """Where the measured row's run differs in size from the paper's (fewer examples, shorter windows)."""
+    notes = []
+    lambada = results["tasks"].get("lambada_paper")
+    if lambada:
+        n = lambada.get("examples")
+        flag = "" if n == 5153 else " (**not the full set**; the paper uses all 5153)"
+        notes.append(f"- measured LAMBADA: {n} examples, {lambada.get('target_tokens')} last-word subwords{flag}; data {results['data'].get('lambada_paper')}")
+    fineweb = results["tasks"].get("fineweb_paper")
+    if fineweb:
+        window = fineweb.get("window")
+        flag = "" if window == 2048 else " (**the paper uses 2048**)"
+        convention = "all positions, first from the empty state" if fineweb.get("tokens_scored") == fineweb.get("windows", 0) * (window or 0) else "first position of each window not scored"
+        notes.append(
+            f"- measured FineWeb: {fineweb.get('windows')} windows of {window} tokens{flag}, {fineweb.get('tokens_scored'):,} tokens scored "
+            f"({convention}); data {results['data'].get('fineweb_paper')} (the paper's held-out bin is not public)"
+        )
+    return notes

@@ -1,0 +1,426 @@
+"""Run the GPN task set on one causal LM folder or Hub repo and collect the numbers (see `cli.py`).
+
+lm-eval tasks (`lambada_openai`, `wikitext`, `gpn_rolling_ppl`) run through `lm_eval.simple_evaluate`
+with an `HFLM` around the already-loaded model; the paper's protocols (`lambada_paper`,
+`fineweb_paper`) are computed by `protocols.py` from the same model. Data come from the Hub by
+default (lm-eval's own dataset names); `data_dir` / `task_data` point a task at local files instead.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import re
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import protocols
+
+TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+BASELINES_PATH = Path(__file__).resolve().parent / "baselines.json"
+
+LAMBADA_HUB = ("EleutherAI/lambada_openai", "default", "test")
+FINEWEB_HUB = ("HuggingFaceFW/fineweb-edu", "sample-10BT", "train")
+WIKITEXT_HUB = ("EleutherAI/wikitext_document_level", "wikitext-2-raw-v1", "test")
+
+# task -> (kind, one-line protocol). "lm_eval": run by lm-eval; "direct": computed in protocols.py.
+TASKS: dict[str, tuple[str, str]] = {
+    "lambada_openai": (
+        "lm_eval",
+        "lm-eval lambada_openai: acc = greedy match of every subword of the last word; "
+        "perplexity = exp(mean over examples of the summed NLL of the last word)",
+    ),
+    "lambada_paper": (
+        "direct",
+        "paper LAMBADA (GPN.md): acc = top-1 match of the first subword of the last word; "
+        "ppl = exp(NLL of the last word's subwords pooled over all examples / their number); "
+        "tokens as lm-eval's lambada_openai",
+    ),
+    "fineweb_paper": (
+        "direct",
+        "paper FineWeb: documents -> one token stream -> non-overlapping {window}-token windows, each from "
+        "the zero state; ppl = exp(total NLL / tokens scored); first position of a window: {first}",
+    ),
+    "wikitext": (
+        "lm_eval",
+        "lm-eval wikitext: loglikelihood_rolling per document (windows of max_length, one token of "
+        "overlap, first token predicted from the prefix token, the tokenizer's own BOS not added); "
+        "word/byte perplexity, bits per byte",
+    ),
+    "gpn_rolling_ppl": (
+        "lm_eval",
+        "lm-eval loglikelihood_rolling over any text dataset (windows of max_length, first token predicted "
+        "from the prefix token, the tokenizer's own BOS not added); word/byte perplexity, bits per byte",
+    ),
+}
+DEFAULT_TASKS = ("lambada_openai", "lambada_paper", "fineweb_paper", "wikitext")
+
+FIRST_POSITION_TEXT = {
+    protocols.PAPER_FIRST_POSITION: "predicted from the empty state (paper's convention, all positions scored)",
+    protocols.SKIP_FIRST_POSITION: "not scored (window - 1 tokens per window)",
+}
+
+
+@dataclass
+class EvalSettings:
+    """Everything `evaluate` needs besides the model; mirrors `gpn eval`'s options."""
+
+    tasks: list[str] = field(default_factory=lambda: list(DEFAULT_TASKS))
+    data_dir: str | None = None
+    task_data: dict[str, str] = field(default_factory=dict)
+    text_field: str = "text"
+    batch_size: int = 8
+    limit: int | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_length: int | None = None
+    fineweb_window: int = 2048
+    fineweb_max_windows: int | None = None
+    fineweb_max_documents: int | None = 2000
+    fineweb_separator: str = "eos"
+    first_position: str | None = None  # None: the paper's where the model allows, else "skip"
+    bootstrap_iters: int = 0
+    trust_remote_code: bool = True
+    tokenizer: str | None = None
+    progress: bool = True
+
+
+# --------------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------------
+
+
+def load_model(path: str, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = True, tokenizer: str | None = None):
+    """Load any causal LM (a GPN folder, a Hub repo, a LlamaForCausalLM folder) and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import modeling_gpn  # noqa: F401  (registers the GPN Auto classes for folders without remote code)
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in dtypes:
+        raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {dtype!r}")
+    if Path(path).exists() and not (Path(path) / "config.json").exists():
+        raise FileNotFoundError(f"{path} is not a model folder: it has no config.json")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtypes[dtype], trust_remote_code=trust_remote_code)
+    model = model.to(device).eval()
+    tok = AutoTokenizer.from_pretrained(tokenizer or path, trust_remote_code=trust_remote_code)
+    return model, tok
+
+
+def count_parameters(model) -> int:
+    """Number of distinct parameters (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def default_max_length(model, tokenizer) -> int:
+    """The training window for a GPN (`config.max_length_hint`), else what lm-eval would resolve."""
+    hint = getattr(model.config, "max_length_hint", None)
+    if hint:
+        return int(hint)
+    from lm_eval.models.utils import resolve_max_length
+
+    return int(resolve_max_length(model.config, tokenizer, default=2048))
+
+
+# --------------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------------
+
+
+def local_default(task: str, data_dir: str) -> str | None:
+    """The file of `task` inside a `--data-dir` laid out like the project's shared data folder."""
+    root = Path(data_dir)
+    candidates = {
+        "lambada_openai": ["lambada/lambada_test.jsonl", "lambada_test.jsonl"],
+        "lambada_paper": ["lambada/lambada_test.jsonl", "lambada_test.jsonl"],
+        "fineweb_paper": ["fineweb-edu/*.jsonl", "fineweb-edu/*.parquet", "fineweb*.jsonl"],
+        "wikitext": ["wikitext-2-raw/wiki.test.raw", "wiki.test.raw"],
+    }.get(task, [])
+    for pattern in candidates:
+        matches = sorted(glob.glob(str(root / pattern)))
+        if matches:
+            return matches[0] if len(matches) == 1 else ",".join(matches)
+    return None
+
+
+def data_source(task: str, settings: EvalSettings) -> str | None:
+    """A local path (comma-separated for several files), a Hub dataset name, or None for the default."""
+    if task in settings.task_data:
+        return settings.task_data[task]
+    if settings.data_dir:
+        found = local_default(task, settings.data_dir)
+        if found is None:
+            raise FileNotFoundError(f"--data-dir {settings.data_dir} has no data for task {task!r}; pass --task-data {task}=PATH")
+        return found
+    return None
+
+
+def _is_local(source: str) -> bool:
+    return all(Path(part).exists() for part in source.split(","))
+
+
+def _builder(paths: list[str]) -> str:
+    suffix = Path(paths[0]).suffix.lower()
+    return {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(suffix, "text")
+
+
+def load_texts(source: str | None, hub_default: tuple[str, str, str], field_name: str, limit: int | None = None, streaming: bool = False) -> list[str]:
+    """Texts of one column from local files or a Hub dataset (`name[:config[:split]]`)."""
+    import datasets
+
+    if source is not None and _is_local(source):
+        paths = source.split(",")
+        builder = _builder(paths)
+        kwargs = {"sample_by": "document"} if builder == "text" else {}
+        data = datasets.load_dataset(builder, data_files={"test": paths}, split="test", **kwargs)
+        column = field_name if builder != "text" else "text"
+    else:
+        name, config, split = hub_default
+        if source is not None:
+            parts = source.split(":")
+            name, config, split = parts[0], (parts[1] if len(parts) > 1 else None), (parts[2] if len(parts) > 2 else split)
+        data = datasets.load_dataset(name, config, split=split, streaming=streaming)
+        column = field_name
+    texts = []
+    for row in data:
+        if column not in row:
+            raise KeyError(f"dataset {source or hub_default[0]} has no column {column!r}; columns: {sorted(row)}")
+        texts.append(row[column])
+        if limit is not None and len(texts) >= limit:
+            break
+    return texts
+
+
+WIKITEXT_HEADING = re.compile(r"^ = [^=].* = $")
+
+
+def wikitext_pages(raw_text: str) -> list[str]:
+    """Split a raw WikiText file into articles at its top-level ` = Title = ` headings (the
+    `EleutherAI/wikitext_document_level` layout: one `page` per article, lines joined with newlines)."""
+    pages, current = [], []
+    for line in raw_text.splitlines(keepends=True):
+        if WIKITEXT_HEADING.match(line.rstrip("\n")) and current:
+            pages.append("".join(current))
+            current = []
+        if line.strip():
+            current.append(line)
+    if current:
+        pages.append("".join(current))
+    return pages
+
+
+# --------------------------------------------------------------------------------------------------
+# lm-eval tasks
+# --------------------------------------------------------------------------------------------------
+
+
+LM_EVAL_TASK_FILES = {
+    "lambada_openai": ("lm_eval", "lambada/lambada_openai.yaml"),
+    "wikitext": ("lm_eval", "wikitext/wikitext.yaml"),
+    "gpn_rolling_ppl": ("gpn", "gpn_rolling_ppl.yaml"),
+}
+
+
+def lm_eval_task_yaml(task: str) -> Path:
+    """The YAML file defining an lm-eval task of the GPN set (lm-eval's own file for its tasks)."""
+    owner, relative = LM_EVAL_TASK_FILES[task]
+    if owner == "gpn":
+        return TASKS_DIR / relative
+    import lm_eval
+
+    return Path(lm_eval.__file__).resolve().parent / "tasks" / relative
+
+
+def _lm_eval_task_config(task: str, source: str | None, settings: EvalSettings, workdir: Path) -> dict:
+    """The task's inline config: the YAML as lm-eval ships it, its dataset pointed at `source`.
+
+    Inline configs spare lm-eval from indexing its thousands of task files on every run.
+    """
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    config = load_yaml(lm_eval_task_yaml(task))
+    config.pop("tag", None)
+    if task == "gpn_rolling_ppl" and source is not None:
+        config["doc_to_target"] = "{{" + settings.text_field + "}}"
+        config["doc_to_decontamination_query"] = "{{" + settings.text_field + "}}"
+    if source is None:
+        return config
+    if not _is_local(source):  # another Hub dataset: name[:config[:split]]
+        parts = source.split(":")
+        config["dataset_path"], config["dataset_name"] = parts[0], (parts[1] if len(parts) > 1 else None)
+        if len(parts) > 2:
+            config["test_split"] = parts[2]
+        config.pop("dataset_kwargs", None)
+        return config
+    paths = source.split(",")
+    if task == "wikitext" and _builder(paths) == "text":
+        pages = []
+        for path in paths:
+            pages += wikitext_pages(Path(path).read_text(encoding="utf-8"))
+        local = workdir / "wikitext_pages.jsonl"
+        local.write_text("".join(json.dumps({"page": page}) + "\n" for page in pages), encoding="utf-8")
+        paths = [str(local)]
+    builder = _builder(paths)
+    config["dataset_path"], config["dataset_name"] = builder, None
+    config["dataset_kwargs"] = {"data_files": {"test": paths}, **({"sample_by": "document"} if builder == "text" else {})}
+    config["test_split"] = "test"
+    for split in ("training_split", "validation_split", "fewshot_split"):
+        config.pop(split, None)
+    return config
+
+
+def _flatten_lm_eval_metrics(results: dict[str, Any]) -> dict[str, float]:
+    metrics = {}
+    for key, value in results.items():
+        if key == "alias" or not isinstance(value, (int, float)) or "," not in key:
+            continue
+        name, _filter = key.split(",", 1)
+        metrics[name] = float(value)
+    return metrics
+
+
+def run_lm_eval(model, tokenizer, task: str, source: str | None, settings: EvalSettings, max_length: int) -> tuple[dict, dict]:
+    """Run one lm-eval task; returns (metrics, the raw simple_evaluate output)."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    task_manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
+    # Rolling perplexity: lm-eval already puts the prefix token (BOS) in front of every document; with the
+    # tokenizer's own BOS added as well, the BOS would be scored as the document's first token.
+    rolling = task in ("wikitext", "gpn_rolling_ppl")
+    lm = HFLM(
+        pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size, max_length=max_length,
+        device=settings.device, add_bos_token=False if rolling else None,
+    )  # fmt: skip
+    with tempfile.TemporaryDirectory() as workdir:
+        spec = _lm_eval_task_config(task, source, settings, Path(workdir))
+        output = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=[spec],
+            limit=settings.limit,
+            bootstrap_iters=settings.bootstrap_iters,
+            task_manager=task_manager,
+            log_samples=True,
+            verbosity="WARNING",
+        )
+    return _flatten_lm_eval_metrics(output["results"][task]), output
+
+
+# --------------------------------------------------------------------------------------------------
+# The whole run
+# --------------------------------------------------------------------------------------------------
+
+
+def check_tasks(tasks: list[str]) -> None:
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise ValueError(f"unknown task(s) {unknown}; the GPN task set is {sorted(TASKS)}")
+
+
+def load_baselines(path: str | Path = BASELINES_PATH) -> dict:
+    """The paper's Table 1 (`baselines.json`): citation, metric protocols and rows."""
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def evaluate(model_path: str, settings: EvalSettings, model=None, tokenizer=None) -> dict[str, Any]:
+    """Run `settings.tasks` on one model; returns the `eval_results.json` dictionary (schema in `cli`)."""
+    import lm_eval
+
+    check_tasks(settings.tasks)
+    if settings.batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {settings.batch_size}")
+    if model is None:
+        model, tokenizer = load_model(model_path, settings.device, settings.dtype, settings.trust_remote_code, settings.tokenizer)
+    max_length = settings.max_length or default_max_length(model, tokenizer)
+    first_position = settings.first_position or (
+        protocols.PAPER_FIRST_POSITION if protocols.has_empty_state(model) else protocols.SKIP_FIRST_POSITION
+    )
+    baselines = load_baselines()
+    results: dict[str, Any] = {
+        "schema_version": 1,
+        "model": model_path,
+        "model_type": getattr(model.config, "model_type", type(model).__name__),
+        "architecture": type(model).__name__,
+        "n_params": count_parameters(model),
+        "layers": getattr(model.config, "num_predict_layers", getattr(model.config, "num_hidden_layers", None)),
+        "state_dim": getattr(model.config, "hidden_size", None),
+        "max_length": max_length,
+        "dtype": settings.dtype,
+        "device": settings.device,
+        "batch_size": settings.batch_size,
+        "limit": settings.limit,
+        "tasks": {},
+        "protocols": {},
+        "data": {},
+        "wall_time_s": {},
+        "lm_eval_version": lm_eval.__version__ if hasattr(lm_eval, "__version__") else _package_version("lm_eval"),
+        "published_baselines": baselines["rows"],
+        "baselines_citation": baselines["citation"],
+        "baseline_metrics": baselines["metrics"],
+    }
+    for task in settings.tasks:
+        kind, protocol = TASKS[task]
+        source = data_source(task, settings)
+        start = time.perf_counter()
+        if task in ("lambada_paper",):
+            texts = load_texts(source, LAMBADA_HUB, "text", limit=settings.limit)
+            examples = [protocols.encode_lambada(tokenizer, text) for text in texts]
+            scores = protocols.score_lambada(model, examples, settings.batch_size, max_length, settings.device, settings.progress)
+            metrics = protocols.lambada_metrics(scores)
+        elif task == "fineweb_paper":
+            streaming = source is None or not _is_local(source)
+            texts = load_texts(source, FINEWEB_HUB, settings.text_field, limit=settings.fineweb_max_documents, streaming=streaming)
+            max_tokens = settings.fineweb_max_windows * settings.fineweb_window if settings.fineweb_max_windows else None
+            stream, used = protocols.token_stream(tokenizer, texts, settings.fineweb_separator, max_tokens=max_tokens)
+            metrics = protocols.windowed_perplexity(
+                model, stream, settings.fineweb_window, settings.batch_size, settings.device,
+                settings.fineweb_max_windows, first_position, settings.progress,
+            )  # fmt: skip
+            metrics["documents"] = used
+            protocol = protocol.format(window=settings.fineweb_window, first=FIRST_POSITION_TEXT[first_position])
+            protocol += f"; documents tokenized without special tokens, separator {settings.fineweb_separator!r}"
+        else:
+            metrics, _ = run_lm_eval(model, tokenizer, task, source, settings, max_length)
+            protocol += f"; max_length={max_length}"
+        results["wall_time_s"][task] = round(time.perf_counter() - start, 3)
+        results["tasks"][task] = metrics
+        results["protocols"][task] = protocol
+        results["data"][task] = source or _hub_name(task)
+    results["comparison"] = compare_with_baselines(results, baselines)
+    return results
+
+
+def _hub_name(task: str) -> str:
+    name, config, split = {
+        "lambada_openai": LAMBADA_HUB, "lambada_paper": LAMBADA_HUB, "fineweb_paper": FINEWEB_HUB,
+        "wikitext": WIKITEXT_HUB, "gpn_rolling_ppl": WIKITEXT_HUB,
+    }[task]  # fmt: skip
+    return f"hf://{name} ({config}, {split})"
+
+
+def _package_version(name: str) -> str:
+    from importlib.metadata import version
+
+    return version(name)
+
+
+def compare_with_baselines(results: dict[str, Any], baselines: dict) -> dict[str, Any]:
+    """Measured values of Table 1's columns and their ratio (measured / published) to every row."""
+    measured = {}
+    for column, spec in baselines["metrics"].items():
+        value = results["tasks"].get(spec["task"], {}).get(spec["metric"])
+        if value is not None:
+            measured[column] = value
+    ratios = {}
+    for row in baselines["rows"]:
+        ratios[row["model"]] = {
+            column: (value / row[column] if row.get(column) else math.nan) for column, value in measured.items()
+        }
+    return {"measured": measured, "ratio_to_published": ratios}
