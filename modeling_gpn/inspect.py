@@ -725,10 +725,14 @@ def write_figures(report: dict, output: Path) -> list[str]:
                         va="bottom" if up else "top", xytext=(0, 3 if up else -3), textcoords="offset points")  # fmt: skip
         ax.axhline(0, color="gray", lw=1)
         low, high = min(deltas + [0.0]), max(deltas + [0.0])
-        span = max(high - low, 1e-3)
-        ax.set_ylim(low - 0.25 * span, high + 0.25 * span)
+        if max(abs(low), abs(high)) > 20:  # large and small changes both readable: linear within ±1%
+            ax.set_yscale("symlog", linthresh=1.0)
+            ax.set_ylim(-(abs(low) * 12 + 1) if low < 0 else -1, high * 12 + 1)
+        else:
+            span = max(high - low, 1e-3)
+            ax.set_ylim(low - 0.25 * span, high + 0.25 * span)
         ax.set_xticks(np.arange(len(rows)), [r["name"].replace("_", "\n") for r in rows])
-        ax.set_ylabel("perplexity change vs baseline (%)")
+        ax.set_ylabel("perplexity change vs baseline (%)" + (", symlog" if max(abs(low), abs(high)) > 20 else ""))
         ax.set_title(f"Causal tests: perplexity with one part removed (baseline {base:.4g}, {ablations['tokens']:,} tokens)")
         ax.grid(alpha=0.3, axis="y")
         fig.tight_layout()
