@@ -39,7 +39,7 @@ Tasks and their metrics:
   `target_tokens`.
 - `fineweb_paper` (paper, `protocols.py`): `ppl` (the reported convention), `ppl_all_positions`
   (GPN: first token from the empty state), `ppl_excluding_first`, `tokens_scored`, `windows`,
-  `window`, `stream_tokens`, `dropped_tail_tokens`, `documents`.
+  `window`, `first_window`, `stream_tokens`, `dropped_tail_tokens`, `documents`.
 - `wikitext`, `gpn_rolling_ppl` (lm-eval rolling): `word_perplexity`, `byte_perplexity`, `bits_per_byte`.
 
 `eval_report.md`: the published rows and the measured row side by side, ratios to each published
@@ -82,6 +82,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fineweb-window", type=int, default=2048, help="window length of the FineWeb protocol (paper: 2048)")
     parser.add_argument("--fineweb-max-windows", type=int, default=None, help="stop after this many windows")
     parser.add_argument("--fineweb-max-documents", type=int, default=2000, help="read at most this many documents")
+    parser.add_argument(
+        "--fineweb-held-out-fraction", type=float, default=None,
+        help="score only the last fraction of the windows: gpn train's held-out split of the same corpus "
+        "(use the training seq_len as --fineweb-window and the training --val-fraction)",
+    )  # fmt: skip
+    parser.add_argument("--fineweb-max-tokens", type=int, default=None, help="cut the token stream after this many tokens (as gpn train --max-tokens)")
     parser.add_argument("--fineweb-separator", default="eos", choices=["eos", "bos", "none"], help="token between documents in the stream")
     parser.add_argument(
         "--first-position", default=None, choices=["empty_state", "skip"],
@@ -115,6 +121,7 @@ def settings_from_args(args: argparse.Namespace) -> EvalSettings:
         batch_size=args.batch_size, limit=args.limit, device=args.device, dtype=args.dtype, max_length=args.max_length,
         fineweb_window=args.fineweb_window, fineweb_max_windows=args.fineweb_max_windows,
         fineweb_max_documents=args.fineweb_max_documents, fineweb_separator=args.fineweb_separator,
+        fineweb_held_out_fraction=args.fineweb_held_out_fraction, fineweb_max_tokens=args.fineweb_max_tokens,
         first_position=args.first_position, bootstrap_iters=args.bootstrap_iters,
         trust_remote_code=args.trust_remote_code, tokenizer=args.tokenizer, progress=not args.quiet,
     )  # fmt: skip

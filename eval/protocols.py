@@ -204,6 +204,7 @@ def windowed_perplexity(
     device: torch.device | str = "cpu",
     max_windows: int | None = None,
     first_position: str = PAPER_FIRST_POSITION,
+    held_out_fraction: float | None = None,
     progress: bool = True,
 ) -> dict[str, float]:
     """The paper's FineWeb perplexity over non-overlapping `window`-token windows of `stream`.
@@ -213,6 +214,10 @@ def windowed_perplexity(
     empty state: the paper's convention). ``ppl`` is the `first_position` convention
     ("empty_state", the paper's, needs a GPN; "skip" works for any causal LM); ``tokens_scored`` counts
     the tokens behind ``ppl``.
+
+    `held_out_fraction` keeps only the last max(1, floor(n_windows * fraction)) windows: the held-out
+    split `gpn train` makes of the same stream (`modeling_gpn.data.WindowDataset`), so a model can be
+    evaluated on exactly the windows it never trained on when window = its training seq_len.
     """
     if first_position not in (PAPER_FIRST_POSITION, SKIP_FIRST_POSITION):
         raise ValueError(f"first_position must be 'empty_state' or 'skip', got {first_position!r}")
@@ -225,12 +230,20 @@ def windowed_perplexity(
         raise ValueError(f"window must be at least 2 tokens, got {window}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    n_windows = len(stream) // window
+    total_windows = len(stream) // window
+    if total_windows == 0:
+        raise ValueError(f"the token stream has {len(stream)} tokens, fewer than one window of {window}")
+    first_window = 0
+    if held_out_fraction is not None:
+        if not 0 < held_out_fraction <= 1:
+            raise ValueError(f"held_out_fraction must be in (0, 1], got {held_out_fraction}")
+        first_window = total_windows - max(1, int(math.floor(total_windows * held_out_fraction)))
+    n_windows = total_windows - first_window
     if max_windows is not None:
         n_windows = min(n_windows, max_windows)
-    if n_windows == 0:
-        raise ValueError(f"the token stream has {len(stream)} tokens, fewer than one window of {window}")
-    tokens = torch.tensor(list(stream[: n_windows * window]), dtype=torch.long).view(n_windows, window)
+    start_token = first_window * window
+    tokens = torch.tensor(list(stream[start_token : start_token + n_windows * window]), dtype=torch.long)
+    tokens = tokens.view(n_windows, window)
 
     first_nll = None
     if has_empty_state(model):
@@ -257,8 +270,9 @@ def windowed_perplexity(
         "ppl_excluding_first": math.exp(rest_nll / rest_tokens),
         "windows": n_windows,
         "window": window,
+        "first_window": first_window,
         "stream_tokens": len(stream),
-        "dropped_tail_tokens": len(stream) - n_windows * window,
+        "dropped_tail_tokens": len(stream) - total_windows * window,
     }
     if first_nll is not None:
         result["ppl_all_positions"] = math.exp((rest_nll + first_nll) / (n_windows * window))

@@ -84,6 +84,8 @@ class EvalSettings:
     fineweb_max_windows: int | None = None
     fineweb_max_documents: int | None = 2000
     fineweb_separator: str = "eos"
+    fineweb_held_out_fraction: float | None = None
+    fineweb_max_tokens: int | None = None
     first_position: str | None = None  # None: the paper's where the model allows, else "skip"
     bootstrap_iters: int = 0
     trust_remote_code: bool = True
@@ -377,15 +379,23 @@ def evaluate(model_path: str, settings: EvalSettings, model=None, tokenizer=None
         elif task == "fineweb_paper":
             streaming = source is None or not _is_local(source)
             texts = load_texts(source, FINEWEB_HUB, settings.text_field, limit=settings.fineweb_max_documents, streaming=streaming)
-            max_tokens = settings.fineweb_max_windows * settings.fineweb_window if settings.fineweb_max_windows else None
+            max_tokens = settings.fineweb_max_tokens
+            if settings.fineweb_max_windows and settings.fineweb_held_out_fraction is None:
+                budget = settings.fineweb_max_windows * settings.fineweb_window
+                max_tokens = budget if max_tokens is None else min(max_tokens, budget)
             stream, used = protocols.token_stream(tokenizer, texts, settings.fineweb_separator, max_tokens=max_tokens)
             metrics = protocols.windowed_perplexity(
                 model, stream, settings.fineweb_window, settings.batch_size, settings.device,
-                settings.fineweb_max_windows, first_position, settings.progress,
+                settings.fineweb_max_windows, first_position, settings.fineweb_held_out_fraction, settings.progress,
             )  # fmt: skip
             metrics["documents"] = used
             protocol = protocol.format(window=settings.fineweb_window, first=FIRST_POSITION_TEXT[first_position])
             protocol += f"; documents tokenized without special tokens, separator {settings.fineweb_separator!r}"
+            if settings.fineweb_held_out_fraction is not None:
+                protocol += (
+                    f"; only the last {settings.fineweb_held_out_fraction:g} of the windows (gpn train's held-out split), "
+                    f"from window {metrics['first_window']}"
+                )
         else:
             metrics, _ = run_lm_eval(model, tokenizer, task, source, settings, max_length)
             protocol += f"; max_length={max_length}"

@@ -186,6 +186,19 @@ def test_fineweb_windows_match_a_direct_forward_computation(loaded, data, runs):
     assert direct["ppl"] == pytest.approx(measured["ppl_excluding_first"], rel=1e-6)
 
 
+def test_held_out_fraction_scores_the_last_windows_like_gpn_train(loaded):
+    from modeling_gpn.evaluation import protocols
+
+    model, _ = loaded
+    torch.manual_seed(1)
+    stream = torch.randint(3, 32000, (10 * 32 + 7,)).tolist()
+    held_out = protocols.windowed_perplexity(model, stream, 32, 4, held_out_fraction=0.25, progress=False)
+    # 10 windows, floor(10 * 0.25) = 2 held out: windows 8 and 9 (modeling_gpn.data.WindowDataset's split)
+    assert held_out["first_window"] == 8 and held_out["windows"] == 2 and held_out["dropped_tail_tokens"] == 7
+    direct = protocols.windowed_perplexity(model, stream[8 * 32 : 10 * 32], 32, 4, progress=False)
+    assert held_out["ppl"] == pytest.approx(direct["ppl"], rel=1e-9)
+
+
 # --------------------------------------------------------------------------------------------------
 # Rolling perplexity, generation, plain lm-eval
 # --------------------------------------------------------------------------------------------------
