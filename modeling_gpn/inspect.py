@@ -323,6 +323,24 @@ def ablation_perplexity(
     return {"nll": nll_sum / count, "perplexity": math.exp(nll_sum / count), "tokens": count}
 
 
+@torch.inference_mode()
+def decoded_perplexity(
+    model, states: np.ndarray, windows: torch.Tensor, decode_shift: torch.Tensor | None = None, batch_size: int = 8
+) -> dict:
+    """Token perplexity of `windows` decoded from already collected predicted `states` (n, T, d),
+    optionally with `decode_shift` subtracted before decoding."""
+    device = next(model.parameters()).device
+    nll_sum, count = 0.0, 0
+    for start in range(0, windows.shape[0], batch_size):
+        batch = windows[start : start + batch_size].to(device)
+        p = torch.from_numpy(states[start : start + batch_size]).to(device)
+        if decode_shift is not None:
+            p = p - decode_shift
+        s, c = _window_nll(model.decode(p), batch)
+        nll_sum, count = nll_sum + s, count + c
+    return {"nll": nll_sum / count, "perplexity": math.exp(nll_sum / count), "tokens": count}
+
+
 def standard_ablations(model, s_bar: np.ndarray, pools: dict | None) -> list[Ablation]:
     """The causal tests: s_bar out of the decoded state / the recurrence; fast / slow pool off; reads off."""
     device = next(model.parameters()).device
@@ -433,11 +451,16 @@ def build_report(
 
     if run_ablations:
         subset = windows if ablation_windows is None else windows[: max(1, ablation_windows)]
-        baseline = ablation_perplexity(model, subset, Ablation(), batch_size, progress) if subset.shape[0] != num_windows \
-            else {"nll": collected.nll_sum / collected.nll_count, "perplexity": collected.perplexity, "tokens": collected.nll_count}  # fmt: skip
+        count = subset.shape[0]
+        # Decode-only conditions reuse the collected states (one decoder pass, no second recurrence).
+        baseline = decoded_perplexity(model, collected.states[:count], subset, None, batch_size)
         rows = [{"name": "baseline", "description": "the model as trained", **baseline, "delta_ppl": 0.0, "delta_pct": 0.0}]
         for ablation in standard_ablations(model, mean["s_bar"], pools):
-            result = ablation_perplexity(model, subset, ablation, batch_size, progress)
+            decode_only = ablation.carry_shift is None and not ablation.heads_off and not ablation.reads_off
+            if decode_only:
+                result = decoded_perplexity(model, collected.states[:count], subset, ablation.decode_shift, batch_size)
+            else:
+                result = ablation_perplexity(model, subset, ablation, batch_size, progress)
             rows.append({
                 "name": ablation.name, "description": ablation.description, **result,
                 "delta_ppl": result["perplexity"] - baseline["perplexity"],

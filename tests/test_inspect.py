@@ -312,3 +312,18 @@ def test_report_of_a_gpn_without_memory(tmp_path):
     json.dumps(report_json(report), allow_nan=False)
     markdown = report_markdown(report, figures)
     assert "## Memory retention" not in markdown and "## Causal tests" in markdown
+
+
+def test_decode_only_shortcut_matches_the_ablated_recurrence():
+    from modeling_gpn.inspect import ablation_perplexity, decoded_perplexity
+
+    model = perturbed_model(tiny_config())
+    windows = torch.randint(0, 97, (3, 20), generator=torch.Generator().manual_seed(4))
+    collected = collect(model, windows, batch_size=2, progress=False)
+    shift = torch.randn(48)
+    for ablation in (Ablation(), Ablation(decode_shift=shift)):
+        shortcut = decoded_perplexity(model, collected.states, windows, ablation.decode_shift, batch_size=2)
+        full = ablation_perplexity(model, windows, ablation, batch_size=2, progress=False)
+        assert shortcut["tokens"] == full["tokens"] == 3 * 19
+        assert shortcut["perplexity"] == pytest.approx(full["perplexity"], rel=1e-5)
+    assert collected.perplexity == pytest.approx(decoded_perplexity(model, collected.states, windows)["perplexity"], rel=1e-9)
