@@ -326,4 +326,4 @@ def test_decode_only_shortcut_matches_the_ablated_recurrence():
         full = ablation_perplexity(model, windows, ablation, batch_size=2, progress=False)
         assert shortcut["tokens"] == full["tokens"] == 3 * 19
         assert shortcut["perplexity"] == pytest.approx(full["perplexity"], rel=1e-5)
-    assert collected.perplexity == pytest.approx(decoded_perplexity(model, collected.states, windows)["perplexity"], rel=1e-9)
+    assert collected.perplexity == pytest.approx(decoded_perplexity(model, collected.states, windows)["perplexity"], rel=1e-6)
