@@ -595,7 +595,9 @@ def report_markdown(report: dict, figures: Sequence[str] = ()) -> str:
         lines += [
             "## Causal tests",
             "",
-            f"Perplexity over {ablations['tokens']:,} tokens ({ablations['windows']} windows); s̄ {ablations['s_bar_source']}.",
+            f"Perplexity over {ablations['rows'][0]['tokens']:,} predicted tokens ({ablations['windows']} windows of "
+            f"{ablations['tokens'] // ablations['windows']}); s̄ {ablations['s_bar_source']}. Baseline and the decode-only "
+            "condition decode the collected states; the others rerun the time loop with the intervention.",
             "",
             "| condition | what changes | PPL | ΔPPL | Δ% |",
             "|---|---|---|---|---|",
