@@ -347,9 +347,9 @@ def print_ratios(rows: list[Row], args) -> None:
             lo, hi = min(fast.decode_ms), max(fast.decode_ms)
             print(f"  decode ms @{hi} / @{lo}: {fast.decode_ms[hi] / fast.decode_ms[lo]:.2f} (target <= 1.10)")
         peaks = fast.train_peak_bytes
-        if len(peaks) > 1 and peaks.get(args.seq_len):
-            longest = max(peaks)
-            print(f"  train peak memory @{longest} / @{args.seq_len}: {peaks[longest] / peaks[args.seq_len]:.2f} (target <= 1.5)")
+        if len(peaks) > 1 and peaks.get(min(peaks)):
+            longest, shortest = max(peaks), min(peaks)
+            print(f"  train peak memory @{longest} / @{shortest}: {peaks[longest] / peaks[shortest]:.2f} (target <= 1.5)")
 
 
 def run(args) -> int:

@@ -214,12 +214,13 @@ def fast_step(
     new_memory = memory
     if s.memory:
         new_key, value, beta, decay, layer_part = Z.split([H * dk, H * dv, H, H, Z.shape[1] - H * (dk + dv + 2)], 1)
-        k = _l2(F.relu(key).view(B, H, dk))
+        # M' = e^gamma M + k (beta (v - M^T k))^T, as two passes over M (a scale, then a batched rank-1 add)
+        k = _l2(F.relu(key).reshape(B * H, 1, dk))
         gamma = w.neg_decay_rate * F.softplus(decay)
-        error = value.view(B, H, dv) - torch.einsum("bhk,bhkv->bhv", k, memory)
-        new_memory = torch.exp(gamma)[..., None, None] * memory + torch.sigmoid(beta)[..., None, None] * (
-            k.unsqueeze(-1) * error.unsqueeze(-2)
-        )
+        flat = memory.view(B * H, dk, dv)
+        error = value.reshape(B * H, 1, dv) - torch.bmm(k, flat)
+        update = torch.sigmoid(beta).view(B * H, 1, 1) * error
+        new_memory = torch.baddbmm(flat * torch.exp(gamma).view(B * H, 1, 1), k.transpose(1, 2), update).view(B, H, dk, dv)
     else:
         layer_part, new_key = Z, key
     mm_inputs, mm_outputs = [a_p, a_g], [z_fg, Z]
@@ -232,8 +233,8 @@ def fast_step(
             mm_outputs.append(layer_part)
         if s.memory:
             gate, ffn_a, ffn_b, query, read_gate = layer_part.split([d, f, f, H * dk, H * dv], 1)
-            q = _l2(F.relu(query).view(B, H, dk))
-            read = torch.einsum("bhk,bhkv->bhv", q, new_memory).flatten(1)
+            q = _l2(F.relu(query).reshape(B * H, 1, dk))
+            read = torch.bmm(q, new_memory.view(B * H, dk, dv)).view(B, H * dv)
             X = torch.cat([F.silu(ffn_a) * ffn_b, F.silu(read_gate) * _unit_rms(read, eps)], dim=1)
         else:
             gate, ffn_a, ffn_b = layer_part.split([d, f, f], 1)
