@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data-dir", default=None,
         help="read every task's data from local files laid out as lambada/lambada_test.jsonl, "
-        "fineweb-edu/*.jsonl, wikitext-2-raw/wiki.test.raw (default: lm-eval's Hub datasets)",
+        "fineweb-edu/*.jsonl, wikitext-2-raw/wiki.test.raw; without it, lm-eval's Hub datasets",
     )  # fmt: skip
     parser.add_argument(
         "--task-data", action="append", default=[], metavar="TASK=SOURCE",
@@ -73,12 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Hub dataset NAME[:CONFIG[:SPLIT]]; repeatable; wins over --data-dir",
     )  # fmt: skip
     parser.add_argument("--text-field", default="text", help="text column for fineweb_paper and gpn_rolling_ppl")
-    parser.add_argument("--output-dir", default=None, help="where to write eval_results.json and eval_report.md (default: ./eval-<model name>)")
+    parser.add_argument("--output-dir", default=None, help="where to write eval_results.json and eval_report.md; without it ./eval-<model name>")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--limit", type=int, default=None, help="first N examples of each LAMBADA/lm-eval task (testing only)")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights' dtype (a GPN's state stays float32)")
-    parser.add_argument("--max-length", type=int, default=None, help="context length for lm-eval (default: config.max_length_hint for a GPN, else the model's positional limit)")
+    parser.add_argument("--max-length", type=int, default=None, help="context length for lm-eval; without it config.max_length_hint for a GPN (its training window), else the model's positional limit")
     parser.add_argument("--fineweb-window", type=int, default=2048, help="window length of the FineWeb protocol (paper: 2048)")
     parser.add_argument("--fineweb-max-windows", type=int, default=None, help="stop after this many windows")
     parser.add_argument("--fineweb-max-documents", type=int, default=2000, help="read at most this many documents")
@@ -91,13 +91,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fineweb-separator", default="eos", choices=["eos", "bos", "none"], help="token between documents in the stream")
     parser.add_argument(
         "--first-position", default=None, choices=["empty_state", "skip"],
-        help="how the first token of a FineWeb window counts in `ppl` (default: empty_state for a GPN, the paper's "
-        "convention; skip otherwise)",
+        help="how the first token of a FineWeb window counts in `ppl`; without it empty_state for a GPN (the paper's "
+        "convention), skip otherwise",
     )  # fmt: skip
     parser.add_argument("--bootstrap-iters", type=int, default=0, help="lm-eval bootstrap iterations for standard errors (0: none)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer folder or repo (default: the model's)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder or repo; without it the model's")
     parser.add_argument("--no-trust-remote-code", dest="trust_remote_code", action="store_false", help="refuse remote modeling code")
-    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads; without it torch's choice")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
