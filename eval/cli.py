@@ -87,6 +87,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="score only the last fraction of the windows: gpn train's held-out split of the same corpus "
         "(use the training seq_len as --fineweb-window and the training --val-fraction)",
     )  # fmt: skip
+    parser.add_argument(
+        "--fineweb-skip-documents", type=int, default=0,
+        help="skip this many documents first (the Hub default streams the start of sample-10BT, which gpn train's "
+        "default corpus also reads: skip past the training documents, or use --fineweb-held-out-fraction)",
+    )  # fmt: skip
     parser.add_argument("--fineweb-max-tokens", type=int, default=None, help="cut the token stream after this many tokens (as gpn train --max-tokens)")
     parser.add_argument("--fineweb-separator", default="eos", choices=["eos", "bos", "none"], help="token between documents in the stream")
     parser.add_argument(
@@ -122,6 +127,7 @@ def settings_from_args(args: argparse.Namespace) -> EvalSettings:
         fineweb_window=args.fineweb_window, fineweb_max_windows=args.fineweb_max_windows,
         fineweb_max_documents=args.fineweb_max_documents, fineweb_separator=args.fineweb_separator,
         fineweb_held_out_fraction=args.fineweb_held_out_fraction, fineweb_max_tokens=args.fineweb_max_tokens,
+        fineweb_skip_documents=args.fineweb_skip_documents,
         first_position=args.first_position, bootstrap_iters=args.bootstrap_iters,
         trust_remote_code=args.trust_remote_code, tokenizer=args.tokenizer, progress=not args.quiet,
     )  # fmt: skip

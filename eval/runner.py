@@ -86,6 +86,7 @@ class EvalSettings:
     fineweb_separator: str = "eos"
     fineweb_held_out_fraction: float | None = None
     fineweb_max_tokens: int | None = None
+    fineweb_skip_documents: int = 0
     first_position: str | None = None  # None: the paper's where the model allows, else "skip"
     bootstrap_iters: int = 0
     trust_remote_code: bool = True
@@ -172,8 +173,16 @@ def _builder(paths: list[str]) -> str:
     return {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(suffix, "text")
 
 
-def load_texts(source: str | None, hub_default: tuple[str, str, str], field_name: str, limit: int | None = None, streaming: bool = False) -> list[str]:
-    """Texts of one column from local files or a Hub dataset (`name[:config[:split]]`)."""
+def load_texts(
+    source: str | None,
+    hub_default: tuple[str, str, str],
+    field_name: str,
+    limit: int | None = None,
+    streaming: bool = False,
+    skip: int = 0,
+) -> list[str]:
+    """Texts of one column from local files or a Hub dataset (`name[:config[:split]]`), after skipping
+    the first `skip` rows, at most `limit` of them."""
     import datasets
 
     if source is not None and _is_local(source):
@@ -190,7 +199,9 @@ def load_texts(source: str | None, hub_default: tuple[str, str, str], field_name
         data = datasets.load_dataset(name, config, split=split, streaming=streaming)
         column = field_name
     texts = []
-    for row in data:
+    for index, row in enumerate(data):
+        if index < skip:
+            continue
         if column not in row:
             raise KeyError(f"dataset {source or hub_default[0]} has no column {column!r}; columns: {sorted(row)}")
         texts.append(row[column])
@@ -378,7 +389,10 @@ def evaluate(model_path: str, settings: EvalSettings, model=None, tokenizer=None
             metrics = protocols.lambada_metrics(scores)
         elif task == "fineweb_paper":
             streaming = source is None or not _is_local(source)
-            texts = load_texts(source, FINEWEB_HUB, settings.text_field, limit=settings.fineweb_max_documents, streaming=streaming)
+            texts = load_texts(
+                source, FINEWEB_HUB, settings.text_field, limit=settings.fineweb_max_documents, streaming=streaming,
+                skip=settings.fineweb_skip_documents,
+            )  # fmt: skip
             max_tokens = settings.fineweb_max_tokens
             if settings.fineweb_max_windows and settings.fineweb_held_out_fraction is None:
                 budget = settings.fineweb_max_windows * settings.fineweb_window
@@ -391,6 +405,8 @@ def evaluate(model_path: str, settings: EvalSettings, model=None, tokenizer=None
             metrics["documents"] = used
             protocol = protocol.format(window=settings.fineweb_window, first=FIRST_POSITION_TEXT[first_position])
             protocol += f"; documents tokenized without special tokens, separator {settings.fineweb_separator!r}"
+            if settings.fineweb_skip_documents:
+                protocol += f"; first {settings.fineweb_skip_documents} documents skipped"
             if settings.fineweb_held_out_fraction is not None:
                 protocol += (
                     f"; only the last {settings.fineweb_held_out_fraction:g} of the windows (gpn train's held-out split), "

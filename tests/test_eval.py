@@ -120,6 +120,7 @@ def test_lambada_paper_metrics_match_a_hand_computation(loaded, data):
 
     model, tokenizer = loaded
     texts = load_texts(str(data / "lambada" / "lambada_test.jsonl"), None, "text", limit=6)
+    assert load_texts(str(data / "lambada" / "lambada_test.jsonl"), None, "text", limit=2, skip=4) == texts[4:6]
     total_nll, total_tokens, first_hits = 0.0, 0, 0
     for text in texts:
         ids, positions = last_word_token_positions(tokenizer, text)
