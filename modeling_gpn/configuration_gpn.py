@@ -43,7 +43,9 @@ class GPNConfig(PreTrainedConfig):
     """
 
     model_type = "gpn"
-    attribute_map = {"num_hidden_layers": "num_predict_layers"}
+    # lm-eval and other tools look for a context length under these names; a GPN has no positional
+    # limit, so the training window serves as the default.
+    attribute_map = {"num_hidden_layers": "num_predict_layers", "max_position_embeddings": "max_length_hint"}
 
     vocab_size: int = 32000
     hidden_size: int = 2496
