@@ -333,16 +333,20 @@ class GPNRecurrenceFunction(torch.autograd.Function):
         for index in reversed(range(len(ctx.boundaries))):
             start = index * seg
             stop = min(start + seg, T)
-            with torch.no_grad():
-                _, kept = _run_steps(U, mask, ctx.boundaries[index], w, s, eps, start, stop, True)
+            # recompute the segment once, keeping each step's autograd graph (cut at its input state)
+            graphs, state = [], ctx.boundaries[index]
+            for t in range(start, stop):
+                graphs.append(_step_with_graph(state, U[:, t], mask, t, w, s, eps))
+                state = tuple(x.detach() for x in graphs[-1][1][:4])
             for t in reversed(range(start, stop)):
-                dp, dg, dkey, dM, du = _step_backward(kept[t - start], U[:, t], mask, t, w, s, eps, dp + dP[:, t], dg, dkey, dM, grads)
+                graph = graphs.pop()
+                dp, dg, dkey, dM, du = _step_grads(graph, s, dp + dP[:, t], dg, dkey, dM, grads)
                 dU[:, t] = du
                 if truncation and t % truncation == 0 and t > 0:
                     # the state is cut here, the weights are not: the key of step t (from g_{t-1}) still
                     # contributes to the key projection's gradient, but nothing flows into g_{t-1}
                     if s.memory:
-                        grads.add_key0(_unit_rms(kept[t - start][1], eps), dkey)
+                        grads.add_key0(_unit_rms(graph[0][1].detach(), eps), dkey)
                     dp, dg, dkey, dM = zeros_like(dp), zeros_like(dg), zeros_like(dkey), zeros_like(dM)
             ctx.boundaries[index] = None
         if s.memory:  # the key of the first step came from g0
@@ -357,8 +361,8 @@ class GPNRecurrenceFunction(torch.autograd.Function):
         return (dU.to(U.dtype), dp, dg, dM, None, None, *weight_grads)
 
 
-def _step_backward(state, u, mask, t, w, s, eps, dp_out, dg_out, dkey_out, dM_out, grads):
-    """Recompute step t with autograd on its state and matmul outputs; return the state gradients."""
+def _step_with_graph(state, u, mask, t, w, s, eps):
+    """Step t under autograd from a detached copy of its input state: (leaves, outputs, record)."""
     p, g, key, memory = state
     with torch.enable_grad():
         if s.memory:
@@ -370,12 +374,18 @@ def _step_backward(state, u, mask, t, w, s, eps, dp_out, dg_out, dkey_out, dM_ou
         u = u.detach().float().requires_grad_(True)
         real = None if mask is None else mask[:, t]
         new_p, new_g, new_key, new_memory, _, record = fast_step(p, g, key, memory, u, real, w, s, eps, record=True)
-        outs, gouts = [new_p, new_g], [dp_out, dg_out]
-        if s.memory:
-            outs += [new_key, new_memory]
-            gouts += [dkey_out, dM_out]
-        leaves = [p, g, u] + ([key, memory, w.neg_decay_rate] if s.memory else [])
-        results = torch.autograd.grad(outs, leaves + record.mm_outputs, gouts, allow_unused=True)
+    leaves = [p, g, u] + ([key, memory, w.neg_decay_rate] if s.memory else [])
+    return leaves, (new_p, new_g, new_key, new_memory), record
+
+
+def _step_grads(graph, s, dp_out, dg_out, dkey_out, dM_out, grads):
+    """Backward through one step's graph: the state gradients; matmul pairs go to `grads`."""
+    leaves, (new_p, new_g, new_key, new_memory), record = graph
+    outs, gouts = [new_p, new_g], [dp_out, dg_out]
+    if s.memory:
+        outs += [new_key, new_memory]
+        gouts += [dkey_out, dM_out]
+    results = torch.autograd.grad(outs, leaves + record.mm_outputs, gouts, allow_unused=True)
     leaf_grads = [torch.zeros_like(x) if r is None else r for x, r in zip(leaves, results[: len(leaves)])]
     out_grads = [torch.zeros_like(y) if r is None else r for y, r in zip(record.mm_outputs, results[len(leaves) :])]
     grads.add([x.detach() for x in record.mm_inputs], out_grads)
