@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -384,6 +385,10 @@ def train(config: dict, resume: str | bool | None = None, skip_nonfinite: bool =
     model = build_model(config, tokenizer)
     num_params = sum(p.numel() for p in model.parameters())
     optimizer, scheduler = build_optimizer(model, config)
+    # GPN's forward can skip materialising the (batch, seq, vocab) logits when only the loss is needed.
+    loss_kwargs = {"use_cache": False}
+    if "return_logits" in inspect.signature(model.forward).parameters:
+        loss_kwargs["return_logits"] = False
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)  # stepped by hand, once per optimizer step
 
@@ -430,7 +435,7 @@ def train(config: dict, resume: str | bool | None = None, skip_nonfinite: bool =
             for start in range(0, len(indices), micro):
                 rows = np.stack([windows.val_window(i) for i in indices[start : start + micro]])
                 batch = torch.from_numpy(rows).to(accelerator.device)
-                loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+                loss = model(input_ids=batch, labels=batch, **loss_kwargs).loss
                 count = batch.shape[0] * (batch.shape[1] - 1)
                 total += torch.tensor([loss.item() * count, count], dtype=torch.float64, device=accelerator.device)
         total = accelerator.reduce(total, reduction="sum")
@@ -473,7 +478,7 @@ def train(config: dict, resume: str | bool | None = None, skip_nonfinite: bool =
             batch = torch.from_numpy(rows).to(accelerator.device)
             sync = contextlib.nullcontext() if k == accumulation - 1 else accelerator.no_sync(model)
             with sync:
-                loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+                loss = model(input_ids=batch, labels=batch, **loss_kwargs).loss
                 accelerator.backward(loss / accumulation)
             local_loss += loss.detach().double() / accumulation
         step_loss = float(accelerator.reduce(local_loss, reduction="mean"))
@@ -623,7 +628,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     group = parser.add_argument_group("settings (default shown is the built-in one; a recipe may set another)")
     for option in OPTIONS:
-        kwargs = {"dest": option.key, "default": None, "help": f"{option.help} [built-in: {option.default}]"}
+        # SUPPRESS: an option not given stays unset, so the recipe / config file value is kept.
+        kwargs = {"dest": option.key, "default": argparse.SUPPRESS,
+                  "help": f"{option.help} [built-in: {option.default}]"}  # fmt: skip
         if option.choices:
             kwargs["choices"] = option.choices
         kwargs["type"] = option.type

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -101,16 +102,31 @@ def test_llama_baseline_trains_from_the_same_entry_point(tmp_path, cache, shakes
     assert len(losses(out)) == 3
 
 
-def _launch(argv: list[str], **kwargs) -> subprocess.Popen:
+def _launch(argv: list[str], log: Path) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    return subprocess.Popen(argv, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, **kwargs)  # fmt: skip
+    handle = open(log, "w")
+    process = subprocess.Popen(argv, env=env, cwd=REPO_ROOT, stdout=handle, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)  # fmt: skip
+    process.log_path = log
+    return process
 
 
-def _finish(process: subprocess.Popen, timeout: float = 240) -> str:
-    output, _ = process.communicate(timeout=timeout)
+def _finish(process: subprocess.Popen, timeout: float = 300) -> str:
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        pytest.fail(f"{process.args} ran over {timeout} s:\n{process.log_path.read_text()[-4000:]}")
+    output = process.log_path.read_text()
     assert process.returncode == 0, output[-4000:]
     return output
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -126,9 +142,9 @@ def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, cache, shakespe
     train_module.train(train_module.resolve_config(parse(small_args(shakespeare, tmp_path / "p", cache))),
                        prepare_only=True, show_progress=False)  # fmt: skip
 
-    reference = _launch(train_cli + small_args(shakespeare, tmp_path / "reference", cache, *common))
+    reference = _launch(train_cli + small_args(shakespeare, tmp_path / "reference", cache, *common), tmp_path / "r.log")
     killed_dir = tmp_path / "killed"
-    killed = _launch(train_cli + small_args(shakespeare, killed_dir, cache, *common))
+    killed = _launch(train_cli + small_args(shakespeare, killed_dir, cache, *common), tmp_path / "k.log")
     deadline = time.time() + 180
     while not list((killed_dir / "checkpoints").glob("step-*")):
         assert killed.poll() is None, "the run ended before writing a checkpoint"
@@ -141,7 +157,7 @@ def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, cache, shakespe
     stopped_at = train_module.latest_checkpoint(killed_dir)
     assert stopped_at is not None and int(stopped_at.name.split("-")[1]) < 24
 
-    resumed = _finish(_launch(train_cli + small_args(shakespeare, killed_dir, cache, *common, "--resume")))
+    resumed = _finish(_launch(train_cli + small_args(shakespeare, killed_dir, cache, *common, "--resume"), tmp_path / "s.log"))
     assert f"resumed from {stopped_at}" in resumed
     _finish(reference)
 
@@ -158,10 +174,12 @@ def test_two_process_ddp_matches_one_process(tmp_path, cache, shakespeare):
                        prepare_only=True, show_progress=False)  # fmt: skip
     ddp = _launch(
         [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517",
-         "-m", "modeling_gpn.train", *small_args(shakespeare, tmp_path / "ddp", cache, *common)]
+         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+         "-m", "modeling_gpn.train", *small_args(shakespeare, tmp_path / "ddp", cache, *common)],
+        tmp_path / "ddp.log",
     )  # fmt: skip
-    single = _launch([sys.executable, "-m", "modeling_gpn.train", *small_args(shakespeare, tmp_path / "one", cache, *common)])
+    single = _launch([sys.executable, "-m", "modeling_gpn.train", *small_args(shakespeare, tmp_path / "one", cache, *common)],
+                     tmp_path / "one.log")  # fmt: skip
     _finish(single)
     output = _finish(ddp)
     assert "2 process(es) x 1 accumulation x 4 windows" in output, output[-3000:]
@@ -222,7 +240,7 @@ def test_configuration_precedence_and_help(tmp_path):
     config_file.write_text(json.dumps({"lr": 0.5, "steps": 7, "seq_len": 16}))
     config = train_module.resolve_config(parse(["--recipe", "tiny-cpu", "--config", str(config_file), "--steps", "9"]))
     assert (config["lr"], config["steps"], config["seq_len"]) == (0.5, 9, 16)  # file over recipe, CLI over file
-    assert config["batch_size"] == 16 and config["dataset"] == "shakespeare"  # from the recipe
+    assert config["batch_size"] == 64 and config["dataset"] == "shakespeare"  # from the recipe
     assert train_module.resolve_config(parse(["--recipe", "tiny-cpu", "--hub-data"]))["dataset"] == "HuggingFaceFW/fineweb-edu"
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"learning_rate": 1}))
