@@ -58,7 +58,8 @@ OPTIONS: list[Option] = [
     Option("model", str, "tiny", "model preset name (configuration/*.json), a path to a config JSON, or (in a recipe "
            "file) an inline config dict; `model_type` gpn or llama picks GPNForCausalLM or LlamaForCausalLM"),
     Option("model_type", str, None, "force the model family: gpn, or llama (the Transformer++ baseline, built from "
-           "--llama-config or the model JSON)", ("gpn", "llama")),
+           "--llama-config or the model JSON); a model JSON may also name another transformers model_type (e.g. "
+           "qwen3_next for the Gated DeltaNet baseline of `gpn study`)", ("gpn", "llama")),
     Option("llama_config", str, None, "path to a LlamaConfig JSON (implies --model-type llama)"),
     Option("bptt_truncation", int, None, "GPN: stop the gradient through the state every this many tokens "
            "(paper: 512 for the 2-layer model); unset = full BPTT over the window"),
@@ -251,7 +252,17 @@ def build_model(config: dict, tokenizer):
             raise ValueError("bptt_truncation applies to GPN models only, not to the llama baseline")
         values.setdefault("max_position_embeddings", config["seq_len"])
         return LlamaForCausalLM(LlamaConfig(**values))
-    raise ValueError(f"Unknown model_type {model_type!r}: use gpn or llama")
+    # Any other transformers causal LM by its model_type, e.g. qwen3_next with every layer
+    # gated-delta linear attention: the Gated DeltaNet baseline of `gpn study`.
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if config["bptt_truncation"]:
+        raise ValueError(f"bptt_truncation applies to GPN models only, not to {model_type}")
+    try:
+        model_config = AutoConfig.for_model(model_type, **values)
+    except ValueError as error:
+        raise ValueError(f"Unknown model_type {model_type!r}: use gpn, llama or a transformers model type ({error})") from error
+    return AutoModelForCausalLM.from_config(model_config)
 
 
 NO_DECAY_NAMES = ("A_log", "dt_bias")

@@ -1,0 +1,38 @@
+"""`gpn study` end to end at a toy budget: every model trains, is evaluated and lands in the report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from modeling_gpn.study import load_study, run_study
+
+from .conftest import require_shared
+
+
+@pytest.mark.slow
+def test_toy_study_end_to_end(tmp_path):
+    corpus = require_shared("data/tinyshakespeare/input.txt")
+    data_dir = require_shared("data")
+    results = run_study(
+        "toy", tmp_path, data_dir=str(data_dir), show_progress=False,
+        overrides={"dataset": str(corpus), "max_tokens": 20000, "cache_dir": str(tmp_path / "cache")},
+    )  # fmt: skip
+    expected = set(load_study("toy")["models"])
+    assert set(results["rows"]) == expected
+    for name, row in results["rows"].items():
+        assert row["last_loss"] < row["first_loss"], f"{name} did not learn"
+        for metric in ("fineweb_ppl", "lambada_acc", "lambada_ppl", "lm_eval_lambada_acc"):
+            assert row[metric] is not None, f"{name}: {metric} missing"
+        assert row["train_tokens_per_s"] > 0
+        assert (tmp_path / name / "model" / "config.json").exists()
+        assert (tmp_path / name / "eval" / "eval_results.json").exists()
+    saved = json.loads((tmp_path / "study_results.json").read_text())
+    assert saved["tokens_per_model"] == 6 * 4 * 32
+    report = (tmp_path / "study_report.md").read_text()
+    for name in expected:
+        assert f"| {name} |" in report
+    assert "| gpn-m-1l | transformer++ | fineweb_ppl |" in report
+    assert "## Reading" in report
+    assert (tmp_path / "training_curves.png").stat().st_size > 10_000
