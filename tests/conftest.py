@@ -22,7 +22,8 @@ DATA = SHARED_DIR / "data"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# One thread: on 2 shared cores, small-op recurrences run several times slower with 2 threads.
+torch.set_num_threads(1)
 
 
 def require_shared(relative: str) -> Path:
