@@ -67,13 +67,10 @@ def load_study(name_or_path: str) -> dict[str, Any]:
 
 def parameter_counts(model) -> dict[str, int]:
     """Total parameters and those outside the token embedding (tied output matrices counted once)."""
-    seen, total = set(), 0
-    for param in model.parameters():
-        if id(param) not in seen:
-            seen.add(id(param))
-            total += param.numel()
-    embedding = model.get_input_embeddings().weight.numel()
-    return {"total": total, "non_embedding": total - embedding}
+    from modeling_gpn.evaluation.runner import count_parameters
+
+    total = count_parameters(model)
+    return {"total": total, "non_embedding": total - model.get_input_embeddings().weight.numel()}
 
 
 def describe(model) -> dict[str, Any]:
@@ -100,10 +97,7 @@ def train_one(name: str, model_config: dict, study: dict, output: Path, show_pro
     """Train one model of the study through `gpn train`'s pipeline; returns its training summary."""
     from modeling_gpn import train as trainer
 
-    args = argparse.Namespace(recipe=None, config=None, hub_data=False)
-    for option in trainer.OPTIONS:
-        setattr(args, option.key, None)
-    config = trainer.resolve_config(args)
+    config = trainer.resolve_config(argparse.Namespace())  # the built-in defaults
     config.update(study["recipe"])
     config.update(model=model_config, model_type=None, output_dir=str(output / name))
     trainer._validate(config)
@@ -120,8 +114,10 @@ def train_one(name: str, model_config: dict, study: dict, output: Path, show_pro
     return summary
 
 
-def evaluate_one(name: str, study: dict, output: Path, data_dir: str | None, show_progress: bool) -> dict[str, Any]:
-    """Run the study's evaluation tasks on one trained model through `gpn eval`'s pipeline."""
+def evaluate_one(
+    name: str, study: dict, output: Path, data_dir: str | None, show_progress: bool, model, tokenizer
+) -> dict[str, Any]:
+    """Run the study's evaluation tasks on one trained (already loaded) model through `gpn eval`'s pipeline."""
     from modeling_gpn.evaluation.cli import write_outputs
     from modeling_gpn.evaluation.runner import EvalSettings, evaluate
 
@@ -133,7 +129,7 @@ def evaluate_one(name: str, study: dict, output: Path, data_dir: str | None, sho
         # the paper's FineWeb protocol on the training corpus's own held-out windows
         settings.task_data = {**settings.task_data, "fineweb_paper": held_out}
         settings.fineweb_max_documents = None
-    results = evaluate(str(output / name / "model"), settings)
+    results = evaluate(str(output / name / "model"), settings, model=model, tokenizer=tokenizer)
     write_outputs(results, output / name / "eval")
     return results
 
@@ -347,7 +343,7 @@ def run_study(
     show_progress: bool = True,
 ) -> dict[str, Any]:
     """Train and evaluate every model of the study, then write the comparison report. Returns its results."""
-    import torch
+    from modeling_gpn.evaluation.runner import load_model
 
     study = load_study(study_name)
     study["recipe"].update(overrides or {})
@@ -361,16 +357,11 @@ def run_study(
     for name in names:
         print(f"== {name}: training", flush=True)
         train_summary = train_one(name, study["models"][name], study, output, show_progress)
-        from transformers import AutoModelForCausalLM
-
-        import modeling_gpn  # noqa: F401
-
-        model = AutoModelForCausalLM.from_pretrained(output / name / "model")
         print(f"== {name}: evaluating", flush=True)
-        eval_results = evaluate_one(name, study, output, data_dir, show_progress)
+        model, tokenizer = load_model(str(output / name / "model"))
+        eval_results = evaluate_one(name, study, output, data_dir, show_progress, model, tokenizer)
         runs[name] = {"train": train_summary, "params": parameter_counts(model), "shape": describe(model), "eval": eval_results}
-        del model
-        torch.set_num_threads(max(1, torch.get_num_threads()))
+        del model, tokenizer
     rows = {name: table_row(name, run) for name, run in runs.items()}
     ratio_rows = ratios(rows)
     recipe = study["recipe"]
