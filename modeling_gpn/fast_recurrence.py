@@ -162,113 +162,325 @@ def shapes_of(model, batch: int) -> Shapes:
 
 
 # --------------------------------------------------------------------------------------------------
-# One step on folded weights
+# Normalisations and their gradients
 # --------------------------------------------------------------------------------------------------
 
 
 def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
 
 
-def _l2(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + L2_NORM_EPS)
+def _rms_parts(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, inv) with y = x * inv and inv = (mean(x^2) + eps)^(-1/2)."""
+    inv = torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    return x * inv, inv
+
+
+def _rms_backward(dy: torch.Tensor, y: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """dx for y = x * (mean(x^2) + eps)^(-1/2):  dx = inv * (dy - y * mean(dy * y))."""
+    return inv * (dy - y * (dy * y).mean(-1, keepdim=True))
+
+
+def _l2_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, inv) with y = x * inv and inv = (sum(x^2) + eps)^(-1/2)."""
+    inv = torch.rsqrt(x.square().sum(-1, keepdim=True) + L2_NORM_EPS)
+    return x * inv, inv
+
+
+def _l2_backward(dy: torch.Tensor, y: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """dx for y = x * (sum(x^2) + eps)^(-1/2):  dx = inv * (dy - y * sum(dy * y))."""
+    return inv * (dy - y * (dy * y).sum(-1, keepdim=True))
+
+
+def _silu_grad(x: torch.Tensor, sig_x: torch.Tensor) -> torch.Tensor:
+    """d silu(x) / dx = sigma(x) (1 + x (1 - sigma(x)))."""
+    return sig_x * (1 + x * (1 - sig_x))
 
 
 def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w in the weights' dtype, float32 result."""
+    if w.dtype == torch.float32:
+        return torch.matmul(x, w)
     return torch.matmul(x.to(w.dtype), w).float()
 
 
-class StepRecord(NamedTuple):
-    """What a step multiplies (inputs of each matmul) and produces (outputs, whose gradients we need)."""
-
-    mm_inputs: list  # [a_p, a_g, X_0, (a_c_i, X_i) for layers i >= 1]
-    mm_outputs: list  # [z_fg, Z, Y_0, (Z_i, Y_i) ...]
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """x @ w + b in the weights' dtype, float32 result (the bias add fused into the matmul in fp32)."""
+    if w.dtype == torch.float32:
+        return torch.addmm(b, x, w)
+    return torch.matmul(x.to(w.dtype), w).float() + b
 
 
 def key_from_grounded(grounded: torch.Tensor, w: FoldedWeights, s: Shapes, eps: float) -> torch.Tensor:
     """Key pre-activation W_k rms(g) + b_k for a grounded state (used for the state before the window)."""
     width = s.heads * s.key_dim
-    return _mm(_unit_rms(grounded, eps), w.big_w[:, :width]) + w.big_b[:width]
+    return _linear(_unit_rms(grounded, eps), w.big_w[:, :width], w.big_b[:width])
 
 
-def fast_step(
-    p: torch.Tensor,
-    g: torch.Tensor,
-    key: Optional[torch.Tensor],
-    memory: torch.Tensor,
-    u: torch.Tensor,
-    real: Optional[torch.Tensor],
-    w: FoldedWeights,
-    s: Shapes,
-    eps: float,
-    record: bool = False,
-):
-    """One token on folded weights: (p, g, key(g), M), u -> (p', g', key(g'), M', gamma[, StepRecord])."""
+# --------------------------------------------------------------------------------------------------
+# One step forward (optionally keeping what its backward needs)
+# --------------------------------------------------------------------------------------------------
+
+
+class StepState(NamedTuple):
+    """The carried state on the fast path: p, g, the key pre-activation computed from g, and M."""
+
+    p: torch.Tensor  # (B, d)
+    g: torch.Tensor  # (B, d)
+    key: torch.Tensor  # (B, H*dk), or (B, 0) without memory
+    memory: torch.Tensor  # (B, H, dk, dv), or (B, 0) without memory
+
+
+def _predict_layer(state, layer_part, memory_flat, first_read, s: Shapes, eps: float, out_w, saved):
+    """A predict layer on folded weights: state' = sigmoid(gate) * state + [FFN | read] W_out.
+
+    `layer_part` holds the layer's projections of its (normalised) input; `first_read`, when given, is the
+    layer's memory read computed already (layer 0 reads M' through an identity, see `_step`)."""
     B, H, dk, dv, d, f = s.batch, s.heads, s.key_dim, s.value_dim, s.hidden, s.inter
-    a_p = _unit_rms(p, eps)
-    z_fg = _mm(a_p, w.fg_w) + w.fg_b
-    grounded = torch.sigmoid(z_fg) * p + u
-    a_g = _unit_rms(grounded, eps)
-    Z = _mm(a_g, w.big_w) + w.big_b
-    gamma = None
-    new_memory = memory
+    sig_gate = torch.sigmoid(layer_part[:, :d])
+    ffn_a, ffn_b = layer_part[:, d : d + f], layer_part[:, d + f : d + 2 * f]
+    sig_a = torch.sigmoid(ffn_a)
+    silu_a = ffn_a * sig_a
     if s.memory:
-        new_key, value, beta, decay, layer_part = Z.split([H * dk, H * dv, H, H, Z.shape[1] - H * (dk + dv + 2)], 1)
-        # M' = e^gamma M + k (beta (v - M^T k))^T, as two passes over M (a scale, then a batched rank-1 add)
-        k = _l2(F.relu(key).reshape(B * H, 1, dk))
-        gamma = w.neg_decay_rate * F.softplus(decay)
-        flat = memory.view(B * H, dk, dv)
-        error = value.reshape(B * H, 1, dv) - torch.bmm(k, flat)
-        update = torch.sigmoid(beta).view(B * H, 1, 1) * error
-        new_memory = torch.baddbmm(flat * torch.exp(gamma).view(B * H, 1, 1), k.transpose(1, 2), update).view(B, H, dk, dv)
+        read_gate = layer_part[:, d + 2 * f + H * dk :]
+        if first_read is None:
+            query = layer_part[:, d + 2 * f : d + 2 * f + H * dk].reshape(B * H, dk)
+            q, q_inv = _l2_parts(F.relu(query))
+            read = torch.bmm(q[:, None], memory_flat).view(B, H * dv)
+        else:
+            query, q, q_inv, read = first_read
+        normed_read, read_inv = _rms_parts(read, eps)
+        sig_rg = torch.sigmoid(read_gate)
+        X = torch.cat([silu_a * ffn_b, read_gate * sig_rg * normed_read], dim=1)
     else:
-        layer_part, new_key = Z, key
-    mm_inputs, mm_outputs = [a_p, a_g], [z_fg, Z]
-    state = grounded
+        X = silu_a * ffn_b
+    Y = _mm(X, out_w)
+    new_state = torch.addcmul(Y, sig_gate, state)
+    if saved is not None:
+        layer = dict(state=state, sig_gate=sig_gate, ffn_a=ffn_a, ffn_b=ffn_b, sig_a=sig_a, silu_a=silu_a, X=X)
+        if s.memory:
+            layer.update(query=query, q=q, q_inv=q_inv, read_gate=read_gate, sig_rg=sig_rg,
+                         normed_read=normed_read, read_inv=read_inv)  # fmt: skip
+        saved["layers"].append(layer)
+    return new_state
+
+
+def _step(
+    state: StepState, u, real, w: FoldedWeights, s: Shapes, eps: float,
+    saved: Optional[dict] = None, memory_out: Optional[torch.Tensor] = None,
+):  # fmt: skip
+    """One token on folded weights: state, u -> (new state, gamma). Fills `saved` for `_step_backward`;
+    writes M' into `memory_out` when given (reused buffers: fresh 1.5 MB tensors every step cost page faults).
+
+    The equations are GPN.md's (see `GPNModel.step`), with the RMSNorm weights folded into the matrices:
+        a_p = rms(p);  g = sigmoid(a_p W_fg + b_fg) * p + u;  a_g = rms(g);  Z = a_g W_big + b_big
+        k = l2(relu(key));  M' = e^gamma M + k (beta (v - M^T k))^T;  key' = Z[key columns]
+        state = g;  for each layer: state = sigmoid(gate) * state + [silu(a) b | silu(r) rms(M'^T q)] W_out
+    """
+    p, g, key, memory = state
+    B, H, dk, dv, d = s.batch, s.heads, s.key_dim, s.value_dim, s.hidden
+    a_p, p_inv = _rms_parts(p, eps)
+    sig_fg = torch.sigmoid(_linear(a_p, w.fg_w, w.fg_b))
+    grounded = torch.addcmul(u, sig_fg, p)
+    a_g, g_inv = _rms_parts(grounded, eps)
+    Z = _linear(a_g, w.big_w, w.big_b)
+    if saved is not None:
+        saved.update(p=p, g=g, a_p=a_p, p_inv=p_inv, sig_fg=sig_fg, a_g=a_g, g_inv=g_inv, layers=[])
+    gamma, first_read = None, None
+    memory_flat = new_memory = memory
+    if s.memory:
+        width = H * dk
+        new_key, value, beta, decay, layer_part = Z.split([width, H * dv, H, H, Z.shape[1] - width - H * dv - 2 * H], 1)
+        k, k_inv = _l2_parts(F.relu(key).view(B * H, dk))
+        softplus_decay = F.softplus(decay)
+        gamma = w.neg_decay_rate * softplus_decay  # (B, H)
+        decay_factor = torch.exp(gamma).view(B * H, 1)
+        sig_beta = torch.sigmoid(beta).view(B * H, 1)
+        # one pass over M gives M^T k (for the write) and M^T q of layer 0 (for its read, through
+        # M'^T q = e^gamma M^T q + (q . k) update, which saves a second pass over M')
+        query0 = layer_part[:, d + 2 * s.inter : d + 2 * s.inter + width].reshape(B * H, dk)
+        q0, q0_inv = _l2_parts(F.relu(query0))
+        old_flat = memory.view(B * H, dk, dv)
+        both = torch.bmm(torch.stack([k, q0], dim=1), old_flat)  # (BH, 2, dv)
+        error = value.reshape(B * H, dv) - both[:, 0]
+        update = sig_beta * error
+        out = None if memory_out is None else memory_out.view(B * H, dk, dv)
+        memory_flat = torch.mul(old_flat, decay_factor[:, :, None], out=out).addcmul_(k[:, :, None], update[:, None, :])
+        read0 = torch.addcmul(decay_factor * both[:, 1], (q0 * k).sum(-1, keepdim=True), update)
+        first_read = (query0, q0, q0_inv, read0.view(B, H * dv))
+        new_memory = memory_flat.view(B, H, dk, dv)
+        if saved is not None:
+            saved.update(key=key, k=k, k_inv=k_inv, decay=decay, softplus_decay=softplus_decay,
+                         decay_factor=decay_factor, sig_beta=sig_beta, error=error, update=update,
+                         old_memory=old_flat, new_memory=memory_flat)  # fmt: skip
+    else:
+        new_key, layer_part = key, Z
+    layer_state = grounded
     for i in range(s.layers):
         if i > 0:
-            a_c = _unit_rms(state, eps)
-            layer_part = _mm(a_c, w.layer_w[i - 1]) + w.layer_b[i - 1]
-            mm_inputs.append(a_c)
-            mm_outputs.append(layer_part)
-        if s.memory:
-            gate, ffn_a, ffn_b, query, read_gate = layer_part.split([d, f, f, H * dk, H * dv], 1)
-            q = _l2(F.relu(query).reshape(B * H, 1, dk))
-            read = torch.bmm(q, new_memory.view(B * H, dk, dv)).view(B, H * dv)
-            X = torch.cat([F.silu(ffn_a) * ffn_b, F.silu(read_gate) * _unit_rms(read, eps)], dim=1)
-        else:
-            gate, ffn_a, ffn_b = layer_part.split([d, f, f], 1)
-            X = F.silu(ffn_a) * ffn_b
-        Y = _mm(X, w.out_w[i])
-        mm_inputs.append(X)
-        mm_outputs.append(Y)
-        state = torch.sigmoid(gate) * state + Y
-    new_p = state
+            a_c, c_inv = _rms_parts(layer_state, eps)
+            layer_part = _linear(a_c, w.layer_w[i - 1], w.layer_b[i - 1])
+            if saved is not None:
+                saved["layers"][-1].update(next_a=a_c, next_inv=c_inv)
+        layer_state = _predict_layer(layer_state, layer_part, memory_flat, first_read if i == 0 else None,
+                                     s, eps, w.out_w[i], saved)  # fmt: skip
+    new_p = layer_state
     if real is not None:
+        if saved is not None:
+            saved["real"] = real
         r = real[:, None]
         new_p = torch.where(r, new_p, p)
         grounded = torch.where(r, grounded, g)
         if s.memory:
             new_key = torch.where(r, new_key, key)
             new_memory = torch.where(real[:, None, None, None], new_memory, memory)
-    if record:
-        return new_p, grounded, new_key, new_memory, gamma, StepRecord(mm_inputs, mm_outputs)
-    return new_p, grounded, new_key, new_memory, gamma
+    return StepState(new_p, grounded, new_key, new_memory), gamma
 
 
-def _run_steps(U, mask, state, w, s, eps, start, stop, keep_states: bool, outputs=None, gammas=None):
-    """Steps start..stop-1 without autograd; optionally keep the input state of every step."""
-    p, g, key, memory = state
-    kept = []
+# --------------------------------------------------------------------------------------------------
+# One step backward, by hand
+# --------------------------------------------------------------------------------------------------
+
+
+class TransposedWeights(NamedTuple):
+    """Contiguous transposes of the step matrices: the state-gradient matmuls read them row-major (a
+    transposed view costs 2-3x on CPU)."""
+
+    fg_w: torch.Tensor
+    big_w: torch.Tensor
+    out_w: tuple[torch.Tensor, ...]
+    layer_w: tuple[torch.Tensor, ...]
+    neg_decay_rate: Optional[torch.Tensor]  # as in FoldedWeights (not transposed; here for the decay gradient)
+
+
+def transpose_weights(w: FoldedWeights) -> TransposedWeights:
+    t = lambda m: m.detach().t().contiguous()  # noqa: E731
+    ndr = None if w.neg_decay_rate is None else w.neg_decay_rate.detach()
+    return TransposedWeights(t(w.fg_w), t(w.big_w), tuple(map(t, w.out_w)), tuple(map(t, w.layer_w)), ndr)
+
+
+def _split_real(grad: torch.Tensor, real: Optional[torch.Tensor]):
+    """(gradient into the step, gradient passed straight to the carried input) for a masked step."""
+    if real is None:
+        return grad, None
+    r = real.view(-1, *([1] * (grad.dim() - 1))).to(grad.dtype)
+    return grad * r, grad * (1 - r)
+
+
+def _step_backward(
+    saved: dict, grads: StepState, wt: TransposedWeights, s: Shapes, eps: float, weight_grads,
+    memory_grad_out: Optional[torch.Tensor] = None,
+):  # fmt: skip
+    """Gradients of a step's input state and token input from those of its outputs (the inverse of `_step`).
+
+    `grads` holds dL/d(new p, new g, new key, new M); returns (dL/d(p, g, key, M) of the input state, dL/du).
+    The (matmul input, output gradient) pairs go to `weight_grads` to be multiplied later in bulk.
+    dL/dM is written into `memory_grad_out` when given (it must not be `grads.memory`)."""
+    B, H, dk, dv, d, f = s.batch, s.heads, s.key_dim, s.value_dim, s.hidden, s.inter
+    real = saved.get("real")
+    d_state, dp_pass = _split_real(grads.p, real)
+    d_grounded, dg_pass = _split_real(grads.g, real)
+    mm_inputs, mm_grads = [], []
+    reads = []  # (q, dL/d read) of every layer, for the gradient of M'
+    for i in reversed(range(s.layers)):
+        layer = saved["layers"][i]
+        sig_gate = layer["sig_gate"]
+        # state' = sigmoid(gate) * state + Y,  Y = X W_out
+        d_gate = d_state * layer["state"] * sig_gate * (1 - sig_gate)
+        dX = _mm(d_state, wt.out_w[i])
+        mm_inputs.append(layer["X"])
+        mm_grads.append(d_state)
+        d_state = d_state * sig_gate
+        # X = [silu(a) b | silu(read_gate) rms(read)]
+        d_hidden = dX[:, :f]
+        d_parts = [d_gate, d_hidden * layer["ffn_b"] * _silu_grad(layer["ffn_a"], layer["sig_a"]), d_hidden * layer["silu_a"]]
+        if s.memory:
+            d_out = dX[:, f:]
+            sig_rg, read_gate = layer["sig_rg"], layer["read_gate"]
+            d_read_gate = d_out * layer["normed_read"] * _silu_grad(read_gate, sig_rg)
+            d_read = _rms_backward(d_out * (read_gate * sig_rg), layer["normed_read"], layer["read_inv"]).view(B * H, dv)
+            # read = M'^T q (per head): dq = M' d_read; M' collects q d_read^T (below)
+            dq = torch.bmm(d_read[:, None], saved["new_memory"].mT)[:, 0]
+            d_query = _l2_backward(dq, layer["q"], layer["q_inv"]) * (layer["query"] > 0)
+            d_parts += [d_query.view(B, H * dk), d_read_gate]
+            reads.append((layer["q"], d_read))
+        d_layer_part = torch.cat(d_parts, dim=1)
+        if i > 0:  # the layer's projections came from rms(output of layer i-1)
+            before = saved["layers"][i - 1]
+            mm_inputs.append(before["next_a"])
+            mm_grads.append(d_layer_part)
+            d_a = _mm(d_layer_part, wt.layer_w[i - 1])
+            d_state = d_state + _rms_backward(d_a, before["next_a"], before["next_inv"])
+    d_grounded = d_grounded + d_state
+
+    if s.memory:
+        d_new_key, dkey_pass = _split_real(grads.key, real)
+        d_new_memory, dM_pass = _split_real(grads.memory, real)
+        k, update, decay_factor, sig_beta = saved["k"], saved["update"], saved["decay_factor"], saved["sig_beta"]
+        old = saved["old_memory"]
+        # dL/dM' = incoming + sum over layers of q d_read^T
+        out = None if memory_grad_out is None else memory_grad_out.view(B * H, dk, dv)
+        (q, d_read), *more_reads = reads
+        dM = torch.addcmul(d_new_memory.reshape(B * H, dk, dv), q[:, :, None], d_read[:, None, :], out=out)
+        for q, d_read in more_reads:
+            dM.addcmul_(q[:, :, None], d_read[:, None, :])
+        # M' = a M + k update^T,  update = beta (v - M^T k),  a = e^gamma
+        d_update = torch.bmm(k[:, None], dM)[:, 0]  # dM^T k
+        d_k = torch.bmm(update[:, None], dM.mT)[:, 0]  # dM update
+        # <dM, M> per head, as row-by-row dot products (torch's batched dot products are several times slower)
+        d_decay_factor = torch.bmm(dM.view(B * H * dk, 1, dv), old.reshape(B * H * dk, dv, 1)).view(B * H, dk).sum(-1)
+        d_error = sig_beta * d_update
+        d_beta = (d_update * saved["error"]).sum(-1) * (sig_beta[:, 0] * (1 - sig_beta[:, 0]))
+        d_k -= torch.bmm(d_error[:, None], old.mT)[:, 0]  # from M^T k in the error
+        dM.mul_(decay_factor[:, :, None]).addcmul_(k[:, :, None], d_error[:, None, :], value=-1)  # dL/dM
+        d_gamma = (d_decay_factor * decay_factor[:, 0]).view(B, H)
+        weight_grads.neg_decay += (d_gamma * saved["softplus_decay"]).sum(0)
+        d_decay = d_gamma * wt.neg_decay_rate * torch.sigmoid(saved["decay"])
+        d_key = _l2_backward(d_k, k, saved["k_inv"]).view(B, H * dk) * (saved["key"] > 0)
+        dZ = torch.cat([d_new_key, d_error.view(B, H * dv), d_beta.view(B, H), d_decay, d_layer_part], dim=1)
+        if dkey_pass is not None:
+            d_key = d_key + dkey_pass
+            dM = dM.view(B, H, dk, dv) + dM_pass
+        dM = dM.view(B, H, dk, dv)
+    else:
+        dZ, d_key, dM = d_layer_part, grads.key, grads.memory
+    mm_inputs.append(saved["a_g"])
+    mm_grads.append(dZ)
+    d_grounded = d_grounded + _rms_backward(_mm(dZ, wt.big_w), saved["a_g"], saved["g_inv"])
+    # g = sigmoid(z_fg) * p + u,  z_fg = rms(p) W_fg + b_fg
+    sig_fg, p = saved["sig_fg"], saved["p"]
+    d_z_fg = d_grounded * p * sig_fg * (1 - sig_fg)
+    mm_inputs.append(saved["a_p"])
+    mm_grads.append(d_z_fg)
+    d_p = d_grounded * sig_fg + _rms_backward(_mm(d_z_fg, wt.fg_w), saved["a_p"], saved["p_inv"])
+    if dp_pass is not None:
+        d_p = d_p + dp_pass
+    d_g = dg_pass if dg_pass is not None else torch.zeros_like(d_grounded)
+    weight_grads.add(mm_inputs, mm_grads)
+    return StepState(d_p, d_g, d_key, dM), d_grounded
+
+
+def _run_steps(
+    U, mask, state: StepState, w, s, eps, start, stop, outputs=None, gammas=None, records=None, memory_buffer=None
+):  # fmt: skip
+    """Steps start..stop-1 without autograd; with `records` (a list) keep each step's saved values.
+
+    `mask` is (B, T) bool or None; steps where every row is real run unmasked (no selects, no gradient
+    splitting), which is every step of an unpadded batch. With `memory_buffer` (n, B, H, dk, dv) step j
+    writes M' into slot j % n: n = 2 alternates two slots (the input M of a step must not be its output
+    slot), n = stop - start keeps every M' of the run for its records."""
+    masked_steps = set() if mask is None else {t for t, full in enumerate(mask.all(0).tolist()) if not full}
     for t in range(start, stop):
-        if keep_states:
-            kept.append((p, g, key, memory))
-        p, g, key, memory, gamma = fast_step(p, g, key, memory, U[:, t], None if mask is None else mask[:, t], w, s, eps)
+        saved = {} if records is not None else None
+        out = None if memory_buffer is None else memory_buffer[(t - start) % memory_buffer.shape[0]]
+        state, gamma = _step(state, U[:, t], mask[:, t] if t in masked_steps else None, w, s, eps, saved, out)
+        if records is not None:
+            records.append(saved)
         if outputs is not None:
-            outputs[:, t] = p
+            outputs[:, t] = state.p
         if gammas is not None and gamma is not None:
             gammas[:, t] = gamma
-    return (p, g, key, memory), kept
+    return state
 
 
 # --------------------------------------------------------------------------------------------------
@@ -289,26 +501,41 @@ class GPNRecurrenceFunction(torch.autograd.Function):
         s, eps, segment, truncation = settings
         w = _unflatten(flat_weights, s)
         B, T, d = U.shape
-        outputs = U.new_empty(B, T, d, dtype=torch.float32)
-        gammas = U.new_zeros(B, T, s.heads, dtype=torch.float32) if s.memory else None
+        ctx.input_dtype = U.dtype
+        U = U.float()
+        outputs = U.new_empty(B, T, d)
+        gammas = U.new_zeros(B, T, s.heads) if s.memory else U.new_zeros(B, T, 0)
         key0 = key_from_grounded(g0, w, s, eps) if s.memory else g0.new_zeros(B, 0)
-        state = (p0, g0, key0, M0)
-        boundaries = []
-        seg = segment or 1
+        state = StepState(p0, g0, key0, M0)
+        seg = segment or T
+        # M' goes into reused buffers: two alternating slots while running, one slot per step of a segment
+        # whose records are kept (the last one here; backward reuses the same slots for every segment)
+        alternating = U.new_empty(2, *M0.shape) if s.memory else None
+        segment_memory = U.new_empty(min(seg, T), *M0.shape) if s.memory else None
+        boundaries, last_records = [], []
         for start in range(0, T, seg):
+            if start > 0 and s.memory:  # the boundary must outlive the alternating slots
+                state = state._replace(memory=state.memory.clone())
             boundaries.append(state)
-            state, _ = _run_steps(U, mask, state, w, s, eps, start, min(start + seg, T), False, outputs, gammas)
-        p, g, _, memory = state
+            stop = min(start + seg, T)
+            # the backward pass starts with the last segment: keep its records instead of recomputing them
+            last = stop == T
+            buffer = (segment_memory[: stop - start] if last else alternating) if s.memory else None
+            state = _run_steps(U, mask, state, w, s, eps, start, stop, outputs, gammas if s.memory else None,
+                               last_records if last else None, buffer)  # fmt: skip
         ctx.settings = settings
         ctx.boundaries = boundaries
+        ctx.last_records = last_records
+        ctx.segment_memory = segment_memory
         ctx.has_mask = mask is not None
-        ctx.save_for_backward(U, g0, *( [mask] if mask is not None else []), *flat_weights)
-        if gammas is None:
-            gammas = U.new_zeros(B, T, 0)
+        ctx.save_for_backward(U, g0, *([mask] if mask is not None else []), *flat_weights)
         ctx.mark_non_differentiable(gammas)
-        return outputs, p, g, memory, gammas
+        # the final M sits in a slot that backward reuses: hand out a copy
+        final_memory = state.memory.clone() if s.memory else state.memory
+        return outputs, state.p, state.g, final_memory, gammas
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dP, dp_final, dg_final, dM_final, _dgamma):
         s, eps, segment, truncation = ctx.settings
         saved = ctx.saved_tensors
@@ -318,139 +545,99 @@ class GPNRecurrenceFunction(torch.autograd.Function):
         else:
             mask, flat_weights = None, saved[2:]
         w = _unflatten(flat_weights, s)
+        wt = transpose_weights(w)
         B, T, d = U.shape
-        zeros_like = lambda x: torch.zeros_like(x)  # noqa: E731
         first = ctx.boundaries[0]
-        dp = dp_final if dp_final is not None else zeros_like(first[0])
-        dg = dg_final if dg_final is not None else zeros_like(first[1])
-        dkey = zeros_like(first[2])
-        dM = dM_final if dM_final is not None else zeros_like(first[3])
-        if dP is None:
-            dP = torch.zeros(B, T, d, dtype=torch.float32, device=U.device)
-        dU = torch.zeros_like(U, dtype=torch.float32)
-        grads = _WeightGrads(w)
-        seg = segment or 1
+        grad_or_zero = lambda g, like: g if g is not None else torch.zeros_like(like)  # noqa: E731
+        grads = StepState(grad_or_zero(dp_final, first.p), grad_or_zero(dg_final, first.g),
+                          torch.zeros_like(first.key), grad_or_zero(dM_final, first.memory))  # fmt: skip
+        dU = torch.empty(B, T, d, dtype=torch.float32, device=U.device)
+        weight_grads = _WeightGrads(w)
+        memory_grads = U.new_empty(2, *first.memory.shape) if s.memory else None  # alternating dL/dM slots
+        seg = segment or T
         for index in reversed(range(len(ctx.boundaries))):
             start = index * seg
             stop = min(start + seg, T)
-            # recompute the segment once, keeping each step's autograd graph (cut at its input state)
-            graphs, state = [], ctx.boundaries[index]
-            for t in range(start, stop):
-                graphs.append(_step_with_graph(state, U[:, t], mask, t, w, s, eps))
-                state = tuple(x.detach() for x in graphs[-1][1][:4])
+            if stop == T:
+                records, ctx.last_records = ctx.last_records, None
+            else:  # recompute the segment from its boundary, keeping what the backward steps need
+                records = []
+                buffer = None if ctx.segment_memory is None else ctx.segment_memory[: stop - start]
+                _run_steps(U, mask, ctx.boundaries[index], w, s, eps, start, stop, records=records, memory_buffer=buffer)
+            ctx.boundaries[index] = None
             for t in reversed(range(start, stop)):
-                graph = graphs.pop()
-                dp, dg, dkey, dM, du = _step_grads(graph, s, dp + dP[:, t], dg, dkey, dM, grads)
-                dU[:, t] = du
+                record = records.pop()
+                if dP is not None:
+                    grads = grads._replace(p=grads.p + dP[:, t])
+                out = None if memory_grads is None else memory_grads[t % 2]
+                grads, dU[:, t] = _step_backward(record, grads, wt, s, eps, weight_grads, out)
                 if truncation and t % truncation == 0 and t > 0:
                     # the state is cut here, the weights are not: the key of step t (from g_{t-1}) still
                     # contributes to the key projection's gradient, but nothing flows into g_{t-1}
                     if s.memory:
-                        grads.add_key0(_unit_rms(graph[0][1].detach(), eps), dkey)
-                    dp, dg, dkey, dM = zeros_like(dp), zeros_like(dg), zeros_like(dkey), zeros_like(dM)
-            ctx.boundaries[index] = None
+                        weight_grads.add_key(_unit_rms(record["g"], eps), grads.key)
+                    grads = StepState(*(torch.zeros_like(x) for x in grads))
+        d_g0 = grads.g
         if s.memory:  # the key of the first step came from g0
-            with torch.enable_grad():
-                g0_leaf = g0.detach().requires_grad_(True)
-                a_g0 = _unit_rms(g0_leaf, eps)
-                key0 = _mm(a_g0, w.big_w[:, : s.heads * s.key_dim])
-                (dg0,) = torch.autograd.grad(key0, g0_leaf, dkey)
-            dg = dg + dg0
-            grads.add_key0(a_g0.detach(), dkey)
-        weight_grads = grads.finish()
-        return (dU.to(U.dtype), dp, dg, dM, None, None, *weight_grads)
-
-
-def _step_with_graph(state, u, mask, t, w, s, eps):
-    """Step t under autograd from a detached copy of its input state: (leaves, outputs, record)."""
-    p, g, key, memory = state
-    with torch.enable_grad():
-        if s.memory:
-            w = w._replace(neg_decay_rate=w.neg_decay_rate.detach().requires_grad_(True))
-        p = p.detach().requires_grad_(True)
-        g = g.detach().requires_grad_(True)
-        key = key.detach().requires_grad_(s.memory)
-        memory = memory.detach().requires_grad_(s.memory)
-        u = u.detach().float().requires_grad_(True)
-        real = None if mask is None else mask[:, t]
-        new_p, new_g, new_key, new_memory, _, record = fast_step(p, g, key, memory, u, real, w, s, eps, record=True)
-    leaves = [p, g, u] + ([key, memory, w.neg_decay_rate] if s.memory else [])
-    return leaves, (new_p, new_g, new_key, new_memory), record
-
-
-def _step_grads(graph, s, dp_out, dg_out, dkey_out, dM_out, grads):
-    """Backward through one step's graph: the state gradients; matmul pairs go to `grads`."""
-    leaves, (new_p, new_g, new_key, new_memory), record = graph
-    outs, gouts = [new_p, new_g], [dp_out, dg_out]
-    if s.memory:
-        outs += [new_key, new_memory]
-        gouts += [dkey_out, dM_out]
-    results = torch.autograd.grad(outs, leaves + record.mm_outputs, gouts, allow_unused=True)
-    leaf_grads = [torch.zeros_like(x) if r is None else r for x, r in zip(leaves, results[: len(leaves)])]
-    out_grads = [torch.zeros_like(y) if r is None else r for y, r in zip(record.mm_outputs, results[len(leaves) :])]
-    grads.add([x.detach() for x in record.mm_inputs], out_grads)
-    dp, dg, du = leaf_grads[:3]
-    if s.memory:
-        dkey, dM, d_neg_decay = leaf_grads[3:]
-        grads.neg_decay = d_neg_decay if grads.neg_decay is None else grads.neg_decay + d_neg_decay
-    else:
-        dkey, dM = dkey_out, dM_out
-    return dp, dg, dkey, dM, du
+            a_g0, g0_inv = _rms_parts(g0, eps)
+            width = s.heads * s.key_dim
+            d_g0 = d_g0 + _rms_backward(_mm(grads.key, wt.big_w[:width]), a_g0, g0_inv)
+            weight_grads.add_key(a_g0, grads.key)
+        return (dU.to(ctx.input_dtype), grads.p, d_g0, grads.memory, None, None, *weight_grads.finish())
 
 
 class _WeightGrads:
-    """Collects (matmul input, output gradient) pairs and turns them into weight gradients in blocks."""
+    """Collects (matmul input, output gradient) pairs and turns them into weight gradients in blocks of
+    `WEIGHT_GRAD_BLOCK` steps: one large x^T dy matmul per weight matrix instead of one per step."""
 
     def __init__(self, w: FoldedWeights):
         self.w = w
         self.pending: list = []
-        self.fg_w = torch.zeros(w.fg_w.shape, dtype=torch.float32, device=w.fg_w.device)
-        self.fg_b = torch.zeros(w.fg_b.shape, dtype=torch.float32, device=w.fg_b.device)
-        self.big_w = torch.zeros(w.big_w.shape, dtype=torch.float32, device=w.big_w.device)
-        self.big_b = torch.zeros(w.big_b.shape, dtype=torch.float32, device=w.big_b.device)
-        self.out_w = [torch.zeros(o.shape, dtype=torch.float32, device=o.device) for o in w.out_w]
-        self.layer_w = [torch.zeros(o.shape, dtype=torch.float32, device=o.device) for o in w.layer_w]
-        self.layer_b = [torch.zeros(o.shape, dtype=torch.float32, device=o.device) for o in w.layer_b]
-        self.neg_decay = None
+        zeros = lambda ref: torch.zeros(ref.shape, dtype=torch.float32, device=ref.device)  # noqa: E731
+        self.fg_w, self.fg_b, self.big_w, self.big_b = zeros(w.fg_w), zeros(w.fg_b), zeros(w.big_w), zeros(w.big_b)
+        self.out_w = [zeros(o) for o in w.out_w]
+        self.layer_w = [zeros(o) for o in w.layer_w]
+        self.layer_b = [zeros(o) for o in w.layer_b]
+        self.neg_decay = zeros(w.neg_decay_rate) if w.neg_decay_rate is not None else None
 
-    def add(self, inputs, out_grads) -> None:
+    def add(self, inputs: list, out_grads: list) -> None:
+        """One step's pairs, in `_step_backward`'s order: (X, dY) and (a_c, dLP) of the layers from the last
+        down (layer 0 has no a_c), then (a_g, dZ) and (a_p, dz_fg)."""
         self.pending.append((inputs, out_grads))
         if len(self.pending) >= WEIGHT_GRAD_BLOCK:
             self.flush()
 
-    def add_key0(self, a_g0: torch.Tensor, dkey: torch.Tensor) -> None:
+    def add_key(self, a_g: torch.Tensor, dkey: torch.Tensor) -> None:
         """Weight gradient of a key computed from a grounded state outside the chain (g0, or a cut)."""
         width = dkey.shape[1]
-        self.big_w[:, :width] += _tmm(a_g0, dkey, self.w.big_w.dtype)
+        self.big_w[:, :width] += _tmm(a_g, dkey, self.w.big_w.dtype)
         self.big_b[:width] += dkey.sum(0)
 
     def flush(self) -> None:
         if not self.pending:
             return
-        columns = list(zip(*[[*ins] for ins, _ in self.pending]))
-        grad_columns = list(zip(*[[*gs] for _, gs in self.pending]))
-        self.pending = []
+        steps, self.pending = self.pending, []
+        dtype = self.w.big_w.dtype
 
         def pair(j):
-            x = torch.cat(columns[j], 0)
-            gy = torch.cat(grad_columns[j], 0)
-            return x, gy
+            return torch.cat([ins[j] for ins, _ in steps], 0), torch.cat([gs[j] for _, gs in steps], 0)
 
-        dtype = self.w.big_w.dtype
-        x, gy = pair(0)
-        self.fg_w += _tmm(x, gy, dtype)
-        self.fg_b += gy.sum(0)
-        x, gy = pair(1)
+        j = 0
+        for i in reversed(range(len(self.out_w))):
+            x, gy = pair(j)
+            self.out_w[i] += _tmm(x, gy, dtype)
+            j += 1
+            if i > 0:
+                x, gy = pair(j)
+                self.layer_w[i - 1] += _tmm(x, gy, dtype)
+                self.layer_b[i - 1] += gy.sum(0)
+                j += 1
+        x, gy = pair(j)
         self.big_w += _tmm(x, gy, dtype)
         self.big_b += gy.sum(0)
-        x, gy = pair(2)
-        self.out_w[0] += _tmm(x, gy, dtype)
-        for i in range(1, len(self.out_w)):
-            x, gy = pair(1 + 2 * i)
-            self.layer_w[i - 1] += _tmm(x, gy, dtype)
-            self.layer_b[i - 1] += gy.sum(0)
-            x, gy = pair(2 + 2 * i)
-            self.out_w[i] += _tmm(x, gy, dtype)
+        x, gy = pair(j + 1)
+        self.fg_w += _tmm(x, gy, dtype)
+        self.fg_b += gy.sum(0)
 
     def finish(self) -> list:
         self.flush()
@@ -461,7 +648,7 @@ class _WeightGrads:
         grads += [cast(g, ref) for g, ref in zip(self.layer_w, w.layer_w)]
         grads += list(self.layer_b)
         if w.neg_decay_rate is not None:
-            grads.append(self.neg_decay if self.neg_decay is not None else torch.zeros_like(w.neg_decay_rate))
+            grads.append(self.neg_decay)
         return grads
 
 
@@ -508,7 +695,7 @@ def fast_recurrence(
     B, T, _ = token_inputs.shape
     s = shapes_of(model, B)
     eps = config.rms_norm_eps
-    p0, g0, M0 = (x.float() for x in state)
+    p0, g0, M0 = (x.float().contiguous() for x in state)
     if mask is not None:
         mask = mask.bool()
     needs_grad = torch.is_grad_enabled() and (
@@ -520,8 +707,8 @@ def fast_recurrence(
             outputs = torch.empty(B, T, s.hidden, dtype=torch.float32, device=token_inputs.device)
             gammas = torch.zeros(B, T, s.heads, device=token_inputs.device) if (s.memory and output_memory_decays) else None
             key0 = key_from_grounded(g0, w, s, eps) if s.memory else g0.new_zeros(B, 0)
-            (p, g, _, memory), _ = _run_steps(token_inputs.float(), mask, (p0, g0, key0, M0), w, s, eps, 0, T, False, outputs, gammas)
-        return outputs, (p, g, memory), gammas
+            final = _run_steps(token_inputs.float(), mask, StepState(p0, g0, key0, M0), w, s, eps, 0, T, outputs, gammas)
+        return outputs, (final.p, final.g, final.memory), gammas
     w = fold_weights(model)
     settings = (s, eps, config.bptt_segment_length, config.bptt_truncation_length)
     outputs, p, g, memory, gammas = GPNRecurrenceFunction.apply(token_inputs, p0, g0, M0, mask, settings, *_flatten(w))
