@@ -164,17 +164,20 @@ class PeakMemory:
         return False
 
 
-def timed(fn, device: str, repeats: int) -> float:
-    """Median seconds of `fn()` after one warm-up."""
-    fn()
-    synchronize(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def timed_alternating(fns: dict, device: str, repeats: int) -> dict:
+    """Median seconds of each `fns[name]()` after one warm-up each, the implementations timed in turn
+    within every repeat, so that a slow spell of a noisy machine hits all of them alike."""
+    for fn in fns.values():
         fn()
         synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def train_step_fn(model, kind: str, ids: torch.Tensor):
@@ -234,60 +237,82 @@ class Row:
     cache_bytes: dict = field(default_factory=dict)
 
 
-def measure(model, kind: str, preset: str, args, params: int) -> Row:
+def generate_timings(model, prompt: torch.Tensor, args) -> tuple[float, list[float], int]:
+    """One greedy generate() call: (seconds to the first new token, gaps between the later tokens,
+    bytes of the cache it ended with)."""
+    device = args.device
+    streamer = TokenTimes(device)
+    synchronize(device)
+    start = time.perf_counter()
+    out = model.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=args.decode_tokens,
+        min_new_tokens=args.decode_tokens, do_sample=False, streamer=streamer, pad_token_id=0,
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    stamps = streamer.stamps  # [prompt, token 1, token 2, ...]
+    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    return stamps[1] - start, [b - a for a, b in zip(stamps[1:], stamps[2:])], cache_nbytes(cache)
+
+
+def measure(models: dict, preset: str, args) -> list[Row]:
+    """Every figure of one preset for `models` ({impl: model}); timings alternate between the models."""
     device, repeats = args.device, args.repeats
-    row = Row(preset, kind, params)
-    vocab = model.config.vocab_size
+    rows = {kind: Row(preset, kind, count_params(model)) for kind, model in models.items()}
+    any_model = next(iter(models.values()))
+    vocab = any_model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(1, vocab, (args.batch, args.seq_len), generator=generator).to(device)
-    if kind != "llama":
-        model.model.use_fast_path = kind == "fast"
+    for kind, model in models.items():
+        if kind != "llama":
+            model.model.use_fast_path = kind == "fast"
     tokens = args.batch * args.seq_len
-    flops = forward_flops_per_token(model, args.seq_len / 2)
+    flops = {kind: forward_flops_per_token(model, args.seq_len / 2) for kind, model in models.items()}
 
-    step = train_step_fn(model, kind, ids)
-    with PeakMemory(device) as memory:
-        seconds = timed(step, device, repeats)
-    row.train_tok_s = tokens / seconds
-    row.train_gflop_s = 3 * flops * row.train_tok_s / 1e9
-    row.train_peak_bytes[args.seq_len] = memory.peak
+    # training: the warm-up step of each model runs under the peak-memory probe
+    steps = {kind: train_step_fn(model, kind, ids) for kind, model in models.items()}
+    for kind, step in steps.items():
+        with PeakMemory(device) as memory:
+            step()
+        rows[kind].train_peak_bytes[args.seq_len] = memory.peak
+    for kind, seconds in timed_alternating(steps, device, repeats).items():
+        rows[kind].train_tok_s = tokens / seconds
+        rows[kind].train_gflop_s = 3 * flops[kind] * rows[kind].train_tok_s / 1e9
     for length in args.memory_seq_lens:
         if length == args.seq_len:
             continue
         long_ids = torch.randint(1, vocab, (args.batch, length), generator=generator).to(device)
-        long_step = train_step_fn(model, kind, long_ids)
-        with PeakMemory(device) as memory:
-            long_step()
-        row.train_peak_bytes[length] = memory.peak
-    model.zero_grad(set_to_none=True)
-    model.eval()
+        for kind, model in models.items():
+            long_step = train_step_fn(model, kind, long_ids)
+            with PeakMemory(device) as memory:
+                long_step()
+            rows[kind].train_peak_bytes[length] = memory.peak
+    del steps
+    for model in models.values():
+        model.zero_grad(set_to_none=True)
+        model.eval()
 
     with torch.no_grad():
-        forward = lambda: model(input_ids=ids, use_cache=False)  # noqa: E731
-        row.forward_tok_s = tokens / timed(forward, device, repeats)
-        row.forward_gflop_s = flops * row.forward_tok_s / 1e9
+        forwards = {kind: (lambda m=model: m(input_ids=ids, use_cache=False)) for kind, model in models.items()}
+        for kind, seconds in timed_alternating(forwards, device, repeats).items():
+            rows[kind].forward_tok_s = tokens / seconds
+            rows[kind].forward_gflop_s = flops[kind] * rows[kind].forward_tok_s / 1e9
 
-    if kind == "plain" and args.skip_plain_decode:
-        return row
+    decoders = {kind: model for kind, model in models.items() if not (kind == "plain" and args.skip_plain_decode)}
     for length in args.decode_prompt_lengths:
         prompt = torch.randint(1, vocab, (1, length), generator=generator).to(device)
-        prefill, gaps = [], []
-        for _ in range(repeats + 1):
-            streamer = TokenTimes(device)
-            synchronize(device)
-            start = time.perf_counter()
-            out = model.generate(
-                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=args.decode_tokens,
-                min_new_tokens=args.decode_tokens, do_sample=False, streamer=streamer, pad_token_id=0,
-                return_dict_in_generate=True,
-            )  # fmt: skip
-            stamps = streamer.stamps  # [prompt, token 1, token 2, ...]
-            prefill.append(stamps[1] - start)
-            gaps += [b - a for a, b in zip(stamps[1:], stamps[2:])]
-        row.prefill_tok_s[length] = length / statistics.median(prefill[1:])
-        row.decode_ms[length] = 1e3 * statistics.median(gaps[len(gaps) // (repeats + 1) :])
-        row.cache_bytes[length] = cache_nbytes(getattr(out, "cache", None) or getattr(out, "past_key_values", None))
-    return row
+        prefill = {kind: [] for kind in decoders}
+        gaps = {kind: [] for kind in decoders}
+        for kind, model in decoders.items():
+            rows[kind].cache_bytes[length] = generate_timings(model, prompt, args)[2]  # (and a warm-up)
+        for _ in range(repeats):
+            for kind, model in decoders.items():
+                first, later, _ = generate_timings(model, prompt, args)
+                prefill[kind].append(first)
+                gaps[kind] += later
+        for kind in decoders:
+            rows[kind].prefill_tok_s[length] = length / statistics.median(prefill[kind])
+            rows[kind].decode_ms[length] = 1e3 * statistics.median(gaps[kind])
+    return list(rows.values())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -361,15 +386,13 @@ def run(args) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda asked for, but torch sees no GPU")
     rows = []
-    jobs = [(preset, impl) for preset in args.preset for impl in args.impl]
-    for preset, impl in tqdm(jobs, desc="bench", unit="model"):
-        gpn = build_gpn(preset, dtype, args.device, args.segment_length)
-        params = count_params(gpn)
-        model = gpn if impl != "llama" else matched_llama(gpn.config, params, dtype, args.device)
-        if impl == "llama":
-            del gpn
-        rows.append(measure(model, impl, preset, args, count_params(model)))
-        del model
+    for preset in tqdm(args.preset, desc="bench", unit="preset"):
+        models = {}
+        for impl in args.impl:  # one model per implementation (same seed, same weights for plain and fast)
+            gpn = build_gpn(preset, dtype, args.device, args.segment_length)
+            models[impl] = gpn if impl != "llama" else matched_llama(gpn.config, count_params(gpn), dtype, args.device)
+        rows += measure(models, preset, args)
+        del models, gpn
         gc.collect()
     print(f"\ndevice {args.device}, dtype {args.dtype}, threads {torch.get_num_threads()}, batch {args.batch} x "
           f"{args.seq_len} tokens, medians of {args.repeats} repeats, GPN training segment {args.segment_length or 'none'}\n")  # fmt: skip

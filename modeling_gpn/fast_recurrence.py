@@ -9,7 +9,7 @@ What makes it fast (see the speed issue and `GPN.md`):
 - **A custom backward.** `GPNRecurrenceFunction` runs only the state-gradient chain step by step, with
   the small per-step matmuls against the (detached) weights; the gradient of every weight matrix is one
   large matmul over many positions at once (the inputs of each matmul and the gradients of its output
-  are collected over up to `WEIGHT_GRAD_BLOCK` steps, then multiplied), as cuDNN-style RNN backward passes do.
+  are collected over up to `WEIGHT_GRAD_ROWS` rows, then multiplied), as cuDNN-style RNN backward passes do.
 - **Memory-bounded BPTT.** The forward pass keeps the state (p, g, key, M) only at segment boundaries
   (`config.bptt_segment_length`; `None` keeps every step); the backward pass recomputes each segment's
   states from its boundary before walking it backwards. Activation memory is then one segment's states
@@ -31,7 +31,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-WEIGHT_GRAD_BLOCK = 64  # steps whose weight gradients are computed together in one matmul
+WEIGHT_GRAD_ROWS = 512  # rows (steps x batch) whose weight gradients are computed together in one matmul
 L2_NORM_EPS = 1e-12
 
 
@@ -167,22 +167,22 @@ def shapes_of(model, batch: int) -> Shapes:
 
 
 def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    """x / sqrt(mean(x^2) + eps) (one fused op)."""
+    return F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
-def _rms_parts(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, inv) with y = x * inv and inv = (mean(x^2) + eps)^(-1/2)."""
-    inv = torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
-    return x * inv, inv
+def _inv_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """(mean(x^2) + eps)^(-1/2), the scale `_unit_rms` applied (recomputed in backward, not stored)."""
+    return torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
 
 
 def _rms_backward(dy: torch.Tensor, y: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
-    """dx for y = x * (mean(x^2) + eps)^(-1/2):  dx = inv * (dy - y * mean(dy * y))."""
+    """dx for y = x * inv, inv = (mean(x^2) + eps)^(-1/2):  dx = inv * (dy - y * mean(dy * y))."""
     return inv * (dy - y * (dy * y).mean(-1, keepdim=True))
 
 
 def _l2_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, inv) with y = x * inv and inv = (sum(x^2) + eps)^(-1/2)."""
+    """(y, inv) with y = x * inv and inv = (sum(x^2) + eps)^(-1/2), over the last dimension."""
     inv = torch.rsqrt(x.square().sum(-1, keepdim=True) + L2_NORM_EPS)
     return x * inv, inv
 
@@ -205,7 +205,7 @@ def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """x @ w + b in the weights' dtype, float32 result (the bias add fused into the matmul in fp32)."""
+    """x @ w + b in the weights' dtype, float32 result (in fp32 the bias add is fused into the matmul)."""
     if w.dtype == torch.float32:
         return torch.addmm(b, x, w)
     return torch.matmul(x.to(w.dtype), w).float() + b
@@ -215,6 +215,38 @@ def key_from_grounded(grounded: torch.Tensor, w: FoldedWeights, s: Shapes, eps: 
     """Key pre-activation W_k rms(g) + b_k for a grounded state (used for the state before the window)."""
     width = s.heads * s.key_dim
     return _linear(_unit_rms(grounded, eps), w.big_w[:, :width], w.big_b[:width])
+
+
+class Columns(NamedTuple):
+    """Where each projection sits in the columns of the step's matmul outputs.
+
+    Z = rms(g) W_big + b_big holds [key' | value | beta | decay] (memory write, without memory: nothing),
+    then layer 0's part. A layer's part (layer i >= 1: its own matmul on rms(state)) holds
+    [gate (d) | FFN a (f) | FFN b (f) | read query (H*dk) | read gate (H*dv)] (the read columns only with memory).
+    """
+
+    write: int  # width of the memory-write columns of Z
+    key: slice
+    value: slice
+    beta: slice
+    decay: slice
+    gate: slice
+    ffn_a: slice
+    ffn_b: slice
+    query: slice
+    read_gate: slice
+
+
+def columns_of(s: Shapes) -> Columns:
+    H, dk, dv, d, f = s.heads, s.key_dim, s.value_dim, s.hidden, s.inter
+    kw, vw = H * dk, H * dv
+    return Columns(
+        write=kw + vw + 2 * H,
+        key=slice(0, kw), value=slice(kw, kw + vw), beta=slice(kw + vw, kw + vw + H),
+        decay=slice(kw + vw + H, kw + vw + 2 * H),
+        gate=slice(0, d), ffn_a=slice(d, d + f), ffn_b=slice(d + f, d + 2 * f),
+        query=slice(d + 2 * f, d + 2 * f + kw), read_gate=slice(d + 2 * f + kw, d + 2 * f + kw + vw),
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -231,46 +263,39 @@ class StepState(NamedTuple):
     memory: torch.Tensor  # (B, H, dk, dv), or (B, 0) without memory
 
 
-def _predict_layer(state, layer_part, memory_flat, first_read, s: Shapes, eps: float, out_w, saved):
-    """A predict layer on folded weights: state' = sigmoid(gate) * state + [FFN | read] W_out.
+def _predict_layer(state, part, memory_flat, read, s: Shapes, c: Columns, eps: float, out_w, record):
+    """A predict layer on folded weights: state' = sigmoid(gate) * state + [silu(a) b | silu(r) rms(read)] W_out.
 
-    `layer_part` holds the layer's projections of its (normalised) input; `first_read`, when given, is the
-    layer's memory read computed already (layer 0 reads M' through an identity, see `_step`)."""
-    B, H, dk, dv, d, f = s.batch, s.heads, s.key_dim, s.value_dim, s.hidden, s.inter
-    sig_gate = torch.sigmoid(layer_part[:, :d])
-    ffn_a, ffn_b = layer_part[:, d : d + f], layer_part[:, d + f : d + 2 * f]
-    sig_a = torch.sigmoid(ffn_a)
-    silu_a = ffn_a * sig_a
+    `part` holds the layer's projections (`Columns`); `read` is M'^T q when already known (layer 0 reads
+    it through an identity in `_step`), else it is read here."""
+    B, H, dk, dv = s.batch, s.heads, s.key_dim, s.value_dim
+    hidden = F.silu(part[:, c.ffn_a]) * part[:, c.ffn_b]
     if s.memory:
-        read_gate = layer_part[:, d + 2 * f + H * dk :]
-        if first_read is None:
-            query = layer_part[:, d + 2 * f : d + 2 * f + H * dk].reshape(B * H, dk)
-            q, q_inv = _l2_parts(F.relu(query))
+        if read is None:
+            q_raw = F.relu(part[:, c.query]).reshape(B * H, dk)
+            q, q_inv = _l2_parts(q_raw)
             read = torch.bmm(q[:, None], memory_flat).view(B, H * dv)
-        else:
-            query, q, q_inv, read = first_read
-        normed_read, read_inv = _rms_parts(read, eps)
-        sig_rg = torch.sigmoid(read_gate)
-        X = torch.cat([silu_a * ffn_b, read_gate * sig_rg * normed_read], dim=1)
+            if record is not None:
+                record.update(q_raw=q_raw, q=q, q_inv=q_inv)
+        normed_read = _unit_rms(read, eps)
+        X = torch.cat([hidden, F.silu(part[:, c.read_gate]) * normed_read], dim=1)
+        if record is not None:
+            record.update(read=read, normed_read=normed_read)
     else:
-        X = silu_a * ffn_b
-    Y = _mm(X, out_w)
-    new_state = torch.addcmul(Y, sig_gate, state)
-    if saved is not None:
-        layer = dict(state=state, sig_gate=sig_gate, ffn_a=ffn_a, ffn_b=ffn_b, sig_a=sig_a, silu_a=silu_a, X=X)
-        if s.memory:
-            layer.update(query=query, q=q, q_inv=q_inv, read_gate=read_gate, sig_rg=sig_rg,
-                         normed_read=normed_read, read_inv=read_inv)  # fmt: skip
-        saved["layers"].append(layer)
+        X = hidden
+    new_state = torch.addcmul(_mm(X, out_w), torch.sigmoid(part[:, c.gate]), state)
+    if record is not None:
+        record.update(state=state, part=part, X=X)
     return new_state
 
 
 def _step(
-    state: StepState, u, real, w: FoldedWeights, s: Shapes, eps: float,
+    state: StepState, u, real, w: FoldedWeights, s: Shapes, c: Columns, eps: float,
     saved: Optional[dict] = None, memory_out: Optional[torch.Tensor] = None,
 ):  # fmt: skip
-    """One token on folded weights: state, u -> (new state, gamma). Fills `saved` for `_step_backward`;
-    writes M' into `memory_out` when given (reused buffers: fresh 1.5 MB tensors every step cost page faults).
+    """One token on folded weights: state, u -> (new state, gamma). Fills `saved` for `_step_backward`
+    (references to tensors the step computes anyway; what is cheap is recomputed there instead).
+    Writes M' into `memory_out` when given (reused buffers: fresh 1.5 MB tensors every step cost page faults).
 
     The equations are GPN.md's (see `GPNModel.step`), with the RMSNorm weights folded into the matrices:
         a_p = rms(p);  g = sigmoid(a_p W_fg + b_fg) * p + u;  a_g = rms(g);  Z = a_g W_big + b_big
@@ -278,52 +303,54 @@ def _step(
         state = g;  for each layer: state = sigmoid(gate) * state + [silu(a) b | silu(r) rms(M'^T q)] W_out
     """
     p, g, key, memory = state
-    B, H, dk, dv, d = s.batch, s.heads, s.key_dim, s.value_dim, s.hidden
-    a_p, p_inv = _rms_parts(p, eps)
+    B, H, dk, dv = s.batch, s.heads, s.key_dim, s.value_dim
+    a_p = _unit_rms(p, eps)
     sig_fg = torch.sigmoid(_linear(a_p, w.fg_w, w.fg_b))
     grounded = torch.addcmul(u, sig_fg, p)
-    a_g, g_inv = _rms_parts(grounded, eps)
+    a_g = _unit_rms(grounded, eps)
     Z = _linear(a_g, w.big_w, w.big_b)
+    records = None
     if saved is not None:
-        saved.update(p=p, g=g, a_p=a_p, p_inv=p_inv, sig_fg=sig_fg, a_g=a_g, g_inv=g_inv, layers=[])
-    gamma, first_read = None, None
+        records = [{} for _ in range(s.layers)]
+        saved.update(p=p, g=g, a_p=a_p, sig_fg=sig_fg, grounded=grounded, a_g=a_g, layers=records)
+    gamma, read = None, None
     memory_flat = new_memory = memory
+    new_key, part = Z[:, c.key], Z[:, c.write :]
     if s.memory:
-        width = H * dk
-        new_key, value, beta, decay, layer_part = Z.split([width, H * dv, H, H, Z.shape[1] - width - H * dv - 2 * H], 1)
-        k, k_inv = _l2_parts(F.relu(key).view(B * H, dk))
+        # the key (from g_{t-1}) and layer 0's query, normalised together
+        kq_raw = torch.stack([key.reshape(B * H, dk), part[:, c.query].reshape(B * H, dk)], dim=1).relu_()
+        kq, kq_inv = _l2_parts(kq_raw)  # (BH, 2, dk)
+        k, q = kq[:, 0], kq[:, 1]
+        decay = Z[:, c.decay]
         softplus_decay = F.softplus(decay)
         gamma = w.neg_decay_rate * softplus_decay  # (B, H)
         decay_factor = torch.exp(gamma).view(B * H, 1)
-        sig_beta = torch.sigmoid(beta).view(B * H, 1)
-        # one pass over M gives M^T k (for the write) and M^T q of layer 0 (for its read, through
+        sig_beta = torch.sigmoid(Z[:, c.beta]).reshape(B * H, 1)
+        # one pass over M gives M^T k (for the write) and M^T q (layer 0's read, through
         # M'^T q = e^gamma M^T q + (q . k) update, which saves a second pass over M')
-        query0 = layer_part[:, d + 2 * s.inter : d + 2 * s.inter + width].reshape(B * H, dk)
-        q0, q0_inv = _l2_parts(F.relu(query0))
         old_flat = memory.view(B * H, dk, dv)
-        both = torch.bmm(torch.stack([k, q0], dim=1), old_flat)  # (BH, 2, dv)
-        error = value.reshape(B * H, dv) - both[:, 0]
+        both = torch.bmm(kq, old_flat)  # (BH, 2, dv)
+        error = Z[:, c.value].reshape(B * H, dv) - both[:, 0]
         update = sig_beta * error
         out = None if memory_out is None else memory_out.view(B * H, dk, dv)
         memory_flat = torch.mul(old_flat, decay_factor[:, :, None], out=out).addcmul_(k[:, :, None], update[:, None, :])
-        read0 = torch.addcmul(decay_factor * both[:, 1], (q0 * k).sum(-1, keepdim=True), update)
-        first_read = (query0, q0, q0_inv, read0.view(B, H * dv))
+        read = torch.addcmul(decay_factor * both[:, 1], (q * k).sum(-1, keepdim=True), update).view(B, H * dv)
         new_memory = memory_flat.view(B, H, dk, dv)
         if saved is not None:
-            saved.update(key=key, k=k, k_inv=k_inv, decay=decay, softplus_decay=softplus_decay,
+            saved.update(kq_raw=kq_raw, kq=kq, kq_inv=kq_inv, decay=decay, softplus_decay=softplus_decay,
                          decay_factor=decay_factor, sig_beta=sig_beta, error=error, update=update,
                          old_memory=old_flat, new_memory=memory_flat)  # fmt: skip
     else:
-        new_key, layer_part = key, Z
+        new_key = key
     layer_state = grounded
     for i in range(s.layers):
+        record = None if records is None else records[i]
         if i > 0:
-            a_c, c_inv = _rms_parts(layer_state, eps)
-            layer_part = _linear(a_c, w.layer_w[i - 1], w.layer_b[i - 1])
-            if saved is not None:
-                saved["layers"][-1].update(next_a=a_c, next_inv=c_inv)
-        layer_state = _predict_layer(layer_state, layer_part, memory_flat, first_read if i == 0 else None,
-                                     s, eps, w.out_w[i], saved)  # fmt: skip
+            a_c = _unit_rms(layer_state, eps)
+            part = _linear(a_c, w.layer_w[i - 1], w.layer_b[i - 1])
+            if record is not None:
+                record["a"] = a_c
+        layer_state = _predict_layer(layer_state, part, memory_flat, read if i == 0 else None, s, c, eps, w.out_w[i], record)
     new_p = layer_state
     if real is not None:
         if saved is not None:
@@ -368,95 +395,108 @@ def _split_real(grad: torch.Tensor, real: Optional[torch.Tensor]):
 
 
 def _step_backward(
-    saved: dict, grads: StepState, wt: TransposedWeights, s: Shapes, eps: float, weight_grads,
-    memory_grad_out: Optional[torch.Tensor] = None,
+    saved: dict, grads: StepState, wt: TransposedWeights, s: Shapes, c: Columns, eps: float,
+    weight_grads: "_WeightGrads", memory_grad_out: Optional[torch.Tensor] = None,
 ):  # fmt: skip
     """Gradients of a step's input state and token input from those of its outputs (the inverse of `_step`).
 
     `grads` holds dL/d(new p, new g, new key, new M); returns (dL/d(p, g, key, M) of the input state, dL/du).
-    The (matmul input, output gradient) pairs go to `weight_grads` to be multiplied later in bulk.
+    Every matmul's input and output gradient are written into this step's rows of `weight_grads`, which
+    multiplies them for many steps at once; the output gradients are computed straight into those rows.
     dL/dM is written into `memory_grad_out` when given (it must not be `grads.memory`)."""
-    B, H, dk, dv, d, f = s.batch, s.heads, s.key_dim, s.value_dim, s.hidden, s.inter
+    B, H, dk, dv = s.batch, s.heads, s.key_dim, s.value_dim
     real = saved.get("real")
     d_state, dp_pass = _split_real(grads.p, real)
     d_grounded, dg_pass = _split_real(grads.g, real)
-    mm_inputs, mm_grads = [], []
-    reads = []  # (q, dL/d read) of every layer, for the gradient of M'
+    big_x, dZ = weight_grads.rows("big")
+    d_read_of, dq_of = [], []  # per layer: dL/d read (BH, dv) and dL/dq (BH, dk)
     for i in reversed(range(s.layers)):
         layer = saved["layers"][i]
-        sig_gate = layer["sig_gate"]
+        part = layer["part"]
+        d_part = dZ[:, c.write :] if i == 0 else weight_grads.rows(("layer", i - 1))[1]
         # state' = sigmoid(gate) * state + Y,  Y = X W_out
-        d_gate = d_state * layer["state"] * sig_gate * (1 - sig_gate)
-        dX = _mm(d_state, wt.out_w[i])
-        mm_inputs.append(layer["X"])
-        mm_grads.append(d_state)
+        out_x, dY = weight_grads.rows(("out", i))
+        out_x.copy_(layer["X"])
+        dY.copy_(d_state)
+        dX = _mm(dY, wt.out_w[i])
+        sig_gate = torch.sigmoid(part[:, c.gate])
+        torch.mul(d_state * layer["state"], sig_gate * (1 - sig_gate), out=d_part[:, c.gate])
         d_state = d_state * sig_gate
         # X = [silu(a) b | silu(read_gate) rms(read)]
-        d_hidden = dX[:, :f]
-        d_parts = [d_gate, d_hidden * layer["ffn_b"] * _silu_grad(layer["ffn_a"], layer["sig_a"]), d_hidden * layer["silu_a"]]
+        ffn_a, ffn_b, d_hidden = part[:, c.ffn_a], part[:, c.ffn_b], dX[:, : s.inter]
+        sig_a = torch.sigmoid(ffn_a)
+        torch.mul(d_hidden * ffn_b, _silu_grad(ffn_a, sig_a), out=d_part[:, c.ffn_a])
+        torch.mul(d_hidden, ffn_a * sig_a, out=d_part[:, c.ffn_b])
         if s.memory:
-            d_out = dX[:, f:]
-            sig_rg, read_gate = layer["sig_rg"], layer["read_gate"]
-            d_read_gate = d_out * layer["normed_read"] * _silu_grad(read_gate, sig_rg)
-            d_read = _rms_backward(d_out * (read_gate * sig_rg), layer["normed_read"], layer["read_inv"]).view(B * H, dv)
+            read_gate, d_out, normed_read = part[:, c.read_gate], dX[:, s.inter :], layer["normed_read"]
+            sig_rg = torch.sigmoid(read_gate)
+            torch.mul(d_out * normed_read, _silu_grad(read_gate, sig_rg), out=d_part[:, c.read_gate])
+            read_inv = _inv_rms(layer["read"], eps)
+            d_read = _rms_backward(d_out * (read_gate * sig_rg), normed_read, read_inv).view(B * H, dv)
             # read = M'^T q (per head): dq = M' d_read; M' collects q d_read^T (below)
             dq = torch.bmm(d_read[:, None], saved["new_memory"].mT)[:, 0]
-            d_query = _l2_backward(dq, layer["q"], layer["q_inv"]) * (layer["query"] > 0)
-            d_parts += [d_query.view(B, H * dk), d_read_gate]
-            reads.append((layer["q"], d_read))
-        d_layer_part = torch.cat(d_parts, dim=1)
-        if i > 0:  # the layer's projections came from rms(output of layer i-1)
-            before = saved["layers"][i - 1]
-            mm_inputs.append(before["next_a"])
-            mm_grads.append(d_layer_part)
-            d_a = _mm(d_layer_part, wt.layer_w[i - 1])
-            d_state = d_state + _rms_backward(d_a, before["next_a"], before["next_inv"])
+            d_read_of.append(d_read)
+            dq_of.append(dq)
+            if i > 0:
+                d_query = _l2_backward(dq, layer["q"], layer["q_inv"]) * (layer["q_raw"] > 0)
+                d_part[:, c.query].copy_(d_query.view(B, H * dk))
+        if i > 0:  # the layer's projections came from a = rms(its input state)
+            layer_x, d_part_rows = weight_grads.rows(("layer", i - 1))
+            layer_x.copy_(layer["a"])
+            d_a = _mm(d_part_rows, wt.layer_w[i - 1])
+            d_state = d_state + _rms_backward(d_a, layer["a"], _inv_rms(layer["state"], eps))
     d_grounded = d_grounded + d_state
+    d_read_of.reverse()
+    dq_of.reverse()
 
     if s.memory:
         d_new_key, dkey_pass = _split_real(grads.key, real)
         d_new_memory, dM_pass = _split_real(grads.memory, real)
-        k, update, decay_factor, sig_beta = saved["k"], saved["update"], saved["decay_factor"], saved["sig_beta"]
-        old = saved["old_memory"]
-        # dL/dM' = incoming + sum over layers of q d_read^T
+        kq, update, decay_factor, sig_beta = saved["kq"], saved["update"], saved["decay_factor"], saved["sig_beta"]
+        k, old = kq[:, 0], saved["old_memory"]
+        # dL/dM' = incoming + sum over layers of q d_read^T (layer 0's q is kq[:, 1], the others' their own)
         out = None if memory_grad_out is None else memory_grad_out.view(B * H, dk, dv)
-        (q, d_read), *more_reads = reads
-        dM = torch.addcmul(d_new_memory.reshape(B * H, dk, dv), q[:, :, None], d_read[:, None, :], out=out)
-        for q, d_read in more_reads:
-            dM.addcmul_(q[:, :, None], d_read[:, None, :])
+        dM = torch.addcmul(d_new_memory.reshape(B * H, dk, dv), kq[:, 1, :, None], d_read_of[0][:, None, :], out=out)
+        for i in range(1, s.layers):
+            dM.addcmul_(saved["layers"][i]["q"][:, :, None], d_read_of[i][:, None, :])
         # M' = a M + k update^T,  update = beta (v - M^T k),  a = e^gamma
         d_update = torch.bmm(k[:, None], dM)[:, 0]  # dM^T k
         d_k = torch.bmm(update[:, None], dM.mT)[:, 0]  # dM update
         # <dM, M> per head, as row-by-row dot products (torch's batched dot products are several times slower)
         d_decay_factor = torch.bmm(dM.view(B * H * dk, 1, dv), old.reshape(B * H * dk, dv, 1)).view(B * H, dk).sum(-1)
         d_error = sig_beta * d_update
-        d_beta = (d_update * saved["error"]).sum(-1) * (sig_beta[:, 0] * (1 - sig_beta[:, 0]))
         d_k -= torch.bmm(d_error[:, None], old.mT)[:, 0]  # from M^T k in the error
         dM.mul_(decay_factor[:, :, None]).addcmul_(k[:, :, None], d_error[:, None, :], value=-1)  # dL/dM
         d_gamma = (d_decay_factor * decay_factor[:, 0]).view(B, H)
         weight_grads.neg_decay += (d_gamma * saved["softplus_decay"]).sum(0)
-        d_decay = d_gamma * wt.neg_decay_rate * torch.sigmoid(saved["decay"])
-        d_key = _l2_backward(d_k, k, saved["k_inv"]).view(B, H * dk) * (saved["key"] > 0)
-        dZ = torch.cat([d_new_key, d_error.view(B, H * dv), d_beta.view(B, H), d_decay, d_layer_part], dim=1)
+        dZ[:, c.key].copy_(d_new_key)
+        dZ[:, c.value].copy_(d_error.view(B, H * dv))
+        d_sig_beta = (d_update * saved["error"]).sum(-1).view(B, H)
+        torch.mul(d_sig_beta, (sig_beta * (1 - sig_beta)).view(B, H), out=dZ[:, c.beta])
+        torch.mul(d_gamma * wt.neg_decay_rate, torch.sigmoid(saved["decay"]), out=dZ[:, c.decay])
+        # the key (from g_{t-1}, a carried state) and layer 0's query went through one l2(relu(.))
+        d_kq = _l2_backward(torch.stack([d_k, dq_of[0]], dim=1), kq, saved["kq_inv"]) * (saved["kq_raw"] > 0)
+        d_key = d_kq[:, 0].reshape(B, H * dk)
+        d_part = dZ[:, c.write :]
+        d_part[:, c.query].copy_(d_kq[:, 1].reshape(B, H * dk))
+        dM = dM.view(B, H, dk, dv)
         if dkey_pass is not None:
             d_key = d_key + dkey_pass
-            dM = dM.view(B, H, dk, dv) + dM_pass
-        dM = dM.view(B, H, dk, dv)
+            dM = dM + dM_pass
     else:
-        dZ, d_key, dM = d_layer_part, grads.key, grads.memory
-    mm_inputs.append(saved["a_g"])
-    mm_grads.append(dZ)
-    d_grounded = d_grounded + _rms_backward(_mm(dZ, wt.big_w), saved["a_g"], saved["g_inv"])
+        d_key, dM = grads.key, grads.memory
+    big_x.copy_(saved["a_g"])
+    d_grounded = d_grounded + _rms_backward(_mm(dZ, wt.big_w), saved["a_g"], _inv_rms(saved["grounded"], eps))
     # g = sigmoid(z_fg) * p + u,  z_fg = rms(p) W_fg + b_fg
     sig_fg, p = saved["sig_fg"], saved["p"]
-    d_z_fg = d_grounded * p * sig_fg * (1 - sig_fg)
-    mm_inputs.append(saved["a_p"])
-    mm_grads.append(d_z_fg)
-    d_p = d_grounded * sig_fg + _rms_backward(_mm(d_z_fg, wt.fg_w), saved["a_p"], saved["p_inv"])
+    fg_x, d_z_fg = weight_grads.rows("fg")
+    fg_x.copy_(saved["a_p"])
+    torch.mul(d_grounded * p, sig_fg * (1 - sig_fg), out=d_z_fg)
+    d_p = d_grounded * sig_fg + _rms_backward(_mm(d_z_fg, wt.fg_w), saved["a_p"], _inv_rms(p, eps))
+    weight_grads.next_step()
     if dp_pass is not None:
         d_p = d_p + dp_pass
     d_g = dg_pass if dg_pass is not None else torch.zeros_like(d_grounded)
-    weight_grads.add(mm_inputs, mm_grads)
     return StepState(d_p, d_g, d_key, dM), d_grounded
 
 
@@ -469,11 +509,12 @@ def _run_steps(
     splitting), which is every step of an unpadded batch. With `memory_buffer` (n, B, H, dk, dv) step j
     writes M' into slot j % n: n = 2 alternates two slots (the input M of a step must not be its output
     slot), n = stop - start keeps every M' of the run for its records."""
+    c = columns_of(s)
     masked_steps = set() if mask is None else {t for t, full in enumerate(mask.all(0).tolist()) if not full}
     for t in range(start, stop):
         saved = {} if records is not None else None
         out = None if memory_buffer is None else memory_buffer[(t - start) % memory_buffer.shape[0]]
-        state, gamma = _step(state, U[:, t], mask[:, t] if t in masked_steps else None, w, s, eps, saved, out)
+        state, gamma = _step(state, U[:, t], mask[:, t] if t in masked_steps else None, w, s, c, eps, saved, out)
         if records is not None:
             records.append(saved)
         if outputs is not None:
@@ -552,7 +593,8 @@ class GPNRecurrenceFunction(torch.autograd.Function):
         grads = StepState(grad_or_zero(dp_final, first.p), grad_or_zero(dg_final, first.g),
                           torch.zeros_like(first.key), grad_or_zero(dM_final, first.memory))  # fmt: skip
         dU = torch.empty(B, T, d, dtype=torch.float32, device=U.device)
-        weight_grads = _WeightGrads(w)
+        weight_grads = _WeightGrads(w, B)
+        c = columns_of(s)
         memory_grads = U.new_empty(2, *first.memory.shape) if s.memory else None  # alternating dL/dM slots
         seg = segment or T
         for index in reversed(range(len(ctx.boundaries))):
@@ -570,7 +612,7 @@ class GPNRecurrenceFunction(torch.autograd.Function):
                 if dP is not None:
                     grads = grads._replace(p=grads.p + dP[:, t])
                 out = None if memory_grads is None else memory_grads[t % 2]
-                grads, dU[:, t] = _step_backward(record, grads, wt, s, eps, weight_grads, out)
+                grads, dU[:, t] = _step_backward(record, grads, wt, s, c, eps, weight_grads, out)
                 if truncation and t % truncation == 0 and t > 0:
                     # the state is cut here, the weights are not: the key of step t (from g_{t-1}) still
                     # contributes to the key projection's gradient, but nothing flows into g_{t-1}
@@ -579,74 +621,73 @@ class GPNRecurrenceFunction(torch.autograd.Function):
                     grads = StepState(*(torch.zeros_like(x) for x in grads))
         d_g0 = grads.g
         if s.memory:  # the key of the first step came from g0
-            a_g0, g0_inv = _rms_parts(g0, eps)
+            a_g0 = _unit_rms(g0, eps)
             width = s.heads * s.key_dim
-            d_g0 = d_g0 + _rms_backward(_mm(grads.key, wt.big_w[:width]), a_g0, g0_inv)
+            d_g0 = d_g0 + _rms_backward(_mm(grads.key, wt.big_w[:width]), a_g0, _inv_rms(g0, eps))
             weight_grads.add_key(a_g0, grads.key)
         return (dU.to(ctx.input_dtype), grads.p, d_g0, grads.memory, None, None, *weight_grads.finish())
 
 
 class _WeightGrads:
-    """Collects (matmul input, output gradient) pairs and turns them into weight gradients in blocks of
-    `WEIGHT_GRAD_BLOCK` steps: one large x^T dy matmul per weight matrix instead of one per step."""
+    """Weight gradients of the step matmuls, as one large x^T dy matmul per matrix over many steps.
 
-    def __init__(self, w: FoldedWeights):
+    Every step writes each matmul's input x and output gradient dy into its own rows of a block
+    (`rows`); once the block holds `WEIGHT_GRAD_ROWS` rows (or at the end) every matrix gets
+    x_block^T dy_block, instead of one thin per-step product (as cuDNN-style RNN backward passes do)."""
+
+    def __init__(self, w: FoldedWeights, batch: int):
         self.w = w
-        self.pending: list = []
         zeros = lambda ref: torch.zeros(ref.shape, dtype=torch.float32, device=ref.device)  # noqa: E731
-        self.fg_w, self.fg_b, self.big_w, self.big_b = zeros(w.fg_w), zeros(w.fg_b), zeros(w.big_w), zeros(w.big_b)
-        self.out_w = [zeros(o) for o in w.out_w]
-        self.layer_w = [zeros(o) for o in w.layer_w]
-        self.layer_b = [zeros(o) for o in w.layer_b]
+        self.grads = {"fg": zeros(w.fg_w), "big": zeros(w.big_w)}
+        self.bias_grads = {"fg": zeros(w.fg_b), "big": zeros(w.big_b)}
+        for i, o in enumerate(w.out_w):
+            self.grads[("out", i)] = zeros(o)
+        for i, (lw, lb) in enumerate(zip(w.layer_w, w.layer_b)):
+            self.grads[("layer", i)] = zeros(lw)
+            self.bias_grads[("layer", i)] = zeros(lb)
         self.neg_decay = zeros(w.neg_decay_rate) if w.neg_decay_rate is not None else None
+        self.batch = batch
+        self.steps_per_block = max(1, WEIGHT_GRAD_ROWS // batch)
+        empty = lambda n: torch.empty(self.steps_per_block * batch, n, dtype=torch.float32, device=w.fg_w.device)  # noqa: E731
+        self.blocks = {name: (empty(g.shape[0]), empty(g.shape[1])) for name, g in self.grads.items()}
+        self.step = 0
 
-    def add(self, inputs: list, out_grads: list) -> None:
-        """One step's pairs, in `_step_backward`'s order: (X, dY) and (a_c, dLP) of the layers from the last
-        down (layer 0 has no a_c), then (a_g, dZ) and (a_p, dz_fg)."""
-        self.pending.append((inputs, out_grads))
-        if len(self.pending) >= WEIGHT_GRAD_BLOCK:
+    def rows(self, name) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x rows, dy rows) of matrix `name` ("fg", "big", ("out", i), ("layer", i)) for the current step."""
+        x, dy = self.blocks[name]
+        rows = slice(self.step * self.batch, (self.step + 1) * self.batch)
+        return x[rows], dy[rows]
+
+    def next_step(self) -> None:
+        self.step += 1
+        if self.step == self.steps_per_block:
             self.flush()
 
     def add_key(self, a_g: torch.Tensor, dkey: torch.Tensor) -> None:
         """Weight gradient of a key computed from a grounded state outside the chain (g0, or a cut)."""
         width = dkey.shape[1]
-        self.big_w[:, :width] += _tmm(a_g, dkey, self.w.big_w.dtype)
-        self.big_b[:width] += dkey.sum(0)
+        self.grads["big"][:, :width] += _tmm(a_g, dkey, self.w.big_w.dtype)
+        self.bias_grads["big"][:width] += dkey.sum(0)
 
     def flush(self) -> None:
-        if not self.pending:
+        n = self.step * self.batch
+        self.step = 0
+        if n == 0:
             return
-        steps, self.pending = self.pending, []
-        dtype = self.w.big_w.dtype
-
-        def pair(j):
-            return torch.cat([ins[j] for ins, _ in steps], 0), torch.cat([gs[j] for _, gs in steps], 0)
-
-        j = 0
-        for i in reversed(range(len(self.out_w))):
-            x, gy = pair(j)
-            self.out_w[i] += _tmm(x, gy, dtype)
-            j += 1
-            if i > 0:
-                x, gy = pair(j)
-                self.layer_w[i - 1] += _tmm(x, gy, dtype)
-                self.layer_b[i - 1] += gy.sum(0)
-                j += 1
-        x, gy = pair(j)
-        self.big_w += _tmm(x, gy, dtype)
-        self.big_b += gy.sum(0)
-        x, gy = pair(j + 1)
-        self.fg_w += _tmm(x, gy, dtype)
-        self.fg_b += gy.sum(0)
+        for name, (x, dy) in self.blocks.items():
+            self.grads[name] += _tmm(x[:n], dy[:n], self.w.big_w.dtype)
+            if name in self.bias_grads:
+                self.bias_grads[name] += dy[:n].sum(0)
 
     def finish(self) -> list:
+        """The gradients in `_flatten`'s order, in the weights' dtypes."""
         self.flush()
-        w = self.w
-        cast = lambda g, ref: g.to(ref.dtype)  # noqa: E731
-        grads = [cast(self.fg_w, w.fg_w), self.fg_b, cast(self.big_w, w.big_w), self.big_b]
-        grads += [cast(g, ref) for g, ref in zip(self.out_w, w.out_w)]
-        grads += [cast(g, ref) for g, ref in zip(self.layer_w, w.layer_w)]
-        grads += list(self.layer_b)
+        w, g, b = self.w, self.grads, self.bias_grads
+        layers = range(len(w.layer_w))
+        grads = [g["fg"].to(w.fg_w.dtype), b["fg"], g["big"].to(w.big_w.dtype), b["big"]]
+        grads += [g[("out", i)].to(o.dtype) for i, o in enumerate(w.out_w)]
+        grads += [g[("layer", i)].to(w.layer_w[i].dtype) for i in layers]
+        grads += [b[("layer", i)] for i in layers]
         if w.neg_decay_rate is not None:
             grads.append(self.neg_decay)
         return grads
@@ -778,7 +819,7 @@ def chunked_causal_lm_loss(
     """
     V, e = embedding.shape
     if chunk_rows is None:
-        chunk_rows = max(64, (1 << 24) // V)
+        chunk_rows = max(64, (1 << 20) // V)  # about 4 MB of float32 logits: the chunk stays in cache
     h = decoded[:, :-1].reshape(-1, e).to(embedding.dtype)
     targets = labels[:, 1:].reshape(-1).to(decoded.device)
     total = ChunkedTiedCrossEntropy.apply(h, embedding, targets, chunk_rows)
