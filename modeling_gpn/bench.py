@@ -40,8 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weight dtype")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--segment-length", type=int, default=64,
-                        help="bptt_segment_length for GPN training (0: keep every step)")  # fmt: skip
+    parser.add_argument("--segment-length", type=int, default=256,
+                        help="bptt_segment_length for GPN training, as `gpn train --bptt-segment` (0: keep every "
+                             "step); windows up to this long train without recomputation")  # fmt: skip
     parser.add_argument("--skip-plain-decode", action="store_true",
                         help="do not run the (slow) plain path through generate()")  # fmt: skip
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")

