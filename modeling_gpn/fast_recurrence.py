@@ -6,10 +6,15 @@ What makes it fast (see the speed issue and `GPN.md`):
   on the unit-normalised grounded state for *all* projections of g (the memory write, the next step's key,
   and every projection of the first predict layer), one on rms(p) for the fuse gate, and one for the FFN
   and the read output together (their inputs concatenated).
-- **A custom backward.** `GPNRecurrenceFunction` runs only the state-gradient chain step by step, with
-  the small per-step matmuls against the (detached) weights; the gradient of every weight matrix is one
-  large matmul over many positions at once (the inputs of each matmul and the gradients of its output
-  are collected over up to `WEIGHT_GRAD_ROWS` rows, then multiplied), as cuDNN-style RNN backward passes do.
+- **A hand-written backward.** `GPNRecurrenceFunction` runs only the state-gradient chain step by step
+  (`_step_backward`, the derivative of `_step` written out, no autograd graph), with the small per-step
+  matmuls against contiguous transposed weights; the gradient of every weight matrix is one large matmul
+  over many positions at once (each step writes the inputs of its matmuls and the gradients of their
+  outputs into blocks of `WEIGHT_GRAD_ROWS` rows, then they are multiplied), as cuDNN-style RNN backward
+  passes do.
+- **Few bytes per step.** A step is bound by streaming the weights (33 MB in fp32 for the "small" preset)
+  through the cache, so nothing else big is touched: the memory M' is written into reused buffers,
+  layer 0 reads M' through M'^T q = e^gamma M^T q + (q.k) update from the same pass over M as the write.
 - **Memory-bounded BPTT.** The forward pass keeps the state (p, g, key, M) only at segment boundaries
   (`config.bptt_segment_length`; `None` keeps every step); the backward pass recomputes each segment's
   states from its boundary before walking it backwards. Activation memory is then one segment's states
@@ -20,13 +25,12 @@ What makes it fast (see the speed issue and `GPN.md`):
 - **Precision.** Matmuls run in the weights' dtype (e.g. bf16); the state, the memory and every
   elementwise operation stay float32.
 
-This file ships to the Hub with the model: it imports only torch, math and typing.
+This file ships to the Hub with the model: it imports only torch and typing.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -167,7 +171,7 @@ def shapes_of(model, batch: int) -> Shapes:
 
 
 def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) (one fused op)."""
+    """x / sqrt(mean(x^2) + eps)."""
     return F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
@@ -286,7 +290,7 @@ def _predict_layer(state, part, memory_flat, read, s: Shapes, c: Columns, eps: f
         X = hidden
     new_state = torch.addcmul(_mm(X, out_w), torch.sigmoid(part[:, c.gate]), state)
     if record is not None:
-        record.update(state=state, part=part, X=X)
+        record.update(state=state, part=part)  # X is rebuilt in backward (keeping it costs more)
     return new_state
 
 
@@ -313,7 +317,7 @@ def _step(
     records = None
     if saved is not None:
         records = [{} for _ in range(s.layers)]
-        saved.update(p=p, g=g, a_p=a_p, sig_fg=sig_fg, grounded=grounded, a_g=a_g, layers=records)
+        saved.update(p=p, g=g, sig_fg=sig_fg, grounded=grounded, layers=records)  # rms(p), rms(g) are rebuilt
     gamma, read = None, None
     memory_flat = new_memory = memory
     new_key, part = Z[:, c.key], Z[:, c.write :]
@@ -417,7 +421,10 @@ def _step_backward(
         d_part = dZ[:, c.write :] if i == 0 else weight_grads.rows(("layer", i - 1))[1]
         # state' = sigmoid(gate) * state + Y,  Y = X W_out
         out_x, dY = weight_grads.rows(("out", i))
-        out_x.copy_(layer["X"])
+        # rebuild X = [silu(a) b | silu(read_gate) rms(read)] straight into the weight-gradient rows
+        torch.mul(F.silu(part[:, c.ffn_a]), part[:, c.ffn_b], out=out_x[:, : s.inter])
+        if s.memory:
+            torch.mul(F.silu(part[:, c.read_gate]), layer["normed_read"], out=out_x[:, s.inter :])
         dY.copy_(d_state)
         dX = _mm(dY, wt.out_w[i])
         sig_gate = torch.sigmoid(part[:, c.gate])
@@ -486,14 +493,16 @@ def _step_backward(
             dM = dM + dM_pass
     else:
         d_key, dM = grads.key, grads.memory
-    big_x.copy_(saved["a_g"])
-    d_grounded = d_grounded + _rms_backward(_mm(dZ, wt.big_w), saved["a_g"], _inv_rms(saved["grounded"], eps))
+    g_inv = _inv_rms(saved["grounded"], eps)
+    a_g = torch.mul(saved["grounded"], g_inv, out=big_x)  # rms(g), the big matmul's input
+    d_grounded = d_grounded + _rms_backward(_mm(dZ, wt.big_w), a_g, g_inv)
     # g = sigmoid(z_fg) * p + u,  z_fg = rms(p) W_fg + b_fg
     sig_fg, p = saved["sig_fg"], saved["p"]
     fg_x, d_z_fg = weight_grads.rows("fg")
-    fg_x.copy_(saved["a_p"])
+    p_inv = _inv_rms(p, eps)
+    a_p = torch.mul(p, p_inv, out=fg_x)
     torch.mul(d_grounded * p, sig_fg * (1 - sig_fg), out=d_z_fg)
-    d_p = d_grounded * sig_fg + _rms_backward(_mm(d_z_fg, wt.fg_w), saved["a_p"], _inv_rms(p, eps))
+    d_p = d_grounded * sig_fg + _rms_backward(_mm(d_z_fg, wt.fg_w), a_p, p_inv)
     weight_grads.next_step()
     if dp_pass is not None:
         d_p = d_p + dp_pass
