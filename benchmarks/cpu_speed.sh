@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CPU figures of benchmarks/RESULTS.md (issue "Speed"), one `gpn bench` run after another.
-# Usage: bash benchmarks/cpu_speed.sh [OUT_DIR]   (about 25 minutes on 2 cores; run nothing else meanwhile)
+# Usage: bash benchmarks/cpu_speed.sh [OUT_DIR]   (about 15 minutes on 2 cores; run nothing else meanwhile)
 set -euo pipefail
 out=${1:-bench-out}
 mkdir -p "$out"
