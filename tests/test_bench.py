@@ -4,18 +4,7 @@ from __future__ import annotations
 
 import json
 
-import pytest
-import torch
-
 from modeling_gpn.cli import main
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_bench_reports_every_implementation(tmp_path, capsys):
