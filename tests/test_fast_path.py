@@ -196,3 +196,30 @@ def test_bf16_tracks_fp32_over_512_tokens():
         grads.append(torch.cat([p.grad.float().flatten() for p in model.parameters()]))
     cosine = torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0)
     assert cosine > 0.99, f"cosine {cosine:.4f}"
+
+
+def test_prepacked_bf16_matrices_match_the_plain_bf16_matmul(monkeypatch):
+    """On a CPU with oneDNN bf16 kernels the fast path multiplies by prepacked matrices (`PackedMatrix`):
+    the same loss, outputs and gradients as torch's plain bf16 matmul, up to bf16 rounding."""
+    from modeling_gpn import fast_recurrence
+
+    model = perturbed_model(tiny_config(num_predict_layers=2), seed=16).to(torch.bfloat16).train()
+    if not fast_recurrence.PackedMatrix.available(fast_recurrence.fold_weights(model.model)):
+        pytest.skip("this CPU's oneDNN has no bf16 kernels, so nothing is prepacked")
+    ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(17))
+    results = []
+    for packed in (True, False):
+        if not packed:
+            monkeypatch.setattr(fast_recurrence.PackedMatrix, "available", staticmethod(lambda w: False))
+        model.zero_grad(set_to_none=True)
+        object.__setattr__(model.model, "_gpn_folded_cache", None)  # inference folds (and packs) afresh
+        loss = model(ids, labels=ids, return_logits=False).loss
+        loss.backward()
+        with torch.no_grad():
+            logits = model(ids).logits.float()
+        grads = torch.cat([p.grad.float().flatten() for p in model.parameters()])
+        results.append((loss.detach().float(), logits, grads))
+    (loss_a, logits_a, grads_a), (loss_b, logits_b, grads_b) = results
+    torch.testing.assert_close(loss_a, loss_b, atol=2e-3, rtol=1e-3)
+    assert (logits_a - logits_b).abs().max() < 0.05
+    assert torch.nn.functional.cosine_similarity(grads_a, grads_b, dim=0) > 0.9999
