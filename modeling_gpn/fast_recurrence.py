@@ -140,11 +140,14 @@ def fold_weights(model) -> FoldedWeights:
 
 
 class PackedMatrix:
-    """An (in, out) bf16 matrix prepacked once for oneDNN's CPU linear (AMX / AVX512-BF16 kernels).
+    """An (in, out) matrix prepacked once for oneDNN's CPU linear, for the thin matmuls of the steps.
 
-    torch's bf16 matmul reorders the weight on every call; for the 1-8 row matmuls of a GPN step that
-    costs as much as the product (the three step matmuls of the small preset, 8 rows, one thread:
-    1.07 ms packed, 2.28 ms unpacked, 1.93 ms in fp32). Inference only: training changes the weights."""
+    When it pays (see `worthwhile`): torch's bf16 matmul reorders the weight on every call, which for the
+    1-8 row matmuls of a step costs as much as the product, and for 8-row fp32 products on several threads
+    oneDNN's packed kernel splits the work better than MKL. The small preset's three step matmuls, 8 rows:
+    2 threads 0.70 ms (bf16 packed), 1.47 (bf16), 1.23 (fp32 packed), 1.61 (fp32); 1 thread 1.32 (bf16
+    packed), 2.17 (fp32 packed), 2.04 (fp32). Matrices are packed once per weight change for inference and
+    once per call in training (a single pass over the weights)."""
 
     def __init__(self, matrix: torch.Tensor):
         self.matrix = matrix
@@ -152,18 +155,20 @@ class PackedMatrix:
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """x @ matrix, float32 result."""
-        return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.packed, None, "none", [], "").float()
+        return torch.ops.mkldnn._linear_pointwise(x.to(self.matrix.dtype), self.packed, None, "none", [], "").float()
 
     @staticmethod
-    def available(w: FoldedWeights) -> bool:
-        """bf16 weights on a CPU whose oneDNN has bf16 kernels."""
-        return (
-            w.big_w.dtype == torch.bfloat16
-            and w.big_w.device.type == "cpu"
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        )
+    def worthwhile(w: FoldedWeights, rows: Optional[int] = None) -> bool:
+        """Whether to pack the step matrices of `w`: bf16 on a CPU whose oneDNN has bf16 kernels, always;
+        fp32 on CPU only for products of 8 or more `rows` on more than one thread (on one thread, and for
+        the single rows of decoding, MKL's unpacked product is faster). `rows=None`: any batch (inference)."""
+        if w.big_w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+            return False
+        if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+            return False
+        if w.big_w.dtype == torch.bfloat16:
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return w.big_w.dtype == torch.float32 and rows is not None and rows >= 8 and torch.get_num_threads() > 1
 
 
 def _pack(w):
@@ -186,7 +191,7 @@ def cached_folded_weights(model) -> FoldedWeights:
         return cached[1]
     with torch.no_grad():
         folded = fold_weights(model)
-        if PackedMatrix.available(folded):
+        if PackedMatrix.worthwhile(folded):
             folded = _pack(folded)
     object.__setattr__(model, "_gpn_folded_cache", (key, folded))
     return folded
@@ -602,8 +607,8 @@ class GPNRecurrenceFunction(torch.autograd.Function):
         U = U.float()
         outputs = U.new_empty(B, T, d)
         gammas = U.new_zeros(B, T, s.heads) if s.memory else U.new_zeros(B, T, 0)
-        # the steps multiply by prepacked matrices where that is faster (bf16 on CPU), packed once per call
-        ctx.step_weights = step_weights = _pack(w) if PackedMatrix.available(w) else w
+        # the steps multiply by prepacked matrices where that is faster (`PackedMatrix`), packed once per call
+        ctx.step_weights = step_weights = _pack(w) if PackedMatrix.worthwhile(w, B) else w
         key0 = key_from_grounded(g0, step_weights, s, eps) if s.memory else g0.new_zeros(B, 0)
         state = StepState(p0, g0, key0, M0)
         seg = segment or T
@@ -647,7 +652,7 @@ class GPNRecurrenceFunction(torch.autograd.Function):
         wt = transpose_weights(w)
         step_weights, ctx.step_weights = ctx.step_weights, None
         key_rows = wt.big_w[: s.heads * s.key_dim]  # dL/dg0 through the first key (below), unpacked
-        if PackedMatrix.available(w):
+        if PackedMatrix.worthwhile(w, U.shape[0]):
             wt = _pack(wt)
         B, T, d = U.shape
         first = ctx.boundaries[0]
