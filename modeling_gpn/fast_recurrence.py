@@ -23,7 +23,8 @@ What makes it fast (see the speed issue and `GPN.md`):
   (p, g, M) is cut before every position t with t % K == 0 (t > 0): exactly as the plain loop detaching
   its state there.
 - **Precision.** Matmuls run in the weights' dtype (e.g. bf16); the state, the memory and every
-  elementwise operation stay float32.
+  elementwise operation stay float32. On CPU, bf16 step matrices (and fp32 ones for training on several
+  threads) are prepacked for oneDNN (`PackedMatrix`).
 
 This file ships to the Hub with the model: it imports only torch and typing.
 """
@@ -481,7 +482,7 @@ def _step_backward(
         sig_gate = torch.sigmoid(part[:, c.gate])
         torch.mul(d_state * layer["state"], sig_gate * (1 - sig_gate), out=d_part[:, c.gate])
         d_state = d_state * sig_gate
-        # X = [silu(a) b | silu(read_gate) rms(read)]
+        # through X = [silu(a) b | silu(read_gate) rms(read)] to the layer's projections
         ffn_a, ffn_b, d_hidden = part[:, c.ffn_a], part[:, c.ffn_b], dX[:, : s.inter]
         sig_a = torch.sigmoid(ffn_a)
         torch.mul(d_hidden * ffn_b, _silu_grad(ffn_a, sig_a), out=d_part[:, c.ffn_a])
