@@ -224,12 +224,12 @@ def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 def _inv_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """(mean(x^2) + eps)^(-1/2), the scale `_unit_rms` applied (recomputed in backward, not stored)."""
-    return torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    return x.square().mean(-1, keepdim=True).add_(eps).rsqrt_()
 
 
 def _rms_backward(dy: torch.Tensor, y: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
     """dx for y = x * inv, inv = (mean(x^2) + eps)^(-1/2):  dx = inv * (dy - y * mean(dy * y))."""
-    return inv * (dy - y * (dy * y).mean(-1, keepdim=True))
+    return torch.addcmul(dy, y, (dy * y).mean(-1, keepdim=True), value=-1).mul_(inv)
 
 
 def _l2_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,12 +240,17 @@ def _l2_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _l2_backward(dy: torch.Tensor, y: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
     """dx for y = x * (sum(x^2) + eps)^(-1/2):  dx = inv * (dy - y * sum(dy * y))."""
-    return inv * (dy - y * (dy * y).sum(-1, keepdim=True))
+    return torch.addcmul(dy, y, (dy * y).sum(-1, keepdim=True), value=-1).mul_(inv)
+
+
+def _sigmoid_grad(sig_x: torch.Tensor) -> torch.Tensor:
+    """d sigma(x) / dx = sigma(x) (1 - sigma(x)), as one op."""
+    return torch.addcmul(sig_x, sig_x, sig_x, value=-1)
 
 
 def _silu_grad(x: torch.Tensor, sig_x: torch.Tensor) -> torch.Tensor:
-    """d silu(x) / dx = sigma(x) (1 + x (1 - sigma(x)))."""
-    return sig_x * (1 + x * (1 - sig_x))
+    """d silu(x) / dx = sigma(x) (1 + x (1 - sigma(x))) = sigma(x) + x sigma'(x)."""
+    return torch.addcmul(sig_x, x, _sigmoid_grad(sig_x))
 
 
 def _mm(x: torch.Tensor, w) -> torch.Tensor:
@@ -480,7 +485,7 @@ def _step_backward(
         dY.copy_(d_state)
         dX = _mm(dY, wt.out_w[i])
         sig_gate = torch.sigmoid(part[:, c.gate])
-        torch.mul(d_state * layer["state"], sig_gate * (1 - sig_gate), out=d_part[:, c.gate])
+        torch.mul(d_state * layer["state"], _sigmoid_grad(sig_gate), out=d_part[:, c.gate])
         d_state = d_state * sig_gate
         # through X = [silu(a) b | silu(read_gate) rms(read)] to the layer's projections
         ffn_a, ffn_b, d_hidden = part[:, c.ffn_a], part[:, c.ffn_b], dX[:, : s.inter]
@@ -498,7 +503,7 @@ def _step_backward(
             d_read_of.append(d_read)
             dq_of.append(dq)
             if i > 0:
-                d_query = _l2_backward(dq, layer["q"], layer["q_inv"]) * (layer["q_raw"] > 0)
+                d_query = _l2_backward(dq, layer["q"], layer["q_inv"]).masked_fill_(layer["q_raw"] <= 0, 0)
                 d_part[:, c.query].copy_(d_query.view(B, H * dk))
         if i > 0:  # the layer's projections came from a = rms(its input state)
             layer_x, d_part_rows = weight_grads.rows(("layer", i - 1))
@@ -532,10 +537,10 @@ def _step_backward(
         dZ[:, c.key].copy_(d_new_key)
         dZ[:, c.value].copy_(d_error.view(B, H * dv))
         d_sig_beta = (d_update * saved["error"]).sum(-1).view(B, H)
-        torch.mul(d_sig_beta, (sig_beta * (1 - sig_beta)).view(B, H), out=dZ[:, c.beta])
+        torch.mul(d_sig_beta, _sigmoid_grad(sig_beta).view(B, H), out=dZ[:, c.beta])
         torch.mul(d_gamma * wt.neg_decay_rate, torch.sigmoid(saved["decay"]), out=dZ[:, c.decay])
         # the key (from g_{t-1}, a carried state) and layer 0's query went through one l2(relu(.))
-        d_kq = _l2_backward(torch.stack([d_k, dq_of[0]], dim=1), kq, saved["kq_inv"]) * (saved["kq_raw"] > 0)
+        d_kq = _l2_backward(torch.stack([d_k, dq_of[0]], dim=1), kq, saved["kq_inv"]).masked_fill_(saved["kq_raw"] <= 0, 0)
         d_key = d_kq[:, 0].reshape(B, H * dk)
         d_part = dZ[:, c.write :]
         d_part[:, c.query].copy_(d_kq[:, 1].reshape(B, H * dk))
@@ -553,7 +558,7 @@ def _step_backward(
     fg_x, d_z_fg = weight_grads.rows("fg")
     p_inv = _inv_rms(p, eps)
     a_p = torch.mul(p, p_inv, out=fg_x)
-    torch.mul(d_grounded * p, sig_fg * (1 - sig_fg), out=d_z_fg)
+    torch.mul(d_grounded * p, _sigmoid_grad(sig_fg), out=d_z_fg)
     d_p = d_grounded * sig_fg + _rms_backward(_mm(d_z_fg, wt.fg_w), a_p, p_inv)
     weight_grads.next_step()
     if dp_pass is not None:
