@@ -56,7 +56,7 @@ def main() -> int:
         worst = max(((fast[k] - plain[k]).abs().max() / plain[k].abs().max().clamp_min(1e-6)).item() for k in plain)
         ok = abs(fast_loss - plain_loss).item() < 1e-4 and worst < 1e-3
         failures += not ok
-        print(f"[{'ok' if ok else 'FAIL'}] cuda fp32 fast == plain ({name}): loss diff {abs(fast_loss - plain_loss).item():.2e}, worst relative grad diff {worst:.2e}")
+        print(f"[{'ok' if ok else 'FAIL'}] {device} fp32 fast == plain ({name}): loss diff {abs(fast_loss - plain_loss).item():.2e}, worst relative grad diff {worst:.2e}")
     config = tiny()
     reference = perturbed(config, device, seed=3).eval()
     low = perturbed(config, device, seed=3).to(torch.bfloat16).eval()
@@ -68,7 +68,7 @@ def main() -> int:
     diff = (got - expected).abs()
     ok = diff.max().item() < 0.1 and diff.mean().item() < 0.02
     failures += not ok
-    print(f"[{'ok' if ok else 'FAIL'}] cuda bf16 fast vs fp32 plain over 512 tokens: max |dlogp| {diff.max().item():.4f}, mean {diff.mean().item():.5f}")
+    print(f"[{'ok' if ok else 'FAIL'}] {device} bf16 fast vs fp32 plain over 512 tokens: max |dlogp| {diff.max().item():.4f}, mean {diff.mean().item():.5f}")
     return 1 if failures else 0
 
 
