@@ -165,10 +165,11 @@ class PeakMemory:
         return False
 
 
-def timed_alternating(fns: dict, device: str, repeats: int) -> dict:
-    """Median seconds of each `fns[name]()` after one warm-up each, the implementations timed in turn
-    within every repeat, so that a slow spell of a noisy machine hits all of them alike."""
-    for fn in fns.values():
+def timed_alternating(fns: dict, device: str, repeats: int, warm_up: bool = True) -> dict:
+    """Median seconds of each `fns[name]()` after one warm-up each (unless the caller ran it), the
+    implementations timed in turn within every repeat, so that a slow spell of a noisy machine hits all
+    of them alike."""
+    for fn in fns.values() if warm_up else ():
         fn()
         synchronize(device)
     times = {name: [] for name in fns}
@@ -275,7 +276,7 @@ def measure(models: dict, preset: str, args) -> list[Row]:
         with PeakMemory(device) as memory:
             step()
         rows[kind].train_peak_bytes[args.seq_len] = memory.peak
-    for kind, seconds in timed_alternating(steps, device, repeats).items():
+    for kind, seconds in timed_alternating(steps, device, repeats, warm_up=False).items():
         rows[kind].train_tok_s = tokens / seconds
         rows[kind].train_gflop_s = 3 * flops[kind] * rows[kind].train_tok_s / 1e9
     for length in args.memory_seq_lens:

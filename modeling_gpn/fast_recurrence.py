@@ -172,8 +172,8 @@ class PackedMatrix:
         return w.big_w.dtype == torch.float32 and rows is not None and rows >= 8 and torch.get_num_threads() > 1
 
 
-def _pack(w):
-    """`FoldedWeights` or `TransposedWeights` with every step matrix a `PackedMatrix`."""
+def _pack(w: FoldedWeights) -> FoldedWeights:
+    """`FoldedWeights` with every step matrix a `PackedMatrix`."""
     try:
         return w._replace(
             fg_w=PackedMatrix(w.fg_w), big_w=PackedMatrix(w.big_w),
@@ -442,10 +442,20 @@ class TransposedWeights(NamedTuple):
     neg_decay_rate: Optional[torch.Tensor]  # as in FoldedWeights (not transposed; here for the decay gradient)
 
 
-def transpose_weights(w: FoldedWeights) -> TransposedWeights:
-    t = lambda m: m.detach().t().contiguous()  # noqa: E731
+def transpose_weights(w: FoldedWeights, pack: bool = False) -> TransposedWeights:
+    """The transposes as contiguous copies, or (`pack`) as `PackedMatrix`es straight from the transposed
+    views (packing lays the weights out anew anyway, so a contiguous copy first would be wasted)."""
     ndr = None if w.neg_decay_rate is None else w.neg_decay_rate.detach()
-    return TransposedWeights(t(w.fg_w), t(w.big_w), tuple(map(t, w.out_w)), tuple(map(t, w.layer_w)), ndr)
+
+    def transposed(t) -> TransposedWeights:
+        return TransposedWeights(t(w.fg_w), t(w.big_w), tuple(map(t, w.out_w)), tuple(map(t, w.layer_w)), ndr)
+
+    if pack:
+        try:
+            return transposed(lambda m: PackedMatrix(m.detach().t()))
+        except RuntimeError:  # as in `_pack`: fall back to the plain matmul
+            pass
+    return transposed(lambda m: m.detach().t().contiguous())
 
 
 def _split_real(grad: torch.Tensor, real: Optional[torch.Tensor]):
@@ -655,11 +665,8 @@ class GPNRecurrenceFunction(torch.autograd.Function):
         else:
             mask, flat_weights = None, saved[2:]
         w = _unflatten(flat_weights, s)
-        wt = transpose_weights(w)
+        wt = transpose_weights(w, pack=PackedMatrix.worthwhile(w, U.shape[0]))
         step_weights, ctx.step_weights = ctx.step_weights, None
-        key_rows = wt.big_w[: s.heads * s.key_dim]  # dL/dg0 through the first key (below), unpacked
-        if PackedMatrix.worthwhile(w, U.shape[0]):
-            wt = _pack(wt)
         B, T, d = U.shape
         first = ctx.boundaries[0]
         grad_or_zero = lambda g, like: g if g is not None else torch.zeros_like(like)  # noqa: E731
@@ -696,6 +703,7 @@ class GPNRecurrenceFunction(torch.autograd.Function):
         d_g0 = grads.g
         if s.memory:  # the key of the first step came from g0
             a_g0 = _unit_rms(g0, eps)
+            key_rows = w.big_w[:, : s.heads * s.key_dim].detach().t()  # W_k^T, used once
             d_g0 = d_g0 + _rms_backward(_mm(grads.key, key_rows), a_g0, _inv_rms(g0, eps))
             weight_grads.add_key(a_g0, grads.key)
         return (dU.to(ctx.input_dtype), grads.p, d_g0, grads.memory, None, None, *weight_grads.finish())

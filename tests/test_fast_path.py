@@ -205,6 +205,8 @@ def test_prepacked_matrices_match_the_plain_matmul(monkeypatch, dtype):
     up to rounding (bf16) or summation order (fp32)."""
     from modeling_gpn import fast_recurrence
 
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        pytest.skip("this torch build has no oneDNN linear, so nothing is prepacked")
     model = perturbed_model(tiny_config(num_predict_layers=2), seed=16).to(dtype).train()
     if dtype == torch.bfloat16 and not fast_recurrence.PackedMatrix.worthwhile(fast_recurrence.fold_weights(model.model)):
         pytest.skip("this CPU's oneDNN has no bf16 kernels, so nothing is prepacked")
