@@ -162,7 +162,7 @@ class PackedMatrix:
     def worthwhile(w: FoldedWeights, rows: Optional[int] = None) -> bool:
         """Whether to pack the step matrices of `w`: bf16 on a CPU whose oneDNN has bf16 kernels, always;
         fp32 on CPU only for products of 8 or more `rows` on more than one thread (on one thread, and for
-        the single rows of decoding, MKL's unpacked product is faster). `rows=None`: any batch (inference)."""
+        the single rows of decoding, MKL's unpacked product is faster). `rows=None`: a batch of unknown size."""
         if w.big_w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
             return False
         if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
@@ -183,19 +183,23 @@ def _pack(w: FoldedWeights) -> FoldedWeights:
         return w
 
 
-def cached_folded_weights(model) -> FoldedWeights:
-    """`fold_weights` for inference, reused while no parameter changed (decode pays the fold once);
-    bf16 weights on CPU are prepacked for oneDNN (`PackedMatrix`)."""
+def cached_folded_weights(model, rows: Optional[int] = None) -> FoldedWeights:
+    """`fold_weights` for inference, reused while no parameter changed (decode pays the fold once), with
+    the step matrices prepacked for oneDNN where that is faster for products of `rows` rows
+    (`PackedMatrix.worthwhile`): bf16 on CPU always, fp32 for batches of 8+ rows on several threads. The
+    plain and the packed set are cached side by side (batch-1 decoding and batched scoring both stay fast)."""
     key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in model.parameters())
     cached = getattr(model, "_gpn_folded_cache", None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    with torch.no_grad():
-        folded = fold_weights(model)
-        if PackedMatrix.worthwhile(folded):
-            folded = _pack(folded)
-    object.__setattr__(model, "_gpn_folded_cache", (key, folded))
-    return folded
+    if cached is None or cached[0] != key:
+        with torch.no_grad():
+            cached = (key, {False: fold_weights(model)})
+        object.__setattr__(model, "_gpn_folded_cache", cached)
+    variants = cached[1]
+    pack = PackedMatrix.worthwhile(variants[False], rows)
+    if pack not in variants:
+        with torch.no_grad():
+            variants[pack] = _pack(variants[False])
+    return variants[pack]
 
 
 def shapes_of(model, batch: int) -> Shapes:
@@ -825,7 +829,7 @@ def fast_recurrence(
     )
     if not needs_grad:
         with torch.no_grad():
-            w = cached_folded_weights(model)
+            w = cached_folded_weights(model, rows=B)
             outputs = torch.empty(B, T, s.hidden, dtype=torch.float32, device=token_inputs.device)
             gammas = torch.zeros(B, T, s.heads, device=token_inputs.device) if (s.memory and output_memory_decays) else None
             key0 = key_from_grounded(g0, w, s, eps) if s.memory else g0.new_zeros(B, 0)
