@@ -128,6 +128,34 @@ def test_truncation_cuts_the_state_gradient_every_k_tokens():
     assert (token_inputs.grad.abs().sum(dim=(0, 2))[:10] > 0).all()
 
 
+def test_reused_memory_buffers_keep_overlapping_calls_apart():
+    """Training calls reuse the buffer that holds M' of their last segment (`BufferPool`): two forward
+    passes before one backward must still each keep their own, and a later call reuses a given-back one."""
+    from modeling_gpn.fast_recurrence import buffer_pool_of
+
+    model = perturbed_model(tiny_config(bptt_segment_length=4), seed=10).train()
+    generator = torch.Generator().manual_seed(11)
+    first, second = (torch.randint(0, model.config.vocab_size, (2, 11), generator=generator) for _ in range(2))
+
+    def grads_of(*batches):
+        model.zero_grad(set_to_none=True)
+        sum(model(ids, labels=ids).loss for ids in batches).backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    apart = [grads_of(first), grads_of(second)]
+    together = grads_of(first, second)  # both graphs alive at once: two buffers in use
+    for name, grad in together.items():
+        torch.testing.assert_close(grad, apart[0][name] + apart[1][name], atol=1e-6, rtol=1e-5)
+
+    pool = buffer_pool_of(model.model)
+    held = [b.data_ptr() for buffers in pool.free.values() for b in buffers]
+    assert len(held) == 3  # two last-segment buffers and one pair of alternating slots
+    grads_of(first)
+    assert {b.data_ptr() for buffers in pool.free.values() for b in buffers} == set(held)  # reused, none new
+    pool.release()
+    assert not pool.free
+
+
 @pytest.mark.parametrize("variant", ["gpn+m", "gpn+m-bias"])
 def test_causal_lm_loss_and_gradients_with_chunked_loss(variant):
     model = perturbed_model(tiny_config(**VARIANTS[variant]), seed=8).train()
