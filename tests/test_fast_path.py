@@ -255,3 +255,32 @@ def test_prepacked_matrices_match_the_plain_matmul(monkeypatch, dtype):
     torch.testing.assert_close(loss_a, loss_b, atol=2e-3 if low else 1e-5, rtol=1e-3 if low else 1e-5)
     assert (logits_a - logits_b).abs().max() < (0.05 if low else 1e-4)
     assert torch.nn.functional.cosine_similarity(grads_a, grads_b, dim=0) > (0.9999 if low else 1 - 1e-9)
+
+
+@torch.no_grad()
+def test_decode_step_compiles_as_one_graph_writing_memory_in_place():
+    """The one-token step is capturable: torch.compile traces it whole (fullgraph, no data-dependent
+    Python), it writes M' into the buffer it is given (a static address for CUDA graphs), and it computes
+    what the eager step does. (Capture with CUDA graphs itself needs a GPU; this checks its precondition.)"""
+    from modeling_gpn import fast_recurrence as fr
+
+    model = perturbed_model(tiny_config(), seed=16)
+    folded = fr.cached_folded_weights(model.model, rows=1)
+    shapes = fr.shapes_of(model.model, 1)
+    columns, eps = fr.columns_of(shapes), model.config.rms_norm_eps
+    generator = torch.Generator().manual_seed(17)
+    p, g, memory = (torch.randn(x.shape, generator=generator) for x in model.model.zero_state(1, torch.device("cpu")))
+    state = fr.StepState(p, g, fr.key_from_grounded(g, folded, shapes, eps), memory)
+    token_input = torch.randn(1, model.config.hidden_size, generator=generator)
+
+    def decode_step(state, token_input, memory_out):
+        new_state, _ = fr._step(state, token_input, None, folded, shapes, columns, eps, memory_out=memory_out)
+        return new_state
+
+    eager_out, compiled_out = torch.empty_like(memory), torch.empty_like(memory)
+    expected = decode_step(state, token_input, eager_out)
+    compiled = torch.compile(decode_step, fullgraph=True, dynamic=False)
+    got = compiled(state, token_input, compiled_out)
+    assert got.memory.data_ptr() == compiled_out.data_ptr()  # M' went into the given buffer
+    for name, a, b in zip(fr.StepState._fields, got, expected):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
