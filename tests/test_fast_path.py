@@ -79,9 +79,33 @@ def assert_same(plain, fast, atol=2e-5, rtol=2e-4):
         assert err < 1e-4, f"gradient of {name} differs by {err:.2e} (relative to its max)"
 
 
+@pytest.fixture(params=["memory-kernels", "torch-ops"])
+def memory_kernels(request, monkeypatch):
+    """Run with the fused C memory kernels (where they build) and with the torch ops they replace."""
+    from modeling_gpn import memory_kernels
+
+    if request.param == "memory-kernels":
+        if not memory_kernels.available():
+            pytest.skip(f"memory kernels unavailable: {memory_kernels.unavailable_reason()}")
+    else:
+        monkeypatch.setenv("GPN_MEMORY_KERNELS", "0")
+    return request.param
+
+
+def test_memory_kernels_build_where_there_is_a_compiler():
+    """Where a C compiler exists the kernels must build: otherwise the suite would only test the torch ops."""
+    import shutil
+
+    from modeling_gpn import memory_kernels
+
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler here: the fast path uses its torch ops")
+    assert memory_kernels.available(), memory_kernels.unavailable_reason()
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("length,mask_kind", [(1, None), (7, "holes"), (63, None), (63, "left")])
-def test_fast_equals_plain_outputs_and_gradients(variant, length, mask_kind):
+def test_fast_equals_plain_outputs_and_gradients(variant, length, mask_kind, memory_kernels):
     model = perturbed_model(tiny_config(**VARIANTS[variant]), seed=3).train()
     problem = random_problem(model, batch=3, length=length, mask_kind=mask_kind, seed=length)
     plain = run_recurrence(model, False, *problem)
@@ -90,7 +114,7 @@ def test_fast_equals_plain_outputs_and_gradients(variant, length, mask_kind):
 
 
 @pytest.mark.parametrize("variant", ["gpn+m", "gpn+m-2l"])
-def test_segmented_equals_unsegmented_gradients(variant):
+def test_segmented_equals_unsegmented_gradients(variant, memory_kernels):
     problem_model = perturbed_model(tiny_config(**VARIANTS[variant]), seed=4).train()
     problem = random_problem(problem_model, batch=2, length=23, mask_kind="holes", seed=5)
     results = []

@@ -1,0 +1,289 @@
+"""Fused CPU kernels for the memory write and its gradient (optional: the eager torch code is the reference).
+
+Why: a step touches the memory M (B*H heads of dk x dv floats, 1.5 MB for the small preset at batch 8)
+in many separate torch ops, each one a pass over all heads: five passes in the forward step and twelve in
+its backward. Per head, M and its gradient are 32 KB each and fit in the core's L1/L2 cache, so a kernel
+that finishes one head before moving to the next reads each from memory once and makes the later passes
+nearly free. The kernels are plain C compiled once per machine with the system's C compiler (`cc`, or
+`$CC`) into `$GPN_KERNEL_CACHE` (default `~/.cache/gpn/kernels`) and called through ctypes; without a
+compiler, or with `GPN_MEMORY_KERNELS=0`, `available()` is False and the fast path uses its torch ops.
+
+The equations are those of `fast_recurrence._step` / `_step_backward` (per head, M is dk x dv):
+    forward:  error = v - M^T k;  update = beta * error;  read = a M^T q + (q . k) update;
+              M' = a M + k update^T
+    backward: G = D + sum_l q_l r_l^T              (D = dL/dM' from later steps, r_l = dL/d read of layer l)
+              d_update = G^T k;  d_error = beta d_update;  d_a = <G, M>
+              d_k = G update - M d_error;  dq_l = M' r_l = a M r_l + k (update . r_l)
+              dL/dM = a G - k d_error^T
+This file ships to the Hub with the model: it imports only torch and the standard library.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+SOURCE = r"""
+#include <stddef.h>
+
+/* One head per iteration: every pass over M (and D) after the first hits the cache. */
+
+void gpn_memory_write(
+    int heads, int dk, int dv, const float *M, float *M_out,
+    const float *k, const float *q, const float *v, long v_head_stride, long v_row_stride, int heads_per_row,
+    const float *a, const float *beta, float *error, float *update, float *read, int threads)
+{
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int h = 0; h < heads; h++) {
+        const float *Mh = M + (size_t)h * dk * dv;
+        float *Oh = M_out + (size_t)h * dk * dv;
+        const float *kh = k + (size_t)h * dk, *qh = q + (size_t)h * dk;
+        const float *vh = v + (size_t)(h / heads_per_row) * v_row_stride + (size_t)(h % heads_per_row) * v_head_stride;
+        float *eh = error + (size_t)h * dv, *uh = update + (size_t)h * dv, *rh = read + (size_t)h * dv;
+        float Mtk[dv], Mtq[dv];
+        for (int j = 0; j < dv; j++) { Mtk[j] = 0.f; Mtq[j] = 0.f; }
+        float qk = 0.f;
+        for (int i = 0; i < dk; i++) {
+            const float ki = kh[i], qi = qh[i];
+            const float *row = Mh + (size_t)i * dv;
+            qk += qi * ki;
+            #pragma omp simd
+            for (int j = 0; j < dv; j++) { Mtk[j] += ki * row[j]; Mtq[j] += qi * row[j]; }
+        }
+        const float ah = a[h], bh = beta[h];
+        #pragma omp simd
+        for (int j = 0; j < dv; j++) {
+            eh[j] = vh[j] - Mtk[j];
+            uh[j] = bh * eh[j];
+            rh[j] = ah * Mtq[j] + qk * uh[j];
+        }
+        for (int i = 0; i < dk; i++) {
+            const float ki = kh[i];
+            const float *row = Mh + (size_t)i * dv;
+            float *out = Oh + (size_t)i * dv;
+            #pragma omp simd
+            for (int j = 0; j < dv; j++) out[j] = ah * row[j] + ki * uh[j];
+        }
+    }
+}
+
+void gpn_memory_write_backward(
+    int heads, int dk, int dv, int layers, const float *D, const float *M, float *dM_out,
+    const float *Q, const float *R, const float *k, const float *update, const float *a, const float *beta,
+    float *d_update, float *d_k, float *d_a, float *dQ, float *d_error, int threads)
+{
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int h = 0; h < heads; h++) {
+        const size_t mat = (size_t)h * dk * dv;
+        const float *Dh = D + mat, *Mh = M + mat;
+        float *Oh = dM_out + mat;
+        const float *kh = k + (size_t)h * dk, *uh = update + (size_t)h * dv;
+        float *dUh = d_update + (size_t)h * dv, *dkh = d_k + (size_t)h * dk, *deh = d_error + (size_t)h * dv;
+        const float ah = a[h], bh = beta[h];
+        float qk[layers], ru[layers];
+        for (int l = 0; l < layers; l++) {
+            const float *ql = Q + ((size_t)l * heads + h) * dk, *rl = R + ((size_t)l * heads + h) * dv;
+            float s = 0.f, t = 0.f;
+            for (int i = 0; i < dk; i++) s += ql[i] * kh[i];
+            for (int j = 0; j < dv; j++) t += rl[j] * uh[j];
+            qk[l] = s; ru[l] = t;
+        }
+        /* pass 1: D^T k, D update, <D, M>, M r_l */
+        for (int j = 0; j < dv; j++) dUh[j] = 0.f;
+        float DM = 0.f;
+        for (int i = 0; i < dk; i++) {
+            const float ki = kh[i];
+            const float *Drow = Dh + (size_t)i * dv, *Mrow = Mh + (size_t)i * dv;
+            float Du = 0.f;
+            #pragma omp simd reduction(+:Du, DM)
+            for (int j = 0; j < dv; j++) { dUh[j] += ki * Drow[j]; Du += Drow[j] * uh[j]; DM += Drow[j] * Mrow[j]; }
+            dkh[i] = Du;
+            for (int l = 0; l < layers; l++) {
+                const float *rl = R + ((size_t)l * heads + h) * dv;
+                float Mr = 0.f;
+                #pragma omp simd reduction(+:Mr)
+                for (int j = 0; j < dv; j++) Mr += Mrow[j] * rl[j];
+                dQ[((size_t)l * heads + h) * dk + i] = Mr; /* M r_l for now */
+            }
+        }
+        /* the rank-1 parts of G = D + sum_l q_l r_l^T */
+        float dA = DM;
+        for (int l = 0; l < layers; l++) {
+            const float *ql = Q + ((size_t)l * heads + h) * dk, *rl = R + ((size_t)l * heads + h) * dv;
+            float *dql = dQ + ((size_t)l * heads + h) * dk;
+            for (int j = 0; j < dv; j++) dUh[j] += rl[j] * qk[l];
+            for (int i = 0; i < dk; i++) {
+                dkh[i] += ql[i] * ru[l];
+                dA += ql[i] * dql[i];
+                dql[i] = ah * dql[i] + kh[i] * ru[l];
+            }
+        }
+        d_a[h] = dA;
+        for (int j = 0; j < dv; j++) deh[j] = bh * dUh[j];
+        /* pass 2: d_k -= M d_error;  dL/dM = a G - k d_error^T */
+        for (int i = 0; i < dk; i++) {
+            const float ki = kh[i];
+            const float *Drow = Dh + (size_t)i * dv, *Mrow = Mh + (size_t)i * dv;
+            float *out = Oh + (size_t)i * dv;
+            float Md = 0.f;
+            #pragma omp simd reduction(+:Md)
+            for (int j = 0; j < dv; j++) { Md += Mrow[j] * deh[j]; out[j] = ah * Drow[j] - ki * deh[j]; }
+            dkh[i] -= Md;
+            for (int l = 0; l < layers; l++) {
+                const float *rl = R + ((size_t)l * heads + h) * dv;
+                const float qa = ah * Q[((size_t)l * heads + h) * dk + i];
+                #pragma omp simd
+                for (int j = 0; j < dv; j++) out[j] += qa * rl[j];
+            }
+        }
+    }
+}
+"""
+
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c99"]
+_lock = threading.Lock()
+_library: Optional[ctypes.CDLL] = None
+_failure: Optional[str] = None
+
+
+def _cpu_features() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.machine() + platform.processor()
+
+
+def _compile() -> ctypes.CDLL:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc, gcc or $CC) found")
+    # -march=native: the build is for this CPU, so the cache key names its features (a cache folder shared
+    # between machines must not hand one machine's AVX-512 build to another)
+    digest = hashlib.sha256("\0".join([SOURCE, compiler, *_FLAGS, _cpu_features()]).encode()).hexdigest()[:16]
+    folder = Path(os.environ.get("GPN_KERNEL_CACHE", Path.home() / ".cache" / "gpn" / "kernels"))
+    library = folder / f"gpn_memory_{digest}.so"
+    if library.is_file():
+        try:
+            return _load(library)
+        except OSError:  # a damaged cached build (a killed copy, a full disk): build it again
+            library.unlink(missing_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as scratch:
+        source = Path(scratch) / "gpn_memory.c"
+        source.write_text(SOURCE)
+        built = Path(scratch) / library.name
+        result = subprocess.run([compiler, *_FLAGS, str(source), "-o", str(built)], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} exited with {result.returncode}: {result.stderr.strip()[-2000:]}")
+        os.replace(built, library)  # atomic: concurrent processes never load a half-written file
+    return _load(library)
+
+
+def _load(library: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(library))
+    i, p, l = ctypes.c_int, ctypes.c_void_p, ctypes.c_long
+    lib.gpn_memory_write.argtypes = [i, i, i, p, p, p, p, p, l, l, i, p, p, p, p, p, i]
+    lib.gpn_memory_write_backward.argtypes = [i, i, i, i, p, p, p, p, p, p, p, p, p, p, p, p, p, p, i]
+    return lib
+
+
+def available() -> bool:
+    """Whether the kernels are built (building them on first call) and enabled (`GPN_MEMORY_KERNELS` != 0)."""
+    global _library, _failure
+    if os.environ.get("GPN_MEMORY_KERNELS", "1") == "0":
+        return False
+    with _lock:
+        if _library is None and _failure is None:
+            try:
+                _library = _compile()
+            except (OSError, RuntimeError) as error:  # no compiler, a failed build: the torch ops still work
+                _failure = str(error)
+        return _library is not None
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why `available()` is False (None when it is True or was not asked yet)."""
+    if os.environ.get("GPN_MEMORY_KERNELS", "1") == "0":
+        return "disabled by GPN_MEMORY_KERNELS=0"
+    return _failure
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether these tensors can go to the kernels: float32 on CPU, the kernels available, and not under
+    torch.compile (which traces the torch ops instead: a ctypes call cannot be traced)."""
+    if torch.compiler.is_compiling():
+        return False
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and available()
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def _check_output(out: torch.Tensor, like: torch.Tensor) -> None:
+    if out.shape != like.shape or out.dtype != like.dtype or not out.is_contiguous():
+        raise ValueError(f"output buffer must be a contiguous {tuple(like.shape)} {like.dtype} tensor")
+
+
+def memory_write(
+    memory: torch.Tensor, k: torch.Tensor, q: torch.Tensor, value: torch.Tensor, a: torch.Tensor,
+    beta: torch.Tensor, memory_out: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """M' = a M + k update^T into `memory_out`; returns (error, update, read) as in the module docstring.
+
+    memory, memory_out (BH, dk, dv); k, q (BH, dk); a, beta (BH,) or (BH, 1); value (B, H*dv) with any
+    row stride (e.g. columns of the step's projections), BH = B*H."""
+    heads, dk, dv = memory.shape
+    rows = value.shape[0]
+    if value.stride(1) != 1 or heads % rows:
+        raise ValueError("value must be (batch, heads * dv) with unit column stride")
+    _check_output(memory_out, memory)
+    memory, k, q, a, beta = (t.contiguous() for t in (memory, k, q, a, beta))
+    error, update, read = (memory.new_empty(heads, dv) for _ in range(3))
+    _library.gpn_memory_write(
+        heads, dk, dv, _ptr(memory), _ptr(memory_out), _ptr(k), _ptr(q), _ptr(value), dv, value.stride(0),
+        heads // rows, _ptr(a), _ptr(beta), _ptr(error), _ptr(update), _ptr(read), torch.get_num_threads(),
+    )  # fmt: skip
+    return error, update, read
+
+
+def memory_write_backward(
+    memory_grad: torch.Tensor, memory: torch.Tensor, queries: torch.Tensor, read_grads: torch.Tensor,
+    k: torch.Tensor, update: torch.Tensor, a: torch.Tensor, beta: torch.Tensor, memory_grad_out: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Gradients through the write and the reads of M' (see the module docstring).
+
+    memory_grad D = dL/dM' from later steps and memory M (BH, dk, dv); queries (L, BH, dk) and read_grads
+    (L, BH, dv) of the L layers reading M'; k (BH, dk), update (BH, dv), a and beta (BH,) or (BH, 1).
+    Writes dL/dM into `memory_grad_out` (it may not be `memory_grad`); returns (d_update, d_k, d_a, dq
+    (L, BH, dk), d_error)."""
+    heads, dk, dv = memory.shape
+    layers = queries.shape[0]
+    _check_output(memory_grad_out, memory)
+    if memory_grad_out.data_ptr() == memory_grad.data_ptr():
+        raise ValueError("memory_grad_out must not be memory_grad")
+    memory_grad, memory, queries, read_grads, k, update, a, beta = (
+        t.contiguous() for t in (memory_grad, memory, queries, read_grads, k, update, a, beta)
+    )
+    d_update, d_error = memory.new_empty(heads, dv), memory.new_empty(heads, dv)
+    d_k, d_a, dq = memory.new_empty(heads, dk), memory.new_empty(heads), memory.new_empty(layers, heads, dk)
+    _library.gpn_memory_write_backward(
+        heads, dk, dv, layers, _ptr(memory_grad), _ptr(memory), _ptr(memory_grad_out), _ptr(queries),
+        _ptr(read_grads), _ptr(k), _ptr(update), _ptr(a), _ptr(beta), _ptr(d_update), _ptr(d_k), _ptr(d_a),
+        _ptr(dq), _ptr(d_error), torch.get_num_threads(),
+    )  # fmt: skip
+    return d_update, d_k, d_a, dq, d_error
