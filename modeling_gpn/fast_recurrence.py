@@ -922,49 +922,49 @@ def fast_recurrence(
 
 
 class ChunkedTiedCrossEntropy(torch.autograd.Function):
-    """Sum of cross-entropies of logits = h E^T over rows, computed (and recomputed in backward) in chunks.
+    """Sum of cross-entropies of logits = h E^T over rows, computed in chunks.
 
-    h (N, e), E (V, e), targets (N,) with -100 ignored. Only h, E, the targets and one log-sum-exp per
-    row are kept; the logits of at most `chunk` rows exist at any time. Logits are float32 as in the
-    plain loss (which upcasts them).
+    h (N, e), E (V, e), targets (N,) with -100 ignored. The logits of at most `chunk` rows exist at any
+    time. Logits are float32 as in the plain loss (which upcasts them). With `with_grads` (training) the
+    gradients for h and E are computed in the same pass over each chunk, while its logits are at hand
+    (the loss is a scalar, so backward only scales them): three matmuls per chunk instead of four, since
+    backward would otherwise recompute the logits. Without it only one log-sum-exp per row is kept.
     """
 
     @staticmethod
-    def forward(ctx, h, E, targets, chunk: int):
+    def forward(ctx, h, E, targets, chunk: int, with_grads: bool):
         N = h.shape[0]
-        lse = torch.empty(N, dtype=torch.float32, device=h.device)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         valid = targets != -100
         safe = torch.where(valid, targets, torch.zeros_like(targets))
+        dh = torch.empty(h.shape, dtype=torch.float32, device=h.device) if with_grads else None
+        dE = torch.zeros(E.shape, dtype=torch.float32, device=E.device) if with_grads else None
         for start in range(0, N, chunk):
-            logits = torch.matmul(h[start : start + chunk], E.t()).float()
-            lse[start : start + chunk] = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, safe[start : start + chunk, None])[:, 0]
-            total += ((lse[start : start + chunk] - picked) * valid[start : start + chunk]).sum()
-        ctx.save_for_backward(h, E, safe, valid, lse)
-        ctx.chunk = chunk
+            rows = slice(start, start + chunk)
+            logits = torch.matmul(h[rows], E.t()).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, safe[rows, None])[:, 0]
+            total += ((lse - picked) * valid[rows]).sum()
+            if with_grads:  # d total / d logits = softmax - onehot on counted rows
+                probs = logits.sub_(lse[:, None]).exp_()
+                probs.scatter_add_(1, safe[rows, None], -torch.ones_like(probs[:, :1]))
+                probs *= valid[rows, None]
+                g = probs.to(E.dtype)
+                dh[rows] = torch.matmul(g, E).float()
+                dE += torch.matmul(g.t(), h[rows]).float()
+        ctx.save_for_backward(dh, dE)
+        ctx.h_dtype, ctx.E_dtype = h.dtype, E.dtype
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
-        h, E, safe, valid, lse = ctx.saved_tensors
-        chunk = ctx.chunk
-        dh = torch.empty_like(h, dtype=torch.float32) if ctx.needs_input_grad[0] else None
-        dE = torch.zeros(E.shape, dtype=torch.float32, device=E.device) if ctx.needs_input_grad[1] else None
-        for start in range(0, h.shape[0], chunk):
-            rows = slice(start, start + chunk)
-            logits = torch.matmul(h[rows], E.t()).float()
-            probs = torch.exp(logits - lse[rows, None])
-            probs.scatter_add_(1, safe[rows, None], -torch.ones_like(probs[:, :1]))
-            probs *= (valid[rows] * grad_total)[:, None]
-            g = probs.to(E.dtype)
-            if dh is not None:
-                dh[rows] = torch.matmul(g, E).float()
-            if dE is not None:
-                dE += torch.matmul(g.t(), h[rows]).float()
+        dh, dE = ctx.saved_tensors
+        if dh is None:
+            raise RuntimeError("ChunkedTiedCrossEntropy was called with with_grads=False: it has no gradients")
         return (
-            None if dh is None else dh.to(h.dtype),
-            None if dE is None else dE.to(E.dtype),
+            (dh * grad_total).to(ctx.h_dtype) if ctx.needs_input_grad[0] else None,
+            (dE * grad_total).to(ctx.E_dtype) if ctx.needs_input_grad[1] else None,
+            None,
             None,
             None,
         )
@@ -982,5 +982,6 @@ def chunked_causal_lm_loss(
         chunk_rows = max(64, (1 << 20) // V)  # about 4 MB of float32 logits: the chunk stays in cache
     h = decoded[:, :-1].reshape(-1, e).to(embedding.dtype)
     targets = labels[:, 1:].reshape(-1).to(decoded.device)
-    total = ChunkedTiedCrossEntropy.apply(h, embedding, targets, chunk_rows)
+    with_grads = torch.is_grad_enabled() and (h.requires_grad or embedding.requires_grad)
+    total = ChunkedTiedCrossEntropy.apply(h, embedding, targets, chunk_rows, with_grads)
     return total / (targets != -100).sum()  # nan when nothing is counted, as F.cross_entropy
