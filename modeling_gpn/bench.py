@@ -256,6 +256,15 @@ def generate_timings(model, prompt: torch.Tensor, args) -> tuple[float, list[flo
     return stamps[1] - start, [b - a for a, b in zip(stamps[1:], stamps[2:])], cache_nbytes(cache)
 
 
+def release_reused_buffers(model) -> None:
+    """Free the memory buffers a GPN's training calls keep for the next call (`BufferPool`), so that a
+    peak-memory probe sees what a first call allocates."""
+    if hasattr(model, "model") and hasattr(model.model, "use_fast_path"):
+        from modeling_gpn.fast_recurrence import buffer_pool_of
+
+        buffer_pool_of(model.model).release()
+
+
 def measure(models: dict, preset: str, args) -> list[Row]:
     """Every figure of one preset for `models` ({impl: model}); timings alternate between the models."""
     device, repeats = args.device, args.repeats
@@ -273,6 +282,7 @@ def measure(models: dict, preset: str, args) -> list[Row]:
     # training: the warm-up step of each model runs under the peak-memory probe
     steps = {kind: train_step_fn(model, kind, ids) for kind, model in models.items()}
     for kind, step in steps.items():
+        release_reused_buffers(models[kind])
         with PeakMemory(device) as memory:
             step()
         rows[kind].train_peak_bytes[args.seq_len] = memory.peak
@@ -285,6 +295,7 @@ def measure(models: dict, preset: str, args) -> list[Row]:
         long_ids = torch.randint(1, vocab, (args.batch, length), generator=generator).to(device)
         for kind, model in models.items():
             long_step = train_step_fn(model, kind, long_ids)
+            release_reused_buffers(model)  # the long step must allocate its own, as a first call would
             with PeakMemory(device) as memory:
                 long_step()
             rows[kind].train_peak_bytes[length] = memory.peak
