@@ -256,6 +256,15 @@ def generate_timings(model, prompt: torch.Tensor, args) -> tuple[float, list[flo
     return stamps[1] - start, [b - a for a, b in zip(stamps[1:], stamps[2:])], cache_nbytes(cache)
 
 
+def memory_kernels_state(device: str) -> str:
+    """'on', or 'off (why)': whether the fast path ran the fused C memory kernels (CPU only)."""
+    from modeling_gpn import memory_kernels
+
+    if not device.startswith("cpu"):
+        return "off (CPU only)"
+    return "on" if memory_kernels.available() else f"off ({memory_kernels.unavailable_reason()})"
+
+
 def release_reused_buffers(model) -> None:
     """Free the memory buffers a GPN's training calls keep for the next call (`BufferPool`), so that a
     peak-memory probe sees what a first call allocates."""
@@ -408,11 +417,13 @@ def run(args) -> int:
         del models, gpn
         gc.collect()
     print(f"\ndevice {args.device}, dtype {args.dtype}, threads {torch.get_num_threads()}, batch {args.batch} x "
-          f"{args.seq_len} tokens, medians of {args.repeats} repeats, GPN training segment {args.segment_length or 'none'}\n")  # fmt: skip
+          f"{args.seq_len} tokens, medians of {args.repeats} repeats, GPN training segment {args.segment_length or 'none'}, "
+          f"GPN memory kernels {memory_kernels_state(args.device)}\n")  # fmt: skip
     print_table(rows, args)
     print_ratios(rows, args)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+                       "memory_kernels": memory_kernels_state(args.device),
                        "rows": [r.__dict__ for r in rows]}, handle, indent=2, default=str)  # fmt: skip
     return 0

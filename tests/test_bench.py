@@ -17,7 +17,13 @@ def test_bench_reports_every_implementation(tmp_path, capsys):
     for impl in ("plain", "fast", "llama"):
         assert f"| tiny | {impl} |" in printed
     assert "train tok/s / Llama's" in printed and "train peak memory @24 / @12" in printed
-    rows = {row["impl"]: row for row in json.loads(out.read_text())["rows"]}
+    from modeling_gpn import memory_kernels
+
+    kernels = "on" if memory_kernels.available() else "off ("
+    assert f"GPN memory kernels {kernels}" in printed
+    report = json.loads(out.read_text())
+    assert report["memory_kernels"].startswith(kernels)
+    rows = {row["impl"]: row for row in report["rows"]}
     for impl, row in rows.items():
         assert row["train_tok_s"] > 0 and row["forward_tok_s"] > 0, impl
         for length in ("4", "9"):
