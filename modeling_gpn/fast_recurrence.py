@@ -15,11 +15,12 @@ What makes it fast (see the speed issue and `GPN.md`):
 - **Few bytes per step.** A step is bound by streaming the weights (33 MB in fp32 for the "small" preset)
   through the cache, so nothing else big is touched: the memory M' is written into reused buffers,
   layer 0 reads M' through M'^T q = e^gamma M^T q + (q.k) update from the same pass over M as the write.
-- **Fused memory kernels (CPU).** The memory write with layer 0's read, and their gradient, run one head
-  at a time in small C kernels (`memory_kernels.py`, compiled once per machine), so M and dL/dM are read
-  from memory once per step instead of once per torch op: 0.59 -> 0.23 ms per backward step and 0.29 ->
-  0.13 ms per forward step (small preset, batch 8, 2 threads). The torch ops stay as the path on GPU,
-  under torch.compile, without a C compiler, and with GPN_MEMORY_KERNELS=0; tests run both.
+- **Fused memory kernels (CPU).** The memory half of a step (key and query normalisation, write gates,
+  the write, layer 0's read and its norm) and the gradient of the write and reads run one head at a time
+  in small C kernels (`memory_kernels.py`, compiled once per machine), so M and dL/dM are read from memory
+  once per step instead of once per torch op (small preset, batch 8, 2 threads: the backward's memory part
+  0.59 -> 0.23 ms per step). The torch ops stay as the path on GPU, under torch.compile, without a C
+  compiler, and with GPN_MEMORY_KERNELS=0; tests run both.
 - **Memory-bounded BPTT.** The forward pass keeps the state (p, g, key, M) only at segment boundaries
   (`config.bptt_segment_length`; `None` keeps every step); the backward pass recomputes each segment's
   states from its boundary before walking it backwards. Activation memory is then one segment's states
@@ -41,7 +42,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from .memory_kernels import memory_write, memory_write_backward
+from .memory_kernels import memory_step, memory_write_backward
 from .memory_kernels import usable as memory_kernels_usable
 
 WEIGHT_GRAD_ROWS = 512  # rows (steps x batch) whose weight gradients are computed together in one matmul
@@ -337,11 +338,11 @@ class StepState(NamedTuple):
     memory: torch.Tensor  # (B, H, dk, dv), or (B, 0) without memory
 
 
-def _predict_layer(state, part, memory_flat, read, s: Shapes, c: Columns, eps: float, out_w, record):
+def _predict_layer(state, part, memory_flat, read, normed_read, s: Shapes, c: Columns, eps: float, out_w, record):
     """A predict layer on folded weights: state' = sigmoid(gate) * state + [silu(a) b | silu(r) rms(read)] W_out.
 
     `part` holds the layer's projections (`Columns`); `read` is M'^T q when already known (layer 0 reads
-    it through an identity in `_step`), else it is read here."""
+    it through an identity in `_step`), else it is read here; `normed_read` is rms(read) when known."""
     B, H, dk, dv = s.batch, s.heads, s.key_dim, s.value_dim
     hidden = F.silu(part[:, c.ffn_a]) * part[:, c.ffn_b]
     if s.memory:
@@ -351,7 +352,8 @@ def _predict_layer(state, part, memory_flat, read, s: Shapes, c: Columns, eps: f
             read = torch.bmm(q[:, None], memory_flat).view(B, H * dv)
             if record is not None:
                 record.update(q_raw=q_raw, q=q, q_inv=q_inv)
-        normed_read = _unit_rms(read, eps)
+        if normed_read is None:
+            normed_read = _unit_rms(read, eps)
         X = torch.cat([hidden, F.silu(part[:, c.read_gate]) * normed_read], dim=1)
         if record is not None:
             record.update(read=read, normed_read=normed_read)
@@ -387,10 +389,20 @@ def _step(
     if saved is not None:
         records = [{} for _ in range(s.layers)]
         saved.update(p=p, g=g, sig_fg=sig_fg, grounded=grounded, layers=records)  # rms(p), rms(g) are rebuilt
-    gamma, read = None, None
+    gamma, read, normed_read = None, None, None
     memory_flat = new_memory = memory
     new_key, part = Z[:, c.key], Z[:, c.write :]
-    if s.memory:
+    if s.memory and memory_kernels_usable(memory):  # the same as below, in one C kernel (one head at a time)
+        old_flat = memory.view(B * H, dk, dv)
+        memory_flat = memory_out.view(B * H, dk, dv) if memory_out is not None else torch.empty_like(old_flat)
+        kernel = memory_step(Z, c, key, w.neg_decay_rate, old_flat, memory_flat, eps)
+        kq, update, gamma, read, normed_read = kernel.kq, kernel.update, kernel.gamma, kernel.read, kernel.normed_read
+        if saved is not None:
+            saved.update(kq_raw=kernel.kq_raw, kq=kq, kq_inv=kernel.kq_inv, decay=Z[:, c.decay],
+                         softplus_decay=kernel.softplus_decay, decay_factor=kernel.decay_factor,
+                         sig_beta=kernel.sig_beta, error=kernel.error, update=update, old_memory=old_flat,
+                         new_memory=memory_flat)  # fmt: skip
+    elif s.memory:
         # the key (from g_{t-1}) and layer 0's query, normalised together
         kq_raw = torch.stack([key.reshape(B * H, dk), part[:, c.query].reshape(B * H, dk)], dim=1).relu_()
         kq, kq_inv = _l2_parts(kq_raw)  # (BH, 2, dk)
@@ -404,23 +416,19 @@ def _step(
         # M'^T q = e^gamma M^T q + (q . k) update, which saves a second pass over M')
         old_flat = memory.view(B * H, dk, dv)
         out = None if memory_out is None else memory_out.view(B * H, dk, dv)
-        if memory_kernels_usable(old_flat):  # the same, one head at a time in one C kernel
-            memory_flat = out if out is not None else torch.empty_like(old_flat)
-            error, update, read = memory_write(old_flat, k, q, Z[:, c.value], decay_factor, sig_beta, memory_flat)
-        else:
-            both = torch.bmm(kq, old_flat)  # (BH, 2, dv)
-            error = Z[:, c.value].reshape(B * H, dv) - both[:, 0]
-            update = sig_beta * error
-            memory_flat = torch.mul(old_flat, decay_factor[:, :, None], out=out).addcmul_(k[:, :, None], update[:, None, :])
-            read = torch.addcmul(decay_factor * both[:, 1], (q * k).sum(-1, keepdim=True), update)
-        read = read.view(B, H * dv)
-        new_memory = memory_flat.view(B, H, dk, dv)
+        both = torch.bmm(kq, old_flat)  # (BH, 2, dv)
+        error = Z[:, c.value].reshape(B * H, dv) - both[:, 0]
+        update = sig_beta * error
+        memory_flat = torch.mul(old_flat, decay_factor[:, :, None], out=out).addcmul_(k[:, :, None], update[:, None, :])
+        read = torch.addcmul(decay_factor * both[:, 1], (q * k).sum(-1, keepdim=True), update).view(B, H * dv)
         if saved is not None:
             saved.update(kq_raw=kq_raw, kq=kq, kq_inv=kq_inv, decay=decay, softplus_decay=softplus_decay,
                          decay_factor=decay_factor, sig_beta=sig_beta, error=error, update=update,
                          old_memory=old_flat, new_memory=memory_flat)  # fmt: skip
     else:
         new_key = key
+    if s.memory:
+        new_memory = memory_flat.view(B, H, dk, dv)
     layer_state = grounded
     for i in range(s.layers):
         record = None if records is None else records[i]
@@ -429,7 +437,9 @@ def _step(
             part = _linear(a_c, w.layer_w[i - 1], w.layer_b[i - 1])
             if record is not None:
                 record["a"] = a_c
-        layer_state = _predict_layer(layer_state, part, memory_flat, read if i == 0 else None, s, c, eps, w.out_w[i], record)
+        first = i == 0
+        layer_state = _predict_layer(layer_state, part, memory_flat, read if first else None,
+                                     normed_read if first else None, s, c, eps, w.out_w[i], record)  # fmt: skip
     new_p = layer_state
     if real is not None:
         if saved is not None:

@@ -1,17 +1,22 @@
-"""Fused CPU kernels for the memory write and its gradient (optional: the eager torch code is the reference).
+"""Fused CPU kernels for the memory half of a step and its gradient (optional: the torch ops in
+`fast_recurrence` compute the same and are the reference the tests compare against).
 
 Why: a step touches the memory M (B*H heads of dk x dv floats, 1.5 MB for the small preset at batch 8)
 in many separate torch ops, each one a pass over all heads: five passes in the forward step and twelve in
-its backward. Per head, M and its gradient are 32 KB each and fit in the core's L1/L2 cache, so a kernel
-that finishes one head before moving to the next reads each from memory once and makes the later passes
-nearly free. The kernels are plain C compiled once per machine with the system's C compiler (`cc`, or
-`$CC`) into `$GPN_KERNEL_CACHE` (default `~/.cache/gpn/kernels`) and called through ctypes; without a
-compiler, or with `GPN_MEMORY_KERNELS=0`, `available()` is False and the fast path uses its torch ops.
+its backward, and around them a dozen small ops on the key, query and gates. Per head, M and its gradient
+are 32 KB each and fit in the core's L1/L2 cache, so a kernel that finishes one head before moving to the
+next reads each from memory once and makes the later passes nearly free; the small ops ride along. The
+kernels are plain C compiled once per machine with the system's C compiler (`cc`, or `$CC`) into
+`$GPN_KERNEL_CACHE` (default `~/.cache/gpn/kernels`) and called through ctypes; without a compiler, or with
+`GPN_MEMORY_KERNELS=0`, `available()` is False and the fast path uses its torch ops.
 
 The equations are those of `fast_recurrence._step` / `_step_backward` (per head, M is dk x dv):
-    forward:  error = v - M^T k;  update = beta * error;  read = a M^T q + (q . k) update;
-              M' = a M + k update^T
-    backward: G = D + sum_l q_l r_l^T              (D = dL/dM' from later steps, r_l = dL/d read of layer l)
+    forward (`memory_step`, from the step's projections Z and the carried key pre-activation):
+              k = l2(relu(key)), q = l2(relu(query));  a = exp(gamma), gamma = -exp(A_log) softplus(decay);
+              beta = sigmoid(.);  error = v - M^T k;  update = beta * error;
+              read = a M^T q + (q . k) update  (= M'^T q);  M' = a M + k update^T;  rms(read) per row
+    backward (`memory_write_backward`):
+              G = D + sum_l q_l r_l^T              (D = dL/dM' from later steps, r_l = dL/d read of layer l)
               d_update = G^T k;  d_error = beta d_update;  d_a = <G, M>
               d_k = G update - M d_error;  dq_l = M' r_l = a M r_l + k (update . r_l)
               dL/dM = a G - k d_error^T
@@ -29,7 +34,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -38,18 +43,51 @@ SOURCE = r"""
 
 /* One head per iteration: every pass over M (and D) after the first hits the cache. */
 
-void gpn_memory_write(
-    int heads, int dk, int dv, const float *M, float *M_out,
-    const float *k, const float *q, const float *v, long v_head_stride, long v_row_stride, int heads_per_row,
-    const float *a, const float *beta, float *error, float *update, float *read, int threads)
+#include <math.h>
+
+static float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); } /* torch's F.softplus (threshold 20) */
+
+/* The memory half of a step, from the step's projections Z: the key (carried, from g_{t-1}) and layer 0's
+   query through l2(relu(.)), the write gates, the write, layer 0's read and its RMS norm. Phase 1 runs one
+   head at a time (every pass over M after the first hits the cache), phase 2 one row at a time. */
+void gpn_memory_step(
+    int rows, int H, int dk, int dv, const float *Z, long z_stride, int col_value, int col_beta, int col_decay,
+    int col_query, const float *key, long key_stride, const float *neg_decay_rate, float rms_eps,
+    const float *M, float *M_out, float *kq_raw, float *kq, float *kq_inv, float *softplus_decay, float *gamma,
+    float *decay_factor, float *sig_beta, float *error, float *update, float *read, float *normed_read, int threads)
 {
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int h = 0; h < heads; h++) {
-        const float *Mh = M + (size_t)h * dk * dv;
-        float *Oh = M_out + (size_t)h * dk * dv;
-        const float *kh = k + (size_t)h * dk, *qh = q + (size_t)h * dk;
-        const float *vh = v + (size_t)(h / heads_per_row) * v_row_stride + (size_t)(h % heads_per_row) * v_head_stride;
-        float *eh = error + (size_t)h * dv, *uh = update + (size_t)h * dv, *rh = read + (size_t)h * dv;
+    const int heads = rows * H;
+    #pragma omp parallel num_threads(threads)
+    {
+    #pragma omp for schedule(static)
+    for (int bh = 0; bh < heads; bh++) {
+        const int b = bh / H, h = bh % H;
+        const float *zrow = Z + (size_t)b * z_stride;
+        /* k and q: relu, then l2 normalisation (eps 1e-12 inside the root) */
+        float *raw = kq_raw + (size_t)bh * 2 * dk, *unit = kq + (size_t)bh * 2 * dk;
+        const float *sources[2] = {key + (size_t)b * key_stride + (size_t)h * dk, zrow + col_query + (size_t)h * dk};
+        for (int s = 0; s < 2; s++) {
+            float sq = 0.f;
+            for (int i = 0; i < dk; i++) {
+                const float x = sources[s][i] > 0.f ? sources[s][i] : 0.f;
+                raw[s * dk + i] = x;
+                sq += x * x;
+            }
+            const float inv = 1.f / sqrtf(sq + 1e-12f);
+            kq_inv[(size_t)bh * 2 + s] = inv;
+            for (int i = 0; i < dk; i++) unit[s * dk + i] = raw[s * dk + i] * inv;
+        }
+        const float *kh = unit, *qh = unit + dk;
+        /* gates: a = exp(gamma), gamma = -exp(A_log) softplus(decay); beta = sigmoid */
+        const float sp = softplus(zrow[col_decay + h]);
+        const float g = neg_decay_rate[h] * sp;
+        const float ah = expf(g), beta_h = 1.f / (1.f + expf(-zrow[col_beta + h]));
+        softplus_decay[bh] = sp; gamma[bh] = g; decay_factor[bh] = ah; sig_beta[bh] = beta_h;
+        /* write and read */
+        const float *Mh = M + (size_t)bh * dk * dv;
+        float *Oh = M_out + (size_t)bh * dk * dv;
+        const float *vh = zrow + col_value + (size_t)h * dv;
+        float *eh = error + (size_t)bh * dv, *uh = update + (size_t)bh * dv, *rh = read + (size_t)bh * dv;
         float Mtk[dv], Mtq[dv];
         for (int j = 0; j < dv; j++) { Mtk[j] = 0.f; Mtq[j] = 0.f; }
         float qk = 0.f;
@@ -60,11 +98,10 @@ void gpn_memory_write(
             #pragma omp simd
             for (int j = 0; j < dv; j++) { Mtk[j] += ki * row[j]; Mtq[j] += qi * row[j]; }
         }
-        const float ah = a[h], bh = beta[h];
         #pragma omp simd
         for (int j = 0; j < dv; j++) {
             eh[j] = vh[j] - Mtk[j];
-            uh[j] = bh * eh[j];
+            uh[j] = beta_h * eh[j];
             rh[j] = ah * Mtq[j] + qk * uh[j];
         }
         for (int i = 0; i < dk; i++) {
@@ -74,6 +111,20 @@ void gpn_memory_write(
             #pragma omp simd
             for (int j = 0; j < dv; j++) out[j] = ah * row[j] + ki * uh[j];
         }
+    }
+    /* the read's RMS norm runs over a whole row (all heads) */
+    #pragma omp for schedule(static)
+    for (int b = 0; b < rows; b++) {
+        const int width = H * dv;
+        const float *r = read + (size_t)b * width;
+        float *n = normed_read + (size_t)b * width;
+        float sq = 0.f;
+        #pragma omp simd reduction(+:sq)
+        for (int j = 0; j < width; j++) sq += r[j] * r[j];
+        const float inv = 1.f / sqrtf(sq / width + rms_eps);
+        #pragma omp simd
+        for (int j = 0; j < width; j++) n[j] = r[j] * inv;
+    }
     }
 }
 
@@ -196,7 +247,8 @@ def _compile() -> ctypes.CDLL:
 def _load(library: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(library))
     i, p, l = ctypes.c_int, ctypes.c_void_p, ctypes.c_long
-    lib.gpn_memory_write.argtypes = [i, i, i, p, p, p, p, p, l, l, i, p, p, p, p, p, i]
+    f = ctypes.c_float
+    lib.gpn_memory_step.argtypes = [i, i, i, i, p, l, i, i, i, i, p, l, p, f, p, p, *[p] * 11, i]
     lib.gpn_memory_write_backward.argtypes = [i, i, i, i, p, p, p, p, p, p, p, p, p, p, p, p, p, p, i]
     return lib
 
@@ -234,31 +286,58 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
+def _require() -> None:
+    if not available():
+        raise RuntimeError(f"the GPN memory kernels are unavailable: {unavailable_reason()}")
+
+
 def _check_output(out: torch.Tensor, like: torch.Tensor) -> None:
     if out.shape != like.shape or out.dtype != like.dtype or not out.is_contiguous():
         raise ValueError(f"output buffer must be a contiguous {tuple(like.shape)} {like.dtype} tensor")
 
 
-def memory_write(
-    memory: torch.Tensor, k: torch.Tensor, q: torch.Tensor, value: torch.Tensor, a: torch.Tensor,
-    beta: torch.Tensor, memory_out: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """M' = a M + k update^T into `memory_out`; returns (error, update, read) as in the module docstring.
+class MemoryStep(NamedTuple):
+    """What `memory_step` computes (the names of `fast_recurrence._step`'s records)."""
 
-    memory, memory_out (BH, dk, dv); k, q (BH, dk); a, beta (BH,) or (BH, 1); value (B, H*dv) with any
-    row stride (e.g. columns of the step's projections), BH = B*H."""
+    kq_raw: torch.Tensor  # (BH, 2, dk): relu of the key and of layer 0's query
+    kq: torch.Tensor  # (BH, 2, dk): their l2-normalised values
+    kq_inv: torch.Tensor  # (BH, 2, 1): the l2 scales
+    softplus_decay: torch.Tensor  # (B, H)
+    gamma: torch.Tensor  # (B, H): -exp(A_log) softplus(decay)
+    decay_factor: torch.Tensor  # (BH, 1): exp(gamma)
+    sig_beta: torch.Tensor  # (BH, 1)
+    error: torch.Tensor  # (BH, dv)
+    update: torch.Tensor  # (BH, dv)
+    read: torch.Tensor  # (B, H*dv): layer 0's read M'^T q
+    normed_read: torch.Tensor  # (B, H*dv): rms(read) (unit weight)
+
+
+def memory_step(
+    Z: torch.Tensor, columns, key: torch.Tensor, neg_decay_rate: torch.Tensor, memory: torch.Tensor,
+    memory_out: torch.Tensor, rms_eps: float,
+) -> MemoryStep:  # fmt: skip
+    """The memory half of a step from its projections Z (B, N) (`fast_recurrence.Columns` for where the
+    value, beta, decay and query columns are), the carried key pre-activation (B, H*dk) and M (BH, dk, dv):
+    writes M' into `memory_out` and returns the gates, layer 0's read and what backward needs."""
+    _require()
     heads, dk, dv = memory.shape
-    rows = value.shape[0]
-    if value.stride(1) != 1 or heads % rows:
-        raise ValueError("value must be (batch, heads * dv) with unit column stride")
+    rows = Z.shape[0]
+    H = heads // rows
+    if Z.stride(1) != 1 or key.stride(1) != 1 or heads != rows * H:
+        raise ValueError("Z and key must have unit column stride, and M one (dk, dv) matrix per row and head")
     _check_output(memory_out, memory)
-    memory, k, q, a, beta = (t.contiguous() for t in (memory, k, q, a, beta))
-    error, update, read = (memory.new_empty(heads, dv) for _ in range(3))
-    _library.gpn_memory_write(
-        heads, dk, dv, _ptr(memory), _ptr(memory_out), _ptr(k), _ptr(q), _ptr(value), dv, value.stride(0),
-        heads // rows, _ptr(a), _ptr(beta), _ptr(error), _ptr(update), _ptr(read), torch.get_num_threads(),
+    memory, neg_decay_rate = memory.contiguous(), neg_decay_rate.float().contiguous()
+    empty = lambda *shape: memory.new_empty(shape)  # noqa: E731
+    out = MemoryStep(
+        empty(heads, 2, dk), empty(heads, 2, dk), empty(heads, 2, 1), empty(rows, H), empty(rows, H),
+        empty(heads, 1), empty(heads, 1), empty(heads, dv), empty(heads, dv), empty(rows, H * dv), empty(rows, H * dv),
     )  # fmt: skip
-    return error, update, read
+    _library.gpn_memory_step(
+        rows, H, dk, dv, _ptr(Z), Z.stride(0), columns.value.start, columns.beta.start, columns.decay.start,
+        columns.write + columns.query.start, _ptr(key), key.stride(0), _ptr(neg_decay_rate), rms_eps,
+        _ptr(memory), _ptr(memory_out), *map(_ptr, out), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
 
 
 def memory_write_backward(
@@ -271,6 +350,7 @@ def memory_write_backward(
     (L, BH, dv) of the L layers reading M'; k (BH, dk), update (BH, dv), a and beta (BH,) or (BH, 1).
     Writes dL/dM into `memory_grad_out` (it may not be `memory_grad`); returns (d_update, d_k, d_a, dq
     (L, BH, dk), d_error)."""
+    _require()
     heads, dk, dv = memory.shape
     layers = queries.shape[0]
     _check_output(memory_grad_out, memory)
