@@ -69,7 +69,7 @@ void gpn_memory_step(
         for (int s = 0; s < 2; s++) {
             float sq = 0.f;
             for (int i = 0; i < dk; i++) {
-                const float x = sources[s][i] > 0.f ? sources[s][i] : 0.f;
+                const float v = sources[s][i], x = (v > 0.f || v != v) ? v : 0.f; /* relu; NaN stays NaN, as torch's */
                 raw[s * dk + i] = x;
                 sq += x * x;
             }
