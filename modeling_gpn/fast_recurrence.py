@@ -42,7 +42,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from .memory_kernels import memory_step, memory_write_backward
+from .memory_kernels import MemoryStep, memory_step, memory_write_backward
 from .memory_kernels import usable as memory_kernels_usable
 
 WEIGHT_GRAD_ROWS = 512  # rows (steps x batch) whose weight gradients are computed together in one matmul
@@ -365,6 +365,35 @@ def _predict_layer(state, part, memory_flat, read, normed_read, s: Shapes, c: Co
     return new_state
 
 
+def _memory_step_torch(Z, c: Columns, key, neg_decay_rate, memory, memory_out, eps: float) -> MemoryStep:
+    """`memory_kernels.memory_step` in torch ops (the reference for the kernel; the path on GPU and under
+    torch.compile): from Z and the carried key, write M' into `memory_out` and read it with layer 0's query.
+
+        k = l2(relu(key)), q = l2(relu(query));  gamma = -exp(A_log) softplus(decay);  beta = sigmoid(.)
+        M' = e^gamma M + k update^T,  update = beta (v - M^T k);  read = M'^T q
+    """
+    heads, dk, dv = memory.shape
+    B = Z.shape[0]
+    part = Z[:, c.write :]
+    # the key (from g_{t-1}) and layer 0's query, normalised together
+    kq_raw = torch.stack([key.reshape(heads, dk), part[:, c.query].reshape(heads, dk)], dim=1).relu_()
+    kq, kq_inv = _l2_parts(kq_raw)  # (BH, 2, dk)
+    k, q = kq[:, 0], kq[:, 1]
+    softplus_decay = F.softplus(Z[:, c.decay])
+    gamma = neg_decay_rate * softplus_decay  # (B, H)
+    decay_factor = torch.exp(gamma).view(heads, 1)
+    sig_beta = torch.sigmoid(Z[:, c.beta]).reshape(heads, 1)
+    # one pass over M gives M^T k (for the write) and M^T q (layer 0's read, through
+    # M'^T q = e^gamma M^T q + (q . k) update, which saves a second pass over M')
+    both = torch.bmm(kq, memory)  # (BH, 2, dv)
+    error = Z[:, c.value].reshape(heads, dv) - both[:, 0]
+    update = sig_beta * error
+    torch.mul(memory, decay_factor[:, :, None], out=memory_out).addcmul_(k[:, :, None], update[:, None, :])
+    read = torch.addcmul(decay_factor * both[:, 1], (q * k).sum(-1, keepdim=True), update).view(B, -1)
+    return MemoryStep(kq_raw, kq, kq_inv, softplus_decay, gamma, decay_factor, sig_beta, error, update, read,
+                      _unit_rms(read, eps))  # fmt: skip
+
+
 def _step(
     state: StepState, u, real, w: FoldedWeights, s: Shapes, c: Columns, eps: float,
     saved: Optional[dict] = None, memory_out: Optional[torch.Tensor] = None,
@@ -392,43 +421,18 @@ def _step(
     gamma, read, normed_read = None, None, None
     memory_flat = new_memory = memory
     new_key, part = Z[:, c.key], Z[:, c.write :]
-    if s.memory and memory_kernels_usable(memory):  # the same as below, in one C kernel (one head at a time)
+    if s.memory:
         old_flat = memory.view(B * H, dk, dv)
         memory_flat = memory_out.view(B * H, dk, dv) if memory_out is not None else torch.empty_like(old_flat)
-        kernel = memory_step(Z, c, key, w.neg_decay_rate, old_flat, memory_flat, eps)
-        kq, update, gamma, read, normed_read = kernel.kq, kernel.update, kernel.gamma, kernel.read, kernel.normed_read
+        # the memory half of the step: one C kernel (one head at a time) on CPU, else the same in torch ops
+        memory_half = memory_step if memory_kernels_usable(memory) else _memory_step_torch
+        half = memory_half(Z, c, key, w.neg_decay_rate, old_flat, memory_flat, eps)
+        gamma, read, normed_read = half.gamma, half.read, half.normed_read
+        new_memory = memory_flat.view(B, H, dk, dv)
         if saved is not None:
-            saved.update(kq_raw=kernel.kq_raw, kq=kq, kq_inv=kernel.kq_inv, decay=Z[:, c.decay],
-                         softplus_decay=kernel.softplus_decay, decay_factor=kernel.decay_factor,
-                         sig_beta=kernel.sig_beta, error=kernel.error, update=update, old_memory=old_flat,
-                         new_memory=memory_flat)  # fmt: skip
-    elif s.memory:
-        # the key (from g_{t-1}) and layer 0's query, normalised together
-        kq_raw = torch.stack([key.reshape(B * H, dk), part[:, c.query].reshape(B * H, dk)], dim=1).relu_()
-        kq, kq_inv = _l2_parts(kq_raw)  # (BH, 2, dk)
-        k, q = kq[:, 0], kq[:, 1]
-        decay = Z[:, c.decay]
-        softplus_decay = F.softplus(decay)
-        gamma = w.neg_decay_rate * softplus_decay  # (B, H)
-        decay_factor = torch.exp(gamma).view(B * H, 1)
-        sig_beta = torch.sigmoid(Z[:, c.beta]).reshape(B * H, 1)
-        # one pass over M gives M^T k (for the write) and M^T q (layer 0's read, through
-        # M'^T q = e^gamma M^T q + (q . k) update, which saves a second pass over M')
-        old_flat = memory.view(B * H, dk, dv)
-        out = None if memory_out is None else memory_out.view(B * H, dk, dv)
-        both = torch.bmm(kq, old_flat)  # (BH, 2, dv)
-        error = Z[:, c.value].reshape(B * H, dv) - both[:, 0]
-        update = sig_beta * error
-        memory_flat = torch.mul(old_flat, decay_factor[:, :, None], out=out).addcmul_(k[:, :, None], update[:, None, :])
-        read = torch.addcmul(decay_factor * both[:, 1], (q * k).sum(-1, keepdim=True), update).view(B, H * dv)
-        if saved is not None:
-            saved.update(kq_raw=kq_raw, kq=kq, kq_inv=kq_inv, decay=decay, softplus_decay=softplus_decay,
-                         decay_factor=decay_factor, sig_beta=sig_beta, error=error, update=update,
-                         old_memory=old_flat, new_memory=memory_flat)  # fmt: skip
+            saved.update(half._asdict(), decay=Z[:, c.decay], old_memory=old_flat, new_memory=memory_flat)
     else:
         new_key = key
-    if s.memory:
-        new_memory = memory_flat.view(B, H, dk, dv)
     layer_state = grounded
     for i in range(s.layers):
         record = None if records is None else records[i]
@@ -493,6 +497,28 @@ def _split_real(grad: torch.Tensor, real: Optional[torch.Tensor]):
     return grad * r, grad * (1 - r)
 
 
+def _memory_write_backward_torch(memory_grad, memory, queries, read_grads, k, update, a, beta, memory_grad_out):
+    """`memory_kernels.memory_write_backward` in torch ops (the reference for the kernel; the path on GPU):
+    gradients through M' = a M + k update^T, update = beta (v - M^T k), and the reads M'^T q_l.
+    Returns (d_update, d_k, d_a, layer 0's dq, d_error) and writes dL/dM into `memory_grad_out`."""
+    heads, dk, dv = memory.shape
+    # dL/dM' = incoming + sum over layers of q d_read^T
+    dM = torch.addcmul(memory_grad, queries[0][:, :, None], read_grads[0][:, None, :], out=memory_grad_out)
+    for q, r in zip(queries[1:], read_grads[1:]):
+        dM.addcmul_(q[:, :, None], r[:, None, :])
+    # layer 0's dq = M' d_read = a M d_read + k (update . d_read)
+    Mr = torch.bmm(memory, read_grads[0][:, :, None])[:, :, 0]
+    dq0 = torch.addcmul(a * Mr, k, (update * read_grads[0]).sum(-1, keepdim=True))
+    d_update = torch.bmm(k[:, None], dM)[:, 0]  # dM^T k
+    d_k = torch.bmm(update[:, None], dM.mT)[:, 0]  # dM update
+    # <dM, M> per head, as row-by-row dot products (torch's batched dot products are several times slower)
+    d_a = torch.bmm(dM.view(heads * dk, 1, dv), memory.reshape(heads * dk, dv, 1)).view(heads, dk).sum(-1)
+    d_error = beta * d_update
+    d_k -= torch.bmm(d_error[:, None], memory.mT)[:, 0]  # from M^T k in the error
+    dM.mul_(a[:, :, None]).addcmul_(k[:, :, None], d_error[:, None, :], value=-1)  # dL/dM
+    return d_update, d_k, d_a, dq0, d_error
+
+
 def _step_backward(
     saved: dict, grads: StepState, wt: TransposedWeights, s: Shapes, c: Columns, eps: float,
     weight_grads: "_WeightGrads", memory_grad_out: Optional[torch.Tensor] = None,
@@ -508,7 +534,7 @@ def _step_backward(
     d_state, dp_pass = _split_real(grads.p, real)
     d_grounded, dg_pass = _split_real(grads.g, real)
     big_x, dZ = weight_grads.rows("big")
-    d_read_of, dq_of = [], []  # per layer: dL/d read (BH, dv) and dL/dq (BH, dk)
+    d_read_of = []  # per layer: dL/d read (BH, dv)
     for i in reversed(range(s.layers)):
         layer = saved["layers"][i]
         part = layer["part"]
@@ -535,13 +561,11 @@ def _step_backward(
             torch.mul(d_out * normed_read, _silu_grad(read_gate, sig_rg), out=d_part[:, c.read_gate])
             read_inv = _inv_rms(layer["read"], eps)
             d_read = _rms_backward(d_out * (read_gate * sig_rg), normed_read, read_inv).view(B * H, dv)
-            # read = M'^T q (per head): dq = M' d_read; M' collects q d_read^T (below). Layer 0's dq comes
-            # from the memory kernel when it runs (layers above need theirs now, for their input gradient)
-            use_kernel = memory_kernels_usable(d_read)
-            dq = None if (i == 0 and use_kernel) else torch.bmm(d_read[:, None], saved["new_memory"].mT)[:, 0]
+            # read = M'^T q (per head): dq = M' d_read; M' collects q d_read^T (below, with layer 0's dq;
+            # the layers above need theirs now, for their input gradient)
             d_read_of.append(d_read)
-            dq_of.append(dq)
             if i > 0:
+                dq = torch.bmm(d_read[:, None], saved["new_memory"].mT)[:, 0]
                 d_query = _l2_backward(dq, layer["q"], layer["q_inv"]).masked_fill_(layer["q_raw"] <= 0, 0)
                 d_part[:, c.query].copy_(d_query.view(B, H * dk))
         if i > 0:  # the layer's projections came from a = rms(its input state)
@@ -551,35 +575,21 @@ def _step_backward(
             d_state = d_state + _rms_backward(d_a, layer["a"], _inv_rms(layer["state"], eps))
     d_grounded = d_grounded + d_state
     d_read_of.reverse()
-    dq_of.reverse()
 
     if s.memory:
         d_new_key, dkey_pass = _split_real(grads.key, real)
         d_new_memory, dM_pass = _split_real(grads.memory, real)
         kq, update, decay_factor, sig_beta = saved["kq"], saved["update"], saved["decay_factor"], saved["sig_beta"]
         k, old = kq[:, 0], saved["old_memory"]
-        out = None if memory_grad_out is None else memory_grad_out.view(B * H, dk, dv)
-        queries = [kq[:, 1]] + [saved["layers"][i]["q"] for i in range(1, s.layers)]  # layer 0's q is kq[:, 1]
-        if dq_of[0] is None:  # the memory kernel: the same equations, one head at a time
-            dM = out if out is not None else torch.empty_like(old)
-            d_update, d_k, d_decay_factor, dq, d_error = memory_write_backward(
-                d_new_memory.reshape(B * H, dk, dv), old, torch.stack(queries), torch.stack(d_read_of), k, update,
-                decay_factor, sig_beta, dM,
-            )  # fmt: skip
-            dq_of[0] = dq[0]
-        else:
-            # dL/dM' = incoming + sum over layers of q d_read^T
-            dM = torch.addcmul(d_new_memory.reshape(B * H, dk, dv), queries[0][:, :, None], d_read_of[0][:, None, :], out=out)
-            for i in range(1, s.layers):
-                dM.addcmul_(queries[i][:, :, None], d_read_of[i][:, None, :])
-            # M' = a M + k update^T,  update = beta (v - M^T k),  a = e^gamma
-            d_update = torch.bmm(k[:, None], dM)[:, 0]  # dM^T k
-            d_k = torch.bmm(update[:, None], dM.mT)[:, 0]  # dM update
-            # <dM, M> per head, as row-by-row dot products (torch's batched dot products are several times slower)
-            d_decay_factor = torch.bmm(dM.view(B * H * dk, 1, dv), old.reshape(B * H * dk, dv, 1)).view(B * H, dk).sum(-1)
-            d_error = sig_beta * d_update
-            d_k -= torch.bmm(d_error[:, None], old.mT)[:, 0]  # from M^T k in the error
-            dM.mul_(decay_factor[:, :, None]).addcmul_(k[:, :, None], d_error[:, None, :], value=-1)  # dL/dM
+        dM = memory_grad_out.view(B * H, dk, dv) if memory_grad_out is not None else torch.empty_like(old)
+        # every layer's query; layer 0's is kq[:, 1]
+        queries = torch.stack([kq[:, 1]] + [saved["layers"][i]["q"] for i in range(1, s.layers)])
+        # through the write and the reads of M': one C kernel (one head at a time) on CPU, else torch ops
+        write_backward = memory_write_backward if memory_kernels_usable(old) else _memory_write_backward_torch
+        d_update, d_k, d_decay_factor, dq0, d_error = write_backward(
+            d_new_memory.reshape(B * H, dk, dv), old, queries, torch.stack(d_read_of), k, update, decay_factor,
+            sig_beta, dM,
+        )  # fmt: skip
         d_gamma = (d_decay_factor * decay_factor[:, 0]).view(B, H)
         weight_grads.neg_decay += (d_gamma * saved["softplus_decay"]).sum(0)
         dZ[:, c.key].copy_(d_new_key)
@@ -588,7 +598,7 @@ def _step_backward(
         torch.mul(d_sig_beta, _sigmoid_grad(sig_beta).view(B, H), out=dZ[:, c.beta])
         torch.mul(d_gamma * wt.neg_decay_rate, torch.sigmoid(saved["decay"]), out=dZ[:, c.decay])
         # the key (from g_{t-1}, a carried state) and layer 0's query went through one l2(relu(.))
-        d_kq = _l2_backward(torch.stack([d_k, dq_of[0]], dim=1), kq, saved["kq_inv"]).masked_fill_(saved["kq_raw"] <= 0, 0)
+        d_kq = _l2_backward(torch.stack([d_k, dq0], dim=1), kq, saved["kq_inv"]).masked_fill_(saved["kq_raw"] <= 0, 0)
         d_key = d_kq[:, 0].reshape(B, H * dk)
         d_part = dZ[:, c.write :]
         d_part[:, c.query].copy_(d_kq[:, 1].reshape(B, H * dk))

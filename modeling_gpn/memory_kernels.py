@@ -18,7 +18,7 @@ The equations are those of `fast_recurrence._step` / `_step_backward` (per head,
     backward (`memory_write_backward`):
               G = D + sum_l q_l r_l^T              (D = dL/dM' from later steps, r_l = dL/d read of layer l)
               d_update = G^T k;  d_error = beta d_update;  d_a = <G, M>
-              d_k = G update - M d_error;  dq_l = M' r_l = a M r_l + k (update . r_l)
+              d_k = G update - M d_error;  dq_0 = M' r_0 = a M r_0 + k (update . r_0)  (layer 0's query)
               dL/dM = a G - k d_error^T
 This file ships to the Hub with the model: it imports only torch and the standard library.
 """
@@ -131,7 +131,7 @@ void gpn_memory_step(
 void gpn_memory_write_backward(
     int heads, int dk, int dv, int layers, const float *D, const float *M, float *dM_out,
     const float *Q, const float *R, const float *k, const float *update, const float *a, const float *beta,
-    float *d_update, float *d_k, float *d_a, float *dQ, float *d_error, int threads)
+    float *d_update, float *d_k, float *d_a, float *dq0, float *d_error, int threads)
 {
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int h = 0; h < heads; h++) {
@@ -141,7 +141,7 @@ void gpn_memory_write_backward(
         const float *kh = k + (size_t)h * dk, *uh = update + (size_t)h * dv;
         float *dUh = d_update + (size_t)h * dv, *dkh = d_k + (size_t)h * dk, *deh = d_error + (size_t)h * dv;
         const float ah = a[h], bh = beta[h];
-        float qk[layers], ru[layers];
+        float qk[layers], ru[layers], Mr[layers * dk]; /* Mr: M r_l, row by row */
         for (int l = 0; l < layers; l++) {
             const float *ql = Q + ((size_t)l * heads + h) * dk, *rl = R + ((size_t)l * heads + h) * dv;
             float s = 0.f, t = 0.f;
@@ -161,24 +161,23 @@ void gpn_memory_write_backward(
             dkh[i] = Du;
             for (int l = 0; l < layers; l++) {
                 const float *rl = R + ((size_t)l * heads + h) * dv;
-                float Mr = 0.f;
-                #pragma omp simd reduction(+:Mr)
-                for (int j = 0; j < dv; j++) Mr += Mrow[j] * rl[j];
-                dQ[((size_t)l * heads + h) * dk + i] = Mr; /* M r_l for now */
+                float dot = 0.f;
+                #pragma omp simd reduction(+:dot)
+                for (int j = 0; j < dv; j++) dot += Mrow[j] * rl[j];
+                Mr[l * dk + i] = dot;
             }
         }
-        /* the rank-1 parts of G = D + sum_l q_l r_l^T */
+        /* the rank-1 parts of G = D + sum_l q_l r_l^T; layer 0's dq = M' r_0 = a M r_0 + k (update . r_0) */
         float dA = DM;
         for (int l = 0; l < layers; l++) {
             const float *ql = Q + ((size_t)l * heads + h) * dk, *rl = R + ((size_t)l * heads + h) * dv;
-            float *dql = dQ + ((size_t)l * heads + h) * dk;
             for (int j = 0; j < dv; j++) dUh[j] += rl[j] * qk[l];
             for (int i = 0; i < dk; i++) {
                 dkh[i] += ql[i] * ru[l];
-                dA += ql[i] * dql[i];
-                dql[i] = ah * dql[i] + kh[i] * ru[l];
+                dA += ql[i] * Mr[l * dk + i];
             }
         }
+        for (int i = 0; i < dk; i++) dq0[(size_t)h * dk + i] = ah * Mr[i] + kh[i] * ru[0];
         d_a[h] = dA;
         for (int j = 0; j < dv; j++) deh[j] = bh * dUh[j];
         /* pass 2: d_k -= M d_error;  dL/dM = a G - k d_error^T */
@@ -348,8 +347,8 @@ def memory_write_backward(
 
     memory_grad D = dL/dM' from later steps and memory M (BH, dk, dv); queries (L, BH, dk) and read_grads
     (L, BH, dv) of the L layers reading M'; k (BH, dk), update (BH, dv), a and beta (BH,) or (BH, 1).
-    Writes dL/dM into `memory_grad_out` (it may not be `memory_grad`); returns (d_update, d_k, d_a, dq
-    (L, BH, dk), d_error)."""
+    Writes dL/dM into `memory_grad_out` (it may not be `memory_grad`); returns (d_update, d_k, d_a, dq of
+    layer 0 (BH, dk), d_error). (The layers above need their dq before this runs, so they compute it.)"""
     _require()
     heads, dk, dv = memory.shape
     layers = queries.shape[0]
@@ -360,7 +359,7 @@ def memory_write_backward(
         t.contiguous() for t in (memory_grad, memory, queries, read_grads, k, update, a, beta)
     )
     d_update, d_error = memory.new_empty(heads, dv), memory.new_empty(heads, dv)
-    d_k, d_a, dq = memory.new_empty(heads, dk), memory.new_empty(heads), memory.new_empty(layers, heads, dk)
+    d_k, d_a, dq = memory.new_empty(heads, dk), memory.new_empty(heads), memory.new_empty(heads, dk)
     _library.gpn_memory_write_backward(
         heads, dk, dv, layers, _ptr(memory_grad), _ptr(memory), _ptr(memory_grad_out), _ptr(queries),
         _ptr(read_grads), _ptr(k), _ptr(update), _ptr(a), _ptr(beta), _ptr(d_update), _ptr(d_k), _ptr(d_a),
