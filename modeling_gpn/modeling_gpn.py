@@ -24,20 +24,41 @@ installed `modeling_gpn` package.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, LinearAttentionLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput
+from transformers.utils import logging
 
 from .configuration_gpn import GPNConfig
-from .fast_recurrence import chunked_causal_lm_loss, fast_recurrence
+from .fast_recurrence import ChunkedTiedCrossEntropy, chunked_causal_lm_loss, fast_recurrence
+
+logger = logging.get_logger(__name__)
 
 L2_NORM_EPS = 1e-12  # inside the square root of every per-head L2 normalisation, as in the reference
+DEFAULT_CHECKPOINT_SEGMENT_LENGTH = 64  # what gradient_checkpointing_enable() sets when bptt_segment_length is unset
+
+
+def is_tracing() -> bool:
+    """Whether torch.compile, torch.export, torch.jit or torch.fx is tracing the current call.
+
+    Under tracing the plain path runs (the fast path reads data pointers and calls C kernels) and input
+    checks that depend on tensor values are left out (they cannot be decided on symbolic tensors).
+    """
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return True
+    is_exporting = getattr(torch.compiler, "is_exporting", None)
+    if is_exporting is not None and is_exporting():
+        return True
+    is_fx_tracing = getattr(torch.fx._symbolic_trace, "is_fx_tracing", None)
+    return bool(is_fx_tracing is not None and is_fx_tracing())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -66,9 +87,17 @@ def l2_normalize(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + L2_NORM_EPS)
 
 
-def project(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """Apply `linear` in its weights' dtype and return float32 (the state never leaves float32)."""
-    return F.linear(x.to(linear.weight.dtype), linear.weight, linear.bias).float()
+def project(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Call `module` on `x` in its weights' dtype and return float32 (the state never leaves float32).
+
+    The module is *called* (not its weight read), so whatever wraps or replaces it -- a PEFT LoRA layer,
+    a quantized linear, a forward hook -- computes the projection. The input is cast to the weight's
+    dtype only when that is a floating dtype (a quantized module's int8 weight takes float input).
+    """
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+        x = x.to(weight.dtype)
+    return module(x).float()
 
 
 def linear(in_features: int, out_features: int, bias: bool, init_scheme: str = "lecun") -> nn.Linear:
@@ -190,6 +219,40 @@ class GPNCache(Cache):
             for i in range(3)
             if layer.recurrent_states[i] is not None
         )
+
+
+def _flatten_gpn_cache(cache: GPNCache):
+    """pytree children of a `GPNCache`: its (p, g, M) when it holds a state; the token count is context."""
+    state = [cache.state_layer.recurrent_states[i] for i in range(3)] if cache.has_state else []
+    return state, (cache.get_seq_length(), bool(state))
+
+
+def _unflatten_gpn_cache(children, context) -> GPNCache:
+    seen_tokens, has_state = context
+    cache = GPNCache()
+    layer = cache.state_layer
+    if has_state:
+        for index, tensor in enumerate(children):
+            layer.recurrent_states[index] = tensor
+            layer.is_recurrent_states_initialized[index] = True
+            layer.has_previous_state[index] = True
+        layer.device, layer.dtype = children[0].device, children[0].dtype
+    layer.seen_tokens = seen_tokens
+    return cache
+
+
+# A registered pytree, so torch.export and torch.compile can return a cache from forward (and take one in).
+# Each import of this file (the package, or a remote-code copy) defines its own GPNCache class to register.
+pytree.register_pytree_node(
+    GPNCache,
+    _flatten_gpn_cache,
+    _unflatten_gpn_cache,
+    serialized_type_name=f"{__name__}.GPNCache",
+    flatten_with_keys_fn=lambda cache: (
+        [(pytree.SequenceKey(i), child) for i, child in enumerate(_flatten_gpn_cache(cache)[0])],
+        _flatten_gpn_cache(cache)[1],
+    ),
+)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -324,10 +387,34 @@ class GPNPreTrainedModel(PreTrainedModel):
     config_class = GPNConfig
     config: GPNConfig
     base_model_prefix = "model"
-    supports_gradient_checkpointing = False
+    # Activation checkpointing maps onto GPN's own recomputation (see `_set_gradient_checkpointing`).
+    supports_gradient_checkpointing = True
     _no_split_modules = ["GPNModel"]
     _is_stateful = True  # generate() refuses assisted decoding: a recurrent state cannot be rolled back
     _supports_cache_class = True
+
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None, every_n_layers: int = 1):
+        """What `gradient_checkpointing_enable()` (and `TrainingArguments(gradient_checkpointing=True)`) turns on.
+
+        A GPN has one layer revisited at every token, so it checkpoints *time*, not layers: training keeps
+        the state only at the boundaries of segments of `config.bptt_segment_length` tokens and recomputes
+        each segment's steps in the backward pass. Enabling sets `bptt_segment_length` to
+        `DEFAULT_CHECKPOINT_SEGMENT_LENGTH` when it is unset (disabling puts `None` back); the fast path
+        already recomputes segments from that setting, and the plain path wraps each segment in the
+        checkpoint function transformers passes (torch.utils.checkpoint). Gradients are unchanged.
+        """
+        if gradient_checkpointing_func is None:
+            from torch.utils.checkpoint import checkpoint
+
+            gradient_checkpointing_func = checkpoint
+        super()._set_gradient_checkpointing(enable, gradient_checkpointing_func, every_n_layers)
+        config = self.config
+        if enable and config.bptt_segment_length is None:
+            config.bptt_segment_length = DEFAULT_CHECKPOINT_SEGMENT_LENGTH
+            self._gpn_segment_length_set_by_checkpointing = True
+        elif not enable and getattr(self, "_gpn_segment_length_set_by_checkpointing", False):
+            config.bptt_segment_length = None
+            self._gpn_segment_length_set_by_checkpointing = False
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -373,6 +460,7 @@ class GPNModel(GPNPreTrainedModel):
         self.fuse_gate = linear(d, d, bias=True, init_scheme="zeros")
         self.memory_write = GPNMemoryWrite(config) if config.use_memory else None
         self.predict_layers = nn.ModuleList(GPNPredictLayer(config) for _ in range(config.num_predict_layers))
+        self.gradient_checkpointing = False  # see GPNPreTrainedModel._set_gradient_checkpointing
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -427,6 +515,51 @@ class GPNModel(GPNPreTrainedModel):
         return zeros(batch_size, d), zeros(batch_size, d), zeros(*memory_shape)
 
     use_fast_path: bool = True  # set False on a model (or its class) to run the plain loop
+    last_recurrence_path: str | None = None  # "fast" or "plain": what the last eager call ran
+
+    # Children the fast path does not fold: it calls them as modules, like the plain path.
+    _CALLED_CHILDREN = ("embed_tokens", "fuse_norm", "fuse_proj")
+
+    def fast_path_blocker(self) -> str | None:
+        """Why the fast path cannot run on this model now, or None when it can.
+
+        The fast path folds the weights of the step's modules into a few matrices and never calls those
+        modules, so it computes the model only when each of them is exactly what it folds: an
+        `nn.Linear` or `GPNRMSNorm` of that exact class (a subclass, a PEFT LoRA wrapper or a quantized
+        replacement is not), with plain `nn.Parameter` weights (no tensor subclass, no parametrization),
+        and no forward or backward hooks on it or registered globally. Anything else runs the plain path,
+        which calls every module.
+        """
+        module_hooks = torch.nn.modules.module
+        for name in ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks", "_global_backward_hooks"):
+            if getattr(module_hooks, name, None):
+                return f"a global module hook is registered ({name.strip('_')})"
+        allowed = (nn.Linear, GPNRMSNorm, nn.ModuleList, GPNMemoryWrite, GPNPredictLayer)
+        for child_name, child in self.named_children():
+            if child_name in self._CALLED_CHILDREN:
+                continue
+            for name, module in child.named_modules(prefix=child_name):
+                if type(module) not in allowed:
+                    return f"{name} is a {type(module).__module__}.{type(module).__qualname__}, not a plain module the fast path can fold"
+                if module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks or module._backward_hooks:
+                    return f"{name} has hooks"
+                for param_name, param in module.named_parameters(recurse=False):
+                    if type(param) is not nn.Parameter:
+                        return f"{name}.{param_name} is a {type(param).__qualname__}, not a plain nn.Parameter"
+        return None
+
+    def recurrence_path(self) -> str:
+        """"fast" or "plain": the path `recurrence` takes for the next call (see `fast_path_blocker`)."""
+        if not self.use_fast_path or is_tracing():
+            return "plain"
+        blocker = self.fast_path_blocker()
+        if blocker is None:
+            return "fast"
+        logged = self.__dict__.setdefault("_gpn_logged_blockers", set())
+        if blocker not in logged:
+            logged.add(blocker)
+            logger.info(f"GPN runs the plain (module-calling) recurrence instead of the fast path: {blocker}")
+        return "plain"
 
     def recurrence(
         self,
@@ -435,11 +568,17 @@ class GPNModel(GPNPreTrainedModel):
         mask: torch.Tensor | None,
         output_memory_decays: bool = False,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]:
-        """The time loop: `fast_recurrence.fast_recurrence` when `self.use_fast_path`, else `recurrence_plain`.
+        """The time loop: `fast_recurrence.fast_recurrence` when `recurrence_path()` is "fast", else `recurrence_plain`.
 
-        Both compute the same function with the same gradients (tests/test_fast_path.py).
+        Both compute the same function with the same gradients (tests/test_fast_path.py). The plain path
+        runs when `use_fast_path` is False, under torch.compile / torch.export, and whenever a module the
+        fast path would fold is wrapped, replaced or hooked (`fast_path_blocker`); `last_recurrence_path`
+        says which ran.
         """
-        if self.use_fast_path:
+        path = self.recurrence_path()
+        if not is_tracing():
+            self.last_recurrence_path = path
+        if path == "fast":
             return fast_recurrence(self, token_inputs, state, mask, output_memory_decays=output_memory_decays)
         return self.recurrence_plain(token_inputs, state, mask, output_memory_decays=output_memory_decays)
 
@@ -455,21 +594,52 @@ class GPNModel(GPNPreTrainedModel):
         Positions where `mask` is 0 leave (p, g, M) exactly unchanged; their output is the carried p.
         With `config.bptt_truncation_length = K` the carried state is detached before every position
         t > 0 with t % K == 0 (truncated BPTT; the forward values are unchanged).
+        With gradient checkpointing on (training), each segment of `config.bptt_segment_length` positions
+        runs inside the checkpoint function: only the states at segment boundaries are kept.
         Returns the predicted states (batch, seq, d), the final state and, if asked, gamma (batch, seq, H).
         """
-        predicted, grounded, memory = state
+        seq_len = token_inputs.shape[1]
+        checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        segment = (self.config.bptt_segment_length or DEFAULT_CHECKPOINT_SEGMENT_LENGTH) if checkpointing else seq_len
+        outputs, decays = [], []
+        for start in range(0, seq_len, segment):
+            stop = min(start + segment, seq_len)
+            segment_mask = None if mask is None else mask[:, start:stop]
+            arguments = (token_inputs[:, start:stop], *state, segment_mask, start, output_memory_decays)
+            if checkpointing:
+                segment_outputs, *state, segment_decays = self._gradient_checkpointing_func(self._plain_steps, *arguments)
+            else:
+                segment_outputs, *state, segment_decays = self._plain_steps(*arguments)
+            outputs.append(segment_outputs)
+            if segment_decays is not None:
+                decays.append(segment_decays)
+        memory_decays = torch.cat(decays, dim=1) if decays else None
+        return torch.cat(outputs, dim=1), tuple(state), memory_decays
+
+    def _plain_steps(
+        self,
+        token_inputs: torch.Tensor,
+        predicted: torch.Tensor,
+        grounded: torch.Tensor,
+        memory: torch.Tensor,
+        mask: torch.Tensor | None,
+        first_position: int,
+        output_memory_decays: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Positions first_position.. of the plain loop: (outputs, p, g, M, gamma or None)."""
         outputs, decays = [], []
         truncation = self.config.bptt_truncation_length
-        for t in range(token_inputs.shape[1]):
+        for offset in range(token_inputs.shape[1]):
+            t = first_position + offset
             if truncation and t > 0 and t % truncation == 0:
                 predicted, grounded, memory = predicted.detach(), grounded.detach(), memory.detach()
             new_predicted, new_grounded, new_memory, gamma = self.step(
-                predicted, grounded, memory, token_inputs[:, t]
+                predicted, grounded, memory, token_inputs[:, offset]
             )
             if mask is None:
                 predicted, grounded, memory = new_predicted, new_grounded, new_memory
             else:
-                real = mask[:, t].bool()
+                real = mask[:, offset].bool()
                 predicted = torch.where(real[:, None], new_predicted, predicted)
                 grounded = torch.where(real[:, None], new_grounded, grounded)
                 if self.memory_write is not None:
@@ -478,7 +648,7 @@ class GPNModel(GPNPreTrainedModel):
             if output_memory_decays and gamma is not None:
                 decays.append(gamma)
         memory_decays = torch.stack(decays, dim=1) if decays else None
-        return torch.stack(outputs, dim=1), (predicted, grounded, memory), memory_decays
+        return torch.stack(outputs, dim=1), predicted, grounded, memory, memory_decays
 
     # ---- forward --------------------------------------------------------------------------------
 
@@ -506,7 +676,12 @@ class GPNModel(GPNPreTrainedModel):
             use_cache: return the state after the last position in a `GPNCache`.
             output_hidden_states: also return the predicted states as `hidden_states`.
             output_memory_decays: also return gamma (batch, seq, H), GPN+M only.
+            **kwargs: `past_key_values` (deprecated alias of `cache`), and what `generate()` and
+                transformers' tools pass for attention models, ignored (see `_IGNORED_FORWARD_KWARGS`);
+                anything else raises a TypeError.
         """
+        cache = _pop_cache_alias(cache, kwargs)
+        position_ids = kwargs.get("position_ids")
         _check_unused_kwargs(kwargs)
         config = self.config
         use_cache = use_cache if use_cache is not None else (config.use_cache and not self.training)
@@ -535,6 +710,8 @@ class GPNModel(GPNPreTrainedModel):
         if state is not None and state[0].shape[0] != batch_size:
             raise ValueError(f"The cache holds {state[0].shape[0]} rows but the input has {batch_size}")
         mask = self.check_attention_mask(attention_mask, batch_size, seq_len, continuing=state is not None)
+        if position_ids is not None:
+            check_not_packed(position_ids, mask)
         if state is None:
             state = self.zero_state(batch_size, embeddings.device)
 
@@ -564,6 +741,8 @@ class GPNModel(GPNPreTrainedModel):
         if input_ids.numel() == 0:
             raise ValueError(f"GPN needs at least one row and one token, got input_ids of shape {tuple(input_ids.shape)}")
         vocab_size = self.config.vocab_size
+        if is_tracing():  # a value check cannot be decided on symbolic tensors (the embedding still bounds-checks)
+            return
         bad = (input_ids < 0) | (input_ids >= vocab_size)
         if bad.any():
             position = bad.nonzero()[0].tolist()
@@ -591,6 +770,8 @@ class GPNModel(GPNPreTrainedModel):
                 "accepted when continuing from a cache (its last columns are used)"
             )
         mask = attention_mask[:, -seq_len:]
+        if is_tracing():  # keep the mask (an all-ones mask computes the same); no value checks on symbolic tensors
+            return mask.bool()
         if mask.dtype != torch.bool and not ((mask == 0) | (mask == 1)).all():
             raise ValueError("attention_mask must contain only 0 (padding) and 1 (real token)")
         if bool(mask.bool().all()):
@@ -598,14 +779,60 @@ class GPNModel(GPNPreTrainedModel):
         return mask.bool()
 
 
-_IGNORED_FORWARD_KWARGS = {"position_ids", "cache_position", "output_attentions", "token_type_ids"}
+def check_not_packed(position_ids: torch.Tensor, mask: torch.Tensor | None) -> None:
+    """Refuse rows that pack several sequences (position ids restarting inside a row).
+
+    Padding-free collators (e.g. `DataCollatorWithFlattening`) concatenate sequences into one row and
+    mark the boundaries only in `position_ids`; a GPN would carry its state across them and silently
+    mix the sequences. Ordinary position ids (consecutive over the real tokens) are accepted and ignored.
+    """
+    if is_tracing() or position_ids.dim() != 2 or position_ids.shape[1] < 2:
+        return
+    restarts = position_ids[:, 1:] <= position_ids[:, :-1]
+    if mask is not None and mask.shape == position_ids.shape:
+        restarts &= mask[:, 1:] & mask[:, :-1]
+    if bool(restarts.any()):
+        raise ValueError(
+            "position_ids restart inside a row: packed sequences (padding-free batches) are not supported by a "
+            "GPN, whose state runs through the whole row. Pass one sequence per row, padded with an attention_mask."
+        )
+
+
+# What generate(), Trainer, PEFT and evaluation harnesses pass for attention models, and a GPN has no use
+# for: position and cache positions (a recurrence knows where it is), attention outputs (it has none),
+# token types, and generate()'s own helpers (`tokenizer` for stop strings, `assistant_tokenizer`).
+_IGNORED_FORWARD_KWARGS = {
+    "position_ids", "cache_position", "output_attentions", "token_type_ids", "tokenizer", "assistant_tokenizer",
+}  # fmt: skip
+# Padding-free (packed) batches: ignoring these would silently join the packed sequences.
+_PACKING_KWARGS = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"}
 
 
 def _check_unused_kwargs(kwargs: dict) -> None:
-    """generate() and evaluation harnesses pass a few attention-model arguments a GPN has no use for."""
+    """Accept the harmless extras of `_IGNORED_FORWARD_KWARGS`; refuse everything else by name."""
+    packing = sorted(set(kwargs) & _PACKING_KWARGS)
+    if packing:
+        raise ValueError(
+            f"GPN forward got packed-sequence arguments {packing}: padding-free batches are not supported "
+            "(the recurrent state would run across the packed sequences). Pass one sequence per row with padding."
+        )
     unknown = set(kwargs) - _IGNORED_FORWARD_KWARGS
     if unknown:
         raise TypeError(f"GPN forward got unexpected arguments: {sorted(unknown)}")
+
+
+def _pop_cache_alias(cache: Cache | None, kwargs: dict) -> Cache | None:
+    """`past_key_values=` is the deprecated name of `cache=` (transformers 5 still accepts it): map it, once."""
+    if "past_key_values" not in kwargs:
+        return cache
+    alias = kwargs.pop("past_key_values")
+    if alias is None:
+        return cache
+    if cache is not None:
+        raise ValueError("Pass the cache as `cache` or as `past_key_values` (deprecated), not both")
+    if not is_tracing():
+        warnings.warn("`past_key_values` is deprecated; pass the GPNCache as `cache`", FutureWarning, stacklevel=3)
+    return alias
 
 
 class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
@@ -624,10 +851,24 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.model.embed_tokens = value
 
+    def output_embedding_weight(self) -> torch.Tensor:
+        """The (vocab, e) output matrix: the embedding table, as the embedding module computes it.
+
+        A plain `nn.Embedding` gives its weight. A wrapped or replaced embedding (a PEFT LoRA layer, a
+        quantized embedding) computes its whole table (its forward on every id), so the tied output sees
+        the same adapted embedding as the input. Hooks on the input embedding are input-side by
+        transformers' convention (NEFTune noise, `enable_input_require_grads`) and do not run here.
+        """
+        embedding = self.model.embed_tokens
+        if type(embedding) is nn.Embedding and type(embedding.weight) is nn.Parameter:
+            return embedding.weight
+        device = next(embedding.parameters()).device
+        return embedding.forward(torch.arange(self.config.vocab_size, device=device))
+
     def decode(self, predicted_states: torch.Tensor) -> torch.Tensor:
         """Step 4: logits for every given predicted state (the embedding is the output matrix)."""
         decoded = project(self.decode_proj, self.decode_norm(predicted_states))
-        weight = self.model.embed_tokens.weight
+        weight = self.output_embedding_weight()
         return F.linear(decoded.to(weight.dtype), weight)
 
     def empty_state_logits(self, batch_size: int = 1) -> torch.Tensor:
@@ -647,6 +888,36 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             return
         model_kwargs["cache"] = GPNCache(self.config)
 
+    def _prefill(self, input_ids: torch.Tensor, generation_config, model_kwargs: dict, *args, **kwargs):
+        """Continue generation from a returned cache given the *full* sequence, as with a KV cache.
+
+        transformers' convention when `generate()` restarts from a cache: `input_ids` (with an attention
+        mask of the same length, or none) is the whole sequence so far. Its recurrent cache would be
+        silently re-fed that history (transformers does so for Mamba); a `GPNCache` knows how many
+        positions it has read, so only the positions after those are fed. A cache that has read as many
+        positions as given, or more, is refused: a recurrent state cannot be rolled back. Only the new
+        tokens with an attention mask over the full sequence (longer than them) are fed as they are.
+        """
+        cache = model_kwargs.get("cache")
+        seen = cache.get_seq_length() if isinstance(cache, GPNCache) and cache.has_state else 0
+        if seen:
+            embeds = model_kwargs.get("inputs_embeds")
+            mask = model_kwargs.get("attention_mask")
+            given = embeds.shape[1] if embeds is not None else input_ids.shape[1]
+            if mask is None or mask.shape[1] == given:  # the full sequence, as transformers passes it
+                if given <= seen:
+                    raise ValueError(
+                        f"generate() got {given} positions with a cache that has already read {seen}: pass the full "
+                        "sequence (the cache's positions followed by new ones; the first ones are skipped), or only "
+                        "the new tokens with an attention_mask covering the full sequence. A GPN state cannot be "
+                        "rolled back to an earlier position."
+                    )
+                if embeds is not None:
+                    model_kwargs = {**model_kwargs, "inputs_embeds": embeds[:, seen:]}
+                else:
+                    input_ids = input_ids[:, seen:]
+        return super()._prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -660,15 +931,27 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         return_dict: bool | None = None,
         logits_to_keep: int = 0,
         return_logits: bool = True,
+        shift_labels: torch.LongTensor | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
         **kwargs,
     ) -> GPNCausalLMOutput | tuple:
-        """Next-token logits at every position (or the last `logits_to_keep`), and the shifted mean
-        cross-entropy when `labels` are given (label -100 is ignored). See `GPNModel.forward`.
+        """Next-token logits at every position (or the last `logits_to_keep`), and the causal LM loss
+        when `labels` or `shift_labels` are given, as transformers' `ForCausalLMLoss` computes it.
 
-        With `labels` and `return_logits=False` (training), the loss is computed in chunks of positions
-        and never holds the (batch, seq, vocab) logits; `logits` is then None.
+        Args:
+            labels: (batch, seq) token ids; the loss at position t targets `labels[:, t + 1]` (-100 ignored).
+            shift_labels: (batch, seq) targets already shifted (position t targets `shift_labels[:, t]`),
+                as context-parallel training and padding-free collators pass them; they take precedence
+                over `labels`.
+            num_items_in_batch: the number of counted targets in the whole (accumulated) batch, as
+                `Trainer` passes it: the loss is then the sum over this call's targets divided by it, so
+                gradient accumulation gives exactly the loss of the whole batch. Without it, the mean.
+            return_logits: with a loss and `return_logits=False` (training), the loss is computed in
+                chunks of positions and never holds the (batch, seq, vocab) logits; `logits` is then None.
+            Other arguments: see `GPNModel.forward` (`past_key_values` is a deprecated alias of `cache`).
         """
         return_dict = return_dict if return_dict is not None else True
+        cache = _pop_cache_alias(cache, kwargs)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -681,11 +964,13 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             **kwargs,
         )
         predicted_states = outputs.last_hidden_state
-        if labels is not None and labels.shape != predicted_states.shape[:2]:
-            raise ValueError(f"labels must have shape {tuple(predicted_states.shape[:2])}, got {tuple(labels.shape)}")
-        if labels is not None and not return_logits:
+        for name, given in (("labels", labels), ("shift_labels", shift_labels)):
+            if given is not None and given.shape != predicted_states.shape[:2]:
+                raise ValueError(f"{name} must have shape {tuple(predicted_states.shape[:2])}, got {tuple(given.shape)}")
+        wants_loss = labels is not None or shift_labels is not None
+        if wants_loss and not return_logits:
             decoded = project(self.decode_proj, self.decode_norm(predicted_states))
-            loss = chunked_causal_lm_loss(decoded, self.model.embed_tokens.weight, labels)
+            loss = self._chunked_loss(decoded, labels, shift_labels, num_items_in_batch)
             output = GPNCausalLMOutput(
                 loss=loss, cache=outputs.cache, hidden_states=outputs.hidden_states, memory_decays=outputs.memory_decays
             )
@@ -694,13 +979,9 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         logits = self.decode(kept)
 
         loss = None
-        if labels is not None:
+        if wants_loss:
             full_logits = logits if not logits_to_keep else self.decode(predicted_states)
-            loss = F.cross_entropy(
-                full_logits[:, :-1].float().reshape(-1, full_logits.shape[-1]),
-                labels[:, 1:].reshape(-1).to(full_logits.device),
-                ignore_index=-100,
-            )
+            loss = causal_lm_loss(full_logits, labels, shift_labels, num_items_in_batch)
 
         output = GPNCausalLMOutput(
             loss=loss,
@@ -710,6 +991,55 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             memory_decays=outputs.memory_decays,
         )
         return output if return_dict else output.to_tuple()
+
+    def _chunked_loss(
+        self,
+        decoded: torch.Tensor,
+        labels: torch.Tensor | None,
+        shift_labels: torch.Tensor | None,
+        num_items_in_batch: torch.Tensor | int | None,
+    ) -> torch.Tensor:
+        """`causal_lm_loss` of logits = decoded E^T without holding the logits (`ChunkedTiedCrossEntropy`)."""
+        embedding = self.output_embedding_weight()
+        if shift_labels is None and num_items_in_batch is None:
+            return chunked_causal_lm_loss(decoded, embedding, labels)
+        rows, targets = (decoded, shift_labels) if shift_labels is not None else (decoded[:, :-1], labels[:, 1:])
+        vocab_size, width = embedding.shape
+        rows = rows.reshape(-1, width).to(embedding.dtype)
+        targets = targets.reshape(-1).to(rows.device)
+        chunk_rows = max(64, (1 << 20) // vocab_size)  # about 4 MB of float32 logits, as chunked_causal_lm_loss
+        with_grads = torch.is_grad_enabled() and (rows.requires_grad or embedding.requires_grad)
+        total = ChunkedTiedCrossEntropy.apply(rows, embedding, targets, chunk_rows, with_grads)
+        return _divide_loss_sum(total, targets, num_items_in_batch)
+
+
+def _divide_loss_sum(total: torch.Tensor, targets: torch.Tensor, num_items_in_batch: torch.Tensor | int | None) -> torch.Tensor:
+    """The summed loss over `num_items_in_batch` when given, else over this call's counted targets (the mean)."""
+    if num_items_in_batch is None:
+        return total / (targets != -100).sum()  # nan when nothing is counted, as F.cross_entropy
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
+def causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    shift_labels: torch.Tensor | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+) -> torch.Tensor:
+    """transformers' `ForCausalLMLoss` for (batch, seq, vocab) logits: float32 cross-entropy of position t
+    against `labels[:, t + 1]` (or `shift_labels[:, t]`), -100 ignored; the mean, or the sum divided by
+    `num_items_in_batch` when given (exact gradient accumulation)."""
+    if shift_labels is None:
+        logits, targets = logits[:, :-1], labels[:, 1:]
+    else:
+        targets = shift_labels
+    targets = targets.reshape(-1).to(logits.device)
+    logits = logits.float().reshape(-1, logits.shape[-1])
+    if num_items_in_batch is None:
+        return F.cross_entropy(logits, targets, ignore_index=-100)
+    return _divide_loss_sum(F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum"), targets, num_items_in_batch)
 
 
 GPNConfig.register_for_auto_class()
