@@ -57,8 +57,8 @@ def is_tracing() -> bool:
     is_exporting = getattr(torch.compiler, "is_exporting", None)
     if is_exporting is not None and is_exporting():
         return True
-    is_fx_tracing = getattr(torch.fx._symbolic_trace, "is_fx_tracing", None)
-    return bool(is_fx_tracing is not None and is_fx_tracing())
+    is_fx_symbolic_tracing = getattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing", None)
+    return bool(is_fx_symbolic_tracing is not None and is_fx_symbolic_tracing())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -392,6 +392,20 @@ class GPNPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["GPNModel"]
     _is_stateful = True  # generate() refuses assisted decoding: a recurrent state cannot be rolled back
     _supports_cache_class = True
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained`, with an `auto_map` naming every auto class a GPN serves.
+
+        transformers records only the saved model's own auto class; the folder then loads through remote
+        code (`trust_remote_code=True`, without this package) as `AutoConfig`, `AutoModel` and
+        `AutoModelForCausalLM` alike.
+        """
+        module = type(self).__module__.rsplit(".", 1)[-1]
+        auto_map = dict(getattr(self.config, "auto_map", None) or {})
+        auto_map.setdefault("AutoModel", f"{module}.GPNModel")
+        auto_map.setdefault("AutoModelForCausalLM", f"{module}.GPNForCausalLM")
+        self.config.auto_map = auto_map
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
     def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None, every_n_layers: int = 1):
         """What `gradient_checkpointing_enable()` (and `TrainingArguments(gradient_checkpointing=True)`) turns on.
@@ -931,7 +945,6 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         return_dict: bool | None = None,
         logits_to_keep: int = 0,
         return_logits: bool = True,
-        shift_labels: torch.LongTensor | None = None,
         num_items_in_batch: torch.Tensor | int | None = None,
         **kwargs,
     ) -> GPNCausalLMOutput | tuple:
@@ -940,9 +953,10 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
 
         Args:
             labels: (batch, seq) token ids; the loss at position t targets `labels[:, t + 1]` (-100 ignored).
-            shift_labels: (batch, seq) targets already shifted (position t targets `shift_labels[:, t]`),
-                as context-parallel training and padding-free collators pass them; they take precedence
-                over `labels`.
+            shift_labels (keyword): (batch, seq) targets already shifted (position t targets
+                `shift_labels[:, t]`), as context-parallel training passes them; they take precedence over
+                `labels`. A keyword, not a parameter, as in transformers' models: `Trainer` takes every
+                parameter named like a label for a required label column.
             num_items_in_batch: the number of counted targets in the whole (accumulated) batch, as
                 `Trainer` passes it: the loss is then the sum over this call's targets divided by it, so
                 gradient accumulation gives exactly the loss of the whole batch. Without it, the mean.
@@ -952,6 +966,7 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         """
         return_dict = return_dict if return_dict is not None else True
         cache = _pop_cache_alias(cache, kwargs)
+        shift_labels = kwargs.pop("shift_labels", None)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
