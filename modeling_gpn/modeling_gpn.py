@@ -461,6 +461,16 @@ class GPNPreTrainedModel(PreTrainedModel):
                 module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
 
 
+def _why_not_foldable(name: str, module: nn.Module, allowed: tuple[type, ...]) -> str:
+    """The reason `GPNModel.fast_path_blocker` gives for `module`."""
+    if type(module) not in allowed:
+        return f"{name} is a {type(module).__module__}.{type(module).__qualname__}, not a plain module the fast path can fold"
+    if module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks or module._backward_hooks:
+        return f"{name} has hooks"
+    param_name, param = next((n, p) for n, p in module._parameters.items() if p is not None and type(p) is not nn.Parameter)
+    return f"{name}.{param_name} is a {type(param).__qualname__}, not a plain nn.Parameter"
+
+
 class GPNModel(GPNPreTrainedModel):
     """The GPN recurrence: token ids in, the predicted state p at every position out."""
 
@@ -549,17 +559,29 @@ class GPNModel(GPNPreTrainedModel):
             if getattr(module_hooks, name, None):
                 return f"a global module hook is registered ({name.strip('_')})"
         allowed = (nn.Linear, GPNRMSNorm, nn.ModuleList, GPNMemoryWrite, GPNPredictLayer)
-        for child_name, child in self.named_children():
-            if child_name in self._CALLED_CHILDREN:
+        # Runs before every fast call (decoding too): a flat walk over the two levels of modules below the
+        # model's children (the blocks and their projections); a wrapper fails on its own type, so what it
+        # wraps need not be visited. Names are looked up only once something is found.
+        modules = []
+        for child_name, child in self._modules.items():
+            if child_name in self._CALLED_CHILDREN or child is None:
                 continue
-            for name, module in child.named_modules(prefix=child_name):
-                if type(module) not in allowed:
-                    return f"{name} is a {type(module).__module__}.{type(module).__qualname__}, not a plain module the fast path can fold"
-                if module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks or module._backward_hooks:
-                    return f"{name} has hooks"
-                for param_name, param in module.named_parameters(recurse=False):
-                    if type(param) is not nn.Parameter:
-                        return f"{name}.{param_name} is a {type(param).__qualname__}, not a plain nn.Parameter"
+            modules.append(child)
+            for block in child._modules.values():
+                modules.append(block)
+                modules.extend(block._modules.values())
+        plain_parameters = {type(p) for module in modules for p in module._parameters.values()} <= {nn.Parameter, type(None)}
+        for module in modules:
+            if (
+                type(module) not in allowed
+                or module._forward_pre_hooks
+                or module._forward_hooks
+                or module._backward_pre_hooks
+                or module._backward_hooks
+                or not (plain_parameters or {type(p) for p in module._parameters.values()} <= {nn.Parameter, type(None)})
+            ):
+                name = next(n for n, m in self.named_modules() if m is module)
+                return _why_not_foldable(name, module, allowed)
         return None
 
     def recurrence_path(self) -> str:

@@ -299,6 +299,29 @@ def test_forward_hooks_run_and_count_on_every_projection_path():
     assert (logits_of(model, ids) - reference).abs().max() > 1e-3
     handle.remove()
 
+    # A parametrization (the weight computed by a module) and a tensor-subclass weight are not folded either
+    from torch.nn.utils import parametrize
+
+    class Doubled(nn.Module):
+        def forward(self, weight):
+            return 2 * weight
+
+    parametrize.register_parametrization(model.model.fuse_gate, "weight", Doubled())
+    assert (logits_of(model, ids) - reference).abs().max() > 1e-3 and model.model.last_recurrence_path == "plain"
+    parametrize.remove_parametrizations(model.model.fuse_gate, "weight", leave_parametrized=False)
+    torch.testing.assert_close(logits_of(model, ids), reference)
+    assert model.model.last_recurrence_path == "fast"
+
+    class MarkedTensor(torch.Tensor):
+        pass
+
+    gate = model.model.predict_layers[0].gate
+    plain_weight = gate.weight
+    gate.weight = nn.Parameter(plain_weight.detach().as_subclass(MarkedTensor))
+    torch.testing.assert_close(logits_of(model, ids), reference)
+    assert "MarkedTensor" in model.model.fast_path_blocker() and model.model.last_recurrence_path == "plain"
+    gate.weight = plain_weight
+
     class DoubledLinear(nn.Linear):  # a subclass (as quantization libraries swap in) is not folded
         def forward(self, x):
             return 2 * super().forward(x)
