@@ -1016,6 +1016,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from modeling_gpn.data import DataError
 
+    config = None
     try:
         config = resolve_config(args)
         train(config, resume=args.resume, skip_nonfinite=args.skip_nonfinite,
@@ -1026,6 +1027,15 @@ def run(args: argparse.Namespace) -> int:
     except TrainingStopped as stop:
         print(f"gpn train: {stop}", file=sys.stderr)
         return 128 + stop.signum  # the shell's code for "ended by this signal": 143 SIGTERM, 130 SIGINT
+    except RuntimeError as error:
+        # gloo raises "Timed out waiting ...ms" when another process has not joined a collective within
+        # --ddp-timeout (it stopped or hangs): say so plainly instead of a backend traceback.
+        if config is None or "timed out" not in str(error).lower():
+            raise
+        print(f"gpn train: error: a collective operation timed out after --ddp-timeout {config['ddp_timeout']} s: "
+              f"another process stopped responding, so the job fails instead of waiting ({str(error).splitlines()[0]}). "
+              "Checkpoints written so far are intact: continue with --resume", file=sys.stderr)  # fmt: skip
+        return 1
     except KeyboardInterrupt:
         print("gpn train: interrupted (Ctrl-C) before a checkpoint could be written; the last checkpoint, if any, "
               "is intact: continue with the same command plus --resume", file=sys.stderr)  # fmt: skip
