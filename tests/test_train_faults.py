@@ -194,6 +194,16 @@ def test_sigterm_and_sigint_checkpoint_at_the_step_boundary_and_resume_bit_exact
     assert stops == ["SIGTERM", "SIGINT"]
 
 
+def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path, cache, shakespeare):
+    run_dir = tmp_path / "run"
+    process = _launch(TRAIN_CLI + small_args(shakespeare, run_dir, cache, "--steps", "100000"), tmp_path / "run.log")
+    _wait_for_step(process, run_dir, 2)
+    process.send_signal(signal.SIGINT)
+    process.send_signal(signal.SIGINT)
+    output = _stopped(process, 128 + signal.SIGINT)
+    assert "gpn train: interrupted (Ctrl-C)" in output or "stopped by SIGINT" in output, output[-3000:]
+
+
 # --------------------------------------------------------------------------------------------------
 # Crash-safe files and a full disk
 # --------------------------------------------------------------------------------------------------
