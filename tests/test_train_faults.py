@@ -196,12 +196,19 @@ def test_sigterm_and_sigint_checkpoint_at_the_step_boundary_and_resume_bit_exact
 
 def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path, cache, shakespeare):
     run_dir = tmp_path / "run"
-    process = _launch(TRAIN_CLI + small_args(shakespeare, run_dir, cache, "--steps", "100000"), tmp_path / "run.log")
-    _wait_for_step(process, run_dir, 2)
+    # Slow steps (256 windows each), so the second Ctrl-C lands inside the step the first one let finish.
+    argv = small_args(shakespeare, run_dir, cache, "--steps", "100000", "--batch-size", "256", "--micro-batch-size", "256")
+    process = _launch(TRAIN_CLI + argv, tmp_path / "run.log")
+    _wait_for_step(process, run_dir, 1)
     process.send_signal(signal.SIGINT)
+    deadline = time.time() + 60
+    while "SIGINT received" not in process.log_path.read_text():
+        assert time.time() < deadline and process.poll() is None, process.log_path.read_text()[-3000:]
+        time.sleep(0.01)
     process.send_signal(signal.SIGINT)
     output = _stopped(process, 128 + signal.SIGINT)
-    assert "gpn train: interrupted (Ctrl-C)" in output or "stopped by SIGINT" in output, output[-3000:]
+    assert "gpn train: interrupted (Ctrl-C) before a checkpoint could be written" in output, output[-3000:]
+    assert not list((run_dir / "checkpoints").glob("step-*"))
 
 
 # --------------------------------------------------------------------------------------------------
