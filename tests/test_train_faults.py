@@ -251,8 +251,16 @@ def test_full_disk_during_a_checkpoint_names_the_path_and_keeps_the_last_good_on
         assert checkpoint_steps(out) == [4]
         assert not list((out / "checkpoints").glob(".tmp-*")), "the partial checkpoint was not removed"
         shutil.copytree(out, tmp_path / "rescued")
-        # A second run in the same folder without --resume is refused; the log holds no torn line.
-        assert all("step" in r for r in read_log(out))
+        log = out / "log.jsonl"
+        assert all("step" in json.loads(line) for line in log.read_text().splitlines())  # no torn line
+        # The disk filled up completely: an append that does not fit is cut back, never left half-written.
+        with contextlib.suppress(OSError), open(disk / "filler", "wb", buffering=0) as filler:
+            while True:
+                filler.write(b"x" * 4096)
+        before = log.read_bytes()
+        with pytest.raises(OSError, match="No space left on device"):
+            train_module.append_log_record(log, {"step": 13, "note": "y" * 20000})
+        assert log.read_bytes() == before
     # The intact checkpoint continues to exactly the uninterrupted run.
     run_train(shakespeare, tmp_path / "rescued", cache, *common, resume=True)
     expected, actual = _weights(reference / "model"), _weights(tmp_path / "rescued" / "model")
@@ -265,17 +273,15 @@ def test_log_rewrite_on_resume_is_write_then_rename(tmp_path):
     records = [{"step": step, "loss": 5.0 - step / 10} for step in range(1, 41)]
     original = "".join(json.dumps(r) + "\n" for r in records) + '{"step": 41, "lo'  # torn last line
     log.write_text(original)
-    # A real write failure while the kept records are written (the file-size limit of this process): the
-    # log is left exactly as it was, and no temporary file stays behind.
-    previous_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (200, hard))
-    try:
-        with pytest.raises(OSError):
-            train_module.truncate_log(log, 20)
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, previous_handler)
+    # A real write failure while the kept records are written (a 200-byte file-size limit on the process
+    # doing it, so write() fails with EFBIG): the log is left exactly as it was, no temporary file behind.
+    def limit_file_size() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get the error instead of being killed by the signal
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    code = f"from modeling_gpn.train import truncate_log; from pathlib import Path; truncate_log(Path({str(log)!r}), 20)"
+    failed = subprocess.run([sys.executable, "-c", code], preexec_fn=limit_file_size, capture_output=True, text=True)
+    assert failed.returncode == 1 and "OSError: [Errno 27] File too large" in failed.stderr, failed.stderr[-2000:]
     assert log.read_text() == original
     assert [p.name for p in tmp_path.iterdir()] == ["log.jsonl"]
 
