@@ -403,8 +403,11 @@ def install_folder(tmp: Path, final: Path) -> None:
     (`.replaced-NAME`) and deleted only once the new one is in place; `recover_folders` puts it back if a
     crash falls between the two renames, so a complete folder is never lost."""
     aside = final.with_name(REPLACED_PREFIX + final.name)
-    if aside.exists():
-        shutil.rmtree(aside)
+    if aside.exists():  # left by a crash: stale beside a complete `final`, else the only copy (put it back)
+        if final.exists():
+            shutil.rmtree(aside)
+        else:
+            os.replace(aside, final)
     if final.exists():
         os.replace(final, aside)
     os.replace(tmp, final)
