@@ -805,8 +805,10 @@ def train(config: dict, resume: str | bool | None = None, skip_nonfinite: bool =
     already_skipped = set(skipped_steps)
     last_applied = next((s for s in range(start_step, 0, -1) if s not in already_skipped), 0)  # for the messages
     val_loss = None
-    try:
-        with StopSignals() as stop:
+    # The handlers stay through the final phase: a SIGTERM there lets the run finish and save its model,
+    # the quickest way to keep its work.
+    with StopSignals() as stop:
+        try:
             for step in range(start_step, steps):
                 done = step + 1
                 local_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
@@ -893,60 +895,60 @@ def train(config: dict, resume: str | bool | None = None, skip_nonfinite: bool =
                     checkpoint = checkpoints_dir / f"step-{done:07d}" if saved else save_checkpoint(done)
                     log({"step": done, "event": "stopped", "signal": signal.Signals(signum).name})
                     raise TrainingStopped(signum, done, steps, checkpoint)
-    except BaseException:
-        bar.close()
-        accelerator.end_training()
-        raise
-    bar.close()
-
-    # ---- the end: validation, replicas, save_pretrained, sample --------------------------------
-    val_loss = evaluate()
-    val_ppl = math.exp(min(val_loss, 50))
-    unwrapped = accelerator.unwrap_model(model)
-    fingerprints = gather_object([_weights_sha256(unwrapped)])
-    log({"step": steps, "val_loss": val_loss, "val_ppl": val_ppl, "event": "final",
-         "weights_sha256_per_rank": fingerprints, "skipped_steps": skipped_steps})  # fmt: skip
-    if len(set(fingerprints)) != 1:
-        raise RuntimeError(f"The processes ended with different weights: {fingerprints}")
-    if skipped_steps:
-        say(f"skipped {len(skipped_steps)} non-finite step(s) of {steps - start_step}: {skipped_steps}")
-    evaluated = min(config["eval_windows"], windows.num_val) > 0
-    if not all_finite(unwrapped.parameters()) or (evaluated and not math.isfinite(val_loss)):
-        accelerator.end_training()
-        raise NonFiniteLossError(
-            f"The run ended with a non-finite model (validation loss {val_loss}, {len(skipped_steps)} skipped "
-            f"step(s)); it was not saved as {run_dir / 'model'}. {intact()}"
-        )
-    model_dir = run_dir / "model"
-    sample = None
-    if main:
-        generation = unwrapped.generation_config
-        generation.eos_token_id = tokenizer.eos_token_id
-        generation.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        generation.bos_token_id = tokenizer.bos_token_id
-        tmp_model = run_dir / ".tmp-model"
-        try:
-            shutil.rmtree(tmp_model, ignore_errors=True)
-            unwrapped.save_pretrained(str(tmp_model))
-            tokenizer.save_pretrained(str(tmp_model))
-            _fsync_tree(tmp_model)
-            install_folder(tmp_model, model_dir)
-        except (OSError, RuntimeError) as error:
-            shutil.rmtree(tmp_model, ignore_errors=True)
+        except BaseException:
+            bar.close()
             accelerator.end_training()
-            raise storage_error(model_dir, error) from error
-        if config["sample_tokens"]:
-            sample = generate_sample(unwrapped, tokenizer, config["sample_prompt"], config["sample_tokens"], config["seed"])
-        say(f"\nvalidation loss {val_loss:.4f}, perplexity {val_ppl:.2f} ({min(config['eval_windows'], windows.num_val)} "
-            f"held-out windows of {config['seq_len']} tokens)")  # fmt: skip
-        if sample is not None:
-            say(f"sample (prompt {config['sample_prompt']!r}):\n{sample}\n")
-        say(f"model saved to {model_dir.resolve()}\nload it with:\n  import modeling_gpn  # registers GPN (or pass "
-            f"trust_remote_code=True)\n  from transformers import AutoModelForCausalLM, AutoTokenizer\n"
-            f"  model = AutoModelForCausalLM.from_pretrained({str(model_dir.resolve())!r})\n"
-            f"  tokenizer = AutoTokenizer.from_pretrained({str(model_dir.resolve())!r})")  # fmt: skip
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+            raise
+        bar.close()
+
+        # ---- the end: validation, replicas, save_pretrained, sample --------------------------------
+        val_loss = evaluate()
+        val_ppl = math.exp(min(val_loss, 50))
+        unwrapped = accelerator.unwrap_model(model)
+        fingerprints = gather_object([_weights_sha256(unwrapped)])
+        log({"step": steps, "val_loss": val_loss, "val_ppl": val_ppl, "event": "final",
+             "weights_sha256_per_rank": fingerprints, "skipped_steps": skipped_steps})  # fmt: skip
+        if len(set(fingerprints)) != 1:
+            raise RuntimeError(f"The processes ended with different weights: {fingerprints}")
+        if skipped_steps:
+            say(f"skipped {len(skipped_steps)} non-finite step(s) of {steps}: {skipped_steps}")
+        evaluated = min(config["eval_windows"], windows.num_val) > 0
+        if not all_finite(unwrapped.parameters()) or (evaluated and not math.isfinite(val_loss)):
+            accelerator.end_training()
+            raise NonFiniteLossError(
+                f"The run ended with a non-finite model (validation loss {val_loss}, {len(skipped_steps)} skipped "
+                f"step(s)); it was not saved as {run_dir / 'model'}. {intact()}"
+            )
+        model_dir = run_dir / "model"
+        sample = None
+        if main:
+            generation = unwrapped.generation_config
+            generation.eos_token_id = tokenizer.eos_token_id
+            generation.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+            generation.bos_token_id = tokenizer.bos_token_id
+            tmp_model = run_dir / ".tmp-model"
+            try:
+                shutil.rmtree(tmp_model, ignore_errors=True)
+                unwrapped.save_pretrained(str(tmp_model))
+                tokenizer.save_pretrained(str(tmp_model))
+                _fsync_tree(tmp_model)
+                install_folder(tmp_model, model_dir)
+            except (OSError, RuntimeError) as error:
+                shutil.rmtree(tmp_model, ignore_errors=True)
+                accelerator.end_training()
+                raise storage_error(model_dir, error) from error
+            if config["sample_tokens"]:
+                sample = generate_sample(unwrapped, tokenizer, config["sample_prompt"], config["sample_tokens"], config["seed"])
+            say(f"\nvalidation loss {val_loss:.4f}, perplexity {val_ppl:.2f} ({min(config['eval_windows'], windows.num_val)} "
+                f"held-out windows of {config['seq_len']} tokens)")  # fmt: skip
+            if sample is not None:
+                say(f"sample (prompt {config['sample_prompt']!r}):\n{sample}\n")
+            say(f"model saved to {model_dir.resolve()}\nload it with:\n  import modeling_gpn  # registers GPN (or pass "
+                f"trust_remote_code=True)\n  from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+                f"  model = AutoModelForCausalLM.from_pretrained({str(model_dir.resolve())!r})\n"
+                f"  tokenizer = AutoTokenizer.from_pretrained({str(model_dir.resolve())!r})")  # fmt: skip
+        accelerator.wait_for_everyone()
+        accelerator.end_training()
     return {"model_dir": str(model_dir), "val_loss": val_loss, "val_ppl": val_ppl, "sample": sample,
             "run_dir": str(run_dir), "reused_cache": stream.reused, "skipped_steps": skipped_steps}  # fmt: skip
 
@@ -1036,7 +1038,8 @@ def run(args: argparse.Namespace) -> int:
         if config is None or "timed out" not in str(error).lower():
             raise
         print(f"gpn train: error: a collective operation timed out after --ddp-timeout {config['ddp_timeout']} s: "
-              f"another process stopped responding, so the job fails instead of waiting ({str(error).splitlines()[0]}). "
+              f"another process stopped responding, so the job fails instead of waiting "
+              f"({str(error).splitlines()[0]}). "
               "Checkpoints written so far are intact: continue with --resume", file=sys.stderr)  # fmt: skip
         return 1
     except KeyboardInterrupt:
