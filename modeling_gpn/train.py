@@ -708,6 +708,14 @@ def train(config: dict, resume: str | bool | None = None, skip_nonfinite: bool =
             return "No checkpoint had been written yet, so the run has to start again."
         return f"No finished work was lost: the last checkpoint, {last}, is intact; continue from it with --resume."
 
+    # What a failed write (a full disk, a file-size limit) raises: torch.save reports it as a RuntimeError,
+    # safetensors as its own SafetensorError.
+    write_errors: tuple[type[BaseException], ...] = (OSError, RuntimeError)
+    with contextlib.suppress(ImportError):
+        from safetensors import SafetensorError
+
+        write_errors += (SafetensorError,)
+
     def storage_error(path: Path, error: BaseException) -> StorageError:
         with contextlib.suppress(OSError):
             free = shutil.disk_usage(path.parent if path.parent.exists() else run_dir).free
@@ -778,7 +786,7 @@ def train(config: dict, resume: str | bool | None = None, skip_nonfinite: bool =
                 for old in sorted(checkpoints_dir.glob("step-*"))[: -max(1, config["keep_checkpoints"])]:
                     if old != final:
                         shutil.rmtree(old, ignore_errors=True)
-        except (OSError, RuntimeError) as error:  # torch.save reports a full disk as a RuntimeError
+        except write_errors as error:
             if main:
                 shutil.rmtree(tmp, ignore_errors=True)  # frees the space the partial checkpoint took
             raise storage_error(final, error) from error
@@ -933,7 +941,7 @@ def train(config: dict, resume: str | bool | None = None, skip_nonfinite: bool =
                 tokenizer.save_pretrained(str(tmp_model))
                 _fsync_tree(tmp_model)
                 install_folder(tmp_model, model_dir)
-            except (OSError, RuntimeError) as error:
+            except write_errors as error:
                 shutil.rmtree(tmp_model, ignore_errors=True)
                 accelerator.end_training()
                 raise storage_error(model_dir, error) from error

@@ -268,6 +268,25 @@ def test_full_disk_during_a_checkpoint_names_the_path_and_keeps_the_last_good_on
         assert torch.equal(expected[name], actual[name]), name
 
 
+def test_a_failed_checkpoint_write_is_one_clear_cli_error(tmp_path, cache, shakespeare):
+    # Needs no root: a 64 KiB file-size limit on the `gpn train` process makes the first checkpoint's weight
+    # file fail with a real EFBIG (CPython ignores SIGXFSZ, so the write returns the error).
+    run_dir = tmp_path / "run"
+
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    argv = TRAIN_CLI + small_args(shakespeare, run_dir, cache, "--steps", "6", "--checkpoint-interval", "4")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    done = subprocess.run(argv, preexec_fn=limit_file_size, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert f"gpn train: error: Cannot write {run_dir / 'checkpoints' / 'step-0000004'}: " in done.stderr
+    assert "File too large" in done.stderr and "No checkpoint had been written yet" in done.stderr
+    assert list((run_dir / "checkpoints").iterdir()) == []  # the partial checkpoint was removed
+    assert [r["step"] for r in read_log(run_dir)] == [1, 2, 3, 4]
+
+
 def test_log_rewrite_on_resume_is_write_then_rename(tmp_path):
     log = tmp_path / "log.jsonl"
     records = [{"step": step, "loss": 5.0 - step / 10} for step in range(1, 41)]
