@@ -364,19 +364,10 @@ def changed_settings_of(run_dir: Path, *argv: str) -> list[str]:
 
 def test_a_stuck_ddp_rank_fails_the_job_after_ddp_timeout(tmp_path, cache, shakespeare):
     run_dir = tmp_path / "ddp"
-    launcher = _launch(
-        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-         str(_free_port()), "-m", "modeling_gpn.train",
-         *small_args(shakespeare, run_dir, cache, "--steps", "100000", "--ddp-timeout", "5")],
-        tmp_path / "ddp.log",
-    )  # fmt: skip
+    launcher = _launch_ddp(small_args(shakespeare, run_dir, cache, "--steps", "100000", "--ddp-timeout", "5"),
+                           tmp_path / "ddp.log")  # fmt: skip
     _wait_for_step(launcher, run_dir, 2)
-    workers = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
-                                                   text=True).stdout.split()]  # fmt: skip
-    ranks = {int(Path(f"/proc/{pid}/environ").read_bytes().split(b"LOCAL_RANK=")[1].split(b"\0")[0]): pid
-             for pid in workers}  # fmt: skip
-    assert sorted(ranks) == [0, 1], workers
+    ranks = _ranks(launcher)
     os.kill(ranks[1], signal.SIGSTOP)  # stopped, not dead: only a timeout can notice it
     stopped_at = time.time()
     try:
@@ -401,3 +392,41 @@ def _process_state(pid: int) -> str:
     with contextlib.suppress(OSError):
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     return "X"
+
+
+def _launch_ddp(args: list[str], log: Path) -> subprocess.Popen:
+    return _launch(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+         str(_free_port()), "-m", "modeling_gpn.train", *args],
+        log,
+    )  # fmt: skip
+
+
+def _ranks(launcher: subprocess.Popen) -> dict[int, int]:
+    """LOCAL_RANK -> pid of the launcher's worker processes."""
+    found = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+    ranks = {int(Path(f"/proc/{pid}/environ").read_bytes().split(b"LOCAL_RANK=")[1].split(b"\0")[0]): int(pid)
+             for pid in found}  # fmt: skip
+    assert sorted(ranks) == [0, 1], found
+    return ranks
+
+
+def test_sigterm_to_one_ddp_rank_stops_every_rank_at_the_same_step_with_a_checkpoint(tmp_path, cache, shakespeare):
+    run_dir = tmp_path / "ddp"
+    launcher = _launch_ddp(small_args(shakespeare, run_dir, cache, "--steps", "100000"), tmp_path / "ddp.log")
+    _wait_for_step(launcher, run_dir, 2)
+    os.kill(_ranks(launcher)[1], signal.SIGTERM)  # rank 1 only: rank 0 must learn it at the step boundary
+    try:
+        launcher.wait(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+    output = launcher.log_path.read_text()
+    assert launcher.returncode != 0, output[-3000:]
+    [checkpoint] = sorted((run_dir / "checkpoints").glob("step-*"))
+    step = int(checkpoint.name.split("-")[1])
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["step"] == step
+    assert {p.name for p in checkpoint.glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}
+    assert [r for r in read_log(run_dir) if r.get("event")] == [{"step": step, "event": "stopped", "signal": "SIGTERM"}]
+    assert f"stopped by SIGTERM after step {step} of 100000" in output, output[-3000:]
