@@ -915,7 +915,8 @@ def train(config: dict, resume: str | bool | None = None, skip_nonfinite: bool =
         unwrapped = accelerator.unwrap_model(model)
         fingerprints = gather_object([_weights_sha256(unwrapped)])
         log({"step": steps, "val_loss": val_loss, "val_ppl": val_ppl, "event": "final",
-             "weights_sha256_per_rank": fingerprints, "skipped_steps": skipped_steps})  # fmt: skip
+             "weights_sha256_per_rank": fingerprints, "skipped_steps": len(skipped_steps),
+             "skipped_at": skipped_steps})  # fmt: skip
         if len(set(fingerprints)) != 1:
             raise RuntimeError(f"The processes ended with different weights: {fingerprints}")
         if skipped_steps:

@@ -95,8 +95,9 @@ def test_skipped_steps_are_capped_reported_and_a_nonfinite_model_is_never_saved(
     assert "skipped 3 non-finite step(s) of 4: [2, 3, 4]" in capsys.readouterr().out
     log = read_log(out)
     assert [r["step"] for r in log if r.get("event") == "skipped_nonfinite"] == [2, 3, 4]
-    assert [r["loss"] for r in log if "lr" in r][1:] == [None, None, None]  # no fake 0 loss for skipped windows
-    assert [r for r in log if r.get("event") == "final"][0]["skipped_steps"] == [2, 3, 4]
+    # Windows whose every step was skipped log no loss (not a fake 0) and the running count of skips.
+    assert [(r["loss"], r["skipped_steps"]) for r in log if "lr" in r][1:] == [(None, 1), (None, 2), (None, 3)]
+    assert [r for r in log if r.get("event") == "final"][0]["skipped_at"] == [2, 3, 4]
     weights = _weights(out / "model")
     assert all(torch.isfinite(t).all() for t in weights.values())
 
@@ -348,6 +349,17 @@ def test_resume_refuses_settings_that_change_data_or_optimisation_and_allows_the
     assert changed_settings_of(out, "--steps", "7", "--dataset", str(out / "train_config.json"), "--seq-len", "16",
                                "--batch-size", "4", "--lr", "0.1", "--beta2", "0.9", "--tokenizer", "gpt2") == [
         "batch_size", "beta2", "dataset", "lr", "seq_len", "steps", "tokenizer"]  # fmt: skip
+    # A checkpoint holding a NaN (as older versions could write) is refused on resume, naming it.
+    damaged = tmp_path / "damaged"
+    shutil.copytree(out, damaged)
+    from safetensors.torch import load_file, save_file
+
+    weights_file = damaged / "checkpoints" / "step-0000003" / "model.safetensors"
+    weights = load_file(str(weights_file))
+    next(iter(weights.values()))[0] = float("nan")
+    save_file(weights, str(weights_file), metadata={"format": "pt"})
+    with pytest.raises(train_module.NonFiniteLossError, match=r"step-0000003 holds non-finite weights"):
+        run_train(shakespeare, damaged, cache, *common, resume=True)
     # Logging, validation, checkpointing, the sample, the micro-batch and the timeout may change.
     first = _weights(out / "model")
     run_train(shakespeare, out, cache, *common, "--log-interval", "2", "--eval-interval", "2", "--checkpoint-interval",
