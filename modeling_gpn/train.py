@@ -11,8 +11,19 @@ a config file (`--config FILE.json`, same keys), then command-line options (`--l
 configuration is written to `OUTPUT/train_config.json`.
 
 A run directory holds `model/` (the final `save_pretrained` folder: weights, config, tokenizer,
-generation config), `checkpoints/step-NNNNNNN/` (full training state, written atomically), `log.jsonl`
-(one JSON object per log/eval event) and `tensorboard/`.
+generation config), `checkpoints/step-NNNNNNN/` (full training state), `log.jsonl` (one JSON object per
+log/eval event) and `tensorboard/`.
+
+Nothing lost, nothing wrong in silence:
+- every folder and JSON file is written under a temporary name in its final folder, fsynced, then renamed
+  (and the folder fsynced), so a crash at any instant leaves the old complete version or the new one;
+  `log.jsonl` is appended one fsynced record at a time (a failed append is cut back), and a torn last
+  line is dropped with a warning on `--resume`, whose log truncation is itself a write-and-rename;
+- a step whose loss or gradient norm is NaN/inf is never applied (the norm is computed at every clipping
+  setting), no checkpoint or model is written with non-finite weights, `--skip-nonfinite` skips are
+  capped (`--max-skipped-steps`) and reported, and a run that cannot end with a finite model exits non-zero;
+- SIGTERM / SIGINT save a checkpoint at the next step boundary and exit with 128 + the signal number;
+- `--resume` refuses any changed setting that would change the data, the model or the optimisation.
 """
 
 from __future__ import annotations
@@ -25,7 +36,9 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +120,10 @@ OPTIONS: list[Option] = [
     Option("checkpoint_interval", int, 500, "save the full training state every this many steps; 0 = never"),
     Option("keep_checkpoints", int, 2, "keep only the newest this many checkpoints"),
     Option("log_interval", int, 10, "log loss, learning rate and tokens/s every this many steps"),
+    Option("max_skipped_steps", int, 10, "with --skip-nonfinite: stop (exit 1) when more than this many steps "
+           "of the run were skipped as non-finite (a diverging run, not an unlucky batch)"),
+    Option("ddp_timeout", int, 600, "seconds a process waits for the others at a collective (all-reduce, barrier) "
+           "before the job fails, so a stuck process cannot hold the job (torch's gloo default: 1800)"),
     Option("sample_prompt", str, "The", "prompt of the sample generated at the end"),
     Option("sample_tokens", int, 60, "tokens generated for the sample (0 = no sample)"),
 ]  # fmt: skip
@@ -193,9 +210,11 @@ def _validate(config: dict) -> None:
         if not isinstance(config[key], int) or config[key] < 1:
             problems.append(f"{key} must be a positive integer, got {config[key]!r}")
     for key in ("warmup_steps", "eval_interval", "checkpoint_interval", "log_interval", "sample_tokens", "eval_windows",
-                "bptt_segment"):
+                "bptt_segment", "max_skipped_steps"):
         if not isinstance(config[key], int) or config[key] < 0:
             problems.append(f"{key} must be a non-negative integer, got {config[key]!r}")
+    if not isinstance(config["ddp_timeout"], int) or config["ddp_timeout"] < 1:
+        problems.append(f"ddp_timeout must be a positive number of seconds, got {config['ddp_timeout']!r}")
     if not config["lr"] > 0:
         problems.append(f"lr must be positive, got {config['lr']}")
     if not 0 <= config["min_lr_ratio"] <= 1:
@@ -315,7 +334,224 @@ def build_optimizer(model, config: dict):
 
 
 class NonFiniteLossError(RuntimeError):
-    """The loss or the gradient became NaN/inf; the weights were not updated with it."""
+    """A step's loss or gradient norm was NaN/inf, or an update made the weights non-finite. The message names
+    the step and says whether the weights were updated; nothing non-finite is ever checkpointed or saved."""
+
+
+class StorageError(RuntimeError):
+    """A file of the run could not be written (a full disk, a size limit); the message names the path and
+    what is intact."""
+
+
+class TrainingStopped(Exception):
+    """SIGTERM or SIGINT stopped the run at a step boundary, after a checkpoint of that step was written."""
+
+    def __init__(self, signum: int, step: int, steps: int, checkpoint: Path) -> None:
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name} after step {step} of {steps}; the training state is saved in "
+            f"{checkpoint}; continue with the same command plus --resume"
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# Crash-safe files: a temporary name in the same folder, fsync, rename, fsync the folder
+# --------------------------------------------------------------------------------------------------
+
+
+def _fsync(path: Path) -> None:
+    """fsync a file, or a folder (which makes the names in it, e.g. a rename, durable)."""
+    flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if Path(path).is_dir() else 0)
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """fsync every file and folder under `folder`, deepest first, then `folder` itself."""
+    for path in sorted(Path(folder).rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        if path.is_file() or path.is_dir():
+            _fsync(path)
+    _fsync(folder)
+
+
+def write_file_atomically(path: Path, data: str | bytes) -> None:
+    """Write `path` so that a crash at any instant leaves either its old content or the new one: write a
+    temporary file in the same folder, fsync it, rename it over `path`, fsync the folder."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data.encode() if isinstance(data, str) else data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    _fsync(path.parent)
+
+
+REPLACED_PREFIX = ".replaced-"
+
+
+def install_folder(tmp: Path, final: Path) -> None:
+    """Move the complete, fsynced folder `tmp` to `final`. A folder already at `final` is renamed aside
+    (`.replaced-NAME`) and deleted only once the new one is in place; `recover_folders` puts it back if a
+    crash falls between the two renames, so a complete folder is never lost."""
+    aside = final.with_name(REPLACED_PREFIX + final.name)
+    if aside.exists():  # left by a crash: stale beside a complete `final`, else the only copy (put it back)
+        if final.exists():
+            shutil.rmtree(aside)
+        else:
+            os.replace(aside, final)
+    if final.exists():
+        os.replace(final, aside)
+    os.replace(tmp, final)
+    _fsync(final.parent)
+    if aside.exists():
+        shutil.rmtree(aside)
+
+
+def recover_folders(parent: Path) -> None:
+    """After a crash: restore a folder that `install_folder` had renamed aside, and delete unfinished writes
+    (`.tmp-*` folders, `.NAME.tmp-PID` files)."""
+    if not parent.is_dir():
+        return
+    for aside in parent.glob(REPLACED_PREFIX + "*"):
+        final = aside.with_name(aside.name[len(REPLACED_PREFIX) :])
+        if final.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.replace(aside, final)
+    for unfinished in [*parent.glob(".tmp-*"), *parent.glob(".*.tmp-*")]:
+        if unfinished.is_dir():
+            shutil.rmtree(unfinished, ignore_errors=True)
+        else:
+            unfinished.unlink(missing_ok=True)
+
+
+def append_log_record(path: Path, record: dict) -> None:
+    """Append one JSON line to the run log and fsync it. A failed append (a full disk) is cut back to the old
+    length, so the log never keeps half a record; rewriting the whole log at every record would make logging
+    quadratic in the run's length."""
+    line = (json.dumps(record) + "\n").encode()
+    size = path.stat().st_size if path.exists() else 0
+    try:
+        with open(path, "ab") as handle:
+            handle.write(line)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.truncate(path, size)
+        raise
+
+
+def read_log(path: Path, warn=None) -> list[dict]:
+    """The records of a run's `log.jsonl`. A torn line (a write cut by a crash or a full disk) or any line
+    that is not a JSON record is skipped, with a warning naming the file and the line."""
+    records = []
+    lines = Path(path).read_bytes().split(b"\n")
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    for index, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("step", 0), int):
+                raise ValueError("not a JSON object with an integer step")
+        except ValueError as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            what = "torn (a write cut short by a crash or a full disk)" if index == last else "not a log record"
+            if warn:
+                warn(f"warning: {path}: line {index + 1} is {what}; skipped it ({error})")
+            continue
+        records.append(record)
+    return records
+
+
+def truncate_log(path: Path, step: int, warn=None) -> None:
+    """On --resume: keep the log records up to the checkpoint's `step` (the later ones will be written
+    again), skipping torn or unreadable lines with a warning naming the file; the kept records are written
+    to a temporary file that then replaces the log, so a crash here loses nothing."""
+    if not path.exists():
+        return
+    if step == 0:
+        path.unlink()
+        _fsync(path.parent)
+        return
+    kept = [record for record in read_log(path, warn) if record.get("step", 0) <= step]
+    write_file_atomically(path, "".join(json.dumps(record) + "\n" for record in kept))
+
+
+# --------------------------------------------------------------------------------------------------
+# Resume: which settings may change
+# --------------------------------------------------------------------------------------------------
+
+
+# Settings `--resume` accepts changed: where and how often to log, validate and checkpoint, the sample,
+# threads, the DDP timeout, the skip cap, and knobs that change memory or speed but not the gradients
+# (bptt_segment recomputes with the same result; micro_batch_size only regroups the same windows into more
+# or fewer forward passes, e.g. to resume on another number of GPUs). Every other setting, including any
+# added later, changes the data split, the model or the optimisation and must match the checkpoint's.
+RESUME_MAY_CHANGE = frozenset({
+    "recipe", "output_dir", "cache_dir", "eval_interval", "eval_windows", "checkpoint_interval", "keep_checkpoints",
+    "log_interval", "sample_prompt", "sample_tokens", "num_threads", "bptt_segment", "micro_batch_size",
+    "max_skipped_steps", "ddp_timeout",
+})  # fmt: skip
+
+
+def changed_settings(saved: dict, config: dict) -> list[str]:
+    """The settings of `config` that differ from a checkpoint's `saved` ones and may not change on resume,
+    each as "key: saved -> now"."""
+    current = json.loads(json.dumps(config, default=str))  # the form trainer_state.json holds
+    changes = []
+    for key in sorted(set(saved) | set(current)):
+        if key in RESUME_MAY_CHANGE:
+            continue
+        default = OPTION_BY_KEY[key].default if key in OPTION_BY_KEY else None
+        before, now = saved.get(key, default), current.get(key, default)
+        if before != now:
+            changes.append(f"{key}: {before!r} -> {now!r}")
+    return changes
+
+
+# --------------------------------------------------------------------------------------------------
+# SIGTERM / SIGINT: finish the step, checkpoint, stop
+# --------------------------------------------------------------------------------------------------
+
+
+class StopSignals:
+    """While active, SIGTERM and SIGINT (what cluster schedulers send before preemption, and Ctrl-C) only
+    set `received`; the training loop checkpoints at the next step boundary and stops. A second Ctrl-C
+    stops at once (KeyboardInterrupt; the last checkpoint stays as it was)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():  # signal handlers live on the main thread
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signum
+        # os.write, not print: a handler can interrupt a print to the same stream.
+        os.write(2, f"\ngpn train: {signal.Signals(signum).name} received: finishing this step, then saving a "
+                    "checkpoint and stopping (Ctrl-C again stops at once)\n".encode())  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -324,21 +560,22 @@ class NonFiniteLossError(RuntimeError):
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint of a run (a `step-N` folder holding trainer_state.json), or None."""
     folders = sorted((run_dir / "checkpoints").glob("step-*")) if (run_dir / "checkpoints").exists() else []
     folders = [f for f in folders if (f / "trainer_state.json").exists()]
     return folders[-1] if folders else None
 
 
-RESUME_MUST_MATCH = ("model", "model_type", "seq_len", "batch_size", "steps", "seed", "dataset", "tokenizer", "lr")
-
-
 def train(config: dict, resume: str | bool | None = None, skip_nonfinite: bool = False,
           prepare_only: bool = False, show_progress: bool = True) -> dict:  # fmt: skip
-    """Run training as configured (see `resolve_config`). Returns a summary dict (paths, perplexity)."""
+    """Run training as configured (see `resolve_config`). Returns a summary dict (paths, perplexity, skipped
+    steps). Raises NonFiniteLossError, StorageError or TrainingStopped (SIGTERM/SIGINT, after a checkpoint)."""
+    import datetime
+
     import numpy as np
     import torch
     from accelerate import Accelerator
-    from accelerate.utils import gather_object, set_seed
+    from accelerate.utils import InitProcessGroupKwargs, gather_object, set_seed
 
     import modeling_gpn  # noqa: F401 - registers GPN with the Auto classes
     from modeling_gpn.data import CorpusSpec, WindowDataset, build_token_stream, load_tokenizer
@@ -354,10 +591,17 @@ def train(config: dict, resume: str | bool | None = None, skip_nonfinite: bool =
     except ImportError:
         pass
     accelerator = Accelerator(
-        mixed_precision=config["mixed_precision"], log_with=trackers or None, project_dir=str(run_dir)
-    )
+        mixed_precision=config["mixed_precision"], log_with=trackers or None, project_dir=str(run_dir),
+        # A process that stops (not dies) would otherwise hold the others for gloo's 30-minute default.
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=config["ddp_timeout"]))],
+    )  # fmt: skip
     main = accelerator.is_main_process
     say = accelerator.print
+
+    def warn(message: str) -> None:
+        if main:
+            print(message, file=sys.stderr)
+
     world = accelerator.num_processes
     rows_per_process, remainder = divmod(config["batch_size"], world)
     micro = min(config["micro_batch_size"], rows_per_process or 1)
@@ -408,26 +652,83 @@ def train(config: dict, resume: str | bool | None = None, skip_nonfinite: bool =
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)  # stepped by hand, once per optimizer step
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    start_step = 0
+    def all_finite(tensors) -> bool:
+        """Whether every tensor holds only finite values, on every process (a collective when world > 1)."""
+        with torch.no_grad():
+            flags = [torch.isfinite(t).all() for t in tensors if torch.is_tensor(t) and t.is_floating_point()]
+            bad = torch.stack(flags).logical_not().any().float().to(accelerator.device) if flags else torch.zeros(
+                (), device=accelerator.device)  # fmt: skip
+        if world > 1:
+            bad = accelerator.reduce(bad, reduction="sum")
+        return not bool(bad > 0)
+
+    def optimizer_state_tensors():
+        for state in optimizer.state.values():
+            yield from (value for value in state.values() if torch.is_tensor(value))
+
+    # ---- the run folder: recover from a crash, resume or start ---------------------------------
+    checkpoints_dir = run_dir / "checkpoints"
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        recover_folders(checkpoints_dir)
+        recover_folders(run_dir)
+    accelerator.wait_for_everyone()
+    start_step, skipped_steps, running = 0, [], []
     if resume:
         checkpoint = latest_checkpoint(run_dir) if resume is True else Path(resume)
         if checkpoint is None or not (checkpoint / "trainer_state.json").exists():
-            raise FileNotFoundError(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}")
-        state = json.loads((checkpoint / "trainer_state.json").read_text())
-        changed = [k for k in RESUME_MUST_MATCH if state["config"].get(k) != config.get(k)]
-        if changed:
-            raise ValueError(f"--resume: the configuration differs from the checkpoint's in {', '.join(changed)}")
+            raise FileNotFoundError(f"--resume: no complete checkpoint in {checkpoints_dir}")
+        state = _read_json(checkpoint / "trainer_state.json", "checkpoint state")
+        changes = changed_settings(state.get("config", {}), config)
+        if changes:
+            raise ValueError(
+                f"--resume: these settings differ from those of {checkpoint} and would change the data, the model "
+                f"or the optimisation: {'; '.join(changes)}. Resume with the checkpoint's values, or start a new "
+                "run in another --output-dir"
+            )
         accelerator.load_state(str(checkpoint))
+        if not all_finite(model.parameters()):
+            raise NonFiniteLossError(
+                f"--resume: {checkpoint} holds non-finite weights (written by an older version without this check); "
+                "resume from an earlier checkpoint with --resume PATH"
+            )
         start_step = state["step"]
+        skipped_steps = list(state.get("skipped_steps", []))
+        running = list(state.get("running_losses", []))  # the unfinished log window, so the log continues exactly
         say(f"resumed from {checkpoint} at step {start_step}")
     elif latest_checkpoint(run_dir) is not None:
         raise FileExistsError(
             f"{run_dir} already holds checkpoints: pass --resume to continue, or choose another --output-dir"
         )
+
+    def intact() -> str:
+        """What survives a failed write: the newest complete checkpoint."""
+        last = latest_checkpoint(run_dir)
+        if last is None:
+            return "No checkpoint had been written yet, so the run has to start again."
+        return f"No finished work was lost: the last checkpoint, {last}, is intact; continue from it with --resume."
+
+    # What a failed write (a full disk, a file-size limit) raises: torch.save reports it as a RuntimeError,
+    # safetensors as its own SafetensorError.
+    write_errors: tuple[type[BaseException], ...] = (OSError, RuntimeError)
+    with contextlib.suppress(ImportError):
+        from safetensors import SafetensorError
+
+        write_errors += (SafetensorError,)
+
+    def storage_error(path: Path, error: BaseException) -> StorageError:
+        with contextlib.suppress(OSError):
+            free = shutil.disk_usage(path.parent if path.parent.exists() else run_dir).free
+            error = f"{error} ({free / 2**20:.1f} MiB free there)"
+        return StorageError(f"Cannot write {path}: {error}. {intact()}")
+
+    log_path = run_dir / "log.jsonl"
     if main:
-        (run_dir / "train_config.json").write_text(json.dumps(config, indent=1, default=str))
-        _truncate_log(run_dir / "log.jsonl", start_step)
+        try:
+            write_file_atomically(run_dir / "train_config.json", json.dumps(config, indent=1, default=str))
+            truncate_log(log_path, start_step, warn)
+        except OSError as error:
+            raise storage_error(run_dir / "train_config.json", error) from error
         accelerator.init_trackers(
             "tensorboard", config={k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in config.items()}
         )
@@ -438,8 +739,10 @@ def train(config: dict, resume: str | bool | None = None, skip_nonfinite: bool =
 
     def log(record: dict) -> None:
         if main:
-            with open(run_dir / "log.jsonl", "a") as handle:
-                handle.write(json.dumps(record) + "\n")
+            try:
+                append_log_record(log_path, record)
+            except OSError as error:
+                raise storage_error(log_path, error) from error
             accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"},
                             step=record["step"])  # fmt: skip
 
@@ -458,125 +761,205 @@ def train(config: dict, resume: str | bool | None = None, skip_nonfinite: bool =
         model.train()
         return float(total[0] / total[1]) if total[1] > 0 else float("nan")
 
-    def save_checkpoint(step: int) -> None:
-        root = run_dir / "checkpoints"
-        final, tmp = root / f"step-{step:07d}", root / f".tmp-step-{step:07d}"
-        if main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            root.mkdir(parents=True, exist_ok=True)
+    def save_checkpoint(step: int) -> Path:
+        """The full training state at `step`, written to a temporary folder, fsynced, then renamed; older
+        checkpoints are rotated away only after that. Never written with non-finite weights or optimizer state."""
+        final, tmp = checkpoints_dir / f"step-{step:07d}", checkpoints_dir / f".tmp-step-{step:07d}"
+        if not all_finite(model.parameters()) or not all_finite(optimizer_state_tensors()):
+            raise NonFiniteLossError(
+                f"Refusing to write checkpoint {final}: the weights or the optimizer state hold non-finite values. "
+                + intact()
+            )
+        try:
+            if main:
+                shutil.rmtree(tmp, ignore_errors=True)
+                checkpoints_dir.mkdir(parents=True, exist_ok=True)
+            accelerator.wait_for_everyone()
+            accelerator.save_state(str(tmp))
+            accelerator.wait_for_everyone()
+            if main:
+                trainer_state = {"step": step, "config": config, "skipped_steps": skipped_steps,
+                                 "running_losses": running}  # fmt: skip
+                write_file_atomically(tmp / "trainer_state.json", json.dumps(trainer_state, default=str))
+                _fsync_tree(tmp)
+                install_folder(tmp, final)
+                for old in sorted(checkpoints_dir.glob("step-*"))[: -max(1, config["keep_checkpoints"])]:
+                    if old != final:
+                        shutil.rmtree(old, ignore_errors=True)
+        except write_errors as error:
+            if main:
+                shutil.rmtree(tmp, ignore_errors=True)  # frees the space the partial checkpoint took
+            raise storage_error(final, error) from error
         accelerator.wait_for_everyone()
-        accelerator.save_state(str(tmp))
-        accelerator.wait_for_everyone()
-        if main:
-            (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "config": config}, default=str))
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)  # atomic: a crash leaves either the old set or the new complete folder
-            for old in sorted(root.glob("step-*"))[: -max(1, config["keep_checkpoints"])]:
-                shutil.rmtree(old, ignore_errors=True)
-        accelerator.wait_for_everyone()
+        return final
+
+    def stop_requested(stop: StopSignals) -> int | None:
+        """The signal that asks to stop, agreed by every process (a collective when world > 1)."""
+        received = stop.received or 0
+        if world > 1:
+            received = int(accelerator.reduce(torch.tensor(received, device=accelerator.device), reduction="max"))
+        return received or None
 
     # ---- the loop -----------------------------------------------------------------------------
     from tqdm.auto import tqdm
 
     model.train()
+    steps = config["steps"]
     tokens_per_step = config["batch_size"] * config["seq_len"]
-    bar = tqdm(total=config["steps"], initial=start_step, desc="training", disable=not (main and show_progress),
+    bar = tqdm(total=steps, initial=start_step, desc="training", disable=not (main and show_progress),
                dynamic_ncols=True)  # fmt: skip
     first_row = accelerator.process_index * rows_per_process
-    window_start, window_tokens, running = time.perf_counter(), 0, []
+    window_start, window_tokens = time.perf_counter(), 0
+    already_skipped = set(skipped_steps)
+    last_applied = next((s for s in range(start_step, 0, -1) if s not in already_skipped), 0)  # for the messages
     val_loss = None
-    for step in range(start_step, config["steps"]):
-        local_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-        for k in range(accumulation):
-            lo = first_row + k * micro
-            rows = windows.batch(step, config["batch_size"], lo, lo + micro)
-            batch = torch.from_numpy(rows).to(accelerator.device)
-            sync = contextlib.nullcontext() if k == accumulation - 1 else accelerator.no_sync(model)
-            with sync:
-                loss = model(input_ids=batch, labels=batch, **loss_kwargs).loss
-                accelerator.backward(loss / accumulation)
-            local_loss += loss.detach().double() / accumulation
-        step_loss = float(accelerator.reduce(local_loss, reduction="mean"))
-        grad_norm = None
-        if config["clip_norm"] and math.isfinite(step_loss):
-            grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), config["clip_norm"]))
-        finite = math.isfinite(step_loss) and (grad_norm is None or math.isfinite(grad_norm))
-        if not finite:
-            what = f"loss {step_loss}" if not math.isfinite(step_loss) else f"gradient norm {grad_norm}"
-            message = (
-                f"Non-finite {what} at step {step + 1} (of {config['steps']}); the weights were not updated with it."
-            )
-            if not skip_nonfinite:
+    # The handlers stay through the final phase: a SIGTERM there lets the run finish and save its model,
+    # the quickest way to keep its work.
+    with StopSignals() as stop:
+        try:
+            for step in range(start_step, steps):
+                done = step + 1
+                local_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+                for k in range(accumulation):
+                    lo = first_row + k * micro
+                    rows = windows.batch(step, config["batch_size"], lo, lo + micro)
+                    batch = torch.from_numpy(rows).to(accelerator.device)
+                    sync = contextlib.nullcontext() if k == accumulation - 1 else accelerator.no_sync(model)
+                    with sync:
+                        loss = model(input_ids=batch, labels=batch, **loss_kwargs).loss
+                        accelerator.backward(loss / accumulation)
+                    local_loss += loss.detach().double() / accumulation
+                step_loss = float(accelerator.reduce(local_loss, reduction="mean"))
+                # The norm is computed at every clipping setting (clip_norm 0 = an infinite threshold, which
+                # scales the gradient by exactly 1), so a NaN/inf gradient is caught even when nothing is clipped.
+                grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), config["clip_norm"] or math.inf))
+                step_lr = optimizer.param_groups[0]["lr"]
+                finite = math.isfinite(step_loss) and math.isfinite(grad_norm)
+                if finite:
+                    optimizer.step()
+                    if not all_finite(model.parameters()):
+                        log({"step": done, "event": "nonfinite_weights", "loss": step_loss, "grad_norm": grad_norm})
+                        raise NonFiniteLossError(
+                            f"Step {done}'s update made the weights non-finite (loss {step_loss:.4g}, gradient norm "
+                            f"{grad_norm:.4g}, learning rate {step_lr:.3g}): lower --lr (or raise --eps). Nothing "
+                            f"was written with these weights. {intact()}"
+                        )
+                    last_applied = done
+                elif accelerator.scaler is not None and math.isfinite(step_loss):
+                    # fp16: an overflowing gradient is the GradScaler's normal business: its step skips the
+                    # update and lowers the scale (the weights are not touched).
+                    optimizer.step()
+                    log({"step": done, "event": "fp16_overflow", "grad_norm": str(grad_norm)})
+                else:
+                    what = f"loss {step_loss}" if not math.isfinite(step_loss) else f"gradient norm {grad_norm}"
+                    held = f"the update of step {last_applied}" if last_applied else "their initial values"
+                    message = (f"Non-finite {what} at step {done} (of {steps}); the weights were not updated "
+                               f"with it (they hold {held}).")  # fmt: skip
+                    log({"step": done, "event": "nonfinite" if not skip_nonfinite else "skipped_nonfinite",
+                         "loss": str(step_loss), "grad_norm": str(grad_norm)})  # fmt: skip
+                    if not skip_nonfinite:
+                        raise NonFiniteLossError(
+                            f"{message} Lower --lr, check the data, resume from the last checkpoint with --resume, "
+                            f"or pass --skip-nonfinite to skip such steps. {intact()}"
+                        )
+                    skipped_steps.append(done)
+                    if len(skipped_steps) > config["max_skipped_steps"]:
+                        raise NonFiniteLossError(
+                            f"{message} That is {len(skipped_steps)} skipped steps, more than --max-skipped-steps "
+                            f"{config['max_skipped_steps']}: the run is diverging (lower --lr). {intact()}"
+                        )
+                    say(f"{message} Skipping this step (--skip-nonfinite; {len(skipped_steps)} skipped so far).")
                 optimizer.zero_grad(set_to_none=True)
-                log({"step": step + 1, "event": "nonfinite", "loss": str(step_loss)})
-                bar.close()
-                accelerator.end_training()
-                raise NonFiniteLossError(
-                    message + " Lower --lr, check the data, resume from the last checkpoint with --resume, "
-                    "or pass --skip-nonfinite to skip such steps."
-                )
-            say(message + " Skipping this step (--skip-nonfinite).")
-            log({"step": step + 1, "event": "skipped_nonfinite", "loss": str(step_loss)})
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        done = step + 1
-        bar.update(1)
-        window_tokens += tokens_per_step
-        if finite:
-            running.append(step_loss)
-        if done % max(1, config["log_interval"]) == 0 or done == config["steps"]:
-            elapsed = time.perf_counter() - window_start
-            record = {
-                "step": done, "loss": sum(running) / max(1, len(running)), "lr": optimizer.param_groups[0]["lr"],
-                "grad_norm": grad_norm, "tokens": done * tokens_per_step, "tokens_per_s": window_tokens / elapsed,
-            }  # fmt: skip
-            log(record)
-            bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
-            window_start, window_tokens, running = time.perf_counter(), 0, []
-        if config["eval_interval"] and done % config["eval_interval"] == 0 and done != config["steps"]:
-            val_loss = evaluate()
-            log({"step": done, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})
-            if main:
-                bar.write(f"step {done}: validation loss {val_loss:.4f}, perplexity {math.exp(min(val_loss, 50)):.2f}")
-        if config["checkpoint_interval"] and done % config["checkpoint_interval"] == 0 and done != config["steps"]:
-            save_checkpoint(done)
-    bar.close()
+                scheduler.step()
+                bar.update(1)
+                window_tokens += tokens_per_step
+                if finite:
+                    running.append(step_loss)
+                if done % max(1, config["log_interval"]) == 0 or done == steps:
+                    elapsed = time.perf_counter() - window_start
+                    # A window whose steps were all skipped has no loss (null), not a loss of 0.
+                    window_loss = sum(running) / len(running) if running else None
+                    record = {
+                        "step": done, "loss": window_loss, "lr": step_lr,
+                        "grad_norm": grad_norm if math.isfinite(grad_norm) else str(grad_norm),
+                        "tokens": done * tokens_per_step, "tokens_per_s": window_tokens / elapsed,
+                        "skipped_steps": len(skipped_steps),
+                    }  # fmt: skip
+                    log(record)
+                    bar.set_postfix(loss=f"{window_loss:.3f}" if running else "-", lr=f"{step_lr:.2e}",
+                                    tok_s=f"{record['tokens_per_s']:.0f}")  # fmt: skip
+                    window_start, window_tokens, running = time.perf_counter(), 0, []
+                if config["eval_interval"] and done % config["eval_interval"] == 0 and done != steps:
+                    val_loss = evaluate()
+                    log({"step": done, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})
+                    if main:
+                        bar.write(f"step {done}: validation loss {val_loss:.4f}, perplexity {math.exp(min(val_loss, 50)):.2f}")
+                saved = False
+                if config["checkpoint_interval"] and done % config["checkpoint_interval"] == 0 and done != steps:
+                    save_checkpoint(done)
+                    saved = True
+                signum = stop_requested(stop) if done != steps else None
+                if signum:
+                    checkpoint = checkpoints_dir / f"step-{done:07d}" if saved else save_checkpoint(done)
+                    log({"step": done, "event": "stopped", "signal": signal.Signals(signum).name})
+                    raise TrainingStopped(signum, done, steps, checkpoint)
+        except BaseException:
+            bar.close()
+            accelerator.end_training()
+            raise
+        bar.close()
 
-    # ---- the end: validation, replicas, save_pretrained, sample --------------------------------
-    val_loss = evaluate()
-    val_ppl = math.exp(min(val_loss, 50))
-    unwrapped = accelerator.unwrap_model(model)
-    fingerprints = gather_object([_weights_sha256(unwrapped)])
-    log({"step": config["steps"], "val_loss": val_loss, "val_ppl": val_ppl, "event": "final",
-         "weights_sha256_per_rank": fingerprints})  # fmt: skip
-    if len(set(fingerprints)) != 1:
-        raise RuntimeError(f"The processes ended with different weights: {fingerprints}")
-    model_dir = run_dir / "model"
-    sample = None
-    if main:
-        generation = unwrapped.generation_config
-        generation.eos_token_id = tokenizer.eos_token_id
-        generation.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        generation.bos_token_id = tokenizer.bos_token_id
-        unwrapped.save_pretrained(str(model_dir))
-        tokenizer.save_pretrained(str(model_dir))
-        if config["sample_tokens"]:
-            sample = generate_sample(unwrapped, tokenizer, config["sample_prompt"], config["sample_tokens"], config["seed"])
-        say(f"\nvalidation loss {val_loss:.4f}, perplexity {val_ppl:.2f} ({min(config['eval_windows'], windows.num_val)} "
-            f"held-out windows of {config['seq_len']} tokens)")  # fmt: skip
-        if sample is not None:
-            say(f"sample (prompt {config['sample_prompt']!r}):\n{sample}\n")
-        say(f"model saved to {model_dir.resolve()}\nload it with:\n  import modeling_gpn  # registers GPN (or pass "
-            f"trust_remote_code=True)\n  from transformers import AutoModelForCausalLM, AutoTokenizer\n"
-            f"  model = AutoModelForCausalLM.from_pretrained({str(model_dir.resolve())!r})\n"
-            f"  tokenizer = AutoTokenizer.from_pretrained({str(model_dir.resolve())!r})")  # fmt: skip
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+        # ---- the end: validation, replicas, save_pretrained, sample --------------------------------
+        val_loss = evaluate()
+        val_ppl = math.exp(min(val_loss, 50))
+        unwrapped = accelerator.unwrap_model(model)
+        fingerprints = gather_object([_weights_sha256(unwrapped)])
+        log({"step": steps, "val_loss": val_loss, "val_ppl": val_ppl, "event": "final",
+             "weights_sha256_per_rank": fingerprints, "skipped_steps": len(skipped_steps),
+             "skipped_at": skipped_steps})  # fmt: skip
+        if len(set(fingerprints)) != 1:
+            raise RuntimeError(f"The processes ended with different weights: {fingerprints}")
+        if skipped_steps:
+            say(f"skipped {len(skipped_steps)} non-finite step(s) of {steps}: {skipped_steps}")
+        evaluated = min(config["eval_windows"], windows.num_val) > 0
+        if not all_finite(unwrapped.parameters()) or (evaluated and not math.isfinite(val_loss)):
+            accelerator.end_training()
+            raise NonFiniteLossError(
+                f"The run ended with a non-finite model (validation loss {val_loss}, {len(skipped_steps)} skipped "
+                f"step(s)); it was not saved as {run_dir / 'model'}. {intact()}"
+            )
+        model_dir = run_dir / "model"
+        sample = None
+        if main:
+            generation = unwrapped.generation_config
+            generation.eos_token_id = tokenizer.eos_token_id
+            generation.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+            generation.bos_token_id = tokenizer.bos_token_id
+            tmp_model = run_dir / ".tmp-model"
+            try:
+                shutil.rmtree(tmp_model, ignore_errors=True)
+                unwrapped.save_pretrained(str(tmp_model))
+                tokenizer.save_pretrained(str(tmp_model))
+                _fsync_tree(tmp_model)
+                install_folder(tmp_model, model_dir)
+            except write_errors as error:
+                shutil.rmtree(tmp_model, ignore_errors=True)
+                accelerator.end_training()
+                raise storage_error(model_dir, error) from error
+            if config["sample_tokens"]:
+                sample = generate_sample(unwrapped, tokenizer, config["sample_prompt"], config["sample_tokens"], config["seed"])
+            say(f"\nvalidation loss {val_loss:.4f}, perplexity {val_ppl:.2f} ({min(config['eval_windows'], windows.num_val)} "
+                f"held-out windows of {config['seq_len']} tokens)")  # fmt: skip
+            if sample is not None:
+                say(f"sample (prompt {config['sample_prompt']!r}):\n{sample}\n")
+            say(f"model saved to {model_dir.resolve()}\nload it with:\n  import modeling_gpn  # registers GPN (or pass "
+                f"trust_remote_code=True)\n  from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+                f"  model = AutoModelForCausalLM.from_pretrained({str(model_dir.resolve())!r})\n"
+                f"  tokenizer = AutoTokenizer.from_pretrained({str(model_dir.resolve())!r})")  # fmt: skip
+        accelerator.wait_for_everyone()
+        accelerator.end_training()
     return {"model_dir": str(model_dir), "val_loss": val_loss, "val_ppl": val_ppl, "sample": sample,
-            "run_dir": str(run_dir), "reused_cache": stream.reused}  # fmt: skip
+            "run_dir": str(run_dir), "reused_cache": stream.reused, "skipped_steps": skipped_steps}  # fmt: skip
 
 
 def generate_sample(model, tokenizer, prompt: str, max_new_tokens: int, seed: int) -> str:
@@ -606,17 +989,6 @@ def _weights_sha256(model) -> str:
     return digest.hexdigest()
 
 
-def _truncate_log(path: Path, step: int) -> None:
-    """On resume, drop log records written after the checkpoint (they will be written again)."""
-    if not path.exists():
-        return
-    if step == 0:
-        path.unlink()
-        return
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step]
-    path.write_text("".join(line + "\n" for line in kept))
-
-
 # --------------------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------------------
@@ -636,9 +1008,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hub-data", action="store_true", help="use the Hub defaults for data and tokenizer "
                         "(FineWeb-Edu sample-10BT streamed, meta-llama/Llama-2-7b-hf) whatever the recipe says")  # fmt: skip
     parser.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
-                        help="continue from the newest checkpoint in the output directory (or from CHECKPOINT)")  # fmt: skip
+                        help="continue from the newest checkpoint in the output directory (or from CHECKPOINT); "
+                        "settings that change the data, the model or the optimisation must match the checkpoint's")  # fmt: skip
     parser.add_argument("--skip-nonfinite", action="store_true",
-                        help="skip an optimizer step whose loss or gradient is NaN/inf instead of stopping")  # fmt: skip
+                        help="skip an optimizer step whose loss or gradient is NaN/inf instead of stopping (at most "
+                        "--max-skipped-steps of them; the count is logged and reported at the end)")  # fmt: skip
     parser.add_argument("--prepare-data-only", action="store_true", help="tokenize and cache the data, then exit "
                         "(run once before a multi-process launch of a large corpus)")  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -656,13 +1030,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from modeling_gpn.data import DataError
 
+    config = None
     try:
         config = resolve_config(args)
         train(config, resume=args.resume, skip_nonfinite=args.skip_nonfinite,
               prepare_only=args.prepare_data_only, show_progress=not args.no_progress)  # fmt: skip
-    except (DataError, NonFiniteLossError, FileExistsError, FileNotFoundError, ValueError) as error:
+    except (DataError, NonFiniteLossError, StorageError, FileExistsError, FileNotFoundError, ValueError) as error:
         print(f"gpn train: error: {error}", file=sys.stderr)
         return 1
+    except TrainingStopped as stop:
+        print(f"gpn train: {stop}", file=sys.stderr)
+        return 128 + stop.signum  # the shell's code for "ended by this signal": 143 SIGTERM, 130 SIGINT
+    except RuntimeError as error:
+        # gloo raises "Timed out waiting ...ms" when another process has not joined a collective within
+        # --ddp-timeout (it stopped or hangs): say so plainly instead of a backend traceback.
+        if config is None or "timed out" not in str(error).lower():
+            raise
+        print(f"gpn train: error: a collective operation timed out after --ddp-timeout {config['ddp_timeout']} s: "
+              f"another process stopped responding, so the job fails instead of waiting "
+              f"({str(error).splitlines()[0]}). "
+              "Checkpoints written so far are intact: continue with --resume", file=sys.stderr)  # fmt: skip
+        return 1
+    except KeyboardInterrupt:
+        print("gpn train: interrupted (Ctrl-C) before a checkpoint could be written; the last checkpoint, if any, "
+              "is intact: continue with the same command plus --resume", file=sys.stderr)  # fmt: skip
+        return 128 + signal.SIGINT
     return 0
 
 
