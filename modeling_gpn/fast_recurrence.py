@@ -352,6 +352,13 @@ def step_function(state: "StepState", u: torch.Tensor, w: FoldedWeights, s: Shap
     return _step
 
 
+def step_backward_function(U: torch.Tensor):
+    """The function running one backward step: `triton_kernels.step_backward` when the Triton backend is
+    selected for the window's inputs `U` (it hands any step it cannot take to `_step_backward`), else
+    `_step_backward`."""
+    return triton_kernels.step_backward if triton_kernels.selected(U) else _step_backward
+
+
 # --------------------------------------------------------------------------------------------------
 # One step forward (optionally keeping what its backward needs)
 # --------------------------------------------------------------------------------------------------
@@ -805,6 +812,7 @@ class GPNRecurrenceFunction(torch.autograd.Function):
         c = columns_of(s)
         memory_grads = U.new_empty(2, *first.memory.shape) if s.memory else None  # alternating dL/dM slots
         seg = segment or T
+        step_backward = step_backward_function(U)
         for index in reversed(range(len(ctx.boundaries))):
             start = index * seg
             stop = min(start + seg, T)
@@ -821,7 +829,7 @@ class GPNRecurrenceFunction(torch.autograd.Function):
                 if dP is not None:
                     grads = grads._replace(p=grads.p + dP[:, t])
                 out = None if memory_grads is None else memory_grads[t % 2]
-                grads, dU[:, t] = _step_backward(record, grads, wt, s, c, eps, weight_grads, out)
+                grads, dU[:, t] = step_backward(record, grads, wt, s, c, eps, weight_grads, out)
                 if truncation and t % truncation == 0 and t > 0:
                     # the state is cut here, the weights are not: the key of step t (from g_{t-1}) still
                     # contributes to the key projection's gradient, but nothing flows into g_{t-1}

@@ -97,7 +97,7 @@ def memory_read_kernel(QUERY, query_stride, M, Q_RAW, Q, Q_INV, READ, H, dk, dv,
 
 @triton.jit
 def memory_write_backward_kernel(
-    D, M, DM_OUT, QUERIES, READ_GRADS, K, UPDATE, A, BETA, D_UPDATE, D_K, D_A, DQ0, D_ERROR,
+    D, M, DM_OUT, QUERIES, READ_GRADS, K, k_stride, UPDATE, A, BETA, D_UPDATE, D_K, D_A, DQ0, D_ERROR,
     heads, dk, dv, LAYERS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     """One program per (row, head): G = D + sum_l q_l r_l^T;  d_update = G^T k;  d_error = beta d_update;
@@ -105,7 +105,7 @@ def memory_write_backward_kernel(
     bh = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK_K)
     in_k = i < dk
-    k = tl.load(K + bh * dk + i, mask=in_k, other=0.0)
+    k = tl.load(K + bh * k_stride + i, mask=in_k, other=0.0)
     a = tl.load(A + bh)
     beta = tl.load(BETA + bh)
     base = bh * dk * dv
@@ -201,4 +201,183 @@ KERNELS = dict(
     memory_step=memory_step_kernel, memory_read=memory_read_kernel,
     memory_write_backward=memory_write_backward_kernel, unit_rms=unit_rms_kernel, ground=ground_kernel,
     predict_input=predict_input_kernel, gated_residual=gated_residual_kernel,
+)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# Backward: the elementwise stretches of `fast_recurrence._step_backward` between its matmuls
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def predict_layer_backward_kernel(
+    PART, part_stride, col_gate, col_a, col_b, col_r, STATE, D_STATE, DX, NORMED, READ,
+    D_PART, d_part_stride, OUT_X, D_STATE_OUT, D_READ, width, inter, read_width, eps,
+    BLOCK: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """One program per row, through state' = sigmoid(gate) state + X W_out, X = [silu(a) b | silu(r) rms(read)]
+    given dX = d state' W_out^T: the gradients of the layer's projections (into D_PART), of its input state
+    (sigmoid(gate) d_state) and of its read (rms backward); X itself is rebuilt into OUT_X (the output
+    matmul's weight-gradient rows)."""
+    row = tl.program_id(0).to(tl.int64)
+    part = PART + row * part_stride
+    d_part = D_PART + row * d_part_stride
+    for j0 in range(0, width, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        valid = j < width
+        at = row * width + j
+        sig = tl.sigmoid(tl.load(part + col_gate + j, mask=valid, other=0.0))
+        d_state = tl.load(D_STATE + at, mask=valid, other=0.0)
+        state = tl.load(STATE + at, mask=valid, other=0.0)
+        tl.store(d_part + col_gate + j, d_state * state * (sig - sig * sig), mask=valid)
+        tl.store(D_STATE_OUT + at, d_state * sig, mask=valid)
+    x_row = OUT_X + row * (inter + read_width)
+    dx_row = DX + row * (inter + read_width)
+    for j0 in range(0, inter, BLOCK_F):
+        j = j0 + tl.arange(0, BLOCK_F)
+        valid = j < inter
+        a = tl.load(part + col_a + j, mask=valid, other=0.0)
+        b = tl.load(part + col_b + j, mask=valid, other=0.0)
+        d_hidden = tl.load(dx_row + j, mask=valid, other=0.0)
+        sig = tl.sigmoid(a)
+        tl.store(x_row + j, a * sig * b, mask=valid)
+        tl.store(d_part + col_a + j, d_hidden * b * (sig + a * (sig - sig * sig)), mask=valid)
+        tl.store(d_part + col_b + j, d_hidden * (a * sig), mask=valid)
+    if read_width > 0:
+        # the read's rms backward needs two row sums first: mean(read^2) and mean(d_normed * normed)
+        sum_sq = tl.zeros([BLOCK_R], dtype=tl.float32)
+        sum_dy_y = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for j0 in range(0, read_width, BLOCK_R):
+            j = j0 + tl.arange(0, BLOCK_R)
+            valid = j < read_width
+            r = tl.load(part + col_r + j, mask=valid, other=0.0)
+            normed = tl.load(NORMED + row * read_width + j, mask=valid, other=0.0)
+            read = tl.load(READ + row * read_width + j, mask=valid, other=0.0)
+            d_out = tl.load(dx_row + inter + j, mask=valid, other=0.0)
+            sig = tl.sigmoid(r)
+            tl.store(x_row + inter + j, r * sig * normed, mask=valid)
+            tl.store(d_part + col_r + j, d_out * normed * (sig + r * (sig - sig * sig)), mask=valid)
+            sum_sq += read * read
+            sum_dy_y += d_out * (r * sig) * normed
+        inv = 1.0 / tl.sqrt(tl.sum(sum_sq, axis=0) / read_width + eps)
+        mean_dy_y = tl.sum(sum_dy_y, axis=0) / read_width
+        for j0 in range(0, read_width, BLOCK_R):
+            j = j0 + tl.arange(0, BLOCK_R)
+            valid = j < read_width
+            r = tl.load(part + col_r + j, mask=valid, other=0.0)
+            normed = tl.load(NORMED + row * read_width + j, mask=valid, other=0.0)
+            d_out = tl.load(dx_row + inter + j, mask=valid, other=0.0)
+            d_normed = d_out * (r * tl.sigmoid(r))
+            tl.store(D_READ + row * read_width + j, (d_normed - normed * mean_dy_y) * inv, mask=valid)
+
+
+@triton.jit
+def memory_read_backward_kernel(D_READ, M, Q, Q_INV, Q_RAW, D_QUERY, d_query_stride, H, dk, dv,
+                                BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):  # fmt: skip
+    """One program per (row, head): through read = M'^T q, q = l2(relu(query)): dq = M' d_read, then the
+    l2 and relu backward into the query columns (D_QUERY)."""
+    bh = tl.program_id(0).to(tl.int64)
+    b, h = bh // H, bh % H
+    i = tl.arange(0, BLOCK_K)
+    in_k = i < dk
+    dq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    base = bh * dk * dv
+    for j0 in range(0, dv, BLOCK_V):
+        j = j0 + tl.arange(0, BLOCK_V)
+        in_v = j < dv
+        m = tl.load(M + base + i[:, None] * dv + j[None, :], mask=in_k[:, None] & in_v[None, :], other=0.0)
+        dq += tl.sum(m * tl.load(D_READ + bh * dv + j, mask=in_v, other=0.0)[None, :], axis=1)
+    q = tl.load(Q + bh * dk + i, mask=in_k, other=0.0)
+    raw = tl.load(Q_RAW + bh * dk + i, mask=in_k, other=0.0)
+    d_raw = (dq - q * tl.sum(dq * q, axis=0)) * tl.load(Q_INV + bh)
+    tl.store(D_QUERY + b * d_query_stride + h * dk + i, tl.where(raw <= 0.0, 0.0, d_raw), mask=in_k)
+
+
+@triton.jit
+def memory_gates_backward_kernel(
+    D_UPDATE, ERROR, D_ERROR, D_K, DQ0, D_A, DECAY, BETA, SOFTPLUS, DECAY_PRE, decay_pre_stride, NEG_DECAY, KQ, KQ_INV, KQ_RAW,
+    D_NEW_KEY, d_new_key_stride, DZ, dz_stride, col_value, col_beta, col_decay, col_query, D_KEY, NEG_TERMS,
+    H, dk, dv, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """One program per (row, head), after `memory_write_backward_kernel`: the gradients of the step's
+    projections Z through the write gates, the value, the new key (passed through) and layer 0's query,
+    the gradient of the carried key (through its l2 and relu), and d_gamma * softplus(decay) per head (the
+    decay rate's gradient, summed over rows by the caller)."""
+    bh = tl.program_id(0).to(tl.int64)
+    b, h = bh // H, bh % H
+    dz = DZ + b * dz_stride
+    # decay: gamma = ndr softplus(x), a = exp(gamma): d_gamma = d_a a;  dx = d_gamma ndr sigmoid(x)
+    d_gamma = tl.load(D_A + bh) * tl.load(DECAY + bh)
+    tl.store(NEG_TERMS + bh, d_gamma * tl.load(SOFTPLUS + bh))
+    x = tl.load(DECAY_PRE + b * decay_pre_stride + h)  # the decay's pre-activation (Z's decay columns)
+    tl.store(dz + col_decay + h, d_gamma * tl.load(NEG_DECAY + h) * tl.sigmoid(x))
+    # value (d_error) and beta (d_sigmoid = <d_update, error>)
+    d_sig = tl.zeros([BLOCK_V], dtype=tl.float32)
+    for j0 in range(0, dv, BLOCK_V):
+        j = j0 + tl.arange(0, BLOCK_V)
+        in_v = j < dv
+        d_sig += tl.load(D_UPDATE + bh * dv + j, mask=in_v, other=0.0) * tl.load(ERROR + bh * dv + j, mask=in_v, other=0.0)
+        tl.store(dz + col_value + h * dv + j, tl.load(D_ERROR + bh * dv + j, mask=in_v, other=0.0), mask=in_v)
+    beta = tl.load(BETA + bh)
+    tl.store(dz + col_beta + h, tl.sum(d_sig, axis=0) * (beta - beta * beta))
+    # the new key's gradient passes to its columns; the carried key and layer 0's query through l2(relu(.))
+    i = tl.arange(0, BLOCK_K)
+    in_k = i < dk
+    tl.store(dz + h * dk + i, tl.load(D_NEW_KEY + b * d_new_key_stride + h * dk + i, mask=in_k, other=0.0), mask=in_k)
+    pair = bh * 2 * dk
+    k = tl.load(KQ + pair + i, mask=in_k, other=0.0)
+    d_k = tl.load(D_K + bh * dk + i, mask=in_k, other=0.0)
+    d_k_raw = (d_k - k * tl.sum(d_k * k, axis=0)) * tl.load(KQ_INV + bh * 2)
+    k_raw = tl.load(KQ_RAW + pair + i, mask=in_k, other=0.0)
+    tl.store(D_KEY + b * H * dk + h * dk + i, tl.where(k_raw <= 0.0, 0.0, d_k_raw), mask=in_k)
+    q = tl.load(KQ + pair + dk + i, mask=in_k, other=0.0)
+    dq = tl.load(DQ0 + bh * dk + i, mask=in_k, other=0.0)
+    d_q_raw = (dq - q * tl.sum(dq * q, axis=0)) * tl.load(KQ_INV + bh * 2 + 1)
+    q_raw = tl.load(KQ_RAW + pair + dk + i, mask=in_k, other=0.0)
+    tl.store(dz + col_query + h * dk + i, tl.where(q_raw <= 0.0, 0.0, d_q_raw), mask=in_k)
+
+
+@triton.jit
+def rms_backward_kernel(
+    DY, X, ACC, ACC2, MUL, OUT, Y_OUT, width, eps,
+    HAS_ACC2: tl.constexpr, HAS_MUL: tl.constexpr, WRITE_Y: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One program per row: out = acc [* mul] [+ acc2] + dx, with dx the gradient through y = rms(x) =
+    x inv(x) for dy: inv (dy - y mean(dy y)); y also written to Y_OUT (a matmul's weight-gradient rows)."""
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK)
+    valid = j < width
+    at = row * width + j
+    x = tl.load(X + at, mask=valid, other=0.0)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / width + eps)
+    y = x * inv
+    dy = tl.load(DY + at, mask=valid, other=0.0)
+    out = tl.load(ACC + at, mask=valid, other=0.0)
+    if HAS_MUL:
+        out = out * tl.load(MUL + at, mask=valid, other=0.0)
+    if HAS_ACC2:
+        out += tl.load(ACC2 + at, mask=valid, other=0.0)
+    out += (dy - y * (tl.sum(dy * y, axis=0) / width)) * inv
+    tl.store(OUT + at, out, mask=valid)
+    if WRITE_Y:
+        tl.store(Y_OUT + at, y, mask=valid)
+
+
+@triton.jit
+def ground_gate_backward_kernel(D_G, P, SIG, D_Z, width, BLOCK: tl.constexpr):
+    """One program per row: through g = sigmoid(z) p + u: dz = dg p sigmoid'(z)."""
+    row = tl.program_id(0).to(tl.int64)
+    for j0 in range(0, width, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        valid = j < width
+        at = row * width + j
+        sig = tl.load(SIG + at, mask=valid, other=0.0)
+        d_z = tl.load(D_G + at, mask=valid, other=0.0) * tl.load(P + at, mask=valid, other=0.0) * (sig - sig * sig)
+        tl.store(D_Z + at, d_z, mask=valid)
+
+
+KERNELS.update(
+    predict_layer_backward=predict_layer_backward_kernel, memory_read_backward=memory_read_backward_kernel,
+    memory_gates_backward=memory_gates_backward_kernel, rms_backward=rms_backward_kernel,
+    ground_gate_backward=ground_gate_backward_kernel,
 )  # fmt: skip

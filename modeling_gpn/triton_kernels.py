@@ -22,8 +22,16 @@ Kernels (contracts are those of the named torch functions in `fast_recurrence`):
 When they run (`selected`): on CUDA tensors when triton imports, unless `GPN_TRITON=0`; on CPU only when
 forced with `GPN_TRITON=1` *and* Triton's interpreter is on (`TRITON_INTERPRET=1`, read when the kernels are
 first built: set it before the first call), which is how the tests run them without a GPU. Every kernel
-also checks its inputs (`usable`: float32, contiguous where needed, sizes within the block limits) and the
+also checks its inputs (`usable_*`: float32, contiguous where needed, sizes within the block limits) and the
 step falls back to the torch ops when they do not fit, never computing garbage.
+
+The backward twin, `step_backward`, is `fast_recurrence._step_backward` on kernels of the same kind:
+    predict_layer_backward  through the gated residual and X (gradients of gate, FFN, read gate and read)
+    memory_read_backward    a layer above 0: dq = M' d_read, through l2(relu(.)) into its query columns
+    memory_gates_backward   after memory_write_backward: the gate, value, key and query columns of dZ
+    rms_backward            acc [* mul] [+ acc2] + the gradient through rms(x) (and rms(x) itself)
+    ground_gate_backward    through g = sigmoid(z) p + u to z
+(A masked step, where padding splits the gradients, runs `_step_backward`, with the memory kernels.)
 
 This file ships to the Hub with the model: it imports only torch, typing and the standard library (and triton, lazily, when a
 kernel is first used; CPU users never need it).
@@ -203,14 +211,16 @@ def memory_write_backward(memory_grad, memory, queries, read_grads, k, update, a
         raise ValueError(f"output buffer must be a contiguous {tuple(memory.shape)} tensor")
     if memory_grad_out.data_ptr() == memory_grad.data_ptr():
         raise ValueError("memory_grad_out must not be memory_grad")
-    memory_grad, memory, queries, read_grads, k, update, a, beta = (
-        t.contiguous() for t in (memory_grad, memory, queries, read_grads, k, update, a, beta)
+    if k.stride(-1) != 1:  # k may be a row-strided view (the key half of the step's kq record)
+        k = k.contiguous()
+    memory_grad, memory, queries, read_grads, update, a, beta = (
+        t.contiguous() for t in (memory_grad, memory, queries, read_grads, update, a, beta)
     )
     empty = lambda *shape: torch.empty(shape, dtype=torch.float32, device=memory.device)  # noqa: E731
     d_update, d_error, d_k, d_a, dq = empty(heads, dv), empty(heads, dv), empty(heads, dk), empty(heads), empty(heads, dk)
     _launch(
-        "memory_write_backward", heads, memory_grad, memory, memory_grad_out, queries, read_grads, k, update, a,
-        beta, d_update, d_k, d_a, dq, d_error, heads, dk, dv,
+        "memory_write_backward", heads, memory_grad, memory, memory_grad_out, queries, read_grads, k, k.stride(0),
+        update, a, beta, d_update, d_k, d_a, dq, d_error, heads, dk, dv,
         LAYERS=queries.shape[0], BLOCK_K=_next_power_of_two(dk), BLOCK_V=_value_block(dv),
     )  # fmt: skip
     return d_update, d_k, d_a, dq, d_error
@@ -325,3 +335,121 @@ def step(state, u, real, w, s, c, eps: float, saved: Optional[dict] = None, memo
             new_key = torch.where(r, new_key, key)
             new_memory = torch.where(real[:, None, None, None], new_memory, memory)
     return StepState(new_p, grounded, new_key, new_memory), gamma
+
+
+# --------------------------------------------------------------------------------------------------
+# One step backward on the kernels
+# --------------------------------------------------------------------------------------------------
+
+
+def predict_layer_backward(part, c, state, d_state, dX, normed_read, read, d_part, out_x, d_read, eps, s):
+    """Through one predict layer (see `predict_layer_backward_kernel`): fills the layer's columns of
+    `d_part` (not its query: see `memory_read_backward`), X into `out_x` and d_read (B, H*dv) into `d_read`;
+    returns the gradient of the layer's input state through its gate (sigmoid(gate) d_state)."""
+    rows, width = state.shape
+    d_state_out = torch.empty(rows, width, dtype=torch.float32, device=state.device)
+    read_width = 0 if normed_read is None else normed_read.shape[1]
+    dummy = d_state_out
+    _launch(
+        "predict_layer_backward", rows, part, part.stride(0), c.gate.start, c.ffn_a.start, c.ffn_b.start,
+        c.read_gate.start if read_width else 0, state, d_state.contiguous(), dX,
+        dummy if normed_read is None else normed_read, dummy if read is None else read, d_part, d_part.stride(0),
+        out_x, d_state_out, dummy if d_read is None else d_read, width, s.inter, read_width, eps,
+        BLOCK=min(_next_power_of_two(width), 1024), BLOCK_F=min(_next_power_of_two(s.inter), 1024),
+        BLOCK_R=min(_next_power_of_two(max(read_width, 1)), 1024),
+    )  # fmt: skip
+    return d_state_out
+
+
+def rms_backward(dy, x, eps, acc, acc2=None, mul=None, y_out=None) -> torch.Tensor:
+    """acc [* mul] [+ acc2] + the gradient through y = rms(x) for dy (all (B, width), contiguous), writing
+    y into `y_out` when given."""
+    rows, width = x.shape
+    out = torch.empty(rows, width, dtype=torch.float32, device=x.device)
+    _launch(
+        "rms_backward", rows, dy, x, acc, out if acc2 is None else acc2, out if mul is None else mul, out,
+        out if y_out is None else y_out, width, eps, HAS_ACC2=acc2 is not None, HAS_MUL=mul is not None,
+        WRITE_Y=y_out is not None, BLOCK=_next_power_of_two(width),
+    )  # fmt: skip
+    return out
+
+
+def _contiguous_rows(*tensors: torch.Tensor) -> bool:
+    return all(t.is_contiguous() for t in tensors)
+
+
+def usable_step_backward(saved: dict, grads, s) -> bool:
+    """Whether `step_backward` takes this step (else `_step_backward` runs it): an unmasked step whose
+    records and gradients the kernels take (float32, contiguous rows, sizes within the block limits)."""
+    if saved.get("real") is not None:
+        return False
+    rows = [saved["p"], saved["grounded"], saved["sig_fg"], grads.p, grads.g]
+    if not (usable_rows(*rows) and _contiguous_rows(*rows)):
+        return False
+    if s.memory:
+        if not usable_memory(saved["old_memory"], saved["new_memory"], grads.memory, grads.key):
+            return False
+        if grads.key.stride(-1) != 1 or not grads.memory.is_contiguous() or s.heads * s.value_dim > MAX_ROW_BLOCK:
+            return False
+    return True
+
+
+def step_backward(saved: dict, grads, wt, s, c, eps: float, weight_grads, memory_grad_out=None):
+    """`fast_recurrence._step_backward` with its elementwise work fused into Triton kernels (the matmuls
+    stay torch's). Same arguments, same results; a step it does not take (`usable_step_backward`: a masked
+    step, say) runs `_step_backward`."""
+    from .fast_recurrence import StepState, _mm, _step_backward
+
+    if not usable_step_backward(saved, grads, s):
+        return _step_backward(saved, grads, wt, s, c, eps, weight_grads, memory_grad_out)
+    B, H, dk, dv = s.batch, s.heads, s.key_dim, s.value_dim
+    big_x, dZ = weight_grads.rows("big")
+    d_state = grads.p
+    d_reads = torch.empty(s.layers, B, H * dv, dtype=torch.float32, device=dZ.device) if s.memory else None
+    for i in reversed(range(s.layers)):
+        layer = saved["layers"][i]
+        part = layer["part"]
+        d_part = dZ[:, c.write :] if i == 0 else weight_grads.rows(("layer", i - 1))[1]
+        out_x, dY = weight_grads.rows(("out", i))
+        dY.copy_(d_state)
+        dX = _mm(dY, wt.out_w[i])
+        d_state = predict_layer_backward(
+            part, c, layer["state"], d_state, dX, layer.get("normed_read"), layer.get("read"), d_part, out_x,
+            d_reads[i] if s.memory else None, eps, s,
+        )  # fmt: skip
+        if s.memory and i > 0:  # its query's gradient now: its input state's gradient needs it
+            _launch("memory_read_backward", B * H, d_reads[i], saved["new_memory"], layer["q"], layer["q_inv"],
+                    layer["q_raw"], d_part[:, c.query.start :], d_part.stride(0), H, dk, dv,
+                    BLOCK_K=_next_power_of_two(dk), BLOCK_V=_value_block(dv))  # fmt: skip
+        if i > 0:  # the layer's projections came from a = rms(its input state)
+            layer_x, d_part_rows = weight_grads.rows(("layer", i - 1))
+            d_state = rms_backward(_mm(d_part_rows, wt.layer_w[i - 1]), layer["state"], eps, acc=d_state, y_out=layer_x)
+    if s.memory:
+        kq, old = saved["kq"], saved["old_memory"]
+        dM = memory_grad_out.view(B * H, dk, dv) if memory_grad_out is not None else torch.empty_like(old)
+        queries = torch.stack([kq[:, 1]] + [saved["layers"][i]["q"] for i in range(1, s.layers)])
+        d_update, d_k, d_a, dq0, d_error = memory_write_backward(
+            grads.memory.reshape(B * H, dk, dv), old, queries, d_reads.view(s.layers, B * H, dv), kq[:, 0],
+            saved["update"], saved["decay_factor"], saved["sig_beta"], dM,
+        )  # fmt: skip
+        d_key = torch.empty(B, H * dk, dtype=torch.float32, device=dZ.device)
+        neg_terms = torch.empty(B, H, dtype=torch.float32, device=dZ.device)
+        decay = saved["decay"]  # Z's decay columns (a view)
+        _launch(
+            "memory_gates_backward", B * H, d_update, saved["error"], d_error, d_k, dq0, d_a, saved["decay_factor"],
+            saved["sig_beta"], saved["softplus_decay"], decay, decay.stride(0), wt.neg_decay_rate, kq,
+            saved["kq_inv"], saved["kq_raw"], grads.key, grads.key.stride(0), dZ, dZ.stride(0), c.value.start,
+            c.beta.start, c.decay.start, c.write + c.query.start, d_key, neg_terms, H, dk, dv,
+            BLOCK_K=_next_power_of_two(dk), BLOCK_V=_value_block(dv),
+        )  # fmt: skip
+        weight_grads.neg_decay += neg_terms.sum(0)
+        dM = dM.view(B, H, dk, dv)
+    else:
+        d_key, dM = grads.key, grads.memory
+    p, sig_fg = saved["p"], saved["sig_fg"]
+    d_grounded = rms_backward(_mm(dZ, wt.big_w), saved["grounded"], eps, acc=grads.g, acc2=d_state, y_out=big_x)
+    fg_x, d_z_fg = weight_grads.rows("fg")
+    _launch("ground_gate_backward", B, d_grounded, p, sig_fg, d_z_fg, s.hidden, BLOCK=min(_next_power_of_two(s.hidden), 1024))
+    d_p = rms_backward(_mm(d_z_fg, wt.fg_w), p, eps, acc=d_grounded, mul=sig_fg, y_out=fg_x)
+    weight_grads.next_step()
+    return StepState(d_p, torch.zeros_like(d_grounded), d_key, dM), d_grounded
