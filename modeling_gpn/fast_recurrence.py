@@ -42,9 +42,17 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from . import triton_kernels
+from .cuda_graphs import decode_step as graph_decode_step
+from .cuda_graphs import wanted as graph_wanted
 from .memory_kernels import MemoryStep, memory_step, memory_write_backward
 from .memory_kernels import usable as memory_kernels_usable
+from .triton_kernels import memory_step as triton_memory_step
+from .triton_kernels import memory_write_backward as triton_memory_write_backward
+from .triton_kernels import selected as triton_selected
+from .triton_kernels import step as triton_step
+from .triton_kernels import step_backward as triton_step_backward
+from .triton_kernels import usable_memory as triton_usable_memory
+from .triton_kernels import usable_step as triton_usable_step
 
 WEIGHT_GRAD_ROWS = 512  # rows (steps x batch) whose weight gradients are computed together in one matmul
 L2_NORM_EPS = 1e-12
@@ -337,7 +345,7 @@ def memory_backend(memory: torch.Tensor, *others: torch.Tensor) -> str:
     `TRITON` (`triton_kernels`: CUDA tensors with triton installed, unless GPN_TRITON=0; on CPU only when
     forced with GPN_TRITON=1 under TRITON_INTERPRET=1, as the tests do), else `C_KERNELS` (`memory_kernels`:
     float32 CPU tensors with a C compiler, unless GPN_MEMORY_KERNELS=0), else `TORCH_OPS` (the reference)."""
-    if triton_kernels.selected(memory, *others) and triton_kernels.usable_memory(memory, *others):
+    if triton_selected(memory, *others) and triton_usable_memory(memory, *others):
         return TRITON
     if memory_kernels_usable(memory):
         return C_KERNELS
@@ -347,8 +355,8 @@ def memory_backend(memory: torch.Tensor, *others: torch.Tensor) -> str:
 def step_function(state: "StepState", u: torch.Tensor, w: FoldedWeights, s: Shapes):
     """The function running one forward step of a window: `triton_kernels.step` (the whole step's elementwise
     work fused into Triton kernels) when the Triton backend is selected and takes these inputs, else `_step`."""
-    if triton_kernels.selected(state.p, u) and triton_kernels.usable_step(state, u, w, s):
-        return triton_kernels.step
+    if triton_selected(state.p, u) and triton_usable_step(state, u, w, s):
+        return triton_step
     return _step
 
 
@@ -356,7 +364,7 @@ def step_backward_function(U: torch.Tensor):
     """The function running one backward step: `triton_kernels.step_backward` when the Triton backend is
     selected for the window's inputs `U` (it hands any step it cannot take to `_step_backward`), else
     `_step_backward`."""
-    return triton_kernels.step_backward if triton_kernels.selected(U) else _step_backward
+    return triton_step_backward if triton_selected(U) else _step_backward
 
 
 # --------------------------------------------------------------------------------------------------
@@ -460,7 +468,7 @@ def _step(
         old_flat = memory.view(B * H, dk, dv)
         memory_flat = memory_out.view(B * H, dk, dv) if memory_out is not None else torch.empty_like(old_flat)
         # the memory half of the step: one C kernel (one head at a time) on CPU, else the same in torch ops
-        memory_half = {TRITON: triton_kernels.memory_step, C_KERNELS: memory_step, TORCH_OPS: _memory_step_torch}[
+        memory_half = {TRITON: triton_memory_step, C_KERNELS: memory_step, TORCH_OPS: _memory_step_torch}[
             memory_backend(old_flat, Z, key)
         ]
         half = memory_half(Z, c, key, w.neg_decay_rate, old_flat, memory_flat, eps)
@@ -623,7 +631,7 @@ def _step_backward(
         queries = torch.stack([kq[:, 1]] + [saved["layers"][i]["q"] for i in range(1, s.layers)])
         # through the write and the reads of M': one C kernel (one head at a time) on CPU, else torch ops
         write_backward = {
-            TRITON: triton_kernels.memory_write_backward, C_KERNELS: memory_write_backward,
+            TRITON: triton_memory_write_backward, C_KERNELS: memory_write_backward,
             TORCH_OPS: _memory_write_backward_torch,
         }[memory_backend(old, d_new_memory)]  # fmt: skip
         d_update, d_k, d_decay_factor, dq0, d_error = write_backward(
@@ -962,6 +970,10 @@ def fast_recurrence(
         token_inputs.requires_grad or any(x.requires_grad for x in state) or any(q.requires_grad for q in model.parameters())
     )
     if not needs_grad:
+        if T == 1 and mask is None and graph_wanted(model, token_inputs):  # decoding: one graph replay
+            with torch.no_grad():
+                outputs, final, gammas = graph_decode_step(model, token_inputs, (p0, g0, M0), output_memory_decays)
+            return outputs, final, gammas
         with torch.no_grad():
             w = cached_folded_weights(model, rows=B)
             outputs = torch.empty(B, T, s.hidden, dtype=torch.float32, device=token_inputs.device)

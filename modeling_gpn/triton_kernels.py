@@ -146,6 +146,17 @@ def _launch(name: str, grid: int, *args, **meta) -> None:
     kernel[name][(grid,)](*args, **meta)
 
 
+def _empty(ws: Optional[dict], name: str, *shape: int, device, dtype=torch.float32) -> torch.Tensor:
+    """A buffer for an intermediate result: fresh, or with a workspace `ws` (a dict), the one made for
+    `name` on the first call (the static buffers a captured CUDA graph replays into; see `cuda_graphs`)."""
+    if ws is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    buffer = ws.get(name)
+    if buffer is None or buffer.shape != shape or buffer.dtype != dtype or buffer.device != torch.device(device):
+        buffer = ws[name] = torch.empty(shape, dtype=dtype, device=device)
+    return buffer
+
+
 def _value_block(dv: int) -> int:
     return min(_next_power_of_two(dv), VALUE_BLOCK)
 
@@ -155,15 +166,15 @@ def _value_block(dv: int) -> int:
 # --------------------------------------------------------------------------------------------------
 
 
-def unit_rms(x: torch.Tensor, eps: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def unit_rms(x: torch.Tensor, eps: float, out: Optional[torch.Tensor] = None, ws=None, name="rms") -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) per row of a (rows, width) float32 tensor (unit column stride)."""
     rows, width = x.shape
-    out = torch.empty(rows, width, dtype=torch.float32, device=x.device) if out is None else out
+    out = _empty(ws, name, rows, width, device=x.device) if out is None else out
     _launch("unit_rms", rows, x, x.stride(0), out, out.stride(0), width, eps, BLOCK=_next_power_of_two(width))
     return out
 
 
-def memory_step(Z, c, key, neg_decay_rate, memory, memory_out, eps: float):
+def memory_step(Z, c, key, neg_decay_rate, memory, memory_out, eps: float, ws: Optional[dict] = None):
     """`fast_recurrence._memory_step_torch` (and `memory_kernels.memory_step`) in two launches: the memory
     half of a step per (row, head), then the read's RMS norm per row. Same arguments, same `MemoryStep`."""
     from .memory_kernels import MemoryStep
@@ -175,12 +186,14 @@ def memory_step(Z, c, key, neg_decay_rate, memory, memory_out, eps: float):
         raise ValueError("Z and key must have unit column stride, and M one (dk, dv) matrix per row and head")
     if not memory_out.is_contiguous() or not memory.is_contiguous():
         raise ValueError("M and the output buffer must be contiguous")
-    neg_decay_rate = neg_decay_rate.float().contiguous()
-    empty = lambda *shape: torch.empty(shape, dtype=torch.float32, device=memory.device)  # noqa: E731
-    out = MemoryStep(
-        empty(heads, 2, dk), empty(heads, 2, dk), empty(heads, 2, 1), empty(rows, H), empty(rows, H),
-        empty(heads, 1), empty(heads, 1), empty(heads, dv), empty(heads, dv), empty(rows, H * dv), empty(rows, H * dv),
+    if neg_decay_rate.dtype != torch.float32 or not neg_decay_rate.is_contiguous():
+        neg_decay_rate = neg_decay_rate.float().contiguous()
+    shapes = dict(
+        kq_raw=(heads, 2, dk), kq=(heads, 2, dk), kq_inv=(heads, 2, 1), softplus_decay=(rows, H), gamma=(rows, H),
+        decay_factor=(heads, 1), sig_beta=(heads, 1), error=(heads, dv), update=(heads, dv), read=(rows, H * dv),
+        normed_read=(rows, H * dv),
     )  # fmt: skip
+    out = MemoryStep(*(_empty(ws, name, *shape, device=memory.device) for name, shape in shapes.items()))
     _launch(
         "memory_step", heads, Z, Z.stride(0), c.value.start, c.beta.start, c.decay.start, c.write + c.query.start,
         key, key.stride(0), neg_decay_rate, memory, memory_out, *out[:10], H, dk, dv,
@@ -190,13 +203,14 @@ def memory_step(Z, c, key, neg_decay_rate, memory, memory_out, eps: float):
     return out
 
 
-def memory_read(query: torch.Tensor, memory: torch.Tensor):
+def memory_read(query: torch.Tensor, memory: torch.Tensor, ws: Optional[dict] = None, name: str = "read"):
     """A layer's read of M' (BH, dk, dv) with its query pre-activation (B, H*dk, unit column stride):
     (q_raw, q, q_inv, read) with q = l2(relu(query)) per head (BH, dk), q_inv (BH, 1) and read = M'^T q (B, H*dv)."""
     heads, dk, dv = memory.shape
     rows = query.shape[0]
-    empty = lambda *shape: torch.empty(shape, dtype=torch.float32, device=memory.device)  # noqa: E731
-    q_raw, q, q_inv, read = empty(heads, dk), empty(heads, dk), empty(heads, 1), empty(rows, heads // rows * dv)
+    empty = lambda part, *shape: _empty(ws, f"{name}.{part}", *shape, device=memory.device)  # noqa: E731
+    q_raw, q, q_inv = empty("q_raw", heads, dk), empty("q", heads, dk), empty("q_inv", heads, 1)
+    read = empty("read", rows, heads // rows * dv)
     _launch("memory_read", heads, query, query.stride(0), memory, q_raw, q, q_inv, read, heads // rows, dk, dv,
             BLOCK_K=_next_power_of_two(dk), BLOCK_V=_value_block(dv))  # fmt: skip
     return q_raw, q, q_inv, read
@@ -226,20 +240,20 @@ def memory_write_backward(memory_grad, memory, queries, read_grads, k, update, a
     return d_update, d_k, d_a, dq, d_error
 
 
-def ground(z_fg: torch.Tensor, bias: torch.Tensor, p: torch.Tensor, u: torch.Tensor, eps: float):
+def ground(z_fg: torch.Tensor, bias: torch.Tensor, p: torch.Tensor, u: torch.Tensor, eps: float, ws=None):
     """(sig, g, rms(g)) with sig = sigmoid(z_fg + bias), g = sig * p + u; z_fg and p contiguous (B, d),
     u (B, d) with unit column stride (a column of the window's inputs)."""
     rows, width = p.shape
-    sig, g, a_g = (torch.empty(rows, width, dtype=torch.float32, device=p.device) for _ in range(3))
+    sig, g, a_g = (_empty(ws, name, rows, width, device=p.device) for name in ("sig_fg", "grounded", "a_g"))
     _launch("ground", rows, z_fg, bias, p, u, u.stride(0), sig, g, a_g, width, eps, BLOCK=_next_power_of_two(width))
     return sig, g, a_g
 
 
-def predict_input(part: torch.Tensor, c, normed_read: Optional[torch.Tensor], inter: int) -> torch.Tensor:
+def predict_input(part: torch.Tensor, c, normed_read: Optional[torch.Tensor], inter: int, ws=None, name="X") -> torch.Tensor:
     """X = [silu(a) b | silu(read_gate) normed_read] (B, f (+ H*dv)) from a layer's projections `part`."""
     rows = part.shape[0]
     read_width = 0 if normed_read is None else normed_read.shape[1]
-    X = torch.empty(rows, inter + read_width, dtype=torch.float32, device=part.device)
+    X = _empty(ws, name, rows, inter + read_width, device=part.device)
     normed = X if normed_read is None else normed_read.contiguous()
     col_r = 0 if normed_read is None else c.read_gate.start
     _launch("predict_input", rows, part, part.stride(0), c.ffn_a.start, c.ffn_b.start, col_r, normed, X, inter,
@@ -247,10 +261,10 @@ def predict_input(part: torch.Tensor, c, normed_read: Optional[torch.Tensor], in
     return X
 
 
-def gated_residual(Y: torch.Tensor, part: torch.Tensor, c, state: torch.Tensor) -> torch.Tensor:
+def gated_residual(Y: torch.Tensor, part: torch.Tensor, c, state: torch.Tensor, ws=None, name="state") -> torch.Tensor:
     """state' = Y + sigmoid(part[:, gate]) * state, (B, d)."""
     rows, width = state.shape
-    out = torch.empty(rows, width, dtype=torch.float32, device=state.device)
+    out = _empty(ws, name, rows, width, device=state.device)
     _launch("gated_residual", rows, Y, part, part.stride(0), c.gate.start, state, out, width,
             BLOCK=min(_next_power_of_two(width), 1024))  # fmt: skip
     return out
@@ -275,19 +289,38 @@ def usable_step(state, u: torch.Tensor, w, s) -> bool:
     return True
 
 
-def step(state, u, real, w, s, c, eps: float, saved: Optional[dict] = None, memory_out=None):
+def _matmul(x: torch.Tensor, w, ws: Optional[dict], name: str) -> torch.Tensor:
+    """x @ w in the weights' dtype, float32 result (`fast_recurrence._mm`); with a workspace, into its
+    buffers (`torch.mm(out=)`: nothing allocated, as a captured CUDA graph needs)."""
+    from .fast_recurrence import PackedMatrix, _mm
+
+    if ws is None or isinstance(w, PackedMatrix):
+        return _mm(x, w)
+    result = _empty(ws, name, x.shape[0], w.shape[1], device=x.device)
+    if w.dtype == torch.float32:
+        return torch.mm(x, w, out=result)
+    low_x = _empty(ws, f"{name}.x", *x.shape, device=x.device, dtype=w.dtype)
+    low_y = _empty(ws, f"{name}.y", x.shape[0], w.shape[1], device=x.device, dtype=w.dtype)
+    torch.mm(low_x.copy_(x), w, out=low_y)
+    return result.copy_(low_y)
+
+
+def step(state, u, real, w, s, c, eps: float, saved: Optional[dict] = None, memory_out=None, ws: Optional[dict] = None):
     """`fast_recurrence._step` with its elementwise work and the memory half fused into Triton kernels (the
     matmuls stay torch's). Same arguments, same results, same records in `saved` (for `_step_backward`).
+    With a workspace `ws` (a dict) every intermediate goes into its buffers (made on the first call): a
+    step then allocates nothing, as a captured CUDA graph needs (`cuda_graphs`); results are only valid
+    until the next step with the same workspace.
 
     Launches per step of a one-layer GPN+M (float32 weights): rms(p), the gate matmul, `ground`, the big
     matmul and its bias, `memory_step` (2), `predict_input`, the output matmul, `gated_residual`."""
-    from .fast_recurrence import StepState, _linear, _mm
+    from .fast_recurrence import StepState
 
     p, g, key, memory = state
     B, H, dk, dv = s.batch, s.heads, s.key_dim, s.value_dim
-    a_p = unit_rms(p, eps)
-    sig_fg, grounded, a_g = ground(_mm(a_p, w.fg_w), w.fg_b, p, u, eps)
-    Z = _linear(a_g, w.big_w, w.big_b)
+    a_p = unit_rms(p, eps, ws=ws, name="a_p")
+    sig_fg, grounded, a_g = ground(_matmul(a_p, w.fg_w, ws, "z_fg"), w.fg_b, p, u, eps, ws=ws)
+    Z = _matmul(a_g, w.big_w, ws, "Z").add_(w.big_b)
     records = None
     if saved is not None:
         records = [{} for _ in range(s.layers)]
@@ -298,7 +331,7 @@ def step(state, u, real, w, s, c, eps: float, saved: Optional[dict] = None, memo
     if s.memory:
         old_flat = memory.view(B * H, dk, dv)
         memory_flat = memory_out.view(B * H, dk, dv) if memory_out is not None else torch.empty_like(old_flat)
-        half = memory_step(Z, c, key, w.neg_decay_rate, old_flat, memory_flat, eps)
+        half = memory_step(Z, c, key, w.neg_decay_rate, old_flat, memory_flat, eps, ws=ws)
         gamma, read, normed_read = half.gamma, half.read, half.normed_read
         new_memory = memory_flat.view(B, H, dk, dv)
         if saved is not None:
@@ -309,21 +342,22 @@ def step(state, u, real, w, s, c, eps: float, saved: Optional[dict] = None, memo
     for i in range(s.layers):
         record = None if records is None else records[i]
         if i > 0:
-            a_c = unit_rms(layer_state, eps)
-            part = _linear(a_c, w.layer_w[i - 1], w.layer_b[i - 1])
+            a_c = unit_rms(layer_state, eps, ws=ws, name=f"a.{i}")
+            part = _matmul(a_c, w.layer_w[i - 1], ws, f"part.{i}").add_(w.layer_b[i - 1])
             if s.memory:
-                q_raw, q, q_inv, read = memory_read(part[:, c.query], memory_flat)
-                normed_read = unit_rms(read, eps)
+                q_raw, q, q_inv, read = memory_read(part[:, c.query], memory_flat, ws=ws, name=f"read.{i}")
+                normed_read = unit_rms(read, eps, ws=ws, name=f"normed_read.{i}")
             if record is not None:
                 record["a"] = a_c
                 if s.memory:
                     record.update(q_raw=q_raw, q=q, q_inv=q_inv)
-        X = predict_input(part, c, normed_read if s.memory else None, s.inter)
+        X = predict_input(part, c, normed_read if s.memory else None, s.inter, ws=ws, name=f"X.{i}")
         if record is not None:
             record.update(state=layer_state, part=part)
             if s.memory:
                 record.update(read=read, normed_read=normed_read)
-        layer_state = gated_residual(_mm(X, w.out_w[i]), part, c, layer_state)
+        Y = _matmul(X, w.out_w[i], ws, f"Y.{i}")
+        layer_state = gated_residual(Y, part, c, layer_state, ws=ws, name=f"state.{i}")
     new_p = layer_state
     if real is not None:
         if saved is not None:

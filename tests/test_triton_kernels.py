@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from modeling_gpn import fast_recurrence as fr
 from modeling_gpn import triton_kernels as tk
@@ -314,3 +315,88 @@ def test_one_step_forward_and_backward_match_the_torch_ops(triton_on, variant):
         torch.testing.assert_close(tri_wg.bias_grads[key], ref_wg.bias_grads[key], atol=1e-5, rtol=1e-4, msg=str(key))
     if s.memory:
         torch.testing.assert_close(tri_wg.neg_decay, ref_wg.neg_decay, atol=1e-5, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------------------------------
+# The decode step on static buffers (what a CUDA graph captures; the capture itself needs a GPU)
+# --------------------------------------------------------------------------------------------------
+
+
+class OpRecorder(TorchDispatchMode):
+    """Records the aten ops dispatched (Triton launches excluded: the interpreter's host copies are not ops
+    a GPU would run)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def allocating(func) -> bool:
+    """Whether an aten op makes a new tensor: not a view, not in place, not an out= variant."""
+    name = func.overloadpacket.__name__
+    return not func.is_view and not name.endswith("_") and "out" not in func._schema.overload_name
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("variant", ["gpn+m", "gpn+m-2l-awkward-seg2"])
+def test_decode_graph_step_runs_on_static_buffers_without_allocation_or_host_sync(triton_on, monkeypatch, variant):
+    from modeling_gpn import cuda_graphs
+
+    model = perturbed_model(tiny_config(**VARIANTS[variant]), seed=9)
+    core = model.model
+    B = 3
+    tokens, state, _, _ = random_problem(model, batch=B, length=4, mask_kind=None, seed=4)
+    graph = cuda_graphs.DecodeStepGraph(core, B, torch.device("cpu"))
+    core.use_fast_path = False
+    expected, reference_state = [], state
+    for t in range(4):
+        out, reference_state, gamma = core.recurrence(tokens[:, t : t + 1], reference_state, None, output_memory_decays=True)
+        expected.append((out[:, 0], *reference_state, gamma[:, 0]))
+    memory_addresses, graph_state = [], state
+    for t in range(4):
+        p, graph_state, gamma = graph(tokens[:, t], graph_state)
+        for got, want in zip((p, *graph_state, gamma), expected[t]):
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-4)
+        memory_addresses.append(graph_state[2].data_ptr())
+    # two slots, alternating: the state handed back was not copied, the next step ran the other direction
+    assert memory_addresses[0] == memory_addresses[2] != memory_addresses[1] == memory_addresses[3]
+
+    # a step after the first: no allocation, no host sync, every intermediate in the same buffers
+    recorder = OpRecorder()
+    real_launch = tk._launch
+
+    def launch(*args, **kwargs):
+        recorder.paused = True
+        try:
+            return real_launch(*args, **kwargs)
+        finally:
+            recorder.paused = False
+
+    monkeypatch.setattr(tk, "_launch", launch)
+    buffers = {name: t.data_ptr() for ws in graph.workspaces for name, t in ws.items()}
+    with recorder:
+        graph.run(graph.current)
+    assert recorder.ops, "nothing was recorded"
+    assert not [f for f in recorder.ops if allocating(f)], [str(f) for f in recorder.ops if allocating(f)]
+    assert not [f for f in recorder.ops if "local_scalar" in str(f) or "item" in str(f)]
+    assert buffers == {name: t.data_ptr() for ws in graph.workspaces for name, t in ws.items()}
+
+
+@torch.no_grad()
+def test_generate_through_the_decode_graph_equals_plain(triton_on, monkeypatch):
+    """generate() with GPN_CUDA_GRAPHS=1: every decoded token goes through the static-buffer step."""
+    model = perturbed_model(tiny_config(), seed=12)
+    prompt = torch.randint(1, 97, (2, 5), generator=torch.Generator().manual_seed(1))
+    model.model.use_fast_path = False
+    plain = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    model.model.use_fast_path = True
+    monkeypatch.setenv("GPN_CUDA_GRAPHS", "1")
+    fast = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(fast, plain)
+    assert getattr(model.model, "_gpn_decode_graph", None) is not None  # the graph step ran
