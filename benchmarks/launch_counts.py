@@ -68,11 +68,11 @@ def count(fn, counter_mode: LaunchCounter):
     return counter_mode.ops, tk.launches - before
 
 
-def model_of(layers: int) -> GPNForCausalLM:
+def model_of(layers: int, dtype: torch.dtype) -> GPNForCausalLM:
     torch.manual_seed(0)
     config = GPNConfig(vocab_size=97, hidden_size=48, embedding_size=32, intermediate_size=64, num_memory_heads=3,
                        memory_key_dim=8, memory_value_dim=16, num_predict_layers=layers)  # fmt: skip
-    return GPNForCausalLM(config).eval()
+    return GPNForCausalLM(config).to(dtype).eval()
 
 
 def one_step(model, triton: bool, backward: bool):
@@ -85,7 +85,7 @@ def one_step(model, triton: bool, backward: bool):
     c = fr.columns_of(s)
     eps = core.config.rms_norm_eps
     with torch.no_grad():
-        w = fr.fold_weights(core)
+        w = fr.fold_weights(core)  # (not prepacked: CUDA never packs)
         p, g, M = (torch.randn(x.shape) for x in core.zero_state(B, torch.device("cpu")))
         state = fr.StepState(p, g, fr.key_from_grounded(g, w, s, eps), M)
         u = torch.randn(B, 3, s.hidden)[:, 1]
@@ -108,6 +108,7 @@ def one_step(model, triton: bool, backward: bool):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="weight dtypes")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if not tk.available():
@@ -115,19 +116,20 @@ def main() -> int:
     if not tk.interpreter_on():
         raise SystemExit("set TRITON_INTERPRET=1 (CPU tensors run through Triton's interpreter)")
     rows, details = [], {}
-    for layers in args.layers:
-        model = model_of(layers)
-        for direction in ("forward", "backward"):
-            for path in ("torch ops", "triton"):
-                aten, triton = one_step(model, path == "triton", direction == "backward")
-                total = sum(aten.values()) + sum(triton.values())
-                rows.append(dict(model=f"GPN+M {layers}L", direction=direction, path=path, aten=sum(aten.values()),
-                                 triton=sum(triton.values()), launches=total))  # fmt: skip
-                details[f"{layers}L {direction} {path}"] = dict(aten=dict(aten.most_common()), triton=dict(triton))
-    print("| model | step | path | aten launches | Triton launches | launches per step |")
-    print("|---|---|---|---|---|---|")
+    for dtype in args.dtypes:
+        for layers in args.layers:
+            model = model_of(layers, getattr(torch, dtype))
+            for direction in ("forward", "backward"):
+                for path in ("torch ops", "triton"):
+                    aten, triton = one_step(model, path == "triton", direction == "backward")
+                    total = sum(aten.values()) + sum(triton.values())
+                    rows.append(dict(model=f"GPN+M {layers}L", dtype=dtype, direction=direction, path=path,
+                                     aten=sum(aten.values()), triton=sum(triton.values()), launches=total))  # fmt: skip
+                    details[f"{layers}L {dtype} {direction} {path}"] = dict(aten=dict(aten.most_common()), triton=dict(triton))
+    print("| model | weights | step | path | aten launches | Triton launches | launches per step |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['direction']} | {r['path']} | {r['aten']} | {r['triton']} | {r['launches']} |")
+        print(f"| {r['model']} | {r['dtype']} | {r['direction']} | {r['path']} | {r['aten']} | {r['triton']} | {r['launches']} |")
     print()
     for key, value in details.items():
         print(f"{key}: aten {value['aten']}  triton {value['triton']}")

@@ -16,11 +16,11 @@ except ImportError as error:
 def memory_step_kernel(
     Z, z_stride, col_value, col_beta, col_decay, col_query, KEY, key_stride, NEG_DECAY, M, M_OUT,
     KQ_RAW, KQ, KQ_INV, SOFTPLUS, GAMMA, DECAY, BETA, ERROR, UPDATE, READ,
-    H, dk, dv, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    n_heads, dk, dv, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     """One program per (row, head): key/query normalisation, gates, write and layer 0's read."""
     bh = tl.program_id(0).to(tl.int64)
-    b, h = bh // H, bh % H
+    b, h = bh // n_heads, bh % n_heads
     zrow = Z + b * z_stride
     i = tl.arange(0, BLOCK_K)
     in_k = i < dk
@@ -74,11 +74,11 @@ def memory_step_kernel(
         tl.store(M_OUT + base + tile, a * m + k[:, None] * update[None, :], mask=in_tile)
 
 @triton.jit
-def memory_read_kernel(QUERY, query_stride, M, Q_RAW, Q, Q_INV, READ, H, dk, dv,
+def memory_read_kernel(QUERY, query_stride, M, Q_RAW, Q, Q_INV, READ, n_heads, dk, dv,
                        BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):  # fmt: skip
     """One program per (row, head): q = l2(relu(query)), read = M^T q."""
     bh = tl.program_id(0).to(tl.int64)
-    b, h = bh // H, bh % H
+    b, h = bh // n_heads, bh % n_heads
     i = tl.arange(0, BLOCK_K)
     in_k = i < dk
     q_raw = tl.load(QUERY + b * query_stride + h * dk + i, mask=in_k, other=0.0)
@@ -272,12 +272,12 @@ def predict_layer_backward_kernel(
 
 
 @triton.jit
-def memory_read_backward_kernel(D_READ, M, Q, Q_INV, Q_RAW, D_QUERY, d_query_stride, H, dk, dv,
+def memory_read_backward_kernel(D_READ, M, Q, Q_INV, Q_RAW, D_QUERY, d_query_stride, n_heads, dk, dv,
                                 BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):  # fmt: skip
     """One program per (row, head): through read = M'^T q, q = l2(relu(query)): dq = M' d_read, then the
     l2 and relu backward into the query columns (D_QUERY)."""
     bh = tl.program_id(0).to(tl.int64)
-    b, h = bh // H, bh % H
+    b, h = bh // n_heads, bh % n_heads
     i = tl.arange(0, BLOCK_K)
     in_k = i < dk
     dq = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -297,14 +297,14 @@ def memory_read_backward_kernel(D_READ, M, Q, Q_INV, Q_RAW, D_QUERY, d_query_str
 def memory_gates_backward_kernel(
     D_UPDATE, ERROR, D_ERROR, D_K, DQ0, D_A, DECAY, BETA, SOFTPLUS, DECAY_PRE, decay_pre_stride, NEG_DECAY, KQ, KQ_INV, KQ_RAW,
     D_NEW_KEY, d_new_key_stride, DZ, dz_stride, col_value, col_beta, col_decay, col_query, D_KEY, NEG_TERMS,
-    H, dk, dv, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    n_heads, dk, dv, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     """One program per (row, head), after `memory_write_backward_kernel`: the gradients of the step's
     projections Z through the write gates, the value, the new key (passed through) and layer 0's query,
     the gradient of the carried key (through its l2 and relu), and d_gamma * softplus(decay) per head (the
     decay rate's gradient, summed over rows by the caller)."""
     bh = tl.program_id(0).to(tl.int64)
-    b, h = bh // H, bh % H
+    b, h = bh // n_heads, bh % n_heads
     dz = DZ + b * dz_stride
     # decay: gamma = ndr softplus(x), a = exp(gamma): d_gamma = d_a a;  dx = d_gamma ndr sigmoid(x)
     d_gamma = tl.load(D_A + bh) * tl.load(DECAY + bh)
@@ -329,7 +329,7 @@ def memory_gates_backward_kernel(
     d_k = tl.load(D_K + bh * dk + i, mask=in_k, other=0.0)
     d_k_raw = (d_k - k * tl.sum(d_k * k, axis=0)) * tl.load(KQ_INV + bh * 2)
     k_raw = tl.load(KQ_RAW + pair + i, mask=in_k, other=0.0)
-    tl.store(D_KEY + b * H * dk + h * dk + i, tl.where(k_raw <= 0.0, 0.0, d_k_raw), mask=in_k)
+    tl.store(D_KEY + b * n_heads * dk + h * dk + i, tl.where(k_raw <= 0.0, 0.0, d_k_raw), mask=in_k)
     q = tl.load(KQ + pair + dk + i, mask=in_k, other=0.0)
     dq = tl.load(DQ0 + bh * dk + i, mask=in_k, other=0.0)
     d_q_raw = (dq - q * tl.sum(dq * q, axis=0)) * tl.load(KQ_INV + bh * 2 + 1)

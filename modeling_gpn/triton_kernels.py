@@ -46,7 +46,10 @@ from typing import Optional
 import torch
 
 MAX_KEY_BLOCK = 256  # largest key dimension a memory program holds at once (next power of two)
-VALUE_BLOCK = 64  # columns of M a memory program handles per iteration of its loop over the value dimension
+# columns of M a memory program handles per iteration of its loop over the value dimension: with 128 key
+# rows, 64 columns spill registers on sm_90 (2.7 KB per program in the write backward), 32 do not
+# (benchmarks/triton_compile_check.py reports it)
+VALUE_BLOCK = 32
 MAX_ROW_BLOCK = 16384  # widest row the row-wise kernels hold at once (next power of two)
 L2_NORM_EPS = 1e-12
 
