@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from .triton_kernels import _matmul, unit_rms
+from .triton_kernels import _linear, unit_rms
 from .triton_kernels import selected as triton_selected
 from .triton_kernels import step as triton_step
 
@@ -77,7 +77,7 @@ class DecodeStepGraph:
         if s.memory:  # the key pre-activation W_k rms(g) + b_k (`fast_recurrence.key_from_grounded`)
             width = s.heads * s.key_dim
             a_g = unit_rms(self.g[slot], self.eps, ws=ws, name="a_g0")
-            key = _matmul(a_g, w.big_w[:, :width], ws, "key").add_(w.big_b[:width])
+            key = _linear(a_g, w.big_w[:, :width], w.big_b[:width], ws, "key")
             memory_out = self.memory[target]
         state = StepState(self.p[slot], self.g[slot], key, self.memory[slot])
         new, gamma = triton_step(state, self.u, None, w, s, self.c, self.eps, None, memory_out, ws=ws)

@@ -157,7 +157,8 @@ def ground_kernel(Z_FG, BIAS, P, U, u_stride, SIG, G, A_G, width, eps, BLOCK: tl
     j = tl.arange(0, BLOCK)
     valid = j < width
     at = row * width + j
-    sig = tl.sigmoid(tl.load(Z_FG + at, mask=valid, other=0.0) + tl.load(BIAS + j, mask=valid, other=0.0))
+    z = tl.load(Z_FG + at, mask=valid, other=0.0).to(tl.float32)  # (a matmul's output: maybe bf16)
+    sig = tl.sigmoid(z + tl.load(BIAS + j, mask=valid, other=0.0))
     p = tl.load(P + at, mask=valid, other=0.0)
     g = sig * p + tl.load(U + row * u_stride + j, mask=valid, other=0.0)
     inv = 1.0 / tl.sqrt(tl.sum(g * g, axis=0) / width + eps)
@@ -193,7 +194,8 @@ def gated_residual_kernel(Y, PART, part_stride, col_gate, STATE, OUT, width, BLO
         valid = j < width
         at = row * width + j
         gate = tl.load(PART + row * part_stride + col_gate + j, mask=valid, other=0.0)
-        new = tl.load(Y + at, mask=valid, other=0.0) + tl.sigmoid(gate) * tl.load(STATE + at, mask=valid, other=0.0)
+        y = tl.load(Y + at, mask=valid, other=0.0).to(tl.float32)  # (a matmul's output: maybe bf16)
+        new = y + tl.sigmoid(gate) * tl.load(STATE + at, mask=valid, other=0.0)
         tl.store(OUT + at, new, mask=valid)
 
 
@@ -238,7 +240,7 @@ def predict_layer_backward_kernel(
         valid = j < inter
         a = tl.load(part + col_a + j, mask=valid, other=0.0)
         b = tl.load(part + col_b + j, mask=valid, other=0.0)
-        d_hidden = tl.load(dx_row + j, mask=valid, other=0.0)
+        d_hidden = tl.load(dx_row + j, mask=valid, other=0.0).to(tl.float32)  # (dX: maybe bf16)
         sig = tl.sigmoid(a)
         tl.store(x_row + j, a * sig * b, mask=valid)
         tl.store(d_part + col_a + j, d_hidden * b * (sig + a * (sig - sig * sig)), mask=valid)
@@ -253,7 +255,7 @@ def predict_layer_backward_kernel(
             r = tl.load(part + col_r + j, mask=valid, other=0.0)
             normed = tl.load(NORMED + row * read_width + j, mask=valid, other=0.0)
             read = tl.load(READ + row * read_width + j, mask=valid, other=0.0)
-            d_out = tl.load(dx_row + inter + j, mask=valid, other=0.0)
+            d_out = tl.load(dx_row + inter + j, mask=valid, other=0.0).to(tl.float32)
             sig = tl.sigmoid(r)
             tl.store(x_row + inter + j, r * sig * normed, mask=valid)
             tl.store(d_part + col_r + j, d_out * normed * (sig + r * (sig - sig * sig)), mask=valid)
@@ -266,7 +268,7 @@ def predict_layer_backward_kernel(
             valid = j < read_width
             r = tl.load(part + col_r + j, mask=valid, other=0.0)
             normed = tl.load(NORMED + row * read_width + j, mask=valid, other=0.0)
-            d_out = tl.load(dx_row + inter + j, mask=valid, other=0.0)
+            d_out = tl.load(dx_row + inter + j, mask=valid, other=0.0).to(tl.float32)
             d_normed = d_out * (r * tl.sigmoid(r))
             tl.store(D_READ + row * read_width + j, (d_normed - normed * mean_dy_y) * inv, mask=valid)
 
@@ -351,7 +353,7 @@ def rms_backward_kernel(
     x = tl.load(X + at, mask=valid, other=0.0)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / width + eps)
     y = x * inv
-    dy = tl.load(DY + at, mask=valid, other=0.0)
+    dy = tl.load(DY + at, mask=valid, other=0.0).to(tl.float32)  # (a matmul's output: maybe bf16)
     out = tl.load(ACC + at, mask=valid, other=0.0)
     if HAS_MUL:
         out = out * tl.load(MUL + at, mask=valid, other=0.0)

@@ -292,20 +292,31 @@ def usable_step(state, u: torch.Tensor, w, s) -> bool:
     return True
 
 
-def _matmul(x: torch.Tensor, w, ws: Optional[dict], name: str) -> torch.Tensor:
-    """x @ w in the weights' dtype, float32 result (`fast_recurrence._mm`); with a workspace, into its
-    buffers (`torch.mm(out=)`: nothing allocated, as a captured CUDA graph needs)."""
-    from .fast_recurrence import PackedMatrix, _mm
+def _product(x: torch.Tensor, w, ws: Optional[dict] = None, name: str = "") -> torch.Tensor:
+    """x @ w in the weights' dtype, the result left in that dtype (float32 from a `PackedMatrix`): the
+    kernels that read it upcast as they load (exact, so the same numbers as `fast_recurrence._mm`'s
+    float32 copy, one launch fewer). With a workspace, into its buffers (`torch.mm(out=)`: nothing
+    allocated, as a captured CUDA graph needs)."""
+    from .fast_recurrence import PackedMatrix
 
-    if ws is None or isinstance(w, PackedMatrix):
-        return _mm(x, w)
-    result = _empty(ws, name, x.shape[0], w.shape[1], device=x.device)
-    if w.dtype == torch.float32:
-        return torch.mm(x, w, out=result)
-    low_x = _empty(ws, f"{name}.x", *x.shape, device=x.device, dtype=w.dtype)
-    low_y = _empty(ws, f"{name}.y", x.shape[0], w.shape[1], device=x.device, dtype=w.dtype)
-    torch.mm(low_x.copy_(x), w, out=low_y)
-    return result.copy_(low_y)
+    if isinstance(w, PackedMatrix):
+        return w.mm(x)
+    if ws is None:
+        return torch.matmul(x if x.dtype == w.dtype else x.to(w.dtype), w)
+    if x.dtype != w.dtype:
+        x = _empty(ws, f"{name}.x", *x.shape, device=x.device, dtype=w.dtype).copy_(x)
+    return torch.mm(x, w, out=_empty(ws, name, x.shape[0], w.shape[1], device=x.device, dtype=w.dtype))
+
+
+def _linear(x: torch.Tensor, w, b: torch.Tensor, ws: Optional[dict] = None, name: str = "") -> torch.Tensor:
+    """x @ w + b as float32 (`fast_recurrence._linear`): one add after the product, in place for float32
+    weights, else the add that upcasts (bf16 + float32 gives float32: one launch instead of two)."""
+    product = _product(x, w, ws, name)
+    if product.dtype == torch.float32:
+        return product.add_(b)
+    if ws is None:
+        return torch.add(product, b)
+    return torch.add(product, b, out=_empty(ws, f"{name}.float", *product.shape, device=x.device))
 
 
 def step(state, u, real, w, s, c, eps: float, saved: Optional[dict] = None, memory_out=None, ws: Optional[dict] = None):
@@ -316,14 +327,15 @@ def step(state, u, real, w, s, c, eps: float, saved: Optional[dict] = None, memo
     until the next step with the same workspace.
 
     Launches per step of a one-layer GPN+M (float32 weights): rms(p), the gate matmul, `ground`, the big
-    matmul and its bias, `memory_step` (2), `predict_input`, the output matmul, `gated_residual`."""
+    matmul and its bias, `memory_step` (2), `predict_input`, the output matmul, `gated_residual`; with bf16
+    weights one cast to bf16 before each matmul (its bf16 result is read by the next kernel as it is)."""
     from .fast_recurrence import StepState
 
     p, g, key, memory = state
     B, H, dk, dv = s.batch, s.heads, s.key_dim, s.value_dim
     a_p = unit_rms(p, eps, ws=ws, name="a_p")
-    sig_fg, grounded, a_g = ground(_matmul(a_p, w.fg_w, ws, "z_fg"), w.fg_b, p, u, eps, ws=ws)
-    Z = _matmul(a_g, w.big_w, ws, "Z").add_(w.big_b)
+    sig_fg, grounded, a_g = ground(_product(a_p, w.fg_w, ws, "z_fg"), w.fg_b, p, u, eps, ws=ws)
+    Z = _linear(a_g, w.big_w, w.big_b, ws, "Z")
     records = None
     if saved is not None:
         records = [{} for _ in range(s.layers)]
@@ -346,7 +358,7 @@ def step(state, u, real, w, s, c, eps: float, saved: Optional[dict] = None, memo
         record = None if records is None else records[i]
         if i > 0:
             a_c = unit_rms(layer_state, eps, ws=ws, name=f"a.{i}")
-            part = _matmul(a_c, w.layer_w[i - 1], ws, f"part.{i}").add_(w.layer_b[i - 1])
+            part = _linear(a_c, w.layer_w[i - 1], w.layer_b[i - 1], ws, f"part.{i}")
             if s.memory:
                 q_raw, q, q_inv, read = memory_read(part[:, c.query], memory_flat, ws=ws, name=f"read.{i}")
                 normed_read = unit_rms(read, eps, ws=ws, name=f"normed_read.{i}")
@@ -359,7 +371,7 @@ def step(state, u, real, w, s, c, eps: float, saved: Optional[dict] = None, memo
             record.update(state=layer_state, part=part)
             if s.memory:
                 record.update(read=read, normed_read=normed_read)
-        Y = _matmul(X, w.out_w[i], ws, f"Y.{i}")
+        Y = _product(X, w.out_w[i], ws, f"Y.{i}")
         layer_state = gated_residual(Y, part, c, layer_state, ws=ws, name=f"state.{i}")
     new_p = layer_state
     if real is not None:
@@ -435,7 +447,7 @@ def step_backward(saved: dict, grads, wt, s, c, eps: float, weight_grads, memory
     """`fast_recurrence._step_backward` with its elementwise work fused into Triton kernels (the matmuls
     stay torch's). Same arguments, same results; a step it does not take (`usable_step_backward`: a masked
     step, say) runs `_step_backward`."""
-    from .fast_recurrence import StepState, _mm, _step_backward
+    from .fast_recurrence import StepState, _step_backward
 
     if not usable_step_backward(saved, grads, s):
         return _step_backward(saved, grads, wt, s, c, eps, weight_grads, memory_grad_out)
@@ -449,7 +461,7 @@ def step_backward(saved: dict, grads, wt, s, c, eps: float, weight_grads, memory
         d_part = dZ[:, c.write :] if i == 0 else weight_grads.rows(("layer", i - 1))[1]
         out_x, dY = weight_grads.rows(("out", i))
         dY.copy_(d_state)
-        dX = _mm(dY, wt.out_w[i])
+        dX = _product(dY, wt.out_w[i])
         d_state = predict_layer_backward(
             part, c, layer["state"], d_state, dX, layer.get("normed_read"), layer.get("read"), d_part, out_x,
             d_reads[i] if s.memory else None, eps, s,
@@ -460,7 +472,7 @@ def step_backward(saved: dict, grads, wt, s, c, eps: float, weight_grads, memory
                     BLOCK_K=_next_power_of_two(dk), BLOCK_V=_value_block(dv))  # fmt: skip
         if i > 0:  # the layer's projections came from a = rms(its input state)
             layer_x, d_part_rows = weight_grads.rows(("layer", i - 1))
-            d_state = rms_backward(_mm(d_part_rows, wt.layer_w[i - 1]), layer["state"], eps, acc=d_state, y_out=layer_x)
+            d_state = rms_backward(_product(d_part_rows, wt.layer_w[i - 1]), layer["state"], eps, acc=d_state, y_out=layer_x)
     if s.memory:
         kq, old = saved["kq"], saved["old_memory"]
         dM = memory_grad_out.view(B * H, dk, dv) if memory_grad_out is not None else torch.empty_like(old)
@@ -484,9 +496,9 @@ def step_backward(saved: dict, grads, wt, s, c, eps: float, weight_grads, memory
     else:
         d_key, dM = grads.key, grads.memory
     p, sig_fg = saved["p"], saved["sig_fg"]
-    d_grounded = rms_backward(_mm(dZ, wt.big_w), saved["grounded"], eps, acc=grads.g, acc2=d_state, y_out=big_x)
+    d_grounded = rms_backward(_product(dZ, wt.big_w), saved["grounded"], eps, acc=grads.g, acc2=d_state, y_out=big_x)
     fg_x, d_z_fg = weight_grads.rows("fg")
     _launch("ground_gate_backward", B, d_grounded, p, sig_fg, d_z_fg, s.hidden, BLOCK=min(_next_power_of_two(s.hidden), 1024))
-    d_p = rms_backward(_mm(d_z_fg, wt.fg_w), p, eps, acc=d_grounded, mul=sig_fg, y_out=fg_x)
+    d_p = rms_backward(_product(d_z_fg, wt.fg_w), p, eps, acc=d_grounded, mul=sig_fg, y_out=fg_x)
     weight_grads.next_step()
     return StepState(d_p, torch.zeros_like(d_grounded), d_key, dM), d_grounded

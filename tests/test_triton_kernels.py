@@ -258,8 +258,8 @@ def test_backend_choice(monkeypatch):
     assert fr.memory_backend(M.transpose(1, 2)) != fr.TRITON
 
 
-def one_step_problem(variant: str, B: int, seed: int):
-    model = perturbed_model(tiny_config(**VARIANTS[variant]), seed=seed)
+def one_step_problem(variant: str, B: int, seed: int, dtype=torch.float32):
+    model = perturbed_model(tiny_config(**VARIANTS[variant]), seed=seed).to(dtype)
     core = model.model
     s, eps = fr.shapes_of(core, B), core.config.rms_norm_eps
     g = torch.Generator().manual_seed(seed)
@@ -272,11 +272,16 @@ def one_step_problem(variant: str, B: int, seed: int):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("variant", ["gpn+m", "gpn+m-awkward", "gpn+m-2l-awkward-seg2", "gpn"])
-def test_one_step_forward_and_backward_match_the_torch_ops(triton_on, variant):
+@pytest.mark.parametrize(
+    "variant,dtype",
+    [("gpn+m", torch.float32), ("gpn+m-awkward", torch.float32), ("gpn+m-2l-awkward-seg2", torch.float32),
+     ("gpn", torch.float32), ("gpn+m-2l-awkward-seg2", torch.bfloat16)],
+)  # fmt: skip
+def test_one_step_forward_and_backward_match_the_torch_ops(triton_on, variant, dtype):
     """`triton_kernels.step` = `_step` (new state, gamma, every record) and `triton_kernels.step_backward` =
-    `_step_backward` (state gradients, dL/du, every weight-gradient row and the decay-rate gradient)."""
-    w, s, c, eps, state, u, g = one_step_problem(variant, B=3, seed=11)
+    `_step_backward` (state gradients, dL/du, every weight-gradient row and the decay-rate gradient); with
+    bf16 weights the kernels read the bf16 matmul outputs themselves (the same numbers, upcast exactly)."""
+    w, s, c, eps, state, u, g = one_step_problem(variant, B=3, seed=11, dtype=dtype)
     results = {}
     for name, step in (("torch", fr._step), ("triton", tk.step)):
         saved = {}
