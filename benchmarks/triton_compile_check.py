@@ -53,11 +53,18 @@ CASES = {
 }  # fmt: skip
 
 
-def signature(kernel, constexprs: dict) -> dict:
-    """Argument types: upper-case names are float32 pointers, `eps` a float, constexprs as given, the rest int32."""
+# with bf16 weights these inputs are a matmul's bf16 output (the kernel upcasts them as it loads)
+BF16_INPUTS = {"ground": "Z_FG", "gated_residual": "Y", "predict_layer_backward": "DX", "rms_backward": "DY"}
+
+
+def signature(kernel, constexprs: dict, bf16: str = "") -> dict:
+    """Argument types: upper-case names are float32 pointers (`bf16` a bf16 one), `eps` a float, constexprs
+    as given, the rest int32."""
     types = {}
     for name in kernel.arg_names:
-        if name in constexprs:
+        if name == bf16:
+            types[name] = "*bf16"
+        elif name in constexprs:
             types[name] = "constexpr"
         elif name == "eps":
             types[name] = "fp32"
@@ -94,12 +101,13 @@ def main() -> int:
     results, failures = [], 0
     for name, variants in CASES.items():
         kernel = triton_jit.KERNELS[name]
-        for constexprs in variants:
-            label = f"{name} {constexprs}"
+        cases = [(c, "") for c in variants] + ([(variants[0], BF16_INPUTS[name])] if name in BF16_INPUTS else [])
+        for constexprs, bf16 in cases:
+            label = f"{name} {constexprs}" + (f" {bf16} bf16" if bf16 else "")
             start = time.perf_counter()
             try:
-                compiled = triton.compile(ASTSource(fn=kernel, signature=signature(kernel, constexprs), constexprs=constexprs),
-                                          target=target)  # fmt: skip
+                source = ASTSource(fn=kernel, signature=signature(kernel, constexprs, bf16), constexprs=constexprs)
+                compiled = triton.compile(source, target=target)
             except Exception as error:  # noqa: BLE001 (report every kernel, then fail)
                 failures += 1
                 print(f"[FAIL] {label}: {type(error).__name__}: {str(error)[:2000]}", flush=True)
