@@ -142,9 +142,16 @@ def correctness(device: str) -> None:
         os.environ["GPN_CUDA_GRAPHS"] = "1"
         try:
             graphed = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False, pad_token_id=0)
-            captured = getattr(model.model, "_gpn_decode_graph", (None, None))[1]
-            ok = torch.equal(graphed, plain) and captured is not None and (DRY_RUN or captured.graphs is not None)
+            graphs = [graph for _, graph in getattr(model.model, "_gpn_graphs", {}).values()]
+            ok = torch.equal(graphed, plain) and bool(graphs) and (DRY_RUN or all(g.graphs is not None for g in graphs))
             report(ok, f"{device} generate() through the captured decode graph == plain: tokens equal {torch.equal(graphed, plain)}")
+            # a longer no-grad window: chunks of WINDOW_CHUNK steps per replay, then single steps
+            ids = torch.randint(1, 97, (2, 70), generator=torch.Generator().manual_seed(6)).to(device)
+            with_graphs = model(ids).logits
+            os.environ.pop("GPN_CUDA_GRAPHS", None)
+            without = model(ids).logits
+            diff = (with_graphs - without).abs().max().item()
+            report(diff < 1e-4, f"{device} a 70-token window through graph chunks == without graphs: max |dlogit| {diff:.2e}")
         except Exception as error:  # noqa: BLE001 (report and go on: the bench runs without graphs then)
             report(False, f"{device} decode graph: {type(error).__name__}: {error}")
         finally:
@@ -155,7 +162,7 @@ def decode_timing(device: str, preset: str = "gpn-m-1l-130m") -> dict:
     """ms per one-token step of the 130M GPN+M (bf16, batch 1): the graph replay, and the fast path without
     graphs (`GPNModel.forward` of one token with a cache, what generate() calls per token)."""
     from modeling_gpn.bench import build_gpn
-    from modeling_gpn.cuda_graphs import decode_graph_of
+    from modeling_gpn.cuda_graphs import graph_of
 
     model = build_gpn(preset, torch.bfloat16, device, 256).eval()
     core = model.model
@@ -164,7 +171,7 @@ def decode_timing(device: str, preset: str = "gpn-m-1l-130m") -> dict:
     with torch.no_grad():
         state = tuple(x.normal_() if x.numel() else x for x in core.zero_state(1, torch.device(device)))
         u = torch.randn(1, core.config.hidden_size, device=device)
-        graph = decode_graph_of(core, 1, torch.device(device))
+        graph = graph_of(core, 1, torch.device(device))
         st = state
         for _ in range(5):
             _, st, _ = graph(u, st)

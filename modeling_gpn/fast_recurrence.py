@@ -42,8 +42,8 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from .cuda_graphs import decode_step as graph_decode_step
 from .cuda_graphs import wanted as graph_wanted
+from .cuda_graphs import window_forward as graph_window_forward
 from .memory_kernels import MemoryStep, memory_step, memory_write_backward
 from .memory_kernels import usable as memory_kernels_usable
 from .triton_kernels import memory_step as triton_memory_step
@@ -970,10 +970,9 @@ def fast_recurrence(
         token_inputs.requires_grad or any(x.requires_grad for x in state) or any(q.requires_grad for q in model.parameters())
     )
     if not needs_grad:
-        if T == 1 and mask is None and graph_wanted(model, token_inputs):  # decoding: one graph replay
+        if mask is None and graph_wanted(model, token_inputs):  # CUDA graphs (decoding: one replay a token)
             with torch.no_grad():
-                outputs, final, gammas = graph_decode_step(model, token_inputs, (p0, g0, M0), output_memory_decays)
-            return outputs, final, gammas
+                return graph_window_forward(model, token_inputs.float(), (p0, g0, M0), output_memory_decays)
         with torch.no_grad():
             w = cached_folded_weights(model, rows=B)
             outputs = torch.empty(B, T, s.hidden, dtype=torch.float32, device=token_inputs.device)

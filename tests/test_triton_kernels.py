@@ -349,30 +349,33 @@ def allocating(func) -> bool:
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("variant", ["gpn+m", "gpn+m-2l-awkward-seg2"])
-def test_decode_graph_step_runs_on_static_buffers_without_allocation_or_host_sync(triton_on, monkeypatch, variant):
+@pytest.mark.parametrize("variant,steps", [("gpn+m", 1), ("gpn+m-2l-awkward-seg2", 1), ("gpn+m-2l-awkward-seg2", 2)])
+def test_graph_steps_run_on_static_buffers_without_allocation_or_host_sync(triton_on, monkeypatch, variant, steps):
+    """What a CUDA graph captures (`cuda_graphs.StepsGraph.run`: `steps` steps on static buffers) equals the
+    plain loop, hands the state back in two alternating slots, and after its first call dispatches no op
+    that allocates and none that waits for the host, every intermediate staying in the same buffer."""
     from modeling_gpn import cuda_graphs
 
     model = perturbed_model(tiny_config(**VARIANTS[variant]), seed=9)
     core = model.model
-    B = 3
-    tokens, state, _, _ = random_problem(model, batch=B, length=4, mask_kind=None, seed=4)
-    graph = cuda_graphs.DecodeStepGraph(core, B, torch.device("cpu"))
+    B, calls = 3, 3
+    tokens, state, _, _ = random_problem(model, batch=B, length=steps * calls, mask_kind=None, seed=4)
+    graph = cuda_graphs.StepsGraph(core, B, torch.device("cpu"), steps=steps)
     core.use_fast_path = False
-    expected, reference_state = [], state
-    for t in range(4):
-        out, reference_state, gamma = core.recurrence(tokens[:, t : t + 1], reference_state, None, output_memory_decays=True)
-        expected.append((out[:, 0], *reference_state, gamma[:, 0]))
-    memory_addresses, graph_state = [], state
-    for t in range(4):
-        p, graph_state, gamma = graph(tokens[:, t], graph_state)
-        for got, want in zip((p, *graph_state, gamma), expected[t]):
+    memory_addresses, graph_state, reference_state = [], state, state
+    for call in range(calls):
+        window = tokens[:, call * steps : (call + 1) * steps]
+        expected, reference_state, expected_gammas = core.recurrence(window, reference_state, None, output_memory_decays=True)
+        outputs, graph_state, gammas = graph(window, graph_state)
+        for got, want in zip((outputs, *graph_state, gammas), (expected, *reference_state, expected_gammas)):
             torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-4)
         memory_addresses.append(graph_state[2].data_ptr())
-    # two slots, alternating: the state handed back was not copied, the next step ran the other direction
-    assert memory_addresses[0] == memory_addresses[2] != memory_addresses[1] == memory_addresses[3]
+    # two slots: the state handed back was not copied, the next call started from that slot
+    if steps % 2:
+        assert memory_addresses[0] == memory_addresses[2] != memory_addresses[1]
+    else:
+        assert memory_addresses[0] == memory_addresses[1] == memory_addresses[2]
 
-    # a step after the first: no allocation, no host sync, every intermediate in the same buffers
     recorder = OpRecorder()
     real_launch = tk._launch
 
@@ -394,6 +397,25 @@ def test_decode_graph_step_runs_on_static_buffers_without_allocation_or_host_syn
 
 
 @torch.no_grad()
+def test_a_window_through_graph_chunks_equals_plain(triton_on, monkeypatch):
+    """A no-grad window with GPN_CUDA_GRAPHS=1: chunks of WINDOW_CHUNK steps, then single steps."""
+    from modeling_gpn import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "WINDOW_CHUNK", 2)
+    model = perturbed_model(tiny_config(num_predict_layers=2), seed=13)
+    core = model.model
+    tokens, state, _, _ = random_problem(model, batch=3, length=5, mask_kind=None, seed=6)
+    core.use_fast_path = False
+    expected = core.recurrence(tokens, state, None, output_memory_decays=True)
+    core.use_fast_path = True
+    monkeypatch.setenv("GPN_CUDA_GRAPHS", "1")
+    got = core.recurrence(tokens, state, None, output_memory_decays=True)
+    for a, b in zip((got[0], *got[1], got[2]), (expected[0], *expected[1], expected[2])):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-4)
+    assert {key[2] for key in core._gpn_graphs} == {1, 2}  # two chunks of 2 steps, then one single step
+
+
+@torch.no_grad()
 def test_generate_through_the_decode_graph_equals_plain(triton_on, monkeypatch):
     """generate() with GPN_CUDA_GRAPHS=1: every decoded token goes through the static-buffer step."""
     model = perturbed_model(tiny_config(), seed=12)
@@ -404,4 +426,4 @@ def test_generate_through_the_decode_graph_equals_plain(triton_on, monkeypatch):
     monkeypatch.setenv("GPN_CUDA_GRAPHS", "1")
     fast = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(fast, plain)
-    assert getattr(model.model, "_gpn_decode_graph", None) is not None  # the graph step ran
+    assert getattr(model.model, "_gpn_graphs", None)  # the graph steps ran
