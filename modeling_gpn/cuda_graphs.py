@@ -44,7 +44,19 @@ def wanted(model, token_inputs: torch.Tensor) -> bool:
     (`model.use_cuda_graphs` or GPN_CUDA_GRAPHS=1) and the Triton backend selected (on CUDA; on CPU only
     when forced through Triton's interpreter, where the same static steps run without a graph: the tests)."""
     asked = getattr(model, "use_cuda_graphs", False) or os.environ.get("GPN_CUDA_GRAPHS") == "1"
-    return bool(asked) and triton_selected(token_inputs)
+    return bool(asked) and sizes_fit(model.config) and triton_selected(token_inputs)
+
+
+def sizes_fit(config) -> bool:
+    """Whether the Triton step takes this model's sizes (the graphs have no torch-ops fallback inside)."""
+    from .triton_kernels import MAX_KEY_BLOCK, MAX_ROW_BLOCK
+
+    widths = [config.hidden_size, config.intermediate_size]
+    if config.use_memory:
+        widths.append(config.num_memory_heads * config.memory_value_dim)
+        if config.memory_key_dim > MAX_KEY_BLOCK:
+            return False
+    return max(widths) <= MAX_ROW_BLOCK
 
 
 class StepsGraph:

@@ -20,8 +20,9 @@ Kernels (contracts are those of the named torch functions in `fast_recurrence`):
 `step` is `fast_recurrence._step` on these kernels (same arguments, same results, same records).
 
 When they run (`selected`): on CUDA tensors when triton imports, unless `GPN_TRITON=0`; on CPU only when
-forced with `GPN_TRITON=1` *and* Triton's interpreter is on (`TRITON_INTERPRET=1`, read when the kernels are
-first built: set it before the first call), which is how the tests run them without a GPU. Every kernel
+forced with `GPN_TRITON=1` *and* Triton's interpreter is on (`TRITON_INTERPRET=1`, which Triton reads when
+it decorates a function, and importing torch already imports triton.language: set it before Python starts,
+as tests/conftest.py does), which is how the tests run them without a GPU. Every kernel
 also checks its inputs (`usable_*`: float32, contiguous where needed, sizes within the block limits) and the
 step falls back to the torch ops when they do not fit, never computing garbage.
 
@@ -33,8 +34,9 @@ The backward twin, `step_backward`, is `fast_recurrence._step_backward` on kerne
     ground_gate_backward    through g = sigmoid(z) p + u to z
 (A masked step, where padding splits the gradients, runs `_step_backward`, with the memory kernels.)
 
-This file ships to the Hub with the model: it imports only torch, typing and the standard library (and triton, lazily, when a
-kernel is first used; CPU users never need it).
+This file ships to the Hub with the model: it imports only torch, typing and the standard library; the
+kernels themselves (`triton_jit.py`, which needs triton) are imported when first used, so CPU users never
+need triton.
 """
 
 from __future__ import annotations
@@ -51,7 +53,6 @@ MAX_KEY_BLOCK = 256  # largest key dimension a memory program holds at once (nex
 # (benchmarks/triton_compile_check.py reports it)
 VALUE_BLOCK = 32
 MAX_ROW_BLOCK = 16384  # widest row the row-wise kernels hold at once (next power of two)
-L2_NORM_EPS = 1e-12
 
 _kernels = None  # the jitted kernels, built on first use (`_build`)
 _import_error: Optional[str] = None
