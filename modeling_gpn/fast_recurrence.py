@@ -347,7 +347,7 @@ def memory_backend(memory: torch.Tensor, *others: torch.Tensor) -> str:
     float32 CPU tensors with a C compiler, unless GPN_MEMORY_KERNELS=0), else `TORCH_OPS` (the reference)."""
     if triton_selected(memory, *others) and triton_usable_memory(memory, *others):
         return TRITON
-    if memory_kernels_usable(memory):
+    if memory_kernels_usable(memory, *others):
         return C_KERNELS
     return TORCH_OPS
 
