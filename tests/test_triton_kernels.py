@@ -1,10 +1,10 @@
 """The Triton kernels (modeling_gpn/triton_kernels.py) compute what the torch ops of the fast path compute.
 
 No GPU is needed: every test runs the kernels on CPU tensors through Triton's interpreter
-(TRITON_INTERPRET=1, set by the `triton_on` fixture before the kernels are first built) with the Triton
-backend forced (GPN_TRITON=1). Sizes are awkward on purpose: odd batches, key and value dimensions that are
-not multiples of the block sizes (5, 7, 12, and 70 > VALUE_BLOCK, so a ragged second column block), one and
-three heads, masks. Without triton the tests skip; `.ci/run` sets GPN_REQUIRE_TRITON=1, which turns the
+(TRITON_INTERPRET=1, set by tests/conftest.py before torch is imported, since importing torch imports
+triton.language) with the Triton backend forced by the `triton_on` fixture (GPN_TRITON=1). Sizes are
+awkward on purpose: odd batches, key and value dimensions that are not multiples of the block sizes (5, 7,
+12, and 70 = two 32-column blocks of M and a ragged third), one, two and three heads, masks. Without triton the tests skip; `.ci/run` sets GPN_REQUIRE_TRITON=1, which turns the
 skip into a failure so CI cannot pass by skipping.
 """
 
@@ -26,7 +26,8 @@ from .test_fast_path import assert_same, random_problem, run_recurrence
 
 @pytest.fixture
 def triton_on(monkeypatch):
-    """The Triton backend forced on CPU tensors through the interpreter (kernels rebuilt in that mode)."""
+    """The Triton backend forced on CPU tensors through the interpreter (kernels rebuilt in that mode if
+    they were built for a GPU; the interpreter itself must have been on when torch was imported)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("GPN_TRITON", "1")
     if tk._kernels is not None and not tk._built_interpreted:
