@@ -15,6 +15,7 @@ from pathlib import Path
 # when it decorates functions, and importing torch already imports triton.language, so it is set before torch.
 # It changes nothing else on CPU (the fast path uses Triton on CPU only when GPN_TRITON=1 forces it).
 os.environ.setdefault("TRITON_INTERPRET", "1")
+TRITON_INTERPRETER_AT_START = os.environ["TRITON_INTERPRET"].lower() in ("1", "true", "yes", "on")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

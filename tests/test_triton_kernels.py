@@ -20,20 +20,22 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from modeling_gpn import fast_recurrence as fr
 from modeling_gpn import triton_kernels as tk
 
-from .conftest import perturbed_model, tiny_config
+from .conftest import TRITON_INTERPRETER_AT_START, perturbed_model, tiny_config
 from .test_fast_path import assert_same, random_problem, run_recurrence
 
 
 @pytest.fixture
 def triton_on(monkeypatch):
-    """The Triton backend forced on CPU tensors through the interpreter (kernels rebuilt in that mode if
-    they were built for a GPU; the interpreter itself must have been on when torch was imported)."""
+    """The Triton backend forced on CPU tensors through the interpreter (which must have been on when torch
+    was imported: tests/conftest.py sees to it unless TRITON_INTERPRET=0 was set)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("GPN_TRITON", "1")
-    if tk._kernels is not None and not tk._built_interpreted:
-        monkeypatch.setattr(tk, "_kernels", None)  # built for a GPU earlier in this process: rebuild
-    if not tk.available():
+    message = None
+    if not TRITON_INTERPRETER_AT_START:
+        message = "TRITON_INTERPRET was not 1 when torch (and with it triton.language) was imported"
+    elif not tk.available():
         message = f"triton unavailable: {tk.unavailable_reason()}"
+    if message:
         if os.environ.get("GPN_REQUIRE_TRITON") == "1":
             pytest.fail(message)
         pytest.skip(message)
@@ -428,3 +430,28 @@ def test_generate_through_the_decode_graph_equals_plain(triton_on, monkeypatch):
     fast = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(fast, plain)
     assert getattr(model.model, "_gpn_graphs", None)  # the graph steps ran
+
+
+def test_without_triton_the_model_runs_on_the_other_backends():
+    """triton is optional: where it does not import, the backend is the C kernels or torch ops, with the reason
+    on record, and the model runs (in a fresh process where `import triton` fails, even with GPN_TRITON=1)."""
+    import subprocess
+    import sys
+
+    from .conftest import REPO_ROOT
+
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch\n"
+        "from modeling_gpn import fast_recurrence as fr, triton_kernels as tk\n"
+        "from tests.conftest import perturbed_model, tiny_config\n"
+        "assert not tk.available() and 'triton' in tk.unavailable_reason(), tk.unavailable_reason()\n"
+        "assert fr.memory_backend(torch.zeros(6, 8, 16)) != fr.TRITON\n"
+        "model = perturbed_model(tiny_config())\n"
+        "ids = torch.randint(1, 97, (2, 5))\n"
+        "model(ids, labels=ids).loss.backward()\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, GPN_TRITON="1", TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout[-2000:] + result.stderr[-2000:]
