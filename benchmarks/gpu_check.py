@@ -1,15 +1,38 @@
-"""CUDA correctness of the fast path (fast == plain in fp32, bf16 tracks fp32), run by gpu_check.sh.
+"""CUDA correctness of the fast path and its Triton kernels, run by gpu_check.sh (one line per check).
 
-Prints one line per check and exits non-zero if any fails.
+    python benchmarks/gpu_check.py [--out DIR]          correctness (exit 1 if any check fails)
+    python benchmarks/gpu_check.py --decode-timing      + the 130M model's one-token step, graphs on and off
+    python benchmarks/gpu_check.py --summary DIR        the JSON summary of gpu_check.sh's bench runs
+
+Checks: fp32 fast (Triton) == fast (torch ops) == plain, losses and every gradient, for GPN+M, GPN, 2
+layers with bias, segmented + truncated BPTT, with padding masks; that the Triton kernels really ran; bf16
+fast (Triton and torch ops) tracking fp32 plain over 512 tokens, and bf16 training gradients of the two
+backends agreeing; the decode step through a CUDA graph (GPN_CUDA_GRAPHS=1) = plain generate(). Without
+CUDA it says so and exits 2 (gpu_check.sh then runs the CPU-interpreter tests instead).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import sys
+import time
+from pathlib import Path
 
 import torch
 
 from modeling_gpn import GPNConfig, GPNForCausalLM
+from modeling_gpn import triton_kernels as tk
+
+FAILURES: list[str] = []
+
+
+def report(ok: bool, text: str) -> bool:
+    print(f"[{'ok' if ok else 'FAIL'}] {text}", flush=True)
+    if not ok:
+        FAILURES.append(text)
+    return ok
 
 
 def perturbed(config, device, seed=0):
@@ -33,43 +56,225 @@ def tiny(**overrides):
     return GPNConfig(**values)
 
 
-def grads_of(model, fast, ids, mask):
-    model.model.use_fast_path = fast
+DRY_RUN = False  # --dry-run-cpu: the same checks on CPU through Triton's interpreter, short sequences
+
+
+def backend(name: str) -> None:
+    """Select the fast path's backend: 'triton' (the default on CUDA; forced on CPU in a dry run) or 'torch ops'."""
+    os.environ["GPN_TRITON"] = "0" if name == "torch ops" else ("1" if DRY_RUN else "auto")
+
+
+def grads_of(model, path, ids, mask):
+    """(loss, {parameter: gradient}, Triton launches) of one training step on `path`: plain / triton / torch ops."""
+    model.model.use_fast_path = path != "plain"
+    backend("torch ops" if path == "plain" else path)
     model.zero_grad(set_to_none=True)
-    out = model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100), return_logits=not fast)
+    before = sum(tk.launches.values())
+    out = model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100), return_logits=path == "plain")
     out.loss.backward()
-    return out.loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.loss.detach().float(), grads, sum(tk.launches.values()) - before
 
 
-def main() -> int:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    failures = 0
+def worst_relative(a: dict, b: dict) -> float:
+    return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-6)).item() for k in b)
+
+
+def correctness(device: str) -> None:
+    report(tk.available(), f"triton importable and the kernels build: {tk.unavailable_reason() or 'yes'}")
     variants = {"gpn+m": {}, "gpn": dict(use_memory=False), "2l-bias": dict(num_predict_layers=2, use_decoder_bias=True),
-                "gpn+m-seg5-trunc8": dict(bptt_segment_length=5, bptt_truncation_length=8)}
+                "gpn+m-seg5-trunc8": dict(bptt_segment_length=5, bptt_truncation_length=8),
+                "awkward-h1-dk5-dv7": dict(num_memory_heads=1, memory_key_dim=5, memory_value_dim=7)}
     for name, kw in variants.items():
         model = perturbed(tiny(**kw), device).train()
         g = torch.Generator().manual_seed(1)
-        ids = torch.randint(0, 97, (4, 63), generator=g).to(device)
-        mask = (torch.rand(4, 63, generator=g) > 0.2).long().to(device)
-        plain_loss, plain = grads_of(model, False, ids, mask)
-        fast_loss, fast = grads_of(model, True, ids, mask)
-        worst = max(((fast[k] - plain[k]).abs().max() / plain[k].abs().max().clamp_min(1e-6)).item() for k in plain)
-        ok = abs(fast_loss - plain_loss).item() < 1e-4 and worst < 1e-3
-        failures += not ok
-        print(f"[{'ok' if ok else 'FAIL'}] {device} fp32 fast == plain ({name}): loss diff {abs(fast_loss - plain_loss).item():.2e}, worst relative grad diff {worst:.2e}")
+        length = 9 if DRY_RUN else 63
+        ids = torch.randint(0, 97, (3, length), generator=g).to(device)
+        mask = (torch.rand(3, length, generator=g) > 0.2).long().to(device)
+        mask[:, :8] = 1  # some unmasked steps too: those run the Triton backward step
+        plain_loss, plain, _ = grads_of(model, "plain", ids, mask)
+        for path in ("torch ops", "triton"):
+            loss, grads, launches = grads_of(model, path, ids, mask)
+            worst = worst_relative(grads, plain)
+            ok = abs(loss - plain_loss).item() < 1e-4 and worst < 1e-3 and (launches > 0) == (path == "triton")
+            report(ok, f"{device} fp32 fast ({path}) == plain ({name}): loss diff {abs(loss - plain_loss).item():.2e}, "
+                       f"worst relative grad diff {worst:.2e}, Triton launches {launches}")  # fmt: skip
+
+    # bf16 weights (the benchmark's setting): both backends track fp32 plain, and agree with each other
     config = tiny()
     reference = perturbed(config, device, seed=3).eval()
     low = perturbed(config, device, seed=3).to(torch.bfloat16).eval()
-    ids = torch.randint(0, 97, (2, 512), generator=torch.Generator().manual_seed(4)).to(device)
+    length = 24 if DRY_RUN else 512
+    ids = torch.randint(0, 97, (2, length), generator=torch.Generator().manual_seed(4)).to(device)
     with torch.no_grad():
         reference.model.use_fast_path = False
         expected = reference(ids).logits.float().log_softmax(-1)
-        got = low(ids).logits.float().log_softmax(-1)
-    diff = (got - expected).abs()
-    ok = diff.max().item() < 0.1 and diff.mean().item() < 0.02
-    failures += not ok
-    print(f"[{'ok' if ok else 'FAIL'}] {device} bf16 fast vs fp32 plain over 512 tokens: max |dlogp| {diff.max().item():.4f}, mean {diff.mean().item():.5f}")
-    return 1 if failures else 0
+        got = {}
+        for path in ("torch ops", "triton"):
+            backend(path)
+            got[path] = low(ids).logits.float().log_softmax(-1)
+            diff = (got[path] - expected).abs()
+            report(diff.max().item() < 0.1 and diff.mean().item() < 0.02,
+                   f"{device} bf16 fast ({path}) vs fp32 plain over {length} tokens: max |dlogp| {diff.max().item():.4f}, "
+                   f"mean {diff.mean().item():.5f}")  # fmt: skip
+        between = (got["triton"] - got["torch ops"]).abs()
+        report(between.max().item() < 0.05, f"{device} bf16 Triton vs torch ops: max |dlogp| {between.max().item():.4f}")
+    low.train()
+    ids = ids[:, :16] if DRY_RUN else ids[:, :128]
+    mask = torch.ones_like(ids)
+    loss_ops, grads_ops, _ = grads_of(low, "torch ops", ids, mask)
+    loss_tri, grads_tri, _ = grads_of(low, "triton", ids, mask)
+    cosines = [torch.nn.functional.cosine_similarity(grads_tri[k].flatten(), grads_ops[k].flatten(), dim=0).item()
+               for k in grads_ops if grads_ops[k].abs().max() > 0]  # fmt: skip
+    report(abs(loss_tri - loss_ops).item() < 1e-2 and min(cosines) > 0.99,
+           f"{device} bf16 training, Triton vs torch ops: loss diff {abs(loss_tri - loss_ops).item():.2e}, "
+           f"lowest gradient cosine {min(cosines):.4f}")  # fmt: skip
+
+    # the decode step through a CUDA graph = plain generate()
+    model = perturbed(tiny(num_predict_layers=2), device, seed=12).eval()
+    prompt = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(5)).to(device)
+    backend("triton")
+    with torch.no_grad():
+        model.model.use_fast_path = False
+        new = 4 if DRY_RUN else 16
+        plain = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False, pad_token_id=0)
+        model.model.use_fast_path = True
+        os.environ["GPN_CUDA_GRAPHS"] = "1"
+        try:
+            graphed = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False, pad_token_id=0)
+            graphs = [graph for _, graph in getattr(model.model, "_gpn_graphs", {}).values()]
+            ok = torch.equal(graphed, plain) and bool(graphs) and (DRY_RUN or all(g.graphs is not None for g in graphs))
+            report(ok, f"{device} generate() through the captured decode graph == plain: tokens equal {torch.equal(graphed, plain)}")
+            # a longer no-grad window: chunks of WINDOW_CHUNK steps per replay, then single steps
+            ids = torch.randint(1, 97, (2, 70), generator=torch.Generator().manual_seed(6)).to(device)
+            with_graphs = model(ids).logits
+            os.environ.pop("GPN_CUDA_GRAPHS", None)
+            without = model(ids).logits
+            diff = (with_graphs - without).abs().max().item()
+            report(diff < 1e-4, f"{device} a 70-token window through graph chunks == without graphs: max |dlogit| {diff:.2e}")
+        except Exception as error:  # noqa: BLE001 (report and go on: the bench runs without graphs then)
+            report(False, f"{device} decode graph: {type(error).__name__}: {error}")
+        finally:
+            os.environ.pop("GPN_CUDA_GRAPHS", None)
+
+
+def decode_timing(device: str, preset: str = "gpn-m-1l-130m") -> dict:
+    """ms per one-token step of the 130M GPN+M (bf16, batch 1): the graph replay, and the fast path without
+    graphs (`GPNModel.forward` of one token with a cache, what generate() calls per token)."""
+    from modeling_gpn.bench import build_gpn
+    from modeling_gpn.cuda_graphs import graph_of
+
+    model = build_gpn(preset, torch.bfloat16, device, 256).eval()
+    core = model.model
+    backend("triton")
+    figures = {}
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    repeats = 20 if DRY_RUN else 1
+    with torch.no_grad():
+        state = tuple(x.normal_() if x.numel() else x for x in core.zero_state(1, torch.device(device)))
+        u = torch.randn(1, core.config.hidden_size, device=device)
+        graph = graph_of(core, 1, torch.device(device))
+        st = state
+        for _ in range(5):
+            _, st, _ = graph(u, st)
+        sync()
+        start, n = time.perf_counter(), 200 // repeats
+        for _ in range(n):
+            p, st, _ = graph(u, st)
+        sync()
+        figures["graph_step_ms"] = 1e3 * (time.perf_counter() - start) / n
+        ids = torch.randint(1, core.config.vocab_size, (1, 1), device=device)
+        out = model(input_ids=ids, use_cache=True)
+        for graphs in ("0", "1"):
+            os.environ["GPN_CUDA_GRAPHS"] = graphs
+            cache = out.cache
+            for _ in range(5):
+                cache = model(input_ids=ids, cache=cache, use_cache=True).cache
+            sync()
+            start, n = time.perf_counter(), 100 // repeats
+            for _ in range(n):
+                cache = model(input_ids=ids, cache=cache, use_cache=True).cache
+            sync()
+            figures[f"model_forward_one_token_ms_graphs_{'on' if graphs == '1' else 'off'}"] = 1e3 * (time.perf_counter() - start) / n
+        os.environ.pop("GPN_CUDA_GRAPHS", None)
+    for key, value in figures.items():
+        print(f"[time] {preset} bf16 batch 1 {key}: {value:.3f}", flush=True)
+    return figures
+
+
+def summary(folder: Path) -> dict:
+    """One JSON object from gpu_check.sh's outputs: the figures, each target's ratio, met or not."""
+    result: dict = {"correctness": None, "runs": {}, "targets": {}}
+    correctness_file = folder / "correctness.txt"
+    if correctness_file.is_file():
+        text = correctness_file.read_text()
+        result["correctness"] = "FAIL" if "[FAIL]" in text else ("ok" if "[ok]" in text else "did not run")
+    timing_file = folder / "decode_timing.json"
+    if timing_file.is_file():
+        result["decode_step"] = json.loads(timing_file.read_text())
+    for path in sorted(folder.glob("bench_*.json")):
+        rows = {row["impl"]: row for row in json.loads(path.read_text())["rows"]}
+        fast, llama = rows.get("fast"), rows.get("llama")
+        run = {"fast": fast, "llama": llama}
+        if fast and llama:
+            run["train_ratio"] = fast["train_tok_s"] / llama["train_tok_s"]
+            run["forward_ratio"] = fast["forward_tok_s"] / llama["forward_tok_s"]
+        result["runs"][path.stem] = run
+    targets = result["targets"]
+    base = result["runs"].get("bench_16x2048", {})
+    if "train_ratio" in base:
+        targets["train >= 0.25x Llama at 16x2048"] = (round(base["train_ratio"], 3), base["train_ratio"] >= 0.25)
+        targets["forward >= 0.25x Llama"] = (round(base["forward_ratio"], 3), base["forward_ratio"] >= 0.25)
+        prefill = base["fast"]["prefill_tok_s"].get("4096")
+        if prefill:
+            targets["prefill @4096 >= 5000 tok/s"] = (round(prefill), prefill >= 5000)
+        decode = base["fast"]["decode_ms"].get("4096")
+        if decode:
+            targets["generate() ms/token @4096 (reported)"] = (round(decode, 3), None)
+    for stem, run in result["runs"].items():
+        if stem.startswith("bench_large") and "train_ratio" in run:
+            targets[f"train >= 0.5x Llama at the larger batch ({stem})"] = (round(run["train_ratio"], 3), run["train_ratio"] >= 0.5)
+    step = result.get("decode_step", {}).get("graph_step_ms")
+    if step is not None:
+        targets["one-token step <= 0.1 ms (graph replay)"] = (round(step, 4), step <= 0.1)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None, help="folder for decode_timing.json")
+    parser.add_argument("--decode-timing", action="store_true")
+    parser.add_argument("--summary", default=None, help="print the JSON summary of this gpu_check.sh output folder")
+    parser.add_argument("--dry-run-cpu", action="store_true",
+                        help="check this script without a GPU: the correctness checks on CPU through Triton's "
+                             "interpreter (TRITON_INTERPRET=1 must be set before Python starts), short sequences")
+    args = parser.parse_args()
+    if args.dry_run_cpu:
+        global DRY_RUN
+        DRY_RUN = True
+        if not tk.interpreter_on():
+            raise SystemExit("--dry-run-cpu needs TRITON_INTERPRET=1 in the environment")
+        correctness("cpu")
+        decode_timing("cpu", preset="tiny")  # (the code path only: CPU-interpreter times mean nothing)
+        print(f"{len(FAILURES)} check(s) failed" if FAILURES else "all checks passed", flush=True)
+        return 1 if FAILURES else 0
+    if args.summary:
+        print(json.dumps(summary(Path(args.summary)), indent=1, default=str))
+        return 0
+    if not torch.cuda.is_available():
+        print("no CUDA device: the GPU correctness checks did not run (see tests/test_triton_kernels.py for the "
+              "CPU-interpreter ones)", flush=True)  # fmt: skip
+        return 2
+    correctness("cuda")
+    if args.decode_timing:
+        try:
+            figures = decode_timing("cuda")
+            if args.out:
+                Path(args.out, "decode_timing.json").write_text(json.dumps(figures))
+        except Exception as error:  # noqa: BLE001
+            report(False, f"decode timing: {type(error).__name__}: {error}")
+    print(f"{len(FAILURES)} check(s) failed" if FAILURES else "all checks passed", flush=True)
+    return 1 if FAILURES else 0
 
 
 if __name__ == "__main__":

@@ -42,8 +42,17 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from .cuda_graphs import wanted as graph_wanted
+from .cuda_graphs import window_forward as graph_window_forward
 from .memory_kernels import MemoryStep, memory_step, memory_write_backward
 from .memory_kernels import usable as memory_kernels_usable
+from .triton_kernels import memory_step as triton_memory_step
+from .triton_kernels import memory_write_backward as triton_memory_write_backward
+from .triton_kernels import selected as triton_selected
+from .triton_kernels import step as triton_step
+from .triton_kernels import step_backward as triton_step_backward
+from .triton_kernels import usable_memory as triton_usable_memory
+from .triton_kernels import usable_step as triton_usable_step
 
 WEIGHT_GRAD_ROWS = 512  # rows (steps x batch) whose weight gradients are computed together in one matmul
 L2_NORM_EPS = 1e-12
@@ -325,6 +334,40 @@ def columns_of(s: Shapes) -> Columns:
 
 
 # --------------------------------------------------------------------------------------------------
+# Backends: which implementation runs a step's fused parts
+# --------------------------------------------------------------------------------------------------
+
+TRITON, C_KERNELS, TORCH_OPS = "triton", "c kernels", "torch ops"
+
+
+def memory_backend(memory: torch.Tensor, *others: torch.Tensor) -> str:
+    """Who runs the memory half of a step (and its gradient) for M (BH, dk, dv) and the other inputs:
+    `TRITON` (`triton_kernels`: CUDA tensors with triton installed, unless GPN_TRITON=0; on CPU only when
+    forced with GPN_TRITON=1 under TRITON_INTERPRET=1, as the tests do), else `C_KERNELS` (`memory_kernels`:
+    float32 CPU tensors with a C compiler, unless GPN_MEMORY_KERNELS=0), else `TORCH_OPS` (the reference)."""
+    if triton_selected(memory, *others) and triton_usable_memory(memory, *others):
+        return TRITON
+    if memory_kernels_usable(memory, *others):
+        return C_KERNELS
+    return TORCH_OPS
+
+
+def step_function(state: "StepState", u: torch.Tensor, w: FoldedWeights, s: Shapes):
+    """The function running one forward step of a window: `triton_kernels.step` (the whole step's elementwise
+    work fused into Triton kernels) when the Triton backend is selected and takes these inputs, else `_step`."""
+    if triton_selected(state.p, u) and triton_usable_step(state, u, w, s):
+        return triton_step
+    return _step
+
+
+def step_backward_function(U: torch.Tensor):
+    """The function running one backward step: `triton_kernels.step_backward` when the Triton backend is
+    selected for the window's inputs `U` (it hands any step it cannot take to `_step_backward`), else
+    `_step_backward`."""
+    return triton_step_backward if triton_selected(U) else _step_backward
+
+
+# --------------------------------------------------------------------------------------------------
 # One step forward (optionally keeping what its backward needs)
 # --------------------------------------------------------------------------------------------------
 
@@ -425,7 +468,9 @@ def _step(
         old_flat = memory.view(B * H, dk, dv)
         memory_flat = memory_out.view(B * H, dk, dv) if memory_out is not None else torch.empty_like(old_flat)
         # the memory half of the step: one C kernel (one head at a time) on CPU, else the same in torch ops
-        memory_half = memory_step if memory_kernels_usable(memory) else _memory_step_torch
+        memory_half = {TRITON: triton_memory_step, C_KERNELS: memory_step, TORCH_OPS: _memory_step_torch}[
+            memory_backend(old_flat, Z, key)
+        ]
         half = memory_half(Z, c, key, w.neg_decay_rate, old_flat, memory_flat, eps)
         gamma, read, normed_read = half.gamma, half.read, half.normed_read
         new_memory = memory_flat.view(B, H, dk, dv)
@@ -585,7 +630,10 @@ def _step_backward(
         # every layer's query; layer 0's is kq[:, 1]
         queries = torch.stack([kq[:, 1]] + [saved["layers"][i]["q"] for i in range(1, s.layers)])
         # through the write and the reads of M': one C kernel (one head at a time) on CPU, else torch ops
-        write_backward = memory_write_backward if memory_kernels_usable(old) else _memory_write_backward_torch
+        write_backward = {
+            TRITON: triton_memory_write_backward, C_KERNELS: memory_write_backward,
+            TORCH_OPS: _memory_write_backward_torch,
+        }[memory_backend(old, d_new_memory)]  # fmt: skip
         d_update, d_k, d_decay_factor, dq0, d_error = write_backward(
             d_new_memory.reshape(B * H, dk, dv), old, queries, torch.stack(d_read_of), k, update, decay_factor,
             sig_beta, dM,
@@ -636,10 +684,11 @@ def _run_steps(
     slot), n = stop - start keeps every M' of the run for its records."""
     c = columns_of(s)
     masked_steps = set() if mask is None else {t for t, full in enumerate(mask.all(0).tolist()) if not full}
+    step = step_function(state, U[:, start], w, s) if stop > start else _step
     for t in range(start, stop):
         saved = {} if records is not None else None
         out = None if memory_buffer is None else memory_buffer[(t - start) % memory_buffer.shape[0]]
-        state, gamma = _step(state, U[:, t], mask[:, t] if t in masked_steps else None, w, s, c, eps, saved, out)
+        state, gamma = step(state, U[:, t], mask[:, t] if t in masked_steps else None, w, s, c, eps, saved, out)
         if records is not None:
             records.append(saved)
         if outputs is not None:
@@ -771,6 +820,7 @@ class GPNRecurrenceFunction(torch.autograd.Function):
         c = columns_of(s)
         memory_grads = U.new_empty(2, *first.memory.shape) if s.memory else None  # alternating dL/dM slots
         seg = segment or T
+        step_backward = step_backward_function(U)
         for index in reversed(range(len(ctx.boundaries))):
             start = index * seg
             stop = min(start + seg, T)
@@ -787,7 +837,7 @@ class GPNRecurrenceFunction(torch.autograd.Function):
                 if dP is not None:
                     grads = grads._replace(p=grads.p + dP[:, t])
                 out = None if memory_grads is None else memory_grads[t % 2]
-                grads, dU[:, t] = _step_backward(record, grads, wt, s, c, eps, weight_grads, out)
+                grads, dU[:, t] = step_backward(record, grads, wt, s, c, eps, weight_grads, out)
                 if truncation and t % truncation == 0 and t > 0:
                     # the state is cut here, the weights are not: the key of step t (from g_{t-1}) still
                     # contributes to the key projection's gradient, but nothing flows into g_{t-1}
@@ -920,6 +970,9 @@ def fast_recurrence(
         token_inputs.requires_grad or any(x.requires_grad for x in state) or any(q.requires_grad for q in model.parameters())
     )
     if not needs_grad:
+        if mask is None and graph_wanted(model, token_inputs):  # CUDA graphs (decoding: one replay a token)
+            with torch.no_grad():
+                return graph_window_forward(model, token_inputs.float(), (p0, g0, M0), output_memory_decays)
         with torch.no_grad():
             w = cached_folded_weights(model, rows=B)
             outputs = torch.empty(B, T, s.hidden, dtype=torch.float32, device=token_inputs.device)

@@ -11,8 +11,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-import torch
+# Triton's interpreter runs the Triton kernels on CPU tensors (tests/test_triton_kernels.py). Triton reads this
+# when it decorates functions, and importing torch already imports triton.language, so it is set before torch.
+# It changes nothing else on CPU (the fast path uses Triton on CPU only when GPN_TRITON=1 forces it).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+TRITON_INTERPRETER_AT_START = os.environ["TRITON_INTERPRET"].lower() in ("1", "true", "yes", "on")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DIR = Path(os.environ.get("GPN_SHARED_DIR", REPO_ROOT.parent / "shared")).resolve()

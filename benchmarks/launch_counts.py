@@ -1,0 +1,143 @@
+"""Kernel launches per step of the fast path: the torch-ops path (what CUDA ran before the Triton kernels)
+against the Triton path, forward and backward, counted on CPU.
+
+A GPU runs one kernel per aten op that computes something (a matmul, an elementwise op, a copy, a
+reduction); view and allocation ops (`view`, `slice`, `empty`, ...) launch nothing. So the launches of a
+step are counted as the non-view, non-allocating aten ops it dispatches (a `TorchDispatchMode`), plus, on
+the Triton path, its Triton kernel launches (counted by `triton_kernels`; the interpreter's own host copies
+are not counted). Runs on CPU through Triton's interpreter, no GPU needed:
+
+    TRITON_INTERPRET=1 python benchmarks/launch_counts.py [--layers 1 2] [--json out.json]
+
+Prints one table row per (model, path, direction) and the ops behind each count.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before torch (which imports triton.language)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+from collections import Counter  # noqa: E402
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from modeling_gpn import GPNConfig, GPNForCausalLM  # noqa: E402
+from modeling_gpn import fast_recurrence as fr  # noqa: E402
+from modeling_gpn import triton_kernels as tk  # noqa: E402
+
+NO_LAUNCH = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "detach"}
+
+
+class LaunchCounter(TorchDispatchMode):
+    """Counts the aten ops that launch a kernel on a GPU (not views, not allocations), by op name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter = Counter()
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not self.paused and not func.is_view and name not in NO_LAUNCH:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count(fn, counter_mode: LaunchCounter):
+    """aten launches and Triton launches of fn()."""
+    real_launch = tk._launch
+
+    def launch(*args, **kwargs):  # the interpreter copies tensors to and from numpy: not launches
+        counter_mode.paused = True
+        try:
+            return real_launch(*args, **kwargs)
+        finally:
+            counter_mode.paused = False
+
+    tk._launch = launch
+    before = tk.launches.copy()
+    try:
+        with counter_mode:
+            fn()
+    finally:
+        tk._launch = real_launch
+    return counter_mode.ops, tk.launches - before
+
+
+def model_of(layers: int, dtype: torch.dtype) -> GPNForCausalLM:
+    torch.manual_seed(0)
+    config = GPNConfig(vocab_size=97, hidden_size=48, embedding_size=32, intermediate_size=64, num_memory_heads=3,
+                       memory_key_dim=8, memory_value_dim=16, num_predict_layers=layers)  # fmt: skip
+    return GPNForCausalLM(config).to(dtype).eval()
+
+
+def one_step(model, triton: bool, backward: bool):
+    """(aten launches, Triton launches) of one forward step, or of one backward step (`backward`)."""
+    os.environ["GPN_TRITON"] = "1" if triton else "0"
+    os.environ["GPN_MEMORY_KERNELS"] = "0"  # the CPU C kernels are not what a GPU runs
+    core = model.model
+    B = 4
+    s = fr.shapes_of(core, B)
+    c = fr.columns_of(s)
+    eps = core.config.rms_norm_eps
+    with torch.no_grad():
+        w = fr.fold_weights(core)  # (not prepacked: CUDA never packs)
+        p, g, M = (torch.randn(x.shape) for x in core.zero_state(B, torch.device("cpu")))
+        state = fr.StepState(p, g, fr.key_from_grounded(g, w, s, eps), M)
+        u = torch.randn(B, 3, s.hidden)[:, 1]
+        step = fr.step_function(state, u, w, s)
+        assert (step is tk.step) == triton, "the path asked for did not run"
+        memory_out = torch.empty_like(M)
+        if not backward:
+            return count(lambda: step(state, u, None, w, s, c, eps, None, memory_out), LaunchCounter())
+        saved = {}
+        new_state, _ = step(state, u, None, w, s, c, eps, saved, memory_out)
+        wt = fr.transpose_weights(w)
+        weight_grads = fr._WeightGrads(w, B)
+        grads = fr.StepState(*(torch.randn(x.shape) for x in new_state))
+        grad_out = torch.empty_like(M)
+        step_backward = fr.step_backward_function(u)
+        assert (step_backward is tk.step_backward) == triton, "the path asked for did not run"
+        return count(lambda: step_backward(saved, grads, wt, s, c, eps, weight_grads, grad_out), LaunchCounter())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="weight dtypes")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if not tk.available():
+        raise SystemExit(f"triton unavailable: {tk.unavailable_reason()}")
+    if not tk.interpreter_on():
+        raise SystemExit("set TRITON_INTERPRET=1 (CPU tensors run through Triton's interpreter)")
+    rows, details = [], {}
+    for dtype in args.dtypes:
+        for layers in args.layers:
+            model = model_of(layers, getattr(torch, dtype))
+            for direction in ("forward", "backward"):
+                for path in ("torch ops", "triton"):
+                    aten, triton = one_step(model, path == "triton", direction == "backward")
+                    total = sum(aten.values()) + sum(triton.values())
+                    rows.append(dict(model=f"GPN+M {layers}L", dtype=dtype, direction=direction, path=path,
+                                     aten=sum(aten.values()), triton=sum(triton.values()), launches=total))  # fmt: skip
+                    details[f"{layers}L {dtype} {direction} {path}"] = dict(aten=dict(aten.most_common()), triton=dict(triton))
+    print("| model | weights | step | path | aten launches | Triton launches | launches per step |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['dtype']} | {r['direction']} | {r['path']} | {r['aten']} | {r['triton']} | {r['launches']} |")
+    print()
+    for key, value in details.items():
+        print(f"{key}: aten {value['aten']}  triton {value['triton']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(rows=rows, details=details), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

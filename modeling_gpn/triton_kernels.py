@@ -1,0 +1,505 @@
+"""Triton kernels for the GPN fast path on GPU (optional: the torch ops in `fast_recurrence` compute the same
+and are the reference the tests compare against).
+
+Why: on a GPU a step of the torch-ops path is a few dozen tiny kernel launches (elementwise ops on a few
+rows, the memory's write and read each as several passes over M), so it is bound by launch overhead, not
+by the GPU. These kernels fuse each stretch of elementwise work between two matmuls into one launch, and the
+memory half of a step (and the gradient of the write and reads) into one launch per step, one program per
+(row, head) as the CPU C kernels in `memory_kernels.py` run one head per iteration. The matmuls stay
+torch.matmul (cuBLAS): they are the bulk of the work and are already one launch each.
+
+Kernels (contracts are those of the named torch functions in `fast_recurrence`):
+    memory_step            `_memory_step_torch`: relu + l2 of key and query, gates, the write
+                           M' = e^gamma M + k (beta (v - M^T k))^T, layer 0's read M'^T q; then rms of the read
+    memory_write_backward  `_memory_write_backward_torch`: gradients through the write and the reads of M'
+    memory_read            a layer above 0 reading M': l2(relu(query)), M'^T q, rms of the read
+    unit_rms               x / sqrt(mean(x^2) + eps) per row
+    ground                 sig = sigmoid(z + b);  g = sig * p + u;  rms(g)
+    predict_input          X = [silu(a) b | silu(r) rms(read)]
+    gated_residual         state' = Y + sigmoid(gate) * state
+`step` is `fast_recurrence._step` on these kernels (same arguments, same results, same records).
+
+When they run (`selected`): on CUDA tensors when triton imports, unless `GPN_TRITON=0`; on CPU only when
+forced with `GPN_TRITON=1` *and* Triton's interpreter is on (`TRITON_INTERPRET=1`, which Triton reads when
+it decorates a function, and importing torch already imports triton.language: set it before Python starts,
+as tests/conftest.py does), which is how the tests run them without a GPU. Every kernel
+also checks its inputs (`usable_*`: float32, contiguous where needed, sizes within the block limits) and the
+step falls back to the torch ops when they do not fit, never computing garbage.
+
+The backward twin, `step_backward`, is `fast_recurrence._step_backward` on kernels of the same kind:
+    predict_layer_backward  through the gated residual and X (gradients of gate, FFN, read gate and read)
+    memory_read_backward    a layer above 0: dq = M' d_read, through l2(relu(.)) into its query columns
+    memory_gates_backward   after memory_write_backward: the gate, value, key and query columns of dZ
+    rms_backward            acc [* mul] [+ acc2] + the gradient through rms(x) (and rms(x) itself)
+    ground_gate_backward    through g = sigmoid(z) p + u to z
+(A masked step, where padding splits the gradients, runs `_step_backward`, with the memory kernels.)
+
+This file ships to the Hub with the model: it imports only torch, typing and the standard library; the
+kernels themselves (`triton_jit.py`, which needs triton) are imported when first used, so CPU users never
+need triton.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from typing import Optional
+
+import torch
+
+MAX_KEY_BLOCK = 256  # largest key dimension a memory program holds at once (next power of two)
+# columns of M a memory program handles per iteration of its loop over the value dimension: with 128 key
+# rows, 64 columns spill registers on sm_90 (2.7 KB per program in the write backward), 32 do not
+# (benchmarks/triton_compile_check.py reports it)
+VALUE_BLOCK = 32
+MAX_ROW_BLOCK = 16384  # widest row the row-wise kernels hold at once (next power of two)
+
+_kernels = None  # the jitted kernels, built on first use (`_build`)
+_import_error: Optional[str] = None
+_built_interpreted = False  # whether the kernels were built for Triton's interpreter (CPU tensors)
+launches: Counter = Counter()  # Triton kernel launches so far, by kernel (tests and benchmarks/launch_counts.py)
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def interpreter_on() -> bool:
+    """Whether Triton's CPU interpreter is requested (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def available() -> bool:
+    """Whether triton imports and the kernels build (building them on first call)."""
+    return _build() is not None
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why `available()` is False (None when it is True)."""
+    _build()
+    return _import_error
+
+
+def selected(*tensors: torch.Tensor) -> bool:
+    """Whether the fast path should use these kernels for tensors like these (see the module docstring):
+    CUDA tensors unless GPN_TRITON=0; CPU tensors only with GPN_TRITON=1 under TRITON_INTERPRET=1; never
+    under torch.compile (it traces the torch ops instead)."""
+    setting = os.environ.get("GPN_TRITON", "auto")
+    if setting == "0" or torch.compiler.is_compiling() or not tensors:
+        return False
+    devices = {t.device.type for t in tensors}
+    if devices == {"cuda"}:
+        wanted = not interpreter_on()  # the interpreter cannot run on CUDA tensors
+    elif devices == {"cpu"}:
+        wanted = setting == "1" and interpreter_on()
+    else:
+        wanted = False
+    return wanted and available()
+
+
+def _float32(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 for t in tensors)
+
+
+def usable_memory(memory: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether the memory kernels take M (BH, dk, dv) and these tensors: float32, M contiguous, one device,
+    dk within `MAX_KEY_BLOCK`."""
+    if memory.dim() != 3 or not memory.is_contiguous() or not _float32(memory, *others):
+        return False
+    if any(t.device != memory.device for t in others):
+        return False
+    return 0 < memory.shape[1] <= MAX_KEY_BLOCK and memory.shape[2] > 0
+
+
+def usable_rows(*tensors: torch.Tensor) -> bool:
+    """Whether the row-wise kernels take these (rows, width) tensors: float32, unit column stride, one
+    device, width within `MAX_ROW_BLOCK`."""
+    return (
+        _float32(*tensors)
+        and all(t.dim() == 2 and t.stride(1) == 1 and t.shape[1] <= MAX_ROW_BLOCK for t in tensors)
+        and len({t.device for t in tensors}) == 1
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# The kernels (in triton_jit.py, imported when first needed: importing this file never needs triton, and
+# TRITON_INTERPRET is read at that moment)
+# --------------------------------------------------------------------------------------------------
+
+
+def _build():
+    """The kernels (`triton_jit`), imported on first call; None (with `_import_error` set) without triton."""
+    global _kernels, _import_error, _built_interpreted
+    if _kernels is not None or _import_error is not None:
+        return _kernels
+    try:
+        from .triton_jit import KERNELS
+    except ImportError as error:  # CPU installs without triton: the torch ops still work
+        _import_error = str(error)
+        return None
+    _built_interpreted = interpreter_on()
+    _kernels = KERNELS
+    return _kernels
+
+
+def _launch(name: str, grid: int, *args, **meta) -> None:
+    kernel = _build()
+    if kernel is None:
+        raise RuntimeError(f"the GPN Triton kernels are unavailable: {_import_error}")
+    launches[name] += 1
+    kernel[name][(grid,)](*args, **meta)
+
+
+def _empty(ws: Optional[dict], name: str, *shape: int, device, dtype=torch.float32) -> torch.Tensor:
+    """A buffer for an intermediate result: fresh, or with a workspace `ws` (a dict), the one made for
+    `name` on the first call (the static buffers a captured CUDA graph replays into; see `cuda_graphs`)."""
+    if ws is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    buffer = ws.get(name)
+    if buffer is None or buffer.shape != shape or buffer.dtype != dtype or buffer.device != torch.device(device):
+        buffer = ws[name] = torch.empty(shape, dtype=dtype, device=device)
+    return buffer
+
+
+def _value_block(dv: int) -> int:
+    return min(_next_power_of_two(dv), VALUE_BLOCK)
+
+
+# --------------------------------------------------------------------------------------------------
+# Python entry points, with the contracts of the torch ops in fast_recurrence
+# --------------------------------------------------------------------------------------------------
+
+
+def unit_rms(x: torch.Tensor, eps: float, out: Optional[torch.Tensor] = None, ws=None, name="rms") -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) per row of a (rows, width) float32 tensor (unit column stride)."""
+    rows, width = x.shape
+    out = _empty(ws, name, rows, width, device=x.device) if out is None else out
+    _launch("unit_rms", rows, x, x.stride(0), out, out.stride(0), width, eps, BLOCK=_next_power_of_two(width))
+    return out
+
+
+def memory_step(Z, c, key, neg_decay_rate, memory, memory_out, eps: float, ws: Optional[dict] = None):
+    """`fast_recurrence._memory_step_torch` (and `memory_kernels.memory_step`) in two launches: the memory
+    half of a step per (row, head), then the read's RMS norm per row. Same arguments, same `MemoryStep`."""
+    from .memory_kernels import MemoryStep
+
+    heads, dk, dv = memory.shape
+    rows = Z.shape[0]
+    H = heads // rows
+    if Z.stride(1) != 1 or key.stride(1) != 1 or heads != rows * H or memory_out.shape != memory.shape:
+        raise ValueError("Z and key must have unit column stride, and M one (dk, dv) matrix per row and head")
+    if not memory_out.is_contiguous() or not memory.is_contiguous():
+        raise ValueError("M and the output buffer must be contiguous")
+    if neg_decay_rate.dtype != torch.float32 or not neg_decay_rate.is_contiguous():
+        neg_decay_rate = neg_decay_rate.float().contiguous()
+    shapes = dict(
+        kq_raw=(heads, 2, dk), kq=(heads, 2, dk), kq_inv=(heads, 2, 1), softplus_decay=(rows, H), gamma=(rows, H),
+        decay_factor=(heads, 1), sig_beta=(heads, 1), error=(heads, dv), update=(heads, dv), read=(rows, H * dv),
+        normed_read=(rows, H * dv),
+    )  # fmt: skip
+    out = MemoryStep(*(_empty(ws, name, *shape, device=memory.device) for name, shape in shapes.items()))
+    _launch(
+        "memory_step", heads, Z, Z.stride(0), c.value.start, c.beta.start, c.decay.start, c.write + c.query.start,
+        key, key.stride(0), neg_decay_rate, memory, memory_out, *out[:10], H, dk, dv,
+        BLOCK_K=_next_power_of_two(dk), BLOCK_V=_value_block(dv),
+    )  # fmt: skip
+    unit_rms(out.read, eps, out=out.normed_read)
+    return out
+
+
+def memory_read(query: torch.Tensor, memory: torch.Tensor, ws: Optional[dict] = None, name: str = "read"):
+    """A layer's read of M' (BH, dk, dv) with its query pre-activation (B, H*dk, unit column stride):
+    (q_raw, q, q_inv, read) with q = l2(relu(query)) per head (BH, dk), q_inv (BH, 1) and read = M'^T q (B, H*dv)."""
+    heads, dk, dv = memory.shape
+    rows = query.shape[0]
+    empty = lambda part, *shape: _empty(ws, f"{name}.{part}", *shape, device=memory.device)  # noqa: E731
+    q_raw, q, q_inv = empty("q_raw", heads, dk), empty("q", heads, dk), empty("q_inv", heads, 1)
+    read = empty("read", rows, heads // rows * dv)
+    _launch("memory_read", heads, query, query.stride(0), memory, q_raw, q, q_inv, read, heads // rows, dk, dv,
+            BLOCK_K=_next_power_of_two(dk), BLOCK_V=_value_block(dv))  # fmt: skip
+    return q_raw, q, q_inv, read
+
+
+def memory_write_backward(memory_grad, memory, queries, read_grads, k, update, a, beta, memory_grad_out):
+    """`fast_recurrence._memory_write_backward_torch` (and `memory_kernels.memory_write_backward`) in one
+    launch, one program per (row, head). Same arguments, same results: (d_update, d_k, d_a, dq of layer 0,
+    d_error), and dL/dM written into `memory_grad_out` (which may not be `memory_grad`)."""
+    heads, dk, dv = memory.shape
+    if memory_grad_out.shape != memory.shape or not memory_grad_out.is_contiguous():
+        raise ValueError(f"output buffer must be a contiguous {tuple(memory.shape)} tensor")
+    if memory_grad_out.data_ptr() == memory_grad.data_ptr():
+        raise ValueError("memory_grad_out must not be memory_grad")
+    if k.stride(-1) != 1:  # k may be a row-strided view (the key half of the step's kq record)
+        k = k.contiguous()
+    memory_grad, memory, queries, read_grads, update, a, beta = (
+        t.contiguous() for t in (memory_grad, memory, queries, read_grads, update, a, beta)
+    )
+    empty = lambda *shape: torch.empty(shape, dtype=torch.float32, device=memory.device)  # noqa: E731
+    d_update, d_error, d_k, d_a, dq = empty(heads, dv), empty(heads, dv), empty(heads, dk), empty(heads), empty(heads, dk)
+    _launch(
+        "memory_write_backward", heads, memory_grad, memory, memory_grad_out, queries, read_grads, k, k.stride(0),
+        update, a, beta, d_update, d_k, d_a, dq, d_error, heads, dk, dv,
+        LAYERS=queries.shape[0], BLOCK_K=_next_power_of_two(dk), BLOCK_V=_value_block(dv),
+    )  # fmt: skip
+    return d_update, d_k, d_a, dq, d_error
+
+
+def ground(z_fg: torch.Tensor, bias: torch.Tensor, p: torch.Tensor, u: torch.Tensor, eps: float, ws=None):
+    """(sig, g, rms(g)) with sig = sigmoid(z_fg + bias), g = sig * p + u; z_fg and p contiguous (B, d),
+    u (B, d) with unit column stride (a column of the window's inputs)."""
+    rows, width = p.shape
+    sig, g, a_g = (_empty(ws, name, rows, width, device=p.device) for name in ("sig_fg", "grounded", "a_g"))
+    _launch("ground", rows, z_fg, bias, p, u, u.stride(0), sig, g, a_g, width, eps, BLOCK=_next_power_of_two(width))
+    return sig, g, a_g
+
+
+def predict_input(part: torch.Tensor, c, normed_read: Optional[torch.Tensor], inter: int, ws=None, name="X") -> torch.Tensor:
+    """X = [silu(a) b | silu(read_gate) normed_read] (B, f (+ H*dv)) from a layer's projections `part`."""
+    rows = part.shape[0]
+    read_width = 0 if normed_read is None else normed_read.shape[1]
+    X = _empty(ws, name, rows, inter + read_width, device=part.device)
+    normed = X if normed_read is None else normed_read.contiguous()
+    col_r = 0 if normed_read is None else c.read_gate.start
+    _launch("predict_input", rows, part, part.stride(0), c.ffn_a.start, c.ffn_b.start, col_r, normed, X, inter,
+            read_width, BLOCK_F=min(_next_power_of_two(inter), 1024), BLOCK_R=min(_next_power_of_two(max(read_width, 1)), 1024))  # fmt: skip
+    return X
+
+
+def gated_residual(Y: torch.Tensor, part: torch.Tensor, c, state: torch.Tensor, ws=None, name="state") -> torch.Tensor:
+    """state' = Y + sigmoid(part[:, gate]) * state, (B, d)."""
+    rows, width = state.shape
+    out = _empty(ws, name, rows, width, device=state.device)
+    _launch("gated_residual", rows, Y, part, part.stride(0), c.gate.start, state, out, width,
+            BLOCK=min(_next_power_of_two(width), 1024))  # fmt: skip
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# One step on the kernels
+# --------------------------------------------------------------------------------------------------
+
+
+def usable_step(state, u: torch.Tensor, w, s) -> bool:
+    """Whether `step` takes this state, token input and weights (else the step runs on torch ops)."""
+    p, g, key, memory = state
+    if not (p.is_contiguous() and g.is_contiguous() and usable_rows(p, g, u)):
+        return False
+    if s.memory:
+        flat = memory.reshape(-1, s.key_dim, s.value_dim)
+        if not (usable_memory(flat, key) and key.stride(1) == 1 and key.shape[1] <= MAX_ROW_BLOCK):
+            return False
+        if s.heads * s.value_dim > MAX_ROW_BLOCK:
+            return False
+    return True
+
+
+def _product(x: torch.Tensor, w, ws: Optional[dict] = None, name: str = "") -> torch.Tensor:
+    """x @ w in the weights' dtype, the result left in that dtype (float32 from a `PackedMatrix`): the
+    kernels that read it upcast as they load (exact, so the same numbers as `fast_recurrence._mm`'s
+    float32 copy, one launch fewer). With a workspace, into its buffers (`torch.mm(out=)`: nothing
+    allocated, as a captured CUDA graph needs)."""
+    from .fast_recurrence import PackedMatrix
+
+    if isinstance(w, PackedMatrix):
+        return w.mm(x)
+    if ws is None:
+        return torch.matmul(x if x.dtype == w.dtype else x.to(w.dtype), w)
+    if x.dtype != w.dtype:
+        x = _empty(ws, f"{name}.x", *x.shape, device=x.device, dtype=w.dtype).copy_(x)
+    return torch.mm(x, w, out=_empty(ws, name, x.shape[0], w.shape[1], device=x.device, dtype=w.dtype))
+
+
+def _linear(x: torch.Tensor, w, b: torch.Tensor, ws: Optional[dict] = None, name: str = "") -> torch.Tensor:
+    """x @ w + b as float32 (`fast_recurrence._linear`): one add after the product, in place for float32
+    weights, else the add that upcasts (bf16 + float32 gives float32: one launch instead of two)."""
+    product = _product(x, w, ws, name)
+    if product.dtype == torch.float32:
+        return product.add_(b)
+    if ws is None:
+        return torch.add(product, b)
+    return torch.add(product, b, out=_empty(ws, f"{name}.float", *product.shape, device=x.device))
+
+
+def step(state, u, real, w, s, c, eps: float, saved: Optional[dict] = None, memory_out=None, ws: Optional[dict] = None):
+    """`fast_recurrence._step` with its elementwise work and the memory half fused into Triton kernels (the
+    matmuls stay torch's). Same arguments, same results, same records in `saved` (for `_step_backward`).
+    With a workspace `ws` (a dict) every intermediate goes into its buffers (made on the first call): a
+    step then allocates nothing, as a captured CUDA graph needs (`cuda_graphs`); results are only valid
+    until the next step with the same workspace.
+
+    Launches per step of a one-layer GPN+M (float32 weights): rms(p), the gate matmul, `ground`, the big
+    matmul and its bias, `memory_step` (2), `predict_input`, the output matmul, `gated_residual`; with bf16
+    weights one cast to bf16 before each matmul (its bf16 result is read by the next kernel as it is)."""
+    from .fast_recurrence import StepState
+
+    p, g, key, memory = state
+    B, H, dk, dv = s.batch, s.heads, s.key_dim, s.value_dim
+    a_p = unit_rms(p, eps, ws=ws, name="a_p")
+    sig_fg, grounded, a_g = ground(_product(a_p, w.fg_w, ws, "z_fg"), w.fg_b, p, u, eps, ws=ws)
+    Z = _linear(a_g, w.big_w, w.big_b, ws, "Z")
+    records = None
+    if saved is not None:
+        records = [{} for _ in range(s.layers)]
+        saved.update(p=p, g=g, sig_fg=sig_fg, grounded=grounded, layers=records)
+    gamma, read, normed_read = None, None, None
+    memory_flat = new_memory = memory
+    new_key, part = Z[:, c.key], Z[:, c.write :]
+    if s.memory:
+        old_flat = memory.view(B * H, dk, dv)
+        memory_flat = memory_out.view(B * H, dk, dv) if memory_out is not None else torch.empty_like(old_flat)
+        half = memory_step(Z, c, key, w.neg_decay_rate, old_flat, memory_flat, eps, ws=ws)
+        gamma, read, normed_read = half.gamma, half.read, half.normed_read
+        new_memory = memory_flat.view(B, H, dk, dv)
+        if saved is not None:
+            saved.update(half._asdict(), decay=Z[:, c.decay], old_memory=old_flat, new_memory=memory_flat)
+    else:
+        new_key = key
+    layer_state = grounded
+    for i in range(s.layers):
+        record = None if records is None else records[i]
+        if i > 0:
+            a_c = unit_rms(layer_state, eps, ws=ws, name=f"a.{i}")
+            part = _linear(a_c, w.layer_w[i - 1], w.layer_b[i - 1], ws, f"part.{i}")
+            if s.memory:
+                q_raw, q, q_inv, read = memory_read(part[:, c.query], memory_flat, ws=ws, name=f"read.{i}")
+                normed_read = unit_rms(read, eps, ws=ws, name=f"normed_read.{i}")
+            if record is not None:
+                record["a"] = a_c
+                if s.memory:
+                    record.update(q_raw=q_raw, q=q, q_inv=q_inv)
+        X = predict_input(part, c, normed_read if s.memory else None, s.inter, ws=ws, name=f"X.{i}")
+        if record is not None:
+            record.update(state=layer_state, part=part)
+            if s.memory:
+                record.update(read=read, normed_read=normed_read)
+        Y = _product(X, w.out_w[i], ws, f"Y.{i}")
+        layer_state = gated_residual(Y, part, c, layer_state, ws=ws, name=f"state.{i}")
+    new_p = layer_state
+    if real is not None:
+        if saved is not None:
+            saved["real"] = real
+        r = real[:, None]
+        new_p = torch.where(r, new_p, p)
+        grounded = torch.where(r, grounded, g)
+        if s.memory:
+            new_key = torch.where(r, new_key, key)
+            new_memory = torch.where(real[:, None, None, None], new_memory, memory)
+    return StepState(new_p, grounded, new_key, new_memory), gamma
+
+
+# --------------------------------------------------------------------------------------------------
+# One step backward on the kernels
+# --------------------------------------------------------------------------------------------------
+
+
+def predict_layer_backward(part, c, state, d_state, dX, normed_read, read, d_part, out_x, d_read, eps, s):
+    """Through one predict layer (see `predict_layer_backward_kernel`): fills the layer's columns of
+    `d_part` (not its query: see `memory_read_backward`), X into `out_x` and d_read (B, H*dv) into `d_read`;
+    returns the gradient of the layer's input state through its gate (sigmoid(gate) d_state)."""
+    rows, width = state.shape
+    d_state_out = torch.empty(rows, width, dtype=torch.float32, device=state.device)
+    read_width = 0 if normed_read is None else normed_read.shape[1]
+    dummy = d_state_out
+    _launch(
+        "predict_layer_backward", rows, part, part.stride(0), c.gate.start, c.ffn_a.start, c.ffn_b.start,
+        c.read_gate.start if read_width else 0, state, d_state.contiguous(), dX,
+        dummy if normed_read is None else normed_read, dummy if read is None else read, d_part, d_part.stride(0),
+        out_x, d_state_out, dummy if d_read is None else d_read, width, s.inter, read_width, eps,
+        BLOCK=min(_next_power_of_two(width), 1024), BLOCK_F=min(_next_power_of_two(s.inter), 1024),
+        BLOCK_R=min(_next_power_of_two(max(read_width, 1)), 1024),
+    )  # fmt: skip
+    return d_state_out
+
+
+def rms_backward(dy, x, eps, acc, acc2=None, mul=None, y_out=None) -> torch.Tensor:
+    """acc [* mul] [+ acc2] + the gradient through y = rms(x) for dy (all (B, width), contiguous), writing
+    y into `y_out` when given."""
+    rows, width = x.shape
+    out = torch.empty(rows, width, dtype=torch.float32, device=x.device)
+    _launch(
+        "rms_backward", rows, dy, x, acc, out if acc2 is None else acc2, out if mul is None else mul, out,
+        out if y_out is None else y_out, width, eps, HAS_ACC2=acc2 is not None, HAS_MUL=mul is not None,
+        WRITE_Y=y_out is not None, BLOCK=_next_power_of_two(width),
+    )  # fmt: skip
+    return out
+
+
+def _contiguous_rows(*tensors: torch.Tensor) -> bool:
+    return all(t.is_contiguous() for t in tensors)
+
+
+def usable_step_backward(saved: dict, grads, s) -> bool:
+    """Whether `step_backward` takes this step (else `_step_backward` runs it): an unmasked step whose
+    records and gradients the kernels take (float32, contiguous rows, sizes within the block limits)."""
+    if saved.get("real") is not None:
+        return False
+    rows = [saved["p"], saved["grounded"], saved["sig_fg"], grads.p, grads.g]
+    if not (usable_rows(*rows) and _contiguous_rows(*rows)):
+        return False
+    if s.memory:
+        if not usable_memory(saved["old_memory"], saved["new_memory"], grads.memory, grads.key):
+            return False
+        if grads.key.stride(-1) != 1 or not grads.memory.is_contiguous() or s.heads * s.value_dim > MAX_ROW_BLOCK:
+            return False
+    return True
+
+
+def step_backward(saved: dict, grads, wt, s, c, eps: float, weight_grads, memory_grad_out=None):
+    """`fast_recurrence._step_backward` with its elementwise work fused into Triton kernels (the matmuls
+    stay torch's). Same arguments, same results; a step it does not take (`usable_step_backward`: a masked
+    step, say) runs `_step_backward`."""
+    from .fast_recurrence import StepState, _step_backward
+
+    if not usable_step_backward(saved, grads, s):
+        return _step_backward(saved, grads, wt, s, c, eps, weight_grads, memory_grad_out)
+    B, H, dk, dv = s.batch, s.heads, s.key_dim, s.value_dim
+    big_x, dZ = weight_grads.rows("big")
+    d_state = grads.p
+    d_reads = torch.empty(s.layers, B, H * dv, dtype=torch.float32, device=dZ.device) if s.memory else None
+    for i in reversed(range(s.layers)):
+        layer = saved["layers"][i]
+        part = layer["part"]
+        d_part = dZ[:, c.write :] if i == 0 else weight_grads.rows(("layer", i - 1))[1]
+        out_x, dY = weight_grads.rows(("out", i))
+        dY.copy_(d_state)
+        dX = _product(dY, wt.out_w[i])
+        d_state = predict_layer_backward(
+            part, c, layer["state"], d_state, dX, layer.get("normed_read"), layer.get("read"), d_part, out_x,
+            d_reads[i] if s.memory else None, eps, s,
+        )  # fmt: skip
+        if s.memory and i > 0:  # its query's gradient now: its input state's gradient needs it
+            _launch("memory_read_backward", B * H, d_reads[i], saved["new_memory"], layer["q"], layer["q_inv"],
+                    layer["q_raw"], d_part[:, c.query.start :], d_part.stride(0), H, dk, dv,
+                    BLOCK_K=_next_power_of_two(dk), BLOCK_V=_value_block(dv))  # fmt: skip
+        if i > 0:  # the layer's projections came from a = rms(its input state)
+            layer_x, d_part_rows = weight_grads.rows(("layer", i - 1))
+            d_state = rms_backward(_product(d_part_rows, wt.layer_w[i - 1]), layer["state"], eps, acc=d_state, y_out=layer_x)
+    if s.memory:
+        kq, old = saved["kq"], saved["old_memory"]
+        dM = memory_grad_out.view(B * H, dk, dv) if memory_grad_out is not None else torch.empty_like(old)
+        queries = torch.stack([kq[:, 1]] + [saved["layers"][i]["q"] for i in range(1, s.layers)])
+        d_update, d_k, d_a, dq0, d_error = memory_write_backward(
+            grads.memory.reshape(B * H, dk, dv), old, queries, d_reads.view(s.layers, B * H, dv), kq[:, 0],
+            saved["update"], saved["decay_factor"], saved["sig_beta"], dM,
+        )  # fmt: skip
+        d_key = torch.empty(B, H * dk, dtype=torch.float32, device=dZ.device)
+        neg_terms = torch.empty(B, H, dtype=torch.float32, device=dZ.device)
+        decay = saved["decay"]  # Z's decay columns (a view)
+        _launch(
+            "memory_gates_backward", B * H, d_update, saved["error"], d_error, d_k, dq0, d_a, saved["decay_factor"],
+            saved["sig_beta"], saved["softplus_decay"], decay, decay.stride(0), wt.neg_decay_rate, kq,
+            saved["kq_inv"], saved["kq_raw"], grads.key, grads.key.stride(0), dZ, dZ.stride(0), c.value.start,
+            c.beta.start, c.decay.start, c.write + c.query.start, d_key, neg_terms, H, dk, dv,
+            BLOCK_K=_next_power_of_two(dk), BLOCK_V=_value_block(dv),
+        )  # fmt: skip
+        weight_grads.neg_decay += neg_terms.sum(0)
+        dM = dM.view(B, H, dk, dv)
+    else:
+        d_key, dM = grads.key, grads.memory
+    p, sig_fg = saved["p"], saved["sig_fg"]
+    d_grounded = rms_backward(_product(dZ, wt.big_w), saved["grounded"], eps, acc=grads.g, acc2=d_state, y_out=big_x)
+    fg_x, d_z_fg = weight_grads.rows("fg")
+    _launch("ground_gate_backward", B, d_grounded, p, sig_fg, d_z_fg, s.hidden, BLOCK=min(_next_power_of_two(s.hidden), 1024))
+    d_p = rms_backward(_product(d_z_fg, wt.fg_w), p, eps, acc=d_grounded, mul=sig_fg, y_out=fg_x)
+    weight_grads.next_step()
+    return StepState(d_p, torch.zeros_like(d_grounded), d_key, dM), d_grounded
