@@ -403,7 +403,7 @@ def _memory_step_torch(Z, c: Columns, key, neg_decay_rate, memory, memory_out, e
     k, q = kq[:, 0], kq[:, 1]
     softplus_decay = F.softplus(Z[:, c.decay])
     gamma = neg_decay_rate * softplus_decay  # (B, H)
-    decay_factor = torch.exp(gamma).view(heads, 1)
+    decay_factor = torch.exp(gamma).reshape(heads, 1)
     sig_beta = torch.sigmoid(Z[:, c.beta]).reshape(heads, 1)
     # one pass over M gives M^T k (for the write) and M^T q (layer 0's read, through
     # M'^T q = e^gamma M^T q + (q . k) update, which saves a second pass over M')

@@ -12,13 +12,14 @@ kernels are plain C compiled once per machine with the system's C compiler (`cc`
 
 Safety (a shared library runs with the full rights of the process that loads it):
 - The cache loads only what this user built: the folder must be owned by the user and writable by no one
-  else (a folder of the user's that others may write to is tightened first; anyone else's is refused), the
-  library and its `.sha256` record regular files (no symbolic links) owned by the user and writable by no
-  one else, and the library's content hash equal to the record written after a successful build. Builds
-  go to a temporary name, are fsynced and renamed, under a lock (concurrent processes build once). A
-  damaged or foreign library (truncated, replaced, re-permissioned, without the expected symbols or built
-  from other source) is removed and rebuilt, with a `KernelWarning`; whatever cannot be made right turns
-  the kernels off with a warning, and the torch ops compute the same.
+  else (a folder of the user's that others may write to is tightened first; anyone else's is refused);
+  the record `gpn_memory_<key>.sha256` (written after a successful build) and the library it names,
+  `gpn_memory_<key>-<hash>.so`, must be regular files (no symbolic links) owned by the user and writable
+  by no one else, and the library's content hash must equal the record. Builds go to a temporary name,
+  are fsynced and renamed, under a lock (concurrent processes build once). A damaged or foreign library
+  (truncated, replaced, re-permissioned, without the expected symbols or built from other source) is
+  removed and rebuilt, with a `KernelWarning`; whatever cannot be made right turns the kernels off with a
+  warning, and the torch ops compute the same.
 - The compiler runs at most `GPN_KERNEL_BUILD_TIMEOUT` seconds (default 60; then it is killed, with a
   warning, and the torch ops are used), so a hanging `cc` cannot hang the first forward pass.
 - Every kernel entry checks every tensor it reads or writes (float32, on the CPU, strided, the sizes and
@@ -341,12 +342,22 @@ def _read_own_file(path: Path) -> bytes:
         return handle.read()
 
 
-def _load_verified(library: Path, record: Path) -> ctypes.CDLL:
-    """Load `library` if it is this user's own build: its hash equal to `record`, the expected symbols and
-    source digest present. Raises `_Untrusted` naming what is wrong."""
-    expected = _read_own_file(record).decode("ascii", "replace").strip()
-    actual = hashlib.sha256(_read_own_file(library)).hexdigest()
-    if actual != expected:
+def _library_name(key: str, content_hash: str) -> str:
+    """A library's file name: the build key and its content hash. A build is never rewritten in place, and
+    a rebuild gets a new name: the dynamic loader hands back whatever it once loaded under a name, so a
+    rejected library must not share its name with the one replacing it."""
+    return f"gpn_memory_{key}-{content_hash[:16]}.so"
+
+
+def _load_verified(folder: Path, key: str) -> ctypes.CDLL:
+    """Load the library the record `gpn_memory_{key}.sha256` names if it is this user's own build: its
+    content hash equal to the record, the expected symbols and source digest present. Raises `_Untrusted`
+    naming what is wrong."""
+    expected = _read_own_file(folder / f"gpn_memory_{key}.sha256").decode("ascii", "replace").strip()
+    if len(expected) != 64 or any(c not in "0123456789abcdef" for c in expected):
+        raise _Untrusted(f"the record gpn_memory_{key}.sha256 is malformed")
+    library = folder / _library_name(key, expected)
+    if hashlib.sha256(_read_own_file(library)).hexdigest() != expected:
         raise _Untrusted(f"{library.name} does not match the hash recorded when it was built (damaged or replaced)")
     try:
         lib = ctypes.CDLL(str(library))
@@ -364,6 +375,13 @@ def _load_verified(library: Path, record: Path) -> ctypes.CDLL:
     lib.gpn_memory_write_backward.argtypes = [*[i64] * 4, *[p] * 15, ctypes.c_int]
     lib.gpn_memory_write_backward.restype = None
     return lib
+
+
+def _remove_builds(folder: Path, key: str, keep: Optional[str] = None) -> None:
+    """Remove the libraries of this build key (links themselves, never what they point to) but `keep`."""
+    for path in folder.glob(f"gpn_memory_{key}-*.so"):
+        if path.name != keep:
+            path.unlink(missing_ok=True)
 
 
 @contextmanager
@@ -412,32 +430,36 @@ def _run_compiler(command: list[str], timeout: float) -> None:
         raise RuntimeError(f"{command[0]} exited with {process.returncode}: {errors.strip()[-2000:]}")
 
 
-def _build(compiler: str, library: Path, record: Path, timeout: float) -> None:
-    """Compile into a private temporary folder, then publish the library and its hash record (fsynced,
-    renamed into place, so no process ever sees a half-written library under the final name)."""
-    with tempfile.TemporaryDirectory(dir=library.parent, prefix=".build-") as scratch:
+def _build(compiler: str, folder: Path, key: str, timeout: float) -> None:
+    """Compile in a private temporary folder, then publish the library under its content-hash name and the
+    record naming it (each fsynced, then renamed into place: no process ever sees a half-written file under
+    a final name) and remove older builds of the same key."""
+    record = folder / f"gpn_memory_{key}.sha256"
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".build-") as scratch:
         source = Path(scratch) / "gpn_memory.c"
         source.write_text(_kernel_text())
-        built = Path(scratch) / library.name
+        built = Path(scratch) / "gpn_memory.so"
         _run_compiler([compiler, *_FLAGS, str(source), "-o", str(built)], timeout)
         os.chmod(built, stat.S_IMODE(built.stat().st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
-        content = built.read_bytes()
+        content_hash = hashlib.sha256(built.read_bytes()).hexdigest()
         written = Path(scratch) / record.name
-        written.write_text(hashlib.sha256(content).hexdigest() + "\n")
+        written.write_text(content_hash + "\n")
         os.chmod(written, 0o644)
         for path in (built, written):
             with open(path, "rb+") as handle:
                 os.fsync(handle.fileno())
-        os.replace(built, library)
+        library = _library_name(key, content_hash)
+        os.replace(built, folder / library)
         os.replace(written, record)
     try:  # make the renames durable too (best effort: not every platform can fsync a folder)
-        descriptor = os.open(library.parent, os.O_RDONLY)
+        descriptor = os.open(folder, os.O_RDONLY)
         try:
             os.fsync(descriptor)
         finally:
             os.close(descriptor)
     except OSError:
         pass
+    _remove_builds(folder, key, keep=library)
 
 
 def _compile() -> ctypes.CDLL:
@@ -446,22 +468,22 @@ def _compile() -> ctypes.CDLL:
     if compiler is None:
         raise FileNotFoundError("no C compiler (cc, gcc or $CC) found")
     timeout = _build_timeout()
-    # -march=native: the build is for this CPU, so the cache key names its features (a cache folder shared
+    # -march=native: the build is for this CPU, so the key names its features (a cache folder shared
     # between machines must not hand one machine's AVX-512 build to another)
-    digest = hashlib.sha256("\0".join([_kernel_text(), compiler, *_FLAGS, _cpu_features()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([_kernel_text(), compiler, *_FLAGS, _cpu_features()]).encode()).hexdigest()[:16]
     folder = _private_folder()
-    library, record = folder / f"gpn_memory_{digest}.so", folder / f"gpn_memory_{digest}.sha256"
-    with _build_lock(folder, f"gpn_memory_{digest}.lock", timeout + 30):
-        if os.path.lexists(library) or os.path.lexists(record):
+    with _build_lock(folder, f"gpn_memory_{key}.lock", timeout + 30):
+        record = folder / f"gpn_memory_{key}.sha256"
+        if os.path.lexists(record):
             try:
-                return _load_verified(library, record)
+                return _load_verified(folder, key)
             except _Untrusted as problem:
                 _warn(f"not loading the cached build in {folder}: {problem}; building it again")
-                library.unlink(missing_ok=True)  # a link is removed, not what it points to
-                record.unlink(missing_ok=True)
-        _build(compiler, library, record, timeout)
+                record.unlink(missing_ok=True)  # a link is removed, not what it points to
+                _remove_builds(folder, key)
+        _build(compiler, folder, key, timeout)
         try:
-            return _load_verified(library, record)
+            return _load_verified(folder, key)
         except _Untrusted as problem:  # e.g. a compiler that is not what it claims
             raise RuntimeError(f"the fresh build is unusable: {problem}") from None
 
