@@ -542,3 +542,13 @@ def test_memory_sizes_that_overflowed_the_kernel_stack_compute_right(good_build,
     for sizes in ((1, 1, 2, 1 << 20, 1), (1, 1, 1 << 20, 2, 2)):
         result = probe(cache, sizes=sizes)
         assert result["available"] and result["error"] < 1e-3, (sizes, result)  # float32 sums of 2^20 terms
+
+
+def test_the_model_card_says_the_remote_code_compiles_c_and_how_to_turn_it_off():
+    from modeling_gpn.model_card import build_card, validate_card
+
+    card = build_card(tiny_config(), "someone/tiny-gpn", n_params=1234)
+    validate_card(card)
+    for words in ("compiles and loads C", "`cc`", "GPN_KERNEL_CACHE", "~/.cache/gpn/kernels", "GPN_MEMORY_KERNELS=0",
+                  "GPN_KERNEL_BUILD_TIMEOUT"):  # fmt: skip
+        assert words in card, words
