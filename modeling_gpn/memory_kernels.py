@@ -535,11 +535,11 @@ def _check(t, name: str, shape: Optional[tuple] = None, contiguous: bool = False
     """`t` must be a float32 strided CPU tensor (of `shape`, contiguous if asked)."""
     if not isinstance(t, torch.Tensor):
         _refuse(f"{name} is a {type(t).__name__}, not a tensor")
-    if t.device.type != "cpu" or t.layout != torch.strided:
+    if not t.is_cpu or t.layout is not torch.strided:  # (attributes, not `t.device`: this runs every step)
         _refuse(f"{name} is a {t.layout} tensor on {t.device}; the kernels read strided CPU memory")
-    if t.dtype != torch.float32:
+    if t.dtype is not torch.float32:
         _refuse(f"{name} is {t.dtype}; the kernels read float32")
-    if shape is not None and tuple(t.shape) != tuple(shape):
+    if shape is not None and t.shape != shape:
         _refuse(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
     if contiguous and not t.is_contiguous():
         _refuse(f"{name} is not contiguous")
@@ -547,10 +547,13 @@ def _check(t, name: str, shape: Optional[tuple] = None, contiguous: bool = False
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
     """[first, last) byte addresses `t` covers."""
+    first = t.data_ptr()
+    if t.is_contiguous():  # the common case, without the Python loop
+        return first, first + t.numel() * t.element_size()
     if t.numel() == 0:
-        return t.data_ptr(), t.data_ptr()
+        return first, first
     extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
-    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+    return first, first + extent * t.element_size()
 
 
 def _check_apart(output: torch.Tensor, name: str, inputs: dict) -> None:

@@ -35,11 +35,12 @@ needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler here
 # --------------------------------------------------------------------------------------------------
 
 
-def loss_logprobs_grads(model, ids, fast: bool, autocast: bool):
-    """Loss, next-token log-probs and parameter gradients of one training forward/backward."""
+def loss_logprobs_grads(model, ids, fast: bool, autocast: bool, dtype: torch.dtype = torch.bfloat16):
+    """Loss, next-token log-probs and parameter gradients of one training forward/backward (under CPU
+    autocast to `dtype` if `autocast`)."""
     model.model.use_fast_path = fast
     model.zero_grad(set_to_none=True)
-    region = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    region = torch.autocast("cpu", dtype=dtype) if autocast else contextlib.nullcontext()
     with region:
         out = model(ids, labels=ids)
     out.loss.backward()
@@ -86,16 +87,17 @@ def assert_bf16_close(fast, plain, exact, params) -> None:
     assert torch.nn.functional.cosine_similarity(flat_f, flat_p, dim=0) > 0.9995
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("variant", [dict(), dict(num_predict_layers=2), dict(use_memory=False)])
-def test_cpu_bf16_autocast_fast_equals_plain(variant, memory_kernels):
-    """Under CPU bf16 autocast (what `--mixed-precision bf16` runs) the fast path computes what the plain
-    loop computes under the same autocast: loss, log-probs and gradients, kernels on and off."""
+def test_cpu_bf16_autocast_fast_equals_plain(variant, dtype, memory_kernels):
+    """Under CPU bf16 autocast (what `--mixed-precision bf16` runs; and fp16) the fast path computes what
+    the plain loop computes under the same autocast: loss, log-probs and gradients, kernels on and off."""
     model = well_conditioned_model(tiny_config(**variant, bptt_segment_length=5), seed=21)
     ids = torch.randint(0, model.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(22))
     params = dict(model.named_parameters())
     exact = loss_logprobs_grads(model, ids, fast=False, autocast=False)
-    plain = loss_logprobs_grads(model, ids, fast=False, autocast=True)
-    fast = loss_logprobs_grads(model, ids, fast=True, autocast=True)
+    plain = loss_logprobs_grads(model, ids, fast=False, autocast=True, dtype=dtype)
+    fast = loss_logprobs_grads(model, ids, fast=True, autocast=True, dtype=dtype)
     assert all(p.dtype == torch.float32 for p in params.values())
     assert_bf16_close(fast, plain, exact, params)
 
