@@ -419,8 +419,8 @@ def _memory_step_torch(Z, c: Columns, key, neg_decay_rate, memory, memory_out, e
 def _memory_half(Z, c: Columns, key, neg_decay_rate, memory, memory_out, eps: float) -> MemoryStep:
     """The memory half of a step: one C kernel (one head at a time) on CPU, else the same in torch ops. The
     kernel checks every tensor it would read and refuses (`KernelRefusal`) what it cannot take: then the
-    torch ops compute it."""
-    if memory_kernels_usable():
+    torch ops compute it. (M's device is asked first: on GPU nothing is ever compiled.)"""
+    if memory_kernels_usable(memory):
         try:
             return memory_step(Z, c, key, neg_decay_rate, memory, memory_out, eps)
         except KernelRefusal:
@@ -554,7 +554,7 @@ def _memory_write_backward_torch(memory_grad, memory, queries, read_grads, k, up
 def _memory_write_gradients(*arguments):
     """Gradients through the write and the reads of M' (`_memory_write_backward_torch`'s arguments and
     results): one C kernel (one head at a time) on CPU, else torch ops (also when the kernel refuses)."""
-    if memory_kernels_usable():
+    if memory_kernels_usable(arguments[1]):  # M: on GPU nothing is ever compiled
         try:
             return memory_write_backward(*arguments)
         except KernelRefusal:

@@ -516,9 +516,10 @@ def unavailable_reason() -> Optional[str]:
 
 
 def usable(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels may be called at all: available and not under torch.compile (which traces the
-    torch ops instead: a ctypes call cannot be traced), and any `tensors` given float32 on the CPU. (Each
-    kernel entry still checks all of its arguments and raises `KernelRefusal` where one does not fit.)"""
+    """Whether the kernels may be called at all: not under torch.compile (which traces the torch ops
+    instead: a ctypes call cannot be traced), any `tensors` given float32 on the CPU (asked before the
+    kernels are built: for GPU tensors nothing is ever compiled), and the kernels available. (Each kernel
+    entry still checks all of its arguments and raises `KernelRefusal` where one does not fit.)"""
     if torch.compiler.is_compiling():
         return False
     return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and available()
