@@ -86,10 +86,10 @@ void gpn_memory_step(
     #pragma omp for schedule(static)
     for (i64 bh = 0; bh < heads; bh++) {
         const i64 b = bh / H, h = bh % H;
-        const float *zrow = Z + (size_t)b * z_stride;
+        const float *zrow = Z + b * z_stride;
         /* k and q: relu, then l2 normalisation (eps 1e-12 inside the root) */
-        float *raw = kq_raw + (size_t)bh * 2 * dk, *unit = kq + (size_t)bh * 2 * dk;
-        const float *sources[2] = {key + (size_t)b * key_stride + (size_t)h * dk, zrow + col_query + (size_t)h * dk};
+        float *raw = kq_raw + bh * 2 * dk, *unit = kq + bh * 2 * dk;
+        const float *sources[2] = {key + b * key_stride + h * dk, zrow + col_query + h * dk};
         for (i64 s = 0; s < 2; s++) {
             float sq = 0.f;
             for (i64 i = 0; i < dk; i++) {
@@ -98,7 +98,7 @@ void gpn_memory_step(
                 sq += x * x;
             }
             const float inv = 1.f / sqrtf(sq + 1e-12f);
-            kq_inv[(size_t)bh * 2 + s] = inv;
+            kq_inv[bh * 2 + s] = inv;
             for (i64 i = 0; i < dk; i++) unit[s * dk + i] = raw[s * dk + i] * inv;
         }
         const float *kh = unit, *qh = unit + dk;
@@ -108,17 +108,17 @@ void gpn_memory_step(
         const float ah = expf(g), beta_h = 1.f / (1.f + expf(-zrow[col_beta + h]));
         softplus_decay[bh] = sp; gamma[bh] = g; decay_factor[bh] = ah; sig_beta[bh] = beta_h;
         /* write and read */
-        const float *Mh = M + (size_t)bh * dk * dv;
-        float *Oh = M_out + (size_t)bh * dk * dv;
-        const float *vh = zrow + col_value + (size_t)h * dv;
+        const float *Mh = M + bh * dk * dv;
+        float *Oh = M_out + bh * dk * dv;
+        const float *vh = zrow + col_value + h * dv;
         /* M^T k and M^T q accumulate straight in the error and read rows (no stack arrays) */
-        float *restrict eh = error + (size_t)bh * dv, *restrict uh = update + (size_t)bh * dv;
-        float *restrict rh = read + (size_t)bh * dv;
+        float *restrict eh = error + bh * dv, *restrict uh = update + bh * dv;
+        float *restrict rh = read + bh * dv;
         for (i64 j = 0; j < dv; j++) { eh[j] = 0.f; rh[j] = 0.f; }
         float qk = 0.f;
         for (i64 i = 0; i < dk; i++) {
             const float ki = kh[i], qi = qh[i];
-            const float *row = Mh + (size_t)i * dv;
+            const float *row = Mh + i * dv;
             qk += qi * ki;
             #pragma omp simd
             for (i64 j = 0; j < dv; j++) { eh[j] += ki * row[j]; rh[j] += qi * row[j]; }
@@ -132,8 +132,8 @@ void gpn_memory_step(
         }
         for (i64 i = 0; i < dk; i++) {
             const float ki = kh[i];
-            const float *row = Mh + (size_t)i * dv;
-            float *out = Oh + (size_t)i * dv;
+            const float *row = Mh + i * dv;
+            float *out = Oh + i * dv;
             #pragma omp simd
             for (i64 j = 0; j < dv; j++) out[j] = ah * row[j] + ki * uh[j];
         }
@@ -142,12 +142,12 @@ void gpn_memory_step(
     #pragma omp for schedule(static)
     for (i64 b = 0; b < rows; b++) {
         const i64 width = H * dv;
-        const float *r = read + (size_t)b * width;
-        float *n = normed_read + (size_t)b * width;
+        const float *r = read + b * width;
+        float *n = normed_read + b * width;
         float sq = 0.f;
         #pragma omp simd reduction(+:sq)
         for (i64 j = 0; j < width; j++) sq += r[j] * r[j];
-        const float inv = 1.f / sqrtf(sq / width + rms_eps);
+        const float inv = 1.f / sqrtf(sq / (float)width + rms_eps);
         #pragma omp simd
         for (i64 j = 0; j < width; j++) n[j] = r[j] * inv;
     }
@@ -162,15 +162,15 @@ void gpn_memory_write_backward(
 {
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (i64 h = 0; h < heads; h++) {
-        const size_t mat = (size_t)h * dk * dv;
+        const i64 mat = h * dk * dv;
         const float *Dh = D + mat, *Mh = M + mat;
         float *Oh = dM_out + mat;
-        const float *kh = k + (size_t)h * dk, *uh = update + (size_t)h * dv;
-        float *dUh = d_update + (size_t)h * dv, *dkh = d_k + (size_t)h * dk, *deh = d_error + (size_t)h * dv;
+        const float *kh = k + h * dk, *uh = update + h * dv;
+        float *dUh = d_update + h * dv, *dkh = d_k + h * dk, *deh = d_error + h * dv;
         const float ah = a[h], bh = beta[h];
-        float *qk = scratch + (size_t)h * layers * (dk + 2), *ru = qk + layers, *Mr = ru + layers; /* Mr: M r_l */
+        float *qk = scratch + h * layers * (dk + 2), *ru = qk + layers, *Mr = ru + layers; /* Mr: M r_l */
         for (i64 l = 0; l < layers; l++) {
-            const float *ql = Q + ((size_t)l * heads + h) * dk, *rl = R + ((size_t)l * heads + h) * dv;
+            const float *ql = Q + (l * heads + h) * dk, *rl = R + (l * heads + h) * dv;
             float s = 0.f, t = 0.f;
             for (i64 i = 0; i < dk; i++) s += ql[i] * kh[i];
             for (i64 j = 0; j < dv; j++) t += rl[j] * uh[j];
@@ -181,13 +181,13 @@ void gpn_memory_write_backward(
         float DM = 0.f;
         for (i64 i = 0; i < dk; i++) {
             const float ki = kh[i];
-            const float *Drow = Dh + (size_t)i * dv, *Mrow = Mh + (size_t)i * dv;
+            const float *Drow = Dh + i * dv, *Mrow = Mh + i * dv;
             float Du = 0.f;
             #pragma omp simd reduction(+:Du, DM)
             for (i64 j = 0; j < dv; j++) { dUh[j] += ki * Drow[j]; Du += Drow[j] * uh[j]; DM += Drow[j] * Mrow[j]; }
             dkh[i] = Du;
             for (i64 l = 0; l < layers; l++) {
-                const float *rl = R + ((size_t)l * heads + h) * dv;
+                const float *rl = R + (l * heads + h) * dv;
                 float dot = 0.f;
                 #pragma omp simd reduction(+:dot)
                 for (i64 j = 0; j < dv; j++) dot += Mrow[j] * rl[j];
@@ -197,28 +197,28 @@ void gpn_memory_write_backward(
         /* the rank-1 parts of G = D + sum_l q_l r_l^T; layer 0's dq = M' r_0 = a M r_0 + k (update . r_0) */
         float dA = DM;
         for (i64 l = 0; l < layers; l++) {
-            const float *ql = Q + ((size_t)l * heads + h) * dk, *rl = R + ((size_t)l * heads + h) * dv;
+            const float *ql = Q + (l * heads + h) * dk, *rl = R + (l * heads + h) * dv;
             for (i64 j = 0; j < dv; j++) dUh[j] += rl[j] * qk[l];
             for (i64 i = 0; i < dk; i++) {
                 dkh[i] += ql[i] * ru[l];
                 dA += ql[i] * Mr[l * dk + i];
             }
         }
-        for (i64 i = 0; i < dk; i++) dq0[(size_t)h * dk + i] = ah * Mr[i] + kh[i] * ru[0];
+        for (i64 i = 0; i < dk; i++) dq0[h * dk + i] = ah * Mr[i] + kh[i] * ru[0];
         d_a[h] = dA;
         for (i64 j = 0; j < dv; j++) deh[j] = bh * dUh[j];
         /* pass 2: d_k -= M d_error;  dL/dM = a G - k d_error^T */
         for (i64 i = 0; i < dk; i++) {
             const float ki = kh[i];
-            const float *Drow = Dh + (size_t)i * dv, *Mrow = Mh + (size_t)i * dv;
-            float *out = Oh + (size_t)i * dv;
+            const float *Drow = Dh + i * dv, *Mrow = Mh + i * dv;
+            float *out = Oh + i * dv;
             float Md = 0.f;
             #pragma omp simd reduction(+:Md)
             for (i64 j = 0; j < dv; j++) { Md += Mrow[j] * deh[j]; out[j] = ah * Drow[j] - ki * deh[j]; }
             dkh[i] -= Md;
             for (i64 l = 0; l < layers; l++) {
-                const float *rl = R + ((size_t)l * heads + h) * dv;
-                const float qa = ah * Q[((size_t)l * heads + h) * dk + i];
+                const float *rl = R + (l * heads + h) * dv;
+                const float qa = ah * Q[(l * heads + h) * dk + i];
                 #pragma omp simd
                 for (i64 j = 0; j < dv; j++) out[j] += qa * rl[j];
             }
