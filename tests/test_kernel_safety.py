@@ -158,6 +158,24 @@ def test_backward_called_inside_autocast(memory_kernels):
     assert_bf16_close(results[1], results[0], exact, dict(model.named_parameters()))
 
 
+def test_chunked_loss_under_autocast_matches_the_plain_loss(memory_kernels):
+    """Training's chunked loss (`return_logits=False`) on the fast path under bf16 autocast: the loss and
+    gradients of the plain loop with full logits under the same autocast."""
+    model = well_conditioned_model(tiny_config(), seed=29)
+    ids = torch.randint(0, model.config.vocab_size, (2, 15), generator=torch.Generator().manual_seed(30))
+    runs = []
+    for fast, autocast in ((False, False), (False, True), (True, True)):
+        model.model.use_fast_path = fast
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(ids, labels=ids, return_logits=not fast).loss  # fast: the chunked loss
+        loss.backward()
+        assert loss.dtype == torch.float32
+        runs.append((loss.detach(), loss.detach().new_zeros(1), {n: p.grad for n, p in model.named_parameters()}))
+    exact, plain, fast = runs
+    assert_bf16_close(fast, plain, exact, dict(model.named_parameters()))
+
+
 def test_gpn_train_mixed_precision_bf16_on_cpu_ends_finite(tmp_path):
     """`gpn train --mixed-precision bf16` on CPU: a few steps of the tiny preset end with finite losses
     (before the fix: NaN at step 1, 'blaming the learning rate')."""
