@@ -31,12 +31,19 @@ What makes it fast (see the speed issue and `GPN.md`):
 - **Precision.** Matmuls run in the weights' dtype (e.g. bf16); the state, the memory and every
   elementwise operation stay float32. On CPU, bf16 step matrices (and fp32 ones for training on several
   threads) are prepacked for oneDNN (`PackedMatrix`).
+- **Autocast.** Under `torch.autocast` the plain loop multiplies in the autocast dtype and keeps its state
+  and elementwise ops float32. The fast path says the same explicitly: it casts the folded step matrices to
+  the autocast dtype once (differentiably: the gradients reach the float32 parameters) and runs its steps
+  and its backward with autocast off, so every tensor it makes has the dtype it (and the C kernels, which
+  read float32 only) expects.
 
-This file ships to the Hub with the model (with `memory_kernels.py`): it imports only torch and typing.
+This file ships to the Hub with the model (with `memory_kernels.py`): it imports only torch, typing and
+contextlib.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple, Optional
 
 import torch
@@ -44,7 +51,7 @@ import torch.nn.functional as F
 
 from .cuda_graphs import wanted as graph_wanted
 from .cuda_graphs import window_forward as graph_window_forward
-from .memory_kernels import MemoryStep, memory_step, memory_write_backward
+from .memory_kernels import KernelRefusal, MemoryStep, memory_step, memory_write_backward
 from .memory_kernels import usable as memory_kernels_usable
 from .triton_kernels import memory_step as triton_memory_step
 from .triton_kernels import memory_write_backward as triton_memory_write_backward
@@ -201,23 +208,38 @@ def _pack(w: FoldedWeights) -> FoldedWeights:
         return w
 
 
-def cached_folded_weights(model, rows: Optional[int] = None) -> FoldedWeights:
+def in_matmul_dtype(w: FoldedWeights, dtype: Optional[torch.dtype]) -> FoldedWeights:
+    """`w` with its step matrices in `dtype` (what autocast multiplies in; None: unchanged), cast as
+    autocast casts (every floating dtype but float64). Biases and decay rates stay float32."""
+    if dtype is None:
+        return w
+    cast = lambda m: m if m.dtype in (dtype, torch.float64) else m.to(dtype)  # noqa: E731
+    return w._replace(fg_w=cast(w.fg_w), big_w=cast(w.big_w), out_w=tuple(map(cast, w.out_w)),
+                      layer_w=tuple(map(cast, w.layer_w)))  # fmt: skip
+
+
+def cached_folded_weights(model, rows: Optional[int] = None, matmul_dtype: Optional[torch.dtype] = None) -> FoldedWeights:
     """`fold_weights` for inference, reused while no parameter changed (decode pays the fold once), with
-    the step matrices prepacked for oneDNN where that is faster for products of `rows` rows
-    (`PackedMatrix.worthwhile`): bf16 on CPU always, fp32 for batches of 8+ rows on several threads. The
-    plain and the packed set are cached side by side (batch-1 decoding and batched scoring both stay fast)."""
+    the step matrices in `matmul_dtype` (autocast's; None: the weights' own) and prepacked for oneDNN where
+    that is faster for products of `rows` rows (`PackedMatrix.worthwhile`): bf16 on CPU always, fp32 for
+    batches of 8+ rows on several threads. The variants are cached side by side (batch-1 decoding and
+    batched scoring both stay fast)."""
     key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in model.parameters())
     cached = getattr(model, "_gpn_folded_cache", None)
     if cached is None or cached[0] != key:
         with torch.no_grad():
-            cached = (key, {False: fold_weights(model)})
+            cached = (key, {(None, False): fold_weights(model)})
         object.__setattr__(model, "_gpn_folded_cache", cached)
     variants = cached[1]
-    pack = PackedMatrix.worthwhile(variants[False], rows)
-    if pack not in variants:
+    if (matmul_dtype, False) not in variants:
         with torch.no_grad():
-            variants[pack] = _pack(variants[False])
-    return variants[pack]
+            variants[(matmul_dtype, False)] = in_matmul_dtype(variants[(None, False)], matmul_dtype)
+    unpacked = variants[(matmul_dtype, False)]
+    pack = PackedMatrix.worthwhile(unpacked, rows)
+    if (matmul_dtype, pack) not in variants:
+        with torch.no_grad():
+            variants[(matmul_dtype, pack)] = _pack(unpacked)
+    return variants[(matmul_dtype, pack)]
 
 
 def shapes_of(model, batch: int) -> Shapes:
@@ -424,7 +446,7 @@ def _memory_step_torch(Z, c: Columns, key, neg_decay_rate, memory, memory_out, e
     k, q = kq[:, 0], kq[:, 1]
     softplus_decay = F.softplus(Z[:, c.decay])
     gamma = neg_decay_rate * softplus_decay  # (B, H)
-    decay_factor = torch.exp(gamma).view(heads, 1)
+    decay_factor = torch.exp(gamma).reshape(heads, 1)
     sig_beta = torch.sigmoid(Z[:, c.beta]).reshape(heads, 1)
     # one pass over M gives M^T k (for the write) and M^T q (layer 0's read, through
     # M'^T q = e^gamma M^T q + (q . k) update, which saves a second pass over M')
@@ -435,6 +457,22 @@ def _memory_step_torch(Z, c: Columns, key, neg_decay_rate, memory, memory_out, e
     read = torch.addcmul(decay_factor * both[:, 1], (q * k).sum(-1, keepdim=True), update).view(B, -1)
     return MemoryStep(kq_raw, kq, kq_inv, softplus_decay, gamma, decay_factor, sig_beta, error, update, read,
                       _unit_rms(read, eps))  # fmt: skip
+
+
+def _memory_half(Z, c: Columns, key, neg_decay_rate, memory, memory_out, eps: float) -> MemoryStep:
+    """The memory half of a step on the backend `memory_backend` picks: Triton kernels (CUDA), one C kernel
+    (one head at a time, CPU), else the same in torch ops. The C kernel checks every tensor it would read and
+    refuses (`KernelRefusal`) what it cannot take: then the torch ops compute it. (M's device is asked
+    first: on GPU nothing is ever compiled.)"""
+    backend = memory_backend(memory, Z, key)
+    if backend == TRITON:
+        return triton_memory_step(Z, c, key, neg_decay_rate, memory, memory_out, eps)
+    if backend == C_KERNELS:
+        try:
+            return memory_step(Z, c, key, neg_decay_rate, memory, memory_out, eps)
+        except KernelRefusal:
+            pass
+    return _memory_step_torch(Z, c, key, neg_decay_rate, memory, memory_out, eps)
 
 
 def _step(
@@ -467,11 +505,7 @@ def _step(
     if s.memory:
         old_flat = memory.view(B * H, dk, dv)
         memory_flat = memory_out.view(B * H, dk, dv) if memory_out is not None else torch.empty_like(old_flat)
-        # the memory half of the step: one C kernel (one head at a time) on CPU, else the same in torch ops
-        memory_half = {TRITON: triton_memory_step, C_KERNELS: memory_step, TORCH_OPS: _memory_step_torch}[
-            memory_backend(old_flat, Z, key)
-        ]
-        half = memory_half(Z, c, key, w.neg_decay_rate, old_flat, memory_flat, eps)
+        half = _memory_half(Z, c, key, w.neg_decay_rate, old_flat, memory_flat, eps)
         gamma, read, normed_read = half.gamma, half.read, half.normed_read
         new_memory = memory_flat.view(B, H, dk, dv)
         if saved is not None:
@@ -564,6 +598,22 @@ def _memory_write_backward_torch(memory_grad, memory, queries, read_grads, k, up
     return d_update, d_k, d_a, dq0, d_error
 
 
+def _memory_write_gradients(*arguments):
+    """Gradients through the write and the reads of M' (`_memory_write_backward_torch`'s arguments and
+    results) on the backend `memory_backend` picks: Triton kernels (CUDA), one C kernel (one head at a time,
+    CPU), else torch ops (also when the C kernel refuses its arguments)."""
+    memory, memory_grad = arguments[1], arguments[0]
+    backend = memory_backend(memory, memory_grad)  # M first: on GPU nothing is ever compiled
+    if backend == TRITON:
+        return triton_memory_write_backward(*arguments)
+    if backend == C_KERNELS:
+        try:
+            return memory_write_backward(*arguments)
+        except KernelRefusal:
+            pass
+    return _memory_write_backward_torch(*arguments)
+
+
 def _step_backward(
     saved: dict, grads: StepState, wt: TransposedWeights, s: Shapes, c: Columns, eps: float,
     weight_grads: "_WeightGrads", memory_grad_out: Optional[torch.Tensor] = None,
@@ -629,12 +679,7 @@ def _step_backward(
         dM = memory_grad_out.view(B * H, dk, dv) if memory_grad_out is not None else torch.empty_like(old)
         # every layer's query; layer 0's is kq[:, 1]
         queries = torch.stack([kq[:, 1]] + [saved["layers"][i]["q"] for i in range(1, s.layers)])
-        # through the write and the reads of M': one C kernel (one head at a time) on CPU, else torch ops
-        write_backward = {
-            TRITON: triton_memory_write_backward, C_KERNELS: memory_write_backward,
-            TORCH_OPS: _memory_write_backward_torch,
-        }[memory_backend(old, d_new_memory)]  # fmt: skip
-        d_update, d_k, d_decay_factor, dq0, d_error = write_backward(
+        d_update, d_k, d_decay_factor, dq0, d_error = _memory_write_gradients(
             d_new_memory.reshape(B * H, dk, dv), old, queries, torch.stack(d_read_of), k, update, decay_factor,
             sig_beta, dM,
         )  # fmt: skip
@@ -761,7 +806,7 @@ class GPNRecurrenceFunction(torch.autograd.Function):
         s, eps, segment, truncation, pool = settings
         w = _unflatten(flat_weights, s)
         B, T, d = U.shape
-        ctx.input_dtype = U.dtype
+        ctx.input_dtype, ctx.device_type = U.dtype, U.device.type
         U = U.float()
         outputs = U.new_empty(B, T, d)
         gammas = U.new_zeros(B, T, s.heads) if s.memory else U.new_zeros(B, T, 0)
@@ -800,6 +845,12 @@ class GPNRecurrenceFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dP, dp_final, dg_final, dM_final, _dgamma):
+        # a backward called inside an autocast region would otherwise run the step matmuls in its dtype
+        with autocast_off(ctx.device_type):
+            return GPNRecurrenceFunction._backward(ctx, dP, dp_final, dg_final, dM_final)
+
+    @staticmethod
+    def _backward(ctx, dP, dp_final, dg_final, dM_final):
         s, eps, segment, truncation, pool = ctx.settings
         saved = ctx.saved_tensors
         U, g0 = saved[0], saved[1]
@@ -946,6 +997,23 @@ def _unflatten(flat, s: Shapes) -> FoldedWeights:
     return FoldedWeights(flat[0], flat[1], flat[2], flat[3], out_w, layer_w, layer_b, neg)
 
 
+def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    """The dtype autocast multiplies in on this device type, or None where autocast is off."""
+    try:
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+    except (RuntimeError, TypeError, ValueError):  # a device type autocast does not know: no autocast there
+        pass
+    return None
+
+
+def autocast_off(device_type: str):
+    """A context with autocast off on this device type (nothing to do where it is off already)."""
+    if autocast_dtype(device_type) is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
+
+
 def fast_recurrence(
     model,
     token_inputs: torch.Tensor,
@@ -957,8 +1025,16 @@ def fast_recurrence(
 
     Returns the predicted states (B, T, d) float32, the final (p, g, M) and, if asked, gamma (B, T, H).
     Under autograd the gradient flows to `token_inputs`, the initial state and every parameter; gamma is
-    returned without gradient.
+    returned without gradient. Under `torch.autocast` the step matrices multiply in the autocast dtype
+    and everything else stays float32, as in the plain loop (see the module docstring).
     """
+    device_type = token_inputs.device.type
+    matmul_dtype = autocast_dtype(device_type)
+    with autocast_off(device_type):
+        return _fast_recurrence(model, token_inputs, state, mask, output_memory_decays, matmul_dtype)
+
+
+def _fast_recurrence(model, token_inputs, state, mask, output_memory_decays: bool, matmul_dtype):
     config = model.config
     B, T, _ = token_inputs.shape
     s = shapes_of(model, B)
@@ -970,11 +1046,13 @@ def fast_recurrence(
         token_inputs.requires_grad or any(x.requires_grad for x in state) or any(q.requires_grad for q in model.parameters())
     )
     if not needs_grad:
-        if mask is None and graph_wanted(model, token_inputs):  # CUDA graphs (decoding: one replay a token)
+        # CUDA graphs (decoding: one replay a token); their captured weights are the model's own dtype, so
+        # not under autocast
+        if mask is None and matmul_dtype is None and graph_wanted(model, token_inputs):
             with torch.no_grad():
                 return graph_window_forward(model, token_inputs.float(), (p0, g0, M0), output_memory_decays)
         with torch.no_grad():
-            w = cached_folded_weights(model, rows=B)
+            w = cached_folded_weights(model, rows=B, matmul_dtype=matmul_dtype)
             outputs = torch.empty(B, T, s.hidden, dtype=torch.float32, device=token_inputs.device)
             gammas = torch.zeros(B, T, s.heads, device=token_inputs.device) if (s.memory and output_memory_decays) else None
             key0 = key_from_grounded(g0, w, s, eps) if s.memory else g0.new_zeros(B, 0)
@@ -983,7 +1061,7 @@ def fast_recurrence(
             final = _run_steps(token_inputs.float(), mask, StepState(p0, g0, key0, M0), w, s, eps, 0, T, outputs,
                                gammas, memory_buffer=alternating)  # fmt: skip
         return outputs, (final.p, final.g, final.memory), gammas
-    w = fold_weights(model)
+    w = in_matmul_dtype(fold_weights(model), matmul_dtype)
     settings = (s, eps, config.bptt_segment_length, config.bptt_truncation_length, buffer_pool_of(model))
     outputs, p, g, memory, gammas = GPNRecurrenceFunction.apply(token_inputs, p0, g0, M0, mask, settings, *_flatten(w))
     return outputs, (p, g, memory), (gammas if (s.memory and output_memory_decays) else None)

@@ -458,6 +458,18 @@ def extract_usage_snippet(card_text: str) -> str:
     return match.group(1)
 
 
+KERNEL_NOTE = (
+    "**The remote code compiles and loads C.** On CPU, `memory_kernels.py` compiles two small C kernels (the "
+    "memory update of a step and its gradient) with the system's C compiler (`cc`, or `$CC`) on first use, "
+    "at most `GPN_KERNEL_BUILD_TIMEOUT` seconds (default 60), and loads the shared library into the Python "
+    "process with `ctypes`. Builds are cached in `$GPN_KERNEL_CACHE` (default `~/.cache/gpn/kernels`) and a "
+    "cached build is loaded only if it and its folder are owned by you and writable by no one else and its "
+    "content matches the hash recorded when it was built; anything else is rebuilt, with a warning. "
+    "`GPN_MEMORY_KERNELS=0` turns them off: nothing is compiled or loaded, and torch operations compute the "
+    "same results (somewhat slower)."
+)
+
+
 def build_card(
     config,
     repo_id: str,
@@ -499,6 +511,8 @@ def build_card(
         "",
         "The modeling code ships in this repository (`trust_remote_code=True`); it needs only `torch` and "
         "`transformers`.",
+        "",
+        KERNEL_NOTE,
         "",
         "## Usage",
         "",
