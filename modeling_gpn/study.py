@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -402,8 +403,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import signal
+
+    from modeling_gpn.train import NonFiniteLossError, StorageError, TrainingStopped
+
     overrides = {"steps": args.steps} if args.steps else {}
-    results = run_study(args.study, args.output, args.data_dir, args.only, overrides, not args.no_progress)
+    try:
+        results = run_study(args.study, args.output, args.data_dir, args.only, overrides, not args.no_progress)
+    except (NonFiniteLossError, StorageError) as error:
+        print(f"gpn study: error: {error}", file=sys.stderr)
+        return 1
+    except TrainingStopped as stop:  # SIGTERM/SIGINT: `gpn train` checkpointed the model it was training
+        print(f"gpn study: {stop} (models finished before it are complete in {args.output})", file=sys.stderr)
+        return 128 + stop.signum
+    except KeyboardInterrupt:  # a second Ctrl-C, or one outside training (evaluation, the report)
+        print(f"gpn study: interrupted (Ctrl-C); models finished so far are complete in {args.output}", file=sys.stderr)
+        return 128 + signal.SIGINT
     print(render_report(results))
     print(f"Report: {Path(args.output) / 'study_report.md'}")
     return 0

@@ -36,3 +36,27 @@ def test_toy_study_end_to_end(tmp_path):
     assert "| gpn-m-1l | transformer++ | fineweb_ppl |" in report
     assert "## Reading" in report
     assert (tmp_path / "training_curves.png").stat().st_size > 10_000
+
+
+def test_sigterm_during_a_study_stops_cleanly_with_the_model_checkpointed(tmp_path):
+    """`gpn study` trains in-process: SIGTERM reaches `gpn train`'s handler, which checkpoints the model being
+    trained; the study then ends with the signal's exit code and one line, not a traceback."""
+    import signal
+    import sys
+
+    from .test_train_faults import _stopped, _wait_for_step
+    from .test_train import _launch
+
+    corpus = require_shared("data/tinyshakespeare/input.txt")
+    study = load_study("toy")
+    study["recipe"].update(dataset=str(corpus), max_tokens=20000, cache_dir=str(tmp_path / "cache"), steps=100000)
+    study["models"] = {"gpn-m-1l": study["models"]["gpn-m-1l"]}
+    (tmp_path / "study.json").write_text(json.dumps(study))
+    output = tmp_path / "out"
+    process = _launch([sys.executable, "-m", "modeling_gpn.cli", "study", "--study", str(tmp_path / "study.json"),
+                       "--output", str(output), "--no-progress"], tmp_path / "study.log")  # fmt: skip
+    _wait_for_step(process, output / "gpn-m-1l", 2)
+    process.send_signal(signal.SIGTERM)
+    text = _stopped(process, 128 + signal.SIGTERM)
+    assert "gpn study: stopped by SIGTERM after step " in text, text[-3000:]
+    assert list((output / "gpn-m-1l" / "checkpoints").glob("step-*"))
