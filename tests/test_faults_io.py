@@ -1,0 +1,379 @@
+"""Hostile and damaged inputs of `gpn convert`, `gpn generate`, the token cache and `gpn eval` (issue 13).
+
+Memory bounds are real: the command runs in a child process whose address space is limited with
+RLIMIT_AS to what it had after its imports plus a margin, so a bomb that gets through is a
+MemoryError or a kill, never a pass.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import REPO_ROOT, perturbed_model, tiny_config  # noqa: E402
+
+from modeling_gpn.cli import main as gpn_main  # noqa: E402
+from modeling_gpn.conversion.reference import parameter_map  # noqa: E402
+
+GIB = 1 << 30
+
+
+# --------------------------------------------------------------------------------------------------
+# Helpers: a reference checkpoint of a tiny model, and running a command under a memory bound
+# --------------------------------------------------------------------------------------------------
+
+
+def reference_params(config=None) -> dict[str, np.ndarray]:
+    """The reference-layout parameters (name -> (in, out) array) of a tiny perturbed GPN."""
+    config = config or tiny_config()
+    state = perturbed_model(config).state_dict()
+    return {
+        ref_name: np.ascontiguousarray(state[name].numpy().T if transpose else state[name].numpy())
+        for ref_name, (name, transpose) in parameter_map(config).items()
+    }
+
+
+def write_pickle(path: Path, params, **extra) -> Path:
+    with open(path, "wb") as handle:
+        pickle.dump({"params": params, "step": 10, **extra}, handle)
+    return path
+
+
+@dataclass
+class Finished:
+    """What one `gpn` command run inside a bounded child left behind."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+BOUNDED_CHILD = """
+import contextlib, io, json, re, resource, sys, traceback
+import modeling_gpn.cli, modeling_gpn.conversion.reference, modeling_gpn.data, modeling_gpn.evaluation.runner
+import torch; torch.zeros(1) + 1  # start torch's thread pool before the cap
+vm = int(re.search(r'VmSize:\\s+(\\d+)', open('/proc/self/status').read()).group(1)) * 1024
+cap = vm + int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+results = []
+for args in json.loads(sys.argv[2]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = modeling_gpn.cli.main(args)
+        except SystemExit as exit:
+            code = exit.code if isinstance(exit.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            code = 99
+    results.append({"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
+print(json.dumps({"cap": cap, "results": results}))
+"""
+
+
+def run_bounded(commands: list[list[str]], margin_bytes: int, timeout: int = 300) -> tuple[list[Finished], int]:
+    """Run each `gpn ARGS` of `commands` in one child process whose address space is capped at its size
+    after its imports + `margin_bytes` (one child: imports cost seconds on a busy machine).
+
+    Returns (one `Finished` per command, the cap in bytes)."""
+    env = {**os.environ, "MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    child = subprocess.run(
+        [sys.executable, "-c", BOUNDED_CHILD, str(margin_bytes), json.dumps(commands)],
+        capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO_ROOT,
+    )  # fmt: skip
+    assert child.returncode == 0, f"the bounded child died ({child.returncode}): {child.stderr[-3000:]}"
+    report = json.loads(child.stdout.strip().splitlines()[-1])
+    return [Finished(**result) for result in report["results"]], report["cap"]
+
+
+def assert_one_clear_error(result: Finished | subprocess.CompletedProcess, command: str, *needles: str) -> str:
+    """Exit status 1-2, no traceback, no MemoryError, and exactly one `gpn COMMAND:` line naming the problem."""
+    output = result.stdout + result.stderr
+    assert result.returncode in (1, 2), output
+    assert "Traceback" not in output and "MemoryError" not in output, output
+    lines = [line for line in result.stderr.splitlines() if line.startswith(f"gpn {command}:")]
+    assert len(lines) == 1, output
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# gpn convert: resource bombs, each under a real memory bound
+# --------------------------------------------------------------------------------------------------
+
+
+def pickle_calling(module: str, name: str, *arg_opcodes: bytes) -> bytes:
+    """A protocol-2 pickle of {'params': {'embedding': module.name(*args)}} (each arg one opcode)."""
+    return (
+        b"\x80\x02}X\x06\x00\x00\x00params}X\x09\x00\x00\x00embedding"
+        + f"c{module}\n{name}\n".encode() + b"(" + b"".join(arg_opcodes) + b"tRss."
+    )
+
+
+def long1(value: int) -> bytes:
+    data = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8a" + bytes([len(data)]) + data
+
+
+def tuple_of_ints(*values: int) -> bytes:
+    return b"(" + b"".join(long1(v) for v in values) + b"t"
+
+
+def bytes_bomb(path: Path) -> Path:
+    """47 bytes: bytes(3 GiB) through an allowed global."""
+    path.write_bytes(pickle_calling("builtins", "bytes", long1(3 * GIB)))
+    return path
+
+
+def shape_claim_bomb(path: Path) -> Path:
+    """An embedding reconstructed as a (100M, 32) float32 array (12 GiB) without the data."""
+    header = b"cnumpy\nndarray\n" + tuple_of_ints(100_000_000, 32) + b"C\x01b"  # SHORT_BINBYTES b'b'
+    path.write_bytes(pickle_calling("numpy.core.multiarray", "_reconstruct", header))
+    return path
+
+
+def claimed_length_bomb(path: Path) -> Path:
+    """13 bytes: one BINBYTES8 claiming 3 GiB (the C unpickler allocates it before reading)."""
+    path.write_bytes(b"\x80\x04\x8e" + struct.pack("<Q", 3 * GIB) + b"xx")
+    return path
+
+
+def repetition_bomb(path: Path, items: int = 200_000, copies: int = 2_000) -> Path:
+    """~400 KB: one memoised list of 200k items, rebuilt as a tuple 2,000 times (3.2 GB of pointers)."""
+    body = b"\x80\x02]q\x00(" + b"K\x00" * items + b"e"  # EMPTY_LIST BINPUT 0 MARK BININT1 0 ... APPENDS
+    body += b"0cbuiltins\ntuple\nq\x01"  # POP the list (memo keeps it), the global as memo 1
+    body += b"}X\x06\x00\x00\x00params]("  # {'params': [ tuple(list) * copies ]}
+    body += b"h\x01h\x00\x85R" * copies  # BINGET 1 BINGET 0 TUPLE1 REDUCE
+    body += b"es."  # APPENDS SETITEM STOP
+    path.write_bytes(body)
+    return path
+
+
+def shared_layers_bomb(path: Path, layers: int = 400) -> Path:
+    """A real pickle (~2.5 MB) whose 400 predict layers are one set of arrays: a model of ~1 GB."""
+    config = tiny_config(intermediate_size=4096)
+    base = reference_params(config)
+    params = {name: value for name, value in base.items() if not name.startswith("L0_")}
+    for i in range(layers):
+        params.update({f"L{i}_{name[3:]}": value for name, value in base.items() if name.startswith("L0_")})
+    return write_pickle(path, params)
+
+
+def npy_header(shape: tuple[int, ...], descr: str = "<f4") -> bytes:
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buffer, {"descr": descr, "fortran_order": False, "shape": shape})
+    return buffer.getvalue()
+
+
+def zip_bomb_npz(folder: Path, zero_bytes: int = 3 * GIB) -> Path:
+    """A valid params.npz (~3 MB) whose embedding member inflates to `zero_bytes` of zeros (CRC included).
+
+    The deflate stream is one block of 16 MiB of zeros repeated (a full flush resets the compressor, so
+    every block compresses to the same bytes); the rest are the tiny model's real parameters, stored."""
+    folder.mkdir(parents=True, exist_ok=True)
+    chunk = 1 << 24
+    assert zero_bytes % chunk == 0
+    header = npy_header((zero_bytes // (4 * 32), 32))
+    compressor = zlib.compressobj(9, zlib.DEFLATED, -15)
+    first = compressor.compress(header) + compressor.flush(zlib.Z_FULL_FLUSH)
+    block = compressor.compress(bytes(chunk)) + compressor.flush(zlib.Z_FULL_FLUSH)
+    assert block == compressor.compress(bytes(chunk)) + compressor.flush(zlib.Z_FULL_FLUSH)
+    last = compressor.flush()
+    crc = zlib.crc32(header)
+    zeros = bytes(chunk)
+    for _ in range(zero_bytes // chunk):
+        crc = zlib.crc32(zeros, crc)
+
+    members = []  # (name, data-writer, crc, compressed size, size, method)
+    for name, array in reference_params().items():
+        if name != "embedding":
+            raw = npy_header(array.shape) + array.astype("<f4").tobytes()
+            members.append((f"{name}.npy", [raw], zlib.crc32(raw), len(raw), len(raw), 0))
+    count = zero_bytes // chunk
+    compressed = len(first) + count * len(block) + len(last)
+    members.append(("embedding.npy", [first, (block, count), last], crc, compressed, len(header) + zero_bytes, 8))
+
+    central = b""
+    with open(folder / "params.npz", "wb") as out:
+        for name, pieces, member_crc, csize, size, method in members:
+            offset = out.tell()
+            local = struct.pack("<4s5H3L2H", b"PK\x03\x04", 20, 0, method, 0, 0, member_crc, csize, size, len(name), 0)
+            out.write(local + name.encode())
+            for piece in pieces:
+                if isinstance(piece, tuple):
+                    for _ in range(piece[1]):
+                        out.write(piece[0])
+                else:
+                    out.write(piece)
+            central += struct.pack(
+                "<4s6H3L5H2L", b"PK\x01\x02", 20, 20, 0, method, 0, 0, member_crc, csize, size, len(name), 0, 0, 0, 0, 0,
+                offset,
+            ) + name.encode()  # fmt: skip
+        start = out.tell()
+        out.write(central)
+        out.write(struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, len(members), len(members), len(central), start, 0))
+    return folder
+
+
+def large_consistent_npz(folder: Path, vocab: int = 40_000, embedding: int = 1024) -> Path:
+    """A stored (uncompressed, 160 MB) params.npz of a model with a large embedding: consistent, no bomb,
+    but the conversion needs twice that, more than the bound the test gives it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    params = reference_params(tiny_config(embedding_size=embedding))
+    params["embedding"] = np.zeros((vocab, embedding), dtype=np.float32)
+    np.savez(folder / "params.npz", **params)
+    return folder
+
+
+BOMBS = {
+    "bytes-of-a-number": (lambda tmp: bytes_bomb(tmp / "checkpoint.pkl"), ["bytes()"]),
+    "claimed-shape": (lambda tmp: shape_claim_bomb(tmp / "checkpoint.pkl"), ["(100000000, 32)", "without its data"]),
+    "claimed-length": (lambda tmp: claimed_length_bomb(tmp / "checkpoint.pkl"), ["not a readable reference checkpoint"]),
+    "repetition": (lambda tmp: repetition_bomb(tmp / "checkpoint.pkl"), ["builds more than"]),
+    "shared-layers": (lambda tmp: shared_layers_bomb(tmp / "checkpoint.pkl"), ["are the same array"]),
+    "zip-bomb": (lambda tmp: zip_bomb_npz(tmp / "bomb"), ["zip bomb", "3.00 GiB"]),
+    "too-large": (lambda tmp: large_consistent_npz(tmp / "large"), ["needs about", "available"]),
+}
+BOMB_MARGIN = 256 << 20  # what the child may allocate beyond its imports
+
+
+@pytest.fixture(scope="module")
+def bomb_runs(tmp_path_factory):
+    """Every bomb, and then a genuine checkpoint, converted in one child capped at imports + 256 MiB."""
+    root = tmp_path_factory.mktemp("bombs")
+    commands = []
+    for case, (make, _needles) in BOMBS.items():
+        (root / case).mkdir()
+        commands.append(["convert", str(make(root / case)), str(root / case / "out")])
+    genuine = write_pickle(root / "genuine.pkl", reference_params(), opt_state={"count": np.int32(10)})
+    commands.append(["convert", str(genuine), str(root / "genuine-out")])
+    finished, cap = run_bounded(commands, BOMB_MARGIN)
+    return root, dict(zip([*BOMBS, "genuine"], finished)), cap
+
+
+@pytest.mark.parametrize("case", list(BOMBS))
+def test_convert_refuses_resource_bombs_before_allocating(bomb_runs, case):
+    root, finished, _cap = bomb_runs
+    source = root / case
+    assert_one_clear_error(finished[case], "convert", *BOMBS[case][1])
+    assert not (source / "out").exists()
+
+
+def test_convert_under_the_same_bound_still_converts_a_real_checkpoint(bomb_runs):
+    """The bound is not what refuses the bombs: a genuine checkpoint converts under it, exactly."""
+    root, finished, _cap = bomb_runs
+    assert finished["genuine"].returncode == 0, finished["genuine"].stderr
+    from modeling_gpn import GPNForCausalLM
+
+    converted = GPNForCausalLM.from_pretrained(root / "genuine-out")
+    original = perturbed_model(tiny_config())
+    for name, tensor in original.state_dict().items():
+        assert torch.equal(converted.state_dict()[name], tensor), name
+
+
+# --------------------------------------------------------------------------------------------------
+# gpn convert: every malformed input gets one clear line
+# --------------------------------------------------------------------------------------------------
+
+
+def _npz_folder(tmp: Path, params=None, config_text: str | None = None) -> Path:
+    folder = tmp / "ref"
+    folder.mkdir()
+    np.savez(folder / "params.npz", **(params if params is not None else reference_params()))
+    if config_text is not None:
+        (folder / "config.json").write_text(config_text)
+    return folder
+
+
+def _truncated(path: Path, keep: float) -> Path:
+    path.write_bytes(path.read_bytes()[: int(path.stat().st_size * keep)])
+    return path
+
+
+def _with(params: dict, **changes) -> dict:
+    return {**params, **changes}
+
+
+def _refilled(name: str, fill, dtype) -> dict:
+    """The tiny model's parameters with `name` replaced by an array of its shape filled with `fill`."""
+    params = reference_params()
+    return {**params, name: np.full(params[name].shape, fill, dtype=dtype)}
+
+
+def _write(path: Path, data: bytes | str) -> Path:
+    path.write_bytes(data if isinstance(data, bytes) else data.encode())
+    return path
+
+
+def _fifo(tmp: Path) -> Path:
+    os.mkfifo(tmp / "checkpoint.pkl")
+    return tmp / "checkpoint.pkl"
+
+
+MALFORMED = {
+    "truncated-pickle": (lambda t: _truncated(write_pickle(t / "c.pkl", reference_params()), 0.5), "not a readable reference checkpoint"),
+    "empty-file": (lambda t: _write(t / "c.pkl", b""), "not a readable reference checkpoint"),
+    "truncated-npz": (lambda t: _truncated(_npz_folder(t) / "params.npz", 0.6).parent, "not a readable npz"),
+    "npz-not-a-zip": (lambda t: _write(t / "params.npz", "hello").parent, "not a readable npz"),
+    "pickle-without-params": (lambda t: _write(t / "c.pkl", pickle.dumps({"step": 1})), "no 'params' entry"),
+    "pickle-of-a-list": (lambda t: _write(t / "c.pkl", pickle.dumps([1, 2])), "no 'params' entry"),
+    "string-parameter": (lambda t: write_pickle(t / "c.pkl", _with(reference_params(), embedding="oops")), "is a str"),
+    "params-a-list": (lambda t: write_pickle(t / "c.pkl", [np.zeros(3)]), "is a list"),
+    "missing-parameters": (lambda t: write_pickle(t / "c.pkl", {k: v for k, v in reference_params().items() if k != "write_W_v_k"}), "missing parameters: write_W_v_k"),
+    "nan-parameter": (lambda t: write_pickle(t / "c.pkl", _refilled("fg_gate_b", np.nan, np.float32)), "fg_gate_b: contains NaN or inf"),
+    "integer-parameter": (lambda t: write_pickle(t / "c.pkl", _refilled("fuse_norm_w", 1, np.int64)), "not floating point"),
+    "object-array": (lambda t: write_pickle(t / "c.pkl", _refilled("fuse_norm_w", None, object)), "its pickle has dtype object, not a plain numeric dtype"),
+    "embedding-wrong-rank": (lambda t: write_pickle(t / "c.pkl", _with(reference_params(), embedding=np.zeros(5, np.float32))), "embedding has shape (5,)"),
+    "zero-heads": (lambda t: write_pickle(t / "c.pkl", _with(reference_params(), write_A_log=np.zeros(0, np.float32))), "Cannot infer"),
+    "folder-without-params": (lambda t: t, "has neither params.npz nor checkpoint.pkl"),
+    "missing-path": (lambda t: t / "nowhere.pkl", "does not exist"),
+    "fifo-not-a-file": (_fifo, "not a regular file"),
+    "config-json-malformed": (lambda t: _npz_folder(t, config_text="{not json"), "not valid JSON"),
+    "config-json-a-list": (lambda t: _npz_folder(t, config_text="[1, 2]"), "not a JSON object"),
+    "config-json-disagrees": (lambda t: _npz_folder(t, config_text='{"d_state": 64}'), "d_state=64"),
+    "npz-extra-member": (lambda t: _npz_folder(t, params=_with(reference_params(), **{"notes": np.zeros(2, np.float32)})), "unexpected parameters: notes"),
+    "npz-object-member": (lambda t: _npz_folder(t, params=_refilled("fuse_norm_w", None, object)), "not a plain numeric dtype"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_convert_answers_every_malformed_input_with_one_clear_line(tmp_path, capsys, case):
+    make, needle = MALFORMED[case]
+    source = make(tmp_path)
+    code = gpn_main(["convert", str(source), str(tmp_path / "out")])
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert code == 1, captured
+    assert len(lines) == 1 and lines[0].startswith("gpn convert: "), lines
+    assert needle in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_malformed_input_in_a_real_process_prints_no_traceback(tmp_path):
+    source = _truncated(write_pickle(tmp_path / "c.pkl", reference_params()), 0.5)
+    result = subprocess.run(
+        [sys.executable, "-m", "modeling_gpn.cli", "convert", str(source), str(tmp_path / "out")],
+        capture_output=True, text=True, cwd=REPO_ROOT,
+    )  # fmt: skip
+    assert_one_clear_error(result, "convert", "not a readable reference checkpoint")
+
+
+def test_convert_output_that_is_a_file_is_a_clear_error(tmp_path, capsys):
+    source = write_pickle(tmp_path / "c.pkl", reference_params())
+    (tmp_path / "out").write_text("not a folder")
+    assert gpn_main(["convert", str(source), str(tmp_path / "out")]) == 1
+    assert "is a file, not a folder" in capsys.readouterr().err
