@@ -377,3 +377,73 @@ def test_convert_output_that_is_a_file_is_a_clear_error(tmp_path, capsys):
     (tmp_path / "out").write_text("not a folder")
     assert gpn_main(["convert", str(source), str(tmp_path / "out")]) == 1
     assert "is a file, not a folder" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------------
+# gpn generate: bad arguments are one clear line
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def generate_dir(tmp_path_factory):
+    """A tiny GPN folder with its own byte-level BPE tokenizer (no shared files needed)."""
+    from modeling_gpn.data import train_bpe_tokenizer
+
+    folder = tmp_path_factory.mktemp("generate")
+    tokenizer = train_bpe_tokenizer(["the cat sat on the mat. " * 20, "to be or not to be " * 20], 300)
+    tokenizer.save_pretrained(folder)
+    perturbed_model(tiny_config(vocab_size=len(tokenizer))).save_pretrained(folder)
+    return folder
+
+
+GENERATE_BAD = {
+    "missing-folder": (["./no/such/model", "hi"], "model folder ./no/such/model does not exist"),
+    "folder-without-config": (["{tmp}", "hi"], "is not a model folder: it has no config.json"),
+    "zero-new-tokens": (["{model}", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    "negative-new-tokens": (["{model}", "hi", "--max-new-tokens", "-3"], "--max-new-tokens must be at least 1"),
+    "empty-prompt": (["{model}", "hi", ""], "prompt 2 is empty"),
+    "blank-prompt": (["{model}", "   "], "prompt 1 is empty"),
+    "temperature-without-sample": (["{model}", "hi", "--temperature", "0.5"], "--temperature only apply with --sample"),
+    "top-p-without-sample": (["{model}", "hi", "--top-p", "0.5", "--num-beams", "2"], "--top-p only apply with --sample"),
+    "zero-temperature": (["{model}", "hi", "--sample", "--temperature", "0"], "--temperature must be > 0"),
+    "top-p-above-one": (["{model}", "hi", "--sample", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    "zero-beams": (["{model}", "hi", "--num-beams", "0"], "--num-beams must be at least 1"),
+    "bad-device": (["{model}", "hi", "--device", "toaster"], "is not a torch device"),
+    "missing-tokenizer": (["{model}", "hi", "--tokenizer", "{tmp}/nowhere"], "cannot load a tokenizer"),
+    "foreign-tokenizer": (["{small_model}", "hello there", "--tokenizer", "{model}"], "outside the model's vocabulary"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GENERATE_BAD))
+def test_generate_bad_arguments_are_one_clear_line(generate_dir, tmp_path, capsys, case):
+    args, needle = GENERATE_BAD[case]
+    if "{small_model}" in args:  # a model of 97 tokens, given the 257+ token tokenizer
+        perturbed_model(tiny_config(vocab_size=97)).save_pretrained(tmp_path / "small")
+    args = [a.format(model=generate_dir, tmp=tmp_path, small_model=tmp_path / "small") for a in args]
+    code = gpn_main(["generate", *args])
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.startswith("gpn generate:")]
+    assert code in (1, 2), captured
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    assert needle in lines[0], lines[0]
+    assert captured.out == ""
+
+
+def test_generate_unparsable_number_is_argparse_usage_not_a_traceback(generate_dir, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        gpn_main(["generate", str(generate_dir), "hi", "--max-new-tokens", "many"])
+    assert exit_info.value.code == 2
+    assert "gpn generate: error: argument --max-new-tokens: invalid int value: 'many'" in capsys.readouterr().err
+
+
+def test_generate_in_a_real_process(generate_dir, tmp_path):
+    """The real console entry: a bad path is one line and exit 2; good arguments still generate."""
+    command = [sys.executable, "-m", "modeling_gpn.cli", "generate"]
+    bad = subprocess.run([*command, str(tmp_path / "nowhere"), "hi"], capture_output=True, text=True, cwd=REPO_ROOT)
+    assert_one_clear_error(bad, "generate", "does not exist")
+    good = subprocess.run(
+        [*command, str(generate_dir), "the cat", "to be", "--max-new-tokens", "5", "--device", "cpu"],
+        capture_output=True, text=True, cwd=REPO_ROOT,
+    )  # fmt: skip
+    assert good.returncode == 0, good.stderr
+    assert good.stdout.count("-" * 40) == 2 and good.stdout.startswith("the cat")
