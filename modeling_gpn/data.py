@@ -46,7 +46,7 @@ BPE_EOS = "<|endoftext|>"
 LOCAL_SUFFIXES = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 CACHE_FORMAT_VERSION = 1
 SHARD_TOKENS = 1 << 24  # tokens per cache shard file
-PIECE_CHARS = 1 << 20  # a long text document is read and tokenized in pieces of about this many characters
+PIECE_CHARS = 1 << 18  # a long text document is read and tokenized in pieces of about this many characters
 
 
 class DataError(ValueError):
@@ -508,21 +508,26 @@ def build_token_stream(
     def write(tmp: Path) -> None:
         from tqdm.auto import tqdm
 
-        shards, lengths, documents = [], [], 0
-        buffer: list[np.ndarray] = []
-        buffered = 0
-        total = 0
+        shards: list[str] = []
+        lengths: list[int] = []
+        documents = total = 0
+        shard_file = None
 
-        def flush(final: bool = False) -> None:
-            nonlocal buffer, buffered
-            while buffered >= SHARD_TOKENS or (final and buffered):
-                data = np.concatenate(buffer)
-                shard, rest = data[:SHARD_TOKENS], data[SHARD_TOKENS:]
-                name = f"tokens-{len(shards):05d}.bin"
-                shard.astype(dtype).tofile(tmp / name)
-                shards.append(name)
-                lengths.append(int(shard.size))
-                buffer, buffered = ([rest] if rest.size else []), int(rest.size)
+        def append(ids: np.ndarray) -> None:
+            """Write `ids` to the open shard (a new one every SHARD_TOKENS tokens): nothing is buffered."""
+            nonlocal shard_file
+            while ids.size:
+                if shard_file is None:
+                    shards.append(f"tokens-{len(shards):05d}.bin")
+                    lengths.append(0)
+                    shard_file = open(tmp / shards[-1], "wb")
+                take = min(SHARD_TOKENS - lengths[-1], ids.size)
+                ids[:take].tofile(shard_file)
+                lengths[-1] += take
+                ids = ids[take:]
+                if lengths[-1] == SHARD_TOKENS:
+                    shard_file.close()
+                    shard_file = None
 
         bar = tqdm(
             desc="tokenizing", unit="tok", unit_scale=True, total=max_tokens, disable=not show_progress,
@@ -530,25 +535,27 @@ def build_token_stream(
         )  # fmt: skip
         encoder = PieceEncoder(tokenizer)
         pieces = corpus.document_pieces(encoder.safe_cut)
-        for batch in _batched_by_size(pieces, 256, PIECE_CHARS):
-            encoded = encoder.encode([(text, continues) for text, continues, _ends in batch])
-            for (_text, _continues, ends), ids in zip(batch, encoded):
-                if ids is None:  # safe_cut checked this cut: the tokenizer changed its mind
-                    raise DataError(f"Cannot tokenize {corpus.describe()} in pieces with this tokenizer")
-                ids = np.asarray(ids + [eos] if ends else ids, dtype=np.int64)
-                if max_tokens is not None and total + ids.size > max_tokens:
-                    ids = ids[: max_tokens - total]
-                buffer.append(ids)
-                buffered += ids.size
-                total += ids.size
-                documents += ends
-                bar.update(ids.size)
+        try:
+            for batch in _batched_by_size(pieces, 256, PIECE_CHARS):
+                encoded = encoder.encode([(text, continues) for text, continues, _ends in batch])
+                for (_text, _continues, ends), ids in zip(batch, encoded):
+                    if ids is None:  # safe_cut checked this cut: the tokenizer changed its mind
+                        raise DataError(f"Cannot tokenize {corpus.describe()} in pieces with this tokenizer")
+                    ids = np.asarray(ids + [eos] if ends else ids, dtype=dtype)
+                    truncated = max_tokens is not None and total + ids.size >= max_tokens
+                    if truncated:
+                        ids = ids[: max_tokens - total]
+                    append(ids)
+                    total += ids.size
+                    documents += ends or truncated
+                    bar.update(ids.size)
+                    if truncated:
+                        break
                 if max_tokens is not None and total >= max_tokens:
                     break
-            flush()
-            if max_tokens is not None and total >= max_tokens:
-                break
-        flush(final=True)
+        finally:
+            if shard_file is not None:
+                shard_file.close()
         bar.close()
         if total == 0:
             raise DataError(f"{corpus.describe()} yielded no tokens")

@@ -61,13 +61,15 @@ class Finished:
     stderr: str
 
 
-BOUNDED_CHILD = """
+BOUNDED_PREAMBLE = """
 import contextlib, io, json, re, resource, sys, traceback
 import modeling_gpn.cli, modeling_gpn.conversion.reference, modeling_gpn.data, modeling_gpn.evaluation.runner
 import torch; torch.zeros(1) + 1  # start torch's thread pool before the cap
 vm = int(re.search(r'VmSize:\\s+(\\d+)', open('/proc/self/status').read()).group(1)) * 1024
 cap = vm + int(sys.argv[1])
 resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+"""
+BOUNDED_CHILD = BOUNDED_PREAMBLE + """
 results = []
 for args in json.loads(sys.argv[2]):
     out, err = io.StringIO(), io.StringIO()
@@ -82,6 +84,15 @@ for args in json.loads(sys.argv[2]):
     results.append({"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
 print(json.dumps({"cap": cap, "results": results}))
 """
+CHILD_ENV = {"MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def run_python_bounded(code: str, margin_bytes: int, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run `code` in a child capped like `run_bounded` (it may print; `cap` holds the cap)."""
+    return subprocess.run(
+        [sys.executable, "-c", BOUNDED_PREAMBLE + code, str(margin_bytes)], capture_output=True, text=True,
+        timeout=timeout, env={**os.environ, **CHILD_ENV}, cwd=REPO_ROOT,
+    )  # fmt: skip
 
 
 def run_bounded(commands: list[list[str]], margin_bytes: int, timeout: int = 300) -> tuple[list[Finished], int]:
@@ -89,7 +100,7 @@ def run_bounded(commands: list[list[str]], margin_bytes: int, timeout: int = 300
     after its imports + `margin_bytes` (one child: imports cost seconds on a busy machine).
 
     Returns (one `Finished` per command, the cap in bytes)."""
-    env = {**os.environ, "MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    env = {**os.environ, **CHILD_ENV}
     child = subprocess.run(
         [sys.executable, "-c", BOUNDED_CHILD, str(margin_bytes), json.dumps(commands)],
         capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO_ROOT,
@@ -447,3 +458,156 @@ def test_generate_in_a_real_process(generate_dir, tmp_path):
     )  # fmt: skip
     assert good.returncode == 0, good.stderr
     assert good.stdout.count("-" * 40) == 2 and good.stdout.startswith("the cat")
+
+
+# --------------------------------------------------------------------------------------------------
+# Tokenizing one long document: pieces, exact tokens, bounded memory
+# --------------------------------------------------------------------------------------------------
+
+
+def tricky_text(min_chars: int) -> str:
+    """Real prose (the Shakespeare plays) with every kind of line start a cut could meet: indented lines,
+    tabs, runs of blank lines, lines of spaces, CRLF endings, non-ASCII letters and symbols."""
+    from modeling_gpn.data import shakespeare_documents
+
+    plays = []
+    for index, play in enumerate(shakespeare_documents()):
+        lines = play.splitlines(keepends=True)
+        for i in range(0, len(lines), 7):
+            lines[i] = ["  ", "\t", "   \n", "\n\n\n", "Ünïcödé — ", "😀 ", "\r\n", "'s "][(i + index) % 8] + lines[i]
+        plays.append("".join(lines))
+        if sum(map(len, plays)) >= min_chars:
+            break
+    return "".join(plays)
+
+
+@pytest.fixture(scope="module")
+def bpe_tokenizer_dir(tmp_path_factory):
+    from modeling_gpn.data import train_bpe_tokenizer
+
+    folder = tmp_path_factory.mktemp("bpe")
+    train_bpe_tokenizer([tricky_text(300_000)], 1000).save_pretrained(folder)
+    return folder
+
+
+def whole_and_streamed_tokens(tokenizer, text: str, tmp_path: Path, monkeypatch) -> tuple[list[int], list[int]]:
+    from modeling_gpn import data
+
+    path = tmp_path / "one-document.txt"
+    path.write_bytes(text.encode("utf-8"))
+    whole_text = path.read_text(encoding="utf-8")  # universal newlines, as datasets' text builder reads it
+    monkeypatch.setattr(data, "PIECE_CHARS", 2_000)  # many cuts in a small file
+    stream = data.build_token_stream(data.CorpusSpec(source=str(path)), tokenizer, cache_dir=tmp_path / "cache", show_progress=False)
+    whole = tokenizer(whole_text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return whole, stream.tokens(0, len(stream)).tolist()
+
+
+def test_streamed_tokens_equal_whole_document_tokens_byte_level_bpe(bpe_tokenizer_dir, tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from modeling_gpn import data
+
+    text = tricky_text(200_000)
+    cuts = []
+    original = data.text_file_pieces
+    monkeypatch.setattr(data, "text_file_pieces", lambda *a: (cuts.append(p) or p for p in original(*a)))
+    whole, streamed = whole_and_streamed_tokens(AutoTokenizer.from_pretrained(bpe_tokenizer_dir), text, tmp_path, monkeypatch)
+    assert len(cuts) > 50  # the document really was cut
+    assert streamed == whole
+
+
+def test_streamed_tokens_equal_whole_document_tokens_llama(tmp_path, monkeypatch):
+    """SentencePiece marks the start of a text with '▁': a piece is encoded after a line break, whose
+    tokens are dropped, so it is tokenized as it is mid-document."""
+    from transformers import AutoTokenizer
+
+    from conftest import require_shared
+
+    tokenizer = AutoTokenizer.from_pretrained(require_shared("data/llama2-tokenizer"))
+    whole, streamed = whole_and_streamed_tokens(tokenizer, tricky_text(100_000), tmp_path, monkeypatch)
+    assert streamed == whole
+
+
+def test_a_long_document_is_tokenized_in_bounded_memory(bpe_tokenizer_dir, tmp_path):
+    """10 MB in one .txt file, tokenized under a cap of imports + 400 MiB (the old code needed ~1.5 GB). Measured
+    (peak RSS over the imports, same tokenizer): before, 5 MB took +674 MB and 20 MB +3,045 MB (~150x
+    the file); now +135 MB and +145 MB, flat in the file's size."""
+    text = tricky_text(1_000_000)
+    path = tmp_path / "big.txt"
+    with open(path, "w", encoding="utf-8") as out:
+        while out.tell() < 10_000_000:
+            out.write(text)
+    code = f"""
+from transformers import AutoTokenizer
+tokenizer = AutoTokenizer.from_pretrained({str(bpe_tokenizer_dir)!r})
+corpus = modeling_gpn.data.CorpusSpec(source={str(path)!r})
+stream = modeling_gpn.data.build_token_stream(corpus, tokenizer, cache_dir={str(tmp_path / "cache")!r}, show_progress=False)
+print("TOKENS", len(stream), stream.meta["documents"], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+    result = run_python_bounded(code, margin_bytes=400 << 20)
+    assert result.returncode == 0, result.stderr[-3000:]
+    tokens, documents = map(int, result.stdout.split("TOKENS")[1].split()[:2])
+    assert documents == 1 and tokens > 2_000_000
+
+
+# --------------------------------------------------------------------------------------------------
+# A damaged token cache names the file and how to rebuild
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_cache(bpe_tokenizer_dir, tmp_path, monkeypatch):
+    """A token cache of three shards (of 20,000 tokens) for a small text file."""
+    from transformers import AutoTokenizer
+
+    from modeling_gpn import data
+
+    monkeypatch.setattr(data, "SHARD_TOKENS", 20_000)
+    path = tmp_path / "corpus.txt"
+    path.write_text(tricky_text(150_000), encoding="utf-8")
+    tokenizer = AutoTokenizer.from_pretrained(bpe_tokenizer_dir)
+    corpus = data.CorpusSpec(source=str(path))
+    stream = data.build_token_stream(corpus, tokenizer, cache_dir=tmp_path / "cache", show_progress=False)
+    assert len(stream.shards) >= 3
+    return lambda: data.build_token_stream(corpus, tokenizer, cache_dir=tmp_path / "cache", show_progress=False), stream.folder
+
+
+def _damage(folder: Path, how: str) -> Path:
+    shard = folder / "tokens-00001.bin"
+    if how == "truncated":
+        shard.write_bytes(shard.read_bytes()[:-1001])
+    elif how == "grown":
+        shard.write_bytes(shard.read_bytes() + b"\0\0")
+    elif how == "missing":
+        shard.unlink()
+    elif how == "overwritten":  # right size, bytes of something else
+        shard.write_bytes(b"\xff" * shard.stat().st_size)
+    elif how == "bad-meta":
+        shard = folder / "meta.json"
+        shard.write_text(shard.read_text()[:50])
+    return shard
+
+
+@pytest.mark.parametrize("how", ["truncated", "grown", "missing", "overwritten", "bad-meta"])
+def test_a_damaged_token_cache_names_the_file_and_how_to_rebuild(small_cache, how):
+    from modeling_gpn.data import DataError, WindowDataset
+
+    reopen, folder = small_cache
+    damaged = _damage(folder, how)
+    with pytest.raises(DataError) as error:
+        stream = reopen()
+        dataset = WindowDataset(stream, 64, 0.1, seed=0)
+        for index in range(dataset.num_train):
+            dataset.window(index)
+    message = str(error.value)
+    assert str(damaged) in message and f"delete the folder {folder}" in message, message
+    assert shutil_rmtree_and_rebuild(reopen, folder)
+
+
+def shutil_rmtree_and_rebuild(reopen, folder: Path) -> bool:
+    """What the message says to do works: delete the folder, run again."""
+    import shutil
+
+    shutil.rmtree(folder)
+    stream = reopen()
+    return not stream.reused and len(stream) > 0
