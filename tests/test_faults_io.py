@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import pickle
 import struct
@@ -21,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import REPO_ROOT, perturbed_model, tiny_config  # noqa: E402
@@ -611,3 +613,80 @@ def shutil_rmtree_and_rebuild(reopen, folder: Path) -> bool:
     shutil.rmtree(folder)
     stream = reopen()
     return not stream.reused and len(stream) > 0
+
+
+# --------------------------------------------------------------------------------------------------
+# gpn eval fineweb_paper: chunked logits, same figures, bounded memory
+# --------------------------------------------------------------------------------------------------
+
+
+def full_logits_nll(model, batch: torch.Tensor) -> float:
+    """The method `windowed_perplexity` used before: full logits, a float64 copy, one cross-entropy."""
+    with torch.no_grad():
+        logits = model(input_ids=batch, use_cache=False).logits
+    return F.cross_entropy(
+        logits[:, :-1].double().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
+    ).item()
+
+
+def tiny_llama(vocab_size: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+class LogitsOnly(torch.nn.Module):
+    """A causal LM whose decoder eval does not know: the fallback path (the model's own logits)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.config = inner, inner.config
+
+    def forward(self, input_ids, use_cache=False):
+        return self.inner(input_ids=input_ids, use_cache=use_cache)
+
+
+@pytest.mark.parametrize("kind", ["gpn", "llama", "fallback"])
+def test_chunked_window_nll_equals_the_full_logits_method(kind):
+    from modeling_gpn.evaluation.protocols import hidden_states_and_decoder, summed_next_token_nll
+
+    vocab = 32000
+    model = {"gpn": lambda: perturbed_model(tiny_config(vocab_size=vocab)), "llama": lambda: tiny_llama(vocab)}.get(
+        kind, lambda: LogitsOnly(perturbed_model(tiny_config(vocab_size=vocab)))
+    )()
+    batch = torch.randint(0, vocab, (3, 200), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (hidden_states_and_decoder(model, batch) is None) == (kind == "fallback")
+    expected = full_logits_nll(model, batch)
+    for chunk_rows in (None, 7, 10_000):  # uneven chunks, and one chunk holding everything
+        assert summed_next_token_nll(model, batch, chunk_rows) == pytest.approx(expected, rel=1e-9, abs=0)
+
+
+def test_fineweb_windows_at_2048_with_a_32k_vocabulary_in_bounded_memory(tmp_path):
+    """The paper's window and a LLaMA-sized vocabulary, batch 8, under a cap of imports + 600 MiB: the full
+    logits alone would be 2.1 GB (and their float64 copies 4.2 GB each). The figure equals the full-logits
+    method's, computed in the parent without a cap."""
+    model = perturbed_model(tiny_config(vocab_size=32000))
+    model.save_pretrained(tmp_path / "model")
+    stream = torch.randint(0, 32000, (8 * 2048 + 5,), generator=torch.Generator().manual_seed(2))
+    torch.save(stream, tmp_path / "stream.pt")
+    code = f"""
+from modeling_gpn import GPNForCausalLM
+from modeling_gpn.evaluation.protocols import windowed_perplexity
+model = GPNForCausalLM.from_pretrained({str(tmp_path / "model")!r}).eval()
+stream = torch.load({str(tmp_path / "stream.pt")!r}).tolist()
+result = windowed_perplexity(model, stream, window=2048, batch_size=8, progress=False)
+print("RESULT", json.dumps(result), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+    child = run_python_bounded(code, margin_bytes=600 << 20)
+    assert child.returncode == 0, child.stderr[-3000:]
+    result = json.loads(child.stdout.split("RESULT", 1)[1].rsplit(" ", 1)[0])
+    tokens = stream[: 8 * 2048].view(8, 2048)
+    rest = sum(full_logits_nll(model, tokens[i : i + 2]) for i in range(0, 8, 2))
+    assert result["windows"] == 8 and result["tokens_scored"] == 8 * 2048
+    assert result["ppl_excluding_first"] == pytest.approx(math.exp(rest / (8 * 2047)), rel=1e-9)
