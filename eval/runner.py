@@ -110,6 +110,8 @@ def load_model(path: str, device: str = "cpu", dtype: str = "float32", trust_rem
         raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {dtype!r}")
     if Path(path).exists() and not (Path(path) / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a model folder: it has no config.json")
+    if not Path(path).exists() and (path.startswith((".", "/", "~")) or path.count("/") > 1):
+        raise FileNotFoundError(f"model folder {path} does not exist")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtypes[dtype], trust_remote_code=trust_remote_code)
     model = model.to(device).eval()
     tok = AutoTokenizer.from_pretrained(tokenizer or path, trust_remote_code=trust_remote_code)
