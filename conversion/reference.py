@@ -141,7 +141,8 @@ def _byte_data(value: Any) -> bool:
 class RestrictedUnpickler(pickle._Unpickler):
     """Unpickler that builds only plain containers, numbers, strings and numpy arrays, within a budget.
 
-    It is the pure-Python unpickler over the file's bytes in memory: a claimed length never allocates
+    It is the standard library's pure-Python unpickler (`pickle._Unpickler`, whose opcode table can be
+    amended) over the file's bytes in memory: a claimed length never allocates
     more than the file holds (the C unpickler allocates a claimed `BINBYTES8` length before reading).
     Every global a reference checkpoint needs is replaced by a checked wrapper; `BUILD` accepts only
     an array's or a dtype's own state, checked against its shape. `budget` bounds the bytes built
@@ -182,7 +183,10 @@ class RestrictedUnpickler(pickle._Unpickler):
         )
 
     def _checked_globals(self) -> dict[tuple[str, str], Any]:
-        from numpy._core import multiarray, numeric
+        try:  # numpy >= 2
+            from numpy._core import multiarray, numeric
+        except ImportError:  # numpy 1.x
+            from numpy.core import multiarray, numeric
 
         claim = self.claim
 
