@@ -12,6 +12,7 @@ import json
 import math
 import os
 import pickle
+import re
 import struct
 import subprocess
 import sys
@@ -690,3 +691,32 @@ print("RESULT", json.dumps(result), resource.getrusage(resource.RUSAGE_SELF).ru_
     rest = sum(full_logits_nll(model, tokens[i : i + 2]) for i in range(0, 8, 2))
     assert result["windows"] == 8 and result["tokens_scored"] == 8 * 2048
     assert result["ppl_excluding_first"] == pytest.approx(math.exp(rest / (8 * 2047)), rel=1e-9)
+
+
+# --------------------------------------------------------------------------------------------------
+# The rewritten unpickler still runs nothing
+# --------------------------------------------------------------------------------------------------
+
+HOSTILE_PICKLES = {  # case -> (pickle, what the refusal says)
+    "global-os-system": (b"\x80\x02cos\nsystem\nX\x04\x00\x00\x00true\x85R.", "object os.system"),
+    "stack-global-eval": (b"\x80\x04\x8c\x08builtins\x8c\x04eval\x93\x8c\x041+1\x85R.", "object builtins.eval"),
+    "dotted-name": (b"\x80\x04\x8c\x05numpy\x8c\x0fdtype.__class__\x93.", "object numpy.dtype.__class__"),
+    "inst-opcode": (b"(X\x04\x00\x00\x00trueios\nsystem\n.", "object os.system"),
+    "newobj-of-a-wrapper": (b"\x80\x02cbuiltins\nlist\n)\x81.", "is not a type object"),
+    "build-on-a-dict": (b"\x80\x02}}b.", "sets the state of a dict"),
+    "codec-other-than-latin1": (b"\x80\x02c_codecs\nencode\nX\x01\x00\x00\x00aX\x04\x00\x00\x00zlib\x86R.", "codecs.encode with 'zlib'"),
+    "ndarray-called-directly": (b"\x80\x02cnumpy\nndarray\nK\x05\x85R.", "object is not callable"),
+    "persistent-id": (b"\x80\x02X\x01\x00\x00\x00xQ.", "persistent objects"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_PICKLES))
+def test_hostile_pickles_are_refused_and_run_nothing(tmp_path, case):
+    from modeling_gpn.conversion import CheckpointError
+    from modeling_gpn.conversion.reference import load_pickle_checkpoint
+
+    path = tmp_path / "checkpoint.pkl"
+    data, needle = HOSTILE_PICKLES[case]
+    path.write_bytes(data)
+    with pytest.raises(CheckpointError, match=re.escape(needle)):
+        load_pickle_checkpoint(path)
