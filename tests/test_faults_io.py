@@ -720,3 +720,14 @@ def test_hostile_pickles_are_refused_and_run_nothing(tmp_path, case):
     path.write_bytes(data)
     with pytest.raises(CheckpointError, match=re.escape(needle)):
         load_pickle_checkpoint(path)
+
+
+def test_rolling_perplexity_batches_are_capped_by_their_logits():
+    """lm-eval holds a rolling batch's (batch, max_length, vocab) logits and log-softmax: at the paper's
+    2048 and a 32k vocabulary, 2 rows fit the 1 GiB budget, not 8 (the figures do not depend on it:
+    tests/test_eval.py::test_wikitext_rolling_perplexity_batch_invariant)."""
+    from modeling_gpn.evaluation.runner import rolling_batch_size
+
+    assert rolling_batch_size(8, 2048, 32000) == 2
+    assert rolling_batch_size(8, 128, 32000) == 8
+    assert rolling_batch_size(8, 1 << 20, 1 << 20) == 1
