@@ -183,11 +183,19 @@ def token_stream(
     special = {"eos": tokenizer.eos_token_id, "bos": tokenizer.bos_token_id}.get(separator)
     if separator != "none" and special is None:
         raise ValueError(f"the tokenizer has no {separator.upper()} token; choose another separator")
+    from modeling_gpn.data import PieceEncoder, split_document
+
+    encoder = PieceEncoder(tokenizer)  # a long document is tokenized in pieces, to the same tokens
     stream: list[int] = []
     used = 0
     for text in texts:
         used += 1
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        ids: list[int] = []
+        for piece, continues, _ends in split_document(text, encoder.safe_cut):
+            (piece_ids,) = encoder.encode([(piece, continues)])
+            if piece_ids is None:  # split_document checked this cut: the tokenizer changed its mind
+                raise ValueError("cannot tokenize a long document in pieces with this tokenizer")
+            ids.extend(piece_ids)
         if separator == "bos":
             stream.append(special)
         stream.extend(ids)

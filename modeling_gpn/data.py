@@ -203,12 +203,39 @@ def newline_cut_points(text: str) -> Iterator[int]:
             yield position + 1
 
 
+def find_cut(pending: str, safe_cut: Callable[[str, str], bool] | None = None) -> int | None:
+    """Where to end a piece of `pending` (about `PIECE_CHARS` before its end): just after a line break
+    followed by a non-space character, where `safe_cut(line before, line after)` agrees (by default
+    everywhere: the byte-level pre-tokenizer splits there anyway). None when there is no such place."""
+    for cut in newline_cut_points(pending[: len(pending) - PIECE_CHARS // 2]):
+        if cut < len(pending) - 4 * PIECE_CHARS:
+            return None  # none near the end: let the piece grow
+        line_start = pending.rfind("\n", 0, cut - 1) + 1
+        line_end = pending.find("\n", cut)
+        if line_start > 0 and line_end > 0 and (safe_cut is None or safe_cut(pending[line_start:cut], pending[cut : line_end + 1])):
+            return cut
+    return None
+
+
+def split_document(text: str, safe_cut: Callable[[str, str], bool] | None = None) -> Iterator[tuple[str, bool, bool]]:
+    """A document held in memory as (piece, continues, ends) pieces, cut as `text_file_pieces` cuts."""
+    start, end, pieces = 0, 2 * PIECE_CHARS, 0
+    while end < len(text):
+        cut = find_cut(text[start:end], safe_cut)
+        if cut is None:
+            end += PIECE_CHARS  # no agreeing cut yet: let the piece grow
+            continue
+        yield text[start : start + cut], pieces > 0, False
+        pieces += 1
+        start += cut
+        end = start + 2 * PIECE_CHARS
+    yield text[start:], pieces > 0, True
+
+
 def text_file_pieces(path: Path, safe_cut: Callable[[str, str], bool] | None = None) -> Iterator[tuple[str, bool, bool]]:
     """One .txt file (one document) as (piece, continues, ends) pieces of about `PIECE_CHARS` characters.
 
-    Read as `datasets`' text builder reads it (UTF-8, universal newlines). A piece ends just after a line
-    break followed by a non-space character, where `safe_cut(line before, line after)` agrees (by default
-    everywhere: the byte-level pre-tokenizer splits there anyway); without such a place the piece grows.
+    Read as `datasets`' text builder reads it (UTF-8, universal newlines); cut where `find_cut` says.
     """
     pieces = 0
     blank = True
@@ -218,18 +245,10 @@ def text_file_pieces(path: Path, safe_cut: Callable[[str, str], bool] | None = N
             while block := handle.read(PIECE_CHARS):
                 pending += block
                 blank = blank and not block.strip()
-                if len(pending) < 2 * PIECE_CHARS:
-                    continue
-                for cut in newline_cut_points(pending[: len(pending) - PIECE_CHARS // 2]):
-                    line_start = pending.rfind("\n", 0, cut - 1) + 1
-                    line_end = pending.find("\n", cut)
-                    if line_start > 0 and line_end > 0 and (safe_cut is None or safe_cut(pending[line_start:cut], pending[cut : line_end + 1])):
-                        yield pending[:cut], pieces > 0, False
-                        pieces += 1
-                        pending = pending[cut:]
-                        break
-                    if cut < len(pending) - 4 * PIECE_CHARS:
-                        break  # no agreeing cut near the end: read on
+                if len(pending) >= 2 * PIECE_CHARS and (cut := find_cut(pending, safe_cut)) is not None:
+                    yield pending[:cut], pieces > 0, False
+                    pieces += 1
+                    pending = pending[cut:]
             if blank:
                 raise DataError(f"Training file {path} holds no text")
             yield pending, pieces > 0, True

@@ -731,3 +731,20 @@ def test_rolling_perplexity_batches_are_capped_by_their_logits():
     assert rolling_batch_size(8, 2048, 32000) == 2
     assert rolling_batch_size(8, 128, 32000) == 8
     assert rolling_batch_size(8, 1 << 20, 1 << 20) == 1
+
+
+def test_eval_token_stream_of_a_long_document_equals_whole_tokenization(bpe_tokenizer_dir, monkeypatch):
+    """fineweb_paper's token stream tokenizes a long document in pieces too, to the same tokens."""
+    from transformers import AutoTokenizer
+
+    from modeling_gpn import data
+    from modeling_gpn.evaluation.protocols import token_stream
+
+    tokenizer = AutoTokenizer.from_pretrained(bpe_tokenizer_dir)
+    long_text, short_text = tricky_text(120_000), "A short one.\n"
+    monkeypatch.setattr(data, "PIECE_CHARS", 2_000)
+    assert sum(1 for _ in data.split_document(long_text)) > 20
+    stream, used = token_stream(tokenizer, [short_text, long_text, short_text])
+    eos = tokenizer.eos_token_id
+    whole = [tokenizer(t, add_special_tokens=False)["input_ids"] + [eos] for t in (short_text, long_text, short_text)]
+    assert used == 3 and stream == [token for ids in whole for token in ids]
