@@ -16,10 +16,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # SRC is untrusted input: every way it can fail ends in one line that names the problem, never a
+    # traceback. CheckpointError carries the specific reasons; the rest are the last resort.
     try:
         model = convert(args.src, args.out, tokenizer=args.tokenizer)
     except CheckpointError as error:
         print(f"gpn convert: {error}", file=sys.stderr)
+        return 1
+    except MemoryError:
+        print(f"gpn convert: ran out of memory converting {args.src}; the model is too large for this machine", file=sys.stderr)
+        return 1
+    except Exception as error:  # noqa: BLE001 - a fault no check foresaw still gets one line, not a traceback
+        print(f"gpn convert: cannot convert {args.src}: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
     n_params = sum(p.numel() for p in model.parameters())
     print(f"Converted {args.src} -> {args.out} ({n_params:,} parameters, {model.config.memory_cells:,} memory cells)")

@@ -159,8 +159,13 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.num_threads)
     output_dir = args.output_dir or f"eval-{Path(args.model.rstrip('/')).name}"
-    results = evaluate(args.model, settings)
-    json_path, report_path = write_outputs(results, output_dir)
+    try:
+        results = evaluate(args.model, settings)
+        json_path, report_path = write_outputs(results, output_dir)
+    except (OSError, ValueError, KeyError) as error:  # a missing model or data file, bad data: one line, no traceback
+        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        print(f"gpn eval: {type(error).__name__}: {message}", file=sys.stderr)
+        return 1
     for task, metrics in results["tasks"].items():
         shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float))
         print(f"{task:16s} {shown}  ({results['wall_time_s'][task]:.1f}s)")

@@ -27,6 +27,13 @@ own forward pass:
 
 Batches are right-padded without an attention mask, as lm-eval does: for a causal model (and for the
 GPN recurrence) padding after the last real token cannot change any scored position.
+
+The FineWeb windows never hold a (batch, window, vocab) tensor of logits (at the paper's 2048 window
+and a 32k vocabulary that is 2 GB per batch of 8, and its float64 copies 8 GB more): the model's last
+hidden states are decoded `logit_chunk_rows` positions at a time, by the model's own decoder (a GPN's
+`decode`, a Llama's `lm_head`), and each chunk's log-softmax is taken in float64 as before
+(`summed_next_token_nll`). A model whose decoder is not known falls back to its full logits, still
+without the float64 copies.
 """
 
 from __future__ import annotations
@@ -176,11 +183,19 @@ def token_stream(
     special = {"eos": tokenizer.eos_token_id, "bos": tokenizer.bos_token_id}.get(separator)
     if separator != "none" and special is None:
         raise ValueError(f"the tokenizer has no {separator.upper()} token; choose another separator")
+    from modeling_gpn.data import PieceEncoder, split_document
+
+    encoder = PieceEncoder(tokenizer)  # a long document is tokenized in pieces, to the same tokens
     stream: list[int] = []
     used = 0
     for text in texts:
         used += 1
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        ids: list[int] = []
+        for piece, continues, _ends in split_document(text, encoder.safe_cut):
+            (piece_ids,) = encoder.encode([(piece, continues)])
+            if piece_ids is None:  # split_document checked this cut: the tokenizer changed its mind
+                raise ValueError("cannot tokenize a long document in pieces with this tokenizer")
+            ids.extend(piece_ids)
         if separator == "bos":
             stream.append(special)
         stream.extend(ids)
@@ -189,6 +204,50 @@ def token_stream(
         if max_tokens is not None and len(stream) >= max_tokens:
             return stream[:max_tokens], used
     return stream, used
+
+
+# Models whose logits are exactly `lm_head(base_model(...).last_hidden_state)` (no soft-capping, no scale).
+PLAIN_LM_HEAD_MODEL_TYPES = {"llama"}
+
+
+def hidden_states_and_decoder(model, input_ids: torch.Tensor):
+    """(last hidden states (B, T, h), the callable mapping rows of them to logits), or None when the
+    model's logits are not known to be a row-wise function of its last hidden states."""
+    if callable(getattr(model, "decode", None)) and has_empty_state(model):  # a GPN: logits = decode(p)
+        states = model.model(input_ids=input_ids, use_cache=False).last_hidden_state
+        return states, model.decode
+    config = getattr(model, "config", None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if (
+        getattr(config, "model_type", None) in PLAIN_LM_HEAD_MODEL_TYPES and isinstance(head, torch.nn.Linear)
+        and getattr(config, "final_logit_softcapping", None) is None and hasattr(model, "model")
+    ):  # fmt: skip
+        states = model.model(input_ids=input_ids, use_cache=False).last_hidden_state
+        return states, head
+    return None
+
+
+def summed_next_token_nll(model, input_ids: torch.Tensor, chunk_rows: int | None = None) -> float:
+    """Sum over rows and positions t >= 1 of -log p(token t | tokens < t), in float64.
+
+    Equal to ``F.cross_entropy(logits[:, :-1].double(), ids[:, 1:], reduction="sum")`` on the model's
+    full logits, but only `chunk_rows` positions' logits exist at a time (see the module docstring).
+    """
+    targets = input_ids[:, 1:].reshape(-1)
+    with torch.no_grad():
+        found = hidden_states_and_decoder(model, input_ids)
+        if found is None:  # unknown decoder: the model's own logits, upcast chunk by chunk
+            states, decode = model(input_ids=input_ids, use_cache=False).logits, (lambda rows: rows)
+        else:
+            states, decode = found
+        states = states[:, :-1].reshape(-1, states.shape[-1])
+        vocab = int(getattr(model.config, "vocab_size", 0) or states.shape[-1])
+        chunk_rows = chunk_rows or max(16, (1 << 22) // vocab)  # about 16 MB of float32 logits per chunk
+        total = 0.0
+        for start in range(0, states.shape[0], chunk_rows):
+            logits = decode(states[start : start + chunk_rows]).double()
+            total += F.cross_entropy(logits, targets[start : start + chunk_rows].to(logits.device), reduction="sum").item()
+    return total
 
 
 def has_empty_state(model) -> bool:
@@ -255,13 +314,7 @@ def windowed_perplexity(
     bar = tqdm(total=n_windows, desc="fineweb_paper", disable=not progress)
     for start in range(0, n_windows, batch_size):
         batch = tokens[start : start + batch_size]
-        with torch.no_grad():
-            logits = model(input_ids=batch.to(device), use_cache=False).logits
-        nll = F.cross_entropy(
-            logits[:, :-1].double().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1).to(logits.device),
-            reduction="sum",
-        )
-        rest_nll += nll.item()
+        rest_nll += summed_next_token_nll(model, batch.to(device))
         bar.update(len(batch))
     bar.close()
 

@@ -110,6 +110,8 @@ def load_model(path: str, device: str = "cpu", dtype: str = "float32", trust_rem
         raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {dtype!r}")
     if Path(path).exists() and not (Path(path) / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a model folder: it has no config.json")
+    if not Path(path).exists() and (path.startswith((".", "/", "~")) or path.count("/") > 1):
+        raise FileNotFoundError(f"model folder {path} does not exist")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtypes[dtype], trust_remote_code=trust_remote_code)
     model = model.to(device).eval()
     tok = AutoTokenizer.from_pretrained(tokenizer or path, trust_remote_code=trust_remote_code)
@@ -298,6 +300,18 @@ def _flatten_lm_eval_metrics(results: dict[str, Any]) -> dict[str, float]:
     return metrics
 
 
+# lm-eval's rolling perplexity holds a batch's full logits and their log-softmax, (batch, max_length,
+# vocab) float32 twice: at 2048 x 32k that is 0.5 GB per row. Rows per batch are capped so the two stay
+# under this budget (the figures do not depend on the batch size; only the speed does).
+ROLLING_LOGITS_BUDGET_BYTES = 1 << 30
+
+
+def rolling_batch_size(batch_size: int, max_length: int, vocab_size: int) -> int:
+    """`batch_size`, lowered so that a rolling window batch's logits and log-softmax fit the budget."""
+    per_row = 2 * 4 * max_length * vocab_size
+    return max(1, min(batch_size, ROLLING_LOGITS_BUDGET_BYTES // per_row))
+
+
 def run_lm_eval(model, tokenizer, task: str, source: str | None, settings: EvalSettings, max_length: int) -> tuple[dict, dict]:
     """Run one lm-eval task; returns (metrics, the raw simple_evaluate output)."""
     import lm_eval
@@ -308,8 +322,9 @@ def run_lm_eval(model, tokenizer, task: str, source: str | None, settings: EvalS
     # Rolling perplexity: lm-eval already puts the prefix token (BOS) in front of every document; with the
     # tokenizer's own BOS added as well, the BOS would be scored as the document's first token.
     rolling = task in ("wikitext", "gpn_rolling_ppl")
+    batch_size = rolling_batch_size(settings.batch_size, max_length, model.config.vocab_size) if rolling else settings.batch_size
     lm = HFLM(
-        pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size, max_length=max_length,
+        pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length,
         device=settings.device, add_bos_token=False if rolling else None,
     )  # fmt: skip
     with tempfile.TemporaryDirectory() as workdir:

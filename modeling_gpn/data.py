@@ -10,7 +10,12 @@
 3. **Token stream**: documents are joined with EOS (`doc EOS doc EOS ...`) and written once to disk as
    memory-mapped shards (`tokens-00000.bin`, uint16 or uint32) under a cache key made of the corpus,
    the tokenizer and the token budget; a second run with the same inputs memory-maps the shards
-   instead of tokenizing again.
+   instead of tokenizing again (each shard's size is checked against `meta.json`; a damaged cache is
+   an error naming the file and the folder to delete). A long document (one big .txt file) is read
+   and tokenized in pieces of about `PIECE_CHARS` characters, cut just after a line break that is
+   followed by a non-space character, and only where tokenizing the two lines around the cut whole
+   and in two parts gives the same tokens, so the tokens equal those of the whole document while
+   memory stays bounded by the piece size (a document with no such line break is read whole).
 4. **Windows**: the stream is cut into non-overlapping windows of `seq_len` tokens; every window is
    an independent training row that starts from the zero state (as in the paper). The last
    `val_fraction` of the windows is the held-out split; the training windows are visited in a
@@ -27,7 +32,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +46,7 @@ BPE_EOS = "<|endoftext|>"
 LOCAL_SUFFIXES = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 CACHE_FORMAT_VERSION = 1
 SHARD_TOKENS = 1 << 24  # tokens per cache shard file
+PIECE_CHARS = 1 << 18  # a long text document is read and tokenized in pieces of about this many characters
 
 
 class DataError(ValueError):
@@ -133,6 +139,23 @@ class CorpusSpec:
             return f"local files at {self.source}"
         return f"Hub dataset {self.source}" + (f" ({self.config_name})" if self.config_name else "")
 
+    def document_pieces(self, safe_cut: Callable[[str, str], bool] | None = None) -> Iterator[tuple[str, bool, bool]]:
+        """Yield the documents as (text, continues the previous piece, ends its document), in a fixed order.
+
+        A local .txt file is streamed in pieces of about `PIECE_CHARS` characters (see `text_file_pieces`,
+        `safe_cut` decides where a piece may end); every other document is one piece.
+        """
+        if self.kind == "local":
+            for path in self.local_files():
+                if LOCAL_SUFFIXES[path.suffix.lower()] == "text":
+                    yield from text_file_pieces(path, safe_cut)
+                else:
+                    for text in _local_documents(path, self.text_field):
+                        yield text, False, True
+        else:
+            for text in self.documents():
+                yield text, False, True
+
     def documents(self) -> Iterator[str]:
         """Yield the documents' texts in a fixed order (empty documents are skipped)."""
         if self.kind == "builtin":
@@ -170,6 +193,69 @@ def _local_documents(path: Path, text_field: str) -> Iterator[str]:
         raise DataError(f"Cannot read training file {path}: {type(error).__name__}: {error}") from error
     if count == 0:
         raise DataError(f"Training file {path} holds no text")
+
+
+def newline_cut_points(text: str) -> Iterator[int]:
+    """Positions just after a line break that is followed by a non-space character, last first."""
+    position = len(text) - 1
+    while (position := text.rfind("\n", 0, position)) >= 0:
+        if not text[position + 1].isspace():
+            yield position + 1
+
+
+def find_cut(pending: str, safe_cut: Callable[[str, str], bool] | None = None) -> int | None:
+    """Where to end a piece of `pending` (about `PIECE_CHARS` before its end): just after a line break
+    followed by a non-space character, where `safe_cut(line before, line after)` agrees (by default
+    everywhere: the byte-level pre-tokenizer splits there anyway). None when there is no such place."""
+    for cut in newline_cut_points(pending[: len(pending) - PIECE_CHARS // 2]):
+        if cut < len(pending) - 4 * PIECE_CHARS:
+            return None  # none near the end: let the piece grow
+        line_start = pending.rfind("\n", 0, cut - 1) + 1
+        line_end = pending.find("\n", cut)
+        if line_start > 0 and line_end > 0 and (safe_cut is None or safe_cut(pending[line_start:cut], pending[cut : line_end + 1])):
+            return cut
+    return None
+
+
+def split_document(text: str, safe_cut: Callable[[str, str], bool] | None = None) -> Iterator[tuple[str, bool, bool]]:
+    """A document held in memory as (piece, continues, ends) pieces, cut as `text_file_pieces` cuts."""
+    start, end, pieces = 0, 2 * PIECE_CHARS, 0
+    while end < len(text):
+        cut = find_cut(text[start:end], safe_cut)
+        if cut is None:
+            end += PIECE_CHARS  # no agreeing cut yet: let the piece grow
+            continue
+        yield text[start : start + cut], pieces > 0, False
+        pieces += 1
+        start += cut
+        end = start + 2 * PIECE_CHARS
+    yield text[start:], pieces > 0, True
+
+
+def text_file_pieces(path: Path, safe_cut: Callable[[str, str], bool] | None = None) -> Iterator[tuple[str, bool, bool]]:
+    """One .txt file (one document) as (piece, continues, ends) pieces of about `PIECE_CHARS` characters.
+
+    Read as `datasets`' text builder reads it (UTF-8, universal newlines); cut where `find_cut` says.
+    """
+    pieces = 0
+    blank = True
+    try:
+        with open(path, encoding="utf-8") as handle:
+            pending = ""
+            while block := handle.read(PIECE_CHARS):
+                pending += block
+                blank = blank and not block.strip()
+                if len(pending) >= 2 * PIECE_CHARS and (cut := find_cut(pending, safe_cut)) is not None:
+                    yield pending[:cut], pieces > 0, False
+                    pieces += 1
+                    pending = pending[cut:]
+            if blank:
+                raise DataError(f"Training file {path} holds no text")
+            yield pending, pieces > 0, True
+    except UnicodeDecodeError as error:
+        raise DataError(f"Cannot read training file {path}: it is not UTF-8 text ({error})") from error
+    except OSError as error:
+        raise DataError(f"Cannot read training file {path}: {error}") from error
 
 
 def _hub_documents(spec: CorpusSpec) -> Iterator[str]:
@@ -277,10 +363,7 @@ def load_tokenizer(
         folder = Path(cache_dir or default_cache_dir()) / "tokenizers" / f"bpe-{bpe_vocab_size}-{key}"
         if (folder / "tokenizer.json").exists():
             return AutoTokenizer.from_pretrained(str(folder))
-        documents = corpus.documents()
-        if bpe_max_documents is not None:
-            documents = (doc for _, doc in zip(range(bpe_max_documents), documents))
-        tokenizer = train_bpe_tokenizer(documents, bpe_vocab_size)
+        tokenizer = train_bpe_tokenizer(_bpe_training_texts(corpus, bpe_max_documents), bpe_vocab_size)
         _atomic_save(folder, tokenizer.save_pretrained)
         return tokenizer
     try:
@@ -293,6 +376,50 @@ def load_tokenizer(
             "in its tokenizer_config.json or use --tokenizer bpe"
         )
     return tokenizer
+
+
+def _bpe_training_texts(corpus: CorpusSpec, max_documents: int | None) -> Iterator[str]:
+    """The texts of the first `max_documents` documents, a long one in pieces (the byte-level
+    pre-tokenizer splits at the pieces' line breaks anyway, so the trainer counts the same words)."""
+    documents = 0
+    for text, _continues, ends in corpus.document_pieces():
+        if max_documents is not None and documents >= max_documents:
+            return
+        yield text
+        documents += ends
+
+
+class PieceEncoder:
+    """Token ids of document pieces as they are inside the whole document.
+
+    A piece that continues a document starts just after a line break; it is encoded after a line break
+    (`"\n" + piece`) and that line break's own tokens are dropped, so a tokenizer that marks the start
+    of a text (SentencePiece's leading "▁") sees the piece as it sees it mid-document. `safe_cut(before,
+    after)` says whether a cut between two lines keeps the tokens of the two lines whole.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.newline_ids = self._encode(["\n"])[0]
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        return self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+
+    def encode(self, pieces: list[tuple[str, bool]]) -> list[list[int] | None]:
+        """ids of each (text, continues) piece; None where the line break's tokens are not a prefix."""
+        encoded = self._encode(["\n" + text if continues else text for text, continues in pieces])
+        width = len(self.newline_ids)
+        out: list[list[int] | None] = []
+        for (_text, continues), ids in zip(pieces, encoded):
+            if continues:
+                out.append(ids[width:] if ids[:width] == self.newline_ids else None)
+            else:
+                out.append(ids)
+        return out
+
+    def safe_cut(self, before: str, after: str) -> bool:
+        whole, left, right = self.encode([(before + after, True), (before, True), (after, True)])
+        return None not in (whole, left, right) and whole == left + right
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -310,15 +437,39 @@ class TokenStream:
     """A tokenized corpus memory-mapped from its shards; `tokens(start, stop)` reads across shards."""
 
     def __init__(self, folder: Path):
+        """Open the cache in `folder`; a damaged `meta.json` or a shard whose size disagrees with it is a
+        `DataError` naming the file and how to rebuild the cache."""
         self.folder = Path(folder)
-        self.meta = json.loads((self.folder / "meta.json").read_text())
-        dtype = np.dtype(self.meta["dtype"])
-        self.shards = [
-            np.memmap(self.folder / name, dtype=dtype, mode="r", shape=(length,))
-            for name, length in zip(self.meta["shards"], self.meta["shard_tokens"])
-        ]
-        self.offsets = np.cumsum([0] + self.meta["shard_tokens"])
+        meta_path = self.folder / "meta.json"
+        try:
+            self.meta = json.loads(meta_path.read_text())
+            dtype = np.dtype(self.meta["dtype"])
+            names, lengths = list(self.meta["shards"]), [int(n) for n in self.meta["shard_tokens"]]
+            self.vocab_size = int(self.meta["vocab_size"])
+            if dtype not in (np.uint16, np.uint32) or len(names) != len(lengths) or min(lengths, default=0) < 0:
+                raise ValueError(f"dtype {dtype}, {len(names)} shards, lengths {lengths[:4]}...")
+            if any(not isinstance(name, str) or Path(name).name != name for name in names):
+                raise ValueError(f"shard names {names[:4]}... are not file names")
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise DataError(f"The token cache file {meta_path} is damaged ({type(error).__name__}: {error}); {self.rebuild_hint}") from error
+        self.paths = [self.folder / name for name in names]
+        for path, length in zip(self.paths, lengths):
+            try:
+                size = path.stat().st_size
+            except OSError as error:
+                raise DataError(f"The token cache shard {path} is missing or unreadable ({error}); {self.rebuild_hint}") from error
+            if size != length * dtype.itemsize:
+                raise DataError(
+                    f"The token cache shard {path} is damaged: it has {size:,} bytes, but {meta_path} says {length:,} "
+                    f"{dtype.name} tokens ({length * dtype.itemsize:,} bytes); {self.rebuild_hint}"
+                )
+        self.shards = [np.memmap(path, dtype=dtype, mode="r", shape=(length,)) for path, length in zip(self.paths, lengths)]
+        self.offsets = np.cumsum([0] + lengths)
         self.reused = False
+
+    @property
+    def rebuild_hint(self) -> str:
+        return f"delete the folder {self.folder} and run again to tokenize the corpus anew"
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -332,7 +483,13 @@ class TokenStream:
         while start < stop:
             local = start - self.offsets[shard]
             take = min(stop - start, self.meta["shard_tokens"][shard] - local)
-            pieces.append(np.asarray(self.shards[shard][local : local + take]))
+            piece = np.asarray(self.shards[shard][local : local + take])
+            if piece.size and int(piece.max()) >= self.vocab_size:  # a shard overwritten with other bytes
+                raise DataError(
+                    f"The token cache shard {self.paths[shard]} is damaged: it holds token id {int(piece.max())}, "
+                    f"outside the tokenizer's {self.vocab_size} ids; {self.rebuild_hint}"
+                )
+            pieces.append(piece)
             start += take
             shard += 1
         return np.concatenate(pieces).astype(np.int64) if pieces else np.zeros(0, dtype=np.int64)
@@ -370,43 +527,54 @@ def build_token_stream(
     def write(tmp: Path) -> None:
         from tqdm.auto import tqdm
 
-        shards, lengths, documents = [], [], 0
-        buffer: list[np.ndarray] = []
-        buffered = 0
-        total = 0
+        shards: list[str] = []
+        lengths: list[int] = []
+        documents = total = 0
+        shard_file = None
 
-        def flush(final: bool = False) -> None:
-            nonlocal buffer, buffered
-            while buffered >= SHARD_TOKENS or (final and buffered):
-                data = np.concatenate(buffer)
-                shard, rest = data[:SHARD_TOKENS], data[SHARD_TOKENS:]
-                name = f"tokens-{len(shards):05d}.bin"
-                shard.astype(dtype).tofile(tmp / name)
-                shards.append(name)
-                lengths.append(int(shard.size))
-                buffer, buffered = ([rest] if rest.size else []), int(rest.size)
+        def append(ids: np.ndarray) -> None:
+            """Write `ids` to the open shard (a new one every SHARD_TOKENS tokens): nothing is buffered."""
+            nonlocal shard_file
+            while ids.size:
+                if shard_file is None:
+                    shards.append(f"tokens-{len(shards):05d}.bin")
+                    lengths.append(0)
+                    shard_file = open(tmp / shards[-1], "wb")
+                take = min(SHARD_TOKENS - lengths[-1], ids.size)
+                ids[:take].tofile(shard_file)
+                lengths[-1] += take
+                ids = ids[take:]
+                if lengths[-1] == SHARD_TOKENS:
+                    shard_file.close()
+                    shard_file = None
 
         bar = tqdm(
             desc="tokenizing", unit="tok", unit_scale=True, total=max_tokens, disable=not show_progress,
             mininterval=1.0,
         )  # fmt: skip
-        for batch in _batched(corpus.documents(), 256):
-            encoded = tokenizer(batch, add_special_tokens=False)["input_ids"]
-            for ids in encoded:
-                ids = np.asarray(ids + [eos], dtype=np.int64)
-                if max_tokens is not None and total + ids.size > max_tokens:
-                    ids = ids[: max_tokens - total]
-                buffer.append(ids)
-                buffered += ids.size
-                total += ids.size
-                documents += 1
-                bar.update(ids.size)
+        encoder = PieceEncoder(tokenizer)
+        pieces = corpus.document_pieces(encoder.safe_cut)
+        try:
+            for batch in _batched_by_size(pieces, 256, PIECE_CHARS):
+                encoded = encoder.encode([(text, continues) for text, continues, _ends in batch])
+                for (_text, _continues, ends), ids in zip(batch, encoded):
+                    if ids is None:  # safe_cut checked this cut: the tokenizer changed its mind
+                        raise DataError(f"Cannot tokenize {corpus.describe()} in pieces with this tokenizer")
+                    ids = np.asarray(ids + [eos] if ends else ids, dtype=dtype)
+                    truncated = max_tokens is not None and total + ids.size >= max_tokens
+                    if truncated:
+                        ids = ids[: max_tokens - total]
+                    append(ids)
+                    total += ids.size
+                    documents += ends or truncated
+                    bar.update(ids.size)
+                    if truncated:
+                        break
                 if max_tokens is not None and total >= max_tokens:
                     break
-            flush()
-            if max_tokens is not None and total >= max_tokens:
-                break
-        flush(final=True)
+        finally:
+            if shard_file is not None:
+                shard_file.close()
         bar.close()
         if total == 0:
             raise DataError(f"{corpus.describe()} yielded no tokens")
@@ -480,13 +648,15 @@ def _hash(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _batched(iterable: Iterable, size: int) -> Iterator[list]:
-    batch = []
-    for item in iterable:
-        batch.append(item)
-        if len(batch) == size:
+def _batched_by_size(pieces: Iterable[tuple[str, bool, bool]], size: int, max_chars: int) -> Iterator[list]:
+    """Batches of at most `size` pieces and, beyond a first piece, at most `max_chars` characters."""
+    batch, chars = [], 0
+    for piece in pieces:
+        if batch and (len(batch) == size or chars + len(piece[0]) > max_chars):
             yield batch
-            batch = []
+            batch, chars = [], 0
+        batch.append(piece)
+        chars += len(piece[0])
     if batch:
         yield batch
 

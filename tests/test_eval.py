@@ -359,8 +359,10 @@ def test_clear_errors(gpn_dir, data, llama_dir, capsys):
     assert "unknown task(s) ['hellaswag']" in capsys.readouterr().err
     assert main(["eval", str(gpn_dir), "--task-data", "lambada_openai"]) == 2
     assert "TASK=SOURCE" in capsys.readouterr().err
-    with pytest.raises(FileNotFoundError, match="no data for task 'wikitext'"):
-        main(["eval", str(gpn_dir), "--data-dir", str(data / "lambada"), "--tasks", "wikitext"])
+    assert main(["eval", str(gpn_dir), "--data-dir", str(data / "lambada"), "--tasks", "wikitext"]) == 1
+    assert "gpn eval: FileNotFoundError: " in (err := capsys.readouterr().err) and "no data for task 'wikitext'" in err
+    assert main(["eval", str(gpn_dir.parent / "no-such-model"), "--tasks", "fineweb_paper"]) == 1
+    assert "does not exist" in capsys.readouterr().err
     llama = AutoModelForCausalLM.from_pretrained(llama_dir)
     with pytest.raises(ValueError, match="needs a model with empty_state_logits"):
         protocols.windowed_perplexity(llama, list(range(300)), WINDOW, first_position="empty_state")
