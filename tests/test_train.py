@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import contextlib
 import os
 import signal
 import socket
@@ -103,7 +104,9 @@ def test_llama_baseline_trains_from_the_same_entry_point(tmp_path, cache, shakes
 
 
 def _launch(argv: list[str], log: Path) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    # PYTHONFAULTHANDLER: a run that hangs dumps every thread's Python stack on the SIGABRT `_finish` sends
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONFAULTHANDLER="1")  # fmt: skip
     handle = open(log, "w")
     process = subprocess.Popen(argv, env=env, cwd=REPO_ROOT, stdout=handle, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)  # fmt: skip
@@ -115,9 +118,15 @@ def _finish(process: subprocess.Popen, timeout: float = 300) -> str:
     try:
         process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        os.killpg(process.pid, signal.SIGABRT)  # every process of the run prints where it hangs
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):  # (the whole group may be gone already)
+            os.killpg(process.pid, signal.SIGKILL)
         process.wait()
-        pytest.fail(f"{process.args} ran over {timeout} s:\n{process.log_path.read_text()[-4000:]}")
+        pytest.fail(f"{process.args} ran over {timeout} s:\n{process.log_path.read_text()[-12000:]}")
     output = process.log_path.read_text()
     assert process.returncode == 0, output[-4000:]
     return output
