@@ -4,9 +4,9 @@ the recipe's optimizer groups and schedule, and clear errors for bad data."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
-import contextlib
 import os
 import signal
 import socket
