@@ -13,8 +13,11 @@ state is copied between steps or tokens: when the state handed in is the one the
 returned, the next replay just starts from that slot; any other state is first copied into the current slot (today's
 `GPNCache` hands out copies, so `generate()` pays those three copies per token).
 `run` (the steps themselves) allocates nothing and never waits for the host after the first call (the
-test on CPU checks both), which is what capturing it requires. Training windows (with autograd) do not
-run through graphs: their steps keep per-step records for the backward pass.
+test on CPU checks both), which is what capturing it requires.
+
+Training windows (with autograd, unmasked, without truncated BPTT) run their forward and backward sweeps
+on `TrainingSweep`'s static buffers, one graph replay per chunk of `TRAINING_CHUNK` steps of each BPTT
+segment (see the class). GPN_CUDA_GRAPHS=inference keeps them off while the no-grad windows use graphs.
 
 Caveat (why it is opt-in): the returned state tensors are the graph's slots, overwritten by the replay
 after next. `generate()` only keeps the latest state, so it is safe there; code that keeps an older
@@ -40,11 +43,13 @@ from .triton_kernels import step as triton_step
 WINDOW_CHUNK = 32  # steps per graph replay for windows of more than one token (prefill, scoring)
 
 
-def wanted(model, token_inputs: torch.Tensor) -> bool:
-    """Whether `fast_recurrence` should run this no-grad, unmasked window through graphs: asked for
-    (`model.use_cuda_graphs` or GPN_CUDA_GRAPHS=1) and the Triton backend selected (on CUDA; on CPU only
-    when forced through Triton's interpreter, where the same static steps run without a graph: the tests)."""
-    asked = getattr(model, "use_cuda_graphs", False) or os.environ.get("GPN_CUDA_GRAPHS") == "1"
+def wanted(model, token_inputs: torch.Tensor, training: bool = False) -> bool:
+    """Whether `fast_recurrence` should run this unmasked window through graphs: asked for
+    (`model.use_cuda_graphs` or GPN_CUDA_GRAPHS=1; GPN_CUDA_GRAPHS=inference asks for the no-grad windows
+    only, not for `training` ones) and the Triton backend selected (on CUDA; on CPU only when forced through
+    Triton's interpreter, where the same static steps run without a graph: the tests)."""
+    setting = os.environ.get("GPN_CUDA_GRAPHS")
+    asked = getattr(model, "use_cuda_graphs", False) or setting == "1" or (setting == "inference" and not training)
     return bool(asked) and sizes_fit(model.config) and triton_selected(token_inputs)
 
 

@@ -106,9 +106,12 @@ def test_a_training_chunk_runs_without_allocation_or_host_sync(graphs_on, varian
     assert static_buffers(sweep) == buffers
 
 
-@pytest.mark.parametrize("kind", ["mask", "truncation"])
+@pytest.mark.parametrize("kind", ["mask", "truncation", "inference only"])
 def test_what_the_sweep_does_not_take_runs_the_fast_path(graphs_on, kind):
-    """Padding masks and truncated BPTT are not on static buffers: those windows run the fast path as before."""
+    """Padding masks and truncated BPTT are not on static buffers, and GPN_CUDA_GRAPHS=inference asks for
+    the no-grad graphs only: those training windows run the fast path as before."""
+    if kind == "inference only":
+        graphs_on.setenv("GPN_CUDA_GRAPHS", "inference")
     config = dict(bptt_truncation_length=2) if kind == "truncation" else {}
     model = perturbed_model(tiny_config(**config), seed=23)
     tokens, state, mask, weights = random_problem(model, batch=3, length=4, mask_kind="holes" if kind == "mask" else None, seed=7)
