@@ -230,8 +230,11 @@ def training_timing(device: str, preset: str = "gpn-m-1l-130m", batch: int = 16,
     cosines = [torch.nn.functional.cosine_similarity(grads["on"][k].flatten(), grads["off"][k].flatten(), dim=0).item()
                for k in grads["off"] if grads["off"][k].abs().max() > 0]  # fmt: skip
     figures["lowest_gradient_cosine_on_vs_off"] = min(cosines)
-    report(min(cosines) > 0.99, f"{device} {preset} bf16 {batch}x{length} training gradients, graphs on vs off: "
-                                f"lowest cosine {min(cosines):.4f}")  # fmt: skip
+    sweeps = list(getattr(model.model, "_gpn_training_sweeps", {}).values())
+    figures["graphs_captured"] = captured = sum(len(sweep.graphs) for sweep in sweeps)
+    ran = bool(sweeps) and (DRY_RUN or captured > 0)
+    report(ran and min(cosines) > 0.99, f"{device} {preset} bf16 {batch}x{length} training gradients, graphs on vs off: "
+                                        f"lowest cosine {min(cosines):.4f}, graphs captured {captured}")  # fmt: skip
     for key, value in figures.items():
         print(f"[time] {preset} bf16 {batch}x{length} {key}: {value:.3f}", flush=True)
     return figures
