@@ -7,7 +7,8 @@
 #
 # Usage (repo root): bash benchmarks/gpu_check.sh        outputs in $OUT (default /tmp/gpu_out)
 # Exit status: 0 all correctness checks passed and every bench ran; 1 something failed (each step says
-# what); 2 no CUDA device: only the CPU-interpreter correctness tests ran (tests/test_triton_kernels.py),
+# what); 2 no CUDA device: only the CPU-interpreter correctness tests ran (tests/test_triton_kernels.py and
+# tests/test_training_graphs.py),
 # so nothing about the GPU was checked.
 # Needs the transformers wheel the project pins in .whl/ when the image's transformers is older.
 set -u
@@ -19,7 +20,7 @@ status=0
 if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "gpu_check: no CUDA device here. Running only the CPU-interpreter correctness part"
   echo "(every Triton kernel against the torch ops, fast = plain on the Triton path) and exiting 2."
-  TRITON_INTERPRET=1 python3 -m pytest -q tests/test_triton_kernels.py
+  TRITON_INTERPRET=1 python3 -m pytest -q tests/test_triton_kernels.py tests/test_training_graphs.py
   echo "gpu_check: exit 2 (no CUDA device: the GPU checks and benchmarks did not run)"
   exit 2
 fi
