@@ -10,6 +10,8 @@ buffer staying at its address (what capturing it requires).
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -63,8 +65,8 @@ def static_buffers(sweep) -> dict:
     named = {f"forward_ws.{j}.{name}": t for j, ws in enumerate(sweep.forward_ws) for name, t in ws.items()}
     named.update({f"backward_ws.{j}.{name}": t for j, ws in enumerate(sweep.backward_ws) for name, t in ws.items()})
     wg = sweep.weight_grads
-    for kind in ("grads", "bias_grads", "products", "bias_sums", "blocks"):
-        for name, value in getattr(wg, kind).items():
+    for kind in ("grads", "bias_grads", "products", "bias_sums", "blocks", "cast_blocks"):
+        for name, value in (getattr(wg, kind) or {}).items():
             for i, t in enumerate(value if isinstance(value, tuple) else (value,)):
                 named[f"{kind}.{name}.{i}"] = t
     for name in ("u", "outputs", "gammas", "d_outputs", "d_inputs", "memory", "memory_grads"):
@@ -74,16 +76,21 @@ def static_buffers(sweep) -> dict:
     return {name: t.data_ptr() for name, t in named.items() if t is not None}
 
 
-@pytest.mark.parametrize("variant", ["gpn+m", "gpn+m-2l-awkward-seg2"])
-def test_a_training_chunk_runs_without_allocation_or_host_sync(graphs_on, variant):
+@pytest.mark.parametrize("variant,autocast", [("gpn+m", False), ("gpn+m-2l-awkward-seg2", False), ("gpn+m", True)])
+def test_a_training_chunk_runs_without_allocation_or_host_sync(graphs_on, variant, autocast):
     """After the first call, a chunk forward and a chunk backward (what each CUDA graph captures) dispatch no
-    op that makes a tensor and none that waits for the host, and every buffer keeps its address."""
+    op that makes a tensor and none that waits for the host, and every buffer keeps its address (also with
+    bf16 step matrices, whose weight-gradient blocks are cast into buffers of their own)."""
     model = perturbed_model(tiny_config(**dict(VARIANTS[variant], bptt_segment_length=4)), seed=22)
     tokens, state, _, weights = random_problem(model, batch=3, length=4, mask_kind=None, seed=6)
-    run_recurrence(model, True, tokens, state, None, weights)
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with context:
+        run_recurrence(model, True, tokens, state, None, weights)
     (sweep,) = sweeps_of(model)
+    assert (sweep.w.big_w.dtype == torch.bfloat16) == autocast
     buffers = static_buffers(sweep)
-    run_recurrence(model, True, tokens, state, None, weights)  # a second call: the same buffers again
+    with context:
+        run_recurrence(model, True, tokens, state, None, weights)  # a second call: the same buffers again
     assert static_buffers(sweep) == buffers
 
     recorder = OpRecorder()
