@@ -159,6 +159,8 @@ def main() -> int:
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="weight dtypes")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--training-window", type=int, nargs=2, default=[64, 32], metavar=("LENGTH", "SEGMENT"),
+                        help="the training window's length and BPTT segment (0 0: skip the training-window counts)")
     args = parser.parse_args()
     if not tk.available():
         raise SystemExit(f"triton unavailable: {tk.unavailable_reason()}")
@@ -182,24 +184,31 @@ def main() -> int:
     print()
     for key, value in details.items():
         print(f"{key}: aten {value['aten']}  triton {value['triton']}")
+    length, segment = args.training_window
+    if length:
+        training_rows(args, rows, length, segment)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(rows=rows, details=details), f, indent=1)
+    return 0
+
+
+def training_rows(args, rows: list, length: int, segment: int) -> None:
+    """The training-window table (appended to `rows`)."""
     print()
-    print("Training window (batch 2 x 64 positions, BPTT segments of 32, chunks of 32): launches per position")
+    print(f"Training window (batch 2 x {length} positions, BPTT segments of {segment}, chunks of 32): launches per position")
     print("| model | weights | training graphs | aten | Triton | graph replays | launches per position |")
     print("|---|---|---|---|---|---|---|")
     for dtype in args.dtypes:
         for layers in args.layers:
             for graphs in (False, True):
                 model = model_of(layers, getattr(torch, dtype))
-                r = training_window(model, graphs)
+                r = training_window(model, graphs, length=length, segment=segment)
                 rows.append(dict(model=f"GPN+M {layers}L", dtype=dtype, training_graphs=graphs, **r))
                 print(f"| GPN+M {layers}L | {dtype} | {'on' if graphs else 'off'} | {r['aten']} | {r['triton']} | "
                       f"{r['replays']} | {r['per_position']:.2f} |", flush=True)  # fmt: skip
                 if graphs:
                     print(f"    outside the chunks: {r['ops']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(rows=rows, details=details), f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":
