@@ -235,7 +235,7 @@ class TrainingSweep:
     are copied into static buffers once per call, so a weight update needs no new capture.
 
     Graphs are captured per (direction, first position, steps): bounded by the segment's chunks (plus
-    those of a shorter last segment). Without CUDA (the tests, through Triton's interpreter) the same
+    those of a shorter last segment). `model._gpn_training_sweeps.clear()` frees the buffers and graphs. Without CUDA (the tests, through Triton's interpreter) the same
     chunks run eagerly. The buffers hold one training call's records from its forward to its backward:
     `take` refuses a second call meanwhile (it then runs the plain fast path)."""
 
@@ -421,10 +421,12 @@ class TrainingSweep:
         return dU, grads.p.clone(), d_g0, grads.memory.clone(), self.weight_grads.finish()
 
 
-def training_sweep(model, batch: int, length: int, w, device: torch.device) -> Optional[TrainingSweep]:
-    """The model's `TrainingSweep` for this batch size, segment length and these weights' dtypes (made on first
-    use), or None where the Triton step does not take these weights (then the plain fast path runs)."""
-    from .fast_recurrence import StepState
+def training_sweep(model, batch: int, segment: Optional[int], length: int, w, device: torch.device) -> Optional[TrainingSweep]:
+    """The model's `TrainingSweep` for this batch size, BPTT segment length (`config.bptt_segment_length`) and
+    these weights' dtype, made on first use, or None where the Triton step does not take these weights (then
+    the plain fast path runs). One sweep per segment length serves every window (a shorter one is one
+    shorter segment); without segments (`segment` None) the sweep is as long as the longest window so far,
+    replaced by a longer one when needed (so windows of varying length do not pile up buffers)."""
     from .triton_kernels import usable_step
 
     dtypes = tuple(t.dtype for t in (w.fg_w, w.big_w, *w.out_w, *w.layer_w))
@@ -434,11 +436,11 @@ def training_sweep(model, batch: int, length: int, w, device: torch.device) -> O
     if sweeps is None:
         sweeps = {}
         object.__setattr__(model, "_gpn_training_sweeps", sweeps)
-    key = (batch, length, dtypes[0], device)
+    key = (batch, segment, dtypes[0], device)
     sweep = sweeps.get(key)
-    if sweep is None:
-        sweep = TrainingSweep(model, batch, length, w, device)
+    if sweep is None or (segment is None and sweep.length < length):
+        sweep = TrainingSweep(model, batch, segment or length, w, device)
         if not usable_step(sweep.state_in, sweep.u[:, 0], sweep.w, sweep.s):
             return None
-        sweeps[key] = sweep
+        sweeps[key] = sweep  # (a call still holding a replaced sweep keeps it until its backward)
     return sweep

@@ -1131,7 +1131,7 @@ def _fast_recurrence(model, token_inputs, state, mask, output_memory_decays: boo
     w = in_matmul_dtype(fold_weights(model), matmul_dtype)
     sweep = None  # CUDA graphs for the training steps (opt-in; unmasked windows without truncation)
     if mask is None and not config.bptt_truncation_length and graph_wanted(model, token_inputs, training=True):
-        sweep = training_sweep(model, B, min(config.bptt_segment_length or T, T), w, token_inputs.device)
+        sweep = training_sweep(model, B, config.bptt_segment_length, T, w, token_inputs.device)
     settings = (s, eps, config.bptt_segment_length, config.bptt_truncation_length, buffer_pool_of(model), sweep)
     outputs, p, g, memory, gammas = GPNRecurrenceFunction.apply(token_inputs, p0, g0, M0, mask, settings, *_flatten(w))
     return outputs, (p, g, memory), (gammas if (s.memory and output_memory_decays) else None)
