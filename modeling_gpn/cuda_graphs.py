@@ -235,9 +235,10 @@ class TrainingSweep:
     are copied into static buffers once per call, so a weight update needs no new capture.
 
     Graphs are captured per (direction, first position, steps): bounded by the segment's chunks (plus
-    those of a shorter last segment). `model._gpn_training_sweeps.clear()` frees the buffers and graphs. Without CUDA (the tests, through Triton's interpreter) the same
+    those of a shorter last segment). Without CUDA (the tests, through Triton's interpreter) the same
     chunks run eagerly. The buffers hold one training call's records from its forward to its backward:
-    `take` refuses a second call meanwhile (it then runs the plain fast path)."""
+    `take` refuses a second call meanwhile (it then runs the fast path without graphs).
+    `model._gpn_training_sweeps.clear()` frees the buffers and graphs."""
 
     def __init__(self, model, batch: int, length: int, w, device: torch.device):
         from .fast_recurrence import StaticWeightGrads, StepState, TransposedWeights, columns_of, shapes_of
