@@ -2,12 +2,16 @@
 
     python benchmarks/gpu_check.py [--out DIR]          correctness (exit 1 if any check fails)
     python benchmarks/gpu_check.py --decode-timing      + the 130M model's one-token step, graphs on and off
+    python benchmarks/gpu_check.py --training-timing    the 130M model's training step (16 x 256), graphs on
+                                                        and off, and their gradients compared (no other check)
     python benchmarks/gpu_check.py --summary DIR        the JSON summary of gpu_check.sh's bench runs
 
 Checks: fp32 fast (Triton) == fast (torch ops) == plain, losses and every gradient, for GPN+M, GPN, 2
 layers with bias, segmented + truncated BPTT, with padding masks; that the Triton kernels really ran; bf16
 fast (Triton and torch ops) tracking fp32 plain over 512 tokens, and bf16 training gradients of the two
-backends agreeing; the decode step through a CUDA graph (GPN_CUDA_GRAPHS=1) = plain generate(). Without
+backends agreeing; the decode step through a CUDA graph (GPN_CUDA_GRAPHS=1) = plain generate(); training
+windows through the captured forward and backward sweeps (`cuda_graphs.TrainingSweep`) = without graphs =
+plain, fp32 and bf16, the second call replaying the graphs. Without
 CUDA it says so and exits 2 (gpu_check.sh then runs the CPU-interpreter tests instead).
 """
 
@@ -156,6 +160,84 @@ def correctness(device: str) -> None:
             report(False, f"{device} decode graph: {type(error).__name__}: {error}")
         finally:
             os.environ.pop("GPN_CUDA_GRAPHS", None)
+    training_graphs(device)
+
+
+def training_graphs(device: str) -> None:
+    """Training windows through the captured sweeps (GPN_CUDA_GRAPHS=1) == without graphs == plain: BPTT
+    segments with a shorter last one, 2 layers, fp32 and bf16; the second call replays the graphs."""
+    length, segment = (9, 4) if DRY_RUN else (70, 40)
+    ids = torch.randint(0, 97, (3, length), generator=torch.Generator().manual_seed(7)).to(device)
+    mask = torch.ones_like(ids)
+    for dtype in (torch.float32, torch.bfloat16):
+        model = perturbed(tiny(num_predict_layers=2, bptt_segment_length=segment), device, seed=14).to(dtype).train()
+        try:
+            plain_loss, plain, _ = grads_of(model, "plain" if dtype == torch.float32 else "triton", ids, mask)
+            _, eager, _ = grads_of(model, "triton", ids, mask)
+            os.environ["GPN_CUDA_GRAPHS"] = "1"
+            for call in (1, 2):
+                loss, graphed, _ = grads_of(model, "triton", ids, mask)
+            sweeps = list(getattr(model.model, "_gpn_training_sweeps", {}).values())
+            captured = sum(len(sweep.graphs) for sweep in sweeps)
+            ran = bool(sweeps) and (DRY_RUN or captured > 0)
+            if dtype == torch.float32:
+                worst, worst_eager = worst_relative(graphed, plain), worst_relative(graphed, eager)
+                ok = ran and abs(loss - plain_loss).item() < 1e-4 and worst < 1e-3 and worst_eager < 1e-3
+                report(ok, f"{device} fp32 training through graphs == plain == without graphs: loss diff "
+                           f"{abs(loss - plain_loss).item():.2e}, worst relative grad diff {worst:.2e} (plain), "
+                           f"{worst_eager:.2e} (without graphs), graphs captured {captured}")  # fmt: skip
+            else:
+                cosines = [torch.nn.functional.cosine_similarity(graphed[k].flatten(), eager[k].flatten(), dim=0).item()
+                           for k in eager if eager[k].abs().max() > 0]  # fmt: skip
+                ok = ran and abs(loss - plain_loss).item() < 1e-2 and min(cosines) > 0.99
+                report(ok, f"{device} bf16 training through graphs vs without: loss diff {abs(loss - plain_loss).item():.2e}, "
+                           f"lowest gradient cosine {min(cosines):.4f}, graphs captured {captured}")  # fmt: skip
+        except Exception as error:  # noqa: BLE001 (report and go on)
+            report(False, f"{device} training graphs ({dtype}): {type(error).__name__}: {error}")
+        finally:
+            os.environ.pop("GPN_CUDA_GRAPHS", None)
+
+
+def training_timing(device: str, preset: str = "gpn-m-1l-130m", batch: int = 16, length: int = 256) -> dict:
+    """One training step (forward, loss, backward) of the 130M GPN+M in bf16 at batch x length (one BPTT
+    segment), with the training graphs off and on: ms per step, tokens/s and the gradients' agreement."""
+    from modeling_gpn.bench import build_gpn
+
+    if DRY_RUN:
+        batch, length = 2, 8
+    model = build_gpn(preset, torch.bfloat16, device, length).train()
+    backend("triton")
+    ids = torch.randint(1, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(8)).to(device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    figures, grads = {}, {}
+    for graphs in ("0", "1"):
+        os.environ["GPN_CUDA_GRAPHS"] = graphs
+        name = "on" if graphs == "1" else "off"
+        times = []
+        for repeat in range(3):  # the first: warm-up (compiles kernels; with graphs, captures them)
+            model.zero_grad(set_to_none=True)
+            sync()
+            start = time.perf_counter()
+            model(ids, labels=ids).loss.backward()
+            sync()
+            times.append(time.perf_counter() - start)
+        grads[name] = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+        step = min(times[1:])
+        figures[f"train_step_ms_graphs_{name}"] = 1e3 * step
+        figures[f"train_tok_s_graphs_{name}"] = batch * length / step
+        figures[f"first_step_s_graphs_{name}"] = times[0]
+    os.environ.pop("GPN_CUDA_GRAPHS", None)
+    cosines = [torch.nn.functional.cosine_similarity(grads["on"][k].flatten(), grads["off"][k].flatten(), dim=0).item()
+               for k in grads["off"] if grads["off"][k].abs().max() > 0]  # fmt: skip
+    figures["lowest_gradient_cosine_on_vs_off"] = min(cosines)
+    sweeps = list(getattr(model.model, "_gpn_training_sweeps", {}).values())
+    figures["graphs_captured"] = captured = sum(len(sweep.graphs) for sweep in sweeps)
+    ran = bool(sweeps) and (DRY_RUN or captured > 0)
+    report(ran and min(cosines) > 0.99, f"{device} {preset} bf16 {batch}x{length} training gradients, graphs on vs off: "
+                                        f"lowest cosine {min(cosines):.4f}, graphs captured {captured}")  # fmt: skip
+    for key, value in figures.items():
+        print(f"[time] {preset} bf16 {batch}x{length} {key}: {value:.3f}", flush=True)
+    return figures
 
 
 def decode_timing(device: str, preset: str = "gpn-m-1l-130m") -> dict:
@@ -212,6 +294,9 @@ def summary(folder: Path) -> dict:
     timing_file = folder / "decode_timing.json"
     if timing_file.is_file():
         result["decode_step"] = json.loads(timing_file.read_text())
+    training_file = folder / "training_timing.json"
+    if training_file.is_file():
+        result["training_graphs"] = json.loads(training_file.read_text())
     for path in sorted(folder.glob("bench_*.json")):
         rows = {row["impl"]: row for row in json.loads(path.read_text())["rows"]}
         fast, llama = rows.get("fast"), rows.get("llama")
@@ -234,6 +319,10 @@ def summary(folder: Path) -> dict:
     for stem, run in result["runs"].items():
         if stem.startswith("bench_large") and "train_ratio" in run:
             targets[f"train >= 0.5x Llama at the larger batch ({stem})"] = (round(run["train_ratio"], 3), run["train_ratio"] >= 0.5)
+    training = result.get("training_graphs", {})
+    if training.get("train_step_ms_graphs_on"):
+        speedup = training["train_step_ms_graphs_off"] / training["train_step_ms_graphs_on"]
+        targets["training step 16x256, graphs on vs off (speed-up, reported)"] = (round(speedup, 2), None)
     step = result.get("decode_step", {}).get("graph_step_ms")
     if step is not None:
         targets["one-token step <= 0.1 ms (graph replay)"] = (round(step, 4), step <= 0.1)
@@ -244,6 +333,8 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None, help="folder for decode_timing.json")
     parser.add_argument("--decode-timing", action="store_true")
+    parser.add_argument("--training-timing", action="store_true",
+                        help="only the 130M training step with graphs on and off (writes training_timing.json)")
     parser.add_argument("--summary", default=None, help="print the JSON summary of this gpu_check.sh output folder")
     parser.add_argument("--dry-run-cpu", action="store_true",
                         help="check this script without a GPU: the correctness checks on CPU through Triton's "
@@ -256,6 +347,7 @@ def main() -> int:
             raise SystemExit("--dry-run-cpu needs TRITON_INTERPRET=1 in the environment")
         correctness("cpu")
         decode_timing("cpu", preset="tiny")  # (the code path only: CPU-interpreter times mean nothing)
+        training_timing("cpu", preset="tiny")
         print(f"{len(FAILURES)} check(s) failed" if FAILURES else "all checks passed", flush=True)
         return 1 if FAILURES else 0
     if args.summary:
@@ -265,6 +357,15 @@ def main() -> int:
         print("no CUDA device: the GPU correctness checks did not run (see tests/test_triton_kernels.py for the "
               "CPU-interpreter ones)", flush=True)  # fmt: skip
         return 2
+    if args.training_timing:
+        try:
+            figures = training_timing("cuda")
+            if args.out:
+                Path(args.out, "training_timing.json").write_text(json.dumps(figures))
+        except Exception as error:  # noqa: BLE001
+            report(False, f"training timing: {type(error).__name__}: {error}")
+        print(f"{len(FAILURES)} check(s) failed" if FAILURES else "all checks passed", flush=True)
+        return 1 if FAILURES else 0
     correctness("cuda")
     if args.decode_timing:
         try:

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One short device run (fits in 5 minutes on one H200): CUDA correctness of the fast path and its Triton
-# kernels (Triton = torch ops = plain, fp32 and bf16; the decode graph), the 130M model's one-token step,
+# kernels (Triton = torch ops = plain, fp32 and bf16; the decode graph; the training graphs), the 130M
+# model's one-token step and its training step with the training graphs off and on,
 # then `gpn bench` of the 130M GPN+M in bf16 beside the matched Llama at 16 x 2048 and at the largest
 # batch of {64, 32} that fits both; last, one JSON summary of every figure and target.
 #
 # Usage (repo root): bash benchmarks/gpu_check.sh        outputs in $OUT (default /tmp/gpu_out)
 # Exit status: 0 all correctness checks passed and every bench ran; 1 something failed (each step says
-# what); 2 no CUDA device: only the CPU-interpreter correctness tests ran (tests/test_triton_kernels.py),
+# what); 2 no CUDA device: only the CPU-interpreter correctness tests ran (tests/test_triton_kernels.py and
+# tests/test_training_graphs.py),
 # so nothing about the GPU was checked.
 # Needs the transformers wheel the project pins in .whl/ when the image's transformers is older.
 set -u
@@ -18,7 +20,7 @@ status=0
 if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "gpu_check: no CUDA device here. Running only the CPU-interpreter correctness part"
   echo "(every Triton kernel against the torch ops, fast = plain on the Triton path) and exiting 2."
-  TRITON_INTERPRET=1 python3 -m pytest -q tests/test_triton_kernels.py
+  TRITON_INTERPRET=1 python3 -m pytest -q tests/test_triton_kernels.py tests/test_training_graphs.py
   echo "gpu_check: exit 2 (no CUDA device: the GPU checks and benchmarks did not run)"
   exit 2
 fi
@@ -34,12 +36,22 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 python3 -c "import triton; print('triton', triton.__version__)" || { echo "[FAIL] triton does not import: the fast path runs its torch ops, the Triton kernels are not checked"; status=1; }
 
-# 1. correctness + the one-token step (about 60 s)
-timeout 100 python3 benchmarks/gpu_check.py --decode-timing --out "$OUT" 2>&1 | tee "$OUT/correctness.txt"
+# 1. correctness (with the training graphs) + the one-token step (about 70 s)
+timeout 110 python3 benchmarks/gpu_check.py --decode-timing --out "$OUT" 2>&1 | tee "$OUT/correctness.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "[FAIL] gpu_check.py: see the lines above"; status=1; }
-# generate() through the decode graph only if the graph check passed
-if grep -q "^\[ok\] cuda generate() through the captured decode graph" "$OUT/correctness.txt"; then export GPN_CUDA_GRAPHS=1; fi
-echo "decode graphs in the bench: ${GPN_CUDA_GRAPHS:-off}"
+# 1b. the 130M training step (bf16, 16 x 256) with the training graphs off and on (about 20 s)
+timeout 60 python3 benchmarks/gpu_check.py --training-timing --out "$OUT" 2>&1 | tee "$OUT/training_timing.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || { echo "[FAIL] training timing: see the lines above"; status=1; }
+# the bench uses graphs only where their checks passed: all of them (GPN_CUDA_GRAPHS=1), or those of the
+# no-grad windows only (GPN_CUDA_GRAPHS=inference: generate() through the decode graph)
+if grep -q "^\[ok\] cuda generate() through the captured decode graph" "$OUT/correctness.txt"; then
+  export GPN_CUDA_GRAPHS=inference
+  if grep -q "^\[ok\] cuda fp32 training through graphs" "$OUT/correctness.txt" && grep -q "^\[ok\] cuda bf16 training through graphs" "$OUT/correctness.txt" \
+     && grep -q "^\[ok\] cuda gpn-m-1l-130m bf16 16x256 training gradients, graphs on vs off" "$OUT/training_timing.txt"; then
+    export GPN_CUDA_GRAPHS=1
+  fi
+fi
+echo "graphs in the bench: ${GPN_CUDA_GRAPHS:-off} (1: decode and training; inference: decode only)"
 
 # 2. gpn bench at 16 x 2048 (training, forward, prefill and decode after a 4096-token prompt; about 100 s)
 BENCH="env -C /tmp/pkg python3 -m modeling_gpn.cli bench --device cuda --dtype bfloat16 --preset gpn-m-1l-130m --impl fast llama --repeats 2"

@@ -9,7 +9,11 @@ are not counted). Runs on CPU through Triton's interpreter, no GPU needed:
 
     TRITON_INTERPRET=1 python benchmarks/launch_counts.py [--layers 1 2] [--json out.json]
 
-Prints one table row per (model, path, direction) and the ops behind each count.
+Prints one table row per (model, path, direction) and the ops behind each count; then, per token position
+of a whole training window (forward and backward of `GPNRecurrenceFunction`, BPTT segments recomputed),
+the launches Python dispatches without the training graphs and with them (`cuda_graphs.TrainingSweep`: each
+chunk of steps is one graph replay on CUDA, counted as one launch; what runs outside the chunks, such as the
+per-segment copies into the static buffers, is counted op by op).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ class LaunchCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops: Counter = Counter()
-        self.paused = False
+        self.paused = 0  # a depth: pauses nest
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
@@ -52,11 +56,11 @@ def count(fn, counter_mode: LaunchCounter):
     real_launch = tk._launch
 
     def launch(*args, **kwargs):  # the interpreter copies tensors to and from numpy: not launches
-        counter_mode.paused = True
+        counter_mode.paused += 1
         try:
             return real_launch(*args, **kwargs)
         finally:
-            counter_mode.paused = False
+            counter_mode.paused -= 1
 
     tk._launch = launch
     before = tk.launches.copy()
@@ -105,11 +109,58 @@ def one_step(model, triton: bool, backward: bool):
         return count(lambda: step_backward(saved, grads, wt, s, c, eps, weight_grads, grad_out), LaunchCounter())
 
 
+def training_window(model, graphs: bool, batch: int = 2, length: int = 64, segment: int = 32) -> dict:
+    """Launches per token position of one training window (the recurrence's forward and backward; BPTT
+    segments of `segment` steps, so all but the last are recomputed), on the Triton path without and with the
+    training graphs. With graphs, a chunk replay counts as one launch and its contents as none."""
+    from modeling_gpn import cuda_graphs
+
+    os.environ.update(GPN_TRITON="1", GPN_MEMORY_KERNELS="0", GPN_CUDA_GRAPHS="1" if graphs else "0")
+    core = model.model
+    core.config.bptt_segment_length = segment
+    core.use_fast_path = True
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randn(batch, length, core.config.hidden_size, generator=generator).requires_grad_(True)
+    state = tuple(torch.randn(x.shape, generator=generator) for x in core.zero_state(batch, torch.device("cpu")))
+
+    def call():
+        outputs, final, _ = core.recurrence(tokens, state, None)
+        results = [outputs, *(x for x in final if x.requires_grad)]
+        torch.autograd.backward(results, [torch.ones_like(x) for x in results])
+
+    call()  # the first call makes the static buffers (and on CUDA captures the graphs)
+    counter, replays, inside = LaunchCounter(), Counter(), Counter()
+    real_run = cuda_graphs.TrainingSweep._run
+
+    def run(self, direction, first, steps):  # one graph replay on CUDA
+        replays[direction] += 1
+        before = tk.launches.copy()
+        counter.paused += 1
+        try:
+            return real_run(self, direction, first, steps)
+        finally:
+            counter.paused -= 1
+            inside.update(tk.launches - before)
+
+    cuda_graphs.TrainingSweep._run = run
+    try:
+        aten, triton = count(call, counter)
+    finally:
+        cuda_graphs.TrainingSweep._run = real_run
+    assert bool(replays) == graphs, "the training graphs did not run as asked"
+    triton = triton - inside
+    total = sum(aten.values()) + sum(triton.values()) + sum(replays.values())
+    return dict(aten=sum(aten.values()), triton=sum(triton.values()), replays=sum(replays.values()),
+                per_position=total / length, ops=dict(aten.most_common()))  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="weight dtypes")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--training-window", type=int, nargs=2, default=[64, 32], metavar=("LENGTH", "SEGMENT"),
+                        help="the training window's length and BPTT segment (0 0: skip the training-window counts)")
     args = parser.parse_args()
     if not tk.available():
         raise SystemExit(f"triton unavailable: {tk.unavailable_reason()}")
@@ -133,10 +184,31 @@ def main() -> int:
     print()
     for key, value in details.items():
         print(f"{key}: aten {value['aten']}  triton {value['triton']}")
+    length, segment = args.training_window
+    if length:
+        training_rows(args, rows, length, segment)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(rows=rows, details=details), f, indent=1)
     return 0
+
+
+def training_rows(args, rows: list, length: int, segment: int) -> None:
+    """The training-window table (appended to `rows`)."""
+    print()
+    print(f"Training window (batch 2 x {length} positions, BPTT segments of {segment}, chunks of 32): launches per position")
+    print("| model | weights | training graphs | aten | Triton | graph replays | launches per position |")
+    print("|---|---|---|---|---|---|---|")
+    for dtype in args.dtypes:
+        for layers in args.layers:
+            for graphs in (False, True):
+                model = model_of(layers, getattr(torch, dtype))
+                r = training_window(model, graphs, length=length, segment=segment)
+                rows.append(dict(model=f"GPN+M {layers}L", dtype=dtype, training_graphs=graphs, **r))
+                print(f"| GPN+M {layers}L | {dtype} | {'on' if graphs else 'off'} | {r['aten']} | {r['triton']} | "
+                      f"{r['replays']} | {r['per_position']:.2f} |", flush=True)  # fmt: skip
+                if graphs:
+                    print(f"    outside the chunks: {r['ops']}")
 
 
 if __name__ == "__main__":

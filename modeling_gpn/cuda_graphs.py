@@ -13,8 +13,11 @@ state is copied between steps or tokens: when the state handed in is the one the
 returned, the next replay just starts from that slot; any other state is first copied into the current slot (today's
 `GPNCache` hands out copies, so `generate()` pays those three copies per token).
 `run` (the steps themselves) allocates nothing and never waits for the host after the first call (the
-test on CPU checks both), which is what capturing it requires. Training windows (with autograd) do not
-run through graphs: their steps keep per-step records for the backward pass.
+test on CPU checks both), which is what capturing it requires.
+
+Training windows (with autograd, unmasked, without truncated BPTT) run their forward and backward sweeps
+on `TrainingSweep`'s static buffers, one graph replay per chunk of `TRAINING_CHUNK` steps of each BPTT
+segment (see the class). GPN_CUDA_GRAPHS=inference keeps them off while the no-grad windows use graphs.
 
 Caveat (why it is opt-in): the returned state tensors are the graph's slots, overwritten by the replay
 after next. `generate()` only keeps the latest state, so it is safe there; code that keeps an older
@@ -27,6 +30,7 @@ This file ships to the Hub with the model: it imports only torch, typing and the
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Optional
 
 import torch
@@ -39,11 +43,13 @@ from .triton_kernels import step as triton_step
 WINDOW_CHUNK = 32  # steps per graph replay for windows of more than one token (prefill, scoring)
 
 
-def wanted(model, token_inputs: torch.Tensor) -> bool:
-    """Whether `fast_recurrence` should run this no-grad, unmasked window through graphs: asked for
-    (`model.use_cuda_graphs` or GPN_CUDA_GRAPHS=1) and the Triton backend selected (on CUDA; on CPU only
-    when forced through Triton's interpreter, where the same static steps run without a graph: the tests)."""
-    asked = getattr(model, "use_cuda_graphs", False) or os.environ.get("GPN_CUDA_GRAPHS") == "1"
+def wanted(model, token_inputs: torch.Tensor, training: bool = False) -> bool:
+    """Whether `fast_recurrence` should run this unmasked window through graphs: asked for
+    (`model.use_cuda_graphs` or GPN_CUDA_GRAPHS=1; GPN_CUDA_GRAPHS=inference asks for the no-grad windows
+    only, not for `training` ones) and the Triton backend selected (on CUDA; on CPU only when forced through
+    Triton's interpreter, where the same static steps run without a graph: the tests)."""
+    setting = os.environ.get("GPN_CUDA_GRAPHS")
+    asked = getattr(model, "use_cuda_graphs", False) or setting == "1" or (setting == "inference" and not training)
     return bool(asked) and sizes_fit(model.config) and triton_selected(token_inputs)
 
 
@@ -198,3 +204,244 @@ def window_forward(model, token_inputs: torch.Tensor, state, output_memory_decay
             gammas[:, start : start + steps] = chunk_gammas
         start += steps
     return outputs, state, gammas
+
+
+# --------------------------------------------------------------------------------------------------
+# Training windows: the forward and backward sweeps of each BPTT segment on static buffers
+# --------------------------------------------------------------------------------------------------
+
+TRAINING_CHUNK = 32  # steps per graph replay in a training window's forward and backward sweeps
+
+
+class _Owner:
+    """What a training call holds while a `TrainingSweep`'s buffers carry its records (see `take`)."""
+
+
+class TrainingSweep:
+    """The steps of a training window (`fast_recurrence.GPNRecurrenceFunction`) for one batch size, segment
+    length and weight dtype, on static buffers: on CUDA each chunk of `TRAINING_CHUNK` steps, forward or
+    backward, is one captured graph replay.
+
+    Layout: segment position j (0 <= j < `length`) has a workspace of its own for the forward step
+    (`forward_ws[j]`): the step's intermediates, which are exactly its records for the backward step, stay
+    there until the same position of another segment is run, and M' goes into `memory[j]`. So step j + 1
+    reads its state straight from step j's buffers (nothing copied), and a chunk's graph reads and writes
+    the same addresses in every segment. Each segment is fed through `u`, `state_in` (its boundary) and
+    `d_outputs` (its slice of dL/dP), and hands back `outputs`, `gammas` and `d_inputs` (dL/dU). The
+    backward steps alternate two workspaces and two dL/dM slots; a backward chunk starts from `grad_in`
+    and leaves its carried gradient there (one copy per chunk: the chunk at a segment's end then reads the
+    same buffers whatever the segment's length). Weight gradients go into a `StaticWeightGrads` with one
+    block per chunk, summed (in place) at the end of the chunk. The folded weights and their transposes
+    are copied into static buffers once per call, so a weight update needs no new capture.
+
+    Graphs are captured per (direction, first position, steps): bounded by the segment's chunks (plus
+    those of a shorter last segment). Without CUDA (the tests, through Triton's interpreter) the same
+    chunks run eagerly. The buffers hold one training call's records from its forward to its backward:
+    `take` refuses a second call meanwhile (it then runs the fast path without graphs).
+    `model._gpn_training_sweeps.clear()` frees the buffers and graphs."""
+
+    def __init__(self, model, batch: int, length: int, w, device: torch.device):
+        from .fast_recurrence import StaticWeightGrads, StepState, TransposedWeights, columns_of, shapes_of
+
+        s = self.s = shapes_of(model, batch)
+        self.c = columns_of(s)
+        self.eps = model.config.rms_norm_eps
+        self.length = length
+        self.chunk = max(1, min(TRAINING_CHUNK, length))
+        self.device = device
+        static = lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device)  # noqa: E731
+        transposed = lambda t: torch.zeros(t.shape[1], t.shape[0], dtype=t.dtype, device=device)  # noqa: E731
+        self.w = type(w)(*(tuple(map(static, f)) if isinstance(f, tuple) else (None if f is None else static(f)) for f in w))
+        self.wt = TransposedWeights(transposed(w.fg_w), transposed(w.big_w), tuple(map(transposed, w.out_w)),
+                                    tuple(map(transposed, w.layer_w)), self.w.neg_decay_rate)  # fmt: skip
+        zeros = lambda *shape: torch.zeros(shape, dtype=torch.float32, device=device)  # noqa: E731
+        memory_shape = (batch, s.heads, s.key_dim, s.value_dim) if s.memory else (batch, 0)
+        key_width = s.heads * s.key_dim
+        self.u, self.outputs = zeros(batch, length, s.hidden), zeros(batch, length, s.hidden)
+        self.d_outputs, self.d_inputs = zeros(batch, length, s.hidden), zeros(batch, length, s.hidden)
+        self.gammas = zeros(batch, length, s.heads)
+        self.state_in = StepState(zeros(batch, s.hidden), zeros(batch, s.hidden), zeros(batch, key_width), zeros(*memory_shape))
+        self.grad_in = StepState(zeros(batch, s.hidden), zeros(batch, s.hidden), zeros(batch, key_width), zeros(*memory_shape))
+        self.memory = zeros(length, *memory_shape) if s.memory else None
+        self.memory_grads = zeros(2, *memory_shape) if s.memory else None
+        self.forward_ws: list[dict] = [{} for _ in range(length)]
+        self.backward_ws: list[dict] = [{}, {}]
+        self.weight_grads = StaticWeightGrads(self.w, batch, self.chunk)
+        self.records: list[Optional[dict]] = [None] * length
+        self.new_states: list = [None] * length  # the StepState each forward position returned (its buffers)
+        self.graphs: dict = {}
+        self.capture = device.type == "cuda"
+        self.owner = None
+
+    # ---- the steps a graph captures --------------------------------------------------------------------
+
+    def forward_steps(self, first: int, steps: int) -> None:
+        """Forward steps first..first+steps-1 of the segment in the static buffers, keeping their records."""
+        s = self.s
+        state = self.state_in if first == 0 else self.new_states[first - 1]
+        for j in range(first, first + steps):
+            saved: dict = {}
+            memory_out = self.memory[j] if s.memory else None
+            state, gamma = triton_step(state, self.u[:, j], None, self.w, s, self.c, self.eps, saved, memory_out,
+                                       ws=self.forward_ws[j])  # fmt: skip
+            self.records[j], self.new_states[j] = saved, state
+            self.outputs[:, j].copy_(state.p)
+            if s.memory:
+                self.gammas[:, j].copy_(gamma)
+
+    def backward_steps(self, first: int, steps: int) -> None:
+        """Backward steps first+steps-1 down to first from `grad_in`, leaving the carried gradient there."""
+        from .triton_kernels import step_backward
+
+        grads = self.grad_in
+        for j in reversed(range(first, first + steps)):
+            grads.p.add_(self.d_outputs[:, j])
+            memory_out = self.memory_grads[j % 2] if self.s.memory else None
+            grads, d_input = step_backward(self.records[j], grads, self.wt, self.s, self.c, self.eps, self.weight_grads,
+                                           memory_out, ws=self.backward_ws[j % 2])  # fmt: skip
+            self.d_inputs[:, j].copy_(d_input)
+        self.weight_grads.flush()
+        for carried, new in zip(self.grad_in, grads):
+            if carried.data_ptr() != new.data_ptr():
+                carried.copy_(new)
+
+    def _run(self, direction: str, first: int, steps: int) -> None:
+        run = self.forward_steps if direction == "forward" else self.backward_steps
+        if not self.capture:
+            run(first, steps)
+            return
+        key = (direction, first, steps)
+        graph = self.graphs.get(key)
+        if graph is not None:
+            graph.replay()
+            return
+        # first time: a real run on a side stream (compiling the kernels, making every workspace buffer), then
+        # the capture (which runs nothing: the buffers keep the warm-up's results, the same the replay writes)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run(first, steps)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run(first, steps)
+        self.graphs[key] = graph
+
+    def _chunks(self, steps: int):
+        return [(first, min(self.chunk, steps - first)) for first in range(0, steps, self.chunk)]
+
+    # ---- one training call -----------------------------------------------------------------------------
+
+    def take(self) -> Optional[_Owner]:
+        """Reserve the buffers for one call (its forward to its backward); None while another call holds
+        them (a call whose autograd graph was dropped without backward frees them with its owner object)."""
+        if self.owner is not None and self.owner() is not None:
+            return None
+        owner = _Owner()
+        self.owner = weakref.ref(owner)
+        return owner
+
+    def release(self) -> None:
+        self.owner = None
+
+    def load_weights(self, w) -> None:
+        """Copy this call's folded weights (fresh tensors every training call) into the static ones."""
+        for target, source in zip(self.w, w):
+            if isinstance(target, tuple):
+                for t, x in zip(target, source):
+                    t.copy_(x.detach())
+            elif target is not None:
+                target.copy_(source.detach())
+
+    def _segment_forward(self, U: torch.Tensor, boundary, start: int, stop: int) -> None:
+        steps = stop - start
+        for target, source in zip(self.state_in, boundary):
+            target.copy_(source)
+        self.u[:, :steps].copy_(U[:, start:stop])
+        for first, n in self._chunks(steps):
+            self._run("forward", first, n)
+
+    def forward(self, U: torch.Tensor, p0, g0, M0):
+        """The forward sweep of a window (weights loaded): (outputs, final StepState (fresh tensors), gammas,
+        boundaries). The last segment's records stay in the buffers for `backward`."""
+        from .fast_recurrence import StepState, key_from_grounded
+
+        s = self.s
+        B, T, d = U.shape
+        outputs = U.new_empty(B, T, d)
+        gammas = U.new_zeros(B, T, s.heads if s.memory else 0)
+        key0 = key_from_grounded(g0, self.w, s, self.eps) if s.memory else g0.new_zeros(B, 0)
+        state, boundaries = StepState(p0, g0, key0, M0), []
+        for start in range(0, T, self.length):
+            stop = min(start + self.length, T)
+            boundaries.append(state)
+            self._segment_forward(U, state, start, stop)
+            outputs[:, start:stop] = self.outputs[:, : stop - start]
+            if s.memory:
+                gammas[:, start:stop] = self.gammas[:, : stop - start]
+            state = StepState(*(x.clone() for x in self.new_states[stop - start - 1]))
+        return outputs, state, gammas, boundaries
+
+    def backward(self, U, g0, w, boundaries, records_kept: bool, dP, dp_final, dg_final, dM_final):
+        """The backward sweep: (dU, dp0, dg0, dM0, weight gradients in `_flatten`'s order). `records_kept`:
+        the buffers still hold the last segment's records from `forward` (else it is recomputed too)."""
+        from .fast_recurrence import _inv_rms, _mm, _rms_backward, _unit_rms
+
+        s, eps = self.s, self.eps
+        B, T, d = U.shape
+        for target, source in zip(self.wt, (w.fg_w, w.big_w, w.out_w, w.layer_w)):
+            pairs = zip(target, source) if isinstance(target, tuple) else [(target, source)]
+            for t, x in pairs:
+                t.copy_(x.detach().t())
+        self.weight_grads.zero()
+        for carried, given in zip(self.grad_in, (dp_final, dg_final, None, dM_final)):
+            carried.zero_() if given is None else carried.copy_(given)
+        dU = torch.empty(B, T, d, dtype=torch.float32, device=U.device)
+        starts = list(range(0, T, self.length))
+        for index in reversed(range(len(starts))):
+            start = starts[index]
+            stop = min(start + self.length, T)
+            steps = stop - start
+            if stop != T or not records_kept:
+                self._segment_forward(U, boundaries[index], start, stop)
+            boundaries[index] = None
+            if dP is None:
+                self.d_outputs.zero_()
+            else:
+                self.d_outputs[:, :steps].copy_(dP[:, start:stop])
+            for first, n in reversed(self._chunks(steps)):
+                self._run("backward", first, n)
+            dU[:, start:stop] = self.d_inputs[:, :steps]
+        grads = self.grad_in
+        d_g0 = grads.g.clone()
+        if s.memory:  # the key of the first step came from g0 (as in GPNRecurrenceFunction._backward)
+            a_g0 = _unit_rms(g0, eps)
+            key_rows = self.w.big_w[:, : s.heads * s.key_dim].t()
+            d_g0 = d_g0 + _rms_backward(_mm(grads.key, key_rows), a_g0, _inv_rms(g0, eps))
+            self.weight_grads.add_key(a_g0, grads.key)
+        return dU, grads.p.clone(), d_g0, grads.memory.clone(), self.weight_grads.finish()
+
+
+def training_sweep(model, batch: int, segment: Optional[int], length: int, w, device: torch.device) -> Optional[TrainingSweep]:
+    """The model's `TrainingSweep` for this batch size, BPTT segment length (`config.bptt_segment_length`) and
+    these weights' dtype, made on first use, or None where the Triton step does not take these weights (then
+    the plain fast path runs). One sweep per segment length serves every window (a shorter one is one
+    shorter segment); without segments (`segment` None) the sweep is as long as the longest window so far,
+    replaced by a longer one when needed (so windows of varying length do not pile up buffers)."""
+    from .triton_kernels import usable_step
+
+    dtypes = tuple(t.dtype for t in (w.fg_w, w.big_w, *w.out_w, *w.layer_w))
+    if len(set(dtypes)) != 1 or dtypes[0] not in (torch.float32, torch.bfloat16, torch.float16):
+        return None
+    sweeps = getattr(model, "_gpn_training_sweeps", None)
+    if sweeps is None:
+        sweeps = {}
+        object.__setattr__(model, "_gpn_training_sweeps", sweeps)
+    key = (batch, segment, dtypes[0], device)
+    sweep = sweeps.get(key)
+    if sweep is None or (segment is None and sweep.length < length):
+        sweep = TrainingSweep(model, batch, segment or length, w, device)
+        if not usable_step(sweep.state_in, sweep.u[:, 0], sweep.w, sweep.s):
+            return None
+        sweeps[key] = sweep  # (a call still holding a replaced sweep keeps it until its backward)
+    return sweep

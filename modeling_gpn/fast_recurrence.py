@@ -37,18 +37,20 @@ What makes it fast (see the speed issue and `GPN.md`):
   and its backward with autocast off, so every tensor it makes has the dtype it (and the C kernels, which
   read float32 only) expects.
 
-This file ships to the Hub with the model (with `memory_kernels.py`): it imports only torch, typing and
-contextlib.
+This file ships to the Hub with the model (with `memory_kernels.py`): it imports only torch, typing,
+contextlib and weakref.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
+from .cuda_graphs import training_sweep
 from .cuda_graphs import wanted as graph_wanted
 from .cuda_graphs import window_forward as graph_window_forward
 from .memory_kernels import KernelRefusal, MemoryStep, memory_step, memory_write_backward
@@ -803,11 +805,19 @@ class GPNRecurrenceFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, U, p0, g0, M0, mask, settings, *flat_weights):
-        s, eps, segment, truncation, pool = settings
+        s, eps, segment, truncation, pool, sweep = settings
         w = _unflatten(flat_weights, s)
         B, T, d = U.shape
         ctx.input_dtype, ctx.device_type = U.dtype, U.device.type
         U = U.float()
+        ctx.sweep_owner = sweep.take() if sweep is not None else None
+        if ctx.sweep_owner is not None:  # the steps on static buffers (CUDA graphs: `cuda_graphs.TrainingSweep`)
+            sweep.load_weights(w)
+            outputs, state, gammas, ctx.boundaries = sweep.forward(U, p0, g0, M0)
+            ctx.settings, ctx.has_mask = settings, False
+            ctx.save_for_backward(U, g0, *flat_weights)
+            ctx.mark_non_differentiable(gammas)
+            return outputs, state.p, state.g, state.memory, gammas
         outputs = U.new_empty(B, T, d)
         gammas = U.new_zeros(B, T, s.heads) if s.memory else U.new_zeros(B, T, 0)
         # the steps multiply by prepacked matrices where that is faster (`PackedMatrix`), packed once per call
@@ -851,8 +861,19 @@ class GPNRecurrenceFunction(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, dP, dp_final, dg_final, dM_final):
-        s, eps, segment, truncation, pool = ctx.settings
+        s, eps, segment, truncation, pool, sweep = ctx.settings
         saved = ctx.saved_tensors
+        if ctx.sweep_owner is not None:
+            U, g0, flat_weights = saved[0], saved[1], saved[2:]
+            records_kept = sweep.owner is not None and sweep.owner() is ctx.sweep_owner
+            sweep.owner = weakref.ref(ctx.sweep_owner)  # the buffers are this call's until it returns
+            try:
+                dU, dp0, dg0, dM0, weight_grads = sweep.backward(
+                    U, g0, _unflatten(flat_weights, s), ctx.boundaries, records_kept, dP, dp_final, dg_final, dM_final
+                )  # fmt: skip
+            finally:
+                sweep.release()
+            return (dU.to(ctx.input_dtype), dp0, dg0, dM0, None, None, *weight_grads)
         U, g0 = saved[0], saved[1]
         if ctx.has_mask:
             mask, flat_weights = saved[2], saved[3:]
@@ -913,7 +934,7 @@ class _WeightGrads:
     (`rows`); once the block holds `WEIGHT_GRAD_ROWS` rows (or at the end) every matrix gets
     x_block^T dy_block, instead of one thin per-step product (as cuDNN-style RNN backward passes do)."""
 
-    def __init__(self, w: FoldedWeights, batch: int):
+    def __init__(self, w: FoldedWeights, batch: int, steps_per_block: Optional[int] = None):
         self.w = w
         zeros = lambda ref: torch.zeros(ref.shape, dtype=torch.float32, device=ref.device)  # noqa: E731
         self.grads = {"fg": zeros(w.fg_w), "big": zeros(w.big_w)}
@@ -925,7 +946,7 @@ class _WeightGrads:
             self.bias_grads[("layer", i)] = zeros(lb)
         self.neg_decay = zeros(w.neg_decay_rate) if w.neg_decay_rate is not None else None
         self.batch = batch
-        self.steps_per_block = max(1, WEIGHT_GRAD_ROWS // batch)
+        self.steps_per_block = steps_per_block or max(1, WEIGHT_GRAD_ROWS // batch)
         empty = lambda n: torch.empty(self.steps_per_block * batch, n, dtype=torch.float32, device=w.fg_w.device)  # noqa: E731
         self.blocks = {name: (empty(g.shape[0]), empty(g.shape[1])) for name, g in self.grads.items()}
         self.step = 0
@@ -969,6 +990,52 @@ class _WeightGrads:
         if w.neg_decay_rate is not None:
             grads.append(self.neg_decay)
         return grads
+
+
+class StaticWeightGrads(_WeightGrads):
+    """`_WeightGrads` whose block sums allocate nothing: each matrix's x^T dy goes into a product buffer
+    of its own (with copies of x and dy in the weights' dtype first where that is not float32, as `_tmm`
+    casts them) and is then added in place, each bias sum likewise; the gradients are then static buffers,
+    zeroed by `zero()` before each backward pass. What the backward steps of a captured training graph
+    (`cuda_graphs.TrainingSweep`) accumulate into: the graph flushes the block at the end of each chunk."""
+
+    def __init__(self, w: FoldedWeights, batch: int, steps_per_block: int):
+        super().__init__(w, batch, steps_per_block)
+        dtype = w.big_w.dtype
+        like = lambda ref, dt: torch.empty(ref.shape, dtype=dt, device=ref.device)  # noqa: E731
+        self.products = {name: like(g, dtype) for name, g in self.grads.items()}
+        self.bias_sums = {name: like(b, torch.float32) for name, b in self.bias_grads.items()}
+        self.cast_blocks = None
+        if dtype != torch.float32:
+            self.cast_blocks = {name: (like(x, dtype), like(dy, dtype)) for name, (x, dy) in self.blocks.items()}
+
+    def zero(self) -> None:
+        for tensor in (*self.grads.values(), *self.bias_grads.values()):
+            tensor.zero_()
+        if self.neg_decay is not None:
+            self.neg_decay.zero_()
+        self.step = 0
+
+    def flush(self) -> None:
+        n = self.step * self.batch
+        self.step = 0
+        if n == 0:
+            return
+        for name, (x, dy) in self.blocks.items():
+            x_rows, dy_rows = x[:n], dy[:n]
+            if self.cast_blocks is not None:
+                x_cast, dy_cast = self.cast_blocks[name]
+                x_rows, dy_rows = x_cast[:n].copy_(x_rows), dy_cast[:n].copy_(dy_rows)
+            self.grads[name].add_(torch.mm(x_rows.t(), dy_rows, out=self.products[name]))
+            if name in self.bias_grads:
+                self.bias_grads[name].add_(torch.sum(dy[:n], 0, out=self.bias_sums[name]))
+
+    def finish(self) -> list:
+        """As `_WeightGrads.finish`, as fresh tensors (the static buffers are overwritten by the next call)."""
+        statics = {t.data_ptr() for t in (*self.grads.values(), *self.bias_grads.values())}
+        if self.neg_decay is not None:
+            statics.add(self.neg_decay.data_ptr())
+        return [g.clone() if g.data_ptr() in statics else g for g in super().finish()]
 
 
 def _tmm(x: torch.Tensor, gy: torch.Tensor, dtype) -> torch.Tensor:
@@ -1062,7 +1129,10 @@ def _fast_recurrence(model, token_inputs, state, mask, output_memory_decays: boo
                                gammas, memory_buffer=alternating)  # fmt: skip
         return outputs, (final.p, final.g, final.memory), gammas
     w = in_matmul_dtype(fold_weights(model), matmul_dtype)
-    settings = (s, eps, config.bptt_segment_length, config.bptt_truncation_length, buffer_pool_of(model))
+    sweep = None  # CUDA graphs for the training steps (opt-in; unmasked windows without truncation)
+    if mask is None and not config.bptt_truncation_length and graph_wanted(model, token_inputs, training=True):
+        sweep = training_sweep(model, B, config.bptt_segment_length, T, w, token_inputs.device)
+    settings = (s, eps, config.bptt_segment_length, config.bptt_truncation_length, buffer_pool_of(model), sweep)
     outputs, p, g, memory, gammas = GPNRecurrenceFunction.apply(token_inputs, p0, g0, M0, mask, settings, *_flatten(w))
     return outputs, (p, g, memory), (gammas if (s.memory and output_memory_decays) else None)
 

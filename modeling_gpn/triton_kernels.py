@@ -220,10 +220,11 @@ def memory_read(query: torch.Tensor, memory: torch.Tensor, ws: Optional[dict] = 
     return q_raw, q, q_inv, read
 
 
-def memory_write_backward(memory_grad, memory, queries, read_grads, k, update, a, beta, memory_grad_out):
+def memory_write_backward(memory_grad, memory, queries, read_grads, k, update, a, beta, memory_grad_out, ws=None):
     """`fast_recurrence._memory_write_backward_torch` (and `memory_kernels.memory_write_backward`) in one
     launch, one program per (row, head). Same arguments, same results: (d_update, d_k, d_a, dq of layer 0,
-    d_error), and dL/dM written into `memory_grad_out` (which may not be `memory_grad`)."""
+    d_error), and dL/dM written into `memory_grad_out` (which may not be `memory_grad`). With a workspace
+    `ws`, the results go into its buffers."""
     heads, dk, dv = memory.shape
     if memory_grad_out.shape != memory.shape or not memory_grad_out.is_contiguous():
         raise ValueError(f"output buffer must be a contiguous {tuple(memory.shape)} tensor")
@@ -234,8 +235,9 @@ def memory_write_backward(memory_grad, memory, queries, read_grads, k, update, a
     memory_grad, memory, queries, read_grads, update, a, beta = (
         t.contiguous() for t in (memory_grad, memory, queries, read_grads, update, a, beta)
     )
-    empty = lambda *shape: torch.empty(shape, dtype=torch.float32, device=memory.device)  # noqa: E731
-    d_update, d_error, d_k, d_a, dq = empty(heads, dv), empty(heads, dv), empty(heads, dk), empty(heads), empty(heads, dk)
+    empty = lambda name, *shape: _empty(ws, f"write_backward.{name}", *shape, device=memory.device)  # noqa: E731
+    d_update, d_error, d_k = empty("d_update", heads, dv), empty("d_error", heads, dv), empty("d_k", heads, dk)
+    d_a, dq = empty("d_a", heads), empty("dq", heads, dk)
     _launch(
         "memory_write_backward", heads, memory_grad, memory, memory_grad_out, queries, read_grads, k, k.stride(0),
         update, a, beta, d_update, d_k, d_a, dq, d_error, heads, dk, dv,
@@ -392,12 +394,12 @@ def step(state, u, real, w, s, c, eps: float, saved: Optional[dict] = None, memo
 # --------------------------------------------------------------------------------------------------
 
 
-def predict_layer_backward(part, c, state, d_state, dX, normed_read, read, d_part, out_x, d_read, eps, s):
+def predict_layer_backward(part, c, state, d_state, dX, normed_read, read, d_part, out_x, d_read, eps, s, ws=None, name="d_state"):
     """Through one predict layer (see `predict_layer_backward_kernel`): fills the layer's columns of
     `d_part` (not its query: see `memory_read_backward`), X into `out_x` and d_read (B, H*dv) into `d_read`;
     returns the gradient of the layer's input state through its gate (sigmoid(gate) d_state)."""
     rows, width = state.shape
-    d_state_out = torch.empty(rows, width, dtype=torch.float32, device=state.device)
+    d_state_out = _empty(ws, name, rows, width, device=state.device)
     read_width = 0 if normed_read is None else normed_read.shape[1]
     dummy = d_state_out
     _launch(
@@ -411,11 +413,11 @@ def predict_layer_backward(part, c, state, d_state, dX, normed_read, read, d_par
     return d_state_out
 
 
-def rms_backward(dy, x, eps, acc, acc2=None, mul=None, y_out=None) -> torch.Tensor:
+def rms_backward(dy, x, eps, acc, acc2=None, mul=None, y_out=None, ws=None, name="rms_backward") -> torch.Tensor:
     """acc [* mul] [+ acc2] + the gradient through y = rms(x) for dy (all (B, width), contiguous), writing
     y into `y_out` when given."""
     rows, width = x.shape
-    out = torch.empty(rows, width, dtype=torch.float32, device=x.device)
+    out = _empty(ws, name, rows, width, device=x.device)
     _launch(
         "rms_backward", rows, dy, x, acc, out if acc2 is None else acc2, out if mul is None else mul, out,
         out if y_out is None else y_out, width, eps, HAS_ACC2=acc2 is not None, HAS_MUL=mul is not None,
@@ -444,28 +446,32 @@ def usable_step_backward(saved: dict, grads, s) -> bool:
     return True
 
 
-def step_backward(saved: dict, grads, wt, s, c, eps: float, weight_grads, memory_grad_out=None):
+def step_backward(saved: dict, grads, wt, s, c, eps: float, weight_grads, memory_grad_out=None, ws: Optional[dict] = None):
     """`fast_recurrence._step_backward` with its elementwise work fused into Triton kernels (the matmuls
     stay torch's). Same arguments, same results; a step it does not take (`usable_step_backward`: a masked
-    step, say) runs `_step_backward`."""
+    step, say) runs `_step_backward`. With a workspace `ws` (a dict) every intermediate and result goes into
+    its buffers, as in `step` (then the weight gradients must be a `cuda_graphs.StaticWeightGrads`, whose
+    block sums allocate nothing either): the backward steps of a captured training graph."""
     from .fast_recurrence import StepState, _step_backward
 
     if not usable_step_backward(saved, grads, s):
+        if ws is not None:
+            raise ValueError("a step on static buffers must be one the Triton backward takes (unmasked, float32)")
         return _step_backward(saved, grads, wt, s, c, eps, weight_grads, memory_grad_out)
     B, H, dk, dv = s.batch, s.heads, s.key_dim, s.value_dim
     big_x, dZ = weight_grads.rows("big")
     d_state = grads.p
-    d_reads = torch.empty(s.layers, B, H * dv, dtype=torch.float32, device=dZ.device) if s.memory else None
+    d_reads = _empty(ws, "d_reads", s.layers, B, H * dv, device=dZ.device) if s.memory else None
     for i in reversed(range(s.layers)):
         layer = saved["layers"][i]
         part = layer["part"]
         d_part = dZ[:, c.write :] if i == 0 else weight_grads.rows(("layer", i - 1))[1]
         out_x, dY = weight_grads.rows(("out", i))
         dY.copy_(d_state)
-        dX = _product(dY, wt.out_w[i])
+        dX = _product(dY, wt.out_w[i], ws, f"dX.{i}")
         d_state = predict_layer_backward(
             part, c, layer["state"], d_state, dX, layer.get("normed_read"), layer.get("read"), d_part, out_x,
-            d_reads[i] if s.memory else None, eps, s,
+            d_reads[i] if s.memory else None, eps, s, ws=ws, name=f"d_state.{i}",
         )  # fmt: skip
         if s.memory and i > 0:  # its query's gradient now: its input state's gradient needs it
             _launch("memory_read_backward", B * H, d_reads[i], saved["new_memory"], layer["q"], layer["q_inv"],
@@ -473,17 +479,19 @@ def step_backward(saved: dict, grads, wt, s, c, eps: float, weight_grads, memory
                     BLOCK_K=_next_power_of_two(dk), BLOCK_V=_value_block(dv))  # fmt: skip
         if i > 0:  # the layer's projections came from a = rms(its input state)
             layer_x, d_part_rows = weight_grads.rows(("layer", i - 1))
-            d_state = rms_backward(_product(d_part_rows, wt.layer_w[i - 1]), layer["state"], eps, acc=d_state, y_out=layer_x)
+            d_a = _product(d_part_rows, wt.layer_w[i - 1], ws, f"d_a.{i}")
+            d_state = rms_backward(d_a, layer["state"], eps, acc=d_state, y_out=layer_x, ws=ws, name=f"d_state_in.{i}")
     if s.memory:
         kq, old = saved["kq"], saved["old_memory"]
         dM = memory_grad_out.view(B * H, dk, dv) if memory_grad_out is not None else torch.empty_like(old)
-        queries = torch.stack([kq[:, 1]] + [saved["layers"][i]["q"] for i in range(1, s.layers)])
+        query_list = [kq[:, 1]] + [saved["layers"][i]["q"] for i in range(1, s.layers)]
+        queries = torch.stack(query_list, out=_empty(ws, "queries", s.layers, B * H, dk, device=dZ.device))
         d_update, d_k, d_a, dq0, d_error = memory_write_backward(
             grads.memory.reshape(B * H, dk, dv), old, queries, d_reads.view(s.layers, B * H, dv), kq[:, 0],
-            saved["update"], saved["decay_factor"], saved["sig_beta"], dM,
+            saved["update"], saved["decay_factor"], saved["sig_beta"], dM, ws=ws,
         )  # fmt: skip
-        d_key = torch.empty(B, H * dk, dtype=torch.float32, device=dZ.device)
-        neg_terms = torch.empty(B, H, dtype=torch.float32, device=dZ.device)
+        d_key = _empty(ws, "d_key", B, H * dk, device=dZ.device)
+        neg_terms = _empty(ws, "neg_terms", B, H, device=dZ.device)
         decay = saved["decay"]  # Z's decay columns (a view)
         _launch(
             "memory_gates_backward", B * H, d_update, saved["error"], d_error, d_k, dq0, d_a, saved["decay_factor"],
@@ -492,14 +500,25 @@ def step_backward(saved: dict, grads, wt, s, c, eps: float, weight_grads, memory
             c.beta.start, c.decay.start, c.write + c.query.start, d_key, neg_terms, H, dk, dv,
             BLOCK_K=_next_power_of_two(dk), BLOCK_V=_value_block(dv),
         )  # fmt: skip
-        weight_grads.neg_decay += neg_terms.sum(0)
+        if ws is None:
+            weight_grads.neg_decay += neg_terms.sum(0)
+        else:
+            weight_grads.neg_decay.add_(torch.sum(neg_terms, 0, out=_empty(ws, "neg_sum", H, device=dZ.device)))
         dM = dM.view(B, H, dk, dv)
     else:
         d_key, dM = grads.key, grads.memory
     p, sig_fg = saved["p"], saved["sig_fg"]
-    d_grounded = rms_backward(_product(dZ, wt.big_w), saved["grounded"], eps, acc=grads.g, acc2=d_state, y_out=big_x)
+    d_a_g = _product(dZ, wt.big_w, ws, "d_a_g")
+    d_grounded = rms_backward(d_a_g, saved["grounded"], eps, acc=grads.g, acc2=d_state, y_out=big_x, ws=ws, name="d_grounded")
     fg_x, d_z_fg = weight_grads.rows("fg")
     _launch("ground_gate_backward", B, d_grounded, p, sig_fg, d_z_fg, s.hidden, BLOCK=min(_next_power_of_two(s.hidden), 1024))
-    d_p = rms_backward(_product(d_z_fg, wt.fg_w), p, eps, acc=d_grounded, mul=sig_fg, y_out=fg_x)
+    d_a_p = _product(d_z_fg, wt.fg_w, ws, "d_a_p")
+    d_p = rms_backward(d_a_p, p, eps, acc=d_grounded, mul=sig_fg, y_out=fg_x, ws=ws, name="d_p")
     weight_grads.next_step()
-    return StepState(d_p, torch.zeros_like(d_grounded), d_key, dM), d_grounded
+    if ws is None:
+        d_g = torch.zeros_like(d_grounded)
+    else:  # nothing flows past a step into g_{t-1} but through p: zeros, written once
+        d_g = ws.get("d_g")
+        if d_g is None or d_g.shape != d_grounded.shape:
+            d_g = ws["d_g"] = torch.zeros_like(d_grounded)
+    return StepState(d_p, d_g, d_key, dM), d_grounded
