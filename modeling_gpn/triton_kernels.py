@@ -85,7 +85,9 @@ def selected(*tensors: torch.Tensor) -> bool:
     CUDA tensors unless GPN_TRITON=0; CPU tensors only with GPN_TRITON=1 under TRITON_INTERPRET=1; never
     under torch.compile (it traces the torch ops instead)."""
     setting = os.environ.get("GPN_TRITON", "auto")
-    if setting == "0" or torch.compiler.is_compiling() or not tensors:
+    if setting == "0" or not tensors or (tensors[0].is_cpu and setting != "1"):  # (cheap: asked every step)
+        return False
+    if torch.compiler.is_compiling():
         return False
     devices = {t.device.type for t in tensors}
     if devices == {"cuda"}:
