@@ -525,17 +525,23 @@ def _step(
         first = i == 0
         layer_state = _predict_layer(layer_state, part, memory_flat, read if first else None,
                                      normed_read if first else None, s, c, eps, w.out_w[i], record)  # fmt: skip
-    new_p = layer_state
-    if real is not None:
-        if saved is not None:
-            saved["real"] = real
-        r = real[:, None]
-        new_p = torch.where(r, new_p, p)
-        grounded = torch.where(r, grounded, g)
-        if s.memory:
-            new_key = torch.where(r, new_key, key)
-            new_memory = torch.where(real[:, None, None, None], new_memory, memory)
-    return StepState(new_p, grounded, new_key, new_memory), gamma
+    return keep_padded_rows(StepState(layer_state, grounded, new_key, new_memory), state, real, saved, s.memory), gamma
+
+
+def keep_padded_rows(new: StepState, old: StepState, real: Optional[torch.Tensor], saved: Optional[dict],
+                     has_memory: bool) -> StepState:  # fmt: skip
+    """The state after a step in which the rows whose `real` is False (padding) keep `old` exactly; `real`
+    goes into `saved` for the backward step. (Without memory, key and M are (B, 0) and pass through.)"""
+    if real is None:
+        return new
+    if saved is not None:
+        saved["real"] = real
+    r = real[:, None]
+    p, g = torch.where(r, new.p, old.p), torch.where(r, new.g, old.g)
+    if not has_memory:
+        return StepState(p, g, new.key, new.memory)
+    memory = torch.where(real[:, None, None, None], new.memory, old.memory)
+    return StepState(p, g, torch.where(r, new.key, old.key), memory)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -334,7 +334,7 @@ def step(state, u, real, w, s, c, eps: float, saved: Optional[dict] = None, memo
     Launches per step of a one-layer GPN+M (float32 weights): rms(p), the gate matmul, `ground`, the big
     matmul and its bias, `memory_step` (2), `predict_input`, the output matmul, `gated_residual`; with bf16
     weights one cast to bf16 before each matmul (its bf16 result is read by the next kernel as it is)."""
-    from .fast_recurrence import StepState
+    from .fast_recurrence import StepState, keep_padded_rows
 
     p, g, key, memory = state
     B, H, dk, dv = s.batch, s.heads, s.key_dim, s.value_dim
@@ -378,17 +378,7 @@ def step(state, u, real, w, s, c, eps: float, saved: Optional[dict] = None, memo
                 record.update(read=read, normed_read=normed_read)
         Y = _product(X, w.out_w[i], ws, f"Y.{i}")
         layer_state = gated_residual(Y, part, c, layer_state, ws=ws, name=f"state.{i}")
-    new_p = layer_state
-    if real is not None:
-        if saved is not None:
-            saved["real"] = real
-        r = real[:, None]
-        new_p = torch.where(r, new_p, p)
-        grounded = torch.where(r, grounded, g)
-        if s.memory:
-            new_key = torch.where(r, new_key, key)
-            new_memory = torch.where(real[:, None, None, None], new_memory, memory)
-    return StepState(new_p, grounded, new_key, new_memory), gamma
+    return keep_padded_rows(StepState(layer_state, grounded, new_key, new_memory), state, real, saved, s.memory), gamma
 
 
 # --------------------------------------------------------------------------------------------------
