@@ -367,6 +367,9 @@ def main() -> int:
         print(f"{len(FAILURES)} check(s) failed" if FAILURES else "all checks passed", flush=True)
         return 1 if FAILURES else 0
     correctness("cuda")
+    # every fast-path call on CUDA first checks the kernels against the torch ops (`triton_kernels.self_check`)
+    report(tk.self_check_failure() is None,
+           f"the kernels' self-check on this GPU: {tk.self_check_failure() or 'matched the torch ops'}")
     if args.decode_timing:
         try:
             figures = decode_timing("cuda")

@@ -57,6 +57,8 @@ from .memory_kernels import KernelRefusal, MemoryStep, memory_step, memory_write
 from .memory_kernels import usable as memory_kernels_usable
 from .triton_kernels import memory_step as triton_memory_step
 from .triton_kernels import memory_write_backward as triton_memory_write_backward
+from .triton_kernels import self_check as triton_self_check
+from .triton_kernels import self_check_needed as triton_self_check_needed
 from .triton_kernels import selected as triton_selected
 from .triton_kernels import step as triton_step
 from .triton_kernels import step_backward as triton_step_backward
@@ -1115,6 +1117,12 @@ def _fast_recurrence(model, token_inputs, state, mask, output_memory_decays: boo
     p0, g0, M0 = (x.float().contiguous() for x in state)
     if mask is not None:
         mask = mask.bool()
+    if triton_selected(token_inputs):  # the kernels are checked against the torch ops once per device and sizes
+        step_dtype = matmul_dtype or model.fuse_gate.weight.dtype
+        if triton_self_check_needed(s, step_dtype, token_inputs.device):
+            with torch.no_grad():
+                w = cached_folded_weights(model, rows=B, matmul_dtype=matmul_dtype)
+                triton_self_check(w, s, eps, token_inputs.device, step_dtype)
     needs_grad = torch.is_grad_enabled() and (
         token_inputs.requires_grad or any(x.requires_grad for x in state) or any(q.requires_grad for q in model.parameters())
     )

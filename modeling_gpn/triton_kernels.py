@@ -58,6 +58,10 @@ _kernels = None  # the jitted kernels, built on first use (`_build`)
 _import_error: Optional[str] = None
 _built_interpreted = False  # whether the kernels were built for Triton's interpreter (CPU tensors)
 launches: Counter = Counter()  # Triton kernel launches so far, by kernel (tests and benchmarks/launch_counts.py)
+# `self_check` results by (device, sizes, matmul dtype): None when the kernels matched the torch ops, else why not
+_self_checks: dict = {}
+_self_check_failure: Optional[str] = None  # set by a failed self-check: the Triton backend is then off
+_reference_running = False  # while `self_check` runs the torch ops, nothing inside may pick the kernels
 
 
 def _next_power_of_two(n: int) -> int:
@@ -87,6 +91,8 @@ def selected(*tensors: torch.Tensor) -> bool:
     setting = os.environ.get("GPN_TRITON", "auto")
     if setting == "0" or not tensors or (tensors[0].is_cpu and setting != "1"):  # (cheap: asked every step)
         return False
+    if _self_check_failure is not None or _reference_running:  # (see `self_check`)
+        return False
     if torch.compiler.is_compiling():
         return False
     devices = {t.device.type for t in tensors}
@@ -97,6 +103,94 @@ def selected(*tensors: torch.Tensor) -> bool:
     else:
         wanted = False
     return wanted and available()
+
+
+def self_check_needed(s, matmul_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `self_check` has yet to run for these sizes, weights' dtype and device: on CUDA always (the
+    kernels' results on a GPU are checked once per process before they are used), elsewhere only with
+    GPN_TRITON_SELF_CHECK=1 (the tests of the check itself; the CPU tests compare the kernels directly)."""
+    if device.type != "cuda" and os.environ.get("GPN_TRITON_SELF_CHECK") != "1":
+        return False
+    return (str(device), s._replace(batch=0), matmul_dtype) not in _self_checks
+
+
+def self_check(w, s, eps: float, device: torch.device, matmul_dtype: torch.dtype, atol: float = 1e-4,
+               rtol: float = 1e-3) -> bool:  # fmt: skip
+    """Run one step forward and backward of this model's folded weights `w` on a random state both ways,
+    `step`/`step_backward` on the kernels and `fast_recurrence._step`/`_step_backward` on torch ops, and
+    compare the new state, gamma, the state and input gradients and every weight gradient.
+
+    Why: the kernels are compiled for the GPU they meet and were tested through Triton's CPU interpreter;
+    a compiler or hardware difference must not make them compute garbage in silence. On a mismatch this
+    warns, naming the first quantity that differs, and turns the Triton backend off for the process (the
+    torch ops, which compute the same function, run instead). Returns whether the kernels matched."""
+    global _self_check_failure, _reference_running
+    import warnings
+
+    from .fast_recurrence import StepState, _step, _step_backward, columns_of, key_from_grounded
+
+    key = (str(device), s._replace(batch=0), matmul_dtype)  # as in `self_check_needed`
+    if key in _self_checks:
+        return _self_checks[key] is None
+    batch = 2
+    s = s._replace(batch=batch)
+    generator = torch.Generator(device=device).manual_seed(0)
+    randn = lambda *shape: torch.randn(*shape, generator=generator, device=device)  # noqa: E731
+    with torch.no_grad():
+        p, g, u = randn(batch, s.hidden), randn(batch, s.hidden), randn(batch, s.hidden)
+        if s.memory:
+            memory = randn(batch, s.heads, s.key_dim, s.value_dim) * 0.1
+            state = StepState(p, g, key_from_grounded(g, w, s, eps), memory)
+        else:
+            state = StepState(p, g, torch.zeros(batch, 0, device=device), torch.zeros(batch, 0, device=device))
+        results = {}
+        for name, forward, backward in (("torch ops", _step, _step_backward), ("triton", step, step_backward)):
+            _reference_running = name == "torch ops"  # `_step` would otherwise pick the memory kernels itself
+            try:
+                results[name] = _one_step(forward, backward, state, u, w, s, columns_of(s), eps)
+            finally:
+                _reference_running = False
+    problem = None
+    for name, expected in results["torch ops"].items():
+        got = results["triton"].get(name)
+        if got is None or got.shape != expected.shape:
+            problem = f"{name}: missing or of another shape"
+        elif not torch.allclose(got, expected, atol=atol, rtol=rtol, equal_nan=True):
+            problem = f"{name}: max |difference| {(got - expected).abs().max().item():.3g}"
+        if problem is not None:
+            break
+    _self_checks[key] = problem
+    if problem is not None:
+        _self_check_failure = f"on {device}, {problem}"
+        warnings.warn(f"GPN's Triton kernels disagree with the torch ops on {device} ({problem}); the Triton backend "
+                      "is off for this process and the torch ops run instead. Please report this.", RuntimeWarning)  # fmt: skip
+    return problem is None
+
+
+def _one_step(forward, backward, state, u, w, s, c, eps: float) -> dict:
+    """What one step forward and backward (gradients of ones) computes, by name, for `self_check`."""
+    from .fast_recurrence import StepState, _WeightGrads, transpose_weights
+
+    memory_out = lambda: torch.empty_like(state.memory) if s.memory else None  # noqa: E731
+    saved = {}
+    new_state, gamma = forward(state, u, None, w, s, c, eps, saved, memory_out())
+    new_state = StepState(*(x.clone() for x in new_state))  # (kernel outputs may live in reused buffers)
+    weight_grads = _WeightGrads(w, s.batch)
+    grads = StepState(*(torch.ones_like(x) for x in new_state))
+    d_state, d_u = backward(saved, grads, transpose_weights(w), s, c, eps, weight_grads, memory_out())
+    weight_grads.flush()
+    named = {f"new {n}": x for n, x in zip(StepState._fields, new_state)}
+    named.update({f"d {n}": x.clone() for n, x in zip(StepState._fields, d_state)}, d_u=d_u.clone())
+    if gamma is not None:
+        named["gamma"] = gamma.clone()
+    named.update({f"weight gradient {k}": v for k, v in weight_grads.grads.items()})
+    named.update({f"bias gradient {k}": v for k, v in weight_grads.bias_grads.items()})
+    return named
+
+
+def self_check_failure() -> Optional[str]:
+    """Why a self-check turned the Triton backend off (None while it is on)."""
+    return _self_check_failure
 
 
 def _float32(*tensors: torch.Tensor) -> bool:

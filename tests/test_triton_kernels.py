@@ -455,3 +455,53 @@ def test_without_triton_the_model_runs_on_the_other_backends():
     env = dict(os.environ, GPN_TRITON="1", TRITON_INTERPRET="1")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=300)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout[-2000:] + result.stderr[-2000:]
+
+
+# --------------------------------------------------------------------------------------------------
+# The self-check a GPU runs once before it uses the kernels
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_self_check(triton_on, monkeypatch):
+    """The self-check on (as on CUDA) with its results of this process forgotten, restored afterwards."""
+    monkeypatch.setenv("GPN_TRITON_SELF_CHECK", "1")
+    monkeypatch.setattr(tk, "_self_checks", {})
+    monkeypatch.setattr(tk, "_self_check_failure", None)
+    return tk
+
+
+@torch.no_grad()
+def test_the_self_check_passes_once_per_sizes_and_the_kernels_stay_on(fresh_self_check):
+    model = perturbed_model(tiny_config(**VARIANTS["gpn+m-2l"]), seed=4)
+    token_inputs, state, _, _ = random_problem(model, batch=3, length=3, mask_kind=None, seed=1)
+    _, n = launches(lambda: model.model.recurrence(token_inputs, state, None))
+    assert list(tk._self_checks.values()) == [None] and tk.self_check_failure() is None
+    assert n["ground_gate_backward"] == 1  # the check ran the kernels' backward step once
+    _, n = launches(lambda: model.model.recurrence(token_inputs, state, None))
+    assert n["ground_gate_backward"] == 0 and n["ground"] == 3  # checked once; the window ran on the kernels
+
+
+@pytest.mark.parametrize("kernel", ["gated_residual", "memory_step"])
+def test_a_kernel_that_disagrees_turns_triton_off_and_the_torch_ops_compute_the_same(fresh_self_check, monkeypatch, kernel):
+    """A kernel that computes something else (the gated residual, or the memory half's read, off by 1e-2) is
+    caught before the first window uses it: a warning names what differs, and the window runs on the torch
+    ops, = plain. (The memory case also shows the check's reference does not run the kernels itself.)"""
+    original = getattr(tk, kernel)
+    if kernel == "gated_residual":
+        monkeypatch.setattr(tk, kernel, lambda *args, **kwargs: original(*args, **kwargs) + 1e-2)
+    else:
+        def off_read(*args, **kwargs):
+            half = original(*args, **kwargs)
+            return half._replace(normed_read=half.normed_read + 1e-2)
+
+        monkeypatch.setattr(tk, kernel, off_read)
+    model = perturbed_model(tiny_config(**VARIANTS["gpn+m"]), seed=5).train()
+    problem = random_problem(model, batch=3, length=4, mask_kind=None, seed=2)
+    plain = run_recurrence(model, False, *problem)
+    with pytest.warns(RuntimeWarning, match="Triton kernels disagree with the torch ops on cpu .*new p"):
+        fast, n = launches(lambda: run_recurrence(model, True, *problem))
+    assert "new p" in tk.self_check_failure()
+    assert n["ground"] == 1 and n["memory_write_backward"] == 1  # only the check's own step ran on the kernels
+    assert fr.memory_backend(problem[1][2].reshape(-1, *problem[1][2].shape[2:])) != fr.TRITON
+    assert_same(plain, fast)
