@@ -329,6 +329,16 @@ def summary(folder: Path) -> dict:
     return result
 
 
+def run_timing(name: str, timing, out: str | None) -> None:
+    """Run one timing on CUDA, writing its figures to OUT/NAME_timing.json; a failure is reported, not raised."""
+    try:
+        figures = timing("cuda")
+        if out:
+            Path(out, f"{name}_timing.json").write_text(json.dumps(figures))
+    except Exception as error:  # noqa: BLE001
+        report(False, f"{name} timing: {type(error).__name__}: {error}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None, help="folder for decode_timing.json")
@@ -358,12 +368,7 @@ def main() -> int:
               "CPU-interpreter ones)", flush=True)  # fmt: skip
         return 2
     if args.training_timing:
-        try:
-            figures = training_timing("cuda")
-            if args.out:
-                Path(args.out, "training_timing.json").write_text(json.dumps(figures))
-        except Exception as error:  # noqa: BLE001
-            report(False, f"training timing: {type(error).__name__}: {error}")
+        run_timing("training", training_timing, args.out)
         print(f"{len(FAILURES)} check(s) failed" if FAILURES else "all checks passed", flush=True)
         return 1 if FAILURES else 0
     correctness("cuda")
@@ -371,12 +376,7 @@ def main() -> int:
     report(tk.self_check_failure() is None,
            f"the kernels' self-check on this GPU: {tk.self_check_failure() or 'matched the torch ops'}")
     if args.decode_timing:
-        try:
-            figures = decode_timing("cuda")
-            if args.out:
-                Path(args.out, "decode_timing.json").write_text(json.dumps(figures))
-        except Exception as error:  # noqa: BLE001
-            report(False, f"decode timing: {type(error).__name__}: {error}")
+        run_timing("decode", decode_timing, args.out)
     print(f"{len(FAILURES)} check(s) failed" if FAILURES else "all checks passed", flush=True)
     return 1 if FAILURES else 0
 
