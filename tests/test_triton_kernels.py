@@ -331,13 +331,27 @@ def test_one_step_forward_and_backward_match_the_torch_ops(triton_on, variant, d
 
 
 class OpRecorder(TorchDispatchMode):
-    """Records the aten ops dispatched (Triton launches excluded: the interpreter's host copies are not ops
-    a GPU would run)."""
+    """Records the aten ops dispatched (Triton launches excluded, see `ignore_triton_launches`: the
+    interpreter's host copies are not ops a GPU would run)."""
 
-    def __init__(self):
+    def __init__(self, monkeypatch):
         super().__init__()
         self.ops = []
         self.paused = False
+        self.ignore_triton_launches(monkeypatch)
+
+    def ignore_triton_launches(self, monkeypatch) -> None:
+        """Pause recording inside every Triton launch (its argument handling is not a dispatched GPU op)."""
+        real_launch = tk._launch
+
+        def launch(*args, **kwargs):
+            self.paused = True
+            try:
+                return real_launch(*args, **kwargs)
+            finally:
+                self.paused = False
+
+        monkeypatch.setattr(tk, "_launch", launch)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.paused:
@@ -379,17 +393,7 @@ def test_graph_steps_run_on_static_buffers_without_allocation_or_host_sync(trito
     else:
         assert memory_addresses[0] == memory_addresses[1] == memory_addresses[2]
 
-    recorder = OpRecorder()
-    real_launch = tk._launch
-
-    def launch(*args, **kwargs):
-        recorder.paused = True
-        try:
-            return real_launch(*args, **kwargs)
-        finally:
-            recorder.paused = False
-
-    monkeypatch.setattr(tk, "_launch", launch)
+    recorder = OpRecorder(monkeypatch)
     buffers = {name: t.data_ptr() for ws in graph.workspaces for name, t in ws.items()}
     with recorder:
         graph.run(graph.current)
