@@ -423,6 +423,25 @@ def test_a_window_through_graph_chunks_equals_plain(triton_on, monkeypatch):
 
 
 @torch.no_grad()
+def test_a_bf16_window_through_graph_chunks_equals_the_window_without_graphs(triton_on, monkeypatch):
+    """bf16 weights through the graph steps: on CPU their step matrices come prepacked for oneDNN (the graph's
+    key product once indexed the packed matrix and failed); the graphs compute what the fast path does."""
+    from modeling_gpn import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "WINDOW_CHUNK", 2)
+    model = perturbed_model(tiny_config(), seed=13).to(torch.bfloat16)
+    core = model.model
+    tokens, state, _, _ = random_problem(model, batch=2, length=5, mask_kind=None, seed=6)
+    tokens = tokens.float()
+    without = core.recurrence(tokens, state, None)
+    monkeypatch.setenv("GPN_CUDA_GRAPHS", "inference")
+    got = core.recurrence(tokens, state, None)
+    assert getattr(core, "_gpn_graphs", None)  # the graph steps ran
+    for a, b in zip((got[0], *got[1]), (without[0], *without[1])):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@torch.no_grad()
 def test_generate_through_the_decode_graph_equals_plain(triton_on, monkeypatch):
     """generate() with GPN_CUDA_GRAPHS=1: every decoded token goes through the static-buffer step."""
     model = perturbed_model(tiny_config(), seed=12)
