@@ -4,6 +4,9 @@
     python benchmarks/gpu_check.py --decode-timing      + the 130M model's one-token step, graphs on and off
     python benchmarks/gpu_check.py --training-timing    the 130M model's training step (16 x 256), graphs on
                                                         and off, and their gradients compared (no other check)
+    python benchmarks/gpu_check.py --profile            where the 130M model's step time goes: GPU time per
+                                                        kernel per step (torch.profiler, graphs off), the GPU's
+                                                        busy fraction, the HBM bandwidth achieved (no check)
     python benchmarks/gpu_check.py --summary DIR        the JSON summary of gpu_check.sh's bench runs
 
 Checks: fp32 fast (Triton) == fast (torch ops) == plain, losses and every gradient, for GPN+M, GPN, 2
@@ -18,6 +21,7 @@ CUDA it says so and exits 2 (gpu_check.sh then runs the CPU-interpreter tests in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -284,6 +288,147 @@ def decode_timing(device: str, preset: str = "gpn-m-1l-130m") -> dict:
     return figures
 
 
+def step_bytes(model, batch: int) -> dict:
+    """The bytes one recurrence step must move at least, from HBM, for a batch of `batch` rows: every step
+    matrix once (forward: fg, big, out and the layers' matrices, in the weights' dtype; at a few rows a
+    matmul streams its weight) and the memory read and written once (M and M', float32). The backward step
+    reads the transposes once more and M, M' and dL/dM' again. Their ratio to the time of a step is the
+    bandwidth achieved, against the H200's ~4.8 TB/s."""
+    from modeling_gpn.fast_recurrence import fold_weights
+
+    with torch.no_grad():
+        w = fold_weights(model.model)
+    matrices = [w.fg_w, w.big_w, *w.out_w, *w.layer_w]
+    weight = sum(m.numel() * m.element_size() for m in matrices)
+    config = model.config
+    memory = 0
+    if config.use_memory:
+        memory = batch * config.num_memory_heads * config.memory_key_dim * config.memory_value_dim * 4
+    return {"step_weight_bytes": weight, "memory_bytes": memory,
+            "forward_step_bytes": weight + 2 * memory, "backward_step_bytes": weight + 4 * memory}
+
+
+def kernel_table(events, steps: int) -> list:
+    """[name, launches per step, GPU us per step, share of GPU time] of the profiled device kernels, most
+    time first; `steps`: the recurrence steps the profile covered."""
+    from collections import defaultdict
+
+    count, total = defaultdict(int), defaultdict(float)
+    for event in events:
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            count[event.name] += 1
+            total[event.name] += event.time_range.elapsed_us()
+    busy = sum(total.values()) or 1.0
+    rows = sorted(total, key=total.get, reverse=True)
+    return [[name[:90], round(count[name] / steps, 2), round(total[name] / steps, 2), round(total[name] / busy, 3)]
+            for name in rows]
+
+
+def profile_timing(device: str, preset: str = "gpn-m-1l-130m", batch: int = 16, length: int = 256) -> dict:
+    """Where a step's time goes, for the closing note: the 130M GPN+M in bf16 at batch x length.
+
+    1. Speed of the recurrence alone (no-grad window, graphs off and on; and a training window, graphs
+       as the environment says): ms per step and the HBM bandwidth that implies (`step_bytes`).
+    2. A torch.profiler trace of one no-grad window and one training step (graphs off, so each kernel is
+       seen): per kernel, launches and GPU microseconds per step, its share of GPU time, and the GPU's
+       busy fraction (kernel time / wall time: how launch-bound the step is)."""
+    from modeling_gpn.bench import build_gpn
+
+    if DRY_RUN:
+        preset, batch, length = "tiny", 2, 8
+    model = build_gpn(preset, torch.bfloat16, device, length)
+    backend("triton")
+    core = model.model
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    U = torch.randn(batch, length, core.config.hidden_size, device=device)
+    ids = torch.randint(1, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(9)).to(device)
+    figures: dict = dict(step_bytes(model, batch), preset=preset, batch=batch, steps=length)
+
+    def timed(call, repeats: int = 3) -> float:
+        call()  # warm-up: compiles, captures
+        sync()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            call()
+            sync()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    def window() -> None:
+        with torch.no_grad():
+            model(ids, logits_to_keep=1)
+
+    def training() -> None:
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids).loss.backward()
+
+    model.eval()
+    for graphs in ("0", "inference"):
+        with graphs_setting(graphs):
+            step_s = timed(window) / length
+        name = "off" if graphs == "0" else "on"
+        figures[f"forward_step_us_graphs_{name}"] = 1e6 * step_s
+        figures[f"forward_GB_s_graphs_{name}"] = figures["forward_step_bytes"] / step_s / 1e9
+    model.train()
+    train_s = timed(training) / length
+    figures["training_step_us"] = 1e6 * train_s  # forward + backward (+ the recompute) of one position
+    figures["training_graphs"] = os.environ.get("GPN_CUDA_GRAPHS", "off")
+    figures["training_GB_s"] = (figures["forward_step_bytes"] + figures["backward_step_bytes"]) / train_s / 1e9
+
+    # the profile: graphs off, so every kernel shows
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    for name, call in (("forward", window), ("training", training)):
+        model.train(name == "training")
+        with graphs_setting("0"):
+            call()
+            sync()
+            with torch.profiler.profile(activities=activities) as profiler:
+                start = time.perf_counter()
+                call()
+                sync()
+                wall = time.perf_counter() - start
+        table = kernel_table(profiler.events(), length)
+        busy_us = sum(row[2] for row in table)
+        figures[f"{name}_profile"] = {
+            "kernels_per_step": round(sum(row[1] for row in table), 2),
+            "gpu_busy_us_per_step": round(busy_us, 2),
+            "wall_us_per_step_under_profiler": round(1e6 * wall / length, 2),
+            "gpu_busy_fraction": round(busy_us / (1e6 * wall / length), 3) if wall else None,
+            "top_kernels": table[:15],
+        }
+    for key, value in figures.items():
+        if isinstance(value, dict):
+            print(f"[profile] {name_of(key)}: {value['kernels_per_step']} kernels/step, GPU busy "
+                  f"{value['gpu_busy_us_per_step']} us/step of {value['wall_us_per_step_under_profiler']} us wall "
+                  f"({value['gpu_busy_fraction']})", flush=True)  # fmt: skip
+            for row in value["top_kernels"][:8]:
+                print(f"    {row[2]:9.2f} us/step  {row[1]:6.2f}/step  {100 * row[3]:5.1f}%  {row[0]}", flush=True)
+        else:
+            print(f"[time] {preset} bf16 {batch}x{length} {key}: {value if isinstance(value, str) else round(value, 3)}", flush=True)
+    return figures
+
+
+def name_of(key: str) -> str:
+    return key.replace("_profile", "")
+
+
+@contextlib.contextmanager
+def graphs_setting(value: str):
+    """GPN_CUDA_GRAPHS=value inside the block, then as it was."""
+    before = os.environ.get("GPN_CUDA_GRAPHS")
+    os.environ["GPN_CUDA_GRAPHS"] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("GPN_CUDA_GRAPHS", None)
+        else:
+            os.environ["GPN_CUDA_GRAPHS"] = before
+
+
 def summary(folder: Path) -> dict:
     """One JSON object from gpu_check.sh's outputs: the figures, each target's ratio, met or not."""
     result: dict = {"correctness": None, "runs": {}, "targets": {}}
@@ -323,6 +468,15 @@ def summary(folder: Path) -> dict:
     if training.get("train_step_ms_graphs_on"):
         speedup = training["train_step_ms_graphs_off"] / training["train_step_ms_graphs_on"]
         targets["training step 16x256, graphs on vs off (speed-up, reported)"] = (round(speedup, 2), None)
+    profile_file = folder / "profile_timing.json"
+    if profile_file.is_file():
+        profile = result["profile"] = json.loads(profile_file.read_text())
+        for name in ("on", "off"):
+            if f"forward_GB_s_graphs_{name}" in profile:
+                rate = profile[f"forward_GB_s_graphs_{name}"]
+                targets[f"HBM bandwidth of a forward step, graphs {name} (GB/s of ~4800, reported)"] = (round(rate), None)
+        if "training_GB_s" in profile:
+            targets["HBM bandwidth of a training step (GB/s of ~4800, reported)"] = (round(profile["training_GB_s"]), None)
     step = result.get("decode_step", {}).get("graph_step_ms")
     if step is not None:
         targets["one-token step <= 0.1 ms (graph replay)"] = (round(step, 4), step <= 0.1)
@@ -345,6 +499,9 @@ def main() -> int:
     parser.add_argument("--decode-timing", action="store_true")
     parser.add_argument("--training-timing", action="store_true",
                         help="only the 130M training step with graphs on and off (writes training_timing.json)")
+    parser.add_argument("--profile", action="store_true",
+                        help="only where the 130M model's step time goes: per-kernel GPU time per step (torch.profiler), "
+                             "the GPU's busy fraction, and the HBM bandwidth achieved (writes profile_timing.json)")
     parser.add_argument("--summary", default=None, help="print the JSON summary of this gpu_check.sh output folder")
     parser.add_argument("--dry-run-cpu", action="store_true",
                         help="check this script without a GPU: the correctness checks on CPU through Triton's "
@@ -358,6 +515,7 @@ def main() -> int:
         correctness("cpu")
         decode_timing("cpu", preset="tiny")  # (the code path only: CPU-interpreter times mean nothing)
         training_timing("cpu", preset="tiny")
+        profile_timing("cpu")
         print(f"{len(FAILURES)} check(s) failed" if FAILURES else "all checks passed", flush=True)
         return 1 if FAILURES else 0
     if args.summary:
@@ -369,6 +527,10 @@ def main() -> int:
         return 2
     if args.training_timing:
         run_timing("training", training_timing, args.out)
+        print(f"{len(FAILURES)} check(s) failed" if FAILURES else "all checks passed", flush=True)
+        return 1 if FAILURES else 0
+    if args.profile:
+        run_timing("profile", profile_timing, args.out)
         print(f"{len(FAILURES)} check(s) failed" if FAILURES else "all checks passed", flush=True)
         return 1 if FAILURES else 0
     correctness("cuda")
