@@ -99,7 +99,7 @@ def correctness(device: str) -> None:
         length = 9 if DRY_RUN else 63
         ids = torch.randint(0, 97, (3, length), generator=g).to(device)
         mask = (torch.rand(3, length, generator=g) > 0.2).long().to(device)
-        mask[:, :8] = 1  # some unmasked steps too: those run the Triton backward step
+        mask[:, :8] = 1  # some unmasked steps too (the Triton backward splits the gradients of masked ones only)
         plain_loss, plain, _ = grads_of(model, "plain", ids, mask)
         for path in ("torch ops", "triton"):
             loss, grads, launches = grads_of(model, path, ids, mask)

@@ -9,7 +9,8 @@ are not counted). Runs on CPU through Triton's interpreter, no GPU needed:
 
     TRITON_INTERPRET=1 python benchmarks/launch_counts.py [--layers 1 2] [--json out.json]
 
-Prints one table row per (model, path, direction) and the ops behind each count; then, per token position
+Prints one table row per (model, path, direction: forward, backward, and backward of a masked step, one
+whose batch holds a padded row) and the ops behind each count; then, per token position
 of a whole training window (forward and backward of `GPNRecurrenceFunction`, BPTT segments recomputed),
 the launches Python dispatches without the training graphs and with them (`cuda_graphs.TrainingSweep`: each
 chunk of steps is one graph replay on CUDA, counted as one launch; what runs outside the chunks, such as the
@@ -79,8 +80,9 @@ def model_of(layers: int, dtype: torch.dtype) -> GPNForCausalLM:
     return GPNForCausalLM(config).to(dtype).eval()
 
 
-def one_step(model, triton: bool, backward: bool):
-    """(aten launches, Triton launches) of one forward step, or of one backward step (`backward`)."""
+def one_step(model, triton: bool, backward: bool, masked: bool = False):
+    """(aten launches, Triton launches) of one forward step, or of one backward step (`backward`); `masked`:
+    a step whose first row is padding (as at a padded position of a training batch)."""
     os.environ["GPN_TRITON"] = "1" if triton else "0"
     os.environ["GPN_MEMORY_KERNELS"] = "0"  # the CPU C kernels are not what a GPU runs
     core = model.model
@@ -96,10 +98,11 @@ def one_step(model, triton: bool, backward: bool):
         step = fr.step_function(state, u, w, s)
         assert (step is tk.step) == triton, "the path asked for did not run"
         memory_out = torch.empty_like(M)
+        real = torch.arange(B) > 0 if masked else None
         if not backward:
-            return count(lambda: step(state, u, None, w, s, c, eps, None, memory_out), LaunchCounter())
+            return count(lambda: step(state, u, real, w, s, c, eps, None, memory_out), LaunchCounter())
         saved = {}
-        new_state, _ = step(state, u, None, w, s, c, eps, saved, memory_out)
+        new_state, _ = step(state, u, real, w, s, c, eps, saved, memory_out)
         wt = fr.transpose_weights(w)
         weight_grads = fr._WeightGrads(w, B)
         grads = fr.StepState(*(torch.randn(x.shape) for x in new_state))
@@ -170,9 +173,10 @@ def main() -> int:
     for dtype in args.dtypes:
         for layers in args.layers:
             model = model_of(layers, getattr(torch, dtype))
-            for direction in ("forward", "backward"):
+            for direction in ("forward", "backward", "backward, masked"):
                 for path in ("torch ops", "triton"):
-                    aten, triton = one_step(model, path == "triton", direction == "backward")
+                    backward, masked = direction != "forward", direction.endswith("masked")
+                    aten, triton = one_step(model, path == "triton", backward, masked)
                     total = sum(aten.values()) + sum(triton.values())
                     rows.append(dict(model=f"GPN+M {layers}L", dtype=dtype, direction=direction, path=path,
                                      aten=sum(aten.values()), triton=sum(triton.values()), launches=total))  # fmt: skip

@@ -578,12 +578,15 @@ def transpose_weights(w: FoldedWeights, pack: bool = False) -> TransposedWeights
     return transposed(lambda m: m.detach().t().contiguous())
 
 
-def _split_real(grad: torch.Tensor, real: Optional[torch.Tensor]):
-    """(gradient into the step, gradient passed straight to the carried input) for a masked step."""
+def _split_real(grad: torch.Tensor, real: Optional[torch.Tensor], padded: Optional[torch.Tensor]):
+    """(gradient into the step, gradient passed straight to the carried input) for a masked step: the real
+    rows' and the padded rows' gradient, zeros in the other rows; `padded` is ~real (made once a step).
+    (One masked_fill each, one launch; unlike a multiplication by the mask it never turns an inf of one
+    part into a NaN in the other. Also used by `triton_kernels.step_backward`.)"""
     if real is None:
         return grad, None
-    r = real.view(-1, *([1] * (grad.dim() - 1))).to(grad.dtype)
-    return grad * r, grad * (1 - r)
+    shape = (-1, *([1] * (grad.dim() - 1)))
+    return grad.masked_fill(padded.view(shape), 0.0), grad.masked_fill(real.view(shape), 0.0)
 
 
 def _memory_write_backward_torch(memory_grad, memory, queries, read_grads, k, update, a, beta, memory_grad_out):
@@ -636,8 +639,9 @@ def _step_backward(
     dL/dM is written into `memory_grad_out` when given (it must not be `grads.memory`)."""
     B, H, dk, dv = s.batch, s.heads, s.key_dim, s.value_dim
     real = saved.get("real")
-    d_state, dp_pass = _split_real(grads.p, real)
-    d_grounded, dg_pass = _split_real(grads.g, real)
+    padded = None if real is None else ~real
+    d_state, dp_pass = _split_real(grads.p, real, padded)
+    d_grounded, dg_pass = _split_real(grads.g, real, padded)
     big_x, dZ = weight_grads.rows("big")
     d_read_of = []  # per layer: dL/d read (BH, dv)
     for i in reversed(range(s.layers)):
@@ -682,8 +686,8 @@ def _step_backward(
     d_read_of.reverse()
 
     if s.memory:
-        d_new_key, dkey_pass = _split_real(grads.key, real)
-        d_new_memory, dM_pass = _split_real(grads.memory, real)
+        d_new_key, dkey_pass = _split_real(grads.key, real, padded)
+        d_new_memory, dM_pass = _split_real(grads.memory, real, padded)
         kq, update, decay_factor, sig_beta = saved["kq"], saved["update"], saved["decay_factor"], saved["sig_beta"]
         k, old = kq[:, 0], saved["old_memory"]
         dM = memory_grad_out.view(B * H, dk, dv) if memory_grad_out is not None else torch.empty_like(old)

@@ -32,7 +32,10 @@ The backward twin, `step_backward`, is `fast_recurrence._step_backward` on kerne
     memory_gates_backward   after memory_write_backward: the gate, value, key and query columns of dZ
     rms_backward            acc [* mul] [+ acc2] + the gradient through rms(x) (and rms(x) itself)
     ground_gate_backward    through g = sigmoid(z) p + u to z
-(A masked step, where padding splits the gradients, runs `_step_backward`, with the memory kernels.)
+A masked step (padded rows kept their state) splits each incoming gradient first (`_split_real`: the real
+rows' part enters the step, the padded rows' part passes to the carried input) and adds the passed parts
+after, around the same kernels: a masked_fill per part (8 launches), ~real, and adds for the key and M (p's
+rides in the last `rms_backward`).
 
 This file ships to the Hub with the model: it imports only torch, typing and the standard library; the
 kernels themselves (`triton_jit.py`, which needs triton) are imported when first used, so CPU users never
@@ -517,10 +520,8 @@ def _contiguous_rows(*tensors: torch.Tensor) -> bool:
 
 
 def usable_step_backward(saved: dict, grads, s) -> bool:
-    """Whether `step_backward` takes this step (else `_step_backward` runs it): an unmasked step whose
-    records and gradients the kernels take (float32, contiguous rows, sizes within the block limits)."""
-    if saved.get("real") is not None:
-        return False
+    """Whether `step_backward` takes this step (else `_step_backward` runs it): one whose records and
+    gradients the kernels take (float32, contiguous rows, sizes within the block limits), masked or not."""
     rows = [saved["p"], saved["grounded"], saved["sig_fg"], grads.p, grads.g]
     if not (usable_rows(*rows) and _contiguous_rows(*rows)):
         return False
@@ -534,19 +535,30 @@ def usable_step_backward(saved: dict, grads, s) -> bool:
 
 def step_backward(saved: dict, grads, wt, s, c, eps: float, weight_grads, memory_grad_out=None, ws: Optional[dict] = None):
     """`fast_recurrence._step_backward` with its elementwise work fused into Triton kernels (the matmuls
-    stay torch's). Same arguments, same results; a step it does not take (`usable_step_backward`: a masked
-    step, say) runs `_step_backward`. With a workspace `ws` (a dict) every intermediate and result goes into
-    its buffers, as in `step` (then the weight gradients must be a `cuda_graphs.StaticWeightGrads`, whose
-    block sums allocate nothing either): the backward steps of a captured training graph."""
-    from .fast_recurrence import StepState, _step_backward
+    stay torch's). Same arguments, same results; a step it does not take (`usable_step_backward`: float64
+    gradients, say) runs `_step_backward`. A masked step runs on the kernels too, as `_step_backward` runs
+    one: the real rows' gradients go through the step, the padded rows' pass straight to the input state.
+    With a workspace `ws` (a dict) every intermediate and result goes into its buffers, as in `step` (then
+    the weight gradients must be a `cuda_graphs.StaticWeightGrads`, whose block sums allocate nothing
+    either): the backward steps of a captured training graph, which are never masked."""
+    from .fast_recurrence import StepState, _split_real, _step_backward
 
-    if not usable_step_backward(saved, grads, s):
-        if ws is not None:
-            raise ValueError("a step on static buffers must be one the Triton backward takes (unmasked, float32)")
+    real = saved.get("real")
+    usable = usable_step_backward(saved, grads, s)
+    if ws is not None and not (usable and real is None):
+        raise ValueError("a step on static buffers must be one the Triton backward takes, unmasked (float32, ...)")
+    if not usable:
         return _step_backward(saved, grads, wt, s, c, eps, weight_grads, memory_grad_out)
+    # padded rows kept their state: their gradients pass by the step (`*_pass`; None when unmasked) and only
+    # the real rows' enter it, so every gradient of a padded row inside the step is zero
+    padded = None if real is None else ~real
+    d_new_p, dp_pass = _split_real(grads.p, real, padded)
+    d_new_g, dg_pass = _split_real(grads.g, real, padded)
+    d_new_key, dkey_pass = _split_real(grads.key, real, padded) if s.memory else (grads.key, None)
+    d_new_memory, dM_pass = _split_real(grads.memory, real, padded) if s.memory else (grads.memory, None)
     B, H, dk, dv = s.batch, s.heads, s.key_dim, s.value_dim
     big_x, dZ = weight_grads.rows("big")
-    d_state = grads.p
+    d_state = d_new_p
     d_reads = _empty(ws, "d_reads", s.layers, B, H * dv, device=dZ.device) if s.memory else None
     for i in reversed(range(s.layers)):
         layer = saved["layers"][i]
@@ -573,7 +585,7 @@ def step_backward(saved: dict, grads, wt, s, c, eps: float, weight_grads, memory
         query_list = [kq[:, 1]] + [saved["layers"][i]["q"] for i in range(1, s.layers)]
         queries = torch.stack(query_list, out=_empty(ws, "queries", s.layers, B * H, dk, device=dZ.device))
         d_update, d_k, d_a, dq0, d_error = memory_write_backward(
-            grads.memory.reshape(B * H, dk, dv), old, queries, d_reads.view(s.layers, B * H, dv), kq[:, 0],
+            d_new_memory.reshape(B * H, dk, dv), old, queries, d_reads.view(s.layers, B * H, dv), kq[:, 0],
             saved["update"], saved["decay_factor"], saved["sig_beta"], dM, ws=ws,
         )  # fmt: skip
         d_key = _empty(ws, "d_key", B, H * dk, device=dZ.device)
@@ -582,7 +594,7 @@ def step_backward(saved: dict, grads, wt, s, c, eps: float, weight_grads, memory
         _launch(
             "memory_gates_backward", B * H, d_update, saved["error"], d_error, d_k, dq0, d_a, saved["decay_factor"],
             saved["sig_beta"], saved["softplus_decay"], decay, decay.stride(0), wt.neg_decay_rate, kq,
-            saved["kq_inv"], saved["kq_raw"], grads.key, grads.key.stride(0), dZ, dZ.stride(0), c.value.start,
+            saved["kq_inv"], saved["kq_raw"], d_new_key, d_new_key.stride(0), dZ, dZ.stride(0), c.value.start,
             c.beta.start, c.decay.start, c.write + c.query.start, d_key, neg_terms, H, dk, dv,
             BLOCK_K=_next_power_of_two(dk), BLOCK_V=_value_block(dv),
         )  # fmt: skip
@@ -591,19 +603,26 @@ def step_backward(saved: dict, grads, wt, s, c, eps: float, weight_grads, memory
         else:
             weight_grads.neg_decay.add_(torch.sum(neg_terms, 0, out=_empty(ws, "neg_sum", H, device=dZ.device)))
         dM = dM.view(B, H, dk, dv)
+        if real is not None:  # the padded rows' gradients (the step gave those rows zeros)
+            d_key.add_(dkey_pass)
+            dM.add_(dM_pass)
     else:
         d_key, dM = grads.key, grads.memory
     p, sig_fg = saved["p"], saved["sig_fg"]
     d_a_g = _product(dZ, wt.big_w, ws, "d_a_g")
-    d_grounded = rms_backward(d_a_g, saved["grounded"], eps, acc=grads.g, acc2=d_state, y_out=big_x, ws=ws, name="d_grounded")
+    d_grounded = rms_backward(d_a_g, saved["grounded"], eps, acc=d_new_g, acc2=d_state, y_out=big_x, ws=ws, name="d_grounded")
     fg_x, d_z_fg = weight_grads.rows("fg")
     _launch("ground_gate_backward", B, d_grounded, p, sig_fg, d_z_fg, s.hidden, BLOCK=min(_next_power_of_two(s.hidden), 1024))
     d_a_p = _product(d_z_fg, wt.fg_w, ws, "d_a_p")
-    d_p = rms_backward(d_a_p, p, eps, acc=d_grounded, mul=sig_fg, y_out=fg_x, ws=ws, name="d_p")
+    # (+ dp_pass: the padded rows' gradient, added in the same launch; the step gives those rows zeros)
+    d_p = rms_backward(d_a_p, p, eps, acc=d_grounded, mul=sig_fg, acc2=dp_pass, y_out=fg_x, ws=ws, name="d_p")
     weight_grads.next_step()
-    if ws is None:
+    # nothing flows past a step into g_{t-1} but through p, except the padded rows' gradient, which passes by
+    if real is not None:
+        d_g = dg_pass
+    elif ws is None:
         d_g = torch.zeros_like(d_grounded)
-    else:  # nothing flows past a step into g_{t-1} but through p: zeros, written once
+    else:  # zeros, written once
         d_g = ws.get("d_g")
         if d_g is None or d_g.shape != d_grounded.shape:
             d_g = ws["d_g"] = torch.zeros_like(d_grounded)

@@ -60,6 +60,12 @@ def random_problem(model, batch: int, length: int, mask_kind: str | None, seed: 
     elif mask_kind == "left":
         mask = torch.ones(batch, length, dtype=torch.bool)
         mask[0, : length // 2] = False
+    elif mask_kind == "right":  # the last row ends early
+        mask = torch.ones(batch, length, dtype=torch.bool)
+        mask[-1, length - length // 2 :] = False
+    elif mask_kind == "hole":  # padding between real tokens of the last row (length 3 or more)
+        mask = torch.ones(batch, length, dtype=torch.bool)
+        mask[-1, 1 : length - 1] = False
     outputs_shape = (batch, length, d)
     weights = [torch.randn(outputs_shape, generator=generator)] + [torch.randn(x.shape, generator=generator) for x in state]
     return token_inputs, state, mask, weights

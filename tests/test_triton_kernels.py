@@ -207,9 +207,10 @@ VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "gpn+m-2l"])  # (2 layers: the awkward one)
-@pytest.mark.parametrize("length,mask_kind", [(4, "holes"), (4, "left"), (3, None)])
+@pytest.mark.parametrize("length,mask_kind", [(4, "holes"), (4, "left"), (4, "right"), (4, "hole"), (3, None)])
 def test_fast_equals_plain_on_the_triton_path(triton_on, variant, length, mask_kind):
-    """Outputs, final state and every gradient of the fast path with the Triton kernels = the plain loop."""
+    """Outputs, final state and every gradient of the fast path with the Triton kernels = the plain loop,
+    with padding (random holes, left, right, a hole inside a row) and without."""
     model = perturbed_model(tiny_config(**VARIANTS[variant]), seed=3).train()
     problem = random_problem(model, batch=3, length=length, mask_kind=mask_kind, seed=length)
     plain = run_recurrence(model, False, *problem)
@@ -218,11 +219,46 @@ def test_fast_equals_plain_on_the_triton_path(triton_on, variant, length, mask_k
     assert n["ground"] >= length and n["gated_residual"] >= length * model.config.num_predict_layers
     if model.config.use_memory:
         assert n["memory_step"] >= length and n["memory_write_backward"] == length
-    # the backward steps on the kernels: every unmasked step (a masked one runs _step_backward)
-    unmasked = length if mask_kind is None else int(problem[2].all(0).sum())
-    assert n["ground_gate_backward"] == unmasked
-    assert n["predict_layer_backward"] == unmasked * model.config.num_predict_layers
+    # every backward step on the kernels, the masked ones too (which once ran `_step_backward`)
+    if mask_kind is not None:
+        assert not problem[2].all(), "the mask pads nothing: no masked step is tested"
+    assert n["ground_gate_backward"] == length
+    assert n["predict_layer_backward"] == length * model.config.num_predict_layers
     assert_same(plain, fast)
+
+
+@pytest.mark.parametrize("variant", ["gpn+m", "gpn+m-2l"])
+def test_padded_training_batch_on_the_triton_path_equals_plain(triton_on, variant):
+    """A causal-LM training batch with left padding, right padding and a hole inside a row: the loss and
+    every parameter gradient on the Triton path = the plain loop's, and every backward step (each of them
+    masked here) ran on the kernels, none on `_step_backward`."""
+    model = perturbed_model(tiny_config(**VARIANTS[variant]), seed=12).train()
+    length = 6
+    ids = torch.randint(0, model.config.vocab_size, (3, length), generator=torch.Generator().manual_seed(13))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # left padding
+    mask[1, 4:] = 0  # right padding
+    mask[2, 2:4] = 0  # a hole inside the row
+    labels = ids.masked_fill(mask == 0, -100)
+    results = {}
+    for fast in (False, True):
+        model.model.use_fast_path = fast
+        model.zero_grad(set_to_none=True)
+
+        def loss_and_backward():
+            loss = model(ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            return loss.detach()
+
+        loss, n = launches(loss_and_backward)
+        results[fast] = (loss, {name: p.grad.clone() for name, p in model.named_parameters()}, n)
+    (plain_loss, plain_grads, _), (fast_loss, fast_grads, n) = results[False], results[True]
+    assert n["ground_gate_backward"] == length  # every step's backward on the kernels
+    assert n["predict_layer_backward"] == length * model.config.num_predict_layers
+    torch.testing.assert_close(fast_loss, plain_loss, atol=1e-5, rtol=1e-5)
+    assert plain_grads.keys() == fast_grads.keys()
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(fast_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
 @torch.no_grad()
@@ -276,19 +312,23 @@ def one_step_problem(variant: str, B: int, seed: int, dtype=torch.float32):
 
 @torch.no_grad()
 @pytest.mark.parametrize(
-    "variant,dtype",
-    [("gpn+m", torch.float32), ("gpn+m-awkward", torch.float32), ("gpn+m-2l-awkward-seg2", torch.float32),
-     ("gpn", torch.float32), ("gpn+m-2l-awkward-seg2", torch.bfloat16)],
+    "variant,dtype,masked",
+    [("gpn+m", torch.float32, False), ("gpn+m-awkward", torch.float32, False),
+     ("gpn+m-2l-awkward-seg2", torch.float32, False), ("gpn", torch.float32, False),
+     ("gpn+m-2l-awkward-seg2", torch.bfloat16, False),
+     ("gpn+m", torch.float32, True), ("gpn+m-2l-awkward-seg2", torch.float32, True), ("gpn", torch.float32, True)],
 )  # fmt: skip
-def test_one_step_forward_and_backward_match_the_torch_ops(triton_on, variant, dtype):
+def test_one_step_forward_and_backward_match_the_torch_ops(triton_on, variant, dtype, masked):
     """`triton_kernels.step` = `_step` (new state, gamma, every record) and `triton_kernels.step_backward` =
     `_step_backward` (state gradients, dL/du, every weight-gradient row and the decay-rate gradient); with
-    bf16 weights the kernels read the bf16 matmul outputs themselves (the same numbers, upcast exactly)."""
+    bf16 weights the kernels read the bf16 matmul outputs themselves (the same numbers, upcast exactly).
+    A `masked` step (row 1 padding) runs on the kernels both ways; its padded row's gradients pass by."""
     w, s, c, eps, state, u, g = one_step_problem(variant, B=3, seed=11, dtype=dtype)
+    real = torch.tensor([True, False, True]) if masked else None
     results = {}
     for name, step in (("torch", fr._step), ("triton", tk.step)):
         saved = {}
-        new_state, gamma = step(state, u, None, w, s, c, eps, saved, torch.empty_like(state.memory) if s.memory else None)
+        new_state, gamma = step(state, u, real, w, s, c, eps, saved, torch.empty_like(state.memory) if s.memory else None)
         results[name] = (new_state, gamma, saved)
     (ref_state, ref_gamma, ref_saved), (tri_state, tri_gamma, tri_saved) = results["torch"], results["triton"]
     for a, b in zip(tri_state, ref_state):
@@ -323,6 +363,12 @@ def test_one_step_forward_and_backward_match_the_torch_ops(triton_on, variant, d
         torch.testing.assert_close(tri_wg.bias_grads[key], ref_wg.bias_grads[key], atol=1e-5, rtol=1e-4, msg=str(key))
     if s.memory:
         torch.testing.assert_close(tri_wg.neg_decay, ref_wg.neg_decay, atol=1e-5, rtol=1e-4)
+    if masked:  # the padded row: its gradients pass straight to the input state, nothing reaches its u
+        assert not tri_du[1].any()
+        assert torch.equal(tri_d.p[1], grads.p[1]) and torch.equal(tri_d.g[1], grads.g[1])
+        assert torch.equal(tri_d.key[1], grads.key[1]) and torch.equal(tri_d.memory[1], grads.memory[1])
+        with pytest.raises(ValueError, match="unmasked"):  # static buffers (a training graph) never take one
+            tk.step_backward(ref_saved, grads, wt, s, c, eps, fr._WeightGrads(w, s.batch), ws={})
 
 
 # --------------------------------------------------------------------------------------------------
