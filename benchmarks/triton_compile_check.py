@@ -8,12 +8,12 @@ odd sizes), which overstates registers next to the launches below (memory_step: 
 96 on triton 3.6).
 
 Then, as a GPU would compile them, the launches of one training step (forward and backward) of each 130M
-preset (gpn-m-1l-130m, gpn-m-2l-130m, gpn-130m) with float32 and with bf16 weights: the step runs through
-`triton_kernels`' own wrappers on CPU tensors, and each launch goes to the JIT's `run(..., warmup=True)`
-(compile, do not launch) behind a driver that only names the target. So the kernels see the wrappers'
-actual arguments as the JIT's binder specialises them on a GPU (argument types, 16-byte alignment of
-pointers and of ints, ints equal to 1), and a keyword argument a kernel lacks fails here as it would there
-(the interpreter drops it in silence).
+preset (gpn-m-1l-130m, gpn-m-2l-130m, gpn-130m) with float32 and with bf16 weights, at batch 1 and 16
+(decoding; the bench): the step runs through `triton_kernels`' own wrappers on CPU tensors, and each
+launch goes to the JIT's `run(..., warmup=True)` (compile, do not launch) behind a driver that only names
+the target. So the kernels see the wrappers' actual arguments as the JIT's binder specialises them on a
+GPU (argument types, 16-byte alignment of pointers and of ints, ints equal to 1), and a keyword argument
+a kernel lacks fails here as it would there (the interpreter drops it in silence).
 
     python benchmarks/triton_compile_check.py [--arch 90] [--json out.json] [--no-steps]
 
@@ -89,15 +89,24 @@ def signature(kernel, constexprs: dict, bf16: str = "") -> dict:
 
 
 def ptxas_report(ptx: str, arch: int) -> str:
-    """ptxas -v's registers and spills for this PTX (the newest ptxas Triton ships that reads it)."""
+    """ptxas -v's registers and spills for this PTX, from the ptxas Triton itself runs for `arch` (triton
+    3.6 ships two and picks `ptxas`, CUDA 12.8, below sm_100; 3.9 always `ptxas-blackwell`), else the
+    newest one shipped that reads it."""
     folder = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    candidates = [folder / "ptxas-blackwell", folder / "ptxas"]
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        candidates.insert(0, Path(get_ptxas(arch).path))
+    except Exception:  # noqa: BLE001 (another layout: the shipped ones, newest first)
+        pass
     with tempfile.TemporaryDirectory() as scratch:
         source = Path(scratch) / "kernel.ptx"
         source.write_text(ptx)
-        for name in ("ptxas-blackwell", "ptxas"):
-            if not (folder / name).is_file():
+        for ptxas in candidates:
+            if not ptxas.is_file():
                 continue
-            out = subprocess.run([str(folder / name), f"-arch=sm_{arch}a", "-v", str(source), "-o", str(Path(scratch) / "k.cubin")],
+            out = subprocess.run([str(ptxas), f"-arch=sm_{arch}a", "-v", str(source), "-o", str(Path(scratch) / "k.cubin")],
                                  capture_output=True, text=True)  # fmt: skip
             if out.returncode == 0:
                 lines = [line.split("info    : ")[-1].strip() for line in (out.stdout + out.stderr).splitlines()]
@@ -106,6 +115,9 @@ def ptxas_report(ptx: str, arch: int) -> str:
 
 
 STEP_PRESETS = ("gpn-m-1l-130m", "gpn-m-2l-130m", "gpn-130m")
+# decoding, and the bench's batch: an int argument the JIT sees change with the batch (rows x heads) is
+# specialised when it is a multiple of 16, a distinct kernel
+STEP_BATCHES = (1, 16)
 
 
 class CompileOnlyDriver:
@@ -125,7 +137,7 @@ class CompileOnlyDriver:
         return self.target
 
 
-def one_step_on_the_wrappers(preset: str, dtype, batch: int = 2) -> None:
+def one_step_on_the_wrappers(preset: str, dtype, batch: int) -> None:
     """One step forward and backward of `preset` (weights in `dtype`, the vocabulary cut to 16: no kernel
     sees it) through `triton_kernels.step` and `step_backward` on CPU tensors. The weights are zeros (no
     kernel runs, so the values never matter; only shapes, strides, dtypes and alignment do)."""
@@ -205,7 +217,8 @@ def compile_step_launches(target: GPUTarget, arch: int) -> list[dict]:
             for dtype in (torch.float32, torch.bfloat16):
                 case = f"{preset} {str(dtype).replace('torch.', '')}"
                 try:
-                    one_step_on_the_wrappers(preset, dtype)
+                    for batch in STEP_BATCHES:
+                        one_step_on_the_wrappers(preset, dtype, batch)
                 except Exception as error:  # noqa: BLE001 (a wrapper's own failure: report it, go on)
                     print(f"[FAIL] {case}: the step itself: {type(error).__name__}: {str(error)[:2000]}", flush=True)
                     results.append(dict(kernel="(step)", case=case, ok=False, error=str(error)[:2000]))
@@ -243,7 +256,8 @@ def main() -> int:
             shared = compiled.metadata.shared
             note = "  [SPILLS]" if any(spills) else ""
             print(f"[ok] {label}: {seconds:.1f} s, {compiled.metadata.num_warps} warps, shared {shared} B; {usage}{note}", flush=True)
-            results.append(dict(kernel=name, constexprs=constexprs, ok=True, seconds=seconds, shared=shared, ptxas=usage))
+            results.append(dict(kernel=name, constexprs=constexprs, bf16=[bf16] if bf16 else [], ok=True, seconds=seconds,
+                                shared=shared, ptxas=usage))  # fmt: skip
     print(f"sm_{args.arch}: {len(results) - failures} of {len(results)} kernel variants compiled", flush=True)
     if not args.no_steps:
         step_results = compile_step_launches(target, args.arch)
