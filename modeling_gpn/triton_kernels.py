@@ -49,8 +49,8 @@ import torch
 
 MAX_KEY_BLOCK = 256  # largest key dimension a memory program holds at once (next power of two)
 # columns of M a memory program handles per iteration of its loop over the value dimension: with 128 key
-# rows, 64 columns spill registers on sm_90 (2.7 KB per program in the write backward), 32 do not
-# (benchmarks/triton_compile_check.py reports it)
+# rows, 64 columns spill registers on sm_90 in the write backward (12 B per program as the JIT specialises
+# the 130M's launches on triton 3.6, 2.7 KB unspecialised), 32 do not (benchmarks/triton_compile_check.py)
 VALUE_BLOCK = 32
 MAX_ROW_BLOCK = 16384  # widest row the row-wise kernels hold at once (next power of two)
 
