@@ -509,3 +509,25 @@ def test_a_kernel_that_disagrees_turns_triton_off_and_the_torch_ops_compute_the_
     assert n["ground"] == 1 and n["memory_write_backward"] == 1  # only the check's own step ran on the kernels
     assert fr.memory_backend(problem[1][2].reshape(-1, *problem[1][2].shape[2:])) != fr.TRITON
     assert_same(plain, fast)
+
+
+def test_a_kernel_that_fails_to_compile_turns_triton_off_and_the_torch_ops_run(fresh_self_check, monkeypatch):
+    """A kernel that raises on its first launch (as a Triton release that rejects it, or a GPU machine
+    without a C compiler for Triton's launcher, would) does not stop the model: the self-check warns with
+    the error and the window runs on the torch ops, = plain."""
+    launch = tk._launch
+
+    def failing_launch(name, *args, **meta):
+        if name == "memory_write_backward":
+            raise RuntimeError("PTXAS error: Internal Triton PTX codegen error\nmore lines")
+        launch(name, *args, **meta)
+
+    monkeypatch.setattr(tk, "_launch", failing_launch)
+    model = perturbed_model(tiny_config(**VARIANTS["gpn+m"]), seed=5).train()
+    problem = random_problem(model, batch=3, length=4, mask_kind=None, seed=2)
+    plain = run_recurrence(model, False, *problem)
+    with pytest.warns(RuntimeWarning, match="Triton kernels failed on cpu .*raised RuntimeError: PTXAS error"):
+        fast, n = launches(lambda: run_recurrence(model, True, *problem))
+    assert tk.self_check_failure().endswith("PTXAS error: Internal Triton PTX codegen error")  # its first line
+    assert n["ground"] == 1 and n["memory_write_backward"] == 0  # only the check's own forward step ran on them
+    assert_same(plain, fast)
