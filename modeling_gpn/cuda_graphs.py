@@ -96,14 +96,15 @@ class StepsGraph:
 
     def run(self, slot: int) -> None:
         """`steps` steps from slot `slot`, alternating the two slots (what a graph captures)."""
-        from .fast_recurrence import StepState
+        from .fast_recurrence import PackedMatrix, StepState
 
         s, w = self.s, self.w
         key = self.g[slot][:, :0]
         if s.memory:  # the key pre-activation W_k rms(g) + b_k (`fast_recurrence.key_from_grounded`)
             width = s.heads * s.key_dim
+            big_w = w.big_w.matrix if isinstance(w.big_w, PackedMatrix) else w.big_w  # (CPU bf16: prepacked)
             a_g = unit_rms(self.g[slot], self.eps, ws=self.workspaces[slot], name="a_g0")
-            key = _linear(a_g, w.big_w[:, :width], w.big_b[:width], self.workspaces[slot], "key")
+            key = _linear(a_g, big_w[:, :width], w.big_b[:width], self.workspaces[slot], "key")
         for j in range(self.steps):
             source = (slot + j) % 2
             target = 1 - source

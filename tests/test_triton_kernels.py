@@ -423,6 +423,25 @@ def test_a_window_through_graph_chunks_equals_plain(triton_on, monkeypatch):
 
 
 @torch.no_grad()
+def test_the_decode_graph_takes_prepacked_weights(triton_on, monkeypatch):
+    """On a CPU whose oneDNN has bf16 kernels, `cached_folded_weights` prepacks bf16 step matrices for it
+    (`PackedMatrix`); the graph's key step must take them as `key_from_grounded` does (`gpu_check.py
+    --dry-run-cpu` failed on such a CPU). Packing forced for fp32 weights: the same path on any CPU."""
+    monkeypatch.setattr(fr.PackedMatrix, "worthwhile", staticmethod(lambda w, rows=None: True))
+    model = perturbed_model(tiny_config(), seed=14)
+    core = model.model
+    tokens, state, _, _ = random_problem(model, batch=2, length=1, mask_kind=None, seed=7)
+    core.use_fast_path = False
+    expected = core.recurrence(tokens, state, None)
+    core.use_fast_path = True
+    monkeypatch.setenv("GPN_CUDA_GRAPHS", "1")
+    got = core.recurrence(tokens, state, None)
+    assert [type(graph.w.big_w) for _, graph in core._gpn_graphs.values()] == [fr.PackedMatrix]  # (the case)
+    for a, b in zip((got[0], *got[1]), (expected[0], *expected[1])):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-4)
+
+
+@torch.no_grad()
 def test_generate_through_the_decode_graph_equals_plain(triton_on, monkeypatch):
     """generate() with GPN_CUDA_GRAPHS=1: every decoded token goes through the static-buffer step."""
     model = perturbed_model(tiny_config(), seed=12)
