@@ -3,11 +3,24 @@
 (H100/H200), with the block sizes the wrappers pick for the 130M GPN+M (d 2496, d_ffn 6656, 15 heads of
 128 x 256). The CPU tests run the kernels through Triton's interpreter, which is more lenient than the
 compiler (types of loop-carried values, scalar branches, constexpr use): this catches what it lets pass.
+These compile unspecialised, as if no pointer or size were a multiple of 16 (the worst case: the tests'
+odd sizes), which overstates registers next to the launches below (memory_step: 234 registers against
+96 on triton 3.6).
 
-    python benchmarks/triton_compile_check.py [--arch 90] [--json out.json]
+Then, as a GPU would compile them, the launches of one training step (forward and backward) of each 130M
+preset (gpn-m-1l-130m, gpn-m-2l-130m, gpn-130m) with float32 and with bf16 weights, at batch 1 and 16
+(decoding; the bench): the step runs through `triton_kernels`' own wrappers on CPU tensors, and each
+launch goes to the JIT's `run(..., warmup=True)` (compile, do not launch) behind a driver that only names
+the target. So the kernels see the wrappers' actual arguments as the JIT's binder specialises them on a
+GPU (argument types, 16-byte alignment of pointers and of ints, ints equal to 1), and a keyword argument
+a kernel lacks fails here as it would there (the interpreter drops it in silence).
 
-Prints one line per kernel (registers and spills per thread from ptxas -v, shared memory) and exits 1 if
-any fails to compile; spills are reported, not failed (they cost speed, not correctness).
+    python benchmarks/triton_compile_check.py [--arch 90] [--json out.json] [--no-steps]
+
+Prints one line per kernel variant (registers and spills per thread from ptxas -v, shared memory), then
+one per distinct compiled launch of the steps, and exits 1 if any fails to compile; spills are reported,
+not failed (they cost speed, not correctness). About 35 s on 2 busy CPU cores with Triton's cache cold,
+20 s of it the steps (`--no-steps` skips them).
 """
 
 from __future__ import annotations
@@ -76,15 +89,24 @@ def signature(kernel, constexprs: dict, bf16: str = "") -> dict:
 
 
 def ptxas_report(ptx: str, arch: int) -> str:
-    """ptxas -v's registers and spills for this PTX (the newest ptxas Triton ships that reads it)."""
+    """ptxas -v's registers and spills for this PTX, from the ptxas Triton itself runs for `arch` (triton
+    3.6 ships two and picks `ptxas`, CUDA 12.8, below sm_100; 3.9 always `ptxas-blackwell`), else the
+    newest one shipped that reads it."""
     folder = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    candidates = [folder / "ptxas-blackwell", folder / "ptxas"]
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        candidates.insert(0, Path(get_ptxas(arch).path))
+    except Exception:  # noqa: BLE001 (another layout: the shipped ones, newest first)
+        pass
     with tempfile.TemporaryDirectory() as scratch:
         source = Path(scratch) / "kernel.ptx"
         source.write_text(ptx)
-        for name in ("ptxas-blackwell", "ptxas"):
-            if not (folder / name).is_file():
+        for ptxas in candidates:
+            if not ptxas.is_file():
                 continue
-            out = subprocess.run([str(folder / name), f"-arch=sm_{arch}a", "-v", str(source), "-o", str(Path(scratch) / "k.cubin")],
+            out = subprocess.run([str(ptxas), f"-arch=sm_{arch}a", "-v", str(source), "-o", str(Path(scratch) / "k.cubin")],
                                  capture_output=True, text=True)  # fmt: skip
             if out.returncode == 0:
                 lines = [line.split("info    : ")[-1].strip() for line in (out.stdout + out.stderr).splitlines()]
@@ -92,10 +114,125 @@ def ptxas_report(ptx: str, arch: int) -> str:
     return "ptxas -v unavailable"
 
 
+STEP_PRESETS = ("gpn-m-1l-130m", "gpn-m-2l-130m", "gpn-130m")
+# decoding, and the bench's batch: an int argument the JIT sees change with the batch (rows x heads) is
+# specialised when it is a multiple of 16, a distinct kernel
+STEP_BATCHES = (1, 16)
+
+
+class CompileOnlyDriver:
+    """What `JITFunction.run(..., warmup=True)` asks of the active driver, for a GPU that is not here:
+    device 0, a null stream and the target. Warm-up compiles and returns the kernel without launching it."""
+
+    def __init__(self, target: GPUTarget):
+        self.target = target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return self.target
+
+
+def one_step_on_the_wrappers(preset: str, dtype, batch: int) -> None:
+    """One step forward and backward of `preset` (weights in `dtype`, the vocabulary cut to 16: no kernel
+    sees it) through `triton_kernels.step` and `step_backward` on CPU tensors. The weights are zeros (no
+    kernel runs, so the values never matter; only shapes, strides, dtypes and alignment do)."""
+    import torch
+
+    from modeling_gpn import GPNForCausalLM
+    from modeling_gpn import fast_recurrence as fr
+    from modeling_gpn import triton_kernels as tk
+    from modeling_gpn.configuration import load_preset
+
+    config = load_preset(preset)
+    config.vocab_size = 16
+    with torch.device("meta"):
+        model = GPNForCausalLM(config)
+    model = model.to_empty(device="cpu").to(dtype)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.zero_()
+        core = model.model
+        s, eps = fr.shapes_of(core, batch), core.config.rms_norm_eps
+        c = fr.columns_of(s)
+        w = fr.fold_weights(core)
+        p, grounded, memory = core.zero_state(batch, torch.device("cpu"))
+        state = fr.StepState(p, grounded, fr.key_from_grounded(grounded, w, s, eps), memory)
+        u = torch.zeros(batch, 3, s.hidden)[:, 1]  # (a column of a window's inputs, as the fast path passes it)
+        saved: dict = {}
+        new_state, _ = tk.step(state, u, None, w, s, c, eps, saved, torch.empty_like(memory) if s.memory else None)
+        grads = fr.StepState(*(torch.zeros_like(x) for x in new_state))
+        if not tk.usable_step_backward(saved, grads, s):
+            raise RuntimeError(f"{preset}: step_backward would not take this step (it would run the torch ops)")
+        weight_grads = fr._WeightGrads(w, s.batch)
+        tk.step_backward(saved, grads, fr.transpose_weights(w), s, c, eps, weight_grads,
+                         torch.empty_like(memory) if s.memory else None)  # fmt: skip
+
+
+def compile_step_launches(target: GPUTarget, arch: int) -> list[dict]:
+    """Compile (through the JIT, as on a GPU) every distinct launch of one step forward and backward of each
+    of `STEP_PRESETS`, fp32 and bf16 weights; one result per distinct compiled kernel, or per failure."""
+    import torch
+    from triton.runtime.driver import driver
+
+    from modeling_gpn import triton_kernels as tk
+
+    kernels = tk._build()
+    results, seen = [], set()
+    case = ""
+
+    def compile_launch(name: str, grid: int, *args, **meta) -> None:
+        """In place of `triton_kernels._launch`: the JIT's own path up to the launch."""
+        bf16 = [p for p, a in zip(kernels[name].arg_names, args) if getattr(a, "dtype", None) == torch.bfloat16]
+        label = f"{name} {meta}" + (f" {'/'.join(bf16)} bf16" if bf16 else "")
+        start = time.perf_counter()
+        try:
+            compiled = kernels[name].run(*args, grid=(grid,), warmup=True, **meta)
+            compiled = compiled.result() if hasattr(compiled, "result") else compiled
+        except Exception as error:  # noqa: BLE001 (report every launch, then fail)
+            print(f"[FAIL] {case}: {label}: {type(error).__name__}: {str(error)[:2000]}", flush=True)
+            results.append(dict(kernel=name, case=case, meta=str(meta), ok=False, error=str(error)[:2000]))
+            return
+        if compiled.hash in seen:
+            return
+        seen.add(compiled.hash)
+        seconds = time.perf_counter() - start
+        usage = ptxas_report(compiled.asm["ptx"], arch)
+        spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", usage)]
+        note = "  [SPILLS]" if any(spills) else ""
+        print(f"[ok] {case}: {label}: {seconds:.1f} s, {compiled.metadata.num_warps} warps, shared "
+              f"{compiled.metadata.shared} B; {usage}{note}", flush=True)  # fmt: skip
+        results.append(dict(kernel=name, case=case, meta=str(meta), bf16=bf16, ok=True, seconds=seconds,
+                            shared=compiled.metadata.shared, ptxas=usage))  # fmt: skip
+
+    launch, active = tk._launch, getattr(driver, "_active", None)  # (None: Triton makes the default when asked)
+    driver.set_active(CompileOnlyDriver(target))
+    tk._launch = compile_launch
+    try:
+        for preset in STEP_PRESETS:
+            for dtype in (torch.float32, torch.bfloat16):
+                case = f"{preset} {str(dtype).replace('torch.', '')}"
+                try:
+                    for batch in STEP_BATCHES:
+                        one_step_on_the_wrappers(preset, dtype, batch)
+                except Exception as error:  # noqa: BLE001 (a wrapper's own failure: report it, go on)
+                    print(f"[FAIL] {case}: the step itself: {type(error).__name__}: {str(error)[:2000]}", flush=True)
+                    results.append(dict(kernel="(step)", case=case, ok=False, error=str(error)[:2000]))
+    finally:
+        tk._launch = launch
+        driver.set_active(active)
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10 (90: H100/H200)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--no-steps", action="store_true", help="skip the launches of the presets' steps")
     args = parser.parse_args()
     target = GPUTarget("cuda", args.arch, 32)
     results, failures = [], 0
@@ -119,8 +256,16 @@ def main() -> int:
             shared = compiled.metadata.shared
             note = "  [SPILLS]" if any(spills) else ""
             print(f"[ok] {label}: {seconds:.1f} s, {compiled.metadata.num_warps} warps, shared {shared} B; {usage}{note}", flush=True)
-            results.append(dict(kernel=name, constexprs=constexprs, ok=True, seconds=seconds, shared=shared, ptxas=usage))
+            results.append(dict(kernel=name, constexprs=constexprs, bf16=[bf16] if bf16 else [], ok=True, seconds=seconds,
+                                shared=shared, ptxas=usage))  # fmt: skip
     print(f"sm_{args.arch}: {len(results) - failures} of {len(results)} kernel variants compiled", flush=True)
+    if not args.no_steps:
+        step_results = compile_step_launches(target, args.arch)
+        step_failures = sum(not r["ok"] for r in step_results)
+        failures += step_failures
+        results += step_results
+        print(f"sm_{args.arch}: {len(step_results) - step_failures} of {len(step_results)} distinct launches of the "
+              f"130M presets' steps compiled", flush=True)  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -5,11 +5,60 @@ One program per (row, head) for the memory kernels, one per row for the row-wise
 its loads and stores, so no size has to be a multiple of a block. Contracts: see `triton_kernels`.
 """
 
+import os
+
 try:  # (inside try: transformers' remote-code import check must not demand triton from CPU users)
     import triton
     import triton.language as tl
 except ImportError as error:
     raise ImportError(f"the GPN Triton kernels need triton ({error}); pip install 'gpn[gpu]'") from error
+
+
+def _mend_interpreter_index() -> None:
+    """Under Triton's CPU interpreter, give its scalars an `__index__` that NumPy >= 2.4 accepts.
+
+    Why: the interpreter holds a scalar (a kernel's int argument, say `dv`) as a one-element array and, up
+    to triton 3.6 (the GPU machine's version), turns it into a Python int with `int(array)`, which NumPy 2.4
+    refuses ("only 0-dimensional arrays can be converted to Python scalars"): every `range(0, dv, BLOCK_V)`
+    loop of these kernels then fails on CPU. Upstream fixed it with `.squeeze()` (triton-lang/triton#9171,
+    PR #9172); this applies that same fix, only when a probe shows it missing, and only to the interpreter
+    (compiled kernels never take this path). A Triton whose internals differ is left as it is."""
+    import operator
+    import warnings
+
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # (some other layout: nothing to mend)
+        return
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None or getattr(patch_tensor, "_gpn_mended", False):
+        return
+    try:  # the probe: the interpreter's own patches on tl.tensor, then index a scalar it made
+        scope = interpreter._LangPatchScope()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # (NumPy 1.25-2.3 warn, 2.4 refuses)
+                patch_tensor(tl.tensor, scope)
+                operator.index(interpreter._implicit_cvt(1))
+            return  # it works (a Triton with the fix, or an older NumPy)
+        finally:
+            scope.restore()
+    except TypeError as error:
+        if "0-dimensional" not in str(error):  # (not NumPy's refusal: internals not as expected)
+            return
+    except Exception:  # noqa: BLE001 (internals not as expected: leave Triton alone)
+        return
+
+    def patch_tensor_mended(tensor, scope) -> None:
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch_tensor_mended._gpn_mended = True
+    interpreter._patch_lang_tensor = patch_tensor_mended
+
+
+if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on"):  # (as Triton reads it)
+    _mend_interpreter_index()
 
 
 @triton.jit

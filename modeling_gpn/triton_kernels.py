@@ -52,8 +52,8 @@ import torch
 
 MAX_KEY_BLOCK = 256  # largest key dimension a memory program holds at once (next power of two)
 # columns of M a memory program handles per iteration of its loop over the value dimension: with 128 key
-# rows, 64 columns spill registers on sm_90 (2.7 KB per program in the write backward), 32 do not
-# (benchmarks/triton_compile_check.py reports it)
+# rows, 64 columns spill registers on sm_90 in the write backward (12 B per program as the JIT specialises
+# the 130M's launches on triton 3.6, 2.7 KB unspecialised), 32 do not (benchmarks/triton_compile_check.py)
 VALUE_BLOCK = 32
 MAX_ROW_BLOCK = 16384  # widest row the row-wise kernels hold at once (next power of two)
 
@@ -126,7 +126,9 @@ def self_check(w, s, eps: float, device: torch.device, matmul_dtype: torch.dtype
     Why: the kernels are compiled for the GPU they meet and were tested through Triton's CPU interpreter;
     a compiler or hardware difference must not make them compute garbage in silence. On a mismatch this
     warns, naming the first quantity that differs, and turns the Triton backend off for the process (the
-    torch ops, which compute the same function, run instead). Returns whether the kernels matched."""
+    torch ops, which compute the same function, run instead). Kernels that raise (fail to compile or
+    launch) turn it off the same way; an error that leaves the CUDA context broken (an illegal address)
+    cannot be recovered from, though. Returns whether the kernels matched."""
     global _self_check_failure, _reference_running
     import warnings
 
@@ -146,27 +148,34 @@ def self_check(w, s, eps: float, device: torch.device, matmul_dtype: torch.dtype
             state = StepState(p, g, key_from_grounded(g, w, s, eps), memory)
         else:
             state = StepState(p, g, torch.zeros(batch, 0, device=device), torch.zeros(batch, 0, device=device))
-        results = {}
+        results, raised = {}, None
         for name, forward, backward in (("torch ops", _step, _step_backward), ("triton", step, step_backward)):
             _reference_running = name == "torch ops"  # `_step` would otherwise pick the memory kernels itself
             try:
                 results[name] = _one_step(forward, backward, state, u, w, s, columns_of(s), eps)
+            except Exception as error:  # noqa: BLE001 (see below)
+                if name == "torch ops":
+                    raise
+                # the kernels failed to compile or launch (a Triton release that rejects one, no C compiler
+                # for Triton's launcher, too many registers...): the torch ops can still run the model
+                raised = f"running them raised {type(error).__name__}: {(str(error).strip() or '?').splitlines()[0][:300]}"
             finally:
                 _reference_running = False
-    problem = None
+    problem = raised
     for name, expected in results["torch ops"].items():
+        if problem is not None:
+            break
         got = results["triton"].get(name)
         if got is None or got.shape != expected.shape:
             problem = f"{name}: missing or of another shape"
         elif not torch.allclose(got, expected, atol=atol, rtol=rtol, equal_nan=True):
             problem = f"{name}: max |difference| {(got - expected).abs().max().item():.3g}"
-        if problem is not None:
-            break
     _self_checks[key] = problem
     if problem is not None:
         _self_check_failure = f"on {device}, {problem}"
-        warnings.warn(f"GPN's Triton kernels disagree with the torch ops on {device} ({problem}); the Triton backend "
-                      "is off for this process and the torch ops run instead. Please report this.", RuntimeWarning)  # fmt: skip
+        what = "failed" if raised else "disagree with the torch ops"
+        warnings.warn(f"GPN's Triton kernels {what} on {device} ({problem}); the Triton backend is off for this "
+                      "process and the torch ops run instead. Please report this.", RuntimeWarning)  # fmt: skip
     return problem is None
 
 

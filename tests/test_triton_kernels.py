@@ -469,22 +469,22 @@ def test_a_window_through_graph_chunks_equals_plain(triton_on, monkeypatch):
 
 
 @torch.no_grad()
-def test_a_bf16_window_through_graph_chunks_equals_the_window_without_graphs(triton_on, monkeypatch):
-    """bf16 weights through the graph steps: on CPU their step matrices come prepacked for oneDNN (the graph's
-    key product once indexed the packed matrix and failed); the graphs compute what the fast path does."""
-    from modeling_gpn import cuda_graphs
-
-    monkeypatch.setattr(cuda_graphs, "WINDOW_CHUNK", 2)
-    model = perturbed_model(tiny_config(), seed=13).to(torch.bfloat16)
+def test_the_decode_graph_takes_prepacked_weights(triton_on, monkeypatch):
+    """On a CPU whose oneDNN has bf16 kernels, `cached_folded_weights` prepacks bf16 step matrices for it
+    (`PackedMatrix`); the graph's key step must take them as `key_from_grounded` does (`gpu_check.py
+    --dry-run-cpu` failed on such a CPU). Packing forced for fp32 weights: the same path on any CPU."""
+    monkeypatch.setattr(fr.PackedMatrix, "worthwhile", staticmethod(lambda w, rows=None: True))
+    model = perturbed_model(tiny_config(), seed=14)
     core = model.model
-    tokens, state, _, _ = random_problem(model, batch=2, length=5, mask_kind=None, seed=6)
-    tokens = tokens.float()
-    without = core.recurrence(tokens, state, None)
-    monkeypatch.setenv("GPN_CUDA_GRAPHS", "inference")
+    tokens, state, _, _ = random_problem(model, batch=2, length=1, mask_kind=None, seed=7)
+    core.use_fast_path = False
+    expected = core.recurrence(tokens, state, None)
+    core.use_fast_path = True
+    monkeypatch.setenv("GPN_CUDA_GRAPHS", "1")
     got = core.recurrence(tokens, state, None)
-    assert getattr(core, "_gpn_graphs", None)  # the graph steps ran
-    for a, b in zip((got[0], *got[1]), (without[0], *without[1])):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert [type(graph.w.big_w) for _, graph in core._gpn_graphs.values()] == [fr.PackedMatrix]  # (the case)
+    for a, b in zip((got[0], *got[1]), (expected[0], *expected[1])):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-4)
 
 
 @torch.no_grad()
@@ -573,4 +573,26 @@ def test_a_kernel_that_disagrees_turns_triton_off_and_the_torch_ops_compute_the_
     assert "new p" in tk.self_check_failure()
     assert n["ground"] == 1 and n["memory_write_backward"] == 1  # only the check's own step ran on the kernels
     assert fr.memory_backend(problem[1][2].reshape(-1, *problem[1][2].shape[2:])) != fr.TRITON
+    assert_same(plain, fast)
+
+
+def test_a_kernel_that_fails_to_compile_turns_triton_off_and_the_torch_ops_run(fresh_self_check, monkeypatch):
+    """A kernel that raises on its first launch (as a Triton release that rejects it, or a GPU machine
+    without a C compiler for Triton's launcher, would) does not stop the model: the self-check warns with
+    the error and the window runs on the torch ops, = plain."""
+    launch = tk._launch
+
+    def failing_launch(name, *args, **meta):
+        if name == "memory_write_backward":
+            raise RuntimeError("PTXAS error: Internal Triton PTX codegen error\nmore lines")
+        launch(name, *args, **meta)
+
+    monkeypatch.setattr(tk, "_launch", failing_launch)
+    model = perturbed_model(tiny_config(**VARIANTS["gpn+m"]), seed=5).train()
+    problem = random_problem(model, batch=3, length=4, mask_kind=None, seed=2)
+    plain = run_recurrence(model, False, *problem)
+    with pytest.warns(RuntimeWarning, match="Triton kernels failed on cpu .*raised RuntimeError: PTXAS error"):
+        fast, n = launches(lambda: run_recurrence(model, True, *problem))
+    assert tk.self_check_failure().endswith("PTXAS error: Internal Triton PTX codegen error")  # its first line
+    assert n["ground"] == 1 and n["memory_write_backward"] == 0  # only the check's own forward step ran on them
     assert_same(plain, fast)
