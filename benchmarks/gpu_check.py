@@ -330,8 +330,9 @@ def profile_timing(device: str, preset: str = "gpn-m-1l-130m", batch: int = 16, 
     1. Speed of the recurrence alone (no-grad window, graphs off and on; and a training window, graphs
        as the environment says): ms per step and the HBM bandwidth that implies (`step_bytes`).
     2. A torch.profiler trace of one no-grad window and one training step (graphs off, so each kernel is
-       seen): per kernel, launches and GPU microseconds per step, its share of GPU time, and the GPU's
-       busy fraction (kernel time / wall time: how launch-bound the step is)."""
+       seen): per kernel, launches and GPU microseconds per token position (for training: its forward,
+       recompute and backward steps together, and the window's other work spread over its positions), its
+       share of GPU time, and the GPU's busy fraction (kernel time / wall time: how launch-bound it is)."""
     from modeling_gpn.bench import build_gpn
 
     if DRY_RUN:
