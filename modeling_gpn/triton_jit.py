@@ -62,6 +62,22 @@ if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
 @triton.jit
+def _relu_l2(x):
+    """(relu(x), l2(relu(x)), 1 / its norm) of a vector held by one program: relu lets NaN through, as
+    torch's does; eps 1e-12 inside the root, as the torch ops (`fast_recurrence._l2`)."""
+    raw = tl.where(x < 0.0, 0.0, x)
+    inv = 1.0 / tl.sqrt(tl.sum(raw * raw, axis=0) + 1e-12)
+    return raw, raw * inv, inv
+
+
+@triton.jit
+def _relu_l2_backward(d_unit, unit, inv, raw):
+    """The gradient into x of unit = l2(relu(x)) for d_unit (given `_relu_l2`'s results)."""
+    d_raw = (d_unit - unit * tl.sum(d_unit * unit, axis=0)) * inv
+    return tl.where(raw <= 0.0, 0.0, d_raw)
+
+
+@triton.jit
 def memory_step_kernel(
     Z, z_stride, col_value, col_beta, col_decay, col_query, KEY, key_stride, NEG_DECAY, M, M_OUT,
     KQ_RAW, KQ, KQ_INV, SOFTPLUS, GAMMA, DECAY, BETA, ERROR, UPDATE, READ,
@@ -73,15 +89,8 @@ def memory_step_kernel(
     zrow = Z + b * z_stride
     i = tl.arange(0, BLOCK_K)
     in_k = i < dk
-    # relu (NaN stays NaN, as torch's), then l2 normalisation (eps 1e-12 inside the root)
-    k_raw = tl.load(KEY + b * key_stride + h * dk + i, mask=in_k, other=0.0)
-    k_raw = tl.where(k_raw < 0.0, 0.0, k_raw)
-    k_inv = 1.0 / tl.sqrt(tl.sum(k_raw * k_raw, axis=0) + 1e-12)
-    k = k_raw * k_inv
-    q_raw = tl.load(zrow + col_query + h * dk + i, mask=in_k, other=0.0)
-    q_raw = tl.where(q_raw < 0.0, 0.0, q_raw)
-    q_inv = 1.0 / tl.sqrt(tl.sum(q_raw * q_raw, axis=0) + 1e-12)
-    q = q_raw * q_inv
+    k_raw, k, k_inv = _relu_l2(tl.load(KEY + b * key_stride + h * dk + i, mask=in_k, other=0.0))
+    q_raw, q, q_inv = _relu_l2(tl.load(zrow + col_query + h * dk + i, mask=in_k, other=0.0))
     pair = bh * 2 * dk
     tl.store(KQ_RAW + pair + i, k_raw, mask=in_k)
     tl.store(KQ_RAW + pair + dk + i, q_raw, mask=in_k)
@@ -130,10 +139,7 @@ def memory_read_kernel(QUERY, query_stride, M, Q_RAW, Q, Q_INV, READ, n_heads, d
     b, h = bh // n_heads, bh % n_heads
     i = tl.arange(0, BLOCK_K)
     in_k = i < dk
-    q_raw = tl.load(QUERY + b * query_stride + h * dk + i, mask=in_k, other=0.0)
-    q_raw = tl.where(q_raw < 0.0, 0.0, q_raw)
-    q_inv = 1.0 / tl.sqrt(tl.sum(q_raw * q_raw, axis=0) + 1e-12)
-    q = q_raw * q_inv
+    q_raw, q, q_inv = _relu_l2(tl.load(QUERY + b * query_stride + h * dk + i, mask=in_k, other=0.0))
     tl.store(Q_RAW + bh * dk + i, q_raw, mask=in_k)
     tl.store(Q + bh * dk + i, q, mask=in_k)
     tl.store(Q_INV + bh, q_inv)
@@ -340,8 +346,7 @@ def memory_read_backward_kernel(D_READ, M, Q, Q_INV, Q_RAW, D_QUERY, d_query_str
         dq += tl.sum(m * tl.load(D_READ + bh * dv + j, mask=in_v, other=0.0)[None, :], axis=1)
     q = tl.load(Q + bh * dk + i, mask=in_k, other=0.0)
     raw = tl.load(Q_RAW + bh * dk + i, mask=in_k, other=0.0)
-    d_raw = (dq - q * tl.sum(dq * q, axis=0)) * tl.load(Q_INV + bh)
-    tl.store(D_QUERY + b * d_query_stride + h * dk + i, tl.where(raw <= 0.0, 0.0, d_raw), mask=in_k)
+    tl.store(D_QUERY + b * d_query_stride + h * dk + i, _relu_l2_backward(dq, q, tl.load(Q_INV + bh), raw), mask=in_k)
 
 
 @triton.jit
@@ -378,14 +383,12 @@ def memory_gates_backward_kernel(
     pair = bh * 2 * dk
     k = tl.load(KQ + pair + i, mask=in_k, other=0.0)
     d_k = tl.load(D_K + bh * dk + i, mask=in_k, other=0.0)
-    d_k_raw = (d_k - k * tl.sum(d_k * k, axis=0)) * tl.load(KQ_INV + bh * 2)
     k_raw = tl.load(KQ_RAW + pair + i, mask=in_k, other=0.0)
-    tl.store(D_KEY + b * n_heads * dk + h * dk + i, tl.where(k_raw <= 0.0, 0.0, d_k_raw), mask=in_k)
+    tl.store(D_KEY + b * n_heads * dk + h * dk + i, _relu_l2_backward(d_k, k, tl.load(KQ_INV + bh * 2), k_raw), mask=in_k)
     q = tl.load(KQ + pair + dk + i, mask=in_k, other=0.0)
     dq = tl.load(DQ0 + bh * dk + i, mask=in_k, other=0.0)
-    d_q_raw = (dq - q * tl.sum(dq * q, axis=0)) * tl.load(KQ_INV + bh * 2 + 1)
     q_raw = tl.load(KQ_RAW + pair + dk + i, mask=in_k, other=0.0)
-    tl.store(dz + col_query + h * dk + i, tl.where(q_raw <= 0.0, 0.0, d_q_raw), mask=in_k)
+    tl.store(dz + col_query + h * dk + i, _relu_l2_backward(dq, q, tl.load(KQ_INV + bh * 2 + 1), q_raw), mask=in_k)
 
 
 @triton.jit
