@@ -479,6 +479,25 @@ def _memory_half(Z, c: Columns, key, neg_decay_rate, memory, memory_out, eps: fl
     return _memory_step_torch(Z, c, key, neg_decay_rate, memory, memory_out, eps)
 
 
+def write_memory(Z, key, memory, memory_out, w: FoldedWeights, s: Shapes, c: Columns, eps: float,
+                 saved: Optional[dict], memory_half):  # fmt: skip
+    """The memory half of a step from its big projection Z: M' (into `memory_out` when given) and layer 0's
+    read through `memory_half` (`_memory_half`, or `triton_kernels.memory_step` on static buffers), with the
+    records `_step_backward` reads put into `saved`. Shared by `_step` and `triton_kernels.step`, so both
+    leave the same records. Without memory the state's key and M pass through unchanged.
+    Returns (the next step's key, M' as (B*H, dk, dv), M' as (B, H, dk, dv), gamma, read, rms(read));
+    gamma and the reads are None without memory."""
+    if not s.memory:
+        return key, memory, memory, None, None, None
+    B, H, dk, dv = s.batch, s.heads, s.key_dim, s.value_dim
+    old_flat = memory.view(B * H, dk, dv)
+    memory_flat = memory_out.view(B * H, dk, dv) if memory_out is not None else torch.empty_like(old_flat)
+    half = memory_half(Z, c, key, w.neg_decay_rate, old_flat, memory_flat, eps)
+    if saved is not None:
+        saved.update(half._asdict(), decay=Z[:, c.decay], old_memory=old_flat, new_memory=memory_flat)
+    return Z[:, c.key], memory_flat, memory_flat.view(B, H, dk, dv), half.gamma, half.read, half.normed_read
+
+
 def _step(
     state: StepState, u, real, w: FoldedWeights, s: Shapes, c: Columns, eps: float,
     saved: Optional[dict] = None, memory_out: Optional[torch.Tensor] = None,
@@ -503,19 +522,10 @@ def _step(
     if saved is not None:
         records = [{} for _ in range(s.layers)]
         saved.update(p=p, g=g, sig_fg=sig_fg, grounded=grounded, layers=records)  # rms(p), rms(g) are rebuilt
-    gamma, read, normed_read = None, None, None
-    memory_flat = new_memory = memory
-    new_key, part = Z[:, c.key], Z[:, c.write :]
-    if s.memory:
-        old_flat = memory.view(B * H, dk, dv)
-        memory_flat = memory_out.view(B * H, dk, dv) if memory_out is not None else torch.empty_like(old_flat)
-        half = _memory_half(Z, c, key, w.neg_decay_rate, old_flat, memory_flat, eps)
-        gamma, read, normed_read = half.gamma, half.read, half.normed_read
-        new_memory = memory_flat.view(B, H, dk, dv)
-        if saved is not None:
-            saved.update(half._asdict(), decay=Z[:, c.decay], old_memory=old_flat, new_memory=memory_flat)
-    else:
-        new_key = key
+    new_key, memory_flat, new_memory, gamma, read, normed_read = write_memory(
+        Z, key, memory, memory_out, w, s, c, eps, saved, _memory_half
+    )
+    part = Z[:, c.write :]
     layer_state = grounded
     for i in range(s.layers):
         record = None if records is None else records[i]
@@ -981,14 +991,18 @@ class _WeightGrads:
         self.bias_grads["big"][:width] += dkey.sum(0)
 
     def flush(self) -> None:
+        """Add the collected rows' x^T dy (and dy's column sums) to every gradient; empty the block."""
         n = self.step * self.batch
         self.step = 0
         if n == 0:
             return
         for name, (x, dy) in self.blocks.items():
-            self.grads[name] += _tmm(x[:n], dy[:n], self.w.big_w.dtype)
-            if name in self.bias_grads:
-                self.bias_grads[name] += dy[:n].sum(0)
+            self._accumulate(name, x[:n], dy[:n])
+
+    def _accumulate(self, name, x: torch.Tensor, dy: torch.Tensor) -> None:
+        self.grads[name] += _tmm(x, dy, self.w.big_w.dtype)
+        if name in self.bias_grads:
+            self.bias_grads[name] += dy.sum(0)
 
     def finish(self) -> list:
         """The gradients in `_flatten`'s order, in the weights' dtypes."""
@@ -1028,19 +1042,15 @@ class StaticWeightGrads(_WeightGrads):
             self.neg_decay.zero_()
         self.step = 0
 
-    def flush(self) -> None:
-        n = self.step * self.batch
-        self.step = 0
-        if n == 0:
-            return
-        for name, (x, dy) in self.blocks.items():
-            x_rows, dy_rows = x[:n], dy[:n]
-            if self.cast_blocks is not None:
-                x_cast, dy_cast = self.cast_blocks[name]
-                x_rows, dy_rows = x_cast[:n].copy_(x_rows), dy_cast[:n].copy_(dy_rows)
-            self.grads[name].add_(torch.mm(x_rows.t(), dy_rows, out=self.products[name]))
-            if name in self.bias_grads:
-                self.bias_grads[name].add_(torch.sum(dy[:n], 0, out=self.bias_sums[name]))
+    def _accumulate(self, name, x: torch.Tensor, dy: torch.Tensor) -> None:
+        n = x.shape[0]
+        x_rows, dy_rows = x, dy
+        if self.cast_blocks is not None:
+            x_cast, dy_cast = self.cast_blocks[name]
+            x_rows, dy_rows = x_cast[:n].copy_(x), dy_cast[:n].copy_(dy)
+        self.grads[name].add_(torch.mm(x_rows.t(), dy_rows, out=self.products[name]))
+        if name in self.bias_grads:
+            self.bias_grads[name].add_(torch.sum(dy, 0, out=self.bias_sums[name]))
 
     def finish(self) -> list:
         """As `_WeightGrads.finish`, as fresh tensors (the static buffers are overwritten by the next call)."""

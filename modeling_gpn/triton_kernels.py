@@ -440,7 +440,7 @@ def step(state, u, real, w, s, c, eps: float, saved: Optional[dict] = None, memo
     Launches per step of a one-layer GPN+M (float32 weights): rms(p), the gate matmul, `ground`, the big
     matmul and its bias, `memory_step` (2), `predict_input`, the output matmul, `gated_residual`; with bf16
     weights one cast to bf16 before each matmul (its bf16 result is read by the next kernel as it is)."""
-    from .fast_recurrence import StepState, keep_padded_rows
+    from .fast_recurrence import StepState, keep_padded_rows, write_memory
 
     p, g, key, memory = state
     B, H, dk, dv = s.batch, s.heads, s.key_dim, s.value_dim
@@ -451,19 +451,10 @@ def step(state, u, real, w, s, c, eps: float, saved: Optional[dict] = None, memo
     if saved is not None:
         records = [{} for _ in range(s.layers)]
         saved.update(p=p, g=g, sig_fg=sig_fg, grounded=grounded, layers=records)
-    gamma, read, normed_read = None, None, None
-    memory_flat = new_memory = memory
-    new_key, part = Z[:, c.key], Z[:, c.write :]
-    if s.memory:
-        old_flat = memory.view(B * H, dk, dv)
-        memory_flat = memory_out.view(B * H, dk, dv) if memory_out is not None else torch.empty_like(old_flat)
-        half = memory_step(Z, c, key, w.neg_decay_rate, old_flat, memory_flat, eps, ws=ws)
-        gamma, read, normed_read = half.gamma, half.read, half.normed_read
-        new_memory = memory_flat.view(B, H, dk, dv)
-        if saved is not None:
-            saved.update(half._asdict(), decay=Z[:, c.decay], old_memory=old_flat, new_memory=memory_flat)
-    else:
-        new_key = key
+    new_key, memory_flat, new_memory, gamma, read, normed_read = write_memory(
+        Z, key, memory, memory_out, w, s, c, eps, saved, lambda *args: memory_step(*args, ws=ws)
+    )
+    part = Z[:, c.write :]
     layer_state = grounded
     for i in range(s.layers):
         record = None if records is None else records[i]
