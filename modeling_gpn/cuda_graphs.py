@@ -391,6 +391,8 @@ class TrainingSweep:
 
         s, eps = self.s, self.eps
         B, T, d = U.shape
+        if not records_kept:  # a second backward (retain_graph): another call may have loaded its weights since
+            self.load_weights(w)
         for target, source in zip(self.wt, (w.fg_w, w.big_w, w.out_w, w.layer_w)):
             pairs = zip(target, source) if isinstance(target, tuple) else [(target, source)]
             for t, x in pairs:
@@ -404,9 +406,8 @@ class TrainingSweep:
             start = starts[index]
             stop = min(start + self.length, T)
             steps = stop - start
-            if stop != T or not records_kept:
+            if stop != T or not records_kept:  # (the boundaries stay: a second backward needs them again)
                 self._segment_forward(U, boundaries[index], start, stop)
-            boundaries[index] = None
             if dP is None:
                 self.d_outputs.zero_()
             else:

@@ -177,3 +177,24 @@ def test_windows_of_other_lengths_reuse_one_sweep(graphs_on, segment):
         (sweep,) = sweeps_of(model)
         lengths.append(sweep.length)
     assert lengths == ([3, 3, 3] if segment else [3, 5, 5])
+
+
+def test_a_second_backward_through_a_swept_window_equals_the_first(graphs_on):
+    """backward(retain_graph=True) twice through a window that ran on the sweep's buffers: the second pass
+    recomputes every segment (the buffers were released) and must give the same gradients as the first."""
+    model = perturbed_model(tiny_config(bptt_segment_length=2), seed=25)
+    core = model.model
+    core.use_fast_path = True
+    tokens, state, _, weights = random_problem(model, batch=2, length=5, mask_kind=None, seed=10)
+    tokens = tokens.clone().requires_grad_(True)
+    outputs, final, _ = core.recurrence(tokens, state, None)
+    objective = (outputs * weights[0]).sum() + sum((x * w).sum() for x, w in zip(final, weights[1:]))
+    assert sweeps_of(model)
+    grads = []
+    for retain in (True, False):
+        model.zero_grad(set_to_none=True)
+        tokens.grad = None
+        objective.backward(retain_graph=retain)
+        grads.append([tokens.grad.clone()] + [p.grad.clone() for p in core.parameters() if p.grad is not None])
+    for first, second in zip(*grads):
+        torch.testing.assert_close(second, first, atol=2e-5, rtol=2e-4)
