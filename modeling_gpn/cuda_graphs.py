@@ -58,8 +58,8 @@ def sizes_fit(config) -> bool:
     from .triton_kernels import MAX_KEY_BLOCK, MAX_ROW_BLOCK
 
     widths = [config.hidden_size, config.intermediate_size]
-    if config.use_memory:
-        widths.append(config.num_memory_heads * config.memory_value_dim)
+    if config.use_memory:  # (the key rows too: `triton_kernels.usable_step` bounds them)
+        widths += [config.num_memory_heads * config.memory_value_dim, config.num_memory_heads * config.memory_key_dim]
         if config.memory_key_dim > MAX_KEY_BLOCK:
             return False
     return max(widths) <= MAX_ROW_BLOCK
@@ -167,10 +167,14 @@ class StepsGraph:
         return self.outputs, (self.p[end], self.g[end], self.memory[end]), (self.gammas if self.s.memory else None)
 
 
-def graph_of(model, batch: int, device: torch.device, steps: int = 1, capture: bool = True) -> StepsGraph:
+def graph_of(model, batch: int, device: torch.device, steps: int = 1, capture: bool = True,
+             weights: Optional[tuple] = None) -> StepsGraph:  # fmt: skip
     """The model's `StepsGraph` for this batch size and number of steps, made (and captured, on CUDA) on first
-    use and again whenever a parameter changed."""
-    weights = tuple((p.data_ptr(), p._version) for p in model.parameters())
+    use and again whenever a parameter changed. `weights`: `fast_recurrence.parameters_key(model)` when the
+    caller has it (a window asks once for all its chunks)."""
+    from .fast_recurrence import parameters_key
+
+    weights = parameters_key(model) if weights is None else weights
     graphs = getattr(model, "_gpn_graphs", None)
     if graphs is None:
         graphs = {}
@@ -189,18 +193,23 @@ def window_forward(model, token_inputs: torch.Tensor, state, output_memory_decay
     `WINDOW_CHUNK` steps (one replay each), then single steps (the decode graph: one replay per token).
     Returns (outputs (B, T, d), (p, g, M), gammas (B, T, H) or None); outputs and gammas are fresh tensors,
     the state the graph's buffers (see the module docstring)."""
+    from .fast_recurrence import parameters_key
+
     B, T, d = token_inputs.shape
     device = token_inputs.device
     if T == 1:  # decoding: nothing else is allocated
         outputs, final, gammas = graph_of(model, B, device)(token_inputs, state)
         return outputs.clone(), final, (gammas.clone() if output_memory_decays and gammas is not None else None)
+    weights = parameters_key(model)  # once for every chunk
     outputs = torch.empty(B, T, d, dtype=torch.float32, device=device)
     heads = model.config.num_memory_heads if model.config.use_memory else 0
     gammas = torch.zeros(B, T, heads, device=device) if (output_memory_decays and heads) else None
     start = 0
     while start < T:
         steps = WINDOW_CHUNK if T - start >= WINDOW_CHUNK else 1
-        chunk_outputs, state, chunk_gammas = graph_of(model, B, device, steps)(token_inputs[:, start : start + steps], state)
+        chunk_outputs, state, chunk_gammas = graph_of(model, B, device, steps, weights=weights)(
+            token_inputs[:, start : start + steps], state
+        )
         outputs[:, start : start + steps] = chunk_outputs
         if gammas is not None:
             gammas[:, start : start + steps] = chunk_gammas
@@ -243,7 +252,8 @@ class TrainingSweep:
     `model._gpn_training_sweeps.clear()` frees the buffers and graphs."""
 
     def __init__(self, model, batch: int, length: int, w, device: torch.device):
-        from .fast_recurrence import StaticWeightGrads, StepState, TransposedWeights, columns_of, shapes_of
+        from .fast_recurrence import StaticWeightGrads, StepState, _flatten, _unflatten, columns_of, shapes_of
+        from .fast_recurrence import transpose_weights
 
         s = self.s = shapes_of(model, batch)
         self.c = columns_of(s)
@@ -251,11 +261,8 @@ class TrainingSweep:
         self.length = length
         self.chunk = max(1, min(TRAINING_CHUNK, length))
         self.device = device
-        static = lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device)  # noqa: E731
-        transposed = lambda t: torch.zeros(t.shape[1], t.shape[0], dtype=t.dtype, device=device)  # noqa: E731
-        self.w = type(w)(*(tuple(map(static, f)) if isinstance(f, tuple) else (None if f is None else static(f)) for f in w))
-        self.wt = TransposedWeights(transposed(w.fg_w), transposed(w.big_w), tuple(map(transposed, w.out_w)),
-                                    tuple(map(transposed, w.layer_w)), self.w.neg_decay_rate)  # fmt: skip
+        self.w = _unflatten([torch.zeros(t.shape, dtype=t.dtype, device=device) for t in _flatten(w)], s)
+        self.wt = transpose_weights(self.w)  # (static buffers too; neg_decay_rate shares self.w's)
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.float32, device=device)  # noqa: E731
         memory_shape = (batch, s.heads, s.key_dim, s.value_dim) if s.memory else (batch, 0)
         key_width = s.heads * s.key_dim
@@ -348,12 +355,10 @@ class TrainingSweep:
 
     def load_weights(self, w) -> None:
         """Copy this call's folded weights (fresh tensors every training call) into the static ones."""
-        for target, source in zip(self.w, w):
-            if isinstance(target, tuple):
-                for t, x in zip(target, source):
-                    t.copy_(x.detach())
-            elif target is not None:
-                target.copy_(source.detach())
+        from .fast_recurrence import _flatten
+
+        for target, source in zip(_flatten(self.w), _flatten(w)):
+            target.copy_(source.detach())
 
     def _segment_forward(self, U: torch.Tensor, boundary, start: int, stop: int) -> None:
         steps = stop - start
@@ -387,7 +392,7 @@ class TrainingSweep:
     def backward(self, U, g0, w, boundaries, records_kept: bool, dP, dp_final, dg_final, dM_final):
         """The backward sweep: (dU, dp0, dg0, dM0, weight gradients in `_flatten`'s order). `records_kept`:
         the buffers still hold the last segment's records from `forward` (else it is recomputed too)."""
-        from .fast_recurrence import _inv_rms, _mm, _rms_backward, _unit_rms
+        from .fast_recurrence import first_key_gradient
 
         s, eps = self.s, self.eps
         B, T, d = U.shape
@@ -416,12 +421,7 @@ class TrainingSweep:
                 self._run("backward", first, n)
             dU[:, start:stop] = self.d_inputs[:, :steps]
         grads = self.grad_in
-        d_g0 = grads.g.clone()
-        if s.memory:  # the key of the first step came from g0 (as in GPNRecurrenceFunction._backward)
-            a_g0 = _unit_rms(g0, eps)
-            key_rows = self.w.big_w[:, : s.heads * s.key_dim].t()
-            d_g0 = d_g0 + _rms_backward(_mm(grads.key, key_rows), a_g0, _inv_rms(g0, eps))
-            self.weight_grads.add_key(a_g0, grads.key)
+        d_g0 = first_key_gradient(grads, g0, w, s, eps, self.weight_grads).clone()
         return dU, grads.p.clone(), d_g0, grads.memory.clone(), self.weight_grads.finish()
 
 
@@ -431,8 +431,6 @@ def training_sweep(model, batch: int, segment: Optional[int], length: int, w, de
     the plain fast path runs). One sweep per segment length serves every window (a shorter one is one
     shorter segment); without segments (`segment` None) the sweep is as long as the longest window so far,
     replaced by a longer one when needed (so windows of varying length do not pile up buffers)."""
-    from .triton_kernels import usable_step
-
     dtypes = tuple(t.dtype for t in (w.fg_w, w.big_w, *w.out_w, *w.layer_w))
     if len(set(dtypes)) != 1 or dtypes[0] not in (torch.float32, torch.bfloat16, torch.float16):
         return None
@@ -443,8 +441,7 @@ def training_sweep(model, batch: int, segment: Optional[int], length: int, w, de
     key = (batch, segment, dtypes[0], device)
     sweep = sweeps.get(key)
     if sweep is None or (segment is None and sweep.length < length):
+        # (its sizes were checked by `wanted` (`sizes_fit`); its buffers are float32 and contiguous)
         sweep = TrainingSweep(model, batch, segment or length, w, device)
-        if not usable_step(sweep.state_in, sweep.u[:, 0], sweep.w, sweep.s):
-            return None
         sweeps[key] = sweep  # (a call still holding a replaced sweep keeps it until its backward)
     return sweep

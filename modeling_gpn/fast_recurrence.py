@@ -222,13 +222,20 @@ def in_matmul_dtype(w: FoldedWeights, dtype: Optional[torch.dtype]) -> FoldedWei
                       layer_w=tuple(map(cast, w.layer_w)))  # fmt: skip
 
 
+def parameters_key(model) -> tuple:
+    """What identifies the model's current weights: each parameter's storage, version (bumped by every
+    in-place update, an optimizer step's too), dtype and device. The caches of weights derived from them
+    (`cached_folded_weights`, the CUDA graphs) are rebuilt when it changes."""
+    return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in model.parameters())
+
+
 def cached_folded_weights(model, rows: Optional[int] = None, matmul_dtype: Optional[torch.dtype] = None) -> FoldedWeights:
     """`fold_weights` for inference, reused while no parameter changed (decode pays the fold once), with
     the step matrices in `matmul_dtype` (autocast's; None: the weights' own) and prepacked for oneDNN where
     that is faster for products of `rows` rows (`PackedMatrix.worthwhile`): bf16 on CPU always, fp32 for
     batches of 8+ rows on several threads. The variants are cached side by side (batch-1 decoding and
     batched scoring both stay fast)."""
-    key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in model.parameters())
+    key = parameters_key(model)
     cached = getattr(model, "_gpn_folded_cache", None)
     if cached is None or cached[0] != key:
         with torch.no_grad():
@@ -938,15 +945,23 @@ class GPNRecurrenceFunction(torch.autograd.Function):
                     if s.memory:
                         weight_grads.add_key(_unit_rms(record["g"], eps), grads.key)
                     grads = StepState(*(torch.zeros_like(x) for x in grads))
-        d_g0 = grads.g
-        if s.memory:  # the key of the first step came from g0
-            a_g0 = _unit_rms(g0, eps)
-            key_rows = w.big_w[:, : s.heads * s.key_dim].detach().t()  # W_k^T, used once
-            d_g0 = d_g0 + _rms_backward(_mm(grads.key, key_rows), a_g0, _inv_rms(g0, eps))
-            weight_grads.add_key(a_g0, grads.key)
+        d_g0 = first_key_gradient(grads, g0, w, s, eps, weight_grads)
         pool.give_back(ctx.segment_memory)  # every record that pointed into it is gone
         ctx.segment_memory = None
         return (dU.to(ctx.input_dtype), grads.p, d_g0, grads.memory, None, None, *weight_grads.finish())
+
+
+def first_key_gradient(grads: StepState, g0: torch.Tensor, w: FoldedWeights, s: Shapes, eps: float,
+                       weight_grads: "_WeightGrads") -> torch.Tensor:
+    """dL/dg0 at the end of a backward sweep: the carried g gradient plus, with memory, what flows back
+    through the first step's key, which was computed from g0 (`key_from_grounded`); adds that key's share
+    of the key projection's weight gradient. Shared by `GPNRecurrenceFunction` and the training graphs."""
+    if not s.memory:
+        return grads.g
+    a_g0 = _unit_rms(g0, eps)
+    key_rows = w.big_w[:, : s.heads * s.key_dim].detach().t()  # W_k^T, used once
+    weight_grads.add_key(a_g0, grads.key)
+    return grads.g + _rms_backward(_mm(grads.key, key_rows), a_g0, _inv_rms(g0, eps))
 
 
 class _WeightGrads:
