@@ -396,7 +396,7 @@ class TrainingSweep:
 
         s, eps = self.s, self.eps
         B, T, d = U.shape
-        if not records_kept:  # a second backward (retain_graph): another call may have loaded its weights since
+        if not records_kept:  # another call used the buffers since: its weights may be in them
             self.load_weights(w)
         for target, source in zip(self.wt, (w.fg_w, w.big_w, w.out_w, w.layer_w)):
             pairs = zip(target, source) if isinstance(target, tuple) else [(target, source)]
@@ -411,8 +411,9 @@ class TrainingSweep:
             start = starts[index]
             stop = min(start + self.length, T)
             steps = stop - start
-            if stop != T or not records_kept:  # (the boundaries stay: a second backward needs them again)
+            if stop != T or not records_kept:
                 self._segment_forward(U, boundaries[index], start, stop)
+            boundaries[index] = None
             if dP is None:
                 self.d_outputs.zero_()
             else:

@@ -890,6 +890,12 @@ class GPNRecurrenceFunction(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, dP, dp_final, dg_final, dM_final):
+        if ctx.boundaries[0] is None:  # (freed by the first backward, with the records and buffers)
+            raise RuntimeError(
+                "GPN's fast recurrence frees what its forward saved while its backward runs, so it takes one "
+                "backward per forward; for a second one (backward(retain_graph=True) twice, higher-order "
+                "gradients) run the plain path: model.model.use_fast_path = False"
+            )
         s, eps, segment, truncation, pool, sweep = ctx.settings
         saved = ctx.saved_tensors
         if ctx.sweep_owner is not None:
