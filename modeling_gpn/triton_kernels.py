@@ -408,9 +408,7 @@ def _product(x: torch.Tensor, w, ws: Optional[dict] = None, name: str = "") -> t
     kernels that read it upcast as they load (exact, so the same numbers as `fast_recurrence._mm`'s
     float32 copy, one launch fewer). With a workspace, into its buffers (`torch.mm(out=)`: nothing
     allocated, as a captured CUDA graph needs)."""
-    from .fast_recurrence import PackedMatrix
-
-    if isinstance(w, PackedMatrix):
+    if not isinstance(w, torch.Tensor):  # a `fast_recurrence.PackedMatrix` (CPU; no import on each matmul)
         return w.mm(x)
     if ws is None:
         return torch.matmul(x if x.dtype == w.dtype else x.to(w.dtype), w)
