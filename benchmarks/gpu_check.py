@@ -88,6 +88,12 @@ def worst_relative(a: dict, b: dict) -> float:
     return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-6)).item() for k in b)
 
 
+def lowest_cosine(a: dict, b: dict) -> float:
+    """The lowest cosine similarity between a's and b's gradients, over those not all zero in b."""
+    return min(torch.nn.functional.cosine_similarity(a[k].flatten(), b[k].flatten(), dim=0).item()
+               for k in b if b[k].abs().max() > 0)  # fmt: skip
+
+
 def correctness(device: str) -> None:
     report(tk.available(), f"triton importable and the kernels build: {tk.unavailable_reason() or 'yes'}")
     variants = {"gpn+m": {}, "gpn": dict(use_memory=False), "2l-bias": dict(num_predict_layers=2, use_decoder_bias=True),
@@ -132,11 +138,10 @@ def correctness(device: str) -> None:
     mask = torch.ones_like(ids)
     loss_ops, grads_ops, _ = grads_of(low, "torch ops", ids, mask)
     loss_tri, grads_tri, _ = grads_of(low, "triton", ids, mask)
-    cosines = [torch.nn.functional.cosine_similarity(grads_tri[k].flatten(), grads_ops[k].flatten(), dim=0).item()
-               for k in grads_ops if grads_ops[k].abs().max() > 0]  # fmt: skip
-    report(abs(loss_tri - loss_ops).item() < 1e-2 and min(cosines) > 0.99,
+    cosine = lowest_cosine(grads_tri, grads_ops)
+    report(abs(loss_tri - loss_ops).item() < 1e-2 and cosine > 0.99,
            f"{device} bf16 training, Triton vs torch ops: loss diff {abs(loss_tri - loss_ops).item():.2e}, "
-           f"lowest gradient cosine {min(cosines):.4f}")  # fmt: skip
+           f"lowest gradient cosine {cosine:.4f}")  # fmt: skip
 
     # the decode step through a CUDA graph = plain generate()
     model = perturbed(tiny(num_predict_layers=2), device, seed=12).eval()
@@ -147,23 +152,21 @@ def correctness(device: str) -> None:
         new = 4 if DRY_RUN else 16
         plain = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False, pad_token_id=0)
         model.model.use_fast_path = True
-        os.environ["GPN_CUDA_GRAPHS"] = "1"
         try:
-            graphed = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False, pad_token_id=0)
-            graphs = [graph for _, graph in getattr(model.model, "_gpn_graphs", {}).values()]
-            ok = torch.equal(graphed, plain) and bool(graphs) and (DRY_RUN or all(g.graphs is not None for g in graphs))
-            report(ok, f"{device} generate() through the captured decode graph == plain: tokens equal {torch.equal(graphed, plain)}")
-            # a longer no-grad window: chunks of WINDOW_CHUNK steps per replay, then single steps
-            ids = torch.randint(1, 97, (2, 70), generator=torch.Generator().manual_seed(6)).to(device)
-            with_graphs = model(ids).logits
-            os.environ.pop("GPN_CUDA_GRAPHS", None)
-            without = model(ids).logits
+            with graphs_setting("1"):
+                graphed = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False, pad_token_id=0)
+                graphs = [graph for _, graph in getattr(model.model, "_gpn_graphs", {}).values()]
+                ok = torch.equal(graphed, plain) and bool(graphs) and (DRY_RUN or all(g.graphs is not None for g in graphs))
+                report(ok, f"{device} generate() through the captured decode graph == plain: tokens equal {torch.equal(graphed, plain)}")
+                # a longer no-grad window: chunks of WINDOW_CHUNK steps per replay, then single steps
+                ids = torch.randint(1, 97, (2, 70), generator=torch.Generator().manual_seed(6)).to(device)
+                with_graphs = model(ids).logits
+            with graphs_setting("0"):
+                without = model(ids).logits
             diff = (with_graphs - without).abs().max().item()
             report(diff < 1e-4, f"{device} a 70-token window through graph chunks == without graphs: max |dlogit| {diff:.2e}")
         except Exception as error:  # noqa: BLE001 (report and go on: the bench runs without graphs then)
             report(False, f"{device} decode graph: {type(error).__name__}: {error}")
-        finally:
-            os.environ.pop("GPN_CUDA_GRAPHS", None)
     training_graphs(device)
 
 
@@ -178,9 +181,9 @@ def training_graphs(device: str) -> None:
         try:
             plain_loss, plain, _ = grads_of(model, "plain" if dtype == torch.float32 else "triton", ids, mask)
             _, eager, _ = grads_of(model, "triton", ids, mask)
-            os.environ["GPN_CUDA_GRAPHS"] = "1"
-            for call in (1, 2):
-                loss, graphed, _ = grads_of(model, "triton", ids, mask)
+            with graphs_setting("1"):
+                for call in (1, 2):
+                    loss, graphed, _ = grads_of(model, "triton", ids, mask)
             sweeps = list(getattr(model.model, "_gpn_training_sweeps", {}).values())
             captured = sum(len(sweep.graphs) for sweep in sweeps)
             ran = bool(sweeps) and (DRY_RUN or captured > 0)
@@ -191,15 +194,12 @@ def training_graphs(device: str) -> None:
                            f"{abs(loss - plain_loss).item():.2e}, worst relative grad diff {worst:.2e} (plain), "
                            f"{worst_eager:.2e} (without graphs), graphs captured {captured}")  # fmt: skip
             else:
-                cosines = [torch.nn.functional.cosine_similarity(graphed[k].flatten(), eager[k].flatten(), dim=0).item()
-                           for k in eager if eager[k].abs().max() > 0]  # fmt: skip
-                ok = ran and abs(loss - plain_loss).item() < 1e-2 and min(cosines) > 0.99
+                cosine = lowest_cosine(graphed, eager)
+                ok = ran and abs(loss - plain_loss).item() < 1e-2 and cosine > 0.99
                 report(ok, f"{device} bf16 training through graphs vs without: loss diff {abs(loss - plain_loss).item():.2e}, "
-                           f"lowest gradient cosine {min(cosines):.4f}, graphs captured {captured}")  # fmt: skip
+                           f"lowest gradient cosine {cosine:.4f}, graphs captured {captured}")  # fmt: skip
         except Exception as error:  # noqa: BLE001 (report and go on)
             report(False, f"{device} training graphs ({dtype}): {type(error).__name__}: {error}")
-        finally:
-            os.environ.pop("GPN_CUDA_GRAPHS", None)
 
 
 def training_timing(device: str, preset: str = "gpn-m-1l-130m", batch: int = 16, length: int = 256) -> dict:
@@ -215,30 +215,27 @@ def training_timing(device: str, preset: str = "gpn-m-1l-130m", batch: int = 16,
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     figures, grads = {}, {}
     for graphs in ("0", "1"):
-        os.environ["GPN_CUDA_GRAPHS"] = graphs
         name = "on" if graphs == "1" else "off"
         times = []
-        for repeat in range(3):  # the first: warm-up (compiles kernels; with graphs, captures them)
-            model.zero_grad(set_to_none=True)
-            sync()
-            start = time.perf_counter()
-            model(ids, labels=ids).loss.backward()
-            sync()
-            times.append(time.perf_counter() - start)
+        with graphs_setting(graphs):
+            for repeat in range(3):  # the first: warm-up (compiles kernels; with graphs, captures them)
+                model.zero_grad(set_to_none=True)
+                sync()
+                start = time.perf_counter()
+                model(ids, labels=ids).loss.backward()
+                sync()
+                times.append(time.perf_counter() - start)
         grads[name] = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
         step = min(times[1:])
         figures[f"train_step_ms_graphs_{name}"] = 1e3 * step
         figures[f"train_tok_s_graphs_{name}"] = batch * length / step
         figures[f"first_step_s_graphs_{name}"] = times[0]
-    os.environ.pop("GPN_CUDA_GRAPHS", None)
-    cosines = [torch.nn.functional.cosine_similarity(grads["on"][k].flatten(), grads["off"][k].flatten(), dim=0).item()
-               for k in grads["off"] if grads["off"][k].abs().max() > 0]  # fmt: skip
-    figures["lowest_gradient_cosine_on_vs_off"] = min(cosines)
+    figures["lowest_gradient_cosine_on_vs_off"] = cosine = lowest_cosine(grads["on"], grads["off"])
     sweeps = list(getattr(model.model, "_gpn_training_sweeps", {}).values())
     figures["graphs_captured"] = captured = sum(len(sweep.graphs) for sweep in sweeps)
     ran = bool(sweeps) and (DRY_RUN or captured > 0)
-    report(ran and min(cosines) > 0.99, f"{device} {preset} bf16 {batch}x{length} training gradients, graphs on vs off: "
-                                        f"lowest cosine {min(cosines):.4f}, graphs captured {captured}")  # fmt: skip
+    report(ran and cosine > 0.99, f"{device} {preset} bf16 {batch}x{length} training gradients, graphs on vs off: "
+                                  f"lowest cosine {cosine:.4f}, graphs captured {captured}")  # fmt: skip
     for key, value in figures.items():
         print(f"[time] {preset} bf16 {batch}x{length} {key}: {value:.3f}", flush=True)
     return figures
@@ -272,17 +269,16 @@ def decode_timing(device: str, preset: str = "gpn-m-1l-130m") -> dict:
         ids = torch.randint(1, core.config.vocab_size, (1, 1), device=device)
         out = model(input_ids=ids, use_cache=True)
         for graphs in ("0", "1"):
-            os.environ["GPN_CUDA_GRAPHS"] = graphs
             cache = out.cache
-            for _ in range(5):
-                cache = model(input_ids=ids, cache=cache, use_cache=True).cache
-            sync()
-            start, n = time.perf_counter(), 100 // repeats
-            for _ in range(n):
-                cache = model(input_ids=ids, cache=cache, use_cache=True).cache
-            sync()
-            figures[f"model_forward_one_token_ms_graphs_{'on' if graphs == '1' else 'off'}"] = 1e3 * (time.perf_counter() - start) / n
-        os.environ.pop("GPN_CUDA_GRAPHS", None)
+            with graphs_setting(graphs):
+                for _ in range(5):
+                    cache = model(input_ids=ids, cache=cache, use_cache=True).cache
+                sync()
+                start, n = time.perf_counter(), 100 // repeats
+                for _ in range(n):
+                    cache = model(input_ids=ids, cache=cache, use_cache=True).cache
+                sync()
+                figures[f"model_forward_one_token_ms_graphs_{'on' if graphs == '1' else 'off'}"] = 1e3 * (time.perf_counter() - start) / n
     for key, value in figures.items():
         print(f"[time] {preset} bf16 batch 1 {key}: {value:.3f}", flush=True)
     return figures

@@ -114,6 +114,18 @@ def ptxas_report(ptx: str, arch: int) -> str:
     return "ptxas -v unavailable"
 
 
+def compiled_result(label: str, compiled, seconds: float, arch: int, **identity) -> dict:
+    """Print the `[ok]` line of a compiled kernel (warps, shared memory, ptxas -v's registers and spills per
+    thread, `[SPILLS]` when it reports any) and return its result: `identity` (which kernel, which case),
+    then ok, seconds, shared and the ptxas report."""
+    usage = ptxas_report(compiled.asm["ptx"], arch)
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", usage)]
+    note = "  [SPILLS]" if any(spills) else ""
+    shared = compiled.metadata.shared
+    print(f"[ok] {label}: {seconds:.1f} s, {compiled.metadata.num_warps} warps, shared {shared} B; {usage}{note}", flush=True)
+    return dict(**identity, ok=True, seconds=seconds, shared=shared, ptxas=usage)
+
+
 STEP_PRESETS = ("gpn-m-1l-130m", "gpn-m-2l-130m", "gpn-130m")
 # decoding, and the bench's batch: an int argument the JIT sees change with the batch (rows x heads) is
 # specialised when it is a multiple of 16, a distinct kernel
@@ -201,13 +213,8 @@ def compile_step_launches(target: GPUTarget, arch: int) -> list[dict]:
             return
         seen.add(compiled.hash)
         seconds = time.perf_counter() - start
-        usage = ptxas_report(compiled.asm["ptx"], arch)
-        spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", usage)]
-        note = "  [SPILLS]" if any(spills) else ""
-        print(f"[ok] {case}: {label}: {seconds:.1f} s, {compiled.metadata.num_warps} warps, shared "
-              f"{compiled.metadata.shared} B; {usage}{note}", flush=True)  # fmt: skip
-        results.append(dict(kernel=name, case=case, meta=str(meta), bf16=bf16, ok=True, seconds=seconds,
-                            shared=compiled.metadata.shared, ptxas=usage))  # fmt: skip
+        results.append(compiled_result(f"{case}: {label}", compiled, seconds, arch, kernel=name, case=case,
+                                       meta=str(meta), bf16=bf16))  # fmt: skip
 
     launch, active = tk._launch, getattr(driver, "_active", None)  # (None: Triton makes the default when asked)
     driver.set_active(CompileOnlyDriver(target))
@@ -251,13 +258,8 @@ def main() -> int:
                 results.append(dict(kernel=name, constexprs=constexprs, ok=False, error=str(error)[:2000]))
                 continue
             seconds = time.perf_counter() - start
-            usage = ptxas_report(compiled.asm["ptx"], args.arch)
-            spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", usage)]
-            shared = compiled.metadata.shared
-            note = "  [SPILLS]" if any(spills) else ""
-            print(f"[ok] {label}: {seconds:.1f} s, {compiled.metadata.num_warps} warps, shared {shared} B; {usage}{note}", flush=True)
-            results.append(dict(kernel=name, constexprs=constexprs, bf16=[bf16] if bf16 else [], ok=True, seconds=seconds,
-                                shared=shared, ptxas=usage))  # fmt: skip
+            results.append(compiled_result(label, compiled, seconds, args.arch, kernel=name, constexprs=constexprs,
+                                           bf16=[bf16] if bf16 else []))  # fmt: skip
     print(f"sm_{args.arch}: {len(results) - failures} of {len(results)} kernel variants compiled", flush=True)
     if not args.no_steps:
         step_results = compile_step_launches(target, args.arch)

@@ -1241,17 +1241,30 @@ class ChunkedTiedCrossEntropy(torch.autograd.Function):
 
 
 def chunked_causal_lm_loss(
-    decoded: torch.Tensor, embedding: torch.Tensor, labels: torch.Tensor, chunk_rows: Optional[int] = None
-) -> torch.Tensor:
-    """Mean shifted cross-entropy of logits = decoded E^T (decoded (B, T, e), labels (B, T), -100 ignored).
+    decoded: torch.Tensor, embedding: torch.Tensor, labels: Optional[torch.Tensor], chunk_rows: Optional[int] = None,
+    shift_labels: Optional[torch.Tensor] = None, num_items_in_batch: torch.Tensor | int | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Shifted cross-entropy of logits = decoded E^T (decoded (B, T, e), labels (B, T), -100 ignored): position
+    t against `labels[:, t + 1]` (or `shift_labels[:, t]` when given); the mean, or the sum divided by
+    `num_items_in_batch` when given (transformers' exact gradient accumulation).
 
     Equals `F.cross_entropy(logits[:, :-1].float(), labels[:, 1:])` without holding the (B, T, V) logits.
     """
     V, e = embedding.shape
     if chunk_rows is None:
         chunk_rows = max(64, (1 << 20) // V)  # about 4 MB of float32 logits: the chunk stays in cache
-    h = decoded[:, :-1].reshape(-1, e).to(embedding.dtype)
-    targets = labels[:, 1:].reshape(-1).to(decoded.device)
+    rows, targets = (decoded, shift_labels) if shift_labels is not None else (decoded[:, :-1], labels[:, 1:])
+    h = rows.reshape(-1, e).to(embedding.dtype)
+    targets = targets.reshape(-1).to(decoded.device)
     with_grads = torch.is_grad_enabled() and (h.requires_grad or embedding.requires_grad)
     total = ChunkedTiedCrossEntropy.apply(h, embedding, targets, chunk_rows, with_grads)
-    return total / (targets != -100).sum()  # nan when nothing is counted, as F.cross_entropy
+    return divide_loss_sum(total, targets, num_items_in_batch)
+
+
+def divide_loss_sum(total: torch.Tensor, targets: torch.Tensor, num_items_in_batch: torch.Tensor | int | None) -> torch.Tensor:
+    """The summed loss over `num_items_in_batch` when given, else over this call's counted targets (the mean)."""
+    if num_items_in_batch is None:
+        return total / (targets != -100).sum()  # nan when nothing is counted, as F.cross_entropy
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch

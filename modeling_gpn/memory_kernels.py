@@ -566,7 +566,13 @@ def _check_apart(output: torch.Tensor, name: str, inputs: dict) -> None:
 
 
 def _require() -> None:
-    if not usable():
+    """Refuse unless the kernels' library is loaded (built here when no caller asked `available()` first) and
+    this is not a torch.compile trace. Cheap on purpose: the entries run every step, and their caller
+    (`fast_recurrence.memory_backend`) has just asked `usable()`, whose environment read and build lock
+    need not be paid again; reading `_library` without the lock is safe (it is set once, under it). So
+    GPN_MEMORY_KERNELS=0 is read by that gate (and before the first build), not by each call. Every
+    argument is still checked by the entry itself."""
+    if torch.compiler.is_compiling() or (_library is None and not available()):
         _refuse(f"the kernels are unavailable ({unavailable_reason() or 'under torch.compile'})")
 
 

@@ -38,7 +38,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput
 from transformers.utils import logging
 
 from .configuration_gpn import GPNConfig
-from .fast_recurrence import ChunkedTiedCrossEntropy, chunked_causal_lm_loss, fast_recurrence
+from .fast_recurrence import chunked_causal_lm_loss, divide_loss_sum, fast_recurrence
 
 logger = logging.get_logger(__name__)
 
@@ -1036,27 +1036,11 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         shift_labels: torch.Tensor | None,
         num_items_in_batch: torch.Tensor | int | None,
     ) -> torch.Tensor:
-        """`causal_lm_loss` of logits = decoded E^T without holding the logits (`ChunkedTiedCrossEntropy`)."""
+        """`causal_lm_loss` of logits = decoded E^T without holding the logits (`chunked_causal_lm_loss`)."""
         embedding = self.output_embedding_weight()
-        if shift_labels is None and num_items_in_batch is None:
-            return chunked_causal_lm_loss(decoded, embedding, labels)
-        rows, targets = (decoded, shift_labels) if shift_labels is not None else (decoded[:, :-1], labels[:, 1:])
-        vocab_size, width = embedding.shape
-        rows = rows.reshape(-1, width).to(embedding.dtype)
-        targets = targets.reshape(-1).to(rows.device)
-        chunk_rows = max(64, (1 << 20) // vocab_size)  # about 4 MB of float32 logits, as chunked_causal_lm_loss
-        with_grads = torch.is_grad_enabled() and (rows.requires_grad or embedding.requires_grad)
-        total = ChunkedTiedCrossEntropy.apply(rows, embedding, targets, chunk_rows, with_grads)
-        return _divide_loss_sum(total, targets, num_items_in_batch)
-
-
-def _divide_loss_sum(total: torch.Tensor, targets: torch.Tensor, num_items_in_batch: torch.Tensor | int | None) -> torch.Tensor:
-    """The summed loss over `num_items_in_batch` when given, else over this call's counted targets (the mean)."""
-    if num_items_in_batch is None:
-        return total / (targets != -100).sum()  # nan when nothing is counted, as F.cross_entropy
-    if isinstance(num_items_in_batch, torch.Tensor):
-        num_items_in_batch = num_items_in_batch.to(total.device)
-    return total / num_items_in_batch
+        return chunked_causal_lm_loss(
+            decoded, embedding, labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch
+        )
 
 
 def causal_lm_loss(
@@ -1076,7 +1060,7 @@ def causal_lm_loss(
     logits = logits.float().reshape(-1, logits.shape[-1])
     if num_items_in_batch is None:
         return F.cross_entropy(logits, targets, ignore_index=-100)
-    return _divide_loss_sum(F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum"), targets, num_items_in_batch)
+    return divide_loss_sum(F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum"), targets, num_items_in_batch)
 
 
 GPNConfig.register_for_auto_class()
