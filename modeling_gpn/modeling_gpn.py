@@ -153,7 +153,8 @@ class GPNStateLayer(LinearAttentionLayer):
         self.seen_tokens = 0
 
     def get_seq_length(self) -> int:
-        return self.seen_tokens
+        seen = self.seen_tokens  # a 0-dim tensor only inside a traced program (see the pytree functions)
+        return int(seen) if isinstance(seen, torch.Tensor) and not is_tracing() else seen
 
     @property
     def is_croppable(self) -> bool:
@@ -205,7 +206,11 @@ class GPNCache(Cache):
     ) -> None:
         """Store the state after `num_new_tokens` more tokens (in place, so addresses stay static)."""
         self.state_layer.store(predicted, grounded, memory)
-        self.state_layer.seen_tokens += num_new_tokens
+        seen = self.state_layer.seen_tokens
+        if is_tracing() and not isinstance(seen, torch.Tensor):
+            # a tensor while tracing, so the count of a dynamic-length program is computed, not frozen (see pytree)
+            seen = torch.zeros((), dtype=torch.int64)
+        self.state_layer.seen_tokens = seen + num_new_tokens
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Number of token positions this cache has consumed (padding included)."""
@@ -221,23 +226,35 @@ class GPNCache(Cache):
         )
 
 
+# ---- pytree registration (torch.export / torch.compile) -------------------------------------------
+# The children are the state (p, g, M) and the number of positions read, as a 0-dim int64 tensor; the
+# context is only whether a state is held. A count in the context would be a SymInt in a program exported
+# with a dynamic sequence length (not serializable: torch.export.save failed with "Object of type SymInt
+# is not JSON serializable"), and a constant frozen into the program's output spec at tracing time.
+
+
+def _seen_tokens_tensor(seen: int | torch.Tensor) -> torch.Tensor:
+    return seen if isinstance(seen, torch.Tensor) else torch.tensor(seen, dtype=torch.int64)
+
+
 def _flatten_gpn_cache(cache: GPNCache):
-    """pytree children of a `GPNCache`: its (p, g, M) when it holds a state; the token count is context."""
+    """pytree children of a `GPNCache`: (p, g, M) when it holds a state, then the positions read (a tensor)."""
     state = [cache.state_layer.recurrent_states[i] for i in range(3)] if cache.has_state else []
-    return state, (cache.get_seq_length(), bool(state))
+    return [*state, _seen_tokens_tensor(cache.state_layer.seen_tokens)], bool(state)
 
 
 def _unflatten_gpn_cache(children, context) -> GPNCache:
-    seen_tokens, has_state = context
+    has_state = context
+    *state, seen_tokens = children
     cache = GPNCache()
     layer = cache.state_layer
     if has_state:
-        for index, tensor in enumerate(children):
+        for index, tensor in enumerate(state):
             layer.recurrent_states[index] = tensor
             layer.is_recurrent_states_initialized[index] = True
             layer.has_previous_state[index] = True
-        layer.device, layer.dtype = children[0].device, children[0].dtype
-    layer.seen_tokens = seen_tokens
+        layer.device, layer.dtype = state[0].device, state[0].dtype
+    layer.seen_tokens = seen_tokens  # stays a tensor (no int() on a traced value); get_seq_length() gives an int
     return cache
 
 
@@ -253,6 +270,7 @@ pytree.register_pytree_node(
         _flatten_gpn_cache(cache)[1],
     ),
 )
+# ---- end of the pytree registration ---------------------------------------------------------------
 
 
 # --------------------------------------------------------------------------------------------------

@@ -454,6 +454,69 @@ def test_torch_export_matches_eager_and_returns_the_cache():
     )
 
 
+class ExportedPrefill(nn.Module):
+    """generate()'s prefill as a program: token ids in, logits and a new `GPNCache` out."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        out = self.model(ids, use_cache=True)
+        return out.logits, out.cache
+
+
+class ExportedDecode(ExportedPrefill):
+    """generate()'s decode step as a program: it takes a `GPNCache` and returns the updated one."""
+
+    def forward(self, ids, cache):
+        out = self.model(ids, cache=cache, use_cache=True)
+        return out.logits, out.cache
+
+
+def save_and_load(program):
+    import io
+
+    # Without the example inputs: torch.load refuses the pickled GPNCache among them with weights_only=True and
+    # torch logs its fallback with a broken format string (torch 2.13), an error under pytest's log capture.
+    program.example_inputs = None
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer)
+    buffer.seek(0)
+    return torch.export.load(buffer)
+
+
+def test_torch_export_save_load_round_trips_dynamic_programs_that_take_and_return_the_cache():
+    """The cache's pytree context is static (the positions read are a tensor child): a program exported with
+    dynamic shapes saves (a count in the context was a SymInt: "Object of type SymInt is not JSON
+    serializable"), and takes caches that have read any number of positions (a count in the context was a
+    constant the input had to match)."""
+    model = perturbed_model(tiny_config(num_predict_layers=1))
+    auto = torch.export.Dim.AUTO
+    prompt = token_ids(2, 5)
+    prefill = save_and_load(torch.export.export(ExportedPrefill(model), (prompt,), dynamic_shapes=({0: auto, 1: auto},)))
+    cache = model(prompt, use_cache=True).cache
+    decode_shapes = ({0: auto, 1: auto}, [{0: auto}, {0: auto}, {0: auto}, None])
+    decode = save_and_load(torch.export.export(ExportedDecode(model), (prompt[:, :1], cache), dynamic_shapes=decode_shapes))
+
+    other_prompt = token_ids(3, 5, seed=2)  # another batch size: the program is not a recording of one input
+    logits, exported_cache = prefill.module()(other_prompt)
+    with torch.no_grad():
+        eager = model(other_prompt, use_cache=True)
+    torch.testing.assert_close(logits, eager.logits, rtol=1e-5, atol=1e-5)
+    assert exported_cache.get_seq_length() == 5
+    eager_cache = eager.cache
+    for step in range(3):  # the decode program continues from caches that have read 5, 6 and 7 positions
+        token = token_ids(3, 1, seed=10 + step)
+        logits, exported_cache = decode.module()(token, exported_cache)
+        with torch.no_grad():
+            eager = model(token, cache=eager_cache, use_cache=True)
+        torch.testing.assert_close(logits, eager.logits, rtol=1e-5, atol=1e-5)
+        assert exported_cache.get_seq_length() == eager_cache.get_seq_length() == 6 + step
+        for got, want in zip(exported_cache.get_state(), eager_cache.get_state()):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.slow
 def test_torch_compile_fullgraph_matches_eager():
     """Dynamo captures the whole forward (and the backward through AOT autograd); the aot_eager backend
