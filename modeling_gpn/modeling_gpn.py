@@ -23,6 +23,7 @@ installed `modeling_gpn` package.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, LinearAttentionLayer
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput
 from transformers.utils import logging
 
@@ -401,11 +403,56 @@ class GPNCausalLMOutput(CausalLMOutputWithPast):
     memory_decays: torch.Tensor | None = None
 
 
+# ---- gradient checkpointing: one BPTT segment is the unit of recomputation ---------------------------
+
+
+class GPNSegmentLayer(GradientCheckpointingLayer):
+    """One segment of the plain time loop, the unit transformers' gradient checkpointing recomputes.
+
+    A GPN has one layer revisited at every token, so it checkpoints *time*: with checkpointing on (and
+    training with gradients) the plain loop runs every segment of `config.bptt_segment_length` positions
+    through this layer, and `GradientCheckpointingLayer` hands each call to the model's checkpoint
+    function (`_gradient_checkpointing_func`, set by `gradient_checkpointing_enable`): only the states at
+    segment boundaries are kept, and the backward pass recomputes each segment from its boundary.
+    Without checkpointing the plain loop calls it once, over the whole sequence. It holds no weights:
+    `steps` is the model's `_plain_steps`, passed as a keyword (the recomputation calls it again).
+    """
+
+    def forward(
+        self,
+        token_inputs: torch.Tensor,
+        predicted: torch.Tensor,
+        grounded: torch.Tensor,
+        memory: torch.Tensor,
+        mask: torch.Tensor | None,
+        first_position: int,
+        output_memory_decays: bool,
+        *,
+        steps,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(outputs, p, g, M, gamma or None) after the segment's positions (tensors positional, as reentrant
+        checkpointing needs them)."""
+        return steps(token_inputs, predicted, grounded, memory, mask, first_position, output_memory_decays)
+
+
+def is_torch_checkpoint(function) -> bool:
+    """Whether `function` is torch.utils.checkpoint.checkpoint, possibly with `use_reentrant` bound (what
+    `gradient_checkpointing_enable()` installs without `offload`)."""
+    from torch.utils.checkpoint import checkpoint
+
+    if isinstance(function, functools.partial):
+        return function.func is checkpoint and not function.args and set(function.keywords) <= {"use_reentrant"}
+    return function is checkpoint
+
+
+# ---- end of gradient checkpointing -------------------------------------------------------------------
+
+
 class GPNPreTrainedModel(PreTrainedModel):
     config_class = GPNConfig
     config: GPNConfig
     base_model_prefix = "model"
-    # Activation checkpointing maps onto GPN's own recomputation (see `_set_gradient_checkpointing`).
+    # Activation checkpointing recomputes BPTT segments (`GPNSegmentLayer`, `_set_gradient_checkpointing`).
     supports_gradient_checkpointing = True
     _no_split_modules = ["GPNModel"]
     _is_stateful = True  # generate() refuses assisted decoding: a recurrent state cannot be rolled back
@@ -426,14 +473,19 @@ class GPNPreTrainedModel(PreTrainedModel):
         return super().save_pretrained(save_directory, *args, **kwargs)
 
     def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None, every_n_layers: int = 1):
-        """What `gradient_checkpointing_enable()` (and `TrainingArguments(gradient_checkpointing=True)`) turns on.
+        """What `activation_checkpointing_enable()` / `gradient_checkpointing_enable()` (and
+        `TrainingArguments(gradient_checkpointing=True)`) turn on, and `..._disable()` off.
 
         A GPN has one layer revisited at every token, so it checkpoints *time*, not layers: training keeps
         the state only at the boundaries of segments of `config.bptt_segment_length` tokens and recomputes
-        each segment's steps in the backward pass. Enabling sets `bptt_segment_length` to
-        `DEFAULT_CHECKPOINT_SEGMENT_LENGTH` when it is unset (disabling puts `None` back); the fast path
-        already recomputes segments from that setting, and the plain path wraps each segment in the
-        checkpoint function transformers passes (torch.utils.checkpoint). Gradients are unchanged.
+        each segment's steps in the backward pass. transformers sets the flag and the checkpoint function
+        on `GPNSegmentLayer` (a `GradientCheckpointingLayer`), through which the plain loop runs each
+        segment. Enabling sets `bptt_segment_length` to `DEFAULT_CHECKPOINT_SEGMENT_LENGTH` when it is unset
+        (disabling puts `None` back). The fast path recomputes the same segments with its own hand-written
+        backward, in place of `torch.utils.checkpoint.checkpoint` (which could not free what its autograd
+        function keeps); any other checkpoint function (transformers' `offload=True`, DeepSpeed's, your
+        own) is honoured: the plain path runs and calls it on every segment (`GPNModel.fast_path_blocker`).
+        Gradients are unchanged.
         """
         if gradient_checkpointing_func is None:
             from torch.utils.checkpoint import checkpoint
@@ -502,7 +554,7 @@ class GPNModel(GPNPreTrainedModel):
         self.fuse_gate = linear(d, d, bias=True, init_scheme="zeros")
         self.memory_write = GPNMemoryWrite(config) if config.use_memory else None
         self.predict_layers = nn.ModuleList(GPNPredictLayer(config) for _ in range(config.num_predict_layers))
-        self.gradient_checkpointing = False  # see GPNPreTrainedModel._set_gradient_checkpointing
+        self.segment_layer = GPNSegmentLayer()  # the plain loop's segments; see GPNPreTrainedModel._set_gradient_checkpointing
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -559,8 +611,9 @@ class GPNModel(GPNPreTrainedModel):
     use_fast_path: bool = True  # set False on a model (or its class) to run the plain loop
     last_recurrence_path: str | None = None  # "fast" or "plain": what the last eager call ran
 
-    # Children the fast path does not fold: it calls them as modules, like the plain path.
-    _CALLED_CHILDREN = ("embed_tokens", "fuse_norm", "fuse_proj")
+    # Children the fast path does not fold: it calls them as modules, like the plain path. (The segment
+    # layer, which only the plain path calls, is checked on its own in `fast_path_blocker`.)
+    _CALLED_CHILDREN = ("embed_tokens", "fuse_norm", "fuse_proj", "segment_layer")
 
     def fast_path_blocker(self) -> str | None:
         """Why the fast path cannot run on this model now, or None when it can.
@@ -570,12 +623,17 @@ class GPNModel(GPNPreTrainedModel):
         `nn.Linear` or `GPNRMSNorm` of that exact class (a subclass, a PEFT LoRA wrapper or a quantized
         replacement is not), with plain `nn.Parameter` weights (no tensor subclass, no parametrization),
         and no forward or backward hooks on it or registered globally. Anything else runs the plain path,
-        which calls every module.
+        which calls every module. So does gradient checkpointing with a checkpoint function other than
+        `torch.utils.checkpoint.checkpoint` (whose work the fast path does itself), and a hook on the
+        segment layer: the plain path calls them on every segment.
         """
         module_hooks = torch.nn.modules.module
         for name in ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks", "_global_backward_hooks"):
             if getattr(module_hooks, name, None):
                 return f"a global module hook is registered ({name.strip('_')})"
+        blocker = self._segment_layer_blocker()
+        if blocker is not None:
+            return blocker
         allowed = (nn.Linear, GPNRMSNorm, nn.ModuleList, GPNMemoryWrite, GPNPredictLayer)
         # Runs before every fast call (decoding too): a flat walk over the two levels of modules below the
         # model's children (the blocks and their projections); a wrapper fails on its own type, so what it
@@ -601,6 +659,20 @@ class GPNModel(GPNPreTrainedModel):
                 name = next(n for n, m in self.named_modules() if m is module)
                 return _why_not_foldable(name, module, allowed)
         return None
+
+    def _segment_layer_blocker(self) -> str | None:
+        """Why the segment layer (gradient checkpointing's unit) needs the plain path, or None."""
+        segment = self.segment_layer
+        if segment._forward_pre_hooks or segment._forward_hooks or segment._backward_pre_hooks or segment._backward_hooks:
+            return "segment_layer has hooks"
+        if self.checkpointing_segments() and not is_torch_checkpoint(segment._gradient_checkpointing_func):
+            return "gradient checkpointing runs a checkpoint function other than torch.utils.checkpoint.checkpoint"
+        return None
+
+    def checkpointing_segments(self) -> bool:
+        """Whether this call recomputes BPTT segments in the backward pass (gradient checkpointing on, training
+        mode, gradients enabled), as `GradientCheckpointingLayer` decides."""
+        return self.segment_layer.gradient_checkpointing and self.training and torch.is_grad_enabled()
 
     def recurrence_path(self) -> str:
         """"fast" or "plain": the path `recurrence` takes for the next call (see `fast_path_blocker`)."""
@@ -649,21 +721,20 @@ class GPNModel(GPNPreTrainedModel):
         With `config.bptt_truncation_length = K` the carried state is detached before every position
         t > 0 with t % K == 0 (truncated BPTT; the forward values are unchanged).
         With gradient checkpointing on (training), each segment of `config.bptt_segment_length` positions
-        runs inside the checkpoint function: only the states at segment boundaries are kept.
+        is one call of `segment_layer`, which runs it inside the checkpoint function: only the states at
+        segment boundaries are kept. Otherwise the whole sequence is one call.
         Returns the predicted states (batch, seq, d), the final state and, if asked, gamma (batch, seq, H).
         """
         seq_len = token_inputs.shape[1]
-        checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        checkpointing = self.checkpointing_segments()
         segment = (self.config.bptt_segment_length or DEFAULT_CHECKPOINT_SEGMENT_LENGTH) if checkpointing else seq_len
         outputs, decays = [], []
         for start in range(0, seq_len, segment):
             stop = min(start + segment, seq_len)
             segment_mask = None if mask is None else mask[:, start:stop]
-            arguments = (token_inputs[:, start:stop], *state, segment_mask, start, output_memory_decays)
-            if checkpointing:
-                segment_outputs, *state, segment_decays = self._gradient_checkpointing_func(self._plain_steps, *arguments)
-            else:
-                segment_outputs, *state, segment_decays = self._plain_steps(*arguments)
+            segment_outputs, *state, segment_decays = self.segment_layer(
+                token_inputs[:, start:stop], *state, segment_mask, start, output_memory_decays, steps=self._plain_steps
+            )
             outputs.append(segment_outputs)
             if segment_decays is not None:
                 decays.append(segment_decays)

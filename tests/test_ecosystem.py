@@ -375,6 +375,60 @@ def test_gradient_checkpointing_recomputes_segments_with_the_same_gradients(path
     assert not model.is_activation_checkpointing and model.config.bptt_segment_length is None
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpointing_runs_every_bptt_segment_through_the_gradient_checkpointing_layer(use_reentrant):
+    """transformers' mechanism, for real: `activation_checkpointing_enable` sets the flag and the checkpoint
+    function on a `GradientCheckpointingLayer`, the plain loop calls it once per BPTT segment, and the
+    function it installed runs every segment (twice: forward and the backward's recomputation), with the
+    gradients of the run without checkpointing. A checkpoint function of one's own is honoured the same way
+    (the plain path runs it); torch's own is replaced on the fast path by its native recomputation."""
+    from torch.utils.checkpoint import checkpoint
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    ids = token_ids(2, 11)
+    model = perturbed_model(tiny_config(bptt_segment_length=4)).train()  # 11 tokens: segments of 4, 4 and 3
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    assert len(layers) == 1 and not model.is_activation_checkpointing
+
+    def gradients():
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    reference = gradients()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    layer = layers[0]
+    assert model.is_activation_checkpointing and layer.gradient_checkpointing
+
+    # torch's checkpoint: the fast path runs, recomputing the same segments natively
+    natively = gradients()
+    assert recurrence_path(model) == "fast"
+    for name, grad in reference.items():
+        torch.testing.assert_close(natively[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+    segment_runs = []
+
+    def own_checkpoint(function, *args):  # a checkpoint function of one's own (as offload=True installs)
+        def counted(*inner):
+            segment_runs.append(inner[0].shape[1])
+            return function(*inner)
+
+        return checkpoint(counted, *args, use_reentrant=use_reentrant)
+
+    layer._gradient_checkpointing_func = own_checkpoint
+    checkpointed = gradients()
+    assert recurrence_path(model) == "plain"
+    assert segment_runs.count(4) == 4 and segment_runs.count(3) == 2, segment_runs  # each segment twice
+    for name, grad in reference.items():
+        torch.testing.assert_close(checkpointed[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+    model.activation_checkpointing_disable()
+    assert not model.is_activation_checkpointing and not layer.gradient_checkpointing
+    segment_runs.clear()
+    gradients()
+    assert segment_runs == [] and recurrence_path(model) == "fast"
+
+
 # --------------------------------------------------------------------------------------------------
 # Trainer
 # --------------------------------------------------------------------------------------------------
