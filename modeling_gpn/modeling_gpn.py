@@ -123,6 +123,85 @@ def lecun_normal_(weight: torch.Tensor) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
+# ---- what a cache has read: a fingerprint, to tell generate()'s two ways of continuing apart ------------
+
+_FINGERPRINT_MODULUS = 2**31 - 1  # a prime; products of two residues fit in int64
+_FINGERPRINT_BASES = (1_000_003, 998_244_353 % (2**31 - 1))  # two independent polynomial hashes: ~62 bits
+_PADDING_VALUE = 1  # a padded position's value in the hash (a token id t counts as t + 2)
+
+
+def token_fingerprint(token_ids: torch.Tensor, mask: torch.Tensor | None, start: torch.Tensor | None = None) -> torch.Tensor:
+    """(batch, 2) int64: two polynomial hashes of each row's positions (a padded position counts as padding,
+    whatever its id), continuing `start` (the fingerprint of the positions before these) when given.
+
+    The same positions give the same fingerprint however they were split into calls.
+    """
+    modulus = _FINGERPRINT_MODULUS
+    values = token_ids.long() + 2
+    if mask is not None:
+        values = torch.where(mask.bool(), values, torch.full_like(values, _PADDING_VALUE))
+    length = values.shape[1]
+    # powers[i] = base^(length-1-i) mod p, built by doubling (log2(length) steps)
+    powers = torch.ones(1, 2, dtype=torch.int64, device=values.device)
+    while powers.shape[0] < length:
+        step = torch.tensor([pow(b, powers.shape[0], modulus) for b in _FINGERPRINT_BASES], device=values.device)
+        powers = torch.cat([powers * step % modulus, powers])
+    powers = powers[-length:]
+    folded = (values[:, :, None] * powers % modulus).sum(dim=1) % modulus
+    if start is not None:
+        shift = torch.tensor([pow(b, length, modulus) for b in _FINGERPRINT_BASES], device=values.device)
+        folded = (folded + start.to(values.device) * shift % modulus) % modulus
+    return folded
+
+
+class ReadFingerprint:
+    """The fingerprint of every position a cache has read (`token_fingerprint`), or "unknown".
+
+    Decoding appends one token a call: the new positions are kept as they come (one small tensor a
+    call) and folded into the fingerprint every `FOLD_EVERY` calls or when it is asked for. It becomes
+    unknown when the cache reads positions given as `inputs_embeds`, or is rebuilt without its history
+    (pytree unflattening: a traced or exported program's cache).
+    """
+
+    FOLD_EVERY = 64
+
+    def __init__(self, known: bool = True):
+        self.known = known
+        self.folded: torch.Tensor | None = None  # (batch, 2), None before any position
+        self.pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
+    def record(self, token_ids: torch.Tensor | None, mask: torch.Tensor | None) -> None:
+        if token_ids is None or not self.known:
+            self.forget()
+            return
+        self.pending.append((token_ids.detach().clone(), None if mask is None else mask.detach().clone()))
+        if len(self.pending) >= self.FOLD_EVERY:
+            self.value()
+
+    def forget(self) -> None:
+        self.known, self.folded, self.pending = False, None, []
+
+    def value(self) -> torch.Tensor | None:
+        """(batch, 2) fingerprint of everything read, or None when unknown."""
+        if not self.known:
+            return None
+        if self.pending:
+            ids = torch.cat([ids for ids, _ in self.pending], dim=1)
+            masks = [m if m is not None else torch.ones_like(ids_, dtype=torch.bool) for ids_, m in self.pending]
+            mask = torch.cat([m.bool() for m in masks], dim=1)
+            self.folded, self.pending = token_fingerprint(ids, mask, self.folded), []
+        return self.folded
+
+    def select_rows(self, select) -> None:
+        """Apply a row operation (beam search's reordering, repeat_interleave) to the fingerprint."""
+        folded = self.value()
+        if folded is not None:
+            self.folded = select(folded)
+
+
+# ---- end of the fingerprint ----------------------------------------------------------------------
+
+
 class GPNStateLayer(LinearAttentionLayer):
     """The single cache layer of a GPN: three recurrent states in fixed buffers updated in place.
 
@@ -135,6 +214,7 @@ class GPNStateLayer(LinearAttentionLayer):
     def __init__(self, **kwargs):
         super().__init__(number_of_states=3)
         self.seen_tokens = 0
+        self.fingerprint = ReadFingerprint()  # of the positions read (see GPNForCausalLM._prefill)
 
     def store(self, predicted: torch.Tensor, grounded: torch.Tensor, memory: torch.Tensor) -> None:
         for index, tensor in ((self.PREDICTED, predicted), (self.GROUNDED, grounded), (self.MEMORY, memory)):
@@ -153,6 +233,7 @@ class GPNStateLayer(LinearAttentionLayer):
     def reset(self) -> None:
         super().reset()
         self.seen_tokens = 0
+        self.fingerprint = ReadFingerprint()
 
     def get_seq_length(self) -> int:
         seen = self.seen_tokens  # a 0-dim tensor only inside a traced program (see the pytree functions)
@@ -171,11 +252,13 @@ class GPNStateLayer(LinearAttentionLayer):
         for index in range(self.number_of_states):
             if self.is_recurrent_states_initialized[index]:
                 self.recurrent_states[index] = self.recurrent_states[index].repeat_interleave(repeats, dim=0)
+        self.fingerprint.select_rows(lambda rows: rows.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         for index in range(self.number_of_states):
             if self.is_recurrent_states_initialized[index]:
                 self.recurrent_states[index] = self.recurrent_states[index][indices, ...]
+        self.fingerprint.select_rows(lambda rows: rows[indices.to(rows.device)])
 
 
 class GPNCache(Cache):
@@ -213,6 +296,18 @@ class GPNCache(Cache):
             # a tensor while tracing, so the count of a dynamic-length program is computed, not frozen (see pytree)
             seen = torch.zeros((), dtype=torch.int64)
         self.state_layer.seen_tokens = seen + num_new_tokens
+
+    def record_read(self, token_ids: torch.Tensor | None, mask: torch.Tensor | None) -> None:
+        """Fold the positions just read into the cache's fingerprint (`token_ids` None: positions given as
+        embeddings, which make it unknown). `mask` (batch, seq) bool, or None when every position is real."""
+        if is_tracing():
+            self.state_layer.fingerprint.forget()
+        else:
+            self.state_layer.fingerprint.record(token_ids, mask)
+
+    def read_fingerprint(self) -> torch.Tensor | None:
+        """(batch, 2) fingerprint of the positions read (`token_fingerprint`), or None when unknown."""
+        return self.state_layer.fingerprint.value()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Number of token positions this cache has consumed (padding included)."""
@@ -256,6 +351,7 @@ def _unflatten_gpn_cache(children, context) -> GPNCache:
             layer.is_recurrent_states_initialized[index] = True
             layer.has_previous_state[index] = True
         layer.device, layer.dtype = state[0].device, state[0].dtype
+    layer.fingerprint = ReadFingerprint(known=False)  # what it read is not part of the pytree
     layer.seen_tokens = seen_tokens  # stays a tensor (no int() on a traced value); get_seq_length() gives an int
     return cache
 
@@ -848,6 +944,7 @@ class GPNModel(GPNPreTrainedModel):
             if cache is None:
                 cache = GPNCache(config)
             cache.update_state(*final_state, num_new_tokens=seq_len)
+            cache.record_read(input_ids, mask)
         output = GPNModelOutput(
             last_hidden_state=predicted_states,
             cache=cache if use_cache else None,
@@ -1014,33 +1111,25 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         model_kwargs["cache"] = GPNCache(self.config)
 
     def _prefill(self, input_ids: torch.Tensor, generation_config, model_kwargs: dict, *args, **kwargs):
-        """Continue generation from a returned cache given the *full* sequence, as with a KV cache.
+        """Continue generation from a returned cache, given the whole sequence or only the new positions.
 
-        transformers' convention when `generate()` restarts from a cache: `input_ids` (with an attention
-        mask of the same length, or none) is the whole sequence so far. Its recurrent cache would be
-        silently re-fed that history (transformers does so for Mamba); a `GPNCache` knows how many
-        positions it has read, so only the positions after those are fed. A cache that has read as many
-        positions as given, or more, is refused: a recurrent state cannot be rolled back. Only the new
-        tokens with an attention mask over the full sequence (longer than them) are fed as they are.
+        transformers' models continue in two ways: with the whole sequence so far (as with a KV cache) or
+        with only the new positions (as Mamba and its other recurrent models). A `GPNCache` tells them
+        apart by what it has read (`continuation_start`) and feeds only the positions after those; where it
+        cannot tell, it refuses. It never feeds a position twice: a recurrent state cannot be rolled back.
         """
         cache = model_kwargs.get("cache")
         seen = cache.get_seq_length() if isinstance(cache, GPNCache) and cache.has_state else 0
         if seen:
             embeds = model_kwargs.get("inputs_embeds")
             mask = model_kwargs.get("attention_mask")
-            given = embeds.shape[1] if embeds is not None else input_ids.shape[1]
-            if mask is None or mask.shape[1] == given:  # the full sequence, as transformers passes it
-                if given <= seen:
-                    raise ValueError(
-                        f"generate() got {given} positions with a cache that has already read {seen}: pass the full "
-                        "sequence (the cache's positions followed by new ones; the first ones are skipped), or only "
-                        "the new tokens with an attention_mask covering the full sequence. A GPN state cannot be "
-                        "rolled back to an earlier position."
-                    )
-                if embeds is not None:
-                    model_kwargs = {**model_kwargs, "inputs_embeds": embeds[:, seen:]}
-                else:
-                    input_ids = input_ids[:, seen:]
+            # generate() drops an all-ones mask before the prefill and keeps only its length
+            mask_columns = mask.shape[1] if mask is not None else getattr(generation_config, "_mask_length", None)
+            start = continuation_start(cache, seen, input_ids if embeds is None else None, embeds, mask, mask_columns)
+            if start and embeds is not None:
+                model_kwargs = {**model_kwargs, "inputs_embeds": embeds[:, start:]}
+            elif start:
+                input_ids = input_ids[:, start:]
         return super()._prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
 
     def forward(
@@ -1130,6 +1219,79 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         return chunked_causal_lm_loss(
             decoded, embedding, labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch
         )
+
+
+# ---- continuing from a cache: the whole sequence or only the new positions ----------------------------
+
+
+def continuation_start(
+    cache: GPNCache,
+    seen: int,
+    input_ids: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    mask_columns: int | None = None,
+) -> int:
+    """How many leading positions of what generate() was given the cache has already read: `seen` when it
+    is the whole sequence so far, 0 when it is only the new positions. Raises where it cannot tell.
+
+    Certain: an attention mask over `seen` + given columns means the new positions alone (transformers'
+    convention); fewer positions given than read, or as many with another fingerprint, can only be new
+    ones. With more positions than read, the fingerprint of the first `seen` (token ids and padding,
+    `token_fingerprint`) decides: the cache's own in every row means the whole sequence, in no row only new
+    positions. Embeddings (nothing to fingerprint), a cache whose fingerprint is unknown (it read
+    embeddings, or was rebuilt by a traced program) and rows that disagree are refused.
+    """
+    given = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+    if mask_columns is None:
+        mask_columns = None if attention_mask is None else attention_mask.shape[1]
+    how = (
+        "Pass only the new positions with an attention_mask covering the whole sequence "
+        f"({seen} + new columns), or the whole sequence as token ids to a cache filled from token ids."
+    )
+    if mask_columns is not None and mask_columns != given:
+        if mask_columns == seen + given:
+            return 0
+        raise ValueError(
+            f"generate() got {given} positions and an attention_mask of {mask_columns} columns with a "
+            f"cache that has read {seen}: the mask must cover the given positions ({given}) or the whole sequence "
+            f"({seen + given})."
+        )
+    known = cache.read_fingerprint()
+    if given <= seen:  # the whole sequence would be longer than what was read
+        if given == seen and input_ids is not None and known is not None:
+            if bool((token_fingerprint(input_ids, attention_mask) == known.to(input_ids.device)).all()):
+                raise ValueError(
+                    f"generate() got the {seen} positions the cache has already read and nothing new. A GPN state "
+                    "cannot be rolled back to an earlier position; pass new positions to continue."
+                )
+        return 0
+    if input_ids is None:
+        raise ValueError(
+            f"generate() got {given} positions as inputs_embeds with a cache that has read {seen}: embeddings cannot "
+            f"be matched against what the cache read, so it cannot tell the whole sequence from new positions. {how}"
+        )
+    if known is None:
+        raise ValueError(
+            f"generate() got {given} positions with a cache that has read {seen} without a record of them (it read "
+            f"inputs_embeds, or was rebuilt by a traced program): it cannot tell the whole sequence from new "
+            f"positions. Pass only the new positions with an attention_mask covering the whole sequence "
+            f"({seen} + new columns)."
+        )
+    prefix_mask = None if attention_mask is None else attention_mask[:, :seen]
+    matches = (token_fingerprint(input_ids[:, :seen], prefix_mask) == known.to(input_ids.device)).all(dim=1)
+    if bool(matches.all()):
+        return seen
+    if not bool(matches.any()):
+        return 0
+    raise ValueError(
+        f"generate() got {given} positions with a cache that has read {seen}: rows "
+        f"{matches.nonzero()[:, 0].tolist()} begin with what the cache read (the whole sequence) and the others "
+        f"do not (new positions). {how}"
+    )
+
+
+# ---- end of continuing from a cache ------------------------------------------------------------------
 
 
 def causal_lm_loss(

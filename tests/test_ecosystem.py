@@ -194,14 +194,89 @@ def test_generation_continued_with_the_full_sequence_and_its_cache_matches_one_r
     tail = model.generate(again.sequences[:, seen:], attention_mask=full_mask, cache=again.cache, max_new_tokens=6, **settings)
     assert torch.equal(tail, whole[:, seen:])
 
-    # A cache that has read more than it is given cannot be rolled back: a clear error
+    # The positions the cache has read, again and nothing new: a recurrent state cannot be rolled back
+    again = model.generate(prompt, attention_mask=mask, max_new_tokens=4, return_dict_in_generate=True, **settings)
+    read = again.sequences[:, : again.cache.get_seq_length()]
     with pytest.raises(ValueError, match="cannot be rolled back"):
-        model.generate(prompt, attention_mask=mask, cache=continued_cache(model, prompt, mask), max_new_tokens=2, **settings)
+        model.generate(read, attention_mask=full_mask[:, : read.shape[1]], cache=again.cache, max_new_tokens=2, **settings)
 
 
-def continued_cache(model, prompt, mask):
-    out = model.generate(prompt, attention_mask=mask, max_new_tokens=3, return_dict_in_generate=True, do_sample=False, pad_token_id=0)
-    return out.cache
+def test_generation_continued_with_only_the_new_positions_as_mamba_matches_one_run():
+    """transformers' recurrent models (Mamba) continue from a cache given only the new positions, without a
+    mask over the whole sequence, even when they outnumber the positions the cache has read: the cache's
+    fingerprint of what it read tells them from the whole sequence (lengths alone cannot)."""
+    model = perturbed_model(tiny_config(eos_token_id=None))
+    settings = dict(do_sample=False, pad_token_id=0)
+    prompt = token_ids(2, 3, seed=5)
+    first = model.generate(prompt, max_new_tokens=2, return_dict_in_generate=True, **settings)
+    seen = first.cache.get_seq_length()
+    assert seen == 4  # the prompt and the first generated token; the last one is not read yet
+    extra = token_ids(2, 5, seed=6)
+    whole = model.generate(torch.cat([first.sequences, extra], dim=1), max_new_tokens=4, **settings)
+
+    new_positions = torch.cat([first.sequences[:, seen:], extra], dim=1)  # 6 positions, more than the 4 read
+    continued = model.generate(new_positions, cache=first.cache, max_new_tokens=4, **settings)
+    assert torch.equal(continued, whole[:, seen:])
+
+    # fewer new positions than read (one, as decoding feeds them) are new positions too
+    fresh = model.generate(prompt, max_new_tokens=2, return_dict_in_generate=True, **settings)
+    got = model.generate(fresh.sequences[:, seen:], cache=fresh.cache, max_new_tokens=3, **settings)
+    expected = model.generate(prompt, max_new_tokens=5, **settings)
+    assert torch.equal(got, expected[:, seen:])
+
+
+def test_continuing_generation_refuses_what_it_cannot_tell_apart():
+    model = perturbed_model(tiny_config(eos_token_id=None))
+    settings = dict(do_sample=False, pad_token_id=0)
+    prompt = token_ids(2, 3, seed=5)
+
+    def cache_after_prompt(**inputs):
+        return model.generate(**inputs, max_new_tokens=1, return_dict_in_generate=True, **settings).cache
+
+    longer = token_ids(2, 6, seed=8)
+    # inputs_embeds: nothing to fingerprint, and more positions than read
+    embeds = model.get_input_embeddings()(longer).detach()
+    with pytest.raises(ValueError, match="inputs_embeds"):
+        model.generate(inputs_embeds=embeds, cache=cache_after_prompt(input_ids=prompt), max_new_tokens=2, **settings)
+    # ...unless the mask says they are the new positions
+    mask = torch.ones(2, 3 + 6, dtype=torch.long)
+    model.generate(inputs_embeds=embeds, attention_mask=mask, cache=cache_after_prompt(input_ids=prompt), max_new_tokens=2, **settings)
+
+    # a cache that read embeddings has no record of what it read
+    filled_from_embeddings = cache_after_prompt(inputs_embeds=model.get_input_embeddings()(prompt).detach())
+    assert filled_from_embeddings.read_fingerprint() is None
+    with pytest.raises(ValueError, match="without a record"):
+        model.generate(longer, cache=filled_from_embeddings, max_new_tokens=2, **settings)
+
+    # rows that disagree: one begins with what its row read, the other does not
+    mixed = torch.cat([prompt, longer[:, :3]], dim=1)
+    mixed[1, :3] = (prompt[1] + 1) % 97
+    with pytest.raises(ValueError, match="begin with what the cache read"):
+        model.generate(mixed, cache=cache_after_prompt(input_ids=prompt), max_new_tokens=2, **settings)
+
+    # a mask that covers neither the given positions nor the whole sequence
+    with pytest.raises(ValueError, match="must cover"):
+        model.generate(longer, attention_mask=torch.ones(2, 7, dtype=torch.long), cache=cache_after_prompt(input_ids=prompt), max_new_tokens=2, **settings)
+
+
+def test_the_read_fingerprint_does_not_depend_on_how_the_positions_were_split():
+    from modeling_gpn.modeling_gpn import GPNCache, token_fingerprint
+
+    model = perturbed_model(tiny_config())
+    ids = token_ids(2, 150, seed=3)  # more calls than the fingerprint keeps before folding
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[0, :5] = False
+    one_call = model(ids, attention_mask=mask, use_cache=True).cache
+    stepped = GPNCache(model.config)
+    with torch.no_grad():
+        for t in range(150):
+            model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=stepped, use_cache=True)
+    assert torch.equal(one_call.read_fingerprint(), stepped.read_fingerprint())
+    assert torch.equal(one_call.read_fingerprint(), token_fingerprint(ids, mask))
+    other_padding = ids.clone()
+    other_padding[0, :5] = 0  # the ids of padded positions do not count
+    assert torch.equal(token_fingerprint(other_padding, mask), token_fingerprint(ids, mask))
+    assert not torch.equal(token_fingerprint(ids, None)[0], token_fingerprint(ids, mask)[0])
 
 
 # --------------------------------------------------------------------------------------------------

@@ -60,7 +60,8 @@ def common_tests_folder() -> Path:
     )  # fmt: skip
     sdists = list(folder.glob(f"transformers-{version}.tar.gz"))
     if download.returncode != 0 or not sdists:
-        raise RuntimeError(f"pip download of the transformers {version} sdist failed: {download.stderr.strip()[-600:]}")
+        said = [line for line in download.stderr.splitlines() if line.strip() and not line.startswith("WARNING: Location")]
+        raise RuntimeError(f"pip download of the transformers {version} sdist failed: {' / '.join(said[-3:])[-600:]}")
     staging = folder / "staging"
     shutil.rmtree(staging, ignore_errors=True)
     with tarfile.open(sdists[0]) as archive:
