@@ -157,8 +157,8 @@ def token_fingerprint(token_ids: torch.Tensor, mask: torch.Tensor | None, start:
 class ReadFingerprint:
     """The fingerprint of every position a cache has read (`token_fingerprint`), or "unknown".
 
-    Decoding appends one token a call: the new positions are kept as they come (one small tensor a
-    call) and folded into the fingerprint every `FOLD_EVERY` calls or when it is asked for. It becomes
+    Decoding appends one token a call: those are kept as they come (one small tensor a call) and folded
+    into the fingerprint every `FOLD_EVERY` calls or when it is asked for; longer calls fold at once. It becomes
     unknown when the cache reads positions given as `inputs_embeds`, or is rebuilt without its history
     (pytree unflattening: a traced or exported program's cache).
     """
@@ -175,7 +175,7 @@ class ReadFingerprint:
             self.forget()
             return
         self.pending.append((token_ids.detach().clone(), None if mask is None else mask.detach().clone()))
-        if len(self.pending) >= self.FOLD_EVERY:
+        if len(self.pending) >= self.FOLD_EVERY or token_ids.shape[1] > 1:  # a prompt is folded at once, not kept
             self.value()
 
     def forget(self) -> None:
