@@ -158,9 +158,9 @@ class ReadFingerprint:
     """The fingerprint of every position a cache has read (`token_fingerprint`), or "unknown".
 
     Decoding appends one token a call: those are kept as they come (one small tensor a call) and folded
-    into the fingerprint every `FOLD_EVERY` calls or when it is asked for; longer calls fold at once. It becomes
-    unknown when the cache reads positions given as `inputs_embeds`, or is rebuilt without its history
-    (pytree unflattening: a traced or exported program's cache).
+    into the fingerprint every `FOLD_EVERY` calls or when it is asked for; longer calls fold at once. It
+    becomes unknown when the cache reads positions given as `inputs_embeds`, or is rebuilt without its
+    history (pytree unflattening: a traced or exported program's cache).
     """
 
     FOLD_EVERY = 64
@@ -187,8 +187,7 @@ class ReadFingerprint:
             return None
         if self.pending:
             ids = torch.cat([ids for ids, _ in self.pending], dim=1)
-            masks = [m if m is not None else torch.ones_like(ids_, dtype=torch.bool) for ids_, m in self.pending]
-            mask = torch.cat([m.bool() for m in masks], dim=1)
+            mask = torch.cat([torch.ones_like(i, dtype=torch.bool) if m is None else m.bool() for i, m in self.pending], dim=1)
             self.folded, self.pending = token_fingerprint(ids, mask, self.folded), []
         return self.folded
 
