@@ -11,8 +11,9 @@ a config file (`--config FILE.json`, same keys), then command-line options (`--l
 configuration is written to `OUTPUT/train_config.json`.
 
 A run directory holds `model/` (the final `save_pretrained` folder: weights, config, tokenizer,
-generation config), `checkpoints/step-NNNNNNN/` (full training state), `log.jsonl` (one JSON object per
-log/eval event) and `tensorboard/`.
+generation config), `checkpoints/step-NNNNNNN/` (full training state, in one layout for one process, DDP and
+FSDP), `log.jsonl` (one JSON object per log/eval event), `tensorboard/` and `.gpn-train.lock` (the lock that
+keeps a second run out of the folder while one runs; it names the holder).
 
 Nothing lost, nothing wrong in silence:
 - every folder and JSON file is written under a temporary name in its final folder, fsynced, then renamed
@@ -23,7 +24,9 @@ Nothing lost, nothing wrong in silence:
   setting), no checkpoint or model is written with non-finite weights, `--skip-nonfinite` skips are
   capped (`--max-skipped-steps`) and reported, and a run that cannot end with a finite model exits non-zero;
 - SIGTERM / SIGINT save a checkpoint at the next step boundary and exit with 128 + the signal number;
-- `--resume` refuses any changed setting that would change the data, the model or the optimisation.
+- `--resume` refuses any changed setting that would change the data, the model or the optimisation;
+- a launch of several processes that Accelerate starts as one each is refused before training, and a
+  multi-process run that stops responding fails after --ddp-timeout, naming the stage it was in.
 """
 
 from __future__ import annotations
