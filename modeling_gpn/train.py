@@ -942,6 +942,7 @@ class RunStage:
 
         os.write(2, f"\ngpn train: error: the run hung while {name}: still there after {self.watchdog_s:.0f} s "
                     "(--ddp-timeout plus a margin); another process stopped responding, or the process cannot end. "
+                    "Whatever was written (model, checkpoints) is complete: files are written and then renamed. "
                     "The stacks of this process's threads follow; it exits now so that the job ends\n".encode())  # fmt: skip
         faulthandler.dump_traceback(all_threads=True)
         os._exit(1)
