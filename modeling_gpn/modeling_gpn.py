@@ -84,6 +84,15 @@ class GPNRMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
+def _is_fsdp_module(module: nn.Module) -> bool:
+    """Whether `module` is sharded by FSDP2 (`fully_shard`), whose parameters are gathered only around its own call."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
     """l2(x) = x / sqrt(sum(x^2) + 1e-12) over the last axis."""
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + L2_NORM_EPS)
@@ -1084,7 +1093,12 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         if type(embedding) is nn.Embedding and type(embedding.weight) is nn.Parameter:
             return embedding.weight
         device = next(embedding.parameters()).device
-        return embedding.forward(torch.arange(self.config.vocab_size, device=device))
+        ids = torch.arange(self.config.vocab_size, device=device)
+        if _is_fsdp_module(embedding):
+            # FSDP2 shards the table; only the module's own call gathers it (in its pre-forward hook) and
+            # reduces its gradient (in its backward hook), so here the hooks must run.
+            return embedding(ids)
+        return embedding.forward(ids)
 
     def decode(self, predicted_states: torch.Tensor) -> torch.Tensor:
         """Step 4: logits for every given predicted state (the embedding is the output matrix)."""
