@@ -403,33 +403,41 @@ def test_cli_save_state_then_continue_equals_one_run(generate_dir, tmp_path):
     assert GPNCache.load(state, model).get_seq_length() == prompt.shape[1] + 5
 
 
-def test_cli_one_saved_state_continues_several_prompts_and_saves_again(generate_dir, tmp_path):
+def run_cli(capsys, *args) -> tuple[int, str, str]:
+    """`gpn generate ARGS` through the console script's own entry point, in this process."""
+    from modeling_gpn.cli import main as gpn_main
+
+    code = gpn_main(["generate", *map(str, args), "--device", "cpu"])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_cli_one_saved_state_continues_several_prompts_and_saves_again(generate_dir, tmp_path, capsys):
     state, again = tmp_path / "system.safetensors", tmp_path / "again.safetensors"
-    assert gpn_generate(generate_dir, "to be or", "--max-new-tokens", "2", "--save-state", state).returncode == 0
-    both = gpn_generate(generate_dir, "--state", state, " not", " the cat", "--max-new-tokens", "4", "--save-state", again)
-    assert both.returncode == 0, both.stderr
-    alone = [gpn_generate(generate_dir, "--state", state, prompt, "--max-new-tokens", "4") for prompt in (" not", " the cat")]
-    assert both.stdout.splitlines()[0] == alone[0].stdout.splitlines()[0]
-    assert both.stdout.splitlines()[2] == alone[1].stdout.splitlines()[0]
+    assert run_cli(capsys, generate_dir, "to be or", "--max-new-tokens", "2", "--save-state", state)[0] == 0
+    code, both, err = run_cli(capsys, generate_dir, "--state", state, " not", " the cat", "--max-new-tokens", "4",
+                              "--save-state", again)  # fmt: skip
+    assert code == 0, err
+    alone = [run_cli(capsys, generate_dir, "--state", state, prompt, "--max-new-tokens", "4")[1] for prompt in (" not", " the cat")]
+    assert both.splitlines()[0] == alone[0].splitlines()[0]  # one state row, forked to each prompt
+    assert both.splitlines()[2] == alone[1].splitlines()[0]
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(generate_dir)
     assert GPNCache.load(again, model).get_state()[0].shape[0] == 2
+    code, _, err = run_cli(capsys, generate_dir, "--state", again, "a", "b", "c", "--max-new-tokens", "1")
+    assert code == 2 and "holds 2 rows" in err
 
 
-@pytest.mark.parametrize(
-    "case", ["missing", "damaged", "other-model", "beams"],
-)
-def test_cli_bad_state_is_one_clear_line(generate_dir, tmp_path, case):
+@pytest.mark.parametrize("case", ["missing", "damaged", "other-model", "beams", "no-folder"])
+def test_cli_bad_state_is_one_clear_line(generate_dir, tmp_path, capsys, case):
     state = tmp_path / "s.safetensors"
     extra = []
     if case == "damaged":
-        assert gpn_generate(generate_dir, "the cat", "--max-new-tokens", "1", "--save-state", state).returncode == 0
+        assert run_cli(capsys, generate_dir, "the cat", "--max-new-tokens", "1", "--save-state", state)[0] == 0
         state.write_bytes(state.read_bytes()[:-7])
         needle = "damaged"
     elif case == "other-model":
-        other = tmp_path / "other"
-        perturbed_model(tiny_config(), seed=1).save_pretrained(other)
         other_model = perturbed_model(tiny_config(), seed=1)
         with torch.no_grad():
             cache = other_model(token_ids(1, 3, seed=1), use_cache=True).cache
@@ -438,11 +446,14 @@ def test_cli_bad_state_is_one_clear_line(generate_dir, tmp_path, case):
     elif case == "beams":
         state.write_bytes(b"x")
         extra, needle = ["--num-beams", "2"], "--num-beams"
+    elif case == "no-folder":
+        extra, needle = ["--save-state", tmp_path / "no" / "such.safetensors"], "its folder does not exist"
+        state.write_bytes(b"x")
     else:
         needle = "is not a file"
-    result = gpn_generate(generate_dir, "--state", state, "hi", "--max-new-tokens", "2", *extra)
-    lines = [line for line in result.stderr.splitlines() if line.startswith("gpn generate:")]
-    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-    assert len(lines) == 1 and needle in lines[0], result.stderr
-    if case != "beams":
+    code, out, err = run_cli(capsys, generate_dir, "--state", state, "hi", "--max-new-tokens", "2", *extra)
+    lines = [line for line in err.splitlines() if line.startswith("gpn generate:")]
+    assert code == 2 and "Traceback" not in err and out == "", err
+    assert len(lines) == 1 and needle in lines[0], err
+    if case not in ("beams", "no-folder"):
         assert str(state) in lines[0]
