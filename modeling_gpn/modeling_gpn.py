@@ -1343,11 +1343,12 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         for name, given in (("labels", labels), ("shift_labels", shift_labels)):
             if given is not None and given.shape != (batch_size, seq_len):
                 raise ValueError(f"{name} must have shape {(batch_size, seq_len)}, got {tuple(given.shape)}")
-        # The state runs through a cache; a cache the caller wants left as it was (use_cache=False) is copied.
-        if cache is None or not isinstance(cache, GPNCache):
-            running = GPNCache(self.config) if cache is None else cache  # not a GPNCache: the model refuses it
+        # The state runs from chunk to chunk through a cache; a cache the caller wants left as it was
+        # (use_cache=False) is copied. (Anything but a GPNCache goes to the model, which refuses it.)
+        if isinstance(cache, GPNCache) and not use_cache:
+            running = cache.fork(1) if cache.has_state else GPNCache(self.config)
         else:
-            running = cache if use_cache or not cache.has_state else cache.fork(1)
+            running = cache if cache is not None else GPNCache(self.config)
 
         wants_loss = labels is not None or shift_labels is not None
         if wants_loss:  # position t's target, for every position (the last one of `labels` has none)

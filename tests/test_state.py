@@ -112,6 +112,9 @@ def test_chunked_prefill_without_use_cache_leaves_a_given_cache_unchanged(monkey
     assert spy.calls == 1 and out.cache is None and cache.get_seq_length() == 5
     for old, new in zip(before, cache.get_state()):
         assert torch.equal(old, new)
+    empty = GPNCache(model.config)
+    model(token_ids(1, 11, seed=4), cache=empty, use_cache=False, logits_to_keep=1)
+    assert spy.calls == 2 and not empty.has_state and empty.get_seq_length() == 0
 
 
 @torch.no_grad()
