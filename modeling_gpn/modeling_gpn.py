@@ -45,8 +45,9 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput
 from transformers.utils import logging
 
+from .chunked_loss import chunked_causal_lm_loss, divide_loss_sum
 from .configuration_gpn import GPNConfig
-from .fast_recurrence import chunked_causal_lm_loss, divide_loss_sum, fast_recurrence
+from .fast_recurrence import fast_recurrence
 
 logger = logging.get_logger(__name__)
 
@@ -956,6 +957,7 @@ class GPNModel(GPNPreTrainedModel):
 
     use_fast_path: bool = True  # set False on a model (or its class) to run the plain loop
     last_recurrence_path: str | None = None  # "fast" or "plain": what the last eager call ran
+    last_recurrence_backends = None  # on the fast path, the backends its last window ran (`fast_recurrence.Backends`)
 
     # Children the fast path does not fold: it calls them as modules, like the plain path. (The segment
     # layer, which only the plain path calls, is checked on its own in `fast_path_blocker`.)
@@ -1050,6 +1052,8 @@ class GPNModel(GPNPreTrainedModel):
         path = self.recurrence_path()
         if not is_tracing():
             object.__setattr__(self, "last_recurrence_path", path)  # (nn.Module's __setattr__ costs ~5 us a call)
+            if path != "fast":  # (the fast path records the backends it chooses itself)
+                object.__setattr__(self, "last_recurrence_backends", None)
         if path == "fast":
             return fast_recurrence(self, token_inputs, state, mask, output_memory_decays=output_memory_decays)
         return self.recurrence_plain(token_inputs, state, mask, output_memory_decays=output_memory_decays)
