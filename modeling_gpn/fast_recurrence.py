@@ -55,13 +55,17 @@ from .cuda_graphs import wanted as graph_wanted
 from .cuda_graphs import window_forward as graph_window_forward
 from .memory_kernels import KernelRefusal, MemoryStep, memory_step, memory_write_backward
 from .memory_kernels import usable as memory_kernels_usable
+from .triton_kernels import is_turned_off as triton_is_turned_off
 from .triton_kernels import memory_step as triton_memory_step
 from .triton_kernels import memory_write_backward as triton_memory_write_backward
+from .triton_kernels import on_device
 from .triton_kernels import self_check as triton_self_check
 from .triton_kernels import self_check_needed as triton_self_check_needed
+from .triton_kernels import self_check_passed as triton_self_check_passed
 from .triton_kernels import selected as triton_selected
 from .triton_kernels import step as triton_step
 from .triton_kernels import step_backward as triton_step_backward
+from .triton_kernels import turned_off as triton_turned_off
 from .triton_kernels import usable_memory as triton_usable_memory
 from .triton_kernels import usable_step as triton_usable_step
 
@@ -838,6 +842,7 @@ class GPNRecurrenceFunction(torch.autograd.Function):
         w = _unflatten(flat_weights, s)
         B, T, d = U.shape
         ctx.input_dtype, ctx.device_type = U.dtype, U.device.type
+        ctx.triton_turned_off = triton_is_turned_off()  # (its combination failed the self-check: so must backward)
         U = U.float()
         ctx.sweep_owner = sweep.take() if sweep is not None else None
         if ctx.sweep_owner is not None:  # the steps on static buffers (CUDA graphs: `cuda_graphs.TrainingSweep`)
@@ -884,8 +889,10 @@ class GPNRecurrenceFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dP, dp_final, dg_final, dM_final, _dgamma):
-        # a backward called inside an autocast region would otherwise run the step matmuls in its dtype
-        with autocast_off(ctx.device_type):
+        # a backward called inside an autocast region would otherwise run the step matmuls in its dtype; the
+        # backward runs on the forward's backend and GPU (autograd may call it from another thread)
+        turned_off = triton_turned_off() if ctx.triton_turned_off else contextlib.nullcontext()
+        with autocast_off(ctx.device_type), turned_off, on_device(dP if dP is not None else ctx.saved_tensors[0]):
             return GPNRecurrenceFunction._backward(ctx, dP, dp_final, dg_final, dM_final)
 
     @staticmethod
@@ -1140,7 +1147,7 @@ def fast_recurrence(
     """
     device_type = token_inputs.device.type
     matmul_dtype = autocast_dtype(device_type)
-    with autocast_off(device_type):
+    with autocast_off(device_type), on_device(token_inputs):  # (launches and captures on the inputs' GPU)
         return _fast_recurrence(model, token_inputs, state, mask, output_memory_decays, matmul_dtype)
 
 
@@ -1158,6 +1165,9 @@ def _fast_recurrence(model, token_inputs, state, mask, output_memory_decays: boo
             with torch.no_grad():
                 w = cached_folded_weights(model, rows=B, matmul_dtype=matmul_dtype)
                 triton_self_check(w, s, eps, token_inputs.device, step_dtype)
+        if not triton_self_check_passed(s, step_dtype, token_inputs.device):  # (off for these sizes and dtype only)
+            with triton_turned_off():
+                return _fast_recurrence(model, token_inputs, state, mask, output_memory_decays, matmul_dtype)
     needs_grad = torch.is_grad_enabled() and (
         token_inputs.requires_grad or any(x.requires_grad for x in state) or any(q.requires_grad for q in model.parameters())
     )
@@ -1180,6 +1190,8 @@ def _fast_recurrence(model, token_inputs, state, mask, output_memory_decays: boo
     w = in_matmul_dtype(fold_weights(model), matmul_dtype)
     sweep = None  # CUDA graphs for the training steps (opt-in; unmasked windows without truncation)
     if mask is None and not config.bptt_truncation_length and graph_wanted(model, token_inputs, training=True):
+        # (its segments as the window's when set, else `cuda_graphs.SWEEP_SEGMENT_LENGTH`: a sweep holds one
+        # segment's memories, never the whole window's)
         sweep = training_sweep(model, B, config.bptt_segment_length, T, w, token_inputs.device)
     settings = (s, eps, config.bptt_segment_length, config.bptt_truncation_length, buffer_pool_of(model), sweep)
     outputs, p, g, memory, gammas = GPNRecurrenceFunction.apply(token_inputs, p0, g0, M0, mask, settings, *_flatten(w))
