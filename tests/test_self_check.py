@@ -343,3 +343,33 @@ def test_one_training_sweep_is_kept_and_it_always_has_a_segment(triton_on, monke
         kept.append(sweeps[0])
     assert kept[0] is not kept[1]
     assert kept[1].nbytes() > 3 * 2 * 3 * 8 * 16 * 4  # (at least its 3 slots of M)
+
+
+# --------------------------------------------------------------------------------------------------
+# What a timing ran on
+# --------------------------------------------------------------------------------------------------
+
+
+def test_the_backend_probe_tells_the_kernels_from_the_torch_ops(triton_on, monkeypatch):
+    """`bench.BackendProbe` (what gpn bench's JSON and gpu_check.py report each timing ran on): a window on
+    the Triton kernels, the same window with GPN_TRITON=0, and one whose combination failed its self-check
+    (the torch ops run it: the probe must not report the kernels)."""
+    from modeling_gpn.bench import BackendProbe
+
+    model = perturbed_model(tiny_config(), seed=7)
+    tokens, state, _, _ = random_problem(model, batch=2, length=2, mask_kind=None, seed=3)
+    core = model.model
+    core.use_fast_path = True
+    with torch.no_grad(), BackendProbe() as probe:
+        core.recurrence(tokens, state, None)
+    assert probe.text.startswith("triton kernels, no graphs (")
+    monkeypatch.setenv("GPN_TRITON", "0")
+    with torch.no_grad(), BackendProbe() as probe:
+        core.recurrence(tokens, state, None)
+    assert probe.text == "torch ops"
+    monkeypatch.setenv("GPN_TRITON", "1")
+    s = fr.shapes_of(core, 2)
+    monkeypatch.setitem(tk._self_checks, tk._self_check_key(CPU, s, torch.float32), "new p: relative error 1")
+    with torch.no_grad(), BackendProbe() as probe:
+        core.recurrence(tokens, state, None)
+    assert probe.text == "torch ops"
