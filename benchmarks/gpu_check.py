@@ -498,7 +498,7 @@ def summary(folder: Path) -> dict:
                 result["notes"].append(f"stage '{name}' hit its {limit} s limit: what it had not finished is missing")
             elif stage["exit"] == -1:
                 result["notes"].append(f"stage '{name}' was skipped: the budget was spent")
-    graphs_file = folder / "bench_graphs.json"  # written by gpu_check.sh: the bench's GPN_CUDA_GRAPHS and why
+    graphs_file = folder / "graphs_in_bench.json"  # written by gpu_check.sh: the bench's GPN_CUDA_GRAPHS and why
     if graphs_file.is_file():
         graphs = result["bench_graphs"] = json.loads(graphs_file.read_text())
         if graphs.get("setting") != "1":

@@ -125,7 +125,7 @@ if grep -q "^\[ok\] cuda generate() through the captured decode graph" "$RUN/cor
   fi
 fi
 echo "graphs in the bench: ${GPN_CUDA_GRAPHS:-off} (1: decode and training; inference: decode only): $graphs_why"
-printf '{"setting": "%s", "why": "%s"}\n' "${GPN_CUDA_GRAPHS:-off}" "$graphs_why" > "$RUN/bench_graphs.json"
+printf '{"setting": "%s", "why": "%s"}\n' "${GPN_CUDA_GRAPHS:-off}" "$graphs_why" > "$RUN/graphs_in_bench.json"
 
 # 2. gpn bench at 16 x 2048 (training, forward, prefill and decode after a 4096-token prompt)
 BENCH="env -C /tmp/pkg python3 -m modeling_gpn.cli bench --device cuda --dtype bfloat16 --preset gpn-m-1l-130m --impl fast llama --repeats 2"
