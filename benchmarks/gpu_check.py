@@ -309,7 +309,8 @@ def decode_timing(device: str, preset: str = "gpn-m-1l-130m") -> dict:
             p, st, _ = graph(u, st)
         sync()
         figures["graph_step_ms"] = 1e3 * (time.perf_counter() - start) / n
-        backends["graph_step_ms"] = "triton kernels in CUDA graphs" if graph.graphs is not None else "triton kernels, no graphs (no CUDA)"
+        captured = graph.graphs is not None
+        backends["graph_step_ms"] = "triton kernels in CUDA graphs" if captured else "triton kernels, no graphs (no CUDA)"
         ids = torch.randint(1, core.config.vocab_size, (1, 1), device=device)
         out = model(input_ids=ids, use_cache=True)
         for graphs in ("0", "1"):
@@ -518,14 +519,13 @@ def summary(folder: Path) -> dict:
             result["backends"][name] = json.loads(timing.read_text()).get("backends")
     for path in sorted(folder.glob("bench_*.json")):
         bench = json.loads(path.read_text())
-        result["backends"][path.stem] = {
-            "graphs setting": bench.get("cuda_graphs_setting"),
-            **{f"fast {timing}": ran_on for row in bench["rows"] if row["impl"] == "fast" for timing, ran_on in row.get("backend", {}).items()},
-        }  # fmt: skip
+        fast_backends = next((row.get("backend", {}) for row in bench["rows"] if row["impl"] == "fast"), {})
+        result["backends"][path.stem] = {"graphs setting": bench.get("cuda_graphs_setting"),
+                                         **{f"fast {timing}": ran_on for timing, ran_on in fast_backends.items()}}
         result["self_checks"][path.stem] = bench.get("triton_self_checks")
         for timing, ran_on in result["backends"][path.stem].items():
             if timing.startswith("fast") and not str(ran_on).startswith("triton"):
-                result["notes"].append(f"{path.stem}: the fast path's {timing[5:]} ran on {ran_on}, not the Triton kernels")
+                result["notes"].append(f"{path.stem}: the fast path's {timing[5:]} ran on {ran_on}, not the kernels")
     timing_file = folder / "decode_timing.json"
     if timing_file.is_file():
         result["decode_step"] = json.loads(timing_file.read_text())

@@ -246,9 +246,9 @@ class BackendProbe:
     """What the fast path ran on while the block ran, from the Triton kernel launches and CUDA graph replays
     made meanwhile (`triton_kernels.launches`, `cuda_graphs.replays`): "triton kernels in CUDA graphs",
     "triton kernels, no graphs" or "torch ops" (on CPU: with the C memory kernels where they are on, as the
-    report's "GPN memory kernels" says). The plain path and Llama launch neither, so a block timing them beside the fast path still tells the fast
-    path's. Why: a failed self-check or a fallback runs the torch ops in silence, and their figures must not
-    pass for the kernels'."""
+    report's "GPN memory kernels" says). The plain path and Llama launch neither, so a block timing them
+    beside the fast path still tells the fast path's. Why: a failed self-check or a fallback runs the torch
+    ops in silence, and their figures must not pass for the kernels'."""
 
     def __enter__(self):
         from modeling_gpn import cuda_graphs, triton_kernels

@@ -67,7 +67,8 @@ launches: Counter = Counter()  # Triton kernel launches so far, by kernel (tests
 # ops, else why not (the kernels are then off for that combination)
 _self_checks: dict = {}
 _reference_running = False  # while `self_check` runs the torch ops, nothing inside may pick the kernels
-_turned_off = threading.local()  # .depth > 0 inside `turned_off()` (this thread): a window whose combination failed its self-check
+# .depth > 0 inside `turned_off()` (in this thread): a window whose combination failed its self-check
+_turned_off = threading.local()
 
 
 def _next_power_of_two(n: int) -> int:
@@ -165,6 +166,7 @@ def self_check(w, s, eps: float, device: torch.device, matmul_dtype: torch.dtype
       output are zero, which would compare whole branches as 0 = 0), on float32 copies for both sides: the
       kernels never see the matmul dtype (they upcast what they read), while bf16 products of inputs a few
       ulps apart round apart and move a gradient term by ~0.4%, a false alarm at bf16 sizes;
+    - full float32 matmuls (`_full_float32_matmuls`: not TF32, whatever the process set);
     - normwise relative errors against `SELF_CHECK_TOLERANCE`, sized from float32 rounding;
     - the batch sizes that select different compiled variants (`SELF_CHECK_BATCHES` and the run's own);
     - the device synchronized inside the `try`, so an asynchronous CUDA error counts as a failure.
@@ -172,47 +174,67 @@ def self_check(w, s, eps: float, device: torch.device, matmul_dtype: torch.dtype
     (device, dtype, sizes) and the first quantity that differs, and turns the kernels off for that
     combination only (`self_check_passed`; the torch ops, which compute the same function, run it instead).
     An error that leaves the CUDA context broken (an illegal address) cannot be recovered from, though."""
+    weights = _random_weights(w, device)
+    with _full_float32_matmuls():
+        for batch in sorted({s.batch, *SELF_CHECK_BATCHES}):
+            _self_check_batch(weights, s._replace(batch=batch), eps, device, matmul_dtype)
+    return self_check_passed(s, matmul_dtype, device)
+
+
+def _self_check_batch(weights, sizes, eps: float, device: torch.device, matmul_dtype: torch.dtype) -> None:
+    """`self_check` at one batch size (`sizes.batch`), unless done: the verdict into `_self_checks`."""
     global _reference_running
     import warnings
 
     from .fast_recurrence import StepState, _step, _step_backward, columns_of, key_from_grounded
 
-    weights = _random_weights(w, device)
-    for batch in sorted({s.batch, *SELF_CHECK_BATCHES}):
-        key = _self_check_key(device, s._replace(batch=batch), matmul_dtype)
-        if key in _self_checks:
-            continue
-        sizes = key[1]
-        generator = torch.Generator(device=device).manual_seed(batch)
-        randn = lambda *shape: torch.randn(*shape, generator=generator, device=device)  # noqa: E731
-        with torch.no_grad(), on_device(weights.fg_w):
-            p, g, u = randn(batch, s.hidden), randn(batch, s.hidden), randn(batch, s.hidden)
-            if s.memory:
-                memory = randn(batch, s.heads, s.key_dim, s.value_dim) * 0.1
-                state = StepState(p, g, key_from_grounded(g, weights, sizes, eps), memory)
-            else:
-                empty = torch.zeros(batch, 0, device=device)
-                state = StepState(p, g, empty, empty)
-            _reference_running = True  # `_step` would otherwise pick the memory kernels itself
-            try:
-                expected = _one_step(_step, _step_backward, state, u, weights, sizes, columns_of(sizes), eps)
-            finally:
-                _reference_running = False
-            try:
-                got = _one_step(step, step_backward, state, u, weights, sizes, columns_of(sizes), eps)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)  # (an asynchronous kernel error surfaces here, inside the try)
-                problem = compare_results(expected, got)
-            except Exception as error:  # noqa: BLE001 (see below)
-                # the kernels failed to compile or launch (a Triton release that rejects one, no C compiler
-                # for Triton's launcher, too many registers, an illegal address...): the torch ops can still run
-                problem = f"running them raised {type(error).__name__}: {(str(error).strip() or '?').splitlines()[0][:300]}"
-        _self_checks[key] = problem
-        if problem is not None:
-            warnings.warn(f"GPN's Triton kernels disagree with the torch ops on {_describe(key)}: {problem}; the "
-                          "kernels are off for these sizes and dtype in this process and the torch ops run them "
-                          "instead. Please report this.", RuntimeWarning)  # fmt: skip
-    return self_check_passed(s, matmul_dtype, device)
+    key = _self_check_key(device, sizes, matmul_dtype)
+    if key in _self_checks:
+        return
+    s, batch = sizes, sizes.batch  # (`s`: as elsewhere in this file)
+    generator = torch.Generator(device=device).manual_seed(batch)
+    randn = lambda *shape: torch.randn(*shape, generator=generator, device=device)  # noqa: E731
+    with torch.no_grad(), on_device(weights.fg_w):
+        p, g, u = randn(batch, s.hidden), randn(batch, s.hidden), randn(batch, s.hidden)
+        if s.memory:
+            memory = randn(batch, s.heads, s.key_dim, s.value_dim) * 0.1
+            state = StepState(p, g, key_from_grounded(g, weights, sizes, eps), memory)
+        else:
+            empty = torch.zeros(batch, 0, device=device)
+            state = StepState(p, g, empty, empty)
+        _reference_running = True  # `_step` would otherwise pick the memory kernels itself
+        try:
+            expected = _one_step(_step, _step_backward, state, u, weights, sizes, columns_of(sizes), eps)
+        finally:
+            _reference_running = False
+        try:
+            got = _one_step(step, step_backward, state, u, weights, sizes, columns_of(sizes), eps)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # (an asynchronous kernel error surfaces here, inside the try)
+            problem = compare_results(expected, got)
+        except Exception as error:  # noqa: BLE001 (see below)
+            # the kernels failed to compile or launch (a Triton release that rejects one, no C compiler
+            # for Triton's launcher, too many registers, an illegal address...): the torch ops can still run
+            first_line = (str(error).strip() or "?").splitlines()[0][:300]
+            problem = f"running them raised {type(error).__name__}: {first_line}"
+    _self_checks[key] = problem
+    if problem is not None:
+        warnings.warn(f"GPN's Triton kernels disagree with the torch ops on {_describe(key)}: {problem}; the "
+                      "kernels are off for these sizes and dtype in this process and the torch ops run them "
+                      "instead. Please report this.", RuntimeWarning)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _full_float32_matmuls():
+    """float32 matmuls in full float32 inside (`torch.set_float32_matmul_precision("highest")`), as before
+    after: a training script's "high" or "medium" (TF32 on a GPU, bf16 in oneDNN on CPU) would round the two
+    sides' inputs, a few ulps apart, apart again, the false alarm the float32 copies are there to avoid."""
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
 
 
 def _random_weights(w, device):

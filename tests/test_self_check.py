@@ -92,6 +92,32 @@ def test_the_self_check_passes_correct_kernels_whose_results_carry_gpu_noise(fre
     assert tk.self_check_summary() == {f"cpu {str(dtype)[6:]} (batch 2, hidden 256, inter 512, 1 layer(s), 2 heads of 32x64)": "passed"}
 
 
+def test_the_self_check_runs_full_float32_matmuls_whatever_the_process_set(fresh_self_check, monkeypatch):
+    """A process that set `torch.set_float32_matmul_precision("high")` (TF32 products on a GPU, bf16-based in
+    oneDNN on CPU: training scripts do) gets its check's steps, both sides, in full float32 (inputs a few
+    ulps apart would otherwise round apart in a 10-bit mantissa: ~5e-4, above the tolerance), and its own
+    setting back afterwards. (On CPU the rounding is too fine to fail the check itself; hence the setting,
+    as the check's steps see it, is what is asserted.)"""
+    seen = []
+    one_step = tk._one_step
+
+    def recorded(*args):
+        seen.append(torch.get_float32_matmul_precision())
+        return one_step(*args)
+
+    monkeypatch.setattr(tk, "_one_step", recorded)
+    w, s = fresh_weights_and_sizes(batch=2)
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        with torch.no_grad():
+            assert tk.self_check(w, s, EPS, CPU, torch.float32)
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    assert seen == ["highest"] * 4  # (batches 2 and 16, torch ops and kernels)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_an_error_of_1e_2_in_any_single_output_fails(fresh_self_check, monkeypatch, dtype):
     """Every quantity the check compares (new state, gamma, state and input gradients, every weight and
@@ -308,7 +334,8 @@ def test_the_training_sweep_and_the_decode_graph_capture_through_it(triton_on, m
     sweep.capture = True
     steps = []
     forward_steps = sweep.forward_steps
-    monkeypatch.setattr(sweep, "forward_steps", lambda *a: (steps.append(recorder.stream is not None), forward_steps(*a)))
+    on_side_stream = lambda *a: (steps.append(recorder.stream is not None), forward_steps(*a))  # noqa: E731
+    monkeypatch.setattr(sweep, "forward_steps", on_side_stream)
     sweep._run("forward", 0, 2)
     sweep._run("forward", 0, 2)
     assert steps == [True, False]  # warm-up on the side stream, then the capture's run
