@@ -56,8 +56,8 @@ def test_training_sweep_equals_the_fast_path_and_the_plain_loop(graphs_on, varia
         assert_same(plain, swept)
         assert_same(fast, swept)
     (sweep,) = sweeps_of(model)
-    assert sweep.length == (segment or length) and sweep.owner is None
-    assert all(record is not None for record in sweep.records)  # every position ran on the static buffers
+    assert sweep.length == (segment or cuda_graphs.SWEEP_SEGMENT_LENGTH) and sweep.owner is None
+    assert all(record is not None for record in sweep.records[:length])  # every position ran on the static buffers
 
 
 def static_buffers(sweep) -> dict:
@@ -166,8 +166,8 @@ def test_bf16_autocast_sweep_tracks_the_fast_path(graphs_on):
 
 @pytest.mark.parametrize("segment", [3, None])
 def test_windows_of_other_lengths_reuse_one_sweep(graphs_on, segment):
-    """One sweep per segment length serves shorter windows (one shorter segment); without segments a longer
-    window replaces the sweep with a longer one, which then serves the shorter windows: always = plain."""
+    """One sweep per segment length serves windows of every length (a shorter one is one shorter segment);
+    without segments the sweep's are `SWEEP_SEGMENT_LENGTH` long: always = plain."""
     model = perturbed_model(tiny_config(bptt_segment_length=segment), seed=26)
     lengths = []
     for length in (3, 5, 2):
@@ -176,7 +176,7 @@ def test_windows_of_other_lengths_reuse_one_sweep(graphs_on, segment):
                     run_recurrence(model, True, tokens, state, None, weights))  # fmt: skip
         (sweep,) = sweeps_of(model)
         lengths.append(sweep.length)
-    assert lengths == ([3, 3, 3] if segment else [3, 5, 5])
+    assert lengths == [segment or cuda_graphs.SWEEP_SEGMENT_LENGTH] * 3
 
 
 
