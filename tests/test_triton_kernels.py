@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from modeling_gpn import fast_recurrence as fr
 from modeling_gpn import triton_kernels as tk
 
-from .conftest import TRITON_INTERPRETER_AT_START, perturbed_model, tiny_config
+from .conftest import TRITON_INTERPRETER_AT_START, perturbed_model, require_environment, tiny_config
 from .paths import FAST_PATH, PLAIN_PATH, TRITON, ran
 from .test_fast_path import assert_same, random_problem, run_recurrence
 
@@ -289,8 +289,7 @@ def test_backend_choice(monkeypatch):
     monkeypatch.delenv("GPN_TRITON")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert fr.memory_backend(M) != fr.TRITON  # CPU tensors without the interpreter forced: never Triton
-    if not tk.available():
-        pytest.skip(f"triton unavailable: {tk.unavailable_reason()}")
+    require_environment(tk.available(), f"triton unavailable: {tk.unavailable_reason()}", "GPN_REQUIRE_TRITON")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("GPN_TRITON", "1")
     assert fr.memory_backend(M) == fr.TRITON
