@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from .conftest import REPO_ROOT, perturbed_model, require_environment, require_shared, tiny_config
-from .paths import CHUNKED_LOSS, FAST_PATH, ran
+from .paths import CHUNKED_LOSS, FAST_PATH, PLAIN_PATH, ran
 from .test_fast_path import KERNEL_MODES, memory_kernels, one_thread  # noqa: F401 (fixtures: kernels on/off, one thread)
 
 PACKAGE = REPO_ROOT / "modeling_gpn"
@@ -51,7 +51,7 @@ def loss_logprobs_grads(model, ids, fast: bool, autocast: bool, dtype: torch.dty
     model.model.use_fast_path = fast
     model.zero_grad(set_to_none=True)
     region = torch.autocast("cpu", dtype=dtype) if autocast else contextlib.nullcontext()
-    with region:
+    with region, ran(FAST_PATH if fast else PLAIN_PATH):
         out = model(ids, labels=ids)
     out.loss.backward()
     grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
@@ -143,7 +143,7 @@ def test_cpu_bf16_autocast_inference_and_cached_decoding(memory_kernels):
     results = {}
     for fast in (False, True):
         model.model.use_fast_path = fast
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16), ran(FAST_PATH if fast else PLAIN_PATH):
             whole = model(ids).logits.float().log_softmax(-1)
             cache = GPNCache(model.config)
             steps = [model(ids[:, t : t + 1], cache=cache, use_cache=True).logits.float() for t in range(ids.shape[1])]
@@ -165,7 +165,7 @@ def test_backward_called_inside_autocast(memory_kernels):
     for fast in (False, True):
         model.model.use_fast_path = fast
         model.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16), ran(FAST_PATH if fast else PLAIN_PATH):
             out = model(ids, labels=ids)
             out.loss.backward()
         results.append((out.loss.detach(), out.logits.float().log_softmax(-1).detach(),
