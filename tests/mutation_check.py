@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+SUBPACKAGES = {"configuration": "configuration", "conversion": "conversion", "evaluation": "eval"}  # modeling_gpn.X: folder
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,10 @@ def copy_of_repository(target: Path) -> None:
         if source.is_file():
             (target / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, target / name)
+    # the sub-packages live at the top of the tree (pyproject's package-dir); linked where Python looks for
+    # them, so the copy imports its own (the editable install would otherwise supply the unmutated ones)
+    for package, folder in SUBPACKAGES.items():
+        (target / "modeling_gpn" / package).symlink_to(Path("..") / folder)
 
 
 def run_tests(root: Path, specs: tuple[str, ...], report: Path) -> tuple[int, int, list[str]]:
@@ -199,12 +204,12 @@ def run_tests(root: Path, specs: tuple[str, ...], report: Path) -> tuple[int, in
 def check_imports_the_copy(root: Path) -> None:
     """The copy's tests must import the copy's package, or the mutation would not be tested at all."""
     env = dict(os.environ, PYTHONPATH=str(root))
-    where = subprocess.run(
-        [sys.executable, "-c", "import modeling_gpn.conversion, modeling_gpn; print(modeling_gpn.__file__)"],
-        cwd=root, env=env, capture_output=True, text=True, check=True,
-    ).stdout.strip()  # fmt: skip
-    if not Path(where).resolve().is_relative_to(root.resolve()):
-        raise SystemExit(f"the copy imports modeling_gpn from {where}, not from {root}")
+    modules = ["modeling_gpn", *(f"modeling_gpn.{package}" for package in SUBPACKAGES)]
+    code = f"import importlib\nfor name in {modules!r}: print(importlib.import_module(name).__file__)"
+    found = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, check=True)
+    for module, where in zip(modules, found.stdout.split()):
+        if not Path(where).absolute().is_relative_to(root.absolute()):
+            raise SystemExit(f"the copy imports {module} from {where}, not from {root}")
 
 
 def main(argv: list[str] | None = None) -> int:
