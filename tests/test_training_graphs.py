@@ -19,6 +19,7 @@ from modeling_gpn import cuda_graphs
 from modeling_gpn import triton_kernels as tk
 
 from .conftest import perturbed_model, tiny_config
+from .paths import FAST_PATH, PLAIN_PATH, TRAINING_SWEEP, TRITON, ran
 from .test_fast_path import assert_same, random_problem, run_recurrence
 from .test_triton_kernels import VARIANTS, OpRecorder, allocating, triton_on  # noqa: F401 (a fixture)
 
@@ -48,11 +49,13 @@ def test_training_sweep_equals_the_fast_path_and_the_plain_loop(graphs_on, varia
     tokens, state, _, weights = random_problem(model, batch=3, length=length, mask_kind=None, seed=5)
     plain = run_recurrence(model, False, tokens, state, None, weights)
     graphs_on.setenv("GPN_CUDA_GRAPHS", "0")
-    fast = run_recurrence(model, True, tokens, state, None, weights)
+    with ran(FAST_PATH, TRITON, not_ran=(TRAINING_SWEEP, PLAIN_PATH)):
+        fast = run_recurrence(model, True, tokens, state, None, weights)
     assert not sweeps_of(model)
     graphs_on.setenv("GPN_CUDA_GRAPHS", "1")
     for call in range(2):  # the second call reuses the buffers (and would replay the graphs)
-        swept = run_recurrence(model, True, tokens, state, None, weights)
+        with ran(FAST_PATH, TRAINING_SWEEP, TRITON, not_ran=(PLAIN_PATH,)):
+            swept = run_recurrence(model, True, tokens, state, None, weights)
         assert_same(plain, swept)
         assert_same(fast, swept)
     (sweep,) = sweeps_of(model)
@@ -113,7 +116,9 @@ def test_what_the_sweep_does_not_take_runs_the_fast_path(graphs_on, kind):
     model = perturbed_model(tiny_config(**config), seed=23)
     tokens, state, mask, weights = random_problem(model, batch=3, length=4, mask_kind="holes" if kind == "mask" else None, seed=7)
     plain = run_recurrence(model, False, tokens, state, mask, weights)
-    assert_same(plain, run_recurrence(model, True, tokens, state, mask, weights))
+    with ran(FAST_PATH, TRITON, not_ran=(TRAINING_SWEEP, PLAIN_PATH)):  # the fast path without a sweep, not the plain loop
+        fast = run_recurrence(model, True, tokens, state, mask, weights)
+    assert_same(plain, fast)
     assert not sweeps_of(model)
 
 

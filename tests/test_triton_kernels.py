@@ -21,7 +21,8 @@ from modeling_gpn import fast_recurrence as fr
 from modeling_gpn import recurrence_step
 from modeling_gpn import triton_kernels as tk
 
-from .conftest import TRITON_INTERPRETER_AT_START, perturbed_model, tiny_config
+from .conftest import TRITON_INTERPRETER_AT_START, perturbed_model, require_environment, tiny_config
+from .paths import FAST_PATH, PLAIN_PATH, TRITON, ran
 from .test_fast_path import assert_same, random_problem, run_recurrence
 
 
@@ -272,8 +273,9 @@ def test_inference_on_the_triton_path_equals_plain(triton_on, variant):
     results = {}
     for fast in (False, True):
         core.use_fast_path = fast
-        outputs, final, gammas = core.recurrence(token_inputs, state, mask, output_memory_decays=True)
-        one, final_one, _ = core.recurrence(token_inputs[:, :1], final, None)
+        with ran(FAST_PATH, TRITON, not_ran=(PLAIN_PATH,)) if fast else ran(PLAIN_PATH, not_ran=(FAST_PATH, TRITON)):
+            outputs, final, gammas = core.recurrence(token_inputs, state, mask, output_memory_decays=True)
+            one, final_one, _ = core.recurrence(token_inputs[:, :1], final, None)
         results[fast] = (outputs, *final, gammas, one, *final_one)
     for got, expected in zip(results[True], results[False]):
         torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-4)
@@ -288,8 +290,7 @@ def test_backend_choice(monkeypatch):
     monkeypatch.delenv("GPN_TRITON")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert fr.memory_backend(M) != fr.TRITON  # CPU tensors without the interpreter forced: never Triton
-    if not tk.available():
-        pytest.skip(f"triton unavailable: {tk.unavailable_reason()}")
+    require_environment(tk.available(), f"triton unavailable: {tk.unavailable_reason()}", "GPN_REQUIRE_TRITON")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("GPN_TRITON", "1")
     assert fr.memory_backend(M) == fr.TRITON
