@@ -75,7 +75,7 @@ MUTATIONS = [
     ),
     Mutation(
         "prepacking (packing fails and falls back to the plain matmul)",
-        "modeling_gpn/fast_recurrence.py",
+        "modeling_gpn/recurrence_step.py",
         "        self.matrix = matrix\n        self.packed = ",
         '        raise RuntimeError("MUTATION: no prepacking")\n        self.matrix = matrix\n        self.packed = ',
         ("tests/test_fast_path.py::test_prepacked_matrices_match_the_plain_matmul",),

@@ -16,10 +16,10 @@ wrapper around the real function for the duration of the block; nothing is repla
   cross-checked against `GPNModel.recurrence_plain` (a call labelled "fast" that ran the plain loop is
   counted as plain).
 - C_KERNELS, C_KERNELS_BACKWARD: `memory_kernels.calls`, the count of calls into the compiled library.
-- PREPACKED: products by a oneDNN-prepacked matrix (`fast_recurrence.PackedMatrix.mm`).
+- PREPACKED: products by a oneDNN-prepacked matrix (`recurrence_step.PackedMatrix.mm`).
 - TRITON: `triton_kernels.launches`, the count of Triton kernel launches.
 - TRAINING_SWEEP: training windows run on static buffers (`cuda_graphs.TrainingSweep.forward`).
-- CHUNKED_LOSS: forwards of the chunked tied cross-entropy (`fast_recurrence.ChunkedTiedCrossEntropy`).
+- CHUNKED_LOSS: forwards of the chunked tied cross-entropy (`chunked_loss.ChunkedTiedCrossEntropy`).
 When the code moves, only this file changes.
 """
 
@@ -74,7 +74,7 @@ def _counting(seen: Observed, backend: str):
 @contextlib.contextmanager
 def observe() -> Iterator[Observed]:
     """Count, while the block runs, which paths and backends ran (see the module docstring)."""
-    from modeling_gpn import cuda_graphs, fast_recurrence, memory_kernels, triton_kernels
+    from modeling_gpn import chunked_loss, cuda_graphs, memory_kernels, recurrence_step, triton_kernels
     from modeling_gpn.modeling_gpn import GPNModel
 
     seen = Observed()
@@ -101,10 +101,10 @@ def observe() -> Iterator[Observed]:
     with contextlib.ExitStack() as stack:
         stack.enter_context(_wrapped(GPNModel, "recurrence", recurrence_wrapper))
         stack.enter_context(_wrapped(GPNModel, "recurrence_plain", plain_wrapper))
-        stack.enter_context(_wrapped(fast_recurrence.PackedMatrix, "mm", _counting(seen, PREPACKED)))
+        stack.enter_context(_wrapped(recurrence_step.PackedMatrix, "mm", _counting(seen, PREPACKED)))
         stack.enter_context(_wrapped(cuda_graphs.TrainingSweep, "forward", _counting(seen, TRAINING_SWEEP)))
         stack.enter_context(
-            _wrapped(fast_recurrence.ChunkedTiedCrossEntropy, "forward", _counting(seen, CHUNKED_LOSS), static=True)
+            _wrapped(chunked_loss.ChunkedTiedCrossEntropy, "forward", _counting(seen, CHUNKED_LOSS), static=True)
         )
         try:
             yield seen
