@@ -577,7 +577,7 @@ def test_memory_sizes_that_overflowed_the_kernel_stack_compute_right(good_build,
 
 
 def test_the_model_card_says_the_remote_code_compiles_c_and_how_to_turn_it_off():
-    from modeling_gpn.model_card import build_card, validate_card
+    from modeling_gpn.hub.model_card import build_card, validate_card
 
     card = build_card(tiny_config(), "someone/tiny-gpn", n_params=1234)
     validate_card(card)

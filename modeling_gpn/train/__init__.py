@@ -1530,6 +1530,3 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     return run(parser.parse_args(argv))
 
-
-if __name__ == "__main__":
-    sys.exit(main())
