@@ -38,6 +38,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput
 from transformers.utils import logging
 
 from .configuration_gpn import GPNConfig
+from .derived_weights import derived_weights_scope
 from .fast_recurrence import chunked_causal_lm_loss, divide_loss_sum, fast_recurrence
 
 logger = logging.get_logger(__name__)
@@ -736,7 +737,7 @@ class GPNModel(GPNPreTrainedModel):
         """
         cache = _pop_cache_alias(cache, kwargs)
         _check_unused_kwargs(kwargs)
-        packing = {name: kwargs[name] for name in ("position_ids", *sorted(_PACKING_KWARGS)) if kwargs.get(name) is not None}
+        packing = {name: kwargs[name] for name in ("position_ids", *_PACKING_KWARGS) if kwargs.get(name) is not None}
         config = self.config
         use_cache = use_cache if use_cache is not None else (config.use_cache and not self.training)
         return_dict = return_dict if return_dict is not None else True
@@ -770,10 +771,13 @@ class GPNModel(GPNPreTrainedModel):
         if state is None:
             state = self.zero_state(batch_size, embeddings.device)
 
-        predicted_states, final_state, memory_decays = self.recurrence(
-            self.token_inputs(embeddings), state, mask, output_memory_decays=output_memory_decays,
-            sequence_starts=sequence_starts,
-        )  # fmt: skip
+        # what the fast path derives from the parameters (folded matrices, ...) lives for this call at most, or
+        # for the generate() call around it (derived_weights.py): never after an edit of the weights
+        with derived_weights_scope(self):
+            predicted_states, final_state, memory_decays = self.recurrence(
+                self.token_inputs(embeddings), state, mask, output_memory_decays=output_memory_decays,
+                sequence_starts=sequence_starts,
+            )  # fmt: skip
 
         if use_cache:
             if cache is None:
@@ -876,7 +880,9 @@ def _starts_from_cu_seq_lens(
     varlen convention): sequence i holds flattened positions cu[i]..cu[i+1]-1."""
     total = batch_size * seq_len
     if cu_seq_lens.dim() != 1 or cu_seq_lens.numel() < 2:
-        raise ValueError(f"{name} must be a 1-D tensor [0, end of sequence 1, ..., {total}], got shape {tuple(cu_seq_lens.shape)}")
+        raise ValueError(
+            f"{name} must be a 1-D tensor [0, end of sequence 1, ..., {total}], got shape {tuple(cu_seq_lens.shape)}"
+        )
     if not validate:
         boundaries = torch.zeros(total + 1, dtype=torch.bool, device=cu_seq_lens.device)
         return boundaries.index_fill(0, cu_seq_lens.long().clamp(0, total), True)[:total].view(batch_size, seq_len)
@@ -888,7 +894,9 @@ def _starts_from_cu_seq_lens(
         )
     lengths = cu_seq_lens[1:] - cu_seq_lens[:-1]
     if bool((lengths <= 0).any()):
-        raise ValueError(f"{name} must be strictly increasing (every packed sequence holds a token), got {cu_seq_lens.tolist()}")
+        raise ValueError(
+            f"{name} must be strictly increasing (every packed sequence holds a token), got {cu_seq_lens.tolist()}"
+        )
     boundaries = torch.zeros(total, dtype=torch.bool, device=cu_seq_lens.device)
     boundaries[cu_seq_lens[:-1].long()] = True
     boundaries = boundaries.view(batch_size, seq_len)
@@ -969,7 +977,9 @@ def packed_sequence_starts(
         longest = int((cu_seq_lens[1:] - cu_seq_lens[:-1]).max()) if validate else 0
         for bound_name, bound in (("max_length_q", max_length_q), ("max_length_k", max_length_k)):
             if validate and bound is not None and int(bound) < longest:
-                raise ValueError(f"{bound_name}={int(bound)} is shorter than the longest packed sequence ({longest} tokens)")
+                raise ValueError(
+                    f"{bound_name}={int(bound)} is shorter than the longest packed sequence ({longest} tokens)"
+                )
         derived.append((name, _starts_at_real_tokens(boundaries, real)))
 
     if seq_idx is not None:
@@ -1068,6 +1078,14 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         """Logits predicted from the empty (zero) state: the reference's position 0 (batch, vocab)."""
         predicted = torch.zeros(batch_size, self.config.hidden_size, device=self.device)
         return self.decode(predicted)
+
+    def generate(self, *args, **kwargs):
+        """`GenerationMixin.generate`, with the fast path's weights derived from the parameters (folded and
+        prepacked matrices, CUDA graphs' copies) once for the whole call: the prompt's forward derives them,
+        every decoded token reuses them, and they are dropped when the call returns (`derived_weights.py`), so
+        the next call sees the parameters as they are then, however they were edited."""
+        with derived_weights_scope(self.model):
+            return super().generate(*args, **kwargs)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs) -> None:
         """generate() gets a `GPNCache` (not a `DynamicCache`) unless the caller passed a cache."""
