@@ -23,6 +23,7 @@ installed `modeling_gpn` package.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, LinearAttentionLayer
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput
 from transformers.utils import logging
 
@@ -122,6 +124,84 @@ def lecun_normal_(weight: torch.Tensor) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
+# ---- what a cache has read: a fingerprint, to tell generate()'s two ways of continuing apart ------------
+
+_FINGERPRINT_MODULUS = 2**31 - 1  # a prime; products of two residues fit in int64
+_FINGERPRINT_BASES = (1_000_003, 998_244_353 % (2**31 - 1))  # two independent polynomial hashes: ~62 bits
+_PADDING_VALUE = 1  # a padded position's value in the hash (a token id t counts as t + 2)
+
+
+def token_fingerprint(token_ids: torch.Tensor, mask: torch.Tensor | None, start: torch.Tensor | None = None) -> torch.Tensor:
+    """(batch, 2) int64: two polynomial hashes of each row's positions (a padded position counts as padding,
+    whatever its id), continuing `start` (the fingerprint of the positions before these) when given.
+
+    The same positions give the same fingerprint however they were split into calls.
+    """
+    modulus = _FINGERPRINT_MODULUS
+    values = token_ids.long() + 2
+    if mask is not None:
+        values = torch.where(mask.bool(), values, torch.full_like(values, _PADDING_VALUE))
+    length = values.shape[1]
+    # powers[i] = base^(length-1-i) mod p, built by doubling (log2(length) steps)
+    powers = torch.ones(1, 2, dtype=torch.int64, device=values.device)
+    while powers.shape[0] < length:
+        step = torch.tensor([pow(b, powers.shape[0], modulus) for b in _FINGERPRINT_BASES], device=values.device)
+        powers = torch.cat([powers * step % modulus, powers])
+    powers = powers[-length:]
+    folded = (values[:, :, None] * powers % modulus).sum(dim=1) % modulus
+    if start is not None:
+        shift = torch.tensor([pow(b, length, modulus) for b in _FINGERPRINT_BASES], device=values.device)
+        folded = (folded + start.to(values.device) * shift % modulus) % modulus
+    return folded
+
+
+class ReadFingerprint:
+    """The fingerprint of every position a cache has read (`token_fingerprint`), or "unknown".
+
+    Decoding appends one token a call: those are kept as they come (one small tensor a call) and folded
+    into the fingerprint every `FOLD_EVERY` calls or when it is asked for; longer calls fold at once. It
+    becomes unknown when the cache reads positions given as `inputs_embeds`, or is rebuilt without its
+    history (pytree unflattening: a traced or exported program's cache).
+    """
+
+    FOLD_EVERY = 64
+
+    def __init__(self, known: bool = True):
+        self.known = known
+        self.folded: torch.Tensor | None = None  # (batch, 2), None before any position
+        self.pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
+    def record(self, token_ids: torch.Tensor | None, mask: torch.Tensor | None) -> None:
+        if token_ids is None or not self.known:
+            self.forget()
+            return
+        self.pending.append((token_ids.detach().clone(), None if mask is None else mask.detach().clone()))
+        if len(self.pending) >= self.FOLD_EVERY or token_ids.shape[1] > 1:  # a prompt is folded at once, not kept
+            self.value()
+
+    def forget(self) -> None:
+        self.known, self.folded, self.pending = False, None, []
+
+    def value(self) -> torch.Tensor | None:
+        """(batch, 2) fingerprint of everything read, or None when unknown."""
+        if not self.known:
+            return None
+        if self.pending:
+            ids = torch.cat([ids for ids, _ in self.pending], dim=1)
+            mask = torch.cat([torch.ones_like(i, dtype=torch.bool) if m is None else m.bool() for i, m in self.pending], dim=1)
+            self.folded, self.pending = token_fingerprint(ids, mask, self.folded), []
+        return self.folded
+
+    def select_rows(self, select) -> None:
+        """Apply a row operation (beam search's reordering, repeat_interleave) to the fingerprint."""
+        folded = self.value()
+        if folded is not None:
+            self.folded = select(folded)
+
+
+# ---- end of the fingerprint ----------------------------------------------------------------------
+
+
 class GPNStateLayer(LinearAttentionLayer):
     """The single cache layer of a GPN: three recurrent states in fixed buffers updated in place.
 
@@ -134,6 +214,7 @@ class GPNStateLayer(LinearAttentionLayer):
     def __init__(self, **kwargs):
         super().__init__(number_of_states=3)
         self.seen_tokens = 0
+        self.fingerprint = ReadFingerprint()  # of the positions read (see GPNForCausalLM._prefill)
 
     def store(self, predicted: torch.Tensor, grounded: torch.Tensor, memory: torch.Tensor) -> None:
         for index, tensor in ((self.PREDICTED, predicted), (self.GROUNDED, grounded), (self.MEMORY, memory)):
@@ -152,9 +233,11 @@ class GPNStateLayer(LinearAttentionLayer):
     def reset(self) -> None:
         super().reset()
         self.seen_tokens = 0
+        self.fingerprint = ReadFingerprint()
 
     def get_seq_length(self) -> int:
-        return self.seen_tokens
+        seen = self.seen_tokens  # a 0-dim tensor only inside a traced program (see the pytree functions)
+        return int(seen) if isinstance(seen, torch.Tensor) and not is_tracing() else seen
 
     @property
     def is_croppable(self) -> bool:
@@ -169,11 +252,13 @@ class GPNStateLayer(LinearAttentionLayer):
         for index in range(self.number_of_states):
             if self.is_recurrent_states_initialized[index]:
                 self.recurrent_states[index] = self.recurrent_states[index].repeat_interleave(repeats, dim=0)
+        self.fingerprint.select_rows(lambda rows: rows.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         for index in range(self.number_of_states):
             if self.is_recurrent_states_initialized[index]:
                 self.recurrent_states[index] = self.recurrent_states[index][indices, ...]
+        self.fingerprint.select_rows(lambda rows: rows[indices.to(rows.device)])
 
 
 class GPNCache(Cache):
@@ -206,7 +291,23 @@ class GPNCache(Cache):
     ) -> None:
         """Store the state after `num_new_tokens` more tokens (in place, so addresses stay static)."""
         self.state_layer.store(predicted, grounded, memory)
-        self.state_layer.seen_tokens += num_new_tokens
+        seen = self.state_layer.seen_tokens
+        if is_tracing() and not isinstance(seen, torch.Tensor):
+            # a tensor while tracing, so the count of a dynamic-length program is computed, not frozen (see pytree)
+            seen = torch.zeros((), dtype=torch.int64)
+        self.state_layer.seen_tokens = seen + num_new_tokens
+
+    def record_read(self, token_ids: torch.Tensor | None, mask: torch.Tensor | None) -> None:
+        """Fold the positions just read into the cache's fingerprint (`token_ids` None: positions given as
+        embeddings, which make it unknown). `mask` (batch, seq) bool, or None when every position is real."""
+        if is_tracing():
+            self.state_layer.fingerprint.forget()
+        else:
+            self.state_layer.fingerprint.record(token_ids, mask)
+
+    def read_fingerprint(self) -> torch.Tensor | None:
+        """(batch, 2) fingerprint of the positions read (`token_fingerprint`), or None when unknown."""
+        return self.state_layer.fingerprint.value()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Number of token positions this cache has consumed (padding included)."""
@@ -222,23 +323,36 @@ class GPNCache(Cache):
         )
 
 
+# ---- pytree registration (torch.export / torch.compile) -------------------------------------------
+# The children are the state (p, g, M) and the number of positions read, as a 0-dim int64 tensor; the
+# context is only whether a state is held. A count in the context would be a SymInt in a program exported
+# with a dynamic sequence length (not serializable: torch.export.save failed with "Object of type SymInt
+# is not JSON serializable"), and a constant frozen into the program's output spec at tracing time.
+
+
+def _seen_tokens_tensor(seen: int | torch.Tensor) -> torch.Tensor:
+    return seen if isinstance(seen, torch.Tensor) else torch.tensor(seen, dtype=torch.int64)
+
+
 def _flatten_gpn_cache(cache: GPNCache):
-    """pytree children of a `GPNCache`: its (p, g, M) when it holds a state; the token count is context."""
+    """pytree children of a `GPNCache`: (p, g, M) when it holds a state, then the positions read (a tensor)."""
     state = [cache.state_layer.recurrent_states[i] for i in range(3)] if cache.has_state else []
-    return state, (cache.get_seq_length(), bool(state))
+    return [*state, _seen_tokens_tensor(cache.state_layer.seen_tokens)], bool(state)
 
 
 def _unflatten_gpn_cache(children, context) -> GPNCache:
-    seen_tokens, has_state = context
+    has_state = context
+    *state, seen_tokens = children
     cache = GPNCache()
     layer = cache.state_layer
     if has_state:
-        for index, tensor in enumerate(children):
+        for index, tensor in enumerate(state):
             layer.recurrent_states[index] = tensor
             layer.is_recurrent_states_initialized[index] = True
             layer.has_previous_state[index] = True
-        layer.device, layer.dtype = children[0].device, children[0].dtype
-    layer.seen_tokens = seen_tokens
+        layer.device, layer.dtype = state[0].device, state[0].dtype
+    layer.fingerprint = ReadFingerprint(known=False)  # what it read is not part of the pytree
+    layer.seen_tokens = seen_tokens  # stays a tensor (no int() on a traced value); get_seq_length() gives an int
     return cache
 
 
@@ -254,6 +368,7 @@ pytree.register_pytree_node(
         _flatten_gpn_cache(cache)[1],
     ),
 )
+# ---- end of the pytree registration ---------------------------------------------------------------
 
 
 # --------------------------------------------------------------------------------------------------
@@ -384,11 +499,59 @@ class GPNCausalLMOutput(CausalLMOutputWithPast):
     memory_decays: torch.Tensor | None = None
 
 
+# ---- gradient checkpointing: one BPTT segment is the unit of recomputation ---------------------------
+
+
+class GPNSegmentLayer(GradientCheckpointingLayer):
+    """One segment of the plain time loop, the unit transformers' gradient checkpointing recomputes.
+
+    A GPN has one layer revisited at every token, so it checkpoints *time*: with checkpointing on (and
+    training with gradients) the plain loop runs every segment of `config.bptt_segment_length` positions
+    through this layer, and `GradientCheckpointingLayer` hands each call to the model's checkpoint
+    function (`_gradient_checkpointing_func`, set by `gradient_checkpointing_enable`): only the states at
+    segment boundaries are kept, and the backward pass recomputes each segment from its boundary.
+    Without checkpointing the plain loop calls it once, over the whole sequence. It holds no weights:
+    `steps` is the model's `_plain_steps`, passed as a keyword (the recomputation calls it again).
+    """
+
+    def forward(
+        self,
+        token_inputs: torch.Tensor,
+        predicted: torch.Tensor,
+        grounded: torch.Tensor,
+        memory: torch.Tensor,
+        mask: torch.Tensor | None,
+        first_position: int,
+        output_memory_decays: bool,
+        sequence_starts: torch.Tensor | None = None,
+        *,
+        steps,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(outputs, p, g, M, gamma or None) after the segment's positions (tensors positional, as reentrant
+        checkpointing needs them; `sequence_starts`: where packed sequences start in the segment, or None)."""
+        return steps(
+            token_inputs, predicted, grounded, memory, mask, first_position, output_memory_decays, sequence_starts
+        )
+
+
+def is_torch_checkpoint(function) -> bool:
+    """Whether `function` is torch.utils.checkpoint.checkpoint, possibly with `use_reentrant` bound (what
+    `gradient_checkpointing_enable()` installs without `offload`)."""
+    from torch.utils.checkpoint import checkpoint
+
+    if isinstance(function, functools.partial):
+        return function.func is checkpoint and not function.args and set(function.keywords) <= {"use_reentrant"}
+    return function is checkpoint
+
+
+# ---- end of gradient checkpointing -------------------------------------------------------------------
+
+
 class GPNPreTrainedModel(PreTrainedModel):
     config_class = GPNConfig
     config: GPNConfig
     base_model_prefix = "model"
-    # Activation checkpointing maps onto GPN's own recomputation (see `_set_gradient_checkpointing`).
+    # Activation checkpointing recomputes BPTT segments (`GPNSegmentLayer`, `_set_gradient_checkpointing`).
     supports_gradient_checkpointing = True
     _no_split_modules = ["GPNModel"]
     _is_stateful = True  # generate() refuses assisted decoding: a recurrent state cannot be rolled back
@@ -409,14 +572,19 @@ class GPNPreTrainedModel(PreTrainedModel):
         return super().save_pretrained(save_directory, *args, **kwargs)
 
     def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None, every_n_layers: int = 1):
-        """What `gradient_checkpointing_enable()` (and `TrainingArguments(gradient_checkpointing=True)`) turns on.
+        """What `activation_checkpointing_enable()` / `gradient_checkpointing_enable()` (and
+        `TrainingArguments(gradient_checkpointing=True)`) turn on, and `..._disable()` off.
 
         A GPN has one layer revisited at every token, so it checkpoints *time*, not layers: training keeps
         the state only at the boundaries of segments of `config.bptt_segment_length` tokens and recomputes
-        each segment's steps in the backward pass. Enabling sets `bptt_segment_length` to
-        `DEFAULT_CHECKPOINT_SEGMENT_LENGTH` when it is unset (disabling puts `None` back); the fast path
-        already recomputes segments from that setting, and the plain path wraps each segment in the
-        checkpoint function transformers passes (torch.utils.checkpoint). Gradients are unchanged.
+        each segment's steps in the backward pass. transformers sets the flag and the checkpoint function
+        on `GPNSegmentLayer` (a `GradientCheckpointingLayer`), through which the plain loop runs each
+        segment. Enabling sets `bptt_segment_length` to `DEFAULT_CHECKPOINT_SEGMENT_LENGTH` when it is unset
+        (disabling puts `None` back). The fast path recomputes the same segments with its own hand-written
+        backward, in place of `torch.utils.checkpoint.checkpoint` (which could not free what its autograd
+        function keeps); any other checkpoint function (transformers' `offload=True`, DeepSpeed's, your
+        own) is honoured: the plain path runs and calls it on every segment (`GPNModel.fast_path_blocker`).
+        Gradients are unchanged.
         """
         if gradient_checkpointing_func is None:
             from torch.utils.checkpoint import checkpoint
@@ -485,7 +653,7 @@ class GPNModel(GPNPreTrainedModel):
         self.fuse_gate = linear(d, d, bias=True, init_scheme="zeros")
         self.memory_write = GPNMemoryWrite(config) if config.use_memory else None
         self.predict_layers = nn.ModuleList(GPNPredictLayer(config) for _ in range(config.num_predict_layers))
-        self.gradient_checkpointing = False  # see GPNPreTrainedModel._set_gradient_checkpointing
+        self.segment_layer = GPNSegmentLayer()  # the plain loop's segments; see GPNPreTrainedModel._set_gradient_checkpointing
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -542,8 +710,9 @@ class GPNModel(GPNPreTrainedModel):
     use_fast_path: bool = True  # set False on a model (or its class) to run the plain loop
     last_recurrence_path: str | None = None  # "fast" or "plain": what the last eager call ran
 
-    # Children the fast path does not fold: it calls them as modules, like the plain path.
-    _CALLED_CHILDREN = ("embed_tokens", "fuse_norm", "fuse_proj")
+    # Children the fast path does not fold: it calls them as modules, like the plain path. (The segment
+    # layer, which only the plain path calls, is checked on its own in `fast_path_blocker`.)
+    _CALLED_CHILDREN = ("embed_tokens", "fuse_norm", "fuse_proj", "segment_layer")
 
     def fast_path_blocker(self) -> str | None:
         """Why the fast path cannot run on this model now, or None when it can.
@@ -553,12 +722,17 @@ class GPNModel(GPNPreTrainedModel):
         `nn.Linear` or `GPNRMSNorm` of that exact class (a subclass, a PEFT LoRA wrapper or a quantized
         replacement is not), with plain `nn.Parameter` weights (no tensor subclass, no parametrization),
         and no forward or backward hooks on it or registered globally. Anything else runs the plain path,
-        which calls every module.
+        which calls every module. So does gradient checkpointing with a checkpoint function other than
+        `torch.utils.checkpoint.checkpoint` (whose work the fast path does itself), and a hook on the
+        segment layer: the plain path calls them on every segment.
         """
         module_hooks = torch.nn.modules.module
         for name in ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks", "_global_backward_hooks"):
             if getattr(module_hooks, name, None):
                 return f"a global module hook is registered ({name.strip('_')})"
+        blocker = self._segment_layer_blocker()
+        if blocker is not None:
+            return blocker
         allowed = (nn.Linear, GPNRMSNorm, nn.ModuleList, GPNMemoryWrite, GPNPredictLayer)
         # Runs before every fast call (decoding too): a flat walk over the two levels of modules below the
         # model's children (the blocks and their projections); a wrapper fails on its own type, so what it
@@ -584,6 +758,20 @@ class GPNModel(GPNPreTrainedModel):
                 name = next(n for n, m in self.named_modules() if m is module)
                 return _why_not_foldable(name, module, allowed)
         return None
+
+    def _segment_layer_blocker(self) -> str | None:
+        """Why the segment layer (gradient checkpointing's unit) needs the plain path, or None."""
+        segment = self.segment_layer
+        if segment._forward_pre_hooks or segment._forward_hooks or segment._backward_pre_hooks or segment._backward_hooks:
+            return "segment_layer has hooks"
+        if self.checkpointing_segments() and not is_torch_checkpoint(segment._gradient_checkpointing_func):
+            return "gradient checkpointing runs a checkpoint function other than torch.utils.checkpoint.checkpoint"
+        return None
+
+    def checkpointing_segments(self) -> bool:
+        """Whether this call recomputes BPTT segments in the backward pass (gradient checkpointing on, training
+        mode, gradients enabled), as `GradientCheckpointingLayer` decides."""
+        return self.segment_layer.gradient_checkpointing and self.training and torch.is_grad_enabled()
 
     def recurrence_path(self) -> str:
         """"fast" or "plain": the path `recurrence` takes for the next call (see `fast_path_blocker`)."""
@@ -641,22 +829,22 @@ class GPNModel(GPNPreTrainedModel):
         With `config.bptt_truncation_length = K` the carried state is detached before every position
         t > 0 with t % K == 0 (truncated BPTT; the forward values are unchanged).
         With gradient checkpointing on (training), each segment of `config.bptt_segment_length` positions
-        runs inside the checkpoint function: only the states at segment boundaries are kept.
+        is one call of `segment_layer`, which runs it inside the checkpoint function: only the states at
+        segment boundaries are kept. Otherwise the whole sequence is one call.
         Returns the predicted states (batch, seq, d), the final state and, if asked, gamma (batch, seq, H).
         """
         seq_len = token_inputs.shape[1]
-        checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        checkpointing = self.checkpointing_segments()
         segment = (self.config.bptt_segment_length or DEFAULT_CHECKPOINT_SEGMENT_LENGTH) if checkpointing else seq_len
         outputs, decays = [], []
         for start in range(0, seq_len, segment):
             stop = min(start + segment, seq_len)
             segment_mask = None if mask is None else mask[:, start:stop]
             segment_starts = None if sequence_starts is None else sequence_starts[:, start:stop]
-            arguments = (token_inputs[:, start:stop], *state, segment_mask, start, output_memory_decays, segment_starts)
-            if checkpointing:
-                segment_outputs, *state, segment_decays = self._gradient_checkpointing_func(self._plain_steps, *arguments)
-            else:
-                segment_outputs, *state, segment_decays = self._plain_steps(*arguments)
+            segment_outputs, *state, segment_decays = self.segment_layer(
+                token_inputs[:, start:stop], *state, segment_mask, start, output_memory_decays, segment_starts,
+                steps=self._plain_steps,
+            )  # fmt: skip
             outputs.append(segment_outputs)
             if segment_decays is not None:
                 decays.append(segment_decays)
@@ -783,6 +971,7 @@ class GPNModel(GPNPreTrainedModel):
             if cache is None:
                 cache = GPNCache(config)
             cache.update_state(*final_state, num_new_tokens=seq_len)
+            cache.record_read(input_ids, mask)
         output = GPNModelOutput(
             last_hidden_state=predicted_states,
             cache=cache if use_cache else None,
@@ -1100,33 +1289,25 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         model_kwargs["cache"] = GPNCache(self.config)
 
     def _prefill(self, input_ids: torch.Tensor, generation_config, model_kwargs: dict, *args, **kwargs):
-        """Continue generation from a returned cache given the *full* sequence, as with a KV cache.
+        """Continue generation from a returned cache, given the whole sequence or only the new positions.
 
-        transformers' convention when `generate()` restarts from a cache: `input_ids` (with an attention
-        mask of the same length, or none) is the whole sequence so far. Its recurrent cache would be
-        silently re-fed that history (transformers does so for Mamba); a `GPNCache` knows how many
-        positions it has read, so only the positions after those are fed. A cache that has read as many
-        positions as given, or more, is refused: a recurrent state cannot be rolled back. Only the new
-        tokens with an attention mask over the full sequence (longer than them) are fed as they are.
+        transformers' models continue in two ways: with the whole sequence so far (as with a KV cache) or
+        with only the new positions (as Mamba and its other recurrent models). A `GPNCache` tells them
+        apart by what it has read (`continuation_start`) and feeds only the positions after those; where it
+        cannot tell, it refuses. It never feeds a position twice: a recurrent state cannot be rolled back.
         """
         cache = model_kwargs.get("cache")
         seen = cache.get_seq_length() if isinstance(cache, GPNCache) and cache.has_state else 0
         if seen:
             embeds = model_kwargs.get("inputs_embeds")
             mask = model_kwargs.get("attention_mask")
-            given = embeds.shape[1] if embeds is not None else input_ids.shape[1]
-            if mask is None or mask.shape[1] == given:  # the full sequence, as transformers passes it
-                if given <= seen:
-                    raise ValueError(
-                        f"generate() got {given} positions with a cache that has already read {seen}: pass the full "
-                        "sequence (the cache's positions followed by new ones; the first ones are skipped), or only "
-                        "the new tokens with an attention_mask covering the full sequence. A GPN state cannot be "
-                        "rolled back to an earlier position."
-                    )
-                if embeds is not None:
-                    model_kwargs = {**model_kwargs, "inputs_embeds": embeds[:, seen:]}
-                else:
-                    input_ids = input_ids[:, seen:]
+            # generate() drops an all-ones mask before the prefill and keeps only its length
+            mask_columns = mask.shape[1] if mask is not None else getattr(generation_config, "_mask_length", None)
+            start = continuation_start(cache, seen, input_ids if embeds is None else None, embeds, mask, mask_columns)
+            if start and embeds is not None:
+                model_kwargs = {**model_kwargs, "inputs_embeds": embeds[:, start:]}
+            elif start:
+                input_ids = input_ids[:, start:]
         return super()._prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
 
     def forward(
@@ -1216,6 +1397,79 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         return chunked_causal_lm_loss(
             decoded, embedding, labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch
         )
+
+
+# ---- continuing from a cache: the whole sequence or only the new positions ----------------------------
+
+
+def continuation_start(
+    cache: GPNCache,
+    seen: int,
+    input_ids: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    mask_columns: int | None = None,
+) -> int:
+    """How many leading positions of what generate() was given the cache has already read: `seen` when it
+    is the whole sequence so far, 0 when it is only the new positions. Raises where it cannot tell.
+
+    Certain: an attention mask over `seen` + given columns means the new positions alone (transformers'
+    convention); fewer positions given than read, or as many with another fingerprint, can only be new
+    ones. With more positions than read, the fingerprint of the first `seen` (token ids and padding,
+    `token_fingerprint`) decides: the cache's own in every row means the whole sequence, in no row only new
+    positions. Embeddings (nothing to fingerprint), a cache whose fingerprint is unknown (it read
+    embeddings, or was rebuilt by a traced program) and rows that disagree are refused.
+    """
+    given = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+    if mask_columns is None:
+        mask_columns = None if attention_mask is None else attention_mask.shape[1]
+    how = (
+        "Pass only the new positions with an attention_mask covering the whole sequence "
+        f"({seen} + new columns), or the whole sequence as token ids to a cache filled from token ids."
+    )
+    if mask_columns is not None and mask_columns != given:
+        if mask_columns == seen + given:
+            return 0
+        raise ValueError(
+            f"generate() got {given} positions and an attention_mask of {mask_columns} columns with a "
+            f"cache that has read {seen}: the mask must cover the given positions ({given}) or the whole sequence "
+            f"({seen + given})."
+        )
+    known = cache.read_fingerprint()
+    if given <= seen:  # the whole sequence would be longer than what was read
+        if given == seen and input_ids is not None and known is not None:
+            if bool((token_fingerprint(input_ids, attention_mask) == known.to(input_ids.device)).all()):
+                raise ValueError(
+                    f"generate() got the {seen} positions the cache has already read and nothing new. A GPN state "
+                    "cannot be rolled back to an earlier position; pass new positions to continue."
+                )
+        return 0
+    if input_ids is None:
+        raise ValueError(
+            f"generate() got {given} positions as inputs_embeds with a cache that has read {seen}: embeddings cannot "
+            f"be matched against what the cache read, so it cannot tell the whole sequence from new positions. {how}"
+        )
+    if known is None:
+        raise ValueError(
+            f"generate() got {given} positions with a cache that has read {seen} without a record of them (it read "
+            f"inputs_embeds, or was rebuilt by a traced program): it cannot tell the whole sequence from new "
+            f"positions. Pass only the new positions with an attention_mask covering the whole sequence "
+            f"({seen} + new columns)."
+        )
+    prefix_mask = None if attention_mask is None else attention_mask[:, :seen]
+    matches = (token_fingerprint(input_ids[:, :seen], prefix_mask) == known.to(input_ids.device)).all(dim=1)
+    if bool(matches.all()):
+        return seen
+    if not bool(matches.any()):
+        return 0
+    raise ValueError(
+        f"generate() got {given} positions with a cache that has read {seen}: rows "
+        f"{matches.nonzero()[:, 0].tolist()} begin with what the cache read (the whole sequence) and the others "
+        f"do not (new positions). {how}"
+    )
+
+
+# ---- end of continuing from a cache ------------------------------------------------------------------
 
 
 def causal_lm_loss(

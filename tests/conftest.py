@@ -32,6 +32,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)
 
 
+def pytest_configure(config):
+    # The marks of transformers' tests/test_modeling_common.py (tests/test_transformers_common.py runs it),
+    # registered as transformers' own conftest registers them.
+    for mark in ("accelerate_tests", "flash_attn_test", "flash_attn_3_test", "flash_attn_4_test", "torch_compile_test"):
+        config.addinivalue_line("markers", f"{mark}: a mark of transformers' common model tests")
+
+
 def require_shared(relative: str) -> Path:
     """Path of `relative` inside the shared folder, or skip (fail under GPN_REQUIRE_SHARED=1)."""
     path = SHARED_DIR / relative

@@ -190,14 +190,89 @@ def test_generation_continued_with_the_full_sequence_and_its_cache_matches_one_r
     tail = model.generate(again.sequences[:, seen:], attention_mask=full_mask, cache=again.cache, max_new_tokens=6, **settings)
     assert torch.equal(tail, whole[:, seen:])
 
-    # A cache that has read more than it is given cannot be rolled back: a clear error
+    # The positions the cache has read, again and nothing new: a recurrent state cannot be rolled back
+    again = model.generate(prompt, attention_mask=mask, max_new_tokens=4, return_dict_in_generate=True, **settings)
+    read = again.sequences[:, : again.cache.get_seq_length()]
     with pytest.raises(ValueError, match="cannot be rolled back"):
-        model.generate(prompt, attention_mask=mask, cache=continued_cache(model, prompt, mask), max_new_tokens=2, **settings)
+        model.generate(read, attention_mask=full_mask[:, : read.shape[1]], cache=again.cache, max_new_tokens=2, **settings)
 
 
-def continued_cache(model, prompt, mask):
-    out = model.generate(prompt, attention_mask=mask, max_new_tokens=3, return_dict_in_generate=True, do_sample=False, pad_token_id=0)
-    return out.cache
+def test_generation_continued_with_only_the_new_positions_as_mamba_matches_one_run():
+    """transformers' recurrent models (Mamba) continue from a cache given only the new positions, without a
+    mask over the whole sequence, even when they outnumber the positions the cache has read: the cache's
+    fingerprint of what it read tells them from the whole sequence (lengths alone cannot)."""
+    model = perturbed_model(tiny_config(eos_token_id=None))
+    settings = dict(do_sample=False, pad_token_id=0)
+    prompt = token_ids(2, 3, seed=5)
+    first = model.generate(prompt, max_new_tokens=2, return_dict_in_generate=True, **settings)
+    seen = first.cache.get_seq_length()
+    assert seen == 4  # the prompt and the first generated token; the last one is not read yet
+    extra = token_ids(2, 5, seed=6)
+    whole = model.generate(torch.cat([first.sequences, extra], dim=1), max_new_tokens=4, **settings)
+
+    new_positions = torch.cat([first.sequences[:, seen:], extra], dim=1)  # 6 positions, more than the 4 read
+    continued = model.generate(new_positions, cache=first.cache, max_new_tokens=4, **settings)
+    assert torch.equal(continued, whole[:, seen:])
+
+    # fewer new positions than read (one, as decoding feeds them) are new positions too
+    fresh = model.generate(prompt, max_new_tokens=2, return_dict_in_generate=True, **settings)
+    got = model.generate(fresh.sequences[:, seen:], cache=fresh.cache, max_new_tokens=3, **settings)
+    expected = model.generate(prompt, max_new_tokens=5, **settings)
+    assert torch.equal(got, expected[:, seen:])
+
+
+def test_continuing_generation_refuses_what_it_cannot_tell_apart():
+    model = perturbed_model(tiny_config(eos_token_id=None))
+    settings = dict(do_sample=False, pad_token_id=0)
+    prompt = token_ids(2, 3, seed=5)
+
+    def cache_after_prompt(**inputs):
+        return model.generate(**inputs, max_new_tokens=1, return_dict_in_generate=True, **settings).cache
+
+    longer = token_ids(2, 6, seed=8)
+    # inputs_embeds: nothing to fingerprint, and more positions than read
+    embeds = model.get_input_embeddings()(longer).detach()
+    with pytest.raises(ValueError, match="inputs_embeds"):
+        model.generate(inputs_embeds=embeds, cache=cache_after_prompt(input_ids=prompt), max_new_tokens=2, **settings)
+    # ...unless the mask says they are the new positions
+    mask = torch.ones(2, 3 + 6, dtype=torch.long)
+    model.generate(inputs_embeds=embeds, attention_mask=mask, cache=cache_after_prompt(input_ids=prompt), max_new_tokens=2, **settings)
+
+    # a cache that read embeddings has no record of what it read
+    filled_from_embeddings = cache_after_prompt(inputs_embeds=model.get_input_embeddings()(prompt).detach())
+    assert filled_from_embeddings.read_fingerprint() is None
+    with pytest.raises(ValueError, match="without a record"):
+        model.generate(longer, cache=filled_from_embeddings, max_new_tokens=2, **settings)
+
+    # rows that disagree: one begins with what its row read, the other does not
+    mixed = torch.cat([prompt, longer[:, :3]], dim=1)
+    mixed[1, :3] = (prompt[1] + 1) % 97
+    with pytest.raises(ValueError, match="begin with what the cache read"):
+        model.generate(mixed, cache=cache_after_prompt(input_ids=prompt), max_new_tokens=2, **settings)
+
+    # a mask that covers neither the given positions nor the whole sequence
+    with pytest.raises(ValueError, match="must cover"):
+        model.generate(longer, attention_mask=torch.ones(2, 7, dtype=torch.long), cache=cache_after_prompt(input_ids=prompt), max_new_tokens=2, **settings)
+
+
+def test_the_read_fingerprint_does_not_depend_on_how_the_positions_were_split():
+    from modeling_gpn.modeling_gpn import GPNCache, token_fingerprint
+
+    model = perturbed_model(tiny_config())
+    ids = token_ids(2, 150, seed=3)  # more calls than the fingerprint keeps before folding
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[0, :5] = False
+    one_call = model(ids, attention_mask=mask, use_cache=True).cache
+    stepped = GPNCache(model.config)
+    with torch.no_grad():
+        for t in range(150):
+            model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=stepped, use_cache=True)
+    assert torch.equal(one_call.read_fingerprint(), stepped.read_fingerprint())
+    assert torch.equal(one_call.read_fingerprint(), token_fingerprint(ids, mask))
+    other_padding = ids.clone()
+    other_padding[0, :5] = 0  # the ids of padded positions do not count
+    assert torch.equal(token_fingerprint(other_padding, mask), token_fingerprint(ids, mask))
+    assert not torch.equal(token_fingerprint(ids, None)[0], token_fingerprint(ids, mask)[0])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -371,6 +446,60 @@ def test_gradient_checkpointing_recomputes_segments_with_the_same_gradients(path
     assert not model.is_activation_checkpointing and model.config.bptt_segment_length is None
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpointing_runs_every_bptt_segment_through_the_gradient_checkpointing_layer(use_reentrant):
+    """transformers' mechanism, for real: `activation_checkpointing_enable` sets the flag and the checkpoint
+    function on a `GradientCheckpointingLayer`, the plain loop calls it once per BPTT segment, and the
+    function it installed runs every segment (twice: forward and the backward's recomputation), with the
+    gradients of the run without checkpointing. A checkpoint function of one's own is honoured the same way
+    (the plain path runs it); torch's own is replaced on the fast path by its native recomputation."""
+    from torch.utils.checkpoint import checkpoint
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    ids = token_ids(2, 11)
+    model = perturbed_model(tiny_config(bptt_segment_length=4)).train()  # 11 tokens: segments of 4, 4 and 3
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    assert len(layers) == 1 and not model.is_activation_checkpointing
+
+    def gradients():
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    reference = gradients()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    layer = layers[0]
+    assert model.is_activation_checkpointing and layer.gradient_checkpointing
+
+    # torch's checkpoint: the fast path runs, recomputing the same segments natively
+    natively = gradients()
+    assert recurrence_path(model) == "fast"
+    for name, grad in reference.items():
+        torch.testing.assert_close(natively[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+    segment_runs = []
+
+    def own_checkpoint(function, *args):  # a checkpoint function of one's own (as offload=True installs)
+        def counted(*inner):
+            segment_runs.append(inner[0].shape[1])
+            return function(*inner)
+
+        return checkpoint(counted, *args, use_reentrant=use_reentrant)
+
+    layer._gradient_checkpointing_func = own_checkpoint
+    checkpointed = gradients()
+    assert recurrence_path(model) == "plain"
+    assert segment_runs.count(4) == 4 and segment_runs.count(3) == 2, segment_runs  # each segment twice
+    for name, grad in reference.items():
+        torch.testing.assert_close(checkpointed[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+    model.activation_checkpointing_disable()
+    assert not model.is_activation_checkpointing and not layer.gradient_checkpointing
+    segment_runs.clear()
+    gradients()
+    assert segment_runs == [] and recurrence_path(model) == "fast"
+
+
 # --------------------------------------------------------------------------------------------------
 # Trainer
 # --------------------------------------------------------------------------------------------------
@@ -448,6 +577,69 @@ def test_torch_export_matches_eager_and_returns_the_cache():
         rtol=1e-5,
         atol=1e-5,
     )
+
+
+class ExportedPrefill(nn.Module):
+    """generate()'s prefill as a program: token ids in, logits and a new `GPNCache` out."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        out = self.model(ids, use_cache=True)
+        return out.logits, out.cache
+
+
+class ExportedDecode(ExportedPrefill):
+    """generate()'s decode step as a program: it takes a `GPNCache` and returns the updated one."""
+
+    def forward(self, ids, cache):
+        out = self.model(ids, cache=cache, use_cache=True)
+        return out.logits, out.cache
+
+
+def save_and_load(program):
+    import io
+
+    # Without the example inputs: torch.load refuses the pickled GPNCache among them with weights_only=True and
+    # torch logs its fallback with a broken format string (torch 2.13), an error under pytest's log capture.
+    program.example_inputs = None
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer)
+    buffer.seek(0)
+    return torch.export.load(buffer)
+
+
+def test_torch_export_save_load_round_trips_dynamic_programs_that_take_and_return_the_cache():
+    """The cache's pytree context is static (the positions read are a tensor child): a program exported with
+    dynamic shapes saves (a count in the context was a SymInt: "Object of type SymInt is not JSON
+    serializable"), and takes caches that have read any number of positions (a count in the context was a
+    constant the input had to match)."""
+    model = perturbed_model(tiny_config(num_predict_layers=1))
+    auto = torch.export.Dim.AUTO
+    prompt = token_ids(2, 5)
+    prefill = save_and_load(torch.export.export(ExportedPrefill(model), (prompt,), dynamic_shapes=({0: auto, 1: auto},)))
+    cache = model(prompt, use_cache=True).cache
+    decode_shapes = ({0: auto, 1: auto}, [{0: auto}, {0: auto}, {0: auto}, None])
+    decode = save_and_load(torch.export.export(ExportedDecode(model), (prompt[:, :1], cache), dynamic_shapes=decode_shapes))
+
+    other_prompt = token_ids(3, 5, seed=2)  # another batch size: the program is not a recording of one input
+    logits, exported_cache = prefill.module()(other_prompt)
+    with torch.no_grad():
+        eager = model(other_prompt, use_cache=True)
+    torch.testing.assert_close(logits, eager.logits, rtol=1e-5, atol=1e-5)
+    assert exported_cache.get_seq_length() == 5
+    eager_cache = eager.cache
+    for step in range(3):  # the decode program continues from caches that have read 5, 6 and 7 positions
+        token = token_ids(3, 1, seed=10 + step)
+        logits, exported_cache = decode.module()(token, exported_cache)
+        with torch.no_grad():
+            eager = model(token, cache=eager_cache, use_cache=True)
+        torch.testing.assert_close(logits, eager.logits, rtol=1e-5, atol=1e-5)
+        assert exported_cache.get_seq_length() == eager_cache.get_seq_length() == 6 + step
+        for got, want in zip(exported_cache.get_state(), eager_cache.get_state()):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
