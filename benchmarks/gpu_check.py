@@ -246,6 +246,7 @@ def decode_timing(device: str, preset: str = "gpn-m-1l-130m") -> dict:
     graphs (`GPNModel.forward` of one token with a cache, what generate() calls per token)."""
     from modeling_gpn.bench import build_gpn
     from modeling_gpn.cuda_graphs import graph_of
+    from modeling_gpn.fast_recurrence import GRAPH_KERNELS
 
     model = build_gpn(preset, torch.bfloat16, device, 256).eval()
     core = model.model
@@ -256,7 +257,7 @@ def decode_timing(device: str, preset: str = "gpn-m-1l-130m") -> dict:
     with torch.no_grad():
         state = tuple(x.normal_() if x.numel() else x for x in core.zero_state(1, torch.device(device)))
         u = torch.randn(1, core.config.hidden_size, device=device)
-        graph = graph_of(core, 1, torch.device(device))
+        graph = graph_of(core, 1, torch.device(device), kernels=GRAPH_KERNELS)
         st = state
         for _ in range(5):
             _, st, _ = graph(u, st)

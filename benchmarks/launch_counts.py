@@ -94,9 +94,13 @@ def one_step(model, triton: bool, backward: bool, masked: bool = False):
         w = fr.fold_weights(core)  # (not prepacked: CUDA never packs)
         p, g, M = (torch.randn(x.shape) for x in core.zero_state(B, torch.device("cpu")))
         state = fr.StepState(p, g, fr.key_from_grounded(g, w, s, eps), M)
-        u = torch.randn(B, 3, s.hidden)[:, 1]
-        step = fr.step_function(state, u, w, s)
-        assert (step is tk.step) == triton, "the path asked for did not run"
+        U = torch.randn(B, 3, s.hidden)
+        u = U[:, 1]
+        # the backends the fast path's dispatcher chooses for a training window of these inputs
+        backends = fr.choose_backends(core, U, p, g, M, None, s, needs_grad=True, matmul_dtype=None)
+        expected = fr.TRITON if triton else fr.TORCH_OPS
+        assert backends.step == backends.step_backward == backends.memory == expected, f"not the path asked for: {backends}"
+        step, step_backward = fr.step_functions(backends)
         memory_out = torch.empty_like(M)
         real = torch.arange(B) > 0 if masked else None
         if not backward:
@@ -107,8 +111,6 @@ def one_step(model, triton: bool, backward: bool, masked: bool = False):
         weight_grads = fr._WeightGrads(w, B)
         grads = fr.StepState(*(torch.randn(x.shape) for x in new_state))
         grad_out = torch.empty_like(M)
-        step_backward = fr.step_backward_function(u)
-        assert (step_backward is tk.step_backward) == triton, "the path asked for did not run"
         return count(lambda: step_backward(saved, grads, wt, s, c, eps, weight_grads, grad_out), LaunchCounter())
 
 

@@ -9,7 +9,7 @@ Importing this package registers GPN with `AutoConfig`, `AutoModel` and `AutoMod
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .configuration_gpn import GPNConfig
-from .modeling_gpn import GPNCache, GPNForCausalLM, GPNModel, GPNPreTrainedModel
+from .modeling_gpn import GPNCache, GPNForCausalLM, GPNModel, GPNPreTrainedModel, GPNStateFileError
 
 __version__ = "0.1.0"
 
@@ -17,4 +17,4 @@ AutoConfig.register(GPNConfig.model_type, GPNConfig, exist_ok=True)
 AutoModel.register(GPNConfig, GPNModel, exist_ok=True)
 AutoModelForCausalLM.register(GPNConfig, GPNForCausalLM, exist_ok=True)
 
-__all__ = ["GPNCache", "GPNConfig", "GPNForCausalLM", "GPNModel", "GPNPreTrainedModel", "__version__"]
+__all__ = ["GPNCache", "GPNConfig", "GPNForCausalLM", "GPNModel", "GPNPreTrainedModel", "GPNStateFileError", "__version__"]

@@ -24,45 +24,58 @@ after next. `generate()` only keeps the latest state, so it is safe there; code 
 decode state (its own copy of an old cache) must clone it, or leave graphs off. The graph is untested on a
 GPU so far (no GPU was lent to the session that wrote it); `benchmarks/gpu_check.py` checks it first.
 
-This file ships to the Hub with the model: it imports only torch, typing and the standard library.
+The steps the graphs replay are handed in (`GraphKernels`: the dispatcher, `fast_recurrence`, passes
+Triton's, which take static buffers), and so is the decision to use graphs at all (`asked` is the user's
+side of it); this file imports no backend.
+
+This file ships to the Hub with the model: it imports only torch, typing, the standard library and
+`recurrence_step` (the contract of the steps it replays).
 """
 
 from __future__ import annotations
 
 import os
 import weakref
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from .triton_kernels import _linear, unit_rms
-from .triton_kernels import selected as triton_selected
-from .triton_kernels import step as triton_step
-
+from .recurrence_step import (
+    PackedMatrix,
+    StaticWeightGrads,
+    StepState,
+    _flatten,
+    _unflatten,
+    cached_folded_weights,
+    columns_of,
+    first_key_gradient,
+    key_from_grounded,
+    parameters_key,
+    shapes_of,
+    transpose_weights,
+)
 
 WINDOW_CHUNK = 32  # steps per graph replay for windows of more than one token (prefill, scoring)
 
 
-def wanted(model, token_inputs: torch.Tensor, training: bool = False) -> bool:
-    """Whether `fast_recurrence` should run this unmasked window through graphs: asked for
-    (`model.use_cuda_graphs` or GPN_CUDA_GRAPHS=1; GPN_CUDA_GRAPHS=inference asks for the no-grad windows
-    only, not for `training` ones) and the Triton backend selected (on CUDA; on CPU only when forced through
-    Triton's interpreter, where the same static steps run without a graph: the tests)."""
+class GraphKernels(NamedTuple):
+    """The backend functions the graphs replay, each taking a workspace `ws` of static buffers (so a step
+    allocates nothing): the dispatcher passes Triton's (`fast_recurrence.GRAPH_KERNELS`)."""
+
+    step: Callable  # `recurrence_step._step`'s contract, plus `ws`  (`triton_kernels.step`)
+    step_backward: Callable  # `recurrence_step._step_backward`'s, plus `ws`  (`triton_kernels.step_backward`)
+    unit_rms: Callable  # (x, eps, ws=, name=) -> x / sqrt(mean(x^2) + eps)  (`triton_kernels.unit_rms`)
+    linear: Callable  # (x, w, b, ws, name) -> x @ w + b as float32  (`triton_kernels._linear`)
+
+
+def asked(model, training: bool = False) -> bool:
+    """Whether graphs are asked for: `model.use_cuda_graphs` or GPN_CUDA_GRAPHS=1 (GPN_CUDA_GRAPHS=inference
+    asks for the no-grad windows only, not for `training` ones). The dispatcher runs an unmasked window
+    through them when they are asked for and the Triton backend is selected and takes the model's sizes (on
+    CUDA; on CPU only when forced through Triton's interpreter, where the same static steps run without a
+    graph: the tests)."""
     setting = os.environ.get("GPN_CUDA_GRAPHS")
-    asked = getattr(model, "use_cuda_graphs", False) or setting == "1" or (setting == "inference" and not training)
-    return bool(asked) and sizes_fit(model.config) and triton_selected(token_inputs)
-
-
-def sizes_fit(config) -> bool:
-    """Whether the Triton step takes this model's sizes (the graphs have no torch-ops fallback inside)."""
-    from .triton_kernels import MAX_KEY_BLOCK, MAX_ROW_BLOCK
-
-    widths = [config.hidden_size, config.intermediate_size]
-    if config.use_memory:  # (the key rows too: `triton_kernels.usable_step` bounds them)
-        widths += [config.num_memory_heads * config.memory_value_dim, config.num_memory_heads * config.memory_key_dim]
-        if config.memory_key_dim > MAX_KEY_BLOCK:
-            return False
-    return max(widths) <= MAX_ROW_BLOCK
+    return bool(getattr(model, "use_cuda_graphs", False) or setting == "1" or (setting == "inference" and not training))
 
 
 class StepsGraph:
@@ -72,10 +85,9 @@ class StepsGraph:
     (p, g, M), gammas (B, steps, H) or None) like the fast path's window, all of them this object's
     buffers; on CUDA (`capture()` done) each call is one copy of u and one graph replay."""
 
-    def __init__(self, model, batch: int, device: torch.device, steps: int = 1):
-        from .fast_recurrence import cached_folded_weights, columns_of, shapes_of
-
+    def __init__(self, model, batch: int, device: torch.device, steps: int = 1, *, kernels: GraphKernels):
         self.model = model
+        self.kernels = kernels
         self.steps = steps
         self.s = shapes_of(model, batch)
         self.c = columns_of(self.s)
@@ -96,23 +108,21 @@ class StepsGraph:
 
     def run(self, slot: int) -> None:
         """`steps` steps from slot `slot`, alternating the two slots (what a graph captures)."""
-        from .fast_recurrence import PackedMatrix, StepState
-
-        s, w = self.s, self.w
+        s, w, kernels = self.s, self.w, self.kernels
         key = self.g[slot][:, :0]
-        if s.memory:  # the key pre-activation W_k rms(g) + b_k (`fast_recurrence.key_from_grounded`)
+        if s.memory:  # the key pre-activation W_k rms(g) + b_k (`recurrence_step.key_from_grounded`)
             width = s.heads * s.key_dim
             # (bf16 step matrices are prepacked for oneDNN on CPU, where the tests run this eagerly)
             big_w = w.big_w.matrix if isinstance(w.big_w, PackedMatrix) else w.big_w
-            a_g = unit_rms(self.g[slot], self.eps, ws=self.workspaces[slot], name="a_g0")
-            key = _linear(a_g, big_w[:, :width], w.big_b[:width], self.workspaces[slot], "key")
+            a_g = kernels.unit_rms(self.g[slot], self.eps, ws=self.workspaces[slot], name="a_g0")
+            key = kernels.linear(a_g, big_w[:, :width], w.big_b[:width], self.workspaces[slot], "key")
         for j in range(self.steps):
             source = (slot + j) % 2
             target = 1 - source
             state = StepState(self.p[source], self.g[source], key, self.memory[source])
             memory_out = self.memory[target] if s.memory else None
-            new, gamma = triton_step(state, self.u[:, j], None, w, s, self.c, self.eps, None, memory_out,
-                                     ws=self.workspaces[source])  # fmt: skip
+            new, gamma = kernels.step(state, self.u[:, j], None, w, s, self.c, self.eps, None, memory_out,
+                                      ws=self.workspaces[source])  # fmt: skip
             self.p[target].copy_(new.p)
             self.g[target].copy_(new.g)
             self.outputs[:, j].copy_(new.p)
@@ -168,12 +178,10 @@ class StepsGraph:
 
 
 def graph_of(model, batch: int, device: torch.device, steps: int = 1, capture: bool = True,
-             weights: Optional[tuple] = None) -> StepsGraph:  # fmt: skip
+             weights: Optional[tuple] = None, *, kernels: GraphKernels) -> StepsGraph:  # fmt: skip
     """The model's `StepsGraph` for this batch size and number of steps, made (and captured, on CUDA) on first
-    use and again whenever a parameter changed. `weights`: `fast_recurrence.parameters_key(model)` when the
+    use and again whenever a parameter changed. `weights`: `recurrence_step.parameters_key(model)` when the
     caller has it (a window asks once for all its chunks)."""
-    from .fast_recurrence import parameters_key
-
     weights = parameters_key(model) if weights is None else weights
     graphs = getattr(model, "_gpn_graphs", None)
     if graphs is None:
@@ -181,24 +189,23 @@ def graph_of(model, batch: int, device: torch.device, steps: int = 1, capture: b
         object.__setattr__(model, "_gpn_graphs", graphs)
     cached = graphs.get((batch, device, steps))
     if cached is None or cached[0] != weights:
-        graph = StepsGraph(model, batch, device, steps)
+        graph = StepsGraph(model, batch, device, steps, kernels=kernels)
         if capture and device.type == "cuda":
             graph.capture()
         cached = graphs[(batch, device, steps)] = (weights, graph)
     return cached[1]
 
 
-def window_forward(model, token_inputs: torch.Tensor, state, output_memory_decays: bool = False):
+def window_forward(model, token_inputs: torch.Tensor, state, output_memory_decays: bool = False, *,
+                   kernels: GraphKernels):  # fmt: skip
     """`fast_recurrence.fast_recurrence` for a window without mask or autograd, through graphs: chunks of
     `WINDOW_CHUNK` steps (one replay each), then single steps (the decode graph: one replay per token).
     Returns (outputs (B, T, d), (p, g, M), gammas (B, T, H) or None); outputs and gammas are fresh tensors,
     the state the graph's buffers (see the module docstring)."""
-    from .fast_recurrence import parameters_key
-
     B, T, d = token_inputs.shape
     device = token_inputs.device
     if T == 1:  # decoding: nothing else is allocated
-        outputs, final, gammas = graph_of(model, B, device)(token_inputs, state)
+        outputs, final, gammas = graph_of(model, B, device, kernels=kernels)(token_inputs, state)
         return outputs.clone(), final, (gammas.clone() if output_memory_decays and gammas is not None else None)
     weights = parameters_key(model)  # once for every chunk
     outputs = torch.empty(B, T, d, dtype=torch.float32, device=device)
@@ -207,7 +214,7 @@ def window_forward(model, token_inputs: torch.Tensor, state, output_memory_decay
     start = 0
     while start < T:
         steps = WINDOW_CHUNK if T - start >= WINDOW_CHUNK else 1
-        chunk_outputs, state, chunk_gammas = graph_of(model, B, device, steps, weights=weights)(
+        chunk_outputs, state, chunk_gammas = graph_of(model, B, device, steps, weights=weights, kernels=kernels)(
             token_inputs[:, start : start + steps], state
         )
         outputs[:, start : start + steps] = chunk_outputs
@@ -251,11 +258,9 @@ class TrainingSweep:
     `take` refuses a second call meanwhile (it then runs the fast path without graphs).
     `model._gpn_training_sweeps.clear()` frees the buffers and graphs."""
 
-    def __init__(self, model, batch: int, length: int, w, device: torch.device):
-        from .fast_recurrence import StaticWeightGrads, StepState, _flatten, _unflatten, columns_of, shapes_of
-        from .fast_recurrence import transpose_weights
-
+    def __init__(self, model, batch: int, length: int, w, device: torch.device, *, kernels: GraphKernels):
         s = self.s = shapes_of(model, batch)
+        self.kernels = kernels
         self.c = columns_of(s)
         self.eps = model.config.rms_norm_eps
         self.length = length
@@ -291,8 +296,8 @@ class TrainingSweep:
         for j in range(first, first + steps):
             saved: dict = {}
             memory_out = self.memory[j] if s.memory else None
-            state, gamma = triton_step(state, self.u[:, j], None, self.w, s, self.c, self.eps, saved, memory_out,
-                                       ws=self.forward_ws[j])  # fmt: skip
+            state, gamma = self.kernels.step(state, self.u[:, j], None, self.w, s, self.c, self.eps, saved,
+                                             memory_out, ws=self.forward_ws[j])  # fmt: skip
             self.records[j], self.new_states[j] = saved, state
             self.outputs[:, j].copy_(state.p)
             if s.memory:
@@ -300,8 +305,7 @@ class TrainingSweep:
 
     def backward_steps(self, first: int, steps: int) -> None:
         """Backward steps first+steps-1 down to first from `grad_in`, leaving the carried gradient there."""
-        from .triton_kernels import step_backward
-
+        step_backward = self.kernels.step_backward
         grads = self.grad_in
         for j in reversed(range(first, first + steps)):
             grads.p.add_(self.d_outputs[:, j])
@@ -355,8 +359,6 @@ class TrainingSweep:
 
     def load_weights(self, w) -> None:
         """Copy this call's folded weights (fresh tensors every training call) into the static ones."""
-        from .fast_recurrence import _flatten
-
         for target, source in zip(_flatten(self.w), _flatten(w)):
             target.copy_(source.detach())
 
@@ -371,8 +373,6 @@ class TrainingSweep:
     def forward(self, U: torch.Tensor, p0, g0, M0):
         """The forward sweep of a window (weights loaded): (outputs, final StepState (fresh tensors), gammas,
         boundaries). The last segment's records stay in the buffers for `backward`."""
-        from .fast_recurrence import StepState, key_from_grounded
-
         s = self.s
         B, T, d = U.shape
         outputs = U.new_empty(B, T, d)
@@ -392,8 +392,6 @@ class TrainingSweep:
     def backward(self, U, g0, w, boundaries, records_kept: bool, dP, dp_final, dg_final, dM_final):
         """The backward sweep: (dU, dp0, dg0, dM0, weight gradients in `_flatten`'s order). `records_kept`:
         the buffers still hold the last segment's records from `forward` (else it is recomputed too)."""
-        from .fast_recurrence import first_key_gradient
-
         s, eps = self.s, self.eps
         B, T, d = U.shape
         if not records_kept:  # another call used the buffers since: its weights may be in them
@@ -426,7 +424,8 @@ class TrainingSweep:
         return dU, grads.p.clone(), d_g0, grads.memory.clone(), self.weight_grads.finish()
 
 
-def training_sweep(model, batch: int, segment: Optional[int], length: int, w, device: torch.device) -> Optional[TrainingSweep]:
+def training_sweep(model, batch: int, segment: Optional[int], length: int, w, device: torch.device, *,
+                   kernels: GraphKernels) -> Optional[TrainingSweep]:  # fmt: skip
     """The model's `TrainingSweep` for this batch size, BPTT segment length (`config.bptt_segment_length`) and
     these weights' dtype, made on first use, or None where the Triton step does not take these weights (then
     the plain fast path runs). One sweep per segment length serves every window (a shorter one is one
@@ -442,7 +441,8 @@ def training_sweep(model, batch: int, segment: Optional[int], length: int, w, de
     key = (batch, segment, dtypes[0], device)
     sweep = sweeps.get(key)
     if sweep is None or (segment is None and sweep.length < length):
-        # (its sizes were checked by `wanted` (`sizes_fit`); its buffers are float32 and contiguous)
-        sweep = TrainingSweep(model, batch, segment or length, w, device)
+        # (its sizes were checked by the dispatcher (`triton_kernels.sizes_fit`); its buffers are float32 and
+        # contiguous)
+        sweep = TrainingSweep(model, batch, segment or length, w, device, kernels=kernels)
         sweeps[key] = sweep  # (a call still holding a replaced sweep keeps it until its backward)
     return sweep

@@ -28,6 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random seed for sampling (>= 0)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     parser.add_argument("--trust-remote-code", action="store_true", help="load the model's own code (Hub repos)")
+    parser.add_argument(
+        "--save-state", metavar="FILE", default=None,
+        help="write the state after each prompt and its generated text to FILE (safetensors), to continue with --state",
+    )  # fmt: skip
+    parser.add_argument(
+        "--state", metavar="FILE", default=None,
+        help="continue after the state in FILE (from --save-state): the prompts are text that follows it",
+    )  # fmt: skip
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -46,6 +54,13 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise GenerateError(f"--temperature must be > 0, got {args.temperature}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise GenerateError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.state is not None:
+        if not Path(args.state).is_file():
+            raise GenerateError(f"--state {args.state} is not a file")
+        if args.num_beams > 1:
+            raise GenerateError("--num-beams above 1 cannot continue from --state yet: use greedy decoding or --sample")
+    if args.save_state is not None and not Path(args.save_state).expanduser().resolve().parent.is_dir():
+        raise GenerateError(f"--save-state {args.save_state}: its folder does not exist")
     for index, prompt in enumerate(args.prompts, start=1):
         if not prompt.strip():
             raise GenerateError(f"prompt {index} is empty: give some text to continue")
@@ -85,12 +100,57 @@ def _load(args: argparse.Namespace):
     return model, tokenizer
 
 
+def _load_state(args: argparse.Namespace, model, num_prompts: int):
+    """The `--state` file's cache, with one row per prompt (a one-row state is forked to every prompt)."""
+    from modeling_gpn.modeling_gpn import GPNCache, GPNStateFileError
+
+    try:
+        state = GPNCache.load(args.state, model)
+    except (GPNStateFileError, TypeError) as error:
+        raise GenerateError(str(error)) from error
+    rows = state.state_layer.batch_size
+    if rows == num_prompts:
+        return state
+    if rows == 1:
+        return state.fork(num_prompts)
+    raise GenerateError(f"--state {args.state} holds {rows} rows (prompts); give {rows} prompts, or one state row")
+
+
+def _text_mask(prompt_mask: torch.Tensor, generated: torch.Tensor, eos_token_id) -> torch.Tensor:
+    """The mask of the text each row holds: its prompt, and its generated tokens up to its first EOS.
+
+    generate() pads a row that ended (EOS) while others go on; that padding is not part of its text.
+    """
+    generated_mask = torch.ones_like(generated, dtype=prompt_mask.dtype)
+    if eos_token_id is not None:
+        eos_ids = torch.as_tensor(eos_token_id, device=generated.device).reshape(-1)
+        is_eos = torch.isin(generated, eos_ids).long()
+        generated_mask = ((is_eos.cumsum(dim=1) - is_eos) == 0).to(prompt_mask.dtype)
+    return torch.cat([prompt_mask, generated_mask], dim=1)
+
+
+def _save_state(args: argparse.Namespace, model, start, output: torch.Tensor, text_mask: torch.Tensor) -> None:
+    """Write the state after `start` (a cache, or None for the empty state) and every row's text."""
+    read_before = start.get_seq_length() if start is not None else 0
+    if read_before:
+        text_mask = torch.cat([text_mask.new_ones(text_mask.shape[0], read_before), text_mask], dim=1)
+    with torch.no_grad():  # a no-grad forward keeping one logit runs in bounded memory, whatever the length
+        state = model(output, attention_mask=text_mask, cache=start, use_cache=True, logits_to_keep=1).cache
+    try:
+        state.save(args.save_state)
+    except OSError as error:
+        raise GenerateError(f"cannot write --save-state {args.save_state}: {error.strerror or error}") from error
+    print(f"state after {state.get_seq_length()} positions written to {args.save_state}", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         check_arguments(args)
         model, tokenizer = _load(args)
         model.to(args.device).eval()
-        batch = tokenizer(args.prompts, return_tensors="pt", padding=True).to(args.device)
+        # Text that continues a saved state gets no BOS or other special tokens in front of it.
+        special = args.state is None
+        batch = tokenizer(args.prompts, return_tensors="pt", padding=True, add_special_tokens=special).to(args.device)
         if batch["input_ids"].shape[1] == 0:
             raise GenerateError("the prompts tokenize to no tokens at all")
         vocab = model.get_input_embeddings().num_embeddings
@@ -99,10 +159,17 @@ def run(args: argparse.Namespace) -> int:
                 f"the tokenizer makes token id {int(batch['input_ids'].max())}, outside the model's vocabulary of {vocab}: "
                 "is --tokenizer the model's own?"
             )
+        prompt_mask = batch["attention_mask"]
+        start = _load_state(args, model, len(args.prompts)) if args.state is not None else None
+        generation_inputs = dict(batch)
+        if start is not None:  # the new tokens, with a mask covering the positions the state has read
+            read = start.get_seq_length()
+            generation_inputs["attention_mask"] = torch.cat([prompt_mask.new_ones(prompt_mask.shape[0], read), prompt_mask], 1)
+            generation_inputs["cache"] = start.fork(1)  # generate() advances its cache; `start` stays for --save-state
         torch.manual_seed(args.seed)
         with torch.no_grad():
             output = model.generate(
-                **batch,
+                **generation_inputs,
                 max_new_tokens=args.max_new_tokens,
                 do_sample=args.sample,
                 temperature=(args.temperature or DEFAULT_TEMPERATURE) if args.sample else None,
@@ -110,6 +177,10 @@ def run(args: argparse.Namespace) -> int:
                 num_beams=args.num_beams,
                 pad_token_id=tokenizer.pad_token_id,
             )
+        if args.save_state is not None:
+            prompt_width = batch["input_ids"].shape[1]
+            text_mask = _text_mask(prompt_mask, output[:, prompt_width:], model.generation_config.eos_token_id)
+            _save_state(args, model, start, output, text_mask)
     except GenerateError as error:
         print(f"gpn generate: {error}", file=sys.stderr)
         return 2

@@ -42,7 +42,8 @@ TOKENIZER_FILES = (
     "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
 )  # fmt: skip
 EVAL_RESULTS_FILE = "eval_results.json"
-ALLOWED_CODE_IMPORTS = frozenset({"torch", "transformers", "__future__"}) | frozenset(sys.stdlib_module_names)
+# safetensors is a dependency of transformers itself (GPNCache.save / load write and read state files with it).
+ALLOWED_CODE_IMPORTS = frozenset({"torch", "transformers", "safetensors", "__future__"}) | frozenset(sys.stdlib_module_names)
 
 
 class HubPushError(RuntimeError):
@@ -139,7 +140,7 @@ def check_weights(files: list[Path], config) -> int:
 
 
 def check_remote_code(folder: Path) -> list[str]:
-    """Every shipped .py file imports only torch/transformers/stdlib and shipped files; returns their names."""
+    """Every shipped .py file imports only torch/transformers/safetensors/stdlib and shipped files; returns their names."""
     from transformers.dynamic_module_utils import get_imports, get_relative_imports
 
     code_files = sorted(p.name for p in folder.glob("*.py"))

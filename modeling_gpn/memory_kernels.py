@@ -1,5 +1,5 @@
 """Fused CPU kernels for the memory half of a step and its gradient (optional: the torch ops in
-`fast_recurrence` compute the same and are the reference the tests compare against).
+`recurrence_step` compute the same and are the reference the tests compare against).
 
 Why: a step touches the memory M (B*H heads of dk x dv floats, 1.5 MB for the small preset at batch 8)
 in many separate torch ops, each one a pass over all heads: five passes in the forward step and twelve in
@@ -24,9 +24,9 @@ Safety (a shared library runs with the full rights of the process that loads it)
   warning, and the torch ops are used), so a hanging `cc` cannot hang the first forward pass.
 - Every kernel entry checks every tensor it reads or writes (float32, on the CPU, strided, the sizes and
   strides the C code assumes, outputs that overlap no input) and raises `KernelRefusal` naming the problem
-  when one does not fit; `fast_recurrence` then uses its torch ops. Nothing is read as the wrong type.
+  when one does not fit; the fast path (`fast_recurrence`) then uses the torch ops. Nothing is read as the wrong type.
 
-The equations are those of `fast_recurrence._step` / `_step_backward` (per head, M is dk x dv):
+The equations are those of `recurrence_step._step` / `_step_backward` (per head, M is dk x dv):
     forward (`memory_step`, from the step's projections Z and the carried key pre-activation):
               k = l2(relu(key)), q = l2(relu(query));  a = exp(gamma), gamma = -exp(A_log) softplus(decay);
               beta = sigmoid(.);  error = v - M^T k;  update = beta * error;
@@ -36,7 +36,8 @@ The equations are those of `fast_recurrence._step` / `_step_backward` (per head,
               d_update = G^T k;  d_error = beta d_update;  d_a = <G, M>
               d_k = G update - M d_error;  dq_0 = M' r_0 = a M r_0 + k (update . r_0)  (layer 0's query)
               dL/dM = a G - k d_error^T
-This file ships to the Hub with the model: it imports only torch and the standard library.
+This file ships to the Hub with the model: it imports only torch, the standard library and `recurrence_step`
+(the contract it implements part of).
 """
 
 from __future__ import annotations
@@ -55,9 +56,11 @@ import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, NamedTuple, Optional
+from typing import Iterator, Optional
 
 import torch
+
+from .recurrence_step import MemoryStep
 
 SOURCE = r"""
 #include <stddef.h>
@@ -567,36 +570,20 @@ def _check_apart(output: torch.Tensor, name: str, inputs: dict) -> None:
 
 def _require() -> None:
     """Refuse unless the kernels' library is loaded (built here when no caller asked `available()` first) and
-    this is not a torch.compile trace. Cheap on purpose: the entries run every step, and their caller
-    (`fast_recurrence.memory_backend`) has just asked `usable()`, whose environment read and build lock
-    need not be paid again; reading `_library` without the lock is safe (it is set once, under it). So
+    this is not a torch.compile trace. Cheap on purpose: the entries run every step, and the dispatcher
+    (`fast_recurrence.memory_backend`, once per window) has asked `usable()`, whose environment read and
+    build lock need not be paid again; reading `_library` without the lock is safe (it is set once, under it). So
     GPN_MEMORY_KERNELS=0 is read by that gate (and before the first build), not by each call. Every
     argument is still checked by the entry itself."""
     if torch.compiler.is_compiling() or (_library is None and not available()):
         _refuse(f"the kernels are unavailable ({unavailable_reason() or 'under torch.compile'})")
 
 
-class MemoryStep(NamedTuple):
-    """What `memory_step` computes (the names of `fast_recurrence._step`'s records)."""
-
-    kq_raw: torch.Tensor  # (BH, 2, dk): relu of the key and of layer 0's query
-    kq: torch.Tensor  # (BH, 2, dk): their l2-normalised values
-    kq_inv: torch.Tensor  # (BH, 2, 1): the l2 scales
-    softplus_decay: torch.Tensor  # (B, H)
-    gamma: torch.Tensor  # (B, H): -exp(A_log) softplus(decay)
-    decay_factor: torch.Tensor  # (BH, 1): exp(gamma)
-    sig_beta: torch.Tensor  # (BH, 1)
-    error: torch.Tensor  # (BH, dv)
-    update: torch.Tensor  # (BH, dv)
-    read: torch.Tensor  # (B, H*dv): layer 0's read M'^T q
-    normed_read: torch.Tensor  # (B, H*dv): rms(read) (unit weight)
-
-
 def memory_step(
     Z: torch.Tensor, columns, key: torch.Tensor, neg_decay_rate: torch.Tensor, memory: torch.Tensor,
     memory_out: torch.Tensor, rms_eps: float,
 ) -> MemoryStep:  # fmt: skip
-    """The memory half of a step from its projections Z (B, N) (`fast_recurrence.Columns` for where the
+    """The memory half of a step from its projections Z (B, N) (`recurrence_step.Columns` for where the
     value, beta, decay and query columns are), the carried key pre-activation (B, H*dk) and M (BH, dk, dv):
     writes M' into `memory_out` and returns the gates, layer 0's read and what backward needs.
 

@@ -24,10 +24,16 @@ installed `modeling_gpn` package.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import math
+import os
 import warnings
+import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
@@ -39,9 +45,10 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput
 from transformers.utils import logging
 
+from .chunked_loss import chunked_causal_lm_loss, divide_loss_sum
 from .configuration_gpn import GPNConfig
 from .derived_weights import derived_weights_scope
-from .fast_recurrence import chunked_causal_lm_loss, divide_loss_sum, fast_recurrence
+from .fast_recurrence import fast_recurrence
 
 logger = logging.get_logger(__name__)
 
@@ -83,6 +90,15 @@ class GPNRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def _is_fsdp_module(module: nn.Module) -> bool:
+    """Whether `module` is sharded by FSDP2 (`fully_shard`), whose parameters are gathered only around its own call."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
@@ -322,6 +338,143 @@ class GPNCache(Cache):
             if layer.recurrent_states[i] is not None
         )
 
+    # ---- a state kept: fork, save, load ---------------------------------------------------------------
+    # The whole context of a GPN is this state, so it can be copied into N rows (N continuations of one
+    # prompt), written to a file and read back in another process. `GPNModel.forward` stamps the cache
+    # with the model that fills it (a weak reference), so `save` can record which model the state belongs to.
+
+    def fork(self, num_copies: int) -> GPNCache:
+        """A new cache with every row repeated `num_copies` times: rows i*n .. i*n + n - 1 hold row i.
+
+        The forked rows have read the same positions as the original (`get_seq_length()` is unchanged)
+        and continue independently: N sampled or beamed continuations of one prompt without reading the
+        prompt N times. The original cache is left as it is; `fork(1)` is a copy.
+        """
+        if isinstance(num_copies, bool) or not isinstance(num_copies, int) or num_copies < 1:
+            raise ValueError(f"fork needs a positive number of copies, got {num_copies!r}")
+        if not self.has_state:
+            raise ValueError("This GPNCache holds no state to fork: run the model on a prompt with it first")
+        layer = self.state_layer
+        forked = GPNCache()
+        forked.update_state(
+            *(layer.recurrent_states[i].repeat_interleave(num_copies, dim=0) for i in range(3)),
+            num_new_tokens=self.get_seq_length(),
+        )
+        read = self.read_fingerprint()  # each copy has read what its original row read
+        forked.state_layer.fingerprint = ReadFingerprint(known=read is not None)
+        if read is not None:
+            forked.state_layer.fingerprint.folded = read.repeat_interleave(num_copies, dim=0)
+        forked._gpn_model_ref = getattr(self, "_gpn_model_ref", None)
+        return forked
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the state to `path` as safetensors (never pickle), with what identifies its model.
+
+        The file holds p, g and M for every row (float32) and, as metadata, the number of positions read,
+        the fingerprint of the model that computed the state (`state_fingerprint`: the configuration
+        fields that give the state its meaning, the weights' dtype and a hash of the model's vector
+        parameters) and a checksum of the tensors. It is written under a temporary name and renamed,
+        so an interrupted save never leaves a partial file at `path`. `GPNCache.load(path, model)` reads it.
+        """
+        path = Path(path)
+        if not self.has_state:
+            raise ValueError(f"Cannot save {path}: this GPNCache holds no state (run the model on a prompt first)")
+        model_ref = getattr(self, "_gpn_model_ref", None)
+        model = model_ref() if model_ref is not None else None
+        if model is None:
+            raise ValueError(
+                f"Cannot save {path}: this GPNCache does not know the model that filled it (it was not filled by "
+                "a GPN forward in this process, or that model was deleted), so the file could not say whose state it is"
+            )
+        layer = self.state_layer
+        tensors = {
+            name: layer.recurrent_states[index].detach().to("cpu", copy=True).contiguous()
+            for index, name in enumerate(STATE_TENSOR_NAMES)
+        }
+        if not all(bool(torch.isfinite(tensor).all()) for tensor in tensors.values()):
+            raise ValueError(f"Cannot save {path}: the state holds NaN or infinite values")
+        # what it read (for generate()'s two ways of continuing, `continuation_start`), or "unknown"
+        read = self.read_fingerprint()
+        read_fingerprint = json.dumps(read.tolist()) if read is not None else "unknown"
+        metadata = {
+            "format": STATE_FILE_FORMAT,
+            "format_version": str(STATE_FILE_VERSION),
+            "positions_read": str(self.get_seq_length()),
+            "batch_size": str(tensors["predicted"].shape[0]),
+            "read_fingerprint": read_fingerprint,
+            "checksum": _state_checksum(tensors, read_fingerprint),
+            **state_fingerprint(model),
+        }
+        payload = safetensors.torch.save(tensors, metadata=metadata)
+        temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            with open(temporary, "wb") as file:
+                file.write(payload)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temporary, path)
+        finally:
+            temporary.unlink(missing_ok=True)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model: nn.Module) -> GPNCache:
+        """Read a state written by `save` onto `model`'s device, after checking it belongs to `model`.
+
+        Refuses, with a `GPNStateFileError` naming the file: a file that is not a complete GPN state file
+        (truncated, damaged: the checksum recorded at save time does not match), the state of another model
+        (another configuration, weights dtype or weights), and a state holding NaN or infinite values.
+        Continue from it as from the cache `generate()` returns: the new tokens, with an attention mask
+        covering `cache.get_seq_length()` positions more.
+        """
+        path = Path(path)
+        base = getattr(model, "base_model", model)
+        if not isinstance(base, GPNModel):
+            raise TypeError(f"GPNCache.load needs the GPN model the state belongs to, got {type(model).__name__}")
+        try:
+            payload = path.read_bytes()
+        except OSError as error:
+            raise GPNStateFileError(f"Cannot read the GPN state file {path}: {error.strerror or error}") from error
+        metadata = _state_file_metadata(payload, path)
+        try:
+            tensors = safetensors.torch.load(payload)
+        except Exception as error:  # noqa: BLE001 - safetensors raises its own error types for damaged files
+            raise GPNStateFileError(f"{path} is damaged or truncated: safetensors cannot read it ({error})") from error
+        if sorted(tensors) != sorted(STATE_TENSOR_NAMES):
+            raise GPNStateFileError(f"{path} is not a GPN state file: it holds tensors {sorted(tensors)}, not {list(STATE_TENSOR_NAMES)}")
+        read_fingerprint = metadata.get("read_fingerprint", "unknown")
+        if metadata.get("checksum") != _state_checksum(tensors, read_fingerprint):
+            raise GPNStateFileError(f"{path} is damaged: its tensors do not match the checksum recorded when it was saved")
+        _check_state_belongs_to(metadata, base, path)
+        batch_size = tensors["predicted"].shape[0]
+        expected = {name: (batch_size, *shape) for name, shape in state_shapes(base.config).items()}
+        for name, tensor in tensors.items():
+            if tuple(tensor.shape) != expected[name] or tensor.dtype != torch.float32:
+                raise GPNStateFileError(
+                    f"{path} holds {name} of shape {tuple(tensor.shape)} ({tensor.dtype}); this model's is "
+                    f"{expected[name]} (float32)"
+                )
+            if not bool(torch.isfinite(tensor).all()):
+                raise GPNStateFileError(f"{path} holds a state with NaN or infinite values (in {name}): it cannot be continued")
+        try:
+            positions_read = int(metadata.get("positions_read", ""))
+        except ValueError:
+            positions_read = -1
+        if positions_read < 1:
+            raise GPNStateFileError(f"{path} does not say how many positions its state has read")
+        cache = cls()
+        cache.update_state(
+            *(tensors[name].to(base.device) for name in STATE_TENSOR_NAMES), num_new_tokens=positions_read
+        )
+        if read_fingerprint != "unknown":
+            read = torch.tensor(json.loads(read_fingerprint), dtype=torch.int64, device=base.device)
+            if tuple(read.shape) != (batch_size, 2):
+                raise GPNStateFileError(f"{path} holds a read fingerprint of shape {tuple(read.shape)}, not ({batch_size}, 2)")
+            cache.state_layer.fingerprint.folded = read
+        else:
+            cache.state_layer.fingerprint.forget()
+        cache._gpn_model_ref = weakref.ref(base)
+        return cache
+
 
 # ---- pytree registration (torch.export / torch.compile) -------------------------------------------
 # The children are the state (p, g, M) and the number of positions read, as a 0-dim int64 tensor; the
@@ -369,6 +522,105 @@ pytree.register_pytree_node(
     ),
 )
 # ---- end of the pytree registration ---------------------------------------------------------------
+
+
+# --------------------------------------------------------------------------------------------------
+# The state file of `GPNCache.save` / `GPNCache.load`
+# --------------------------------------------------------------------------------------------------
+
+STATE_FILE_FORMAT = "gpn-state"
+STATE_FILE_VERSION = 1
+STATE_TENSOR_NAMES = ("predicted", "grounded", "memory")  # p, g, M: the order of GPNStateLayer's states
+# The configuration fields that give a state its meaning (what the recurrence computes and the shapes it
+# keeps); training settings (BPTT, token ids, the window hint) do not change it.
+STATE_CONFIG_FIELDS = (
+    "model_type", "vocab_size", "hidden_size", "embedding_size", "intermediate_size", "num_predict_layers",
+    "use_memory", "num_memory_heads", "memory_key_dim", "memory_value_dim", "rms_norm_eps",
+)  # fmt: skip
+
+
+class GPNStateFileError(ValueError):
+    """A GPN state file that cannot be continued from: damaged, truncated, another model's, or non-finite."""
+
+
+def state_shapes(config: GPNConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of each state tensor of one row (p, g, M; M is (0,) without memory)."""
+    memory = (
+        (config.num_memory_heads, config.memory_key_dim, config.memory_value_dim) if config.use_memory else (0,)
+    )
+    return {"predicted": (config.hidden_size,), "grounded": (config.hidden_size,), "memory": memory}
+
+
+def state_fingerprint(model: GPNModel) -> dict[str, str]:
+    """What identifies the model a state belongs to, as safetensors metadata (strings).
+
+    `state_config`: the `STATE_CONFIG_FIELDS` as JSON; `config_fingerprint`: its SHA-256; `weights_dtype`;
+    `weights_fingerprint`: SHA-256 of the model's vector parameters (norm weights, biases, memory decay
+    parameters) as float32, in order -- cheap, and different for any two trained or initialised models.
+    """
+    config = {name: getattr(model.config, name) for name in STATE_CONFIG_FIELDS}
+    config_json = json.dumps(config, sort_keys=True)
+    vectors = [parameter.detach() for parameter in model.parameters() if parameter.dim() == 1]
+    digest = hashlib.sha256()
+    for vector in vectors:
+        digest.update(vector.to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return {
+        "state_config": config_json,
+        "config_fingerprint": hashlib.sha256(config_json.encode()).hexdigest(),
+        "weights_dtype": str(model.dtype).removeprefix("torch."),
+        "weights_fingerprint": digest.hexdigest(),
+    }
+
+
+def _state_checksum(tensors: dict[str, torch.Tensor], read_fingerprint: str) -> str:
+    """SHA-256 over the state tensors' names, shapes and bytes, in `STATE_TENSOR_NAMES` order, and the
+    fingerprint of the positions read (a damaged one could make a continuation feed positions twice)."""
+    digest = hashlib.sha256(read_fingerprint.encode())
+    for name in STATE_TENSOR_NAMES:
+        tensor = tensors[name]
+        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+        digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+def _state_file_metadata(payload: bytes, path: Path) -> dict[str, str]:
+    """The `__metadata__` of a safetensors file's header, checked to be a GPN state file's."""
+    try:
+        header_length = int.from_bytes(payload[:8], "little")
+        if len(payload) < 8 or header_length > len(payload) - 8:
+            raise ValueError(f"the header claims {header_length} bytes but the file has {len(payload)}")
+        header = json.loads(payload[8 : 8 + header_length])
+        metadata = header.get("__metadata__") or {}
+    except (ValueError, AttributeError, UnicodeDecodeError) as error:
+        raise GPNStateFileError(f"{path} is damaged or truncated, or not a safetensors file ({error})") from error
+    if not isinstance(metadata, dict) or metadata.get("format") != STATE_FILE_FORMAT:
+        raise GPNStateFileError(f"{path} is not a GPN state file (written by GPNCache.save)")
+    if metadata.get("format_version") != str(STATE_FILE_VERSION):
+        raise GPNStateFileError(
+            f"{path} is a GPN state file of format version {metadata.get('format_version')}; this code reads version {STATE_FILE_VERSION}"
+        )
+    return metadata
+
+
+def _check_state_belongs_to(metadata: dict[str, str], model: GPNModel, path: Path) -> None:
+    """Refuse the state of another model: another configuration, weights dtype, or weights."""
+    ours = state_fingerprint(model)
+    if metadata.get("config_fingerprint") != ours["config_fingerprint"]:
+        try:
+            theirs = json.loads(metadata.get("state_config", "{}"))
+        except ValueError:
+            theirs = {}
+        mine = json.loads(ours["state_config"])
+        differences = [f"{name} {theirs.get(name)!r} (this model: {mine[name]!r})" for name in mine if theirs.get(name) != mine[name]]
+        raise GPNStateFileError(f"{path} holds the state of another model: {'; '.join(differences) or 'another configuration'}")
+    if metadata.get("weights_dtype") != ours["weights_dtype"]:
+        raise GPNStateFileError(
+            f"{path} holds a state computed with {metadata.get('weights_dtype')} weights; this model's are {ours['weights_dtype']}"
+        )
+    if metadata.get("weights_fingerprint") != ours["weights_fingerprint"]:
+        raise GPNStateFileError(
+            f"{path} holds the state of another model: same configuration, other weights (weights fingerprint differs)"
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -709,6 +961,7 @@ class GPNModel(GPNPreTrainedModel):
 
     use_fast_path: bool = True  # set False on a model (or its class) to run the plain loop
     last_recurrence_path: str | None = None  # "fast" or "plain": what the last eager call ran
+    last_recurrence_backends = None  # on the fast path, the backends its last window ran (`fast_recurrence.Backends`)
 
     # Children the fast path does not fold: it calls them as modules, like the plain path. (The segment
     # layer, which only the plain path calls, is checked on its own in `fast_path_blocker`.)
@@ -807,6 +1060,8 @@ class GPNModel(GPNPreTrainedModel):
             path = "plain"
         if not is_tracing():
             object.__setattr__(self, "last_recurrence_path", path)  # (nn.Module's __setattr__ costs ~5 us a call)
+            if path != "fast":  # (the fast path records the backends it chooses itself)
+                object.__setattr__(self, "last_recurrence_backends", None)
         if path == "fast":
             return fast_recurrence(self, token_inputs, state, mask, output_memory_decays=output_memory_decays)
         return self.recurrence_plain(
@@ -972,6 +1227,7 @@ class GPNModel(GPNPreTrainedModel):
                 cache = GPNCache(config)
             cache.update_state(*final_state, num_new_tokens=seq_len)
             cache.record_read(input_ids, mask)
+            cache._gpn_model_ref = weakref.ref(self)  # whose state this is, for GPNCache.save
         output = GPNModelOutput(
             last_hidden_state=predicted_states,
             cache=cache if use_cache else None,
@@ -1255,7 +1511,12 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         if type(embedding) is nn.Embedding and type(embedding.weight) is nn.Parameter:
             return embedding.weight
         device = next(embedding.parameters()).device
-        return embedding.forward(torch.arange(self.config.vocab_size, device=device))
+        ids = torch.arange(self.config.vocab_size, device=device)
+        if _is_fsdp_module(embedding):
+            # FSDP2 shards the table; only the module's own call gathers it (in its pre-forward hook) and
+            # reduces its gradient (in its backward hook), so here the hooks must run.
+            return embedding(ids)
+        return embedding.forward(ids)
 
     def decode(self, predicted_states: torch.Tensor) -> torch.Tensor:
         """Step 4: logits for every given predicted state (the embedding is the output matrix)."""
@@ -1345,6 +1606,16 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         return_dict = return_dict if return_dict is not None else True
         cache = _pop_cache_alias(cache, kwargs)
         shift_labels = kwargs.pop("shift_labels", None)
+        chunk_length = self._prefill_chunk_length_for(
+            input_ids, inputs_embeds, labels, shift_labels, logits_to_keep, return_logits,
+            output_hidden_states, output_memory_decays,
+        )  # fmt: skip
+        if chunk_length:
+            output = self._forward_in_chunks(
+                chunk_length, input_ids, inputs_embeds, attention_mask, cache, use_cache, labels, shift_labels,
+                logits_to_keep, num_items_in_batch, kwargs,
+            )  # fmt: skip
+            return output if return_dict else output.to_tuple()
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -1384,6 +1655,124 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             memory_decays=outputs.memory_decays,
         )
         return output if return_dict else output.to_tuple()
+
+    # ---- prefill and scoring in bounded memory --------------------------------------------------
+    # A no-grad forward that asks only for the last logits (generate()'s prefill: logits_to_keep=1) or
+    # for the chunked loss (labels with return_logits=False) runs its positions a chunk at a time, the
+    # state carried between chunks in a cache, so its peak memory does not grow with the prompt: only
+    # one chunk's embeddings, token projections and predicted states exist at once.
+
+    prefill_chunk_length: int = 2048  # positions per chunk; 0 (on a model or the class) turns chunking off
+
+    def _prefill_chunk_length_for(
+        self,
+        input_ids: torch.Tensor | None,
+        inputs_embeds: torch.Tensor | None,
+        labels: torch.Tensor | None,
+        shift_labels: torch.Tensor | None,
+        logits_to_keep,
+        return_logits: bool,
+        output_hidden_states: bool | None,
+        output_memory_decays: bool,
+    ) -> int:
+        """The chunk length `forward` runs this call in, or 0 for one pass over every position.
+
+        Chunks only what gives the same result in bounded memory: no gradient (training keeps what its
+        backward needs), nothing per position asked back (hidden states, memory decays, all logits), and
+        more positions than one chunk. Malformed inputs take the one-pass path, whose checks name them.
+        """
+        chunk = self.prefill_chunk_length
+        if not chunk or torch.is_grad_enabled() or is_tracing() or output_memory_decays:
+            return 0
+        if output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states:
+            return 0
+        if input_ids is not None and inputs_embeds is None and input_ids.dim() == 2:
+            seq_len = input_ids.shape[1]
+        elif inputs_embeds is not None and input_ids is None and inputs_embeds.dim() == 3:
+            seq_len = inputs_embeds.shape[1]
+        else:
+            return 0
+        if seq_len <= chunk:
+            return 0
+        wants_loss = labels is not None or shift_labels is not None
+        if wants_loss:
+            return chunk if not return_logits else 0
+        keeps_a_tail = isinstance(logits_to_keep, int) and not isinstance(logits_to_keep, bool)
+        return chunk if keeps_a_tail and 0 < logits_to_keep <= chunk else 0
+
+    def _forward_in_chunks(
+        self,
+        chunk_length: int,
+        input_ids: torch.Tensor | None,
+        inputs_embeds: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        cache: GPNCache | None,
+        use_cache: bool | None,
+        labels: torch.Tensor | None,
+        shift_labels: torch.Tensor | None,
+        logits_to_keep: int,
+        num_items_in_batch: torch.Tensor | int | None,
+        kwargs: dict,
+    ) -> GPNCausalLMOutput:
+        """`forward` over `chunk_length` positions at a time (see `_prefill_chunk_length_for` for when).
+
+        Each chunk runs `GPNModel.forward` from the state the previous chunk left in a cache; only the
+        last `logits_to_keep` predicted states, or the running sum of the loss, are kept. The result is
+        that of one pass: the same state and logits, and the loss up to float32 summation order.
+        """
+        tokens = input_ids if input_ids is not None else inputs_embeds
+        batch_size, seq_len = tokens.shape[:2]
+        use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.model.training)
+        # The checks one pass makes over the whole input, made once here (a chunk sees only its part).
+        continuing = isinstance(cache, GPNCache) and cache.has_state
+        mask = self.model.check_attention_mask(attention_mask, batch_size, seq_len, continuing=continuing)
+        position_ids = kwargs.pop("position_ids", None)
+        if position_ids is not None:
+            check_not_packed(position_ids, mask)
+        for name, given in (("labels", labels), ("shift_labels", shift_labels)):
+            if given is not None and given.shape != (batch_size, seq_len):
+                raise ValueError(f"{name} must have shape {(batch_size, seq_len)}, got {tuple(given.shape)}")
+        # The state runs from chunk to chunk through a cache; a cache the caller wants left as it was
+        # (use_cache=False) is copied. (Anything but a GPNCache goes to the model, which refuses it.)
+        if isinstance(cache, GPNCache) and not use_cache:
+            running = cache.fork(1) if cache.has_state else GPNCache(self.config)
+        else:
+            running = cache if cache is not None else GPNCache(self.config)
+
+        wants_loss = labels is not None or shift_labels is not None
+        if wants_loss:  # position t's target, for every position (the last one of `labels` has none)
+            targets = shift_labels
+            if targets is None:
+                targets = torch.cat([labels[:, 1:], labels.new_full((batch_size, 1), -100)], dim=1)
+            output_embedding = self.output_embedding_weight()
+            loss_sum = None
+        tail = None  # the last `logits_to_keep` predicted states read so far
+        for start in range(0, seq_len, chunk_length):
+            stop = min(start + chunk_length, seq_len)
+            predicted_states = self.model(
+                input_ids=None if input_ids is None else input_ids[:, start:stop],
+                inputs_embeds=None if inputs_embeds is None else inputs_embeds[:, start:stop],
+                attention_mask=None if mask is None else mask[:, start:stop],
+                cache=running,
+                use_cache=True,
+                output_hidden_states=False,
+                return_dict=True,
+                **kwargs,
+            ).last_hidden_state
+            if wants_loss:
+                decoded = project(self.decode_proj, self.decode_norm(predicted_states))
+                chunk_sum = chunked_causal_lm_loss(
+                    decoded, output_embedding, None, shift_labels=targets[:, start:stop], num_items_in_batch=1
+                )
+                loss_sum = chunk_sum if loss_sum is None else loss_sum + chunk_sum
+            else:
+                joined = predicted_states if tail is None else torch.cat([tail, predicted_states], dim=1)
+                tail = joined[:, -logits_to_keep:].clone()  # not a view: the chunk's states are freed
+        return GPNCausalLMOutput(
+            loss=divide_loss_sum(loss_sum, targets, num_items_in_batch) if wants_loss else None,
+            logits=None if wants_loss else self.decode(tail),
+            cache=running if use_cache else None,
+        )
 
     def _chunked_loss(
         self,
@@ -1496,4 +1885,4 @@ GPNConfig.register_for_auto_class()
 GPNForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 GPNModel.register_for_auto_class("AutoModel")
 
-__all__ = ["GPNCache", "GPNForCausalLM", "GPNModel", "GPNPreTrainedModel"]
+__all__ = ["GPNCache", "GPNForCausalLM", "GPNModel", "GPNPreTrainedModel", "GPNStateFileError"]

@@ -11,8 +11,9 @@ a config file (`--config FILE.json`, same keys), then command-line options (`--l
 configuration is written to `OUTPUT/train_config.json`.
 
 A run directory holds `model/` (the final `save_pretrained` folder: weights, config, tokenizer,
-generation config), `checkpoints/step-NNNNNNN/` (full training state), `log.jsonl` (one JSON object per
-log/eval event) and `tensorboard/`.
+generation config), `checkpoints/step-NNNNNNN/` (full training state, in one layout for one process, DDP and
+FSDP), `log.jsonl` (one JSON object per log/eval event), `tensorboard/` and `.gpn-train.lock` (the lock that
+keeps a second run out of the folder while one runs; it names the holder).
 
 Nothing lost, nothing wrong in silence:
 - every folder and JSON file is written under a temporary name in its final folder, fsynced, then renamed
@@ -23,7 +24,9 @@ Nothing lost, nothing wrong in silence:
   setting), no checkpoint or model is written with non-finite weights, `--skip-nonfinite` skips are
   capped (`--max-skipped-steps`) and reported, and a run that cannot end with a finite model exits non-zero;
 - SIGTERM / SIGINT save a checkpoint at the next step boundary and exit with 128 + the signal number;
-- `--resume` refuses any changed setting that would change the data, the model or the optimisation.
+- `--resume` refuses any changed setting that would change the data, the model or the optimisation;
+- a launch of several processes that Accelerate starts as one each is refused before training, and a
+  multi-process run that stops responding fails after --ddp-timeout, naming the stage it was in.
 """
 
 from __future__ import annotations
@@ -560,6 +563,412 @@ class StopSignals:
 
 
 # --------------------------------------------------------------------------------------------------
+# One writer per run folder
+# --------------------------------------------------------------------------------------------------
+
+
+class RunFolderInUseError(RuntimeError):
+    """Another `gpn train` holds the run folder's lock; the message names it (pid, host, command, start time)."""
+
+
+class RunFolderLock:
+    """An exclusive `flock` on `OUTPUT/.gpn-train.lock`, held by the main process for the whole run.
+
+    The kernel releases a flock when its holder ends, crash and SIGKILL included, so a lock can never be
+    left held by a dead process. The file also records who holds it (pid, host, command, start time): a
+    second run names the holder in its error, and a run that finds the record of a holder that ended
+    without releasing (killed, crashed) says whose lock it takes over. A clean release empties the record.
+    The file is never deleted: two runs locking different files under one name would both win.
+    """
+
+    FILE_NAME = ".gpn-train.lock"
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / self.FILE_NAME
+        self._fd: int | None = None
+
+    def acquire(self, warn=None) -> RunFolderLock:
+        """Take the lock, or raise RunFolderInUseError naming the holder. Returns self."""
+        import fcntl
+        import socket
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = self._describe(os.pread(fd, 4096, 0))
+            os.close(fd)
+            raise RunFolderInUseError(
+                f"{self.path.parent} is in use by another gpn train run ({holder}): two runs in one folder would "
+                "interleave their logs and replace each other's checkpoints and model. Wait for it to end, stop it, "
+                "or choose another --output-dir"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        previous = os.pread(fd, 4096, 0)
+        if previous.strip() and warn:
+            warn(f"gpn train: warning: taking over the lock of {self.path.parent} from a run that ended without "
+                 f"releasing it ({self._describe(previous)}; it was killed or crashed)")  # fmt: skip
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv),
+                  "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}  # fmt: skip
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        """Empty the holder record, then unlock (closing the file releases the flock)."""
+        if self._fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.ftruncate(self._fd, 0)
+        os.close(self._fd)
+        self._fd = None
+
+    @staticmethod
+    def _describe(raw: bytes) -> str:
+        try:
+            record = json.loads(raw.decode())
+            return (f"pid {record['pid']} on {record['host']}, started {record['started']}: "
+                    f"{record['command']}")  # fmt: skip
+        except (ValueError, KeyError, TypeError):
+            return "holder unknown: the lock file holds no readable record"
+
+
+@contextlib.contextmanager
+def hold_run_folder(accelerator, run_dir: Path, warn=None):
+    """Hold the run folder's lock for the block (the main process takes it; every process stops if it is taken)."""
+    from accelerate.utils import broadcast_object_list
+
+    lock, refusal = None, None
+    if accelerator.is_main_process:
+        try:
+            lock = RunFolderLock(run_dir).acquire(warn)
+        except RunFolderInUseError as error:
+            refusal = str(error)
+    if accelerator.num_processes > 1:
+        refusal = broadcast_object_list([refusal])[0]  # so the other processes stop too, instead of waiting
+    if refusal:
+        raise RunFolderInUseError(refusal)
+    try:
+        yield lock
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+# --------------------------------------------------------------------------------------------------
+# Starting Accelerate: refuse a launch it did not make distributed; FSDP on CPU
+# --------------------------------------------------------------------------------------------------
+
+
+class LaunchError(RuntimeError):
+    """The job was launched in a way Accelerate does not run as one training (the message says how to launch)."""
+
+
+# Variables that launchers set in every process of a multi-process job: torchrun / `accelerate launch`
+# (WORLD_SIZE, LOCAL_WORLD_SIZE, RANK, LOCAL_RANK) and MPI launchers (read by Accelerate on CPU too).
+LAUNCHER_SIZE_VARIABLES = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+LAUNCHER_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
+
+
+def launched_as_several_processes() -> list[str]:
+    """The launcher variables that say this process is one of several ("WORLD_SIZE=2", "LOCAL_RANK=1"), or []."""
+
+    def number(name: str) -> int:
+        value = os.environ.get(name, "")
+        return int(value) if value.strip().isdigit() else 0
+
+    found = [f"{name}={os.environ[name]}" for name in LAUNCHER_SIZE_VARIABLES if number(name) > 1]
+    found += [f"{name}={os.environ[name]}" for name in LAUNCHER_RANK_VARIABLES if number(name) > 0]
+    return found
+
+
+def fsdp_requested() -> int | None:
+    """The FSDP version `accelerate launch --use_fsdp` (or a config file with distributed_type FSDP) asked for."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return None
+    return int(os.environ.get("FSDP_VERSION", "1"))
+
+
+def start_accelerator(config: dict, trackers: list[str], run_dir: Path):
+    """The run's Accelerator, checked against the launch.
+
+    - A job launched as several processes that Accelerate starts as one (an FSDP config file with `use_cpu`
+      does not reach the processes, so on a machine without GPUs each comes up alone) would train the whole
+      run once per process into the same folder: refused with the launch command that works.
+    - Accelerate (1.15) makes an FSDP launch on CPU plain DDP without a word (it applies FSDP only on
+      GPU-like devices); FSDP2 (`fully_shard`) runs on CPU with gloo, so it is applied here as asked.
+      FSDP1 on CPU is refused by Accelerate itself; that is said in one line.
+    """
+    import datetime
+
+    import torch
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
+
+    on_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes") or not torch.cuda.is_available()
+    if fsdp_requested() == 1 and on_cpu:
+        raise LaunchError(
+            "FSDP version 1 needs GPUs in Accelerate; on CPU launch FSDP2 with `ACCELERATE_USE_CPU=1 accelerate launch "
+            "--use_fsdp --fsdp_version 2 --num_processes N --num_machines 1 -m modeling_gpn.train ...`"
+        )
+    accelerator = Accelerator(
+        mixed_precision=config["mixed_precision"], log_with=trackers or None, project_dir=str(run_dir),
+        # A process that stops (not dies) would otherwise hold the others for gloo's 30-minute default.
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=config["ddp_timeout"]))],
+    )  # fmt: skip
+    launched = launched_as_several_processes()
+    if launched and accelerator.num_processes == 1:
+        cause = ("no GPU was found and ACCELERATE_USE_CPU is not set (a config file's use_cpu does not reach the "
+                 "processes)" if on_cpu and not os.environ.get("ACCELERATE_USE_CPU") else
+                 f"Accelerate chose {accelerator.distributed_type.value}")  # fmt: skip
+        raise LaunchError(
+            f"this job was launched as several processes ({', '.join(launched)}) but Accelerate started this one as a "
+            f"single-process run ({cause}), so every process would train the whole run alone into {run_dir}. "
+            "Launch on CPU with `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N --num_machines 1 "
+            "-m modeling_gpn.train ...` (FSDP: `--use_fsdp --fsdp_version 2` instead of `--multi_gpu`), on GPUs with "
+            "`accelerate launch --multi_gpu --num_processes N -m modeling_gpn.train ...`"
+        )
+    if fsdp_requested() == 2 and accelerator.distributed_type == DistributedType.MULTI_CPU:
+        # Both states: Accelerate copies PartialState's type into AcceleratorState whenever one is created.
+        # (PartialState holds a non-device type for DeepSpeed the same way; its collectives accept FSDP.)
+        PartialState().distributed_type = DistributedType.FSDP
+        accelerator.state.distributed_type = DistributedType.FSDP
+        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # from the launcher's FSDP_* variables
+        if not accelerator.is_fsdp2:
+            raise LaunchError(f"Could not apply FSDP2 on CPU with Accelerate {_accelerate_version()}: launch with "
+                              "--multi_gpu (DDP) instead")  # fmt: skip
+    return accelerator
+
+
+def _accelerate_version() -> str:
+    import accelerate
+
+    return accelerate.__version__
+
+
+def distribution_name(accelerator) -> str:
+    """How the processes share the work, for the run's summary line: "DDP", "FSDP2", ... or "single process"."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.num_processes == 1:
+        return "single process"
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return f"FSDP{accelerator.state.fsdp_plugin.fsdp_version}"
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return "DeepSpeed"
+    return "DDP"
+
+
+def is_fsdp(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.FSDP
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpoints: one layout for every distribution
+# --------------------------------------------------------------------------------------------------
+
+# A checkpoint folder holds the full (unsharded) training state in the layout a single process or DDP run
+# of Accelerate writes with `save_state`, whatever wrote it: so a checkpoint of an FSDP run resumes in one
+# process or under DDP and back. Accelerate's own FSDP checkpoints are sharded per process count instead.
+MODEL_FILE = "model.safetensors"  # the full weights (a tied copy stored once)
+OPTIMIZER_FILE = "optimizer.bin"  # torch.optim's state_dict: parameters numbered in the param groups' order
+SCHEDULER_FILE = "custom_checkpoint_0.pkl"  # the LR schedule (Accelerate's name for a registered object)
+SCALER_FILE = "scaler.pt"  # fp16's GradScaler
+RNG_FILE = "random_states_{}.pkl"  # per process: python, numpy, torch (and CUDA) generators
+
+
+def _local(tensor):
+    """The part of a (possibly FSDP-sharded DTensor) tensor this process holds."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def save_training_state(accelerator, model, optimizer, scheduler, folder: Path) -> None:
+    """Write the full training state to `folder` (every process calls this: FSDP gathers the shards)."""
+    import random
+
+    import numpy as np
+    import torch
+    from accelerate.utils import save
+
+    folder.mkdir(parents=True, exist_ok=True)
+    weights = accelerator.get_state_dict(model)  # FSDP: gathered to the main process only
+    if is_fsdp(accelerator):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        by_name = get_optimizer_state_dict(model, optimizer.optimizer,
+                                           options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # fmt: skip
+        optimizer_state = _optimizer_state_by_position(by_name) if accelerator.is_main_process else None
+    else:
+        optimizer_state = optimizer.state_dict()
+    if accelerator.is_main_process:
+        save(weights, folder / MODEL_FILE, safe_serialization=True)
+        torch.save(optimizer_state, folder / OPTIMIZER_FILE)
+        torch.save(scheduler.state_dict(), folder / SCHEDULER_FILE)
+        if accelerator.scaler is not None:
+            torch.save(accelerator.scaler.state_dict(), folder / SCALER_FILE)
+    generators = {"random_state": random.getstate(), "numpy_random_seed": np.random.get_state(),
+                  "torch_manual_seed": torch.get_rng_state()}  # fmt: skip
+    if torch.cuda.is_available():
+        generators["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
+    torch.save(generators, folder / RNG_FILE.format(accelerator.process_index))
+
+
+def load_training_state(accelerator, model, optimizer, scheduler, folder: Path) -> None:
+    """Load a checkpoint written by `save_training_state` (or Accelerate's non-FSDP `save_state`) under any
+    distribution. Random generators come back when the checkpoint has this process's file (same process count)."""
+    import random
+
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+
+    weights = load_file(str(folder / MODEL_FILE))
+    if weights and all(name.startswith("module.") for name in weights):  # DDP checkpoints of older versions
+        weights = {name[len("module.") :]: tensor for name, tensor in weights.items()}
+    optimizer_state = torch.load(folder / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+    if is_fsdp(accelerator):
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        _complete_tied_weights(weights, model)
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, weights, options=options)
+        set_optimizer_state_dict(model, optimizer.optimizer, _optimizer_state_by_name(optimizer_state, model, optimizer),
+                                 options=options)  # fmt: skip
+    else:
+        unwrapped = accelerator.unwrap_model(model)
+        _complete_tied_weights(weights, unwrapped)
+        unwrapped.load_state_dict(weights)
+        optimizer.load_state_dict(optimizer_state)
+    scheduler.load_state_dict(torch.load(folder / SCHEDULER_FILE, map_location="cpu", weights_only=False))
+    if accelerator.scaler is not None and (folder / SCALER_FILE).exists():
+        accelerator.scaler.load_state_dict(torch.load(folder / SCALER_FILE, weights_only=False))
+    rng_file = folder / RNG_FILE.format(accelerator.process_index)
+    if rng_file.exists():
+        generators = torch.load(rng_file, weights_only=False)
+        random.setstate(generators["random_state"])
+        np.random.set_state(generators["numpy_random_seed"])
+        torch.set_rng_state(generators["torch_manual_seed"])
+        if torch.cuda.is_available() and "torch_cuda_manual_seed" in generators:
+            torch.cuda.set_rng_state_all(generators["torch_cuda_manual_seed"])
+
+
+def _complete_tied_weights(weights: dict, model) -> None:
+    """Put back the tied copies that safetensors stores once (e.g. a tied lm_head), under every name the model uses."""
+    names_of = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    for names in names_of.values():
+        present = next((name for name in names if name in weights), None)
+        for name in names:
+            if present is not None and name not in weights:
+                weights[name] = weights[present]
+
+
+def _optimizer_state_by_position(by_name: dict) -> dict:
+    """torch's FQN-keyed full optimizer state -> the layout of `optimizer.state_dict()` (positions)."""
+    order = [name for group in by_name["param_groups"] for name in group["params"]]
+    position = {name: index for index, name in enumerate(order)}
+    return {
+        "state": {position[name]: state for name, state in by_name["state"].items()},
+        "param_groups": [{**group, "params": [position[name] for name in group["params"]]}
+                         for group in by_name["param_groups"]],
+    }  # fmt: skip
+
+
+def _optimizer_state_by_name(by_position: dict, model, optimizer) -> dict:
+    """`optimizer.state_dict()`'s layout -> torch's FQN-keyed full optimizer state, for `set_optimizer_state_dict`."""
+    name_of = {id(param): name for name, param in model.named_parameters()}
+    order = [name_of[id(param)] for group in optimizer.param_groups for param in group["params"]]
+    saved = [index for group in by_position["param_groups"] for index in group["params"]]
+    if len(saved) != len(order):
+        raise ValueError(f"The checkpoint's optimizer holds {len(saved)} parameters, the model {len(order)}")
+    name = dict(zip(saved, order))
+    return {
+        "state": {name[index]: state for index, state in by_position["state"].items()},
+        "param_groups": [{**group, "params": [name[index] for index in group["params"]]}
+                         for group in by_position["param_groups"]],
+    }  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# Where a multi-process run is, and a bound on the end of it
+# --------------------------------------------------------------------------------------------------
+
+
+class CollectiveError(RuntimeError):
+    """A collective operation failed in a multi-process run (another process stopped responding or ended);
+    the message names the stage the run was in."""
+
+
+class RunStage:
+    """The stage a run is in ("training step 12", "saving the model", ...), for errors that name it.
+
+    Collectives are bounded by --ddp-timeout (gloo / NCCL), but the end of the process group and the
+    interpreter's exit (joining threads, atexit) are not: a stage entered with `watch=True` must end (the
+    next `enter`, or `finish`) within `watchdog_s` seconds, or the process prints the stage and every
+    thread's stack and exits 1 (the launcher then stops the others). Compute stages are not watched: their
+    length is the model's, not a hang's.
+    """
+
+    def __init__(self, watchdog_s: float | None = None) -> None:
+        self.name = "starting"
+        self.watchdog_s = watchdog_s
+        self._timer: threading.Timer | None = None
+
+    def enter(self, name: str, watch: bool = False) -> None:
+        self.name = name
+        self._cancel()
+        if watch and self.watchdog_s:
+            self._timer = threading.Timer(self.watchdog_s, self._expired, args=(name,))
+            self._timer.daemon = True  # never keeps the process alive itself
+            self._timer.start()
+
+    def finish(self) -> None:
+        self._cancel()
+
+    def _cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expired(self, name: str) -> None:
+        import faulthandler
+
+        os.write(2, f"\ngpn train: error: the run hung while {name}: still there after {self.watchdog_s:.0f} s "
+                    "(--ddp-timeout plus a margin); another process stopped responding, or the process cannot end. "
+                    "Whatever was written (model, checkpoints) is complete: files are written and then renamed. "
+                    "The stacks of this process's threads follow; it exits now so that the job ends\n".encode())  # fmt: skip
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(1)
+
+
+def collective_error(error: BaseException, stage: str, ddp_timeout: int) -> CollectiveError | None:
+    """A CollectiveError naming `stage` for a gloo/NCCL failure (a timeout, a peer that ended), else None."""
+    text = str(error)
+    first = text.splitlines()[0] if text else type(error).__name__
+    lowered = text.lower()
+    if "timed out" in lowered or "timeout" in lowered and "collective" in lowered:
+        return CollectiveError(
+            f"a collective operation timed out after --ddp-timeout {ddp_timeout} s while {stage}: another process "
+            f"stopped responding, so the job fails instead of waiting ({first})"
+        )
+    if any(sign in lowered for sign in ("connection closed by peer", "connection reset by peer", "broken pipe")):
+        return CollectiveError(f"another process ended while {stage}, so this one stops too ({first})")
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
 # The run
 # --------------------------------------------------------------------------------------------------
 
@@ -574,16 +983,10 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 def train(config: dict, resume: str | bool | None = None, skip_nonfinite: bool = False,
           prepare_only: bool = False, show_progress: bool = True) -> dict:  # fmt: skip
     """Run training as configured (see `resolve_config`). Returns a summary dict (paths, perplexity, skipped
-    steps). Raises NonFiniteLossError, StorageError or TrainingStopped (SIGTERM/SIGINT, after a checkpoint)."""
-    import datetime
-
-    import numpy as np
+    steps, processes). Raises NonFiniteLossError, StorageError, TrainingStopped (SIGTERM/SIGINT, after a
+    checkpoint), RunFolderInUseError (another run holds the output folder), LaunchError (a launch Accelerate
+    would not make one training) or CollectiveError (another process stopped responding; names the stage)."""
     import torch
-    from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs, gather_object, set_seed
-
-    import modeling_gpn  # noqa: F401 - registers GPN with the Auto classes
-    from modeling_gpn.data import CorpusSpec, WindowDataset, build_token_stream, load_tokenizer
 
     if config["num_threads"]:
         torch.set_num_threads(config["num_threads"])
@@ -595,11 +998,39 @@ def train(config: dict, resume: str | bool | None = None, skip_nonfinite: bool =
         trackers.append("tensorboard")
     except ImportError:
         pass
-    accelerator = Accelerator(
-        mixed_precision=config["mixed_precision"], log_with=trackers or None, project_dir=str(run_dir),
-        # A process that stops (not dies) would otherwise hold the others for gloo's 30-minute default.
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=config["ddp_timeout"]))],
-    )  # fmt: skip
+    accelerator = start_accelerator(config, trackers, run_dir)
+    # Past the last collective a multi-process run has nothing left to wait for: its process-group end is
+    # bounded by a watchdog (one process has no one to wait for).
+    stage = RunStage(watchdog_s=config["ddp_timeout"] + 60 if accelerator.num_processes > 1 else None)
+    try:
+        if prepare_only:
+            return _train(accelerator, config, stage, prepare_only=True, show_progress=show_progress)
+        with hold_run_folder(accelerator, run_dir, warn=lambda message: print(message, file=sys.stderr)):
+            return _train(accelerator, config, stage, resume, skip_nonfinite, show_progress=show_progress)
+    except RuntimeError as error:
+        known = (NonFiniteLossError, StorageError, CollectiveError, RunFolderInUseError, LaunchError)
+        failure = None
+        if accelerator.num_processes > 1 and not isinstance(error, known):
+            failure = collective_error(error, stage.name, config["ddp_timeout"])
+        if failure is None:
+            raise
+        raise failure from error
+    finally:
+        stage.finish()
+
+
+def _train(accelerator, config: dict, stage: RunStage, resume: str | bool | None = None, skip_nonfinite: bool = False,
+           prepare_only: bool = False, show_progress: bool = True) -> dict:  # fmt: skip
+    """The run itself, in the started `accelerator` (the main process holding the run folder's lock)."""
+    import numpy as np
+    import torch
+    from accelerate.utils import gather_object, set_seed
+
+    import modeling_gpn  # noqa: F401 - registers GPN with the Auto classes
+    from modeling_gpn.data import CorpusSpec, WindowDataset, build_token_stream, load_tokenizer
+
+    run_dir = Path(config["output_dir"])
+    fsdp = is_fsdp(accelerator)
     main = accelerator.is_main_process
     say = accelerator.print
 
@@ -653,6 +1084,7 @@ def train(config: dict, resume: str | bool | None = None, skip_nonfinite: bool =
             f"--reset-at-document-start resets a GPN's state at every document; a {model.config.model_type} model "
             "would not keep the documents of a window apart (its attention does not read restarting position ids)"
         )
+    model_class = type(model).__name__  # (FSDP2 renames the class of the module it shards)
     num_params = sum(p.numel() for p in model.parameters())
     optimizer, scheduler = build_optimizer(model, config)
     # GPN's forward can skip materialising the (batch, seq, vocab) logits when only the loss is needed.
@@ -666,13 +1098,13 @@ def train(config: dict, resume: str | bool | None = None, skip_nonfinite: bool =
             return {}
         return {"position_ids": document_position_ids(batch, tokenizer.eos_token_id)}
 
-    model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.register_for_checkpointing(scheduler)  # stepped by hand, once per optimizer step
+    model, optimizer = accelerator.prepare(model, optimizer)  # the scheduler is stepped by hand, once per step
 
     def all_finite(tensors) -> bool:
         """Whether every tensor holds only finite values, on every process (a collective when world > 1)."""
         with torch.no_grad():
-            flags = [torch.isfinite(t).all() for t in tensors if torch.is_tensor(t) and t.is_floating_point()]
+            # FSDP: each process checks its own shard (the reduce below covers the others').
+            flags = [torch.isfinite(_local(t)).all() for t in tensors if torch.is_tensor(t) and t.is_floating_point()]
             bad = torch.stack(flags).logical_not().any().float().to(accelerator.device) if flags else torch.zeros(
                 (), device=accelerator.device)  # fmt: skip
         if world > 1:
@@ -703,7 +1135,7 @@ def train(config: dict, resume: str | bool | None = None, skip_nonfinite: bool =
                 f"or the optimisation: {'; '.join(changes)}. Resume with the checkpoint's values, or start a new "
                 "run in another --output-dir"
             )
-        accelerator.load_state(str(checkpoint))
+        load_training_state(accelerator, model, optimizer, scheduler, checkpoint)
         if not all_finite(model.parameters()):
             raise NonFiniteLossError(
                 f"--resume: {checkpoint} holds non-finite weights (written by an older version without this check); "
@@ -750,8 +1182,8 @@ def train(config: dict, resume: str | bool | None = None, skip_nonfinite: bool =
             "tensorboard", config={k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in config.items()}
         )
     say(
-        f"model: {type(accelerator.unwrap_model(model)).__name__}, {num_params:,} parameters; {world} process(es) x "
-        f"{accumulation} accumulation x {micro} windows; mixed precision {config['mixed_precision']}"
+        f"model: {model_class}, {num_params:,} parameters; {world} process(es) x {accumulation} "
+        f"accumulation x {micro} windows; {distribution_name(accelerator)}; mixed precision {config['mixed_precision']}"
     )
 
     def log(record: dict) -> None:
@@ -766,13 +1198,19 @@ def train(config: dict, resume: str | bool | None = None, skip_nonfinite: bool =
     def evaluate() -> float:
         model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
-        indices = list(range(min(config["eval_windows"], windows.num_val)))[accelerator.process_index :: world]
+        evaluated = min(config["eval_windows"], windows.num_val)
+        indices = list(range(evaluated))[accelerator.process_index :: world]
+        # Every process makes the same number of forward calls: under FSDP each call gathers the weights
+        # from all of them, so a process with a window fewer would leave the others waiting at the end. A
+        # process out of windows evaluates window 0 and weighs it 0.
+        calls = math.ceil(math.ceil(evaluated / world) / micro)
         with torch.no_grad():
-            for start in range(0, len(indices), micro):
-                rows = np.stack([windows.val_window(i) for i in indices[start : start + micro]])
+            for call in range(calls):
+                chosen = indices[call * micro : (call + 1) * micro]
+                rows = np.stack([windows.val_window(i) for i in chosen or [0]])
                 batch = torch.from_numpy(rows).to(accelerator.device)
                 loss = model(input_ids=batch, labels=batch, **loss_kwargs, **document_kwargs(batch)).loss
-                count = batch.shape[0] * (batch.shape[1] - 1)
+                count = len(chosen) * (batch.shape[1] - 1)
                 total += torch.tensor([loss.item() * count, count], dtype=torch.float64, device=accelerator.device)
         total = accelerator.reduce(total, reduction="sum")
         model.train()
@@ -782,6 +1220,7 @@ def train(config: dict, resume: str | bool | None = None, skip_nonfinite: bool =
         """The full training state at `step`, written to a temporary folder, fsynced, then renamed; older
         checkpoints are rotated away only after that. Never written with non-finite weights or optimizer state."""
         final, tmp = checkpoints_dir / f"step-{step:07d}", checkpoints_dir / f".tmp-step-{step:07d}"
+        stage.enter(f"saving checkpoint {final.name}")
         if not all_finite(model.parameters()) or not all_finite(optimizer_state_tensors()):
             raise NonFiniteLossError(
                 f"Refusing to write checkpoint {final}: the weights or the optimizer state hold non-finite values. "
@@ -792,7 +1231,7 @@ def train(config: dict, resume: str | bool | None = None, skip_nonfinite: bool =
                 shutil.rmtree(tmp, ignore_errors=True)
                 checkpoints_dir.mkdir(parents=True, exist_ok=True)
             accelerator.wait_for_everyone()
-            accelerator.save_state(str(tmp))
+            save_training_state(accelerator, model, optimizer, scheduler, tmp)
             accelerator.wait_for_everyone()
             if main:
                 trainer_state = {"step": step, "config": config, "skipped_steps": skipped_steps,
@@ -817,6 +1256,16 @@ def train(config: dict, resume: str | bool | None = None, skip_nonfinite: bool =
             received = int(accelerator.reduce(torch.tensor(received, device=accelerator.device), reduction="max"))
         return received or None
 
+    def end_process_group(after_error: bool) -> None:
+        """Close the trackers and destroy the process group, watched: after an error the other processes may
+        still be inside a collective, and destroying a group under them can wait for ever (torchtitan#1342)."""
+        failed_in = stage.name
+        stage.enter("ending the process group" + (" after an error" if after_error else ""), watch=True)
+        accelerator.end_training()
+        stage.finish()
+        if after_error:
+            stage.name = failed_in  # the error names where the run failed, not its clean-up
+
     # ---- the loop -----------------------------------------------------------------------------
     from tqdm.auto import tqdm
 
@@ -836,6 +1285,7 @@ def train(config: dict, resume: str | bool | None = None, skip_nonfinite: bool =
         try:
             for step in range(start_step, steps):
                 done = step + 1
+                stage.enter(f"training step {done}")
                 local_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
                 for k in range(accumulation):
                     lo = first_row + k * micro
@@ -849,7 +1299,8 @@ def train(config: dict, resume: str | bool | None = None, skip_nonfinite: bool =
                 step_loss = float(accelerator.reduce(local_loss, reduction="mean"))
                 # The norm is computed at every clipping setting (clip_norm 0 = an infinite threshold, which
                 # scales the gradient by exactly 1), so a NaN/inf gradient is caught even when nothing is clipped.
-                grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), config["clip_norm"] or math.inf))
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), config["clip_norm"] or math.inf)
+                grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)  # FSDP2
                 step_lr = optimizer.param_groups[0]["lr"]
                 finite = math.isfinite(step_loss) and math.isfinite(grad_norm)
                 if finite:
@@ -922,25 +1373,40 @@ def train(config: dict, resume: str | bool | None = None, skip_nonfinite: bool =
                     raise TrainingStopped(signum, done, steps, checkpoint)
         except BaseException:
             bar.close()
-            accelerator.end_training()
+            end_process_group(after_error=True)
             raise
         bar.close()
 
         # ---- the end: validation, replicas, save_pretrained, sample --------------------------------
+        stage.enter("the final validation")
         val_loss = evaluate()
         val_ppl = math.exp(min(val_loss, 50))
+        stage.enter("gathering the final weights")
         unwrapped = accelerator.unwrap_model(model)
-        fingerprints = gather_object([_weights_sha256(unwrapped)])
-        log({"step": steps, "val_loss": val_loss, "val_ppl": val_ppl, "event": "final",
-             "weights_sha256_per_rank": fingerprints, "skipped_steps": len(skipped_steps),
-             "skipped_at": skipped_steps})  # fmt: skip
-        if len(set(fingerprints)) != 1:
-            raise RuntimeError(f"The processes ended with different weights: {fingerprints}")
+        record = {"step": steps, "val_loss": val_loss, "val_ppl": val_ppl, "event": "final"}
+        if fsdp:
+            # The weights are sharded: gather them into a plain copy on the main process, which saves it and
+            # samples from it alone (a sharded forward would wait for the other processes).
+            weights = accelerator.get_state_dict(model)
+            final_model = None
+            if main:
+                final_model = build_model(config, tokenizer)
+                _complete_tied_weights(weights, final_model)
+                final_model.load_state_dict(weights)
+                record["weights_sha256"] = _weights_sha256(final_model)
+            del weights
+        else:
+            final_model = unwrapped
+            record["weights_sha256_per_rank"] = fingerprints = gather_object([_weights_sha256(unwrapped)])
+            if len(set(fingerprints)) != 1:
+                raise RuntimeError(f"The processes ended with different weights: {fingerprints}")
+        record.update(skipped_steps=len(skipped_steps), skipped_at=skipped_steps)
+        log(record)
         if skipped_steps:
             say(f"skipped {len(skipped_steps)} non-finite step(s) of {steps}: {skipped_steps}")
         evaluated = min(config["eval_windows"], windows.num_val) > 0
         if not all_finite(unwrapped.parameters()) or (evaluated and not math.isfinite(val_loss)):
-            accelerator.end_training()
+            end_process_group(after_error=True)
             raise NonFiniteLossError(
                 f"The run ended with a non-finite model (validation loss {val_loss}, {len(skipped_steps)} skipped "
                 f"step(s)); it was not saved as {run_dir / 'model'}. {intact()}"
@@ -948,23 +1414,25 @@ def train(config: dict, resume: str | bool | None = None, skip_nonfinite: bool =
         model_dir = run_dir / "model"
         sample = None
         if main:
-            generation = unwrapped.generation_config
+            stage.enter("saving the model")
+            generation = final_model.generation_config
             generation.eos_token_id = tokenizer.eos_token_id
             generation.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
             generation.bos_token_id = tokenizer.bos_token_id
             tmp_model = run_dir / ".tmp-model"
             try:
                 shutil.rmtree(tmp_model, ignore_errors=True)
-                unwrapped.save_pretrained(str(tmp_model))
+                final_model.save_pretrained(str(tmp_model))
                 tokenizer.save_pretrained(str(tmp_model))
                 _fsync_tree(tmp_model)
                 install_folder(tmp_model, model_dir)
             except write_errors as error:
                 shutil.rmtree(tmp_model, ignore_errors=True)
-                accelerator.end_training()
+                end_process_group(after_error=True)
                 raise storage_error(model_dir, error) from error
             if config["sample_tokens"]:
-                sample = generate_sample(unwrapped, tokenizer, config["sample_prompt"], config["sample_tokens"], config["seed"])
+                stage.enter("generating the sample")
+                sample = generate_sample(final_model, tokenizer, config["sample_prompt"], config["sample_tokens"], config["seed"])
             say(f"\nvalidation loss {val_loss:.4f}, perplexity {val_ppl:.2f} ({min(config['eval_windows'], windows.num_val)} "
                 f"held-out windows of {config['seq_len']} tokens)")  # fmt: skip
             if sample is not None:
@@ -973,10 +1441,13 @@ def train(config: dict, resume: str | bool | None = None, skip_nonfinite: bool =
                 f"trust_remote_code=True)\n  from transformers import AutoModelForCausalLM, AutoTokenizer\n"
                 f"  model = AutoModelForCausalLM.from_pretrained({str(model_dir.resolve())!r})\n"
                 f"  tokenizer = AutoTokenizer.from_pretrained({str(model_dir.resolve())!r})")  # fmt: skip
+        stage.enter("waiting for every process after the model was saved" if main else
+                    "waiting for the main process to save the model and write the sample")  # fmt: skip
         accelerator.wait_for_everyone()
-        accelerator.end_training()
+        end_process_group(after_error=False)
     return {"model_dir": str(model_dir), "val_loss": val_loss, "val_ppl": val_ppl, "sample": sample,
-            "run_dir": str(run_dir), "reused_cache": stream.reused, "skipped_steps": skipped_steps}  # fmt: skip
+            "run_dir": str(run_dir), "reused_cache": stream.reused, "skipped_steps": skipped_steps,
+            "processes": world, "distribution": distribution_name(accelerator)}  # fmt: skip
 
 
 def document_position_ids(windows, eos_token_id: int):
@@ -1070,28 +1541,23 @@ def run(args: argparse.Namespace) -> int:
     config = None
     try:
         config = resolve_config(args)
-        train(config, resume=args.resume, skip_nonfinite=args.skip_nonfinite,
-              prepare_only=args.prepare_data_only, show_progress=not args.no_progress)  # fmt: skip
-    except (DataError, NonFiniteLossError, StorageError, FileExistsError, FileNotFoundError, ValueError) as error:
-        print(f"gpn train: error: {error}", file=sys.stderr)
+        summary = train(config, resume=args.resume, skip_nonfinite=args.skip_nonfinite,
+                        prepare_only=args.prepare_data_only, show_progress=not args.no_progress)  # fmt: skip
+    except (DataError, NonFiniteLossError, StorageError, RunFolderInUseError, LaunchError, CollectiveError,
+            FileExistsError, FileNotFoundError, ValueError) as error:  # fmt: skip
+        print(f"gpn train: error: {error}" + (". Checkpoints written so far are intact: continue with --resume"
+                                              if isinstance(error, CollectiveError) else ""), file=sys.stderr)  # fmt: skip
         return 1
     except TrainingStopped as stop:
         print(f"gpn train: {stop}", file=sys.stderr)
         return 128 + stop.signum  # the shell's code for "ended by this signal": 143 SIGTERM, 130 SIGINT
-    except RuntimeError as error:
-        # gloo raises "Timed out waiting ...ms" when another process has not joined a collective within
-        # --ddp-timeout (it stopped or hangs): say so plainly instead of a backend traceback.
-        if config is None or "timed out" not in str(error).lower():
-            raise
-        print(f"gpn train: error: a collective operation timed out after --ddp-timeout {config['ddp_timeout']} s: "
-              f"another process stopped responding, so the job fails instead of waiting "
-              f"({str(error).splitlines()[0]}). "
-              "Checkpoints written so far are intact: continue with --resume", file=sys.stderr)  # fmt: skip
-        return 1
     except KeyboardInterrupt:
         print("gpn train: interrupted (Ctrl-C) before a checkpoint could be written; the last checkpoint, if any, "
               "is intact: continue with the same command plus --resume", file=sys.stderr)  # fmt: skip
         return 128 + signal.SIGINT
+    if summary.get("processes", 1) > 1:
+        # The process is about to exit: joining threads and atexit handlers must not hold the job either.
+        RunStage(watchdog_s=config["ddp_timeout"] + 60).enter("exiting (joining threads, atexit handlers)", watch=True)
     return 0
 
 

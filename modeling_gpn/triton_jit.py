@@ -64,7 +64,7 @@ if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 @triton.jit
 def _relu_l2(x):
     """(relu(x), l2(relu(x)), 1 / its norm) of a vector held by one program: relu lets NaN through, as
-    torch's does; eps 1e-12 inside the root, as the torch ops (`fast_recurrence._l2`)."""
+    torch's does; eps 1e-12 inside the root, as the torch ops (`recurrence_step._l2_parts`)."""
     raw = tl.where(x < 0.0, 0.0, x)
     inv = 1.0 / tl.sqrt(tl.sum(raw * raw, axis=0) + 1e-12)
     return raw, raw * inv, inv
@@ -262,7 +262,7 @@ KERNELS = dict(
 
 
 # --------------------------------------------------------------------------------------------------
-# Backward: the elementwise stretches of `fast_recurrence._step_backward` between its matmuls
+# Backward: the elementwise stretches of `recurrence_step._step_backward` between its matmuls
 # --------------------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""Triton kernels for the GPN fast path on GPU (optional: the torch ops in `fast_recurrence` compute the same
+"""Triton kernels for the GPN fast path on GPU (optional: the torch ops in `recurrence_step` compute the same
 and are the reference the tests compare against).
 
 Why: on a GPU a step of the torch-ops path is a few dozen tiny kernel launches (elementwise ops on a few
@@ -8,7 +8,7 @@ memory half of a step (and the gradient of the write and reads) into one launch 
 (row, head) as the CPU C kernels in `memory_kernels.py` run one head per iteration. The matmuls stay
 torch.matmul (cuBLAS): they are the bulk of the work and are already one launch each.
 
-Kernels (contracts are those of the named torch functions in `fast_recurrence`):
+Kernels (contracts are those of the named torch functions in `recurrence_step`):
     memory_step            `_memory_step_torch`: relu + l2 of key and query, gates, the write
                            M' = e^gamma M + k (beta (v - M^T k))^T, layer 0's read M'^T q; then rms of the read
     memory_write_backward  `_memory_write_backward_torch`: gradients through the write and the reads of M'
@@ -17,7 +17,7 @@ Kernels (contracts are those of the named torch functions in `fast_recurrence`):
     ground                 sig = sigmoid(z + b);  g = sig * p + u;  rms(g)
     predict_input          X = [silu(a) b | silu(r) rms(read)]
     gated_residual         state' = Y + sigmoid(gate) * state
-`step` is `fast_recurrence._step` on these kernels (same arguments, same results, same records).
+`step` is `recurrence_step._step` on these kernels (same arguments, same results, same records).
 
 When they run (`selected`): on CUDA tensors when triton imports, unless `GPN_TRITON=0`; on CPU only when
 forced with `GPN_TRITON=1` *and* Triton's interpreter is on (`TRITON_INTERPRET=1`, which Triton reads when
@@ -26,7 +26,7 @@ as tests/conftest.py does), which is how the tests run them without a GPU. Every
 also checks its inputs (`usable_*`: float32, contiguous where needed, sizes within the block limits) and the
 step falls back to the torch ops when they do not fit, never computing garbage.
 
-The backward twin, `step_backward`, is `fast_recurrence._step_backward` on kernels of the same kind:
+The backward twin, `step_backward`, is `recurrence_step._step_backward` on kernels of the same kind:
     predict_layer_backward  through the gated residual and X (gradients of gate, FFN, read gate and read)
     memory_read_backward    a layer above 0: dq = M' d_read, through l2(relu(.)) into its query columns
     memory_gates_backward   after memory_write_backward: the gate, value, key and query columns of dZ
@@ -37,8 +37,11 @@ rows' part enters the step, the padded rows' part passes to the carried input) a
 after, around the same kernels: a masked_fill per part (8 launches), ~real, and adds for the key and M (p's
 rides in the last `rms_backward`).
 
-This file ships to the Hub with the model: it imports only torch, typing and the standard library; the
-kernels themselves (`triton_jit.py`, which needs triton) are imported when first used, so CPU users never
+Which steps run here is decided once per window by the dispatcher (`fast_recurrence`), from the window's
+inputs and the model's sizes (`usable_steps`, `usable_backward_steps`); no function here picks a backend.
+
+This file ships to the Hub with the model: it imports only torch, typing, the standard library and
+`recurrence_step` (the contract its steps keep, and their fallback to the torch ops); the kernels themselves (`triton_jit.py`, which needs triton) are imported when first used, so CPU users never
 need triton.
 """
 
@@ -49,6 +52,20 @@ from collections import Counter
 from typing import Optional
 
 import torch
+
+from .recurrence_step import (
+    MemoryStep,
+    StepState,
+    _split_real,
+    _step,
+    _step_backward,
+    _WeightGrads,
+    columns_of,
+    keep_padded_rows,
+    key_from_grounded,
+    transpose_weights,
+    write_memory,
+)
 
 MAX_KEY_BLOCK = 256  # largest key dimension a memory program holds at once (next power of two)
 # columns of M a memory program handles per iteration of its loop over the value dimension: with 128 key
@@ -64,7 +81,6 @@ launches: Counter = Counter()  # Triton kernel launches so far, by kernel (tests
 # `self_check` results by (device, sizes, matmul dtype): None when the kernels matched the torch ops, else why not
 _self_checks: dict = {}
 _self_check_failure: Optional[str] = None  # set by a failed self-check: the Triton backend is then off
-_reference_running = False  # while `self_check` runs the torch ops, nothing inside may pick the kernels
 
 
 def _next_power_of_two(n: int) -> int:
@@ -92,9 +108,9 @@ def selected(*tensors: torch.Tensor) -> bool:
     CUDA tensors unless GPN_TRITON=0; CPU tensors only with GPN_TRITON=1 under TRITON_INTERPRET=1; never
     under torch.compile (it traces the torch ops instead)."""
     setting = os.environ.get("GPN_TRITON", "auto")
-    if setting == "0" or not tensors or (tensors[0].is_cpu and setting != "1"):  # (cheap: asked every step)
+    if setting == "0" or not tensors or (tensors[0].is_cpu and setting != "1"):  # (cheap: asked every window)
         return False
-    if _self_check_failure is not None or _reference_running:  # (see `self_check`)
+    if _self_check_failure is not None:  # (see `self_check`)
         return False
     if torch.compiler.is_compiling():
         return False
@@ -120,7 +136,7 @@ def self_check_needed(s, matmul_dtype: torch.dtype, device: torch.device) -> boo
 def self_check(w, s, eps: float, device: torch.device, matmul_dtype: torch.dtype, atol: float = 1e-4,
                rtol: float = 1e-3) -> bool:  # fmt: skip
     """Run one step forward and backward of this model's folded weights `w` on a random state both ways,
-    `step`/`step_backward` on the kernels and `fast_recurrence._step`/`_step_backward` on torch ops, and
+    `step`/`step_backward` on the kernels and `recurrence_step._step`/`_step_backward` on torch ops, and
     compare the new state, gamma, the state and input gradients and every weight gradient.
 
     Why: the kernels are compiled for the GPU they meet and were tested through Triton's CPU interpreter;
@@ -129,10 +145,8 @@ def self_check(w, s, eps: float, device: torch.device, matmul_dtype: torch.dtype
     torch ops, which compute the same function, run instead). Kernels that raise (fail to compile or
     launch) turn it off the same way; an error that leaves the CUDA context broken (an illegal address)
     cannot be recovered from, though. Returns whether the kernels matched."""
-    global _self_check_failure, _reference_running
+    global _self_check_failure
     import warnings
-
-    from .fast_recurrence import StepState, _step, _step_backward, columns_of, key_from_grounded
 
     key = (str(device), s._replace(batch=0), matmul_dtype)  # as in `self_check_needed`
     if key in _self_checks:
@@ -150,7 +164,6 @@ def self_check(w, s, eps: float, device: torch.device, matmul_dtype: torch.dtype
             state = StepState(p, g, torch.zeros(batch, 0, device=device), torch.zeros(batch, 0, device=device))
         results, raised = {}, None
         for name, forward, backward in (("torch ops", _step, _step_backward), ("triton", step, step_backward)):
-            _reference_running = name == "torch ops"  # `_step` would otherwise pick the memory kernels itself
             try:
                 results[name] = _one_step(forward, backward, state, u, w, s, columns_of(s), eps)
             except Exception as error:  # noqa: BLE001 (see below)
@@ -159,8 +172,6 @@ def self_check(w, s, eps: float, device: torch.device, matmul_dtype: torch.dtype
                 # the kernels failed to compile or launch (a Triton release that rejects one, no C compiler
                 # for Triton's launcher, too many registers...): the torch ops can still run the model
                 raised = f"running them raised {type(error).__name__}: {(str(error).strip() or '?').splitlines()[0][:300]}"
-            finally:
-                _reference_running = False
     problem = raised
     for name, expected in results["torch ops"].items():
         if problem is not None:
@@ -181,8 +192,6 @@ def self_check(w, s, eps: float, device: torch.device, matmul_dtype: torch.dtype
 
 def _one_step(forward, backward, state, u, w, s, c, eps: float) -> dict:
     """What one step forward and backward (gradients of ones) computes, by name, for `self_check`."""
-    from .fast_recurrence import StepState, _WeightGrads, transpose_weights
-
     memory_out = lambda: torch.empty_like(state.memory) if s.memory else None  # noqa: E731
     saved = {}
     new_state, gamma = forward(state, u, None, w, s, c, eps, saved, memory_out())
@@ -274,7 +283,7 @@ def _value_block(dv: int) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
-# Python entry points, with the contracts of the torch ops in fast_recurrence
+# Python entry points, with the contracts of the torch ops in recurrence_step
 # --------------------------------------------------------------------------------------------------
 
 
@@ -287,10 +296,8 @@ def unit_rms(x: torch.Tensor, eps: float, out: Optional[torch.Tensor] = None, ws
 
 
 def memory_step(Z, c, key, neg_decay_rate, memory, memory_out, eps: float, ws: Optional[dict] = None):
-    """`fast_recurrence._memory_step_torch` (and `memory_kernels.memory_step`) in two launches: the memory
+    """`recurrence_step._memory_step_torch` (and `memory_kernels.memory_step`) in two launches: the memory
     half of a step per (row, head), then the read's RMS norm per row. Same arguments, same `MemoryStep`."""
-    from .memory_kernels import MemoryStep
-
     heads, dk, dv = memory.shape
     rows = Z.shape[0]
     H = heads // rows
@@ -329,7 +336,7 @@ def memory_read(query: torch.Tensor, memory: torch.Tensor, ws: Optional[dict] = 
 
 
 def memory_write_backward(memory_grad, memory, queries, read_grads, k, update, a, beta, memory_grad_out, ws=None):
-    """`fast_recurrence._memory_write_backward_torch` (and `memory_kernels.memory_write_backward`) in one
+    """`recurrence_step._memory_write_backward_torch` (and `memory_kernels.memory_write_backward`) in one
     launch, one program per (row, head). Same arguments, same results: (d_update, d_k, d_a, dq of layer 0,
     d_error), and dL/dM written into `memory_grad_out` (which may not be `memory_grad`). With a workspace
     `ws`, the results go into its buffers."""
@@ -389,6 +396,47 @@ def gated_residual(Y: torch.Tensor, part: torch.Tensor, c, state: torch.Tensor, 
 # --------------------------------------------------------------------------------------------------
 
 
+def usable_steps(s, U: torch.Tensor, p0: torch.Tensor, g0: torch.Tensor, M0: torch.Tensor) -> bool:
+    """Whether `step` takes every forward step of a window of the fast path: token inputs U (B, T, d), the
+    state before it (p0, g0, M0) and the model's sizes `s`. What `usable_step` asks of one step, asked once
+    for the window: each step's state and key (float32, contiguous or with unit column stride, on U's
+    device) are made by the previous step, so the window's inputs and the sizes decide for all of them."""
+    if U.dim() != 3 or U.shape[1] == 0:
+        return False
+    if not (p0.is_contiguous() and g0.is_contiguous() and usable_rows(p0, g0, U[:, 0])):
+        return False
+    if s.memory:  # (the key the fast path computes from g0 is a contiguous float32 (B, H*dk) on g0's device)
+        if not usable_memory(M0.reshape(-1, s.key_dim, s.value_dim), g0):
+            return False
+        if s.heads * s.key_dim > MAX_ROW_BLOCK or s.heads * s.value_dim > MAX_ROW_BLOCK:
+            return False
+    return True
+
+
+def usable_backward_steps(s, U: torch.Tensor) -> bool:
+    """Whether `step_backward` takes every backward step of a window of the fast path with token inputs U
+    (B, T, d) and the model's sizes `s`. What `usable_step_backward` asks of one step, asked once for the
+    window: the records the forward steps saved and the gradients carried between backward steps are
+    contiguous float32 tensors on U's device (the dispatcher makes those handed in by autograd so), so the
+    sizes decide."""
+    if U.dtype != torch.float32 or s.hidden > MAX_ROW_BLOCK:
+        return False
+    if s.memory:
+        return 0 < s.key_dim <= MAX_KEY_BLOCK and s.value_dim > 0 and s.heads * s.value_dim <= MAX_ROW_BLOCK
+    return True
+
+
+def sizes_fit(config) -> bool:
+    """Whether the Triton step takes this model's sizes whatever its inputs (what the CUDA graphs, which have
+    no torch-ops fallback inside, need: the dispatcher asks it before choosing them)."""
+    widths = [config.hidden_size, config.intermediate_size]
+    if config.use_memory:  # (the key rows too: `usable_step` bounds them)
+        widths += [config.num_memory_heads * config.memory_value_dim, config.num_memory_heads * config.memory_key_dim]
+        if config.memory_key_dim > MAX_KEY_BLOCK:
+            return False
+    return max(widths) <= MAX_ROW_BLOCK
+
+
 def usable_step(state, u: torch.Tensor, w, s) -> bool:
     """Whether `step` takes this state, token input and weights (else the step runs on torch ops)."""
     p, g, key, memory = state
@@ -405,10 +453,10 @@ def usable_step(state, u: torch.Tensor, w, s) -> bool:
 
 def _product(x: torch.Tensor, w, ws: Optional[dict] = None, name: str = "") -> torch.Tensor:
     """x @ w in the weights' dtype, the result left in that dtype (float32 from a `PackedMatrix`): the
-    kernels that read it upcast as they load (exact, so the same numbers as `fast_recurrence._mm`'s
+    kernels that read it upcast as they load (exact, so the same numbers as `recurrence_step._mm`'s
     float32 copy, one launch fewer). With a workspace, into its buffers (`torch.mm(out=)`: nothing
     allocated, as a captured CUDA graph needs)."""
-    if not isinstance(w, torch.Tensor):  # a `fast_recurrence.PackedMatrix` (CPU; no import on each matmul)
+    if not isinstance(w, torch.Tensor):  # a `recurrence_step.PackedMatrix` (CPU)
         return w.mm(x)
     if ws is None:
         return torch.matmul(x if x.dtype == w.dtype else x.to(w.dtype), w)
@@ -418,7 +466,7 @@ def _product(x: torch.Tensor, w, ws: Optional[dict] = None, name: str = "") -> t
 
 
 def _linear(x: torch.Tensor, w, b: torch.Tensor, ws: Optional[dict] = None, name: str = "") -> torch.Tensor:
-    """x @ w + b as float32 (`fast_recurrence._linear`): one add after the product, in place for float32
+    """x @ w + b as float32 (`recurrence_step._linear`): one add after the product, in place for float32
     weights, else the add that upcasts (bf16 + float32 gives float32: one launch instead of two)."""
     product = _product(x, w, ws, name)
     if product.dtype == torch.float32:
@@ -429,7 +477,7 @@ def _linear(x: torch.Tensor, w, b: torch.Tensor, ws: Optional[dict] = None, name
 
 
 def step(state, u, real, w, s, c, eps: float, saved: Optional[dict] = None, memory_out=None, ws: Optional[dict] = None):
-    """`fast_recurrence._step` with its elementwise work and the memory half fused into Triton kernels (the
+    """`recurrence_step._step` with its elementwise work and the memory half fused into Triton kernels (the
     matmuls stay torch's). Same arguments, same results, same records in `saved` (for `_step_backward`).
     With a workspace `ws` (a dict) every intermediate goes into its buffers (made on the first call): a
     step then allocates nothing, as a captured CUDA graph needs (`cuda_graphs`); results are only valid
@@ -438,8 +486,6 @@ def step(state, u, real, w, s, c, eps: float, saved: Optional[dict] = None, memo
     Launches per step of a one-layer GPN+M (float32 weights): rms(p), the gate matmul, `ground`, the big
     matmul and its bias, `memory_step` (2), `predict_input`, the output matmul, `gated_residual`; with bf16
     weights one cast to bf16 before each matmul (its bf16 result is read by the next kernel as it is)."""
-    from .fast_recurrence import StepState, keep_padded_rows, write_memory
-
     p, g, key, memory = state
     B, H, dk, dv = s.batch, s.heads, s.key_dim, s.value_dim
     a_p = unit_rms(p, eps, ws=ws, name="a_p")
@@ -518,8 +564,7 @@ def _contiguous_rows(*tensors: torch.Tensor) -> bool:
 
 
 def usable_step_backward(saved: dict, grads, s) -> bool:
-    """Whether `step_backward` takes this step (else `_step_backward` runs it): one whose records and
-    gradients the kernels take (float32, contiguous rows, sizes within the block limits), masked or not."""
+    """Whether `step_backward` takes this step: one whose records and gradients the kernels take (float32, contiguous rows, sizes within the block limits), masked or not."""
     rows = [saved["p"], saved["grounded"], saved["sig_fg"], grads.p, grads.g]
     if not (usable_rows(*rows) and _contiguous_rows(*rows)):
         return False
@@ -532,21 +577,18 @@ def usable_step_backward(saved: dict, grads, s) -> bool:
 
 
 def step_backward(saved: dict, grads, wt, s, c, eps: float, weight_grads, memory_grad_out=None, ws: Optional[dict] = None):
-    """`fast_recurrence._step_backward` with its elementwise work fused into Triton kernels (the matmuls
-    stay torch's). Same arguments, same results; a step it does not take (`usable_step_backward`: float64
-    gradients, say) runs `_step_backward`. A masked step runs on the kernels too, as `_step_backward` runs
+    """`recurrence_step._step_backward` with its elementwise work fused into Triton kernels (the matmuls
+    stay torch's). Same arguments, same results, for a step `usable_step_backward` accepts: the dispatcher
+    runs it only on windows whose every step it takes (`usable_backward_steps`, asked once per window), and
+    `_step_backward` on the others. A masked step runs on the kernels too, as `_step_backward` runs
     one: the real rows' gradients go through the step, the padded rows' pass straight to the input state.
     With a workspace `ws` (a dict) every intermediate and result goes into its buffers, as in `step` (then
-    the weight gradients must be a `cuda_graphs.StaticWeightGrads`, whose block sums allocate nothing
-    either): the backward steps of a captured training graph, which are never masked."""
-    from .fast_recurrence import StepState, _split_real, _step_backward
-
+    the weight gradients must be a `recurrence_step.StaticWeightGrads`, whose block sums allocate nothing
+    either): the backward steps of a captured training graph, which are never masked (checked here, where a
+    graph captures the step once)."""
     real = saved.get("real")
-    usable = usable_step_backward(saved, grads, s)
-    if ws is not None and not (usable and real is None):
+    if ws is not None and not (real is None and usable_step_backward(saved, grads, s)):
         raise ValueError("a step on static buffers must be one the Triton backward takes, unmasked (float32, ...)")
-    if not usable:
-        return _step_backward(saved, grads, wt, s, c, eps, weight_grads, memory_grad_out)
     # padded rows kept their state: their gradients pass by the step (`*_pass`; None when unmasked) and only
     # the real rows' enter it, so every gradient of a padded row inside the step is zero
     padded = None if real is None else ~real

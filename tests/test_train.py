@@ -177,29 +177,128 @@ def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, cache, shakespe
     assert losses(killed_dir) == losses(tmp_path / "reference")  # the log is continued, not duplicated
 
 
-def test_two_process_ddp_matches_one_process(tmp_path, cache, shakespeare):
-    common = ["--steps", "6", "--lr", "0.01", "--warmup-steps", "2"]
-    train_module.train(train_module.resolve_config(parse(small_args(shakespeare, tmp_path / "p", cache))),
-                       prepare_only=True, show_progress=False)  # fmt: skip
-    ddp = _launch(
-        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
-         "-m", "modeling_gpn.train", *small_args(shakespeare, tmp_path / "ddp", cache, *common)],
-        tmp_path / "ddp.log",
+def _launch_two_processes(distribution: list[str], args: list[str], log: Path) -> subprocess.Popen:
+    """`accelerate launch` of 2 CPU processes (ACCELERATE_USE_CPU=1 comes from the _ddp_env fixture)."""
+    return _launch(
+        [sys.executable, "-m", "accelerate.commands.launch", *distribution, "--num_processes", "2", "--num_machines",
+         "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+         "-m", "modeling_gpn.train", *args],
+        log,
     )  # fmt: skip
-    single = _launch([sys.executable, "-m", "modeling_gpn.train", *small_args(shakespeare, tmp_path / "one", cache, *common)],
-                     tmp_path / "one.log")  # fmt: skip
-    _finish(single)
-    output = _finish(ddp)
-    assert "2 process(es) x 1 accumulation x 4 windows" in output, output[-3000:]
 
-    one, two = losses(tmp_path / "one"), losses(tmp_path / "ddp")
+
+DDP = ["--multi_gpu"]
+FSDP2 = ["--use_fsdp", "--fsdp_version", "2"]
+# A checkpoint at step 3 of 6 to resume from; a short sample, so the end of the run does what a user's does.
+TWO_PROCESS_RUN = ["--steps", "6", "--lr", "0.01", "--warmup-steps", "2", "--checkpoint-interval", "3",
+                   "--keep-checkpoints", "1", "--sample-tokens", "4"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory, cache, shakespeare) -> dict[str, tuple[Path, str]]:
+    """One process, 2-process DDP and 2-process FSDP2 of the same run, launched together: name -> (run, output)."""
+    root = tmp_path_factory.mktemp("two-process")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("ACCELERATE_USE_CPU", "1")  # (the function-scoped _ddp_env fixture does not cover this one)
+        return _run_two_process_runs(root, cache, shakespeare)
+
+
+def _run_two_process_runs(root: Path, cache: Path, shakespeare: Path) -> dict[str, tuple[Path, str]]:
+    train_module.train(train_module.resolve_config(parse(small_args(shakespeare, root / "p", cache))),
+                       prepare_only=True, show_progress=False)  # fmt: skip
+    launches = {
+        "one": _launch([sys.executable, "-m", "modeling_gpn.train", *small_args(shakespeare, root / "one", cache,
+                        *TWO_PROCESS_RUN)], root / "one.log"),
+        "ddp": _launch_two_processes(DDP, small_args(shakespeare, root / "ddp", cache, *TWO_PROCESS_RUN), root / "ddp.log"),
+        "fsdp": _launch_two_processes(FSDP2, small_args(shakespeare, root / "fsdp", cache, *TWO_PROCESS_RUN),
+                                      root / "fsdp.log"),
+    }  # fmt: skip
+    # Every process must exit by itself within the bound (`_finish` dumps every stack and fails otherwise).
+    return {name: (root / name, _finish(process, timeout=300)) for name, process in launches.items()}
+
+
+def test_two_process_ddp_matches_one_process(two_process_runs):
+    (one_dir, _), (ddp_dir, output) = two_process_runs["one"], two_process_runs["ddp"]
+    assert "2 process(es) x 1 accumulation x 4 windows; DDP" in output, output[-3000:]
+
+    one, two = losses(one_dir), losses(ddp_dir)
     assert len(one) == len(two) == 6
     assert max(abs(a - b) for a, b in zip(one, two)) < 1e-4, (one, two)
     assert one[-1] < one[0]
-    final = [r for r in read_log(tmp_path / "ddp") if r.get("event") == "final"][0]
+    final = [r for r in read_log(ddp_dir) if r.get("event") == "final"][0]
     ranks = final["weights_sha256_per_rank"]
     assert len(ranks) == 2 and ranks[0] == ranks[1]
+
+
+def test_two_process_fsdp_trains_saves_and_resumes_like_one_process(two_process_runs, tmp_path, cache, shakespeare):
+    from transformers import AutoModelForCausalLM
+
+    (one_dir, _), (ddp_dir, _), (fsdp_dir, output) = (two_process_runs[name] for name in ("one", "ddp", "fsdp"))
+    # Really sharded: Accelerate alone would have run this launch as DDP on CPU.
+    assert "2 process(es) x 1 accumulation x 4 windows; FSDP2" in output, output[-3000:]
+    one, fsdp = losses(one_dir), losses(fsdp_dir)
+    assert len(fsdp) == 6 and max(abs(a - b) for a, b in zip(one, fsdp)) < 1e-4, (one, fsdp)
+    assert "sample (prompt" in output and "model saved to" in output
+
+    # The saved model holds the full weights (not one process's shard) and loads with from_pretrained.
+    reference, saved = _weights(one_dir / "model"), _weights(fsdp_dir / "model")
+    assert saved.keys() == reference.keys()
+    for name in reference:
+        assert saved[name].shape == reference[name].shape, name
+        assert torch.allclose(saved[name], reference[name], atol=1e-3), name
+    model = AutoModelForCausalLM.from_pretrained(fsdp_dir / "model")
+    assert all(torch.equal(model.state_dict()[name], saved[name]) for name in saved)
+
+    # The checkpoint holds the full state too, in one layout for every distribution.
+    [checkpoint] = sorted((fsdp_dir / "checkpoints").glob("step-*"))
+    assert checkpoint.name == "step-0000003"
+    assert {p.name for p in checkpoint.glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}
+    assert _weights(checkpoint).keys() == reference.keys()
+
+    # --resume: FSDP from its own checkpoint is bit-exact; FSDP from the DDP checkpoint, and one process from
+    # the FSDP checkpoint, continue the same training (the sums of 2 processes round differently: not bit-exact).
+    same = _launch_two_processes(FSDP2, small_args(shakespeare, tmp_path / "same", cache, *TWO_PROCESS_RUN, "--resume",
+                                                   str(checkpoint)), tmp_path / "same.log")  # fmt: skip
+    ddp_checkpoint = ddp_dir / "checkpoints" / "step-0000003"
+    from_ddp = _launch_two_processes(FSDP2, small_args(shakespeare, tmp_path / "from-ddp", cache, *TWO_PROCESS_RUN,
+                                                       "--resume", str(ddp_checkpoint)), tmp_path / "from-ddp.log")  # fmt: skip
+    config = train_module.resolve_config(parse(small_args(shakespeare, tmp_path / "back", cache, *TWO_PROCESS_RUN)))
+    train_module.train(config, resume=str(checkpoint), show_progress=False)
+    assert f"resumed from {checkpoint}" in _finish(same, timeout=300)
+    assert f"resumed from {ddp_checkpoint}" in _finish(from_ddp, timeout=300)
+
+    uninterrupted = _weights(fsdp_dir / "model")
+    for name, tensor in _weights(tmp_path / "same" / "model").items():
+        assert torch.equal(tensor, uninterrupted[name]), name
+    assert losses(tmp_path / "same")[-3:] == fsdp[-3:]
+    for run, continued_from in ((tmp_path / "from-ddp", ddp_dir), (tmp_path / "back", fsdp_dir)):
+        expected = _weights(continued_from / "model")
+        for name, tensor in _weights(run / "model").items():
+            assert torch.allclose(tensor, expected[name], atol=1e-5), (run.name, name)
+        assert max(abs(a - b) for a, b in zip(losses(run)[-3:], losses(continued_from)[-3:])) < 1e-5
+
+
+def test_a_launch_of_several_processes_that_accelerate_runs_as_one_each_is_refused(tmp_path, cache, shakespeare,
+                                                                                      monkeypatch):  # fmt: skip
+    # The user's FSDP config on a machine without GPUs: `use_cpu: true` in the file does not reach the processes,
+    # so Accelerate starts each of the 2 launched processes as a single-process run.
+    monkeypatch.delenv("ACCELERATE_USE_CPU")
+    config_file = tmp_path / "fsdp-cpu.yaml"
+    config_file.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n"
+                           "mixed_precision: 'no'\nnum_machines: 1\nnum_processes: 2\nuse_cpu: true\n")  # fmt: skip
+    run_dir = tmp_path / "run"
+    launcher = _launch(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file), "--main_process_port",
+         str(_free_port()), "-m", "modeling_gpn.train", *small_args(shakespeare, run_dir, cache, "--steps", "3")],
+        tmp_path / "launch.log",
+    )  # fmt: skip
+    launcher.wait(timeout=300)
+    output = launcher.log_path.read_text()
+    assert launcher.returncode != 0, output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith("gpn train: error:")]
+    assert errors and all("launched as several processes (WORLD_SIZE=2" in line for line in errors), output[-3000:]
+    assert "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N" in errors[0]
+    assert not (run_dir / "log.jsonl").exists() and not (run_dir / "model").exists()  # stopped before training
 
 
 @pytest.fixture(autouse=True)

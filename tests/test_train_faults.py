@@ -1,6 +1,7 @@
 """`gpn train` under real faults: diverging steps at every clipping setting, SIGTERM / SIGINT sent to a real
 `gpn train` process then `--resume` bit-exact, a torn log line, a full disk (a real small tmpfs), a
-failed log rewrite, a stuck DDP rank, and changed settings on `--resume`."""
+failed log rewrite, a stuck DDP rank (in training and at the end), changed settings on `--resume`, and two runs
+into one folder."""
 
 from __future__ import annotations
 
@@ -397,7 +398,8 @@ def test_a_stuck_ddp_rank_fails_the_job_after_ddp_timeout(tmp_path, cache, shake
         launcher.wait()
     output = launcher.log_path.read_text()
     assert 4 < waited < 40, waited
-    assert "gpn train: error: a collective operation timed out after --ddp-timeout 5 s" in output, output[-3000:]
+    assert "gpn train: error: a collective operation timed out after --ddp-timeout 5 s while training step" in output, (
+        output[-3000:])  # fmt: skip
 
 
 def _process_state(pid: int) -> str:
@@ -442,3 +444,102 @@ def test_sigterm_to_one_ddp_rank_stops_every_rank_at_the_same_step_with_a_checkp
     assert {p.name for p in checkpoint.glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}
     assert [r for r in read_log(run_dir) if r.get("event")] == [{"step": step, "event": "stopped", "signal": "SIGTERM"}]
     assert f"stopped by SIGTERM after step {step} of 100000" in output, output[-3000:]
+
+
+def test_the_end_of_a_ddp_run_is_bounded_by_ddp_timeout_and_names_the_stage(tmp_path, cache, shakespeare):
+    # Rank 1 stops (SIGSTOP) once training is over: whatever collective of the end rank 0 reaches next (the
+    # weights' check, or the barrier after saving the model) must give up after --ddp-timeout, naming it.
+    run_dir = tmp_path / "ddp"
+    launcher = _launch_ddp(small_args(shakespeare, run_dir, cache, "--steps", "3", "--ddp-timeout", "5",
+                                      "--sample-tokens", "200"), tmp_path / "ddp.log")  # fmt: skip
+    deadline = time.time() + 180
+    while not (run_dir / "log.jsonl").exists() or not any(
+        r.get("event") == "final" for r in train_module.read_log(run_dir / "log.jsonl")
+    ):
+        assert launcher.poll() is None, launcher.log_path.read_text()[-3000:]
+        assert time.time() < deadline, "no final record within 180 s"
+        time.sleep(0.01)
+    ranks = _ranks(launcher)
+    os.kill(ranks[1], signal.SIGSTOP)
+    stopped_at = time.time()
+    try:
+        while Path(f"/proc/{ranks[0]}").exists() and "Z" not in _process_state(ranks[0]):
+            assert time.time() - stopped_at < 90, "rank 0 still waits 90 s after rank 1 stopped"
+            time.sleep(0.1)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(ranks[1], signal.SIGKILL)
+        launcher.wait()
+    output = launcher.log_path.read_text()
+    end_stages = ("gathering the final weights", "waiting for every process after the model was saved")
+    assert any(f"timed out after --ddp-timeout 5 s while {stage}" in output for stage in end_stages), output[-3000:]
+
+
+def test_a_watched_stage_that_hangs_ends_the_process_naming_it_with_every_stack(tmp_path):
+    # What bounds the end of the process group and the exit, which no --ddp-timeout covers: a real process
+    # that hangs inside a watched stage.
+    code = ("import time\nfrom modeling_gpn.train import RunStage\nstage = RunStage(watchdog_s=2)\n"
+            "stage.enter('ending the process group', watch=True)\ntime.sleep(120)\n")  # fmt: skip
+    started = time.time()
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+    assert result.returncode == 1 and time.time() - started < 60
+    assert "gpn train: error: the run hung while ending the process group: still there after 2 s" in result.stderr
+    assert 'File "<string>", line 5 in <module>' in result.stderr  # the stack of the hanging thread
+    # A stage that ends in time (the next enter, or finish) does not fire.
+    code = ("import time\nfrom modeling_gpn.train import RunStage\nstage = RunStage(watchdog_s=1)\n"
+            "stage.enter('a', watch=True)\nstage.enter('b')\ntime.sleep(2)\nstage.enter('c', watch=True)\n"
+            "stage.finish()\ntime.sleep(2)\nprint('done')\n")  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+    assert result.returncode == 0 and result.stdout.strip() == "done", result.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# One writer per run folder
+# --------------------------------------------------------------------------------------------------
+
+
+def test_a_second_run_into_the_same_folder_stops_at_once_and_a_killed_runs_lock_is_taken_over(tmp_path, cache,
+                                                                                               shakespeare):  # fmt: skip
+    run_dir = tmp_path / "run"
+    first = _launch(TRAIN_CLI + small_args(shakespeare, run_dir, cache, "--steps", "100000"), tmp_path / "1.log")
+    try:
+        _wait_for_step(first, run_dir, 2)
+        started = time.time()
+        second = _launch(TRAIN_CLI + small_args(shakespeare, run_dir, cache, "--steps", "3"), tmp_path / "2.log")
+        second.wait(timeout=120)
+        output = second.log_path.read_text()
+        assert second.returncode == 1, output[-3000:]
+        assert f"is in use by another gpn train run (pid {first.pid} on " in output, output[-3000:]
+        assert "cli.py train --recipe tiny-cpu" in output  # the holder's command
+        assert time.time() - started < 60
+        # It wrote nothing: the first run's log goes on, one record per step, and has no model yet.
+        _wait_for_step(first, run_dir, max(r["step"] for r in read_log(run_dir)) + 1)
+        steps = [r["step"] for r in read_log(run_dir)]
+        assert steps == list(range(1, len(steps) + 1)) and not (run_dir / "model").exists()
+    finally:
+        first.kill()  # SIGKILL: the kernel drops its flock, the record of who held it stays
+        first.wait()
+
+    third = _launch(TRAIN_CLI + small_args(shakespeare, run_dir, cache, "--steps", "2"), tmp_path / "3.log")
+    output = _finish(third)
+    assert (f"taking over the lock of {run_dir} from a run that ended without releasing it (pid {first.pid} on "
+            in output), output[-3000:]  # fmt: skip
+    assert (run_dir / "model").exists()
+    assert (run_dir / train_module.RunFolderLock.FILE_NAME).read_text() == ""  # released at the end
+    train_module.RunFolderLock(run_dir).acquire().release()  # free again
+
+
+def test_the_lock_is_held_only_while_train_runs_in_process(tmp_path, cache, shakespeare):
+    # `gpn study` trains several models in one process: each run takes its folder's lock and gives it back,
+    # also when it fails.
+    run_dir = tmp_path / "run"
+    holder = train_module.RunFolderLock(run_dir).acquire()
+    with pytest.raises(train_module.RunFolderInUseError, match=rf"in use by another gpn train run \(pid {os.getpid()} "):
+        run_train(shakespeare, run_dir, cache, "--steps", "2")
+    holder.release()
+    run_train(shakespeare, run_dir, cache, "--steps", "2", "--checkpoint-interval", "1")
+    with pytest.raises(FileExistsError):  # a failing run (here: no --resume over a checkpoint) releases it too
+        run_train(shakespeare, run_dir, cache, "--steps", "2", "--checkpoint-interval", "1")
+    train_module.RunFolderLock(run_dir).acquire().release()

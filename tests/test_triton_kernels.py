@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from modeling_gpn import fast_recurrence as fr
+from modeling_gpn import recurrence_step
 from modeling_gpn import triton_kernels as tk
 
 from .conftest import TRITON_INTERPRETER_AT_START, perturbed_model, tiny_config
@@ -152,7 +153,7 @@ def test_memory_read_matches_the_torch_ops(triton_on, B, H, dk, dv):
     M = torch.randn(B * H, dk, dv, generator=g)
     q_raw, q, q_inv, read = tk.memory_read(query, M)
     ref_raw = F.relu(query).reshape(B * H, dk)
-    ref_q, ref_inv = fr._l2_parts(ref_raw)
+    ref_q, ref_inv = recurrence_step._l2_parts(ref_raw)
     torch.testing.assert_close(q_raw, ref_raw)
     torch.testing.assert_close(q, ref_q, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(q_inv, ref_inv, atol=1e-6, rtol=1e-5)
@@ -423,7 +424,7 @@ def test_graph_steps_run_on_static_buffers_without_allocation_or_host_sync(trito
     core = model.model
     B, calls = 3, 3
     tokens, state, _, _ = random_problem(model, batch=B, length=steps * calls, mask_kind=None, seed=4)
-    graph = cuda_graphs.StepsGraph(core, B, torch.device("cpu"), steps=steps)
+    graph = cuda_graphs.StepsGraph(core, B, torch.device("cpu"), steps=steps, kernels=fr.GRAPH_KERNELS)
     core.use_fast_path = False
     memory_addresses, graph_state, reference_state = [], state, state
     for call in range(calls):
