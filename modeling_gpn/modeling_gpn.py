@@ -1053,17 +1053,17 @@ class GPNModel(GPNPreTrainedModel):
         runs when `use_fast_path` is False, under torch.compile / torch.export, and whenever a module the
         fast path would fold is wrapped, replaced or hooked (`fast_path_blocker`); `last_recurrence_path`
         says which ran. `sequence_starts` (batch, seq) bool: reset the state to zero before these positions
-        (packed sequences, `packed_sequence_starts`); such windows run the plain path for now.
+        (packed sequences, `packed_sequence_starts`), on either path.
         """
         path = self.recurrence_path()
-        if sequence_starts is not None:  # packed windows: the fast path does not reset its state yet
-            path = "plain"
         if not is_tracing():
             object.__setattr__(self, "last_recurrence_path", path)  # (nn.Module's __setattr__ costs ~5 us a call)
             if path != "fast":  # (the fast path records the backends it chooses itself)
                 object.__setattr__(self, "last_recurrence_backends", None)
         if path == "fast":
-            return fast_recurrence(self, token_inputs, state, mask, output_memory_decays=output_memory_decays)
+            return fast_recurrence(
+                self, token_inputs, state, mask, output_memory_decays=output_memory_decays, sequence_starts=sequence_starts
+            )
         return self.recurrence_plain(
             token_inputs, state, mask, output_memory_decays=output_memory_decays, sequence_starts=sequence_starts
         )

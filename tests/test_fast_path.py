@@ -298,7 +298,6 @@ def test_prepacked_matrices_match_the_plain_matmul(monkeypatch, dtype):
     for packed in (True, False):
         monkeypatch.setattr(fast_recurrence.PackedMatrix, "worthwhile", staticmethod(lambda w, rows=None: packed))
         model.zero_grad(set_to_none=True)
-        object.__setattr__(model.model, "_gpn_folded_cache", None)  # inference folds (and packs) afresh
         loss = model(ids, labels=ids, return_logits=False).loss
         loss.backward()
         with torch.no_grad():
