@@ -1615,7 +1615,8 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
                 chunk_length, input_ids, inputs_embeds, attention_mask, cache, use_cache, labels, shift_labels,
                 logits_to_keep, num_items_in_batch, kwargs,
             )  # fmt: skip
-            return output if return_dict else output.to_tuple()
+            if output is not None:  # (None: a packed batch, which runs in one pass)
+                return output if return_dict else output.to_tuple()
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -1713,12 +1714,15 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         logits_to_keep: int,
         num_items_in_batch: torch.Tensor | int | None,
         kwargs: dict,
-    ) -> GPNCausalLMOutput:
+    ) -> GPNCausalLMOutput | None:
         """`forward` over `chunk_length` positions at a time (see `_prefill_chunk_length_for` for when).
 
         Each chunk runs `GPNModel.forward` from the state the previous chunk left in a cache; only the
         last `logits_to_keep` predicted states, or the running sum of the loss, are kept. The result is
         that of one pass: the same state and logits, and the loss up to float32 summation order.
+        Returns None for a packed batch (sequences starting inside rows, `packed_sequence_starts`), which
+        `forward` then runs in one pass (a chunk's first position continues the cache, so a sequence
+        starting there would not be reset).
         """
         tokens = input_ids if input_ids is not None else inputs_embeds
         batch_size, seq_len = tokens.shape[:2]
@@ -1726,9 +1730,10 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         # The checks one pass makes over the whole input, made once here (a chunk sees only its part).
         continuing = isinstance(cache, GPNCache) and cache.has_state
         mask = self.model.check_attention_mask(attention_mask, batch_size, seq_len, continuing=continuing)
-        position_ids = kwargs.pop("position_ids", None)
-        if position_ids is not None:
-            check_not_packed(position_ids, mask)
+        packing = {name: kwargs[name] for name in ("position_ids", *_PACKING_KWARGS) if kwargs.get(name) is not None}
+        if packing and packed_sequence_starts(batch_size, seq_len, mask, **packing, device=tokens.device) is not None:
+            return None
+        kwargs = {name: value for name, value in kwargs.items() if name not in packing}  # (ordinary position ids)
         for name, given in (("labels", labels), ("shift_labels", shift_labels)):
             if given is not None and given.shape != (batch_size, seq_len):
                 raise ValueError(f"{name} must have shape {(batch_size, seq_len)}, got {tuple(given.shape)}")

@@ -214,6 +214,24 @@ def test_a_cache_continues_the_last_packed_sequence_and_a_continuation_its_first
 
 
 @torch.no_grad()
+def test_a_long_packed_prompt_is_not_cut_into_prefill_chunks(monkeypatch):
+    """No-grad calls over more positions than `prefill_chunk_length` run in chunks, each continuing the
+    previous one's cache; a packed batch runs in one pass instead (a sequence starting at a chunk's first
+    position would not be reset), so its loss and kept logits are still its sequences' one by one."""
+    model = perturbed_model(tiny_config(), seed=30)
+    monkeypatch.setattr(model, "prefill_chunk_length", 4)
+    sequences, row_ids, row_labels = packed_problem(seed=31)
+    num_items = int((row_labels[:, 1:] != -100).sum())
+    expected = sum(model(ids, labels=labels, num_items_in_batch=num_items).loss for ids, labels in sequences)
+    for form in INPUT_FORMS:
+        arguments = dict(labels=row_labels, num_items_in_batch=num_items, return_logits=False, **packing_arguments(form))
+        torch.testing.assert_close(model(row_ids, **arguments).loss, expected, rtol=1e-5, atol=1e-6)
+    last = [ids for ids, _ in sequences][2]  # the first row's last sequence
+    kept = model(row_ids, logits_to_keep=2, **packing_arguments("position_ids")).logits[0]
+    torch.testing.assert_close(kept, model(last).logits[0, -2:], rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
 def test_ordinary_position_ids_change_nothing():
     """Position ids that only increase over the real tokens (generate()'s for left padding, with padding at 0
     or 1) pack nothing: the logits are those without them."""
