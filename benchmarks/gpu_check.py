@@ -32,15 +32,54 @@ import torch
 
 from modeling_gpn import GPNConfig, GPNForCausalLM
 from modeling_gpn import triton_kernels as tk
+from modeling_gpn.bench import BackendProbe
 
 FAILURES: list[str] = []
+STARTED = time.monotonic()
+
+
+def stamp() -> str:
+    """The wall clock and the seconds since this process started, for every line (where did the time go)."""
+    return f"{time.strftime('%H:%M:%S')} +{time.monotonic() - STARTED:.1f}s"
 
 
 def report(ok: bool, text: str) -> bool:
-    print(f"[{'ok' if ok else 'FAIL'}] {text}", flush=True)
+    print(f"[{'ok' if ok else 'FAIL'}] {text} ({stamp()})", flush=True)
     if not ok:
         FAILURES.append(text)
     return ok
+
+
+def self_checks(device: str, preset: str = "gpn-m-1l-130m", batches=(1, 16)) -> dict:
+    """The Triton kernels' self-check (`triton_kernels.self_check`) for what the timings after it run: the
+    130M GPN+M in bf16 at these batch sizes (1: the decode step; 16: training, profile and the bench; the
+    check adds batches 2 and 16, which select other compiled variants), before any timing, each reported.
+    On a GPU this also compiles every kernel variant the timings use (Triton keeps them in its on-disk
+    cache, so the later stages' processes load them instead of compiling). Returns {combination: "passed"
+    or what differed} (also what every later check of the process added: `tk.self_check_summary`)."""
+    from modeling_gpn.bench import build_gpn
+    from modeling_gpn.fast_recurrence import cached_folded_weights, shapes_of
+
+    if DRY_RUN:
+        preset, batches = "tiny", (1,)
+    backend("triton")
+    model = build_gpn(preset, torch.bfloat16, device, 256)
+    started = time.monotonic()
+    with torch.no_grad():
+        for batch in batches:
+            s = shapes_of(model.model, batch)
+            w = cached_folded_weights(model.model, rows=batch)
+            tk.self_check(w, s, model.config.rms_norm_eps, torch.device(device), torch.bfloat16)
+    for combination, verdict in tk.self_check_summary().items():
+        report(verdict == "passed", f"self-check {combination}: {verdict}")
+    print(f"[time] self-checks of {preset} bf16 at batches {batches} (compiling the kernels on a cold machine): "
+          f"{time.monotonic() - started:.1f} s", flush=True)  # fmt: skip
+    return tk.self_check_summary()
+
+
+def write_json(out: str | None, name: str, value) -> None:
+    if out:
+        Path(out, name).write_text(json.dumps(value, indent=1, default=str))
 
 
 def perturbed(config, device, seed=0):
@@ -213,7 +252,7 @@ def training_timing(device: str, preset: str = "gpn-m-1l-130m", batch: int = 16,
     backend("triton")
     ids = torch.randint(1, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(8)).to(device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    figures, grads = {}, {}
+    figures, grads, backends = {}, {}, {}
     for graphs in ("0", "1"):
         name = "on" if graphs == "1" else "off"
         times = []
@@ -222,9 +261,11 @@ def training_timing(device: str, preset: str = "gpn-m-1l-130m", batch: int = 16,
                 model.zero_grad(set_to_none=True)
                 sync()
                 start = time.perf_counter()
-                model(ids, labels=ids).loss.backward()
+                with BackendProbe() as probe:
+                    model(ids, labels=ids).loss.backward()
                 sync()
                 times.append(time.perf_counter() - start)
+        backends[f"train_step_ms_graphs_{name}"] = probe.text  # (of the last, timed, step)
         grads[name] = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
         step = min(times[1:])
         figures[f"train_step_ms_graphs_{name}"] = 1e3 * step
@@ -237,7 +278,9 @@ def training_timing(device: str, preset: str = "gpn-m-1l-130m", batch: int = 16,
     report(ran and cosine > 0.99, f"{device} {preset} bf16 {batch}x{length} training gradients, graphs on vs off: "
                                   f"lowest cosine {cosine:.4f}, graphs captured {captured}")  # fmt: skip
     for key, value in figures.items():
-        print(f"[time] {preset} bf16 {batch}x{length} {key}: {value:.3f}", flush=True)
+        ran_on = f" (ran on: {backends[key]})" if key in backends else ""
+        print(f"[time] {preset} bf16 {batch}x{length} {key}: {value:.3f}{ran_on}", flush=True)
+    figures["backends"] = backends
     return figures
 
 
@@ -252,7 +295,7 @@ def decode_timing(device: str, preset: str = "gpn-m-1l-130m") -> dict:
     model = build_gpn(preset, torch.bfloat16, device, 256).eval()
     core = model.model
     backend("triton")
-    figures = {}
+    figures, backends = {}, {}
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     repeats = 20 if DRY_RUN else 1
     with torch.no_grad():
@@ -268,21 +311,27 @@ def decode_timing(device: str, preset: str = "gpn-m-1l-130m") -> dict:
             p, st, _ = graph(u, st)
         sync()
         figures["graph_step_ms"] = 1e3 * (time.perf_counter() - start) / n
+        captured = graph.graphs is not None
+        backends["graph_step_ms"] = "triton kernels in CUDA graphs" if captured else "triton kernels, no graphs (no CUDA)"
         ids = torch.randint(1, core.config.vocab_size, (1, 1), device=device)
         out = model(input_ids=ids, use_cache=True)
         for graphs in ("0", "1"):
             cache = out.cache
+            name = f"model_forward_one_token_ms_graphs_{'on' if graphs == '1' else 'off'}"
             with graphs_setting(graphs):
                 for _ in range(5):
                     cache = model(input_ids=ids, cache=cache, use_cache=True).cache
                 sync()
                 start, n = time.perf_counter(), 100 // repeats
-                for _ in range(n):
-                    cache = model(input_ids=ids, cache=cache, use_cache=True).cache
+                with BackendProbe() as probe:
+                    for _ in range(n):
+                        cache = model(input_ids=ids, cache=cache, use_cache=True).cache
                 sync()
-                figures[f"model_forward_one_token_ms_graphs_{'on' if graphs == '1' else 'off'}"] = 1e3 * (time.perf_counter() - start) / n
+                figures[name] = 1e3 * (time.perf_counter() - start) / n
+            backends[name] = probe.text
     for key, value in figures.items():
-        print(f"[time] {preset} bf16 batch 1 {key}: {value:.3f}", flush=True)
+        print(f"[time] {preset} bf16 batch 1 {key}: {value:.3f} (ran on: {backends[key]})", flush=True)
+    figures["backends"] = backends
     return figures
 
 
@@ -362,15 +411,19 @@ def profile_timing(device: str, preset: str = "gpn-m-1l-130m", batch: int = 16, 
         model.zero_grad(set_to_none=True)
         model(ids, labels=ids).loss.backward()
 
+    backends = figures["backends"] = {}
     model.eval()
     for graphs in ("0", "inference"):
-        with graphs_setting(graphs):
+        with graphs_setting(graphs), BackendProbe() as probe:
             step_s = timed(window) / length
         name = "off" if graphs == "0" else "on"
         figures[f"forward_step_us_graphs_{name}"] = 1e6 * step_s
         figures[f"forward_GB_s_graphs_{name}"] = figures["forward_step_bytes"] / step_s / 1e9
+        backends[f"forward_step_us_graphs_{name}"] = probe.text
     model.train()
-    train_s = timed(training) / length
+    with BackendProbe() as probe:
+        train_s = timed(training) / length
+    backends["training_step_us"] = probe.text
     figures["training_step_us"] = 1e6 * train_s  # forward + backward (+ the recompute) of one position
     figures["training_graphs"] = os.environ.get("GPN_CUDA_GRAPHS", "off")
     figures["training_GB_s"] = (figures["forward_step_bytes"] + figures["backward_step_bytes"]) / train_s / 1e9
@@ -399,7 +452,10 @@ def profile_timing(device: str, preset: str = "gpn-m-1l-130m", batch: int = 16, 
             "top_kernels": table[:15],
         }
     for key, value in figures.items():
-        if isinstance(value, dict):
+        if key == "backends":
+            for timing, ran_on in value.items():
+                print(f"[backend] {preset} bf16 {batch}x{length} {timing} ran on: {ran_on}", flush=True)
+        elif isinstance(value, dict):
             print(f"[profile] {name_of(key)}: {value['kernels_per_step']} kernels/step, GPU busy "
                   f"{value['gpu_busy_us_per_step']} us/step of {value['wall_us_per_step_under_profiler']} us wall "
                   f"({value['gpu_busy_fraction']})", flush=True)  # fmt: skip
@@ -429,12 +485,49 @@ def graphs_setting(value: str):
 
 
 def summary(folder: Path) -> dict:
-    """One JSON object from gpu_check.sh's outputs: the figures, each target's ratio, met or not."""
-    result: dict = {"correctness": None, "runs": {}, "targets": {}}
+    """One JSON object from gpu_check.sh's outputs: the figures, each target's ratio, met or not; first what
+    ran how: every stage's start, duration, limit and exit code (a timeout, and what it changed for the
+    stages after it, in "notes"), the graphs setting the bench ran with and why, every self-check's verdict
+    (by stage), and which backend each timing actually ran on (Triton kernels or torch ops, graphs or not)."""
+    result: dict = {"notes": [], "stages": [], "self_checks": {}, "backends": {}, "correctness": None, "runs": {},
+                    "targets": {}}  # fmt: skip
+    stages_file = folder / "stages.tsv"  # written by gpu_check.sh: name, start, seconds, limit, exit code
+    if stages_file.is_file():
+        for line in stages_file.read_text().splitlines():
+            name, start, seconds, limit, code = line.split("\t")
+            stage = {"stage": name, "start": start, "seconds": int(seconds), "limit_s": int(limit), "exit": int(code)}
+            result["stages"].append(stage)
+            if stage["exit"] in (124, 137):
+                result["notes"].append(f"stage '{name}' hit its {limit} s limit: what it had not finished is missing")
+            elif stage["exit"] == -1:
+                result["notes"].append(f"stage '{name}' was skipped: the budget was spent")
+    graphs_file = folder / "graphs_in_bench.json"  # written by gpu_check.sh: the bench's GPN_CUDA_GRAPHS and why
+    if graphs_file.is_file():
+        graphs = result["bench_graphs"] = json.loads(graphs_file.read_text())
+        if graphs.get("setting") != "1":
+            result["notes"].append(f"the bench ran with GPN_CUDA_GRAPHS={graphs.get('setting')}: {graphs.get('why')}")
+    for path in sorted(folder.glob("*_self_checks.json")):
+        checks = result["self_checks"][path.name.replace("_self_checks.json", "")] = json.loads(path.read_text())
+        failed = {where: why for where, why in checks.items() if why != "passed"}
+        if failed:
+            result["notes"].append(f"self-check failures in {path.name} (the kernels were off there): {failed}")
     correctness_file = folder / "correctness.txt"
     if correctness_file.is_file():
         text = correctness_file.read_text()
         result["correctness"] = "FAIL" if "[FAIL]" in text else ("ok" if "[ok]" in text else "did not run")
+    for name in ("decode", "training", "profile"):
+        timing = folder / f"{name}_timing.json"
+        if timing.is_file():
+            result["backends"][name] = json.loads(timing.read_text()).get("backends")
+    for path in sorted(folder.glob("bench_*.json")):
+        bench = json.loads(path.read_text())
+        fast_backends = next((row.get("backend", {}) for row in bench["rows"] if row["impl"] == "fast"), {})
+        result["backends"][path.stem] = {"graphs setting": bench.get("cuda_graphs_setting"),
+                                         **{f"fast {timing}": ran_on for timing, ran_on in fast_backends.items()}}
+        result["self_checks"][path.stem] = bench.get("triton_self_checks")
+        for timing, ran_on in result["backends"][path.stem].items():
+            if timing.startswith("fast") and not str(ran_on).startswith("triton"):
+                result["notes"].append(f"{path.stem}: the fast path's {timing[5:]} ran on {ran_on}, not the kernels")
     timing_file = folder / "decode_timing.json"
     if timing_file.is_file():
         result["decode_step"] = json.loads(timing_file.read_text())
@@ -486,15 +579,26 @@ def run_timing(name: str, timing, out: str | None) -> None:
     """Run one timing on CUDA, writing its figures to OUT/NAME_timing.json; a failure is reported, not raised."""
     try:
         figures = timing("cuda")
+        figures["self_checks"] = tk.self_check_summary()
         if out:
-            Path(out, f"{name}_timing.json").write_text(json.dumps(figures))
+            Path(out, f"{name}_timing.json").write_text(json.dumps(figures, default=str))
     except Exception as error:  # noqa: BLE001
         report(False, f"{name} timing: {type(error).__name__}: {error}")
 
 
+def finish(out: str | None, name: str) -> int:
+    """Every self-check this process ran (a `name`_self_checks.json for the summary), one line, the exit code."""
+    write_json(out, f"{name}_self_checks.json", tk.self_check_summary())
+    print(f"{len(FAILURES)} check(s) failed" if FAILURES else "all checks passed", f"({stamp()})", flush=True)
+    return 1 if FAILURES else 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=None, help="folder for decode_timing.json")
+    parser.add_argument("--out", default=None, help="folder for the *_timing.json and *_self_checks.json files")
+    parser.add_argument("--self-checks", action="store_true",
+                        help="only the kernels' self-checks at the 130M sizes the timings use (compiling every kernel "
+                             "variant they use into Triton's on-disk cache); writes self_checks_self_checks.json")
     parser.add_argument("--decode-timing", action="store_true")
     parser.add_argument("--training-timing", action="store_true",
                         help="only the 130M training step with graphs on and off (writes training_timing.json)")
@@ -511,12 +615,12 @@ def main() -> int:
         DRY_RUN = True
         if not tk.interpreter_on():
             raise SystemExit("--dry-run-cpu needs TRITON_INTERPRET=1 in the environment")
+        self_checks("cpu")  # (every self-check before any timing, as on a GPU)
         correctness("cpu")
         decode_timing("cpu", preset="tiny")  # (the code path only: CPU-interpreter times mean nothing)
         training_timing("cpu", preset="tiny")
         profile_timing("cpu")
-        print(f"{len(FAILURES)} check(s) failed" if FAILURES else "all checks passed", flush=True)
-        return 1 if FAILURES else 0
+        return finish(args.out, "dry_run")
     if args.summary:
         print(json.dumps(summary(Path(args.summary)), indent=1, default=str))
         return 0
@@ -524,22 +628,28 @@ def main() -> int:
         print("no CUDA device: the GPU correctness checks did not run (see tests/test_triton_kernels.py for the "
               "CPU-interpreter ones)", flush=True)  # fmt: skip
         return 2
+    # every mode checks the kernels at the sizes it times before it times anything (each process keeps its
+    # own verdicts; the compiled kernels come from Triton's cache after the first stage)
+    if args.self_checks:
+        self_checks("cuda", batches=(1, 16, 32, 64))  # (the bench's batches too: 16 x 2048, then 64 or 32)
+        return finish(args.out, "self_checks")
     if args.training_timing:
+        self_checks("cuda", batches=(16,))
         run_timing("training", training_timing, args.out)
-        print(f"{len(FAILURES)} check(s) failed" if FAILURES else "all checks passed", flush=True)
-        return 1 if FAILURES else 0
+        return finish(args.out, "training")
     if args.profile:
+        self_checks("cuda", batches=(16,))
         run_timing("profile", profile_timing, args.out)
-        print(f"{len(FAILURES)} check(s) failed" if FAILURES else "all checks passed", flush=True)
-        return 1 if FAILURES else 0
+        return finish(args.out, "profile")
+    if args.decode_timing:
+        self_checks("cuda", batches=(1,))
     correctness("cuda")
     # every fast-path call on CUDA first checks the kernels against the torch ops (`triton_kernels.self_check`)
     report(tk.self_check_failure() is None,
-           f"the kernels' self-check on this GPU: {tk.self_check_failure() or 'matched the torch ops'}")
+           f"every self-check of this process on this GPU: {tk.self_check_failure() or 'matched the torch ops'}")
     if args.decode_timing:
         run_timing("decode", decode_timing, args.out)
-    print(f"{len(FAILURES)} check(s) failed" if FAILURES else "all checks passed", flush=True)
-    return 1 if FAILURES else 0
+    return finish(args.out, "correctness")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@
 # benchmarks on an older transformers.
 #
 # Usage (repo root, with the project's venv active):  bash benchmarks/gpu_prepare.sh
-# then:  run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=420)
+# then:  run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=300)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx "/.whl/" .git/info/exclude 2>/dev/null || echo "/.whl/" >> .git/info/exclude

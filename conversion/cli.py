@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"Converted {args.src} -> {args.out} ({n_params:,} parameters, {model.config.memory_cells:,} memory cells)")
     if args.push_to_hub:
         from modeling_gpn.hub import HubPushError, push_folder
-        from modeling_gpn.model_card import CardError
+        from modeling_gpn.hub.model_card import CardError
 
         try:
             push_folder(args.out, args.push_to_hub)

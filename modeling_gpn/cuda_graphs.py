@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections import Counter
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -57,6 +58,7 @@ from .recurrence_step import (
 )
 
 WINDOW_CHUNK = 32  # steps per graph replay for windows of more than one token (prefill, scoring)
+replays: Counter = Counter()  # graph replays so far, "no-grad window" / "training" (benchmarks say what ran)
 
 
 class GraphKernels(NamedTuple):
@@ -134,21 +136,14 @@ class StepsGraph:
             key = new.key
 
     def capture(self) -> None:
-        """Capture a graph for each starting slot (after a warm-up on a side stream, which also compiles the
-        Triton kernels and makes every workspace buffer)."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        """Capture a graph for each starting slot (`captured`: after a warm-up of both on a side stream,
+        which also compiles the Triton kernels and makes every workspace buffer)."""
+
+        def warm_up() -> None:
             for slot in (0, 1, 0, 1):
                 self.run(slot)
-        torch.cuda.current_stream().wait_stream(stream)
-        graphs = []
-        for slot in (0, 1):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self.run(slot)
-            graphs.append(graph)
-        self.graphs = graphs
+
+        self.graphs = captured(warm_up, [lambda: self.run(0), lambda: self.run(1)], self.p[0])
 
     def load_weights(self, w) -> None:
         """Read the folded weights `w` from now on: copied into the captured graph's static ones (same shapes and
@@ -181,10 +176,35 @@ class StepsGraph:
         slot = self.current
         if self.graphs is not None:
             self.graphs[slot].replay()
+            replays["no-grad window"] += 1
         else:
             self.run(slot)
         self.current = end = (slot + self.steps) % 2
         return self.outputs, (self.p[end], self.g[end], self.memory[end]), (self.gammas if self.s.memory else None)
+
+
+def captured(warm_up, runs: list, like: torch.Tensor) -> list:
+    """One CUDA graph of each function of `runs`, on the GPU of tensor `like`, after `warm_up()` ran once on
+    a side stream (which compiles the kernels and makes every buffer the runs use, so that a capture
+    allocates nothing; CUDA requires work before a capture to run outside the default stream's legacy sync).
+
+    Captured with `capture_error_mode="thread_local"`: the training graphs are captured lazily inside the
+    first forward and in autograd's thread during the first backward, while other threads (HF Trainer's
+    pin-memory thread, NCCL's watchdog) may make CUDA calls; in the default "global" mode any such call
+    during the capture breaks it, "thread_local" only forbids unsafe calls from this thread."""
+    with torch.cuda.device(like.device):  # (the tensors' GPU, not the current one)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            warm_up()
+        torch.cuda.current_stream().wait_stream(stream)
+        graphs = []
+        for run in runs:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                run()
+            graphs.append(graph)
+    return graphs
 
 
 def graph_of(model, batch: int, device: torch.device, steps: int, w, derived: dict, capture: bool = True, *,
@@ -302,6 +322,32 @@ class TrainingSweep:
         self.capture = device.type == "cuda"
         self.owner = None
 
+    def nbytes(self) -> int:
+        """Bytes of the buffers this sweep holds now (static buffers, weight copies, the workspaces its steps
+        made so far; not the graphs' own memory pools, which hold nothing since the steps allocate nothing)."""
+        tensors, seen = [], set()
+        stack = [self.w, self.wt, self.state_in, self.grad_in, self.u, self.outputs, self.d_outputs,
+                 self.d_inputs, self.gammas, self.memory, self.memory_grads, self.forward_ws, self.backward_ws,
+                 self.weight_grads.grads, self.weight_grads.bias_grads, self.weight_grads.neg_decay,
+                 self.weight_grads.blocks, self.weight_grads.products, self.weight_grads.bias_sums,
+                 self.weight_grads.cast_blocks]  # fmt: skip
+        while stack:
+            item = stack.pop()
+            if isinstance(item, torch.Tensor):
+                tensors.append(item)
+            elif isinstance(item, dict):
+                stack.extend(item.values())
+            elif isinstance(item, (list, tuple)):
+                stack.extend(item)
+        total = 0
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            key = (tensor.device, storage.data_ptr()) if tensor.device.type != "meta" else id(tensor)
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+        return total
+
     # ---- the steps a graph captures --------------------------------------------------------------------
 
     def forward_steps(self, first: int, steps: int) -> None:
@@ -342,18 +388,11 @@ class TrainingSweep:
         graph = self.graphs.get(key)
         if graph is not None:
             graph.replay()
+            replays["training"] += 1
             return
         # first time: a real run on a side stream (compiling the kernels, making every workspace buffer), then
         # the capture (which runs nothing: the buffers keep the warm-up's results, the same the replay writes)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            run(first, steps)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run(first, steps)
-        self.graphs[key] = graph
+        self.graphs[key] = captured(lambda: run(first, steps), [lambda: run(first, steps)], self.u)[0]
 
     def _chunks(self, steps: int):
         return [(first, min(self.chunk, steps - first)) for first in range(0, steps, self.chunk)]
@@ -439,13 +478,22 @@ class TrainingSweep:
         return dU, grads.p.clone(), d_g0, grads.memory.clone(), self.weight_grads.finish()
 
 
+# the segment length of a training sweep when the model sets none (`config.bptt_segment_length` None): the
+# default of `gpn train --bptt-segment` and `gpn bench --segment-length`. A sweep holds M' of every position
+# of its segment, so without one a window's sweep would hold M' of every token (for the 130M model at
+# 16 x 2048 some 64 GB); the gradients are the same either way (the segments are recomputed, not cut).
+SWEEP_SEGMENT_LENGTH = 256
+
+
 def training_sweep(model, batch: int, segment: Optional[int], length: int, w, device: torch.device, *,
                    kernels: GraphKernels) -> Optional[TrainingSweep]:  # fmt: skip
-    """The model's `TrainingSweep` for this batch size, BPTT segment length (`config.bptt_segment_length`) and
-    these weights' dtype, made on first use, or None where the Triton step does not take these weights (then
-    the plain fast path runs). One sweep per segment length serves every window (a shorter one is one
-    shorter segment); without segments (`segment` None) the sweep is as long as the longest window so far,
-    replaced by a longer one when needed (so windows of varying length do not pile up buffers)."""
+    """The model's `TrainingSweep` for this batch size, BPTT segment length (`config.bptt_segment_length`,
+    else `SWEEP_SEGMENT_LENGTH`) and these weights' dtype, or None where the Triton step does not take these
+    weights (then the plain fast path runs). A window shorter than the segment runs as one shorter segment.
+
+    Only the last shape's sweep is kept: one of another shape (a smaller last batch, another dtype) replaces
+    it and the old one's buffers and graphs are freed (a call still holding it keeps it until its backward),
+    so the memory held is one sweep's (`TrainingSweep.nbytes`), not one per shape ever seen."""
     dtypes = tuple(t.dtype for t in (w.fg_w, w.big_w, *w.out_w, *w.layer_w))
     if len(set(dtypes)) != 1 or dtypes[0] not in (torch.float32, torch.bfloat16, torch.float16):
         return None
@@ -453,11 +501,12 @@ def training_sweep(model, batch: int, segment: Optional[int], length: int, w, de
     if sweeps is None:
         sweeps = {}
         object.__setattr__(model, "_gpn_training_sweeps", sweeps)
+    segment = segment or SWEEP_SEGMENT_LENGTH
     key = (batch, segment, dtypes[0], device)
     sweep = sweeps.get(key)
-    if sweep is None or (segment is None and sweep.length < length):
+    if sweep is None:
+        sweeps.clear()  # (before the new one's buffers are made: the two never need to fit together)
         # (its sizes were checked by the dispatcher (`triton_kernels.sizes_fit`); its buffers are float32 and
         # contiguous)
-        sweep = TrainingSweep(model, batch, segment or length, w, device, kernels=kernels)
-        sweeps[key] = sweep  # (a call still holding a replaced sweep keeps it until its backward)
+        sweep = sweeps[key] = TrainingSweep(model, batch, segment, w, device, kernels=kernels)
     return sweep

@@ -99,8 +99,10 @@ from .recurrence_step import (
 from .triton_kernels import _linear as triton_linear
 from .triton_kernels import memory_step as triton_memory_step
 from .triton_kernels import memory_write_backward as triton_memory_write_backward
+from .triton_kernels import on_device
 from .triton_kernels import self_check as triton_self_check
 from .triton_kernels import self_check_needed as triton_self_check_needed
+from .triton_kernels import self_check_passed as triton_self_check_passed
 from .triton_kernels import selected as triton_selected
 from .triton_kernels import sizes_fit as triton_sizes_fit
 from .triton_kernels import step as triton_step
@@ -131,12 +133,13 @@ class Backends(NamedTuple):
     # (`cuda_graphs.TrainingSweep`) or None
 
 
-def memory_backend(memory: torch.Tensor, *others: torch.Tensor) -> str:
+def memory_backend(memory: torch.Tensor, *others: torch.Tensor, triton: bool = True) -> str:
     """Who runs the memory half of a step (and its gradient) for M (BH, dk, dv) and the other inputs:
     `TRITON` (`triton_kernels`: CUDA tensors with triton installed, unless GPN_TRITON=0; on CPU only when
     forced with GPN_TRITON=1 under TRITON_INTERPRET=1, as the tests do), else `C_KERNELS` (`memory_kernels`:
-    float32 CPU tensors with a C compiler, unless GPN_MEMORY_KERNELS=0), else `TORCH_OPS` (the reference)."""
-    if triton_selected(memory, *others) and triton_usable_memory(memory, *others):
+    float32 CPU tensors with a C compiler, unless GPN_MEMORY_KERNELS=0), else `TORCH_OPS` (the reference).
+    `triton=False`: not Triton (its self-check failed for these sizes and dtype)."""
+    if triton and triton_selected(memory, *others) and triton_usable_memory(memory, *others):
         return TRITON
     if memory_kernels_usable(memory, *others):
         return C_KERNELS
@@ -149,7 +152,8 @@ def choose_backends(model, U: torch.Tensor, p0: torch.Tensor, g0: torch.Tensor, 
     """Which backend runs each part of a window (the one place the fast path chooses), from its inputs:
     the float32 token inputs U (B, T, d), the state before it (float32, contiguous), the mask, the sizes,
     whether it needs gradients and autocast's matmul dtype. The device decides first (Triton on CUDA, or
-    on CPU when forced through its interpreter; never under torch.compile; the C kernels on float32 CPU
+    on CPU when forced through its interpreter; never under torch.compile, nor for sizes and a dtype whose
+    self-check failed; the C kernels on float32 CPU
     tensors where they build), then whether the kernels take these inputs and sizes (every step of the
     window then: the states and records the steps make are contiguous float32, see `recurrence_step`).
     CUDA graphs run unmasked windows when asked for (`cuda_graphs.asked`) on the Triton backend: no-grad
@@ -157,12 +161,13 @@ def choose_backends(model, U: torch.Tensor, p0: torch.Tensor, g0: torch.Tensor, 
     truncated BPTT; never `packed` windows (sequences starting inside rows: their steps reset the state,
     which the graphs' static steps do not). (Module wrappers, hooks and tracing were decided before: the
     plain path runs them, `GPNModel.recurrence_path`.)"""
-    triton = triton_selected(U)
+    # (the kernels were checked against the torch ops for these sizes, dtype and device before: `self_check`)
+    triton = triton_selected(U) and triton_self_check_passed(s, matmul_dtype or model.fuse_gate.weight.dtype, U.device)
     step = TRITON if triton and triton_usable_steps(s, U, p0, g0, M0) else TORCH_OPS
     step_backward = None
     if needs_grad:
         step_backward = TRITON if triton and triton_usable_backward_steps(s, U) else TORCH_OPS
-    memory = memory_backend(M0.view(-1, s.key_dim, s.value_dim), U) if s.memory else None
+    memory = memory_backend(M0.view(-1, s.key_dim, s.value_dim), U, triton=triton) if s.memory else None
     graphs = None
     graphs_possible = mask is None and not packed and triton and triton_sizes_fit(model.config)
     if graphs_possible and graphs_asked(model, training=needs_grad):
@@ -416,8 +421,9 @@ class GPNRecurrenceFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dP, dp_final, dg_final, dM_final, _dgamma):
-        # a backward called inside an autocast region would otherwise run the step matmuls in its dtype
-        with autocast_off(ctx.device_type):
+        # a backward called inside an autocast region would otherwise run the step matmuls in its dtype; the
+        # backward runs on the forward's backend and GPU (autograd may call it from another thread)
+        with autocast_off(ctx.device_type), on_device(dP if dP is not None else ctx.saved_tensors[0]):
             return GPNRecurrenceFunction._backward(ctx, dP, dp_final, dg_final, dM_final)
 
     @staticmethod
@@ -533,7 +539,7 @@ def fast_recurrence(
     """
     device_type = token_inputs.device.type
     matmul_dtype = autocast_dtype(device_type)
-    with autocast_off(device_type):
+    with autocast_off(device_type), on_device(token_inputs):  # (launches and captures on the inputs' GPU)
         return _fast_recurrence(model, token_inputs, state, mask, output_memory_decays, matmul_dtype, sequence_starts)
 
 
@@ -584,6 +590,8 @@ def _fast_recurrence(model, token_inputs, state, mask, output_memory_decays: boo
     w = in_matmul_dtype(fold_weights(model), matmul_dtype)
     sweep = sweep_owner = None  # CUDA graphs for the training steps (opt-in; unmasked windows without truncation)
     if backends.graphs == TRAINING_GRAPHS:
+        # (its segments as the window's when set, else `cuda_graphs.SWEEP_SEGMENT_LENGTH`: a sweep holds one
+        # segment's memories, never the whole window's)
         sweep = training_sweep(model, B, config.bptt_segment_length, T, w, token_inputs.device, kernels=GRAPH_KERNELS)
         # (None where the graphs do not take these weights; no owner while another call holds the buffers)
         sweep_owner = sweep.take() if sweep is not None else None

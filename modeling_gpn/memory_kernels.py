@@ -54,6 +54,7 @@ import tempfile
 import threading
 import time
 import warnings
+from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
@@ -236,6 +237,7 @@ BUILD_TIMEOUT_S = 60.0  # default bound on one compiler run (`GPN_KERNEL_BUILD_T
 _lock = threading.Lock()
 _library: Optional[ctypes.CDLL] = None
 _failure: Optional[str] = None
+calls: Counter = Counter()  # kernel calls so far, by kernel (tests/paths.py: a test of the kernels asserts they ran)
 
 
 class KernelWarning(UserWarning):
@@ -619,6 +621,7 @@ def memory_step(
         empty(heads, 2, dk), empty(heads, 2, dk), empty(heads, 2, 1), empty(rows, H), empty(rows, H),
         empty(heads, 1), empty(heads, 1), empty(heads, dv), empty(heads, dv), empty(rows, H * dv), empty(rows, H * dv),
     )  # fmt: skip
+    calls["memory_step"] += 1
     _library.gpn_memory_step(
         rows, H, dk, dv, Z.data_ptr(), Z.stride(0), columns.value.start, columns.beta.start, columns.decay.start,
         query, key.data_ptr(), key.stride(0), neg_decay_rate.data_ptr(), rms_eps,
@@ -667,6 +670,7 @@ def memory_write_backward(
     d_update, d_error = memory.new_empty(heads, dv), memory.new_empty(heads, dv)
     d_k, d_a, dq = memory.new_empty(heads, dk), memory.new_empty(heads), memory.new_empty(heads, dk)
     scratch = memory.new_empty(heads * layers * (dk + 2))
+    calls["memory_write_backward"] += 1
     _library.gpn_memory_write_backward(
         heads, dk, dv, layers, *(t.data_ptr() for t in (memory_grad, memory, memory_grad_out, queries, read_grads, k,
         update, a, beta, d_update, d_k, d_a, dq, d_error, scratch)), torch.get_num_threads(),

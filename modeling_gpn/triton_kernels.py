@@ -47,6 +47,7 @@ need triton.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import Counter
 from typing import Optional
@@ -54,6 +55,7 @@ from typing import Optional
 import torch
 
 from .recurrence_step import (
+    FoldedWeights,
     MemoryStep,
     StepState,
     _split_real,
@@ -78,9 +80,9 @@ _kernels = None  # the jitted kernels, built on first use (`_build`)
 _import_error: Optional[str] = None
 _built_interpreted = False  # whether the kernels were built for Triton's interpreter (CPU tensors)
 launches: Counter = Counter()  # Triton kernel launches so far, by kernel (tests and benchmarks/launch_counts.py)
-# `self_check` results by (device, sizes, matmul dtype): None when the kernels matched the torch ops, else why not
+# `self_check` results by (device, sizes with batch, matmul dtype): None when the kernels matched the torch
+# ops, else why not (the kernels are then off for that combination)
 _self_checks: dict = {}
-_self_check_failure: Optional[str] = None  # set by a failed self-check: the Triton backend is then off
 
 
 def _next_power_of_two(n: int) -> int:
@@ -110,8 +112,6 @@ def selected(*tensors: torch.Tensor) -> bool:
     setting = os.environ.get("GPN_TRITON", "auto")
     if setting == "0" or not tensors or (tensors[0].is_cpu and setting != "1"):  # (cheap: asked every window)
         return False
-    if _self_check_failure is not None:  # (see `self_check`)
-        return False
     if torch.compiler.is_compiling():
         return False
     devices = {t.device.type for t in tensors}
@@ -124,70 +124,168 @@ def selected(*tensors: torch.Tensor) -> bool:
     return wanted and available()
 
 
+# The batch sizes every self-check covers besides the run's own: the kernels are compiled per integer
+# specialisation (Triton specialises an int argument on being 1 or divisible by 16: rows = B, heads = B*H), so
+# batch 2 and batch 16 select different compiled variants of e.g. `memory_write_backward` at the 130M sizes
+SELF_CHECK_BATCHES = (2, 16)
+# How far (relative, in both the max norm and the 2-norm of each compared quantity) the kernels' results may
+# be from the torch ops': 2^-13 = 1024 float32 ulps. Why that size: with its matmuls on float32 copies of the
+# weights both sides compute one float32 function, and a GPU's kernels differ from torch's by a few ulps per
+# operation (reduction order, approximate division, exp2, fast sqrt); a step chains some 30 such operations
+# and reductions over up to ~10^4 terms (rounding growing as sqrt(n) ulps), a few hundred ulps at the worst.
+# A wrong kernel (a missing term, a wrong index, a 1e-2 error in one element) is 80 times above it.
+SELF_CHECK_TOLERANCE = 2.0**-13
+
+
+def _self_check_key(device, s, matmul_dtype) -> tuple:
+    return (str(device), s, matmul_dtype)
+
+
+def _describe(key: tuple) -> str:
+    """A self-check combination in words: device, dtype and sizes."""
+    device, s, dtype = key
+    sizes = f"batch {s.batch}, hidden {s.hidden}, inter {s.inter}, {s.layers} layer(s)"
+    if s.memory:
+        sizes += f", {s.heads} heads of {s.key_dim}x{s.value_dim}"
+    return f"{device} {str(dtype).replace('torch.', '')} ({sizes})"
+
+
 def self_check_needed(s, matmul_dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether `self_check` has yet to run for these sizes, weights' dtype and device: on CUDA always (the
-    kernels' results on a GPU are checked once per process before they are used), elsewhere only with
+    """Whether `self_check` has yet to run for these sizes (batch included), weights' dtype and device: on
+    CUDA always (the kernels' results on a GPU are checked before they are used), elsewhere only with
     GPN_TRITON_SELF_CHECK=1 (the tests of the check itself; the CPU tests compare the kernels directly)."""
     if device.type != "cuda" and os.environ.get("GPN_TRITON_SELF_CHECK") != "1":
         return False
-    return (str(device), s._replace(batch=0), matmul_dtype) not in _self_checks
+    return _self_check_key(device, s, matmul_dtype) not in _self_checks
 
 
-def self_check(w, s, eps: float, device: torch.device, matmul_dtype: torch.dtype, atol: float = 1e-4,
-               rtol: float = 1e-3) -> bool:  # fmt: skip
-    """Run one step forward and backward of this model's folded weights `w` on a random state both ways,
-    `step`/`step_backward` on the kernels and `recurrence_step._step`/`_step_backward` on torch ops, and
-    compare the new state, gamma, the state and input gradients and every weight gradient.
+def self_check_passed(s, matmul_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the kernels may run these sizes, dtype and device: not turned off by a failed self-check."""
+    return _self_checks.get(_self_check_key(device, s, matmul_dtype)) is None
+
+
+def self_check(w, s, eps: float, device: torch.device, matmul_dtype: torch.dtype) -> bool:
+    """Check the kernels against the torch ops for sizes `s` (those of weights `w`) at batch `s.batch` and at
+    each of `SELF_CHECK_BATCHES` not checked yet: one step forward and backward, `step`/`step_backward` on the
+    kernels and `recurrence_step._step`/`_step_backward` on torch ops, comparing the new state, gamma, the
+    state and input gradients and every weight gradient (`compare_results`). Returns whether the kernels
+    passed at `s.batch`.
 
     Why: the kernels are compiled for the GPU they meet and were tested through Triton's CPU interpreter;
-    a compiler or hardware difference must not make them compute garbage in silence. On a mismatch this
-    warns, naming the first quantity that differs, and turns the Triton backend off for the process (the
-    torch ops, which compute the same function, run instead). Kernels that raise (fail to compile or
-    launch) turn it off the same way; an error that leaves the CUDA context broken (an illegal address)
-    cannot be recovered from, though. Returns whether the kernels matched."""
-    global _self_check_failure
+    a compiler or hardware difference must not make them compute garbage in silence. How, so that it cannot
+    false-alarm on correct kernels nor miss a wrong one:
+    - its own random weights of `w`'s shapes, every one non-zero (a fresh model's fuse gate, gates and FFN
+      output are zero, which would compare whole branches as 0 = 0), on float32 copies for both sides: the
+      kernels never see the matmul dtype (they upcast what they read), while bf16 products of inputs a few
+      ulps apart round apart and move a gradient term by ~0.4%, a false alarm at bf16 sizes;
+    - full float32 matmuls (`_full_float32_matmuls`: not TF32, whatever the process set);
+    - normwise relative errors against `SELF_CHECK_TOLERANCE`, sized from float32 rounding;
+    - the batch sizes that select different compiled variants (`SELF_CHECK_BATCHES` and the run's own);
+    - the device synchronized inside the `try`, so an asynchronous CUDA error counts as a failure.
+    On a mismatch (or kernels that raise: fail to compile or launch) it warns, naming the combination
+    (device, dtype, sizes) and the first quantity that differs, and turns the kernels off for that
+    combination only (`self_check_passed`; the torch ops, which compute the same function, run it instead).
+    An error that leaves the CUDA context broken (an illegal address) cannot be recovered from, though."""
+    weights = _random_weights(w, device)
+    with _full_float32_matmuls():
+        for batch in sorted({s.batch, *SELF_CHECK_BATCHES}):
+            _self_check_batch(weights, s._replace(batch=batch), eps, device, matmul_dtype)
+    return self_check_passed(s, matmul_dtype, device)
+
+
+def _self_check_batch(weights, sizes, eps: float, device: torch.device, matmul_dtype: torch.dtype) -> None:
+    """`self_check` at one batch size (`sizes.batch`), unless done: the verdict into `_self_checks`."""
     import warnings
 
-    key = (str(device), s._replace(batch=0), matmul_dtype)  # as in `self_check_needed`
+    key = _self_check_key(device, sizes, matmul_dtype)
     if key in _self_checks:
-        return _self_checks[key] is None
-    batch = 2
-    s = s._replace(batch=batch)
-    generator = torch.Generator(device=device).manual_seed(0)
+        return
+    s, batch = sizes, sizes.batch  # (`s`: as elsewhere in this file)
+    generator = torch.Generator(device=device).manual_seed(batch)
     randn = lambda *shape: torch.randn(*shape, generator=generator, device=device)  # noqa: E731
-    with torch.no_grad():
+    with torch.no_grad(), on_device(weights.fg_w):
         p, g, u = randn(batch, s.hidden), randn(batch, s.hidden), randn(batch, s.hidden)
         if s.memory:
             memory = randn(batch, s.heads, s.key_dim, s.value_dim) * 0.1
-            state = StepState(p, g, key_from_grounded(g, w, s, eps), memory)
+            state = StepState(p, g, key_from_grounded(g, weights, sizes, eps), memory)
         else:
-            state = StepState(p, g, torch.zeros(batch, 0, device=device), torch.zeros(batch, 0, device=device))
-        results, raised = {}, None
-        for name, forward, backward in (("torch ops", _step, _step_backward), ("triton", step, step_backward)):
-            try:
-                results[name] = _one_step(forward, backward, state, u, w, s, columns_of(s), eps)
-            except Exception as error:  # noqa: BLE001 (see below)
-                if name == "torch ops":
-                    raise
-                # the kernels failed to compile or launch (a Triton release that rejects one, no C compiler
-                # for Triton's launcher, too many registers...): the torch ops can still run the model
-                raised = f"running them raised {type(error).__name__}: {(str(error).strip() or '?').splitlines()[0][:300]}"
-    problem = raised
-    for name, expected in results["torch ops"].items():
-        if problem is not None:
-            break
-        got = results["triton"].get(name)
-        if got is None or got.shape != expected.shape:
-            problem = f"{name}: missing or of another shape"
-        elif not torch.allclose(got, expected, atol=atol, rtol=rtol, equal_nan=True):
-            problem = f"{name}: max |difference| {(got - expected).abs().max().item():.3g}"
+            empty = torch.zeros(batch, 0, device=device)
+            state = StepState(p, g, empty, empty)
+        expected = _one_step(_step, _step_backward, state, u, weights, sizes, columns_of(sizes), eps)
+        try:
+            got = _one_step(step, step_backward, state, u, weights, sizes, columns_of(sizes), eps)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # (an asynchronous kernel error surfaces here, inside the try)
+            problem = compare_results(expected, got)
+        except Exception as error:  # noqa: BLE001 (see below)
+            # the kernels failed to compile or launch (a Triton release that rejects one, no C compiler
+            # for Triton's launcher, too many registers, an illegal address...): the torch ops can still run
+            first_line = (str(error).strip() or "?").splitlines()[0][:300]
+            problem = f"running them raised {type(error).__name__}: {first_line}"
     _self_checks[key] = problem
     if problem is not None:
-        _self_check_failure = f"on {device}, {problem}"
-        what = "failed" if raised else "disagree with the torch ops"
-        warnings.warn(f"GPN's Triton kernels {what} on {device} ({problem}); the Triton backend is off for this "
-                      "process and the torch ops run instead. Please report this.", RuntimeWarning)  # fmt: skip
-    return problem is None
+        warnings.warn(f"GPN's Triton kernels disagree with the torch ops on {_describe(key)}: {problem}; the "
+                      "kernels are off for these sizes and dtype in this process and the torch ops run them "
+                      "instead. Please report this.", RuntimeWarning)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _full_float32_matmuls():
+    """float32 matmuls in full float32 inside (`torch.set_float32_matmul_precision("highest")`), as before
+    after: a training script's "high" or "medium" (TF32 on a GPU, bf16 in oneDNN on CPU) would round the two
+    sides' inputs, a few ulps apart, apart again, the false alarm the float32 copies are there to avoid."""
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
+def _random_weights(w, device):
+    """Float32 random weights of `w`'s shapes (a `FoldedWeights`, matrices possibly packed): every matrix
+    and bias non-zero, scaled so that the step's activations are of order one."""
+    generator = torch.Generator(device=device).manual_seed(1234)
+
+    def like(t, scale: Optional[float] = None):
+        t = getattr(t, "matrix", t)  # (a `recurrence_step.PackedMatrix`)
+        x = torch.randn(t.shape, generator=generator, device=device)
+        return x * (scale if scale is not None else 0.5 / t.shape[0] ** 0.5)
+
+    return FoldedWeights(
+        fg_w=like(w.fg_w), fg_b=like(w.fg_b, 0.1), big_w=like(w.big_w), big_b=like(w.big_b, 0.1),
+        out_w=tuple(like(m) for m in w.out_w), layer_w=tuple(like(m) for m in w.layer_w),
+        layer_b=tuple(like(b, 0.1) for b in w.layer_b),
+        neg_decay_rate=None if w.neg_decay_rate is None else -torch.exp(like(w.neg_decay_rate, 0.5)),
+    )  # fmt: skip
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """max(|got - expected|_inf / |expected|_inf, |got - expected|_2 / |expected|_2) in float64 (0 when
+    both are zero; inf where either is not finite or only `expected` is zero)."""
+    got, expected = got.double(), expected.double()
+    if not (torch.isfinite(got).all() and torch.isfinite(expected).all()):
+        return float("inf")
+    difference = got - expected
+    errors = []
+    for norm in (float("inf"), 2):
+        scale = torch.linalg.vector_norm(expected, norm).item()
+        size = torch.linalg.vector_norm(difference, norm).item()
+        errors.append(0.0 if size == 0 else (size / scale if scale > 0 else float("inf")))
+    return max(errors)
+
+
+def compare_results(expected: dict, got: dict, tolerance: float = SELF_CHECK_TOLERANCE) -> Optional[str]:
+    """None when every quantity of `expected` (name -> tensor) is in `got` within `tolerance`
+    (`relative_error`), else what differs first."""
+    for name, want in expected.items():
+        have = got.get(name)
+        if have is None or have.shape != want.shape:
+            return f"{name}: missing or of another shape"
+        error = relative_error(have, want)
+        if not error <= tolerance:
+            return f"{name}: relative error {error:.3g} (tolerance {tolerance:.3g})"
+    return None
 
 
 def _one_step(forward, backward, state, u, w, s, c, eps: float) -> dict:
@@ -206,12 +304,31 @@ def _one_step(forward, backward, state, u, w, s, c, eps: float) -> dict:
         named["gamma"] = gamma.clone()
     named.update({f"weight gradient {k}": v for k, v in weight_grads.grads.items()})
     named.update({f"bias gradient {k}": v for k, v in weight_grads.bias_grads.items()})
+    if weight_grads.neg_decay is not None:
+        named["weight gradient neg_decay_rate"] = weight_grads.neg_decay
     return named
 
 
+def self_check_failures() -> dict:
+    """The combinations a failed self-check turned the kernels off for: {description: what differed}."""
+    return {_describe(key): problem for key, problem in _self_checks.items() if problem is not None}
+
+
 def self_check_failure() -> Optional[str]:
-    """Why a self-check turned the Triton backend off (None while it is on)."""
-    return _self_check_failure
+    """The failed self-checks in one line (None while every one passed)."""
+    failures = self_check_failures()
+    return "; ".join(f"{where}: {why}" for where, why in failures.items()) or None
+
+
+def self_check_summary() -> dict:
+    """Every self-check of this process: {description: "passed" or what differed} (for reports)."""
+    return {_describe(key): problem or "passed" for key, problem in _self_checks.items()}
+
+
+def on_device(tensor: torch.Tensor):
+    """A context running CUDA work (launches, streams, graph captures) on `tensor`'s device rather than the
+    current one (a model on cuda:1 while device 0 is current); nothing to do off CUDA."""
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
 
 
 def _float32(*tensors: torch.Tensor) -> bool:

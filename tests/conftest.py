@@ -4,6 +4,11 @@ The reference fixtures and data live outside the repository, in the folder named
 variable GPN_SHARED_DIR (default: `../shared` beside the repository root). Tests that need them skip
 with a message saying what is missing; `.ci/run` sets GPN_REQUIRE_SHARED=1, which turns those skips
 into failures so CI can never pass by skipping.
+
+The same holds for what the machine provides (`require_environment`): a C compiler for the memory kernels
+(GPN_REQUIRE_C_KERNELS), root for the cache-ownership test (GPN_REQUIRE_ROOT), a mountable tmpfs for the
+full-disk test (GPN_REQUIRE_MOUNT), triton for the Triton kernels' tests (GPN_REQUIRE_TRITON). `.ci/run`
+sets each one CI's machine can satisfy; the skips left are listed at the end of the run (`-ra`).
 """
 
 from __future__ import annotations
@@ -51,6 +56,24 @@ def require_shared(relative: str) -> Path:
             pytest.fail(message)
         pytest.skip(message)
     return path
+
+
+def require_environment(satisfied: bool, missing: str, variable: str) -> None:
+    """Skip, saying what is `missing`, unless `satisfied`; fail instead when `variable` is set to 1 (CI
+    sets it where its machine can provide the thing, so a test cannot pass there by skipping)."""
+    if satisfied:
+        return
+    if os.environ.get(variable) == "1":
+        pytest.fail(f"{missing} ({variable}=1: this machine must provide it)")
+    pytest.skip(missing)
+
+
+def require_c_kernels() -> None:
+    """Skip (fail under GPN_REQUIRE_C_KERNELS=1) unless the C memory kernels build and are enabled here."""
+    from modeling_gpn import memory_kernels
+
+    available = memory_kernels.available()
+    require_environment(available, f"C memory kernels unavailable: {memory_kernels.unavailable_reason()}", "GPN_REQUIRE_C_KERNELS")
 
 
 @pytest.fixture

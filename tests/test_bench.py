@@ -28,6 +28,10 @@ def test_bench_reports_every_implementation(tmp_path, capsys):
         assert row["train_tok_s"] > 0 and row["forward_tok_s"] > 0, impl
         for length in ("4", "9"):
             assert row["prefill_tok_s"][length] > 0 and row["decode_ms"][length] > 0, impl
+    # what the fast path's timings ran on (on CPU without GPN_TRITON=1: the torch ops), and no self-check ran
+    assert rows["fast"]["backend"] == {"train": "torch ops", "forward": "torch ops", "prefill and decode @4": "torch ops",
+                                       "prefill and decode @9": "torch ops"}  # fmt: skip
+    assert "fast train ran on: torch ops" in printed and report["triton_self_checks"] == {}
     # a GPN's cache does not grow with the prompt; the Llama's does
     assert rows["fast"]["cache_bytes"]["4"] == rows["fast"]["cache_bytes"]["9"]
     assert rows["llama"]["cache_bytes"]["9"] > rows["llama"]["cache_bytes"]["4"]

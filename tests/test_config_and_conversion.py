@@ -107,20 +107,32 @@ def test_gpn_convert_command_writes_a_loadable_folder(tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "gpn" and config["num_predict_layers"] == 2
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_gpn.GPNForCausalLM"
+    # loadable: the folder loads through transformers and computes what the reference checkpoint computes
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert isinstance(loaded, GPNForCausalLM)
+    tokens = torch.from_numpy(np.load(folder / "tokens.npy")).long()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens).logits, load_reference_model(folder)(tokens).logits, atol=0, rtol=0)
 
 
 class Payload:
-    """Stands for anything a reference checkpoint never holds."""
+    """Stands for anything a reference checkpoint never holds: unpickling it would create `mark`."""
+
+    def __init__(self, mark):
+        self.mark = mark
 
     def __reduce__(self):
-        return (print, ("this would have run",))
+        return (exec, (f"open({str(self.mark)!r}, 'w').close()",))
 
 
 def test_foreign_object_in_pickle_is_refused(tmp_path):
-    path = tmp_path / "checkpoint.pkl"
-    write_checkpoint(path, fixture_params(), extra=Payload())
-    with pytest.raises(CheckpointError, match=r"builtins\.print"):
+    path, mark = tmp_path / "checkpoint.pkl", tmp_path / "payload-ran"
+    write_checkpoint(path, fixture_params(), extra=Payload(mark))
+    with pytest.raises(CheckpointError, match=r"builtins\.exec"):
         load_reference_model(path)
+    assert not mark.exists(), "the payload ran before the refusal"
 
 
 def test_corrupt_pickle_is_a_clear_error(tmp_path):

@@ -37,13 +37,40 @@ def data():
     return require_shared("data")
 
 
+def predicting_everywhere(model, token_id: int):
+    """`model` with its decoder bias set so that `token_id` is the greedy prediction at every position (its
+    embedding row made the longest, the bias along it): a tiny model that scores LAMBADA hits, so the
+    accuracies below compare non-zero values (a random tiny model scores 0 on all of them)."""
+    with torch.no_grad():
+        embedding = model.get_input_embeddings().weight
+        row = embedding[token_id]
+        row.mul_(2 * embedding.norm(dim=1).max() / row.norm())
+        # logit of v = (W norm(h) + b) . e_v: 12 for the token, at most 6 for any other, +- the small W part
+        model.decode_proj.bias.copy_(12 * row / row.norm() ** 2)
+    return model
+
+
+def single_token_target(tokenizer, data) -> int:
+    """The target of the first of the LAMBADA examples whose last word is one token."""
+    from modeling_gpn.evaluation import protocols
+    from modeling_gpn.evaluation.runner import load_texts
+
+    for text in load_texts(str(data / "lambada" / "lambada_test.jsonl"), None, "text", limit=6):
+        targets = protocols.encode_lambada(tokenizer, text).target_ids
+        if len(targets) == 1:
+            return targets[0]
+    raise AssertionError("none of the first 6 LAMBADA examples ends in a one-token word")
+
+
 @pytest.fixture(scope="module")
 def gpn_dir(tmp_path_factory, data):
     from transformers import AutoTokenizer
 
     folder = tmp_path_factory.mktemp("gpn")
-    perturbed_model(tiny_config(vocab_size=32000, max_length_hint=WINDOW)).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(data / "llama2-tokenizer").save_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(data / "llama2-tokenizer")
+    model = perturbed_model(tiny_config(vocab_size=32000, max_length_hint=WINDOW, use_decoder_bias=True))
+    predicting_everywhere(model, single_token_target(tokenizer, data)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     return folder
 
 
@@ -95,6 +122,8 @@ def test_batch_size_1_and_8_give_identical_metrics(runs):
     assert_same_metrics(runs[1]["tasks"], runs[8]["tasks"])
     lambada = runs[8]["tasks"]["lambada_paper"]
     assert lambada["examples"] == LIMIT and lambada["target_tokens"] >= LIMIT
+    assert 0 < lambada["acc"] < 1 and 0 < lambada["acc_whole_word"] < 1  # hits and misses: the equalities mean something
+    assert 0 < runs[8]["tasks"]["lambada_openai"]["acc"] < 1
     assert runs[8]["tasks"]["fineweb_paper"]["windows"] == 12
 
 
@@ -102,7 +131,7 @@ def test_lambada_openai_matches_the_paper_variant_on_the_same_tokens(runs):
     """lm-eval's per-example summed NLL and whole-word greedy match, recomputed by the paper variant."""
     measured = runs[8]["tasks"]
     assert measured["lambada_paper"]["ppl_per_example"] == pytest.approx(measured["lambada_openai"]["perplexity"], rel=1e-5)
-    assert measured["lambada_paper"]["acc_whole_word"] == measured["lambada_openai"]["acc"]
+    assert measured["lambada_paper"]["acc_whole_word"] == measured["lambada_openai"]["acc"] > 0  # a hit is scored
 
 
 def last_word_token_positions(tokenizer, text: str) -> tuple[list[int], list[int]]:
@@ -138,6 +167,7 @@ def test_lambada_paper_metrics_match_a_hand_computation(loaded, data):
     metrics = protocols.lambada_metrics(protocols.score_lambada(model, examples, batch_size=4, progress=False))
     assert metrics["target_tokens"] == total_tokens
     assert metrics["ppl"] == pytest.approx(math.exp(total_nll / total_tokens), rel=1e-6)
+    assert first_hits > 0, "no hit: the accuracy check would compare 0 with 0"
     assert metrics["acc"] == first_hits / len(texts)
     # pooled over tokens is not the per-example mean: the two differ whenever words have several subwords
     assert metrics["ppl_per_example"] != pytest.approx(metrics["ppl"], rel=1e-3)
@@ -314,7 +344,7 @@ def test_gpn_eval_command_writes_results_and_side_by_side_report(gpn_dir, data, 
     assert results["max_length"] == WINDOW  # config.max_length_hint
     assert results["lm_eval_version"] == "0.4.13"
     assert set(results["protocols"]) == set(results["tasks"]) == {"lambada_paper", "fineweb_paper"}
-    assert results["n_params"] == sum(p.numel() for p in perturbed_model(tiny_config(vocab_size=32000)).parameters())
+    assert results["n_params"] == sum(p.numel() for p in perturbed_model(tiny_config(vocab_size=32000, use_decoder_bias=True)).parameters())
     ratios = results["comparison"]["ratio_to_published"]["Transformer++"]
     assert ratios["lambada_ppl"] == pytest.approx(results["tasks"]["lambada_paper"]["ppl"] / 18.99)
     assert ratios["fineweb_ppl"] == pytest.approx(results["tasks"]["fineweb_paper"]["ppl"] / 16.05)

@@ -7,8 +7,8 @@ import torch
 
 from modeling_gpn import GPNCache
 
-from .conftest import perturbed_model, tiny_config
-
+from .conftest import perturbed_model, require_c_kernels, require_environment, tiny_config
+from .paths import C_KERNELS, C_KERNELS_BACKWARD, CHUNKED_LOSS, FAST_PATH, PLAIN_PATH, PREPACKED, ran
 
 
 @pytest.fixture(autouse=True)
@@ -85,17 +85,26 @@ def assert_same(plain, fast, atol=2e-5, rtol=2e-4):
         assert err < 1e-4, f"gradient of {name} differs by {err:.2e} (relative to its max)"
 
 
-@pytest.fixture(params=["memory-kernels", "torch-ops"])
-def memory_kernels(request, monkeypatch):
-    """Run with the fused C memory kernels (where they build) and with the torch ops they replace."""
-    from modeling_gpn import memory_kernels
+KERNEL_MODES = ["memory-kernels", "torch-ops"]
 
+
+@pytest.fixture(params=KERNEL_MODES)
+def memory_kernels(request, monkeypatch):
+    """Run with the fused C memory kernels (where they build: a test with them fails unless they ran) and
+    with the torch ops they replace (a test with those fails if a kernel ran)."""
     if request.param == "memory-kernels":
-        if not memory_kernels.available():
-            pytest.skip(f"memory kernels unavailable: {memory_kernels.unavailable_reason()}")
+        require_c_kernels()
+        with ran(C_KERNELS):
+            yield request.param
     else:
         monkeypatch.setenv("GPN_MEMORY_KERNELS", "0")
-    return request.param
+        with ran(not_ran=(C_KERNELS, C_KERNELS_BACKWARD)):
+            yield request.param
+
+
+def kernels_backward(memory_kernels: str) -> tuple[str, ...]:
+    """What a training call must also have run with these memory kernels: their backward."""
+    return (C_KERNELS_BACKWARD,) if memory_kernels == "memory-kernels" else ()
 
 
 def test_memory_kernels_build_where_there_is_a_compiler():
@@ -104,18 +113,23 @@ def test_memory_kernels_build_where_there_is_a_compiler():
 
     from modeling_gpn import memory_kernels
 
-    if not (shutil.which("cc") or shutil.which("gcc")):
-        pytest.skip("no C compiler here: the fast path uses its torch ops")
+    has_compiler = bool(shutil.which("cc") or shutil.which("gcc"))
+    require_environment(has_compiler, "no C compiler (cc, gcc) here: the fast path uses its torch ops", "GPN_REQUIRE_C_KERNELS")
     assert memory_kernels.available(), memory_kernels.unavailable_reason()
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize(  # (a GPN has no memory: the kernels have nothing to run)
+    "variant,memory_kernels",
+    [(v, k) for v in VARIANTS for k in KERNEL_MODES if not (v == "gpn" and k == "memory-kernels")],
+    indirect=["memory_kernels"],
+)
 @pytest.mark.parametrize("length,mask_kind", [(1, None), (7, "holes"), (63, None), (63, "left")])
 def test_fast_equals_plain_outputs_and_gradients(variant, length, mask_kind, memory_kernels):
     model = perturbed_model(tiny_config(**VARIANTS[variant]), seed=3).train()
     problem = random_problem(model, batch=3, length=length, mask_kind=mask_kind, seed=length)
     plain = run_recurrence(model, False, *problem)
-    fast = run_recurrence(model, True, *problem)
+    with ran(FAST_PATH, *kernels_backward(memory_kernels), not_ran=(PLAIN_PATH,)):
+        fast = run_recurrence(model, True, *problem)
     assert_same(plain, fast)
 
 
@@ -135,7 +149,8 @@ def test_a_nan_input_poisons_its_own_row_from_there_on_like_the_plain_loop(memor
         results = []
         for fast in (False, True):
             model.model.use_fast_path = fast
-            outputs, final, _ = model.model.recurrence(inputs, carried, None)
+            with ran(FAST_PATH if fast else PLAIN_PATH):
+                outputs, final, _ = model.model.recurrence(inputs, carried, None)
             results.append((outputs.isnan().any(-1), [x.isnan().flatten(1).any(-1) for x in final]))
         (plain_out, plain_final), (fast_out, fast_final) = results
         assert torch.equal(fast_out, plain_out)
@@ -151,7 +166,8 @@ def test_segmented_equals_unsegmented_gradients(variant, memory_kernels):
     results = []
     for segment in (None, 1, 5, 23, 64):
         model = perturbed_model(tiny_config(**VARIANTS[variant], bptt_segment_length=segment), seed=4).train()
-        results.append(run_recurrence(model, True, *problem))
+        with ran(FAST_PATH, *kernels_backward(memory_kernels), not_ran=(PLAIN_PATH,)):
+            results.append(run_recurrence(model, True, *problem))
     for other in results[1:]:
         assert_same(results[0], other, atol=1e-6, rtol=1e-5)
 
@@ -161,7 +177,8 @@ def test_truncation_cuts_the_state_gradient_every_k_tokens():
     model = perturbed_model(tiny_config(bptt_truncation_length=k, bptt_segment_length=3), seed=6).train()
     problem = random_problem(model, batch=2, length=13, mask_kind="holes", seed=7)
     plain = run_recurrence(model, False, *problem)  # the plain loop detaches its state before t = 4, 8, 12
-    fast = run_recurrence(model, True, *problem)
+    with ran(FAST_PATH, not_ran=(PLAIN_PATH,)):
+        fast = run_recurrence(model, True, *problem)
     assert_same(plain, fast)
 
     # the loss at position 9 reaches the token inputs of positions 8 and 9 only, never the initial state
@@ -223,7 +240,9 @@ def test_causal_lm_loss_and_gradients_with_chunked_loss(variant):
     for fast, return_logits in ((False, True), (True, True), (True, False)):
         model.model.use_fast_path = fast
         model.zero_grad(set_to_none=True)
-        out = model(ids, attention_mask=mask, labels=labels, return_logits=return_logits)
+        chunked = fast and not return_logits  # the loss without logits: chunked, the others from full logits
+        with ran(FAST_PATH if fast else PLAIN_PATH, *[CHUNKED_LOSS] * chunked, not_ran=() if chunked else (CHUNKED_LOSS,)):
+            out = model(ids, attention_mask=mask, labels=labels, return_logits=return_logits)
         assert (out.logits is None) == (not return_logits)
         out.loss.backward()
         results.append((out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
@@ -241,7 +260,8 @@ def test_inference_fast_path_matches_plain_and_follows_weight_changes():
         model.model.use_fast_path = False
         plain = model(ids).logits
         model.model.use_fast_path = True
-        fast = model(ids).logits
+        with ran(FAST_PATH, not_ran=(PLAIN_PATH,)):
+            fast = model(ids).logits
         torch.testing.assert_close(fast, plain, atol=1e-5, rtol=1e-5)
         model.model.predict_layers[1].ffn_out.weight.mul_(1.5)  # the folded-weight cache must notice
 
@@ -253,7 +273,8 @@ def test_generate_fast_equals_plain():
     texts = []
     for fast in (False, True):
         model.model.use_fast_path = fast
-        texts.append(model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0))
+        with ran(FAST_PATH if fast else PLAIN_PATH, not_ran=(PLAIN_PATH if fast else FAST_PATH,)):
+            texts.append(model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0))
     assert torch.equal(texts[0], texts[1])
 
 
@@ -285,7 +306,8 @@ def test_bf16_tracks_fp32_over_512_tokens():
 def test_prepacked_matrices_match_the_plain_matmul(monkeypatch, dtype):
     """Where it pays, the fast path multiplies by oneDNN-prepacked matrices (`PackedMatrix`: bf16 on CPU;
     fp32 for 8+ rows on several threads). Forced on and off here: the same loss, logits and gradients,
-    up to rounding (bf16) or summation order (fp32)."""
+    up to rounding (bf16) or summation order (fp32), and the products ran on packed matrices only when on
+    (a packing that failed and fell back to the plain matmul fails the test)."""
     from modeling_gpn import fast_recurrence
 
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
@@ -298,9 +320,10 @@ def test_prepacked_matrices_match_the_plain_matmul(monkeypatch, dtype):
     for packed in (True, False):
         monkeypatch.setattr(fast_recurrence.PackedMatrix, "worthwhile", staticmethod(lambda w, rows=None: packed))
         model.zero_grad(set_to_none=True)
-        loss = model(ids, labels=ids, return_logits=False).loss
-        loss.backward()
-        with torch.no_grad():
+        with ran(FAST_PATH, *[PREPACKED] * packed, not_ran=() if packed else (PREPACKED,)):  # training
+            loss = model(ids, labels=ids, return_logits=False).loss
+            loss.backward()
+        with torch.no_grad(), ran(FAST_PATH, *[PREPACKED] * packed, not_ran=() if packed else (PREPACKED,)):  # inference
             logits = model(ids).logits.float()
         grads = torch.cat([p.grad.float().flatten() for p in model.parameters()])
         results.append((loss.detach().float(), logits, grads))

@@ -697,11 +697,23 @@ print("RESULT", json.dumps(result), resource.getrusage(resource.RUSAGE_SELF).ru_
 # The rewritten unpickler still runs nothing
 # --------------------------------------------------------------------------------------------------
 
+def _text(value: str) -> bytes:
+    """A BINUNICODE opcode pushing `value` (valid in every pickle protocol from 1)."""
+    data = value.encode()
+    return b"X" + struct.pack("<I", len(data)) + data
+
+
+# The payloads that would run something (os.system, eval) create the file MARK (replaced by each test with a
+# path of its own): the test checks that it does not exist, so code that ran a payload and refused after fails.
+MARK = "@MARK@"
 HOSTILE_PICKLES = {  # case -> (pickle, what the refusal says)
-    "global-os-system": (b"\x80\x02cos\nsystem\nX\x04\x00\x00\x00true\x85R.", "object os.system"),
-    "stack-global-eval": (b"\x80\x04\x8c\x08builtins\x8c\x04eval\x93\x8c\x041+1\x85R.", "object builtins.eval"),
+    "global-os-system": (b"\x80\x02cos\nsystem\n" + _text(f"touch '{MARK}'") + b"\x85R.", "object os.system"),
+    "stack-global-eval": (
+        b"\x80\x04\x8c\x08builtins\x8c\x04eval\x93" + _text(f"open('{MARK}', 'w').close()") + b"\x85R.",
+        "object builtins.eval",
+    ),
     "dotted-name": (b"\x80\x04\x8c\x05numpy\x8c\x0fdtype.__class__\x93.", "object numpy.dtype.__class__"),
-    "inst-opcode": (b"(X\x04\x00\x00\x00trueios\nsystem\n.", "object os.system"),
+    "inst-opcode": (b"(" + _text(f"touch '{MARK}'") + b"ios\nsystem\n.", "object os.system"),
     "newobj-of-a-wrapper": (b"\x80\x02cbuiltins\nlist\n)\x81.", "is not a type object"),
     "build-on-a-dict": (b"\x80\x02}}b.", "sets the state of a dict"),
     "codec-other-than-latin1": (b"\x80\x02c_codecs\nencode\nX\x01\x00\x00\x00aX\x04\x00\x00\x00zlib\x86R.", "codecs.encode with 'zlib'"),
@@ -715,11 +727,15 @@ def test_hostile_pickles_are_refused_and_run_nothing(tmp_path, case):
     from modeling_gpn.conversion import CheckpointError
     from modeling_gpn.conversion.reference import load_pickle_checkpoint
 
-    path = tmp_path / "checkpoint.pkl"
-    data, needle = HOSTILE_PICKLES[case]
+    path, mark = tmp_path / "checkpoint.pkl", tmp_path / "payload-ran"
+    template, needle = HOSTILE_PICKLES[case]
+    # (the length fields of the payloads' strings are computed for MARK: rebuild them for the real path)
+    data = template.replace(_text(f"touch '{MARK}'"), _text(f"touch '{mark}'"))
+    data = data.replace(_text(f"open('{MARK}', 'w').close()"), _text(f"open('{mark}', 'w').close()"))
     path.write_bytes(data)
     with pytest.raises(CheckpointError, match=re.escape(needle)):
         load_pickle_checkpoint(path)
+    assert not mark.exists(), "the payload ran before the refusal"
 
 
 def test_rolling_perplexity_batches_are_capped_by_their_logits():

@@ -197,7 +197,7 @@ def test_published_folder_loads_without_the_package_and_matches(source, publishe
 
 
 def test_usage_snippet_in_the_card_runs_as_written(published, tmp_path):
-    from modeling_gpn.model_card import extract_usage_snippet
+    from modeling_gpn.hub.model_card import extract_usage_snippet
 
     card = (published / "README.md").read_text()
     snippet = extract_usage_snippet(card)
@@ -262,7 +262,7 @@ def test_card_text_states_architecture_training_and_results_beside_the_paper(sou
 
 def test_card_without_eval_or_training_log_uses_the_paper_table(source, tmp_path):
     from modeling_gpn.hub import push_folder
-    from modeling_gpn.model_card import PAPER_TABLE_1
+    from modeling_gpn.hub.model_card import PAPER_TABLE_1
 
     folder = copy_source(source, tmp_path)
     for name in ("eval_results.json", "training_config.json", "train_log.jsonl"):
@@ -275,7 +275,7 @@ def test_card_without_eval_or_training_log_uses_the_paper_table(source, tmp_path
 
 
 def test_paper_columns_without_gpn_evals_comparison_match_protocols_only():
-    from modeling_gpn.model_card import read_eval_results, model_paper_columns
+    from modeling_gpn.hub.model_card import read_eval_results, model_paper_columns
 
     def columns(tasks, protocols=None):
         info = read_eval_results_from({"tasks": tasks, "protocols": protocols or {}})
@@ -298,7 +298,7 @@ def test_paper_columns_without_gpn_evals_comparison_match_protocols_only():
 
 
 def test_validate_card_rejects_broken_metadata():
-    from modeling_gpn.model_card import CardError, validate_card
+    from modeling_gpn.hub.model_card import CardError, validate_card
 
     with pytest.raises(CardError, match="does not parse"):
         validate_card("---\nlibrary_name: [transformers\n---\n# x\n")
@@ -334,7 +334,8 @@ def test_refusals_name_the_problem(source, tmp_path, capsys):
     bad_config = copy_source(source, tmp_path / "config")
     config = json.loads((bad_config / "config.json").read_text())
     (bad_config / "config.json").write_text(json.dumps(dict(config, hidden_size=-4)))
-    assert "does not load as a GPNConfig" in refused(bad_config) and "hidden_size" in capsys.readouterr().err + "hidden_size"
+    refusal = refused(bad_config)
+    assert "does not load as a GPNConfig" in refusal and "hidden_size" in refusal  # names the bad field
 
     (bad_config / "config.json").write_text("{not json")
     assert "not valid JSON" in refused(bad_config)

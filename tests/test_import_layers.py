@@ -214,3 +214,22 @@ def test_the_new_fast_path_modules_ship_with_the_model(name):
 
     shipped = {Path(f).name for f in get_relative_import_files(modeling.__file__)}
     assert name in shipped, sorted(shipped)
+
+
+def test_the_top_of_the_package_holds_exactly_the_remote_code():
+    """issue 19: the top level of `modeling_gpn/` is what ships to the Hub (the modeling file and every file
+    it imports relatively, as transformers' loader collects them) plus the package's `__init__.py`; every
+    tool lives in a subpackage, and every documented entry point still imports from there."""
+    import importlib
+
+    import modeling_gpn.modeling_gpn as modeling
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    package = Path(modeling.__file__).parent
+    shipped = {Path(f).name for f in get_relative_import_files(modeling.__file__)} | {"modeling_gpn.py"}
+    top = {f.name for f in package.glob("*.py")} - {"__init__.py"}
+    assert top == shipped, f"not shipped, so not at the top: {sorted(top - shipped)}; shipped but missing: {sorted(shipped - top)}"
+    for tool in ("cli", "cli.generate", "train", "data", "study", "inspect", "analysis", "hub", "hub.model_card", "bench"):
+        module = importlib.import_module(f"modeling_gpn.{tool}")
+        assert Path(module.__file__).parent != package, f"modeling_gpn.{tool} is a module at the top of the package"
+    assert importlib.util.find_spec("modeling_gpn.train.__main__") is not None  # python -m modeling_gpn.train

@@ -22,12 +22,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from .conftest import REPO_ROOT, perturbed_model, require_shared, tiny_config
-from .test_fast_path import memory_kernels, one_thread  # noqa: F401 (fixtures: kernels on/off, one thread)
+from .conftest import REPO_ROOT, perturbed_model, require_environment, require_shared, tiny_config
+from .paths import CHUNKED_LOSS, FAST_PATH, PLAIN_PATH, ran
+from .test_fast_path import KERNEL_MODES, memory_kernels, one_thread  # noqa: F401 (fixtures: kernels on/off, one thread)
 
 PACKAGE = REPO_ROOT / "modeling_gpn"
 HAS_COMPILER = bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
-needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler here: the kernels never build")
+NO_COMPILER = "no C compiler (cc, gcc or $CC) here: the kernels never build"
+
+
+@pytest.fixture
+def c_compiler() -> None:
+    """Skip for want of a C compiler (fail under GPN_REQUIRE_C_KERNELS=1, as in CI)."""
+    require_environment(HAS_COMPILER, NO_COMPILER, "GPN_REQUIRE_C_KERNELS")
+
+
+needs_compiler = pytest.mark.usefixtures("c_compiler")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -41,7 +51,7 @@ def loss_logprobs_grads(model, ids, fast: bool, autocast: bool, dtype: torch.dty
     model.model.use_fast_path = fast
     model.zero_grad(set_to_none=True)
     region = torch.autocast("cpu", dtype=dtype) if autocast else contextlib.nullcontext()
-    with region:
+    with region, ran(FAST_PATH if fast else PLAIN_PATH):
         out = model(ids, labels=ids)
     out.loss.backward()
     grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
@@ -88,7 +98,12 @@ def assert_bf16_close(fast, plain, exact, params) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("variant", [dict(), dict(num_predict_layers=2), dict(use_memory=False)])
+@pytest.mark.parametrize(  # (a GPN has no memory: the kernels have nothing to run)
+    "variant,memory_kernels",
+    [(v, k) for v in (dict(), dict(num_predict_layers=2), dict(use_memory=False)) for k in KERNEL_MODES
+     if not (v == dict(use_memory=False) and k == "memory-kernels")],
+    indirect=["memory_kernels"],
+)
 def test_cpu_bf16_autocast_fast_equals_plain(variant, dtype, memory_kernels):
     """Under CPU bf16 autocast (what `--mixed-precision bf16` runs; and fp16) the fast path computes what
     the plain loop computes under the same autocast: loss, log-probs and gradients, kernels on and off."""
@@ -128,7 +143,7 @@ def test_cpu_bf16_autocast_inference_and_cached_decoding(memory_kernels):
     results = {}
     for fast in (False, True):
         model.model.use_fast_path = fast
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16), ran(FAST_PATH if fast else PLAIN_PATH):
             whole = model(ids).logits.float().log_softmax(-1)
             cache = GPNCache(model.config)
             steps = [model(ids[:, t : t + 1], cache=cache, use_cache=True).logits.float() for t in range(ids.shape[1])]
@@ -150,7 +165,7 @@ def test_backward_called_inside_autocast(memory_kernels):
     for fast in (False, True):
         model.model.use_fast_path = fast
         model.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16), ran(FAST_PATH if fast else PLAIN_PATH):
             out = model(ids, labels=ids)
             out.loss.backward()
         results.append((out.loss.detach(), out.logits.float().log_softmax(-1).detach(),
@@ -167,7 +182,7 @@ def test_chunked_loss_under_autocast_matches_the_plain_loss(memory_kernels):
     for fast, autocast in ((False, False), (False, True), (True, True)):
         model.model.use_fast_path = fast
         model.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), ran(*[FAST_PATH, CHUNKED_LOSS] * fast):
             loss = model(ids, labels=ids, return_logits=not fast).loss  # fast: the chunked loss
         loss.backward()
         assert loss.dtype == torch.float32
@@ -395,8 +410,7 @@ def assert_rebuilt_and_right(result: dict, cache: Path, complaint: str) -> None:
 @pytest.fixture(scope="module")
 def good_build(tmp_path_factory) -> Path:
     """A cache folder holding one good build (made by a probe), copied by each test that needs one."""
-    if not HAS_COMPILER:
-        pytest.skip("no C compiler here: the kernels never build")
+    require_environment(HAS_COMPILER, NO_COMPILER, "GPN_REQUIRE_C_KERNELS")
     cache = tmp_path_factory.mktemp("good-kernel-cache")
     result = probe(cache)
     assert result["available"] and not result["warnings"] and result["error"] < 1e-5, result
@@ -493,10 +507,11 @@ def test_a_group_writable_cache_folder_of_ours_is_tightened(good_build, tmp_path
     assert not cache.stat().st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
 
-@pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0, reason="making files of another user needs root")
 def test_files_and_folders_of_another_user_are_not_trusted(good_build, tmp_path):
     """A library owned by another user is rebuilt; a cache folder owned by another user is not used at
     all: the kernels are off with a warning, and the torch ops serve."""
+    is_root = hasattr(os, "getuid") and os.getuid() == 0
+    require_environment(is_root, "not root: making files of another user needs root", "GPN_REQUIRE_ROOT")
     other = 65534  # nobody
     cache = copy_of(good_build, tmp_path / "cache")
     library, _ = cached_files(cache)
@@ -562,7 +577,7 @@ def test_memory_sizes_that_overflowed_the_kernel_stack_compute_right(good_build,
 
 
 def test_the_model_card_says_the_remote_code_compiles_c_and_how_to_turn_it_off():
-    from modeling_gpn.model_card import build_card, validate_card
+    from modeling_gpn.hub.model_card import build_card, validate_card
 
     card = build_card(tiny_config(), "someone/tiny-gpn", n_params=1234)
     validate_card(card)

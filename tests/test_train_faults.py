@@ -21,6 +21,7 @@ import torch
 
 from modeling_gpn import train as train_module
 
+from .conftest import require_environment
 from .test_train import _finish, _free_port, _launch, _weights, losses, parse, read_log, small_args
 
 TRAIN_CLI = [sys.executable, "-m", "modeling_gpn.cli", "train"]  # the `gpn` console script's own entry point
@@ -223,8 +224,8 @@ def small_disk(path: Path, size: str):
     """A real filesystem of `size` at `path` (tmpfs; mounting needs root)."""
     path.mkdir(parents=True, exist_ok=True)
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+    problem = f"cannot mount a small tmpfs here (needs root, or CAP_SYS_ADMIN in a container): {mounted.stderr.decode().strip()}"
+    require_environment(mounted.returncode == 0, problem, "GPN_REQUIRE_MOUNT")
     try:
         yield path
     finally:

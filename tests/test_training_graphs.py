@@ -19,6 +19,7 @@ from modeling_gpn import cuda_graphs
 from modeling_gpn import triton_kernels as tk
 
 from .conftest import perturbed_model, tiny_config
+from .paths import FAST_PATH, PLAIN_PATH, TRAINING_SWEEP, TRITON, ran
 from .test_fast_path import assert_same, random_problem, run_recurrence
 from .test_triton_kernels import VARIANTS, OpRecorder, allocating, triton_on  # noqa: F401 (a fixture)
 
@@ -48,16 +49,18 @@ def test_training_sweep_equals_the_fast_path_and_the_plain_loop(graphs_on, varia
     tokens, state, _, weights = random_problem(model, batch=3, length=length, mask_kind=None, seed=5)
     plain = run_recurrence(model, False, tokens, state, None, weights)
     graphs_on.setenv("GPN_CUDA_GRAPHS", "0")
-    fast = run_recurrence(model, True, tokens, state, None, weights)
+    with ran(FAST_PATH, TRITON, not_ran=(TRAINING_SWEEP, PLAIN_PATH)):
+        fast = run_recurrence(model, True, tokens, state, None, weights)
     assert not sweeps_of(model)
     graphs_on.setenv("GPN_CUDA_GRAPHS", "1")
     for call in range(2):  # the second call reuses the buffers (and would replay the graphs)
-        swept = run_recurrence(model, True, tokens, state, None, weights)
+        with ran(FAST_PATH, TRAINING_SWEEP, TRITON, not_ran=(PLAIN_PATH,)):
+            swept = run_recurrence(model, True, tokens, state, None, weights)
         assert_same(plain, swept)
         assert_same(fast, swept)
     (sweep,) = sweeps_of(model)
-    assert sweep.length == (segment or length) and sweep.owner is None
-    assert all(record is not None for record in sweep.records)  # every position ran on the static buffers
+    assert sweep.length == (segment or cuda_graphs.SWEEP_SEGMENT_LENGTH) and sweep.owner is None
+    assert all(record is not None for record in sweep.records[:length])  # every position ran on the static buffers
 
 
 def static_buffers(sweep) -> dict:
@@ -113,7 +116,9 @@ def test_what_the_sweep_does_not_take_runs_the_fast_path(graphs_on, kind):
     model = perturbed_model(tiny_config(**config), seed=23)
     tokens, state, mask, weights = random_problem(model, batch=3, length=4, mask_kind="holes" if kind == "mask" else None, seed=7)
     plain = run_recurrence(model, False, tokens, state, mask, weights)
-    assert_same(plain, run_recurrence(model, True, tokens, state, mask, weights))
+    with ran(FAST_PATH, TRITON, not_ran=(TRAINING_SWEEP, PLAIN_PATH)):  # the fast path without a sweep, not the plain loop
+        fast = run_recurrence(model, True, tokens, state, mask, weights)
+    assert_same(plain, fast)
     assert not sweeps_of(model)
 
 
@@ -166,8 +171,8 @@ def test_bf16_autocast_sweep_tracks_the_fast_path(graphs_on):
 
 @pytest.mark.parametrize("segment", [3, None])
 def test_windows_of_other_lengths_reuse_one_sweep(graphs_on, segment):
-    """One sweep per segment length serves shorter windows (one shorter segment); without segments a longer
-    window replaces the sweep with a longer one, which then serves the shorter windows: always = plain."""
+    """One sweep per segment length serves windows of every length (a shorter one is one shorter segment);
+    without segments the sweep's are `SWEEP_SEGMENT_LENGTH` long: always = plain."""
     model = perturbed_model(tiny_config(bptt_segment_length=segment), seed=26)
     lengths = []
     for length in (3, 5, 2):
@@ -176,7 +181,7 @@ def test_windows_of_other_lengths_reuse_one_sweep(graphs_on, segment):
                     run_recurrence(model, True, tokens, state, None, weights))  # fmt: skip
         (sweep,) = sweeps_of(model)
         lengths.append(sweep.length)
-    assert lengths == ([3, 3, 3] if segment else [3, 5, 5])
+    assert lengths == [segment or cuda_graphs.SWEEP_SEGMENT_LENGTH] * 3
 
 
 

@@ -21,7 +21,8 @@ from modeling_gpn import fast_recurrence as fr
 from modeling_gpn import recurrence_step
 from modeling_gpn import triton_kernels as tk
 
-from .conftest import TRITON_INTERPRETER_AT_START, perturbed_model, tiny_config
+from .conftest import TRITON_INTERPRETER_AT_START, perturbed_model, require_environment, tiny_config
+from .paths import FAST_PATH, PLAIN_PATH, TRITON, ran
 from .test_fast_path import assert_same, random_problem, run_recurrence
 
 
@@ -272,8 +273,9 @@ def test_inference_on_the_triton_path_equals_plain(triton_on, variant):
     results = {}
     for fast in (False, True):
         core.use_fast_path = fast
-        outputs, final, gammas = core.recurrence(token_inputs, state, mask, output_memory_decays=True)
-        one, final_one, _ = core.recurrence(token_inputs[:, :1], final, None)
+        with ran(FAST_PATH, TRITON, not_ran=(PLAIN_PATH,)) if fast else ran(PLAIN_PATH, not_ran=(FAST_PATH, TRITON)):
+            outputs, final, gammas = core.recurrence(token_inputs, state, mask, output_memory_decays=True)
+            one, final_one, _ = core.recurrence(token_inputs[:, :1], final, None)
         results[fast] = (outputs, *final, gammas, one, *final_one)
     for got, expected in zip(results[True], results[False]):
         torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-4)
@@ -288,8 +290,7 @@ def test_backend_choice(monkeypatch):
     monkeypatch.delenv("GPN_TRITON")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert fr.memory_backend(M) != fr.TRITON  # CPU tensors without the interpreter forced: never Triton
-    if not tk.available():
-        pytest.skip(f"triton unavailable: {tk.unavailable_reason()}")
+    require_environment(tk.available(), f"triton unavailable: {tk.unavailable_reason()}", "GPN_REQUIRE_TRITON")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("GPN_TRITON", "1")
     assert fr.memory_backend(M) == fr.TRITON
@@ -528,73 +529,4 @@ def test_without_triton_the_model_runs_on_the_other_backends():
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout[-2000:] + result.stderr[-2000:]
 
 
-# --------------------------------------------------------------------------------------------------
-# The self-check a GPU runs once before it uses the kernels
-# --------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def fresh_self_check(triton_on, monkeypatch):
-    """The self-check on (as on CUDA) with its results of this process forgotten, restored afterwards."""
-    monkeypatch.setenv("GPN_TRITON_SELF_CHECK", "1")
-    monkeypatch.setattr(tk, "_self_checks", {})
-    monkeypatch.setattr(tk, "_self_check_failure", None)
-    return tk
-
-
-@torch.no_grad()
-def test_the_self_check_passes_once_per_sizes_and_the_kernels_stay_on(fresh_self_check):
-    model = perturbed_model(tiny_config(**VARIANTS["gpn+m-2l"]), seed=4)
-    token_inputs, state, _, _ = random_problem(model, batch=3, length=3, mask_kind=None, seed=1)
-    _, n = launches(lambda: model.model.recurrence(token_inputs, state, None))
-    assert list(tk._self_checks.values()) == [None] and tk.self_check_failure() is None
-    assert n["ground_gate_backward"] == 1  # the check ran the kernels' backward step once
-    _, n = launches(lambda: model.model.recurrence(token_inputs, state, None))
-    assert n["ground_gate_backward"] == 0 and n["ground"] == 3  # checked once; the window ran on the kernels
-
-
-@pytest.mark.parametrize("kernel", ["gated_residual", "memory_step"])
-def test_a_kernel_that_disagrees_turns_triton_off_and_the_torch_ops_compute_the_same(fresh_self_check, monkeypatch, kernel):
-    """A kernel that computes something else (the gated residual, or the memory half's read, off by 1e-2) is
-    caught before the first window uses it: a warning names what differs, and the window runs on the torch
-    ops, = plain. (The memory case also shows the check's reference does not run the kernels itself.)"""
-    original = getattr(tk, kernel)
-    if kernel == "gated_residual":
-        monkeypatch.setattr(tk, kernel, lambda *args, **kwargs: original(*args, **kwargs) + 1e-2)
-    else:
-        def off_read(*args, **kwargs):
-            half = original(*args, **kwargs)
-            return half._replace(normed_read=half.normed_read + 1e-2)
-
-        monkeypatch.setattr(tk, kernel, off_read)
-    model = perturbed_model(tiny_config(**VARIANTS["gpn+m"]), seed=5).train()
-    problem = random_problem(model, batch=3, length=4, mask_kind=None, seed=2)
-    plain = run_recurrence(model, False, *problem)
-    with pytest.warns(RuntimeWarning, match="Triton kernels disagree with the torch ops on cpu .*new p"):
-        fast, n = launches(lambda: run_recurrence(model, True, *problem))
-    assert "new p" in tk.self_check_failure()
-    assert n["ground"] == 1 and n["memory_write_backward"] == 1  # only the check's own step ran on the kernels
-    assert fr.memory_backend(problem[1][2].reshape(-1, *problem[1][2].shape[2:])) != fr.TRITON
-    assert_same(plain, fast)
-
-
-def test_a_kernel_that_fails_to_compile_turns_triton_off_and_the_torch_ops_run(fresh_self_check, monkeypatch):
-    """A kernel that raises on its first launch (as a Triton release that rejects it, or a GPU machine
-    without a C compiler for Triton's launcher, would) does not stop the model: the self-check warns with
-    the error and the window runs on the torch ops, = plain."""
-    launch = tk._launch
-
-    def failing_launch(name, *args, **meta):
-        if name == "memory_write_backward":
-            raise RuntimeError("PTXAS error: Internal Triton PTX codegen error\nmore lines")
-        launch(name, *args, **meta)
-
-    monkeypatch.setattr(tk, "_launch", failing_launch)
-    model = perturbed_model(tiny_config(**VARIANTS["gpn+m"]), seed=5).train()
-    problem = random_problem(model, batch=3, length=4, mask_kind=None, seed=2)
-    plain = run_recurrence(model, False, *problem)
-    with pytest.warns(RuntimeWarning, match="Triton kernels failed on cpu .*raised RuntimeError: PTXAS error"):
-        fast, n = launches(lambda: run_recurrence(model, True, *problem))
-    assert tk.self_check_failure().endswith("PTXAS error: Internal Triton PTX codegen error")  # its first line
-    assert n["ground"] == 1 and n["memory_write_backward"] == 0  # only the check's own forward step ran on them
-    assert_same(plain, fast)
+# (the self-check a GPU runs before it uses the kernels: tests/test_self_check.py)

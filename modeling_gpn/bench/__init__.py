@@ -16,6 +16,7 @@ import argparse
 import ctypes
 import gc
 import json
+import os
 import statistics
 import threading
 import time
@@ -237,6 +238,38 @@ class Row:
     prefill_tok_s: dict = field(default_factory=dict)
     decode_ms: dict = field(default_factory=dict)
     cache_bytes: dict = field(default_factory=dict)
+    # what each timing of the fast path actually ran on ("train", "forward", "decode": `BackendProbe`)
+    backend: dict = field(default_factory=dict)
+
+
+class BackendProbe:
+    """What the fast path ran on while the block ran, from the Triton kernel launches and CUDA graph replays
+    made meanwhile (`triton_kernels.launches`, `cuda_graphs.replays`): "triton kernels in CUDA graphs",
+    "triton kernels, no graphs" or "torch ops" (on CPU: with the C memory kernels where they are on, as the
+    report's "GPN memory kernels" says). The plain path and Llama launch neither, so a block timing them
+    beside the fast path still tells the fast path's. Why: a failed self-check or a fallback runs the torch
+    ops in silence, and their figures must not pass for the kernels'."""
+
+    def __enter__(self):
+        from modeling_gpn import cuda_graphs, triton_kernels
+
+        self.launches = sum(triton_kernels.launches.values())
+        self.replays = sum(cuda_graphs.replays.values())
+        self.text = None
+        return self
+
+    def __exit__(self, *exc):
+        from modeling_gpn import cuda_graphs, triton_kernels
+
+        launches = sum(triton_kernels.launches.values()) - self.launches
+        replays = sum(cuda_graphs.replays.values()) - self.replays
+        if replays:
+            self.text = f"triton kernels in CUDA graphs ({replays} replays, {launches} eager launches)"
+        elif launches:
+            self.text = f"triton kernels, no graphs ({launches} launches)"
+        else:
+            self.text = "torch ops"
+        return False
 
 
 def generate_timings(model, prompt: torch.Tensor, args) -> tuple[float, list[float], int]:
@@ -263,6 +296,13 @@ def memory_kernels_state(device: str) -> str:
     if not device.startswith("cpu"):
         return "off (CPU only)"
     return "on" if memory_kernels.available() else f"off ({memory_kernels.unavailable_reason()})"
+
+
+def self_checks_state() -> dict:
+    """Every Triton self-check this process ran: {combination: "passed" or what differed} (`triton_kernels`)."""
+    from modeling_gpn import triton_kernels
+
+    return triton_kernels.self_check_summary()
 
 
 def release_reused_buffers(model) -> None:
@@ -295,7 +335,11 @@ def measure(models: dict, preset: str, args) -> list[Row]:
         with PeakMemory(device) as memory:
             step()
         rows[kind].train_peak_bytes[args.seq_len] = memory.peak
-    for kind, seconds in timed_alternating(steps, device, repeats, warm_up=False).items():
+    with BackendProbe() as probe:
+        timed = timed_alternating(steps, device, repeats, warm_up=False)
+    if "fast" in rows:
+        rows["fast"].backend["train"] = probe.text
+    for kind, seconds in timed.items():
         rows[kind].train_tok_s = tokens / seconds
         rows[kind].train_gflop_s = 3 * flops[kind] * rows[kind].train_tok_s / 1e9
     for length in args.memory_seq_lens:
@@ -315,7 +359,11 @@ def measure(models: dict, preset: str, args) -> list[Row]:
 
     with torch.no_grad():
         forwards = {kind: (lambda m=model: m(input_ids=ids, use_cache=False)) for kind, model in models.items()}
-        for kind, seconds in timed_alternating(forwards, device, repeats).items():
+        with BackendProbe() as probe:
+            timed = timed_alternating(forwards, device, repeats)
+        if "fast" in rows:
+            rows["fast"].backend["forward"] = probe.text
+        for kind, seconds in timed.items():
             rows[kind].forward_tok_s = tokens / seconds
             rows[kind].forward_gflop_s = flops[kind] * rows[kind].forward_tok_s / 1e9
 
@@ -326,11 +374,14 @@ def measure(models: dict, preset: str, args) -> list[Row]:
         gaps = {kind: [] for kind in decoders}
         for kind, model in decoders.items():
             rows[kind].cache_bytes[length] = generate_timings(model, prompt, args)[2]  # (and a warm-up)
-        for _ in range(repeats):
-            for kind, model in decoders.items():
-                first, later, _ = generate_timings(model, prompt, args)
-                prefill[kind].append(first)
-                gaps[kind] += later
+        with BackendProbe() as probe:
+            for _ in range(repeats):
+                for kind, model in decoders.items():
+                    first, later, _ = generate_timings(model, prompt, args)
+                    prefill[kind].append(first)
+                    gaps[kind] += later
+        if "fast" in decoders:
+            rows["fast"].backend[f"prefill and decode @{length}"] = probe.text
         for kind in decoders:
             rows[kind].prefill_tok_s[length] = length / statistics.median(prefill[kind])
             rows[kind].decode_ms[length] = 1e3 * statistics.median(gaps[kind])
@@ -421,9 +472,16 @@ def run(args) -> int:
           f"GPN memory kernels {memory_kernels_state(args.device)}\n")  # fmt: skip
     print_table(rows, args)
     print_ratios(rows, args)
+    checks = self_checks_state()
+    for r in rows:
+        for timing, backend in r.backend.items():
+            print(f"{r.preset} {r.impl} {timing} ran on: {backend}")
+    print(f"Triton self-checks: {checks or 'none ran'}")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
                        "memory_kernels": memory_kernels_state(args.device),
+                       "cuda_graphs_setting": os.environ.get("GPN_CUDA_GRAPHS", "off"),
+                       "triton_self_checks": checks,
                        "rows": [r.__dict__ for r in rows]}, handle, indent=2, default=str)  # fmt: skip
     return 0

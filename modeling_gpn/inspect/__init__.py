@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import analysis
+from .. import analysis
 
 DEFAULT_DATASET = "HuggingFaceFW/fineweb-edu"
 DEFAULT_DATASET_CONFIG = "sample-10BT"
@@ -263,7 +263,7 @@ def ablated_logits(model, input_ids: torch.Tensor, ablation: Ablation | None = N
     memory_write, the predict layers and their read, decode); with no ablation it is the model's
     forward bit for bit.
     """
-    from .modeling_gpn import project
+    from ..modeling_gpn import project
 
     ablation = ablation or Ablation()
     core = model.model

@@ -930,6 +930,12 @@ class RunStage:
         self.name = name
         self._cancel()
         if watch and self.watchdog_s:
+            import faulthandler
+
+            # A hang that holds the GIL (a C++ destructor joining gloo's threads) stops Python threads, this
+            # timer included: faulthandler's own C thread then dumps the stacks and exits 5 s later.
+            faulthandler.dump_traceback_later(self.watchdog_s + 5, exit=True)
+            self._watching = True
             self._timer = threading.Timer(self.watchdog_s, self._expired, args=(name,))
             self._timer.daemon = True  # never keeps the process alive itself
             self._timer.start()
@@ -938,6 +944,11 @@ class RunStage:
         self._cancel()
 
     def _cancel(self) -> None:
+        if getattr(self, "_watching", False):
+            import faulthandler
+
+            faulthandler.cancel_dump_traceback_later()
+            self._watching = False
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -1262,7 +1273,9 @@ def _train(accelerator, config: dict, stage: RunStage, resume: str | bool | None
         failed_in = stage.name
         stage.enter("ending the process group" + (" after an error" if after_error else ""), watch=True)
         accelerator.end_training()
-        stage.finish()
+        # Still watched until train() returns: the process group's gloo threads are joined when the DDP
+        # model (its Reducer) is freed with this function's frame, and that join is where a run was seen
+        # to hang (1 in 110 loop runs: rank 1 in ~ProcessGroupGloo, rank 0 gone).
         if after_error:
             stage.name = failed_in  # the error names where the run failed, not its clean-up
 
@@ -1567,6 +1580,3 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     return run(parser.parse_args(argv))
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -21,7 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("modeling_gpn.inspect", "analyse a model's single state (geometry, mean direction, horizons, memory)"),
     "bench": ("modeling_gpn.bench", "measure training, prefill and decode speed and memory"),
     "study": ("modeling_gpn.study", "small-scale replication: train and evaluate GPN variants and baselines"),
-    "generate": ("modeling_gpn.generate_cli", "generate text from a model folder or Hub repo"),
+    "generate": ("modeling_gpn.cli.generate", "generate text from a model folder or Hub repo"),
 }
 
 
@@ -57,6 +57,3 @@ def main(argv: list[str] | None = None) -> int:
     result = args._run(args)
     return int(result or 0)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

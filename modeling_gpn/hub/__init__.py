@@ -71,7 +71,7 @@ def _pickle_files(folder: Path, recursive: bool) -> list[str]:
 
 def load_folder_config(model_dir: Path):
     """The `GPNConfig` of `model_dir`, or `HubPushError` saying why it does not load."""
-    from .configuration_gpn import GPNConfig
+    from ..configuration_gpn import GPNConfig
 
     path = model_dir / "config.json"
     if not path.is_file():
@@ -106,7 +106,7 @@ def check_weights(files: list[Path], config) -> int:
     import torch
     from safetensors import safe_open
 
-    from .modeling_gpn import GPNForCausalLM
+    from ..modeling_gpn import GPNForCausalLM
 
     with torch.device("meta"):
         expected = {name: tuple(t.shape) for name, t in GPNForCausalLM(config).state_dict().items()}
@@ -235,8 +235,8 @@ def prepare_folder(
     from transformers import AutoTokenizer, GenerationConfig
     from transformers.dynamic_module_utils import custom_object_save
 
-    from .configuration_gpn import GPNConfig
-    from .modeling_gpn import GPNForCausalLM, GPNModel
+    from ..configuration_gpn import GPNConfig
+    from ..modeling_gpn import GPNForCausalLM, GPNModel
 
     model_dir, out = Path(model_dir), Path(out)
     if not model_dir.is_dir():
