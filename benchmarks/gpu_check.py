@@ -194,7 +194,7 @@ def correctness(device: str) -> None:
         try:
             with graphs_setting("1"):
                 graphed = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False, pad_token_id=0)
-                graphs = [graph for _, graph in getattr(model.model, "_gpn_graphs", {}).values()]
+                graphs = list(getattr(model.model, "_gpn_graphs", {}).values())
                 ok = torch.equal(graphed, plain) and bool(graphs) and (DRY_RUN or all(g.graphs is not None for g in graphs))
                 report(ok, f"{device} generate() through the captured decode graph == plain: tokens equal {torch.equal(graphed, plain)}")
                 # a longer no-grad window: chunks of WINDOW_CHUNK steps per replay, then single steps
@@ -290,6 +290,7 @@ def decode_timing(device: str, preset: str = "gpn-m-1l-130m") -> dict:
     from modeling_gpn.bench import build_gpn
     from modeling_gpn.cuda_graphs import graph_of
     from modeling_gpn.fast_recurrence import GRAPH_KERNELS
+    from modeling_gpn.recurrence_step import cached_folded_weights
 
     model = build_gpn(preset, torch.bfloat16, device, 256).eval()
     core = model.model
@@ -300,7 +301,7 @@ def decode_timing(device: str, preset: str = "gpn-m-1l-130m") -> dict:
     with torch.no_grad():
         state = tuple(x.normal_() if x.numel() else x for x in core.zero_state(1, torch.device(device)))
         u = torch.randn(1, core.config.hidden_size, device=device)
-        graph = graph_of(core, 1, torch.device(device), kernels=GRAPH_KERNELS)
+        graph = graph_of(core, 1, torch.device(device), 1, cached_folded_weights(core, rows=1), {}, kernels=GRAPH_KERNELS)
         st = state
         for _ in range(5):
             _, st, _ = graph(u, st)

@@ -1,6 +1,6 @@
 """No-grad windows of the fast path as CUDA graphs: the one-token decode step, and chunks of
-`WINDOW_CHUNK` steps for longer windows (prefill, scoring), each captured once per batch size and weights
-and replayed (opt-in: `GPN_CUDA_GRAPHS=1`, or `model.model.use_cuda_graphs = True`).
+`WINDOW_CHUNK` steps for longer windows (prefill, scoring), each captured once per batch size and weight
+dtype and replayed (opt-in: `GPN_CUDA_GRAPHS=1`, or `model.model.use_cuda_graphs = True`).
 
 Why: a decode step is a dozen small kernels (`triton_kernels.step`); launched one by one from Python each
 costs several microseconds of CPU time, more than the GPU needs for it at batch 1. A captured graph
@@ -13,7 +13,10 @@ state is copied between steps or tokens: when the state handed in is the one the
 returned, the next replay just starts from that slot; any other state is first copied into the current slot (today's
 `GPNCache` hands out copies, so `generate()` pays those three copies per token).
 `run` (the steps themselves) allocates nothing and never waits for the host after the first call (the
-test on CPU checks both), which is what capturing it requires.
+test on CPU checks both), which is what capturing it requires. The weights a graph reads are static
+buffers too: the dispatcher hands in the folded weights of the current forward or generate() call
+(`derived_weights.py`) and `graph_of` copies them in once per call, so a graph never replays weights the
+parameters no longer hold, whatever route changed them (no new capture needed).
 
 Training windows (with autograd, unmasked, without truncated BPTT) run their forward and backward sweeps
 on `TrainingSweep`'s static buffers, one graph replay per chunk of `TRAINING_CHUNK` steps of each BPTT
@@ -47,11 +50,9 @@ from .recurrence_step import (
     StepState,
     _flatten,
     _unflatten,
-    cached_folded_weights,
     columns_of,
     first_key_gradient,
     key_from_grounded,
-    parameters_key,
     shapes_of,
     transpose_weights,
 )
@@ -87,14 +88,14 @@ class StepsGraph:
     (p, g, M), gammas (B, steps, H) or None) like the fast path's window, all of them this object's
     buffers; on CUDA (`capture()` done) each call is one copy of u and one graph replay."""
 
-    def __init__(self, model, batch: int, device: torch.device, steps: int = 1, *, kernels: GraphKernels):
+    def __init__(self, model, batch: int, device: torch.device, steps: int = 1, *, kernels: GraphKernels, w):
         self.model = model
         self.kernels = kernels
         self.steps = steps
         self.s = shapes_of(model, batch)
         self.c = columns_of(self.s)
         self.eps = model.config.rms_norm_eps
-        self.w = cached_folded_weights(model, rows=batch)
+        self.w = w  # the folded weights the steps read (`load_weights` refreshes them)
         s = self.s
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.float32, device=device)  # noqa: E731
         memory_shape = (batch, s.heads, s.key_dim, s.value_dim) if s.memory else (batch, 0)
@@ -143,6 +144,15 @@ class StepsGraph:
                 self.run(slot)
 
         self.graphs = captured(warm_up, [lambda: self.run(0), lambda: self.run(1)], self.p[0])
+
+    def load_weights(self, w) -> None:
+        """Read the folded weights `w` from now on: copied into the captured graph's static ones (same shapes and
+        dtypes); without a capture (CPU, the tests) the steps simply read `w`."""
+        if self.graphs is None:
+            self.w = w
+            return
+        for target, source in zip(_flatten(self.w), _flatten(w)):
+            target.copy_(source)
 
     def load(self, state) -> None:
         """Copy a state (p, g, M) that did not come from this graph into the current slot."""
@@ -197,44 +207,49 @@ def captured(warm_up, runs: list, like: torch.Tensor) -> list:
     return graphs
 
 
-def graph_of(model, batch: int, device: torch.device, steps: int = 1, capture: bool = True,
-             weights: Optional[tuple] = None, *, kernels: GraphKernels) -> StepsGraph:  # fmt: skip
-    """The model's `StepsGraph` for this batch size and number of steps, made (and captured, on CUDA) on first
-    use and again whenever a parameter changed. `weights`: `recurrence_step.parameters_key(model)` when the
-    caller has it (a window asks once for all its chunks)."""
-    weights = parameters_key(model) if weights is None else weights
+def graph_of(model, batch: int, device: torch.device, steps: int, w, derived: dict, capture: bool = True, *,
+             kernels: GraphKernels) -> StepsGraph:  # fmt: skip
+    """The model's `StepsGraph` for this batch size, number of steps and weight dtype, made (and captured, on
+    CUDA) on first use, reading the folded weights `w` of the current forward or generate() call: `derived` is
+    that call's dict of derived weights (`derived_weights.py`), where the graphs that already read `w` are
+    noted, so each graph copies the weights in once per call, not once per replay."""
     graphs = getattr(model, "_gpn_graphs", None)
     if graphs is None:
         graphs = {}
         object.__setattr__(model, "_gpn_graphs", graphs)
-    cached = graphs.get((batch, device, steps))
-    if cached is None or cached[0] != weights:
-        graph = StepsGraph(model, batch, device, steps, kernels=kernels)
+    big_w = w.big_w.matrix if isinstance(w.big_w, PackedMatrix) else w.big_w
+    key = (batch, device, steps, big_w.dtype)
+    graph = graphs.get(key)
+    loaded = derived.setdefault("graphs holding these weights", set())
+    if graph is None:
+        graph = graphs[key] = StepsGraph(model, batch, device, steps, kernels=kernels, w=w)
         if capture and device.type == "cuda":
             graph.capture()
-        cached = graphs[(batch, device, steps)] = (weights, graph)
-    return cached[1]
+    elif key not in loaded:
+        graph.load_weights(w)
+    loaded.add(key)
+    return graph
 
 
 def window_forward(model, token_inputs: torch.Tensor, state, output_memory_decays: bool = False, *,
-                   kernels: GraphKernels):  # fmt: skip
+                   kernels: GraphKernels, w, derived: dict):  # fmt: skip
     """`fast_recurrence.fast_recurrence` for a window without mask or autograd, through graphs: chunks of
-    `WINDOW_CHUNK` steps (one replay each), then single steps (the decode graph: one replay per token).
+    `WINDOW_CHUNK` steps (one replay each), then single steps (the decode graph: one replay per token), on the
+    folded weights `w` of the current call (`derived`: see `graph_of`).
     Returns (outputs (B, T, d), (p, g, M), gammas (B, T, H) or None); outputs and gammas are fresh tensors,
     the state the graph's buffers (see the module docstring)."""
     B, T, d = token_inputs.shape
     device = token_inputs.device
     if T == 1:  # decoding: nothing else is allocated
-        outputs, final, gammas = graph_of(model, B, device, kernels=kernels)(token_inputs, state)
+        outputs, final, gammas = graph_of(model, B, device, 1, w, derived, kernels=kernels)(token_inputs, state)
         return outputs.clone(), final, (gammas.clone() if output_memory_decays and gammas is not None else None)
-    weights = parameters_key(model)  # once for every chunk
     outputs = torch.empty(B, T, d, dtype=torch.float32, device=device)
     heads = model.config.num_memory_heads if model.config.use_memory else 0
     gammas = torch.zeros(B, T, heads, device=device) if (output_memory_decays and heads) else None
     start = 0
     while start < T:
         steps = WINDOW_CHUNK if T - start >= WINDOW_CHUNK else 1
-        chunk_outputs, state, chunk_gammas = graph_of(model, B, device, steps, weights=weights, kernels=kernels)(
+        chunk_outputs, state, chunk_gammas = graph_of(model, B, device, steps, w, derived, kernels=kernels)(
             token_inputs[:, start : start + steps], state
         )
         outputs[:, start : start + steps] = chunk_outputs

@@ -9,6 +9,8 @@ The layers (each file imports only those below it; see `recurrence_step` for the
     triton_kernels.py    a whole step forward and backward in Triton kernels (GPU; kernels in triton_jit.py)
     memory_kernels.py    the memory half of a step and its gradient in C kernels (CPU)
     recurrence_step.py   folded weights and one step forward and backward in torch ops: the reference
+Beside them, `derived_weights.py` says how long weights derived from the parameters may live: one forward
+or one generate() call (the model opens that scope; this file reads it for the folded weights and graphs).
 
 What makes it fast (see the speed issue and `GPN.md`):
 
@@ -65,6 +67,7 @@ import torch
 from .cuda_graphs import GraphKernels, training_sweep
 from .cuda_graphs import asked as graphs_asked
 from .cuda_graphs import window_forward as graph_window_forward
+from .derived_weights import derived_weights_of
 from .memory_kernels import KernelRefusal, memory_step, memory_write_backward
 from .memory_kernels import usable as memory_kernels_usable
 from .recurrence_step import (
@@ -145,7 +148,7 @@ def memory_backend(memory: torch.Tensor, *others: torch.Tensor, triton: bool = T
 
 def choose_backends(model, U: torch.Tensor, p0: torch.Tensor, g0: torch.Tensor, M0: torch.Tensor,
                     mask: Optional[torch.Tensor], s: Shapes, needs_grad: bool,
-                    matmul_dtype: Optional[torch.dtype]) -> Backends:  # fmt: skip
+                    matmul_dtype: Optional[torch.dtype], packed: bool = False) -> Backends:  # fmt: skip
     """Which backend runs each part of a window (the one place the fast path chooses), from its inputs:
     the float32 token inputs U (B, T, d), the state before it (float32, contiguous), the mask, the sizes,
     whether it needs gradients and autocast's matmul dtype. The device decides first (Triton on CUDA, or
@@ -155,8 +158,9 @@ def choose_backends(model, U: torch.Tensor, p0: torch.Tensor, g0: torch.Tensor, 
     window then: the states and records the steps make are contiguous float32, see `recurrence_step`).
     CUDA graphs run unmasked windows when asked for (`cuda_graphs.asked`) on the Triton backend: no-grad
     windows outside autocast (the captured weights are the model's own dtype), training windows without
-    truncated BPTT. (Module wrappers, hooks and tracing were decided before: the plain path runs them,
-    `GPNModel.recurrence_path`.)"""
+    truncated BPTT; never `packed` windows (sequences starting inside rows: their steps reset the state,
+    which the graphs' static steps do not). (Module wrappers, hooks and tracing were decided before: the
+    plain path runs them, `GPNModel.recurrence_path`.)"""
     # (the kernels were checked against the torch ops for these sizes, dtype and device before: `self_check`)
     triton = triton_selected(U) and triton_self_check_passed(s, matmul_dtype or model.fuse_gate.weight.dtype, U.device)
     step = TRITON if triton and triton_usable_steps(s, U, p0, g0, M0) else TORCH_OPS
@@ -165,7 +169,8 @@ def choose_backends(model, U: torch.Tensor, p0: torch.Tensor, g0: torch.Tensor, 
         step_backward = TRITON if triton and triton_usable_backward_steps(s, U) else TORCH_OPS
     memory = memory_backend(M0.view(-1, s.key_dim, s.value_dim), U, triton=triton) if s.memory else None
     graphs = None
-    if mask is None and triton and triton_sizes_fit(model.config) and graphs_asked(model, training=needs_grad):
+    graphs_possible = mask is None and not packed and triton and triton_sizes_fit(model.config)
+    if graphs_possible and graphs_asked(model, training=needs_grad):
         if not needs_grad and matmul_dtype is None:
             graphs = INFERENCE_GRAPHS
         elif needs_grad and not model.config.bptt_truncation_length:
@@ -212,13 +217,56 @@ def step_functions(backends: Backends) -> tuple[Callable, Callable]:
 
 
 # --------------------------------------------------------------------------------------------------
+# Packed sequences: the state resets to zero where a sequence starts inside a row
+# --------------------------------------------------------------------------------------------------
+
+
+class SequenceStarts(NamedTuple):
+    """Where packed sequences start in a window (`GPNModel`'s `sequence_starts`, see `packed_sequence_starts`
+    in modeling_gpn.py), as the steps use it: right before step t the rows `at[t]` (B,) bool read the zero
+    state, whose key pre-activation W_k rms(0) + b_k is the key bias, `key` (1, H*dk)."""
+
+    at: dict  # step -> (B,) bool, only the steps where some row starts a sequence
+    key: torch.Tensor
+
+    @staticmethod
+    def of(starts: Optional[torch.Tensor], w, s: Shapes, eps: float, device) -> Optional["SequenceStarts"]:
+        if starts is None:
+            return None
+        steps = starts.any(0).nonzero().flatten().tolist()  # (one look at the mask per window)
+        zero = torch.zeros(1, s.hidden, dtype=torch.float32, device=device)
+        key = key_from_grounded(zero, w, s, eps) if s.memory else zero[:, :0]
+        return SequenceStarts({t: starts[:, t] for t in steps}, key)
+
+    def reset(self, state: StepState, t: int) -> StepState:
+        """`state` with the rows starting a sequence at step t set to the zero state (and its key)."""
+        starting = self.at[t]
+        rows = starting[:, None]
+        p, g = state.p.masked_fill(rows, 0.0), state.g.masked_fill(rows, 0.0)
+        if state.memory.dim() == 2:  # no memory: key and M are (B, 0)
+            return StepState(p, g, state.key, state.memory)
+        memory = state.memory.masked_fill(starting[:, None, None, None], 0.0)
+        return StepState(p, g, torch.where(rows, self.key, state.key), memory)
+
+    def cut(self, grads: StepState, t: int, record: dict, weight_grads: _WeightGrads, s: Shapes,
+            eps: float) -> StepState:  # fmt: skip
+        """The backward of `reset` at step t: the gradients of the input state `grads` with the starting rows'
+        zeroed (nothing flows into the state before a sequence start); their key came from the key bias, which
+        gets their key gradient (the key weights get rms(0) = 0 of it), as at a truncation cut."""
+        starting = self.at[t]
+        if s.memory:
+            weight_grads.add_key(_unit_rms(record["g"], eps), grads.key.masked_fill(~starting[:, None], 0.0))
+        return StepState(*(x.masked_fill(starting.view(-1, *([1] * (x.dim() - 1))), 0.0) for x in grads))
+
+
+# --------------------------------------------------------------------------------------------------
 # Running a window's steps
 # --------------------------------------------------------------------------------------------------
 
 
 def _run_steps(
     U, mask, state: StepState, w, s, eps, start, stop, step, outputs=None, gammas=None, records=None,
-    memory_buffer=None,
+    memory_buffer=None, starts: Optional[SequenceStarts] = None,
 ):  # fmt: skip
     """Steps start..stop-1 without autograd on `step` (the window's, `step_functions`); with `records` (a
     list) keep each step's saved values.
@@ -226,12 +274,15 @@ def _run_steps(
     `mask` is (B, T) bool or None; steps where every row is real run unmasked (no selects, no gradient
     splitting), which is every step of an unpadded batch. With `memory_buffer` (n, B, H, dk, dv) step j
     writes M' into slot j % n: n = 2 alternates two slots (the input M of a step must not be its output
-    slot), n = stop - start keeps every M' of the run for its records."""
+    slot), n = stop - start keeps every M' of the run for its records. With `starts`, the rows starting a
+    packed sequence at a step read the zero state there (`SequenceStarts.reset`)."""
     c = columns_of(s)
     masked_steps = set() if mask is None else {t for t, full in enumerate(mask.all(0).tolist()) if not full}
     for t in range(start, stop):
         saved = {} if records is not None else None
         out = None if memory_buffer is None else memory_buffer[(t - start) % memory_buffer.shape[0]]
+        if starts is not None and t in starts.at:
+            state = starts.reset(state, t)
         state, gamma = step(state, U[:, t], mask[:, t] if t in masked_steps else None, w, s, c, eps, saved, out)
         if records is not None:
             records.append(saved)
@@ -309,14 +360,14 @@ class WindowSettings(NamedTuple):
 class GPNRecurrenceFunction(torch.autograd.Function):
     """Predicted states of a window, with a sequential state-gradient backward and batched weight gradients.
 
-    Inputs: token inputs U (B, T, d), the initial state p0, g0, M0, the mask (B, T) bool or None, static
-    settings (`WindowSettings`: with the step functions the dispatcher chose), then the flattened
-    `FoldedWeights`. Outputs: P (B, T, d), final p, g, M, and gamma (B, T, H)
+    Inputs: token inputs U (B, T, d), the initial state p0, g0, M0, the mask (B, T) bool or None, the packed
+    sequences' starts (B, T) bool or None, static settings (`WindowSettings`: with the step functions the
+    dispatcher chose), then the flattened `FoldedWeights`. Outputs: P (B, T, d), final p, g, M, and gamma (B, T, H)
     (gamma is a diagnostic output without gradient).
     """
 
     @staticmethod
-    def forward(ctx, U, p0, g0, M0, mask, settings, *flat_weights):
+    def forward(ctx, U, p0, g0, M0, mask, starts, settings, *flat_weights):
         s, eps, segment, truncation, pool, sweep, sweep_owner, step, _ = settings
         w = _unflatten(flat_weights, s)
         B, T, d = U.shape
@@ -324,6 +375,7 @@ class GPNRecurrenceFunction(torch.autograd.Function):
         U = U.float()
         ctx.sweep_owner = sweep_owner
         if ctx.sweep_owner is not None:  # the steps on static buffers (CUDA graphs: `cuda_graphs.TrainingSweep`)
+            assert starts is None, "packed windows never run on the training graphs (`choose_backends`)"
             sweep.load_weights(w)
             outputs, state, gammas, ctx.boundaries = sweep.forward(U, p0, g0, M0)
             ctx.settings, ctx.has_mask = settings, False
@@ -336,6 +388,7 @@ class GPNRecurrenceFunction(torch.autograd.Function):
         ctx.step_weights = step_weights = _pack(w) if PackedMatrix.worthwhile(w, B) else w
         key0 = key_from_grounded(g0, step_weights, s, eps) if s.memory else g0.new_zeros(B, 0)
         state = StepState(p0, g0, key0, M0)
+        ctx.starts = starts = SequenceStarts.of(starts, step_weights, s, eps, U.device)
         seg = segment or T
         # M' goes into reused buffers: two alternating slots while running, one slot per step of a segment
         # whose records are kept (the last one here; backward reuses the same slots for every segment)
@@ -351,7 +404,8 @@ class GPNRecurrenceFunction(torch.autograd.Function):
             last = stop == T
             buffer = (segment_memory[: stop - start] if last else alternating) if s.memory else None
             state = _run_steps(U, mask, state, step_weights, s, eps, start, stop, step, outputs,
-                               gammas if s.memory else None, last_records if last else None, buffer)  # fmt: skip
+                               gammas if s.memory else None, last_records if last else None, buffer,
+                               starts)  # fmt: skip
         ctx.settings = settings
         ctx.boundaries = boundaries
         ctx.last_records = last_records
@@ -392,7 +446,7 @@ class GPNRecurrenceFunction(torch.autograd.Function):
                 )  # fmt: skip
             finally:
                 sweep.release()
-            return (dU.to(ctx.input_dtype), dp0, dg0, dM0, None, None, *weight_grads)
+            return (dU.to(ctx.input_dtype), dp0, dg0, dM0, None, None, None, *weight_grads)
         U, g0 = saved[0], saved[1]
         if ctx.has_mask:
             mask, flat_weights = saved[2], saved[3:]
@@ -422,7 +476,7 @@ class GPNRecurrenceFunction(torch.autograd.Function):
                 records = []
                 buffer = None if ctx.segment_memory is None else ctx.segment_memory[: stop - start]
                 _run_steps(U, mask, ctx.boundaries[index], step_weights, s, eps, start, stop, step, records=records,
-                           memory_buffer=buffer)  # fmt: skip
+                           memory_buffer=buffer, starts=ctx.starts)  # fmt: skip
             ctx.boundaries[index] = None
             for t in reversed(range(start, stop)):
                 record = records.pop()
@@ -430,6 +484,8 @@ class GPNRecurrenceFunction(torch.autograd.Function):
                     grads = grads._replace(p=grads.p + dP[:, t])
                 out = None if memory_grads is None else memory_grads[t % 2]
                 grads, dU[:, t] = step_backward(record, grads, wt, s, c, eps, weight_grads, out)
+                if ctx.starts is not None and t in ctx.starts.at:  # rows starting a packed sequence here
+                    grads = ctx.starts.cut(grads, t, record, weight_grads, s, eps)
                 if truncation and t % truncation == 0 and t > 0:
                     # the state is cut here, the weights are not: the key of step t (from g_{t-1}) still
                     # contributes to the key projection's gradient, but nothing flows into g_{t-1}
@@ -439,7 +495,7 @@ class GPNRecurrenceFunction(torch.autograd.Function):
         d_g0 = first_key_gradient(grads, g0, w, s, eps, weight_grads)
         pool.give_back(ctx.segment_memory)  # every record that pointed into it is gone
         ctx.segment_memory = None
-        return (dU.to(ctx.input_dtype), grads.p, d_g0, grads.memory, None, None, *weight_grads.finish())
+        return (dU.to(ctx.input_dtype), grads.p, d_g0, grads.memory, None, None, None, *weight_grads.finish())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -470,21 +526,24 @@ def fast_recurrence(
     state: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     mask: Optional[torch.Tensor],
     output_memory_decays: bool = False,
+    sequence_starts: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor], Optional[torch.Tensor]]:
     """Drop-in for `GPNModel.recurrence_plain` (same arguments, same results, same gradients).
 
     Returns the predicted states (B, T, d) float32, the final (p, g, M) and, if asked, gamma (B, T, H).
     Under autograd the gradient flows to `token_inputs`, the initial state and every parameter; gamma is
     returned without gradient. Under `torch.autocast` the step matrices multiply in the autocast dtype
-    and everything else stays float32, as in the plain loop (see the module docstring).
+    and everything else stays float32, as in the plain loop (see the module docstring). `sequence_starts`
+    (B, T) bool: packed sequences start there, and those rows read the zero state at that step.
+    Inference reuses the folded weights of the forward or generate() call it runs in (`derived_weights.py`).
     """
     device_type = token_inputs.device.type
     matmul_dtype = autocast_dtype(device_type)
     with autocast_off(device_type), on_device(token_inputs):  # (launches and captures on the inputs' GPU)
-        return _fast_recurrence(model, token_inputs, state, mask, output_memory_decays, matmul_dtype)
+        return _fast_recurrence(model, token_inputs, state, mask, output_memory_decays, matmul_dtype, sequence_starts)
 
 
-def _fast_recurrence(model, token_inputs, state, mask, output_memory_decays: bool, matmul_dtype):
+def _fast_recurrence(model, token_inputs, state, mask, output_memory_decays: bool, matmul_dtype, starts):
     config = model.config
     B, T, _ = token_inputs.shape
     s = shapes_of(model, B)
@@ -493,32 +552,40 @@ def _fast_recurrence(model, token_inputs, state, mask, output_memory_decays: boo
     p0, g0, M0 = (x.float().contiguous() for x in state)
     if mask is not None:
         mask = mask.bool()
+    if starts is not None:
+        starts = starts.bool()
+    # the weights derived from the parameters for this forward or generate() call (never an older one's)
+    derived = derived_weights_of(model).current(model)
+    folded = derived.setdefault("folded weights", {})
     if triton_selected(U):  # the kernels are checked against the torch ops once per device and sizes
         step_dtype = matmul_dtype or model.fuse_gate.weight.dtype
         if triton_self_check_needed(s, step_dtype, U.device):
             with torch.no_grad():
-                w = cached_folded_weights(model, rows=B, matmul_dtype=matmul_dtype)
+                w = cached_folded_weights(model, rows=B, matmul_dtype=matmul_dtype, variants=folded)
                 triton_self_check(w, s, eps, U.device, step_dtype)
     needs_grad = torch.is_grad_enabled() and (
         token_inputs.requires_grad or any(x.requires_grad for x in state) or any(q.requires_grad for q in model.parameters())
     )
-    backends = choose_backends(model, U, p0, g0, M0, mask, s, needs_grad, matmul_dtype)
+    backends = choose_backends(model, U, p0, g0, M0, mask, s, needs_grad, matmul_dtype, packed=starts is not None)
     if not needs_grad:
         object.__setattr__(model, "last_recurrence_backends", backends)
         # CUDA graphs (decoding: one replay a token)
         if backends.graphs == INFERENCE_GRAPHS:
             with torch.no_grad():
-                return graph_window_forward(model, U, (p0, g0, M0), output_memory_decays, kernels=GRAPH_KERNELS)
+                w = cached_folded_weights(model, rows=B, variants=folded)
+                return graph_window_forward(model, U, (p0, g0, M0), output_memory_decays, kernels=GRAPH_KERNELS,
+                                            w=w, derived=derived)  # fmt: skip
         step, _ = step_functions(backends)
         with torch.no_grad():
-            w = cached_folded_weights(model, rows=B, matmul_dtype=matmul_dtype)
+            w = cached_folded_weights(model, rows=B, matmul_dtype=matmul_dtype, variants=folded)
             outputs = torch.empty(B, T, s.hidden, dtype=torch.float32, device=token_inputs.device)
             gammas = torch.zeros(B, T, s.heads, device=token_inputs.device) if (s.memory and output_memory_decays) else None
             key0 = key_from_grounded(g0, w, s, eps) if s.memory else g0.new_zeros(B, 0)
             # M' alternates between two slots; a window of one token (decoding) writes a fresh tensor
             alternating = M0.new_empty(2, *M0.shape) if (s.memory and T > 1) else None
+            starts = SequenceStarts.of(starts, w, s, eps, U.device)
             final = _run_steps(U, mask, StepState(p0, g0, key0, M0), w, s, eps, 0, T, step, outputs, gammas,
-                               memory_buffer=alternating)  # fmt: skip
+                               memory_buffer=alternating, starts=starts)  # fmt: skip
         return outputs, (final.p, final.g, final.memory), gammas
     w = in_matmul_dtype(fold_weights(model), matmul_dtype)
     sweep = sweep_owner = None  # CUDA graphs for the training steps (opt-in; unmasked windows without truncation)
@@ -534,5 +601,6 @@ def _fast_recurrence(model, token_inputs, state, mask, output_memory_decays: boo
     step, step_backward = step_functions(backends)
     settings = WindowSettings(s, eps, config.bptt_segment_length, config.bptt_truncation_length, buffer_pool_of(model),
                               sweep, sweep_owner, step, step_backward)  # fmt: skip
-    outputs, p, g, memory, gammas = GPNRecurrenceFunction.apply(token_inputs, p0, g0, M0, mask, settings, *_flatten(w))
+    outputs, p, g, memory, gammas = GPNRecurrenceFunction.apply(token_inputs, p0, g0, M0, mask, starts, settings,
+                                                                *_flatten(w))  # fmt: skip
     return outputs, (p, g, memory), (gammas if (s.memory and output_memory_decays) else None)

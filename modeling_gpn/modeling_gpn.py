@@ -47,6 +47,7 @@ from transformers.utils import logging
 
 from .chunked_loss import chunked_causal_lm_loss, divide_loss_sum
 from .configuration_gpn import GPNConfig
+from .derived_weights import derived_weights_scope
 from .fast_recurrence import fast_recurrence
 
 logger = logging.get_logger(__name__)
@@ -774,12 +775,15 @@ class GPNSegmentLayer(GradientCheckpointingLayer):
         mask: torch.Tensor | None,
         first_position: int,
         output_memory_decays: bool,
+        sequence_starts: torch.Tensor | None = None,
         *,
         steps,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(outputs, p, g, M, gamma or None) after the segment's positions (tensors positional, as reentrant
-        checkpointing needs them)."""
-        return steps(token_inputs, predicted, grounded, memory, mask, first_position, output_memory_decays)
+        checkpointing needs them; `sequence_starts`: where packed sequences start in the segment, or None)."""
+        return steps(
+            token_inputs, predicted, grounded, memory, mask, first_position, output_memory_decays, sequence_starts
+        )
 
 
 def is_torch_checkpoint(function) -> bool:
@@ -1041,13 +1045,15 @@ class GPNModel(GPNPreTrainedModel):
         state: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None,
         output_memory_decays: bool = False,
+        sequence_starts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]:
         """The time loop: `fast_recurrence.fast_recurrence` when `recurrence_path()` is "fast", else `recurrence_plain`.
 
         Both compute the same function with the same gradients (tests/test_fast_path.py). The plain path
         runs when `use_fast_path` is False, under torch.compile / torch.export, and whenever a module the
         fast path would fold is wrapped, replaced or hooked (`fast_path_blocker`); `last_recurrence_path`
-        says which ran.
+        says which ran. `sequence_starts` (batch, seq) bool: reset the state to zero before these positions
+        (packed sequences, `packed_sequence_starts`), on either path.
         """
         path = self.recurrence_path()
         if not is_tracing():
@@ -1055,8 +1061,12 @@ class GPNModel(GPNPreTrainedModel):
             if path != "fast":  # (the fast path records the backends it chooses itself)
                 object.__setattr__(self, "last_recurrence_backends", None)
         if path == "fast":
-            return fast_recurrence(self, token_inputs, state, mask, output_memory_decays=output_memory_decays)
-        return self.recurrence_plain(token_inputs, state, mask, output_memory_decays=output_memory_decays)
+            return fast_recurrence(
+                self, token_inputs, state, mask, output_memory_decays=output_memory_decays, sequence_starts=sequence_starts
+            )
+        return self.recurrence_plain(
+            token_inputs, state, mask, output_memory_decays=output_memory_decays, sequence_starts=sequence_starts
+        )
 
     def recurrence_plain(
         self,
@@ -1064,10 +1074,13 @@ class GPNModel(GPNPreTrainedModel):
         state: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None,
         output_memory_decays: bool = False,
+        sequence_starts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]:
         """The plain time loop, one step per position (the path every faster one is tested against).
 
         Positions where `mask` is 0 leave (p, g, M) exactly unchanged; their output is the carried p.
+        Right before the positions where `sequence_starts` is True (packed sequences) (p, g, M) is reset to
+        the zero state: nothing of what came before reaches them, in the forward values or the gradients.
         With `config.bptt_truncation_length = K` the carried state is detached before every position
         t > 0 with t % K == 0 (truncated BPTT; the forward values are unchanged).
         With gradient checkpointing on (training), each segment of `config.bptt_segment_length` positions
@@ -1082,9 +1095,11 @@ class GPNModel(GPNPreTrainedModel):
         for start in range(0, seq_len, segment):
             stop = min(start + segment, seq_len)
             segment_mask = None if mask is None else mask[:, start:stop]
+            segment_starts = None if sequence_starts is None else sequence_starts[:, start:stop]
             segment_outputs, *state, segment_decays = self.segment_layer(
-                token_inputs[:, start:stop], *state, segment_mask, start, output_memory_decays, steps=self._plain_steps
-            )
+                token_inputs[:, start:stop], *state, segment_mask, start, output_memory_decays, segment_starts,
+                steps=self._plain_steps,
+            )  # fmt: skip
             outputs.append(segment_outputs)
             if segment_decays is not None:
                 decays.append(segment_decays)
@@ -1100,6 +1115,7 @@ class GPNModel(GPNPreTrainedModel):
         mask: torch.Tensor | None,
         first_position: int,
         output_memory_decays: bool,
+        sequence_starts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Positions first_position.. of the plain loop: (outputs, p, g, M, gamma or None)."""
         outputs, decays = [], []
@@ -1108,6 +1124,11 @@ class GPNModel(GPNPreTrainedModel):
             t = first_position + offset
             if truncation and t > 0 and t % truncation == 0:
                 predicted, grounded, memory = predicted.detach(), grounded.detach(), memory.detach()
+            if sequence_starts is not None:  # a packed sequence starts here: from the zero state
+                starting = sequence_starts[:, offset]
+                predicted = predicted.masked_fill(starting[:, None], 0.0)
+                grounded = grounded.masked_fill(starting[:, None], 0.0)
+                memory = memory.masked_fill(starting.view(-1, *([1] * (memory.dim() - 1))), 0.0)
             new_predicted, new_grounded, new_memory, gamma = self.step(
                 predicted, grounded, memory, token_inputs[:, offset]
             )
@@ -1151,13 +1172,15 @@ class GPNModel(GPNPreTrainedModel):
             use_cache: return the state after the last position in a `GPNCache`.
             output_hidden_states: also return the predicted states as `hidden_states`.
             output_memory_decays: also return gamma (batch, seq, H), GPN+M only.
-            **kwargs: `past_key_values` (deprecated alias of `cache`), and what `generate()` and
-                transformers' tools pass for attention models, ignored (see `_IGNORED_FORWARD_KWARGS`);
-                anything else raises a TypeError.
+            **kwargs: `past_key_values` (deprecated alias of `cache`); packed (padding-free) batches:
+                `position_ids` restarting inside a row, `cu_seq_lens_q/k` (with `max_length_q/k`) or
+                `seq_idx` say where the sequences packed into a row start, and the state resets to zero there
+                (see `packed_sequence_starts`); what `generate()` and transformers' tools pass for attention
+                models, ignored (see `_IGNORED_FORWARD_KWARGS`); anything else raises a TypeError.
         """
         cache = _pop_cache_alias(cache, kwargs)
-        position_ids = kwargs.get("position_ids")
         _check_unused_kwargs(kwargs)
+        packing = {name: kwargs[name] for name in ("position_ids", *_PACKING_KWARGS) if kwargs.get(name) is not None}
         config = self.config
         use_cache = use_cache if use_cache is not None else (config.use_cache and not self.training)
         return_dict = return_dict if return_dict is not None else True
@@ -1185,14 +1208,19 @@ class GPNModel(GPNPreTrainedModel):
         if state is not None and state[0].shape[0] != batch_size:
             raise ValueError(f"The cache holds {state[0].shape[0]} rows but the input has {batch_size}")
         mask = self.check_attention_mask(attention_mask, batch_size, seq_len, continuing=state is not None)
-        if position_ids is not None:
-            check_not_packed(position_ids, mask)
+        sequence_starts = (
+            packed_sequence_starts(batch_size, seq_len, mask, **packing, device=embeddings.device) if packing else None
+        )
         if state is None:
             state = self.zero_state(batch_size, embeddings.device)
 
-        predicted_states, final_state, memory_decays = self.recurrence(
-            self.token_inputs(embeddings), state, mask, output_memory_decays=output_memory_decays
-        )
+        # what the fast path derives from the parameters (folded matrices, ...) lives for this call at most, or
+        # for the generate() call around it (derived_weights.py): never after an edit of the weights
+        with derived_weights_scope(self):
+            predicted_states, final_state, memory_decays = self.recurrence(
+                self.token_inputs(embeddings), state, mask, output_memory_decays=output_memory_decays,
+                sequence_starts=sequence_starts,
+            )  # fmt: skip
 
         if use_cache:
             if cache is None:
@@ -1256,44 +1284,187 @@ class GPNModel(GPNPreTrainedModel):
         return mask.bool()
 
 
-def check_not_packed(position_ids: torch.Tensor, mask: torch.Tensor | None) -> None:
-    """Refuse rows that pack several sequences (position ids restarting inside a row).
+# --------------------------------------------------------------------------------------------------
+# Packed (padding-free) batches: where each row's sequences start
+# --------------------------------------------------------------------------------------------------
 
-    Padding-free collators (e.g. `DataCollatorWithFlattening`) concatenate sequences into one row and
-    mark the boundaries only in `position_ids`; a GPN would carry its state across them and silently
-    mix the sequences. Ordinary position ids (consecutive over the real tokens) are accepted and ignored.
-    """
-    if is_tracing() or position_ids.dim() != 2 or position_ids.shape[1] < 2:
-        return
-    restarts = position_ids[:, 1:] <= position_ids[:, :-1]
-    if mask is not None and mask.shape == position_ids.shape:
-        restarts &= mask[:, 1:] & mask[:, :-1]
-    if bool(restarts.any()):
+# The arguments by which padding-free collators (transformers' DataCollatorWithFlattening, TRL's SFTTrainer with
+# packing) say where the sequences packed into a row start, besides `position_ids` restarting inside a row.
+_PACKING_KWARGS = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"}
+
+
+def _previous_real_index(real: torch.Tensor) -> torch.Tensor:
+    """(batch, seq) long: the index of the row's last real position before each position, -1 where none."""
+    seq_len = real.shape[1]
+    indices = torch.arange(seq_len, device=real.device).expand_as(real)
+    last_real = torch.where(real, indices, -1).cummax(dim=1).values
+    return torch.cat([last_real.new_full((real.shape[0], 1), -1), last_real[:, :-1]], dim=1)
+
+
+def _starts_at_real_tokens(boundaries: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Sequence starts as the recurrence takes them, from `boundaries` (batch, seq) bool marking the first
+    position of every packed sequence (possibly a padded one): True at each real token that has an earlier
+    real token in its row and a boundary after that one, up to and including itself."""
+    count = boundaries.long().cumsum(dim=1)
+    previous = _previous_real_index(real)
+    count_at_previous = count.gather(1, previous.clamp(min=0))
+    return real & (previous >= 0) & (count > count_at_previous)
+
+
+def _as_index_tensor(value, name: str, device: torch.device) -> torch.Tensor:
+    tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integers, got dtype {tensor.dtype}")
+    return tensor.to(device)
+
+
+def _starts_from_cu_seq_lens(
+    cu_seq_lens: torch.Tensor, name: str, batch_size: int, seq_len: int, validate: bool
+) -> torch.Tensor:
+    """Boundaries (batch, seq) from cumulative sequence lengths over the flattened batch (FlashAttention's
+    varlen convention): sequence i holds flattened positions cu[i]..cu[i+1]-1."""
+    total = batch_size * seq_len
+    if cu_seq_lens.dim() != 1 or cu_seq_lens.numel() < 2:
         raise ValueError(
-            "position_ids restart inside a row: packed sequences (padding-free batches) are not supported by a "
-            "GPN, whose state runs through the whole row. Pass one sequence per row, padded with an attention_mask."
+            f"{name} must be a 1-D tensor [0, end of sequence 1, ..., {total}], got shape {tuple(cu_seq_lens.shape)}"
         )
+    if not validate:
+        boundaries = torch.zeros(total + 1, dtype=torch.bool, device=cu_seq_lens.device)
+        return boundaries.index_fill(0, cu_seq_lens.long().clamp(0, total), True)[:total].view(batch_size, seq_len)
+    first, last = int(cu_seq_lens[0]), int(cu_seq_lens[-1])
+    if first != 0 or last != total:
+        raise ValueError(
+            f"{name} must run from 0 to the number of tokens in the batch ({batch_size} x {seq_len} = {total}), "
+            f"got {first} .. {last}"
+        )
+    lengths = cu_seq_lens[1:] - cu_seq_lens[:-1]
+    if bool((lengths <= 0).any()):
+        raise ValueError(
+            f"{name} must be strictly increasing (every packed sequence holds a token), got {cu_seq_lens.tolist()}"
+        )
+    boundaries = torch.zeros(total, dtype=torch.bool, device=cu_seq_lens.device)
+    boundaries[cu_seq_lens[:-1].long()] = True
+    boundaries = boundaries.view(batch_size, seq_len)
+    if not bool(boundaries[:, 0].all()):
+        row = int((~boundaries[:, 0]).nonzero()[0])
+        raise ValueError(
+            f"{name} has a sequence running from row {row - 1} into row {row}: a GPN runs each row from its own "
+            f"state, so every row must start a sequence (put each row start, a multiple of {seq_len}, in {name})"
+        )
+    return boundaries
+
+
+def packed_sequence_starts(
+    batch_size: int,
+    seq_len: int,
+    mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    max_length_k: int | None = None,
+    seq_idx: torch.Tensor | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor | None:
+    """Where packed sequences start inside the rows: (batch, seq) bool, True at the first real token of every
+    sequence but the first of its row, or None when no row packs more than one sequence.
+
+    The recurrence resets (p, g, M) to the zero state right before each such token, so every packed sequence
+    runs as if alone. A row's first sequence starts from the state the row already has: the zero state, or
+    the cache's when continuing from one (so a packed prefill can be continued, the last sequence of each row).
+    Three ways of saying where sequences start are understood, alone or together (they must then agree):
+
+    - `position_ids` (batch or 1, seq): a sequence starts where the position id does not exceed that of the
+      row's previous real token (`DataCollatorWithFlattening` numbers each sequence from 0, or from
+      `position_ids_start`). Ordinary position ids (increasing over the real tokens) mark nothing.
+    - `cu_seq_lens_q` / `cu_seq_lens_k`: FlashAttention's cumulative lengths over the flattened batch,
+      [0, ..., batch * seq]; every row start must be one of them. `max_length_q/k`, if given, must be at least
+      the longest sequence.
+    - `seq_idx` (batch, seq): the index of the sequence each position belongs to; a sequence starts where it
+      changes.
+
+    A boundary at a padded position (`mask` False) takes effect at the next real token, so padded positions
+    still leave the state exactly unchanged. Inconsistent arguments raise a ValueError naming the problem
+    (under torch.compile / torch.export these value checks are left out, and the starts are always returned).
+    """
+    validate = not is_tracing()
+    real = mask if mask is not None else torch.ones(batch_size, seq_len, dtype=torch.bool, device=device)
+    device = real.device
+    derived: list[tuple[str, torch.Tensor]] = []  # (what, starts) for every form given
+
+    if position_ids is not None:
+        position_ids = _as_index_tensor(position_ids, "position_ids", device)
+        if position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch_size) or position_ids.shape[1] < seq_len:
+            raise ValueError(
+                f"position_ids must have shape (batch={batch_size} or 1, seq={seq_len}) like input_ids, got "
+                f"{tuple(position_ids.shape)}"
+            )
+        positions = position_ids[:, -seq_len:].expand(batch_size, seq_len)
+        previous = _previous_real_index(real)
+        position_at_previous = positions.gather(1, previous.clamp(min=0))
+        derived.append(("position_ids", real & (previous >= 0) & (positions <= position_at_previous)))
+
+    cu_given = {name: value for name, value in (("cu_seq_lens_q", cu_seq_lens_q), ("cu_seq_lens_k", cu_seq_lens_k))
+                if value is not None}  # fmt: skip
+    for name, bound in (("max_length_q", max_length_q), ("max_length_k", max_length_k)):
+        cu_name = "cu_seq_lens_" + name[-1]
+        if bound is not None and cu_name not in cu_given:
+            raise ValueError(f"{name} was given without {cu_name}: it bounds the lengths {cu_name} gives")
+    cu_tensors = {name: _as_index_tensor(value, name, device) for name, value in cu_given.items()}
+    if validate and len(cu_tensors) == 2 and not torch.equal(cu_tensors["cu_seq_lens_q"], cu_tensors["cu_seq_lens_k"]):
+        raise ValueError(
+            "cu_seq_lens_q and cu_seq_lens_k differ: a GPN reads each packed sequence once (self-attention's "
+            "query and key sequences are the same), so they must be equal"
+        )
+    if cu_tensors:
+        name, cu_seq_lens = next(iter(cu_tensors.items()))
+        boundaries = _starts_from_cu_seq_lens(cu_seq_lens, name, batch_size, seq_len, validate)
+        longest = int((cu_seq_lens[1:] - cu_seq_lens[:-1]).max()) if validate else 0
+        for bound_name, bound in (("max_length_q", max_length_q), ("max_length_k", max_length_k)):
+            if validate and bound is not None and int(bound) < longest:
+                raise ValueError(
+                    f"{bound_name}={int(bound)} is shorter than the longest packed sequence ({longest} tokens)"
+                )
+        derived.append((name, _starts_at_real_tokens(boundaries, real)))
+
+    if seq_idx is not None:
+        seq_idx = _as_index_tensor(seq_idx, "seq_idx", device)
+        if seq_idx.shape != (batch_size, seq_len):
+            raise ValueError(f"seq_idx must have shape (batch={batch_size}, seq={seq_len}), got {tuple(seq_idx.shape)}")
+        boundaries = torch.ones_like(real)
+        boundaries[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
+        derived.append(("seq_idx", _starts_at_real_tokens(boundaries, real)))
+
+    if not derived:
+        return None
+    (first_name, starts), *others = derived
+    if not validate:
+        return starts
+    for name, other in others:
+        disagree = starts != other
+        if bool(disagree.any()):
+            row, column = (int(i) for i in disagree.nonzero()[0])
+            says = lambda s: "starts" if bool(s[row, column]) else "does not start"  # noqa: E731
+            raise ValueError(
+                f"{first_name} and {name} disagree on where the packed sequences start: at (row {row}, position "
+                f"{column}) a sequence {says(starts)} by {first_name} but {says(other)} by {name}"
+            )
+    return starts if bool(starts.any()) else None
 
 
 # What generate(), Trainer, PEFT and evaluation harnesses pass for attention models, and a GPN has no use
-# for: position and cache positions (a recurrence knows where it is), attention outputs (it has none),
+# for: position and cache positions (a recurrence knows where it is; position ids are read only for where packed
+# sequences start, see `packed_sequence_starts`), attention outputs (it has none),
 # token types, and generate()'s own helpers (`tokenizer` for stop strings, `assistant_tokenizer`).
 _IGNORED_FORWARD_KWARGS = {
     "position_ids", "cache_position", "output_attentions", "token_type_ids", "tokenizer", "assistant_tokenizer",
 }  # fmt: skip
-# Padding-free (packed) batches: ignoring these would silently join the packed sequences.
-_PACKING_KWARGS = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"}
 
 
 def _check_unused_kwargs(kwargs: dict) -> None:
-    """Accept the harmless extras of `_IGNORED_FORWARD_KWARGS`; refuse everything else by name."""
-    packing = sorted(set(kwargs) & _PACKING_KWARGS)
-    if packing:
-        raise ValueError(
-            f"GPN forward got packed-sequence arguments {packing}: padding-free batches are not supported "
-            "(the recurrent state would run across the packed sequences). Pass one sequence per row with padding."
-        )
-    unknown = set(kwargs) - _IGNORED_FORWARD_KWARGS
+    """Accept the harmless extras of `_IGNORED_FORWARD_KWARGS` and the packing arguments (`_PACKING_KWARGS`,
+    read by `GPNModel.forward`); refuse everything else by name."""
+    unknown = set(kwargs) - _IGNORED_FORWARD_KWARGS - _PACKING_KWARGS
     if unknown:
         raise TypeError(f"GPN forward got unexpected arguments: {sorted(unknown)}")
 
@@ -1357,6 +1528,14 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         """Logits predicted from the empty (zero) state: the reference's position 0 (batch, vocab)."""
         predicted = torch.zeros(batch_size, self.config.hidden_size, device=self.device)
         return self.decode(predicted)
+
+    def generate(self, *args, **kwargs):
+        """`GenerationMixin.generate`, with the fast path's weights derived from the parameters (folded and
+        prepacked matrices, CUDA graphs' copies) once for the whole call: the prompt's forward derives them,
+        every decoded token reuses them, and they are dropped when the call returns (`derived_weights.py`), so
+        the next call sees the parameters as they are then, however they were edited."""
+        with derived_weights_scope(self.model):
+            return super().generate(*args, **kwargs)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs) -> None:
         """generate() gets a `GPNCache` (not a `DynamicCache`) unless the caller passed a cache."""
@@ -1436,7 +1615,8 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
                 chunk_length, input_ids, inputs_embeds, attention_mask, cache, use_cache, labels, shift_labels,
                 logits_to_keep, num_items_in_batch, kwargs,
             )  # fmt: skip
-            return output if return_dict else output.to_tuple()
+            if output is not None:  # (None: a packed batch, which runs in one pass)
+                return output if return_dict else output.to_tuple()
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -1534,12 +1714,15 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         logits_to_keep: int,
         num_items_in_batch: torch.Tensor | int | None,
         kwargs: dict,
-    ) -> GPNCausalLMOutput:
+    ) -> GPNCausalLMOutput | None:
         """`forward` over `chunk_length` positions at a time (see `_prefill_chunk_length_for` for when).
 
         Each chunk runs `GPNModel.forward` from the state the previous chunk left in a cache; only the
         last `logits_to_keep` predicted states, or the running sum of the loss, are kept. The result is
         that of one pass: the same state and logits, and the loss up to float32 summation order.
+        Returns None for a packed batch (sequences starting inside rows, `packed_sequence_starts`), which
+        `forward` then runs in one pass (a chunk's first position continues the cache, so a sequence
+        starting there would not be reset).
         """
         tokens = input_ids if input_ids is not None else inputs_embeds
         batch_size, seq_len = tokens.shape[:2]
@@ -1547,9 +1730,10 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         # The checks one pass makes over the whole input, made once here (a chunk sees only its part).
         continuing = isinstance(cache, GPNCache) and cache.has_state
         mask = self.model.check_attention_mask(attention_mask, batch_size, seq_len, continuing=continuing)
-        position_ids = kwargs.pop("position_ids", None)
-        if position_ids is not None:
-            check_not_packed(position_ids, mask)
+        packing = {name: kwargs[name] for name in ("position_ids", *_PACKING_KWARGS) if kwargs.get(name) is not None}
+        if packing and packed_sequence_starts(batch_size, seq_len, mask, **packing, device=tokens.device) is not None:
+            return None
+        kwargs = {name: value for name, value in kwargs.items() if name not in packing}  # (ordinary position ids)
         for name, given in (("labels", labels), ("shift_labels", shift_labels)):
             if given is not None and given.shape != (batch_size, seq_len):
                 raise ValueError(f"{name} must have shape {(batch_size, seq_len)}, got {tuple(given.shape)}")

@@ -159,8 +159,8 @@ class PackedMatrix:
     1-8 row matmuls of a step costs as much as the product, and for 8-row fp32 products on several threads
     oneDNN's packed kernel splits the work better than MKL. The small preset's three step matmuls, 8 rows:
     2 threads 0.70 ms (bf16 packed), 1.47 (bf16), 1.23 (fp32 packed), 1.61 (fp32); 1 thread 1.32 (bf16
-    packed), 2.17 (fp32 packed), 2.04 (fp32). Matrices are packed once per weight change for inference and
-    once per call in training (a single pass over the weights)."""
+    packed), 2.17 (fp32 packed), 2.04 (fp32). Matrices are packed once per forward or generate() call for
+    inference (`cached_folded_weights`) and once per call in training (a single pass over the weights)."""
 
     def __init__(self, matrix: torch.Tensor):
         self.matrix = matrix
@@ -205,26 +205,19 @@ def in_matmul_dtype(w: FoldedWeights, dtype: Optional[torch.dtype]) -> FoldedWei
                       layer_w=tuple(map(cast, w.layer_w)))  # fmt: skip
 
 
-def parameters_key(model) -> tuple:
-    """What identifies the model's current weights: each parameter's storage, version (bumped by every
-    in-place update, an optimizer step's too), dtype and device. The caches of weights derived from them
-    (`cached_folded_weights`, the CUDA graphs) are rebuilt when it changes."""
-    return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in model.parameters())
-
-
-def cached_folded_weights(model, rows: Optional[int] = None, matmul_dtype: Optional[torch.dtype] = None) -> FoldedWeights:
-    """`fold_weights` for inference, reused while no parameter changed (decode pays the fold once), with
-    the step matrices in `matmul_dtype` (autocast's; None: the weights' own) and prepacked for oneDNN where
-    that is faster for products of `rows` rows (`PackedMatrix.worthwhile`): bf16 on CPU always, fp32 for
-    batches of 8+ rows on several threads. The variants are cached side by side (batch-1 decoding and
-    batched scoring both stay fast)."""
-    key = parameters_key(model)
-    cached = getattr(model, "_gpn_folded_cache", None)
-    if cached is None or cached[0] != key:
+def cached_folded_weights(
+    model, rows: Optional[int] = None, matmul_dtype: Optional[torch.dtype] = None, variants: Optional[dict] = None
+) -> FoldedWeights:
+    """`fold_weights` for inference, with the step matrices in `matmul_dtype` (autocast's; None: the weights'
+    own) and prepacked for oneDNN where that is faster for products of `rows` rows (`PackedMatrix.worthwhile`):
+    bf16 on CPU always, fp32 for batches of 8+ rows on several threads. Each variant is made once in
+    `variants` (a dict the caller keeps for as long as the parameters cannot have changed: the dispatcher
+    keeps it for one forward or one generate() call, `derived_weights.py`; batch-1 decoding and batched
+    scoring keep their variants side by side); without it, everything is derived afresh."""
+    variants = {} if variants is None else variants
+    if (None, False) not in variants:
         with torch.no_grad():
-            cached = (key, {(None, False): fold_weights(model)})
-        object.__setattr__(model, "_gpn_folded_cache", cached)
-    variants = cached[1]
+            variants[(None, False)] = fold_weights(model)
     if (matmul_dtype, False) not in variants:
         with torch.no_grad():
             variants[(matmul_dtype, False)] = in_matmul_dtype(variants[(None, False)], matmul_dtype)

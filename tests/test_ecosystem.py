@@ -129,11 +129,7 @@ def test_wrong_arguments_are_refused_by_name():
     ids = token_ids(2, 6)
     with pytest.raises(TypeError, match=r"unexpected arguments: \['tokenizr'\]"):
         model(ids, tokenizr=None)
-    with pytest.raises(ValueError, match="packed"):
-        model(ids, cu_seq_lens_q=torch.tensor([0, 3, 6]))
-    restarting = torch.tensor([[0, 1, 2, 0, 1, 2]] * 2)  # two sequences packed into each row
-    with pytest.raises(ValueError, match="restart inside a row"):
-        model(ids, position_ids=restarting)
+    # (packed batches, `cu_seq_lens_*` / `seq_idx` / restarting `position_ids`: tests/test_packed.py)
     # Ordinary position ids, and left padding as generate() numbers it, are accepted and ignored
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)

@@ -320,7 +320,6 @@ def test_prepacked_matrices_match_the_plain_matmul(monkeypatch, dtype):
     for packed in (True, False):
         monkeypatch.setattr(fast_recurrence.PackedMatrix, "worthwhile", staticmethod(lambda w, rows=None: packed))
         model.zero_grad(set_to_none=True)
-        object.__setattr__(model.model, "_gpn_folded_cache", None)  # inference folds (and packs) afresh
         with ran(FAST_PATH, *[PREPACKED] * packed, not_ran=() if packed else (PREPACKED,)):  # training
             loss = model(ids, labels=ids, return_logits=False).loss
             loss.backward()

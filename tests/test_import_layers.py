@@ -204,7 +204,7 @@ def test_the_walk_finds_cycles_through_deferred_and_relative_imports(tmp_path):
     assert cycles(import_graph(tmp_path)) == []
 
 
-@pytest.mark.parametrize("name", ["recurrence_step.py", "chunked_loss.py"])
+@pytest.mark.parametrize("name", ["recurrence_step.py", "chunked_loss.py", "derived_weights.py"])
 def test_the_new_fast_path_modules_ship_with_the_model(name):
     """The remote code (`save_pretrained`'s copies, the Hub upload) is the model file and every file it
     imports relatively, transitively: the new layers are among them."""

@@ -425,7 +425,8 @@ def test_graph_steps_run_on_static_buffers_without_allocation_or_host_sync(trito
     core = model.model
     B, calls = 3, 3
     tokens, state, _, _ = random_problem(model, batch=B, length=steps * calls, mask_kind=None, seed=4)
-    graph = cuda_graphs.StepsGraph(core, B, torch.device("cpu"), steps=steps, kernels=fr.GRAPH_KERNELS)
+    graph = cuda_graphs.StepsGraph(core, B, torch.device("cpu"), steps=steps, kernels=fr.GRAPH_KERNELS,
+                                   w=fr.cached_folded_weights(core, rows=B))
     core.use_fast_path = False
     memory_addresses, graph_state, reference_state = [], state, state
     for call in range(calls):
@@ -484,7 +485,7 @@ def test_the_decode_graph_takes_prepacked_weights(triton_on, monkeypatch):
     core.use_fast_path = True
     monkeypatch.setenv("GPN_CUDA_GRAPHS", "1")
     got = core.recurrence(tokens, state, None)
-    assert [type(graph.w.big_w) for _, graph in core._gpn_graphs.values()] == [fr.PackedMatrix]  # (the case)
+    assert [type(graph.w.big_w) for graph in core._gpn_graphs.values()] == [fr.PackedMatrix]  # (the case)
     for a, b in zip((got[0], *got[1]), (expected[0], *expected[1])):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-4)
 

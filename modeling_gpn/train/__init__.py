@@ -100,6 +100,9 @@ OPTIONS: list[Option] = [
            "~/.cache/gpn)"),
     # optimisation
     Option("seq_len", int, 2048, "tokens per training window; every window starts from the zero state"),
+    Option("reset_at_document_start", bool, False, "GPN: also start every document inside a window from the zero "
+           "state (position ids restart after each EOS, read by the model as packed sequences), in training and "
+           "validation; default: the state runs on across documents within a window"),
     Option("batch_size", int, 128, "global batch: windows per optimizer step, over all processes"),
     Option("micro_batch_size", int, 8, "windows per forward pass per process; gradient accumulation makes up the "
            "global batch (batch_size = micro_batch_size x processes x accumulation)"),
@@ -224,6 +227,8 @@ def _validate(config: dict) -> None:
         problems.append(f"min_lr_ratio must be in [0, 1], got {config['min_lr_ratio']}")
     if not 0 <= config["val_fraction"] < 1:
         problems.append(f"val_fraction must be in [0, 1), got {config['val_fraction']}")
+    if not isinstance(config["reset_at_document_start"], bool):
+        problems.append(f"reset_at_document_start must be true or false, got {config['reset_at_document_start']!r}")
     if config["mixed_precision"] not in ("no", "bf16", "fp16"):
         problems.append(f"mixed_precision must be no, bf16 or fp16, got {config['mixed_precision']!r}")
     if problems:
@@ -1085,6 +1090,11 @@ def _train(accelerator, config: dict, stage: RunStage, resume: str | bool | None
     # ---- model, optimizer, schedule -----------------------------------------------------------
     set_seed(config["seed"])
     model = build_model(config, tokenizer)
+    if config["reset_at_document_start"] and model.config.model_type != "gpn":
+        raise ValueError(
+            f"--reset-at-document-start resets a GPN's state at every document; a {model.config.model_type} model "
+            "would not keep the documents of a window apart (its attention does not read restarting position ids)"
+        )
     model_class = type(model).__name__  # (FSDP2 renames the class of the module it shards)
     num_params = sum(p.numel() for p in model.parameters())
     optimizer, scheduler = build_optimizer(model, config)
@@ -1092,6 +1102,13 @@ def _train(accelerator, config: dict, stage: RunStage, resume: str | bool | None
     loss_kwargs = {"use_cache": False}
     if "return_logits" in inspect.signature(model.forward).parameters:
         loss_kwargs["return_logits"] = False
+
+    def document_kwargs(batch) -> dict:
+        """The extra model inputs of --reset-at-document-start (none without it)."""
+        if not config["reset_at_document_start"]:
+            return {}
+        return {"position_ids": document_position_ids(batch, tokenizer.eos_token_id)}
+
     model, optimizer = accelerator.prepare(model, optimizer)  # the scheduler is stepped by hand, once per step
 
     def all_finite(tensors) -> bool:
@@ -1203,7 +1220,7 @@ def _train(accelerator, config: dict, stage: RunStage, resume: str | bool | None
                 chosen = indices[call * micro : (call + 1) * micro]
                 rows = np.stack([windows.val_window(i) for i in chosen or [0]])
                 batch = torch.from_numpy(rows).to(accelerator.device)
-                loss = model(input_ids=batch, labels=batch, **loss_kwargs).loss
+                loss = model(input_ids=batch, labels=batch, **loss_kwargs, **document_kwargs(batch)).loss
                 count = len(chosen) * (batch.shape[1] - 1)
                 total += torch.tensor([loss.item() * count, count], dtype=torch.float64, device=accelerator.device)
         total = accelerator.reduce(total, reduction="sum")
@@ -1289,7 +1306,7 @@ def _train(accelerator, config: dict, stage: RunStage, resume: str | bool | None
                     batch = torch.from_numpy(rows).to(accelerator.device)
                     sync = contextlib.nullcontext() if k == accumulation - 1 else accelerator.no_sync(model)
                     with sync:
-                        loss = model(input_ids=batch, labels=batch, **loss_kwargs).loss
+                        loss = model(input_ids=batch, labels=batch, **loss_kwargs, **document_kwargs(batch)).loss
                         accelerator.backward(loss / accumulation)
                     local_loss += loss.detach().double() / accumulation
                 step_loss = float(accelerator.reduce(local_loss, reduction="mean"))
@@ -1446,6 +1463,23 @@ def _train(accelerator, config: dict, stage: RunStage, resume: str | bool | None
             "processes": world, "distribution": distribution_name(accelerator)}  # fmt: skip
 
 
+def document_position_ids(windows, eos_token_id: int):
+    """`--reset-at-document-start`: position ids (batch, seq) that restart at 0 on the first token after every EOS
+    of the token windows (batch, seq) (documents are joined with EOS), counting from 0 at each window's start.
+
+    A GPN reads position ids restarting inside a row as packed sequences and resets its state to zero where each
+    starts (`packed_sequence_starts` in modeling_gpn.py), so every document runs from the zero state. The token
+    after an EOS stays a target, predicted at the EOS from the previous document's state, as without the option
+    (so losses and perplexities stay comparable)."""
+    import torch
+
+    positions = torch.arange(windows.shape[1], device=windows.device).expand_as(windows)
+    starts = torch.zeros_like(windows, dtype=torch.bool)
+    starts[:, 1:] = windows[:, :-1] == eos_token_id
+    last_start = torch.where(starts, positions, 0).cummax(dim=1).values
+    return positions - last_start
+
+
 def generate_sample(model, tokenizer, prompt: str, max_new_tokens: int, seed: int) -> str:
     """Sample `max_new_tokens` after `prompt` (top-k 40, temperature 0.8, seeded)."""
     import torch
@@ -1507,7 +1541,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                   "help": f"{option.help} [built-in: {option.default}]"}  # fmt: skip
         if option.choices:
             kwargs["choices"] = option.choices
-        kwargs["type"] = option.type
+        if option.type is bool:  # a flag: given means true (a recipe or config file may set it either way)
+            kwargs["action"] = "store_true"
+        else:
+            kwargs["type"] = option.type
         group.add_argument("--" + option.key.replace("_", "-"), **kwargs)
 
 
