@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Iterator
 
 import torch
@@ -64,13 +65,24 @@ def _open_scopes() -> dict:
 
 
 @contextlib.contextmanager
-def derived_weights_scope(model: torch.nn.Module) -> Iterator[DerivedWeights]:
+def derived_weights_scope(model: torch.nn.Module, kept_by: object | None = None) -> Iterator[DerivedWeights]:
     """Within this block (on this thread) the fast path reuses what it derives from `model`'s parameters;
-    the outermost block's end drops it. Nested blocks share the outermost one's."""
+    the outermost block's end drops it. Nested blocks share the outermost one's.
+
+    `kept_by`: the `GPNCache` a forward continues. An outermost block takes up what the previous call left
+    with that same cache (`keep_with`) instead of starting empty, so a decode loop that calls the model one
+    token at a time with its cache derives once, as `generate()` does, not once per token. The model keeps
+    what it derived for one cache at most (the last one it filled; a weak reference, so one fold's memory,
+    not one per cache alive): continuing any other cache, or none, derives afresh. Within one cache's life
+    `parameters_key` still guards (an optimizer step, `load_state_dict`, `to()`), but an edit through
+    `.data` between two calls that continue the same cache is not seen: start from a new cache (a new
+    prompt, a `generate()` call) after editing weights."""
     scopes = _open_scopes()
     entry = scopes.get(id(model))
     if entry is None:
-        entry = scopes[id(model)] = [0, DerivedWeights()]
+        kept = model.__dict__.get(KEPT_ATTRIBUTE)  # (weak reference to its cache, what was derived)
+        reuse = kept is not None and kept_by is not None and kept[0]() is kept_by
+        entry = scopes[id(model)] = [0, kept[1] if reuse else DerivedWeights()]
     entry[0] += 1
     try:
         yield entry[1]
@@ -78,6 +90,14 @@ def derived_weights_scope(model: torch.nn.Module) -> Iterator[DerivedWeights]:
         entry[0] -= 1
         if entry[0] == 0:
             del scopes[id(model)]
+
+
+KEPT_ATTRIBUTE = "_gpn_derived_weights_kept"
+
+
+def keep_with(model: torch.nn.Module, cache: object, derived: DerivedWeights) -> None:
+    """Leave `derived` with `model` for the next call that continues `cache` (`derived_weights_scope`)."""
+    object.__setattr__(model, KEPT_ATTRIBUTE, (weakref.ref(cache), derived))
 
 
 def derived_weights_of(model: torch.nn.Module) -> DerivedWeights:

@@ -47,7 +47,7 @@ from transformers.utils import logging
 
 from .chunked_loss import chunked_causal_lm_loss, divide_loss_sum
 from .configuration_gpn import GPNConfig
-from .derived_weights import derived_weights_scope
+from .derived_weights import derived_weights_scope, keep_with
 from .fast_recurrence import fast_recurrence
 
 logger = logging.get_logger(__name__)
@@ -1214,9 +1214,9 @@ class GPNModel(GPNPreTrainedModel):
         if state is None:
             state = self.zero_state(batch_size, embeddings.device)
 
-        # what the fast path derives from the parameters (folded matrices, ...) lives for this call at most, or
-        # for the generate() call around it (derived_weights.py): never after an edit of the weights
-        with derived_weights_scope(self):
+        # what the fast path derives from the parameters (folded matrices, ...) lives for this call, the
+        # generate() call around it, or the cache it continues (a decode loop derives once): derived_weights.py
+        with derived_weights_scope(self, kept_by=cache) as derived:
             predicted_states, final_state, memory_decays = self.recurrence(
                 self.token_inputs(embeddings), state, mask, output_memory_decays=output_memory_decays,
                 sequence_starts=sequence_starts,
@@ -1228,6 +1228,7 @@ class GPNModel(GPNPreTrainedModel):
             cache.update_state(*final_state, num_new_tokens=seq_len)
             cache.record_read(input_ids, mask)
             cache._gpn_model_ref = weakref.ref(self)  # whose state this is, for GPNCache.save
+            keep_with(self, cache, derived)  # the next call that continues this cache reuses them
         output = GPNModelOutput(
             last_hidden_state=predicted_states,
             cache=cache if use_cache else None,

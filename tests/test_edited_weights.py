@@ -240,3 +240,33 @@ def test_the_graph_steps_see_edited_weights(triton_on, monkeypatch):
     model.model.use_fast_path = False
     plain = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert torch.equal(fast, plain) and not torch.equal(fast, before)
+
+
+@torch.no_grad()
+def test_a_decode_loop_folds_once_per_cache_and_a_new_cache_sees_edits(monkeypatch):
+    """A loop calling the model one token at a time with its cache (what generate() does inside, and what
+    benchmarks/long_decode.py does) reuses what the cache's first call derived: one fold for the loop, not one
+    per token. A new cache after an edit derives afresh and sees it."""
+    from modeling_gpn import recurrence_step
+
+    folds = []
+    fold = recurrence_step.fold_weights
+    monkeypatch.setattr(recurrence_step, "fold_weights", lambda model: folds.append(1) or fold(model))
+    model = perturbed_model(tiny_config(), seed=5)
+
+    def loop() -> torch.Tensor:
+        out = model(token_ids(1, 5, seed=6), use_cache=True)
+        for _ in range(6):
+            out = model(out.logits[:, -1:].argmax(-1), cache=out.cache, use_cache=True)
+        return out.logits
+
+    first = loop()
+    assert len(folds) == 1  # the prompt's call folded; the six decoded tokens reused it
+    for p in matrices(model):
+        p.data.mul_(1.5)
+    edited = loop()
+    assert len(folds) == 2
+    model.model.use_fast_path = False
+    assert model.model.last_recurrence_path == "fast"
+    torch.testing.assert_close(edited, loop(), rtol=2e-4, atol=2e-5)
+    assert not torch.allclose(edited, first)
