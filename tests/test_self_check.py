@@ -344,7 +344,7 @@ def test_the_training_sweep_and_the_decode_graph_capture_through_it(triton_on, m
     captures = [e for e in recorder.events if isinstance(e, tuple) and e[0] == "capture"]
     assert captures == [("capture", {"capture_error_mode": "thread_local"})] and recorder.events[-1] == "replay"
     recorder.events.clear()
-    graph = cuda_graphs.StepsGraph(model.model, 1, CPU, kernels=fr.GRAPH_KERNELS)
+    graph = cuda_graphs.StepsGraph(model.model, 1, CPU, kernels=fr.GRAPH_KERNELS, w=fr.cached_folded_weights(model.model, rows=1))
     graph.capture()
     assert [e for e in recorder.events if isinstance(e, tuple) and e[0] == "capture"] == 2 * captures
     assert recorder.events.index("leave side stream") < recorder.events.index(captures[0])
