@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import hashlib
 import inspect
 import json
@@ -1270,12 +1271,18 @@ def _train(accelerator, config: dict, stage: RunStage, resume: str | bool | None
     def end_process_group(after_error: bool) -> None:
         """Close the trackers and destroy the process group, watched: after an error the other processes may
         still be inside a collective, and destroying a group under them can wait for ever (torchtitan#1342)."""
+        nonlocal model, optimizer
         failed_in = stage.name
         stage.enter("ending the process group" + (" after an error" if after_error else ""), watch=True)
+        # The DDP wrapper's Reducer holds the process group: freed only with this function's frame, after the
+        # group was destroyed, its gloo threads were joined in ~ProcessGroupGloo with the GIL held, where a run
+        # was seen to hang (1 in 110 loop runs: rank 1 there, rank 0 gone). So the wrapper and the optimizer
+        # go first, while the group is alive, then the group ends.
+        model = optimizer = None
+        accelerator.free_memory()
+        gc.collect()
         accelerator.end_training()
-        # Still watched until train() returns: the process group's gloo threads are joined when the DDP
-        # model (its Reducer) is freed with this function's frame, and that join is where a run was seen
-        # to hang (1 in 110 loop runs: rank 1 in ~ProcessGroupGloo, rank 0 gone).
+        # Still watched until train() returns: anything left that joins threads at the end is bounded.
         if after_error:
             stage.name = failed_in  # the error names where the run failed, not its clean-up
 
