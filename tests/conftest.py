@@ -37,6 +37,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)
 
 
+@pytest.fixture
+def one_thread():
+    """One thread for the test (as set above), and the count as it was afterwards: for modules whose tests
+    must not inherit a count another test raised (`pytestmark = pytest.mark.usefixtures("one_thread")`)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def pytest_configure(config):
     # The marks of transformers' tests/test_modeling_common.py (tests/test_transformers_common.py runs it),
     # registered as transformers' own conftest registers them.

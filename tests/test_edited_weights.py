@@ -17,15 +17,9 @@ import torch
 from .conftest import perturbed_model, tiny_config
 from .test_triton_kernels import triton_on  # noqa: F401 (a fixture)
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 VOCAB = 97
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def token_ids(batch: int = 2, length: int = 9, seed: int = 0) -> torch.Tensor:

@@ -15,6 +15,8 @@ import torch
 
 from .conftest import perturbed_model, tiny_config
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 VOCAB = 97
 # Two rows of 14 tokens: the sequences packed into each (flattened, they are cu_seq_lens' sequences).
 ROW_SEQUENCE_LENGTHS = ([5, 3, 6], [2, 7, 4, 1])
@@ -24,14 +26,6 @@ VARIANTS = {
     "gpn+m-2l": dict(num_predict_layers=2),
 }
 INPUT_FORMS = ("position_ids", "cu_seq_lens", "seq_idx", "all")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def packed_problem(seed: int = 0):
