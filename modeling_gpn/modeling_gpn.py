@@ -24,51 +24,35 @@ installed `modeling_gpn` package.
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import math
-import os
 import warnings
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 
-import safetensors.torch
 import torch
 import torch.nn.functional as F
-import torch.utils._pytree as pytree
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
-from transformers.cache_utils import Cache, LinearAttentionLayer
+from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput
 from transformers.utils import logging
 
+from .cache import GPNCache, continuation_start
 from .chunked_loss import chunked_causal_lm_loss, divide_loss_sum
 from .configuration_gpn import GPNConfig
 from .derived_weights import derived_weights_scope, keep_with
 from .fast_recurrence import fast_recurrence
+from .packing import PACKING_KWARGS, packed_sequence_starts
+from .prefill import forward_in_chunks, prefill_chunk_length_for
+from .state_file import GPNStateFileError
+from .tracing import is_tracing
 
 logger = logging.get_logger(__name__)
 
 L2_NORM_EPS = 1e-12  # inside the square root of every per-head L2 normalisation, as in the reference
 DEFAULT_CHECKPOINT_SEGMENT_LENGTH = 64  # what gradient_checkpointing_enable() sets when bptt_segment_length is unset
-
-
-def is_tracing() -> bool:
-    """Whether torch.compile, torch.export, torch.jit or torch.fx is tracing the current call.
-
-    Under tracing the plain path runs (the fast path reads data pointers and calls C kernels) and input
-    checks that depend on tensor values are left out (they cannot be decided on symbolic tensors).
-    """
-    if torch.compiler.is_compiling() or torch.jit.is_tracing():
-        return True
-    is_exporting = getattr(torch.compiler, "is_exporting", None)
-    if is_exporting is not None and is_exporting():
-        return True
-    is_fx_symbolic_tracing = getattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing", None)
-    return bool(is_fx_symbolic_tracing is not None and is_fx_symbolic_tracing())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -133,494 +117,6 @@ def lecun_normal_(weight: torch.Tensor) -> None:
     fan_in = weight.shape[1]
     std = math.sqrt(1.0 / fan_in) / 0.87962566103423978  # std of a unit normal truncated at +-2
     init.trunc_normal_(weight, mean=0.0, std=std, a=-2 * std, b=2 * std)
-
-
-# --------------------------------------------------------------------------------------------------
-# The recurrent cache: (p, g, M) per row, its size independent of the sequence length
-# --------------------------------------------------------------------------------------------------
-
-
-# ---- what a cache has read: a fingerprint, to tell generate()'s two ways of continuing apart ------------
-
-_FINGERPRINT_MODULUS = 2**31 - 1  # a prime; products of two residues fit in int64
-_FINGERPRINT_BASES = (1_000_003, 998_244_353 % (2**31 - 1))  # two independent polynomial hashes: ~62 bits
-_PADDING_VALUE = 1  # a padded position's value in the hash (a token id t counts as t + 2)
-
-
-def token_fingerprint(token_ids: torch.Tensor, mask: torch.Tensor | None, start: torch.Tensor | None = None) -> torch.Tensor:
-    """(batch, 2) int64: two polynomial hashes of each row's positions (a padded position counts as padding,
-    whatever its id), continuing `start` (the fingerprint of the positions before these) when given.
-
-    The same positions give the same fingerprint however they were split into calls.
-    """
-    modulus = _FINGERPRINT_MODULUS
-    values = token_ids.long() + 2
-    if mask is not None:
-        values = torch.where(mask.bool(), values, torch.full_like(values, _PADDING_VALUE))
-    length = values.shape[1]
-    # powers[i] = base^(length-1-i) mod p, built by doubling (log2(length) steps)
-    powers = torch.ones(1, 2, dtype=torch.int64, device=values.device)
-    while powers.shape[0] < length:
-        step = torch.tensor([pow(b, powers.shape[0], modulus) for b in _FINGERPRINT_BASES], device=values.device)
-        powers = torch.cat([powers * step % modulus, powers])
-    powers = powers[-length:]
-    folded = (values[:, :, None] * powers % modulus).sum(dim=1) % modulus
-    if start is not None:
-        shift = torch.tensor([pow(b, length, modulus) for b in _FINGERPRINT_BASES], device=values.device)
-        folded = (folded + start.to(values.device) * shift % modulus) % modulus
-    return folded
-
-
-class ReadFingerprint:
-    """The fingerprint of every position a cache has read (`token_fingerprint`), or "unknown".
-
-    Decoding appends one token a call: those are kept as they come (one small tensor a call) and folded
-    into the fingerprint every `FOLD_EVERY` calls or when it is asked for; longer calls fold at once. It
-    becomes unknown when the cache reads positions given as `inputs_embeds`, or is rebuilt without its
-    history (pytree unflattening: a traced or exported program's cache).
-    """
-
-    FOLD_EVERY = 64
-
-    def __init__(self, known: bool = True):
-        self.known = known
-        self.folded: torch.Tensor | None = None  # (batch, 2), None before any position
-        self.pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-
-    def record(self, token_ids: torch.Tensor | None, mask: torch.Tensor | None) -> None:
-        if token_ids is None or not self.known:
-            self.forget()
-            return
-        self.pending.append((token_ids.detach().clone(), None if mask is None else mask.detach().clone()))
-        if len(self.pending) >= self.FOLD_EVERY or token_ids.shape[1] > 1:  # a prompt is folded at once, not kept
-            self.value()
-
-    def forget(self) -> None:
-        self.known, self.folded, self.pending = False, None, []
-
-    def value(self) -> torch.Tensor | None:
-        """(batch, 2) fingerprint of everything read, or None when unknown."""
-        if not self.known:
-            return None
-        if self.pending:
-            ids = torch.cat([ids for ids, _ in self.pending], dim=1)
-            mask = torch.cat([torch.ones_like(i, dtype=torch.bool) if m is None else m.bool() for i, m in self.pending], dim=1)
-            self.folded, self.pending = token_fingerprint(ids, mask, self.folded), []
-        return self.folded
-
-    def select_rows(self, select) -> None:
-        """Apply a row operation (beam search's reordering, repeat_interleave) to the fingerprint."""
-        folded = self.value()
-        if folded is not None:
-            self.folded = select(folded)
-
-
-# ---- end of the fingerprint ----------------------------------------------------------------------
-
-
-class GPNStateLayer(LinearAttentionLayer):
-    """The single cache layer of a GPN: three recurrent states in fixed buffers updated in place.
-
-    state 0: the predicted state p (batch, d); state 1: the grounded state g (batch, d);
-    state 2: the memory M (batch, H, dk, dv), a (batch, 0) placeholder without memory.
-    """
-
-    PREDICTED, GROUNDED, MEMORY = 0, 1, 2
-
-    def __init__(self, **kwargs):
-        super().__init__(number_of_states=3)
-        self.seen_tokens = 0
-        self.fingerprint = ReadFingerprint()  # of the positions read (see GPNForCausalLM._prefill)
-
-    def store(self, predicted: torch.Tensor, grounded: torch.Tensor, memory: torch.Tensor) -> None:
-        for index, tensor in ((self.PREDICTED, predicted), (self.GROUNDED, grounded), (self.MEMORY, memory)):
-            stored = self.recurrent_states[index]
-            if stored is not None and stored.shape != tensor.shape:
-                raise ValueError(
-                    f"GPNCache holds a state of shape {tuple(stored.shape)} but the model produced "
-                    f"{tuple(tensor.shape)}: the batch size changed between calls that share a cache"
-                )
-            self.update_recurrent_state(tensor.detach(), state_idx=index)
-            # The stock layer only marks a state as present on conv updates; GPN has no conv.
-            self.has_previous_state[index] = True
-            if self.device is None:
-                self.device, self.dtype = tensor.device, tensor.dtype
-
-    def reset(self) -> None:
-        super().reset()
-        self.seen_tokens = 0
-        self.fingerprint = ReadFingerprint()
-
-    def get_seq_length(self) -> int:
-        seen = self.seen_tokens  # a 0-dim tensor only inside a traced program (see the pytree functions)
-        return int(seen) if isinstance(seen, torch.Tensor) and not is_tracing() else seen
-
-    @property
-    def is_croppable(self) -> bool:
-        return False  # a recurrent state cannot be rolled back
-
-    @property
-    def batch_size(self) -> int:
-        state = self.recurrent_states[self.PREDICTED]
-        return -1 if state is None else state.shape[0]
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        for index in range(self.number_of_states):
-            if self.is_recurrent_states_initialized[index]:
-                self.recurrent_states[index] = self.recurrent_states[index].repeat_interleave(repeats, dim=0)
-        self.fingerprint.select_rows(lambda rows: rows.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        for index in range(self.number_of_states):
-            if self.is_recurrent_states_initialized[index]:
-                self.recurrent_states[index] = self.recurrent_states[index][indices, ...]
-        self.fingerprint.select_rows(lambda rows: rows[indices.to(rows.device)])
-
-
-class GPNCache(Cache):
-    """transformers `Cache` holding a GPN's recurrent state (p, g, M) for every row.
-
-    Its size depends on the batch and the model, never on the number of tokens seen. Beam search
-    reorders it through the stock `reorder_cache`; it cannot be cropped (assisted decoding is refused).
-    """
-
-    def __init__(self, config: GPNConfig | None = None, **kwargs):
-        super().__init__(layers=[GPNStateLayer()])
-
-    @property
-    def state_layer(self) -> GPNStateLayer:
-        return self.layers[0]
-
-    @property
-    def has_state(self) -> bool:
-        return all(self.state_layer.has_previous_state.values())
-
-    def get_state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(p, g, M) as copies (the model never mutates the cache's buffers), or None if empty."""
-        if not self.has_state:
-            return None
-        layer = self.state_layer
-        return tuple(layer.recurrent_states[i].clone() for i in range(3))
-
-    def update_state(
-        self, predicted: torch.Tensor, grounded: torch.Tensor, memory: torch.Tensor, num_new_tokens: int
-    ) -> None:
-        """Store the state after `num_new_tokens` more tokens (in place, so addresses stay static)."""
-        self.state_layer.store(predicted, grounded, memory)
-        seen = self.state_layer.seen_tokens
-        if is_tracing() and not isinstance(seen, torch.Tensor):
-            # a tensor while tracing, so the count of a dynamic-length program is computed, not frozen (see pytree)
-            seen = torch.zeros((), dtype=torch.int64)
-        self.state_layer.seen_tokens = seen + num_new_tokens
-
-    def record_read(self, token_ids: torch.Tensor | None, mask: torch.Tensor | None) -> None:
-        """Fold the positions just read into the cache's fingerprint (`token_ids` None: positions given as
-        embeddings, which make it unknown). `mask` (batch, seq) bool, or None when every position is real."""
-        if is_tracing():
-            self.state_layer.fingerprint.forget()
-        else:
-            self.state_layer.fingerprint.record(token_ids, mask)
-
-    def read_fingerprint(self) -> torch.Tensor | None:
-        """(batch, 2) fingerprint of the positions read (`token_fingerprint`), or None when unknown."""
-        return self.state_layer.fingerprint.value()
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Number of token positions this cache has consumed (padding included)."""
-        return self.state_layer.get_seq_length()
-
-    def nbytes(self) -> int:
-        """Bytes held by the state buffers."""
-        layer = self.state_layer
-        return sum(
-            layer.recurrent_states[i].numel() * layer.recurrent_states[i].element_size()
-            for i in range(3)
-            if layer.recurrent_states[i] is not None
-        )
-
-    # ---- a state kept: fork, save, load ---------------------------------------------------------------
-    # The whole context of a GPN is this state, so it can be copied into N rows (N continuations of one
-    # prompt), written to a file and read back in another process. `GPNModel.forward` stamps the cache
-    # with the model that fills it (a weak reference), so `save` can record which model the state belongs to.
-
-    def fork(self, num_copies: int) -> GPNCache:
-        """A new cache with every row repeated `num_copies` times: rows i*n .. i*n + n - 1 hold row i.
-
-        The forked rows have read the same positions as the original (`get_seq_length()` is unchanged)
-        and continue independently: N sampled or beamed continuations of one prompt without reading the
-        prompt N times. The original cache is left as it is; `fork(1)` is a copy.
-        """
-        if isinstance(num_copies, bool) or not isinstance(num_copies, int) or num_copies < 1:
-            raise ValueError(f"fork needs a positive number of copies, got {num_copies!r}")
-        if not self.has_state:
-            raise ValueError("This GPNCache holds no state to fork: run the model on a prompt with it first")
-        layer = self.state_layer
-        forked = GPNCache()
-        forked.update_state(
-            *(layer.recurrent_states[i].repeat_interleave(num_copies, dim=0) for i in range(3)),
-            num_new_tokens=self.get_seq_length(),
-        )
-        read = self.read_fingerprint()  # each copy has read what its original row read
-        forked.state_layer.fingerprint = ReadFingerprint(known=read is not None)
-        if read is not None:
-            forked.state_layer.fingerprint.folded = read.repeat_interleave(num_copies, dim=0)
-        forked._gpn_model_ref = getattr(self, "_gpn_model_ref", None)
-        return forked
-
-    def save(self, path: str | os.PathLike) -> None:
-        """Write the state to `path` as safetensors (never pickle), with what identifies its model.
-
-        The file holds p, g and M for every row (float32) and, as metadata, the number of positions read,
-        the fingerprint of the model that computed the state (`state_fingerprint`: the configuration
-        fields that give the state its meaning, the weights' dtype and a hash of the model's vector
-        parameters) and a checksum of the tensors. It is written under a temporary name and renamed,
-        so an interrupted save never leaves a partial file at `path`. `GPNCache.load(path, model)` reads it.
-        """
-        path = Path(path)
-        if not self.has_state:
-            raise ValueError(f"Cannot save {path}: this GPNCache holds no state (run the model on a prompt first)")
-        model_ref = getattr(self, "_gpn_model_ref", None)
-        model = model_ref() if model_ref is not None else None
-        if model is None:
-            raise ValueError(
-                f"Cannot save {path}: this GPNCache does not know the model that filled it (it was not filled by "
-                "a GPN forward in this process, or that model was deleted), so the file could not say whose state it is"
-            )
-        layer = self.state_layer
-        tensors = {
-            name: layer.recurrent_states[index].detach().to("cpu", copy=True).contiguous()
-            for index, name in enumerate(STATE_TENSOR_NAMES)
-        }
-        if not all(bool(torch.isfinite(tensor).all()) for tensor in tensors.values()):
-            raise ValueError(f"Cannot save {path}: the state holds NaN or infinite values")
-        # what it read (for generate()'s two ways of continuing, `continuation_start`), or "unknown"
-        read = self.read_fingerprint()
-        read_fingerprint = json.dumps(read.tolist()) if read is not None else "unknown"
-        metadata = {
-            "format": STATE_FILE_FORMAT,
-            "format_version": str(STATE_FILE_VERSION),
-            "positions_read": str(self.get_seq_length()),
-            "batch_size": str(tensors["predicted"].shape[0]),
-            "read_fingerprint": read_fingerprint,
-            "checksum": _state_checksum(tensors, read_fingerprint),
-            **state_fingerprint(model),
-        }
-        payload = safetensors.torch.save(tensors, metadata=metadata)
-        temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            with open(temporary, "wb") as file:
-                file.write(payload)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(temporary, path)
-        finally:
-            temporary.unlink(missing_ok=True)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike, model: nn.Module) -> GPNCache:
-        """Read a state written by `save` onto `model`'s device, after checking it belongs to `model`.
-
-        Refuses, with a `GPNStateFileError` naming the file: a file that is not a complete GPN state file
-        (truncated, damaged: the checksum recorded at save time does not match), the state of another model
-        (another configuration, weights dtype or weights), and a state holding NaN or infinite values.
-        Continue from it as from the cache `generate()` returns: the new tokens, with an attention mask
-        covering `cache.get_seq_length()` positions more.
-        """
-        path = Path(path)
-        base = getattr(model, "base_model", model)
-        if not isinstance(base, GPNModel):
-            raise TypeError(f"GPNCache.load needs the GPN model the state belongs to, got {type(model).__name__}")
-        try:
-            payload = path.read_bytes()
-        except OSError as error:
-            raise GPNStateFileError(f"Cannot read the GPN state file {path}: {error.strerror or error}") from error
-        metadata = _state_file_metadata(payload, path)
-        try:
-            tensors = safetensors.torch.load(payload)
-        except Exception as error:  # noqa: BLE001 - safetensors raises its own error types for damaged files
-            raise GPNStateFileError(f"{path} is damaged or truncated: safetensors cannot read it ({error})") from error
-        if sorted(tensors) != sorted(STATE_TENSOR_NAMES):
-            raise GPNStateFileError(f"{path} is not a GPN state file: it holds tensors {sorted(tensors)}, not {list(STATE_TENSOR_NAMES)}")
-        read_fingerprint = metadata.get("read_fingerprint", "unknown")
-        if metadata.get("checksum") != _state_checksum(tensors, read_fingerprint):
-            raise GPNStateFileError(f"{path} is damaged: its tensors do not match the checksum recorded when it was saved")
-        _check_state_belongs_to(metadata, base, path)
-        batch_size = tensors["predicted"].shape[0]
-        expected = {name: (batch_size, *shape) for name, shape in state_shapes(base.config).items()}
-        for name, tensor in tensors.items():
-            if tuple(tensor.shape) != expected[name] or tensor.dtype != torch.float32:
-                raise GPNStateFileError(
-                    f"{path} holds {name} of shape {tuple(tensor.shape)} ({tensor.dtype}); this model's is "
-                    f"{expected[name]} (float32)"
-                )
-            if not bool(torch.isfinite(tensor).all()):
-                raise GPNStateFileError(f"{path} holds a state with NaN or infinite values (in {name}): it cannot be continued")
-        try:
-            positions_read = int(metadata.get("positions_read", ""))
-        except ValueError:
-            positions_read = -1
-        if positions_read < 1:
-            raise GPNStateFileError(f"{path} does not say how many positions its state has read")
-        cache = cls()
-        cache.update_state(
-            *(tensors[name].to(base.device) for name in STATE_TENSOR_NAMES), num_new_tokens=positions_read
-        )
-        if read_fingerprint != "unknown":
-            read = torch.tensor(json.loads(read_fingerprint), dtype=torch.int64, device=base.device)
-            if tuple(read.shape) != (batch_size, 2):
-                raise GPNStateFileError(f"{path} holds a read fingerprint of shape {tuple(read.shape)}, not ({batch_size}, 2)")
-            cache.state_layer.fingerprint.folded = read
-        else:
-            cache.state_layer.fingerprint.forget()
-        cache._gpn_model_ref = weakref.ref(base)
-        return cache
-
-
-# ---- pytree registration (torch.export / torch.compile) -------------------------------------------
-# The children are the state (p, g, M) and the number of positions read, as a 0-dim int64 tensor; the
-# context is only whether a state is held. A count in the context would be a SymInt in a program exported
-# with a dynamic sequence length (not serializable: torch.export.save failed with "Object of type SymInt
-# is not JSON serializable"), and a constant frozen into the program's output spec at tracing time.
-
-
-def _seen_tokens_tensor(seen: int | torch.Tensor) -> torch.Tensor:
-    return seen if isinstance(seen, torch.Tensor) else torch.tensor(seen, dtype=torch.int64)
-
-
-def _flatten_gpn_cache(cache: GPNCache):
-    """pytree children of a `GPNCache`: (p, g, M) when it holds a state, then the positions read (a tensor)."""
-    state = [cache.state_layer.recurrent_states[i] for i in range(3)] if cache.has_state else []
-    return [*state, _seen_tokens_tensor(cache.state_layer.seen_tokens)], bool(state)
-
-
-def _unflatten_gpn_cache(children, context) -> GPNCache:
-    has_state = context
-    *state, seen_tokens = children
-    cache = GPNCache()
-    layer = cache.state_layer
-    if has_state:
-        for index, tensor in enumerate(state):
-            layer.recurrent_states[index] = tensor
-            layer.is_recurrent_states_initialized[index] = True
-            layer.has_previous_state[index] = True
-        layer.device, layer.dtype = state[0].device, state[0].dtype
-    layer.fingerprint = ReadFingerprint(known=False)  # what it read is not part of the pytree
-    layer.seen_tokens = seen_tokens  # stays a tensor (no int() on a traced value); get_seq_length() gives an int
-    return cache
-
-
-# A registered pytree, so torch.export and torch.compile can return a cache from forward (and take one in).
-# Each import of this file (the package, or a remote-code copy) defines its own GPNCache class to register.
-pytree.register_pytree_node(
-    GPNCache,
-    _flatten_gpn_cache,
-    _unflatten_gpn_cache,
-    serialized_type_name=f"{__name__}.GPNCache",
-    flatten_with_keys_fn=lambda cache: (
-        [(pytree.SequenceKey(i), child) for i, child in enumerate(_flatten_gpn_cache(cache)[0])],
-        _flatten_gpn_cache(cache)[1],
-    ),
-)
-# ---- end of the pytree registration ---------------------------------------------------------------
-
-
-# --------------------------------------------------------------------------------------------------
-# The state file of `GPNCache.save` / `GPNCache.load`
-# --------------------------------------------------------------------------------------------------
-
-STATE_FILE_FORMAT = "gpn-state"
-STATE_FILE_VERSION = 1
-STATE_TENSOR_NAMES = ("predicted", "grounded", "memory")  # p, g, M: the order of GPNStateLayer's states
-# The configuration fields that give a state its meaning (what the recurrence computes and the shapes it
-# keeps); training settings (BPTT, token ids, the window hint) do not change it.
-STATE_CONFIG_FIELDS = (
-    "model_type", "vocab_size", "hidden_size", "embedding_size", "intermediate_size", "num_predict_layers",
-    "use_memory", "num_memory_heads", "memory_key_dim", "memory_value_dim", "rms_norm_eps",
-)  # fmt: skip
-
-
-class GPNStateFileError(ValueError):
-    """A GPN state file that cannot be continued from: damaged, truncated, another model's, or non-finite."""
-
-
-def state_shapes(config: GPNConfig) -> dict[str, tuple[int, ...]]:
-    """The shape of each state tensor of one row (p, g, M; M is (0,) without memory)."""
-    memory = (
-        (config.num_memory_heads, config.memory_key_dim, config.memory_value_dim) if config.use_memory else (0,)
-    )
-    return {"predicted": (config.hidden_size,), "grounded": (config.hidden_size,), "memory": memory}
-
-
-def state_fingerprint(model: GPNModel) -> dict[str, str]:
-    """What identifies the model a state belongs to, as safetensors metadata (strings).
-
-    `state_config`: the `STATE_CONFIG_FIELDS` as JSON; `config_fingerprint`: its SHA-256; `weights_dtype`;
-    `weights_fingerprint`: SHA-256 of the model's vector parameters (norm weights, biases, memory decay
-    parameters) as float32, in order -- cheap, and different for any two trained or initialised models.
-    """
-    config = {name: getattr(model.config, name) for name in STATE_CONFIG_FIELDS}
-    config_json = json.dumps(config, sort_keys=True)
-    vectors = [parameter.detach() for parameter in model.parameters() if parameter.dim() == 1]
-    digest = hashlib.sha256()
-    for vector in vectors:
-        digest.update(vector.to("cpu", torch.float32).contiguous().numpy().tobytes())
-    return {
-        "state_config": config_json,
-        "config_fingerprint": hashlib.sha256(config_json.encode()).hexdigest(),
-        "weights_dtype": str(model.dtype).removeprefix("torch."),
-        "weights_fingerprint": digest.hexdigest(),
-    }
-
-
-def _state_checksum(tensors: dict[str, torch.Tensor], read_fingerprint: str) -> str:
-    """SHA-256 over the state tensors' names, shapes and bytes, in `STATE_TENSOR_NAMES` order, and the
-    fingerprint of the positions read (a damaged one could make a continuation feed positions twice)."""
-    digest = hashlib.sha256(read_fingerprint.encode())
-    for name in STATE_TENSOR_NAMES:
-        tensor = tensors[name]
-        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
-        digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-    return digest.hexdigest()
-
-
-def _state_file_metadata(payload: bytes, path: Path) -> dict[str, str]:
-    """The `__metadata__` of a safetensors file's header, checked to be a GPN state file's."""
-    try:
-        header_length = int.from_bytes(payload[:8], "little")
-        if len(payload) < 8 or header_length > len(payload) - 8:
-            raise ValueError(f"the header claims {header_length} bytes but the file has {len(payload)}")
-        header = json.loads(payload[8 : 8 + header_length])
-        metadata = header.get("__metadata__") or {}
-    except (ValueError, AttributeError, UnicodeDecodeError) as error:
-        raise GPNStateFileError(f"{path} is damaged or truncated, or not a safetensors file ({error})") from error
-    if not isinstance(metadata, dict) or metadata.get("format") != STATE_FILE_FORMAT:
-        raise GPNStateFileError(f"{path} is not a GPN state file (written by GPNCache.save)")
-    if metadata.get("format_version") != str(STATE_FILE_VERSION):
-        raise GPNStateFileError(
-            f"{path} is a GPN state file of format version {metadata.get('format_version')}; this code reads version {STATE_FILE_VERSION}"
-        )
-    return metadata
-
-
-def _check_state_belongs_to(metadata: dict[str, str], model: GPNModel, path: Path) -> None:
-    """Refuse the state of another model: another configuration, weights dtype, or weights."""
-    ours = state_fingerprint(model)
-    if metadata.get("config_fingerprint") != ours["config_fingerprint"]:
-        try:
-            theirs = json.loads(metadata.get("state_config", "{}"))
-        except ValueError:
-            theirs = {}
-        mine = json.loads(ours["state_config"])
-        differences = [f"{name} {theirs.get(name)!r} (this model: {mine[name]!r})" for name in mine if theirs.get(name) != mine[name]]
-        raise GPNStateFileError(f"{path} holds the state of another model: {'; '.join(differences) or 'another configuration'}")
-    if metadata.get("weights_dtype") != ours["weights_dtype"]:
-        raise GPNStateFileError(
-            f"{path} holds a state computed with {metadata.get('weights_dtype')} weights; this model's are {ours['weights_dtype']}"
-        )
-    if metadata.get("weights_fingerprint") != ours["weights_fingerprint"]:
-        raise GPNStateFileError(
-            f"{path} holds the state of another model: same configuration, other weights (weights fingerprint differs)"
-        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1180,7 +676,7 @@ class GPNModel(GPNPreTrainedModel):
         """
         cache = _pop_cache_alias(cache, kwargs)
         _check_unused_kwargs(kwargs)
-        packing = {name: kwargs[name] for name in ("position_ids", *_PACKING_KWARGS) if kwargs.get(name) is not None}
+        packing = {name: kwargs[name] for name in ("position_ids", *PACKING_KWARGS) if kwargs.get(name) is not None}
         config = self.config
         use_cache = use_cache if use_cache is not None else (config.use_cache and not self.training)
         return_dict = return_dict if return_dict is not None else True
@@ -1285,174 +781,6 @@ class GPNModel(GPNPreTrainedModel):
         return mask.bool()
 
 
-# --------------------------------------------------------------------------------------------------
-# Packed (padding-free) batches: where each row's sequences start
-# --------------------------------------------------------------------------------------------------
-
-# The arguments by which padding-free collators (transformers' DataCollatorWithFlattening, TRL's SFTTrainer with
-# packing) say where the sequences packed into a row start, besides `position_ids` restarting inside a row.
-_PACKING_KWARGS = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"}
-
-
-def _previous_real_index(real: torch.Tensor) -> torch.Tensor:
-    """(batch, seq) long: the index of the row's last real position before each position, -1 where none."""
-    seq_len = real.shape[1]
-    indices = torch.arange(seq_len, device=real.device).expand_as(real)
-    last_real = torch.where(real, indices, -1).cummax(dim=1).values
-    return torch.cat([last_real.new_full((real.shape[0], 1), -1), last_real[:, :-1]], dim=1)
-
-
-def _starts_at_real_tokens(boundaries: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """Sequence starts as the recurrence takes them, from `boundaries` (batch, seq) bool marking the first
-    position of every packed sequence (possibly a padded one): True at each real token that has an earlier
-    real token in its row and a boundary after that one, up to and including itself."""
-    count = boundaries.long().cumsum(dim=1)
-    previous = _previous_real_index(real)
-    count_at_previous = count.gather(1, previous.clamp(min=0))
-    return real & (previous >= 0) & (count > count_at_previous)
-
-
-def _as_index_tensor(value, name: str, device: torch.device) -> torch.Tensor:
-    tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
-    if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
-        raise ValueError(f"{name} must hold integers, got dtype {tensor.dtype}")
-    return tensor.to(device)
-
-
-def _starts_from_cu_seq_lens(
-    cu_seq_lens: torch.Tensor, name: str, batch_size: int, seq_len: int, validate: bool
-) -> torch.Tensor:
-    """Boundaries (batch, seq) from cumulative sequence lengths over the flattened batch (FlashAttention's
-    varlen convention): sequence i holds flattened positions cu[i]..cu[i+1]-1."""
-    total = batch_size * seq_len
-    if cu_seq_lens.dim() != 1 or cu_seq_lens.numel() < 2:
-        raise ValueError(
-            f"{name} must be a 1-D tensor [0, end of sequence 1, ..., {total}], got shape {tuple(cu_seq_lens.shape)}"
-        )
-    if not validate:
-        boundaries = torch.zeros(total + 1, dtype=torch.bool, device=cu_seq_lens.device)
-        return boundaries.index_fill(0, cu_seq_lens.long().clamp(0, total), True)[:total].view(batch_size, seq_len)
-    first, last = int(cu_seq_lens[0]), int(cu_seq_lens[-1])
-    if first != 0 or last != total:
-        raise ValueError(
-            f"{name} must run from 0 to the number of tokens in the batch ({batch_size} x {seq_len} = {total}), "
-            f"got {first} .. {last}"
-        )
-    lengths = cu_seq_lens[1:] - cu_seq_lens[:-1]
-    if bool((lengths <= 0).any()):
-        raise ValueError(
-            f"{name} must be strictly increasing (every packed sequence holds a token), got {cu_seq_lens.tolist()}"
-        )
-    boundaries = torch.zeros(total, dtype=torch.bool, device=cu_seq_lens.device)
-    boundaries[cu_seq_lens[:-1].long()] = True
-    boundaries = boundaries.view(batch_size, seq_len)
-    if not bool(boundaries[:, 0].all()):
-        row = int((~boundaries[:, 0]).nonzero()[0])
-        raise ValueError(
-            f"{name} has a sequence running from row {row - 1} into row {row}: a GPN runs each row from its own "
-            f"state, so every row must start a sequence (put each row start, a multiple of {seq_len}, in {name})"
-        )
-    return boundaries
-
-
-def packed_sequence_starts(
-    batch_size: int,
-    seq_len: int,
-    mask: torch.Tensor | None,
-    position_ids: torch.Tensor | None = None,
-    cu_seq_lens_q: torch.Tensor | None = None,
-    cu_seq_lens_k: torch.Tensor | None = None,
-    max_length_q: int | None = None,
-    max_length_k: int | None = None,
-    seq_idx: torch.Tensor | None = None,
-    device: torch.device | None = None,
-) -> torch.Tensor | None:
-    """Where packed sequences start inside the rows: (batch, seq) bool, True at the first real token of every
-    sequence but the first of its row, or None when no row packs more than one sequence.
-
-    The recurrence resets (p, g, M) to the zero state right before each such token, so every packed sequence
-    runs as if alone. A row's first sequence starts from the state the row already has: the zero state, or
-    the cache's when continuing from one (so a packed prefill can be continued, the last sequence of each row).
-    Three ways of saying where sequences start are understood, alone or together (they must then agree):
-
-    - `position_ids` (batch or 1, seq): a sequence starts where the position id does not exceed that of the
-      row's previous real token (`DataCollatorWithFlattening` numbers each sequence from 0, or from
-      `position_ids_start`). Ordinary position ids (increasing over the real tokens) mark nothing.
-    - `cu_seq_lens_q` / `cu_seq_lens_k`: FlashAttention's cumulative lengths over the flattened batch,
-      [0, ..., batch * seq]; every row start must be one of them. `max_length_q/k`, if given, must be at least
-      the longest sequence.
-    - `seq_idx` (batch, seq): the index of the sequence each position belongs to; a sequence starts where it
-      changes.
-
-    A boundary at a padded position (`mask` False) takes effect at the next real token, so padded positions
-    still leave the state exactly unchanged. Inconsistent arguments raise a ValueError naming the problem
-    (under torch.compile / torch.export these value checks are left out, and the starts are always returned).
-    """
-    validate = not is_tracing()
-    real = mask if mask is not None else torch.ones(batch_size, seq_len, dtype=torch.bool, device=device)
-    device = real.device
-    derived: list[tuple[str, torch.Tensor]] = []  # (what, starts) for every form given
-
-    if position_ids is not None:
-        position_ids = _as_index_tensor(position_ids, "position_ids", device)
-        if position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch_size) or position_ids.shape[1] < seq_len:
-            raise ValueError(
-                f"position_ids must have shape (batch={batch_size} or 1, seq={seq_len}) like input_ids, got "
-                f"{tuple(position_ids.shape)}"
-            )
-        positions = position_ids[:, -seq_len:].expand(batch_size, seq_len)
-        previous = _previous_real_index(real)
-        position_at_previous = positions.gather(1, previous.clamp(min=0))
-        derived.append(("position_ids", real & (previous >= 0) & (positions <= position_at_previous)))
-
-    cu_given = {name: value for name, value in (("cu_seq_lens_q", cu_seq_lens_q), ("cu_seq_lens_k", cu_seq_lens_k))
-                if value is not None}  # fmt: skip
-    for name, bound in (("max_length_q", max_length_q), ("max_length_k", max_length_k)):
-        cu_name = "cu_seq_lens_" + name[-1]
-        if bound is not None and cu_name not in cu_given:
-            raise ValueError(f"{name} was given without {cu_name}: it bounds the lengths {cu_name} gives")
-    cu_tensors = {name: _as_index_tensor(value, name, device) for name, value in cu_given.items()}
-    if validate and len(cu_tensors) == 2 and not torch.equal(cu_tensors["cu_seq_lens_q"], cu_tensors["cu_seq_lens_k"]):
-        raise ValueError(
-            "cu_seq_lens_q and cu_seq_lens_k differ: a GPN reads each packed sequence once (self-attention's "
-            "query and key sequences are the same), so they must be equal"
-        )
-    if cu_tensors:
-        name, cu_seq_lens = next(iter(cu_tensors.items()))
-        boundaries = _starts_from_cu_seq_lens(cu_seq_lens, name, batch_size, seq_len, validate)
-        longest = int((cu_seq_lens[1:] - cu_seq_lens[:-1]).max()) if validate else 0
-        for bound_name, bound in (("max_length_q", max_length_q), ("max_length_k", max_length_k)):
-            if validate and bound is not None and int(bound) < longest:
-                raise ValueError(
-                    f"{bound_name}={int(bound)} is shorter than the longest packed sequence ({longest} tokens)"
-                )
-        derived.append((name, _starts_at_real_tokens(boundaries, real)))
-
-    if seq_idx is not None:
-        seq_idx = _as_index_tensor(seq_idx, "seq_idx", device)
-        if seq_idx.shape != (batch_size, seq_len):
-            raise ValueError(f"seq_idx must have shape (batch={batch_size}, seq={seq_len}), got {tuple(seq_idx.shape)}")
-        boundaries = torch.ones_like(real)
-        boundaries[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
-        derived.append(("seq_idx", _starts_at_real_tokens(boundaries, real)))
-
-    if not derived:
-        return None
-    (first_name, starts), *others = derived
-    if not validate:
-        return starts
-    for name, other in others:
-        disagree = starts != other
-        if bool(disagree.any()):
-            row, column = (int(i) for i in disagree.nonzero()[0])
-            says = lambda s: "starts" if bool(s[row, column]) else "does not start"  # noqa: E731
-            raise ValueError(
-                f"{first_name} and {name} disagree on where the packed sequences start: at (row {row}, position "
-                f"{column}) a sequence {says(starts)} by {first_name} but {says(other)} by {name}"
-            )
-    return starts if bool(starts.any()) else None
-
-
 # What generate(), Trainer, PEFT and evaluation harnesses pass for attention models, and a GPN has no use
 # for: position and cache positions (a recurrence knows where it is; position ids are read only for where packed
 # sequences start, see `packed_sequence_starts`), attention outputs (it has none),
@@ -1463,9 +791,9 @@ _IGNORED_FORWARD_KWARGS = {
 
 
 def _check_unused_kwargs(kwargs: dict) -> None:
-    """Accept the harmless extras of `_IGNORED_FORWARD_KWARGS` and the packing arguments (`_PACKING_KWARGS`,
+    """Accept the harmless extras of `_IGNORED_FORWARD_KWARGS` and the packing arguments (`PACKING_KWARGS`,
     read by `GPNModel.forward`); refuse everything else by name."""
-    unknown = set(kwargs) - _IGNORED_FORWARD_KWARGS - _PACKING_KWARGS
+    unknown = set(kwargs) - _IGNORED_FORWARD_KWARGS - PACKING_KWARGS
     if unknown:
         raise TypeError(f"GPN forward got unexpected arguments: {sorted(unknown)}")
 
@@ -1519,9 +847,13 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             return embedding(ids)
         return embedding.forward(ids)
 
+    def decoded(self, predicted_states: torch.Tensor) -> torch.Tensor:
+        """W_dec rms(p) (+ b_dec): the e-wide vector the tied output matrix multiplies (float32)."""
+        return project(self.decode_proj, self.decode_norm(predicted_states))
+
     def decode(self, predicted_states: torch.Tensor) -> torch.Tensor:
         """Step 4: logits for every given predicted state (the embedding is the output matrix)."""
-        decoded = project(self.decode_proj, self.decode_norm(predicted_states))
+        decoded = self.decoded(predicted_states)
         weight = self.output_embedding_weight()
         return F.linear(decoded.to(weight.dtype), weight)
 
@@ -1607,17 +939,18 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         return_dict = return_dict if return_dict is not None else True
         cache = _pop_cache_alias(cache, kwargs)
         shift_labels = kwargs.pop("shift_labels", None)
-        chunk_length = self._prefill_chunk_length_for(
-            input_ids, inputs_embeds, labels, shift_labels, logits_to_keep, return_logits,
+        chunk_length = prefill_chunk_length_for(
+            self, input_ids, inputs_embeds, labels, shift_labels, logits_to_keep, return_logits,
             output_hidden_states, output_memory_decays,
         )  # fmt: skip
-        if chunk_length:
-            output = self._forward_in_chunks(
-                chunk_length, input_ids, inputs_embeds, attention_mask, cache, use_cache, labels, shift_labels,
-                logits_to_keep, num_items_in_batch, kwargs,
-            )  # fmt: skip
-            if output is not None:  # (None: a packed batch, which runs in one pass)
-                return output if return_dict else output.to_tuple()
+        chunked = chunk_length and forward_in_chunks(
+            self, chunk_length, input_ids, inputs_embeds, attention_mask, cache, use_cache, labels, shift_labels,
+            logits_to_keep, num_items_in_batch, kwargs,
+        )  # fmt: skip
+        if chunked:  # (None: a packed batch, which runs in one pass)
+            loss, logits, cache = chunked
+            output = GPNCausalLMOutput(loss=loss, logits=logits, cache=cache)
+            return output if return_dict else output.to_tuple()
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -1635,8 +968,7 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
                 raise ValueError(f"{name} must have shape {tuple(predicted_states.shape[:2])}, got {tuple(given.shape)}")
         wants_loss = labels is not None or shift_labels is not None
         if wants_loss and not return_logits:
-            decoded = project(self.decode_proj, self.decode_norm(predicted_states))
-            loss = self._chunked_loss(decoded, labels, shift_labels, num_items_in_batch)
+            loss = self._chunked_loss(self.decoded(predicted_states), labels, shift_labels, num_items_in_batch)
             output = GPNCausalLMOutput(
                 loss=loss, cache=outputs.cache, hidden_states=outputs.hidden_states, memory_decays=outputs.memory_decays
             )
@@ -1658,127 +990,9 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         )
         return output if return_dict else output.to_tuple()
 
-    # ---- prefill and scoring in bounded memory --------------------------------------------------
-    # A no-grad forward that asks only for the last logits (generate()'s prefill: logits_to_keep=1) or
-    # for the chunked loss (labels with return_logits=False) runs its positions a chunk at a time, the
-    # state carried between chunks in a cache, so its peak memory does not grow with the prompt: only
-    # one chunk's embeddings, token projections and predicted states exist at once.
-
-    prefill_chunk_length: int = 2048  # positions per chunk; 0 (on a model or the class) turns chunking off
-
-    def _prefill_chunk_length_for(
-        self,
-        input_ids: torch.Tensor | None,
-        inputs_embeds: torch.Tensor | None,
-        labels: torch.Tensor | None,
-        shift_labels: torch.Tensor | None,
-        logits_to_keep,
-        return_logits: bool,
-        output_hidden_states: bool | None,
-        output_memory_decays: bool,
-    ) -> int:
-        """The chunk length `forward` runs this call in, or 0 for one pass over every position.
-
-        Chunks only what gives the same result in bounded memory: no gradient (training keeps what its
-        backward needs), nothing per position asked back (hidden states, memory decays, all logits), and
-        more positions than one chunk. Malformed inputs take the one-pass path, whose checks name them.
-        """
-        chunk = self.prefill_chunk_length
-        if not chunk or torch.is_grad_enabled() or is_tracing() or output_memory_decays:
-            return 0
-        if output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states:
-            return 0
-        if input_ids is not None and inputs_embeds is None and input_ids.dim() == 2:
-            seq_len = input_ids.shape[1]
-        elif inputs_embeds is not None and input_ids is None and inputs_embeds.dim() == 3:
-            seq_len = inputs_embeds.shape[1]
-        else:
-            return 0
-        if seq_len <= chunk:
-            return 0
-        wants_loss = labels is not None or shift_labels is not None
-        if wants_loss:
-            return chunk if not return_logits else 0
-        keeps_a_tail = isinstance(logits_to_keep, int) and not isinstance(logits_to_keep, bool)
-        return chunk if keeps_a_tail and 0 < logits_to_keep <= chunk else 0
-
-    def _forward_in_chunks(
-        self,
-        chunk_length: int,
-        input_ids: torch.Tensor | None,
-        inputs_embeds: torch.Tensor | None,
-        attention_mask: torch.Tensor | None,
-        cache: GPNCache | None,
-        use_cache: bool | None,
-        labels: torch.Tensor | None,
-        shift_labels: torch.Tensor | None,
-        logits_to_keep: int,
-        num_items_in_batch: torch.Tensor | int | None,
-        kwargs: dict,
-    ) -> GPNCausalLMOutput | None:
-        """`forward` over `chunk_length` positions at a time (see `_prefill_chunk_length_for` for when).
-
-        Each chunk runs `GPNModel.forward` from the state the previous chunk left in a cache; only the
-        last `logits_to_keep` predicted states, or the running sum of the loss, are kept. The result is
-        that of one pass: the same state and logits, and the loss up to float32 summation order.
-        Returns None for a packed batch (sequences starting inside rows, `packed_sequence_starts`), which
-        `forward` then runs in one pass (a chunk's first position continues the cache, so a sequence
-        starting there would not be reset).
-        """
-        tokens = input_ids if input_ids is not None else inputs_embeds
-        batch_size, seq_len = tokens.shape[:2]
-        use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.model.training)
-        # The checks one pass makes over the whole input, made once here (a chunk sees only its part).
-        continuing = isinstance(cache, GPNCache) and cache.has_state
-        mask = self.model.check_attention_mask(attention_mask, batch_size, seq_len, continuing=continuing)
-        packing = {name: kwargs[name] for name in ("position_ids", *_PACKING_KWARGS) if kwargs.get(name) is not None}
-        if packing and packed_sequence_starts(batch_size, seq_len, mask, **packing, device=tokens.device) is not None:
-            return None
-        kwargs = {name: value for name, value in kwargs.items() if name not in packing}  # (ordinary position ids)
-        for name, given in (("labels", labels), ("shift_labels", shift_labels)):
-            if given is not None and given.shape != (batch_size, seq_len):
-                raise ValueError(f"{name} must have shape {(batch_size, seq_len)}, got {tuple(given.shape)}")
-        # The state runs from chunk to chunk through a cache; a cache the caller wants left as it was
-        # (use_cache=False) is copied. (Anything but a GPNCache goes to the model, which refuses it.)
-        if isinstance(cache, GPNCache) and not use_cache:
-            running = cache.fork(1) if cache.has_state else GPNCache(self.config)
-        else:
-            running = cache if cache is not None else GPNCache(self.config)
-
-        wants_loss = labels is not None or shift_labels is not None
-        if wants_loss:  # position t's target, for every position (the last one of `labels` has none)
-            targets = shift_labels
-            if targets is None:
-                targets = torch.cat([labels[:, 1:], labels.new_full((batch_size, 1), -100)], dim=1)
-            output_embedding = self.output_embedding_weight()
-            loss_sum = None
-        tail = None  # the last `logits_to_keep` predicted states read so far
-        for start in range(0, seq_len, chunk_length):
-            stop = min(start + chunk_length, seq_len)
-            predicted_states = self.model(
-                input_ids=None if input_ids is None else input_ids[:, start:stop],
-                inputs_embeds=None if inputs_embeds is None else inputs_embeds[:, start:stop],
-                attention_mask=None if mask is None else mask[:, start:stop],
-                cache=running,
-                use_cache=True,
-                output_hidden_states=False,
-                return_dict=True,
-                **kwargs,
-            ).last_hidden_state
-            if wants_loss:
-                decoded = project(self.decode_proj, self.decode_norm(predicted_states))
-                chunk_sum = chunked_causal_lm_loss(
-                    decoded, output_embedding, None, shift_labels=targets[:, start:stop], num_items_in_batch=1
-                )
-                loss_sum = chunk_sum if loss_sum is None else loss_sum + chunk_sum
-            else:
-                joined = predicted_states if tail is None else torch.cat([tail, predicted_states], dim=1)
-                tail = joined[:, -logits_to_keep:].clone()  # not a view: the chunk's states are freed
-        return GPNCausalLMOutput(
-            loss=divide_loss_sum(loss_sum, targets, num_items_in_batch) if wants_loss else None,
-            logits=None if wants_loss else self.decode(tail),
-            cache=running if use_cache else None,
-        )
+    # A long no-grad forward that asks only for the last logits or the chunked loss runs its positions this
+    # many at a time, in bounded memory (prefill.py); 0 (on a model or the class) turns chunking off.
+    prefill_chunk_length: int = 2048
 
     def _chunked_loss(
         self,
@@ -1792,79 +1006,6 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         return chunked_causal_lm_loss(
             decoded, embedding, labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch
         )
-
-
-# ---- continuing from a cache: the whole sequence or only the new positions ----------------------------
-
-
-def continuation_start(
-    cache: GPNCache,
-    seen: int,
-    input_ids: torch.Tensor | None,
-    inputs_embeds: torch.Tensor | None,
-    attention_mask: torch.Tensor | None,
-    mask_columns: int | None = None,
-) -> int:
-    """How many leading positions of what generate() was given the cache has already read: `seen` when it
-    is the whole sequence so far, 0 when it is only the new positions. Raises where it cannot tell.
-
-    Certain: an attention mask over `seen` + given columns means the new positions alone (transformers'
-    convention); fewer positions given than read, or as many with another fingerprint, can only be new
-    ones. With more positions than read, the fingerprint of the first `seen` (token ids and padding,
-    `token_fingerprint`) decides: the cache's own in every row means the whole sequence, in no row only new
-    positions. Embeddings (nothing to fingerprint), a cache whose fingerprint is unknown (it read
-    embeddings, or was rebuilt by a traced program) and rows that disagree are refused.
-    """
-    given = (input_ids if input_ids is not None else inputs_embeds).shape[1]
-    if mask_columns is None:
-        mask_columns = None if attention_mask is None else attention_mask.shape[1]
-    how = (
-        "Pass only the new positions with an attention_mask covering the whole sequence "
-        f"({seen} + new columns), or the whole sequence as token ids to a cache filled from token ids."
-    )
-    if mask_columns is not None and mask_columns != given:
-        if mask_columns == seen + given:
-            return 0
-        raise ValueError(
-            f"generate() got {given} positions and an attention_mask of {mask_columns} columns with a "
-            f"cache that has read {seen}: the mask must cover the given positions ({given}) or the whole sequence "
-            f"({seen + given})."
-        )
-    known = cache.read_fingerprint()
-    if given <= seen:  # the whole sequence would be longer than what was read
-        if given == seen and input_ids is not None and known is not None:
-            if bool((token_fingerprint(input_ids, attention_mask) == known.to(input_ids.device)).all()):
-                raise ValueError(
-                    f"generate() got the {seen} positions the cache has already read and nothing new. A GPN state "
-                    "cannot be rolled back to an earlier position; pass new positions to continue."
-                )
-        return 0
-    if input_ids is None:
-        raise ValueError(
-            f"generate() got {given} positions as inputs_embeds with a cache that has read {seen}: embeddings cannot "
-            f"be matched against what the cache read, so it cannot tell the whole sequence from new positions. {how}"
-        )
-    if known is None:
-        raise ValueError(
-            f"generate() got {given} positions with a cache that has read {seen} without a record of them (it read "
-            f"inputs_embeds, or was rebuilt by a traced program): it cannot tell the whole sequence from new "
-            f"positions. Pass only the new positions with an attention_mask covering the whole sequence "
-            f"({seen} + new columns)."
-        )
-    prefix_mask = None if attention_mask is None else attention_mask[:, :seen]
-    matches = (token_fingerprint(input_ids[:, :seen], prefix_mask) == known.to(input_ids.device)).all(dim=1)
-    if bool(matches.all()):
-        return seen
-    if not bool(matches.any()):
-        return 0
-    raise ValueError(
-        f"generate() got {given} positions with a cache that has read {seen}: rows "
-        f"{matches.nonzero()[:, 0].tolist()} begin with what the cache read (the whole sequence) and the others "
-        f"do not (new positions). {how}"
-    )
-
-
-# ---- end of continuing from a cache ------------------------------------------------------------------
 
 
 def causal_lm_loss(

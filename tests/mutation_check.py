@@ -59,8 +59,8 @@ MUTATIONS = [
     Mutation(
         "fast path (the plain loop runs, labelled fast)",
         "modeling_gpn/modeling_gpn.py",
-        "return fast_recurrence(self, token_inputs, state, mask, output_memory_decays=output_memory_decays)",
-        "return self.recurrence_plain(token_inputs, state, mask, output_memory_decays=output_memory_decays)  # MUTATION",
+        "return fast_recurrence(\n                self, token_inputs,",
+        "return self.recurrence_plain(  # MUTATION\n                token_inputs,",
         FAST_PATH_TESTS,
     ),
     Mutation(

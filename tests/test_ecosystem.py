@@ -256,7 +256,7 @@ def test_continuing_generation_refuses_what_it_cannot_tell_apart():
 
 
 def test_the_read_fingerprint_does_not_depend_on_how_the_positions_were_split():
-    from modeling_gpn.modeling_gpn import GPNCache, token_fingerprint
+    from modeling_gpn.cache import GPNCache, token_fingerprint
 
     model = perturbed_model(tiny_config())
     ids = token_ids(2, 150, seed=3)  # more calls than the fingerprint keeps before folding

@@ -1,7 +1,7 @@
 """The single state, kept: bounded-memory prefill and scoring, a state saved, loaded and forked.
 
 A GPN's whole context is its state (p, g, M): a long prompt is read a chunk of positions at a time
-(`GPNForCausalLM._forward_in_chunks`), a state is written to a safetensors file and read back in another
+(`prefill.forward_in_chunks`), a state is written to a safetensors file and read back in another
 process (`GPNCache.save` / `GPNCache.load`), one state is forked into N rows (`GPNCache.fork`), and
 `gpn generate --save-state / --state` does both from the command line.
 """
@@ -18,7 +18,7 @@ import safetensors.torch
 import torch
 
 from modeling_gpn import GPNCache
-from modeling_gpn.modeling_gpn import GPNStateFileError, _state_checksum, state_fingerprint
+from modeling_gpn.state_file import GPNStateFileError, _state_checksum, state_fingerprint
 
 from .conftest import REPO_ROOT, perturbed_model, tiny_config
 
@@ -38,17 +38,19 @@ def padded_mask(rows: int, length: int) -> torch.Tensor:
 
 
 class ChunkSpy:
-    """Counts the real `_forward_in_chunks` calls of a model (it calls through: nothing is replaced)."""
+    """Counts the real `forward_in_chunks` calls of a model (it calls through: nothing is replaced)."""
 
     def __init__(self, model, monkeypatch):
+        import modeling_gpn.modeling_gpn as modeling
+
         self.calls = 0
-        real = model._forward_in_chunks
+        real = modeling.forward_in_chunks
 
-        def counted(*args, **kwargs):
-            self.calls += 1
-            return real(*args, **kwargs)
+        def counted(chunked_model, *args, **kwargs):
+            self.calls += chunked_model is model
+            return real(chunked_model, *args, **kwargs)
 
-        monkeypatch.setattr(model, "_forward_in_chunks", counted)
+        monkeypatch.setattr(modeling, "forward_in_chunks", counted)
 
 
 @pytest.fixture(params=["gpn+m", "gpn"])
@@ -234,6 +236,35 @@ def saved(tmp_path):
     path = tmp_path / "state.safetensors"
     cache.save(path)
     return model, path
+
+
+def test_saves_from_several_threads_to_one_path_all_succeed(saved, tmp_path):
+    """Each save writes under a temporary name of its own: two threads saving one state to one path (as a
+    server keeping conversations does) never remove each other's file, and what is left loads."""
+    import threading
+
+    model, first = saved
+    cache = GPNCache.load(first, model)
+    path = tmp_path / "shared.safetensors"
+    errors, start = [], threading.Barrier(2)
+
+    def save_repeatedly():
+        start.wait()
+        for _ in range(20):
+            try:
+                cache.save(path)
+            except Exception as error:  # noqa: BLE001 - every failure is the finding
+                errors.append(repr(error))
+
+    threads = [threading.Thread(target=save_repeatedly) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, f"{len(errors)} of 40 saves failed: {errors[:2]}"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left
+    for saved_state, back in zip(cache.get_state(), GPNCache.load(path, model).get_state()):
+        assert torch.equal(saved_state, back)
 
 
 def refused(path, model, needle: str) -> str:

@@ -1,0 +1,436 @@
+"""The recurrent cache of a GPN: (p, g, M) for every row, its size independent of the sequence length.
+
+`GPNCache` is a transformers `Cache` with one `GPNStateLayer` (three recurrent states in fixed buffers).
+Beam search reorders it through the stock `reorder_cache`; it cannot be cropped (assisted decoding is
+refused). Because a GPN's whole context is this state, it can be forked into many rows, saved to a file
+and loaded in another process (`fork`, `save`, `load`; the file format is `state_file.py`). It is a
+registered pytree, so torch.export and torch.compile can take and return one.
+
+It also keeps a fingerprint of the positions it has read, by which `continuation_start` tells generate()'s
+two ways of continuing from a cache apart (the whole sequence so far, or only the new positions).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import weakref
+from pathlib import Path
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from transformers.cache_utils import Cache, LinearAttentionLayer
+
+from .configuration_gpn import GPNConfig
+from .state_file import GPNStateFileError, STATE_TENSOR_NAMES, gpn_base_model, read_state_file, write_state_file
+from .tracing import is_tracing
+
+# ---- what a cache has read: a fingerprint, to tell generate()'s two ways of continuing apart ------------
+
+_FINGERPRINT_MODULUS = 2**31 - 1  # a prime; products of two residues fit in int64
+_FINGERPRINT_BASES = (1_000_003, 998_244_353 % (2**31 - 1))  # two independent polynomial hashes: ~62 bits
+_PADDING_VALUE = 1  # a padded position's value in the hash (a token id t counts as t + 2)
+
+
+def token_fingerprint(token_ids: torch.Tensor, mask: torch.Tensor | None, start: torch.Tensor | None = None) -> torch.Tensor:
+    """(batch, 2) int64: two polynomial hashes of each row's positions (a padded position counts as padding,
+    whatever its id), continuing `start` (the fingerprint of the positions before these) when given.
+
+    The same positions give the same fingerprint however they were split into calls.
+    """
+    modulus = _FINGERPRINT_MODULUS
+    values = token_ids.long() + 2
+    if mask is not None:
+        values = torch.where(mask.bool(), values, torch.full_like(values, _PADDING_VALUE))
+    length = values.shape[1]
+    # powers[i] = base^(length-1-i) mod p, built by doubling (log2(length) steps)
+    powers = torch.ones(1, 2, dtype=torch.int64, device=values.device)
+    while powers.shape[0] < length:
+        step = torch.tensor([pow(b, powers.shape[0], modulus) for b in _FINGERPRINT_BASES], device=values.device)
+        powers = torch.cat([powers * step % modulus, powers])
+    powers = powers[-length:]
+    folded = (values[:, :, None] * powers % modulus).sum(dim=1) % modulus
+    if start is not None:
+        shift = torch.tensor([pow(b, length, modulus) for b in _FINGERPRINT_BASES], device=values.device)
+        folded = (folded + start.to(values.device) * shift % modulus) % modulus
+    return folded
+
+
+class ReadFingerprint:
+    """The fingerprint of every position a cache has read (`token_fingerprint`), or "unknown".
+
+    Decoding appends one token a call: those are kept as they come (one small tensor a call) and folded
+    into the fingerprint every `FOLD_EVERY` calls or when it is asked for; longer calls fold at once. It
+    becomes unknown when the cache reads positions given as `inputs_embeds`, or is rebuilt without its
+    history (pytree unflattening: a traced or exported program's cache).
+    """
+
+    FOLD_EVERY = 64
+
+    def __init__(self, known: bool = True):
+        self.known = known
+        self.folded: torch.Tensor | None = None  # (batch, 2), None before any position
+        self.pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
+    def record(self, token_ids: torch.Tensor | None, mask: torch.Tensor | None) -> None:
+        if token_ids is None or not self.known:
+            self.forget()
+            return
+        self.pending.append((token_ids.detach().clone(), None if mask is None else mask.detach().clone()))
+        if len(self.pending) >= self.FOLD_EVERY or token_ids.shape[1] > 1:  # a prompt is folded at once, not kept
+            self.value()
+
+    def forget(self) -> None:
+        self.known, self.folded, self.pending = False, None, []
+
+    def value(self) -> torch.Tensor | None:
+        """(batch, 2) fingerprint of everything read, or None when unknown."""
+        if not self.known:
+            return None
+        if self.pending:
+            ids = torch.cat([ids for ids, _ in self.pending], dim=1)
+            mask = torch.cat([torch.ones_like(i, dtype=torch.bool) if m is None else m.bool() for i, m in self.pending], dim=1)
+            self.folded, self.pending = token_fingerprint(ids, mask, self.folded), []
+        return self.folded
+
+    def select_rows(self, select) -> None:
+        """Apply a row operation (beam search's reordering, repeat_interleave) to the fingerprint."""
+        folded = self.value()
+        if folded is not None:
+            self.folded = select(folded)
+
+
+# ---- end of the fingerprint ----------------------------------------------------------------------
+
+
+class GPNStateLayer(LinearAttentionLayer):
+    """The single cache layer of a GPN: three recurrent states in fixed buffers updated in place.
+
+    state 0: the predicted state p (batch, d); state 1: the grounded state g (batch, d);
+    state 2: the memory M (batch, H, dk, dv), a (batch, 0) placeholder without memory.
+    """
+
+    PREDICTED, GROUNDED, MEMORY = 0, 1, 2
+
+    def __init__(self, **kwargs):
+        super().__init__(number_of_states=3)
+        self.seen_tokens = 0
+        self.fingerprint = ReadFingerprint()  # of the positions read (see GPNForCausalLM._prefill)
+
+    def store(self, predicted: torch.Tensor, grounded: torch.Tensor, memory: torch.Tensor) -> None:
+        for index, tensor in ((self.PREDICTED, predicted), (self.GROUNDED, grounded), (self.MEMORY, memory)):
+            stored = self.recurrent_states[index]
+            if stored is not None and stored.shape != tensor.shape:
+                raise ValueError(
+                    f"GPNCache holds a state of shape {tuple(stored.shape)} but the model produced "
+                    f"{tuple(tensor.shape)}: the batch size changed between calls that share a cache"
+                )
+            self.update_recurrent_state(tensor.detach(), state_idx=index)
+            # The stock layer only marks a state as present on conv updates; GPN has no conv.
+            self.has_previous_state[index] = True
+            if self.device is None:
+                self.device, self.dtype = tensor.device, tensor.dtype
+
+    def reset(self) -> None:
+        super().reset()
+        self.seen_tokens = 0
+        self.fingerprint = ReadFingerprint()
+
+    def get_seq_length(self) -> int:
+        seen = self.seen_tokens  # a 0-dim tensor only inside a traced program (see the pytree functions)
+        return int(seen) if isinstance(seen, torch.Tensor) and not is_tracing() else seen
+
+    @property
+    def is_croppable(self) -> bool:
+        return False  # a recurrent state cannot be rolled back
+
+    @property
+    def batch_size(self) -> int:
+        state = self.recurrent_states[self.PREDICTED]
+        return -1 if state is None else state.shape[0]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        for index in range(self.number_of_states):
+            if self.is_recurrent_states_initialized[index]:
+                self.recurrent_states[index] = self.recurrent_states[index].repeat_interleave(repeats, dim=0)
+        self.fingerprint.select_rows(lambda rows: rows.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        for index in range(self.number_of_states):
+            if self.is_recurrent_states_initialized[index]:
+                self.recurrent_states[index] = self.recurrent_states[index][indices, ...]
+        self.fingerprint.select_rows(lambda rows: rows[indices.to(rows.device)])
+
+
+class GPNCache(Cache):
+    """transformers `Cache` holding a GPN's recurrent state (p, g, M) for every row.
+
+    Its size depends on the batch and the model, never on the number of tokens seen. Beam search
+    reorders it through the stock `reorder_cache`; it cannot be cropped (assisted decoding is refused).
+    """
+
+    def __init__(self, config: GPNConfig | None = None, **kwargs):
+        super().__init__(layers=[GPNStateLayer()])
+
+    @property
+    def state_layer(self) -> GPNStateLayer:
+        return self.layers[0]
+
+    @property
+    def has_state(self) -> bool:
+        return all(self.state_layer.has_previous_state.values())
+
+    def get_state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(p, g, M) as copies (the model never mutates the cache's buffers), or None if empty."""
+        if not self.has_state:
+            return None
+        layer = self.state_layer
+        return tuple(layer.recurrent_states[i].clone() for i in range(3))
+
+    def update_state(
+        self, predicted: torch.Tensor, grounded: torch.Tensor, memory: torch.Tensor, num_new_tokens: int
+    ) -> None:
+        """Store the state after `num_new_tokens` more tokens (in place, so addresses stay static)."""
+        self.state_layer.store(predicted, grounded, memory)
+        seen = self.state_layer.seen_tokens
+        if is_tracing() and not isinstance(seen, torch.Tensor):
+            # a tensor while tracing, so the count of a dynamic-length program is computed, not frozen (see pytree)
+            seen = torch.zeros((), dtype=torch.int64)
+        self.state_layer.seen_tokens = seen + num_new_tokens
+
+    def record_read(self, token_ids: torch.Tensor | None, mask: torch.Tensor | None) -> None:
+        """Fold the positions just read into the cache's fingerprint (`token_ids` None: positions given as
+        embeddings, which make it unknown). `mask` (batch, seq) bool, or None when every position is real."""
+        if is_tracing():
+            self.state_layer.fingerprint.forget()
+        else:
+            self.state_layer.fingerprint.record(token_ids, mask)
+
+    def read_fingerprint(self) -> torch.Tensor | None:
+        """(batch, 2) fingerprint of the positions read (`token_fingerprint`), or None when unknown."""
+        return self.state_layer.fingerprint.value()
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Number of token positions this cache has consumed (padding included)."""
+        return self.state_layer.get_seq_length()
+
+    def nbytes(self) -> int:
+        """Bytes held by the state buffers."""
+        layer = self.state_layer
+        return sum(
+            layer.recurrent_states[i].numel() * layer.recurrent_states[i].element_size()
+            for i in range(3)
+            if layer.recurrent_states[i] is not None
+        )
+
+    # ---- a state kept: fork, save, load ---------------------------------------------------------------
+    # The whole context of a GPN is this state, so it can be copied into N rows (N continuations of one
+    # prompt), written to a file and read back in another process. `GPNModel.forward` stamps the cache
+    # with the model that fills it (a weak reference), so `save` can record which model the state belongs to.
+
+    def fork(self, num_copies: int) -> GPNCache:
+        """A new cache with every row repeated `num_copies` times: rows i*n .. i*n + n - 1 hold row i.
+
+        The forked rows have read the same positions as the original (`get_seq_length()` is unchanged)
+        and continue independently: N sampled or beamed continuations of one prompt without reading the
+        prompt N times. The original cache is left as it is; `fork(1)` is a copy.
+        """
+        if isinstance(num_copies, bool) or not isinstance(num_copies, int) or num_copies < 1:
+            raise ValueError(f"fork needs a positive number of copies, got {num_copies!r}")
+        if not self.has_state:
+            raise ValueError("This GPNCache holds no state to fork: run the model on a prompt with it first")
+        layer = self.state_layer
+        forked = GPNCache()
+        forked.update_state(
+            *(layer.recurrent_states[i].repeat_interleave(num_copies, dim=0) for i in range(3)),
+            num_new_tokens=self.get_seq_length(),
+        )
+        read = self.read_fingerprint()  # each copy has read what its original row read
+        forked.state_layer.fingerprint = ReadFingerprint(known=read is not None)
+        if read is not None:
+            forked.state_layer.fingerprint.folded = read.repeat_interleave(num_copies, dim=0)
+        forked._gpn_model_ref = getattr(self, "_gpn_model_ref", None)
+        return forked
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the state to `path` as safetensors (never pickle), with what identifies its model.
+
+        The file holds p, g and M for every row (float32) and, as metadata, the number of positions read,
+        the fingerprint of the model that computed the state (`state_file.state_fingerprint`: the
+        configuration fields that give the state its meaning, the weights' dtype and a hash of the model's
+        vector parameters) and a checksum of the tensors. It is written under a temporary name unique to the
+        call and renamed, so an interrupted save never leaves a partial file at `path`, and saves from several
+        threads to one path each succeed. `GPNCache.load(path, model)` reads it.
+        """
+        path = Path(path)
+        if not self.has_state:
+            raise ValueError(f"Cannot save {path}: this GPNCache holds no state (run the model on a prompt first)")
+        model_ref = getattr(self, "_gpn_model_ref", None)
+        model = model_ref() if model_ref is not None else None
+        if model is None:
+            raise ValueError(
+                f"Cannot save {path}: this GPNCache does not know the model that filled it (it was not filled by "
+                "a GPN forward in this process, or that model was deleted), so the file could not say whose state it is"
+            )
+        layer = self.state_layer
+        tensors = {
+            name: layer.recurrent_states[index].detach().to("cpu", copy=True).contiguous()
+            for index, name in enumerate(STATE_TENSOR_NAMES)
+        }
+        # what it read (for generate()'s two ways of continuing, `continuation_start`), or "unknown"
+        read = self.read_fingerprint()
+        read_fingerprint = json.dumps(read.tolist()) if read is not None else "unknown"
+        write_state_file(path, tensors, self.get_seq_length(), read_fingerprint, model)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model: nn.Module) -> GPNCache:
+        """Read a state written by `save` onto `model`'s device, after checking it belongs to `model`.
+
+        Refuses, with a `GPNStateFileError` naming the file: a file that is not a complete GPN state file
+        (truncated, damaged: the checksum recorded at save time does not match), the state of another model
+        (another configuration, weights dtype or weights), and a state holding NaN or infinite values.
+        Continue from it as from the cache `generate()` returns: the new tokens, with an attention mask
+        covering `cache.get_seq_length()` positions more.
+        """
+        path = Path(path)
+        try:
+            base = gpn_base_model(model)
+        except TypeError:
+            raise TypeError(f"GPNCache.load needs the GPN model the state belongs to, got {type(model).__name__}") from None
+        state = read_state_file(path, base)
+        cache = cls()
+        cache.update_state(
+            *(state.tensors[name].to(base.device) for name in STATE_TENSOR_NAMES), num_new_tokens=state.positions_read
+        )
+        if state.read_fingerprint != "unknown":
+            batch_size = state.tensors["predicted"].shape[0]
+            read = torch.tensor(json.loads(state.read_fingerprint), dtype=torch.int64, device=base.device)
+            if tuple(read.shape) != (batch_size, 2):
+                raise GPNStateFileError(f"{path} holds a read fingerprint of shape {tuple(read.shape)}, not ({batch_size}, 2)")
+            cache.state_layer.fingerprint.folded = read
+        else:
+            cache.state_layer.fingerprint.forget()
+        cache._gpn_model_ref = weakref.ref(base)
+        return cache
+
+
+# ---- pytree registration (torch.export / torch.compile) -------------------------------------------
+# The children are the state (p, g, M) and the number of positions read, as a 0-dim int64 tensor; the
+# context is only whether a state is held. A count in the context would be a SymInt in a program exported
+# with a dynamic sequence length (not serializable: torch.export.save failed with "Object of type SymInt
+# is not JSON serializable"), and a constant frozen into the program's output spec at tracing time.
+
+
+def _seen_tokens_tensor(seen: int | torch.Tensor) -> torch.Tensor:
+    return seen if isinstance(seen, torch.Tensor) else torch.tensor(seen, dtype=torch.int64)
+
+
+def _flatten_gpn_cache(cache: GPNCache):
+    """pytree children of a `GPNCache`: (p, g, M) when it holds a state, then the positions read (a tensor)."""
+    state = [cache.state_layer.recurrent_states[i] for i in range(3)] if cache.has_state else []
+    return [*state, _seen_tokens_tensor(cache.state_layer.seen_tokens)], bool(state)
+
+
+def _unflatten_gpn_cache(children, context) -> GPNCache:
+    has_state = context
+    *state, seen_tokens = children
+    cache = GPNCache()
+    layer = cache.state_layer
+    if has_state:
+        for index, tensor in enumerate(state):
+            layer.recurrent_states[index] = tensor
+            layer.is_recurrent_states_initialized[index] = True
+            layer.has_previous_state[index] = True
+        layer.device, layer.dtype = state[0].device, state[0].dtype
+    layer.fingerprint = ReadFingerprint(known=False)  # what it read is not part of the pytree
+    layer.seen_tokens = seen_tokens  # stays a tensor (no int() on a traced value); get_seq_length() gives an int
+    return cache
+
+
+# A registered pytree, so torch.export and torch.compile can return a cache from forward (and take one in).
+# Each import of this file (the package, or a remote-code copy) defines its own GPNCache class to register.
+pytree.register_pytree_node(
+    GPNCache,
+    _flatten_gpn_cache,
+    _unflatten_gpn_cache,
+    serialized_type_name=f"{__name__}.GPNCache",
+    flatten_with_keys_fn=lambda cache: (
+        [(pytree.SequenceKey(i), child) for i, child in enumerate(_flatten_gpn_cache(cache)[0])],
+        _flatten_gpn_cache(cache)[1],
+    ),
+)
+# ---- end of the pytree registration ---------------------------------------------------------------
+
+
+# ---- continuing from a cache: the whole sequence or only the new positions ----------------------------
+
+
+def continuation_start(
+    cache: GPNCache,
+    seen: int,
+    input_ids: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    mask_columns: int | None = None,
+) -> int:
+    """How many leading positions of what generate() was given the cache has already read: `seen` when it
+    is the whole sequence so far, 0 when it is only the new positions. Raises where it cannot tell.
+
+    Certain: an attention mask over `seen` + given columns means the new positions alone (transformers'
+    convention); fewer positions given than read, or as many with another fingerprint, can only be new
+    ones. With more positions than read, the fingerprint of the first `seen` (token ids and padding,
+    `token_fingerprint`) decides: the cache's own in every row means the whole sequence, in no row only new
+    positions. Embeddings (nothing to fingerprint), a cache whose fingerprint is unknown (it read
+    embeddings, or was rebuilt by a traced program) and rows that disagree are refused.
+    """
+    given = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+    if mask_columns is None:
+        mask_columns = None if attention_mask is None else attention_mask.shape[1]
+    how = (
+        "Pass only the new positions with an attention_mask covering the whole sequence "
+        f"({seen} + new columns), or the whole sequence as token ids to a cache filled from token ids."
+    )
+    if mask_columns is not None and mask_columns != given:
+        if mask_columns == seen + given:
+            return 0
+        raise ValueError(
+            f"generate() got {given} positions and an attention_mask of {mask_columns} columns with a "
+            f"cache that has read {seen}: the mask must cover the given positions ({given}) or the whole sequence "
+            f"({seen + given})."
+        )
+    known = cache.read_fingerprint()
+    if given <= seen:  # the whole sequence would be longer than what was read
+        if given == seen and input_ids is not None and known is not None:
+            if bool((token_fingerprint(input_ids, attention_mask) == known.to(input_ids.device)).all()):
+                raise ValueError(
+                    f"generate() got the {seen} positions the cache has already read and nothing new. A GPN state "
+                    "cannot be rolled back to an earlier position; pass new positions to continue."
+                )
+        return 0
+    if input_ids is None:
+        raise ValueError(
+            f"generate() got {given} positions as inputs_embeds with a cache that has read {seen}: embeddings cannot "
+            f"be matched against what the cache read, so it cannot tell the whole sequence from new positions. {how}"
+        )
+    if known is None:
+        raise ValueError(
+            f"generate() got {given} positions with a cache that has read {seen} without a record of them (it read "
+            f"inputs_embeds, or was rebuilt by a traced program): it cannot tell the whole sequence from new "
+            f"positions. Pass only the new positions with an attention_mask covering the whole sequence "
+            f"({seen} + new columns)."
+        )
+    prefix_mask = None if attention_mask is None else attention_mask[:, :seen]
+    matches = (token_fingerprint(input_ids[:, :seen], prefix_mask) == known.to(input_ids.device)).all(dim=1)
+    if bool(matches.all()):
+        return seen
+    if not bool(matches.any()):
+        return 0
+    raise ValueError(
+        f"generate() got {given} positions with a cache that has read {seen}: rows "
+        f"{matches.nonzero()[:, 0].tolist()} begin with what the cache read (the whole sequence) and the others "
+        f"do not (new positions). {how}"
+    )
+
+
+# ---- end of continuing from a cache ------------------------------------------------------------------

@@ -1,0 +1,177 @@
+"""Packed (padding-free) batches: where the sequences packed into each row start.
+
+Padding-free collators (transformers' `DataCollatorWithFlattening`, TRL's `SFTTrainer` with packing) put
+several sequences in one row and say where each starts, by position ids restarting inside the row,
+FlashAttention's cumulative lengths (`cu_seq_lens_q/k`) or a sequence index (`seq_idx`).
+`packed_sequence_starts` turns any of them into the positions where the recurrence resets (p, g, M) to
+the zero state, so every packed sequence runs as if alone, and refuses inconsistent ones by name.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .tracing import is_tracing
+
+# The arguments by which padding-free collators (transformers' DataCollatorWithFlattening, TRL's SFTTrainer with
+# packing) say where the sequences packed into a row start, besides `position_ids` restarting inside a row.
+PACKING_KWARGS = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"}
+
+
+def _previous_real_index(real: torch.Tensor) -> torch.Tensor:
+    """(batch, seq) long: the index of the row's last real position before each position, -1 where none."""
+    seq_len = real.shape[1]
+    indices = torch.arange(seq_len, device=real.device).expand_as(real)
+    last_real = torch.where(real, indices, -1).cummax(dim=1).values
+    return torch.cat([last_real.new_full((real.shape[0], 1), -1), last_real[:, :-1]], dim=1)
+
+
+def _starts_at_real_tokens(boundaries: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Sequence starts as the recurrence takes them, from `boundaries` (batch, seq) bool marking the first
+    position of every packed sequence (possibly a padded one): True at each real token that has an earlier
+    real token in its row and a boundary after that one, up to and including itself."""
+    count = boundaries.long().cumsum(dim=1)
+    previous = _previous_real_index(real)
+    count_at_previous = count.gather(1, previous.clamp(min=0))
+    return real & (previous >= 0) & (count > count_at_previous)
+
+
+def _as_index_tensor(value, name: str, device: torch.device) -> torch.Tensor:
+    tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integers, got dtype {tensor.dtype}")
+    return tensor.to(device)
+
+
+def _starts_from_cu_seq_lens(
+    cu_seq_lens: torch.Tensor, name: str, batch_size: int, seq_len: int, validate: bool
+) -> torch.Tensor:
+    """Boundaries (batch, seq) from cumulative sequence lengths over the flattened batch (FlashAttention's
+    varlen convention): sequence i holds flattened positions cu[i]..cu[i+1]-1."""
+    total = batch_size * seq_len
+    if cu_seq_lens.dim() != 1 or cu_seq_lens.numel() < 2:
+        raise ValueError(
+            f"{name} must be a 1-D tensor [0, end of sequence 1, ..., {total}], got shape {tuple(cu_seq_lens.shape)}"
+        )
+    if not validate:
+        boundaries = torch.zeros(total + 1, dtype=torch.bool, device=cu_seq_lens.device)
+        return boundaries.index_fill(0, cu_seq_lens.long().clamp(0, total), True)[:total].view(batch_size, seq_len)
+    first, last = int(cu_seq_lens[0]), int(cu_seq_lens[-1])
+    if first != 0 or last != total:
+        raise ValueError(
+            f"{name} must run from 0 to the number of tokens in the batch ({batch_size} x {seq_len} = {total}), "
+            f"got {first} .. {last}"
+        )
+    lengths = cu_seq_lens[1:] - cu_seq_lens[:-1]
+    if bool((lengths <= 0).any()):
+        raise ValueError(
+            f"{name} must be strictly increasing (every packed sequence holds a token), got {cu_seq_lens.tolist()}"
+        )
+    boundaries = torch.zeros(total, dtype=torch.bool, device=cu_seq_lens.device)
+    boundaries[cu_seq_lens[:-1].long()] = True
+    boundaries = boundaries.view(batch_size, seq_len)
+    if not bool(boundaries[:, 0].all()):
+        row = int((~boundaries[:, 0]).nonzero()[0])
+        raise ValueError(
+            f"{name} has a sequence running from row {row - 1} into row {row}: a GPN runs each row from its own "
+            f"state, so every row must start a sequence (put each row start, a multiple of {seq_len}, in {name})"
+        )
+    return boundaries
+
+
+def packed_sequence_starts(
+    batch_size: int,
+    seq_len: int,
+    mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    max_length_k: int | None = None,
+    seq_idx: torch.Tensor | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor | None:
+    """Where packed sequences start inside the rows: (batch, seq) bool, True at the first real token of every
+    sequence but the first of its row, or None when no row packs more than one sequence.
+
+    The recurrence resets (p, g, M) to the zero state right before each such token, so every packed sequence
+    runs as if alone. A row's first sequence starts from the state the row already has: the zero state, or
+    the cache's when continuing from one (so a packed prefill can be continued, the last sequence of each row).
+    Three ways of saying where sequences start are understood, alone or together (they must then agree):
+
+    - `position_ids` (batch or 1, seq): a sequence starts where the position id does not exceed that of the
+      row's previous real token (`DataCollatorWithFlattening` numbers each sequence from 0, or from
+      `position_ids_start`). Ordinary position ids (increasing over the real tokens) mark nothing.
+    - `cu_seq_lens_q` / `cu_seq_lens_k`: FlashAttention's cumulative lengths over the flattened batch,
+      [0, ..., batch * seq]; every row start must be one of them. `max_length_q/k`, if given, must be at least
+      the longest sequence.
+    - `seq_idx` (batch, seq): the index of the sequence each position belongs to; a sequence starts where it
+      changes.
+
+    A boundary at a padded position (`mask` False) takes effect at the next real token, so padded positions
+    still leave the state exactly unchanged. Inconsistent arguments raise a ValueError naming the problem
+    (under torch.compile / torch.export these value checks are left out, and the starts are always returned).
+    """
+    validate = not is_tracing()
+    real = mask if mask is not None else torch.ones(batch_size, seq_len, dtype=torch.bool, device=device)
+    device = real.device
+    derived: list[tuple[str, torch.Tensor]] = []  # (what, starts) for every form given
+
+    if position_ids is not None:
+        position_ids = _as_index_tensor(position_ids, "position_ids", device)
+        if position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch_size) or position_ids.shape[1] < seq_len:
+            raise ValueError(
+                f"position_ids must have shape (batch={batch_size} or 1, seq={seq_len}) like input_ids, got "
+                f"{tuple(position_ids.shape)}"
+            )
+        positions = position_ids[:, -seq_len:].expand(batch_size, seq_len)
+        previous = _previous_real_index(real)
+        position_at_previous = positions.gather(1, previous.clamp(min=0))
+        derived.append(("position_ids", real & (previous >= 0) & (positions <= position_at_previous)))
+
+    cu_given = {name: value for name, value in (("cu_seq_lens_q", cu_seq_lens_q), ("cu_seq_lens_k", cu_seq_lens_k))
+                if value is not None}  # fmt: skip
+    for name, bound in (("max_length_q", max_length_q), ("max_length_k", max_length_k)):
+        cu_name = "cu_seq_lens_" + name[-1]
+        if bound is not None and cu_name not in cu_given:
+            raise ValueError(f"{name} was given without {cu_name}: it bounds the lengths {cu_name} gives")
+    cu_tensors = {name: _as_index_tensor(value, name, device) for name, value in cu_given.items()}
+    if validate and len(cu_tensors) == 2 and not torch.equal(cu_tensors["cu_seq_lens_q"], cu_tensors["cu_seq_lens_k"]):
+        raise ValueError(
+            "cu_seq_lens_q and cu_seq_lens_k differ: a GPN reads each packed sequence once (self-attention's "
+            "query and key sequences are the same), so they must be equal"
+        )
+    if cu_tensors:
+        name, cu_seq_lens = next(iter(cu_tensors.items()))
+        boundaries = _starts_from_cu_seq_lens(cu_seq_lens, name, batch_size, seq_len, validate)
+        longest = int((cu_seq_lens[1:] - cu_seq_lens[:-1]).max()) if validate else 0
+        for bound_name, bound in (("max_length_q", max_length_q), ("max_length_k", max_length_k)):
+            if validate and bound is not None and int(bound) < longest:
+                raise ValueError(
+                    f"{bound_name}={int(bound)} is shorter than the longest packed sequence ({longest} tokens)"
+                )
+        derived.append((name, _starts_at_real_tokens(boundaries, real)))
+
+    if seq_idx is not None:
+        seq_idx = _as_index_tensor(seq_idx, "seq_idx", device)
+        if seq_idx.shape != (batch_size, seq_len):
+            raise ValueError(f"seq_idx must have shape (batch={batch_size}, seq={seq_len}), got {tuple(seq_idx.shape)}")
+        boundaries = torch.ones_like(real)
+        boundaries[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
+        derived.append(("seq_idx", _starts_at_real_tokens(boundaries, real)))
+
+    if not derived:
+        return None
+    (first_name, starts), *others = derived
+    if not validate:
+        return starts
+    for name, other in others:
+        disagree = starts != other
+        if bool(disagree.any()):
+            row, column = (int(i) for i in disagree.nonzero()[0])
+            says = lambda s: "starts" if bool(s[row, column]) else "does not start"  # noqa: E731
+            raise ValueError(
+                f"{first_name} and {name} disagree on where the packed sequences start: at (row {row}, position "
+                f"{column}) a sequence {says(starts)} by {first_name} but {says(other)} by {name}"
+            )
+    return starts if bool(starts.any()) else None

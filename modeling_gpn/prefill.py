@@ -1,0 +1,134 @@
+"""Prefill and scoring in bounded memory: a long no-grad forward run a chunk of positions at a time.
+
+A no-grad forward that asks only for the last logits (generate()'s prefill: `logits_to_keep=1`) or for the
+chunked loss (labels with `return_logits=False`) runs its positions `model.prefill_chunk_length` at a time,
+the state carried between chunks in a cache, so its peak memory does not grow with the prompt: only one
+chunk's embeddings, token projections and predicted states exist at once. The result is that of one pass
+(the same state and logits; the loss up to float32 summation order).
+
+`GPNForCausalLM.forward` asks `prefill_chunk_length_for` whether a call chunks, and runs it with
+`forward_in_chunks`; both take the causal LM as their first argument.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .cache import GPNCache
+from .chunked_loss import chunked_causal_lm_loss, divide_loss_sum
+from .packing import PACKING_KWARGS, packed_sequence_starts
+from .tracing import is_tracing
+
+
+def prefill_chunk_length_for(
+    model: nn.Module,
+    input_ids: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    shift_labels: torch.Tensor | None,
+    logits_to_keep,
+    return_logits: bool,
+    output_hidden_states: bool | None,
+    output_memory_decays: bool,
+) -> int:
+    """The chunk length `model.forward` runs this call in, or 0 for one pass over every position.
+
+    Chunks only what gives the same result in bounded memory: no gradient (training keeps what its
+    backward needs), nothing per position asked back (hidden states, memory decays, all logits), and
+    more positions than one chunk. Malformed inputs take the one-pass path, whose checks name them.
+    """
+    chunk = model.prefill_chunk_length
+    if not chunk or torch.is_grad_enabled() or is_tracing() or output_memory_decays:
+        return 0
+    if output_hidden_states if output_hidden_states is not None else model.config.output_hidden_states:
+        return 0
+    if input_ids is not None and inputs_embeds is None and input_ids.dim() == 2:
+        seq_len = input_ids.shape[1]
+    elif inputs_embeds is not None and input_ids is None and inputs_embeds.dim() == 3:
+        seq_len = inputs_embeds.shape[1]
+    else:
+        return 0
+    if seq_len <= chunk:
+        return 0
+    wants_loss = labels is not None or shift_labels is not None
+    if wants_loss:
+        return chunk if not return_logits else 0
+    keeps_a_tail = isinstance(logits_to_keep, int) and not isinstance(logits_to_keep, bool)
+    return chunk if keeps_a_tail and 0 < logits_to_keep <= chunk else 0
+
+
+def forward_in_chunks(
+    model: nn.Module,
+    chunk_length: int,
+    input_ids: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    cache: GPNCache | None,
+    use_cache: bool | None,
+    labels: torch.Tensor | None,
+    shift_labels: torch.Tensor | None,
+    logits_to_keep: int,
+    num_items_in_batch: torch.Tensor | int | None,
+    kwargs: dict,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, GPNCache | None] | None:
+    """`model.forward` over `chunk_length` positions at a time: (loss, logits, cache), or None.
+
+    Each chunk runs the base model from the state the previous chunk left in a cache; only the last
+    `logits_to_keep` predicted states, or the running sum of the loss, are kept. Returns None for a packed
+    batch (sequences starting inside rows, `packed_sequence_starts`), which `forward` then runs in one pass
+    (a chunk's first position continues the cache, so a sequence starting there would not be reset).
+    """
+    base = model.model
+    tokens = input_ids if input_ids is not None else inputs_embeds
+    batch_size, seq_len = tokens.shape[:2]
+    use_cache = use_cache if use_cache is not None else (model.config.use_cache and not base.training)
+    # The checks one pass makes over the whole input, made once here (a chunk sees only its part).
+    continuing = isinstance(cache, GPNCache) and cache.has_state
+    mask = base.check_attention_mask(attention_mask, batch_size, seq_len, continuing=continuing)
+    packing = {name: kwargs[name] for name in ("position_ids", *PACKING_KWARGS) if kwargs.get(name) is not None}
+    if packing and packed_sequence_starts(batch_size, seq_len, mask, **packing, device=tokens.device) is not None:
+        return None
+    kwargs = {name: value for name, value in kwargs.items() if name not in packing}  # (ordinary position ids)
+    for name, given in (("labels", labels), ("shift_labels", shift_labels)):
+        if given is not None and given.shape != (batch_size, seq_len):
+            raise ValueError(f"{name} must have shape {(batch_size, seq_len)}, got {tuple(given.shape)}")
+    # The state runs from chunk to chunk through a cache; a cache the caller wants left as it was
+    # (use_cache=False) is copied. (Anything but a GPNCache goes to the model, which refuses it.)
+    if isinstance(cache, GPNCache) and not use_cache:
+        running = cache.fork(1) if cache.has_state else GPNCache(model.config)
+    else:
+        running = cache if cache is not None else GPNCache(model.config)
+
+    wants_loss = labels is not None or shift_labels is not None
+    if wants_loss:  # position t's target, for every position (the last one of `labels` has none)
+        targets = shift_labels
+        if targets is None:
+            targets = torch.cat([labels[:, 1:], labels.new_full((batch_size, 1), -100)], dim=1)
+        output_embedding = model.output_embedding_weight()
+        loss_sum = None
+    tail = None  # the last `logits_to_keep` predicted states read so far
+    for start in range(0, seq_len, chunk_length):
+        stop = min(start + chunk_length, seq_len)
+        predicted_states = base(
+            input_ids=None if input_ids is None else input_ids[:, start:stop],
+            inputs_embeds=None if inputs_embeds is None else inputs_embeds[:, start:stop],
+            attention_mask=None if mask is None else mask[:, start:stop],
+            cache=running,
+            use_cache=True,
+            output_hidden_states=False,
+            return_dict=True,
+            **kwargs,
+        ).last_hidden_state
+        if wants_loss:
+            chunk_sum = chunked_causal_lm_loss(
+                model.decoded(predicted_states), output_embedding, None, shift_labels=targets[:, start:stop],
+                num_items_in_batch=1,
+            )  # fmt: skip
+            loss_sum = chunk_sum if loss_sum is None else loss_sum + chunk_sum
+        else:
+            joined = predicted_states if tail is None else torch.cat([tail, predicted_states], dim=1)
+            tail = joined[:, -logits_to_keep:].clone()  # not a view: the chunk's states are freed
+    loss = divide_loss_sum(loss_sum, targets, num_items_in_batch) if wants_loss else None
+    logits = None if wants_loss else model.decode(tail)
+    return loss, logits, running if use_cache else None

@@ -1,0 +1,206 @@
+"""The state file: a GPN's whole context, written by `GPNCache.save` and read by `GPNCache.load`.
+
+A safetensors file (never pickle) holding p, g and M of every row in float32 and, as metadata, the number
+of positions read, what identifies the model that computed the state (`state_fingerprint`: the
+configuration fields that give the state its meaning, the weights' dtype, a hash of the vector
+parameters) and a checksum of the tensors. Reading refuses, with a `GPNStateFileError` naming the file,
+anything that could not be continued from: damaged or truncated files, files that are not GPN states,
+another model's state, non-finite values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import safetensors.torch
+import torch
+from torch import nn
+
+from .configuration_gpn import GPNConfig
+
+STATE_FILE_FORMAT = "gpn-state"
+STATE_FILE_VERSION = 1
+STATE_TENSOR_NAMES = ("predicted", "grounded", "memory")  # p, g, M: the order of the cache layer's states
+# The configuration fields that give a state its meaning (what the recurrence computes and the shapes it
+# keeps); training settings (BPTT, token ids, the window hint) do not change it.
+STATE_CONFIG_FIELDS = (
+    "model_type", "vocab_size", "hidden_size", "embedding_size", "intermediate_size", "num_predict_layers",
+    "use_memory", "num_memory_heads", "memory_key_dim", "memory_value_dim", "rms_norm_eps",
+)  # fmt: skip
+
+
+class GPNStateFileError(ValueError):
+    """A GPN state file that cannot be continued from: damaged, truncated, another model's, or non-finite."""
+
+
+@dataclass
+class StateFile:
+    """What a state file holds, checked: the state tensors (on the CPU), the positions read and the
+    fingerprint of those positions as recorded ("unknown" when the cache did not know it)."""
+
+    tensors: dict[str, torch.Tensor]
+    positions_read: int
+    read_fingerprint: str
+
+
+def state_shapes(config: GPNConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of each state tensor of one row (p, g, M; M is (0,) without memory)."""
+    memory = (
+        (config.num_memory_heads, config.memory_key_dim, config.memory_value_dim) if config.use_memory else (0,)
+    )
+    return {"predicted": (config.hidden_size,), "grounded": (config.hidden_size,), "memory": memory}
+
+
+def gpn_base_model(model: nn.Module) -> nn.Module:
+    """The `GPNModel` under `model` (a `GPNForCausalLM` or the base model itself), or a TypeError."""
+    base = getattr(model, "base_model", model)
+    if not isinstance(getattr(base, "config", None), GPNConfig) or not hasattr(base, "zero_state"):
+        raise TypeError(f"A GPN state belongs to a GPN model, got {type(model).__name__}")
+    return base
+
+
+def state_fingerprint(model: nn.Module) -> dict[str, str]:
+    """What identifies the model (a `GPNModel`) a state belongs to, as safetensors metadata (strings).
+
+    `state_config`: the `STATE_CONFIG_FIELDS` as JSON; `config_fingerprint`: its SHA-256; `weights_dtype`;
+    `weights_fingerprint`: SHA-256 of the model's vector parameters (norm weights, biases, memory decay
+    parameters) as float32, in order -- cheap, and different for any two trained or initialised models.
+    """
+    config = {name: getattr(model.config, name) for name in STATE_CONFIG_FIELDS}
+    config_json = json.dumps(config, sort_keys=True)
+    vectors = [parameter.detach() for parameter in model.parameters() if parameter.dim() == 1]
+    digest = hashlib.sha256()
+    for vector in vectors:
+        digest.update(vector.to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return {
+        "state_config": config_json,
+        "config_fingerprint": hashlib.sha256(config_json.encode()).hexdigest(),
+        "weights_dtype": str(model.dtype).removeprefix("torch."),
+        "weights_fingerprint": digest.hexdigest(),
+    }
+
+
+def write_state_file(
+    path: Path, tensors: dict[str, torch.Tensor], positions_read: int, read_fingerprint: str, model: nn.Module
+) -> None:
+    """Write `tensors` (p, g, M on the CPU) as the state of `model` (a `GPNModel`) after `positions_read`.
+
+    Written under a temporary name unique to this call (process, thread and a random part: two threads
+    saving to one path never share it), fsynced and renamed, so an interrupted save never leaves a partial
+    file at `path` and concurrent saves to one path each leave a whole file (the last rename wins).
+    """
+    if not all(bool(torch.isfinite(tensor).all()) for tensor in tensors.values()):
+        raise ValueError(f"Cannot save {path}: the state holds NaN or infinite values")
+    metadata = {
+        "format": STATE_FILE_FORMAT,
+        "format_version": str(STATE_FILE_VERSION),
+        "positions_read": str(positions_read),
+        "batch_size": str(tensors["predicted"].shape[0]),
+        "read_fingerprint": read_fingerprint,
+        "checksum": _state_checksum(tensors, read_fingerprint),
+        **state_fingerprint(model),
+    }
+    payload = safetensors.torch.save(tensors, metadata=metadata)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}")
+    try:
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        with open(descriptor, "wb") as file:
+            file.write(payload)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def read_state_file(path: Path, model: nn.Module) -> StateFile:
+    """Read and check the state file at `path` for `model` (a `GPNModel`); see the module docstring."""
+    try:
+        payload = path.read_bytes()
+    except OSError as error:
+        raise GPNStateFileError(f"Cannot read the GPN state file {path}: {error.strerror or error}") from error
+    metadata = _state_file_metadata(payload, path)
+    try:
+        tensors = safetensors.torch.load(payload)
+    except Exception as error:  # noqa: BLE001 - safetensors raises its own error types for damaged files
+        raise GPNStateFileError(f"{path} is damaged or truncated: safetensors cannot read it ({error})") from error
+    if sorted(tensors) != sorted(STATE_TENSOR_NAMES):
+        raise GPNStateFileError(f"{path} is not a GPN state file: it holds tensors {sorted(tensors)}, not {list(STATE_TENSOR_NAMES)}")
+    read_fingerprint = metadata.get("read_fingerprint", "unknown")
+    if metadata.get("checksum") != _state_checksum(tensors, read_fingerprint):
+        raise GPNStateFileError(f"{path} is damaged: its tensors do not match the checksum recorded when it was saved")
+    _check_state_belongs_to(metadata, model, path)
+    batch_size = tensors["predicted"].shape[0]
+    expected = {name: (batch_size, *shape) for name, shape in state_shapes(model.config).items()}
+    for name, tensor in tensors.items():
+        if tuple(tensor.shape) != expected[name] or tensor.dtype != torch.float32:
+            raise GPNStateFileError(
+                f"{path} holds {name} of shape {tuple(tensor.shape)} ({tensor.dtype}); this model's is "
+                f"{expected[name]} (float32)"
+            )
+        if not bool(torch.isfinite(tensor).all()):
+            raise GPNStateFileError(f"{path} holds a state with NaN or infinite values (in {name}): it cannot be continued")
+    try:
+        positions_read = int(metadata.get("positions_read", ""))
+    except ValueError:
+        positions_read = -1
+    if positions_read < 1:
+        raise GPNStateFileError(f"{path} does not say how many positions its state has read")
+    return StateFile(tensors, positions_read, read_fingerprint)
+
+
+def _state_checksum(tensors: dict[str, torch.Tensor], read_fingerprint: str) -> str:
+    """SHA-256 over the state tensors' names, shapes and bytes, in `STATE_TENSOR_NAMES` order, and the
+    fingerprint of the positions read (a damaged one could make a continuation feed positions twice)."""
+    digest = hashlib.sha256(read_fingerprint.encode())
+    for name in STATE_TENSOR_NAMES:
+        tensor = tensors[name]
+        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+        digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+def _state_file_metadata(payload: bytes, path: Path) -> dict[str, str]:
+    """The `__metadata__` of a safetensors file's header, checked to be a GPN state file's."""
+    try:
+        header_length = int.from_bytes(payload[:8], "little")
+        if len(payload) < 8 or header_length > len(payload) - 8:
+            raise ValueError(f"the header claims {header_length} bytes but the file has {len(payload)}")
+        header = json.loads(payload[8 : 8 + header_length])
+        metadata = header.get("__metadata__") or {}
+    except (ValueError, AttributeError, UnicodeDecodeError) as error:
+        raise GPNStateFileError(f"{path} is damaged or truncated, or not a safetensors file ({error})") from error
+    if not isinstance(metadata, dict) or metadata.get("format") != STATE_FILE_FORMAT:
+        raise GPNStateFileError(f"{path} is not a GPN state file (written by GPNCache.save)")
+    if metadata.get("format_version") != str(STATE_FILE_VERSION):
+        raise GPNStateFileError(
+            f"{path} is a GPN state file of format version {metadata.get('format_version')}; this code reads version {STATE_FILE_VERSION}"
+        )
+    return metadata
+
+
+def _check_state_belongs_to(metadata: dict[str, str], model: nn.Module, path: Path) -> None:
+    """Refuse the state of another model: another configuration, weights dtype, or weights."""
+    ours = state_fingerprint(model)
+    if metadata.get("config_fingerprint") != ours["config_fingerprint"]:
+        try:
+            theirs = json.loads(metadata.get("state_config", "{}"))
+        except ValueError:
+            theirs = {}
+        mine = json.loads(ours["state_config"])
+        differences = [f"{name} {theirs.get(name)!r} (this model: {mine[name]!r})" for name in mine if theirs.get(name) != mine[name]]
+        raise GPNStateFileError(f"{path} holds the state of another model: {'; '.join(differences) or 'another configuration'}")
+    if metadata.get("weights_dtype") != ours["weights_dtype"]:
+        raise GPNStateFileError(
+            f"{path} holds a state computed with {metadata.get('weights_dtype')} weights; this model's are {ours['weights_dtype']}"
+        )
+    if metadata.get("weights_fingerprint") != ours["weights_fingerprint"]:
+        raise GPNStateFileError(
+            f"{path} holds the state of another model: same configuration, other weights (weights fingerprint differs)"
+        )
