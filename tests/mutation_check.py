@@ -12,9 +12,12 @@ repository root, with the test environment active (and GPN_SHARED_DIR set, as fo
     python tests/mutation_check.py                # all mutations
     python tests/mutation_check.py --only triton  # those whose name contains "triton"
     python tests/mutation_check.py --list         # the mutations and the tests each runs
+    python tests/mutation_check.py --check-sources  # only check every mutation applies (seconds; CI runs it)
 
-Each mutation names the exact source text it replaces; when the code moves and the text is gone, the
-check says so (and that mutation fails) rather than silently testing nothing.
+Each mutation names the exact source text it replaces and the test files that claim it. When the code
+moves and the text is gone (or no longer unique), or a test file is gone, the mutation no longer applies:
+that is an error of this script, reported before anything runs, so the check never prints a table that
+silently left a feature untested.
 """
 
 from __future__ import annotations
@@ -212,15 +215,43 @@ def check_imports_the_copy(root: Path) -> None:
             raise SystemExit(f"the copy imports {module} from {where}, not from {root}")
 
 
+def unapplied(mutations: list[Mutation]) -> list[str]:
+    """What keeps each of `mutations` from applying to the repository as it is: its file or its source text
+    missing, the text not unique, a test file it names missing. Empty when every one applies."""
+    problems = []
+    for mutation in mutations:
+        path = REPO_ROOT / mutation.file
+        count = path.read_text().count(mutation.old) if path.is_file() else -1
+        if count != 1:
+            found = "the file does not exist" if count < 0 else f"its source text occurs {count} times, not once"
+            problems.append(f"{mutation.name!r}: {mutation.file}: {found}")
+        for spec in mutation.tests:
+            test_file = pytest_arguments(spec)[0].split("::")[0]
+            if not (REPO_ROOT / test_file).is_file():
+                problems.append(f"{mutation.name!r}: its test file {test_file} does not exist")
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="", help="run the mutations whose name contains this text")
     parser.add_argument("--list", action="store_true", help="list the mutations and their tests, run nothing")
+    parser.add_argument(
+        "--check-sources", action="store_true", help="only check that every mutation applies to the tree (no tests run)"
+    )
     args = parser.parse_args(argv)
     chosen = [m for m in MUTATIONS if args.only.lower() in m.name.lower()]
     if args.list:
         for mutation in chosen:
             print(f"{mutation.name}: {mutation.file}\n  " + "\n  ".join(mutation.tests))
+        return 0
+    problems = unapplied(chosen)
+    if problems:
+        print("mutation_check: these mutations no longer apply; update them to the code as it is now:", file=sys.stderr)
+        print("\n".join(f"  {problem}" for problem in problems), file=sys.stderr)
+        return 2
+    if args.check_sources:
+        print(f"mutation_check: all {len(chosen)} mutations apply")
         return 0
     rows, all_failed = [], True
     with tempfile.TemporaryDirectory(prefix="gpn-mutation-") as scratch:
@@ -230,12 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             if number == 0:
                 check_imports_the_copy(root)
             path = root / mutation.file
-            source = path.read_text()
-            if source.count(mutation.old) != 1:
-                rows.append((mutation.name, 0, 0, [f"source text not found once in {mutation.file}: update the mutation"]))
-                all_failed = False
-                continue
-            path.write_text(source.replace(mutation.old, mutation.new))
+            path.write_text(path.read_text().replace(mutation.old, mutation.new))
             ran, failed, passed = run_tests(root, mutation.tests, Path(scratch) / f"report-{number}.xml")
             all_failed &= ran > 0 and failed == ran and not passed
             rows.append((mutation.name, ran, failed, passed))
