@@ -139,8 +139,16 @@ def standard_ablations(model, s_bar: np.ndarray, pools: dict | None) -> list[Abl
     return ablations
 
 
-def causal_tests(model, windows: torch.Tensor, collected: Collected, s_bar: np.ndarray, pools: dict | None,
-                 ablation_windows: int | None = None, batch_size: int = 8, progress: bool = True) -> dict:  # fmt: skip
+def causal_tests(
+    model,
+    windows: torch.Tensor,
+    collected: Collected,
+    s_bar: np.ndarray,
+    pools: dict | None,
+    ablation_windows: int | None = None,
+    batch_size: int = 8,
+    progress: bool = True,
+) -> dict:
     """The report's causal tests: perplexity of the (first `ablation_windows`) windows under each of
     `standard_ablations`, beside the baseline's, as rows with their change."""
     subset = windows if ablation_windows is None else windows[: max(1, ablation_windows)]

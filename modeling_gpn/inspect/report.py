@@ -39,8 +39,10 @@ def build_report(
     report["memory"] = analysis.memory_retention(collected.gammas) if collected.gammas is not None else None
     report["ablations"] = None
     if run_ablations:
-        report["ablations"] = causal_tests(model, windows, collected, report["mean_direction"]["s_bar"], report["memory"],
-                                           ablation_windows, batch_size, progress)  # fmt: skip
+        s_bar = report["mean_direction"]["s_bar"]
+        report["ablations"] = causal_tests(
+            model, windows, collected, s_bar, report["memory"], ablation_windows, batch_size, progress
+        )
     return report
 
 

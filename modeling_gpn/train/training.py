@@ -80,8 +80,15 @@ def train(config: dict, resume: str | bool | None = None, skip_nonfinite: bool =
         stage.finish()
 
 
-def run_training(accelerator, config: dict, stage: RunStage, resume: str | bool | None = None,
-                 skip_nonfinite: bool = False, prepare_only: bool = False, show_progress: bool = True) -> dict:  # fmt: skip
+def run_training(
+    accelerator,
+    config: dict,
+    stage: RunStage,
+    resume: str | bool | None = None,
+    skip_nonfinite: bool = False,
+    prepare_only: bool = False,
+    show_progress: bool = True,
+) -> dict:
     """The run itself, in the started `accelerator` (the main process holding the run folder's lock)."""
     import modeling_gpn  # noqa: F401 - registers GPN with the Auto classes
 
@@ -89,12 +96,16 @@ def run_training(accelerator, config: dict, stage: RunStage, resume: str | bool 
     tokenizer, stream, windows = prepare_data(accelerator, config, show_progress)
     if prepare_only:
         return {"token_cache": str(stream.folder), "tokens": len(stream), "reused_cache": stream.reused}
-    run = TrainingRun(accelerator, config, stage, tokenizer, stream, windows, micro, accumulation,
-                      skip_nonfinite=skip_nonfinite, show_progress=show_progress)  # fmt: skip
+    run = TrainingRun(
+        accelerator, config, stage, tokenizer, stream, windows, micro, accumulation,
+        skip_nonfinite=skip_nonfinite, show_progress=show_progress,
+    )
     described = prepare_model(run)
     open_run_folder(run, resume)
-    run.say(f"model: {described}; {run.world} process(es) x {accumulation} accumulation x {micro} windows; "
-            f"{distribution_name(accelerator)}; mixed precision {config['mixed_precision']}")  # fmt: skip
+    run.say(
+        f"model: {described}; {run.world} process(es) x {accumulation} accumulation x {micro} windows; "
+        f"{distribution_name(accelerator)}; mixed precision {config['mixed_precision']}"
+    )
     # The handlers stay through the final phase: a SIGTERM there lets the run finish and save its model,
     # the quickest way to keep its work.
     with StopSignals() as stop:
@@ -224,8 +235,8 @@ def finish(run: TrainingRun) -> dict:
         save_model(run, final_model, model_dir)
         if run.config["sample_tokens"]:
             run.stage.enter("generating the sample")
-            sample = generate_sample(final_model, run.tokenizer, run.config["sample_prompt"],
-                                     run.config["sample_tokens"], run.config["seed"])  # fmt: skip
+            config = run.config
+            sample = generate_sample(final_model, run.tokenizer, config["sample_prompt"], config["sample_tokens"], config["seed"])
         print_summary(run, val_loss, val_ppl, sample, model_dir)
     run.stage.enter("waiting for every process after the model was saved" if run.main else
                     "waiting for the main process to save the model and write the sample")  # fmt: skip
