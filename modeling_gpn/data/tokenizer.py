@@ -1,0 +1,131 @@
+"""Tokenizers: one `load_tokenizer` for the whole project (training, inspection), a byte-level BPE trained on a
+corpus, and `PieceEncoder`, which encodes a long document's pieces to the tokens of the whole document.
+
+`load_tokenizer` loads any Hugging Face tokenizer by name or path, or (`bpe`) trains a byte-level BPE on the
+corpus with `tokenizers` (cached, and saved with the model at the end). Training joins documents with EOS,
+so there it must have an EOS token.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from .cache import content_hash, default_cache_dir, write_folder_atomically
+from .corpus import CorpusSpec
+from .errors import DataError
+
+DEFAULT_TOKENIZER = "meta-llama/Llama-2-7b-hf"
+BPE_EOS = "<|endoftext|>"
+
+
+def train_bpe_tokenizer(documents: Iterable[str], vocab_size: int):
+    """A byte-level BPE `PreTrainedTokenizerFast` trained on `documents`, with EOS `<|endoftext|>` = id 0."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < 257:
+        raise DataError(f"A byte-level BPE needs a vocabulary of at least 257 tokens, got {vocab_size}")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BPE_EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(documents, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token=BPE_EOS, pad_token=BPE_EOS, model_max_length=int(1e9)
+    )
+
+
+def load_tokenizer(
+    name_or_path: str,
+    corpus: CorpusSpec | None = None,
+    bpe_vocab_size: int = 8192,
+    bpe_max_documents: int | None = 100_000,
+    cache_dir: Path | None = None,
+    *,
+    trust_remote_code: bool = False,
+    require_eos: bool = True,
+):
+    """The tokenizer named `name_or_path` (a Hub id or a folder), or (`"bpe"`, given a `corpus`) a byte-level
+    BPE trained on `corpus` and cached.
+
+    Raises `DataError` if it cannot be loaded or (with `require_eos`, as training needs) has no EOS token.
+    """
+    from transformers import AutoTokenizer
+
+    if name_or_path == "bpe" and corpus is not None:
+        key = content_hash({"corpus": corpus.fingerprint(), "vocab": bpe_vocab_size, "docs": bpe_max_documents, "v": 1})
+        folder = Path(cache_dir or default_cache_dir()) / "tokenizers" / f"bpe-{bpe_vocab_size}-{key}"
+        if (folder / "tokenizer.json").exists():
+            return AutoTokenizer.from_pretrained(str(folder))
+        tokenizer = train_bpe_tokenizer(_bpe_training_texts(corpus, bpe_max_documents), bpe_vocab_size)
+        write_folder_atomically(folder, tokenizer.save_pretrained)
+        return tokenizer
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except Exception as error:  # noqa: BLE001
+        raise DataError(f"Cannot load tokenizer {name_or_path!r}: {type(error).__name__}: {error}") from error
+    if require_eos and tokenizer.eos_token_id is None:
+        raise DataError(
+            f"Tokenizer {name_or_path!r} has no EOS token: documents are joined with EOS, so set `eos_token` "
+            "in its tokenizer_config.json or use --tokenizer bpe"
+        )
+    return tokenizer
+
+
+def _bpe_training_texts(corpus: CorpusSpec, max_documents: int | None) -> Iterator[str]:
+    """The texts of the first `max_documents` documents, a long one in pieces (the byte-level
+    pre-tokenizer splits at the pieces' line breaks anyway, so the trainer counts the same words)."""
+    documents = 0
+    for text, _continues, ends in corpus.document_pieces():
+        if max_documents is not None and documents >= max_documents:
+            return
+        yield text
+        documents += ends
+
+
+class PieceEncoder:
+    """Token ids of document pieces as they are inside the whole document.
+
+    A piece that continues a document starts just after a line break; it is encoded after a line break
+    (`"\n" + piece`) and that line break's own tokens are dropped, so a tokenizer that marks the start
+    of a text (SentencePiece's leading "▁") sees the piece as it sees it mid-document. `safe_cut(before,
+    after)` says whether a cut between two lines keeps the tokens of the two lines whole.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.newline_ids = self._encode(["\n"])[0]
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        return self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+
+    def encode(self, pieces: list[tuple[str, bool]]) -> list[list[int] | None]:
+        """ids of each (text, continues) piece; None where the line break's tokens are not a prefix."""
+        encoded = self._encode(["\n" + text if continues else text for text, continues in pieces])
+        width = len(self.newline_ids)
+        out: list[list[int] | None] = []
+        for (_text, continues), ids in zip(pieces, encoded):
+            if continues:
+                out.append(ids[width:] if ids[:width] == self.newline_ids else None)
+            else:
+                out.append(ids)
+        return out
+
+    def safe_cut(self, before: str, after: str) -> bool:
+        whole, left, right = self.encode([(before + after, True), (before, True), (after, True)])
+        return None not in (whole, left, right) and whole == left + right
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """What identifies a tokenizer for the token cache: its whole definition and its EOS id."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    content = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    return content_hash({"tokenizer": content, "eos": tokenizer.eos_token_id})
+

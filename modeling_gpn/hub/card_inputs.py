@@ -1,0 +1,222 @@
+"""What a model card is built from, read from a model folder and tolerant of what it cannot use:
+`eval_results.json` (`read_eval_results` -> `EvalInfo`) and a training log (`read_training_info` ->
+`TrainingInfo`). Keys that look like credentials are never read."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import CardError
+
+#: Keys whose values are never written into a card (credentials that a training config might carry).
+SECRET_KEY = re.compile(r"(^|_)(token|hf_token|hub_token|password|secret|api_key|apikey)$", re.IGNORECASE)
+
+
+@dataclass
+class EvalInfo:
+    """What the card uses from `eval_results.json`."""
+
+    path: Path
+    model: str | None
+    n_params: int | None
+    tasks: dict[str, dict[str, float]]
+    stderrs: dict[str, dict[str, float]]
+    protocols: dict[str, str]
+    lm_eval_version: str | None
+    published_baselines: list[dict[str, Any]]
+    measured: dict[str, float] = field(default_factory=dict)
+    data: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class TrainingInfo:
+    """What the card uses from a training log: a recipe (flat key -> value) and the last logged values."""
+
+    sources: list[str] = field(default_factory=list)
+    recipe: dict[str, Any] = field(default_factory=dict)
+    last: dict[str, Any] = field(default_factory=dict)
+    datasets: list[str] = field(default_factory=list)
+    log_rows: int = 0
+
+
+def is_number(value: Any) -> bool:
+    """A real number (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _metric_name(metric: str) -> str:
+    """lm-eval writes `acc,none`; the filter suffix is not part of the metric's name."""
+    return metric.split(",", 1)[0].strip()
+
+
+def read_eval_results(path: str | Path) -> EvalInfo:
+    """Read `eval_results.json` (schema in the module docstring); raises `CardError` if unreadable."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as error:
+        raise CardError(f"cannot read the evaluation results {path}: {error}") from error
+    if not isinstance(data, dict):
+        raise CardError(f"{path}: expected a JSON object with a 'tasks' mapping, got {type(data).__name__}")
+    raw_tasks = data.get("tasks") or {}
+    if not isinstance(raw_tasks, dict):
+        raise CardError(f"{path}: 'tasks' must map task -> {{metric: value}}, got {type(raw_tasks).__name__}")
+    tasks: dict[str, dict[str, float]] = {}
+    stderrs: dict[str, dict[str, float]] = {}
+    for task, metrics in raw_tasks.items():
+        if not isinstance(metrics, dict):
+            continue
+        for metric, value in metrics.items():
+            if not is_number(value):
+                continue  # e.g. lm-eval's "alias": "lambada_openai"
+            name = _metric_name(str(metric))
+            if not math.isfinite(value):
+                raise CardError(
+                    f"{path}: metric {name!r} of task {task!r} is {value!r}; the Hub's model-index needs finite "
+                    "numbers (re-run the evaluation or remove the metric)"
+                )
+            if name.endswith("_stderr"):
+                stderrs.setdefault(str(task), {})[name[: -len("_stderr")]] = float(value)
+            else:
+                tasks.setdefault(str(task), {})[name] = value
+    protocols = data.get("protocols") or {}
+    protocols = {str(k): str(v) for k, v in protocols.items()} if isinstance(protocols, dict) else {}
+    baselines = data.get("published_baselines") or []
+    baselines = [row for row in baselines if isinstance(row, dict)] if isinstance(baselines, list) else []
+    n_params = data.get("n_params")
+    comparison = data.get("comparison") if isinstance(data.get("comparison"), dict) else {}
+    measured = comparison.get("measured") if isinstance(comparison.get("measured"), dict) else {}
+    measured = {str(k): v for k, v in measured.items() if is_number(v) and math.isfinite(v)}
+    sources = data.get("data") if isinstance(data.get("data"), dict) else {}
+    return EvalInfo(
+        path=path,
+        model=str(data["model"]) if data.get("model") is not None else None,
+        n_params=int(n_params) if is_number(n_params) else None,
+        tasks=tasks,
+        stderrs=stderrs,
+        protocols=protocols,
+        lm_eval_version=str(data["lm_eval_version"]) if data.get("lm_eval_version") else None,
+        published_baselines=baselines,
+        measured=measured,
+        data={str(k): str(v) for k, v in sources.items()},
+    )
+
+
+def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts -> {"a.b": value} with scalar leaves; lists of scalars kept, secrets dropped."""
+    flat: dict[str, Any] = {}
+    if not isinstance(data, dict):
+        return flat
+    for key, value in data.items():
+        key = str(key)
+        if SECRET_KEY.search(key):
+            continue
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, name + "."))
+        elif isinstance(value, (str, int, float, bool)) or value is None:
+            flat[name] = value
+        elif isinstance(value, list) and all(isinstance(v, (str, int, float, bool)) for v in value):
+            flat[name] = value
+    return flat
+
+
+def _read_jsonl_rows(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return rows
+    for line in lines:
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a truncated last line of a crashed run
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+DATASET_KEYS = ("dataset", "dataset_name", "dataset_id", "data", "corpus", "train_dataset")
+
+
+def _hub_dataset_ids(values: Iterable[Any]) -> list[str]:
+    """The values that look like Hub dataset ids (`owner/name`, not a local path)."""
+    found = []
+    for value in values:
+        for item in value if isinstance(value, list) else [value]:
+            if not isinstance(item, str):
+                continue
+            if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", item) and not Path(item).exists() and not item.startswith("."):
+                if item not in found:
+                    found.append(item)
+    return found
+
+
+def read_training_info(model_dir: str | Path) -> TrainingInfo | None:
+    """Read what a training run left in `model_dir`, or None when there is nothing.
+
+    Looked for, in this order (all optional): `training_config.json` (the recipe: any JSON object,
+    nested sections are flattened), `trainer_state.json` (transformers' Trainer: `log_history`,
+    `global_step`, `max_steps`, `train_batch_size`), `train_log.jsonl`, then any other `*.jsonl` whose
+    rows carry a `loss` (or `train_loss`) value. From log rows the card takes the last value of each
+    key (loss, validation loss/perplexity, step, tokens, learning rate). Keys that look like
+    credentials (`token`, `hub_token`, `password`, ...) are never read.
+    """
+    model_dir = Path(model_dir)
+    info = TrainingInfo()
+    config_path = model_dir / "training_config.json"
+    if config_path.is_file():
+        try:
+            data = json.loads(config_path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            data = None
+        if isinstance(data, dict):
+            info.sources.append(config_path.name)
+            info.recipe.update(flatten(data))
+    state_path = model_dir / "trainer_state.json"
+    if state_path.is_file():
+        try:
+            state = json.loads(state_path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            state = None
+        if isinstance(state, dict):
+            info.sources.append(state_path.name)
+            for key in ("global_step", "max_steps", "train_batch_size", "num_train_epochs"):
+                if key in state and state[key] is not None:
+                    info.recipe.setdefault(key, state[key])
+            history = [row for row in state.get("log_history") or [] if isinstance(row, dict)]
+            info.log_rows += len(history)
+            for row in history:
+                info.last.update({k: v for k, v in flatten(row).items() if is_number(v)})
+    logs = []
+    if (model_dir / "train_log.jsonl").is_file():
+        logs.append(model_dir / "train_log.jsonl")
+    logs += [p for p in sorted(model_dir.glob("*.jsonl")) if p.name != "train_log.jsonl"]
+    for path in logs:
+        rows = _read_jsonl_rows(path)
+        if path.name != "train_log.jsonl" and not any("loss" in r or "train_loss" in r for r in rows):
+            continue
+        if not rows:
+            continue
+        info.sources.append(path.name)
+        info.log_rows += len(rows)
+        for row in rows:
+            info.last.update({k: v for k, v in flatten(row).items() if is_number(v)})
+            for key in DATASET_KEYS:  # a log may state its data in a header row
+                if isinstance(row.get(key), str) and key not in info.recipe:
+                    info.recipe[key] = row[key]
+    if not info.sources:
+        return None
+    info.datasets = _hub_dataset_ids(v for k, v in info.recipe.items() if k.split(".")[-1] in DATASET_KEYS)
+    return info
+

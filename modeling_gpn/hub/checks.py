@@ -1,0 +1,155 @@
+"""The checks `gpn push` makes before anything touches the network: of the source folder (no pickles, a
+config that loads as a GPNConfig, safetensors weights matching it) and of the folder to upload (self-contained
+remote code, a card the Hub parses, no Hub token in any file)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from .card_metadata import validate_card
+from .errors import CardError, HubPushError
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+# safetensors is a dependency of transformers itself (GPNCache.save / load write and read state files with it).
+ALLOWED_CODE_IMPORTS = frozenset({"torch", "transformers", "safetensors", "__future__"}) | frozenset(sys.stdlib_module_names)
+
+
+def pickle_files(folder: Path, recursive: bool) -> list[str]:
+    """The pickle files (which can run code when loaded) in `folder`, or in all of it with `recursive`."""
+    paths = folder.rglob("*") if recursive else folder.iterdir()
+    return sorted(str(p.relative_to(folder)) for p in paths if p.is_file() and p.name.lower().endswith(PICKLE_SUFFIXES))
+
+
+def load_folder_config(model_dir: Path):
+    """The `GPNConfig` of `model_dir`, or `HubPushError` saying why it does not load."""
+    from ..configuration_gpn import GPNConfig
+
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise HubPushError(f"{model_dir} has no config.json: is it a folder written by save_pretrained / gpn train / gpn convert?")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as error:
+        raise HubPushError(f"{path} is not valid JSON: {error}") from error
+    if not isinstance(raw, dict) or raw.get("model_type") != GPNConfig.model_type:
+        found = raw.get("model_type") if isinstance(raw, dict) else None
+        raise HubPushError(f"{path} has model_type {found!r}; gpn push publishes GPN models (model_type 'gpn')")
+    try:
+        config = GPNConfig.from_pretrained(model_dir)
+    except Exception as error:  # noqa: BLE001 - any failure means the config does not load
+        raise HubPushError(f"{path} does not load as a GPNConfig: {error}") from error
+    return config, raw
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The top-level safetensors weights of `model_dir` (single file or shards + index)."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise HubPushError(
+            f"{model_dir} has no *.safetensors weights; gpn push uploads safetensors only "
+            "(re-save the model with save_pretrained, which writes model.safetensors)"
+        )
+    return files
+
+
+def check_weights(files: list[Path], config) -> int:
+    """Tensor names and shapes of `files` match the model `config` describes; returns the parameter count."""
+    import torch
+    from safetensors import safe_open
+
+    from ..modeling_gpn import GPNForCausalLM
+
+    with torch.device("meta"):
+        expected = {name: tuple(t.shape) for name, t in GPNForCausalLM(config).state_dict().items()}
+    found: dict[str, tuple[int, ...]] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():
+                    found[name] = tuple(handle.get_slice(name).get_shape())
+        except Exception as error:  # noqa: BLE001
+            raise HubPushError(f"{path} is not a readable safetensors file: {error}") from error
+    problems = []
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    misshaped = [f"{n}: {found[n]} vs config {expected[n]}" for n in sorted(set(found) & set(expected)) if found[n] != expected[n]]
+    if missing:
+        problems.append(f"missing tensors: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {', '.join(unexpected)}")
+    if misshaped:
+        problems.append(f"shapes differ: {'; '.join(misshaped)}")
+    if problems:
+        raise HubPushError("the weights do not match config.json: " + " | ".join(problems))
+    n_params = 0
+    for shape in found.values():
+        count = 1
+        for size in shape:
+            count *= size
+        n_params += count
+    return n_params
+
+
+def check_remote_code(folder: Path) -> list[str]:
+    """Every shipped .py file imports only torch/transformers/safetensors/stdlib and shipped files; returns their names."""
+    from transformers.dynamic_module_utils import get_imports, get_relative_imports
+
+    code_files = sorted(p.name for p in folder.glob("*.py"))
+    problems = []
+    for name in code_files:
+        path = folder / name
+        foreign = sorted(set(get_imports(path)) - ALLOWED_CODE_IMPORTS)
+        if foreign:
+            hint = " (the installed package never ships: import it relatively)" if "modeling_gpn" in foreign else ""
+            problems.append(f"{name} imports {', '.join(foreign)}{hint}")
+        for relative in get_relative_imports(path):
+            if not (folder / f"{relative}.py").is_file():
+                problems.append(f"{name} imports .{relative}, which is not in the folder")
+    if problems:
+        raise HubPushError("the remote code is not self-contained: " + "; ".join(problems))
+    return code_files
+
+
+def token_values(token: str | None) -> list[str]:
+    """The Hub tokens this process could use (given, or from the environment), never to be uploaded or printed."""
+    values = [token, os.environ.get("HF_TOKEN"), os.environ.get("HUGGING_FACE_HUB_TOKEN")]
+    return [v for v in values if v and len(v) >= 8]
+
+
+def check_prepared_folder(folder: str | Path, token: str | None = None) -> list[str]:
+    """The last checks before an upload; returns the relative file list. Raises `HubPushError`."""
+    folder = Path(folder)
+    pickles = pickle_files(folder, recursive=True)
+    if pickles:
+        raise HubPushError(f"refusing to upload pickle files: {', '.join(pickles)}")
+    files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    for required in ("config.json", "README.md", "generation_config.json", "configuration_gpn.py", "modeling_gpn.py"):
+        if required not in files:
+            raise HubPushError(f"the upload folder lacks {required}")
+    check_remote_code(folder)
+    try:
+        validate_card((folder / "README.md").read_text(encoding="utf-8"))
+    except CardError as error:
+        raise HubPushError(str(error)) from error
+    secrets = [secret.encode() for secret in token_values(token)]
+    for name in files:
+        if secrets and _file_contains(folder / name, secrets):
+            raise HubPushError(f"{name} contains the Hub token; refusing to upload it")
+    return files
+
+
+def _file_contains(path: Path, needles: list[bytes], chunk_size: int = 1 << 22) -> bool:
+    """Whether any of `needles` occurs in the file (streamed: weights files can be many GB)."""
+    overlap = max(len(n) for n in needles) - 1
+    tail = b""
+    with open(path, "rb") as handle:
+        while chunk := handle.read(chunk_size):
+            window = tail + chunk
+            if any(n in window for n in needles):
+                return True
+            tail = window[-overlap:] if overlap else b""
+    return False
+

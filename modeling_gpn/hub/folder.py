@@ -1,0 +1,175 @@
+"""The upload folder: everything `gpn push` publishes for a model folder, built and checked before anything
+touches the network (`prepare_folder`; `--dry-run OUT` writes it and stops).
+
+In order: the source folder is checked (a folder, no pickles, a config that loads, weights that match it);
+the weights are copied byte for byte; the remote code is copied from the installed package the way
+`save_pretrained` does, with an `auto_map` in config.json; the generation config and the tokenizer are
+copied (or derived, or loaded from `--tokenizer`) and must load; the model card is generated and validated;
+and the whole folder passes `check_prepared_folder`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .checks import check_prepared_folder, check_remote_code, check_weights, load_folder_config, pickle_files, weight_files
+from .errors import HubPushError
+from .model_card import build_card, read_eval_results, read_training_info, validate_card
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+)  # fmt: skip
+EVAL_RESULTS_FILE = "eval_results.json"
+
+#: Load-time options that transformers 5 saves into tokenizer_config.json; they describe the machine
+#: that saved the tokenizer (or carry a credential), not the tokenizer, so they are not published.
+TOKENIZER_LOAD_OPTIONS = ("is_local", "local_files_only", "cache_dir", "token", "use_auth_token", "_commit_hash", "force_download", "proxies")
+
+
+@dataclass
+class PreparedFolder:
+    """The folder that is (or would be) uploaded."""
+
+    path: Path
+    files: list[str]
+    n_params: int
+    card_metadata: dict[str, Any]
+
+
+def prepare_folder(
+    model_dir: str | Path,
+    out: str | Path,
+    repo_id: str,
+    *,
+    license: str = "mit",
+    datasets: list[str] | tuple[str, ...] = (),
+    tags: list[str] | tuple[str, ...] = (),
+    model_name: str | None = None,
+    tokenizer: str | None = None,
+    token: str | None = None,
+) -> PreparedFolder:
+    """Write into the empty folder `out` exactly what `push` uploads for `model_dir`, checked."""
+    model_dir, out = Path(model_dir), Path(out)
+    config, raw_config, weights, n_params = check_source_folder(model_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if any(out.iterdir()):
+        raise HubPushError(f"{out} is not empty; give a new or empty folder")
+    for path in weights:
+        shutil.copyfile(path, out / path.name)
+    if (model_dir / "model.safetensors.index.json").is_file():
+        shutil.copyfile(model_dir / "model.safetensors.index.json", out / "model.safetensors.index.json")
+    write_remote_code(out, raw_config)
+    write_generation_config(model_dir, out, config)
+    tokenizer_name = write_tokenizer(model_dir, out, config, tokenizer)
+    evaluation = read_eval_results(model_dir / EVAL_RESULTS_FILE) if (model_dir / EVAL_RESULTS_FILE).is_file() else None
+    training = read_training_info(model_dir)
+    card = build_card(
+        config, repo_id, n_params=n_params, evaluation=evaluation, training=training, license=license,
+        datasets=list(datasets), tags=list(tags), model_name=model_name, tokenizer_name=tokenizer_name,
+    )  # fmt: skip
+    metadata = validate_card(card)
+    (out / "README.md").write_text(card, encoding="utf-8")
+    files = check_prepared_folder(out, token=token)
+    return PreparedFolder(path=out, files=files, n_params=n_params, card_metadata=metadata)
+
+
+def check_source_folder(model_dir: Path):
+    """(config, raw config.json, weight files, parameter count) of a folder `gpn push` accepts to publish."""
+    if not model_dir.is_dir():
+        raise HubPushError(f"{model_dir} is not a folder")
+    pickles = pickle_files(model_dir, recursive=False)
+    if pickles:
+        raise HubPushError(
+            f"{model_dir} holds pickle files ({', '.join(pickles)}); pickles can run code when loaded, so gpn push "
+            "publishes safetensors only. Move or delete them (the safetensors weights are what gets uploaded)."
+        )
+    config, raw_config = load_folder_config(model_dir)
+    weights = weight_files(model_dir)
+    n_params = check_weights(weights, config)
+    return config, raw_config, weights, n_params
+
+
+def write_remote_code(out: Path, raw_config: dict) -> None:
+    """The remote code: what save_pretrained ships, from the installed package (relative imports followed), and
+    config.json with the `auto_map` that points at it; both checked."""
+    from transformers.dynamic_module_utils import custom_object_save
+
+    from ..configuration_gpn import GPNConfig
+    from ..modeling_gpn import GPNForCausalLM, GPNModel
+
+    for cls in (GPNConfig, GPNForCausalLM):
+        custom_object_save(cls, out)
+    raw_config = dict(raw_config)
+    auto_map = dict(raw_config.get("auto_map") or {})
+    auto_map.update(
+        {
+            "AutoConfig": f"{GPNConfig.__module__.rsplit('.', 1)[-1]}.{GPNConfig.__name__}",
+            "AutoModel": f"{GPNModel.__module__.rsplit('.', 1)[-1]}.{GPNModel.__name__}",
+            "AutoModelForCausalLM": f"{GPNForCausalLM.__module__.rsplit('.', 1)[-1]}.{GPNForCausalLM.__name__}",
+        }
+    )
+    raw_config["auto_map"] = auto_map
+    (out / "config.json").write_text(json.dumps(raw_config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    check_remote_code(out)
+    load_folder_config(out)
+
+
+def write_generation_config(model_dir: Path, out: Path, config) -> None:
+    """The folder's generation_config.json, or one derived from the config; it must load."""
+    from transformers import GenerationConfig
+
+    if (model_dir / "generation_config.json").is_file():
+        shutil.copyfile(model_dir / "generation_config.json", out / "generation_config.json")
+    else:
+        GenerationConfig.from_model_config(config).save_pretrained(out)
+    try:
+        GenerationConfig.from_pretrained(out)
+    except Exception as error:  # noqa: BLE001
+        raise HubPushError(f"generation_config.json does not load: {error}") from error
+
+
+def write_tokenizer(model_dir: Path, out: Path, config, tokenizer: str | None) -> str:
+    """The tokenizer files (from `tokenizer`, else the folder's own), cleaned of load-time options; they must load
+    and fit the vocabulary. Returns the name the card gives the tokenizer."""
+    from transformers import AutoTokenizer
+
+    if tokenizer:
+        try:
+            AutoTokenizer.from_pretrained(tokenizer).save_pretrained(out)
+        except Exception as error:  # noqa: BLE001
+            raise HubPushError(f"cannot load the tokenizer {tokenizer!r}: {error}") from error
+    else:
+        present = [name for name in TOKENIZER_FILES if (model_dir / name).is_file()]
+        if not present:
+            raise HubPushError(
+                f"{model_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}); pass --tokenizer NAME_OR_PATH "
+                "(e.g. the LLaMA-2 tokenizer the paper used) so the published model can be used"
+            )
+        for name in present:
+            shutil.copyfile(model_dir / name, out / name)
+    _clean_tokenizer_config(out / "tokenizer_config.json")
+    try:
+        loaded_tokenizer = AutoTokenizer.from_pretrained(out)
+    except Exception as error:  # noqa: BLE001
+        raise HubPushError(f"the tokenizer files do not load with AutoTokenizer: {error}") from error
+    if len(loaded_tokenizer) > config.vocab_size:
+        raise HubPushError(f"the tokenizer has {len(loaded_tokenizer):,} tokens but the model's vocabulary is {config.vocab_size:,}")
+    tokenizer_name = tokenizer if tokenizer and not Path(tokenizer).exists() else None
+    return tokenizer_name or f"{type(loaded_tokenizer).__name__}, {len(loaded_tokenizer):,} tokens"
+
+
+def _clean_tokenizer_config(path: Path) -> None:
+    if not path.is_file():
+        return
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as error:
+        raise HubPushError(f"{path.name} is not valid JSON: {error}") from error
+    if isinstance(data, dict) and any(key in data for key in TOKENIZER_LOAD_OPTIONS):
+        data = {k: v for k, v in data.items() if k not in TOKENIZER_LOAD_OPTIONS}
+        path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

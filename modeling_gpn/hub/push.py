@@ -1,0 +1,100 @@
+"""The network boundary: `push_folder` builds the checked upload folder (`folder.prepare_folder`) and hands it
+to `huggingface_hub` (`upload`: create the repo and branch, upload the folder), or with `dry_run` only
+writes it. The token goes to `huggingface_hub.HfApi` only: never printed, never written."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from .errors import HubPushError
+from .folder import prepare_folder
+
+
+def upload(
+    folder: str | Path,
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    commit_message: str | None = None,
+    token: str | None = None,
+    create_pr: bool = False,
+):
+    """`create_repo` (+ `create_branch` for a new revision) and `upload_folder`; returns the CommitInfo."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    repo_url = api.create_repo(repo_id=repo_id, repo_type="model", private=True if private else None, exist_ok=True)
+    repo_id = getattr(repo_url, "repo_id", None) or repo_id
+    if revision and revision != "main" and not create_pr:
+        api.create_branch(repo_id=repo_id, repo_type="model", branch=revision, exist_ok=True)
+    return api.upload_folder(
+        repo_id=repo_id,
+        repo_type="model",
+        folder_path=str(folder),
+        revision=revision,
+        commit_message=commit_message,
+        create_pr=create_pr,
+    )
+
+
+def push_folder(
+    folder: str | Path,
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    commit_message: str | None = None,
+    token: str | None = None,
+    create_pr: bool = False,
+    dry_run: str | Path | None = None,
+    license: str = "mit",
+    datasets: list[str] | tuple[str, ...] = (),
+    tags: list[str] | tuple[str, ...] = (),
+    model_name: str | None = None,
+    tokenizer: str | None = None,
+    quiet: bool = False,
+):
+    """Publish the model folder `folder` to `repo_id` (or, with `dry_run=OUT`, only write OUT).
+
+    Returns the `PreparedFolder` for a dry run, else huggingface_hub's `CommitInfo`. Raises
+    `HubPushError` for a folder it refuses (see the module docstring). `token` defaults to the
+    `HF_TOKEN` environment variable or the cached `hf auth login`.
+    """
+    if not repo_id or repo_id.count("/") > 1 or repo_id.startswith("/") or repo_id.endswith("/"):
+        raise HubPushError(f"{repo_id!r} is not a Hub repo id (expected 'name' or 'owner/name')")
+    commit_message = commit_message or f"Upload {model_name or repo_id.split('/')[-1]} (GPN) with gpn push"
+    options = dict(license=license, datasets=datasets, tags=tags, model_name=model_name, tokenizer=tokenizer, token=token)
+    say = (lambda *a: None) if quiet else print
+    if dry_run is not None:
+        out = Path(dry_run)
+        if out.resolve() == Path(folder).resolve():
+            raise HubPushError("--dry-run OUT must be a new folder, not MODEL_DIR")
+        created = not out.exists()
+        try:
+            prepared = prepare_folder(folder, out, repo_id, **options)
+        except BaseException:
+            if created and out.exists():
+                shutil.rmtree(out)
+            raise
+        size = sum((out / f).stat().st_size for f in prepared.files)
+        say(f"Dry run: wrote {len(prepared.files)} files ({size / 2**20:.1f} MiB) to {out}; nothing was uploaded.")
+        for name in prepared.files:
+            say(f"  {name}")
+        say(f"Would upload to {repo_id}" + (f" (revision {revision})" if revision else "") + f": {commit_message!r}")
+        return prepared
+    with tempfile.TemporaryDirectory(prefix="gpn-push-") as tmp:
+        prepared = prepare_folder(folder, Path(tmp) / "upload", repo_id, **options)
+        say(f"Uploading {len(prepared.files)} files ({prepared.n_params:,} parameters) to {repo_id} ...")
+        info = upload(
+            prepared.path, repo_id, private=private, revision=revision, commit_message=commit_message,
+            token=token, create_pr=create_pr,
+        )  # fmt: skip
+    pr_url = getattr(info, "pr_url", None)
+    say(f"Uploaded to https://huggingface.co/{repo_id}" + (f" (revision {revision})" if revision else ""))
+    if pr_url:
+        say(f"Pull request: {pr_url}")
+    return info
+

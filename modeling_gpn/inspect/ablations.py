@@ -1,0 +1,171 @@
+"""Causal tests (the paper's Limitations (3)): perplexity of the same windows with one part of the recurrence
+removed.
+
+The conditions: s_bar subtracted from the decoded state, s_bar subtracted from the state carried to the
+next step, the fast pool's memory heads off, the slow pool's heads off, and every memory read off. They run
+`ablated_logits`, a copy of the model's time loop built from the model's own pieces that reproduces the
+model's logits exactly when no ablation is active; decode-only conditions reuse the collected states.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .states import Collected, window_nll
+
+
+@dataclass(eq=False)
+class Ablation:
+    """One intervention on the recurrence (all off by default: the unablated model).
+
+    decode_shift: subtracted from p_t before decoding only (the recurrence is untouched).
+    carry_shift: subtracted from p_t before it is carried into the next step (decoding sees p_t).
+    heads_off: memory heads kept at zero (never written, so they read back zero).
+    reads_off: every predict layer skips its memory read (the memory is still written).
+    """
+
+    name: str = "none"
+    description: str = "the model as trained"
+    decode_shift: torch.Tensor | None = None
+    carry_shift: torch.Tensor | None = None
+    heads_off: tuple[int, ...] = field(default_factory=tuple)
+    reads_off: bool = False
+
+
+def ablated_logits(model, input_ids: torch.Tensor, ablation: Ablation | None = None) -> torch.Tensor:
+    """Logits (batch, T, vocab) of `model` on `input_ids` from the zero state under `ablation`.
+
+    Built from the model's own pieces in the order of `GPNModel.step` (token_inputs, ground,
+    memory_write, the predict layers and their read, decode); with no ablation it is the model's
+    forward bit for bit.
+    """
+    from ..modeling_gpn import project
+
+    ablation = ablation or Ablation()
+    core = model.model
+    config = model.config
+    has_memory = core.memory_write is not None
+    if (ablation.heads_off or ablation.reads_off) and not has_memory:
+        raise ValueError(f"ablation {ablation.name!r} needs a GPN+M (this model has no memory)")
+    head_mask = None
+    if ablation.heads_off:
+        bad = [h for h in ablation.heads_off if not 0 <= h < config.num_memory_heads]
+        if bad:
+            raise ValueError(f"memory heads {bad} do not exist (the model has {config.num_memory_heads})")
+        head_mask = torch.ones(config.num_memory_heads, device=input_ids.device)
+        head_mask[list(ablation.heads_off)] = 0.0
+        head_mask = head_mask[None, :, None, None]
+    batch_size, length = input_ids.shape
+    token_inputs = core.token_inputs(core.embed_tokens(input_ids))
+    predicted, grounded, memory = core.zero_state(batch_size, input_ids.device)
+    outputs = []
+    for t in range(length):
+        new_grounded = core.ground(predicted, token_inputs[:, t])
+        if has_memory:
+            memory, _ = core.memory_write(memory, grounded, new_grounded)
+            if head_mask is not None:
+                memory = memory * head_mask
+        state = new_grounded
+        for layer in core.predict_layers:
+            if has_memory and not ablation.reads_off:
+                state = layer(state, memory)
+            elif not has_memory:
+                state = layer(state, None)
+            else:  # the predict layer without its read
+                keep = torch.sigmoid(project(layer.gate, layer.gate_norm(state)))
+                state = keep * state + layer.ffn(state)
+        outputs.append(state)
+        predicted = state if ablation.carry_shift is None else state - ablation.carry_shift
+        grounded = new_grounded
+    states = torch.stack(outputs, dim=1)
+    if ablation.decode_shift is not None:
+        states = states - ablation.decode_shift
+    return model.decode(states)
+
+
+@torch.inference_mode()
+def ablation_perplexity(
+    model, windows: torch.Tensor, ablation: Ablation, batch_size: int = 8, progress: bool = True
+) -> dict:
+    """Token perplexity of `windows` under `ablation` (all positions of every window)."""
+    from tqdm.auto import tqdm
+
+    device = next(model.parameters()).device
+    nll_sum, count = 0.0, 0
+    for start in tqdm(range(0, windows.shape[0], batch_size), desc=f"ablation: {ablation.name}", disable=not progress):
+        batch = windows[start : start + batch_size].to(device)
+        s, c = window_nll(ablated_logits(model, batch, ablation), batch)
+        nll_sum, count = nll_sum + s, count + c
+    return {"nll": nll_sum / count, "perplexity": math.exp(nll_sum / count), "tokens": count}
+
+
+@torch.inference_mode()
+def decoded_perplexity(
+    model, states: np.ndarray, windows: torch.Tensor, decode_shift: torch.Tensor | None = None, batch_size: int = 8
+) -> dict:
+    """Token perplexity of `windows` decoded from already collected predicted `states` (n, T, d),
+    optionally with `decode_shift` subtracted before decoding."""
+    device = next(model.parameters()).device
+    nll_sum, count = 0.0, 0
+    for start in range(0, windows.shape[0], batch_size):
+        batch = windows[start : start + batch_size].to(device)
+        p = torch.from_numpy(states[start : start + batch_size]).to(device)
+        if decode_shift is not None:
+            p = p - decode_shift
+        s, c = window_nll(model.decode(p), batch)
+        nll_sum, count = nll_sum + s, count + c
+    return {"nll": nll_sum / count, "perplexity": math.exp(nll_sum / count), "tokens": count}
+
+
+def standard_ablations(model, s_bar: np.ndarray, pools: dict | None) -> list[Ablation]:
+    """The causal tests: s_bar out of the decoded state / the recurrence; fast / slow pool off; reads off."""
+    device = next(model.parameters()).device
+    shift = torch.tensor(s_bar, dtype=torch.float32, device=device)
+    ablations = [
+        Ablation("mean_removed_decode", "s̄ subtracted from p_t before decoding (recurrence untouched)", decode_shift=shift),
+        Ablation("mean_removed_recurrence", "s̄ subtracted from p_t before it is carried to the next step", carry_shift=shift),
+    ]  # fmt: skip
+    if model.model.memory_write is not None and pools is not None:
+        if pools.get("split"):
+            ablations.append(Ablation("fast_pool_off", f"fast-pool memory heads {pools['fast_heads']} kept at zero",
+                                      heads_off=tuple(pools["fast_heads"])))  # fmt: skip
+            ablations.append(Ablation("slow_pool_off", f"slow-pool memory heads {pools['slow_heads']} kept at zero",
+                                      heads_off=tuple(pools["slow_heads"])))  # fmt: skip
+        ablations.append(Ablation("memory_reads_off", "every memory read skipped (memory still written)", reads_off=True))
+    return ablations
+
+
+def causal_tests(
+    model,
+    windows: torch.Tensor,
+    collected: Collected,
+    s_bar: np.ndarray,
+    pools: dict | None,
+    ablation_windows: int | None = None,
+    batch_size: int = 8,
+    progress: bool = True,
+) -> dict:
+    """The report's causal tests: perplexity of the (first `ablation_windows`) windows under each of
+    `standard_ablations`, beside the baseline's, as rows with their change."""
+    subset = windows if ablation_windows is None else windows[: max(1, ablation_windows)]
+    count = subset.shape[0]
+    # Decode-only conditions reuse the collected states (one decoder pass, no second recurrence).
+    baseline = decoded_perplexity(model, collected.states[:count], subset, None, batch_size)
+    rows = [{"name": "baseline", "description": "the model as trained", **baseline, "delta_ppl": 0.0, "delta_pct": 0.0}]
+    for ablation in standard_ablations(model, s_bar, pools):
+        decode_only = ablation.carry_shift is None and not ablation.heads_off and not ablation.reads_off
+        if decode_only:
+            result = decoded_perplexity(model, collected.states[:count], subset, ablation.decode_shift, batch_size)
+        else:
+            result = ablation_perplexity(model, subset, ablation, batch_size, progress)
+        rows.append({
+            "name": ablation.name, "description": ablation.description, **result,
+            "delta_ppl": result["perplexity"] - baseline["perplexity"],
+            "delta_pct": 100.0 * (result["perplexity"] / baseline["perplexity"] - 1.0),
+        })  # fmt: skip
+    return {"windows": int(subset.shape[0]), "tokens": int(subset.numel()), "rows": rows,
+            "s_bar_source": "estimated on the same windows (in-sample)"}  # fmt: skip

@@ -1,0 +1,138 @@
+"""What `gpn inspect` reads: a GPN (refused with a clear error for other models) and token windows cut from
+local files or a Hub dataset (streamed), each window from the zero state as in training."""
+
+from __future__ import annotations
+
+import glob
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+DEFAULT_DATASET = "HuggingFaceFW/fineweb-edu"
+DEFAULT_DATASET_CONFIG = "sample-10BT"
+LOCAL_EXTENSIONS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+TEXT_BLOCK_CHARS = 200_000  # plain-text files are tokenized in blocks of about this many characters
+
+
+def load_model(name: str, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = False):
+    """Load a GPN causal LM from a local folder or the Hub, in eval mode. Clear error for other models."""
+    import modeling_gpn  # noqa: F401  (registers GPN with the Auto classes)
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    if getattr(model.config, "model_type", None) != "gpn" or not hasattr(getattr(model, "model", None), "token_inputs"):
+        raise ValueError(
+            f"gpn inspect analyses GPN models; {name!r} is a {type(model).__name__} "
+            f"(model_type={getattr(model.config, 'model_type', None)!r})"
+        )
+    return model.to(device).eval()
+
+
+def _local_files(data: str) -> list[Path] | None:
+    """The local files `data` names (a file, a folder, or a glob), or None if it is not local."""
+    path = Path(data)
+    if path.is_file():
+        files = [path]
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in LOCAL_EXTENSIONS)
+        if not files:
+            raise ValueError(f"folder {data!r} holds no {'/'.join(sorted(LOCAL_EXTENSIONS))} files")
+    elif any(ch in data for ch in "*?["):
+        files = sorted(Path(p) for p in glob.glob(data) if Path(p).is_file())
+        if not files:
+            raise ValueError(f"no files match {data!r}")
+    else:
+        return None
+    for file in files:
+        if file.suffix.lower() not in LOCAL_EXTENSIONS:
+            raise ValueError(f"unsupported data file {str(file)!r}: use one of {', '.join(sorted(LOCAL_EXTENSIONS))}")
+    return files
+
+
+def iter_documents(
+    data: str, config: str | None = None, split: str = "train", text_column: str = "text"
+) -> Iterator[tuple[str, bool]]:
+    """Yield (text, ends_document) from local files or a Hub dataset (streamed).
+
+    A plain-text file is one document, yielded in blocks cut at line ends; a jsonl / json / parquet row
+    is one document (its `text_column`).
+    """
+    files = _local_files(data)
+    if files is not None:
+        for file in files:
+            kind = LOCAL_EXTENSIONS[file.suffix.lower()]
+            if kind == "text":
+                with open(file, encoding="utf-8") as handle:
+                    block: list[str] = []
+                    size = 0
+                    for line in handle:
+                        block.append(line)
+                        size += len(line)
+                        if size >= TEXT_BLOCK_CHARS:
+                            yield "".join(block), False
+                            block, size = [], 0
+                    yield "".join(block), True
+            else:
+                from datasets import load_dataset
+
+                rows = load_dataset(kind, data_files=str(file), split="train", streaming=True)
+                yield from _rows_text(rows, text_column, str(file))
+        return
+    looks_local = data.startswith((".", "/", "~")) or Path(data).suffix.lower() in LOCAL_EXTENSIONS or data.count("/") > 1
+    if looks_local:
+        raise ValueError(f"data path {data!r} does not exist (a Hub dataset id looks like 'owner/name')")
+    from datasets import load_dataset
+
+    if config is None and data == DEFAULT_DATASET:
+        config = DEFAULT_DATASET_CONFIG
+    rows = load_dataset(data, config, split=split, streaming=True)
+    yield from _rows_text(rows, text_column, data)
+
+
+def _rows_text(rows, text_column: str, source: str) -> Iterator[tuple[str, bool]]:
+    for row in rows:
+        if text_column not in row:
+            raise ValueError(f"{source} has no column {text_column!r} (columns: {sorted(row)}); pass --text-column")
+        text = row[text_column]
+        if text:
+            yield text, True
+
+
+def load_token_windows(
+    tokenizer,
+    data: str,
+    seq_len: int,
+    max_tokens: int,
+    config: str | None = None,
+    split: str = "train",
+    text_column: str = "text",
+    progress: bool = True,
+) -> torch.Tensor:
+    """Tokenize documents (no special tokens; EOS after each document when the tokenizer has one),
+    concatenate them and cut the first `max_tokens // seq_len` non-overlapping windows (n, seq_len)."""
+    from tqdm.auto import tqdm
+
+    if seq_len < 2:
+        raise ValueError(f"--seq-len must be at least 2, got {seq_len}")
+    num_windows = max_tokens // seq_len
+    if num_windows < 1:
+        raise ValueError(f"--tokens ({max_tokens}) must be at least one window of --seq-len ({seq_len}) tokens")
+    needed = num_windows * seq_len
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    with tqdm(total=needed, desc="tokenizing", unit="tok", disable=not progress) as bar:
+        for text, ends_document in iter_documents(data, config, split, text_column):
+            new = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if ends_document and eos is not None:
+                new = new + [eos]
+            bar.update(min(len(new), needed - len(ids)))
+            ids.extend(new)
+            if len(ids) >= needed:
+                break
+    if len(ids) < seq_len:
+        raise ValueError(f"{data!r} gave only {len(ids)} tokens, fewer than one window of {seq_len}")
+    num_windows = min(num_windows, len(ids) // seq_len)
+    return torch.tensor(ids[: num_windows * seq_len], dtype=torch.long).view(num_windows, seq_len)
+

@@ -1,0 +1,42 @@
+"""`gpn study`'s command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .report import render_report
+from .runs import run_study
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--study", default="cpu-small", help="a study name (configuration/studies/NAME.json) or path")
+    parser.add_argument("--output", default="runs/study", help="folder for every run and the comparison report")
+    parser.add_argument("--data-dir", default=None, help="local evaluation data laid out like ../shared/data "
+                        "(lambada/, fineweb-edu/); default: the study's own eval settings (Hub data)")  # fmt: skip
+    parser.add_argument("--only", nargs="+", default=None, help="train and evaluate only these models of the study")
+    parser.add_argument("--steps", type=int, default=None, help="override the study's optimizer steps (budget)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    import signal
+
+    from modeling_gpn.train import NonFiniteLossError, StorageError, TrainingStopped
+
+    overrides = {"steps": args.steps} if args.steps else {}
+    try:
+        results = run_study(args.study, args.output, args.data_dir, args.only, overrides, not args.no_progress)
+    except (NonFiniteLossError, StorageError) as error:
+        print(f"gpn study: error: {error}", file=sys.stderr)
+        return 1
+    except TrainingStopped as stop:  # SIGTERM/SIGINT: `gpn train` checkpointed the model it was training
+        print(f"gpn study: {stop} (models finished before it are complete in {args.output})", file=sys.stderr)
+        return 128 + stop.signum
+    except KeyboardInterrupt:  # a second Ctrl-C, or one outside training (evaluation, the report)
+        print(f"gpn study: interrupted (Ctrl-C); models finished so far are complete in {args.output}", file=sys.stderr)
+        return 128 + signal.SIGINT
+    print(render_report(results))
+    print(f"Report: {Path(args.output) / 'study_report.md'}")
+    return 0

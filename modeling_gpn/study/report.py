@@ -1,0 +1,92 @@
+"""The study's report: study_report.md (the table, the ratios, the training summary, the reading) and
+training_curves.png."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+
+def fmt(value, pattern="{:.3f}") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "–"
+    return pattern.format(value)
+
+
+def render_report(results: dict[str, Any]) -> str:
+    rows, recipe = results["rows"], results["recipe"]
+    lines = [
+        f"# GPN small-scale replication: {results['study']}",
+        "",
+        f"Every model: same tokenizer ({recipe.get('tokenizer')}), data ({recipe.get('dataset')}), "
+        f"{results['tokens_per_model']:,} training tokens ({recipe['steps']} steps x {recipe['batch_size']} windows x "
+        f"{recipe['seq_len']} tokens), recipe and seed {recipe.get('seed', 0)}. Wall time of the whole study: "
+        f"{results['wall_time_s'] / 60:.1f} min.",
+        "",
+        "Parameters are matched on the non-embedding count (the token embedding dominates at this scale).",
+        "",
+        "| model | layers | state dim | memory cells | params (non-emb.) | held-out PPL | LAMBADA acc | LAMBADA PPL "
+        "| lm-eval LAMBADA acc | lm-eval LAMBADA PPL | train tok/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in rows.items():
+        lines.append(
+            f"| {name} | {row['layers']} | {row['state_dim']} | {row['memory_cells']:,} | {row['params']:,} "
+            f"({row['non_embedding_params']:,}) | {fmt(row['fineweb_ppl'], '{:.2f}')} | {fmt(row['lambada_acc'])} | "
+            f"{fmt(row['lambada_ppl'], '{:.2f}')} | {fmt(row['lm_eval_lambada_acc'])} | "
+            f"{fmt(row['lm_eval_lambada_ppl'], '{:.1f}')} | {fmt(row['train_tokens_per_s'], '{:,.0f}')} |"
+        )
+    lines += [
+        "",
+        f"Held-out PPL: the paper's FineWeb protocol on {results['held_out_data']} (non-overlapping windows, each "
+        "from the zero state, every position scored; a GPN's first position from the empty state). LAMBADA acc / PPL: the "
+        "paper's variant (first subword of the last word; PPL pooled over the last word's subwords). lm-eval "
+        "columns: the standard `lambada_openai` (whole-word greedy match, per-example perplexity).",
+        "",
+        "## Gaps as ratios (perplexity of the GPN / perplexity of the baseline)",
+        "",
+        "| model | baseline | metric | measured here | paper (130M) |",
+        "|---|---|---|---|---|",
+    ]
+    for row in results["ratios"]:
+        lines.append(
+            f"| {row['model']} | {row['baseline']} | {row['metric']} | {fmt(row['measured'])} | {fmt(row['published'])} |"
+        )
+    lines += ["", "## Training", "", "![loss against tokens](training_curves.png)", ""]
+    lines += ["| model | first loss | last loss | held-out PPL | wall time |", "|---|---|---|---|---|"]
+    for name, row in rows.items():
+        lines.append(
+            f"| {name} | {fmt(row['first_loss'])} | {fmt(row['last_loss'])} | {fmt(row['val_ppl'], '{:.2f}')} | "
+            f"{row['train_wall_s'] / 60:.1f} min |"
+        )
+    lines += ["", "## Reading", ""] + [f"- {line}" for line in results["reading"]]
+    lines += [
+        "",
+        "At this scale and budget the numbers test the pipeline and the direction of the paper's claims, not "
+        "their size: the paper trains 130M-parameter models on ~2.6B tokens.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(runs: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, run in runs.items():
+        curve = run["train"]["curve"]
+        if curve:
+            tokens, losses = zip(*curve)
+            ax.plot(tokens, losses, label=name, linewidth=1.6)
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("training loss (nats/token)")
+    ax.set_title("Training curves, same data, tokenizer, recipe and seed")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+

@@ -1,0 +1,150 @@
+"""Each model of a study through the same pipelines: trained by `gpn train`'s, evaluated by `gpn eval`'s; then
+`run_study` writes the comparison (study_results.json, study_report.md, training_curves.png)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from .comparison import PAPER_TABLE, ratios, reading, table_row
+from .definition import load_study
+from .report import plot_curves, render_report
+
+
+def run_study(
+    study_name: str,
+    output: str | Path,
+    data_dir: str | None = None,
+    only: list[str] | None = None,
+    overrides: dict[str, Any] | None = None,
+    show_progress: bool = True,
+) -> dict[str, Any]:
+    """Train and evaluate every model of the study, then write the comparison report. Returns its results."""
+    from modeling_gpn.evaluation.runner import load_model
+
+    study = load_study(study_name)
+    study["recipe"].update(overrides or {})
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    names = [name for name in study["models"] if not only or name in only]
+    if not names:
+        raise ValueError(f"No model selected; the study has {', '.join(study['models'])}")
+    start = time.perf_counter()
+    runs: dict[str, dict] = {}
+    for name in names:
+        print(f"== {name}: training", flush=True)
+        train_summary = train_one(name, study["models"][name], study, output, show_progress)
+        print(f"== {name}: evaluating", flush=True)
+        model, tokenizer = load_model(str(output / name / "model"))
+        eval_results = evaluate_one(name, study, output, data_dir, show_progress, model, tokenizer)
+        runs[name] = {"train": train_summary, "params": parameter_counts(model), "shape": describe(model), "eval": eval_results}
+        del model, tokenizer
+    rows = {name: table_row(name, run) for name, run in runs.items()}
+    ratio_rows = ratios(rows)
+    recipe = study["recipe"]
+    results = {
+        "study": study_name,
+        "recipe": recipe,
+        "eval": study["eval"],
+        "tokens_per_model": recipe["steps"] * recipe["batch_size"] * recipe["seq_len"],
+        "wall_time_s": time.perf_counter() - start,
+        "rows": rows,
+        "ratios": ratio_rows,
+        "paper": PAPER_TABLE,
+        "held_out_data": (
+            f"the held-out windows of the training corpus ({recipe.get('dataset')})"
+            if held_out_source(study, output) else "FineWeb-Edu from the Hub"
+        ),
+        "reading": reading(rows, ratio_rows),
+    }
+    (output / "study_results.json").write_text(json.dumps(results, indent=2, default=str))
+    plot_curves(runs, output / "training_curves.png")
+    (output / "study_report.md").write_text(render_report(results))
+    return results
+
+
+def train_one(name: str, model_config: dict, study: dict, output: Path, show_progress: bool) -> dict[str, Any]:
+    """Train one model of the study through `gpn train`'s pipeline; returns its training summary."""
+    from modeling_gpn.train import resolve_config, train, validate_config
+
+    config = resolve_config(argparse.Namespace())  # the built-in defaults
+    config.update(study["recipe"])
+    config.update(model=model_config, model_type=None, output_dir=str(output / name))
+    validate_config(config)
+    start = time.perf_counter()
+    summary = train(config, show_progress=show_progress)
+    summary["wall_time_s"] = time.perf_counter() - start
+    log = [json.loads(line) for line in (output / name / "log.jsonl").read_text().splitlines() if line.strip()]
+    summary["curve"] = [(row["tokens"], row["loss"]) for row in log if "tokens" in row and "loss" in row and "lr" in row]
+    speeds = [row["tokens_per_s"] for row in log if "tokens_per_s" in row]
+    summary["tokens_per_s"] = sorted(speeds)[len(speeds) // 2] if speeds else None
+    summary["tokens_trained"] = config["steps"] * config["batch_size"] * config["seq_len"]
+    summary["first_loss"] = summary["curve"][0][1] if summary["curve"] else None
+    summary["last_loss"] = summary["curve"][-1][1] if summary["curve"] else None
+    return summary
+
+
+def evaluate_one(
+    name: str, study: dict, output: Path, data_dir: str | None, show_progress: bool, model, tokenizer
+) -> dict[str, Any]:
+    """Run the study's evaluation tasks on one trained (already loaded) model through `gpn eval`'s pipeline."""
+    from modeling_gpn.evaluation.cli import write_outputs
+    from modeling_gpn.evaluation.runner import EvalSettings, evaluate
+
+    settings = EvalSettings(**{**study["eval"], "progress": show_progress})
+    if data_dir and not settings.data_dir:
+        settings.data_dir = data_dir
+    held_out = held_out_source(study, output)
+    if held_out and "fineweb_paper" in settings.tasks:
+        # the paper's FineWeb protocol on the training corpus's own held-out windows
+        settings.task_data = {**settings.task_data, "fineweb_paper": held_out}
+        settings.fineweb_max_documents = None
+    results = evaluate(str(output / name / "model"), settings, model=model, tokenizer=tokenizer)
+    write_outputs(results, output / name / "eval")
+    return results
+
+
+def held_out_source(study: dict, output: Path) -> str | None:
+    """A local file holding the training corpus, for evaluating on `gpn train`'s held-out windows.
+
+    Hub corpora return None (the evaluation then reads FineWeb-Edu from the Hub)."""
+    dataset = study["recipe"].get("dataset")
+    if dataset == "shakespeare":
+        from modeling_gpn.data import shakespeare_documents
+
+        path = output / "corpus.jsonl"
+        if not path.exists():
+            with path.open("w") as handle:
+                for document in shakespeare_documents():
+                    handle.write(json.dumps({"text": document}) + "\n")
+        return str(path)
+    if dataset and Path(dataset).exists():
+        return str(dataset)
+    return None
+
+
+def parameter_counts(model) -> dict[str, int]:
+    """Total parameters and those outside the token embedding (tied output matrices counted once)."""
+    from modeling_gpn.evaluation.runner import count_parameters
+
+    total = count_parameters(model)
+    return {"total": total, "non_embedding": total - model.get_input_embeddings().weight.numel()}
+
+
+def describe(model) -> dict[str, Any]:
+    """Layers, state width and memory cells, as the paper's table reports them."""
+    config = model.config
+    if config.model_type == "gpn":
+        return {
+            "layers": config.num_predict_layers,
+            "state_dim": config.hidden_size,
+            "memory_cells": config.memory_cells,
+        }
+    cells = 0
+    if config.model_type == "qwen3_next":  # every layer: H_v heads of (dk x dv) gated-delta state
+        cells = config.num_hidden_layers * config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
+    return {"layers": config.num_hidden_layers, "state_dim": config.hidden_size, "memory_cells": cells}
+

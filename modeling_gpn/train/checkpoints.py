@@ -1,0 +1,223 @@
+"""Checkpoints: the full training state, in one layout for one process, DDP and FSDP, saved, rotated and resumed.
+
+A checkpoint folder (`checkpoints/step-NNNNNNN/`) holds the full (unsharded) training state in the layout a
+single process or DDP run of Accelerate writes with `save_state`, whatever wrote it: so a checkpoint of an
+FSDP run resumes in one process or under DDP and back. Accelerate's own FSDP checkpoints are sharded per
+process count instead. `trainer_state.json` (the step, the settings, the skipped steps and the unfinished
+log window) is written last: a folder without it is not a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from .context import TrainingRun
+from .distributed import all_finite, is_fsdp
+from .errors import NonFiniteLossError
+from .run_folder import (
+    fsync_tree,
+    install_folder,
+    intact,
+    latest_checkpoint,
+    storage_error,
+    write_errors,
+    write_file_atomically,
+)
+from .settings import changed_settings, read_json
+
+MODEL_FILE = "model.safetensors"  # the full weights (a tied copy stored once)
+OPTIMIZER_FILE = "optimizer.bin"  # torch.optim's state_dict: parameters numbered in the param groups' order
+SCHEDULER_FILE = "custom_checkpoint_0.pkl"  # the LR schedule (Accelerate's name for a registered object)
+SCALER_FILE = "scaler.pt"  # fp16's GradScaler
+RNG_FILE = "random_states_{}.pkl"  # per process: python, numpy, torch (and CUDA) generators
+
+
+def save_checkpoint(run: TrainingRun, step: int) -> Path:
+    """The full training state at `step`, written to a temporary folder, fsynced, then renamed; older
+    checkpoints are rotated away only after that. Never written with non-finite weights or optimizer state.
+    Every process calls this (FSDP gathers the shards)."""
+    accelerator, checkpoints_dir = run.accelerator, run.checkpoints_dir
+    final, tmp = checkpoints_dir / f"step-{step:07d}", checkpoints_dir / f".tmp-step-{step:07d}"
+    run.stage.enter(f"saving checkpoint {final.name}")
+    if not all_finite(accelerator, run.model.parameters()) or not all_finite(accelerator, _optimizer_tensors(run)):
+        raise NonFiniteLossError(
+            f"Refusing to write checkpoint {final}: the weights or the optimizer state hold non-finite values. "
+            + intact(run.run_dir)
+        )
+    try:
+        if run.main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            checkpoints_dir.mkdir(parents=True, exist_ok=True)
+        accelerator.wait_for_everyone()
+        save_training_state(accelerator, run.model, run.optimizer, run.scheduler, tmp)
+        accelerator.wait_for_everyone()
+        if run.main:
+            trainer_state = {"step": step, "config": run.config, "skipped_steps": run.skipped_steps,
+                             "running_losses": run.running}  # fmt: skip
+            write_file_atomically(tmp / "trainer_state.json", json.dumps(trainer_state, default=str))
+            fsync_tree(tmp)
+            install_folder(tmp, final)
+            for old in sorted(checkpoints_dir.glob("step-*"))[: -max(1, run.config["keep_checkpoints"])]:
+                if old != final:
+                    shutil.rmtree(old, ignore_errors=True)
+    except write_errors() as error:
+        if run.main:
+            shutil.rmtree(tmp, ignore_errors=True)  # frees the space the partial checkpoint took
+        raise storage_error(run.run_dir, final, error) from error
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _optimizer_tensors(run: TrainingRun):
+    import torch
+
+    for state in run.optimizer.state.values():
+        yield from (value for value in state.values() if torch.is_tensor(value))
+
+
+def resume_from_checkpoint(run: TrainingRun, resume: str | bool) -> None:
+    """`--resume` (True: the newest checkpoint of the run folder; a path: that one): load the training state
+    into the prepared model and optimizer and continue where it stopped. Refused, naming why: no complete
+    checkpoint, a changed setting that would change the data, the model or the optimisation, or non-finite
+    weights (which older versions could write)."""
+    checkpoint = latest_checkpoint(run.run_dir) if resume is True else Path(resume)
+    if checkpoint is None or not (checkpoint / "trainer_state.json").exists():
+        raise FileNotFoundError(f"--resume: no complete checkpoint in {run.checkpoints_dir}")
+    state = read_json(checkpoint / "trainer_state.json", "checkpoint state")
+    changes = changed_settings(state.get("config", {}), run.config)
+    if changes:
+        raise ValueError(
+            f"--resume: these settings differ from those of {checkpoint} and would change the data, the model "
+            f"or the optimisation: {'; '.join(changes)}. Resume with the checkpoint's values, or start a new "
+            "run in another --output-dir"
+        )
+    load_training_state(run.accelerator, run.model, run.optimizer, run.scheduler, checkpoint)
+    if not all_finite(run.accelerator, run.model.parameters()):
+        raise NonFiniteLossError(
+            f"--resume: {checkpoint} holds non-finite weights (written by an older version without this check); "
+            "resume from an earlier checkpoint with --resume PATH"
+        )
+    run.start_step = state["step"]
+    run.skipped_steps = list(state.get("skipped_steps", []))
+    run.running = list(state.get("running_losses", []))  # the unfinished log window, so the log continues exactly
+    run.say(f"resumed from {checkpoint} at step {run.start_step}")
+
+
+# --------------------------------------------------------------------------------------------------
+# The training state's files, under any distribution
+# --------------------------------------------------------------------------------------------------
+
+
+def save_training_state(accelerator, model, optimizer, scheduler, folder: Path) -> None:
+    """Write the full training state to `folder` (every process calls this: FSDP gathers the shards)."""
+    import random
+
+    import numpy as np
+    import torch
+    from accelerate.utils import save
+
+    folder.mkdir(parents=True, exist_ok=True)
+    weights = accelerator.get_state_dict(model)  # FSDP: gathered to the main process only
+    if is_fsdp(accelerator):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        by_name = get_optimizer_state_dict(model, optimizer.optimizer,
+                                           options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # fmt: skip
+        optimizer_state = _optimizer_state_by_position(by_name) if accelerator.is_main_process else None
+    else:
+        optimizer_state = optimizer.state_dict()
+    if accelerator.is_main_process:
+        save(weights, folder / MODEL_FILE, safe_serialization=True)
+        torch.save(optimizer_state, folder / OPTIMIZER_FILE)
+        torch.save(scheduler.state_dict(), folder / SCHEDULER_FILE)
+        if accelerator.scaler is not None:
+            torch.save(accelerator.scaler.state_dict(), folder / SCALER_FILE)
+    generators = {"random_state": random.getstate(), "numpy_random_seed": np.random.get_state(),
+                  "torch_manual_seed": torch.get_rng_state()}  # fmt: skip
+    if torch.cuda.is_available():
+        generators["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
+    torch.save(generators, folder / RNG_FILE.format(accelerator.process_index))
+
+
+def load_training_state(accelerator, model, optimizer, scheduler, folder: Path) -> None:
+    """Load a checkpoint written by `save_training_state` (or Accelerate's non-FSDP `save_state`) under any
+    distribution. Random generators come back when the checkpoint has this process's file (same process count)."""
+    import random
+
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+
+    weights = load_file(str(folder / MODEL_FILE))
+    if weights and all(name.startswith("module.") for name in weights):  # DDP checkpoints of older versions
+        weights = {name[len("module.") :]: tensor for name, tensor in weights.items()}
+    optimizer_state = torch.load(folder / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+    if is_fsdp(accelerator):
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        complete_tied_weights(weights, model)
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, weights, options=options)
+        set_optimizer_state_dict(model, optimizer.optimizer, _optimizer_state_by_name(optimizer_state, model, optimizer),
+                                 options=options)  # fmt: skip
+    else:
+        unwrapped = accelerator.unwrap_model(model)
+        complete_tied_weights(weights, unwrapped)
+        unwrapped.load_state_dict(weights)
+        optimizer.load_state_dict(optimizer_state)
+    scheduler.load_state_dict(torch.load(folder / SCHEDULER_FILE, map_location="cpu", weights_only=False))
+    if accelerator.scaler is not None and (folder / SCALER_FILE).exists():
+        accelerator.scaler.load_state_dict(torch.load(folder / SCALER_FILE, weights_only=False))
+    rng_file = folder / RNG_FILE.format(accelerator.process_index)
+    if rng_file.exists():
+        generators = torch.load(rng_file, weights_only=False)
+        random.setstate(generators["random_state"])
+        np.random.set_state(generators["numpy_random_seed"])
+        torch.set_rng_state(generators["torch_manual_seed"])
+        if torch.cuda.is_available() and "torch_cuda_manual_seed" in generators:
+            torch.cuda.set_rng_state_all(generators["torch_cuda_manual_seed"])
+
+
+def complete_tied_weights(weights: dict, model) -> None:
+    """Put back the tied copies that safetensors stores once (e.g. a tied lm_head), under every name the model uses."""
+    names_of = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    for names in names_of.values():
+        present = next((name for name in names if name in weights), None)
+        for name in names:
+            if present is not None and name not in weights:
+                weights[name] = weights[present]
+
+
+def _optimizer_state_by_position(by_name: dict) -> dict:
+    """torch's FQN-keyed full optimizer state -> the layout of `optimizer.state_dict()` (positions)."""
+    order = [name for group in by_name["param_groups"] for name in group["params"]]
+    position = {name: index for index, name in enumerate(order)}
+    return {
+        "state": {position[name]: state for name, state in by_name["state"].items()},
+        "param_groups": [{**group, "params": [position[name] for name in group["params"]]}
+                         for group in by_name["param_groups"]],
+    }  # fmt: skip
+
+
+def _optimizer_state_by_name(by_position: dict, model, optimizer) -> dict:
+    """`optimizer.state_dict()`'s layout -> torch's FQN-keyed full optimizer state, for `set_optimizer_state_dict`."""
+    name_of = {id(param): name for name, param in model.named_parameters()}
+    order = [name_of[id(param)] for group in optimizer.param_groups for param in group["params"]]
+    saved = [index for group in by_position["param_groups"] for index in group["params"]]
+    if len(saved) != len(order):
+        raise ValueError(f"The checkpoint's optimizer holds {len(saved)} parameters, the model {len(order)}")
+    name = dict(zip(saved, order))
+    return {
+        "state": {name[index]: state for index, state in by_position["state"].items()},
+        "param_groups": [{**group, "params": [name[index] for index in group["params"]]}
+                         for group in by_position["param_groups"]],
+    }  # fmt: skip
+

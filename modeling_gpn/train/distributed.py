@@ -1,0 +1,222 @@
+"""Starting Accelerate for one or many processes, and bounding what a multi-process run may wait for.
+
+- `start_accelerator` refuses a launch of several processes that Accelerate starts as one each, sets the
+  collectives' timeout (`--ddp-timeout`), and applies FSDP2 on CPU, which Accelerate would silently make DDP;
+- `RunStage` names the stage a run is in, for errors, and is the watchdog of the end of a multi-process run
+  (the process group's end and the interpreter's exit, which no collective timeout covers);
+- `collective_error` turns a gloo / NCCL failure into a `CollectiveError` naming that stage;
+- `all_finite` and `stop_requested` are the two questions every process must answer alike.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+from .errors import CollectiveError, LaunchError
+
+
+# Variables that launchers set in every process of a multi-process job: torchrun / `accelerate launch`
+# (WORLD_SIZE, LOCAL_WORLD_SIZE, RANK, LOCAL_RANK) and MPI launchers (read by Accelerate on CPU too).
+LAUNCHER_SIZE_VARIABLES = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+LAUNCHER_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
+
+
+def launched_as_several_processes() -> list[str]:
+    """The launcher variables that say this process is one of several ("WORLD_SIZE=2", "LOCAL_RANK=1"), or []."""
+
+    def number(name: str) -> int:
+        value = os.environ.get(name, "")
+        return int(value) if value.strip().isdigit() else 0
+
+    found = [f"{name}={os.environ[name]}" for name in LAUNCHER_SIZE_VARIABLES if number(name) > 1]
+    found += [f"{name}={os.environ[name]}" for name in LAUNCHER_RANK_VARIABLES if number(name) > 0]
+    return found
+
+
+def fsdp_requested() -> int | None:
+    """The FSDP version `accelerate launch --use_fsdp` (or a config file with distributed_type FSDP) asked for."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return None
+    return int(os.environ.get("FSDP_VERSION", "1"))
+
+
+def start_accelerator(config: dict, trackers: list[str], run_dir: Path):
+    """The run's Accelerator, checked against the launch.
+
+    - A job launched as several processes that Accelerate starts as one (an FSDP config file with `use_cpu`
+      does not reach the processes, so on a machine without GPUs each comes up alone) would train the whole
+      run once per process into the same folder: refused with the launch command that works.
+    - Accelerate (1.15) makes an FSDP launch on CPU plain DDP without a word (it applies FSDP only on
+      GPU-like devices); FSDP2 (`fully_shard`) runs on CPU with gloo, so it is applied here as asked.
+      FSDP1 on CPU is refused by Accelerate itself; that is said in one line.
+    """
+    import datetime
+
+    import torch
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
+
+    on_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes") or not torch.cuda.is_available()
+    if fsdp_requested() == 1 and on_cpu:
+        raise LaunchError(
+            "FSDP version 1 needs GPUs in Accelerate; on CPU launch FSDP2 with `ACCELERATE_USE_CPU=1 accelerate launch "
+            "--use_fsdp --fsdp_version 2 --num_processes N --num_machines 1 -m modeling_gpn.train ...`"
+        )
+    accelerator = Accelerator(
+        mixed_precision=config["mixed_precision"], log_with=trackers or None, project_dir=str(run_dir),
+        # A process that stops (not dies) would otherwise hold the others for gloo's 30-minute default.
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=config["ddp_timeout"]))],
+    )  # fmt: skip
+    launched = launched_as_several_processes()
+    if launched and accelerator.num_processes == 1:
+        cause = ("no GPU was found and ACCELERATE_USE_CPU is not set (a config file's use_cpu does not reach the "
+                 "processes)" if on_cpu and not os.environ.get("ACCELERATE_USE_CPU") else
+                 f"Accelerate chose {accelerator.distributed_type.value}")  # fmt: skip
+        raise LaunchError(
+            f"this job was launched as several processes ({', '.join(launched)}) but Accelerate started this one as a "
+            f"single-process run ({cause}), so every process would train the whole run alone into {run_dir}. "
+            "Launch on CPU with `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N --num_machines 1 "
+            "-m modeling_gpn.train ...` (FSDP: `--use_fsdp --fsdp_version 2` instead of `--multi_gpu`), on GPUs with "
+            "`accelerate launch --multi_gpu --num_processes N -m modeling_gpn.train ...`"
+        )
+    if fsdp_requested() == 2 and accelerator.distributed_type == DistributedType.MULTI_CPU:
+        # Both states: Accelerate copies PartialState's type into AcceleratorState whenever one is created.
+        # (PartialState holds a non-device type for DeepSpeed the same way; its collectives accept FSDP.)
+        PartialState().distributed_type = DistributedType.FSDP
+        accelerator.state.distributed_type = DistributedType.FSDP
+        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # from the launcher's FSDP_* variables
+        if not accelerator.is_fsdp2:
+            raise LaunchError(f"Could not apply FSDP2 on CPU with Accelerate {_accelerate_version()}: launch with "
+                              "--multi_gpu (DDP) instead")  # fmt: skip
+    return accelerator
+
+
+def _accelerate_version() -> str:
+    import accelerate
+
+    return accelerate.__version__
+
+
+def distribution_name(accelerator) -> str:
+    """How the processes share the work, for the run's summary line: "DDP", "FSDP2", ... or "single process"."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.num_processes == 1:
+        return "single process"
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return f"FSDP{accelerator.state.fsdp_plugin.fsdp_version}"
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return "DeepSpeed"
+    return "DDP"
+
+
+def is_fsdp(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.FSDP
+
+
+def all_finite(accelerator, tensors) -> bool:
+    """Whether every tensor holds only finite values, on every process (a collective when world > 1)."""
+    import torch
+
+    with torch.no_grad():
+        # FSDP: each process checks its own shard (the reduce below covers the others').
+        flags = [torch.isfinite(local_part(t)).all() for t in tensors if torch.is_tensor(t) and t.is_floating_point()]
+        bad = torch.stack(flags).logical_not().any().float().to(accelerator.device) if flags else torch.zeros(
+            (), device=accelerator.device)  # fmt: skip
+    if accelerator.num_processes > 1:
+        bad = accelerator.reduce(bad, reduction="sum")
+    return not bool(bad > 0)
+
+
+def local_part(tensor):
+    """The part of a (possibly FSDP-sharded DTensor) tensor this process holds."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def stop_requested(accelerator, received: int | None) -> int | None:
+    """The signal that asks to stop (`received` here, or on any other process), agreed by every process (a
+    collective when world > 1)."""
+    import torch
+
+    received = received or 0
+    if accelerator.num_processes > 1:
+        received = int(accelerator.reduce(torch.tensor(received, device=accelerator.device), reduction="max"))
+    return received or None
+
+
+# --------------------------------------------------------------------------------------------------
+# Where a multi-process run is, and a bound on the end of it
+# --------------------------------------------------------------------------------------------------
+
+
+class RunStage:
+    """The stage a run is in ("training step 12", "saving the model", ...), for errors that name it.
+
+    Collectives are bounded by --ddp-timeout (gloo / NCCL), but the end of the process group and the
+    interpreter's exit (joining threads, atexit) are not: a stage entered with `watch=True` must end (the
+    next `enter`, or `finish`) within `watchdog_s` seconds, or the process prints the stage and every
+    thread's stack and exits 1 (the launcher then stops the others). Compute stages are not watched: their
+    length is the model's, not a hang's.
+    """
+
+    def __init__(self, watchdog_s: float | None = None) -> None:
+        self.name = "starting"
+        self.watchdog_s = watchdog_s
+        self._timer: threading.Timer | None = None
+
+    def enter(self, name: str, watch: bool = False) -> None:
+        self.name = name
+        self._cancel()
+        if watch and self.watchdog_s:
+            import faulthandler
+
+            # A hang that holds the GIL (a C++ destructor joining gloo's threads) stops Python threads, this
+            # timer included: faulthandler's own C thread then dumps the stacks and exits 5 s later.
+            faulthandler.dump_traceback_later(self.watchdog_s + 5, exit=True)
+            self._watching = True
+            self._timer = threading.Timer(self.watchdog_s, self._expired, args=(name,))
+            self._timer.daemon = True  # never keeps the process alive itself
+            self._timer.start()
+
+    def finish(self) -> None:
+        self._cancel()
+
+    def _cancel(self) -> None:
+        if getattr(self, "_watching", False):
+            import faulthandler
+
+            faulthandler.cancel_dump_traceback_later()
+            self._watching = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expired(self, name: str) -> None:
+        import faulthandler
+
+        os.write(2, f"\ngpn train: error: the run hung while {name}: still there after {self.watchdog_s:.0f} s "
+                    "(--ddp-timeout plus a margin); another process stopped responding, or the process cannot end. "
+                    "Whatever was written (model, checkpoints) is complete: files are written and then renamed. "
+                    "The stacks of this process's threads follow; it exits now so that the job ends\n".encode())  # fmt: skip
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(1)
+
+
+def collective_error(error: BaseException, stage: str, ddp_timeout: int) -> CollectiveError | None:
+    """A CollectiveError naming `stage` for a gloo/NCCL failure (a timeout, a peer that ended), else None."""
+    text = str(error)
+    first = text.splitlines()[0] if text else type(error).__name__
+    lowered = text.lower()
+    if "timed out" in lowered or "timeout" in lowered and "collective" in lowered:
+        return CollectiveError(
+            f"a collective operation timed out after --ddp-timeout {ddp_timeout} s while {stage}: another process "
+            f"stopped responding, so the job fails instead of waiting ({first})"
+        )
+    if any(sign in lowered for sign in ("connection closed by peer", "connection reset by peer", "broken pipe")):
+        return CollectiveError(f"another process ended while {stage}, so this one stops too ({first})")
+    return None
+

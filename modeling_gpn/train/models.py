@@ -1,0 +1,157 @@
+"""What a run trains: the model from its settings, the AdamW groups and the learning-rate schedule, the
+extra inputs of `--reset-at-document-start`, the sample written at the end, and the weights' fingerprint."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+
+from .settings import read_json
+
+
+def model_config_dict(config: dict) -> dict:
+    """The model's config as a plain dict with `model_type` (from preset name, path, inline dict or llama file)."""
+    if config["llama_config"]:
+        values = read_json(Path(config["llama_config"]), "Llama config")
+        values["model_type"] = "llama"
+    elif isinstance(config["model"], dict):
+        values = dict(config["model"])
+    else:
+        from modeling_gpn.configuration import preset_path
+
+        values = read_json(preset_path(config["model"]), "model preset")
+    values.pop("_comment", None)
+    values.setdefault("model_type", "gpn")
+    if config["model_type"]:
+        values["model_type"] = config["model_type"]
+    values.update(config.get("model_overrides") or {})
+    return values
+
+
+def build_model(config: dict, tokenizer):
+    """A freshly initialised GPNForCausalLM or LlamaForCausalLM, its vocabulary and special ids from `tokenizer`."""
+    values = model_config_dict(config)
+    model_type = values.pop("model_type")
+    for key in ("architectures", "transformers_version", "auto_map", "torch_dtype", "dtype"):
+        values.pop(key, None)
+    values.update(
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if model_type == "gpn":
+        from modeling_gpn import GPNConfig, GPNForCausalLM
+
+        values.update(max_length_hint=config["seq_len"], bptt_truncation_length=config["bptt_truncation"],
+                      bptt_segment_length=config["bptt_segment"] or None)  # fmt: skip
+        return GPNForCausalLM(GPNConfig(**values))
+    if model_type == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        if config["bptt_truncation"]:
+            raise ValueError("bptt_truncation applies to GPN models only, not to the llama baseline")
+        values.setdefault("max_position_embeddings", config["seq_len"])
+        return LlamaForCausalLM(LlamaConfig(**values))
+    # Any other transformers causal LM by its model_type, e.g. qwen3_next with every layer
+    # gated-delta linear attention: the Gated DeltaNet baseline of `gpn study`.
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if config["bptt_truncation"]:
+        raise ValueError(f"bptt_truncation applies to GPN models only, not to {model_type}")
+    try:
+        model_config = AutoConfig.for_model(model_type, **values)
+    except ValueError as error:
+        raise ValueError(f"Unknown model_type {model_type!r}: use gpn, llama or a transformers model type ({error})") from error
+    return AutoModelForCausalLM.from_config(model_config)
+
+
+NO_DECAY_NAMES = ("A_log", "dt_bias")
+
+
+def parameter_groups(model, weight_decay: float) -> list[dict]:
+    """AdamW groups: weight decay on matrices only; 1-D parameters (norms, biases), A_log and dt_bias
+    get none (as the reference). Each group lists its parameter names under "names"."""
+    decay, no_decay = ([], []), ([], [])
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        target = no_decay if param.dim() < 2 or name.split(".")[-1] in NO_DECAY_NAMES else decay
+        target[0].append(name)
+        target[1].append(param)
+    return [
+        {"params": decay[1], "names": decay[0], "weight_decay": weight_decay},
+        {"params": no_decay[1], "names": no_decay[0], "weight_decay": 0.0},
+    ]
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """Learning-rate multiplier for optimizer step `step` (0-based): linear warmup over `warmup_steps`
+    (reaching the peak at step `warmup_steps`), then cosine from the peak to `min_lr_ratio` at `total_steps`."""
+    if warmup_steps and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model, config: dict):
+    """AdamW over `parameter_groups` and the warmup + cosine `LambdaLR` (stepped once per optimizer step)."""
+    import torch
+
+    groups = parameter_groups(model, config["weight_decay"])
+    optimizer = torch.optim.AdamW(
+        [{k: v for k, v in g.items() if k != "names"} for g in groups],
+        lr=config["lr"], betas=(config["beta1"], config["beta2"]), eps=config["eps"],
+    )  # fmt: skip
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: lr_factor(step, config["warmup_steps"], config["steps"], config["min_lr_ratio"]),
+    )
+    return optimizer, scheduler
+
+
+def document_position_ids(windows, eos_token_id: int):
+    """`--reset-at-document-start`: position ids (batch, seq) that restart at 0 on the first token after every EOS
+    of the token windows (batch, seq) (documents are joined with EOS), counting from 0 at each window's start.
+
+    A GPN reads position ids restarting inside a row as packed sequences and resets its state to zero where each
+    starts (`packed_sequence_starts` in modeling_gpn.py), so every document runs from the zero state. The token
+    after an EOS stays a target, predicted at the EOS from the previous document's state, as without the option
+    (so losses and perplexities stay comparable)."""
+    import torch
+
+    positions = torch.arange(windows.shape[1], device=windows.device).expand_as(windows)
+    starts = torch.zeros_like(windows, dtype=torch.bool)
+    starts[:, 1:] = windows[:, :-1] == eos_token_id
+    last_start = torch.where(starts, positions, 0).cummax(dim=1).values
+    return positions - last_start
+
+
+def generate_sample(model, tokenizer, prompt: str, max_new_tokens: int, seed: int) -> str:
+    """Sample `max_new_tokens` after `prompt` (top-k 40, temperature 0.8, seeded)."""
+    import torch
+
+    model.eval()
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(model.device)
+    if ids.shape[1] == 0:
+        ids = torch.tensor([[tokenizer.eos_token_id]], device=model.device)
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=True,
+            top_k=40, temperature=0.8,
+        )  # fmt: skip
+    torch.random.set_rng_state(generator_state)
+    return tokenizer.decode(out[0], skip_special_tokens=True)
+
+
+def weights_sha256(model) -> str:
+    """A fingerprint of the weights (names and float32 values), to check that every process ended alike."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+

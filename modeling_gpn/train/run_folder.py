@@ -1,0 +1,290 @@
+"""A run's folder: its layout, files written so that a crash loses nothing, the log, and the lock.
+
+    OUTPUT/model/                        the final save_pretrained folder
+    OUTPUT/checkpoints/step-NNNNNNN/     full training states (see checkpoints.py)
+    OUTPUT/log.jsonl                     one JSON object per log / eval event
+    OUTPUT/train_config.json             the resolved settings
+    OUTPUT/.gpn-train.lock               who holds the folder while a run writes it
+
+Every folder and JSON file is written under a temporary name in its final folder, fsynced, then renamed
+(and the folder fsynced), so a crash at any instant leaves the old complete version or the new one;
+`log.jsonl` is appended one fsynced record at a time. A write that fails anyway (a full disk) becomes a
+`StorageError` naming the path and the newest checkpoint that is intact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from .errors import RunFolderInUseError, StorageError
+
+# --------------------------------------------------------------------------------------------------
+# Crash-safe files: a temporary name in the same folder, fsync, rename, fsync the folder
+# --------------------------------------------------------------------------------------------------
+
+
+def fsync(path: Path) -> None:
+    """fsync a file, or a folder (which makes the names in it, e.g. a rename, durable)."""
+    flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if Path(path).is_dir() else 0)
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: Path) -> None:
+    """fsync every file and folder under `folder`, deepest first, then `folder` itself."""
+    for path in sorted(Path(folder).rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        if path.is_file() or path.is_dir():
+            fsync(path)
+    fsync(folder)
+
+
+def write_file_atomically(path: Path, data: str | bytes) -> None:
+    """Write `path` so that a crash at any instant leaves either its old content or the new one: write a
+    temporary file in the same folder, fsync it, rename it over `path`, fsync the folder."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data.encode() if isinstance(data, str) else data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    fsync(path.parent)
+
+
+REPLACED_PREFIX = ".replaced-"
+
+
+def install_folder(tmp: Path, final: Path) -> None:
+    """Move the complete, fsynced folder `tmp` to `final`. A folder already at `final` is renamed aside
+    (`.replaced-NAME`) and deleted only once the new one is in place; `recover_folders` puts it back if a
+    crash falls between the two renames, so a complete folder is never lost."""
+    aside = final.with_name(REPLACED_PREFIX + final.name)
+    if aside.exists():  # left by a crash: stale beside a complete `final`, else the only copy (put it back)
+        if final.exists():
+            shutil.rmtree(aside)
+        else:
+            os.replace(aside, final)
+    if final.exists():
+        os.replace(final, aside)
+    os.replace(tmp, final)
+    fsync(final.parent)
+    if aside.exists():
+        shutil.rmtree(aside)
+
+
+def recover_folders(parent: Path) -> None:
+    """After a crash: restore a folder that `install_folder` had renamed aside, and delete unfinished writes
+    (`.tmp-*` folders, `.NAME.tmp-PID` files)."""
+    if not parent.is_dir():
+        return
+    for aside in parent.glob(REPLACED_PREFIX + "*"):
+        final = aside.with_name(aside.name[len(REPLACED_PREFIX) :])
+        if final.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.replace(aside, final)
+    for unfinished in [*parent.glob(".tmp-*"), *parent.glob(".*.tmp-*")]:
+        if unfinished.is_dir():
+            shutil.rmtree(unfinished, ignore_errors=True)
+        else:
+            unfinished.unlink(missing_ok=True)
+
+
+def append_log_record(path: Path, record: dict) -> None:
+    """Append one JSON line to the run log and fsync it. A failed append (a full disk) is cut back to the old
+    length, so the log never keeps half a record; rewriting the whole log at every record would make logging
+    quadratic in the run's length."""
+    line = (json.dumps(record) + "\n").encode()
+    size = path.stat().st_size if path.exists() else 0
+    try:
+        with open(path, "ab") as handle:
+            handle.write(line)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.truncate(path, size)
+        raise
+
+
+def read_log(path: Path, warn=None) -> list[dict]:
+    """The records of a run's `log.jsonl`. A torn line (a write cut by a crash or a full disk) or any line
+    that is not a JSON record is skipped, with a warning naming the file and the line."""
+    records = []
+    lines = Path(path).read_bytes().split(b"\n")
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    for index, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("step", 0), int):
+                raise ValueError("not a JSON object with an integer step")
+        except ValueError as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            what = "torn (a write cut short by a crash or a full disk)" if index == last else "not a log record"
+            if warn:
+                warn(f"warning: {path}: line {index + 1} is {what}; skipped it ({error})")
+            continue
+        records.append(record)
+    return records
+
+
+def truncate_log(path: Path, step: int, warn=None) -> None:
+    """On --resume: keep the log records up to the checkpoint's `step` (the later ones will be written
+    again), skipping torn or unreadable lines with a warning naming the file; the kept records are written
+    to a temporary file that then replaces the log, so a crash here loses nothing."""
+    if not path.exists():
+        return
+    if step == 0:
+        path.unlink()
+        fsync(path.parent)
+        return
+    kept = [record for record in read_log(path, warn) if record.get("step", 0) <= step]
+    write_file_atomically(path, "".join(json.dumps(record) + "\n" for record in kept))
+
+
+# --------------------------------------------------------------------------------------------------
+# One writer per run folder
+# --------------------------------------------------------------------------------------------------
+
+
+class RunFolderLock:
+    """An exclusive `flock` on `OUTPUT/.gpn-train.lock`, held by the main process for the whole run.
+
+    The kernel releases a flock when its holder ends, crash and SIGKILL included, so a lock can never be
+    left held by a dead process. The file also records who holds it (pid, host, command, start time): a
+    second run names the holder in its error, and a run that finds the record of a holder that ended
+    without releasing (killed, crashed) says whose lock it takes over. A clean release empties the record.
+    The file is never deleted: two runs locking different files under one name would both win.
+    """
+
+    FILE_NAME = ".gpn-train.lock"
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / self.FILE_NAME
+        self._fd: int | None = None
+
+    def acquire(self, warn=None) -> RunFolderLock:
+        """Take the lock, or raise RunFolderInUseError naming the holder. Returns self."""
+        import fcntl
+        import socket
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = self._describe(os.pread(fd, 4096, 0))
+            os.close(fd)
+            raise RunFolderInUseError(
+                f"{self.path.parent} is in use by another gpn train run ({holder}): two runs in one folder would "
+                "interleave their logs and replace each other's checkpoints and model. Wait for it to end, stop it, "
+                "or choose another --output-dir"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        previous = os.pread(fd, 4096, 0)
+        if previous.strip() and warn:
+            warn(f"gpn train: warning: taking over the lock of {self.path.parent} from a run that ended without "
+                 f"releasing it ({self._describe(previous)}; it was killed or crashed)")  # fmt: skip
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv),
+                  "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}  # fmt: skip
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        """Empty the holder record, then unlock (closing the file releases the flock)."""
+        if self._fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.ftruncate(self._fd, 0)
+        os.close(self._fd)
+        self._fd = None
+
+    @staticmethod
+    def _describe(raw: bytes) -> str:
+        try:
+            record = json.loads(raw.decode())
+            return (f"pid {record['pid']} on {record['host']}, started {record['started']}: "
+                    f"{record['command']}")  # fmt: skip
+        except (ValueError, KeyError, TypeError):
+            return "holder unknown: the lock file holds no readable record"
+
+
+@contextlib.contextmanager
+def hold_run_folder(accelerator, run_dir: Path, warn=None):
+    """Hold the run folder's lock for the block (the main process takes it; every process stops if it is taken)."""
+    from accelerate.utils import broadcast_object_list
+
+    lock, refusal = None, None
+    if accelerator.is_main_process:
+        try:
+            lock = RunFolderLock(run_dir).acquire(warn)
+        except RunFolderInUseError as error:
+            refusal = str(error)
+    if accelerator.num_processes > 1:
+        refusal = broadcast_object_list([refusal])[0]  # so the other processes stop too, instead of waiting
+    if refusal:
+        raise RunFolderInUseError(refusal)
+    try:
+        yield lock
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+# --------------------------------------------------------------------------------------------------
+# What a failed write leaves intact
+# --------------------------------------------------------------------------------------------------
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint of a run (a `step-N` folder holding trainer_state.json), or None."""
+    folders = sorted((run_dir / "checkpoints").glob("step-*")) if (run_dir / "checkpoints").exists() else []
+    folders = [f for f in folders if (f / "trainer_state.json").exists()]
+    return folders[-1] if folders else None
+
+
+def intact(run_dir: Path) -> str:
+    """What survives a failed write: the newest complete checkpoint."""
+    last = latest_checkpoint(run_dir)
+    if last is None:
+        return "No checkpoint had been written yet, so the run has to start again."
+    return f"No finished work was lost: the last checkpoint, {last}, is intact; continue from it with --resume."
+
+
+def write_errors() -> tuple[type[BaseException], ...]:
+    """What a failed write (a full disk, a file-size limit) raises: torch.save reports it as a RuntimeError,
+    safetensors as its own SafetensorError."""
+    errors: tuple[type[BaseException], ...] = (OSError, RuntimeError)
+    with contextlib.suppress(ImportError):
+        from safetensors import SafetensorError
+
+        errors += (SafetensorError,)
+    return errors
+
+
+def storage_error(run_dir: Path, path: Path, error: BaseException) -> StorageError:
+    """The StorageError for a failed write of `path`: the cause, the free space there, and what is intact."""
+    with contextlib.suppress(OSError):
+        free = shutil.disk_usage(path.parent if path.parent.exists() else run_dir).free
+        error = f"{error} ({free / 2**20:.1f} MiB free there)"
+    return StorageError(f"Cannot write {path}: {error}. {intact(run_dir)}")

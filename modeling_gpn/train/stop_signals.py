@@ -1,0 +1,38 @@
+"""SIGTERM / SIGINT during training: finish the step, checkpoint, stop (exit 128 + the signal number)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+
+class StopSignals:
+    """While active, SIGTERM and SIGINT (what cluster schedulers send before preemption, and Ctrl-C) only
+    set `received`; the training loop checkpoints at the next step boundary and stops. A second Ctrl-C
+    stops at once (KeyboardInterrupt; the last checkpoint stays as it was)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():  # signal handlers live on the main thread
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signum
+        # os.write, not print: a handler can interrupt a print to the same stream.
+        os.write(2, f"\ngpn train: {signal.Signals(signum).name} received: finishing this step, then saving a "
+                    "checkpoint and stopping (Ctrl-C again stops at once)\n".encode())  # fmt: skip
+
