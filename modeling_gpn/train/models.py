@@ -116,7 +116,7 @@ def document_position_ids(windows, eos_token_id: int):
     of the token windows (batch, seq) (documents are joined with EOS), counting from 0 at each window's start.
 
     A GPN reads position ids restarting inside a row as packed sequences and resets its state to zero where each
-    starts (`packed_sequence_starts` in modeling_gpn.py), so every document runs from the zero state. The token
+    starts (`packed_sequence_starts` in packing.py), so every document runs from the zero state. The token
     after an EOS stays a target, predicted at the EOS from the previous document's state, as without the option
     (so losses and perplexities stay comparable)."""
     import torch
