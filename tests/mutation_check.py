@@ -109,6 +109,13 @@ MUTATIONS = [
         ("tests/test_cache_and_padding.py -k full_equals_token_by_token and (63 or 200)",),
     ),
     Mutation(
+        "derived weights re-derived when the parameters change within one cache's life (kept fold reused)",
+        "modeling_gpn/derived_weights.py",
+        "if key != self.key:",
+        "if self.key is None:  # MUTATION",
+        ("tests/test_edited_weights.py -k changed_between_two_calls_on_one_cache",),
+    ),
+    Mutation(
         "hub refusal names the field (the loader's error dropped)",
         "modeling_gpn/hub/__init__.py",
         'f"{path} does not load as a GPNConfig: {error}"',
