@@ -98,7 +98,7 @@ class ReadFingerprint:
             values = token_ids.long() + 2
             if mask is not None:
                 values = values.masked_fill_(~mask.bool(), _PADDING_VALUE)
-            hashes.mul_(_bases_on(hashes.device)).add_(values).remainder_(_FINGERPRINT_MODULUS)
+            torch.remainder(torch.addcmul(values, hashes, _bases_on(hashes.device)), _FINGERPRINT_MODULUS, out=hashes)
         else:
             hashes.copy_(token_fingerprint(token_ids, mask, hashes))
 
@@ -415,7 +415,10 @@ def continuation_start(
 
     What it cannot judge, and takes by the rule above: new positions that repeat, in every row, exactly what
     the cache has read (they are taken for the whole sequence; pass the mask of `seen` + G columns to feed
-    them as new), and a fingerprint collision (two 31-bit hashes a row: about 2^-62 for a given pair).
+    them as new), a fingerprint collision (two 31-bit hashes a row: about 2^-62 for a given pair), and the
+    pairing of rows: given new positions, or whole sequences none of which begin with their row's history
+    (a beam search's cache continued in the order of its returned sequences), rows are paired as given.
+    docs/cache.md says the same for users.
     The cost does not depend on anything the cache accumulates: the cache keeps one fingerprint of fixed
     size (updated in O(1) per decoded token), and only a generate() call given at least as many positions as
     were read, without the mask that settles it, hashes its first `seen` given positions, once.
