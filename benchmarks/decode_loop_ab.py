@@ -104,18 +104,19 @@ def through_loop(model, prompt, tokens: int, device: str, sizes: dict | None = N
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
-def record_cost(model, prompt, calls: int = 2000, rounds: int = 5) -> float:
+def record_costs(models: dict, prompt, calls: int = 2000, rounds: int = 7) -> dict[str, float]:
     """Median µs per `cache.record_read` of one decoded token (what the cache does per call to keep what it
-    read), on a cache that has read the prompt: `calls` calls per round, `rounds` rounds."""
-    cache = model(prompt, use_cache=True, logits_to_keep=1).cache
+    read), on a cache that has read the prompt: `calls` calls a round, the sides alternated round by round."""
+    caches = {side: model(prompt, use_cache=True, logits_to_keep=1).cache for side, model in models.items()}
     token = prompt[:, -1:]
-    per_call = []
+    per_call = {side: [] for side in models}
     for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            cache.record_read(token, None)
-        per_call.append((time.perf_counter() - start) / calls)
-    return 1e6 * statistics.median(per_call)
+        for side, cache in caches.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                cache.record_read(token, None)
+            per_call[side].append((time.perf_counter() - start) / calls)
+    return {side: 1e6 * statistics.median(values) for side, values in per_call.items()}
 
 
 def main() -> None:
@@ -165,7 +166,7 @@ def main() -> None:
                 shift = repeat % len(runs)
                 for side, mode in runs[shift:] + runs[:shift]:
                     gaps[side, mode] += measure[mode](models[side], prompt, args.tokens, args.device)
-            record_us = {side: record_cost(model, prompt) for side, model in models.items()}
+            record_us = record_costs(models, prompt)
         elapsed = time.perf_counter() - started
     load_after = os.getloadavg()
 
@@ -182,7 +183,7 @@ def main() -> None:
         print(f"| {side} ({args.old if side == 'old' else args.new}) | {g:.3f} | {loop:.3f} | {loop / g:.3f} | "
               f"{first:,} / {last:,} |")
     print(f"\nthe cache's record of what it read, per decoded token: old {record_us['old']:.1f} µs, "
-          f"new {record_us['new']:.1f} µs (`cache.record_read`, median of 5 x 2,000 calls)")
+          f"new {record_us['new']:.1f} µs (`cache.record_read`, median of 7 alternated rounds of 2,000 calls)")
     print(f"new / old: generate() {median['new', 'generate'] / median['old', 'generate']:.3f}, "
           f"loop {median['new', 'loop'] / median['old', 'loop']:.3f}")
 

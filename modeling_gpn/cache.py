@@ -59,60 +59,76 @@ def token_fingerprint(token_ids: torch.Tensor, mask: torch.Tensor | None, start:
     return folded
 
 
-def _bases_on(device: torch.device) -> torch.Tensor:
-    """(2,) int64: the two hashes' bases on `device` (made once per device; not held by any cache)."""
-    bases = _BASES_BY_DEVICE.get(device)
-    if bases is None:
-        bases = _BASES_BY_DEVICE[device] = torch.tensor(_FINGERPRINT_BASES, dtype=torch.int64, device=device)
-    return bases
+# A decode step is the hot path: h' = (h * base + id + 2) mod p would be three tensor ops. The fingerprint is
+# kept shifted, s = h + c (mod p) with c = 2 / (base - 1) mod p; then the step is s' = (s * base + id) mod p
+# (since c * base = c + 2): two ops, one allocation.
+_STEP_SHIFTS = tuple(2 * pow(b - 1, -1, _FINGERPRINT_MODULUS) % _FINGERPRINT_MODULUS for b in _FINGERPRINT_BASES)
+_CONSTANTS_BY_DEVICE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-_BASES_BY_DEVICE: dict[torch.device, torch.Tensor] = {}
+def _constants_on(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bases and the shifts, (2,) int64 each, on `device` (made once per device; held by no cache)."""
+    constants = _CONSTANTS_BY_DEVICE.get(device)
+    if constants is None:
+        constants = _CONSTANTS_BY_DEVICE[device] = tuple(
+            torch.tensor(values, dtype=torch.int64, device=device) for values in (_FINGERPRINT_BASES, _STEP_SHIFTS)
+        )
+    return constants
 
 
 class ReadFingerprint:
     """The fingerprint of every position a cache has read (`token_fingerprint`), or "unknown".
 
     One (batch, 2) int64 tensor from the first position on, updated in place by each call: a call of one
-    position (a decode step) multiplies by the bases and adds the new position's value (a few elementwise
-    ops on 2 numbers a row), a longer call folds its positions in (`token_fingerprint` continuing it).
-    Nothing else is kept, so its size never changes and what it costs a call does not depend on how much
-    was read. It becomes unknown when the cache reads positions given as `inputs_embeds`, or is rebuilt
-    without its history (pytree unflattening: a traced or exported program's cache); the tensor is kept
-    then (so the cache's size stays the same), and never read again.
+    position (a decode step) multiplies by the bases and adds the new position (two elementwise ops on 2
+    numbers a row), a longer call folds its positions in (`token_fingerprint` continuing it). Nothing else
+    is kept, so its size never changes and what it costs a call does not depend on how much was read. It is
+    held shifted (see `_STEP_SHIFTS`); `value()` gives the fingerprint itself. It becomes unknown when the
+    cache reads positions given as `inputs_embeds`, or is rebuilt without its history (pytree unflattening:
+    a traced or exported program's cache); the tensor is kept then (the cache's size stays the same), and
+    never read again.
     """
 
-    def __init__(self, known: bool = True, hashes: torch.Tensor | None = None):
+    def __init__(self, known: bool = True, fingerprint: torch.Tensor | None = None):
         self.known = known
-        self.hashes = hashes  # (batch, 2) int64, None before any position
+        self.shifted = None if fingerprint is None else self._shift(fingerprint)  # (batch, 2) int64
+
+    @staticmethod
+    def _shift(fingerprint: torch.Tensor) -> torch.Tensor:
+        return (fingerprint + _constants_on(fingerprint.device)[1]) % _FINGERPRINT_MODULUS
 
     def record(self, token_ids: torch.Tensor | None, mask: torch.Tensor | None) -> None:
         """Fold the positions just read (`token_ids` None: embeddings, which make it unknown)."""
         if token_ids is None or not self.known:
             self.known = False
             return
-        hashes = self.hashes
-        if hashes is None or hashes.device != token_ids.device:  # the first position (or the inputs moved)
-            self.hashes = token_fingerprint(token_ids, mask, hashes)
-        elif token_ids.shape[1] == 1:  # a decode step: h = (h * base + value) mod p, in place
-            values = token_ids.long() + 2
-            if mask is not None:
-                values = values.masked_fill_(~mask.bool(), _PADDING_VALUE)
-            torch.remainder(torch.addcmul(values, hashes, _bases_on(hashes.device)), _FINGERPRINT_MODULUS, out=hashes)
+        shifted = self.shifted
+        if shifted is not None and token_ids.shape[1] == 1 and shifted.device == token_ids.device:
+            ids = token_ids.long()  # a decode step, in place: s = (s * base + id) mod p
+            if mask is not None:  # a padded position counts as padding (value 1, "id" -1)
+                ids = ids.masked_fill(~mask.bool(), _PADDING_VALUE - 2)
+            bases = _constants_on(shifted.device)[0]
+            torch.remainder(torch.addcmul(ids, shifted, bases), _FINGERPRINT_MODULUS, out=shifted)
+            return
+        folded = self._shift(token_fingerprint(token_ids, mask, self.value()))
+        if shifted is None or shifted.device != folded.device:  # the first position (or the inputs moved)
+            self.shifted = folded
         else:
-            hashes.copy_(token_fingerprint(token_ids, mask, hashes))
+            shifted.copy_(folded)
 
     def forget(self) -> None:
         self.known = False
 
     def value(self) -> torch.Tensor | None:
-        """(batch, 2) fingerprint of everything read (a copy), or None when unknown or nothing was read."""
-        return self.hashes.clone() if self.known and self.hashes is not None else None
+        """(batch, 2) fingerprint of everything read (a new tensor), or None when unknown or nothing was read."""
+        if not self.known or self.shifted is None:
+            return None
+        return (self.shifted - _constants_on(self.shifted.device)[1]) % _FINGERPRINT_MODULUS
 
     def select_rows(self, select) -> None:
         """Apply a row operation (beam search's reordering, repeat_interleave) to the fingerprint."""
-        if self.hashes is not None:
-            self.hashes = select(self.hashes)
+        if self.shifted is not None:
+            self.shifted = select(self.shifted)
 
 
 # ---- end of the fingerprint ----------------------------------------------------------------------
@@ -270,7 +286,7 @@ class GPNCache(Cache):
         )
         read = self.read_fingerprint()  # each copy has read what its original row read
         forked.state_layer.fingerprint = ReadFingerprint(
-            known=read is not None, hashes=None if read is None else read.repeat_interleave(num_copies, dim=0)
+            known=read is not None, fingerprint=None if read is None else read.repeat_interleave(num_copies, dim=0)
         )
         forked._gpn_model_ref = getattr(self, "_gpn_model_ref", None)
         return forked
@@ -327,10 +343,15 @@ class GPNCache(Cache):
         )
         if state.read_fingerprint != "unknown":
             batch_size = state.tensors["predicted"].shape[0]
-            read = torch.tensor(json.loads(state.read_fingerprint), dtype=torch.int64, device=base.device)
+            try:
+                read = torch.tensor(json.loads(state.read_fingerprint), dtype=torch.int64, device=base.device)
+            except (ValueError, TypeError, RuntimeError, OverflowError) as error:
+                raise GPNStateFileError(f"{path} holds a read fingerprint that is not a table of integers ({error})") from None
             if tuple(read.shape) != (batch_size, 2):
                 raise GPNStateFileError(f"{path} holds a read fingerprint of shape {tuple(read.shape)}, not ({batch_size}, 2)")
-            cache.state_layer.fingerprint.hashes = read
+            if bool(((read < 0) | (read >= _FINGERPRINT_MODULUS)).any()):
+                raise GPNStateFileError(f"{path} holds a read fingerprint outside [0, {_FINGERPRINT_MODULUS}): not one a cache computes")
+            cache.state_layer.fingerprint = ReadFingerprint(fingerprint=read)
         else:
             cache.state_layer.fingerprint.forget()
         cache._gpn_model_ref = weakref.ref(base)
