@@ -6,8 +6,10 @@ refused). Because a GPN's whole context is this state, it can be forked into man
 and loaded in another process (`fork`, `save`, `load`; the file format is `state_file.py`). It is a
 registered pytree, so torch.export and torch.compile can take and return one.
 
-It also keeps a fingerprint of the positions it has read, by which `continuation_start` tells generate()'s
-two ways of continuing from a cache apart (the whole sequence so far, or only the new positions).
+It also keeps a fingerprint of the positions it has read (`ReadFingerprint`: one (batch, 2) int64 tensor
+updated in place, so the cache is exactly constant in size from its first position), by which
+`continuation_start` tells generate()'s two ways of continuing from a cache apart (the whole sequence so
+far, or only the new positions). docs/cache.md is the user's page.
 """
 
 from __future__ import annotations
@@ -57,48 +59,76 @@ def token_fingerprint(token_ids: torch.Tensor, mask: torch.Tensor | None, start:
     return folded
 
 
+# A decode step is the hot path: h' = (h * base + id + 2) mod p would be three tensor ops. The fingerprint is
+# kept shifted, s = h + c (mod p) with c = 2 / (base - 1) mod p; then the step is s' = (s * base + id) mod p
+# (since c * base = c + 2): two ops, one allocation.
+_STEP_SHIFTS = tuple(2 * pow(b - 1, -1, _FINGERPRINT_MODULUS) % _FINGERPRINT_MODULUS for b in _FINGERPRINT_BASES)
+_CONSTANTS_BY_DEVICE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _constants_on(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bases and the shifts, (2,) int64 each, on `device` (made once per device; held by no cache)."""
+    constants = _CONSTANTS_BY_DEVICE.get(device)
+    if constants is None:
+        constants = _CONSTANTS_BY_DEVICE[device] = tuple(
+            torch.tensor(values, dtype=torch.int64, device=device) for values in (_FINGERPRINT_BASES, _STEP_SHIFTS)
+        )
+    return constants
+
+
 class ReadFingerprint:
     """The fingerprint of every position a cache has read (`token_fingerprint`), or "unknown".
 
-    Decoding appends one token a call: those are kept as they come (one small tensor a call) and folded
-    into the fingerprint every `FOLD_EVERY` calls or when it is asked for; longer calls fold at once. It
-    becomes unknown when the cache reads positions given as `inputs_embeds`, or is rebuilt without its
-    history (pytree unflattening: a traced or exported program's cache).
+    One (batch, 2) int64 tensor from the first position on, updated in place by each call: a call of one
+    position (a decode step) multiplies by the bases and adds the new position (two elementwise ops on 2
+    numbers a row), a longer call folds its positions in (`token_fingerprint` continuing it). Nothing else
+    is kept, so its size never changes and what it costs a call does not depend on how much was read. It is
+    held shifted (see `_STEP_SHIFTS`); `value()` gives the fingerprint itself. It becomes unknown when the
+    cache reads positions given as `inputs_embeds`, or is rebuilt without its history (pytree unflattening:
+    a traced or exported program's cache); the tensor is kept then (the cache's size stays the same), and
+    never read again.
     """
 
-    FOLD_EVERY = 64
-
-    def __init__(self, known: bool = True):
+    def __init__(self, known: bool = True, fingerprint: torch.Tensor | None = None):
         self.known = known
-        self.folded: torch.Tensor | None = None  # (batch, 2), None before any position
-        self.pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.shifted = None if fingerprint is None else self._shift(fingerprint)  # (batch, 2) int64
+
+    @staticmethod
+    def _shift(fingerprint: torch.Tensor) -> torch.Tensor:
+        return (fingerprint + _constants_on(fingerprint.device)[1]) % _FINGERPRINT_MODULUS
 
     def record(self, token_ids: torch.Tensor | None, mask: torch.Tensor | None) -> None:
+        """Fold the positions just read (`token_ids` None: embeddings, which make it unknown)."""
         if token_ids is None or not self.known:
-            self.forget()
+            self.known = False
             return
-        self.pending.append((token_ids.detach().clone(), None if mask is None else mask.detach().clone()))
-        if len(self.pending) >= self.FOLD_EVERY or token_ids.shape[1] > 1:  # a prompt is folded at once, not kept
-            self.value()
+        shifted = self.shifted
+        if shifted is not None and token_ids.shape[1] == 1 and shifted.device == token_ids.device:
+            ids = token_ids.long()  # a decode step, in place: s = (s * base + id) mod p
+            if mask is not None:  # a padded position counts as padding (value 1, "id" -1)
+                ids = ids.masked_fill(~mask.bool(), _PADDING_VALUE - 2)
+            bases = _constants_on(shifted.device)[0]
+            torch.remainder(torch.addcmul(ids, shifted, bases), _FINGERPRINT_MODULUS, out=shifted)
+            return
+        folded = self._shift(token_fingerprint(token_ids, mask, self.value()))
+        if shifted is None or shifted.device != folded.device:  # the first position (or the inputs moved)
+            self.shifted = folded
+        else:
+            shifted.copy_(folded)
 
     def forget(self) -> None:
-        self.known, self.folded, self.pending = False, None, []
+        self.known = False
 
     def value(self) -> torch.Tensor | None:
-        """(batch, 2) fingerprint of everything read, or None when unknown."""
-        if not self.known:
+        """(batch, 2) fingerprint of everything read (a new tensor), or None when unknown or nothing was read."""
+        if not self.known or self.shifted is None:
             return None
-        if self.pending:
-            ids = torch.cat([ids for ids, _ in self.pending], dim=1)
-            mask = torch.cat([torch.ones_like(i, dtype=torch.bool) if m is None else m.bool() for i, m in self.pending], dim=1)
-            self.folded, self.pending = token_fingerprint(ids, mask, self.folded), []
-        return self.folded
+        return (self.shifted - _constants_on(self.shifted.device)[1]) % _FINGERPRINT_MODULUS
 
     def select_rows(self, select) -> None:
         """Apply a row operation (beam search's reordering, repeat_interleave) to the fingerprint."""
-        folded = self.value()
-        if folded is not None:
-            self.folded = select(folded)
+        if self.shifted is not None:
+            self.shifted = select(self.shifted)
 
 
 # ---- end of the fingerprint ----------------------------------------------------------------------
@@ -156,6 +186,11 @@ class GPNStateLayer(LinearAttentionLayer):
                 self.recurrent_states[index] = self.recurrent_states[index].repeat_interleave(repeats, dim=0)
         self.fingerprint.select_rows(lambda rows: rows.repeat_interleave(repeats, dim=0))
 
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search's reordering: the states (the stock layer's) and, with them, what each row has read."""
+        super().reorder_cache(beam_idx)
+        self.fingerprint.select_rows(lambda rows: rows.index_select(0, beam_idx.to(rows.device)))
+
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         for index in range(self.number_of_states):
             if self.is_recurrent_states_initialized[index]:
@@ -200,15 +235,17 @@ class GPNCache(Cache):
         self.state_layer.seen_tokens = seen + num_new_tokens
 
     def record_read(self, token_ids: torch.Tensor | None, mask: torch.Tensor | None) -> None:
-        """Fold the positions just read into the cache's fingerprint (`token_ids` None: positions given as
-        embeddings, which make it unknown). `mask` (batch, seq) bool, or None when every position is real."""
+        """Fold the positions just read into the cache's fingerprint, in place (`token_ids` None: positions
+        given as embeddings, which make it unknown). `mask` (batch, seq) bool, or None when every position is
+        real. A decode step costs a few elementwise ops on 2 numbers a row, whatever was read before."""
         if is_tracing():
             self.state_layer.fingerprint.forget()
         else:
             self.state_layer.fingerprint.record(token_ids, mask)
 
     def read_fingerprint(self) -> torch.Tensor | None:
-        """(batch, 2) fingerprint of the positions read (`token_fingerprint`), or None when unknown."""
+        """(batch, 2) int64 fingerprint of the positions read (`token_fingerprint` of them, however they were
+        split into calls), a copy; None when unknown (it read embeddings, or a traced program rebuilt it)."""
         return self.state_layer.fingerprint.value()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -216,7 +253,8 @@ class GPNCache(Cache):
         return self.state_layer.get_seq_length()
 
     def nbytes(self) -> int:
-        """Bytes held by the state buffers."""
+        """Bytes held by the state buffers (p, g, M). The fingerprint of what it read adds 16 bytes a row; the
+        cache holds nothing else, so its size is the same from its first position on."""
         layer = self.state_layer
         return sum(
             layer.recurrent_states[i].numel() * layer.recurrent_states[i].element_size()
@@ -247,9 +285,9 @@ class GPNCache(Cache):
             num_new_tokens=self.get_seq_length(),
         )
         read = self.read_fingerprint()  # each copy has read what its original row read
-        forked.state_layer.fingerprint = ReadFingerprint(known=read is not None)
-        if read is not None:
-            forked.state_layer.fingerprint.folded = read.repeat_interleave(num_copies, dim=0)
+        forked.state_layer.fingerprint = ReadFingerprint(
+            known=read is not None, fingerprint=None if read is None else read.repeat_interleave(num_copies, dim=0)
+        )
         forked._gpn_model_ref = getattr(self, "_gpn_model_ref", None)
         return forked
 
@@ -305,10 +343,15 @@ class GPNCache(Cache):
         )
         if state.read_fingerprint != "unknown":
             batch_size = state.tensors["predicted"].shape[0]
-            read = torch.tensor(json.loads(state.read_fingerprint), dtype=torch.int64, device=base.device)
+            try:
+                read = torch.tensor(json.loads(state.read_fingerprint), dtype=torch.int64, device=base.device)
+            except (ValueError, TypeError, RuntimeError, OverflowError) as error:
+                raise GPNStateFileError(f"{path} holds a read fingerprint that is not a table of integers ({error})") from None
             if tuple(read.shape) != (batch_size, 2):
                 raise GPNStateFileError(f"{path} holds a read fingerprint of shape {tuple(read.shape)}, not ({batch_size}, 2)")
-            cache.state_layer.fingerprint.folded = read
+            if bool(((read < 0) | (read >= _FINGERPRINT_MODULUS)).any()):
+                raise GPNStateFileError(f"{path} holds a read fingerprint outside [0, {_FINGERPRINT_MODULUS}): not one a cache computes")
+            cache.state_layer.fingerprint = ReadFingerprint(fingerprint=read)
         else:
             cache.state_layer.fingerprint.forget()
         cache._gpn_model_ref = weakref.ref(base)
@@ -375,14 +418,31 @@ def continuation_start(
     mask_columns: int | None = None,
 ) -> int:
     """How many leading positions of what generate() was given the cache has already read: `seen` when it
-    is the whole sequence so far, 0 when it is only the new positions. Raises where it cannot tell.
+    is the whole sequence so far (as with a KV cache), 0 when it is only the new positions (as transformers'
+    generate() itself reads them for a recurrent cache, and as Mamba continues). Raises, saying what to
+    pass, where it cannot tell.
 
-    Certain: an attention mask over `seen` + given columns means the new positions alone (transformers'
-    convention); fewer positions given than read, or as many with another fingerprint, can only be new
-    ones. With more positions than read, the fingerprint of the first `seen` (token ids and padding,
-    `token_fingerprint`) decides: the cache's own in every row means the whole sequence, in no row only new
-    positions. Embeddings (nothing to fingerprint), a cache whose fingerprint is unknown (it read
-    embeddings, or was rebuilt by a traced program) and rows that disagree are refused.
+    With G positions given to a cache that has read `seen`:
+    - an attention mask of `seen` + G columns: the new positions (transformers' convention; never ambiguous);
+      a mask of neither G nor `seen` + G columns is refused;
+    - G < `seen`: the new positions (the whole sequence cannot be shorter than what was read);
+    - G == `seen`: the new positions, unless they are, row for row, the positions the cache read (its
+      fingerprint): that is the whole sequence with nothing new, refused (a recurrent state cannot be rolled
+      back). With embeddings or a cache that does not know what it read, refused: it cannot tell;
+    - G > `seen`: the fingerprint of the first `seen` positions given (token ids and padding,
+      `token_fingerprint`) decides: the cache's own in every row means the whole sequence, in no row the new
+      positions; rows that disagree, embeddings (nothing to fingerprint) and a cache that does not know what
+      it read (it read embeddings, or was rebuilt by a traced program) are refused.
+
+    What it cannot judge, and takes by the rule above: new positions that repeat, in every row, exactly what
+    the cache has read (they are taken for the whole sequence; pass the mask of `seen` + G columns to feed
+    them as new), a fingerprint collision (two 31-bit hashes a row: about 2^-62 for a given pair), and the
+    pairing of rows: given new positions, or whole sequences none of which begin with their row's history
+    (a beam search's cache continued in the order of its returned sequences), rows are paired as given.
+    docs/cache.md says the same for users.
+    The cost does not depend on anything the cache accumulates: the cache keeps one fingerprint of fixed
+    size (updated in O(1) per decoded token), and only a generate() call given at least as many positions as
+    were read, without the mask that settles it, hashes its first `seen` given positions, once.
     """
     given = (input_ids if input_ids is not None else inputs_embeds).shape[1]
     if mask_columns is None:
@@ -399,29 +459,30 @@ def continuation_start(
             f"cache that has read {seen}: the mask must cover the given positions ({given}) or the whole sequence "
             f"({seen + given})."
         )
-    known = cache.read_fingerprint()
-    if given <= seen:  # the whole sequence would be longer than what was read
-        if given == seen and input_ids is not None and known is not None:
-            if bool((token_fingerprint(input_ids, attention_mask) == known.to(input_ids.device)).all()):
-                raise ValueError(
-                    f"generate() got the {seen} positions the cache has already read and nothing new. A GPN state "
-                    "cannot be rolled back to an earlier position; pass new positions to continue."
-                )
+    if given < seen:  # the whole sequence would be at least as long as what was read
         return 0
-    if input_ids is None:
-        raise ValueError(
-            f"generate() got {given} positions as inputs_embeds with a cache that has read {seen}: embeddings cannot "
-            f"be matched against what the cache read, so it cannot tell the whole sequence from new positions. {how}"
+    known = cache.read_fingerprint()
+    if input_ids is None or known is None:
+        what = (
+            "as inputs_embeds: embeddings cannot be matched against what the cache read"
+            if input_ids is None
+            else "to a cache without a record of what it read (it read inputs_embeds, or was rebuilt by a traced program)"
         )
-    if known is None:
         raise ValueError(
-            f"generate() got {given} positions with a cache that has read {seen} without a record of them (it read "
-            f"inputs_embeds, or was rebuilt by a traced program): it cannot tell the whole sequence from new "
-            f"positions. Pass only the new positions with an attention_mask covering the whole sequence "
-            f"({seen} + new columns)."
+            f"generate() got {given} positions {what}, and the cache has read {seen}: it cannot tell the whole "
+            f"sequence from new positions. Pass only the new positions with an attention_mask covering the whole "
+            f"sequence ({seen} + {given} = {seen + given} columns)."
         )
     prefix_mask = None if attention_mask is None else attention_mask[:, :seen]
     matches = (token_fingerprint(input_ids[:, :seen], prefix_mask) == known.to(input_ids.device)).all(dim=1)
+    if given == seen:
+        if bool(matches.all()):
+            raise ValueError(
+                f"generate() got the {seen} positions the cache has already read and nothing new. A GPN state "
+                "cannot be rolled back to an earlier position; pass new positions to continue (to feed these again "
+                f"as new positions, pass an attention_mask of {2 * seen} columns)."
+            )
+        return 0
     if bool(matches.all()):
         return seen
     if not bool(matches.any()):

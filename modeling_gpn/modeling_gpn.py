@@ -887,8 +887,11 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
 
         transformers' models continue in two ways: with the whole sequence so far (as with a KV cache) or
         with only the new positions (as Mamba and its other recurrent models). A `GPNCache` tells them
-        apart by what it has read (`continuation_start`) and feeds only the positions after those; where it
-        cannot tell, it refuses. It never feeds a position twice: a recurrent state cannot be rolled back.
+        apart by what it has read (`continuation_start`: a fingerprint of fixed size, kept in place) and feeds
+        only the positions after those; where it cannot tell, it refuses, saying what to pass. It never feeds
+        a position twice: a recurrent state cannot be rolled back. What it cannot judge (new positions that
+        repeat exactly what was read; a cache after beam search, whose rows are the last step's beams) is
+        listed in `continuation_start` and docs/cache.md.
         """
         cache = model_kwargs.get("cache")
         seen = cache.get_seq_length() if isinstance(cache, GPNCache) and cache.has_state else 0

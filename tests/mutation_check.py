@@ -112,6 +112,20 @@ MUTATIONS = [
         ("tests/test_cache_and_padding.py -k full_equals_token_by_token and (63 or 200)",),
     ),
     Mutation(
+        "derived weights re-derived when the parameters change within one cache's life (kept fold reused)",
+        "modeling_gpn/derived_weights.py",
+        "if key != self.key:",
+        "if self.key is None:  # MUTATION",
+        ("tests/test_edited_weights.py -k changed_between_two_calls_on_one_cache",),
+    ),
+    Mutation(
+        "the read fingerprint follows beam search's reordering (it stays in place)",
+        "modeling_gpn/cache.py",
+        "        self.fingerprint.select_rows(lambda rows: rows.index_select(0, beam_idx.to(rows.device)))",
+        "        pass  # MUTATION",
+        ("tests/test_generate.py::test_beam_search_reorders_what_each_cache_row_has_read",),
+    ),
+    Mutation(
         "hub refusal names the field (the loader's error dropped)",
         "modeling_gpn/hub/checks.py",
         'f"{path} does not load as a GPNConfig: {error}"',

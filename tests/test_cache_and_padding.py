@@ -101,6 +101,79 @@ def test_cache_size_does_not_grow_with_length():
     assert long.get_seq_length() == 4096
 
 
+def bytes_held(cache) -> int:
+    """Every byte of tensor storage reachable from `cache` (each storage once): its state, the fingerprint of
+    what it read, and anything else it keeps, in its own attributes, its layers', and the containers and
+    objects they hold (not through weak references: the model a cache belongs to is not part of it)."""
+    seen_objects, storages = set(), {}
+
+    def visit(value) -> None:
+        if id(value) in seen_objects or isinstance(value, (str, bytes, int, float, bool, type(None), torch.nn.Module)):
+            return
+        seen_objects.add(id(value))
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            storages[storage.data_ptr(), value.device] = storage.nbytes()
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item)
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            for item in value:
+                visit(item)
+        elif hasattr(value, "__dict__") or hasattr(value, "__slots__"):
+            for name in getattr(value, "__slots__", ()):
+                visit(getattr(value, name, None))
+            for item in getattr(value, "__dict__", {}).values():
+                visit(item)
+
+    visit(cache)
+    return sum(storages.values())
+
+
+@torch.no_grad()
+def test_the_cache_is_exactly_constant_in_size_from_its_first_position():
+    """Every tensor a cache holds, the fingerprint of what it read included, adds up to the same bytes after 1,
+    2, 100 and 3,000 positions: in generate() (measured after each of its forward calls: 100 decoded tokens,
+    then a continuation of that cache given 2,900 new positions) and in a hand-written decode loop (3,000
+    calls of one token). A cache that kept a record per decode call grew by one tensor a token between folds."""
+    model = perturbed_model(tiny_config(eos_token_id=None), seed=3)
+    checkpoints = (1, 2, 100, 3000)
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(1, 97, (2, 1), generator=generator)
+    rows = prompt.shape[0]
+    settings = dict(do_sample=False, pad_token_id=0)
+
+    through_generate = {}
+
+    def measure(module, args, kwargs, output) -> None:
+        read = output.cache.get_seq_length()
+        if read in checkpoints:
+            through_generate[read] = bytes_held(output.cache)
+
+    hook = model.model.register_forward_hook(measure, with_kwargs=True)
+    try:
+        first = model.generate(prompt, max_new_tokens=100, return_dict_in_generate=True, **settings)
+        unread = first.sequences[:, first.cache.get_seq_length() :]
+        more = torch.cat([unread, torch.randint(1, 97, (rows, 2899), generator=generator)], dim=1)
+        model.generate(more, cache=first.cache, max_new_tokens=1, **settings)
+    finally:
+        hook.remove()
+
+    through_loop = {}
+    out = model(prompt, use_cache=True)
+    cache = out.cache
+    while cache.get_seq_length() <= checkpoints[-1]:
+        if cache.get_seq_length() in checkpoints:
+            through_loop[cache.get_seq_length()] = bytes_held(cache)
+        out = model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+
+    assert set(through_generate) == set(through_loop) == set(checkpoints)
+    sizes = {**{f"generate@{k}": v for k, v in through_generate.items()}, **{f"loop@{k}": v for k, v in through_loop.items()}}
+    assert len(set(sizes.values())) == 1, sizes
+    # the state (p, g, M), and the fingerprint of what it read: 2 int64 per row
+    assert sizes["loop@1"] == 4 * model.config.state_floats_per_row * rows + 2 * 8 * rows, sizes
+
+
 def test_bf16_weights_keep_a_float32_state():
     model = perturbed_model(tiny_config(), seed=4).to(torch.bfloat16)
     ids = torch.randint(0, 97, (2, 32))

@@ -255,6 +255,33 @@ def test_continuing_generation_refuses_what_it_cannot_tell_apart():
         model.generate(longer, attention_mask=torch.ones(2, 7, dtype=torch.long), cache=cache_after_prompt(input_ids=prompt), max_new_tokens=2, **settings)
 
 
+def test_as_many_positions_as_read_without_a_record_are_refused_not_misread():
+    """A cache that does not know what it read (it read embeddings), given exactly as many positions as it has
+    read, cannot tell them from the whole sequence with nothing new (which must not be fed again); nor can
+    embeddings of that length. Both are refused, saying what to pass (the new positions with a mask over the
+    whole sequence), and that call then continues as one uninterrupted run."""
+    model = perturbed_model(tiny_config(eos_token_id=None))
+    settings = dict(do_sample=False, pad_token_id=0)
+    prompt, new = token_ids(2, 3, seed=5), token_ids(2, 3, seed=9)
+    embed = model.get_input_embeddings()
+
+    def cache_from_embeddings():
+        cache = model.generate(inputs_embeds=embed(prompt).detach(), max_new_tokens=1, return_dict_in_generate=True,
+                               **settings).cache  # fmt: skip
+        assert cache.get_seq_length() == 3 and cache.read_fingerprint() is None
+        return cache
+
+    what_to_pass = r"Pass only the new positions with an attention_mask covering the whole sequence \(3 \+ 3 = 6 columns\)"
+    with pytest.raises(ValueError, match=what_to_pass):
+        model.generate(new, cache=cache_from_embeddings(), max_new_tokens=2, **settings)
+    with pytest.raises(ValueError, match="as inputs_embeds.*" + what_to_pass):
+        model.generate(inputs_embeds=embed(new).detach(), cache=cache_from_embeddings(), max_new_tokens=2, **settings)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    continued = model.generate(new, attention_mask=mask, cache=cache_from_embeddings(), max_new_tokens=2, **settings)
+    uninterrupted = model.generate(torch.cat([prompt, new], dim=1), max_new_tokens=2, **settings)
+    assert torch.equal(continued, uninterrupted[:, 3:])
+
+
 def test_the_read_fingerprint_does_not_depend_on_how_the_positions_were_split():
     from modeling_gpn.cache import GPNCache, token_fingerprint
 

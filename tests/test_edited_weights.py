@@ -264,3 +264,46 @@ def test_a_decode_loop_folds_once_per_cache_and_a_new_cache_sees_edits(monkeypat
     assert model.model.last_recurrence_path == "fast"
     torch.testing.assert_close(edited, loop(), rtol=2e-4, atol=2e-5)
     assert not torch.allclose(edited, first)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("route", ["load_state_dict", "optimizer step"])
+def test_a_decode_loop_sees_weights_changed_between_two_calls_on_one_cache(route, monkeypatch):
+    """What a decode loop's first call derives is kept with its cache (`derived_weights.keep_with`), and within
+    that cache's life the parameters' key still guards: after `load_state_dict` or an optimizer step between two
+    calls that continue the same cache, the next call derives afresh and computes with the new weights (the fast
+    path's logits and state equal the plain path's from the same state). With the guard reduced to "derive only
+    when nothing was derived yet" (`self.key is None`), the kept fold of the old weights would be used."""
+    from modeling_gpn import recurrence_step
+
+    from .paths import FAST_PATH, ran
+
+    folds = []
+    fold = recurrence_step.fold_weights
+    monkeypatch.setattr(recurrence_step, "fold_weights", lambda model: folds.append(1) or fold(model))
+    model = perturbed_model(tiny_config(), seed=5).eval()
+    out = model(token_ids(1, 5, seed=6), use_cache=True)
+    cache = out.cache
+    for _ in range(3):  # the loop reuses the first call's fold
+        out = model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+    assert len(folds) == 1
+    if route == "load_state_dict":
+        model.load_state_dict(perturbed_model(tiny_config(), seed=1).state_dict())
+    else:
+        with torch.enable_grad():
+            model.train()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+            model(token_ids(seed=3), labels=token_ids(seed=3)).loss.backward()
+            optimizer.step()
+            model.eval()
+    next_token = out.logits[:, -1:].argmax(-1)
+    plain_cache = cache.fork(1)  # the same state, for the plain path on the new weights
+    with ran(FAST_PATH):
+        fast = model(next_token, cache=cache, use_cache=True).logits
+    assert len(folds) == 2  # the key changed: derived afresh, within the same cache's life
+    model.model.use_fast_path = False
+    plain = model(next_token, cache=plain_cache, use_cache=True).logits
+    model.model.use_fast_path = True
+    torch.testing.assert_close(fast, plain, rtol=2e-4, atol=2e-5)
+    for kept, reference in zip(cache.get_state(), plain_cache.get_state()):
+        torch.testing.assert_close(kept, reference, rtol=2e-4, atol=2e-5)

@@ -42,6 +42,36 @@ def test_beam_search_with_and_without_cache(model):
 
 
 @torch.no_grad()
+def test_beam_search_reorders_what_each_cache_row_has_read(model):
+    """Beam search reorders the cache's rows at every step (`reorder_cache`): the fingerprint of what each
+    row has read must move with its state. Checked at every step of a real beam search: when the logits
+    processors run, the cache has read each running beam's sequence so far (the `input_ids` they get), row
+    for row, and its fingerprint says so. (Had it stayed in place, a row would claim another beam's history,
+    and a continuation given the whole sequence could be misread.)"""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from modeling_gpn.cache import token_fingerprint
+
+    caches, checked = [], []
+
+    class CheckWhatEachRowRead(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            cache = caches[-1]
+            assert cache.get_seq_length() == input_ids.shape[1]
+            checked.append(torch.equal(cache.read_fingerprint(), token_fingerprint(input_ids, None)))
+            return scores
+
+    hook = model.model.register_forward_hook(lambda module, args, output: caches.append(output.cache))
+    try:
+        prompt = torch.randint(1, 97, (2, 4), generator=torch.Generator().manual_seed(0))
+        model.generate(prompt, max_new_tokens=8, num_beams=3, num_return_sequences=2, do_sample=False,
+                       logits_processor=LogitsProcessorList([CheckWhatEachRowRead()]))  # fmt: skip
+    finally:
+        hook.remove()
+    assert len(checked) == 8 and all(checked), checked
+
+
+@torch.no_grad()
 def test_seeded_sampling_with_and_without_cache(model):
     prompt = torch.randint(1, 97, (2, 5), generator=torch.Generator().manual_seed(2))
     kwargs = dict(max_new_tokens=10, do_sample=True, top_k=20, temperature=0.9, num_return_sequences=3)

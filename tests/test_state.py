@@ -336,6 +336,24 @@ def test_a_non_finite_state_is_refused(saved, tmp_path):
     assert not (tmp_path / "inf.safetensors").exists()
 
 
+@pytest.mark.parametrize(
+    "read_fingerprint, needle",
+    [("[[1, 2], [3, 2147483647]]", "outside"), ("[[1, 2], [-3, 4]]", "outside"), ('[["a", 2], [3, 4]]', "not a table"),
+     ("[[1, 2], [3, 99999999999999999999999]]", "not a table")],
+)  # fmt: skip
+def test_a_read_fingerprint_no_cache_computes_is_refused(saved, tmp_path, read_fingerprint, needle):
+    """A consistent file (checksum and all) whose read fingerprint a cache could not have computed (values
+    outside [0, 2^31 - 1), not integers) is refused, not taken to judge continuations."""
+    model, path = saved
+    header_length = int.from_bytes(path.read_bytes()[:8], "little")
+    metadata = json.loads(path.read_bytes()[8 : 8 + header_length])["__metadata__"]
+    tensors = safetensors.torch.load(path.read_bytes())
+    forged = tmp_path / "forged.safetensors"
+    forged.write_bytes(safetensors.torch.save(tensors, metadata={
+        **metadata, "read_fingerprint": read_fingerprint, "checksum": _state_checksum(tensors, read_fingerprint)}))  # fmt: skip
+    refused(forged, model, needle)
+
+
 def test_the_state_file_says_whose_state_it_is(saved):
     model, path = saved
     header_length = int.from_bytes(path.read_bytes()[:8], "little")
