@@ -5,7 +5,7 @@
 MODEL is a local folder or a Hub repo id; DATA a Hub dataset id or local .txt / .jsonl / .json /
 .parquet files (or a folder of them). The command runs the model over `--tokens` tokens cut into
 non-overlapping windows of `--seq-len` tokens (each window starts from the zero state, as in training),
-collects the predicted state p_t at every position (`output_hidden_states`) and the per-head memory
+collects the predicted state p_t at every position (`output_predicted_states`) and the per-head memory
 decays gamma (`output_memory_decays`), and writes to DIR:
 
 - `report.json`: every number below, machine-readable;
@@ -221,8 +221,8 @@ def collect(model, windows: torch.Tensor, batch_size: int = 8, progress: bool = 
     nll_sum, nll_count = 0.0, 0
     for start in tqdm(range(0, windows.shape[0], batch_size), desc="collecting states", disable=not progress):
         batch = windows[start : start + batch_size].to(device)
-        out = model(batch, output_hidden_states=True, output_memory_decays=True, use_cache=False)
-        states.append(out.hidden_states[0].float().cpu().numpy())
+        out = model(batch, output_predicted_states=True, output_memory_decays=True, use_cache=False)
+        states.append(out.predicted_states.float().cpu().numpy())
         if out.memory_decays is not None:
             gammas.append(out.memory_decays.float().cpu().numpy())
         s, c = _window_nll(out.logits, batch)
