@@ -1177,6 +1177,10 @@ class GPNForSequenceClassification(GPNPreTrainedModel):
     mask, padding is read as tokens: pass the mask with padded batches.
     """
 
+    # The loss is a mean over the batch's rows, not a sum over counted tokens: `Trainer` then divides it by the
+    # gradient-accumulation steps itself instead of passing `num_items_in_batch`.
+    accepts_loss_kwargs = False
+
     def __init__(self, config: GPNConfig):
         super().__init__(config)
         self.num_labels = config.num_labels
