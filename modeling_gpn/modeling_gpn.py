@@ -319,20 +319,11 @@ class GPNPreTrainedModel(PreTrainedModel):
     _is_stateful = True  # generate() refuses assisted decoding: a recurrent state cannot be rolled back
     _supports_cache_class = True
 
-    # Folders saved before the decoder moved into the base model (when its norm and projection were children of
-    # the causal LM: `decode_norm.*`, `decode_proj.*` at the top level) load through this key mapping. It matches
-    # no key of a folder saved since; a model loaded from an old folder is saved in the current layout
-    # (`save_pretrained` drops the renaming transformers would otherwise revert on save).
-    _LEGACY_KEY_MAPPING = {r"^decode_(norm|proj)\.": r"model.decode_\1."}
-
-    @classmethod
-    def from_pretrained(cls, *args, key_mapping: dict[str, str] | None = None, **kwargs):
-        """`PreTrainedModel.from_pretrained`, reading folders of the older layout too (`_LEGACY_KEY_MAPPING`).
-
-        A `key_mapping` of your own is applied as well (yours wins where both name a pattern).
-        """
-        mapping = {**cls._LEGACY_KEY_MAPPING, **(key_mapping or {})}
-        return super().from_pretrained(*args, key_mapping=mapping, **kwargs)
+    # Folders saved before the decoder moved into the base model hold its keys at the top level (`decode_norm.*`,
+    # `decode_proj.*` beside `model.*`). They load as they are, with or without remote code: transformers resolves
+    # each checkpoint key with or without the base-model prefix (`model.`) to the name the model has, the rule that
+    # loads a causal LM from a base model's folder, and the decoder kept its module names inside `GPNModel`. No
+    # renaming is recorded, so such a model is saved in the current layout (tests/test_output_layer.py).
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """`PreTrainedModel.save_pretrained`, with an `auto_map` naming every auto class a GPN serves.
@@ -347,10 +338,6 @@ class GPNPreTrainedModel(PreTrainedModel):
         auto_map.setdefault("AutoModelForCausalLM", f"{module}.GPNForCausalLM")
         auto_map.setdefault("AutoModelForSequenceClassification", f"{module}.GPNForSequenceClassification")
         self.config.auto_map = auto_map
-        conversions = getattr(self, "_weight_conversions", None)
-        if conversions:  # transformers reverts the renamings a model was loaded with; the old layout is not kept
-            legacy = [[pattern] for pattern in self._LEGACY_KEY_MAPPING]
-            self._weight_conversions = [c for c in conversions if getattr(c, "source_patterns", None) not in legacy]
         return super().save_pretrained(save_directory, *args, **kwargs)
 
     def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None, every_n_layers: int = 1):

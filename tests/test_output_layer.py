@@ -202,6 +202,10 @@ def test_the_chunked_loss_reads_the_head_where_it_can_and_calls_it_where_it_must
                                    peft.LoraConfig(r=4, target_modules=["embed_tokens"], init_lora_weights=False)).train()  # fmt: skip
     hooked = perturbed_model(tiny_config(), seed=10).train()
     hooked.lm_head.register_forward_hook(lambda module, inputs, output: 2 * output)
+    with torch.no_grad():  # the followed embedding's output matrix: the adapted table
+        inner = followed.get_base_model()
+        adapted = inner.model(ids).last_hidden_state @ inner.model.embed_tokens(torch.arange(97)).T
+        expected = {"followed": F.cross_entropy(adapted[:, :-1].reshape(-1, 97), ids[:, 1:].reshape(-1))}
     losses = {}
     for name, model in (("plain", plain), ("followed", followed), ("hooked", hooked)):
         (full, full_grads), (chunked, chunked_grads) = loss_and_grads(model, True), loss_and_grads(model, False)
@@ -210,7 +214,52 @@ def test_the_chunked_loss_reads_the_head_where_it_can_and_calls_it_where_it_must
         for key, grad in full_grads.items():
             torch.testing.assert_close(chunked_grads[key], grad, rtol=1e-4, atol=1e-6, msg=f"{name}: {key}")
         losses[name] = float(full)
+        if name in expected:
+            torch.testing.assert_close(full, expected[name], rtol=1e-5, atol=1e-6)
     assert abs(losses["hooked"] - losses["plain"]) > 1e-3 and abs(losses["followed"] - losses["plain"]) > 1e-4
+
+
+# --------------------------------------------------------------------------------------------------
+# Sequence classification
+# --------------------------------------------------------------------------------------------------
+
+
+def test_sequence_classification_scores_each_rows_last_real_token():
+    """`GPNForSequenceClassification` (what `AutoModelForSequenceClassification` builds for a GPN config) scores the
+    decoded vector at each row's last real token: padding left, right or inside a row (with the mask) gives each
+    row's unpadded scores; without a mask, the last token that is not the pad token; transformers' losses."""
+    from transformers import AutoModelForSequenceClassification
+
+    from modeling_gpn import GPNForSequenceClassification
+
+    config = tiny_config(num_labels=3, pad_token_id=0)
+    model = AutoModelForSequenceClassification.from_config(config)
+    assert type(model) is GPNForSequenceClassification and model.get_output_embeddings() is None
+    model.load_state_dict(perturbed_model(tiny_config(), seed=13).state_dict(), strict=False)  # (perturbed gates)
+    model.eval()
+    generator = torch.Generator().manual_seed(14)
+    alone = [torch.randint(1, 97, (1, n), generator=generator) for n in (5, 8, 3)]
+    alone[1][0, -1] = 0  # a real last token that is the pad token (an EOS used as padding): the mask says it is real
+    ids, mask = torch.full((4, 8), 7), torch.zeros(4, 8, dtype=torch.long)  # (padded ids are not the pad token)
+    ids[0, 3:], mask[0, 3:] = alone[0][0], 1  # left padding
+    ids[1], mask[1] = alone[1][0], 1
+    ids[2, [0, 2, 5]], mask[2, [0, 2, 5]] = alone[2][0], 1  # padding inside and after
+    with torch.no_grad():
+        expected = torch.cat([model.score(model.model(row).last_hidden_state[:, -1]) for row in alone])
+        batched = model(ids, attention_mask=mask).logits
+        torch.testing.assert_close(batched[:3], expected, rtol=1e-5, atol=1e-6)
+        empty = model.score(model.model.decoded(torch.zeros(1, 48)))  # a row with nothing real: the zero state
+        torch.testing.assert_close(batched[3:], empty, rtol=1e-5, atol=1e-6)
+        right = torch.zeros(1, 8, dtype=torch.long)  # right padding with the pad token, no mask
+        right[0, :5] = alone[0][0]
+        torch.testing.assert_close(model(right).logits, expected[:1], rtol=1e-5, atol=1e-6)
+        model.config.pad_token_id = None  # no pad token: every token is real
+        last = model.score(model.model(right).last_hidden_state[:, -1])
+        torch.testing.assert_close(model(right).logits, last, rtol=1e-5, atol=1e-6)
+        assert (last - expected[:1]).abs().max() > 1e-4
+    labels = torch.tensor([2, 0, 1])
+    loss = model(ids[:3], attention_mask=mask[:3], labels=labels).loss
+    torch.testing.assert_close(loss, F.cross_entropy(batched[:3], labels), rtol=1e-5, atol=1e-6)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -259,6 +308,10 @@ def test_folders_of_the_older_layout_load_with_and_without_remote_code(tmp_path)
         assert torch.equal(loaded.eval()(ids).logits, expected_logits)
         assert torch.equal(base.eval()(ids).last_hidden_state, expected_hidden)
 
+    from modeling_gpn.hub import check_weights  # `gpn push` checks the weights against the config: both layouts pass
+
+    assert check_weights([folder / "model.safetensors"], model.config) == model.num_parameters()
+
     resaved = tmp_path / "resaved"
     loaded.save_pretrained(resaved)  # in the current layout
     with safe_open(str(resaved / "model.safetensors"), "pt") as f:
@@ -267,6 +320,7 @@ def test_folders_of_the_older_layout_load_with_and_without_remote_code(tmp_path)
     assert not any(key.startswith("decode_") or key.startswith("lm_head") for key in keys)
     with torch.no_grad():
         assert torch.equal(AutoModelForCausalLM.from_pretrained(resaved).eval()(ids).logits, expected_logits)
+    assert check_weights([resaved / "model.safetensors"], model.config) == model.num_parameters()
 
     out = tmp_path / "remote.pt"
     code = BLOCK_PACKAGE + textwrap.dedent(

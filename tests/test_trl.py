@@ -105,14 +105,18 @@ def logged(trainer, key: str = "loss") -> list[float]:
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["padded", "packed", "decoder bias", "lora all-linear"])
+CASES = {"padded": {}, "packed": {}, "decoder bias": dict(use_decoder_bias=True), "lora all-linear": {},
+         "d == e": dict(hidden_size=32, intermediate_size=48)}  # (where p alone would have fit the head's width)
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_trl_fused_head_log_probs_equal_log_softmax_of_the_models_logits(case):
     """`add_fused_lm_head` (what SFT, DPO, GRPO, RLOO, KTO use) on a GPN: log-probabilities, loss and gradients
     equal those of the model's own logits."""
     import peft
     from trl.trainer.utils import add_fused_lm_head
 
-    model = perturbed_model(tiny_config(use_decoder_bias=case == "decoder bias"), seed=3).train()
+    model = perturbed_model(tiny_config(**CASES[case]), seed=3).train()
     if case == "decoder bias":
         assert model.model.decode_proj.bias is not None
     generator = torch.Generator().manual_seed(4)
@@ -129,7 +133,7 @@ def test_trl_fused_head_log_probs_equal_log_softmax_of_the_models_logits(case):
     if case == "packed":  # two sequences in row 0, three in row 1 (position ids restart)
         inputs["position_ids"] = torch.tensor([list(range(5)) + list(range(6)), list(range(4)) + list(range(3)) + list(range(4))])
         labels[0, 5] = labels[1, 4] = labels[1, 7] = -100
-    reference = perturbed_model(tiny_config(use_decoder_bias=case == "decoder bias"), seed=3).train()
+    reference = perturbed_model(tiny_config(**CASES[case]), seed=3).train()
     if case == "lora all-linear":
         config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
         torch.manual_seed(5)
@@ -286,10 +290,9 @@ def test_reward_trainer_trains_a_gpn_reward_model(tokenizer, tmp_path):
     seen = []
 
     def own_loss(module, args, kwargs, output):
-        with torch.no_grad():
+        with torch.no_grad():  # each row alone, unpadded, scored at its last token (EOS, which is also the pad token)
             scores = [
-                # each row alone, unpadded (no hooks); its mask says the last token, EOS = the pad token, is real
-                type(module).forward(module, input_ids=row[None, :n], attention_mask=torch.ones(1, n)).logits[0, 0]
+                module.score(module.model(row[None, :n]).last_hidden_state[0, -1])[0]
                 for row, n in zip(kwargs["input_ids"], kwargs["attention_mask"].sum(1))
             ]
         chosen, rejected = torch.stack(scores).chunk(2)
@@ -329,3 +332,27 @@ def test_trainer_fine_tunes_sequence_classification_on_a_tiny_labelled_set(token
     with torch.no_grad():
         batch = tokenizer(texts, return_tensors="pt", padding=True)
         assert model.eval()(**batch).logits.argmax(-1).tolist() == labels
+
+
+# --------------------------------------------------------------------------------------------------
+# docs/fine-tuning.md
+# --------------------------------------------------------------------------------------------------
+
+
+def test_fine_tuning_doc_snippets_run(tmp_path):
+    """Every Python snippet of docs/fine-tuning.md, in order, in a fresh process (TRL's configs default to bf16,
+    which would fix this process's Accelerate state): the page's claim that they run as they are."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "fine-tuning.md"
+    snippets = re.findall(r"```python\n(.*?)```", page.read_text(), re.DOTALL)
+    assert len(snippets) >= 7
+    script = tmp_path / "snippets.py"
+    script.write_text("import torch\ntorch.set_num_threads(1)\n" + "\n".join(snippets))
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    for folder in ("tiny-gpn", "sft", "sft-packed", "sft-lora", "dpo", "grpo", "reward", "classify"):
+        assert (tmp_path / folder).is_dir(), folder
