@@ -12,6 +12,10 @@ grounded state g' (one step older) and the memory M (all zero before the first t
 4. Decode:   logits = (W_dec rms(p) (+ b_dec)) E^T     with p = c
 5. Carry (p, g, M) to the next token.
 
+`GPNModel` runs steps 1-3 and the decoder's d -> e part, so its `last_hidden_state` is W_dec rms(p) (+ b_dec);
+`GPNForCausalLM.lm_head` is E (tied to the embedding), so `logits = lm_head(last_hidden_state)`, the layout
+transformers' tools assume. The predicted state p is `output_predicted_states=True`.
+
 transformers convention: `logits[:, t]` predicts token t+1 after reading tokens 0..t, so position t of
 this model is position t+1 of the reference implementation (see `GPN.md`).
 
@@ -1048,7 +1052,7 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         shift_labels = kwargs.pop("shift_labels", None)
         chunk_length = prefill_chunk_length_for(
             self, input_ids, inputs_embeds, labels, shift_labels, logits_to_keep, return_logits,
-            output_hidden_states, output_memory_decays or output_predicted_states,
+            output_hidden_states, output_memory_decays, output_predicted_states,
         )  # fmt: skip
         chunked = chunk_length and forward_in_chunks(
             self, chunk_length, input_ids, inputs_embeds, attention_mask, cache, use_cache, labels, shift_labels,

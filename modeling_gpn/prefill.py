@@ -32,15 +32,16 @@ def prefill_chunk_length_for(
     return_logits: bool,
     output_hidden_states: bool | None,
     output_memory_decays: bool,
+    output_predicted_states: bool = False,
 ) -> int:
     """The chunk length `model.forward` runs this call in, or 0 for one pass over every position.
 
     Chunks only what gives the same result in bounded memory: no gradient (training keeps what its
-    backward needs), nothing per position asked back (hidden states, memory decays, all logits), and
+    backward needs), nothing per position asked back (hidden or predicted states, memory decays, all logits), and
     more positions than one chunk. Malformed inputs take the one-pass path, whose checks name them.
     """
     chunk = model.prefill_chunk_length
-    if not chunk or torch.is_grad_enabled() or is_tracing() or output_memory_decays:
+    if not chunk or torch.is_grad_enabled() or is_tracing() or output_memory_decays or output_predicted_states:
         return 0
     if output_hidden_states if output_hidden_states is not None else model.config.output_hidden_states:
         return 0

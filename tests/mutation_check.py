@@ -214,6 +214,13 @@ MUTATIONS = [
         ("tests/test_output_layer.py -k chunked_loss_reads_the_head",),
     ),
     Mutation(
+        "output layer (the chunked prefill's loss reads lm_head's weight, whatever wraps it)",
+        "modeling_gpn/prefill.py",
+        "        output_matrix = model.output_matrix()  # None: only calling the (wrapped) head gives the logits\n",
+        "        output_matrix = model.lm_head.weight  # MUTATION\n",
+        ("tests/test_output_layer.py -k chunked_loss_reads_the_head",),
+    ),
+    Mutation(
         "older layout (gpn push refuses the top-level decoder keys)",
         "modeling_gpn/hub/__init__.py",
         'name_in_model = f"model.{name}" if name not in expected and f"model.{name}" in expected else name',

@@ -183,7 +183,7 @@ def test_resize_token_embeddings_keeps_the_output_tied():
         model(torch.tensor([[95]]))
 
 
-def test_the_chunked_loss_reads_the_head_where_it_can_and_calls_it_where_it_must():
+def test_the_chunked_loss_reads_the_head_where_it_can_and_calls_it_where_it_must(monkeypatch):
     """`return_logits=False` gives the loss and gradients of the full logits: from `lm_head.weight` for the plain tied
     head, from the adapted table for a followed embedding, and by calling the head when it is hooked."""
     import peft
@@ -217,6 +217,25 @@ def test_the_chunked_loss_reads_the_head_where_it_can_and_calls_it_where_it_must
         if name in expected:
             torch.testing.assert_close(full, expected[name], rtol=1e-5, atol=1e-6)
     assert abs(losses["hooked"] - losses["plain"]) > 1e-3 and abs(losses["followed"] - losses["plain"]) > 1e-4
+
+    # The same in bounded memory: a long no-grad call runs in prefill chunks (prefill.py), each chunk's loss read
+    # the same way, and the last logits through the head.
+    from modeling_gpn import modeling_gpn as module
+
+    chunked_calls = []
+    run_in_chunks = module.forward_in_chunks
+    monkeypatch.setattr(module, "forward_in_chunks", lambda *a, **k: chunked_calls.append(1) or run_in_chunks(*a, **k))
+    for name, model in (("plain", plain), ("followed", followed), ("hooked", hooked)):
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        with torch.no_grad():
+            inner.prefill_chunk_length = 0
+            whole, last = model(ids, labels=ids).loss, model(ids).logits[:, -1:]
+            inner.prefill_chunk_length = 4
+            chunked, chunked_last = model(ids, labels=ids, return_logits=False).loss, model(ids, logits_to_keep=1).logits
+            del inner.prefill_chunk_length
+        torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(chunked_last, last, rtol=1e-5, atol=1e-6, msg=name)
+    assert len(chunked_calls) == 6
 
 
 # --------------------------------------------------------------------------------------------------
