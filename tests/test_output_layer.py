@@ -144,7 +144,8 @@ def test_a_wrapped_embedding_is_followed_by_the_output_and_never_ignored():
         else:
             assert inner.output_follows_embedding() and inner.get_output_embeddings() is inner.model.embed_tokens
             merged = adapted.merge_and_unload().eval()
-            assert merged.get_output_embeddings() is merged.lm_head and merged.lm_head.weight is merged.model.embed_tokens.weight
+            assert merged.get_output_embeddings() is merged.lm_head
+            assert merged.lm_head.weight is merged.model.embed_tokens.weight
             torch.testing.assert_close(merged(ids).logits.detach(), logits, rtol=1e-4, atol=1e-4)
         outputs[tying] = logits
     torch.testing.assert_close(outputs[True], outputs[False], rtol=1e-5, atol=1e-5)
@@ -198,8 +199,8 @@ def test_the_chunked_loss_reads_the_head_where_it_can_and_calls_it_where_it_must
 
     plain = perturbed_model(tiny_config(), seed=10).train()
     torch.manual_seed(11)
-    followed = peft.get_peft_model(perturbed_model(tiny_config(), seed=10),
-                                   peft.LoraConfig(r=4, target_modules=["embed_tokens"], init_lora_weights=False)).train()  # fmt: skip
+    lora = peft.LoraConfig(r=4, target_modules=["embed_tokens"], init_lora_weights=False)
+    followed = peft.get_peft_model(perturbed_model(tiny_config(), seed=10), lora).train()
     hooked = perturbed_model(tiny_config(), seed=10).train()
     hooked.lm_head.register_forward_hook(lambda module, inputs, output: 2 * output)
     with torch.no_grad():  # the followed embedding's output matrix: the adapted table
@@ -295,7 +296,8 @@ def older_layout(folder) -> None:
 
     weights = load_file(str(folder / "model.safetensors"))
     old = {name.removeprefix("model.") if name.startswith("model.decode_") else name: t for name, t in weights.items()}
-    assert {name for name in old if name.startswith("decode_")} == {"decode_norm.weight", "decode_proj.weight", "decode_proj.bias"}
+    top_level = {name for name in old if name.startswith("decode_")}
+    assert top_level == {"decode_norm.weight", "decode_proj.weight", "decode_proj.bias"}
     save_file(old, str(folder / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((folder / "config.json").read_text())
     config["tie_word_embeddings"] = False

@@ -37,7 +37,8 @@ def tokenizer():
 
 
 def gpn(tokenizer, seed: int = 16, **overrides):
-    return perturbed_model(tiny_config(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, **overrides), seed=seed).train()
+    config = tiny_config(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, **overrides)
+    return perturbed_model(config, seed=seed).train()
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,8 @@ class FusedHeadCheck:
         inputs = {k: v for k, v in kwargs.items() if k not in ("fused_lm_head", "labels", "shift_labels")}
         with torch.no_grad():
             own = type(model).forward(model, *args, labels=labels, shift_labels=shift_labels, **inputs)
-        torch.testing.assert_close(output.log_probs.float(), own_log_probs(own.logits, labels, shift_labels), rtol=1e-5, atol=1e-5)
+        expected = own_log_probs(own.logits, labels, shift_labels)
+        torch.testing.assert_close(output.log_probs.float(), expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(output.loss.float(), own.loss.float(), rtol=1e-5, atol=1e-6)
         self.calls.append((float(output.loss), float(own.loss)))
 
@@ -131,7 +133,8 @@ def test_trl_fused_head_log_probs_equal_log_softmax_of_the_models_logits(case):
         inputs["attention_mask"] = mask
         labels = labels.masked_fill(mask == 0, -100)
     if case == "packed":  # two sequences in row 0, three in row 1 (position ids restart)
-        inputs["position_ids"] = torch.tensor([list(range(5)) + list(range(6)), list(range(4)) + list(range(3)) + list(range(4))])
+        positions = [[*range(5), *range(6)], [*range(4), *range(3), *range(4)]]
+        inputs["position_ids"] = torch.tensor(positions)
         labels[0, 5] = labels[1, 4] = labels[1, 7] = -100
     reference = perturbed_model(tiny_config(**CASES[case]), seed=3).train()
     if case == "lora all-linear":
@@ -227,7 +230,8 @@ def test_dpo_trainer_trains_a_gpn(gpn_folder, tokenizer, tmp_path):
         "chosen": [" sat on the mat.", " sat on the log.", " a time.", "."],
         "rejected": [" dog dog.", " mat mat.", " end end.", " cat cat."],
     })  # fmt: skip
-    args = DPOConfig(**common_arguments(tmp_path, max_steps=3, learning_rate=1e-2), per_device_train_batch_size=4, max_length=32)
+    args = DPOConfig(**common_arguments(tmp_path, max_steps=3, learning_rate=1e-2), per_device_train_batch_size=4,
+                     max_length=32)  # fmt: skip
     trainer = DPOTrainer(model=gpn_folder, args=args, train_dataset=pairs)
     assert type(trainer.model).__name__ == "GPNForCausalLM" and type(trainer.ref_model).__name__ == "GPNForCausalLM"
     check = FusedHeadCheck(trainer.model)
@@ -317,13 +321,16 @@ def test_trainer_fine_tunes_sequence_classification_on_a_tiny_labelled_set(token
 
     texts = ["the cat sat.", "a cat.", "the cat and a mat.", "a dog.", "the dog sat on the log.", "the end dog."]
     labels = [1, 1, 1, 0, 0, 0]
-    encoded = Dataset.from_dict({"text": texts, "label": labels}).map(lambda row: tokenizer(row["text"]), remove_columns="text")
+    encoded = Dataset.from_dict({"text": texts, "label": labels})
+    encoded = encoded.map(lambda row: tokenizer(row["text"]), remove_columns="text")
     config = tiny_config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, num_labels=2)
     torch.manual_seed(7)
     model = GPNForSequenceClassification(config).train()
     with torch.no_grad():
-        first = F.cross_entropy(torch.cat([model(**tokenizer(text, return_tensors="pt")).logits for text in texts]), torch.tensor(labels))
-    args = TrainingArguments(**common_arguments(tmp_path, max_steps=12, learning_rate=1e-2), per_device_train_batch_size=6)
+        alone = torch.cat([model(**tokenizer(text, return_tensors="pt")).logits for text in texts])
+        first = F.cross_entropy(alone, torch.tensor(labels))
+    args = TrainingArguments(**common_arguments(tmp_path, max_steps=12, learning_rate=1e-2),
+                             per_device_train_batch_size=6)  # fmt: skip
     trainer = Trainer(model=model, args=args, train_dataset=encoded, data_collator=DataCollatorWithPadding(tokenizer))
     trainer.train()
     losses = logged(trainer)
