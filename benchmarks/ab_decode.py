@@ -80,8 +80,12 @@ def main() -> None:
             config = configuration.GPNConfig(**{k: v for k, v in config_values.items() if k != "model_type"})
             torch.manual_seed(0)
             model = modeling.GPNForCausalLM(config)
-            if models:
-                model.load_state_dict(next(iter(models.values())).state_dict())
+            if models:  # the old side's weights, by name (the decoder moved into the base model in 27's work)
+                source, names = next(iter(models.values())).state_dict(), set(model.state_dict())
+                weights = {name if name in names else f"model.{name}": tensor for name, tensor in source.items()}
+                for tied, original in getattr(model, "all_tied_weights_keys", {}).items():
+                    weights.setdefault(tied, weights[original])
+                model.load_state_dict(weights)
             models[side] = model.to(args.device, dtype).eval()
 
         def timings(model, prompt):

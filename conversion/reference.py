@@ -620,11 +620,11 @@ def parameter_map(config: GPNConfig) -> dict[str, tuple[str, bool]]:
         "fg_norm_w": ("model.fuse_gate_norm.weight", False),
         "fg_gate_k": ("model.fuse_gate.weight", True),
         "fg_gate_b": ("model.fuse_gate.bias", False),
-        "decode_norm_w": ("decode_norm.weight", False),
-        "decode_proj_k": ("decode_proj.weight", True),
+        "decode_norm_w": ("model.decode_norm.weight", False),
+        "decode_proj_k": ("model.decode_proj.weight", True),
     }
     if config.use_decoder_bias:
-        mapping["decode_bias"] = ("decode_proj.bias", False)
+        mapping["decode_bias"] = ("model.decode_proj.bias", False)
     layer_params = {
         "ffn_norm_w": ("ffn_norm.weight", False),
         "ffn_w1_k": ("ffn_in.weight", True),
@@ -667,10 +667,12 @@ def parameter_map(config: GPNConfig) -> dict[str, tuple[str, bool]]:
 
 
 def _state_shapes(config: GPNConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of a model's state dict, from a model built on the meta device (nothing allocated)."""
+    """Shapes of a model's state dict, from a model built on the meta device (nothing allocated); the tied output
+    head (`lm_head.weight`, the embedding itself) is not a parameter of its own."""
     with torch.device("meta"):
         model = GPNForCausalLM(config)
-    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    tied = set(model.all_tied_weights_keys)
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items() if name not in tied}
 
 
 def config_parameter_bytes(config: GPNConfig) -> int:
@@ -738,6 +740,8 @@ def _convert(claims: dict[str, Any], config: GPNConfig, what: str) -> GPNForCaus
             f"Cannot convert the checkpoint: bad parameters: {'; '.join(f'{n}: contains NaN or inf' for n in nonfinite)} "
             "(a diverged or damaged checkpoint; convert an earlier one)"
         )
+    for tied, source in model.all_tied_weights_keys.items():  # lm_head.weight is the embedding
+        state_dict[tied] = state_dict[source]
     model.load_state_dict(state_dict, strict=True)
     return model.eval()
 

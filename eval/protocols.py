@@ -30,8 +30,8 @@ GPN recurrence) padding after the last real token cannot change any scored posit
 
 The FineWeb windows never hold a (batch, window, vocab) tensor of logits (at the paper's 2048 window
 and a 32k vocabulary that is 2 GB per batch of 8, and its float64 copies 8 GB more): the model's last
-hidden states are decoded `logit_chunk_rows` positions at a time, by the model's own decoder (a GPN's
-`decode`, a Llama's `lm_head`), and each chunk's log-softmax is taken in float64 as before
+hidden states are decoded `logit_chunk_rows` positions at a time, by the model's own output head (a GPN's
+`lm_head` through `logits_of`, a Llama's `lm_head`), and each chunk's log-softmax is taken in float64 as before
 (`summed_next_token_nll`). A model whose decoder is not known falls back to its full logits, still
 without the float64 copies.
 """
@@ -213,9 +213,9 @@ PLAIN_LM_HEAD_MODEL_TYPES = {"llama"}
 def hidden_states_and_decoder(model, input_ids: torch.Tensor):
     """(last hidden states (B, T, h), the callable mapping rows of them to logits), or None when the
     model's logits are not known to be a row-wise function of its last hidden states."""
-    if callable(getattr(model, "decode", None)) and has_empty_state(model):  # a GPN: logits = decode(p)
+    if callable(getattr(model, "logits_of", None)) and has_empty_state(model):  # a GPN: logits = lm_head(decoded)
         states = model.model(input_ids=input_ids, use_cache=False).last_hidden_state
-        return states, model.decode
+        return states, model.logits_of
     config = getattr(model, "config", None)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if (

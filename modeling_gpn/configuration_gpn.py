@@ -31,7 +31,8 @@ class GPNConfig(PreTrainedConfig):
         num_memory_heads: memory heads H.
         memory_key_dim: key width dk of each head.
         memory_value_dim: value width dv of each head.
-        use_decoder_bias: add a bias after the d -> e decoder projection.
+        use_decoder_bias: add a bias after the d -> e decoder projection (part of the base model's output,
+            `GPNModel(...).last_hidden_state`, which the tied output matrix multiplies).
         rms_norm_eps: epsilon inside every RMSNorm's square root (the reference uses 1e-6).
         initializer_range: std of the embedding and of the memory read output matrix at initialisation.
         bptt_segment_length: training keeps the state only every this many tokens and recomputes inside
@@ -40,6 +41,9 @@ class GPNConfig(PreTrainedConfig):
             2-layer model used 512); `None` backpropagates through the whole window.
         max_length_hint: the window length the model was trained on; evaluation tools use it as the
             default context length (a GPN itself has no positional limit).
+        tie_word_embeddings: always True: a GPN's output matrix is its token embedding (`lm_head.weight` is
+            `model.embed_tokens.weight`). Configs saved before the output head was a module say False, which
+            meant the same tied model; any value given or assigned is read as True.
     """
 
     model_type = "gpn"
@@ -66,7 +70,13 @@ class GPNConfig(PreTrainedConfig):
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 2
     pad_token_id: int | None = None
-    tie_word_embeddings: bool = False
+    tie_word_embeddings: bool = True
+
+    def __setattr__(self, key, value):
+        if key == "tie_word_embeddings":
+            # A GPN has no untied variant (logits = (W_dec rms(p) + b) E^T); older configs stored False for it.
+            value = True
+        super().__setattr__(key, value)
 
     def __post_init__(self, **kwargs):
         self._check_values()

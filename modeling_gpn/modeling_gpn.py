@@ -12,6 +12,10 @@ grounded state g' (one step older) and the memory M (all zero before the first t
 4. Decode:   logits = (W_dec rms(p) (+ b_dec)) E^T     with p = c
 5. Carry (p, g, M) to the next token.
 
+`GPNModel` runs steps 1-3 and the decoder's d -> e part, so its `last_hidden_state` is W_dec rms(p) (+ b_dec);
+`GPNForCausalLM.lm_head` is E (tied to the embedding), so `logits = lm_head(last_hidden_state)`, the layout
+transformers' tools assume. The predicted state p is `output_predicted_states=True`.
+
 transformers convention: `logits[:, t]` predicts token t+1 after reading tokens 0..t, so position t of
 this model is position t+1 of the reference implementation (see `GPN.md`).
 
@@ -36,7 +40,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput
+from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput, SequenceClassifierOutputWithPast
 from transformers.utils import logging
 
 from .cache import GPNCache, continuation_start
@@ -225,26 +229,40 @@ class GPNModelOutput(ModelOutput):
     """Output of `GPNModel`.
 
     Args:
-        last_hidden_state: the predicted state p at every position (batch, seq, d), float32;
-            position t is the state that predicts token t+1.
+        last_hidden_state: the decoded vector W_dec rms(p) (+ b_dec) at every position (batch, seq, e): what the
+            tied output matrix multiplies, `logits = lm_head(last_hidden_state)`, as a Llama's base model ends with
+            its final norm. In the output matrix's dtype (the embedding's); position t predicts token t+1.
         cache: the `GPNCache` after the last position, when `use_cache`.
-        hidden_states: with `output_hidden_states`, a one-element tuple holding the predicted states
-            (a GPN has a single state, not a stack of layers).
+        hidden_states: with `output_hidden_states`, transformers' convention for a model of one layer (a GPN's
+            step, revisited at every token): (the embedding output, `last_hidden_state`).
         memory_decays: with `output_memory_decays` (GPN+M), gamma (batch, seq, H): the log retention
             of each memory head at each position (retention per step = exp(gamma)).
+        predicted_states: with `output_predicted_states`, the predicted state p at every position (batch, seq, d),
+            float32: the paper's object of study, before the decoder.
     """
 
     last_hidden_state: torch.Tensor | None = None
     cache: Cache | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     memory_decays: torch.Tensor | None = None
+    predicted_states: torch.Tensor | None = None
 
 
 @dataclass
 class GPNCausalLMOutput(CausalLMOutputWithPast):
-    """`CausalLMOutputWithPast` plus the per-head memory decays (see `GPNModelOutput`)."""
+    """`CausalLMOutputWithPast` plus the per-head memory decays and the predicted states (see `GPNModelOutput`)."""
 
     memory_decays: torch.Tensor | None = None
+    predicted_states: torch.Tensor | None = None
+
+
+@dataclass
+class GPNSequenceClassifierOutput(SequenceClassifierOutputWithPast):
+    """`SequenceClassifierOutputWithPast` plus the per-head memory decays and the predicted states (see
+    `GPNModelOutput`)."""
+
+    memory_decays: torch.Tensor | None = None
+    predicted_states: torch.Tensor | None = None
 
 
 # ---- gradient checkpointing: one BPTT segment is the unit of recomputation ---------------------------
@@ -305,17 +323,24 @@ class GPNPreTrainedModel(PreTrainedModel):
     _is_stateful = True  # generate() refuses assisted decoding: a recurrent state cannot be rolled back
     _supports_cache_class = True
 
+    # Folders saved before the decoder moved into the base model hold its keys at the top level (`decode_norm.*`,
+    # `decode_proj.*` beside `model.*`). They load as they are, with or without remote code: transformers resolves
+    # each checkpoint key with or without the base-model prefix (`model.`) to the name the model has, the rule that
+    # loads a causal LM from a base model's folder, and the decoder kept its module names inside `GPNModel`. No
+    # renaming is recorded, so such a model is saved in the current layout (tests/test_output_layer.py).
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         """`PreTrainedModel.save_pretrained`, with an `auto_map` naming every auto class a GPN serves.
 
         transformers records only the saved model's own auto class; the folder then loads through remote
-        code (`trust_remote_code=True`, without this package) as `AutoConfig`, `AutoModel` and
-        `AutoModelForCausalLM` alike.
+        code (`trust_remote_code=True`, without this package) as `AutoConfig`, `AutoModel`,
+        `AutoModelForCausalLM` and `AutoModelForSequenceClassification` alike.
         """
         module = type(self).__module__.rsplit(".", 1)[-1]
         auto_map = dict(getattr(self.config, "auto_map", None) or {})
         auto_map.setdefault("AutoModel", f"{module}.GPNModel")
         auto_map.setdefault("AutoModelForCausalLM", f"{module}.GPNForCausalLM")
+        auto_map.setdefault("AutoModelForSequenceClassification", f"{module}.GPNForSequenceClassification")
         self.config.auto_map = auto_map
         return super().save_pretrained(save_directory, *args, **kwargs)
 
@@ -361,6 +386,8 @@ class GPNPreTrainedModel(PreTrainedModel):
             init.ones_(module.weight)
         elif isinstance(module, nn.Linear):
             scheme = getattr(module, "init_scheme", "lecun")
+            if scheme == "tied":  # the output head: its weight is the embedding's (initialised as the embedding)
+                return
             if scheme == "zeros":
                 init.zeros_(module.weight)
             elif scheme == "normal":
@@ -389,7 +416,9 @@ def _why_not_foldable(name: str, module: nn.Module, allowed: tuple[type, ...]) -
 
 
 class GPNModel(GPNPreTrainedModel):
-    """The GPN recurrence: token ids in, the predicted state p at every position out."""
+    """The GPN recurrence and its decoder: token ids in, the decoded vector W_dec rms(p) (+ b_dec) at every
+    position out (`last_hidden_state`, what the tied output matrix multiplies), the predicted state p on request
+    (`output_predicted_states`)."""
 
     def __init__(self, config: GPNConfig):
         super().__init__(config)
@@ -402,6 +431,9 @@ class GPNModel(GPNPreTrainedModel):
         self.memory_write = GPNMemoryWrite(config) if config.use_memory else None
         self.predict_layers = nn.ModuleList(GPNPredictLayer(config) for _ in range(config.num_predict_layers))
         self.segment_layer = GPNSegmentLayer()  # the plain loop's segments; see GPNPreTrainedModel._set_gradient_checkpointing
+        # Step 4's d -> e part, the base model's last modules (as a Llama's base model ends with its final norm)
+        self.decode_norm = GPNRMSNorm(d, eps)
+        self.decode_proj = linear(d, e, bias=config.use_decoder_bias)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -427,6 +459,12 @@ class GPNModel(GPNPreTrainedModel):
         for layer in self.predict_layers:
             state = layer(state, memory)
         return state
+
+    def decoded(self, predicted_states: torch.Tensor) -> torch.Tensor:
+        """Step 4 up to the output matrix: W_dec rms(p) (+ b_dec), in the output matrix's dtype (the embedding's)."""
+        decoded = project(self.decode_proj, self.decode_norm(predicted_states))
+        dtype = self.embed_tokens.weight.dtype
+        return decoded.to(dtype) if dtype.is_floating_point else decoded
 
     def step(
         self,
@@ -459,9 +497,10 @@ class GPNModel(GPNPreTrainedModel):
     last_recurrence_path: str | None = None  # "fast" or "plain": what the last eager call ran
     last_recurrence_backends = None  # on the fast path, the backends its last window ran (`fast_recurrence.Backends`)
 
-    # Children the fast path does not fold: it calls them as modules, like the plain path. (The segment
-    # layer, which only the plain path calls, is checked on its own in `fast_path_blocker`.)
-    _CALLED_CHILDREN = ("embed_tokens", "fuse_norm", "fuse_proj", "segment_layer")
+    # Children the fast path does not fold: it calls them as modules, like the plain path (the decoder runs
+    # after the recurrence on either path). (The segment layer, which only the plain path calls, is checked on
+    # its own in `fast_path_blocker`.)
+    _CALLED_CHILDREN = ("embed_tokens", "fuse_norm", "fuse_proj", "segment_layer", "decode_norm", "decode_proj")
 
     def fast_path_blocker(self) -> str | None:
         """Why the fast path cannot run on this model now, or None when it can.
@@ -653,10 +692,13 @@ class GPNModel(GPNPreTrainedModel):
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         output_memory_decays: bool = False,
+        output_predicted_states: bool = False,
         return_dict: bool | None = None,
         **kwargs,
     ) -> GPNModelOutput | tuple:
-        """Run the recurrence over `input_ids` (or `inputs_embeds`), starting from `cache` if it holds a state.
+        """Run the recurrence over `input_ids` (or `inputs_embeds`), starting from `cache` if it holds a state, and
+        decode every predicted state: `last_hidden_state` is W_dec rms(p) (+ b_dec), which the output matrix
+        multiplies.
 
         Args:
             input_ids: (batch, seq) token ids in [0, vocab_size).
@@ -666,8 +708,11 @@ class GPNModel(GPNPreTrainedModel):
             cache: a `GPNCache` to continue from and to update (created when `use_cache` and missing).
             inputs_embeds: (batch, seq, embedding_size) instead of `input_ids`.
             use_cache: return the state after the last position in a `GPNCache`.
-            output_hidden_states: also return the predicted states as `hidden_states`.
+            output_hidden_states: also return `hidden_states` = (the embedding output, `last_hidden_state`),
+                transformers' convention for a model of one layer.
             output_memory_decays: also return gamma (batch, seq, H), GPN+M only.
+            output_predicted_states: also return the predicted state p at every position (batch, seq, d),
+                float32, as `predicted_states` (the paper's object of study, before the decoder).
             **kwargs: `past_key_values` (deprecated alias of `cache`); packed (padding-free) batches:
                 `position_ids` restarting inside a row, `cu_seq_lens_q/k` (with `max_length_q/k`) or
                 `seq_idx` say where the sequences packed into a row start, and the state resets to zero there
@@ -725,11 +770,13 @@ class GPNModel(GPNPreTrainedModel):
             cache.record_read(input_ids, mask)
             cache._gpn_model_ref = weakref.ref(self)  # whose state this is, for GPNCache.save
             keep_with(self, cache, derived)  # the next call that continues this cache reuses them
+        decoded = self.decoded(predicted_states)
         output = GPNModelOutput(
-            last_hidden_state=predicted_states,
+            last_hidden_state=decoded,
             cache=cache if use_cache else None,
-            hidden_states=(predicted_states,) if output_hidden_states else None,
+            hidden_states=(embeddings, decoded) if output_hidden_states else None,
             memory_decays=memory_decays,
+            predicted_states=predicted_states if output_predicted_states else None,
         )
         return output if return_dict else output.to_tuple()
 
@@ -812,14 +859,49 @@ def _pop_cache_alias(cache: Cache | None, kwargs: dict) -> Cache | None:
     return alias
 
 
+def _is_plain_linear(module: nn.Module) -> bool:
+    """Whether `module` computes x W^T (+ b) from its own `weight` (FSDP2's sharding subclass included): not a
+    wrapper (a PEFT adapter) nor a replacement that overrides `forward` (a quantized linear)."""
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+
+
+def _is_plain_embedding(module: nn.Module) -> bool:
+    """Whether `module` looks its rows up in its own `weight` (FSDP2's sharding subclass included)."""
+    return isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward
+
+
+def _has_forward_hooks(module: nn.Module) -> bool:
+    """Whether calling `module` runs a forward hook (its own or a global one) that reading its weight would skip."""
+    module_hooks = torch.nn.modules.module
+    return bool(
+        module._forward_pre_hooks or module._forward_hooks
+        or module_hooks._global_forward_pre_hooks or module_hooks._global_forward_hooks
+    )  # fmt: skip
+
+
 class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
-    """GPN with its decoder: logits = (W_dec rms(p) (+ b_dec)) E^T, the embedding tied through d -> e."""
+    """GPN with its output head: logits = lm_head(GPNModel(...).last_hidden_state) = (W_dec rms(p) (+ b_dec)) E^T.
+
+    `lm_head` is a bias-free `nn.Linear` whose weight *is* the embedding table (`model.embed_tokens.weight`,
+    tied as transformers ties every model's: `_tied_weights_keys`), so the tools that score tokens from the
+    base model's last hidden state and the output embedding's weight (TRL's fused LM head, fused
+    linear-cross-entropy losses, PEFT's `all-linear`, FSDP's tied-embedding handling) see exactly the model.
+
+    A GPN's output matrix is its embedding, so the output follows a wrapped or replaced embedding (a PEFT LoRA or
+    `modules_to_save` copy of `embed_tokens`) while `lm_head` is still the plain tied linear: the logits are then
+    `last_hidden_state` times the table the embedding computes (`embedding_table`), the input and output sides
+    match, and `merge_and_unload()` gives the same model. A wrapped or replaced head (PEFT's tied adapter of
+    `ensure_weight_tying=True`, a quantized module, hooks) is called as it is.
+    """
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: GPNConfig):
         super().__init__(config)
         self.model = GPNModel(config)
-        self.decode_norm = GPNRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.decode_proj = linear(config.hidden_size, config.embedding_size, bias=config.use_decoder_bias)
+        # Tied to the embedding in post_init, so it is made on the meta device: never allocated, nothing drawn.
+        self.lm_head = nn.Linear(config.embedding_size, config.vocab_size, bias=False, device="meta")
+        self.lm_head.init_scheme = "tied"
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -828,34 +910,62 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.model.embed_tokens = value
 
-    def output_embedding_weight(self) -> torch.Tensor:
-        """The (vocab, e) output matrix: the embedding table, as the embedding module computes it.
+    def get_output_embeddings(self) -> nn.Module:
+        """The module whose weight multiplies `last_hidden_state`: `lm_head`, or, while the output follows a wrapped
+        embedding (`output_follows_embedding`), that embedding module itself. Tools that multiply by
+        `get_output_embeddings().weight` directly (TRL's fused head) then see the wrapper, and TRL refuses a PEFT
+        adapter there instead of scoring with the unadapted table."""
+        return self.model.embed_tokens if self.output_follows_embedding() else self.lm_head
 
-        A plain `nn.Embedding` gives its weight. A wrapped or replaced embedding (a PEFT LoRA layer, a
-        quantized embedding) computes its whole table (its forward on every id), so the tied output sees
-        the same adapted embedding as the input. Hooks on the input embedding are input-side by
-        transformers' convention (NEFTune noise, `enable_input_require_grads`) and do not run here.
-        """
+    def set_output_embeddings(self, new_embeddings: nn.Module) -> None:
+        self.lm_head = new_embeddings
+
+    def output_follows_embedding(self) -> bool:
+        """Whether the output matrix is the table of a wrapped or replaced embedding (see the class), not
+        `lm_head`'s weight."""
+        return _is_plain_linear(self.lm_head) and not _is_plain_embedding(self.model.embed_tokens)
+
+    def embedding_table(self) -> torch.Tensor:
+        """The (vocab, e) table the embedding module computes: its forward on every id (a wrapper's adapted table),
+        with the gradients of whatever it trains. Hooks on the input embedding are input-side by transformers'
+        convention (NEFTune noise, `enable_input_require_grads`) and do not run here."""
         embedding = self.model.embed_tokens
-        if type(embedding) is nn.Embedding and type(embedding.weight) is nn.Parameter:
-            return embedding.weight
-        device = next(embedding.parameters()).device
-        ids = torch.arange(self.config.vocab_size, device=device)
+        ids = torch.arange(self.config.vocab_size, device=next(embedding.parameters()).device)
         if _is_fsdp_module(embedding):
             # FSDP2 shards the table; only the module's own call gathers it (in its pre-forward hook) and
             # reduces its gradient (in its backward hook), so here the hooks must run.
             return embedding(ids)
         return embedding.forward(ids)
 
-    def decoded(self, predicted_states: torch.Tensor) -> torch.Tensor:
-        """W_dec rms(p) (+ b_dec): the e-wide vector the tied output matrix multiplies (float32)."""
-        return project(self.decode_proj, self.decode_norm(predicted_states))
+    def _check_tied(self) -> None:
+        """Refuse a plain head left with a weight other than the plain embedding's (an embedding replaced or loaded
+        without `tie_weights()`): it would read a stale table. A tensor-subclass weight (a quantized head) is a
+        deliberate replacement, called as it is."""
+        head, embedding = self.lm_head, self.model.embed_tokens
+        if (
+            _is_plain_linear(head) and _is_plain_embedding(embedding) and head.weight is not embedding.weight
+            and type(head.weight) is nn.Parameter
+        ):  # fmt: skip
+            raise ValueError(
+                "lm_head.weight is no longer model.embed_tokens.weight (a GPN's output matrix is its embedding): after "
+                "replacing or loading the embedding, call `model.tie_weights()`"
+            )
+
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of decoded vectors (rows of `last_hidden_state`): `lm_head(hidden)`, the head called as a module,
+        or `hidden` times the wrapped embedding's table while the output follows it."""
+        if self.output_follows_embedding():
+            table = self.embedding_table()
+            return F.linear(hidden.to(table.dtype), table)
+        self._check_tied()
+        weight = getattr(self.lm_head, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+            hidden = hidden.to(weight.dtype)
+        return self.lm_head(hidden)
 
     def decode(self, predicted_states: torch.Tensor) -> torch.Tensor:
-        """Step 4: logits for every given predicted state (the embedding is the output matrix)."""
-        decoded = self.decoded(predicted_states)
-        weight = self.output_embedding_weight()
-        return F.linear(decoded.to(weight.dtype), weight)
+        """Step 4: logits for every given predicted state p (..., d): lm_head(W_dec rms(p) (+ b_dec))."""
+        return self.logits_of(self.model.decoded(predicted_states))
 
     def empty_state_logits(self, batch_size: int = 1) -> torch.Tensor:
         """Logits predicted from the empty (zero) state: the reference's position 0 (batch, vocab)."""
@@ -917,6 +1027,7 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         output_memory_decays: bool = False,
+        output_predicted_states: bool = False,
         return_dict: bool | None = None,
         logits_to_keep: int = 0,
         return_logits: bool = True,
@@ -944,7 +1055,7 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         shift_labels = kwargs.pop("shift_labels", None)
         chunk_length = prefill_chunk_length_for(
             self, input_ids, inputs_embeds, labels, shift_labels, logits_to_keep, return_logits,
-            output_hidden_states, output_memory_decays,
+            output_hidden_states, output_memory_decays, output_predicted_states,
         )  # fmt: skip
         chunked = chunk_length and forward_in_chunks(
             self, chunk_length, input_ids, inputs_embeds, attention_mask, cache, use_cache, labels, shift_labels,
@@ -962,52 +1073,70 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
             output_memory_decays=output_memory_decays,
+            output_predicted_states=output_predicted_states,
             return_dict=True,
             **kwargs,
         )
-        predicted_states = outputs.last_hidden_state
+        hidden = outputs.last_hidden_state
         for name, given in (("labels", labels), ("shift_labels", shift_labels)):
-            if given is not None and given.shape != predicted_states.shape[:2]:
-                raise ValueError(f"{name} must have shape {tuple(predicted_states.shape[:2])}, got {tuple(given.shape)}")
+            if given is not None and given.shape != hidden.shape[:2]:
+                raise ValueError(f"{name} must have shape {tuple(hidden.shape[:2])}, got {tuple(given.shape)}")
+        extras = dict(
+            cache=outputs.cache, hidden_states=outputs.hidden_states, memory_decays=outputs.memory_decays,
+            predicted_states=outputs.predicted_states,
+        )  # fmt: skip
         wants_loss = labels is not None or shift_labels is not None
         if wants_loss and not return_logits:
-            loss = self._chunked_loss(self.decoded(predicted_states), labels, shift_labels, num_items_in_batch)
-            output = GPNCausalLMOutput(
-                loss=loss, cache=outputs.cache, hidden_states=outputs.hidden_states, memory_decays=outputs.memory_decays
-            )
+            loss = self._chunked_loss(hidden, labels, shift_labels, num_items_in_batch)
+            output = GPNCausalLMOutput(loss=loss, **extras)
             return output if return_dict else output.to_tuple()
-        kept = predicted_states if not logits_to_keep else predicted_states[:, -logits_to_keep:]
-        logits = self.decode(kept)
+        logits = self.logits_of(hidden if not logits_to_keep else hidden[:, -logits_to_keep:])
 
         loss = None
         if wants_loss:
-            full_logits = logits if not logits_to_keep else self.decode(predicted_states)
+            full_logits = logits if not logits_to_keep else self.logits_of(hidden)
             loss = causal_lm_loss(full_logits, labels, shift_labels, num_items_in_batch)
 
-        output = GPNCausalLMOutput(
-            loss=loss,
-            logits=logits,
-            cache=outputs.cache,
-            hidden_states=outputs.hidden_states,
-            memory_decays=outputs.memory_decays,
-        )
+        output = GPNCausalLMOutput(loss=loss, logits=logits, **extras)
         return output if return_dict else output.to_tuple()
 
     # A long no-grad forward that asks only for the last logits or the chunked loss runs its positions this
     # many at a time, in bounded memory (prefill.py); 0 (on a model or the class) turns chunking off.
     prefill_chunk_length: int = 2048
 
+    def output_matrix(self) -> torch.Tensor | None:
+        """The (vocab, e) matrix the logits multiply `last_hidden_state` by, for reading directly (as the chunked
+        loss does): `lm_head`'s weight, or the wrapped embedding's table while the output follows it; None where
+        only calling `lm_head` computes the output (a wrapped, replaced, biased or hooked head).
+
+        Under FSDP2 a weight still sharded is gathered (`full_tensor()`, whose backward reduce-scatters the
+        gradient), as TRL's fused head does; an FSDP2 module's own hooks are its sharding, not a change of output.
+        """
+        if self.output_follows_embedding():
+            return self.embedding_table()
+        head = self.lm_head
+        if not _is_plain_linear(head) or head.bias is not None:
+            return None
+        if _has_forward_hooks(head) and not _is_fsdp_module(head):
+            return None
+        self._check_tied()
+        weight = head.weight
+        return weight.full_tensor() if hasattr(weight, "full_tensor") else weight
+
     def _chunked_loss(
         self,
-        decoded: torch.Tensor,
+        hidden: torch.Tensor,
         labels: torch.Tensor | None,
         shift_labels: torch.Tensor | None,
         num_items_in_batch: torch.Tensor | int | None,
     ) -> torch.Tensor:
-        """`causal_lm_loss` of logits = decoded E^T without holding the logits (`chunked_causal_lm_loss`)."""
-        embedding = self.output_embedding_weight()
+        """`causal_lm_loss` of lm_head(hidden) without holding the logits (`chunked_causal_lm_loss`); through the
+        full logits where only calling the head computes them (`output_matrix`)."""
+        matrix = self.output_matrix()
+        if matrix is None:
+            return causal_lm_loss(self.logits_of(hidden), labels, shift_labels, num_items_in_batch)
         return chunked_causal_lm_loss(
-            decoded, embedding, labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch
+            hidden, matrix, labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch
         )
 
 
@@ -1031,8 +1160,102 @@ def causal_lm_loss(
     return divide_loss_sum(F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum"), targets, num_items_in_batch)
 
 
+class GPNForSequenceClassification(GPNPreTrainedModel):
+    """GPN with a score head on the decoded vector (`last_hidden_state`) at each row's last real token: sequence
+    classification and regression (`config.num_labels`, `config.problem_type`, transformers' loss), and reward
+    models (`num_labels=1`, as TRL's `RewardTrainer` builds them).
+
+    A row's last real token is the last position its `attention_mask` marks 1 (padding may sit anywhere in the
+    row, as in the causal LM: padded positions leave the state unchanged); without a mask, the last token that is
+    not `config.pad_token_id`, as in transformers' models (every token, when no pad token is set). Without a
+    mask, padding is read as tokens: pass the mask with padded batches.
+    """
+
+    # The loss is a mean over the batch's rows, not a sum over counted tokens: `Trainer` then divides it by the
+    # gradient-accumulation steps itself instead of passing `num_items_in_batch`.
+    accepts_loss_kwargs = False
+
+    def __init__(self, config: GPNConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = GPNModel(config)
+        self.score = linear(config.embedding_size, config.num_labels, bias=False, init_scheme="normal")
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def last_real_positions(
+        self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, batch_size: int, seq_len: int
+    ) -> torch.Tensor:
+        """(batch,) index of each row's last real position among the call's `seq_len` positions (see the class);
+        a row with none (all padding) gives its last position, whose output is the state carried in."""
+        positions = torch.arange(seq_len)
+        if attention_mask is not None:
+            real = attention_mask[:, -seq_len:].bool()
+        elif input_ids is not None and self.config.pad_token_id is not None:
+            real = input_ids != self.config.pad_token_id
+        else:
+            return torch.full((batch_size,), seq_len - 1, dtype=torch.long)
+        positions = positions.to(real.device)
+        last = torch.where(real, positions, -1).amax(dim=-1)
+        return torch.where(last < 0, seq_len - 1, last)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: GPNCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_memory_decays: bool = False,
+        output_predicted_states: bool = False,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> GPNSequenceClassifierOutput | tuple:
+        """Scores (batch, num_labels) at each row's last real token, and transformers' sequence-classification
+        loss when `labels` are given (regression for `num_labels=1`, else single- or multi-label by
+        `config.problem_type` or the labels' dtype). Other arguments: see `GPNModel.forward`."""
+        return_dict = return_dict if return_dict is not None else True
+        cache = _pop_cache_alias(cache, kwargs)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            output_memory_decays=output_memory_decays,
+            output_predicted_states=output_predicted_states,
+            return_dict=True,
+            **kwargs,
+        )
+        hidden = outputs.last_hidden_state
+        batch_size, seq_len = hidden.shape[:2]
+        last = self.last_real_positions(input_ids, attention_mask, batch_size, seq_len).to(hidden.device)
+        pooled = hidden[torch.arange(batch_size, device=hidden.device), last]
+        weight = self.score.weight
+        logits = self.score(pooled.to(weight.dtype) if weight.is_floating_point() else pooled)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, pooled_logits=logits, config=self.config)
+        output = GPNSequenceClassifierOutput(
+            loss=loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states,
+            memory_decays=outputs.memory_decays, predicted_states=outputs.predicted_states,
+        )  # fmt: skip
+        return output if return_dict else output.to_tuple()
+
+
 GPNConfig.register_for_auto_class()
 GPNForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+GPNForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
 GPNModel.register_for_auto_class("AutoModel")
 
-__all__ = ["GPNCache", "GPNForCausalLM", "GPNModel", "GPNPreTrainedModel", "GPNStateFileError"]
+__all__ = [
+    "GPNCache", "GPNForCausalLM", "GPNForSequenceClassification", "GPNModel", "GPNPreTrainedModel", "GPNStateFileError",
+]  # fmt: skip

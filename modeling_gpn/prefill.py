@@ -3,7 +3,7 @@
 A no-grad forward that asks only for the last logits (generate()'s prefill: `logits_to_keep=1`) or for the
 chunked loss (labels with `return_logits=False`) runs its positions `model.prefill_chunk_length` at a time,
 the state carried between chunks in a cache, so its peak memory does not grow with the prompt: only one
-chunk's embeddings, token projections and predicted states exist at once. The result is that of one pass
+chunk's embeddings, token projections, predicted states and decoded vectors exist at once. The result is that of one pass
 (the same state and logits; the loss up to float32 summation order).
 
 `GPNForCausalLM.forward` asks `prefill_chunk_length_for` whether a call chunks, and runs it with
@@ -13,6 +13,7 @@ chunk's embeddings, token projections and predicted states exist at once. The re
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .cache import GPNCache
@@ -31,15 +32,16 @@ def prefill_chunk_length_for(
     return_logits: bool,
     output_hidden_states: bool | None,
     output_memory_decays: bool,
+    output_predicted_states: bool = False,
 ) -> int:
     """The chunk length `model.forward` runs this call in, or 0 for one pass over every position.
 
     Chunks only what gives the same result in bounded memory: no gradient (training keeps what its
-    backward needs), nothing per position asked back (hidden states, memory decays, all logits), and
+    backward needs), nothing per position asked back (hidden or predicted states, memory decays, all logits), and
     more positions than one chunk. Malformed inputs take the one-pass path, whose checks name them.
     """
     chunk = model.prefill_chunk_length
-    if not chunk or torch.is_grad_enabled() or is_tracing() or output_memory_decays:
+    if not chunk or torch.is_grad_enabled() or is_tracing() or output_memory_decays or output_predicted_states:
         return 0
     if output_hidden_states if output_hidden_states is not None else model.config.output_hidden_states:
         return 0
@@ -75,7 +77,7 @@ def forward_in_chunks(
     """`model.forward` over `chunk_length` positions at a time: (loss, logits, cache), or None.
 
     Each chunk runs the base model from the state the previous chunk left in a cache; only the last
-    `logits_to_keep` predicted states, or the running sum of the loss, are kept. Returns None for a packed
+    `logits_to_keep` decoded vectors (`last_hidden_state`), or the running sum of the loss, are kept. Returns None for a packed
     batch (sequences starting inside rows, `packed_sequence_starts`), which `forward` then runs in one pass
     (a chunk's first position continues the cache, so a sequence starting there would not be reset).
     """
@@ -105,12 +107,12 @@ def forward_in_chunks(
         targets = shift_labels
         if targets is None:
             targets = torch.cat([labels[:, 1:], labels.new_full((batch_size, 1), -100)], dim=1)
-        output_embedding = model.output_embedding_weight()
+        output_matrix = model.output_matrix()  # None: only calling the (wrapped) head gives the logits
         loss_sum = None
-    tail = None  # the last `logits_to_keep` predicted states read so far
+    tail = None  # the last `logits_to_keep` decoded vectors read so far
     for start in range(0, seq_len, chunk_length):
         stop = min(start + chunk_length, seq_len)
-        predicted_states = base(
+        hidden = base(
             input_ids=None if input_ids is None else input_ids[:, start:stop],
             inputs_embeds=None if inputs_embeds is None else inputs_embeds[:, start:stop],
             attention_mask=None if mask is None else mask[:, start:stop],
@@ -121,14 +123,20 @@ def forward_in_chunks(
             **kwargs,
         ).last_hidden_state
         if wants_loss:
-            chunk_sum = chunked_causal_lm_loss(
-                model.decoded(predicted_states), output_embedding, None, shift_labels=targets[:, start:stop],
-                num_items_in_batch=1,
-            )  # fmt: skip
+            chunk_targets = targets[:, start:stop]
+            if output_matrix is not None:
+                chunk_sum = chunked_causal_lm_loss(
+                    hidden, output_matrix, None, shift_labels=chunk_targets, num_items_in_batch=1
+                )
+            else:
+                logits = model.logits_of(hidden).float()
+                chunk_sum = F.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), chunk_targets.reshape(-1), ignore_index=-100, reduction="sum"
+                )
             loss_sum = chunk_sum if loss_sum is None else loss_sum + chunk_sum
         else:
-            joined = predicted_states if tail is None else torch.cat([tail, predicted_states], dim=1)
+            joined = hidden if tail is None else torch.cat([tail, hidden], dim=1)
             tail = joined[:, -logits_to_keep:].clone()  # not a view: the chunk's states are freed
     loss = divide_loss_sum(loss_sum, targets, num_items_in_batch) if wants_loss else None
-    logits = None if wants_loss else model.decode(tail)
+    logits = None if wants_loss else model.logits_of(tail)
     return loss, logits, running if use_cache else None

@@ -178,8 +178,8 @@ def test_bf16_weights_keep_a_float32_state():
     model = perturbed_model(tiny_config(), seed=4).to(torch.bfloat16)
     ids = torch.randint(0, 97, (2, 32))
     with torch.no_grad():
-        out = model(ids, use_cache=True, output_hidden_states=True)
-    assert out.hidden_states[0].dtype == torch.float32
+        out = model(ids, use_cache=True, output_predicted_states=True)
+    assert out.predicted_states.dtype == torch.float32
     assert all(state.dtype == torch.float32 for state in out.cache.get_state())
     reference = perturbed_model(tiny_config(), seed=4)
     with torch.no_grad():

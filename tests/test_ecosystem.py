@@ -119,7 +119,7 @@ def test_past_key_values_is_an_alias_of_cache():
             rest_hidden = model.model(ids[:, 5:], past_key_values=hidden).last_hidden_state
     torch.testing.assert_close(rest.logits, full[:, 5:], rtol=1e-5, atol=1e-5)
     assert rest.cache is cache and cache.get_seq_length() == 9
-    torch.testing.assert_close(model.decode(rest_hidden), full[:, 5:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.lm_head(rest_hidden), full[:, 5:], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="not both"):
         model(ids, cache=cache, past_key_values=cache)
 
@@ -376,7 +376,7 @@ def test_forward_hooks_run_and_count_on_every_projection_path():
         return output * 1.5
 
     # a projection the fast path folds makes it stand aside; the decoder is always called as a module
-    for module, path in ((model.model.predict_layers[0].ffn_out, "plain"), (model.decode_proj, "fast")):
+    for module, path in ((model.model.predict_layers[0].ffn_out, "plain"), (model.model.decode_proj, "fast")):
         handle = module.register_forward_hook(scale)
         hooked = logits_of(model, ids)
         assert calls and (hooked - reference).abs().max() > 1e-3
@@ -722,6 +722,7 @@ def test_saved_folder_loads_every_auto_class_through_remote_code_without_the_pac
         "AutoConfig": "configuration_gpn.GPNConfig",
         "AutoModel": "modeling_gpn.GPNModel",
         "AutoModelForCausalLM": "modeling_gpn.GPNForCausalLM",
+        "AutoModelForSequenceClassification": "modeling_gpn.GPNForSequenceClassification",
     }
     ids = token_ids(1, 6)
     with torch.no_grad():
@@ -730,7 +731,7 @@ def test_saved_folder_loads_every_auto_class_through_remote_code_without_the_pac
     code = BLOCK_PACKAGE + textwrap.dedent(
         f"""
         import torch
-        from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
         torch.set_num_threads(1)
         folder = {str(folder)!r}
@@ -740,6 +741,8 @@ def test_saved_folder_loads_every_auto_class_through_remote_code_without_the_pac
         assert type(base).__name__ == "GPNModel" and type(base).__module__.startswith("transformers_modules")
         lm = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
         assert type(lm).__name__ == "GPNForCausalLM"
+        scorer = AutoModelForSequenceClassification.from_pretrained(folder, trust_remote_code=True, num_labels=1)
+        assert type(scorer).__name__ == "GPNForSequenceClassification" and scorer.score.out_features == 1
         leaked = [n for n in sys.modules if n == "modeling_gpn" or n.startswith("modeling_gpn.")]
         assert not leaked, leaked
         with torch.no_grad():

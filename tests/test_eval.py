@@ -46,7 +46,7 @@ def predicting_everywhere(model, token_id: int):
         row = embedding[token_id]
         row.mul_(2 * embedding.norm(dim=1).max() / row.norm())
         # logit of v = (W norm(h) + b) . e_v: 12 for the token, at most 6 for any other, +- the small W part
-        model.decode_proj.bias.copy_(12 * row / row.norm() ** 2)
+        model.model.decode_proj.bias.copy_(12 * row / row.norm() ** 2)
     return model
 
 

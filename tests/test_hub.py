@@ -156,6 +156,7 @@ def test_dry_run_folder_holds_exactly_what_the_hub_needs(source, published):
         "AutoConfig": "configuration_gpn.GPNConfig",
         "AutoModel": "modeling_gpn.GPNModel",
         "AutoModelForCausalLM": "modeling_gpn.GPNForCausalLM",
+        "AutoModelForSequenceClassification": "modeling_gpn.GPNForSequenceClassification",
     }
     tokenizer_config = json.loads((published / "tokenizer_config.json").read_text())
     assert "local_files_only" not in tokenizer_config and "is_local" not in tokenizer_config

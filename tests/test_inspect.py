@@ -147,7 +147,7 @@ def test_a_planted_mean_direction_is_recovered_with_its_decoded_tokens():
         for scale, token in zip((3.0, 2.0, 1.0), planted):
             model.model.embed_tokens.weight[token] = scale * unit
         # a state direction the decoder maps onto `unit`: W_dec v = unit (W_dec is 32 x 48, full row rank)
-        direction = torch.linalg.lstsq(model.decode_proj.weight.double(), unit.double()[:, None]).solution[:, 0]
+        direction = torch.linalg.lstsq(model.model.decode_proj.weight.double(), unit.double()[:, None]).solution[:, 0]
     direction = direction.numpy() * 40 / np.linalg.norm(direction.numpy())
 
     rng = np.random.default_rng(0)
@@ -215,8 +215,8 @@ def test_ablations_change_what_they_claim_to():
     ids = torch.randint(0, 97, (2, 23), generator=torch.Generator().manual_seed(2))
     shift = torch.randn(48)
     with torch.no_grad():
-        out = model(ids, output_hidden_states=True)
-        base, states = out.logits, out.hidden_states[0]
+        out = model(ids, output_predicted_states=True)
+        base, states = out.logits, out.predicted_states
         decoded = ablated_logits(model, ids, Ablation(decode_shift=shift))
         torch.testing.assert_close(decoded, model.decode(states - shift))
         carried = ablated_logits(model, ids, Ablation(carry_shift=shift))

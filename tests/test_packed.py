@@ -3,7 +3,8 @@
 A packed batch must give the loss, the logits and every gradient of running its sequences one by one, whichever
 way the starts are given (`position_ids` restarting, `cu_seq_lens_q/k` with `max_length_q/k`, `seq_idx`, or all
 together), with padding inside the rows, with BPTT segments, and from a cache. transformers'
-`DataCollatorWithFlattening` with `Trainer`, and TRL's `SFTTrainer(packing=True)`, train a GPN.
+`DataCollatorWithFlattening` with `Trainer`, and TRL's `SFTTrainer(packing=True, padding_free=True)` (no
+override: TRL's fused LM head scores the packed rows), train a GPN.
 """
 
 from __future__ import annotations
@@ -472,30 +473,14 @@ def test_data_collator_with_flattening_trains_with_the_loss_of_the_sequences_one
     assert losses[-1] < losses[0]
 
 
-def model_loss_sft_trainer():
-    """TRL's `SFTTrainer` computing the model's own loss (transformers `Trainer.compute_loss`).
-
-    TRL 1.16's `SFTTrainer.compute_loss` always scores through its fused LM head, which multiplies the base
-    model's `last_hidden_state` by `get_output_embeddings().weight`: a GPN's logits are E (W_dec rms(p) + b), not
-    a linear map of its state p, so it has no such head (`get_output_embeddings()` is None and TRL fails).
-    Everything else -- tokenizing, packing the dataset, the padding-free collator, the arguments passed to the
-    model -- is SFTTrainer's own."""
-    from transformers import Trainer
-    from trl import SFTTrainer
-
-    class ModelLossSFTTrainer(SFTTrainer):
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            return Trainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
-
-    return ModelLossSFTTrainer
-
-
 def test_trl_sft_trainer_with_packing_trains(tmp_path):
-    """TRL's SFTTrainer(packing=True) packs the examples into padding-free rows (position ids, cu_seq_lens,
-    seq_idx); every step's loss equals that of the sequences it packed, run one by one at the step's weights."""
+    """TRL's SFTTrainer(packing=True, padding_free=True), as its documentation shows (no override): the examples are
+    packed into padding-free rows (position ids, cu_seq_lens, seq_idx); every step's loss -- TRL's own, through its
+    fused LM head -- equals the model's own loss on the same packed batch and that of the sequences it packed, run
+    one by one at the step's weights, and is the loss the trainer logs."""
     pytest.importorskip("trl")
     from datasets import Dataset
-    from trl import SFTConfig
+    from trl import SFTConfig, SFTTrainer
 
     from modeling_gpn.data import train_bpe_tokenizer
 
@@ -503,43 +488,43 @@ def test_trl_sft_trainer_with_packing_trains(tmp_path):
     tokenizer = train_bpe_tokenizer(text, vocab_size=300)
     model = perturbed_model(tiny_config(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id), seed=16)
     model.train()
-    checks, checking = [], []
+    checks = []
 
     def check_against_one_by_one(module, args, kwargs, output):
-        """The training forward's loss == the sum of the packed sequences' own losses, run one by one on the plain
-        path at this step's weights."""
-        if checking:  # (the calls below run this hook too)
+        """TRL's fused loss (the mean over the packed batch's targets) == the model's own loss on the batch == the
+        packed sequences' own losses, run one by one on the plain path, summed over the batch's target count."""
+        if not kwargs.get("fused_lm_head"):
             return
-        checking.append(True)
         ids, labels, cu = kwargs["input_ids"], kwargs["labels"], kwargs["cu_seq_lens_q"].tolist()
-        assert {"position_ids", "seq_idx", "max_length_q", "num_items_in_batch"} <= kwargs.keys()
-        module.model.use_fast_path = False
+        assert {"position_ids", "seq_idx", "max_length_q"} <= kwargs.keys()
+        counted = int((labels[:, 1:] != -100).sum())
+        inputs = {k: v for k, v in kwargs.items() if k != "fused_lm_head"}
         with torch.no_grad():
+            own = type(module).forward(module, **inputs).loss  # the class's forward: not TRL's patched one
+            module.model.use_fast_path = False
             alone = sum(
-                module(ids[:, a:b], labels=labels[:, a:b], num_items_in_batch=kwargs["num_items_in_batch"]).loss
+                type(module).forward(module, ids[:, a:b], labels=labels[:, a:b], num_items_in_batch=counted).loss
                 for a, b in zip(cu[:-1], cu[1:]) if b - a > 1
             )  # fmt: skip
-        module.model.use_fast_path = True
-        checks.append((len(cu) - 1, float(output.loss), float(alone)))
-        checking.clear()
+            module.model.use_fast_path = True
+        checks.append((len(cu) - 1, float(output.loss), float(own), float(alone)))
 
     handle = model.register_forward_hook(check_against_one_by_one, with_kwargs=True)
     args = SFTConfig(
-        output_dir=str(tmp_path), packing=True, max_length=24, per_device_train_batch_size=4, max_steps=3,
-        learning_rate=3e-3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
-        dataloader_num_workers=0, seed=0, dataset_text_field="text",
+        output_dir=str(tmp_path), packing=True, padding_free=True, max_length=24, per_device_train_batch_size=4,
+        max_steps=3, learning_rate=3e-3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+        disable_tqdm=True, dataloader_num_workers=0, seed=0, dataset_text_field="text",
         bf16=False,  # (SFTConfig's default is bf16, which would also fix the process's Accelerate state at bf16)
     )  # fmt: skip
-    trainer = model_loss_sft_trainer()(
-        model=model, args=args, train_dataset=Dataset.from_dict({"text": text}), processing_class=tokenizer
-    )
+    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"text": text}), processing_class=tokenizer)
     trainer.train()
     handle.remove()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    assert len(losses) == 3 and all(loss == loss for loss in losses)
-    assert any(sequences > 1 for sequences, _, _ in checks), "TRL packed no row with several sequences"
-    for sequences, packed_loss, alone in checks:
-        assert packed_loss == pytest.approx(alone, rel=1e-4), (sequences, packed_loss, alone)
+    assert len(losses) == len(checks) == 3 and all(loss == loss for loss in losses)
+    assert any(sequences > 1 for sequences, *_ in checks), "TRL packed no row with several sequences"
+    for (sequences, fused, own, alone), logged in zip(checks, losses):
+        assert fused == pytest.approx(own, rel=1e-5) and fused == pytest.approx(alone, rel=1e-4), (sequences, fused, own, alone)
+        assert logged == pytest.approx(fused, rel=1e-5)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -40,14 +40,14 @@ def reference_loss(model, tokens: torch.Tensor, logits: torch.Tensor) -> torch.T
 def test_logits_states_and_loss_match_reference(name):
     _, model, tokens, ref = load_fixture(name)
     with torch.no_grad():
-        out = model(tokens, labels=tokens, use_cache=True, output_hidden_states=True)
+        out = model(tokens, labels=tokens, use_cache=True, output_predicted_states=True)
 
     # logits, shifted by one position
     np.testing.assert_allclose(out.logits[:, :-1].numpy(), ref["logits"][:, 1:], atol=1e-4, rtol=0)
     # the reference's position 0 is the prediction from the zero state
     np.testing.assert_allclose(model.empty_state_logits(2).detach().numpy(), ref["logits"][:, 0], atol=1e-4, rtol=0)
     # predicted states (the paper's object of study)
-    np.testing.assert_allclose(out.hidden_states[0][:, :-1].numpy(), ref["trace_predicted"][:, 1:], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(out.predicted_states[:, :-1].numpy(), ref["trace_predicted"][:, 1:], atol=1e-4, rtol=0)
 
     # loss relation: ref_loss * T = CE(ref_logits[:, 0], x_0) + hf_loss * (T - 1), per row mean
     length = tokens.shape[1]

@@ -153,6 +153,7 @@ def test_chunking_runs_only_where_it_changes_nothing(monkeypatch):
     with torch.no_grad():
         model(ids)  # every position's logits
         model(ids, logits_to_keep=1, output_hidden_states=True)
+        model(ids, logits_to_keep=1, output_predicted_states=True)
         model(ids, logits_to_keep=1, output_memory_decays=True)
         model(ids, logits_to_keep=5)  # more logits kept than one chunk
         model(ids[:, :4], logits_to_keep=1)  # one chunk
@@ -427,6 +428,12 @@ def generate_dir(tmp_path_factory):
     return folder
 
 
+def printed_texts(stdout: str) -> list[str]:
+    """The texts `gpn generate` printed, one per prompt (each followed by a line of dashes; a text may hold
+    newlines of its own)."""
+    return stdout.split("\n" + "-" * 40 + "\n")[:-1]
+
+
 def gpn_generate(*args) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "modeling_gpn.cli", "generate", *map(str, args), "--device", "cpu"]
     return subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT)
@@ -451,7 +458,7 @@ def test_cli_save_state_then_continue_equals_one_run(generate_dir, tmp_path):
         follow = tokenizer(" on the", return_tensors="pt", add_special_tokens=False).input_ids
         whole = model.generate(torch.cat([story, follow], 1), max_new_tokens=6, do_sample=False, pad_token_id=0)
     expected = " on the" + tokenizer.decode(whole[0, story.shape[1] + follow.shape[1] :], skip_special_tokens=True)
-    assert second.stdout.splitlines()[0] == expected
+    assert printed_texts(second.stdout)[0] == expected
     assert GPNCache.load(state, model).get_seq_length() == prompt.shape[1] + 5
 
 
@@ -471,8 +478,8 @@ def test_cli_one_saved_state_continues_several_prompts_and_saves_again(generate_
                               "--save-state", again)  # fmt: skip
     assert code == 0, err
     alone = [run_cli(capsys, generate_dir, "--state", state, prompt, "--max-new-tokens", "4")[1] for prompt in (" not", " the cat")]
-    assert both.splitlines()[0] == alone[0].splitlines()[0]  # one state row, forked to each prompt
-    assert both.splitlines()[2] == alone[1].splitlines()[0]
+    assert printed_texts(both)[0] == printed_texts(alone[0])[0]  # one state row, forked to each prompt
+    assert printed_texts(both)[1] == printed_texts(alone[1])[0]
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(generate_dir)

@@ -94,7 +94,7 @@ except Exception as error:  # no network, no sdist, or a file that does not impo
 
 from transformers.models.auto import modeling_auto  # noqa: E402
 
-from modeling_gpn import GPNConfig, GPNForCausalLM, GPNModel  # noqa: E402
+from modeling_gpn import GPNConfig, GPNForCausalLM, GPNForSequenceClassification, GPNModel  # noqa: E402
 
 ModelTesterMixin, ids_tensor, random_attention_mask = common.ModelTesterMixin, common.ids_tensor, common.random_attention_mask
 
@@ -105,7 +105,7 @@ def gpn_in_the_auto_mappings():
 
     with mock.patch.dict(modeling_auto.MODEL_MAPPING_NAMES, {"gpn": "GPNModel"}), mock.patch.dict(
         modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, {"gpn": "GPNForCausalLM"}
-    ):
+    ), mock.patch.dict(modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES, {"gpn": "GPNForSequenceClassification"}):
         yield
 
 
@@ -116,13 +116,16 @@ class GPNModelTester:
         self.parent = parent
         self.batch_size, self.seq_length, self.vocab_size = batch_size, seq_length, vocab_size
         self.is_training = True
-        self.hidden_size = 32
+        self.state_size = 32  # the config's hidden_size: the width d of the state p
+        # The width transformers' tests expect of `hidden_states` (and of `last_hidden_state`): the decoded vector's,
+        # the embedding width e, which the tied output matrix multiplies.
+        self.hidden_size = 16
         self.num_hidden_layers = 1  # one layer revisited at every token
-        self.expected_num_hidden_layers = 1  # `hidden_states` holds the one predicted state p at every position
+        self.expected_num_hidden_layers = 2  # `hidden_states`: (the embedding output, `last_hidden_state`)
 
     def get_config(self) -> GPNConfig:
         return GPNConfig(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, embedding_size=16, intermediate_size=48,
+            vocab_size=self.vocab_size, hidden_size=self.state_size, embedding_size=self.hidden_size, intermediate_size=48,
             num_predict_layers=2, num_memory_heads=2, memory_key_dim=8, memory_value_dim=8,
             bos_token_id=None, eos_token_id=self.vocab_size - 1, pad_token_id=self.vocab_size - 1,
         )  # fmt: skip
@@ -134,9 +137,8 @@ class GPNModelTester:
 
 
 class GPNModelTest(ModelTesterMixin, unittest.TestCase):
-    all_model_classes = (GPNModel, GPNForCausalLM)
+    all_model_classes = (GPNModel, GPNForCausalLM, GPNForSequenceClassification)
     has_attentions = False  # a recurrence, as Mamba and RWKV
-    test_missing_keys = False  # as Mamba: the tied output embedding has no key of its own
     # transformers' own route for a model whose generate tests are not run from the tester: the sdist lacks
     # tests/generation/test_utils.py (GenerationTesterMixin is an empty stand-in here). GPN's generate() is
     # tested in tests/test_generate.py, tests/test_ecosystem.py and tests/test_cache_and_padding.py.

@@ -63,13 +63,17 @@ def check_weights(files: list[Path], config) -> int:
     from ..modeling_gpn import GPNForCausalLM
 
     with torch.device("meta"):
-        expected = {name: tuple(t.shape) for name, t in GPNForCausalLM(config).state_dict().items()}
+        model = GPNForCausalLM(config)
+    tied = set(model.all_tied_weights_keys)  # lm_head.weight is the embedding: not stored
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items() if name not in tied}
     found: dict[str, tuple[int, ...]] = {}
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as handle:
                 for name in handle.keys():
-                    found[name] = tuple(handle.get_slice(name).get_shape())
+                    # an older folder's decoder keys lack the base model's prefix; transformers loads them as these
+                    name_in_model = f"model.{name}" if name not in expected and f"model.{name}" in expected else name
+                    found[name_in_model] = tuple(handle.get_slice(name).get_shape())
         except Exception as error:  # noqa: BLE001
             raise HubPushError(f"{path} is not a readable safetensors file: {error}") from error
     problems = []

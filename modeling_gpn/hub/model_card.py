@@ -284,6 +284,10 @@ def architecture_lines(config, variant: str, n_params: int, tokenizer_name: str 
         f"- Parameters: {n_params:,} ({_human(n_params)})",
         f"- State width d = {config.hidden_size:,}; token embedding e = {config.embedding_size:,} (tied to the "
         f"output through a d -> e projection); SwiGLU FFN width {config.intermediate_size:,}; vocabulary {config.vocab_size:,}",
+        "- Output: `logits = lm_head(model.model(...).last_hidden_state)`, the base model's output being the decoded "
+        "vector W_dec rms(p)" + (" + b_dec" if config.use_decoder_bias else "") + " and `lm_head` the tied embedding "
+        "(so TRL, PEFT and fused losses see the model as they see a Llama); the predicted state p, the paper's object "
+        "of study, is `model(ids, output_predicted_states=True).predicted_states`",
     ]
     if config.use_memory:
         lines.append(

@@ -5,7 +5,7 @@
 MODEL is a local folder or a Hub repo id; DATA a Hub dataset id or local .txt / .jsonl / .json /
 .parquet files (or a folder of them). The command runs the model over `--tokens` tokens cut into
 non-overlapping windows of `--seq-len` tokens (each window starts from the zero state, as in training),
-collects the predicted state p_t at every position (`output_hidden_states`) and the per-head memory
+collects the predicted state p_t at every position (`output_predicted_states`) and the per-head memory
 decays gamma (`output_memory_decays`), and writes to DIR:
 
 - `report.json`: every number below, machine-readable;

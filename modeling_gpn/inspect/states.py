@@ -1,5 +1,5 @@
 """Collecting the state: one pass of the model over the windows keeps the predicted state p_t at every
-position (`output_hidden_states`), the per-head memory decays gamma (`output_memory_decays`) and the loss."""
+position (`output_predicted_states`), the per-head memory decays gamma (`output_memory_decays`) and the loss."""
 
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ def collect(model, windows: torch.Tensor, batch_size: int = 8, progress: bool = 
     nll_sum, nll_count = 0.0, 0
     for start in tqdm(range(0, windows.shape[0], batch_size), desc="collecting states", disable=not progress):
         batch = windows[start : start + batch_size].to(device)
-        out = model(batch, output_hidden_states=True, output_memory_decays=True, use_cache=False)
-        states.append(out.hidden_states[0].float().cpu().numpy())
+        out = model(batch, output_predicted_states=True, output_memory_decays=True, use_cache=False)
+        states.append(out.predicted_states.float().cpu().numpy())
         if out.memory_decays is not None:
             gammas.append(out.memory_decays.float().cpu().numpy())
         s, c = window_nll(out.logits, batch)

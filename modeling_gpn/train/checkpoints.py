@@ -126,6 +126,7 @@ def save_training_state(accelerator, model, optimizer, scheduler, folder: Path) 
         by_name = get_optimizer_state_dict(model, optimizer.optimizer,
                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # fmt: skip
         optimizer_state = _optimizer_state_by_position(by_name) if accelerator.is_main_process else None
+        drop_tied_copies(weights, accelerator.unwrap_model(model))  # gathered: a copy under every tied name
     else:
         optimizer_state = optimizer.state_dict()
     if accelerator.is_main_process:
@@ -182,6 +183,17 @@ def load_training_state(accelerator, model, optimizer, scheduler, folder: Path) 
         torch.set_rng_state(generators["torch_manual_seed"])
         if torch.cuda.is_available() and "torch_cuda_manual_seed" in generators:
             torch.cuda.set_rng_state_all(generators["torch_cuda_manual_seed"])
+
+
+def drop_tied_copies(weights: dict, model) -> None:
+    """Keep one name of each tied parameter (e.g. not `lm_head.weight` beside the embedding it is), as a
+    non-FSDP state dict is stored; `complete_tied_weights` puts the others back on load."""
+    names_of = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    for names in names_of.values():
+        for name in [name for name in names if name in weights][1:]:
+            del weights[name]
 
 
 def complete_tied_weights(weights: dict, model) -> None:
