@@ -198,26 +198,32 @@ def test_n_answers_models_and_health(client, model_name, reference, server):
 
 
 def test_clients_at_once_each_get_their_own_answer(client, model_name, reference):
-    conversations = [[{"role": "user", "content": f"{'to be ' * (index + 1)}or the cat {index}"}] for index in range(MAX_QUEUED)]
-    expected = [expected_chat(reference, messages, 12, streamed=bool(index % 2)) for index, messages in enumerate(conversations)]
-    answers: dict[int, str] = {}
-    start = threading.Barrier(len(conversations))
+    """Branches of one conversation at once: each continues from the same kept state, and none disturbs another."""
+    history = [{"role": "system", "content": "the cat sat on the mat"}, {"role": "user", "content": "to be"}]
+    first = client.chat.completions.create(model=model_name, messages=history, max_tokens=5, temperature=0)
+    history += [{"role": "assistant", "content": first.choices[0].message.content}]
+    branches = [history + [{"role": "user", "content": f"{'or not ' * (index + 1)}to be"}] for index in range(MAX_QUEUED)]
+    expected = [expected_chat(reference, messages, 12, streamed=bool(index % 2)) for index, messages in enumerate(branches)]
+    answers: dict[int, tuple[str, int]] = {}
+    start = threading.Barrier(len(branches))
 
     def ask(index: int) -> None:
         start.wait()
+        request = dict(model=model_name, messages=branches[index], max_tokens=12, temperature=0)
         if index % 2:
-            stream = client.chat.completions.create(model=model_name, messages=conversations[index], max_tokens=12, temperature=0, stream=True)
-            answers[index] = streamed_text(stream)[0]
+            text, usage = streamed_text(client.chat.completions.create(**request, stream=True))
         else:
-            reply = client.chat.completions.create(model=model_name, messages=conversations[index], max_tokens=12, temperature=0)
-            answers[index] = reply.choices[0].message.content
+            reply = client.chat.completions.create(**request)
+            text, usage = reply.choices[0].message.content, reply.usage
+        answers[index] = text, usage.prompt_tokens_details.cached_tokens
 
-    threads = [threading.Thread(target=ask, args=(index,)) for index in range(len(conversations))]
+    threads = [threading.Thread(target=ask, args=(index,)) for index in range(len(branches))]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=120)
-    assert [answers.get(index) for index in range(len(conversations))] == expected
+    assert [answers.get(index, (None,))[0] for index in range(len(branches))] == expected
+    assert all(answers[index][1] >= first.usage.prompt_tokens - 1 for index in range(len(branches)))
 
 
 BAD_CHAT_REQUESTS = [  # (what the request gets wrong, the fields sent, a word the error must say)
@@ -261,6 +267,7 @@ def test_bad_completion_requests_and_bodies_get_a_4xx(client, model_name, server
 
 
 def test_the_queue_limit_refuses_and_a_client_that_goes_away_frees_its_slot(client, model_name):
+    wait_until_idle(client, model_name)
     long = dict(model=model_name, max_tokens=MAX_CONTEXT - 100, temperature=0, stream=True)  # minutes, unless cut short
     streams = [client.chat.completions.create(messages=[{"role": "user", "content": f"story {index}"}], **long) for index in range(MAX_QUEUED)]
     try:
@@ -284,13 +291,18 @@ def test_the_queue_limit_refuses_and_a_client_that_goes_away_frees_its_slot(clie
             time.sleep(0.2)
     for stream in again:
         stream.close()
+    wait_until_idle(client, model_name)
+
+
+def wait_until_idle(client, model_name) -> None:
+    """Until a request is admitted again (a slot is freed just after its stream's last chunk)."""
     deadline = time.monotonic() + 30
-    while True:  # idle again before the next test
+    while True:
         try:
             client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "done"}], max_tokens=1)
-            break
+            return
         except openai.RateLimitError:
-            assert time.monotonic() < deadline
+            assert time.monotonic() < deadline, "the server stayed busy"
             time.sleep(0.2)
 
 
@@ -303,3 +315,27 @@ def test_gpn_serve_help_has_transformers_serve_options(capsys):
     text = capsys.readouterr().out
     for option in ("--host", "--port", "--continuous-batching", "--trust-remote-code", "--dtype", "--state-store-bytes", "--state-dir", "--max-context", "--max-queued-requests"):
         assert option in text
+
+
+def test_a_server_not_pinned_answers_an_unknown_model_with_404(tmp_path):
+    """Without MODEL, each request's `model` is loaded: one that cannot be is a 404 naming it (transformers: a 500)."""
+    import asyncio
+
+    from fastapi import HTTPException
+    from transformers.cli.serving.model_manager import ModelManager
+    from transformers.cli.serving.utils import GenerationState
+
+    from modeling_gpn.serve.handlers import Admission, ServingPolicy, StateKeepingChatCompletionHandler
+
+    handler = StateKeepingChatCompletionHandler(
+        model_manager=ModelManager(device="cpu"), generation_state=GenerationState(),
+        policy=ServingPolicy(store=None, max_context=None, admission=Admission(1)),
+    )  # fmt: skip
+    for body, status, word in (
+        ({"model": str(tmp_path / "no-such-model"), "messages": [{"role": "user", "content": "hi"}]}, 404, "no-such-model"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, 400, "model is required"),
+    ):
+        with pytest.raises(HTTPException) as refused:
+            asyncio.run(handler.handle_request(body, "request-id"))
+        assert refused.value.status_code == status and word in refused.value.detail
+    assert handler.policy.admission.active == 0  # the refused requests gave their slot back
