@@ -191,6 +191,8 @@ def test_n_answers_models_and_health(client, model_name, reference, server):
     assert [choice.message.content for choice in reply.choices] == [expected] * 3
     assert [choice.index for choice in reply.choices] == [0, 1, 2]
     assert reply.usage.completion_tokens == 3 * 6
+    banned = client.chat.completions.create(model=model_name, messages=messages, max_tokens=6, temperature=0, logit_bias={"0": -100})
+    assert banned.choices[0].message.content  # an integer bias, as the OpenAI API has it (transformers: a 500)
     sampled = client.completions.create(model=model_name, prompt="to be", max_tokens=5, temperature=1.0, n=4, seed=0)
     assert len(sampled.choices) == 4
     assert [model.id for model in client.models.list().data] == [model_name]

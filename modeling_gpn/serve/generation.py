@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..derived_weights import derived_weights_scope
 from ..modeling_gpn import GPNCache, GPNForCausalLM
 from .state_store import StateStore
 
@@ -98,25 +99,28 @@ class StateKeepingModel:
         found = store.lookup(model, prompt, max_length=length - 1)
         start, cache = found if found is not None else (0, None)
         self.cached_tokens = start
-        if start < length - 1:
-            with torch.no_grad():
-                cache = model(
-                    input_ids[:, start : length - 1],
-                    attention_mask=torch.ones(1, length - 1, dtype=torch.long, device=input_ids.device),
-                    cache=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                ).cache
-            _keep_safely(store, model, prompt[: length - 1], lambda: cache.fork(1))
-        if cache is None:  # a one-token prompt: nothing before its last token
-            cache = GPNCache()
-        elif answers > 1:
-            cache = cache.fork(answers)  # n answers, one state: the prompt is not read n times
-        new_ids = input_ids[:, length - 1 :].repeat_interleave(answers, dim=0)
-        mask = torch.ones(answers, length, dtype=torch.long, device=input_ids.device)  # what was read + the new column
-        sequences = model.generate(
-            input_ids=new_ids, attention_mask=mask, cache=cache, streamer=streamer, generation_config=config, **kwargs
-        )
+        # one scope for the forward below and generate(): the weights the fast path derives (folded, prepacked)
+        # are derived once for the request, as generate() alone does, not once for each
+        with derived_weights_scope(model.model):
+            if start < length - 1:
+                with torch.no_grad():
+                    cache = model(
+                        input_ids[:, start : length - 1],
+                        attention_mask=torch.ones(1, length - 1, dtype=torch.long, device=input_ids.device),
+                        cache=cache,
+                        use_cache=True,
+                        logits_to_keep=1,
+                    ).cache
+                _keep_safely(store, model, prompt[: length - 1], lambda: cache.fork(1))
+            if cache is None:  # a one-token prompt: nothing before its last token
+                cache = GPNCache()
+            elif answers > 1:
+                cache = cache.fork(answers)  # n answers, one state: the prompt is not read n times
+            new_ids = input_ids[:, length - 1 :].repeat_interleave(answers, dim=0)
+            mask = torch.ones(answers, length, dtype=torch.long, device=input_ids.device)  # what was read + the new column
+            sequences = model.generate(
+                input_ids=new_ids, attention_mask=mask, cache=cache, streamer=streamer, generation_config=config, **kwargs
+            )
         generated = sequences[:, 1:]
         # The answers' states: each row has read the prompt and its tokens but the last (generate() stops
         # without reading it); rows that finished early have read padding after their end, kept as read.
