@@ -115,6 +115,8 @@ class StateKeeping:
             raise HTTPException(status_code=error.status_code, detail=str(error)) from None
         if body.get("model") is None and self.model_manager.force_model is None:
             raise HTTPException(status_code=400, detail="model is required (this server is not pinned to one model)")
+        if body.get("logit_bias"):  # generate() takes float biases only; JSON's -100 is an int (transformers: a 500)
+            body["logit_bias"] = {token: float(bias) for token, bias in body["logit_bias"].items()}
         answers = body.pop("n", None) or 1  # transformers would ignore it (with a warning): the answers are made here
         max_tokens_given = body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
         slot = self.policy.admission.admit()
@@ -146,6 +148,8 @@ class StateKeeping:
     def _build_generation_config(self, body: dict, model_generation_config, use_cb: bool = False):
         try:
             config = super()._build_generation_config(body, model_generation_config, use_cb=use_cb)
+            if _asks_to_sample(body):  # as the OpenAI API means it (transformers leaves the model's default)
+                config.do_sample = True
             config.validate()
         except (ValueError, TypeError) as error:  # from the request's own values (generation_config, ...)
             raise HTTPException(status_code=400, detail=f"invalid generation parameters: {error}") from None
@@ -206,6 +210,13 @@ class StateKeeping:
                     body["usage"][name] += answer["usage"]["completion_tokens"]
         _report_cached_tokens(body.get("usage"), model.cached_tokens)
         return JSONResponse(body, media_type="application/json")
+
+
+def _asks_to_sample(body: dict) -> bool:
+    """A temperature above 0, or a top_p below 1, means sampling in the OpenAI API. transformers serve sets only
+    the value, so a model whose generation config does not sample (a GPN's, by default) would answer greedily."""
+    temperature, top_p = body.get("temperature"), body.get("top_p")
+    return (temperature is not None and temperature > 0) or (top_p is not None and top_p < 1)
 
 
 class StateKeepingChatCompletionHandler(StateKeeping, ChatCompletionHandler):
