@@ -6,8 +6,9 @@ mixin placed before them) adds, at the points where they hand over:
 
 - the request checked first (`validation`): a wrong type or value is a 400 naming the field, never a 500;
 - admission: at most `max_queued_requests` requests taken on at once (running or waiting for the model's
-  inference thread); one more is a 429. A request's slot is freed when its `generate()` is over, which for
-  a stream whose client went away is at the next token (transformers' streamer then cancels generation);
+  inference thread); one more is a 429. A request's slot is freed when its answer is over: its response sent,
+  or its stream ended, finished or cut off by the client (whose generation transformers' streamer then
+  cancels at the next token), or its `generate()` returned, whichever comes first;
 - the context limit: the prompt and `max_tokens` within `max_context` tokens, or a 400 (without
   `max_tokens`, the answer is cut to fit, as transformers' default of 1024 new tokens would otherwise refuse
   long prompts);
@@ -32,6 +33,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 from transformers.cli.serving.chat_completion import ChatCompletionHandler
 from transformers.cli.serving.completion import CompletionHandler
+from transformers.cli.serving.utils import CBGenerateManager
 
 from .generation import StateKeepingModel
 from .state_store import StateStore
@@ -124,7 +126,7 @@ class StateKeeping:
         streaming = False
         try:
             response = await super().handle_request(body, request_id)
-            # a stream's generate() is under way on the inference thread: it frees the slot when it ends
+            # a stream's answer is under way: its end (or its generate()'s) frees the slot
             streaming = isinstance(response, StreamingResponse)
             return response
         except TemplateError as error:  # the template's own errors (raise_exception, syntax): the request's fault
@@ -182,11 +184,22 @@ class StateKeeping:
     def _streaming(self, request_id, model, processor, model_id, inputs, gen_config, *args, **kwargs):
         self._fit_context(inputs, gen_config)
         response = super()._streaming(request_id, model, processor, model_id, inputs, gen_config, *args, **kwargs)
-        response.body_iterator = _reporting_cached_tokens(response.body_iterator, model)
+        response.body_iterator = _finishing_stream(response.body_iterator, model, _current.get().slot)
         return response
 
     async def _non_streaming(self, request_id, model, processor, model_id, inputs, gen_config, *args, **kwargs):
         self._fit_context(inputs, gen_config)
+        try:
+            body = await self._answers(request_id, model, processor, model_id, inputs, gen_config, *args, **kwargs)
+        except (ValueError, TypeError) as error:
+            # generate() checks what the request asked for (its generation_config's values, ...) as it runs:
+            # the request's fault, said as such (a stream reports it in its error event)
+            raise HTTPException(status_code=400, detail=f"generate() refused this request: {error}") from None
+        _report_cached_tokens(body.get("usage"), model.cached_tokens)
+        return JSONResponse(body, media_type="application/json")
+
+    async def _answers(self, request_id, model, processor, model_id, inputs, gen_config, *args, **kwargs) -> dict:
+        """transformers' non-streamed response body, with the n answers when n > 1."""
         arguments = inspect.signature(super()._non_streaming).bind(
             request_id, model, processor, model_id, inputs, gen_config, *args, **kwargs
         )
@@ -196,6 +209,8 @@ class StateKeeping:
             # one generate() for the n answers (through transformers' own manager and inference thread), then
             # each answer formatted by transformers' handler, as it formats one
             gen_manager = arguments.arguments["gen_manager"]
+            if isinstance(gen_manager, CBGenerateManager):  # (a model other than a GPN, --continuous-batching)
+                raise HTTPException(status_code=400, detail="n > 1 is not supported with --continuous-batching")
             await gen_manager.generate_non_streaming(model, processor, inputs, gen_config, request_id=request_id)
             body = None
             for row in range(model.sequences.shape[0]):
@@ -208,8 +223,7 @@ class StateKeeping:
                 body["choices"].extend(answer["choices"])
                 for name in ("completion_tokens", "total_tokens"):
                     body["usage"][name] += answer["usage"]["completion_tokens"]
-        _report_cached_tokens(body.get("usage"), model.cached_tokens)
-        return JSONResponse(body, media_type="application/json")
+        return body
 
 
 def _asks_to_sample(body: dict) -> bool:
@@ -265,8 +279,10 @@ def _report_cached_tokens(usage: dict | None, cached_tokens: int) -> None:
         usage.setdefault("prompt_tokens_details", {})["cached_tokens"] = cached_tokens
 
 
-async def _reporting_cached_tokens(chunks, model: StateKeepingModel):
-    """transformers' SSE stream, its last chunk (the one with `usage`) given `cached_tokens`."""
+async def _finishing_stream(chunks, model: StateKeepingModel, slot: Slot):
+    """transformers' SSE stream, its last chunk (the one with `usage`) given `cached_tokens`; the request's slot
+    is freed when the stream ends, finished or cut off by the client (or when its generate() ends, if sooner:
+    with continuous batching there is no generate() call to end)."""
     try:
         async for chunk in chunks:
             if '"usage"' in chunk:
@@ -280,5 +296,6 @@ async def _reporting_cached_tokens(chunks, model: StateKeepingModel):
                 chunk = "\n\n".join(events)
             yield chunk
     finally:
+        slot.release()
         await chunks.aclose()
 

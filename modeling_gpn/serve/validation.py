@@ -16,6 +16,12 @@ from typing import Any
 MAX_ANSWERS = 128  # the OpenAI API's bound on `n`
 MAX_STOP_STRINGS = 4
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# what transformers' handler passes to apply_chat_template itself: a request setting one would collide with it
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "processor_kwargs", "load_audio_from_video",
+})  # fmt: skip
 
 
 class RequestError(ValueError):
@@ -50,9 +56,33 @@ def check_chat_request(body: dict[str, Any]) -> None:
                     raise RequestError(f"{where}.content[{part_index}].text must be a string")
         elif not isinstance(content, str):
             raise RequestError(f"{where}.content must be a string or a list of content parts, got {type(content).__name__}")
+        _check_tool_calls(message.get("tool_calls"), where)
     _check_positive_int(body, "max_completion_tokens")
     _check_type(body, "tools", list)
+    if not all(isinstance(tool, dict) for tool in body.get("tools") or []):
+        raise RequestError("tools must be a list of objects")
     _check_type(body, "chat_template_kwargs", dict)
+    reserved = sorted(set(body.get("chat_template_kwargs") or {}) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise RequestError(f"chat_template_kwargs cannot set {', '.join(reserved)}: the server sets them")
+
+
+def _check_tool_calls(tool_calls: Any, where: str) -> None:
+    """An assistant message's tool calls, as transformers reads them: objects with a function name and JSON arguments."""
+    if tool_calls is None:
+        return
+    if not isinstance(tool_calls, list):
+        raise RequestError(f"{where}.tool_calls must be a list")
+    for index, call in enumerate(tool_calls):
+        function = call.get("function", call) if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not isinstance(arguments, str | dict):
+            raise RequestError(f"{where}.tool_calls[{index}] must be an object with a function: {{name, arguments}}")
+        if isinstance(arguments, str):
+            try:
+                json.loads(arguments)
+            except ValueError as error:
+                raise RequestError(f"{where}.tool_calls[{index}].function.arguments must be JSON: {error}") from error
 
 
 def check_completion_request(body: dict[str, Any]) -> None:
