@@ -14,11 +14,11 @@ sending the streamed request to its first content chunk, medians over `--repeats
 texts; the servers take turns in a rotating order). Tokens that decode to no complete character, and the
 end tokens, are banned through `logit_bias` for every server, so each answer is streamed from its first
 token and has its full length. The GPN's answers with and without the store must be identical (checked).
-The floor column is the model alone in this process: the turn's new tokens and the first answer token,
-continued from the state, i.e. what the store leaves to compute.
+The floor is the model alone in this process: the turn's new tokens and the first answer token, read from a
+state in one forward, i.e. what the store leaves to compute (measured between the conversations).
 
 Requests/s: `c` clients at once, each its own conversation of `--load-turns` turns (not streamed),
-over the wall time of all of them. All figures are from a shared machine (see the load column).
+over the wall time of all of them; medians of `--load-rounds` rounds, the servers in a rotating order. All figures are from a shared machine (see the load column).
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="conversations per server (medians)")
     parser.add_argument("--clients", type=int, nargs="*", default=[1, 4, 16])
     parser.add_argument("--load-turns", type=int, default=3, help="turns of each client's conversation (requests/s)")
+    parser.add_argument("--load-rounds", type=int, default=2, help="rounds of the requests/s runs (medians)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every server and of the floor")
     parser.add_argument("--json", type=Path, default=None, help="also write every figure here")
     return parser.parse_args()
@@ -197,24 +198,30 @@ def converse(server: Server, model: str, turns: list[str], answer_tokens: int, b
     return out
 
 
-def floor_ttft(gpn_dir: Path, turn_tokens: int, threads: int, repeats: int = 5) -> float:
-    """The model alone: read `turn_tokens` new tokens from a state and pick the first answer token (median)."""
-    import modeling_gpn  # noqa: F401
-    from transformers import AutoModelForCausalLM
+class Floor:
+    """The GPN alone in this process: from a state, read `turn_tokens` new tokens and pick the first answer
+    token (one forward, as the server's own forward and generate()'s first step together), timed."""
 
-    torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(gpn_dir).eval()
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        state = model(torch.randint(10, 8000, (1, 500), generator=generator), use_cache=True, logits_to_keep=1).cache
-        times = []
-        for _ in range(repeats):
-            cache, new = state.fork(1), torch.randint(10, 8000, (1, turn_tokens), generator=generator)
-            start = time.perf_counter()
-            logits = model(new, attention_mask=torch.ones(1, 500 + turn_tokens, dtype=torch.long), cache=cache, use_cache=True, logits_to_keep=1).logits
-            logits.argmax(-1)
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    def __init__(self, gpn_dir: Path, turn_tokens: int, threads: int):
+        import modeling_gpn  # noqa: F401
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(threads)
+        self.model = AutoModelForCausalLM.from_pretrained(gpn_dir).eval()
+        self.turn_tokens = turn_tokens
+        self.generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            self.state = self.model(torch.randint(10, 8000, (1, 500), generator=self.generator), use_cache=True, logits_to_keep=1).cache
+        self.times: list[float] = []
+
+    def measure(self, repeats: int = 3) -> None:
+        with torch.no_grad():
+            for _ in range(repeats):
+                cache, new = self.state.fork(1), torch.randint(10, 8000, (1, self.turn_tokens), generator=self.generator)
+                mask = torch.ones(1, 500 + self.turn_tokens, dtype=torch.long)
+                start = time.perf_counter()
+                self.model(new, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1).logits.argmax(-1)
+                self.times.append(time.perf_counter() - start)
 
 
 def requests_per_second(server: Server, model: str, texts: list[list[str]], answer_tokens: int, bias: dict) -> float:
@@ -255,57 +262,65 @@ def main() -> None:
     gpn_dir, llama_dir = make_models(args.work)
     tokenizer = AutoTokenizer.from_pretrained(gpn_dir)
     bias = banned_tokens(tokenizer)
-    load_before = load_average()
-    floor = floor_ttft(gpn_dir, args.turn_tokens, args.threads)
+    loads = [load_average()]
+    floor = Floor(gpn_dir, args.turn_tokens, args.threads)
     servers = start_servers(gpn_dir, llama_dir, args.work, args.threads)
     models = {servers[0].name: str(gpn_dir), servers[1].name: str(gpn_dir), servers[2].name: str(llama_dir)}
     try:
         for server in servers:  # warm: the first request folds weights, compiles the template, ...
             ask(server.client(), models[server.name], [{"role": "user", "content": "warm up"}], 2, bias, stream=True)
+        floor.measure(1)
+        floor.times.clear()
         runs: dict[str, list[list[dict]]] = {server.name: [] for server in servers}
         for repeat in range(args.repeats):
             turns = conversation_turns(tokenizer, args.turns, args.turn_tokens, offset=repeat)
-            order = servers[repeat % 3 :] + servers[: repeat % 3]
-            for server in order:
+            floor.measure()  # in the same spell of the machine as the conversations
+            for server in servers[repeat % 3 :] + servers[: repeat % 3]:
                 print(f"conversation {repeat + 1}/{args.repeats} on {server.name} ...", file=sys.stderr, flush=True)
+                loads.append(load_average())
                 runs[server.name].append(converse(server, models[server.name], turns, args.answer_tokens, bias))
         store, plain, llama = (runs[server.name] for server in servers)
         identical = sum(a["answer"] == b["answer"] for conv_a, conv_b in zip(store, plain) for a, b in zip(conv_a, conv_b))
-        throughput: dict[int, dict[str, float]] = {}
-        for clients in args.clients:
-            texts = [conversation_turns(tokenizer, args.load_turns, args.turn_tokens, offset=args.repeats + c) for c in range(clients)]
-            throughput[clients] = {}
-            for server in servers:
-                print(f"{clients} clients on {server.name} ...", file=sys.stderr, flush=True)
-                throughput[clients][server.name] = requests_per_second(server, models[server.name], texts, args.answer_tokens, bias)
+        throughput: dict[int, dict[str, list[float]]] = {clients: {server.name: [] for server in servers} for clients in args.clients}
+        for round_ in range(args.load_rounds):
+            for clients in args.clients:
+                texts = [conversation_turns(tokenizer, args.load_turns, args.turn_tokens, offset=args.repeats + c) for c in range(clients)]
+                for server in servers[round_ % 3 :] + servers[: round_ % 3]:
+                    print(f"round {round_ + 1}: {clients} clients on {server.name} ...", file=sys.stderr, flush=True)
+                    loads.append(load_average())
+                    throughput[clients][server.name].append(requests_per_second(server, models[server.name], texts, args.answer_tokens, bias))
     finally:
         for server in servers:
             server.stop()
-    load_after = load_average()
+    loads.append(load_average())
+    one_minute = [float(load.split()[0]) for load in loads]
 
     def median_of(conversations: list[list[dict]], turn: int, key: str) -> float:
         return statistics.median(conversation[turn][key] for conversation in conversations)
 
     print(f"\nTime to first token by turn (ms, median of {args.repeats} conversations; {args.turn_tokens}-token turns, "
-          f"{args.answer_tokens}-token answers; torch threads {args.threads}; load average {load_before} before, {load_after} after)\n")  # fmt: skip
+          f"{args.answer_tokens}-token answers; torch threads {args.threads}; 1-minute load average "
+          f"{min(one_minute):.1f}-{max(one_minute):.1f} on this machine's 2 cores while it ran)\n")  # fmt: skip
     names = [server.name for server in servers]
-    print(f"| turn | prompt tokens (GPN) | read with the store | {' | '.join(names)} | no store / store |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"| turn | prompt tokens (GPN) | read with the store | {' | '.join(names)} | no store / store | Llama / store |")
+    print("|---|---|---|---|---|---|---|---|")
     for turn in range(args.turns):
         prompt = median_of(store, turn, "prompt_tokens")
         read = prompt - median_of(store, turn, "cached")
         ttfts = [1000 * median_of(runs[name], turn, "ttft") for name in names]
-        print(f"| {turn + 1} | {prompt:.0f} | {read:.0f} | " + " | ".join(f"{t:.0f}" for t in ttfts) + f" | {ttfts[1] / ttfts[0]:.1f}x |")
-    print(f"\nfloor (the GPN alone, in this process: {args.turn_tokens} new tokens from a state + the first token): {1000 * floor:.0f} ms")
+        print(f"| {turn + 1} | {prompt:.0f} | {read:.0f} | " + " | ".join(f"{t:.0f}" for t in ttfts) + f" | {ttfts[1] / ttfts[0]:.1f}x | {ttfts[2] / ttfts[0]:.2f}x |")
+    print(f"\nfloor, the GPN alone in this process ({args.turn_tokens} new tokens from a state and the first answer token, "
+          f"one forward): median {1000 * statistics.median(floor.times):.0f} ms of {len(floor.times)}, measured between the conversations")  # fmt: skip
     print(f"GPN answers identical with and without the store: {identical} of {args.turns * args.repeats} turns")
-    print(f"\nRequests/s ({args.load_turns}-turn conversations, {args.answer_tokens}-token answers, not streamed)\n")
+    print(f"\nRequests/s (each client a {args.load_turns}-turn conversation, {args.answer_tokens}-token answers, not streamed; "
+          f"median of {args.load_rounds} rounds, the servers in turn)\n")  # fmt: skip
     print(f"| clients at once | {' | '.join(names)} |")
     print("|---|---|---|---|")
     for clients, figures in throughput.items():
-        print(f"| {clients} | " + " | ".join(f"{figures[name]:.2f}" for name in names) + " |")
+        print(f"| {clients} | " + " | ".join(f"{statistics.median(figures[name]):.2f}" for name in names) + " |")
     if args.json is not None:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs, "floor": floor,
-                                         "throughput": throughput, "load": [load_before, load_after]}, indent=1))  # fmt: skip
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs, "floor": floor.times,
+                                         "throughput": throughput, "loads": loads}, indent=1))  # fmt: skip
 
 
 if __name__ == "__main__":
