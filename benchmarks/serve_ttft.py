@@ -89,14 +89,21 @@ def make_models(work: Path) -> tuple[Path, Path]:
     return gpn_dir, llama_dir
 
 
-def conversation_turns(tokenizer, count: int, tokens: int, offset: int) -> list[str]:
-    """`count` user turns of about `tokens` tokens each: consecutive pieces of the plays from `offset`."""
-    from modeling_gpn.data import shakespeare_documents
+class Texts:
+    """User turns of about `tokens` tokens each, consecutive pieces of the plays, never one piece twice: a
+    conversation the store has seen would be answered from its states, which would flatter the store."""
 
-    text = " ".join(document for _, document in zip(range(3), shakespeare_documents()))
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    start = offset * count * tokens
-    return [tokenizer.decode(ids[start + i * tokens : start + (i + 1) * tokens]) for i in range(count)]
+    def __init__(self, tokenizer, tokens: int):
+        from modeling_gpn.data import shakespeare_documents
+
+        self.tokenizer, self.tokens, self.used = tokenizer, tokens, 0
+        self.ids = tokenizer(" ".join(shakespeare_documents()), add_special_tokens=False)["input_ids"]
+
+    def turns(self, count: int) -> list[str]:
+        start, self.used = self.used, self.used + count * self.tokens
+        if self.used > len(self.ids):
+            raise ValueError(f"the plays hold {len(self.ids)} tokens: too few for this many turns")
+        return [self.tokenizer.decode(self.ids[start + i * self.tokens : start + (i + 1) * self.tokens]) for i in range(count)]
 
 
 def banned_tokens(tokenizer) -> dict[str, float]:
@@ -262,6 +269,7 @@ def main() -> None:
     gpn_dir, llama_dir = make_models(args.work)
     tokenizer = AutoTokenizer.from_pretrained(gpn_dir)
     bias = banned_tokens(tokenizer)
+    texts = Texts(tokenizer, args.turn_tokens)
     loads = [load_average()]
     floor = Floor(gpn_dir, args.turn_tokens, args.threads)
     servers = start_servers(gpn_dir, llama_dir, args.work, args.threads)
@@ -273,7 +281,7 @@ def main() -> None:
         floor.times.clear()
         runs: dict[str, list[list[dict]]] = {server.name: [] for server in servers}
         for repeat in range(args.repeats):
-            turns = conversation_turns(tokenizer, args.turns, args.turn_tokens, offset=repeat)
+            turns = texts.turns(args.turns)
             floor.measure()  # in the same spell of the machine as the conversations
             for server in servers[repeat % 3 :] + servers[: repeat % 3]:
                 print(f"conversation {repeat + 1}/{args.repeats} on {server.name} ...", file=sys.stderr, flush=True)
@@ -284,11 +292,11 @@ def main() -> None:
         throughput: dict[int, dict[str, list[float]]] = {clients: {server.name: [] for server in servers} for clients in args.clients}
         for round_ in range(args.load_rounds):
             for clients in args.clients:
-                texts = [conversation_turns(tokenizer, args.load_turns, args.turn_tokens, offset=args.repeats + c) for c in range(clients)]
+                conversations = [texts.turns(args.load_turns) for _ in range(clients)]  # new to every server
                 for server in servers[round_ % 3 :] + servers[: round_ % 3]:
                     print(f"round {round_ + 1}: {clients} clients on {server.name} ...", file=sys.stderr, flush=True)
                     loads.append(load_average())
-                    throughput[clients][server.name].append(requests_per_second(server, models[server.name], texts, args.answer_tokens, bias))
+                    throughput[clients][server.name].append(requests_per_second(server, models[server.name], conversations, args.answer_tokens, bias))
     finally:
         for server in servers:
             server.stop()
