@@ -87,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gpn = parser.add_argument_group("GPN: conversations kept as states, and limits")
     gpn.add_argument(
         "--state-store-bytes", type=parse_size, default=_size_text(DEFAULT_STATE_STORE_BYTES), metavar="SIZE",
-        help="memory for kept states (least recently used evicted; e.g. 512MB, 2GiB); 0 turns the store off",
+        help="memory for kept states (least recently used evicted; e.g. 512MB, 2GiB); 0 turns the store off (with --state-dir: every state goes to a file)",
     )  # fmt: skip
     gpn.add_argument(
         "--state-dir", default=None, metavar="DIR",
