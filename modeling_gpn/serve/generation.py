@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 from ..derived_weights import derived_weights_scope
-from ..modeling_gpn import GPNCache, GPNForCausalLM
+from .. import GPNCache, GPNForCausalLM
 from .state_store import StateStore
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ import types
 import transformers
 from transformers.cli.serving import model_manager
 
-from ..modeling_gpn import GPNForCausalLM, GPNModel
+from .. import GPNForCausalLM, GPNModel
 
 GPN_CLASSES = {cls.__name__: cls for cls in (GPNForCausalLM, GPNModel)}
 

@@ -34,12 +34,7 @@ from pathlib import Path
 
 import torch
 
-from ..modeling_gpn import (
-    GPNCache,
-    GPNStateFileError,
-    state_fingerprint,
-    token_fingerprint,
-)
+from .. import GPNCache, GPNStateFileError
 
 logger = logging.getLogger(__name__)
 
@@ -49,23 +44,26 @@ IDS_SUFFIX = ".ids.json"
 # flood of tiny states from escaping the byte limit.
 ENTRY_OVERHEAD_BYTES = 512
 
+# where the model was read from, and by which transformers: not what it computes
+_CONFIG_NOT_MEANING = ("_name_or_path", "transformers_version", "name_or_path")
 _model_keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _model_keys_lock = threading.Lock()
 
 
 def model_key(model: torch.nn.Module) -> str:
-    """SHA-256 naming a model's states: `state_fingerprint` (the configuration fields that give a state its
-    meaning, the weights' dtype, the vector parameters) and the bytes of every parameter and buffer.
+    """SHA-256 naming a model's states: its class, configuration, and the bytes (so the dtype) of every
+    parameter and buffer, hashed once a model.
 
-    `state_fingerprint` alone (what a state file records) cannot tell two models apart whose matrices alone
-    differ (a merged LoRA adapter); a server may hold both, so the key hashes all the weights, once a model.
+    What a state file records of its model (`GPNCache.save`: the configuration fields that give a state its
+    meaning, the weights' dtype, the vector parameters) cannot tell apart two models whose matrices alone
+    differ (a merged LoRA adapter); one server may hold both, so the key covers all the weights.
     """
-    base = getattr(model, "model", model)
     with _model_keys_lock:
         known = _model_keys.get(model)
         if known is not None:
             return known
-        digest = hashlib.sha256(json.dumps(state_fingerprint(base), sort_keys=True).encode())
+        config = {name: value for name, value in model.config.to_dict().items() if name not in _CONFIG_NOT_MEANING}
+        digest = hashlib.sha256(f"{type(model).__name__}{json.dumps(config, sort_keys=True, default=str)}".encode())
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             data = tensor.detach().to("cpu").contiguous()
             digest.update(f"{name}{tuple(data.shape)}{data.dtype}".encode())
@@ -227,8 +225,9 @@ class StateStore:
         read = cache.read_fingerprint()
         if read is None:
             return "it has no record of the positions it read"
-        expected = token_fingerprint(torch.tensor([list(ids)], dtype=torch.long), None)
-        if not torch.equal(read.cpu(), expected):
+        probe = GPNCache()  # the fingerprint of `ids` read, as a cache records it
+        probe.record_read(torch.tensor([list(ids)], dtype=torch.long), None)
+        if not torch.equal(read.cpu(), probe.read_fingerprint().cpu()):
             return "the positions it read are not the ids it would be kept under"
         return None
 
