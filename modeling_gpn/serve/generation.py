@@ -54,6 +54,11 @@ class StateKeepingModel:
         self.cached_tokens = 0  # prompt tokens continued from a kept state rather than read
         self.sequences: torch.Tensor | None = None  # every row generate() returned (n answers: n rows)
 
+    @property
+    def __class__(self):
+        """The model's: transformers' handlers name a model (and tell its modality) by its class."""
+        return type(self._model)
+
     def __getattr__(self, name: str):
         if name == "init_continuous_batching" and isinstance(self._model, GPNForCausalLM):
             # transformers' continuous batching is paged attention: a GPN has none, so the handlers fall back to
