@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("modeling_gpn.bench", "measure training, prefill and decode speed and memory"),
     "study": ("modeling_gpn.study", "small-scale replication: train and evaluate GPN variants and baselines"),
     "generate": ("modeling_gpn.cli.generate", "generate text from a model folder or Hub repo"),
+    "serve": ("modeling_gpn.serve.cli", "serve a model behind an OpenAI-compatible API (transformers serve), conversations kept as states"),
 }
 
 

@@ -1,0 +1,17 @@
+"""`gpn serve`: a GPN behind an OpenAI-compatible API, on transformers' own server (`transformers serve`),
+where each conversation's whole context is one kept state.
+
+- `server.GPNServe`: transformers' `Serve`, built with the two handlers below, its model manager able to build a GPN.
+- `handlers`: transformers' chat and completion handlers with request checks, limits, `n` answers and the
+  state store around them.
+- `generation.StateKeepingModel`: where a request becomes a `generate()` call through the state store.
+- `state_store.StateStore`: the bounded store of states keyed by the token ids they have read.
+- `validation`: checks of OpenAI request bodies; `models`: the model manager's view of transformers, with GPN.
+- `cli`: the `gpn serve` command. See docs/serving.md.
+"""
+
+# Defaults of `gpn serve` (and `GPNServe`), here so that `gpn serve --help` needs no serving dependency.
+DEFAULT_STATE_STORE_BYTES = 1 << 30
+DEFAULT_STATE_DIR_BYTES = 10 << 30
+DEFAULT_MAX_CONTEXT = 131_072
+DEFAULT_MAX_QUEUED_REQUESTS = 64

@@ -1,0 +1,118 @@
+"""`gpn serve [MODEL]`: `transformers serve` for GPNs, conversations kept as states.
+
+Every option of `transformers serve` is here under the same name, read from `Serve`'s own signature (so
+they cannot drift apart), followed by the options of the state store and of the limits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import inspect
+import re
+import sys
+import types
+import typing
+
+from transformers.cli.serve import Serve
+
+from . import (
+    DEFAULT_MAX_CONTEXT,
+    DEFAULT_MAX_QUEUED_REQUESTS,
+    DEFAULT_STATE_DIR_BYTES,
+    DEFAULT_STATE_STORE_BYTES,
+)
+
+GPN_OPTIONS = ("state_store_bytes", "state_dir", "state_dir_bytes", "max_context", "max_queued_requests")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from `1073741824`, `512MB` (10^6), `1GiB` (2^30), `0`, ..."""
+    match = _SIZE.match(str(text))
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give bytes, or a number with KB, MB, GB, TB (or KiB, MiB, ...)")
+    number, unit, binary = match.groups()
+    power = "kmgt".index(unit.lower()) + 1 if unit else 0
+    return int(float(number) * (1024 if binary else 1000) ** power)
+
+
+def _size_text(size: int) -> str:
+    """`1GiB` for 2^30 (how --help shows a default size)."""
+    for power, unit in ((4, "TiB"), (3, "GiB"), (2, "MiB"), (1, "KiB")):
+        if size and size % 1024**power == 0:
+            return f"{size // 1024**power}{unit}"
+    return str(size)
+
+
+def _limit(text: str) -> int | None:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a limit is a count >= 0 (0: no limit), got {value}")
+    return value or None
+
+
+def _serve_parameters() -> list[tuple[str, type, object, object]]:
+    """(name, type, typer info, default) of each visible option of transformers' `Serve`."""
+    found = []
+    for name, parameter in inspect.signature(Serve.__init__).parameters.items():
+        if name == "self" or typing.get_origin(parameter.annotation) is not typing.Annotated:
+            continue
+        kind, info = typing.get_args(parameter.annotation)[:2]
+        if getattr(info, "hidden", False):
+            continue
+        if isinstance(kind, types.UnionType):  # `str | None` -> str
+            kind = next(arg for arg in typing.get_args(kind) if arg is not type(None))
+        found.append((name, kind, info, parameter.default))
+    return found
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Serve a model behind an OpenAI-compatible API (/v1/chat/completions with streaming, /v1/completions, "
+        "/v1/models, /health): transformers serve, able to build a GPN, keeping each conversation's state so the "
+        "next turn reads only its new tokens. Options up to --state-store-bytes are transformers serve's own."
+    )
+    for name, kind, info, default in _serve_parameters():
+        help_text = (info.help or "").replace("%", "%%")
+        if name == "force_model":
+            parser.add_argument("model", nargs="?", default=None, help=help_text + " Without it, each request's `model` is loaded.")
+        elif kind is bool:
+            parser.add_argument(f"--{name.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        elif isinstance(kind, type) and issubclass(kind, enum.Enum):
+            choices = [member.value for member in kind]
+            parser.add_argument(f"--{name.replace('_', '-')}", choices=choices, default=getattr(default, "value", default), help=help_text)
+        else:
+            parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default, help=help_text)
+    gpn = parser.add_argument_group("GPN: conversations kept as states, and limits")
+    gpn.add_argument(
+        "--state-store-bytes", type=parse_size, default=_size_text(DEFAULT_STATE_STORE_BYTES), metavar="SIZE",
+        help="memory for kept states (least recently used evicted; e.g. 512MB, 2GiB); 0 turns the store off (with --state-dir: every state goes to a file)",
+    )  # fmt: skip
+    gpn.add_argument(
+        "--state-dir", default=None, metavar="DIR",
+        help="folder for states evicted from memory (state files), read back when needed and after a restart",
+    )  # fmt: skip
+    gpn.add_argument("--state-dir-bytes", type=parse_size, default=_size_text(DEFAULT_STATE_DIR_BYTES), metavar="SIZE", help="the most the state files in --state-dir may take")
+    gpn.add_argument(
+        "--max-context", type=_limit, default=DEFAULT_MAX_CONTEXT, metavar="TOKENS",
+        help="the most tokens a request's prompt and answer may take together (400 beyond; 0: no limit)",
+    )  # fmt: skip
+    gpn.add_argument(
+        "--max-queued-requests", type=_limit, default=DEFAULT_MAX_QUEUED_REQUESTS, metavar="N",
+        help="the most requests taken on at once, running or waiting (429 beyond; 0: no limit)",
+    )  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    import modeling_gpn  # noqa: F401  (registers GPN with the Auto classes)
+
+    try:
+        from .server import GPNServe
+    except ImportError as error:  # fastapi, uvicorn, openai: transformers' serving extra
+        print(f"gpn serve needs the serving dependencies ({error}): pip install 'gpn[serving]'", file=sys.stderr)
+        return 2
+    options = {name: getattr(args, name) for name, *_ in _serve_parameters() if name != "force_model"}
+    options.update({name: getattr(args, name) for name in GPN_OPTIONS})
+    GPNServe(args.model, **options)
+    return 0

@@ -1,0 +1,152 @@
+"""Where a request becomes a `generate()` call: continuing from a kept state, and keeping the new ones.
+
+transformers' handlers call `model.generate(input_ids=..., attention_mask=..., streamer=..., generation_config=...,
+tokenizer=...)` on the model the model manager loaded, on one inference thread per model. `gpn serve` hands
+them a `StateKeepingModel` instead: the same model (every other attribute is the model's), whose `generate`
+asks the `StateStore` for the longest kept state the prompt begins with and reads only the rest, the
+unambiguous way: the new ids, an attention mask over the positions the state has read plus the new ones, and
+a private copy of the kept state (`fork(1)`) as the cache `generate()` advances. It returns what `generate()`
+returns for the whole prompt, so nothing downstream changes.
+
+Two states are kept per request. One is the state before the prompt's last token: `generate()` must read at
+least one token (its logits give the first answer token), so this is the state that serves the same prompt
+again (a retry, more samples: one token read) and the next turn, which begins with this prompt (one token more
+than its new ones). It is made by reading the prompt up to that token in a forward of its own, then
+`generate()` reads the last token. The other is the state after the answer (the prompt and every answer token
+but the last, which `generate()` never reads), which serves the next turn when the answer's text, rendered by
+the chat template and tokenized again, gives back the generated tokens (it need not: then the first state
+serves).
+
+`n` answers to one request are `n` rows forked from one state (`GPNCache.fork`): the prompt is read once.
+Models other than a GPN, beam search, padded or batched inputs run `generate()` as they are.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+
+import torch
+
+from ..derived_weights import derived_weights_scope
+from .. import GPNCache, GPNForCausalLM
+from .state_store import StateStore
+
+logger = logging.getLogger(__name__)
+
+
+class StateKeepingModel:
+    """The served model as transformers' handlers see it for one request (see the module docstring).
+
+    Args:
+        model: the model the model manager loaded.
+        store: where states are kept; None (or a model that is not a GPN) runs `generate()` as it is.
+        answers: how many answers to make (the request's `n`): rows of one state, or of the prompt repeated.
+        on_done: called once when this request's `generate()` is over (finished, failed or cancelled).
+    """
+
+    def __init__(self, model, store: StateStore | None, answers: int = 1, on_done: Callable[[], None] | None = None):
+        self._model = model
+        self._store = store if isinstance(model, GPNForCausalLM) else None
+        self.answers = answers
+        self._on_done = on_done
+        self.cached_tokens = 0  # prompt tokens continued from a kept state rather than read
+        self.sequences: torch.Tensor | None = None  # every row generate() returned (n answers: n rows)
+
+    @property
+    def __class__(self):
+        """The model's: transformers' handlers name a model (and tell its modality) by its class."""
+        return type(self._model)
+
+    def __getattr__(self, name: str):
+        if name == "init_continuous_batching" and isinstance(self._model, GPNForCausalLM):
+            # transformers' continuous batching is paged attention: a GPN has none, so the handlers fall back to
+            # generate() (they check for this attribute and say so in the log)
+            raise AttributeError(name)
+        return getattr(self._model, name)
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, streamer=None, generation_config=None, **kwargs):
+        try:
+            config = copy.deepcopy(generation_config if generation_config is not None else self._model.generation_config)
+            answers = self.answers  # rows made here: greedy decoding refuses num_return_sequences > 1
+            if self._continues_from_store(input_ids, attention_mask, config, kwargs):
+                self.sequences = self._generate_from_kept_state(input_ids, answers, streamer, config, kwargs)
+            else:
+                if answers > 1:
+                    input_ids = input_ids.repeat_interleave(answers, dim=0)
+                    attention_mask = None if attention_mask is None else attention_mask.repeat_interleave(answers, dim=0)
+                self.sequences = self._model.generate(
+                    input_ids=input_ids, attention_mask=attention_mask, streamer=streamer, generation_config=config, **kwargs
+                )
+            return self.sequences
+        finally:
+            if self._on_done is not None:
+                self._on_done()
+
+    def _continues_from_store(self, input_ids, attention_mask, config, kwargs) -> bool:
+        """Whether this call can go through the store: one unpadded row of token ids, sampling or greedy
+        (beam search from a given cache is not supported), with a cache, not assisted."""
+        if self._store is None or input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            return False
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            return False
+        if (config.num_beams or 1) > 1 or config.use_cache is False:
+            return False
+        return not any(kwargs.get(name) is not None for name in ("inputs_embeds", "assistant_model", "cache", "past_key_values"))
+
+    def _generate_from_kept_state(self, input_ids: torch.Tensor, answers: int, streamer, config, kwargs) -> torch.Tensor:
+        model, store = self._model, self._store
+        prompt = input_ids[0].tolist()
+        length = len(prompt)
+        # generate() reads at least the prompt's last token (its logits give the first answer token), so the
+        # state that serves a prompt is the one before that token: found here, or made and kept here
+        found = store.lookup(model, prompt, max_length=length - 1)
+        start, cache = found if found is not None else (0, None)
+        self.cached_tokens = start
+        # one scope for the forward below and generate(): the weights the fast path derives (folded, prepacked)
+        # are derived once for the request, as generate() alone does, not once for each
+        with derived_weights_scope(model.model):
+            if start < length - 1:
+                with torch.no_grad():
+                    cache = model(
+                        input_ids[:, start : length - 1],
+                        attention_mask=torch.ones(1, length - 1, dtype=torch.long, device=input_ids.device),
+                        cache=cache,
+                        use_cache=True,
+                        logits_to_keep=1,
+                    ).cache
+                _keep_safely(store, model, prompt[: length - 1], lambda: cache.fork(1))
+            if cache is None:  # a one-token prompt: nothing before its last token
+                cache = GPNCache()
+            elif answers > 1:
+                cache = cache.fork(answers)  # n answers, one state: the prompt is not read n times
+            new_ids = input_ids[:, length - 1 :].repeat_interleave(answers, dim=0)
+            mask = torch.ones(answers, length, dtype=torch.long, device=input_ids.device)  # what was read + the new column
+            sequences = model.generate(
+                input_ids=new_ids, attention_mask=mask, cache=cache, streamer=streamer, generation_config=config, **kwargs
+            )
+        generated = sequences[:, 1:]
+        # The answers' states: each row has read the prompt and its tokens but the last (generate() stops
+        # without reading it); rows that finished early have read padding after their end, kept as read.
+        read = cache.get_seq_length()
+        for row in range(answers):
+            answer_state = (lambda: cache) if answers == 1 else (lambda row=row: _row(cache, row, answers))
+            _keep_safely(store, model, (prompt + generated[row].tolist())[:read], answer_state)
+        return torch.cat([input_ids.repeat_interleave(answers, dim=0), generated], dim=1)
+
+
+def _keep_safely(store: StateStore, model, ids: list[int], state: Callable[[], GPNCache]) -> None:
+    """Keep a state; a state that cannot be kept never fails the request that made it (it is logged)."""
+    try:
+        store.keep(model, ids, state())
+    except Exception:  # noqa: BLE001 - the answer is right whether or not its state is kept
+        logger.exception("state store: keeping a state of %d tokens failed", len(ids))
+
+
+def _row(cache: GPNCache, row: int, rows: int) -> GPNCache:
+    """One row of a cache, as a new one-row cache (the original is left as it is)."""
+    copy_of_row = cache.fork(1)
+    if rows > 1:
+        copy_of_row.batch_select_indices(torch.tensor([row], device=copy_of_row.state_layer.recurrent_states[0].device))
+    return copy_of_row

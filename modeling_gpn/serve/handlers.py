@@ -1,0 +1,301 @@
+"""transformers' chat and completion handlers, with what `gpn serve` adds around them.
+
+The handlers are transformers' own (`ChatCompletionHandler`, `CompletionHandler`): they parse the request,
+render the chat template, build the generation config, stream and format the answer. `StateKeeping` (a
+mixin placed before them) adds, at the points where they hand over:
+
+- the request checked first (`validation`): a wrong type or value is a 400 naming the field, never a 500;
+- admission: at most `max_queued_requests` requests taken on at once (running or waiting for the model's
+  inference thread); one more is a 429. A request's slot is freed when its answer is over: its response sent,
+  or its stream ended, finished or cut off by the client (whose generation transformers' streamer then
+  cancels at the next token), or its `generate()` returned, whichever comes first;
+- the context limit: the prompt and `max_tokens` within `max_context` tokens, or a 400 (without
+  `max_tokens`, the answer is cut to fit, as transformers' default of 1024 new tokens would otherwise refuse
+  long prompts);
+- the model, as the handlers see it, is a `StateKeepingModel` (its `generate()` goes through the state
+  store), and the prompt tokens continued from a kept state are reported as the OpenAI API does, in
+  `usage.prompt_tokens_details.cached_tokens`;
+- `n` answers (transformers ignores `n`): made as `n` rows of one `generate()` call, each formatted by
+  transformers' own response builder.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import threading
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+from fastapi import HTTPException
+from fastapi.responses import JSONResponse, StreamingResponse
+from jinja2 import TemplateError
+from transformers.cli.serving.chat_completion import ChatCompletionHandler
+from transformers.cli.serving.completion import CompletionHandler
+from transformers.cli.serving.utils import CBGenerateManager
+
+from .generation import StateKeepingModel
+from .state_store import StateStore
+from .validation import RequestError, check_chat_request, check_completion_request
+
+
+class Admission:
+    """The requests a server has taken on (running, or waiting for the inference thread), at most `limit`."""
+
+    def __init__(self, limit: int | None):
+        self.limit = limit
+        self.active = 0
+        self._lock = threading.Lock()
+
+    def admit(self) -> Slot:
+        with self._lock:
+            if self.limit is not None and self.active >= self.limit:
+                raise HTTPException(
+                    status_code=429,
+                    detail=f"the server is busy: {self.active} requests are running or waiting (--max-queued-requests "
+                    f"{self.limit}); retry later",
+                )
+            self.active += 1
+        return Slot(self)
+
+    def _release(self) -> None:
+        with self._lock:
+            self.active -= 1
+
+
+class Slot:
+    """One admitted request; `release` (idempotent, from any thread) gives its place back."""
+
+    def __init__(self, admission: Admission):
+        self._admission = admission
+        self._released = False
+        self._lock = threading.Lock()
+
+    def release(self) -> None:
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        self._admission._release()
+
+
+@dataclass
+class ServingPolicy:
+    """What every handler of one server shares: the state store (None: off) and the limits."""
+
+    store: StateStore | None
+    max_context: int | None
+    admission: Admission
+
+
+@dataclass
+class _Request:
+    slot: Slot
+    answers: int
+    max_tokens_given: bool
+    model: StateKeepingModel | None = None
+
+
+# The request a handler is working on: set in handle_request, read where transformers' handler calls back.
+_current: ContextVar[_Request] = ContextVar("gpn_serve_request")
+
+
+class StateKeeping:
+    """Mixin for a transformers serving handler (see the module docstring); `check_request` validates bodies."""
+
+    check_request = staticmethod(lambda body: None)
+
+    def __init__(self, *args, policy: ServingPolicy, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.policy = policy
+
+    async def handle_request(self, body: dict, request_id: str):
+        try:
+            self.check_request(body)
+        except RequestError as error:
+            raise HTTPException(status_code=error.status_code, detail=str(error)) from None
+        if body.get("model") is None and self.model_manager.force_model is None:
+            raise HTTPException(status_code=400, detail="model is required (this server is not pinned to one model)")
+        if body.get("logit_bias"):  # generate() takes float biases only; JSON's -100 is an int (transformers: a 500)
+            body["logit_bias"] = {token: float(bias) for token, bias in body["logit_bias"].items()}
+        answers = body.pop("n", None) or 1  # transformers would ignore it (with a warning): the answers are made here
+        max_tokens_given = body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
+        slot = self.policy.admission.admit()
+        token = _current.set(_Request(slot, answers, max_tokens_given))
+        streaming = False
+        try:
+            response = await super().handle_request(body, request_id)
+            # a stream's answer is under way: its end (or its generate()'s) frees the slot
+            streaming = isinstance(response, StreamingResponse)
+            return response
+        except TemplateError as error:  # the template's own errors (raise_exception, syntax): the request's fault
+            raise HTTPException(status_code=400, detail=f"the chat template cannot render these messages: {error}") from None
+        finally:
+            _current.reset(token)
+            if not streaming:
+                slot.release()
+
+    def _resolve_model(self, body: dict):
+        request = _current.get()
+        try:
+            model_id, model, processor = super()._resolve_model(body)
+        except HTTPException:
+            raise
+        except (OSError, ValueError) as error:  # not a model transformers can find or load
+            raise HTTPException(status_code=404, detail=f"model {body.get('model')!r} cannot be loaded: {error}") from None
+        request.model = StateKeepingModel(model, self.policy.store, answers=request.answers, on_done=request.slot.release)
+        return model_id, request.model, processor
+
+    def _build_generation_config(self, body: dict, model_generation_config, use_cb: bool = False):
+        try:
+            config = super()._build_generation_config(body, model_generation_config, use_cb=use_cb)
+            if _asks_to_sample(body):  # as the OpenAI API means it (transformers leaves the model's default)
+                config.do_sample = True
+            config.validate()
+        except (ValueError, TypeError) as error:  # from the request's own values (generation_config, ...)
+            raise HTTPException(status_code=400, detail=f"invalid generation parameters: {error}") from None
+        return config
+
+    def _fit_context(self, inputs, gen_config) -> None:
+        """Refuse an empty prompt, or one that with its answer would pass `max_context`; without a
+        `max_tokens`, cut the answer to what fits."""
+        length = inputs["input_ids"].shape[-1]
+        if length == 0:
+            raise HTTPException(status_code=400, detail="the prompt is empty: it has no tokens to continue")
+        limit = self.policy.max_context
+        if limit is None:
+            return
+        if length >= limit:
+            raise HTTPException(
+                status_code=400,
+                detail=f"the prompt has {length} tokens: this server's context limit is {limit} tokens (--max-context), "
+                "prompt and answer together",
+            )
+        if not _current.get().max_tokens_given:
+            gen_config.max_new_tokens = min(gen_config.max_new_tokens, limit - length)
+        elif length + gen_config.max_new_tokens > limit:
+            raise HTTPException(
+                status_code=400,
+                detail=f"the prompt ({length} tokens) and max_tokens ({gen_config.max_new_tokens}) pass this server's "
+                f"context limit of {limit} tokens (--max-context): shorten the conversation or ask for fewer tokens",
+            )
+
+    def _streaming(self, request_id, model, processor, model_id, inputs, gen_config, *args, **kwargs):
+        self._fit_context(inputs, gen_config)
+        response = super()._streaming(request_id, model, processor, model_id, inputs, gen_config, *args, **kwargs)
+        response.body_iterator = _finishing_stream(response.body_iterator, model, _current.get().slot)
+        return response
+
+    async def _non_streaming(self, request_id, model, processor, model_id, inputs, gen_config, *args, **kwargs):
+        self._fit_context(inputs, gen_config)
+        try:
+            body = await self._answers(request_id, model, processor, model_id, inputs, gen_config, *args, **kwargs)
+        except (ValueError, TypeError) as error:
+            # generate() checks what the request asked for (its generation_config's values, ...) as it runs:
+            # the request's fault, said as such (a stream reports it in its error event)
+            raise HTTPException(status_code=400, detail=f"generate() refused this request: {error}") from None
+        _report_cached_tokens(body.get("usage"), model.cached_tokens)
+        return JSONResponse(body, media_type="application/json")
+
+    async def _answers(self, request_id, model, processor, model_id, inputs, gen_config, *args, **kwargs) -> dict:
+        """transformers' non-streamed response body, with the n answers when n > 1."""
+        arguments = inspect.signature(super()._non_streaming).bind(
+            request_id, model, processor, model_id, inputs, gen_config, *args, **kwargs
+        )
+        if model.answers == 1:
+            body = json.loads((await super()._non_streaming(*arguments.args, **arguments.kwargs)).body)
+        else:
+            # one generate() for the n answers (through transformers' own manager and inference thread), then
+            # each answer formatted by transformers' handler, as it formats one
+            gen_manager = arguments.arguments["gen_manager"]
+            if isinstance(gen_manager, CBGenerateManager):  # (a model other than a GPN, --continuous-batching)
+                raise HTTPException(status_code=400, detail="n > 1 is not supported with --continuous-batching")
+            await gen_manager.generate_non_streaming(model, processor, inputs, gen_config, request_id=request_id)
+            body = None
+            for row in range(model.sequences.shape[0]):
+                arguments.arguments["gen_manager"] = _Answer(_answer_tokens(model.sequences, row, inputs, gen_config, processor), processor)
+                answer = json.loads((await super()._non_streaming(*arguments.args, **arguments.kwargs)).body)
+                if body is None:
+                    body = answer
+                    continue
+                answer["choices"][0]["index"] = row
+                body["choices"].extend(answer["choices"])
+                for name in ("completion_tokens", "total_tokens"):
+                    body["usage"][name] += answer["usage"]["completion_tokens"]
+        return body
+
+
+def _asks_to_sample(body: dict) -> bool:
+    """A temperature above 0, or a top_p below 1, means sampling in the OpenAI API. transformers serve sets only
+    the value, so a model whose generation config does not sample (a GPN's, by default) would answer greedily."""
+    temperature, top_p = body.get("temperature"), body.get("top_p")
+    return (temperature is not None and temperature > 0) or (top_p is not None and top_p < 1)
+
+
+class StateKeepingChatCompletionHandler(StateKeeping, ChatCompletionHandler):
+    """transformers' `/v1/chat/completions` handler, through the state store."""
+
+    check_request = staticmethod(check_chat_request)
+
+
+class StateKeepingCompletionHandler(StateKeeping, CompletionHandler):
+    """transformers' `/v1/completions` handler, through the state store."""
+
+    check_request = staticmethod(check_completion_request)
+
+
+class _Answer:
+    """Stands in for transformers' generation manager when its handler formats one of the n answers
+    (already generated): returns what `GenerateManager.generate_non_streaming` returns for it."""
+
+    def __init__(self, prompt_and_ids: tuple[int, torch.Tensor], processor):
+        self.input_len, self.ids = prompt_and_ids
+        self.processor = processor
+
+    async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
+        return self.processor.decode(self.ids, skip_special_tokens=True), self.input_len, self.ids
+
+
+def _answer_tokens(sequences: torch.Tensor, row: int, inputs, gen_config, processor) -> tuple[int, torch.Tensor]:
+    """(prompt length, the row's generated tokens up to its end): a row that ended before the longest one
+    is padded after its end (EOS, or a stop string's last token), which is not part of its answer."""
+    input_len = inputs["input_ids"].shape[-1]
+    ids = sequences[row, input_len:]
+    ends = gen_config.eos_token_id
+    ends = set(ends if isinstance(ends, list) else [] if ends is None else [ends])
+    for position, token in enumerate(ids.tolist()):
+        if token in ends:
+            return input_len, ids[: position + 1]
+    pad = gen_config.pad_token_id
+    if pad is not None:
+        while ids.numel() and int(ids[-1]) == pad:
+            ids = ids[:-1]
+    return input_len, ids
+
+
+def _report_cached_tokens(usage: dict | None, cached_tokens: int) -> None:
+    if usage is not None:
+        usage.setdefault("prompt_tokens_details", {})["cached_tokens"] = cached_tokens
+
+
+async def _finishing_stream(chunks, model: StateKeepingModel, slot: Slot):
+    """transformers' SSE stream, its last chunk (the one with `usage`) given `cached_tokens`; the request's slot
+    is freed when the stream ends, finished or cut off by the client (or when its generate() ends, if sooner:
+    with continuous batching there is no generate() call to end)."""
+    try:
+        async for chunk in chunks:
+            if '"usage"' in chunk:
+                events = []
+                for event in chunk.split("\n\n"):
+                    if event.startswith("data: ") and '"usage"' in event:
+                        data = json.loads(event.removeprefix("data: "))
+                        _report_cached_tokens(data.get("usage"), model.cached_tokens)
+                        event = "data: " + json.dumps(data, separators=(",", ":"))
+                    events.append(event)
+                chunk = "\n\n".join(events)
+            yield chunk
+    finally:
+        slot.release()
+        await chunks.aclose()
+

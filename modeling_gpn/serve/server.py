@@ -1,0 +1,83 @@
+"""`GPNServe`: transformers' `Serve` (its FastAPI app, endpoints, options, model manager and uvicorn server),
+built with the pieces `gpn serve` changes.
+
+`Serve.__init__` composes the server from transformers' serving modules, importing each piece from its module
+as it builds it. `GPNServe` runs that same `__init__` with two of those names pointing at `gpn serve`'s
+subclasses (the chat and completion handlers, `handlers.py`) while it builds, and makes the model manager able
+to build a GPN (`models.py`); nothing of the server is copied. Everything else, every option included, is
+transformers' own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+
+from transformers.cli.serve import Serve
+from transformers.cli.serving import chat_completion, completion
+
+from . import (
+    DEFAULT_MAX_CONTEXT,
+    DEFAULT_MAX_QUEUED_REQUESTS,
+    DEFAULT_STATE_DIR_BYTES,
+    DEFAULT_STATE_STORE_BYTES,
+)
+from .handlers import (
+    Admission,
+    ServingPolicy,
+    StateKeepingChatCompletionHandler,
+    StateKeepingCompletionHandler,
+)
+from .models import make_gpn_loadable
+from .state_store import StateStore
+
+
+@contextlib.contextmanager
+def _pointing(module, name: str, value) -> Iterator[None]:
+    """`module.name` is `value` inside the block, and what it was after."""
+    original = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+class GPNServe(Serve):
+    """`transformers serve`, serving GPNs, conversations kept as states (every `Serve` option is accepted).
+
+    Args:
+        force_model: as `Serve`'s: the model to preload and serve for every request.
+        state_store_bytes: the most the kept states may take in memory; 0 turns the state store off.
+        state_dir: a folder for states evicted from memory (state files), found again after a restart.
+        state_dir_bytes: the most the state files in `state_dir` may take.
+        max_context: the most tokens a request's prompt and answer may take together (None: no limit).
+        max_queued_requests: the most requests taken on at once, running or waiting (None: no limit).
+        **serve_options: `Serve`'s options (`host`, `port`, `device`, `dtype`, ...).
+    """
+
+    def __init__(
+        self,
+        force_model: str | None = None,
+        *,
+        state_store_bytes: int = DEFAULT_STATE_STORE_BYTES,
+        state_dir: str | os.PathLike | None = None,
+        state_dir_bytes: int | None = DEFAULT_STATE_DIR_BYTES,
+        max_context: int | None = DEFAULT_MAX_CONTEXT,
+        max_queued_requests: int | None = DEFAULT_MAX_QUEUED_REQUESTS,
+        **serve_options,
+    ) -> None:
+        for name, value in (("max_context", max_context), ("max_queued_requests", max_queued_requests)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1 (or None for no limit), got {value}")
+        store = None
+        if state_store_bytes > 0 or state_dir is not None:
+            store = StateStore(state_store_bytes, spill_dir=state_dir, spill_max_bytes=state_dir_bytes)
+        self.policy = ServingPolicy(store=store, max_context=max_context, admission=Admission(max_queued_requests))
+        make_gpn_loadable()
+        chat = functools.partial(StateKeepingChatCompletionHandler, policy=self.policy)
+        legacy = functools.partial(StateKeepingCompletionHandler, policy=self.policy)
+        with _pointing(chat_completion, "ChatCompletionHandler", chat), _pointing(completion, "CompletionHandler", legacy):
+            super().__init__(force_model, **serve_options)

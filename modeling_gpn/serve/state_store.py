@@ -1,0 +1,361 @@
+"""The state store of `gpn serve`: GPN states kept by the token ids they have read.
+
+A GPN's whole context is one `GPNCache` of fixed size, so a server can keep the state a conversation has
+reached and answer its next turn by reading only what is new. The OpenAI API is stateless (every chat turn
+resends the whole history), so states are found by content: each is kept under a SHA-256 of the model it
+belongs to and the token ids it has read, and a request continues from the longest kept prefix of its ids.
+
+- Exact, never approximate: a hit compares the kept ids with the request's, token for token (the hash only
+  finds candidates), and `keep` refuses a state whose own fingerprint of what it read (`read_fingerprint`)
+  is not that of the ids it is kept under. The model key covers the configuration, the weights' dtype and
+  every parameter, so a state is never reused for another model, prefix or dtype.
+- Bounded: the states in memory take at most `max_bytes` (state buffers and kept ids); the least recently
+  used are evicted first. With a `spill_dir` an evicted state is written there as a state file
+  (`GPNCache.save`, beside a small JSON of its ids) and read back (`GPNCache.load`, which checks the file
+  belongs to the model) when a request needs it; the folder is bounded too (`spill_max_bytes`), and a
+  server started on a folder that holds such files continues from them.
+- Thread-safe: one lock guards the store; every method may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+import uuid
+import weakref
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .. import GPNCache, GPNStateFileError
+
+logger = logging.getLogger(__name__)
+
+STATE_SUFFIX = ".gpnstate.safetensors"
+IDS_SUFFIX = ".ids.json"
+# What an entry costs beyond its buffers and ids (the Python objects, the index); small, but it keeps a
+# flood of tiny states from escaping the byte limit.
+ENTRY_OVERHEAD_BYTES = 512
+
+# where the model was read from, and by which transformers: not what it computes
+_CONFIG_NOT_MEANING = ("_name_or_path", "transformers_version", "name_or_path")
+_model_keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_model_keys_lock = threading.Lock()
+
+
+def model_key(model: torch.nn.Module) -> str:
+    """SHA-256 naming a model's states: its class, configuration, and the bytes (so the dtype) of every
+    parameter and buffer, hashed once a model.
+
+    What a state file records of its model (`GPNCache.save`: the configuration fields that give a state its
+    meaning, the weights' dtype, the vector parameters) cannot tell apart two models whose matrices alone
+    differ (a merged LoRA adapter); one server may hold both, so the key covers all the weights.
+    """
+    with _model_keys_lock:
+        known = _model_keys.get(model)
+        if known is not None:
+            return known
+        config = {name: value for name, value in model.config.to_dict().items() if name not in _CONFIG_NOT_MEANING}
+        digest = hashlib.sha256(f"{type(model).__name__}{json.dumps(config, sort_keys=True, default=str)}".encode())
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            data = tensor.detach().to("cpu").contiguous()
+            digest.update(f"{name}{tuple(data.shape)}{data.dtype}".encode())
+            digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        key = digest.hexdigest()
+        _model_keys[model] = key
+        return key
+
+
+def _ids_bytes(ids: Sequence[int]) -> bytes:
+    return array("q", ids).tobytes()
+
+
+def _entry_key(model: str, ids: bytes) -> str:
+    return hashlib.sha256(model.encode() + ids).hexdigest()
+
+
+@dataclass
+class _Entry:
+    model: str  # `model_key` of the model the state belongs to
+    ids: bytes  # the token ids read, int64 (compared exactly on every hit)
+    cache: GPNCache | None = None  # in memory; None once spilled to a file
+    nbytes: int = 0  # what it counts against its tier's limit
+
+    @property
+    def length(self) -> int:
+        return len(self.ids) // 8
+
+
+@dataclass
+class StoreStats:
+    """Counts since start: lookups that found a state, and the prompt tokens they spared reading."""
+
+    hits: int = 0
+    misses: int = 0
+    reused_tokens: int = 0
+    kept: int = 0
+    evicted: int = 0
+    spilled: int = 0
+    loaded_from_files: int = 0
+    refused: dict[str, int] = field(default_factory=dict)
+
+
+class StateStore:
+    """Bounded store of GPN states (batch 1) keyed by the model and the token ids they have read.
+
+    Args:
+        max_bytes: the most the states in memory may take (buffers and ids); least recently used evicted.
+        spill_dir: a folder to write evicted states to (state files), read back when a request needs one;
+            states already there (from an earlier run) are found too. None: evicted states are dropped.
+        spill_max_bytes: the most the folder's state files may take; the least recently used are deleted.
+    """
+
+    def __init__(self, max_bytes: int, spill_dir: str | os.PathLike | None = None, spill_max_bytes: int | None = None):
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        if spill_max_bytes is not None and spill_max_bytes < 0:
+            raise ValueError(f"spill_max_bytes must be >= 0, got {spill_max_bytes}")
+        self.max_bytes = max_bytes
+        self.spill_dir = None if spill_dir is None else Path(spill_dir)
+        self.spill_max_bytes = spill_max_bytes
+        self.stats = StoreStats()
+        self._lock = threading.RLock()
+        self._memory: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        self._files: OrderedDict[str, _Entry] = OrderedDict()
+        self._memory_bytes = 0
+        self._file_bytes = 0
+        self._lengths: dict[str, dict[int, int]] = {}  # model -> {length: entries of that length}, both tiers
+        if self.spill_dir is not None:
+            self.spill_dir.mkdir(parents=True, exist_ok=True)
+            self._index_spill_dir()
+
+    # ---- what the server calls ------------------------------------------------------------------------
+
+    def lookup(self, model: torch.nn.Module, ids: Sequence[int], max_length: int | None = None) -> tuple[int, GPNCache] | None:
+        """The longest kept state whose ids are a prefix of `ids` (at most `max_length` of them), as
+        `(length, cache)`: a private copy the caller may advance. None when no kept state fits."""
+        key_of_model = model_key(model)
+        ids_bytes = _ids_bytes(ids)
+        limit = len(ids) if max_length is None else min(max_length, len(ids))
+        with self._lock:
+            candidates = sorted(length for length in self._lengths.get(key_of_model, {}) if 0 < length <= limit)
+            digests, hasher, done = {}, hashlib.sha256(key_of_model.encode()), 0
+            for length in candidates:  # one pass over the ids, a digest at each kept length
+                hasher.update(ids_bytes[done * 8 : length * 8])
+                digests[length], done = hasher.copy().hexdigest(), length
+            for length in reversed(candidates):
+                key = digests[length]
+                entry = self._memory.get(key) or self._files.get(key)
+                if entry is None or entry.model != key_of_model or entry.ids != ids_bytes[: length * 8]:
+                    continue
+                cache = self._take(key, entry, model)
+                if cache is None:  # its file could not be read back: dropped, look further
+                    continue
+                self.stats.hits += 1
+                self.stats.reused_tokens += length
+                return length, cache
+            self.stats.misses += 1
+            return None
+
+    def keep(self, model: torch.nn.Module, ids: Sequence[int], cache: GPNCache) -> bool:
+        """Keep `cache` (one row, having read exactly `ids`; the store takes it: do not advance it after)
+        under `ids`. Returns whether it was kept (a state that does not match its ids is refused, logged)."""
+        problem = self._mismatch(ids, cache)
+        if problem is not None:
+            with self._lock:
+                self.stats.refused[problem] = self.stats.refused.get(problem, 0) + 1
+            logger.warning("state store: not keeping a state: %s", problem)
+            return False
+        key_of_model = model_key(model)
+        ids_bytes = _ids_bytes(ids)
+        key = _entry_key(key_of_model, ids_bytes)
+        nbytes = self.entry_bytes(cache, len(ids))
+        with self._lock:
+            self._forget(key)
+            if nbytes > self.max_bytes:
+                if self.spill_dir is None:
+                    return False
+                self._count_length(key_of_model, len(ids), +1)  # (taken back if it cannot be written)
+                self._spill(key, _Entry(key_of_model, ids_bytes, cache, nbytes))
+                self.stats.kept += key in self._files
+                return key in self._files
+            self._memory[key] = _Entry(key_of_model, ids_bytes, cache, nbytes)
+            self._memory_bytes += nbytes
+            self._count_length(key_of_model, len(ids), +1)
+            self.stats.kept += 1
+            self._evict()
+            return True
+
+    def summary(self) -> dict:
+        """Sizes and counts, for logs and tests."""
+        with self._lock:
+            return {
+                "states_in_memory": len(self._memory),
+                "memory_bytes": self._memory_bytes,
+                "max_bytes": self.max_bytes,
+                "states_in_files": len(self._files),
+                "file_bytes": self._file_bytes,
+                "spill_max_bytes": self.spill_max_bytes,
+                **{name: getattr(self.stats, name) for name in ("hits", "misses", "reused_tokens", "kept", "evicted", "spilled", "loaded_from_files")},
+                "refused": dict(self.stats.refused),
+            }
+
+    @staticmethod
+    def entry_bytes(cache: GPNCache, length: int) -> int:
+        """What keeping `cache` under `length` ids counts against the memory limit."""
+        return cache.nbytes() + 8 * length + ENTRY_OVERHEAD_BYTES
+
+    # ---- inside --------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _mismatch(ids: Sequence[int], cache: GPNCache) -> str | None:
+        if not isinstance(cache, GPNCache) or not cache.has_state:
+            return "not a GPNCache holding a state"
+        if cache.state_layer.batch_size != 1:
+            return f"{cache.state_layer.batch_size} rows (a kept state has one)"
+        if cache.get_seq_length() != len(ids):
+            return f"it has read {cache.get_seq_length()} positions, not the {len(ids)} ids it would be kept under"
+        read = cache.read_fingerprint()
+        if read is None:
+            return "it has no record of the positions it read"
+        probe = GPNCache()  # the fingerprint of `ids` read, as a cache records it
+        probe.record_read(torch.tensor([list(ids)], dtype=torch.long), None)
+        if not torch.equal(read.cpu(), probe.read_fingerprint().cpu()):
+            return "the positions it read are not the ids it would be kept under"
+        return None
+
+    def _take(self, key: str, entry: _Entry, model: torch.nn.Module) -> GPNCache | None:
+        """A copy of the entry's state, the entry made most recently used (read back into memory when spilled)."""
+        if entry.cache is not None:
+            self._memory.move_to_end(key)
+            return entry.cache.fork(1)
+        path = self._state_path(key)
+        try:
+            cache = GPNCache.load(path, model)
+        except (GPNStateFileError, TypeError) as error:
+            logger.warning("state store: dropping %s: %s", path, error)
+            self._forget(key)
+            return None
+        problem = self._mismatch(_ids_from_bytes(entry.ids), cache)
+        if problem is not None:
+            logger.warning("state store: dropping %s: %s", path, problem)
+            self._forget(key)
+            return None
+        self.stats.loaded_from_files += 1
+        nbytes = self.entry_bytes(cache, entry.length)
+        if nbytes > self.max_bytes:  # larger than the memory tier: it stays a file
+            self._files.move_to_end(key)
+            return cache
+        # back into memory (most recently used); the file goes, so each state lives in one tier
+        self._forget(key)
+        self._memory[key] = _Entry(entry.model, entry.ids, cache.fork(1), nbytes)
+        self._memory_bytes += nbytes
+        self._count_length(entry.model, entry.length, +1)
+        self._evict()
+        return cache
+
+    def _evict(self) -> None:
+        while self._memory_bytes > self.max_bytes and self._memory:
+            key, entry = self._memory.popitem(last=False)
+            self._memory_bytes -= entry.nbytes
+            self.stats.evicted += 1
+            if self.spill_dir is not None:
+                self._spill(key, entry)
+            else:
+                self._count_length(entry.model, entry.length, -1)
+
+    def _spill(self, key: str, entry: _Entry) -> None:
+        """Write an evicted state to the folder (the state file, then its ids: both written under a temporary
+        name and renamed, so a file's presence means it is whole); drop it when it cannot be written."""
+        path = self._state_path(key)
+        try:
+            entry.cache.save(path)
+            _write_atomically(self._ids_path(key), json.dumps({"model": entry.model, "ids": _ids_from_bytes(entry.ids)}).encode())
+            size = path.stat().st_size
+        except (OSError, ValueError) as error:
+            logger.warning("state store: cannot write %s, the state is dropped: %s", path, error)
+            path.unlink(missing_ok=True)
+            self._count_length(entry.model, entry.length, -1)
+            return
+        self._files[key] = _Entry(entry.model, entry.ids, None, size)
+        self._file_bytes += size
+        self.stats.spilled += 1
+        self._trim_files()
+
+    def _trim_files(self) -> None:
+        while self.spill_max_bytes is not None and self._file_bytes > self.spill_max_bytes and self._files:
+            key = next(iter(self._files))
+            self._forget(key)
+
+    def _forget(self, key: str) -> None:
+        """Remove an entry from whichever tier holds it (deleting its files)."""
+        entry = self._memory.pop(key, None)
+        if entry is not None:
+            self._memory_bytes -= entry.nbytes
+            self._count_length(entry.model, entry.length, -1)
+        entry = self._files.pop(key, None)
+        if entry is not None:
+            self._file_bytes -= entry.nbytes
+            self._count_length(entry.model, entry.length, -1)
+            self._state_path(key).unlink(missing_ok=True)
+            self._ids_path(key).unlink(missing_ok=True)
+
+    def _count_length(self, model: str, length: int, change: int) -> None:
+        lengths = self._lengths.setdefault(model, {})
+        lengths[length] = lengths.get(length, 0) + change
+        if lengths[length] <= 0:
+            del lengths[length]
+
+    def _state_path(self, key: str) -> Path:
+        return self.spill_dir / f"{key}{STATE_SUFFIX}"
+
+    def _ids_path(self, key: str) -> Path:
+        return self.spill_dir / f"{key}{IDS_SUFFIX}"
+
+    def _index_spill_dir(self) -> None:
+        """Find the states an earlier run left in the folder (oldest first). Files that do not parse, or whose
+        name is not the hash of what they say they hold, are left alone (and not used)."""
+        found = []
+        for ids_path in self.spill_dir.glob(f"*{IDS_SUFFIX}"):
+            key = ids_path.name.removesuffix(IDS_SUFFIX)
+            state_path = self._state_path(key)
+            try:
+                record = json.loads(ids_path.read_text())
+                ids = [int(token) for token in record["ids"]]
+                ids_bytes, owner = _ids_bytes(ids), str(record["model"])
+                stat = state_path.stat()
+            except (OSError, ValueError, KeyError, TypeError, OverflowError):
+                continue
+            if _entry_key(owner, ids_bytes) != key or not ids:
+                continue
+            found.append((stat.st_mtime, key, _Entry(owner, ids_bytes, None, stat.st_size)))
+        for _, key, entry in sorted(found, key=lambda item: item[0]):
+            self._files[key] = entry
+            self._file_bytes += entry.nbytes
+            self._count_length(entry.model, entry.length, +1)
+        self._trim_files()
+
+
+def _ids_from_bytes(ids: bytes) -> list[int]:
+    values = array("q")
+    values.frombytes(ids)
+    return values.tolist()
+
+
+def _write_atomically(path: Path, payload: bytes) -> None:
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(temporary, "wb") as file:
+            file.write(payload)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)

@@ -1,0 +1,167 @@
+"""Checks of OpenAI request bodies before transformers' handlers read them.
+
+transformers' handlers convert fields as they use them (`int(body["max_tokens"])`, `float(body["temperature"])`),
+so a wrong type or an impossible value fails deep inside, as a 500 ("Internal Server Error"), or worse, runs:
+`max_tokens=-1` is a 500, `"n": 3` is ignored. Here every field `gpn serve` reads is checked against what the
+OpenAI API documents (and what `generate()` can do), and a problem is a `RequestError` naming the field, which
+the handlers turn into a 400.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+MAX_ANSWERS = 128  # the OpenAI API's bound on `n`
+MAX_STOP_STRINGS = 4
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# what transformers' handler passes to apply_chat_template itself: a request setting one would collide with it
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "processor_kwargs", "load_audio_from_video",
+})  # fmt: skip
+
+
+class RequestError(ValueError):
+    """A request the server will not run; the message names the field and what it must be."""
+
+    def __init__(self, message: str, status_code: int = 400):
+        super().__init__(message)
+        self.status_code = status_code
+
+
+def check_chat_request(body: dict[str, Any]) -> None:
+    """Refuse a `/v1/chat/completions` body with a field of the wrong type or out of range."""
+    _check_common(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list of {role, content} objects")
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise RequestError(f"{where} must be an object with a role and a content")
+        if message.get("role") not in CHAT_ROLES:
+            raise RequestError(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {message.get('role')!r}")
+        content = message.get("content")
+        if content is None:
+            if message["role"] != "assistant" or not message.get("tool_calls"):
+                raise RequestError(f"{where}.content is missing (only an assistant message with tool_calls may omit it)")
+        elif isinstance(content, list):
+            for part_index, part in enumerate(content):
+                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                    raise RequestError(f"{where}.content[{part_index}] must be an object with a type")
+                if part["type"] in ("text", "input_text", "output_text") and not isinstance(part.get("text"), str):
+                    raise RequestError(f"{where}.content[{part_index}].text must be a string")
+        elif not isinstance(content, str):
+            raise RequestError(f"{where}.content must be a string or a list of content parts, got {type(content).__name__}")
+        _check_tool_calls(message.get("tool_calls"), where)
+    _check_positive_int(body, "max_completion_tokens")
+    _check_type(body, "tools", list)
+    if not all(isinstance(tool, dict) for tool in body.get("tools") or []):
+        raise RequestError("tools must be a list of objects")
+    _check_type(body, "chat_template_kwargs", dict)
+    reserved = sorted(set(body.get("chat_template_kwargs") or {}) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise RequestError(f"chat_template_kwargs cannot set {', '.join(reserved)}: the server sets them")
+
+
+def _check_tool_calls(tool_calls: Any, where: str) -> None:
+    """An assistant message's tool calls, as transformers reads them: objects with a function name and JSON arguments."""
+    if tool_calls is None:
+        return
+    if not isinstance(tool_calls, list):
+        raise RequestError(f"{where}.tool_calls must be a list")
+    for index, call in enumerate(tool_calls):
+        function = call.get("function", call) if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not isinstance(arguments, str | dict):
+            raise RequestError(f"{where}.tool_calls[{index}] must be an object with a function: {{name, arguments}}")
+        if isinstance(arguments, str):
+            try:
+                json.loads(arguments)
+            except ValueError as error:
+                raise RequestError(f"{where}.tool_calls[{index}].function.arguments must be JSON: {error}") from error
+
+
+def check_completion_request(body: dict[str, Any]) -> None:
+    """Refuse a `/v1/completions` body with a field of the wrong type or out of range."""
+    _check_common(body)
+    if not isinstance(body.get("prompt"), str):
+        raise RequestError("prompt must be a string (lists of prompts and token ids are not supported)")
+    _check_type(body, "suffix", str)
+    _check_type(body, "echo", bool)
+
+
+def _check_common(body: dict[str, Any]) -> None:
+    _check_type(body, "model", str)
+    _check_type(body, "stream", bool)
+    _check_positive_int(body, "max_tokens")
+    _check_number(body, "temperature", low=0.0)
+    _check_number(body, "top_p", low=0.0, high=1.0, low_open=True)
+    # transformers reads it as repetition_penalty = 1 + frequency_penalty, which must stay above 0
+    _check_number(body, "frequency_penalty", low=-1.0, high=2.0, low_open=True)
+    _check_number(body, "presence_penalty", low=-2.0, high=2.0)
+    answers = body.get("n")
+    if answers is not None and (not _is_int(answers) or not 1 <= answers <= MAX_ANSWERS):
+        raise RequestError(f"n must be an integer from 1 to {MAX_ANSWERS}, got {answers!r}")
+    if answers is not None and answers > 1 and body.get("stream"):
+        raise RequestError("n > 1 cannot be streamed yet: ask for the n answers without stream, or stream one answer")
+    seed = body.get("seed")
+    if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**64):
+        raise RequestError(f"seed must be a 64-bit integer, got {seed!r}")
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not 1 <= len(stops) <= MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stops):
+            raise RequestError(f"stop must be a non-empty string or a list of 1 to {MAX_STOP_STRINGS} non-empty strings")
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise RequestError("logit_bias must be an object mapping token ids to a bias from -100 to 100")
+        for token, value in bias.items():
+            if not str(token).isdigit() or not _is_number(value) or not -100 <= value <= 100:
+                raise RequestError(f"logit_bias maps token ids to a bias from -100 to 100, got {token!r}: {value!r}")
+    generation_config = body.get("generation_config")
+    if generation_config is not None:
+        try:
+            parsed = json.loads(generation_config) if isinstance(generation_config, str) else None
+        except ValueError as error:
+            raise RequestError(f"generation_config must be a JSON object in a string: {error}") from error
+        if not isinstance(parsed, dict):
+            raise RequestError("generation_config must be a JSON object in a string")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_type(body: dict[str, Any], name: str, kind: type) -> None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, kind):
+        raise RequestError(f"{name} must be a {kind.__name__}, got {type(value).__name__}")
+
+
+def _check_positive_int(body: dict[str, Any], name: str) -> None:
+    value = body.get(name)
+    if value is not None and (not _is_int(value) or value < 1):
+        raise RequestError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_number(
+    body: dict[str, Any], name: str, low: float | None = None, high: float | None = None, low_open: bool = False
+) -> None:
+    value = body.get(name)
+    if value is None:
+        return
+    too_low = _is_number(value) and low is not None and (value <= low if low_open else value < low)
+    too_high = _is_number(value) and high is not None and value > high
+    if not _is_number(value) or too_low or too_high:
+        bounds = [f"{'above' if low_open else 'at least'} {low}"] if low is not None else []
+        bounds += [f"at most {high}"] if high is not None else []
+        raise RequestError(f"{name} must be a finite number {' and '.join(bounds)}, got {value!r}".replace("  ", " "))
