@@ -33,8 +33,18 @@ import torch
 def parameters_key(model: torch.nn.Module) -> tuple:
     """Each parameter's storage, version (bumped by every in-place update through the parameter itself, an
     optimizer step's too), dtype and device: a guard inside a scope, never a reason to reuse across scopes
-    (writes through `.data` change none of it)."""
-    return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in model.parameters())
+    (writes through `.data` change none of it). A tensor subclass without storage of its own (a torchao
+    quantized weight) is keyed by the tensors it holds (`__tensor_flatten__`), whose storage and versions
+    change when it is requantized or edited in place."""
+    return tuple(_tensor_key(p) for p in model.parameters())
+
+
+def _tensor_key(tensor: torch.Tensor) -> tuple:
+    flatten = getattr(type(tensor), "__tensor_flatten__", None)
+    if flatten is None:
+        return tensor.data_ptr(), tensor._version, tensor.dtype, tensor.device
+    inner = flatten(tensor)[0]
+    return (type(tensor), tensor.dtype, tensor.device, *(_tensor_key(getattr(tensor, name)) for name in inner))
 
 
 class DerivedWeights:

@@ -48,7 +48,7 @@ from transformers.utils import logging
 from .chunked_loss import chunked_causal_lm_loss, divide_loss_sum
 from .configuration_gpn import GPNConfig
 from .derived_weights import derived_weights_scope, keep_with
-from .fast_recurrence import fast_recurrence
+from .fast_recurrence import fast_recurrence, foldable_parameter, output_logits
 
 logger = logging.get_logger(__name__)
 
@@ -888,8 +888,8 @@ def _why_not_foldable(name: str, module: nn.Module, allowed: tuple[type, ...]) -
         return f"{name} is a {type(module).__module__}.{type(module).__qualname__}, not a plain module the fast path can fold"
     if module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks or module._backward_hooks:
         return f"{name} has hooks"
-    param_name, param = next((n, p) for n, p in module._parameters.items() if p is not None and type(p) is not nn.Parameter)
-    return f"{name}.{param_name} is a {type(param).__qualname__}, not a plain nn.Parameter"
+    param_name, param = next((n, p) for n, p in module._parameters.items() if not foldable_parameter(module, n, p))
+    return f"{name}.{param_name} is a {type(param).__qualname__}, not a plain nn.Parameter (nor a weight the fast path takes)"
 
 
 class GPNModel(GPNPreTrainedModel):
@@ -1006,7 +1006,7 @@ class GPNModel(GPNPreTrainedModel):
                 or module._forward_hooks
                 or module._backward_pre_hooks
                 or module._backward_hooks
-                or not (plain_parameters or {type(p) for p in module._parameters.values()} <= {nn.Parameter, type(None)})
+                or not (plain_parameters or all(foldable_parameter(module, n, p) for n, p in module._parameters.items()))
             ):
                 name = next(n for n, m in self.named_modules() if m is module)
                 return _why_not_foldable(name, module, allowed)
@@ -1522,8 +1522,7 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
     def decode(self, predicted_states: torch.Tensor) -> torch.Tensor:
         """Step 4: logits for every given predicted state (the embedding is the output matrix)."""
         decoded = project(self.decode_proj, self.decode_norm(predicted_states))
-        weight = self.output_embedding_weight()
-        return F.linear(decoded.to(weight.dtype), weight)
+        return output_logits(decoded, self.output_embedding_weight())  # F.linear (few rows: the fast path's kernel)
 
     def empty_state_logits(self, batch_size: int = 1) -> torch.Tensor:
         """Logits predicted from the empty (zero) state: the reference's position 0 (batch, vocab)."""
