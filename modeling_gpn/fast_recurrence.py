@@ -70,7 +70,15 @@ from .cuda_graphs import GraphKernels, training_sweep
 from .cuda_graphs import asked as graphs_asked
 from .cuda_graphs import window_forward as graph_window_forward
 from .derived_weights import derived_weights_of
-from .memory_kernels import MAX_STEP_ROWS, KernelRefusal, StepPlan, linear_rows, memory_step, memory_write_backward
+from .memory_kernels import (
+    MAX_STEP_ROWS,
+    KernelRefusal,
+    StepPlan,
+    linear_rows,
+    memory_step,
+    memory_write_backward,
+    module_rows,
+)
 from .memory_kernels import usable as memory_kernels_usable
 from .recurrence_step import (
     TORCH_MEMORY_OPS,
@@ -236,24 +244,59 @@ def _carried_key(derived: dict, g0: torch.Tensor) -> Optional[torch.Tensor]:
     return None
 
 
-def output_logits(decoded: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _few_rows_on_kernels(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """Whether a product of `x` (..., K) may run on the C kernels: 1 to `MAX_STEP_ROWS` float32 CPU rows, no
+    autograd through it, not traced or compiled, the kernels built and switched on."""
+    rows = x.numel() // max(1, x.shape[-1])
+    return (
+        1 <= rows <= MAX_STEP_ROWS
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *tensors)))
+        and not torch.jit.is_tracing()
+        and step_kernels_enabled()
+        and memory_kernels_usable(x)
+    )
+
+
+def _plain_linear(module: torch.nn.Module) -> bool:
+    """`module` is exactly an nn.Linear with no hooks of its own or global ones (what the C kernels compute
+    as it would; a wrapper, adapter or hook is never skipped)."""
+    if type(module) is not torch.nn.Linear:
+        return False
+    if module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks or module._backward_hooks:
+        return False
+    hooks = torch.nn.modules.module
+    return not any(getattr(hooks, name, None) for name in ("_global_forward_pre_hooks", "_global_forward_hooks",
+                                                           "_global_backward_pre_hooks", "_global_backward_hooks"))  # fmt: skip
+
+
+def fast_project(module: torch.nn.Module, x: torch.Tensor, fast: bool = True) -> torch.Tensor:
+    """`module(x.to(its weight's dtype)).float()` (`modeling_gpn.project`), for a few rows of a plain
+    nn.Linear (float32, bfloat16 or torchao int8 weight-only weight; no hooks) without autograd on the C
+    kernels when `fast` (the model's `use_fast_path`): a decoded token's decoder and token projections, which
+    torch (and torchao's int8 linear, ~0.1 ms a call at these sizes) run far below the bandwidth limit.
+    Anything else calls the module."""
+    weight = getattr(module, "weight", None)
+    if fast and isinstance(weight, torch.Tensor) and _plain_linear(module) and _few_rows_on_kernels(x, *module.parameters()):
+        try:
+            return module_rows(module, x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+        except KernelRefusal:
+            pass
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+        x = x.to(weight.dtype)
+    return module(x).float()
+
+
+def output_logits(decoded: torch.Tensor, weight: torch.Tensor, fast: bool = True) -> torch.Tensor:
     """`F.linear(decoded.to(weight.dtype), weight)`: the logits of decoded states (..., e) against the output
     matrix (vocab, e). For a few rows (up to `MAX_STEP_ROWS`; decoding) of a plain float32 or bfloat16 CPU
     matrix without autograd, on the C kernels (`memory_kernels.linear_rows`: torch's matrix-vector product
-    reads the matrix at a fraction of the machine's bandwidth); anything else, and whatever the kernel
-    refuses, through `F.linear` itself."""
-    rows = decoded.numel() // max(1, decoded.shape[-1])
-    if (
-        1 <= rows <= MAX_STEP_ROWS
-        and decoded.dtype == torch.float32
-        and decoded.device.type == "cpu"
-        and not (torch.is_grad_enabled() and (decoded.requires_grad or weight.requires_grad))
-        and not torch.jit.is_tracing()
-        and step_kernels_enabled()
-        and memory_kernels_usable(decoded)
-    ):
+    reads the matrix at a fraction of the machine's bandwidth) when `fast` (the model's `use_fast_path`);
+    anything else, and whatever the kernel refuses, through `F.linear` itself."""
+    if fast and _few_rows_on_kernels(decoded, weight):
         try:
-            return linear_rows(decoded.reshape(rows, decoded.shape[-1]), weight).view(*decoded.shape[:-1], -1)
+            return linear_rows(decoded.reshape(-1, decoded.shape[-1]), weight).view(*decoded.shape[:-1], -1)
         except KernelRefusal:
             pass
     return F.linear(decoded.to(weight.dtype), weight)

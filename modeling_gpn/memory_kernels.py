@@ -256,7 +256,10 @@ accumulated in float32) or int8 with one float32 scale per output row (torchao's
 #endif
 
 enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_I8 = 2 };
-enum { ROUND_OUTPUT = 1, STORE_BF16 = 2 };
+#ifndef PREFETCH
+#define PREFETCH 1
+#endif
+enum { ROUND_OUTPUT = 1, STORE_BF16 = 2, BIAS_AFTER_ROUND = 4 };
 
 typedef struct { /* one linear map of a phase: out[b, j] = (round?)(scale_j * <W_j, x_b>) + bias_j */
     const void *w;        /* (rows, cols) row-major: float, uint16 (bf16 bits) or int8 */
@@ -278,7 +281,7 @@ static inline uint16_t float_to_bf16_bits(float f)  /* round to nearest even, as
 static inline float round_bf16(float f) { return bf16_bits_to_float(float_to_bf16_bits(f)); }
 
 #ifdef GPN_AVX512
-static inline __m512 load_weights(const void *w, i64 kind, i64 k, __mmask16 m)
+static inline __attribute__((always_inline)) __m512 load_weights(const void *w, const int kind, i64 k, __mmask16 m)
 {
     if (kind == KIND_F32) return _mm512_maskz_loadu_ps(m, (const float *)w + k);
     if (kind == KIND_I8)
@@ -286,56 +289,114 @@ static inline __m512 load_weights(const void *w, i64 kind, i64 k, __mmask16 m)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)w + k)), 16));
 }
 
-/* sums[i][b] = <row i, x_b> for 4 weight rows and NB batch rows (NB a constant where it is inlined) */
+/* the four sums of four accumulators, in one pass of shuffles */
+static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3)
+{
+#ifdef __AVX512DQ__
+    const __m256 b0 = _mm256_add_ps(_mm512_castps512_ps256(a0), _mm512_extractf32x8_ps(a0, 1));
+    const __m256 b1 = _mm256_add_ps(_mm512_castps512_ps256(a1), _mm512_extractf32x8_ps(a1, 1));
+    const __m256 b2 = _mm256_add_ps(_mm512_castps512_ps256(a2), _mm512_extractf32x8_ps(a2, 1));
+    const __m256 b3 = _mm256_add_ps(_mm512_castps512_ps256(a3), _mm512_extractf32x8_ps(a3, 1));
+    const __m256 d = _mm256_hadd_ps(_mm256_hadd_ps(b0, b1), _mm256_hadd_ps(b2, b3));
+    return _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
+#else
+    return _mm_setr_ps(_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1), _mm512_reduce_add_ps(a2), _mm512_reduce_add_ps(a3));
+#endif
+}
+
+/* sums[i][b] = <row i, x_b> for 4 weight rows and NB batch rows; KIND and NB are constants where it is
+   inlined. With one or two batch rows every row gets two accumulators (the multiply-add latency needs
+   eight chains in flight); with more, one (the registers hold 4 x NB accumulators). */
 static inline __attribute__((always_inline)) void dot_block(
-    const void *const rows[4], i64 kind, const float *const xs[4], const uint16_t *const xbs[4], i64 K,
+    const void *const rows[4], const int KIND, const float *const xs[4], const uint16_t *const xbs[4], i64 K,
     const int NB, float sums[4][4])
 {
-    __m512 acc[4][4], acc2[4][4];
-    for (int i = 0; i < 4; i++)
-        for (int b = 0; b < NB; b++) { acc[i][b] = _mm512_setzero_ps(); acc2[i][b] = _mm512_setzero_ps(); }
+    const int PAR = NB <= 2 ? 2 : 1;
+    const i64 ES = KIND == KIND_F32 ? 4 : KIND == KIND_BF16 ? 2 : 1;
+    __m512 acc[2][4][4];
+    for (int s = 0; s < PAR; s++)
+        for (int i = 0; i < 4; i++)
+            for (int b = 0; b < NB; b++) acc[s][i][b] = _mm512_setzero_ps();
     i64 k = 0;
 #if defined(__AVX512BF16__)
-    if (kind == KIND_BF16) {
-        for (; k + 32 <= K; k += 32) {
-            __m512bh xv[4];
-            for (int b = 0; b < NB; b++) xv[b] = (__m512bh)_mm512_loadu_si512((const void *)(xbs[b] + k));
-            for (int i = 0; i < 4; i++) {
-                const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)((const uint16_t *)rows[i] + k));
-                for (int b = 0; b < NB; b++) acc[i][b] = _mm512_dpbf16_ps(acc[i][b], wv, xv[b]);
+    if (KIND == KIND_BF16) {  /* bf16 pairs: one instruction multiplies 32 weights by the bf16 input */
+        for (; k + 32 * PAR <= K; k += 32 * PAR)
+            for (int s = 0; s < PAR; s++) {
+                if (PREFETCH) for (int i = 0; i < 4; i++) _mm_prefetch((const char *)rows[i] + (4 * K + k + 32 * s) * 2, _MM_HINT_T0);
+                __m512bh xv[4];
+                for (int b = 0; b < NB; b++) xv[b] = (__m512bh)_mm512_loadu_si512((const void *)(xbs[b] + k + 32 * s));
+                for (int i = 0; i < 4; i++) {
+                    const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)((const uint16_t *)rows[i] + k + 32 * s));
+                    for (int b = 0; b < NB; b++) acc[s][i][b] = _mm512_dpbf16_ps(acc[s][i][b], wv, xv[b]);
+                }
             }
-        }
     }
 #endif
-    if (kind == KIND_F32 && NB == 1) {  /* two accumulators per row: a single batch row needs the parallelism */
-        for (; k + 32 <= K; k += 32) {
-            const __m512 x0 = _mm512_loadu_ps(xs[0] + k), x1 = _mm512_loadu_ps(xs[0] + k + 16);
+    for (; k + 16 * PAR <= K; k += 16 * PAR)
+        for (int s = 0; s < PAR; s++) {
+            if (PREFETCH) for (int i = 0; i < 4; i++) _mm_prefetch((const char *)rows[i] + (4 * K + k + 16 * s) * ES, _MM_HINT_T0);
+            __m512 xv[4];
+            for (int b = 0; b < NB; b++) xv[b] = _mm512_loadu_ps(xs[b] + k + 16 * s);
             for (int i = 0; i < 4; i++) {
-                acc[i][0] = _mm512_fmadd_ps(_mm512_loadu_ps((const float *)rows[i] + k), x0, acc[i][0]);
-                acc2[i][0] = _mm512_fmadd_ps(_mm512_loadu_ps((const float *)rows[i] + k + 16), x1, acc2[i][0]);
+                const __m512 wv = load_weights(rows[i], KIND, k + 16 * s, (__mmask16)0xffff);
+                for (int b = 0; b < NB; b++) acc[s][i][b] = _mm512_fmadd_ps(wv, xv[b], acc[s][i][b]);
             }
         }
-    }
     for (; k < K; k += 16) {
         const __mmask16 m = K - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1u);
         __m512 xv[4];
         for (int b = 0; b < NB; b++) xv[b] = _mm512_maskz_loadu_ps(m, xs[b] + k);
         for (int i = 0; i < 4; i++) {
-            const __m512 wv = load_weights(rows[i], kind, k, m);
-            for (int b = 0; b < NB; b++) acc[i][b] = _mm512_fmadd_ps(wv, xv[b], acc[i][b]);
+            const __m512 wv = load_weights(rows[i], KIND, k, m);
+            for (int b = 0; b < NB; b++) acc[0][i][b] = _mm512_fmadd_ps(wv, xv[b], acc[0][i][b]);
         }
     }
-    for (int i = 0; i < 4; i++)
-        for (int b = 0; b < NB; b++) sums[i][b] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][b], acc2[i][b]));
+    for (int b = 0; b < NB; b++) {
+        if (PAR == 2)
+            for (int i = 0; i < 4; i++) acc[0][i][b] = _mm512_add_ps(acc[0][i][b], acc[1][i][b]);
+        float four[4];
+        _mm_storeu_ps(four, reduce4(acc[0][0][b], acc[0][1][b], acc[0][2][b], acc[0][3][b]));
+        for (int i = 0; i < 4; i++) sums[i][b] = four[i];
+    }
 }
+
+/* <row, x> for one batch row: the row read as one sequential stream (eight accumulators, 128 weights a
+   round; as fast as a plain read of the same bytes, where four interleaved rows are 10-20% slower) */
+static inline __attribute__((always_inline)) float dot_row(const void *row, const int KIND, const float *x, const uint16_t *xb, i64 K)
+{
+    __m512 acc[8];
+    for (int a = 0; a < 8; a++) acc[a] = _mm512_setzero_ps();
+    i64 k = 0;
+#if defined(__AVX512BF16__)
+    if (KIND == KIND_BF16) {
+        for (; k + 256 <= K; k += 256)
+            for (int a = 0; a < 8; a++)
+                acc[a] = _mm512_dpbf16_ps(acc[a], (__m512bh)_mm512_loadu_si512((const void *)((const uint16_t *)row + k + 32 * a)),
+                                          (__m512bh)_mm512_loadu_si512((const void *)(xb + k + 32 * a)));
+    }
 #else
-static inline float weight_at(const void *w, i64 kind, i64 k)
+    (void)xb;
+#endif
+    for (; k + 128 <= K; k += 128)
+        for (int a = 0; a < 8; a++)
+            acc[a] = _mm512_fmadd_ps(load_weights(row, KIND, k + 16 * a, (__mmask16)0xffff), _mm512_loadu_ps(x + k + 16 * a), acc[a]);
+    for (int a = 0; k < K; k += 16, a = (a + 1) & 7) {
+        const __mmask16 m = K - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1u);
+        acc[a] = _mm512_fmadd_ps(load_weights(row, KIND, k, m), _mm512_maskz_loadu_ps(m, x + k), acc[a]);
+    }
+    const __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])),
+                                   _mm512_add_ps(_mm512_add_ps(acc[4], acc[5]), _mm512_add_ps(acc[6], acc[7])));
+    return _mm512_reduce_add_ps(s);
+}
+#define GPN_HAVE_DOT_ROW 1
+#else
+static inline float weight_at(const void *w, const int kind, i64 k)
 {
     if (kind == KIND_F32) return ((const float *)w)[k];
     if (kind == KIND_I8) return (float)((const int8_t *)w)[k];
     return bf16_bits_to_float(((const uint16_t *)w)[k]);
 }
-static inline void dot_block(const void *const rows[4], i64 kind, const float *const xs[4], const uint16_t *const xbs[4],
+static inline void dot_block(const void *const rows[4], const int kind, const float *const xs[4], const uint16_t *const xbs[4],
                              i64 K, const int NB, float sums[4][4])
 {
     (void)xbs;
@@ -351,10 +412,36 @@ static inline void dot_block(const void *const rows[4], i64 kind, const float *c
 static inline i64 weight_size(i64 kind) { return kind == KIND_F32 ? 4 : kind == KIND_BF16 ? 2 : 1; }
 
 /* rows [r0, r1) of segment `sg` for all B batch rows */
+/* y = scale * dot + bias, rounded to bf16 where the module rounds (as torch's bf16 linear: the bias inside
+   the rounding; a bias the module adds afterwards in float32, the decay's dt_bias, after it) */
+static inline void store_output(const gpn_segment *sg, i64 b, i64 r, float y)
+{
+    if (sg->scale) y *= sg->scale[r];
+    if (sg->bias && !(sg->flags & BIAS_AFTER_ROUND)) y += sg->bias[r];
+    if (sg->flags & ROUND_OUTPUT) y = round_bf16(y);
+    if (sg->bias && (sg->flags & BIAS_AFTER_ROUND)) y += sg->bias[r];
+    const i64 at = b * sg->out_stride + r;
+    if (sg->flags & STORE_BF16) ((uint16_t *)sg->out)[at] = float_to_bf16_bits(y);
+    else ((float *)sg->out)[at] = y;
+}
+
 static void segment_rows(const gpn_segment *sg, i64 B, i64 r0, i64 r1)
 {
     const i64 K = sg->cols, es = weight_size(sg->kind);
     const char *w = (const char *)sg->w;
+#ifdef GPN_HAVE_DOT_ROW
+    if (B == 1 && sg->kind != KIND_I8) {  /* (int8 rows convert as they go: four rows hide that better) */
+        for (i64 r = r0; r < r1; r++) {
+            const void *row = w + r * K * es;
+            float y;
+            if (sg->kind == KIND_F32) y = dot_row(row, KIND_F32, sg->x, sg->xb, K);
+            else if (sg->kind == KIND_BF16) y = dot_row(row, KIND_BF16, sg->x, sg->xb, K);
+            else y = dot_row(row, KIND_I8, sg->x, sg->xb, K);
+            store_output(sg, 0, r, y);
+        }
+        return;
+    }
+#endif
     for (i64 b0 = 0; b0 < B; b0 += 4) {
         const int nb = (int)(B - b0 < 4 ? B - b0 : 4);
         const float *xs[4];
@@ -369,22 +456,17 @@ static void segment_rows(const gpn_segment *sg, i64 B, i64 r0, i64 r1)
             const void *rows[4];
             for (int i = 0; i < 4; i++) rows[i] = w + (r + (i < nr ? i : nr - 1)) * K * es;
             float sums[4][4];
-            switch (nb) {
-                case 1: dot_block(rows, sg->kind, xs, xbs, K, 1, sums); break;
-                case 2: dot_block(rows, sg->kind, xs, xbs, K, 2, sums); break;
-                case 3: dot_block(rows, sg->kind, xs, xbs, K, 3, sums); break;
-                default: dot_block(rows, sg->kind, xs, xbs, K, 4, sums); break;
-            }
+#define GPN_DOT(KIND) switch (nb) { \
+                case 1: dot_block(rows, KIND, xs, xbs, K, 1, sums); break; \
+                case 2: dot_block(rows, KIND, xs, xbs, K, 2, sums); break; \
+                case 3: dot_block(rows, KIND, xs, xbs, K, 3, sums); break; \
+                default: dot_block(rows, KIND, xs, xbs, K, 4, sums); break; }
+            if (sg->kind == KIND_F32) GPN_DOT(KIND_F32)
+            else if (sg->kind == KIND_BF16) GPN_DOT(KIND_BF16)
+            else GPN_DOT(KIND_I8)
+#undef GPN_DOT
             for (i64 i = 0; i < nr; i++)
-                for (int b = 0; b < nb; b++) {
-                    float y = sums[i][b];
-                    if (sg->scale) y *= sg->scale[r + i];
-                    if (sg->flags & ROUND_OUTPUT) y = round_bf16(y);
-                    if (sg->bias) y += sg->bias[r + i];
-                    const i64 at = (b0 + b) * sg->out_stride + r + i;
-                    if (sg->flags & STORE_BF16) ((uint16_t *)sg->out)[at] = float_to_bf16_bits(y);
-                    else ((float *)sg->out)[at] = y;
-                }
+                for (int b = 0; b < nb; b++) store_output(sg, b0 + b, r + i, sums[i][b]);
         }
     }
 }
@@ -1047,7 +1129,7 @@ def memory_write_backward(
 MAX_STEP_ROWS = 16  # the most batch rows the step kernel takes (more rows amortise the weight read in a matmul)
 _TASK_BYTES = 1 << 18  # weight bytes per task of a product (threads take tasks in turn)
 KIND_F32, KIND_BF16, KIND_I8 = 0, 1, 2
-ROUND_OUTPUT, STORE_BF16 = 1, 2
+ROUND_OUTPUT, STORE_BF16, BIAS_AFTER_ROUND = 1, 2, 4
 _i64, _ptr = ctypes.c_longlong, ctypes.c_void_p
 
 
@@ -1074,14 +1156,16 @@ class _Plan(ctypes.Structure):  # gpn_step_plan
 
 class Operand(NamedTuple):
     """A linear map as the products read it: `kind` (KIND_F32, KIND_BF16, KIND_I8), the weight (out, in)
-    (int8 data for KIND_I8), its per-row float32 scale (int8 only), the float32 bias, and whether its input
-    and output are rounded to bfloat16 (bf16 weights; int8 weights of a bf16 model), as the module rounds."""
+    (int8 data for KIND_I8), its per-row float32 scale (int8 only), the float32 bias, whether its input
+    and output are rounded to bfloat16 (bf16 weights; int8 weights of a bf16 model), as the module rounds,
+    and whether the bias is added after that rounding (a bias added outside the module)."""
 
     kind: int
     weight: torch.Tensor
     scale: Optional[torch.Tensor]
     bias: Optional[torch.Tensor]
     bf16_activations: bool
+    bias_after_round: bool = False
 
 
 def operand_of(linear: torch.nn.Module, extra_bias: Optional[torch.Tensor] = None) -> Operand:
@@ -1107,12 +1191,14 @@ def operand_of(linear: torch.nn.Module, extra_bias: Optional[torch.Tensor] = Non
         bf16 = kind == KIND_BF16
     bias = None
     if getattr(linear, "bias", None) is not None:
+        if extra_bias is not None:
+            _refuse("a module with a bias of its own and one added after it")
         bias = linear.bias.detach().float().contiguous()
-    if extra_bias is not None:
-        bias = extra_bias.detach().float().contiguous() if bias is None else bias + extra_bias.detach().float()
+    elif extra_bias is not None:
+        bias = extra_bias.detach().float().contiguous()
     if bias is not None and (bias.shape != (matrix.shape[0],) or not bias.is_cpu):
         _refuse(f"a bias has shape {tuple(bias.shape)} for a ({matrix.shape[0]}, {matrix.shape[1]}) weight")
-    return Operand(kind, matrix, scale, bias, bf16)
+    return Operand(kind, matrix, scale, bias, bf16, bias_after_round=extra_bias is not None)
 
 
 def _input_slot(rows: int, width: int) -> dict:
@@ -1130,6 +1216,7 @@ def _segment(op: Operand, slot: dict, out: torch.Tensor, column: int, store_bf16
         _refuse("a product's output does not fit its buffer")
     x = slot["x"] if (op.kind == KIND_F32 or (op.kind == KIND_I8 and not op.bf16_activations)) else slot["xr"]
     flags = (ROUND_OUTPUT if op.bf16_activations else 0) | (STORE_BF16 if store_bf16 else 0)
+    flags |= BIAS_AFTER_ROUND if op.bias_after_round else 0
     return _Segment(
         op.weight.data_ptr(), op.scale.data_ptr() if op.scale is not None else None,
         op.bias.data_ptr() if op.bias is not None else None, x.data_ptr(), slot["xb"].data_ptr(),
@@ -1297,6 +1384,40 @@ class StepPlan:
 _task_cache: dict = {}
 
 
+def _rows_product(x: torch.Tensor, op: Operand, store_bf16: bool) -> torch.Tensor:
+    """x (B, K) float32 times `op` for B <= MAX_STEP_ROWS: (B, out) float32 (bf16 with `store_bf16`)."""
+    B, K = x.shape
+    x = x.contiguous()
+    slot = {"x": x, "xr": x, "xb": x}  # (xr and xb are read only with bf16 activations)
+    if op.bf16_activations:
+        rounded = x.to(torch.bfloat16)
+        slot = {"x": x, "xr": rounded.float(), "xb": rounded.view(torch.int16)}
+    out = torch.empty(B, op.weight.shape[0], dtype=torch.bfloat16 if store_bf16 else torch.float32)
+    segment = _segment(op, slot, out, 0, store_bf16=store_bf16)
+    key = (op.weight.shape[0], K, op.kind)
+    tasks = _task_cache.get(key)
+    if tasks is None:
+        tasks = _task_cache[key] = torch.tensor(_tasks([segment], 0, 1), dtype=torch.int64).reshape(-1)
+    calls["linear"] += 1
+    _library.gpn_linear(ctypes.addressof(segment), tasks.data_ptr(), tasks.numel() // 3, B, torch.get_num_threads())
+    return out
+
+
+def module_rows(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`module(x.to(its weight's dtype)).float()` for a few rows of float32 `x` (B, K) and an nn.Linear
+    whose weight the products take (`operand_of`: float32, bfloat16, torchao int8 weight-only): as the
+    module computes it, rounded to bf16 where the module's output is bf16. Raises `KernelRefusal` otherwise
+    (the caller checks that the module is exactly an nn.Linear without hooks)."""
+    _require()
+    _check(x, "x")
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_STEP_ROWS:
+        _refuse(f"x has shape {tuple(x.shape)}; expected (1 to {MAX_STEP_ROWS} rows, features)")
+    op = operand_of(module)
+    if op.weight.shape[1] != x.shape[1]:
+        _refuse(f"x has {x.shape[1]} features for a ({op.weight.shape[0]}, {op.weight.shape[1]}) weight")
+    return _rows_product(x, op, store_bf16=False)
+
+
 def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight^T for a few rows (1 to `MAX_STEP_ROWS`) of float32 `x` (B, K) and a contiguous float32 or
     bfloat16 CPU `weight` (N, K), as `F.linear(x.to(weight.dtype), weight)` computes it (float32
@@ -1312,24 +1433,10 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         _refuse(f"the weight is a {weight.dtype} {weight.layout} tensor on {weight.device}")
     if weight.dim() != 2 or weight.shape[1] != x.shape[1] or not weight.is_contiguous():
         _refuse(f"the weight has shape {tuple(weight.shape)} (contiguous: {weight.is_contiguous()}) for x {tuple(x.shape)}")
-    B, K = x.shape
     bf16 = weight.dtype == torch.bfloat16
-    slot = {"x": x.contiguous()}
-    if bf16:
-        rounded = slot["x"].to(torch.bfloat16)
-        slot = {"x": slot["x"], "xr": rounded.float(), "xb": rounded.view(torch.int16)}
-    else:
-        slot["xr"], slot["xb"] = slot["x"], slot["x"]  # (not read for float32 weights)
-    out = torch.empty(B, weight.shape[0], dtype=weight.dtype)
-    op = Operand(KIND_BF16 if bf16 else KIND_F32, weight.detach(), None, None, False)
-    segment = _segment(op, slot, out, 0, store_bf16=bf16)
-    key = (weight.shape[0], K, bf16)
-    tasks = _task_cache.get(key)
-    if tasks is None:
-        tasks = _task_cache[key] = torch.tensor(_tasks([segment], 0, 1), dtype=torch.int64).reshape(-1)
-    calls["linear"] += 1
-    _library.gpn_linear(ctypes.addressof(segment), tasks.data_ptr(), tasks.numel() // 3, B, torch.get_num_threads())
-    return out
+    # (bf16: the input rounded to bf16 as `x.to(weight.dtype)` does; the output stored as bf16, unrounded before)
+    op = Operand(KIND_BF16 if bf16 else KIND_F32, weight.detach(), None, None, bf16)
+    return _rows_product(x, op._replace(bf16_activations=bf16), store_bf16=bf16)
 
 
 def read_probe(buffer: torch.Tensor, threads: Optional[int] = None) -> float:

@@ -48,7 +48,7 @@ from transformers.utils import logging
 from .chunked_loss import chunked_causal_lm_loss, divide_loss_sum
 from .configuration_gpn import GPNConfig
 from .derived_weights import derived_weights_scope, keep_with
-from .fast_recurrence import fast_recurrence, foldable_parameter, output_logits
+from .fast_recurrence import fast_project, fast_recurrence, foldable_parameter, output_logits
 
 logger = logging.get_logger(__name__)
 
@@ -918,7 +918,7 @@ class GPNModel(GPNPreTrainedModel):
 
     def token_inputs(self, embeddings: torch.Tensor) -> torch.Tensor:
         """W_fuse rms(E[x]) for every position at once: the token side has no recurrence."""
-        return project(self.fuse_proj, self.fuse_norm(embeddings))
+        return fast_project(self.fuse_proj, self.fuse_norm(embeddings), self.use_fast_path)  # (project; see decode)
 
     def ground(self, predicted: torch.Tensor, token_input: torch.Tensor) -> torch.Tensor:
         """Step 1: g = sigmoid(W_fg rms(p) + b_fg) * p + W_fuse rms(E[x])."""
@@ -1521,8 +1521,10 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
 
     def decode(self, predicted_states: torch.Tensor) -> torch.Tensor:
         """Step 4: logits for every given predicted state (the embedding is the output matrix)."""
-        decoded = project(self.decode_proj, self.decode_norm(predicted_states))
-        return output_logits(decoded, self.output_embedding_weight())  # F.linear (few rows: the fast path's kernel)
+        # project / F.linear; a few rows (decoding) on the fast path's kernels (fast_recurrence.fast_project)
+        fast = self.model.use_fast_path
+        decoded = fast_project(self.decode_proj, self.decode_norm(predicted_states), fast)
+        return output_logits(decoded, self.output_embedding_weight(), fast)
 
     def empty_state_logits(self, batch_size: int = 1) -> torch.Tensor:
         """Logits predicted from the empty (zero) state: the reference's position 0 (batch, vocab)."""
