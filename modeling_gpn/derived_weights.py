@@ -68,8 +68,9 @@ def _tensor_key(tensor: torch.Tensor) -> tuple:
     flatten = getattr(kind, "__tensor_flatten__", None)
     if flatten is None:
         return tensor.data_ptr(), tensor._version, tensor.dtype, tensor.device
-    inner = flatten(tensor)[0]
-    return (type(tensor), tensor.dtype, tensor.device, *(_tensor_key(getattr(tensor, name)) for name in inner))
+    with torch._C.DisableTorchFunctionSubclass():  # (its attributes without the subclass's dispatch)
+        inner = flatten(tensor)[0]
+        return (kind, tensor.dtype, tensor.device, *(_tensor_key(tensor.__dict__[name]) for name in inner))
 
 
 class DerivedWeights:

@@ -43,6 +43,7 @@ This file ships to the Hub with the model: it imports only torch, typing and the
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -95,6 +96,9 @@ class Int8Weight(NamedTuple):
     dtype: torch.dtype  # the dtype the module computes in (its inputs are cast to it): float32 or bfloat16
 
 
+_int8_checked: dict = {}  # id(weight) -> (weak reference to it, what was checked, result); dropped with the weight
+
+
 def int8_weight_parts(weight) -> Optional[Int8Weight]:
     """The parts of `weight` if it is exactly what the fast path takes of a quantized weight, else None.
 
@@ -106,7 +110,25 @@ def int8_weight_parts(weight) -> Optional[Int8Weight]:
     kind = type(weight)
     if kind.__qualname__ != "Int8Tensor" or not kind.__module__.startswith("torchao."):
         return None
-    qdata, scale = getattr(weight, "qdata", None), getattr(weight, "scale", None)
+    # (this runs before every fast call, decoding too: the attributes are read without torchao's
+    # __torch_function__, and a weight already checked is checked again only if what it holds changed)
+    held = weight.__dict__
+    stamp = tuple((id(held.get(name)), getattr(held.get(name), "_version", None)) for name in _INT8_PARTS)
+    checked = _int8_checked.get(id(weight))
+    if checked is not None and checked[0]() is weight and checked[1] == stamp:
+        return checked[2]
+    with torch._C.DisableTorchFunctionSubclass():
+        parts = _int8_parts(weight, held)
+    key = id(weight)
+    _int8_checked[key] = (weakref.ref(weight, lambda _, key=key: _int8_checked.pop(key, None)), stamp, parts)
+    return parts
+
+
+_INT8_PARTS = ("qdata", "scale", "zero_point", "block_size", "act_quant_kwargs", "act_pre_scale", "act_quant_scale")
+
+
+def _int8_parts(weight, held: dict) -> Optional[Int8Weight]:
+    qdata, scale = held.get("qdata"), held.get("scale")
     if not (isinstance(qdata, torch.Tensor) and isinstance(scale, torch.Tensor)):
         return None
     if qdata.dtype != torch.int8 or qdata.dim() != 2 or qdata.device.type != "cpu" or scale.dtype != torch.float32:
@@ -114,11 +136,11 @@ def int8_weight_parts(weight) -> Optional[Int8Weight]:
     rows, cols = qdata.shape
     if scale.numel() != rows or scale.shape not in ((rows,), (rows, 1)):
         return None
-    if list(getattr(weight, "block_size", ())) != [1, cols] or weight.dtype not in (torch.float32, torch.bfloat16):
+    if list(held.get("block_size", ())) != [1, cols] or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
-    if any(getattr(weight, name, None) is not None for name in ("act_quant_kwargs", "act_pre_scale", "act_quant_scale")):
+    if any(held.get(name) is not None for name in ("act_quant_kwargs", "act_pre_scale", "act_quant_scale")):
         return None
-    zero_point = getattr(weight, "zero_point", None)
+    zero_point = held.get("zero_point")
     if zero_point is not None and (not isinstance(zero_point, torch.Tensor) or zero_point.any()):
         return None
     return Int8Weight(qdata, scale.reshape(rows), weight.dtype)

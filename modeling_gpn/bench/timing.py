@@ -219,6 +219,6 @@ def one_token_step_fn(model, rows: int, vocab: int, device: str, prompt_length: 
 
     def step() -> None:
         with torch.no_grad():
-            state["cache"] = cache_of(model(input_ids=token, past_key_values=state["cache"], use_cache=True))
+            state["cache"] = cache_of(model(input_ids=token, cache=state["cache"], use_cache=True))
 
     return step
