@@ -1330,6 +1330,7 @@ class StepPlan:
             setattr(plan, name, tensor.data_ptr())
         self._plan, self._keep, self._slots, self._buffers = plan, keep, slots, buffers
         self.weights = tuple(op.weight for op in keep)  # (what the plan reads; also for the byte count)
+        self.int8 = any(op.kind == KIND_I8 for op in keep)
 
     def weight_bytes(self) -> int:
         """Bytes of the weights one step reads (every matrix once; the carried key's is read only when needed)."""
@@ -1366,6 +1367,7 @@ class StepPlan:
         else:
             memory_out, new_key, gamma = memory, p.new_empty(B, 0), None
         calls["step"] += 1
+        calls["int8 step"] += self.int8
         _library.gpn_step(
             ctypes.addressof(self._plan), p.data_ptr(), g.data_ptr(), key.data_ptr() if (self.memory and key is not None) else None,
             memory.data_ptr() if self.memory else None, u.data_ptr(), new_p.data_ptr(), new_g.data_ptr(),

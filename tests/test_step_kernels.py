@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from .conftest import perturbed_model, require_c_kernels, tiny_config
-from .paths import C_PRODUCTS, C_STEP_KERNELS, FAST_PATH, PLAIN_PATH, ran
+from .paths import C_PRODUCTS, C_STEP_KERNELS, FAST_PATH, INT8_STEPS, PLAIN_PATH, ran
 
 torchao = pytest.importorskip("torchao.quantization", reason="torchao (the test extra) quantizes the int8 models")
 
@@ -72,7 +72,7 @@ def test_int8_weights_run_the_fast_path_within_the_quantization_error(one_thread
     model = quantized(perturbed_model(tiny_config(), seed=5))
     assert model.model.fast_path_blocker() is None
     ids = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(6))
-    with ran(FAST_PATH, C_STEP_KERNELS, C_PRODUCTS, not_ran=(PLAIN_PATH,)):
+    with ran(FAST_PATH, C_STEP_KERNELS, INT8_STEPS, C_PRODUCTS, not_ran=(PLAIN_PATH,)):
         fast = decode_loop(model, ids, None)
     assert model.model.last_recurrence_backends.step == "c step kernels"
     unquantized = decode_loop(reference, ids, None)
@@ -150,3 +150,22 @@ def test_the_read_probe_reads_every_byte():
 
     buffer = torch.arange(1000, dtype=torch.float32) % 7
     assert mk.read_probe(buffer) == pytest.approx(float(buffer.sum()), rel=1e-6)
+
+
+def test_gpn_generate_runs_an_int8_model_on_the_fast_path(tmp_path, capsys, one_thread):
+    """`gpn generate --dtype int8` quantizes the loaded model (torchao int8 weight-only) and generates with it
+    on the fast path's int8 kernels (and `--dtype float32` does not)."""
+    require_c_kernels()
+    from modeling_gpn.cli import main
+    from modeling_gpn.data import train_bpe_tokenizer
+
+    tokenizer = train_bpe_tokenizer(["the cat sat on the mat. " * 20, "to be or not to be " * 20], 300)
+    tokenizer.save_pretrained(tmp_path)
+    perturbed_model(tiny_config(vocab_size=len(tokenizer)), seed=12).save_pretrained(tmp_path)
+    arguments = ["generate", str(tmp_path), "the cat", "--max-new-tokens", "4", "--device", "cpu", "--dtype"]
+    with ran(FAST_PATH, C_STEP_KERNELS, INT8_STEPS, not_ran=(PLAIN_PATH,)):
+        assert main([*arguments, "int8"]) == 0
+    with ran(FAST_PATH, C_STEP_KERNELS, not_ran=(PLAIN_PATH, INT8_STEPS)):
+        assert main([*arguments, "float32"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("the cat") and printed[2].startswith("the cat")
