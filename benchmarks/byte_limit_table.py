@@ -20,7 +20,7 @@ def main() -> None:
         (row,) = [r for r in report["rows"] if r["impl"] == "fast"]
         runs[path.stem] = (args, row)
     lengths = sorted({int(n) for _, row in runs.values() for n in row["decode_ms"]})
-    header = ["preset", "weights", "threads", "code", "limit ms (MB, GB/s)", "step ms (x limit)"]
+    header = ["preset", "weights", "threads", "code", "limit ms (MB, GB/s)", "prompt-token limit ms (MB)", "step ms (x limit)"]
     header += [f"decode ms @{n} (x)" for n in lengths] + [f"prefill tok/s @{n} (x)" for n in lengths]
     header += ["tok/s @4 rows", "tok/s @16 rows"]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
@@ -30,11 +30,13 @@ def main() -> None:
         ratio = lambda ms: f"{ms:.3f} ({ms / limit:.2f}x)" if (ms and limit) else "-"  # noqa: E731
         cells = [row["preset"], args["dtype"], str(args["threads"]), name.rsplit("-", 1)[-1]]
         cells.append(f"{limit:.3f} ({row['limit_bytes'] / 1e6:.1f}, {row['limit_bytes'] / limit / 1e6:.0f})" if limit else "-")
+        cells.append(f"{row['prefill_limit_ms']:.3f} ({row['prefill_limit_bytes'] / 1e6:.1f})" if row.get("prefill_limit_ms") else "-")
         cells.append(ratio(row.get("step_ms")))
         cells += [ratio(row["decode_ms"].get(str(n))) for n in lengths]
+        prompt_limit = row.get("prefill_limit_ms")
         for n in lengths:
             tok_s = row["prefill_tok_s"].get(str(n))
-            cells.append(f"{tok_s:,.0f} ({1e3 / tok_s / limit:.2f}x)" if (tok_s and limit) else "-")
+            cells.append(f"{tok_s:,.0f} ({1e3 / tok_s / prompt_limit:.2f}x)" if (tok_s and prompt_limit) else "-")
         cells += [f"{row['batch_tok_s'].get(str(b), 0):,.0f}" for b in (4, 16)]
         print("| " + " | ".join(cells) + " |")
 

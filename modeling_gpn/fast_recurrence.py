@@ -701,9 +701,17 @@ def _fast_recurrence(model, token_inputs, state, mask, output_memory_decays: boo
                 outputs = torch.empty(B, T, s.hidden, dtype=torch.float32, device=token_inputs.device)
                 gammas = torch.zeros(B, T, s.heads, device=token_inputs.device) if (s.memory and output_memory_decays) else None
                 key0 = _carried_key(derived, g0) if s.memory else g0.new_zeros(B, 0)
-                alternating = M0.new_empty(2, *M0.shape) if (s.memory and T > 1) else None
-                final = _run_steps(U, mask, StepState(p0, g0, key0, M0), None, s, eps, 0, T, plan.step, outputs, gammas,
-                                   memory_buffer=alternating)  # fmt: skip
+                start = StepState(p0, g0, key0, M0)
+                final = None
+                if mask is None or bool(mask.all()):  # the whole window in one C call
+                    try:
+                        final = plan.steps(U, start, outputs, gammas)
+                    except KernelRefusal:
+                        pass
+                if final is None:  # padded steps, a step at a time (padded rows keep their state)
+                    alternating = M0.new_empty(2, *M0.shape) if (s.memory and T > 1) else None
+                    final = _run_steps(U, mask, start, None, s, eps, 0, T, plan.step, outputs, gammas,
+                                       memory_buffer=alternating)  # fmt: skip
             if s.memory:
                 derived["last key"] = (final.g.clone(), final.key)
             return outputs, (final.p, final.g, final.memory), gammas

@@ -530,7 +530,7 @@ typedef struct {
     const float *neg_decay;     /* -exp(A_log) */
     gpn_slot slots[SLOTS];
     float *zfg, *key0, *Z, *part, *y_ffn, *y_read;
-    float *kq_raw, *kq, *kq_inv, *softplus, *decay_factor, *sig_beta, *error, *update, *read;
+    float *kq_raw, *kq, *kq_inv, *softplus, *decay_factor, *sig_beta, *error, *update, *read, *gamma;
 } gpn_step_plan;
 
 static inline float sigmoidf_(float x) { return 1.f / (1.f + expf(-x)); }
@@ -557,8 +557,11 @@ static void put_normed(const gpn_slot *s, i64 b, const float *x, i64 n, float in
     for (i64 j = 0; j < n; j++) put(s, b, j, x[j] * inv * w[j]);
 }
 
-void gpn_step(const gpn_step_plan *P, const float *p, const float *g, const float *key_in, const float *M,
-              const float *u, float *p_out, float *g_out, float *key_out, float *M_out, float *gamma, int threads)
+/* One step, run by every thread of the enclosing parallel region (its phases end at the work-sharing
+   loops' barriers). u's rows are u_stride floats apart; gamma's rows gamma_stride. */
+static void step_body(const gpn_step_plan *P, const float *p, const float *g, const float *key_in, const float *M,
+                      const float *u, i64 u_stride, float *p_out, float *g_out, float *key_out, float *M_out,
+                      float *gamma, i64 gamma_stride)
 {
     const i64 B = P->B, d = P->d, f = P->f, H = P->H, dk = P->dk, dv = P->dv, wz = P->width_z, wp = P->width_part;
     const float eps = (float)P->eps;
@@ -568,7 +571,6 @@ void gpn_step(const gpn_step_plan *P, const float *p, const float *g, const floa
     const i64 c_value = kw, c_beta = kw + vw, c_decay = kw + vw + H;       /* columns of Z */
     const i64 c_gate = 0, c_a = d, c_b = d + f, c_query = d + 2 * f, c_rg = d + 2 * f + kw; /* of a layer's part */
     const float *key = key_in ? key_in : P->key0;
-    #pragma omp parallel num_threads(threads)
     {
     /* ground: g = sigmoid(W_fg rms(p) + b_fg) p + u (and the key of the carried g, when not given) */
     #pragma omp for schedule(static)
@@ -580,7 +582,7 @@ void gpn_step(const gpn_step_plan *P, const float *p, const float *g, const floa
     #pragma omp for schedule(static)
     for (i64 b = 0; b < B; b++) {
         float *gr = g_out + b * d;
-        for (i64 j = 0; j < d; j++) gr[j] = sigmoidf_(P->zfg[b * d + j]) * p[b * d + j] + u[b * d + j];
+        for (i64 j = 0; j < d; j++) gr[j] = sigmoidf_(P->zfg[b * d + j]) * p[b * d + j] + u[b * u_stride + j];
         const float inv = inv_rms(gr, d, eps);
         if (P->memory) put_normed(&S[SLOT_WRITE], b, gr, d, inv, P->norms[1]);
         put_normed(&S[SLOT_GATE], b, gr, d, inv, P->norms[2]);
@@ -611,7 +613,7 @@ void gpn_step(const gpn_step_plan *P, const float *p, const float *g, const floa
                     memory_head(bh, dk, dv, key + b * kw + h * dk, part + b * ws + c_query + h * dk,
                                 zrow + c_value + h * dv, zrow[c_beta + h], zrow[c_decay + h], P->neg_decay[h],
                                 M + bh * dk * dv, M_out + bh * dk * dv, P->kq_raw, P->kq, P->kq_inv, P->softplus,
-                                gamma, P->decay_factor, P->sig_beta, P->error, P->update, P->read);
+                                P->gamma, P->decay_factor, P->sig_beta, P->error, P->update, P->read);
                 } else {  /* a layer above reads M' with its own query */
                     const float *qs = part + b * ws + c_query + h * dk;
                     float *q = P->kq + bh * 2 * dk + dk, sq = 0.f;  /* (the key-query scratch is free by now) */
@@ -653,16 +655,46 @@ void gpn_step(const gpn_step_plan *P, const float *p, const float *g, const floa
     }
     if (P->memory) {
         #pragma omp for schedule(static)
-        for (i64 b = 0; b < B; b++)
+        for (i64 b = 0; b < B; b++) {
             for (i64 j = 0; j < kw; j++) key_out[b * kw + j] = P->Z[b * wz + j];
+            if (gamma) for (i64 h = 0; h < H; h++) gamma[b * gamma_stride + h] = P->gamma[b * H + h];
+        }
     }
+    }
+}
+
+void gpn_step(const gpn_step_plan *P, const float *p, const float *g, const float *key_in, const float *M,
+              const float *u, float *p_out, float *g_out, float *key_out, float *M_out, float *gamma, int threads)
+{
+    #pragma omp parallel num_threads(threads)
+    step_body(P, p, g, key_in, M, u, P->d, p_out, g_out, key_out, M_out, gamma, P->H);
+}
+
+/* T steps of an unmasked window in one parallel region: the token inputs U (B, T, d), the predicted states
+   into P_out (B, T, d) and gamma into gammas (B, T, H) (or NULL); the state alternates between two sets of
+   buffers (p, g, key: (2, B, width); M: (2, B, H, dk, dv)), the last step's set holding the final state. */
+void gpn_steps(const gpn_step_plan *P, i64 T, const float *p0, const float *g0, const float *key0, const float *M0,
+               const float *U, float *P_out, float *gammas, float *p_buf, float *g_buf, float *key_buf, float *M_buf,
+               int threads)
+{
+    const i64 B = P->B, d = P->d, kw = P->H * P->dk, cells = P->H * P->dk * P->dv;
+    #pragma omp parallel num_threads(threads)
+    for (i64 t = 0; t < T; t++) {
+        const i64 now = t % 2, before = 1 - now;
+        step_body(P, t ? p_buf + before * B * d : p0, t ? g_buf + before * B * d : g0,
+                  t ? key_buf + before * B * kw : key0, t ? M_buf + before * B * cells : M0, U + t * d, T * d,
+                  p_buf + now * B * d, g_buf + now * B * d, key_buf + now * B * kw, M_buf + now * B * cells,
+                  gammas ? gammas + t * P->H : 0, T * P->H);
+        #pragma omp for schedule(static)
+        for (i64 b = 0; b < B; b++)
+            for (i64 j = 0; j < d; j++) P_out[(b * T + t) * d + j] = p_buf[(now * B + b) * d + j];
     }
 }
 
 """
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c99"]
-_SYMBOLS = ("gpn_memory_step", "gpn_memory_write_backward", "gpn_linear", "gpn_step", "gpn_read_probe",
+_SYMBOLS = ("gpn_memory_step", "gpn_memory_write_backward", "gpn_linear", "gpn_step", "gpn_steps", "gpn_read_probe",
             "gpn_kernel_source_digest")
 BUILD_TIMEOUT_S = 60.0  # default bound on one compiler run (`GPN_KERNEL_BUILD_TIMEOUT` overrides it)
 _lock = threading.Lock()
@@ -814,6 +846,8 @@ def _load_verified(folder: Path, key: str) -> ctypes.CDLL:
     lib.gpn_linear.restype = None
     lib.gpn_step.argtypes = [*[p] * 11, ctypes.c_int]
     lib.gpn_step.restype = None
+    lib.gpn_steps.argtypes = [p, i64, *[p] * 11, ctypes.c_int]
+    lib.gpn_steps.restype = None
     lib.gpn_read_probe.argtypes = [p, i64, ctypes.c_int]
     lib.gpn_read_probe.restype = f
     return lib
@@ -1151,7 +1185,7 @@ class _Plan(ctypes.Structure):  # gpn_step_plan
     _fields_ += [("eps", ctypes.c_double), ("segs", _ptr), ("tasks", _ptr), ("phases", _ptr), ("norms", _ptr),
                  ("neg_decay", _ptr), ("slots", _Slot * len(_SLOT_NAMES))]  # fmt: skip
     _fields_ += [(name, _ptr) for name in ("zfg", "key0", "Z", "part", "y_ffn", "y_read", "kq_raw", "kq", "kq_inv",
-                                           "softplus", "decay_factor", "sig_beta", "error", "update", "read")]  # fmt: skip
+                                           "softplus", "decay_factor", "sig_beta", "error", "update", "read", "gamma")]  # fmt: skip
 
 
 class Operand(NamedTuple):
@@ -1266,7 +1300,8 @@ class StepPlan:
                    "part": zeros(B, width_part), "y_ffn": zeros(B, d), "y_read": zeros(B, d),
                    "kq_raw": zeros(B * H, 2, dk), "kq": zeros(B * H, 2, dk), "kq_inv": zeros(B * H, 2),
                    "softplus": zeros(B * H), "decay_factor": zeros(B * H), "sig_beta": zeros(B * H),
-                   "error": zeros(B * H, dv), "update": zeros(B * H, dv), "read": zeros(B, max(vw, 1))}  # fmt: skip
+                   "error": zeros(B * H, dv), "update": zeros(B * H, dv), "read": zeros(B, max(vw, 1)),
+                   "gamma": zeros(max(B * H, 1))}  # fmt: skip
         segments, phases = [], []
 
         def phase(*parts) -> None:  # parts: (operand, slot name, output buffer name or tensor, column)
@@ -1381,6 +1416,42 @@ class StepPlan:
             key = self._buffers["key0"][:, : H * dk].clone()
         old = StepState(p, g, key if key is not None else new_key, memory)
         return keep_padded_rows(new, old, real, None, self.memory), gamma
+
+
+    def steps(self, U: torch.Tensor, state: StepState, outputs: torch.Tensor, gammas: Optional[torch.Tensor]) -> StepState:
+        """T unmasked steps in one C call (`gpn_steps`): the token inputs U (B, T, d), the predicted states into
+        `outputs` (B, T, d) and gamma into `gammas` (B, T, H) when given; returns the final state (fresh
+        tensors). `state.key` may be None (the first step computes the key of `state.g`)."""
+        d, f, H, dk, dv, L = self.sizes
+        B, T = self.rows, U.shape[1]
+        p, g, key, memory = state
+        _check(U, "U", shape=(B, T, d), contiguous=True)
+        _check(outputs, "outputs", shape=(B, T, d), contiguous=True)
+        for name, tensor in (("p", p), ("g", g)):
+            _check(tensor, name, shape=(B, d), contiguous=True)
+        kw = H * dk if self.memory else 0
+        if self.memory:
+            if key is not None:
+                _check(key, "key", shape=(B, kw), contiguous=True)
+            _check(memory, "memory", shape=(B, H, dk, dv), contiguous=True)
+        if gammas is not None:
+            _check(gammas, "gammas", shape=(B, T, H), contiguous=True)
+        p_buf, g_buf = p.new_empty(2, B, d), p.new_empty(2, B, d)
+        key_buf = p.new_empty(2, B, max(kw, 1))
+        memory_buf = memory.new_empty(2, *memory.shape) if self.memory else p.new_empty(2, 1)
+        _check_apart(outputs, "outputs", {"U": U, "p": p, "g": g, "memory": memory})
+        calls["step"] += T
+        calls["int8 step"] += T * self.int8
+        pointer = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
+        _library.gpn_steps(
+            ctypes.addressof(self._plan), T, p.data_ptr(), g.data_ptr(), pointer(key) if self.memory else None,
+            memory.data_ptr() if self.memory else None, U.data_ptr(), outputs.data_ptr(), pointer(gammas),
+            p_buf.data_ptr(), g_buf.data_ptr(), key_buf.data_ptr(), memory_buf.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        last = (T - 1) % 2
+        if not self.memory:
+            return StepState(p_buf[last], g_buf[last], key if key is not None else p.new_empty(B, 0), memory)
+        return StepState(p_buf[last], g_buf[last], key_buf[last], memory_buf[last])
 
 
 _task_cache: dict = {}

@@ -53,13 +53,15 @@ def test_the_step_kernels_compute_the_plain_loop(one_thread, dtype, rows, padded
         mask = torch.ones(rows, 7, dtype=torch.long)
         mask[1, :3] = 0
         mask[2, :1] = 0
-    with ran(FAST_PATH, C_STEP_KERNELS, C_PRODUCTS, not_ran=(PLAIN_PATH,)):
-        fast = decode_loop(model, ids, mask)
+    decays = lambda: model.model(ids, attention_mask=mask, output_memory_decays=True).memory_decays  # noqa: E731
+    with torch.no_grad(), ran(FAST_PATH, C_STEP_KERNELS, C_PRODUCTS, not_ran=(PLAIN_PATH,)):
+        fast, fast_decays = decode_loop(model, ids, mask), decays()
     model.model.use_fast_path = False
-    with ran(PLAIN_PATH, not_ran=(FAST_PATH, C_STEP_KERNELS, C_PRODUCTS)):
-        plain = decode_loop(model, ids, mask)
+    with torch.no_grad(), ran(PLAIN_PATH, not_ran=(FAST_PATH, C_STEP_KERNELS, C_PRODUCTS)):
+        plain, plain_decays = decode_loop(model, ids, mask), decays()
     low = dtype == torch.bfloat16
     assert (log_probs(fast) - log_probs(plain)).abs().max() < (2e-2 if low else 1e-4)
+    torch.testing.assert_close(fast_decays, plain_decays, atol=1e-3 if low else 1e-5, rtol=1e-2 if low else 1e-5)
 
 
 def test_int8_weights_run_the_fast_path_within_the_quantization_error(one_thread):

@@ -16,7 +16,7 @@ Modules: `command` (arguments, run), `models` (what is measured), `measure` (one
 """
 
 from .command import IMPLEMENTATIONS, LIMIT_HELP, add_arguments, run
-from .limit import ReadProbe, step_bytes, tensor_bytes
+from .limit import ReadProbe, prefill_bytes, step_bytes, tensor_bytes
 from .measure import Row, measure
 from .models import DTYPES, build_gpn, count_params, forward_flops_per_token, matched_llama, quantize_int8, weight_dtype
 from .report import fmt, print_limits, print_ratios, print_table
@@ -40,5 +40,5 @@ __all__ = [
     "add_arguments", "build_gpn", "cache_nbytes", "count_params", "fmt", "forward_flops_per_token",
     "generate_timings", "matched_llama", "measure", "memory_kernels_state", "one_token_step_fn", "print_limits",
     "print_ratios", "print_table", "quantize_int8", "release_reused_buffers", "run", "self_checks_state",
-    "step_bytes", "synchronize", "tensor_bytes", "timed_alternating", "train_step_fn", "weight_dtype",
+    "prefill_bytes", "step_bytes", "synchronize", "tensor_bytes", "timed_alternating", "train_step_fn", "weight_dtype",
 ]  # fmt: skip

@@ -22,9 +22,10 @@ its state, and nothing grows with the context, so its time per token cannot go b
 machine's read bandwidth. The bench measures that bandwidth in the same run, reading as many bytes as the
 step (so from L3 when the weights fit it, else from DRAM), alternated with the step's own timings:
 "limit ms" is that read's median time; "step ms" the model's one-token step (a forward of one token with
-its cache, batch 1); "step / limit", "prefill / limit @N" (seconds per prompt token over the limit) and
-"decode / limit @N" (generate()'s ms per new token over it) are the ratios: 1.00x is a step that costs its
-bytes and nothing else. The lines after the table say each limit's bytes and bandwidth, and how much of
+its cache, batch 1); "step / limit" and "decode / limit @N" (generate()'s ms per new token) are ratios to
+it. A prompt token reads less (the recurrence's weights: the token-side projection runs for the whole
+prompt beforehand, and only the last position is decoded), so "prefill / limit @N" (seconds per prompt
+token) is a ratio to a second read of those bytes. 1.00x is a step that costs its bytes and nothing else. The lines after the table say each limit's bytes and bandwidth, and how much of
 generate()'s time per token lies beyond the model's step."""
 
 

@@ -3,7 +3,9 @@ at, measured in the same run.
 
 A GPN reads each weight once per token (the tied embedding as the output matrix: every row) and its state
 (p, g, M read, M' written); nothing grows with the context. `step_bytes` counts those bytes (an int8
-weight as its int8 data and scales). The bandwidth is that of reading a buffer of the same size: a step
+weight as its int8 data and scales). A prompt token reads less (`prefill_bytes`): the recurrence's weights
+only, since the token-side projection runs for the whole prompt at once and only the last position is
+decoded. The bandwidth is that of reading a buffer of the same size: a step
 whose weights fit the L3 cache streams from it, a larger one from DRAM, so the probe reads as many bytes
 as the step, timed alternately with the step (`ReadProbe`). limit = time of that read; a figure's ratio to
 the limit is its time per token over the probe's time (1.0: the step costs its bytes and nothing else).
@@ -28,6 +30,21 @@ def step_bytes(model, rows: int = 1) -> int:
     weights are shared by the rows), and per row the state (p and g read, M read and M' written)."""
     config = model.config
     weights = sum(tensor_bytes(p) for p in model.parameters())
+    cells = config.memory_cells if config.use_memory else 0
+    return weights + rows * 4 * (2 * config.hidden_size + 2 * cells)
+
+
+# parameters a prompt token does not read in the recurrence: the token side (its projection runs for every
+# prompt position at once, before the steps) and the decoder (a prefill decodes only the last position)
+_NOT_IN_THE_RECURRENCE = ("embed_tokens.", "fuse_norm.", "fuse_proj.", "decode_norm.", "decode_proj.", "lm_head.")
+
+
+def prefill_bytes(model, rows: int = 1) -> int:
+    """Bytes one prompt token's step reads at `rows` batch rows: the recurrence's weights once (not the
+    token side, projected for the whole prompt beforehand, nor the decoder) and the state per row."""
+    config = model.config
+    core = getattr(model, "model", model)
+    weights = sum(tensor_bytes(p) for name, p in core.named_parameters() if not name.startswith(_NOT_IN_THE_RECURRENCE))
     cells = config.memory_cells if config.use_memory else 0
     return weights + rows * 4 * (2 * config.hidden_size + 2 * cells)
 

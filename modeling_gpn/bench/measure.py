@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .limit import ReadProbe, step_bytes
+from .limit import ReadProbe, prefill_bytes, step_bytes
 from .models import count_params, forward_flops_per_token
 from .timing import (
     BackendProbe,
@@ -42,15 +42,18 @@ class Row:
     limit_bytes: int | None = None
     limit_ms: float | None = None  # the time of reading `limit_bytes` (`limit.ReadProbe`), same repeats
     limit_probe: str | None = None
+    prefill_limit_bytes: int | None = None  # a prompt token's bytes (`limit.prefill_bytes`) and their read time
+    prefill_limit_ms: float | None = None
     batch_tok_s: dict = field(default_factory=dict)  # one-token steps at B rows: B / step time
     # what each timing of the fast path actually ran on ("train", "forward", "decode": `BackendProbe`)
     backend: dict = field(default_factory=dict)
 
-    def limit_ratio(self, seconds_per_token: float | None) -> float | None:
-        """A time per token over the byte limit's (1.0: at the limit)."""
-        if seconds_per_token is None or not self.limit_ms:
+    def limit_ratio(self, seconds_per_token: float | None, prefill: bool = False) -> float | None:
+        """A time per token over the byte limit's (1.0: at the limit); `prefill`: a prompt token's limit."""
+        limit = self.prefill_limit_ms if prefill else self.limit_ms
+        if seconds_per_token is None or not limit:
             return None
-        return 1e3 * seconds_per_token / self.limit_ms
+        return 1e3 * seconds_per_token / limit
 
 
 def measure(models: dict, preset: str, args) -> list[Row]:
@@ -124,10 +127,10 @@ def _measure_steps(models: dict, rows: dict, vocab: int, args) -> None:
     gpn = next((model for kind, model in models.items() if kind != "llama"), None)
     for batch in sorted({1, *args.decode_batches}) if args.decode_batches else []:
         fns = {kind: one_token_step_fn(model, batch, vocab, device) for kind, model in models.items()}
-        probe = None
+        probe = prompt_probe = None
         if gpn is not None and batch == 1:
-            probe = ReadProbe(step_bytes(gpn, batch))
-            fns["limit"] = probe
+            probe, prompt_probe = ReadProbe(step_bytes(gpn, batch)), ReadProbe(prefill_bytes(gpn, batch))
+            fns["limit"], fns["prefill limit"] = probe, prompt_probe
         with BackendProbe() as backend:
             timed = timed_alternating(fns, device, args.repeats * STEP_REPEATS)
         if "fast" in rows:
@@ -140,6 +143,8 @@ def _measure_steps(models: dict, rows: dict, vocab: int, args) -> None:
             for kind in models:
                 if kind != "llama":
                     rows[kind].limit_bytes, rows[kind].limit_ms = probe.nbytes, 1e3 * timed["limit"]
+                    rows[kind].prefill_limit_bytes = prompt_probe.nbytes
+                    rows[kind].prefill_limit_ms = 1e3 * timed["prefill limit"]
                     rows[kind].limit_probe = probe.kind
 
 
