@@ -5,16 +5,17 @@
 # the C step kernels. Then `python benchmarks/byte_limit_table.py OUT_DIR` prints the table.
 # Usage: bash benchmarks/byte_limit.sh [OUT_DIR] [PROMPT_LENGTHS...]   (default 2048 16384; run nothing else
 # meanwhile: on 2 quiet cores about 2 hours, most of it the 16,384-token prefills of the 130M model before)
+# PRESETS, DTYPES, THREADS and CODES (environment) narrow the matrix, e.g. PRESETS=small THREADS=1.
 set -euo pipefail
 out=${1:-byte-limit-out}
 shift || true
 lengths=${*:-2048 16384}
 mkdir -p "$out"
-for threads in 1 2; do
-  for dtype in float32 bfloat16 int8; do
-    for preset in small gpn-m-1l-130m; do
+for threads in ${THREADS:-1 2}; do
+  for dtype in ${DTYPES:-float32 bfloat16 int8}; do
+    for preset in ${PRESETS:-small gpn-m-1l-130m}; do
       repeats=3; [ "$preset" = gpn-m-1l-130m ] && repeats=2
-      for code in before after; do
+      for code in ${CODES:-before after}; do
         setting=1; [ "$code" = before ] && setting=0
         name="$preset-$dtype-t$threads-$code"
         echo "== $name"
