@@ -28,7 +28,7 @@ PATHS = {"step kernels": "1", "torch ops (before)": "0"}
 
 
 def group_of(filename: str, name: str) -> str:
-    if "memory_kernels" in filename and name in ("step", "linear_rows", "module_rows", "_rows_product"):
+    if "memory_kernels" in filename and name in ("step", "steps", "linear_rows", "module_rows", "_rows_product"):
         return "C kernels (and their Python entry)"
     if filename == "~" or "torch/" in filename and "nn/modules" not in filename:
         return "torch ops"
