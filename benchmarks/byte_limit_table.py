@@ -32,10 +32,13 @@ def main() -> None:
         cells.append(f"{limit:.3f} ({row['limit_bytes'] / 1e6:.1f}, {row['limit_bytes'] / limit / 1e6:.0f})" if limit else "-")
         cells.append(f"{row['prefill_limit_ms']:.3f} ({row['prefill_limit_bytes'] / 1e6:.1f})" if row.get("prefill_limit_ms") else "-")
         cells.append(ratio(row.get("step_ms")))
-        cells += [ratio(row["decode_ms"].get(str(n))) for n in lengths]
-        prompt_limit = row.get("prefill_limit_ms")
         for n in lengths:
+            at = row.get("limit_ms_at", {}).get(str(n)) or limit
+            ms = row["decode_ms"].get(str(n))
+            cells.append(f"{ms:.3f} ({ms / at:.2f}x)" if (ms and at) else "-")
+        for n in lengths:  # (the prompt token's limit read beside that length's generate() calls)
             tok_s = row["prefill_tok_s"].get(str(n))
+            prompt_limit = row.get("prefill_limit_ms_at", {}).get(str(n)) or row.get("prefill_limit_ms")
             cells.append(f"{tok_s:,.0f} ({1e3 / tok_s / prompt_limit:.2f}x)" if (tok_s and prompt_limit) else "-")
         cells += [f"{row['batch_tok_s'].get(str(b), 0):,.0f}" for b in (4, 16)]
         print("| " + " | ".join(cells) + " |")

@@ -44,13 +44,18 @@ class Row:
     limit_probe: str | None = None
     prefill_limit_bytes: int | None = None  # a prompt token's bytes (`limit.prefill_bytes`) and their read time
     prefill_limit_ms: float | None = None
+    limit_ms_at: dict = field(default_factory=dict)  # the two limits again, read between generate()'s calls
+    prefill_limit_ms_at: dict = field(default_factory=dict)  # at each prompt length (what its ratios use)
     batch_tok_s: dict = field(default_factory=dict)  # one-token steps at B rows: B / step time
     # what each timing of the fast path actually ran on ("train", "forward", "decode": `BackendProbe`)
     backend: dict = field(default_factory=dict)
 
-    def limit_ratio(self, seconds_per_token: float | None, prefill: bool = False) -> float | None:
-        """A time per token over the byte limit's (1.0: at the limit); `prefill`: a prompt token's limit."""
+    def limit_ratio(self, seconds_per_token: float | None, prefill: bool = False, length: int | None = None) -> float | None:
+        """A time per token over the byte limit's (1.0: at the limit); `prefill`: a prompt token's limit;
+        `length`: the limit read beside generate() at that prompt length (else the one beside the steps)."""
         limit = self.prefill_limit_ms if prefill else self.limit_ms
+        at = (self.prefill_limit_ms_at if prefill else self.limit_ms_at).get(length)
+        limit = at or limit
         if seconds_per_token is None or not limit:
             return None
         return 1e3 * seconds_per_token / limit
@@ -149,12 +154,18 @@ def _measure_steps(models: dict, rows: dict, vocab: int, args) -> None:
 
 
 def _measure_generate(models: dict, rows: dict, vocab: int, generator, args) -> None:
+    """Prefill and decode through generate() at each prompt length; the limits' reads (a step's bytes, a
+    prompt token's) are timed between the generate() calls of every repeat, so each length's ratios are
+    to a bandwidth measured in the same spell of the machine (`Row.limit_ms_at`, `prefill_limit_ms_at`)."""
     device, repeats = args.device, args.repeats
     decoders = {kind: model for kind, model in models.items() if not (kind == "plain" and args.skip_plain_decode)}
+    gpn = next((model for kind, model in decoders.items() if kind != "llama"), None)
+    probes = {"limit": ReadProbe(step_bytes(gpn)), "prefill limit": ReadProbe(prefill_bytes(gpn))} if gpn is not None else {}
     for length in args.decode_prompt_lengths:
         prompt = torch.randint(1, vocab, (1, length), generator=generator).to(device)
         prefill = {kind: [] for kind in decoders}
         gaps = {kind: [] for kind in decoders}
+        reads = {name: [] for name in probes}
         for kind, model in decoders.items():
             rows[kind].cache_bytes[length] = generate_timings(model, prompt, args)[2]  # (and a warm-up)
         with BackendProbe() as probe:
@@ -163,10 +174,15 @@ def _measure_generate(models: dict, rows: dict, vocab: int, generator, args) -> 
                     first, later, _ = generate_timings(model, prompt, args)
                     prefill[kind].append(first)
                     gaps[kind] += later
+                for name, read in probes.items():
+                    reads[name] += list(timed_alternating({name: read}, device, STEP_REPEATS, warm_up=False).values())
         if "fast" in decoders:
             rows["fast"].backend[f"prefill and decode @{length}"] = probe.text
         for kind in decoders:
             rows[kind].prefill_tok_s[length] = length / statistics.median(prefill[kind])
             rows[kind].decode_ms[length] = 1e3 * statistics.median(gaps[kind])
+            if kind != "llama" and probes:
+                rows[kind].limit_ms_at[length] = 1e3 * statistics.median(reads["limit"])
+                rows[kind].prefill_limit_ms_at[length] = 1e3 * statistics.median(reads["prefill limit"])
 
 

@@ -38,11 +38,11 @@ def _columns(args) -> list[tuple[str, callable]]:
     for n in lengths:
         columns.append((f"prefill tok/s @{n}", lambda r, n=n: fmt(r.prefill_tok_s.get(n))))
         columns.append((f"prefill / limit @{n}", lambda r, n=n: fmt(
-            r.limit_ratio(1 / r.prefill_tok_s[n], prefill=True) if n in r.prefill_tok_s else None, "ratio")))  # fmt: skip
+            r.limit_ratio(1 / r.prefill_tok_s[n], prefill=True, length=n) if n in r.prefill_tok_s else None, "ratio")))  # fmt: skip
     for n in lengths:
         columns.append((f"decode ms @{n}", lambda r, n=n: fmt(r.decode_ms.get(n))))
         columns.append((f"decode / limit @{n}", lambda r, n=n: fmt(
-            r.limit_ratio(r.decode_ms[n] / 1e3) if n in r.decode_ms else None, "ratio")))  # fmt: skip
+            r.limit_ratio(r.decode_ms[n] / 1e3, length=n) if n in r.decode_ms else None, "ratio")))  # fmt: skip
     for n in lengths:
         columns.append((f"cache @{n}", lambda r, n=n: fmt(r.cache_bytes.get(n), "bytes")))
     return columns
@@ -91,7 +91,7 @@ def print_ratios(rows: list[Row], args) -> None:
             for n in args.decode_prompt_lengths:
                 if n in fast.decode_ms:
                     print(f"  @{n}: generate() decode {fast.decode_ms[n]:.3f} ms/token, of which beyond the model's step "
-                          f"{fast.decode_ms[n] - fast.step_ms:+.3f} ms; prefill {fast.limit_ratio(1 / fast.prefill_tok_s[n], prefill=True):.2f}x "
+                          f"{fast.decode_ms[n] - fast.step_ms:+.3f} ms; prefill {fast.limit_ratio(1 / fast.prefill_tok_s[n], prefill=True, length=n):.2f}x "
                           f"its limit per token (target <= 1.5)")  # fmt: skip
         if fast.decode_ms:
             lo, hi = min(fast.decode_ms), max(fast.decode_ms)
