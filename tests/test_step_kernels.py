@@ -64,6 +64,20 @@ def test_the_step_kernels_compute_the_plain_loop(one_thread, dtype, rows, padded
     torch.testing.assert_close(fast_decays, plain_decays, atol=1e-3 if low else 1e-5, rtol=1e-2 if low else 1e-5)
 
 
+@pytest.mark.parametrize("variant", [dict(use_memory=False, num_predict_layers=2), dict(use_decoder_bias=True)],
+                         ids=["gpn-without-memory-2-layers", "decoder-bias"])  # fmt: skip
+def test_the_step_kernels_take_every_variant(one_thread, variant):
+    """GPN without memory (no write, no reads: the kernels' other branch) and the decoder bias (a biased
+    decoder projection on the few-row products) = the plain loop."""
+    require_c_kernels()
+    model = perturbed_model(tiny_config(**variant), seed=13)
+    ids = torch.randint(1, 97, (2, 6), generator=torch.Generator().manual_seed(14))
+    with ran(FAST_PATH, C_STEP_KERNELS, C_PRODUCTS, not_ran=(PLAIN_PATH,)):
+        fast = decode_loop(model, ids, None)
+    model.model.use_fast_path = False
+    assert (log_probs(fast) - log_probs(decode_loop(model, ids, None))).abs().max() < 1e-4
+
+
 def test_int8_weights_run_the_fast_path_within_the_quantization_error(one_thread):
     """A torchao int8 weight-only model runs the fast path (its step on the C kernels: nothing dequantized,
     no plain loop), = the plain loop of the same quantized model, and within the quantization's own error
