@@ -7,7 +7,8 @@ The layers (each file imports only those below it; see `recurrence_step` for the
     fast_recurrence.py   this file: the dispatcher (the model imports only it and `chunked_loss`)
     cuda_graphs.py       windows of steps replayed as CUDA graphs (handed Triton's steps from here)
     triton_kernels.py    a whole step forward and backward in Triton kernels (GPU; kernels in triton_jit.py)
-    memory_kernels.py    the memory half of a step and its gradient in C kernels (CPU)
+    memory_kernels.py    the memory half of a step and its gradient in C kernels (CPU); the whole no-grad step
+                         of a few rows in one C call (`StepPlan`)
     recurrence_step.py   folded weights and one step forward and backward in torch ops: the reference
 Beside them, `derived_weights.py` says how long weights derived from the parameters may live: one forward
 or one generate() call (the model opens that scope; this file reads it for the folded weights and graphs).
@@ -33,6 +34,12 @@ What makes it fast (see the speed issue and `GPN.md`):
   once per step instead of once per torch op (small preset, batch 8, 2 threads: the backward's memory part
   0.59 -> 0.23 ms per step). The torch ops stay as the path under torch.compile, without a C compiler,
   and with GPN_MEMORY_KERNELS=0; tests run both.
+- **The whole step in C at a small batch (CPU, no autograd).** A window of up to `MAX_STEP_ROWS` rows
+  (decoding, a prompt's prefill) runs each step, or all of an unmasked window's steps, in one C call on the
+  modules' own weights (fp32, bf16, torchao int8 weight-only; `memory_kernels.StepPlan`, backend `C_STEP`):
+  the products stream every weight once at close to the machine's read bandwidth, which torch's
+  matrix-vector products here reach a third of; the decoder and token projections and the logits of a few
+  rows use the same products (`fast_project`, `output_logits`). GPN_STEP_KERNELS=0 turns them off.
 - **Triton kernels (GPU)** (`triton_kernels.py`): the whole step's elementwise work and its memory half
   fused between the matmuls, forward and backward; and opt-in CUDA graphs (`cuda_graphs.py`).
 - **Memory-bounded BPTT.** The forward pass keeps the state (p, g, key, M) only at segment boundaries

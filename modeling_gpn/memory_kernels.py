@@ -1,5 +1,7 @@
-"""Fused CPU kernels for the memory half of a step and its gradient (optional: the torch ops in
-`recurrence_step` compute the same and are the reference the tests compare against).
+"""Fused CPU kernels: the memory half of a step and its gradient, and the whole no-grad step of 1-16 rows
+with the few-row products around it (`StepPlan`, `linear_rows`, `module_rows`; see the section "the step at
+a small batch" below). Optional: the torch ops in `recurrence_step` compute the same and are the reference
+the tests compare against.
 
 Why: a step touches the memory M (B*H heads of dk x dv floats, 1.5 MB for the small preset at batch 8)
 in many separate torch ops, each one a pass over all heads: five passes in the forward step and twelve in

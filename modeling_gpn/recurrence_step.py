@@ -5,7 +5,8 @@ The fast path in layers (each file imports only the files below it; no backend i
     fast_recurrence.py   the dispatcher: chooses the backends once per window, from its inputs, and runs it
     cuda_graphs.py       backend: windows of steps replayed as CUDA graphs (it is handed the step it replays)
     triton_kernels.py    backend: a whole step forward and backward in Triton kernels (GPU; `triton_jit.py`)
-    memory_kernels.py    backend: the memory half of a step and its gradient in C kernels (CPU)
+    memory_kernels.py    backend: the memory half of a step and its gradient in C kernels (CPU), and a whole
+                         no-grad step of a few rows (`StepPlan`: this file's contract, on the modules' weights)
     recurrence_step.py   this file: folded weights, the step forward (`_step`) and backward (`_step_backward`)
 The chunked loss (`chunked_loss.py`) sits beside them; the model imports only it and the dispatcher.
 
