@@ -13,6 +13,8 @@ the limit is its time per token over the probe's time (1.0: the step costs its b
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 
@@ -64,3 +66,15 @@ class ReadProbe:
 
     def __call__(self) -> None:
         self._read()
+
+    def seconds(self, reads: int) -> list[float]:
+        """`reads` timed reads, each after an untimed one: the bytes then sit where a decode loop's weights
+        sit between its tokens (in L3 when they fit it, else in DRAM), not where whatever ran before left
+        them."""
+        times = []
+        for _ in range(reads):
+            self._read()
+            start = time.perf_counter()
+            self._read()
+            times.append(time.perf_counter() - start)
+        return times

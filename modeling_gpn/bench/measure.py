@@ -5,6 +5,7 @@ several batch sizes, prefill and decode through `generate()`, every timing alter
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +18,7 @@ from .timing import (
     generate_timings,
     one_token_step_fn,
     release_reused_buffers,
+    synchronize,
     timed_alternating,
     train_step_fn,
 )
@@ -132,25 +134,45 @@ def _measure_steps(models: dict, rows: dict, vocab: int, args) -> None:
     gpn = next((model for kind, model in models.items() if kind != "llama"), None)
     for batch in sorted({1, *args.decode_batches}) if args.decode_batches else []:
         fns = {kind: one_token_step_fn(model, batch, vocab, device) for kind, model in models.items()}
-        probe = prompt_probe = None
+        probes = {}
         if gpn is not None and batch == 1:
             probe, prompt_probe = ReadProbe(step_bytes(gpn, batch)), ReadProbe(prefill_bytes(gpn, batch))
-            fns["limit"], fns["prefill limit"] = probe, prompt_probe
+            probes = {"limit": probe, "prefill limit": prompt_probe}
         with BackendProbe() as backend:
-            timed = timed_alternating(fns, device, args.repeats * STEP_REPEATS)
+            timed = _steps_and_reads(fns, probes, device, args.repeats)
         if "fast" in rows:
             rows["fast"].backend[f"step @{batch} rows"] = backend.text
         for kind in models:
             rows[kind].batch_tok_s[batch] = batch / timed[kind]
             if batch == 1:
                 rows[kind].step_ms = 1e3 * timed[kind]
-        if probe is not None:
+        if probes:
             for kind in models:
                 if kind != "llama":
                     rows[kind].limit_bytes, rows[kind].limit_ms = probe.nbytes, 1e3 * timed["limit"]
                     rows[kind].prefill_limit_bytes = prompt_probe.nbytes
                     rows[kind].prefill_limit_ms = 1e3 * timed["prefill limit"]
                     rows[kind].limit_probe = probe.kind
+
+
+def _steps_and_reads(fns: dict, probes: dict, device: str, repeats: int) -> dict:
+    """Median seconds of each step function and of each limit's read, in turn inside every repeat: a step
+    function runs once untimed (its weights back where a decode loop keeps them, after the others ran),
+    then `STEP_REPEATS` timed calls in a row; a read as `ReadProbe.seconds` times it."""
+    times = {name: [] for name in (*fns, *probes)}
+    for fn in fns.values():
+        fn()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            fn()
+            for _ in range(STEP_REPEATS):
+                start = time.perf_counter()
+                fn()
+                synchronize(device)
+                times[name].append(time.perf_counter() - start)
+        for name, probe in probes.items():
+            times[name] += probe.seconds(STEP_REPEATS)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def _measure_generate(models: dict, rows: dict, vocab: int, generator, args) -> None:
@@ -175,7 +197,7 @@ def _measure_generate(models: dict, rows: dict, vocab: int, generator, args) -> 
                     prefill[kind].append(first)
                     gaps[kind] += later
                 for name, read in probes.items():
-                    reads[name] += list(timed_alternating({name: read}, device, STEP_REPEATS, warm_up=False).values())
+                    reads[name] += read.seconds(STEP_REPEATS)
         if "fast" in decoders:
             rows["fast"].backend[f"prefill and decode @{length}"] = probe.text
         for kind in decoders:
