@@ -33,8 +33,44 @@ import torch
 def parameters_key(model: torch.nn.Module) -> tuple:
     """Each parameter's storage, version (bumped by every in-place update through the parameter itself, an
     optimizer step's too), dtype and device: a guard inside a scope, never a reason to reuse across scopes
-    (writes through `.data` change none of it)."""
-    return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in model.parameters())
+    (writes through `.data` change none of it). A tensor subclass without storage of its own (a torchao
+    quantized weight) is keyed by the tensors it holds (`__tensor_flatten__`), whose storage and versions
+    change when it is requantized or edited in place."""
+    return tuple(_tensor_key(p) for p in _parameters(model))
+
+
+def _parameters(model: torch.nn.Module) -> list:
+    """`list(model.parameters())`: the same parameters in the same order, each once, from a direct walk over
+    the modules' own dicts (this runs before every decoded token; the generator layers of `parameters()`
+    cost more than the keys themselves)."""
+    seen_modules, seen, found = set(), set(), []
+    pending = [model]
+    while pending:
+        module = pending.pop()
+        if id(module) in seen_modules:
+            continue
+        seen_modules.add(id(module))
+        for parameter in module._parameters.values():
+            if parameter is not None and id(parameter) not in seen:
+                seen.add(id(parameter))
+                found.append(parameter)
+        pending.extend(child for child in reversed(module._modules.values()) if child is not None)
+    return found
+
+
+_PLAIN = (torch.nn.Parameter, torch.Tensor)
+
+
+def _tensor_key(tensor: torch.Tensor) -> tuple:
+    kind = type(tensor)
+    if kind in _PLAIN:
+        return tensor.data_ptr(), tensor._version, tensor.dtype, tensor.device
+    flatten = getattr(kind, "__tensor_flatten__", None)
+    if flatten is None:
+        return tensor.data_ptr(), tensor._version, tensor.dtype, tensor.device
+    with torch._C.DisableTorchFunctionSubclass():  # (its attributes without the subclass's dispatch)
+        inner = flatten(tensor)[0]
+        return (kind, tensor.dtype, tensor.device, *(_tensor_key(tensor.__dict__[name]) for name in inner))
 
 
 class DerivedWeights:

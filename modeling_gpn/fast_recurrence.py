@@ -7,7 +7,8 @@ The layers (each file imports only those below it; see `recurrence_step` for the
     fast_recurrence.py   this file: the dispatcher (the model imports only it and `chunked_loss`)
     cuda_graphs.py       windows of steps replayed as CUDA graphs (handed Triton's steps from here)
     triton_kernels.py    a whole step forward and backward in Triton kernels (GPU; kernels in triton_jit.py)
-    memory_kernels.py    the memory half of a step and its gradient in C kernels (CPU)
+    memory_kernels.py    the memory half of a step and its gradient in C kernels (CPU); the whole no-grad step
+                         of a few rows in one C call (`StepPlan`)
     recurrence_step.py   folded weights and one step forward and backward in torch ops: the reference
 Beside them, `derived_weights.py` says how long weights derived from the parameters may live: one forward
 or one generate() call (the model opens that scope; this file reads it for the folded weights and graphs).
@@ -33,6 +34,12 @@ What makes it fast (see the speed issue and `GPN.md`):
   once per step instead of once per torch op (small preset, batch 8, 2 threads: the backward's memory part
   0.59 -> 0.23 ms per step). The torch ops stay as the path under torch.compile, without a C compiler,
   and with GPN_MEMORY_KERNELS=0; tests run both.
+- **The whole step in C at a small batch (CPU, no autograd).** A window of up to `MAX_STEP_ROWS` rows
+  (decoding, a prompt's prefill) runs each step, or all of an unmasked window's steps, in one C call on the
+  modules' own weights (fp32, bf16, torchao int8 weight-only; `memory_kernels.StepPlan`, backend `C_STEP`):
+  the products stream every weight once at close to the machine's read bandwidth, which torch's
+  matrix-vector products here reach a third of; the decoder and token projections and the logits of a few
+  rows use the same products (`fast_project`, `output_logits`). GPN_STEP_KERNELS=0 turns them off.
 - **Triton kernels (GPU)** (`triton_kernels.py`): the whole step's elementwise work and its memory half
   fused between the matmuls, forward and backward; and opt-in CUDA graphs (`cuda_graphs.py`).
 - **Memory-bounded BPTT.** The forward pass keeps the state (p, g, key, M) only at segment boundaries
@@ -59,16 +66,26 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import weakref
 from typing import Callable, NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 
 from .cuda_graphs import GraphKernels, training_sweep
 from .cuda_graphs import asked as graphs_asked
 from .cuda_graphs import window_forward as graph_window_forward
 from .derived_weights import derived_weights_of
-from .memory_kernels import KernelRefusal, memory_step, memory_write_backward
+from .memory_kernels import (
+    MAX_STEP_ROWS,
+    KernelRefusal,
+    StepPlan,
+    linear_rows,
+    memory_step,
+    memory_write_backward,
+    module_rows,
+)
 from .memory_kernels import usable as memory_kernels_usable
 from .recurrence_step import (
     TORCH_MEMORY_OPS,
@@ -92,6 +109,7 @@ from .recurrence_step import (
     first_key_gradient,
     fold_weights,
     in_matmul_dtype,
+    int8_weight_parts,
     key_from_grounded,
     shapes_of,
     transpose_weights,
@@ -118,6 +136,7 @@ from .triton_kernels import usable_steps as triton_usable_steps
 # --------------------------------------------------------------------------------------------------
 
 TRITON, C_KERNELS, TORCH_OPS = "triton", "c kernels", "torch ops"
+C_STEP = "c step kernels"  # the whole no-grad step of a small batch in one C call (`memory_kernels.StepPlan`)
 INFERENCE_GRAPHS, TRAINING_GRAPHS = "inference", "training"
 
 
@@ -125,7 +144,8 @@ class Backends(NamedTuple):
     """Which backend runs each part of one window, as `choose_backends` chose it; the last eager window's is
     `model.model.last_recurrence_backends` (None after a window on the plain path)."""
 
-    step: str  # the forward steps: TRITON (`triton_kernels.step`) or TORCH_OPS (`recurrence_step._step`)
+    step: str  # the forward steps: TRITON (`triton_kernels.step`), C_STEP (`memory_kernels.StepPlan.step`,
+    # no-grad windows of up to `MAX_STEP_ROWS` rows on CPU) or TORCH_OPS (`recurrence_step._step`)
     step_backward: Optional[str]  # the backward steps, likewise (`step_backward`, `_step_backward`); None: no autograd
     memory: Optional[str]  # the memory half of the torch-ops steps and its gradient: TRITON, C_KERNELS or
     # TORCH_OPS (a Triton step runs Triton's memory kernels itself); None without memory
@@ -164,6 +184,8 @@ def choose_backends(model, U: torch.Tensor, p0: torch.Tensor, g0: torch.Tensor, 
     # (the kernels were checked against the torch ops for these sizes, dtype and device before: `self_check`)
     triton = triton_selected(U) and triton_self_check_passed(s, matmul_dtype or model.fuse_gate.weight.dtype, U.device)
     step = TRITON if triton and triton_usable_steps(s, U, p0, g0, M0) else TORCH_OPS
+    if step == TORCH_OPS and step_kernels_fit(U, s, needs_grad, matmul_dtype, packed):
+        step = C_STEP
     step_backward = None
     if needs_grad:
         step_backward = TRITON if triton and triton_usable_backward_steps(s, U) else TORCH_OPS
@@ -176,6 +198,115 @@ def choose_backends(model, U: torch.Tensor, p0: torch.Tensor, g0: torch.Tensor, 
         elif needs_grad and not model.config.bptt_truncation_length:
             graphs = TRAINING_GRAPHS
     return Backends(step, step_backward, memory, graphs)
+
+
+def foldable_parameter(module: torch.nn.Module, name: str, parameter) -> bool:
+    """Whether the fast path takes `parameter` (`module.<name>`) as the plain loop would use it: a plain
+    nn.Parameter (or None), or the weight of an nn.Linear quantized by torchao's int8 weight-only config
+    (exactly that tensor class and layout: `recurrence_step.int8_weight_parts`), which the C step kernels
+    multiply as it is and the torch-ops steps dequantize. Any other tensor subclass keeps the plain path
+    (`GPNModel.fast_path_blocker`), which calls the module."""
+    if parameter is None or type(parameter) is torch.nn.Parameter:
+        return True
+    return name == "weight" and type(module) is torch.nn.Linear and int8_weight_parts(parameter) is not None
+
+
+def step_kernels_enabled() -> bool:
+    """Whether the C step kernels may run (`GPN_STEP_KERNELS=0` turns them off, for A/B runs and tests; the
+    C memory kernels' own switch, GPN_MEMORY_KERNELS=0, turns off both: they are one library)."""
+    return os.environ.get("GPN_STEP_KERNELS", "1") != "0"
+
+
+def step_kernels_fit(U: torch.Tensor, s: Shapes, needs_grad: bool, matmul_dtype: Optional[torch.dtype],
+                     packed: bool) -> bool:  # fmt: skip
+    """Whether a window goes to the C step kernels (`C_STEP`): no gradient (they keep no records), float32 CPU
+    inputs, at most `MAX_STEP_ROWS` rows (a larger batch amortises the weight read in a matmul), no autocast
+    (they multiply in the weights' own dtype), no packed sequences, and the kernels built. (Whether they take
+    the model's weights is asked when the window's `StepPlan` is built; a refusal runs the torch ops.)"""
+    if needs_grad or packed or matmul_dtype is not None or not 1 <= s.batch <= MAX_STEP_ROWS:
+        return False
+    return step_kernels_enabled() and memory_kernels_usable(U)
+
+
+def _step_plan(model, derived: dict, rows: int) -> Optional[StepPlan]:
+    """The `StepPlan` of `rows` rows for this scope (`derived_weights.py`), built on first use; None where the
+    kernels refuse the model's weights (remembered for the scope, so the refusal costs one try)."""
+    plans = derived.setdefault("step plans", {})
+    if rows not in plans:
+        try:
+            with torch.no_grad():
+                plans[rows] = StepPlan(model, rows)
+        except KernelRefusal:
+            plans[rows] = None
+    return plans[rows]
+
+
+def _carried_key(derived: dict, g0: torch.Tensor) -> Optional[torch.Tensor]:
+    """The key pre-activation of `g0` if this scope's last window ended on exactly this grounded state (a
+    decode loop's next token, a prompt's next chunk): that window computed it with these weights. None: the
+    first step computes it (one more read of the key matrix)."""
+    last = derived.get("last key")
+    if last is not None and last[0].shape == g0.shape and torch.equal(last[0], g0):
+        return last[1]
+    return None
+
+
+def _few_rows_on_kernels(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """Whether a product of `x` (..., K) may run on the C kernels: 1 to `MAX_STEP_ROWS` float32 CPU rows, no
+    autograd through it, not traced or compiled, the kernels built and switched on."""
+    rows = x.numel() // max(1, x.shape[-1])
+    return (
+        1 <= rows <= MAX_STEP_ROWS
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *tensors)))
+        and not torch.jit.is_tracing()
+        and step_kernels_enabled()
+        and memory_kernels_usable(x)
+    )
+
+
+def _plain_linear(module: torch.nn.Module) -> bool:
+    """`module` is exactly an nn.Linear with no hooks of its own or global ones (what the C kernels compute
+    as it would; a wrapper, adapter or hook is never skipped)."""
+    if type(module) is not torch.nn.Linear:
+        return False
+    if module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks or module._backward_hooks:
+        return False
+    hooks = torch.nn.modules.module
+    return not any(getattr(hooks, name, None) for name in ("_global_forward_pre_hooks", "_global_forward_hooks",
+                                                           "_global_backward_pre_hooks", "_global_backward_hooks"))  # fmt: skip
+
+
+def fast_project(module: torch.nn.Module, x: torch.Tensor, fast: bool = True) -> torch.Tensor:
+    """`module(x.to(its weight's dtype)).float()` (`modeling_gpn.project`), for a few rows of a plain
+    nn.Linear (float32, bfloat16 or torchao int8 weight-only weight; no hooks) without autograd on the C
+    kernels when `fast` (the model's `use_fast_path`): a decoded token's decoder and token projections, which
+    torch (and torchao's int8 linear, ~0.1 ms a call at these sizes) run far below the bandwidth limit.
+    Anything else calls the module."""
+    weight = getattr(module, "weight", None)
+    if fast and isinstance(weight, torch.Tensor) and _plain_linear(module) and _few_rows_on_kernels(x, *module.parameters()):
+        try:
+            return module_rows(module, x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+        except KernelRefusal:
+            pass
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+        x = x.to(weight.dtype)
+    return module(x).float()
+
+
+def output_logits(decoded: torch.Tensor, weight: torch.Tensor, fast: bool = True) -> torch.Tensor:
+    """`F.linear(decoded.to(weight.dtype), weight)`: the logits of decoded states (..., e) against the output
+    matrix (vocab, e). For a few rows (up to `MAX_STEP_ROWS`; decoding) of a plain float32 or bfloat16 CPU
+    matrix without autograd, on the C kernels (`memory_kernels.linear_rows`: torch's matrix-vector product
+    reads the matrix at a fraction of the machine's bandwidth) when `fast` (the model's `use_fast_path`);
+    anything else, and whatever the kernel refuses, through `F.linear` itself."""
+    if fast and _few_rows_on_kernels(decoded, weight):
+        try:
+            return linear_rows(decoded.reshape(-1, decoded.shape[-1]), weight).view(*decoded.shape[:-1], -1)
+        except KernelRefusal:
+            pass
+    return F.linear(decoded.to(weight.dtype), weight)
 
 
 def _memory_half(Z, c: Columns, key, neg_decay_rate, memory, memory_out, eps: float) -> MemoryStep:
@@ -568,7 +699,29 @@ def _fast_recurrence(model, token_inputs, state, mask, output_memory_decays: boo
     )
     backends = choose_backends(model, U, p0, g0, M0, mask, s, needs_grad, matmul_dtype, packed=starts is not None)
     if not needs_grad:
+        plan = _step_plan(model, derived, B) if backends.step == C_STEP else None
+        if backends.step == C_STEP and plan is None:  # the kernels refused the model's weights
+            backends = backends._replace(step=TORCH_OPS)
         object.__setattr__(model, "last_recurrence_backends", backends)
+        if plan is not None:  # the whole step in one C call, on the modules' own weights (nothing folded)
+            with torch.no_grad():
+                outputs = torch.empty(B, T, s.hidden, dtype=torch.float32, device=token_inputs.device)
+                gammas = torch.zeros(B, T, s.heads, device=token_inputs.device) if (s.memory and output_memory_decays) else None
+                key0 = _carried_key(derived, g0) if s.memory else g0.new_zeros(B, 0)
+                start = StepState(p0, g0, key0, M0)
+                final = None
+                if mask is None or bool(mask.all()):  # the whole window in one C call
+                    try:
+                        final = plan.steps(U, start, outputs, gammas)
+                    except KernelRefusal:
+                        pass
+                if final is None:  # padded steps, a step at a time (padded rows keep their state)
+                    alternating = M0.new_empty(2, *M0.shape) if (s.memory and T > 1) else None
+                    final = _run_steps(U, mask, start, None, s, eps, 0, T, plan.step, outputs, gammas,
+                                       memory_buffer=alternating)  # fmt: skip
+            if s.memory:
+                derived["last key"] = (final.g.clone(), final.key)
+            return outputs, (final.p, final.g, final.memory), gammas
         # CUDA graphs (decoding: one replay a token)
         if backends.graphs == INFERENCE_GRAPHS:
             with torch.no_grad():

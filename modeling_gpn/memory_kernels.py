@@ -1,5 +1,7 @@
-"""Fused CPU kernels for the memory half of a step and its gradient (optional: the torch ops in
-`recurrence_step` compute the same and are the reference the tests compare against).
+"""Fused CPU kernels: the memory half of a step and its gradient, and the whole no-grad step of 1-16 rows
+with the few-row products around it (`StepPlan`, `linear_rows`, `module_rows`; see the section "the step at
+a small batch" below). Optional: the torch ops in `recurrence_step` compute the same and are the reference
+the tests compare against.
 
 Why: a step touches the memory M (B*H heads of dk x dv floats, 1.5 MB for the small preset at batch 8)
 in many separate torch ops, each one a pass over all heads: five passes in the forward step and twelve in
@@ -57,11 +59,11 @@ import warnings
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, NamedTuple, Optional
 
 import torch
 
-from .recurrence_step import MemoryStep
+from .recurrence_step import MemoryStep, StepState, int8_weight_parts, keep_padded_rows
 
 SOURCE = r"""
 #include <stddef.h>
@@ -74,6 +76,64 @@ SOURCE = r"""
 typedef long long i64;
 
 static float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); } /* torch's F.softplus (threshold 20) */
+
+/* The memory half of a step, from the step's projections Z: the key (carried, from g_{t-1}) and layer 0's
+   query through l2(relu(.)), the write gates, the write, layer 0's read and its RMS norm. Phase 1 runs one
+   head at a time (every pass over M after the first hits the cache), phase 2 one row at a time. */
+/* One head of the memory half: k and q through relu and l2 normalisation (eps 1e-12 inside the root), the
+   write gates, the write M' = a M + k update^T and the read M'^T q through a M^T q + (q . k) update, from one
+   pass over M (the later passes hit the cache). The records go to index bh of each record array. */
+static void memory_head(
+    i64 bh, i64 dk, i64 dv, const float *key_h, const float *query_h, const float *value_h, float beta_pre,
+    float decay_pre, float neg_decay_rate_h, const float *Mh, float *Oh, float *kq_raw, float *kq, float *kq_inv,
+    float *softplus_decay, float *gamma, float *decay_factor, float *sig_beta, float *error, float *update, float *read)
+{
+    float *raw = kq_raw + bh * 2 * dk, *unit = kq + bh * 2 * dk;
+    const float *sources[2] = {key_h, query_h};
+    for (i64 s = 0; s < 2; s++) {
+        float sq = 0.f;
+        for (i64 i = 0; i < dk; i++) {
+            const float v = sources[s][i], x = (v > 0.f || v != v) ? v : 0.f; /* relu; NaN stays NaN, as torch's */
+            raw[s * dk + i] = x;
+            sq += x * x;
+        }
+        const float inv = 1.f / sqrtf(sq + 1e-12f);
+        kq_inv[bh * 2 + s] = inv;
+        for (i64 i = 0; i < dk; i++) unit[s * dk + i] = raw[s * dk + i] * inv;
+    }
+    const float *kh = unit, *qh = unit + dk;
+    /* gates: a = exp(gamma), gamma = -exp(A_log) softplus(decay); beta = sigmoid */
+    const float sp = softplus(decay_pre);
+    const float g = neg_decay_rate_h * sp;
+    const float ah = expf(g), beta_h = 1.f / (1.f + expf(-beta_pre));
+    softplus_decay[bh] = sp; gamma[bh] = g; decay_factor[bh] = ah; sig_beta[bh] = beta_h;
+    /* M^T k and M^T q accumulate straight in the error and read rows (no stack arrays) */
+    float *restrict eh = error + bh * dv, *restrict uh = update + bh * dv;
+    float *restrict rh = read + bh * dv;
+    for (i64 j = 0; j < dv; j++) { eh[j] = 0.f; rh[j] = 0.f; }
+    float qk = 0.f;
+    for (i64 i = 0; i < dk; i++) {
+        const float ki = kh[i], qi = qh[i];
+        const float *row = Mh + i * dv;
+        qk += qi * ki;
+        #pragma omp simd
+        for (i64 j = 0; j < dv; j++) { eh[j] += ki * row[j]; rh[j] += qi * row[j]; }
+    }
+    #pragma omp simd
+    for (i64 j = 0; j < dv; j++) {
+        const float e = value_h[j] - eh[j];
+        eh[j] = e;
+        uh[j] = beta_h * e;
+        rh[j] = ah * rh[j] + qk * uh[j];
+    }
+    for (i64 i = 0; i < dk; i++) {
+        const float ki = kh[i];
+        const float *row = Mh + i * dv;
+        float *out = Oh + i * dv;
+        #pragma omp simd
+        for (i64 j = 0; j < dv; j++) out[j] = ah * row[j] + ki * uh[j];
+    }
+}
 
 /* The memory half of a step, from the step's projections Z: the key (carried, from g_{t-1}) and layer 0's
    query through l2(relu(.)), the write gates, the write, layer 0's read and its RMS norm. Phase 1 runs one
@@ -91,56 +151,9 @@ void gpn_memory_step(
     for (i64 bh = 0; bh < heads; bh++) {
         const i64 b = bh / H, h = bh % H;
         const float *zrow = Z + b * z_stride;
-        /* k and q: relu, then l2 normalisation (eps 1e-12 inside the root) */
-        float *raw = kq_raw + bh * 2 * dk, *unit = kq + bh * 2 * dk;
-        const float *sources[2] = {key + b * key_stride + h * dk, zrow + col_query + h * dk};
-        for (i64 s = 0; s < 2; s++) {
-            float sq = 0.f;
-            for (i64 i = 0; i < dk; i++) {
-                const float v = sources[s][i], x = (v > 0.f || v != v) ? v : 0.f; /* relu; NaN stays NaN, as torch's */
-                raw[s * dk + i] = x;
-                sq += x * x;
-            }
-            const float inv = 1.f / sqrtf(sq + 1e-12f);
-            kq_inv[bh * 2 + s] = inv;
-            for (i64 i = 0; i < dk; i++) unit[s * dk + i] = raw[s * dk + i] * inv;
-        }
-        const float *kh = unit, *qh = unit + dk;
-        /* gates: a = exp(gamma), gamma = -exp(A_log) softplus(decay); beta = sigmoid */
-        const float sp = softplus(zrow[col_decay + h]);
-        const float g = neg_decay_rate[h] * sp;
-        const float ah = expf(g), beta_h = 1.f / (1.f + expf(-zrow[col_beta + h]));
-        softplus_decay[bh] = sp; gamma[bh] = g; decay_factor[bh] = ah; sig_beta[bh] = beta_h;
-        /* write and read */
-        const float *Mh = M + bh * dk * dv;
-        float *Oh = M_out + bh * dk * dv;
-        const float *vh = zrow + col_value + h * dv;
-        /* M^T k and M^T q accumulate straight in the error and read rows (no stack arrays) */
-        float *restrict eh = error + bh * dv, *restrict uh = update + bh * dv;
-        float *restrict rh = read + bh * dv;
-        for (i64 j = 0; j < dv; j++) { eh[j] = 0.f; rh[j] = 0.f; }
-        float qk = 0.f;
-        for (i64 i = 0; i < dk; i++) {
-            const float ki = kh[i], qi = qh[i];
-            const float *row = Mh + i * dv;
-            qk += qi * ki;
-            #pragma omp simd
-            for (i64 j = 0; j < dv; j++) { eh[j] += ki * row[j]; rh[j] += qi * row[j]; }
-        }
-        #pragma omp simd
-        for (i64 j = 0; j < dv; j++) {
-            const float e = vh[j] - eh[j];
-            eh[j] = e;
-            uh[j] = beta_h * e;
-            rh[j] = ah * rh[j] + qk * uh[j];
-        }
-        for (i64 i = 0; i < dk; i++) {
-            const float ki = kh[i];
-            const float *row = Mh + i * dv;
-            float *out = Oh + i * dv;
-            #pragma omp simd
-            for (i64 j = 0; j < dv; j++) out[j] = ah * row[j] + ki * uh[j];
-        }
+        memory_head(bh, dk, dv, key + b * key_stride + h * dk, zrow + col_query + h * dk, zrow + col_value + h * dv,
+                    zrow[col_beta + h], zrow[col_decay + h], neg_decay_rate[h], M + bh * dk * dv, M_out + bh * dk * dv,
+                    kq_raw, kq, kq_inv, softplus_decay, gamma, decay_factor, sig_beta, error, update, read);
     }
     /* the read's RMS norm runs over a whole row (all heads) */
     #pragma omp for schedule(static)
@@ -229,10 +242,462 @@ void gpn_memory_write_backward(
         }
     }
 }
+/* ---- the step at batch 1..16: matrix-vector products at the bandwidth limit, and the whole step fused ----
+
+A step at a small batch reads every weight once and does little arithmetic per weight, so its speed is the
+rate at which the weights stream in. The products read the weights in nn.Linear's own layout (out, in):
+each output is a dot product of one weight row with the input, four rows at a time against up to four
+batch rows, so every weight is loaded once and used for every batch row, and the input rows stay in L1.
+Weights are float32, bfloat16 (multiplied with the input rounded to bfloat16, as torch's bf16 matmul does,
+accumulated in float32) or int8 with one float32 scale per output row (torchao's int8 weight-only). */
+
+#include <stdint.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define GPN_AVX512 1
+#endif
+
+enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_I8 = 2 };
+#ifndef PREFETCH
+#define PREFETCH 1
+#endif
+enum { ROUND_OUTPUT = 1, STORE_BF16 = 2, BIAS_AFTER_ROUND = 4 };
+
+typedef struct { /* one linear map of a phase: out[b, j] = (round?)(scale_j * <W_j, x_b>) + bias_j */
+    const void *w;        /* (rows, cols) row-major: float, uint16 (bf16 bits) or int8 */
+    const float *scale;   /* (rows,) or NULL */
+    const float *bias;    /* (rows,) or NULL */
+    const float *x;       /* float32 input rows (the exact input, or for bf16 and int8-on-bf16 its bf16 rounding) */
+    const uint16_t *xb;   /* the input rounded to bf16 (bf16 weights with AVX512-BF16), else unused */
+    void *out;            /* float (or bf16 bits with STORE_BF16) */
+    i64 rows, cols, x_stride, out_stride, kind, flags;
+} gpn_segment;
+
+static inline float bf16_bits_to_float(uint16_t h) { union { uint32_t u; float f; } v; v.u = (uint32_t)h << 16; return v.f; }
+static inline uint16_t float_to_bf16_bits(float f)  /* round to nearest even, as torch's .to(torch.bfloat16) */
+{
+    union { uint32_t u; float f; } v; v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  /* NaN */
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+static inline float round_bf16(float f) { return bf16_bits_to_float(float_to_bf16_bits(f)); }
+
+#ifdef GPN_AVX512
+static inline __attribute__((always_inline)) __m512 load_weights(const void *w, const int kind, i64 k, __mmask16 m)
+{
+    if (kind == KIND_F32) return _mm512_maskz_loadu_ps(m, (const float *)w + k);
+    if (kind == KIND_I8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, (const int8_t *)w + k)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)w + k)), 16));
+}
+
+/* the four sums of four accumulators, in one pass of shuffles */
+static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3)
+{
+#ifdef __AVX512DQ__
+    const __m256 b0 = _mm256_add_ps(_mm512_castps512_ps256(a0), _mm512_extractf32x8_ps(a0, 1));
+    const __m256 b1 = _mm256_add_ps(_mm512_castps512_ps256(a1), _mm512_extractf32x8_ps(a1, 1));
+    const __m256 b2 = _mm256_add_ps(_mm512_castps512_ps256(a2), _mm512_extractf32x8_ps(a2, 1));
+    const __m256 b3 = _mm256_add_ps(_mm512_castps512_ps256(a3), _mm512_extractf32x8_ps(a3, 1));
+    const __m256 d = _mm256_hadd_ps(_mm256_hadd_ps(b0, b1), _mm256_hadd_ps(b2, b3));
+    return _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
+#else
+    return _mm_setr_ps(_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1), _mm512_reduce_add_ps(a2), _mm512_reduce_add_ps(a3));
+#endif
+}
+
+/* sums[i][b] = <row i, x_b> for 4 weight rows and NB batch rows; KIND and NB are constants where it is
+   inlined. With one or two batch rows every row gets two accumulators (the multiply-add latency needs
+   eight chains in flight); with more, one (the registers hold 4 x NB accumulators). */
+static inline __attribute__((always_inline)) void dot_block(
+    const void *const rows[4], const int KIND, const float *const xs[4], const uint16_t *const xbs[4], i64 K,
+    const int NB, float sums[4][4])
+{
+    const int PAR = NB <= 2 ? 2 : 1;
+    const i64 ES = KIND == KIND_F32 ? 4 : KIND == KIND_BF16 ? 2 : 1;
+    __m512 acc[2][4][4];
+    for (int s = 0; s < PAR; s++)
+        for (int i = 0; i < 4; i++)
+            for (int b = 0; b < NB; b++) acc[s][i][b] = _mm512_setzero_ps();
+    i64 k = 0;
+#if defined(__AVX512BF16__)
+    if (KIND == KIND_BF16) {  /* bf16 pairs: one instruction multiplies 32 weights by the bf16 input */
+        for (; k + 32 * PAR <= K; k += 32 * PAR)
+            for (int s = 0; s < PAR; s++) {
+                if (PREFETCH) for (int i = 0; i < 4; i++) _mm_prefetch((const char *)rows[i] + (4 * K + k + 32 * s) * 2, _MM_HINT_T0);
+                __m512bh xv[4];
+                for (int b = 0; b < NB; b++) xv[b] = (__m512bh)_mm512_loadu_si512((const void *)(xbs[b] + k + 32 * s));
+                for (int i = 0; i < 4; i++) {
+                    const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)((const uint16_t *)rows[i] + k + 32 * s));
+                    for (int b = 0; b < NB; b++) acc[s][i][b] = _mm512_dpbf16_ps(acc[s][i][b], wv, xv[b]);
+                }
+            }
+    }
+#endif
+    for (; k + 16 * PAR <= K; k += 16 * PAR)
+        for (int s = 0; s < PAR; s++) {
+            if (PREFETCH) for (int i = 0; i < 4; i++) _mm_prefetch((const char *)rows[i] + (4 * K + k + 16 * s) * ES, _MM_HINT_T0);
+            __m512 xv[4];
+            for (int b = 0; b < NB; b++) xv[b] = _mm512_loadu_ps(xs[b] + k + 16 * s);
+            for (int i = 0; i < 4; i++) {
+                const __m512 wv = load_weights(rows[i], KIND, k + 16 * s, (__mmask16)0xffff);
+                for (int b = 0; b < NB; b++) acc[s][i][b] = _mm512_fmadd_ps(wv, xv[b], acc[s][i][b]);
+            }
+        }
+    for (; k < K; k += 16) {
+        const __mmask16 m = K - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1u);
+        __m512 xv[4];
+        for (int b = 0; b < NB; b++) xv[b] = _mm512_maskz_loadu_ps(m, xs[b] + k);
+        for (int i = 0; i < 4; i++) {
+            const __m512 wv = load_weights(rows[i], KIND, k, m);
+            for (int b = 0; b < NB; b++) acc[0][i][b] = _mm512_fmadd_ps(wv, xv[b], acc[0][i][b]);
+        }
+    }
+    for (int b = 0; b < NB; b++) {
+        if (PAR == 2)
+            for (int i = 0; i < 4; i++) acc[0][i][b] = _mm512_add_ps(acc[0][i][b], acc[1][i][b]);
+        float four[4];
+        _mm_storeu_ps(four, reduce4(acc[0][0][b], acc[0][1][b], acc[0][2][b], acc[0][3][b]));
+        for (int i = 0; i < 4; i++) sums[i][b] = four[i];
+    }
+}
+
+/* <row, x> for one batch row: the row read as one sequential stream (eight accumulators, 128 weights a
+   round; as fast as a plain read of the same bytes, where four interleaved rows are 10-20% slower) */
+static inline __attribute__((always_inline)) float dot_row(const void *row, const int KIND, const float *x, const uint16_t *xb, i64 K)
+{
+    __m512 acc[8];
+    for (int a = 0; a < 8; a++) acc[a] = _mm512_setzero_ps();
+    i64 k = 0;
+#if defined(__AVX512BF16__)
+    if (KIND == KIND_BF16) {
+        for (; k + 256 <= K; k += 256)
+            for (int a = 0; a < 8; a++)
+                acc[a] = _mm512_dpbf16_ps(acc[a], (__m512bh)_mm512_loadu_si512((const void *)((const uint16_t *)row + k + 32 * a)),
+                                          (__m512bh)_mm512_loadu_si512((const void *)(xb + k + 32 * a)));
+    }
+#else
+    (void)xb;
+#endif
+    for (; k + 128 <= K; k += 128)
+        for (int a = 0; a < 8; a++)
+            acc[a] = _mm512_fmadd_ps(load_weights(row, KIND, k + 16 * a, (__mmask16)0xffff), _mm512_loadu_ps(x + k + 16 * a), acc[a]);
+    for (int a = 0; k < K; k += 16, a = (a + 1) & 7) {
+        const __mmask16 m = K - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1u);
+        acc[a] = _mm512_fmadd_ps(load_weights(row, KIND, k, m), _mm512_maskz_loadu_ps(m, x + k), acc[a]);
+    }
+    const __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])),
+                                   _mm512_add_ps(_mm512_add_ps(acc[4], acc[5]), _mm512_add_ps(acc[6], acc[7])));
+    return _mm512_reduce_add_ps(s);
+}
+#define GPN_HAVE_DOT_ROW 1
+#else
+static inline float weight_at(const void *w, const int kind, i64 k)
+{
+    if (kind == KIND_F32) return ((const float *)w)[k];
+    if (kind == KIND_I8) return (float)((const int8_t *)w)[k];
+    return bf16_bits_to_float(((const uint16_t *)w)[k]);
+}
+static inline void dot_block(const void *const rows[4], const int kind, const float *const xs[4], const uint16_t *const xbs[4],
+                             i64 K, const int NB, float sums[4][4])
+{
+    (void)xbs;
+    for (int i = 0; i < 4; i++)
+        for (int b = 0; b < NB; b++) {
+            float s = 0.f;
+            for (i64 k = 0; k < K; k++) s += weight_at(rows[i], kind, k) * xs[b][k];
+            sums[i][b] = s;
+        }
+}
+#endif
+
+static inline i64 weight_size(i64 kind) { return kind == KIND_F32 ? 4 : kind == KIND_BF16 ? 2 : 1; }
+
+/* rows [r0, r1) of segment `sg` for all B batch rows */
+/* y = scale * dot + bias, rounded to bf16 where the module rounds (as torch's bf16 linear: the bias inside
+   the rounding; a bias the module adds afterwards in float32, the decay's dt_bias, after it) */
+static inline void store_output(const gpn_segment *sg, i64 b, i64 r, float y)
+{
+    if (sg->scale) y *= sg->scale[r];
+    if (sg->bias && !(sg->flags & BIAS_AFTER_ROUND)) y += sg->bias[r];
+    if (sg->flags & ROUND_OUTPUT) y = round_bf16(y);
+    if (sg->bias && (sg->flags & BIAS_AFTER_ROUND)) y += sg->bias[r];
+    const i64 at = b * sg->out_stride + r;
+    if (sg->flags & STORE_BF16) ((uint16_t *)sg->out)[at] = float_to_bf16_bits(y);
+    else ((float *)sg->out)[at] = y;
+}
+
+static void segment_rows(const gpn_segment *sg, i64 B, i64 r0, i64 r1)
+{
+    const i64 K = sg->cols, es = weight_size(sg->kind);
+    const char *w = (const char *)sg->w;
+#ifdef GPN_HAVE_DOT_ROW
+    if (B == 1 && sg->kind != KIND_I8) {  /* (int8 rows convert as they go: four rows hide that better) */
+        for (i64 r = r0; r < r1; r++) {
+            const void *row = w + r * K * es;
+            float y;
+            if (sg->kind == KIND_F32) y = dot_row(row, KIND_F32, sg->x, sg->xb, K);
+            else if (sg->kind == KIND_BF16) y = dot_row(row, KIND_BF16, sg->x, sg->xb, K);
+            else y = dot_row(row, KIND_I8, sg->x, sg->xb, K);
+            store_output(sg, 0, r, y);
+        }
+        return;
+    }
+#endif
+    for (i64 b0 = 0; b0 < B; b0 += 4) {
+        const int nb = (int)(B - b0 < 4 ? B - b0 : 4);
+        const float *xs[4];
+        const uint16_t *xbs[4];
+        for (int b = 0; b < 4; b++) {
+            const i64 row = b0 + (b < nb ? b : nb - 1);
+            xs[b] = sg->x + row * sg->x_stride;
+            xbs[b] = sg->xb ? sg->xb + row * sg->x_stride : 0;
+        }
+        for (i64 r = r0; r < r1; r += 4) {
+            const i64 nr = r1 - r < 4 ? r1 - r : 4;
+            const void *rows[4];
+            for (int i = 0; i < 4; i++) rows[i] = w + (r + (i < nr ? i : nr - 1)) * K * es;
+            float sums[4][4];
+#define GPN_DOT(KIND) switch (nb) { \
+                case 1: dot_block(rows, KIND, xs, xbs, K, 1, sums); break; \
+                case 2: dot_block(rows, KIND, xs, xbs, K, 2, sums); break; \
+                case 3: dot_block(rows, KIND, xs, xbs, K, 3, sums); break; \
+                default: dot_block(rows, KIND, xs, xbs, K, 4, sums); break; }
+            if (sg->kind == KIND_F32) GPN_DOT(KIND_F32)
+            else if (sg->kind == KIND_BF16) GPN_DOT(KIND_BF16)
+            else GPN_DOT(KIND_I8)
+#undef GPN_DOT
+            for (i64 i = 0; i < nr; i++)
+                for (int b = 0; b < nb; b++) store_output(sg, b0 + b, r + i, sums[i][b]);
+        }
+    }
+}
+
+/* tasks: (segment, first row, end row) triples; inside a parallel region, threads take them in turn (a
+   thread that the machine's other tenants hold up costs its current task, not a share fixed in advance) */
+static void run_tasks(const gpn_segment *segs, const i64 *tasks, i64 first, i64 end, i64 B)
+{
+    #pragma omp for schedule(dynamic, 1)
+    for (i64 t = first; t < end; t++) segment_rows(&segs[tasks[3 * t]], B, tasks[3 * t + 1], tasks[3 * t + 2]);
+}
+
+/* One phase of products on its own (the logits of a few rows, and any product the fused step does not cover) */
+void gpn_linear(const gpn_segment *segs, const i64 *tasks, i64 n_tasks, i64 B, int threads)
+{
+    #pragma omp parallel num_threads(threads)
+    run_tasks(segs, tasks, 0, n_tasks, B);
+}
+
+/* A read of n floats at the rate the machine streams them (the byte limit's bandwidth); returns their sum */
+float gpn_read_probe(const float *x, i64 n, int threads)
+{
+    float total = 0.f;
+    #pragma omp parallel num_threads(threads) reduction(+:total)
+    {
+#ifdef GPN_AVX512
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        #pragma omp for schedule(static)
+        for (i64 i = 0; i < n / 64; i++) {
+            const float *p = x + i * 64;
+            a0 = _mm512_add_ps(a0, _mm512_loadu_ps(p)); a1 = _mm512_add_ps(a1, _mm512_loadu_ps(p + 16));
+            a2 = _mm512_add_ps(a2, _mm512_loadu_ps(p + 32)); a3 = _mm512_add_ps(a3, _mm512_loadu_ps(p + 48));
+        }
+        total += _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+#else
+        float mine = 0.f;
+        #pragma omp for schedule(static)
+        for (i64 i = 0; i < n / 64 * 64; i++) mine += x[i];
+        total += mine;
+#endif
+    }
+    for (i64 i = n / 64 * 64; i < n; i++) total += x[i];
+    return total;
+}
+
+/* ---- the whole step at a small batch, in one call: one parallel region, its phases separated by the
+   barriers of the work-sharing loops ---- */
+
+typedef struct { float *x; float *xr; uint16_t *xb; i64 stride; } gpn_slot; /* an input of products, per batch row:
+    exact, rounded to bf16 (as float) and its bf16 bits */
+enum { SLOT_FG, SLOT_KEY, SLOT_WRITE, SLOT_GATE, SLOT_FFN, SLOT_READ, SLOT_HIDDEN, SLOT_GATED, SLOTS };
+
+typedef struct {
+    i64 B, d, f, H, dk, dv, L, memory, width_z, width_part;
+    double eps;
+    const gpn_segment *segs;
+    const i64 *tasks;
+    const i64 *phases;  /* task ranges [phases[2i], phases[2i+1]): fuse gate, carried key, layer 0 (with the
+                           write), layer 0's output, then for each layer above: its projections, its output */
+    const float *const *norms;  /* fuse gate, write, then per layer: gate, FFN, read, read output */
+    const float *neg_decay;     /* -exp(A_log) */
+    gpn_slot slots[SLOTS];
+    float *zfg, *key0, *Z, *part, *y_ffn, *y_read;
+    float *kq_raw, *kq, *kq_inv, *softplus, *decay_factor, *sig_beta, *error, *update, *read, *gamma;
+} gpn_step_plan;
+
+static inline float sigmoidf_(float x) { return 1.f / (1.f + expf(-x)); }
+static inline float siluf_(float x) { return x / (1.f + expf(-x)); }
+
+static float inv_rms(const float *x, i64 n, float eps)
+{
+    float sq = 0.f;
+    #pragma omp simd reduction(+:sq)
+    for (i64 j = 0; j < n; j++) sq += x[j] * x[j];
+    return 1.f / sqrtf(sq / (float)n + eps);
+}
+
+static inline void put(const gpn_slot *s, i64 b, i64 j, float v)
+{
+    const i64 at = b * s->stride + j;
+    const uint16_t h = float_to_bf16_bits(v);
+    s->x[at] = v; s->xb[at] = h; s->xr[at] = bf16_bits_to_float(h);
+}
+
+/* slot = rms(x; n) for one batch row */
+static void put_normed(const gpn_slot *s, i64 b, const float *x, i64 n, float inv, const float *w)
+{
+    for (i64 j = 0; j < n; j++) put(s, b, j, x[j] * inv * w[j]);
+}
+
+/* One step, run by every thread of the enclosing parallel region (its phases end at the work-sharing
+   loops' barriers). u's rows are u_stride floats apart; gamma's rows gamma_stride. */
+static void step_body(const gpn_step_plan *P, const float *p, const float *g, const float *key_in, const float *M,
+                      const float *u, i64 u_stride, float *p_out, float *g_out, float *key_out, float *M_out,
+                      float *gamma, i64 gamma_stride)
+{
+    const i64 B = P->B, d = P->d, f = P->f, H = P->H, dk = P->dk, dv = P->dv, wz = P->width_z, wp = P->width_part;
+    const float eps = (float)P->eps;
+    const gpn_slot *S = P->slots;
+    const i64 kw = H * dk, vw = H * dv, write = P->memory ? kw + vw + 2 * H : 0;
+    (void)f;
+    const i64 c_value = kw, c_beta = kw + vw, c_decay = kw + vw + H;       /* columns of Z */
+    const i64 c_gate = 0, c_a = d, c_b = d + f, c_query = d + 2 * f, c_rg = d + 2 * f + kw; /* of a layer's part */
+    const float *key = key_in ? key_in : P->key0;
+    {
+    /* ground: g = sigmoid(W_fg rms(p) + b_fg) p + u (and the key of the carried g, when not given) */
+    #pragma omp for schedule(static)
+    for (i64 b = 0; b < B; b++) {
+        put_normed(&S[SLOT_FG], b, p + b * d, d, inv_rms(p + b * d, d, eps), P->norms[0]);
+        if (!key_in) put_normed(&S[SLOT_KEY], b, g + b * d, d, inv_rms(g + b * d, d, eps), P->norms[1]);
+    }
+    run_tasks(P->segs, P->tasks, P->phases[0], key_in ? P->phases[1] : P->phases[3], B);
+    #pragma omp for schedule(static)
+    for (i64 b = 0; b < B; b++) {
+        float *gr = g_out + b * d;
+        for (i64 j = 0; j < d; j++) gr[j] = sigmoidf_(P->zfg[b * d + j]) * p[b * d + j] + u[b * u_stride + j];
+        const float inv = inv_rms(gr, d, eps);
+        if (P->memory) put_normed(&S[SLOT_WRITE], b, gr, d, inv, P->norms[1]);
+        put_normed(&S[SLOT_GATE], b, gr, d, inv, P->norms[2]);
+        put_normed(&S[SLOT_FFN], b, gr, d, inv, P->norms[3]);
+        if (P->memory) put_normed(&S[SLOT_READ], b, gr, d, inv, P->norms[4]);
+    }
+    for (i64 l = 0; l < P->L; l++) {
+        /* layer l's projections: layer 0's come with the write's, from g; the others' from the state */
+        const float *part = l == 0 ? P->Z + write : P->part;
+        const i64 ws = l == 0 ? wz : wp;
+        const float *state = l == 0 ? g_out : p_out;
+        if (l > 0) {
+            #pragma omp for schedule(static)
+            for (i64 b = 0; b < B; b++) {
+                const float inv = inv_rms(p_out + b * d, d, eps);
+                put_normed(&S[SLOT_GATE], b, p_out + b * d, d, inv, P->norms[2 + 4 * l]);
+                put_normed(&S[SLOT_FFN], b, p_out + b * d, d, inv, P->norms[3 + 4 * l]);
+                if (P->memory) put_normed(&S[SLOT_READ], b, p_out + b * d, d, inv, P->norms[4 + 4 * l]);
+            }
+        }
+        run_tasks(P->segs, P->tasks, P->phases[4 * l + 4], P->phases[4 * l + 5], B);
+        if (P->memory) {
+            #pragma omp for schedule(static)
+            for (i64 bh = 0; bh < B * H; bh++) {
+                const i64 b = bh / H, h = bh % H;
+                if (l == 0) {
+                    const float *zrow = P->Z + b * wz;
+                    memory_head(bh, dk, dv, key + b * kw + h * dk, part + b * ws + c_query + h * dk,
+                                zrow + c_value + h * dv, zrow[c_beta + h], zrow[c_decay + h], P->neg_decay[h],
+                                M + bh * dk * dv, M_out + bh * dk * dv, P->kq_raw, P->kq, P->kq_inv, P->softplus,
+                                P->gamma, P->decay_factor, P->sig_beta, P->error, P->update, P->read);
+                } else {  /* a layer above reads M' with its own query */
+                    const float *qs = part + b * ws + c_query + h * dk;
+                    float *q = P->kq + bh * 2 * dk + dk, sq = 0.f;  /* (the key-query scratch is free by now) */
+                    for (i64 i = 0; i < dk; i++) { const float v = qs[i], x = (v > 0.f || v != v) ? v : 0.f; q[i] = x; sq += x * x; }
+                    const float inv = 1.f / sqrtf(sq + 1e-12f);
+                    float *restrict r = P->read + bh * dv;
+                    const float *Mh = M_out + bh * dk * dv;
+                    for (i64 j = 0; j < dv; j++) r[j] = 0.f;
+                    for (i64 i = 0; i < dk; i++) {
+                        const float qi = q[i] * inv, *row = Mh + i * dv;
+                        #pragma omp simd
+                        for (i64 j = 0; j < dv; j++) r[j] += qi * row[j];
+                    }
+                }
+            }
+        }
+        /* the output products' inputs: [silu(a) b | silu(read gate) rms(read; n_ro)] */
+        #pragma omp for schedule(static)
+        for (i64 b = 0; b < B; b++) {
+            const float *pr = part + b * ws;
+            for (i64 j = 0; j < f; j++) put(&S[SLOT_HIDDEN], b, j, siluf_(pr[c_a + j]) * pr[c_b + j]);
+            if (P->memory) {
+                const float *r = P->read + b * vw, *n_ro = P->norms[5 + 4 * l];
+                const float inv = inv_rms(r, vw, eps);
+                for (i64 j = 0; j < vw; j++) put(&S[SLOT_GATED], b, j, siluf_(pr[c_rg + j]) * (r[j] * inv * n_ro[j]));
+            }
+        }
+        run_tasks(P->segs, P->tasks, P->phases[4 * l + 6], P->phases[4 * l + 7], B);
+        /* state' = sigmoid(W_pg rms(state) + b_pg) state + FFN (+ read) */
+        #pragma omp for schedule(static)
+        for (i64 b = 0; b < B; b++) {
+            const float *pr = part + b * ws;
+            for (i64 j = 0; j < d; j++) {
+                float v = sigmoidf_(pr[c_gate + j]) * state[b * d + j] + P->y_ffn[b * d + j];
+                if (P->memory) v += P->y_read[b * d + j];
+                p_out[b * d + j] = v;
+            }
+        }
+    }
+    if (P->memory) {
+        #pragma omp for schedule(static)
+        for (i64 b = 0; b < B; b++) {
+            for (i64 j = 0; j < kw; j++) key_out[b * kw + j] = P->Z[b * wz + j];
+            if (gamma) for (i64 h = 0; h < H; h++) gamma[b * gamma_stride + h] = P->gamma[b * H + h];
+        }
+    }
+    }
+}
+
+void gpn_step(const gpn_step_plan *P, const float *p, const float *g, const float *key_in, const float *M,
+              const float *u, float *p_out, float *g_out, float *key_out, float *M_out, float *gamma, int threads)
+{
+    #pragma omp parallel num_threads(threads)
+    step_body(P, p, g, key_in, M, u, P->d, p_out, g_out, key_out, M_out, gamma, P->H);
+}
+
+/* T steps of an unmasked window in one parallel region: the token inputs U (B, T, d), the predicted states
+   into P_out (B, T, d) and gamma into gammas (B, T, H) (or NULL); the state alternates between two sets of
+   buffers (p, g, key: (2, B, width); M: (2, B, H, dk, dv)), the last step's set holding the final state. */
+void gpn_steps(const gpn_step_plan *P, i64 T, const float *p0, const float *g0, const float *key0, const float *M0,
+               const float *U, float *P_out, float *gammas, float *p_buf, float *g_buf, float *key_buf, float *M_buf,
+               int threads)
+{
+    const i64 B = P->B, d = P->d, kw = P->H * P->dk, cells = P->H * P->dk * P->dv;
+    #pragma omp parallel num_threads(threads)
+    for (i64 t = 0; t < T; t++) {
+        const i64 now = t % 2, before = 1 - now;
+        step_body(P, t ? p_buf + before * B * d : p0, t ? g_buf + before * B * d : g0,
+                  t ? key_buf + before * B * kw : key0, t ? M_buf + before * B * cells : M0, U + t * d, T * d,
+                  p_buf + now * B * d, g_buf + now * B * d, key_buf + now * B * kw, M_buf + now * B * cells,
+                  gammas ? gammas + t * P->H : 0, T * P->H);
+        #pragma omp for schedule(static)
+        for (i64 b = 0; b < B; b++)
+            for (i64 j = 0; j < d; j++) P_out[(b * T + t) * d + j] = p_buf[(now * B + b) * d + j];
+    }
+}
+
 """
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c99"]
-_SYMBOLS = ("gpn_memory_step", "gpn_memory_write_backward", "gpn_kernel_source_digest")
+_SYMBOLS = ("gpn_memory_step", "gpn_memory_write_backward", "gpn_linear", "gpn_step", "gpn_steps", "gpn_read_probe",
+            "gpn_kernel_source_digest")
 BUILD_TIMEOUT_S = 60.0  # default bound on one compiler run (`GPN_KERNEL_BUILD_TIMEOUT` overrides it)
 _lock = threading.Lock()
 _library: Optional[ctypes.CDLL] = None
@@ -379,6 +844,14 @@ def _load_verified(folder: Path, key: str) -> ctypes.CDLL:
     lib.gpn_memory_step.restype = None
     lib.gpn_memory_write_backward.argtypes = [*[i64] * 4, *[p] * 15, ctypes.c_int]
     lib.gpn_memory_write_backward.restype = None
+    lib.gpn_linear.argtypes = [p, p, i64, i64, ctypes.c_int]
+    lib.gpn_linear.restype = None
+    lib.gpn_step.argtypes = [*[p] * 11, ctypes.c_int]
+    lib.gpn_step.restype = None
+    lib.gpn_steps.argtypes = [p, i64, *[p] * 11, ctypes.c_int]
+    lib.gpn_steps.restype = None
+    lib.gpn_read_probe.argtypes = [p, i64, ctypes.c_int]
+    lib.gpn_read_probe.restype = f
     return lib
 
 
@@ -676,3 +1149,374 @@ def memory_write_backward(
         update, a, beta, d_update, d_k, d_a, dq, d_error, scratch)), torch.get_num_threads(),
     )  # fmt: skip
     return d_update, d_k, d_a, dq, d_error
+
+
+# ---- the step at a small batch: products at the bandwidth limit, and the whole step in one call ----------
+#
+# A step of 1-16 rows reads every weight once and does a few multiply-adds per weight, so it runs at the
+# rate the weights stream from memory, unless the products do not keep up with it (torch's fp32 matvec
+# reaches about a third of a plain read here) or the per-step work around them costs more than the
+# products (a dozen small torch ops and their Python calls). `StepPlan` runs a whole step in one C call:
+# the products read the modules' own weights in place (nn.Linear's (out, in) layout: float32, bfloat16 or
+# torchao's int8 weight-only; nothing is folded, cast or copied), each projection with its own RMS-norm
+# weight applied to its input as the plain path does, and the elementwise work, the memory half and the
+# reads between them, threads taking the products' row blocks in turn.
+
+MAX_STEP_ROWS = 16  # the most batch rows the step kernel takes (more rows amortise the weight read in a matmul)
+_TASK_BYTES = 1 << 18  # weight bytes per task of a product (threads take tasks in turn)
+KIND_F32, KIND_BF16, KIND_I8 = 0, 1, 2
+ROUND_OUTPUT, STORE_BF16, BIAS_AFTER_ROUND = 1, 2, 4
+_i64, _ptr = ctypes.c_longlong, ctypes.c_void_p
+
+
+class _Segment(ctypes.Structure):  # gpn_segment
+    _fields_ = [("w", _ptr), ("scale", _ptr), ("bias", _ptr), ("x", _ptr), ("xb", _ptr), ("out", _ptr),
+                ("rows", _i64), ("cols", _i64), ("x_stride", _i64), ("out_stride", _i64), ("kind", _i64),
+                ("flags", _i64)]  # fmt: skip
+
+
+class _Slot(ctypes.Structure):  # gpn_slot
+    _fields_ = [("x", _ptr), ("xr", _ptr), ("xb", _ptr), ("stride", _i64)]
+
+
+_SLOT_NAMES = ("fg", "key", "write", "gate", "ffn", "read", "hidden", "gated")
+
+
+class _Plan(ctypes.Structure):  # gpn_step_plan
+    _fields_ = [(name, _i64) for name in ("B", "d", "f", "H", "dk", "dv", "L", "memory", "width_z", "width_part")]
+    _fields_ += [("eps", ctypes.c_double), ("segs", _ptr), ("tasks", _ptr), ("phases", _ptr), ("norms", _ptr),
+                 ("neg_decay", _ptr), ("slots", _Slot * len(_SLOT_NAMES))]  # fmt: skip
+    _fields_ += [(name, _ptr) for name in ("zfg", "key0", "Z", "part", "y_ffn", "y_read", "kq_raw", "kq", "kq_inv",
+                                           "softplus", "decay_factor", "sig_beta", "error", "update", "read", "gamma")]  # fmt: skip
+
+
+class Operand(NamedTuple):
+    """A linear map as the products read it: `kind` (KIND_F32, KIND_BF16, KIND_I8), the weight (out, in)
+    (int8 data for KIND_I8), its per-row float32 scale (int8 only), the float32 bias, whether its input
+    and output are rounded to bfloat16 (bf16 weights; int8 weights of a bf16 model), as the module rounds,
+    and whether the bias is added after that rounding (a bias added outside the module)."""
+
+    kind: int
+    weight: torch.Tensor
+    scale: Optional[torch.Tensor]
+    bias: Optional[torch.Tensor]
+    bf16_activations: bool
+    bias_after_round: bool = False
+
+
+def operand_of(linear: torch.nn.Module, extra_bias: Optional[torch.Tensor] = None) -> Operand:
+    """The `Operand` of an nn.Linear whose weight is a plain float32 / bfloat16 CPU matrix or a torchao
+    int8 weight-only one (`recurrence_step.int8_weight_parts`); raises `KernelRefusal` for anything else.
+    `extra_bias` is added to the module's own (float32; the decay's dt_bias)."""
+    weight = linear.weight
+    parts = int8_weight_parts(weight)
+    if parts is not None:
+        data, scale = parts.qdata, parts.scale
+        if not data.is_contiguous():
+            _refuse("an int8 weight is not contiguous")
+        _check(scale, "an int8 weight's scale")
+        kind, matrix, scale, bf16 = KIND_I8, data, scale.contiguous(), parts.dtype == torch.bfloat16
+    else:
+        if type(weight) is not torch.nn.Parameter and type(weight) is not torch.Tensor:
+            _refuse(f"a weight is a {type(weight).__name__}")
+        if weight.dtype not in (torch.float32, torch.bfloat16) or not weight.is_cpu or weight.layout is not torch.strided:
+            _refuse(f"a weight is a {weight.dtype} {weight.layout} tensor on {weight.device}")
+        if weight.dim() != 2 or not weight.is_contiguous():
+            _refuse("a weight is not a contiguous matrix")
+        kind, matrix, scale = (KIND_F32 if weight.dtype == torch.float32 else KIND_BF16), weight.detach(), None
+        bf16 = kind == KIND_BF16
+    bias = None
+    if getattr(linear, "bias", None) is not None:
+        if extra_bias is not None:
+            _refuse("a module with a bias of its own and one added after it")
+        bias = linear.bias.detach().float().contiguous()
+    elif extra_bias is not None:
+        bias = extra_bias.detach().float().contiguous()
+    if bias is not None and (bias.shape != (matrix.shape[0],) or not bias.is_cpu):
+        _refuse(f"a bias has shape {tuple(bias.shape)} for a ({matrix.shape[0]}, {matrix.shape[1]}) weight")
+    return Operand(kind, matrix, scale, bias, bf16, bias_after_round=extra_bias is not None)
+
+
+def _input_slot(rows: int, width: int) -> dict:
+    """An input of products for `rows` batch rows: exact, rounded to bf16 (as float32) and its bf16 bits."""
+    return {"x": torch.zeros(rows, width), "xr": torch.zeros(rows, width),
+            "xb": torch.zeros(rows, width, dtype=torch.int16)}  # fmt: skip
+
+
+def _segment(op: Operand, slot: dict, out: torch.Tensor, column: int, store_bf16: bool = False) -> _Segment:
+    """The products of `op` on `slot`'s rows into columns [column, column + out rows) of `out` (B, width)."""
+    rows, cols = op.weight.shape
+    if slot["x"].shape[1] != cols:
+        _refuse(f"a ({rows}, {cols}) weight meets an input of width {slot['x'].shape[1]}")
+    if out.dim() != 2 or column + rows > out.shape[1] or not out.is_contiguous():
+        _refuse("a product's output does not fit its buffer")
+    x = slot["x"] if (op.kind == KIND_F32 or (op.kind == KIND_I8 and not op.bf16_activations)) else slot["xr"]
+    flags = (ROUND_OUTPUT if op.bf16_activations else 0) | (STORE_BF16 if store_bf16 else 0)
+    flags |= BIAS_AFTER_ROUND if op.bias_after_round else 0
+    return _Segment(
+        op.weight.data_ptr(), op.scale.data_ptr() if op.scale is not None else None,
+        op.bias.data_ptr() if op.bias is not None else None, x.data_ptr(), slot["xb"].data_ptr(),
+        out.data_ptr() + column * out.element_size(), rows, cols, cols, out.shape[1], op.kind, flags,
+    )  # fmt: skip
+
+
+def _tasks(segments: list, first_segment: int, count: int) -> list:
+    """(segment, first row, end row) triples that cut segments [first_segment, +count) into row blocks of
+    about `_TASK_BYTES` of weights (multiples of 4 rows, the kernel's block)."""
+    triples = []
+    for index in range(first_segment, first_segment + count):
+        seg = segments[index]
+        size = {KIND_F32: 4, KIND_BF16: 2, KIND_I8: 1}[seg.kind]
+        block = max(4, (_TASK_BYTES // max(1, seg.cols * size)) // 4 * 4)
+        triples += [(index, r, min(r + block, seg.rows)) for r in range(0, seg.rows, block)]
+    return triples
+
+
+class StepPlan:
+    """A model's step at `rows` batch rows in one C call (`gpn_step`), on the modules' own weights.
+
+    Built once per derived-weights scope (`derived_weights.py`: one forward or generate() call, or the
+    calls continuing one cache): it holds pointers to the weights, float32 copies of the norm weights and
+    biases, and its workspace. Raises `KernelRefusal` for a model whose step it cannot take (a weight that is
+    not float32 / bfloat16 / torchao int8 weight-only, sizes the kernel does not assume, the kernels
+    unavailable); `step` refuses state tensors that do not fit (the dispatcher then runs the torch ops)."""
+
+    def __init__(self, model, rows: int):
+        _require()
+        if not 1 <= rows <= MAX_STEP_ROWS:
+            _refuse(f"{rows} rows; the step kernel takes 1 to {MAX_STEP_ROWS}")
+        config = model.config
+        self.rows = B = rows
+        self.memory = bool(config.use_memory)
+        d, f, L = config.hidden_size, config.intermediate_size, config.num_predict_layers
+        H, dk, dv = (config.num_memory_heads, config.memory_key_dim, config.memory_value_dim) if self.memory else (0, 0, 0)
+        self.sizes = (d, f, H, dk, dv, L)
+        kw, vw = H * dk, H * dv
+        write = kw + vw + 2 * H if self.memory else 0
+        width_part = d + 2 * f + (kw + vw if self.memory else 0)
+        keep = []  # every tensor a pointer of the plan points into
+        slots = {name: _input_slot(B, width) for name, width in zip(
+            _SLOT_NAMES, (d, d, d, d, d, d, f, max(vw, 1)))}  # fmt: skip
+        zeros = lambda *shape: torch.zeros(*shape)  # noqa: E731
+        buffers = {"zfg": zeros(B, d), "key0": zeros(B, max(kw, 1)), "Z": zeros(B, write + width_part),
+                   "part": zeros(B, width_part), "y_ffn": zeros(B, d), "y_read": zeros(B, d),
+                   "kq_raw": zeros(B * H, 2, dk), "kq": zeros(B * H, 2, dk), "kq_inv": zeros(B * H, 2),
+                   "softplus": zeros(B * H), "decay_factor": zeros(B * H), "sig_beta": zeros(B * H),
+                   "error": zeros(B * H, dv), "update": zeros(B * H, dv), "read": zeros(B, max(vw, 1)),
+                   "gamma": zeros(max(B * H, 1))}  # fmt: skip
+        segments, phases = [], []
+
+        def phase(*parts) -> None:  # parts: (operand, slot name, output buffer name or tensor, column)
+            first = len(segments)
+            for op, slot, out, column in parts:
+                keep.append(op)
+                segments.append(_segment(op, slots[slot], buffers[out] if isinstance(out, str) else out, column))
+            phases.append((first, len(parts)))
+
+        layers, write_module = list(model.predict_layers), model.memory_write
+        norms = [model.fuse_gate_norm.weight, write_module.norm.weight if self.memory else model.fuse_gate_norm.weight]
+        phase((operand_of(model.fuse_gate), "fg", "zfg", 0))
+        if self.memory:
+            phase((operand_of(write_module.key), "key", "key0", 0))
+        else:
+            phase()
+        for index, layer in enumerate(layers):
+            norms += [layer.gate_norm.weight, layer.ffn_norm.weight]
+            norms += [layer.read_norm.weight, layer.read_out_norm.weight] if self.memory else [norms[0], norms[0]]
+            out, base = ("Z", write) if index == 0 else ("part", 0)
+            parts = []
+            if index == 0 and self.memory:
+                parts += [(operand_of(write_module.key), "write", "Z", 0), (operand_of(write_module.value), "write", "Z", kw),
+                          (operand_of(write_module.beta), "write", "Z", kw + vw),
+                          (operand_of(write_module.decay, extra_bias=write_module.dt_bias), "write", "Z", kw + vw + H)]  # fmt: skip
+            parts += [(operand_of(layer.gate), "gate", out, base), (operand_of(layer.ffn_in), "ffn", out, base + d)]
+            if self.memory:
+                parts += [(operand_of(layer.read_query), "read", out, base + d + 2 * f),
+                          (operand_of(layer.read_gate), "read", out, base + d + 2 * f + kw)]  # fmt: skip
+            phase(*parts)
+            outputs = [(operand_of(layer.ffn_out), "hidden", "y_ffn", 0)]
+            if self.memory:
+                outputs.append((operand_of(layer.read_out), "gated", "y_read", 0))
+            phase(*outputs)
+        self.key_bias = None
+        if self.memory:
+            key_op = operand_of(write_module.key)
+            self.key_bias = key_op.bias if key_op.bias is not None else torch.zeros(kw)
+        tasks, ranges = [], []
+        for first, count in phases:
+            start = len(tasks)
+            tasks += _tasks(segments, first, count)
+            ranges += [start, len(tasks)]
+        self._segments = (_Segment * len(segments))(*segments)
+        self._tasks = torch.tensor(tasks, dtype=torch.int64).reshape(-1)
+        self._phases = torch.tensor(ranges, dtype=torch.int64)
+        self._norms_f32 = [n.detach().float().contiguous() for n in norms]
+        for n in self._norms_f32:
+            if n.shape != (d,) and n.numel() not in (d, vw):
+                _refuse("a norm weight has an unexpected shape")
+        self._norm_pointers = (ctypes.c_void_p * len(self._norms_f32))(*(n.data_ptr() for n in self._norms_f32))
+        self.neg_decay = (-torch.exp(write_module.A_log.detach().float())).contiguous() if self.memory else zeros(1)
+        plan = _Plan(B, d, f, H, dk, dv, L, int(self.memory), write + width_part, width_part, float(config.rms_norm_eps))
+        plan.segs = ctypes.cast(self._segments, _ptr)
+        plan.tasks, plan.phases = self._tasks.data_ptr(), self._phases.data_ptr()
+        plan.norms, plan.neg_decay = ctypes.cast(self._norm_pointers, _ptr), self.neg_decay.data_ptr()
+        for i, name in enumerate(_SLOT_NAMES):
+            slot = slots[name]
+            plan.slots[i] = _Slot(slot["x"].data_ptr(), slot["xr"].data_ptr(), slot["xb"].data_ptr(), slot["x"].shape[1])
+        for name, tensor in buffers.items():
+            setattr(plan, name, tensor.data_ptr())
+        self._plan, self._keep, self._slots, self._buffers = plan, keep, slots, buffers
+        self.weights = tuple(op.weight for op in keep)  # (what the plan reads; also for the byte count)
+        self.int8 = any(op.kind == KIND_I8 for op in keep)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights one step reads (every matrix once; the carried key's is read only when needed)."""
+        seen = {}
+        for op in self._keep:
+            seen[op.weight.data_ptr()] = op.weight.numel() * op.weight.element_size()
+        return sum(seen.values())
+
+    def step(self, state: StepState, u: torch.Tensor, real: Optional[torch.Tensor], w=None, s=None, c=None,
+             eps: float = 0.0, saved: Optional[dict] = None, memory_out: Optional[torch.Tensor] = None):  # fmt: skip
+        """`recurrence_step._step`'s contract for a no-grad step (no records: `saved` must be None) of this
+        plan's rows: (new state, gamma). `state.key` may be None: the key of `state.g` is then computed
+        here. The folded weights `w`, shapes and columns are not read (the plan has its own)."""
+        if saved is not None:
+            _refuse("the step kernel keeps no records (it runs no-grad windows only)")
+        d, f, H, dk, dv, L = self.sizes
+        B = self.rows
+        p, g, key, memory = state
+        for name, tensor, shape in (("p", p, (B, d)), ("g", g, (B, d)), ("u", u, (B, d))):
+            _check(tensor, name, shape=shape)
+        u = u.contiguous()
+        _check(p, "p", contiguous=True)
+        _check(g, "g", contiguous=True)
+        new_p, new_g = p.new_empty(B, d), p.new_empty(B, d)
+        if self.memory:
+            if key is not None:
+                _check(key, "key", shape=(B, H * dk), contiguous=True)
+            _check(memory, "memory", shape=(B, H, dk, dv), contiguous=True)
+            if memory_out is None:
+                memory_out = memory.new_empty(B, H, dk, dv)
+            _check(memory_out, "memory_out", shape=(B, H, dk, dv), contiguous=True)
+            _check_apart(memory_out, "memory_out", {"memory": memory, "p": p, "g": g, "u": u})
+            new_key, gamma = p.new_empty(B, H * dk), p.new_empty(B, H)
+        else:
+            memory_out, new_key, gamma = memory, p.new_empty(B, 0), None
+        calls["step"] += 1
+        calls["int8 step"] += self.int8
+        _library.gpn_step(
+            ctypes.addressof(self._plan), p.data_ptr(), g.data_ptr(), key.data_ptr() if (self.memory and key is not None) else None,
+            memory.data_ptr() if self.memory else None, u.data_ptr(), new_p.data_ptr(), new_g.data_ptr(),
+            new_key.data_ptr() if self.memory else None, memory_out.data_ptr() if self.memory else None,
+            gamma.data_ptr() if self.memory else None, torch.get_num_threads(),
+        )  # fmt: skip
+        if not self.memory:
+            new_key = key if key is not None else p.new_empty(B, 0)
+        new = StepState(new_p, new_g, new_key, memory_out)
+        if real is not None and key is None and self.memory:  # a padded row keeps the key of its g, computed here
+            key = self._buffers["key0"][:, : H * dk].clone()
+        old = StepState(p, g, key if key is not None else new_key, memory)
+        return keep_padded_rows(new, old, real, None, self.memory), gamma
+
+
+    def steps(self, U: torch.Tensor, state: StepState, outputs: torch.Tensor, gammas: Optional[torch.Tensor]) -> StepState:
+        """T unmasked steps in one C call (`gpn_steps`): the token inputs U (B, T, d), the predicted states into
+        `outputs` (B, T, d) and gamma into `gammas` (B, T, H) when given; returns the final state (fresh
+        tensors). `state.key` may be None (the first step computes the key of `state.g`)."""
+        d, f, H, dk, dv, L = self.sizes
+        B, T = self.rows, U.shape[1]
+        p, g, key, memory = state
+        _check(U, "U", shape=(B, T, d), contiguous=True)
+        _check(outputs, "outputs", shape=(B, T, d), contiguous=True)
+        for name, tensor in (("p", p), ("g", g)):
+            _check(tensor, name, shape=(B, d), contiguous=True)
+        kw = H * dk if self.memory else 0
+        if self.memory:
+            if key is not None:
+                _check(key, "key", shape=(B, kw), contiguous=True)
+            _check(memory, "memory", shape=(B, H, dk, dv), contiguous=True)
+        if gammas is not None:
+            _check(gammas, "gammas", shape=(B, T, H), contiguous=True)
+        p_buf, g_buf = p.new_empty(2, B, d), p.new_empty(2, B, d)
+        key_buf = p.new_empty(2, B, max(kw, 1))
+        memory_buf = memory.new_empty(2, *memory.shape) if self.memory else p.new_empty(2, 1)
+        _check_apart(outputs, "outputs", {"U": U, "p": p, "g": g, "memory": memory})
+        calls["step"] += T
+        calls["int8 step"] += T * self.int8
+        pointer = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
+        _library.gpn_steps(
+            ctypes.addressof(self._plan), T, p.data_ptr(), g.data_ptr(), pointer(key) if self.memory else None,
+            memory.data_ptr() if self.memory else None, U.data_ptr(), outputs.data_ptr(), pointer(gammas),
+            p_buf.data_ptr(), g_buf.data_ptr(), key_buf.data_ptr(), memory_buf.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        last = (T - 1) % 2
+        if not self.memory:
+            return StepState(p_buf[last], g_buf[last], key if key is not None else p.new_empty(B, 0), memory)
+        return StepState(p_buf[last], g_buf[last], key_buf[last], memory_buf[last])
+
+
+_task_cache: dict = {}
+
+
+def _rows_product(x: torch.Tensor, op: Operand, store_bf16: bool) -> torch.Tensor:
+    """x (B, K) float32 times `op` for B <= MAX_STEP_ROWS: (B, out) float32 (bf16 with `store_bf16`)."""
+    B, K = x.shape
+    x = x.contiguous()
+    slot = {"x": x, "xr": x, "xb": x}  # (xr and xb are read only with bf16 activations)
+    if op.bf16_activations:
+        rounded = x.to(torch.bfloat16)
+        slot = {"x": x, "xr": rounded.float(), "xb": rounded.view(torch.int16)}
+    out = torch.empty(B, op.weight.shape[0], dtype=torch.bfloat16 if store_bf16 else torch.float32)
+    segment = _segment(op, slot, out, 0, store_bf16=store_bf16)
+    key = (op.weight.shape[0], K, op.kind)
+    tasks = _task_cache.get(key)
+    if tasks is None:
+        tasks = _task_cache[key] = torch.tensor(_tasks([segment], 0, 1), dtype=torch.int64).reshape(-1)
+    calls["linear"] += 1
+    _library.gpn_linear(ctypes.addressof(segment), tasks.data_ptr(), tasks.numel() // 3, B, torch.get_num_threads())
+    return out
+
+
+def module_rows(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`module(x.to(its weight's dtype)).float()` for a few rows of float32 `x` (B, K) and an nn.Linear
+    whose weight the products take (`operand_of`: float32, bfloat16, torchao int8 weight-only): as the
+    module computes it, rounded to bf16 where the module's output is bf16. Raises `KernelRefusal` otherwise
+    (the caller checks that the module is exactly an nn.Linear without hooks)."""
+    _require()
+    _check(x, "x")
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_STEP_ROWS:
+        _refuse(f"x has shape {tuple(x.shape)}; expected (1 to {MAX_STEP_ROWS} rows, features)")
+    op = operand_of(module)
+    if op.weight.shape[1] != x.shape[1]:
+        _refuse(f"x has {x.shape[1]} features for a ({op.weight.shape[0]}, {op.weight.shape[1]}) weight")
+    return _rows_product(x, op, store_bf16=False)
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T for a few rows (1 to `MAX_STEP_ROWS`) of float32 `x` (B, K) and a contiguous float32 or
+    bfloat16 CPU `weight` (N, K), as `F.linear(x.to(weight.dtype), weight)` computes it (float32
+    accumulation; a bf16 weight multiplies the input rounded to bf16 and gives bf16): the one-row logits.
+    Raises `KernelRefusal` for anything else."""
+    _require()
+    _check(x, "x")
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_STEP_ROWS:
+        _refuse(f"x has shape {tuple(x.shape)}; expected (1 to {MAX_STEP_ROWS} rows, features)")
+    if type(weight) is not torch.Tensor and type(weight) is not torch.nn.Parameter:
+        _refuse(f"the weight is a {type(weight).__name__}")
+    if weight.dtype not in (torch.float32, torch.bfloat16) or not weight.is_cpu or weight.layout is not torch.strided:
+        _refuse(f"the weight is a {weight.dtype} {weight.layout} tensor on {weight.device}")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[1] or not weight.is_contiguous():
+        _refuse(f"the weight has shape {tuple(weight.shape)} (contiguous: {weight.is_contiguous()}) for x {tuple(x.shape)}")
+    bf16 = weight.dtype == torch.bfloat16
+    # (bf16: the input rounded to bf16 as `x.to(weight.dtype)` does; the output stored as bf16, unrounded before)
+    op = Operand(KIND_BF16 if bf16 else KIND_F32, weight.detach(), None, None, bf16)
+    return _rows_product(x, op._replace(bf16_activations=bf16), store_bf16=bf16)
+
+
+def read_probe(buffer: torch.Tensor, threads: Optional[int] = None) -> float:
+    """Read every float of the contiguous float32 CPU `buffer` once at the machine's streaming rate (the
+    bandwidth behind the byte limit of a step); returns their sum (so the read cannot be skipped)."""
+    _require()
+    _check(buffer, "buffer", contiguous=True)
+    return _library.gpn_read_probe(buffer.data_ptr(), buffer.numel(), threads or torch.get_num_threads())

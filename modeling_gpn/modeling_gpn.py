@@ -47,7 +47,7 @@ from .cache import GPNCache, continuation_start
 from .chunked_loss import chunked_causal_lm_loss, divide_loss_sum
 from .configuration_gpn import GPNConfig
 from .derived_weights import derived_weights_scope, keep_with
-from .fast_recurrence import fast_recurrence
+from .fast_recurrence import fast_project, fast_recurrence, foldable_parameter, output_logits
 from .packing import PACKING_KWARGS, packed_sequence_starts
 from .prefill import forward_in_chunks, prefill_chunk_length_for
 from .state_file import GPNStateFileError
@@ -411,8 +411,8 @@ def _why_not_foldable(name: str, module: nn.Module, allowed: tuple[type, ...]) -
         return f"{name} is a {type(module).__module__}.{type(module).__qualname__}, not a plain module the fast path can fold"
     if module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks or module._backward_hooks:
         return f"{name} has hooks"
-    param_name, param = next((n, p) for n, p in module._parameters.items() if p is not None and type(p) is not nn.Parameter)
-    return f"{name}.{param_name} is a {type(param).__qualname__}, not a plain nn.Parameter"
+    param_name, param = next((n, p) for n, p in module._parameters.items() if not foldable_parameter(module, n, p))
+    return f"{name}.{param_name} is a {type(param).__qualname__}, not a plain nn.Parameter (nor a weight the fast path takes)"
 
 
 class GPNModel(GPNPreTrainedModel):
@@ -446,7 +446,7 @@ class GPNModel(GPNPreTrainedModel):
 
     def token_inputs(self, embeddings: torch.Tensor) -> torch.Tensor:
         """W_fuse rms(E[x]) for every position at once: the token side has no recurrence."""
-        return project(self.fuse_proj, self.fuse_norm(embeddings))
+        return fast_project(self.fuse_proj, self.fuse_norm(embeddings), self.use_fast_path)  # (project; see decode)
 
     def ground(self, predicted: torch.Tensor, token_input: torch.Tensor) -> torch.Tensor:
         """Step 1: g = sigmoid(W_fg rms(p) + b_fg) * p + W_fuse rms(E[x])."""
@@ -462,7 +462,8 @@ class GPNModel(GPNPreTrainedModel):
 
     def decoded(self, predicted_states: torch.Tensor) -> torch.Tensor:
         """Step 4 up to the output matrix: W_dec rms(p) (+ b_dec), in the output matrix's dtype (the embedding's)."""
-        decoded = project(self.decode_proj, self.decode_norm(predicted_states))
+        # (a few rows, as in decoding, on the fast path's kernels: `fast_recurrence.fast_project`)
+        decoded = fast_project(self.decode_proj, self.decode_norm(predicted_states), self.use_fast_path)
         dtype = self.embed_tokens.weight.dtype
         return decoded.to(dtype) if dtype.is_floating_point else decoded
 
@@ -541,7 +542,7 @@ class GPNModel(GPNPreTrainedModel):
                 or module._forward_hooks
                 or module._backward_pre_hooks
                 or module._backward_hooks
-                or not (plain_parameters or {type(p) for p in module._parameters.values()} <= {nn.Parameter, type(None)})
+                or not (plain_parameters or all(foldable_parameter(module, n, p) for n, p in module._parameters.items()))
             ):
                 name = next(n for n, m in self.named_modules() if m is module)
                 return _why_not_foldable(name, module, allowed)
@@ -958,10 +959,14 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             table = self.embedding_table()
             return F.linear(hidden.to(table.dtype), table)
         self._check_tied()
-        weight = getattr(self.lm_head, "weight", None)
+        head = self.lm_head
+        weight = getattr(head, "weight", None)
+        if _is_plain_linear(head) and head.bias is None and not _has_forward_hooks(head) and type(weight) is nn.Parameter:
+            # a plain tied head: F.linear, a few rows (decoding) on the fast path's kernels (`output_logits`)
+            return output_logits(hidden.float(), weight, self.model.use_fast_path)
         if isinstance(weight, torch.Tensor) and weight.is_floating_point():
             hidden = hidden.to(weight.dtype)
-        return self.lm_head(hidden)
+        return head(hidden)
 
     def decode(self, predicted_states: torch.Tensor) -> torch.Tensor:
         """Step 4: logits for every given predicted state p (..., d): lm_head(W_dec rms(p) (+ b_dec))."""

@@ -5,7 +5,8 @@ The fast path in layers (each file imports only the files below it; no backend i
     fast_recurrence.py   the dispatcher: chooses the backends once per window, from its inputs, and runs it
     cuda_graphs.py       backend: windows of steps replayed as CUDA graphs (it is handed the step it replays)
     triton_kernels.py    backend: a whole step forward and backward in Triton kernels (GPU; `triton_jit.py`)
-    memory_kernels.py    backend: the memory half of a step and its gradient in C kernels (CPU)
+    memory_kernels.py    backend: the memory half of a step and its gradient in C kernels (CPU), and a whole
+                         no-grad step of a few rows (`StepPlan`: this file's contract, on the modules' weights)
     recurrence_step.py   this file: folded weights, the step forward (`_step`) and backward (`_step_backward`)
 The chunked loss (`chunked_loss.py`) sits beside them; the model imports only it and the dispatcher.
 
@@ -43,6 +44,7 @@ This file ships to the Hub with the model: it imports only torch, typing and the
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -87,9 +89,77 @@ class Shapes(NamedTuple):
     memory: bool
 
 
+class Int8Weight(NamedTuple):
+    """The parts of a torchao int8 weight-only weight: W = qdata * scale (one scale per output row)."""
+
+    qdata: torch.Tensor  # (out, in) int8
+    scale: torch.Tensor  # (out,) float32
+    dtype: torch.dtype  # the dtype the module computes in (its inputs are cast to it): float32 or bfloat16
+
+
+_int8_checked: dict = {}  # id(weight) -> (weak reference to it, what was checked, result); dropped with the weight
+
+
+def int8_weight_parts(weight) -> Optional[Int8Weight]:
+    """The parts of `weight` if it is exactly what the fast path takes of a quantized weight, else None.
+
+    Exactly torchao's `Int8Tensor` made by `Int8WeightOnlyConfig` (that class, not a subclass; named, not
+    imported: torchao stays optional): a weight-only (no activation quantization, no pre-scale), symmetric
+    (zero points all 0), per-output-row (block (1, in)) int8 matrix on the CPU, with float32 or bfloat16
+    as its dtype. Anything else quantized is not recognised here, so the model's eligibility check
+    (`GPNModel.fast_path_blocker`) keeps it on the plain path, which calls the module."""
+    kind = type(weight)
+    if kind.__qualname__ != "Int8Tensor" or not kind.__module__.startswith("torchao."):
+        return None
+    # (this runs before every fast call, decoding too: the attributes are read without torchao's
+    # __torch_function__, and a weight already checked is checked again only if what it holds changed)
+    held = weight.__dict__
+    stamp = tuple((id(held.get(name)), getattr(held.get(name), "_version", None)) for name in _INT8_PARTS)
+    checked = _int8_checked.get(id(weight))
+    if checked is not None and checked[0]() is weight and checked[1] == stamp:
+        return checked[2]
+    with torch._C.DisableTorchFunctionSubclass():
+        parts = _int8_parts(weight, held)
+    key = id(weight)
+    _int8_checked[key] = (weakref.ref(weight, lambda _, key=key: _int8_checked.pop(key, None)), stamp, parts)
+    return parts
+
+
+_INT8_PARTS = ("qdata", "scale", "zero_point", "block_size", "act_quant_kwargs", "act_pre_scale", "act_quant_scale")
+
+
+def _int8_parts(weight, held: dict) -> Optional[Int8Weight]:
+    qdata, scale = held.get("qdata"), held.get("scale")
+    if not (isinstance(qdata, torch.Tensor) and isinstance(scale, torch.Tensor)):
+        return None
+    if qdata.dtype != torch.int8 or qdata.dim() != 2 or qdata.device.type != "cpu" or scale.dtype != torch.float32:
+        return None
+    rows, cols = qdata.shape
+    if scale.numel() != rows or scale.shape not in ((rows,), (rows, 1)):
+        return None
+    if list(held.get("block_size", ())) != [1, cols] or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if any(held.get(name) is not None for name in ("act_quant_kwargs", "act_pre_scale", "act_quant_scale")):
+        return None
+    zero_point = held.get("zero_point")
+    if zero_point is not None and (not isinstance(zero_point, torch.Tensor) or zero_point.any()):
+        return None
+    return Int8Weight(qdata, scale.reshape(rows), weight.dtype)
+
+
+def dense_weight(linear: torch.nn.Linear) -> torch.Tensor:
+    """The (out, in) weight of `linear` as a plain tensor: its weight, or an int8 weight dequantized
+    (qdata * scale, in the module's dtype) for the torch-ops steps, which multiply plain matrices."""
+    parts = int8_weight_parts(linear.weight)
+    if parts is None:
+        return linear.weight
+    return (parts.qdata.float() * parts.scale[:, None]).to(parts.dtype)
+
+
 def _fold(linear: torch.nn.Linear, norm_weight: torch.Tensor) -> torch.Tensor:
     """(in, out) matrix W^T * n[:, None], computed in float32, returned in the weights' dtype."""
-    return (linear.weight.float().t() * norm_weight.float()[:, None]).to(linear.weight.dtype)
+    weight = dense_weight(linear)
+    return (weight.float().t() * norm_weight.float()[:, None]).to(weight.dtype)
 
 
 def _bias(linear: torch.nn.Linear, size: int, device, extra: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -110,7 +180,7 @@ def _layer_columns(layer, device) -> tuple[list[torch.Tensor], list[torch.Tensor
 
 
 def _out_matrix(layer) -> torch.Tensor:
-    ffn_out = layer.ffn_out.weight.t()
+    ffn_out = dense_weight(layer.ffn_out).t()
     if not layer.use_memory:
         return ffn_out
     read_out = _fold(layer.read_out, layer.read_out_norm.weight)

@@ -77,6 +77,13 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "C step kernels (never chosen: the torch-ops steps serve)",
+        "modeling_gpn/fast_recurrence.py",
+        "    return step_kernels_enabled() and memory_kernels_usable(U)",
+        "    return False  # MUTATION",
+        ("tests/test_step_kernels.py -k plain_loop or variant or quantization_error or gpn_generate",),
+    ),
+    Mutation(
         "prepacking (packing fails and falls back to the plain matmul)",
         "modeling_gpn/recurrence_step.py",
         "        self.matrix = matrix\n        self.packed = ",

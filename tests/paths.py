@@ -15,7 +15,12 @@ wrapper around the real function for the duration of the block; nothing is repla
 - FAST_PATH / PLAIN_PATH: `GPNModel.recurrence` calls, by the path `last_recurrence_path` reports,
   cross-checked against `GPNModel.recurrence_plain` (a call labelled "fast" that ran the plain loop is
   counted as plain).
-- C_KERNELS, C_KERNELS_BACKWARD: `memory_kernels.calls`, the count of calls into the compiled library.
+- C_KERNELS, C_KERNELS_BACKWARD: `memory_kernels.calls`, the count of calls into the compiled library (the
+  memory half's forward runs in `memory_step`, or inside the whole-step kernel `step`, which counts too).
+- C_STEP_KERNELS: whole no-grad steps in one C call (`memory_kernels.StepPlan.step`, calls["step"]);
+  INT8_STEPS those of them on int8 weights (calls["int8 step"]).
+- C_PRODUCTS: products of a few rows on the C kernels outside the step (the logits, the decoder and token
+  projections: `memory_kernels.linear_rows` / `module_rows`, calls["linear"]).
 - PREPACKED: products by a oneDNN-prepacked matrix (`recurrence_step.PackedMatrix.mm`).
 - TRITON: `triton_kernels.launches`, the count of Triton kernel launches.
 - TRAINING_SWEEP: training windows run on static buffers (`cuda_graphs.TrainingSweep.forward`).
@@ -34,6 +39,9 @@ FAST_PATH = "fast path"
 PLAIN_PATH = "plain path"
 C_KERNELS = "C memory kernels (forward)"
 C_KERNELS_BACKWARD = "C memory kernels (backward)"
+C_STEP_KERNELS = "C step kernels"
+INT8_STEPS = "C steps on int8 weights"
+C_PRODUCTS = "C few-row products"
 PREPACKED = "prepacked matrix products"
 TRITON = "Triton kernel launches"
 TRAINING_SWEEP = "training sweeps on static buffers"
@@ -110,7 +118,10 @@ def observe() -> Iterator[Observed]:
             yield seen
         finally:
             kernels = memory_kernels.calls - kernel_calls
-            seen[C_KERNELS] += kernels["memory_step"]
+            seen[C_KERNELS] += kernels["memory_step"] + kernels["step"]
+            seen[C_STEP_KERNELS] += kernels["step"]
+            seen[INT8_STEPS] += kernels["int8 step"]
+            seen[C_PRODUCTS] += kernels["linear"]
             seen[C_KERNELS_BACKWARD] += kernels["memory_write_backward"]
             seen[TRITON] += sum((triton_kernels.launches - launches).values())
             for name in [name for name, count in seen.items() if count == 0]:

@@ -10,7 +10,7 @@ from modeling_gpn.cli import main
 def test_bench_reports_every_implementation(tmp_path, capsys):
     out = tmp_path / "bench.json"
     code = main(["bench", "--preset", "tiny", "--batch", "2", "--seq-len", "12", "--segment-length", "5",
-                 "--memory-seq-lens", "24", "--decode-prompt-lengths", "4", "9", "--decode-tokens", "3",
+                 "--memory-seq-lens", "24", "--decode-prompt-lengths", "4", "9", "--decode-tokens", "3", "--decode-batches", "1", "4",
                  "--repeats", "1", "--device", "cpu", "--json", str(out)])  # fmt: skip
     assert code == 0
     printed = capsys.readouterr().out
@@ -28,10 +28,43 @@ def test_bench_reports_every_implementation(tmp_path, capsys):
         assert row["train_tok_s"] > 0 and row["forward_tok_s"] > 0, impl
         for length in ("4", "9"):
             assert row["prefill_tok_s"][length] > 0 and row["decode_ms"][length] > 0, impl
-    # what the fast path's timings ran on (on CPU without GPN_TRITON=1: the torch ops), and no self-check ran
-    assert rows["fast"]["backend"] == {"train": "torch ops", "forward": "torch ops", "prefill and decode @4": "torch ops",
-                                       "prefill and decode @9": "torch ops"}  # fmt: skip
+    # what the fast path's timings ran on (on CPU without GPN_TRITON=1: the torch ops for training, the C step
+    # kernels for every no-grad window of up to 16 rows, the forward of 2 x 12 tokens too, where they build)
+    backend = rows["fast"]["backend"]
+    assert backend["train"] == "torch ops"
+    for timing in ("forward", "step @1 rows", "step @4 rows", "prefill and decode @4", "prefill and decode @9"):
+        assert backend[timing].startswith("c step kernels" if memory_kernels.available() else "torch ops"), timing
     assert "fast train ran on: torch ops" in printed and report["triton_self_checks"] == {}
     # a GPN's cache does not grow with the prompt; the Llama's does
     assert rows["fast"]["cache_bytes"]["4"] == rows["fast"]["cache_bytes"]["9"]
     assert rows["llama"]["cache_bytes"]["9"] > rows["llama"]["cache_bytes"]["4"]
+
+
+def test_bench_states_every_batch_one_figure_against_its_byte_limit(tmp_path, capsys):
+    """`gpn bench --dtype int8` (torchao int8 weight-only) measures the limit in the same run (a read of the
+    step's bytes) and prints each batch-1 figure as a ratio of it; `--help` says what the limit is."""
+    import pytest
+
+    pytest.importorskip("torchao.quantization", reason="--dtype int8 quantizes with torchao (the test extra)")
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--preset", "tiny", "--impl", "fast", "llama", "--dtype", "int8", "--skip-training",
+                 "--decode-prompt-lengths", "6", "--decode-tokens", "3", "--decode-batches", "1", "2",
+                 "--repeats", "1", "--device", "cpu", "--json", str(out)])  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    for header in ("| step ms | limit ms | step / limit |", "prefill / limit @6", "decode / limit @6", "tok/s @2 rows"):
+        assert header in printed, header
+    assert "train tok/s" not in printed
+    rows = {row["impl"]: row for row in json.loads(out.read_text())["rows"]}
+    fast = rows["fast"]
+    assert fast["limit_ms"] > 0 and fast["step_ms"] > 0 and fast["batch_tok_s"]["2"] > 0
+    # the limit counts the int8 weights as int8: less than half the bf16 bytes of the same model
+    from modeling_gpn.bench import build_gpn, step_bytes
+
+    assert fast["limit_bytes"] == step_bytes(build_gpn("tiny", "int8", "cpu", 0)) < step_bytes(build_gpn("tiny", "bfloat16", "cpu", 0))
+    assert f"tiny fast limit: {fast['limit_bytes'] / 1e6:.1f} MB a step" in printed
+    assert "x its byte limit" in printed and "beyond the model's step" in printed
+    assert rows["llama"]["limit_ms"] is None  # (the limit is stated for the GPN's step)
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    assert "the byte limit" in capsys.readouterr().out

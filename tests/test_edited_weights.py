@@ -182,13 +182,23 @@ def test_peft_merge_unmerge_then_unload():
 # --------------------------------------------------------------------------------------------------
 
 
-@torch.no_grad()
-def test_generate_folds_once_per_call_and_sees_edits_between_calls(monkeypatch):
-    from modeling_gpn import recurrence_step
+def counted_derivations(monkeypatch) -> list:
+    """A list that gets an entry whenever the fast path derives its weights from the parameters: a fold
+    (`recurrence_step.fold_weights`, the torch-ops steps) or a C step kernels' plan (`StepPlan`, which reads
+    the weights in place but copies norms, biases and decay rates)."""
+    from modeling_gpn import fast_recurrence, recurrence_step
 
     folds = []
     fold = recurrence_step.fold_weights
     monkeypatch.setattr(recurrence_step, "fold_weights", lambda model: folds.append(1) or fold(model))
+    plan = fast_recurrence.StepPlan
+    monkeypatch.setattr(fast_recurrence, "StepPlan", lambda model, rows: folds.append(1) or plan(model, rows))
+    return folds
+
+
+@torch.no_grad()
+def test_generate_folds_once_per_call_and_sees_edits_between_calls(monkeypatch):
+    folds = counted_derivations(monkeypatch)
     model = perturbed_model(tiny_config(), seed=5)
     prompt = token_ids(2, 5, seed=6)
 
@@ -241,11 +251,7 @@ def test_a_decode_loop_folds_once_per_cache_and_a_new_cache_sees_edits(monkeypat
     """A loop calling the model one token at a time with its cache (what generate() does inside, and what
     benchmarks/long_decode.py does) reuses what the cache's first call derived: one fold for the loop, not one
     per token. A new cache after an edit derives afresh and sees it."""
-    from modeling_gpn import recurrence_step
-
-    folds = []
-    fold = recurrence_step.fold_weights
-    monkeypatch.setattr(recurrence_step, "fold_weights", lambda model: folds.append(1) or fold(model))
+    folds = counted_derivations(monkeypatch)
     model = perturbed_model(tiny_config(), seed=5)
 
     def loop() -> torch.Tensor:

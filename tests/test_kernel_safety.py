@@ -456,12 +456,10 @@ def test_a_truncated_build_is_rebuilt_not_loaded(good_build, tmp_path):
 def test_a_library_from_other_source_under_the_right_name_is_rebuilt(good_build, tmp_path):
     """Another library with the expected name: without a matching record (a plain swap), and with a record
     that matches it and the right symbols (built from other source: its source digest gives it away)."""
-    foreign = compile_foreign(tmp_path, textwrap.dedent("""
-        #include <stdio.h>
-        void gpn_memory_step(void) {}
-        void gpn_memory_write_backward(void) {}
-        const char *gpn_kernel_source_digest(void) { return "not the GPN kernels"; }
-    """))  # fmt: skip
+    from modeling_gpn import memory_kernels as mk
+
+    kernels = "".join(f"void {name}(void) {{}}\n" for name in mk._SYMBOLS if name != "gpn_kernel_source_digest")
+    foreign = compile_foreign(tmp_path, kernels + 'const char *gpn_kernel_source_digest(void) { return "not the GPN kernels"; }\n')
     for with_record, complaint in ((False, "does not match the hash"), (True, "built from other source")):
         cache = copy_of(good_build, tmp_path / f"cache-{with_record}")
         if with_record:

@@ -235,7 +235,9 @@ def test_the_chunked_loss_reads_the_head_where_it_can_and_calls_it_where_it_must
             chunked, chunked_last = model(ids, labels=ids, return_logits=False).loss, model(ids, logits_to_keep=1).logits
             del inner.prefill_chunk_length
         torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6, msg=name)
-        torch.testing.assert_close(chunked_last, last, rtol=1e-5, atol=1e-6, msg=name)
+        # (one-pass and chunked logits come from the same states through products of different row counts: the C
+        # kernels' summation order at a few rows, F.linear's at many, a few float32 ulps of logits of magnitude ~50)
+        torch.testing.assert_close(chunked_last, last, rtol=1e-5, atol=1e-4, msg=name)
     assert len(chunked_calls) == 6
 
 

@@ -393,6 +393,12 @@ def test_the_backend_probe_tells_the_kernels_from_the_torch_ops(triton_on, monke
         core.recurrence(tokens, state, None)
     assert probe.text.startswith("triton kernels, no graphs (")
     monkeypatch.setenv("GPN_TRITON", "0")
+    with torch.no_grad(), BackendProbe() as probe:  # (a no-grad window of 2 rows: the C step kernels, where they build)
+        core.recurrence(tokens, state, None)
+    from modeling_gpn import memory_kernels
+
+    assert probe.text == ("c step kernels (2 steps)" if memory_kernels.available() else "torch ops")
+    monkeypatch.setenv("GPN_STEP_KERNELS", "0")
     with torch.no_grad(), BackendProbe() as probe:
         core.recurrence(tokens, state, None)
     assert probe.text == "torch ops"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+DTYPES = ("auto", "float32", "bfloat16", "int8")
 DEFAULT_TEMPERATURE = 0.8
 DEFAULT_TOP_P = 0.95
 
@@ -27,6 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-beams", type=int, default=1, help="beam search with this many beams (>= 1)")
     parser.add_argument("--seed", type=int, default=0, help="random seed for sampling (>= 0)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    parser.add_argument(
+        "--dtype", default="auto", choices=DTYPES,
+        help="weights: as saved (auto), float32, bfloat16, or int8 (torchao's int8 weight-only quantization of "
+             "every nn.Linear of the bfloat16 model; needs torchao; on CPU the fast path runs it on its int8 kernels)",
+    )  # fmt: skip
     parser.add_argument("--trust-remote-code", action="store_true", help="load the model's own code (Hub repos)")
     parser.add_argument(
         "--save-state", metavar="FILE", default=None,
@@ -100,6 +106,24 @@ def _load(args: argparse.Namespace):
     return model, tokenizer
 
 
+def _to_dtype(model, dtype: str):
+    """The model in `--dtype` (auto: as loaded). int8 quantizes every nn.Linear of the bfloat16 model with
+    torchao's int8 weight-only config (the embedding, tied to the output, stays bfloat16)."""
+    if dtype == "auto":
+        return model
+    if dtype in ("float32", "bfloat16"):
+        return model.to(getattr(torch, dtype))
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    except ImportError as error:
+        raise GenerateError(f"--dtype int8 needs torchao (pip install torchao): {error}") from None
+    model = model.to(torch.bfloat16)
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = {id(output)} if isinstance(output, torch.nn.Linear) else set()
+    quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and id(m) not in tied)
+    return model
+
+
 def _load_state(args: argparse.Namespace, model, num_prompts: int):
     """The `--state` file's cache, with one row per prompt (a one-row state is forked to every prompt)."""
     from modeling_gpn.modeling_gpn import GPNCache, GPNStateFileError
@@ -148,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
         check_arguments(args)
         model, tokenizer = _load(args)
         model.to(args.device).eval()
+        model = _to_dtype(model, args.dtype)
         # Text that continues a saved state gets no BOS or other special tokens in front of it.
         special = args.state is None
         batch = tokenizer(args.prompts, return_tensors="pt", padding=True, add_special_tokens=special).to(args.device)

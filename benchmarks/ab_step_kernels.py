@@ -1,0 +1,80 @@
+"""A/B in one process: the C step kernels against the torch-ops fast path before them (`GPN_STEP_KERNELS=0`),
+alternated inside every repeat with the reads that give the byte limit, so a noisy machine's spells hit
+all of them alike (the figures of benchmarks/RESULTS.md while neighbours ran; gpn bench runs each
+configuration in its own process, minutes apart).
+
+    python benchmarks/ab_step_kernels.py --preset small gpn-m-1l-130m --dtype float32 bfloat16 int8 \
+        --threads 1 --prompt 64 --repeats 5
+
+Per preset and dtype, medians over the repeats: the one-token step (a forward of one token with its cache,
+batch 1) over the step's byte limit, and a prompt's prefill per token (`--prompt` tokens, `logits_to_keep=1`,
+as generate() asks) over a prompt token's limit (`bench.limit`). `--clock cpu` (default with one thread)
+times the thread's CPU time, which a descheduled thread does not accrue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from modeling_gpn.bench import ReadProbe, build_gpn, one_token_step_fn, prefill_bytes, step_bytes
+
+SIDES = {"before (torch ops)": "0", "after (C step kernels)": "1"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", nargs="+", default=["small"])
+    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16", "int8"])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens of the prefill timing")
+    parser.add_argument("--steps", type=int, default=10, help="one-token steps per repeat")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--clock", choices=["cpu", "wall"], default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    clock = time.thread_time if (args.clock or ("cpu" if args.threads == 1 else "wall")) == "cpu" else time.perf_counter
+    print(f"threads {args.threads}, {'CPU' if clock is time.thread_time else 'wall'} clock, medians of {args.repeats} "
+          f"repeats ({args.steps} steps each; prefill of {args.prompt} tokens)\n")  # fmt: skip
+    print("| preset | weights | limit ms (MB, GB/s) | step ms before | after | prompt-token limit ms (MB) | "
+          "prefill ms/token before | after |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+    for preset in args.preset:
+        for dtype in args.dtype:
+            model = build_gpn(preset, dtype, "cpu", 0).eval()
+            ids = torch.randint(1, model.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
+            step = one_token_step_fn(model, 1, model.config.vocab_size, "cpu")
+            limit, prompt_limit = ReadProbe(step_bytes(model)), ReadProbe(prefill_bytes(model))
+            times = {key: [] for key in ("limit", "prompt limit", *[(s, k) for s in SIDES for k in ("step", "prefill")])}
+            for _ in range(args.repeats + 1):  # (the first repeat warms up and is dropped)
+                for side, setting in SIDES.items():
+                    os.environ["GPN_STEP_KERNELS"] = setting
+                    start = clock()
+                    for _ in range(args.steps):
+                        step()
+                    times[(side, "step")].append((clock() - start) / args.steps)
+                    with torch.no_grad():
+                        start = clock()
+                        model(ids, logits_to_keep=1, use_cache=False)  # (not taking over the step cache's scope)
+                        times[(side, "prefill")].append((clock() - start) / args.prompt)
+                for key, probe in (("limit", limit), ("prompt limit", prompt_limit)):
+                    start = clock()
+                    for _ in range(args.steps):
+                        probe()
+                    times[key].append((clock() - start) / args.steps)
+            os.environ["GPN_STEP_KERNELS"] = "1"
+            ms = {key: 1e3 * statistics.median(values[1:]) for key, values in times.items()}
+            ratio = lambda key, of: f"{ms[key]:.3f} ({ms[key] / ms[of]:.2f}x)"  # noqa: E731
+            before, after = SIDES
+            print(f"| {preset} | {dtype} | {ms['limit']:.3f} ({limit.nbytes / 1e6:.1f}, {limit.nbytes / ms['limit'] / 1e6:.0f}) | "
+                  f"{ratio((before, 'step'), 'limit')} | {ratio((after, 'step'), 'limit')} | "
+                  f"{ms['prompt limit']:.3f} ({prompt_limit.nbytes / 1e6:.1f}) | {ratio((before, 'prefill'), 'prompt limit')} | "
+                  f"{ratio((after, 'prefill'), 'prompt limit')} |", flush=True)  # fmt: skip
+            del model, step
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""The models `gpn bench` measures: a GPN preset (random weights, every matrix non-zero), a parameter-matched
+`LlamaForCausalLM`, in float32, bfloat16, or int8 (torchao's int8 weight-only quantization of the bfloat16
+model, every `nn.Linear` but a tied output head), and the arithmetic they do per token."""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES = ("float32", "bfloat16", "int8")
+
+
+def weight_dtype(name: str) -> torch.dtype:
+    """The dtype a model is built in for `--dtype name` (int8 quantizes a bfloat16 model)."""
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.bfloat16}[name]
+
+
+def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with every nn.Linear quantized by torchao's int8 weight-only config (int8 weights, one scale
+    per output row; activations stay in the model's dtype), in place. An output head tied to the input
+    embedding (a Llama's `lm_head`) is left as it is: quantizing it would untie it."""
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    except ImportError as error:
+        raise SystemExit(f"--dtype int8 needs torchao (pip install torchao): {error}") from None
+    tied = {id(model.get_output_embeddings())} if getattr(model.config, "tie_word_embeddings", False) else set()
+    quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and id(m) not in tied)
+    return model
+
+
+def build_gpn(preset: str, dtype: torch.dtype | str, device: str, segment_length: int):
+    """A GPN of `preset` (name or config JSON) in `dtype` ("int8": quantized, see `quantize_int8`)."""
+    from modeling_gpn import GPNForCausalLM
+    from modeling_gpn.configuration import load_preset
+
+    quantize = dtype == "int8"
+    if isinstance(dtype, str):
+        dtype = weight_dtype(dtype)
+    config = load_preset(preset)
+    config.bptt_segment_length = segment_length or None
+    torch.manual_seed(0)
+    model = GPNForCausalLM(config).to(device=device, dtype=dtype)
+    with torch.no_grad():  # the zero-initialised gates and outputs would make parts of the step trivial
+        for name, param in model.named_parameters():
+            if param.dim() == 2 and not param.any():
+                param.normal_(0, 0.02)
+    return quantize_int8(model) if quantize else model
+
+
+def matched_llama(gpn_config, params: int, dtype: torch.dtype | str, device: str):
+    """A LlamaForCausalLM with hidden = the GPN's embedding width, tied embeddings, and as many layers as
+    bring it closest to `params` parameters."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    quantize = dtype == "int8"
+    if isinstance(dtype, str):
+        dtype = weight_dtype(dtype)
+    hidden = gpn_config.embedding_size
+    inter = max(64, int(round(8 * hidden / 3 / 64)) * 64)
+    heads = max(1, hidden // 64)
+    per_layer = 4 * hidden * hidden + 3 * hidden * inter + 2 * hidden
+    layers = max(1, round((params - gpn_config.vocab_size * hidden - hidden) / per_layer))
+    config = LlamaConfig(
+        vocab_size=gpn_config.vocab_size, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=1 << 15,
+        tie_word_embeddings=True, attention_bias=False, mlp_bias=False, eos_token_id=None, bos_token_id=None,
+        pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(device=device, dtype=dtype)
+    return quantize_int8(model) if quantize else model
+
+
+def count_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def forward_flops_per_token(model, context: int) -> float:
+    """Multiply-adds x 2 of one token's forward pass (matmuls, memory, attention at a mean context)."""
+    config = model.config
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    embedding = model.get_input_embeddings().weight.numel()
+    if config.model_type == "gpn":
+        cells = config.memory_cells
+        return 2.0 * (linear + embedding) + (6 + 2 * config.num_predict_layers) * cells
+    if getattr(config, "tie_word_embeddings", False):
+        linear += embedding
+    return 2.0 * linear + 2.0 * config.num_hidden_layers * context * config.hidden_size

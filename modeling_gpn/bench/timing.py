@@ -1,0 +1,224 @@
+"""How `gpn bench` times and measures: medians of alternated repeats, peak memory, tokens through
+`generate()` with a timestamping streamer, a model's one-token step with its cache, and what the fast path
+ran on while a timing ran."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import statistics
+import threading
+import time
+
+import torch
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+class PeakMemory:
+    """Peak memory of a region: CUDA's allocator counter, or the peak RSS growth on CPU."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.peak = None
+
+    def __enter__(self):
+        gc.collect()
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+            return self
+        try:
+            import psutil
+        except ImportError:
+            self.process = None
+            return self
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except OSError:
+            pass
+        self.process = psutil.Process()
+        self.base = self.process.memory_info().rss
+        self.running, self.max_rss = True, self.base
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
+        return self
+
+    def _poll(self) -> None:
+        while self.running:
+            self.max_rss = max(self.max_rss, self.process.memory_info().rss)
+            time.sleep(0.002)
+
+    def __exit__(self, *exc):
+        if self.device.startswith("cuda"):
+            synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated()
+            return False
+        if self.process is not None:
+            self.running = False
+            self.thread.join()
+            self.max_rss = max(self.max_rss, self.process.memory_info().rss)
+            self.peak = self.max_rss - self.base
+        return False
+
+
+def timed_alternating(fns: dict, device: str, repeats: int, warm_up: bool = True) -> dict:
+    """Median seconds of each `fns[name]()` after one warm-up each (unless the caller ran it), the
+    implementations timed in turn within every repeat, so that a slow spell of a noisy machine hits all
+    of them alike."""
+    for fn in fns.values() if warm_up else ():
+        fn()
+        synchronize(device)
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def train_step_fn(model, kind: str, ids: torch.Tensor):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    model.train()
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        if kind == "llama":
+            loss = model(input_ids=ids, labels=ids).loss
+        else:
+            loss = model(input_ids=ids, labels=ids, return_logits=kind == "plain").loss
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+class TokenTimes:
+    """A generate() streamer that timestamps every put (the prompt first, then each new token)."""
+
+    def __init__(self, device: str):
+        self.device, self.stamps = device, []
+
+    def put(self, value) -> None:
+        synchronize(self.device)
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def cache_nbytes(cache) -> int:
+    if hasattr(cache, "nbytes") and callable(cache.nbytes):
+        return int(cache.nbytes())
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for name in ("keys", "values"):
+            tensor = getattr(layer, name, None)
+            if isinstance(tensor, torch.Tensor):
+                total += tensor.numel() * tensor.element_size()
+    return total
+
+
+class BackendProbe:
+    """What the fast path ran on while the block ran, from the Triton kernel launches, CUDA graph replays and
+    C step-kernel calls made meanwhile (`triton_kernels.launches`, `cuda_graphs.replays`,
+    `memory_kernels.calls`): "triton kernels in CUDA graphs", "triton kernels, no graphs", "c step kernels"
+    or "torch ops" (on CPU: with the C memory kernels where they are on, as the report's "GPN memory kernels"
+    says). The plain path and Llama launch none of them, so a block timing them beside the fast path still
+    tells the fast path's. Why: a failed self-check or a fallback runs the torch ops in silence, and their
+    figures must not pass for the kernels'."""
+
+    def __enter__(self):
+        from modeling_gpn import cuda_graphs, memory_kernels, triton_kernels
+
+        self.launches = sum(triton_kernels.launches.values())
+        self.replays = sum(cuda_graphs.replays.values())
+        self.steps = memory_kernels.calls["step"]
+        self.text = None
+        return self
+
+    def __exit__(self, *exc):
+        from modeling_gpn import cuda_graphs, memory_kernels, triton_kernels
+
+        launches = sum(triton_kernels.launches.values()) - self.launches
+        replays = sum(cuda_graphs.replays.values()) - self.replays
+        steps = memory_kernels.calls["step"] - self.steps
+        if replays:
+            self.text = f"triton kernels in CUDA graphs ({replays} replays, {launches} eager launches)"
+        elif launches:
+            self.text = f"triton kernels, no graphs ({launches} launches)"
+        elif steps:
+            self.text = f"c step kernels ({steps} steps)"
+        else:
+            self.text = "torch ops"
+        return False
+
+
+def generate_timings(model, prompt: torch.Tensor, args) -> tuple[float, list[float], int]:
+    """One greedy generate() call: (seconds to the first new token, gaps between the later tokens,
+    bytes of the cache it ended with)."""
+    device = args.device
+    streamer = TokenTimes(device)
+    synchronize(device)
+    start = time.perf_counter()
+    out = model.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=args.decode_tokens,
+        min_new_tokens=args.decode_tokens, do_sample=False, streamer=streamer, pad_token_id=0,
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    stamps = streamer.stamps  # [prompt, token 1, token 2, ...]
+    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    return stamps[1] - start, [b - a for a, b in zip(stamps[1:], stamps[2:])], cache_nbytes(cache)
+
+
+def memory_kernels_state(device: str) -> str:
+    """'on', or 'off (why)': whether the fast path ran the fused C memory kernels (CPU only)."""
+    from modeling_gpn import memory_kernels
+
+    if not device.startswith("cpu"):
+        return "off (CPU only)"
+    return "on" if memory_kernels.available() else f"off ({memory_kernels.unavailable_reason()})"
+
+
+def self_checks_state() -> dict:
+    """Every Triton self-check this process ran: {combination: "passed" or what differed} (`triton_kernels`)."""
+    from modeling_gpn import triton_kernels
+
+    return triton_kernels.self_check_summary()
+
+
+def release_reused_buffers(model) -> None:
+    """Free the memory buffers a GPN's training calls keep for the next call (`BufferPool`), so that a
+    peak-memory probe sees what a first call allocates."""
+    if hasattr(model, "model") and hasattr(model.model, "use_fast_path"):
+        from modeling_gpn.fast_recurrence import buffer_pool_of
+
+        buffer_pool_of(model.model).release()
+
+
+
+
+def one_token_step_fn(model, rows: int, vocab: int, device: str, prompt_length: int = 16):
+    """A call runs the model's one-token step at `rows` batch rows: a forward of one token with its cache
+    (`use_cache=True`, as a decode loop calls it; the cache advances every call), after a short prompt.
+    Without autograd, as decoding runs."""
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(1, vocab, (rows, prompt_length), generator=generator).to(device)
+    token = prompt[:, -1:]
+    def cache_of(output):
+        return getattr(output, "cache", None) or output.past_key_values
+
+    with torch.no_grad():
+        state = {"cache": cache_of(model(input_ids=prompt, use_cache=True, logits_to_keep=1))}
+
+    def step() -> None:
+        with torch.no_grad():
+            state["cache"] = cache_of(model(input_ids=token, cache=state["cache"], use_cache=True))
+
+    return step
