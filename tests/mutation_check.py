@@ -246,7 +246,7 @@ MUTATIONS = [
     ),
     Mutation(
         "older layout (gpn push refuses the top-level decoder keys)",
-        "modeling_gpn/hub/__init__.py",
+        "modeling_gpn/hub/checks.py",
         'name_in_model = f"model.{name}" if name not in expected and f"model.{name}" in expected else name',
         "name_in_model = name  # MUTATION",
         ("tests/test_output_layer.py -k older_layout",),
@@ -277,8 +277,8 @@ MUTATIONS = [
     ),
     Mutation(
         "FSDP checkpoint (the tied embedding stored under both names)",
-        "modeling_gpn/train/__init__.py",
-        "        _drop_tied_copies(weights, accelerator.unwrap_model(model))",
+        "modeling_gpn/train/checkpoints.py",
+        "        drop_tied_copies(weights, accelerator.unwrap_model(model))",
         "        pass  # MUTATION",
         ("tests/test_train.py -k two_process_fsdp",),
     ),

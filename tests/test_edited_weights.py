@@ -280,13 +280,9 @@ def test_a_decode_loop_sees_weights_changed_between_two_calls_on_one_cache(route
     calls that continue the same cache, the next call derives afresh and computes with the new weights (the fast
     path's logits and state equal the plain path's from the same state). With the guard reduced to "derive only
     when nothing was derived yet" (`self.key is None`), the kept fold of the old weights would be used."""
-    from modeling_gpn import recurrence_step
-
     from .paths import FAST_PATH, ran
 
-    folds = []
-    fold = recurrence_step.fold_weights
-    monkeypatch.setattr(recurrence_step, "fold_weights", lambda model: folds.append(1) or fold(model))
+    folds = counted_derivations(monkeypatch)  # a fold, or the C step kernels' plan of a few-row no-grad window
     model = perturbed_model(tiny_config(), seed=5).eval()
     out = model(token_ids(1, 5, seed=6), use_cache=True)
     cache = out.cache
