@@ -72,13 +72,15 @@ class GraphKernels(NamedTuple):
 
 
 def asked(model, training: bool = False) -> bool:
-    """Whether graphs are asked for: `model.use_cuda_graphs` or GPN_CUDA_GRAPHS=1 (GPN_CUDA_GRAPHS=inference
-    asks for the no-grad windows only, not for `training` ones). The dispatcher runs an unmasked window
+    """Whether graphs are asked for: `model.use_cuda_graphs` True or GPN_CUDA_GRAPHS=1 ("inference", as the
+    setting or the variable, asks for the no-grad windows only, not for `training` ones). The dispatcher runs an unmasked window
     through them when they are asked for and the Triton backend is selected and takes the model's sizes (on
     CUDA; on CPU only when forced through Triton's interpreter, where the same static steps run without a
     graph: the tests)."""
-    setting = os.environ.get("GPN_CUDA_GRAPHS")
-    return bool(getattr(model, "use_cuda_graphs", False) or setting == "1" or (setting == "inference" and not training))
+    setting = getattr(model, "use_cuda_graphs", False)
+    if setting is False or setting is None:
+        setting = os.environ.get("GPN_CUDA_GRAPHS")
+    return setting is True or setting == "1" or (setting == "inference" and not training)
 
 
 class StepsGraph:

@@ -153,15 +153,16 @@ class Backends(NamedTuple):
     # (`cuda_graphs.TrainingSweep`) or None
 
 
-def memory_backend(memory: torch.Tensor, *others: torch.Tensor, triton: bool = True) -> str:
+def memory_backend(memory: torch.Tensor, *others: torch.Tensor, triton: bool = True, c_kernels: bool = True) -> str:
     """Who runs the memory half of a step (and its gradient) for M (BH, dk, dv) and the other inputs:
     `TRITON` (`triton_kernels`: CUDA tensors with triton installed, unless GPN_TRITON=0; on CPU only when
     forced with GPN_TRITON=1 under TRITON_INTERPRET=1, as the tests do), else `C_KERNELS` (`memory_kernels`:
     float32 CPU tensors with a C compiler, unless GPN_MEMORY_KERNELS=0), else `TORCH_OPS` (the reference).
-    `triton=False`: not Triton (its self-check failed for these sizes and dtype)."""
+    `triton=False`: not Triton (its self-check failed for these sizes and dtype, or the model's `use_triton` is
+    off); `c_kernels=False`: not the C kernels (the model's `use_c_kernels` is off)."""
     if triton and triton_selected(memory, *others) and triton_usable_memory(memory, *others):
         return TRITON
-    if memory_kernels_usable(memory, *others):
+    if c_kernels and memory_kernels_usable(memory, *others):
         return C_KERNELS
     return TORCH_OPS
 
@@ -182,14 +183,16 @@ def choose_backends(model, U: torch.Tensor, p0: torch.Tensor, g0: torch.Tensor, 
     which the graphs' static steps do not). (Module wrappers, hooks and tracing were decided before: the
     plain path runs them, `GPNModel.recurrence_path`.)"""
     # (the kernels were checked against the torch ops for these sizes, dtype and device before: `self_check`)
-    triton = triton_selected(U) and triton_self_check_passed(s, matmul_dtype or model.fuse_gate.weight.dtype, U.device)
+    triton = model.use_triton and triton_selected(U)
+    triton = triton and triton_self_check_passed(s, matmul_dtype or model.fuse_gate.weight.dtype, U.device)
+    c_kernels = model.use_c_kernels
     step = TRITON if triton and triton_usable_steps(s, U, p0, g0, M0) else TORCH_OPS
-    if step == TORCH_OPS and step_kernels_fit(U, s, needs_grad, matmul_dtype, packed):
+    if step == TORCH_OPS and c_kernels and step_kernels_fit(U, s, needs_grad, matmul_dtype, packed):
         step = C_STEP
     step_backward = None
     if needs_grad:
         step_backward = TRITON if triton and triton_usable_backward_steps(s, U) else TORCH_OPS
-    memory = memory_backend(M0.view(-1, s.key_dim, s.value_dim), U, triton=triton) if s.memory else None
+    memory = memory_backend(M0.view(-1, s.key_dim, s.value_dim), U, triton=triton, c_kernels=c_kernels) if s.memory else None
     graphs = None
     graphs_possible = mask is None and not packed and triton and triton_sizes_fit(model.config)
     if graphs_possible and graphs_asked(model, training=needs_grad):

@@ -446,7 +446,7 @@ class GPNModel(GPNPreTrainedModel):
 
     def token_inputs(self, embeddings: torch.Tensor) -> torch.Tensor:
         """W_fuse rms(E[x]) for every position at once: the token side has no recurrence."""
-        return fast_project(self.fuse_proj, self.fuse_norm(embeddings), self.use_fast_path)  # (project; see decode)
+        return fast_project(self.fuse_proj, self.fuse_norm(embeddings), self.few_row_kernels())  # (project; see decode)
 
     def ground(self, predicted: torch.Tensor, token_input: torch.Tensor) -> torch.Tensor:
         """Step 1: g = sigmoid(W_fg rms(p) + b_fg) * p + W_fuse rms(E[x])."""
@@ -463,7 +463,7 @@ class GPNModel(GPNPreTrainedModel):
     def decoded(self, predicted_states: torch.Tensor) -> torch.Tensor:
         """Step 4 up to the output matrix: W_dec rms(p) (+ b_dec), in the output matrix's dtype (the embedding's)."""
         # (a few rows, as in decoding, on the fast path's kernels: `fast_recurrence.fast_project`)
-        decoded = fast_project(self.decode_proj, self.decode_norm(predicted_states), self.use_fast_path)
+        decoded = fast_project(self.decode_proj, self.decode_norm(predicted_states), self.few_row_kernels())
         dtype = self.embed_tokens.weight.dtype
         return decoded.to(dtype) if dtype.is_floating_point else decoded
 
@@ -494,7 +494,14 @@ class GPNModel(GPNPreTrainedModel):
         zeros = lambda *shape: torch.zeros(*shape, device=device, dtype=torch.float32)  # noqa: E731
         return zeros(batch_size, d), zeros(batch_size, d), zeros(*memory_shape)
 
-    use_fast_path: bool = True  # set False on a model (or its class) to run the plain loop
+    # The fast path's settings, one name each (docs/speed.md), set on a model (`model.model.use_c_kernels = False`)
+    # or on the class. (GPN_MEMORY_KERNELS, GPN_STEP_KERNELS, GPN_TRITON and GPN_CUDA_GRAPHS remain for tests
+    # and benchmarks: a kernel runs only where its setting and its variable both allow it.)
+    use_fast_path: bool = True  # False: the plain loop, which calls every module
+    use_c_kernels: bool = True  # CPU: the C step and memory kernels (built at first use with the system's cc)
+    use_triton: bool = True  # CUDA: the Triton kernels (after their self-check on the run's sizes)
+    use_cuda_graphs: bool | str = False  # True: windows without padding as CUDA graph replays; "inference": no-grad ones only
+
     last_recurrence_path: str | None = None  # "fast" or "plain": what the last eager call ran
     last_recurrence_backends = None  # on the fast path, the backends its last window ran (`fast_recurrence.Backends`)
 
@@ -502,6 +509,11 @@ class GPNModel(GPNPreTrainedModel):
     # after the recurrence on either path). (The segment layer, which only the plain path calls, is checked on
     # its own in `fast_path_blocker`.)
     _CALLED_CHILDREN = ("embed_tokens", "fuse_norm", "fuse_proj", "segment_layer", "decode_norm", "decode_proj")
+
+    def few_row_kernels(self) -> bool:
+        """Whether the products of a few rows outside the recurrence (the token and decoder projections, the logits
+        of a decoded token) may run on the C kernels (`fast_recurrence.fast_project`, `output_logits`)."""
+        return self.use_fast_path and self.use_c_kernels
 
     def fast_path_blocker(self) -> str | None:
         """Why the fast path cannot run on this model now, or None when it can.
@@ -963,7 +975,7 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         weight = getattr(head, "weight", None)
         if _is_plain_linear(head) and head.bias is None and not _has_forward_hooks(head) and type(weight) is nn.Parameter:
             # a plain tied head: F.linear, a few rows (decoding) on the fast path's kernels (`output_logits`)
-            return output_logits(hidden.float(), weight, self.model.use_fast_path)
+            return output_logits(hidden.float(), weight, self.model.few_row_kernels())
         if isinstance(weight, torch.Tensor) and weight.is_floating_point():
             hidden = hidden.to(weight.dtype)
         return head(hidden)

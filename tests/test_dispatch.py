@@ -9,7 +9,7 @@ import torch
 
 from modeling_gpn import fast_recurrence as fr
 
-from .conftest import perturbed_model, tiny_config
+from .conftest import perturbed_model, require_c_kernels, tiny_config
 from .test_fast_path import assert_same, memory_kernels, random_problem, run_recurrence  # noqa: F401 (a fixture)
 from .test_triton_kernels import launches, triton_on  # noqa: F401 (a fixture)
 
@@ -102,3 +102,31 @@ def test_triton_is_never_chosen_where_it_is_off(monkeypatch, setting):
     with torch.no_grad():
         model.model.recurrence(*random_problem(model, batch=2, length=2, mask_kind=None, seed=11)[:3])
     assert fr.TRITON not in model.model.last_recurrence_backends
+
+
+def test_each_fast_path_setting_turns_its_backend_off_and_changes_nothing_else(triton_on):
+    """The settings users may touch (`use_c_kernels`, `use_triton`, `use_cuda_graphs`, on the model): each one
+    off takes its backend out of the dispatcher's choice, and the window computes the same."""
+    require_c_kernels()
+    from modeling_gpn import cuda_graphs
+
+    model = perturbed_model(tiny_config(), seed=8).eval()
+    core = model.model
+    ids = torch.randint(0, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        on_triton = model(ids).logits  # (the fixture forces Triton through its interpreter on CPU)
+        assert core.last_recurrence_backends.step == fr.TRITON
+        core.use_triton = False
+        on_c_kernels = model(ids).logits
+        assert core.last_recurrence_backends == fr.Backends(fr.C_STEP, None, fr.C_KERNELS, None)
+        core.use_c_kernels = False
+        on_torch_ops = model(ids).logits
+        assert core.last_recurrence_backends == fr.Backends(fr.TORCH_OPS, None, fr.TORCH_OPS, None)
+    torch.testing.assert_close(on_c_kernels, on_triton, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(on_torch_ops, on_triton, rtol=1e-4, atol=1e-5)
+    # CUDA graphs: opt-in, for every window or ("inference") for the no-grad ones only
+    assert not cuda_graphs.asked(core) and not cuda_graphs.asked(core, training=True)
+    core.use_cuda_graphs = "inference"
+    assert cuda_graphs.asked(core) and not cuda_graphs.asked(core, training=True)
+    core.use_cuda_graphs = True
+    assert cuda_graphs.asked(core) and cuda_graphs.asked(core, training=True)
