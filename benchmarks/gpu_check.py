@@ -625,7 +625,7 @@ def main() -> int:
         print(json.dumps(summary(Path(args.summary)), indent=1, default=str))
         return 0
     if not torch.cuda.is_available():
-        print("no CUDA device: the GPU correctness checks did not run (see tests/test_triton_kernels.py for the "
+        print("no CUDA device: the GPU correctness checks did not run (see tests/fast_path/test_triton_kernels.py for the "
               "CPU-interpreter ones)", flush=True)  # fmt: skip
         return 2
     # every mode checks the kernels at the sizes it times before it times anything (each process keeps its

@@ -19,7 +19,7 @@
 # is skipped with a [SKIP] line, so the summary always comes back inside the device call.
 # Exit status: 0 all correctness checks passed and every stage ran; 1 something failed or was skipped (each
 # step says what); 2 no CUDA device: only the CPU-interpreter correctness tests ran
-# (tests/test_triton_kernels.py and tests/test_training_graphs.py), so nothing about the GPU was checked.
+# (tests/fast_path/test_triton_kernels.py and tests/fast_path/test_training_graphs.py), so nothing about the GPU was checked.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -33,7 +33,7 @@ save() { tar -czf "$OUT/gpu_check_results.tar.gz.part" -C "$RUN" . && mv "$OUT/g
 if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "gpu_check: no CUDA device here. Running only the CPU-interpreter correctness part"
   echo "(every Triton kernel against the torch ops, fast = plain on the Triton path) and exiting 2."
-  TRITON_INTERPRET=1 python3 -m pytest -q tests/test_triton_kernels.py tests/test_training_graphs.py
+  TRITON_INTERPRET=1 python3 -m pytest -q tests/fast_path/test_triton_kernels.py tests/fast_path/test_training_graphs.py
   echo "gpu_check: exit 2 (no CUDA device: the GPU checks and benchmarks did not run)"
   exit 2
 fi

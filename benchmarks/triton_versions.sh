@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The Triton kernels against several triton releases, one after another in one scratch venv: for each
-# version, the Triton tests through the CPU interpreter (tests/test_triton_kernels.py and
-# tests/test_training_graphs.py: every kernel = the torch ops, fast path on the kernels = the plain loop)
+# version, the Triton tests through the CPU interpreter (tests/fast_path/test_triton_kernels.py and
+# tests/fast_path/test_training_graphs.py: every kernel = the torch ops, fast path on the kernels = the plain loop)
 # and benchmarks/triton_compile_check.py (every kernel compiled for sm_90 by that release's own compiler
 # and ptxas, then every launch of a 130M training step as its JIT binds it on a GPU). No GPU needed.
 #
@@ -52,7 +52,7 @@ for version in "${versions[@]}"; do
   export TRITON_CACHE_DIR="$log.cache"
 
   start=$SECONDS
-  TRITON_INTERPRET=1 python -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_training_graphs.py \
+  TRITON_INTERPRET=1 python -m pytest -q -p no:cacheprovider tests/fast_path/test_triton_kernels.py tests/fast_path/test_training_graphs.py \
     > "$log.tests.txt" 2>&1
   tests_code=$?
   tests_seconds=$((SECONDS - start))

@@ -702,7 +702,7 @@ BUILD_TIMEOUT_S = 60.0  # default bound on one compiler run (`GPN_KERNEL_BUILD_T
 _lock = threading.Lock()
 _library: Optional[ctypes.CDLL] = None
 _failure: Optional[str] = None
-calls: Counter = Counter()  # kernel calls so far, by kernel (tests/paths.py: a test of the kernels asserts they ran)
+calls: Counter = Counter()  # kernel calls so far, by kernel (tests/backend_observer.py: a test of the kernels asserts they ran)
 
 
 class KernelWarning(UserWarning):

@@ -327,7 +327,7 @@ class GPNPreTrainedModel(PreTrainedModel):
     # `decode_proj.*` beside `model.*`). They load as they are, with or without remote code: transformers resolves
     # each checkpoint key with or without the base-model prefix (`model.`) to the name the model has, the rule that
     # loads a causal LM from a base model's folder, and the decoder kept its module names inside `GPNModel`. No
-    # renaming is recorded, so such a model is saved in the current layout (tests/test_output_layer.py).
+    # renaming is recorded, so such a model is saved in the current layout (tests/model/test_output_layer.py).
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """`PreTrainedModel.save_pretrained`, with an `auto_map` naming every auto class a GPN serves.
@@ -597,7 +597,7 @@ class GPNModel(GPNPreTrainedModel):
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]:
         """The time loop: `fast_recurrence.fast_recurrence` when `recurrence_path()` is "fast", else `recurrence_plain`.
 
-        Both compute the same function with the same gradients (tests/test_fast_path.py). The plain path
+        Both compute the same function with the same gradients (tests/fast_path/test_fast_path.py). The plain path
         runs when `use_fast_path` is False, under torch.compile / torch.export, and whenever a module the
         fast path would fold is wrapped, replaced or hooked (`fast_path_blocker`); `last_recurrence_path`
         says which ran. `sequence_starts` (batch, seq) bool: reset the state to zero before these positions

@@ -22,7 +22,7 @@ Kernels (contracts are those of the named torch functions in `recurrence_step`):
 When they run (`selected`): on CUDA tensors when triton imports, unless `GPN_TRITON=0`; on CPU only when
 forced with `GPN_TRITON=1` *and* Triton's interpreter is on (`TRITON_INTERPRET=1`, which Triton reads when
 it decorates a function, and importing torch already imports triton.language: set it before Python starts,
-as tests/conftest.py does), which is how the tests run them without a GPU. Every kernel
+as tests/environment.py does), which is how the tests run them without a GPU. Every kernel
 also checks its inputs (`usable_*`: float32, contiguous where needed, sizes within the block limits) and the
 step falls back to the torch ops when they do not fit, never computing garbage.
 

@@ -46,9 +46,9 @@ class Mutation:
 
 
 FAST_PATH_TESTS = (
-    "tests/test_fast_path.py -k (fast_equals_plain_outputs and 7-holes) or inference_fast_path or generate_fast or truncation or segmented",
-    "tests/test_triton_kernels.py::test_inference_on_the_triton_path_equals_plain",
-    "tests/test_training_graphs.py::test_what_the_sweep_does_not_take_runs_the_fast_path",
+    "tests/fast_path/test_fast_path.py -k (fast_equals_plain_outputs and 7-holes) or inference_fast_path or generate_fast or truncation or segmented",
+    "tests/fast_path/test_triton_kernels.py::test_inference_on_the_triton_path_equals_plain",
+    "tests/fast_path/test_training_graphs.py::test_what_the_sweep_does_not_take_runs_the_fast_path",
 )
 
 MUTATIONS = [
@@ -72,8 +72,8 @@ MUTATIONS = [
         "    if torch.compiler.is_compiling():\n        return False\n    return all(",
         "    if True:  # MUTATION\n        return False\n    return all(",
         (
-            "tests/test_fast_path.py -k memory-kernels and (7-holes or nan or segmented)",
-            "tests/test_kernel_safety.py -k memory-kernels and (inference_and_cached or backward_called or chunked)",
+            "tests/fast_path/test_fast_path.py -k memory-kernels and (7-holes or nan or segmented)",
+            "tests/fast_path/test_kernel_safety.py -k memory-kernels and (inference_and_cached or backward_called or chunked)",
         ),
     ),
     Mutation(
@@ -81,14 +81,14 @@ MUTATIONS = [
         "modeling_gpn/fast_recurrence.py",
         "    return step_kernels_enabled() and memory_kernels_usable(U)",
         "    return False  # MUTATION",
-        ("tests/test_step_kernels.py -k plain_loop or variant or quantization_error or gpn_generate",),
+        ("tests/fast_path/test_step_kernels.py -k plain_loop or variant or quantization_error or gpn_generate",),
     ),
     Mutation(
         "prepacking (packing fails and falls back to the plain matmul)",
         "modeling_gpn/recurrence_step.py",
         "        self.matrix = matrix\n        self.packed = ",
         '        raise RuntimeError("MUTATION: no prepacking")\n        self.matrix = matrix\n        self.packed = ',
-        ("tests/test_fast_path.py::test_prepacked_matrices_match_the_plain_matmul",),
+        ("tests/fast_path/test_fast_path.py::test_prepacked_matrices_match_the_plain_matmul",),
     ),
     Mutation(
         "Triton path (never selected)",
@@ -96,9 +96,9 @@ MUTATIONS = [
         'setting = os.environ.get("GPN_TRITON", "auto")',
         'setting = "0"  # MUTATION',
         (
-            "tests/test_triton_kernels.py -k (fast_equals_plain_on_the_triton_path and gpn+m- and holes) or padded_training_batch or inference_on_the_triton",
-            "tests/test_training_graphs.py::test_what_the_sweep_does_not_take_runs_the_fast_path",
-            "tests/test_training_graphs.py -k training_sweep_equals and gpn+m-None",
+            "tests/fast_path/test_triton_kernels.py -k (fast_equals_plain_on_the_triton_path and gpn+m- and holes) or padded_training_batch or inference_on_the_triton",
+            "tests/fast_path/test_training_graphs.py::test_what_the_sweep_does_not_take_runs_the_fast_path",
+            "tests/fast_path/test_training_graphs.py -k training_sweep_equals and gpn+m-None",
         ),
     ),
     Mutation(
@@ -107,8 +107,8 @@ MUTATIONS = [
         "if wants_loss and not return_logits:",
         "if False:  # MUTATION",
         (
-            "tests/test_fast_path.py::test_causal_lm_loss_and_gradients_with_chunked_loss",
-            "tests/test_kernel_safety.py -k chunked_loss_under_autocast",
+            "tests/fast_path/test_fast_path.py::test_causal_lm_loss_and_gradients_with_chunked_loss",
+            "tests/fast_path/test_kernel_safety.py -k chunked_loss_under_autocast",
         ),
     ),
     Mutation(
@@ -116,42 +116,42 @@ MUTATIONS = [
         "modeling_gpn/modeling_gpn.py",
         "state = cache.get_state() if cache is not None else None",
         "state = None  # MUTATION",
-        ("tests/test_cache_and_padding.py -k full_equals_token_by_token and (63 or 200)",),
+        ("tests/model/test_cache_and_padding.py -k full_equals_token_by_token and (63 or 200)",),
     ),
     Mutation(
         "derived weights re-derived when the parameters change within one cache's life (kept fold reused)",
         "modeling_gpn/derived_weights.py",
         "if key != self.key:",
         "if self.key is None:  # MUTATION",
-        ("tests/test_edited_weights.py -k changed_between_two_calls_on_one_cache",),
+        ("tests/fast_path/test_edited_weights.py -k changed_between_two_calls_on_one_cache",),
     ),
     Mutation(
         "the read fingerprint follows beam search's reordering (it stays in place)",
         "modeling_gpn/cache.py",
         "        self.fingerprint.select_rows(lambda rows: rows.index_select(0, beam_idx.to(rows.device)))",
         "        pass  # MUTATION",
-        ("tests/test_generate.py::test_beam_search_reorders_what_each_cache_row_has_read",),
+        ("tests/model/test_generate.py::test_beam_search_reorders_what_each_cache_row_has_read",),
     ),
     Mutation(
         "hub refusal names the field (the loader's error dropped)",
         "modeling_gpn/hub/checks.py",
         'f"{path} does not load as a GPNConfig: {error}"',
         'f"{path} does not load as a GPNConfig"  # MUTATION',
-        ("tests/test_hub.py::test_refusals_name_the_problem",),
+        ("tests/tools/test_hub.py::test_refusals_name_the_problem",),
     ),
     Mutation(
         "LAMBADA hits scored (the paper's accuracies always 0)",
         "eval/protocols.py",
         '"acc": sum(s.target_is_top1[0] for s in scores) / n,',
         '"acc": 0.0,  # MUTATION',
-        ("tests/test_eval.py -k lambada_paper_metrics_match_a_hand",),
+        ("tests/ecosystem/test_eval.py -k lambada_paper_metrics_match_a_hand",),
     ),
     Mutation(
         "LAMBADA whole-word hits scored (always 0)",
         "eval/protocols.py",
         '"acc_whole_word": sum(all(s.target_is_top1) for s in scores) / n,',
         '"acc_whole_word": 0.0,  # MUTATION',
-        ("tests/test_eval.py -k lambada_openai_matches_the_paper",),
+        ("tests/ecosystem/test_eval.py -k lambada_openai_matches_the_paper",),
     ),
     Mutation(
         "hostile pickles run nothing (the payload runs, then the refusal)",
@@ -160,8 +160,8 @@ MUTATIONS = [
         "    try:  # MUTATION\n        __import__('pickle').loads(data)\n    except Exception:\n        pass\n"
         "    try:\n        checkpoint = RestrictedUnpickler(",
         (
-            "tests/test_faults_io.py -k hostile_pickles and (os-system or eval or inst-opcode)",
-            "tests/test_config_and_conversion.py::test_foreign_object_in_pickle_is_refused",
+            "tests/tools/test_faults_io.py -k hostile_pickles and (os-system or eval or inst-opcode)",
+            "tests/model/test_config_and_conversion.py::test_foreign_object_in_pickle_is_refused",
         ),
     ),
     Mutation(
@@ -170,8 +170,8 @@ MUTATIONS = [
         "            last_hidden_state=decoded,\n",
         "            last_hidden_state=predicted_states,  # MUTATION\n",
         (
-            "tests/test_output_layer.py -k base_model_ends_with_the_decoder",
-            "tests/test_trl.py -k fused_head_log_probs",
+            "tests/model/test_output_layer.py -k base_model_ends_with_the_decoder",
+            "tests/ecosystem/test_trl.py -k fused_head_log_probs",
         ),
     ),
     Mutation(
@@ -180,9 +180,9 @@ MUTATIONS = [
         "        return self.model.embed_tokens if self.output_follows_embedding() else self.lm_head\n",
         "        return None  # MUTATION\n",
         (
-            "tests/test_output_layer.py -k peft_all_linear or base_model_ends_with_the_decoder",
-            "tests/test_trl.py -k fused_head_log_probs or sft_trainer_trains or dpo or grpo",
-            "tests/test_packed.py -k trl_sft",
+            "tests/model/test_output_layer.py -k peft_all_linear or base_model_ends_with_the_decoder",
+            "tests/ecosystem/test_trl.py -k fused_head_log_probs or sft_trainer_trains or dpo or grpo",
+            "tests/model/test_packed.py -k trl_sft",
         ),
     ),
     Mutation(
@@ -191,8 +191,8 @@ MUTATIONS = [
         "            predicted_states=predicted_states if output_predicted_states else None,\n",
         "            predicted_states=None,  # MUTATION\n",
         (
-            "tests/test_output_layer.py -k predicted_state_is_one_argument_away",
-            "tests/test_reference.py -k logits_states_and_loss_match_reference",
+            "tests/model/test_output_layer.py -k predicted_state_is_one_argument_away",
+            "tests/model/test_reference.py -k logits_states_and_loss_match_reference",
         ),
     ),
     Mutation(
@@ -201,8 +201,8 @@ MUTATIONS = [
         "            hidden_states=(embeddings, decoded) if output_hidden_states else None,\n",
         "            hidden_states=(predicted_states,) if output_hidden_states else None,  # MUTATION\n",
         (
-            "tests/test_output_layer.py -k hidden_states_follow",
-            "tests/test_transformers_common.py -k test_hidden_states_output",
+            "tests/model/test_output_layer.py -k hidden_states_follow",
+            "tests/ecosystem/test_transformers_common.py -k test_hidden_states_output",
         ),
     ),
     Mutation(
@@ -211,9 +211,9 @@ MUTATIONS = [
         "        return _is_plain_linear(self.lm_head) and not _is_plain_embedding(self.model.embed_tokens)\n",
         "        return False  # MUTATION\n",
         (
-            "tests/test_output_layer.py -k wrapped_embedding_is_followed or chunked_loss_reads_the_head",
-            "tests/test_trl.py -k refuses_an_adapter_on_the_tied_output",
-            "tests/test_ecosystem.py -k peft_lora_trains_saves_reloads_and_merges",
+            "tests/model/test_output_layer.py -k wrapped_embedding_is_followed or chunked_loss_reads_the_head",
+            "tests/ecosystem/test_trl.py -k refuses_an_adapter_on_the_tied_output",
+            "tests/ecosystem/test_ecosystem.py -k peft_lora_trains_saves_reloads_and_merges",
         ),
     ),
     Mutation(
@@ -221,35 +221,35 @@ MUTATIONS = [
         "modeling_gpn/modeling_gpn.py",
         "        head, embedding = self.lm_head, self.model.embed_tokens\n        if (\n",
         "        return  # MUTATION\n        head, embedding = self.lm_head, self.model.embed_tokens\n        if (\n",
-        ("tests/test_output_layer.py -k replaced_without_tying",),
+        ("tests/model/test_output_layer.py -k replaced_without_tying",),
     ),
     Mutation(
         "output layer (the head is not tied: no _tied_weights_keys)",
         "modeling_gpn/modeling_gpn.py",
         '    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}\n',
         "    _tied_weights_keys = None  # MUTATION\n",
-        ("tests/test_output_layer.py -k resize_token_embeddings or base_model_ends_with_the_decoder",),
+        ("tests/model/test_output_layer.py -k resize_token_embeddings or base_model_ends_with_the_decoder",),
     ),
     Mutation(
         "output layer (the chunked loss reads a hooked head's weight)",
         "modeling_gpn/modeling_gpn.py",
         "        if _has_forward_hooks(head) and not _is_fsdp_module(head):\n",
         "        if False:  # MUTATION\n",
-        ("tests/test_output_layer.py -k chunked_loss_reads_the_head",),
+        ("tests/model/test_output_layer.py -k chunked_loss_reads_the_head",),
     ),
     Mutation(
         "output layer (the chunked prefill's loss reads lm_head's weight, whatever wraps it)",
         "modeling_gpn/prefill.py",
         "        output_matrix = model.output_matrix()  # None: only calling the (wrapped) head gives the logits\n",
         "        output_matrix = model.lm_head.weight  # MUTATION\n",
-        ("tests/test_output_layer.py -k chunked_loss_reads_the_head",),
+        ("tests/model/test_output_layer.py -k chunked_loss_reads_the_head",),
     ),
     Mutation(
         "older layout (gpn push refuses the top-level decoder keys)",
         "modeling_gpn/hub/checks.py",
         'name_in_model = f"model.{name}" if name not in expected and f"model.{name}" in expected else name',
         "name_in_model = name  # MUTATION",
-        ("tests/test_output_layer.py -k older_layout",),
+        ("tests/model/test_output_layer.py -k older_layout",),
     ),
     Mutation(
         "sequence classification (scored at the first token, not each row's last real one)",
@@ -257,8 +257,8 @@ MUTATIONS = [
         "        return torch.where(last < 0, seq_len - 1, last)\n",
         "        return torch.zeros_like(last)  # MUTATION\n",
         (
-            "tests/test_trl.py -k reward_trainer or sequence_classification",
-            "tests/test_output_layer.py -k sequence_classification_scores",
+            "tests/ecosystem/test_trl.py -k reward_trainer or sequence_classification",
+            "tests/model/test_output_layer.py -k sequence_classification_scores",
         ),
     ),
     Mutation(
@@ -266,28 +266,28 @@ MUTATIONS = [
         "modeling_gpn/modeling_gpn.py",
         "        if attention_mask is not None:\n            real = attention_mask[:, -seq_len:].bool()\n        elif",
         "        if False:  # MUTATION\n            real = attention_mask[:, -seq_len:].bool()\n        elif",
-        ("tests/test_trl.py -k reward_trainer", "tests/test_output_layer.py -k sequence_classification_scores"),
+        ("tests/ecosystem/test_trl.py -k reward_trainer", "tests/model/test_output_layer.py -k sequence_classification_scores"),
     ),
     Mutation(
         "packed SFT (the state not reset where a packed sequence starts)",
         "modeling_gpn/modeling_gpn.py",
         "packed_sequence_starts(batch_size, seq_len, mask, **packing, device=embeddings.device) if packing else None",
         "None  # MUTATION",
-        ("tests/test_packed.py -k trl_sft",),
+        ("tests/model/test_packed.py -k trl_sft",),
     ),
     Mutation(
         "FSDP checkpoint (the tied embedding stored under both names)",
         "modeling_gpn/train/checkpoints.py",
         "        drop_tied_copies(weights, accelerator.unwrap_model(model))",
         "        pass  # MUTATION",
-        ("tests/test_train.py -k two_process_fsdp",),
+        ("tests/tools/test_train.py -k two_process_fsdp",),
     ),
     Mutation(
         "converted folder loadable (a weight left out of the saved folder)",
         "conversion/reference.py",
         "        model.save_pretrained(out)\n",
         "        model.save_pretrained(out, state_dict={k: v for k, v in model.state_dict().items() if 'A_log' not in k})  # MUTATION\n",
-        ("tests/test_config_and_conversion.py::test_gpn_convert_command_writes_a_loadable_folder",),
+        ("tests/model/test_config_and_conversion.py::test_gpn_convert_command_writes_a_loadable_folder",),
     ),
 ]
 

@@ -1,0 +1,754 @@
+"""The tools a transformers user reaches for, run for real on a tiny GPN (issue 14).
+
+Trainer with gradient accumulation, the arguments transformers' own causal LMs take
+(`num_items_in_batch`, `shift_labels`, `past_key_values`, generate()'s `tokenizer`), PEFT LoRA, forward
+hooks and replaced modules (which must never be skipped by the fast path), gradient checkpointing,
+torch.export and torch.compile(fullgraph=True), remote code for every auto class, and generation
+continued from a returned cache.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..subprocesses import BLOCK_PACKAGE, run_python
+from ..tiny_models import perturbed_model, tiny_config
+
+VOCAB = 97
+
+
+def token_ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(1, VOCAB, (batch, length), generator=generator)
+
+
+def ragged_labels(ids: torch.Tensor) -> torch.Tensor:
+    """Labels with a different number of ignored (-100) positions per row, so a mean of means is wrong."""
+    labels = ids.clone()
+    for row in range(labels.shape[0]):
+        labels[row, : 1 + 2 * row] = -100
+    return labels
+
+
+def token_mean_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The causal LM loss by hand: mean over every counted target of the batch."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1), ignore_index=-100)
+
+
+def logits_of(model, ids, **kwargs) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False, **kwargs).logits
+
+
+def recurrence_path(model) -> str:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.model.last_recurrence_path
+
+
+# --------------------------------------------------------------------------------------------------
+# 1. What transformers passes to forward
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("return_logits", [True, False], ids=["logits", "chunked"])
+def test_num_items_in_batch_makes_gradient_accumulation_exact(return_logits):
+    model = perturbed_model(tiny_config()).train()
+    ids = token_ids(4, 9)
+    labels = ragged_labels(ids)
+    count = int((labels[:, 1:] != -100).sum())
+
+    model.zero_grad()
+    full = model(ids, labels=labels, return_logits=return_logits).loss
+    full.backward()
+    full_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    model.zero_grad()
+    halves = []
+    for rows in (slice(0, 1), slice(1, 4)):  # uneven micro-batches with uneven token counts
+        loss = model(ids[rows], labels=labels[rows], num_items_in_batch=torch.tensor(count), return_logits=return_logits).loss
+        loss.backward()
+        halves.append(loss.detach())
+    torch.testing.assert_close(sum(halves), full.detach(), rtol=1e-5, atol=1e-6)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, full_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    # An int works too, and a micro-batch with nothing to count gives 0, not nan
+    nothing = torch.full_like(labels[:1], -100)
+    assert model(ids[:1], labels=nothing, num_items_in_batch=count, return_logits=return_logits).loss.item() == 0.0
+
+
+@pytest.mark.parametrize("return_logits", [True, False], ids=["logits", "chunked"])
+def test_shift_labels_are_the_targets_of_each_position(return_logits):
+    model = perturbed_model(tiny_config())
+    ids = token_ids(2, 8)
+    labels = ragged_labels(ids)
+    logits = logits_of(model, ids)
+    shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]  # what transformers' loss utils and Trainer build
+    with torch.no_grad():
+        from_labels = model(ids, labels=labels, return_logits=return_logits).loss
+        from_shift = model(ids, shift_labels=shifted, return_logits=return_logits).loss
+        both = model(ids, labels=torch.zeros_like(labels), shift_labels=shifted, return_logits=return_logits).loss
+    torch.testing.assert_close(from_shift, from_labels)
+    torch.testing.assert_close(both, from_labels)  # shift_labels take precedence, as in transformers
+    # A context-parallel shard's last position has a real target (the next shard's first token)
+    real_last = shifted.clone()
+    real_last[:, -1] = 5
+    expected = F.cross_entropy(logits.reshape(-1, VOCAB), real_last.reshape(-1), ignore_index=-100)
+    with torch.no_grad():
+        got = model(ids, shift_labels=real_last, return_logits=return_logits).loss
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="shift_labels must have shape"):
+        model(ids, shift_labels=shifted[:, 1:])
+
+
+def test_past_key_values_is_an_alias_of_cache():
+    model = perturbed_model(tiny_config())
+    ids = token_ids(2, 9)
+    full = logits_of(model, ids)
+    with torch.no_grad():
+        cache = model(ids[:, :5], use_cache=True).cache
+        with pytest.warns(FutureWarning, match="past_key_values"):
+            rest = model(ids[:, 5:], past_key_values=cache, use_cache=True)
+        hidden = model.model(ids[:, :5], use_cache=True).cache
+        with pytest.warns(FutureWarning):
+            rest_hidden = model.model(ids[:, 5:], past_key_values=hidden).last_hidden_state
+    torch.testing.assert_close(rest.logits, full[:, 5:], rtol=1e-5, atol=1e-5)
+    assert rest.cache is cache and cache.get_seq_length() == 9
+    torch.testing.assert_close(model.lm_head(rest_hidden), full[:, 5:], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="not both"):
+        model(ids, cache=cache, past_key_values=cache)
+
+
+def test_wrong_arguments_are_refused_by_name():
+    model = perturbed_model(tiny_config())
+    ids = token_ids(2, 6)
+    with pytest.raises(TypeError, match=r"unexpected arguments: \['tokenizr'\]"):
+        model(ids, tokenizr=None)
+    # (packed batches, `cu_seq_lens_*` / `seq_idx` / restarting `position_ids`: tests/model/test_packed.py)
+    # Ordinary position ids, and left padding as generate() numbers it, are accepted and ignored
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    torch.testing.assert_close(
+        logits_of(model, ids, attention_mask=mask, position_ids=positions), logits_of(model, ids, attention_mask=mask)
+    )
+
+
+@pytest.fixture(scope="module")
+def bpe_tokenizer():
+    from modeling_gpn.data import train_bpe_tokenizer
+
+    text = ["the cat sat on the mat. the dog sat on the log.", "once upon a time there was a cat and a dog."] * 20
+    return train_bpe_tokenizer(text, vocab_size=300)
+
+
+def test_generate_with_stop_strings_and_tokenizer_stops(bpe_tokenizer):
+    tokenizer = bpe_tokenizer
+    model = perturbed_model(tiny_config(vocab_size=len(tokenizer), eos_token_id=None), seed=3)
+    prompt = tokenizer("the cat", return_tensors="pt").input_ids
+    free = model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    new_tokens = free[0, prompt.shape[1] :]
+    stop_at = 4  # stop on the text of the 4th generated token (the first time it appears)
+    stop_string = tokenizer.decode(new_tokens[stop_at - 1 : stop_at])
+    assert stop_string.strip(), "the chosen stop string must be visible text"
+    first = next(i for i in range(len(new_tokens)) if stop_string in tokenizer.decode(new_tokens[: i + 1]))
+    stopped = model.generate(
+        prompt, max_new_tokens=12, do_sample=False, pad_token_id=0, stop_strings=[stop_string], tokenizer=tokenizer
+    )
+    assert stopped.shape[1] == prompt.shape[1] + first + 1 < free.shape[1]
+    assert torch.equal(stopped[0], free[0, : stopped.shape[1]])
+    assert tokenizer.decode(stopped[0, prompt.shape[1] :]).endswith(stop_string)
+
+
+# --------------------------------------------------------------------------------------------------
+# 6. Continuing generation from a returned cache with the full sequence
+# --------------------------------------------------------------------------------------------------
+
+
+def test_generation_continued_with_the_full_sequence_and_its_cache_matches_one_run():
+    model = perturbed_model(tiny_config(eos_token_id=None))
+    prompt = token_ids(2, 5, seed=4)
+    mask = torch.ones_like(prompt)
+    mask[1, :2] = 0  # a left-padded row
+    settings = dict(do_sample=False, pad_token_id=0)
+    whole = model.generate(prompt, attention_mask=mask, max_new_tokens=10, **settings)
+
+    first = model.generate(prompt, attention_mask=mask, max_new_tokens=4, return_dict_in_generate=True, **settings)
+    cache = first.cache
+    assert cache is first.past_key_values and cache.get_seq_length() == prompt.shape[1] + 3
+    full_mask = torch.cat([mask, torch.ones(2, 4, dtype=mask.dtype)], dim=1)
+    continued = model.generate(first.sequences, attention_mask=full_mask, cache=cache, max_new_tokens=6, **settings)
+    assert torch.equal(continued, whole)
+
+    # The new tokens alone, with a mask over the full sequence, are fed as they are
+    again = model.generate(prompt, attention_mask=mask, max_new_tokens=4, return_dict_in_generate=True, **settings)
+    seen = again.cache.get_seq_length()
+    tail = model.generate(again.sequences[:, seen:], attention_mask=full_mask, cache=again.cache, max_new_tokens=6, **settings)
+    assert torch.equal(tail, whole[:, seen:])
+
+    # The positions the cache has read, again and nothing new: a recurrent state cannot be rolled back
+    again = model.generate(prompt, attention_mask=mask, max_new_tokens=4, return_dict_in_generate=True, **settings)
+    read = again.sequences[:, : again.cache.get_seq_length()]
+    with pytest.raises(ValueError, match="cannot be rolled back"):
+        model.generate(read, attention_mask=full_mask[:, : read.shape[1]], cache=again.cache, max_new_tokens=2, **settings)
+
+
+def test_generation_continued_with_only_the_new_positions_as_mamba_matches_one_run():
+    """transformers' recurrent models (Mamba) continue from a cache given only the new positions, without a
+    mask over the whole sequence, even when they outnumber the positions the cache has read: the cache's
+    fingerprint of what it read tells them from the whole sequence (lengths alone cannot)."""
+    model = perturbed_model(tiny_config(eos_token_id=None))
+    settings = dict(do_sample=False, pad_token_id=0)
+    prompt = token_ids(2, 3, seed=5)
+    first = model.generate(prompt, max_new_tokens=2, return_dict_in_generate=True, **settings)
+    seen = first.cache.get_seq_length()
+    assert seen == 4  # the prompt and the first generated token; the last one is not read yet
+    extra = token_ids(2, 5, seed=6)
+    whole = model.generate(torch.cat([first.sequences, extra], dim=1), max_new_tokens=4, **settings)
+
+    new_positions = torch.cat([first.sequences[:, seen:], extra], dim=1)  # 6 positions, more than the 4 read
+    continued = model.generate(new_positions, cache=first.cache, max_new_tokens=4, **settings)
+    assert torch.equal(continued, whole[:, seen:])
+
+    # fewer new positions than read (one, as decoding feeds them) are new positions too
+    fresh = model.generate(prompt, max_new_tokens=2, return_dict_in_generate=True, **settings)
+    got = model.generate(fresh.sequences[:, seen:], cache=fresh.cache, max_new_tokens=3, **settings)
+    expected = model.generate(prompt, max_new_tokens=5, **settings)
+    assert torch.equal(got, expected[:, seen:])
+
+
+def test_continuing_generation_refuses_what_it_cannot_tell_apart():
+    model = perturbed_model(tiny_config(eos_token_id=None))
+    settings = dict(do_sample=False, pad_token_id=0)
+    prompt = token_ids(2, 3, seed=5)
+
+    def cache_after_prompt(**inputs):
+        return model.generate(**inputs, max_new_tokens=1, return_dict_in_generate=True, **settings).cache
+
+    longer = token_ids(2, 6, seed=8)
+    # inputs_embeds: nothing to fingerprint, and more positions than read
+    embeds = model.get_input_embeddings()(longer).detach()
+    with pytest.raises(ValueError, match="inputs_embeds"):
+        model.generate(inputs_embeds=embeds, cache=cache_after_prompt(input_ids=prompt), max_new_tokens=2, **settings)
+    # ...unless the mask says they are the new positions
+    mask = torch.ones(2, 3 + 6, dtype=torch.long)
+    model.generate(inputs_embeds=embeds, attention_mask=mask, cache=cache_after_prompt(input_ids=prompt), max_new_tokens=2, **settings)
+
+    # a cache that read embeddings has no record of what it read
+    filled_from_embeddings = cache_after_prompt(inputs_embeds=model.get_input_embeddings()(prompt).detach())
+    assert filled_from_embeddings.read_fingerprint() is None
+    with pytest.raises(ValueError, match="without a record"):
+        model.generate(longer, cache=filled_from_embeddings, max_new_tokens=2, **settings)
+
+    # rows that disagree: one begins with what its row read, the other does not
+    mixed = torch.cat([prompt, longer[:, :3]], dim=1)
+    mixed[1, :3] = (prompt[1] + 1) % 97
+    with pytest.raises(ValueError, match="begin with what the cache read"):
+        model.generate(mixed, cache=cache_after_prompt(input_ids=prompt), max_new_tokens=2, **settings)
+
+    # a mask that covers neither the given positions nor the whole sequence
+    with pytest.raises(ValueError, match="must cover"):
+        model.generate(longer, attention_mask=torch.ones(2, 7, dtype=torch.long), cache=cache_after_prompt(input_ids=prompt), max_new_tokens=2, **settings)
+
+
+def test_as_many_positions_as_read_without_a_record_are_refused_not_misread():
+    """A cache that does not know what it read (it read embeddings), given exactly as many positions as it has
+    read, cannot tell them from the whole sequence with nothing new (which must not be fed again); nor can
+    embeddings of that length. Both are refused, saying what to pass (the new positions with a mask over the
+    whole sequence), and that call then continues as one uninterrupted run."""
+    model = perturbed_model(tiny_config(eos_token_id=None))
+    settings = dict(do_sample=False, pad_token_id=0)
+    prompt, new = token_ids(2, 3, seed=5), token_ids(2, 3, seed=9)
+    embed = model.get_input_embeddings()
+
+    def cache_from_embeddings():
+        cache = model.generate(inputs_embeds=embed(prompt).detach(), max_new_tokens=1, return_dict_in_generate=True,
+                               **settings).cache  # fmt: skip
+        assert cache.get_seq_length() == 3 and cache.read_fingerprint() is None
+        return cache
+
+    what_to_pass = r"Pass only the new positions with an attention_mask covering the whole sequence \(3 \+ 3 = 6 columns\)"
+    with pytest.raises(ValueError, match=what_to_pass):
+        model.generate(new, cache=cache_from_embeddings(), max_new_tokens=2, **settings)
+    with pytest.raises(ValueError, match="as inputs_embeds.*" + what_to_pass):
+        model.generate(inputs_embeds=embed(new).detach(), cache=cache_from_embeddings(), max_new_tokens=2, **settings)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    continued = model.generate(new, attention_mask=mask, cache=cache_from_embeddings(), max_new_tokens=2, **settings)
+    uninterrupted = model.generate(torch.cat([prompt, new], dim=1), max_new_tokens=2, **settings)
+    assert torch.equal(continued, uninterrupted[:, 3:])
+
+
+def test_the_read_fingerprint_does_not_depend_on_how_the_positions_were_split():
+    from modeling_gpn.cache import GPNCache, token_fingerprint
+
+    model = perturbed_model(tiny_config())
+    ids = token_ids(2, 150, seed=3)  # more calls than the fingerprint keeps before folding
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[0, :5] = False
+    one_call = model(ids, attention_mask=mask, use_cache=True).cache
+    stepped = GPNCache(model.config)
+    with torch.no_grad():
+        for t in range(150):
+            model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=stepped, use_cache=True)
+    assert torch.equal(one_call.read_fingerprint(), stepped.read_fingerprint())
+    assert torch.equal(one_call.read_fingerprint(), token_fingerprint(ids, mask))
+    other_padding = ids.clone()
+    other_padding[0, :5] = 0  # the ids of padded positions do not count
+    assert torch.equal(token_fingerprint(other_padding, mask), token_fingerprint(ids, mask))
+    assert not torch.equal(token_fingerprint(ids, None)[0], token_fingerprint(ids, mask)[0])
+
+
+# --------------------------------------------------------------------------------------------------
+# 2. Module wrappers: PEFT LoRA, hooks, replaced modules
+# --------------------------------------------------------------------------------------------------
+
+LORA_TARGETS = ["fuse_gate", "key", "value", "gate", "ffn_in", "ffn_out", "read_query", "read_out", "decode_proj"]
+
+
+def lora_model(base, targets=LORA_TARGETS, seed: int = 1):
+    import peft
+
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    return peft.get_peft_model(base, config)
+
+
+def test_peft_lora_changes_the_logits_on_the_fast_and_plain_path():
+    config = tiny_config(num_predict_layers=2)
+    ids = token_ids(2, 9)
+    base_logits = logits_of(perturbed_model(config), ids)
+    adapted = lora_model(perturbed_model(config)).eval()
+    inner = adapted.get_base_model().model
+    assert inner.fast_path_blocker() is not None and "lora" in inner.fast_path_blocker().lower()
+
+    fast_requested = logits_of(adapted, ids)
+    assert recurrence_path(adapted) == "plain"  # fell back: the fast path would fold the base weights only
+    inner.use_fast_path = False
+    plain = logits_of(adapted, ids)
+    assert (fast_requested - base_logits).abs().max() > 1e-3
+    torch.testing.assert_close(fast_requested, plain)
+
+
+def test_peft_lora_trains_saves_reloads_and_merges(tmp_path):
+    import peft
+
+    config = tiny_config()
+    ids = token_ids(4, 10)
+    adapted = lora_model(perturbed_model(config), targets=LORA_TARGETS + ["embed_tokens"]).train()
+    optimizer = torch.optim.Adam([p for p in adapted.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(6):
+        optimizer.zero_grad()
+        loss = adapted(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+        optimizer.step()
+    assert losses[-1] < losses[0] - 0.05, losses
+    lora_grads = {n: p.grad for n, p in adapted.named_parameters() if "lora_" in n}
+    assert lora_grads and all(g is not None and g.abs().max() > 0 for g in lora_grads.values())
+    assert all(p.grad is None for n, p in adapted.named_parameters() if "lora_" not in n)
+
+    adapted.eval()
+    adapted_logits = logits_of(adapted, ids)
+    adapted.save_pretrained(tmp_path / "adapter")
+    reloaded = peft.PeftModel.from_pretrained(perturbed_model(config), tmp_path / "adapter").eval()
+    torch.testing.assert_close(logits_of(reloaded, ids), adapted_logits)
+
+    merged = adapted.merge_and_unload().eval()
+    assert merged.model.fast_path_blocker() is None
+    torch.testing.assert_close(logits_of(merged, ids), adapted_logits, rtol=1e-4, atol=1e-4)  # W x + BA x vs (W + BA) x: rounding
+    assert merged.model.last_recurrence_path == "fast"  # plain modules again: the fast path is back
+
+
+def test_forward_hooks_run_and_count_on_every_projection_path():
+    model = perturbed_model(tiny_config())
+    ids = token_ids(2, 7)
+    reference = logits_of(model, ids)
+    assert model.model.last_recurrence_path == "fast"
+    calls = []
+
+    def scale(module, inputs, output):
+        calls.append(output.shape)
+        return output * 1.5
+
+    # a projection the fast path folds makes it stand aside; the decoder is always called as a module
+    for module, path in ((model.model.predict_layers[0].ffn_out, "plain"), (model.model.decode_proj, "fast")):
+        handle = module.register_forward_hook(scale)
+        hooked = logits_of(model, ids)
+        assert calls and (hooked - reference).abs().max() > 1e-3
+        assert model.model.last_recurrence_path == path
+        handle.remove()
+        calls.clear()
+    torch.testing.assert_close(logits_of(model, ids), reference)
+    assert model.model.last_recurrence_path == "fast"
+
+    # A hook registered for every module, a pre-hook, and a replaced module also turn the fast path off
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, inputs, output: None)
+    try:
+        torch.testing.assert_close(logits_of(model, ids), reference)
+        assert model.model.last_recurrence_path == "plain" and "global" in model.model.fast_path_blocker()
+    finally:
+        handle.remove()
+    handle = model.model.fuse_gate.register_forward_pre_hook(lambda module, inputs: (inputs[0] * 0,))
+    assert (logits_of(model, ids) - reference).abs().max() > 1e-3
+    handle.remove()
+
+    # A parametrization (the weight computed by a module) and a tensor-subclass weight are not folded either
+    from torch.nn.utils import parametrize
+
+    class Doubled(nn.Module):
+        def forward(self, weight):
+            return 2 * weight
+
+    parametrize.register_parametrization(model.model.fuse_gate, "weight", Doubled())
+    assert (logits_of(model, ids) - reference).abs().max() > 1e-3 and model.model.last_recurrence_path == "plain"
+    parametrize.remove_parametrizations(model.model.fuse_gate, "weight", leave_parametrized=False)
+    torch.testing.assert_close(logits_of(model, ids), reference)
+    assert model.model.last_recurrence_path == "fast"
+
+    class MarkedTensor(torch.Tensor):
+        pass
+
+    gate = model.model.predict_layers[0].gate
+    plain_weight = gate.weight
+    gate.weight = nn.Parameter(plain_weight.detach().as_subclass(MarkedTensor))
+    torch.testing.assert_close(logits_of(model, ids), reference)
+    assert "MarkedTensor" in model.model.fast_path_blocker() and model.model.last_recurrence_path == "plain"
+    gate.weight = plain_weight
+
+    class DoubledLinear(nn.Linear):  # a subclass (as quantization libraries swap in) is not folded
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    layer = model.model.predict_layers[0].ffn_in
+    doubled = DoubledLinear(layer.in_features, layer.out_features, bias=False)
+    doubled.load_state_dict(layer.state_dict())
+    model.model.predict_layers[0].ffn_in = doubled
+    replaced = logits_of(model, ids)
+    assert "DoubledLinear" in model.model.fast_path_blocker()
+    assert model.model.last_recurrence_path == "plain" and (replaced - reference).abs().max() > 1e-3
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. Gradient checkpointing
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["fast", "plain"])
+def test_gradient_checkpointing_recomputes_segments_with_the_same_gradients(path):
+    ids = token_ids(2, 11)
+    model = perturbed_model(tiny_config()).train()
+    model.model.use_fast_path = path == "fast"
+
+    def gradients():
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    steps = []
+    counter = model.model.predict_layers[0].register_forward_hook(lambda *args: steps.append(1)) if path == "plain" else None
+    plain_grads = gradients()
+    runs_without = len(steps)
+
+    assert model.config.bptt_segment_length is None
+    model.gradient_checkpointing_enable()
+    assert model.is_activation_checkpointing and model.config.bptt_segment_length == 64
+    model.config.bptt_segment_length = 4  # short segments, so the 11 tokens span three of them
+    steps.clear()
+    checkpointed_grads = gradients()
+    assert recurrence_path(model) == path
+    if path == "plain":  # steps ran again in the backward pass (the checkpoint stops early once it has all it needs)
+        assert runs_without == 11 and 11 + 6 <= len(steps) <= 22, len(steps)
+        counter.remove()
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(checkpointed_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+    model.config.bptt_segment_length = None
+    model.gradient_checkpointing_enable()
+    model.gradient_checkpointing_disable()
+    assert not model.is_activation_checkpointing and model.config.bptt_segment_length is None
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpointing_runs_every_bptt_segment_through_the_gradient_checkpointing_layer(use_reentrant):
+    """transformers' mechanism, for real: `activation_checkpointing_enable` sets the flag and the checkpoint
+    function on a `GradientCheckpointingLayer`, the plain loop calls it once per BPTT segment, and the
+    function it installed runs every segment (twice: forward and the backward's recomputation), with the
+    gradients of the run without checkpointing. A checkpoint function of one's own is honoured the same way
+    (the plain path runs it); torch's own is replaced on the fast path by its native recomputation."""
+    from torch.utils.checkpoint import checkpoint
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    ids = token_ids(2, 11)
+    model = perturbed_model(tiny_config(bptt_segment_length=4)).train()  # 11 tokens: segments of 4, 4 and 3
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    assert len(layers) == 1 and not model.is_activation_checkpointing
+
+    def gradients():
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    reference = gradients()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    layer = layers[0]
+    assert model.is_activation_checkpointing and layer.gradient_checkpointing
+
+    # torch's checkpoint: the fast path runs, recomputing the same segments natively
+    natively = gradients()
+    assert recurrence_path(model) == "fast"
+    for name, grad in reference.items():
+        torch.testing.assert_close(natively[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+    segment_runs = []
+
+    def own_checkpoint(function, *args):  # a checkpoint function of one's own (as offload=True installs)
+        def counted(*inner):
+            segment_runs.append(inner[0].shape[1])
+            return function(*inner)
+
+        return checkpoint(counted, *args, use_reentrant=use_reentrant)
+
+    layer._gradient_checkpointing_func = own_checkpoint
+    checkpointed = gradients()
+    assert recurrence_path(model) == "plain"
+    assert segment_runs.count(4) == 4 and segment_runs.count(3) == 2, segment_runs  # each segment twice
+    for name, grad in reference.items():
+        torch.testing.assert_close(checkpointed[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+    model.activation_checkpointing_disable()
+    assert not model.is_activation_checkpointing and not layer.gradient_checkpointing
+    segment_runs.clear()
+    gradients()
+    assert segment_runs == [] and recurrence_path(model) == "fast"
+
+
+# --------------------------------------------------------------------------------------------------
+# Trainer
+# --------------------------------------------------------------------------------------------------
+
+
+def test_trainer_with_accumulation_and_checkpointing_trains_evaluates_with_the_token_mean_loss(tmp_path):
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    ids = token_ids(4, 10, seed=5)
+    labels = ragged_labels(ids)
+    rows = [{"input_ids": i, "attention_mask": torch.ones_like(i), "labels": l} for i, l in zip(ids, labels)]
+    config = tiny_config(bptt_segment_length=3)  # checkpointing recomputes 3-token segments
+
+    reference = perturbed_model(config).train()
+    expected_loss = token_mean_loss(reference(ids).logits, labels)
+    expected_loss.backward()
+    expected_grads = {n: p.grad.clone() for n, p in reference.named_parameters()}
+
+    class GradientsBeforeTheStep(TrainerCallback):
+        grads = None
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            if self.grads is None:
+                self.grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    recorder = GradientsBeforeTheStep()
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        per_device_eval_batch_size=4, max_steps=3, learning_rate=3e-3, max_grad_norm=0.0, logging_steps=1,
+        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, gradient_checkpointing=True,
+        dataloader_num_workers=0, seed=0,
+    )  # fmt: skip
+    model = perturbed_model(config).train()
+    trainer = Trainer(model=model, args=args, train_dataset=rows, eval_dataset=rows, callbacks=[recorder])
+    before = trainer.evaluate()["eval_loss"]
+    trainer.train()
+    after = trainer.evaluate()["eval_loss"]
+
+    assert model.is_activation_checkpointing
+    # the first optimizer step saw all four rows (2 x 2): its loss and gradients are the token mean's
+    first_logged = next(entry["loss"] for entry in trainer.state.log_history if "loss" in entry)
+    assert first_logged == pytest.approx(expected_loss.item(), abs=2e-4)
+    assert before == pytest.approx(expected_loss.item(), rel=1e-5)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(recorder.grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert after < before - 1e-3
+
+
+# --------------------------------------------------------------------------------------------------
+# 4. torch.export and torch.compile
+# --------------------------------------------------------------------------------------------------
+
+
+def export_inputs():
+    ids = token_ids(2, 4)
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    return ids, mask
+
+
+def test_torch_export_matches_eager_and_returns_the_cache():
+    model = perturbed_model(tiny_config(num_predict_layers=1))
+    ids, mask = export_inputs()
+    with torch.no_grad():
+        eager = model(ids, attention_mask=mask, use_cache=True)
+    program = torch.export.export(model, (ids,), {"attention_mask": mask, "use_cache": True})
+    exported = program.module()(ids, attention_mask=mask, use_cache=True)
+    torch.testing.assert_close(exported.logits, eager.logits, rtol=1e-5, atol=1e-5)
+    assert exported.cache.get_seq_length() == 4
+    for got, want in zip(exported.cache.get_state(), eager.cache.get_state()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    other_ids = token_ids(2, 4, seed=9)  # a graph, not a recording of one input
+    torch.testing.assert_close(
+        program.module()(other_ids, attention_mask=mask, use_cache=True).logits,
+        logits_of(model, other_ids, attention_mask=mask),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+class ExportedPrefill(nn.Module):
+    """generate()'s prefill as a program: token ids in, logits and a new `GPNCache` out."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        out = self.model(ids, use_cache=True)
+        return out.logits, out.cache
+
+
+class ExportedDecode(ExportedPrefill):
+    """generate()'s decode step as a program: it takes a `GPNCache` and returns the updated one."""
+
+    def forward(self, ids, cache):
+        out = self.model(ids, cache=cache, use_cache=True)
+        return out.logits, out.cache
+
+
+def save_and_load(program):
+    import io
+
+    # Without the example inputs: torch.load refuses the pickled GPNCache among them with weights_only=True and
+    # torch logs its fallback with a broken format string (torch 2.13), an error under pytest's log capture.
+    program.example_inputs = None
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer)
+    buffer.seek(0)
+    return torch.export.load(buffer)
+
+
+def test_torch_export_save_load_round_trips_dynamic_programs_that_take_and_return_the_cache():
+    """The cache's pytree context is static (the positions read are a tensor child): a program exported with
+    dynamic shapes saves (a count in the context was a SymInt: "Object of type SymInt is not JSON
+    serializable"), and takes caches that have read any number of positions (a count in the context was a
+    constant the input had to match)."""
+    model = perturbed_model(tiny_config(num_predict_layers=1))
+    auto = torch.export.Dim.AUTO
+    prompt = token_ids(2, 5)
+    prefill = save_and_load(torch.export.export(ExportedPrefill(model), (prompt,), dynamic_shapes=({0: auto, 1: auto},)))
+    cache = model(prompt, use_cache=True).cache
+    decode_shapes = ({0: auto, 1: auto}, [{0: auto}, {0: auto}, {0: auto}, None])
+    decode = save_and_load(torch.export.export(ExportedDecode(model), (prompt[:, :1], cache), dynamic_shapes=decode_shapes))
+
+    other_prompt = token_ids(3, 5, seed=2)  # another batch size: the program is not a recording of one input
+    logits, exported_cache = prefill.module()(other_prompt)
+    with torch.no_grad():
+        eager = model(other_prompt, use_cache=True)
+    torch.testing.assert_close(logits, eager.logits, rtol=1e-5, atol=1e-5)
+    assert exported_cache.get_seq_length() == 5
+    eager_cache = eager.cache
+    for step in range(3):  # the decode program continues from caches that have read 5, 6 and 7 positions
+        token = token_ids(3, 1, seed=10 + step)
+        logits, exported_cache = decode.module()(token, exported_cache)
+        with torch.no_grad():
+            eager = model(token, cache=eager_cache, use_cache=True)
+        torch.testing.assert_close(logits, eager.logits, rtol=1e-5, atol=1e-5)
+        assert exported_cache.get_seq_length() == eager_cache.get_seq_length() == 6 + step
+        for got, want in zip(exported_cache.get_state(), eager_cache.get_state()):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_torch_compile_fullgraph_matches_eager():
+    """Dynamo captures the whole forward (and the backward through AOT autograd); the aot_eager backend
+    runs the captured graph without generating C++, which the inductor test below adds."""
+    model = perturbed_model(tiny_config(num_predict_layers=1))
+    ids, mask = export_inputs()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        got = compiled(ids, attention_mask=mask)
+        want = model(ids, attention_mask=mask)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got.cache.get_state(), want.cache.get_state()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # training through the compiled graph: the same loss and gradients as eager
+    model.train()
+    loss = compiled(ids, labels=ids).loss
+    loss.backward()
+    compiled_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    eager_loss = model(ids, labels=ids).loss
+    eager_loss.backward()
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(compiled_grads[name], param.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_torch_compile_fullgraph_inductor_matches_eager():
+    """The default backend (generated C++): slower to compile, so a 1x3 input."""
+    model = perturbed_model(tiny_config(num_predict_layers=1))
+    ids = token_ids(1, 3)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids, use_cache=False).logits, logits_of(model, ids), rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------
+# 5. Remote code for every auto class
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_saved_folder_loads_every_auto_class_through_remote_code_without_the_package(tmp_path):
+    model = perturbed_model(tiny_config())
+    folder = tmp_path / "saved"
+    model.save_pretrained(folder)
+    auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
+    assert auto_map == {
+        "AutoConfig": "configuration_gpn.GPNConfig",
+        "AutoModel": "modeling_gpn.GPNModel",
+        "AutoModelForCausalLM": "modeling_gpn.GPNForCausalLM",
+        "AutoModelForSequenceClassification": "modeling_gpn.GPNForSequenceClassification",
+    }
+    ids = token_ids(1, 6)
+    with torch.no_grad():
+        hidden = model.model(ids).last_hidden_state
+    out = tmp_path / "hidden.pt"
+    code = BLOCK_PACKAGE + textwrap.dedent(
+        f"""
+        import torch
+        from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+        torch.set_num_threads(1)
+        folder = {str(folder)!r}
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+        assert type(config).__name__ == "GPNConfig", type(config)
+        base = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
+        assert type(base).__name__ == "GPNModel" and type(base).__module__.startswith("transformers_modules")
+        lm = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+        assert type(lm).__name__ == "GPNForCausalLM"
+        scorer = AutoModelForSequenceClassification.from_pretrained(folder, trust_remote_code=True, num_labels=1)
+        assert type(scorer).__name__ == "GPNForSequenceClassification" and scorer.score.out_features == 1
+        leaked = [n for n in sys.modules if n == "modeling_gpn" or n.startswith("modeling_gpn.")]
+        assert not leaked, leaked
+        with torch.no_grad():
+            torch.save(base(torch.tensor({ids.tolist()!r})).last_hidden_state, {str(out)!r})
+        """
+    )
+    result = run_python(code, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    torch.testing.assert_close(torch.load(out), hidden)

@@ -1,0 +1,391 @@
+"""`gpn eval` and the GPN task set on the real lm-eval-harness, offline, with a tiny GPN (and a tiny Llama).
+
+Data: the project's shared LAMBADA (first 40 examples), FineWeb-Edu sample and WikiText-2 test file.
+Windows are 128 tokens here (the paper's 2048 is only a default) to keep the file fast on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ..environment import require_shared
+from ..tiny_models import perturbed_model, tiny_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LIMIT = 40
+WINDOW = 128
+
+
+@pytest.fixture(scope="module")
+def data():
+    return require_shared("data")
+
+
+def predicting_everywhere(model, token_id: int):
+    """`model` with its decoder bias set so that `token_id` is the greedy prediction at every position (its
+    embedding row made the longest, the bias along it): a tiny model that scores LAMBADA hits, so the
+    accuracies below compare non-zero values (a random tiny model scores 0 on all of them)."""
+    with torch.no_grad():
+        embedding = model.get_input_embeddings().weight
+        row = embedding[token_id]
+        row.mul_(2 * embedding.norm(dim=1).max() / row.norm())
+        # logit of v = (W norm(h) + b) . e_v: 12 for the token, at most 6 for any other, +- the small W part
+        model.model.decode_proj.bias.copy_(12 * row / row.norm() ** 2)
+    return model
+
+
+def single_token_target(tokenizer, data) -> int:
+    """The target of the first of the LAMBADA examples whose last word is one token."""
+    from modeling_gpn.evaluation import protocols
+    from modeling_gpn.evaluation.runner import load_texts
+
+    for text in load_texts(str(data / "lambada" / "lambada_test.jsonl"), None, "text", limit=6):
+        targets = protocols.encode_lambada(tokenizer, text).target_ids
+        if len(targets) == 1:
+            return targets[0]
+    raise AssertionError("none of the first 6 LAMBADA examples ends in a one-token word")
+
+
+@pytest.fixture(scope="module")
+def gpn_dir(tmp_path_factory, data):
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("gpn")
+    tokenizer = AutoTokenizer.from_pretrained(data / "llama2-tokenizer")
+    model = perturbed_model(tiny_config(vocab_size=32000, max_length_hint=WINDOW, use_decoder_bias=True))
+    predicting_everywhere(model, single_token_target(tokenizer, data)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def loaded(gpn_dir):
+    from modeling_gpn.evaluation.runner import load_model
+
+    return load_model(str(gpn_dir))
+
+
+def settings(data, batch_size, tasks, **overrides):
+    from modeling_gpn.evaluation.runner import EvalSettings
+
+    values = dict(
+        tasks=list(tasks), data_dir=str(data), batch_size=batch_size, limit=LIMIT, fineweb_window=WINDOW,
+        fineweb_max_windows=12, progress=False,
+    )  # fmt: skip
+    values.update(overrides)
+    return EvalSettings(**values)
+
+
+@pytest.fixture(scope="module")
+def runs(gpn_dir, loaded, data):
+    """The LAMBADA pair and the FineWeb protocol at batch size 1 and 8 (one model, loaded once)."""
+    from modeling_gpn.evaluation.runner import evaluate
+
+    model, tokenizer = loaded
+    tasks = ("lambada_openai", "lambada_paper", "fineweb_paper")
+    return {bs: evaluate(str(gpn_dir), settings(data, bs, tasks), model, tokenizer) for bs in (1, 8)}
+
+
+def assert_same_metrics(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for task in a:
+        assert a[task].keys() == b[task].keys(), task
+        for metric, value in a[task].items():
+            if isinstance(value, int) or metric.startswith("acc"):
+                assert value == b[task][metric], (task, metric)
+            else:  # the same sums in a different batch shape: equal to float64 rounding of float32 logits
+                assert value == pytest.approx(b[task][metric], rel=1e-6), (task, metric)
+
+
+# --------------------------------------------------------------------------------------------------
+# Batch size invariance, paper variants against hand computations
+# --------------------------------------------------------------------------------------------------
+
+
+def test_batch_size_1_and_8_give_identical_metrics(runs):
+    assert_same_metrics(runs[1]["tasks"], runs[8]["tasks"])
+    lambada = runs[8]["tasks"]["lambada_paper"]
+    assert lambada["examples"] == LIMIT and lambada["target_tokens"] >= LIMIT
+    assert 0 < lambada["acc"] < 1 and 0 < lambada["acc_whole_word"] < 1  # hits and misses: the equalities mean something
+    assert 0 < runs[8]["tasks"]["lambada_openai"]["acc"] < 1
+    assert runs[8]["tasks"]["fineweb_paper"]["windows"] == 12
+
+
+def test_lambada_openai_matches_the_paper_variant_on_the_same_tokens(runs):
+    """lm-eval's per-example summed NLL and whole-word greedy match, recomputed by the paper variant."""
+    measured = runs[8]["tasks"]
+    assert measured["lambada_paper"]["ppl_per_example"] == pytest.approx(measured["lambada_openai"]["perplexity"], rel=1e-5)
+    assert measured["lambada_paper"]["acc_whole_word"] == measured["lambada_openai"]["acc"] > 0  # a hit is scored
+
+
+def last_word_token_positions(tokenizer, text: str) -> tuple[list[int], list[int]]:
+    """Tokens of `text` whose characters lie in its last word, found through the offset mapping
+    (independently of the context/target split the implementation uses)."""
+    encoded = tokenizer(text, return_offsets_mapping=True)
+    last_word_start = text.rindex(" ") + 1
+    positions = [i for i, (start, end) in enumerate(encoded["offset_mapping"]) if end > last_word_start]
+    return encoded["input_ids"], positions
+
+
+def test_lambada_paper_metrics_match_a_hand_computation(loaded, data):
+    from modeling_gpn.evaluation import protocols
+    from modeling_gpn.evaluation.runner import load_texts
+
+    model, tokenizer = loaded
+    texts = load_texts(str(data / "lambada" / "lambada_test.jsonl"), None, "text", limit=6)
+    assert load_texts(str(data / "lambada" / "lambada_test.jsonl"), None, "text", limit=2, skip=4) == texts[4:6]
+    total_nll, total_tokens, first_hits = 0.0, 0, 0
+    for text in texts:
+        ids, positions = last_word_token_positions(tokenizer, text)
+        assert positions and positions == list(range(positions[0], len(ids)))
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0].double()
+        logprobs = F.log_softmax(logits, dim=-1)
+        for position in positions:  # logits[t] predicts token t+1
+            total_nll -= logprobs[position - 1, ids[position]].item()
+        total_tokens += len(positions)
+        first = positions[0]
+        first_hits += int(logits[first - 1].argmax().item() == ids[first])
+
+    examples = [protocols.encode_lambada(tokenizer, text) for text in texts]
+    metrics = protocols.lambada_metrics(protocols.score_lambada(model, examples, batch_size=4, progress=False))
+    assert metrics["target_tokens"] == total_tokens
+    assert metrics["ppl"] == pytest.approx(math.exp(total_nll / total_tokens), rel=1e-6)
+    assert first_hits > 0, "no hit: the accuracy check would compare 0 with 0"
+    assert metrics["acc"] == first_hits / len(texts)
+    # pooled over tokens is not the per-example mean: the two differ whenever words have several subwords
+    assert metrics["ppl_per_example"] != pytest.approx(metrics["ppl"], rel=1e-3)
+
+
+def test_lambada_first_subword_accuracy_counts_a_hit(loaded):
+    """A model that has seen a text predicts its last word's first subword; the metric must say 1."""
+    from modeling_gpn.evaluation import protocols
+
+    model, tokenizer = loaded
+    example = protocols.encode_lambada(tokenizer, "the cat sat on the mat and the dog sat on the mat")
+    with torch.no_grad():
+        row = example.context_ids
+        top = model(input_ids=torch.tensor([row])).logits[0, -1].argmax().item()
+    forced = protocols.LambadaExample(context_ids=example.context_ids, target_ids=[top] + example.target_ids[1:])
+    missed = protocols.LambadaExample(context_ids=example.context_ids, target_ids=[(top + 1) % 32000])
+    metrics = protocols.lambada_metrics(protocols.score_lambada(model, [forced, missed], batch_size=2, progress=False))
+    assert metrics["acc"] == 0.5
+
+
+def test_fineweb_windows_match_a_direct_forward_computation(loaded, data, runs):
+    from modeling_gpn.evaluation import protocols
+    from modeling_gpn.evaluation.runner import load_texts
+
+    model, tokenizer = loaded
+    texts = load_texts(str(next((data / "fineweb-edu").glob("*.jsonl"))), None, "text")
+    stream = []
+    for text in texts:
+        stream += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        if len(stream) >= 12 * WINDOW:
+            break
+    first_nll, rest_nll = 0.0, 0.0
+    for w in range(12):
+        window = torch.tensor(stream[w * WINDOW : (w + 1) * WINDOW])
+        with torch.no_grad():
+            logits = model(input_ids=window[None]).logits[0].double()
+            # the reference's position 0: the prediction of the zero state, before any token
+            empty = model.decode(torch.zeros(1, model.config.hidden_size))[0].double()
+        first_nll -= F.log_softmax(empty, -1)[window[0]].item()
+        rest_nll += F.cross_entropy(logits[:-1], window[1:], reduction="sum").item()
+
+    measured = runs[8]["tasks"]["fineweb_paper"]
+    assert measured["ppl_all_positions"] == pytest.approx(math.exp((first_nll + rest_nll) / (12 * WINDOW)), rel=1e-6)
+    assert measured["ppl_excluding_first"] == pytest.approx(math.exp(rest_nll / (12 * (WINDOW - 1))), rel=1e-6)
+    assert measured["ppl"] == measured["ppl_all_positions"] and measured["tokens_scored"] == 12 * WINDOW
+    direct = protocols.windowed_perplexity(model, stream, WINDOW, 5, max_windows=12, first_position="skip", progress=False)
+    assert direct["ppl"] == pytest.approx(measured["ppl_excluding_first"], rel=1e-6)
+
+
+def test_held_out_fraction_scores_the_last_windows_like_gpn_train(loaded):
+    from modeling_gpn.evaluation import protocols
+
+    model, _ = loaded
+    torch.manual_seed(1)
+    stream = torch.randint(3, 32000, (10 * 32 + 7,)).tolist()
+    held_out = protocols.windowed_perplexity(model, stream, 32, 4, held_out_fraction=0.25, progress=False)
+    # 10 windows, floor(10 * 0.25) = 2 held out: windows 8 and 9 (modeling_gpn.data.WindowDataset's split)
+    assert held_out["first_window"] == 8 and held_out["windows"] == 2 and held_out["dropped_tail_tokens"] == 7
+    direct = protocols.windowed_perplexity(model, stream[8 * 32 : 10 * 32], 32, 4, progress=False)
+    assert held_out["ppl"] == pytest.approx(direct["ppl"], rel=1e-9)
+
+
+# --------------------------------------------------------------------------------------------------
+# Rolling perplexity, generation, plain lm-eval
+# --------------------------------------------------------------------------------------------------
+
+
+def test_wikitext_rolling_perplexity_batch_invariant(gpn_dir, loaded, data):
+    from modeling_gpn.evaluation.runner import evaluate
+
+    model, tokenizer = loaded
+    results = {
+        bs: evaluate(str(gpn_dir), settings(data, bs, ["wikitext"], limit=2), model, tokenizer)["tasks"] for bs in (1, 8)
+    }
+    assert_same_metrics(results[1], results[8])
+    wikitext = results[8]["wikitext"]
+    assert wikitext["byte_perplexity"] == pytest.approx(2 ** wikitext["bits_per_byte"], rel=1e-9)
+    assert wikitext["word_perplexity"] > wikitext["byte_perplexity"] > 1
+
+
+def test_rolling_perplexity_equals_the_direct_sum_over_tokens(gpn_dir, loaded, tmp_path):
+    """`gpn_rolling_ppl` on a local jsonl: one window per (short) document, the first token predicted
+    from the prefix token (BOS) and the BOS itself never scored."""
+    from modeling_gpn.evaluation.runner import evaluate, EvalSettings
+
+    model, tokenizer = loaded
+    texts = ["The quick brown fox jumps over the lazy dog.", "A second, slightly longer document about rivers and rain."]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"body": t}) + "\n" for t in texts))
+    options = EvalSettings(
+        tasks=["gpn_rolling_ppl"], task_data={"gpn_rolling_ppl": str(path)}, text_field="body", batch_size=2, progress=False
+    )
+    measured = evaluate(str(gpn_dir), options, model, tokenizer)["tasks"]["gpn_rolling_ppl"]
+    total_ll, words = 0.0, 0
+    for text in texts:
+        ids = [tokenizer.bos_token_id] + tokenizer(text, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            logprobs = F.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].double(), -1)
+        total_ll += sum(logprobs[t - 1, ids[t]].item() for t in range(1, len(ids)))
+        words += len(re.split(r"\s+", text))
+    assert measured["word_perplexity"] == pytest.approx(math.exp(-total_ll / words), rel=1e-5)
+
+
+def test_plain_lm_eval_hf_model_loglikelihood_and_left_padded_generation(gpn_dir, data):
+    """The path of `lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True`: batched
+    log-likelihoods equal the batch-1 ones, and left-padded batched generation equals row-by-row."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    from modeling_gpn.evaluation.runner import lm_eval_task_yaml
+
+    lambada = load_yaml(lm_eval_task_yaml("lambada_openai"))
+    lambada.pop("tag", None)
+    lambada.update(dataset_path="json", dataset_name=None, dataset_kwargs={"data_files": {"test": [str(data / "lambada" / "lambada_test.jsonl")]}})
+    generation = dict(
+        lambada, task="gpn_lambada_generate", output_type="generate_until", metric_list=[{"metric": "exact_match"}],
+        generation_kwargs={"until": ["\n"], "max_gen_toks": 6, "do_sample": False},
+    )  # fmt: skip
+    generation.pop("doc_to_decontamination_query", None)
+    outputs = {}
+    for bs in (1, 8):
+        outputs[bs] = lm_eval.simple_evaluate(
+            model="hf", model_args=f"pretrained={gpn_dir},trust_remote_code=True,max_length={WINDOW}",
+            tasks=[lambada, generation], batch_size=bs, device="cpu", limit=16, bootstrap_iters=0,
+            task_manager=TaskManager(include_defaults=False), log_samples=True, verbosity="WARNING",
+        )  # fmt: skip
+    for task in ("lambada_openai", "gpn_lambada_generate"):
+        one = {s["doc_id"]: s["resps"] for s in outputs[1]["samples"][task]}
+        eight = {s["doc_id"]: s["resps"] for s in outputs[8]["samples"][task]}
+        assert one.keys() == eight.keys() and len(one) == 16
+        for doc_id in one:
+            if task == "lambada_openai":
+                (ll1, greedy1), (ll8, greedy8) = one[doc_id][0][0], eight[doc_id][0][0]
+                assert ll1 == pytest.approx(ll8, rel=1e-6) and greedy1 == greedy8
+            else:
+                assert one[doc_id] == eight[doc_id]
+    generated = [s["resps"][0][0] for s in outputs[8]["samples"]["gpn_lambada_generate"]]
+    assert any(text.strip() for text in generated)  # something was generated, not an empty pass-through
+
+
+# --------------------------------------------------------------------------------------------------
+# The command, the report, other models, errors
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory, data):
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=32000, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    folder = tmp_path_factory.mktemp("llama")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(data / "llama2-tokenizer").save_pretrained(folder)
+    return folder
+
+
+def test_gpn_eval_command_writes_results_and_side_by_side_report(gpn_dir, data, tmp_path, capsys):
+    from modeling_gpn.cli import main
+
+    out = tmp_path / "out"
+    code = main([
+        "eval", str(gpn_dir), "--data-dir", str(data), "--tasks", "lambada_paper,fineweb_paper", "--limit", "8",
+        "--fineweb-window", str(WINDOW), "--fineweb-max-windows", "2", "--output-dir", str(out), "--quiet",
+    ])  # fmt: skip
+    assert code == 0
+    results = json.loads((out / "eval_results.json").read_text())
+    for key, kind in (("model", str), ("n_params", int), ("tasks", dict), ("protocols", dict), ("lm_eval_version", str), ("published_baselines", list)):
+        assert isinstance(results[key], kind), key
+    assert results["max_length"] == WINDOW  # config.max_length_hint
+    assert results["lm_eval_version"] == "0.4.13"
+    assert set(results["protocols"]) == set(results["tasks"]) == {"lambada_paper", "fineweb_paper"}
+    assert results["n_params"] == sum(p.numel() for p in perturbed_model(tiny_config(vocab_size=32000, use_decoder_bias=True)).parameters())
+    ratios = results["comparison"]["ratio_to_published"]["Transformer++"]
+    assert ratios["lambada_ppl"] == pytest.approx(results["tasks"]["lambada_paper"]["ppl"] / 18.99)
+    assert ratios["fineweb_ppl"] == pytest.approx(results["tasks"]["fineweb_paper"]["ppl"] / 16.05)
+
+    report = (out / "eval_report.md").read_text()
+    table = [line for line in report.splitlines() if line.startswith("| ") and ("published |" in line or "measured |" in line)]
+    assert [line.split(" | ")[0] for line in table] == [
+        "| Transformer++", "| Gated DeltaNet", "| GPN+M 1-layer", "| GPN+M 2-layer", "| GPN (no memory)", f"| **{gpn_dir}**",
+    ]
+    assert "| 16.05 | 0.223 | 18.99 |" in table[0]
+    assert f"**{results['tasks']['lambada_paper']['ppl']:.2f}**" in table[-1]
+    assert "not the full set" in report and "the paper uses 2048" in report
+    assert "lambada_paper" in capsys.readouterr().out
+
+
+def test_same_command_on_a_llama(llama_dir, data, tmp_path):
+    from modeling_gpn.cli import main
+
+    out = tmp_path / "llama"
+    code = main([
+        "eval", str(llama_dir), "--data-dir", str(data), "--tasks", "lambada_openai,lambada_paper,fineweb_paper",
+        "--limit", "8", "--fineweb-window", str(WINDOW), "--fineweb-max-windows", "2", "--output-dir", str(out), "--quiet",
+    ])  # fmt: skip
+    assert code == 0
+    results = json.loads((out / "eval_results.json").read_text())
+    assert results["model_type"] == "llama" and results["max_length"] == 256 and results["layers"] == 2
+    fineweb = results["tasks"]["fineweb_paper"]
+    assert "ppl_all_positions" not in fineweb and fineweb["ppl"] == fineweb["ppl_excluding_first"]
+    assert fineweb["tokens_scored"] == 2 * (WINDOW - 1)
+    assert "not scored" in results["protocols"]["fineweb_paper"]
+    assert results["tasks"]["lambada_paper"]["ppl_per_example"] == pytest.approx(results["tasks"]["lambada_openai"]["perplexity"], rel=1e-5)
+    assert "| **" in (out / "eval_report.md").read_text()
+
+
+def test_clear_errors(gpn_dir, data, llama_dir, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from modeling_gpn.cli import main
+    from modeling_gpn.evaluation import protocols
+
+    assert main(["eval", str(gpn_dir), "--tasks", "lambada_openai,hellaswag"]) == 2
+    assert "unknown task(s) ['hellaswag']" in capsys.readouterr().err
+    assert main(["eval", str(gpn_dir), "--task-data", "lambada_openai"]) == 2
+    assert "TASK=SOURCE" in capsys.readouterr().err
+    assert main(["eval", str(gpn_dir), "--data-dir", str(data / "lambada"), "--tasks", "wikitext"]) == 1
+    assert "gpn eval: FileNotFoundError: " in (err := capsys.readouterr().err) and "no data for task 'wikitext'" in err
+    assert main(["eval", str(gpn_dir.parent / "no-such-model"), "--tasks", "fineweb_paper"]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    llama = AutoModelForCausalLM.from_pretrained(llama_dir)
+    with pytest.raises(ValueError, match="needs a model with empty_state_logits"):
+        protocols.windowed_perplexity(llama, list(range(300)), WINDOW, first_position="empty_state")
+    with pytest.raises(ValueError, match="fewer than one window"):
+        protocols.windowed_perplexity(llama, list(range(100)), WINDOW, first_position="skip")

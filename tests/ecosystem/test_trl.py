@@ -1,0 +1,366 @@
+"""TRL 1.16 trains a GPN as its documentation shows, with no overrides: `SFTTrainer` (plain, packed and padding-free,
+with a LoRA `peft_config`), `DPOTrainer`, `GRPOTrainer` (without vLLM) and `RewardTrainer`, and transformers'
+`Trainer` fine-tunes `GPNForSequenceClassification` on a tiny labelled set.
+
+TRL scores tokens through its own fused LM head (`trl.trainer.utils.add_fused_lm_head`): it runs
+`model.base_model(...)` and multiplies `last_hidden_state` by `model.get_output_embeddings().weight`. Every
+fused-head call the trainers make here is recomputed by the GPN's own forward on the same inputs
+(`FusedHeadCheck`, a forward hook on the module the trainer calls): the per-token log-probabilities equal
+`log_softmax` of the model's own logits and the loss equals the model's own loss, packed or not. The datasets are
+built in the tests, the tokenizer is a small byte-level BPE trained here (offline).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ..tiny_models import perturbed_model, tiny_config
+
+pytest.importorskip("trl")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TEXT = [
+    "the cat sat on the mat.", "a dog.", "once upon a time there was a cat and a dog.", "the end.",
+    "the dog sat on the log.", "a cat and a mat.", "there was a time.", "upon the mat sat a dog.",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from modeling_gpn.data import train_bpe_tokenizer
+
+    return train_bpe_tokenizer(TEXT * 4, vocab_size=300)
+
+
+def gpn(tokenizer, seed: int = 16, **overrides):
+    config = tiny_config(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, **overrides)
+    return perturbed_model(config, seed=seed).train()
+
+
+@pytest.fixture(scope="module")
+def gpn_folder(tokenizer, tmp_path_factory):
+    """A saved GPN with its tokenizer: DPO and GRPO are given a model name, as their documentation shows (DPO
+    builds its reference model from it)."""
+    folder = tmp_path_factory.mktemp("trl-gpn")
+    gpn(tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def common_arguments(tmp_path, **overrides) -> dict:
+    """What every trainer here takes: a few CPU steps, no saving, no reporting."""
+    values = dict(
+        output_dir=str(tmp_path), max_steps=2, learning_rate=3e-3, logging_steps=1, save_strategy="no", report_to=[],
+        use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0,
+        bf16=False,  # (TRL configs default to bf16, which would also fix the process's Accelerate state at bf16)
+    )  # fmt: skip
+    values.update(overrides)
+    return values
+
+
+def own_log_probs(logits: torch.Tensor, labels: torch.Tensor | None, shift_labels: torch.Tensor | None) -> torch.Tensor:
+    """log_softmax of the logits at each next-token label, zero where the label is -100 (TRL's layout)."""
+    if shift_labels is None:
+        logits, targets = logits[:, :-1], labels[:, 1:]
+    else:
+        targets = shift_labels
+    picked = F.log_softmax(logits.float(), dim=-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    return picked * (targets != -100)
+
+
+class FusedHeadCheck:
+    """A forward hook on the module a trainer calls: each call with `fused_lm_head=True` is run again through the
+    GPN's own forward (the class's, not TRL's patched one; with PEFT, the adapted base model's) on the same inputs,
+    and its log-probabilities and loss are compared with TRL's."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.calls: list[tuple[float, float]] = []  # (TRL's fused loss, the model's own loss)
+        self.handle = module.register_forward_hook(self.check, with_kwargs=True)
+
+    def check(self, module, args, kwargs, output):
+        if not kwargs.get("fused_lm_head"):
+            return
+        model = module.get_base_model() if hasattr(module, "get_base_model") else module
+        labels, shift_labels = kwargs.get("labels"), kwargs.get("shift_labels")
+        inputs = {k: v for k, v in kwargs.items() if k not in ("fused_lm_head", "labels", "shift_labels")}
+        with torch.no_grad():
+            own = type(model).forward(model, *args, labels=labels, shift_labels=shift_labels, **inputs)
+        expected = own_log_probs(own.logits, labels, shift_labels)
+        torch.testing.assert_close(output.log_probs.float(), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(output.loss.float(), own.loss.float(), rtol=1e-5, atol=1e-6)
+        self.calls.append((float(output.loss), float(own.loss)))
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+def logged(trainer, key: str = "loss") -> list[float]:
+    return [entry[key] for entry in trainer.state.log_history if key in entry]
+
+
+# --------------------------------------------------------------------------------------------------
+# The fused head itself
+# --------------------------------------------------------------------------------------------------
+
+
+CASES = {"padded": {}, "packed": {}, "decoder bias": dict(use_decoder_bias=True), "lora all-linear": {},
+         "d == e": dict(hidden_size=32, intermediate_size=48)}  # (where p alone would have fit the head's width)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_trl_fused_head_log_probs_equal_log_softmax_of_the_models_logits(case):
+    """`add_fused_lm_head` (what SFT, DPO, GRPO, RLOO, KTO use) on a GPN: log-probabilities, loss and gradients
+    equal those of the model's own logits."""
+    import peft
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = perturbed_model(tiny_config(**CASES[case]), seed=3).train()
+    if case == "decoder bias":
+        assert model.model.decode_proj.bias is not None
+    generator = torch.Generator().manual_seed(4)
+    ids = torch.randint(1, 97, (2, 11), generator=generator)
+    inputs = {"input_ids": ids}
+    labels = ids.clone()
+    labels[0, :3] = -100
+    if case == "padded":
+        mask = torch.ones_like(ids)
+        mask[0, :2] = 0  # left padding
+        mask[1, -3:] = 0  # right padding
+        inputs["attention_mask"] = mask
+        labels = labels.masked_fill(mask == 0, -100)
+    if case == "packed":  # two sequences in row 0, three in row 1 (position ids restart)
+        positions = [[*range(5), *range(6)], [*range(4), *range(3), *range(4)]]
+        inputs["position_ids"] = torch.tensor(positions)
+        labels[0, 5] = labels[1, 4] = labels[1, 7] = -100
+    reference = perturbed_model(tiny_config(**CASES[case]), seed=3).train()
+    if case == "lora all-linear":
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+        torch.manual_seed(5)
+        model = peft.get_peft_model(model, config)
+        torch.manual_seed(5)
+        reference = peft.get_peft_model(reference, config)
+        base = model.get_base_model()
+        assert type(base.lm_head) is torch.nn.Linear and not hasattr(base.lm_head, "lora_A")  # left out by identity
+        assert hasattr(base.model.decode_proj, "lora_A")
+    fused_model = model.get_base_model() if case == "lora all-linear" else model
+    add_fused_lm_head(fused_model, outputs=("log_probs", "entropy", "is_top1"))
+
+    fused = model(**inputs, labels=labels, fused_lm_head=True)
+    own = reference(**inputs)
+    expected = own_log_probs(own.logits, labels, None)
+    torch.testing.assert_close(fused.log_probs, expected, rtol=1e-5, atol=1e-5)
+    probs = F.softmax(own.logits[:, :-1].float(), dim=-1)
+    entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1) * (labels[:, 1:] != -100)
+    torch.testing.assert_close(fused.entropy, entropy, rtol=1e-4, atol=1e-5)
+    own_loss = reference(**inputs, labels=labels).loss
+    torch.testing.assert_close(fused.loss, own_loss, rtol=1e-5, atol=1e-6)
+    fused.loss.backward()
+    own_loss.backward()
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    references = dict(reference.named_parameters())
+    assert trained and all(p.grad is not None for _, p in trained)
+    for name, param in trained:
+        torch.testing.assert_close(param.grad, references[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+# --------------------------------------------------------------------------------------------------
+# SFT, DPO, GRPO
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["plain", "lora"])
+def test_sft_trainer_trains_with_the_models_own_loss(tokenizer, tmp_path, variant):
+    """SFTTrainer as its documentation shows (a text dataset; with `peft_config=LoraConfig(target_modules=
+    "all-linear")`): every step's loss is the model's own loss on the same batch, and it trains."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import SFTConfig, SFTTrainer
+
+    model = gpn(tokenizer)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear") if variant == "lora" else None
+    args = SFTConfig(**common_arguments(tmp_path, max_steps=3), max_length=32, per_device_train_batch_size=4)
+    trainer = SFTTrainer(
+        model=model, args=args, train_dataset=Dataset.from_dict({"text": TEXT}), processing_class=tokenizer,
+        peft_config=peft_config,
+    )  # fmt: skip
+    check = FusedHeadCheck(trainer.model)
+    trainer.train()
+    check.remove()
+    losses = logged(trainer)
+    assert len(check.calls) == len(losses) == 3
+    assert losses == pytest.approx([trl for trl, _ in check.calls], rel=1e-5)  # the logged loss is the checked one
+    assert all(math.isfinite(loss) for loss in losses)
+    changed = {n for n, p in trainer.model.named_parameters() if n in before and not torch.equal(p.detach(), before[n])}
+    if variant == "lora":
+        base = trainer.model.get_base_model()
+        assert type(base.lm_head) is torch.nn.Linear and base.lm_head.weight is base.model.embed_tokens.weight
+        assert not changed and any("lora_" in n and p.requires_grad for n, p in trainer.model.named_parameters())
+    else:
+        assert "model.embed_tokens.weight" in changed and "model.decode_proj.weight" in changed
+
+
+def test_sft_trainer_refuses_an_adapter_on_the_tied_output(tokenizer, tmp_path):
+    """LoRA on `embed_tokens` makes a GPN's output follow the adapted table; TRL's fused head would multiply by the
+    unadapted weight, so the output embedding it is shown is the adapted embedding, which TRL refuses by name."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import SFTConfig, SFTTrainer
+
+    args = SFTConfig(**common_arguments(tmp_path), max_length=32, per_device_train_batch_size=4)
+    with pytest.raises(ValueError, match="PEFT adapter"):
+        SFTTrainer(
+            model=gpn(tokenizer), args=args, train_dataset=Dataset.from_dict({"text": TEXT}), processing_class=tokenizer,
+            peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "decode_proj"]),
+        )  # fmt: skip
+
+
+def test_dpo_trainer_trains_a_gpn(gpn_folder, tokenizer, tmp_path):
+    """DPOTrainer on preference pairs: the policy's and the reference's log-probabilities are the model's own
+    (checked on every policy call), the first loss is log 2 (the policy starts as the reference), and it learns."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    pairs = Dataset.from_dict({
+        "prompt": ["the cat", "a dog", "once upon", "the end"],
+        "chosen": [" sat on the mat.", " sat on the log.", " a time.", "."],
+        "rejected": [" dog dog.", " mat mat.", " end end.", " cat cat."],
+    })  # fmt: skip
+    args = DPOConfig(**common_arguments(tmp_path, max_steps=3, learning_rate=1e-2), per_device_train_batch_size=4,
+                     max_length=32)  # fmt: skip
+    trainer = DPOTrainer(model=gpn_folder, args=args, train_dataset=pairs)
+    assert type(trainer.model).__name__ == "GPNForCausalLM" and type(trainer.ref_model).__name__ == "GPNForCausalLM"
+    check = FusedHeadCheck(trainer.model)
+    trainer.train()
+    check.remove()
+    losses = logged(trainer)
+    assert len(losses) == 3 and len(check.calls) >= 3
+    assert losses[0] == pytest.approx(math.log(2), abs=1e-5)
+    assert losses[-1] < losses[0]
+
+
+def test_grpo_trainer_generates_and_trains_without_vllm(gpn_folder, tmp_path):
+    """GRPOTrainer with `use_vllm=False`: completions come from the GPN's own `generate()`, are scored by a reward
+    function, and the policy's log-probabilities of them are the model's own (every fused call checked)."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    def reward_cats(completions, **kwargs):
+        return [float(completion.count("cat")) - 0.1 * len(completion) for completion in completions]
+
+    args = GRPOConfig(
+        **common_arguments(tmp_path), use_vllm=False, num_generations=2, max_completion_length=6,
+        per_device_train_batch_size=4, temperature=1.0,
+    )  # fmt: skip
+    prompts = Dataset.from_dict({"prompt": ["the cat", "a dog", "once upon", "the end"]})
+    trainer = GRPOTrainer(model=gpn_folder, reward_funcs=reward_cats, args=args, train_dataset=prompts)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    check = FusedHeadCheck(trainer.model)
+    trainer.train()
+    check.remove()
+    assert len(logged(trainer)) == 2 and check.calls
+    assert all(length > 0 for length in logged(trainer, "completions/mean_length"))
+    assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.model.named_parameters())
+
+
+# --------------------------------------------------------------------------------------------------
+# Reward models and sequence classification
+# --------------------------------------------------------------------------------------------------
+
+
+def test_reward_trainer_trains_a_gpn_reward_model(tokenizer, tmp_path):
+    """RewardTrainer on chosen/rejected pairs with a `GPNForSequenceClassification(num_labels=1)`: each step's loss
+    is -log sigmoid(r_chosen - r_rejected) of the model's own scores on that batch, and the chosen ones win."""
+    from datasets import Dataset
+    from trl import RewardConfig, RewardTrainer
+
+    from modeling_gpn import GPNForSequenceClassification
+
+    config = tiny_config(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         num_labels=1)  # fmt: skip
+    torch.manual_seed(6)
+    model = GPNForSequenceClassification(config)
+    pairs = Dataset.from_dict({
+        "chosen": ["the cat sat on the mat.", "a cat.", "the cat and the mat.", "once upon a time a cat sat."],
+        "rejected": ["the dog dog dog.", "a dog log.", "the end end end end.", "a log."],
+    })  # fmt: skip
+    args = RewardConfig(**common_arguments(tmp_path, max_steps=6, learning_rate=1e-2), per_device_train_batch_size=4,
+                        max_length=32)  # fmt: skip
+    trainer = RewardTrainer(model=model, args=args, train_dataset=pairs, processing_class=tokenizer)
+    seen = []
+
+    def own_loss(module, args, kwargs, output):
+        with torch.no_grad():  # each row alone, unpadded, scored at its last token (EOS, which is also the pad token)
+            scores = [
+                module.score(module.model(row[None, :n]).last_hidden_state[0, -1])[0]
+                for row, n in zip(kwargs["input_ids"], kwargs["attention_mask"].sum(1))
+            ]
+        chosen, rejected = torch.stack(scores).chunk(2)
+        seen.append(float(-F.logsigmoid(chosen - rejected).mean()))
+
+    handle = trainer.model.register_forward_hook(own_loss, with_kwargs=True)
+    trainer.train()
+    handle.remove()
+    losses = logged(trainer)
+    assert len(losses) == 6
+    assert losses == pytest.approx(seen[: len(losses)], rel=1e-4)  # scores at the last real token: the unpadded rows'
+    assert losses[-1] < losses[0] and logged(trainer, "accuracy")[-1] == 1.0
+
+
+def test_trainer_fine_tunes_sequence_classification_on_a_tiny_labelled_set(tokenizer, tmp_path):
+    """transformers' Trainer with DataCollatorWithPadding: the first loss is the cross-entropy of the model's own
+    scores at each row's last real token, the loss falls, and the classifier learns the labels."""
+    from datasets import Dataset
+    from transformers import DataCollatorWithPadding, Trainer, TrainingArguments
+
+    from modeling_gpn import GPNForSequenceClassification
+
+    texts = ["the cat sat.", "a cat.", "the cat and a mat.", "a dog.", "the dog sat on the log.", "the end dog."]
+    labels = [1, 1, 1, 0, 0, 0]
+    encoded = Dataset.from_dict({"text": texts, "label": labels})
+    encoded = encoded.map(lambda row: tokenizer(row["text"]), remove_columns="text")
+    config = tiny_config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, num_labels=2)
+    torch.manual_seed(7)
+    model = GPNForSequenceClassification(config).train()
+    with torch.no_grad():
+        alone = torch.cat([model(**tokenizer(text, return_tensors="pt")).logits for text in texts])
+        first = F.cross_entropy(alone, torch.tensor(labels))
+    args = TrainingArguments(**common_arguments(tmp_path, max_steps=12, learning_rate=1e-2),
+                             per_device_train_batch_size=6)  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=encoded, data_collator=DataCollatorWithPadding(tokenizer))
+    trainer.train()
+    losses = logged(trainer)
+    assert losses[0] == pytest.approx(first.item(), rel=1e-4)  # padded batch == each text alone
+    assert losses[-1] < 0.5 * losses[0]
+    with torch.no_grad():
+        batch = tokenizer(texts, return_tensors="pt", padding=True)
+        assert model.eval()(**batch).logits.argmax(-1).tolist() == labels
+
+
+# --------------------------------------------------------------------------------------------------
+# docs/fine-tuning.md
+# --------------------------------------------------------------------------------------------------
+
+
+def test_fine_tuning_doc_snippets_run(tmp_path):
+    """Every Python snippet of docs/fine-tuning.md, in order, in a fresh process (TRL's configs default to bf16,
+    which would fix this process's Accelerate state): the page's claim that they run as they are."""
+    import re
+    import subprocess
+    import sys
+
+    from ..environment import REPO_ROOT
+
+    page = REPO_ROOT / "docs" / "fine-tuning.md"
+    snippets = re.findall(r"```python\n(.*?)```", page.read_text(), re.DOTALL)
+    assert len(snippets) >= 7
+    script = tmp_path / "snippets.py"
+    script.write_text("import torch\ntorch.set_num_threads(1)\n" + "\n".join(snippets))
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    for folder in ("tiny-gpn", "sft", "sft-packed", "sft-lora", "dpo", "grpo", "reward", "classify"):
+        assert (tmp_path / folder).is_dir(), folder

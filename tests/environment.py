@@ -1,0 +1,69 @@
+"""What the tests run in: the environment they set before torch is imported, the shared folder, and the
+skips (or failures) for what is missing.
+
+The reference fixtures and data live outside the repository, in the folder named by the environment
+variable GPN_SHARED_DIR (default: `../shared` beside the repository root). Tests that need them skip
+with a message saying what is missing; `.ci/run` sets GPN_REQUIRE_SHARED=1, which turns those skips
+into failures so CI can never pass by skipping.
+
+The same holds for what the machine provides (`require_environment`): a C compiler for the memory kernels
+(GPN_REQUIRE_C_KERNELS), root for the cache-ownership test (GPN_REQUIRE_ROOT), a mountable tmpfs for the
+full-disk test (GPN_REQUIRE_MOUNT), triton for the Triton kernels' tests (GPN_REQUIRE_TRITON). `.ci/run`
+sets each one CI's machine can satisfy; the skips left are listed at the end of the run (`-ra`).
+
+tests/conftest.py imports this module before it imports torch; this module must not import torch itself.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Triton's interpreter runs the Triton kernels on CPU tensors (tests/fast_path/test_triton_kernels.py). Triton
+# reads this when it decorates functions, and importing torch already imports triton.language, so it is set
+# before torch. It changes nothing else on CPU (the fast path uses Triton on CPU only when GPN_TRITON=1 forces it).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+TRITON_INTERPRETER_AT_START = os.environ["TRITON_INTERPRET"].lower() in ("1", "true", "yes", "on")
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DIR = Path(os.environ.get("GPN_SHARED_DIR", REPO_ROOT.parent / "shared")).resolve()
+FIXTURES = SHARED_DIR / "fixtures" / "reference"
+DATA = SHARED_DIR / "data"
+
+
+def require_shared(relative: str) -> Path:
+    """Path of `relative` inside the shared folder, or skip (fail under GPN_REQUIRE_SHARED=1)."""
+    path = SHARED_DIR / relative
+    if not path.exists():
+        message = (
+            f"missing shared file {path} (set GPN_SHARED_DIR to the folder holding fixtures/ and data/; "
+            "default ../shared beside the repository)"
+        )
+        if os.environ.get("GPN_REQUIRE_SHARED") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+def require_environment(satisfied: bool, missing: str, variable: str) -> None:
+    """Skip, saying what is `missing`, unless `satisfied`; fail instead when `variable` is set to 1 (CI
+    sets it where its machine can provide the thing, so a test cannot pass there by skipping)."""
+    if satisfied:
+        return
+    if os.environ.get(variable) == "1":
+        pytest.fail(f"{missing} ({variable}=1: this machine must provide it)")
+    pytest.skip(missing)
+
+
+def require_c_kernels() -> None:
+    """Skip (fail under GPN_REQUIRE_C_KERNELS=1) unless the C memory kernels build and are enabled here."""
+    from modeling_gpn import memory_kernels
+
+    available = memory_kernels.available()
+    require_environment(available, f"C memory kernels unavailable: {memory_kernels.unavailable_reason()}", "GPN_REQUIRE_C_KERNELS")

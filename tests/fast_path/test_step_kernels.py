@@ -1,0 +1,188 @@
+"""The C step kernels (issue 28): a no-grad step of a few rows in one C call on the modules' own weights
+(float32, bfloat16, torchao int8 weight-only), the few-row products (logits, decoder and token projections),
+and what the fast path accepts of quantized weights. Each test compares with the plain loop (the module-
+calling reference) and shows the kernels ran (`tests/backend_observer.py`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ..backend_observer import C_PRODUCTS, C_STEP_KERNELS, FAST_PATH, INT8_STEPS, PLAIN_PATH, ran
+from ..environment import require_c_kernels
+from ..tiny_models import perturbed_model, tiny_config
+
+torchao = pytest.importorskip("torchao.quantization", reason="torchao (the test extra) quantizes the int8 models")
+
+
+def quantized(model: torch.nn.Module, config=None) -> torch.nn.Module:
+    """`model` in bf16 with every nn.Linear quantized by torchao (int8 weight-only unless `config`)."""
+    model = model.to(torch.bfloat16)
+    torchao.quantize_(model, config or torchao.Int8WeightOnlyConfig())
+    return model
+
+
+def log_probs(logits: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def decode_loop(model, ids: torch.Tensor, mask: torch.Tensor | None, steps: int = 3) -> torch.Tensor:
+    """The logits of a prompt's forward (with its cache) and of `steps` one-token forwards continuing it."""
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, use_cache=True)
+        logits, cache = [out.logits], out.cache
+        token = out.logits[:, -1:].argmax(-1)
+        for _ in range(steps):
+            mask = None if mask is None else torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            out = model(token, attention_mask=mask, cache=cache, use_cache=True)
+            logits.append(out.logits)
+            cache, token = out.cache, out.logits[:, -1:].argmax(-1)
+    return torch.cat(logits, dim=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("rows, padded", [(1, False), (3, True)], ids=["one-row", "three-rows-left-padded"])
+def test_the_step_kernels_compute_the_plain_loop(one_thread, dtype, rows, padded):
+    """Prompt and decode loop of 1 and 3 rows (left padding: the padded rows keep their state and key), 2
+    predict layers (the upper layer's own read of M'), on the C step kernels = the plain loop (fp32 to
+    summation order; bf16 within bf16's rounding)."""
+    require_c_kernels()
+    model = perturbed_model(tiny_config(num_predict_layers=2), seed=3).to(dtype)
+    ids = torch.randint(1, 97, (rows, 7), generator=torch.Generator().manual_seed(4))
+    mask = None
+    if padded:
+        mask = torch.ones(rows, 7, dtype=torch.long)
+        mask[1, :3] = 0
+        mask[2, :1] = 0
+    decays = lambda: model.model(ids, attention_mask=mask, output_memory_decays=True).memory_decays  # noqa: E731
+    with torch.no_grad(), ran(FAST_PATH, C_STEP_KERNELS, C_PRODUCTS, not_ran=(PLAIN_PATH,)):
+        fast, fast_decays = decode_loop(model, ids, mask), decays()
+    model.model.use_fast_path = False
+    with torch.no_grad(), ran(PLAIN_PATH, not_ran=(FAST_PATH, C_STEP_KERNELS, C_PRODUCTS)):
+        plain, plain_decays = decode_loop(model, ids, mask), decays()
+    low = dtype == torch.bfloat16
+    assert (log_probs(fast) - log_probs(plain)).abs().max() < (2e-2 if low else 1e-4)
+    torch.testing.assert_close(fast_decays, plain_decays, atol=1e-3 if low else 1e-5, rtol=1e-2 if low else 1e-5)
+
+
+@pytest.mark.parametrize("variant", [dict(use_memory=False, num_predict_layers=2), dict(use_decoder_bias=True)],
+                         ids=["gpn-without-memory-2-layers", "decoder-bias"])  # fmt: skip
+def test_the_step_kernels_take_every_variant(one_thread, variant):
+    """GPN without memory (no write, no reads: the kernels' other branch) and the decoder bias (a biased
+    decoder projection on the few-row products) = the plain loop."""
+    require_c_kernels()
+    model = perturbed_model(tiny_config(**variant), seed=13)
+    ids = torch.randint(1, 97, (2, 6), generator=torch.Generator().manual_seed(14))
+    with ran(FAST_PATH, C_STEP_KERNELS, C_PRODUCTS, not_ran=(PLAIN_PATH,)):
+        fast = decode_loop(model, ids, None)
+    model.model.use_fast_path = False
+    assert (log_probs(fast) - log_probs(decode_loop(model, ids, None))).abs().max() < 1e-4
+
+
+def test_int8_weights_run_the_fast_path_within_the_quantization_error(one_thread):
+    """A torchao int8 weight-only model runs the fast path (its step on the C kernels: nothing dequantized,
+    no plain loop), = the plain loop of the same quantized model, and within the quantization's own error
+    of the unquantized (bf16) fast path; a batch beyond the kernels' rows runs the torch-ops steps on the
+    dequantized weights, = the plain loop too."""
+    require_c_kernels()
+    reference = perturbed_model(tiny_config(), seed=5).to(torch.bfloat16)
+    model = quantized(perturbed_model(tiny_config(), seed=5))
+    assert model.model.fast_path_blocker() is None
+    ids = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(6))
+    with ran(FAST_PATH, C_STEP_KERNELS, INT8_STEPS, C_PRODUCTS, not_ran=(PLAIN_PATH,)):
+        fast = decode_loop(model, ids, None)
+    assert model.model.last_recurrence_backends.step == "c step kernels"
+    unquantized = decode_loop(reference, ids, None)
+    wide = torch.randint(1, 97, (20, 4), generator=torch.Generator().manual_seed(7))  # more rows than the kernels take
+    with torch.no_grad(), ran(FAST_PATH, not_ran=(PLAIN_PATH, C_STEP_KERNELS)):
+        wide_fast = model(wide).logits
+    model.model.use_fast_path = False
+    with ran(PLAIN_PATH, not_ran=(FAST_PATH,)):
+        plain = decode_loop(model, ids, None)
+        with torch.no_grad():
+            wide_plain = model(wide).logits
+    assert (log_probs(fast) - log_probs(plain)).abs().max() < 1e-2
+    assert (log_probs(wide_fast) - log_probs(wide_plain)).abs().max() < 1e-2
+    quantization_error = (log_probs(plain) - log_probs(unquantized)).abs().max()
+    assert 0 < (log_probs(fast) - log_probs(unquantized)).abs().max() < 2 * quantization_error + 1e-2
+
+
+def test_weights_the_fast_path_does_not_know_keep_the_plain_path(one_thread):
+    """Exactly torchao's int8 weight-only weights are taken: its dynamic-activation int8 (activations
+    quantized too) is another computation, so the model keeps the plain loop, which calls the modules."""
+    model = quantized(perturbed_model(tiny_config(), seed=8), torchao.Int8DynamicActivationInt8WeightConfig())
+    blocker = model.model.fast_path_blocker()
+    assert blocker is not None and "not a plain nn.Parameter" in blocker, blocker
+    with torch.no_grad(), ran(PLAIN_PATH, not_ran=(FAST_PATH, C_STEP_KERNELS)):
+        model(torch.tensor([[1, 2, 3]]))
+
+
+def test_the_derived_weights_guard_sees_an_int8_weight_edited_in_place():
+    """A torchao weight has no storage of its own (its data_ptr is 0): the guard keys it by the tensors it
+    holds, so an in-place edit of its int8 data (or a requantization) starts a new derivation."""
+    from modeling_gpn.derived_weights import parameters_key
+
+    model = quantized(perturbed_model(tiny_config(), seed=9))
+    before = parameters_key(model.model)
+    assert parameters_key(model.model) == before
+    model.model.fuse_gate.weight.qdata.add_(1)
+    assert parameters_key(model.model) != before
+
+
+def test_the_few_row_products_equal_f_linear_and_refuse_what_they_cannot_take():
+    """The logits kernel = F.linear(x.to(w.dtype), w) (odd sizes, 1-16 rows; bf16 in, bf16 out); more rows,
+    a wrong shape or an int8 matrix are refused by name (the callers then run torch)."""
+    require_c_kernels()
+    from modeling_gpn import memory_kernels as mk
+
+    generator = torch.Generator().manual_seed(10)
+    for dtype in (torch.float32, torch.bfloat16):
+        weight = torch.randn(101, 37, generator=generator).to(dtype)
+        for rows in (1, 3, 16):
+            x = torch.randn(rows, 37, generator=generator)
+            got, want = mk.linear_rows(x, weight), torch.nn.functional.linear(x.to(dtype), weight)
+            assert got.dtype == want.dtype
+            torch.testing.assert_close(got.float(), want.float(), atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-5)
+    with pytest.raises(mk.KernelRefusal, match="17 rows|rows, features"):
+        mk.linear_rows(torch.randn(17, 37), weight)
+    with pytest.raises(mk.KernelRefusal, match="shape"):
+        mk.linear_rows(torch.randn(2, 36), weight)
+    with pytest.raises(mk.KernelRefusal, match="int8"):
+        mk.linear_rows(torch.randn(2, 37), torch.zeros(5, 37, dtype=torch.int8))
+    model = perturbed_model(tiny_config(), seed=11)
+    with pytest.raises(mk.KernelRefusal, match="17 rows"):
+        mk.StepPlan(model.model, 17)
+    plan = mk.StepPlan(model.model, 2)
+    state = model.model.zero_state(2, torch.device("cpu"))
+    from modeling_gpn.recurrence_step import StepState
+
+    with pytest.raises(mk.KernelRefusal, match="memory has shape"):
+        plan.step(StepState(state[0], state[1], None, state[2][:, :2]), torch.zeros(2, 48), None)
+
+
+def test_the_read_probe_reads_every_byte():
+    """The bandwidth probe behind `gpn bench`'s limit reads the whole buffer (its sum is the buffer's)."""
+    require_c_kernels()
+    from modeling_gpn import memory_kernels as mk
+
+    buffer = torch.arange(1000, dtype=torch.float32) % 7
+    assert mk.read_probe(buffer) == pytest.approx(float(buffer.sum()), rel=1e-6)
+
+
+def test_gpn_generate_runs_an_int8_model_on_the_fast_path(tmp_path, capsys, one_thread):
+    """`gpn generate --dtype int8` quantizes the loaded model (torchao int8 weight-only) and generates with it
+    on the fast path's int8 kernels (and `--dtype float32` does not)."""
+    require_c_kernels()
+    from modeling_gpn.cli import main
+    from modeling_gpn.data import train_bpe_tokenizer
+
+    tokenizer = train_bpe_tokenizer(["the cat sat on the mat. " * 20, "to be or not to be " * 20], 300)
+    tokenizer.save_pretrained(tmp_path)
+    perturbed_model(tiny_config(vocab_size=len(tokenizer)), seed=12).save_pretrained(tmp_path)
+    arguments = ["generate", str(tmp_path), "the cat", "--max-new-tokens", "4", "--device", "cpu", "--dtype"]
+    with ran(FAST_PATH, C_STEP_KERNELS, INT8_STEPS, not_ran=(PLAIN_PATH,)):
+        assert main([*arguments, "int8"]) == 0
+    with ran(FAST_PATH, C_STEP_KERNELS, not_ran=(PLAIN_PATH, INT8_STEPS)):
+        assert main([*arguments, "float32"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("the cat") and printed[2].startswith("the cat")

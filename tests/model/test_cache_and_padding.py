@@ -1,0 +1,187 @@
+"""The cached, chunked, padded and batched paths equal the plain full-sequence forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from modeling_gpn import GPNCache
+
+from ..tiny_models import perturbed_model, tiny_config
+
+VARIANTS = {
+    "gpn+m": dict(),
+    "gpn": dict(use_memory=False),
+    "gpn+m-2l-bias": dict(num_predict_layers=2, use_decoder_bias=True),
+}
+
+
+@pytest.fixture(params=list(VARIANTS), scope="module")
+def model(request):
+    return perturbed_model(tiny_config(**VARIANTS[request.param]), seed=1)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("length", [1, 63, 200])
+def test_full_equals_token_by_token_equals_random_chunks(model, length):
+    generator = torch.Generator().manual_seed(length)
+    ids = torch.randint(0, model.config.vocab_size, (2, length), generator=generator)
+    full = model(ids, use_cache=True)
+
+    cache = GPNCache(model.config)
+    stepped = torch.cat([model(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(length)], dim=1)
+    torch.testing.assert_close(stepped, full.logits, atol=1e-5, rtol=0)
+
+    cache, start, chunks = GPNCache(model.config), 0, []
+    while start < length:
+        size = int(torch.randint(1, 40, (1,), generator=generator))
+        chunks.append(model(ids[:, start : start + size], cache=cache, use_cache=True).logits)
+        start += size
+    torch.testing.assert_close(torch.cat(chunks, dim=1), full.logits, atol=1e-5, rtol=0)
+    for ours, theirs in zip(cache.get_state(), full.cache.get_state()):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    assert cache.get_seq_length() == length
+
+
+def pad_rows(rows: list[torch.Tensor], layout: str, width: int, generator: torch.Generator):
+    """Place each row's tokens in a (batch, width) grid: left-padded, right-padded or with holes."""
+    ids = torch.full((len(rows), width), 3, dtype=torch.long)  # pad id 3 is a real, non-zero token
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        n = len(row)
+        if layout == "left":
+            slots = torch.arange(width - n, width)
+        elif layout == "right":
+            slots = torch.arange(n)
+        else:  # holes anywhere, including at both ends
+            slots = torch.randperm(width, generator=generator)[:n].sort().values
+        ids[i, slots] = row
+        mask[i, slots] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("layout", ["left", "right", "holes"])
+def test_padding_leaves_the_state_unchanged(model, layout):
+    generator = torch.Generator().manual_seed(7)
+    lengths, width = [5, 17, 11], 24
+    rows = [torch.randint(0, model.config.vocab_size, (n,), generator=generator) for n in lengths]
+    ids, mask = pad_rows(rows, layout, width, generator)
+    batched = model(ids, attention_mask=mask, use_cache=True)
+    batched_state = batched.cache.get_state()
+    for i, row in enumerate(rows):
+        alone = model(row[None], use_cache=True)
+        real = mask[i].bool()
+        # at every real token: the logits of the row run alone
+        torch.testing.assert_close(batched.logits[i, real], alone.logits[0], atol=1e-5, rtol=0)
+        # and the same final cache
+        for ours, solo in zip(batched_state, alone.cache.get_state()):
+            torch.testing.assert_close(ours[i], solo[0], atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def test_padding_is_exactly_inert():
+    """Padded positions leave (p, g, M) bit-for-bit unchanged, even with nonzero biases and gates."""
+    model = perturbed_model(tiny_config(), seed=2)
+    ids = torch.randint(0, 97, (1, 6))
+    prefix = model(ids, use_cache=True)
+    cache = prefix.cache
+    before = cache.get_state()
+    model(torch.randint(0, 97, (1, 5)), attention_mask=torch.zeros(1, 5, dtype=torch.long), cache=cache, use_cache=True)
+    for old, new in zip(before, cache.get_state()):
+        assert torch.equal(old, new)
+
+
+def test_cache_size_does_not_grow_with_length():
+    model = perturbed_model(tiny_config(), seed=3)
+    with torch.no_grad():
+        short = model(torch.randint(0, 97, (1, 16)), use_cache=True).cache
+        long = model(torch.randint(0, 97, (1, 4096)), use_cache=True).cache
+    assert short.nbytes() == long.nbytes() == 4 * model.config.state_floats_per_row
+    assert long.get_seq_length() == 4096
+
+
+def bytes_held(cache) -> int:
+    """Every byte of tensor storage reachable from `cache` (each storage once): its state, the fingerprint of
+    what it read, and anything else it keeps, in its own attributes, its layers', and the containers and
+    objects they hold (not through weak references: the model a cache belongs to is not part of it)."""
+    seen_objects, storages = set(), {}
+
+    def visit(value) -> None:
+        if id(value) in seen_objects or isinstance(value, (str, bytes, int, float, bool, type(None), torch.nn.Module)):
+            return
+        seen_objects.add(id(value))
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            storages[storage.data_ptr(), value.device] = storage.nbytes()
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item)
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            for item in value:
+                visit(item)
+        elif hasattr(value, "__dict__") or hasattr(value, "__slots__"):
+            for name in getattr(value, "__slots__", ()):
+                visit(getattr(value, name, None))
+            for item in getattr(value, "__dict__", {}).values():
+                visit(item)
+
+    visit(cache)
+    return sum(storages.values())
+
+
+@torch.no_grad()
+def test_the_cache_is_exactly_constant_in_size_from_its_first_position():
+    """Every tensor a cache holds, the fingerprint of what it read included, adds up to the same bytes after 1,
+    2, 100 and 3,000 positions: in generate() (measured after each of its forward calls: 100 decoded tokens,
+    then a continuation of that cache given 2,900 new positions) and in a hand-written decode loop (3,000
+    calls of one token). A cache that kept a record per decode call grew by one tensor a token between folds."""
+    model = perturbed_model(tiny_config(eos_token_id=None), seed=3)
+    checkpoints = (1, 2, 100, 3000)
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(1, 97, (2, 1), generator=generator)
+    rows = prompt.shape[0]
+    settings = dict(do_sample=False, pad_token_id=0)
+
+    through_generate = {}
+
+    def measure(module, args, kwargs, output) -> None:
+        read = output.cache.get_seq_length()
+        if read in checkpoints:
+            through_generate[read] = bytes_held(output.cache)
+
+    hook = model.model.register_forward_hook(measure, with_kwargs=True)
+    try:
+        first = model.generate(prompt, max_new_tokens=100, return_dict_in_generate=True, **settings)
+        unread = first.sequences[:, first.cache.get_seq_length() :]
+        more = torch.cat([unread, torch.randint(1, 97, (rows, 2899), generator=generator)], dim=1)
+        model.generate(more, cache=first.cache, max_new_tokens=1, **settings)
+    finally:
+        hook.remove()
+
+    through_loop = {}
+    out = model(prompt, use_cache=True)
+    cache = out.cache
+    while cache.get_seq_length() <= checkpoints[-1]:
+        if cache.get_seq_length() in checkpoints:
+            through_loop[cache.get_seq_length()] = bytes_held(cache)
+        out = model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+
+    assert set(through_generate) == set(through_loop) == set(checkpoints)
+    sizes = {**{f"generate@{k}": v for k, v in through_generate.items()}, **{f"loop@{k}": v for k, v in through_loop.items()}}
+    assert len(set(sizes.values())) == 1, sizes
+    # the state (p, g, M), and the fingerprint of what it read: 2 int64 per row
+    assert sizes["loop@1"] == 4 * model.config.state_floats_per_row * rows + 2 * 8 * rows, sizes
+
+
+def test_bf16_weights_keep_a_float32_state():
+    model = perturbed_model(tiny_config(), seed=4).to(torch.bfloat16)
+    ids = torch.randint(0, 97, (2, 32))
+    with torch.no_grad():
+        out = model(ids, use_cache=True, output_predicted_states=True)
+    assert out.predicted_states.dtype == torch.float32
+    assert all(state.dtype == torch.float32 for state in out.cache.get_state())
+    reference = perturbed_model(tiny_config(), seed=4)
+    with torch.no_grad():
+        fp32 = reference(ids).logits
+    assert (out.logits.float() - fp32).abs().max() < 0.25 * fp32.abs().max()

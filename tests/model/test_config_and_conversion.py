@@ -1,0 +1,166 @@
+"""GPNConfig validation, the presets, and `gpn convert` on good and bad checkpoints."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from modeling_gpn import GPNConfig, GPNForCausalLM
+from modeling_gpn.configuration import list_presets, load_preset, preset_path
+from modeling_gpn.conversion import CheckpointError, load_reference_model
+
+from ..environment import require_shared
+
+
+def count_parameters(config: GPNConfig) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPNForCausalLM(config).parameters())
+
+
+# ---- config ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(hidden_size=0), "hidden_size"),
+        (dict(vocab_size=-3), "vocab_size"),
+        (dict(num_memory_heads=0), "num_memory_heads"),
+        (dict(intermediate_size=2.5), "intermediate_size"),
+        (dict(rms_norm_eps=0.0), "rms_norm_eps"),
+        (dict(bptt_segment_length=0), "bptt_segment_length"),
+    ],
+)
+def test_invalid_config_values_raise_clearly(bad, message):
+    with pytest.raises(ValueError, match=message):
+        GPNConfig(**bad)
+
+
+def test_memoryless_config_ignores_memory_sizes():
+    config = GPNConfig(use_memory=False, num_memory_heads=0)
+    assert config.memory_cells == 0
+    assert config.state_floats_per_row == 2 * config.hidden_size
+
+
+def test_presets_load_and_have_the_paper_sizes():
+    assert {"tiny", "gpn-m-1l-130m", "gpn-m-2l-130m", "gpn-130m"} <= set(list_presets())
+    # the paper's 1-layer GPN+M computes to ~129.1M parameters
+    one_layer = load_preset("gpn-m-1l-130m")
+    assert abs(count_parameters(one_layer) - 129.1e6) / 129.1e6 < 0.005
+    assert one_layer.memory_cells == 491_520
+    two_layer, no_memory = load_preset("gpn-m-2l-130m"), load_preset("gpn-130m")
+    assert two_layer.num_predict_layers == 2 and two_layer.memory_cells == 360_448
+    assert two_layer.bptt_truncation_length == 512
+    assert not no_memory.use_memory and no_memory.hidden_size == 3184
+    for config in (two_layer, no_memory):
+        assert abs(count_parameters(config) - 130e6) / 130e6 < 0.005
+    # plain transformers loaders read the same files
+    assert GPNConfig.from_json_file(str(preset_path("tiny"))).hidden_size == load_preset("tiny").hidden_size
+    assert GPNConfig.from_pretrained(str(preset_path("gpn-m-1l-130m"))).hidden_size == 2496
+
+
+# ---- conversion -----------------------------------------------------------------------------------
+
+
+def fixture_params(name: str = "sot_m_1l") -> dict[str, np.ndarray]:
+    folder = require_shared(f"fixtures/reference/{name}")
+    with np.load(folder / "params.npz") as data:
+        return {key: data[key] for key in data.files}
+
+
+def write_checkpoint(path, params, **extra) -> None:
+    checkpoint = {
+        "params": params,
+        "step": 1000,
+        "data_position": 123456,
+        "opt_state": {"mu": {k: np.zeros_like(v) for k, v in params.items()}, "count": np.int32(1000)},
+    }
+    checkpoint.update(extra)
+    with open(path, "wb") as handle:
+        pickle.dump(checkpoint, handle)
+
+
+def test_convert_from_a_trainer_pickle_equals_the_npz_folder(tmp_path):
+    folder = require_shared("fixtures/reference/sot_m_1l")
+    write_checkpoint(tmp_path / "checkpoint.pkl", fixture_params())
+    from_pickle = load_reference_model(tmp_path / "checkpoint.pkl")
+    from_folder = load_reference_model(folder)
+    tokens = torch.from_numpy(np.load(folder / "tokens.npy")).long()
+    with torch.no_grad():
+        assert torch.equal(from_pickle(tokens).logits, from_folder(tokens).logits)
+
+
+def test_gpn_convert_command_writes_a_loadable_folder(tmp_path):
+    folder = require_shared("fixtures/reference/sot_m_2l")
+    out = tmp_path / "converted"
+    result = subprocess.run(
+        [sys.executable, "-m", "modeling_gpn.cli", "convert", str(folder), str(out)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    assert (out / "model.safetensors").exists() and not list(out.glob("*.bin"))
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "gpn" and config["num_predict_layers"] == 2
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_gpn.GPNForCausalLM"
+    # loadable: the folder loads through transformers and computes what the reference checkpoint computes
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert isinstance(loaded, GPNForCausalLM)
+    tokens = torch.from_numpy(np.load(folder / "tokens.npy")).long()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens).logits, load_reference_model(folder)(tokens).logits, atol=0, rtol=0)
+
+
+class Payload:
+    """Stands for anything a reference checkpoint never holds: unpickling it would create `mark`."""
+
+    def __init__(self, mark):
+        self.mark = mark
+
+    def __reduce__(self):
+        return (exec, (f"open({str(self.mark)!r}, 'w').close()",))
+
+
+def test_foreign_object_in_pickle_is_refused(tmp_path):
+    path, mark = tmp_path / "checkpoint.pkl", tmp_path / "payload-ran"
+    write_checkpoint(path, fixture_params(), extra=Payload(mark))
+    with pytest.raises(CheckpointError, match=r"builtins\.exec"):
+        load_reference_model(path)
+    assert not mark.exists(), "the payload ran before the refusal"
+
+
+def test_corrupt_pickle_is_a_clear_error(tmp_path):
+    path = tmp_path / "checkpoint.pkl"
+    write_checkpoint(path, fixture_params())
+    path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="not a readable reference checkpoint"):
+        load_reference_model(path)
+
+
+def test_missing_unexpected_and_misshaped_parameters_are_listed_together(tmp_path):
+    params = fixture_params()
+    del params["L0_ffn_w2_k"], params["write_W_v_k"]
+    params["L0_read_W_o_k"] = params["L0_read_W_o_k"][:, :-1]
+    params["mystery"] = np.zeros(3, dtype=np.float32)
+    write_checkpoint(tmp_path / "checkpoint.pkl", params)
+    with pytest.raises(CheckpointError) as error:
+        load_reference_model(tmp_path / "checkpoint.pkl")
+    message = str(error.value)
+    for name in ("L0_ffn_w2_k", "write_W_v_k", "mystery", "L0_read_W_o_k"):
+        assert name in message
+
+
+def test_config_disagreeing_with_shapes_is_refused(tmp_path):
+    folder = require_shared("fixtures/reference/sot_m_1l")
+    np.savez(tmp_path / "params.npz", **fixture_params())
+    config = json.loads((folder / "config.json").read_text())
+    config["d_state"] = 64
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="d_state=64"):
+        load_reference_model(tmp_path)

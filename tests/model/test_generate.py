@@ -1,0 +1,109 @@
+"""Real transformers `generate()` on a GPN: every decoding mode, with and without the cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ..tiny_models import perturbed_model, tiny_config
+
+PAD = 0
+
+
+@pytest.fixture(scope="module")
+def model():
+    model = perturbed_model(tiny_config(eos_token_id=None), seed=11)
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@torch.no_grad()
+def test_greedy_equals_argmax_path_without_cache(model):
+    prompt = torch.randint(1, 97, (1, 9), generator=torch.Generator().manual_seed(0))
+    generated = model.generate(prompt, max_new_tokens=12, do_sample=False)
+    ids = prompt
+    for _ in range(12):  # recompute from scratch at every step: no cache anywhere
+        next_token = model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, next_token], dim=1)
+    assert torch.equal(generated, ids)
+
+
+@torch.no_grad()
+def test_beam_search_with_and_without_cache(model):
+    prompt = torch.randint(1, 97, (2, 6), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(max_new_tokens=8, num_beams=3, num_return_sequences=2, do_sample=False, output_scores=True,
+                  return_dict_in_generate=True)  # fmt: skip
+    cached = model.generate(prompt, use_cache=True, **kwargs)
+    uncached = model.generate(prompt, use_cache=False, **kwargs)
+    assert cached.sequences.shape == (4, 14)
+    assert torch.equal(cached.sequences, uncached.sequences)
+    torch.testing.assert_close(cached.sequences_scores, uncached.sequences_scores, atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def test_beam_search_reorders_what_each_cache_row_has_read(model):
+    """Beam search reorders the cache's rows at every step (`reorder_cache`): the fingerprint of what each
+    row has read must move with its state. Checked at every step of a real beam search: when the logits
+    processors run, the cache has read each running beam's sequence so far (the `input_ids` they get), row
+    for row, and its fingerprint says so. (Had it stayed in place, a row would claim another beam's history,
+    and a continuation given the whole sequence could be misread.)"""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from modeling_gpn.cache import token_fingerprint
+
+    caches, checked = [], []
+
+    class CheckWhatEachRowRead(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            cache = caches[-1]
+            assert cache.get_seq_length() == input_ids.shape[1]
+            checked.append(torch.equal(cache.read_fingerprint(), token_fingerprint(input_ids, None)))
+            return scores
+
+    hook = model.model.register_forward_hook(lambda module, args, output: caches.append(output.cache))
+    try:
+        prompt = torch.randint(1, 97, (2, 4), generator=torch.Generator().manual_seed(0))
+        model.generate(prompt, max_new_tokens=8, num_beams=3, num_return_sequences=2, do_sample=False,
+                       logits_processor=LogitsProcessorList([CheckWhatEachRowRead()]))  # fmt: skip
+    finally:
+        hook.remove()
+    assert len(checked) == 8 and all(checked), checked
+
+
+@torch.no_grad()
+def test_seeded_sampling_with_and_without_cache(model):
+    prompt = torch.randint(1, 97, (2, 5), generator=torch.Generator().manual_seed(2))
+    kwargs = dict(max_new_tokens=10, do_sample=True, top_k=20, temperature=0.9, num_return_sequences=3)
+    torch.manual_seed(123)
+    cached = model.generate(prompt, use_cache=True, **kwargs)
+    torch.manual_seed(123)
+    uncached = model.generate(prompt, use_cache=False, **kwargs)
+    assert cached.shape == (6, 15)
+    assert torch.equal(cached, uncached)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["greedy", "beam"])
+def test_left_padded_batch_gives_each_rows_solo_output(model, mode):
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 97, (n,), generator=generator) for n in (3, 10, 6)]
+    width = max(len(p) for p in prompts)
+    ids = torch.full((3, width), PAD, dtype=torch.long)
+    mask = torch.zeros(3, width, dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        ids[i, width - len(prompt) :] = prompt
+        mask[i, width - len(prompt) :] = 1
+    kwargs = dict(max_new_tokens=7, do_sample=False)
+    if mode == "beam":
+        kwargs.update(num_beams=3)
+    batched = model.generate(ids, attention_mask=mask, **kwargs)
+    for i, prompt in enumerate(prompts):
+        solo = model.generate(prompt[None], **kwargs)
+        assert torch.equal(batched[i, width:], solo[0, len(prompt) :]), f"row {i}"
+
+
+def test_assisted_decoding_is_refused_clearly(model):
+    prompt = torch.randint(1, 97, (1, 4))
+    with pytest.raises(ValueError, match="stateful"):
+        model.generate(prompt, assistant_model=model, max_new_tokens=3)

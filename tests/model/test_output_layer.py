@@ -1,0 +1,366 @@
+"""The output layer where transformers' tools look for it.
+
+`GPNModel` ends with the decoder's norm and projection (as a Llama's base model ends with its final norm):
+`last_hidden_state` is W_dec rms(p) (+ b_dec), the e-wide vector the output matrix multiplies; `GPNForCausalLM.lm_head`
+is a registered module tied to the embedding and returned by `get_output_embeddings()`, so
+`logits == lm_head(model.model(...).last_hidden_state)` exactly. The predicted state p is one argument away
+(`output_predicted_states`), `output_hidden_states` follows transformers' convention, folders of the older layout
+(decoder keys at the top level) still load, with and without remote code, and a wrapped or replaced module is never
+ignored in silence. (TRL's fused head and trainers: tests/ecosystem/test_trl.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..subprocesses import BLOCK_PACKAGE, run_python
+from ..tiny_models import perturbed_model, tiny_config
+
+VARIANTS = {
+    "gpn+m": dict(),
+    "gpn": dict(use_memory=False),
+    "gpn+m-2l": dict(num_predict_layers=2),
+    "decoder bias": dict(use_decoder_bias=True),
+}
+
+
+def token_ids(batch: int = 2, length: int = 9, seed: int = 0) -> torch.Tensor:
+    return torch.randint(1, 97, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_base_model_ends_with_the_decoder_and_the_logits_are_lm_head_of_it(variant):
+    model = perturbed_model(tiny_config(**VARIANTS[variant]), seed=1)
+    head, embedding = model.lm_head, model.model.embed_tokens
+    assert dict(model.named_modules())["lm_head"] is head and type(head) is nn.Linear and head.bias is None
+    assert head.weight is embedding.weight and model.get_output_embeddings() is head
+    assert model._tied_weights_keys == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert model.config.tie_word_embeddings and "lm_head.weight" in model.all_tied_weights_keys
+    ids = token_ids()
+    with torch.no_grad():
+        out = model(ids, output_predicted_states=True)
+        hidden = model.model(ids).last_hidden_state
+        assert hidden.shape == (2, 9, model.config.embedding_size)
+        assert torch.equal(out.logits, model.lm_head(hidden))
+        # the decoder, bias included: W_dec rms(p) (+ b_dec)
+        decoder = model.model.decode_proj
+        expected = F.linear(model.model.decode_norm(out.predicted_states), decoder.weight, decoder.bias)
+        torch.testing.assert_close(hidden, expected, rtol=1e-6, atol=1e-6)
+        if decoder.bias is not None:
+            decoder.bias.add_(1.0)
+            assert (model.model(ids).last_hidden_state - hidden - 1.0).abs().max() < 1e-5
+    assert model.model.last_recurrence_path == "fast"  # (the decoder is called after the fast recurrence)
+
+
+def test_bf16_weights_give_a_bf16_hidden_state_that_the_head_multiplies_exactly():
+    model = perturbed_model(tiny_config(), seed=2).to(torch.bfloat16)
+    ids = token_ids()
+    with torch.no_grad():
+        out = model(ids, output_predicted_states=True)
+        hidden = model.model(ids).last_hidden_state
+    assert hidden.dtype == out.logits.dtype == torch.bfloat16 and out.predicted_states.dtype == torch.float32
+    assert torch.equal(out.logits, model.lm_head(hidden))
+
+
+def test_the_predicted_state_is_one_argument_away():
+    """`output_predicted_states=True` returns p (d-wide, float32) on the base model and the causal LM; it is what the
+    decoder reads (`model.decode(p)` gives the logits) and what the plain step loop computes."""
+    model = perturbed_model(tiny_config(), seed=3)
+    ids = token_ids(2, 7)
+    with torch.no_grad():
+        out = model(ids, output_predicted_states=True)
+        base = model.model(ids, output_predicted_states=True)
+        assert model(ids).predicted_states is None
+        p = out.predicted_states
+        assert p.shape == (2, 7, model.config.hidden_size) and p.dtype == torch.float32
+        assert torch.equal(base.predicted_states, p) and torch.equal(base.last_hidden_state, model.model.decoded(p))
+        torch.testing.assert_close(model.decode(p), out.logits, rtol=0, atol=0)
+        state = model.model.zero_state(2, ids.device)
+        stepped = []
+        inputs = model.model.token_inputs(model.model.embed_tokens(ids))
+        for t in range(7):
+            predicted, grounded, memory, _ = model.model.step(*state, inputs[:, t])
+            state = (predicted, grounded, memory)
+            stepped.append(predicted)
+    torch.testing.assert_close(p, torch.stack(stepped, 1), rtol=1e-5, atol=1e-5)
+
+
+def test_hidden_states_follow_transformers_convention():
+    """(the embedding output, ..., last_hidden_state), the last one `last_hidden_state` itself (a GPN is one layer)."""
+    model = perturbed_model(tiny_config(num_predict_layers=2), seed=4)
+    ids = token_ids()
+    with torch.no_grad():
+        out = model.model(ids, output_hidden_states=True)
+        lm = model(ids, output_hidden_states=True)
+    assert len(out.hidden_states) == 2
+    assert torch.equal(out.hidden_states[0], model.model.embed_tokens(ids))
+    assert out.hidden_states[-1] is out.last_hidden_state
+    assert all(torch.equal(a, b) for a, b in zip(lm.hidden_states, out.hidden_states))
+
+
+def test_peft_all_linear_leaves_the_output_head_out():
+    """PEFT's `target_modules="all-linear"` finds the output embedding by identity among the named modules and
+    leaves it out: the decoder projection gets an adapter, the tied head does not, and the head stays tied."""
+    import peft
+
+    model = peft.get_peft_model(perturbed_model(tiny_config(), seed=5), peft.LoraConfig(r=4, target_modules="all-linear"))
+    base = model.get_base_model()
+    assert type(base.lm_head) is nn.Linear and base.lm_head.weight is base.model.embed_tokens.weight
+    adapted = {name.rsplit(".", 1)[0] for name, _ in base.named_modules() if name.endswith(".lora_A")}
+    assert "model.decode_proj" in adapted and "model.predict_layers.0.ffn_in" in adapted
+    assert not any(name.startswith("lm_head") for name in adapted)
+
+
+def test_a_wrapped_embedding_is_followed_by_the_output_and_never_ignored():
+    """LoRA on `embed_tokens`: the output matrix is the adapted table (input and output sides match, before and after
+    `merge_and_unload()`), and `get_output_embeddings()` shows the adapted embedding, so tools that multiply by its
+    weight see the wrapper. With PEFT's `ensure_weight_tying=True` the head carries the tied adapter and is called:
+    the same logits."""
+    import peft
+
+    ids = token_ids(2, 8)
+    base_logits = perturbed_model(tiny_config(), seed=6)(ids).logits.detach()
+    outputs = {}
+    for tying in (False, True):
+        torch.manual_seed(7)
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "decode_proj"], init_lora_weights=False,
+                                 ensure_weight_tying=tying)  # fmt: skip
+        adapted = peft.get_peft_model(perturbed_model(tiny_config(), seed=6), config).eval()
+        inner = adapted.get_base_model()
+        with torch.no_grad():
+            logits = adapted(input_ids=ids).logits
+            hidden = inner.model(ids).last_hidden_state
+            table = inner.model.embed_tokens(torch.arange(97))  # the adapted table
+        torch.testing.assert_close(logits, hidden @ table.T, rtol=1e-5, atol=1e-5)
+        assert (logits - base_logits).abs().max() > 1e-3
+        if tying:
+            assert hasattr(inner.lm_head, "lora_A") and inner.output_follows_embedding() is False
+        else:
+            assert inner.output_follows_embedding() and inner.get_output_embeddings() is inner.model.embed_tokens
+            merged = adapted.merge_and_unload().eval()
+            assert merged.get_output_embeddings() is merged.lm_head
+            assert merged.lm_head.weight is merged.model.embed_tokens.weight
+            torch.testing.assert_close(merged(ids).logits.detach(), logits, rtol=1e-4, atol=1e-4)
+        outputs[tying] = logits
+    torch.testing.assert_close(outputs[True], outputs[False], rtol=1e-5, atol=1e-5)
+
+
+def test_an_embedding_replaced_without_tying_is_refused_then_followed_once_tied():
+    model = perturbed_model(tiny_config(), seed=8)
+    ids = token_ids()
+    model.set_input_embeddings(nn.Embedding(97, 32))
+    with pytest.raises(ValueError, match="tie_weights"):
+        model(ids)
+    with pytest.raises(ValueError, match="tie_weights"):
+        model(ids, labels=ids, return_logits=False)
+    model.tie_weights()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, model.model(ids).last_hidden_state @ model.model.embed_tokens.weight.T)
+
+
+def test_resize_token_embeddings_keeps_the_output_tied():
+    """The head is resized with the embedding and tied again; the logits of the old tokens are unchanged."""
+    model = perturbed_model(tiny_config(), seed=9)
+    ids = token_ids()
+    with torch.no_grad():
+        before = model(ids).logits
+    for size in (105, 90):
+        model.resize_token_embeddings(size)
+        assert model.config.vocab_size == size and model.lm_head.weight is model.model.embed_tokens.weight
+        assert model.get_output_embeddings().weight.shape == (size, 32)
+        with torch.no_grad():
+            after = model(ids.clamp(max=size - 1)).logits
+        assert after.shape[-1] == size
+        if size > 97:
+            assert torch.equal(after[..., :97], before)
+            model(torch.tensor([[104]]))  # a new id is in the vocabulary
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        model(torch.tensor([[95]]))
+
+
+def test_the_chunked_loss_reads_the_head_where_it_can_and_calls_it_where_it_must(monkeypatch):
+    """`return_logits=False` gives the loss and gradients of the full logits: from `lm_head.weight` for the plain tied
+    head, from the adapted table for a followed embedding, and by calling the head when it is hooked."""
+    import peft
+
+    ids = token_ids(2, 10)
+
+    def loss_and_grads(model, return_logits):
+        model.zero_grad(set_to_none=True)
+        loss = model(ids, labels=ids, return_logits=return_logits).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = perturbed_model(tiny_config(), seed=10).train()
+    torch.manual_seed(11)
+    lora = peft.LoraConfig(r=4, target_modules=["embed_tokens"], init_lora_weights=False)
+    followed = peft.get_peft_model(perturbed_model(tiny_config(), seed=10), lora).train()
+    hooked = perturbed_model(tiny_config(), seed=10).train()
+    hooked.lm_head.register_forward_hook(lambda module, inputs, output: 2 * output)
+    with torch.no_grad():  # the followed embedding's output matrix: the adapted table
+        inner = followed.get_base_model()
+        adapted = inner.model(ids).last_hidden_state @ inner.model.embed_tokens(torch.arange(97)).T
+        expected = {"followed": F.cross_entropy(adapted[:, :-1].reshape(-1, 97), ids[:, 1:].reshape(-1))}
+    losses = {}
+    for name, model in (("plain", plain), ("followed", followed), ("hooked", hooked)):
+        (full, full_grads), (chunked, chunked_grads) = loss_and_grads(model, True), loss_and_grads(model, False)
+        torch.testing.assert_close(chunked, full, rtol=1e-5, atol=1e-6)
+        assert full_grads.keys() == chunked_grads.keys()
+        for key, grad in full_grads.items():
+            torch.testing.assert_close(chunked_grads[key], grad, rtol=1e-4, atol=1e-6, msg=f"{name}: {key}")
+        losses[name] = float(full)
+        if name in expected:
+            torch.testing.assert_close(full, expected[name], rtol=1e-5, atol=1e-6)
+    assert abs(losses["hooked"] - losses["plain"]) > 1e-3 and abs(losses["followed"] - losses["plain"]) > 1e-4
+
+    # The same in bounded memory: a long no-grad call runs in prefill chunks (prefill.py), each chunk's loss read
+    # the same way, and the last logits through the head.
+    from modeling_gpn import modeling_gpn as module
+
+    chunked_calls = []
+    run_in_chunks = module.forward_in_chunks
+    monkeypatch.setattr(module, "forward_in_chunks", lambda *a, **k: chunked_calls.append(1) or run_in_chunks(*a, **k))
+    for name, model in (("plain", plain), ("followed", followed), ("hooked", hooked)):
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        with torch.no_grad():
+            inner.prefill_chunk_length = 0
+            whole, last = model(ids, labels=ids).loss, model(ids).logits[:, -1:]
+            inner.prefill_chunk_length = 4
+            chunked, chunked_last = model(ids, labels=ids, return_logits=False).loss, model(ids, logits_to_keep=1).logits
+            del inner.prefill_chunk_length
+        torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6, msg=name)
+        # (one-pass and chunked logits come from the same states through products of different row counts: the C
+        # kernels' summation order at a few rows, F.linear's at many, a few float32 ulps of logits of magnitude ~50)
+        torch.testing.assert_close(chunked_last, last, rtol=1e-5, atol=1e-4, msg=name)
+    assert len(chunked_calls) == 6
+
+
+# --------------------------------------------------------------------------------------------------
+# Sequence classification
+# --------------------------------------------------------------------------------------------------
+
+
+def test_sequence_classification_scores_each_rows_last_real_token():
+    """`GPNForSequenceClassification` (what `AutoModelForSequenceClassification` builds for a GPN config) scores the
+    decoded vector at each row's last real token: padding left, right or inside a row (with the mask) gives each
+    row's unpadded scores; without a mask, the last token that is not the pad token; transformers' losses."""
+    from transformers import AutoModelForSequenceClassification
+
+    from modeling_gpn import GPNForSequenceClassification
+
+    config = tiny_config(num_labels=3, pad_token_id=0)
+    model = AutoModelForSequenceClassification.from_config(config)
+    assert type(model) is GPNForSequenceClassification and model.get_output_embeddings() is None
+    model.load_state_dict(perturbed_model(tiny_config(), seed=13).state_dict(), strict=False)  # (perturbed gates)
+    model.eval()
+    generator = torch.Generator().manual_seed(14)
+    alone = [torch.randint(1, 97, (1, n), generator=generator) for n in (5, 8, 3)]
+    alone[1][0, -1] = 0  # a real last token that is the pad token (an EOS used as padding): the mask says it is real
+    ids, mask = torch.full((4, 8), 7), torch.zeros(4, 8, dtype=torch.long)  # (padded ids are not the pad token)
+    ids[0, 3:], mask[0, 3:] = alone[0][0], 1  # left padding
+    ids[1], mask[1] = alone[1][0], 1
+    ids[2, [0, 2, 5]], mask[2, [0, 2, 5]] = alone[2][0], 1  # padding inside and after
+    with torch.no_grad():
+        expected = torch.cat([model.score(model.model(row).last_hidden_state[:, -1]) for row in alone])
+        batched = model(ids, attention_mask=mask).logits
+        torch.testing.assert_close(batched[:3], expected, rtol=1e-5, atol=1e-6)
+        empty = model.score(model.model.decoded(torch.zeros(1, 48)))  # a row with nothing real: the zero state
+        torch.testing.assert_close(batched[3:], empty, rtol=1e-5, atol=1e-6)
+        right = torch.zeros(1, 8, dtype=torch.long)  # right padding with the pad token, no mask
+        right[0, :5] = alone[0][0]
+        torch.testing.assert_close(model(right).logits, expected[:1], rtol=1e-5, atol=1e-6)
+        model.config.pad_token_id = None  # no pad token: every token is real
+        last = model.score(model.model(right).last_hidden_state[:, -1])
+        torch.testing.assert_close(model(right).logits, last, rtol=1e-5, atol=1e-6)
+        assert (last - expected[:1]).abs().max() > 1e-4
+    labels = torch.tensor([2, 0, 1])
+    loss = model(ids[:3], attention_mask=mask[:3], labels=labels).loss
+    torch.testing.assert_close(loss, F.cross_entropy(batched[:3], labels), rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------
+# Folders of the older layout
+# --------------------------------------------------------------------------------------------------
+
+
+def older_layout(folder) -> None:
+    """Rewrite a saved folder as `save_pretrained` wrote it before the decoder moved into the base model (commit
+    3b78628): the decoder's keys at the top level (`decode_norm.*`, `decode_proj.*`), `tie_word_embeddings: false`
+    in the config, and no sequence-classification entry in the auto_map. The modeling files stay the current ones,
+    as in a Hub repo whose code was updated and whose weights were not."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(folder / "model.safetensors"))
+    old = {name.removeprefix("model.") if name.startswith("model.decode_") else name: t for name, t in weights.items()}
+    top_level = {name for name in old if name.startswith("decode_")}
+    assert top_level == {"decode_norm.weight", "decode_proj.weight", "decode_proj.bias"}
+    save_file(old, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["tie_word_embeddings"] = False
+    config["auto_map"].pop("AutoModelForSequenceClassification")
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.slow
+def test_folders_of_the_older_layout_load_with_and_without_remote_code(tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    model = perturbed_model(tiny_config(use_decoder_bias=True), seed=12)
+    folder = tmp_path / "old"
+    model.save_pretrained(folder)
+    older_layout(folder)
+    ids = token_ids(2, 6)
+    with torch.no_grad():
+        expected_logits, expected_hidden = model(ids).logits, model.model(ids).last_hidden_state
+
+    loaded, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight and loaded.config.tie_word_embeddings
+    base, info = AutoModel.from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    scorer = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=1)
+    assert torch.equal(scorer.model.decode_proj.bias, model.model.decode_proj.bias)
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(ids).logits, expected_logits)
+        assert torch.equal(base.eval()(ids).last_hidden_state, expected_hidden)
+
+    from modeling_gpn.hub import check_weights  # `gpn push` checks the weights against the config: both layouts pass
+
+    assert check_weights([folder / "model.safetensors"], model.config) == model.num_parameters()
+
+    resaved = tmp_path / "resaved"
+    loaded.save_pretrained(resaved)  # in the current layout
+    with safe_open(str(resaved / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert {"model.decode_norm.weight", "model.decode_proj.weight", "model.decode_proj.bias"} <= keys
+    assert not any(key.startswith("decode_") or key.startswith("lm_head") for key in keys)
+    with torch.no_grad():
+        assert torch.equal(AutoModelForCausalLM.from_pretrained(resaved).eval()(ids).logits, expected_logits)
+    assert check_weights([resaved / "model.safetensors"], model.config) == model.num_parameters()
+
+    out = tmp_path / "remote.pt"
+    code = BLOCK_PACKAGE + textwrap.dedent(
+        f"""
+        import torch
+        from transformers import AutoModel, AutoModelForCausalLM
+
+        torch.set_num_threads(1)
+        folder, ids = {str(folder)!r}, torch.tensor({ids.tolist()!r})
+        lm, info = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, output_loading_info=True)
+        assert type(lm).__module__.startswith("transformers_modules") and not info["missing_keys"], info
+        base = AutoModel.from_pretrained(folder, trust_remote_code=True)
+        with torch.no_grad():
+            torch.save((lm.eval()(ids).logits, base.eval()(ids).last_hidden_state), {str(out)!r})
+        """
+    )
+    result = run_python(code, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    remote_logits, remote_hidden = torch.load(out)
+    assert torch.equal(remote_logits, expected_logits) and torch.equal(remote_hidden, expected_hidden)

@@ -1,0 +1,124 @@
+"""save_pretrained round trips (registered classes and remote code) and clear errors on bad input."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from modeling_gpn import GPNCache, GPNForCausalLM
+
+from ..tiny_models import perturbed_model, tiny_config
+
+# A finder that makes `modeling_gpn` unimportable, so the remote-code load cannot lean on the
+# installed package (an editable install puts its own finder on sys.meta_path).
+BLOCK_PACKAGE = textwrap.dedent(
+    """
+    import sys
+    class _Block:
+        def find_spec(self, name, path=None, target=None):
+            if name == "modeling_gpn" or name.startswith("modeling_gpn."):
+                raise ImportError("modeling_gpn is deliberately not importable here")
+    sys.meta_path.insert(0, _Block())
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gpn")
+    model = perturbed_model(tiny_config(num_predict_layers=2, use_decoder_bias=True), seed=5)
+    model.save_pretrained(folder)
+    ids = torch.randint(0, 97, (2, 19), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(ids).logits
+    return folder, model, ids, logits
+
+
+def test_save_writes_safetensors_modeling_files_and_auto_map(saved):
+    folder, *_ = saved
+    names = {path.name for path in folder.iterdir()}
+    assert {"model.safetensors", "config.json", "modeling_gpn.py", "configuration_gpn.py"} <= names
+    assert not any(name.endswith((".bin", ".pt", ".pkl")) for name in names)
+    config = AutoConfig.from_pretrained(folder)
+    assert config.auto_map["AutoModelForCausalLM"] == "modeling_gpn.GPNForCausalLM"
+
+
+def test_from_pretrained_with_registered_classes(saved):
+    folder, _, ids, logits = saved
+    loaded = AutoModelForCausalLM.from_pretrained(folder)
+    assert isinstance(loaded, GPNForCausalLM)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, logits)
+
+
+def test_trust_remote_code_in_a_fresh_process_without_the_package(saved, tmp_path):
+    folder, _, ids, logits = saved
+    torch.save({"ids": ids}, tmp_path / "ids.pt")
+    script = BLOCK_PACKAGE + textwrap.dedent(
+        f"""
+        import torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True)
+        assert "modeling_gpn" not in sys.modules
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        ids = torch.load({str(tmp_path / 'ids.pt')!r})["ids"]
+        with torch.no_grad():
+            torch.save(model(ids).logits, {str(tmp_path / 'logits.pt')!r})
+        """
+    )
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert torch.equal(torch.load(tmp_path / "logits.pt"), logits)
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model():
+    return perturbed_model(tiny_config(), seed=6)
+
+
+@pytest.mark.parametrize("bad_id", [97, 1000, -1])
+def test_token_id_outside_vocabulary_names_id_and_vocab_size(model, bad_id):
+    ids = torch.tensor([[1, 2, bad_id, 4]])
+    with pytest.raises(ValueError, match=rf"Token id {bad_id} at \(row 0, position 2\).*vocab_size=97"):
+        model(ids)
+
+
+def test_mask_of_the_wrong_shape(model):
+    ids = torch.randint(0, 97, (2, 5))
+    with pytest.raises(ValueError, match="attention_mask"):
+        model(ids, attention_mask=torch.ones(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="attention_mask"):
+        model(ids, attention_mask=torch.ones(3, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match="only 0"):
+        model(ids, attention_mask=torch.full((2, 5), 2))
+
+
+@pytest.mark.parametrize("shape", [(1, 0), (0, 5)])
+def test_empty_input(model, shape):
+    with pytest.raises(ValueError, match="at least one row and one token"):
+        model(torch.zeros(shape, dtype=torch.long))
+
+
+def test_float_ids_and_wrong_cache(model):
+    with pytest.raises(ValueError, match="integer token ids"):
+        model(torch.zeros(1, 3))
+    cache = model(torch.randint(0, 97, (2, 3)), use_cache=True).cache
+    with pytest.raises(ValueError, match="cache holds 2 rows"):
+        model(torch.randint(0, 97, (3, 1)), cache=cache, use_cache=True)
+    assert isinstance(cache, GPNCache)
+
+
+def test_labels_of_the_wrong_shape(model):
+    ids = torch.randint(0, 97, (2, 5))
+    with pytest.raises(ValueError, match="labels must have shape"):
+        model(ids, labels=ids[:, :4])

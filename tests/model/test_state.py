@@ -1,0 +1,543 @@
+"""The single state, kept: bounded-memory prefill and scoring, a state saved, loaded and forked.
+
+A GPN's whole context is its state (p, g, M): a long prompt is read a chunk of positions at a time
+(`prefill.forward_in_chunks`), a state is written to a safetensors file and read back in another
+process (`GPNCache.save` / `GPNCache.load`), one state is forked into N rows (`GPNCache.fork`), and
+`gpn generate --save-state / --state` does both from the command line.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import safetensors.torch
+import torch
+
+from modeling_gpn import GPNCache
+from modeling_gpn.state_file import GPNStateFileError, _state_checksum, state_fingerprint
+
+from ..environment import REPO_ROOT
+from ..tiny_models import perturbed_model, tiny_config
+
+VOCAB = 97
+
+
+def token_ids(rows: int, length: int, seed: int) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+def padded_mask(rows: int, length: int) -> torch.Tensor:
+    """Row 0 left-padded, row 1 with holes on both sides of chunk boundaries, row 2 (if any) unpadded."""
+    mask = torch.ones(rows, length, dtype=torch.long)
+    mask[0, :5] = 0
+    mask[1, [i for i in (6, 7, 13, 20) if i < length]] = 0
+    return mask
+
+
+class ChunkSpy:
+    """Counts the real `forward_in_chunks` calls of a model (it calls through: nothing is replaced)."""
+
+    def __init__(self, model, monkeypatch):
+        import modeling_gpn.modeling_gpn as modeling
+
+        self.calls = 0
+        real = modeling.forward_in_chunks
+
+        def counted(chunked_model, *args, **kwargs):
+            self.calls += chunked_model is model
+            return real(chunked_model, *args, **kwargs)
+
+        monkeypatch.setattr(modeling, "forward_in_chunks", counted)
+
+
+@pytest.fixture(params=["gpn+m", "gpn"])
+def model(request):
+    overrides = {} if request.param == "gpn+m" else dict(use_memory=False)
+    return perturbed_model(tiny_config(eos_token_id=None, **overrides), seed=5)
+
+
+def one_pass(model, *args, **kwargs):
+    """The forward with chunking off: every position in one pass, as before issue 20."""
+    chunk, model.prefill_chunk_length = model.prefill_chunk_length, 0
+    try:
+        return model(*args, **kwargs)
+    finally:
+        model.prefill_chunk_length = chunk
+
+
+def assert_same_state(ours: GPNCache, theirs: GPNCache) -> None:
+    assert ours.get_seq_length() == theirs.get_seq_length()
+    for a, b in zip(ours.get_state(), theirs.get_state()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------
+# 1. Prefill and scoring in bounded memory: the same results, chunk by chunk
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("keep", [1, 3])
+def test_chunked_prefill_equals_one_pass_with_padding(model, monkeypatch, keep):
+    ids, mask = token_ids(3, 29, seed=1), padded_mask(3, 29)
+    model.prefill_chunk_length = 6  # 29 positions: 5 chunks, the last one short; the holes straddle boundaries
+    spy = ChunkSpy(model, monkeypatch)
+    chunked = model(ids, attention_mask=mask, use_cache=True, logits_to_keep=keep)
+    assert spy.calls == 1
+    whole = one_pass(model, ids, attention_mask=mask, use_cache=True, logits_to_keep=keep)
+    assert spy.calls == 1 and chunked.logits.shape == whole.logits.shape == (3, keep, VOCAB)
+    torch.testing.assert_close(chunked.logits, whole.logits, atol=1e-5, rtol=1e-6)
+    assert_same_state(chunked.cache, whole.cache)
+
+    # continuing from a cache, with a mask over the whole sequence (as generate() passes it)
+    more, more_mask = token_ids(3, 14, seed=2), torch.ones(3, 14, dtype=torch.long)
+    more_mask[2, 3] = 0
+    full_mask = torch.cat([mask, more_mask], dim=1)
+    chunked_more = model(more, attention_mask=full_mask, cache=chunked.cache, use_cache=True, logits_to_keep=keep)
+    whole_more = one_pass(model, more, attention_mask=full_mask, cache=whole.cache, use_cache=True, logits_to_keep=keep)
+    assert spy.calls == 2 and chunked_more.cache is chunked.cache
+    torch.testing.assert_close(chunked_more.logits, whole_more.logits, atol=1e-5, rtol=1e-6)
+    assert_same_state(chunked.cache, whole.cache)
+
+
+@torch.no_grad()
+def test_chunked_prefill_without_use_cache_leaves_a_given_cache_unchanged(monkeypatch):
+    model = perturbed_model(tiny_config(), seed=6)
+    model.prefill_chunk_length = 4
+    cache = model(token_ids(1, 5, seed=3), use_cache=True).cache
+    before = cache.get_state()
+    spy = ChunkSpy(model, monkeypatch)
+    out = model(token_ids(1, 11, seed=4), cache=cache, use_cache=False, logits_to_keep=1)
+    assert spy.calls == 1 and out.cache is None and cache.get_seq_length() == 5
+    for old, new in zip(before, cache.get_state()):
+        assert torch.equal(old, new)
+    empty = GPNCache(model.config)
+    model(token_ids(1, 11, seed=4), cache=empty, use_cache=False, logits_to_keep=1)
+    assert spy.calls == 2 and not empty.has_state and empty.get_seq_length() == 0
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("targets", ["labels", "shift_labels", "num_items_in_batch"])
+def test_chunked_loss_equals_one_pass(model, monkeypatch, targets):
+    ids, mask = token_ids(3, 31, seed=5), padded_mask(3, 31)
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[2, 12] = -100
+    kwargs = dict(attention_mask=mask, return_logits=False)
+    if targets == "shift_labels":
+        kwargs["shift_labels"] = torch.cat([labels[:, 1:], torch.full((3, 1), -100)], dim=1)
+    else:
+        kwargs["labels"] = labels
+    if targets == "num_items_in_batch":
+        kwargs["num_items_in_batch"] = torch.tensor(200)
+    model.prefill_chunk_length = 7
+    spy = ChunkSpy(model, monkeypatch)
+    chunked = model(ids, **kwargs)
+    assert spy.calls == 1 and chunked.logits is None
+    whole = one_pass(model, ids, **kwargs)
+    reference = one_pass(model, ids, attention_mask=mask, labels=labels).loss  # the (batch, seq, vocab) logits' loss
+    torch.testing.assert_close(chunked.loss, whole.loss, atol=1e-6, rtol=1e-6)
+    if targets != "num_items_in_batch":
+        torch.testing.assert_close(chunked.loss, reference, atol=1e-6, rtol=1e-6)
+
+
+def test_chunking_runs_only_where_it_changes_nothing(monkeypatch):
+    """Gradients, per-position outputs and short inputs take the one-pass path."""
+    model = perturbed_model(tiny_config(), seed=7)
+    model.prefill_chunk_length = 4
+    spy = ChunkSpy(model, monkeypatch)
+    ids = token_ids(2, 9, seed=6)
+    model(ids, labels=ids, return_logits=False)  # training: the backward needs every step
+    with torch.no_grad():
+        model(ids)  # every position's logits
+        model(ids, logits_to_keep=1, output_hidden_states=True)
+        model(ids, logits_to_keep=1, output_predicted_states=True)
+        model(ids, logits_to_keep=1, output_memory_decays=True)
+        model(ids, logits_to_keep=5)  # more logits kept than one chunk
+        model(ids[:, :4], logits_to_keep=1)  # one chunk
+    assert spy.calls == 0
+    with torch.no_grad():
+        model(ids, logits_to_keep=1)
+    assert spy.calls == 1
+
+
+@torch.no_grad()
+def test_generate_prefills_in_chunks_and_gives_the_same_tokens(monkeypatch):
+    model = perturbed_model(tiny_config(eos_token_id=None), seed=8)
+    ids, mask = token_ids(3, 23, seed=7), padded_mask(3, 23)
+    settings = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    model.prefill_chunk_length = 5
+    spy = ChunkSpy(model, monkeypatch)
+    chunked = model.generate(ids, **settings)
+    assert spy.calls == 1  # the prefill, in chunks; the decoding steps are one position each
+    model.prefill_chunk_length = 0
+    whole = model.generate(ids, **settings)
+    assert spy.calls == 1
+    assert torch.equal(chunked, whole)
+
+
+# --------------------------------------------------------------------------------------------------
+# 2. A state as a file
+# --------------------------------------------------------------------------------------------------
+
+CONTINUE_IN_A_NEW_PROCESS = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+import modeling_gpn
+from modeling_gpn import GPNCache
+folder, state_file, new_tokens, mask_before = sys.argv[1:5]
+model = AutoModelForCausalLM.from_pretrained(folder).eval()
+cache = GPNCache.load(state_file, model)
+new = torch.tensor(json.loads(new_tokens))
+mask = torch.cat([torch.tensor(json.loads(mask_before)), torch.ones_like(new)], dim=1)
+with torch.no_grad():
+    out = model.generate(new, attention_mask=mask, cache=cache, max_new_tokens=9, do_sample=False, pad_token_id=0)
+print(json.dumps({"tokens": out.tolist(), "read": cache.get_seq_length()}))
+"""
+
+
+def test_saved_state_continued_in_a_new_process_equals_one_run(tmp_path):
+    model = perturbed_model(tiny_config(eos_token_id=None), seed=9)
+    model.save_pretrained(tmp_path / "model")
+    prefix, prefix_mask = token_ids(2, 12, seed=8), padded_mask(2, 12)
+    new = token_ids(2, 4, seed=9)
+    with torch.no_grad():
+        uninterrupted = model.generate(
+            torch.cat([prefix, new], 1), attention_mask=torch.cat([prefix_mask, torch.ones_like(new)], 1),
+            max_new_tokens=9, do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+        cache = model(prefix, attention_mask=prefix_mask, use_cache=True).cache
+    cache.save(tmp_path / "prefix.safetensors")
+    assert not list(tmp_path.glob(".*tmp*"))  # written under a temporary name, then renamed
+    result = subprocess.run(
+        [sys.executable, "-c", CONTINUE_IN_A_NEW_PROCESS, str(tmp_path / "model"), str(tmp_path / "prefix.safetensors"),
+         json.dumps(new.tolist()), json.dumps(prefix_mask.tolist())],
+        capture_output=True, text=True, cwd=REPO_ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    continued = json.loads(result.stdout.strip().splitlines()[-1])
+    assert torch.equal(torch.tensor(continued["tokens"]), uninterrupted[:, prefix.shape[1] :])
+    assert continued["read"] == 12 + 4 + 8
+
+    # and in this process: the loaded state is the saved one, bit for bit, on the model's device
+    loaded = GPNCache.load(tmp_path / "prefix.safetensors", model)
+    assert loaded.get_seq_length() == 12
+    for saved, back in zip(cache.get_state(), loaded.get_state()):
+        assert torch.equal(saved, back)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """A model, and the path of a state it saved."""
+    model = perturbed_model(tiny_config(), seed=10)
+    with torch.no_grad():
+        cache = model(token_ids(2, 7, seed=10), use_cache=True).cache
+    path = tmp_path / "state.safetensors"
+    cache.save(path)
+    return model, path
+
+
+def test_saves_from_several_threads_to_one_path_all_succeed(saved, tmp_path):
+    """Each save writes under a temporary name of its own: two threads saving one state to one path (as a
+    server keeping conversations does) never remove each other's file, and what is left loads."""
+    import threading
+
+    model, first = saved
+    cache = GPNCache.load(first, model)
+    path = tmp_path / "shared.safetensors"
+    errors, start = [], threading.Barrier(2)
+
+    def save_repeatedly():
+        start.wait()
+        for _ in range(20):
+            try:
+                cache.save(path)
+            except Exception as error:  # noqa: BLE001 - every failure is the finding
+                errors.append(repr(error))
+
+    threads = [threading.Thread(target=save_repeatedly) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, f"{len(errors)} of 40 saves failed: {errors[:2]}"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left
+    for saved_state, back in zip(cache.get_state(), GPNCache.load(path, model).get_state()):
+        assert torch.equal(saved_state, back)
+
+
+def refused(path, model, needle: str) -> str:
+    with pytest.raises(GPNStateFileError, match=re.escape(str(path))) as error:
+        GPNCache.load(path, model)
+    assert needle in str(error.value), str(error.value)
+    return str(error.value)
+
+
+def test_a_state_of_another_model_is_refused(saved, tmp_path):
+    model, path = saved
+    message = refused(path, perturbed_model(tiny_config(hidden_size=40), seed=10), "another model")
+    assert "hidden_size 48 (this model: 40)" in message
+    refused(path, perturbed_model(tiny_config(use_memory=False), seed=10), "use_memory True (this model: False)")
+    refused(path, perturbed_model(tiny_config(), seed=11), "other weights")
+    refused(path, perturbed_model(tiny_config(), seed=10).to(torch.bfloat16), "bfloat16")
+    GPNCache.load(path, perturbed_model(tiny_config(), seed=10))  # the same model, built again: accepted
+
+
+@pytest.mark.parametrize("cut", [4, 40, "header", "data", 1])
+def test_a_truncated_state_file_is_refused(saved, tmp_path, cut):
+    model, path = saved
+    payload = path.read_bytes()
+    header_end = 8 + int.from_bytes(payload[:8], "little")
+    keep = {"header": header_end - 10, "data": header_end + 100, 1: len(payload) - 1}.get(cut, cut)
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(payload[:keep])
+    refused(truncated, model, "truncated" if cut != "data" and cut != 1 else "damaged")
+
+
+def test_a_damaged_state_file_is_refused(saved, tmp_path):
+    model, path = saved
+    payload = path.read_bytes()
+    header_end = 8 + int.from_bytes(payload[:8], "little")
+    for offset in (header_end + 3, len(payload) - 2, header_end + (len(payload) - header_end) // 2):
+        flipped = bytearray(payload)
+        flipped[offset] ^= 0x10  # one bit of the state's data
+        damaged = tmp_path / f"flip-{offset}.safetensors"
+        damaged.write_bytes(bytes(flipped))
+        refused(damaged, model, "checksum")
+    for offset in (0, 9, header_end - 2):  # the header length, and inside the header
+        flipped = bytearray(payload)
+        flipped[offset] ^= 0x20
+        damaged = tmp_path / f"header-{offset}.safetensors"
+        damaged.write_bytes(bytes(flipped))
+        with pytest.raises(GPNStateFileError, match=re.escape(str(damaged))):
+            GPNCache.load(damaged, model)
+    weights = tmp_path / "model"
+    model.save_pretrained(weights)
+    refused(weights / "model.safetensors", model, "not a GPN state file")
+    missing = tmp_path / "nowhere.safetensors"
+    refused(missing, model, "Cannot read")
+
+
+def test_a_non_finite_state_is_refused(saved, tmp_path):
+    model, path = saved
+    header_length = int.from_bytes(path.read_bytes()[:8], "little")
+    metadata = json.loads(path.read_bytes()[8 : 8 + header_length])["__metadata__"]
+    tensors = safetensors.torch.load(path.read_bytes())
+    tensors["memory"][1, 2, 3, 4] = float("nan")  # a consistent file (checksum and all) of a non-finite state
+    poisoned = tmp_path / "nan.safetensors"
+    poisoned.write_bytes(safetensors.torch.save(tensors, metadata={**metadata, "checksum": _state_checksum(tensors, metadata["read_fingerprint"])}))
+    refused(poisoned, model, "NaN or infinite")
+    # and save never writes one
+    cache = GPNCache.load(path, model)
+    cache.state_layer.recurrent_states[0][0, 0] = float("inf")
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        cache.save(tmp_path / "inf.safetensors")
+    assert not (tmp_path / "inf.safetensors").exists()
+
+
+@pytest.mark.parametrize(
+    "read_fingerprint, needle",
+    [("[[1, 2], [3, 2147483647]]", "outside"), ("[[1, 2], [-3, 4]]", "outside"), ('[["a", 2], [3, 4]]', "not a table"),
+     ("[[1, 2], [3, 99999999999999999999999]]", "not a table")],
+)  # fmt: skip
+def test_a_read_fingerprint_no_cache_computes_is_refused(saved, tmp_path, read_fingerprint, needle):
+    """A consistent file (checksum and all) whose read fingerprint a cache could not have computed (values
+    outside [0, 2^31 - 1), not integers) is refused, not taken to judge continuations."""
+    model, path = saved
+    header_length = int.from_bytes(path.read_bytes()[:8], "little")
+    metadata = json.loads(path.read_bytes()[8 : 8 + header_length])["__metadata__"]
+    tensors = safetensors.torch.load(path.read_bytes())
+    forged = tmp_path / "forged.safetensors"
+    forged.write_bytes(safetensors.torch.save(tensors, metadata={
+        **metadata, "read_fingerprint": read_fingerprint, "checksum": _state_checksum(tensors, read_fingerprint)}))  # fmt: skip
+    refused(forged, model, needle)
+
+
+def test_the_state_file_says_whose_state_it_is(saved):
+    model, path = saved
+    header_length = int.from_bytes(path.read_bytes()[:8], "little")
+    metadata = json.loads(path.read_bytes()[8 : 8 + header_length])["__metadata__"]
+    assert metadata["format"] == "gpn-state" and metadata["positions_read"] == "7" and metadata["batch_size"] == "2"
+    assert {key: metadata[key] for key in state_fingerprint(model.model)} == state_fingerprint(model.model)
+    assert json.loads(metadata["state_config"])["hidden_size"] == 48
+    with pytest.raises(ValueError, match="holds no state"):
+        GPNCache().save(path.parent / "empty.safetensors")
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. Fork: one state, N continuations
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def test_fork_equals_separate_prompts():
+    model = perturbed_model(tiny_config(eos_token_id=None), seed=12)
+    system = token_ids(1, 15, seed=13)  # the shared prompt, read once
+    questions = token_ids(3, 4, seed=14)  # three different continuations of it
+    settings = dict(max_new_tokens=7, do_sample=False, pad_token_id=0)
+    separate = model.generate(torch.cat([system.expand(3, -1), questions], 1), **settings)
+
+    cache = model(system, use_cache=True).cache
+    forked = cache.fork(3)
+    assert forked.get_seq_length() == 15 and forked.get_state()[2].shape[0] == 3
+    mask = torch.ones(3, 15 + 4, dtype=torch.long)
+    continued = model.generate(questions, attention_mask=mask, cache=forked, **settings)
+    assert torch.equal(continued[:, 4:], separate[:, 19:])
+    assert cache.get_seq_length() == 15 and cache.get_state()[0].shape[0] == 1  # the original is untouched
+
+    # N sampled continuations of one prompt: the prompt's state forked, each row sampled on its own
+    sampling = dict(max_new_tokens=6, do_sample=True, top_k=30, pad_token_id=0)
+    torch.manual_seed(3)
+    sampled_separately = model.generate(system.expand(4, -1), **sampling)
+    prefix_state = model(system[:, :-1], use_cache=True).cache.fork(4)
+    torch.manual_seed(3)
+    sampled_from_fork = model.generate(
+        system[:, -1:].expand(4, -1), attention_mask=torch.ones(4, 15, dtype=torch.long), cache=prefix_state, **sampling
+    )
+    assert torch.equal(sampled_from_fork[:, 1:], sampled_separately[:, 15:])
+    assert len({tuple(row.tolist()) for row in sampled_from_fork}) > 1  # sampled: the rows differ
+
+
+def test_fork_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="no state to fork"):
+        GPNCache().fork(2)
+    model = perturbed_model(tiny_config(), seed=1)
+    with torch.no_grad():
+        cache = model(token_ids(1, 3, seed=1), use_cache=True).cache
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="positive number of copies"):
+            cache.fork(bad)
+
+
+# --------------------------------------------------------------------------------------------------
+# 4. On the command line: gpn generate --save-state / --state
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def generate_dir(tmp_path_factory):
+    """A tiny GPN folder with its own byte-level BPE tokenizer (no EOS stop, so every run is full length)."""
+    from modeling_gpn.data import train_bpe_tokenizer
+
+    folder = tmp_path_factory.mktemp("generate-state")
+    tokenizer = train_bpe_tokenizer(["the cat sat on the mat. " * 20, "to be or not to be " * 20], 300)
+    tokenizer.save_pretrained(folder)
+    perturbed_model(tiny_config(vocab_size=len(tokenizer), eos_token_id=None), seed=13).save_pretrained(folder)
+    return folder
+
+
+def printed_texts(stdout: str) -> list[str]:
+    """The texts `gpn generate` printed, one per prompt (each followed by a line of dashes; a text may hold
+    newlines of its own)."""
+    return stdout.split("\n" + "-" * 40 + "\n")[:-1]
+
+
+def gpn_generate(*args) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "modeling_gpn.cli", "generate", *map(str, args), "--device", "cpu"]
+    return subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT)
+
+
+def test_cli_save_state_then_continue_equals_one_run(generate_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    state = tmp_path / "story.safetensors"
+    first = gpn_generate(generate_dir, "the cat sat", "--max-new-tokens", "5", "--save-state", state)
+    assert first.returncode == 0, first.stderr
+    assert f"written to {state}" in first.stderr and state.is_file()
+    second = gpn_generate(generate_dir, "--state", state, " on the", "--max-new-tokens", "6")
+    assert second.returncode == 0, second.stderr
+
+    # The same text read in one process, token for token: the prompt, the 5 generated tokens, " on the", 6 more
+    tokenizer = AutoTokenizer.from_pretrained(generate_dir)
+    model = AutoModelForCausalLM.from_pretrained(generate_dir).eval()
+    prompt = tokenizer("the cat sat", return_tensors="pt").input_ids
+    with torch.no_grad():
+        story = model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        follow = tokenizer(" on the", return_tensors="pt", add_special_tokens=False).input_ids
+        whole = model.generate(torch.cat([story, follow], 1), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    expected = " on the" + tokenizer.decode(whole[0, story.shape[1] + follow.shape[1] :], skip_special_tokens=True)
+    assert printed_texts(second.stdout)[0] == expected
+    assert GPNCache.load(state, model).get_seq_length() == prompt.shape[1] + 5
+
+
+def run_cli(capsys, *args) -> tuple[int, str, str]:
+    """`gpn generate ARGS` through the console script's own entry point, in this process."""
+    from modeling_gpn.cli import main as gpn_main
+
+    code = gpn_main(["generate", *map(str, args), "--device", "cpu"])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_cli_one_saved_state_continues_several_prompts_and_saves_again(generate_dir, tmp_path, capsys):
+    state, again = tmp_path / "system.safetensors", tmp_path / "again.safetensors"
+    assert run_cli(capsys, generate_dir, "to be or", "--max-new-tokens", "2", "--save-state", state)[0] == 0
+    code, both, err = run_cli(capsys, generate_dir, "--state", state, " not", " the cat", "--max-new-tokens", "4",
+                              "--save-state", again)  # fmt: skip
+    assert code == 0, err
+    alone = [run_cli(capsys, generate_dir, "--state", state, prompt, "--max-new-tokens", "4")[1] for prompt in (" not", " the cat")]
+    assert printed_texts(both)[0] == printed_texts(alone[0])[0]  # one state row, forked to each prompt
+    assert printed_texts(both)[1] == printed_texts(alone[1])[0]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(generate_dir)
+    assert GPNCache.load(again, model).get_state()[0].shape[0] == 2
+    code, _, err = run_cli(capsys, generate_dir, "--state", again, "a", "b", "c", "--max-new-tokens", "1")
+    assert code == 2 and "holds 2 rows" in err
+
+
+@pytest.mark.parametrize("case", ["missing", "damaged", "other-model", "beams", "no-folder"])
+def test_cli_bad_state_is_one_clear_line(generate_dir, tmp_path, capsys, case):
+    state = tmp_path / "s.safetensors"
+    extra = []
+    if case == "damaged":
+        assert run_cli(capsys, generate_dir, "the cat", "--max-new-tokens", "1", "--save-state", state)[0] == 0
+        state.write_bytes(state.read_bytes()[:-7])
+        needle = "damaged"
+    elif case == "other-model":
+        other_model = perturbed_model(tiny_config(), seed=1)
+        with torch.no_grad():
+            cache = other_model(token_ids(1, 3, seed=1), use_cache=True).cache
+        cache.save(state)
+        needle = "another model"
+    elif case == "beams":
+        state.write_bytes(b"x")
+        extra, needle = ["--num-beams", "2"], "--num-beams"
+    elif case == "no-folder":
+        extra, needle = ["--save-state", tmp_path / "no" / "such.safetensors"], "its folder does not exist"
+        state.write_bytes(b"x")
+    else:
+        needle = "is not a file"
+    code, out, err = run_cli(capsys, generate_dir, "--state", state, "hi", "--max-new-tokens", "2", *extra)
+    lines = [line for line in err.splitlines() if line.startswith("gpn generate:")]
+    assert code == 2 and "Traceback" not in err and out == "", err
+    assert len(lines) == 1 and needle in lines[0], err
+    if case not in ("beams", "no-folder"):
+        assert str(state) in lines[0]
+
+
+def test_loaded_and_forked_states_keep_what_they_read_for_both_ways_of_continuing(tmp_path):
+    """A saved, loaded or forked state keeps the fingerprint of the positions it read, so `generate()`
+    continues it from the whole sequence (as with a KV cache) as well as from the new positions only, and
+    both give the uninterrupted run's tokens. Without the fingerprint in the file, the whole sequence is
+    refused after a load ("cannot tell")."""
+    model = perturbed_model(tiny_config(eos_token_id=None), seed=5).eval()
+    prompt = token_ids(1, 9, seed=1)
+    settings = dict(do_sample=False, max_new_tokens=6, pad_token_id=0)
+    uninterrupted = model.generate(prompt, **settings, max_length=None)
+    first = model.generate(prompt, do_sample=False, max_new_tokens=3, pad_token_id=0, return_dict_in_generate=True)
+    first.cache.save(tmp_path / "state.safetensors")
+    loaded = GPNCache.load(tmp_path / "state.safetensors", model)
+    assert torch.equal(loaded.read_fingerprint(), first.cache.read_fingerprint())
+    forked = first.cache.fork(2)
+    assert torch.equal(forked.read_fingerprint(), first.cache.read_fingerprint().repeat(2, 1))
+    whole = model.generate(first.sequences, cache=loaded.fork(1), do_sample=False, max_new_tokens=3, pad_token_id=0)
+    assert torch.equal(whole, uninterrupted)
+    new_only = model.generate(first.sequences[:, loaded.get_seq_length():], cache=loaded, do_sample=False,
+                              max_new_tokens=3, pad_token_id=0)  # fmt: skip
+    assert torch.equal(new_only[:, -3:], uninterrupted[:, -3:])
+    both = model.generate(first.sequences.repeat(2, 1), cache=forked, do_sample=False, max_new_tokens=3, pad_token_id=0)
+    assert torch.equal(both, uninterrupted.repeat(2, 1))

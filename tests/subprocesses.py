@@ -1,0 +1,42 @@
+"""Python run in a fresh interpreter, as a user's would run: offline, with its own modules cache, and
+(`BLOCK_PACKAGE` prepended to the code) without the installed `modeling_gpn`, so that what a published or
+saved folder loads is its own remote code."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+# A `sys.meta_path` finder that raises ImportError for `modeling_gpn` (the editable install would otherwise
+# find it), and the check that it is no longer importable.
+BLOCK_PACKAGE = textwrap.dedent(
+    """
+    import importlib.abc, sys
+
+    class _BlockModelingGPN(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "modeling_gpn" or name.startswith("modeling_gpn."):
+                raise ImportError(f"{name} is blocked: the published folder must not need the installed package")
+            return None
+
+    sys.meta_path.insert(0, _BlockModelingGPN())
+    sys.path[:] = [p for p in sys.path if p not in ("", ".")]
+    try:
+        import modeling_gpn  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        raise SystemExit("modeling_gpn is still importable")
+    """
+)
+
+
+def run_python(code: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_MODULES_CACHE=str(cwd / "hf_modules"))
+    env.pop("PYTHONPATH", None)
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+    )

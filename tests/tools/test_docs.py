@@ -1,0 +1,174 @@
+"""The documentation cannot rot: its code blocks run, and its commands parse.
+
+Every fenced code block of README.md, CONTRIBUTING.md and the pages of docs/ is collected:
+- a block opened as ```` ```python runnable ```` runs, in a folder holding a tiny GPN saved as
+  `me/gpn-tiny` (with a byte-level BPE tokenizer), so `from_pretrained("me/gpn-tiny")` loads it as a user's
+  would load a Hub repo;
+- every `gpn ...` command in a bash block, and every `accelerate launch ... -m modeling_gpn.train ...` or
+  `python -m modeling_gpn.X ...`, is parsed by the real `gpn` parser of that subcommand (nothing runs): a
+  renamed or removed option, or a subcommand that no longer exists, fails here, naming the page and line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from ..environment import REPO_ROOT
+from ..tiny_models import tiny_config
+
+DOC_FILES = sorted([REPO_ROOT / "README.md", REPO_ROOT / "CONTRIBUTING.md", *(REPO_ROOT / "docs").glob("*.md")])
+FENCE = re.compile(r"^```(\S*)(.*)$")
+
+
+@dataclass(frozen=True)
+class Block:
+    path: Path
+    line: int  # 1-based line of the opening fence
+    language: str
+    options: frozenset[str]
+    code: str
+
+    @property
+    def where(self) -> str:
+        return f"{self.path.relative_to(REPO_ROOT)}:{self.line}"
+
+
+def code_blocks(path: Path) -> list[Block]:
+    blocks, opened, lines = [], None, []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        match = FENCE.match(line.strip())
+        if opened is None and match:
+            opened, lines = (number, match.group(1), frozenset(match.group(2).split())), []
+        elif opened is not None and line.strip() == "```":
+            blocks.append(Block(path, opened[0], opened[1], opened[2], "\n".join(lines)))
+            opened = None
+        elif opened is not None:
+            lines.append(line)
+    return blocks
+
+
+ALL_BLOCKS = [block for path in DOC_FILES for block in code_blocks(path)]
+RUNNABLE = [block for block in ALL_BLOCKS if block.language == "python" and "runnable" in block.options]
+SHELL = [block for block in ALL_BLOCKS if block.language in ("bash", "sh", "shell", "console")]
+
+
+def shell_commands(code: str) -> list[list[str]]:
+    """The commands of a shell block: continuation lines joined, comments dropped, `&&` / `;` / `|` split."""
+    joined = re.sub(r"\\\n\s*", " ", code)
+    commands = []
+    for line in joined.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            words = shlex.split(line, comments=True)
+        except ValueError as error:
+            raise AssertionError(f"unparsable shell line {line!r}: {error}") from error
+        command: list[str] = []
+        for word in words:
+            if word in ("&&", ";", "|", "||"):
+                commands.append(command)
+                command = []
+            else:
+                command.append(word)
+        commands.append(command)
+    return [command for command in commands if command]
+
+
+def gpn_arguments(command: list[str]) -> list[str] | None:
+    """The arguments of the `gpn` command a shell command runs, as `gpn` would get them, or None."""
+    while command and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", command[0]):  # VARIABLE=value prefixes
+        command = command[1:]
+    if not command:
+        return None
+    if command[0] == "gpn":
+        return command[1:]
+    if "-m" in command and command[0] in ("python", "python3", "accelerate", "torchrun"):
+        module = command[command.index("-m") + 1]
+        if module.startswith("modeling_gpn."):
+            subcommand = {"modeling_gpn.train": "train", "modeling_gpn.cli": None}.get(module, module.rsplit(".", 1)[-1])
+            rest = command[command.index("-m") + 2 :]
+            return rest if subcommand is None else [subcommand, *rest]
+    return None
+
+
+DOCUMENTED_COMMANDS = [
+    pytest.param(arguments, id=f"{block.where}:{' '.join(arguments[:1])}")
+    for block in SHELL
+    for command in shell_commands(block.code)
+    if (arguments := gpn_arguments(command)) is not None
+]
+
+
+def test_the_docs_hold_runnable_blocks_and_gpn_commands():
+    """The collection itself works (a change of the fence syntax would silently select nothing)."""
+    assert len(RUNNABLE) >= 2, [block.where for block in RUNNABLE]
+    assert len(DOCUMENTED_COMMANDS) >= 20
+    documented = {param.values[0][0] for param in DOCUMENTED_COMMANDS if param.values[0]}
+    from modeling_gpn.cli import SUBCOMMANDS
+
+    assert set(SUBCOMMANDS) <= documented, f"subcommands without a documented example: {set(SUBCOMMANDS) - documented}"
+
+
+@pytest.mark.parametrize("arguments", DOCUMENTED_COMMANDS)
+def test_documented_gpn_commands_parse(arguments):
+    from modeling_gpn.cli import SUBCOMMANDS, build_parser
+
+    assert arguments, "a bare `gpn` with no subcommand"
+    subcommand = arguments[0]
+    if subcommand in ("--help", "-h"):
+        return
+    assert subcommand in SUBCOMMANDS, f"`gpn {subcommand}` is documented but is no gpn subcommand ({sorted(SUBCOMMANDS)})"
+    parser = build_parser(subcommand)
+    errors = io.StringIO()
+    with contextlib.redirect_stderr(errors), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            parser.parse_args(arguments)
+        except SystemExit as exit:
+            assert exit.code == 0, f"`gpn {' '.join(arguments)}` does not parse: {errors.getvalue().strip()}"
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A folder holding `me/gpn-tiny`: a tiny GPN and its tokenizer, saved as a user's download would be."""
+    from modeling_gpn import GPNForCausalLM
+    from modeling_gpn.data import train_bpe_tokenizer
+
+    root = tmp_path_factory.mktemp("docs")
+    text = ["ROMEO: But soft, what light through yonder window breaks?", "Once upon a time there was a cat."] * 30
+    tokenizer = train_bpe_tokenizer(text, vocab_size=300)
+    torch.manual_seed(0)
+    model = GPNForCausalLM(tiny_config(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                                       pad_token_id=tokenizer.pad_token_id))  # fmt: skip
+    folder = root / "me" / "gpn-tiny"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return root
+
+
+@pytest.mark.parametrize("block", RUNNABLE, ids=[block.where for block in RUNNABLE])
+def test_runnable_python_blocks_run(block, workspace, monkeypatch):
+    monkeypatch.chdir(workspace)
+    code = compile(block.code, block.where, "exec")  # a traceback names the page and line
+    namespace = {"__name__": "__docs__"}
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(code, namespace)  # noqa: S102 - the documentation's own code, run as a reader would
+
+
+def test_a_renamed_option_fails_the_parse_check():
+    """The check can fail: an option the parser does not know is reported with the parser's message."""
+    with pytest.raises(AssertionError, match="unrecognized arguments: --tokens-to-generate"):
+        test_documented_gpn_commands_parse(["generate", "MODEL", "PROMPT", "--tokens-to-generate", "5"])
+    with pytest.raises(AssertionError, match="is no gpn subcommand"):
+        test_documented_gpn_commands_parse(["chat", "MODEL"])
+    assert gpn_arguments(["ACCELERATE_USE_CPU=1", "accelerate", "launch", "-m", "modeling_gpn.train", "--steps", "3"]) == [
+        "train", "--steps", "3",
+    ]  # fmt: skip

@@ -1,0 +1,766 @@
+"""Hostile and damaged inputs of `gpn convert`, `gpn generate`, the token cache and `gpn eval` (issue 13).
+
+Memory bounds are real: the command runs in a child process whose address space is limited with
+RLIMIT_AS to what it had after its imports plus a margin, so a bomb that gets through is a
+MemoryError or a kill, never a pass.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import pickle
+import re
+import struct
+import subprocess
+import sys
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ..environment import REPO_ROOT
+from ..tiny_models import perturbed_model, tiny_config
+
+from modeling_gpn.cli import main as gpn_main  # noqa: E402
+from modeling_gpn.conversion.reference import parameter_map  # noqa: E402
+
+GIB = 1 << 30
+
+
+# --------------------------------------------------------------------------------------------------
+# Helpers: a reference checkpoint of a tiny model, and running a command under a memory bound
+# --------------------------------------------------------------------------------------------------
+
+
+def reference_params(config=None) -> dict[str, np.ndarray]:
+    """The reference-layout parameters (name -> (in, out) array) of a tiny perturbed GPN."""
+    config = config or tiny_config()
+    state = perturbed_model(config).state_dict()
+    return {
+        ref_name: np.ascontiguousarray(state[name].numpy().T if transpose else state[name].numpy())
+        for ref_name, (name, transpose) in parameter_map(config).items()
+    }
+
+
+def write_pickle(path: Path, params, **extra) -> Path:
+    with open(path, "wb") as handle:
+        pickle.dump({"params": params, "step": 10, **extra}, handle)
+    return path
+
+
+@dataclass
+class Finished:
+    """What one `gpn` command run inside a bounded child left behind."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+BOUNDED_PREAMBLE = """
+import contextlib, io, json, re, resource, sys, traceback
+import modeling_gpn.cli, modeling_gpn.conversion.reference, modeling_gpn.data, modeling_gpn.evaluation.runner
+import torch; torch.zeros(1) + 1  # start torch's thread pool before the cap
+vm = int(re.search(r'VmSize:\\s+(\\d+)', open('/proc/self/status').read()).group(1)) * 1024
+cap = vm + int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+"""
+BOUNDED_CHILD = BOUNDED_PREAMBLE + """
+results = []
+for args in json.loads(sys.argv[2]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = modeling_gpn.cli.main(args)
+        except SystemExit as exit:
+            code = exit.code if isinstance(exit.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            code = 99
+    results.append({"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
+print(json.dumps({"cap": cap, "results": results}))
+"""
+CHILD_ENV = {"MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def run_python_bounded(code: str, margin_bytes: int, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run `code` in a child capped like `run_bounded` (it may print; `cap` holds the cap)."""
+    return subprocess.run(
+        [sys.executable, "-c", BOUNDED_PREAMBLE + code, str(margin_bytes)], capture_output=True, text=True,
+        timeout=timeout, env={**os.environ, **CHILD_ENV}, cwd=REPO_ROOT,
+    )  # fmt: skip
+
+
+def run_bounded(commands: list[list[str]], margin_bytes: int, timeout: int = 300) -> tuple[list[Finished], int]:
+    """Run each `gpn ARGS` of `commands` in one child process whose address space is capped at its size
+    after its imports + `margin_bytes` (one child: imports cost seconds on a busy machine).
+
+    Returns (one `Finished` per command, the cap in bytes)."""
+    env = {**os.environ, **CHILD_ENV}
+    child = subprocess.run(
+        [sys.executable, "-c", BOUNDED_CHILD, str(margin_bytes), json.dumps(commands)],
+        capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO_ROOT,
+    )  # fmt: skip
+    assert child.returncode == 0, f"the bounded child died ({child.returncode}): {child.stderr[-3000:]}"
+    report = json.loads(child.stdout.strip().splitlines()[-1])
+    return [Finished(**result) for result in report["results"]], report["cap"]
+
+
+def assert_one_clear_error(result: Finished | subprocess.CompletedProcess, command: str, *needles: str) -> str:
+    """Exit status 1-2, no traceback, no MemoryError, and exactly one `gpn COMMAND:` line naming the problem."""
+    output = result.stdout + result.stderr
+    assert result.returncode in (1, 2), output
+    assert "Traceback" not in output and "MemoryError" not in output, output
+    lines = [line for line in result.stderr.splitlines() if line.startswith(f"gpn {command}:")]
+    assert len(lines) == 1, output
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# gpn convert: resource bombs, each under a real memory bound
+# --------------------------------------------------------------------------------------------------
+
+
+def pickle_calling(module: str, name: str, *arg_opcodes: bytes) -> bytes:
+    """A protocol-2 pickle of {'params': {'embedding': module.name(*args)}} (each arg one opcode)."""
+    return (
+        b"\x80\x02}X\x06\x00\x00\x00params}X\x09\x00\x00\x00embedding"
+        + f"c{module}\n{name}\n".encode() + b"(" + b"".join(arg_opcodes) + b"tRss."
+    )
+
+
+def long1(value: int) -> bytes:
+    data = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8a" + bytes([len(data)]) + data
+
+
+def tuple_of_ints(*values: int) -> bytes:
+    return b"(" + b"".join(long1(v) for v in values) + b"t"
+
+
+def bytes_bomb(path: Path) -> Path:
+    """47 bytes: bytes(3 GiB) through an allowed global."""
+    path.write_bytes(pickle_calling("builtins", "bytes", long1(3 * GIB)))
+    return path
+
+
+def shape_claim_bomb(path: Path) -> Path:
+    """An embedding reconstructed as a (100M, 32) float32 array (12 GiB) without the data."""
+    header = b"cnumpy\nndarray\n" + tuple_of_ints(100_000_000, 32) + b"C\x01b"  # SHORT_BINBYTES b'b'
+    path.write_bytes(pickle_calling("numpy.core.multiarray", "_reconstruct", header))
+    return path
+
+
+def claimed_length_bomb(path: Path) -> Path:
+    """13 bytes: one BINBYTES8 claiming 3 GiB (the C unpickler allocates it before reading)."""
+    path.write_bytes(b"\x80\x04\x8e" + struct.pack("<Q", 3 * GIB) + b"xx")
+    return path
+
+
+def repetition_bomb(path: Path, items: int = 200_000, copies: int = 2_000) -> Path:
+    """~400 KB: one memoised list of 200k items, rebuilt as a tuple 2,000 times (3.2 GB of pointers)."""
+    body = b"\x80\x02]q\x00(" + b"K\x00" * items + b"e"  # EMPTY_LIST BINPUT 0 MARK BININT1 0 ... APPENDS
+    body += b"0cbuiltins\ntuple\nq\x01"  # POP the list (memo keeps it), the global as memo 1
+    body += b"}X\x06\x00\x00\x00params]("  # {'params': [ tuple(list) * copies ]}
+    body += b"h\x01h\x00\x85R" * copies  # BINGET 1 BINGET 0 TUPLE1 REDUCE
+    body += b"es."  # APPENDS SETITEM STOP
+    path.write_bytes(body)
+    return path
+
+
+def shared_layers_bomb(path: Path, layers: int = 400) -> Path:
+    """A real pickle (~2.5 MB) whose 400 predict layers are one set of arrays: a model of ~1 GB."""
+    config = tiny_config(intermediate_size=4096)
+    base = reference_params(config)
+    params = {name: value for name, value in base.items() if not name.startswith("L0_")}
+    for i in range(layers):
+        params.update({f"L{i}_{name[3:]}": value for name, value in base.items() if name.startswith("L0_")})
+    return write_pickle(path, params)
+
+
+def npy_header(shape: tuple[int, ...], descr: str = "<f4") -> bytes:
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buffer, {"descr": descr, "fortran_order": False, "shape": shape})
+    return buffer.getvalue()
+
+
+def zip_bomb_npz(folder: Path, zero_bytes: int = 3 * GIB) -> Path:
+    """A valid params.npz (~3 MB) whose embedding member inflates to `zero_bytes` of zeros (CRC included).
+
+    The deflate stream is one block of 16 MiB of zeros repeated (a full flush resets the compressor, so
+    every block compresses to the same bytes); the rest are the tiny model's real parameters, stored."""
+    folder.mkdir(parents=True, exist_ok=True)
+    chunk = 1 << 24
+    assert zero_bytes % chunk == 0
+    header = npy_header((zero_bytes // (4 * 32), 32))
+    compressor = zlib.compressobj(9, zlib.DEFLATED, -15)
+    first = compressor.compress(header) + compressor.flush(zlib.Z_FULL_FLUSH)
+    block = compressor.compress(bytes(chunk)) + compressor.flush(zlib.Z_FULL_FLUSH)
+    assert block == compressor.compress(bytes(chunk)) + compressor.flush(zlib.Z_FULL_FLUSH)
+    last = compressor.flush()
+    crc = zlib.crc32(header)
+    zeros = bytes(chunk)
+    for _ in range(zero_bytes // chunk):
+        crc = zlib.crc32(zeros, crc)
+
+    members = []  # (name, data-writer, crc, compressed size, size, method)
+    for name, array in reference_params().items():
+        if name != "embedding":
+            raw = npy_header(array.shape) + array.astype("<f4").tobytes()
+            members.append((f"{name}.npy", [raw], zlib.crc32(raw), len(raw), len(raw), 0))
+    count = zero_bytes // chunk
+    compressed = len(first) + count * len(block) + len(last)
+    members.append(("embedding.npy", [first, (block, count), last], crc, compressed, len(header) + zero_bytes, 8))
+
+    central = b""
+    with open(folder / "params.npz", "wb") as out:
+        for name, pieces, member_crc, csize, size, method in members:
+            offset = out.tell()
+            local = struct.pack("<4s5H3L2H", b"PK\x03\x04", 20, 0, method, 0, 0, member_crc, csize, size, len(name), 0)
+            out.write(local + name.encode())
+            for piece in pieces:
+                if isinstance(piece, tuple):
+                    for _ in range(piece[1]):
+                        out.write(piece[0])
+                else:
+                    out.write(piece)
+            central += struct.pack(
+                "<4s6H3L5H2L", b"PK\x01\x02", 20, 20, 0, method, 0, 0, member_crc, csize, size, len(name), 0, 0, 0, 0, 0,
+                offset,
+            ) + name.encode()  # fmt: skip
+        start = out.tell()
+        out.write(central)
+        out.write(struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, len(members), len(members), len(central), start, 0))
+    return folder
+
+
+def large_consistent_npz(folder: Path, vocab: int = 40_000, embedding: int = 1024) -> Path:
+    """A stored (uncompressed, 160 MB) params.npz of a model with a large embedding: consistent, no bomb,
+    but the conversion needs twice that, more than the bound the test gives it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    params = reference_params(tiny_config(embedding_size=embedding))
+    params["embedding"] = np.zeros((vocab, embedding), dtype=np.float32)
+    np.savez(folder / "params.npz", **params)
+    return folder
+
+
+BOMBS = {
+    "bytes-of-a-number": (lambda tmp: bytes_bomb(tmp / "checkpoint.pkl"), ["bytes()"]),
+    "claimed-shape": (lambda tmp: shape_claim_bomb(tmp / "checkpoint.pkl"), ["(100000000, 32)", "without its data"]),
+    "claimed-length": (lambda tmp: claimed_length_bomb(tmp / "checkpoint.pkl"), ["not a readable reference checkpoint"]),
+    "repetition": (lambda tmp: repetition_bomb(tmp / "checkpoint.pkl"), ["builds more than"]),
+    "shared-layers": (lambda tmp: shared_layers_bomb(tmp / "checkpoint.pkl"), ["are the same array"]),
+    "zip-bomb": (lambda tmp: zip_bomb_npz(tmp / "bomb"), ["zip bomb", "3.00 GiB"]),
+    "too-large": (lambda tmp: large_consistent_npz(tmp / "large"), ["needs about", "available"]),
+}
+BOMB_MARGIN = 256 << 20  # what the child may allocate beyond its imports
+
+
+@pytest.fixture(scope="module")
+def bomb_runs(tmp_path_factory):
+    """Every bomb, and then a genuine checkpoint, converted in one child capped at imports + 256 MiB."""
+    root = tmp_path_factory.mktemp("bombs")
+    commands = []
+    for case, (make, _needles) in BOMBS.items():
+        (root / case).mkdir()
+        commands.append(["convert", str(make(root / case)), str(root / case / "out")])
+    genuine = write_pickle(root / "genuine.pkl", reference_params(), opt_state={"count": np.int32(10)})
+    commands.append(["convert", str(genuine), str(root / "genuine-out")])
+    finished, cap = run_bounded(commands, BOMB_MARGIN)
+    return root, dict(zip([*BOMBS, "genuine"], finished)), cap
+
+
+@pytest.mark.parametrize("case", list(BOMBS))
+def test_convert_refuses_resource_bombs_before_allocating(bomb_runs, case):
+    root, finished, _cap = bomb_runs
+    source = root / case
+    assert_one_clear_error(finished[case], "convert", *BOMBS[case][1])
+    assert not (source / "out").exists()
+
+
+def test_convert_under_the_same_bound_still_converts_a_real_checkpoint(bomb_runs):
+    """The bound is not what refuses the bombs: a genuine checkpoint converts under it, exactly."""
+    root, finished, _cap = bomb_runs
+    assert finished["genuine"].returncode == 0, finished["genuine"].stderr
+    from modeling_gpn import GPNForCausalLM
+
+    converted = GPNForCausalLM.from_pretrained(root / "genuine-out")
+    original = perturbed_model(tiny_config())
+    for name, tensor in original.state_dict().items():
+        assert torch.equal(converted.state_dict()[name], tensor), name
+
+
+# --------------------------------------------------------------------------------------------------
+# gpn convert: every malformed input gets one clear line
+# --------------------------------------------------------------------------------------------------
+
+
+def _npz_folder(tmp: Path, params=None, config_text: str | None = None) -> Path:
+    folder = tmp / "ref"
+    folder.mkdir()
+    np.savez(folder / "params.npz", **(params if params is not None else reference_params()))
+    if config_text is not None:
+        (folder / "config.json").write_text(config_text)
+    return folder
+
+
+def _truncated(path: Path, keep: float) -> Path:
+    path.write_bytes(path.read_bytes()[: int(path.stat().st_size * keep)])
+    return path
+
+
+def _with(params: dict, **changes) -> dict:
+    return {**params, **changes}
+
+
+def _refilled(name: str, fill, dtype) -> dict:
+    """The tiny model's parameters with `name` replaced by an array of its shape filled with `fill`."""
+    params = reference_params()
+    return {**params, name: np.full(params[name].shape, fill, dtype=dtype)}
+
+
+def _write(path: Path, data: bytes | str) -> Path:
+    path.write_bytes(data if isinstance(data, bytes) else data.encode())
+    return path
+
+
+def _fifo(tmp: Path) -> Path:
+    os.mkfifo(tmp / "checkpoint.pkl")
+    return tmp / "checkpoint.pkl"
+
+
+MALFORMED = {
+    "truncated-pickle": (lambda t: _truncated(write_pickle(t / "c.pkl", reference_params()), 0.5), "not a readable reference checkpoint"),
+    "empty-file": (lambda t: _write(t / "c.pkl", b""), "not a readable reference checkpoint"),
+    "truncated-npz": (lambda t: _truncated(_npz_folder(t) / "params.npz", 0.6).parent, "not a readable npz"),
+    "npz-not-a-zip": (lambda t: _write(t / "params.npz", "hello").parent, "not a readable npz"),
+    "pickle-without-params": (lambda t: _write(t / "c.pkl", pickle.dumps({"step": 1})), "no 'params' entry"),
+    "pickle-of-a-list": (lambda t: _write(t / "c.pkl", pickle.dumps([1, 2])), "no 'params' entry"),
+    "string-parameter": (lambda t: write_pickle(t / "c.pkl", _with(reference_params(), embedding="oops")), "is a str"),
+    "params-a-list": (lambda t: write_pickle(t / "c.pkl", [np.zeros(3)]), "is a list"),
+    "missing-parameters": (lambda t: write_pickle(t / "c.pkl", {k: v for k, v in reference_params().items() if k != "write_W_v_k"}), "missing parameters: write_W_v_k"),
+    "nan-parameter": (lambda t: write_pickle(t / "c.pkl", _refilled("fg_gate_b", np.nan, np.float32)), "fg_gate_b: contains NaN or inf"),
+    "integer-parameter": (lambda t: write_pickle(t / "c.pkl", _refilled("fuse_norm_w", 1, np.int64)), "not floating point"),
+    "object-array": (lambda t: write_pickle(t / "c.pkl", _refilled("fuse_norm_w", None, object)), "its pickle has dtype object, not a plain numeric dtype"),
+    "embedding-wrong-rank": (lambda t: write_pickle(t / "c.pkl", _with(reference_params(), embedding=np.zeros(5, np.float32))), "embedding has shape (5,)"),
+    "zero-heads": (lambda t: write_pickle(t / "c.pkl", _with(reference_params(), write_A_log=np.zeros(0, np.float32))), "Cannot infer"),
+    "folder-without-params": (lambda t: t, "has neither params.npz nor checkpoint.pkl"),
+    "missing-path": (lambda t: t / "nowhere.pkl", "does not exist"),
+    "fifo-not-a-file": (_fifo, "not a regular file"),
+    "config-json-malformed": (lambda t: _npz_folder(t, config_text="{not json"), "not valid JSON"),
+    "config-json-a-list": (lambda t: _npz_folder(t, config_text="[1, 2]"), "not a JSON object"),
+    "config-json-disagrees": (lambda t: _npz_folder(t, config_text='{"d_state": 64}'), "d_state=64"),
+    "npz-extra-member": (lambda t: _npz_folder(t, params=_with(reference_params(), **{"notes": np.zeros(2, np.float32)})), "unexpected parameters: notes"),
+    "npz-object-member": (lambda t: _npz_folder(t, params=_refilled("fuse_norm_w", None, object)), "not a plain numeric dtype"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_convert_answers_every_malformed_input_with_one_clear_line(tmp_path, capsys, case):
+    make, needle = MALFORMED[case]
+    source = make(tmp_path)
+    code = gpn_main(["convert", str(source), str(tmp_path / "out")])
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert code == 1, captured
+    assert len(lines) == 1 and lines[0].startswith("gpn convert: "), lines
+    assert needle in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_malformed_input_in_a_real_process_prints_no_traceback(tmp_path):
+    source = _truncated(write_pickle(tmp_path / "c.pkl", reference_params()), 0.5)
+    result = subprocess.run(
+        [sys.executable, "-m", "modeling_gpn.cli", "convert", str(source), str(tmp_path / "out")],
+        capture_output=True, text=True, cwd=REPO_ROOT,
+    )  # fmt: skip
+    assert_one_clear_error(result, "convert", "not a readable reference checkpoint")
+
+
+def test_convert_output_that_is_a_file_is_a_clear_error(tmp_path, capsys):
+    source = write_pickle(tmp_path / "c.pkl", reference_params())
+    (tmp_path / "out").write_text("not a folder")
+    assert gpn_main(["convert", str(source), str(tmp_path / "out")]) == 1
+    assert "is a file, not a folder" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------------
+# gpn generate: bad arguments are one clear line
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def generate_dir(tmp_path_factory):
+    """A tiny GPN folder with its own byte-level BPE tokenizer (no shared files needed)."""
+    from modeling_gpn.data import train_bpe_tokenizer
+
+    folder = tmp_path_factory.mktemp("generate")
+    tokenizer = train_bpe_tokenizer(["the cat sat on the mat. " * 20, "to be or not to be " * 20], 300)
+    tokenizer.save_pretrained(folder)
+    perturbed_model(tiny_config(vocab_size=len(tokenizer))).save_pretrained(folder)
+    return folder
+
+
+GENERATE_BAD = {
+    "missing-folder": (["./no/such/model", "hi"], "model folder ./no/such/model does not exist"),
+    "folder-without-config": (["{tmp}", "hi"], "is not a model folder: it has no config.json"),
+    "zero-new-tokens": (["{model}", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    "negative-new-tokens": (["{model}", "hi", "--max-new-tokens", "-3"], "--max-new-tokens must be at least 1"),
+    "empty-prompt": (["{model}", "hi", ""], "prompt 2 is empty"),
+    "blank-prompt": (["{model}", "   "], "prompt 1 is empty"),
+    "temperature-without-sample": (["{model}", "hi", "--temperature", "0.5"], "--temperature only apply with --sample"),
+    "top-p-without-sample": (["{model}", "hi", "--top-p", "0.5", "--num-beams", "2"], "--top-p only apply with --sample"),
+    "zero-temperature": (["{model}", "hi", "--sample", "--temperature", "0"], "--temperature must be > 0"),
+    "top-p-above-one": (["{model}", "hi", "--sample", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    "zero-beams": (["{model}", "hi", "--num-beams", "0"], "--num-beams must be at least 1"),
+    "bad-device": (["{model}", "hi", "--device", "toaster"], "is not a torch device"),
+    "missing-tokenizer": (["{model}", "hi", "--tokenizer", "{tmp}/nowhere"], "cannot load a tokenizer"),
+    "foreign-tokenizer": (["{small_model}", "hello there", "--tokenizer", "{model}"], "outside the model's vocabulary"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GENERATE_BAD))
+def test_generate_bad_arguments_are_one_clear_line(generate_dir, tmp_path, capsys, case):
+    args, needle = GENERATE_BAD[case]
+    if "{small_model}" in args:  # a model of 97 tokens, given the 257+ token tokenizer
+        perturbed_model(tiny_config(vocab_size=97)).save_pretrained(tmp_path / "small")
+    args = [a.format(model=generate_dir, tmp=tmp_path, small_model=tmp_path / "small") for a in args]
+    code = gpn_main(["generate", *args])
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.startswith("gpn generate:")]
+    assert code in (1, 2), captured
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    assert needle in lines[0], lines[0]
+    assert captured.out == ""
+
+
+def test_generate_unparsable_number_is_argparse_usage_not_a_traceback(generate_dir, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        gpn_main(["generate", str(generate_dir), "hi", "--max-new-tokens", "many"])
+    assert exit_info.value.code == 2
+    assert "gpn generate: error: argument --max-new-tokens: invalid int value: 'many'" in capsys.readouterr().err
+
+
+def test_generate_in_a_real_process(generate_dir, tmp_path):
+    """The real console entry: a bad path is one line and exit 2; good arguments still generate."""
+    command = [sys.executable, "-m", "modeling_gpn.cli", "generate"]
+    bad = subprocess.run([*command, str(tmp_path / "nowhere"), "hi"], capture_output=True, text=True, cwd=REPO_ROOT)
+    assert_one_clear_error(bad, "generate", "does not exist")
+    good = subprocess.run(
+        [*command, str(generate_dir), "the cat", "to be", "--max-new-tokens", "5", "--device", "cpu"],
+        capture_output=True, text=True, cwd=REPO_ROOT,
+    )  # fmt: skip
+    assert good.returncode == 0, good.stderr
+    assert good.stdout.count("-" * 40) == 2 and good.stdout.startswith("the cat")
+
+
+# --------------------------------------------------------------------------------------------------
+# Tokenizing one long document: pieces, exact tokens, bounded memory
+# --------------------------------------------------------------------------------------------------
+
+
+def tricky_text(min_chars: int) -> str:
+    """Real prose (the Shakespeare plays) with every kind of line start a cut could meet: indented lines,
+    tabs, runs of blank lines, lines of spaces, CRLF endings, non-ASCII letters and symbols."""
+    from modeling_gpn.data import shakespeare_documents
+
+    plays = []
+    for index, play in enumerate(shakespeare_documents()):
+        lines = play.splitlines(keepends=True)
+        for i in range(0, len(lines), 7):
+            lines[i] = ["  ", "\t", "   \n", "\n\n\n", "Ünïcödé — ", "😀 ", "\r\n", "'s "][(i + index) % 8] + lines[i]
+        plays.append("".join(lines))
+        if sum(map(len, plays)) >= min_chars:
+            break
+    return "".join(plays)
+
+
+@pytest.fixture(scope="module")
+def bpe_tokenizer_dir(tmp_path_factory):
+    from modeling_gpn.data import train_bpe_tokenizer
+
+    folder = tmp_path_factory.mktemp("bpe")
+    train_bpe_tokenizer([tricky_text(300_000)], 1000).save_pretrained(folder)
+    return folder
+
+
+def whole_and_streamed_tokens(tokenizer, text: str, tmp_path: Path, monkeypatch) -> tuple[list[int], list[int]]:
+    from modeling_gpn import data
+
+    path = tmp_path / "one-document.txt"
+    path.write_bytes(text.encode("utf-8"))
+    whole_text = path.read_text(encoding="utf-8")  # universal newlines, as datasets' text builder reads it
+    monkeypatch.setattr(data.corpus, "PIECE_CHARS", 2_000)  # many cuts in a small file
+    stream = data.build_token_stream(data.CorpusSpec(source=str(path)), tokenizer, cache_dir=tmp_path / "cache", show_progress=False)
+    whole = tokenizer(whole_text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return whole, stream.tokens(0, len(stream)).tolist()
+
+
+def test_streamed_tokens_equal_whole_document_tokens_byte_level_bpe(bpe_tokenizer_dir, tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from modeling_gpn import data
+
+    text = tricky_text(200_000)
+    cuts = []
+    original = data.text_file_pieces
+    monkeypatch.setattr(data.corpus, "text_file_pieces", lambda *a: (cuts.append(p) or p for p in original(*a)))
+    whole, streamed = whole_and_streamed_tokens(AutoTokenizer.from_pretrained(bpe_tokenizer_dir), text, tmp_path, monkeypatch)
+    assert len(cuts) > 50  # the document really was cut
+    assert streamed == whole
+
+
+def test_streamed_tokens_equal_whole_document_tokens_llama(tmp_path, monkeypatch):
+    """SentencePiece marks the start of a text with '▁': a piece is encoded after a line break, whose
+    tokens are dropped, so it is tokenized as it is mid-document."""
+    from transformers import AutoTokenizer
+
+    from ..environment import require_shared
+
+    tokenizer = AutoTokenizer.from_pretrained(require_shared("data/llama2-tokenizer"))
+    whole, streamed = whole_and_streamed_tokens(tokenizer, tricky_text(100_000), tmp_path, monkeypatch)
+    assert streamed == whole
+
+
+def test_a_long_document_is_tokenized_in_bounded_memory(bpe_tokenizer_dir, tmp_path):
+    """10 MB in one .txt file, tokenized under a cap of imports + 400 MiB (the old code needed ~1.5 GB). Measured
+    (peak RSS over the imports, same tokenizer): before, 5 MB took +674 MB and 20 MB +3,045 MB (~150x
+    the file); now +135 MB and +145 MB, flat in the file's size."""
+    text = tricky_text(1_000_000)
+    path = tmp_path / "big.txt"
+    with open(path, "w", encoding="utf-8") as out:
+        while out.tell() < 10_000_000:
+            out.write(text)
+    code = f"""
+from transformers import AutoTokenizer
+tokenizer = AutoTokenizer.from_pretrained({str(bpe_tokenizer_dir)!r})
+corpus = modeling_gpn.data.CorpusSpec(source={str(path)!r})
+stream = modeling_gpn.data.build_token_stream(corpus, tokenizer, cache_dir={str(tmp_path / "cache")!r}, show_progress=False)
+print("TOKENS", len(stream), stream.meta["documents"], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+    result = run_python_bounded(code, margin_bytes=400 << 20)
+    assert result.returncode == 0, result.stderr[-3000:]
+    tokens, documents = map(int, result.stdout.split("TOKENS")[1].split()[:2])
+    assert documents == 1 and tokens > 2_000_000
+
+
+# --------------------------------------------------------------------------------------------------
+# A damaged token cache names the file and how to rebuild
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_cache(bpe_tokenizer_dir, tmp_path, monkeypatch):
+    """A token cache of three shards (of 20,000 tokens) for a small text file."""
+    from transformers import AutoTokenizer
+
+    from modeling_gpn import data
+
+    monkeypatch.setattr(data.stream, "SHARD_TOKENS", 20_000)
+    path = tmp_path / "corpus.txt"
+    path.write_text(tricky_text(150_000), encoding="utf-8")
+    tokenizer = AutoTokenizer.from_pretrained(bpe_tokenizer_dir)
+    corpus = data.CorpusSpec(source=str(path))
+    stream = data.build_token_stream(corpus, tokenizer, cache_dir=tmp_path / "cache", show_progress=False)
+    assert len(stream.shards) >= 3
+    return lambda: data.build_token_stream(corpus, tokenizer, cache_dir=tmp_path / "cache", show_progress=False), stream.folder
+
+
+def _damage(folder: Path, how: str) -> Path:
+    shard = folder / "tokens-00001.bin"
+    if how == "truncated":
+        shard.write_bytes(shard.read_bytes()[:-1001])
+    elif how == "grown":
+        shard.write_bytes(shard.read_bytes() + b"\0\0")
+    elif how == "missing":
+        shard.unlink()
+    elif how == "overwritten":  # right size, bytes of something else
+        shard.write_bytes(b"\xff" * shard.stat().st_size)
+    elif how == "bad-meta":
+        shard = folder / "meta.json"
+        shard.write_text(shard.read_text()[:50])
+    return shard
+
+
+@pytest.mark.parametrize("how", ["truncated", "grown", "missing", "overwritten", "bad-meta"])
+def test_a_damaged_token_cache_names_the_file_and_how_to_rebuild(small_cache, how):
+    from modeling_gpn.data import DataError, WindowDataset
+
+    reopen, folder = small_cache
+    damaged = _damage(folder, how)
+    with pytest.raises(DataError) as error:
+        stream = reopen()
+        dataset = WindowDataset(stream, 64, 0.1, seed=0)
+        for index in range(dataset.num_train):
+            dataset.window(index)
+    message = str(error.value)
+    assert str(damaged) in message and f"delete the folder {folder}" in message, message
+    assert shutil_rmtree_and_rebuild(reopen, folder)
+
+
+def shutil_rmtree_and_rebuild(reopen, folder: Path) -> bool:
+    """What the message says to do works: delete the folder, run again."""
+    import shutil
+
+    shutil.rmtree(folder)
+    stream = reopen()
+    return not stream.reused and len(stream) > 0
+
+
+# --------------------------------------------------------------------------------------------------
+# gpn eval fineweb_paper: chunked logits, same figures, bounded memory
+# --------------------------------------------------------------------------------------------------
+
+
+def full_logits_nll(model, batch: torch.Tensor) -> float:
+    """The method `windowed_perplexity` used before: full logits, a float64 copy, one cross-entropy."""
+    with torch.no_grad():
+        logits = model(input_ids=batch, use_cache=False).logits
+    return F.cross_entropy(
+        logits[:, :-1].double().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
+    ).item()
+
+
+def tiny_llama(vocab_size: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+class LogitsOnly(torch.nn.Module):
+    """A causal LM whose decoder eval does not know: the fallback path (the model's own logits)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.config = inner, inner.config
+
+    def forward(self, input_ids, use_cache=False):
+        return self.inner(input_ids=input_ids, use_cache=use_cache)
+
+
+@pytest.mark.parametrize("kind", ["gpn", "llama", "fallback"])
+def test_chunked_window_nll_equals_the_full_logits_method(kind):
+    from modeling_gpn.evaluation.protocols import hidden_states_and_decoder, summed_next_token_nll
+
+    vocab = 32000
+    model = {"gpn": lambda: perturbed_model(tiny_config(vocab_size=vocab)), "llama": lambda: tiny_llama(vocab)}.get(
+        kind, lambda: LogitsOnly(perturbed_model(tiny_config(vocab_size=vocab)))
+    )()
+    batch = torch.randint(0, vocab, (3, 200), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (hidden_states_and_decoder(model, batch) is None) == (kind == "fallback")
+    expected = full_logits_nll(model, batch)
+    for chunk_rows in (None, 7, 10_000):  # uneven chunks, and one chunk holding everything
+        assert summed_next_token_nll(model, batch, chunk_rows) == pytest.approx(expected, rel=1e-9, abs=0)
+
+
+def test_fineweb_windows_at_2048_with_a_32k_vocabulary_in_bounded_memory(tmp_path):
+    """The paper's window and a LLaMA-sized vocabulary, batch 8, under a cap of imports + 600 MiB: the full
+    logits alone would be 2.1 GB (and their float64 copies 4.2 GB each). The figure equals the full-logits
+    method's, computed in the parent without a cap."""
+    model = perturbed_model(tiny_config(vocab_size=32000))
+    model.save_pretrained(tmp_path / "model")
+    stream = torch.randint(0, 32000, (8 * 2048 + 5,), generator=torch.Generator().manual_seed(2))
+    torch.save(stream, tmp_path / "stream.pt")
+    code = f"""
+from modeling_gpn import GPNForCausalLM
+from modeling_gpn.evaluation.protocols import windowed_perplexity
+model = GPNForCausalLM.from_pretrained({str(tmp_path / "model")!r}).eval()
+stream = torch.load({str(tmp_path / "stream.pt")!r}).tolist()
+result = windowed_perplexity(model, stream, window=2048, batch_size=8, progress=False)
+print("RESULT", json.dumps(result), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+    child = run_python_bounded(code, margin_bytes=600 << 20)
+    assert child.returncode == 0, child.stderr[-3000:]
+    result = json.loads(child.stdout.split("RESULT", 1)[1].rsplit(" ", 1)[0])
+    tokens = stream[: 8 * 2048].view(8, 2048)
+    rest = sum(full_logits_nll(model, tokens[i : i + 2]) for i in range(0, 8, 2))
+    assert result["windows"] == 8 and result["tokens_scored"] == 8 * 2048
+    assert result["ppl_excluding_first"] == pytest.approx(math.exp(rest / (8 * 2047)), rel=1e-9)
+
+
+# --------------------------------------------------------------------------------------------------
+# The rewritten unpickler still runs nothing
+# --------------------------------------------------------------------------------------------------
+
+def _text(value: str) -> bytes:
+    """A BINUNICODE opcode pushing `value` (valid in every pickle protocol from 1)."""
+    data = value.encode()
+    return b"X" + struct.pack("<I", len(data)) + data
+
+
+# The payloads that would run something (os.system, eval) create the file MARK (replaced by each test with a
+# path of its own): the test checks that it does not exist, so code that ran a payload and refused after fails.
+MARK = "@MARK@"
+HOSTILE_PICKLES = {  # case -> (pickle, what the refusal says)
+    "global-os-system": (b"\x80\x02cos\nsystem\n" + _text(f"touch '{MARK}'") + b"\x85R.", "object os.system"),
+    "stack-global-eval": (
+        b"\x80\x04\x8c\x08builtins\x8c\x04eval\x93" + _text(f"open('{MARK}', 'w').close()") + b"\x85R.",
+        "object builtins.eval",
+    ),
+    "dotted-name": (b"\x80\x04\x8c\x05numpy\x8c\x0fdtype.__class__\x93.", "object numpy.dtype.__class__"),
+    "inst-opcode": (b"(" + _text(f"touch '{MARK}'") + b"ios\nsystem\n.", "object os.system"),
+    "newobj-of-a-wrapper": (b"\x80\x02cbuiltins\nlist\n)\x81.", "is not a type object"),
+    "build-on-a-dict": (b"\x80\x02}}b.", "sets the state of a dict"),
+    "codec-other-than-latin1": (b"\x80\x02c_codecs\nencode\nX\x01\x00\x00\x00aX\x04\x00\x00\x00zlib\x86R.", "codecs.encode with 'zlib'"),
+    "ndarray-called-directly": (b"\x80\x02cnumpy\nndarray\nK\x05\x85R.", "object is not callable"),
+    "persistent-id": (b"\x80\x02X\x01\x00\x00\x00xQ.", "persistent objects"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_PICKLES))
+def test_hostile_pickles_are_refused_and_run_nothing(tmp_path, case):
+    from modeling_gpn.conversion import CheckpointError
+    from modeling_gpn.conversion.reference import load_pickle_checkpoint
+
+    path, mark = tmp_path / "checkpoint.pkl", tmp_path / "payload-ran"
+    template, needle = HOSTILE_PICKLES[case]
+    # (the length fields of the payloads' strings are computed for MARK: rebuild them for the real path)
+    data = template.replace(_text(f"touch '{MARK}'"), _text(f"touch '{mark}'"))
+    data = data.replace(_text(f"open('{MARK}', 'w').close()"), _text(f"open('{mark}', 'w').close()"))
+    path.write_bytes(data)
+    with pytest.raises(CheckpointError, match=re.escape(needle)):
+        load_pickle_checkpoint(path)
+    assert not mark.exists(), "the payload ran before the refusal"
+
+
+def test_rolling_perplexity_batches_are_capped_by_their_logits():
+    """lm-eval holds a rolling batch's (batch, max_length, vocab) logits and log-softmax: at the paper's
+    2048 and a 32k vocabulary, 2 rows fit the 1 GiB budget, not 8 (the figures do not depend on it:
+    tests/ecosystem/test_eval.py::test_wikitext_rolling_perplexity_batch_invariant)."""
+    from modeling_gpn.evaluation.runner import rolling_batch_size
+
+    assert rolling_batch_size(8, 2048, 32000) == 2
+    assert rolling_batch_size(8, 128, 32000) == 8
+    assert rolling_batch_size(8, 1 << 20, 1 << 20) == 1
+
+
+def test_eval_token_stream_of_a_long_document_equals_whole_tokenization(bpe_tokenizer_dir, monkeypatch):
+    """fineweb_paper's token stream tokenizes a long document in pieces too, to the same tokens."""
+    from transformers import AutoTokenizer
+
+    from modeling_gpn import data
+    from modeling_gpn.evaluation.protocols import token_stream
+
+    tokenizer = AutoTokenizer.from_pretrained(bpe_tokenizer_dir)
+    long_text, short_text = tricky_text(120_000), "A short one.\n"
+    monkeypatch.setattr(data.corpus, "PIECE_CHARS", 2_000)
+    assert sum(1 for _ in data.split_document(long_text)) > 20
+    stream, used = token_stream(tokenizer, [short_text, long_text, short_text])
+    eos = tokenizer.eos_token_id
+    whole = [tokenizer(t, add_special_tokens=False)["input_ids"] + [eos] for t in (short_text, long_text, short_text)]
+    assert used == 3 and stream == [token for ids in whole for token in ids]

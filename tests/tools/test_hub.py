@@ -1,0 +1,459 @@
+"""`gpn push`: the dry-run folder loads with plain transformers, the card parses, the upload gets the right arguments.
+
+The published folder is loaded in a fresh interpreter where `modeling_gpn` cannot be imported (a
+`sys.meta_path` finder raises ImportError for it: the editable install would otherwise find it), with
+`HF_HUB_OFFLINE=1`. The upload itself is the network boundary: `HfApi.create_repo`, `create_branch` and
+`upload_folder` are replaced by recorders, and the test checks what they receive.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ..environment import require_shared
+from ..subprocesses import BLOCK_PACKAGE, run_python
+from ..tiny_models import perturbed_model, tiny_config
+
+REPO_ID = "someone/gpn-tiny-test"
+TOKEN = "hf_TESTtokenDoNotLeak0123456789abcdef"
+PROMPT = "The grounded state of a single layer"
+
+EVAL_RESULTS = {  # the schema `gpn eval` writes (eval/cli.py), with made-up numbers
+    "schema_version": 1,
+    "model": "/somewhere/gpn-tiny-test",
+    "n_params": 1050918,
+    "tasks": {
+        "lambada_openai": {"acc,none": 0.0125, "acc_stderr,none": 0.004, "perplexity,none": 2481.5, "alias": "lambada_openai"},
+        "lambada_paper": {"acc": 0.0521, "ppl": 913.25, "acc_whole_word": 0.01, "examples": 40},
+        "fineweb_paper": {"ppl": 1204.75, "ppl_excluding_first": 1190.5, "tokens_scored": 8192},
+        "wikitext": {"word_perplexity": 3105.5, "bits_per_byte": 2.61},
+    },
+    "protocols": {
+        "lambada_openai": "lm-eval lambada_openai: whole-word greedy match, per-example summed log-likelihood",
+        "lambada_paper": "paper LAMBADA: first subword of the last word; ppl = exp(mean CE over last-word subwords)",
+        "fineweb_paper": "non-overlapping 2048-token windows from the zero state, all positions",
+        "wikitext": "lm-eval loglikelihood_rolling",
+    },
+    "data": {"lambada_openai": "/data/lambada_test.jsonl", "fineweb_paper": "hf://HuggingFaceFW/fineweb-edu (sample-10BT, train)"},
+    "lm_eval_version": "0.4.13",
+    "published_baselines": [
+        {"model": "Transformer++", "layers": 12, "state_dim": 768, "params": 130000000, "fineweb_ppl": 16.05, "lambada_acc": 0.223, "lambada_ppl": 18.99},
+        {"model": "GPN+M 1-layer", "layers": 1, "state_dim": 2496, "params": 130000000, "fineweb_ppl": 18.06, "lambada_acc": 0.146, "lambada_ppl": 33.45},
+    ],
+    "comparison": {"measured": {"fineweb_ppl": 1204.75, "lambada_acc": 0.0521, "lambada_ppl": 913.25}},
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """A tiny GPN saved with the LLaMA-2 tokenizer, an evaluation JSON and a training log; plus its logits."""
+    from transformers import AutoTokenizer
+
+    tokenizer_dir = require_shared("data/llama2-tokenizer")
+    folder = tmp_path_factory.mktemp("trained")
+    model = perturbed_model(tiny_config(vocab_size=32000, bos_token_id=1, eos_token_id=2))
+    model.save_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.save_pretrained(folder)
+    (folder / "eval_results.json").write_text(json.dumps(EVAL_RESULTS))
+    recipe = {
+        "preset": "tiny",
+        "data": {"dataset": "HuggingFaceFW/fineweb-edu", "seq_len": 64},
+        "optimizer": {"lr": 6e-4, "weight_decay": 0.1, "betas": [0.9, 0.95]},
+        "batch_size": 8,
+        "hub_token": TOKEN,
+        "output_dir": "/home/someone/private/run1",
+    }
+    (folder / "training_config.json").write_text(json.dumps(recipe))
+    rows = [{"step": s, "loss": 10.4 - 0.1 * s, "lr": 6e-4, "tokens": 512 * s} for s in range(1, 21)]
+    rows.append({"step": 20, "val_loss": 8.3, "val_ppl": math.exp(8.3)})
+    (folder / "train_log.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            logits = model(ids).logits
+            generated = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=2)
+    finally:
+        torch.set_num_threads(threads)
+    n_params = sum(p.numel() for p in model.parameters())
+    return {"dir": folder, "ids": ids, "logits": logits, "generated": generated, "n_params": n_params, "config": model.config}
+
+
+@pytest.fixture(scope="module")
+def published(source, tmp_path_factory):
+    from modeling_gpn.hub import push_folder
+
+    out = tmp_path_factory.mktemp("dry") / "upload"
+    push_folder(source["dir"], REPO_ID, dry_run=out, token=TOKEN, tags=["tiny-test"], quiet=True)
+    return out
+
+
+def copy_source(source, tmp_path: Path) -> Path:
+    folder = tmp_path / "model"
+    shutil.copytree(source["dir"], folder)
+    return folder
+
+
+# --------------------------------------------------------------------------------------------------
+# The folder
+
+
+def test_dry_run_folder_holds_exactly_what_the_hub_needs(source, published):
+    import modeling_gpn.modeling_gpn as modeling
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    files = sorted(p.name for p in published.iterdir())
+    code = sorted(Path(f).name for f in [modeling.__file__, *get_relative_import_files(modeling.__file__)])
+    assert "configuration_gpn.py" in code and "modeling_gpn.py" in code
+    expected = {"README.md", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", *code}
+    assert set(files) == expected, files
+    for name in code:  # every relatively imported file ships, identical to the package's
+        assert (published / name).read_bytes() == (Path(modeling.__file__).parent / name).read_bytes()
+    assert (published / "model.safetensors").read_bytes() == (source["dir"] / "model.safetensors").read_bytes()
+    config = json.loads((published / "config.json").read_text())
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_gpn.GPNConfig",
+        "AutoModel": "modeling_gpn.GPNModel",
+        "AutoModelForCausalLM": "modeling_gpn.GPNForCausalLM",
+        "AutoModelForSequenceClassification": "modeling_gpn.GPNForSequenceClassification",
+    }
+    tokenizer_config = json.loads((published / "tokenizer_config.json").read_text())
+    assert "local_files_only" not in tokenizer_config and "is_local" not in tokenizer_config
+    for path in published.iterdir():  # no training leftovers, no secrets
+        assert TOKEN.encode() not in path.read_bytes(), path.name
+        assert not path.name.endswith((".bin", ".pt", ".pth", ".pkl"))
+
+
+def test_published_folder_loads_without_the_package_and_matches(source, published, tmp_path):
+    out = tmp_path / "loaded.safetensors"
+    code = BLOCK_PACKAGE + textwrap.dedent(
+        f"""
+        import torch
+        from safetensors.torch import save_file
+        from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(1)
+        folder = {str(published)!r}
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        ids = tokenizer({PROMPT!r}, return_tensors="pt").input_ids
+        with torch.no_grad():
+            logits = model(ids).logits
+            generated = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=2)
+        base = AutoModel.from_pretrained(folder, trust_remote_code=True)
+        assert type(base).__name__ == "GPNModel"
+        leaked = [n for n in sys.modules if n == "modeling_gpn" or n.startswith("modeling_gpn.")]
+        assert not leaked, leaked
+        save_file({{"ids": ids, "logits": logits.contiguous(), "generated": generated}}, {str(out)!r})
+        """
+    )
+    result = run_python(code, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    loaded = load_file(out)
+    assert torch.equal(loaded["ids"], source["ids"])
+    assert torch.equal(loaded["logits"], source["logits"])
+    assert torch.equal(loaded["generated"], source["generated"])
+
+
+def test_usage_snippet_in_the_card_runs_as_written(published, tmp_path):
+    from modeling_gpn.hub.model_card import extract_usage_snippet
+
+    card = (published / "README.md").read_text()
+    snippet = extract_usage_snippet(card)
+    assert f'repo = "{REPO_ID}"' in snippet and "trust_remote_code=True" in snippet
+    code = BLOCK_PACKAGE + snippet.replace(f'"{REPO_ID}"', repr(str(published)))
+    result = run_python(code, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip().startswith("The meaning of life is"), result.stdout
+    assert "Do you wish to run the custom code" not in result.stdout + result.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# The card
+
+
+def test_card_metadata_parses_with_huggingface_hub(source, published):
+    from huggingface_hub import ModelCard
+    from huggingface_hub.repocard_data import model_index_to_eval_results
+
+    card = ModelCard.load(published / "README.md", ignore_metadata_errors=False)
+    data = card.data
+    assert data.library_name == "transformers" and data.pipeline_tag == "text-generation"
+    assert data.license == "mit"
+    assert data.datasets == ["HuggingFaceFW/fineweb-edu"]  # from the training config
+    assert {"gpn", "custom_code", "tiny-test"} <= set(data.tags)
+    name, results = model_index_to_eval_results(data.to_dict()["model-index"])
+    assert name == "gpn-tiny-test"
+    got = {r.metric_name: r.metric_value for r in results}
+    assert len({(r.unique_identifier, r.metric_type) for r in results}) == len(results)  # none ambiguous
+    want = {
+        f"{task} {metric.split(',')[0]}": value
+        for task, metrics in EVAL_RESULTS["tasks"].items()
+        for metric, value in metrics.items()
+        if isinstance(value, float) and "stderr" not in metric
+    }
+    assert "lambada_paper examples" not in got and "lambada_paper acc_whole_word" in got
+    assert got == want
+    lambada = next(r for r in results if r.metric_name == "lambada_paper acc")
+    assert lambada.dataset_type == "EleutherAI/lambada_openai" and lambada.task_type == "text-generation"
+    assert lambada.metric_type == "lambada_paper_acc" and lambada.task_name == "lambada_openai, lambada_paper"
+    fineweb = next(r for r in results if r.metric_name == "fineweb_paper ppl")
+    assert fineweb.metric_type == "ppl"
+    assert (fineweb.dataset_type, fineweb.dataset_config, fineweb.dataset_split) == ("HuggingFaceFW/fineweb-edu", "sample-10BT", "train")
+
+
+def test_card_text_states_architecture_training_and_results_beside_the_paper(source, published):
+    text = (published / "README.md").read_text()
+    config = source["config"]
+    assert f"Parameters: {source['n_params']:,}" in text
+    assert f"{config.state_floats_per_row:,} floats" in text and f"{config.memory_cells:,} cells" in text
+    # Training: recipe from training_config.json, last values from train_log.jsonl, secrets and local paths out.
+    assert "| optimizer.lr | 0.0006 |" in text and "| data.seq_len | 64 |" in text
+    assert "loss = 8.4" in text and "val_loss = 8.3" in text
+    assert TOKEN not in text and "hub_token" not in text and "/home/someone" not in text
+    # Evaluation: this model's protocol-matched columns beside the published rows of the JSON.
+    assert "| **gpn-tiny-test** (this model) | 1 | 48 | 1.1M | 1,204.8 | 0.0521 | 913.2 |" in text
+    assert "| Transformer++ (paper) | 12 | 768 | 130.0M | 16.05 | 0.223 | 18.99 |" in text
+    assert text.count("(paper) |") == 2  # the JSON's baselines replace the built-in table
+    assert "| lambada_openai | acc | 0.0125 ± 0.004 |" in text and "| fineweb_paper | tokens_scored | 8,192 |" in text
+    assert "- `lambada_openai`: lm-eval lambada_openai: whole-word greedy match" in text
+
+
+def test_card_without_eval_or_training_log_uses_the_paper_table(source, tmp_path):
+    from modeling_gpn.hub import push_folder
+    from modeling_gpn.hub.model_card import PAPER_TABLE_1
+
+    folder = copy_source(source, tmp_path)
+    for name in ("eval_results.json", "training_config.json", "train_log.jsonl"):
+        (folder / name).unlink()
+    prepared = push_folder(folder, "gpn-bare", dry_run=tmp_path / "out", quiet=True)
+    text = (prepared.path / "README.md").read_text()
+    assert "model-index" not in prepared.card_metadata and "datasets" not in prepared.card_metadata
+    assert "No training log was found" in text and "has not been evaluated yet" in text
+    assert text.count("(paper) |") == len(PAPER_TABLE_1)
+
+
+def test_paper_columns_without_gpn_evals_comparison_match_protocols_only():
+    from modeling_gpn.hub.model_card import read_eval_results, model_paper_columns
+
+    def columns(tasks, protocols=None):
+        info = read_eval_results_from({"tasks": tasks, "protocols": protocols or {}})
+        return model_paper_columns(info)[0]
+
+    def read_eval_results_from(data):
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "eval_results.json"
+            path.write_text(json.dumps(data))
+            return read_eval_results(path)
+
+    # lm-eval's lambada_openai measures something else: it never fills the paper's LAMBADA columns.
+    assert columns({"lambada_openai": {"acc,none": 0.3, "perplexity,none": 20.0}}) == {}
+    assert columns({"lambada_paper": {"acc_whole_word": 0.1, "acc": 0.2, "ppl": 30.0}, "fineweb_paper": {"ppl_excluding_first": 9.0, "ppl": 10.0}}) == {
+        "lambada_acc": 0.2, "lambada_ppl": 30.0, "fineweb_ppl": 10.0,
+    }  # fmt: skip
+    assert columns({"my_lambada": {"acc": 0.2}}, {"my_lambada": "top-1 of the first subword"}) == {"lambada_acc": 0.2}
+
+
+def test_validate_card_rejects_broken_metadata():
+    from modeling_gpn.hub.model_card import CardError, validate_card
+
+    with pytest.raises(CardError, match="does not parse"):
+        validate_card("---\nlibrary_name: [transformers\n---\n# x\n")
+    with pytest.raises(CardError, match="pipeline_tag"):
+        validate_card("---\nlibrary_name: transformers\n---\n# x\n")
+    broken_index = (
+        "---\nlibrary_name: transformers\npipeline_tag: text-generation\nmodel-index:\n- name: x\n  results:\n"
+        "  - task: {type: text-generation}\n    dataset: {type: d, name: d}\n    metrics:\n    - {type: acc, value: .nan}\n---\n"
+    )
+    with pytest.raises(CardError, match="non-finite"):
+        validate_card(broken_index)
+
+
+# --------------------------------------------------------------------------------------------------
+# Refusals
+
+
+def test_refusals_name_the_problem(source, tmp_path, capsys):
+    from modeling_gpn.cli import main
+
+    def refused(folder: Path, *extra: str) -> str:
+        out = tmp_path / f"out-{len(list(tmp_path.iterdir()))}"
+        assert main(["push", str(folder), REPO_ID, "--dry-run", str(out), "--token", TOKEN, *extra]) == 1
+        assert not out.exists()  # nothing half-written is left behind
+        captured = capsys.readouterr()
+        assert TOKEN not in captured.out + captured.err
+        return captured.err
+
+    pickled = copy_source(source, tmp_path / "pickle")
+    torch.save({"x": torch.zeros(1)}, pickled / "pytorch_model.bin")
+    assert "pickle files (pytorch_model.bin)" in refused(pickled)
+
+    bad_config = copy_source(source, tmp_path / "config")
+    config = json.loads((bad_config / "config.json").read_text())
+    (bad_config / "config.json").write_text(json.dumps(dict(config, hidden_size=-4)))
+    refusal = refused(bad_config)
+    assert "does not load as a GPNConfig" in refusal and "hidden_size" in refusal  # names the bad field
+
+    (bad_config / "config.json").write_text("{not json")
+    assert "not valid JSON" in refused(bad_config)
+
+    (bad_config / "config.json").write_text(json.dumps(dict(config, model_type="llama")))
+    assert "model_type 'llama'" in refused(bad_config)
+
+    (bad_config / "config.json").write_text(json.dumps(dict(config, intermediate_size=96)))
+    assert "weights do not match config.json" in refused(bad_config)
+
+    no_weights = copy_source(source, tmp_path / "noweights")
+    (no_weights / "model.safetensors").unlink()
+    assert "no *.safetensors weights" in refused(no_weights)
+
+    no_tokenizer = copy_source(source, tmp_path / "notok")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (no_tokenizer / name).unlink()
+    assert "pass --tokenizer" in refused(no_tokenizer)
+
+    nan_eval = copy_source(source, tmp_path / "naneval")
+    (nan_eval / "eval_results.json").write_text(json.dumps({"tasks": {"fineweb_edu": {"perplexity": float("nan")}}}))
+    assert "needs finite numbers" in refused(nan_eval)
+
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "keep.txt").write_text("user data")
+    assert main(["push", str(source["dir"]), REPO_ID, "--dry-run", str(taken)]) == 1
+    assert "is not empty" in capsys.readouterr().err and (taken / "keep.txt").exists()
+
+
+def test_remote_code_importing_the_installed_package_is_refused(tmp_path):
+    from modeling_gpn.hub import HubPushError, check_remote_code
+
+    (tmp_path / "modeling_gpn.py").write_text("import torch\nfrom .configuration_gpn import GPNConfig\nfrom modeling_gpn.fast import kernel\n")
+    (tmp_path / "configuration_gpn.py").write_text("from .helpers import x\n")
+    with pytest.raises(HubPushError) as error:
+        check_remote_code(tmp_path)
+    assert "modeling_gpn.py imports modeling_gpn" in str(error.value)
+    assert "configuration_gpn.py imports .helpers, which is not in the folder" in str(error.value)
+
+
+def test_tokenizer_option_adds_a_tokenizer(source, tmp_path):
+    from modeling_gpn.hub import push_folder
+
+    folder = copy_source(source, tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).unlink()
+    tokenizer = str(require_shared("data/llama2-tokenizer"))
+    prepared = push_folder(folder, REPO_ID, dry_run=tmp_path / "out", tokenizer=tokenizer, quiet=True)
+    assert "tokenizer.json" in prepared.files
+    assert tokenizer not in (prepared.path / "README.md").read_text()  # a local path is not a name
+
+
+# --------------------------------------------------------------------------------------------------
+# The network boundary
+
+
+@pytest.fixture
+def hub_calls(monkeypatch, tmp_path):
+    """Replace HfApi's network methods with recorders (the thing under test is what they are given)."""
+    from huggingface_hub import CommitInfo, HfApi, RepoUrl
+
+    calls: list[tuple[str, dict]] = []
+
+    def create_repo(self, repo_id, **kwargs):
+        calls.append(("create_repo", dict(kwargs, repo_id=repo_id, token=self.token)))
+        return RepoUrl(f"https://huggingface.co/{repo_id}")
+
+    def create_branch(self, repo_id, **kwargs):
+        calls.append(("create_branch", dict(kwargs, repo_id=repo_id, token=self.token)))
+
+    def upload_folder(self, **kwargs):
+        folder = Path(kwargs["folder_path"])
+        snapshot = {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+        calls.append(("upload_folder", dict(kwargs, token=self.token, snapshot=snapshot)))
+        pr = "https://huggingface.co/x/discussions/1" if kwargs.get("create_pr") else None
+        return CommitInfo(commit_url=f"https://huggingface.co/{kwargs['repo_id']}/commit/abc", commit_message="m",
+                          commit_description="", oid="abc", pr_url=pr)  # fmt: skip
+
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "create_branch", create_branch)
+    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    return calls
+
+
+def test_upload_gets_the_right_arguments_and_the_dry_run_files(source, published, hub_calls, capsys):
+    from modeling_gpn.cli import main
+
+    argv = ["push", str(source["dir"]), REPO_ID, "--private", "--revision", "v1", "--commit-message", "first GPN",
+            "--token", TOKEN, "--tag", "tiny-test"]  # fmt: skip
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert TOKEN not in captured.out + captured.err
+    assert f"Uploaded to https://huggingface.co/{REPO_ID} (revision v1)" in captured.out
+    names = [name for name, _ in hub_calls]
+    assert names == ["create_repo", "create_branch", "upload_folder"]
+    repo, branch, upload = (kwargs for _, kwargs in hub_calls)
+    assert repo == {"repo_id": REPO_ID, "repo_type": "model", "private": True, "exist_ok": True, "token": TOKEN}
+    assert branch == {"repo_id": REPO_ID, "repo_type": "model", "branch": "v1", "exist_ok": True, "token": TOKEN}
+    assert upload["repo_id"] == REPO_ID and upload["revision"] == "v1" and upload["repo_type"] == "model"
+    assert upload["commit_message"] == "first GPN" and upload["create_pr"] is False and upload["token"] == TOKEN
+    dry_run = {p.name: p.read_bytes() for p in published.iterdir()}
+    assert upload["snapshot"] == dry_run  # the upload is exactly the dry-run folder
+    assert not any(TOKEN.encode() in data for data in upload["snapshot"].values())
+
+
+def test_upload_as_pull_request_with_defaults(source, hub_calls, capsys):
+    from modeling_gpn.hub import push_folder
+
+    push_folder(source["dir"], REPO_ID, create_pr=True, quiet=False)
+    assert "Pull request: https://huggingface.co/x/discussions/1" in capsys.readouterr().out
+    assert [name for name, _ in hub_calls] == ["create_repo", "upload_folder"]
+    repo, upload = (kwargs for _, kwargs in hub_calls)
+    assert repo["private"] is None  # not --private: the Hub's default; an existing repo keeps its visibility
+    assert upload["create_pr"] is True and upload["revision"] is None
+    assert upload["commit_message"] == "Upload gpn-tiny-test (GPN) with gpn push"
+
+
+def test_push_help_lists_every_option(capsys):
+    from modeling_gpn.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["push", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--private", "--revision", "--commit-message", "--token", "--create-pr", "--dry-run", "--tokenizer"):
+        assert option in text
+
+
+def test_convert_push_to_hub_publishes_the_converted_checkpoint(hub_calls, tmp_path, capsys):
+    """`gpn convert SRC OUT --push-to-hub REPO` ends in the same checked upload."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from modeling_gpn.cli import main
+
+    fixture = require_shared("fixtures/reference/sot_m_1l")
+    vocab = {"<unk>": 0, **{chr(ord("a") + i): i + 1 for i in range(26)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<unk>").save_pretrained(tmp_path / "tok")
+
+    out = tmp_path / "converted"
+    assert main(["convert", str(fixture), str(out), "--tokenizer", str(tmp_path / "tok"), "--push-to-hub", "someone/gpn-ref"]) == 0
+    assert [name for name, _ in hub_calls] == ["create_repo", "upload_folder"]
+    upload = hub_calls[-1][1]
+    assert upload["repo_id"] == "someone/gpn-ref"
+    assert {"model.safetensors", "config.json", "modeling_gpn.py", "tokenizer.json", "README.md"} <= set(upload["snapshot"])
+    assert upload["snapshot"]["model.safetensors"] == (out / "model.safetensors").read_bytes()
+    assert "Parameters: 30,022" in upload["snapshot"]["README.md"].decode()  # the reference's own count

@@ -1,0 +1,324 @@
+"""`gpn inspect` and the measurements behind it, on constructed cases with known answers."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from modeling_gpn import analysis
+from modeling_gpn.inspect import Ablation, ablated_logits, collect
+
+from ..environment import require_shared
+from ..tiny_models import perturbed_model, tiny_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# --------------------------------------------------------------------------------------------------
+# Memory retention: heads with constant decays
+# --------------------------------------------------------------------------------------------------
+
+
+def test_constant_decays_give_exact_half_lives_and_pools():
+    lives = np.array([100.0, 2.0, 1000.0, 1.0, 40.0, 3.0, 300.0])  # 1000 lies past the 400-token window
+    gammas = np.broadcast_to(-1.0 / lives, (3, 400, lives.size))
+    result = analysis.memory_retention(gammas)
+    np.testing.assert_allclose(result["half_lives"], lives, rtol=1e-9)
+    np.testing.assert_allclose(result["mean_rate_half_lives"], lives, rtol=1e-12)
+    assert result["half_life_beyond_window"].tolist() == [False, False, True, False, False, False, False]
+    np.testing.assert_allclose(result["curves"][10], np.exp(-10.0 / lives), rtol=1e-9)
+    assert result["split"] and result["fast_heads"] == [1, 3, 5] and result["slow_heads"] == [0, 2, 4, 6]
+    assert 3.0 < result["threshold"] < 40.0
+
+
+def test_pool_split_refuses_a_split_without_two_timescales():
+    assert analysis.split_pools([5.0, 6.0, 7.0, 8.0])["split"] is False
+    assert analysis.split_pools([5.0])["fast_heads"] == []
+    two = analysis.split_pools([1.0, 1.2, 50.0, 60.0, math.inf])
+    assert two["fast_heads"] == [0, 1] and two["slow_heads"] == [2, 3, 4]
+
+
+def test_constant_decays_set_in_a_model_come_back_from_its_forward_pass():
+    model = perturbed_model(tiny_config())
+    lives = torch.tensor([1.5, 4.0, 60.0])
+    with torch.no_grad():
+        write = model.model.memory_write
+        write.decay.weight.zero_()
+        write.A_log.zero_()
+        rate = 1.0 / lives  # gamma = -exp(0) * softplus(dt_bias) = -1/h
+        write.dt_bias.copy_(rate + torch.log(-torch.expm1(-rate)))
+    windows = torch.randint(0, 97, (2, 80), generator=torch.Generator().manual_seed(0))
+    collected = collect(model, windows, batch_size=2, progress=False)
+    assert collected.states.shape == (2, 80, 48) and collected.gammas.shape == (2, 80, 3)
+    result = analysis.memory_retention(collected.gammas)
+    np.testing.assert_allclose(result["half_lives"], lives.numpy(), rtol=1e-4)
+    assert result["fast_heads"] == [0, 1] and result["slow_heads"] == [2]
+
+
+# --------------------------------------------------------------------------------------------------
+# Geometry: states with a known covariance
+# --------------------------------------------------------------------------------------------------
+
+
+def states_with_covariance(eigenvalues: np.ndarray, dim: int, num: int, seed: int = 0) -> np.ndarray:
+    """`num` states in R^dim whose sample covariance (1/N) is exactly Q diag(eigenvalues) Q^T."""
+    rng = np.random.default_rng(seed)
+    rank = eigenvalues.size
+    z = rng.standard_normal((num, rank))
+    z -= z.mean(axis=0)
+    q_z, _ = np.linalg.qr(z)  # orthonormal columns, still zero-mean
+    whitened = q_z * math.sqrt(num)  # z^T z / N = I
+    basis, _ = np.linalg.qr(rng.standard_normal((dim, dim)))
+    offset = rng.standard_normal(dim) * 5
+    return whitened * np.sqrt(eigenvalues) @ basis[:, :rank].T + offset
+
+
+def expected_spectrum(eigenvalues: np.ndarray) -> dict:
+    lam = np.sort(eigenvalues)[::-1]
+    total, running, counts = lam.sum(), 0.0, {}
+    for i, value in enumerate(lam, start=1):
+        running += value
+        for frac in (0.9, 0.99):
+            if frac not in counts and running / total >= frac:
+                counts[frac] = i
+    return {
+        "stable_rank": total / lam[0],
+        "participation_ratio": total**2 / (lam**2).sum(),
+        "components_for_90pct": counts[0.9],
+        "components_for_99pct": counts[0.99],
+    }
+
+
+@pytest.mark.parametrize(
+    "dim,num,eigenvalues",
+    [
+        (40, 500, np.geomspace(30.0, 0.05, 40)),  # more states than dimensions: covariance path
+        (60, 30, np.array([50.0, 20, 9, 7, 3, 2.5, 1, 0.4, 0.2, 0.05])),  # fewer: Gram path, rank 10
+    ],
+)
+def test_geometry_recovers_a_known_covariance(dim, num, eigenvalues):
+    states = states_with_covariance(eigenvalues, dim, num)
+    geometry = analysis.state_geometry(states)
+    expected = expected_spectrum(eigenvalues)
+    assert geometry["components_for_90pct"] == expected["components_for_90pct"]
+    assert geometry["components_for_99pct"] == expected["components_for_99pct"]
+    assert geometry["stable_rank"] == pytest.approx(expected["stable_rank"], rel=1e-9)
+    assert geometry["participation_ratio"] == pytest.approx(expected["participation_ratio"], rel=1e-9)
+    np.testing.assert_allclose(geometry["eigenvalues"][: eigenvalues.size], np.sort(eigenvalues)[::-1], rtol=1e-8)
+    np.testing.assert_allclose(geometry["norms"], np.linalg.norm(states, axis=1))
+
+
+def test_geometry_counts_dead_dimensions_and_reads_correlations():
+    rng = np.random.default_rng(1)
+    states = rng.standard_normal((4000, 6)) * np.array([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    states[:, 1] = 0.5 * states[:, 0] / 1.0 * 2.0 + 0.0  # dim 1 = dim 0 exactly (correlation 1)
+    states[:, 4] = 7.0  # dead: constant
+    states[:, 5] = 7.0 + 1e-9 * rng.standard_normal(4000)  # dead: below 1e-3 x median std
+    geometry = analysis.state_geometry(states)
+    assert geometry["dead_dims"] == 2
+    assert geometry["offdiag_corr_max_abs"] == pytest.approx(1.0, abs=1e-12)
+    np.testing.assert_allclose(geometry["sorted_dim_std"], np.sort(states.std(axis=0))[::-1])
+    with pytest.raises(ValueError, match="NaN"):
+        analysis.state_geometry(np.full((3, 4), np.nan))
+
+
+# --------------------------------------------------------------------------------------------------
+# The mean direction and horizons
+# --------------------------------------------------------------------------------------------------
+
+
+def test_a_planted_mean_direction_is_recovered_with_its_decoded_tokens():
+    from modeling_gpn import GPNForCausalLM
+
+    torch.manual_seed(0)
+    model = GPNForCausalLM(tiny_config()).eval()
+    planted = [42, 5, 17]  # in decreasing logit order
+    unit = torch.nn.functional.normalize(torch.randn(32), dim=0)
+    with torch.no_grad():
+        for scale, token in zip((3.0, 2.0, 1.0), planted):
+            model.model.embed_tokens.weight[token] = scale * unit
+        # a state direction the decoder maps onto `unit`: W_dec v = unit (W_dec is 32 x 48, full row rank)
+        direction = torch.linalg.lstsq(model.model.decode_proj.weight.double(), unit.double()[:, None]).solution[:, 0]
+    direction = direction.numpy() * 40 / np.linalg.norm(direction.numpy())
+
+    rng = np.random.default_rng(0)
+    noise = rng.standard_normal((8, 50, 48)) * 3
+    noise -= noise.reshape(-1, 48).mean(axis=0)  # exactly zero mean: the mean is the planted vector
+    states = direction + noise
+
+    @torch.no_grad()
+    def decode(vector):
+        return model.decode(torch.tensor(vector, dtype=torch.float32)[None])[0].numpy()
+
+    counts = np.zeros(97)
+    counts[planted] = [300, 200, 100]
+    counts[[1, 2, 3]] = [1, 2, 3]
+    result = analysis.mean_direction(states, decode, unigram_counts=counts, top_k=5)
+    np.testing.assert_allclose(result["s_bar"], direction, atol=1e-9)
+    assert result["norm"] == pytest.approx(40.0)
+    assert result["top_ids"][:3] == planted
+    assert result["batch_cosine_mean"] > 0.98 and result["num_batches"] == 8
+    assert result["running_mean_cosine"][-1] > 0.99  # each sequence's own mean is s̄ plus noise
+    assert result["running_mean_reaches_0.98_at_token"] is not None
+    assert result["spearman_unigram_seen_tokens"] > 0.5  # the three planted tokens are the most frequent
+
+
+def test_spearman_matches_known_values():
+    assert analysis.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert analysis.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    np.testing.assert_allclose(analysis.rankdata([10, 20, 20, 5]), [2.0, 3.5, 3.5, 1.0])
+    # with ties: Pearson of the average ranks [1, 2.5, 2.5, 4] and [1, 2, 3, 4] = 0.9486833
+    assert analysis.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(3 / math.sqrt(10), rel=1e-12)
+
+
+def test_horizons_of_an_alternating_state():
+    """p_t = a + (-1)^t b with a ⟂ b: raw cos(k) = (|a|^2 + (-1)^k |b|^2) / (|a|^2 + |b|^2), centred (-1)^k."""
+    a, b = np.zeros(6), np.zeros(6)
+    a[0], b[1] = 3.0, 1.0
+    signs = (-1.0) ** np.arange(20)
+    states = np.stack([a + s * b for s in signs])[None].repeat(2, axis=0)
+    result = analysis.state_horizons(states, lags=[1, 2, 3, 10])
+    np.testing.assert_allclose(result["raw"], [(9 - 1) / 10, 1, 0.8, 1])
+    np.testing.assert_allclose(result["centred"], [-1, 1, -1, 1])
+
+
+# --------------------------------------------------------------------------------------------------
+# Causal ablations
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides", [{}, {"num_predict_layers": 2}, {"use_memory": False}])
+def test_unablated_recurrence_reproduces_the_model_exactly(overrides):
+    model = perturbed_model(tiny_config(**overrides))
+    ids = torch.randint(0, 97, (2, 23), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        fast = model(ids).logits  # the default forward runs the fast (folded-weight) recurrence
+        model.model.use_fast_path = False
+        plain = model(ids).logits  # the plain per-step loop, built from the same pieces as ablated_logits
+        assert torch.equal(ablated_logits(model, ids), plain)
+        assert torch.equal(ablated_logits(model, ids, Ablation(decode_shift=torch.zeros(48))), plain)
+        torch.testing.assert_close(ablated_logits(model, ids), fast, rtol=1e-4, atol=1e-4)
+
+
+def test_ablations_change_what_they_claim_to():
+    model = perturbed_model(tiny_config())
+    model.model.use_fast_path = False  # compare with the plain loop, bit for bit
+    ids = torch.randint(0, 97, (2, 23), generator=torch.Generator().manual_seed(2))
+    shift = torch.randn(48)
+    with torch.no_grad():
+        out = model(ids, output_predicted_states=True)
+        base, states = out.logits, out.predicted_states
+        decoded = ablated_logits(model, ids, Ablation(decode_shift=shift))
+        torch.testing.assert_close(decoded, model.decode(states - shift))
+        carried = ablated_logits(model, ids, Ablation(carry_shift=shift))
+        assert torch.equal(carried[:, 0], base[:, 0]) and not torch.allclose(carried[:, 1:], base[:, 1:])
+        reads_off = ablated_logits(model, ids, Ablation(reads_off=True))
+        all_heads_off = ablated_logits(model, ids, Ablation(heads_off=(0, 1, 2)))
+        assert torch.equal(reads_off, all_heads_off)  # a zero memory reads back exactly nothing
+        assert not torch.allclose(reads_off, base)
+        one_off = ablated_logits(model, ids, Ablation(heads_off=(1,)))
+        assert not torch.allclose(one_off, base) and not torch.allclose(one_off, reads_off)
+        with pytest.raises(ValueError, match="do not exist"):
+            ablated_logits(model, ids, Ablation(heads_off=(3,)))
+        with pytest.raises(ValueError, match="no memory"):
+            ablated_logits(perturbed_model(tiny_config(use_memory=False)), ids, Ablation(reads_off=True))
+
+
+# --------------------------------------------------------------------------------------------------
+# End to end
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_vocab_model(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("tiny_gpn")
+    perturbed_model(tiny_config(vocab_size=32000)).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(require_shared("data/llama2-tokenizer")).save_pretrained(folder)
+    return folder
+
+
+def test_gpn_inspect_end_to_end(tiny_llama_vocab_model, tmp_path):
+    import matplotlib.image
+
+    from modeling_gpn.cli import main
+
+    text = require_shared("data/tinyshakespeare/input.txt")
+    output = tmp_path / "report"
+    code = main(["inspect", str(tiny_llama_vocab_model), "--data", str(text), "--tokens", "600", "--seq-len", "64",
+                 "--batch-size", "5", "--output", str(output), "--quiet"])  # fmt: skip
+    assert code == 0
+    report = json.loads((output / "report.json").read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON {c}"))
+    assert report["data"]["windows"] == 9 and report["data"]["tokens"] == 576  # 600 // 64 windows
+    assert report["geometry"]["num_states"] == 576 and report["geometry"]["state_dim"] == 48
+    assert len(report["mean_direction"]["top_tokens"]) == 10
+    assert len(report["memory"]["half_lives"]) == 3
+    rows = {row["name"]: row for row in report["ablations"]["rows"]}
+    assert {"baseline", "mean_removed_decode", "mean_removed_recurrence", "memory_reads_off"} <= set(rows)
+    assert all(math.isfinite(row["perplexity"]) for row in rows.values())
+    assert rows["baseline"]["perplexity"] == pytest.approx(report["data"]["perplexity"])
+    markdown = (output / "report.md").read_text()
+    for heading in ("## State geometry", "## Mean direction", "## Horizons", "## Memory retention", "## Causal tests"):
+        assert heading in markdown
+    assert sorted(report["figures"]) == ["ablations.png", "geometry.png", "horizons.png", "mean_direction.png"]
+    for name in report["figures"]:
+        image = matplotlib.image.imread(output / name)
+        assert image.ndim == 3 and image.shape[0] > 300 and image.shape[1] > 600
+
+
+def test_gpn_inspect_rejects_bad_input(tiny_llama_vocab_model, tmp_path):
+    from modeling_gpn.cli import main
+
+    text = require_shared("data/tinyshakespeare/input.txt")
+    with pytest.raises(ValueError, match="at least one window"):
+        main(["inspect", str(tiny_llama_vocab_model), "--data", str(text), "--tokens", "10", "--seq-len", "64",
+              "--output", str(tmp_path), "--quiet"])  # fmt: skip
+    with pytest.raises(ValueError, match="does not exist"):
+        main(["inspect", str(tiny_llama_vocab_model), "--data", str(tmp_path / "missing.txt"), "--output", str(tmp_path)])
+    bad = tmp_path / "notes.csv"
+    bad.write_text("a,b\n")
+    with pytest.raises(ValueError, match="unsupported data file"):
+        main(["inspect", str(tiny_llama_vocab_model), "--data", str(bad), "--tokens", "128", "--seq-len", "64",
+              "--output", str(tmp_path), "--quiet"])  # fmt: skip
+
+
+def test_report_of_a_gpn_without_memory(tmp_path):
+    """No memory: no retention section, only the two s̄ ablations, and the figures still render."""
+    import matplotlib.image
+    from transformers import AutoTokenizer
+
+    from modeling_gpn.inspect import build_report, report_json, report_markdown, write_figures
+
+    model = perturbed_model(tiny_config(use_memory=False))
+    tokenizer = AutoTokenizer.from_pretrained(require_shared("data/llama2-tokenizer"))
+    windows = torch.randint(3, 97, (4, 32), generator=torch.Generator().manual_seed(3))
+    report = build_report(model, tokenizer, windows, collect(model, windows, progress=False), progress=False)
+    assert report["memory"] is None
+    assert [row["name"] for row in report["ablations"]["rows"]] == [
+        "baseline", "mean_removed_decode", "mean_removed_recurrence"]  # fmt: skip
+    figures = write_figures(report, tmp_path)
+    assert [f.rsplit("/", 1)[-1] for f in figures] == ["geometry.png", "mean_direction.png", "horizons.png", "ablations.png"]
+    assert matplotlib.image.imread(figures[2]).shape[1] > 600
+    json.dumps(report_json(report), allow_nan=False)
+    markdown = report_markdown(report, figures)
+    assert "## Memory retention" not in markdown and "## Causal tests" in markdown
+
+
+def test_decode_only_shortcut_matches_the_ablated_recurrence():
+    from modeling_gpn.inspect import ablation_perplexity, decoded_perplexity
+
+    model = perturbed_model(tiny_config())
+    windows = torch.randint(0, 97, (3, 20), generator=torch.Generator().manual_seed(4))
+    collected = collect(model, windows, batch_size=2, progress=False)
+    shift = torch.randn(48)
+    for ablation in (Ablation(), Ablation(decode_shift=shift)):
+        shortcut = decoded_perplexity(model, collected.states, windows, ablation.decode_shift, batch_size=2)
+        full = ablation_perplexity(model, windows, ablation, batch_size=2, progress=False)
+        assert shortcut["tokens"] == full["tokens"] == 3 * 19
+        assert shortcut["perplexity"] == pytest.approx(full["perplexity"], rel=1e-5)
+    assert collected.perplexity == pytest.approx(decoded_perplexity(model, collected.states, windows)["perplexity"], rel=1e-6)

@@ -1,0 +1,355 @@
+"""`gpn serve` as a user meets it: the `openai` client against a real server process on 127.0.0.1.
+
+One server for the module (a tiny GPN with a BPE tokenizer and a chat template, made here), pinned to the
+model, with the state store, a spill folder and small limits. What it must do:
+- chat (plain and streamed) and completions give, greedy, the tokens of `generate()` on the whole prompt in
+  this process (serving without the store), while later turns continue from kept states
+  (`usage.prompt_tokens_details.cached_tokens`);
+- `n` answers; `/v1/models` and `/health`;
+- clients at once each get the answer they get alone;
+- the refusals: bad input is a 4xx naming the problem (never a 500), a request past the context limit a 400,
+  one past the queue limit a 429, and a client that goes away mid-stream frees its slot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai  # the test extra has it, with the serving extra's server stack: missing, these tests fail, never skip
+import pytest
+import torch
+
+from ..environment import REPO_ROOT
+from ..tiny_models import perturbed_model, tiny_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MAX_QUEUED = 6
+MAX_CONTEXT = 200_000  # room for the long streams the disconnect test cuts short
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A tiny GPN folder: its own BPE tokenizer with a chat template, generation ending at `<|end|>`."""
+    from modeling_gpn.data import train_bpe_tokenizer
+
+    folder = tmp_path_factory.mktemp("served-gpn")
+    tokenizer = train_bpe_tokenizer(["the cat sat on the mat. " * 20, "to be or not to be, that is the question " * 20], 300)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    config = tiny_config(vocab_size=len(tokenizer), eos_token_id=tokenizer.convert_tokens_to_ids("<|end|>"))
+    perturbed_model(config, seed=31).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """The model and tokenizer in this process: `generate()` on the whole prompt, as serving without the store."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    """`gpn serve MODEL` in its own process; always killed at the end."""
+    port, states, log_path = free_port(), tmp_path_factory.mktemp("states"), tmp_path_factory.mktemp("log") / "serve.log"
+    command = [
+        sys.executable, "-m", "modeling_gpn.cli", "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+        "--device", "cpu", "--state-dir", str(states), "--max-queued-requests", str(MAX_QUEUED),
+        "--max-context", str(MAX_CONTEXT),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while get(base + "/health")[0] != 200:
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"gpn serve did not come up (exit {process.poll()}):\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.2)
+        yield base
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=15)
+
+
+def get(url: str) -> tuple[int | None, dict | None]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, None
+    except OSError:
+        return None, None
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def model_name(model_dir) -> str:
+    return str(model_dir)
+
+
+def expected_chat(reference, messages: list[dict], max_tokens: int, streamed: bool = False) -> str:
+    model, tokenizer = reference
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+    return as_text(tokenizer, out[0, inputs["input_ids"].shape[1] :], streamed)
+
+
+def as_text(tokenizer, ids: torch.Tensor, streamed: bool) -> str:
+    """The answer's text as the server sends it: decoded whole, or streamed token by token the way
+    transformers' streamer decodes (an incomplete UTF-8 character at the end is never sent)."""
+    if not streamed:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    from tokenizers.decoders import DecodeStream
+
+    stream = DecodeStream([], skip_special_tokens=True)
+    return "".join(piece for piece in (stream.step(tokenizer._tokenizer, int(token)) for token in ids) if piece is not None)
+
+
+def streamed_text(stream) -> tuple[str, object]:
+    parts, usage = [], None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            parts.append(chunk.choices[0].delta.content)
+        usage = chunk.usage or usage
+    return "".join(parts), usage
+
+
+def test_chat_turns_continue_from_kept_states_with_the_tokens_of_the_whole_prompt(client, model_name, reference):
+    messages = [{"role": "system", "content": "the cat sat"}, {"role": "user", "content": "to be or not to be"}]
+    previous_prompt = None
+    for turn in range(3):
+        reply = client.chat.completions.create(model=model_name, messages=messages, max_tokens=10, temperature=0)
+        assert reply.choices[0].message.content == expected_chat(reference, messages, 10)
+        cached = reply.usage.prompt_tokens_details.cached_tokens
+        if previous_prompt is None:
+            assert cached == 0
+        else:  # the last turn's prompt (all but its last token, at least) was not read again
+            assert previous_prompt - 1 <= cached < reply.usage.prompt_tokens
+        previous_prompt = reply.usage.prompt_tokens
+        messages += [
+            {"role": "assistant", "content": reply.choices[0].message.content},
+            {"role": "user", "content": "that is the question " * (turn + 1)},
+        ]
+    # streamed: the same tokens, the usage in the last chunk
+    text, usage = streamed_text(client.chat.completions.create(model=model_name, messages=messages, max_tokens=10, temperature=0, stream=True))
+    assert text == expected_chat(reference, messages, 10, streamed=True)
+    assert usage.prompt_tokens_details.cached_tokens >= previous_prompt - 1
+
+
+def test_completions_plain_and_streamed(client, model_name, reference):
+    model, tokenizer = reference
+    prompt = "the cat sat on the"
+    ids = tokenizer(prompt, return_tensors="pt")
+    with torch.no_grad():
+        answer = model.generate(**ids, max_new_tokens=8, do_sample=False)[0, ids["input_ids"].shape[1] :]
+    plain = client.completions.create(model=model_name, prompt=prompt, max_tokens=8, temperature=0)
+    assert plain.choices[0].text == as_text(tokenizer, answer, False) and plain.usage.completion_tokens == 8
+    stream = client.completions.create(model=model_name, prompt=prompt, max_tokens=8, temperature=0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in stream) == as_text(tokenizer, answer, True)
+    longer = client.completions.create(model=model_name, prompt=prompt + " mat. to be", max_tokens=4, temperature=0)
+    assert longer.usage.prompt_tokens_details.cached_tokens >= ids["input_ids"].shape[1] - 1
+
+
+def test_n_answers_models_and_health(client, model_name, reference, server):
+    messages = [{"role": "user", "content": "that is the question"}]
+    reply = client.chat.completions.create(model=model_name, messages=messages, max_tokens=6, temperature=0, n=3)
+    expected = expected_chat(reference, messages, 6)
+    assert [choice.message.content for choice in reply.choices] == [expected] * 3
+    assert [choice.index for choice in reply.choices] == [0, 1, 2]
+    assert reply.usage.completion_tokens == 3 * 6
+    banned = client.chat.completions.create(model=model_name, messages=messages, max_tokens=6, temperature=0, logit_bias={"0": -100})
+    assert banned.choices[0].message.content  # an integer bias, as the OpenAI API has it (transformers: a 500)
+    sampled = client.completions.create(model=model_name, prompt="to be", max_tokens=5, temperature=1.0, n=4, seed=0)
+    assert len({choice.text for choice in sampled.choices}) > 1  # temperature 1 samples (transformers: greedy here)
+    assert [model.id for model in client.models.list().data] == [model_name]
+    assert get(server + "/health") == (200, {"status": "ok"})
+
+
+def test_clients_at_once_each_get_their_own_answer(client, model_name, reference):
+    """Branches of one conversation at once: each continues from the same kept state, and none disturbs another."""
+    history = [{"role": "system", "content": "the cat sat on the mat"}, {"role": "user", "content": "to be"}]
+    first = client.chat.completions.create(model=model_name, messages=history, max_tokens=5, temperature=0)
+    history += [{"role": "assistant", "content": first.choices[0].message.content}]
+    branches = [history + [{"role": "user", "content": f"{'or not ' * (index + 1)}to be"}] for index in range(MAX_QUEUED)]
+    expected = [expected_chat(reference, messages, 12, streamed=bool(index % 2)) for index, messages in enumerate(branches)]
+    answers: dict[int, tuple[str, int]] = {}
+    start = threading.Barrier(len(branches))
+
+    def ask(index: int) -> None:
+        start.wait()
+        request = dict(model=model_name, messages=branches[index], max_tokens=12, temperature=0)
+        if index % 2:
+            text, usage = streamed_text(client.chat.completions.create(**request, stream=True))
+        else:
+            reply = client.chat.completions.create(**request)
+            text, usage = reply.choices[0].message.content, reply.usage
+        answers[index] = text, usage.prompt_tokens_details.cached_tokens
+
+    threads = [threading.Thread(target=ask, args=(index,)) for index in range(len(branches))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert [answers.get(index, (None,))[0] for index in range(len(branches))] == expected
+    assert all(answers[index][1] >= first.usage.prompt_tokens - 1 for index in range(len(branches)))
+
+
+BAD_CHAT_REQUESTS = [  # (what the request gets wrong, the fields sent, a word the error must say)
+    ("negative max_tokens", {"max_tokens": -1}, "max_tokens"),
+    ("max_tokens a string", {"max_tokens": "ten"}, "max_tokens"),
+    ("temperature a string", {"temperature": "hot"}, "temperature"),
+    ("top_p of 0", {"top_p": 0}, "top_p"),
+    ("n of 0", {"n": 0}, "n must"),
+    ("n > 1 streamed", {"n": 2, "stream": True}, "n > 1"),
+    ("messages a string", {"messages": "hello"}, "messages"),
+    ("an unknown role", {"messages": [{"role": "robot", "content": "hi"}]}, "role"),
+    ("content a number", {"messages": [{"role": "user", "content": 3}]}, "content"),
+    ("logit_bias on a word", {"logit_bias": {"cat": 5}}, "logit_bias"),
+    ("generation_config not JSON", {"generation_config": "{beams"}, "generation_config"),
+    ("a generation_config generate() refuses", {"generation_config": '{"max_new_tokens": 0}'}, "max_new_tokens"),
+    ("a generation_config value generate() refuses", {"generation_config": '{"top_k": "many"}'}, "generate() refused"),
+    ("tool_calls with arguments not JSON", {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{x"}}]}]}, "arguments"),
+    ("chat_template_kwargs setting what the server sets", {"chat_template_kwargs": {"tokenize": False}}, "tokenize"),
+    ("an unknown model", {"model": "no/such-model"}, "no/such-model"),
+    ("a field the API does not have", {"colour": "blue"}, "colour"),
+    ("past the context limit", {"max_tokens": MAX_CONTEXT}, "context limit"),
+]
+
+
+@pytest.mark.parametrize("fields,word", [case[1:] for case in BAD_CHAT_REQUESTS], ids=[case[0] for case in BAD_CHAT_REQUESTS])
+def test_bad_chat_requests_get_a_4xx_naming_the_problem(client, model_name, fields, word):
+    body = {"model": model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, **fields}
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.chat.completions.create(**{key: value for key, value in body.items() if key in ("model", "messages")}, extra_body=body)
+    assert 400 <= refused.value.status_code < 500, refused.value
+    assert word in str(refused.value.body), refused.value.body
+
+
+def test_bad_completion_requests_and_bodies_get_a_4xx(client, model_name, server):
+    for prompt, word in ((123, "prompt"), ("", "empty")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model=model_name, prompt=prompt, max_tokens=3)
+        assert word in str(refused.value.body)
+    request = urllib.request.Request(server + "/v1/chat/completions", data=b"{not json", headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10)
+    assert refused.value.code == 422
+    assert get(server + "/health")[0] == 200  # and the server is still well
+
+
+def test_the_queue_limit_refuses_and_a_client_that_goes_away_frees_its_slot(client, model_name):
+    wait_until_idle(client, model_name)
+    long = dict(model=model_name, max_tokens=MAX_CONTEXT - 100, temperature=0, stream=True)  # minutes, unless cut short
+    streams = []
+    try:
+        for index in range(MAX_QUEUED):
+            streams.append(client.chat.completions.create(messages=[{"role": "user", "content": f"story {index}"}], **long))
+        running = iter(streams[0])
+        for _ in range(3):  # the first is generating (the others wait for the inference thread)
+            next(running)
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "one more"}], max_tokens=2)
+        assert "max-queued-requests" in str(refused.value.body)
+    finally:
+        for stream in streams:
+            stream.close()
+    # every slot comes back within seconds (the long generations stop at their next token)
+    deadline = time.monotonic() + 30
+    while not all_admitted(client, [{"messages": [{"role": "user", "content": f"again {index}"}], **long} for index in range(MAX_QUEUED)]):
+        assert time.monotonic() < deadline, "the slots of the closed streams were not freed"
+        time.sleep(0.2)
+    wait_until_idle(client, model_name)
+
+
+def all_admitted(client, requests: list[dict]) -> bool:
+    """Whether every one of these streamed requests is taken on at once (each closed straight after)."""
+    opened = []
+    try:
+        for request in requests:
+            opened.append(client.chat.completions.create(**request))
+        return True
+    except openai.RateLimitError:
+        return False
+    finally:
+        for stream in opened:
+            stream.close()
+
+
+def wait_until_idle(client, model_name) -> None:
+    """Until a request is admitted again (a slot is freed just after its stream's last chunk)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "done"}], max_tokens=1)
+            return
+        except openai.RateLimitError:
+            assert time.monotonic() < deadline, "the server stayed busy"
+            time.sleep(0.2)
+
+
+def test_gpn_serve_help_has_transformers_serve_options(capsys):
+    from modeling_gpn.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--host", "--port", "--continuous-batching", "--trust-remote-code", "--dtype", "--state-store-bytes", "--state-dir", "--max-context", "--max-queued-requests"):
+        assert option in text
+
+
+def test_a_server_not_pinned_answers_an_unknown_model_with_404(tmp_path):
+    """Without MODEL, each request's `model` is loaded: one that cannot be is a 404 naming it (transformers: a 500)."""
+    import asyncio
+
+    from fastapi import HTTPException
+    from transformers.cli.serving.model_manager import ModelManager
+    from transformers.cli.serving.utils import GenerationState
+
+    from modeling_gpn.serve.handlers import Admission, ServingPolicy, StateKeepingChatCompletionHandler
+
+    handler = StateKeepingChatCompletionHandler(
+        model_manager=ModelManager(device="cpu"), generation_state=GenerationState(),
+        policy=ServingPolicy(store=None, max_context=None, admission=Admission(1)),
+    )  # fmt: skip
+    for body, status, word in (
+        ({"model": str(tmp_path / "no-such-model"), "messages": [{"role": "user", "content": "hi"}]}, 404, "no-such-model"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, 400, "model is required"),
+    ):
+        with pytest.raises(HTTPException) as refused:
+            asyncio.run(handler.handle_request(body, "request-id"))
+        assert refused.value.status_code == status and word in refused.value.detail
+    assert handler.policy.admission.active == 0  # the refused requests gave their slot back

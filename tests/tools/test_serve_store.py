@@ -1,0 +1,196 @@
+"""`gpn serve`'s state store and generation hook, in this process: what the server keeps, finds and forks.
+
+- The store (`modeling_gpn/serve/state_store.py`): the longest kept prefix is found, exactly (ids compared,
+  never another model's or dtype's state); memory is bounded in bytes, least recently used evicted; evicted
+  states spill to a folder as state files, are read back, survive a restart, and the folder is bounded too.
+- The hook (`modeling_gpn/serve/generation.py`): generate() through the store gives the tokens of generate()
+  on the whole prompt, keeps the states before the prompt's last token and after the answer, and `n`
+  answers fork one state (the prompt is read once).
+- Saving one state file from several threads at once.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from modeling_gpn import GPNCache
+from modeling_gpn.serve.generation import StateKeepingModel
+from modeling_gpn.serve.state_store import STATE_SUFFIX, StateStore
+
+from ..tiny_models import perturbed_model, tiny_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return perturbed_model(tiny_config(eos_token_id=None), seed=21)
+
+
+def state_after(model, ids: list[int]) -> GPNCache:
+    with torch.no_grad():
+        return model(torch.tensor([ids]), use_cache=True, logits_to_keep=1).cache
+
+
+def state_bytes(model) -> int:
+    return StateStore.entry_bytes(state_after(model, [1]), len(IDS))
+
+
+def same_state(a: GPNCache, b: GPNCache) -> bool:
+    return a.get_seq_length() == b.get_seq_length() and all(torch.equal(x, y) for x, y in zip(a.get_state(), b.get_state()))
+
+
+IDS = [5, 17, 3, 44, 8, 9, 60, 2, 31, 12]
+
+
+def test_the_longest_kept_prefix_is_found_exactly(model):
+    store = StateStore(1 << 20)
+    for length in (3, 6):
+        assert store.keep(model, IDS[:length], state_after(model, IDS[:length]))
+    length, cache = store.lookup(model, IDS)
+    assert length == 6 and same_state(cache, state_after(model, IDS[:6]))
+    assert store.lookup(model, IDS, max_length=5)[0] == 3  # what the server asks: a prefix shorter than the prompt
+    diverging = IDS[:4] + [90] + IDS[5:]
+    assert store.lookup(model, diverging)[0] == 3
+    assert store.lookup(model, [IDS[0] + 1] + IDS[1:]) is None
+    # a private copy: advancing it leaves the kept state as it was
+    with torch.no_grad():
+        model(torch.tensor([IDS[6:8]]), attention_mask=torch.ones(1, 8, dtype=torch.long), cache=cache, use_cache=True)
+    assert same_state(store.lookup(model, IDS)[1], state_after(model, IDS[:6]))
+
+
+def test_a_state_is_never_used_for_another_model_or_dtype_or_other_ids(model):
+    store = StateStore(1 << 20)
+    assert store.keep(model, IDS[:6], state_after(model, IDS[:6]))
+    other_weights = perturbed_model(tiny_config(eos_token_id=None), seed=22)
+    assert store.lookup(other_weights, IDS) is None
+    same_vectors = perturbed_model(tiny_config(eos_token_id=None), seed=21)  # only a matrix differs, as a merged LoRA
+    with torch.no_grad():
+        same_vectors.model.embed_tokens.weight[0, 0] += 1.0
+    assert store.lookup(same_vectors, IDS) is None
+    assert store.lookup(perturbed_model(tiny_config(eos_token_id=None), seed=21).to(torch.float64), IDS) is None
+    assert store.lookup(perturbed_model(tiny_config(eos_token_id=None), seed=21), IDS)[0] == 6  # the same model, reloaded
+    # a state is kept only under the ids it has read
+    assert not store.keep(model, IDS[:6], state_after(model, IDS[1:7]))
+    assert not store.keep(model, IDS[:5], state_after(model, IDS[:6]))
+    assert store.summary()["refused"]
+
+
+def test_memory_is_bounded_least_recently_used_evicted(model):
+    cost = state_bytes(model)
+    store = StateStore(2 * cost + cost // 2)  # room for two states
+    for length in (2, 3, 4):
+        store.keep(model, IDS[:length], state_after(model, IDS[:length]))
+    assert store.summary()["states_in_memory"] == 2 and store.summary()["memory_bytes"] <= store.max_bytes
+    assert store.lookup(model, IDS[:2]) is None  # the oldest went
+    assert store.lookup(model, IDS[:3])[0] == 3  # used: now the most recent
+    store.keep(model, IDS[:5], state_after(model, IDS[:5]))
+    assert store.lookup(model, IDS[:4])[0] == 3  # 4 went (least recently used), 3 stayed
+    assert store.lookup(model, IDS[:5])[0] == 5
+
+
+def test_evicted_states_spill_to_files_and_come_back_after_a_restart(model, tmp_path):
+    cost = state_bytes(model)
+    store = StateStore(cost + cost // 2, spill_dir=tmp_path)  # one state in memory
+    for length in (2, 3, 4):
+        store.keep(model, IDS[:length], state_after(model, IDS[:length]))
+    assert store.summary()["states_in_files"] == 2 and len(list(tmp_path.glob(f"*{STATE_SUFFIX}"))) == 2
+    length, cache = store.lookup(model, IDS[:3])  # read back from its file
+    assert length == 3 and same_state(cache, state_after(model, IDS[:3]))
+    assert store.summary()["loaded_from_files"] == 1
+    restarted = StateStore(cost + cost // 2, spill_dir=tmp_path)
+    length, cache = restarted.lookup(model, IDS[:5])
+    assert length in (2, 4) and same_state(cache, state_after(model, IDS[:length]))  # what was left in files
+    assert restarted.lookup(perturbed_model(tiny_config(eos_token_id=None), seed=22), IDS) is None
+
+
+def test_the_spill_folder_is_bounded_and_a_damaged_file_is_dropped(model, tmp_path):
+    state_after(model, IDS).save(tmp_path / "one-file")
+    file_bytes = (tmp_path / "one-file").stat().st_size
+    (tmp_path / "one-file").unlink()
+    store = StateStore(0, spill_dir=tmp_path, spill_max_bytes=2 * file_bytes + file_bytes // 2)  # files only, two fit
+    for length in (2, 3, 4):
+        store.keep(model, IDS[:length], state_after(model, IDS[:length]))
+    assert len(list(tmp_path.glob(f"*{STATE_SUFFIX}"))) == 2 and store.lookup(model, IDS[:2]) is None
+    newest = max(tmp_path.glob(f"*{STATE_SUFFIX}"), key=lambda path: path.stat().st_mtime)
+    data = bytearray(newest.read_bytes())
+    data[-3] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    assert store.lookup(model, IDS[:4])[0] == 3  # the damaged one is refused (checksum), the other serves
+    assert not newest.exists()
+
+
+def generate_plain(model, ids: list[int], new: int, **kwargs):
+    with torch.no_grad():
+        return model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, pad_token_id=0, **kwargs)
+
+
+def test_generate_through_the_store_gives_the_tokens_of_the_whole_prompt(model):
+    store = StateStore(1 << 22)
+    turn, expected_cached = IDS, 0
+    for _ in range(3):  # each turn: the last prompt, its answer, more text
+        kept = StateKeepingModel(model, store)
+        out = kept.generate(torch.tensor([turn]), generation_config=greedy(model, 6))
+        assert torch.equal(out, generate_plain(model, turn, 6))
+        assert kept.cached_tokens == expected_cached
+        answer = out[0, len(turn) :].tolist()
+        # kept: the state before the prompt's last token, and after the answer (all its tokens but the last)
+        assert store.lookup(model, turn + [1], max_length=len(turn) - 1)[0] == len(turn) - 1
+        assert store.lookup(model, turn + answer)[0] == len(turn) + len(answer) - 1
+        turn, expected_cached = turn + answer + [7, 8, 9], len(turn) + len(answer) - 1
+
+
+def greedy(model, new: int):
+    from transformers import GenerationConfig
+
+    return GenerationConfig(max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None)
+
+
+def test_n_answers_fork_one_state_and_read_the_prompt_once(model):
+    store = StateStore(1 << 22)
+    read = []
+    hook = model.model.register_forward_pre_hook(lambda module, args, kwargs: read.append(kwargs["input_ids"].numel()), with_kwargs=True)
+    try:
+        config = greedy(model, 5)
+        config.do_sample, config.top_k = True, 0
+        torch.manual_seed(0)
+        out = StateKeepingModel(model, store, answers=3).generate(torch.tensor([IDS]), generation_config=config)
+    finally:
+        hook.remove()
+    assert out.shape == (3, len(IDS) + 5) and torch.equal(out[:, : len(IDS)], torch.tensor([IDS] * 3))
+    # the prompt but its last token once, then 3 rows: the last prompt token and 4 answer tokens each
+    assert sum(read) == (len(IDS) - 1) + 3 * 5
+    for row in range(3):  # each answer's state is kept under what its row read
+        assert store.lookup(model, out[row].tolist())[0] == len(IDS) + 4
+    # greedy: the n answers are the one answer
+    greedy_out = StateKeepingModel(model, StateStore(1 << 22), answers=2).generate(torch.tensor([IDS]), generation_config=greedy(model, 5))
+    assert torch.equal(greedy_out, generate_plain(model, IDS, 5).expand(2, -1))
+
+
+def test_concurrent_saves_to_one_path_all_succeed(model, tmp_path):
+    """Two threads saving to one path: every save completes and the file is whole (GPNCache.save's
+    temporary file must be unique per call, not per process)."""
+    cache = state_after(model, IDS)
+    path = tmp_path / "shared.gpnstate.safetensors"
+    errors: list[BaseException] = []
+    start = threading.Barrier(3)
+
+    def save_many():
+        start.wait()
+        for _ in range(20):
+            try:
+                cache.save(path)
+            except BaseException as error:  # noqa: BLE001 - every failure is counted
+                errors.append(error)
+
+    threads = [threading.Thread(target=save_many) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads)
+    assert not errors, f"{len(errors)} of 60 saves failed, e.g. {errors[0]!r}"
+    assert same_state(GPNCache.load(path, model), cache)

@@ -1,0 +1,345 @@
+"""`gpn train`: real training runs on CPU (tiny preset, tinyshakespeare), resume after SIGKILL, 2-process DDP,
+the recipe's optimizer groups and schedule, and clear errors for bad data."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from modeling_gpn import train as train_module
+from modeling_gpn.data import DataError, train_bpe_tokenizer
+
+from ..tiny_models import tiny_config
+from .train_runs import finish, free_port, launch, losses, parse, read_log, saved_weights, small_args
+
+pytestmark = pytest.mark.usefixtures("accelerate_on_cpu")
+
+
+def test_tiny_preset_loss_falls_and_output_loads(tmp_path, cache, shakespeare):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "run"
+    config = train_module.resolve_config(
+        parse(small_args(shakespeare, out, cache, "--steps", "40", "--lr", "0.01", "--warmup-steps", "4",
+                         "--sample-tokens", "8"))
+    )  # fmt: skip
+    summary = train_module.train(config, show_progress=False)
+    curve = losses(out)
+    assert len(curve) == 40
+    start, end = sum(curve[:3]) / 3, sum(curve[-3:]) / 3
+    assert start > math.log(512) - 0.5  # starts near uniform over the vocabulary
+    assert end < start - 1.0, f"loss did not fall clearly: {start:.3f} -> {end:.3f}"
+    assert summary["val_ppl"] < math.exp(start) and math.isfinite(summary["val_ppl"])
+    assert summary["sample"].startswith("ROMEO:")
+
+    model_dir = Path(summary["model_dir"])
+    for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json"):
+        assert (model_dir / name).exists(), name
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert type(model).__name__ == "GPNForCausalLM" and model.config.vocab_size == len(tokenizer) == 512
+    ids = tokenizer("ROMEO:", return_tensors="pt")["input_ids"]
+    generated = model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert generated.shape == (1, ids.shape[1] + 6)
+    assert (out / "tensorboard").exists() and any((out / "tensorboard").rglob("events.out.tfevents*"))
+
+    # A second run over the same corpus and tokenizer memory-maps the cached shards instead of re-tokenizing.
+    again = train_module.resolve_config(parse(small_args(shakespeare, tmp_path / "again", cache)))
+    assert train_module.train(again, prepare_only=True, show_progress=False)["reused_cache"] is True
+
+
+def test_llama_baseline_trains_from_the_same_entry_point(tmp_path, cache, shakespeare):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "llama"
+    config = train_module.resolve_config(
+        parse(small_args(shakespeare, out, cache, "--steps", "3")[2:] + ["--recipe", "tiny-cpu-llama"])
+    )
+    train_module.train(config, show_progress=False)
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_hidden_layers == 2
+    assert len(losses(out)) == 3
+
+
+def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, cache, shakespeare):
+    common = ["--steps", "24", "--checkpoint-interval", "4", "--keep-checkpoints", "3"]
+    train_cli = [sys.executable, "-m", "modeling_gpn.train"]
+    # Tokenize once so both runs start at the same point quickly.
+    train_module.train(train_module.resolve_config(parse(small_args(shakespeare, tmp_path / "p", cache))),
+                       prepare_only=True, show_progress=False)  # fmt: skip
+
+    reference = launch(train_cli + small_args(shakespeare, tmp_path / "reference", cache, *common), tmp_path / "r.log")
+    killed_dir = tmp_path / "killed"
+    killed = launch(train_cli + small_args(shakespeare, killed_dir, cache, *common), tmp_path / "k.log")
+    deadline = time.time() + 180
+    while not list((killed_dir / "checkpoints").glob("step-*")):
+        assert killed.poll() is None, "the run ended before writing a checkpoint"
+        assert time.time() < deadline, "no checkpoint within 180 s"
+        time.sleep(0.02)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    assert killed.returncode == -signal.SIGKILL
+    assert not (killed_dir / "model").exists(), "the run finished before it was killed"
+    stopped_at = train_module.latest_checkpoint(killed_dir)
+    assert stopped_at is not None and int(stopped_at.name.split("-")[1]) < 24
+
+    resumed = finish(launch(train_cli + small_args(shakespeare, killed_dir, cache, *common, "--resume"), tmp_path / "s.log"))
+    assert f"resumed from {stopped_at}" in resumed
+    finish(reference)
+
+    expected, actual = saved_weights(tmp_path / "reference" / "model"), saved_weights(killed_dir / "model")
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), name
+    assert losses(killed_dir) == losses(tmp_path / "reference")  # the log is continued, not duplicated
+
+
+def _launch_two_processes(distribution: list[str], args: list[str], log: Path) -> subprocess.Popen:
+    """`accelerate launch` of 2 CPU processes (ACCELERATE_USE_CPU=1 comes from the accelerate_on_cpu fixture)."""
+    return launch(
+        [sys.executable, "-m", "accelerate.commands.launch", *distribution, "--num_processes", "2", "--num_machines",
+         "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+         "-m", "modeling_gpn.train", *args],
+        log,
+    )  # fmt: skip
+
+
+DDP = ["--multi_gpu"]
+FSDP2 = ["--use_fsdp", "--fsdp_version", "2"]
+# A checkpoint at step 3 of 6 to resume from; a short sample, so the end of the run does what a user's does.
+TWO_PROCESS_RUN = ["--steps", "6", "--lr", "0.01", "--warmup-steps", "2", "--checkpoint-interval", "3",
+                   "--keep-checkpoints", "1", "--sample-tokens", "4"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory, cache, shakespeare) -> dict[str, tuple[Path, str]]:
+    """One process, 2-process DDP and 2-process FSDP2 of the same run, launched together: name -> (run, output)."""
+    root = tmp_path_factory.mktemp("two-process")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("ACCELERATE_USE_CPU", "1")  # (the function-scoped accelerate_on_cpu fixture does not cover this one)
+        return _run_two_process_runs(root, cache, shakespeare)
+
+
+def _run_two_process_runs(root: Path, cache: Path, shakespeare: Path) -> dict[str, tuple[Path, str]]:
+    train_module.train(train_module.resolve_config(parse(small_args(shakespeare, root / "p", cache))),
+                       prepare_only=True, show_progress=False)  # fmt: skip
+    launches = {
+        "one": launch([sys.executable, "-m", "modeling_gpn.train", *small_args(shakespeare, root / "one", cache,
+                        *TWO_PROCESS_RUN)], root / "one.log"),
+        "ddp": _launch_two_processes(DDP, small_args(shakespeare, root / "ddp", cache, *TWO_PROCESS_RUN), root / "ddp.log"),
+        "fsdp": _launch_two_processes(FSDP2, small_args(shakespeare, root / "fsdp", cache, *TWO_PROCESS_RUN),
+                                      root / "fsdp.log"),
+    }  # fmt: skip
+    # Every process must exit by itself within the bound (`finish` dumps every stack and fails otherwise).
+    return {name: (root / name, finish(process, timeout=300)) for name, process in launches.items()}
+
+
+def test_two_process_ddp_matches_one_process(two_process_runs):
+    (one_dir, _), (ddp_dir, output) = two_process_runs["one"], two_process_runs["ddp"]
+    assert "2 process(es) x 1 accumulation x 4 windows; DDP" in output, output[-3000:]
+
+    one, two = losses(one_dir), losses(ddp_dir)
+    assert len(one) == len(two) == 6
+    assert max(abs(a - b) for a, b in zip(one, two)) < 1e-4, (one, two)
+    assert one[-1] < one[0]
+    final = [r for r in read_log(ddp_dir) if r.get("event") == "final"][0]
+    ranks = final["weights_sha256_per_rank"]
+    assert len(ranks) == 2 and ranks[0] == ranks[1]
+
+
+def test_two_process_fsdp_trains_saves_and_resumes_like_one_process(two_process_runs, tmp_path, cache, shakespeare):
+    from transformers import AutoModelForCausalLM
+
+    (one_dir, _), (ddp_dir, _), (fsdp_dir, output) = (two_process_runs[name] for name in ("one", "ddp", "fsdp"))
+    # Really sharded: Accelerate alone would have run this launch as DDP on CPU.
+    assert "2 process(es) x 1 accumulation x 4 windows; FSDP2" in output, output[-3000:]
+    one, fsdp = losses(one_dir), losses(fsdp_dir)
+    assert len(fsdp) == 6 and max(abs(a - b) for a, b in zip(one, fsdp)) < 1e-4, (one, fsdp)
+    assert "sample (prompt" in output and "model saved to" in output
+
+    # The saved model holds the full weights (not one process's shard) and loads with from_pretrained.
+    reference, saved = saved_weights(one_dir / "model"), saved_weights(fsdp_dir / "model")
+    assert saved.keys() == reference.keys()
+    for name in reference:
+        assert saved[name].shape == reference[name].shape, name
+        assert torch.allclose(saved[name], reference[name], atol=1e-3), name
+    model = AutoModelForCausalLM.from_pretrained(fsdp_dir / "model")
+    assert all(torch.equal(model.state_dict()[name], saved[name]) for name in saved)
+
+    # The checkpoint holds the full state too, in one layout for every distribution.
+    [checkpoint] = sorted((fsdp_dir / "checkpoints").glob("step-*"))
+    assert checkpoint.name == "step-0000003"
+    assert {p.name for p in checkpoint.glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}
+    assert saved_weights(checkpoint).keys() == reference.keys()
+
+    # --resume: FSDP from its own checkpoint is bit-exact; FSDP from the DDP checkpoint, and one process from
+    # the FSDP checkpoint, continue the same training (the sums of 2 processes round differently: not bit-exact).
+    same = _launch_two_processes(FSDP2, small_args(shakespeare, tmp_path / "same", cache, *TWO_PROCESS_RUN, "--resume",
+                                                   str(checkpoint)), tmp_path / "same.log")  # fmt: skip
+    ddp_checkpoint = ddp_dir / "checkpoints" / "step-0000003"
+    from_ddp = _launch_two_processes(FSDP2, small_args(shakespeare, tmp_path / "from-ddp", cache, *TWO_PROCESS_RUN,
+                                                       "--resume", str(ddp_checkpoint)), tmp_path / "from-ddp.log")  # fmt: skip
+    config = train_module.resolve_config(parse(small_args(shakespeare, tmp_path / "back", cache, *TWO_PROCESS_RUN)))
+    train_module.train(config, resume=str(checkpoint), show_progress=False)
+    assert f"resumed from {checkpoint}" in finish(same, timeout=300)
+    assert f"resumed from {ddp_checkpoint}" in finish(from_ddp, timeout=300)
+
+    uninterrupted = saved_weights(fsdp_dir / "model")
+    for name, tensor in saved_weights(tmp_path / "same" / "model").items():
+        assert torch.equal(tensor, uninterrupted[name]), name
+    assert losses(tmp_path / "same")[-3:] == fsdp[-3:]
+    for run, continued_from in ((tmp_path / "from-ddp", ddp_dir), (tmp_path / "back", fsdp_dir)):
+        expected = saved_weights(continued_from / "model")
+        for name, tensor in saved_weights(run / "model").items():
+            assert torch.allclose(tensor, expected[name], atol=1e-5), (run.name, name)
+        assert max(abs(a - b) for a, b in zip(losses(run)[-3:], losses(continued_from)[-3:])) < 1e-5
+
+
+def test_a_launch_of_several_processes_that_accelerate_runs_as_one_each_is_refused(tmp_path, cache, shakespeare,
+                                                                                      monkeypatch):  # fmt: skip
+    # The user's FSDP config on a machine without GPUs: `use_cpu: true` in the file does not reach the processes,
+    # so Accelerate starts each of the 2 launched processes as a single-process run.
+    monkeypatch.delenv("ACCELERATE_USE_CPU")
+    config_file = tmp_path / "fsdp-cpu.yaml"
+    config_file.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n"
+                           "mixed_precision: 'no'\nnum_machines: 1\nnum_processes: 2\nuse_cpu: true\n")  # fmt: skip
+    run_dir = tmp_path / "run"
+    launcher = launch(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file), "--main_process_port",
+         str(free_port()), "-m", "modeling_gpn.train", *small_args(shakespeare, run_dir, cache, "--steps", "3")],
+        tmp_path / "launch.log",
+    )  # fmt: skip
+    launcher.wait(timeout=300)
+    output = launcher.log_path.read_text()
+    assert launcher.returncode != 0, output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith("gpn train: error:")]
+    assert errors and all("launched as several processes (WORLD_SIZE=2" in line for line in errors), output[-3000:]
+    assert "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N" in errors[0]
+    assert not (run_dir / "log.jsonl").exists() and not (run_dir / "model").exists()  # stopped before training
+
+
+def test_paper_recipe_weight_decay_groups_and_schedule():
+    recipe = train_module.load_recipe("paper-130m")
+    assert (recipe["seq_len"], recipe["batch_size"], recipe["steps"]) == (2048, 128, 10000)
+    assert (recipe["lr"], recipe["warmup_steps"], recipe["min_lr_ratio"], recipe["weight_decay"]) == (6e-4, 100, 0.1, 0.1)
+    assert (recipe["beta1"], recipe["beta2"], recipe["clip_norm"], recipe["mixed_precision"]) == (0.9, 0.95, 1.0, "bf16")
+    assert recipe["model"] == "gpn-m-1l-130m" and recipe["dataset_config"] == "sample-10BT"
+    assert train_module.load_recipe("paper-130m-2l")["bptt_truncation"] == 512
+    assert train_module.load_recipe("paper-130m-llama")["model"]["model_type"] == "llama"
+
+    from modeling_gpn import GPNForCausalLM
+
+    config = train_module.resolve_config(parse(["--recipe", "paper-130m"]))
+    model = GPNForCausalLM(tiny_config(num_predict_layers=2))
+    optimizer, scheduler = train_module.build_optimizer(model, config)
+    decay, no_decay = train_module.parameter_groups(model, config["weight_decay"])
+    params = dict(model.named_parameters())
+    assert set(decay["names"]) == {n for n, p in params.items() if p.dim() == 2}
+    assert {"model.memory_write.A_log", "model.memory_write.dt_bias"} <= set(no_decay["names"])
+    assert all(params[n].dim() == 1 for n in no_decay["names"])
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+    assert optimizer.defaults["betas"] == (0.9, 0.95)
+
+    lrs = []
+    for _ in range(config["steps"]):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    peak = 6e-4
+    assert lrs[0] == pytest.approx(peak / 100) and lrs[49] == pytest.approx(peak * 50 / 100)
+    assert lrs[99] == pytest.approx(peak) and lrs[100] == pytest.approx(peak)
+    assert all(a <= b for a, b in zip(lrs[:100], lrs[1:100]))
+    assert all(a >= b for a, b in zip(lrs[100:], lrs[101:]))  # cosine only decreases
+    middle = 100 + (10000 - 100) // 2
+    assert lrs[middle] == pytest.approx(peak * (0.1 + 0.9 * 0.5), rel=1e-3)
+    assert lrs[-1] == pytest.approx(peak * 0.1, rel=1e-4) and min(lrs[100:]) >= peak * 0.1 - 1e-12
+
+
+def test_configuration_precedence_and_help(tmp_path):
+    config_file = tmp_path / "mine.json"
+    config_file.write_text(json.dumps({"lr": 0.5, "steps": 7, "seq_len": 16}))
+    config = train_module.resolve_config(parse(["--recipe", "tiny-cpu", "--config", str(config_file), "--steps", "9"]))
+    assert (config["lr"], config["steps"], config["seq_len"]) == (0.5, 9, 16)  # file over recipe, CLI over file
+    assert config["batch_size"] == 64 and config["dataset"] == "shakespeare"  # from the recipe
+    assert train_module.resolve_config(parse(["--recipe", "tiny-cpu", "--hub-data"]))["dataset"] == "HuggingFaceFW/fineweb-edu"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"learning_rate": 1}))
+    with pytest.raises(ValueError, match="Unknown keys.*learning_rate"):
+        train_module.resolve_config(parse(["--config", str(bad)]))
+    with pytest.raises(ValueError, match="No recipe named 'nope'"):
+        train_module.resolve_config(parse(["--recipe", "nope"]))
+    parser = argparse.ArgumentParser()
+    train_module.add_arguments(parser)
+    text = parser.format_help()
+    for option in train_module.OPTIONS:
+        assert "--" + option.key.replace("_", "-") in text
+
+
+def test_nonfinite_loss_stops_naming_the_step_or_is_skipped(tmp_path, cache, shakespeare, monkeypatch):
+    # At lr 1e30 the torch-ops fast path's folded matrices (norm weight x matrix) overflow float32, so its loss
+    # is NaN from step 2; the plain loop and the C step kernels apply the norm weights to normalised inputs and
+    # saturate to a finite loss. Training meets the NaN (its steps run the torch ops); so does validation here,
+    # where the C step kernels would otherwise take its few-row no-grad windows.
+    monkeypatch.setenv("GPN_STEP_KERNELS", "0")
+    args = small_args(shakespeare, tmp_path / "nan", cache, "--steps", "4", "--lr", "1e30", "--warmup-steps", "0")
+    with pytest.raises(train_module.NonFiniteLossError, match="Non-finite loss nan at step 2"):
+        train_module.train(train_module.resolve_config(parse(args)), show_progress=False)
+    assert not (tmp_path / "nan" / "model").exists()
+
+    # Skipping every later step leaves a model whose validation loss is NaN: it is not saved (more in
+    # test_train_faults.py).
+    args = small_args(shakespeare, tmp_path / "skip", cache, "--steps", "4", "--lr", "1e30", "--warmup-steps", "0")
+    with pytest.raises(train_module.NonFiniteLossError, match="ended with a non-finite model"):
+        train_module.train(train_module.resolve_config(parse(args)), skip_nonfinite=True, show_progress=False)
+    skipped = [r["step"] for r in read_log(tmp_path / "skip") if r.get("event") == "skipped_nonfinite"]
+    assert skipped == [2, 3, 4]
+    assert not (tmp_path / "skip" / "model").exists()
+
+
+def test_bad_data_fails_clearly_before_training(tmp_path, cache):
+    def attempt(dataset: Path, *extra: str) -> None:
+        config = train_module.resolve_config(parse(small_args(dataset, tmp_path / "out", tmp_path / "c", *extra)))
+        train_module.train(config, show_progress=False)
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(DataError, match=r"empty\.txt is empty"):
+        attempt(empty)
+    with pytest.raises(DataError, match="does not exist"):
+        attempt(tmp_path / "missing.txt")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "notes.md").write_text("hello")
+    with pytest.raises(DataError, match="holds no training files"):
+        attempt(folder)
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"this is not parquet" * 10)
+    with pytest.raises(DataError, match=r"Cannot read training file .*broken\.parquet"):
+        attempt(broken)
+    wrong_column = tmp_path / "docs.jsonl"
+    wrong_column.write_text(json.dumps({"body": "some text " * 50}) + "\n")
+    with pytest.raises(DataError, match="no column 'text'"):
+        attempt(wrong_column)
+
+    good = tmp_path / "good.txt"
+    good.write_text("To be, or not to be, that is the question. " * 200)
+    no_eos = tmp_path / "no-eos-tokenizer"
+    tokenizer = train_bpe_tokenizer([good.read_text()], 300)
+    tokenizer.eos_token = None
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(no_eos)
+    config = json.loads((no_eos / "tokenizer_config.json").read_text())
+    config.pop("eos_token", None)
+    (no_eos / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(DataError, match="has no EOS token"):
+        attempt(good, "--tokenizer", str(no_eos))
+    assert not (tmp_path / "out" / "checkpoints").exists()

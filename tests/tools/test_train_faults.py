@@ -1,0 +1,523 @@
+"""`gpn train` under real faults: diverging steps at every clipping setting, SIGTERM / SIGINT sent to a real
+`gpn train` process then `--resume` bit-exact, a torn log line, a full disk (a real small tmpfs), a
+failed log rewrite, a stuck DDP rank (in training and at the end), changed settings on `--resume`, and two runs
+into one folder."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from modeling_gpn import train as train_module
+
+from ..environment import require_environment
+from .train_runs import (
+    finish,
+    free_port,
+    launch,
+    losses,
+    parse,
+    read_log,
+    saved_weights,
+    small_args,
+    stopped,
+    wait_for_step,
+)
+
+pytestmark = pytest.mark.usefixtures("accelerate_on_cpu")
+
+TRAIN_CLI = [sys.executable, "-m", "modeling_gpn.cli", "train"]  # the `gpn` console script's own entry point
+
+
+def run_train(shakespeare, out, cache, *extra, skip_nonfinite=False, resume=None) -> dict:
+    config = train_module.resolve_config(parse(small_args(shakespeare, out, cache, *extra)))
+    return train_module.train(config, resume=resume, skip_nonfinite=skip_nonfinite, show_progress=False)
+
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    return [int(p.name.split("-")[1]) for p in sorted((run_dir / "checkpoints").glob("step-*"))]
+
+
+# --------------------------------------------------------------------------------------------------
+# Non-finite steps
+# --------------------------------------------------------------------------------------------------
+
+# At lr 1e10 step 1 is applied with a finite gradient; step 2's loss is finite (the huge weights saturate)
+# but its gradient is NaN: the case `--clip-norm 0` used to apply and checkpoint.
+DIVERGING = ("--steps", "6", "--lr", "1e10", "--warmup-steps", "0", "--checkpoint-interval", "1")
+
+
+@pytest.mark.parametrize("clip", ["0", "1.0", "1e30"])
+def test_nonfinite_gradient_is_never_applied_at_any_clipping_setting(tmp_path, cache, shakespeare, clip):
+    out = tmp_path / "run"
+    with pytest.raises(train_module.NonFiniteLossError) as caught:
+        run_train(shakespeare, out, cache, *DIVERGING, "--clip-norm", clip)
+    message = str(caught.value)
+    assert "Non-finite gradient norm nan at step 2 (of 6); the weights were not updated with it (they hold the " \
+           "update of step 1)" in message, message  # fmt: skip
+    assert f"the last checkpoint, {out / 'checkpoints' / 'step-0000001'}, is intact" in message
+    # The last good checkpoint is kept, holds finite weights, and nothing after it was written.
+    assert checkpoint_steps(out) == [1] and not (out / "model").exists()
+    weights = saved_weights(out / "checkpoints" / "step-0000001")
+    assert all(torch.isfinite(t).all() for t in weights.values())
+    events = [r for r in read_log(out) if r.get("event")]
+    assert events == [{"step": 2, "event": "nonfinite", "loss": events[0]["loss"], "grad_norm": "nan"}]
+    assert float(events[0]["loss"]) < 10  # the loss itself was finite: only the gradient norm catches it
+
+    # --resume from that checkpoint meets the same step again and stops the same way (not a NaN checkpoint).
+    with pytest.raises(train_module.NonFiniteLossError, match="at step 2 "):
+        run_train(shakespeare, out, cache, *DIVERGING, "--clip-norm", clip, resume=True)
+
+
+def test_skipped_steps_are_capped_reported_and_a_nonfinite_model_is_never_saved(tmp_path, cache, shakespeare, capsys,
+                                                                               monkeypatch):
+    # Skips within the cap: reported in the log and the summary; the model (finite, loss finite) is saved.
+    out = tmp_path / "skip"
+    summary = run_train(shakespeare, out, cache, *DIVERGING[:6], "--clip-norm", "0", "--steps", "4",
+                        "--max-skipped-steps", "3", skip_nonfinite=True)  # fmt: skip
+    assert summary["skipped_steps"] == [2, 3, 4]
+    assert "skipped 3 non-finite step(s) of 4: [2, 3, 4]" in capsys.readouterr().out
+    log = read_log(out)
+    assert [r["step"] for r in log if r.get("event") == "skipped_nonfinite"] == [2, 3, 4]
+    # Windows whose every step was skipped log no loss (not a fake 0) and the running count of skips.
+    assert [(r["loss"], r["skipped_steps"]) for r in log if "lr" in r][1:] == [(None, 1), (None, 2), (None, 3)]
+    assert [r for r in log if r.get("event") == "final"][0]["skipped_at"] == [2, 3, 4]
+    weights = saved_weights(out / "model")
+    assert all(torch.isfinite(t).all() for t in weights.values())
+
+    # One skip over the cap stops the run (exit 1 from the CLI), naming the count and the cap.
+    out = tmp_path / "cap"
+    args = small_args(shakespeare, out, cache, *DIVERGING[:6], "--clip-norm", "0", "--steps", "8",
+                      "--max-skipped-steps", "2", "--skip-nonfinite")  # fmt: skip
+    assert train_module.run(parse(args)) == 1
+    error = capsys.readouterr().err
+    assert "at step 4 (of 8)" in error and "3 skipped steps, more than --max-skipped-steps 2" in error, error
+    assert not (out / "model").exists()
+
+    # A run whose skips leave a model with a NaN validation loss exits non-zero and saves nothing. (lr 1e30: the
+    # torch-ops steps' folded matrices overflow to a NaN loss, which validation meets on the same steps; the C step
+    # kernels, like the plain loop, saturate to a finite one: see test_train.py's test of the NaN loss.)
+    monkeypatch.setenv("GPN_STEP_KERNELS", "0")
+    out = tmp_path / "nan"
+    args = small_args(shakespeare, out, cache, "--steps", "4", "--lr", "1e30", "--warmup-steps", "0",
+                      "--skip-nonfinite")  # fmt: skip
+    assert train_module.run(parse(args)) == 1
+    error = capsys.readouterr().err
+    assert "The run ended with a non-finite model (validation loss nan, 3 skipped step(s)); it was not saved" in error
+    assert not (out / "model").exists()
+
+
+def test_an_update_that_makes_the_weights_nonfinite_is_never_checkpointed(tmp_path, cache, shakespeare):
+    # eps 0: AdamW divides 0 by 0 for parameters whose gradient is exactly 0 (embeddings of unseen tokens),
+    # so step 1's update makes the weights NaN although its loss and gradient are finite.
+    out = tmp_path / "eps0"
+    with pytest.raises(train_module.NonFiniteLossError) as caught:
+        run_train(shakespeare, out, cache, "--steps", "3", "--eps", "0", "--checkpoint-interval", "1",
+                  skip_nonfinite=True)  # fmt: skip
+    assert str(caught.value).startswith("Step 1's update made the weights non-finite (loss ")
+    assert "No checkpoint had been written yet" in str(caught.value)
+    assert checkpoint_steps(out) == [] and not (out / "model").exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# SIGTERM / SIGINT, torn log, resume bit-exact
+# --------------------------------------------------------------------------------------------------
+
+
+def test_sigterm_and_sigint_checkpoint_at_the_step_boundary_and_resume_bit_exact(tmp_path, cache, shakespeare):
+    # No periodic checkpoints, and a log window of 3 steps, so the signal's checkpoint alone carries the run
+    # (including the half-filled log window) across each stop.
+    common = ["--steps", "60", "--checkpoint-interval", "0", "--log-interval", "3"]
+    reference = launch(TRAIN_CLI + small_args(shakespeare, tmp_path / "reference", cache, *common), tmp_path / "r.log")
+    run_dir = tmp_path / "stopped"
+
+    first = launch(TRAIN_CLI + small_args(shakespeare, run_dir, cache, *common), tmp_path / "1.log")
+    wait_for_step(first, run_dir, 4)
+    first.send_signal(signal.SIGTERM)
+    output = stopped(first, 128 + signal.SIGTERM)
+    [stop_term] = checkpoint_steps(run_dir)
+    assert 4 <= stop_term < 60 and not (run_dir / "model").exists()
+    assert f"stopped by SIGTERM after step {stop_term} of 60; the training state is saved in " in output
+    assert "plus --resume" in output
+
+    # A torn last line, as a full disk during an append leaves it: --resume skips it with a warning naming the file.
+    with open(run_dir / "log.jsonl", "ab") as handle:
+        handle.write(b'{"step": 999, "loss": 4.2')
+    second = launch(TRAIN_CLI + small_args(shakespeare, run_dir, cache, *common, "--resume"), tmp_path / "2.log")
+    wait_for_step(second, run_dir, stop_term + 3)
+    second.send_signal(signal.SIGINT)
+    output = stopped(second, 128 + signal.SIGINT)
+    assert f"warning: {run_dir / 'log.jsonl'}: line " in output and " is torn " in output, output[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints' / f'step-{stop_term:07d}'} at step {stop_term}" in output
+    stop_int = checkpoint_steps(run_dir)[-1]
+    assert stop_term < stop_int < 60 and "stopped by SIGINT" in output
+
+    finish(launch(TRAIN_CLI + small_args(shakespeare, run_dir, cache, *common, "--resume"), tmp_path / "3.log"))
+    finish(reference)
+    expected, actual = saved_weights(tmp_path / "reference" / "model"), saved_weights(run_dir / "model")
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), name
+    assert losses(run_dir) == losses(tmp_path / "reference")  # windows cut by the stops average the same steps
+    stops = [r["signal"] for r in read_log(run_dir) if r.get("event") == "stopped"]
+    assert stops == ["SIGTERM", "SIGINT"]
+
+
+def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path, cache, shakespeare):
+    run_dir = tmp_path / "run"
+    # Slow steps (256 windows each), so the second Ctrl-C lands inside the step the first one let finish.
+    argv = small_args(shakespeare, run_dir, cache, "--steps", "100000", "--batch-size", "256", "--micro-batch-size", "256")
+    process = launch(TRAIN_CLI + argv, tmp_path / "run.log")
+    wait_for_step(process, run_dir, 1)
+    process.send_signal(signal.SIGINT)
+    deadline = time.time() + 60
+    while "SIGINT received" not in process.log_path.read_text():
+        assert time.time() < deadline and process.poll() is None, process.log_path.read_text()[-3000:]
+        time.sleep(0.01)
+    process.send_signal(signal.SIGINT)
+    output = stopped(process, 128 + signal.SIGINT)
+    assert "gpn train: interrupted (Ctrl-C) before a checkpoint could be written" in output, output[-3000:]
+    assert not list((run_dir / "checkpoints").glob("step-*"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Crash-safe files and a full disk
+# --------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size: str):
+    """A real filesystem of `size` at `path` (tmpfs; mounting needs root)."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    problem = f"cannot mount a small tmpfs here (needs root, or CAP_SYS_ADMIN in a container): {mounted.stderr.decode().strip()}"
+    require_environment(mounted.returncode == 0, problem, "GPN_REQUIRE_MOUNT")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def _checkpoint_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def test_full_disk_during_a_checkpoint_names_the_path_and_keeps_the_last_good_one(tmp_path, cache, shakespeare):
+    common = ["--steps", "12", "--checkpoint-interval", "4", "--keep-checkpoints", "2", "--lr", "0.01"]
+    reference = tmp_path / "reference"
+    run_train(shakespeare, reference, cache, *common)
+    one_checkpoint = _checkpoint_bytes(reference / "checkpoints" / "step-0000008")
+    # Room for the log, the config, tensorboard and one checkpoint, but not for a second one beside it.
+    size_kib = int((1.5 * one_checkpoint + 64 * 1024) / 1024)
+    with small_disk(tmp_path / "disk", f"{size_kib}k") as disk:
+        out = disk / "run"
+        with pytest.raises(train_module.StorageError) as caught:
+            run_train(shakespeare, out, cache, *common)
+        message = str(caught.value)
+        assert message.startswith(f"Cannot write {out / 'checkpoints' / 'step-0000008'}: "), message
+        assert "No finished work was lost: the last checkpoint, " in message
+        assert f"{out / 'checkpoints' / 'step-0000004'}, is intact" in message
+        assert checkpoint_steps(out) == [4]
+        assert not list((out / "checkpoints").glob(".tmp-*")), "the partial checkpoint was not removed"
+        shutil.copytree(out, tmp_path / "rescued")
+        log = out / "log.jsonl"
+        assert all("step" in json.loads(line) for line in log.read_text().splitlines())  # no torn line
+        # The disk filled up completely: an append that does not fit is cut back, never left half-written.
+        with contextlib.suppress(OSError), open(disk / "filler", "wb", buffering=0) as filler:
+            while True:
+                filler.write(b"x" * 4096)
+        before = log.read_bytes()
+        with pytest.raises(OSError, match="No space left on device"):
+            train_module.append_log_record(log, {"step": 13, "note": "y" * 20000})
+        assert log.read_bytes() == before
+    # The intact checkpoint continues to exactly the uninterrupted run.
+    run_train(shakespeare, tmp_path / "rescued", cache, *common, resume=True)
+    expected, actual = saved_weights(reference / "model"), saved_weights(tmp_path / "rescued" / "model")
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), name
+
+
+def test_a_failed_checkpoint_write_is_one_clear_cli_error(tmp_path, cache, shakespeare):
+    # Needs no root: a 64 KiB file-size limit on the `gpn train` process makes the first checkpoint's weight
+    # file fail with a real EFBIG (CPython ignores SIGXFSZ, so the write returns the error).
+    run_dir = tmp_path / "run"
+
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    argv = TRAIN_CLI + small_args(shakespeare, run_dir, cache, "--steps", "6", "--checkpoint-interval", "4")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    done = subprocess.run(argv, preexec_fn=limit_file_size, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert f"gpn train: error: Cannot write {run_dir / 'checkpoints' / 'step-0000004'}: " in done.stderr
+    assert "File too large" in done.stderr and "No checkpoint had been written yet" in done.stderr
+    assert list((run_dir / "checkpoints").iterdir()) == []  # the partial checkpoint was removed
+    assert [r["step"] for r in read_log(run_dir)] == [1, 2, 3, 4]
+
+
+def test_log_rewrite_on_resume_is_write_then_rename(tmp_path):
+    log = tmp_path / "log.jsonl"
+    records = [{"step": step, "loss": 5.0 - step / 10} for step in range(1, 41)]
+    original = "".join(json.dumps(r) + "\n" for r in records) + '{"step": 41, "lo'  # torn last line
+    log.write_text(original)
+    # A real write failure while the kept records are written (a 200-byte file-size limit on the process
+    # doing it, so write() fails with EFBIG): the log is left exactly as it was, no temporary file behind.
+    def limit_file_size() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get the error instead of being killed by the signal
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    code = f"from modeling_gpn.train import truncate_log; from pathlib import Path; truncate_log(Path({str(log)!r}), 20)"
+    failed = subprocess.run([sys.executable, "-c", code], preexec_fn=limit_file_size, capture_output=True, text=True)
+    assert failed.returncode == 1 and "OSError: [Errno 27] File too large" in failed.stderr, failed.stderr[-2000:]
+    assert log.read_text() == original
+    assert [p.name for p in tmp_path.iterdir()] == ["log.jsonl"]
+
+    warnings = []
+    train_module.truncate_log(log, 20, warn=warnings.append)
+    assert train_module.read_log(log) == records[:20]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        f"warning: {log}: line 41 is torn (a write cut short by a crash or a full disk); skipped it (Unterminated")
+
+
+def test_a_crash_between_the_renames_of_a_replaced_folder_restores_the_old_one(tmp_path):
+    root = tmp_path / "checkpoints"
+    old, new = root / "step-0000004", root / ".tmp-step-0000004"
+    for folder, content in ((old, "old"), (new, "new")):
+        folder.mkdir(parents=True)
+        (folder / "trainer_state.json").write_text(content)
+    # The state a crash leaves between install_folder's two renames: the old folder aside, the new one unmoved.
+    os.replace(old, root / ".replaced-step-0000004")
+    train_module.recover_folders(root)
+    assert (old / "trainer_state.json").read_text() == "old" and sorted(p.name for p in root.iterdir()) == [old.name]
+    new.mkdir()
+    (new / "trainer_state.json").write_text("new")
+    train_module.install_folder(new, old)
+    assert (old / "trainer_state.json").read_text() == "new" and sorted(p.name for p in root.iterdir()) == [old.name]
+
+
+# --------------------------------------------------------------------------------------------------
+# --resume settings, --ddp-timeout
+# --------------------------------------------------------------------------------------------------
+
+
+def test_resume_refuses_settings_that_change_data_or_optimisation_and_allows_the_rest(tmp_path, cache, shakespeare):
+    out = tmp_path / "run"
+    common = ["--steps", "6", "--checkpoint-interval", "3"]
+    run_train(shakespeare, out, cache, *common)
+    assert checkpoint_steps(out) == [3]
+    with pytest.raises(ValueError) as caught:
+        run_train(shakespeare, out, cache, *common, "--val-fraction", "0.05", "--warmup-steps", "7", "--clip-norm",
+                  "0.5", "--weight-decay", "0", resume=True)  # fmt: skip
+    message = str(caught.value)
+    for change in ("val_fraction: 0.02 -> 0.05", "warmup_steps: 20 -> 7", "clip_norm: 1.0 -> 0.5",
+                   "weight_decay: 0.1 -> 0"):  # fmt: skip
+        assert change in message, message
+    assert "would change the data, the model or the optimisation" in message
+    assert changed_settings_of(out, "--steps", "7", "--dataset", str(out / "train_config.json"), "--seq-len", "16",
+                               "--batch-size", "4", "--lr", "0.1", "--beta2", "0.9", "--tokenizer", "gpt2") == [
+        "batch_size", "beta2", "dataset", "lr", "seq_len", "steps", "tokenizer"]  # fmt: skip
+    # A checkpoint holding a NaN (as older versions could write) is refused on resume, naming it.
+    damaged = tmp_path / "damaged"
+    shutil.copytree(out, damaged)
+    from safetensors.torch import load_file, save_file
+
+    weights_file = damaged / "checkpoints" / "step-0000003" / "model.safetensors"
+    weights = load_file(str(weights_file))
+    next(iter(weights.values()))[0] = float("nan")
+    save_file(weights, str(weights_file), metadata={"format": "pt"})
+    with pytest.raises(train_module.NonFiniteLossError, match=r"step-0000003 holds non-finite weights"):
+        run_train(shakespeare, damaged, cache, *common, resume=True)
+    # Logging, validation, checkpointing, the sample, the micro-batch and the timeout may change.
+    first = saved_weights(out / "model")
+    run_train(shakespeare, out, cache, *common, "--log-interval", "2", "--eval-interval", "2", "--checkpoint-interval",
+              "0", "--ddp-timeout", "60", "--micro-batch-size", "8", resume=True)  # fmt: skip
+    for name, tensor in saved_weights(out / "model").items():
+        assert torch.allclose(tensor, first[name], atol=1e-5), name  # same run, regrouped into one forward pass
+
+
+def changed_settings_of(run_dir: Path, *argv: str) -> list[str]:
+    saved = json.loads((train_module.latest_checkpoint(run_dir) / "trainer_state.json").read_text())["config"]
+    config = train_module.resolve_config(parse(small_args(Path("data.txt"), run_dir, Path("cache"), *argv)))
+    return [change.split(":")[0] for change in train_module.changed_settings(saved, config)]
+
+
+def test_a_stuck_ddp_rank_fails_the_job_after_ddp_timeout(tmp_path, cache, shakespeare):
+    run_dir = tmp_path / "ddp"
+    launcher = _launch_ddp(small_args(shakespeare, run_dir, cache, "--steps", "100000", "--ddp-timeout", "5"),
+                           tmp_path / "ddp.log")  # fmt: skip
+    wait_for_step(launcher, run_dir, 2)
+    ranks = _ranks(launcher)
+    os.kill(ranks[1], signal.SIGSTOP)  # stopped, not dead: only a timeout can notice it
+    stopped_at = time.time()
+    try:
+        # Rank 0 must give up on its collective after --ddp-timeout and fail; the launcher then tears the job
+        # down (after its own grace period for the stopped rank, which this test does not wait for).
+        while Path(f"/proc/{ranks[0]}").exists() and "Z" not in _process_state(ranks[0]):
+            assert time.time() - stopped_at < 60, "rank 0 still waits 60 s after rank 1 stopped"
+            time.sleep(0.1)
+        waited = time.time() - stopped_at
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(ranks[1], signal.SIGKILL)
+        launcher.wait()
+    output = launcher.log_path.read_text()
+    assert 4 < waited < 40, waited
+    assert "gpn train: error: a collective operation timed out after --ddp-timeout 5 s while training step" in output, (
+        output[-3000:])  # fmt: skip
+
+
+def _process_state(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    return "X"
+
+
+def _launch_ddp(args: list[str], log: Path) -> subprocess.Popen:
+    return launch(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+         str(free_port()), "-m", "modeling_gpn.train", *args],
+        log,
+    )  # fmt: skip
+
+
+def _ranks(launcher: subprocess.Popen) -> dict[int, int]:
+    """LOCAL_RANK -> pid of the launcher's worker processes."""
+    found = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+    ranks = {int(Path(f"/proc/{pid}/environ").read_bytes().split(b"LOCAL_RANK=")[1].split(b"\0")[0]): int(pid)
+             for pid in found}  # fmt: skip
+    assert sorted(ranks) == [0, 1], found
+    return ranks
+
+
+def test_sigterm_to_one_ddp_rank_stops_every_rank_at_the_same_step_with_a_checkpoint(tmp_path, cache, shakespeare):
+    run_dir = tmp_path / "ddp"
+    launcher = _launch_ddp(small_args(shakespeare, run_dir, cache, "--steps", "100000"), tmp_path / "ddp.log")
+    wait_for_step(launcher, run_dir, 2)
+    os.kill(_ranks(launcher)[1], signal.SIGTERM)  # rank 1 only: rank 0 must learn it at the step boundary
+    try:
+        launcher.wait(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+    output = launcher.log_path.read_text()
+    assert launcher.returncode != 0, output[-3000:]
+    [checkpoint] = sorted((run_dir / "checkpoints").glob("step-*"))
+    step = int(checkpoint.name.split("-")[1])
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["step"] == step
+    assert {p.name for p in checkpoint.glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}
+    assert [r for r in read_log(run_dir) if r.get("event")] == [{"step": step, "event": "stopped", "signal": "SIGTERM"}]
+    assert f"stopped by SIGTERM after step {step} of 100000" in output, output[-3000:]
+
+
+def test_the_end_of_a_ddp_run_is_bounded_by_ddp_timeout_and_names_the_stage(tmp_path, cache, shakespeare):
+    # Rank 1 stops (SIGSTOP) once training is over: whatever collective of the end rank 0 reaches next (the
+    # weights' check, or the barrier after saving the model) must give up after --ddp-timeout, naming it.
+    run_dir = tmp_path / "ddp"
+    launcher = _launch_ddp(small_args(shakespeare, run_dir, cache, "--steps", "3", "--ddp-timeout", "5",
+                                      "--sample-tokens", "200"), tmp_path / "ddp.log")  # fmt: skip
+    deadline = time.time() + 180
+    while not (run_dir / "log.jsonl").exists() or not any(
+        r.get("event") == "final" for r in train_module.read_log(run_dir / "log.jsonl")
+    ):
+        assert launcher.poll() is None, launcher.log_path.read_text()[-3000:]
+        assert time.time() < deadline, "no final record within 180 s"
+        time.sleep(0.01)
+    ranks = _ranks(launcher)
+    os.kill(ranks[1], signal.SIGSTOP)
+    stopped_at = time.time()
+    try:
+        while Path(f"/proc/{ranks[0]}").exists() and "Z" not in _process_state(ranks[0]):
+            assert time.time() - stopped_at < 90, "rank 0 still waits 90 s after rank 1 stopped"
+            time.sleep(0.1)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(ranks[1], signal.SIGKILL)
+        launcher.wait()
+    output = launcher.log_path.read_text()
+    end_stages = ("gathering the final weights", "waiting for every process after the model was saved")
+    assert any(f"timed out after --ddp-timeout 5 s while {stage}" in output for stage in end_stages), output[-3000:]
+
+
+def test_a_watched_stage_that_hangs_ends_the_process_naming_it_with_every_stack(tmp_path):
+    # What bounds the end of the process group and the exit, which no --ddp-timeout covers: a real process
+    # that hangs inside a watched stage.
+    code = ("import time\nfrom modeling_gpn.train import RunStage\nstage = RunStage(watchdog_s=2)\n"
+            "stage.enter('ending the process group', watch=True)\ntime.sleep(120)\n")  # fmt: skip
+    started = time.time()
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+    assert result.returncode == 1 and time.time() - started < 60
+    assert "gpn train: error: the run hung while ending the process group: still there after 2 s" in result.stderr
+    assert 'File "<string>", line 5 in <module>' in result.stderr  # the stack of the hanging thread
+    # A stage that ends in time (the next enter, or finish) does not fire.
+    code = ("import time\nfrom modeling_gpn.train import RunStage\nstage = RunStage(watchdog_s=1)\n"
+            "stage.enter('a', watch=True)\nstage.enter('b')\ntime.sleep(2)\nstage.enter('c', watch=True)\n"
+            "stage.finish()\ntime.sleep(2)\nprint('done')\n")  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+    assert result.returncode == 0 and result.stdout.strip() == "done", result.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# One writer per run folder
+# --------------------------------------------------------------------------------------------------
+
+
+def test_a_second_run_into_the_same_folder_stops_at_once_and_a_killed_runs_lock_is_taken_over(tmp_path, cache,
+                                                                                               shakespeare):  # fmt: skip
+    run_dir = tmp_path / "run"
+    first = launch(TRAIN_CLI + small_args(shakespeare, run_dir, cache, "--steps", "100000"), tmp_path / "1.log")
+    try:
+        wait_for_step(first, run_dir, 2)
+        started = time.time()
+        second = launch(TRAIN_CLI + small_args(shakespeare, run_dir, cache, "--steps", "3"), tmp_path / "2.log")
+        second.wait(timeout=120)
+        output = second.log_path.read_text()
+        assert second.returncode == 1, output[-3000:]
+        assert f"is in use by another gpn train run (pid {first.pid} on " in output, output[-3000:]
+        assert "__main__.py train --recipe tiny-cpu" in output  # the holder's command (python -m modeling_gpn.cli)
+        assert time.time() - started < 60
+        # It wrote nothing: the first run's log goes on, one record per step, and has no model yet.
+        wait_for_step(first, run_dir, max(r["step"] for r in read_log(run_dir)) + 1)
+        steps = [r["step"] for r in read_log(run_dir)]
+        assert steps == list(range(1, len(steps) + 1)) and not (run_dir / "model").exists()
+    finally:
+        first.kill()  # SIGKILL: the kernel drops its flock, the record of who held it stays
+        first.wait()
+
+    third = launch(TRAIN_CLI + small_args(shakespeare, run_dir, cache, "--steps", "2"), tmp_path / "3.log")
+    output = finish(third)
+    assert (f"taking over the lock of {run_dir} from a run that ended without releasing it (pid {first.pid} on "
+            in output), output[-3000:]  # fmt: skip
+    assert (run_dir / "model").exists()
+    assert (run_dir / train_module.RunFolderLock.FILE_NAME).read_text() == ""  # released at the end
+    train_module.RunFolderLock(run_dir).acquire().release()  # free again
+
+
+def test_the_lock_is_held_only_while_train_runs_in_process(tmp_path, cache, shakespeare):
+    # `gpn study` trains several models in one process: each run takes its folder's lock and gives it back,
+    # also when it fails.
+    run_dir = tmp_path / "run"
+    holder = train_module.RunFolderLock(run_dir).acquire()
+    with pytest.raises(train_module.RunFolderInUseError, match=rf"in use by another gpn train run \(pid {os.getpid()} "):
+        run_train(shakespeare, run_dir, cache, "--steps", "2")
+    holder.release()
+    run_train(shakespeare, run_dir, cache, "--steps", "2", "--checkpoint-interval", "1")
+    with pytest.raises(FileExistsError):  # a failing run (here: no --resume over a checkpoint) releases it too
+        run_train(shakespeare, run_dir, cache, "--steps", "2", "--checkpoint-interval", "1")
+    train_module.RunFolderLock(run_dir).acquire().release()
