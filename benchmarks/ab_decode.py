@@ -39,12 +39,18 @@ def materialise(revision: str, name: str, folder: Path):
     if revision == "WORKTREE":
         files = {path.name: path.read_bytes() for path in (REPO / "modeling_gpn").glob("*.py")}
     else:
-        listed = subprocess.run(["git", "-C", str(REPO), "ls-tree", "--name-only", revision, "modeling_gpn/"],
-                                capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+        listed = subprocess.run(
+            ["git", "-C", str(REPO), "ls-tree", "--name-only", revision, "modeling_gpn/"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
         files = {
-            Path(path).name: subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:{path}"], capture_output=True,
-                                            check=True).stdout  # fmt: skip
-            for path in listed if path.endswith(".py")
+            Path(path).name: subprocess.run(
+                ["git", "-C", str(REPO), "show", f"{revision}:{path}"], capture_output=True, check=True
+            ).stdout
+            for path in listed
+            if path.endswith(".py")
         }
     files["__init__.py"] = b""  # (not the package's own, which registers the Auto classes)
     for file_name, content in files.items():
@@ -93,22 +99,29 @@ def main() -> None:
             synchronize(args.device)
             start = time.perf_counter()
             model.generate(
-                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=args.decode_tokens,
-                min_new_tokens=args.decode_tokens, do_sample=False, streamer=streamer, pad_token_id=0,
-            )  # fmt: skip
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                max_new_tokens=args.decode_tokens,
+                min_new_tokens=args.decode_tokens,
+                do_sample=False,
+                streamer=streamer,
+                pad_token_id=0,
+            )
             stamps = streamer.stamps
             return stamps[1] - start, [b - a for a, b in zip(stamps[1:], stamps[2:])]
 
         generator = torch.Generator().manual_seed(1)
-        print(f"preset {args.preset}, {args.dtype}, {args.device}, threads {torch.get_num_threads()}, old {args.old}, "
-              f"new {args.new}, {args.decode_tokens} tokens per call, {args.repeats} repeats")  # fmt: skip
+        print(
+            f"preset {args.preset}, {args.dtype}, {args.device}, threads {torch.get_num_threads()}, old {args.old}, "
+            f"new {args.new}, {args.decode_tokens} tokens per call, {args.repeats} repeats"
+        )
         print(f"{'prompt':>7} {'side':>4} {'first token ms':>15} {'decode ms/token':>16}")
         for length in args.prompt_lengths:
             prompt = torch.randint(1, config.vocab_size, (1, length), generator=generator).to(args.device)
             firsts = {side: [] for side in models}
             gaps = {side: [] for side in models}
             with torch.no_grad():
-                for side, model in models.items():  # warm-up (kernels, caches)
+                for model in models.values():  # warm-up (kernels, caches)
                     timings(model, prompt)
                 for _ in range(args.repeats):
                     for side, model in models.items():
@@ -116,8 +129,10 @@ def main() -> None:
                         firsts[side].append(first)
                         gaps[side] += later
             for side in models:
-                print(f"{length:>7} {side:>4} {1e3 * statistics.median(firsts[side]):>15.2f} "
-                      f"{1e3 * statistics.median(gaps[side]):>16.3f}")  # fmt: skip
+                print(
+                    f"{length:>7} {side:>4} {1e3 * statistics.median(firsts[side]):>15.2f} "
+                    f"{1e3 * statistics.median(gaps[side]):>16.3f}"
+                )
             ratio = statistics.median(gaps["new"]) / statistics.median(gaps["old"])
             print(f"{length:>7}  new/old decode ms per token: {ratio:.3f}")
 

@@ -38,17 +38,25 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.thread_time if (args.clock or ("cpu" if args.threads == 1 else "wall")) == "cpu" else time.perf_counter
-    print(f"threads {args.threads}, {'CPU' if clock is time.thread_time else 'wall'} clock, medians of {args.repeats} "
-          f"repeats ({args.steps} steps each; prefill of {args.prompt} tokens)\n")  # fmt: skip
-    print("| preset | weights | limit ms (MB, GB/s) | step ms before | after | prompt-token limit ms (MB) | "
-          "prefill ms/token before | after |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+    print(
+        f"threads {args.threads}, {'CPU' if clock is time.thread_time else 'wall'} clock, medians of {args.repeats} "
+        f"repeats ({args.steps} steps each; prefill of {args.prompt} tokens)\n"
+    )
+    print(
+        "| preset | weights | limit ms (MB, GB/s) | step ms before | after | prompt-token limit ms (MB) | "
+        "prefill ms/token before | after |\n|---|---|---|---|---|---|---|---|"
+    )
     for preset in args.preset:
         for dtype in args.dtype:
             model = build_gpn(preset, dtype, "cpu", 0).eval()
-            ids = torch.randint(1, model.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
+            ids = torch.randint(
+                1, model.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0)
+            )
             step = one_token_step_fn(model, 1, model.config.vocab_size, "cpu")
             limit, prompt_limit = ReadProbe(step_bytes(model)), ReadProbe(prefill_bytes(model))
-            times = {key: [] for key in ("limit", "prompt limit", *[(s, k) for s in SIDES for k in ("step", "prefill")])}
+            times = {
+                key: [] for key in ("limit", "prompt limit", *[(s, k) for s in SIDES for k in ("step", "prefill")])
+            }
             for _ in range(args.repeats + 1):  # (the first repeat warms up and is dropped)
                 for side, setting in SIDES.items():
                     os.environ["GPN_STEP_KERNELS"] = setting
@@ -67,12 +75,15 @@ def main() -> None:
                     times[key].append((clock() - start) / args.steps)
             os.environ["GPN_STEP_KERNELS"] = "1"
             ms = {key: 1e3 * statistics.median(values[1:]) for key, values in times.items()}
-            ratio = lambda key, of: f"{ms[key]:.3f} ({ms[key] / ms[of]:.2f}x)"  # noqa: E731
+            ratio = lambda key, of: f"{ms[key]:.3f} ({ms[key] / ms[of]:.2f}x)"  # noqa: B023 (called in this iteration)
             before, after = SIDES
-            print(f"| {preset} | {dtype} | {ms['limit']:.3f} ({limit.nbytes / 1e6:.1f}, {limit.nbytes / ms['limit'] / 1e6:.0f}) | "
-                  f"{ratio((before, 'step'), 'limit')} | {ratio((after, 'step'), 'limit')} | "
-                  f"{ms['prompt limit']:.3f} ({prompt_limit.nbytes / 1e6:.1f}) | {ratio((before, 'prefill'), 'prompt limit')} | "
-                  f"{ratio((after, 'prefill'), 'prompt limit')} |", flush=True)  # fmt: skip
+            print(
+                f"| {preset} | {dtype} | {ms['limit']:.3f} ({limit.nbytes / 1e6:.1f}, {limit.nbytes / ms['limit'] / 1e6:.0f}) | "
+                f"{ratio((before, 'step'), 'limit')} | {ratio((after, 'step'), 'limit')} | "
+                f"{ms['prompt limit']:.3f} ({prompt_limit.nbytes / 1e6:.1f}) | {ratio((before, 'prefill'), 'prompt limit')} | "
+                f"{ratio((after, 'prefill'), 'prompt limit')} |",
+                flush=True,
+            )
             del model, step
 
 

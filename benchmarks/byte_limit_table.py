@@ -20,17 +20,38 @@ def main() -> None:
         (row,) = [r for r in report["rows"] if r["impl"] == "fast"]
         runs[path.stem] = (args, row)
     lengths = sorted({int(n) for _, row in runs.values() for n in row["decode_ms"]})
-    header = ["preset", "weights", "threads", "code", "limit ms (MB, GB/s)", "prompt-token limit ms (MB)", "step ms (x limit)"]
+    header = [
+        "preset",
+        "weights",
+        "threads",
+        "code",
+        "limit ms (MB, GB/s)",
+        "prompt-token limit ms (MB)",
+        "step ms (x limit)",
+    ]
     header += [f"decode ms @{n} (x)" for n in lengths] + [f"prefill tok/s @{n} (x)" for n in lengths]
     header += ["tok/s @4 rows", "tok/s @16 rows"]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
-    for name, (args, row) in sorted(runs.items(), key=lambda item: (item[1][1]["preset"], item[1][0]["dtype"],
-                                                                     item[1][0]["threads"], not item[0].endswith("before"))):  # fmt: skip
+    for name, (args, row) in sorted(
+        runs.items(),
+        key=lambda item: (
+            item[1][1]["preset"],
+            item[1][0]["dtype"],
+            item[1][0]["threads"],
+            not item[0].endswith("before"),
+        ),
+    ):
         limit = row.get("limit_ms")
-        ratio = lambda ms: f"{ms:.3f} ({ms / limit:.2f}x)" if (ms and limit) else "-"  # noqa: E731
+        ratio = lambda ms: f"{ms:.3f} ({ms / limit:.2f}x)" if (ms and limit) else "-"  # noqa: B023 (called in this iteration)
         cells = [row["preset"], args["dtype"], str(args["threads"]), name.rsplit("-", 1)[-1]]
-        cells.append(f"{limit:.3f} ({row['limit_bytes'] / 1e6:.1f}, {row['limit_bytes'] / limit / 1e6:.0f})" if limit else "-")
-        cells.append(f"{row['prefill_limit_ms']:.3f} ({row['prefill_limit_bytes'] / 1e6:.1f})" if row.get("prefill_limit_ms") else "-")
+        cells.append(
+            f"{limit:.3f} ({row['limit_bytes'] / 1e6:.1f}, {row['limit_bytes'] / limit / 1e6:.0f})" if limit else "-"
+        )
+        cells.append(
+            f"{row['prefill_limit_ms']:.3f} ({row['prefill_limit_bytes'] / 1e6:.1f})"
+            if row.get("prefill_limit_ms")
+            else "-"
+        )
         cells.append(ratio(row.get("step_ms")))
         for n in lengths:
             at = row.get("limit_ms_at", {}).get(str(n)) or limit

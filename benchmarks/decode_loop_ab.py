@@ -82,8 +82,15 @@ class Stamps:
 
 def through_generate(model, prompt, tokens: int, device: str) -> list[float]:
     streamer = Stamps(device)
-    model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens, min_new_tokens=tokens,
-                   do_sample=False, streamer=streamer, pad_token_id=0)  # fmt: skip
+    model.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=tokens,
+        min_new_tokens=tokens,
+        do_sample=False,
+        streamer=streamer,
+        pad_token_id=0,
+    )
     stamps = streamer.times[1:]  # (the first put is the prompt)
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
@@ -171,21 +178,31 @@ def main() -> None:
     load_after = os.getloadavg()
 
     median = {run: 1e3 * statistics.median(values) for run, values in gaps.items()}
-    print(f"preset {args.preset}, {args.dtype}, {args.device}, threads {torch.get_num_threads()}, prompt "
-          f"{args.prompt_length}, {args.tokens} new tokens a run, {args.repeats} repeats, old {args.old}, new {args.new}")  # fmt: skip
+    print(
+        f"preset {args.preset}, {args.dtype}, {args.device}, threads {torch.get_num_threads()}, prompt "
+        f"{args.prompt_length}, {args.tokens} new tokens a run, {args.repeats} repeats, old {args.old}, new {args.new}"
+    )
     print(f"load average before {load_before[0]:.2f} / after {load_after[0]:.2f} (1 min), {elapsed:.0f} s of runs\n")
-    print("| code | generate() ms/token | loop ms/token | loop / generate() | cache bytes after 1 / "
-          f"{args.tokens - 1} decoded |")
+    print(
+        "| code | generate() ms/token | loop ms/token | loop / generate() | cache bytes after 1 / "
+        f"{args.tokens - 1} decoded |"
+    )
     print("|---|---|---|---|---|")
     for side in models:
         g, loop = median[side, "generate"], median[side, "loop"]
         first, last = sizes[side][1], sizes[side][args.tokens - 1]
-        print(f"| {side} ({args.old if side == 'old' else args.new}) | {g:.3f} | {loop:.3f} | {loop / g:.3f} | "
-              f"{first:,} / {last:,} |")
-    print(f"\nthe cache's record of what it read, per decoded token: old {record_us['old']:.1f} µs, "
-          f"new {record_us['new']:.1f} µs (`cache.record_read`, median of 7 alternated rounds of 2,000 calls)")
-    print(f"new / old: generate() {median['new', 'generate'] / median['old', 'generate']:.3f}, "
-          f"loop {median['new', 'loop'] / median['old', 'loop']:.3f}")
+        print(
+            f"| {side} ({args.old if side == 'old' else args.new}) | {g:.3f} | {loop:.3f} | {loop / g:.3f} | "
+            f"{first:,} / {last:,} |"
+        )
+    print(
+        f"\nthe cache's record of what it read, per decoded token: old {record_us['old']:.1f} µs, "
+        f"new {record_us['new']:.1f} µs (`cache.record_read`, median of 7 alternated rounds of 2,000 calls)"
+    )
+    print(
+        f"new / old: generate() {median['new', 'generate'] / median['old', 'generate']:.3f}, "
+        f"loop {median['new', 'loop'] / median['old', 'loop']:.3f}"
+    )
 
 
 if __name__ == "__main__":

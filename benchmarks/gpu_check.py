@@ -72,8 +72,11 @@ def self_checks(device: str, preset: str = "gpn-m-1l-130m", batches=(1, 16)) -> 
             tk.self_check(w, s, model.config.rms_norm_eps, torch.device(device), torch.bfloat16)
     for combination, verdict in tk.self_check_summary().items():
         report(verdict == "passed", f"self-check {combination}: {verdict}")
-    print(f"[time] self-checks of {preset} bf16 at batches {batches} (compiling the kernels on a cold machine): "
-          f"{time.monotonic() - started:.1f} s", flush=True)  # fmt: skip
+    print(
+        f"[time] self-checks of {preset} bf16 at batches {batches} (compiling the kernels on a cold machine): "
+        f"{time.monotonic() - started:.1f} s",
+        flush=True,
+    )
     return tk.self_check_summary()
 
 
@@ -97,8 +100,17 @@ def perturbed(config, device, seed=0):
 
 
 def tiny(**overrides):
-    values = dict(vocab_size=97, hidden_size=48, embedding_size=32, intermediate_size=64, num_memory_heads=3,
-                  memory_key_dim=8, memory_value_dim=16, eos_token_id=0, bos_token_id=None)
+    values = dict(
+        vocab_size=97,
+        hidden_size=48,
+        embedding_size=32,
+        intermediate_size=64,
+        num_memory_heads=3,
+        memory_key_dim=8,
+        memory_value_dim=16,
+        eos_token_id=0,
+        bos_token_id=None,
+    )
     values.update(overrides)
     return GPNConfig(**values)
 
@@ -129,15 +141,22 @@ def worst_relative(a: dict, b: dict) -> float:
 
 def lowest_cosine(a: dict, b: dict) -> float:
     """The lowest cosine similarity between a's and b's gradients, over those not all zero in b."""
-    return min(torch.nn.functional.cosine_similarity(a[k].flatten(), b[k].flatten(), dim=0).item()
-               for k in b if b[k].abs().max() > 0)  # fmt: skip
+    return min(
+        torch.nn.functional.cosine_similarity(a[k].flatten(), b[k].flatten(), dim=0).item()
+        for k in b
+        if b[k].abs().max() > 0
+    )
 
 
 def correctness(device: str) -> None:
     report(tk.available(), f"triton importable and the kernels build: {tk.unavailable_reason() or 'yes'}")
-    variants = {"gpn+m": {}, "gpn": dict(use_memory=False), "2l-bias": dict(num_predict_layers=2, use_decoder_bias=True),
-                "gpn+m-seg5-trunc8": dict(bptt_segment_length=5, bptt_truncation_length=8),
-                "awkward-h1-dk5-dv7": dict(num_memory_heads=1, memory_key_dim=5, memory_value_dim=7)}
+    variants = {
+        "gpn+m": {},
+        "gpn": dict(use_memory=False),
+        "2l-bias": dict(num_predict_layers=2, use_decoder_bias=True),
+        "gpn+m-seg5-trunc8": dict(bptt_segment_length=5, bptt_truncation_length=8),
+        "awkward-h1-dk5-dv7": dict(num_memory_heads=1, memory_key_dim=5, memory_value_dim=7),
+    }
     for name, kw in variants.items():
         model = perturbed(tiny(**kw), device).train()
         g = torch.Generator().manual_seed(1)
@@ -150,8 +169,11 @@ def correctness(device: str) -> None:
             loss, grads, launches = grads_of(model, path, ids, mask)
             worst = worst_relative(grads, plain)
             ok = abs(loss - plain_loss).item() < 1e-4 and worst < 1e-3 and (launches > 0) == (path == "triton")
-            report(ok, f"{device} fp32 fast ({path}) == plain ({name}): loss diff {abs(loss - plain_loss).item():.2e}, "
-                       f"worst relative grad diff {worst:.2e}, Triton launches {launches}")  # fmt: skip
+            report(
+                ok,
+                f"{device} fp32 fast ({path}) == plain ({name}): loss diff {abs(loss - plain_loss).item():.2e}, "
+                f"worst relative grad diff {worst:.2e}, Triton launches {launches}",
+            )
 
     # bf16 weights (the benchmark's setting): both backends track fp32 plain, and agree with each other
     config = tiny()
@@ -167,20 +189,26 @@ def correctness(device: str) -> None:
             backend(path)
             got[path] = low(ids).logits.float().log_softmax(-1)
             diff = (got[path] - expected).abs()
-            report(diff.max().item() < 0.1 and diff.mean().item() < 0.02,
-                   f"{device} bf16 fast ({path}) vs fp32 plain over {length} tokens: max |dlogp| {diff.max().item():.4f}, "
-                   f"mean {diff.mean().item():.5f}")  # fmt: skip
+            report(
+                diff.max().item() < 0.1 and diff.mean().item() < 0.02,
+                f"{device} bf16 fast ({path}) vs fp32 plain over {length} tokens: max |dlogp| {diff.max().item():.4f}, "
+                f"mean {diff.mean().item():.5f}",
+            )
         between = (got["triton"] - got["torch ops"]).abs()
-        report(between.max().item() < 0.05, f"{device} bf16 Triton vs torch ops: max |dlogp| {between.max().item():.4f}")
+        report(
+            between.max().item() < 0.05, f"{device} bf16 Triton vs torch ops: max |dlogp| {between.max().item():.4f}"
+        )
     low.train()
     ids = ids[:, :16] if DRY_RUN else ids[:, :128]
     mask = torch.ones_like(ids)
     loss_ops, grads_ops, _ = grads_of(low, "torch ops", ids, mask)
     loss_tri, grads_tri, _ = grads_of(low, "triton", ids, mask)
     cosine = lowest_cosine(grads_tri, grads_ops)
-    report(abs(loss_tri - loss_ops).item() < 1e-2 and cosine > 0.99,
-           f"{device} bf16 training, Triton vs torch ops: loss diff {abs(loss_tri - loss_ops).item():.2e}, "
-           f"lowest gradient cosine {cosine:.4f}")  # fmt: skip
+    report(
+        abs(loss_tri - loss_ops).item() < 1e-2 and cosine > 0.99,
+        f"{device} bf16 training, Triton vs torch ops: loss diff {abs(loss_tri - loss_ops).item():.2e}, "
+        f"lowest gradient cosine {cosine:.4f}",
+    )
 
     # the decode step through a CUDA graph = plain generate()
     model = perturbed(tiny(num_predict_layers=2), device, seed=12).eval()
@@ -189,21 +217,35 @@ def correctness(device: str) -> None:
     with torch.no_grad():
         model.model.use_fast_path = False
         new = 4 if DRY_RUN else 16
-        plain = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False, pad_token_id=0)
+        plain = model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False, pad_token_id=0
+        )
         model.model.use_fast_path = True
         try:
             with graphs_setting("1"):
-                graphed = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False, pad_token_id=0)
+                graphed = model.generate(
+                    prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False, pad_token_id=0
+                )
                 graphs = list(getattr(model.model, "_gpn_graphs", {}).values())
-                ok = torch.equal(graphed, plain) and bool(graphs) and (DRY_RUN or all(g.graphs is not None for g in graphs))
-                report(ok, f"{device} generate() through the captured decode graph == plain: tokens equal {torch.equal(graphed, plain)}")
+                ok = (
+                    torch.equal(graphed, plain)
+                    and bool(graphs)
+                    and (DRY_RUN or all(g.graphs is not None for g in graphs))
+                )
+                report(
+                    ok,
+                    f"{device} generate() through the captured decode graph == plain: tokens equal {torch.equal(graphed, plain)}",
+                )
                 # a longer no-grad window: chunks of WINDOW_CHUNK steps per replay, then single steps
                 ids = torch.randint(1, 97, (2, 70), generator=torch.Generator().manual_seed(6)).to(device)
                 with_graphs = model(ids).logits
             with graphs_setting("0"):
                 without = model(ids).logits
             diff = (with_graphs - without).abs().max().item()
-            report(diff < 1e-4, f"{device} a 70-token window through graph chunks == without graphs: max |dlogit| {diff:.2e}")
+            report(
+                diff < 1e-4,
+                f"{device} a 70-token window through graph chunks == without graphs: max |dlogit| {diff:.2e}",
+            )
         except Exception as error:  # noqa: BLE001 (report and go on: the bench runs without graphs then)
             report(False, f"{device} decode graph: {type(error).__name__}: {error}")
     training_graphs(device)
@@ -221,7 +263,7 @@ def training_graphs(device: str) -> None:
             plain_loss, plain, _ = grads_of(model, "plain" if dtype == torch.float32 else "triton", ids, mask)
             _, eager, _ = grads_of(model, "triton", ids, mask)
             with graphs_setting("1"):
-                for call in (1, 2):
+                for _call in (1, 2):
                     loss, graphed, _ = grads_of(model, "triton", ids, mask)
             sweeps = list(getattr(model.model, "_gpn_training_sweeps", {}).values())
             captured = sum(len(sweep.graphs) for sweep in sweeps)
@@ -229,14 +271,20 @@ def training_graphs(device: str) -> None:
             if dtype == torch.float32:
                 worst, worst_eager = worst_relative(graphed, plain), worst_relative(graphed, eager)
                 ok = ran and abs(loss - plain_loss).item() < 1e-4 and worst < 1e-3 and worst_eager < 1e-3
-                report(ok, f"{device} fp32 training through graphs == plain == without graphs: loss diff "
-                           f"{abs(loss - plain_loss).item():.2e}, worst relative grad diff {worst:.2e} (plain), "
-                           f"{worst_eager:.2e} (without graphs), graphs captured {captured}")  # fmt: skip
+                report(
+                    ok,
+                    f"{device} fp32 training through graphs == plain == without graphs: loss diff "
+                    f"{abs(loss - plain_loss).item():.2e}, worst relative grad diff {worst:.2e} (plain), "
+                    f"{worst_eager:.2e} (without graphs), graphs captured {captured}",
+                )
             else:
                 cosine = lowest_cosine(graphed, eager)
                 ok = ran and abs(loss - plain_loss).item() < 1e-2 and cosine > 0.99
-                report(ok, f"{device} bf16 training through graphs vs without: loss diff {abs(loss - plain_loss).item():.2e}, "
-                           f"lowest gradient cosine {cosine:.4f}, graphs captured {captured}")  # fmt: skip
+                report(
+                    ok,
+                    f"{device} bf16 training through graphs vs without: loss diff {abs(loss - plain_loss).item():.2e}, "
+                    f"lowest gradient cosine {cosine:.4f}, graphs captured {captured}",
+                )
         except Exception as error:  # noqa: BLE001 (report and go on)
             report(False, f"{device} training graphs ({dtype}): {type(error).__name__}: {error}")
 
@@ -250,14 +298,16 @@ def training_timing(device: str, preset: str = "gpn-m-1l-130m", batch: int = 16,
         batch, length = 2, 8
     model = build_gpn(preset, torch.bfloat16, device, length).train()
     backend("triton")
-    ids = torch.randint(1, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(8)).to(device)
+    ids = torch.randint(1, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(8)).to(
+        device
+    )
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     figures, grads, backends = {}, {}, {}
     for graphs in ("0", "1"):
         name = "on" if graphs == "1" else "off"
         times = []
         with graphs_setting(graphs):
-            for repeat in range(3):  # the first: warm-up (compiles kernels; with graphs, captures them)
+            for _repeat in range(3):  # the first: warm-up (compiles kernels; with graphs, captures them)
                 model.zero_grad(set_to_none=True)
                 sync()
                 start = time.perf_counter()
@@ -275,8 +325,11 @@ def training_timing(device: str, preset: str = "gpn-m-1l-130m", batch: int = 16,
     sweeps = list(getattr(model.model, "_gpn_training_sweeps", {}).values())
     figures["graphs_captured"] = captured = sum(len(sweep.graphs) for sweep in sweeps)
     ran = bool(sweeps) and (DRY_RUN or captured > 0)
-    report(ran and cosine > 0.99, f"{device} {preset} bf16 {batch}x{length} training gradients, graphs on vs off: "
-                                  f"lowest cosine {cosine:.4f}, graphs captured {captured}")  # fmt: skip
+    report(
+        ran and cosine > 0.99,
+        f"{device} {preset} bf16 {batch}x{length} training gradients, graphs on vs off: "
+        f"lowest cosine {cosine:.4f}, graphs captured {captured}",
+    )
     for key, value in figures.items():
         ran_on = f" (ran on: {backends[key]})" if key in backends else ""
         print(f"[time] {preset} bf16 {batch}x{length} {key}: {value:.3f}{ran_on}", flush=True)
@@ -301,7 +354,9 @@ def decode_timing(device: str, preset: str = "gpn-m-1l-130m") -> dict:
     with torch.no_grad():
         state = tuple(x.normal_() if x.numel() else x for x in core.zero_state(1, torch.device(device)))
         u = torch.randn(1, core.config.hidden_size, device=device)
-        graph = graph_of(core, 1, torch.device(device), 1, cached_folded_weights(core, rows=1), {}, kernels=GRAPH_KERNELS)
+        graph = graph_of(
+            core, 1, torch.device(device), 1, cached_folded_weights(core, rows=1), {}, kernels=GRAPH_KERNELS
+        )
         st = state
         for _ in range(5):
             _, st, _ = graph(u, st)
@@ -312,7 +367,9 @@ def decode_timing(device: str, preset: str = "gpn-m-1l-130m") -> dict:
         sync()
         figures["graph_step_ms"] = 1e3 * (time.perf_counter() - start) / n
         captured = graph.graphs is not None
-        backends["graph_step_ms"] = "triton kernels in CUDA graphs" if captured else "triton kernels, no graphs (no CUDA)"
+        backends["graph_step_ms"] = (
+            "triton kernels in CUDA graphs" if captured else "triton kernels, no graphs (no CUDA)"
+        )
         ids = torch.randint(1, core.config.vocab_size, (1, 1), device=device)
         out = model(input_ids=ids, use_cache=True)
         for graphs in ("0", "1"):
@@ -351,8 +408,12 @@ def step_bytes(model, batch: int) -> dict:
     memory = 0
     if config.use_memory:
         memory = batch * config.num_memory_heads * config.memory_key_dim * config.memory_value_dim * 4
-    return {"step_weight_bytes": weight, "memory_bytes": memory,
-            "forward_step_bytes": weight + 2 * memory, "backward_step_bytes": weight + 4 * memory}
+    return {
+        "step_weight_bytes": weight,
+        "memory_bytes": memory,
+        "forward_step_bytes": weight + 2 * memory,
+        "backward_step_bytes": weight + 4 * memory,
+    }
 
 
 def kernel_table(events, steps: int) -> list:
@@ -367,8 +428,10 @@ def kernel_table(events, steps: int) -> list:
             total[event.name] += event.time_range.elapsed_us()
     busy = sum(total.values()) or 1.0
     rows = sorted(total, key=total.get, reverse=True)
-    return [[name[:90], round(count[name] / steps, 2), round(total[name] / steps, 2), round(total[name] / busy, 3)]
-            for name in rows]
+    return [
+        [name[:90], round(count[name] / steps, 2), round(total[name] / steps, 2), round(total[name] / busy, 3)]
+        for name in rows
+    ]
 
 
 def profile_timing(device: str, preset: str = "gpn-m-1l-130m", batch: int = 16, length: int = 256) -> dict:
@@ -386,10 +449,10 @@ def profile_timing(device: str, preset: str = "gpn-m-1l-130m", batch: int = 16, 
         preset, batch, length = "tiny", 2, 8
     model = build_gpn(preset, torch.bfloat16, device, length)
     backend("triton")
-    core = model.model
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    U = torch.randn(batch, length, core.config.hidden_size, device=device)
-    ids = torch.randint(1, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(9)).to(device)
+    ids = torch.randint(1, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(9)).to(
+        device
+    )
     figures: dict = dict(step_bytes(model, batch), preset=preset, batch=batch, steps=length)
 
     def timed(call, repeats: int = 3) -> float:
@@ -456,13 +519,19 @@ def profile_timing(device: str, preset: str = "gpn-m-1l-130m", batch: int = 16, 
             for timing, ran_on in value.items():
                 print(f"[backend] {preset} bf16 {batch}x{length} {timing} ran on: {ran_on}", flush=True)
         elif isinstance(value, dict):
-            print(f"[profile] {name_of(key)}: {value['kernels_per_step']} kernels/step, GPU busy "
-                  f"{value['gpu_busy_us_per_step']} us/step of {value['wall_us_per_step_under_profiler']} us wall "
-                  f"({value['gpu_busy_fraction']})", flush=True)  # fmt: skip
+            print(
+                f"[profile] {name_of(key)}: {value['kernels_per_step']} kernels/step, GPU busy "
+                f"{value['gpu_busy_us_per_step']} us/step of {value['wall_us_per_step_under_profiler']} us wall "
+                f"({value['gpu_busy_fraction']})",
+                flush=True,
+            )
             for row in value["top_kernels"][:8]:
                 print(f"    {row[2]:9.2f} us/step  {row[1]:6.2f}/step  {100 * row[3]:5.1f}%  {row[0]}", flush=True)
         else:
-            print(f"[time] {preset} bf16 {batch}x{length} {key}: {value if isinstance(value, str) else round(value, 3)}", flush=True)
+            print(
+                f"[time] {preset} bf16 {batch}x{length} {key}: {value if isinstance(value, str) else round(value, 3)}",
+                flush=True,
+            )
     return figures
 
 
@@ -489,8 +558,15 @@ def summary(folder: Path) -> dict:
     ran how: every stage's start, duration, limit and exit code (a timeout, and what it changed for the
     stages after it, in "notes"), the graphs setting the bench ran with and why, every self-check's verdict
     (by stage), and which backend each timing actually ran on (Triton kernels or torch ops, graphs or not)."""
-    result: dict = {"notes": [], "stages": [], "self_checks": {}, "backends": {}, "correctness": None, "runs": {},
-                    "targets": {}}  # fmt: skip
+    result: dict = {
+        "notes": [],
+        "stages": [],
+        "self_checks": {},
+        "backends": {},
+        "correctness": None,
+        "runs": {},
+        "targets": {},
+    }
     stages_file = folder / "stages.tsv"  # written by gpu_check.sh: name, start, seconds, limit, exit code
     if stages_file.is_file():
         for line in stages_file.read_text().splitlines():
@@ -522,8 +598,10 @@ def summary(folder: Path) -> dict:
     for path in sorted(folder.glob("bench_*.json")):
         bench = json.loads(path.read_text())
         fast_backends = next((row.get("backend", {}) for row in bench["rows"] if row["impl"] == "fast"), {})
-        result["backends"][path.stem] = {"graphs setting": bench.get("cuda_graphs_setting"),
-                                         **{f"fast {timing}": ran_on for timing, ran_on in fast_backends.items()}}
+        result["backends"][path.stem] = {
+            "graphs setting": bench.get("cuda_graphs_setting"),
+            **{f"fast {timing}": ran_on for timing, ran_on in fast_backends.items()},
+        }
         result["self_checks"][path.stem] = bench.get("triton_self_checks")
         for timing, ran_on in result["backends"][path.stem].items():
             if timing.startswith("fast") and not str(ran_on).startswith("triton"):
@@ -555,7 +633,10 @@ def summary(folder: Path) -> dict:
             targets["generate() ms/token @4096 (reported)"] = (round(decode, 3), None)
     for stem, run in result["runs"].items():
         if stem.startswith("bench_large") and "train_ratio" in run:
-            targets[f"train >= 0.5x Llama at the larger batch ({stem})"] = (round(run["train_ratio"], 3), run["train_ratio"] >= 0.5)
+            targets[f"train >= 0.5x Llama at the larger batch ({stem})"] = (
+                round(run["train_ratio"], 3),
+                run["train_ratio"] >= 0.5,
+            )
     training = result.get("training_graphs", {})
     if training.get("train_step_ms_graphs_on"):
         speedup = training["train_step_ms_graphs_off"] / training["train_step_ms_graphs_on"]
@@ -566,9 +647,15 @@ def summary(folder: Path) -> dict:
         for name in ("on", "off"):
             if f"forward_GB_s_graphs_{name}" in profile:
                 rate = profile[f"forward_GB_s_graphs_{name}"]
-                targets[f"HBM bandwidth of a forward step, graphs {name} (GB/s of ~4800, reported)"] = (round(rate), None)
+                targets[f"HBM bandwidth of a forward step, graphs {name} (GB/s of ~4800, reported)"] = (
+                    round(rate),
+                    None,
+                )
         if "training_GB_s" in profile:
-            targets["HBM bandwidth of a training step (GB/s of ~4800, reported)"] = (round(profile["training_GB_s"]), None)
+            targets["HBM bandwidth of a training step (GB/s of ~4800, reported)"] = (
+                round(profile["training_GB_s"]),
+                None,
+            )
     step = result.get("decode_step", {}).get("graph_step_ms")
     if step is not None:
         targets["one-token step <= 0.1 ms (graph replay)"] = (round(step, 4), step <= 0.1)
@@ -596,19 +683,31 @@ def finish(out: str | None, name: str) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None, help="folder for the *_timing.json and *_self_checks.json files")
-    parser.add_argument("--self-checks", action="store_true",
-                        help="only the kernels' self-checks at the 130M sizes the timings use (compiling every kernel "
-                             "variant they use into Triton's on-disk cache); writes self_checks_self_checks.json")
+    parser.add_argument(
+        "--self-checks",
+        action="store_true",
+        help="only the kernels' self-checks at the 130M sizes the timings use (compiling every kernel "
+        "variant they use into Triton's on-disk cache); writes self_checks_self_checks.json",
+    )
     parser.add_argument("--decode-timing", action="store_true")
-    parser.add_argument("--training-timing", action="store_true",
-                        help="only the 130M training step with graphs on and off (writes training_timing.json)")
-    parser.add_argument("--profile", action="store_true",
-                        help="only where the 130M model's step time goes: per-kernel GPU time per step (torch.profiler), "
-                             "the GPU's busy fraction, and the HBM bandwidth achieved (writes profile_timing.json)")
+    parser.add_argument(
+        "--training-timing",
+        action="store_true",
+        help="only the 130M training step with graphs on and off (writes training_timing.json)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="only where the 130M model's step time goes: per-kernel GPU time per step (torch.profiler), "
+        "the GPU's busy fraction, and the HBM bandwidth achieved (writes profile_timing.json)",
+    )
     parser.add_argument("--summary", default=None, help="print the JSON summary of this gpu_check.sh output folder")
-    parser.add_argument("--dry-run-cpu", action="store_true",
-                        help="check this script without a GPU: the correctness checks on CPU through Triton's "
-                             "interpreter (TRITON_INTERPRET=1 must be set before Python starts), short sequences")
+    parser.add_argument(
+        "--dry-run-cpu",
+        action="store_true",
+        help="check this script without a GPU: the correctness checks on CPU through Triton's "
+        "interpreter (TRITON_INTERPRET=1 must be set before Python starts), short sequences",
+    )
     args = parser.parse_args()
     if args.dry_run_cpu:
         global DRY_RUN
@@ -625,8 +724,11 @@ def main() -> int:
         print(json.dumps(summary(Path(args.summary)), indent=1, default=str))
         return 0
     if not torch.cuda.is_available():
-        print("no CUDA device: the GPU correctness checks did not run (see tests/fast_path/test_triton_kernels.py for the "
-              "CPU-interpreter ones)", flush=True)  # fmt: skip
+        print(
+            "no CUDA device: the GPU correctness checks did not run (see tests/fast_path/test_triton_kernels.py for the "
+            "CPU-interpreter ones)",
+            flush=True,
+        )
         return 2
     # every mode checks the kernels at the sizes it times before it times anything (each process keeps its
     # own verdicts; the compiled kernels come from Triton's cache after the first stage)
@@ -645,8 +747,10 @@ def main() -> int:
         self_checks("cuda", batches=(1,))
     correctness("cuda")
     # every fast-path call on CUDA first checks the kernels against the torch ops (`triton_kernels.self_check`)
-    report(tk.self_check_failure() is None,
-           f"every self-check of this process on this GPU: {tk.self_check_failure() or 'matched the torch ops'}")
+    report(
+        tk.self_check_failure() is None,
+        f"every self-check of this process on this GPU: {tk.self_check_failure() or 'matched the torch ops'}",
+    )
     if args.decode_timing:
         run_timing("decode", decode_timing, args.out)
     return finish(args.out, "correctness")

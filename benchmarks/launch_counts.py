@@ -75,8 +75,16 @@ def count(fn, counter_mode: LaunchCounter):
 
 def model_of(layers: int, dtype: torch.dtype) -> GPNForCausalLM:
     torch.manual_seed(0)
-    config = GPNConfig(vocab_size=97, hidden_size=48, embedding_size=32, intermediate_size=64, num_memory_heads=3,
-                       memory_key_dim=8, memory_value_dim=16, num_predict_layers=layers)  # fmt: skip
+    config = GPNConfig(
+        vocab_size=97,
+        hidden_size=48,
+        embedding_size=32,
+        intermediate_size=64,
+        num_memory_heads=3,
+        memory_key_dim=8,
+        memory_value_dim=16,
+        num_predict_layers=layers,
+    )
     return GPNForCausalLM(config).to(dtype).eval()
 
 
@@ -99,7 +107,9 @@ def one_step(model, triton: bool, backward: bool, masked: bool = False):
         # the backends the fast path's dispatcher chooses for a training window of these inputs
         backends = fr.choose_backends(core, U, p, g, M, None, s, needs_grad=True, matmul_dtype=None)
         expected = fr.TRITON if triton else fr.TORCH_OPS
-        assert backends.step == backends.step_backward == backends.memory == expected, f"not the path asked for: {backends}"
+        assert backends.step == backends.step_backward == backends.memory == expected, (
+            f"not the path asked for: {backends}"
+        )
         step, step_backward = fr.step_functions(backends)
         memory_out = torch.empty_like(M)
         real = torch.arange(B) > 0 if masked else None
@@ -155,8 +165,13 @@ def training_window(model, graphs: bool, batch: int = 2, length: int = 64, segme
     assert bool(replays) == graphs, "the training graphs did not run as asked"
     triton = triton - inside
     total = sum(aten.values()) + sum(triton.values()) + sum(replays.values())
-    return dict(aten=sum(aten.values()), triton=sum(triton.values()), replays=sum(replays.values()),
-                per_position=total / length, ops=dict(aten.most_common()))  # fmt: skip
+    return dict(
+        aten=sum(aten.values()),
+        triton=sum(triton.values()),
+        replays=sum(replays.values()),
+        per_position=total / length,
+        ops=dict(aten.most_common()),
+    )
 
 
 def main() -> int:
@@ -167,8 +182,14 @@ def main() -> int:
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="weight dtypes")
     parser.add_argument("--json", default=None)
-    parser.add_argument("--training-window", type=int, nargs=2, default=[64, 32], metavar=("LENGTH", "SEGMENT"),
-                        help="the training window's length and BPTT segment (0 0: skip the training-window counts)")
+    parser.add_argument(
+        "--training-window",
+        type=int,
+        nargs=2,
+        default=[64, 32],
+        metavar=("LENGTH", "SEGMENT"),
+        help="the training window's length and BPTT segment (0 0: skip the training-window counts)",
+    )
     args = parser.parse_args()
     if not tk.available():
         raise SystemExit(f"triton unavailable: {tk.unavailable_reason()}")
@@ -183,13 +204,26 @@ def main() -> int:
                     backward, masked = direction != "forward", direction.endswith("masked")
                     aten, triton = one_step(model, path == "triton", backward, masked)
                     total = sum(aten.values()) + sum(triton.values())
-                    rows.append(dict(model=f"GPN+M {layers}L", dtype=dtype, direction=direction, path=path,
-                                     aten=sum(aten.values()), triton=sum(triton.values()), launches=total))  # fmt: skip
-                    details[f"{layers}L {dtype} {direction} {path}"] = dict(aten=dict(aten.most_common()), triton=dict(triton))
+                    rows.append(
+                        dict(
+                            model=f"GPN+M {layers}L",
+                            dtype=dtype,
+                            direction=direction,
+                            path=path,
+                            aten=sum(aten.values()),
+                            triton=sum(triton.values()),
+                            launches=total,
+                        )
+                    )
+                    details[f"{layers}L {dtype} {direction} {path}"] = dict(
+                        aten=dict(aten.most_common()), triton=dict(triton)
+                    )
     print("| model | weights | step | path | aten launches | Triton launches | launches per step |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['dtype']} | {r['direction']} | {r['path']} | {r['aten']} | {r['triton']} | {r['launches']} |")
+        print(
+            f"| {r['model']} | {r['dtype']} | {r['direction']} | {r['path']} | {r['aten']} | {r['triton']} | {r['launches']} |"
+        )
     print()
     for key, value in details.items():
         print(f"{key}: aten {value['aten']}  triton {value['triton']}")
@@ -205,7 +239,9 @@ def main() -> int:
 def training_rows(args, rows: list, length: int, segment: int) -> None:
     """The training-window table (appended to `rows`)."""
     print()
-    print(f"Training window (batch 2 x {length} positions, BPTT segments of {segment}, chunks of 32): launches per position")
+    print(
+        f"Training window (batch 2 x {length} positions, BPTT segments of {segment}, chunks of 32): launches per position"
+    )
     print("| model | weights | training graphs | aten | Triton | graph replays | launches per position |")
     print("|---|---|---|---|---|---|---|")
     for dtype in args.dtypes:
@@ -214,8 +250,11 @@ def training_rows(args, rows: list, length: int, segment: int) -> None:
                 model = model_of(layers, getattr(torch, dtype))
                 r = training_window(model, graphs, length=length, segment=segment)
                 rows.append(dict(model=f"GPN+M {layers}L", dtype=dtype, training_graphs=graphs, **r))
-                print(f"| GPN+M {layers}L | {dtype} | {'on' if graphs else 'off'} | {r['aten']} | {r['triton']} | "
-                      f"{r['replays']} | {r['per_position']:.2f} |", flush=True)  # fmt: skip
+                print(
+                    f"| GPN+M {layers}L | {dtype} | {'on' if graphs else 'off'} | {r['aten']} | {r['triton']} | "
+                    f"{r['replays']} | {r['per_position']:.2f} |",
+                    flush=True,
+                )
                 if graphs:
                     print(f"    outside the chunks: {r['ops']}")
 

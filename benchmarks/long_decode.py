@@ -41,8 +41,11 @@ class Report:
             now = time.perf_counter()
             ms = 1000 * (now - self.last) / self.interval
             self.last = now
-            print(f"| {self.count:,} | {ms:.3f} | {status_mib('VmRSS'):.1f} | {status_mib('VmHWM'):.1f} | "
-                  f"{self.cache_bytes() / 1024:.1f} KB |", flush=True)  # fmt: skip
+            print(
+                f"| {self.count:,} | {ms:.3f} | {status_mib('VmRSS'):.1f} | {status_mib('VmHWM'):.1f} | "
+                f"{self.cache_bytes() / 1024:.1f} KB |",
+                flush=True,
+            )
 
 
 def main() -> None:
@@ -62,8 +65,10 @@ def main() -> None:
     config = GPNConfig.from_json_file(str(REPO_ROOT / "configuration" / f"{args.preset}.json"))
     model = GPNForCausalLM(config).to(args.device).eval()
     prompt = torch.randint(0, config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1)).to(args.device)
-    print(f"{args.preset} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters), "
-          f"{'generate()' if args.generate else 'decode loop'}, batch 1, {args.threads} thread(s), {args.device}")  # fmt: skip
+    print(
+        f"{args.preset} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters), "
+        f"{'generate()' if args.generate else 'decode loop'}, batch 1, {args.threads} thread(s), {args.device}"
+    )
 
     with torch.no_grad():
         if args.generate:
@@ -78,7 +83,9 @@ def main() -> None:
                 def put(self, value):
                     if self.first:  # the prompt
                         self.first = False
-                        self.report = Report(args.interval, lambda: holder["cache"].nbytes() if "cache" in holder else 0)
+                        self.report = Report(
+                            args.interval, lambda: holder["cache"].nbytes() if "cache" in holder else 0
+                        )
                         return
                     self.report.token()
 
@@ -87,8 +94,15 @@ def main() -> None:
 
             cache = __import__("modeling_gpn").GPNCache(config)
             holder["cache"] = cache
-            model.generate(prompt, cache=cache, max_new_tokens=args.tokens, min_new_tokens=args.tokens,
-                           do_sample=False, pad_token_id=0, streamer=Streamer())  # fmt: skip
+            model.generate(
+                prompt,
+                cache=cache,
+                max_new_tokens=args.tokens,
+                min_new_tokens=args.tokens,
+                do_sample=False,
+                pad_token_id=0,
+                streamer=Streamer(),
+            )
         else:
             out = model(prompt, use_cache=True, logits_to_keep=1)
             cache = out.cache

@@ -68,8 +68,15 @@ def measure_one(preset: str, length: int, code: str | None, threads: int) -> dic
     seconds = time.perf_counter() - start
     peak = status_kib("VmHWM")
     assert out.cache.get_seq_length() == length
-    return {"length": length, "rss_before_kib": before, "peak_kib": peak, "prefill_peak_mib": (peak - before) / 1024,
-            "seconds": seconds, "code": source, "cache_bytes": out.cache.nbytes()}  # fmt: skip
+    return {
+        "length": length,
+        "rss_before_kib": before,
+        "peak_kib": peak,
+        "prefill_peak_mib": (peak - before) / 1024,
+        "seconds": seconds,
+        "code": source,
+        "cache_bytes": out.cache.nbytes(),
+    }
 
 
 def speed_ab(preset: str, lengths: list[int], repeats: int, threads: int) -> None:
@@ -93,8 +100,10 @@ def speed_ab(preset: str, lengths: list[int], repeats: int, threads: int) -> Non
                     times[name].append(time.perf_counter() - start)
         model.prefill_chunk_length = chunk
         medians = {name: statistics.median(values) for name, values in times.items()}
-        print(f"{length:>8} tokens: chunked {length / medians['chunked']:,.0f} tok/s, one pass "
-              f"{length / medians['one pass']:,.0f} tok/s, ratio {medians['one pass'] / medians['chunked']:.3f}")  # fmt: skip
+        print(
+            f"{length:>8} tokens: chunked {length / medians['chunked']:,.0f} tok/s, one pass "
+            f"{length / medians['one pass']:,.0f} tok/s, ratio {medians['one pass'] / medians['chunked']:.3f}"
+        )
 
 
 def main() -> None:
@@ -116,13 +125,25 @@ def main() -> None:
         return
     environment = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     for length in args.lengths:
-        command = [sys.executable, __file__, "--preset", args.preset, "--one", str(length), "--threads", str(args.threads)]
+        command = [
+            sys.executable,
+            __file__,
+            "--preset",
+            args.preset,
+            "--one",
+            str(length),
+            "--threads",
+            str(args.threads),
+        ]
         if args.code:
             command += ["--code", args.code]
         result = subprocess.run(command, capture_output=True, text=True, env=environment, check=True)
         record = json.loads(result.stdout.strip().splitlines()[-1])
-        print(f"{args.preset} prefill of {length:>7} tokens: peak +{record['prefill_peak_mib']:.1f} MiB "
-              f"(RSS before {record['rss_before_kib'] / 1024:.0f} MiB, {record['seconds']:.0f} s) [{record['code']}]", flush=True)  # fmt: skip
+        print(
+            f"{args.preset} prefill of {length:>7} tokens: peak +{record['prefill_peak_mib']:.1f} MiB "
+            f"(RSS before {record['rss_before_kib'] / 1024:.0f} MiB, {record['seconds']:.0f} s) [{record['code']}]",
+            flush=True,
+        )
         if args.json:
             with open(args.json, "a") as file:
                 file.write(json.dumps({"preset": args.preset, **record}) + "\n")

@@ -65,9 +65,11 @@ def main() -> None:
         probe()
         times["limit"].append(clock() - start)
     limit = statistics.median(times["limit"])
-    print(f"{args.preset} {args.dtype}, {args.threads} thread(s), {'CPU' if args.threads == 1 else 'wall'} clock, "
-          f"medians of {args.steps}: limit {1e3 * limit:.3f} ms ({probe.nbytes / 1e6:.1f} MB at "
-          f"{probe.nbytes / limit / 1e9:.1f} GB/s, {probe.kind})")  # fmt: skip
+    print(
+        f"{args.preset} {args.dtype}, {args.threads} thread(s), {'CPU' if args.threads == 1 else 'wall'} clock, "
+        f"medians of {args.steps}: limit {1e3 * limit:.3f} ms ({probe.nbytes / 1e6:.1f} MB at "
+        f"{probe.nbytes / limit / 1e9:.1f} GB/s, {probe.kind})"
+    )
     for name in PATHS:
         median = statistics.median(times[name])
         print(f"  {name}: {1e3 * median:.3f} ms a step = {median / limit:.2f}x the limit")

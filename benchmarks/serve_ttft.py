@@ -45,8 +45,12 @@ SPECIALS = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--work", type=Path, default=Path("/tmp/gpn-serve-bench"), help="folder for the models (reused)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--work", type=Path, default=Path("/tmp/gpn-serve-bench"), help="folder for the models (reused)"
+    )
     parser.add_argument("--turns", type=int, default=20)
     parser.add_argument("--turn-tokens", type=int, default=200, help="tokens of text each user turn adds")
     parser.add_argument("--answer-tokens", type=int, default=16)
@@ -103,7 +107,10 @@ class Texts:
         start, self.used = self.used, self.used + count * self.tokens
         if self.used > len(self.ids):
             raise ValueError(f"the plays hold {len(self.ids)} tokens: too few for this many turns")
-        return [self.tokenizer.decode(self.ids[start + i * self.tokens : start + (i + 1) * self.tokens]) for i in range(count)]
+        return [
+            self.tokenizer.decode(self.ids[start + i * self.tokens : start + (i + 1) * self.tokens])
+            for i in range(count)
+        ]
 
 
 def banned_tokens(tokenizer) -> dict[str, float]:
@@ -163,11 +170,17 @@ def start_servers(gpn_dir: Path, llama_dir: Path, work: Path, threads: int) -> l
     gpn = [sys.executable, "-m", "modeling_gpn.cli", "serve", str(gpn_dir), "--host", "127.0.0.1", "--device", "cpu"]
     transformers_cli = Path(sys.executable).with_name("transformers")
     plain = [str(transformers_cli), "serve", str(llama_dir), "--host", "127.0.0.1", "--device", "cpu"]
-    specs = [("gpn serve + store", gpn), ("gpn serve, no store", [*gpn, "--state-store-bytes", "0"]), ("transformers serve (Llama)", plain)]
+    specs = [
+        ("gpn serve + store", gpn),
+        ("gpn serve, no store", [*gpn, "--state-store-bytes", "0"]),
+        ("transformers serve (Llama)", plain),
+    ]
     servers = []
     for name, command in specs:
         port = free_port()
-        servers.append(Server(name, [*command, "--port", str(port)], port, work / f"{name.split()[0]}-{port}.log", threads))
+        servers.append(
+            Server(name, [*command, "--port", str(port)], port, work / f"{name.split()[0]}-{port}.log", threads)
+        )
     for server in servers:
         server.wait()
     return servers
@@ -178,7 +191,9 @@ def start_servers(gpn_dir: Path, llama_dir: Path, work: Path, threads: int) -> l
 # --------------------------------------------------------------------------------------------------
 
 
-def ask(client, model: str, messages: list[dict], answer_tokens: int, bias: dict, stream: bool) -> tuple[float, str, object]:
+def ask(
+    client, model: str, messages: list[dict], answer_tokens: int, bias: dict, stream: bool
+) -> tuple[float, str, object]:
     """(seconds to the first content chunk (streamed) or to the whole answer, the answer, the usage)."""
     start = time.perf_counter()
     request = dict(model=model, messages=messages, max_tokens=answer_tokens, temperature=0, logit_bias=bias)
@@ -200,7 +215,14 @@ def converse(server: Server, model: str, turns: list[str], answer_tokens: int, b
         messages.append({"role": "user", "content": text})
         ttft, answer, usage = ask(client, model, messages, answer_tokens, bias, stream=True)
         details = getattr(usage, "prompt_tokens_details", None)
-        out.append({"ttft": ttft, "prompt_tokens": usage.prompt_tokens, "cached": getattr(details, "cached_tokens", None) or 0, "answer": answer})
+        out.append(
+            {
+                "ttft": ttft,
+                "prompt_tokens": usage.prompt_tokens,
+                "cached": getattr(details, "cached_tokens", None) or 0,
+                "answer": answer,
+            }
+        )
         messages.append({"role": "assistant", "content": answer})
     return out
 
@@ -210,21 +232,27 @@ class Floor:
     token (one forward, as the server's own forward and generate()'s first step together), timed."""
 
     def __init__(self, gpn_dir: Path, turn_tokens: int, threads: int):
-        import modeling_gpn  # noqa: F401
         from transformers import AutoModelForCausalLM
+
+        import modeling_gpn  # noqa: F401
 
         torch.set_num_threads(threads)
         self.model = AutoModelForCausalLM.from_pretrained(gpn_dir).eval()
         self.turn_tokens = turn_tokens
         self.generator = torch.Generator().manual_seed(0)
         with torch.no_grad():
-            self.state = self.model(torch.randint(10, 8000, (1, 500), generator=self.generator), use_cache=True, logits_to_keep=1).cache
+            self.state = self.model(
+                torch.randint(10, 8000, (1, 500), generator=self.generator), use_cache=True, logits_to_keep=1
+            ).cache
         self.times: list[float] = []
 
     def measure(self, repeats: int = 3) -> None:
         with torch.no_grad():
             for _ in range(repeats):
-                cache, new = self.state.fork(1), torch.randint(10, 8000, (1, self.turn_tokens), generator=self.generator)
+                cache, new = (
+                    self.state.fork(1),
+                    torch.randint(10, 8000, (1, self.turn_tokens), generator=self.generator),
+                )
                 mask = torch.ones(1, 500 + self.turn_tokens, dtype=torch.long)
                 start = time.perf_counter()
                 self.model(new, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1).logits.argmax(-1)
@@ -262,8 +290,9 @@ def load_average() -> str:
 
 def main() -> None:
     args = parse_args()
-    import modeling_gpn  # noqa: F401  (registers GPN: the tokenizer's folder names GPN's config)
     from transformers import AutoTokenizer
+
+    import modeling_gpn  # noqa: F401  (registers GPN: the tokenizer's folder names GPN's config)
 
     args.work.mkdir(parents=True, exist_ok=True)
     gpn_dir, llama_dir = make_models(args.work)
@@ -288,15 +317,21 @@ def main() -> None:
                 loads.append(load_average())
                 runs[server.name].append(converse(server, models[server.name], turns, args.answer_tokens, bias))
         store, plain, llama = (runs[server.name] for server in servers)
-        identical = sum(a["answer"] == b["answer"] for conv_a, conv_b in zip(store, plain) for a, b in zip(conv_a, conv_b))
-        throughput: dict[int, dict[str, list[float]]] = {clients: {server.name: [] for server in servers} for clients in args.clients}
+        identical = sum(
+            a["answer"] == b["answer"] for conv_a, conv_b in zip(store, plain) for a, b in zip(conv_a, conv_b)
+        )
+        throughput: dict[int, dict[str, list[float]]] = {
+            clients: {server.name: [] for server in servers} for clients in args.clients
+        }
         for round_ in range(args.load_rounds):
             for clients in args.clients:
                 conversations = [texts.turns(args.load_turns) for _ in range(clients)]  # new to every server
                 for server in servers[round_ % 3 :] + servers[: round_ % 3]:
                     print(f"round {round_ + 1}: {clients} clients on {server.name} ...", file=sys.stderr, flush=True)
                     loads.append(load_average())
-                    throughput[clients][server.name].append(requests_per_second(server, models[server.name], conversations, args.answer_tokens, bias))
+                    throughput[clients][server.name].append(
+                        requests_per_second(server, models[server.name], conversations, args.answer_tokens, bias)
+                    )
     finally:
         for server in servers:
             server.stop()
@@ -306,29 +341,51 @@ def main() -> None:
     def median_of(conversations: list[list[dict]], turn: int, key: str) -> float:
         return statistics.median(conversation[turn][key] for conversation in conversations)
 
-    print(f"\nTime to first token by turn (ms, median of {args.repeats} conversations; {args.turn_tokens}-token turns, "
-          f"{args.answer_tokens}-token answers; torch threads {args.threads}; 1-minute load average "
-          f"{min(one_minute):.1f}-{max(one_minute):.1f} on this machine's 2 cores while it ran)\n")  # fmt: skip
+    print(
+        f"\nTime to first token by turn (ms, median of {args.repeats} conversations; {args.turn_tokens}-token turns, "
+        f"{args.answer_tokens}-token answers; torch threads {args.threads}; 1-minute load average "
+        f"{min(one_minute):.1f}-{max(one_minute):.1f} on this machine's 2 cores while it ran)\n"
+    )
     names = [server.name for server in servers]
-    print(f"| turn | prompt tokens (GPN) | read with the store | {' | '.join(names)} | no store / store | Llama / store |")
+    print(
+        f"| turn | prompt tokens (GPN) | read with the store | {' | '.join(names)} | no store / store | Llama / store |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for turn in range(args.turns):
         prompt = median_of(store, turn, "prompt_tokens")
         read = prompt - median_of(store, turn, "cached")
         ttfts = [1000 * median_of(runs[name], turn, "ttft") for name in names]
-        print(f"| {turn + 1} | {prompt:.0f} | {read:.0f} | " + " | ".join(f"{t:.0f}" for t in ttfts) + f" | {ttfts[1] / ttfts[0]:.1f}x | {ttfts[2] / ttfts[0]:.2f}x |")
-    print(f"\nfloor, the GPN alone in this process ({args.turn_tokens} new tokens from a state and the first answer token, "
-          f"one forward): median {1000 * statistics.median(floor.times):.0f} ms of {len(floor.times)}, measured between the conversations")  # fmt: skip
+        print(
+            f"| {turn + 1} | {prompt:.0f} | {read:.0f} | "
+            + " | ".join(f"{t:.0f}" for t in ttfts)
+            + f" | {ttfts[1] / ttfts[0]:.1f}x | {ttfts[2] / ttfts[0]:.2f}x |"
+        )
+    print(
+        f"\nfloor, the GPN alone in this process ({args.turn_tokens} new tokens from a state and the first answer token, "
+        f"one forward): median {1000 * statistics.median(floor.times):.0f} ms of {len(floor.times)}, measured between the conversations"
+    )
     print(f"GPN answers identical with and without the store: {identical} of {args.turns * args.repeats} turns")
-    print(f"\nRequests/s (each client a {args.load_turns}-turn conversation, {args.answer_tokens}-token answers, not streamed; "
-          f"median of {args.load_rounds} rounds, the servers in turn)\n")  # fmt: skip
+    print(
+        f"\nRequests/s (each client a {args.load_turns}-turn conversation, {args.answer_tokens}-token answers, not streamed; "
+        f"median of {args.load_rounds} rounds, the servers in turn)\n"
+    )
     print(f"| clients at once | {' | '.join(names)} |")
     print("|---|---|---|---|")
     for clients, figures in throughput.items():
         print(f"| {clients} | " + " | ".join(f"{statistics.median(figures[name]):.2f}" for name in names) + " |")
     if args.json is not None:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs, "floor": floor.times,
-                                         "throughput": throughput, "loads": loads}, indent=1))  # fmt: skip
+        args.json.write_text(
+            json.dumps(
+                {
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "runs": runs,
+                    "floor": floor.times,
+                    "throughput": throughput,
+                    "loads": loads,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import torch
 from modeling_gpn import GPNForCausalLM, cuda_graphs
 from modeling_gpn import triton_kernels as tk
 from modeling_gpn.configuration import load_preset
-from modeling_gpn.fast_recurrence import fold_weights, in_matmul_dtype
+from modeling_gpn.fast_recurrence import GRAPH_KERNELS, fold_weights, in_matmul_dtype
 
 
 def sweep_nbytes(preset: str, batch: int, segment: int, dtype: torch.dtype) -> dict:
@@ -32,7 +32,7 @@ def sweep_nbytes(preset: str, batch: int, segment: int, dtype: torch.dtype) -> d
         core = GPNForCausalLM(config).to(dtype).model
     with torch.no_grad():
         w = in_matmul_dtype(fold_weights(core), None)
-    sweep = cuda_graphs.TrainingSweep(core, batch, segment, w, meta, kernels=fr.GRAPH_KERNELS)
+    sweep = cuda_graphs.TrainingSweep(core, batch, segment, w, meta, kernels=GRAPH_KERNELS)
     s = sweep.s
     launch, tk._launch = tk._launch, lambda *args, **meta_args: None  # (meta tensors: shapes only)
     try:
@@ -61,14 +61,19 @@ def main() -> None:
     for segment in args.segment:
         figures = sweep_nbytes(args.preset, args.batch, segment, dtype)
         totals[segment] = figures["total"]
-        print(f"{args.preset} {args.dtype} batch {args.batch}, segment {segment}: a training sweep holds "
-              f"{figures['total'] / 2**30:.2f} GiB, {figures['memory_slots'] / 2**30:.2f} GiB of them M' of each "
-              f"position", flush=True)  # fmt: skip
+        print(
+            f"{args.preset} {args.dtype} batch {args.batch}, segment {segment}: a training sweep holds "
+            f"{figures['total'] / 2**30:.2f} GiB, {figures['memory_slots'] / 2**30:.2f} GiB of them M' of each "
+            f"position",
+            flush=True,
+        )
     long = sorted(n for n in totals if n >= cuda_graphs.TRAINING_CHUNK)  # (same chunk: same fixed buffers)
     if len(long) >= 2:
         per_position = (totals[long[-1]] - totals[long[0]]) / (long[-1] - long[0])
-        print(f"per segment position {per_position / 2**20:.1f} MiB (M' included), fixed "
-              f"{(totals[long[0]] - long[0] * per_position) / 2**30:.2f} GiB")  # fmt: skip
+        print(
+            f"per segment position {per_position / 2**20:.1f} MiB (M' included), fixed "
+            f"{(totals[long[0]] - long[0] * per_position) / 2**30:.2f} GiB"
+        )
 
 
 if __name__ == "__main__":

@@ -33,11 +33,10 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-
 import subprocess  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
+import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import triton  # noqa: E402
@@ -60,10 +59,12 @@ CASES = {
     "predict_layer_backward": [dict(BLOCK=1024, BLOCK_F=1024, BLOCK_R=1024)],
     "memory_read_backward": [dict(BLOCK_K=128, BLOCK_V=V)],
     "memory_gates_backward": [dict(BLOCK_K=128, BLOCK_V=V)],
-    "rms_backward": [dict(HAS_ACC2=a, HAS_MUL=m, WRITE_Y=y, BLOCK=4096) for a, m, y in
-                     [(False, False, True), (True, False, True), (False, True, True), (False, False, False)]],
+    "rms_backward": [
+        dict(HAS_ACC2=a, HAS_MUL=m, WRITE_Y=y, BLOCK=4096)
+        for a, m, y in [(False, False, True), (True, False, True), (False, True, True), (False, False, False)]
+    ],
     "ground_gate_backward": [dict(BLOCK=1024)],
-}  # fmt: skip
+}
 
 
 # with bf16 weights these inputs are a matmul's bf16 output (the kernel upcasts them as it loads)
@@ -106,8 +107,11 @@ def ptxas_report(ptx: str, arch: int) -> str:
         for ptxas in candidates:
             if not ptxas.is_file():
                 continue
-            out = subprocess.run([str(ptxas), f"-arch=sm_{arch}a", "-v", str(source), "-o", str(Path(scratch) / "k.cubin")],
-                                 capture_output=True, text=True)  # fmt: skip
+            out = subprocess.run(
+                [str(ptxas), f"-arch=sm_{arch}a", "-v", str(source), "-o", str(Path(scratch) / "k.cubin")],
+                capture_output=True,
+                text=True,
+            )
             if out.returncode == 0:
                 lines = [line.split("info    : ")[-1].strip() for line in (out.stdout + out.stderr).splitlines()]
                 return "; ".join(line for line in lines if "registers" in line or "spill" in line)
@@ -122,7 +126,10 @@ def compiled_result(label: str, compiled, seconds: float, arch: int, **identity)
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", usage)]
     note = "  [SPILLS]" if any(spills) else ""
     shared = compiled.metadata.shared
-    print(f"[ok] {label}: {seconds:.1f} s, {compiled.metadata.num_warps} warps, shared {shared} B; {usage}{note}", flush=True)
+    print(
+        f"[ok] {label}: {seconds:.1f} s, {compiled.metadata.num_warps} warps, shared {shared} B; {usage}{note}",
+        flush=True,
+    )
     return dict(**identity, ok=True, seconds=seconds, shared=shared, ptxas=usage)
 
 
@@ -181,8 +188,16 @@ def one_step_on_the_wrappers(preset: str, dtype, batch: int) -> None:
         if not tk.usable_step_backward(saved, grads, s):
             raise RuntimeError(f"{preset}: step_backward would not take this step (it would run the torch ops)")
         weight_grads = fr._WeightGrads(w, s.batch)
-        tk.step_backward(saved, grads, fr.transpose_weights(w), s, c, eps, weight_grads,
-                         torch.empty_like(memory) if s.memory else None)  # fmt: skip
+        tk.step_backward(
+            saved,
+            grads,
+            fr.transpose_weights(w),
+            s,
+            c,
+            eps,
+            weight_grads,
+            torch.empty_like(memory) if s.memory else None,
+        )
 
 
 def compile_step_launches(target: GPUTarget, arch: int) -> list[dict]:
@@ -213,8 +228,11 @@ def compile_step_launches(target: GPUTarget, arch: int) -> list[dict]:
             return
         seen.add(compiled.hash)
         seconds = time.perf_counter() - start
-        results.append(compiled_result(f"{case}: {label}", compiled, seconds, arch, kernel=name, case=case,
-                                       meta=str(meta), bf16=bf16))  # fmt: skip
+        results.append(
+            compiled_result(
+                f"{case}: {label}", compiled, seconds, arch, kernel=name, case=case, meta=str(meta), bf16=bf16
+            )
+        )
 
     launch, active = tk._launch, getattr(driver, "_active", None)  # (None: Triton makes the default when asked)
     driver.set_active(CompileOnlyDriver(target))
@@ -258,16 +276,22 @@ def main() -> int:
                 results.append(dict(kernel=name, constexprs=constexprs, ok=False, error=str(error)[:2000]))
                 continue
             seconds = time.perf_counter() - start
-            results.append(compiled_result(label, compiled, seconds, args.arch, kernel=name, constexprs=constexprs,
-                                           bf16=[bf16] if bf16 else []))  # fmt: skip
+            results.append(
+                compiled_result(
+                    label, compiled, seconds, args.arch, kernel=name, constexprs=constexprs, bf16=[bf16] if bf16 else []
+                )
+            )
     print(f"sm_{args.arch}: {len(results) - failures} of {len(results)} kernel variants compiled", flush=True)
     if not args.no_steps:
         step_results = compile_step_launches(target, args.arch)
         step_failures = sum(not r["ok"] for r in step_results)
         failures += step_failures
         results += step_results
-        print(f"sm_{args.arch}: {len(step_results) - step_failures} of {len(step_results)} distinct launches of the "
-              f"130M presets' steps compiled", flush=True)  # fmt: skip
+        print(
+            f"sm_{args.arch}: {len(step_results) - step_failures} of {len(step_results)} distinct launches of the "
+            f"130M presets' steps compiled",
+            flush=True,
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

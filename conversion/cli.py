@@ -9,10 +9,18 @@ from .reference import CheckpointError, convert
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", help="the reference trainer's checkpoint.pkl, or a folder with params.npz (+ config.json)")
-    parser.add_argument("out", help="output folder (written with save_pretrained: safetensors, config.json, modeling files)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer name or path to save beside the model (e.g. the LLaMA-2 tokenizer)")
-    parser.add_argument("--push-to-hub", metavar="REPO_ID", default=None, help="also publish OUT to this Hub repo (see `gpn push`)")
+    parser.add_argument(
+        "src", help="the reference trainer's checkpoint.pkl, or a folder with params.npz (+ config.json)"
+    )
+    parser.add_argument(
+        "out", help="output folder (written with save_pretrained: safetensors, config.json, modeling files)"
+    )
+    parser.add_argument(
+        "--tokenizer", default=None, help="tokenizer name or path to save beside the model (e.g. the LLaMA-2 tokenizer)"
+    )
+    parser.add_argument(
+        "--push-to-hub", metavar="REPO_ID", default=None, help="also publish OUT to this Hub repo (see `gpn push`)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -24,7 +32,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"gpn convert: {error}", file=sys.stderr)
         return 1
     except MemoryError:
-        print(f"gpn convert: ran out of memory converting {args.src}; the model is too large for this machine", file=sys.stderr)
+        print(
+            f"gpn convert: ran out of memory converting {args.src}; the model is too large for this machine",
+            file=sys.stderr,
+        )
         return 1
     except Exception as error:  # noqa: BLE001 - a fault no check foresaw still gets one line, not a traceback
         print(f"gpn convert: cannot convert {args.src}: {type(error).__name__}: {error}", file=sys.stderr)

@@ -32,15 +32,15 @@ import codecs
 import io
 import json
 import math
-import os
 import pickle
 import re
 import resource
 import zipfile
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -112,16 +112,21 @@ def _plain_dtype(value: Any, where: str) -> np.dtype:
     if not isinstance(value, np.dtype):
         raise CheckpointError(f"Refusing the checkpoint: {where} has a dtype of type {type(value).__name__}")
     if (
-        value.kind not in _NUMERIC_KINDS or value.hasobject or value.fields is not None or value.subdtype is not None
+        value.kind not in _NUMERIC_KINDS
+        or value.hasobject
+        or value.fields is not None
+        or value.subdtype is not None
         or value.itemsize != np.dtype(value.str).itemsize
-    ):  # fmt: skip
+    ):
         raise CheckpointError(f"Refusing the checkpoint: {where} has dtype {value}, not a plain numeric dtype")
     return value
 
 
 def _shape_size(shape: Any, where: str) -> int:
     """Number of elements of a claimed shape (a tuple of non-negative ints), else `CheckpointError`."""
-    if not isinstance(shape, tuple) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+    if not isinstance(shape, tuple) or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape
+    ):
         raise CheckpointError(f"Refusing the checkpoint: {where} claims the shape {shape!r}")
     return math.prod(shape)
 
@@ -232,7 +237,9 @@ class RestrictedUnpickler(pickle._Unpickler):
         def container(kind: type) -> Callable:
             def build(*args):
                 if len(args) > 1 or (args and not isinstance(args[0], (list, tuple, set, frozenset, dict))):
-                    raise CheckpointError(f"Refusing the checkpoint: {kind.__name__}() of {[type(a).__name__ for a in args]}")
+                    raise CheckpointError(
+                        f"Refusing the checkpoint: {kind.__name__}() of {[type(a).__name__ for a in args]}"
+                    )
                 claim(64 * (len(args[0]) if args else 0) + 64, f"a {kind.__name__}")
                 return kind(*args)
 
@@ -242,7 +249,9 @@ class RestrictedUnpickler(pickle._Unpickler):
             def build(*args):
                 # bytes(n) would allocate n bytes out of one number in the file
                 if len(args) > 3 or (args and not isinstance(args[0], (bytes, bytearray, str, list))):
-                    raise CheckpointError(f"Refusing the checkpoint: {kind.__name__}() of {[type(a).__name__ for a in args]}")
+                    raise CheckpointError(
+                        f"Refusing the checkpoint: {kind.__name__}() of {[type(a).__name__ for a in args]}"
+                    )
                 claim(len(args[0]) * (4 if isinstance(args[0], str) else 1) if args else 0, f"a {kind.__name__}")
                 return kind(*args)
 
@@ -251,7 +260,9 @@ class RestrictedUnpickler(pickle._Unpickler):
         def number(kind: type) -> Callable:
             def build(*args):
                 if len(args) > 2 or not all(isinstance(a, (int, float, str, bytes)) for a in args):
-                    raise CheckpointError(f"Refusing the checkpoint: {kind.__name__}() of {[type(a).__name__ for a in args]}")
+                    raise CheckpointError(
+                        f"Refusing the checkpoint: {kind.__name__}() of {[type(a).__name__ for a in args]}"
+                    )
                 return kind(*args)
 
             return build
@@ -290,8 +301,11 @@ class RestrictedUnpickler(pickle._Unpickler):
                 )
             self.claim(size * dtype.itemsize, "an array")
             target.__setstate__(state)
-        elif isinstance(target, np.dtype) and isinstance(state, tuple) and len(state) in (8, 9) and state[2:8] == (
-            None, None, None, -1, -1, 0
+        elif (
+            isinstance(target, np.dtype)
+            and isinstance(state, tuple)
+            and len(state) in (8, 9)
+            and state[2:8] == (None, None, None, -1, -1, 0)
         ):  # a plain numeric dtype's state: no sub-array, fields, size, alignment or flags of its own
             target.__setstate__(state)
             _plain_dtype(target, "a dtype")
@@ -317,13 +331,17 @@ def load_pickle_checkpoint(path: str | Path) -> dict[str, Any]:
     except OSError as error:
         raise CheckpointError(f"Cannot read {path}: {error.strerror or error}") from error
     try:
-        checkpoint = RestrictedUnpickler(io.BytesIO(data), budget=PICKLE_BUDGET_FACTOR * size + SMALL_CLAIM_BYTES).load()
+        checkpoint = RestrictedUnpickler(
+            io.BytesIO(data), budget=PICKLE_BUDGET_FACTOR * size + SMALL_CLAIM_BYTES
+        ).load()
     except CheckpointError:
         raise
     except RecursionError as error:
         raise CheckpointError(f"{path} is not a readable reference checkpoint: nested too deeply") from error
     except Exception as error:  # truncated, not a pickle, a wrapper's own TypeError, ...
-        raise CheckpointError(f"{path} is not a readable reference checkpoint: {type(error).__name__}: {error}") from error
+        raise CheckpointError(
+            f"{path} is not a readable reference checkpoint: {type(error).__name__}: {error}"
+        ) from error
     del data
     if not isinstance(checkpoint, dict) or "params" not in checkpoint:
         keys = sorted(map(str, checkpoint)) if isinstance(checkpoint, dict) else type(checkpoint).__name__
@@ -380,7 +398,9 @@ def _npz_claims(path: Path, archive: zipfile.ZipFile) -> dict[str, ArrayClaim]:
         with archive.open(info) as member:
             try:
                 version = np.lib.format.read_magic(member)
-                read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                read_header = (
+                    np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                )
                 shape, fortran_order, dtype = read_header(member)
                 header_bytes = member.tell()
             except Exception as error:  # noqa: BLE001 - a bad header, a damaged or encrypted member, ...
@@ -395,7 +415,9 @@ def _npz_claims(path: Path, archive: zipfile.ZipFile) -> dict[str, ArrayClaim]:
                 f"but holds {info.file_size - header_bytes:,} bytes"
             )
 
-        def read(info=info, shape=tuple(shape), dtype=dtype, fortran=fortran_order, start=header_bytes, size=data_bytes):
+        def read(
+            info=info, shape=tuple(shape), dtype=dtype, fortran=fortran_order, start=header_bytes, size=data_bytes
+        ):
             data = bytearray(size)  # size checked against the directory, the header and the config
             try:
                 with archive.open(info) as member:
@@ -403,7 +425,9 @@ def _npz_claims(path: Path, archive: zipfile.ZipFile) -> dict[str, ArrayClaim]:
                     got = member.readinto(data)
                     member.read(1)  # reach the end: zipfile checks the CRC there
             except Exception as error:  # noqa: BLE001 - bad CRC, damaged deflate stream, ...
-                raise CheckpointError(f"{path}: member {info.filename!r} is damaged: {type(error).__name__}: {error}") from error
+                raise CheckpointError(
+                    f"{path}: member {info.filename!r} is damaged: {type(error).__name__}: {error}"
+                ) from error
             if got != size:
                 raise CheckpointError(f"{path}: member {info.filename!r} is truncated ({got:,} of {size:,} bytes)")
             return np.frombuffer(data, dtype=dtype).reshape(shape, order="F" if fortran else "C")
@@ -533,7 +557,9 @@ def flatten_params(tree: Any, prefix: str = "", depth: int = 0) -> dict[str, np.
         for key, value in tree.items():
             if not isinstance(key, str):
                 raise CheckpointError(f"Parameter tree has a key {key!r} of type {type(key).__name__}, not a name")
-            flat.update(flatten_params(value, f"{prefix}{key}/" if isinstance(value, dict) else f"{prefix}{key}", depth + 1))
+            flat.update(
+                flatten_params(value, f"{prefix}{key}/" if isinstance(value, dict) else f"{prefix}{key}", depth + 1)
+            )
         return flat
     if isinstance(tree, (np.ndarray, np.generic, int, float)) and not isinstance(tree, bool):
         return {prefix.rstrip("/"): np.asarray(tree)}
@@ -597,17 +623,25 @@ def _infer_config(params: dict[str, Any], reference_config: dict[str, Any] | Non
         )
     if reference_config:
         names = {
-            "vocab_size": "vocab_size", "d_state": "hidden_size", "d_emb": "embedding_size",
-            "d_ffn": "intermediate_size", "n_heads": "num_memory_heads", "d_key": "memory_key_dim",
-            "d_val": "memory_value_dim", "n_layers": "num_predict_layers", "use_decoder_bias": "use_decoder_bias",
-        }  # fmt: skip
+            "vocab_size": "vocab_size",
+            "d_state": "hidden_size",
+            "d_emb": "embedding_size",
+            "d_ffn": "intermediate_size",
+            "n_heads": "num_memory_heads",
+            "d_key": "memory_key_dim",
+            "d_val": "memory_value_dim",
+            "n_layers": "num_predict_layers",
+            "use_decoder_bias": "use_decoder_bias",
+        }
         disagreements = [
             f"{ref_name}={reference_config[ref_name]} but the parameters say {ours}={kwargs[ours]}"
             for ref_name, ours in names.items()
             if ref_name in reference_config and ours in kwargs and reference_config[ref_name] != kwargs[ours]
         ]
         if disagreements:
-            raise CheckpointError("The checkpoint's config.json disagrees with its parameters: " + "; ".join(disagreements))
+            raise CheckpointError(
+                "The checkpoint's config.json disagrees with its parameters: " + "; ".join(disagreements)
+            )
     return GPNConfig(**kwargs)
 
 
@@ -634,24 +668,28 @@ def parameter_map(config: GPNConfig) -> dict[str, tuple[str, bool]]:
         "pg_gate_b": ("gate.bias", False),
     }
     if config.use_memory:
-        layer_params.update({
-            "read_norm_w": ("read_norm.weight", False),
-            "read_W_q_k": ("read_query.weight", True),
-            "read_W_q_b": ("read_query.bias", False),
-            "read_W_gate_k": ("read_gate.weight", True),
-            "read_out_norm_w": ("read_out_norm.weight", False),
-            "read_W_o_k": ("read_out.weight", True),
-        })  # fmt: skip
-        mapping.update({
-            "write_norm_w": ("model.memory_write.norm.weight", False),
-            "write_W_k_k": ("model.memory_write.key.weight", True),
-            "write_W_k_b": ("model.memory_write.key.bias", False),
-            "write_W_v_k": ("model.memory_write.value.weight", True),
-            "write_W_beta_k": ("model.memory_write.beta.weight", True),
-            "write_W_a_k": ("model.memory_write.decay.weight", True),
-            "write_A_log": ("model.memory_write.A_log", False),
-            "write_dt_bias": ("model.memory_write.dt_bias", False),
-        })  # fmt: skip
+        layer_params.update(
+            {
+                "read_norm_w": ("read_norm.weight", False),
+                "read_W_q_k": ("read_query.weight", True),
+                "read_W_q_b": ("read_query.bias", False),
+                "read_W_gate_k": ("read_gate.weight", True),
+                "read_out_norm_w": ("read_out_norm.weight", False),
+                "read_W_o_k": ("read_out.weight", True),
+            }
+        )
+        mapping.update(
+            {
+                "write_norm_w": ("model.memory_write.norm.weight", False),
+                "write_W_k_k": ("model.memory_write.key.weight", True),
+                "write_W_k_b": ("model.memory_write.key.bias", False),
+                "write_W_v_k": ("model.memory_write.value.weight", True),
+                "write_W_beta_k": ("model.memory_write.beta.weight", True),
+                "write_W_a_k": ("model.memory_write.decay.weight", True),
+                "write_A_log": ("model.memory_write.A_log", False),
+                "write_dt_bias": ("model.memory_write.dt_bias", False),
+            }
+        )
         for i in range(config.num_predict_layers):
             for ref_name, (name, transpose) in layer_params.items():
                 mapping[f"L{i}_{ref_name}"] = (f"model.predict_layers.{i}.{name}", transpose)
@@ -781,7 +819,9 @@ def convert(src: str | Path, out: str | Path, tokenizer: str | None = None) -> G
         try:
             loaded_tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         except Exception as error:  # noqa: BLE001 - any loader failure becomes one clear message
-            raise CheckpointError(f"Cannot load the tokenizer {tokenizer!r}: {type(error).__name__}: {error}") from error
+            raise CheckpointError(
+                f"Cannot load the tokenizer {tokenizer!r}: {type(error).__name__}: {error}"
+            ) from error
     try:
         model.save_pretrained(out)
         if tokenizer:

@@ -59,49 +59,92 @@ from .runner import DEFAULT_TASKS, TASKS, EvalSettings
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="model folder or Hub repo id (a GPN or any transformers causal LM)")
     parser.add_argument(
-        "--tasks", default=",".join(DEFAULT_TASKS),
+        "--tasks",
+        default=",".join(DEFAULT_TASKS),
         help=f"comma-separated tasks from: {', '.join(TASKS)}",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--data-dir", default=None,
+        "--data-dir",
+        default=None,
         help="read every task's data from local files laid out as lambada/lambada_test.jsonl, "
         "fineweb-edu/*.jsonl, wikitext-2-raw/wiki.test.raw; without it, lm-eval's Hub datasets",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--task-data", action="append", default=[], metavar="TASK=SOURCE",
+        "--task-data",
+        action="append",
+        default=[],
+        metavar="TASK=SOURCE",
         help="data of one task: local file(s) (comma-separated; .jsonl/.json/.parquet/.csv/.txt/.raw) or a "
         "Hub dataset NAME[:CONFIG[:SPLIT]]; repeatable; wins over --data-dir",
-    )  # fmt: skip
+    )
     parser.add_argument("--text-field", default="text", help="text column for fineweb_paper and gpn_rolling_ppl")
-    parser.add_argument("--output-dir", default=None, help="where to write eval_results.json and eval_report.md; without it ./eval-<model name>")
+    parser.add_argument(
+        "--output-dir",
+        default=None,
+        help="where to write eval_results.json and eval_report.md; without it ./eval-<model name>",
+    )
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--limit", type=int, default=None, help="first N examples of each LAMBADA/lm-eval task (testing only)")
+    parser.add_argument(
+        "--limit", type=int, default=None, help="first N examples of each LAMBADA/lm-eval task (testing only)"
+    )
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights' dtype (a GPN's state stays float32)")
-    parser.add_argument("--max-length", type=int, default=None, help="context length for lm-eval; without it config.max_length_hint for a GPN (its training window), else the model's positional limit")
-    parser.add_argument("--fineweb-window", type=int, default=2048, help="window length of the FineWeb protocol (paper: 2048)")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="weights' dtype (a GPN's state stays float32)",
+    )
+    parser.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        help="context length for lm-eval; without it config.max_length_hint for a GPN (its training window), else the model's positional limit",
+    )
+    parser.add_argument(
+        "--fineweb-window", type=int, default=2048, help="window length of the FineWeb protocol (paper: 2048)"
+    )
     parser.add_argument("--fineweb-max-windows", type=int, default=None, help="stop after this many windows")
     parser.add_argument("--fineweb-max-documents", type=int, default=2000, help="read at most this many documents")
     parser.add_argument(
-        "--fineweb-held-out-fraction", type=float, default=None,
+        "--fineweb-held-out-fraction",
+        type=float,
+        default=None,
         help="score only the last fraction of the windows: gpn train's held-out split of the same corpus "
         "(use the training seq_len as --fineweb-window and the training --val-fraction)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--fineweb-skip-documents", type=int, default=0,
+        "--fineweb-skip-documents",
+        type=int,
+        default=0,
         help="skip this many documents first (the Hub default streams the start of sample-10BT, which gpn train's "
         "default corpus also reads: skip past the training documents, or use --fineweb-held-out-fraction)",
-    )  # fmt: skip
-    parser.add_argument("--fineweb-max-tokens", type=int, default=None, help="cut the token stream after this many tokens (as gpn train --max-tokens)")
-    parser.add_argument("--fineweb-separator", default="eos", choices=["eos", "bos", "none"], help="token between documents in the stream")
+    )
     parser.add_argument(
-        "--first-position", default=None, choices=["empty_state", "skip"],
+        "--fineweb-max-tokens",
+        type=int,
+        default=None,
+        help="cut the token stream after this many tokens (as gpn train --max-tokens)",
+    )
+    parser.add_argument(
+        "--fineweb-separator",
+        default="eos",
+        choices=["eos", "bos", "none"],
+        help="token between documents in the stream",
+    )
+    parser.add_argument(
+        "--first-position",
+        default=None,
+        choices=["empty_state", "skip"],
         help="how the first token of a FineWeb window counts in `ppl`; without it empty_state for a GPN (the paper's "
         "convention), skip otherwise",
-    )  # fmt: skip
-    parser.add_argument("--bootstrap-iters", type=int, default=0, help="lm-eval bootstrap iterations for standard errors (0: none)")
+    )
+    parser.add_argument(
+        "--bootstrap-iters", type=int, default=0, help="lm-eval bootstrap iterations for standard errors (0: none)"
+    )
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder or repo; without it the model's")
-    parser.add_argument("--no-trust-remote-code", dest="trust_remote_code", action="store_false", help="refuse remote modeling code")
+    parser.add_argument(
+        "--no-trust-remote-code", dest="trust_remote_code", action="store_false", help="refuse remote modeling code"
+    )
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads; without it torch's choice")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -122,15 +165,28 @@ def parse_task_data(items: list[str]) -> dict[str, str]:
 def settings_from_args(args: argparse.Namespace) -> EvalSettings:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     return EvalSettings(
-        tasks=tasks, data_dir=args.data_dir, task_data=parse_task_data(args.task_data), text_field=args.text_field,
-        batch_size=args.batch_size, limit=args.limit, device=args.device, dtype=args.dtype, max_length=args.max_length,
-        fineweb_window=args.fineweb_window, fineweb_max_windows=args.fineweb_max_windows,
-        fineweb_max_documents=args.fineweb_max_documents, fineweb_separator=args.fineweb_separator,
-        fineweb_held_out_fraction=args.fineweb_held_out_fraction, fineweb_max_tokens=args.fineweb_max_tokens,
+        tasks=tasks,
+        data_dir=args.data_dir,
+        task_data=parse_task_data(args.task_data),
+        text_field=args.text_field,
+        batch_size=args.batch_size,
+        limit=args.limit,
+        device=args.device,
+        dtype=args.dtype,
+        max_length=args.max_length,
+        fineweb_window=args.fineweb_window,
+        fineweb_max_windows=args.fineweb_max_windows,
+        fineweb_max_documents=args.fineweb_max_documents,
+        fineweb_separator=args.fineweb_separator,
+        fineweb_held_out_fraction=args.fineweb_held_out_fraction,
+        fineweb_max_tokens=args.fineweb_max_tokens,
         fineweb_skip_documents=args.fineweb_skip_documents,
-        first_position=args.first_position, bootstrap_iters=args.bootstrap_iters,
-        trust_remote_code=args.trust_remote_code, tokenizer=args.tokenizer, progress=not args.quiet,
-    )  # fmt: skip
+        first_position=args.first_position,
+        bootstrap_iters=args.bootstrap_iters,
+        trust_remote_code=args.trust_remote_code,
+        tokenizer=args.tokenizer,
+        progress=not args.quiet,
+    )
 
 
 def write_outputs(results: dict, output_dir: str | Path) -> tuple[Path, Path]:

@@ -39,8 +39,8 @@ without the float64 copies.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -129,7 +129,9 @@ def score_lambada(
         if max_length is not None:
             row = row[-max_length:]
         if len(example.target_ids) > len(row):
-            raise ValueError(f"max_length={max_length} is shorter than a LAMBADA target ({len(example.target_ids)} tokens)")
+            raise ValueError(
+                f"max_length={max_length} is shorter than a LAMBADA target ({len(example.target_ids)} tokens)"
+            )
         inputs.append(row)
     order = sorted(range(len(examples)), key=lambda i: -len(inputs[i]))  # longest first, like lm-eval
     scores: list[LambadaScore | None] = [None] * len(examples)
@@ -219,9 +221,11 @@ def hidden_states_and_decoder(model, input_ids: torch.Tensor):
     config = getattr(model, "config", None)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if (
-        getattr(config, "model_type", None) in PLAIN_LM_HEAD_MODEL_TYPES and isinstance(head, torch.nn.Linear)
-        and getattr(config, "final_logit_softcapping", None) is None and hasattr(model, "model")
-    ):  # fmt: skip
+        getattr(config, "model_type", None) in PLAIN_LM_HEAD_MODEL_TYPES
+        and isinstance(head, torch.nn.Linear)
+        and getattr(config, "final_logit_softcapping", None) is None
+        and hasattr(model, "model")
+    ):
         states = model.model(input_ids=input_ids, use_cache=False).last_hidden_state
         return states, head
     return None
@@ -246,7 +250,9 @@ def summed_next_token_nll(model, input_ids: torch.Tensor, chunk_rows: int | None
         total = 0.0
         for start in range(0, states.shape[0], chunk_rows):
             logits = decode(states[start : start + chunk_rows]).double()
-            total += F.cross_entropy(logits, targets[start : start + chunk_rows].to(logits.device), reduction="sum").item()
+            total += F.cross_entropy(
+                logits, targets[start : start + chunk_rows].to(logits.device), reduction="sum"
+            ).item()
     return total
 
 

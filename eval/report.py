@@ -5,7 +5,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-COLUMNS = (("fineweb_ppl", "FineWeb PPL", "{:.2f}"), ("lambada_acc", "LAMBADA acc", "{:.3f}"), ("lambada_ppl", "LAMBADA PPL", "{:.2f}"))
+COLUMNS = (
+    ("fineweb_ppl", "FineWeb PPL", "{:.2f}"),
+    ("lambada_acc", "LAMBADA acc", "{:.3f}"),
+    ("lambada_ppl", "LAMBADA PPL", "{:.2f}"),
+)
 
 
 def _fmt(value: Any, pattern: str = "{:.4g}") -> str:
@@ -46,14 +50,16 @@ def render_report(results: dict[str, Any]) -> str:
         cells = [_fmt(row.get(key), pattern) for key, _, pattern in COLUMNS]
         lines.append(
             f"| {row['model']} | published | ≈{_params(row['params'])} | {row['layers']} | {row['state_dim']} | "
-            + " | ".join(cells) + " |"
+            + " | ".join(cells)
+            + " |"
         )
     layers = results.get("layers", "–")
     state = results.get("state_dim", "–")
     cells = [_fmt(measured.get(key), pattern) for key, _, pattern in COLUMNS]
     lines.append(
         f"| **{name}** | measured | {_params(results['n_params'])} | {layers} | {state} | "
-        + " | ".join(f"**{c}**" for c in cells) + " |"
+        + " | ".join(f"**{c}**" for c in cells)
+        + " |"
     )
     lines += ["", *_measured_row_notes(results)]
     lines += [
@@ -61,7 +67,7 @@ def render_report(results: dict[str, Any]) -> str:
         "## Ratio of the measured model to each published row",
         "",
         "measured / published (perplexity: below 1 is better; accuracy: above 1 is better). "
-        "The paper states its gaps this way (\"within 13% of Transformer++\" = FineWeb PPL ratio 1.13).",
+        'The paper states its gaps this way ("within 13% of Transformer++" = FineWeb PPL ratio 1.13).',
         "",
         "| published row | " + " | ".join(f"{title} ratio" for _, title, _ in COLUMNS) + " |",
         "|---|" + "---|" * len(COLUMNS),
@@ -89,12 +95,18 @@ def _measured_row_notes(results: dict[str, Any]) -> list[str]:
     if lambada:
         n = lambada.get("examples")
         flag = "" if n == 5153 else " (**not the full set**; the paper uses all 5153)"
-        notes.append(f"- measured LAMBADA: {n} examples, {lambada.get('target_tokens')} last-word subwords{flag}; data {results['data'].get('lambada_paper')}")
+        notes.append(
+            f"- measured LAMBADA: {n} examples, {lambada.get('target_tokens')} last-word subwords{flag}; data {results['data'].get('lambada_paper')}"
+        )
     fineweb = results["tasks"].get("fineweb_paper")
     if fineweb:
         window = fineweb.get("window")
         flag = "" if window == 2048 else " (**the paper uses 2048**)"
-        convention = "all positions, first from the empty state" if fineweb.get("tokens_scored") == fineweb.get("windows", 0) * (window or 0) else "first position of each window not scored"
+        convention = (
+            "all positions, first from the empty state"
+            if fineweb.get("tokens_scored") == fineweb.get("windows", 0) * (window or 0)
+            else "first position of each window not scored"
+        )
         notes.append(
             f"- measured FineWeb: {fineweb.get('windows')} windows of {window} tokens{flag}, {fineweb.get('tokens_scored'):,} tokens scored "
             f"({convention}); data {results['data'].get('fineweb_paper')} (the paper's held-out bin is not public)"

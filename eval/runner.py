@@ -99,7 +99,9 @@ class EvalSettings:
 # --------------------------------------------------------------------------------------------------
 
 
-def load_model(path: str, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = True, tokenizer: str | None = None):
+def load_model(
+    path: str, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = True, tokenizer: str | None = None
+):
     """Load any causal LM (a GPN folder, a Hub repo, a LlamaForCausalLM folder) and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -161,7 +163,9 @@ def data_source(task: str, settings: EvalSettings) -> str | None:
     if settings.data_dir:
         found = local_default(task, settings.data_dir)
         if found is None:
-            raise FileNotFoundError(f"--data-dir {settings.data_dir} has no data for task {task!r}; pass --task-data {task}=PATH")
+            raise FileNotFoundError(
+                f"--data-dir {settings.data_dir} has no data for task {task!r}; pass --task-data {task}=PATH"
+            )
         return found
     return None
 
@@ -197,7 +201,11 @@ def load_texts(
         name, config, split = hub_default
         if source is not None:
             parts = source.split(":")
-            name, config, split = parts[0], (parts[1] if len(parts) > 1 else None), (parts[2] if len(parts) > 2 else split)
+            name, config, split = (
+                parts[0],
+                (parts[1] if len(parts) > 1 else None),
+                (parts[2] if len(parts) > 2 else split),
+            )
         data = datasets.load_dataset(name, config, split=split, streaming=streaming)
         column = field_name
     texts = []
@@ -283,7 +291,10 @@ def _lm_eval_task_config(task: str, source: str | None, settings: EvalSettings, 
         paths = [str(local)]
     builder = _builder(paths)
     config["dataset_path"], config["dataset_name"] = builder, None
-    config["dataset_kwargs"] = {"data_files": {"test": paths}, **({"sample_by": "document"} if builder == "text" else {})}
+    config["dataset_kwargs"] = {
+        "data_files": {"test": paths},
+        **({"sample_by": "document"} if builder == "text" else {}),
+    }
     config["test_split"] = "test"
     for split in ("training_split", "validation_split", "fewshot_split"):
         config.pop(split, None)
@@ -312,7 +323,9 @@ def rolling_batch_size(batch_size: int, max_length: int, vocab_size: int) -> int
     return max(1, min(batch_size, ROLLING_LOGITS_BUDGET_BYTES // per_row))
 
 
-def run_lm_eval(model, tokenizer, task: str, source: str | None, settings: EvalSettings, max_length: int) -> tuple[dict, dict]:
+def run_lm_eval(
+    model, tokenizer, task: str, source: str | None, settings: EvalSettings, max_length: int
+) -> tuple[dict, dict]:
     """Run one lm-eval task; returns (metrics, the raw simple_evaluate output)."""
     import lm_eval
     from lm_eval.models.huggingface import HFLM
@@ -322,11 +335,17 @@ def run_lm_eval(model, tokenizer, task: str, source: str | None, settings: EvalS
     # Rolling perplexity: lm-eval already puts the prefix token (BOS) in front of every document; with the
     # tokenizer's own BOS added as well, the BOS would be scored as the document's first token.
     rolling = task in ("wikitext", "gpn_rolling_ppl")
-    batch_size = rolling_batch_size(settings.batch_size, max_length, model.config.vocab_size) if rolling else settings.batch_size
+    batch_size = (
+        rolling_batch_size(settings.batch_size, max_length, model.config.vocab_size) if rolling else settings.batch_size
+    )
     lm = HFLM(
-        pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length,
-        device=settings.device, add_bos_token=False if rolling else None,
-    )  # fmt: skip
+        pretrained=model,
+        tokenizer=tokenizer,
+        batch_size=batch_size,
+        max_length=max_length,
+        device=settings.device,
+        add_bos_token=False if rolling else None,
+    )
     with tempfile.TemporaryDirectory() as workdir:
         spec = _lm_eval_task_config(task, source, settings, Path(workdir))
         output = lm_eval.simple_evaluate(
@@ -365,7 +384,9 @@ def evaluate(model_path: str, settings: EvalSettings, model=None, tokenizer=None
     if settings.batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {settings.batch_size}")
     if model is None:
-        model, tokenizer = load_model(model_path, settings.device, settings.dtype, settings.trust_remote_code, settings.tokenizer)
+        model, tokenizer = load_model(
+            model_path, settings.device, settings.dtype, settings.trust_remote_code, settings.tokenizer
+        )
     max_length = settings.max_length or default_max_length(model, tokenizer)
     first_position = settings.first_position or (
         protocols.PAPER_FIRST_POSITION if protocols.has_empty_state(model) else protocols.SKIP_FIRST_POSITION
@@ -400,23 +421,36 @@ def evaluate(model_path: str, settings: EvalSettings, model=None, tokenizer=None
         if task in ("lambada_paper",):
             texts = load_texts(source, LAMBADA_HUB, "text", limit=settings.limit)
             examples = [protocols.encode_lambada(tokenizer, text) for text in texts]
-            scores = protocols.score_lambada(model, examples, settings.batch_size, max_length, settings.device, settings.progress)
+            scores = protocols.score_lambada(
+                model, examples, settings.batch_size, max_length, settings.device, settings.progress
+            )
             metrics = protocols.lambada_metrics(scores)
         elif task == "fineweb_paper":
             streaming = source is None or not _is_local(source)
             texts = load_texts(
-                source, FINEWEB_HUB, settings.text_field, limit=settings.fineweb_max_documents, streaming=streaming,
+                source,
+                FINEWEB_HUB,
+                settings.text_field,
+                limit=settings.fineweb_max_documents,
+                streaming=streaming,
                 skip=settings.fineweb_skip_documents,
-            )  # fmt: skip
+            )
             max_tokens = settings.fineweb_max_tokens
             if settings.fineweb_max_windows and settings.fineweb_held_out_fraction is None:
                 budget = settings.fineweb_max_windows * settings.fineweb_window
                 max_tokens = budget if max_tokens is None else min(max_tokens, budget)
             stream, used = protocols.token_stream(tokenizer, texts, settings.fineweb_separator, max_tokens=max_tokens)
             metrics = protocols.windowed_perplexity(
-                model, stream, settings.fineweb_window, settings.batch_size, settings.device,
-                settings.fineweb_max_windows, first_position, settings.fineweb_held_out_fraction, settings.progress,
-            )  # fmt: skip
+                model,
+                stream,
+                settings.fineweb_window,
+                settings.batch_size,
+                settings.device,
+                settings.fineweb_max_windows,
+                first_position,
+                settings.fineweb_held_out_fraction,
+                settings.progress,
+            )
             metrics["documents"] = used
             protocol = protocol.format(window=settings.fineweb_window, first=FIRST_POSITION_TEXT[first_position])
             protocol += f"; documents tokenized without special tokens, separator {settings.fineweb_separator!r}"
@@ -440,9 +474,12 @@ def evaluate(model_path: str, settings: EvalSettings, model=None, tokenizer=None
 
 def _hub_name(task: str) -> str:
     name, config, split = {
-        "lambada_openai": LAMBADA_HUB, "lambada_paper": LAMBADA_HUB, "fineweb_paper": FINEWEB_HUB,
-        "wikitext": WIKITEXT_HUB, "gpn_rolling_ppl": WIKITEXT_HUB,
-    }[task]  # fmt: skip
+        "lambada_openai": LAMBADA_HUB,
+        "lambada_paper": LAMBADA_HUB,
+        "fineweb_paper": FINEWEB_HUB,
+        "wikitext": WIKITEXT_HUB,
+        "gpn_rolling_ppl": WIKITEXT_HUB,
+    }[task]
     return f"hf://{name} ({config}, {split})"
 
 

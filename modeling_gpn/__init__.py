@@ -27,6 +27,12 @@ AutoModelForCausalLM.register(GPNConfig, GPNForCausalLM, exist_ok=True)
 AutoModelForSequenceClassification.register(GPNConfig, GPNForSequenceClassification, exist_ok=True)
 
 __all__ = [
-    "GPNCache", "GPNConfig", "GPNForCausalLM", "GPNForSequenceClassification", "GPNModel", "GPNPreTrainedModel",
-    "GPNStateFileError", "__version__",
-]  # fmt: skip
+    "GPNCache",
+    "GPNConfig",
+    "GPNForCausalLM",
+    "GPNForSequenceClassification",
+    "GPNModel",
+    "GPNPreTrainedModel",
+    "GPNStateFileError",
+    "__version__",
+]

@@ -25,7 +25,7 @@ from torch import nn
 from transformers.cache_utils import Cache, LinearAttentionLayer
 
 from .configuration_gpn import GPNConfig
-from .state_file import GPNStateFileError, STATE_TENSOR_NAMES, gpn_base_model, read_state_file, write_state_file
+from .state_file import STATE_TENSOR_NAMES, GPNStateFileError, gpn_base_model, read_state_file, write_state_file
 from .tracing import is_tracing
 
 # ---- what a cache has read: a fingerprint, to tell generate()'s two ways of continuing apart ------------
@@ -35,7 +35,9 @@ _FINGERPRINT_BASES = (1_000_003, 998_244_353 % (2**31 - 1))  # two independent p
 _PADDING_VALUE = 1  # a padded position's value in the hash (a token id t counts as t + 2)
 
 
-def token_fingerprint(token_ids: torch.Tensor, mask: torch.Tensor | None, start: torch.Tensor | None = None) -> torch.Tensor:
+def token_fingerprint(
+    token_ids: torch.Tensor, mask: torch.Tensor | None, start: torch.Tensor | None = None
+) -> torch.Tensor:
     """(batch, 2) int64: two polynomial hashes of each row's positions (a padded position counts as padding,
     whatever its id), continuing `start` (the fingerprint of the positions before these) when given.
 
@@ -335,7 +337,9 @@ class GPNCache(Cache):
         try:
             base = gpn_base_model(model)
         except TypeError:
-            raise TypeError(f"GPNCache.load needs the GPN model the state belongs to, got {type(model).__name__}") from None
+            raise TypeError(
+                f"GPNCache.load needs the GPN model the state belongs to, got {type(model).__name__}"
+            ) from None
         state = read_state_file(path, base)
         cache = cls()
         cache.update_state(
@@ -346,11 +350,17 @@ class GPNCache(Cache):
             try:
                 read = torch.tensor(json.loads(state.read_fingerprint), dtype=torch.int64, device=base.device)
             except (ValueError, TypeError, RuntimeError, OverflowError) as error:
-                raise GPNStateFileError(f"{path} holds a read fingerprint that is not a table of integers ({error})") from None
+                raise GPNStateFileError(
+                    f"{path} holds a read fingerprint that is not a table of integers ({error})"
+                ) from None
             if tuple(read.shape) != (batch_size, 2):
-                raise GPNStateFileError(f"{path} holds a read fingerprint of shape {tuple(read.shape)}, not ({batch_size}, 2)")
+                raise GPNStateFileError(
+                    f"{path} holds a read fingerprint of shape {tuple(read.shape)}, not ({batch_size}, 2)"
+                )
             if bool(((read < 0) | (read >= _FINGERPRINT_MODULUS)).any()):
-                raise GPNStateFileError(f"{path} holds a read fingerprint outside [0, {_FINGERPRINT_MODULUS}): not one a cache computes")
+                raise GPNStateFileError(
+                    f"{path} holds a read fingerprint outside [0, {_FINGERPRINT_MODULUS}): not one a cache computes"
+                )
             cache.state_layer.fingerprint = ReadFingerprint(fingerprint=read)
         else:
             cache.state_layer.fingerprint.forget()

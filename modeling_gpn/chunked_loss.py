@@ -10,8 +10,6 @@ This file ships to the Hub with the model: it imports only torch and typing.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 
@@ -65,9 +63,13 @@ class ChunkedTiedCrossEntropy(torch.autograd.Function):
 
 
 def chunked_causal_lm_loss(
-    decoded: torch.Tensor, embedding: torch.Tensor, labels: Optional[torch.Tensor], chunk_rows: Optional[int] = None,
-    shift_labels: Optional[torch.Tensor] = None, num_items_in_batch: torch.Tensor | int | None = None,
-) -> torch.Tensor:  # fmt: skip
+    decoded: torch.Tensor,
+    embedding: torch.Tensor,
+    labels: torch.Tensor | None,
+    chunk_rows: int | None = None,
+    shift_labels: torch.Tensor | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+) -> torch.Tensor:
     """Shifted cross-entropy of logits = decoded E^T (decoded (B, T, e), labels (B, T), -100 ignored): position
     t against `labels[:, t + 1]` (or `shift_labels[:, t]` when given); the mean, or the sum divided by
     `num_items_in_batch` when given (transformers' exact gradient accumulation).
@@ -85,7 +87,9 @@ def chunked_causal_lm_loss(
     return divide_loss_sum(total, targets, num_items_in_batch)
 
 
-def divide_loss_sum(total: torch.Tensor, targets: torch.Tensor, num_items_in_batch: torch.Tensor | int | None) -> torch.Tensor:
+def divide_loss_sum(
+    total: torch.Tensor, targets: torch.Tensor, num_items_in_batch: torch.Tensor | int | None
+) -> torch.Tensor:
     """The summed loss over `num_items_in_batch` when given, else over this call's counted targets (the mean)."""
     if num_items_in_batch is None:
         return total / (targets != -100).sum()  # nan when nothing is counted, as F.cross_entropy

@@ -40,7 +40,8 @@ from __future__ import annotations
 import os
 import weakref
 from collections import Counter
-from typing import Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -99,7 +100,7 @@ class StepsGraph:
         self.eps = model.config.rms_norm_eps
         self.w = w  # the folded weights the steps read (`load_weights` refreshes them)
         s = self.s
-        zeros = lambda *shape: torch.zeros(shape, dtype=torch.float32, device=device)  # noqa: E731
+        zeros = lambda *shape: torch.zeros(shape, dtype=torch.float32, device=device)
         memory_shape = (batch, s.heads, s.key_dim, s.value_dim) if s.memory else (batch, 0)
         self.u = zeros(batch, steps, s.hidden)
         self.outputs = zeros(batch, steps, s.hidden)
@@ -109,7 +110,7 @@ class StepsGraph:
         self.memory = [zeros(*memory_shape) for _ in range(2)]
         self.workspaces: list[dict] = [{}, {}]  # one per direction (slot read -> slot written)
         self.current = 0  # the slot holding the state the next call reads
-        self.graphs: Optional[list] = None
+        self.graphs: list | None = None
 
     def run(self, slot: int) -> None:
         """`steps` steps from slot `slot`, alternating the two slots (what a graph captures)."""
@@ -126,8 +127,9 @@ class StepsGraph:
             target = 1 - source
             state = StepState(self.p[source], self.g[source], key, self.memory[source])
             memory_out = self.memory[target] if s.memory else None
-            new, gamma = kernels.step(state, self.u[:, j], None, w, s, self.c, self.eps, None, memory_out,
-                                      ws=self.workspaces[source])  # fmt: skip
+            new, gamma = kernels.step(
+                state, self.u[:, j], None, w, s, self.c, self.eps, None, memory_out, ws=self.workspaces[source]
+            )
             self.p[target].copy_(new.p)
             self.g[target].copy_(new.g)
             self.outputs[:, j].copy_(new.p)
@@ -209,8 +211,17 @@ def captured(warm_up, runs: list, like: torch.Tensor) -> list:
     return graphs
 
 
-def graph_of(model, batch: int, device: torch.device, steps: int, w, derived: dict, capture: bool = True, *,
-             kernels: GraphKernels) -> StepsGraph:  # fmt: skip
+def graph_of(
+    model,
+    batch: int,
+    device: torch.device,
+    steps: int,
+    w,
+    derived: dict,
+    capture: bool = True,
+    *,
+    kernels: GraphKernels,
+) -> StepsGraph:
     """The model's `StepsGraph` for this batch size, number of steps and weight dtype, made (and captured, on
     CUDA) on first use, reading the folded weights `w` of the current forward or generate() call: `derived` is
     that call's dict of derived weights (`derived_weights.py`), where the graphs that already read `w` are
@@ -233,8 +244,16 @@ def graph_of(model, batch: int, device: torch.device, steps: int, w, derived: di
     return graph
 
 
-def window_forward(model, token_inputs: torch.Tensor, state, output_memory_decays: bool = False, *,
-                   kernels: GraphKernels, w, derived: dict):  # fmt: skip
+def window_forward(
+    model,
+    token_inputs: torch.Tensor,
+    state,
+    output_memory_decays: bool = False,
+    *,
+    kernels: GraphKernels,
+    w,
+    derived: dict,
+):
     """`fast_recurrence.fast_recurrence` for a window without mask or autograd, through graphs: chunks of
     `WINDOW_CHUNK` steps (one replay each), then single steps (the decode graph: one replay per token), on the
     folded weights `w` of the current call (`derived`: see `graph_of`).
@@ -305,20 +324,24 @@ class TrainingSweep:
         self.device = device
         self.w = _unflatten([torch.zeros(t.shape, dtype=t.dtype, device=device) for t in _flatten(w)], s)
         self.wt = transpose_weights(self.w)  # (static buffers too; neg_decay_rate shares self.w's)
-        zeros = lambda *shape: torch.zeros(shape, dtype=torch.float32, device=device)  # noqa: E731
+        zeros = lambda *shape: torch.zeros(shape, dtype=torch.float32, device=device)
         memory_shape = (batch, s.heads, s.key_dim, s.value_dim) if s.memory else (batch, 0)
         key_width = s.heads * s.key_dim
         self.u, self.outputs = zeros(batch, length, s.hidden), zeros(batch, length, s.hidden)
         self.d_outputs, self.d_inputs = zeros(batch, length, s.hidden), zeros(batch, length, s.hidden)
         self.gammas = zeros(batch, length, s.heads)
-        self.state_in = StepState(zeros(batch, s.hidden), zeros(batch, s.hidden), zeros(batch, key_width), zeros(*memory_shape))
-        self.grad_in = StepState(zeros(batch, s.hidden), zeros(batch, s.hidden), zeros(batch, key_width), zeros(*memory_shape))
+        self.state_in = StepState(
+            zeros(batch, s.hidden), zeros(batch, s.hidden), zeros(batch, key_width), zeros(*memory_shape)
+        )
+        self.grad_in = StepState(
+            zeros(batch, s.hidden), zeros(batch, s.hidden), zeros(batch, key_width), zeros(*memory_shape)
+        )
         self.memory = zeros(length, *memory_shape) if s.memory else None
         self.memory_grads = zeros(2, *memory_shape) if s.memory else None
         self.forward_ws: list[dict] = [{} for _ in range(length)]
         self.backward_ws: list[dict] = [{}, {}]
         self.weight_grads = StaticWeightGrads(self.w, batch, self.chunk)
-        self.records: list[Optional[dict]] = [None] * length
+        self.records: list[dict | None] = [None] * length
         self.new_states: list = [None] * length  # the StepState each forward position returned (its buffers)
         self.graphs: dict = {}
         self.capture = device.type == "cuda"
@@ -328,11 +351,28 @@ class TrainingSweep:
         """Bytes of the buffers this sweep holds now (static buffers, weight copies, the workspaces its steps
         made so far; not the graphs' own memory pools, which hold nothing since the steps allocate nothing)."""
         tensors, seen = [], set()
-        stack = [self.w, self.wt, self.state_in, self.grad_in, self.u, self.outputs, self.d_outputs,
-                 self.d_inputs, self.gammas, self.memory, self.memory_grads, self.forward_ws, self.backward_ws,
-                 self.weight_grads.grads, self.weight_grads.bias_grads, self.weight_grads.neg_decay,
-                 self.weight_grads.blocks, self.weight_grads.products, self.weight_grads.bias_sums,
-                 self.weight_grads.cast_blocks]  # fmt: skip
+        stack = [
+            self.w,
+            self.wt,
+            self.state_in,
+            self.grad_in,
+            self.u,
+            self.outputs,
+            self.d_outputs,
+            self.d_inputs,
+            self.gammas,
+            self.memory,
+            self.memory_grads,
+            self.forward_ws,
+            self.backward_ws,
+            self.weight_grads.grads,
+            self.weight_grads.bias_grads,
+            self.weight_grads.neg_decay,
+            self.weight_grads.blocks,
+            self.weight_grads.products,
+            self.weight_grads.bias_sums,
+            self.weight_grads.cast_blocks,
+        ]
         while stack:
             item = stack.pop()
             if isinstance(item, torch.Tensor):
@@ -359,8 +399,9 @@ class TrainingSweep:
         for j in range(first, first + steps):
             saved: dict = {}
             memory_out = self.memory[j] if s.memory else None
-            state, gamma = self.kernels.step(state, self.u[:, j], None, self.w, s, self.c, self.eps, saved,
-                                             memory_out, ws=self.forward_ws[j])  # fmt: skip
+            state, gamma = self.kernels.step(
+                state, self.u[:, j], None, self.w, s, self.c, self.eps, saved, memory_out, ws=self.forward_ws[j]
+            )
             self.records[j], self.new_states[j] = saved, state
             self.outputs[:, j].copy_(state.p)
             if s.memory:
@@ -373,8 +414,17 @@ class TrainingSweep:
         for j in reversed(range(first, first + steps)):
             grads.p.add_(self.d_outputs[:, j])
             memory_out = self.memory_grads[j % 2] if self.s.memory else None
-            grads, d_input = step_backward(self.records[j], grads, self.wt, self.s, self.c, self.eps, self.weight_grads,
-                                           memory_out, ws=self.backward_ws[j % 2])  # fmt: skip
+            grads, d_input = step_backward(
+                self.records[j],
+                grads,
+                self.wt,
+                self.s,
+                self.c,
+                self.eps,
+                self.weight_grads,
+                memory_out,
+                ws=self.backward_ws[j % 2],
+            )
             self.d_inputs[:, j].copy_(d_input)
         self.weight_grads.flush()
         for carried, new in zip(self.grad_in, grads):
@@ -401,7 +451,7 @@ class TrainingSweep:
 
     # ---- one training call -----------------------------------------------------------------------------
 
-    def take(self) -> Optional[_Owner]:
+    def take(self) -> _Owner | None:
         """Reserve the buffers for one call (its forward to its backward); None while another call holds
         them (a call whose autograd graph was dropped without backward frees them with its owner object)."""
         if self.owner is not None and self.owner() is not None:
@@ -487,8 +537,9 @@ class TrainingSweep:
 SWEEP_SEGMENT_LENGTH = 256
 
 
-def training_sweep(model, batch: int, segment: Optional[int], length: int, w, device: torch.device, *,
-                   kernels: GraphKernels) -> Optional[TrainingSweep]:  # fmt: skip
+def training_sweep(
+    model, batch: int, segment: int | None, length: int, w, device: torch.device, *, kernels: GraphKernels
+) -> TrainingSweep | None:
     """The model's `TrainingSweep` for this batch size, BPTT segment length (`config.bptt_segment_length`,
     else `SWEEP_SEGMENT_LENGTH`) and these weights' dtype, or None where the Triton step does not take these
     weights (then the plain fast path runs). A window shorter than the segment runs as one shorter segment.

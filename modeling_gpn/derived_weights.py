@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

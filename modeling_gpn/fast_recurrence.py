@@ -68,7 +68,8 @@ import contextlib
 import functools
 import os
 import weakref
-from typing import Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -118,10 +119,10 @@ from .triton_kernels import _linear as triton_linear
 from .triton_kernels import memory_step as triton_memory_step
 from .triton_kernels import memory_write_backward as triton_memory_write_backward
 from .triton_kernels import on_device
+from .triton_kernels import selected as triton_selected
 from .triton_kernels import self_check as triton_self_check
 from .triton_kernels import self_check_needed as triton_self_check_needed
 from .triton_kernels import self_check_passed as triton_self_check_passed
-from .triton_kernels import selected as triton_selected
 from .triton_kernels import sizes_fit as triton_sizes_fit
 from .triton_kernels import step as triton_step
 from .triton_kernels import step_backward as triton_step_backward
@@ -129,7 +130,6 @@ from .triton_kernels import unit_rms as triton_unit_rms
 from .triton_kernels import usable_backward_steps as triton_usable_backward_steps
 from .triton_kernels import usable_memory as triton_usable_memory
 from .triton_kernels import usable_steps as triton_usable_steps
-
 
 # --------------------------------------------------------------------------------------------------
 # Backends: which implementation runs each part of a window, chosen once per window
@@ -146,10 +146,10 @@ class Backends(NamedTuple):
 
     step: str  # the forward steps: TRITON (`triton_kernels.step`), C_STEP (`memory_kernels.StepPlan.step`,
     # no-grad windows of up to `MAX_STEP_ROWS` rows on CPU) or TORCH_OPS (`recurrence_step._step`)
-    step_backward: Optional[str]  # the backward steps, likewise (`step_backward`, `_step_backward`); None: no autograd
-    memory: Optional[str]  # the memory half of the torch-ops steps and its gradient: TRITON, C_KERNELS or
+    step_backward: str | None  # the backward steps, likewise (`step_backward`, `_step_backward`); None: no autograd
+    memory: str | None  # the memory half of the torch-ops steps and its gradient: TRITON, C_KERNELS or
     # TORCH_OPS (a Triton step runs Triton's memory kernels itself); None without memory
-    graphs: Optional[str]  # INFERENCE_GRAPHS (`cuda_graphs.window_forward`), TRAINING_GRAPHS
+    graphs: str | None  # INFERENCE_GRAPHS (`cuda_graphs.window_forward`), TRAINING_GRAPHS
     # (`cuda_graphs.TrainingSweep`) or None
 
 
@@ -167,9 +167,18 @@ def memory_backend(memory: torch.Tensor, *others: torch.Tensor, triton: bool = T
     return TORCH_OPS
 
 
-def choose_backends(model, U: torch.Tensor, p0: torch.Tensor, g0: torch.Tensor, M0: torch.Tensor,
-                    mask: Optional[torch.Tensor], s: Shapes, needs_grad: bool,
-                    matmul_dtype: Optional[torch.dtype], packed: bool = False) -> Backends:  # fmt: skip
+def choose_backends(
+    model,
+    U: torch.Tensor,
+    p0: torch.Tensor,
+    g0: torch.Tensor,
+    M0: torch.Tensor,
+    mask: torch.Tensor | None,
+    s: Shapes,
+    needs_grad: bool,
+    matmul_dtype: torch.dtype | None,
+    packed: bool = False,
+) -> Backends:
     """Which backend runs each part of a window (the one place the fast path chooses), from its inputs:
     the float32 token inputs U (B, T, d), the state before it (float32, contiguous), the mask, the sizes,
     whether it needs gradients and autocast's matmul dtype. The device decides first (Triton on CUDA, or
@@ -192,7 +201,9 @@ def choose_backends(model, U: torch.Tensor, p0: torch.Tensor, g0: torch.Tensor, 
     step_backward = None
     if needs_grad:
         step_backward = TRITON if triton and triton_usable_backward_steps(s, U) else TORCH_OPS
-    memory = memory_backend(M0.view(-1, s.key_dim, s.value_dim), U, triton=triton, c_kernels=c_kernels) if s.memory else None
+    memory = (
+        memory_backend(M0.view(-1, s.key_dim, s.value_dim), U, triton=triton, c_kernels=c_kernels) if s.memory else None
+    )
     graphs = None
     graphs_possible = mask is None and not packed and triton and triton_sizes_fit(model.config)
     if graphs_possible and graphs_asked(model, training=needs_grad):
@@ -220,8 +231,9 @@ def step_kernels_enabled() -> bool:
     return os.environ.get("GPN_STEP_KERNELS", "1") != "0"
 
 
-def step_kernels_fit(U: torch.Tensor, s: Shapes, needs_grad: bool, matmul_dtype: Optional[torch.dtype],
-                     packed: bool) -> bool:  # fmt: skip
+def step_kernels_fit(
+    U: torch.Tensor, s: Shapes, needs_grad: bool, matmul_dtype: torch.dtype | None, packed: bool
+) -> bool:
     """Whether a window goes to the C step kernels (`C_STEP`): no gradient (they keep no records), float32 CPU
     inputs, at most `MAX_STEP_ROWS` rows (a larger batch amortises the weight read in a matmul), no autocast
     (they multiply in the weights' own dtype), no packed sequences, and the kernels built. (Whether they take
@@ -231,7 +243,7 @@ def step_kernels_fit(U: torch.Tensor, s: Shapes, needs_grad: bool, matmul_dtype:
     return step_kernels_enabled() and memory_kernels_usable(U)
 
 
-def _step_plan(model, derived: dict, rows: int) -> Optional[StepPlan]:
+def _step_plan(model, derived: dict, rows: int) -> StepPlan | None:
     """The `StepPlan` of `rows` rows for this scope (`derived_weights.py`), built on first use; None where the
     kernels refuse the model's weights (remembered for the scope, so the refusal costs one try)."""
     plans = derived.setdefault("step plans", {})
@@ -244,7 +256,7 @@ def _step_plan(model, derived: dict, rows: int) -> Optional[StepPlan]:
     return plans[rows]
 
 
-def _carried_key(derived: dict, g0: torch.Tensor) -> Optional[torch.Tensor]:
+def _carried_key(derived: dict, g0: torch.Tensor) -> torch.Tensor | None:
     """The key pre-activation of `g0` if this scope's last window ended on exactly this grounded state (a
     decode loop's next token, a prompt's next chunk): that window computed it with these weights. None: the
     first step computes it (one more read of the key matrix)."""
@@ -277,8 +289,15 @@ def _plain_linear(module: torch.nn.Module) -> bool:
     if module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks or module._backward_hooks:
         return False
     hooks = torch.nn.modules.module
-    return not any(getattr(hooks, name, None) for name in ("_global_forward_pre_hooks", "_global_forward_hooks",
-                                                           "_global_backward_pre_hooks", "_global_backward_hooks"))  # fmt: skip
+    return not any(
+        getattr(hooks, name, None)
+        for name in (
+            "_global_forward_pre_hooks",
+            "_global_forward_hooks",
+            "_global_backward_pre_hooks",
+            "_global_backward_hooks",
+        )
+    )
 
 
 def fast_project(module: torch.nn.Module, x: torch.Tensor, fast: bool = True) -> torch.Tensor:
@@ -288,7 +307,12 @@ def fast_project(module: torch.nn.Module, x: torch.Tensor, fast: bool = True) ->
     torch (and torchao's int8 linear, ~0.1 ms a call at these sizes) run far below the bandwidth limit.
     Anything else calls the module."""
     weight = getattr(module, "weight", None)
-    if fast and isinstance(weight, torch.Tensor) and _plain_linear(module) and _few_rows_on_kernels(x, *module.parameters()):
+    if (
+        fast
+        and isinstance(weight, torch.Tensor)
+        and _plain_linear(module)
+        and _few_rows_on_kernels(x, *module.parameters())
+    ):
         try:
             return module_rows(module, x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
         except KernelRefusal:
@@ -364,7 +388,7 @@ class SequenceStarts(NamedTuple):
     key: torch.Tensor
 
     @staticmethod
-    def of(starts: Optional[torch.Tensor], w, s: Shapes, eps: float, device) -> Optional["SequenceStarts"]:
+    def of(starts: torch.Tensor | None, w, s: Shapes, eps: float, device) -> SequenceStarts | None:
         if starts is None:
             return None
         steps = starts.any(0).nonzero().flatten().tolist()  # (one look at the mask per window)
@@ -382,8 +406,9 @@ class SequenceStarts(NamedTuple):
         memory = state.memory.masked_fill(starting[:, None, None, None], 0.0)
         return StepState(p, g, torch.where(rows, self.key, state.key), memory)
 
-    def cut(self, grads: StepState, t: int, record: dict, weight_grads: _WeightGrads, s: Shapes,
-            eps: float) -> StepState:  # fmt: skip
+    def cut(
+        self, grads: StepState, t: int, record: dict, weight_grads: _WeightGrads, s: Shapes, eps: float
+    ) -> StepState:
         """The backward of `reset` at step t: the gradients of the input state `grads` with the starting rows'
         zeroed (nothing flows into the state before a sequence start); their key came from the key bias, which
         gets their key gradient (the key weights get rms(0) = 0 of it), as at a truncation cut."""
@@ -399,9 +424,21 @@ class SequenceStarts(NamedTuple):
 
 
 def _run_steps(
-    U, mask, state: StepState, w, s, eps, start, stop, step, outputs=None, gammas=None, records=None,
-    memory_buffer=None, starts: Optional[SequenceStarts] = None,
-):  # fmt: skip
+    U,
+    mask,
+    state: StepState,
+    w,
+    s,
+    eps,
+    start,
+    stop,
+    step,
+    outputs=None,
+    gammas=None,
+    records=None,
+    memory_buffer=None,
+    starts: SequenceStarts | None = None,
+):
     """Steps start..stop-1 without autograd on `step` (the window's, `step_functions`); with `records` (a
     list) keep each step's saved values.
 
@@ -454,7 +491,7 @@ class BufferPool:
         free = self.free.get(self._key(shape, dtype, device))
         return free.pop() if free else torch.empty(shape, dtype=dtype, device=device)
 
-    def give_back(self, *buffers: Optional[torch.Tensor]) -> None:
+    def give_back(self, *buffers: torch.Tensor | None) -> None:
         for buffer in buffers:
             if buffer is not None and buffer.device.type == "cpu":
                 self.free.setdefault(self._key(buffer.shape, buffer.dtype, buffer.device), []).append(buffer)
@@ -482,11 +519,11 @@ class WindowSettings(NamedTuple):
 
     s: Shapes
     eps: float
-    segment: Optional[int]  # config.bptt_segment_length
-    truncation: Optional[int]  # config.bptt_truncation_length
-    pool: "BufferPool"
-    sweep: Optional[object]  # the `cuda_graphs.TrainingSweep` running the steps on static buffers, or None
-    sweep_owner: Optional[object]  # what holds the sweep's buffers for this call (`TrainingSweep.take`)
+    segment: int | None  # config.bptt_segment_length
+    truncation: int | None  # config.bptt_truncation_length
+    pool: BufferPool
+    sweep: object | None  # the `cuda_graphs.TrainingSweep` running the steps on static buffers, or None
+    sweep_owner: object | None  # what holds the sweep's buffers for this call (`TrainingSweep.take`)
     step: Callable  # the forward step (`step_functions`)
     step_backward: Callable  # the backward step
 
@@ -537,9 +574,22 @@ class GPNRecurrenceFunction(torch.autograd.Function):
             # the backward pass starts with the last segment: keep its records instead of recomputing them
             last = stop == T
             buffer = (segment_memory[: stop - start] if last else alternating) if s.memory else None
-            state = _run_steps(U, mask, state, step_weights, s, eps, start, stop, step, outputs,
-                               gammas if s.memory else None, last_records if last else None, buffer,
-                               starts)  # fmt: skip
+            state = _run_steps(
+                U,
+                mask,
+                state,
+                step_weights,
+                s,
+                eps,
+                start,
+                stop,
+                step,
+                outputs,
+                gammas if s.memory else None,
+                last_records if last else None,
+                buffer,
+                starts,
+            )
         ctx.settings = settings
         ctx.boundaries = boundaries
         ctx.last_records = last_records
@@ -577,7 +627,7 @@ class GPNRecurrenceFunction(torch.autograd.Function):
             try:
                 dU, dp0, dg0, dM0, weight_grads = sweep.backward(
                     U, g0, _unflatten(flat_weights, s), ctx.boundaries, records_kept, dP, dp_final, dg_final, dM_final
-                )  # fmt: skip
+                )
             finally:
                 sweep.release()
             return (dU.to(ctx.input_dtype), dp0, dg0, dM0, None, None, None, *weight_grads)
@@ -593,9 +643,13 @@ class GPNRecurrenceFunction(torch.autograd.Function):
         first = ctx.boundaries[0]
         # (contiguous: autograd may hand in a strided gradient, and the backend chosen for the window takes
         # every step only with the contiguous gradients the steps themselves make)
-        grad_or_zero = lambda g, like: g.contiguous() if g is not None else torch.zeros_like(like)  # noqa: E731
-        grads = StepState(grad_or_zero(dp_final, first.p), grad_or_zero(dg_final, first.g),
-                          torch.zeros_like(first.key), grad_or_zero(dM_final, first.memory))  # fmt: skip
+        grad_or_zero = lambda g, like: g.contiguous() if g is not None else torch.zeros_like(like)
+        grads = StepState(
+            grad_or_zero(dp_final, first.p),
+            grad_or_zero(dg_final, first.g),
+            torch.zeros_like(first.key),
+            grad_or_zero(dM_final, first.memory),
+        )
         dU = torch.empty(B, T, d, dtype=torch.float32, device=U.device)
         weight_grads = _WeightGrads(w, B)
         c = columns_of(s)
@@ -609,8 +663,20 @@ class GPNRecurrenceFunction(torch.autograd.Function):
             else:  # recompute the segment from its boundary, keeping what the backward steps need
                 records = []
                 buffer = None if ctx.segment_memory is None else ctx.segment_memory[: stop - start]
-                _run_steps(U, mask, ctx.boundaries[index], step_weights, s, eps, start, stop, step, records=records,
-                           memory_buffer=buffer, starts=ctx.starts)  # fmt: skip
+                _run_steps(
+                    U,
+                    mask,
+                    ctx.boundaries[index],
+                    step_weights,
+                    s,
+                    eps,
+                    start,
+                    stop,
+                    step,
+                    records=records,
+                    memory_buffer=buffer,
+                    starts=ctx.starts,
+                )
             ctx.boundaries[index] = None
             for t in reversed(range(start, stop)):
                 record = records.pop()
@@ -637,7 +703,7 @@ class GPNRecurrenceFunction(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------------
 
 
-def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+def autocast_dtype(device_type: str) -> torch.dtype | None:
     """The dtype autocast multiplies in on this device type, or None where autocast is off."""
     try:
         if torch.is_autocast_enabled(device_type):
@@ -658,10 +724,10 @@ def fast_recurrence(
     model,
     token_inputs: torch.Tensor,
     state: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    mask: Optional[torch.Tensor],
+    mask: torch.Tensor | None,
     output_memory_decays: bool = False,
-    sequence_starts: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor], Optional[torch.Tensor]]:
+    sequence_starts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]:
     """Drop-in for `GPNModel.recurrence_plain` (same arguments, same results, same gradients).
 
     Returns the predicted states (B, T, d) float32, the final (p, g, M) and, if asked, gamma (B, T, H).
@@ -698,7 +764,9 @@ def _fast_recurrence(model, token_inputs, state, mask, output_memory_decays: boo
                 w = cached_folded_weights(model, rows=B, matmul_dtype=matmul_dtype, variants=folded)
                 triton_self_check(w, s, eps, U.device, step_dtype)
     needs_grad = torch.is_grad_enabled() and (
-        token_inputs.requires_grad or any(x.requires_grad for x in state) or any(q.requires_grad for q in model.parameters())
+        token_inputs.requires_grad
+        or any(x.requires_grad for x in state)
+        or any(q.requires_grad for q in model.parameters())
     )
     backends = choose_backends(model, U, p0, g0, M0, mask, s, needs_grad, matmul_dtype, packed=starts is not None)
     if not needs_grad:
@@ -709,7 +777,11 @@ def _fast_recurrence(model, token_inputs, state, mask, output_memory_decays: boo
         if plan is not None:  # the whole step in one C call, on the modules' own weights (nothing folded)
             with torch.no_grad():
                 outputs = torch.empty(B, T, s.hidden, dtype=torch.float32, device=token_inputs.device)
-                gammas = torch.zeros(B, T, s.heads, device=token_inputs.device) if (s.memory and output_memory_decays) else None
+                gammas = (
+                    torch.zeros(B, T, s.heads, device=token_inputs.device)
+                    if (s.memory and output_memory_decays)
+                    else None
+                )
                 key0 = _carried_key(derived, g0) if s.memory else g0.new_zeros(B, 0)
                 start = StepState(p0, g0, key0, M0)
                 final = None
@@ -720,8 +792,9 @@ def _fast_recurrence(model, token_inputs, state, mask, output_memory_decays: boo
                         pass
                 if final is None:  # padded steps, a step at a time (padded rows keep their state)
                     alternating = M0.new_empty(2, *M0.shape) if (s.memory and T > 1) else None
-                    final = _run_steps(U, mask, start, None, s, eps, 0, T, plan.step, outputs, gammas,
-                                       memory_buffer=alternating)  # fmt: skip
+                    final = _run_steps(
+                        U, mask, start, None, s, eps, 0, T, plan.step, outputs, gammas, memory_buffer=alternating
+                    )
             if s.memory:
                 derived["last key"] = (final.g.clone(), final.key)
             return outputs, (final.p, final.g, final.memory), gammas
@@ -729,19 +802,35 @@ def _fast_recurrence(model, token_inputs, state, mask, output_memory_decays: boo
         if backends.graphs == INFERENCE_GRAPHS:
             with torch.no_grad():
                 w = cached_folded_weights(model, rows=B, variants=folded)
-                return graph_window_forward(model, U, (p0, g0, M0), output_memory_decays, kernels=GRAPH_KERNELS,
-                                            w=w, derived=derived)  # fmt: skip
+                return graph_window_forward(
+                    model, U, (p0, g0, M0), output_memory_decays, kernels=GRAPH_KERNELS, w=w, derived=derived
+                )
         step, _ = step_functions(backends)
         with torch.no_grad():
             w = cached_folded_weights(model, rows=B, matmul_dtype=matmul_dtype, variants=folded)
             outputs = torch.empty(B, T, s.hidden, dtype=torch.float32, device=token_inputs.device)
-            gammas = torch.zeros(B, T, s.heads, device=token_inputs.device) if (s.memory and output_memory_decays) else None
+            gammas = (
+                torch.zeros(B, T, s.heads, device=token_inputs.device) if (s.memory and output_memory_decays) else None
+            )
             key0 = key_from_grounded(g0, w, s, eps) if s.memory else g0.new_zeros(B, 0)
             # M' alternates between two slots; a window of one token (decoding) writes a fresh tensor
             alternating = M0.new_empty(2, *M0.shape) if (s.memory and T > 1) else None
             starts = SequenceStarts.of(starts, w, s, eps, U.device)
-            final = _run_steps(U, mask, StepState(p0, g0, key0, M0), w, s, eps, 0, T, step, outputs, gammas,
-                               memory_buffer=alternating, starts=starts)  # fmt: skip
+            final = _run_steps(
+                U,
+                mask,
+                StepState(p0, g0, key0, M0),
+                w,
+                s,
+                eps,
+                0,
+                T,
+                step,
+                outputs,
+                gammas,
+                memory_buffer=alternating,
+                starts=starts,
+            )
         return outputs, (final.p, final.g, final.memory), gammas
     w = in_matmul_dtype(fold_weights(model), matmul_dtype)
     sweep = sweep_owner = None  # CUDA graphs for the training steps (opt-in; unmasked windows without truncation)
@@ -755,8 +844,18 @@ def _fast_recurrence(model, token_inputs, state, mask, output_memory_decays: boo
             backends = backends._replace(graphs=None)
     object.__setattr__(model, "last_recurrence_backends", backends)
     step, step_backward = step_functions(backends)
-    settings = WindowSettings(s, eps, config.bptt_segment_length, config.bptt_truncation_length, buffer_pool_of(model),
-                              sweep, sweep_owner, step, step_backward)  # fmt: skip
-    outputs, p, g, memory, gammas = GPNRecurrenceFunction.apply(token_inputs, p0, g0, M0, mask, starts, settings,
-                                                                *_flatten(w))  # fmt: skip
+    settings = WindowSettings(
+        s,
+        eps,
+        config.bptt_segment_length,
+        config.bptt_truncation_length,
+        buffer_pool_of(model),
+        sweep,
+        sweep_owner,
+        step,
+        step_backward,
+    )
+    outputs, p, g, memory, gammas = GPNRecurrenceFunction.apply(
+        token_inputs, p0, g0, M0, mask, starts, settings, *_flatten(w)
+    )
     return outputs, (p, g, memory), (gammas if (s.memory and output_memory_decays) else None)

@@ -57,9 +57,10 @@ import threading
 import time
 import warnings
 from collections import Counter
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
@@ -696,13 +697,22 @@ void gpn_steps(const gpn_step_plan *P, i64 T, const float *p0, const float *g0, 
 """
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c99"]
-_SYMBOLS = ("gpn_memory_step", "gpn_memory_write_backward", "gpn_linear", "gpn_step", "gpn_steps", "gpn_read_probe",
-            "gpn_kernel_source_digest")
+_SYMBOLS = (
+    "gpn_memory_step",
+    "gpn_memory_write_backward",
+    "gpn_linear",
+    "gpn_step",
+    "gpn_steps",
+    "gpn_read_probe",
+    "gpn_kernel_source_digest",
+)
 BUILD_TIMEOUT_S = 60.0  # default bound on one compiler run (`GPN_KERNEL_BUILD_TIMEOUT` overrides it)
 _lock = threading.Lock()
-_library: Optional[ctypes.CDLL] = None
-_failure: Optional[str] = None
-calls: Counter = Counter()  # kernel calls so far, by kernel (tests/backend_observer.py: a test of the kernels asserts they ran)
+_library: ctypes.CDLL | None = None
+_failure: str | None = None
+calls: Counter = (
+    Counter()
+)  # kernel calls so far, by kernel (tests/backend_observer.py: a test of the kernels asserts they ran)
 
 
 class KernelWarning(UserWarning):
@@ -759,7 +769,7 @@ def _build_timeout() -> float:
 # ---- the cache: only what this user built, checked before loading ----------------------------------------
 
 
-def _problem_with_owner_and_mode(info: os.stat_result) -> Optional[str]:
+def _problem_with_owner_and_mode(info: os.stat_result) -> str | None:
     """Why a file or folder with this status is not this user's alone (None: it is)."""
     if hasattr(os, "getuid") and info.st_uid != os.getuid():
         return f"is owned by uid {info.st_uid}, not by this user (uid {os.getuid()})"
@@ -855,7 +865,7 @@ def _load_verified(folder: Path, key: str) -> ctypes.CDLL:
     return lib
 
 
-def _remove_builds(folder: Path, key: str, keep: Optional[str] = None) -> None:
+def _remove_builds(folder: Path, key: str, keep: str | None = None) -> None:
     """Remove the libraries of this build key (links themselves, never what they point to) but `keep`."""
     for path in folder.glob(f"gpn_memory_{key}-*.so"):
         if path.name != keep:
@@ -890,9 +900,13 @@ def _build_lock(folder: Path, name: str, timeout: float) -> Iterator[None]:
 def _run_compiler(command: list[str], timeout: float) -> None:
     """Run the compiler in its own process group; kill the whole group if it takes over `timeout` seconds."""
     process = subprocess.Popen(
-        command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         start_new_session=True,
-    )  # fmt: skip
+    )
     try:
         _, errors = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -986,7 +1000,7 @@ def available() -> bool:
         return _library is not None
 
 
-def unavailable_reason() -> Optional[str]:
+def unavailable_reason() -> str | None:
     """Why `available()` is False (None when it is True or was not asked yet)."""
     if os.environ.get("GPN_MEMORY_KERNELS", "1") == "0":
         return "disabled by GPN_MEMORY_KERNELS=0"
@@ -1010,7 +1024,7 @@ def _refuse(problem: str) -> None:
     raise KernelRefusal(f"GPN memory kernel refused its arguments: {problem}")
 
 
-def _check(t, name: str, shape: Optional[tuple] = None, contiguous: bool = False) -> None:
+def _check(t, name: str, shape: tuple | None = None, contiguous: bool = False) -> None:
     """`t` must be a float32 strided CPU tensor (of `shape`, contiguous if asked)."""
     if not isinstance(t, torch.Tensor):
         _refuse(f"{name} is a {type(t).__name__}, not a tensor")
@@ -1055,9 +1069,14 @@ def _require() -> None:
 
 
 def memory_step(
-    Z: torch.Tensor, columns, key: torch.Tensor, neg_decay_rate: torch.Tensor, memory: torch.Tensor,
-    memory_out: torch.Tensor, rms_eps: float,
-) -> MemoryStep:  # fmt: skip
+    Z: torch.Tensor,
+    columns,
+    key: torch.Tensor,
+    neg_decay_rate: torch.Tensor,
+    memory: torch.Tensor,
+    memory_out: torch.Tensor,
+    rms_eps: float,
+) -> MemoryStep:
     """The memory half of a step from its projections Z (B, N) (`recurrence_step.Columns` for where the
     value, beta, decay and query columns are), the carried key pre-activation (B, H*dk) and M (BH, dk, dv):
     writes M' into `memory_out` and returns the gates, layer 0's read and what backward needs.
@@ -1083,30 +1102,65 @@ def memory_step(
     if tuple(key.shape) != (rows, H * dk):
         _refuse(f"key has shape {tuple(key.shape)}, expected {(rows, H * dk)}")
     query = columns.write + columns.query.start
-    needed = {"value": (columns.value.start, H * dv), "beta": (columns.beta.start, H),
-              "decay": (columns.decay.start, H), "query": (query, H * dk)}  # fmt: skip
+    needed = {
+        "value": (columns.value.start, H * dv),
+        "beta": (columns.beta.start, H),
+        "decay": (columns.decay.start, H),
+        "query": (query, H * dk),
+    }
     for name, (start, width) in needed.items():
         if start < 0 or start + width > Z.shape[1]:
             _refuse(f"the {name} columns [{start}, {start + width}) are not within Z's {Z.shape[1]} columns")
     _check_apart(memory_out, "memory_out", {"memory": memory, "Z": Z, "key": key, "neg_decay_rate": neg_decay_rate})
-    empty = lambda *shape: memory.new_empty(shape)  # noqa: E731
+    empty = lambda *shape: memory.new_empty(shape)
     out = MemoryStep(
-        empty(heads, 2, dk), empty(heads, 2, dk), empty(heads, 2, 1), empty(rows, H), empty(rows, H),
-        empty(heads, 1), empty(heads, 1), empty(heads, dv), empty(heads, dv), empty(rows, H * dv), empty(rows, H * dv),
-    )  # fmt: skip
+        empty(heads, 2, dk),
+        empty(heads, 2, dk),
+        empty(heads, 2, 1),
+        empty(rows, H),
+        empty(rows, H),
+        empty(heads, 1),
+        empty(heads, 1),
+        empty(heads, dv),
+        empty(heads, dv),
+        empty(rows, H * dv),
+        empty(rows, H * dv),
+    )
     calls["memory_step"] += 1
     _library.gpn_memory_step(
-        rows, H, dk, dv, Z.data_ptr(), Z.stride(0), columns.value.start, columns.beta.start, columns.decay.start,
-        query, key.data_ptr(), key.stride(0), neg_decay_rate.data_ptr(), rms_eps,
-        memory.data_ptr(), memory_out.data_ptr(), *(t.data_ptr() for t in out), torch.get_num_threads(),
-    )  # fmt: skip
+        rows,
+        H,
+        dk,
+        dv,
+        Z.data_ptr(),
+        Z.stride(0),
+        columns.value.start,
+        columns.beta.start,
+        columns.decay.start,
+        query,
+        key.data_ptr(),
+        key.stride(0),
+        neg_decay_rate.data_ptr(),
+        rms_eps,
+        memory.data_ptr(),
+        memory_out.data_ptr(),
+        *(t.data_ptr() for t in out),
+        torch.get_num_threads(),
+    )
     return out
 
 
 def memory_write_backward(
-    memory_grad: torch.Tensor, memory: torch.Tensor, queries: torch.Tensor, read_grads: torch.Tensor,
-    k: torch.Tensor, update: torch.Tensor, a: torch.Tensor, beta: torch.Tensor, memory_grad_out: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    memory_grad: torch.Tensor,
+    memory: torch.Tensor,
+    queries: torch.Tensor,
+    read_grads: torch.Tensor,
+    k: torch.Tensor,
+    update: torch.Tensor,
+    a: torch.Tensor,
+    beta: torch.Tensor,
+    memory_grad_out: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients through the write and the reads of M' (see the module docstring).
 
     memory_grad D = dL/dM' from later steps and memory M (BH, dk, dv); queries (L, BH, dk) and read_grads
@@ -1126,9 +1180,12 @@ def memory_write_backward(
         _refuse(f"queries has shape {tuple(queries.shape)}, expected (layers, {heads}, {dk})")
     layers = queries.shape[0]
     expected = {
-        "memory_grad": (memory_grad, (heads, dk, dv)), "queries": (queries, (layers, heads, dk)),
-        "read_grads": (read_grads, (layers, heads, dv)), "k": (k, (heads, dk)), "update": (update, (heads, dv)),
-    }  # fmt: skip
+        "memory_grad": (memory_grad, (heads, dk, dv)),
+        "queries": (queries, (layers, heads, dk)),
+        "read_grads": (read_grads, (layers, heads, dv)),
+        "k": (k, (heads, dk)),
+        "update": (update, (heads, dv)),
+    }
     for name, (tensor, shape) in expected.items():
         _check(tensor, name, shape=shape)
     for name, tensor in (("a", a), ("beta", beta)):
@@ -1136,8 +1193,16 @@ def memory_write_backward(
         if tensor.numel() != heads or (tensor.dim() == 2 and tensor.shape[1] != 1) or tensor.dim() > 2:
             _refuse(f"{name} has shape {tuple(tensor.shape)}, expected ({heads},) or ({heads}, 1)")
     _check(memory_grad_out, "memory_grad_out", shape=(heads, dk, dv), contiguous=True)
-    inputs = dict(memory_grad=memory_grad, memory=memory, queries=queries, read_grads=read_grads, k=k,
-                  update=update, a=a, beta=beta)  # fmt: skip
+    inputs = dict(
+        memory_grad=memory_grad,
+        memory=memory,
+        queries=queries,
+        read_grads=read_grads,
+        k=k,
+        update=update,
+        a=a,
+        beta=beta,
+    )
     _check_apart(memory_grad_out, "memory_grad_out", inputs)
     memory_grad, memory, queries, read_grads, k, update, a, beta = (t.contiguous() for t in inputs.values())
     d_update, d_error = memory.new_empty(heads, dv), memory.new_empty(heads, dv)
@@ -1145,9 +1210,32 @@ def memory_write_backward(
     scratch = memory.new_empty(heads * layers * (dk + 2))
     calls["memory_write_backward"] += 1
     _library.gpn_memory_write_backward(
-        heads, dk, dv, layers, *(t.data_ptr() for t in (memory_grad, memory, memory_grad_out, queries, read_grads, k,
-        update, a, beta, d_update, d_k, d_a, dq, d_error, scratch)), torch.get_num_threads(),
-    )  # fmt: skip
+        heads,
+        dk,
+        dv,
+        layers,
+        *(
+            t.data_ptr()
+            for t in (
+                memory_grad,
+                memory,
+                memory_grad_out,
+                queries,
+                read_grads,
+                k,
+                update,
+                a,
+                beta,
+                d_update,
+                d_k,
+                d_a,
+                dq,
+                d_error,
+                scratch,
+            )
+        ),
+        torch.get_num_threads(),
+    )
     return d_update, d_k, d_a, dq, d_error
 
 
@@ -1170,9 +1258,20 @@ _i64, _ptr = ctypes.c_longlong, ctypes.c_void_p
 
 
 class _Segment(ctypes.Structure):  # gpn_segment
-    _fields_ = [("w", _ptr), ("scale", _ptr), ("bias", _ptr), ("x", _ptr), ("xb", _ptr), ("out", _ptr),
-                ("rows", _i64), ("cols", _i64), ("x_stride", _i64), ("out_stride", _i64), ("kind", _i64),
-                ("flags", _i64)]  # fmt: skip
+    _fields_ = [
+        ("w", _ptr),
+        ("scale", _ptr),
+        ("bias", _ptr),
+        ("x", _ptr),
+        ("xb", _ptr),
+        ("out", _ptr),
+        ("rows", _i64),
+        ("cols", _i64),
+        ("x_stride", _i64),
+        ("out_stride", _i64),
+        ("kind", _i64),
+        ("flags", _i64),
+    ]
 
 
 class _Slot(ctypes.Structure):  # gpn_slot
@@ -1184,10 +1283,36 @@ _SLOT_NAMES = ("fg", "key", "write", "gate", "ffn", "read", "hidden", "gated")
 
 class _Plan(ctypes.Structure):  # gpn_step_plan
     _fields_ = [(name, _i64) for name in ("B", "d", "f", "H", "dk", "dv", "L", "memory", "width_z", "width_part")]
-    _fields_ += [("eps", ctypes.c_double), ("segs", _ptr), ("tasks", _ptr), ("phases", _ptr), ("norms", _ptr),
-                 ("neg_decay", _ptr), ("slots", _Slot * len(_SLOT_NAMES))]  # fmt: skip
-    _fields_ += [(name, _ptr) for name in ("zfg", "key0", "Z", "part", "y_ffn", "y_read", "kq_raw", "kq", "kq_inv",
-                                           "softplus", "decay_factor", "sig_beta", "error", "update", "read", "gamma")]  # fmt: skip
+    _fields_ += [
+        ("eps", ctypes.c_double),
+        ("segs", _ptr),
+        ("tasks", _ptr),
+        ("phases", _ptr),
+        ("norms", _ptr),
+        ("neg_decay", _ptr),
+        ("slots", _Slot * len(_SLOT_NAMES)),
+    ]
+    _fields_ += [
+        (name, _ptr)
+        for name in (
+            "zfg",
+            "key0",
+            "Z",
+            "part",
+            "y_ffn",
+            "y_read",
+            "kq_raw",
+            "kq",
+            "kq_inv",
+            "softplus",
+            "decay_factor",
+            "sig_beta",
+            "error",
+            "update",
+            "read",
+            "gamma",
+        )
+    ]
 
 
 class Operand(NamedTuple):
@@ -1198,13 +1323,13 @@ class Operand(NamedTuple):
 
     kind: int
     weight: torch.Tensor
-    scale: Optional[torch.Tensor]
-    bias: Optional[torch.Tensor]
+    scale: torch.Tensor | None
+    bias: torch.Tensor | None
     bf16_activations: bool
     bias_after_round: bool = False
 
 
-def operand_of(linear: torch.nn.Module, extra_bias: Optional[torch.Tensor] = None) -> Operand:
+def operand_of(linear: torch.nn.Module, extra_bias: torch.Tensor | None = None) -> Operand:
     """The `Operand` of an nn.Linear whose weight is a plain float32 / bfloat16 CPU matrix or a torchao
     int8 weight-only one (`recurrence_step.int8_weight_parts`); raises `KernelRefusal` for anything else.
     `extra_bias` is added to the module's own (float32; the decay's dt_bias)."""
@@ -1219,7 +1344,11 @@ def operand_of(linear: torch.nn.Module, extra_bias: Optional[torch.Tensor] = Non
     else:
         if type(weight) is not torch.nn.Parameter and type(weight) is not torch.Tensor:
             _refuse(f"a weight is a {type(weight).__name__}")
-        if weight.dtype not in (torch.float32, torch.bfloat16) or not weight.is_cpu or weight.layout is not torch.strided:
+        if (
+            weight.dtype not in (torch.float32, torch.bfloat16)
+            or not weight.is_cpu
+            or weight.layout is not torch.strided
+        ):
             _refuse(f"a weight is a {weight.dtype} {weight.layout} tensor on {weight.device}")
         if weight.dim() != 2 or not weight.is_contiguous():
             _refuse("a weight is not a contiguous matrix")
@@ -1239,8 +1368,11 @@ def operand_of(linear: torch.nn.Module, extra_bias: Optional[torch.Tensor] = Non
 
 def _input_slot(rows: int, width: int) -> dict:
     """An input of products for `rows` batch rows: exact, rounded to bf16 (as float32) and its bf16 bits."""
-    return {"x": torch.zeros(rows, width), "xr": torch.zeros(rows, width),
-            "xb": torch.zeros(rows, width, dtype=torch.int16)}  # fmt: skip
+    return {
+        "x": torch.zeros(rows, width),
+        "xr": torch.zeros(rows, width),
+        "xb": torch.zeros(rows, width, dtype=torch.int16),
+    }
 
 
 def _segment(op: Operand, slot: dict, out: torch.Tensor, column: int, store_bf16: bool = False) -> _Segment:
@@ -1254,10 +1386,19 @@ def _segment(op: Operand, slot: dict, out: torch.Tensor, column: int, store_bf16
     flags = (ROUND_OUTPUT if op.bf16_activations else 0) | (STORE_BF16 if store_bf16 else 0)
     flags |= BIAS_AFTER_ROUND if op.bias_after_round else 0
     return _Segment(
-        op.weight.data_ptr(), op.scale.data_ptr() if op.scale is not None else None,
-        op.bias.data_ptr() if op.bias is not None else None, x.data_ptr(), slot["xb"].data_ptr(),
-        out.data_ptr() + column * out.element_size(), rows, cols, cols, out.shape[1], op.kind, flags,
-    )  # fmt: skip
+        op.weight.data_ptr(),
+        op.scale.data_ptr() if op.scale is not None else None,
+        op.bias.data_ptr() if op.bias is not None else None,
+        x.data_ptr(),
+        slot["xb"].data_ptr(),
+        out.data_ptr() + column * out.element_size(),
+        rows,
+        cols,
+        cols,
+        out.shape[1],
+        op.kind,
+        flags,
+    )
 
 
 def _tasks(segments: list, first_segment: int, count: int) -> list:
@@ -1289,21 +1430,34 @@ class StepPlan:
         self.rows = B = rows
         self.memory = bool(config.use_memory)
         d, f, L = config.hidden_size, config.intermediate_size, config.num_predict_layers
-        H, dk, dv = (config.num_memory_heads, config.memory_key_dim, config.memory_value_dim) if self.memory else (0, 0, 0)
+        H, dk, dv = (
+            (config.num_memory_heads, config.memory_key_dim, config.memory_value_dim) if self.memory else (0, 0, 0)
+        )
         self.sizes = (d, f, H, dk, dv, L)
         kw, vw = H * dk, H * dv
         write = kw + vw + 2 * H if self.memory else 0
         width_part = d + 2 * f + (kw + vw if self.memory else 0)
         keep = []  # every tensor a pointer of the plan points into
-        slots = {name: _input_slot(B, width) for name, width in zip(
-            _SLOT_NAMES, (d, d, d, d, d, d, f, max(vw, 1)))}  # fmt: skip
-        zeros = lambda *shape: torch.zeros(*shape)  # noqa: E731
-        buffers = {"zfg": zeros(B, d), "key0": zeros(B, max(kw, 1)), "Z": zeros(B, write + width_part),
-                   "part": zeros(B, width_part), "y_ffn": zeros(B, d), "y_read": zeros(B, d),
-                   "kq_raw": zeros(B * H, 2, dk), "kq": zeros(B * H, 2, dk), "kq_inv": zeros(B * H, 2),
-                   "softplus": zeros(B * H), "decay_factor": zeros(B * H), "sig_beta": zeros(B * H),
-                   "error": zeros(B * H, dv), "update": zeros(B * H, dv), "read": zeros(B, max(vw, 1)),
-                   "gamma": zeros(max(B * H, 1))}  # fmt: skip
+        slots = {name: _input_slot(B, width) for name, width in zip(_SLOT_NAMES, (d, d, d, d, d, d, f, max(vw, 1)))}
+        zeros = lambda *shape: torch.zeros(*shape)
+        buffers = {
+            "zfg": zeros(B, d),
+            "key0": zeros(B, max(kw, 1)),
+            "Z": zeros(B, write + width_part),
+            "part": zeros(B, width_part),
+            "y_ffn": zeros(B, d),
+            "y_read": zeros(B, d),
+            "kq_raw": zeros(B * H, 2, dk),
+            "kq": zeros(B * H, 2, dk),
+            "kq_inv": zeros(B * H, 2),
+            "softplus": zeros(B * H),
+            "decay_factor": zeros(B * H),
+            "sig_beta": zeros(B * H),
+            "error": zeros(B * H, dv),
+            "update": zeros(B * H, dv),
+            "read": zeros(B, max(vw, 1)),
+            "gamma": zeros(max(B * H, 1)),
+        }
         segments, phases = [], []
 
         def phase(*parts) -> None:  # parts: (operand, slot name, output buffer name or tensor, column)
@@ -1326,13 +1480,18 @@ class StepPlan:
             out, base = ("Z", write) if index == 0 else ("part", 0)
             parts = []
             if index == 0 and self.memory:
-                parts += [(operand_of(write_module.key), "write", "Z", 0), (operand_of(write_module.value), "write", "Z", kw),
-                          (operand_of(write_module.beta), "write", "Z", kw + vw),
-                          (operand_of(write_module.decay, extra_bias=write_module.dt_bias), "write", "Z", kw + vw + H)]  # fmt: skip
+                parts += [
+                    (operand_of(write_module.key), "write", "Z", 0),
+                    (operand_of(write_module.value), "write", "Z", kw),
+                    (operand_of(write_module.beta), "write", "Z", kw + vw),
+                    (operand_of(write_module.decay, extra_bias=write_module.dt_bias), "write", "Z", kw + vw + H),
+                ]
             parts += [(operand_of(layer.gate), "gate", out, base), (operand_of(layer.ffn_in), "ffn", out, base + d)]
             if self.memory:
-                parts += [(operand_of(layer.read_query), "read", out, base + d + 2 * f),
-                          (operand_of(layer.read_gate), "read", out, base + d + 2 * f + kw)]  # fmt: skip
+                parts += [
+                    (operand_of(layer.read_query), "read", out, base + d + 2 * f),
+                    (operand_of(layer.read_gate), "read", out, base + d + 2 * f + kw),
+                ]
             phase(*parts)
             outputs = [(operand_of(layer.ffn_out), "hidden", "y_ffn", 0)]
             if self.memory:
@@ -1356,13 +1515,17 @@ class StepPlan:
                 _refuse("a norm weight has an unexpected shape")
         self._norm_pointers = (ctypes.c_void_p * len(self._norms_f32))(*(n.data_ptr() for n in self._norms_f32))
         self.neg_decay = (-torch.exp(write_module.A_log.detach().float())).contiguous() if self.memory else zeros(1)
-        plan = _Plan(B, d, f, H, dk, dv, L, int(self.memory), write + width_part, width_part, float(config.rms_norm_eps))
+        plan = _Plan(
+            B, d, f, H, dk, dv, L, int(self.memory), write + width_part, width_part, float(config.rms_norm_eps)
+        )
         plan.segs = ctypes.cast(self._segments, _ptr)
         plan.tasks, plan.phases = self._tasks.data_ptr(), self._phases.data_ptr()
         plan.norms, plan.neg_decay = ctypes.cast(self._norm_pointers, _ptr), self.neg_decay.data_ptr()
         for i, name in enumerate(_SLOT_NAMES):
             slot = slots[name]
-            plan.slots[i] = _Slot(slot["x"].data_ptr(), slot["xr"].data_ptr(), slot["xb"].data_ptr(), slot["x"].shape[1])
+            plan.slots[i] = _Slot(
+                slot["x"].data_ptr(), slot["xr"].data_ptr(), slot["xb"].data_ptr(), slot["x"].shape[1]
+            )
         for name, tensor in buffers.items():
             setattr(plan, name, tensor.data_ptr())
         self._plan, self._keep, self._slots, self._buffers = plan, keep, slots, buffers
@@ -1376,8 +1539,18 @@ class StepPlan:
             seen[op.weight.data_ptr()] = op.weight.numel() * op.weight.element_size()
         return sum(seen.values())
 
-    def step(self, state: StepState, u: torch.Tensor, real: Optional[torch.Tensor], w=None, s=None, c=None,
-             eps: float = 0.0, saved: Optional[dict] = None, memory_out: Optional[torch.Tensor] = None):  # fmt: skip
+    def step(
+        self,
+        state: StepState,
+        u: torch.Tensor,
+        real: torch.Tensor | None,
+        w=None,
+        s=None,
+        c=None,
+        eps: float = 0.0,
+        saved: dict | None = None,
+        memory_out: torch.Tensor | None = None,
+    ):
         """`recurrence_step._step`'s contract for a no-grad step (no records: `saved` must be None) of this
         plan's rows: (new state, gamma). `state.key` may be None: the key of `state.g` is then computed
         here. The folded weights `w`, shapes and columns are not read (the plan has its own)."""
@@ -1406,11 +1579,19 @@ class StepPlan:
         calls["step"] += 1
         calls["int8 step"] += self.int8
         _library.gpn_step(
-            ctypes.addressof(self._plan), p.data_ptr(), g.data_ptr(), key.data_ptr() if (self.memory and key is not None) else None,
-            memory.data_ptr() if self.memory else None, u.data_ptr(), new_p.data_ptr(), new_g.data_ptr(),
-            new_key.data_ptr() if self.memory else None, memory_out.data_ptr() if self.memory else None,
-            gamma.data_ptr() if self.memory else None, torch.get_num_threads(),
-        )  # fmt: skip
+            ctypes.addressof(self._plan),
+            p.data_ptr(),
+            g.data_ptr(),
+            key.data_ptr() if (self.memory and key is not None) else None,
+            memory.data_ptr() if self.memory else None,
+            u.data_ptr(),
+            new_p.data_ptr(),
+            new_g.data_ptr(),
+            new_key.data_ptr() if self.memory else None,
+            memory_out.data_ptr() if self.memory else None,
+            gamma.data_ptr() if self.memory else None,
+            torch.get_num_threads(),
+        )
         if not self.memory:
             new_key = key if key is not None else p.new_empty(B, 0)
         new = StepState(new_p, new_g, new_key, memory_out)
@@ -1419,8 +1600,7 @@ class StepPlan:
         old = StepState(p, g, key if key is not None else new_key, memory)
         return keep_padded_rows(new, old, real, None, self.memory), gamma
 
-
-    def steps(self, U: torch.Tensor, state: StepState, outputs: torch.Tensor, gammas: Optional[torch.Tensor]) -> StepState:
+    def steps(self, U: torch.Tensor, state: StepState, outputs: torch.Tensor, gammas: torch.Tensor | None) -> StepState:
         """T unmasked steps in one C call (`gpn_steps`): the token inputs U (B, T, d), the predicted states into
         `outputs` (B, T, d) and gamma into `gammas` (B, T, H) when given; returns the final state (fresh
         tensors). `state.key` may be None (the first step computes the key of `state.g`)."""
@@ -1444,12 +1624,23 @@ class StepPlan:
         _check_apart(outputs, "outputs", {"U": U, "p": p, "g": g, "memory": memory})
         calls["step"] += T
         calls["int8 step"] += T * self.int8
-        pointer = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
+        pointer = lambda t: t.data_ptr() if t is not None else None
         _library.gpn_steps(
-            ctypes.addressof(self._plan), T, p.data_ptr(), g.data_ptr(), pointer(key) if self.memory else None,
-            memory.data_ptr() if self.memory else None, U.data_ptr(), outputs.data_ptr(), pointer(gammas),
-            p_buf.data_ptr(), g_buf.data_ptr(), key_buf.data_ptr(), memory_buf.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
+            ctypes.addressof(self._plan),
+            T,
+            p.data_ptr(),
+            g.data_ptr(),
+            pointer(key) if self.memory else None,
+            memory.data_ptr() if self.memory else None,
+            U.data_ptr(),
+            outputs.data_ptr(),
+            pointer(gammas),
+            p_buf.data_ptr(),
+            g_buf.data_ptr(),
+            key_buf.data_ptr(),
+            memory_buf.data_ptr(),
+            torch.get_num_threads(),
+        )
         last = (T - 1) % 2
         if not self.memory:
             return StepState(p_buf[last], g_buf[last], key if key is not None else p.new_empty(B, 0), memory)
@@ -1507,14 +1698,16 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if weight.dtype not in (torch.float32, torch.bfloat16) or not weight.is_cpu or weight.layout is not torch.strided:
         _refuse(f"the weight is a {weight.dtype} {weight.layout} tensor on {weight.device}")
     if weight.dim() != 2 or weight.shape[1] != x.shape[1] or not weight.is_contiguous():
-        _refuse(f"the weight has shape {tuple(weight.shape)} (contiguous: {weight.is_contiguous()}) for x {tuple(x.shape)}")
+        _refuse(
+            f"the weight has shape {tuple(weight.shape)} (contiguous: {weight.is_contiguous()}) for x {tuple(x.shape)}"
+        )
     bf16 = weight.dtype == torch.bfloat16
     # (bf16: the input rounded to bf16 as `x.to(weight.dtype)` does; the output stored as bf16, unrounded before)
     op = Operand(KIND_BF16 if bf16 else KIND_F32, weight.detach(), None, None, bf16)
     return _rows_product(x, op._replace(bf16_activations=bf16), store_bf16=bf16)
 
 
-def read_probe(buffer: torch.Tensor, threads: Optional[int] = None) -> float:
+def read_probe(buffer: torch.Tensor, threads: int | None = None) -> float:
     """Read every float of the contiguous float32 CPU `buffer` once at the machine's streaming rate (the
     bandwidth behind the byte limit of a step); returns their sum (so the read cannot be skipped)."""
     _require()

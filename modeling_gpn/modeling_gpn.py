@@ -344,7 +344,9 @@ class GPNPreTrainedModel(PreTrainedModel):
         self.config.auto_map = auto_map
         return super().save_pretrained(save_directory, *args, **kwargs)
 
-    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None, every_n_layers: int = 1):
+    def _set_gradient_checkpointing(
+        self, enable: bool = True, gradient_checkpointing_func=None, every_n_layers: int = 1
+    ):
         """What `activation_checkpointing_enable()` / `gradient_checkpointing_enable()` (and
         `TrainingArguments(gradient_checkpointing=True)`) turn on, and `..._disable()` off.
 
@@ -430,7 +432,9 @@ class GPNModel(GPNPreTrainedModel):
         self.fuse_gate = linear(d, d, bias=True, init_scheme="zeros")
         self.memory_write = GPNMemoryWrite(config) if config.use_memory else None
         self.predict_layers = nn.ModuleList(GPNPredictLayer(config) for _ in range(config.num_predict_layers))
-        self.segment_layer = GPNSegmentLayer()  # the plain loop's segments; see GPNPreTrainedModel._set_gradient_checkpointing
+        self.segment_layer = (
+            GPNSegmentLayer()
+        )  # the plain loop's segments; see GPNPreTrainedModel._set_gradient_checkpointing
         # Step 4's d -> e part, the base model's last modules (as a Llama's base model ends with its final norm)
         self.decode_norm = GPNRMSNorm(d, eps)
         self.decode_proj = linear(d, e, bias=config.use_decoder_bias)
@@ -491,7 +495,7 @@ class GPNModel(GPNPreTrainedModel):
             memory_shape = (batch_size, config.num_memory_heads, config.memory_key_dim, config.memory_value_dim)
         else:
             memory_shape = (batch_size, 0)
-        zeros = lambda *shape: torch.zeros(*shape, device=device, dtype=torch.float32)  # noqa: E731
+        zeros = lambda *shape: torch.zeros(*shape, device=device, dtype=torch.float32)
         return zeros(batch_size, d), zeros(batch_size, d), zeros(*memory_shape)
 
     # The fast path's settings, one name each (docs/speed.md), set on a model (`model.model.use_c_kernels = False`)
@@ -500,7 +504,9 @@ class GPNModel(GPNPreTrainedModel):
     use_fast_path: bool = True  # False: the plain loop, which calls every module
     use_c_kernels: bool = True  # CPU: the C step and memory kernels (built at first use with the system's cc)
     use_triton: bool = True  # CUDA: the Triton kernels (after their self-check on the run's sizes)
-    use_cuda_graphs: bool | str = False  # True: windows without padding as CUDA graph replays; "inference": no-grad ones only
+    use_cuda_graphs: bool | str = (
+        False  # True: windows without padding as CUDA graph replays; "inference": no-grad ones only
+    )
 
     last_recurrence_path: str | None = None  # "fast" or "plain": what the last eager call ran
     last_recurrence_backends = None  # on the fast path, the backends its last window ran (`fast_recurrence.Backends`)
@@ -528,7 +534,12 @@ class GPNModel(GPNPreTrainedModel):
         segment layer: the plain path calls them on every segment.
         """
         module_hooks = torch.nn.modules.module
-        for name in ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks", "_global_backward_hooks"):
+        for name in (
+            "_global_forward_pre_hooks",
+            "_global_forward_hooks",
+            "_global_backward_pre_hooks",
+            "_global_backward_hooks",
+        ):
             if getattr(module_hooks, name, None):
                 return f"a global module hook is registered ({name.strip('_')})"
         blocker = self._segment_layer_blocker()
@@ -546,7 +557,10 @@ class GPNModel(GPNPreTrainedModel):
             for block in child._modules.values():
                 modules.append(block)
                 modules.extend(block._modules.values())
-        plain_parameters = {type(p) for module in modules for p in module._parameters.values()} <= {nn.Parameter, type(None)}
+        plain_parameters = {type(p) for module in modules for p in module._parameters.values()} <= {
+            nn.Parameter,
+            type(None),
+        }
         for module in modules:
             if (
                 type(module) not in allowed
@@ -554,7 +568,9 @@ class GPNModel(GPNPreTrainedModel):
                 or module._forward_hooks
                 or module._backward_pre_hooks
                 or module._backward_hooks
-                or not (plain_parameters or all(foldable_parameter(module, n, p) for n, p in module._parameters.items()))
+                or not (
+                    plain_parameters or all(foldable_parameter(module, n, p) for n, p in module._parameters.items())
+                )
             ):
                 name = next(n for n, m in self.named_modules() if m is module)
                 return _why_not_foldable(name, module, allowed)
@@ -563,7 +579,12 @@ class GPNModel(GPNPreTrainedModel):
     def _segment_layer_blocker(self) -> str | None:
         """Why the segment layer (gradient checkpointing's unit) needs the plain path, or None."""
         segment = self.segment_layer
-        if segment._forward_pre_hooks or segment._forward_hooks or segment._backward_pre_hooks or segment._backward_hooks:
+        if (
+            segment._forward_pre_hooks
+            or segment._forward_hooks
+            or segment._backward_pre_hooks
+            or segment._backward_hooks
+        ):
             return "segment_layer has hooks"
         if self.checkpointing_segments() and not is_torch_checkpoint(segment._gradient_checkpointing_func):
             return "gradient checkpointing runs a checkpoint function other than torch.utils.checkpoint.checkpoint"
@@ -575,7 +596,7 @@ class GPNModel(GPNPreTrainedModel):
         return self.segment_layer.gradient_checkpointing and self.training and torch.is_grad_enabled()
 
     def recurrence_path(self) -> str:
-        """"fast" or "plain": the path `recurrence` takes for the next call (see `fast_path_blocker`)."""
+        """ "fast" or "plain": the path `recurrence` takes for the next call (see `fast_path_blocker`)."""
         if not self.use_fast_path or is_tracing():
             return "plain"
         blocker = self.fast_path_blocker()
@@ -610,7 +631,12 @@ class GPNModel(GPNPreTrainedModel):
                 object.__setattr__(self, "last_recurrence_backends", None)
         if path == "fast":
             return fast_recurrence(
-                self, token_inputs, state, mask, output_memory_decays=output_memory_decays, sequence_starts=sequence_starts
+                self,
+                token_inputs,
+                state,
+                mask,
+                output_memory_decays=output_memory_decays,
+                sequence_starts=sequence_starts,
             )
         return self.recurrence_plain(
             token_inputs, state, mask, output_memory_decays=output_memory_decays, sequence_starts=sequence_starts
@@ -645,9 +671,14 @@ class GPNModel(GPNPreTrainedModel):
             segment_mask = None if mask is None else mask[:, start:stop]
             segment_starts = None if sequence_starts is None else sequence_starts[:, start:stop]
             segment_outputs, *state, segment_decays = self.segment_layer(
-                token_inputs[:, start:stop], *state, segment_mask, start, output_memory_decays, segment_starts,
+                token_inputs[:, start:stop],
+                *state,
+                segment_mask,
+                start,
+                output_memory_decays,
+                segment_starts,
                 steps=self._plain_steps,
-            )  # fmt: skip
+            )
             outputs.append(segment_outputs)
             if segment_decays is not None:
                 decays.append(segment_decays)
@@ -738,9 +769,7 @@ class GPNModel(GPNPreTrainedModel):
         config = self.config
         use_cache = use_cache if use_cache is not None else (config.use_cache and not self.training)
         return_dict = return_dict if return_dict is not None else True
-        output_hidden_states = (
-            output_hidden_states if output_hidden_states is not None else config.output_hidden_states
-        )
+        output_hidden_states = output_hidden_states if output_hidden_states is not None else config.output_hidden_states
 
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds")
@@ -756,7 +785,9 @@ class GPNModel(GPNPreTrainedModel):
             embeddings = inputs_embeds
         batch_size, seq_len = embeddings.shape[:2]
         if batch_size == 0 or seq_len == 0:
-            raise ValueError(f"GPN needs at least one row and one token, got input of shape (batch={batch_size}, seq={seq_len})")
+            raise ValueError(
+                f"GPN needs at least one row and one token, got input of shape (batch={batch_size}, seq={seq_len})"
+            )
 
         state = cache.get_state() if cache is not None else None
         if state is not None and state[0].shape[0] != batch_size:
@@ -772,9 +803,12 @@ class GPNModel(GPNPreTrainedModel):
         # generate() call around it, or the cache it continues (a decode loop derives once): derived_weights.py
         with derived_weights_scope(self, kept_by=cache) as derived:
             predicted_states, final_state, memory_decays = self.recurrence(
-                self.token_inputs(embeddings), state, mask, output_memory_decays=output_memory_decays,
+                self.token_inputs(embeddings),
+                state,
+                mask,
+                output_memory_decays=output_memory_decays,
                 sequence_starts=sequence_starts,
-            )  # fmt: skip
+            )
 
         if use_cache:
             if cache is None:
@@ -801,7 +835,9 @@ class GPNModel(GPNPreTrainedModel):
         if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
             raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
         if input_ids.numel() == 0:
-            raise ValueError(f"GPN needs at least one row and one token, got input_ids of shape {tuple(input_ids.shape)}")
+            raise ValueError(
+                f"GPN needs at least one row and one token, got input_ids of shape {tuple(input_ids.shape)}"
+            )
         vocab_size = self.config.vocab_size
         if is_tracing():  # a value check cannot be decided on symbolic tensors (the embedding still bounds-checks)
             return
@@ -846,8 +882,13 @@ class GPNModel(GPNPreTrainedModel):
 # sequences start, see `packed_sequence_starts`), attention outputs (it has none),
 # token types, and generate()'s own helpers (`tokenizer` for stop strings, `assistant_tokenizer`).
 _IGNORED_FORWARD_KWARGS = {
-    "position_ids", "cache_position", "output_attentions", "token_type_ids", "tokenizer", "assistant_tokenizer",
-}  # fmt: skip
+    "position_ids",
+    "cache_position",
+    "output_attentions",
+    "token_type_ids",
+    "tokenizer",
+    "assistant_tokenizer",
+}
 
 
 def _check_unused_kwargs(kwargs: dict) -> None:
@@ -887,9 +928,11 @@ def _has_forward_hooks(module: nn.Module) -> bool:
     """Whether calling `module` runs a forward hook (its own or a global one) that reading its weight would skip."""
     module_hooks = torch.nn.modules.module
     return bool(
-        module._forward_pre_hooks or module._forward_hooks
-        or module_hooks._global_forward_pre_hooks or module_hooks._global_forward_hooks
-    )  # fmt: skip
+        module._forward_pre_hooks
+        or module._forward_hooks
+        or module_hooks._global_forward_pre_hooks
+        or module_hooks._global_forward_hooks
+    )
 
 
 class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
@@ -956,9 +999,11 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         deliberate replacement, called as it is."""
         head, embedding = self.lm_head, self.model.embed_tokens
         if (
-            _is_plain_linear(head) and _is_plain_embedding(embedding) and head.weight is not embedding.weight
+            _is_plain_linear(head)
+            and _is_plain_embedding(embedding)
+            and head.weight is not embedding.weight
             and type(head.weight) is nn.Parameter
-        ):  # fmt: skip
+        ):
             raise ValueError(
                 "lm_head.weight is no longer model.embed_tokens.weight (a GPN's output matrix is its embedding): after "
                 "replacing or loading the embedding, call `model.tie_weights()`"
@@ -973,7 +1018,12 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         self._check_tied()
         head = self.lm_head
         weight = getattr(head, "weight", None)
-        if _is_plain_linear(head) and head.bias is None and not _has_forward_hooks(head) and type(weight) is nn.Parameter:
+        if (
+            _is_plain_linear(head)
+            and head.bias is None
+            and not _has_forward_hooks(head)
+            and type(weight) is nn.Parameter
+        ):
             # a plain tied head: F.linear, a few rows (decoding) on the fast path's kernels (`output_logits`)
             return output_logits(hidden.float(), weight, self.model.few_row_kernels())
         if isinstance(weight, torch.Tensor) and weight.is_floating_point():
@@ -1071,13 +1121,31 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         cache = _pop_cache_alias(cache, kwargs)
         shift_labels = kwargs.pop("shift_labels", None)
         chunk_length = prefill_chunk_length_for(
-            self, input_ids, inputs_embeds, labels, shift_labels, logits_to_keep, return_logits,
-            output_hidden_states, output_memory_decays, output_predicted_states,
-        )  # fmt: skip
+            self,
+            input_ids,
+            inputs_embeds,
+            labels,
+            shift_labels,
+            logits_to_keep,
+            return_logits,
+            output_hidden_states,
+            output_memory_decays,
+            output_predicted_states,
+        )
         chunked = chunk_length and forward_in_chunks(
-            self, chunk_length, input_ids, inputs_embeds, attention_mask, cache, use_cache, labels, shift_labels,
-            logits_to_keep, num_items_in_batch, kwargs,
-        )  # fmt: skip
+            self,
+            chunk_length,
+            input_ids,
+            inputs_embeds,
+            attention_mask,
+            cache,
+            use_cache,
+            labels,
+            shift_labels,
+            logits_to_keep,
+            num_items_in_batch,
+            kwargs,
+        )
         if chunked:  # (None: a packed batch, which runs in one pass)
             loss, logits, cache = chunked
             output = GPNCausalLMOutput(loss=loss, logits=logits, cache=cache)
@@ -1099,9 +1167,11 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             if given is not None and given.shape != hidden.shape[:2]:
                 raise ValueError(f"{name} must have shape {tuple(hidden.shape[:2])}, got {tuple(given.shape)}")
         extras = dict(
-            cache=outputs.cache, hidden_states=outputs.hidden_states, memory_decays=outputs.memory_decays,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            memory_decays=outputs.memory_decays,
             predicted_states=outputs.predicted_states,
-        )  # fmt: skip
+        )
         wants_loss = labels is not None or shift_labels is not None
         if wants_loss and not return_logits:
             loss = self._chunked_loss(hidden, labels, shift_labels, num_items_in_batch)
@@ -1174,7 +1244,9 @@ def causal_lm_loss(
     logits = logits.float().reshape(-1, logits.shape[-1])
     if num_items_in_batch is None:
         return F.cross_entropy(logits, targets, ignore_index=-100)
-    return divide_loss_sum(F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum"), targets, num_items_in_batch)
+    return divide_loss_sum(
+        F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum"), targets, num_items_in_batch
+    )
 
 
 class GPNForSequenceClassification(GPNPreTrainedModel):
@@ -1262,9 +1334,13 @@ class GPNForSequenceClassification(GPNPreTrainedModel):
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, pooled_logits=logits, config=self.config)
         output = GPNSequenceClassifierOutput(
-            loss=loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states,
-            memory_decays=outputs.memory_decays, predicted_states=outputs.predicted_states,
-        )  # fmt: skip
+            loss=loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            memory_decays=outputs.memory_decays,
+            predicted_states=outputs.predicted_states,
+        )
         return output if return_dict else output.to_tuple()
 
 
@@ -1274,5 +1350,10 @@ GPNForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassi
 GPNModel.register_for_auto_class("AutoModel")
 
 __all__ = [
-    "GPNCache", "GPNForCausalLM", "GPNForSequenceClassification", "GPNModel", "GPNPreTrainedModel", "GPNStateFileError",
-]  # fmt: skip
+    "GPNCache",
+    "GPNForCausalLM",
+    "GPNForSequenceClassification",
+    "GPNModel",
+    "GPNPreTrainedModel",
+    "GPNStateFileError",
+]

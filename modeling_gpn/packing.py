@@ -129,8 +129,11 @@ def packed_sequence_starts(
         position_at_previous = positions.gather(1, previous.clamp(min=0))
         derived.append(("position_ids", real & (previous >= 0) & (positions <= position_at_previous)))
 
-    cu_given = {name: value for name, value in (("cu_seq_lens_q", cu_seq_lens_q), ("cu_seq_lens_k", cu_seq_lens_k))
-                if value is not None}  # fmt: skip
+    cu_given = {
+        name: value
+        for name, value in (("cu_seq_lens_q", cu_seq_lens_q), ("cu_seq_lens_k", cu_seq_lens_k))
+        if value is not None
+    }
     for name, bound in (("max_length_q", max_length_q), ("max_length_k", max_length_k)):
         cu_name = "cu_seq_lens_" + name[-1]
         if bound is not None and cu_name not in cu_given:
@@ -169,7 +172,7 @@ def packed_sequence_starts(
         disagree = starts != other
         if bool(disagree.any()):
             row, column = (int(i) for i in disagree.nonzero()[0])
-            says = lambda s: "starts" if bool(s[row, column]) else "does not start"  # noqa: E731
+            says = lambda s: "starts" if bool(s[row, column]) else "does not start"  # noqa: B023 (called in this iteration)
             raise ValueError(
                 f"{first_name} and {name} disagree on where the packed sequences start: at (row {row}, position "
                 f"{column}) a sequence {says(starts)} by {first_name} but {says(other)} by {name}"

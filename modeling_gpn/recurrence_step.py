@@ -45,7 +45,8 @@ This file ships to the Hub with the model: it imports only torch, typing and the
 from __future__ import annotations
 
 import weakref
-from typing import Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -75,7 +76,7 @@ class FoldedWeights(NamedTuple):
     out_w: tuple[torch.Tensor, ...]
     layer_w: tuple[torch.Tensor, ...]
     layer_b: tuple[torch.Tensor, ...]
-    neg_decay_rate: Optional[torch.Tensor]  # -exp(A_log) (H,), float32
+    neg_decay_rate: torch.Tensor | None  # -exp(A_log) (H,), float32
 
 
 class Shapes(NamedTuple):
@@ -100,7 +101,7 @@ class Int8Weight(NamedTuple):
 _int8_checked: dict = {}  # id(weight) -> (weak reference to it, what was checked, result); dropped with the weight
 
 
-def int8_weight_parts(weight) -> Optional[Int8Weight]:
+def int8_weight_parts(weight) -> Int8Weight | None:
     """The parts of `weight` if it is exactly what the fast path takes of a quantized weight, else None.
 
     Exactly torchao's `Int8Tensor` made by `Int8WeightOnlyConfig` (that class, not a subclass; named, not
@@ -128,7 +129,7 @@ def int8_weight_parts(weight) -> Optional[Int8Weight]:
 _INT8_PARTS = ("qdata", "scale", "zero_point", "block_size", "act_quant_kwargs", "act_pre_scale", "act_quant_scale")
 
 
-def _int8_parts(weight, held: dict) -> Optional[Int8Weight]:
+def _int8_parts(weight, held: dict) -> Int8Weight | None:
     qdata, scale = held.get("qdata"), held.get("scale")
     if not (isinstance(qdata, torch.Tensor) and isinstance(scale, torch.Tensor)):
         return None
@@ -162,7 +163,7 @@ def _fold(linear: torch.nn.Linear, norm_weight: torch.Tensor) -> torch.Tensor:
     return (weight.float().t() * norm_weight.float()[:, None]).to(weight.dtype)
 
 
-def _bias(linear: torch.nn.Linear, size: int, device, extra: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _bias(linear: torch.nn.Linear, size: int, device, extra: torch.Tensor | None = None) -> torch.Tensor:
     if linear is not None and linear.bias is not None:
         return linear.bias.float()
     if extra is not None:
@@ -241,7 +242,7 @@ class PackedMatrix:
         return torch.ops.mkldnn._linear_pointwise(x.to(self.matrix.dtype), self.packed, None, "none", [], "").float()
 
     @staticmethod
-    def worthwhile(w: FoldedWeights, rows: Optional[int] = None) -> bool:
+    def worthwhile(w: FoldedWeights, rows: int | None = None) -> bool:
         """Whether to pack the step matrices of `w`: bf16 on a CPU whose oneDNN has bf16 kernels, always;
         fp32 on CPU only for products of 8 or more `rows` on more than one thread (on one thread, and for
         the single rows of decoding, MKL's unpacked product is faster). `rows=None`: a batch of unknown size."""
@@ -258,25 +259,28 @@ def _pack(w: FoldedWeights) -> FoldedWeights:
     """`FoldedWeights` with every step matrix a `PackedMatrix`."""
     try:
         return w._replace(
-            fg_w=PackedMatrix(w.fg_w), big_w=PackedMatrix(w.big_w),
-            out_w=tuple(map(PackedMatrix, w.out_w)), layer_w=tuple(map(PackedMatrix, w.layer_w)),
-        )  # fmt: skip
+            fg_w=PackedMatrix(w.fg_w),
+            big_w=PackedMatrix(w.big_w),
+            out_w=tuple(map(PackedMatrix, w.out_w)),
+            layer_w=tuple(map(PackedMatrix, w.layer_w)),
+        )
     except RuntimeError:  # a oneDNN build without these kernels: the plain bf16 matmul still works
         return w
 
 
-def in_matmul_dtype(w: FoldedWeights, dtype: Optional[torch.dtype]) -> FoldedWeights:
+def in_matmul_dtype(w: FoldedWeights, dtype: torch.dtype | None) -> FoldedWeights:
     """`w` with its step matrices in `dtype` (what autocast multiplies in; None: unchanged), cast as
     autocast casts (every floating dtype but float64). Biases and decay rates stay float32."""
     if dtype is None:
         return w
-    cast = lambda m: m if m.dtype in (dtype, torch.float64) else m.to(dtype)  # noqa: E731
-    return w._replace(fg_w=cast(w.fg_w), big_w=cast(w.big_w), out_w=tuple(map(cast, w.out_w)),
-                      layer_w=tuple(map(cast, w.layer_w)))  # fmt: skip
+    cast = lambda m: m if m.dtype in (dtype, torch.float64) else m.to(dtype)
+    return w._replace(
+        fg_w=cast(w.fg_w), big_w=cast(w.big_w), out_w=tuple(map(cast, w.out_w)), layer_w=tuple(map(cast, w.layer_w))
+    )
 
 
 def cached_folded_weights(
-    model, rows: Optional[int] = None, matmul_dtype: Optional[torch.dtype] = None, variants: Optional[dict] = None
+    model, rows: int | None = None, matmul_dtype: torch.dtype | None = None, variants: dict | None = None
 ) -> FoldedWeights:
     """`fold_weights` for inference, with the step matrices in `matmul_dtype` (autocast's; None: the weights'
     own) and prepacked for oneDNN where that is faster for products of `rows` rows (`PackedMatrix.worthwhile`):
@@ -405,12 +409,16 @@ def columns_of(s: Shapes) -> Columns:
     kw, vw = H * dk, H * dv
     return Columns(
         write=kw + vw + 2 * H,
-        key=slice(0, kw), value=slice(kw, kw + vw), beta=slice(kw + vw, kw + vw + H),
+        key=slice(0, kw),
+        value=slice(kw, kw + vw),
+        beta=slice(kw + vw, kw + vw + H),
         decay=slice(kw + vw + H, kw + vw + 2 * H),
-        gate=slice(0, d), ffn_a=slice(d, d + f), ffn_b=slice(d + f, d + 2 * f),
-        query=slice(d + 2 * f, d + 2 * f + kw), read_gate=slice(d + 2 * f + kw, d + 2 * f + kw + vw),
-    )  # fmt: skip
-
+        gate=slice(0, d),
+        ffn_a=slice(d, d + f),
+        ffn_b=slice(d + f, d + 2 * f),
+        query=slice(d + 2 * f, d + 2 * f + kw),
+        read_gate=slice(d + 2 * f + kw, d + 2 * f + kw + vw),
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -425,7 +433,6 @@ class StepState(NamedTuple):
     g: torch.Tensor  # (B, d)
     key: torch.Tensor  # (B, H*dk), or (B, 0) without memory
     memory: torch.Tensor  # (B, H, dk, dv), or (B, 0) without memory
-
 
 
 # --------------------------------------------------------------------------------------------------
@@ -475,8 +482,9 @@ def _memory_step_torch(Z, c: Columns, key, neg_decay_rate, memory, memory_out, e
     update = sig_beta * error
     torch.mul(memory, decay_factor[:, :, None], out=memory_out).addcmul_(k[:, :, None], update[:, None, :])
     read = torch.addcmul(decay_factor * both[:, 1], (q * k).sum(-1, keepdim=True), update).view(B, -1)
-    return MemoryStep(kq_raw, kq, kq_inv, softplus_decay, gamma, decay_factor, sig_beta, error, update, read,
-                      _unit_rms(read, eps))  # fmt: skip
+    return MemoryStep(
+        kq_raw, kq, kq_inv, softplus_decay, gamma, decay_factor, sig_beta, error, update, read, _unit_rms(read, eps)
+    )
 
 
 def _memory_write_backward_torch(memory_grad, memory, queries, read_grads, k, update, a, beta, memory_grad_out):
@@ -514,7 +522,6 @@ class MemoryOps(NamedTuple):
 TORCH_MEMORY_OPS = MemoryOps(_memory_step_torch, _memory_write_backward_torch)
 
 
-
 # --------------------------------------------------------------------------------------------------
 # One step forward (optionally keeping what its backward needs)
 # --------------------------------------------------------------------------------------------------
@@ -547,9 +554,9 @@ def _predict_layer(state, part, memory_flat, read, normed_read, s: Shapes, c: Co
     return new_state
 
 
-
-def write_memory(Z, key, memory, memory_out, w: FoldedWeights, s: Shapes, c: Columns, eps: float,
-                 saved: Optional[dict], memory_half):  # fmt: skip
+def write_memory(
+    Z, key, memory, memory_out, w: FoldedWeights, s: Shapes, c: Columns, eps: float, saved: dict | None, memory_half
+):
     """The memory half of a step from its big projection Z: M' (into `memory_out` when given) and layer 0's
     read through `memory_half` (a `MemoryOps.step`, or `triton_kernels.memory_step` on static buffers), with the
     records `_step_backward` reads put into `saved`. Shared by `_step` and `triton_kernels.step`, so both
@@ -568,9 +575,17 @@ def write_memory(Z, key, memory, memory_out, w: FoldedWeights, s: Shapes, c: Col
 
 
 def _step(
-    state: StepState, u, real, w: FoldedWeights, s: Shapes, c: Columns, eps: float,
-    saved: Optional[dict] = None, memory_out: Optional[torch.Tensor] = None, memory_ops: MemoryOps = TORCH_MEMORY_OPS,
-):  # fmt: skip
+    state: StepState,
+    u,
+    real,
+    w: FoldedWeights,
+    s: Shapes,
+    c: Columns,
+    eps: float,
+    saved: dict | None = None,
+    memory_out: torch.Tensor | None = None,
+    memory_ops: MemoryOps = TORCH_MEMORY_OPS,
+):
     """One token on folded weights: state, u -> (new state, gamma). Fills `saved` for `_step_backward`
     (references to tensors the step computes anyway; what is cheap is recomputed there instead).
     Writes M' into `memory_out` when given (reused buffers: fresh 1.5 MB tensors every step cost page faults).
@@ -582,7 +597,6 @@ def _step(
         state = g;  for each layer: state = sigmoid(gate) * state + [silu(a) b | silu(r) rms(M'^T q)] W_out
     """
     p, g, key, memory = state
-    B, H, dk, dv = s.batch, s.heads, s.key_dim, s.value_dim
     a_p = _unit_rms(p, eps)
     sig_fg = torch.sigmoid(_linear(a_p, w.fg_w, w.fg_b))
     grounded = torch.addcmul(u, sig_fg, p)
@@ -605,13 +619,24 @@ def _step(
             if record is not None:
                 record["a"] = a_c
         first = i == 0
-        layer_state = _predict_layer(layer_state, part, memory_flat, read if first else None,
-                                     normed_read if first else None, s, c, eps, w.out_w[i], record)  # fmt: skip
+        layer_state = _predict_layer(
+            layer_state,
+            part,
+            memory_flat,
+            read if first else None,
+            normed_read if first else None,
+            s,
+            c,
+            eps,
+            w.out_w[i],
+            record,
+        )
     return keep_padded_rows(StepState(layer_state, grounded, new_key, new_memory), state, real, saved, s.memory), gamma
 
 
-def keep_padded_rows(new: StepState, old: StepState, real: Optional[torch.Tensor], saved: Optional[dict],
-                     has_memory: bool) -> StepState:  # fmt: skip
+def keep_padded_rows(
+    new: StepState, old: StepState, real: torch.Tensor | None, saved: dict | None, has_memory: bool
+) -> StepState:
     """The state after a step in which the rows whose `real` is False (padding) keep `old` exactly; `real`
     goes into `saved` for the backward step. (Without memory, key and M are (B, 0) and pass through.)"""
     if real is None:
@@ -624,7 +649,6 @@ def keep_padded_rows(new: StepState, old: StepState, real: Optional[torch.Tensor
         return StepState(p, g, new.key, new.memory)
     memory = torch.where(real[:, None, None, None], new.memory, old.memory)
     return StepState(p, g, torch.where(r, new.key, old.key), memory)
-
 
 
 # --------------------------------------------------------------------------------------------------
@@ -640,7 +664,7 @@ class TransposedWeights(NamedTuple):
     big_w: torch.Tensor
     out_w: tuple[torch.Tensor, ...]
     layer_w: tuple[torch.Tensor, ...]
-    neg_decay_rate: Optional[torch.Tensor]  # as in FoldedWeights (not transposed; here for the decay gradient)
+    neg_decay_rate: torch.Tensor | None  # as in FoldedWeights (not transposed; here for the decay gradient)
 
 
 def transpose_weights(w: FoldedWeights, pack: bool = False) -> TransposedWeights:
@@ -659,7 +683,7 @@ def transpose_weights(w: FoldedWeights, pack: bool = False) -> TransposedWeights
     return transposed(lambda m: m.detach().t().contiguous())
 
 
-def _split_real(grad: torch.Tensor, real: Optional[torch.Tensor], padded: Optional[torch.Tensor]):
+def _split_real(grad: torch.Tensor, real: torch.Tensor | None, padded: torch.Tensor | None):
     """(gradient into the step, gradient passed straight to the carried input) for a masked step: the real
     rows' and the padded rows' gradient, zeros in the other rows; `padded` is ~real (made once a step).
     (One masked_fill each, one launch; unlike a multiplication by the mask it never turns an inf of one
@@ -670,12 +694,17 @@ def _split_real(grad: torch.Tensor, real: Optional[torch.Tensor], padded: Option
     return grad.masked_fill(padded.view(shape), 0.0), grad.masked_fill(real.view(shape), 0.0)
 
 
-
 def _step_backward(
-    saved: dict, grads: StepState, wt: TransposedWeights, s: Shapes, c: Columns, eps: float,
-    weight_grads: "_WeightGrads", memory_grad_out: Optional[torch.Tensor] = None,
+    saved: dict,
+    grads: StepState,
+    wt: TransposedWeights,
+    s: Shapes,
+    c: Columns,
+    eps: float,
+    weight_grads: _WeightGrads,
+    memory_grad_out: torch.Tensor | None = None,
     memory_ops: MemoryOps = TORCH_MEMORY_OPS,
-):  # fmt: skip
+):
     """Gradients of a step's input state and token input from those of its outputs (the inverse of `_step`).
 
     `grads` holds dL/d(new p, new g, new key, new M); returns (dL/d(p, g, key, M) of the input state, dL/du).
@@ -740,9 +769,16 @@ def _step_backward(
         # every layer's query; layer 0's is kq[:, 1]
         queries = torch.stack([kq[:, 1]] + [saved["layers"][i]["q"] for i in range(1, s.layers)])
         d_update, d_k, d_decay_factor, dq0, d_error = memory_ops.write_backward(
-            d_new_memory.reshape(B * H, dk, dv), old, queries, torch.stack(d_read_of), k, update, decay_factor,
-            sig_beta, dM,
-        )  # fmt: skip
+            d_new_memory.reshape(B * H, dk, dv),
+            old,
+            queries,
+            torch.stack(d_read_of),
+            k,
+            update,
+            decay_factor,
+            sig_beta,
+            dM,
+        )
         d_gamma = (d_decay_factor * decay_factor[:, 0]).view(B, H)
         weight_grads.neg_decay += (d_gamma * saved["softplus_decay"]).sum(0)
         dZ[:, c.key].copy_(d_new_key)
@@ -778,14 +814,14 @@ def _step_backward(
     return StepState(d_p, d_g, d_key, dM), d_grounded
 
 
-
 # --------------------------------------------------------------------------------------------------
 # Weight gradients, many steps at once
 # --------------------------------------------------------------------------------------------------
 
 
-def first_key_gradient(grads: StepState, g0: torch.Tensor, w: FoldedWeights, s: Shapes, eps: float,
-                       weight_grads: "_WeightGrads") -> torch.Tensor:
+def first_key_gradient(
+    grads: StepState, g0: torch.Tensor, w: FoldedWeights, s: Shapes, eps: float, weight_grads: _WeightGrads
+) -> torch.Tensor:
     """dL/dg0 at the end of a backward sweep: the carried g gradient plus, with memory, what flows back
     through the first step's key, which was computed from g0 (`key_from_grounded`); adds that key's share
     of the key projection's weight gradient. Shared by `GPNRecurrenceFunction` and the training graphs."""
@@ -804,9 +840,9 @@ class _WeightGrads:
     (`rows`); once the block holds `WEIGHT_GRAD_ROWS` rows (or at the end) every matrix gets
     x_block^T dy_block, instead of one thin per-step product (as cuDNN-style RNN backward passes do)."""
 
-    def __init__(self, w: FoldedWeights, batch: int, steps_per_block: Optional[int] = None):
+    def __init__(self, w: FoldedWeights, batch: int, steps_per_block: int | None = None):
         self.w = w
-        zeros = lambda ref: torch.zeros(ref.shape, dtype=torch.float32, device=ref.device)  # noqa: E731
+        zeros = lambda ref: torch.zeros(ref.shape, dtype=torch.float32, device=ref.device)
         self.grads = {"fg": zeros(w.fg_w), "big": zeros(w.big_w)}
         self.bias_grads = {"fg": zeros(w.fg_b), "big": zeros(w.big_b)}
         for i, o in enumerate(w.out_w):
@@ -817,7 +853,7 @@ class _WeightGrads:
         self.neg_decay = zeros(w.neg_decay_rate) if w.neg_decay_rate is not None else None
         self.batch = batch
         self.steps_per_block = steps_per_block or max(1, WEIGHT_GRAD_ROWS // batch)
-        empty = lambda n: torch.empty(self.steps_per_block * batch, n, dtype=torch.float32, device=w.fg_w.device)  # noqa: E731
+        empty = lambda n: torch.empty(self.steps_per_block * batch, n, dtype=torch.float32, device=w.fg_w.device)
         self.blocks = {name: (empty(g.shape[0]), empty(g.shape[1])) for name, g in self.grads.items()}
         self.step = 0
 
@@ -876,7 +912,7 @@ class StaticWeightGrads(_WeightGrads):
     def __init__(self, w: FoldedWeights, batch: int, steps_per_block: int):
         super().__init__(w, batch, steps_per_block)
         dtype = w.big_w.dtype
-        like = lambda ref, dt: torch.empty(ref.shape, dtype=dt, device=ref.device)  # noqa: E731
+        like = lambda ref, dt: torch.empty(ref.shape, dtype=dt, device=ref.device)
         self.products = {name: like(g, dtype) for name, g in self.grads.items()}
         self.bias_sums = {name: like(b, torch.float32) for name, b in self.bias_grads.items()}
         self.cast_blocks = None
@@ -911,7 +947,6 @@ class StaticWeightGrads(_WeightGrads):
 def _tmm(x: torch.Tensor, gy: torch.Tensor, dtype) -> torch.Tensor:
     """x^T gy over all collected positions, in the weights' dtype with a float32 result."""
     return torch.matmul(x.t().to(dtype), gy.to(dtype)).float()
-
 
 
 # --------------------------------------------------------------------------------------------------

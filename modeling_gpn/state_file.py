@@ -30,9 +30,18 @@ STATE_TENSOR_NAMES = ("predicted", "grounded", "memory")  # p, g, M: the order o
 # The configuration fields that give a state its meaning (what the recurrence computes and the shapes it
 # keeps); training settings (BPTT, token ids, the window hint) do not change it.
 STATE_CONFIG_FIELDS = (
-    "model_type", "vocab_size", "hidden_size", "embedding_size", "intermediate_size", "num_predict_layers",
-    "use_memory", "num_memory_heads", "memory_key_dim", "memory_value_dim", "rms_norm_eps",
-)  # fmt: skip
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "embedding_size",
+    "intermediate_size",
+    "num_predict_layers",
+    "use_memory",
+    "num_memory_heads",
+    "memory_key_dim",
+    "memory_value_dim",
+    "rms_norm_eps",
+)
 
 
 class GPNStateFileError(ValueError):
@@ -51,9 +60,7 @@ class StateFile:
 
 def state_shapes(config: GPNConfig) -> dict[str, tuple[int, ...]]:
     """The shape of each state tensor of one row (p, g, M; M is (0,) without memory)."""
-    memory = (
-        (config.num_memory_heads, config.memory_key_dim, config.memory_value_dim) if config.use_memory else (0,)
-    )
+    memory = (config.num_memory_heads, config.memory_key_dim, config.memory_value_dim) if config.use_memory else (0,)
     return {"predicted": (config.hidden_size,), "grounded": (config.hidden_size,), "memory": memory}
 
 
@@ -131,7 +138,9 @@ def read_state_file(path: Path, model: nn.Module) -> StateFile:
     except Exception as error:  # noqa: BLE001 - safetensors raises its own error types for damaged files
         raise GPNStateFileError(f"{path} is damaged or truncated: safetensors cannot read it ({error})") from error
     if sorted(tensors) != sorted(STATE_TENSOR_NAMES):
-        raise GPNStateFileError(f"{path} is not a GPN state file: it holds tensors {sorted(tensors)}, not {list(STATE_TENSOR_NAMES)}")
+        raise GPNStateFileError(
+            f"{path} is not a GPN state file: it holds tensors {sorted(tensors)}, not {list(STATE_TENSOR_NAMES)}"
+        )
     read_fingerprint = metadata.get("read_fingerprint", "unknown")
     if metadata.get("checksum") != _state_checksum(tensors, read_fingerprint):
         raise GPNStateFileError(f"{path} is damaged: its tensors do not match the checksum recorded when it was saved")
@@ -145,7 +154,9 @@ def read_state_file(path: Path, model: nn.Module) -> StateFile:
                 f"{expected[name]} (float32)"
             )
         if not bool(torch.isfinite(tensor).all()):
-            raise GPNStateFileError(f"{path} holds a state with NaN or infinite values (in {name}): it cannot be continued")
+            raise GPNStateFileError(
+                f"{path} holds a state with NaN or infinite values (in {name}): it cannot be continued"
+            )
     try:
         positions_read = int(metadata.get("positions_read", ""))
     except ValueError:
@@ -194,8 +205,14 @@ def _check_state_belongs_to(metadata: dict[str, str], model: nn.Module, path: Pa
         except ValueError:
             theirs = {}
         mine = json.loads(ours["state_config"])
-        differences = [f"{name} {theirs.get(name)!r} (this model: {mine[name]!r})" for name in mine if theirs.get(name) != mine[name]]
-        raise GPNStateFileError(f"{path} holds the state of another model: {'; '.join(differences) or 'another configuration'}")
+        differences = [
+            f"{name} {theirs.get(name)!r} (this model: {mine[name]!r})"
+            for name in mine
+            if theirs.get(name) != mine[name]
+        ]
+        raise GPNStateFileError(
+            f"{path} holds the state of another model: {'; '.join(differences) or 'another configuration'}"
+        )
     if metadata.get("weights_dtype") != ours["weights_dtype"]:
         raise GPNStateFileError(
             f"{path} holds a state computed with {metadata.get('weights_dtype')} weights; this model's are {ours['weights_dtype']}"

@@ -79,10 +79,33 @@ def _relu_l2_backward(d_unit, unit, inv, raw):
 
 @triton.jit
 def memory_step_kernel(
-    Z, z_stride, col_value, col_beta, col_decay, col_query, KEY, key_stride, NEG_DECAY, M, M_OUT,
-    KQ_RAW, KQ, KQ_INV, SOFTPLUS, GAMMA, DECAY, BETA, ERROR, UPDATE, READ,
-    n_heads, dk, dv, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-):  # fmt: skip
+    Z,
+    z_stride,
+    col_value,
+    col_beta,
+    col_decay,
+    col_query,
+    KEY,
+    key_stride,
+    NEG_DECAY,
+    M,
+    M_OUT,
+    KQ_RAW,
+    KQ,
+    KQ_INV,
+    SOFTPLUS,
+    GAMMA,
+    DECAY,
+    BETA,
+    ERROR,
+    UPDATE,
+    READ,
+    n_heads,
+    dk,
+    dv,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     """One program per (row, head): key/query normalisation, gates, write and layer 0's read."""
     bh = tl.program_id(0).to(tl.int64)
     b, h = bh // n_heads, bh % n_heads
@@ -131,9 +154,11 @@ def memory_step_kernel(
         tl.store(READ + bh * dv + j, a * mtq + qk * update, mask=in_v)
         tl.store(M_OUT + base + tile, a * m + k[:, None] * update[None, :], mask=in_tile)
 
+
 @triton.jit
-def memory_read_kernel(QUERY, query_stride, M, Q_RAW, Q, Q_INV, READ, n_heads, dk, dv,
-                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):  # fmt: skip
+def memory_read_kernel(
+    QUERY, query_stride, M, Q_RAW, Q, Q_INV, READ, n_heads, dk, dv, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr
+):
     """One program per (row, head): q = l2(relu(query)), read = M^T q."""
     bh = tl.program_id(0).to(tl.int64)
     b, h = bh // n_heads, bh % n_heads
@@ -150,11 +175,31 @@ def memory_read_kernel(QUERY, query_stride, M, Q_RAW, Q, Q_INV, READ, n_heads, d
         m = tl.load(M + base + i[:, None] * dv + j[None, :], mask=in_k[:, None] & in_v[None, :], other=0.0)
         tl.store(READ + bh * dv + j, tl.sum(q[:, None] * m, axis=0), mask=in_v)
 
+
 @triton.jit
 def memory_write_backward_kernel(
-    D, M, DM_OUT, QUERIES, READ_GRADS, K, k_stride, UPDATE, A, BETA, D_UPDATE, D_K, D_A, DQ0, D_ERROR,
-    heads, dk, dv, LAYERS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-):  # fmt: skip
+    D,
+    M,
+    DM_OUT,
+    QUERIES,
+    READ_GRADS,
+    K,
+    k_stride,
+    UPDATE,
+    A,
+    BETA,
+    D_UPDATE,
+    D_K,
+    D_A,
+    DQ0,
+    D_ERROR,
+    heads,
+    dk,
+    dv,
+    LAYERS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     """One program per (row, head): G = D + sum_l q_l r_l^T;  d_update = G^T k;  d_error = beta d_update;
     d_a = <G, M>;  d_k = G update - M d_error;  dq_0 = a M r_0 + k (update . r_0);  dL/dM = a G - k d_error^T."""
     bh = tl.program_id(0).to(tl.int64)
@@ -195,6 +240,7 @@ def memory_write_backward_kernel(
     tl.store(DQ0 + bh * dk + i, a * m_r0 + k * tl.sum(r0_update, axis=0), mask=in_k)
     tl.store(D_A + bh, tl.sum(d_a, axis=0))
 
+
 @triton.jit
 def unit_rms_kernel(X, x_stride, OUT, out_stride, width, eps, BLOCK: tl.constexpr):
     """One program per row: x / sqrt(mean(x^2) + eps)."""
@@ -204,6 +250,7 @@ def unit_rms_kernel(X, x_stride, OUT, out_stride, width, eps, BLOCK: tl.constexp
     x = tl.load(X + row * x_stride + j, mask=valid, other=0.0)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / width + eps)
     tl.store(OUT + row * out_stride + j, x * inv, mask=valid)
+
 
 @triton.jit
 def ground_kernel(Z_FG, BIAS, P, U, u_stride, SIG, G, A_G, width, eps, BLOCK: tl.constexpr):
@@ -221,9 +268,11 @@ def ground_kernel(Z_FG, BIAS, P, U, u_stride, SIG, G, A_G, width, eps, BLOCK: tl
     tl.store(G + at, g, mask=valid)
     tl.store(A_G + at, g * inv, mask=valid)
 
+
 @triton.jit
-def predict_input_kernel(PART, part_stride, col_a, col_b, col_r, NORMED, X, inter, read_width,
-                         BLOCK_F: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+def predict_input_kernel(
+    PART, part_stride, col_a, col_b, col_r, NORMED, X, inter, read_width, BLOCK_F: tl.constexpr, BLOCK_R: tl.constexpr
+):
     """One program per row: X = [silu(a) b | silu(r) normed_read] (the read half only when read_width > 0)."""
     row = tl.program_id(0).to(tl.int64)
     part = PART + row * part_stride
@@ -240,6 +289,7 @@ def predict_input_kernel(PART, part_stride, col_a, col_b, col_r, NORMED, X, inte
         normed = tl.load(NORMED + row * read_width + j, mask=valid, other=0.0)
         tl.store(x + inter + j, r * tl.sigmoid(r) * normed, mask=valid)
 
+
 @triton.jit
 def gated_residual_kernel(Y, PART, part_stride, col_gate, STATE, OUT, width, BLOCK: tl.constexpr):
     """One program per row: state' = Y + sigmoid(gate) * state."""
@@ -255,10 +305,14 @@ def gated_residual_kernel(Y, PART, part_stride, col_gate, STATE, OUT, width, BLO
 
 
 KERNELS = dict(
-    memory_step=memory_step_kernel, memory_read=memory_read_kernel,
-    memory_write_backward=memory_write_backward_kernel, unit_rms=unit_rms_kernel, ground=ground_kernel,
-    predict_input=predict_input_kernel, gated_residual=gated_residual_kernel,
-)  # fmt: skip
+    memory_step=memory_step_kernel,
+    memory_read=memory_read_kernel,
+    memory_write_backward=memory_write_backward_kernel,
+    unit_rms=unit_rms_kernel,
+    ground=ground_kernel,
+    predict_input=predict_input_kernel,
+    gated_residual=gated_residual_kernel,
+)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -268,10 +322,30 @@ KERNELS = dict(
 
 @triton.jit
 def predict_layer_backward_kernel(
-    PART, part_stride, col_gate, col_a, col_b, col_r, STATE, D_STATE, DX, NORMED, READ,
-    D_PART, d_part_stride, OUT_X, D_STATE_OUT, D_READ, width, inter, read_width, eps,
-    BLOCK: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_R: tl.constexpr,
-):  # fmt: skip
+    PART,
+    part_stride,
+    col_gate,
+    col_a,
+    col_b,
+    col_r,
+    STATE,
+    D_STATE,
+    DX,
+    NORMED,
+    READ,
+    D_PART,
+    d_part_stride,
+    OUT_X,
+    D_STATE_OUT,
+    D_READ,
+    width,
+    inter,
+    read_width,
+    eps,
+    BLOCK: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
     """One program per row, through state' = sigmoid(gate) state + X W_out, X = [silu(a) b | silu(r) rms(read)]
     given dX = d state' W_out^T: the gradients of the layer's projections (into D_PART), of its input state
     (sigmoid(gate) d_state) and of its read (rms backward); X itself is rebuilt into OUT_X (the output
@@ -329,8 +403,9 @@ def predict_layer_backward_kernel(
 
 
 @triton.jit
-def memory_read_backward_kernel(D_READ, M, Q, Q_INV, Q_RAW, D_QUERY, d_query_stride, n_heads, dk, dv,
-                                BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):  # fmt: skip
+def memory_read_backward_kernel(
+    D_READ, M, Q, Q_INV, Q_RAW, D_QUERY, d_query_stride, n_heads, dk, dv, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr
+):
     """One program per (row, head): through read = M'^T q, q = l2(relu(query)): dq = M' d_read, then the
     l2 and relu backward into the query columns (D_QUERY)."""
     bh = tl.program_id(0).to(tl.int64)
@@ -351,10 +426,37 @@ def memory_read_backward_kernel(D_READ, M, Q, Q_INV, Q_RAW, D_QUERY, d_query_str
 
 @triton.jit
 def memory_gates_backward_kernel(
-    D_UPDATE, ERROR, D_ERROR, D_K, DQ0, D_A, DECAY, BETA, SOFTPLUS, DECAY_PRE, decay_pre_stride, NEG_DECAY, KQ, KQ_INV, KQ_RAW,
-    D_NEW_KEY, d_new_key_stride, DZ, dz_stride, col_value, col_beta, col_decay, col_query, D_KEY, NEG_TERMS,
-    n_heads, dk, dv, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-):  # fmt: skip
+    D_UPDATE,
+    ERROR,
+    D_ERROR,
+    D_K,
+    DQ0,
+    D_A,
+    DECAY,
+    BETA,
+    SOFTPLUS,
+    DECAY_PRE,
+    decay_pre_stride,
+    NEG_DECAY,
+    KQ,
+    KQ_INV,
+    KQ_RAW,
+    D_NEW_KEY,
+    d_new_key_stride,
+    DZ,
+    dz_stride,
+    col_value,
+    col_beta,
+    col_decay,
+    col_query,
+    D_KEY,
+    NEG_TERMS,
+    n_heads,
+    dk,
+    dv,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     """One program per (row, head), after `memory_write_backward_kernel`: the gradients of the step's
     projections Z through the write gates, the value, the new key (passed through) and layer 0's query,
     the gradient of the carried key (through its l2 and relu), and d_gamma * softplus(decay) per head (the
@@ -372,7 +474,9 @@ def memory_gates_backward_kernel(
     for j0 in range(0, dv, BLOCK_V):
         j = j0 + tl.arange(0, BLOCK_V)
         in_v = j < dv
-        d_sig += tl.load(D_UPDATE + bh * dv + j, mask=in_v, other=0.0) * tl.load(ERROR + bh * dv + j, mask=in_v, other=0.0)
+        d_sig += tl.load(D_UPDATE + bh * dv + j, mask=in_v, other=0.0) * tl.load(
+            ERROR + bh * dv + j, mask=in_v, other=0.0
+        )
         tl.store(dz + col_value + h * dv + j, tl.load(D_ERROR + bh * dv + j, mask=in_v, other=0.0), mask=in_v)
     beta = tl.load(BETA + bh)
     tl.store(dz + col_beta + h, tl.sum(d_sig, axis=0) * (beta - beta * beta))
@@ -384,7 +488,9 @@ def memory_gates_backward_kernel(
     k = tl.load(KQ + pair + i, mask=in_k, other=0.0)
     d_k = tl.load(D_K + bh * dk + i, mask=in_k, other=0.0)
     k_raw = tl.load(KQ_RAW + pair + i, mask=in_k, other=0.0)
-    tl.store(D_KEY + b * n_heads * dk + h * dk + i, _relu_l2_backward(d_k, k, tl.load(KQ_INV + bh * 2), k_raw), mask=in_k)
+    tl.store(
+        D_KEY + b * n_heads * dk + h * dk + i, _relu_l2_backward(d_k, k, tl.load(KQ_INV + bh * 2), k_raw), mask=in_k
+    )
     q = tl.load(KQ + pair + dk + i, mask=in_k, other=0.0)
     dq = tl.load(DQ0 + bh * dk + i, mask=in_k, other=0.0)
     q_raw = tl.load(KQ_RAW + pair + dk + i, mask=in_k, other=0.0)
@@ -393,9 +499,20 @@ def memory_gates_backward_kernel(
 
 @triton.jit
 def rms_backward_kernel(
-    DY, X, ACC, ACC2, MUL, OUT, Y_OUT, width, eps,
-    HAS_ACC2: tl.constexpr, HAS_MUL: tl.constexpr, WRITE_Y: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    DY,
+    X,
+    ACC,
+    ACC2,
+    MUL,
+    OUT,
+    Y_OUT,
+    width,
+    eps,
+    HAS_ACC2: tl.constexpr,
+    HAS_MUL: tl.constexpr,
+    WRITE_Y: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """One program per row: out = acc [* mul] [+ acc2] + dx, with dx the gradient through y = rms(x) =
     x inv(x) for dy: inv (dy - y mean(dy y)); y also written to Y_OUT (a matmul's weight-gradient rows)."""
     row = tl.program_id(0).to(tl.int64)
@@ -431,7 +548,9 @@ def ground_gate_backward_kernel(D_G, P, SIG, D_Z, width, BLOCK: tl.constexpr):
 
 
 KERNELS.update(
-    predict_layer_backward=predict_layer_backward_kernel, memory_read_backward=memory_read_backward_kernel,
-    memory_gates_backward=memory_gates_backward_kernel, rms_backward=rms_backward_kernel,
+    predict_layer_backward=predict_layer_backward_kernel,
+    memory_read_backward=memory_read_backward_kernel,
+    memory_gates_backward=memory_gates_backward_kernel,
+    rms_backward=rms_backward_kernel,
     ground_gate_backward=ground_gate_backward_kernel,
-)  # fmt: skip
+)

@@ -50,7 +50,6 @@ from __future__ import annotations
 import contextlib
 import os
 from collections import Counter
-from typing import Optional
 
 import torch
 
@@ -77,7 +76,7 @@ VALUE_BLOCK = 32
 MAX_ROW_BLOCK = 16384  # widest row the row-wise kernels hold at once (next power of two)
 
 _kernels = None  # the jitted kernels, built on first use (`_build`)
-_import_error: Optional[str] = None
+_import_error: str | None = None
 _built_interpreted = False  # whether the kernels were built for Triton's interpreter (CPU tensors)
 launches: Counter = Counter()  # Triton kernel launches so far, by kernel (tests and benchmarks/launch_counts.py)
 # `self_check` results by (device, sizes with batch, matmul dtype): None when the kernels matched the torch
@@ -99,7 +98,7 @@ def available() -> bool:
     return _build() is not None
 
 
-def unavailable_reason() -> Optional[str]:
+def unavailable_reason() -> str | None:
     """Why `available()` is False (None when it is True)."""
     _build()
     return _import_error
@@ -202,7 +201,7 @@ def _self_check_batch(weights, sizes, eps: float, device: torch.device, matmul_d
         return
     s, batch = sizes, sizes.batch  # (`s`: as elsewhere in this file)
     generator = torch.Generator(device=device).manual_seed(batch)
-    randn = lambda *shape: torch.randn(*shape, generator=generator, device=device)  # noqa: E731
+    randn = lambda *shape: torch.randn(*shape, generator=generator, device=device)
     with torch.no_grad(), on_device(weights.fg_w):
         p, g, u = randn(batch, s.hidden), randn(batch, s.hidden), randn(batch, s.hidden)
         if s.memory:
@@ -224,9 +223,13 @@ def _self_check_batch(weights, sizes, eps: float, device: torch.device, matmul_d
             problem = f"running them raised {type(error).__name__}: {first_line}"
     _self_checks[key] = problem
     if problem is not None:
-        warnings.warn(f"GPN's Triton kernels disagree with the torch ops on {_describe(key)}: {problem}; the "
-                      "kernels are off for these sizes and dtype in this process and the torch ops run them "
-                      "instead. Please report this.", RuntimeWarning)  # fmt: skip
+        warnings.warn(
+            f"GPN's Triton kernels disagree with the torch ops on {_describe(key)}: {problem}; the "
+            "kernels are off for these sizes and dtype in this process and the torch ops run them "
+            "instead. Please report this.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 @contextlib.contextmanager
@@ -247,17 +250,21 @@ def _random_weights(w, device):
     and bias non-zero, scaled so that the step's activations are of order one."""
     generator = torch.Generator(device=device).manual_seed(1234)
 
-    def like(t, scale: Optional[float] = None):
+    def like(t, scale: float | None = None):
         t = getattr(t, "matrix", t)  # (a `recurrence_step.PackedMatrix`)
         x = torch.randn(t.shape, generator=generator, device=device)
         return x * (scale if scale is not None else 0.5 / t.shape[0] ** 0.5)
 
     return FoldedWeights(
-        fg_w=like(w.fg_w), fg_b=like(w.fg_b, 0.1), big_w=like(w.big_w), big_b=like(w.big_b, 0.1),
-        out_w=tuple(like(m) for m in w.out_w), layer_w=tuple(like(m) for m in w.layer_w),
+        fg_w=like(w.fg_w),
+        fg_b=like(w.fg_b, 0.1),
+        big_w=like(w.big_w),
+        big_b=like(w.big_b, 0.1),
+        out_w=tuple(like(m) for m in w.out_w),
+        layer_w=tuple(like(m) for m in w.layer_w),
         layer_b=tuple(like(b, 0.1) for b in w.layer_b),
         neg_decay_rate=None if w.neg_decay_rate is None else -torch.exp(like(w.neg_decay_rate, 0.5)),
-    )  # fmt: skip
+    )
 
 
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -275,7 +282,7 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     return max(errors)
 
 
-def compare_results(expected: dict, got: dict, tolerance: float = SELF_CHECK_TOLERANCE) -> Optional[str]:
+def compare_results(expected: dict, got: dict, tolerance: float = SELF_CHECK_TOLERANCE) -> str | None:
     """None when every quantity of `expected` (name -> tensor) is in `got` within `tolerance`
     (`relative_error`), else what differs first."""
     for name, want in expected.items():
@@ -290,7 +297,7 @@ def compare_results(expected: dict, got: dict, tolerance: float = SELF_CHECK_TOL
 
 def _one_step(forward, backward, state, u, w, s, c, eps: float) -> dict:
     """What one step forward and backward (gradients of ones) computes, by name, for `self_check`."""
-    memory_out = lambda: torch.empty_like(state.memory) if s.memory else None  # noqa: E731
+    memory_out = lambda: torch.empty_like(state.memory) if s.memory else None
     saved = {}
     new_state, gamma = forward(state, u, None, w, s, c, eps, saved, memory_out())
     new_state = StepState(*(x.clone() for x in new_state))  # (kernel outputs may live in reused buffers)
@@ -314,7 +321,7 @@ def self_check_failures() -> dict:
     return {_describe(key): problem for key, problem in _self_checks.items() if problem is not None}
 
 
-def self_check_failure() -> Optional[str]:
+def self_check_failure() -> str | None:
     """The failed self-checks in one line (None while every one passed)."""
     failures = self_check_failures()
     return "; ".join(f"{where}: {why}" for where, why in failures.items()) or None
@@ -384,7 +391,7 @@ def _launch(name: str, grid: int, *args, **meta) -> None:
     kernel[name][(grid,)](*args, **meta)
 
 
-def _empty(ws: Optional[dict], name: str, *shape: int, device, dtype=torch.float32) -> torch.Tensor:
+def _empty(ws: dict | None, name: str, *shape: int, device, dtype=torch.float32) -> torch.Tensor:
     """A buffer for an intermediate result: fresh, or with a workspace `ws` (a dict), the one made for
     `name` on the first call (the static buffers a captured CUDA graph replays into; see `cuda_graphs`)."""
     if ws is None:
@@ -404,7 +411,7 @@ def _value_block(dv: int) -> int:
 # --------------------------------------------------------------------------------------------------
 
 
-def unit_rms(x: torch.Tensor, eps: float, out: Optional[torch.Tensor] = None, ws=None, name="rms") -> torch.Tensor:
+def unit_rms(x: torch.Tensor, eps: float, out: torch.Tensor | None = None, ws=None, name="rms") -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) per row of a (rows, width) float32 tensor (unit column stride)."""
     rows, width = x.shape
     out = _empty(ws, name, rows, width, device=x.device) if out is None else out
@@ -412,7 +419,7 @@ def unit_rms(x: torch.Tensor, eps: float, out: Optional[torch.Tensor] = None, ws
     return out
 
 
-def memory_step(Z, c, key, neg_decay_rate, memory, memory_out, eps: float, ws: Optional[dict] = None):
+def memory_step(Z, c, key, neg_decay_rate, memory, memory_out, eps: float, ws: dict | None = None):
     """`recurrence_step._memory_step_torch` (and `memory_kernels.memory_step`) in two launches: the memory
     half of a step per (row, head), then the read's RMS norm per row. Same arguments, same `MemoryStep`."""
     heads, dk, dv = memory.shape
@@ -425,30 +432,68 @@ def memory_step(Z, c, key, neg_decay_rate, memory, memory_out, eps: float, ws: O
     if neg_decay_rate.dtype != torch.float32 or not neg_decay_rate.is_contiguous():
         neg_decay_rate = neg_decay_rate.float().contiguous()
     shapes = dict(
-        kq_raw=(heads, 2, dk), kq=(heads, 2, dk), kq_inv=(heads, 2, 1), softplus_decay=(rows, H), gamma=(rows, H),
-        decay_factor=(heads, 1), sig_beta=(heads, 1), error=(heads, dv), update=(heads, dv), read=(rows, H * dv),
+        kq_raw=(heads, 2, dk),
+        kq=(heads, 2, dk),
+        kq_inv=(heads, 2, 1),
+        softplus_decay=(rows, H),
+        gamma=(rows, H),
+        decay_factor=(heads, 1),
+        sig_beta=(heads, 1),
+        error=(heads, dv),
+        update=(heads, dv),
+        read=(rows, H * dv),
         normed_read=(rows, H * dv),
-    )  # fmt: skip
+    )
     out = MemoryStep(*(_empty(ws, name, *shape, device=memory.device) for name, shape in shapes.items()))
     _launch(
-        "memory_step", heads, Z, Z.stride(0), c.value.start, c.beta.start, c.decay.start, c.write + c.query.start,
-        key, key.stride(0), neg_decay_rate, memory, memory_out, *out[:10], H, dk, dv,
-        BLOCK_K=_next_power_of_two(dk), BLOCK_V=_value_block(dv),
-    )  # fmt: skip
+        "memory_step",
+        heads,
+        Z,
+        Z.stride(0),
+        c.value.start,
+        c.beta.start,
+        c.decay.start,
+        c.write + c.query.start,
+        key,
+        key.stride(0),
+        neg_decay_rate,
+        memory,
+        memory_out,
+        *out[:10],
+        H,
+        dk,
+        dv,
+        BLOCK_K=_next_power_of_two(dk),
+        BLOCK_V=_value_block(dv),
+    )
     unit_rms(out.read, eps, out=out.normed_read)
     return out
 
 
-def memory_read(query: torch.Tensor, memory: torch.Tensor, ws: Optional[dict] = None, name: str = "read"):
+def memory_read(query: torch.Tensor, memory: torch.Tensor, ws: dict | None = None, name: str = "read"):
     """A layer's read of M' (BH, dk, dv) with its query pre-activation (B, H*dk, unit column stride):
     (q_raw, q, q_inv, read) with q = l2(relu(query)) per head (BH, dk), q_inv (BH, 1) and read = M'^T q (B, H*dv)."""
     heads, dk, dv = memory.shape
     rows = query.shape[0]
-    empty = lambda part, *shape: _empty(ws, f"{name}.{part}", *shape, device=memory.device)  # noqa: E731
+    empty = lambda part, *shape: _empty(ws, f"{name}.{part}", *shape, device=memory.device)
     q_raw, q, q_inv = empty("q_raw", heads, dk), empty("q", heads, dk), empty("q_inv", heads, 1)
     read = empty("read", rows, heads // rows * dv)
-    _launch("memory_read", heads, query, query.stride(0), memory, q_raw, q, q_inv, read, heads // rows, dk, dv,
-            BLOCK_K=_next_power_of_two(dk), BLOCK_V=_value_block(dv))  # fmt: skip
+    _launch(
+        "memory_read",
+        heads,
+        query,
+        query.stride(0),
+        memory,
+        q_raw,
+        q,
+        q_inv,
+        read,
+        heads // rows,
+        dk,
+        dv,
+        BLOCK_K=_next_power_of_two(dk),
+        BLOCK_V=_value_block(dv),
+    )
     return q_raw, q, q_inv, read
 
 
@@ -467,14 +512,34 @@ def memory_write_backward(memory_grad, memory, queries, read_grads, k, update, a
     memory_grad, memory, queries, read_grads, update, a, beta = (
         t.contiguous() for t in (memory_grad, memory, queries, read_grads, update, a, beta)
     )
-    empty = lambda name, *shape: _empty(ws, f"write_backward.{name}", *shape, device=memory.device)  # noqa: E731
+    empty = lambda name, *shape: _empty(ws, f"write_backward.{name}", *shape, device=memory.device)
     d_update, d_error, d_k = empty("d_update", heads, dv), empty("d_error", heads, dv), empty("d_k", heads, dk)
     d_a, dq = empty("d_a", heads), empty("dq", heads, dk)
     _launch(
-        "memory_write_backward", heads, memory_grad, memory, memory_grad_out, queries, read_grads, k, k.stride(0),
-        update, a, beta, d_update, d_k, d_a, dq, d_error, heads, dk, dv,
-        LAYERS=queries.shape[0], BLOCK_K=_next_power_of_two(dk), BLOCK_V=_value_block(dv),
-    )  # fmt: skip
+        "memory_write_backward",
+        heads,
+        memory_grad,
+        memory,
+        memory_grad_out,
+        queries,
+        read_grads,
+        k,
+        k.stride(0),
+        update,
+        a,
+        beta,
+        d_update,
+        d_k,
+        d_a,
+        dq,
+        d_error,
+        heads,
+        dk,
+        dv,
+        LAYERS=queries.shape[0],
+        BLOCK_K=_next_power_of_two(dk),
+        BLOCK_V=_value_block(dv),
+    )
     return d_update, d_k, d_a, dq, d_error
 
 
@@ -487,15 +552,30 @@ def ground(z_fg: torch.Tensor, bias: torch.Tensor, p: torch.Tensor, u: torch.Ten
     return sig, g, a_g
 
 
-def predict_input(part: torch.Tensor, c, normed_read: Optional[torch.Tensor], inter: int, ws=None, name="X") -> torch.Tensor:
+def predict_input(
+    part: torch.Tensor, c, normed_read: torch.Tensor | None, inter: int, ws=None, name="X"
+) -> torch.Tensor:
     """X = [silu(a) b | silu(read_gate) normed_read] (B, f (+ H*dv)) from a layer's projections `part`."""
     rows = part.shape[0]
     read_width = 0 if normed_read is None else normed_read.shape[1]
     X = _empty(ws, name, rows, inter + read_width, device=part.device)
     normed = X if normed_read is None else normed_read.contiguous()
     col_r = 0 if normed_read is None else c.read_gate.start
-    _launch("predict_input", rows, part, part.stride(0), c.ffn_a.start, c.ffn_b.start, col_r, normed, X, inter,
-            read_width, BLOCK_F=min(_next_power_of_two(inter), 1024), BLOCK_R=min(_next_power_of_two(max(read_width, 1)), 1024))  # fmt: skip
+    _launch(
+        "predict_input",
+        rows,
+        part,
+        part.stride(0),
+        c.ffn_a.start,
+        c.ffn_b.start,
+        col_r,
+        normed,
+        X,
+        inter,
+        read_width,
+        BLOCK_F=min(_next_power_of_two(inter), 1024),
+        BLOCK_R=min(_next_power_of_two(max(read_width, 1)), 1024),
+    )
     return X
 
 
@@ -503,8 +583,18 @@ def gated_residual(Y: torch.Tensor, part: torch.Tensor, c, state: torch.Tensor, 
     """state' = Y + sigmoid(part[:, gate]) * state, (B, d)."""
     rows, width = state.shape
     out = _empty(ws, name, rows, width, device=state.device)
-    _launch("gated_residual", rows, Y, part, part.stride(0), c.gate.start, state, out, width,
-            BLOCK=min(_next_power_of_two(width), 1024))  # fmt: skip
+    _launch(
+        "gated_residual",
+        rows,
+        Y,
+        part,
+        part.stride(0),
+        c.gate.start,
+        state,
+        out,
+        width,
+        BLOCK=min(_next_power_of_two(width), 1024),
+    )
     return out
 
 
@@ -568,7 +658,7 @@ def usable_step(state, u: torch.Tensor, w, s) -> bool:
     return True
 
 
-def _product(x: torch.Tensor, w, ws: Optional[dict] = None, name: str = "") -> torch.Tensor:
+def _product(x: torch.Tensor, w, ws: dict | None = None, name: str = "") -> torch.Tensor:
     """x @ w in the weights' dtype, the result left in that dtype (float32 from a `PackedMatrix`): the
     kernels that read it upcast as they load (exact, so the same numbers as `recurrence_step._mm`'s
     float32 copy, one launch fewer). With a workspace, into its buffers (`torch.mm(out=)`: nothing
@@ -582,7 +672,7 @@ def _product(x: torch.Tensor, w, ws: Optional[dict] = None, name: str = "") -> t
     return torch.mm(x, w, out=_empty(ws, name, x.shape[0], w.shape[1], device=x.device, dtype=w.dtype))
 
 
-def _linear(x: torch.Tensor, w, b: torch.Tensor, ws: Optional[dict] = None, name: str = "") -> torch.Tensor:
+def _linear(x: torch.Tensor, w, b: torch.Tensor, ws: dict | None = None, name: str = "") -> torch.Tensor:
     """x @ w + b as float32 (`recurrence_step._linear`): one add after the product, in place for float32
     weights, else the add that upcasts (bf16 + float32 gives float32: one launch instead of two)."""
     product = _product(x, w, ws, name)
@@ -593,7 +683,7 @@ def _linear(x: torch.Tensor, w, b: torch.Tensor, ws: Optional[dict] = None, name
     return torch.add(product, b, out=_empty(ws, f"{name}.float", *product.shape, device=x.device))
 
 
-def step(state, u, real, w, s, c, eps: float, saved: Optional[dict] = None, memory_out=None, ws: Optional[dict] = None):
+def step(state, u, real, w, s, c, eps: float, saved: dict | None = None, memory_out=None, ws: dict | None = None):
     """`recurrence_step._step` with its elementwise work and the memory half fused into Triton kernels (the
     matmuls stay torch's). Same arguments, same results, same records in `saved` (for `_step_backward`).
     With a workspace `ws` (a dict) every intermediate goes into its buffers (made on the first call): a
@@ -604,7 +694,6 @@ def step(state, u, real, w, s, c, eps: float, saved: Optional[dict] = None, memo
     matmul and its bias, `memory_step` (2), `predict_input`, the output matmul, `gated_residual`; with bf16
     weights one cast to bf16 before each matmul (its bf16 result is read by the next kernel as it is)."""
     p, g, key, memory = state
-    B, H, dk, dv = s.batch, s.heads, s.key_dim, s.value_dim
     a_p = unit_rms(p, eps, ws=ws, name="a_p")
     sig_fg, grounded, a_g = ground(_product(a_p, w.fg_w, ws, "z_fg"), w.fg_b, p, u, eps, ws=ws)
     Z = _linear(a_g, w.big_w, w.big_b, ws, "Z")
@@ -644,7 +733,9 @@ def step(state, u, real, w, s, c, eps: float, saved: Optional[dict] = None, memo
 # --------------------------------------------------------------------------------------------------
 
 
-def predict_layer_backward(part, c, state, d_state, dX, normed_read, read, d_part, out_x, d_read, eps, s, ws=None, name="d_state"):
+def predict_layer_backward(
+    part, c, state, d_state, dX, normed_read, read, d_part, out_x, d_read, eps, s, ws=None, name="d_state"
+):
     """Through one predict layer (see `predict_layer_backward_kernel`): fills the layer's columns of
     `d_part` (not its query: see `memory_read_backward`), X into `out_x` and d_read (B, H*dv) into `d_read`;
     returns the gradient of the layer's input state through its gate (sigmoid(gate) d_state)."""
@@ -653,13 +744,32 @@ def predict_layer_backward(part, c, state, d_state, dX, normed_read, read, d_par
     read_width = 0 if normed_read is None else normed_read.shape[1]
     dummy = d_state_out
     _launch(
-        "predict_layer_backward", rows, part, part.stride(0), c.gate.start, c.ffn_a.start, c.ffn_b.start,
-        c.read_gate.start if read_width else 0, state, d_state.contiguous(), dX,
-        dummy if normed_read is None else normed_read, dummy if read is None else read, d_part, d_part.stride(0),
-        out_x, d_state_out, dummy if d_read is None else d_read, width, s.inter, read_width, eps,
-        BLOCK=min(_next_power_of_two(width), 1024), BLOCK_F=min(_next_power_of_two(s.inter), 1024),
+        "predict_layer_backward",
+        rows,
+        part,
+        part.stride(0),
+        c.gate.start,
+        c.ffn_a.start,
+        c.ffn_b.start,
+        c.read_gate.start if read_width else 0,
+        state,
+        d_state.contiguous(),
+        dX,
+        dummy if normed_read is None else normed_read,
+        dummy if read is None else read,
+        d_part,
+        d_part.stride(0),
+        out_x,
+        d_state_out,
+        dummy if d_read is None else d_read,
+        width,
+        s.inter,
+        read_width,
+        eps,
+        BLOCK=min(_next_power_of_two(width), 1024),
+        BLOCK_F=min(_next_power_of_two(s.inter), 1024),
         BLOCK_R=min(_next_power_of_two(max(read_width, 1)), 1024),
-    )  # fmt: skip
+    )
     return d_state_out
 
 
@@ -669,10 +779,22 @@ def rms_backward(dy, x, eps, acc, acc2=None, mul=None, y_out=None, ws=None, name
     rows, width = x.shape
     out = _empty(ws, name, rows, width, device=x.device)
     _launch(
-        "rms_backward", rows, dy, x, acc, out if acc2 is None else acc2, out if mul is None else mul, out,
-        out if y_out is None else y_out, width, eps, HAS_ACC2=acc2 is not None, HAS_MUL=mul is not None,
-        WRITE_Y=y_out is not None, BLOCK=_next_power_of_two(width),
-    )  # fmt: skip
+        "rms_backward",
+        rows,
+        dy,
+        x,
+        acc,
+        out if acc2 is None else acc2,
+        out if mul is None else mul,
+        out,
+        out if y_out is None else y_out,
+        width,
+        eps,
+        HAS_ACC2=acc2 is not None,
+        HAS_MUL=mul is not None,
+        WRITE_Y=y_out is not None,
+        BLOCK=_next_power_of_two(width),
+    )
     return out
 
 
@@ -693,7 +815,7 @@ def usable_step_backward(saved: dict, grads, s) -> bool:
     return True
 
 
-def step_backward(saved: dict, grads, wt, s, c, eps: float, weight_grads, memory_grad_out=None, ws: Optional[dict] = None):
+def step_backward(saved: dict, grads, wt, s, c, eps: float, weight_grads, memory_grad_out=None, ws: dict | None = None):
     """`recurrence_step._step_backward` with its elementwise work fused into Triton kernels (the matmuls
     stay torch's). Same arguments, same results, for a step `usable_step_backward` accepts: the dispatcher
     runs it only on windows whose every step it takes (`usable_backward_steps`, asked once per window), and
@@ -725,13 +847,38 @@ def step_backward(saved: dict, grads, wt, s, c, eps: float, weight_grads, memory
         dY.copy_(d_state)
         dX = _product(dY, wt.out_w[i], ws, f"dX.{i}")
         d_state = predict_layer_backward(
-            part, c, layer["state"], d_state, dX, layer.get("normed_read"), layer.get("read"), d_part, out_x,
-            d_reads[i] if s.memory else None, eps, s, ws=ws, name=f"d_state.{i}",
-        )  # fmt: skip
+            part,
+            c,
+            layer["state"],
+            d_state,
+            dX,
+            layer.get("normed_read"),
+            layer.get("read"),
+            d_part,
+            out_x,
+            d_reads[i] if s.memory else None,
+            eps,
+            s,
+            ws=ws,
+            name=f"d_state.{i}",
+        )
         if s.memory and i > 0:  # its query's gradient now: its input state's gradient needs it
-            _launch("memory_read_backward", B * H, d_reads[i], saved["new_memory"], layer["q"], layer["q_inv"],
-                    layer["q_raw"], d_part[:, c.query.start :], d_part.stride(0), H, dk, dv,
-                    BLOCK_K=_next_power_of_two(dk), BLOCK_V=_value_block(dv))  # fmt: skip
+            _launch(
+                "memory_read_backward",
+                B * H,
+                d_reads[i],
+                saved["new_memory"],
+                layer["q"],
+                layer["q_inv"],
+                layer["q_raw"],
+                d_part[:, c.query.start :],
+                d_part.stride(0),
+                H,
+                dk,
+                dv,
+                BLOCK_K=_next_power_of_two(dk),
+                BLOCK_V=_value_block(dv),
+            )
         if i > 0:  # the layer's projections came from a = rms(its input state)
             layer_x, d_part_rows = weight_grads.rows(("layer", i - 1))
             d_a = _product(d_part_rows, wt.layer_w[i - 1], ws, f"d_a.{i}")
@@ -742,19 +889,54 @@ def step_backward(saved: dict, grads, wt, s, c, eps: float, weight_grads, memory
         query_list = [kq[:, 1]] + [saved["layers"][i]["q"] for i in range(1, s.layers)]
         queries = torch.stack(query_list, out=_empty(ws, "queries", s.layers, B * H, dk, device=dZ.device))
         d_update, d_k, d_a, dq0, d_error = memory_write_backward(
-            d_new_memory.reshape(B * H, dk, dv), old, queries, d_reads.view(s.layers, B * H, dv), kq[:, 0],
-            saved["update"], saved["decay_factor"], saved["sig_beta"], dM, ws=ws,
-        )  # fmt: skip
+            d_new_memory.reshape(B * H, dk, dv),
+            old,
+            queries,
+            d_reads.view(s.layers, B * H, dv),
+            kq[:, 0],
+            saved["update"],
+            saved["decay_factor"],
+            saved["sig_beta"],
+            dM,
+            ws=ws,
+        )
         d_key = _empty(ws, "d_key", B, H * dk, device=dZ.device)
         neg_terms = _empty(ws, "neg_terms", B, H, device=dZ.device)
         decay = saved["decay"]  # Z's decay columns (a view)
         _launch(
-            "memory_gates_backward", B * H, d_update, saved["error"], d_error, d_k, dq0, d_a, saved["decay_factor"],
-            saved["sig_beta"], saved["softplus_decay"], decay, decay.stride(0), wt.neg_decay_rate, kq,
-            saved["kq_inv"], saved["kq_raw"], d_new_key, d_new_key.stride(0), dZ, dZ.stride(0), c.value.start,
-            c.beta.start, c.decay.start, c.write + c.query.start, d_key, neg_terms, H, dk, dv,
-            BLOCK_K=_next_power_of_two(dk), BLOCK_V=_value_block(dv),
-        )  # fmt: skip
+            "memory_gates_backward",
+            B * H,
+            d_update,
+            saved["error"],
+            d_error,
+            d_k,
+            dq0,
+            d_a,
+            saved["decay_factor"],
+            saved["sig_beta"],
+            saved["softplus_decay"],
+            decay,
+            decay.stride(0),
+            wt.neg_decay_rate,
+            kq,
+            saved["kq_inv"],
+            saved["kq_raw"],
+            d_new_key,
+            d_new_key.stride(0),
+            dZ,
+            dZ.stride(0),
+            c.value.start,
+            c.beta.start,
+            c.decay.start,
+            c.write + c.query.start,
+            d_key,
+            neg_terms,
+            H,
+            dk,
+            dv,
+            BLOCK_K=_next_power_of_two(dk),
+            BLOCK_V=_value_block(dv),
+        )
         if ws is None:
             weight_grads.neg_decay += neg_terms.sum(0)
         else:
@@ -767,9 +949,20 @@ def step_backward(saved: dict, grads, wt, s, c, eps: float, weight_grads, memory
         d_key, dM = grads.key, grads.memory
     p, sig_fg = saved["p"], saved["sig_fg"]
     d_a_g = _product(dZ, wt.big_w, ws, "d_a_g")
-    d_grounded = rms_backward(d_a_g, saved["grounded"], eps, acc=d_new_g, acc2=d_state, y_out=big_x, ws=ws, name="d_grounded")
+    d_grounded = rms_backward(
+        d_a_g, saved["grounded"], eps, acc=d_new_g, acc2=d_state, y_out=big_x, ws=ws, name="d_grounded"
+    )
     fg_x, d_z_fg = weight_grads.rows("fg")
-    _launch("ground_gate_backward", B, d_grounded, p, sig_fg, d_z_fg, s.hidden, BLOCK=min(_next_power_of_two(s.hidden), 1024))
+    _launch(
+        "ground_gate_backward",
+        B,
+        d_grounded,
+        p,
+        sig_fg,
+        d_z_fg,
+        s.hidden,
+        BLOCK=min(_next_power_of_two(s.hidden), 1024),
+    )
     d_a_p = _product(d_z_fg, wt.fg_w, ws, "d_a_p")
     # (+ dp_pass: the padded rows' gradient, added in the same launch; the step gives those rows zeros)
     d_p = rms_backward(d_a_p, p, eps, acc=d_grounded, mul=sig_fg, acc2=dp_pass, y_out=fg_x, ws=ws, name="d_p")

@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections import Counter
-from typing import Iterator
+from collections.abc import Iterator
 
 FAST_PATH = "fast path"
 PLAIN_PATH = "plain path"

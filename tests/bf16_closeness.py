@@ -25,7 +25,9 @@ def assert_bf16_close(fast, plain, exact, params) -> None:
     for name, grad in grads_x.items():
         assert grads_f[name].dtype == params[name].dtype and torch.isfinite(grads_f[name]).all(), name
         fast_error, plain_error = relative_error(grads_f[name], grad), relative_error(grads_p[name], grad)
-        assert fast_error < 1.5 * plain_error + 0.1, f"gradient of {name}: error {fast_error:.3f}, plain {plain_error:.3f}"
+        assert fast_error < 1.5 * plain_error + 0.1, (
+            f"gradient of {name}: error {fast_error:.3f}, plain {plain_error:.3f}"
+        )
     flat_f, flat_p, flat_x = (torch.cat([g[n].float().flatten() for n in grads_x]) for g in (grads_f, grads_p, grads_x))
     fast_error, plain_error = relative_error(flat_f, flat_x), relative_error(flat_p, flat_x)
     assert fast_error < 1.5 * plain_error + 0.005, f"gradient error {fast_error:.4f}, plain loop's {plain_error:.4f}"

@@ -66,4 +66,6 @@ def require_c_kernels() -> None:
     from modeling_gpn import memory_kernels
 
     available = memory_kernels.available()
-    require_environment(available, f"C memory kernels unavailable: {memory_kernels.unavailable_reason()}", "GPN_REQUIRE_C_KERNELS")
+    require_environment(
+        available, f"C memory kernels unavailable: {memory_kernels.unavailable_reason()}", "GPN_REQUIRE_C_KERNELS"
+    )

@@ -33,7 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SUBPACKAGES = {"configuration": "configuration", "conversion": "conversion", "evaluation": "eval"}  # modeling_gpn.X: folder
+SUBPACKAGES = {
+    "configuration": "configuration",
+    "conversion": "conversion",
+    "evaluation": "eval",
+}  # modeling_gpn.X: folder
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,7 @@ MUTATIONS = [
     Mutation(
         "fast path (the plain loop runs, labelled fast)",
         "modeling_gpn/modeling_gpn.py",
-        "return fast_recurrence(\n                self, token_inputs,",
+        "return fast_recurrence(\n                self,\n                token_inputs,",
         "return self.recurrence_plain(  # MUTATION\n                token_inputs,",
         FAST_PATH_TESTS,
     ),
@@ -266,7 +270,10 @@ MUTATIONS = [
         "modeling_gpn/modeling_gpn.py",
         "        if attention_mask is not None:\n            real = attention_mask[:, -seq_len:].bool()\n        elif",
         "        if False:  # MUTATION\n            real = attention_mask[:, -seq_len:].bool()\n        elif",
-        ("tests/ecosystem/test_trl.py -k reward_trainer", "tests/model/test_output_layer.py -k sequence_classification_scores"),
+        (
+            "tests/ecosystem/test_trl.py -k reward_trainer",
+            "tests/model/test_output_layer.py -k sequence_classification_scores",
+        ),
     ),
     Mutation(
         "packed SFT (the state not reset where a packed sequence starts)",
@@ -302,9 +309,16 @@ def pytest_arguments(spec: str) -> list[str]:
 
 def copy_of_repository(target: Path) -> None:
     """The tracked and untracked (not ignored) files of the repository: the tree as it is, without .venv."""
-    listed = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=REPO_ROOT, capture_output=True, check=True
-    ).stdout.decode().split("\0")
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, listed):
         source = REPO_ROOT / name
         if source.is_file():
@@ -324,14 +338,25 @@ def run_tests(root: Path, specs: tuple[str, ...], report: Path) -> tuple[int, in
     passed: list[str] = []
     for index, spec in enumerate(specs):
         xml = report.with_name(f"{report.stem}-{index}.xml")
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *pytest_arguments(spec)]
+        command = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={xml}",
+            *pytest_arguments(spec),
+        ]
         subprocess.run(command, cwd=root, env=env, capture_output=True)
         if not xml.exists():
             failed += 1  # pytest itself failed (e.g. a collection error): the run failed
             continue
         outcomes: dict[str, set] = {}  # (a test failing in its call and its teardown is listed twice)
         for case in ElementTree.parse(xml).iter("testcase"):
-            outcomes.setdefault(f"{case.get('classname')}::{case.get('name')}", set()).update(child.tag for child in case)
+            outcomes.setdefault(f"{case.get('classname')}::{case.get('name')}", set()).update(
+                child.tag for child in case
+            )
         for test, outcome in outcomes.items():
             if "skipped" in outcome:
                 continue
@@ -411,7 +436,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"|{'-' * (width + 2)}|-----------|--------------|---------------|")
     for name, ran, failed, passed in rows:
         print(f"| {name:<{width}} | {ran:>9} | {failed:>12} | {', '.join(passed) or '-'} |")
-    print("\nevery claiming test failed with its feature removed" if all_failed else "\nSOME TESTS PASSED WITHOUT THEIR FEATURE")
+    print(
+        "\nevery claiming test failed with its feature removed"
+        if all_failed
+        else "\nSOME TESTS PASSED WITHOUT THEIR FEATURE"
+    )
     return 0 if all_failed else 1
 
 

@@ -11,9 +11,16 @@ def tiny_config(**overrides):
     from modeling_gpn import GPNConfig
 
     values = dict(
-        vocab_size=97, hidden_size=48, embedding_size=32, intermediate_size=64,
-        num_memory_heads=3, memory_key_dim=8, memory_value_dim=16, eos_token_id=0, bos_token_id=None,
-    )  # fmt: skip
+        vocab_size=97,
+        hidden_size=48,
+        embedding_size=32,
+        intermediate_size=64,
+        num_memory_heads=3,
+        memory_key_dim=8,
+        memory_value_dim=16,
+        eos_token_id=0,
+        bos_token_id=None,
+    )
     values.update(overrides)
     return GPNConfig(**values)
 

@@ -31,6 +31,17 @@ from .horizons import log_lags, state_horizons
 from .retention import INV_E, half_lives, memory_retention, retention_curves, split_pools
 
 __all__ = [
-    "INV_E", "covariance_eigenvalues", "half_lives", "log_lags", "mean_direction", "memory_retention", "rankdata",
-    "retention_curves", "spearman", "spectrum_summary", "split_pools", "state_geometry", "state_horizons",
+    "INV_E",
+    "covariance_eigenvalues",
+    "half_lives",
+    "log_lags",
+    "mean_direction",
+    "memory_retention",
+    "rankdata",
+    "retention_curves",
+    "spearman",
+    "spectrum_summary",
+    "split_pools",
+    "state_geometry",
+    "state_horizons",
 ]

@@ -5,7 +5,7 @@ converges to it."""
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -86,7 +86,9 @@ def mean_direction(
             raise ValueError(f"unigram_counts has {counts.size} entries but the decoder gives {logits.size} logits")
         seen = counts > 0
         result["spearman_unigram_all_vocab"] = spearman(logits, counts)
-        result["spearman_unigram_seen_tokens"] = spearman(logits[seen], counts[seen]) if seen.sum() > 1 else float("nan")
+        result["spearman_unigram_seen_tokens"] = (
+            spearman(logits[seen], counts[seen]) if seen.sum() > 1 else float("nan")
+        )
         result["seen_tokens"] = int(seen.sum())
 
     groups = [g for g in np.array_split(np.arange(num_seq), min(num_batches, num_seq)) if g.size]
@@ -120,4 +122,3 @@ def mean_direction(
         result["control_top_overlap"] = int(len(set(top_ids.tolist()) & set(control_top.tolist())))
         result["control_top_ids"] = [int(i) for i in control_top]
     return result
-

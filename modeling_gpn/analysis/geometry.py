@@ -112,13 +112,11 @@ def state_geometry(
         "offdiag_corr_sample_mean": float(sample_values.mean()) if sample_values.size else float("nan"),
         "correlation_sample_dims": int(min(correlation_sample_dims, live.size)),
         **spectrum,
-        "spectrum_note": "centred covariance of the states (1/N)" + (
-            f"; only {n} states for {d} dimensions, so at most {n - 1} components carry variance" if n <= d else ""
-        ),
+        "spectrum_note": "centred covariance of the states (1/N)"
+        + (f"; only {n} states for {d} dimensions, so at most {n - 1} components carry variance" if n <= d else ""),
         "sorted_dim_std": np.sort(dim_std)[::-1],
         "norms": norms,
         "eigenvalues": lam,
         "corr_hist_counts": counts,
         "corr_hist_edges": edges,
     }
-

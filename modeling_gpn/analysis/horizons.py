@@ -53,4 +53,3 @@ def state_horizons(states, lags=None) -> dict:
         "max_lag": int(lags[-1]),
         "centred_below_0.05_at_lag": int(lags[below[0]]) if below.size else None,
     }
-

@@ -73,8 +73,13 @@ def split_pools(half_life_values, min_ratio: float = 2.0) -> dict:
     cap = np.nanmax(finite) * 10 if np.isfinite(np.nanmax(finite)) else 1e12
     logs = np.log(np.clip(np.where(np.isfinite(values), values, cap), 1e-6, None))
     order = np.argsort(logs, kind="stable")
-    no_split = {"split": False, "fast_heads": [], "slow_heads": [int(h) for h in order], "threshold": None,
-                "rule": "2-means on log half-life"}  # fmt: skip
+    no_split = {
+        "split": False,
+        "fast_heads": [],
+        "slow_heads": [int(h) for h in order],
+        "threshold": None,
+        "rule": "2-means on log half-life",
+    }
     if heads < 2:
         return no_split
     sorted_logs = logs[order]

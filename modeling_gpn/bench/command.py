@@ -31,32 +31,62 @@ generate()'s time per token lies beyond the model's step."""
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (parser.description or "") + "\n\n" + LIMIT_HELP
-    parser.formatter_class = type("Formatter", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {})
+    parser.formatter_class = type(
+        "Formatter", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {}
+    )
     parser.add_argument("--preset", nargs="+", default=["tiny", "small"], help="GPN presets or config JSON paths")
-    parser.add_argument("--impl", nargs="+", default=list(IMPLEMENTATIONS), choices=IMPLEMENTATIONS,
-                        help="implementations to measure")  # fmt: skip
+    parser.add_argument(
+        "--impl", nargs="+", default=list(IMPLEMENTATIONS), choices=IMPLEMENTATIONS, help="implementations to measure"
+    )
     parser.add_argument("--batch", type=int, default=8, help="training / forward batch size")
     parser.add_argument("--seq-len", type=int, default=256, help="training / forward sequence length")
-    parser.add_argument("--decode-prompt-lengths", type=int, nargs="*", default=[128, 1024, 4096],
-                        help="prompt lengths for prefill and decode (batch 1); none to skip decoding")  # fmt: skip
+    parser.add_argument(
+        "--decode-prompt-lengths",
+        type=int,
+        nargs="*",
+        default=[128, 1024, 4096],
+        help="prompt lengths for prefill and decode (batch 1); none to skip decoding",
+    )
     parser.add_argument("--decode-tokens", type=int, default=16, help="new tokens per generate() call")
-    parser.add_argument("--decode-batches", type=int, nargs="*", default=[1, 4, 16],
-                        help="batch sizes of the one-token step (tokens/s columns; batch 1 always, with its "
-                             "byte limit); none to skip the steps")  # fmt: skip
-    parser.add_argument("--memory-seq-lens", type=int, nargs="*", default=[],
-                        help="also measure the training peak memory at these lengths (same batch)")  # fmt: skip
-    parser.add_argument("--skip-training", action="store_true",
-                        help="measure inference only (no training, forward throughput or training memory)")
+    parser.add_argument(
+        "--decode-batches",
+        type=int,
+        nargs="*",
+        default=[1, 4, 16],
+        help="batch sizes of the one-token step (tokens/s columns; batch 1 always, with its "
+        "byte limit); none to skip the steps",
+    )
+    parser.add_argument(
+        "--memory-seq-lens",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also measure the training peak memory at these lengths (same batch)",
+    )
+    parser.add_argument(
+        "--skip-training",
+        action="store_true",
+        help="measure inference only (no training, forward throughput or training memory)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
-    parser.add_argument("--dtype", default="float32", choices=DTYPES,
-                        help="weight dtype; int8: the bfloat16 model with every nn.Linear quantized by torchao's "
-                             "int8 weight-only config (needs torchao; the Llama's tied head stays bf16)")  # fmt: skip
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=DTYPES,
+        help="weight dtype; int8: the bfloat16 model with every nn.Linear quantized by torchao's "
+        "int8 weight-only config (needs torchao; the Llama's tied head stays bf16)",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--segment-length", type=int, default=256,
-                        help="bptt_segment_length for GPN training, as `gpn train --bptt-segment` (0: keep every "
-                             "step); windows up to this long train without recomputation")  # fmt: skip
-    parser.add_argument("--skip-plain-decode", action="store_true",
-                        help="do not run the (slow) plain path through generate()")  # fmt: skip
+    parser.add_argument(
+        "--segment-length",
+        type=int,
+        default=256,
+        help="bptt_segment_length for GPN training, as `gpn train --bptt-segment` (0: keep every "
+        "step); windows up to this long train without recomputation",
+    )
+    parser.add_argument(
+        "--skip-plain-decode", action="store_true", help="do not run the (slow) plain path through generate()"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     parser.add_argument("--json", default=None, help="also write all figures to this JSON file")
 
@@ -75,13 +105,17 @@ def run(args) -> int:
         models = {}
         for impl in args.impl:  # one model per implementation (same seed, same weights for plain and fast)
             gpn = build_gpn(preset, args.dtype, args.device, args.segment_length)
-            models[impl] = gpn if impl != "llama" else matched_llama(gpn.config, count_params(gpn), args.dtype, args.device)
+            models[impl] = (
+                gpn if impl != "llama" else matched_llama(gpn.config, count_params(gpn), args.dtype, args.device)
+            )
         rows += measure(models, preset, args)
         del models, gpn
         gc.collect()
-    print(f"\ndevice {args.device}, dtype {args.dtype}, threads {torch.get_num_threads()}, batch {args.batch} x "
-          f"{args.seq_len} tokens, medians of {args.repeats} repeats, GPN training segment {args.segment_length or 'none'}, "
-          f"GPN memory kernels {memory_kernels_state(args.device)}\n")  # fmt: skip
+    print(
+        f"\ndevice {args.device}, dtype {args.dtype}, threads {torch.get_num_threads()}, batch {args.batch} x "
+        f"{args.seq_len} tokens, medians of {args.repeats} repeats, GPN training segment {args.segment_length or 'none'}, "
+        f"GPN memory kernels {memory_kernels_state(args.device)}\n"
+    )
     print_table(rows, args)
     print_limits(rows)
     print_ratios(rows, args)
@@ -92,9 +126,16 @@ def run(args) -> int:
     print(f"Triton self-checks: {checks or 'none ran'}")
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-                       "memory_kernels": memory_kernels_state(args.device),
-                       "cuda_graphs_setting": os.environ.get("GPN_CUDA_GRAPHS", "off"),
-                       "triton_self_checks": checks,
-                       "rows": [r.__dict__ for r in rows]}, handle, indent=2, default=str)  # fmt: skip
+            json.dump(
+                {
+                    "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+                    "memory_kernels": memory_kernels_state(args.device),
+                    "cuda_graphs_setting": os.environ.get("GPN_CUDA_GRAPHS", "off"),
+                    "triton_self_checks": checks,
+                    "rows": [r.__dict__ for r in rows],
+                },
+                handle,
+                indent=2,
+                default=str,
+            )
     return 0

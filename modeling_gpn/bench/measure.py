@@ -52,7 +52,9 @@ class Row:
     # what each timing of the fast path actually ran on ("train", "forward", "decode": `BackendProbe`)
     backend: dict = field(default_factory=dict)
 
-    def limit_ratio(self, seconds_per_token: float | None, prefill: bool = False, length: int | None = None) -> float | None:
+    def limit_ratio(
+        self, seconds_per_token: float | None, prefill: bool = False, length: int | None = None
+    ) -> float | None:
         """A time per token over the byte limit's (1.0: at the limit); `prefill`: a prompt token's limit;
         `length`: the limit read beside generate() at that prompt length (else the one beside the steps)."""
         limit = self.prefill_limit_ms if prefill else self.limit_ms
@@ -182,7 +184,9 @@ def _measure_generate(models: dict, rows: dict, vocab: int, generator, args) -> 
     device, repeats = args.device, args.repeats
     decoders = {kind: model for kind, model in models.items() if not (kind == "plain" and args.skip_plain_decode)}
     gpn = next((model for kind, model in decoders.items() if kind != "llama"), None)
-    probes = {"limit": ReadProbe(step_bytes(gpn)), "prefill limit": ReadProbe(prefill_bytes(gpn))} if gpn is not None else {}
+    probes = (
+        {"limit": ReadProbe(step_bytes(gpn)), "prefill limit": ReadProbe(prefill_bytes(gpn))} if gpn is not None else {}
+    )
     for length in args.decode_prompt_lengths:
         prompt = torch.randint(1, vocab, (1, length), generator=generator).to(device)
         prefill = {kind: [] for kind in decoders}
@@ -206,5 +210,3 @@ def _measure_generate(models: dict, rows: dict, vocab: int, generator, args) -> 
             if kind != "llama" and probes:
                 rows[kind].limit_ms_at[length] = 1e3 * statistics.median(reads["limit"])
                 rows[kind].prefill_limit_ms_at[length] = 1e3 * statistics.median(reads["prefill limit"])
-
-

@@ -23,7 +23,9 @@ def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
     except ImportError as error:
         raise SystemExit(f"--dtype int8 needs torchao (pip install torchao): {error}") from None
     tied = {id(model.get_output_embeddings())} if getattr(model.config, "tie_word_embeddings", False) else set()
-    quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and id(m) not in tied)
+    quantize_(
+        model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and id(m) not in tied
+    )
     return model
 
 
@@ -40,7 +42,7 @@ def build_gpn(preset: str, dtype: torch.dtype | str, device: str, segment_length
     torch.manual_seed(0)
     model = GPNForCausalLM(config).to(device=device, dtype=dtype)
     with torch.no_grad():  # the zero-initialised gates and outputs would make parts of the step trivial
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.dim() == 2 and not param.any():
                 param.normal_(0, 0.02)
     return quantize_int8(model) if quantize else model
@@ -60,11 +62,20 @@ def matched_llama(gpn_config, params: int, dtype: torch.dtype | str, device: str
     per_layer = 4 * hidden * hidden + 3 * hidden * inter + 2 * hidden
     layers = max(1, round((params - gpn_config.vocab_size * hidden - hidden) / per_layer))
     config = LlamaConfig(
-        vocab_size=gpn_config.vocab_size, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=1 << 15,
-        tie_word_embeddings=True, attention_bias=False, mlp_bias=False, eos_token_id=None, bos_token_id=None,
+        vocab_size=gpn_config.vocab_size,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=1 << 15,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        mlp_bias=False,
+        eos_token_id=None,
+        bos_token_id=None,
         pad_token_id=0,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(device=device, dtype=dtype)
     return quantize_int8(model) if quantize else model

@@ -24,25 +24,49 @@ def fmt(value, kind: str = "num") -> str:
 def _columns(args) -> list[tuple[str, callable]]:
     """(header, cell of a row) for every column this run has figures for."""
     lengths = args.decode_prompt_lengths
-    columns = [("preset", lambda r: r.preset), ("impl", lambda r: r.impl), ("params", lambda r: f"{r.params / 1e6:.2f}M")]
+    columns = [
+        ("preset", lambda r: r.preset),
+        ("impl", lambda r: r.impl),
+        ("params", lambda r: f"{r.params / 1e6:.2f}M"),
+    ]
     if not args.skip_training:
-        columns += [("train tok/s", lambda r: fmt(r.train_tok_s)), ("train GFLOP/s", lambda r: fmt(r.train_gflop_s)),
-                    ("fwd tok/s", lambda r: fmt(r.forward_tok_s)), ("fwd GFLOP/s", lambda r: fmt(r.forward_gflop_s))]  # fmt: skip
+        columns += [
+            ("train tok/s", lambda r: fmt(r.train_tok_s)),
+            ("train GFLOP/s", lambda r: fmt(r.train_gflop_s)),
+            ("fwd tok/s", lambda r: fmt(r.forward_tok_s)),
+            ("fwd GFLOP/s", lambda r: fmt(r.forward_gflop_s)),
+        ]
         for n in sorted({args.seq_len, *args.memory_seq_lens}):
             columns.append((f"train peak @{n}", lambda r, n=n: fmt(r.train_peak_bytes.get(n), "bytes")))
     if args.decode_batches:
-        columns += [("step ms", lambda r: fmt(r.step_ms)), ("limit ms", lambda r: fmt(r.limit_ms)),
-                    ("step / limit", lambda r: fmt(r.limit_ratio(r.step_ms and r.step_ms / 1e3), "ratio"))]  # fmt: skip
+        columns += [
+            ("step ms", lambda r: fmt(r.step_ms)),
+            ("limit ms", lambda r: fmt(r.limit_ms)),
+            ("step / limit", lambda r: fmt(r.limit_ratio(r.step_ms and r.step_ms / 1e3), "ratio")),
+        ]
         for b in sorted(set(args.decode_batches) - {1}):
             columns.append((f"tok/s @{b} rows", lambda r, b=b: fmt(r.batch_tok_s.get(b))))
     for n in lengths:
         columns.append((f"prefill tok/s @{n}", lambda r, n=n: fmt(r.prefill_tok_s.get(n))))
-        columns.append((f"prefill / limit @{n}", lambda r, n=n: fmt(
-            r.limit_ratio(1 / r.prefill_tok_s[n], prefill=True, length=n) if n in r.prefill_tok_s else None, "ratio")))  # fmt: skip
+        columns.append(
+            (
+                f"prefill / limit @{n}",
+                lambda r, n=n: fmt(
+                    r.limit_ratio(1 / r.prefill_tok_s[n], prefill=True, length=n) if n in r.prefill_tok_s else None,
+                    "ratio",
+                ),
+            )
+        )
     for n in lengths:
         columns.append((f"decode ms @{n}", lambda r, n=n: fmt(r.decode_ms.get(n))))
-        columns.append((f"decode / limit @{n}", lambda r, n=n: fmt(
-            r.limit_ratio(r.decode_ms[n] / 1e3, length=n) if n in r.decode_ms else None, "ratio")))  # fmt: skip
+        columns.append(
+            (
+                f"decode / limit @{n}",
+                lambda r, n=n: fmt(
+                    r.limit_ratio(r.decode_ms[n] / 1e3, length=n) if n in r.decode_ms else None, "ratio"
+                ),
+            )
+        )
     for n in lengths:
         columns.append((f"cache @{n}", lambda r, n=n: fmt(r.cache_bytes.get(n), "bytes")))
     return columns
@@ -60,10 +84,12 @@ def print_limits(rows: list[Row]) -> None:
     """What each row's limit is: the bytes a step reads, the probe's bandwidth, and what read them."""
     for r in rows:
         if r.limit_ms:
-            print(f"{r.preset} {r.impl} limit: {r.limit_bytes / 1e6:.1f} MB a step / "
-                  f"{r.limit_bytes / r.limit_ms / 1e6:.1f} GB/s read ({r.limit_probe}) = {r.limit_ms:.3f} ms; "
-                  f"a prompt token {r.prefill_limit_bytes / 1e6:.1f} MB / {r.prefill_limit_bytes / r.prefill_limit_ms / 1e6:.1f} "
-                  f"GB/s = {r.prefill_limit_ms:.3f} ms")  # fmt: skip
+            print(
+                f"{r.preset} {r.impl} limit: {r.limit_bytes / 1e6:.1f} MB a step / "
+                f"{r.limit_bytes / r.limit_ms / 1e6:.1f} GB/s read ({r.limit_probe}) = {r.limit_ms:.3f} ms; "
+                f"a prompt token {r.prefill_limit_bytes / 1e6:.1f} MB / {r.prefill_limit_bytes / r.prefill_limit_ms / 1e6:.1f} "
+                f"GB/s = {r.prefill_limit_ms:.3f} ms"
+            )
 
 
 def print_ratios(rows: list[Row], args) -> None:
@@ -80,23 +106,33 @@ def print_ratios(rows: list[Row], args) -> None:
         if llama is not None:
             for n in args.decode_prompt_lengths:
                 if n in fast.decode_ms and n in llama.decode_ms:
-                    print(f"  @{n}: Llama decode ms / ours: {llama.decode_ms[n] / fast.decode_ms[n]:.2f} (target >= 5 at 4096); "
-                          f"Llama prefill tok/s / ours: {llama.prefill_tok_s[n] / fast.prefill_tok_s[n]:.2f} (target <= 3)")  # fmt: skip
+                    print(
+                        f"  @{n}: Llama decode ms / ours: {llama.decode_ms[n] / fast.decode_ms[n]:.2f} (target >= 5 at 4096); "
+                        f"Llama prefill tok/s / ours: {llama.prefill_tok_s[n] / fast.prefill_tok_s[n]:.2f} (target <= 3)"
+                    )
         if plain is not None and fast.train_tok_s and plain.train_tok_s:
-            print(f"  train speed-up over the plain path: {fast.train_tok_s / plain.train_tok_s:.2f}x; "
-                  f"forward: {fast.forward_tok_s / plain.forward_tok_s:.2f}x")  # fmt: skip
+            print(
+                f"  train speed-up over the plain path: {fast.train_tok_s / plain.train_tok_s:.2f}x; "
+                f"forward: {fast.forward_tok_s / plain.forward_tok_s:.2f}x"
+            )
         if fast.step_ms and fast.limit_ms:
-            print(f"  one-token step {fast.step_ms:.3f} ms = {fast.step_ms / fast.limit_ms:.2f}x its byte limit "
-                  f"({fast.limit_ms:.3f} ms; target <= 2 for small, <= 1.5 for gpn-m-1l-130m)")  # fmt: skip
+            print(
+                f"  one-token step {fast.step_ms:.3f} ms = {fast.step_ms / fast.limit_ms:.2f}x its byte limit "
+                f"({fast.limit_ms:.3f} ms; target <= 2 for small, <= 1.5 for gpn-m-1l-130m)"
+            )
             for n in args.decode_prompt_lengths:
                 if n in fast.decode_ms:
-                    print(f"  @{n}: generate() decode {fast.decode_ms[n]:.3f} ms/token, of which beyond the model's step "
-                          f"{fast.decode_ms[n] - fast.step_ms:+.3f} ms; prefill {fast.limit_ratio(1 / fast.prefill_tok_s[n], prefill=True, length=n):.2f}x "
-                          f"its limit per token (target <= 1.5)")  # fmt: skip
+                    print(
+                        f"  @{n}: generate() decode {fast.decode_ms[n]:.3f} ms/token, of which beyond the model's step "
+                        f"{fast.decode_ms[n] - fast.step_ms:+.3f} ms; prefill {fast.limit_ratio(1 / fast.prefill_tok_s[n], prefill=True, length=n):.2f}x "
+                        f"its limit per token (target <= 1.5)"
+                    )
         if fast.decode_ms:
             lo, hi = min(fast.decode_ms), max(fast.decode_ms)
             print(f"  decode ms @{hi} / @{lo}: {fast.decode_ms[hi] / fast.decode_ms[lo]:.2f} (target <= 1.10)")
         peaks = fast.train_peak_bytes
         if len(peaks) > 1 and peaks.get(min(peaks)):
             longest, shortest = max(peaks), min(peaks)
-            print(f"  train peak memory @{longest} / @{shortest}: {peaks[longest] / peaks[shortest]:.2f} (target <= 1.5)")
+            print(
+                f"  train peak memory @{longest} / @{shortest}: {peaks[longest] / peaks[shortest]:.2f} (target <= 1.5)"
+            )

@@ -168,10 +168,15 @@ def generate_timings(model, prompt: torch.Tensor, args) -> tuple[float, list[flo
     synchronize(device)
     start = time.perf_counter()
     out = model.generate(
-        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=args.decode_tokens,
-        min_new_tokens=args.decode_tokens, do_sample=False, streamer=streamer, pad_token_id=0,
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=args.decode_tokens,
+        min_new_tokens=args.decode_tokens,
+        do_sample=False,
+        streamer=streamer,
+        pad_token_id=0,
         return_dict_in_generate=True,
-    )  # fmt: skip
+    )
     stamps = streamer.stamps  # [prompt, token 1, token 2, ...]
     cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
     return stamps[1] - start, [b - a for a, b in zip(stamps[1:], stamps[2:])], cache_nbytes(cache)
@@ -202,8 +207,6 @@ def release_reused_buffers(model) -> None:
         buffer_pool_of(model.model).release()
 
 
-
-
 def one_token_step_fn(model, rows: int, vocab: int, device: str, prompt_length: int = 16):
     """A call runs the model's one-token step at `rows` batch rows: a forward of one token with its cache
     (`use_cache=True`, as a decode loop calls it; the cache advances every call), after a short prompt.
@@ -211,6 +214,7 @@ def one_token_step_fn(model, rows: int, vocab: int, device: str, prompt_length: 
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(1, vocab, (rows, prompt_length), generator=generator).to(device)
     token = prompt[:, -1:]
+
     def cache_of(output):
         return getattr(output, "cache", None) or output.past_key_values
 

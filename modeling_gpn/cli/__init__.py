@@ -22,7 +22,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("modeling_gpn.bench", "measure training, prefill and decode speed and memory"),
     "study": ("modeling_gpn.study", "small-scale replication: train and evaluate GPN variants and baselines"),
     "generate": ("modeling_gpn.cli.generate", "generate text from a model folder or Hub repo"),
-    "serve": ("modeling_gpn.serve.cli", "serve a model behind an OpenAI-compatible API (transformers serve), conversations kept as states"),
+    "serve": (
+        "modeling_gpn.serve.cli",
+        "serve a model behind an OpenAI-compatible API (transformers serve), conversations kept as states",
+    ),
 }
 
 
@@ -57,4 +60,3 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args.command is None else 2
     result = args._run(args)
     return int(result or 0)
-

@@ -23,25 +23,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None, help="tokenizer name or path (default: the model's own)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (>= 1)")
     parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    parser.add_argument("--temperature", type=float, default=None, help=f"sampling temperature (> 0; with --sample, default {DEFAULT_TEMPERATURE})")
-    parser.add_argument("--top-p", type=float, default=None, help=f"nucleus sampling mass (in (0, 1]; with --sample, default {DEFAULT_TOP_P})")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help=f"sampling temperature (> 0; with --sample, default {DEFAULT_TEMPERATURE})",
+    )
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        help=f"nucleus sampling mass (in (0, 1]; with --sample, default {DEFAULT_TOP_P})",
+    )
     parser.add_argument("--num-beams", type=int, default=1, help="beam search with this many beams (>= 1)")
     parser.add_argument("--seed", type=int, default=0, help="random seed for sampling (>= 0)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     parser.add_argument(
-        "--dtype", default="auto", choices=DTYPES,
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
         help="weights: as saved (auto), float32, bfloat16, or int8 (torchao's int8 weight-only quantization of "
-             "every nn.Linear of the bfloat16 model; needs torchao; on CPU the fast path runs it on its int8 kernels)",
-    )  # fmt: skip
+        "every nn.Linear of the bfloat16 model; needs torchao; on CPU the fast path runs it on its int8 kernels)",
+    )
     parser.add_argument("--trust-remote-code", action="store_true", help="load the model's own code (Hub repos)")
     parser.add_argument(
-        "--save-state", metavar="FILE", default=None,
+        "--save-state",
+        metavar="FILE",
+        default=None,
         help="write the state after each prompt and its generated text to FILE (safetensors), to continue with --state",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--state", metavar="FILE", default=None,
+        "--state",
+        metavar="FILE",
+        default=None,
         help="continue after the state in FILE (from --save-state): the prompts are text that follows it",
-    )  # fmt: skip
+    )
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -53,7 +69,9 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.seed < 0:
         raise GenerateError(f"--seed must be >= 0, got {args.seed}")
     if not args.sample:
-        given = [name for name, value in (("--temperature", args.temperature), ("--top-p", args.top_p)) if value is not None]
+        given = [
+            name for name, value in (("--temperature", args.temperature), ("--top-p", args.top_p)) if value is not None
+        ]
         if given:  # greedy and beam decoding ignore them: say so instead of ignoring them in silence
             raise GenerateError(f"{' and '.join(given)} only apply with --sample (decoding is greedy without it)")
     if args.temperature is not None and not args.temperature > 0:
@@ -86,8 +104,9 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def _load(args: argparse.Namespace):
-    import modeling_gpn  # noqa: F401  (registers GPN with the Auto classes)
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import modeling_gpn  # noqa: F401  (registers GPN with the Auto classes)
 
     source = args.tokenizer or args.model
     try:
@@ -97,7 +116,9 @@ def _load(args: argparse.Namespace):
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token is None and len(args.prompts) > 1:
-            raise GenerateError(f"the tokenizer of {source} has neither a pad nor an EOS token to pad a batch of prompts with")
+            raise GenerateError(
+                f"the tokenizer of {source} has neither a pad nor an EOS token to pad a batch of prompts with"
+            )
         tokenizer.pad_token = tokenizer.eos_token
     try:
         model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
@@ -120,7 +141,9 @@ def _to_dtype(model, dtype: str):
     model = model.to(torch.bfloat16)
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = {id(output)} if isinstance(output, torch.nn.Linear) else set()
-    quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and id(m) not in tied)
+    quantize_(
+        model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and id(m) not in tied
+    )
     return model
 
 
@@ -189,7 +212,9 @@ def run(args: argparse.Namespace) -> int:
         generation_inputs = dict(batch)
         if start is not None:  # the new tokens, with a mask covering the positions the state has read
             read = start.get_seq_length()
-            generation_inputs["attention_mask"] = torch.cat([prompt_mask.new_ones(prompt_mask.shape[0], read), prompt_mask], 1)
+            generation_inputs["attention_mask"] = torch.cat(
+                [prompt_mask.new_ones(prompt_mask.shape[0], read), prompt_mask], 1
+            )
             generation_inputs["cache"] = start.fork(1)  # generate() advances its cache; `start` stays for --save-state
         torch.manual_seed(args.seed)
         with torch.no_grad():

@@ -52,13 +52,41 @@ from .corpus import (
 )
 from .errors import DataError
 from .stream import CACHE_FORMAT_VERSION, SHARD_TOKENS, TokenStream, build_token_stream
-from .tokenizer import BPE_EOS, DEFAULT_TOKENIZER, PieceEncoder, load_tokenizer, tokenizer_fingerprint, train_bpe_tokenizer
+from .tokenizer import (
+    BPE_EOS,
+    DEFAULT_TOKENIZER,
+    PieceEncoder,
+    load_tokenizer,
+    tokenizer_fingerprint,
+    train_bpe_tokenizer,
+)
 from .windows import WindowDataset
 
 __all__ = [
-    "BPE_EOS", "BUILTIN_SHAKESPEARE", "CACHE_FORMAT_VERSION", "CorpusSpec", "DEFAULT_DATASET", "DEFAULT_DATASET_CONFIG",
-    "DEFAULT_TOKENIZER", "DataError", "LOCAL_SUFFIXES", "PIECE_CHARS", "PieceEncoder", "SHARD_TOKENS", "TokenStream",
-    "WindowDataset", "build_token_stream", "clean_play_markdown", "default_cache_dir", "find_cut",
-    "load_tokenizer", "newline_cut_points", "shakespeare_documents", "shakespeare_files", "split_document",
-    "text_file_pieces", "tokenizer_fingerprint", "train_bpe_tokenizer",
+    "BPE_EOS",
+    "BUILTIN_SHAKESPEARE",
+    "CACHE_FORMAT_VERSION",
+    "CorpusSpec",
+    "DEFAULT_DATASET",
+    "DEFAULT_DATASET_CONFIG",
+    "DEFAULT_TOKENIZER",
+    "DataError",
+    "LOCAL_SUFFIXES",
+    "PIECE_CHARS",
+    "PieceEncoder",
+    "SHARD_TOKENS",
+    "TokenStream",
+    "WindowDataset",
+    "build_token_stream",
+    "clean_play_markdown",
+    "default_cache_dir",
+    "find_cut",
+    "load_tokenizer",
+    "newline_cut_points",
+    "shakespeare_documents",
+    "shakespeare_files",
+    "split_document",
+    "text_file_pieces",
+    "tokenizer_fingerprint",
+    "train_bpe_tokenizer",
 ]

@@ -86,17 +86,18 @@ class CorpusSpec:
     def fingerprint(self) -> dict:
         """What identifies this corpus for the caches (local files: paths, sizes and modification times)."""
         if self.kind == "local":
-            files = [
-                [str(p.resolve()), p.stat().st_size, int(p.stat().st_mtime_ns)] for p in self.local_files()
-            ]
+            files = [[str(p.resolve()), p.stat().st_size, int(p.stat().st_mtime_ns)] for p in self.local_files()]
             return {"kind": "local", "files": files, "text_field": self.text_field}
         if self.kind == "builtin":
             files = shakespeare_files()
             return {"kind": "builtin", "name": self.source, "files": [[p.name, p.stat().st_size] for p in files]}
         return {
-            "kind": "hub", "name": self.source, "config": self.config_name, "split": self.split,
+            "kind": "hub",
+            "name": self.source,
+            "config": self.config_name,
+            "split": self.split,
             "text_field": self.text_field,
-        }  # fmt: skip
+        }
 
     def describe(self) -> str:
         if self.kind == "builtin":
@@ -144,9 +145,7 @@ def _local_documents(path: Path, text_field: str) -> Iterator[str]:
         dataset = datasets.load_dataset(builder, data_files=[str(path)], split="train", streaming=True, **kwargs)
         for row in dataset:
             if text_field not in row:
-                raise DataError(
-                    f"{path} has no column {text_field!r} (columns: {', '.join(row)}); pass --text-field"
-                )
+                raise DataError(f"{path} has no column {text_field!r} (columns: {', '.join(row)}); pass --text-field")
             text = row[text_field]
             if not isinstance(text, str):
                 raise DataError(f"{path}: column {text_field!r} holds {type(text).__name__}, not text")
@@ -178,7 +177,11 @@ def find_cut(pending: str, safe_cut: Callable[[str, str], bool] | None = None) -
             return None  # none near the end: let the piece grow
         line_start = pending.rfind("\n", 0, cut - 1) + 1
         line_end = pending.find("\n", cut)
-        if line_start > 0 and line_end > 0 and (safe_cut is None or safe_cut(pending[line_start:cut], pending[cut : line_end + 1])):
+        if (
+            line_start > 0
+            and line_end > 0
+            and (safe_cut is None or safe_cut(pending[line_start:cut], pending[cut : line_end + 1]))
+        ):
             return cut
     return None
 
@@ -198,7 +201,9 @@ def split_document(text: str, safe_cut: Callable[[str, str], bool] | None = None
     yield text[start:], pieces > 0, True
 
 
-def text_file_pieces(path: Path, safe_cut: Callable[[str, str], bool] | None = None) -> Iterator[tuple[str, bool, bool]]:
+def text_file_pieces(
+    path: Path, safe_cut: Callable[[str, str], bool] | None = None
+) -> Iterator[tuple[str, bool, bool]]:
     """One .txt file (one document) as (piece, continues, ends) pieces of about `PIECE_CHARS` characters.
 
     Read as `datasets`' text builder reads it (UTF-8, universal newlines); cut where `find_cut` says.
@@ -282,4 +287,3 @@ def shakespeare_documents() -> Iterator[str]:
     """One document per play, in a fixed (sorted path) order."""
     for path in shakespeare_files():
         yield clean_play_markdown(path.read_text(encoding="utf-8"))
-

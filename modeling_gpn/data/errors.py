@@ -6,4 +6,3 @@ from __future__ import annotations
 
 class DataError(ValueError):
     """Bad training data or tokenizer, reported before training starts."""
-

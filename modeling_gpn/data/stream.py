@@ -44,19 +44,25 @@ class TokenStream:
             if any(not isinstance(name, str) or Path(name).name != name for name in names):
                 raise ValueError(f"shard names {names[:4]}... are not file names")
         except (OSError, ValueError, KeyError, TypeError) as error:
-            raise DataError(f"The token cache file {meta_path} is damaged ({type(error).__name__}: {error}); {self.rebuild_hint}") from error
+            raise DataError(
+                f"The token cache file {meta_path} is damaged ({type(error).__name__}: {error}); {self.rebuild_hint}"
+            ) from error
         self.paths = [self.folder / name for name in names]
         for path, length in zip(self.paths, lengths):
             try:
                 size = path.stat().st_size
             except OSError as error:
-                raise DataError(f"The token cache shard {path} is missing or unreadable ({error}); {self.rebuild_hint}") from error
+                raise DataError(
+                    f"The token cache shard {path} is missing or unreadable ({error}); {self.rebuild_hint}"
+                ) from error
             if size != length * dtype.itemsize:
                 raise DataError(
                     f"The token cache shard {path} is damaged: it has {size:,} bytes, but {meta_path} says {length:,} "
                     f"{dtype.name} tokens ({length * dtype.itemsize:,} bytes); {self.rebuild_hint}"
                 )
-        self.shards = [np.memmap(path, dtype=dtype, mode="r", shape=(length,)) for path, length in zip(self.paths, lengths)]
+        self.shards = [
+            np.memmap(path, dtype=dtype, mode="r", shape=(length,)) for path, length in zip(self.paths, lengths)
+        ]
         self.offsets = np.cumsum([0] + lengths)
         self.reused = False
 
@@ -103,10 +109,12 @@ def build_token_stream(
         raise DataError("The tokenizer has no EOS token: documents are joined with EOS")
     key = content_hash(
         {
-            "corpus": corpus.fingerprint(), "tokenizer": tokenizer_fingerprint(tokenizer), "max_tokens": max_tokens,
+            "corpus": corpus.fingerprint(),
+            "tokenizer": tokenizer_fingerprint(tokenizer),
+            "max_tokens": max_tokens,
             "version": CACHE_FORMAT_VERSION,
         }
-    )  # fmt: skip
+    )
     folder = Path(cache_dir or default_cache_dir()) / "tokens" / key
     if (folder / "meta.json").exists():
         stream = TokenStream(folder)
@@ -126,9 +134,13 @@ def tokenize_into(folder: Path, corpus: CorpusSpec, tokenizer, max_tokens: int |
     shards = ShardWriter(folder)
     documents = total = 0
     bar = tqdm(
-        desc="tokenizing", unit="tok", unit_scale=True, total=max_tokens, disable=not show_progress,
+        desc="tokenizing",
+        unit="tok",
+        unit_scale=True,
+        total=max_tokens,
+        disable=not show_progress,
         mininterval=1.0,
-    )  # fmt: skip
+    )
     encoder = PieceEncoder(tokenizer)
     pieces = corpus.document_pieces(encoder.safe_cut)
     try:
@@ -155,10 +167,17 @@ def tokenize_into(folder: Path, corpus: CorpusSpec, tokenizer, max_tokens: int |
     if total == 0:
         raise DataError(f"{corpus.describe()} yielded no tokens")
     meta = {
-        "corpus": corpus.fingerprint(), "tokenizer": tokenizer_fingerprint(tokenizer), "eos_token_id": eos,
-        "vocab_size": vocab, "dtype": np.dtype(dtype).name, "shards": shards.names, "shard_tokens": shards.lengths,
-        "documents": documents, "tokens": total, "max_tokens": max_tokens,
-    }  # fmt: skip
+        "corpus": corpus.fingerprint(),
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "eos_token_id": eos,
+        "vocab_size": vocab,
+        "dtype": np.dtype(dtype).name,
+        "shards": shards.names,
+        "shard_tokens": shards.lengths,
+        "documents": documents,
+        "tokens": total,
+        "max_tokens": max_tokens,
+    }
     (folder / "meta.json").write_text(json.dumps(meta, indent=1))
 
 
@@ -202,4 +221,3 @@ def _batched_by_size(pieces: Iterable[tuple[str, bool, bool]], size: int, max_ch
         chars += len(piece[0])
     if batch:
         yield batch
-

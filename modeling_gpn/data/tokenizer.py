@@ -128,4 +128,3 @@ def tokenizer_fingerprint(tokenizer) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     content = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
     return content_hash({"tokenizer": content, "eos": tokenizer.eos_token_id})
-

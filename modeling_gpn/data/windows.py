@@ -59,4 +59,3 @@ class WindowDataset:
 
     def epochs(self, steps: int, batch_size: int) -> float:
         return steps * batch_size / self.num_train
-

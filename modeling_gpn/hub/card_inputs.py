@@ -156,7 +156,11 @@ def _hub_dataset_ids(values: Iterable[Any]) -> list[str]:
         for item in value if isinstance(value, list) else [value]:
             if not isinstance(item, str):
                 continue
-            if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", item) and not Path(item).exists() and not item.startswith("."):
+            if (
+                re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", item)
+                and not Path(item).exists()
+                and not item.startswith(".")
+            ):
                 if item not in found:
                     found.append(item)
     return found
@@ -219,4 +223,3 @@ def read_training_info(model_dir: str | Path) -> TrainingInfo | None:
         return None
     info.datasets = _hub_dataset_ids(v for k, v in info.recipe.items() if k.split(".")[-1] in DATASET_KEYS)
     return info
-

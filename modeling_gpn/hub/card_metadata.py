@@ -21,7 +21,16 @@ KNOWN_DATASETS: list[tuple[str, tuple[str, str, str | None, str | None]]] = [
 
 #: Counts that evaluation tools report beside metrics (shown in the table, not in the model-index).
 COUNT_METRICS = frozenset(
-    {"examples", "target_tokens", "tokens_scored", "windows", "window", "stream_tokens", "dropped_tail_tokens", "documents"}
+    {
+        "examples",
+        "target_tokens",
+        "tokens_scored",
+        "windows",
+        "window",
+        "stream_tokens",
+        "dropped_tail_tokens",
+        "documents",
+    }
 )
 
 

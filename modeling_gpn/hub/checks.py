@@ -14,7 +14,9 @@ from .errors import CardError, HubPushError
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 # safetensors is a dependency of transformers itself (GPNCache.save / load write and read state files with it).
-ALLOWED_CODE_IMPORTS = frozenset({"torch", "transformers", "safetensors", "__future__"}) | frozenset(sys.stdlib_module_names)
+ALLOWED_CODE_IMPORTS = frozenset({"torch", "transformers", "safetensors", "__future__"}) | frozenset(
+    sys.stdlib_module_names
+)
 
 
 def pickle_files(folder: Path, recursive: bool) -> list[str]:
@@ -29,7 +31,9 @@ def load_folder_config(model_dir: Path):
 
     path = model_dir / "config.json"
     if not path.is_file():
-        raise HubPushError(f"{model_dir} has no config.json: is it a folder written by save_pretrained / gpn train / gpn convert?")
+        raise HubPushError(
+            f"{model_dir} has no config.json: is it a folder written by save_pretrained / gpn train / gpn convert?"
+        )
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as error:
@@ -79,7 +83,11 @@ def check_weights(files: list[Path], config) -> int:
     problems = []
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected))
-    misshaped = [f"{n}: {found[n]} vs config {expected[n]}" for n in sorted(set(found) & set(expected)) if found[n] != expected[n]]
+    misshaped = [
+        f"{n}: {found[n]} vs config {expected[n]}"
+        for n in sorted(set(found) & set(expected))
+        if found[n] != expected[n]
+    ]
     if missing:
         problems.append(f"missing tensors: {', '.join(missing)}")
     if unexpected:
@@ -156,4 +164,3 @@ def _file_contains(path: Path, needles: list[bytes], chunk_size: int = 1 << 22) 
                 return True
             tail = window[-overlap:] if overlap else b""
     return False
-

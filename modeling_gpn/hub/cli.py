@@ -11,33 +11,61 @@ from .push import push_folder
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_dir", help="a GPN folder (save_pretrained / gpn train / gpn convert output) with safetensors weights")
-    parser.add_argument("repo_id", help="the Hub repo, 'owner/name' (created if missing)")
-    parser.add_argument("--private", action="store_true", help="create the repo as private (an existing repo keeps its visibility)")
-    parser.add_argument("--revision", default=None, help="branch to push to, created if missing (None: main)")
-    parser.add_argument("--commit-message", default=None, help="commit message (None: 'Upload NAME (GPN) with gpn push')")
     parser.add_argument(
-        "--token", default=None,
+        "model_dir", help="a GPN folder (save_pretrained / gpn train / gpn convert output) with safetensors weights"
+    )
+    parser.add_argument("repo_id", help="the Hub repo, 'owner/name' (created if missing)")
+    parser.add_argument(
+        "--private", action="store_true", help="create the repo as private (an existing repo keeps its visibility)"
+    )
+    parser.add_argument("--revision", default=None, help="branch to push to, created if missing (None: main)")
+    parser.add_argument(
+        "--commit-message", default=None, help="commit message (None: 'Upload NAME (GPN) with gpn push')"
+    )
+    parser.add_argument(
+        "--token",
+        default=None,
         help="Hub token with write access (None: $HF_TOKEN or the cached `hf auth login`; prefer those: a token "
         "on the command line lands in shell history). Never printed or written.",
-    )  # fmt: skip
+    )
     parser.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing directly")
-    parser.add_argument("--dry-run", metavar="OUT", default=None, help="write the exact folder that would be uploaded to OUT and stop (no network)")
+    parser.add_argument(
+        "--dry-run",
+        metavar="OUT",
+        default=None,
+        help="write the exact folder that would be uploaded to OUT and stop (no network)",
+    )
     parser.add_argument("--license", default="mit", help="license in the card's metadata (a Hub license id)")
-    parser.add_argument("--dataset", action="append", default=[], help="Hub dataset id the model was trained on (repeatable; added to those the training log names)")
+    parser.add_argument(
+        "--dataset",
+        action="append",
+        default=[],
+        help="Hub dataset id the model was trained on (repeatable; added to those the training log names)",
+    )
     parser.add_argument("--tag", action="append", default=[], help="extra tag for the card's metadata (repeatable)")
-    parser.add_argument("--model-name", default=None, help="name in the card's title and model-index (None: the repo name)")
+    parser.add_argument(
+        "--model-name", default=None, help="name in the card's title and model-index (None: the repo name)"
+    )
     parser.add_argument("--tokenizer", default=None, help="tokenizer name or path to publish when MODEL_DIR has none")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         push_folder(
-            args.model_dir, args.repo_id, private=args.private, revision=args.revision,
-            commit_message=args.commit_message, token=args.token, create_pr=args.create_pr, dry_run=args.dry_run,
-            license=args.license, datasets=args.dataset, tags=args.tag, model_name=args.model_name,
+            args.model_dir,
+            args.repo_id,
+            private=args.private,
+            revision=args.revision,
+            commit_message=args.commit_message,
+            token=args.token,
+            create_pr=args.create_pr,
+            dry_run=args.dry_run,
+            license=args.license,
+            datasets=args.dataset,
+            tags=args.tag,
+            model_name=args.model_name,
             tokenizer=args.tokenizer,
-        )  # fmt: skip
+        )
     except (HubPushError, CardError) as error:
         print(f"gpn push: {error}", file=sys.stderr)
         return 1
@@ -52,4 +80,3 @@ def run(args: argparse.Namespace) -> int:
             return 1
         raise
     return 0
-

@@ -10,4 +10,3 @@ class HubPushError(RuntimeError):
 
 class CardError(ValueError):
     """The model card cannot be built or would not pass the Hub's metadata validation."""
-

@@ -16,19 +16,42 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .checks import check_prepared_folder, check_remote_code, check_weights, load_folder_config, pickle_files, weight_files
+from .checks import (
+    check_prepared_folder,
+    check_remote_code,
+    check_weights,
+    load_folder_config,
+    pickle_files,
+    weight_files,
+)
 from .errors import HubPushError
 from .model_card import build_card, read_eval_results, read_training_info, validate_card
 
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
-)  # fmt: skip
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 EVAL_RESULTS_FILE = "eval_results.json"
 
 #: Load-time options that transformers 5 saves into tokenizer_config.json; they describe the machine
 #: that saved the tokenizer (or carry a credential), not the tokenizer, so they are not published.
-TOKENIZER_LOAD_OPTIONS = ("is_local", "local_files_only", "cache_dir", "token", "use_auth_token", "_commit_hash", "force_download", "proxies")
+TOKENIZER_LOAD_OPTIONS = (
+    "is_local",
+    "local_files_only",
+    "cache_dir",
+    "token",
+    "use_auth_token",
+    "_commit_hash",
+    "force_download",
+    "proxies",
+)
 
 
 @dataclass
@@ -69,9 +92,17 @@ def prepare_folder(
     evaluation = read_eval_results(model_dir / EVAL_RESULTS_FILE) if (model_dir / EVAL_RESULTS_FILE).is_file() else None
     training = read_training_info(model_dir)
     card = build_card(
-        config, repo_id, n_params=n_params, evaluation=evaluation, training=training, license=license,
-        datasets=list(datasets), tags=list(tags), model_name=model_name, tokenizer_name=tokenizer_name,
-    )  # fmt: skip
+        config,
+        repo_id,
+        n_params=n_params,
+        evaluation=evaluation,
+        training=training,
+        license=license,
+        datasets=list(datasets),
+        tags=list(tags),
+        model_name=model_name,
+        tokenizer_name=tokenizer_name,
+    )
     metadata = validate_card(card)
     (out / "README.md").write_text(card, encoding="utf-8")
     files = check_prepared_folder(out, token=token)
@@ -158,7 +189,9 @@ def write_tokenizer(model_dir: Path, out: Path, config, tokenizer: str | None) -
     except Exception as error:  # noqa: BLE001
         raise HubPushError(f"the tokenizer files do not load with AutoTokenizer: {error}") from error
     if len(loaded_tokenizer) > config.vocab_size:
-        raise HubPushError(f"the tokenizer has {len(loaded_tokenizer):,} tokens but the model's vocabulary is {config.vocab_size:,}")
+        raise HubPushError(
+            f"the tokenizer has {len(loaded_tokenizer):,} tokens but the model's vocabulary is {config.vocab_size:,}"
+        )
     tokenizer_name = tokenizer if tokenizer and not Path(tokenizer).exists() else None
     return tokenizer_name or f"{type(loaded_tokenizer).__name__}, {len(loaded_tokenizer):,} tokens"
 

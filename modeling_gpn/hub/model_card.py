@@ -47,12 +47,40 @@ REFERENCE_CODE = "https://github.com/steve-z-wang/grounded-prediction-network"
 
 #: The paper's Table 1 (130M parameters; GPN.md). Used when the evaluation JSON has no baselines.
 PAPER_TABLE_1: list[dict[str, Any]] = [
-    {"model": "Transformer++", "layers": 12, "state_dim": 768, "fineweb_ppl": 16.05, "lambada_acc": 0.223, "lambada_ppl": 18.99},
-    {"model": "Gated DeltaNet", "layers": 10, "state_dim": 768, "fineweb_ppl": 15.34, "lambada_acc": 0.208, "lambada_ppl": 17.23},
-    {"model": "GPN+M", "layers": 1, "state_dim": 2496, "fineweb_ppl": 18.06, "lambada_acc": 0.146, "lambada_ppl": 33.45},
-    {"model": "GPN+M", "layers": 2, "state_dim": 1920, "fineweb_ppl": 16.95, "lambada_acc": 0.160, "lambada_ppl": 27.39},
+    {
+        "model": "Transformer++",
+        "layers": 12,
+        "state_dim": 768,
+        "fineweb_ppl": 16.05,
+        "lambada_acc": 0.223,
+        "lambada_ppl": 18.99,
+    },
+    {
+        "model": "Gated DeltaNet",
+        "layers": 10,
+        "state_dim": 768,
+        "fineweb_ppl": 15.34,
+        "lambada_acc": 0.208,
+        "lambada_ppl": 17.23,
+    },
+    {
+        "model": "GPN+M",
+        "layers": 1,
+        "state_dim": 2496,
+        "fineweb_ppl": 18.06,
+        "lambada_acc": 0.146,
+        "lambada_ppl": 33.45,
+    },
+    {
+        "model": "GPN+M",
+        "layers": 2,
+        "state_dim": 1920,
+        "fineweb_ppl": 16.95,
+        "lambada_acc": 0.160,
+        "lambada_ppl": 27.39,
+    },
     {"model": "GPN", "layers": 1, "state_dim": 3184, "fineweb_ppl": 23.51, "lambada_acc": 0.015, "lambada_ppl": 263.6},
-]  # fmt: skip
+]
 
 #: The three columns of Table 1: key -> header.
 PAPER_COLUMNS = {"fineweb_ppl": "FineWeb PPL", "lambada_acc": "LAMBADA acc", "lambada_ppl": "LAMBADA PPL"}
@@ -225,7 +253,9 @@ def build_card(
 
     model_name = model_name or repo_id.split("/")[-1]
     all_datasets = list(dict.fromkeys([*datasets, *(training.datasets if training else [])]))
-    all_tags = list(dict.fromkeys(["gpn", "grounded-prediction-network", "recurrent", "custom_code", f"arxiv:{PAPER_ARXIV}", *tags]))
+    all_tags = list(
+        dict.fromkeys(["gpn", "grounded-prediction-network", "recurrent", "custom_code", f"arxiv:{PAPER_ARXIV}", *tags])
+    )
     eval_results = eval_results_for_model_index(evaluation) if evaluation and evaluation.tasks else None
     data = ModelCardData(
         library_name="transformers",
@@ -250,7 +280,7 @@ def intro_lines(config, variant: str, model_name: str, repo_id: str) -> list[str
     return [
         f"# {model_name}",
         "",
-        f"A **{variant}** language model: a Grounded Prediction Network from \"{PAPER_TITLE}\" "
+        f'A **{variant}** language model: a Grounded Prediction Network from "{PAPER_TITLE}" '
         f"([arXiv {PAPER_ARXIV}]({PAPER_URL})). One state vector"
         + (" and one matrix memory are" if config.use_memory else " is")
         + " revisited at every token; depth comes from time, not from a layer stack, so generation needs a "
@@ -353,7 +383,12 @@ def evaluation_lines(config, model_name: str, n_params: int, evaluation: EvalInf
         "| model | layers | state dim | params | FineWeb PPL | LAMBADA acc | LAMBADA PPL |",
         "|---|---|---|---|---|---|---|",
     ]
-    row = [f"**{model_name}** (this model)", str(config.num_predict_layers), f"{config.hidden_size:,}", _human(n_params)]
+    row = [
+        f"**{model_name}** (this model)",
+        str(config.num_predict_layers),
+        f"{config.hidden_size:,}",
+        _human(n_params),
+    ]
     row += [_fmt(measured[k]) if k in measured else "—" for k in PAPER_COLUMNS]
     lines.append("| " + " | ".join(row) + " |")
     for baseline in baselines:
@@ -361,23 +396,41 @@ def evaluation_lines(config, model_name: str, n_params: int, evaluation: EvalInf
         name, layers, state = _baseline_label(baseline)
         params = baseline.get("params", baseline.get("n_params", "130M"))
         params = _human(params) if is_number(params) else str(params)
-        cells = [f"{name} (paper)", layers, state, params] + [_fmt(values[k]) if k in values else "—" for k in PAPER_COLUMNS]
+        cells = [f"{name} (paper)", layers, state, params] + [
+            _fmt(values[k]) if k in values else "—" for k in PAPER_COLUMNS
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     if evaluation is None:
-        return lines + ["This model has not been evaluated yet (no `eval_results.json` beside the weights): `gpn eval` writes one.", ""]
+        return lines + [
+            "This model has not been evaluated yet (no `eval_results.json` beside the weights): `gpn eval` writes one.",
+            "",
+        ]
     if measured_from and set(measured_from.values()) == {"comparison.measured"}:
         lines += ["This model's columns are the ones `gpn eval` measured by the paper's protocols.", ""]
     elif measured_from:
-        lines += ["This model's columns come from: " + ", ".join(f"{PAPER_COLUMNS[k]} = `{v}`" for k, v in measured_from.items()) + ".", ""]
+        lines += [
+            "This model's columns come from: "
+            + ", ".join(f"{PAPER_COLUMNS[k]} = `{v}`" for k, v in measured_from.items())
+            + ".",
+            "",
+        ]
     else:
-        lines += ["None of this model's tasks follows the paper's protocols, so its Table 1 columns are empty; all results follow.", ""]
+        lines += [
+            "None of this model's tasks follows the paper's protocols, so its Table 1 columns are empty; all results follow.",
+            "",
+        ]
     return lines + results_lines(evaluation)
 
 
 def results_lines(evaluation: EvalInfo) -> list[str]:
     """Every metric of every task (with its stderr), and what each task measures."""
-    lines = ["All results of this model" + (f" (lm-eval {evaluation.lm_eval_version})" if evaluation.lm_eval_version else "") + ":", ""]
+    lines = [
+        "All results of this model"
+        + (f" (lm-eval {evaluation.lm_eval_version})" if evaluation.lm_eval_version else "")
+        + ":",
+        "",
+    ]
     lines += ["| task | metric | value |", "|---|---|---|"]
     for task, metrics in evaluation.tasks.items():
         for metric, value in metrics.items():

@@ -66,7 +66,9 @@ def push_folder(
     if not repo_id or repo_id.count("/") > 1 or repo_id.startswith("/") or repo_id.endswith("/"):
         raise HubPushError(f"{repo_id!r} is not a Hub repo id (expected 'name' or 'owner/name')")
     commit_message = commit_message or f"Upload {model_name or repo_id.split('/')[-1]} (GPN) with gpn push"
-    options = dict(license=license, datasets=datasets, tags=tags, model_name=model_name, tokenizer=tokenizer, token=token)
+    options = dict(
+        license=license, datasets=datasets, tags=tags, model_name=model_name, tokenizer=tokenizer, token=token
+    )
     say = (lambda *a: None) if quiet else print
     if dry_run is not None:
         out = Path(dry_run)
@@ -89,12 +91,16 @@ def push_folder(
         prepared = prepare_folder(folder, Path(tmp) / "upload", repo_id, **options)
         say(f"Uploading {len(prepared.files)} files ({prepared.n_params:,} parameters) to {repo_id} ...")
         info = upload(
-            prepared.path, repo_id, private=private, revision=revision, commit_message=commit_message,
-            token=token, create_pr=create_pr,
-        )  # fmt: skip
+            prepared.path,
+            repo_id,
+            private=private,
+            revision=revision,
+            commit_message=commit_message,
+            token=token,
+            create_pr=create_pr,
+        )
     pr_url = getattr(info, "pr_url", None)
     say(f"Uploaded to https://huggingface.co/{repo_id}" + (f" (revision {revision})" if revision else ""))
     if pr_url:
         say(f"Pull request: {pr_url}")
     return info
-

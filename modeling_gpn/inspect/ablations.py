@@ -126,16 +126,32 @@ def standard_ablations(model, s_bar: np.ndarray, pools: dict | None) -> list[Abl
     device = next(model.parameters()).device
     shift = torch.tensor(s_bar, dtype=torch.float32, device=device)
     ablations = [
-        Ablation("mean_removed_decode", "s̄ subtracted from p_t before decoding (recurrence untouched)", decode_shift=shift),
-        Ablation("mean_removed_recurrence", "s̄ subtracted from p_t before it is carried to the next step", carry_shift=shift),
-    ]  # fmt: skip
+        Ablation(
+            "mean_removed_decode", "s̄ subtracted from p_t before decoding (recurrence untouched)", decode_shift=shift
+        ),
+        Ablation(
+            "mean_removed_recurrence", "s̄ subtracted from p_t before it is carried to the next step", carry_shift=shift
+        ),
+    ]
     if model.model.memory_write is not None and pools is not None:
         if pools.get("split"):
-            ablations.append(Ablation("fast_pool_off", f"fast-pool memory heads {pools['fast_heads']} kept at zero",
-                                      heads_off=tuple(pools["fast_heads"])))  # fmt: skip
-            ablations.append(Ablation("slow_pool_off", f"slow-pool memory heads {pools['slow_heads']} kept at zero",
-                                      heads_off=tuple(pools["slow_heads"])))  # fmt: skip
-        ablations.append(Ablation("memory_reads_off", "every memory read skipped (memory still written)", reads_off=True))
+            ablations.append(
+                Ablation(
+                    "fast_pool_off",
+                    f"fast-pool memory heads {pools['fast_heads']} kept at zero",
+                    heads_off=tuple(pools["fast_heads"]),
+                )
+            )
+            ablations.append(
+                Ablation(
+                    "slow_pool_off",
+                    f"slow-pool memory heads {pools['slow_heads']} kept at zero",
+                    heads_off=tuple(pools["slow_heads"]),
+                )
+            )
+        ablations.append(
+            Ablation("memory_reads_off", "every memory read skipped (memory still written)", reads_off=True)
+        )
     return ablations
 
 
@@ -162,10 +178,18 @@ def causal_tests(
             result = decoded_perplexity(model, collected.states[:count], subset, ablation.decode_shift, batch_size)
         else:
             result = ablation_perplexity(model, subset, ablation, batch_size, progress)
-        rows.append({
-            "name": ablation.name, "description": ablation.description, **result,
-            "delta_ppl": result["perplexity"] - baseline["perplexity"],
-            "delta_pct": 100.0 * (result["perplexity"] / baseline["perplexity"] - 1.0),
-        })  # fmt: skip
-    return {"windows": int(subset.shape[0]), "tokens": int(subset.numel()), "rows": rows,
-            "s_bar_source": "estimated on the same windows (in-sample)"}  # fmt: skip
+        rows.append(
+            {
+                "name": ablation.name,
+                "description": ablation.description,
+                **result,
+                "delta_ppl": result["perplexity"] - baseline["perplexity"],
+                "delta_pct": 100.0 * (result["perplexity"] / baseline["perplexity"] - 1.0),
+            }
+        )
+    return {
+        "windows": int(subset.shape[0]),
+        "tokens": int(subset.numel()),
+        "rows": rows,
+        "s_bar_source": "estimated on the same windows (in-sample)",
+    }

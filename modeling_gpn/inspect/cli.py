@@ -20,28 +20,45 @@ from .states import collect
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="GPN model: a local folder (save_pretrained) or a Hub repo id")
-    parser.add_argument("--data", default=DEFAULT_DATASET,
-                        help="Hub dataset id, or local .txt/.jsonl/.json/.parquet file(s), a folder or a glob")  # fmt: skip
-    parser.add_argument("--data-config", default=None,
-                        help=f"Hub dataset configuration; None means {DEFAULT_DATASET_CONFIG} for {DEFAULT_DATASET}")  # fmt: skip
+    parser.add_argument(
+        "--data",
+        default=DEFAULT_DATASET,
+        help="Hub dataset id, or local .txt/.jsonl/.json/.parquet file(s), a folder or a glob",
+    )
+    parser.add_argument(
+        "--data-config",
+        default=None,
+        help=f"Hub dataset configuration; None means {DEFAULT_DATASET_CONFIG} for {DEFAULT_DATASET}",
+    )
     parser.add_argument("--split", default="train", help="Hub dataset split (streamed)")
     parser.add_argument("--text-column", default="text", help="column holding the text in jsonl/parquet/Hub data")
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder or Hub id; None means the model's own")
     parser.add_argument("--output", required=True, help="folder for report.json, report.md and the PNG figures")
-    parser.add_argument("--tokens", type=int, default=16384,
-                        help="token budget: this many tokens, cut into windows of --seq-len")  # fmt: skip
-    parser.add_argument("--seq-len", type=int, default=None,
-                        help="window length; None means the model's max_length_hint, else 2048")  # fmt: skip
+    parser.add_argument(
+        "--tokens", type=int, default=16384, help="token budget: this many tokens, cut into windows of --seq-len"
+    )
+    parser.add_argument(
+        "--seq-len", type=int, default=None, help="window length; None means the model's max_length_hint, else 2048"
+    )
     parser.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
     parser.add_argument("--top-k", type=int, default=10, help="decoded tokens of s̄ to report")
-    parser.add_argument("--max-geometry-states", type=int, default=16384,
-                        help="states sampled for the geometry (the paper used 16k)")  # fmt: skip
-    parser.add_argument("--ablation-tokens", type=int, default=None,
-                        help="tokens (first windows) for the causal tests; None means all of --tokens")  # fmt: skip
+    parser.add_argument(
+        "--max-geometry-states", type=int, default=16384, help="states sampled for the geometry (the paper used 16k)"
+    )
+    parser.add_argument(
+        "--ablation-tokens",
+        type=int,
+        default=None,
+        help="tokens (first windows) for the causal tests; None means all of --tokens",
+    )
     parser.add_argument("--no-ablations", action="store_true", help="skip the causal tests")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                        help="weights' dtype (the state and memory stay float32)")  # fmt: skip
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="weights' dtype (the state and memory stay float32)",
+    )
     parser.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code from the Hub")
     parser.add_argument("--seed", type=int, default=0, help="seed for the sampled states and dimensions")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -54,21 +71,33 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise SystemExit(f"gpn inspect: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     model = load_model(args.model, args.device, args.dtype, args.trust_remote_code)
-    tokenizer = load_tokenizer(args.tokenizer or args.model, trust_remote_code=args.trust_remote_code, require_eos=False)
+    tokenizer = load_tokenizer(
+        args.tokenizer or args.model, trust_remote_code=args.trust_remote_code, require_eos=False
+    )
     seq_len = args.seq_len or model.config.max_length_hint or 2048
     windows = load_token_windows(
         tokenizer, args.data, seq_len, args.tokens, args.data_config, args.split, args.text_column, progress
     )
     if windows.max() >= model.config.vocab_size:
-        raise SystemExit(f"gpn inspect: the tokenizer produced id {int(windows.max())} but the model's vocabulary has "
-                         f"{model.config.vocab_size} tokens; pass the tokenizer the model was trained with")  # fmt: skip
+        raise SystemExit(
+            f"gpn inspect: the tokenizer produced id {int(windows.max())} but the model's vocabulary has "
+            f"{model.config.vocab_size} tokens; pass the tokenizer the model was trained with"
+        )
     collected = collect(model, windows, args.batch_size, progress)
     ablation_windows = None if args.ablation_tokens is None else max(1, args.ablation_tokens // seq_len)
     report = build_report(
-        model, tokenizer, windows, collected, top_k=args.top_k, max_geometry_states=args.max_geometry_states,
-        ablation_windows=ablation_windows, batch_size=args.batch_size, run_ablations=not args.no_ablations,
-        seed=args.seed, progress=progress,
-    )  # fmt: skip
+        model,
+        tokenizer,
+        windows,
+        collected,
+        top_k=args.top_k,
+        max_geometry_states=args.max_geometry_states,
+        ablation_windows=ablation_windows,
+        batch_size=args.batch_size,
+        run_ablations=not args.no_ablations,
+        seed=args.seed,
+        progress=progress,
+    )
     report["data"]["source"] = args.data
     report["model"]["name_or_path"] = args.model
     output = Path(args.output)

@@ -51,7 +51,9 @@ def geometry_figure(plt, g: dict):
     ax.set_yscale("log")
     ax.set_xlabel("off-diagonal correlation")
     ax.set_ylabel("number of dimension pairs")
-    ax.set_title(f"(b) correlations ({g['correlation_sample_dims']}-dim sample): mean |r| = {g['offdiag_corr_mean_abs']:.3f}")
+    ax.set_title(
+        f"(b) correlations ({g['correlation_sample_dims']}-dim sample): mean |r| = {g['offdiag_corr_mean_abs']:.3f}"
+    )
     ax.grid(alpha=0.3)
     ax = axes[2]
     lam = g["eigenvalues"]
@@ -81,7 +83,9 @@ def mean_direction_figure(plt, mean: dict):
     ax.set_xscale("log")
     ax.set_xlabel("tokens read (log)")
     ax.set_ylabel("cosine with s̄")
-    ax.set_title(f"(a) running mean converges to s̄ (‖s̄‖ = {mean['norm']:.3g}, {mean['share_of_state_norm']:.0%} of ‖p‖)")
+    ax.set_title(
+        f"(a) running mean converges to s̄ (‖s̄‖ = {mean['norm']:.3g}, {mean['share_of_state_norm']:.0%} of ‖p‖)"
+    )
     ax.legend(loc="lower right")
     ax.grid(alpha=0.3)
     ax = axes[1]
@@ -90,8 +94,11 @@ def mean_direction_figure(plt, mean: dict):
     ax.set_yticks(np.arange(len(labels)), labels)
     ax.set_xlabel("probability after decoding s̄")
     spearman = mean.get("spearman_unigram_seen_tokens")
-    ax.set_title(f"(b) s̄ decoded: top tokens (Spearman with data unigram {spearman:+.2f})" if spearman is not None
-                 and math.isfinite(spearman) else "(b) s̄ decoded: top tokens")  # fmt: skip
+    ax.set_title(
+        f"(b) s̄ decoded: top tokens (Spearman with data unigram {spearman:+.2f})"
+        if spearman is not None and math.isfinite(spearman)
+        else "(b) s̄ decoded: top tokens"
+    )
     ax.grid(alpha=0.3, axis="x")
     fig.tight_layout()
     return fig
@@ -124,9 +131,11 @@ def horizons_figure(plt, hz: dict, memory: dict | None):
         ax.axhline(analysis.INV_E, color="gray", ls=":", lw=1)
         from matplotlib.lines import Line2D
 
-        handles = [Line2D([], [], color="C3", label=f"fast pool ({len(memory['fast_heads'])} heads)"),
-                   Line2D([], [], color="C0", label=f"slow pool ({len(memory['slow_heads'])} heads)"),
-                   Line2D([], [], color="gray", ls=":", label="1/e (dots: half-lives)")]  # fmt: skip
+        handles = [
+            Line2D([], [], color="C3", label=f"fast pool ({len(memory['fast_heads'])} heads)"),
+            Line2D([], [], color="C0", label=f"slow pool ({len(memory['slow_heads'])} heads)"),
+            Line2D([], [], color="gray", ls=":", label="1/e (dots: half-lives)"),
+        ]
         ax.legend(handles=handles, loc="lower left")
         ax.set_xscale("log")
         ax.set_ylim(0, 1.02)
@@ -153,8 +162,14 @@ def ablations_figure(plt, ablations: dict):
     for bar, row in zip(bars, rows):
         label = f"PPL {row['perplexity']:.4g}" + ("" if row["name"] == "baseline" else f"\n{row['delta_pct']:+.1f}%")
         up = bar.get_height() >= 0
-        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
-                    va="bottom" if up else "top", xytext=(0, 3 if up else -3), textcoords="offset points")  # fmt: skip
+        ax.annotate(
+            label,
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom" if up else "top",
+            xytext=(0, 3 if up else -3),
+            textcoords="offset points",
+        )
     ax.axhline(0, color="gray", lw=1)
     low, high = min(deltas + [0.0]), max(deltas + [0.0])
     if max(abs(low), abs(high)) > 20:  # large and small changes both readable: linear within ±1%
@@ -165,7 +180,9 @@ def ablations_figure(plt, ablations: dict):
         ax.set_ylim(low - 0.25 * span, high + 0.25 * span)
     ax.set_xticks(np.arange(len(rows)), [r["name"].replace("_", "\n") for r in rows])
     ax.set_ylabel("perplexity change vs baseline (%)" + (", symlog" if max(abs(low), abs(high)) > 20 else ""))
-    ax.set_title(f"Causal tests: perplexity with one part removed (baseline {base:.4g}, {ablations['tokens']:,} tokens)")
+    ax.set_title(
+        f"Causal tests: perplexity with one part removed (baseline {base:.4g}, {ablations['tokens']:,} tokens)"
+    )
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     return fig

@@ -4,8 +4,8 @@ local files or a Hub dataset (streamed), each window from the zero state as in t
 from __future__ import annotations
 
 import glob
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -17,8 +17,9 @@ TEXT_BLOCK_CHARS = 200_000  # plain-text files are tokenized in blocks of about 
 
 def load_model(name: str, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = False):
     """Load a GPN causal LM from a local folder or the Hub, in eval mode. Clear error for other models."""
-    import modeling_gpn  # noqa: F401  (registers GPN with the Auto classes)
     from transformers import AutoModelForCausalLM
+
+    import modeling_gpn  # noqa: F401  (registers GPN with the Auto classes)
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, trust_remote_code=trust_remote_code)
@@ -80,7 +81,9 @@ def iter_documents(
                 rows = load_dataset(kind, data_files=str(file), split="train", streaming=True)
                 yield from _rows_text(rows, text_column, str(file))
         return
-    looks_local = data.startswith((".", "/", "~")) or Path(data).suffix.lower() in LOCAL_EXTENSIONS or data.count("/") > 1
+    looks_local = (
+        data.startswith((".", "/", "~")) or Path(data).suffix.lower() in LOCAL_EXTENSIONS or data.count("/") > 1
+    )
     if looks_local:
         raise ValueError(f"data path {data!r} does not exist (a Hub dataset id looks like 'owner/name')")
     from datasets import load_dataset
@@ -135,4 +138,3 @@ def load_token_windows(
         raise ValueError(f"{data!r} gave only {len(ids)} tokens, fewer than one window of {seq_len}")
     num_windows = min(num_windows, len(ids) // seq_len)
     return torch.tensor(ids[: num_windows * seq_len], dtype=torch.long).view(num_windows, seq_len)
-

@@ -4,8 +4,8 @@ values beside the measured ones where the paper gives them."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -114,22 +114,33 @@ def memory_lines(memory: dict) -> list[str]:
         f"Half-life = lag where the running product of e^γ, averaged over start positions, reaches 1/e "
         f"(window {memory['max_lag']} tokens; past it, extrapolated at the head's average rate, marked *). "
         f"Pools: {memory['rule']}"
-        + (f", cut at {_fmt(memory['threshold'])} tokens (pool ratio {_fmt(memory.get('pool_ratio'))}×)." if memory["split"]
-           else f": no split (pool ratio {_fmt(memory.get('pool_ratio'))}× below 2×)."),
+        + (
+            f", cut at {_fmt(memory['threshold'])} tokens (pool ratio {_fmt(memory.get('pool_ratio'))}×)."
+            if memory["split"]
+            else f": no split (pool ratio {_fmt(memory.get('pool_ratio'))}× below 2×)."
+        ),
         "",
         "| head | half-life (tokens) | −1/mean γ | pool |",
         "|---|---|---|---|",
-    ]  # fmt: skip
+    ]
     order = np.argsort(memory["half_lives"])
     for h in order:
         pool = "fast" if h in memory["fast_heads"] else "slow"
         star = "*" if memory["half_life_beyond_window"][h] else ""
-        lines.append(f"| {h} | {_fmt(memory['half_lives'][h])}{star} | {_fmt(memory['mean_rate_half_lives'][h])} | {pool} |")
+        lines.append(
+            f"| {h} | {_fmt(memory['half_lives'][h])}{star} | {_fmt(memory['mean_rate_half_lives'][h])} | {pool} |"
+        )
     fast = [memory["half_lives"][h] for h in memory["fast_heads"]]
     slow = [memory["half_lives"][h] for h in memory["slow_heads"]]
-    lines += ["", f"Fast pool: {len(fast)} heads" + (f" ({_fmt(min(fast))}–{_fmt(max(fast))} tokens)" if fast else "")
-              + f"; slow pool: {len(slow)} heads" + (f" ({_fmt(min(slow))}–{_fmt(max(slow))} tokens)" if slow else "")
-              + ". Paper: 6 fast (1–3 tokens), 9 slow (5–322 tokens).", ""]  # fmt: skip
+    lines += [
+        "",
+        f"Fast pool: {len(fast)} heads"
+        + (f" ({_fmt(min(fast))}–{_fmt(max(fast))} tokens)" if fast else "")
+        + f"; slow pool: {len(slow)} heads"
+        + (f" ({_fmt(min(slow))}–{_fmt(max(slow))} tokens)" if slow else "")
+        + ". Paper: 6 fast (1–3 tokens), 9 slow (5–322 tokens).",
+        "",
+    ]
     return lines
 
 
@@ -146,7 +157,9 @@ def ablation_lines(ablations: dict) -> list[str]:
         "|---|---|---|---|---|",
     ]
     for row in ablations["rows"]:
-        lines.append(f"| {row['name']} | {row['description']} | {row['perplexity']:.3f} | "
-                     f"{row['delta_ppl']:+.3f} | {row['delta_pct']:+.1f}% |")  # fmt: skip
+        lines.append(
+            f"| {row['name']} | {row['description']} | {row['perplexity']:.3f} | "
+            f"{row['delta_ppl']:+.3f} | {row['delta_pct']:+.1f}% |"
+        )
     lines.append("")
     return lines

@@ -30,8 +30,13 @@ def build_report(
     num_windows, length = windows.shape
     report: dict = {
         "model": model_summary(model, collected.states.shape[-1]),
-        "data": {"windows": num_windows, "seq_len": length, "tokens": num_windows * length,
-                 "predicted_tokens": collected.nll_count, "perplexity": collected.perplexity},  # fmt: skip
+        "data": {
+            "windows": num_windows,
+            "seq_len": length,
+            "tokens": num_windows * length,
+            "predicted_tokens": collected.nll_count,
+            "perplexity": collected.perplexity,
+        },
     }
     report["geometry"] = analysis.state_geometry(sampled_states(collected.states, max_geometry_states, seed), seed=seed)
     report["mean_direction"] = mean_direction_report(model, tokenizer, windows, collected, top_k)
@@ -79,9 +84,7 @@ def mean_direction_report(model, tokenizer, windows: torch.Tensor, collected: Co
     counts = np.bincount(windows.reshape(-1).numpy(), minlength=model.config.vocab_size)
     mean_embedding = embedding[windows.reshape(-1).to(embedding.device)].mean(0)
     control = (embedding @ mean_embedding).cpu().numpy()
-    mean = analysis.mean_direction(
-        collected.states, decode, unigram_counts=counts, top_k=top_k, control_logits=control
-    )
+    mean = analysis.mean_direction(collected.states, decode, unigram_counts=counts, top_k=top_k, control_logits=control)
     mean["top_tokens"] = [_token_label(tokenizer, i) for i in mean["top_ids"]]
     mean["control_top_tokens"] = [_token_label(tokenizer, i) for i in mean.get("control_top_ids", [])]
     data_top = np.argsort(-counts, kind="stable")[:top_k]

@@ -50,7 +50,8 @@ def collect(model, windows: torch.Tensor, batch_size: int = 8, progress: bool = 
         s, c = window_nll(out.logits, batch)
         nll_sum, nll_count = nll_sum + s, nll_count + c
     return Collected(
-        states=np.concatenate(states), gammas=np.concatenate(gammas) if gammas else None,
-        nll_sum=nll_sum, nll_count=nll_count,
-    )  # fmt: skip
-
+        states=np.concatenate(states),
+        gammas=np.concatenate(gammas) if gammas else None,
+        nll_sum=nll_sum,
+        nll_count=nll_count,
+    )

@@ -31,7 +31,9 @@ def parse_size(text: str) -> int:
     """Bytes from `1073741824`, `512MB` (10^6), `1GiB` (2^30), `0`, ..."""
     match = _SIZE.match(str(text))
     if match is None:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give bytes, or a number with KB, MB, GB, TB (or KiB, MiB, ...)")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: give bytes, or a number with KB, MB, GB, TB (or KiB, MiB, ...)"
+        )
     number, unit, binary = match.groups()
     power = "kmgt".index(unit.lower()) + 1 if unit else 0
     return int(float(number) * (1024 if binary else 1000) ** power)
@@ -76,32 +78,58 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, kind, info, default in _serve_parameters():
         help_text = (info.help or "").replace("%", "%%")
         if name == "force_model":
-            parser.add_argument("model", nargs="?", default=None, help=help_text + " Without it, each request's `model` is loaded.")
+            parser.add_argument(
+                "model", nargs="?", default=None, help=help_text + " Without it, each request's `model` is loaded."
+            )
         elif kind is bool:
-            parser.add_argument(f"--{name.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=default, help=help_text)
+            parser.add_argument(
+                f"--{name.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=default, help=help_text
+            )
         elif isinstance(kind, type) and issubclass(kind, enum.Enum):
             choices = [member.value for member in kind]
-            parser.add_argument(f"--{name.replace('_', '-')}", choices=choices, default=getattr(default, "value", default), help=help_text)
+            parser.add_argument(
+                f"--{name.replace('_', '-')}",
+                choices=choices,
+                default=getattr(default, "value", default),
+                help=help_text,
+            )
         else:
             parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default, help=help_text)
     gpn = parser.add_argument_group("GPN: conversations kept as states, and limits")
     gpn.add_argument(
-        "--state-store-bytes", type=parse_size, default=_size_text(DEFAULT_STATE_STORE_BYTES), metavar="SIZE",
+        "--state-store-bytes",
+        type=parse_size,
+        default=_size_text(DEFAULT_STATE_STORE_BYTES),
+        metavar="SIZE",
         help="memory for kept states (least recently used evicted; e.g. 512MB, 2GiB); 0 turns the store off (with --state-dir: every state goes to a file)",
-    )  # fmt: skip
+    )
     gpn.add_argument(
-        "--state-dir", default=None, metavar="DIR",
+        "--state-dir",
+        default=None,
+        metavar="DIR",
         help="folder for states evicted from memory (state files), read back when needed and after a restart",
-    )  # fmt: skip
-    gpn.add_argument("--state-dir-bytes", type=parse_size, default=_size_text(DEFAULT_STATE_DIR_BYTES), metavar="SIZE", help="the most the state files in --state-dir may take")
+    )
     gpn.add_argument(
-        "--max-context", type=_limit, default=DEFAULT_MAX_CONTEXT, metavar="TOKENS",
+        "--state-dir-bytes",
+        type=parse_size,
+        default=_size_text(DEFAULT_STATE_DIR_BYTES),
+        metavar="SIZE",
+        help="the most the state files in --state-dir may take",
+    )
+    gpn.add_argument(
+        "--max-context",
+        type=_limit,
+        default=DEFAULT_MAX_CONTEXT,
+        metavar="TOKENS",
         help="the most tokens a request's prompt and answer may take together (400 beyond; 0: no limit)",
-    )  # fmt: skip
+    )
     gpn.add_argument(
-        "--max-queued-requests", type=_limit, default=DEFAULT_MAX_QUEUED_REQUESTS, metavar="N",
+        "--max-queued-requests",
+        type=_limit,
+        default=DEFAULT_MAX_QUEUED_REQUESTS,
+        metavar="N",
         help="the most requests taken on at once, running or waiting (429 beyond; 0: no limit)",
-    )  # fmt: skip
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -29,8 +29,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..derived_weights import derived_weights_scope
 from .. import GPNCache, GPNForCausalLM
+from ..derived_weights import derived_weights_scope
 from .state_store import StateStore
 
 logger = logging.getLogger(__name__)
@@ -66,18 +66,33 @@ class StateKeepingModel:
             raise AttributeError(name)
         return getattr(self._model, name)
 
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, streamer=None, generation_config=None, **kwargs):
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        streamer=None,
+        generation_config=None,
+        **kwargs,
+    ):
         try:
-            config = copy.deepcopy(generation_config if generation_config is not None else self._model.generation_config)
+            config = copy.deepcopy(
+                generation_config if generation_config is not None else self._model.generation_config
+            )
             answers = self.answers  # rows made here: greedy decoding refuses num_return_sequences > 1
             if self._continues_from_store(input_ids, attention_mask, config, kwargs):
                 self.sequences = self._generate_from_kept_state(input_ids, answers, streamer, config, kwargs)
             else:
                 if answers > 1:
                     input_ids = input_ids.repeat_interleave(answers, dim=0)
-                    attention_mask = None if attention_mask is None else attention_mask.repeat_interleave(answers, dim=0)
+                    attention_mask = (
+                        None if attention_mask is None else attention_mask.repeat_interleave(answers, dim=0)
+                    )
                 self.sequences = self._model.generate(
-                    input_ids=input_ids, attention_mask=attention_mask, streamer=streamer, generation_config=config, **kwargs
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    streamer=streamer,
+                    generation_config=config,
+                    **kwargs,
                 )
             return self.sequences
         finally:
@@ -93,9 +108,13 @@ class StateKeepingModel:
             return False
         if (config.num_beams or 1) > 1 or config.use_cache is False:
             return False
-        return not any(kwargs.get(name) is not None for name in ("inputs_embeds", "assistant_model", "cache", "past_key_values"))
+        return not any(
+            kwargs.get(name) is not None for name in ("inputs_embeds", "assistant_model", "cache", "past_key_values")
+        )
 
-    def _generate_from_kept_state(self, input_ids: torch.Tensor, answers: int, streamer, config, kwargs) -> torch.Tensor:
+    def _generate_from_kept_state(
+        self, input_ids: torch.Tensor, answers: int, streamer, config, kwargs
+    ) -> torch.Tensor:
         model, store = self._model, self._store
         prompt = input_ids[0].tolist()
         length = len(prompt)
@@ -122,9 +141,16 @@ class StateKeepingModel:
             elif answers > 1:
                 cache = cache.fork(answers)  # n answers, one state: the prompt is not read n times
             new_ids = input_ids[:, length - 1 :].repeat_interleave(answers, dim=0)
-            mask = torch.ones(answers, length, dtype=torch.long, device=input_ids.device)  # what was read + the new column
+            mask = torch.ones(
+                answers, length, dtype=torch.long, device=input_ids.device
+            )  # what was read + the new column
             sequences = model.generate(
-                input_ids=new_ids, attention_mask=mask, cache=cache, streamer=streamer, generation_config=config, **kwargs
+                input_ids=new_ids,
+                attention_mask=mask,
+                cache=cache,
+                streamer=streamer,
+                generation_config=config,
+                **kwargs,
             )
         generated = sequences[:, 1:]
         # The answers' states: each row has read the prompt and its tokens but the last (generate() stops

@@ -130,7 +130,9 @@ class StateKeeping:
             streaming = isinstance(response, StreamingResponse)
             return response
         except TemplateError as error:  # the template's own errors (raise_exception, syntax): the request's fault
-            raise HTTPException(status_code=400, detail=f"the chat template cannot render these messages: {error}") from None
+            raise HTTPException(
+                status_code=400, detail=f"the chat template cannot render these messages: {error}"
+            ) from None
         finally:
             _current.reset(token)
             if not streaming:
@@ -143,8 +145,12 @@ class StateKeeping:
         except HTTPException:
             raise
         except (OSError, ValueError) as error:  # not a model transformers can find or load
-            raise HTTPException(status_code=404, detail=f"model {body.get('model')!r} cannot be loaded: {error}") from None
-        request.model = StateKeepingModel(model, self.policy.store, answers=request.answers, on_done=request.slot.release)
+            raise HTTPException(
+                status_code=404, detail=f"model {body.get('model')!r} cannot be loaded: {error}"
+            ) from None
+        request.model = StateKeepingModel(
+            model, self.policy.store, answers=request.answers, on_done=request.slot.release
+        )
         return model_id, request.model, processor
 
     def _build_generation_config(self, body: dict, model_generation_config, use_cb: bool = False):
@@ -214,7 +220,9 @@ class StateKeeping:
             await gen_manager.generate_non_streaming(model, processor, inputs, gen_config, request_id=request_id)
             body = None
             for row in range(model.sequences.shape[0]):
-                arguments.arguments["gen_manager"] = _Answer(_answer_tokens(model.sequences, row, inputs, gen_config, processor), processor)
+                arguments.arguments["gen_manager"] = _Answer(
+                    _answer_tokens(model.sequences, row, inputs, gen_config, processor), processor
+                )
                 answer = json.loads((await super()._non_streaming(*arguments.args, **arguments.kwargs)).body)
                 if body is None:
                     body = answer
@@ -298,4 +306,3 @@ async def _finishing_stream(chunks, model: StateKeepingModel, slot: Slot):
     finally:
         slot.release()
         await chunks.aclose()
-

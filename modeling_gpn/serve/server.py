@@ -79,5 +79,8 @@ class GPNServe(Serve):
         make_gpn_loadable()
         chat = functools.partial(StateKeepingChatCompletionHandler, policy=self.policy)
         legacy = functools.partial(StateKeepingCompletionHandler, policy=self.policy)
-        with _pointing(chat_completion, "ChatCompletionHandler", chat), _pointing(completion, "CompletionHandler", legacy):
+        with (
+            _pointing(chat_completion, "ChatCompletionHandler", chat),
+            _pointing(completion, "CompletionHandler", legacy),
+        ):
             super().__init__(force_model, **serve_options)

@@ -138,7 +138,9 @@ class StateStore:
 
     # ---- what the server calls ------------------------------------------------------------------------
 
-    def lookup(self, model: torch.nn.Module, ids: Sequence[int], max_length: int | None = None) -> tuple[int, GPNCache] | None:
+    def lookup(
+        self, model: torch.nn.Module, ids: Sequence[int], max_length: int | None = None
+    ) -> tuple[int, GPNCache] | None:
         """The longest kept state whose ids are a prefix of `ids` (at most `max_length` of them), as
         `(length, cache)`: a private copy the caller may advance. None when no kept state fits."""
         key_of_model = model_key(model)
@@ -203,7 +205,10 @@ class StateStore:
                 "states_in_files": len(self._files),
                 "file_bytes": self._file_bytes,
                 "spill_max_bytes": self.spill_max_bytes,
-                **{name: getattr(self.stats, name) for name in ("hits", "misses", "reused_tokens", "kept", "evicted", "spilled", "loaded_from_files")},
+                **{
+                    name: getattr(self.stats, name)
+                    for name in ("hits", "misses", "reused_tokens", "kept", "evicted", "spilled", "loaded_from_files")
+                },
                 "refused": dict(self.stats.refused),
             }
 
@@ -277,7 +282,9 @@ class StateStore:
         path = self._state_path(key)
         try:
             entry.cache.save(path)
-            _write_atomically(self._ids_path(key), json.dumps({"model": entry.model, "ids": _ids_from_bytes(entry.ids)}).encode())
+            _write_atomically(
+                self._ids_path(key), json.dumps({"model": entry.model, "ids": _ids_from_bytes(entry.ids)}).encode()
+            )
             size = path.stat().st_size
         except (OSError, ValueError) as error:
             logger.warning("state store: cannot write %s, the state is dropped: %s", path, error)

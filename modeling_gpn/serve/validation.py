@@ -17,11 +17,26 @@ MAX_ANSWERS = 128  # the OpenAI API's bound on `n`
 MAX_STOP_STRINGS = 4
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # what transformers' handler passes to apply_chat_template itself: a request setting one would collide with it
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
-    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
-    "tokenizer_kwargs", "processor_kwargs", "load_audio_from_video",
-})  # fmt: skip
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "processor_kwargs",
+        "load_audio_from_video",
+    }
+)
 
 
 class RequestError(ValueError):
@@ -47,7 +62,9 @@ def check_chat_request(body: dict[str, Any]) -> None:
         content = message.get("content")
         if content is None:
             if message["role"] != "assistant" or not message.get("tool_calls"):
-                raise RequestError(f"{where}.content is missing (only an assistant message with tool_calls may omit it)")
+                raise RequestError(
+                    f"{where}.content is missing (only an assistant message with tool_calls may omit it)"
+                )
         elif isinstance(content, list):
             for part_index, part in enumerate(content):
                 if not isinstance(part, dict) or not isinstance(part.get("type"), str):
@@ -55,7 +72,9 @@ def check_chat_request(body: dict[str, Any]) -> None:
                 if part["type"] in ("text", "input_text", "output_text") and not isinstance(part.get("text"), str):
                     raise RequestError(f"{where}.content[{part_index}].text must be a string")
         elif not isinstance(content, str):
-            raise RequestError(f"{where}.content must be a string or a list of content parts, got {type(content).__name__}")
+            raise RequestError(
+                f"{where}.content must be a string or a list of content parts, got {type(content).__name__}"
+            )
         _check_tool_calls(message.get("tool_calls"), where)
     _check_positive_int(body, "max_completion_tokens")
     _check_type(body, "tools", list)
@@ -76,7 +95,11 @@ def _check_tool_calls(tool_calls: Any, where: str) -> None:
     for index, call in enumerate(tool_calls):
         function = call.get("function", call) if isinstance(call, dict) else None
         arguments = function.get("arguments") if isinstance(function, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not isinstance(arguments, str | dict):
+        if (
+            not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+            or not isinstance(arguments, str | dict)
+        ):
             raise RequestError(f"{where}.tool_calls[{index}] must be an object with a function: {{name, arguments}}")
         if isinstance(arguments, str):
             try:
@@ -114,8 +137,14 @@ def _check_common(body: dict[str, Any]) -> None:
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not 1 <= len(stops) <= MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stops):
-            raise RequestError(f"stop must be a non-empty string or a list of 1 to {MAX_STOP_STRINGS} non-empty strings")
+        if (
+            not isinstance(stops, list)
+            or not 1 <= len(stops) <= MAX_STOP_STRINGS
+            or not all(isinstance(s, str) and s for s in stops)
+        ):
+            raise RequestError(
+                f"stop must be a non-empty string or a list of 1 to {MAX_STOP_STRINGS} non-empty strings"
+            )
     bias = body.get("logit_bias")
     if bias is not None:
         if not isinstance(bias, dict):

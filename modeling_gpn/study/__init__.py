@@ -33,7 +33,24 @@ from .report import fmt, plot_curves, render_report
 from .runs import describe, evaluate_one, held_out_source, parameter_counts, run_study, train_one
 
 __all__ = [
-    "BASELINES", "PAPER_TABLE", "STUDY_DIR_NAME", "add_arguments", "describe", "evaluate_one", "fmt",
-    "held_out_source", "load_study", "parameter_counts", "pick", "plot_curves", "ratios", "reading",
-    "render_report", "run", "run_study", "study_path", "table_row", "train_one",
+    "BASELINES",
+    "PAPER_TABLE",
+    "STUDY_DIR_NAME",
+    "add_arguments",
+    "describe",
+    "evaluate_one",
+    "fmt",
+    "held_out_source",
+    "load_study",
+    "parameter_counts",
+    "pick",
+    "plot_curves",
+    "ratios",
+    "reading",
+    "render_report",
+    "run",
+    "run_study",
+    "study_path",
+    "table_row",
+    "train_one",
 ]

@@ -13,8 +13,12 @@ from .runs import run_study
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--study", default="cpu-small", help="a study name (configuration/studies/NAME.json) or path")
     parser.add_argument("--output", default="runs/study", help="folder for every run and the comparison report")
-    parser.add_argument("--data-dir", default=None, help="local evaluation data laid out like ../shared/data "
-                        "(lambada/, fineweb-edu/); default: the study's own eval settings (Hub data)")  # fmt: skip
+    parser.add_argument(
+        "--data-dir",
+        default=None,
+        help="local evaluation data laid out like ../shared/data "
+        "(lambada/, fineweb-edu/); default: the study's own eval settings (Hub data)",
+    )
     parser.add_argument("--only", nargs="+", default=None, help="train and evaluate only these models of the study")
     parser.add_argument("--steps", type=int, default=None, help="override the study's optimizer steps (budget)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")

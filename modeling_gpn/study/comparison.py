@@ -25,7 +25,11 @@ def pick(metrics: dict, *names: str) -> float | None:
 
 def table_row(name: str, run: dict) -> dict[str, Any]:
     tasks = run["eval"]["tasks"]
-    fineweb, paper, openai = tasks.get("fineweb_paper", {}), tasks.get("lambada_paper", {}), tasks.get("lambada_openai", {})
+    fineweb, paper, openai = (
+        tasks.get("fineweb_paper", {}),
+        tasks.get("lambada_paper", {}),
+        tasks.get("lambada_openai", {}),
+    )
     return {
         "model": name,
         **run["shape"],
@@ -58,10 +62,15 @@ def ratios(rows: dict[str, dict]) -> list[dict[str, Any]]:
                 published = None
                 if name in PAPER_TABLE:
                     published = PAPER_TABLE[name][metric] / PAPER_TABLE[baseline][metric]
-                out.append({
-                    "model": name, "baseline": baseline, "metric": metric,
-                    "measured": ours / theirs if ours and theirs else None, "published": published,
-                })  # fmt: skip
+                out.append(
+                    {
+                        "model": name,
+                        "baseline": baseline,
+                        "metric": metric,
+                        "measured": ours / theirs if ours and theirs else None,
+                        "published": published,
+                    }
+                )
     return out
 
 
@@ -112,4 +121,3 @@ def reading(rows: dict[str, dict], ratio_rows: list[dict]) -> list[str]:
             f"{accuracies['gpn-m-1l']:.3f} (paper: 0.015 vs 0.146, the collapse without memory)."
         )
     return lines
-

@@ -29,4 +29,3 @@ def load_study(name_or_path: str) -> dict[str, Any]:
         if key not in study:
             raise ValueError(f"Study {name_or_path} lacks the {key!r} section")
     return study
-

@@ -89,4 +89,3 @@ def plot_curves(runs: dict[str, dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-

@@ -40,7 +40,12 @@ def run_study(
         print(f"== {name}: evaluating", flush=True)
         model, tokenizer = load_model(str(output / name / "model"))
         eval_results = evaluate_one(name, study, output, data_dir, show_progress, model, tokenizer)
-        runs[name] = {"train": train_summary, "params": parameter_counts(model), "shape": describe(model), "eval": eval_results}
+        runs[name] = {
+            "train": train_summary,
+            "params": parameter_counts(model),
+            "shape": describe(model),
+            "eval": eval_results,
+        }
         del model, tokenizer
     rows = {name: table_row(name, run) for name, run in runs.items()}
     ratio_rows = ratios(rows)
@@ -56,7 +61,8 @@ def run_study(
         "paper": PAPER_TABLE,
         "held_out_data": (
             f"the held-out windows of the training corpus ({recipe.get('dataset')})"
-            if held_out_source(study, output) else "FineWeb-Edu from the Hub"
+            if held_out_source(study, output)
+            else "FineWeb-Edu from the Hub"
         ),
         "reading": reading(rows, ratio_rows),
     }
@@ -78,7 +84,9 @@ def train_one(name: str, model_config: dict, study: dict, output: Path, show_pro
     summary = train(config, show_progress=show_progress)
     summary["wall_time_s"] = time.perf_counter() - start
     log = [json.loads(line) for line in (output / name / "log.jsonl").read_text().splitlines() if line.strip()]
-    summary["curve"] = [(row["tokens"], row["loss"]) for row in log if "tokens" in row and "loss" in row and "lr" in row]
+    summary["curve"] = [
+        (row["tokens"], row["loss"]) for row in log if "tokens" in row and "loss" in row and "lr" in row
+    ]
     speeds = [row["tokens_per_s"] for row in log if "tokens_per_s" in row]
     summary["tokens_per_s"] = sorted(speeds)[len(speeds) // 2] if speeds else None
     summary["tokens_trained"] = config["steps"] * config["batch_size"] * config["seq_len"]
@@ -145,6 +153,10 @@ def describe(model) -> dict[str, Any]:
         }
     cells = 0
     if config.model_type == "qwen3_next":  # every layer: H_v heads of (dk x dv) gated-delta state
-        cells = config.num_hidden_layers * config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
+        cells = (
+            config.num_hidden_layers
+            * config.linear_num_value_heads
+            * config.linear_key_head_dim
+            * config.linear_value_head_dim
+        )
     return {"layers": config.num_hidden_layers, "state_dim": config.hidden_size, "memory_cells": cells}
-

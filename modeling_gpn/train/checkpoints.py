@@ -54,8 +54,12 @@ def save_checkpoint(run: TrainingRun, step: int) -> Path:
         save_training_state(accelerator, run.model, run.optimizer, run.scheduler, tmp)
         accelerator.wait_for_everyone()
         if run.main:
-            trainer_state = {"step": step, "config": run.config, "skipped_steps": run.skipped_steps,
-                             "running_losses": run.running}  # fmt: skip
+            trainer_state = {
+                "step": step,
+                "config": run.config,
+                "skipped_steps": run.skipped_steps,
+                "running_losses": run.running,
+            }
             write_file_atomically(tmp / "trainer_state.json", json.dumps(trainer_state, default=str))
             fsync_tree(tmp)
             install_folder(tmp, final)
@@ -123,8 +127,9 @@ def save_training_state(accelerator, model, optimizer, scheduler, folder: Path) 
     if is_fsdp(accelerator):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        by_name = get_optimizer_state_dict(model, optimizer.optimizer,
-                                           options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # fmt: skip
+        by_name = get_optimizer_state_dict(
+            model, optimizer.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
         optimizer_state = _optimizer_state_by_position(by_name) if accelerator.is_main_process else None
         drop_tied_copies(weights, accelerator.unwrap_model(model))  # gathered: a copy under every tied name
     else:
@@ -135,8 +140,11 @@ def save_training_state(accelerator, model, optimizer, scheduler, folder: Path) 
         torch.save(scheduler.state_dict(), folder / SCHEDULER_FILE)
         if accelerator.scaler is not None:
             torch.save(accelerator.scaler.state_dict(), folder / SCALER_FILE)
-    generators = {"random_state": random.getstate(), "numpy_random_seed": np.random.get_state(),
-                  "torch_manual_seed": torch.get_rng_state()}  # fmt: skip
+    generators = {
+        "random_state": random.getstate(),
+        "numpy_random_seed": np.random.get_state(),
+        "torch_manual_seed": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         generators["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
     torch.save(generators, folder / RNG_FILE.format(accelerator.process_index))
@@ -165,8 +173,9 @@ def load_training_state(accelerator, model, optimizer, scheduler, folder: Path) 
         complete_tied_weights(weights, model)
         options = StateDictOptions(full_state_dict=True)
         set_model_state_dict(model, weights, options=options)
-        set_optimizer_state_dict(model, optimizer.optimizer, _optimizer_state_by_name(optimizer_state, model, optimizer),
-                                 options=options)  # fmt: skip
+        set_optimizer_state_dict(
+            model, optimizer.optimizer, _optimizer_state_by_name(optimizer_state, model, optimizer), options=options
+        )
     else:
         unwrapped = accelerator.unwrap_model(model)
         complete_tied_weights(weights, unwrapped)
@@ -214,9 +223,10 @@ def _optimizer_state_by_position(by_name: dict) -> dict:
     position = {name: index for index, name in enumerate(order)}
     return {
         "state": {position[name]: state for name, state in by_name["state"].items()},
-        "param_groups": [{**group, "params": [position[name] for name in group["params"]]}
-                         for group in by_name["param_groups"]],
-    }  # fmt: skip
+        "param_groups": [
+            {**group, "params": [position[name] for name in group["params"]]} for group in by_name["param_groups"]
+        ],
+    }
 
 
 def _optimizer_state_by_name(by_position: dict, model, optimizer) -> dict:
@@ -229,7 +239,7 @@ def _optimizer_state_by_name(by_position: dict, model, optimizer) -> dict:
     name = dict(zip(saved, order))
     return {
         "state": {name[index]: state for index, state in by_position["state"].items()},
-        "param_groups": [{**group, "params": [name[index] for index in group["params"]]}
-                         for group in by_position["param_groups"]],
-    }  # fmt: skip
-
+        "param_groups": [
+            {**group, "params": [name[index] for index in group["params"]]} for group in by_position["param_groups"]
+        ],
+    }

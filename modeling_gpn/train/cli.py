@@ -22,24 +22,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "`accelerate launch -m modeling_gpn.train --recipe paper-130m` (the paper's run)."
     )
     parser.add_argument("--recipe", help="a recipe name (" + ", ".join(list_recipes()) + ") or a recipe JSON path")
-    parser.add_argument("--config", help="a JSON file of option values (keys as below with underscores); overrides "
-                        "the recipe")  # fmt: skip
-    parser.add_argument("--hub-data", action="store_true", help="use the Hub defaults for data and tokenizer "
-                        "(FineWeb-Edu sample-10BT streamed, meta-llama/Llama-2-7b-hf) whatever the recipe says")  # fmt: skip
-    parser.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
-                        help="continue from the newest checkpoint in the output directory (or from CHECKPOINT); "
-                        "settings that change the data, the model or the optimisation must match the checkpoint's")  # fmt: skip
-    parser.add_argument("--skip-nonfinite", action="store_true",
-                        help="skip an optimizer step whose loss or gradient is NaN/inf instead of stopping (at most "
-                        "--max-skipped-steps of them; the count is logged and reported at the end)")  # fmt: skip
-    parser.add_argument("--prepare-data-only", action="store_true", help="tokenize and cache the data, then exit "
-                        "(run once before a multi-process launch of a large corpus)")  # fmt: skip
+    parser.add_argument(
+        "--config", help="a JSON file of option values (keys as below with underscores); overrides the recipe"
+    )
+    parser.add_argument(
+        "--hub-data",
+        action="store_true",
+        help="use the Hub defaults for data and tokenizer "
+        "(FineWeb-Edu sample-10BT streamed, meta-llama/Llama-2-7b-hf) whatever the recipe says",
+    )
+    parser.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="CHECKPOINT",
+        help="continue from the newest checkpoint in the output directory (or from CHECKPOINT); "
+        "settings that change the data, the model or the optimisation must match the checkpoint's",
+    )
+    parser.add_argument(
+        "--skip-nonfinite",
+        action="store_true",
+        help="skip an optimizer step whose loss or gradient is NaN/inf instead of stopping (at most "
+        "--max-skipped-steps of them; the count is logged and reported at the end)",
+    )
+    parser.add_argument(
+        "--prepare-data-only",
+        action="store_true",
+        help="tokenize and cache the data, then exit (run once before a multi-process launch of a large corpus)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     group = parser.add_argument_group("settings (default shown is the built-in one; a recipe may set another)")
     for option in OPTIONS:
         # SUPPRESS: an option not given stays unset, so the recipe / config file value is kept.
-        kwargs = {"dest": option.key, "default": argparse.SUPPRESS,
-                  "help": f"{option.help} [built-in: {option.default}]"}  # fmt: skip
+        kwargs = {
+            "dest": option.key,
+            "default": argparse.SUPPRESS,
+            "help": f"{option.help} [built-in: {option.default}]",
+        }
         if option.choices:
             kwargs["choices"] = option.choices
         if option.type is bool:  # a flag: given means true (a recipe or config file may set it either way)
@@ -55,19 +75,43 @@ def run(args: argparse.Namespace) -> int:
     config = None
     try:
         config = resolve_config(args)
-        summary = train(config, resume=args.resume, skip_nonfinite=args.skip_nonfinite,
-                        prepare_only=args.prepare_data_only, show_progress=not args.no_progress)  # fmt: skip
-    except (DataError, NonFiniteLossError, StorageError, RunFolderInUseError, LaunchError, CollectiveError,
-            FileExistsError, FileNotFoundError, ValueError) as error:  # fmt: skip
-        print(f"gpn train: error: {error}" + (". Checkpoints written so far are intact: continue with --resume"
-                                              if isinstance(error, CollectiveError) else ""), file=sys.stderr)  # fmt: skip
+        summary = train(
+            config,
+            resume=args.resume,
+            skip_nonfinite=args.skip_nonfinite,
+            prepare_only=args.prepare_data_only,
+            show_progress=not args.no_progress,
+        )
+    except (
+        DataError,
+        NonFiniteLossError,
+        StorageError,
+        RunFolderInUseError,
+        LaunchError,
+        CollectiveError,
+        FileExistsError,
+        FileNotFoundError,
+        ValueError,
+    ) as error:
+        print(
+            f"gpn train: error: {error}"
+            + (
+                ". Checkpoints written so far are intact: continue with --resume"
+                if isinstance(error, CollectiveError)
+                else ""
+            ),
+            file=sys.stderr,
+        )
         return 1
     except TrainingStopped as stop:
         print(f"gpn train: {stop}", file=sys.stderr)
         return 128 + stop.signum  # the shell's code for "ended by this signal": 143 SIGTERM, 130 SIGINT
     except KeyboardInterrupt:
-        print("gpn train: interrupted (Ctrl-C) before a checkpoint could be written; the last checkpoint, if any, "
-              "is intact: continue with the same command plus --resume", file=sys.stderr)  # fmt: skip
+        print(
+            "gpn train: interrupted (Ctrl-C) before a checkpoint could be written; the last checkpoint, if any, "
+            "is intact: continue with the same command plus --resume",
+            file=sys.stderr,
+        )
         return 128 + signal.SIGINT
     if summary.get("processes", 1) > 1:
         # The process is about to exit: joining threads and atexit handlers must not hold the job either.
@@ -80,4 +124,3 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="modeling_gpn.train", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_arguments(parser)
     return run(parser.parse_args(argv))
-

@@ -92,8 +92,9 @@ class TrainingRun:
                 append_log_record(self.log_path, record)
             except OSError as error:
                 raise storage_error(self.run_dir, self.log_path, error) from error
-            self.accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"},
-                                 step=record["step"])  # fmt: skip
+            self.accelerator.log(
+                {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}, step=record["step"]
+            )
 
     def forward_kwargs(self, batch) -> dict:
         """The model's keyword arguments for token windows `batch` besides input_ids and labels: no logits when

@@ -16,7 +16,6 @@ from pathlib import Path
 
 from .errors import CollectiveError, LaunchError
 
-
 # Variables that launchers set in every process of a multi-process job: torchrun / `accelerate launch`
 # (WORLD_SIZE, LOCAL_WORLD_SIZE, RANK, LOCAL_RANK) and MPI launchers (read by Accelerate on CPU too).
 LAUNCHER_SIZE_VARIABLES = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
@@ -65,15 +64,19 @@ def start_accelerator(config: dict, trackers: list[str], run_dir: Path):
             "--use_fsdp --fsdp_version 2 --num_processes N --num_machines 1 -m modeling_gpn.train ...`"
         )
     accelerator = Accelerator(
-        mixed_precision=config["mixed_precision"], log_with=trackers or None, project_dir=str(run_dir),
+        mixed_precision=config["mixed_precision"],
+        log_with=trackers or None,
+        project_dir=str(run_dir),
         # A process that stops (not dies) would otherwise hold the others for gloo's 30-minute default.
         kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=config["ddp_timeout"]))],
-    )  # fmt: skip
+    )
     launched = launched_as_several_processes()
     if launched and accelerator.num_processes == 1:
-        cause = ("no GPU was found and ACCELERATE_USE_CPU is not set (a config file's use_cpu does not reach the "
-                 "processes)" if on_cpu and not os.environ.get("ACCELERATE_USE_CPU") else
-                 f"Accelerate chose {accelerator.distributed_type.value}")  # fmt: skip
+        cause = (
+            "no GPU was found and ACCELERATE_USE_CPU is not set (a config file's use_cpu does not reach the processes)"
+            if on_cpu and not os.environ.get("ACCELERATE_USE_CPU")
+            else f"Accelerate chose {accelerator.distributed_type.value}"
+        )
         raise LaunchError(
             f"this job was launched as several processes ({', '.join(launched)}) but Accelerate started this one as a "
             f"single-process run ({cause}), so every process would train the whole run alone into {run_dir}. "
@@ -88,8 +91,10 @@ def start_accelerator(config: dict, trackers: list[str], run_dir: Path):
         accelerator.state.distributed_type = DistributedType.FSDP
         accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # from the launcher's FSDP_* variables
         if not accelerator.is_fsdp2:
-            raise LaunchError(f"Could not apply FSDP2 on CPU with Accelerate {_accelerate_version()}: launch with "
-                              "--multi_gpu (DDP) instead")  # fmt: skip
+            raise LaunchError(
+                f"Could not apply FSDP2 on CPU with Accelerate {_accelerate_version()}: launch with "
+                "--multi_gpu (DDP) instead"
+            )
     return accelerator
 
 
@@ -125,8 +130,11 @@ def all_finite(accelerator, tensors) -> bool:
     with torch.no_grad():
         # FSDP: each process checks its own shard (the reduce below covers the others').
         flags = [torch.isfinite(local_part(t)).all() for t in tensors if torch.is_tensor(t) and t.is_floating_point()]
-        bad = torch.stack(flags).logical_not().any().float().to(accelerator.device) if flags else torch.zeros(
-            (), device=accelerator.device)  # fmt: skip
+        bad = (
+            torch.stack(flags).logical_not().any().float().to(accelerator.device)
+            if flags
+            else torch.zeros((), device=accelerator.device)
+        )
     if accelerator.num_processes > 1:
         bad = accelerator.reduce(bad, reduction="sum")
     return not bool(bad > 0)
@@ -198,10 +206,13 @@ class RunStage:
     def _expired(self, name: str) -> None:
         import faulthandler
 
-        os.write(2, f"\ngpn train: error: the run hung while {name}: still there after {self.watchdog_s:.0f} s "
-                    "(--ddp-timeout plus a margin); another process stopped responding, or the process cannot end. "
-                    "Whatever was written (model, checkpoints) is complete: files are written and then renamed. "
-                    "The stacks of this process's threads follow; it exits now so that the job ends\n".encode())  # fmt: skip
+        os.write(
+            2,
+            f"\ngpn train: error: the run hung while {name}: still there after {self.watchdog_s:.0f} s "
+            "(--ddp-timeout plus a margin); another process stopped responding, or the process cannot end. "
+            "Whatever was written (model, checkpoints) is complete: files are written and then renamed. "
+            "The stacks of this process's threads follow; it exits now so that the job ends\n".encode(),
+        )
         faulthandler.dump_traceback(all_threads=True)
         os._exit(1)
 
@@ -219,4 +230,3 @@ def collective_error(error: BaseException, stage: str, ddp_timeout: int) -> Coll
     if any(sign in lowered for sign in ("connection closed by peer", "connection reset by peer", "broken pipe")):
         return CollectiveError(f"another process ended while {stage}, so this one stops too ({first})")
     return None
-

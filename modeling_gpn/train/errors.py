@@ -43,4 +43,3 @@ class LaunchError(RuntimeError):
 class CollectiveError(RuntimeError):
     """A collective operation failed in a multi-process run (another process stopped responding or ended);
     the message names the stage the run was in."""
-

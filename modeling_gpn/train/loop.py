@@ -38,8 +38,13 @@ def fit(run: TrainingRun, stop: StopSignals) -> None:
     from tqdm.auto import tqdm
 
     run.model.train()
-    bar = tqdm(total=run.steps, initial=run.start_step, desc="training", disable=not (run.main and run.show_progress),
-               dynamic_ncols=True)  # fmt: skip
+    bar = tqdm(
+        total=run.steps,
+        initial=run.start_step,
+        desc="training",
+        disable=not (run.main and run.show_progress),
+        dynamic_ncols=True,
+    )
     already_skipped = set(run.skipped_steps)
     run.last_applied = next((s for s in range(run.start_step, 0, -1) if s not in already_skipped), 0)
     window = LogWindow(started=time.perf_counter())
@@ -76,7 +81,9 @@ def training_step(run: TrainingRun, step: int) -> tuple[float, float, float, boo
     first_row = accelerator.process_index * run.micro * run.accumulation
     for k in range(run.accumulation):
         lo = first_row + k * run.micro
-        batch = torch.from_numpy(run.windows.batch(step, run.config["batch_size"], lo, lo + run.micro)).to(accelerator.device)
+        batch = torch.from_numpy(run.windows.batch(step, run.config["batch_size"], lo, lo + run.micro)).to(
+            accelerator.device
+        )
         sync = contextlib.nullcontext() if k == run.accumulation - 1 else accelerator.no_sync(run.model)
         with sync:
             loss = run.model(input_ids=batch, labels=batch, **run.forward_kwargs(batch)).loss
@@ -123,10 +130,17 @@ def skip_or_stop_on_nonfinite(run: TrainingRun, done: int, loss: float, grad_nor
     (NonFiniteLossError) unless --skip-nonfinite allows one more skip under --max-skipped-steps."""
     what = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {grad_norm}"
     held = f"the update of step {run.last_applied}" if run.last_applied else "their initial values"
-    message = (f"Non-finite {what} at step {done} (of {run.steps}); the weights were not updated with it (they "
-               f"hold {held}).")  # fmt: skip
-    run.log({"step": done, "event": "nonfinite" if not run.skip_nonfinite else "skipped_nonfinite",
-             "loss": str(loss), "grad_norm": str(grad_norm)})  # fmt: skip
+    message = (
+        f"Non-finite {what} at step {done} (of {run.steps}); the weights were not updated with it (they hold {held})."
+    )
+    run.log(
+        {
+            "step": done,
+            "event": "nonfinite" if not run.skip_nonfinite else "skipped_nonfinite",
+            "loss": str(loss),
+            "grad_norm": str(grad_norm),
+        }
+    )
     if not run.skip_nonfinite:
         raise NonFiniteLossError(
             f"{message} Lower --lr, check the data, resume from the last checkpoint with --resume, or pass "
@@ -148,14 +162,18 @@ def log_window(run: TrainingRun, done: int, lr: float, grad_norm: float, window:
     # A window whose steps were all skipped has no loss (null), not a loss of 0.
     window_loss = sum(run.running) / len(run.running) if run.running else None
     record = {
-        "step": done, "loss": window_loss, "lr": lr,
+        "step": done,
+        "loss": window_loss,
+        "lr": lr,
         "grad_norm": grad_norm if math.isfinite(grad_norm) else str(grad_norm),
-        "tokens": done * run.tokens_per_step, "tokens_per_s": window.tokens / elapsed,
+        "tokens": done * run.tokens_per_step,
+        "tokens_per_s": window.tokens / elapsed,
         "skipped_steps": len(run.skipped_steps),
-    }  # fmt: skip
+    }
     run.log(record)
-    bar.set_postfix(loss=f"{window_loss:.3f}" if run.running else "-", lr=f"{lr:.2e}",
-                    tok_s=f"{record['tokens_per_s']:.0f}")  # fmt: skip
+    bar.set_postfix(
+        loss=f"{window_loss:.3f}" if run.running else "-", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}"
+    )
     run.running = []
 
 

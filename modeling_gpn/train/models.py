@@ -44,8 +44,11 @@ def build_model(config: dict, tokenizer):
     if model_type == "gpn":
         from modeling_gpn import GPNConfig, GPNForCausalLM
 
-        values.update(max_length_hint=config["seq_len"], bptt_truncation_length=config["bptt_truncation"],
-                      bptt_segment_length=config["bptt_segment"] or None)  # fmt: skip
+        values.update(
+            max_length_hint=config["seq_len"],
+            bptt_truncation_length=config["bptt_truncation"],
+            bptt_segment_length=config["bptt_segment"] or None,
+        )
         return GPNForCausalLM(GPNConfig(**values))
     if model_type == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -63,7 +66,9 @@ def build_model(config: dict, tokenizer):
     try:
         model_config = AutoConfig.for_model(model_type, **values)
     except ValueError as error:
-        raise ValueError(f"Unknown model_type {model_type!r}: use gpn, llama or a transformers model type ({error})") from error
+        raise ValueError(
+            f"Unknown model_type {model_type!r}: use gpn, llama or a transformers model type ({error})"
+        ) from error
     return AutoModelForCausalLM.from_config(model_config)
 
 
@@ -102,8 +107,10 @@ def build_optimizer(model, config: dict):
     groups = parameter_groups(model, config["weight_decay"])
     optimizer = torch.optim.AdamW(
         [{k: v for k, v in g.items() if k != "names"} for g in groups],
-        lr=config["lr"], betas=(config["beta1"], config["beta2"]), eps=config["eps"],
-    )  # fmt: skip
+        lr=config["lr"],
+        betas=(config["beta1"], config["beta2"]),
+        eps=config["eps"],
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda step: lr_factor(step, config["warmup_steps"], config["steps"], config["min_lr_ratio"]),
@@ -140,9 +147,13 @@ def generate_sample(model, tokenizer, prompt: str, max_new_tokens: int, seed: in
     torch.manual_seed(seed)
     with torch.no_grad():
         out = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=True,
-            top_k=40, temperature=0.8,
-        )  # fmt: skip
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=True,
+            top_k=40,
+            temperature=0.8,
+        )
     torch.random.set_rng_state(generator_state)
     return tokenizer.decode(out[0], skip_special_tokens=True)
 
@@ -154,4 +165,3 @@ def weights_sha256(model) -> str:
         digest.update(name.encode())
         digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()
-

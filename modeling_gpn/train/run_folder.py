@@ -200,10 +200,16 @@ class RunFolderLock:
             raise
         previous = os.pread(fd, 4096, 0)
         if previous.strip() and warn:
-            warn(f"gpn train: warning: taking over the lock of {self.path.parent} from a run that ended without "
-                 f"releasing it ({self._describe(previous)}; it was killed or crashed)")  # fmt: skip
-        record = {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv),
-                  "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}  # fmt: skip
+            warn(
+                f"gpn train: warning: taking over the lock of {self.path.parent} from a run that ended without "
+                f"releasing it ({self._describe(previous)}; it was killed or crashed)"
+            )
+        record = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "command": " ".join(sys.argv),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(record).encode(), 0)
         os.fsync(fd)
@@ -223,8 +229,7 @@ class RunFolderLock:
     def _describe(raw: bytes) -> str:
         try:
             record = json.loads(raw.decode())
-            return (f"pid {record['pid']} on {record['host']}, started {record['started']}: "
-                    f"{record['command']}")  # fmt: skip
+            return f"pid {record['pid']} on {record['host']}, started {record['started']}: {record['command']}"
         except (ValueError, KeyError, TypeError):
             return "holder unknown: the lock file holds no readable record"
 

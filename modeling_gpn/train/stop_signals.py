@@ -33,6 +33,8 @@ class StopSignals:
             raise KeyboardInterrupt
         self.received = signum
         # os.write, not print: a handler can interrupt a print to the same stream.
-        os.write(2, f"\ngpn train: {signal.Signals(signum).name} received: finishing this step, then saving a "
-                    "checkpoint and stopping (Ctrl-C again stops at once)\n".encode())  # fmt: skip
-
+        os.write(
+            2,
+            f"\ngpn train: {signal.Signals(signum).name} received: finishing this step, then saving a "
+            "checkpoint and stopping (Ctrl-C again stops at once)\n".encode(),
+        )

@@ -41,8 +41,13 @@ from .run_folder import (
 from .stop_signals import StopSignals
 
 
-def train(config: dict, resume: str | bool | None = None, skip_nonfinite: bool = False,
-          prepare_only: bool = False, show_progress: bool = True) -> dict:  # fmt: skip
+def train(
+    config: dict,
+    resume: str | bool | None = None,
+    skip_nonfinite: bool = False,
+    prepare_only: bool = False,
+    show_progress: bool = True,
+) -> dict:
     """Run training as configured (see `resolve_config`). Returns a summary dict (paths, perplexity, skipped
     steps, processes). Raises NonFiniteLossError, StorageError, TrainingStopped (SIGTERM/SIGINT, after a
     checkpoint), RunFolderInUseError (another run holds the output folder), LaunchError (a launch Accelerate
@@ -97,8 +102,16 @@ def run_training(
     if prepare_only:
         return {"token_cache": str(stream.folder), "tokens": len(stream), "reused_cache": stream.reused}
     run = TrainingRun(
-        accelerator, config, stage, tokenizer, stream, windows, micro, accumulation,
-        skip_nonfinite=skip_nonfinite, show_progress=show_progress,
+        accelerator,
+        config,
+        stage,
+        tokenizer,
+        stream,
+        windows,
+        micro,
+        accumulation,
+        skip_nonfinite=skip_nonfinite,
+        show_progress=show_progress,
     )
     described = prepare_model(run)
     open_run_folder(run, resume)
@@ -131,9 +144,11 @@ def prepare_data(accelerator, config: dict, show_progress: bool):
     from modeling_gpn.data import CorpusSpec, WindowDataset, build_token_stream, load_tokenizer
 
     corpus = CorpusSpec(
-        source=config["dataset"], config_name=config["dataset_config"], split=config["split"],
+        source=config["dataset"],
+        config_name=config["dataset_config"],
+        split=config["split"],
         text_field=config["text_field"],
-    )  # fmt: skip
+    )
     max_tokens = config["max_tokens"]
     if max_tokens is None and corpus.kind == "hub":
         need = config["steps"] * config["batch_size"] * config["seq_len"]
@@ -145,7 +160,11 @@ def prepare_data(accelerator, config: dict, show_progress: bool):
             config["tokenizer"], corpus, config["bpe_vocab_size"], config["bpe_max_documents"], config["cache_dir"]
         )
         stream = build_token_stream(
-            corpus, tokenizer, config["cache_dir"], max_tokens, show_progress=show_progress and accelerator.is_main_process
+            corpus,
+            tokenizer,
+            config["cache_dir"],
+            max_tokens,
+            show_progress=show_progress and accelerator.is_main_process,
         )
     windows = WindowDataset(stream, config["seq_len"], config["val_fraction"], config["seed"])
     accelerator.print(
@@ -204,7 +223,8 @@ def open_run_folder(run: TrainingRun, resume: str | bool | None) -> None:
         except OSError as error:
             raise storage_error(run_dir, run_dir / "train_config.json", error) from error
         run.accelerator.init_trackers(
-            "tensorboard", config={k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in config.items()}
+            "tensorboard",
+            config={k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in config.items()},
         )
 
 
@@ -236,15 +256,28 @@ def finish(run: TrainingRun) -> dict:
         if run.config["sample_tokens"]:
             run.stage.enter("generating the sample")
             config = run.config
-            sample = generate_sample(final_model, run.tokenizer, config["sample_prompt"], config["sample_tokens"], config["seed"])
+            sample = generate_sample(
+                final_model, run.tokenizer, config["sample_prompt"], config["sample_tokens"], config["seed"]
+            )
         print_summary(run, val_loss, val_ppl, sample, model_dir)
-    run.stage.enter("waiting for every process after the model was saved" if run.main else
-                    "waiting for the main process to save the model and write the sample")  # fmt: skip
+    run.stage.enter(
+        "waiting for every process after the model was saved"
+        if run.main
+        else "waiting for the main process to save the model and write the sample"
+    )
     run.accelerator.wait_for_everyone()
     end_process_group(run, after_error=False)
-    return {"model_dir": str(model_dir), "val_loss": val_loss, "val_ppl": val_ppl, "sample": sample,
-            "run_dir": str(run.run_dir), "reused_cache": run.stream.reused, "skipped_steps": run.skipped_steps,
-            "processes": run.world, "distribution": distribution_name(run.accelerator)}  # fmt: skip
+    return {
+        "model_dir": str(model_dir),
+        "val_loss": val_loss,
+        "val_ppl": val_ppl,
+        "sample": sample,
+        "run_dir": str(run.run_dir),
+        "reused_cache": run.stream.reused,
+        "skipped_steps": run.skipped_steps,
+        "processes": run.world,
+        "distribution": distribution_name(run.accelerator),
+    }
 
 
 def gather_final_weights(run: TrainingRun, unwrapped, record: dict):
@@ -293,11 +326,15 @@ def save_model(run: TrainingRun, final_model, model_dir: Path) -> None:
 
 def print_summary(run: TrainingRun, val_loss: float, val_ppl: float, sample: str | None, model_dir: Path) -> None:
     config = run.config
-    run.say(f"\nvalidation loss {val_loss:.4f}, perplexity {val_ppl:.2f} ({min(config['eval_windows'], run.windows.num_val)} "
-            f"held-out windows of {config['seq_len']} tokens)")  # fmt: skip
+    run.say(
+        f"\nvalidation loss {val_loss:.4f}, perplexity {val_ppl:.2f} ({min(config['eval_windows'], run.windows.num_val)} "
+        f"held-out windows of {config['seq_len']} tokens)"
+    )
     if sample is not None:
         run.say(f"sample (prompt {config['sample_prompt']!r}):\n{sample}\n")
-    run.say(f"model saved to {model_dir.resolve()}\nload it with:\n  import modeling_gpn  # registers GPN (or pass "
-            f"trust_remote_code=True)\n  from transformers import AutoModelForCausalLM, AutoTokenizer\n"
-            f"  model = AutoModelForCausalLM.from_pretrained({str(model_dir.resolve())!r})\n"
-            f"  tokenizer = AutoTokenizer.from_pretrained({str(model_dir.resolve())!r})")  # fmt: skip
+    run.say(
+        f"model saved to {model_dir.resolve()}\nload it with:\n  import modeling_gpn  # registers GPN (or pass "
+        f"trust_remote_code=True)\n  from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        f"  model = AutoModelForCausalLM.from_pretrained({str(model_dir.resolve())!r})\n"
+        f"  tokenizer = AutoTokenizer.from_pretrained({str(model_dir.resolve())!r})"
+    )

@@ -38,7 +38,9 @@ def ragged_labels(ids: torch.Tensor) -> torch.Tensor:
 
 def token_mean_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The causal LM loss by hand: mean over every counted target of the batch."""
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1), ignore_index=-100)
+    return F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1), ignore_index=-100
+    )
 
 
 def logits_of(model, ids, **kwargs) -> torch.Tensor:
@@ -71,7 +73,9 @@ def test_num_items_in_batch_makes_gradient_accumulation_exact(return_logits):
     model.zero_grad()
     halves = []
     for rows in (slice(0, 1), slice(1, 4)):  # uneven micro-batches with uneven token counts
-        loss = model(ids[rows], labels=labels[rows], num_items_in_batch=torch.tensor(count), return_logits=return_logits).loss
+        loss = model(
+            ids[rows], labels=labels[rows], num_items_in_batch=torch.tensor(count), return_logits=return_logits
+        ).loss
         loss.backward()
         halves.append(loss.detach())
     torch.testing.assert_close(sum(halves), full.detach(), rtol=1e-5, atol=1e-6)
@@ -187,14 +191,18 @@ def test_generation_continued_with_the_full_sequence_and_its_cache_matches_one_r
     # The new tokens alone, with a mask over the full sequence, are fed as they are
     again = model.generate(prompt, attention_mask=mask, max_new_tokens=4, return_dict_in_generate=True, **settings)
     seen = again.cache.get_seq_length()
-    tail = model.generate(again.sequences[:, seen:], attention_mask=full_mask, cache=again.cache, max_new_tokens=6, **settings)
+    tail = model.generate(
+        again.sequences[:, seen:], attention_mask=full_mask, cache=again.cache, max_new_tokens=6, **settings
+    )
     assert torch.equal(tail, whole[:, seen:])
 
     # The positions the cache has read, again and nothing new: a recurrent state cannot be rolled back
     again = model.generate(prompt, attention_mask=mask, max_new_tokens=4, return_dict_in_generate=True, **settings)
     read = again.sequences[:, : again.cache.get_seq_length()]
     with pytest.raises(ValueError, match="cannot be rolled back"):
-        model.generate(read, attention_mask=full_mask[:, : read.shape[1]], cache=again.cache, max_new_tokens=2, **settings)
+        model.generate(
+            read, attention_mask=full_mask[:, : read.shape[1]], cache=again.cache, max_new_tokens=2, **settings
+        )
 
 
 def test_generation_continued_with_only_the_new_positions_as_mamba_matches_one_run():
@@ -236,7 +244,13 @@ def test_continuing_generation_refuses_what_it_cannot_tell_apart():
         model.generate(inputs_embeds=embeds, cache=cache_after_prompt(input_ids=prompt), max_new_tokens=2, **settings)
     # ...unless the mask says they are the new positions
     mask = torch.ones(2, 3 + 6, dtype=torch.long)
-    model.generate(inputs_embeds=embeds, attention_mask=mask, cache=cache_after_prompt(input_ids=prompt), max_new_tokens=2, **settings)
+    model.generate(
+        inputs_embeds=embeds,
+        attention_mask=mask,
+        cache=cache_after_prompt(input_ids=prompt),
+        max_new_tokens=2,
+        **settings,
+    )
 
     # a cache that read embeddings has no record of what it read
     filled_from_embeddings = cache_after_prompt(inputs_embeds=model.get_input_embeddings()(prompt).detach())
@@ -252,7 +266,13 @@ def test_continuing_generation_refuses_what_it_cannot_tell_apart():
 
     # a mask that covers neither the given positions nor the whole sequence
     with pytest.raises(ValueError, match="must cover"):
-        model.generate(longer, attention_mask=torch.ones(2, 7, dtype=torch.long), cache=cache_after_prompt(input_ids=prompt), max_new_tokens=2, **settings)
+        model.generate(
+            longer,
+            attention_mask=torch.ones(2, 7, dtype=torch.long),
+            cache=cache_after_prompt(input_ids=prompt),
+            max_new_tokens=2,
+            **settings,
+        )
 
 
 def test_as_many_positions_as_read_without_a_record_are_refused_not_misread():
@@ -266,12 +286,15 @@ def test_as_many_positions_as_read_without_a_record_are_refused_not_misread():
     embed = model.get_input_embeddings()
 
     def cache_from_embeddings():
-        cache = model.generate(inputs_embeds=embed(prompt).detach(), max_new_tokens=1, return_dict_in_generate=True,
-                               **settings).cache  # fmt: skip
+        cache = model.generate(
+            inputs_embeds=embed(prompt).detach(), max_new_tokens=1, return_dict_in_generate=True, **settings
+        ).cache
         assert cache.get_seq_length() == 3 and cache.read_fingerprint() is None
         return cache
 
-    what_to_pass = r"Pass only the new positions with an attention_mask covering the whole sequence \(3 \+ 3 = 6 columns\)"
+    what_to_pass = (
+        r"Pass only the new positions with an attention_mask covering the whole sequence \(3 \+ 3 = 6 columns\)"
+    )
     with pytest.raises(ValueError, match=what_to_pass):
         model.generate(new, cache=cache_from_embeddings(), max_new_tokens=2, **settings)
     with pytest.raises(ValueError, match="as inputs_embeds.*" + what_to_pass):
@@ -360,7 +383,9 @@ def test_peft_lora_trains_saves_reloads_and_merges(tmp_path):
 
     merged = adapted.merge_and_unload().eval()
     assert merged.model.fast_path_blocker() is None
-    torch.testing.assert_close(logits_of(merged, ids), adapted_logits, rtol=1e-4, atol=1e-4)  # W x + BA x vs (W + BA) x: rounding
+    torch.testing.assert_close(
+        logits_of(merged, ids), adapted_logits, rtol=1e-4, atol=1e-4
+    )  # W x + BA x vs (W + BA) x: rounding
     assert merged.model.last_recurrence_path == "fast"  # plain modules again: the fast path is back
 
 
@@ -450,7 +475,9 @@ def test_gradient_checkpointing_recomputes_segments_with_the_same_gradients(path
         return {n: p.grad.clone() for n, p in model.named_parameters()}
 
     steps = []
-    counter = model.model.predict_layers[0].register_forward_hook(lambda *args: steps.append(1)) if path == "plain" else None
+    counter = (
+        model.model.predict_layers[0].register_forward_hook(lambda *args: steps.append(1)) if path == "plain" else None
+    )
     plain_grads = gradients()
     runs_without = len(steps)
 
@@ -537,7 +564,7 @@ def test_trainer_with_accumulation_and_checkpointing_trains_evaluates_with_the_t
 
     ids = token_ids(4, 10, seed=5)
     labels = ragged_labels(ids)
-    rows = [{"input_ids": i, "attention_mask": torch.ones_like(i), "labels": l} for i, l in zip(ids, labels)]
+    rows = [{"input_ids": i, "attention_mask": torch.ones_like(i), "labels": target} for i, target in zip(ids, labels)]
     config = tiny_config(bptt_segment_length=3)  # checkpointing recomputes 3-token segments
 
     reference = perturbed_model(config).train()
@@ -554,11 +581,22 @@ def test_trainer_with_accumulation_and_checkpointing_trains_evaluates_with_the_t
 
     recorder = GradientsBeforeTheStep()
     args = TrainingArguments(
-        output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-        per_device_eval_batch_size=4, max_steps=3, learning_rate=3e-3, max_grad_norm=0.0, logging_steps=1,
-        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, gradient_checkpointing=True,
-        dataloader_num_workers=0, seed=0,
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        per_device_eval_batch_size=4,
+        max_steps=3,
+        learning_rate=3e-3,
+        max_grad_norm=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        gradient_checkpointing=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
     model = perturbed_model(config).train()
     trainer = Trainer(model=model, args=args, train_dataset=rows, eval_dataset=rows, callbacks=[recorder])
     before = trainer.evaluate()["eval_loss"]
@@ -646,10 +684,14 @@ def test_torch_export_save_load_round_trips_dynamic_programs_that_take_and_retur
     model = perturbed_model(tiny_config(num_predict_layers=1))
     auto = torch.export.Dim.AUTO
     prompt = token_ids(2, 5)
-    prefill = save_and_load(torch.export.export(ExportedPrefill(model), (prompt,), dynamic_shapes=({0: auto, 1: auto},)))
+    prefill = save_and_load(
+        torch.export.export(ExportedPrefill(model), (prompt,), dynamic_shapes=({0: auto, 1: auto},))
+    )
     cache = model(prompt, use_cache=True).cache
     decode_shapes = ({0: auto, 1: auto}, [{0: auto}, {0: auto}, {0: auto}, None])
-    decode = save_and_load(torch.export.export(ExportedDecode(model), (prompt[:, :1], cache), dynamic_shapes=decode_shapes))
+    decode = save_and_load(
+        torch.export.export(ExportedDecode(model), (prompt[:, :1], cache), dynamic_shapes=decode_shapes)
+    )
 
     other_prompt = token_ids(3, 5, seed=2)  # another batch size: the program is not a recording of one input
     logits, exported_cache = prefill.module()(other_prompt)

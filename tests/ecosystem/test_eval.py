@@ -76,9 +76,14 @@ def settings(data, batch_size, tasks, **overrides):
     from modeling_gpn.evaluation.runner import EvalSettings
 
     values = dict(
-        tasks=list(tasks), data_dir=str(data), batch_size=batch_size, limit=LIMIT, fineweb_window=WINDOW,
-        fineweb_max_windows=12, progress=False,
-    )  # fmt: skip
+        tasks=list(tasks),
+        data_dir=str(data),
+        batch_size=batch_size,
+        limit=LIMIT,
+        fineweb_window=WINDOW,
+        fineweb_max_windows=12,
+        progress=False,
+    )
     values.update(overrides)
     return EvalSettings(**values)
 
@@ -113,7 +118,9 @@ def test_batch_size_1_and_8_give_identical_metrics(runs):
     assert_same_metrics(runs[1]["tasks"], runs[8]["tasks"])
     lambada = runs[8]["tasks"]["lambada_paper"]
     assert lambada["examples"] == LIMIT and lambada["target_tokens"] >= LIMIT
-    assert 0 < lambada["acc"] < 1 and 0 < lambada["acc_whole_word"] < 1  # hits and misses: the equalities mean something
+    assert (
+        0 < lambada["acc"] < 1 and 0 < lambada["acc_whole_word"] < 1
+    )  # hits and misses: the equalities mean something
     assert 0 < runs[8]["tasks"]["lambada_openai"]["acc"] < 1
     assert runs[8]["tasks"]["fineweb_paper"]["windows"] == 12
 
@@ -121,7 +128,9 @@ def test_batch_size_1_and_8_give_identical_metrics(runs):
 def test_lambada_openai_matches_the_paper_variant_on_the_same_tokens(runs):
     """lm-eval's per-example summed NLL and whole-word greedy match, recomputed by the paper variant."""
     measured = runs[8]["tasks"]
-    assert measured["lambada_paper"]["ppl_per_example"] == pytest.approx(measured["lambada_openai"]["perplexity"], rel=1e-5)
+    assert measured["lambada_paper"]["ppl_per_example"] == pytest.approx(
+        measured["lambada_openai"]["perplexity"], rel=1e-5
+    )
     assert measured["lambada_paper"]["acc_whole_word"] == measured["lambada_openai"]["acc"] > 0  # a hit is scored
 
 
@@ -204,7 +213,9 @@ def test_fineweb_windows_match_a_direct_forward_computation(loaded, data, runs):
     assert measured["ppl_all_positions"] == pytest.approx(math.exp((first_nll + rest_nll) / (12 * WINDOW)), rel=1e-6)
     assert measured["ppl_excluding_first"] == pytest.approx(math.exp(rest_nll / (12 * (WINDOW - 1))), rel=1e-6)
     assert measured["ppl"] == measured["ppl_all_positions"] and measured["tokens_scored"] == 12 * WINDOW
-    direct = protocols.windowed_perplexity(model, stream, WINDOW, 5, max_windows=12, first_position="skip", progress=False)
+    direct = protocols.windowed_perplexity(
+        model, stream, WINDOW, 5, max_windows=12, first_position="skip", progress=False
+    )
     assert direct["ppl"] == pytest.approx(measured["ppl_excluding_first"], rel=1e-6)
 
 
@@ -231,7 +242,8 @@ def test_wikitext_rolling_perplexity_batch_invariant(gpn_dir, loaded, data):
 
     model, tokenizer = loaded
     results = {
-        bs: evaluate(str(gpn_dir), settings(data, bs, ["wikitext"], limit=2), model, tokenizer)["tasks"] for bs in (1, 8)
+        bs: evaluate(str(gpn_dir), settings(data, bs, ["wikitext"], limit=2), model, tokenizer)["tasks"]
+        for bs in (1, 8)
     }
     assert_same_metrics(results[1], results[8])
     wikitext = results[8]["wikitext"]
@@ -242,14 +254,21 @@ def test_wikitext_rolling_perplexity_batch_invariant(gpn_dir, loaded, data):
 def test_rolling_perplexity_equals_the_direct_sum_over_tokens(gpn_dir, loaded, tmp_path):
     """`gpn_rolling_ppl` on a local jsonl: one window per (short) document, the first token predicted
     from the prefix token (BOS) and the BOS itself never scored."""
-    from modeling_gpn.evaluation.runner import evaluate, EvalSettings
+    from modeling_gpn.evaluation.runner import EvalSettings, evaluate
 
     model, tokenizer = loaded
-    texts = ["The quick brown fox jumps over the lazy dog.", "A second, slightly longer document about rivers and rain."]
+    texts = [
+        "The quick brown fox jumps over the lazy dog.",
+        "A second, slightly longer document about rivers and rain.",
+    ]
     path = tmp_path / "docs.jsonl"
     path.write_text("".join(json.dumps({"body": t}) + "\n" for t in texts))
     options = EvalSettings(
-        tasks=["gpn_rolling_ppl"], task_data={"gpn_rolling_ppl": str(path)}, text_field="body", batch_size=2, progress=False
+        tasks=["gpn_rolling_ppl"],
+        task_data={"gpn_rolling_ppl": str(path)},
+        text_field="body",
+        batch_size=2,
+        progress=False,
     )
     measured = evaluate(str(gpn_dir), options, model, tokenizer)["tasks"]["gpn_rolling_ppl"]
     total_ll, words = 0.0, 0
@@ -273,19 +292,33 @@ def test_plain_lm_eval_hf_model_loglikelihood_and_left_padded_generation(gpn_dir
 
     lambada = load_yaml(lm_eval_task_yaml("lambada_openai"))
     lambada.pop("tag", None)
-    lambada.update(dataset_path="json", dataset_name=None, dataset_kwargs={"data_files": {"test": [str(data / "lambada" / "lambada_test.jsonl")]}})
+    lambada.update(
+        dataset_path="json",
+        dataset_name=None,
+        dataset_kwargs={"data_files": {"test": [str(data / "lambada" / "lambada_test.jsonl")]}},
+    )
     generation = dict(
-        lambada, task="gpn_lambada_generate", output_type="generate_until", metric_list=[{"metric": "exact_match"}],
+        lambada,
+        task="gpn_lambada_generate",
+        output_type="generate_until",
+        metric_list=[{"metric": "exact_match"}],
         generation_kwargs={"until": ["\n"], "max_gen_toks": 6, "do_sample": False},
-    )  # fmt: skip
+    )
     generation.pop("doc_to_decontamination_query", None)
     outputs = {}
     for bs in (1, 8):
         outputs[bs] = lm_eval.simple_evaluate(
-            model="hf", model_args=f"pretrained={gpn_dir},trust_remote_code=True,max_length={WINDOW}",
-            tasks=[lambada, generation], batch_size=bs, device="cpu", limit=16, bootstrap_iters=0,
-            task_manager=TaskManager(include_defaults=False), log_samples=True, verbosity="WARNING",
-        )  # fmt: skip
+            model="hf",
+            model_args=f"pretrained={gpn_dir},trust_remote_code=True,max_length={WINDOW}",
+            tasks=[lambada, generation],
+            batch_size=bs,
+            device="cpu",
+            limit=16,
+            bootstrap_iters=0,
+            task_manager=TaskManager(include_defaults=False),
+            log_samples=True,
+            verbosity="WARNING",
+        )
     for task in ("lambada_openai", "gpn_lambada_generate"):
         one = {s["doc_id"]: s["resps"] for s in outputs[1]["samples"][task]}
         eight = {s["doc_id"]: s["resps"] for s in outputs[8]["samples"][task]}
@@ -311,9 +344,14 @@ def llama_dir(tmp_path_factory, data):
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=32000, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256,
-    )  # fmt: skip
+        vocab_size=32000,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     folder = tmp_path_factory.mktemp("llama")
     LlamaForCausalLM(config).save_pretrained(folder)
     AutoTokenizer.from_pretrained(data / "llama2-tokenizer").save_pretrained(folder)
@@ -324,26 +362,59 @@ def test_gpn_eval_command_writes_results_and_side_by_side_report(gpn_dir, data, 
     from modeling_gpn.cli import main
 
     out = tmp_path / "out"
-    code = main([
-        "eval", str(gpn_dir), "--data-dir", str(data), "--tasks", "lambada_paper,fineweb_paper", "--limit", "8",
-        "--fineweb-window", str(WINDOW), "--fineweb-max-windows", "2", "--output-dir", str(out), "--quiet",
-    ])  # fmt: skip
+    code = main(
+        [
+            "eval",
+            str(gpn_dir),
+            "--data-dir",
+            str(data),
+            "--tasks",
+            "lambada_paper,fineweb_paper",
+            "--limit",
+            "8",
+            "--fineweb-window",
+            str(WINDOW),
+            "--fineweb-max-windows",
+            "2",
+            "--output-dir",
+            str(out),
+            "--quiet",
+        ]
+    )
     assert code == 0
     results = json.loads((out / "eval_results.json").read_text())
-    for key, kind in (("model", str), ("n_params", int), ("tasks", dict), ("protocols", dict), ("lm_eval_version", str), ("published_baselines", list)):
+    for key, kind in (
+        ("model", str),
+        ("n_params", int),
+        ("tasks", dict),
+        ("protocols", dict),
+        ("lm_eval_version", str),
+        ("published_baselines", list),
+    ):
         assert isinstance(results[key], kind), key
     assert results["max_length"] == WINDOW  # config.max_length_hint
     assert results["lm_eval_version"] == "0.4.13"
     assert set(results["protocols"]) == set(results["tasks"]) == {"lambada_paper", "fineweb_paper"}
-    assert results["n_params"] == sum(p.numel() for p in perturbed_model(tiny_config(vocab_size=32000, use_decoder_bias=True)).parameters())
+    assert results["n_params"] == sum(
+        p.numel() for p in perturbed_model(tiny_config(vocab_size=32000, use_decoder_bias=True)).parameters()
+    )
     ratios = results["comparison"]["ratio_to_published"]["Transformer++"]
     assert ratios["lambada_ppl"] == pytest.approx(results["tasks"]["lambada_paper"]["ppl"] / 18.99)
     assert ratios["fineweb_ppl"] == pytest.approx(results["tasks"]["fineweb_paper"]["ppl"] / 16.05)
 
     report = (out / "eval_report.md").read_text()
-    table = [line for line in report.splitlines() if line.startswith("| ") and ("published |" in line or "measured |" in line)]
+    table = [
+        line
+        for line in report.splitlines()
+        if line.startswith("| ") and ("published |" in line or "measured |" in line)
+    ]
     assert [line.split(" | ")[0] for line in table] == [
-        "| Transformer++", "| Gated DeltaNet", "| GPN+M 1-layer", "| GPN+M 2-layer", "| GPN (no memory)", f"| **{gpn_dir}**",
+        "| Transformer++",
+        "| Gated DeltaNet",
+        "| GPN+M 1-layer",
+        "| GPN+M 2-layer",
+        "| GPN (no memory)",
+        f"| **{gpn_dir}**",
     ]
     assert "| 16.05 | 0.223 | 18.99 |" in table[0]
     assert f"**{results['tasks']['lambada_paper']['ppl']:.2f}**" in table[-1]
@@ -355,10 +426,25 @@ def test_same_command_on_a_llama(llama_dir, data, tmp_path):
     from modeling_gpn.cli import main
 
     out = tmp_path / "llama"
-    code = main([
-        "eval", str(llama_dir), "--data-dir", str(data), "--tasks", "lambada_openai,lambada_paper,fineweb_paper",
-        "--limit", "8", "--fineweb-window", str(WINDOW), "--fineweb-max-windows", "2", "--output-dir", str(out), "--quiet",
-    ])  # fmt: skip
+    code = main(
+        [
+            "eval",
+            str(llama_dir),
+            "--data-dir",
+            str(data),
+            "--tasks",
+            "lambada_openai,lambada_paper,fineweb_paper",
+            "--limit",
+            "8",
+            "--fineweb-window",
+            str(WINDOW),
+            "--fineweb-max-windows",
+            "2",
+            "--output-dir",
+            str(out),
+            "--quiet",
+        ]
+    )
     assert code == 0
     results = json.loads((out / "eval_results.json").read_text())
     assert results["model_type"] == "llama" and results["max_length"] == 256 and results["layers"] == 2
@@ -366,7 +452,9 @@ def test_same_command_on_a_llama(llama_dir, data, tmp_path):
     assert "ppl_all_positions" not in fineweb and fineweb["ppl"] == fineweb["ppl_excluding_first"]
     assert fineweb["tokens_scored"] == 2 * (WINDOW - 1)
     assert "not scored" in results["protocols"]["fineweb_paper"]
-    assert results["tasks"]["lambada_paper"]["ppl_per_example"] == pytest.approx(results["tasks"]["lambada_openai"]["perplexity"], rel=1e-5)
+    assert results["tasks"]["lambada_paper"]["ppl_per_example"] == pytest.approx(
+        results["tasks"]["lambada_openai"]["perplexity"], rel=1e-5
+    )
     assert "| **" in (out / "eval_report.md").read_text()
 
 

@@ -53,13 +53,28 @@ def common_tests_folder() -> Path:
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     download = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", f"transformers=={version}",
-         "-d", str(folder), "--quiet"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-binary",
+            ":all:",
+            "--no-deps",
+            f"transformers=={version}",
+            "-d",
+            str(folder),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     sdists = list(folder.glob(f"transformers-{version}.tar.gz"))
     if download.returncode != 0 or not sdists:
-        said = [line for line in download.stderr.splitlines() if line.strip() and not line.startswith("WARNING: Location")]
+        said = [
+            line for line in download.stderr.splitlines() if line.strip() and not line.startswith("WARNING: Location")
+        ]
         raise RuntimeError(f"pip download of the transformers {version} sdist failed: {' / '.join(said[-3:])[-600:]}")
     staging = folder / "staging"
     shutil.rmtree(staging, ignore_errors=True)
@@ -95,16 +110,24 @@ from transformers.models.auto import modeling_auto  # noqa: E402
 
 from modeling_gpn import GPNConfig, GPNForCausalLM, GPNForSequenceClassification, GPNModel  # noqa: E402
 
-ModelTesterMixin, ids_tensor, random_attention_mask = common.ModelTesterMixin, common.ids_tensor, common.random_attention_mask
+ModelTesterMixin, ids_tensor, random_attention_mask = (
+    common.ModelTesterMixin,
+    common.ids_tensor,
+    common.random_attention_mask,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def gpn_in_the_auto_mappings():
     from unittest import mock
 
-    with mock.patch.dict(modeling_auto.MODEL_MAPPING_NAMES, {"gpn": "GPNModel"}), mock.patch.dict(
-        modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, {"gpn": "GPNForCausalLM"}
-    ), mock.patch.dict(modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES, {"gpn": "GPNForSequenceClassification"}):
+    with (
+        mock.patch.dict(modeling_auto.MODEL_MAPPING_NAMES, {"gpn": "GPNModel"}),
+        mock.patch.dict(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, {"gpn": "GPNForCausalLM"}),
+        mock.patch.dict(
+            modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES, {"gpn": "GPNForSequenceClassification"}
+        ),
+    ):
         yield
 
 
@@ -124,10 +147,18 @@ class GPNModelTester:
 
     def get_config(self) -> GPNConfig:
         return GPNConfig(
-            vocab_size=self.vocab_size, hidden_size=self.state_size, embedding_size=self.hidden_size, intermediate_size=48,
-            num_predict_layers=2, num_memory_heads=2, memory_key_dim=8, memory_value_dim=8,
-            bos_token_id=None, eos_token_id=self.vocab_size - 1, pad_token_id=self.vocab_size - 1,
-        )  # fmt: skip
+            vocab_size=self.vocab_size,
+            hidden_size=self.state_size,
+            embedding_size=self.hidden_size,
+            intermediate_size=48,
+            num_predict_layers=2,
+            num_memory_heads=2,
+            memory_key_dim=8,
+            memory_value_dim=8,
+            bos_token_id=None,
+            eos_token_id=self.vocab_size - 1,
+            pad_token_id=self.vocab_size - 1,
+        )
 
     def prepare_config_and_inputs_for_common(self):
         input_ids = ids_tensor([self.batch_size, self.seq_length], self.vocab_size)

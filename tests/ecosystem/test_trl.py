@@ -24,9 +24,15 @@ pytest.importorskip("trl")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TEXT = [
-    "the cat sat on the mat.", "a dog.", "once upon a time there was a cat and a dog.", "the end.",
-    "the dog sat on the log.", "a cat and a mat.", "there was a time.", "upon the mat sat a dog.",
-]  # fmt: skip
+    "the cat sat on the mat.",
+    "a dog.",
+    "once upon a time there was a cat and a dog.",
+    "the end.",
+    "the dog sat on the log.",
+    "a cat and a mat.",
+    "there was a time.",
+    "upon the mat sat a dog.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +60,18 @@ def gpn_folder(tokenizer, tmp_path_factory):
 def common_arguments(tmp_path, **overrides) -> dict:
     """What every trainer here takes: a few CPU steps, no saving, no reporting."""
     values = dict(
-        output_dir=str(tmp_path), max_steps=2, learning_rate=3e-3, logging_steps=1, save_strategy="no", report_to=[],
-        use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0,
+        output_dir=str(tmp_path),
+        max_steps=2,
+        learning_rate=3e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
         bf16=False,  # (TRL configs default to bf16, which would also fix the process's Accelerate state at bf16)
-    )  # fmt: skip
+    )
     values.update(overrides)
     return values
 
@@ -107,8 +121,13 @@ def logged(trainer, key: str = "loss") -> list[float]:
 # --------------------------------------------------------------------------------------------------
 
 
-CASES = {"padded": {}, "packed": {}, "decoder bias": dict(use_decoder_bias=True), "lora all-linear": {},
-         "d == e": dict(hidden_size=32, intermediate_size=48)}  # (where p alone would have fit the head's width)
+CASES = {
+    "padded": {},
+    "packed": {},
+    "decoder bias": dict(use_decoder_bias=True),
+    "lora all-linear": {},
+    "d == e": dict(hidden_size=32, intermediate_size=48),
+}  # (where p alone would have fit the head's width)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -185,9 +204,12 @@ def test_sft_trainer_trains_with_the_models_own_loss(tokenizer, tmp_path, varian
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear") if variant == "lora" else None
     args = SFTConfig(**common_arguments(tmp_path, max_steps=3), max_length=32, per_device_train_batch_size=4)
     trainer = SFTTrainer(
-        model=model, args=args, train_dataset=Dataset.from_dict({"text": TEXT}), processing_class=tokenizer,
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_dict({"text": TEXT}),
+        processing_class=tokenizer,
         peft_config=peft_config,
-    )  # fmt: skip
+    )
     check = FusedHeadCheck(trainer.model)
     trainer.train()
     check.remove()
@@ -214,9 +236,12 @@ def test_sft_trainer_refuses_an_adapter_on_the_tied_output(tokenizer, tmp_path):
     args = SFTConfig(**common_arguments(tmp_path), max_length=32, per_device_train_batch_size=4)
     with pytest.raises(ValueError, match="PEFT adapter"):
         SFTTrainer(
-            model=gpn(tokenizer), args=args, train_dataset=Dataset.from_dict({"text": TEXT}), processing_class=tokenizer,
+            model=gpn(tokenizer),
+            args=args,
+            train_dataset=Dataset.from_dict({"text": TEXT}),
+            processing_class=tokenizer,
             peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "decode_proj"]),
-        )  # fmt: skip
+        )
 
 
 def test_dpo_trainer_trains_a_gpn(gpn_folder, tokenizer, tmp_path):
@@ -225,13 +250,16 @@ def test_dpo_trainer_trains_a_gpn(gpn_folder, tokenizer, tmp_path):
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
-    pairs = Dataset.from_dict({
-        "prompt": ["the cat", "a dog", "once upon", "the end"],
-        "chosen": [" sat on the mat.", " sat on the log.", " a time.", "."],
-        "rejected": [" dog dog.", " mat mat.", " end end.", " cat cat."],
-    })  # fmt: skip
-    args = DPOConfig(**common_arguments(tmp_path, max_steps=3, learning_rate=1e-2), per_device_train_batch_size=4,
-                     max_length=32)  # fmt: skip
+    pairs = Dataset.from_dict(
+        {
+            "prompt": ["the cat", "a dog", "once upon", "the end"],
+            "chosen": [" sat on the mat.", " sat on the log.", " a time.", "."],
+            "rejected": [" dog dog.", " mat mat.", " end end.", " cat cat."],
+        }
+    )
+    args = DPOConfig(
+        **common_arguments(tmp_path, max_steps=3, learning_rate=1e-2), per_device_train_batch_size=4, max_length=32
+    )
     trainer = DPOTrainer(model=gpn_folder, args=args, train_dataset=pairs)
     assert type(trainer.model).__name__ == "GPNForCausalLM" and type(trainer.ref_model).__name__ == "GPNForCausalLM"
     check = FusedHeadCheck(trainer.model)
@@ -253,9 +281,13 @@ def test_grpo_trainer_generates_and_trains_without_vllm(gpn_folder, tmp_path):
         return [float(completion.count("cat")) - 0.1 * len(completion) for completion in completions]
 
     args = GRPOConfig(
-        **common_arguments(tmp_path), use_vllm=False, num_generations=2, max_completion_length=6,
-        per_device_train_batch_size=4, temperature=1.0,
-    )  # fmt: skip
+        **common_arguments(tmp_path),
+        use_vllm=False,
+        num_generations=2,
+        max_completion_length=6,
+        per_device_train_batch_size=4,
+        temperature=1.0,
+    )
     prompts = Dataset.from_dict({"prompt": ["the cat", "a dog", "once upon", "the end"]})
     trainer = GRPOTrainer(model=gpn_folder, reward_funcs=reward_cats, args=args, train_dataset=prompts)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -280,16 +312,23 @@ def test_reward_trainer_trains_a_gpn_reward_model(tokenizer, tmp_path):
 
     from modeling_gpn import GPNForSequenceClassification
 
-    config = tiny_config(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         num_labels=1)  # fmt: skip
+    config = tiny_config(
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        num_labels=1,
+    )
     torch.manual_seed(6)
     model = GPNForSequenceClassification(config)
-    pairs = Dataset.from_dict({
-        "chosen": ["the cat sat on the mat.", "a cat.", "the cat and the mat.", "once upon a time a cat sat."],
-        "rejected": ["the dog dog dog.", "a dog log.", "the end end end end.", "a log."],
-    })  # fmt: skip
-    args = RewardConfig(**common_arguments(tmp_path, max_steps=6, learning_rate=1e-2), per_device_train_batch_size=4,
-                        max_length=32)  # fmt: skip
+    pairs = Dataset.from_dict(
+        {
+            "chosen": ["the cat sat on the mat.", "a cat.", "the cat and the mat.", "once upon a time a cat sat."],
+            "rejected": ["the dog dog dog.", "a dog log.", "the end end end end.", "a log."],
+        }
+    )
+    args = RewardConfig(
+        **common_arguments(tmp_path, max_steps=6, learning_rate=1e-2), per_device_train_batch_size=4, max_length=32
+    )
     trainer = RewardTrainer(model=model, args=args, train_dataset=pairs, processing_class=tokenizer)
     seen = []
 
@@ -329,8 +368,9 @@ def test_trainer_fine_tunes_sequence_classification_on_a_tiny_labelled_set(token
     with torch.no_grad():
         alone = torch.cat([model(**tokenizer(text, return_tensors="pt")).logits for text in texts])
         first = F.cross_entropy(alone, torch.tensor(labels))
-    args = TrainingArguments(**common_arguments(tmp_path, max_steps=12, learning_rate=1e-2),
-                             per_device_train_batch_size=6)  # fmt: skip
+    args = TrainingArguments(
+        **common_arguments(tmp_path, max_steps=12, learning_rate=1e-2), per_device_train_batch_size=6
+    )
     trainer = Trainer(model=model, args=args, train_dataset=encoded, data_collator=DataCollatorWithPadding(tokenizer))
     trainer.train()
     losses = logged(trainer)

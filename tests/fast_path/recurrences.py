@@ -45,7 +45,9 @@ def random_problem(model, batch: int, length: int, mask_kind: str | None, seed: 
         mask = torch.ones(batch, length, dtype=torch.bool)
         mask[-1, 1 : length - 1] = False
     outputs_shape = (batch, length, d)
-    weights = [torch.randn(outputs_shape, generator=generator)] + [torch.randn(x.shape, generator=generator) for x in state]
+    weights = [torch.randn(outputs_shape, generator=generator)] + [
+        torch.randn(x.shape, generator=generator) for x in state
+    ]
     return token_inputs, state, mask, weights
 
 

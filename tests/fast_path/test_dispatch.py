@@ -78,7 +78,7 @@ def test_a_strided_gradient_from_autograd_keeps_every_backward_step_on_the_trito
         leaves = [token_inputs.clone().requires_grad_(True), *(x.clone().requires_grad_(True) for x in state)]
 
         def loss_and_backward():
-            outputs, (p, g, memory), _ = model.model.recurrence(leaves[0], tuple(leaves[1:]), mask)
+            outputs, (p, g, memory), _ = model.model.recurrence(leaves[0], tuple(leaves[1:]), mask)  # noqa: B023 (called in this iteration)
             loss = (outputs * weights[0]).sum() + (memory * column_major).sum()  # dL/dM is column-major too
             loss.backward()
             return loss.detach()

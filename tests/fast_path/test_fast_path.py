@@ -35,7 +35,9 @@ def test_memory_kernels_build_where_there_is_a_compiler():
     from modeling_gpn import memory_kernels
 
     has_compiler = bool(shutil.which("cc") or shutil.which("gcc"))
-    require_environment(has_compiler, "no C compiler (cc, gcc) here: the fast path uses its torch ops", "GPN_REQUIRE_C_KERNELS")
+    require_environment(
+        has_compiler, "no C compiler (cc, gcc) here: the fast path uses its torch ops", "GPN_REQUIRE_C_KERNELS"
+    )
     assert memory_kernels.available(), memory_kernels.unavailable_reason()
 
 
@@ -162,7 +164,9 @@ def test_causal_lm_loss_and_gradients_with_chunked_loss(variant):
         model.model.use_fast_path = fast
         model.zero_grad(set_to_none=True)
         chunked = fast and not return_logits  # the loss without logits: chunked, the others from full logits
-        with ran(FAST_PATH if fast else PLAIN_PATH, *[CHUNKED_LOSS] * chunked, not_ran=() if chunked else (CHUNKED_LOSS,)):
+        with ran(
+            FAST_PATH if fast else PLAIN_PATH, *[CHUNKED_LOSS] * chunked, not_ran=() if chunked else (CHUNKED_LOSS,)
+        ):
             out = model(ids, attention_mask=mask, labels=labels, return_logits=return_logits)
         assert (out.logits is None) == (not return_logits)
         out.loss.backward()
@@ -234,18 +238,23 @@ def test_prepacked_matrices_match_the_plain_matmul(monkeypatch, dtype):
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         pytest.skip("this torch build has no oneDNN linear, so nothing is prepacked")
     model = perturbed_model(tiny_config(num_predict_layers=2), seed=16).to(dtype).train()
-    if dtype == torch.bfloat16 and not fast_recurrence.PackedMatrix.worthwhile(fast_recurrence.fold_weights(model.model)):
+    if dtype == torch.bfloat16 and not fast_recurrence.PackedMatrix.worthwhile(
+        fast_recurrence.fold_weights(model.model)
+    ):
         pytest.skip("this CPU's oneDNN has no bf16 kernels, so nothing is prepacked")
     ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(17))
     monkeypatch.setenv("GPN_STEP_KERNELS", "0")  # (no-grad windows of a few rows would run the C step kernels)
     results = []
     for packed in (True, False):
-        monkeypatch.setattr(fast_recurrence.PackedMatrix, "worthwhile", staticmethod(lambda w, rows=None: packed))
+        monkeypatch.setattr(fast_recurrence.PackedMatrix, "worthwhile", staticmethod(lambda w, rows=None: packed))  # noqa: B023 (called in this iteration)
         model.zero_grad(set_to_none=True)
         with ran(FAST_PATH, *[PREPACKED] * packed, not_ran=() if packed else (PREPACKED,)):  # training
             loss = model(ids, labels=ids, return_logits=False).loss
             loss.backward()
-        with torch.no_grad(), ran(FAST_PATH, *[PREPACKED] * packed, not_ran=() if packed else (PREPACKED,)):  # inference
+        with (
+            torch.no_grad(),
+            ran(FAST_PATH, *[PREPACKED] * packed, not_ran=() if packed else (PREPACKED,)),
+        ):  # inference
             logits = model(ids).logits.float()
         grads = torch.cat([p.grad.float().flatten() for p in model.parameters()])
         results.append((loss.detach().float(), logits, grads))

@@ -65,8 +65,12 @@ def loss_logprobs_grads(model, ids, fast: bool, autocast: bool, dtype: torch.dty
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(  # (a GPN has no memory: the kernels have nothing to run)
     "variant,memory_kernels",
-    [(v, k) for v in (dict(), dict(num_predict_layers=2), dict(use_memory=False)) for k in KERNEL_MODES
-     if not (v == dict(use_memory=False) and k == "memory-kernels")],
+    [
+        (v, k)
+        for v in (dict(), dict(num_predict_layers=2), dict(use_memory=False))
+        for k in KERNEL_MODES
+        if not (v == dict(use_memory=False) and k == "memory-kernels")
+    ],
     indirect=["memory_kernels"],
 )
 def test_cpu_bf16_autocast_fast_equals_plain(variant, dtype, memory_kernels):
@@ -133,8 +137,13 @@ def test_backward_called_inside_autocast(memory_kernels):
         with torch.autocast("cpu", dtype=torch.bfloat16), ran(FAST_PATH if fast else PLAIN_PATH):
             out = model(ids, labels=ids)
             out.loss.backward()
-        results.append((out.loss.detach(), out.logits.float().log_softmax(-1).detach(),
-                        {n: p.grad for n, p in model.named_parameters()}))  # fmt: skip
+        results.append(
+            (
+                out.loss.detach(),
+                out.logits.float().log_softmax(-1).detach(),
+                {n: p.grad for n, p in model.named_parameters()},
+            )
+        )
     assert_bf16_close(results[1], results[0], exact, dict(model.named_parameters()))
 
 
@@ -163,12 +172,44 @@ def test_gpn_train_mixed_precision_bf16_on_cpu_ends_finite(tmp_path):
     data = require_shared("data/tinyshakespeare/input.txt")
     run = tmp_path / "run"
     command = [
-        sys.executable, "-m", "modeling_gpn.cli", "train", "--recipe", "tiny-cpu", "--dataset", str(data),
-        "--bpe-vocab-size", "512", "--seq-len", "32", "--batch-size", "8", "--micro-batch-size", "4",
-        "--eval-windows", "8", "--log-interval", "1", "--eval-interval", "0", "--checkpoint-interval", "0",
-        "--sample-tokens", "0", "--num-threads", "1", "--output-dir", str(run), "--cache-dir", str(tmp_path / "cache"),
-        "--no-progress", "--steps", "4", "--mixed-precision", "bf16",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "modeling_gpn.cli",
+        "train",
+        "--recipe",
+        "tiny-cpu",
+        "--dataset",
+        str(data),
+        "--bpe-vocab-size",
+        "512",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "8",
+        "--micro-batch-size",
+        "4",
+        "--eval-windows",
+        "8",
+        "--log-interval",
+        "1",
+        "--eval-interval",
+        "0",
+        "--checkpoint-interval",
+        "0",
+        "--sample-tokens",
+        "0",
+        "--num-threads",
+        "1",
+        "--output-dir",
+        str(run),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--no-progress",
+        "--steps",
+        "4",
+        "--mixed-precision",
+        "bf16",
+    ]
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "mixed precision bf16" in done.stdout + done.stderr
@@ -191,14 +232,26 @@ def step_problem(seed: int = 0, rows: int = 2, H: int = 3, dk: int = 4, dv: int 
     g = torch.Generator().manual_seed(seed)
     width = c.write + c.read_gate.stop
     BH = rows * H
-    forward = dict(Z=torch.randn(rows, width, generator=g), columns=c, key=torch.randn(rows, H * dk, generator=g),
-                   neg_decay_rate=-torch.rand(H, generator=g), memory=torch.randn(BH, dk, dv, generator=g),
-                   memory_out=torch.empty(BH, dk, dv), rms_eps=1e-6)  # fmt: skip
-    backward = dict(memory_grad=torch.randn(BH, dk, dv, generator=g), memory=torch.randn(BH, dk, dv, generator=g),
-                    queries=torch.randn(layers, BH, dk, generator=g), read_grads=torch.randn(layers, BH, dv, generator=g),
-                    k=torch.randn(BH, dk, generator=g), update=torch.randn(BH, dv, generator=g),
-                    a=torch.rand(BH, 1, generator=g), beta=torch.rand(BH, 1, generator=g),
-                    memory_grad_out=torch.empty(BH, dk, dv))  # fmt: skip
+    forward = dict(
+        Z=torch.randn(rows, width, generator=g),
+        columns=c,
+        key=torch.randn(rows, H * dk, generator=g),
+        neg_decay_rate=-torch.rand(H, generator=g),
+        memory=torch.randn(BH, dk, dv, generator=g),
+        memory_out=torch.empty(BH, dk, dv),
+        rms_eps=1e-6,
+    )
+    backward = dict(
+        memory_grad=torch.randn(BH, dk, dv, generator=g),
+        memory=torch.randn(BH, dk, dv, generator=g),
+        queries=torch.randn(layers, BH, dk, generator=g),
+        read_grads=torch.randn(layers, BH, dv, generator=g),
+        k=torch.randn(BH, dk, generator=g),
+        update=torch.randn(BH, dv, generator=g),
+        a=torch.rand(BH, 1, generator=g),
+        beta=torch.rand(BH, 1, generator=g),
+        memory_grad_out=torch.empty(BH, dk, dv),
+    )
     return forward, backward
 
 
@@ -217,18 +270,23 @@ def test_kernels_refuse_tensors_they_cannot_read_and_the_torch_ops_take_over():
     # (argument, bad value, what the torch ops make of it: "same" as the good value, "other" values, or
     # None: they cannot take it either)
     bad_forward = [
-        ("Z", Z.bfloat16(), "other"), ("Z", Z.double(), None), ("Z", Z.t().contiguous().t(), "same"),
+        ("Z", Z.bfloat16(), "other"),
+        ("Z", Z.double(), None),
+        ("Z", Z.t().contiguous().t(), "same"),
         ("Z", Z[:, : query_end - 1], None),
-        ("key", key.bfloat16(), "other"), ("key", torch.stack([key, key], dim=2)[:, :, 0], "same"),
+        ("key", key.bfloat16(), "other"),
+        ("key", torch.stack([key, key], dim=2)[:, :, 0], "same"),
         ("key", key[:, :-1], None),
-        ("memory", M.transpose(1, 2).contiguous().transpose(1, 2), "same"), ("memory", M.bfloat16(), None),
+        ("memory", M.transpose(1, 2).contiguous().transpose(1, 2), "same"),
+        ("memory", M.bfloat16(), None),
         ("memory", M[:, :, :-1], None),
         ("neg_decay_rate", forward["neg_decay_rate"].bfloat16(), "other"),
         ("neg_decay_rate", forward["neg_decay_rate"][:-1], None),
         ("memory_out", torch.empty_like(M).transpose(1, 2).contiguous().transpose(1, 2), "same"),
-        ("memory_out", torch.empty_like(M).bfloat16(), "other"), ("memory_out", torch.empty_like(M)[:, :-1], None),
+        ("memory_out", torch.empty_like(M).bfloat16(), "other"),
+        ("memory_out", torch.empty_like(M)[:, :-1], None),
         ("memory_out", M, None),  # M' written over M
-    ]  # fmt: skip
+    ]
     reference, expected_out = mk.memory_step(**forward), torch.empty_like(M)  # the kernel on good arguments
     expected = fr._memory_step_torch(*{**forward, "memory_out": expected_out}.values())
     for got, want in zip([*reference, forward["memory_out"]], [*expected, expected_out]):
@@ -240,8 +298,9 @@ def test_kernels_refuse_tensors_they_cannot_read_and_the_torch_ops_take_over():
         if torch_ops is None:
             continue
         half = fr._memory_half(*arguments.values())
-        expected = fr._memory_step_torch(*{**arguments, "memory_out": bad.clone() if name == "memory_out" else
-                                           torch.empty_like(M)}.values())  # fmt: skip
+        expected = fr._memory_step_torch(
+            *{**arguments, "memory_out": bad.clone() if name == "memory_out" else torch.empty_like(M)}.values()
+        )
         for got, want in zip(half, expected):
             torch.testing.assert_close(got, want, atol=0, rtol=0)
         if torch_ops == "same":
@@ -253,13 +312,19 @@ def test_kernels_refuse_tensors_they_cannot_read_and_the_torch_ops_take_over():
     for got, want in zip([*mk.memory_write_backward(**backward), backward["memory_grad_out"]], [*reference, out]):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     bad_backward = [
-        ("memory_grad", backward["memory_grad"].bfloat16()), ("memory_grad", backward["memory_grad"][:, :-1]),
-        ("queries", backward["queries"].bfloat16()), ("queries", backward["queries"][:, :-1]),
-        ("read_grads", backward["read_grads"].half()), ("read_grads", backward["read_grads"][:, :, :-1]),
-        ("k", backward["k"][:, :-1]), ("update", backward["update"].bfloat16()), ("a", backward["a"][:-1]),
-        ("beta", backward["beta"].bfloat16()), ("memory_grad_out", backward["memory_grad"]),
+        ("memory_grad", backward["memory_grad"].bfloat16()),
+        ("memory_grad", backward["memory_grad"][:, :-1]),
+        ("queries", backward["queries"].bfloat16()),
+        ("queries", backward["queries"][:, :-1]),
+        ("read_grads", backward["read_grads"].half()),
+        ("read_grads", backward["read_grads"][:, :, :-1]),
+        ("k", backward["k"][:, :-1]),
+        ("update", backward["update"].bfloat16()),
+        ("a", backward["a"][:-1]),
+        ("beta", backward["beta"].bfloat16()),
+        ("memory_grad_out", backward["memory_grad"]),
         ("memory_grad_out", torch.empty_like(M).transpose(1, 2).contiguous().transpose(1, 2)),
-    ]  # fmt: skip
+    ]
     for name, bad in bad_backward:
         with pytest.raises(mk.KernelRefusal, match=name):
             mk.memory_write_backward(**{**backward, name: bad})
@@ -335,8 +400,13 @@ def probe(cache: Path, *, sizes=(2, 3, 4, 5, 2), timeout: float = 300, **env_cha
         else:
             env[name] = value
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", PROBE, str(PACKAGE), json.dumps(list(sizes))], env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, str(PACKAGE), json.dumps(list(sizes))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert done.returncode == 0, f"the probe died with {done.returncode}: {done.stderr[-3000:]}"
     result = json.loads(done.stdout.strip().splitlines()[-1])
     result["seconds"] = time.monotonic() - started
@@ -424,7 +494,9 @@ def test_a_library_from_other_source_under_the_right_name_is_rebuilt(good_build,
     from modeling_gpn import memory_kernels as mk
 
     kernels = "".join(f"void {name}(void) {{}}\n" for name in mk._SYMBOLS if name != "gpn_kernel_source_digest")
-    foreign = compile_foreign(tmp_path, kernels + 'const char *gpn_kernel_source_digest(void) { return "not the GPN kernels"; }\n')
+    foreign = compile_foreign(
+        tmp_path, kernels + 'const char *gpn_kernel_source_digest(void) { return "not the GPN kernels"; }\n'
+    )
     for with_record, complaint in ((False, "does not match the hash"), (True, "built from other source")):
         cache = copy_of(good_build, tmp_path / f"cache-{with_record}")
         if with_record:
@@ -544,6 +616,12 @@ def test_the_model_card_says_the_remote_code_compiles_c_and_how_to_turn_it_off()
 
     card = build_card(tiny_config(), "someone/tiny-gpn", n_params=1234)
     validate_card(card)
-    for words in ("compiles and loads C", "`cc`", "GPN_KERNEL_CACHE", "~/.cache/gpn/kernels", "GPN_MEMORY_KERNELS=0",
-                  "GPN_KERNEL_BUILD_TIMEOUT"):  # fmt: skip
+    for words in (
+        "compiles and loads C",
+        "`cc`",
+        "GPN_KERNEL_CACHE",
+        "~/.cache/gpn/kernels",
+        "GPN_MEMORY_KERNELS=0",
+        "GPN_KERNEL_BUILD_TIMEOUT",
+    ):
         assert words in card, words

@@ -80,8 +80,9 @@ def test_the_self_check_passes_correct_kernels_whose_results_carry_gpu_noise(fre
     tolerance: the second of these draws fails it in bf16); sizes of a few hundred so that enough values are rounded,
     batch 2 only (the other batches' variants are the other tests' concern; the interpreter is slow)."""
     monkeypatch.setattr(tk, "SELF_CHECK_BATCHES", (2,), raising=False)  # (raising: so the old code runs too)
-    w, s = fresh_weights_and_sizes(batch=2, hidden_size=256, intermediate_size=512, num_memory_heads=2,
-                                   memory_key_dim=32, memory_value_dim=64)  # fmt: skip
+    w, s = fresh_weights_and_sizes(
+        batch=2, hidden_size=256, intermediate_size=512, num_memory_heads=2, memory_key_dim=32, memory_value_dim=64
+    )
     w = fr.in_matmul_dtype(w, dtype)
     noise = gpu_noise(monkeypatch)
     for seed in range(4):
@@ -89,7 +90,9 @@ def test_the_self_check_passes_correct_kernels_whose_results_carry_gpu_noise(fre
         tk._self_checks.clear()
         with torch.no_grad():
             assert tk.self_check(w, s, EPS, CPU, dtype), (seed, tk.self_check_failure())
-    assert tk.self_check_summary() == {f"cpu {str(dtype)[6:]} (batch 2, hidden 256, inter 512, 1 layer(s), 2 heads of 32x64)": "passed"}
+    assert tk.self_check_summary() == {
+        f"cpu {str(dtype)[6:]} (batch 2, hidden 256, inter 512, 1 layer(s), 2 heads of 32x64)": "passed"
+    }
 
 
 def test_the_self_check_runs_full_float32_matmuls_whatever_the_process_set(fresh_self_check, monkeypatch):
@@ -155,7 +158,10 @@ def test_an_error_of_1e_2_in_any_single_output_fails(fresh_self_check, monkeypat
 
     monkeypatch.setattr(tk, "_one_step", off_new_p)
     monkeypatch.setattr(tk, "_self_checks", {})
-    with torch.no_grad(), pytest.warns(RuntimeWarning, match=f"disagree .* on cpu {str(dtype)[6:]} \\(batch 2, .*new p"):
+    with (
+        torch.no_grad(),
+        pytest.warns(RuntimeWarning, match=f"disagree .* on cpu {str(dtype)[6:]} \\(batch 2, .*new p"),
+    ):
         assert not tk.self_check(w, s, EPS, CPU, dtype)
 
 
@@ -180,7 +186,9 @@ def test_an_error_in_a_branch_a_fresh_model_zeroes_is_caught(fresh_self_check, m
     assert "relative error" in tk.self_check_failure()
 
 
-def test_an_error_only_in_the_variant_for_batches_divisible_by_16_turns_off_that_batch_only(fresh_self_check, monkeypatch):
+def test_an_error_only_in_the_variant_for_batches_divisible_by_16_turns_off_that_batch_only(
+    fresh_self_check, monkeypatch
+):
     """`memory_write_backward` wrong only when its `heads` (B*H) is divisible by 16 (Triton compiles that
     case apart): the check of batch 16 catches it and names it; the model then runs batch 16 on the torch
     ops (= plain) and batch 3, which passed, on the kernels. Fails on the old check (batch 2 only), which
@@ -317,11 +325,20 @@ def test_a_capture_warms_up_on_a_side_stream_then_captures_thread_local_on_the_t
     graphs = cuda_graphs.captured(recorder.ran("warm-up"), [recorder.ran("run 0"), recorder.ran("run 1")], like)
     assert len(graphs) == 2
     assert recorder.events == [
-        ("device", "cpu"), "side stream made", "side waits", "enter side stream", ("warm-up", "side stream"),
-        "leave side stream", "current waits",
-        ("capture", {"capture_error_mode": "thread_local"}), ("run 0", "current stream"), "captured",
-        ("capture", {"capture_error_mode": "thread_local"}), ("run 1", "current stream"), "captured",
-    ]  # fmt: skip
+        ("device", "cpu"),
+        "side stream made",
+        "side waits",
+        "enter side stream",
+        ("warm-up", "side stream"),
+        "leave side stream",
+        "current waits",
+        ("capture", {"capture_error_mode": "thread_local"}),
+        ("run 0", "current stream"),
+        "captured",
+        ("capture", {"capture_error_mode": "thread_local"}),
+        ("run 1", "current stream"),
+        "captured",
+    ]
 
 
 def test_the_training_sweep_and_the_decode_graph_capture_through_it(triton_on, monkeypatch):
@@ -336,7 +353,7 @@ def test_the_training_sweep_and_the_decode_graph_capture_through_it(triton_on, m
     sweep.capture = True
     steps = []
     forward_steps = sweep.forward_steps
-    on_side_stream = lambda *a: (steps.append(recorder.stream is not None), forward_steps(*a))  # noqa: E731
+    on_side_stream = lambda *a: (steps.append(recorder.stream is not None), forward_steps(*a))
     monkeypatch.setattr(sweep, "forward_steps", on_side_stream)
     sweep._run("forward", 0, 2)
     sweep._run("forward", 0, 2)
@@ -344,7 +361,9 @@ def test_the_training_sweep_and_the_decode_graph_capture_through_it(triton_on, m
     captures = [e for e in recorder.events if isinstance(e, tuple) and e[0] == "capture"]
     assert captures == [("capture", {"capture_error_mode": "thread_local"})] and recorder.events[-1] == "replay"
     recorder.events.clear()
-    graph = cuda_graphs.StepsGraph(model.model, 1, CPU, kernels=fr.GRAPH_KERNELS, w=fr.cached_folded_weights(model.model, rows=1))
+    graph = cuda_graphs.StepsGraph(
+        model.model, 1, CPU, kernels=fr.GRAPH_KERNELS, w=fr.cached_folded_weights(model.model, rows=1)
+    )
     graph.capture()
     assert [e for e in recorder.events if isinstance(e, tuple) and e[0] == "capture"] == 2 * captures
     assert recorder.events.index("leave side stream") < recorder.events.index(captures[0])

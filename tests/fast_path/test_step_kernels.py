@@ -54,7 +54,7 @@ def test_the_step_kernels_compute_the_plain_loop(one_thread, dtype, rows, padded
         mask = torch.ones(rows, 7, dtype=torch.long)
         mask[1, :3] = 0
         mask[2, :1] = 0
-    decays = lambda: model.model(ids, attention_mask=mask, output_memory_decays=True).memory_decays  # noqa: E731
+    decays = lambda: model.model(ids, attention_mask=mask, output_memory_decays=True).memory_decays
     with torch.no_grad(), ran(FAST_PATH, C_STEP_KERNELS, C_PRODUCTS, not_ran=(PLAIN_PATH,)):
         fast, fast_decays = decode_loop(model, ids, mask), decays()
     model.model.use_fast_path = False
@@ -65,8 +65,11 @@ def test_the_step_kernels_compute_the_plain_loop(one_thread, dtype, rows, padded
     torch.testing.assert_close(fast_decays, plain_decays, atol=1e-3 if low else 1e-5, rtol=1e-2 if low else 1e-5)
 
 
-@pytest.mark.parametrize("variant", [dict(use_memory=False, num_predict_layers=2), dict(use_decoder_bias=True)],
-                         ids=["gpn-without-memory-2-layers", "decoder-bias"])  # fmt: skip
+@pytest.mark.parametrize(
+    "variant",
+    [dict(use_memory=False, num_predict_layers=2), dict(use_decoder_bias=True)],
+    ids=["gpn-without-memory-2-layers", "decoder-bias"],
+)
 def test_the_step_kernels_take_every_variant(one_thread, variant):
     """GPN without memory (no write, no reads: the kernels' other branch) and the decoder bias (a biased
     decoder projection on the few-row products) = the plain loop."""
@@ -142,7 +145,9 @@ def test_the_few_row_products_equal_f_linear_and_refuse_what_they_cannot_take():
             x = torch.randn(rows, 37, generator=generator)
             got, want = mk.linear_rows(x, weight), torch.nn.functional.linear(x.to(dtype), weight)
             assert got.dtype == want.dtype
-            torch.testing.assert_close(got.float(), want.float(), atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-5)
+            torch.testing.assert_close(
+                got.float(), want.float(), atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-5
+            )
     with pytest.raises(mk.KernelRefusal, match="17 rows|rows, features"):
         mk.linear_rows(torch.randn(17, 37), weight)
     with pytest.raises(mk.KernelRefusal, match="shape"):

@@ -52,7 +52,7 @@ def test_training_sweep_equals_the_fast_path_and_the_plain_loop(graphs_on, varia
         fast = run_recurrence(model, True, tokens, state, None, weights)
     assert not sweeps_of(model)
     graphs_on.setenv("GPN_CUDA_GRAPHS", "1")
-    for call in range(2):  # the second call reuses the buffers (and would replay the graphs)
+    for _call in range(2):  # the second call reuses the buffers (and would replay the graphs)
         with ran(FAST_PATH, TRAINING_SWEEP, TRITON, not_ran=(PLAIN_PATH,)):
             swept = run_recurrence(model, True, tokens, state, None, weights)
         assert_same(plain, swept)
@@ -113,9 +113,13 @@ def test_what_the_sweep_does_not_take_runs_the_fast_path(graphs_on, kind):
         graphs_on.setenv("GPN_CUDA_GRAPHS", "inference")
     config = dict(bptt_truncation_length=2) if kind == "truncation" else {}
     model = perturbed_model(tiny_config(**config), seed=23)
-    tokens, state, mask, weights = random_problem(model, batch=3, length=4, mask_kind="holes" if kind == "mask" else None, seed=7)
+    tokens, state, mask, weights = random_problem(
+        model, batch=3, length=4, mask_kind="holes" if kind == "mask" else None, seed=7
+    )
     plain = run_recurrence(model, False, tokens, state, mask, weights)
-    with ran(FAST_PATH, TRITON, not_ran=(TRAINING_SWEEP, PLAIN_PATH)):  # the fast path without a sweep, not the plain loop
+    with ran(
+        FAST_PATH, TRITON, not_ran=(TRAINING_SWEEP, PLAIN_PATH)
+    ):  # the fast path without a sweep, not the plain loop
         fast = run_recurrence(model, True, tokens, state, mask, weights)
     assert_same(plain, fast)
     assert not sweeps_of(model)
@@ -176,12 +180,13 @@ def test_windows_of_other_lengths_reuse_one_sweep(graphs_on, segment):
     lengths = []
     for length in (3, 5, 2):
         tokens, state, _, weights = random_problem(model, batch=2, length=length, mask_kind=None, seed=length)
-        assert_same(run_recurrence(model, False, tokens, state, None, weights),
-                    run_recurrence(model, True, tokens, state, None, weights))  # fmt: skip
+        assert_same(
+            run_recurrence(model, False, tokens, state, None, weights),
+            run_recurrence(model, True, tokens, state, None, weights),
+        )
         (sweep,) = sweeps_of(model)
         lengths.append(sweep.length)
     assert lengths == [segment or cuda_graphs.SWEEP_SEGMENT_LENGTH] * 3
-
 
 
 @pytest.mark.parametrize("graphs", ["1", "0"])

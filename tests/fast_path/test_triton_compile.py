@@ -17,9 +17,19 @@ import pytest
 from ..environment import REPO_ROOT
 
 KERNEL_NAMES = (
-    "memory_step", "memory_read", "memory_write_backward", "unit_rms", "ground", "predict_input", "gated_residual",
-    "predict_layer_backward", "memory_read_backward", "memory_gates_backward", "rms_backward", "ground_gate_backward",
-)  # fmt: skip
+    "memory_step",
+    "memory_read",
+    "memory_write_backward",
+    "unit_rms",
+    "ground",
+    "predict_input",
+    "gated_residual",
+    "predict_layer_backward",
+    "memory_read_backward",
+    "memory_gates_backward",
+    "rms_backward",
+    "ground_gate_backward",
+)
 
 
 @pytest.mark.slow
@@ -31,8 +41,14 @@ def test_every_triton_kernel_compiles_for_sm90():
             pytest.fail(f"triton unavailable: {error}")
         pytest.skip(f"triton unavailable: {error}")
     env = dict(os.environ, TRITON_INTERPRET="0")
-    result = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "triton_compile_check.py"), "--arch", "90"],
-                            capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=600)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benchmarks" / "triton_compile_check.py"), "--arch", "90"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO_ROOT,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "[FAIL]" not in result.stdout and "20 of 20 kernel variants compiled" in result.stdout, result.stdout
     # the launches of the 130M presets' steps, through the JIT's binder as on a GPU: every kernel among them

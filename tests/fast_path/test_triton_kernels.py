@@ -143,7 +143,11 @@ def test_row_kernels_match_the_torch_ops(triton_on, rows, width):
     x = torch.randn(rows, width, generator=g)
     torch.testing.assert_close(tk.unit_rms(x, eps), fr._unit_rms(x, eps), atol=1e-6, rtol=1e-5)
     # ground: sigmoid(z + b) * p + u and its rms; u a column of a (B, T, d) window
-    z, b, p = torch.randn(rows, width, generator=g), torch.randn(width, generator=g), torch.randn(rows, width, generator=g)
+    z, b, p = (
+        torch.randn(rows, width, generator=g),
+        torch.randn(width, generator=g),
+        torch.randn(rows, width, generator=g),
+    )
     window = torch.randn(rows, 3, width, generator=g)
     sig, grounded, a_g = tk.ground(z, b, p, window[:, 1], eps)
     ref_sig = torch.sigmoid(z + b)
@@ -169,7 +173,10 @@ def test_predict_input_and_gated_residual_match_the_torch_ops(triton_on, memory)
     torch.testing.assert_close(X, expected, atol=1e-6, rtol=1e-5)
     Y, state = torch.randn(B, d, generator=g), torch.randn(B, d, generator=g)
     torch.testing.assert_close(
-        tk.gated_residual(Y, part, c, state), torch.addcmul(Y, torch.sigmoid(part[:, c.gate]), state), atol=1e-6, rtol=1e-5
+        tk.gated_residual(Y, part, c, state),
+        torch.addcmul(Y, torch.sigmoid(part[:, c.gate]), state),
+        atol=1e-6,
+        rtol=1e-5,
     )
 
 
@@ -280,11 +287,17 @@ def one_step_problem(variant: str, B: int, seed: int, dtype=torch.float32):
 @torch.no_grad()
 @pytest.mark.parametrize(
     "variant,dtype,masked",
-    [("gpn+m", torch.float32, False), ("gpn+m-awkward", torch.float32, False),
-     ("gpn+m-2l-awkward-seg2", torch.float32, False), ("gpn", torch.float32, False),
-     ("gpn+m-2l-awkward-seg2", torch.bfloat16, False),
-     ("gpn+m", torch.float32, True), ("gpn+m-2l-awkward-seg2", torch.float32, True), ("gpn", torch.float32, True)],
-)  # fmt: skip
+    [
+        ("gpn+m", torch.float32, False),
+        ("gpn+m-awkward", torch.float32, False),
+        ("gpn+m-2l-awkward-seg2", torch.float32, False),
+        ("gpn", torch.float32, False),
+        ("gpn+m-2l-awkward-seg2", torch.bfloat16, False),
+        ("gpn+m", torch.float32, True),
+        ("gpn+m-2l-awkward-seg2", torch.float32, True),
+        ("gpn", torch.float32, True),
+    ],
+)
 def test_one_step_forward_and_backward_match_the_torch_ops(triton_on, variant, dtype, masked):
     """`triton_kernels.step` = `_step` (new state, gamma, every record) and `triton_kernels.step_backward` =
     `_step_backward` (state gradients, dL/du, every weight-gradient row and the decay-rate gradient); with
@@ -295,7 +308,9 @@ def test_one_step_forward_and_backward_match_the_torch_ops(triton_on, variant, d
     results = {}
     for name, step in (("torch", fr._step), ("triton", tk.step)):
         saved = {}
-        new_state, gamma = step(state, u, real, w, s, c, eps, saved, torch.empty_like(state.memory) if s.memory else None)
+        new_state, gamma = step(
+            state, u, real, w, s, c, eps, saved, torch.empty_like(state.memory) if s.memory else None
+        )
         results[name] = (new_state, gamma, saved)
     (ref_state, ref_gamma, ref_saved), (tri_state, tri_gamma, tri_saved) = results["torch"], results["triton"]
     for a, b in zip(tri_state, ref_state):
@@ -317,7 +332,7 @@ def test_one_step_forward_and_backward_match_the_torch_ops(triton_on, variant, d
     for name, step_backward in (("torch", fr._step_backward), ("triton", tk.step_backward)):
         weight_grads = fr._WeightGrads(w, s.batch)
         out = torch.empty_like(state.memory) if s.memory else None
-        (d_state, d_u), n = launches(lambda: step_backward(ref_saved, grads, wt, s, c, eps, weight_grads, out))
+        (d_state, d_u), n = launches(lambda: step_backward(ref_saved, grads, wt, s, c, eps, weight_grads, out))  # noqa: B023 (called in this iteration)
         weight_grads.flush()  # the rows become weight gradients
         backward[name] = (d_state, d_u, weight_grads, n)
     (ref_d, ref_du, ref_wg, _), (tri_d, tri_du, tri_wg, n) = backward["torch"], backward["triton"]
@@ -355,13 +370,16 @@ def test_graph_steps_run_on_static_buffers_without_allocation_or_host_sync(trito
     core = model.model
     B, calls = 3, 3
     tokens, state, _, _ = random_problem(model, batch=B, length=steps * calls, mask_kind=None, seed=4)
-    graph = cuda_graphs.StepsGraph(core, B, torch.device("cpu"), steps=steps, kernels=fr.GRAPH_KERNELS,
-                                   w=fr.cached_folded_weights(core, rows=B))
+    graph = cuda_graphs.StepsGraph(
+        core, B, torch.device("cpu"), steps=steps, kernels=fr.GRAPH_KERNELS, w=fr.cached_folded_weights(core, rows=B)
+    )
     core.use_fast_path = False
     memory_addresses, graph_state, reference_state = [], state, state
     for call in range(calls):
         window = tokens[:, call * steps : (call + 1) * steps]
-        expected, reference_state, expected_gammas = core.recurrence(window, reference_state, None, output_memory_decays=True)
+        expected, reference_state, expected_gammas = core.recurrence(
+            window, reference_state, None, output_memory_decays=True
+        )
         outputs, graph_state, gammas = graph(window, graph_state)
         for got, want in zip((outputs, *graph_state, gammas), (expected, *reference_state, expected_gammas)):
             torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-4)
@@ -455,8 +473,12 @@ def test_without_triton_the_model_runs_on_the_other_backends():
         "print('ok')\n"
     )
     env = dict(os.environ, GPN_TRITON="1", TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=300)
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout[-2000:] + result.stderr[-2000:]
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=300
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), (
+        result.stdout[-2000:] + result.stderr[-2000:]
+    )
 
 
 # (the self-check a GPU runs before it uses the kernels: tests/fast_path/test_self_check.py)

@@ -168,7 +168,10 @@ def test_the_cache_is_exactly_constant_in_size_from_its_first_position():
         out = model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
 
     assert set(through_generate) == set(through_loop) == set(checkpoints)
-    sizes = {**{f"generate@{k}": v for k, v in through_generate.items()}, **{f"loop@{k}": v for k, v in through_loop.items()}}
+    sizes = {
+        **{f"generate@{k}": v for k, v in through_generate.items()},
+        **{f"loop@{k}": v for k, v in through_loop.items()},
+    }
     assert len(set(sizes.values())) == 1, sizes
     # the state (p, g, M), and the fingerprint of what it read: 2 int64 per row
     assert sizes["loop@1"] == 4 * model.config.state_floats_per_row * rows + 2 * 8 * rows, sizes

@@ -32,8 +32,14 @@ def test_greedy_equals_argmax_path_without_cache(model):
 @torch.no_grad()
 def test_beam_search_with_and_without_cache(model):
     prompt = torch.randint(1, 97, (2, 6), generator=torch.Generator().manual_seed(1))
-    kwargs = dict(max_new_tokens=8, num_beams=3, num_return_sequences=2, do_sample=False, output_scores=True,
-                  return_dict_in_generate=True)  # fmt: skip
+    kwargs = dict(
+        max_new_tokens=8,
+        num_beams=3,
+        num_return_sequences=2,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     cached = model.generate(prompt, use_cache=True, **kwargs)
     uncached = model.generate(prompt, use_cache=False, **kwargs)
     assert cached.sequences.shape == (4, 14)
@@ -64,8 +70,14 @@ def test_beam_search_reorders_what_each_cache_row_has_read(model):
     hook = model.model.register_forward_hook(lambda module, args, output: caches.append(output.cache))
     try:
         prompt = torch.randint(1, 97, (2, 4), generator=torch.Generator().manual_seed(0))
-        model.generate(prompt, max_new_tokens=8, num_beams=3, num_return_sequences=2, do_sample=False,
-                       logits_processor=LogitsProcessorList([CheckWhatEachRowRead()]))  # fmt: skip
+        model.generate(
+            prompt,
+            max_new_tokens=8,
+            num_beams=3,
+            num_return_sequences=2,
+            do_sample=False,
+            logits_processor=LogitsProcessorList([CheckWhatEachRowRead()]),
+        )
     finally:
         hook.remove()
     assert len(checked) == 8 and all(checked), checked

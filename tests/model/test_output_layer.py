@@ -109,7 +109,9 @@ def test_peft_all_linear_leaves_the_output_head_out():
     leaves it out: the decoder projection gets an adapter, the tied head does not, and the head stays tied."""
     import peft
 
-    model = peft.get_peft_model(perturbed_model(tiny_config(), seed=5), peft.LoraConfig(r=4, target_modules="all-linear"))
+    model = peft.get_peft_model(
+        perturbed_model(tiny_config(), seed=5), peft.LoraConfig(r=4, target_modules="all-linear")
+    )
     base = model.get_base_model()
     assert type(base.lm_head) is nn.Linear and base.lm_head.weight is base.model.embed_tokens.weight
     adapted = {name.rsplit(".", 1)[0] for name, _ in base.named_modules() if name.endswith(".lora_A")}
@@ -129,8 +131,13 @@ def test_a_wrapped_embedding_is_followed_by_the_output_and_never_ignored():
     outputs = {}
     for tying in (False, True):
         torch.manual_seed(7)
-        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "decode_proj"], init_lora_weights=False,
-                                 ensure_weight_tying=tying)  # fmt: skip
+        config = peft.LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=["embed_tokens", "decode_proj"],
+            init_lora_weights=False,
+            ensure_weight_tying=tying,
+        )
         adapted = peft.get_peft_model(perturbed_model(tiny_config(), seed=6), config).eval()
         inner = adapted.get_base_model()
         with torch.no_grad():
@@ -232,7 +239,10 @@ def test_the_chunked_loss_reads_the_head_where_it_can_and_calls_it_where_it_must
             inner.prefill_chunk_length = 0
             whole, last = model(ids, labels=ids).loss, model(ids).logits[:, -1:]
             inner.prefill_chunk_length = 4
-            chunked, chunked_last = model(ids, labels=ids, return_logits=False).loss, model(ids, logits_to_keep=1).logits
+            chunked, chunked_last = (
+                model(ids, labels=ids, return_logits=False).loss,
+                model(ids, logits_to_keep=1).logits,
+            )
             del inner.prefill_chunk_length
         torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6, msg=name)
         # (one-pass and chunked logits come from the same states through products of different row counts: the C

@@ -56,10 +56,11 @@ def packing_arguments(form: str) -> dict:
     seq_idx = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths))
     forms = {
         "position_ids": dict(position_ids=position_ids),
-        "cu_seq_lens": dict(cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens, max_length_q=max(lengths),
-                            max_length_k=max(lengths)),
+        "cu_seq_lens": dict(
+            cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens, max_length_q=max(lengths), max_length_k=max(lengths)
+        ),
         "seq_idx": dict(seq_idx=seq_idx.view(len(ROW_SEQUENCE_LENGTHS), -1)),
-    }  # fmt: skip
+    }
     if form == "all":
         return {name: value for arguments in forms.values() for name, value in arguments.items()}
     return forms[form]
@@ -103,7 +104,10 @@ def assert_same_run(expected, got, rtol=1e-4, atol=1e-6):
     for piece, alone in zip(split_rows(packed_logits), logits):
         torch.testing.assert_close(piece, alone, rtol=rtol, atol=1e-5)
     assert packed_grads.keys() == grads.keys()
-    for name, grad in grads.items():  # (relative to the gradient's largest entry, as tests/fast_path/recurrences.py's assert_same)
+    for (
+        name,
+        grad,
+    ) in grads.items():  # (relative to the gradient's largest entry, as tests/fast_path/recurrences.py's assert_same)
         error = ((packed_grads[name] - grad).abs().max() / grad.abs().max().clamp_min(1e-6)).item()
         assert error < rtol, f"gradient of {name} differs by {error:.2e} (relative to its max)"
 
@@ -156,13 +160,20 @@ def test_packed_rows_with_padding_equal_one_by_one():
     model.zero_grad(set_to_none=True)
     total, alone_logits = 0.0, []
     for start, stop in zip(cu_seq_lens[:-1].tolist(), cu_seq_lens[1:].tolist()):
-        output = model(ids[:, start:stop], attention_mask=mask[:, start:stop], labels=labels[:, start:stop],
-                       num_items_in_batch=num_items)  # fmt: skip
+        output = model(
+            ids[:, start:stop],
+            attention_mask=mask[:, start:stop],
+            labels=labels[:, start:stop],
+            num_items_in_batch=num_items,
+        )
         output.loss.backward()
         total += output.loss.detach()
         alone_logits.append(output.logits.detach())
     expected_grads = gradients(model)
-    for form in ({"cu_seq_lens_q": cu_seq_lens}, {"position_ids": torch.tensor([[0, 1, 2, 3, 0, 0, 1, 0, 2, 3, 0, 0]])}):
+    for form in (
+        {"cu_seq_lens_q": cu_seq_lens},
+        {"position_ids": torch.tensor([[0, 1, 2, 3, 0, 0, 1, 0, 2, 3, 0, 0]])},
+    ):
         loss, logits, grads = packed(model, ids, labels, num_items, attention_mask=mask, **form)
         torch.testing.assert_close(loss, total, rtol=1e-5, atol=1e-6)
         real = mask[0].bool()
@@ -219,7 +230,9 @@ def test_a_long_packed_prompt_is_not_cut_into_prefill_chunks(monkeypatch):
     num_items = int((row_labels[:, 1:] != -100).sum())
     expected = sum(model(ids, labels=labels, num_items_in_batch=num_items).loss for ids, labels in sequences)
     for form in INPUT_FORMS:
-        arguments = dict(labels=row_labels, num_items_in_batch=num_items, return_logits=False, **packing_arguments(form))
+        arguments = dict(
+            labels=row_labels, num_items_in_batch=num_items, return_logits=False, **packing_arguments(form)
+        )
         torch.testing.assert_close(model(row_ids, **arguments).loss, expected, rtol=1e-5, atol=1e-6)
     last = [ids for ids, _ in sequences][2]  # the first row's last sequence
     kept = model(row_ids, logits_to_keep=2, **packing_arguments("position_ids")).logits[0]
@@ -248,7 +261,10 @@ def test_ordinary_position_ids_change_nothing():
 @pytest.mark.parametrize(
     "arguments,message",
     [
-        (dict(cu_seq_lens_q=torch.tensor([0, 5, 27])), r"must run from 0 to the number of tokens in the batch \(2 x 14 = 28\)"),
+        (
+            dict(cu_seq_lens_q=torch.tensor([0, 5, 27])),
+            r"must run from 0 to the number of tokens in the batch \(2 x 14 = 28\)",
+        ),
         (dict(cu_seq_lens_q=torch.tensor([0, 5, 5, 28])), "strictly increasing"),
         (dict(cu_seq_lens_q=torch.tensor([0, 10, 28])), "running from row 0 into row 1"),
         (dict(cu_seq_lens_q=torch.tensor([[0, 14, 28]])), "1-D tensor"),
@@ -258,10 +274,12 @@ def test_ordinary_position_ids_change_nothing():
         (dict(max_length_k=14), "max_length_k was given without cu_seq_lens_k"),
         (dict(seq_idx=torch.zeros(2, 13, dtype=torch.int32)), r"seq_idx must have shape \(batch=2, seq=14\)"),
         (dict(position_ids=torch.arange(14)), r"position_ids must have shape"),
-        (dict(position_ids=torch.arange(14)[None].repeat(2, 1), cu_seq_lens_q=torch.tensor([0, 5, 14, 28])),
-         r"disagree .* \(row 0, position 5\) a sequence does not start by position_ids but starts by cu_seq_lens_q"),
+        (
+            dict(position_ids=torch.arange(14)[None].repeat(2, 1), cu_seq_lens_q=torch.tensor([0, 5, 14, 28])),
+            r"disagree .* \(row 0, position 5\) a sequence does not start by position_ids but starts by cu_seq_lens_q",
+        ),
     ],
-)  # fmt: skip
+)
 def test_inconsistent_packing_arguments_are_refused_by_name(arguments, message):
     model = perturbed_model(tiny_config())
     ids = torch.randint(1, VOCAB, (2, 14))
@@ -302,7 +320,10 @@ def backend(request, monkeypatch):
 def assert_backend_ran(model, backend: str, training: bool = True) -> None:
     core = model.model
     ran = core.last_recurrence_backends
-    assert core.last_recurrence_path == "fast" and ran is not None and ran.graphs is None, (core.last_recurrence_path, ran)
+    assert core.last_recurrence_path == "fast" and ran is not None and ran.graphs is None, (
+        core.last_recurrence_path,
+        ran,
+    )
     if backend == "triton":
         assert ran.step == "triton" and ran.step_backward == ("triton" if training else None), ran
     else:
@@ -441,9 +462,18 @@ def trainer_arguments(tmp_path, **overrides):
     from transformers import TrainingArguments
 
     values = dict(
-        output_dir=str(tmp_path), max_steps=3, learning_rate=3e-3, max_grad_norm=0.0, logging_steps=1,
-        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0,
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        max_steps=3,
+        learning_rate=3e-3,
+        max_grad_norm=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
     values.update(overrides)
     return TrainingArguments(**values)
 
@@ -505,26 +535,46 @@ def test_trl_sft_trainer_with_packing_trains(tmp_path):
             module.model.use_fast_path = False
             alone = sum(
                 type(module).forward(module, ids[:, a:b], labels=labels[:, a:b], num_items_in_batch=counted).loss
-                for a, b in zip(cu[:-1], cu[1:]) if b - a > 1
-            )  # fmt: skip
+                for a, b in zip(cu[:-1], cu[1:])
+                if b - a > 1
+            )
             module.model.use_fast_path = True
         checks.append((len(cu) - 1, float(output.loss), float(own), float(alone)))
 
     handle = model.register_forward_hook(check_against_one_by_one, with_kwargs=True)
     args = SFTConfig(
-        output_dir=str(tmp_path), packing=True, padding_free=True, max_length=24, per_device_train_batch_size=4,
-        max_steps=3, learning_rate=3e-3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-        disable_tqdm=True, dataloader_num_workers=0, seed=0, dataset_text_field="text",
+        output_dir=str(tmp_path),
+        packing=True,
+        padding_free=True,
+        max_length=24,
+        per_device_train_batch_size=4,
+        max_steps=3,
+        learning_rate=3e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+        dataset_text_field="text",
         bf16=False,  # (SFTConfig's default is bf16, which would also fix the process's Accelerate state at bf16)
-    )  # fmt: skip
-    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"text": text}), processing_class=tokenizer)
+    )
+    trainer = SFTTrainer(
+        model=model, args=args, train_dataset=Dataset.from_dict({"text": text}), processing_class=tokenizer
+    )
     trainer.train()
     handle.remove()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == len(checks) == 3 and all(loss == loss for loss in losses)
     assert any(sequences > 1 for sequences, *_ in checks), "TRL packed no row with several sequences"
     for (sequences, fused, own, alone), logged in zip(checks, losses):
-        assert fused == pytest.approx(own, rel=1e-5) and fused == pytest.approx(alone, rel=1e-4), (sequences, fused, own, alone)
+        assert fused == pytest.approx(own, rel=1e-5) and fused == pytest.approx(alone, rel=1e-4), (
+            sequences,
+            fused,
+            own,
+            alone,
+        )
         assert logged == pytest.approx(fused, rel=1e-5)
 
 
@@ -580,12 +630,44 @@ def test_gpn_train_reset_at_document_start_trains_and_changes_the_loss(tmp_path)
         parser = __import__("argparse").ArgumentParser()
         train_module.add_arguments(parser)
         out = tmp_path / name
-        config = train_module.resolve_config(parser.parse_args([
-            "--recipe", "tiny-cpu", "--dataset", str(corpus), "--bpe-vocab-size", "300", "--seq-len", "32",
-            "--batch-size", "4", "--micro-batch-size", "4", "--eval-windows", "4", "--log-interval", "1",
-            "--eval-interval", "0", "--checkpoint-interval", "0", "--sample-tokens", "0", "--num-threads", "1",
-            "--steps", "2", "--output-dir", str(out), "--cache-dir", str(tmp_path / "cache"), "--no-progress", *extra,
-        ]))  # fmt: skip
+        config = train_module.resolve_config(
+            parser.parse_args(
+                [
+                    "--recipe",
+                    "tiny-cpu",
+                    "--dataset",
+                    str(corpus),
+                    "--bpe-vocab-size",
+                    "300",
+                    "--seq-len",
+                    "32",
+                    "--batch-size",
+                    "4",
+                    "--micro-batch-size",
+                    "4",
+                    "--eval-windows",
+                    "4",
+                    "--log-interval",
+                    "1",
+                    "--eval-interval",
+                    "0",
+                    "--checkpoint-interval",
+                    "0",
+                    "--sample-tokens",
+                    "0",
+                    "--num-threads",
+                    "1",
+                    "--steps",
+                    "2",
+                    "--output-dir",
+                    str(out),
+                    "--cache-dir",
+                    str(tmp_path / "cache"),
+                    "--no-progress",
+                    *extra,
+                ]
+            )
+        )
         summary = train_module.train(config, show_progress=False)
         records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if line]
         assert summary["val_ppl"] == summary["val_ppl"]  # (not NaN)

@@ -32,7 +32,9 @@ def reference_loss(model, tokens: torch.Tensor, logits: torch.Tensor) -> torch.T
     """The reference's loss: mean CE over all B*T positions, position 0 predicted from the empty state."""
     batch, length = tokens.shape
     first = F.cross_entropy(model.empty_state_logits(batch).float(), tokens[:, 0], reduction="sum")
-    rest = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1), reduction="sum")
+    rest = F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1), reduction="sum"
+    )
     return (first + rest) / (batch * length)
 
 

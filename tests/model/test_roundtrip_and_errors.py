@@ -67,9 +67,9 @@ def test_trust_remote_code_in_a_fresh_process_without_the_package(saved, tmp_pat
         model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True)
         assert "modeling_gpn" not in sys.modules
         assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
-        ids = torch.load({str(tmp_path / 'ids.pt')!r})["ids"]
+        ids = torch.load({str(tmp_path / "ids.pt")!r})["ids"]
         with torch.no_grad():
-            torch.save(model(ids).logits, {str(tmp_path / 'logits.pt')!r})
+            torch.save(model(ids).logits, {str(tmp_path / "logits.pt")!r})
         """
     )
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))

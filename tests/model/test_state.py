@@ -206,17 +206,29 @@ def test_saved_state_continued_in_a_new_process_equals_one_run(tmp_path):
     new = token_ids(2, 4, seed=9)
     with torch.no_grad():
         uninterrupted = model.generate(
-            torch.cat([prefix, new], 1), attention_mask=torch.cat([prefix_mask, torch.ones_like(new)], 1),
-            max_new_tokens=9, do_sample=False, pad_token_id=0,
-        )  # fmt: skip
+            torch.cat([prefix, new], 1),
+            attention_mask=torch.cat([prefix_mask, torch.ones_like(new)], 1),
+            max_new_tokens=9,
+            do_sample=False,
+            pad_token_id=0,
+        )
         cache = model(prefix, attention_mask=prefix_mask, use_cache=True).cache
     cache.save(tmp_path / "prefix.safetensors")
     assert not list(tmp_path.glob(".*tmp*"))  # written under a temporary name, then renamed
     result = subprocess.run(
-        [sys.executable, "-c", CONTINUE_IN_A_NEW_PROCESS, str(tmp_path / "model"), str(tmp_path / "prefix.safetensors"),
-         json.dumps(new.tolist()), json.dumps(prefix_mask.tolist())],
-        capture_output=True, text=True, cwd=REPO_ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            CONTINUE_IN_A_NEW_PROCESS,
+            str(tmp_path / "model"),
+            str(tmp_path / "prefix.safetensors"),
+            json.dumps(new.tolist()),
+            json.dumps(prefix_mask.tolist()),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+    )
     assert result.returncode == 0, result.stderr
     continued = json.loads(result.stdout.strip().splitlines()[-1])
     assert torch.equal(torch.tensor(continued["tokens"]), uninterrupted[:, prefix.shape[1] :])
@@ -328,7 +340,11 @@ def test_a_non_finite_state_is_refused(saved, tmp_path):
     tensors = safetensors.torch.load(path.read_bytes())
     tensors["memory"][1, 2, 3, 4] = float("nan")  # a consistent file (checksum and all) of a non-finite state
     poisoned = tmp_path / "nan.safetensors"
-    poisoned.write_bytes(safetensors.torch.save(tensors, metadata={**metadata, "checksum": _state_checksum(tensors, metadata["read_fingerprint"])}))
+    poisoned.write_bytes(
+        safetensors.torch.save(
+            tensors, metadata={**metadata, "checksum": _state_checksum(tensors, metadata["read_fingerprint"])}
+        )
+    )
     refused(poisoned, model, "NaN or infinite")
     # and save never writes one
     cache = GPNCache.load(path, model)
@@ -340,9 +356,13 @@ def test_a_non_finite_state_is_refused(saved, tmp_path):
 
 @pytest.mark.parametrize(
     "read_fingerprint, needle",
-    [("[[1, 2], [3, 2147483647]]", "outside"), ("[[1, 2], [-3, 4]]", "outside"), ('[["a", 2], [3, 4]]', "not a table"),
-     ("[[1, 2], [3, 99999999999999999999999]]", "not a table")],
-)  # fmt: skip
+    [
+        ("[[1, 2], [3, 2147483647]]", "outside"),
+        ("[[1, 2], [-3, 4]]", "outside"),
+        ('[["a", 2], [3, 4]]', "not a table"),
+        ("[[1, 2], [3, 99999999999999999999999]]", "not a table"),
+    ],
+)
 def test_a_read_fingerprint_no_cache_computes_is_refused(saved, tmp_path, read_fingerprint, needle):
     """A consistent file (checksum and all) whose read fingerprint a cache could not have computed (values
     outside [0, 2^31 - 1), not integers) is refused, not taken to judge continuations."""
@@ -351,8 +371,16 @@ def test_a_read_fingerprint_no_cache_computes_is_refused(saved, tmp_path, read_f
     metadata = json.loads(path.read_bytes()[8 : 8 + header_length])["__metadata__"]
     tensors = safetensors.torch.load(path.read_bytes())
     forged = tmp_path / "forged.safetensors"
-    forged.write_bytes(safetensors.torch.save(tensors, metadata={
-        **metadata, "read_fingerprint": read_fingerprint, "checksum": _state_checksum(tensors, read_fingerprint)}))  # fmt: skip
+    forged.write_bytes(
+        safetensors.torch.save(
+            tensors,
+            metadata={
+                **metadata,
+                "read_fingerprint": read_fingerprint,
+                "checksum": _state_checksum(tensors, read_fingerprint),
+            },
+        )
+    )
     refused(forged, model, needle)
 
 
@@ -475,10 +503,14 @@ def run_cli(capsys, *args) -> tuple[int, str, str]:
 def test_cli_one_saved_state_continues_several_prompts_and_saves_again(generate_dir, tmp_path, capsys):
     state, again = tmp_path / "system.safetensors", tmp_path / "again.safetensors"
     assert run_cli(capsys, generate_dir, "to be or", "--max-new-tokens", "2", "--save-state", state)[0] == 0
-    code, both, err = run_cli(capsys, generate_dir, "--state", state, " not", " the cat", "--max-new-tokens", "4",
-                              "--save-state", again)  # fmt: skip
+    code, both, err = run_cli(
+        capsys, generate_dir, "--state", state, " not", " the cat", "--max-new-tokens", "4", "--save-state", again
+    )
     assert code == 0, err
-    alone = [run_cli(capsys, generate_dir, "--state", state, prompt, "--max-new-tokens", "4")[1] for prompt in (" not", " the cat")]
+    alone = [
+        run_cli(capsys, generate_dir, "--state", state, prompt, "--max-new-tokens", "4")[1]
+        for prompt in (" not", " the cat")
+    ]
     assert printed_texts(both)[0] == printed_texts(alone[0])[0]  # one state row, forked to each prompt
     assert printed_texts(both)[1] == printed_texts(alone[1])[0]
     from transformers import AutoModelForCausalLM
@@ -536,8 +568,9 @@ def test_loaded_and_forked_states_keep_what_they_read_for_both_ways_of_continuin
     assert torch.equal(forked.read_fingerprint(), first.cache.read_fingerprint().repeat(2, 1))
     whole = model.generate(first.sequences, cache=loaded.fork(1), do_sample=False, max_new_tokens=3, pad_token_id=0)
     assert torch.equal(whole, uninterrupted)
-    new_only = model.generate(first.sequences[:, loaded.get_seq_length():], cache=loaded, do_sample=False,
-                              max_new_tokens=3, pad_token_id=0)  # fmt: skip
+    new_only = model.generate(
+        first.sequences[:, loaded.get_seq_length() :], cache=loaded, do_sample=False, max_new_tokens=3, pad_token_id=0
+    )
     assert torch.equal(new_only[:, -3:], uninterrupted[:, -3:])
     both = model.generate(first.sequences.repeat(2, 1), cache=forked, do_sample=False, max_new_tokens=3, pad_token_id=0)
     assert torch.equal(both, uninterrupted.repeat(2, 1))

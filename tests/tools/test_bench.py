@@ -9,9 +9,35 @@ from modeling_gpn.cli import main
 
 def test_bench_reports_every_implementation(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    code = main(["bench", "--preset", "tiny", "--batch", "2", "--seq-len", "12", "--segment-length", "5",
-                 "--memory-seq-lens", "24", "--decode-prompt-lengths", "4", "9", "--decode-tokens", "3", "--decode-batches", "1", "4",
-                 "--repeats", "1", "--device", "cpu", "--json", str(out)])  # fmt: skip
+    code = main(
+        [
+            "bench",
+            "--preset",
+            "tiny",
+            "--batch",
+            "2",
+            "--seq-len",
+            "12",
+            "--segment-length",
+            "5",
+            "--memory-seq-lens",
+            "24",
+            "--decode-prompt-lengths",
+            "4",
+            "9",
+            "--decode-tokens",
+            "3",
+            "--decode-batches",
+            "1",
+            "4",
+            "--repeats",
+            "1",
+            "--device",
+            "cpu",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     for impl in ("plain", "fast", "llama"):
@@ -47,9 +73,32 @@ def test_bench_states_every_batch_one_figure_against_its_byte_limit(tmp_path, ca
 
     pytest.importorskip("torchao.quantization", reason="--dtype int8 quantizes with torchao (the test extra)")
     out = tmp_path / "bench.json"
-    code = main(["bench", "--preset", "tiny", "--impl", "fast", "llama", "--dtype", "int8", "--skip-training",
-                 "--decode-prompt-lengths", "6", "--decode-tokens", "3", "--decode-batches", "1", "2",
-                 "--repeats", "1", "--device", "cpu", "--json", str(out)])  # fmt: skip
+    code = main(
+        [
+            "bench",
+            "--preset",
+            "tiny",
+            "--impl",
+            "fast",
+            "llama",
+            "--dtype",
+            "int8",
+            "--skip-training",
+            "--decode-prompt-lengths",
+            "6",
+            "--decode-tokens",
+            "3",
+            "--decode-batches",
+            "1",
+            "2",
+            "--repeats",
+            "1",
+            "--device",
+            "cpu",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     for header in ("| step ms | limit ms | step / limit |", "prefill / limit @6", "decode / limit @6", "tok/s @2 rows"):
@@ -61,7 +110,11 @@ def test_bench_states_every_batch_one_figure_against_its_byte_limit(tmp_path, ca
     # the limit counts the int8 weights as int8: less than half the bf16 bytes of the same model
     from modeling_gpn.bench import build_gpn, step_bytes
 
-    assert fast["limit_bytes"] == step_bytes(build_gpn("tiny", "int8", "cpu", 0)) < step_bytes(build_gpn("tiny", "bfloat16", "cpu", 0))
+    assert (
+        fast["limit_bytes"]
+        == step_bytes(build_gpn("tiny", "int8", "cpu", 0))
+        < step_bytes(build_gpn("tiny", "bfloat16", "cpu", 0))
+    )
     assert f"tiny fast limit: {fast['limit_bytes'] / 1e6:.1f} MB a step" in printed
     assert "x its byte limit" in printed and "beyond the model's step" in printed
     assert rows["llama"]["limit_ms"] is None  # (the limit is stated for the GPN's step)

@@ -94,7 +94,9 @@ def gpn_arguments(command: list[str]) -> list[str] | None:
     if "-m" in command and command[0] in ("python", "python3", "accelerate", "torchrun"):
         module = command[command.index("-m") + 1]
         if module.startswith("modeling_gpn."):
-            subcommand = {"modeling_gpn.train": "train", "modeling_gpn.cli": None}.get(module, module.rsplit(".", 1)[-1])
+            subcommand = {"modeling_gpn.train": "train", "modeling_gpn.cli": None}.get(
+                module, module.rsplit(".", 1)[-1]
+            )
             rest = command[command.index("-m") + 2 :]
             return rest if subcommand is None else [subcommand, *rest]
     return None
@@ -126,7 +128,9 @@ def test_documented_gpn_commands_parse(arguments):
     subcommand = arguments[0]
     if subcommand in ("--help", "-h"):
         return
-    assert subcommand in SUBCOMMANDS, f"`gpn {subcommand}` is documented but is no gpn subcommand ({sorted(SUBCOMMANDS)})"
+    assert subcommand in SUBCOMMANDS, (
+        f"`gpn {subcommand}` is documented but is no gpn subcommand ({sorted(SUBCOMMANDS)})"
+    )
     parser = build_parser(subcommand)
     errors = io.StringIO()
     with contextlib.redirect_stderr(errors), contextlib.redirect_stdout(io.StringIO()):
@@ -146,8 +150,9 @@ def workspace(tmp_path_factory):
     text = ["ROMEO: But soft, what light through yonder window breaks?", "Once upon a time there was a cat."] * 30
     tokenizer = train_bpe_tokenizer(text, vocab_size=300)
     torch.manual_seed(0)
-    model = GPNForCausalLM(tiny_config(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
-                                       pad_token_id=tokenizer.pad_token_id))  # fmt: skip
+    model = GPNForCausalLM(
+        tiny_config(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    )
     folder = root / "me" / "gpn-tiny"
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -169,6 +174,10 @@ def test_a_renamed_option_fails_the_parse_check():
         test_documented_gpn_commands_parse(["generate", "MODEL", "PROMPT", "--tokens-to-generate", "5"])
     with pytest.raises(AssertionError, match="is no gpn subcommand"):
         test_documented_gpn_commands_parse(["chat", "MODEL"])
-    assert gpn_arguments(["ACCELERATE_USE_CPU=1", "accelerate", "launch", "-m", "modeling_gpn.train", "--steps", "3"]) == [
-        "train", "--steps", "3",
-    ]  # fmt: skip
+    assert gpn_arguments(
+        ["ACCELERATE_USE_CPU=1", "accelerate", "launch", "-m", "modeling_gpn.train", "--steps", "3"]
+    ) == [
+        "train",
+        "--steps",
+        "3",
+    ]

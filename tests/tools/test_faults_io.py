@@ -25,11 +25,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ..environment import REPO_ROOT
-from ..tiny_models import perturbed_model, tiny_config
-
 from modeling_gpn.cli import main as gpn_main  # noqa: E402
 from modeling_gpn.conversion.reference import parameter_map  # noqa: E402
+
+from ..environment import REPO_ROOT
+from ..tiny_models import perturbed_model, tiny_config
 
 GIB = 1 << 30
 
@@ -72,7 +72,9 @@ vm = int(re.search(r'VmSize:\\s+(\\d+)', open('/proc/self/status').read()).group
 cap = vm + int(sys.argv[1])
 resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 """
-BOUNDED_CHILD = BOUNDED_PREAMBLE + """
+BOUNDED_CHILD = (
+    BOUNDED_PREAMBLE
+    + """
 results = []
 for args in json.loads(sys.argv[2]):
     out, err = io.StringIO(), io.StringIO()
@@ -87,15 +89,26 @@ for args in json.loads(sys.argv[2]):
     results.append({"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
 print(json.dumps({"cap": cap, "results": results}))
 """
-CHILD_ENV = {"MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+)
+CHILD_ENV = {
+    "MALLOC_ARENA_MAX": "2",
+    "OMP_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
 
 def run_python_bounded(code: str, margin_bytes: int, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run `code` in a child capped like `run_bounded` (it may print; `cap` holds the cap)."""
     return subprocess.run(
-        [sys.executable, "-c", BOUNDED_PREAMBLE + code, str(margin_bytes)], capture_output=True, text=True,
-        timeout=timeout, env={**os.environ, **CHILD_ENV}, cwd=REPO_ROOT,
-    )  # fmt: skip
+        [sys.executable, "-c", BOUNDED_PREAMBLE + code, str(margin_bytes)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **CHILD_ENV},
+        cwd=REPO_ROOT,
+    )
 
 
 def run_bounded(commands: list[list[str]], margin_bytes: int, timeout: int = 300) -> tuple[list[Finished], int]:
@@ -106,8 +119,12 @@ def run_bounded(commands: list[list[str]], margin_bytes: int, timeout: int = 300
     env = {**os.environ, **CHILD_ENV}
     child = subprocess.run(
         [sys.executable, "-c", BOUNDED_CHILD, str(margin_bytes), json.dumps(commands)],
-        capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO_ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=REPO_ROOT,
+    )
     assert child.returncode == 0, f"the bounded child died ({child.returncode}): {child.stderr[-3000:]}"
     report = json.loads(child.stdout.strip().splitlines()[-1])
     return [Finished(**result) for result in report["results"]], report["cap"]
@@ -134,7 +151,10 @@ def pickle_calling(module: str, name: str, *arg_opcodes: bytes) -> bytes:
     """A protocol-2 pickle of {'params': {'embedding': module.name(*args)}} (each arg one opcode)."""
     return (
         b"\x80\x02}X\x06\x00\x00\x00params}X\x09\x00\x00\x00embedding"
-        + f"c{module}\n{name}\n".encode() + b"(" + b"".join(arg_opcodes) + b"tRss."
+        + f"c{module}\n{name}\n".encode()
+        + b"("
+        + b"".join(arg_opcodes)
+        + b"tRss."
     )
 
 
@@ -233,10 +253,29 @@ def zip_bomb_npz(folder: Path, zero_bytes: int = 3 * GIB) -> Path:
                         out.write(piece[0])
                 else:
                     out.write(piece)
-            central += struct.pack(
-                "<4s6H3L5H2L", b"PK\x01\x02", 20, 20, 0, method, 0, 0, member_crc, csize, size, len(name), 0, 0, 0, 0, 0,
-                offset,
-            ) + name.encode()  # fmt: skip
+            central += (
+                struct.pack(
+                    "<4s6H3L5H2L",
+                    b"PK\x01\x02",
+                    20,
+                    20,
+                    0,
+                    method,
+                    0,
+                    0,
+                    member_crc,
+                    csize,
+                    size,
+                    len(name),
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    offset,
+                )
+                + name.encode()
+            )
         start = out.tell()
         out.write(central)
         out.write(struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, len(members), len(members), len(central), start, 0))
@@ -256,7 +295,10 @@ def large_consistent_npz(folder: Path, vocab: int = 40_000, embedding: int = 102
 BOMBS = {
     "bytes-of-a-number": (lambda tmp: bytes_bomb(tmp / "checkpoint.pkl"), ["bytes()"]),
     "claimed-shape": (lambda tmp: shape_claim_bomb(tmp / "checkpoint.pkl"), ["(100000000, 32)", "without its data"]),
-    "claimed-length": (lambda tmp: claimed_length_bomb(tmp / "checkpoint.pkl"), ["not a readable reference checkpoint"]),
+    "claimed-length": (
+        lambda tmp: claimed_length_bomb(tmp / "checkpoint.pkl"),
+        ["not a readable reference checkpoint"],
+    ),
     "repetition": (lambda tmp: repetition_bomb(tmp / "checkpoint.pkl"), ["builds more than"]),
     "shared-layers": (lambda tmp: shared_layers_bomb(tmp / "checkpoint.pkl"), ["are the same array"]),
     "zip-bomb": (lambda tmp: zip_bomb_npz(tmp / "bomb"), ["zip bomb", "3.00 GiB"]),
@@ -339,7 +381,10 @@ def _fifo(tmp: Path) -> Path:
 
 
 MALFORMED = {
-    "truncated-pickle": (lambda t: _truncated(write_pickle(t / "c.pkl", reference_params()), 0.5), "not a readable reference checkpoint"),
+    "truncated-pickle": (
+        lambda t: _truncated(write_pickle(t / "c.pkl", reference_params()), 0.5),
+        "not a readable reference checkpoint",
+    ),
     "empty-file": (lambda t: _write(t / "c.pkl", b""), "not a readable reference checkpoint"),
     "truncated-npz": (lambda t: _truncated(_npz_folder(t) / "params.npz", 0.6).parent, "not a readable npz"),
     "npz-not-a-zip": (lambda t: _write(t / "params.npz", "hello").parent, "not a readable npz"),
@@ -347,20 +392,44 @@ MALFORMED = {
     "pickle-of-a-list": (lambda t: _write(t / "c.pkl", pickle.dumps([1, 2])), "no 'params' entry"),
     "string-parameter": (lambda t: write_pickle(t / "c.pkl", _with(reference_params(), embedding="oops")), "is a str"),
     "params-a-list": (lambda t: write_pickle(t / "c.pkl", [np.zeros(3)]), "is a list"),
-    "missing-parameters": (lambda t: write_pickle(t / "c.pkl", {k: v for k, v in reference_params().items() if k != "write_W_v_k"}), "missing parameters: write_W_v_k"),
-    "nan-parameter": (lambda t: write_pickle(t / "c.pkl", _refilled("fg_gate_b", np.nan, np.float32)), "fg_gate_b: contains NaN or inf"),
-    "integer-parameter": (lambda t: write_pickle(t / "c.pkl", _refilled("fuse_norm_w", 1, np.int64)), "not floating point"),
-    "object-array": (lambda t: write_pickle(t / "c.pkl", _refilled("fuse_norm_w", None, object)), "its pickle has dtype object, not a plain numeric dtype"),
-    "embedding-wrong-rank": (lambda t: write_pickle(t / "c.pkl", _with(reference_params(), embedding=np.zeros(5, np.float32))), "embedding has shape (5,)"),
-    "zero-heads": (lambda t: write_pickle(t / "c.pkl", _with(reference_params(), write_A_log=np.zeros(0, np.float32))), "Cannot infer"),
+    "missing-parameters": (
+        lambda t: write_pickle(t / "c.pkl", {k: v for k, v in reference_params().items() if k != "write_W_v_k"}),
+        "missing parameters: write_W_v_k",
+    ),
+    "nan-parameter": (
+        lambda t: write_pickle(t / "c.pkl", _refilled("fg_gate_b", np.nan, np.float32)),
+        "fg_gate_b: contains NaN or inf",
+    ),
+    "integer-parameter": (
+        lambda t: write_pickle(t / "c.pkl", _refilled("fuse_norm_w", 1, np.int64)),
+        "not floating point",
+    ),
+    "object-array": (
+        lambda t: write_pickle(t / "c.pkl", _refilled("fuse_norm_w", None, object)),
+        "its pickle has dtype object, not a plain numeric dtype",
+    ),
+    "embedding-wrong-rank": (
+        lambda t: write_pickle(t / "c.pkl", _with(reference_params(), embedding=np.zeros(5, np.float32))),
+        "embedding has shape (5,)",
+    ),
+    "zero-heads": (
+        lambda t: write_pickle(t / "c.pkl", _with(reference_params(), write_A_log=np.zeros(0, np.float32))),
+        "Cannot infer",
+    ),
     "folder-without-params": (lambda t: t, "has neither params.npz nor checkpoint.pkl"),
     "missing-path": (lambda t: t / "nowhere.pkl", "does not exist"),
     "fifo-not-a-file": (_fifo, "not a regular file"),
     "config-json-malformed": (lambda t: _npz_folder(t, config_text="{not json"), "not valid JSON"),
     "config-json-a-list": (lambda t: _npz_folder(t, config_text="[1, 2]"), "not a JSON object"),
     "config-json-disagrees": (lambda t: _npz_folder(t, config_text='{"d_state": 64}'), "d_state=64"),
-    "npz-extra-member": (lambda t: _npz_folder(t, params=_with(reference_params(), **{"notes": np.zeros(2, np.float32)})), "unexpected parameters: notes"),
-    "npz-object-member": (lambda t: _npz_folder(t, params=_refilled("fuse_norm_w", None, object)), "not a plain numeric dtype"),
+    "npz-extra-member": (
+        lambda t: _npz_folder(t, params=_with(reference_params(), **{"notes": np.zeros(2, np.float32)})),
+        "unexpected parameters: notes",
+    ),
+    "npz-object-member": (
+        lambda t: _npz_folder(t, params=_refilled("fuse_norm_w", None, object)),
+        "not a plain numeric dtype",
+    ),
 }
 
 
@@ -381,8 +450,10 @@ def test_convert_malformed_input_in_a_real_process_prints_no_traceback(tmp_path)
     source = _truncated(write_pickle(tmp_path / "c.pkl", reference_params()), 0.5)
     result = subprocess.run(
         [sys.executable, "-m", "modeling_gpn.cli", "convert", str(source), str(tmp_path / "out")],
-        capture_output=True, text=True, cwd=REPO_ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+    )
     assert_one_clear_error(result, "convert", "not a readable reference checkpoint")
 
 
@@ -418,7 +489,10 @@ GENERATE_BAD = {
     "empty-prompt": (["{model}", "hi", ""], "prompt 2 is empty"),
     "blank-prompt": (["{model}", "   "], "prompt 1 is empty"),
     "temperature-without-sample": (["{model}", "hi", "--temperature", "0.5"], "--temperature only apply with --sample"),
-    "top-p-without-sample": (["{model}", "hi", "--top-p", "0.5", "--num-beams", "2"], "--top-p only apply with --sample"),
+    "top-p-without-sample": (
+        ["{model}", "hi", "--top-p", "0.5", "--num-beams", "2"],
+        "--top-p only apply with --sample",
+    ),
     "zero-temperature": (["{model}", "hi", "--sample", "--temperature", "0"], "--temperature must be > 0"),
     "top-p-above-one": (["{model}", "hi", "--sample", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
     "zero-beams": (["{model}", "hi", "--num-beams", "0"], "--num-beams must be at least 1"),
@@ -457,8 +531,10 @@ def test_generate_in_a_real_process(generate_dir, tmp_path):
     assert_one_clear_error(bad, "generate", "does not exist")
     good = subprocess.run(
         [*command, str(generate_dir), "the cat", "to be", "--max-new-tokens", "5", "--device", "cpu"],
-        capture_output=True, text=True, cwd=REPO_ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+    )
     assert good.returncode == 0, good.stderr
     assert good.stdout.count("-" * 40) == 2 and good.stdout.startswith("the cat")
 
@@ -500,7 +576,9 @@ def whole_and_streamed_tokens(tokenizer, text: str, tmp_path: Path, monkeypatch)
     path.write_bytes(text.encode("utf-8"))
     whole_text = path.read_text(encoding="utf-8")  # universal newlines, as datasets' text builder reads it
     monkeypatch.setattr(data.corpus, "PIECE_CHARS", 2_000)  # many cuts in a small file
-    stream = data.build_token_stream(data.CorpusSpec(source=str(path)), tokenizer, cache_dir=tmp_path / "cache", show_progress=False)
+    stream = data.build_token_stream(
+        data.CorpusSpec(source=str(path)), tokenizer, cache_dir=tmp_path / "cache", show_progress=False
+    )
     whole = tokenizer(whole_text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     return whole, stream.tokens(0, len(stream)).tolist()
 
@@ -514,7 +592,9 @@ def test_streamed_tokens_equal_whole_document_tokens_byte_level_bpe(bpe_tokenize
     cuts = []
     original = data.text_file_pieces
     monkeypatch.setattr(data.corpus, "text_file_pieces", lambda *a: (cuts.append(p) or p for p in original(*a)))
-    whole, streamed = whole_and_streamed_tokens(AutoTokenizer.from_pretrained(bpe_tokenizer_dir), text, tmp_path, monkeypatch)
+    whole, streamed = whole_and_streamed_tokens(
+        AutoTokenizer.from_pretrained(bpe_tokenizer_dir), text, tmp_path, monkeypatch
+    )
     assert len(cuts) > 50  # the document really was cut
     assert streamed == whole
 
@@ -572,7 +652,9 @@ def small_cache(bpe_tokenizer_dir, tmp_path, monkeypatch):
     corpus = data.CorpusSpec(source=str(path))
     stream = data.build_token_stream(corpus, tokenizer, cache_dir=tmp_path / "cache", show_progress=False)
     assert len(stream.shards) >= 3
-    return lambda: data.build_token_stream(corpus, tokenizer, cache_dir=tmp_path / "cache", show_progress=False), stream.folder
+    return lambda: data.build_token_stream(
+        corpus, tokenizer, cache_dir=tmp_path / "cache", show_progress=False
+    ), stream.folder
 
 
 def _damage(folder: Path, how: str) -> Path:
@@ -635,9 +717,14 @@ def tiny_llama(vocab_size: int):
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512,
-    )  # fmt: skip
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -697,6 +784,7 @@ print("RESULT", json.dumps(result), resource.getrusage(resource.RUSAGE_SELF).ru_
 # The rewritten unpickler still runs nothing
 # --------------------------------------------------------------------------------------------------
 
+
 def _text(value: str) -> bytes:
     """A BINUNICODE opcode pushing `value` (valid in every pickle protocol from 1)."""
     data = value.encode()
@@ -716,7 +804,10 @@ HOSTILE_PICKLES = {  # case -> (pickle, what the refusal says)
     "inst-opcode": (b"(" + _text(f"touch '{MARK}'") + b"ios\nsystem\n.", "object os.system"),
     "newobj-of-a-wrapper": (b"\x80\x02cbuiltins\nlist\n)\x81.", "is not a type object"),
     "build-on-a-dict": (b"\x80\x02}}b.", "sets the state of a dict"),
-    "codec-other-than-latin1": (b"\x80\x02c_codecs\nencode\nX\x01\x00\x00\x00aX\x04\x00\x00\x00zlib\x86R.", "codecs.encode with 'zlib'"),
+    "codec-other-than-latin1": (
+        b"\x80\x02c_codecs\nencode\nX\x01\x00\x00\x00aX\x04\x00\x00\x00zlib\x86R.",
+        "codecs.encode with 'zlib'",
+    ),
     "ndarray-called-directly": (b"\x80\x02cnumpy\nndarray\nK\x05\x85R.", "object is not callable"),
     "persistent-id": (b"\x80\x02X\x01\x00\x00\x00xQ.", "persistent objects"),
 }

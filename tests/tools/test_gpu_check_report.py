@@ -21,16 +21,22 @@ def gpu_check_module():
 
 
 def test_a_stage_past_its_limit_is_stopped_timed_and_noted_in_the_summary(tmp_path):
-    functions = subprocess.run(["sed", "-n", "/^stage_limit() {/,/^skip() {/p", str(REPO_ROOT / "benchmarks" / "gpu_check.sh")],
-                               capture_output=True, text=True, check=True).stdout  # fmt: skip
+    functions = subprocess.run(
+        ["sed", "-n", "/^stage_limit() {/,/^skip() {/p", str(REPO_ROOT / "benchmarks" / "gpu_check.sh")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "stage()" in functions and "skip()" in functions
     script = functions + (
-        'BUDGET=100; deadline=$((SECONDS + 100)); status=0\n'
+        "BUDGET=100; deadline=$((SECONDS + 100)); status=0\n"
         'stage "quick" 5 quick.txt echo hello\n'
         'stage "slow" 1 slow.txt sleep 5\n'
         'skip "last"\n'
     )
-    result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env={"RUN": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    result = subprocess.run(
+        ["bash", "-c", script], capture_output=True, text=True, env={"RUN": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    )
     out = result.stdout
     assert "[stage] quick: start " in out and re.search(r"\[stage\] quick: exit 0 after \d+ s \(limit 5 s\)\n", out)
     assert re.search(r"\[stage\] slow: exit 124 after [12] s \(limit 1 s\): TIMED OUT", out) and "[SKIP] last" in out
@@ -39,12 +45,28 @@ def test_a_stage_past_its_limit_is_stopped_timed_and_noted_in_the_summary(tmp_pa
     assert [(r[0], r[4]) for r in rows] == [("quick", "0"), ("slow", "124"), ("last", "-1")]
 
     (tmp_path / "graphs_in_bench.json").write_text(json.dumps({"setting": "inference", "why": "stage 1b timed out"}))
-    (tmp_path / "training_self_checks.json").write_text(json.dumps({"cuda bfloat16 (batch 16, ...)": "d p: relative error 0.1"}))
-    (tmp_path / "bench_16x2048.json").write_text(json.dumps({
-        "cuda_graphs_setting": "inference", "triton_self_checks": {},
-        "rows": [{"impl": "fast", "train_tok_s": 1.0, "forward_tok_s": 1.0, "prefill_tok_s": {}, "decode_ms": {},
-                  "backend": {"train": "torch ops", "forward": "triton kernels, no graphs (9 launches)"}},
-                 {"impl": "llama", "train_tok_s": 2.0, "forward_tok_s": 2.0}]}))  # fmt: skip
+    (tmp_path / "training_self_checks.json").write_text(
+        json.dumps({"cuda bfloat16 (batch 16, ...)": "d p: relative error 0.1"})
+    )
+    (tmp_path / "bench_16x2048.json").write_text(
+        json.dumps(
+            {
+                "cuda_graphs_setting": "inference",
+                "triton_self_checks": {},
+                "rows": [
+                    {
+                        "impl": "fast",
+                        "train_tok_s": 1.0,
+                        "forward_tok_s": 1.0,
+                        "prefill_tok_s": {},
+                        "decode_ms": {},
+                        "backend": {"train": "torch ops", "forward": "triton kernels, no graphs (9 launches)"},
+                    },
+                    {"impl": "llama", "train_tok_s": 2.0, "forward_tok_s": 2.0},
+                ],
+            }
+        )
+    )
     summary = gpu_check_module().summary(tmp_path)
     notes = "\n".join(summary["notes"])
     assert "stage 'slow' hit its 1 s limit" in notes and "stage 'last' was skipped" in notes

@@ -31,7 +31,12 @@ EVAL_RESULTS = {  # the schema `gpn eval` writes (eval/cli.py), with made-up num
     "model": "/somewhere/gpn-tiny-test",
     "n_params": 1050918,
     "tasks": {
-        "lambada_openai": {"acc,none": 0.0125, "acc_stderr,none": 0.004, "perplexity,none": 2481.5, "alias": "lambada_openai"},
+        "lambada_openai": {
+            "acc,none": 0.0125,
+            "acc_stderr,none": 0.004,
+            "perplexity,none": 2481.5,
+            "alias": "lambada_openai",
+        },
         "lambada_paper": {"acc": 0.0521, "ppl": 913.25, "acc_whole_word": 0.01, "examples": 40},
         "fineweb_paper": {"ppl": 1204.75, "ppl_excluding_first": 1190.5, "tokens_scored": 8192},
         "wikitext": {"word_perplexity": 3105.5, "bits_per_byte": 2.61},
@@ -42,14 +47,33 @@ EVAL_RESULTS = {  # the schema `gpn eval` writes (eval/cli.py), with made-up num
         "fineweb_paper": "non-overlapping 2048-token windows from the zero state, all positions",
         "wikitext": "lm-eval loglikelihood_rolling",
     },
-    "data": {"lambada_openai": "/data/lambada_test.jsonl", "fineweb_paper": "hf://HuggingFaceFW/fineweb-edu (sample-10BT, train)"},
+    "data": {
+        "lambada_openai": "/data/lambada_test.jsonl",
+        "fineweb_paper": "hf://HuggingFaceFW/fineweb-edu (sample-10BT, train)",
+    },
     "lm_eval_version": "0.4.13",
     "published_baselines": [
-        {"model": "Transformer++", "layers": 12, "state_dim": 768, "params": 130000000, "fineweb_ppl": 16.05, "lambada_acc": 0.223, "lambada_ppl": 18.99},
-        {"model": "GPN+M 1-layer", "layers": 1, "state_dim": 2496, "params": 130000000, "fineweb_ppl": 18.06, "lambada_acc": 0.146, "lambada_ppl": 33.45},
+        {
+            "model": "Transformer++",
+            "layers": 12,
+            "state_dim": 768,
+            "params": 130000000,
+            "fineweb_ppl": 16.05,
+            "lambada_acc": 0.223,
+            "lambada_ppl": 18.99,
+        },
+        {
+            "model": "GPN+M 1-layer",
+            "layers": 1,
+            "state_dim": 2496,
+            "params": 130000000,
+            "fineweb_ppl": 18.06,
+            "lambada_acc": 0.146,
+            "lambada_ppl": 33.45,
+        },
     ],
     "comparison": {"measured": {"fineweb_ppl": 1204.75, "lambada_acc": 0.0521, "lambada_ppl": 913.25}},
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +111,14 @@ def source(tmp_path_factory):
     finally:
         torch.set_num_threads(threads)
     n_params = sum(p.numel() for p in model.parameters())
-    return {"dir": folder, "ids": ids, "logits": logits, "generated": generated, "n_params": n_params, "config": model.config}
+    return {
+        "dir": folder,
+        "ids": ids,
+        "logits": logits,
+        "generated": generated,
+        "n_params": n_params,
+        "config": model.config,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -110,13 +141,22 @@ def copy_source(source, tmp_path: Path) -> Path:
 
 
 def test_dry_run_folder_holds_exactly_what_the_hub_needs(source, published):
-    import modeling_gpn.modeling_gpn as modeling
     from transformers.dynamic_module_utils import get_relative_import_files
+
+    import modeling_gpn.modeling_gpn as modeling
 
     files = sorted(p.name for p in published.iterdir())
     code = sorted(Path(f).name for f in [modeling.__file__, *get_relative_import_files(modeling.__file__)])
     assert "configuration_gpn.py" in code and "modeling_gpn.py" in code
-    expected = {"README.md", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", *code}
+    expected = {
+        "README.md",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        *code,
+    }
     assert set(files) == expected, files
     for name in code:  # every relatively imported file ships, identical to the package's
         assert (published / name).read_bytes() == (Path(modeling.__file__).parent / name).read_bytes()
@@ -211,7 +251,11 @@ def test_card_metadata_parses_with_huggingface_hub(source, published):
     assert lambada.metric_type == "lambada_paper_acc" and lambada.task_name == "lambada_openai, lambada_paper"
     fineweb = next(r for r in results if r.metric_name == "fineweb_paper ppl")
     assert fineweb.metric_type == "ppl"
-    assert (fineweb.dataset_type, fineweb.dataset_config, fineweb.dataset_split) == ("HuggingFaceFW/fineweb-edu", "sample-10BT", "train")
+    assert (fineweb.dataset_type, fineweb.dataset_config, fineweb.dataset_split) == (
+        "HuggingFaceFW/fineweb-edu",
+        "sample-10BT",
+        "train",
+    )
 
 
 def test_card_text_states_architecture_training_and_results_beside_the_paper(source, published):
@@ -246,7 +290,7 @@ def test_card_without_eval_or_training_log_uses_the_paper_table(source, tmp_path
 
 
 def test_paper_columns_without_gpn_evals_comparison_match_protocols_only():
-    from modeling_gpn.hub.model_card import read_eval_results, model_paper_columns
+    from modeling_gpn.hub.model_card import model_paper_columns, read_eval_results
 
     def columns(tasks, protocols=None):
         info = read_eval_results_from({"tasks": tasks, "protocols": protocols or {}})
@@ -262,9 +306,16 @@ def test_paper_columns_without_gpn_evals_comparison_match_protocols_only():
 
     # lm-eval's lambada_openai measures something else: it never fills the paper's LAMBADA columns.
     assert columns({"lambada_openai": {"acc,none": 0.3, "perplexity,none": 20.0}}) == {}
-    assert columns({"lambada_paper": {"acc_whole_word": 0.1, "acc": 0.2, "ppl": 30.0}, "fineweb_paper": {"ppl_excluding_first": 9.0, "ppl": 10.0}}) == {
-        "lambada_acc": 0.2, "lambada_ppl": 30.0, "fineweb_ppl": 10.0,
-    }  # fmt: skip
+    assert columns(
+        {
+            "lambada_paper": {"acc_whole_word": 0.1, "acc": 0.2, "ppl": 30.0},
+            "fineweb_paper": {"ppl_excluding_first": 9.0, "ppl": 10.0},
+        }
+    ) == {
+        "lambada_acc": 0.2,
+        "lambada_ppl": 30.0,
+        "fineweb_ppl": 10.0,
+    }
     assert columns({"my_lambada": {"acc": 0.2}}, {"my_lambada": "top-1 of the first subword"}) == {"lambada_acc": 0.2}
 
 
@@ -340,7 +391,9 @@ def test_refusals_name_the_problem(source, tmp_path, capsys):
 def test_remote_code_importing_the_installed_package_is_refused(tmp_path):
     from modeling_gpn.hub import HubPushError, check_remote_code
 
-    (tmp_path / "modeling_gpn.py").write_text("import torch\nfrom .configuration_gpn import GPNConfig\nfrom modeling_gpn.fast import kernel\n")
+    (tmp_path / "modeling_gpn.py").write_text(
+        "import torch\nfrom .configuration_gpn import GPNConfig\nfrom modeling_gpn.fast import kernel\n"
+    )
     (tmp_path / "configuration_gpn.py").write_text("from .helpers import x\n")
     with pytest.raises(HubPushError) as error:
         check_remote_code(tmp_path)
@@ -383,8 +436,13 @@ def hub_calls(monkeypatch, tmp_path):
         snapshot = {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
         calls.append(("upload_folder", dict(kwargs, token=self.token, snapshot=snapshot)))
         pr = "https://huggingface.co/x/discussions/1" if kwargs.get("create_pr") else None
-        return CommitInfo(commit_url=f"https://huggingface.co/{kwargs['repo_id']}/commit/abc", commit_message="m",
-                          commit_description="", oid="abc", pr_url=pr)  # fmt: skip
+        return CommitInfo(
+            commit_url=f"https://huggingface.co/{kwargs['repo_id']}/commit/abc",
+            commit_message="m",
+            commit_description="",
+            oid="abc",
+            pr_url=pr,
+        )
 
     monkeypatch.setattr(HfApi, "create_repo", create_repo)
     monkeypatch.setattr(HfApi, "create_branch", create_branch)
@@ -395,8 +453,20 @@ def hub_calls(monkeypatch, tmp_path):
 def test_upload_gets_the_right_arguments_and_the_dry_run_files(source, published, hub_calls, capsys):
     from modeling_gpn.cli import main
 
-    argv = ["push", str(source["dir"]), REPO_ID, "--private", "--revision", "v1", "--commit-message", "first GPN",
-            "--token", TOKEN, "--tag", "tiny-test"]  # fmt: skip
+    argv = [
+        "push",
+        str(source["dir"]),
+        REPO_ID,
+        "--private",
+        "--revision",
+        "v1",
+        "--commit-message",
+        "first GPN",
+        "--token",
+        TOKEN,
+        "--tag",
+        "tiny-test",
+    ]
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert TOKEN not in captured.out + captured.err
@@ -447,13 +517,30 @@ def test_convert_push_to_hub_publishes_the_converted_checkpoint(hub_calls, tmp_p
     vocab = {"<unk>": 0, **{chr(ord("a") + i): i + 1 for i in range(26)}}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<unk>").save_pretrained(tmp_path / "tok")
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<unk>").save_pretrained(
+        tmp_path / "tok"
+    )
 
     out = tmp_path / "converted"
-    assert main(["convert", str(fixture), str(out), "--tokenizer", str(tmp_path / "tok"), "--push-to-hub", "someone/gpn-ref"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                str(fixture),
+                str(out),
+                "--tokenizer",
+                str(tmp_path / "tok"),
+                "--push-to-hub",
+                "someone/gpn-ref",
+            ]
+        )
+        == 0
+    )
     assert [name for name, _ in hub_calls] == ["create_repo", "upload_folder"]
     upload = hub_calls[-1][1]
     assert upload["repo_id"] == "someone/gpn-ref"
-    assert {"model.safetensors", "config.json", "modeling_gpn.py", "tokenizer.json", "README.md"} <= set(upload["snapshot"])
+    assert {"model.safetensors", "config.json", "modeling_gpn.py", "tokenizer.json", "README.md"} <= set(
+        upload["snapshot"]
+    )
     assert upload["snapshot"]["model.safetensors"] == (out / "model.safetensors").read_bytes()
     assert "Parameters: 30,022" in upload["snapshot"]["README.md"].decode()  # the reference's own count

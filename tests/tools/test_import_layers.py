@@ -95,7 +95,9 @@ def imports_of(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
                     found.add(submodule)
                 else:
                     add(source)
-        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module":
+        elif (
+            isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+        ):
             dynamic = True
     if dynamic:  # a module that imports by name: every project module it names in a string literal
         for node in ast.walk(tree):
@@ -170,8 +172,10 @@ def test_the_project_has_no_import_cycle():
     graph = import_graph()
     assert {DISPATCHER, MODEL, f"{PACKAGE}.train", f"{PACKAGE}.evaluation.cli", "benchmarks.gpu_check"} <= graph.keys()
     assert DISPATCHER in graph[MODEL] and f"{PACKAGE}.train" in graph[f"{PACKAGE}.cli"]  # (imports are seen at all)
-    found = [f"{' -> '.join(cycle)} (modules in this cycle: {', '.join(component)})"
-             for cycle, component in zip(cycles(graph), components(graph))]
+    found = [
+        f"{' -> '.join(cycle)} (modules in this cycle: {', '.join(component)})"
+        for cycle, component in zip(cycles(graph), components(graph))
+    ]
     assert not found, "import cycles: " + "; ".join(found)
 
 
@@ -222,14 +226,28 @@ def test_the_top_of_the_package_holds_exactly_the_remote_code():
     tool lives in a subpackage, and every documented entry point still imports from there."""
     import importlib
 
-    import modeling_gpn.modeling_gpn as modeling
     from transformers.dynamic_module_utils import get_relative_import_files
+
+    import modeling_gpn.modeling_gpn as modeling
 
     package = Path(modeling.__file__).parent
     shipped = {Path(f).name for f in get_relative_import_files(modeling.__file__)} | {"modeling_gpn.py"}
     top = {f.name for f in package.glob("*.py")} - {"__init__.py"}
-    assert top == shipped, f"not shipped, so not at the top: {sorted(top - shipped)}; shipped but missing: {sorted(shipped - top)}"
-    for tool in ("cli", "cli.generate", "train", "data", "study", "inspect", "analysis", "hub", "hub.model_card", "bench"):
+    assert top == shipped, (
+        f"not shipped, so not at the top: {sorted(top - shipped)}; shipped but missing: {sorted(shipped - top)}"
+    )
+    for tool in (
+        "cli",
+        "cli.generate",
+        "train",
+        "data",
+        "study",
+        "inspect",
+        "analysis",
+        "hub",
+        "hub.model_card",
+        "bench",
+    ):
         module = importlib.import_module(f"modeling_gpn.{tool}")
         assert Path(module.__file__).parent != package, f"modeling_gpn.{tool} is a module at the top of the package"
     assert importlib.util.find_spec("modeling_gpn.train.__main__") is not None  # python -m modeling_gpn.train

@@ -250,8 +250,23 @@ def test_gpn_inspect_end_to_end(tiny_llama_vocab_model, tmp_path):
 
     text = require_shared("data/tinyshakespeare/input.txt")
     output = tmp_path / "report"
-    code = main(["inspect", str(tiny_llama_vocab_model), "--data", str(text), "--tokens", "600", "--seq-len", "64",
-                 "--batch-size", "5", "--output", str(output), "--quiet"])  # fmt: skip
+    code = main(
+        [
+            "inspect",
+            str(tiny_llama_vocab_model),
+            "--data",
+            str(text),
+            "--tokens",
+            "600",
+            "--seq-len",
+            "64",
+            "--batch-size",
+            "5",
+            "--output",
+            str(output),
+            "--quiet",
+        ]
+    )
     assert code == 0
     report = json.loads((output / "report.json").read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON {c}"))
     assert report["data"]["windows"] == 9 and report["data"]["tokens"] == 576  # 600 // 64 windows
@@ -276,15 +291,43 @@ def test_gpn_inspect_rejects_bad_input(tiny_llama_vocab_model, tmp_path):
 
     text = require_shared("data/tinyshakespeare/input.txt")
     with pytest.raises(ValueError, match="at least one window"):
-        main(["inspect", str(tiny_llama_vocab_model), "--data", str(text), "--tokens", "10", "--seq-len", "64",
-              "--output", str(tmp_path), "--quiet"])  # fmt: skip
+        main(
+            [
+                "inspect",
+                str(tiny_llama_vocab_model),
+                "--data",
+                str(text),
+                "--tokens",
+                "10",
+                "--seq-len",
+                "64",
+                "--output",
+                str(tmp_path),
+                "--quiet",
+            ]
+        )
     with pytest.raises(ValueError, match="does not exist"):
-        main(["inspect", str(tiny_llama_vocab_model), "--data", str(tmp_path / "missing.txt"), "--output", str(tmp_path)])
+        main(
+            ["inspect", str(tiny_llama_vocab_model), "--data", str(tmp_path / "missing.txt"), "--output", str(tmp_path)]
+        )
     bad = tmp_path / "notes.csv"
     bad.write_text("a,b\n")
     with pytest.raises(ValueError, match="unsupported data file"):
-        main(["inspect", str(tiny_llama_vocab_model), "--data", str(bad), "--tokens", "128", "--seq-len", "64",
-              "--output", str(tmp_path), "--quiet"])  # fmt: skip
+        main(
+            [
+                "inspect",
+                str(tiny_llama_vocab_model),
+                "--data",
+                str(bad),
+                "--tokens",
+                "128",
+                "--seq-len",
+                "64",
+                "--output",
+                str(tmp_path),
+                "--quiet",
+            ]
+        )
 
 
 def test_report_of_a_gpn_without_memory(tmp_path):
@@ -300,9 +343,17 @@ def test_report_of_a_gpn_without_memory(tmp_path):
     report = build_report(model, tokenizer, windows, collect(model, windows, progress=False), progress=False)
     assert report["memory"] is None
     assert [row["name"] for row in report["ablations"]["rows"]] == [
-        "baseline", "mean_removed_decode", "mean_removed_recurrence"]  # fmt: skip
+        "baseline",
+        "mean_removed_decode",
+        "mean_removed_recurrence",
+    ]
     figures = write_figures(report, tmp_path)
-    assert [f.rsplit("/", 1)[-1] for f in figures] == ["geometry.png", "mean_direction.png", "horizons.png", "ablations.png"]
+    assert [f.rsplit("/", 1)[-1] for f in figures] == [
+        "geometry.png",
+        "mean_direction.png",
+        "horizons.png",
+        "ablations.png",
+    ]
     assert matplotlib.image.imread(figures[2]).shape[1] > 600
     json.dumps(report_json(report), allow_nan=False)
     markdown = report_markdown(report, figures)
@@ -321,4 +372,6 @@ def test_decode_only_shortcut_matches_the_ablated_recurrence():
         full = ablation_perplexity(model, windows, ablation, batch_size=2, progress=False)
         assert shortcut["tokens"] == full["tokens"] == 3 * 19
         assert shortcut["perplexity"] == pytest.approx(full["perplexity"], rel=1e-5)
-    assert collected.perplexity == pytest.approx(decoded_perplexity(model, collected.states, windows)["perplexity"], rel=1e-6)
+    assert collected.perplexity == pytest.approx(
+        decoded_perplexity(model, collected.states, windows)["perplexity"], rel=1e-6
+    )

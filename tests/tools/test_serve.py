@@ -47,7 +47,9 @@ def model_dir(tmp_path_factory) -> Path:
     from modeling_gpn.data import train_bpe_tokenizer
 
     folder = tmp_path_factory.mktemp("served-gpn")
-    tokenizer = train_bpe_tokenizer(["the cat sat on the mat. " * 20, "to be or not to be, that is the question " * 20], 300)
+    tokenizer = train_bpe_tokenizer(
+        ["the cat sat on the mat. " * 20, "to be or not to be, that is the question " * 20], 300
+    )
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]})
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)
@@ -73,12 +75,30 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     """`gpn serve MODEL` in its own process; always killed at the end."""
-    port, states, log_path = free_port(), tmp_path_factory.mktemp("states"), tmp_path_factory.mktemp("log") / "serve.log"
+    port, states, log_path = (
+        free_port(),
+        tmp_path_factory.mktemp("states"),
+        tmp_path_factory.mktemp("log") / "serve.log",
+    )
     command = [
-        sys.executable, "-m", "modeling_gpn.cli", "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-        "--device", "cpu", "--state-dir", str(states), "--max-queued-requests", str(MAX_QUEUED),
-        "--max-context", str(MAX_CONTEXT),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "modeling_gpn.cli",
+        "serve",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        "--state-dir",
+        str(states),
+        "--max-queued-requests",
+        str(MAX_QUEUED),
+        "--max-context",
+        str(MAX_CONTEXT),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
@@ -135,7 +155,9 @@ def as_text(tokenizer, ids: torch.Tensor, streamed: bool) -> str:
     from tokenizers.decoders import DecodeStream
 
     stream = DecodeStream([], skip_special_tokens=True)
-    return "".join(piece for piece in (stream.step(tokenizer._tokenizer, int(token)) for token in ids) if piece is not None)
+    return "".join(
+        piece for piece in (stream.step(tokenizer._tokenizer, int(token)) for token in ids) if piece is not None
+    )
 
 
 def streamed_text(stream) -> tuple[str, object]:
@@ -164,7 +186,9 @@ def test_chat_turns_continue_from_kept_states_with_the_tokens_of_the_whole_promp
             {"role": "user", "content": "that is the question " * (turn + 1)},
         ]
     # streamed: the same tokens, the usage in the last chunk
-    text, usage = streamed_text(client.chat.completions.create(model=model_name, messages=messages, max_tokens=10, temperature=0, stream=True))
+    text, usage = streamed_text(
+        client.chat.completions.create(model=model_name, messages=messages, max_tokens=10, temperature=0, stream=True)
+    )
     assert text == expected_chat(reference, messages, 10, streamed=True)
     assert usage.prompt_tokens_details.cached_tokens >= previous_prompt - 1
 
@@ -190,7 +214,9 @@ def test_n_answers_models_and_health(client, model_name, reference, server):
     assert [choice.message.content for choice in reply.choices] == [expected] * 3
     assert [choice.index for choice in reply.choices] == [0, 1, 2]
     assert reply.usage.completion_tokens == 3 * 6
-    banned = client.chat.completions.create(model=model_name, messages=messages, max_tokens=6, temperature=0, logit_bias={"0": -100})
+    banned = client.chat.completions.create(
+        model=model_name, messages=messages, max_tokens=6, temperature=0, logit_bias={"0": -100}
+    )
     assert banned.choices[0].message.content  # an integer bias, as the OpenAI API has it (transformers: a 500)
     sampled = client.completions.create(model=model_name, prompt="to be", max_tokens=5, temperature=1.0, n=4, seed=0)
     assert len({choice.text for choice in sampled.choices}) > 1  # temperature 1 samples (transformers: greedy here)
@@ -203,8 +229,12 @@ def test_clients_at_once_each_get_their_own_answer(client, model_name, reference
     history = [{"role": "system", "content": "the cat sat on the mat"}, {"role": "user", "content": "to be"}]
     first = client.chat.completions.create(model=model_name, messages=history, max_tokens=5, temperature=0)
     history += [{"role": "assistant", "content": first.choices[0].message.content}]
-    branches = [history + [{"role": "user", "content": f"{'or not ' * (index + 1)}to be"}] for index in range(MAX_QUEUED)]
-    expected = [expected_chat(reference, messages, 12, streamed=bool(index % 2)) for index, messages in enumerate(branches)]
+    branches = [
+        history + [{"role": "user", "content": f"{'or not ' * (index + 1)}to be"}] for index in range(MAX_QUEUED)
+    ]
+    expected = [
+        expected_chat(reference, messages, 12, streamed=bool(index % 2)) for index, messages in enumerate(branches)
+    ]
     answers: dict[int, tuple[str, int]] = {}
     start = threading.Barrier(len(branches))
 
@@ -241,7 +271,19 @@ BAD_CHAT_REQUESTS = [  # (what the request gets wrong, the fields sent, a word t
     ("generation_config not JSON", {"generation_config": "{beams"}, "generation_config"),
     ("a generation_config generate() refuses", {"generation_config": '{"max_new_tokens": 0}'}, "max_new_tokens"),
     ("a generation_config value generate() refuses", {"generation_config": '{"top_k": "many"}'}, "generate() refused"),
-    ("tool_calls with arguments not JSON", {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{x"}}]}]}, "arguments"),
+    (
+        "tool_calls with arguments not JSON",
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{x"}}],
+                }
+            ]
+        },
+        "arguments",
+    ),
     ("chat_template_kwargs setting what the server sets", {"chat_template_kwargs": {"tokenize": False}}, "tokenize"),
     ("an unknown model", {"model": "no/such-model"}, "no/such-model"),
     ("a field the API does not have", {"colour": "blue"}, "colour"),
@@ -249,11 +291,15 @@ BAD_CHAT_REQUESTS = [  # (what the request gets wrong, the fields sent, a word t
 ]
 
 
-@pytest.mark.parametrize("fields,word", [case[1:] for case in BAD_CHAT_REQUESTS], ids=[case[0] for case in BAD_CHAT_REQUESTS])
+@pytest.mark.parametrize(
+    "fields,word", [case[1:] for case in BAD_CHAT_REQUESTS], ids=[case[0] for case in BAD_CHAT_REQUESTS]
+)
 def test_bad_chat_requests_get_a_4xx_naming_the_problem(client, model_name, fields, word):
     body = {"model": model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, **fields}
     with pytest.raises(openai.APIStatusError) as refused:
-        client.chat.completions.create(**{key: value for key, value in body.items() if key in ("model", "messages")}, extra_body=body)
+        client.chat.completions.create(
+            **{key: value for key, value in body.items() if key in ("model", "messages")}, extra_body=body
+        )
     assert 400 <= refused.value.status_code < 500, refused.value
     assert word in str(refused.value.body), refused.value.body
 
@@ -263,7 +309,9 @@ def test_bad_completion_requests_and_bodies_get_a_4xx(client, model_name, server
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(model=model_name, prompt=prompt, max_tokens=3)
         assert word in str(refused.value.body)
-    request = urllib.request.Request(server + "/v1/chat/completions", data=b"{not json", headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        server + "/v1/chat/completions", data=b"{not json", headers={"Content-Type": "application/json"}
+    )
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=10)
     assert refused.value.code == 422
@@ -276,19 +324,25 @@ def test_the_queue_limit_refuses_and_a_client_that_goes_away_frees_its_slot(clie
     streams = []
     try:
         for index in range(MAX_QUEUED):
-            streams.append(client.chat.completions.create(messages=[{"role": "user", "content": f"story {index}"}], **long))
+            streams.append(
+                client.chat.completions.create(messages=[{"role": "user", "content": f"story {index}"}], **long)
+            )
         running = iter(streams[0])
         for _ in range(3):  # the first is generating (the others wait for the inference thread)
             next(running)
         with pytest.raises(openai.RateLimitError) as refused:
-            client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "one more"}], max_tokens=2)
+            client.chat.completions.create(
+                model=model_name, messages=[{"role": "user", "content": "one more"}], max_tokens=2
+            )
         assert "max-queued-requests" in str(refused.value.body)
     finally:
         for stream in streams:
             stream.close()
     # every slot comes back within seconds (the long generations stop at their next token)
     deadline = time.monotonic() + 30
-    while not all_admitted(client, [{"messages": [{"role": "user", "content": f"again {index}"}], **long} for index in range(MAX_QUEUED)]):
+    while not all_admitted(
+        client, [{"messages": [{"role": "user", "content": f"again {index}"}], **long} for index in range(MAX_QUEUED)]
+    ):
         assert time.monotonic() < deadline, "the slots of the closed streams were not freed"
         time.sleep(0.2)
     wait_until_idle(client, model_name)
@@ -313,7 +367,9 @@ def wait_until_idle(client, model_name) -> None:
     deadline = time.monotonic() + 30
     while True:
         try:
-            client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "done"}], max_tokens=1)
+            client.chat.completions.create(
+                model=model_name, messages=[{"role": "user", "content": "done"}], max_tokens=1
+            )
             return
         except openai.RateLimitError:
             assert time.monotonic() < deadline, "the server stayed busy"
@@ -327,7 +383,17 @@ def test_gpn_serve_help_has_transformers_serve_options(capsys):
         main(["serve", "--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    for option in ("--host", "--port", "--continuous-batching", "--trust-remote-code", "--dtype", "--state-store-bytes", "--state-dir", "--max-context", "--max-queued-requests"):
+    for option in (
+        "--host",
+        "--port",
+        "--continuous-batching",
+        "--trust-remote-code",
+        "--dtype",
+        "--state-store-bytes",
+        "--state-dir",
+        "--max-context",
+        "--max-queued-requests",
+    ):
         assert option in text
 
 
@@ -342,11 +408,16 @@ def test_a_server_not_pinned_answers_an_unknown_model_with_404(tmp_path):
     from modeling_gpn.serve.handlers import Admission, ServingPolicy, StateKeepingChatCompletionHandler
 
     handler = StateKeepingChatCompletionHandler(
-        model_manager=ModelManager(device="cpu"), generation_state=GenerationState(),
+        model_manager=ModelManager(device="cpu"),
+        generation_state=GenerationState(),
         policy=ServingPolicy(store=None, max_context=None, admission=Admission(1)),
-    )  # fmt: skip
+    )
     for body, status, word in (
-        ({"model": str(tmp_path / "no-such-model"), "messages": [{"role": "user", "content": "hi"}]}, 404, "no-such-model"),
+        (
+            {"model": str(tmp_path / "no-such-model"), "messages": [{"role": "user", "content": "hi"}]},
+            404,
+            "no-such-model",
+        ),
         ({"messages": [{"role": "user", "content": "hi"}]}, 400, "model is required"),
     ):
         with pytest.raises(HTTPException) as refused:

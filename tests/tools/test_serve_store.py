@@ -40,7 +40,9 @@ def state_bytes(model) -> int:
 
 
 def same_state(a: GPNCache, b: GPNCache) -> bool:
-    return a.get_seq_length() == b.get_seq_length() and all(torch.equal(x, y) for x, y in zip(a.get_state(), b.get_state()))
+    return a.get_seq_length() == b.get_seq_length() and all(
+        torch.equal(x, y) for x, y in zip(a.get_state(), b.get_state())
+    )
 
 
 IDS = [5, 17, 3, 44, 8, 9, 60, 2, 31, 12]
@@ -72,7 +74,9 @@ def test_a_state_is_never_used_for_another_model_or_dtype_or_other_ids(model):
         same_vectors.model.embed_tokens.weight[0, 0] += 1.0
     assert store.lookup(same_vectors, IDS) is None
     assert store.lookup(perturbed_model(tiny_config(eos_token_id=None), seed=21).to(torch.float64), IDS) is None
-    assert store.lookup(perturbed_model(tiny_config(eos_token_id=None), seed=21), IDS)[0] == 6  # the same model, reloaded
+    assert (
+        store.lookup(perturbed_model(tiny_config(eos_token_id=None), seed=21), IDS)[0] == 6
+    )  # the same model, reloaded
     # a state is kept only under the ids it has read
     assert not store.keep(model, IDS[:6], state_after(model, IDS[1:7]))
     assert not store.keep(model, IDS[:5], state_after(model, IDS[:6]))
@@ -152,7 +156,9 @@ def greedy(model, new: int):
 def test_n_answers_fork_one_state_and_read_the_prompt_once(model):
     store = StateStore(1 << 22)
     read = []
-    hook = model.model.register_forward_pre_hook(lambda module, args, kwargs: read.append(kwargs["input_ids"].numel()), with_kwargs=True)
+    hook = model.model.register_forward_pre_hook(
+        lambda module, args, kwargs: read.append(kwargs["input_ids"].numel()), with_kwargs=True
+    )
     try:
         config = greedy(model, 5)
         config.do_sample, config.top_k = True, 0
@@ -166,7 +172,9 @@ def test_n_answers_fork_one_state_and_read_the_prompt_once(model):
     for row in range(3):  # each answer's state is kept under what its row read
         assert store.lookup(model, out[row].tolist())[0] == len(IDS) + 4
     # greedy: the n answers are the one answer
-    greedy_out = StateKeepingModel(model, StateStore(1 << 22), answers=2).generate(torch.tensor([IDS]), generation_config=greedy(model, 5))
+    greedy_out = StateKeepingModel(model, StateStore(1 << 22), answers=2).generate(
+        torch.tensor([IDS]), generation_config=greedy(model, 5)
+    )
     assert torch.equal(greedy_out, generate_plain(model, IDS, 5).expand(2, -1))
 
 

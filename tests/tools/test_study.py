@@ -16,9 +16,12 @@ def test_toy_study_end_to_end(tmp_path):
     corpus = require_shared("data/tinyshakespeare/input.txt")
     data_dir = require_shared("data")
     results = run_study(
-        "toy", tmp_path, data_dir=str(data_dir), show_progress=False,
+        "toy",
+        tmp_path,
+        data_dir=str(data_dir),
+        show_progress=False,
         overrides={"dataset": str(corpus), "max_tokens": 20000, "cache_dir": str(tmp_path / "cache")},
-    )  # fmt: skip
+    )
     expected = set(load_study("toy")["models"])
     assert set(results["rows"]) == expected
     for name, row in results["rows"].items():
@@ -52,8 +55,20 @@ def test_sigterm_during_a_study_stops_cleanly_with_the_model_checkpointed(tmp_pa
     study["models"] = {"gpn-m-1l": study["models"]["gpn-m-1l"]}
     (tmp_path / "study.json").write_text(json.dumps(study))
     output = tmp_path / "out"
-    process = launch([sys.executable, "-m", "modeling_gpn.cli", "study", "--study", str(tmp_path / "study.json"),
-                       "--output", str(output), "--no-progress"], tmp_path / "study.log")  # fmt: skip
+    process = launch(
+        [
+            sys.executable,
+            "-m",
+            "modeling_gpn.cli",
+            "study",
+            "--study",
+            str(tmp_path / "study.json"),
+            "--output",
+            str(output),
+            "--no-progress",
+        ],
+        tmp_path / "study.log",
+    )
     wait_for_step(process, output / "gpn-m-1l", 2)
     process.send_signal(signal.SIGTERM)
     text = stopped(process, 128 + signal.SIGTERM)

@@ -29,9 +29,12 @@ def test_tiny_preset_loss_falls_and_output_loads(tmp_path, cache, shakespeare):
 
     out = tmp_path / "run"
     config = train_module.resolve_config(
-        parse(small_args(shakespeare, out, cache, "--steps", "40", "--lr", "0.01", "--warmup-steps", "4",
-                         "--sample-tokens", "8"))
-    )  # fmt: skip
+        parse(
+            small_args(
+                shakespeare, out, cache, "--steps", "40", "--lr", "0.01", "--warmup-steps", "4", "--sample-tokens", "8"
+            )
+        )
+    )
     summary = train_module.train(config, show_progress=False)
     curve = losses(out)
     assert len(curve) == 40
@@ -74,8 +77,11 @@ def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, cache, shakespe
     common = ["--steps", "24", "--checkpoint-interval", "4", "--keep-checkpoints", "3"]
     train_cli = [sys.executable, "-m", "modeling_gpn.train"]
     # Tokenize once so both runs start at the same point quickly.
-    train_module.train(train_module.resolve_config(parse(small_args(shakespeare, tmp_path / "p", cache))),
-                       prepare_only=True, show_progress=False)  # fmt: skip
+    train_module.train(
+        train_module.resolve_config(parse(small_args(shakespeare, tmp_path / "p", cache))),
+        prepare_only=True,
+        show_progress=False,
+    )
 
     reference = launch(train_cli + small_args(shakespeare, tmp_path / "reference", cache, *common), tmp_path / "r.log")
     killed_dir = tmp_path / "killed"
@@ -92,7 +98,9 @@ def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, cache, shakespe
     stopped_at = train_module.latest_checkpoint(killed_dir)
     assert stopped_at is not None and int(stopped_at.name.split("-")[1]) < 24
 
-    resumed = finish(launch(train_cli + small_args(shakespeare, killed_dir, cache, *common, "--resume"), tmp_path / "s.log"))
+    resumed = finish(
+        launch(train_cli + small_args(shakespeare, killed_dir, cache, *common, "--resume"), tmp_path / "s.log")
+    )
     assert f"resumed from {stopped_at}" in resumed
     finish(reference)
 
@@ -106,18 +114,46 @@ def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, cache, shakespe
 def _launch_two_processes(distribution: list[str], args: list[str], log: Path) -> subprocess.Popen:
     """`accelerate launch` of 2 CPU processes (ACCELERATE_USE_CPU=1 comes from the accelerate_on_cpu fixture)."""
     return launch(
-        [sys.executable, "-m", "accelerate.commands.launch", *distribution, "--num_processes", "2", "--num_machines",
-         "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-         "-m", "modeling_gpn.train", *args],
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            *distribution,
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(free_port()),
+            "-m",
+            "modeling_gpn.train",
+            *args,
+        ],
         log,
-    )  # fmt: skip
+    )
 
 
 DDP = ["--multi_gpu"]
 FSDP2 = ["--use_fsdp", "--fsdp_version", "2"]
 # A checkpoint at step 3 of 6 to resume from; a short sample, so the end of the run does what a user's does.
-TWO_PROCESS_RUN = ["--steps", "6", "--lr", "0.01", "--warmup-steps", "2", "--checkpoint-interval", "3",
-                   "--keep-checkpoints", "1", "--sample-tokens", "4"]  # fmt: skip
+TWO_PROCESS_RUN = [
+    "--steps",
+    "6",
+    "--lr",
+    "0.01",
+    "--warmup-steps",
+    "2",
+    "--checkpoint-interval",
+    "3",
+    "--keep-checkpoints",
+    "1",
+    "--sample-tokens",
+    "4",
+]
 
 
 @pytest.fixture(scope="module")
@@ -130,15 +166,28 @@ def two_process_runs(tmp_path_factory, cache, shakespeare) -> dict[str, tuple[Pa
 
 
 def _run_two_process_runs(root: Path, cache: Path, shakespeare: Path) -> dict[str, tuple[Path, str]]:
-    train_module.train(train_module.resolve_config(parse(small_args(shakespeare, root / "p", cache))),
-                       prepare_only=True, show_progress=False)  # fmt: skip
+    train_module.train(
+        train_module.resolve_config(parse(small_args(shakespeare, root / "p", cache))),
+        prepare_only=True,
+        show_progress=False,
+    )
     launches = {
-        "one": launch([sys.executable, "-m", "modeling_gpn.train", *small_args(shakespeare, root / "one", cache,
-                        *TWO_PROCESS_RUN)], root / "one.log"),
-        "ddp": _launch_two_processes(DDP, small_args(shakespeare, root / "ddp", cache, *TWO_PROCESS_RUN), root / "ddp.log"),
-        "fsdp": _launch_two_processes(FSDP2, small_args(shakespeare, root / "fsdp", cache, *TWO_PROCESS_RUN),
-                                      root / "fsdp.log"),
-    }  # fmt: skip
+        "one": launch(
+            [
+                sys.executable,
+                "-m",
+                "modeling_gpn.train",
+                *small_args(shakespeare, root / "one", cache, *TWO_PROCESS_RUN),
+            ],
+            root / "one.log",
+        ),
+        "ddp": _launch_two_processes(
+            DDP, small_args(shakespeare, root / "ddp", cache, *TWO_PROCESS_RUN), root / "ddp.log"
+        ),
+        "fsdp": _launch_two_processes(
+            FSDP2, small_args(shakespeare, root / "fsdp", cache, *TWO_PROCESS_RUN), root / "fsdp.log"
+        ),
+    }
     # Every process must exit by itself within the bound (`finish` dumps every stack and fails otherwise).
     return {name: (root / name, finish(process, timeout=300)) for name, process in launches.items()}
 
@@ -183,11 +232,17 @@ def test_two_process_fsdp_trains_saves_and_resumes_like_one_process(two_process_
 
     # --resume: FSDP from its own checkpoint is bit-exact; FSDP from the DDP checkpoint, and one process from
     # the FSDP checkpoint, continue the same training (the sums of 2 processes round differently: not bit-exact).
-    same = _launch_two_processes(FSDP2, small_args(shakespeare, tmp_path / "same", cache, *TWO_PROCESS_RUN, "--resume",
-                                                   str(checkpoint)), tmp_path / "same.log")  # fmt: skip
+    same = _launch_two_processes(
+        FSDP2,
+        small_args(shakespeare, tmp_path / "same", cache, *TWO_PROCESS_RUN, "--resume", str(checkpoint)),
+        tmp_path / "same.log",
+    )
     ddp_checkpoint = ddp_dir / "checkpoints" / "step-0000003"
-    from_ddp = _launch_two_processes(FSDP2, small_args(shakespeare, tmp_path / "from-ddp", cache, *TWO_PROCESS_RUN,
-                                                       "--resume", str(ddp_checkpoint)), tmp_path / "from-ddp.log")  # fmt: skip
+    from_ddp = _launch_two_processes(
+        FSDP2,
+        small_args(shakespeare, tmp_path / "from-ddp", cache, *TWO_PROCESS_RUN, "--resume", str(ddp_checkpoint)),
+        tmp_path / "from-ddp.log",
+    )
     config = train_module.resolve_config(parse(small_args(shakespeare, tmp_path / "back", cache, *TWO_PROCESS_RUN)))
     train_module.train(config, resume=str(checkpoint), show_progress=False)
     assert f"resumed from {checkpoint}" in finish(same, timeout=300)
@@ -204,20 +259,33 @@ def test_two_process_fsdp_trains_saves_and_resumes_like_one_process(two_process_
         assert max(abs(a - b) for a, b in zip(losses(run)[-3:], losses(continued_from)[-3:])) < 1e-5
 
 
-def test_a_launch_of_several_processes_that_accelerate_runs_as_one_each_is_refused(tmp_path, cache, shakespeare,
-                                                                                      monkeypatch):  # fmt: skip
+def test_a_launch_of_several_processes_that_accelerate_runs_as_one_each_is_refused(
+    tmp_path, cache, shakespeare, monkeypatch
+):
     # The user's FSDP config on a machine without GPUs: `use_cpu: true` in the file does not reach the processes,
     # so Accelerate starts each of the 2 launched processes as a single-process run.
     monkeypatch.delenv("ACCELERATE_USE_CPU")
     config_file = tmp_path / "fsdp-cpu.yaml"
-    config_file.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n"
-                           "mixed_precision: 'no'\nnum_machines: 1\nnum_processes: 2\nuse_cpu: true\n")  # fmt: skip
+    config_file.write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n"
+        "mixed_precision: 'no'\nnum_machines: 1\nnum_processes: 2\nuse_cpu: true\n"
+    )
     run_dir = tmp_path / "run"
     launcher = launch(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file), "--main_process_port",
-         str(free_port()), "-m", "modeling_gpn.train", *small_args(shakespeare, run_dir, cache, "--steps", "3")],
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(config_file),
+            "--main_process_port",
+            str(free_port()),
+            "-m",
+            "modeling_gpn.train",
+            *small_args(shakespeare, run_dir, cache, "--steps", "3"),
+        ],
         tmp_path / "launch.log",
-    )  # fmt: skip
+    )
     launcher.wait(timeout=300)
     output = launcher.log_path.read_text()
     assert launcher.returncode != 0, output[-3000:]
@@ -230,8 +298,18 @@ def test_a_launch_of_several_processes_that_accelerate_runs_as_one_each_is_refus
 def test_paper_recipe_weight_decay_groups_and_schedule():
     recipe = train_module.load_recipe("paper-130m")
     assert (recipe["seq_len"], recipe["batch_size"], recipe["steps"]) == (2048, 128, 10000)
-    assert (recipe["lr"], recipe["warmup_steps"], recipe["min_lr_ratio"], recipe["weight_decay"]) == (6e-4, 100, 0.1, 0.1)
-    assert (recipe["beta1"], recipe["beta2"], recipe["clip_norm"], recipe["mixed_precision"]) == (0.9, 0.95, 1.0, "bf16")
+    assert (recipe["lr"], recipe["warmup_steps"], recipe["min_lr_ratio"], recipe["weight_decay"]) == (
+        6e-4,
+        100,
+        0.1,
+        0.1,
+    )
+    assert (recipe["beta1"], recipe["beta2"], recipe["clip_norm"], recipe["mixed_precision"]) == (
+        0.9,
+        0.95,
+        1.0,
+        "bf16",
+    )
     assert recipe["model"] == "gpn-m-1l-130m" and recipe["dataset_config"] == "sample-10BT"
     assert train_module.load_recipe("paper-130m-2l")["bptt_truncation"] == 512
     assert train_module.load_recipe("paper-130m-llama")["model"]["model_type"] == "llama"
@@ -270,7 +348,10 @@ def test_configuration_precedence_and_help(tmp_path):
     config = train_module.resolve_config(parse(["--recipe", "tiny-cpu", "--config", str(config_file), "--steps", "9"]))
     assert (config["lr"], config["steps"], config["seq_len"]) == (0.5, 9, 16)  # file over recipe, CLI over file
     assert config["batch_size"] == 64 and config["dataset"] == "shakespeare"  # from the recipe
-    assert train_module.resolve_config(parse(["--recipe", "tiny-cpu", "--hub-data"]))["dataset"] == "HuggingFaceFW/fineweb-edu"
+    assert (
+        train_module.resolve_config(parse(["--recipe", "tiny-cpu", "--hub-data"]))["dataset"]
+        == "HuggingFaceFW/fineweb-edu"
+    )
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"learning_rate": 1}))
     with pytest.raises(ValueError, match="Unknown keys.*learning_rate"):

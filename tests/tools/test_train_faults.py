@@ -64,8 +64,10 @@ def test_nonfinite_gradient_is_never_applied_at_any_clipping_setting(tmp_path, c
     with pytest.raises(train_module.NonFiniteLossError) as caught:
         run_train(shakespeare, out, cache, *DIVERGING, "--clip-norm", clip)
     message = str(caught.value)
-    assert "Non-finite gradient norm nan at step 2 (of 6); the weights were not updated with it (they hold the " \
-           "update of step 1)" in message, message  # fmt: skip
+    assert (
+        "Non-finite gradient norm nan at step 2 (of 6); the weights were not updated with it (they hold the "
+        "update of step 1)" in message
+    ), message
     assert f"the last checkpoint, {out / 'checkpoints' / 'step-0000001'}, is intact" in message
     # The last good checkpoint is kept, holds finite weights, and nothing after it was written.
     assert checkpoint_steps(out) == [1] and not (out / "model").exists()
@@ -80,12 +82,24 @@ def test_nonfinite_gradient_is_never_applied_at_any_clipping_setting(tmp_path, c
         run_train(shakespeare, out, cache, *DIVERGING, "--clip-norm", clip, resume=True)
 
 
-def test_skipped_steps_are_capped_reported_and_a_nonfinite_model_is_never_saved(tmp_path, cache, shakespeare, capsys,
-                                                                               monkeypatch):
+def test_skipped_steps_are_capped_reported_and_a_nonfinite_model_is_never_saved(
+    tmp_path, cache, shakespeare, capsys, monkeypatch
+):
     # Skips within the cap: reported in the log and the summary; the model (finite, loss finite) is saved.
     out = tmp_path / "skip"
-    summary = run_train(shakespeare, out, cache, *DIVERGING[:6], "--clip-norm", "0", "--steps", "4",
-                        "--max-skipped-steps", "3", skip_nonfinite=True)  # fmt: skip
+    summary = run_train(
+        shakespeare,
+        out,
+        cache,
+        *DIVERGING[:6],
+        "--clip-norm",
+        "0",
+        "--steps",
+        "4",
+        "--max-skipped-steps",
+        "3",
+        skip_nonfinite=True,
+    )
     assert summary["skipped_steps"] == [2, 3, 4]
     assert "skipped 3 non-finite step(s) of 4: [2, 3, 4]" in capsys.readouterr().out
     log = read_log(out)
@@ -98,8 +112,19 @@ def test_skipped_steps_are_capped_reported_and_a_nonfinite_model_is_never_saved(
 
     # One skip over the cap stops the run (exit 1 from the CLI), naming the count and the cap.
     out = tmp_path / "cap"
-    args = small_args(shakespeare, out, cache, *DIVERGING[:6], "--clip-norm", "0", "--steps", "8",
-                      "--max-skipped-steps", "2", "--skip-nonfinite")  # fmt: skip
+    args = small_args(
+        shakespeare,
+        out,
+        cache,
+        *DIVERGING[:6],
+        "--clip-norm",
+        "0",
+        "--steps",
+        "8",
+        "--max-skipped-steps",
+        "2",
+        "--skip-nonfinite",
+    )
     assert train_module.run(parse(args)) == 1
     error = capsys.readouterr().err
     assert "at step 4 (of 8)" in error and "3 skipped steps, more than --max-skipped-steps 2" in error, error
@@ -110,8 +135,9 @@ def test_skipped_steps_are_capped_reported_and_a_nonfinite_model_is_never_saved(
     # kernels, like the plain loop, saturate to a finite one: see test_train.py's test of the NaN loss.)
     monkeypatch.setenv("GPN_STEP_KERNELS", "0")
     out = tmp_path / "nan"
-    args = small_args(shakespeare, out, cache, "--steps", "4", "--lr", "1e30", "--warmup-steps", "0",
-                      "--skip-nonfinite")  # fmt: skip
+    args = small_args(
+        shakespeare, out, cache, "--steps", "4", "--lr", "1e30", "--warmup-steps", "0", "--skip-nonfinite"
+    )
     assert train_module.run(parse(args)) == 1
     error = capsys.readouterr().err
     assert "The run ended with a non-finite model (validation loss nan, 3 skipped step(s)); it was not saved" in error
@@ -123,8 +149,9 @@ def test_an_update_that_makes_the_weights_nonfinite_is_never_checkpointed(tmp_pa
     # so step 1's update makes the weights NaN although its loss and gradient are finite.
     out = tmp_path / "eps0"
     with pytest.raises(train_module.NonFiniteLossError) as caught:
-        run_train(shakespeare, out, cache, "--steps", "3", "--eps", "0", "--checkpoint-interval", "1",
-                  skip_nonfinite=True)  # fmt: skip
+        run_train(
+            shakespeare, out, cache, "--steps", "3", "--eps", "0", "--checkpoint-interval", "1", skip_nonfinite=True
+        )
     assert str(caught.value).startswith("Step 1's update made the weights non-finite (loss ")
     assert "No checkpoint had been written yet" in str(caught.value)
     assert checkpoint_steps(out) == [] and not (out / "model").exists()
@@ -177,7 +204,9 @@ def test_sigterm_and_sigint_checkpoint_at_the_step_boundary_and_resume_bit_exact
 def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path, cache, shakespeare):
     run_dir = tmp_path / "run"
     # Slow steps (256 windows each), so the second Ctrl-C lands inside the step the first one let finish.
-    argv = small_args(shakespeare, run_dir, cache, "--steps", "100000", "--batch-size", "256", "--micro-batch-size", "256")
+    argv = small_args(
+        shakespeare, run_dir, cache, "--steps", "100000", "--batch-size", "256", "--micro-batch-size", "256"
+    )
     process = launch(TRAIN_CLI + argv, tmp_path / "run.log")
     wait_for_step(process, run_dir, 1)
     process.send_signal(signal.SIGINT)
@@ -272,13 +301,16 @@ def test_log_rewrite_on_resume_is_write_then_rename(tmp_path):
     records = [{"step": step, "loss": 5.0 - step / 10} for step in range(1, 41)]
     original = "".join(json.dumps(r) + "\n" for r in records) + '{"step": 41, "lo'  # torn last line
     log.write_text(original)
+
     # A real write failure while the kept records are written (a 200-byte file-size limit on the process
     # doing it, so write() fails with EFBIG): the log is left exactly as it was, no temporary file behind.
     def limit_file_size() -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get the error instead of being killed by the signal
         resource.setrlimit(resource.RLIMIT_FSIZE, (200, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
-    code = f"from modeling_gpn.train import truncate_log; from pathlib import Path; truncate_log(Path({str(log)!r}), 20)"
+    code = (
+        f"from modeling_gpn.train import truncate_log; from pathlib import Path; truncate_log(Path({str(log)!r}), 20)"
+    )
     failed = subprocess.run([sys.executable, "-c", code], preexec_fn=limit_file_size, capture_output=True, text=True)
     assert failed.returncode == 1 and "OSError: [Errno 27] File too large" in failed.stderr, failed.stderr[-2000:]
     assert log.read_text() == original
@@ -288,7 +320,8 @@ def test_log_rewrite_on_resume_is_write_then_rename(tmp_path):
     train_module.truncate_log(log, 20, warn=warnings.append)
     assert train_module.read_log(log) == records[:20]
     assert len(warnings) == 1 and warnings[0].startswith(
-        f"warning: {log}: line 41 is torn (a write cut short by a crash or a full disk); skipped it (Unterminated")
+        f"warning: {log}: line 41 is torn (a write cut short by a crash or a full disk); skipped it (Unterminated"
+    )
 
 
 def test_a_crash_between_the_renames_of_a_replaced_folder_restores_the_old_one(tmp_path):
@@ -318,16 +351,47 @@ def test_resume_refuses_settings_that_change_data_or_optimisation_and_allows_the
     run_train(shakespeare, out, cache, *common)
     assert checkpoint_steps(out) == [3]
     with pytest.raises(ValueError) as caught:
-        run_train(shakespeare, out, cache, *common, "--val-fraction", "0.05", "--warmup-steps", "7", "--clip-norm",
-                  "0.5", "--weight-decay", "0", resume=True)  # fmt: skip
+        run_train(
+            shakespeare,
+            out,
+            cache,
+            *common,
+            "--val-fraction",
+            "0.05",
+            "--warmup-steps",
+            "7",
+            "--clip-norm",
+            "0.5",
+            "--weight-decay",
+            "0",
+            resume=True,
+        )
     message = str(caught.value)
-    for change in ("val_fraction: 0.02 -> 0.05", "warmup_steps: 20 -> 7", "clip_norm: 1.0 -> 0.5",
-                   "weight_decay: 0.1 -> 0"):  # fmt: skip
+    for change in (
+        "val_fraction: 0.02 -> 0.05",
+        "warmup_steps: 20 -> 7",
+        "clip_norm: 1.0 -> 0.5",
+        "weight_decay: 0.1 -> 0",
+    ):
         assert change in message, message
     assert "would change the data, the model or the optimisation" in message
-    assert changed_settings_of(out, "--steps", "7", "--dataset", str(out / "train_config.json"), "--seq-len", "16",
-                               "--batch-size", "4", "--lr", "0.1", "--beta2", "0.9", "--tokenizer", "gpt2") == [
-        "batch_size", "beta2", "dataset", "lr", "seq_len", "steps", "tokenizer"]  # fmt: skip
+    assert changed_settings_of(
+        out,
+        "--steps",
+        "7",
+        "--dataset",
+        str(out / "train_config.json"),
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "4",
+        "--lr",
+        "0.1",
+        "--beta2",
+        "0.9",
+        "--tokenizer",
+        "gpt2",
+    ) == ["batch_size", "beta2", "dataset", "lr", "seq_len", "steps", "tokenizer"]
     # A checkpoint holding a NaN (as older versions could write) is refused on resume, naming it.
     damaged = tmp_path / "damaged"
     shutil.copytree(out, damaged)
@@ -341,8 +405,23 @@ def test_resume_refuses_settings_that_change_data_or_optimisation_and_allows_the
         run_train(shakespeare, damaged, cache, *common, resume=True)
     # Logging, validation, checkpointing, the sample, the micro-batch and the timeout may change.
     first = saved_weights(out / "model")
-    run_train(shakespeare, out, cache, *common, "--log-interval", "2", "--eval-interval", "2", "--checkpoint-interval",
-              "0", "--ddp-timeout", "60", "--micro-batch-size", "8", resume=True)  # fmt: skip
+    run_train(
+        shakespeare,
+        out,
+        cache,
+        *common,
+        "--log-interval",
+        "2",
+        "--eval-interval",
+        "2",
+        "--checkpoint-interval",
+        "0",
+        "--ddp-timeout",
+        "60",
+        "--micro-batch-size",
+        "8",
+        resume=True,
+    )
     for name, tensor in saved_weights(out / "model").items():
         assert torch.allclose(tensor, first[name], atol=1e-5), name  # same run, regrouped into one forward pass
 
@@ -355,8 +434,9 @@ def changed_settings_of(run_dir: Path, *argv: str) -> list[str]:
 
 def test_a_stuck_ddp_rank_fails_the_job_after_ddp_timeout(tmp_path, cache, shakespeare):
     run_dir = tmp_path / "ddp"
-    launcher = _launch_ddp(small_args(shakespeare, run_dir, cache, "--steps", "100000", "--ddp-timeout", "5"),
-                           tmp_path / "ddp.log")  # fmt: skip
+    launcher = _launch_ddp(
+        small_args(shakespeare, run_dir, cache, "--steps", "100000", "--ddp-timeout", "5"), tmp_path / "ddp.log"
+    )
     wait_for_step(launcher, run_dir, 2)
     ranks = _ranks(launcher)
     os.kill(ranks[1], signal.SIGSTOP)  # stopped, not dead: only a timeout can notice it
@@ -377,7 +457,8 @@ def test_a_stuck_ddp_rank_fails_the_job_after_ddp_timeout(tmp_path, cache, shake
     output = launcher.log_path.read_text()
     assert 4 < waited < 40, waited
     assert "gpn train: error: a collective operation timed out after --ddp-timeout 5 s while training step" in output, (
-        output[-3000:])  # fmt: skip
+        output[-3000:]
+    )
 
 
 def _process_state(pid: int) -> str:
@@ -388,18 +469,36 @@ def _process_state(pid: int) -> str:
 
 def _launch_ddp(args: list[str], log: Path) -> subprocess.Popen:
     return launch(
-        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-         str(free_port()), "-m", "modeling_gpn.train", *args],
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(free_port()),
+            "-m",
+            "modeling_gpn.train",
+            *args,
+        ],
         log,
-    )  # fmt: skip
+    )
 
 
 def _ranks(launcher: subprocess.Popen) -> dict[int, int]:
     """LOCAL_RANK -> pid of the launcher's worker processes."""
     found = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
-    ranks = {int(Path(f"/proc/{pid}/environ").read_bytes().split(b"LOCAL_RANK=")[1].split(b"\0")[0]): int(pid)
-             for pid in found}  # fmt: skip
+    ranks = {
+        int(Path(f"/proc/{pid}/environ").read_bytes().split(b"LOCAL_RANK=")[1].split(b"\0")[0]): int(pid)
+        for pid in found
+    }
     assert sorted(ranks) == [0, 1], found
     return ranks
 
@@ -428,8 +527,10 @@ def test_the_end_of_a_ddp_run_is_bounded_by_ddp_timeout_and_names_the_stage(tmp_
     # Rank 1 stops (SIGSTOP) once training is over: whatever collective of the end rank 0 reaches next (the
     # weights' check, or the barrier after saving the model) must give up after --ddp-timeout, naming it.
     run_dir = tmp_path / "ddp"
-    launcher = _launch_ddp(small_args(shakespeare, run_dir, cache, "--steps", "3", "--ddp-timeout", "5",
-                                      "--sample-tokens", "200"), tmp_path / "ddp.log")  # fmt: skip
+    launcher = _launch_ddp(
+        small_args(shakespeare, run_dir, cache, "--steps", "3", "--ddp-timeout", "5", "--sample-tokens", "200"),
+        tmp_path / "ddp.log",
+    )
     deadline = time.time() + 180
     while not (run_dir / "log.jsonl").exists() or not any(
         r.get("event") == "final" for r in train_module.read_log(run_dir / "log.jsonl")
@@ -458,17 +559,21 @@ def test_the_end_of_a_ddp_run_is_bounded_by_ddp_timeout_and_names_the_stage(tmp_
 def test_a_watched_stage_that_hangs_ends_the_process_naming_it_with_every_stack(tmp_path):
     # What bounds the end of the process group and the exit, which no --ddp-timeout covers: a real process
     # that hangs inside a watched stage.
-    code = ("import time\nfrom modeling_gpn.train import RunStage\nstage = RunStage(watchdog_s=2)\n"
-            "stage.enter('ending the process group', watch=True)\ntime.sleep(120)\n")  # fmt: skip
+    code = (
+        "import time\nfrom modeling_gpn.train import RunStage\nstage = RunStage(watchdog_s=2)\n"
+        "stage.enter('ending the process group', watch=True)\ntime.sleep(120)\n"
+    )
     started = time.time()
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
     assert result.returncode == 1 and time.time() - started < 60
     assert "gpn train: error: the run hung while ending the process group: still there after 2 s" in result.stderr
     assert 'File "<string>", line 5 in <module>' in result.stderr  # the stack of the hanging thread
     # A stage that ends in time (the next enter, or finish) does not fire.
-    code = ("import time\nfrom modeling_gpn.train import RunStage\nstage = RunStage(watchdog_s=1)\n"
-            "stage.enter('a', watch=True)\nstage.enter('b')\ntime.sleep(2)\nstage.enter('c', watch=True)\n"
-            "stage.finish()\ntime.sleep(2)\nprint('done')\n")  # fmt: skip
+    code = (
+        "import time\nfrom modeling_gpn.train import RunStage\nstage = RunStage(watchdog_s=1)\n"
+        "stage.enter('a', watch=True)\nstage.enter('b')\ntime.sleep(2)\nstage.enter('c', watch=True)\n"
+        "stage.finish()\ntime.sleep(2)\nprint('done')\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
     assert result.returncode == 0 and result.stdout.strip() == "done", result.stderr
 
@@ -478,8 +583,9 @@ def test_a_watched_stage_that_hangs_ends_the_process_naming_it_with_every_stack(
 # --------------------------------------------------------------------------------------------------
 
 
-def test_a_second_run_into_the_same_folder_stops_at_once_and_a_killed_runs_lock_is_taken_over(tmp_path, cache,
-                                                                                               shakespeare):  # fmt: skip
+def test_a_second_run_into_the_same_folder_stops_at_once_and_a_killed_runs_lock_is_taken_over(
+    tmp_path, cache, shakespeare
+):
     run_dir = tmp_path / "run"
     first = launch(TRAIN_CLI + small_args(shakespeare, run_dir, cache, "--steps", "100000"), tmp_path / "1.log")
     try:
@@ -502,8 +608,9 @@ def test_a_second_run_into_the_same_folder_stops_at_once_and_a_killed_runs_lock_
 
     third = launch(TRAIN_CLI + small_args(shakespeare, run_dir, cache, "--steps", "2"), tmp_path / "3.log")
     output = finish(third)
-    assert (f"taking over the lock of {run_dir} from a run that ended without releasing it (pid {first.pid} on "
-            in output), output[-3000:]  # fmt: skip
+    assert (
+        f"taking over the lock of {run_dir} from a run that ended without releasing it (pid {first.pid} on " in output
+    ), output[-3000:]
     assert (run_dir / "model").exists()
     assert (run_dir / train_module.RunFolderLock.FILE_NAME).read_text() == ""  # released at the end
     train_module.RunFolderLock(run_dir).acquire().release()  # free again
@@ -514,7 +621,9 @@ def test_the_lock_is_held_only_while_train_runs_in_process(tmp_path, cache, shak
     # also when it fails.
     run_dir = tmp_path / "run"
     holder = train_module.RunFolderLock(run_dir).acquire()
-    with pytest.raises(train_module.RunFolderInUseError, match=rf"in use by another gpn train run \(pid {os.getpid()} "):
+    with pytest.raises(
+        train_module.RunFolderInUseError, match=rf"in use by another gpn train run \(pid {os.getpid()} "
+    ):
         run_train(shakespeare, run_dir, cache, "--steps", "2")
     holder.release()
     run_train(shakespeare, run_dir, cache, "--steps", "2", "--checkpoint-interval", "1")

@@ -32,11 +32,37 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def small_args(data: Path, out: Path, cache: Path, *extra: str) -> list[str]:
     """A few-second run of the tiny preset: 512-token BPE, 32-token windows, one thread."""
     return [
-        "--recipe", "tiny-cpu", "--dataset", str(data), "--bpe-vocab-size", "512", "--seq-len", "32",
-        "--batch-size", "8", "--micro-batch-size", "4", "--eval-windows", "8", "--log-interval", "1",
-        "--eval-interval", "0", "--checkpoint-interval", "0", "--sample-tokens", "0", "--num-threads", "1",
-        "--output-dir", str(out), "--cache-dir", str(cache), "--no-progress", *extra,
-    ]  # fmt: skip
+        "--recipe",
+        "tiny-cpu",
+        "--dataset",
+        str(data),
+        "--bpe-vocab-size",
+        "512",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "8",
+        "--micro-batch-size",
+        "4",
+        "--eval-windows",
+        "8",
+        "--log-interval",
+        "1",
+        "--eval-interval",
+        "0",
+        "--checkpoint-interval",
+        "0",
+        "--sample-tokens",
+        "0",
+        "--num-threads",
+        "1",
+        "--output-dir",
+        str(out),
+        "--cache-dir",
+        str(cache),
+        "--no-progress",
+        *extra,
+    ]
 
 
 def read_log(run_dir: Path) -> list[dict]:
@@ -52,11 +78,17 @@ def losses(run_dir: Path) -> list[float]:
 def launch(argv: list[str], log: Path) -> subprocess.Popen:
     """`argv` started in its own process group from the repository root, its output to `log` (`.log_path`)."""
     # PYTHONFAULTHANDLER: a run that hangs dumps every thread's Python stack on the SIGABRT `finish` sends
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONFAULTHANDLER="1")  # fmt: skip
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(REPO_ROOT),
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONFAULTHANDLER="1",
+    )
     handle = open(log, "w")
-    process = subprocess.Popen(argv, env=env, cwd=REPO_ROOT, stdout=handle, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)  # fmt: skip
+    process = subprocess.Popen(
+        argv, env=env, cwd=REPO_ROOT, stdout=handle, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     process.log_path = log
     return process
 
