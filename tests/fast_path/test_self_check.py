@@ -46,7 +46,7 @@ def fresh_weights_and_sizes(batch: int = 3, **overrides):
 def on_every_launch(monkeypatch, change):
     """Run `change(name, written)` after every kernel launch, `written` being the float32 tensors the launch
     wrote (found by comparing them before and after): a kernel whose results are off as `change` says."""
-    launch = tk.launch
+    launch = tk._launch
 
     def launch_and_change(name, grid, *args, **meta):
         tensors = [a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.float32]
@@ -54,7 +54,7 @@ def on_every_launch(monkeypatch, change):
         launch(name, grid, *args, **meta)
         change(name, [t for t, old in zip(tensors, before) if not torch.equal(t, old)])
 
-    monkeypatch.setattr(tk, "launch", launch_and_change)
+    monkeypatch.setattr(tk, "_launch", launch_and_change)
 
 
 def gpu_noise(monkeypatch, ulps: int = 2, seed: int = 0) -> torch.Generator:
@@ -220,14 +220,14 @@ def test_kernels_that_raise_turn_off_their_combination_and_the_torch_ops_run(fre
     a C compiler for Triton's launcher, or an asynchronous CUDA error caught by the check's synchronize,
     would) does not stop the model: the self-check warns with the error and the window runs on the torch
     ops, = plain."""
-    launch = tk.launch
+    launch = tk._launch
 
     def failing_launch(name, *args, **meta):
         if name == "memory_write_backward":
             raise RuntimeError("PTXAS error: Internal Triton PTX codegen error\nmore lines")
         launch(name, *args, **meta)
 
-    monkeypatch.setattr(tk, "launch", failing_launch)
+    monkeypatch.setattr(tk, "_launch", failing_launch)
     model = perturbed_model(tiny_config(**VARIANTS["gpn+m"]), seed=5).train()
     problem = random_problem(model, batch=3, length=4, mask_kind=None, seed=2)
     plain = run_recurrence(model, False, *problem)
