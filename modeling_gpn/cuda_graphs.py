@@ -24,8 +24,8 @@ segment (see the class). GPN_CUDA_GRAPHS=inference keeps them off while the no-g
 
 Caveat (why it is opt-in): the returned state tensors are the graph's slots, overwritten by the replay
 after next. `generate()` only keeps the latest state, so it is safe there; code that keeps an older
-decode state (its own copy of an old cache) must clone it, or leave graphs off. The graph is untested on a
-GPU so far (no GPU was lent to the session that wrote it); `benchmarks/gpu_check.py` checks it first.
+decode state (its own copy of an old cache) must clone it, or leave graphs off. `benchmarks/gpu_check.py`
+checks the graphs on a GPU before any timing (docs/gpu.md).
 
 The steps the graphs replay are handed in (`GraphKernels`: the dispatcher, `fast_recurrence`, passes
 Triton's, which take static buffers), and so is the decision to use graphs at all (`asked` is the user's

@@ -31,8 +31,7 @@ What makes it fast (see the speed issue and `GPN.md`):
 - **Fused memory kernels (CPU).** The memory half of a step (key and query normalisation, write gates,
   the write, layer 0's read and its norm) and the gradient of the write and reads run one head at a time
   in small C kernels (`memory_kernels.py`, compiled once per machine), so M and dL/dM are read from memory
-  once per step instead of once per torch op (small preset, batch 8, 2 threads: the backward's memory part
-  0.59 -> 0.23 ms per step). The torch ops stay as the path under torch.compile, without a C compiler,
+  once per step instead of once per torch op (the figures: benchmarks/RESULTS.md). The torch ops stay as the path under torch.compile, without a C compiler,
   and with GPN_MEMORY_KERNELS=0; tests run both.
 - **The whole step in C at a small batch (CPU, no autograd).** A window of up to `MAX_STEP_ROWS` rows
   (decoding, a prompt's prefill) runs each step, or all of an unmasked window's steps, in one C call on the
@@ -304,7 +303,8 @@ def fast_project(module: torch.nn.Module, x: torch.Tensor, fast: bool = True) ->
     """`module(x.to(its weight's dtype)).float()` (`modeling_gpn.project`), for a few rows of a plain
     nn.Linear (float32, bfloat16 or torchao int8 weight-only weight; no hooks) without autograd on the C
     kernels when `fast` (the model's `use_fast_path`): a decoded token's decoder and token projections, which
-    torch (and torchao's int8 linear, ~0.1 ms a call at these sizes) run far below the bandwidth limit.
+    torch's and torchao's int8 linear run far below the bandwidth limit at these sizes (a call's fixed cost
+    is larger than its product).
     Anything else calls the module."""
     weight = getattr(module, "weight", None)
     if (
@@ -473,8 +473,8 @@ class BufferPool:
     """Scratch buffers for the memory M that training calls hand back and reuse (on CPU).
 
     A training call writes every M' of its last segment into one buffer (400 MB for the small preset at
-    batch 8 x 256); a fresh one each call costs page faults on every page, 120-155 ms against 36-39 ms for
-    the same writes into a reused buffer. A buffer is taken by one call and given back when that call's
+    batch 8 x 256); a fresh one each call costs a page fault on every page, several times the cost of the
+    same writes into a reused buffer (benchmarks/RESULTS.md). A buffer is taken by one call and given back when that call's
     backward is done, so overlapping calls (two forwards, one backward) never share one; a call whose
     graph is dropped without backward simply never gives its buffer back. On CUDA the caching allocator
     already reuses memory, so the pool is not used there. `release()` frees what the pool holds."""

@@ -626,7 +626,9 @@ class GPNModel(GPNPreTrainedModel):
         """
         path = self.recurrence_path()
         if not is_tracing():
-            object.__setattr__(self, "last_recurrence_path", path)  # (nn.Module's __setattr__ costs ~5 us a call)
+            object.__setattr__(
+                self, "last_recurrence_path", path
+            )  # (nn.Module's __setattr__ is slow on a per-token path)
             if path != "fast":  # (the fast path records the backends it chooses itself)
                 object.__setattr__(self, "last_recurrence_backends", None)
         if path == "fast":

@@ -228,9 +228,7 @@ class PackedMatrix:
 
     When it pays (see `worthwhile`): torch's bf16 matmul reorders the weight on every call, which for the
     1-8 row matmuls of a step costs as much as the product, and for 8-row fp32 products on several threads
-    oneDNN's packed kernel splits the work better than MKL. The small preset's three step matmuls, 8 rows:
-    2 threads 0.70 ms (bf16 packed), 1.47 (bf16), 1.23 (fp32 packed), 1.61 (fp32); 1 thread 1.32 (bf16
-    packed), 2.17 (fp32 packed), 2.04 (fp32). Matrices are packed once per forward or generate() call for
+    oneDNN's packed kernel splits the work better than MKL (the timings: benchmarks/RESULTS.md). Matrices are packed once per forward or generate() call for
     inference (`cached_folded_weights`) and once per call in training (a single pass over the weights)."""
 
     def __init__(self, matrix: torch.Tensor):
@@ -369,7 +367,7 @@ def _mm(x: torch.Tensor, w) -> torch.Tensor:
 
 def _linear(x: torch.Tensor, w, b: torch.Tensor) -> torch.Tensor:
     """x @ w + b in the weights' dtype, float32 result. (Not addmm: it first copies the broadcast bias into
-    its output, a pass that costs more than adding the bias in place afterwards, 5% of a step here.)"""
+    its output, a pass that costs more than adding the bias in place afterwards.)"""
     if isinstance(w, PackedMatrix):
         return w.mm(x).add_(b)
     if w.dtype == torch.float32:

@@ -4,6 +4,8 @@ Every fenced code block of README.md, CONTRIBUTING.md and the pages of docs/ is 
 - a block opened as ```` ```python runnable ```` runs, in a folder holding a tiny GPN saved as
   `me/gpn-tiny` (with a byte-level BPE tokenizer), so `from_pretrained("me/gpn-tiny")` loads it as a user's
   would load a Hub repo;
+- a block opened as ```` ```python serving ```` (the README's OpenAI client session) runs against a real
+  `gpn serve` in tests/tools/test_serve.py;
 - every `gpn ...` command in a bash block, and every `accelerate launch ... -m modeling_gpn.train ...` or
   `python -m modeling_gpn.X ...`, is parsed by the real `gpn` parser of that subcommand (nothing runs): a
   renamed or removed option, or a subcommand that no longer exists, fails here, naming the page and line.
@@ -15,47 +17,13 @@ import contextlib
 import io
 import re
 import shlex
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 
-from ..environment import REPO_ROOT
 from ..tiny_models import tiny_config
+from .doc_blocks import ALL_BLOCKS
 
-DOC_FILES = sorted([REPO_ROOT / "README.md", REPO_ROOT / "CONTRIBUTING.md", *(REPO_ROOT / "docs").glob("*.md")])
-FENCE = re.compile(r"^```(\S*)(.*)$")
-
-
-@dataclass(frozen=True)
-class Block:
-    path: Path
-    line: int  # 1-based line of the opening fence
-    language: str
-    options: frozenset[str]
-    code: str
-
-    @property
-    def where(self) -> str:
-        return f"{self.path.relative_to(REPO_ROOT)}:{self.line}"
-
-
-def code_blocks(path: Path) -> list[Block]:
-    blocks, opened, lines = [], None, []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        match = FENCE.match(line.strip())
-        if opened is None and match:
-            opened, lines = (number, match.group(1), frozenset(match.group(2).split())), []
-        elif opened is not None and line.strip() == "```":
-            blocks.append(Block(path, opened[0], opened[1], opened[2], "\n".join(lines)))
-            opened = None
-        elif opened is not None:
-            lines.append(line)
-    return blocks
-
-
-ALL_BLOCKS = [block for path in DOC_FILES for block in code_blocks(path)]
 RUNNABLE = [block for block in ALL_BLOCKS if block.language == "python" and "runnable" in block.options]
 SHELL = [block for block in ALL_BLOCKS if block.language in ("bash", "sh", "shell", "console")]
 

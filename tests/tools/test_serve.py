@@ -30,6 +30,7 @@ import torch
 
 from ..environment import REPO_ROOT
 from ..tiny_models import perturbed_model, tiny_config
+from .doc_blocks import ALL_BLOCKS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -191,6 +192,19 @@ def test_chat_turns_continue_from_kept_states_with_the_tokens_of_the_whole_promp
     )
     assert text == expected_chat(reference, messages, 10, streamed=True)
     assert usage.prompt_tokens_details.cached_tokens >= previous_prompt - 1
+
+
+def test_the_readmes_serving_session_runs_against_a_served_gpn(server, model_name, reference, capsys):
+    """The README's serving block (```` ```python serving ````: chat, a streamed second turn, a completion),
+    run as written but for the address and the model: the server of this module and its tiny GPN."""
+    (block,) = [b for b in ALL_BLOCKS if b.path.name == "README.md" and "serving" in b.options]
+    assert "http://127.0.0.1:8000/v1" in block.code and '"me/gpn-tiny"' in block.code, block.where
+    code = block.code.replace("http://127.0.0.1:8000/v1", server + "/v1").replace('"me/gpn-tiny"', repr(model_name))
+    namespace: dict = {}
+    exec(compile(code, block.where, "exec"), namespace)
+    first_turn = namespace["messages"][:1]
+    assert namespace["reply"].choices[0].message.content == expected_chat(reference, first_turn, 60)
+    assert capsys.readouterr().out.strip(), "the session printed nothing"
 
 
 def test_completions_plain_and_streamed(client, model_name, reference):
