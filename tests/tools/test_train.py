@@ -18,8 +18,19 @@ import torch
 from modeling_gpn import train as train_module
 from modeling_gpn.data import DataError, train_bpe_tokenizer
 
+from ..environment import REPO_ROOT, require_shared
 from ..tiny_models import tiny_config
-from .train_runs import finish, free_port, launch, losses, parse, read_log, saved_weights, small_args
+from .train_runs import (
+    finish,
+    free_port,
+    launch,
+    launch_two_processes,
+    losses,
+    parse,
+    read_log,
+    saved_weights,
+    small_args,
+)
 
 pytestmark = pytest.mark.usefixtures("accelerate_on_cpu")
 
@@ -111,32 +122,6 @@ def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, cache, shakespe
     assert losses(killed_dir) == losses(tmp_path / "reference")  # the log is continued, not duplicated
 
 
-def _launch_two_processes(distribution: list[str], args: list[str], log: Path) -> subprocess.Popen:
-    """`accelerate launch` of 2 CPU processes (ACCELERATE_USE_CPU=1 comes from the accelerate_on_cpu fixture)."""
-    return launch(
-        [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            *distribution,
-            "--num_processes",
-            "2",
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
-            "--main_process_port",
-            str(free_port()),
-            "-m",
-            "modeling_gpn.train",
-            *args,
-        ],
-        log,
-    )
-
-
 DDP = ["--multi_gpu"]
 FSDP2 = ["--use_fsdp", "--fsdp_version", "2"]
 # A checkpoint at step 3 of 6 to resume from; a short sample, so the end of the run does what a user's does.
@@ -181,10 +166,10 @@ def _run_two_process_runs(root: Path, cache: Path, shakespeare: Path) -> dict[st
             ],
             root / "one.log",
         ),
-        "ddp": _launch_two_processes(
+        "ddp": launch_two_processes(
             DDP, small_args(shakespeare, root / "ddp", cache, *TWO_PROCESS_RUN), root / "ddp.log"
         ),
-        "fsdp": _launch_two_processes(
+        "fsdp": launch_two_processes(
             FSDP2, small_args(shakespeare, root / "fsdp", cache, *TWO_PROCESS_RUN), root / "fsdp.log"
         ),
     }
@@ -232,13 +217,13 @@ def test_two_process_fsdp_trains_saves_and_resumes_like_one_process(two_process_
 
     # --resume: FSDP from its own checkpoint is bit-exact; FSDP from the DDP checkpoint, and one process from
     # the FSDP checkpoint, continue the same training (the sums of 2 processes round differently: not bit-exact).
-    same = _launch_two_processes(
+    same = launch_two_processes(
         FSDP2,
         small_args(shakespeare, tmp_path / "same", cache, *TWO_PROCESS_RUN, "--resume", str(checkpoint)),
         tmp_path / "same.log",
     )
     ddp_checkpoint = ddp_dir / "checkpoints" / "step-0000003"
-    from_ddp = _launch_two_processes(
+    from_ddp = launch_two_processes(
         FSDP2,
         small_args(shakespeare, tmp_path / "from-ddp", cache, *TWO_PROCESS_RUN, "--resume", str(ddp_checkpoint)),
         tmp_path / "from-ddp.log",
@@ -424,3 +409,19 @@ def test_bad_data_fails_clearly_before_training(tmp_path, cache):
     with pytest.raises(DataError, match="has no EOS token"):
         attempt(good, "--tokenizer", str(no_eos))
     assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_gpn_train_mixed_precision_bf16_on_cpu_ends_finite(tmp_path):
+    """`gpn train --mixed-precision bf16` on CPU (its own process: Accelerate's state is per process): a few
+    steps of the tiny preset end with finite losses (before the fix: NaN at step 1, blaming the learning
+    rate)."""
+    data = require_shared("data/tinyshakespeare/input.txt")
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "modeling_gpn.cli", "train"]
+    command += small_args(data, run, tmp_path / "cache", "--steps", "4", "--mixed-precision", "bf16")
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "mixed precision bf16" in done.stdout + done.stderr
+    log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines() if line]
+    losses = [r["loss"] for r in log if "loss" in r and "event" not in r]
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses), losses

@@ -24,8 +24,8 @@ from modeling_gpn import train as train_module
 from ..environment import require_environment
 from .train_runs import (
     finish,
-    free_port,
     launch,
+    launch_two_processes,
     losses,
     parse,
     read_log,
@@ -434,8 +434,10 @@ def changed_settings_of(run_dir: Path, *argv: str) -> list[str]:
 
 def test_a_stuck_ddp_rank_fails_the_job_after_ddp_timeout(tmp_path, cache, shakespeare):
     run_dir = tmp_path / "ddp"
-    launcher = _launch_ddp(
-        small_args(shakespeare, run_dir, cache, "--steps", "100000", "--ddp-timeout", "5"), tmp_path / "ddp.log"
+    launcher = launch_two_processes(
+        ["--multi_gpu"],
+        small_args(shakespeare, run_dir, cache, "--steps", "100000", "--ddp-timeout", "5"),
+        tmp_path / "ddp.log",
     )
     wait_for_step(launcher, run_dir, 2)
     ranks = _ranks(launcher)
@@ -467,31 +469,6 @@ def _process_state(pid: int) -> str:
     return "X"
 
 
-def _launch_ddp(args: list[str], log: Path) -> subprocess.Popen:
-    return launch(
-        [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--multi_gpu",
-            "--num_processes",
-            "2",
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
-            "--main_process_port",
-            str(free_port()),
-            "-m",
-            "modeling_gpn.train",
-            *args,
-        ],
-        log,
-    )
-
-
 def _ranks(launcher: subprocess.Popen) -> dict[int, int]:
     """LOCAL_RANK -> pid of the launcher's worker processes."""
     found = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
@@ -505,7 +482,9 @@ def _ranks(launcher: subprocess.Popen) -> dict[int, int]:
 
 def test_sigterm_to_one_ddp_rank_stops_every_rank_at_the_same_step_with_a_checkpoint(tmp_path, cache, shakespeare):
     run_dir = tmp_path / "ddp"
-    launcher = _launch_ddp(small_args(shakespeare, run_dir, cache, "--steps", "100000"), tmp_path / "ddp.log")
+    launcher = launch_two_processes(
+        ["--multi_gpu"], small_args(shakespeare, run_dir, cache, "--steps", "100000"), tmp_path / "ddp.log"
+    )
     wait_for_step(launcher, run_dir, 2)
     os.kill(_ranks(launcher)[1], signal.SIGTERM)  # rank 1 only: rank 0 must learn it at the step boundary
     try:
@@ -527,7 +506,8 @@ def test_the_end_of_a_ddp_run_is_bounded_by_ddp_timeout_and_names_the_stage(tmp_
     # Rank 1 stops (SIGSTOP) once training is over: whatever collective of the end rank 0 reaches next (the
     # weights' check, or the barrier after saving the model) must give up after --ddp-timeout, naming it.
     run_dir = tmp_path / "ddp"
-    launcher = _launch_ddp(
+    launcher = launch_two_processes(
+        ["--multi_gpu"],
         small_args(shakespeare, run_dir, cache, "--steps", "3", "--ddp-timeout", "5", "--sample-tokens", "200"),
         tmp_path / "ddp.log",
     )

@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -111,6 +112,33 @@ def finish(process: subprocess.Popen, timeout: float = 300) -> str:
     output = process.log_path.read_text()
     assert process.returncode == 0, output[-4000:]
     return output
+
+
+def launch_two_processes(distribution: list[str], args: list[str], log: Path) -> subprocess.Popen:
+    """`accelerate launch` of 2 CPU processes with `distribution`'s flags (`--multi_gpu` for DDP, FSDP's),
+    running `gpn train` with `args` (ACCELERATE_USE_CPU=1 comes from the accelerate_on_cpu fixture)."""
+    return launch(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            *distribution,
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(free_port()),
+            "-m",
+            "modeling_gpn.train",
+            *args,
+        ],
+        log,
+    )
 
 
 def free_port() -> int:
