@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..tiny_models import perturbed_model, tiny_config
+from ..trainer_arguments import common_arguments
 
 pytest.importorskip("trl")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -55,25 +56,6 @@ def gpn_folder(tokenizer, tmp_path_factory):
     gpn(tokenizer).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
-
-
-def common_arguments(tmp_path, **overrides) -> dict:
-    """What every trainer here takes: a few CPU steps, no saving, no reporting."""
-    values = dict(
-        output_dir=str(tmp_path),
-        max_steps=2,
-        learning_rate=3e-3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        seed=0,
-        bf16=False,  # (TRL configs default to bf16, which would also fix the process's Accelerate state at bf16)
-    )
-    values.update(overrides)
-    return values
 
 
 def own_log_probs(logits: torch.Tensor, labels: torch.Tensor | None, shift_labels: torch.Tensor | None) -> torch.Tensor:

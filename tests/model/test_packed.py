@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ..tiny_models import perturbed_model, tiny_config
+from ..trainer_arguments import common_arguments
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -543,22 +544,12 @@ def test_trl_sft_trainer_with_packing_trains(tmp_path):
 
     handle = model.register_forward_hook(check_against_one_by_one, with_kwargs=True)
     args = SFTConfig(
-        output_dir=str(tmp_path),
+        **common_arguments(tmp_path, max_steps=3),
         packing=True,
         padding_free=True,
         max_length=24,
         per_device_train_batch_size=4,
-        max_steps=3,
-        learning_rate=3e-3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        seed=0,
         dataset_text_field="text",
-        bf16=False,  # (SFTConfig's default is bf16, which would also fix the process's Accelerate state at bf16)
     )
     trainer = SFTTrainer(
         model=model, args=args, train_dataset=Dataset.from_dict({"text": text}), processing_class=tokenizer
