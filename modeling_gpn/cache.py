@@ -225,6 +225,13 @@ class GPNCache(Cache):
         layer = self.state_layer
         return tuple(layer.recurrent_states[i].clone() for i in range(3))
 
+    def state_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(p, g, M) as the cache holds them, not copies: to read, never to write (`get_state` copies). A decode
+        step that reads them and stores its result with `update_state` saves their copies."""
+        if not self.has_state:
+            raise ValueError("the cache holds no state yet")
+        return tuple(self.state_layer.recurrent_states[i] for i in range(3))
+
     def update_state(
         self, predicted: torch.Tensor, grounded: torch.Tensor, memory: torch.Tensor, num_new_tokens: int
     ) -> None:

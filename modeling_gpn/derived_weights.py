@@ -73,6 +73,69 @@ def _tensor_key(tensor: torch.Tensor) -> tuple:
         return (kind, tensor.dtype, tensor.device, *(_tensor_key(tensor.__dict__[name]) for name in inner))
 
 
+_GLOBAL_HOOKS = (
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+)
+
+
+class WatchedModules:
+    """The modules below `roots` as they are now, to tell cheaply whether they still are: the same module
+    objects under the same names, none hooked nor given a `forward` of its own, each parameter the same
+    tensor with the same storage and version (`_tensor_key`), and no global module hook. A check walks only
+    these modules' own dicts, with no key tuple to build: what a plan derived from them (and checked as plain
+    when it was built) asks before every decoded token instead of the model's whole `parameters_key`.
+    The guard of `parameters_key`, no more: a write through `.data` in place is not seen by either."""
+
+    def __init__(self, *roots: torch.nn.Module):
+        self.modules, self.children, self.parameters = [], [], []
+        seen, pending = set(), list(roots)
+        while pending:
+            module = pending.pop()
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            self.modules.append(module)
+            for name, child in module._modules.items():
+                self.children.append((module._modules, name, child))
+                if child is not None:
+                    pending.append(child)
+            for name, parameter in module._parameters.items():
+                if parameter is None or type(parameter) in _PLAIN:  # (the common case, in two numbers)
+                    key = None if parameter is None else (parameter.data_ptr(), parameter._version)
+                    self.parameters.append((module._parameters, name, parameter, key, False))
+                else:
+                    self.parameters.append((module._parameters, name, parameter, _tensor_key(parameter), True))
+
+    def unchanged(self) -> bool:
+        hooks = torch.nn.modules.module
+        if any(getattr(hooks, name, None) for name in _GLOBAL_HOOKS):
+            return False
+        for modules, name, child in self.children:
+            if modules.get(name) is not child:
+                return False
+        for module in self.modules:
+            if (
+                module._forward_pre_hooks
+                or module._forward_hooks
+                or module._backward_pre_hooks
+                or module._backward_hooks
+                or "forward" in module.__dict__
+            ):
+                return False
+        for parameters, name, parameter, key, subclass in self.parameters:
+            if parameters.get(name) is not parameter:
+                return False
+            if subclass:
+                if _tensor_key(parameter) != key:
+                    return False
+            elif parameter is not None and (parameter._version != key[1] or parameter.data_ptr() != key[0]):
+                return False
+        return True
+
+
 class DerivedWeights:
     """What one scope derived from one model's parameters: named entries (folded weight variants, which CUDA
     graphs got this scope's weights), all dropped together when the parameters' key changes."""

@@ -76,9 +76,10 @@ import torch.nn.functional as F
 from .cuda_graphs import GraphKernels, training_sweep
 from .cuda_graphs import asked as graphs_asked
 from .cuda_graphs import window_forward as graph_window_forward
-from .derived_weights import derived_weights_of
+from .derived_weights import WatchedModules, derived_weights_of, derived_weights_scope, keep_with
 from .memory_kernels import (
     MAX_STEP_ROWS,
+    DecodePlan,
     KernelRefusal,
     StepPlan,
     linear_rows,
@@ -281,9 +282,9 @@ def _few_rows_on_kernels(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
 
 
 def _plain_linear(module: torch.nn.Module) -> bool:
-    """`module` is exactly an nn.Linear with no hooks of its own or global ones (what the C kernels compute
-    as it would; a wrapper, adapter or hook is never skipped)."""
-    if type(module) is not torch.nn.Linear:
+    """`module` is exactly an nn.Linear with no hooks of its own or global ones and no `forward` of its instance
+    (what the C kernels compute as it would; a wrapper, adapter, hook or patched forward is never skipped)."""
+    if type(module) is not torch.nn.Linear or "forward" in module.__dict__:
         return False
     if module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks or module._backward_hooks:
         return False
@@ -334,6 +335,157 @@ def output_logits(decoded: torch.Tensor, weight: torch.Tensor, fast: bool = True
         except KernelRefusal:
             pass
     return F.linear(decoded.to(weight.dtype), weight)
+
+
+# --------------------------------------------------------------------------------------------------
+# A decoded token in one C call
+# --------------------------------------------------------------------------------------------------
+
+
+def _called_as_is(module: torch.nn.Module) -> bool:
+    """No hooks on `module` and no `forward` of its own instance: calling it runs its class's forward alone."""
+    return not (
+        module._forward_pre_hooks
+        or module._forward_hooks
+        or module._backward_pre_hooks
+        or module._backward_hooks
+        or "forward" in module.__dict__
+    )
+
+
+def _plain_parameters(module: torch.nn.Module) -> bool:
+    return all(type(p) is torch.nn.Parameter for p in module._parameters.values() if p is not None)
+
+
+def decode_kernel_enabled() -> bool:
+    """Whether a decoded token may run as one C call (`GPN_DECODE_KERNEL=0` turns it off, for A/B runs and
+    tests: the step kernels then run it as before; `GPN_STEP_KERNELS=0` turns off both)."""
+    return step_kernels_enabled() and os.environ.get("GPN_DECODE_KERNEL", "1") != "0"
+
+
+def decode_lane_blocker(lm, norm_class: type) -> str | None:
+    """Why a decoded token of the causal LM `lm` cannot run as one C call (`fast_decode_token`), or None.
+
+    The call computes the embedding row, the token and decoder projections, the step and the logits from
+    the modules' weights without calling the modules, so every one of them must be exactly what it stands
+    for: the step's modules as `GPNModel.fast_path_blocker` asks, the embedding an `nn.Embedding` (no
+    `max_norm`, which renormalises rows as it looks them up), the two norms `norm_class` (the model's RMS
+    norm), the projections plain `nn.Linear`s (float32, bfloat16 or torchao int8 weight-only weights), the head
+    a bias-free `nn.Linear` whose weight is the embedding's (tied) or an `nn.Linear` with torchao's int8
+    weight-only weight (a quantized head, which the forward calls as it is), none of them nor the base model
+    hooked, and no global module hook. Anything else runs the forward as usual, which calls every module."""
+    model = lm.model
+    embedding, head = model.embed_tokens, lm.lm_head
+    for name, module in (("lm_head", head), ("fuse_proj", model.fuse_proj), ("decode_proj", model.decode_proj)):
+        if not (_plain_linear(module) and _called_as_is(module)):  # (_plain_linear: no global hooks either)
+            return f"{name} is not a plain nn.Linear without hooks"
+    if type(embedding) is not torch.nn.Embedding or embedding.max_norm is not None or not _called_as_is(embedding):
+        return "embed_tokens is not a plain nn.Embedding without hooks"
+    if not _plain_parameters(embedding):
+        return "embed_tokens has a weight that is not a plain nn.Parameter"
+    tied = head.weight is embedding.weight and head.bias is None
+    if not tied and int8_weight_parts(head.weight) is None:  # (a head of its own: torchao's int8, as it computes)
+        return "lm_head is neither the tied embedding nor an int8 weight-only head"
+    for name in ("fuse_norm", "decode_norm"):
+        norm = getattr(model, name)
+        if type(norm) is not norm_class or not _called_as_is(norm) or not _plain_parameters(norm):
+            return f"{name} is not a plain {norm_class.__name__} without hooks"
+    if not _called_as_is(model):
+        return "the base model is hooked or its forward replaced"
+    return model.fast_path_blocker()
+
+
+class DecodeLane(NamedTuple):
+    """A scope's one-call decode of `rows` rows: its plan, and the modules it was built from as they were."""
+
+    plan: DecodePlan | None  # None: the kernels refused the model's weights (remembered, so it costs one try)
+    modules: WatchedModules
+
+
+def _decode_lane(lm, derived: dict, rows: int) -> DecodeLane:
+    """The `DecodeLane` of `rows` rows for this scope, built (after `decode_lane_blocker` found the modules plain)
+    on first use, and again whenever its modules are no longer what they were."""
+    lanes = derived.setdefault("decode lanes", {})
+    lane = lanes.get(rows)
+    if lane is None or not lane.modules.unchanged():
+        model, plan = lm.model, None
+        step = _step_plan(model, derived, rows)
+        if step is not None:
+            try:
+                with torch.no_grad():
+                    plan = DecodePlan(
+                        step,
+                        model.embed_tokens.weight,
+                        model.config.vocab_size,
+                        model.fuse_norm.weight,
+                        model.fuse_proj,
+                        model.decode_norm.weight,
+                        model.decode_proj,
+                        lm.lm_head.weight if lm.lm_head.weight is model.embed_tokens.weight else lm.lm_head,
+                    )
+            except KernelRefusal:
+                pass
+        lane = lanes[rows] = DecodeLane(plan, WatchedModules(model, lm.lm_head))
+    return lane
+
+
+def fast_decode_token(lm, input_ids: torch.Tensor, attention_mask, cache, norm_class: type) -> torch.Tensor | None:
+    """The logits (B, 1, vocab) of one token a row decoded from `cache`, which it advances, in one C call
+    (`memory_kernels.DecodePlan`: embedding row, token projection, step, decoder, logits), or None where this
+    call is not such a step, or its modules are not plain (`decode_lane_blocker`): the caller then runs the
+    forward as usual, which computes the same.
+
+    Such a step: `input_ids` (B, 1) on the CPU, 1 <= B <= `MAX_STEP_ROWS`, no autograd, a cache holding a state
+    of B rows, an attention mask whose columns are all real (or none), no autocast. The ids and the mask are
+    checked as the forward checks them (the same errors). What it derives lives in the scope of the forward
+    or generate() call, or of the cache it continues (`derived_weights.py`), as on the fast path; within it,
+    the modules' check is redone only when one of them changed (`WatchedModules`)."""
+    if (
+        input_ids.dim() != 2
+        or input_ids.shape[1] != 1
+        or not 1 <= input_ids.shape[0] <= MAX_STEP_ROWS
+        or input_ids.dtype is not torch.int64
+        or not input_ids.is_cpu
+        or torch.is_grad_enabled()
+        or cache is None
+        or not cache.has_state
+        or autocast_dtype("cpu") is not None
+    ):
+        return None
+    model, rows = lm.model, input_ids.shape[0]
+    if not (model.use_fast_path and model.use_c_kernels and decode_kernel_enabled() and memory_kernels_usable()):
+        return None
+    if model.check_attention_mask(attention_mask, rows, 1, continuing=True) is not None:
+        return None  # (a padded row keeps its state: the forward's masked steps)
+    p0, g0, M0 = cache.state_buffers()
+    if p0.shape[0] != rows or p0.dtype is not torch.float32:
+        return None  # (the forward says what is wrong)
+    with derived_weights_scope(model, kept_by=cache) as scope:
+        lane = scope.entries.get("decode lanes", {}).get(rows)
+        if lane is None or not lane.modules.unchanged():
+            if decode_lane_blocker(lm, norm_class) is not None:
+                return None
+            lane = _decode_lane(lm, scope.current(model), rows)  # (current: dropping what older weights derived)
+        if lane.plan is None:
+            return None
+        derived, memory = scope.entries, lane.plan.step_plan.memory
+        key = _carried_key(derived, g0) if memory else None
+        try:
+            logits, final = lane.plan(input_ids.view(-1), StepState(p0, g0, key, M0))
+        except KernelRefusal:
+            return None
+        except IndexError:  # an id outside the vocabulary: the forward's own check says which
+            model.check_input_ids(input_ids)
+            raise
+        if memory:
+            derived["last key"] = (final.g.clone(), final.key.clone())
+    cache.update_state(final.p, final.g, final.memory, num_new_tokens=1)
+    cache.record_read(input_ids, None)
+    cache._gpn_model_ref = weakref.ref(model)  # whose state this is, for GPNCache.save
+    keep_with(model, cache, scope)
+    object.__setattr__(model, "last_recurrence_path", "fast")
+    object.__setattr__(model, "last_recurrence_backends", Backends(C_STEP, None, C_KERNELS if memory else None, None))
+    return logits.view(rows, 1, -1)
 
 
 def _memory_half(Z, c: Columns, key, neg_decay_rate, memory, memory_out, eps: float) -> MemoryStep:

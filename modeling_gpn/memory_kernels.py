@@ -262,7 +262,7 @@ enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_I8 = 2 };
 #ifndef PREFETCH
 #define PREFETCH 1
 #endif
-enum { ROUND_OUTPUT = 1, STORE_BF16 = 2, BIAS_AFTER_ROUND = 4 };
+enum { ROUND_OUTPUT = 1, STORE_BF16 = 2, BIAS_AFTER_ROUND = 4, STREAM_ROWS = 8 };
 
 typedef struct { /* one linear map of a phase: out[b, j] = (round?)(scale_j * <W_j, x_b>) + bias_j */
     const void *w;        /* (rows, cols) row-major: float, uint16 (bf16 bits) or int8 */
@@ -392,6 +392,7 @@ static inline __attribute__((always_inline)) float dot_row(const void *row, cons
     return _mm512_reduce_add_ps(s);
 }
 #define GPN_HAVE_DOT_ROW 1
+
 #else
 static inline float weight_at(const void *w, const int kind, i64 k)
 {
@@ -433,7 +434,9 @@ static void segment_rows(const gpn_segment *sg, i64 B, i64 r0, i64 r1)
     const i64 K = sg->cols, es = weight_size(sg->kind);
     const char *w = (const char *)sg->w;
 #ifdef GPN_HAVE_DOT_ROW
-    if (B == 1 && sg->kind != KIND_I8) {  /* (int8 rows convert as they go: four rows hide that better) */
+    /* (int8 rows convert as they go: four rows at a time hide that better while the weights sit in the L3; a
+       row at a time streams better from DRAM, STREAM_ROWS) */
+    if (B == 1 && (sg->kind != KIND_I8 || (sg->flags & STREAM_ROWS))) {
         for (i64 r = r0; r < r1; r++) {
             const void *row = w + r * K * es;
             float y;
@@ -694,6 +697,57 @@ void gpn_steps(const gpn_step_plan *P, i64 T, const float *p0, const float *g0, 
     }
 }
 
+/* ---- a decoded token in one call: the token's embedding row and its input to the step, the step, then the
+   decoder and the logits (what a decode step computes outside the step is a few small products and norms,
+   which as separate calls cost more than their bytes) ---- */
+
+typedef struct {
+    i64 B, e, vocab, table_kind;  /* table: the embedding (vocab, e), float or bf16 bits (KIND_F32 / KIND_BF16) */
+    const void *table;
+    const float *fuse_norm, *decode_norm;  /* float32 copies of the two norms' weights (e and d wide) */
+    const gpn_segment *segs;               /* the token projection, the decoder projection, the logits */
+    const i64 *tasks;
+    i64 phases[6];                         /* their task ranges */
+    gpn_slot slots[3];                     /* their inputs: rms(E[x]) (e wide), rms(p') (d), the decoded (e) */
+    float *u, *decoded;                    /* (B, d) token inputs, (B, e) decoder outputs */
+} gpn_decode_plan;
+
+int gpn_decode(const gpn_step_plan *P, const gpn_decode_plan *D, const i64 *ids, const float *p, const float *g,
+               const float *key_in, const float *M, float *p_out, float *g_out, float *key_out, float *M_out,
+               int threads)
+{
+    const i64 B = D->B, e = D->e, d = P->d;
+    const float eps = (float)P->eps;
+    for (i64 b = 0; b < B; b++)
+        if (ids[b] < 0 || ids[b] >= D->vocab) return 1;  /* (the caller checks them; never read outside the table) */
+    #pragma omp parallel num_threads(threads)
+    {
+        /* u = W_fuse rms(E[x]) */
+        #pragma omp for schedule(static)
+        for (i64 b = 0; b < B; b++) {
+            const gpn_slot *s = &D->slots[0];
+            float *x = s->x + b * s->stride;  /* (the exact row, in place of the normed one until it is normed) */
+            for (i64 j = 0; j < e; j++)
+                x[j] = D->table_kind == KIND_BF16 ? bf16_bits_to_float(((const uint16_t *)D->table)[ids[b] * e + j])
+                                                  : ((const float *)D->table)[ids[b] * e + j];
+            const float inv = inv_rms(x, e, eps);
+            put_normed(s, b, x, e, inv, D->fuse_norm);
+        }
+        run_tasks(D->segs, D->tasks, D->phases[0], D->phases[1], B);
+        step_body(P, p, g, key_in, M, D->u, d, p_out, g_out, key_out, M_out, 0, P->H);
+        /* decoded = W_dec rms(p') (+ b_dec), then its logits */
+        #pragma omp for schedule(static)
+        for (i64 b = 0; b < B; b++)
+            put_normed(&D->slots[1], b, p_out + b * d, d, inv_rms(p_out + b * d, d, eps), D->decode_norm);
+        run_tasks(D->segs, D->tasks, D->phases[2], D->phases[3], B);
+        #pragma omp for schedule(static)
+        for (i64 b = 0; b < B; b++)
+            for (i64 j = 0; j < e; j++) put(&D->slots[2], b, j, D->decoded[b * e + j]);
+        run_tasks(D->segs, D->tasks, D->phases[4], D->phases[5], B);
+    }
+    return 0;
+}
+
 """
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c99"]
@@ -703,6 +757,7 @@ _SYMBOLS = (
     "gpn_linear",
     "gpn_step",
     "gpn_steps",
+    "gpn_decode",
     "gpn_read_probe",
     "gpn_kernel_source_digest",
 )
@@ -860,6 +915,8 @@ def _load_verified(folder: Path, key: str) -> ctypes.CDLL:
     lib.gpn_step.restype = None
     lib.gpn_steps.argtypes = [p, i64, *[p] * 11, ctypes.c_int]
     lib.gpn_steps.restype = None
+    lib.gpn_decode.argtypes = [*[p] * 11, ctypes.c_int]
+    lib.gpn_decode.restype = ctypes.c_int
     lib.gpn_read_probe.argtypes = [p, i64, ctypes.c_int]
     lib.gpn_read_probe.restype = f
     return lib
@@ -1253,7 +1310,7 @@ def memory_write_backward(
 MAX_STEP_ROWS = 16  # the most batch rows the step kernel takes (more rows amortise the weight read in a matmul)
 _TASK_BYTES = 1 << 18  # weight bytes per task of a product (threads take tasks in turn)
 KIND_F32, KIND_BF16, KIND_I8 = 0, 1, 2
-ROUND_OUTPUT, STORE_BF16, BIAS_AFTER_ROUND = 1, 2, 4
+ROUND_OUTPUT, STORE_BF16, BIAS_AFTER_ROUND, STREAM_ROWS = 1, 2, 4, 8
 _i64, _ptr = ctypes.c_longlong, ctypes.c_void_p
 
 
@@ -1401,6 +1458,24 @@ def _segment(op: Operand, slot: dict, out: torch.Tensor, column: int, store_bf16
     )
 
 
+def _last_level_cache_bytes() -> int:
+    """The L3's size as Linux reports it for CPU 0 (32 MB where none is reported)."""
+    try:
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+        return int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM" else int(text)
+    except (OSError, ValueError, IndexError):
+        return 32 << 20
+
+
+def _mark_streamed(segments: list, weight_bytes: int) -> None:
+    """A plan whose weights do not fit the L3 reads them from DRAM at every step: its int8 products take a row at
+    a time (`STREAM_ROWS`), which streams better; one that fits reads them from the L3, where four rows at a
+    time hide the conversion better."""
+    if weight_bytes > _last_level_cache_bytes():
+        for segment in segments:
+            segment.flags |= STREAM_ROWS
+
+
 def _tasks(segments: list, first_segment: int, count: int) -> list:
     """(segment, first row, end row) triples that cut segments [first_segment, +count) into row blocks of
     about `_TASK_BYTES` of weights (multiples of 4 rows, the kernel's block)."""
@@ -1506,6 +1581,7 @@ class StepPlan:
             start = len(tasks)
             tasks += _tasks(segments, first, count)
             ranges += [start, len(tasks)]
+        _mark_streamed(segments, sum({op.weight.data_ptr(): op.weight.nbytes for op in keep}.values()))
         self._segments = (_Segment * len(segments))(*segments)
         self._tasks = torch.tensor(tasks, dtype=torch.int64).reshape(-1)
         self._phases = torch.tensor(ranges, dtype=torch.int64)
@@ -1645,6 +1721,145 @@ class StepPlan:
         if not self.memory:
             return StepState(p_buf[last], g_buf[last], key if key is not None else p.new_empty(B, 0), memory)
         return StepState(p_buf[last], g_buf[last], key_buf[last], memory_buf[last])
+
+
+class _DecodePlanStruct(ctypes.Structure):  # gpn_decode_plan
+    _fields_ = [(name, _i64) for name in ("B", "e", "vocab", "table_kind")]
+    _fields_ += [(name, _ptr) for name in ("table", "fuse_norm", "decode_norm", "segs", "tasks")]
+    _fields_ += [("phases", _i64 * 6), ("slots", _Slot * 3), ("u", _ptr), ("decoded", _ptr)]
+
+
+class DecodePlan:
+    """A decoded token of a causal LM in one C call (`gpn_decode`): the token's embedding row, W_fuse rms(E[x]),
+    the whole step (`StepPlan`'s), W_dec rms(p') (+ b_dec) and the logits against the output matrix, on the
+    modules' own weights, as the separate calls compute them (the token and decoder projections as
+    `module_rows`, the logits as `linear_rows`).
+
+    Takes the pieces as they are (the caller has checked that each is the plain module it stands for): the
+    embedding table (at least `vocab` rows of e; float32 or bfloat16, contiguous), the two norms' weights, the
+    two projections (`operand_of`) and the output: the tied matrix (the table itself, multiplied as
+    `linear_rows` does) or a head of its own (`operand_of`: a quantized nn.Linear, called as `module_rows`
+    computes it, its logits in the dtype the module returns). Raises `KernelRefusal` for anything the kernels
+    do not take. Built once per derived-weights scope, like the step plan it runs; a call's results are the
+    plan's own buffers, valid until its next call."""
+
+    def __init__(
+        self,
+        step: StepPlan,
+        table: torch.Tensor,
+        vocab: int,
+        fuse_norm: torch.Tensor,
+        fuse_proj: torch.nn.Module,
+        decode_norm: torch.Tensor,
+        decode_proj: torch.nn.Module,
+        output: torch.Tensor | torch.nn.Module,
+    ):
+        B, (d, _, H, dk, dv, _) = step.rows, step.sizes
+        matrices = (("the embedding", table),) + (
+            () if isinstance(output, torch.nn.Module) else (("the output", output),)
+        )
+        for name, matrix in matrices:
+            if type(matrix) not in (torch.Tensor, torch.nn.Parameter) or matrix.dtype not in (
+                torch.float32,
+                torch.bfloat16,
+            ):
+                _refuse(f"{name} is a {type(matrix).__name__} of {matrix.dtype}")
+            _check_weight_matrix(matrix, name)
+        if table.shape[0] < vocab:
+            _refuse(f"the embedding has {table.shape[0]} rows for a vocabulary of {vocab}")
+        e = table.shape[1]
+        fuse, decoder = operand_of(fuse_proj), operand_of(decode_proj)
+        if isinstance(output, torch.nn.Module):  # a head of its own: its logits as the module returns them
+            head = operand_of(output)
+            logits_bf16 = head.bf16_activations
+        else:  # the tied matrix, as `linear_rows` multiplies it
+            logits_bf16 = output.dtype == torch.bfloat16
+            head = Operand(KIND_BF16 if logits_bf16 else KIND_F32, output.detach(), None, None, logits_bf16)
+        if fuse.weight.shape != (d, e) or decoder.weight.shape != (e, d) or head.weight.shape[1] != e:
+            _refuse("the token projection, decoder or output matrix does not fit the step's sizes")
+        if fuse_norm.shape != (e,) or decode_norm.shape != (d,):
+            _refuse("a norm weight has an unexpected shape")
+        self.step_plan, self.rows, self.vocab = step, B, vocab
+        self._norms = [fuse_norm.detach().float().contiguous(), decode_norm.detach().float().contiguous()]
+        slots = [_input_slot(B, e), _input_slot(B, d), _input_slot(B, e)]
+        self.u, self.decoded = torch.zeros(B, d), torch.zeros(B, e)
+        self.logits = torch.zeros(B, head.weight.shape[0], dtype=torch.bfloat16 if logits_bf16 else torch.float32)
+        memory = step.memory
+        self.state = StepState(  # (the state after a call: the caller copies it where it keeps it)
+            torch.zeros(B, d),
+            torch.zeros(B, d),
+            torch.zeros(B, H * dk if memory else 0),
+            torch.zeros(B, H, dk, dv) if memory else None,
+        )
+        segments = [
+            _segment(fuse, slots[0], self.u, 0),
+            _segment(decoder, slots[1], self.decoded, 0),
+            _segment(head, slots[2], self.logits, 0, store_bf16=logits_bf16),
+        ]
+        tasks, phases = [], []
+        for index in range(3):
+            phases.append(len(tasks) // 3)
+            tasks += [x for triple in _tasks(segments, index, 1) for x in triple]
+            phases.append(len(tasks) // 3)
+        _mark_streamed(segments, step.weight_bytes() + sum(op.weight.nbytes for op in (fuse, decoder, head)))
+        self._segments = (_Segment * 3)(*segments)
+        self._tasks = torch.tensor(tasks, dtype=torch.int64)
+        plan = _DecodePlanStruct(B, e, vocab, KIND_BF16 if table.dtype == torch.bfloat16 else KIND_F32)
+        plan.table = table.data_ptr()
+        plan.fuse_norm, plan.decode_norm = self._norms[0].data_ptr(), self._norms[1].data_ptr()
+        plan.segs, plan.tasks = ctypes.cast(self._segments, _ptr), self._tasks.data_ptr()
+        for i, value in enumerate(phases):
+            plan.phases[i] = value
+        for i, slot in enumerate(slots):
+            plan.slots[i] = _Slot(
+                slot["x"].data_ptr(), slot["xr"].data_ptr(), slot["xb"].data_ptr(), slot["x"].shape[1]
+            )
+        plan.u, plan.decoded = self.u.data_ptr(), self.decoded.data_ptr()
+        self._plan, self._keep = plan, (table, fuse, decoder, head, slots)
+        out = self.state
+        self._outputs = [t.data_ptr() if t is not None else None for t in (out.p, out.g, out.key, out.memory)]
+        if not memory:
+            self._outputs[2:] = [None, None]
+
+    def __call__(self, ids: torch.Tensor, state: StepState) -> tuple[torch.Tensor, StepState]:
+        """The logits (B, vocab) of the tokens `ids` (B,) int64 read from `state` (a copy), and the state after
+        them (the plan's buffers: copy what is kept); `state.key` may be None (the key of `state.g` is then
+        computed here). Raises IndexError for an id outside [0, vocab), having computed nothing."""
+        d, f, H, dk, dv, L = self.step_plan.sizes
+        B, memory = self.rows, self.step_plan.memory
+        p, g, key, M = state
+        if ids.dtype is not torch.int64 or ids.shape != (B,) or not ids.is_cpu or not ids.is_contiguous():
+            _refuse(f"token ids of dtype {ids.dtype} and shape {tuple(ids.shape)}; expected ({B},) int64 on the CPU")
+        for name, tensor in (("p", p), ("g", g)):
+            _check(tensor, name, shape=(B, d), contiguous=True)
+        if memory:
+            if key is not None:
+                _check(key, "key", shape=(B, H * dk), contiguous=True)
+            _check(M, "memory", shape=(B, H, dk, dv), contiguous=True)
+        outside = _library.gpn_decode(
+            ctypes.addressof(self.step_plan._plan),
+            ctypes.addressof(self._plan),
+            ids.data_ptr(),
+            p.data_ptr(),
+            g.data_ptr(),
+            key.data_ptr() if (memory and key is not None) else None,
+            M.data_ptr() if memory else None,
+            *self._outputs,
+            torch.get_num_threads(),
+        )
+        if outside:
+            raise IndexError(f"a token id of {ids.tolist()} is outside the vocabulary of {self.vocab}")
+        calls["step"] += 1
+        calls["int8 step"] += self.step_plan.int8
+        calls["decode"] += 1
+        if memory:
+            return self.logits.clone(), self.state
+        return self.logits.clone(), self.state._replace(memory=M)
+
+
+def _check_weight_matrix(matrix: torch.Tensor, name: str) -> None:
+    if not matrix.is_cpu or matrix.layout is not torch.strided or matrix.dim() != 2 or not matrix.is_contiguous():
+        _refuse(f"{name} is not a contiguous CPU matrix")
 
 
 _task_cache: dict = {}

@@ -47,7 +47,7 @@ from .cache import GPNCache, continuation_start
 from .chunked_loss import chunked_causal_lm_loss, divide_loss_sum
 from .configuration_gpn import GPNConfig
 from .derived_weights import derived_weights_scope, keep_with
-from .fast_recurrence import fast_project, fast_recurrence, foldable_parameter, output_logits
+from .fast_recurrence import fast_decode_token, fast_project, fast_recurrence, foldable_parameter, output_logits
 from .packing import PACKING_KWARGS, packed_sequence_starts
 from .prefill import forward_in_chunks, prefill_chunk_length_for
 from .state_file import GPNStateFileError
@@ -413,6 +413,8 @@ def _why_not_foldable(name: str, module: nn.Module, allowed: tuple[type, ...]) -
         return f"{name} is a {type(module).__module__}.{type(module).__qualname__}, not a plain module the fast path can fold"
     if module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks or module._backward_hooks:
         return f"{name} has hooks"
+    if "forward" in module.__dict__:
+        return f"{name} has a forward of its own (set on the module)"
     param_name, param = next((n, p) for n, p in module._parameters.items() if not foldable_parameter(module, n, p))
     return f"{name}.{param_name} is a {type(param).__qualname__}, not a plain nn.Parameter (nor a weight the fast path takes)"
 
@@ -564,6 +566,7 @@ class GPNModel(GPNPreTrainedModel):
         for module in modules:
             if (
                 type(module) not in allowed
+                or "forward" in module.__dict__  # (a forward patched on the instance: it must be called)
                 or module._forward_pre_hooks
                 or module._forward_hooks
                 or module._backward_pre_hooks
@@ -1122,6 +1125,22 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         return_dict = return_dict if return_dict is not None else True
         cache = _pop_cache_alias(cache, kwargs)
         shift_labels = kwargs.pop("shift_labels", None)
+        asks_only_logits = (
+            inputs_embeds is None
+            and labels is None
+            and shift_labels is None
+            and return_logits
+            and not (output_memory_decays or output_predicted_states)
+            and not (output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states)
+            and (use_cache if use_cache is not None else self.config.use_cache and not self.training)
+            and set(kwargs) <= _IGNORED_FORWARD_KWARGS - {"position_ids"}
+        )
+        if asks_only_logits and input_ids is not None and not is_tracing():
+            # a decoded token (one a row, from a cache): the whole of it in one C call where it is plain
+            logits = fast_decode_token(self, input_ids, attention_mask, cache, norm_class=GPNRMSNorm)
+            if logits is not None:
+                output = GPNCausalLMOutput(logits=logits, cache=cache)
+                return output if return_dict else output.to_tuple()
         chunk_length = prefill_chunk_length_for(
             self,
             input_ids,

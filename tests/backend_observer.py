@@ -14,7 +14,9 @@ How each backend is observed (the code's own records where it keeps them, else a
 wrapper around the real function for the duration of the block; nothing is replaced by a fake):
 - FAST_PATH / PLAIN_PATH: `GPNModel.recurrence` calls, by the path `last_recurrence_path` reports,
   cross-checked against `GPNModel.recurrence_plain` (a call labelled "fast" that ran the plain loop is
-  counted as plain).
+  counted as plain); a decoded token run as one C call (DECODE_CALLS) is a fast-path call too.
+- DECODE_CALLS: decoded tokens run as one C call, embedding row to logits (`memory_kernels.DecodePlan`,
+  calls["decode"]); each is a whole step too (C_STEP_KERNELS).
 - C_KERNELS, C_KERNELS_BACKWARD: `memory_kernels.calls`, the count of calls into the compiled library (the
   memory half's forward runs in `memory_step`, or inside the whole-step kernel `step`, which counts too).
 - C_STEP_KERNELS: whole no-grad steps in one C call (`memory_kernels.StepPlan.step`, calls["step"]);
@@ -42,6 +44,7 @@ C_KERNELS_BACKWARD = "C memory kernels (backward)"
 C_STEP_KERNELS = "C step kernels"
 INT8_STEPS = "C steps on int8 weights"
 C_PRODUCTS = "C few-row products"
+DECODE_CALLS = "decoded tokens in one C call"
 PREPACKED = "prepacked matrix products"
 TRITON = "Triton kernel launches"
 TRAINING_SWEEP = "training sweeps on static buffers"
@@ -122,6 +125,8 @@ def observe() -> Iterator[Observed]:
             seen[C_STEP_KERNELS] += kernels["step"]
             seen[INT8_STEPS] += kernels["int8 step"]
             seen[C_PRODUCTS] += kernels["linear"]
+            seen[DECODE_CALLS] += kernels["decode"]
+            seen[FAST_PATH] += kernels["decode"]
             seen[C_KERNELS_BACKWARD] += kernels["memory_write_backward"]
             seen[TRITON] += sum((triton_kernels.launches - launches).values())
             for name in [name for name, count in seen.items() if count == 0]:

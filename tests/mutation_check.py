@@ -83,9 +83,47 @@ MUTATIONS = [
     Mutation(
         "C step kernels (never chosen: the torch-ops steps serve)",
         "modeling_gpn/fast_recurrence.py",
-        "    return step_kernels_enabled() and memory_kernels_usable(U)",
+        '    return os.environ.get("GPN_STEP_KERNELS", "1") != "0"',
         "    return False  # MUTATION",
         ("tests/fast_path/test_step_kernels.py -k plain_loop or variant or quantization_error or gpn_generate",),
+    ),
+    Mutation(
+        "one-call decode (never chosen: the step kernels and the products serve)",
+        "modeling_gpn/fast_recurrence.py",
+        '    return step_kernels_enabled() and os.environ.get("GPN_DECODE_KERNEL", "1") != "0"',
+        "    return False  # MUTATION",
+        (
+            "tests/fast_path/test_decode_call.py -k generate_decodes or beam_search or edited",
+            "tests/fast_path/test_step_kernels.py -k (plain_loop or variant or quantization_error) and one-call",
+        ),
+    ),
+    Mutation(
+        "one-call decode (hooks, wrappers and replaced forwards not looked for)",
+        "modeling_gpn/fast_recurrence.py",
+        "    model = lm.model\n    embedding, head = model.embed_tokens, lm.lm_head\n",
+        "    return None  # MUTATION\n    model = lm.model\n    embedding, head = model.embed_tokens, lm.lm_head\n",
+        ("tests/fast_path/test_decode_call.py -k never_skipped",),
+    ),
+    Mutation(
+        "one-call decode (a plan kept after its modules changed)",
+        "modeling_gpn/derived_weights.py",
+        "    def unchanged(self) -> bool:\n",
+        "    def unchanged(self) -> bool:\n        return True  # MUTATION\n",
+        ("tests/fast_path/test_decode_call.py -k edited and (replaced)",),
+    ),
+    Mutation(
+        "one-call decode (ids outside the table read)",
+        "modeling_gpn/memory_kernels.py",
+        "        if (ids[b] < 0 || ids[b] >= D->vocab) return 1;",
+        "        if (0) return 1;  /* MUTATION */",
+        ("tests/fast_path/test_decode_call.py::test_bad_ids_and_padded_tokens",),
+    ),
+    Mutation(
+        "few-row products (a forward set on the module's instance skipped)",
+        "modeling_gpn/fast_recurrence.py",
+        '    if type(module) is not torch.nn.Linear or "forward" in module.__dict__:\n        return False',
+        "    if type(module) is not torch.nn.Linear:  # MUTATION\n        return False",
+        ("tests/fast_path/test_decode_call.py -k fuse_proj",),
     ),
     Mutation(
         "prepacking (packing fails and falls back to the plain matmul)",

@@ -1,14 +1,16 @@
 """The C step kernels (issue 28): a no-grad step of a few rows in one C call on the modules' own weights
 (float32, bfloat16, torchao int8 weight-only), the few-row products (logits, decoder and token projections),
-and what the fast path accepts of quantized weights. Each test compares with the plain loop (the module-
-calling reference) and shows the kernels ran (`tests/backend_observer.py`)."""
+a decoded token in one C call (embedding row to logits: `memory_kernels.DecodePlan`), and what the fast path
+accepts of quantized weights. Each test compares with the plain loop (the module-calling reference) and
+shows the kernels ran (`tests/backend_observer.py`). The decode loops run twice: their tokens in one C call
+each, and (`GPN_DECODE_KERNEL=0`) as a step call beside the few-row products."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ..backend_observer import C_PRODUCTS, C_STEP_KERNELS, FAST_PATH, INT8_STEPS, PLAIN_PATH, ran
+from ..backend_observer import C_PRODUCTS, C_STEP_KERNELS, DECODE_CALLS, FAST_PATH, INT8_STEPS, PLAIN_PATH, ran
 from ..environment import require_c_kernels
 from ..tiny_models import perturbed_model, tiny_config
 
@@ -20,6 +22,16 @@ def quantized(model: torch.nn.Module, config=None) -> torch.nn.Module:
     model = model.to(torch.bfloat16)
     torchao.quantize_(model, config or torchao.Int8WeightOnlyConfig())
     return model
+
+
+@pytest.fixture(params=[True, False], ids=["decode-in-one-call", "decode-as-step-and-products"])
+def decoded_backends(request, monkeypatch) -> tuple[str, ...]:
+    """What a decode loop's tokens run on: one C call each, or (GPN_DECODE_KERNEL=0) the step kernels and the
+    few-row products; the backends a test then expects to see."""
+    if request.param:
+        return (DECODE_CALLS,)
+    monkeypatch.setenv("GPN_DECODE_KERNEL", "0")
+    return (C_PRODUCTS,)
 
 
 def log_probs(logits: torch.Tensor) -> torch.Tensor:
@@ -42,7 +54,7 @@ def decode_loop(model, ids: torch.Tensor, mask: torch.Tensor | None, steps: int 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("rows, padded", [(1, False), (3, True)], ids=["one-row", "three-rows-left-padded"])
-def test_the_step_kernels_compute_the_plain_loop(one_thread, dtype, rows, padded):
+def test_the_step_kernels_compute_the_plain_loop(one_thread, decoded_backends, dtype, rows, padded):
     """Prompt and decode loop of 1 and 3 rows (left padding: the padded rows keep their state and key), 2
     predict layers (the upper layer's own read of M'), on the C step kernels = the plain loop (fp32 to
     summation order; bf16 within bf16's rounding)."""
@@ -55,10 +67,10 @@ def test_the_step_kernels_compute_the_plain_loop(one_thread, dtype, rows, padded
         mask[1, :3] = 0
         mask[2, :1] = 0
     decays = lambda: model.model(ids, attention_mask=mask, output_memory_decays=True).memory_decays
-    with torch.no_grad(), ran(FAST_PATH, C_STEP_KERNELS, C_PRODUCTS, not_ran=(PLAIN_PATH,)):
+    with torch.no_grad(), ran(FAST_PATH, C_STEP_KERNELS, *decoded_backends, not_ran=(PLAIN_PATH,)):
         fast, fast_decays = decode_loop(model, ids, mask), decays()
     model.model.use_fast_path = False
-    with torch.no_grad(), ran(PLAIN_PATH, not_ran=(FAST_PATH, C_STEP_KERNELS, C_PRODUCTS)):
+    with torch.no_grad(), ran(PLAIN_PATH, not_ran=(FAST_PATH, C_STEP_KERNELS, C_PRODUCTS, DECODE_CALLS)):
         plain, plain_decays = decode_loop(model, ids, mask), decays()
     low = dtype == torch.bfloat16
     assert (log_probs(fast) - log_probs(plain)).abs().max() < (2e-2 if low else 1e-4)
@@ -70,19 +82,19 @@ def test_the_step_kernels_compute_the_plain_loop(one_thread, dtype, rows, padded
     [dict(use_memory=False, num_predict_layers=2), dict(use_decoder_bias=True)],
     ids=["gpn-without-memory-2-layers", "decoder-bias"],
 )
-def test_the_step_kernels_take_every_variant(one_thread, variant):
+def test_the_step_kernels_take_every_variant(one_thread, decoded_backends, variant):
     """GPN without memory (no write, no reads: the kernels' other branch) and the decoder bias (a biased
     decoder projection on the few-row products) = the plain loop."""
     require_c_kernels()
     model = perturbed_model(tiny_config(**variant), seed=13)
     ids = torch.randint(1, 97, (2, 6), generator=torch.Generator().manual_seed(14))
-    with ran(FAST_PATH, C_STEP_KERNELS, C_PRODUCTS, not_ran=(PLAIN_PATH,)):
+    with ran(FAST_PATH, C_STEP_KERNELS, *decoded_backends, not_ran=(PLAIN_PATH,)):
         fast = decode_loop(model, ids, None)
     model.model.use_fast_path = False
     assert (log_probs(fast) - log_probs(decode_loop(model, ids, None))).abs().max() < 1e-4
 
 
-def test_int8_weights_run_the_fast_path_within_the_quantization_error(one_thread):
+def test_int8_weights_run_the_fast_path_within_the_quantization_error(one_thread, decoded_backends):
     """A torchao int8 weight-only model runs the fast path (its step on the C kernels: nothing dequantized,
     no plain loop), = the plain loop of the same quantized model, and within the quantization's own error
     of the unquantized (bf16) fast path; a batch beyond the kernels' rows runs the torch-ops steps on the
@@ -92,7 +104,7 @@ def test_int8_weights_run_the_fast_path_within_the_quantization_error(one_thread
     model = quantized(perturbed_model(tiny_config(), seed=5))
     assert model.model.fast_path_blocker() is None
     ids = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(6))
-    with ran(FAST_PATH, C_STEP_KERNELS, INT8_STEPS, C_PRODUCTS, not_ran=(PLAIN_PATH,)):
+    with ran(FAST_PATH, C_STEP_KERNELS, INT8_STEPS, *decoded_backends, not_ran=(PLAIN_PATH,)):
         fast = decode_loop(model, ids, None)
     assert model.model.last_recurrence_backends.step == "c step kernels"
     unquantized = decode_loop(reference, ids, None)

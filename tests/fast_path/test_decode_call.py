@@ -1,0 +1,177 @@
+"""A decoded token in one C call (issue 28: `fast_recurrence.fast_decode_token`, `memory_kernels.DecodePlan`):
+the embedding row, the token projection, the step, the decoder and the logits of a one-token forward with its
+cache. It computes what the forward computes otherwise (the step kernels and the few-row products), never
+runs where a module it would not call is wrapped, hooked or replaced, sees weights edited between two calls
+on one cache, and refuses bad ids as the forward does. Each test shows which path ran
+(`tests/backend_observer.py`)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from ..backend_observer import C_PRODUCTS, DECODE_CALLS, FAST_PATH, PLAIN_PATH, ran
+from ..environment import require_c_kernels
+from ..tiny_models import perturbed_model, tiny_config
+
+
+@pytest.fixture
+def model():
+    require_c_kernels()
+    return perturbed_model(tiny_config(num_predict_layers=2), seed=21).eval()
+
+
+def decode(model, steps: int = 3, rows: int = 2, **generate) -> torch.Tensor:
+    """generate()'s logits of `steps` greedy tokens after a 5-token prompt, stacked (steps, rows, vocab)."""
+    ids = torch.randint(1, 97, (rows, 5), generator=torch.Generator().manual_seed(22))
+    generate = dict(max_new_tokens=steps, do_sample=False, output_logits=True, return_dict_in_generate=True) | generate
+    return torch.stack(model.generate(ids, attention_mask=torch.ones_like(ids), **generate).logits)
+
+
+def as_step_and_products(monkeypatch, function, *args):
+    """`function(*args)` with the one-call decode off (GPN_DECODE_KERNEL=0): the step kernels and products."""
+    with monkeypatch.context() as patch:
+        patch.setenv("GPN_DECODE_KERNEL", "0")
+        with ran(FAST_PATH, C_PRODUCTS, not_ran=(DECODE_CALLS,)):
+            return function(*args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_generate_decodes_in_one_call_as_the_step_and_products_do(one_thread, model, monkeypatch, dtype):
+    """Greedy generate() of 2 rows: its tokens in one C call each = the same tokens through the step kernels
+    and the few-row products (the same products: float32's last bits, one bf16 rounding) and = the plain loop
+    within the dtype's rounding."""
+    model = model.to(dtype)
+    with ran(FAST_PATH, DECODE_CALLS, not_ran=(PLAIN_PATH,)):
+        fast = decode(model)
+    # (the same products; the two norms in C sum in another order than torch's: float32's last bits)
+    atol = 1e-2 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(fast, as_step_and_products(monkeypatch, decode, model), rtol=0, atol=atol)
+    model.model.use_fast_path = False
+    with ran(PLAIN_PATH, not_ran=(DECODE_CALLS,)):
+        plain = decode(model)
+    tolerance = 5e-2 if dtype == torch.bfloat16 else 1e-4
+    assert (fast.float().log_softmax(-1) - plain.float().log_softmax(-1)).abs().max() < tolerance
+
+
+def test_beam_search_and_many_rows(one_thread, model, monkeypatch):
+    """Beam search (its cache reordered between the calls) decodes in one call per token = without it; a batch
+    beyond the kernels' rows (17) runs the forward as usual."""
+    beams = lambda: model.generate(
+        torch.tensor([[3, 5, 7, 9]]), max_new_tokens=4, num_beams=3, do_sample=False, early_stopping=False
+    )
+    with ran(DECODE_CALLS):
+        fast = beams()
+    assert torch.equal(fast, as_step_and_products(monkeypatch, beams))
+    with ran(FAST_PATH, not_ran=(DECODE_CALLS,)):
+        decode(model, steps=2, rows=17)
+
+
+def doubling(module, args, output):
+    return output * 2
+
+
+HOOKED = {
+    "lm_head forward hook": lambda m: m.lm_head.register_forward_hook(doubling),
+    "decode_proj forward hook": lambda m: m.model.decode_proj.register_forward_hook(doubling),
+    "fuse_norm pre-hook": lambda m: m.model.fuse_norm.register_forward_pre_hook(lambda mod, a: (a[0] + 1.0,)),
+    "embedding forward hook": lambda m: m.model.embed_tokens.register_forward_hook(lambda mod, a, out: out + 1.0),
+    "base model forward hook": lambda m: m.model.register_forward_hook(
+        lambda mod, a, out: out.__class__(**{**out, "last_hidden_state": out.last_hidden_state * 2})
+    ),
+    "global forward hook": lambda m: torch.nn.modules.module.register_module_forward_hook(
+        lambda mod, a, out: out * 2 if mod is m.model.decode_proj else None
+    ),
+    "fuse_proj forward replaced": lambda m: setattr(
+        m.model.fuse_proj, "forward", lambda x: torch.full((*x.shape[:-1], m.config.hidden_size), 5.0, dtype=x.dtype)
+    ),
+    "fuse_gate forward hook (a step module)": lambda m: m.model.fuse_gate.register_forward_hook(doubling),
+}
+
+
+@pytest.mark.parametrize("change", HOOKED)
+def test_a_hook_or_replaced_forward_is_never_skipped(one_thread, model, change):
+    """With a hook (its own, on the base model, global) or an instance forward on a module the one call would
+    not call, it does not run: the tokens decode as the forward computes them with the hook (= the plain
+    loop's), which differ from the unhooked ones."""
+    unhooked = decode(model)
+    handle = HOOKED[change](model)
+    try:
+        with ran(not_ran=(DECODE_CALLS,)):
+            hooked = decode(model)
+        model.model.use_fast_path = False
+        plain = decode(model)
+    finally:
+        if handle is not None:
+            handle.remove()
+    torch.testing.assert_close(hooked, plain, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(hooked, unhooked, atol=1e-3)
+
+
+def test_a_lora_adapter_is_never_skipped(one_thread, model):
+    """PEFT LoRA on the decoder projection (its B matrix nonzero): the adapter computes, the one call does not run."""
+    peft = pytest.importorskip("peft")
+    unadapted = decode(model)
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["decode_proj"], init_lora_weights=False))
+    with ran(not_ran=(DECODE_CALLS,)):
+        logits = decode(adapted)
+    assert not torch.allclose(logits, unadapted, atol=1e-3)
+
+
+EDITS = {
+    "load_state_dict": lambda m: m.load_state_dict(
+        {"model.decode_proj.weight": m.model.decode_proj.weight * 1.5}, strict=False
+    ),
+    "in-place update": lambda m: m.model.fuse_proj.weight.add_(0.05),
+    "module replaced": lambda m: setattr(
+        m.model, "decode_norm", type(m.model.decode_norm)(m.config.hidden_size, m.config.rms_norm_eps)
+    ),
+    "parameter replaced": lambda m: setattr(
+        m.model.predict_layers[0].ffn_in, "weight", torch.nn.Parameter(m.model.predict_layers[0].ffn_in.weight * -1)
+    ),
+}
+
+
+@pytest.mark.parametrize("edit", EDITS)
+def test_weights_edited_between_two_calls_on_one_cache_are_seen(one_thread, model, edit):
+    """A decode loop by hand (one forward a token, continuing its cache) with an edit between two calls (a
+    load, an in-place update, a module or a parameter replaced): the next token's call computes with the
+    edited model, as the plain loop does in the same sequence of calls (and not as before the edit)."""
+    ids = torch.randint(1, 97, (1, 6), generator=torch.Generator().manual_seed(23))
+
+    def continued(model, edited: bool) -> torch.Tensor:
+        with torch.no_grad():
+            cache = model(ids[:, :4], use_cache=True).cache
+            model(ids[:, 4:5], cache=cache, use_cache=True)  # (a first one-token call: what it derives is kept)
+            if edited:
+                EDITS[edit](model)
+            return model(ids[:, 5:6], cache=cache, use_cache=True).logits[:, -1]
+
+    plain, unedited = copy.deepcopy(model), continued(copy.deepcopy(model), edited=False)
+    with ran(DECODE_CALLS):
+        fast = continued(model, edited=True)
+    plain.model.use_fast_path = False
+    with ran(PLAIN_PATH, not_ran=(DECODE_CALLS,)):
+        expected = continued(plain, edited=True)
+    torch.testing.assert_close(fast, expected, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(fast, unedited, atol=1e-3)
+
+
+def test_bad_ids_and_padded_tokens(one_thread, model):
+    """An id outside the vocabulary is refused with the forward's own message, before anything is computed;
+    a token whose mask column is 0 (padding) keeps its row's state, as the forward's masked step does."""
+    with torch.no_grad():
+        cache = model(torch.tensor([[1, 2, 3], [4, 5, 6]]), use_cache=True).cache
+        seen = cache.get_seq_length()
+        for bad in (97, -1):
+            with pytest.raises(ValueError, match="outside the vocabulary"):
+                model(torch.tensor([[5], [bad]]), cache=cache, use_cache=True)
+        assert cache.get_seq_length() == seen
+        before = cache.get_state()
+        mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+        with ran(FAST_PATH, not_ran=(DECODE_CALLS,)):
+            model(torch.tensor([[5], [6]]), attention_mask=mask, cache=cache, use_cache=True)
+        after = cache.get_state()
+    assert torch.equal(after[0][1], before[0][1]) and not torch.equal(after[0][0], before[0][0])
