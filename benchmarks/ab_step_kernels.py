@@ -1,4 +1,5 @@
-"""A/B in one process: the C step kernels against the torch-ops fast path before them (`GPN_STEP_KERNELS=0`),
+"""A/B/C in one process: the fast path on torch ops (`GPN_STEP_KERNELS=0`), on the C step kernels with the
+few-row products around them (`GPN_DECODE_KERNEL=0`), and with a decoded token in one C call (the default),
 alternated inside every repeat with the reads that give the byte limit, so a noisy machine's spells hit
 all of them alike (the figures of benchmarks/RESULTS.md while neighbours ran; gpn bench runs each
 configuration in its own process, minutes apart).
@@ -23,7 +24,11 @@ import torch
 
 from modeling_gpn.bench import ReadProbe, build_gpn, one_token_step_fn, prefill_bytes, step_bytes
 
-SIDES = {"before (torch ops)": "0", "after (C step kernels)": "1"}
+SIDES = {  # the settings of each side (the prefill is the same on the last two: only decoding differs)
+    "torch ops": {"GPN_STEP_KERNELS": "0", "GPN_DECODE_KERNEL": "1"},
+    "step kernels": {"GPN_STEP_KERNELS": "1", "GPN_DECODE_KERNEL": "0"},
+    "one-call decode": {"GPN_STEP_KERNELS": "1", "GPN_DECODE_KERNEL": "1"},
+}
 
 
 def main() -> None:
@@ -43,8 +48,8 @@ def main() -> None:
         f"repeats ({args.steps} steps each; prefill of {args.prompt} tokens)\n"
     )
     print(
-        "| preset | weights | limit ms (MB, GB/s) | step ms before | after | prompt-token limit ms (MB) | "
-        "prefill ms/token before | after |\n|---|---|---|---|---|---|---|---|"
+        "| preset | weights | limit ms (MB, GB/s) | step ms, torch ops | step kernels | one-call decode | "
+        "prompt-token limit ms (MB) | prefill ms/token, torch ops | step kernels |\n|---|---|---|---|---|---|---|---|---|"
     )
     for preset in args.preset:
         for dtype in args.dtype:
@@ -58,12 +63,14 @@ def main() -> None:
                 key: [] for key in ("limit", "prompt limit", *[(s, k) for s in SIDES for k in ("step", "prefill")])
             }
             for _ in range(args.repeats + 1):  # (the first repeat warms up and is dropped)
-                for side, setting in SIDES.items():
-                    os.environ["GPN_STEP_KERNELS"] = setting
+                for side, settings in SIDES.items():
+                    os.environ.update(settings)
                     start = clock()
                     for _ in range(args.steps):
                         step()
                     times[(side, "step")].append((clock() - start) / args.steps)
+                    if side == "one-call decode":
+                        continue  # (its prefill is the step kernels')
                     with torch.no_grad():
                         start = clock()
                         model(ids, logits_to_keep=1, use_cache=False)  # (not taking over the step cache's scope)
@@ -73,15 +80,15 @@ def main() -> None:
                     for _ in range(args.steps):
                         probe()
                     times[key].append((clock() - start) / args.steps)
-            os.environ["GPN_STEP_KERNELS"] = "1"
-            ms = {key: 1e3 * statistics.median(values[1:]) for key, values in times.items()}
+            os.environ.update(SIDES["one-call decode"])
+            ms = {key: 1e3 * statistics.median(values[1:]) for key, values in times.items() if values}
             ratio = lambda key, of: f"{ms[key]:.3f} ({ms[key] / ms[of]:.2f}x)"  # noqa: B023 (called in this iteration)
-            before, after = SIDES
+            torch_ops, kernels, one_call = SIDES
             print(
                 f"| {preset} | {dtype} | {ms['limit']:.3f} ({limit.nbytes / 1e6:.1f}, {limit.nbytes / ms['limit'] / 1e6:.0f}) | "
-                f"{ratio((before, 'step'), 'limit')} | {ratio((after, 'step'), 'limit')} | "
-                f"{ms['prompt limit']:.3f} ({prompt_limit.nbytes / 1e6:.1f}) | {ratio((before, 'prefill'), 'prompt limit')} | "
-                f"{ratio((after, 'prefill'), 'prompt limit')} |",
+                f"{ratio((torch_ops, 'step'), 'limit')} | {ratio((kernels, 'step'), 'limit')} | "
+                f"{ratio((one_call, 'step'), 'limit')} | {ms['prompt limit']:.3f} ({prompt_limit.nbytes / 1e6:.1f}) | "
+                f"{ratio((torch_ops, 'prefill'), 'prompt limit')} | {ratio((kernels, 'prefill'), 'prompt limit')} |",
                 flush=True,
             )
             del model, step
