@@ -1,6 +1,7 @@
 """Where the time of one decode step goes: the model's one-token step (a forward of one token with its
-cache, batch 1, no autograd), profiled with cProfile on the thread's CPU clock, on the C step kernels and on
-the torch-ops fast path (`GPN_STEP_KERNELS=0`, the path before them), alternated in one process.
+cache, batch 1, no autograd), profiled with cProfile on the thread's CPU clock, alternated in one process on
+three paths: the token in one C call (the default), the C step kernels with the few-row products around
+them (`GPN_DECODE_KERNEL=0`), and the torch-ops fast path (`GPN_STEP_KERNELS=0`, the path before both).
 
     python benchmarks/profile_step.py --preset small --dtype float32 --steps 200 [--threads 1]
 
@@ -24,11 +25,22 @@ import torch
 
 from modeling_gpn.bench import ReadProbe, build_gpn, one_token_step_fn, step_bytes
 
-PATHS = {"step kernels": "1", "torch ops (before)": "0"}
+PATHS = {  # each path's settings
+    "one-call decode": {"GPN_STEP_KERNELS": "1", "GPN_DECODE_KERNEL": "1"},
+    "step kernels and products": {"GPN_STEP_KERNELS": "1", "GPN_DECODE_KERNEL": "0"},
+    "torch ops": {"GPN_STEP_KERNELS": "0", "GPN_DECODE_KERNEL": "1"},
+}
 
 
 def group_of(filename: str, name: str) -> str:
-    if "memory_kernels" in filename and name in ("step", "steps", "linear_rows", "module_rows", "_rows_product"):
+    if "memory_kernels" in filename and name in (
+        "step",
+        "steps",
+        "linear_rows",
+        "module_rows",
+        "_rows_product",
+        "__call__",
+    ):
         return "C kernels (and their Python entry)"
     if filename == "~" or "torch/" in filename and "nn/modules" not in filename:
         return "torch ops"
@@ -56,8 +68,8 @@ def main() -> None:
     probe = ReadProbe(step_bytes(model))
     times = {name: [] for name in [*PATHS, "limit"]}
     for _ in range(args.steps):
-        for name, setting in PATHS.items():
-            os.environ["GPN_STEP_KERNELS"] = setting
+        for name, settings in PATHS.items():
+            os.environ.update(settings)
             start = clock()
             step()
             times[name].append(clock() - start)
@@ -73,8 +85,8 @@ def main() -> None:
     for name in PATHS:
         median = statistics.median(times[name])
         print(f"  {name}: {1e3 * median:.3f} ms a step = {median / limit:.2f}x the limit")
-    for name, setting in PATHS.items():
-        os.environ["GPN_STEP_KERNELS"] = setting
+    for name, settings in PATHS.items():
+        os.environ.update(settings)
         profile = cProfile.Profile(timer=time.thread_time)
         profile.enable()
         for _ in range(args.steps):
