@@ -447,8 +447,7 @@ def fast_decode_token(lm, input_ids: torch.Tensor, attention_mask, cache, norm_c
         or input_ids.dtype is not torch.int64
         or not input_ids.is_cpu
         or torch.is_grad_enabled()
-        or cache is None
-        or not cache.has_state
+        or not getattr(cache, "has_state", False)  # (a GPNCache holding a state; anything else: the forward says)
         or autocast_dtype("cpu") is not None
     ):
         return None
