@@ -129,7 +129,7 @@ class BackendProbe:
     """What the fast path ran on while the block ran, from the Triton kernel launches, CUDA graph replays and
     C step-kernel calls made meanwhile (`triton_kernels.launches`, `cuda_graphs.replays`,
     `memory_kernels.calls`): "triton kernels in CUDA graphs", "triton kernels, no graphs", "c step kernels"
-    or "torch ops" (on CPU: with the C memory kernels where they are on, as the report's "GPN memory kernels"
+    (saying how many of the steps were decoded tokens in one C call) or "torch ops" (on CPU: with the C memory kernels where they are on, as the report's "GPN memory kernels"
     says). The plain path and Llama launch none of them, so a block timing them beside the fast path still
     tells the fast path's. Why: a failed self-check or a fallback runs the torch ops in silence, and their
     figures must not pass for the kernels'."""
@@ -139,7 +139,7 @@ class BackendProbe:
 
         self.launches = sum(triton_kernels.launches.values())
         self.replays = sum(cuda_graphs.replays.values())
-        self.steps = memory_kernels.calls["step"]
+        self.steps, self.decoded = memory_kernels.calls["step"], memory_kernels.calls["decode"]
         self.text = None
         return self
 
@@ -149,12 +149,14 @@ class BackendProbe:
         launches = sum(triton_kernels.launches.values()) - self.launches
         replays = sum(cuda_graphs.replays.values()) - self.replays
         steps = memory_kernels.calls["step"] - self.steps
+        decoded = memory_kernels.calls["decode"] - self.decoded
         if replays:
             self.text = f"triton kernels in CUDA graphs ({replays} replays, {launches} eager launches)"
         elif launches:
             self.text = f"triton kernels, no graphs ({launches} launches)"
         elif steps:
-            self.text = f"c step kernels ({steps} steps)"
+            one_call = f", {decoded} of them decoded tokens in one call" if decoded else ""
+            self.text = f"c step kernels ({steps} steps{one_call})"
         else:
             self.text = "torch ops"
         return False

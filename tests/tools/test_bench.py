@@ -60,6 +60,8 @@ def test_bench_reports_every_implementation(tmp_path, capsys):
     assert backend["train"] == "torch ops"
     for timing in ("forward", "step @1 rows", "step @4 rows", "prefill and decode @4", "prefill and decode @9"):
         assert backend[timing].startswith("c step kernels" if memory_kernels.available() else "torch ops"), timing
+    if memory_kernels.available():  # (a one-token step of one row: the whole token in one C call)
+        assert "decoded tokens in one call" in backend["step @1 rows"], backend
     assert "fast train ran on: torch ops" in printed and report["triton_self_checks"] == {}
     # a GPN's cache does not grow with the prompt; the Llama's does
     assert rows["fast"]["cache_bytes"]["4"] == rows["fast"]["cache_bytes"]["9"]
