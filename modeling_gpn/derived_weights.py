@@ -81,6 +81,12 @@ _GLOBAL_HOOKS = (
 )
 
 
+def global_module_hooks() -> bool:
+    """Whether a module hook is registered for every module (`torch.nn.modules.module.register_module_*_hook`)."""
+    hooks = torch.nn.modules.module
+    return any(getattr(hooks, name, None) for name in _GLOBAL_HOOKS)
+
+
 class WatchedModules:
     """The modules below `roots` as they are now, to tell cheaply whether they still are: the same module
     objects under the same names, none hooked nor given a `forward` of its own, each parameter the same
@@ -110,8 +116,7 @@ class WatchedModules:
                     self.parameters.append((module._parameters, name, parameter, _tensor_key(parameter), True))
 
     def unchanged(self) -> bool:
-        hooks = torch.nn.modules.module
-        if any(getattr(hooks, name, None) for name in _GLOBAL_HOOKS):
+        if global_module_hooks():
             return False
         for modules, name, child in self.children:
             if modules.get(name) is not child:

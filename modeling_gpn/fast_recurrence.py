@@ -76,7 +76,13 @@ import torch.nn.functional as F
 from .cuda_graphs import GraphKernels, training_sweep
 from .cuda_graphs import asked as graphs_asked
 from .cuda_graphs import window_forward as graph_window_forward
-from .derived_weights import WatchedModules, derived_weights_of, derived_weights_scope, keep_with
+from .derived_weights import (
+    WatchedModules,
+    derived_weights_of,
+    derived_weights_scope,
+    global_module_hooks,
+    keep_with,
+)
 from .memory_kernels import (
     MAX_STEP_ROWS,
     DecodePlan,
@@ -284,19 +290,17 @@ def _few_rows_on_kernels(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
 def _plain_linear(module: torch.nn.Module) -> bool:
     """`module` is exactly an nn.Linear with no hooks of its own or global ones and no `forward` of its instance
     (what the C kernels compute as it would; a wrapper, adapter, hook or patched forward is never skipped)."""
-    if type(module) is not torch.nn.Linear or "forward" in module.__dict__:
-        return False
-    if module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks or module._backward_hooks:
-        return False
-    hooks = torch.nn.modules.module
-    return not any(
-        getattr(hooks, name, None)
-        for name in (
-            "_global_forward_pre_hooks",
-            "_global_forward_hooks",
-            "_global_backward_pre_hooks",
-            "_global_backward_hooks",
-        )
+    return type(module) is torch.nn.Linear and _called_as_is(module) and not global_module_hooks()
+
+
+def _called_as_is(module: torch.nn.Module) -> bool:
+    """No hooks on `module` and no `forward` of its own instance: calling it runs its class's forward alone."""
+    return not (
+        module._forward_pre_hooks
+        or module._forward_hooks
+        or module._backward_pre_hooks
+        or module._backward_hooks
+        or "forward" in module.__dict__
     )
 
 
@@ -342,17 +346,6 @@ def output_logits(decoded: torch.Tensor, weight: torch.Tensor, fast: bool = True
 # --------------------------------------------------------------------------------------------------
 
 
-def _called_as_is(module: torch.nn.Module) -> bool:
-    """No hooks on `module` and no `forward` of its own instance: calling it runs its class's forward alone."""
-    return not (
-        module._forward_pre_hooks
-        or module._forward_hooks
-        or module._backward_pre_hooks
-        or module._backward_hooks
-        or "forward" in module.__dict__
-    )
-
-
 def _plain_parameters(module: torch.nn.Module) -> bool:
     return all(type(p) is torch.nn.Parameter for p in module._parameters.values() if p is not None)
 
@@ -377,7 +370,7 @@ def decode_lane_blocker(lm, norm_class: type) -> str | None:
     model = lm.model
     embedding, head = model.embed_tokens, lm.lm_head
     for name, module in (("lm_head", head), ("fuse_proj", model.fuse_proj), ("decode_proj", model.decode_proj)):
-        if not (_plain_linear(module) and _called_as_is(module)):  # (_plain_linear: no global hooks either)
+        if not _plain_linear(module):  # (no global hooks either)
             return f"{name} is not a plain nn.Linear without hooks"
     if type(embedding) is not torch.nn.Embedding or embedding.max_norm is not None or not _called_as_is(embedding):
         return "embed_tokens is not a plain nn.Embedding without hooks"

@@ -119,11 +119,11 @@ MUTATIONS = [
         ("tests/fast_path/test_decode_call.py::test_bad_ids_and_padded_tokens",),
     ),
     Mutation(
-        "few-row products (a forward set on the module's instance skipped)",
+        "few-row products (a linear's own hooks and a forward set on its instance not looked for)",
         "modeling_gpn/fast_recurrence.py",
-        '    if type(module) is not torch.nn.Linear or "forward" in module.__dict__:\n        return False',
-        "    if type(module) is not torch.nn.Linear:  # MUTATION\n        return False",
-        ("tests/fast_path/test_decode_call.py -k fuse_proj",),
+        "    return type(module) is torch.nn.Linear and _called_as_is(module) and not global_module_hooks()",
+        "    return type(module) is torch.nn.Linear and not global_module_hooks()  # MUTATION",
+        ("tests/fast_path/test_decode_call.py -k never_skipped and (lm_head or decode_proj or fuse_proj)",),
     ),
     Mutation(
         "prepacking (packing fails and falls back to the plain matmul)",
