@@ -43,17 +43,24 @@ def _parameters(model: torch.nn.Module) -> list:
     """`list(model.parameters())`: the same parameters in the same order, each once, from a direct walk over
     the modules' own dicts (this runs before every decoded token; the generator layers of `parameters()`
     cost more than the keys themselves)."""
-    seen_modules, seen, found = set(), set(), []
-    pending = [model]
-    while pending:
-        module = pending.pop()
-        if id(module) in seen_modules:
-            continue
-        seen_modules.add(id(module))
+    seen, found = set(), []
+    for module in _modules_below(model):
         for parameter in module._parameters.values():
             if parameter is not None and id(parameter) not in seen:
                 seen.add(id(parameter))
                 found.append(parameter)
+    return found
+
+
+def _modules_below(*roots: torch.nn.Module) -> list:
+    """The roots and every module below them, each once, in `modules()`' order."""
+    seen, found, pending = set(), [], list(reversed(roots))
+    while pending:
+        module = pending.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        found.append(module)
         pending.extend(child for child in reversed(module._modules.values()) if child is not None)
     return found
 
@@ -81,10 +88,22 @@ _GLOBAL_HOOKS = (
 )
 
 
-def global_module_hooks() -> bool:
-    """Whether a module hook is registered for every module (`torch.nn.modules.module.register_module_*_hook`)."""
+def registered_global_hook() -> str | None:
+    """The kind of module hook registered for every module (`torch.nn.modules.module.register_module_*_hook`),
+    or None."""
     hooks = torch.nn.modules.module
-    return any(getattr(hooks, name, None) for name in _GLOBAL_HOOKS)
+    return next((name.strip("_") for name in _GLOBAL_HOOKS if getattr(hooks, name, None)), None)
+
+
+def called_as_is(module: torch.nn.Module) -> bool:
+    """No hooks on `module` and no `forward` of its own instance: calling it runs its class's forward alone."""
+    return not (
+        module._forward_pre_hooks
+        or module._forward_hooks
+        or module._backward_pre_hooks
+        or module._backward_hooks
+        or "forward" in module.__dict__
+    )
 
 
 class WatchedModules:
@@ -96,18 +115,9 @@ class WatchedModules:
     The guard of `parameters_key`, no more: a write through `.data` in place is not seen by either."""
 
     def __init__(self, *roots: torch.nn.Module):
-        self.modules, self.children, self.parameters = [], [], []
-        seen, pending = set(), list(roots)
-        while pending:
-            module = pending.pop()
-            if id(module) in seen:
-                continue
-            seen.add(id(module))
-            self.modules.append(module)
-            for name, child in module._modules.items():
-                self.children.append((module._modules, name, child))
-                if child is not None:
-                    pending.append(child)
+        self.modules, self.children, self.parameters = _modules_below(*roots), [], []
+        for module in self.modules:
+            self.children += [(module._modules, name, child) for name, child in module._modules.items()]
             for name, parameter in module._parameters.items():
                 if parameter is None or type(parameter) in _PLAIN:  # (the common case, in two numbers)
                     key = None if parameter is None else (parameter.data_ptr(), parameter._version)
@@ -116,20 +126,13 @@ class WatchedModules:
                     self.parameters.append((module._parameters, name, parameter, _tensor_key(parameter), True))
 
     def unchanged(self) -> bool:
-        if global_module_hooks():
+        if registered_global_hook() is not None:
             return False
         for modules, name, child in self.children:
             if modules.get(name) is not child:
                 return False
-        for module in self.modules:
-            if (
-                module._forward_pre_hooks
-                or module._forward_hooks
-                or module._backward_pre_hooks
-                or module._backward_hooks
-                or "forward" in module.__dict__
-            ):
-                return False
+        if not all(called_as_is(module) for module in self.modules):
+            return False
         for parameters, name, parameter, key, subclass in self.parameters:
             if parameters.get(name) is not parameter:
                 return False

@@ -78,10 +78,11 @@ from .cuda_graphs import asked as graphs_asked
 from .cuda_graphs import window_forward as graph_window_forward
 from .derived_weights import (
     WatchedModules,
+    called_as_is,
     derived_weights_of,
     derived_weights_scope,
-    global_module_hooks,
     keep_with,
+    registered_global_hook,
 )
 from .memory_kernels import (
     MAX_STEP_ROWS,
@@ -290,18 +291,7 @@ def _few_rows_on_kernels(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
 def _plain_linear(module: torch.nn.Module) -> bool:
     """`module` is exactly an nn.Linear with no hooks of its own or global ones and no `forward` of its instance
     (what the C kernels compute as it would; a wrapper, adapter, hook or patched forward is never skipped)."""
-    return type(module) is torch.nn.Linear and _called_as_is(module) and not global_module_hooks()
-
-
-def _called_as_is(module: torch.nn.Module) -> bool:
-    """No hooks on `module` and no `forward` of its own instance: calling it runs its class's forward alone."""
-    return not (
-        module._forward_pre_hooks
-        or module._forward_hooks
-        or module._backward_pre_hooks
-        or module._backward_hooks
-        or "forward" in module.__dict__
-    )
+    return type(module) is torch.nn.Linear and called_as_is(module) and registered_global_hook() is None
 
 
 def fast_project(module: torch.nn.Module, x: torch.Tensor, fast: bool = True) -> torch.Tensor:
@@ -372,7 +362,7 @@ def decode_lane_blocker(lm, norm_class: type) -> str | None:
     for name, module in (("lm_head", head), ("fuse_proj", model.fuse_proj), ("decode_proj", model.decode_proj)):
         if not _plain_linear(module):  # (no global hooks either)
             return f"{name} is not a plain nn.Linear without hooks"
-    if type(embedding) is not torch.nn.Embedding or embedding.max_norm is not None or not _called_as_is(embedding):
+    if type(embedding) is not torch.nn.Embedding or embedding.max_norm is not None or not called_as_is(embedding):
         return "embed_tokens is not a plain nn.Embedding without hooks"
     if not _plain_parameters(embedding):
         return "embed_tokens has a weight that is not a plain nn.Parameter"
@@ -381,9 +371,9 @@ def decode_lane_blocker(lm, norm_class: type) -> str | None:
         return "lm_head is neither the tied embedding nor an int8 weight-only head"
     for name in ("fuse_norm", "decode_norm"):
         norm = getattr(model, name)
-        if type(norm) is not norm_class or not _called_as_is(norm) or not _plain_parameters(norm):
+        if type(norm) is not norm_class or not called_as_is(norm) or not _plain_parameters(norm):
             return f"{name} is not a plain {norm_class.__name__} without hooks"
-    if not _called_as_is(model):
+    if not called_as_is(model):
         return "the base model is hooked or its forward replaced"
     return model.fast_path_blocker()
 

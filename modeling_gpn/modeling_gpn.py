@@ -46,7 +46,7 @@ from transformers.utils import logging
 from .cache import GPNCache, continuation_start
 from .chunked_loss import chunked_causal_lm_loss, divide_loss_sum
 from .configuration_gpn import GPNConfig
-from .derived_weights import derived_weights_scope, keep_with
+from .derived_weights import derived_weights_scope, keep_with, registered_global_hook
 from .fast_recurrence import fast_decode_token, fast_project, fast_recurrence, foldable_parameter, output_logits
 from .packing import PACKING_KWARGS, packed_sequence_starts
 from .prefill import forward_in_chunks, prefill_chunk_length_for
@@ -535,15 +535,9 @@ class GPNModel(GPNPreTrainedModel):
         `torch.utils.checkpoint.checkpoint` (whose work the fast path does itself), and a hook on the
         segment layer: the plain path calls them on every segment.
         """
-        module_hooks = torch.nn.modules.module
-        for name in (
-            "_global_forward_pre_hooks",
-            "_global_forward_hooks",
-            "_global_backward_pre_hooks",
-            "_global_backward_hooks",
-        ):
-            if getattr(module_hooks, name, None):
-                return f"a global module hook is registered ({name.strip('_')})"
+        global_hook = registered_global_hook()
+        if global_hook is not None:
+            return f"a global module hook is registered ({global_hook})"
         blocker = self._segment_layer_blocker()
         if blocker is not None:
             return blocker

@@ -121,8 +121,8 @@ MUTATIONS = [
     Mutation(
         "few-row products (a linear's own hooks and a forward set on its instance not looked for)",
         "modeling_gpn/fast_recurrence.py",
-        "    return type(module) is torch.nn.Linear and _called_as_is(module) and not global_module_hooks()",
-        "    return type(module) is torch.nn.Linear and not global_module_hooks()  # MUTATION",
+        "    return type(module) is torch.nn.Linear and called_as_is(module) and registered_global_hook() is None",
+        "    return type(module) is torch.nn.Linear and registered_global_hook() is None  # MUTATION",
         ("tests/fast_path/test_decode_call.py -k never_skipped and (lm_head or decode_proj or fuse_proj)",),
     ),
     Mutation(
