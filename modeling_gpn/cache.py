@@ -243,6 +243,14 @@ class GPNCache(Cache):
             seen = torch.zeros((), dtype=torch.int64)
         self.state_layer.seen_tokens = seen + num_new_tokens
 
+    def advanced_in_place(self, token_ids: torch.Tensor) -> None:
+        """Count the positions `token_ids` (batch, seq), every one real, that a call read and wrote straight into
+        `state_buffers()` (the one-call decode, never traced), and fold them into the fingerprint: what
+        `update_state` and `record_read` do after a call that returns its state, without the copies."""
+        layer = self.state_layer
+        layer.seen_tokens += token_ids.shape[1]
+        layer.fingerprint.record(token_ids, None)
+
     def record_read(self, token_ids: torch.Tensor | None, mask: torch.Tensor | None) -> None:
         """Fold the positions just read into the cache's fingerprint, in place (`token_ids` None: positions
         given as embeddings, which make it unknown). `mask` (batch, seq) bool, or None when every position is

@@ -273,6 +273,16 @@ def _carried_key(derived: dict, g0: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
+def _decoded_key(derived: dict, plan: DecodePlan, g0: torch.Tensor) -> torch.Tensor | None:
+    """The key of the grounded state `g0` for a one-call token: the plan's own key buffer where the last such
+    token left it for exactly this state (the same tensor, not written since: a decode loop's next token),
+    else as `_carried_key` finds it (a prompt's last window), else None (the call computes it)."""
+    decoded = derived.get("decoded key")
+    if decoded is not None and decoded[0] is g0 and decoded[1] == g0._version and decoded[2] is plan.key:
+        return plan.key
+    return _carried_key(derived, g0)
+
+
 def _few_rows_on_kernels(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
     """Whether a product of `x` (..., K) may run on the C kernels: 1 to `MAX_STEP_ROWS` float32 CPU rows, no
     autograd through it, not traced or compiled, the kernels built and switched on."""
@@ -450,24 +460,25 @@ def fast_decode_token(lm, input_ids: torch.Tensor, attention_mask, cache, norm_c
             lane = _decode_lane(lm, scope.current(model), rows)  # (current: dropping what older weights derived)
         if lane.plan is None:
             return None
-        derived, memory = scope.entries, lane.plan.step_plan.memory
-        key = _carried_key(derived, g0) if memory else None
+        plan, derived = lane.plan, scope.entries
+        key = _decoded_key(derived, plan, g0) if plan.step_plan.memory else None
         try:
-            logits, final = lane.plan(input_ids.view(-1), StepState(p0, g0, key, M0))
+            logits = plan(input_ids.view(-1), StepState(p0, g0, key, M0))  # (the cache's state, advanced in place)
         except KernelRefusal:
             return None
         except IndexError:  # an id outside the vocabulary: the forward's own check says which
             model.check_input_ids(input_ids)
             raise
-        if memory:
-            derived["last key"] = (final.g.clone(), final.key.clone())
-    cache.update_state(final.p, final.g, final.memory, num_new_tokens=1)
-    cache.record_read(input_ids, None)
+        derived["decoded key"] = (g0, g0._version, plan.key)
+    cache.advanced_in_place(input_ids)
     cache._gpn_model_ref = weakref.ref(model)  # whose state this is, for GPNCache.save
     keep_with(model, cache, scope)
     object.__setattr__(model, "last_recurrence_path", "fast")
-    object.__setattr__(model, "last_recurrence_backends", Backends(C_STEP, None, C_KERNELS if memory else None, None))
+    object.__setattr__(model, "last_recurrence_backends", _DECODED_BACKENDS[plan.step_plan.memory])
     return logits.view(rows, 1, -1)
+
+
+_DECODED_BACKENDS = {memory: Backends(C_STEP, None, C_KERNELS if memory else None, None) for memory in (False, True)}
 
 
 def _memory_half(Z, c: Columns, key, neg_decay_rate, memory, memory_out, eps: float) -> MemoryStep:

@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from torch.autograd.graph import increment_version
 
 from .recurrence_step import MemoryStep, StepState, int8_weight_parts, keep_padded_rows
 
@@ -699,7 +700,10 @@ void gpn_steps(const gpn_step_plan *P, i64 T, const float *p0, const float *g0, 
 
 /* ---- a decoded token in one call: the token's embedding row and its input to the step, the step, then the
    decoder and the logits (what a decode step computes outside the step is a few small products and norms,
-   which as separate calls cost more than their bytes) ---- */
+   which as separate calls cost more than their bytes). The outputs may be the inputs (the state advanced in
+   place): the step reads p and g only while it grounds, before it writes either; the key only in layer 0's
+   memory half, before the last phase writes the new one; and each head's M only in its own memory half, which
+   writes M' element by element after reading M ---- */
 
 typedef struct {
     i64 B, e, vocab, table_kind;  /* table: the embedding (vocab, e), float or bf16 bits (KIND_F32 / KIND_BF16) */
@@ -1740,8 +1744,9 @@ class DecodePlan:
     two projections (`operand_of`) and the output: the tied matrix (the table itself, multiplied as
     `linear_rows` does) or a head of its own (`operand_of`: a quantized nn.Linear, called as `module_rows`
     computes it, its logits in the dtype the module returns). Raises `KernelRefusal` for anything the kernels
-    do not take. Built once per derived-weights scope, like the step plan it runs; a call's results are the
-    plan's own buffers, valid until its next call."""
+    do not take. Built once per derived-weights scope, like the step plan it runs. A call advances the state it
+    is given in place (the kernel reads every part of the old state before it writes that part) and leaves the
+    new grounded state's key in the plan's own `key` buffer, which the next call may take as its given key."""
 
     def __init__(
         self,
@@ -1754,7 +1759,7 @@ class DecodePlan:
         decode_proj: torch.nn.Module,
         output: torch.Tensor | torch.nn.Module,
     ):
-        B, (d, _, H, dk, dv, _) = step.rows, step.sizes
+        B, (d, _, H, dk, _, _) = step.rows, step.sizes
         matrices = (("the embedding", table),) + (
             () if isinstance(output, torch.nn.Module) else (("the output", output),)
         )
@@ -1784,13 +1789,7 @@ class DecodePlan:
         slots = [_input_slot(B, e), _input_slot(B, d), _input_slot(B, e)]
         self.u, self.decoded = torch.zeros(B, d), torch.zeros(B, e)
         self.logits = torch.zeros(B, head.weight.shape[0], dtype=torch.bfloat16 if logits_bf16 else torch.float32)
-        memory = step.memory
-        self.state = StepState(  # (the state after a call: the caller copies it where it keeps it)
-            torch.zeros(B, d),
-            torch.zeros(B, d),
-            torch.zeros(B, H * dk if memory else 0),
-            torch.zeros(B, H, dk, dv) if memory else None,
-        )
+        self.key = torch.zeros(B, H * dk if step.memory else 0)  # (the key of the grounded state a call leaves)
         segments = [
             _segment(fuse, slots[0], self.u, 0),
             _segment(decoder, slots[1], self.decoded, 0),
@@ -1816,15 +1815,12 @@ class DecodePlan:
             )
         plan.u, plan.decoded = self.u.data_ptr(), self.decoded.data_ptr()
         self._plan, self._keep = plan, (table, fuse, decoder, head, slots)
-        out = self.state
-        self._outputs = [t.data_ptr() if t is not None else None for t in (out.p, out.g, out.key, out.memory)]
-        if not memory:
-            self._outputs[2:] = [None, None]
 
-    def __call__(self, ids: torch.Tensor, state: StepState) -> tuple[torch.Tensor, StepState]:
-        """The logits (B, vocab) of the tokens `ids` (B,) int64 read from `state` (a copy), and the state after
-        them (the plan's buffers: copy what is kept); `state.key` may be None (the key of `state.g` is then
-        computed here). Raises IndexError for an id outside [0, vocab), having computed nothing."""
+    def __call__(self, ids: torch.Tensor, state: StepState) -> torch.Tensor:
+        """The logits (B, vocab) of the tokens `ids` (B,) int64 read from `state`, whose p, g and memory it
+        advances in place to the state after them; the new g's key goes to `self.key`. `state.key` is the key of
+        `state.g` (it may be `self.key`, as the last call left it), or None: computed here. Raises IndexError for
+        an id outside [0, vocab), having computed (and changed) nothing."""
         d, f, H, dk, dv, L = self.step_plan.sizes
         B, memory = self.rows, self.step_plan.memory
         p, g, key, M = state
@@ -1844,17 +1840,21 @@ class DecodePlan:
             g.data_ptr(),
             key.data_ptr() if (memory and key is not None) else None,
             M.data_ptr() if memory else None,
-            *self._outputs,
+            p.data_ptr(),  # (in place: see the class)
+            g.data_ptr(),
+            self.key.data_ptr() if memory else None,
+            M.data_ptr() if memory else None,
             torch.get_num_threads(),
         )
         if outside:
             raise IndexError(f"a token id of {ids.tolist()} is outside the vocabulary of {self.vocab}")
+        # written in place behind torch's back: their version counters say so (a graph that saved one refuses
+        # to run its backward, as after any in-place write)
+        increment_version((p, g, M, self.key) if memory else (p, g))
         calls["step"] += 1
         calls["int8 step"] += self.step_plan.int8
         calls["decode"] += 1
-        if memory:
-            return self.logits.clone(), self.state
-        return self.logits.clone(), self.state._replace(memory=M)
+        return self.logits.clone()
 
 
 def _check_weight_matrix(matrix: torch.Tensor, name: str) -> None:

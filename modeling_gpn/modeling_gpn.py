@@ -27,10 +27,12 @@ installed `modeling_gpn` package.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import warnings
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -254,6 +256,23 @@ class GPNCausalLMOutput(CausalLMOutputWithPast):
 
     memory_decays: torch.Tensor | None = None
     predicted_states: torch.Tensor | None = None
+
+    @classmethod
+    def of_decoded_token(cls, logits: torch.Tensor, cache) -> GPNCausalLMOutput:
+        """`cls(logits=logits, cache=cache)` built directly: the same attributes and items, without the
+        ModelOutput bookkeeping that walks the dataclass fields at every attribute set, which costs as much
+        as a small model's one-call token spends around its kernel."""
+        output = cls.__new__(cls)
+        values = {"logits": logits, "cache": cache}
+        for name in _CAUSAL_LM_OUTPUT_FIELDS:
+            value = values.get(name)
+            object.__setattr__(output, name, value)
+            if value is not None:
+                OrderedDict.__setitem__(output, name, value)
+        return output
+
+
+_CAUSAL_LM_OUTPUT_FIELDS = tuple(field.name for field in dataclasses.fields(GPNCausalLMOutput))
 
 
 @dataclass
@@ -1133,7 +1152,7 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             # a decoded token (one a row, from a cache): the whole of it in one C call where it is plain
             logits = fast_decode_token(self, input_ids, attention_mask, cache, norm_class=GPNRMSNorm)
             if logits is not None:
-                output = GPNCausalLMOutput(logits=logits, cache=cache)
+                output = GPNCausalLMOutput.of_decoded_token(logits, cache)
                 return output if return_dict else output.to_tuple()
         chunk_length = prefill_chunk_length_for(
             self,

@@ -93,7 +93,8 @@ MUTATIONS = [
         '    return step_kernels_enabled() and os.environ.get("GPN_DECODE_KERNEL", "1") != "0"',
         "    return False  # MUTATION",
         (
-            "tests/fast_path/test_decode_call.py -k generate_decodes or beam_search or edited",
+            "tests/fast_path/test_decode_call.py -k generate_decodes or beam_search or edited or written or refuses"
+            " or usual_output",
             "tests/fast_path/test_step_kernels.py -k (plain_loop or variant or quantization_error) and one-call",
         ),
     ),
@@ -117,6 +118,27 @@ MUTATIONS = [
         "        if (ids[b] < 0 || ids[b] >= D->vocab) return 1;",
         "        if (0) return 1;  /* MUTATION */",
         ("tests/fast_path/test_decode_call.py::test_bad_ids_and_padded_tokens",),
+    ),
+    Mutation(
+        "one-call decode (the key the last token left reused after the state was written)",
+        "modeling_gpn/fast_recurrence.py",
+        "decoded[0] is g0 and decoded[1] == g0._version and decoded[2] is plan.key",
+        "decoded[0] is g0 and True and decoded[2] is plan.key",
+        ("tests/fast_path/test_decode_call.py -k written_between",),
+    ),
+    Mutation(
+        "one-call decode (the state written in place without its version counters bumped)",
+        "modeling_gpn/memory_kernels.py",
+        "        increment_version((p, g, M, self.key) if memory else (p, g))\n",
+        "        pass  # MUTATION\n",
+        ("tests/fast_path/test_decode_call.py::test_a_graph_that_saved_the_state_refuses_its_backward",),
+    ),
+    Mutation(
+        "one-call decode (its output built without the ModelOutput items)",
+        "modeling_gpn/modeling_gpn.py",
+        "                OrderedDict.__setitem__(output, name, value)\n",
+        "                pass  # MUTATION\n",
+        ("tests/fast_path/test_decode_call.py::test_the_output_is_the_forwards_usual_output",),
     ),
     Mutation(
         "few-row products (a linear's own hooks and a forward set on its instance not looked for)",

@@ -175,3 +175,67 @@ def test_bad_ids_and_padded_tokens(one_thread, model):
             model(torch.tensor([[5], [6]]), attention_mask=mask, cache=cache, use_cache=True)
         after = cache.get_state()
     assert torch.equal(after[0][1], before[0][1]) and not torch.equal(after[0][0], before[0][0])
+
+
+STATE_EDITS = {
+    "update_state": lambda cache: cache.update_state(*(t + 0.25 for t in cache.get_state()), num_new_tokens=0),
+    "in place on the layer's tensor": lambda cache: cache.state_layer.recurrent_states[1].add_(0.25),
+}
+
+
+@pytest.mark.parametrize("edit", STATE_EDITS)
+def test_a_state_written_between_two_calls_is_seen(one_thread, model, edit):
+    """The cache's state written between two one-call tokens (through the cache, or in place on its tensor): the
+    next token computes from the written state, as the plain loop does in the same sequence of calls (the key
+    the last token left belongs to the old grounded state and is not reused; a shift, as a scaling would leave
+    the normed key as it was)."""
+    ids = torch.randint(1, 97, (1, 6), generator=torch.Generator().manual_seed(24))
+
+    def continued(model) -> torch.Tensor:
+        with torch.no_grad():
+            cache = model(ids[:, :4], use_cache=True).cache
+            model(ids[:, 4:5], cache=cache, use_cache=True)
+            STATE_EDITS[edit](cache)
+            return model(ids[:, 5:6], cache=cache, use_cache=True).logits[:, -1]
+
+    plain = copy.deepcopy(model)
+    with ran(DECODE_CALLS):
+        fast = continued(model)
+    plain.model.use_fast_path = False
+    with ran(PLAIN_PATH, not_ran=(DECODE_CALLS,)):
+        expected = continued(plain)
+    torch.testing.assert_close(fast, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_graph_that_saved_the_state_refuses_its_backward(one_thread, model):
+    """The one call writes the cache's state in place: a graph that saved that state tensor before refuses its
+    backward (torch's in-place error), as after the state's copy by any other path, instead of a gradient
+    computed from the new state."""
+    with torch.no_grad():
+        cache = model(torch.tensor([[1, 2, 3]]), use_cache=True).cache
+    weight = torch.ones(model.config.hidden_size, requires_grad=True)
+    loss = (cache.state_layer.recurrent_states[0] * weight).sum()  # (saves the predicted state for backward)
+    with ran(DECODE_CALLS), torch.no_grad():
+        model(torch.tensor([[4]]), cache=cache, use_cache=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_the_output_is_the_forwards_usual_output(one_thread, model):
+    """The one call's output is the `GPNCausalLMOutput` the forward builds otherwise: the same attributes, items,
+    tuple (`return_dict=False`) and pytree."""
+    from torch.utils import _pytree
+
+    from modeling_gpn.modeling_gpn import GPNCausalLMOutput
+
+    with torch.no_grad():
+        cache = model(torch.tensor([[1, 2, 3]]), use_cache=True).cache
+        with ran(DECODE_CALLS):
+            output = model(torch.tensor([[4]]), cache=cache, use_cache=True)
+            as_tuple = model(torch.tensor([[5]]), cache=cache, use_cache=True, return_dict=False)
+    usual = GPNCausalLMOutput(logits=output.logits, cache=cache)
+    assert type(output) is GPNCausalLMOutput and vars(output) == vars(usual)
+    assert list(output.items()) == list(usual.items()) and output.to_tuple() == usual.to_tuple()
+    assert output["cache"] is cache and output[0] is output.logits
+    assert _pytree.tree_flatten(output)[1] == _pytree.tree_flatten(usual)[1]
+    assert len(as_tuple) == 2 and as_tuple[1] is cache and as_tuple[0].shape == output.logits.shape
