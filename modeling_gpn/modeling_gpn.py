@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import warnings
 import weakref
@@ -1259,6 +1260,11 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         return chunked_causal_lm_loss(
             hidden, matrix, labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch
         )
+
+
+# generate() inspects the forward's signature at every token of a model defined outside transformers (does it
+# take `cache_position`?): computed once here, as `inspect.signature` returns a function's `__signature__`
+GPNForCausalLM.forward.__signature__ = inspect.signature(GPNForCausalLM.forward)
 
 
 def causal_lm_loss(

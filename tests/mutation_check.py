@@ -141,6 +141,13 @@ MUTATIONS = [
         ("tests/fast_path/test_decode_call.py::test_the_output_is_the_forwards_usual_output",),
     ),
     Mutation(
+        "generate() (the forward's signature inspected afresh at every token)",
+        "modeling_gpn/modeling_gpn.py",
+        "GPNForCausalLM.forward.__signature__ = inspect.signature(GPNForCausalLM.forward)\n",
+        "pass  # MUTATION\n",
+        ("tests/model/test_generate.py -k inspect_the_forward",),
+    ),
+    Mutation(
         "few-row products (a linear's own hooks and a forward set on its instance not looked for)",
         "modeling_gpn/fast_recurrence.py",
         "    return type(module) is torch.nn.Linear and called_as_is(module) and registered_global_hook() is None",

@@ -119,3 +119,23 @@ def test_assisted_decoding_is_refused_clearly(model):
     prompt = torch.randint(1, 97, (1, 4))
     with pytest.raises(ValueError, match="stateful"):
         model.generate(prompt, assistant_model=model, max_new_tokens=3)
+
+
+@torch.no_grad()
+def test_generate_does_not_inspect_the_forward_at_every_token(model, monkeypatch):
+    """generate() asks for the forward's signature at every token of a model defined outside transformers: a
+    GPN's is computed once (`GPNForCausalLM.forward.__signature__`, the signature inspect itself gives), so 8
+    tokens build it from the function's code no more than once (transformers' own processors aside)."""
+    import inspect
+
+    from modeling_gpn.modeling_gpn import GPNForCausalLM
+
+    built, from_function = [], inspect._signature_from_function
+    monkeypatch.setattr(
+        inspect,
+        "_signature_from_function",
+        lambda cls, func, *a, **k: built.append(func) or from_function(cls, func, *a, **k),
+    )
+    model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=8, do_sample=False)
+    assert model.is_remote_code() and sum(func is GPNForCausalLM.forward for func in built) <= 1
+    assert str(GPNForCausalLM.forward.__signature__) == str(from_function(inspect.Signature, GPNForCausalLM.forward))
