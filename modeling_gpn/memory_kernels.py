@@ -540,6 +540,7 @@ typedef struct {
     float *kq_raw, *kq, *kq_inv, *softplus, *decay_factor, *sig_beta, *error, *update, *read, *gamma;
 } gpn_step_plan;
 
+enum { CHUNK = 256 };  /* elements of a row an elementwise phase hands a thread at a time */
 static inline float sigmoidf_(float x) { return 1.f / (1.f + expf(-x)); }
 static inline float siluf_(float x) { return x / (1.f + expf(-x)); }
 
@@ -637,23 +638,31 @@ static void step_body(const gpn_step_plan *P, const float *p, const float *g, co
                 }
             }
         }
-        /* the output products' inputs: [silu(a) b | silu(read gate) rms(read; n_ro)] */
+        /* the output products' inputs: [silu(a) b | silu(read gate) rms(read; n_ro)], in chunks of a row (at one
+           or two rows a thread per row would leave the others waiting through thousands of exponentials) */
+        const i64 cf = (f + CHUNK - 1) / CHUNK, cv = P->memory ? (vw + CHUNK - 1) / CHUNK : 0;
         #pragma omp for schedule(static)
-        for (i64 b = 0; b < B; b++) {
+        for (i64 t = 0; t < B * (cf + cv); t++) {
+            const i64 b = t / (cf + cv), c = t % (cf + cv);
             const float *pr = part + b * ws;
-            for (i64 j = 0; j < f; j++) put(&S[SLOT_HIDDEN], b, j, siluf_(pr[c_a + j]) * pr[c_b + j]);
-            if (P->memory) {
+            if (c < cf) {
+                for (i64 j = c * CHUNK; j < f && j < (c + 1) * CHUNK; j++)
+                    put(&S[SLOT_HIDDEN], b, j, siluf_(pr[c_a + j]) * pr[c_b + j]);
+            } else {
                 const float *r = P->read + b * vw, *n_ro = P->norms[5 + 4 * l];
-                const float inv = inv_rms(r, vw, eps);
-                for (i64 j = 0; j < vw; j++) put(&S[SLOT_GATED], b, j, siluf_(pr[c_rg + j]) * (r[j] * inv * n_ro[j]));
+                const float inv = inv_rms(r, vw, eps);  /* (the whole row's, in every chunk of it) */
+                for (i64 j = (c - cf) * CHUNK; j < vw && j < (c - cf + 1) * CHUNK; j++)
+                    put(&S[SLOT_GATED], b, j, siluf_(pr[c_rg + j]) * (r[j] * inv * n_ro[j]));
             }
         }
         run_tasks(P->segs, P->tasks, P->phases[4 * l + 6], P->phases[4 * l + 7], B);
-        /* state' = sigmoid(W_pg rms(state) + b_pg) state + FFN (+ read) */
+        /* state' = sigmoid(W_pg rms(state) + b_pg) state + FFN (+ read), in chunks of a row */
+        const i64 cd = (d + CHUNK - 1) / CHUNK;
         #pragma omp for schedule(static)
-        for (i64 b = 0; b < B; b++) {
+        for (i64 t = 0; t < B * cd; t++) {
+            const i64 b = t / cd, c = t % cd;
             const float *pr = part + b * ws;
-            for (i64 j = 0; j < d; j++) {
+            for (i64 j = c * CHUNK; j < d && j < (c + 1) * CHUNK; j++) {
                 float v = sigmoidf_(pr[c_gate + j]) * state[b * d + j] + P->y_ffn[b * d + j];
                 if (P->memory) v += P->y_read[b * d + j];
                 p_out[b * d + j] = v;
