@@ -141,6 +141,13 @@ MUTATIONS = [
         ("tests/fast_path/test_decode_call.py::test_the_output_is_the_forwards_usual_output",),
     ),
     Mutation(
+        "huge pages (weights streamed from DRAM left on 4 KB pages)",
+        "modeling_gpn/memory_kernels.py",
+        "    if madvise is None or not huge_pages_enabled():\n        return 0\n",
+        "    return 0  # MUTATION\n",
+        ("tests/fast_path/test_decode_call.py -k huge_pages and default",),
+    ),
+    Mutation(
         "generate() (the forward's signature inspected afresh at every token)",
         "modeling_gpn/modeling_gpn.py",
         "GPNForCausalLM.forward.__signature__ = inspect.signature(GPNForCausalLM.forward)\n",

@@ -239,3 +239,44 @@ def test_the_output_is_the_forwards_usual_output(one_thread, model):
     assert output["cache"] is cache and output[0] is output.logits
     assert _pytree.tree_flatten(output)[1] == _pytree.tree_flatten(usual)[1]
     assert len(as_tuple) == 2 and as_tuple[1] is cache and as_tuple[0].shape == output.logits.shape
+
+
+def huge_page_bytes(tensor: torch.Tensor) -> int:
+    """Bytes on transparent huge pages in the mappings that overlap `tensor`'s bytes (/proc/self/smaps; advice
+    splits a mapping where it starts and ends)."""
+    first, end, inside, total = tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes, False, 0
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, stop = (int(part, 16) for part in head.split("-"))
+                inside = start < end and first < stop
+            elif inside and head == "AnonHugePages:":
+                total += int(line.split()[1]) << 10
+    return total
+
+
+@pytest.mark.parametrize("switched_off", [False, True], ids=["default", "GPN_HUGE_PAGES=0"])
+def test_weights_streamed_from_dram_go_onto_huge_pages(one_thread, monkeypatch, switched_off):
+    """A plan whose weights exceed the L3 (here an L3 of 1 MB) puts them onto 2 MB pages in place, unless switched
+    off; the tokens decode to the same logits either way (the contents stay), and weights that fit stay put. The
+    byte limit's read probe of that size sits on the same pages as the weights."""
+    from modeling_gpn import memory_kernels
+    from modeling_gpn.bench import ReadProbe
+
+    require_c_kernels()
+    if memory_kernels._madvise() is None:
+        pytest.skip("this machine offers no transparent huge pages")
+    model = perturbed_model(tiny_config(vocab_size=16384, embedding_size=256), seed=25).eval()  # (a 16 MB table)
+    table = model.model.embed_tokens.weight
+    if switched_off:
+        monkeypatch.setenv("GPN_HUGE_PAGES", "0")
+    with ran(DECODE_CALLS):
+        fitting = decode(model, steps=2, rows=1)
+    assert huge_page_bytes(table) == 0
+    monkeypatch.setattr(memory_kernels, "_last_level_cache_bytes", lambda: 1 << 20)
+    with ran(DECODE_CALLS):
+        streamed = decode(model, steps=2, rows=1)
+    assert torch.equal(streamed, fitting)
+    assert (huge_page_bytes(table) == 0) == switched_off
+    assert (huge_page_bytes(ReadProbe(16 << 20).buffer) == 0) == switched_off
