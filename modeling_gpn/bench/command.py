@@ -21,7 +21,8 @@ the byte limit: a batch-1 GPN step reads every weight once (the tied embedding a
 its state, and nothing grows with the context, so its time per token cannot go below those bytes over the
 machine's read bandwidth. The bench measures that bandwidth in the same run, reading as many bytes as the
 step, in turn with the step's own timings, each timed read after an untimed one (so from L3 when the
-weights fit it, as a decode loop's do between tokens, else from DRAM): "limit ms" is that read's median; "step ms" the model's one-token step (a forward of one token with
+weights fit it, as a decode loop's do between tokens, else from DRAM, on the 2 MB pages such weights are
+put on; see docs/inference-speed.md): "limit ms" is that read's median; "step ms" the model's one-token step (a forward of one token with
 its cache, batch 1); "step / limit" and "decode / limit @N" (generate()'s ms per new token) are ratios to
 it. A prompt token reads less (the recurrence's weights: the token-side projection runs for the whole
 prompt beforehand, and only the last position is decoded), so "prefill / limit @N" (seconds per prompt
