@@ -1484,15 +1484,15 @@ def _mark_streamed(segments: list, weights: list[torch.Tensor]) -> None:
     """A plan whose weights do not fit the L3 reads them from DRAM at every step: its int8 products take a row at
     a time (`STREAM_ROWS`), which streams better, and its weights go onto huge pages (`advise_huge_pages`); one
     that fits reads them from the L3, where four rows at a time hide the conversion better."""
-    if stream_from_dram(weights):
+    if huge_pages_if_streamed(weights):
         for segment in segments:
             segment.flags |= STREAM_ROWS
 
 
-def stream_from_dram(tensors: list[torch.Tensor]) -> bool:
-    """Whether `tensors` (distinct storage counted once) exceed the L3, so that a pass over them every step reads
-    DRAM; they are then put on huge pages (`advise_huge_pages`). The read probe of a byte limit asks the same, so
-    the limit's bytes sit on the pages the weights sit on."""
+def huge_pages_if_streamed(tensors: list[torch.Tensor]) -> bool:
+    """Put `tensors` onto huge pages (`advise_huge_pages`) if together (distinct storage counted once) they exceed
+    the L3, so that a pass over them every step reads DRAM; returns whether they do. The read probe of a byte
+    limit calls it too, so the limit's bytes sit on the pages the weights sit on."""
     total = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
     if total <= _last_level_cache_bytes():
         return False

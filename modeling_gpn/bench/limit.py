@@ -62,7 +62,7 @@ class ReadProbe:
         self.nbytes = nbytes
         self.buffer = torch.ones(max(16, nbytes // 4))
         if memory_kernels.available():  # (on the pages a plan's weights of this size sit on: huge ones from DRAM)
-            memory_kernels.stream_from_dram([self.buffer])
+            memory_kernels.huge_pages_if_streamed([self.buffer])
         self.kind = "C read kernel" if memory_kernels.available() else "torch.sum"
         self._read = (lambda: memory_kernels.read_probe(self.buffer)) if memory_kernels.available() else self.buffer.sum
 
