@@ -49,7 +49,7 @@ from transformers.utils import logging
 from .cache import GPNCache, continuation_start
 from .chunked_loss import chunked_causal_lm_loss, divide_loss_sum
 from .configuration_gpn import GPNConfig
-from .derived_weights import derived_weights_scope, keep_with, registered_global_hook
+from .derived_weights import called_as_is, derived_weights_scope, keep_with, registered_global_hook
 from .fast_recurrence import fast_decode_token, fast_project, fast_recurrence, foldable_parameter, output_logits
 from .packing import PACKING_KWARGS, packed_sequence_starts
 from .prefill import forward_in_chunks, prefill_chunk_length_for
@@ -943,15 +943,10 @@ def _is_plain_embedding(module: nn.Module) -> bool:
     return isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward
 
 
-def _has_forward_hooks(module: nn.Module) -> bool:
-    """Whether calling `module` runs a forward hook (its own or a global one) that reading its weight would skip."""
-    module_hooks = torch.nn.modules.module
-    return bool(
-        module._forward_pre_hooks
-        or module._forward_hooks
-        or module_hooks._global_forward_pre_hooks
-        or module_hooks._global_forward_hooks
-    )
+def _runs_more_than_its_forward(module: nn.Module) -> bool:
+    """Whether calling `module` runs more than its class's forward (a hook of its own or a global one, a `forward`
+    set on its instance), which reading its weight instead would skip."""
+    return not called_as_is(module) or registered_global_hook() is not None
 
 
 class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
@@ -1040,7 +1035,7 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         if (
             _is_plain_linear(head)
             and head.bias is None
-            and not _has_forward_hooks(head)
+            and not _runs_more_than_its_forward(head)
             and type(weight) is nn.Parameter
         ):
             # a plain tied head: F.linear, a few rows (decoding) on the fast path's kernels (`output_logits`)
@@ -1239,7 +1234,8 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         head = self.lm_head
         if not _is_plain_linear(head) or head.bias is not None:
             return None
-        if _has_forward_hooks(head) and not _is_fsdp_module(head):
+        # (an FSDP2 module's own hooks are its sharding; a forward set on its instance is still a change)
+        if _runs_more_than_its_forward(head) if not _is_fsdp_module(head) else "forward" in head.__dict__:
             return None
         self._check_tied()
         weight = head.weight

@@ -311,9 +311,16 @@ MUTATIONS = [
     Mutation(
         "output layer (the chunked loss reads a hooked head's weight)",
         "modeling_gpn/modeling_gpn.py",
-        "        if _has_forward_hooks(head) and not _is_fsdp_module(head):\n",
+        "        if _runs_more_than_its_forward(head) if not _is_fsdp_module(head) else \"forward\" in head.__dict__:\n",
         "        if False:  # MUTATION\n",
-        ("tests/model/test_output_layer.py -k chunked_loss_reads_the_head",),
+        ("tests/model/test_output_layer.py -k chunked_loss_reads_the_head or forward_set_on_the_heads_instance",),
+    ),
+    Mutation(
+        "output layer (the logits read past a hooked or patched head to its weight)",
+        "modeling_gpn/modeling_gpn.py",
+        "            and not _runs_more_than_its_forward(head)\n",
+        "            and True  # MUTATION\n",
+        ("tests/model/test_output_layer.py -k forward_set_on_the_heads_instance",),
     ),
     Mutation(
         "output layer (the chunked prefill's loss reads lm_head's weight, whatever wraps it)",

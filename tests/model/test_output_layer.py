@@ -374,3 +374,20 @@ def test_folders_of_the_older_layout_load_with_and_without_remote_code(tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     remote_logits, remote_hidden = torch.load(out)
     assert torch.equal(remote_logits, expected_logits) and torch.equal(remote_hidden, expected_hidden)
+
+
+def test_a_forward_set_on_the_heads_instance_is_called():
+    """`lm_head.forward` replaced on the module's instance (a patch): the logits, the loss from full logits and the
+    chunked loss are what that forward computes; none of them reads past it to the head's weight."""
+    model = perturbed_model(tiny_config(), seed=12).eval()
+    ids = token_ids(2, 10)
+    weight = model.lm_head.weight
+    model.lm_head.forward = lambda hidden: 2 * F.linear(hidden, weight)
+    with torch.no_grad():
+        expected = 2 * model.model(ids).last_hidden_state @ weight.T
+        logits = model(ids).logits
+        full, chunked = model(ids, labels=ids).loss, model(ids, labels=ids, return_logits=False).loss
+    loss = F.cross_entropy(expected[:, :-1].reshape(-1, 97), ids[:, 1:].reshape(-1))
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(full, loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(chunked, loss, rtol=1e-5, atol=1e-6)
