@@ -311,7 +311,7 @@ MUTATIONS = [
     Mutation(
         "output layer (the chunked loss reads a hooked head's weight)",
         "modeling_gpn/modeling_gpn.py",
-        "        if _runs_more_than_its_forward(head) if not _is_fsdp_module(head) else \"forward\" in head.__dict__:\n",
+        '        if _runs_more_than_its_forward(head) if not _is_fsdp_module(head) else "forward" in head.__dict__:\n',
         "        if False:  # MUTATION\n",
         ("tests/model/test_output_layer.py -k chunked_loss_reads_the_head or forward_set_on_the_heads_instance",),
     ),

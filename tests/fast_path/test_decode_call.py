@@ -258,19 +258,22 @@ def huge_page_bytes(tensor: torch.Tensor) -> int:
 
 @pytest.mark.parametrize("switched_off", [False, True], ids=["default", "GPN_HUGE_PAGES=0"])
 def test_weights_streamed_from_dram_go_onto_huge_pages(one_thread, monkeypatch, switched_off):
-    """A plan whose weights exceed the L3 (here an L3 of 1 MB) puts them onto 2 MB pages in place, unless switched
-    off; the tokens decode to the same logits either way (the contents stay), and weights that fit stay put. The
-    byte limit's read probe of that size sits on the same pages as the weights."""
+    """A plan whose weights exceed the L3 (here an L3 of 1 MB, then of 1 GB) puts them onto 2 MB pages in place,
+    unless switched off; the tokens decode to the same logits either way (the contents stay), and weights that
+    fit stay put. The byte limit's read probe of that size sits on the same pages as the weights. (The table and
+    the probe's buffer are 64 MB: above glibc's largest mmap threshold, so each is a fresh mapping that no
+    earlier advice reached.)"""
     from modeling_gpn import memory_kernels
     from modeling_gpn.bench import ReadProbe
 
     require_c_kernels()
     if memory_kernels._madvise() is None:
         pytest.skip("this machine offers no transparent huge pages")
-    model = perturbed_model(tiny_config(vocab_size=16384, embedding_size=256), seed=25).eval()  # (a 16 MB table)
+    model = perturbed_model(tiny_config(vocab_size=65536, embedding_size=256), seed=25).eval()
     table = model.model.embed_tokens.weight
     if switched_off:
         monkeypatch.setenv("GPN_HUGE_PAGES", "0")
+    monkeypatch.setattr(memory_kernels, "_last_level_cache_bytes", lambda: 1 << 30)
     with ran(DECODE_CALLS):
         fitting = decode(model, steps=2, rows=1)
     assert huge_page_bytes(table) == 0
@@ -279,4 +282,4 @@ def test_weights_streamed_from_dram_go_onto_huge_pages(one_thread, monkeypatch, 
         streamed = decode(model, steps=2, rows=1)
     assert torch.equal(streamed, fitting)
     assert (huge_page_bytes(table) == 0) == switched_off
-    assert (huge_page_bytes(ReadProbe(16 << 20).buffer) == 0) == switched_off
+    assert (huge_page_bytes(ReadProbe(64 << 20).buffer) == 0) == switched_off
