@@ -251,9 +251,11 @@ rate at which the weights stream in. The products read the weights in nn.Linear'
 each output is a dot product of one weight row with the input, four rows at a time against up to four
 batch rows, so every weight is loaded once and used for every batch row, and the input rows stay in L1.
 Weights are float32, bfloat16 (multiplied with the input rounded to bfloat16, as torch's bf16 matmul does,
-accumulated in float32) or int8 with one float32 scale per output row (torchao's int8 weight-only). */
+accumulated in float32) or int8 with one float32 scale per output row (torchao's int8 weight-only; with
+AVX512-VNNI on the integer dot products, the input rounded to 16 bits: see quantize_input). */
 
 #include <stdint.h>
+#include <stdlib.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define GPN_AVX512 1
@@ -394,6 +396,176 @@ static inline __attribute__((always_inline)) float dot_row(const void *row, cons
 }
 #define GPN_HAVE_DOT_ROW 1
 
+#if defined(__AVX512VNNI__)
+/* int8 products on the integer dot products (VNNI: two instructions per 64 weights, where converting each to
+   float takes three per 16):
+   an input row x is written as x_q 2^-sh, with x_q the 16-bit integer nearest x 2^sh (sh chosen for the row's
+   largest |x|: 16,256 <= max |x_q| <= 32,512), and x_q = 256 hi + lo with hi and lo signed bytes. vpdpbusd
+   multiplies unsigned by signed bytes, so the weights go in as w + 128 (their top bit flipped) and 128 times
+   the sum of hi (or lo) comes off afterwards. The sums are exact (in int32 for K <= 32768); the one error is
+   x's rounding, at most 2^-15 of the row's largest |x| in each element, some hundred times below the error
+   of the weights' own int8 rounding. A row holding a NaN or an infinity takes the float products, which
+   carry it as torch does. */
+#define GPN_VNNI 1
+enum { VNNI_MAX_COLS = 32768, VNNI_MAX_ROWS = 16 };
+
+typedef struct {
+    const float *x;          /* the input quantized (NULL: none yet in this phase) */
+    i64 stride, K, B, width; /* width: K rounded up to 64, the planes' row length */
+    int finite;              /* 0: some input is not finite (the float products run) */
+    int8_t *hi, *lo;         /* (B, width) each, zero past K */
+    i64 sum_hi[VNNI_MAX_ROWS], sum_lo[VNNI_MAX_ROWS];
+    double unit[VNNI_MAX_ROWS]; /* 2^-sh */
+    i64 capacity;            /* bytes held at hi (both planes) */
+} gpn_quantized;
+/* each thread's own: a phase's threads quantize the inputs of the products they take (a few thousand floats,
+   redone by each thread instead of a barrier), and every phase starts afresh (`run_tasks`), since the slots
+   are rewritten between phases */
+static __thread gpn_quantized quantized_input;
+
+static const gpn_quantized *quantize_input(const gpn_segment *sg, i64 B)
+{
+    gpn_quantized *q = &quantized_input;
+    const i64 K = sg->cols, width = (K + 63) / 64 * 64;
+    if (q->x == sg->x && q->stride == sg->x_stride && q->K == K && q->B == B) return q->finite ? q : 0;
+    q->x = 0;
+    if (2 * B * width > q->capacity) {
+        free(q->hi);
+        q->capacity = 0;
+        q->hi = (int8_t *)malloc((size_t)(2 * B * width));
+        if (!q->hi) return 0;  /* (the float products run) */
+        q->capacity = 2 * B * width;
+    }
+    q->lo = q->hi + B * width;
+    q->finite = 1;
+    for (i64 b = 0; b < B && q->finite; b++) {
+        const float *x = sg->x + b * sg->x_stride;
+        __m512 top = _mm512_setzero_ps();
+        __mmask16 bad = 0;
+        for (i64 k = 0; k < K; k += 16) {
+            const __mmask16 m = K - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1u);
+            const __m512 a = _mm512_abs_ps(_mm512_maskz_loadu_ps(m, x + k));
+            bad |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(INFINITY), _CMP_NLT_UQ);  /* inf or NaN */
+            top = _mm512_max_ps(top, a);
+        }
+        if (bad) { q->finite = 0; break; }
+        const float largest = _mm512_reduce_max_ps(top);
+        int e = 0, sh = 0;
+        if (largest > 0.f) {
+            (void)frexpf(largest, &e);  /* largest = f 2^e, f in [0.5, 1) */
+            sh = 15 - e;
+            if (ldexp((double)largest, sh) > 32512.0) sh--;
+        }
+        const __m512 shift = _mm512_set1_ps((float)sh);
+        __m512i hs = _mm512_setzero_si512(), ls = hs;
+        for (i64 k = 0; k < width; k += 16) {
+            const __mmask16 m = K - k >= 16 ? (__mmask16)0xffff : K > k ? (__mmask16)((1u << (K - k)) - 1u) : 0;
+            const __m512i xq = _mm512_cvtps_epi32(_mm512_scalef_ps(_mm512_maskz_loadu_ps(m, x + k), shift));
+            const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(xq, _mm512_set1_epi32(128)), 8);
+            const __m512i lo = _mm512_sub_epi32(xq, _mm512_slli_epi32(hi, 8));
+            _mm_storeu_si128((__m128i *)(q->hi + b * width + k), _mm512_cvtepi32_epi8(hi));
+            _mm_storeu_si128((__m128i *)(q->lo + b * width + k), _mm512_cvtepi32_epi8(lo));
+            hs = _mm512_add_epi32(hs, hi);
+            ls = _mm512_add_epi32(ls, lo);
+        }
+        q->sum_hi[b] = _mm512_reduce_add_epi32(hs);
+        q->sum_lo[b] = _mm512_reduce_add_epi32(ls);
+        q->unit[b] = ldexp(1.0, -sh);
+    }
+    q->x = sg->x; q->stride = sg->x_stride; q->K = K; q->B = B; q->width = width;
+    return q->finite ? q : 0;
+}
+
+/* acc += <4 unsigned bytes of w, 4 signed bytes of x> in each int32 lane (as inline assembly: GCC 12 compiles
+   _mm512_dpbusd_epi32 with a register copy around every use, half the loop's instructions) */
+#define DPBUSD(acc, w, x) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "vm"(x))
+
+/* the four sums of four accumulators, in one pass of shuffles (as reduce4) */
+static inline __m128i reduce4_epi32(__m512i a0, __m512i a1, __m512i a2, __m512i a3)
+{
+    const __m256i b0 = _mm256_add_epi32(_mm512_castsi512_si256(a0), _mm512_extracti64x4_epi64(a0, 1));
+    const __m256i b1 = _mm256_add_epi32(_mm512_castsi512_si256(a1), _mm512_extracti64x4_epi64(a1, 1));
+    const __m256i b2 = _mm256_add_epi32(_mm512_castsi512_si256(a2), _mm512_extracti64x4_epi64(a2, 1));
+    const __m256i b3 = _mm256_add_epi32(_mm512_castsi512_si256(a3), _mm512_extracti64x4_epi64(a3, 1));
+    const __m256i d = _mm256_hadd_epi32(_mm256_hadd_epi32(b0, b1), _mm256_hadd_epi32(b2, b3));
+    return _mm_add_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1));
+}
+
+/* <w, x_q> 2^-sh of batch row b from the two byte planes' sums */
+static inline float vnni_dot(const gpn_quantized *q, i64 b, int32_t sum_hi, int32_t sum_lo)
+{
+    const i64 v = 256 * ((i64)sum_hi - 128 * q->sum_hi[b]) + ((i64)sum_lo - 128 * q->sum_lo[b]);
+    return (float)((double)v * q->unit[b]);
+}
+
+/* sums[i][b] = <row i, x_(b0 + b)> for NR weight rows and NB batch rows (2 NR NB accumulators: NR NB <= 8) */
+static inline __attribute__((always_inline)) void vnni_block(const int8_t *const rows[], const int NR, const gpn_quantized *q,
+                                                             i64 b0, const int NB, i64 K, float sums[4][4])
+{
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const int8_t *xh[4], *xl[4];
+    for (int b = 0; b < NB; b++) { xh[b] = q->hi + (b0 + b) * q->width; xl[b] = q->lo + (b0 + b) * q->width; }
+    __m512i h[4][4], l[4][4];
+    for (int i = 0; i < NR; i++)
+        for (int b = 0; b < NB; b++) h[i][b] = l[i][b] = _mm512_setzero_si512();
+    for (i64 k = 0; k < K; k += 64) {
+        const __mmask64 m = K - k >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (K - k)) - 1);
+        if (PREFETCH) for (int i = 0; i < NR; i++) _mm_prefetch((const char *)rows[i] + 4 * K + k, _MM_HINT_T0);
+        __m512i vh[4], vl[4];
+        for (int b = 0; b < NB; b++) {
+            vh[b] = _mm512_loadu_si512((const void *)(xh[b] + k));
+            vl[b] = _mm512_loadu_si512((const void *)(xl[b] + k));
+        }
+        for (int i = 0; i < NR; i++) {
+            const __m512i w = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, rows[i] + k), flip);  /* (past K: 128 x 0) */
+            for (int b = 0; b < NB; b++) {
+                DPBUSD(h[i][b], w, vh[b]);
+                DPBUSD(l[i][b], w, vl[b]);
+            }
+        }
+    }
+    for (int b = 0; b < NB; b++) {
+        int32_t four[4], more[4];
+        if (NR == 4) {
+            _mm_storeu_si128((__m128i *)four, reduce4_epi32(h[0][b], h[1][b], h[2][b], h[3][b]));
+            _mm_storeu_si128((__m128i *)more, reduce4_epi32(l[0][b], l[1][b], l[2][b], l[3][b]));
+            for (int i = 0; i < 4; i++) sums[i][b] = vnni_dot(q, b0 + b, four[i], more[i]);
+        } else {
+            _mm_storeu_si128((__m128i *)four, reduce4_epi32(h[0][b], h[1][b], l[0][b], l[1][b]));
+            for (int i = 0; i < 2; i++) sums[i][b] = vnni_dot(q, b0 + b, four[i], four[2 + i]);
+        }
+    }
+}
+
+/* <row, x_0> for one batch row, the row read as one sequential stream (weights streamed from DRAM) */
+static inline float vnni_row(const int8_t *row, const gpn_quantized *q, i64 K)
+{
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const int8_t *xh = q->hi, *xl = q->lo;
+    __m512i h0 = _mm512_setzero_si512(), h1 = h0, h2 = h0, h3 = h0, l0 = h0, l1 = h0, l2 = h0, l3 = h0;
+    i64 k = 0;
+#define GPN_VNNI_AT(H, L, at) do { \
+        const __m512i w = _mm512_xor_si512(_mm512_loadu_si512((const void *)(row + (at))), flip); \
+        DPBUSD(H, w, _mm512_loadu_si512((const void *)(xh + (at)))); \
+        DPBUSD(L, w, _mm512_loadu_si512((const void *)(xl + (at)))); } while (0)
+    for (; k + 256 <= K; k += 256) {
+        GPN_VNNI_AT(h0, l0, k); GPN_VNNI_AT(h1, l1, k + 64); GPN_VNNI_AT(h2, l2, k + 128); GPN_VNNI_AT(h3, l3, k + 192);
+    }
+#undef GPN_VNNI_AT
+    for (; k < K; k += 64) {
+        const __mmask64 m = K - k >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (K - k)) - 1);
+        const __m512i w = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, row + k), flip);
+        DPBUSD(h0, w, _mm512_loadu_si512((const void *)(xh + k)));
+        DPBUSD(l0, w, _mm512_loadu_si512((const void *)(xl + k)));
+    }
+    int32_t four[4];
+    _mm_storeu_si128((__m128i *)four, reduce4_epi32(_mm512_add_epi32(h0, h1), _mm512_add_epi32(h2, h3),
+                                                    _mm512_add_epi32(l0, l1), _mm512_add_epi32(l2, l3)));
+    return vnni_dot(q, 0, four[0] + four[1], four[2] + four[3]);
+}
+
+#endif
+
 #else
 static inline float weight_at(const void *w, const int kind, i64 k)
 {
@@ -430,10 +602,46 @@ static inline void store_output(const gpn_segment *sg, i64 b, i64 r, float y)
     else ((float *)sg->out)[at] = y;
 }
 
+#ifdef GPN_VNNI
+/* rows [r0, r1) of an int8 segment for all B batch rows, on the quantized input */
+static void vnni_rows(const gpn_segment *sg, const gpn_quantized *q, i64 B, i64 r0, i64 r1)
+{
+    const i64 K = sg->cols;
+    const int8_t *w = (const int8_t *)sg->w;
+    if (B == 1 && (sg->flags & STREAM_ROWS)) {
+        for (i64 r = r0; r < r1; r++) store_output(sg, 0, r, vnni_row(w + r * K, q, K));
+        return;
+    }
+    for (i64 b0 = 0; b0 < B; b0 += 4) {
+        const int nb = (int)(B - b0 < 4 ? B - b0 : 4);
+        for (i64 r = r0; r < r1; r += 4) {
+            const i64 nr = r1 - r < 4 ? r1 - r : 4;
+            const int8_t *rows[4];
+            for (int i = 0; i < 4; i++) rows[i] = w + (r + (i < nr ? i : nr - 1)) * K;
+            float sums[4][4];
+            switch (nb) {  /* four weight rows against one or two batch rows, two against three or four */
+                case 1: vnni_block(rows, 4, q, b0, 1, K, sums); break;
+                case 2: vnni_block(rows, 4, q, b0, 2, K, sums); break;
+                case 3: vnni_block(rows, 2, q, b0, 3, K, sums); vnni_block(rows + 2, 2, q, b0, 3, K, sums + 2); break;
+                default: vnni_block(rows, 2, q, b0, 4, K, sums); vnni_block(rows + 2, 2, q, b0, 4, K, sums + 2); break;
+            }
+            for (i64 i = 0; i < nr; i++)
+                for (int b = 0; b < nb; b++) store_output(sg, b0 + b, r + i, sums[i][b]);
+        }
+    }
+}
+#endif
+
 static void segment_rows(const gpn_segment *sg, i64 B, i64 r0, i64 r1)
 {
     const i64 K = sg->cols, es = weight_size(sg->kind);
     const char *w = (const char *)sg->w;
+#ifdef GPN_VNNI
+    if (sg->kind == KIND_I8 && B <= VNNI_MAX_ROWS && K <= VNNI_MAX_COLS) {
+        const gpn_quantized *q = quantize_input(sg, B);
+        if (q) { vnni_rows(sg, q, B, r0, r1); return; }
+    }
+#endif
 #ifdef GPN_HAVE_DOT_ROW
     /* (int8 rows convert as they go: four rows at a time hide that better while the weights sit in the L3; a
        row at a time streams better from DRAM, STREAM_ROWS) */
@@ -482,6 +690,9 @@ static void segment_rows(const gpn_segment *sg, i64 B, i64 r0, i64 r1)
    thread that the machine's other tenants hold up costs its current task, not a share fixed in advance) */
 static void run_tasks(const gpn_segment *segs, const i64 *tasks, i64 first, i64 end, i64 B)
 {
+#ifdef GPN_VNNI
+    quantized_input.x = 0;  /* (the inputs were written since the last phase) */
+#endif
     #pragma omp for schedule(dynamic, 1)
     for (i64 t = first; t < end; t++) segment_rows(&segs[tasks[3 * t]], B, tasks[3 * t + 1], tasks[3 * t + 2]);
 }

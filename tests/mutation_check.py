@@ -141,6 +141,30 @@ MUTATIONS = [
         ("tests/fast_path/test_decode_call.py::test_the_output_is_the_forwards_usual_output",),
     ),
     Mutation(
+        "int8 products on the integer dot products (each weight converted to float instead)",
+        "modeling_gpn/memory_kernels.py",
+        "    if (sg->kind == KIND_I8 && B <= VNNI_MAX_ROWS && K <= VNNI_MAX_COLS) {",
+        "    if (0) {  /* MUTATION */",
+        (
+            "tests/fast_path/test_step_kernels.py -k exact_sums_of_the_input",
+            "tests/fast_path/test_step_kernels.py::test_int8_weights_streamed_a_row_at_a_time_give_the_same_bits",
+        ),
+    ),
+    Mutation(
+        "int8 products (an input holding a NaN or an infinity rounded to 16 bits all the same)",
+        "modeling_gpn/memory_kernels.py",
+        "        if (bad) { q->finite = 0; break; }\n",
+        "",
+        ("tests/fast_path/test_step_kernels.py::test_an_int8_input_that_is_not_finite_takes_the_float_products",),
+    ),
+    Mutation(
+        "int8 products (no smaller shift where x 2^sh would pass 32,512)",
+        "modeling_gpn/memory_kernels.py",
+        "            if (ldexp((double)largest, sh) > 32512.0) sh--;\n",
+        "",
+        ("tests/fast_path/test_step_kernels.py -k exact_sums_of_the_input",),
+    ),
+    Mutation(
         "huge pages (weights streamed from DRAM left on 4 KB pages)",
         "modeling_gpn/memory_kernels.py",
         "    if madvise is None or not huge_pages_enabled():\n        return 0\n",

@@ -203,3 +203,113 @@ def test_gpn_generate_runs_an_int8_model_on_the_fast_path(tmp_path, capsys, one_
         assert main([*arguments, "float32"]) == 0
     printed = capsys.readouterr().out.splitlines()
     assert printed[0].startswith("the cat") and printed[2].startswith("the cat")
+
+
+# ---- int8 products on the integer dot products (VNNI) ----
+
+
+def require_vnni() -> None:
+    """Skip unless the CPU has AVX512-VNNI, where the kernels take int8 products on integer dot products."""
+    require_c_kernels()
+    try:
+        with open("/proc/cpuinfo") as info:
+            has = " avx512_vnni" in info.read()
+    except OSError:
+        has = False
+    if not has:
+        pytest.skip("this CPU has no AVX512-VNNI: int8 products convert each weight to float")
+
+
+def int8_linear(rows: int, cols: int, dtype: torch.dtype, seed: int) -> torch.nn.Linear:
+    linear = torch.nn.Linear(cols, rows, bias=False).to(dtype)
+    with torch.no_grad():
+        linear.weight.normal_(generator=torch.Generator().manual_seed(seed))
+    torchao.quantize_(linear, torchao.Int8WeightOnlyConfig())
+    return linear
+
+
+def on_sixteen_bits(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
+    """What the kernels compute: each row of x (rounded to bf16 first on a bf16 module) written as x_q 2^-sh with
+    x_q the integers nearest x 2^sh (sh: the row's largest |x| times 2^sh in (16256, 32512]), the exact integer
+    sums <w, x_q> times 2^-sh, rounded once to float32, times the row's scale (then rounded to bf16 on a bf16
+    module)."""
+    import math
+
+    from modeling_gpn.recurrence_step import int8_weight_parts
+
+    parts = int8_weight_parts(linear.weight)
+    weights, scale, bf16 = parts.qdata.to(torch.int64), parts.scale.float().reshape(-1), parts.dtype == torch.bfloat16
+    rows = []
+    for row in x.bfloat16().float() if bf16 else x:
+        top, shift = row.abs().max().item(), 0
+        if top > 0:
+            shift = 15 - math.frexp(top)[1]
+            if math.ldexp(top, shift) > 32512:
+                shift -= 1
+        sums = weights @ torch.round(row.double() * 2.0**shift).to(torch.int64)
+        y = (sums.double() * 2.0**-shift).float() * scale
+        rows.append(y.bfloat16().float() if bf16 else y)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_int8_products_are_exact_sums_of_the_input_on_sixteen_bits(dtype):
+    """With VNNI an int8 product rounds each input row to 16 bits and sums exactly: = `on_sixteen_bits` to the
+    bit, for 1-16 rows, widths that are not multiples of the 64-byte step, inputs spanning twelve decades, and
+    rows at the edges of the rounding: zero, subnormal, near the float32 maximum, and a largest |x| just below a
+    power of two (where x 2^sh would pass 32,512 and a byte would overflow without the smaller shift)."""
+    require_vnni()
+    from modeling_gpn import memory_kernels as mk
+
+    generator = torch.Generator().manual_seed(40)
+    for rows, cols in ((7, 200), (33, 1000), (8, 3), (64, 64)):
+        linear = int8_linear(rows, cols, dtype, seed=41 + cols)
+        for batch in (1, 2, 3, 5, 16):
+            x = torch.randn(batch, cols, generator=generator) * 10.0 ** torch.empty(batch, cols).uniform_(
+                -6, 6, generator=generator
+            )
+            got = mk.module_rows(linear, x)
+            assert torch.equal(got, on_sixteen_bits(x, linear)), (rows, cols, batch)
+        edges = torch.randn(5, cols, generator=generator)
+        edges[0] = 0.0
+        edges[1] *= 1e-40  # subnormal
+        edges[2] = edges[2].sign() * 3e38 * torch.rand(cols, generator=generator)
+        edges[3] = edges[3].clamp(-0.5, 0.5)
+        edges[3, 0] = 1 - 2.0**-8  # just below 2^0 (in bf16 too)
+        edges[4, -1] = -(2.0**7) * (1 - 2.0**-8)
+        assert torch.equal(mk.module_rows(linear, edges), on_sixteen_bits(edges, linear)), (rows, cols)
+
+
+def test_an_int8_input_that_is_not_finite_takes_the_float_products():
+    """An input row holding a NaN or an infinity is not rounded to 16 bits (its x 2^sh has no integer): the
+    product takes the float path, whose NaNs and infinities are where torch's float product puts them."""
+    require_vnni()
+    from modeling_gpn import memory_kernels as mk
+
+    linear = int8_linear(9, 200, torch.float32, seed=42)
+    dequantized = linear.weight.dequantize().float()
+    x = torch.randn(3, 200, generator=torch.Generator().manual_seed(43))
+    x[0, 5], x[1, 7] = float("nan"), float("inf")
+    got, want = mk.module_rows(linear, x), torch.nn.functional.linear(x, dequantized)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+    assert got[0].isnan().all() and got[1].isinf().any()
+    torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-4)
+
+
+def test_int8_weights_streamed_a_row_at_a_time_give_the_same_bits(one_thread, monkeypatch):
+    """Weights beyond the L3 take their int8 products a row at a time (`STREAM_ROWS`), those within it four rows
+    at a time: on the exact integer sums both give the same logits, to the bit (the float products sum in
+    another order each way; a float32 model, whose outputs are not rounded to bf16 after the products)."""
+    require_vnni()
+    from modeling_gpn import memory_kernels
+
+    model = perturbed_model(tiny_config(), seed=44)
+    torchao.quantize_(model, torchao.Int8WeightOnlyConfig())
+    ids = torch.randint(1, 97, (1, 6), generator=torch.Generator().manual_seed(45))
+    monkeypatch.setattr(memory_kernels, "_last_level_cache_bytes", lambda: 1 << 30)
+    with ran(DECODE_CALLS, INT8_STEPS):
+        fitting = decode_loop(model, ids, None)
+    monkeypatch.setattr(memory_kernels, "_last_level_cache_bytes", lambda: 1)
+    with ran(DECODE_CALLS, INT8_STEPS):
+        streamed = decode_loop(model, ids, None)
+    assert torch.equal(streamed, fitting)
