@@ -23,6 +23,7 @@ This file ships to the Hub with the model: it imports only torch and the standar
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 import weakref
 from collections.abc import Iterator
@@ -109,39 +110,57 @@ def called_as_is(module: torch.nn.Module) -> bool:
 class WatchedModules:
     """The modules below `roots` as they are now, to tell cheaply whether they still are: the same module
     objects under the same names, none hooked nor given a `forward` of its own, each parameter the same
-    tensor with the same storage and version (`_tensor_key`), and no global module hook. A check walks only
-    these modules' own dicts, with no key tuple to build: what a plan derived from them (and checked as plain
-    when it was built) asks before every decoded token instead of the model's whole `parameters_key`.
-    The guard of `parameters_key`, no more: a write through `.data` in place is not seen by either."""
+    tensor with the same storage and version, and no global module hook. A tensor subclass (a torchao
+    quantized weight) is watched through what it holds: every attribute the same object (none added), each
+    plain tensor among them with the same storage and version (one holding another subclass is keyed whole,
+    `_tensor_key`). A check walks only these modules' own dicts, as a few C-level passes over flat lists,
+    with no key tuple to build and no `__tensor_flatten__` (which torchao answers in Python): what a plan
+    derived from them (and checked as plain when it was built) asks before every decoded token instead of
+    the model's whole `parameters_key`. The guard of `parameters_key`, no more: a write through `.data` in
+    place is not seen by either."""
 
     def __init__(self, *roots: torch.nn.Module):
-        self.modules, self.children, self.parameters = _modules_below(*roots), [], []
+        self.modules = _modules_below(*roots)
+        self.owners, self.names, self.objects = [], [], []  # owners[i][names[i]] is objects[i]
+        self.sizes, self.kinds, self.whole, tensors = [], [], [], []
         for module in self.modules:
-            self.children += [(module._modules, name, child) for name, child in module._modules.items()]
+            for name, child in module._modules.items():
+                self._watch(module._modules, name, child)
             for name, parameter in module._parameters.items():
-                if parameter is None or type(parameter) in _PLAIN:  # (the common case, in two numbers)
-                    key = None if parameter is None else (parameter.data_ptr(), parameter._version)
-                    self.parameters.append((module._parameters, name, parameter, key, False))
-                else:
-                    self.parameters.append((module._parameters, name, parameter, _tensor_key(parameter), True))
+                self._watch(module._parameters, name, parameter)
+                if parameter is None or type(parameter) in _PLAIN:
+                    tensors += [] if parameter is None else [parameter]
+                    continue
+                self.kinds.append((parameter, type(parameter)))
+                held = parameter.__dict__
+                inner = [value for value in held.values() if isinstance(value, torch.Tensor)]
+                if any(type(value) not in _PLAIN for value in inner):
+                    self.whole.append((parameter, _tensor_key(parameter)))
+                    continue
+                self.sizes.append((held, len(held)))
+                for attribute, value in held.items():
+                    self._watch(held, attribute, value)
+                tensors += inner
+        self.tensors = tensors
+        self.pointers = [tensor.data_ptr() for tensor in tensors]
+        self.versions = [tensor._version for tensor in tensors]
+
+    def _watch(self, owner: dict, name: str, value: object) -> None:
+        self.owners.append(owner)
+        self.names.append(name)
+        self.objects.append(value)
 
     def unchanged(self) -> bool:
-        if registered_global_hook() is not None:
-            return False
-        for modules, name, child in self.children:
-            if modules.get(name) is not child:
-                return False
-        if not all(called_as_is(module) for module in self.modules):
-            return False
-        for parameters, name, parameter, key, subclass in self.parameters:
-            if parameters.get(name) is not parameter:
-                return False
-            if subclass:
-                if _tensor_key(parameter) != key:
-                    return False
-            elif parameter is not None and (parameter._version != key[1] or parameter.data_ptr() != key[0]):
-                return False
-        return True
+        return (
+            registered_global_hook() is None
+            and all(map(operator.is_, map(dict.get, self.owners, self.names), self.objects))
+            and all(map(called_as_is, self.modules))
+            and [tensor._version for tensor in self.tensors] == self.versions
+            and [tensor.data_ptr() for tensor in self.tensors] == self.pointers
+            and all(len(held) == size for held, size in self.sizes)
+            and all(type(parameter) is kind for parameter, kind in self.kinds)
+            and all(_tensor_key(parameter) == key for parameter, key in self.whole)
+        )
 
 
 class DerivedWeights:

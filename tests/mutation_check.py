@@ -113,6 +113,20 @@ MUTATIONS = [
         ("tests/fast_path/test_decode_call.py -k edited and (replaced)",),
     ),
     Mutation(
+        "one-call decode (a quantized weight's attributes not watched: a replaced scale unseen)",
+        "modeling_gpn/derived_weights.py",
+        "                for attribute, value in held.items():\n                    self._watch(held, attribute, value)\n",
+        "",
+        ("tests/fast_path/test_decode_call.py -k int8_weights_edited and replaced",),
+    ),
+    Mutation(
+        "one-call decode (a quantized weight's tensors not watched: its data on new storage unseen)",
+        "modeling_gpn/derived_weights.py",
+        "                tensors += inner\n",
+        "",
+        ("tests/fast_path/test_decode_call.py -k int8_weights_edited and storage",),
+    ),
+    Mutation(
         "one-call decode (ids outside the table read)",
         "modeling_gpn/memory_kernels.py",
         "        if (ids[b] < 0 || ids[b] >= D->vocab) return 1;",

@@ -159,6 +159,45 @@ def test_weights_edited_between_two_calls_on_one_cache_are_seen(one_thread, mode
     assert not torch.allclose(fast, unedited, atol=1e-3)
 
 
+INT8_EDITS = {  # (torchao's int8 weight-only weight: what it holds, edited or replaced)
+    "int8 data in place": lambda m: m.model.fuse_proj.weight.qdata.mul_(-1),
+    # (the plans read the data where it lies: new storage under the same tensor must be seen, not the old read)
+    "int8 data on new storage": lambda m: m.model.fuse_proj.weight.qdata.set_(m.model.fuse_proj.weight.qdata * -1),
+    "scale in place": lambda m: m.model.decode_proj.weight.scale.mul_(1.5),
+    "scale replaced": lambda m: setattr(m.model.decode_proj.weight, "scale", m.model.decode_proj.weight.scale * -1),
+}
+
+
+@pytest.mark.parametrize("edit", INT8_EDITS)
+def test_int8_weights_edited_between_two_calls_are_seen(one_thread, edit):
+    """The same for a torchao int8 weight-only model, whose weights are tensor subclasses watched through what
+    they hold: its int8 data or scale edited in place, its data moved to new storage, or its scale replaced,
+    between two one-token calls on one cache: the next token computes with the edited weight, as the plain
+    loop does."""
+    require_c_kernels()
+    torchao = pytest.importorskip("torchao.quantization", reason="torchao (the test extra) quantizes the model")
+    model = perturbed_model(tiny_config(), seed=26).eval()
+    torchao.quantize_(model, torchao.Int8WeightOnlyConfig())
+    ids = torch.randint(1, 97, (1, 6), generator=torch.Generator().manual_seed(27))
+
+    def continued(model, edited: bool) -> torch.Tensor:
+        with torch.no_grad():
+            cache = model(ids[:, :4], use_cache=True).cache
+            model(ids[:, 4:5], cache=cache, use_cache=True)
+            if edited:
+                INT8_EDITS[edit](model)
+            return model(ids[:, 5:6], cache=cache, use_cache=True).logits[:, -1]
+
+    plain, unedited = copy.deepcopy(model), continued(copy.deepcopy(model), edited=False)
+    with ran(DECODE_CALLS):
+        fast = continued(model, edited=True)
+    plain.model.use_fast_path = False
+    with ran(PLAIN_PATH, not_ran=(DECODE_CALLS,)):
+        expected = continued(plain, edited=True)
+    torch.testing.assert_close(fast, expected, rtol=1e-3, atol=1e-3)
+    assert not torch.allclose(fast, unedited, atol=1e-2)
+
+
 def test_bad_ids_and_padded_tokens(one_thread, model):
     """An id outside the vocabulary is refused with the forward's own message, before anything is computed;
     a token whose mask column is 0 (padding) keeps its row's state, as the forward's masked step does."""
