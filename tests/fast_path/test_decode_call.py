@@ -134,19 +134,17 @@ EDITS = {
 }
 
 
-@pytest.mark.parametrize("edit", EDITS)
-def test_weights_edited_between_two_calls_on_one_cache_are_seen(one_thread, model, edit):
-    """A decode loop by hand (one forward a token, continuing its cache) with an edit between two calls (a
-    load, an in-place update, a module or a parameter replaced): the next token's call computes with the
-    edited model, as the plain loop does in the same sequence of calls (and not as before the edit)."""
-    ids = torch.randint(1, 97, (1, 6), generator=torch.Generator().manual_seed(23))
+def assert_an_edit_between_two_calls_is_seen(model, edit, ids: torch.Tensor, tolerance: float) -> None:
+    """A decode loop by hand (one forward a token, continuing its cache) with `edit(model)` between two calls:
+    the next token's call (in one C call) computes with the edited model, as the plain loop does in the same
+    sequence of calls, and not as before the edit."""
 
     def continued(model, edited: bool) -> torch.Tensor:
         with torch.no_grad():
             cache = model(ids[:, :4], use_cache=True).cache
             model(ids[:, 4:5], cache=cache, use_cache=True)  # (a first one-token call: what it derives is kept)
             if edited:
-                EDITS[edit](model)
+                edit(model)
             return model(ids[:, 5:6], cache=cache, use_cache=True).logits[:, -1]
 
     plain, unedited = copy.deepcopy(model), continued(copy.deepcopy(model), edited=False)
@@ -155,8 +153,16 @@ def test_weights_edited_between_two_calls_on_one_cache_are_seen(one_thread, mode
     plain.model.use_fast_path = False
     with ran(PLAIN_PATH, not_ran=(DECODE_CALLS,)):
         expected = continued(plain, edited=True)
-    torch.testing.assert_close(fast, expected, rtol=1e-4, atol=1e-4)
-    assert not torch.allclose(fast, unedited, atol=1e-3)
+    torch.testing.assert_close(fast, expected, rtol=tolerance, atol=tolerance)
+    assert not torch.allclose(fast, unedited, atol=10 * tolerance)
+
+
+@pytest.mark.parametrize("edit", EDITS)
+def test_weights_edited_between_two_calls_on_one_cache_are_seen(one_thread, model, edit):
+    """An edit between two one-token calls on one cache (a load, an in-place update, a module or a parameter
+    replaced) is seen by the next token (`assert_an_edit_between_two_calls_is_seen`)."""
+    ids = torch.randint(1, 97, (1, 6), generator=torch.Generator().manual_seed(23))
+    assert_an_edit_between_two_calls_is_seen(model, EDITS[edit], ids, tolerance=1e-4)
 
 
 INT8_EDITS = {  # (torchao's int8 weight-only weight: what it holds, edited or replaced)
@@ -171,31 +177,13 @@ INT8_EDITS = {  # (torchao's int8 weight-only weight: what it holds, edited or r
 @pytest.mark.parametrize("edit", INT8_EDITS)
 def test_int8_weights_edited_between_two_calls_are_seen(one_thread, edit):
     """The same for a torchao int8 weight-only model, whose weights are tensor subclasses watched through what
-    they hold: its int8 data or scale edited in place, its data moved to new storage, or its scale replaced,
-    between two one-token calls on one cache: the next token computes with the edited weight, as the plain
-    loop does."""
+    they hold: its int8 data or scale edited in place, its data moved to new storage, or its scale replaced."""
     require_c_kernels()
     torchao = pytest.importorskip("torchao.quantization", reason="torchao (the test extra) quantizes the model")
     model = perturbed_model(tiny_config(), seed=26).eval()
     torchao.quantize_(model, torchao.Int8WeightOnlyConfig())
     ids = torch.randint(1, 97, (1, 6), generator=torch.Generator().manual_seed(27))
-
-    def continued(model, edited: bool) -> torch.Tensor:
-        with torch.no_grad():
-            cache = model(ids[:, :4], use_cache=True).cache
-            model(ids[:, 4:5], cache=cache, use_cache=True)
-            if edited:
-                INT8_EDITS[edit](model)
-            return model(ids[:, 5:6], cache=cache, use_cache=True).logits[:, -1]
-
-    plain, unedited = copy.deepcopy(model), continued(copy.deepcopy(model), edited=False)
-    with ran(DECODE_CALLS):
-        fast = continued(model, edited=True)
-    plain.model.use_fast_path = False
-    with ran(PLAIN_PATH, not_ran=(DECODE_CALLS,)):
-        expected = continued(plain, edited=True)
-    torch.testing.assert_close(fast, expected, rtol=1e-3, atol=1e-3)
-    assert not torch.allclose(fast, unedited, atol=1e-2)
+    assert_an_edit_between_two_calls_is_seen(model, INT8_EDITS[edit], ids, tolerance=1e-3)
 
 
 def test_bad_ids_and_padded_tokens(one_thread, model):
