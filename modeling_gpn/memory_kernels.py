@@ -265,7 +265,11 @@ enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_I8 = 2 };
 #ifndef PREFETCH
 #define PREFETCH 1
 #endif
-enum { ROUND_OUTPUT = 1, STORE_BF16 = 2, BIAS_AFTER_ROUND = 4, STREAM_ROWS = 8 };
+enum { ROUND_OUTPUT = 1, STORE_BF16 = 2, BIAS_AFTER_ROUND = 4, STREAM_ROWS = 8, FAR_ROWS = 16 };
+/* FAR_ROWS: weights far beyond the L3, read a row at a time from DRAM: the row is prefetched this far ahead into
+   the L2 (with the hardware's prefetcher alone one core keeps too few reads in flight; where much of the
+   weights stays in the L3 the extra instructions cost more than they bring: benchmarks/RESULTS.md) */
+enum { FAR_AHEAD = 4096 };
 
 typedef struct { /* one linear map of a phase: out[b, j] = (round?)(scale_j * <W_j, x_b>) + bias_j */
     const void *w;        /* (rows, cols) row-major: float, uint16 (bf16 bits) or int8 */
@@ -368,7 +372,8 @@ static inline __attribute__((always_inline)) void dot_block(
 
 /* <row, x> for one batch row: the row read as one sequential stream (eight accumulators, 128 weights a
    round; as fast as a plain read of the same bytes, where four interleaved rows are 10-20% slower) */
-static inline __attribute__((always_inline)) float dot_row(const void *row, const int KIND, const float *x, const uint16_t *xb, i64 K)
+static inline __attribute__((always_inline)) float dot_row(const void *row, const int KIND, const float *x, const uint16_t *xb, i64 K,
+                                                            const int FAR)
 {
     __m512 acc[8];
     for (int a = 0; a < 8; a++) acc[a] = _mm512_setzero_ps();
@@ -376,16 +381,20 @@ static inline __attribute__((always_inline)) float dot_row(const void *row, cons
 #if defined(__AVX512BF16__)
     if (KIND == KIND_BF16) {
         for (; k + 256 <= K; k += 256)
-            for (int a = 0; a < 8; a++)
+            for (int a = 0; a < 8; a++) {
+                if (FAR && a % 2 == 0) _mm_prefetch((const char *)row + 2 * (k + 32 * a) + FAR_AHEAD, _MM_HINT_T2);
                 acc[a] = _mm512_dpbf16_ps(acc[a], (__m512bh)_mm512_loadu_si512((const void *)((const uint16_t *)row + k + 32 * a)),
                                           (__m512bh)_mm512_loadu_si512((const void *)(xb + k + 32 * a)));
+            }
     }
 #else
     (void)xb;
 #endif
     for (; k + 128 <= K; k += 128)
-        for (int a = 0; a < 8; a++)
+        for (int a = 0; a < 8; a++) {
+            if (FAR && KIND == KIND_F32 && a % 2 == 0) _mm_prefetch((const char *)row + 4 * (k + 16 * a) + FAR_AHEAD, _MM_HINT_T2);
             acc[a] = _mm512_fmadd_ps(load_weights(row, KIND, k + 16 * a, (__mmask16)0xffff), _mm512_loadu_ps(x + k + 16 * a), acc[a]);
+        }
     for (int a = 0; k < K; k += 16, a = (a + 1) & 7) {
         const __mmask16 m = K - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1u);
         acc[a] = _mm512_fmadd_ps(load_weights(row, KIND, k, m), _mm512_maskz_loadu_ps(m, x + k), acc[a]);
@@ -538,7 +547,7 @@ static inline __attribute__((always_inline)) void vnni_block(const int8_t *const
 }
 
 /* <row, x_0> for one batch row, the row read as one sequential stream (weights streamed from DRAM) */
-static inline float vnni_row(const int8_t *row, const gpn_quantized *q, i64 K)
+static inline float vnni_row(const int8_t *row, const gpn_quantized *q, i64 K, int far)
 {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     const int8_t *xh = q->hi, *xl = q->lo;
@@ -549,6 +558,10 @@ static inline float vnni_row(const int8_t *row, const gpn_quantized *q, i64 K)
         DPBUSD(H, w, _mm512_loadu_si512((const void *)(xh + (at)))); \
         DPBUSD(L, w, _mm512_loadu_si512((const void *)(xl + (at)))); } while (0)
     for (; k + 256 <= K; k += 256) {
+        if (far) {
+            _mm_prefetch((const char *)row + k + FAR_AHEAD, _MM_HINT_T2);
+            _mm_prefetch((const char *)row + k + 128 + FAR_AHEAD, _MM_HINT_T2);
+        }
         GPN_VNNI_AT(h0, l0, k); GPN_VNNI_AT(h1, l1, k + 64); GPN_VNNI_AT(h2, l2, k + 128); GPN_VNNI_AT(h3, l3, k + 192);
     }
 #undef GPN_VNNI_AT
@@ -609,7 +622,8 @@ static void vnni_rows(const gpn_segment *sg, const gpn_quantized *q, i64 B, i64 
     const i64 K = sg->cols;
     const int8_t *w = (const int8_t *)sg->w;
     if (B == 1 && (sg->flags & STREAM_ROWS)) {
-        for (i64 r = r0; r < r1; r++) store_output(sg, 0, r, vnni_row(w + r * K, q, K));
+        const int far = (sg->flags & FAR_ROWS) != 0;
+        for (i64 r = r0; r < r1; r++) store_output(sg, 0, r, vnni_row(w + r * K, q, K, far));
         return;
     }
     for (i64 b0 = 0; b0 < B; b0 += 4) {
@@ -649,9 +663,10 @@ static void segment_rows(const gpn_segment *sg, i64 B, i64 r0, i64 r1)
         for (i64 r = r0; r < r1; r++) {
             const void *row = w + r * K * es;
             float y;
-            if (sg->kind == KIND_F32) y = dot_row(row, KIND_F32, sg->x, sg->xb, K);
-            else if (sg->kind == KIND_BF16) y = dot_row(row, KIND_BF16, sg->x, sg->xb, K);
-            else y = dot_row(row, KIND_I8, sg->x, sg->xb, K);
+            const int far = (sg->flags & FAR_ROWS) != 0;
+            if (sg->kind == KIND_F32) y = far ? dot_row(row, KIND_F32, sg->x, sg->xb, K, 1) : dot_row(row, KIND_F32, sg->x, sg->xb, K, 0);
+            else if (sg->kind == KIND_BF16) y = far ? dot_row(row, KIND_BF16, sg->x, sg->xb, K, 1) : dot_row(row, KIND_BF16, sg->x, sg->xb, K, 0);
+            else y = dot_row(row, KIND_I8, sg->x, sg->xb, K, 0);
             store_output(sg, 0, r, y);
         }
         return;
@@ -1534,7 +1549,7 @@ def memory_write_backward(
 MAX_STEP_ROWS = 16  # the most batch rows the step kernel takes (more rows amortise the weight read in a matmul)
 _TASK_BYTES = 1 << 18  # weight bytes per task of a product (threads take tasks in turn)
 KIND_F32, KIND_BF16, KIND_I8 = 0, 1, 2
-ROUND_OUTPUT, STORE_BF16, BIAS_AFTER_ROUND, STREAM_ROWS = 1, 2, 4, 8
+ROUND_OUTPUT, STORE_BF16, BIAS_AFTER_ROUND, STREAM_ROWS, FAR_ROWS = 1, 2, 4, 8, 16
 _i64, _ptr = ctypes.c_longlong, ctypes.c_void_p
 
 
@@ -1691,21 +1706,31 @@ def _last_level_cache_bytes() -> int:
         return 32 << 20
 
 
+FAR_BEYOND_L3 = 2  # weights this many times the L3 are read from DRAM nearly all (`FAR_ROWS`)
+
+
 def _mark_streamed(segments: list, weights: list[torch.Tensor]) -> None:
     """A plan whose weights do not fit the L3 reads them from DRAM at every step: its int8 products take a row at
     a time (`STREAM_ROWS`), which streams better, and its weights go onto huge pages (`advise_huge_pages`); one
-    that fits reads them from the L3, where four rows at a time hide the conversion better."""
+    that fits reads them from the L3, where four rows at a time hide the conversion better. Weights of more
+    than `FAR_BEYOND_L3` times the L3 have their rows prefetched ahead too (`FAR_ROWS`: it speeds up reads
+    from DRAM, and slows a plan a little beyond the L3, much of which is still read from there)."""
     if huge_pages_if_streamed(weights):
+        far = _storage_bytes(weights) > FAR_BEYOND_L3 * _last_level_cache_bytes()
         for segment in segments:
-            segment.flags |= STREAM_ROWS
+            segment.flags |= STREAM_ROWS | (FAR_ROWS if far else 0)
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """The bytes of `tensors`' storage, each distinct storage counted once."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 def huge_pages_if_streamed(tensors: list[torch.Tensor]) -> bool:
     """Put `tensors` onto huge pages (`advise_huge_pages`) if together (distinct storage counted once) they exceed
     the L3, so that a pass over them every step reads DRAM; returns whether they do. The read probe of a byte
     limit calls it too, so the limit's bytes sit on the pages the weights sit on."""
-    total = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
-    if total <= _last_level_cache_bytes():
+    if _storage_bytes(tensors) <= _last_level_cache_bytes():
         return False
     advise_huge_pages(tensors)
     return True

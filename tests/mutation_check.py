@@ -179,6 +179,13 @@ MUTATIONS = [
         ("tests/fast_path/test_step_kernels.py -k exact_sums_of_the_input",),
     ),
     Mutation(
+        "rows far beyond the L3 not prefetched ahead",
+        "modeling_gpn/memory_kernels.py",
+        "            segment.flags |= STREAM_ROWS | (FAR_ROWS if far else 0)\n",
+        "            segment.flags |= STREAM_ROWS\n",
+        ("tests/fast_path/test_step_kernels.py::test_rows_far_beyond_the_l3_are_prefetched_ahead",),
+    ),
+    Mutation(
         "huge pages (weights streamed from DRAM left on 4 KB pages)",
         "modeling_gpn/memory_kernels.py",
         "    if madvise is None or not huge_pages_enabled():\n        return 0\n",

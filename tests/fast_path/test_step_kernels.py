@@ -177,6 +177,22 @@ def test_the_few_row_products_equal_f_linear_and_refuse_what_they_cannot_take():
         plan.step(StepState(state[0], state[1], None, state[2][:, :2]), torch.zeros(2, 48), None)
 
 
+def test_rows_far_beyond_the_l3_are_prefetched_ahead(monkeypatch):
+    """Against an L3 of 1 MB: weights that fit it get no flag (int8 four rows at a time), weights beyond it are
+    read a row at a time (`STREAM_ROWS`), and weights more than `FAR_BEYOND_L3` times it also have their rows
+    prefetched ahead (`FAR_ROWS`), which only pays where nearly everything comes from DRAM."""
+    from types import SimpleNamespace
+
+    from modeling_gpn import memory_kernels as mk
+
+    monkeypatch.setattr(mk, "_last_level_cache_bytes", lambda: 1 << 20)
+    monkeypatch.setenv("GPN_HUGE_PAGES", "0")  # (the pages are another test's)
+    for megabytes, flags in ((0.5, 0), (1.5, mk.STREAM_ROWS), (3, mk.STREAM_ROWS | mk.FAR_ROWS)):
+        segment = SimpleNamespace(flags=0)
+        mk._mark_streamed([segment], [torch.zeros(int(megabytes * (1 << 18)))])
+        assert segment.flags == flags, megabytes
+
+
 def test_the_read_probe_reads_every_byte():
     """The bandwidth probe behind `gpn bench`'s limit reads the whole buffer (its sum is the buffer's)."""
     require_c_kernels()
