@@ -128,8 +128,10 @@ class WatchedModules:
                 self._watch(module._modules, name, child)
             for name, parameter in module._parameters.items():
                 self._watch(module._parameters, name, parameter)
-                if parameter is None or type(parameter) in _PLAIN:
-                    tensors += [] if parameter is None else [parameter]
+                if parameter is None:
+                    continue
+                if type(parameter) in _PLAIN:
+                    tensors.append(parameter)
                     continue
                 self.kinds.append((parameter, type(parameter)))
                 held = parameter.__dict__

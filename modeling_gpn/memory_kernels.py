@@ -657,8 +657,8 @@ static void segment_rows(const gpn_segment *sg, i64 B, i64 r0, i64 r1)
     }
 #endif
 #ifdef GPN_HAVE_DOT_ROW
-    /* (int8 rows convert as they go: four rows at a time hide that better while the weights sit in the L3; a
-       row at a time streams better from DRAM, STREAM_ROWS) */
+    /* (int8 rows without VNNI convert as they go: four rows at a time hide that better while the weights sit in
+       the L3; a row at a time streams better from DRAM, STREAM_ROWS) */
     if (B == 1 && (sg->kind != KIND_I8 || (sg->flags & STREAM_ROWS))) {
         for (i64 r = r0; r < r1; r++) {
             const void *row = w + r * K * es;

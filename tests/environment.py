@@ -69,3 +69,16 @@ def require_c_kernels() -> None:
     require_environment(
         available, f"C memory kernels unavailable: {memory_kernels.unavailable_reason()}", "GPN_REQUIRE_C_KERNELS"
     )
+
+
+def require_vnni() -> None:
+    """Skip unless the C kernels run here on a CPU with AVX512-VNNI, where they take int8 products on its
+    integer dot products (elsewhere they convert each weight to float)."""
+    require_c_kernels()
+    try:
+        with open("/proc/cpuinfo") as info:
+            has = " avx512_vnni" in info.read()
+    except OSError:
+        has = False
+    if not has:
+        pytest.skip("this CPU has no AVX512-VNNI: int8 products convert each weight to float")

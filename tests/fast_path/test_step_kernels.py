@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ..backend_observer import C_PRODUCTS, C_STEP_KERNELS, DECODE_CALLS, FAST_PATH, INT8_STEPS, PLAIN_PATH, ran
-from ..environment import require_c_kernels
+from ..environment import require_c_kernels, require_vnni
 from ..tiny_models import perturbed_model, tiny_config
 
 torchao = pytest.importorskip("torchao.quantization", reason="torchao (the test extra) quantizes the int8 models")
@@ -222,18 +222,6 @@ def test_gpn_generate_runs_an_int8_model_on_the_fast_path(tmp_path, capsys, one_
 
 
 # ---- int8 products on the integer dot products (VNNI) ----
-
-
-def require_vnni() -> None:
-    """Skip unless the CPU has AVX512-VNNI, where the kernels take int8 products on integer dot products."""
-    require_c_kernels()
-    try:
-        with open("/proc/cpuinfo") as info:
-            has = " avx512_vnni" in info.read()
-    except OSError:
-        has = False
-    if not has:
-        pytest.skip("this CPU has no AVX512-VNNI: int8 products convert each weight to float")
 
 
 def int8_linear(rows: int, cols: int, dtype: torch.dtype, seed: int) -> torch.nn.Linear:
