@@ -488,6 +488,9 @@ static const gpn_quantized *quantize_input(const gpn_segment *sg, i64 B)
 /* acc += <4 unsigned bytes of w, 4 signed bytes of x> in each int32 lane (as inline assembly: GCC 12 compiles
    _mm512_dpbusd_epi32 with a register copy around every use, half the loop's instructions) */
 #define DPBUSD(acc, w, x) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "vm"(x))
+/* the same with x in a register: where one input is multiplied by several rows, a memory operand would reload it for
+   every row (three loads per 64 weights, where one and a half do) */
+#define DPBUSD_HELD(acc, w, x) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x))
 
 /* the four sums of four accumulators, in one pass of shuffles (as reduce4) */
 static inline __m128i reduce4_epi32(__m512i a0, __m512i a1, __m512i a2, __m512i a3)
@@ -528,8 +531,8 @@ static inline __attribute__((always_inline)) void vnni_block(const int8_t *const
         for (int i = 0; i < NR; i++) {
             const __m512i w = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, rows[i] + k), flip);  /* (past K: 128 x 0) */
             for (int b = 0; b < NB; b++) {
-                DPBUSD(h[i][b], w, vh[b]);
-                DPBUSD(l[i][b], w, vl[b]);
+                DPBUSD_HELD(h[i][b], w, vh[b]);
+                DPBUSD_HELD(l[i][b], w, vl[b]);
             }
         }
     }
