@@ -489,7 +489,8 @@ static const gpn_quantized *quantize_input(const gpn_segment *sg, i64 B)
    _mm512_dpbusd_epi32 with a register copy around every use, half the loop's instructions) */
 #define DPBUSD(acc, w, x) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "vm"(x))
 /* the same with x in a register: where one input is multiplied by several rows, a memory operand would reload it for
-   every row (three loads per 64 weights, where one and a half do) */
+   every row (three loads per 64 weights, where one and a half do). (With two to four batch rows GCC 12 still reloads
+   the planes for each row, for want of registers: only one batch row's are held.) */
 #define DPBUSD_HELD(acc, w, x) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x))
 
 /* the four sums of four accumulators, in one pass of shuffles (as reduce4) */
