@@ -664,10 +664,10 @@ static void segment_rows(const gpn_segment *sg, i64 B, i64 r0, i64 r1)
     /* (int8 rows without VNNI convert as they go: four rows at a time hide that better while the weights sit in
        the L3; a row at a time streams better from DRAM, STREAM_ROWS) */
     if (B == 1 && (sg->kind != KIND_I8 || (sg->flags & STREAM_ROWS))) {
+        const int far = (sg->flags & FAR_ROWS) != 0;
         for (i64 r = r0; r < r1; r++) {
             const void *row = w + r * K * es;
             float y;
-            const int far = (sg->flags & FAR_ROWS) != 0;
             if (sg->kind == KIND_F32) y = far ? dot_row(row, KIND_F32, sg->x, sg->xb, K, 1) : dot_row(row, KIND_F32, sg->x, sg->xb, K, 0);
             else if (sg->kind == KIND_BF16) y = far ? dot_row(row, KIND_BF16, sg->x, sg->xb, K, 1) : dot_row(row, KIND_BF16, sg->x, sg->xb, K, 0);
             else y = dot_row(row, KIND_I8, sg->x, sg->xb, K, 0);
@@ -1716,7 +1716,8 @@ FAR_BEYOND_L3 = 2  # weights this many times the L3 are read from DRAM nearly al
 def _mark_streamed(segments: list, weights: list[torch.Tensor]) -> None:
     """A plan whose weights do not fit the L3 reads them from DRAM at every step: its int8 products take a row at
     a time (`STREAM_ROWS`), which streams better, and its weights go onto huge pages (`advise_huge_pages`); one
-    that fits reads them from the L3, where four rows at a time hide the conversion better. Weights of more
+    that fits reads them from the L3, where four rows at a time share each load of the input (and, without
+    VNNI, hide the conversion to float better). Weights of more
     than `FAR_BEYOND_L3` times the L3 have their rows prefetched ahead too (`FAR_ROWS`: it speeds up reads
     from DRAM, and slows a plan a little beyond the L3, much of which is still read from there)."""
     if huge_pages_if_streamed(weights):
