@@ -370,21 +370,28 @@ static inline __attribute__((always_inline)) void dot_block(
     }
 }
 
-/* <row, x> for one batch row: the row read as one sequential stream (eight accumulators, 128 weights a
-   round; as fast as a plain read of the same bytes, where four interleaved rows are 10-20% slower) */
-static inline __attribute__((always_inline)) float dot_row(const void *row, const int KIND, const float *x, const uint16_t *xb, i64 K,
-                                                            const int FAR)
+/* <rows[i], x> for NR = 1 or 2 rows and one batch row, each row read as one sequential stream (eight accumulators
+   a row, 128 weights a round; one row is as fast as a plain read of the same bytes, where four interleaved rows
+   are 10-20% slower). Two rows share each load of the input (`paired_rows`); each row's sum is the one it has
+   alone, to the bit. */
+static inline __attribute__((always_inline)) void dot_rows(const void *const rows[2], const int NR, const int KIND,
+                                                           const float *x, const uint16_t *xb, i64 K, const int FAR,
+                                                           float sums[2])
 {
-    __m512 acc[8];
-    for (int a = 0; a < 8; a++) acc[a] = _mm512_setzero_ps();
+    __m512 acc[2][8];
+    for (int i = 0; i < NR; i++)
+        for (int a = 0; a < 8; a++) acc[i][a] = _mm512_setzero_ps();
     i64 k = 0;
 #if defined(__AVX512BF16__)
     if (KIND == KIND_BF16) {
         for (; k + 256 <= K; k += 256)
             for (int a = 0; a < 8; a++) {
-                if (FAR && a % 2 == 0) _mm_prefetch((const char *)row + 2 * (k + 32 * a) + FAR_AHEAD, _MM_HINT_T2);
-                acc[a] = _mm512_dpbf16_ps(acc[a], (__m512bh)_mm512_loadu_si512((const void *)((const uint16_t *)row + k + 32 * a)),
-                                          (__m512bh)_mm512_loadu_si512((const void *)(xb + k + 32 * a)));
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + k + 32 * a));
+                for (int i = 0; i < NR; i++) {
+                    const uint16_t *row = (const uint16_t *)rows[i];
+                    if (FAR && a % 2 == 0) _mm_prefetch((const char *)row + 2 * (k + 32 * a) + FAR_AHEAD, _MM_HINT_T2);
+                    acc[i][a] = _mm512_dpbf16_ps(acc[i][a], (__m512bh)_mm512_loadu_si512((const void *)(row + k + 32 * a)), xv);
+                }
             }
     }
 #else
@@ -392,16 +399,33 @@ static inline __attribute__((always_inline)) float dot_row(const void *row, cons
 #endif
     for (; k + 128 <= K; k += 128)
         for (int a = 0; a < 8; a++) {
-            if (FAR && KIND == KIND_F32 && a % 2 == 0) _mm_prefetch((const char *)row + 4 * (k + 16 * a) + FAR_AHEAD, _MM_HINT_T2);
-            acc[a] = _mm512_fmadd_ps(load_weights(row, KIND, k + 16 * a, (__mmask16)0xffff), _mm512_loadu_ps(x + k + 16 * a), acc[a]);
+            const __m512 xv = _mm512_loadu_ps(x + k + 16 * a);
+            for (int i = 0; i < NR; i++) {
+                if (FAR && KIND == KIND_F32 && a % 2 == 0)
+                    _mm_prefetch((const char *)rows[i] + 4 * (k + 16 * a) + FAR_AHEAD, _MM_HINT_T2);
+                acc[i][a] = _mm512_fmadd_ps(load_weights(rows[i], KIND, k + 16 * a, (__mmask16)0xffff), xv, acc[i][a]);
+            }
         }
     for (int a = 0; k < K; k += 16, a = (a + 1) & 7) {
         const __mmask16 m = K - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1u);
-        acc[a] = _mm512_fmadd_ps(load_weights(row, KIND, k, m), _mm512_maskz_loadu_ps(m, x + k), acc[a]);
+        const __m512 xv = _mm512_maskz_loadu_ps(m, x + k);
+        for (int i = 0; i < NR; i++) acc[i][a] = _mm512_fmadd_ps(load_weights(rows[i], KIND, k, m), xv, acc[i][a]);
     }
-    const __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])),
-                                   _mm512_add_ps(_mm512_add_ps(acc[4], acc[5]), _mm512_add_ps(acc[6], acc[7])));
-    return _mm512_reduce_add_ps(s);
+    for (int i = 0; i < NR; i++) {
+        __m512 *c = acc[i];
+        const __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(c[0], c[1]), _mm512_add_ps(c[2], c[3])),
+                                       _mm512_add_ps(_mm512_add_ps(c[4], c[5]), _mm512_add_ps(c[6], c[7])));
+        sums[i] = _mm512_reduce_add_ps(s);
+    }
+}
+
+static inline __attribute__((always_inline)) float dot_row(const void *row, const int KIND, const float *x, const uint16_t *xb, i64 K,
+                                                            const int FAR)
+{
+    const void *rows[2] = {row, row};
+    float sums[2];
+    dot_rows(rows, 1, KIND, x, xb, K, FAR, sums);
+    return sums[0];
 }
 #define GPN_HAVE_DOT_ROW 1
 
@@ -650,6 +674,23 @@ static void vnni_rows(const gpn_segment *sg, const gpn_quantized *q, i64 B, i64 
 }
 #endif
 
+/* Float rows this long and longer, streamed from DRAM at one batch row, are read two at a time (`dot_rows`): a
+   row's weights and the input then overflow the L1 together (16 KB each at 4,096 floats), so that a row at a time
+   reads the input again from the L2 for every row, where a pair of rows reads it once. Shorter rows stream
+   faster one at a time (benchmarks/RESULTS.md; -DPAIR_MIN_COLS=... for an A/B of builds). */
+#ifndef PAIR_MIN_COLS
+#define PAIR_MIN_COLS 4096
+#endif
+static int paired_rows(const gpn_segment *sg, i64 B)
+{
+#ifdef GPN_HAVE_DOT_ROW
+    return B == 1 && sg->kind == KIND_F32 && (sg->flags & STREAM_ROWS) && sg->cols >= PAIR_MIN_COLS;
+#else
+    (void)sg; (void)B;
+    return 0;
+#endif
+}
+
 static void segment_rows(const gpn_segment *sg, i64 B, i64 r0, i64 r1)
 {
     const i64 K = sg->cols, es = weight_size(sg->kind);
@@ -665,7 +706,17 @@ static void segment_rows(const gpn_segment *sg, i64 B, i64 r0, i64 r1)
        the L3; a row at a time streams better from DRAM, STREAM_ROWS) */
     if (B == 1 && (sg->kind != KIND_I8 || (sg->flags & STREAM_ROWS))) {
         const int far = (sg->flags & FAR_ROWS) != 0;
-        for (i64 r = r0; r < r1; r++) {
+        i64 r = r0;
+        if (paired_rows(sg, B))
+            for (; r + 2 <= r1; r += 2) {
+                const void *rows[2] = {w + r * K * es, w + (r + 1) * K * es};
+                float y[2];
+                if (far) dot_rows(rows, 2, KIND_F32, sg->x, sg->xb, K, 1, y);
+                else dot_rows(rows, 2, KIND_F32, sg->x, sg->xb, K, 0, y);
+                store_output(sg, 0, r, y[0]);
+                store_output(sg, 0, r + 1, y[1]);
+            }
+        for (; r < r1; r++) {
             const void *row = w + r * K * es;
             float y;
             if (sg->kind == KIND_F32) y = far ? dot_row(row, KIND_F32, sg->x, sg->xb, K, 1) : dot_row(row, KIND_F32, sg->x, sg->xb, K, 0);
@@ -722,6 +773,9 @@ void gpn_linear(const gpn_segment *segs, const i64 *tasks, i64 n_tasks, i64 B, i
     #pragma omp parallel num_threads(threads)
     run_tasks(segs, tasks, 0, n_tasks, B);
 }
+
+/* Whether segment_rows reads the rows of `sg` two at a time at B batch rows (`paired_rows`; asked by the tests) */
+int gpn_paired_rows(const gpn_segment *sg, i64 B) { return paired_rows(sg, B); }
 
 /* A read of n floats at the rate the machine streams them (the byte limit's bandwidth); returns their sum */
 float gpn_read_probe(const float *x, i64 n, int threads)
@@ -998,6 +1052,7 @@ _SYMBOLS = (
     "gpn_memory_step",
     "gpn_memory_write_backward",
     "gpn_linear",
+    "gpn_paired_rows",
     "gpn_step",
     "gpn_steps",
     "gpn_decode",
@@ -1154,6 +1209,8 @@ def _load_verified(folder: Path, key: str) -> ctypes.CDLL:
     lib.gpn_memory_write_backward.restype = None
     lib.gpn_linear.argtypes = [p, p, i64, i64, ctypes.c_int]
     lib.gpn_linear.restype = None
+    lib.gpn_paired_rows.argtypes = [p, i64]
+    lib.gpn_paired_rows.restype = ctypes.c_int
     lib.gpn_step.argtypes = [*[p] * 11, ctypes.c_int]
     lib.gpn_step.restype = None
     lib.gpn_steps.argtypes = [p, i64, *[p] * 11, ctypes.c_int]

@@ -186,6 +186,20 @@ MUTATIONS = [
         ("tests/fast_path/test_step_kernels.py::test_rows_far_beyond_the_l3_are_prefetched_ahead",),
     ),
     Mutation(
+        "long float rows streamed from DRAM read one at a time, not in pairs",
+        "modeling_gpn/memory_kernels.py",
+        "    return B == 1 && sg->kind == KIND_F32 && (sg->flags & STREAM_ROWS) && sg->cols >= PAIR_MIN_COLS;\n",
+        "    return 0;\n",
+        ("tests/fast_path/test_step_kernels.py::test_long_float_rows_streamed_from_dram_are_read_in_pairs",),
+    ),
+    Mutation(
+        "a pair of float rows (the second row given the first's sum)",
+        "modeling_gpn/memory_kernels.py",
+        "                store_output(sg, 0, r + 1, y[1]);\n",
+        "                store_output(sg, 0, r + 1, y[0]);\n",
+        ("tests/fast_path/test_step_kernels.py::test_long_float_rows_streamed_from_dram_are_read_in_pairs",),
+    ),
+    Mutation(
         "huge pages (weights streamed from DRAM left on 4 KB pages)",
         "modeling_gpn/memory_kernels.py",
         "    if madvise is None or not huge_pages_enabled():\n        return 0\n",

@@ -193,6 +193,39 @@ def test_rows_far_beyond_the_l3_are_prefetched_ahead(monkeypatch):
         assert segment.flags == flags, megabytes
 
 
+def test_long_float_rows_streamed_from_dram_are_read_in_pairs(monkeypatch):
+    """Float32 rows of 4,096 weights and more, streamed from DRAM at one batch row, are read two at a time (one
+    read of the input for both): each row's sum is the one it has read alone, to the bit, and the product is
+    F.linear's. Shorter rows, rows within the L3 and more batch rows are read as before, a row at a time or four."""
+    import ctypes
+
+    require_c_kernels()
+    from modeling_gpn import memory_kernels as mk
+
+    monkeypatch.setenv("GPN_HUGE_PAGES", "0")
+
+    def product(rows: int, cols: int, streamed: bool, batch: int = 1):
+        weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(46))
+        slot = mk._input_slot(batch, cols)
+        slot["x"].normal_(generator=torch.Generator().manual_seed(47))
+        out = torch.empty(batch, rows)
+        segment = mk._segment(mk.Operand(mk.KIND_F32, weight, None, None, False), slot, out, 0)
+        monkeypatch.setattr(mk, "_last_level_cache_bytes", (lambda: 1) if streamed else (lambda: 1 << 40))
+        mk._mark_streamed([segment], [weight])
+        tasks = torch.tensor(mk._tasks([segment], 0, 1), dtype=torch.int64)
+        mk._library.gpn_linear(ctypes.addressof(segment), tasks.data_ptr(), len(tasks), batch, 2)
+        paired = mk._library.gpn_paired_rows(ctypes.addressof(segment), batch)
+        return paired, out, torch.nn.functional.linear(slot["x"][:, :cols], weight)
+
+    # (9 rows: a pair's tail row; 4,100 weights: a masked tail of each row)
+    for rows, cols, streamed, batch, pairs in ((9, 4100, True, 1, 1), (9, 4000, True, 1, 0), (9, 4100, False, 1, 0)):
+        paired, out, want = product(rows, cols, streamed, batch)
+        assert paired == pairs, (rows, cols, streamed)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
+    assert product(9, 4100, True, batch=2)[0] == 0
+    assert torch.equal(product(9, 4100, True)[1], product(9, 4100, False)[1])
+
+
 def test_the_read_probe_reads_every_byte():
     """The bandwidth probe behind `gpn bench`'s limit reads the whole buffer (its sum is the buffer's)."""
     require_c_kernels()
