@@ -5,8 +5,8 @@
 
 Greedy decoding from a 16-token prompt, batch 1, with a randomly initialised model of `--preset`. The
 decode loop calls the model on one token at a time with its `GPNCache` (what generate() does inside);
-`--generate` runs transformers' `generate()` itself (`min_new_tokens` = `--tokens`, so it never stops
-early) and reads the clock in a streamer. Every `--interval` tokens it prints the tokens so far, the mean
+`--generate` runs transformers' `generate()` itself (without an end-of-sequence token, so it never stops
+early: `bench.greedy_without_end`) and reads the clock in a streamer. Every `--interval` tokens it prints the tokens so far, the mean
 ms/token over the interval, the process RSS now and its peak, and the cache's size: flat lines are the claim.
 Memory figures are valid on a busy machine; the ms/token figures only on a quiet one.
 """
@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from modeling_gpn.bench import greedy_without_end
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -97,10 +99,7 @@ def main() -> None:
             model.generate(
                 prompt,
                 cache=cache,
-                max_new_tokens=args.tokens,
-                min_new_tokens=args.tokens,
-                do_sample=False,
-                pad_token_id=0,
+                generation_config=greedy_without_end(model, args.tokens),
                 streamer=Streamer(),
             )
         else:

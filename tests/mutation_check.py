@@ -200,6 +200,20 @@ MUTATIONS = [
         ("tests/fast_path/test_step_kernels.py::test_long_float_rows_streamed_from_dram_are_read_in_pairs",),
     ),
     Mutation(
+        "gpn bench's generate() timings decoding to the end (the model's end token stops them)",
+        "modeling_gpn/bench/timing.py",
+        "do_sample=False, eos_token_id=[], pad_token_id=0",
+        "do_sample=False, eos_token_id=None, pad_token_id=0",
+        ("tests/tools/test_bench.py::test_generate_timings_decode_to_the_end_without_logits_processors",),
+    ),
+    Mutation(
+        "gpn bench's generate() timings without logits processors (min_new_tokens forces the length)",
+        "modeling_gpn/bench/timing.py",
+        "max_new_tokens=new_tokens, min_new_tokens=None,",
+        "max_new_tokens=new_tokens, min_new_tokens=new_tokens,",
+        ("tests/tools/test_bench.py::test_generate_timings_decode_to_the_end_without_logits_processors",),
+    ),
+    Mutation(
         "huge pages (weights streamed from DRAM left on 4 KB pages)",
         "modeling_gpn/memory_kernels.py",
         "    if madvise is None or not huge_pages_enabled():\n        return 0\n",

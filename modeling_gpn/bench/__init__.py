@@ -5,7 +5,8 @@ step must read over the read bandwidth measured in the same run).
 
 Every figure is the median of `--repeats` timed runs after one warm-up. Training is forward + backward +
 AdamW step on random tokens (the fast path uses the chunked loss, `return_logits=False`). Decode is
-measured through `generate()` (greedy, batch 1) with a streamer that timestamps every new token: prefill
+measured through `generate()` (greedy, batch 1, with no end-of-sequence token, so that nothing stops it early
+and no logits processor runs: `greedy_without_end`) with a streamer that timestamps every new token: prefill
 is the time to the first new token, decode the median gap between later tokens. The one-token step is a
 forward of one token with its cache. Peak memory is `torch.cuda.max_memory_allocated` on CUDA and the peak
 resident-set growth during the call on CPU (polled every 2 ms after returning freed memory to the OS).
@@ -26,6 +27,7 @@ from .timing import (
     TokenTimes,
     cache_nbytes,
     generate_timings,
+    greedy_without_end,
     memory_kernels_state,
     one_token_step_fn,
     release_reused_buffers,
@@ -51,6 +53,7 @@ __all__ = [
     "fmt",
     "forward_flops_per_token",
     "generate_timings",
+    "greedy_without_end",
     "matched_llama",
     "measure",
     "memory_kernels_state",

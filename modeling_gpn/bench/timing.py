@@ -4,6 +4,7 @@ ran on while a timing ran."""
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import gc
 import statistics
@@ -162,9 +163,22 @@ class BackendProbe:
         return False
 
 
+def greedy_without_end(model, new_tokens: int, **settings):
+    """A copy of `model.generation_config` for greedy decoding of exactly `new_tokens` tokens: an empty list of
+    end-of-sequence tokens (None would mean "the model's"), so nothing stops it early. (`min_new_tokens` would
+    do the same by masking the end token's logit at every step: two logits processors that cost more than a
+    small GPN's whole step and that a plain `generate()` call does not run.) `settings`: other fields
+    (`return_dict_in_generate`, ...)."""
+    config = copy.deepcopy(model.generation_config)
+    config.update(
+        max_new_tokens=new_tokens, min_new_tokens=None, do_sample=False, eos_token_id=[], pad_token_id=0, **settings
+    )
+    return config
+
+
 def generate_timings(model, prompt: torch.Tensor, args) -> tuple[float, list[float], int]:
-    """One greedy generate() call: (seconds to the first new token, gaps between the later tokens,
-    bytes of the cache it ended with)."""
+    """One greedy generate() call of `args.decode_tokens` tokens (`greedy_without_end`): (seconds to the
+    first new token, gaps between the later tokens, bytes of the cache it ended with)."""
     device = args.device
     streamer = TokenTimes(device)
     synchronize(device)
@@ -172,12 +186,8 @@ def generate_timings(model, prompt: torch.Tensor, args) -> tuple[float, list[flo
     out = model.generate(
         prompt,
         attention_mask=torch.ones_like(prompt),
-        max_new_tokens=args.decode_tokens,
-        min_new_tokens=args.decode_tokens,
-        do_sample=False,
+        generation_config=greedy_without_end(model, args.decode_tokens, return_dict_in_generate=True),
         streamer=streamer,
-        pad_token_id=0,
-        return_dict_in_generate=True,
     )
     stamps = streamer.stamps  # [prompt, token 1, token 2, ...]
     cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)

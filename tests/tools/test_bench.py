@@ -123,3 +123,29 @@ def test_bench_states_every_batch_one_figure_against_its_byte_limit(tmp_path, ca
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
     assert "the byte limit" in capsys.readouterr().out
+
+
+def test_generate_timings_decode_to_the_end_without_logits_processors(monkeypatch):
+    """`gpn bench` times generate() for exactly `--decode-tokens` tokens even where greedy decoding reaches the
+    model's end-of-sequence token at once, and with no logits processor at any step: the per-token time is a
+    plain generate() call's (`min_new_tokens` would mask the end token at every step)."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers.generation import LogitsProcessorList
+
+    from modeling_gpn.bench import generate_timings
+
+    from ..tiny_models import perturbed_model, tiny_config
+
+    model = perturbed_model(tiny_config(), seed=48).eval()
+    prompt = torch.randint(1, 97, (1, 5), generator=torch.Generator().manual_seed(49))
+    with torch.no_grad():
+        first = int(model(prompt).logits[0, -1].argmax())
+    model.generation_config.eos_token_id = first  # (a plain greedy call stops after one token)
+    assert model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0).shape[1] == 6
+    processors = []
+    call = LogitsProcessorList.__call__
+    monkeypatch.setattr(LogitsProcessorList, "__call__", lambda self, *a: processors.extend(self) or call(self, *a))
+    to_first, gaps, _ = generate_timings(model, prompt, SimpleNamespace(device="cpu", decode_tokens=6))
+    assert len(gaps) == 5 and to_first > 0 and processors == []
