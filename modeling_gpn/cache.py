@@ -118,6 +118,18 @@ class ReadFingerprint:
         else:
             shifted.copy_(folded)
 
+    def step_hash(self, rows: int) -> tuple[torch.Tensor, tuple[int, int], int] | None:
+        """What a decode step of `rows` rows, every one real, may advance itself as `record` would: the held
+        (rows, 2) int64 residues, each column s = (s * base + id) mod modulus, with the two bases and the modulus
+        (a kernel that reads the ids anyway does it in place of two torch calls); None where only `record` may
+        (unknown, nothing read yet, another number of rows, not a contiguous CPU tensor)."""
+        shifted = self.shifted
+        if not self.known or shifted is None or shifted.shape != (rows, 2) or not shifted.is_cpu:
+            return None
+        if shifted.dtype is not torch.int64 or not shifted.is_contiguous():
+            return None
+        return shifted, _FINGERPRINT_BASES, _FINGERPRINT_MODULUS
+
     def forget(self) -> None:
         self.known = False
 
@@ -243,13 +255,19 @@ class GPNCache(Cache):
             seen = torch.zeros((), dtype=torch.int64)
         self.state_layer.seen_tokens = seen + num_new_tokens
 
-    def advanced_in_place(self, token_ids: torch.Tensor) -> None:
+    def advanced_in_place(self, token_ids: torch.Tensor, hashed: bool = False) -> None:
         """Count the positions `token_ids` (batch, seq), every one real, that a call read and wrote straight into
         `state_buffers()` (the one-call decode, never traced), and fold them into the fingerprint: what
-        `update_state` and `record_read` do after a call that returns its state, without the copies."""
+        `update_state` and `record_read` do after a call that returns its state, without the copies.
+        `hashed`: the call folded them in itself (`step_hash`)."""
         layer = self.state_layer
         layer.seen_tokens += token_ids.shape[1]
-        layer.fingerprint.record(token_ids, None)
+        if not hashed:
+            layer.fingerprint.record(token_ids, None)
+
+    def step_hash(self, rows: int) -> tuple[torch.Tensor, tuple[int, int], int] | None:
+        """The fingerprint's residues a decode step of `rows` rows may advance itself (`ReadFingerprint.step_hash`)."""
+        return self.state_layer.fingerprint.step_hash(rows)
 
     def record_read(self, token_ids: torch.Tensor | None, mask: torch.Tensor | None) -> None:
         """Fold the positions just read into the cache's fingerprint, in place (`token_ids` None: positions

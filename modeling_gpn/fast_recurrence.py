@@ -462,15 +462,18 @@ def fast_decode_token(lm, input_ids: torch.Tensor, attention_mask, cache, norm_c
             return None
         plan, derived = lane.plan, scope.entries
         key = _decoded_key(derived, plan, g0) if plan.step_plan.memory else None
+        ids_hash = cache.step_hash(rows)  # (the cache's fingerprint, folded by the same call)
         try:
-            logits = plan(input_ids.view(-1), StepState(p0, g0, key, M0))  # (the cache's state, advanced in place)
+            logits = plan(
+                input_ids.reshape(-1).contiguous(), StepState(p0, g0, key, M0), ids_hash
+            )  # (the state advanced in place)
         except KernelRefusal:
             return None
         except IndexError:  # an id outside the vocabulary: the forward's own check says which
             model.check_input_ids(input_ids)
             raise
         derived["decoded key"] = (g0, g0._version, plan.key)
-    cache.advanced_in_place(input_ids)
+    cache.advanced_in_place(input_ids, hashed=ids_hash is not None)
     cache._gpn_model_ref = weakref.ref(model)  # whose state this is, for GPNCache.save
     keep_with(model, cache, scope)
     object.__setattr__(model, "last_recurrence_path", "fast")

@@ -1009,14 +1009,22 @@ typedef struct {
     float *u, *decoded;                    /* (B, d) token inputs, (B, e) decoder outputs */
 } gpn_decode_plan;
 
+/* hash: NULL, or (B, 2) residues that the ids are folded into, h = (h * base + id) mod modulus per column (the
+   cache's fingerprint of what it read: two ops on a few numbers, which as torch calls cost more than a small
+   step's norms); base, modulus < 2^31, so every product fits */
 int gpn_decode(const gpn_step_plan *P, const gpn_decode_plan *D, const i64 *ids, const float *p, const float *g,
                const float *key_in, const float *M, float *p_out, float *g_out, float *key_out, float *M_out,
-               int threads)
+               i64 *hash, i64 base0, i64 base1, i64 modulus, int threads)
 {
     const i64 B = D->B, e = D->e, d = P->d;
     const float eps = (float)P->eps;
     for (i64 b = 0; b < B; b++)
         if (ids[b] < 0 || ids[b] >= D->vocab) return 1;  /* (the caller checks them; never read outside the table) */
+    if (hash)
+        for (i64 b = 0; b < B; b++) {
+            hash[2 * b] = (hash[2 * b] * base0 + ids[b]) % modulus;
+            hash[2 * b + 1] = (hash[2 * b + 1] * base1 + ids[b]) % modulus;
+        }
     #pragma omp parallel num_threads(threads)
     {
         /* u = W_fuse rms(E[x]) */
@@ -1215,7 +1223,7 @@ def _load_verified(folder: Path, key: str) -> ctypes.CDLL:
     lib.gpn_step.restype = None
     lib.gpn_steps.argtypes = [p, i64, *[p] * 11, ctypes.c_int]
     lib.gpn_steps.restype = None
-    lib.gpn_decode.argtypes = [*[p] * 11, ctypes.c_int]
+    lib.gpn_decode.argtypes = [*[p] * 12, i64, i64, i64, ctypes.c_int]
     lib.gpn_decode.restype = ctypes.c_int
     lib.gpn_read_probe.argtypes = [p, i64, ctypes.c_int]
     lib.gpn_read_probe.restype = f
@@ -2096,6 +2104,15 @@ class _DecodePlanStruct(ctypes.Structure):  # gpn_decode_plan
     _fields_ += [("phases", _i64 * 6), ("slots", _Slot * 3), ("u", _ptr), ("decoded", _ptr)]
 
 
+class IdsHash(NamedTuple):
+    """Residues (B, 2) int64 that a decoded token's ids are folded into in place, each column as
+    `h = (h * base + id) mod modulus` (what a `GPNCache` keeps of the positions it read, `ReadFingerprint`)."""
+
+    residues: torch.Tensor
+    bases: tuple[int, int]
+    modulus: int
+
+
 class DecodePlan:
     """A decoded token of a causal LM in one C call (`gpn_decode`): the token's embedding row, W_fuse rms(E[x]),
     the whole step (`StepPlan`'s), W_dec rms(p') (+ b_dec) and the logits against the output matrix, on the
@@ -2179,16 +2196,25 @@ class DecodePlan:
         plan.u, plan.decoded = self.u.data_ptr(), self.decoded.data_ptr()
         self._plan, self._keep = plan, (table, fuse, decoder, head, slots)
 
-    def __call__(self, ids: torch.Tensor, state: StepState) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, state: StepState, ids_hash: IdsHash | None = None) -> torch.Tensor:
         """The logits (B, vocab) of the tokens `ids` (B,) int64 read from `state`, whose p, g and memory it
         advances in place to the state after them; the new g's key goes to `self.key`. `state.key` is the key of
-        `state.g` (it may be `self.key`, as the last call left it), or None: computed here. Raises IndexError for
-        an id outside [0, vocab), having computed (and changed) nothing."""
+        `state.g` (it may be `self.key`, as the last call left it), or None: computed here. `ids_hash`: residues
+        the ids are folded into as well, in place (`IdsHash`). Raises IndexError for an id outside [0, vocab),
+        having computed (and changed) nothing."""
         d, f, H, dk, dv, L = self.step_plan.sizes
         B, memory = self.rows, self.step_plan.memory
         p, g, key, M = state
         if ids.dtype is not torch.int64 or ids.shape != (B,) or not ids.is_cpu or not ids.is_contiguous():
             _refuse(f"token ids of dtype {ids.dtype} and shape {tuple(ids.shape)}; expected ({B},) int64 on the CPU")
+        if ids_hash is not None:
+            residues, (base0, base1), modulus = ids_hash
+            if residues.dtype is not torch.int64 or residues.shape != (B, 2) or not residues.is_cpu:
+                _refuse(
+                    f"an ids hash of dtype {residues.dtype} and shape {tuple(residues.shape)}; expected ({B}, 2) int64"
+                )
+            if not residues.is_contiguous() or not 0 < max(base0, base1) < 2**31 or not 1 < modulus < 2**31:
+                _refuse("an ids hash that is not contiguous, or bases or a modulus outside (0, 2^31)")
         for name, tensor in (("p", p), ("g", g)):
             _check(tensor, name, shape=(B, d), contiguous=True)
         if memory:
@@ -2207,13 +2233,17 @@ class DecodePlan:
             g.data_ptr(),
             self.key.data_ptr() if memory else None,
             M.data_ptr() if memory else None,
+            ids_hash[0].data_ptr() if ids_hash is not None else None,
+            *(ids_hash[1] if ids_hash is not None else (0, 0)),
+            ids_hash[2] if ids_hash is not None else 0,
             torch.get_num_threads(),
         )
         if outside:
             raise IndexError(f"a token id of {ids.tolist()} is outside the vocabulary of {self.vocab}")
         # written in place behind torch's back: their version counters say so (a graph that saved one refuses
         # to run its backward, as after any in-place write)
-        increment_version((p, g, M, self.key) if memory else (p, g))
+        written = (p, g, M, self.key) if memory else (p, g)
+        increment_version(written if ids_hash is None else (*written, ids_hash[0]))
         calls["step"] += 1
         calls["int8 step"] += self.step_plan.int8
         calls["decode"] += 1

@@ -214,6 +214,27 @@ MUTATIONS = [
         ("tests/tools/test_bench.py::test_generate_timings_decode_to_the_end_without_logits_processors",),
     ),
     Mutation(
+        "the one call's fold of its tokens into the cache's fingerprint",
+        "modeling_gpn/memory_kernels.py",
+        "            hash[2 * b + 1] = (hash[2 * b + 1] * base1 + ids[b]) % modulus;\n",
+        "            hash[2 * b + 1] = (hash[2 * b + 1] * base1 + ids[b] + 1) % modulus;\n",
+        ("tests/fast_path/test_decode_call.py -k folds_the_tokens",),
+    ),
+    Mutation(
+        "the one call folding the tokens itself (the cache's two torch ops instead)",
+        "modeling_gpn/cache.py",
+        "        if not self.known or shifted is None or shifted.shape != (rows, 2) or not shifted.is_cpu:\n",
+        "        if True:\n",
+        ("tests/fast_path/test_decode_call.py -k folds_the_tokens",),
+    ),
+    Mutation(
+        "the one call for token ids that are not contiguous (a column of a prompt)",
+        "modeling_gpn/fast_recurrence.py",
+        "input_ids.reshape(-1).contiguous()",
+        "input_ids.view(-1)",
+        ("tests/fast_path/test_decode_call.py::test_the_one_call_folds_the_tokens_into_the_caches_fingerprint[3]",),
+    ),
+    Mutation(
         "huge pages (weights streamed from DRAM left on 4 KB pages)",
         "modeling_gpn/memory_kernels.py",
         "    if madvise is None or not huge_pages_enabled():\n        return 0\n",

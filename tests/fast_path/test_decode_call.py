@@ -56,6 +56,27 @@ def test_generate_decodes_in_one_call_as_the_step_and_products_do(one_thread, mo
     assert (fast.float().log_softmax(-1) - plain.float().log_softmax(-1)).abs().max() < tolerance
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_one_call_folds_the_tokens_into_the_caches_fingerprint(one_thread, model, monkeypatch, rows):
+    """A decode loop whose tokens each run in one C call (column slices of a prompt tensor too, which are not
+    contiguous) leaves its cache the fingerprint of every position it read (`token_fingerprint` of the whole
+    sequence, which `generate()` reads to tell a continuation from the whole sequence): the call folds each
+    token in itself, and the cache's own fold (two torch ops) never runs."""
+    from modeling_gpn.cache import ReadFingerprint, token_fingerprint
+
+    ids = torch.randint(1, 97, (rows, 9), generator=torch.Generator().manual_seed(50))
+    with torch.no_grad():
+        cache = model(ids[:, :5], use_cache=True).cache
+        folded = []
+        record = ReadFingerprint.record
+        monkeypatch.setattr(ReadFingerprint, "record", lambda self, *a: folded.append(a) or record(self, *a))
+        with ran(FAST_PATH, DECODE_CALLS, not_ran=(PLAIN_PATH,)):
+            for t in range(5, 9):
+                cache = model(ids[:, t : t + 1], cache=cache, use_cache=True).cache
+    assert folded == [] and cache.get_seq_length() == 9
+    assert torch.equal(cache.read_fingerprint(), token_fingerprint(ids, None))
+
+
 def test_beam_search_and_many_rows(one_thread, model, monkeypatch):
     """Beam search (its cache reordered between the calls) decodes in one call per token = without it; a batch
     beyond the kernels' rows (17) runs the forward as usual."""
