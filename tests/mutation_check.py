@@ -143,7 +143,7 @@ MUTATIONS = [
     Mutation(
         "one-call decode (the state written in place without its version counters bumped)",
         "modeling_gpn/memory_kernels.py",
-        "        increment_version((p, g, M, self.key) if memory else (p, g))\n",
+        "        increment_version(written if ids_hash is None else (*written, ids_hash[0]))\n",
         "        pass  # MUTATION\n",
         ("tests/fast_path/test_decode_call.py::test_a_graph_that_saved_the_state_refuses_its_backward",),
     ),
