@@ -462,11 +462,10 @@ def fast_decode_token(lm, input_ids: torch.Tensor, attention_mask, cache, norm_c
             return None
         plan, derived = lane.plan, scope.entries
         key = _decoded_key(derived, plan, g0) if plan.step_plan.memory else None
+        ids = input_ids.reshape(-1).contiguous()  # (a column sliced from a prompt is not contiguous)
         ids_hash = cache.step_hash(rows)  # (the cache's fingerprint, folded by the same call)
         try:
-            logits = plan(
-                input_ids.reshape(-1).contiguous(), StepState(p0, g0, key, M0), ids_hash
-            )  # (the state advanced in place)
+            logits = plan(ids, StepState(p0, g0, key, M0), ids_hash)  # (the cache's state, advanced in place)
         except KernelRefusal:
             return None
         except IndexError:  # an id outside the vocabulary: the forward's own check says which

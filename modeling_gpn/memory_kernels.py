@@ -2213,7 +2213,8 @@ class DecodePlan:
                 _refuse(
                     f"an ids hash of dtype {residues.dtype} and shape {tuple(residues.shape)}; expected ({B}, 2) int64"
                 )
-            if not residues.is_contiguous() or not 0 < max(base0, base1) < 2**31 or not 1 < modulus < 2**31:
+            fits = 0 < min(base0, base1) and max(base0, base1) < 2**31 and 1 < modulus < 2**31  # (no overflow)
+            if not residues.is_contiguous() or not fits:
                 _refuse("an ids hash that is not contiguous, or bases or a modulus outside (0, 2^31)")
         for name, tensor in (("p", p), ("g", g)):
             _check(tensor, name, shape=(B, d), contiguous=True)

@@ -221,6 +221,13 @@ MUTATIONS = [
         ("tests/fast_path/test_decode_call.py -k folds_the_tokens",),
     ),
     Mutation(
+        "the one call's check of an ids hash's bases and modulus (whose products must fit in int64)",
+        "modeling_gpn/memory_kernels.py",
+        "            if not residues.is_contiguous() or not fits:\n",
+        "            if not residues.is_contiguous():\n",
+        ("tests/fast_path/test_decode_call.py::test_an_ids_hash_that_does_not_fit_is_refused",),
+    ),
+    Mutation(
         "the one call folding the tokens itself (the cache's two torch ops instead)",
         "modeling_gpn/cache.py",
         "        if not self.known or shifted is None or shifted.shape != (rows, 2) or not shifted.is_cpu:\n",
@@ -230,8 +237,8 @@ MUTATIONS = [
     Mutation(
         "the one call for token ids that are not contiguous (a column of a prompt)",
         "modeling_gpn/fast_recurrence.py",
-        "input_ids.reshape(-1).contiguous()",
-        "input_ids.view(-1)",
+        "ids = input_ids.reshape(-1).contiguous()",
+        "ids = input_ids.view(-1)",
         ("tests/fast_path/test_decode_call.py::test_the_one_call_folds_the_tokens_into_the_caches_fingerprint[3]",),
     ),
     Mutation(

@@ -77,6 +77,38 @@ def test_the_one_call_folds_the_tokens_into_the_caches_fingerprint(one_thread, m
     assert torch.equal(cache.read_fingerprint(), token_fingerprint(ids, None))
 
 
+def test_an_ids_hash_that_does_not_fit_is_refused(one_thread, model):
+    """The one call folds its ids only into (rows, 2) int64 residues, with bases and a modulus in (0, 2^31) (so
+    that every product fits in int64): anything else is refused before anything is computed. One that fits
+    becomes (h * base + id) mod modulus."""
+    from modeling_gpn import memory_kernels as mk
+    from modeling_gpn.recurrence_step import StepState
+
+    m = model.model
+    with torch.no_grad():
+        p, g, M = model(torch.tensor([[1, 2, 3]]), use_cache=True).cache.state_buffers()
+        step = mk.StepPlan(m, 1)
+        plan = mk.DecodePlan(
+            step, m.embed_tokens.weight, m.config.vocab_size, m.fuse_norm.weight, m.fuse_proj, m.decode_norm.weight,
+            m.decode_proj, model.lm_head.weight,
+        )  # fmt: skip
+        before = [t.clone() for t in (p, g, M)]
+        residues = torch.tensor([[4, 6]])
+        for bad in (
+            (torch.zeros(2, 2, dtype=torch.int64), (3, 5), 7),
+            (torch.zeros(1, 2), (3, 5), 7),
+            (torch.zeros(1, 4, dtype=torch.int64)[:, ::2], (3, 5), 7),
+            (residues, (0, 5), 7),
+            (residues, (3, 2**31), 7),
+            (residues, (3, 5), 2**31),
+        ):
+            with pytest.raises(mk.KernelRefusal, match="ids hash"):
+                plan(torch.tensor([5]), StepState(p, g, None, M), bad)
+        assert all(torch.equal(a, b) for a, b in zip(before, (p, g, M))) and residues.tolist() == [[4, 6]]
+        plan(torch.tensor([5]), StepState(p, g, None, M), (residues, (3, 5), 7))
+    assert residues.tolist() == [[(4 * 3 + 5) % 7, (6 * 5 + 5) % 7]]
+
+
 def test_beam_search_and_many_rows(one_thread, model, monkeypatch):
     """Beam search (its cache reordered between the calls) decodes in one call per token = without it; a batch
     beyond the kernels' rows (17) runs the forward as usual."""
@@ -208,15 +240,17 @@ def test_int8_weights_edited_between_two_calls_are_seen(one_thread, edit):
 
 
 def test_bad_ids_and_padded_tokens(one_thread, model):
-    """An id outside the vocabulary is refused with the forward's own message, before anything is computed;
+    """An id outside the vocabulary is refused with the forward's own message, before anything is computed (nor
+    folded into the cache's fingerprint);
     a token whose mask column is 0 (padding) keeps its row's state, as the forward's masked step does."""
     with torch.no_grad():
         cache = model(torch.tensor([[1, 2, 3], [4, 5, 6]]), use_cache=True).cache
         seen = cache.get_seq_length()
+        read = cache.read_fingerprint()
         for bad in (97, -1):
             with pytest.raises(ValueError, match="outside the vocabulary"):
                 model(torch.tensor([[5], [bad]]), cache=cache, use_cache=True)
-        assert cache.get_seq_length() == seen
+        assert cache.get_seq_length() == seen and torch.equal(cache.read_fingerprint(), read)
         before = cache.get_state()
         mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
         with ran(FAST_PATH, not_ran=(DECODE_CALLS,)):
