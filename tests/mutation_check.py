@@ -242,6 +242,13 @@ MUTATIONS = [
         ("tests/fast_path/test_decode_call.py::test_the_one_call_folds_the_tokens_into_the_caches_fingerprint[3]",),
     ),
     Mutation(
+        "a decoded token's inputs built by the GPN (transformers' generic preparation instead)",
+        "modeling_gpn/modeling_gpn.py",
+        "            next_sequence_length == 1\n            and not is_first_iteration\n",
+        "            next_sequence_length == -1\n            and not is_first_iteration\n",
+        ("tests/model/test_generate.py -k transformers_own",),
+    ),
+    Mutation(
         "huge pages (weights streamed from DRAM left on 4 KB pages)",
         "modeling_gpn/memory_kernels.py",
         "    if madvise is None or not huge_pages_enabled():\n        return 0\n",

@@ -139,3 +139,46 @@ def test_generate_does_not_inspect_the_forward_at_every_token(model, monkeypatch
     model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=8, do_sample=False)
     assert model.is_remote_code() and sum(func is GPNForCausalLM.forward for func in built) <= 1
     assert str(GPNForCausalLM.forward.__signature__) == str(from_function(inspect.Signature, GPNForCausalLM.forward))
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sample", "beams", "padded"])
+def test_a_decoded_tokens_inputs_are_transformers_own(model, monkeypatch, mode):
+    """A GPN builds a decoded token's inputs itself (`prepare_inputs_for_generation`; transformers' generic
+    version asks the config and the model's device at every token): at every token of generate() they are the
+    inputs transformers' own version gives (the same keys, equal contiguous tensors, the same cache), and
+    transformers' version is called for the prompt's only."""
+    import functools
+
+    from transformers import GenerationMixin
+
+    from modeling_gpn import GPNForCausalLM
+
+    generic, own = GenerationMixin.prepare_inputs_for_generation, GPNForCausalLM.prepare_inputs_for_generation
+    delegated, compared = [], []
+    monkeypatch.setattr(
+        GenerationMixin, "prepare_inputs_for_generation", lambda *a, **k: delegated.append(1) or generic(*a, **k)
+    )
+
+    @functools.wraps(own)
+    def both(self, *args, **kwargs):
+        mine, theirs = own(self, *args, **kwargs), generic(self, *args, **kwargs)
+        assert mine.keys() == theirs.keys()
+        for key, value in mine.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, theirs[key]) and value.is_contiguous(), key
+            else:
+                assert value is theirs[key] or value == theirs[key], key
+        compared.append(mine["input_ids"].shape)
+        return mine
+
+    monkeypatch.setattr(GPNForCausalLM, "prepare_inputs_for_generation", both)
+    prompt = torch.randint(1, 97, (2, 6), generator=torch.Generator().manual_seed(52))
+    mask = torch.ones_like(prompt)
+    settings = {"greedy": {}, "sample": {"do_sample": True}, "beams": {"num_beams": 2}, "padded": {}}[mode]
+    if mode == "padded":
+        mask[1, :2] = 0
+        prompt[1, :2] = PAD
+    torch.manual_seed(53)
+    model.generate(prompt, attention_mask=mask, max_new_tokens=5, **({"do_sample": False} | settings))
+    rows = 4 if mode == "beams" else 2
+    assert compared == [torch.Size([rows, 6])] + [torch.Size([rows, 1])] * 4 and delegated == [1]  # (the prompt's)
