@@ -1095,7 +1095,7 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             and isinstance(cache, GPNCache)
             and cache.has_state
             and kwargs.keys() <= {"use_cache", "logits_to_keep"}
-            and input_ids.device == cache.state_buffers()[0].device  # (transformers' would move it there)
+            and input_ids.device == cache.state_buffers()[0].device  # (else transformers moves them to the model)
         ):
             inputs = {"input_ids": input_ids[:, -1:].clone(memory_format=torch.contiguous_format), "cache": cache}
             if attention_mask is not None:
