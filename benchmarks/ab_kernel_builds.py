@@ -28,13 +28,11 @@ from modeling_gpn.bench import ReadProbe, build_gpn, one_token_step_fn, prefill_
 
 def build(extra_flags: str, folder: str):
     """The kernels compiled with `extra_flags` added, cached in `folder` (this user's own, as the module asks)."""
-    flags, cache = memory_kernels._FLAGS, os.environ.get("GPN_KERNEL_CACHE")
+    cache = os.environ.get("GPN_KERNEL_CACHE")
     os.environ["GPN_KERNEL_CACHE"] = folder
-    memory_kernels._FLAGS = [*flags, *extra_flags.split()]
     try:
-        return memory_kernels._compile()
+        return memory_kernels.variant(tuple(extra_flags.split()))
     finally:
-        memory_kernels._FLAGS = flags
         if cache is None:
             os.environ.pop("GPN_KERNEL_CACHE")
         else:

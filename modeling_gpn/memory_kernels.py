@@ -259,6 +259,9 @@ AVX512-VNNI on the integer dot products, the input rounded to 16 bits: see quant
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define GPN_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define GPN_AVX2 1
 #endif
 
 enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_I8 = 2 };
@@ -289,6 +292,24 @@ static inline uint16_t float_to_bf16_bits(float f)  /* round to nearest even, as
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 static inline float round_bf16(float f) { return bf16_bits_to_float(float_to_bf16_bits(f)); }
+/* The shift of an input row of int8 products on integer sums (VNNI's, AVX2's), from its largest |x|: x_q, the
+   integers nearest x 2^sh, then have 16,256 <= max |x_q| <= 32,512 */
+static inline int input_shift(float largest)
+{
+    int e = 0, sh = 0;
+    if (largest > 0.f) {
+        (void)frexpf(largest, &e);  /* largest = f 2^e, f in [0.5, 1) */
+        sh = 15 - e;
+        if (ldexp((double)largest, sh) > 32512.0) sh--;
+    }
+    return sh;
+}
+static inline float weight_at(const void *w, const int kind, i64 k)
+{
+    if (kind == KIND_F32) return ((const float *)w)[k];
+    if (kind == KIND_I8) return (float)((const int8_t *)w)[k];
+    return bf16_bits_to_float(((const uint16_t *)w)[k]);
+}
 
 #ifdef GPN_AVX512
 static inline __attribute__((always_inline)) __m512 load_weights(const void *w, const int kind, i64 k, __mmask16 m)
@@ -483,12 +504,7 @@ static const gpn_quantized *quantize_input(const gpn_segment *sg, i64 B)
         }
         if (bad) { q->finite = 0; break; }
         const float largest = _mm512_reduce_max_ps(top);
-        int e = 0, sh = 0;
-        if (largest > 0.f) {
-            (void)frexpf(largest, &e);  /* largest = f 2^e, f in [0.5, 1) */
-            sh = 15 - e;
-            if (ldexp((double)largest, sh) > 32512.0) sh--;
-        }
+        const int sh = input_shift(largest);
         const __m512 shift = _mm512_set1_ps((float)sh);
         __m512i hs = _mm512_setzero_si512(), ls = hs;
         for (i64 k = 0; k < width; k += 16) {
@@ -605,15 +621,276 @@ static inline float vnni_row(const int8_t *row, const gpn_quantized *q, i64 K, i
     return vnni_dot(q, 0, four[0] + four[1], four[2] + four[3]);
 }
 
+#define GPN_QUANTIZED 1
+#define quantized_block vnni_block
+#define quantized_row vnni_row
+enum { QUANTIZED_MAX_ROWS = VNNI_MAX_ROWS, QUANTIZED_MAX_COLS = VNNI_MAX_COLS };
 #endif
 
-#else
-static inline float weight_at(const void *w, const int kind, i64 k)
+#elif defined(GPN_AVX2)
+/* AVX2 with FMA (x86 CPUs without AVX-512: AMD's before Zen 4, Intel's client cores): the same products on
+   vectors of 8 floats, with the same layout of the work. There are no masked loads of bytes, so the elements
+   past a row's last whole vector are summed in scalar code and added after the vector sums. */
+static inline __attribute__((always_inline)) __m256 load_weights(const void *w, const int kind, i64 k)
 {
-    if (kind == KIND_F32) return ((const float *)w)[k];
-    if (kind == KIND_I8) return (float)((const int8_t *)w)[k];
-    return bf16_bits_to_float(((const uint16_t *)w)[k]);
+    if (kind == KIND_F32) return _mm256_loadu_ps((const float *)w + k);
+    if (kind == KIND_I8)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)w + k))));
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + k))), 16));
 }
+
+static inline float sum8(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* sums[i][b] = <row i, x_b> for NR weight rows and NB batch rows (constants where it is inlined); NR NB <= 8
+   accumulators, doubled where there are four or fewer (the multiply-add latency needs eight chains in flight),
+   of the 16 registers */
+static inline __attribute__((always_inline)) void dot_grid(const void *const rows[], const int NR, const int KIND,
+                                                           const float *const xs[], i64 K, const int NB,
+                                                           float sums[4][4])
+{
+    const int PAR = NR * NB <= 4 ? 2 : 1;
+    const i64 ES = KIND == KIND_F32 ? 4 : KIND == KIND_BF16 ? 2 : 1;
+    __m256 acc[2][4][4];
+    for (int s = 0; s < PAR; s++)
+        for (int i = 0; i < NR; i++)
+            for (int b = 0; b < NB; b++) acc[s][i][b] = _mm256_setzero_ps();
+    i64 k = 0;
+    for (; k + 8 * PAR <= K; k += 8 * PAR) {
+        if (PREFETCH && ((k * ES) & 63) < 8 * PAR * ES)  /* once a line: the same columns of the next block */
+            for (int i = 0; i < NR; i++) _mm_prefetch((const char *)rows[i] + (4 * K + k) * ES, _MM_HINT_T0);
+        for (int s = 0; s < PAR; s++) {
+            __m256 xv[4];
+            for (int b = 0; b < NB; b++) xv[b] = _mm256_loadu_ps(xs[b] + k + 8 * s);
+            for (int i = 0; i < NR; i++) {
+                const __m256 wv = load_weights(rows[i], KIND, k + 8 * s);
+                for (int b = 0; b < NB; b++) acc[s][i][b] = _mm256_fmadd_ps(wv, xv[b], acc[s][i][b]);
+            }
+        }
+    }
+    for (; k + 8 <= K; k += 8)
+        for (int i = 0; i < NR; i++) {
+            const __m256 wv = load_weights(rows[i], KIND, k);
+            for (int b = 0; b < NB; b++) acc[0][i][b] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[b] + k), acc[0][i][b]);
+        }
+    for (int i = 0; i < NR; i++)
+        for (int b = 0; b < NB; b++) {
+            float s = sum8(PAR == 2 ? _mm256_add_ps(acc[0][i][b], acc[1][i][b]) : acc[0][i][b]);
+            for (i64 t = k; t < K; t++) s += weight_at(rows[i], KIND, t) * xs[b][t];
+            sums[i][b] = s;
+        }
+}
+
+/* sums[i][b] = <row i, x_b> for 4 weight rows and NB batch rows: all four rows at once against one or two batch
+   rows, two at a time against three or four (the accumulators must fit the registers) */
+static inline __attribute__((always_inline)) void dot_block(
+    const void *const rows[4], const int KIND, const float *const xs[4], const uint16_t *const xbs[4], i64 K,
+    const int NB, float sums[4][4])
+{
+    (void)xbs;
+    if (NB <= 2) {
+        dot_grid(rows, 4, KIND, xs, K, NB, sums);
+        return;
+    }
+    float upper[4][4];
+    dot_grid(rows, 2, KIND, xs, K, NB, sums);
+    dot_grid(rows + 2, 2, KIND, xs, K, NB, upper);
+    for (int b = 0; b < NB; b++) { sums[2][b] = upper[0][b]; sums[3][b] = upper[1][b]; }
+}
+
+/* <rows[i], x> for NR = 1 or 2 rows and one batch row, each row read as one sequential stream (four
+   accumulators a row, 32 weights a round). Two rows share each load of the input (`paired_rows`); each row's
+   sum is the one it has alone, to the bit. */
+static inline __attribute__((always_inline)) void dot_rows(const void *const rows[2], const int NR, const int KIND,
+                                                           const float *x, const uint16_t *xb, i64 K, const int FAR,
+                                                           float sums[2])
+{
+    (void)xb;
+    const i64 ES = KIND == KIND_F32 ? 4 : KIND == KIND_BF16 ? 2 : 1;
+    __m256 acc[2][4];
+    for (int i = 0; i < NR; i++)
+        for (int a = 0; a < 4; a++) acc[i][a] = _mm256_setzero_ps();
+    i64 k = 0;
+    for (; k + 32 <= K; k += 32) {
+        for (int i = 0; i < NR; i++)
+            if (FAR && KIND != KIND_I8)
+                for (i64 line = 0; line < 32 * ES; line += 64)
+                    _mm_prefetch((const char *)rows[i] + ES * k + line + FAR_AHEAD, _MM_HINT_T2);
+        for (int a = 0; a < 4; a++) {
+            const __m256 xv = _mm256_loadu_ps(x + k + 8 * a);
+            for (int i = 0; i < NR; i++) acc[i][a] = _mm256_fmadd_ps(load_weights(rows[i], KIND, k + 8 * a), xv, acc[i][a]);
+        }
+    }
+    const i64 whole = k;
+    for (int i = 0; i < NR; i++) {
+        k = whole;
+        for (int a = 0; k + 8 <= K; k += 8, a++)
+            acc[i][a] = _mm256_fmadd_ps(load_weights(rows[i], KIND, k), _mm256_loadu_ps(x + k), acc[i][a]);
+        float s = sum8(_mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]), _mm256_add_ps(acc[i][2], acc[i][3])));
+        for (i64 t = k; t < K; t++) s += weight_at(rows[i], KIND, t) * x[t];
+        sums[i] = s;
+    }
+}
+
+static inline __attribute__((always_inline)) float dot_row(const void *row, const int KIND, const float *x, const uint16_t *xb, i64 K,
+                                                            const int FAR)
+{
+    const void *rows[2] = {row, row};
+    float sums[2];
+    dot_rows(rows, 1, KIND, x, xb, K, FAR, sums);
+    return sums[0];
+}
+#define GPN_HAVE_DOT_ROW 1
+
+/* int8 products on 16-bit integer multiply-adds (vpmaddwd: 16 weights widened to 16 bits and multiplied in
+   three instructions, where converting them to float takes six). The input row is rounded to 16 bits exactly as
+   for VNNI above: x = x_q 2^-sh, x_q the 16-bit integer nearest x 2^sh, 16,256 <= max |x_q| <= 32,512. The sums
+   are exact (each int32 lane takes at most 256 multiply-adds of two products of at most 128 x 32,512 before it
+   is added into 64 bits), so these products are VNNI's to the bit; the one error is x's rounding, some hundred
+   times below that of the weights' own int8 rounding. A row holding a NaN or an infinity takes the float
+   products, which carry it as torch does. */
+#define GPN_MADD 1
+enum { MADD_MAX_ROWS = 16, MADD_CHUNK = 256 * 16 };  /* weights one accumulator takes before it is emptied */
+
+typedef struct {
+    const float *x;          /* the input quantized (NULL: none yet in this phase) */
+    i64 stride, K, B;
+    int finite;              /* 0: some input is not finite (the float products run) */
+    int16_t *xq;             /* (B, K) */
+    double unit[MADD_MAX_ROWS]; /* 2^-sh */
+    i64 capacity;            /* elements held at xq */
+} gpn_quantized;
+/* each thread's own, as for VNNI */
+static __thread gpn_quantized quantized_input;
+
+static const gpn_quantized *quantize_input(const gpn_segment *sg, i64 B)
+{
+    gpn_quantized *q = &quantized_input;
+    const i64 K = sg->cols;
+    if (q->x == sg->x && q->stride == sg->x_stride && q->K == K && q->B == B) return q->finite ? q : 0;
+    q->x = 0;
+    if (B * K > q->capacity) {
+        free(q->xq);
+        q->capacity = 0;
+        q->xq = (int16_t *)malloc((size_t)(B * K) * sizeof(int16_t));
+        if (!q->xq) return 0;  /* (the float products run) */
+        q->capacity = B * K;
+    }
+    q->finite = 1;
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (i64 b = 0; b < B && q->finite; b++) {
+        const float *x = sg->x + b * sg->x_stride;
+        __m256 top = _mm256_setzero_ps();
+        int bad = 0;
+        i64 k = 0;
+        for (; k + 8 <= K; k += 8) {
+            const __m256 a = _mm256_and_ps(_mm256_loadu_ps(x + k), magnitude);
+            bad |= _mm256_movemask_ps(_mm256_cmp_ps(a, _mm256_set1_ps(INFINITY), _CMP_NLT_UQ));  /* inf or NaN */
+            top = _mm256_max_ps(top, a);
+        }
+        float largest = 0.f;
+        float tops[8];
+        _mm256_storeu_ps(tops, top);
+        for (int j = 0; j < 8; j++) largest = tops[j] > largest ? tops[j] : largest;
+        for (; k < K; k++) {
+            const float a = fabsf(x[k]);
+            bad |= !(a < INFINITY);
+            largest = a > largest ? a : largest;
+        }
+        if (bad) { q->finite = 0; break; }
+        const int sh = input_shift(largest);
+        /* x 2^sh in double is exact (2^sh itself may lie beyond float's range); rounded to the nearest integer, ties
+           to even, as VNNI's float conversion */
+        const double scale = ldexp(1.0, sh);
+        const __m256d scale4 = _mm256_set1_pd(scale);
+        int16_t *xq = q->xq + b * K;
+        for (k = 0; k + 8 <= K; k += 8) {
+            const __m128i lower = _mm256_cvtpd_epi32(_mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + k)), scale4));
+            const __m128i upper = _mm256_cvtpd_epi32(_mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + k + 4)), scale4));
+            _mm_storeu_si128((__m128i *)(xq + k), _mm_packs_epi32(lower, upper));
+        }
+        for (; k < K; k++) xq[k] = (int16_t)lrint((double)x[k] * scale);
+        q->unit[b] = ldexp(1.0, -sh);
+    }
+    q->x = sg->x; q->stride = sg->x_stride; q->K = K; q->B = B;
+    return q->finite ? q : 0;
+}
+
+static inline i64 sum8_epi32(__m256i v)
+{
+    int32_t lanes[8];
+    _mm256_storeu_si256((__m256i *)lanes, v);
+    i64 s = 0;
+    for (int j = 0; j < 8; j++) s += lanes[j];
+    return s;
+}
+
+/* sums[i][b] = <row i, x_(b0 + b)> for NR weight rows and NB batch rows (NR NB <= 8 accumulators) */
+static inline __attribute__((always_inline)) void madd_grid(const int8_t *const rows[], const int NR, const gpn_quantized *q,
+                                                            i64 b0, const int NB, i64 K, float sums[4][4])
+{
+    const int16_t *xs[4];
+    for (int b = 0; b < NB; b++) xs[b] = q->xq + (b0 + b) * K;
+    i64 total[4][4] = {{0}};
+    i64 k = 0;
+    while (k + 16 <= K) {
+        __m256i acc[4][4];
+        for (int i = 0; i < NR; i++)
+            for (int b = 0; b < NB; b++) acc[i][b] = _mm256_setzero_si256();
+        const i64 end = K - k > MADD_CHUNK ? k + MADD_CHUNK : K;
+        for (; k + 16 <= end; k += 16) {
+            if (PREFETCH && (k & 63) == 0)
+                for (int i = 0; i < NR; i++) _mm_prefetch((const char *)rows[i] + 4 * K + k, _MM_HINT_T0);
+            __m256i xv[4];
+            for (int b = 0; b < NB; b++) xv[b] = _mm256_loadu_si256((const __m256i *)(xs[b] + k));
+            for (int i = 0; i < NR; i++) {
+                const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(rows[i] + k)));
+                for (int b = 0; b < NB; b++) acc[i][b] = _mm256_add_epi32(acc[i][b], _mm256_madd_epi16(w, xv[b]));
+            }
+        }
+        for (int i = 0; i < NR; i++)
+            for (int b = 0; b < NB; b++) total[i][b] += sum8_epi32(acc[i][b]);
+    }
+    for (int i = 0; i < NR; i++)
+        for (int b = 0; b < NB; b++) {
+            for (i64 t = k; t < K; t++) total[i][b] += (i64)rows[i][t] * xs[b][t];
+            sums[i][b] = (float)((double)total[i][b] * q->unit[b0 + b]);
+        }
+}
+
+/* <row, x_0> for one batch row, the row read as one sequential stream (weights streamed from DRAM; two
+   accumulators) */
+static inline float madd_row(const int8_t *row, const gpn_quantized *q, i64 K, int far)
+{
+    const int16_t *x = q->xq;
+    i64 total = 0, k = 0;
+    while (k + 32 <= K) {
+        __m256i a0 = _mm256_setzero_si256(), a1 = a0;
+        const i64 end = K - k > 2 * MADD_CHUNK ? k + 2 * MADD_CHUNK : K;
+        for (; k + 32 <= end; k += 32) {
+            if (far && (k & 63) == 0) _mm_prefetch((const char *)row + k + FAR_AHEAD, _MM_HINT_T2);
+            a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + k))),
+                                                        _mm256_loadu_si256((const __m256i *)(x + k))));
+            a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + k + 16))),
+                                                        _mm256_loadu_si256((const __m256i *)(x + k + 16))));
+        }
+        total += sum8_epi32(a0) + sum8_epi32(a1);
+    }
+    for (; k < K; k++) total += (i64)row[k] * x[k];
+    return (float)((double)total * q->unit[0]);
+}
+#define GPN_QUANTIZED 1
+#define quantized_block madd_grid
+#define quantized_row madd_row
+enum { QUANTIZED_MAX_ROWS = MADD_MAX_ROWS, QUANTIZED_MAX_COLS = 1 << 30 };
+
+#else
+/* plain C for any other CPU: each sum vectorised by the compiler (`omp simd`, in lanes it may reorder) */
 static inline void dot_block(const void *const rows[4], const int kind, const float *const xs[4], const uint16_t *const xbs[4],
                              i64 K, const int NB, float sums[4][4])
 {
@@ -621,7 +898,9 @@ static inline void dot_block(const void *const rows[4], const int kind, const fl
     for (int i = 0; i < 4; i++)
         for (int b = 0; b < NB; b++) {
             float s = 0.f;
-            for (i64 k = 0; k < K; k++) s += weight_at(rows[i], kind, k) * xs[b][k];
+            const float *x = xs[b];
+            #pragma omp simd reduction(+:s)
+            for (i64 k = 0; k < K; k++) s += weight_at(rows[i], kind, k) * x[k];
             sums[i][b] = s;
         }
 }
@@ -643,15 +922,15 @@ static inline void store_output(const gpn_segment *sg, i64 b, i64 r, float y)
     else ((float *)sg->out)[at] = y;
 }
 
-#ifdef GPN_VNNI
-/* rows [r0, r1) of an int8 segment for all B batch rows, on the quantized input */
-static void vnni_rows(const gpn_segment *sg, const gpn_quantized *q, i64 B, i64 r0, i64 r1)
+#ifdef GPN_QUANTIZED
+/* rows [r0, r1) of an int8 segment for all B batch rows, on the quantized input (VNNI's or AVX2's products) */
+static void quantized_rows(const gpn_segment *sg, const gpn_quantized *q, i64 B, i64 r0, i64 r1)
 {
     const i64 K = sg->cols;
     const int8_t *w = (const int8_t *)sg->w;
     if (B == 1 && (sg->flags & STREAM_ROWS)) {
         const int far = (sg->flags & FAR_ROWS) != 0;
-        for (i64 r = r0; r < r1; r++) store_output(sg, 0, r, vnni_row(w + r * K, q, K, far));
+        for (i64 r = r0; r < r1; r++) store_output(sg, 0, r, quantized_row(w + r * K, q, K, far));
         return;
     }
     for (i64 b0 = 0; b0 < B; b0 += 4) {
@@ -662,10 +941,10 @@ static void vnni_rows(const gpn_segment *sg, const gpn_quantized *q, i64 B, i64 
             for (int i = 0; i < 4; i++) rows[i] = w + (r + (i < nr ? i : nr - 1)) * K;
             float sums[4][4];
             switch (nb) {  /* four weight rows against one or two batch rows, two against three or four */
-                case 1: vnni_block(rows, 4, q, b0, 1, K, sums); break;
-                case 2: vnni_block(rows, 4, q, b0, 2, K, sums); break;
-                case 3: vnni_block(rows, 2, q, b0, 3, K, sums); vnni_block(rows + 2, 2, q, b0, 3, K, sums + 2); break;
-                default: vnni_block(rows, 2, q, b0, 4, K, sums); vnni_block(rows + 2, 2, q, b0, 4, K, sums + 2); break;
+                case 1: quantized_block(rows, 4, q, b0, 1, K, sums); break;
+                case 2: quantized_block(rows, 4, q, b0, 2, K, sums); break;
+                case 3: quantized_block(rows, 2, q, b0, 3, K, sums); quantized_block(rows + 2, 2, q, b0, 3, K, sums + 2); break;
+                default: quantized_block(rows, 2, q, b0, 4, K, sums); quantized_block(rows + 2, 2, q, b0, 4, K, sums + 2); break;
             }
             for (i64 i = 0; i < nr; i++)
                 for (int b = 0; b < nb; b++) store_output(sg, b0 + b, r + i, sums[i][b]);
@@ -695,10 +974,10 @@ static void segment_rows(const gpn_segment *sg, i64 B, i64 r0, i64 r1)
 {
     const i64 K = sg->cols, es = weight_size(sg->kind);
     const char *w = (const char *)sg->w;
-#ifdef GPN_VNNI
-    if (sg->kind == KIND_I8 && B <= VNNI_MAX_ROWS && K <= VNNI_MAX_COLS) {
+#ifdef GPN_QUANTIZED
+    if (sg->kind == KIND_I8 && B <= QUANTIZED_MAX_ROWS && K <= QUANTIZED_MAX_COLS) {
         const gpn_quantized *q = quantize_input(sg, B);
-        if (q) { vnni_rows(sg, q, B, r0, r1); return; }
+        if (q) { quantized_rows(sg, q, B, r0, r1); return; }
     }
 #endif
 #ifdef GPN_HAVE_DOT_ROW
@@ -760,7 +1039,7 @@ static void segment_rows(const gpn_segment *sg, i64 B, i64 r0, i64 r1)
    thread that the machine's other tenants hold up costs its current task, not a share fixed in advance) */
 static void run_tasks(const gpn_segment *segs, const i64 *tasks, i64 first, i64 end, i64 B)
 {
-#ifdef GPN_VNNI
+#ifdef GPN_QUANTIZED
     quantized_input.x = 0;  /* (the inputs were written since the last phase) */
 #endif
     #pragma omp for schedule(dynamic, 1)
@@ -777,6 +1056,26 @@ void gpn_linear(const gpn_segment *segs, const i64 *tasks, i64 n_tasks, i64 B, i
 /* Whether segment_rows reads the rows of `sg` two at a time at B batch rows (`paired_rows`; asked by the tests) */
 int gpn_paired_rows(const gpn_segment *sg, i64 B) { return paired_rows(sg, B); }
 
+/* The vector instructions the products were built for (`products_isa`: the bench says it, the tests ask it) */
+const char *gpn_products_isa(void)
+{
+    return
+#if defined(GPN_AVX512)
+        "avx512"
+#if defined(__AVX512BF16__)
+        "+bf16"
+#endif
+#ifdef GPN_VNNI
+        "+vnni"
+#endif
+#elif defined(GPN_AVX2)
+        "avx2"
+#else
+        "portable"
+#endif
+        ;
+}
+
 /* A read of n floats at the rate the machine streams them (the byte limit's bandwidth); returns their sum */
 float gpn_read_probe(const float *x, i64 n, int threads)
 {
@@ -792,10 +1091,25 @@ float gpn_read_probe(const float *x, i64 n, int threads)
             a2 = _mm512_add_ps(a2, _mm512_loadu_ps(p + 32)); a3 = _mm512_add_ps(a3, _mm512_loadu_ps(p + 48));
         }
         total += _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+#elif defined(GPN_AVX2)
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        #pragma omp for schedule(static)
+        for (i64 i = 0; i < n / 64; i++) {
+            const float *p = x + i * 64;
+            a0 = _mm256_add_ps(a0, _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 32)));
+            a1 = _mm256_add_ps(a1, _mm256_add_ps(_mm256_loadu_ps(p + 8), _mm256_loadu_ps(p + 40)));
+            a2 = _mm256_add_ps(a2, _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 48)));
+            a3 = _mm256_add_ps(a3, _mm256_add_ps(_mm256_loadu_ps(p + 24), _mm256_loadu_ps(p + 56)));
+        }
+        total += sum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 #else
         float mine = 0.f;
         #pragma omp for schedule(static)
-        for (i64 i = 0; i < n / 64 * 64; i++) mine += x[i];
+        for (i64 i = 0; i < n / 64; i++) {
+            const float *p = x + i * 64;
+            #pragma omp simd reduction(+:mine)
+            for (int j = 0; j < 64; j++) mine += p[j];
+        }
         total += mine;
 #endif
     }
@@ -1065,6 +1379,7 @@ _SYMBOLS = (
     "gpn_steps",
     "gpn_decode",
     "gpn_read_probe",
+    "gpn_products_isa",
     "gpn_kernel_source_digest",
 )
 BUILD_TIMEOUT_S = 60.0  # default bound on one compiler run (`GPN_KERNEL_BUILD_TIMEOUT` overrides it)
@@ -1227,6 +1542,8 @@ def _load_verified(folder: Path, key: str) -> ctypes.CDLL:
     lib.gpn_decode.restype = ctypes.c_int
     lib.gpn_read_probe.argtypes = [p, i64, ctypes.c_int]
     lib.gpn_read_probe.restype = f
+    lib.gpn_products_isa.argtypes = []
+    lib.gpn_products_isa.restype = ctypes.c_char_p
     return lib
 
 
@@ -1287,7 +1604,7 @@ def _run_compiler(command: list[str], timeout: float) -> None:
         raise RuntimeError(f"{command[0]} exited with {process.returncode}: {errors.strip()[-2000:]}")
 
 
-def _build(compiler: str, folder: Path, key: str, timeout: float) -> None:
+def _build(compiler: str, folder: Path, key: str, timeout: float, extra_flags: tuple[str, ...] = ()) -> None:
     """Compile in a private temporary folder, then publish the library under its content-hash name and the
     record naming it (each fsynced, then renamed into place: no process ever sees a half-written file under
     a final name) and remove older builds of the same key."""
@@ -1296,7 +1613,7 @@ def _build(compiler: str, folder: Path, key: str, timeout: float) -> None:
         source = Path(scratch) / "gpn_memory.c"
         source.write_text(_kernel_text())
         built = Path(scratch) / "gpn_memory.so"
-        _run_compiler([compiler, *_FLAGS, str(source), "-o", str(built)], timeout)
+        _run_compiler([compiler, *_FLAGS, *extra_flags, str(source), "-o", str(built)], timeout)
         os.chmod(built, stat.S_IMODE(built.stat().st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
         content_hash = hashlib.sha256(built.read_bytes()).hexdigest()
         written = Path(scratch) / record.name
@@ -1319,15 +1636,18 @@ def _build(compiler: str, folder: Path, key: str, timeout: float) -> None:
     _remove_builds(folder, key, keep=library)
 
 
-def _compile() -> ctypes.CDLL:
-    """The kernels: this user's verified cached build, or a fresh one (replacing anything damaged or foreign)."""
+def _compile(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The kernels: this user's verified cached build, or a fresh one (replacing anything damaged or foreign),
+    compiled with `extra_flags` after the usual ones."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise FileNotFoundError("no C compiler (cc, gcc or $CC) found")
     timeout = _build_timeout()
     # -march=native: the build is for this CPU, so the key names its features (a cache folder shared
     # between machines must not hand one machine's AVX-512 build to another)
-    key = hashlib.sha256("\0".join([_kernel_text(), compiler, *_FLAGS, _cpu_features()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        "\0".join([_kernel_text(), compiler, *_FLAGS, *extra_flags, _cpu_features()]).encode()
+    ).hexdigest()[:16]
     folder = _private_folder()
     with _build_lock(folder, f"gpn_memory_{key}.lock", timeout + 30):
         record = folder / f"gpn_memory_{key}.sha256"
@@ -1338,7 +1658,7 @@ def _compile() -> ctypes.CDLL:
                 _warn(f"not loading the cached build in {folder}: {problem}; building it again")
                 record.unlink(missing_ok=True)  # a link is removed, not what it points to
                 _remove_builds(folder, key)
-        _build(compiler, folder, key, timeout)
+        _build(compiler, folder, key, timeout, extra_flags)
         try:
             return _load_verified(folder, key)
         except _Untrusted as problem:  # e.g. a compiler that is not what it claims
@@ -2322,3 +2642,21 @@ def read_probe(buffer: torch.Tensor, threads: int | None = None) -> float:
     _require()
     _check(buffer, "buffer", contiguous=True)
     return _library.gpn_read_probe(buffer.data_ptr(), buffer.numel(), threads or torch.get_num_threads())
+
+
+def products_isa(library: ctypes.CDLL | None = None) -> str:
+    """The vector instructions the products of `library` (by default the kernels in use) were built for:
+    "avx512" (with "+bf16" and "+vnni" where the CPU has those), "avx2" (AVX2 and FMA) or "portable" (plain C
+    the compiler vectorises). int8 products are exact integer sums of the input rounded to 16 bits on "+vnni"
+    and "avx2" builds, float sums elsewhere."""
+    if library is None:
+        _require()
+        library = _library
+    return library.gpn_products_isa().decode()
+
+
+def variant(extra_flags: tuple[str, ...]) -> ctypes.CDLL:
+    """The kernels compiled with `extra_flags` after the usual ones (say `-mno-avx512f`: the AVX2 products an
+    AVX-512 CPU would not run), cached and checked as the default build is. For tests and A/B runs, which put
+    it in place of the default (`_library`) for the calls they time or check."""
+    return _compile(tuple(extra_flags))

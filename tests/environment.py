@@ -71,14 +71,12 @@ def require_c_kernels() -> None:
     )
 
 
-def require_vnni() -> None:
-    """Skip unless the C kernels run here on a CPU with AVX512-VNNI, where they take int8 products on its
-    integer dot products (elsewhere they convert each weight to float)."""
+def require_exact_int8() -> None:
+    """Skip unless the C kernels run here with int8 products on integer sums of the input rounded to 16 bits:
+    AVX512-VNNI's dot products or AVX2's 16-bit multiply-adds (elsewhere they convert each weight to float)."""
     require_c_kernels()
-    try:
-        with open("/proc/cpuinfo") as info:
-            has = " avx512_vnni" in info.read()
-    except OSError:
-        has = False
-    if not has:
-        pytest.skip("this CPU has no AVX512-VNNI: int8 products convert each weight to float")
+    from modeling_gpn import memory_kernels
+
+    isa = memory_kernels.products_isa()
+    if "vnni" not in isa and isa != "avx2":
+        pytest.skip(f"the C kernels are built for {isa}: int8 products convert each weight to float")

@@ -44,9 +44,10 @@ SUBPACKAGES = {
 class Mutation:
     name: str  # the feature removed
     file: str  # relative to the repository root
-    old: str  # source text that must occur exactly once
-    new: str  # what replaces it
+    old: str  # source text that must occur exactly `occurrences` times
+    new: str  # what replaces it (every occurrence)
     tests: tuple[str, ...]  # pytest node ids or `path -k expression` arguments, the tests that claim the feature
+    occurrences: int = 1  # more than one: the same line in each instruction set's kernels (all are removed)
 
 
 FAST_PATH_TESTS = (
@@ -157,7 +158,7 @@ MUTATIONS = [
     Mutation(
         "int8 products on the integer dot products (each weight converted to float instead)",
         "modeling_gpn/memory_kernels.py",
-        "    if (sg->kind == KIND_I8 && B <= VNNI_MAX_ROWS && K <= VNNI_MAX_COLS) {",
+        "    if (sg->kind == KIND_I8 && B <= QUANTIZED_MAX_ROWS && K <= QUANTIZED_MAX_COLS) {",
         "    if (0) {  /* MUTATION */",
         (
             "tests/fast_path/test_step_kernels.py -k exact_sums_of_the_input",
@@ -170,13 +171,30 @@ MUTATIONS = [
         "        if (bad) { q->finite = 0; break; }\n",
         "",
         ("tests/fast_path/test_step_kernels.py::test_an_int8_input_that_is_not_finite_takes_the_float_products",),
+        occurrences=2,  # (VNNI's and AVX2's)
     ),
     Mutation(
         "int8 products (no smaller shift where x 2^sh would pass 32,512)",
         "modeling_gpn/memory_kernels.py",
-        "            if (ldexp((double)largest, sh) > 32512.0) sh--;\n",
+        "        if (ldexp((double)largest, sh) > 32512.0) sh--;\n",
         "",
         ("tests/fast_path/test_step_kernels.py -k exact_sums_of_the_input",),
+    ),
+    Mutation(
+        "AVX2 products (an x86 CPU without AVX-512 runs the plain C loops)",
+        "modeling_gpn/memory_kernels.py",
+        "#define GPN_AVX2 1\n",
+        "",
+        ("tests/fast_path/test_step_kernels.py::test_each_build_runs_the_products_it_is_built_for[avx2]",),
+    ),
+    Mutation(
+        "AVX2 int8 products (accumulators not emptied into 64 bits every 4,096 weights)",
+        "modeling_gpn/memory_kernels.py",
+        "MADD_CHUNK = 256 * 16 };",
+        "MADD_CHUNK = 1024 * 16 };",
+        (
+            "tests/fast_path/test_step_kernels.py::test_int8_sums_stay_exact_over_rows_longer_than_an_accumulator_holds[avx2]",
+        ),
     ),
     Mutation(
         "rows far beyond the L3 not prefetched ahead",
@@ -190,14 +208,14 @@ MUTATIONS = [
         "modeling_gpn/memory_kernels.py",
         "    return B == 1 && sg->kind == KIND_F32 && (sg->flags & STREAM_ROWS) && sg->cols >= PAIR_MIN_COLS;\n",
         "    return 0;\n",
-        ("tests/fast_path/test_step_kernels.py::test_long_float_rows_streamed_from_dram_are_read_in_pairs",),
+        ("tests/fast_path/test_step_kernels.py -k read_in_pairs and not portable",),
     ),
     Mutation(
         "a pair of float rows (the second row given the first's sum)",
         "modeling_gpn/memory_kernels.py",
         "                store_output(sg, 0, r + 1, y[1]);\n",
         "                store_output(sg, 0, r + 1, y[0]);\n",
-        ("tests/fast_path/test_step_kernels.py::test_long_float_rows_streamed_from_dram_are_read_in_pairs",),
+        ("tests/fast_path/test_step_kernels.py -k read_in_pairs and not portable",),
     ),
     Mutation(
         "gpn bench's generate() timings decoding to the end (the model's end token stops them)",
@@ -575,8 +593,12 @@ def unapplied(mutations: list[Mutation]) -> list[str]:
     for mutation in mutations:
         path = REPO_ROOT / mutation.file
         count = path.read_text().count(mutation.old) if path.is_file() else -1
-        if count != 1:
-            found = "the file does not exist" if count < 0 else f"its source text occurs {count} times, not once"
+        if count != mutation.occurrences:
+            found = (
+                "the file does not exist"
+                if count < 0
+                else f"its source text occurs {count} times, not {mutation.occurrences}"
+            )
             problems.append(f"{mutation.name!r}: {mutation.file}: {found}")
         for spec in mutation.tests:
             test_file = pytest_arguments(spec)[0].split("::")[0]

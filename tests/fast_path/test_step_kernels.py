@@ -7,11 +7,13 @@ each, and (`GPN_DECODE_KERNEL=0`) as a step call beside the few-row products."""
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 
 from ..backend_observer import C_PRODUCTS, C_STEP_KERNELS, DECODE_CALLS, FAST_PATH, INT8_STEPS, PLAIN_PATH, ran
-from ..environment import require_c_kernels, require_vnni
+from ..environment import require_c_kernels, require_exact_int8
 from ..tiny_models import perturbed_model, tiny_config
 
 torchao = pytest.importorskip("torchao.quantization", reason="torchao (the test extra) quantizes the int8 models")
@@ -32,6 +34,48 @@ def decoded_backends(request, monkeypatch) -> tuple[str, ...]:
         return (DECODE_CALLS,)
     monkeypatch.setenv("GPN_DECODE_KERNEL", "0")
     return (C_PRODUCTS,)
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((set(line.split(":", 1)[1].split()) for line in info if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+# the kernels' builds a test runs here (by the extra compiler flags of each): this CPU's own, and on x86 the
+# products of CPUs with fewer vector instructions: AVX2 and FMA (the native build again on a CPU without AVX-512),
+# and plain C
+BUILDS = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-mno-avx2", "-mno-fma")}
+X86 = platform.machine() in ("x86_64", "AMD64")
+RUNNABLE = ["native", *(["avx2"] if X86 and {"avx2", "fma"} <= cpu_flags() else []), *(["portable"] if X86 else [])]
+
+
+def build_in_place(name: str, monkeypatch) -> str:
+    """The kernels' build `name` put in place of the default one for the test; its `products_isa()`."""
+    require_c_kernels()
+    from modeling_gpn import memory_kernels as mk
+
+    if BUILDS[name]:
+        monkeypatch.setattr(mk, "_library", mk.variant(BUILDS[name]))
+    return mk.products_isa()
+
+
+@pytest.fixture(params=RUNNABLE)
+def products_build(request, monkeypatch) -> str:
+    """Each build of the kernels this machine runs, in place of the default for the test (what the products
+    compute must not depend on the instructions the CPU has); its `products_isa()`."""
+    return build_in_place(request.param, monkeypatch)
+
+
+@pytest.fixture(params=[name for name in RUNNABLE if name != "portable"])
+def exact_int8_build(request, monkeypatch) -> str:
+    """Each build whose int8 products may sum exactly on the input rounded to 16 bits (`require_exact_int8` then
+    skips the native one of an AVX-512 CPU without VNNI)."""
+    build = build_in_place(request.param, monkeypatch)
+    require_exact_int8()
+    return build
 
 
 def log_probs(logits: torch.Tensor) -> torch.Tensor:
@@ -132,6 +176,22 @@ def test_weights_the_fast_path_does_not_know_keep_the_plain_path(one_thread):
         model(torch.tensor([[1, 2, 3]]))
 
 
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_every_build_of_the_kernels_decodes_as_the_plain_loop(one_thread, products_build, weights, rows):
+    """A prompt and its decoded tokens on each build's kernels (the one C call a token) = the plain loop of the
+    same model: float32 to summation order, bf16 within its rounding, int8 within the 16-bit input's rounding."""
+    model = perturbed_model(tiny_config(), seed=50)
+    model = quantized(model) if weights == "int8" else model.to(getattr(torch, weights))
+    ids = torch.randint(1, 97, (rows, 7), generator=torch.Generator().manual_seed(51))
+    expected = (FAST_PATH, C_STEP_KERNELS, DECODE_CALLS, *((INT8_STEPS,) if weights == "int8" else ()))
+    with ran(*expected, not_ran=(PLAIN_PATH,)):
+        fast = decode_loop(model, ids, None)
+    model.model.use_fast_path = False
+    plain = decode_loop(model, ids, None)
+    assert (log_probs(fast) - log_probs(plain)).abs().max() < (1e-4 if weights == "float32" else 2e-2)
+
+
 def test_the_derived_weights_guard_sees_an_int8_weight_edited_in_place():
     """A torchao weight has no storage of its own (its data_ptr is 0): the guard keys it by the tensors it
     holds, so an in-place edit of its int8 data (or a requantization) starts a new derivation."""
@@ -144,7 +204,19 @@ def test_the_derived_weights_guard_sees_an_int8_weight_edited_in_place():
     assert parameters_key(model.model) != before
 
 
-def test_the_few_row_products_equal_f_linear_and_refuse_what_they_cannot_take():
+def test_each_build_runs_the_products_it_is_built_for(products_build, request):
+    """The default build takes the widest vectors this CPU has (AVX-512, else AVX2 and FMA, else plain C): an
+    x86 CPU without AVX-512 must not fall back to the plain C loops; and each variant build is the one named."""
+    build, flags = request.node.callspec.params["products_build"], cpu_flags()
+    if build == "native":
+        want = "avx512" if {"avx512f", "avx512bw"} <= flags else "avx2" if {"avx2", "fma"} <= flags else "portable"
+        assert products_build.split("+")[0] == want, (products_build, sorted(flags & {"avx2", "fma", "avx512f"}))
+        assert ("+vnni" in products_build) == ("avx512_vnni" in flags and want == "avx512")
+    else:
+        assert products_build == build
+
+
+def test_the_few_row_products_equal_f_linear_and_refuse_what_they_cannot_take(products_build):
     """The logits kernel = F.linear(x.to(w.dtype), w) (odd sizes, 1-16 rows; bf16 in, bf16 out); more rows,
     a wrong shape or an int8 matrix are refused by name (the callers then run torch)."""
     require_c_kernels()
@@ -193,46 +265,57 @@ def test_rows_far_beyond_the_l3_are_prefetched_ahead(monkeypatch):
         assert segment.flags == flags, megabytes
 
 
-def test_long_float_rows_streamed_from_dram_are_read_in_pairs(monkeypatch):
-    """Float32 rows of 4,096 weights and more, streamed from DRAM at one batch row, are read two at a time (one
-    read of the input for both): each row's sum is the one it has read alone, to the bit, and the product is
-    F.linear's. Shorter rows, rows within the L3 and more batch rows are read as before, a row at a time or four."""
+def segment_product(monkeypatch, op, x: torch.Tensor, streamed: bool) -> tuple[torch.Tensor, int]:
+    """`op` (a `memory_kernels.Operand`) times the rows of float32 `x` as one phase of a plan's products, its
+    weights marked as streamed from DRAM (`STREAM_ROWS`, against an L3 of one byte) or as fitting the L3; and
+    whether the rows were read two at a time."""
     import ctypes
 
-    require_c_kernels()
     from modeling_gpn import memory_kernels as mk
 
     monkeypatch.setenv("GPN_HUGE_PAGES", "0")
+    batch, cols = x.shape
+    slot = mk._input_slot(batch, cols)
+    slot["x"][:, :cols] = x
+    out = torch.empty(batch, op.weight.shape[0])
+    segment = mk._segment(op, slot, out, 0)
+    monkeypatch.setattr(mk, "_last_level_cache_bytes", (lambda: 1) if streamed else (lambda: 1 << 40))
+    mk._mark_streamed([segment], [op.weight])
+    tasks = torch.tensor(mk._tasks([segment], 0, 1), dtype=torch.int64)
+    mk._library.gpn_linear(ctypes.addressof(segment), tasks.data_ptr(), len(tasks), batch, 2)
+    return out, mk._library.gpn_paired_rows(ctypes.addressof(segment), batch)
+
+
+def test_long_float_rows_streamed_from_dram_are_read_in_pairs(monkeypatch, products_build):
+    """Float32 rows of 4,096 weights and more, streamed from DRAM at one batch row, are read two at a time (one
+    read of the input for both): each row's sum is the one it has read alone, to the bit, and the product is
+    F.linear's. Shorter rows, rows within the L3 and more batch rows are read as before, a row at a time or four.
+    (The plain C build has no pairs.)"""
+    from modeling_gpn import memory_kernels as mk
 
     def product(rows: int, cols: int, streamed: bool, batch: int = 1):
         weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(46))
-        slot = mk._input_slot(batch, cols)
-        slot["x"].normal_(generator=torch.Generator().manual_seed(47))
-        out = torch.empty(batch, rows)
-        segment = mk._segment(mk.Operand(mk.KIND_F32, weight, None, None, False), slot, out, 0)
-        monkeypatch.setattr(mk, "_last_level_cache_bytes", (lambda: 1) if streamed else (lambda: 1 << 40))
-        mk._mark_streamed([segment], [weight])
-        tasks = torch.tensor(mk._tasks([segment], 0, 1), dtype=torch.int64)
-        mk._library.gpn_linear(ctypes.addressof(segment), tasks.data_ptr(), len(tasks), batch, 2)
-        paired = mk._library.gpn_paired_rows(ctypes.addressof(segment), batch)
-        return paired, out, torch.nn.functional.linear(slot["x"][:, :cols], weight)
+        x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(47))
+        op = mk.Operand(mk.KIND_F32, weight, None, None, False)
+        out, paired = segment_product(monkeypatch, op, x, streamed)
+        return paired, out, torch.nn.functional.linear(x, weight)
 
     # (9 rows: a pair's tail row; 4,100 weights: a masked tail of each row)
     for rows, cols, streamed, batch, pairs in ((9, 4100, True, 1, 1), (9, 4000, True, 1, 0), (9, 4100, False, 1, 0)):
         paired, out, want = product(rows, cols, streamed, batch)
-        assert paired == pairs, (rows, cols, streamed)
+        assert paired == (pairs if products_build != "portable" else 0), (rows, cols, streamed)
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
     assert product(9, 4100, True, batch=2)[0] == 0
     assert torch.equal(product(9, 4100, True)[1], product(9, 4100, False)[1])
 
 
-def test_the_read_probe_reads_every_byte():
+def test_the_read_probe_reads_every_byte(products_build):
     """The bandwidth probe behind `gpn bench`'s limit reads the whole buffer (its sum is the buffer's)."""
-    require_c_kernels()
     from modeling_gpn import memory_kernels as mk
 
-    buffer = torch.arange(1000, dtype=torch.float32) % 7
-    assert mk.read_probe(buffer) == pytest.approx(float(buffer.sum()), rel=1e-6)
+    for size in (1000, 1003, 64):
+        buffer = torch.arange(size, dtype=torch.float32) % 7
+        assert mk.read_probe(buffer) == pytest.approx(float(buffer.sum()), rel=1e-6), size
 
 
 def test_gpn_generate_runs_an_int8_model_on_the_fast_path(tmp_path, capsys, one_thread):
@@ -290,12 +373,11 @@ def on_sixteen_bits(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_int8_products_are_exact_sums_of_the_input_on_sixteen_bits(dtype):
+def test_int8_products_are_exact_sums_of_the_input_on_sixteen_bits(dtype, exact_int8_build):
     """With VNNI an int8 product rounds each input row to 16 bits and sums exactly: = `on_sixteen_bits` to the
     bit, for 1-16 rows, widths that are not multiples of the 64-byte step, inputs spanning twelve decades, and
     rows at the edges of the rounding: zero, subnormal, near the float32 maximum, and a largest |x| just below a
     power of two (where x 2^sh would pass 32,512 and a byte would overflow without the smaller shift)."""
-    require_vnni()
     from modeling_gpn import memory_kernels as mk
 
     generator = torch.Generator().manual_seed(40)
@@ -317,10 +399,9 @@ def test_int8_products_are_exact_sums_of_the_input_on_sixteen_bits(dtype):
         assert torch.equal(mk.module_rows(linear, edges), on_sixteen_bits(edges, linear)), (rows, cols)
 
 
-def test_an_int8_input_that_is_not_finite_takes_the_float_products():
+def test_an_int8_input_that_is_not_finite_takes_the_float_products(exact_int8_build):
     """An input row holding a NaN or an infinity is not rounded to 16 bits (its x 2^sh has no integer): the
     product takes the float path, whose NaNs and infinities are where torch's float product puts them."""
-    require_vnni()
     from modeling_gpn import memory_kernels as mk
 
     linear = int8_linear(9, 200, torch.float32, seed=42)
@@ -333,11 +414,34 @@ def test_an_int8_input_that_is_not_finite_takes_the_float_products():
     torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-4)
 
 
+def test_int8_sums_stay_exact_over_rows_longer_than_an_accumulator_holds(monkeypatch, exact_int8_build):
+    """The integer sums of a long int8 row outgrow a 32-bit lane (AVX2 empties its accumulators into 64 bits every
+    4,096 weights): rows of 9,000 weights at the largest products (weights of -128 and 127 against a constant input
+    whose x_q is 32,512) and random ones are still `on_sixteen_bits` to the bit, four rows at a time against 1 to 3
+    batch rows and streamed a row at a time."""
+    from modeling_gpn import memory_kernels as mk
+    from modeling_gpn.recurrence_step import int8_weight_parts
+
+    linear = int8_linear(6, 9000, torch.float32, seed=48)
+    qdata = int8_weight_parts(linear.weight).qdata
+    qdata[0], qdata[1], qdata[2, ::2], qdata[2, 1::2] = -128, 127, -128, 127
+    x = torch.full((3, 9000), 0.9921875)  # (largest |x| 2^15 = 32,512: the largest x_q)
+    x[1] *= -1
+    x[2].normal_(generator=torch.Generator().manual_seed(49))
+    for batch in (1, 2, 3):
+        assert torch.equal(mk.module_rows(linear, x[:batch]), on_sixteen_bits(x[:batch], linear)), batch
+    parts = int8_weight_parts(linear.weight)
+    op = mk.Operand(mk.KIND_I8, parts.qdata, parts.scale.float().reshape(-1).contiguous(), None, False)
+    for row in range(3):
+        streamed, _ = segment_product(monkeypatch, op, x[row : row + 1], streamed=True)
+        assert torch.equal(streamed, on_sixteen_bits(x[row : row + 1], linear)), row
+
+
 def test_int8_weights_streamed_a_row_at_a_time_give_the_same_bits(one_thread, monkeypatch):
     """Weights beyond the L3 take their int8 products a row at a time (`STREAM_ROWS`), those within it four rows
     at a time: on the exact integer sums both give the same logits, to the bit (the float products sum in
     another order each way; a float32 model, whose outputs are not rounded to bf16 after the products)."""
-    require_vnni()
+    require_exact_int8()
     from modeling_gpn import memory_kernels
 
     model = perturbed_model(tiny_config(), seed=44)
