@@ -843,9 +843,24 @@ static inline __attribute__((always_inline)) void madd_grid(const int8_t *const 
         for (int i = 0; i < NR; i++)
             for (int b = 0; b < NB; b++) acc[i][b] = _mm256_setzero_si256();
         const i64 end = K - k > MADD_CHUNK ? k + MADD_CHUNK : K;
-        for (; k + 16 <= end; k += 16) {
-            if (PREFETCH && (k & 63) == 0)
+        /* 64 weights a round, a line of each row: one prefetch a row, and the input held in registers for all the
+           rows (as a memory operand GCC reloads it for each) */
+        for (; k + 64 <= end; k += 64) {
+            if (PREFETCH)
                 for (int i = 0; i < NR; i++) _mm_prefetch((const char *)rows[i] + 4 * K + k, _MM_HINT_T0);
+            for (int u = 0; u < 64; u += 16) {
+                __m256i xv[4];
+                for (int b = 0; b < NB; b++) {
+                    xv[b] = _mm256_loadu_si256((const __m256i *)(xs[b] + k + u));
+                    __asm__("" : "+x"(xv[b]));
+                }
+                for (int i = 0; i < NR; i++) {
+                    const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(rows[i] + k + u)));
+                    for (int b = 0; b < NB; b++) acc[i][b] = _mm256_add_epi32(acc[i][b], _mm256_madd_epi16(w, xv[b]));
+                }
+            }
+        }
+        for (; k + 16 <= end; k += 16) {
             __m256i xv[4];
             for (int b = 0; b < NB; b++) xv[b] = _mm256_loadu_si256((const __m256i *)(xs[b] + k));
             for (int i = 0; i < NR; i++) {
