@@ -53,7 +53,7 @@ def prefill_bytes(model, rows: int = 1) -> int:
 
 class ReadProbe:
     """A call reads `nbytes` once, as fast as this machine streams them: the C kernels' read
-    (`memory_kernels.read_probe`, AVX-512 where there is one, on torch's threads) where they are built, else
+    (`memory_kernels.read_probe`, on the widest vectors the CPU has and torch's threads) where they are built, else
     `torch.sum`. What the limit of a figure is measured with, alternated with the figure's own timings."""
 
     def __init__(self, nbytes: int):
@@ -63,7 +63,7 @@ class ReadProbe:
         self.buffer = torch.ones(max(16, nbytes // 4))
         if memory_kernels.available():  # (on the pages a plan's weights of this size sit on: huge ones from DRAM)
             memory_kernels.huge_pages_if_streamed([self.buffer])
-        self.kind = "C read kernel" if memory_kernels.available() else "torch.sum"
+        self.kind = f"C read kernel, {memory_kernels.products_isa()}" if memory_kernels.available() else "torch.sum"
         self._read = (lambda: memory_kernels.read_probe(self.buffer)) if memory_kernels.available() else self.buffer.sum
 
     def __call__(self) -> None:

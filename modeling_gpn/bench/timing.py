@@ -195,12 +195,15 @@ def generate_timings(model, prompt: torch.Tensor, args) -> tuple[float, list[flo
 
 
 def memory_kernels_state(device: str) -> str:
-    """'on', or 'off (why)': whether the fast path ran the fused C memory kernels (CPU only)."""
+    """'on (their products' instructions)', or 'off (why)': whether the fast path ran the fused C memory kernels
+    (CPU only), and on which vector instructions (`memory_kernels.products_isa`)."""
     from modeling_gpn import memory_kernels
 
     if not device.startswith("cpu"):
         return "off (CPU only)"
-    return "on" if memory_kernels.available() else f"off ({memory_kernels.unavailable_reason()})"
+    if not memory_kernels.available():
+        return f"off ({memory_kernels.unavailable_reason()})"
+    return f"on ({memory_kernels.products_isa()})"
 
 
 def self_checks_state() -> dict:

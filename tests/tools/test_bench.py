@@ -45,7 +45,7 @@ def test_bench_reports_every_implementation(tmp_path, capsys):
     assert "train tok/s / Llama's" in printed and "train peak memory @24 / @12" in printed
     from modeling_gpn import memory_kernels
 
-    kernels = "on" if memory_kernels.available() else "off ("
+    kernels = f"on ({memory_kernels.products_isa()})" if memory_kernels.available() else "off ("
     assert f"GPN memory kernels {kernels}" in printed
     report = json.loads(out.read_text())
     assert report["memory_kernels"].startswith(kernels)
