@@ -440,14 +440,6 @@ static inline __attribute__((always_inline)) void dot_rows(const void *const row
     }
 }
 
-static inline __attribute__((always_inline)) float dot_row(const void *row, const int KIND, const float *x, const uint16_t *xb, i64 K,
-                                                            const int FAR)
-{
-    const void *rows[2] = {row, row};
-    float sums[2];
-    dot_rows(rows, 1, KIND, x, xb, K, FAR, sums);
-    return sums[0];
-}
 #define GPN_HAVE_DOT_ROW 1
 
 #if defined(__AVX512VNNI__)
@@ -737,14 +729,6 @@ static inline __attribute__((always_inline)) void dot_rows(const void *const row
     }
 }
 
-static inline __attribute__((always_inline)) float dot_row(const void *row, const int KIND, const float *x, const uint16_t *xb, i64 K,
-                                                            const int FAR)
-{
-    const void *rows[2] = {row, row};
-    float sums[2];
-    dot_rows(rows, 1, KIND, x, xb, K, FAR, sums);
-    return sums[0];
-}
 #define GPN_HAVE_DOT_ROW 1
 
 /* int8 products on 16-bit integer multiply-adds (vpmaddwd: 16 weights widened to 16 bits and multiplied in
@@ -918,6 +902,18 @@ static inline void dot_block(const void *const rows[4], const int kind, const fl
             for (i64 k = 0; k < K; k++) s += weight_at(rows[i], kind, k) * x[k];
             sums[i][b] = s;
         }
+}
+#endif
+
+#ifdef GPN_HAVE_DOT_ROW
+/* <row, x> for one row (`dot_rows` of one row) */
+static inline __attribute__((always_inline)) float dot_row(const void *row, const int KIND, const float *x, const uint16_t *xb, i64 K,
+                                                            const int FAR)
+{
+    const void *rows[2] = {row, row};
+    float sums[2];
+    dot_rows(rows, 1, KIND, x, xb, K, FAR, sums);
+    return sums[0];
 }
 #endif
 
