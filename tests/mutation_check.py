@@ -274,6 +274,13 @@ MUTATIONS = [
         ("tests/fast_path/test_decode_call.py -k huge_pages and default",),
     ),
     Mutation(
+        "huge pages switched off (GPN_HUGE_PAGES=0 ignored)",
+        "modeling_gpn/memory_kernels.py",
+        '    return os.environ.get("GPN_HUGE_PAGES", "1") != "0"\n',
+        "    return True  # MUTATION\n",
+        ("tests/fast_path/test_decode_call.py -k huge_pages and GPN_HUGE_PAGES",),
+    ),
+    Mutation(
         "generate() (the forward's signature inspected afresh at every token)",
         "modeling_gpn/modeling_gpn.py",
         "GPNForCausalLM.forward.__signature__ = inspect.signature(GPNForCausalLM.forward)\n",
