@@ -256,6 +256,7 @@ AVX512-VNNI on the integer dot products, the input rounded to 16 bits: see quant
 
 #include <stdint.h>
 #include <stdlib.h>
+#include <omp.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define GPN_AVX512 1
@@ -1046,15 +1047,38 @@ static void segment_rows(const gpn_segment *sg, i64 B, i64 r0, i64 r1)
     }
 }
 
-/* tasks: (segment, first row, end row) triples; inside a parallel region, threads take them in turn (a
-   thread that the machine's other tenants hold up costs its current task, not a share fixed in advance) */
+/* Which thread ran each task of the last phases (`gpn_log_tasks`: NULL, or a log the tests read) */
+static int *task_log;
+void gpn_log_tasks(int *log) { task_log = log; }
+
+static inline void run_task(const gpn_segment *segs, const i64 *tasks, i64 t, i64 B)
+{
+    segment_rows(&segs[tasks[3 * t]], B, tasks[3 * t + 1], tasks[3 * t + 2]);
+    if (task_log) task_log[t] = omp_get_thread_num();
+}
+
+/* tasks: (segment, first row, end row) triples, run inside a parallel region. Weights that fit the L3 are read
+   by the same thread at every step, every other task of a phase (static): two threads each reading their own
+   part of a buffer near the L3's size read it up to 2-3x faster than with the parts swapped at every pass, and
+   never slower (benchmarks/l3_sharing.sh), so tasks that move between cores, as dynamic ones do from token to
+   token, read L3-sized weights at nearly DRAM's rate. Weights streamed from DRAM have no such home: threads
+   take their tasks in turn (dynamic), so a thread slowed by the machine's other tenants does fewer of them. (A plan marks all its segments alike, `_mark_streamed`; -DKEEP_L3_TASKS=0 gives
+   every phase out in turn, for an A/B.) */
+#ifndef KEEP_L3_TASKS
+#define KEEP_L3_TASKS 1
+#endif
 static void run_tasks(const gpn_segment *segs, const i64 *tasks, i64 first, i64 end, i64 B)
 {
 #ifdef GPN_QUANTIZED
     quantized_input.x = 0;  /* (the inputs were written since the last phase) */
 #endif
-    #pragma omp for schedule(dynamic, 1)
-    for (i64 t = first; t < end; t++) segment_rows(&segs[tasks[3 * t]], B, tasks[3 * t + 1], tasks[3 * t + 2]);
+    if (KEEP_L3_TASKS && first < end && !(segs[tasks[3 * first]].flags & STREAM_ROWS)) {
+        #pragma omp for schedule(static, 1)
+        for (i64 t = first; t < end; t++) run_task(segs, tasks, t, B);
+    } else {
+        #pragma omp for schedule(dynamic, 1)
+        for (i64 t = first; t < end; t++) run_task(segs, tasks, t, B);
+    }
 }
 
 /* One phase of products on its own (the logits of a few rows, and any product the fused step does not cover) */
@@ -1386,6 +1410,7 @@ _SYMBOLS = (
     "gpn_memory_write_backward",
     "gpn_linear",
     "gpn_paired_rows",
+    "gpn_log_tasks",
     "gpn_step",
     "gpn_steps",
     "gpn_decode",
@@ -1545,6 +1570,7 @@ def _load_verified(folder: Path, key: str) -> ctypes.CDLL:
     lib.gpn_linear.restype = None
     lib.gpn_paired_rows.argtypes = [p, i64]
     lib.gpn_paired_rows.restype = ctypes.c_int
+    lib.gpn_log_tasks.argtypes, lib.gpn_log_tasks.restype = [p], None
     lib.gpn_step.argtypes = [*[p] * 11, ctypes.c_int]
     lib.gpn_step.restype = None
     lib.gpn_steps.argtypes = [p, i64, *[p] * 11, ctypes.c_int]

@@ -267,6 +267,13 @@ MUTATIONS = [
         ("tests/model/test_generate.py -k transformers_own",),
     ),
     Mutation(
+        "weights in the L3 read by whichever thread is free (no thread keeps its share)",
+        "modeling_gpn/memory_kernels.py",
+        "        #pragma omp for schedule(static, 1)\n",
+        "        #pragma omp for schedule(dynamic, 1)  /* MUTATION */\n",
+        ("tests/fast_path/test_step_kernels.py -k same_thread_at_every_step",),
+    ),
+    Mutation(
         "huge pages (weights streamed from DRAM left on 4 KB pages)",
         "modeling_gpn/memory_kernels.py",
         "    if madvise is None or not huge_pages_enabled():\n        return 0\n",

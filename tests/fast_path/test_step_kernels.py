@@ -309,6 +309,43 @@ def test_long_float_rows_streamed_from_dram_are_read_in_pairs(monkeypatch, produ
     assert torch.equal(product(9, 4100, True)[1], product(9, 4100, False)[1])
 
 
+def test_weights_in_the_l3_are_read_by_the_same_thread_at_every_step(monkeypatch):
+    """A product whose weights fit the L3 gives each of two threads every other task of the phase, at every
+    call: what a core read stays in the caches nearest it (two cores may not share one L3). Weights streamed
+    from DRAM go to whichever thread is free. Either way every task runs once, and the product is F.linear's."""
+    import ctypes
+
+    require_c_kernels()
+    from modeling_gpn import memory_kernels as mk
+
+    monkeypatch.setenv("GPN_HUGE_PAGES", "0")
+    weight = torch.randn(2048, 256, generator=torch.Generator().manual_seed(48))  # (2 MB: 8 tasks)
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(49))
+    for streamed in (False, True):
+        slot = mk._input_slot(1, 256)
+        slot["x"][:] = x
+        out = torch.empty(1, 2048)
+        segment = mk._segment(mk.Operand(mk.KIND_F32, weight, None, None, False), slot, out, 0)
+        monkeypatch.setattr(mk, "_last_level_cache_bytes", (lambda: 1) if streamed else (lambda: 1 << 40))
+        mk._mark_streamed([segment], [weight])
+        tasks = torch.tensor(mk._tasks([segment], 0, 1), dtype=torch.int64)
+        assert len(tasks) == 8
+        log = torch.full((len(tasks),), -1, dtype=torch.int32)
+        mk._library.gpn_log_tasks(log.data_ptr())
+        try:
+            threads = []
+            for _ in range(20):
+                log.fill_(-1)
+                mk._library.gpn_linear(ctypes.addressof(segment), tasks.data_ptr(), len(tasks), 1, 2)
+                threads.append(log.tolist())
+                torch.testing.assert_close(out, torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-4)
+        finally:
+            mk._library.gpn_log_tasks(None)
+        assert all(thread in (0, 1) for run in threads for thread in run), threads  # (each task ran)
+        if not streamed:
+            assert all(run == [0, 1] * 4 for run in threads), threads
+
+
 def test_the_read_probe_reads_every_byte(products_build):
     """The bandwidth probe behind `gpn bench`'s limit reads the whole buffer (its sum is the buffer's)."""
     from modeling_gpn import memory_kernels as mk
