@@ -265,10 +265,10 @@ def test_rows_far_beyond_the_l3_are_prefetched_ahead(monkeypatch):
         assert segment.flags == flags, megabytes
 
 
-def segment_product(monkeypatch, op, x: torch.Tensor, streamed: bool) -> tuple[torch.Tensor, int]:
+def segment_phase(monkeypatch, op, x: torch.Tensor, streamed: bool):
     """`op` (a `memory_kernels.Operand`) times the rows of float32 `x` as one phase of a plan's products, its
-    weights marked as streamed from DRAM (`STREAM_ROWS`, against an L3 of one byte) or as fitting the L3; and
-    whether the rows were read two at a time."""
+    weights marked as streamed from DRAM (`STREAM_ROWS`, against an L3 of one byte) or as fitting the L3: a call
+    runs the phase on two threads and returns its output; `.segment` and `.tasks` are the phase's."""
     import ctypes
 
     from modeling_gpn import memory_kernels as mk
@@ -282,8 +282,23 @@ def segment_product(monkeypatch, op, x: torch.Tensor, streamed: bool) -> tuple[t
     monkeypatch.setattr(mk, "_last_level_cache_bytes", (lambda: 1) if streamed else (lambda: 1 << 40))
     mk._mark_streamed([segment], [op.weight])
     tasks = torch.tensor(mk._tasks([segment], 0, 1), dtype=torch.int64)
-    mk._library.gpn_linear(ctypes.addressof(segment), tasks.data_ptr(), len(tasks), batch, 2)
-    return out, mk._library.gpn_paired_rows(ctypes.addressof(segment), batch)
+
+    def run() -> torch.Tensor:
+        mk._library.gpn_linear(ctypes.addressof(segment), tasks.data_ptr(), len(tasks), batch, 2)
+        return out
+
+    run.segment, run.tasks, run.slot = segment, tasks, slot  # (the slot: what the segment's pointers read)
+    return run
+
+
+def segment_product(monkeypatch, op, x: torch.Tensor, streamed: bool) -> tuple[torch.Tensor, int]:
+    """`segment_phase`'s product, run once, and whether the rows were read two at a time."""
+    import ctypes
+
+    from modeling_gpn import memory_kernels as mk
+
+    run = segment_phase(monkeypatch, op, x, streamed)
+    return run(), mk._library.gpn_paired_rows(ctypes.addressof(run.segment), x.shape[0])
 
 
 def test_long_float_rows_streamed_from_dram_are_read_in_pairs(monkeypatch, products_build):
@@ -311,39 +326,29 @@ def test_long_float_rows_streamed_from_dram_are_read_in_pairs(monkeypatch, produ
 
 def test_weights_in_the_l3_are_read_by_the_same_thread_at_every_step(monkeypatch):
     """A product whose weights fit the L3 gives each of two threads every other task of the phase, at every
-    call: what a core read stays in the caches nearest it (two cores may not share one L3). Weights streamed
-    from DRAM go to whichever thread is free. Either way every task runs once, and the product is F.linear's."""
-    import ctypes
-
+    call, so that what a core read stays in the caches nearest it. Weights streamed from DRAM go to whichever
+    thread is free. Either way every task runs once, and the product is F.linear's."""
     require_c_kernels()
     from modeling_gpn import memory_kernels as mk
 
-    monkeypatch.setenv("GPN_HUGE_PAGES", "0")
     weight = torch.randn(2048, 256, generator=torch.Generator().manual_seed(48))  # (2 MB: 8 tasks)
     x = torch.randn(1, 256, generator=torch.Generator().manual_seed(49))
     for streamed in (False, True):
-        slot = mk._input_slot(1, 256)
-        slot["x"][:] = x
-        out = torch.empty(1, 2048)
-        segment = mk._segment(mk.Operand(mk.KIND_F32, weight, None, None, False), slot, out, 0)
-        monkeypatch.setattr(mk, "_last_level_cache_bytes", (lambda: 1) if streamed else (lambda: 1 << 40))
-        mk._mark_streamed([segment], [weight])
-        tasks = torch.tensor(mk._tasks([segment], 0, 1), dtype=torch.int64)
-        assert len(tasks) == 8
-        log = torch.full((len(tasks),), -1, dtype=torch.int32)
+        run = segment_phase(monkeypatch, mk.Operand(mk.KIND_F32, weight, None, None, False), x, streamed)
+        assert len(run.tasks) == 8
+        log = torch.full((len(run.tasks),), -1, dtype=torch.int32)
         mk._library.gpn_log_tasks(log.data_ptr())
         try:
             threads = []
             for _ in range(20):
                 log.fill_(-1)
-                mk._library.gpn_linear(ctypes.addressof(segment), tasks.data_ptr(), len(tasks), 1, 2)
+                torch.testing.assert_close(run(), torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-4)
                 threads.append(log.tolist())
-                torch.testing.assert_close(out, torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-4)
         finally:
             mk._library.gpn_log_tasks(None)
-        assert all(thread in (0, 1) for run in threads for thread in run), threads  # (each task ran)
+        assert all(thread in (0, 1) for call in threads for thread in call), threads  # (each task ran)
         if not streamed:
-            assert all(run == [0, 1] * 4 for run in threads), threads
+            assert all(call == [0, 1] * 4 for call in threads), threads
 
 
 def test_the_read_probe_reads_every_byte(products_build):
