@@ -44,6 +44,4 @@ int main(int argc, char **argv)
 EOF
 cc -O3 -march=native -fopenmp "$dir/l3_sharing.c" -o "$dir/l3_sharing"
 echo "two threads reading a buffer, median of 200 passes:"
-for mb in "${@:-8 16 22 32 64}"; do
-    for size in $mb; do "$dir/l3_sharing" "$size"; done
-done
+for size in ${*:-8 16 22 32 64}; do "$dir/l3_sharing" "$size"; done

@@ -6,11 +6,11 @@ own, from a build of the kernels that stamps the clock where every phase starts.
 The phases are separated by barriers, so a phase's time runs from one barrier to the next: its work on the
 slowest thread and the wait of the others. A product phase (`run_tasks`) reads its weights; the others are
 the norms, gates, the memory's heads and the copies between them. Prints, per phase in the order the call
-runs them, the median over `--steps` calls in microseconds, its share, and for a product phase the bytes of its
-weights and the rate it read them at; then the call's own median (the uninstrumented build, timed in turn)
-beside the byte limit of the whole step (`bench.limit`: a read of its bytes), and the model's one-token step
-around the call, timed on its own, step after step (the Python of the forward and the cache: `profile_step.py`
-says where that goes).
+runs them, the median over `--steps` calls in microseconds and its share; then the call's own median
+(`DecodePlan`'s call, its argument checks included, on the uninstrumented build, timed in turn) beside the
+byte limit of the whole step (`bench.limit`: a read of its bytes), and the model's one-token step around the
+call, timed on its own, step after step (the Python of the forward and the cache: `profile_step.py` says
+where that goes).
 Run nothing else meanwhile.
 """
 
@@ -26,6 +26,7 @@ import torch
 
 from modeling_gpn import memory_kernels as mk
 from modeling_gpn.bench import ReadProbe, build_gpn, one_token_step_fn, step_bytes
+from modeling_gpn.recurrence_step import StepState
 
 STAMPS = 256
 _CLOCK = f"""#include <omp.h>
@@ -115,26 +116,8 @@ def main() -> None:
     mk.DecodePlan.__call__ = call
     if "call" not in captured:
         raise SystemExit("the one-token step did not run as one C call (GPN_DECODE_KERNEL, or a refused model)")
-    plan, ids, (p, g, key, M) = captured["call"]
-    memory = plan.step_plan.memory
-    arguments = (
-        ctypes.addressof(plan.step_plan._plan),
-        ctypes.addressof(plan._plan),
-        ids.data_ptr(),
-        p.data_ptr(),
-        g.data_ptr(),
-        plan.key.data_ptr() if memory else None,
-        M.data_ptr() if memory else None,
-        p.data_ptr(),
-        g.data_ptr(),
-        plan.key.data_ptr() if memory else None,
-        M.data_ptr() if memory else None,
-        None,
-        0,
-        0,
-        0,
-        args.threads,
-    )  # (the state advanced in place, its key the plan's own: a decode loop's call; no fingerprint)
+    plan, ids, (p, g, _, M) = captured["call"]
+    state = StepState(p, g, plan.key if plan.step_plan.memory else None, M)  # (a decode loop's next call)
     default = mk._library
     source = stamped_source()
     mk.SOURCE, original = source, mk.SOURCE
@@ -142,7 +125,14 @@ def main() -> None:
         stamped = mk.variant(())
     finally:
         mk.SOURCE = original
-    stamped.gpn_decode.argtypes, stamped.gpn_decode.restype = default.gpn_decode.argtypes, ctypes.c_int
+
+    def call(library) -> None:  # (the state advanced in place, as a decode loop's calls advance it)
+        mk._library = library
+        try:
+            plan(ids, state)
+        finally:
+            mk._library = default
+
     count = ctypes.c_int.in_dll(stamped, "gpn_stamps")
     times = (ctypes.c_double * STAMPS).in_dll(stamped, "gpn_stamp_time")
     lines = (ctypes.c_int * STAMPS).in_dll(stamped, "gpn_stamp_line")
@@ -150,12 +140,12 @@ def main() -> None:
     phases, whole, limit, plain = {}, [], [], []
     for _ in range(args.steps):
         count.value = 0
-        stamped.gpn_decode(*arguments)
+        call(stamped)
         marks = [(lines[i], times[i]) for i in range(count.value)]
         for index, ((line, start), (_, end)) in enumerate(zip(marks, marks[1:])):
             phases.setdefault((index, line), []).append(end - start)
         start = time.perf_counter()
-        default.gpn_decode(*arguments)
+        call(default)
         whole.append(time.perf_counter() - start)
         probe()  # (untimed: the probe's bytes back where a decode loop's weights are between tokens)
         start = time.perf_counter()
@@ -176,7 +166,7 @@ def main() -> None:
     print(f"| **all phases** | {total:.1f} | products {products / total:.0%} |\n")
     call_ms, limit_ms, step_ms = (1e3 * statistics.median(v) for v in (whole, limit, plain))
     print(
-        f"the call (uninstrumented): {call_ms:.3f} ms; the byte limit {limit_ms:.3f} ms ({probe.nbytes / 1e6:.1f} MB "
+        f"the call (`DecodePlan`, uninstrumented): {call_ms:.3f} ms; the byte limit {limit_ms:.3f} ms ({probe.nbytes / 1e6:.1f} MB "
         f"at {probe.nbytes / limit_ms / 1e6:.0f} GB/s, {probe.kind}): {call_ms / limit_ms:.2f}x; the model's one-token "
         f"step around it {step_ms:.3f} ms ({step_ms - call_ms:+.3f} ms)"
     )
