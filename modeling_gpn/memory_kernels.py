@@ -1058,10 +1058,11 @@ static inline void run_task(const gpn_segment *segs, const i64 *tasks, i64 t, i6
 }
 
 /* tasks: (segment, first row, end row) triples, run inside a parallel region. Weights that fit the L3 are read
-   by the same thread at every step, every other task of a phase (static): two threads each reading their own
-   part of a buffer near the L3's size read it up to 2-3x faster than with the parts swapped at every pass
-   (benchmarks/l3_sharing.sh; at times no faster), so tasks that move between cores, as dynamic ones do from
-   token to token, may read L3-sized weights at nearly DRAM's rate. Weights streamed from DRAM have no such
+   by the same thread at every step, each thread one contiguous run of a phase's tasks (static): two threads each
+   reading their own half of a buffer near the L3's size read it up to 2-3x faster than with the halves swapped
+   at every pass (benchmarks/l3_sharing.sh; at times no faster), so tasks that move between cores, as dynamic
+   ones do from token to token, may read L3-sized weights at nearly DRAM's rate. A run rather than every other
+   task: one stream of rows per thread, which bf16 products read 5-17% faster (RESULTS.md). Weights streamed from DRAM have no such
    home: threads take their tasks in turn (dynamic), so a thread slowed by the machine's other tenants does
    fewer of them. (A plan marks all its segments alike, `_mark_streamed`; -DKEEP_L3_TASKS=0 gives every phase
    out in turn, for an A/B.) */
@@ -1074,7 +1075,7 @@ static void run_tasks(const gpn_segment *segs, const i64 *tasks, i64 first, i64 
     quantized_input.x = 0;  /* (the inputs were written since the last phase) */
 #endif
     if (KEEP_L3_TASKS && first < end && !(segs[tasks[3 * first]].flags & STREAM_ROWS)) {
-        #pragma omp for schedule(static, 1)
+        #pragma omp for schedule(static)
         for (i64 t = first; t < end; t++) run_task(segs, tasks, t, B);
     } else {
         #pragma omp for schedule(dynamic, 1)

@@ -269,8 +269,15 @@ MUTATIONS = [
     Mutation(
         "weights in the L3 read by whichever thread is free (no thread keeps its share)",
         "modeling_gpn/memory_kernels.py",
-        "        #pragma omp for schedule(static, 1)\n",
-        "        #pragma omp for schedule(dynamic, 1)  /* MUTATION */\n",
+        "        #pragma omp for schedule(static)\n        for (i64 t = first; t < end; t++) run_task(",
+        "        #pragma omp for schedule(dynamic, 1)  /* MUTATION */\n        for (i64 t = first; t < end; t++) run_task(",
+        ("tests/fast_path/test_step_kernels.py -k same_thread_at_every_step",),
+    ),
+    Mutation(
+        "weights in the L3 dealt out every other task (no contiguous run a thread)",
+        "modeling_gpn/memory_kernels.py",
+        "        #pragma omp for schedule(static)\n        for (i64 t = first; t < end; t++) run_task(",
+        "        #pragma omp for schedule(static, 1)  /* MUTATION */\n        for (i64 t = first; t < end; t++) run_task(",
         ("tests/fast_path/test_step_kernels.py -k same_thread_at_every_step",),
     ),
     Mutation(
