@@ -1058,15 +1058,14 @@ static inline void run_task(const gpn_segment *segs, const i64 *tasks, i64 t, i6
 }
 
 /* tasks: (segment, first row, end row) triples, run inside a parallel region. Weights that fit the L3 are read
-   by the same thread at every step, each thread one contiguous run of a phase's tasks (static): two threads each
-   reading their own half of a buffer near the L3's size read it up to 2-3x faster than with the halves swapped
-   at every pass (benchmarks/l3_sharing.sh; at times no faster), so tasks that move between cores, as dynamic
-   ones do from token to token, may read L3-sized weights at nearly DRAM's rate. A run rather than every other
-   task: one stream of rows per thread, with which small's bf16 step and prefill were faster in 8 of 9 A/Bs
-   (int8 level: RESULTS.md). Weights streamed from DRAM have no such
-   home: threads take their tasks in turn (dynamic), so a thread slowed by the machine's other tenants does
-   fewer of them. (A plan marks all its segments alike, `_mark_streamed`; -DKEEP_L3_TASKS=0 gives every phase
-   out in turn, for an A/B.) */
+   by the same thread at every step, each thread one contiguous run of a phase's tasks (static): two threads
+   each reading their own half of a buffer near the L3's size read it up to 2-3x faster than with the halves
+   swapped at every pass (benchmarks/l3_sharing.sh; at times no faster), so tasks that move between cores, as
+   dynamic ones do from token to token, may read L3-sized weights at nearly DRAM's rate. A run rather than
+   every other task: one stream of rows per thread, with which small's bf16 step and prefill were faster in 8
+   of 9 A/Bs (int8 level: RESULTS.md). Weights streamed from DRAM have no such home: threads take their tasks
+   in turn (dynamic), so a thread slowed by the machine's other tenants does fewer of them. (A plan marks all
+   its segments alike, `_mark_streamed`; -DKEEP_L3_TASKS=0 gives every phase out in turn, for an A/B.) */
 #ifndef KEEP_L3_TASKS
 #define KEEP_L3_TASKS 1
 #endif
