@@ -105,15 +105,15 @@ def main() -> None:
     model = build_gpn(args.preset, args.dtype, "cpu", 0).eval()
     step = one_token_step_fn(model, 1, model.config.vocab_size, "cpu")
     captured = {}
-    call = mk.DecodePlan.__call__
+    decode_call = mk.DecodePlan.__call__
 
     def capture(plan, ids, state, ids_hash=None):
         captured["call"] = (plan, ids.clone(), state)
-        return call(plan, ids, state, ids_hash)
+        return decode_call(plan, ids, state, ids_hash)
 
     mk.DecodePlan.__call__ = capture
     step()
-    mk.DecodePlan.__call__ = call
+    mk.DecodePlan.__call__ = decode_call
     if "call" not in captured:
         raise SystemExit("the one-token step did not run as one C call (GPN_DECODE_KERNEL, or a refused model)")
     plan, ids, (p, g, _, M) = captured["call"]
@@ -126,7 +126,7 @@ def main() -> None:
     finally:
         mk.SOURCE = original
 
-    def call(library) -> None:  # (the state advanced in place, as a decode loop's calls advance it)
+    def call_on(library) -> None:  # (the state advanced in place, as a decode loop's calls advance it)
         mk._library = library
         try:
             plan(ids, state)
@@ -140,12 +140,12 @@ def main() -> None:
     phases, whole, limit, plain = {}, [], [], []
     for _ in range(args.steps):
         count.value = 0
-        call(stamped)
+        call_on(stamped)
         marks = [(lines[i], times[i]) for i in range(count.value)]
         for index, ((line, start), (_, end)) in enumerate(zip(marks, marks[1:])):
             phases.setdefault((index, line), []).append(end - start)
         start = time.perf_counter()
-        call(default)
+        call_on(default)
         whole.append(time.perf_counter() - start)
         probe()  # (untimed: the probe's bytes back where a decode loop's weights are between tokens)
         start = time.perf_counter()
