@@ -759,25 +759,26 @@ def test_fineweb_windows_at_2048_with_a_32k_vocabulary_in_bounded_memory(tmp_pat
     """The paper's window and a LLaMA-sized vocabulary, batch 4, under a cap of imports + 600 MiB: the full
     logits alone would be 1.05 GB (and their float64 copies 2.1 GB each). The figure equals the full-logits
     method's, computed in the parent without a cap."""
+    windows = 4
     model = perturbed_model(tiny_config(vocab_size=32000))
     model.save_pretrained(tmp_path / "model")
-    stream = torch.randint(0, 32000, (4 * 2048 + 5,), generator=torch.Generator().manual_seed(2))
+    stream = torch.randint(0, 32000, (windows * 2048 + 5,), generator=torch.Generator().manual_seed(2))
     torch.save(stream, tmp_path / "stream.pt")
     code = f"""
 from modeling_gpn import GPNForCausalLM
 from modeling_gpn.evaluation.protocols import windowed_perplexity
 model = GPNForCausalLM.from_pretrained({str(tmp_path / "model")!r}).eval()
 stream = torch.load({str(tmp_path / "stream.pt")!r}).tolist()
-result = windowed_perplexity(model, stream, window=2048, batch_size=4, progress=False)
+result = windowed_perplexity(model, stream, window=2048, batch_size={windows}, progress=False)
 print("RESULT", json.dumps(result), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
     child = run_python_bounded(code, margin_bytes=600 << 20)
     assert child.returncode == 0, child.stderr[-3000:]
     result = json.loads(child.stdout.split("RESULT", 1)[1].rsplit(" ", 1)[0])
-    tokens = stream[: 4 * 2048].view(4, 2048)
-    rest = sum(full_logits_nll(model, tokens[i : i + 2]) for i in range(0, 4, 2))
-    assert result["windows"] == 4 and result["tokens_scored"] == 4 * 2048
-    assert result["ppl_excluding_first"] == pytest.approx(math.exp(rest / (4 * 2047)), rel=1e-9)
+    tokens = stream[: windows * 2048].view(windows, 2048)
+    rest = sum(full_logits_nll(model, tokens[i : i + 2]) for i in range(0, windows, 2))
+    assert result["windows"] == windows and result["tokens_scored"] == windows * 2048
+    assert result["ppl_excluding_first"] == pytest.approx(math.exp(rest / (windows * 2047)), rel=1e-9)
 
 
 # --------------------------------------------------------------------------------------------------
