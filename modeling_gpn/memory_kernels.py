@@ -274,6 +274,15 @@ enum { ROUND_OUTPUT = 1, STORE_BF16 = 2, BIAS_AFTER_ROUND = 4, STREAM_ROWS = 8, 
    the L2 (with the hardware's prefetcher alone one core keeps too few reads in flight; where much of the
    weights stays in the L3 the extra instructions cost more than they bring: benchmarks/RESULTS.md) */
 enum { FAR_AHEAD = 4096 };
+/* NEAR_AHEAD: bf16 rows read a row at a time without FAR_ROWS (weights in the L3, or a little beyond it) are
+   prefetched this much nearer, into the L2. Between two decoded tokens the L3's other tenants evict part of
+   them, and the hardware's prefetcher alone then keeps too few reads in flight: small's bf16 step was faster
+   with it in 10 of 12 A/Bs, its prefill no faster; 4 KB ahead, or into the L1, was slower (benchmarks/RESULTS.md;
+   -DNEAR_PREFETCH=0 builds without it, for an A/B) */
+#ifndef NEAR_PREFETCH
+#define NEAR_PREFETCH 1
+#endif
+enum { NEAR_AHEAD = 2048 };
 
 typedef struct { /* one linear map of a phase: out[b, j] = (round?)(scale_j * <W_j, x_b>) + bias_j */
     const void *w;        /* (rows, cols) row-major: float, uint16 (bf16 bits) or int8 */
@@ -412,6 +421,8 @@ static inline __attribute__((always_inline)) void dot_rows(const void *const row
                 for (int i = 0; i < NR; i++) {
                     const uint16_t *row = (const uint16_t *)rows[i];
                     if (FAR && a % 2 == 0) _mm_prefetch((const char *)row + 2 * (k + 32 * a) + FAR_AHEAD, _MM_HINT_T2);
+                    else if (NEAR_PREFETCH && a % 2 == 0)
+                        _mm_prefetch((const char *)row + 2 * (k + 32 * a) + NEAR_AHEAD, _MM_HINT_T1);
                     acc[i][a] = _mm512_dpbf16_ps(acc[i][a], (__m512bh)_mm512_loadu_si512((const void *)(row + k + 32 * a)), xv);
                 }
             }
