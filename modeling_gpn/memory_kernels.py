@@ -976,6 +976,50 @@ static void quantized_rows(const gpn_segment *sg, const gpn_quantized *q, i64 B,
 }
 #endif
 
+/* bf16 rows of 256, 512 or 768 weights at one batch row, outside FAR_ROWS (in the L3, or a little beyond it), hold
+   the input in registers (`held_input`): `dot_rows` loads a vector of the input beside each vector of weights, two
+   loads where the products need one, and a core loads one 64-byte vector a cycle, so the loads, not the L3, bound
+   those rows. Held, the input is loaded once per task (its 8-24 vectors, with the eight accumulators, all but a few
+   of the 32 registers); each row's sum is `dot_rows`' to the bit (the same accumulators in the same order).
+   Longer rows do not fit; -DHELD_BF16=0 builds without it, for an A/B (benchmarks/RESULTS.md). */
+#ifndef HELD_BF16
+#define HELD_BF16 1
+#endif
+#if defined(__AVX512BF16__)
+#define GPN_HELD_BF16 1
+static inline __attribute__((always_inline)) void held_bf16_rows(const gpn_segment *sg, i64 r0, i64 r1, const int N)
+{
+    __m512bh xv[24];  /* N = cols / 32 of them: a constant where it is inlined, so that they stay in registers */
+    for (int a = 0; a < N; a++) xv[a] = (__m512bh)_mm512_loadu_si512((const void *)(sg->xb + 32 * a));
+    for (i64 r = r0; r < r1; r++) {
+        const uint16_t *row = (const uint16_t *)sg->w + r * 32 * N;
+        __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
+        for (int a = 0; a < N; a += 8) {
+            if (NEAR_PREFETCH)
+                for (int j = 0; j < 8; j += 2) _mm_prefetch((const char *)(row + 32 * (a + j)) + NEAR_AHEAD, _MM_HINT_T1);
+#define GPN_HELD(c, j) c = _mm512_dpbf16_ps(c, (__m512bh)_mm512_loadu_si512((const void *)(row + 32 * (a + j))), xv[a + j])
+            GPN_HELD(c0, 0); GPN_HELD(c1, 1); GPN_HELD(c2, 2); GPN_HELD(c3, 3);
+            GPN_HELD(c4, 4); GPN_HELD(c5, 5); GPN_HELD(c6, 6); GPN_HELD(c7, 7);
+#undef GPN_HELD
+        }
+        const __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(c0, c1), _mm512_add_ps(c2, c3)),
+                                       _mm512_add_ps(_mm512_add_ps(c4, c5), _mm512_add_ps(c6, c7)));
+        store_output(sg, 0, r, _mm512_reduce_add_ps(s));
+    }
+}
+#endif
+
+static int held_input(const gpn_segment *sg, i64 B)
+{
+#ifdef GPN_HELD_BF16
+    return HELD_BF16 && B == 1 && sg->kind == KIND_BF16 && !(sg->flags & FAR_ROWS)
+           && (sg->cols == 256 || sg->cols == 512 || sg->cols == 768);
+#else
+    (void)sg; (void)B;
+    return 0;
+#endif
+}
+
 /* Float rows this long and longer, streamed from DRAM at one batch row, are read two at a time (`dot_rows`): a
    row's weights and the input then overflow the L1 together (16 KB each at 4,096 floats), so that a row at a time
    reads the input again from the L2 for every row, where a pair of rows reads it once. Shorter rows stream
@@ -1001,6 +1045,14 @@ static void segment_rows(const gpn_segment *sg, i64 B, i64 r0, i64 r1)
     if (sg->kind == KIND_I8 && B <= QUANTIZED_MAX_ROWS && K <= QUANTIZED_MAX_COLS) {
         const gpn_quantized *q = quantize_input(sg, B);
         if (q) { quantized_rows(sg, q, B, r0, r1); return; }
+    }
+#endif
+#ifdef GPN_HELD_BF16
+    if (held_input(sg, B)) {
+        if (K == 256) held_bf16_rows(sg, r0, r1, 8);
+        else if (K == 512) held_bf16_rows(sg, r0, r1, 16);
+        else held_bf16_rows(sg, r0, r1, 24);
+        return;
     }
 #endif
 #ifdef GPN_HAVE_DOT_ROW
@@ -1103,6 +1155,8 @@ void gpn_linear(const gpn_segment *segs, const i64 *tasks, i64 n_tasks, i64 B, i
 
 /* Whether segment_rows reads the rows of `sg` two at a time at B batch rows (`paired_rows`; asked by the tests) */
 int gpn_paired_rows(const gpn_segment *sg, i64 B) { return paired_rows(sg, B); }
+/* Whether segment_rows holds the input of `sg` in registers at B batch rows (`held_input`; asked by the tests) */
+int gpn_held_input(const gpn_segment *sg, i64 B) { return held_input(sg, B); }
 
 /* The vector instructions the products were built for (`products_isa`: the bench says it, the tests ask it) */
 const char *gpn_products_isa(void)
@@ -1423,6 +1477,7 @@ _SYMBOLS = (
     "gpn_memory_write_backward",
     "gpn_linear",
     "gpn_paired_rows",
+    "gpn_held_input",
     "gpn_log_tasks",
     "gpn_step",
     "gpn_steps",
@@ -1583,6 +1638,8 @@ def _load_verified(folder: Path, key: str) -> ctypes.CDLL:
     lib.gpn_linear.restype = None
     lib.gpn_paired_rows.argtypes = [p, i64]
     lib.gpn_paired_rows.restype = ctypes.c_int
+    lib.gpn_held_input.argtypes = [p, i64]
+    lib.gpn_held_input.restype = ctypes.c_int
     lib.gpn_log_tasks.argtypes, lib.gpn_log_tasks.restype = [p], None
     lib.gpn_step.argtypes = [*[p] * 11, ctypes.c_int]
     lib.gpn_step.restype = None

@@ -218,6 +218,20 @@ MUTATIONS = [
         ("tests/fast_path/test_step_kernels.py -k read_in_pairs and not portable",),
     ),
     Mutation(
+        "short bf16 rows in the L3 read beside their input (not held in registers)",
+        "modeling_gpn/memory_kernels.py",
+        "    return HELD_BF16 && B == 1 && sg->kind == KIND_BF16 && !(sg->flags & FAR_ROWS)\n",
+        "    return 0 && B == 1 && sg->kind == KIND_BF16 && !(sg->flags & FAR_ROWS)\n",
+        ("tests/fast_path/test_step_kernels.py -k hold_their_input and native",),
+    ),
+    Mutation(
+        "a row read with its input held (the last accumulator left out of its sum)",
+        "modeling_gpn/memory_kernels.py",
+        "            GPN_HELD(c4, 4); GPN_HELD(c5, 5); GPN_HELD(c6, 6); GPN_HELD(c7, 7);\n",
+        "            GPN_HELD(c4, 4); GPN_HELD(c5, 5); GPN_HELD(c6, 6);\n",
+        ("tests/fast_path/test_step_kernels.py -k hold_their_input and native",),
+    ),
+    Mutation(
         "gpn bench's generate() timings decoding to the end (the model's end token stops them)",
         "modeling_gpn/bench/timing.py",
         "do_sample=False, eos_token_id=[], pad_token_id=0",
