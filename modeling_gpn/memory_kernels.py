@@ -945,12 +945,96 @@ static inline void store_output(const gpn_segment *sg, i64 b, i64 r, float y)
     else ((float *)sg->out)[at] = y;
 }
 
+/* Rows of 256, 512 or 768 weights at one batch row, outside FAR_ROWS (in the L3, or a little beyond it), hold the
+   input in registers (`held_input`): bf16 rows where the CPU has AVX512-BF16, int8 rows (their input's two byte
+   planes) where it has VNNI. Read a row at a time beside its input (`dot_rows`, `vnni_row`), a row takes a load of
+   the input beside each load of weights, and a core loads one 64-byte vector a cycle, so the loads, not the L3,
+   bound those rows; four rows at a time (`vnni_block`) share the input's loads but read four streams, which the L3
+   serves worse. Held, the input is loaded once per task (8-24 vectors, a constant where these are inlined so that
+   they stay in registers) and each row is one stream of loads. Each row's sum is the one it has read beside its
+   input, to the bit: bf16 with `dot_rows`' eight accumulators in the same order, int8 in exact integers. Longer
+   rows do not fit the registers; -DHELD_INPUT=0 builds without it, for an A/B (benchmarks/RESULTS.md). */
+#ifndef HELD_INPUT
+#define HELD_INPUT 1
+#endif
+#if defined(__AVX512BF16__)
+#define GPN_HELD_BF16 1
+static inline __attribute__((always_inline)) void held_bf16_rows(const gpn_segment *sg, i64 r0, i64 r1, const int N)
+{
+    __m512bh xv[24];
+    for (int a = 0; a < N; a++) xv[a] = (__m512bh)_mm512_loadu_si512((const void *)(sg->xb + 32 * a));
+    for (i64 r = r0; r < r1; r++) {
+        const uint16_t *row = (const uint16_t *)sg->w + r * 32 * N;
+        __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
+        for (int a = 0; a < N; a += 8) {
+            if (NEAR_PREFETCH)
+                for (int j = 0; j < 8; j += 2) _mm_prefetch((const char *)(row + 32 * (a + j)) + NEAR_AHEAD, _MM_HINT_T1);
+#define GPN_HELD(c, j) c = _mm512_dpbf16_ps(c, (__m512bh)_mm512_loadu_si512((const void *)(row + 32 * (a + j))), xv[a + j])
+            GPN_HELD(c0, 0); GPN_HELD(c1, 1); GPN_HELD(c2, 2); GPN_HELD(c3, 3);
+            GPN_HELD(c4, 4); GPN_HELD(c5, 5); GPN_HELD(c6, 6); GPN_HELD(c7, 7);
+#undef GPN_HELD
+        }
+        const __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(c0, c1), _mm512_add_ps(c2, c3)),
+                                       _mm512_add_ps(_mm512_add_ps(c4, c5), _mm512_add_ps(c6, c7)));
+        store_output(sg, 0, r, _mm512_reduce_add_ps(s));
+    }
+}
+#endif
+#if defined(GPN_VNNI)
+#define GPN_HELD_INT8 1
+static inline __attribute__((always_inline)) void held_int8_rows(const gpn_segment *sg, const gpn_quantized *q, i64 r0,
+                                                                 i64 r1, const int N)
+{
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512i vh[12], vl[12];
+    for (int a = 0; a < N; a++) {
+        vh[a] = _mm512_loadu_si512((const void *)(q->hi + 64 * a));
+        vl[a] = _mm512_loadu_si512((const void *)(q->lo + 64 * a));
+    }
+    for (i64 r = r0; r < r1; r++) {
+        const int8_t *row = (const int8_t *)sg->w + r * 64 * N;
+        __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
+        for (int a = 0; a < N; a += 2) {
+            if (NEAR_PREFETCH) _mm_prefetch((const char *)row + 64 * a + NEAR_AHEAD, _MM_HINT_T1);
+            const __m512i w0 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(row + 64 * a)), flip);
+            const __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(row + 64 * a + 64)), flip);
+            DPBUSD_HELD(h0, w0, vh[a]); DPBUSD_HELD(l0, w0, vl[a]);
+            DPBUSD_HELD(h1, w1, vh[a + 1]); DPBUSD_HELD(l1, w1, vl[a + 1]);
+        }
+        int32_t four[4];
+        _mm_storeu_si128((__m128i *)four, reduce4_epi32(h0, h1, l0, l1));
+        store_output(sg, 0, r, vnni_dot(q, 0, four[0] + four[1], four[2] + four[3]));
+    }
+}
+#endif
+
+static int held_input(const gpn_segment *sg, i64 B)
+{
+    if (!HELD_INPUT || B != 1 || (sg->flags & FAR_ROWS) || (sg->cols != 256 && sg->cols != 512 && sg->cols != 768))
+        return 0;
+#ifdef GPN_HELD_BF16
+    if (sg->kind == KIND_BF16) return 1;
+#endif
+#ifdef GPN_HELD_INT8
+    if (sg->kind == KIND_I8) return 1;
+#endif
+    return 0;
+}
+
 #ifdef GPN_QUANTIZED
 /* rows [r0, r1) of an int8 segment for all B batch rows, on the quantized input (VNNI's or AVX2's products) */
 static void quantized_rows(const gpn_segment *sg, const gpn_quantized *q, i64 B, i64 r0, i64 r1)
 {
     const i64 K = sg->cols;
     const int8_t *w = (const int8_t *)sg->w;
+#ifdef GPN_HELD_INT8
+    if (held_input(sg, B)) {
+        if (K == 256) held_int8_rows(sg, q, r0, r1, 4);
+        else if (K == 512) held_int8_rows(sg, q, r0, r1, 8);
+        else held_int8_rows(sg, q, r0, r1, 12);
+        return;
+    }
+#endif
     if (B == 1 && (sg->flags & STREAM_ROWS)) {
         const int far = (sg->flags & FAR_ROWS) != 0;
         for (i64 r = r0; r < r1; r++) store_output(sg, 0, r, quantized_row(w + r * K, q, K, far));
@@ -975,50 +1059,6 @@ static void quantized_rows(const gpn_segment *sg, const gpn_quantized *q, i64 B,
     }
 }
 #endif
-
-/* bf16 rows of 256, 512 or 768 weights at one batch row, outside FAR_ROWS (in the L3, or a little beyond it), hold
-   the input in registers (`held_input`): `dot_rows` loads a vector of the input beside each vector of weights, two
-   loads where the products need one, and a core loads one 64-byte vector a cycle, so the loads, not the L3, bound
-   those rows. Held, the input is loaded once per task (its 8-24 vectors, with the eight accumulators, all but a few
-   of the 32 registers); each row's sum is `dot_rows`' to the bit (the same accumulators in the same order).
-   Longer rows do not fit; -DHELD_BF16=0 builds without it, for an A/B (benchmarks/RESULTS.md). */
-#ifndef HELD_BF16
-#define HELD_BF16 1
-#endif
-#if defined(__AVX512BF16__)
-#define GPN_HELD_BF16 1
-static inline __attribute__((always_inline)) void held_bf16_rows(const gpn_segment *sg, i64 r0, i64 r1, const int N)
-{
-    __m512bh xv[24];  /* N = cols / 32 of them: a constant where it is inlined, so that they stay in registers */
-    for (int a = 0; a < N; a++) xv[a] = (__m512bh)_mm512_loadu_si512((const void *)(sg->xb + 32 * a));
-    for (i64 r = r0; r < r1; r++) {
-        const uint16_t *row = (const uint16_t *)sg->w + r * 32 * N;
-        __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
-        for (int a = 0; a < N; a += 8) {
-            if (NEAR_PREFETCH)
-                for (int j = 0; j < 8; j += 2) _mm_prefetch((const char *)(row + 32 * (a + j)) + NEAR_AHEAD, _MM_HINT_T1);
-#define GPN_HELD(c, j) c = _mm512_dpbf16_ps(c, (__m512bh)_mm512_loadu_si512((const void *)(row + 32 * (a + j))), xv[a + j])
-            GPN_HELD(c0, 0); GPN_HELD(c1, 1); GPN_HELD(c2, 2); GPN_HELD(c3, 3);
-            GPN_HELD(c4, 4); GPN_HELD(c5, 5); GPN_HELD(c6, 6); GPN_HELD(c7, 7);
-#undef GPN_HELD
-        }
-        const __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(c0, c1), _mm512_add_ps(c2, c3)),
-                                       _mm512_add_ps(_mm512_add_ps(c4, c5), _mm512_add_ps(c6, c7)));
-        store_output(sg, 0, r, _mm512_reduce_add_ps(s));
-    }
-}
-#endif
-
-static int held_input(const gpn_segment *sg, i64 B)
-{
-#ifdef GPN_HELD_BF16
-    return HELD_BF16 && B == 1 && sg->kind == KIND_BF16 && !(sg->flags & FAR_ROWS)
-           && (sg->cols == 256 || sg->cols == 512 || sg->cols == 768);
-#else
-    (void)sg; (void)B;
-    return 0;
-#endif
-}
 
 /* Float rows this long and longer, streamed from DRAM at one batch row, are read two at a time (`dot_rows`): a
    row's weights and the input then overflow the L1 together (16 KB each at 4,096 floats), so that a row at a time
@@ -1048,7 +1088,7 @@ static void segment_rows(const gpn_segment *sg, i64 B, i64 r0, i64 r1)
     }
 #endif
 #ifdef GPN_HELD_BF16
-    if (held_input(sg, B)) {
+    if (sg->kind == KIND_BF16 && held_input(sg, B)) {
         if (K == 256) held_bf16_rows(sg, r0, r1, 8);
         else if (K == 512) held_bf16_rows(sg, r0, r1, 16);
         else held_bf16_rows(sg, r0, r1, 24);

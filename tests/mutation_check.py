@@ -218,17 +218,24 @@ MUTATIONS = [
         ("tests/fast_path/test_step_kernels.py -k read_in_pairs and not portable",),
     ),
     Mutation(
-        "short bf16 rows in the L3 read beside their input (not held in registers)",
+        "short rows in the L3 read beside their input (not held in registers)",
         "modeling_gpn/memory_kernels.py",
-        "    return HELD_BF16 && B == 1 && sg->kind == KIND_BF16 && !(sg->flags & FAR_ROWS)\n",
-        "    return 0 && B == 1 && sg->kind == KIND_BF16 && !(sg->flags & FAR_ROWS)\n",
+        "    if (!HELD_INPUT || B != 1 ||",
+        "    if (1 || B != 1 ||",
         ("tests/fast_path/test_step_kernels.py -k hold_their_input and native",),
     ),
     Mutation(
-        "a row read with its input held (the last accumulator left out of its sum)",
+        "a bf16 row read with its input held (the last accumulator left out of its sum)",
         "modeling_gpn/memory_kernels.py",
         "            GPN_HELD(c4, 4); GPN_HELD(c5, 5); GPN_HELD(c6, 6); GPN_HELD(c7, 7);\n",
         "            GPN_HELD(c4, 4); GPN_HELD(c5, 5); GPN_HELD(c6, 6);\n",
+        ("tests/fast_path/test_step_kernels.py -k hold_their_input and native",),
+    ),
+    Mutation(
+        "an int8 row read with its input held (the low byte plane of every other vector left out)",
+        "modeling_gpn/memory_kernels.py",
+        "            DPBUSD_HELD(h1, w1, vh[a + 1]); DPBUSD_HELD(l1, w1, vl[a + 1]);\n",
+        "            DPBUSD_HELD(h1, w1, vh[a + 1]);\n",
         ("tests/fast_path/test_step_kernels.py -k hold_their_input and native",),
     ),
     Mutation(

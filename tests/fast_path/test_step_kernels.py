@@ -324,35 +324,44 @@ def test_long_float_rows_streamed_from_dram_are_read_in_pairs(monkeypatch, produ
     assert torch.equal(product(9, 4100, True)[1], product(9, 4100, False)[1])
 
 
-def test_short_bf16_rows_in_the_l3_hold_their_input_in_registers(monkeypatch, products_build):
-    """bf16 rows of 256, 512 or 768 weights at one batch row, in the L3, hold the input in registers (where the CPU
-    has AVX512-BF16): each row's sum is the one it has read a row at a time beside its input, to the bit, and the
-    product is F.linear's. Other lengths, rows far beyond the L3 and more batch rows are read as before."""
+def test_short_rows_in_the_l3_hold_their_input_in_registers(monkeypatch, products_build):
+    """bf16 and int8 rows of 256, 512 or 768 weights at one batch row, in the L3, hold the input in registers
+    (bf16 where the CPU has AVX512-BF16, int8 where it has VNNI): each row's sum is the one it has read a row at a
+    time beside its input, to the bit, and the product is F.linear's. Other lengths, rows far beyond the L3 and
+    more batch rows are read as before."""
     import ctypes
 
     from modeling_gpn import memory_kernels as mk
 
-    held_here = "+bf16" in products_build
-
-    def product(rows: int, cols: int, streamed: bool, batch: int = 1):
-        weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(50)).bfloat16()
-        x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(51)).bfloat16().float()
-        run = segment_phase(monkeypatch, mk.Operand(mk.KIND_BF16, weight, None, None, True), x, streamed)
-        run.slot["xr"].copy_(x)  # (a bf16 product's input: rounded to bf16, and its bits)
+    def product(kind: int, rows: int, cols: int, streamed: bool, batch: int = 1):
+        generator = torch.Generator().manual_seed(50)
+        x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(51))
+        if kind == mk.KIND_BF16:
+            weight, scale = torch.randn(rows, cols, generator=generator).bfloat16(), None
+            x = x.bfloat16().float()
+            want = torch.nn.functional.linear(x.bfloat16(), weight).float()
+        else:
+            weight = torch.randint(-127, 128, (rows, cols), dtype=torch.int8, generator=generator)
+            scale = torch.rand(rows, generator=generator)
+            want = torch.nn.functional.linear(x, weight.float() * scale[:, None])
+        op = mk.Operand(kind, weight, scale, None, kind == mk.KIND_BF16)
+        run = segment_phase(monkeypatch, op, x, streamed)
+        run.slot["xr"].copy_(x.bfloat16().float())  # (a bf16 product's input: rounded to bf16, and its bits)
         run.slot["xb"].copy_(x.bfloat16().view(torch.int16))
         held = mk._library.gpn_held_input(ctypes.addressof(run.segment), batch)
-        return held, run().clone(), torch.nn.functional.linear(x.bfloat16(), weight)
+        return held, run().clone(), want
 
-    # (300 rows: tasks cut inside the phase; streamed: FAR_ROWS, read a row at a time)
-    for cols in (256, 512, 768):
-        held, out, want = product(300, cols, streamed=False)
-        assert held == held_here, cols
-        torch.testing.assert_close(out, want.float(), rtol=1e-2, atol=1e-2)
-        far, out_far, _ = product(300, cols, streamed=True)
-        assert far == 0
-        assert torch.equal(out, out_far), cols
-    assert product(300, 800, streamed=False)[0] == 0
-    assert product(300, 768, streamed=False, batch=2)[0] == 0
+    for kind, held_here in ((mk.KIND_BF16, "+bf16" in products_build), (mk.KIND_I8, "+vnni" in products_build)):
+        # (300 rows: tasks cut inside the phase; streamed: FAR_ROWS, read a row at a time)
+        for cols in (256, 512, 768):
+            held, out, want = product(kind, 300, cols, streamed=False)
+            assert held == held_here, (kind, cols)
+            torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)
+            far, out_far, _ = product(kind, 300, cols, streamed=True)
+            assert far == 0
+            assert torch.equal(out, out_far), (kind, cols)
+        assert product(kind, 300, 800, streamed=False)[0] == 0
+        assert product(kind, 300, 768, streamed=False, batch=2)[0] == 0
 
 
 def test_weights_in_the_l3_are_read_by_the_same_thread_at_every_step(monkeypatch):
