@@ -274,11 +274,11 @@ enum { ROUND_OUTPUT = 1, STORE_BF16 = 2, BIAS_AFTER_ROUND = 4, STREAM_ROWS = 8, 
    the L2 (with the hardware's prefetcher alone one core keeps too few reads in flight; where much of the
    weights stays in the L3 the extra instructions cost more than they bring: benchmarks/RESULTS.md) */
 enum { FAR_AHEAD = 4096 };
-/* NEAR_AHEAD: bf16 rows read a row at a time without FAR_ROWS (weights in the L3, or a little beyond it) are
-   prefetched this much nearer, into the L2. Between two decoded tokens the L3's other tenants evict part of
-   them, and the hardware's prefetcher alone then keeps too few reads in flight: small's bf16 step was faster
-   with it in 10 of 12 A/Bs, its prefill no faster; 4 KB ahead, or into the L1, was slower (benchmarks/RESULTS.md;
-   -DNEAR_PREFETCH=0 builds without it, for an A/B) */
+/* NEAR_AHEAD: rows read a row at a time without FAR_ROWS (weights in the L3, or a little beyond it: bf16 rows, and
+   the int8 rows that hold their input, `held_input`) are prefetched this much nearer, into the L2. Between two
+   decoded tokens the L3's other tenants evict part of them, and the hardware's prefetcher alone then keeps too few
+   reads in flight: small's bf16 step was faster with it in 10 of 12 A/Bs, its prefill no faster; 4 KB ahead, or
+   into the L1, was slower (benchmarks/RESULTS.md; -DNEAR_PREFETCH=0 builds without it, for an A/B) */
 #ifndef NEAR_PREFETCH
 #define NEAR_PREFETCH 1
 #endif
