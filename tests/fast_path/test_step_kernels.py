@@ -276,7 +276,9 @@ def segment_phase(monkeypatch, op, x: torch.Tensor, streamed: bool):
     monkeypatch.setenv("GPN_HUGE_PAGES", "0")
     batch, cols = x.shape
     slot = mk._input_slot(batch, cols)
-    slot["x"][:, :cols] = x
+    slot["x"][:, :cols] = x  # (and, as the kernels' `put` writes them, its bf16 rounding and bits for bf16 products)
+    slot["xr"][:, :cols] = x.bfloat16().float()
+    slot["xb"][:, :cols] = x.bfloat16().view(torch.int16)
     out = torch.empty(batch, op.weight.shape[0])
     segment = mk._segment(op, slot, out, 0)
     monkeypatch.setattr(mk, "_last_level_cache_bytes", (lambda: 1) if streamed else (lambda: 1 << 40))
@@ -346,8 +348,6 @@ def test_short_rows_in_the_l3_hold_their_input_in_registers(monkeypatch, product
             want = torch.nn.functional.linear(x, weight.float() * scale[:, None])
         op = mk.Operand(kind, weight, scale, None, kind == mk.KIND_BF16)
         run = segment_phase(monkeypatch, op, x, streamed)
-        run.slot["xr"].copy_(x.bfloat16().float())  # (a bf16 product's input: rounded to bf16, and its bits)
-        run.slot["xb"].copy_(x.bfloat16().view(torch.int16))
         held = mk._library.gpn_held_input(ctypes.addressof(run.segment), batch)
         return held, run().clone(), want
 
