@@ -42,6 +42,7 @@ def product(dtype: str, rows: int, cols: int):
     slot = mk._input_slot(1, cols)
     slot["x"].normal_(generator=generator)
     slot["xr"].copy_(slot["x"].bfloat16().float())
+    slot["xb"].copy_(slot["x"].bfloat16().view(torch.int16))  # (the bits bf16 products read)
     out = torch.empty(1, rows)
     segment = mk._segment(op, slot, out, 0)
     mk._mark_streamed([segment], [weight])
