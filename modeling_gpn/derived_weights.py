@@ -22,13 +22,12 @@ This file ships to the Hub with the model: it imports only torch and the standar
 
 from __future__ import annotations
 
-import contextlib
 import operator
 import threading
 import weakref
-from collections.abc import Iterator
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 
 def parameters_key(model: torch.nn.Module) -> tuple:
@@ -113,17 +112,22 @@ class WatchedModules:
     tensor with the same storage and version, and no global module hook. A tensor subclass (a torchao
     quantized weight) is watched through what it holds: every attribute the same object (none added), each
     plain tensor among them with the same storage and version (one holding another subclass is keyed whole,
-    `_tensor_key`). A check walks only these modules' own dicts, as a few C-level passes over flat lists,
-    with no key tuple to build and no `__tensor_flatten__` (which torchao answers in Python): what a plan
-    derived from them (and checked as plain when it was built) asks before every decoded token instead of
-    the model's whole `parameters_key`. The guard of `parameters_key`, no more: a write through `.data` in
-    place is not seen by either."""
+    `_tensor_key`). What a plan derived from them (and checked as plain when it was built) asks before every
+    decoded token instead of the model's whole `parameters_key`. The guard of `parameters_key`, no more: a
+    write through `.data` in place is not seen by either.
+
+    A check runs between two token steps that stream the weights through the caches, so whatever it touches
+    comes from memory: it touches as little as it can. Each module's hooks are looked at only after a hook
+    was registered somewhere (every registration, a module's or a global one, takes a new
+    `RemovableHandle.next_id`); the rest is a few C-level passes over flat lists, with no key tuple to build
+    and no `__tensor_flatten__` (which torchao answers in Python)."""
 
     def __init__(self, *roots: torch.nn.Module):
         self.modules = _modules_below(*roots)
         self.owners, self.names, self.objects = [], [], []  # owners[i][names[i]] is objects[i]
-        self.sizes, self.kinds, self.whole, tensors = [], [], [], []
+        self.held, self.sizes, self.subclassed, self.kinds, self.whole, tensors = [], [], [], [], [], []
         for module in self.modules:
+            self._watch(module.__dict__, "forward", None)  # (no `forward` of its own instance)
             for name, child in module._modules.items():
                 self._watch(module._modules, name, child)
             for name, parameter in module._parameters.items():
@@ -133,36 +137,53 @@ class WatchedModules:
                 if type(parameter) in _PLAIN:
                     tensors.append(parameter)
                     continue
-                self.kinds.append((parameter, type(parameter)))
+                self.subclassed.append(parameter)
+                self.kinds.append(type(parameter))
                 held = parameter.__dict__
                 inner = [value for value in held.values() if isinstance(value, torch.Tensor)]
                 if any(type(value) not in _PLAIN for value in inner):
                     self.whole.append((parameter, _tensor_key(parameter)))
                     continue
-                self.sizes.append((held, len(held)))
+                self.held.append(held)
+                self.sizes.append(len(held))
                 for attribute, value in held.items():
                     self._watch(held, attribute, value)
                 tensors += inner
         self.tensors = tensors
-        self.pointers = [tensor.data_ptr() for tensor in tensors]
-        self.versions = [tensor._version for tensor in tensors]
+        self.pointers = list(map(_data_ptr, tensors))
+        self.versions = list(map(_version, tensors))
+        self.hooks_seen_at = None  # (the `next_id` at the last look at every module's hooks that found none)
+        self.unhooked()
 
     def _watch(self, owner: dict, name: str, value: object) -> None:
         self.owners.append(owner)
         self.names.append(name)
         self.objects.append(value)
 
+    def unhooked(self) -> bool:
+        """No module hooked (its own hooks or a global one), looked at again only when a hook was registered
+        since the last look."""
+        registered = RemovableHandle.next_id
+        if registered != self.hooks_seen_at:
+            if registered_global_hook() is not None or not all(map(called_as_is, self.modules)):
+                return False
+            self.hooks_seen_at = registered
+        return True
+
     def unchanged(self) -> bool:
         return (
-            registered_global_hook() is None
+            self.unhooked()
             and all(map(operator.is_, map(dict.get, self.owners, self.names), self.objects))
-            and all(map(called_as_is, self.modules))
-            and [tensor._version for tensor in self.tensors] == self.versions
-            and [tensor.data_ptr() for tensor in self.tensors] == self.pointers
-            and all(len(held) == size for held, size in self.sizes)
-            and all(type(parameter) is kind for parameter, kind in self.kinds)
-            and all(_tensor_key(parameter) == key for parameter, key in self.whole)
+            and list(map(_version, self.tensors)) == self.versions
+            and list(map(_data_ptr, self.tensors)) == self.pointers
+            and list(map(len, self.held)) == self.sizes
+            and all(map(operator.is_, map(type, self.subclassed), self.kinds))
+            and (not self.whole or all(_tensor_key(parameter) == key for parameter, key in self.whole))
         )
+
+
+_version = operator.attrgetter("_version")
+_data_ptr = torch.Tensor.data_ptr
 
 
 class DerivedWeights:
@@ -192,8 +213,7 @@ def _open_scopes() -> dict:
     return scopes
 
 
-@contextlib.contextmanager
-def derived_weights_scope(model: torch.nn.Module, kept_by: object | None = None) -> Iterator[DerivedWeights]:
+class derived_weights_scope:  # noqa: N801 (a context manager, named as the function it was)
     """Within this block (on this thread) the fast path reuses what it derives from `model`'s parameters;
     the outermost block's end drops it. Nested blocks share the outermost one's.
 
@@ -205,19 +225,29 @@ def derived_weights_scope(model: torch.nn.Module, kept_by: object | None = None)
     `parameters_key` still guards (an optimizer step, `load_state_dict`, `to()`), but an edit through
     `.data` between two calls that continue the same cache is not seen: start from a new cache (a new
     prompt, a `generate()` call) after editing weights."""
-    scopes = _open_scopes()
-    entry = scopes.get(id(model))
-    if entry is None:
-        kept = model.__dict__.get(KEPT_ATTRIBUTE)  # (weak reference to its cache, what was derived)
-        reuse = kept is not None and kept_by is not None and kept[0]() is kept_by
-        entry = scopes[id(model)] = [0, kept[1] if reuse else DerivedWeights()]
-    entry[0] += 1
-    try:
-        yield entry[1]
-    finally:
+
+    # (a class, not a generator under contextlib: one is opened around every decoded token)
+    __slots__ = ("model", "kept_by", "entry")
+
+    def __init__(self, model: torch.nn.Module, kept_by: object | None = None):
+        self.model, self.kept_by = model, kept_by
+
+    def __enter__(self) -> DerivedWeights:
+        scopes = _open_scopes()
+        entry = scopes.get(id(self.model))
+        if entry is None:
+            kept = self.model.__dict__.get(KEPT_ATTRIBUTE)  # (weak reference to its cache, what was derived)
+            reuse = kept is not None and self.kept_by is not None and kept[0]() is self.kept_by
+            entry = scopes[id(self.model)] = [0, kept[1] if reuse else DerivedWeights()]
+        entry[0] += 1
+        self.entry = entry
+        return entry[1]
+
+    def __exit__(self, *exception) -> None:
+        entry = self.entry
         entry[0] -= 1
         if entry[0] == 0:
-            del scopes[id(model)]
+            del _open_scopes()[id(self.model)]
 
 
 KEPT_ATTRIBUTE = "_gpn_derived_weights_kept"

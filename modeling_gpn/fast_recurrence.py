@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import weakref
 from collections.abc import Callable
 from typing import NamedTuple
@@ -93,7 +92,9 @@ from .memory_kernels import (
     memory_step,
     memory_write_backward,
     module_rows,
+    switched_off,
 )
+from .memory_kernels import available as memory_kernels_available
 from .memory_kernels import usable as memory_kernels_usable
 from .recurrence_step import (
     TORCH_MEMORY_OPS,
@@ -235,7 +236,7 @@ def foldable_parameter(module: torch.nn.Module, name: str, parameter) -> bool:
 def step_kernels_enabled() -> bool:
     """Whether the C step kernels may run (`GPN_STEP_KERNELS=0` turns them off, for A/B runs and tests; the
     C memory kernels' own switch, GPN_MEMORY_KERNELS=0, turns off both: they are one library)."""
-    return os.environ.get("GPN_STEP_KERNELS", "1") != "0"
+    return not switched_off("GPN_STEP_KERNELS")
 
 
 def step_kernels_fit(
@@ -353,7 +354,7 @@ def _plain_parameters(module: torch.nn.Module) -> bool:
 def decode_kernel_enabled() -> bool:
     """Whether a decoded token may run as one C call (`GPN_DECODE_KERNEL=0` turns it off, for A/B runs and
     tests: the step kernels then run it as before; `GPN_STEP_KERNELS=0` turns off both)."""
-    return step_kernels_enabled() and os.environ.get("GPN_DECODE_KERNEL", "1") != "0"
+    return step_kernels_enabled() and not switched_off("GPN_DECODE_KERNEL")
 
 
 def decode_lane_blocker(lm, norm_class: type) -> str | None:
@@ -429,10 +430,11 @@ def fast_decode_token(lm, input_ids: torch.Tensor, attention_mask, cache, norm_c
     forward as usual, which computes the same.
 
     Such a step: `input_ids` (B, 1) on the CPU, 1 <= B <= `MAX_STEP_ROWS`, no autograd, a cache holding a state
-    of B rows, an attention mask whose columns are all real (or none), no autocast. The ids and the mask are
-    checked as the forward checks them (the same errors). What it derives lives in the scope of the forward
-    or generate() call, or of the cache it continues (`derived_weights.py`), as on the fast path; within it,
-    the modules' check is redone only when one of them changed (`WatchedModules`)."""
+    of B rows, an attention mask whose columns are all real (or none), no autocast, nothing tracing the call (the
+    forward asks that before it calls this). The ids and the mask are checked as the forward checks them (the
+    same errors). What it derives lives in the scope of the forward or generate() call, or of the cache it
+    continues (`derived_weights.py`), as on the fast path; within it, the modules' check is redone only when one
+    of them changed (`WatchedModules`)."""
     if (
         input_ids.dim() != 2
         or input_ids.shape[1] != 1
@@ -445,7 +447,7 @@ def fast_decode_token(lm, input_ids: torch.Tensor, attention_mask, cache, norm_c
     ):
         return None
     model, rows = lm.model, input_ids.shape[0]
-    if not (model.use_fast_path and model.use_c_kernels and decode_kernel_enabled() and memory_kernels_usable()):
+    if not (model.use_fast_path and model.use_c_kernels and decode_kernel_enabled() and memory_kernels_available()):
         return None
     if model.check_attention_mask(attention_mask, rows, 1, continuing=True) is not None:
         return None  # (a padded row keeps its state: the forward's masked steps)

@@ -1812,14 +1812,34 @@ def _compile(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
             raise RuntimeError(f"the fresh build is unusable: {problem}") from None
 
 
+def switched_off(name: str) -> bool:
+    """Whether the environment sets the switch `name` to "0" (the kernels' switches are read at every call, so
+    a test or an A/B run may flip one at any time).
+
+    Several are read before every decoded token, just after the kernels streamed the weights through the
+    caches: an unset name, the usual case, is answered by one lookup in the environment's own dict, without
+    the KeyError that `os.environ.get` raises and catches inside, whose code and objects come from memory."""
+    data, key = getattr(os.environ, "_data", None), _switch_keys.get(name)
+    if key is None:
+        key = _switch_keys[name] = os.environ.encodekey(name) if data is not None else name
+    if data is not None and key not in data:
+        return False
+    return os.environ.get(name) == "0"
+
+
+_switch_keys: dict = {}  # switch name -> its key in os.environ._data
+
+
 def available() -> bool:
     """Whether the kernels are built (building them on first call) and enabled (`GPN_MEMORY_KERNELS` != 0).
 
     A failure (no compiler, a failed or timed-out build, an untrusted cache folder) is remembered for the
     process; all but a missing compiler are reported once with a `KernelWarning`."""
     global _library, _failure
-    if os.environ.get("GPN_MEMORY_KERNELS", "1") == "0":
+    if switched_off("GPN_MEMORY_KERNELS"):
         return False
+    if _library is not None:  # (built: no lock to take before every decoded token)
+        return True
     with _lock:
         if _library is None and _failure is None:
             try:
@@ -1834,7 +1854,7 @@ def available() -> bool:
 
 def unavailable_reason() -> str | None:
     """Why `available()` is False (None when it is True or was not asked yet)."""
-    if os.environ.get("GPN_MEMORY_KERNELS", "1") == "0":
+    if switched_off("GPN_MEMORY_KERNELS"):
         return "disabled by GPN_MEMORY_KERNELS=0"
     return _failure
 
@@ -2635,12 +2655,13 @@ class DecodePlan:
         self._norms = [fuse_norm.detach().float().contiguous(), decode_norm.detach().float().contiguous()]
         slots = [_input_slot(B, e), _input_slot(B, d), _input_slot(B, e)]
         self.u, self.decoded = torch.zeros(B, d), torch.zeros(B, e)
-        self.logits = torch.zeros(B, head.weight.shape[0], dtype=torch.bfloat16 if logits_bf16 else torch.float32)
+        self.vocab_rows, self.logits_dtype = head.weight.shape[0], torch.bfloat16 if logits_bf16 else torch.float32
+        logits = torch.zeros(B, self.vocab_rows, dtype=self.logits_dtype)  # (a call gives its segment a new one)
         self.key = torch.zeros(B, H * dk if step.memory else 0)  # (the key of the grounded state a call leaves)
         segments = [
             _segment(fuse, slots[0], self.u, 0),
             _segment(decoder, slots[1], self.decoded, 0),
-            _segment(head, slots[2], self.logits, 0, store_bf16=logits_bf16),
+            _segment(head, slots[2], logits, 0, store_bf16=logits_bf16),
         ]
         tasks, phases = [], []
         for index in range(3):
@@ -2689,6 +2710,9 @@ class DecodePlan:
             if key is not None:
                 _check(key, "key", shape=(B, H * dk), contiguous=True)
             _check(M, "memory", shape=(B, H, dk, dv), contiguous=True)
+        # the logits go straight into a new tensor, which the caller keeps (the kernel writes every entry)
+        logits = torch.empty(B, self.vocab_rows, dtype=self.logits_dtype)
+        self._segments[2].out = logits.data_ptr()
         outside = _library.gpn_decode(
             ctypes.addressof(self.step_plan._plan),
             ctypes.addressof(self._plan),
@@ -2715,7 +2739,7 @@ class DecodePlan:
         calls["step"] += 1
         calls["int8 step"] += self.step_plan.int8
         calls["decode"] += 1
-        return self.logits.clone()
+        return logits
 
 
 def _check_weight_matrix(matrix: torch.Tensor, name: str) -> None:

@@ -84,14 +84,14 @@ MUTATIONS = [
     Mutation(
         "C step kernels (never chosen: the torch-ops steps serve)",
         "modeling_gpn/fast_recurrence.py",
-        '    return os.environ.get("GPN_STEP_KERNELS", "1") != "0"',
+        '    return not switched_off("GPN_STEP_KERNELS")',
         "    return False  # MUTATION",
         ("tests/fast_path/test_step_kernels.py -k plain_loop or variant or quantization_error or gpn_generate",),
     ),
     Mutation(
         "one-call decode (never chosen: the step kernels and the products serve)",
         "modeling_gpn/fast_recurrence.py",
-        '    return step_kernels_enabled() and os.environ.get("GPN_DECODE_KERNEL", "1") != "0"',
+        '    return step_kernels_enabled() and not switched_off("GPN_DECODE_KERNEL")',
         "    return False  # MUTATION",
         (
             "tests/fast_path/test_decode_call.py -k generate_decodes or beam_search or edited or written or refuses"
@@ -114,6 +114,20 @@ MUTATIONS = [
         ("tests/fast_path/test_decode_call.py -k edited and (replaced)",),
     ),
     Mutation(
+        "one-call decode (the modules' hooks looked at once, not again after a hook was registered)",
+        "modeling_gpn/derived_weights.py",
+        "        if registered != self.hooks_seen_at:\n",
+        "        if self.hooks_seen_at is None:  # MUTATION\n",
+        ("tests/fast_path/test_decode_call.py -k added_between_two_calls and not replaced",),
+    ),
+    Mutation(
+        "one-call decode (a forward given to a module instance after the plan was built unseen)",
+        "modeling_gpn/derived_weights.py",
+        '            self._watch(module.__dict__, "forward", None)',
+        "            pass  # MUTATION",
+        ("tests/fast_path/test_decode_call.py -k added_between_two_calls and replaced",),
+    ),
+    Mutation(
         "one-call decode (a quantized weight's attributes not watched: a replaced scale unseen)",
         "modeling_gpn/derived_weights.py",
         "                for attribute, value in held.items():\n                    self._watch(held, attribute, value)\n",
@@ -126,6 +140,13 @@ MUTATIONS = [
         "                tensors += inner\n",
         "",
         ("tests/fast_path/test_decode_call.py -k int8_weights_edited and storage",),
+    ),
+    Mutation(
+        "one-call decode (the logits written into one buffer every call, which the caller holds)",
+        "modeling_gpn/memory_kernels.py",
+        "        logits = torch.empty(B, self.vocab_rows, dtype=self.logits_dtype)\n",
+        "        logits = self.__dict__.setdefault('_reused', torch.empty(B, self.vocab_rows, dtype=self.logits_dtype))\n",
+        ("tests/fast_path/test_decode_call.py::test_the_output_is_the_forwards_usual_output",),
     ),
     Mutation(
         "one-call decode (ids outside the table read)",

@@ -218,6 +218,32 @@ def test_weights_edited_between_two_calls_on_one_cache_are_seen(one_thread, mode
     assert_an_edit_between_two_calls_is_seen(model, EDITS[edit], ids, tolerance=1e-4)
 
 
+AFTER_THE_PLAN = (
+    "decode_proj forward hook",
+    "global forward hook",
+    "fuse_proj forward replaced",
+    "fuse_gate forward hook (a step module)",
+)
+
+
+@pytest.mark.parametrize("change", AFTER_THE_PLAN)
+def test_a_hook_or_forward_added_between_two_calls_on_one_cache_is_seen(one_thread, model, change):
+    """A hook registered, or a forward given to a module, between two one-token calls on one cache, after the
+    first call built and checked its plan: the next token runs the hook (`assert_an_edit_between_two_calls_is_seen`).
+    The plan looks at its modules' hooks again because a hook was registered (`WatchedModules.unhooked`), and
+    at their forwards before every token."""
+    handles = []
+    ids = torch.randint(1, 97, (1, 6), generator=torch.Generator().manual_seed(29))
+    try:
+        assert_an_edit_between_two_calls_is_seen(
+            model, lambda m: handles.append(HOOKED[change](m)), ids, tolerance=1e-4
+        )
+    finally:
+        for handle in handles:
+            if handle is not None:
+                handle.remove()
+
+
 INT8_EDITS = {  # (torchao's int8 weight-only weight: what it holds, edited or replaced)
     "int8 data in place": lambda m: m.model.fuse_proj.weight.qdata.mul_(-1),
     # (the plans read the data where it lies: new storage under the same tensor must be seen, not the old read)
@@ -305,7 +331,8 @@ def test_a_graph_that_saved_the_state_refuses_its_backward(one_thread, model):
 
 def test_the_output_is_the_forwards_usual_output(one_thread, model):
     """The one call's output is the `GPNCausalLMOutput` the forward builds otherwise: the same attributes, items,
-    tuple (`return_dict=False`) and pytree."""
+    tuple (`return_dict=False`) and pytree; its logits are the caller's own, which the next call leaves as they
+    are."""
     from torch.utils import _pytree
 
     from modeling_gpn.modeling_gpn import GPNCausalLMOutput
@@ -314,7 +341,9 @@ def test_the_output_is_the_forwards_usual_output(one_thread, model):
         cache = model(torch.tensor([[1, 2, 3]]), use_cache=True).cache
         with ran(DECODE_CALLS):
             output = model(torch.tensor([[4]]), cache=cache, use_cache=True)
+            kept = output.logits.clone()
             as_tuple = model(torch.tensor([[5]]), cache=cache, use_cache=True, return_dict=False)
+    assert torch.equal(output.logits, kept) and not torch.equal(as_tuple[0], kept)
     usual = GPNCausalLMOutput(logits=output.logits, cache=cache)
     assert type(output) is GPNCausalLMOutput and vars(output) == vars(usual)
     assert list(output.items()) == list(usual.items()) and output.to_tuple() == usual.to_tuple()
