@@ -7,8 +7,9 @@ benchmarks/ab_decode.py does), the new side loads the old side's weights, and ev
 measurements in turn, the order rotated from repeat to repeat (a slow spell of a shared machine hits all
 four alike):
 
-- generate: `model.generate(prompt, max_new_tokens=N, min_new_tokens=N)`, greedy, batch 1; a streamer stamps
-  every new token, and the gaps between the later tokens are the decode times;
+- generate: `model.generate(prompt, ...)` greedy, batch 1, N tokens with no end token to stop it
+  (`gpn bench`'s `greedy_without_end`, not `min_new_tokens`, whose logits processors cost more than a small
+  GPN's step); a streamer stamps every new token, and the gaps between the later tokens are the decode times;
 - loop: `model(prompt, use_cache=True)`, then `model(next_token, cache=cache, use_cache=True)` N - 1 times,
   the next token the argmax of the last logits, under `torch.no_grad()`; the gap between tokens likewise.
 
@@ -35,6 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ab_decode import materialise  # noqa: E402 (the same side-by-side import of two revisions)
+
+from modeling_gpn.bench.timing import greedy_without_end  # noqa: E402
 
 
 def bytes_held(cache) -> int:
@@ -85,11 +88,8 @@ def through_generate(model, prompt, tokens: int, device: str) -> list[float]:
     model.generate(
         prompt,
         attention_mask=torch.ones_like(prompt),
-        max_new_tokens=tokens,
-        min_new_tokens=tokens,
-        do_sample=False,
+        generation_config=greedy_without_end(model, tokens),
         streamer=streamer,
-        pad_token_id=0,
     )
     stamps = streamer.times[1:]  # (the first put is the prompt)
     return [b - a for a, b in zip(stamps, stamps[1:])]
@@ -134,7 +134,9 @@ def main() -> None:
     parser.add_argument("--prompt-length", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per run (generate() and the loop)")
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "int8"], help="int8: torchao weight-only"
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
     args = parser.parse_args()
@@ -142,10 +144,11 @@ def main() -> None:
         parser.error("--tokens must be at least 3 (the gaps after the first new token are timed)")
     torch.set_num_threads(args.threads)
 
+    from modeling_gpn.bench import quantize_int8, weight_dtype
     from modeling_gpn.configuration import load_preset
 
     config_values = load_preset(args.preset).to_dict()
-    dtype = getattr(torch, args.dtype)
+    dtype = weight_dtype(args.dtype)
     load_before = os.getloadavg()
     models = {}
     with tempfile.TemporaryDirectory() as folder:
@@ -157,6 +160,8 @@ def main() -> None:
             if models:
                 model.load_state_dict(next(iter(models.values())).state_dict())
             models[side] = model.to(args.device, dtype).eval()
+        if args.dtype == "int8":  # (both sides quantized alike, after the new side took the old side's weights)
+            models = {side: quantize_int8(model) for side, model in models.items()}
 
         generator = torch.Generator().manual_seed(1)
         prompt = torch.randint(1, config.vocab_size, (1, args.prompt_length), generator=generator).to(args.device)
