@@ -2683,6 +2683,12 @@ class DecodePlan:
             )
         plan.u, plan.decoded = self.u.data_ptr(), self.decoded.data_ptr()
         self._plan, self._keep = plan, (table, fuse, decoder, head, slots)
+        # (what every call passes as it is: the two plans' addresses and the key buffer's)
+        self._fixed = (
+            ctypes.addressof(step._plan),
+            ctypes.addressof(plan),
+            self.key.data_ptr() if step.memory else None,
+        )
 
     def __call__(self, ids: torch.Tensor, state: StepState, ids_hash: IdsHash | None = None) -> torch.Tensor:
         """The logits (B, vocab) of the tokens `ids` (B,) int64 read from `state`, whose p, g and memory it
@@ -2704,8 +2710,8 @@ class DecodePlan:
             fits = 0 < min(base0, base1) and max(base0, base1) < 2**31 and 1 < modulus < 2**31  # (no overflow)
             if not residues.is_contiguous() or not fits:
                 _refuse("an ids hash that is not contiguous, or bases or a modulus outside (0, 2^31)")
-        for name, tensor in (("p", p), ("g", g)):
-            _check(tensor, name, shape=(B, d), contiguous=True)
+        _check(p, "p", shape=(B, d), contiguous=True)
+        _check(g, "g", shape=(B, d), contiguous=True)
         if memory:
             if key is not None:
                 _check(key, "key", shape=(B, H * dk), contiguous=True)
@@ -2713,18 +2719,20 @@ class DecodePlan:
         # the logits go straight into a new tensor, which the caller keeps (the kernel writes every entry)
         logits = torch.empty(B, self.vocab_rows, dtype=self.logits_dtype)
         self._segments[2].out = logits.data_ptr()
+        step_plan, plan, key_out = self._fixed
+        p_at, g_at, M_at = p.data_ptr(), g.data_ptr(), M.data_ptr() if memory else None
         outside = _library.gpn_decode(
-            ctypes.addressof(self.step_plan._plan),
-            ctypes.addressof(self._plan),
+            step_plan,
+            plan,
             ids.data_ptr(),
-            p.data_ptr(),
-            g.data_ptr(),
+            p_at,
+            g_at,
             key.data_ptr() if (memory and key is not None) else None,
-            M.data_ptr() if memory else None,
-            p.data_ptr(),  # (in place: see the class)
-            g.data_ptr(),
-            self.key.data_ptr() if memory else None,
-            M.data_ptr() if memory else None,
+            M_at,
+            p_at,  # (in place: see the class)
+            g_at,
+            key_out,
+            M_at,
             ids_hash[0].data_ptr() if ids_hash is not None else None,
             *(ids_hash[1] if ids_hash is not None else (0, 0)),
             ids_hash[2] if ids_hash is not None else 0,

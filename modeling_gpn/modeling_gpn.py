@@ -908,6 +908,8 @@ _IGNORED_FORWARD_KWARGS = {
     "tokenizer",
     "assistant_tokenizer",
 }
+# those a decoded token may be given and still run in one C call (position ids may say where packed sequences start)
+_DECODED_TOKEN_KWARGS = frozenset(_IGNORED_FORWARD_KWARGS - {"position_ids"})
 
 
 def _check_unused_kwargs(kwargs: dict) -> None:
@@ -1180,7 +1182,7 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             and not (output_memory_decays or output_predicted_states)
             and not (output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states)
             and (use_cache if use_cache is not None else self.config.use_cache and not self.training)
-            and set(kwargs) <= _IGNORED_FORWARD_KWARGS - {"position_ids"}
+            and kwargs.keys() <= _DECODED_TOKEN_KWARGS
         )
         if asks_only_logits and input_ids is not None and not is_tracing():
             # a decoded token (one a row, from a cache): the whole of it in one C call where it is plain
