@@ -2670,6 +2670,7 @@ class DecodePlan:
             phases.append(len(tasks) // 3)
         _mark_streamed(segments, [*step.weights, table, fuse.weight, decoder.weight, head.weight])
         self._segments = (_Segment * 3)(*segments)
+        self._logits_segment = self._segments[2]  # (a view into the array, whose output each call sets)
         self._tasks = torch.tensor(tasks, dtype=torch.int64)
         plan = _DecodePlanStruct(B, e, vocab, KIND_BF16 if table.dtype == torch.bfloat16 else KIND_F32)
         plan.table = table.data_ptr()
@@ -2718,7 +2719,7 @@ class DecodePlan:
             _check(M, "memory", shape=(B, H, dk, dv), contiguous=True)
         # the logits go straight into a new tensor, which the caller keeps (the kernel writes every entry)
         logits = torch.empty(B, self.vocab_rows, dtype=self.logits_dtype)
-        self._segments[2].out = logits.data_ptr()
+        self._logits_segment.out = logits.data_ptr()
         step_plan, plan, key_out = self._fixed
         p_at, g_at, M_at = p.data_ptr(), g.data_ptr(), M.data_ptr() if memory else None
         outside = _library.gpn_decode(
