@@ -449,8 +449,8 @@ def fast_decode_token(lm, input_ids: torch.Tensor, attention_mask, cache, norm_c
     model, rows = lm.model, input_ids.shape[0]
     if not (model.use_fast_path and model.use_c_kernels and decode_kernel_enabled() and memory_kernels_available()):
         return None
-    if model.check_attention_mask(attention_mask, rows, 1, continuing=True) is not None:
-        return None  # (a padded row keeps its state: the forward's masked steps)
+    if attention_mask is not None and not _every_token_real(attention_mask, rows):
+        return None  # (a padded row keeps its state: the forward's masked steps; a bad mask: the forward's error)
     p0, g0, M0 = cache.state_buffers()
     if p0.shape[0] != rows or p0.dtype is not torch.float32:
         return None  # (the forward says what is wrong)
@@ -480,6 +480,19 @@ def fast_decode_token(lm, input_ids: torch.Tensor, attention_mask, cache, norm_c
     object.__setattr__(model, "last_recurrence_path", "fast")
     object.__setattr__(model, "last_recurrence_backends", _DECODED_BACKENDS[plan.step_plan.memory])
     return logits.view(rows, 1, -1)
+
+
+def _every_token_real(attention_mask: torch.Tensor, rows: int) -> bool:
+    """Whether the mask (rows, seq) of a decoded token says every row's token is real (its last column all 1):
+    one read of that column. (The forward's `check_attention_mask` runs several elementwise ops on it and asks
+    again whether anything traces; what this does not pass, a padded row or a mask it refuses, goes there.)"""
+    return (
+        isinstance(attention_mask, torch.Tensor)
+        and attention_mask.dim() == 2
+        and attention_mask.shape[0] == rows
+        and attention_mask.shape[1] >= 1
+        and attention_mask.select(1, -1).tolist().count(1) == rows
+    )
 
 
 _DECODED_BACKENDS = {memory: Backends(C_STEP, None, C_KERNELS if memory else None, None) for memory in (False, True)}

@@ -149,6 +149,13 @@ MUTATIONS = [
         ("tests/fast_path/test_decode_call.py::test_the_output_is_the_forwards_usual_output",),
     ),
     Mutation(
+        "one-call decode (the mask not read: padded rows decoded, bad values taken)",
+        "modeling_gpn/fast_recurrence.py",
+        "        and attention_mask.select(1, -1).tolist().count(1) == rows\n",
+        "        and True  # MUTATION\n",
+        ("tests/fast_path/test_decode_call.py::test_bad_ids_and_padded_tokens",),
+    ),
+    Mutation(
         "one-call decode (ids outside the table read)",
         "modeling_gpn/memory_kernels.py",
         "        if (ids[b] < 0 || ids[b] >= D->vocab) return 1;",

@@ -267,8 +267,9 @@ def test_int8_weights_edited_between_two_calls_are_seen(one_thread, edit):
 
 def test_bad_ids_and_padded_tokens(one_thread, model):
     """An id outside the vocabulary is refused with the forward's own message, before anything is computed (nor
-    folded into the cache's fingerprint);
-    a token whose mask column is 0 (padding) keeps its row's state, as the forward's masked step does."""
+    folded into the cache's fingerprint), and so is a mask holding a value other than 0 and 1;
+    a token whose mask column is 0 (padding) keeps its row's state, as the forward's masked step does, and one
+    whose column is all 1 (as generate() passes it, in any dtype) runs in one call."""
     with torch.no_grad():
         cache = model(torch.tensor([[1, 2, 3], [4, 5, 6]]), use_cache=True).cache
         seen = cache.get_seq_length()
@@ -276,7 +277,13 @@ def test_bad_ids_and_padded_tokens(one_thread, model):
         for bad in (97, -1):
             with pytest.raises(ValueError, match="outside the vocabulary"):
                 model(torch.tensor([[5], [bad]]), cache=cache, use_cache=True)
+        for bad_mask in (torch.tensor([[1, 1, 1, 2], [1, 1, 1, 2]]), torch.tensor([[1, 1, 1, 1]])):
+            with pytest.raises(ValueError, match="attention_mask"):
+                model(torch.tensor([[5], [6]]), attention_mask=bad_mask, cache=cache, use_cache=True)
         assert cache.get_seq_length() == seen and torch.equal(cache.read_fingerprint(), read)
+        for real in (torch.ones(2, 4, dtype=torch.long), torch.ones(2, 1, dtype=torch.bool), torch.ones(2, 5)):
+            with ran(DECODE_CALLS):
+                model(torch.tensor([[5], [6]]), attention_mask=real, cache=cache, use_cache=True)
         before = cache.get_state()
         mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
         with ran(FAST_PATH, not_ran=(DECODE_CALLS,)):
