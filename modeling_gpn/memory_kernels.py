@@ -1819,11 +1819,13 @@ def switched_off(name: str) -> bool:
     Several are read before every decoded token, just after the kernels streamed the weights through the
     caches: an unset name, the usual case, is answered by one lookup in the environment's own dict, without
     the KeyError that `os.environ.get` raises and catches inside, whose code and objects come from memory."""
-    data, key = getattr(os.environ, "_data", None), _switch_keys.get(name)
-    if key is None:
-        key = _switch_keys[name] = os.environ.encodekey(name) if data is not None else name
-    if data is not None and key not in data:
-        return False
+    data = getattr(os.environ, "_data", None)  # (None: os.environ is not CPython's own mapping)
+    if data is not None:
+        key = _switch_keys.get(name)
+        if key is None:
+            key = _switch_keys[name] = os.environ.encodekey(name)
+        if key not in data:
+            return False
     return os.environ.get(name) == "0"
 
 

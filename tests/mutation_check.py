@@ -149,6 +149,13 @@ MUTATIONS = [
         ("tests/fast_path/test_decode_call.py::test_the_output_is_the_forwards_usual_output",),
     ),
     Mutation(
+        "the kernels' switches not read (GPN_DECODE_KERNEL=0 and the others ignored)",
+        "modeling_gpn/memory_kernels.py",
+        '    return os.environ.get(name) == "0"\n',
+        "    return False  # MUTATION\n",
+        ("tests/fast_path/test_decode_call.py -k generate_decodes",),
+    ),
+    Mutation(
         "one-call decode (the mask not read: padded rows decoded, bad values taken)",
         "modeling_gpn/fast_recurrence.py",
         "        and attention_mask.select(1, -1).tolist().count(1) == rows\n",
