@@ -106,6 +106,11 @@ def called_as_is(module: torch.nn.Module) -> bool:
     )
 
 
+# (C-level reads of a tensor's version and address, for `map`)
+_version = operator.attrgetter("_version")
+_data_ptr = torch.Tensor.data_ptr
+
+
 class WatchedModules:
     """The modules below `roots` as they are now, to tell cheaply whether they still are: the same module
     objects under the same names, none hooked nor given a `forward` of its own, each parameter the same
@@ -180,10 +185,6 @@ class WatchedModules:
             and all(map(operator.is_, map(type, self.subclassed), self.kinds))
             and (not self.whole or all(_tensor_key(parameter) == key for parameter, key in self.whole))
         )
-
-
-_version = operator.attrgetter("_version")
-_data_ptr = torch.Tensor.data_ptr
 
 
 class DerivedWeights:

@@ -2300,7 +2300,7 @@ _MADV_HUGEPAGE, _MADV_COLLAPSE, _HUGE_PAGE = 14, 25, 2 << 20
 
 def huge_pages_enabled() -> bool:
     """Whether weights streamed from DRAM go onto huge pages (`GPN_HUGE_PAGES=0` turns it off, for A/B runs)."""
-    return os.environ.get("GPN_HUGE_PAGES", "1") != "0"
+    return not switched_off("GPN_HUGE_PAGES")
 
 
 _madvise_function: list = []  # [libc's madvise, or None], found on first use

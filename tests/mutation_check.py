@@ -346,7 +346,7 @@ MUTATIONS = [
     Mutation(
         "huge pages switched off (GPN_HUGE_PAGES=0 ignored)",
         "modeling_gpn/memory_kernels.py",
-        '    return os.environ.get("GPN_HUGE_PAGES", "1") != "0"\n',
+        '    return not switched_off("GPN_HUGE_PAGES")\n',
         "    return True  # MUTATION\n",
         ("tests/fast_path/test_decode_call.py -k huge_pages and GPN_HUGE_PAGES",),
     ),
