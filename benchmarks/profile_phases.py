@@ -73,7 +73,7 @@ LOOPS = {  # what the other phases compute, by a piece of their first lines
     "&S[SLOT_GATE], b, p_out": "a layer above: the norms of its state",
     "memory_head(": "the memory: each head's write and read",
     "SLOT_HIDDEN": "the output products' inputs: silu(a) b, the gated read",
-    "p_out[b * d + j] = v": "state' = gate * state + FFN + read",
+    "sigmoidf_(pr[c_gate + j])": "state' = gate * state + FFN + read",
     "key_out[b * kw + j]": "the new key (and gamma) out",
     "D->decode_norm": "rms(p') for the decoder",
     "&D->slots[2]": "the decoded row into the logits' input",

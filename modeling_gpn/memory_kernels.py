@@ -1281,8 +1281,47 @@ typedef struct {
 } gpn_step_plan;
 
 enum { CHUNK = 256 };  /* elements of a row an elementwise phase hands a thread at a time */
-static inline float sigmoidf_(float x) { return 1.f / (1.f + expf(-x)); }
-static inline float siluf_(float x) { return x / (1.f + expf(-x)); }
+#ifndef GATE_EXP
+#define GATE_EXP 1
+#endif
+/* e^x for the gates of the elementwise phases (about 4,300 a small token): Cephes' expf without calls or
+   branches, so that a loop of them vectorises. x = n ln2 + r (|r| <= ln2/2, ln2 in two parts), e^r by its
+   polynomial, then two exact scalings by powers of two (2^n alone leaves the exponent's range near both ends), the
+   second rounding once into the subnormals or to infinity as expf does; within an ulp or two of expf, as torch's own
+   vectorised exp is. The same fmaf's in every build and lane (C99 contracts nothing), so the scalar tail and the
+   vector body agree to the bit. -DGATE_EXP=0 builds the gates on expf, for an A/B. */
+static inline float gate_exp(float x)
+{
+#if GATE_EXP
+    const float xc = x < -104.f ? -104.f : x > 89.f ? 89.f : x;  /* (beyond: 0 and infinity all the same; NaN stays) */
+    union { float f; uint32_t u; } m, lo, hi;
+    m.f = xc * 1.44269504088896341f + 12582912.f;               /* n = x / ln2 rounded, in the low bits */
+    const float n = m.f - 12582912.f;
+    const int32_t ni = (int32_t)(m.u - 0x4b400000u), n1 = ni / 2;
+    float r = fmaf(n, -0.693359375f, xc);
+    r = fmaf(n, 2.12194440e-4f, r);
+    float q = 1.9875691500e-4f;
+    q = fmaf(q, r, 1.3981999507e-3f);
+    q = fmaf(q, r, 8.3334519073e-3f);
+    q = fmaf(q, r, 4.1665795894e-2f);
+    q = fmaf(q, r, 1.6666665459e-1f);
+    q = fmaf(q, r, 5.0000001201e-1f);
+    lo.u = (uint32_t)(n1 + 127) << 23;
+    hi.u = (uint32_t)(ni - n1 + 127) << 23;
+    return ((fmaf(q, r * r, r) + 1.f) * lo.f) * hi.f;
+#else
+    return expf(x);
+#endif
+}
+static inline float sigmoidf_(float x) { return 1.f / (1.f + gate_exp(-x)); }
+static inline float siluf_(float x) { return x / (1.f + gate_exp(-x)); }
+
+/* The gates on their own (asked by the tests): sigmoid and silu of n floats, vectorised as the step's loops are */
+void gpn_gates(const float *x, float *sigmoid, float *silu, i64 n)
+{
+    #pragma omp simd
+    for (i64 j = 0; j < n; j++) { sigmoid[j] = sigmoidf_(x[j]); silu[j] = siluf_(x[j]); }
+}
 
 static float inv_rms(const float *x, i64 n, float eps)
 {
@@ -1292,17 +1331,25 @@ static float inv_rms(const float *x, i64 n, float eps)
     return 1.f / sqrtf(sq / (float)n + eps);
 }
 
-static inline void put(const gpn_slot *s, i64 b, i64 j, float v)
+/* one batch row of a slot, its three pointers taken out of the struct so that a loop writing them vectorises */
+typedef struct { float *x, *xr; uint16_t *xb; } slot_row;
+static inline slot_row row_of(const gpn_slot *s, i64 b)
 {
-    const i64 at = b * s->stride + j;
+    const i64 at = b * s->stride;
+    return (slot_row){s->x + at, s->xr + at, s->xb + at};
+}
+static inline void put(slot_row s, i64 j, float v)
+{
     const uint16_t h = float_to_bf16_bits(v);
-    s->x[at] = v; s->xb[at] = h; s->xr[at] = bf16_bits_to_float(h);
+    s.x[j] = v; s.xb[j] = h; s.xr[j] = bf16_bits_to_float(h);
 }
 
-/* slot = rms(x; n) for one batch row */
+/* slot = rms(x; n) for one batch row (x may be the slot's own exact row: each element is read before it is written) */
 static void put_normed(const gpn_slot *s, i64 b, const float *x, i64 n, float inv, const float *w)
 {
-    for (i64 j = 0; j < n; j++) put(s, b, j, x[j] * inv * w[j]);
+    const slot_row out = row_of(s, b);
+    #pragma omp simd
+    for (i64 j = 0; j < n; j++) put(out, j, x[j] * inv * w[j]);
 }
 
 /* One step, run by every thread of the enclosing parallel region (its phases end at the work-sharing
@@ -1330,6 +1377,7 @@ static void step_body(const gpn_step_plan *P, const float *p, const float *g, co
     #pragma omp for schedule(static)
     for (i64 b = 0; b < B; b++) {
         float *gr = g_out + b * d;
+        #pragma omp simd
         for (i64 j = 0; j < d; j++) gr[j] = sigmoidf_(P->zfg[b * d + j]) * p[b * d + j] + u[b * u_stride + j];
         const float inv = inv_rms(gr, d, eps);
         if (P->memory) put_normed(&S[SLOT_WRITE], b, gr, d, inv, P->norms[1]);
@@ -1386,13 +1434,17 @@ static void step_body(const gpn_step_plan *P, const float *p, const float *g, co
             const i64 b = t / (cf + cv), c = t % (cf + cv);
             const float *pr = part + b * ws;
             if (c < cf) {
-                for (i64 j = c * CHUNK; j < f && j < (c + 1) * CHUNK; j++)
-                    put(&S[SLOT_HIDDEN], b, j, siluf_(pr[c_a + j]) * pr[c_b + j]);
+                const slot_row h = row_of(&S[SLOT_HIDDEN], b);
+                const i64 end = f < (c + 1) * CHUNK ? f : (c + 1) * CHUNK;
+                #pragma omp simd
+                for (i64 j = c * CHUNK; j < end; j++) put(h, j, siluf_(pr[c_a + j]) * pr[c_b + j]);
             } else {
                 const float *r = P->read + b * vw, *n_ro = P->norms[5 + 4 * l];
                 const float inv = inv_rms(r, vw, eps);  /* (the whole row's, in every chunk of it) */
-                for (i64 j = (c - cf) * CHUNK; j < vw && j < (c - cf + 1) * CHUNK; j++)
-                    put(&S[SLOT_GATED], b, j, siluf_(pr[c_rg + j]) * (r[j] * inv * n_ro[j]));
+                const slot_row gated = row_of(&S[SLOT_GATED], b);
+                const i64 end = vw < (c - cf + 1) * CHUNK ? vw : (c - cf + 1) * CHUNK;
+                #pragma omp simd
+                for (i64 j = (c - cf) * CHUNK; j < end; j++) put(gated, j, siluf_(pr[c_rg + j]) * (r[j] * inv * n_ro[j]));
             }
         }
         run_tasks(P->segs, P->tasks, P->phases[4 * l + 6], P->phases[4 * l + 7], B);
@@ -1401,11 +1453,15 @@ static void step_body(const gpn_step_plan *P, const float *p, const float *g, co
         #pragma omp for schedule(static)
         for (i64 t = 0; t < B * cd; t++) {
             const i64 b = t / cd, c = t % cd;
-            const float *pr = part + b * ws;
-            for (i64 j = c * CHUNK; j < d && j < (c + 1) * CHUNK; j++) {
-                float v = sigmoidf_(pr[c_gate + j]) * state[b * d + j] + P->y_ffn[b * d + j];
-                if (P->memory) v += P->y_read[b * d + j];
-                p_out[b * d + j] = v;
+            const float *pr = part + b * ws, *y_ffn = P->y_ffn + b * d, *y_read = P->y_read + b * d;
+            const i64 end = d < (c + 1) * CHUNK ? d : (c + 1) * CHUNK;
+            if (P->memory) {
+                #pragma omp simd
+                for (i64 j = c * CHUNK; j < end; j++)
+                    p_out[b * d + j] = sigmoidf_(pr[c_gate + j]) * state[b * d + j] + y_ffn[j] + y_read[j];
+            } else {
+                #pragma omp simd
+                for (i64 j = c * CHUNK; j < end; j++) p_out[b * d + j] = sigmoidf_(pr[c_gate + j]) * state[b * d + j] + y_ffn[j];
             }
         }
     }
@@ -1502,8 +1558,11 @@ int gpn_decode(const gpn_step_plan *P, const gpn_decode_plan *D, const i64 *ids,
             put_normed(&D->slots[1], b, p_out + b * d, d, inv_rms(p_out + b * d, d, eps), D->decode_norm);
         run_tasks(D->segs, D->tasks, D->phases[2], D->phases[3], B);
         #pragma omp for schedule(static)
-        for (i64 b = 0; b < B; b++)
-            for (i64 j = 0; j < e; j++) put(&D->slots[2], b, j, D->decoded[b * e + j]);
+        for (i64 b = 0; b < B; b++) {
+            const slot_row decoded = row_of(&D->slots[2], b);
+            #pragma omp simd
+            for (i64 j = 0; j < e; j++) put(decoded, j, D->decoded[b * e + j]);
+        }
         run_tasks(D->segs, D->tasks, D->phases[4], D->phases[5], B);
     }
     return 0;
@@ -1518,6 +1577,7 @@ _SYMBOLS = (
     "gpn_linear",
     "gpn_paired_rows",
     "gpn_held_input",
+    "gpn_gates",
     "gpn_log_tasks",
     "gpn_step",
     "gpn_steps",
@@ -1680,6 +1740,7 @@ def _load_verified(folder: Path, key: str) -> ctypes.CDLL:
     lib.gpn_paired_rows.restype = ctypes.c_int
     lib.gpn_held_input.argtypes = [p, i64]
     lib.gpn_held_input.restype = ctypes.c_int
+    lib.gpn_gates.argtypes, lib.gpn_gates.restype = [p, p, p, i64], None
     lib.gpn_log_tasks.argtypes, lib.gpn_log_tasks.restype = [p], None
     lib.gpn_step.argtypes = [*[p] * 11, ctypes.c_int]
     lib.gpn_step.restype = None
@@ -2824,6 +2885,16 @@ def read_probe(buffer: torch.Tensor, threads: int | None = None) -> float:
     _require()
     _check(buffer, "buffer", contiguous=True)
     return _library.gpn_read_probe(buffer.data_ptr(), buffer.numel(), threads or torch.get_num_threads())
+
+
+def gates(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sigmoid(x), silu(x)) of the contiguous float32 CPU `x` as the C step's elementwise loops compute them
+    (on its own exponential, `gate_exp`), for the tests that hold them to torch's."""
+    _require()
+    _check(x, "x", contiguous=True)
+    sigmoid, silu = torch.empty_like(x), torch.empty_like(x)
+    _library.gpn_gates(x.data_ptr(), sigmoid.data_ptr(), silu.data_ptr(), x.numel())
+    return sigmoid, silu
 
 
 def products_isa(library: ctypes.CDLL | None = None) -> str:

@@ -323,6 +323,20 @@ MUTATIONS = [
         ("tests/model/test_generate.py -k transformers_own",),
     ),
     Mutation(
+        "the gates' exponential scaled by 2^n in one step (its ends of range overflow or wrap)",
+        "modeling_gpn/memory_kernels.py",
+        "    return ((fmaf(q, r * r, r) + 1.f) * lo.f) * hi.f;\n",
+        "    lo.u = (uint32_t)(ni + 127) << 23;\n    return (fmaf(q, r * r, r) + 1.f) * lo.f;\n",
+        ("tests/fast_path/test_step_kernels.py -k gates_are_torchs",),
+    ),
+    Mutation(
+        "the gates' exponential without its clamp (huge arguments wrap the exponent)",
+        "modeling_gpn/memory_kernels.py",
+        "    const float xc = x < -104.f ? -104.f : x > 89.f ? 89.f : x;",
+        "    const float xc = x;",
+        ("tests/fast_path/test_step_kernels.py -k gates_are_torchs",),
+    ),
+    Mutation(
         "weights in the L3 read by whichever thread is free (no thread keeps its share)",
         "modeling_gpn/memory_kernels.py",
         "        #pragma omp for schedule(static)\n        for (i64 t = first; t < end; t++) run_task(",

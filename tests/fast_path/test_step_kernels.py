@@ -391,6 +391,39 @@ def test_weights_in_the_l3_are_read_by_the_same_thread_at_every_step(monkeypatch
             assert all(call == [0] * 4 + [1] * 4 for call in threads), threads
 
 
+def ordered(x: torch.Tensor) -> torch.Tensor:
+    """float32 bits as integers in the floats' order (-0 and 0 alike), so that a difference counts ulps."""
+    bits = x.view(torch.int32).long()
+    return torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
+
+
+def test_the_steps_gates_are_torchs_to_a_few_ulp_over_every_float(products_build):
+    """The C step's sigmoid and silu (on its own vectorised exponential, `gate_exp`) are torch's within 4 ulp
+    at every 4099th float32 of either sign (tiny, huge, subnormal and the ends of exp's range, where a gate
+    rounds into the subnormals), NaN where torch's is, equal at the infinities; and the same bits on every
+    build of the kernels."""
+    from modeling_gpn import memory_kernels as mk
+
+    positive = torch.arange(0, 0x7F800000, 4099, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    near_the_ends = torch.linspace(80.0, 110.0, 20001)
+    specials = torch.tensor([float("nan"), float("inf"), 0.0, 88.72283, 88.7229, 103.97, 104.0, 104.1])
+    x = torch.cat([positive, near_the_ends, specials])
+    x = torch.cat([x, -x])
+    sigmoid, silu = mk.gates(x)
+    for ours, torchs in ((sigmoid, torch.sigmoid(x)), (silu, torch.nn.functional.silu(x))):
+        assert torch.equal(ours.isnan(), torchs.isnan())
+        real = ~torchs.isnan()
+        ulps = (ordered(ours[real]) - ordered(torchs[real])).abs()
+        assert int(ulps.max()) <= 4, float(x[real][ulps.argmax()])
+    assert sigmoid[x == float("inf")].item() == 1.0 and sigmoid[x == -float("inf")].item() == 0.0
+    assert silu[x == float("inf")].item() == float("inf")
+    native = mk.variant(())
+    same_sigmoid, same_silu = torch.empty_like(x), torch.empty_like(x)
+    native.gpn_gates(x.data_ptr(), same_sigmoid.data_ptr(), same_silu.data_ptr(), x.numel())
+    torch.testing.assert_close(sigmoid, same_sigmoid, rtol=0, atol=0, equal_nan=True)  # (a NaN's sign may differ)
+    torch.testing.assert_close(silu, same_silu, rtol=0, atol=0, equal_nan=True)
+
+
 def test_the_read_probe_reads_every_byte(products_build):
     """The bandwidth probe behind `gpn bench`'s limit reads the whole buffer (its sum is the buffer's)."""
     from modeling_gpn import memory_kernels as mk
