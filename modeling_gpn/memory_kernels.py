@@ -2887,13 +2887,16 @@ def read_probe(buffer: torch.Tensor, threads: int | None = None) -> float:
     return _library.gpn_read_probe(buffer.data_ptr(), buffer.numel(), threads or torch.get_num_threads())
 
 
-def gates(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sigmoid(x), silu(x)) of the contiguous float32 CPU `x` as the C step's elementwise loops compute them
-    (on its own exponential, `gate_exp`), for the tests that hold them to torch's."""
-    _require()
+def gates(x: torch.Tensor, library: ctypes.CDLL | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sigmoid(x), silu(x)) of the contiguous float32 CPU `x` as the C step's elementwise loops of `library` (by
+    default the kernels in use) compute them, on its own exponential (`gate_exp`): for the tests that hold them
+    to torch's."""
+    if library is None:
+        _require()
+        library = _library
     _check(x, "x", contiguous=True)
     sigmoid, silu = torch.empty_like(x), torch.empty_like(x)
-    _library.gpn_gates(x.data_ptr(), sigmoid.data_ptr(), silu.data_ptr(), x.numel())
+    library.gpn_gates(x.data_ptr(), sigmoid.data_ptr(), silu.data_ptr(), x.numel())
     return sigmoid, silu
 
 
