@@ -538,24 +538,27 @@ def test_the_end_of_a_ddp_run_is_bounded_by_ddp_timeout_and_names_the_stage(tmp_
 
 def test_a_watched_stage_that_hangs_ends_the_process_naming_it_with_every_stack(tmp_path):
     # What bounds the end of the process group and the exit, which no --ddp-timeout covers: a real process
-    # that hangs inside a watched stage.
-    code = (
+    # that hangs inside a watched stage; and beside it (both started at once: each import takes seconds), a
+    # process whose stages end in time (the next enter, or finish), which the watchdog must leave alone.
+    hangs = (
         "import time\nfrom modeling_gpn.train import RunStage\nstage = RunStage(watchdog_s=2)\n"
         "stage.enter('ending the process group', watch=True)\ntime.sleep(120)\n"
     )
-    started = time.time()
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
-    assert result.returncode == 1 and time.time() - started < 60
-    assert "gpn train: error: the run hung while ending the process group: still there after 2 s" in result.stderr
-    assert 'File "<string>", line 5 in <module>' in result.stderr  # the stack of the hanging thread
-    # A stage that ends in time (the next enter, or finish) does not fire.
-    code = (
+    ends_in_time = (
         "import time\nfrom modeling_gpn.train import RunStage\nstage = RunStage(watchdog_s=1)\n"
         "stage.enter('a', watch=True)\nstage.enter('b')\ntime.sleep(2)\nstage.enter('c', watch=True)\n"
         "stage.finish()\ntime.sleep(2)\nprint('done')\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
-    assert result.returncode == 0 and result.stdout.strip() == "done", result.stderr
+    started = time.time()
+    processes = [
+        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for code in (hangs, ends_in_time)
+    ]
+    (hung_out, hung_err), (in_time_out, in_time_err) = (process.communicate(timeout=100) for process in processes)
+    assert processes[0].returncode == 1 and time.time() - started < 60, hung_err[-3000:]
+    assert "gpn train: error: the run hung while ending the process group: still there after 2 s" in hung_err
+    assert 'File "<string>", line 5 in <module>' in hung_err  # the stack of the hanging thread
+    assert processes[1].returncode == 0 and in_time_out.strip() == "done", in_time_err
 
 
 # --------------------------------------------------------------------------------------------------
