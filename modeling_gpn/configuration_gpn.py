@@ -47,9 +47,12 @@ class GPNConfig(PreTrainedConfig):
     """
 
     model_type = "gpn"
-    # lm-eval and other tools look for a context length under these names; a GPN has no positional
-    # limit, so the training window serves as the default.
-    attribute_map = {"num_hidden_layers": "num_predict_layers", "max_position_embeddings": "max_length_hint"}
+    # lm-eval looks for a context length under `n_positions` first; a GPN has no positional limit, so the
+    # training window serves as its default. Not under `max_position_embeddings`: generate() reads that one
+    # as a hard limit (a default-length call on a longer prompt raised, longer outputs warned), and a GPN
+    # continues past its training window like any recurrent model. Given as an argument it still sets
+    # `max_length_hint` (`__post_init__`).
+    attribute_map = {"num_hidden_layers": "num_predict_layers", "n_positions": "max_length_hint"}
 
     vocab_size: int = 32000
     hidden_size: int = 2496
@@ -79,6 +82,8 @@ class GPNConfig(PreTrainedConfig):
         super().__setattr__(key, value)
 
     def __post_init__(self, **kwargs):
+        if "max_position_embeddings" in kwargs:  # (the name this hint had before; not kept as an attribute)
+            self.max_length_hint = kwargs.pop("max_position_embeddings")
         self._check_values()
         super().__post_init__(**kwargs)
 

@@ -594,6 +594,16 @@ MUTATIONS = [
         "        model.save_pretrained(out, state_dict={k: v for k, v in model.state_dict().items() if 'A_log' not in k})  # MUTATION\n",
         ("tests/model/test_config_and_conversion.py::test_gpn_convert_command_writes_a_loadable_folder",),
     ),
+    Mutation(
+        "no positional limit (the training window exposed as max_position_embeddings, which generate() caps by)",
+        "modeling_gpn/configuration_gpn.py",
+        '"n_positions": "max_length_hint"}',
+        '"n_positions": "max_length_hint", "max_position_embeddings": "max_length_hint"}  # MUTATION',
+        (
+            "tests/model/test_generate.py::test_generate_goes_past_the_training_window_at_its_default_length",
+            "tests/model/test_config_and_conversion.py::test_the_training_window_is_lm_evals_context_length_and_no_positional_limit",
+        ),
+    ),
 ]
 
 

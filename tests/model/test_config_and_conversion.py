@@ -16,6 +16,7 @@ from modeling_gpn.configuration import list_presets, load_preset, preset_path
 from modeling_gpn.conversion import CheckpointError, load_reference_model
 
 from ..environment import require_shared
+from ..tiny_models import tiny_config
 
 
 def count_parameters(config: GPNConfig) -> int:
@@ -164,3 +165,17 @@ def test_config_disagreeing_with_shapes_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="d_state=64"):
         load_reference_model(tmp_path)
+
+
+def test_the_training_window_is_lm_evals_context_length_and_no_positional_limit():
+    """lm-eval reads a context length from the config (`n_positions` first): a GPN's is its training window,
+    `max_length_hint`; `max_position_embeddings`, which generate() takes for a hard limit, is not there, and given
+    as an argument (this hint's older name) it sets the hint."""
+    from lm_eval.models.utils import resolve_max_length
+
+    config = tiny_config(max_length_hint=96)
+    assert resolve_max_length(config) == config.n_positions == 96
+    assert not hasattr(config, "max_position_embeddings")
+    renamed = tiny_config(max_position_embeddings=40)
+    assert renamed.max_length_hint == 40 and not hasattr(renamed, "max_position_embeddings")
+    assert resolve_max_length(GPNConfig.from_dict(renamed.to_dict())) == 40

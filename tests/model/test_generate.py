@@ -182,3 +182,19 @@ def test_a_decoded_tokens_inputs_are_transformers_own(model, monkeypatch, mode):
     model.generate(prompt, attention_mask=mask, max_new_tokens=5, **({"do_sample": False} | settings))
     rows = 4 if mode == "beams" else 2
     assert compared == [torch.Size([rows, 6])] + [torch.Size([rows, 1])] * 4 and delegated == [1]  # (the prompt's)
+
+
+@torch.no_grad()
+def test_generate_goes_past_the_training_window_at_its_default_length():
+    """`max_length_hint` (the training window) is no limit for generate(): a prompt longer than it decodes
+    transformers' default 20 new tokens, as the plain forward continues it (not "max_length is set to 8" raised,
+    which generate() did while the hint was also the config's `max_position_embeddings`)."""
+    model = perturbed_model(tiny_config(eos_token_id=None, max_length_hint=8), seed=12)
+    model.generation_config.pad_token_id = PAD
+    assert getattr(model.config, "max_position_embeddings", None) is None  # (what generate() caps a length by)
+    prompt = torch.randint(1, 97, (1, 12), generator=torch.Generator().manual_seed(5))
+    generated = model.generate(prompt, do_sample=False)
+    ids = prompt
+    for _ in range(20):
+        ids = torch.cat([ids, model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(generated, ids)
