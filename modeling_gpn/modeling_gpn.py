@@ -60,6 +60,9 @@ logger = logging.get_logger(__name__)
 
 L2_NORM_EPS = 1e-12  # inside the square root of every per-head L2 normalisation, as in the reference
 DEFAULT_CHECKPOINT_SEGMENT_LENGTH = 64  # what gradient_checkpointing_enable() sets when bptt_segment_length is unset
+# generate()'s cache kinds a GPNCache is: one state a row updated in place (dynamic), of one size at every length
+# (static, so compiled decoding steps keep their shapes)
+GENERATION_CACHE_IMPLEMENTATIONS = ("dynamic", "static")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1064,8 +1067,22 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             return super().generate(*args, **kwargs)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs) -> None:
-        """generate() gets a `GPNCache` (not a `DynamicCache`) unless the caller passed a cache."""
+        """generate() gets a `GPNCache` (not a `DynamicCache`) unless the caller passed a cache. A GPNCache is
+        what `cache_implementation` "dynamic" and "static" ask for (one state a row, updated in place, of the
+        same size at every length); the other kinds (offloaded, quantized, sliding-window) are refused, not
+        ignored, as is a cache_implementation beside a cache, which transformers refuses too."""
         user_cache = model_kwargs.get("cache")
+        requested = generation_config.cache_implementation
+        if requested is not None and user_cache is not None:
+            raise ValueError(
+                "Passing both `cache_implementation` and `cache` (a GPNCache) is unsupported: use only one of the two"
+            )
+        if requested not in (None, *GENERATION_CACHE_IMPLEMENTATIONS):
+            raise ValueError(
+                f"cache_implementation={requested!r} does not apply to a GPN: its cache is one state a row (hidden "
+                f"states and memory, {self.config.state_floats_per_row * 4:,} bytes, the same at every length), "
+                f"updated in place; leave cache_implementation unset or use one of {GENERATION_CACHE_IMPLEMENTATIONS}"
+            )
         if user_cache is not None:
             if not isinstance(user_cache, GPNCache):
                 raise TypeError(f"A GPN can only continue from a GPNCache, got {type(user_cache).__name__}")
@@ -1074,6 +1091,16 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         if generation_config.use_cache is False:
             return
         model_kwargs["cache"] = GPNCache(self.config)
+
+    def init_continuous_batching(self, *args, **kwargs):
+        """Refused: transformers' continuous batching (`generate_batch`, `generate(cache_implementation="paged")`,
+        `transformers serve --continuous-batching`) schedules requests over a paged attention cache. A GPN keeps one
+        fixed-size state a row: batch prompts in one `generate()` call (left-padded), or serve with `gpn serve`."""
+        raise ValueError(
+            "continuous batching (generate_batch, cache_implementation='paged') needs a paged attention cache, which a "
+            "GPN does not have: it keeps one fixed-size state a row. Batch prompts in one generate() call (left-padded), "
+            "or serve with `gpn serve`, which keeps each conversation's state"
+        )
 
     def prepare_inputs_for_generation(
         self,

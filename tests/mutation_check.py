@@ -604,6 +604,23 @@ MUTATIONS = [
             "tests/model/test_config_and_conversion.py::test_the_training_window_is_lm_evals_context_length_and_no_positional_limit",
         ),
     ),
+    Mutation(
+        "cache kinds refused (offloaded, quantized, sliding-window and a kind beside a cache ignored in silence)",
+        "modeling_gpn/modeling_gpn.py",
+        "        requested = generation_config.cache_implementation\n",
+        "        requested = None  # MUTATION\n",
+        (
+            "tests/model/test_generate.py::test_other_cache_kinds_are_refused_not_ignored",
+            "tests/model/test_generate.py::test_a_cache_kind_beside_a_cache_is_refused",
+        ),
+    ),
+    Mutation(
+        "continuous batching refused (transformers' scheduler left to fail on the config)",
+        "modeling_gpn/modeling_gpn.py",
+        "    def init_continuous_batching(self, *args, **kwargs):\n",
+        "    def _init_continuous_batching_unused(self, *args, **kwargs):  # MUTATION\n",
+        ("tests/model/test_generate.py::test_continuous_batching_is_refused_clearly",),
+    ),
 ]
 
 

@@ -198,3 +198,42 @@ def test_generate_goes_past_the_training_window_at_its_default_length():
     for _ in range(20):
         ids = torch.cat([ids, model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(generated, ids)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_the_cache_kinds_a_gpn_cache_is_give_the_default_output(model, kind):
+    """A GPNCache is one state a row, updated in place, of one size at every length: what `cache_implementation`
+    "dynamic" and "static" ask for. Either gives the default call's tokens, on a GPNCache."""
+    from modeling_gpn import GPNCache
+
+    prompt = torch.randint(1, 97, (2, 5), generator=torch.Generator().manual_seed(6))
+    kwargs = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    default = model.generate(prompt, **kwargs)
+    chosen = model.generate(prompt, cache_implementation=kind, **kwargs)
+    assert torch.equal(chosen.sequences, default.sequences)
+    assert isinstance(chosen.cache, GPNCache)
+
+
+@pytest.mark.parametrize("kind", ["offloaded", "offloaded_static", "quantized", "sliding_window"])
+def test_other_cache_kinds_are_refused_not_ignored(model, kind):
+    prompt = torch.randint(1, 97, (1, 4))
+    with pytest.raises(ValueError, match=rf"cache_implementation='{kind}' does not apply to a GPN"):
+        model.generate(prompt, max_new_tokens=3, cache_implementation=kind)
+
+
+def test_a_cache_kind_beside_a_cache_is_refused(model):
+    from modeling_gpn import GPNCache
+
+    prompt = torch.randint(1, 97, (1, 4))
+    with pytest.raises(ValueError, match="both `cache_implementation` and `cache`"):
+        model.generate(prompt, max_new_tokens=3, cache=GPNCache(model.config), cache_implementation="static")
+
+
+def test_continuous_batching_is_refused_clearly(model):
+    """transformers' continuous batching needs a paged attention cache: `generate_batch` and
+    `generate(cache_implementation="paged")` say so, not a config dump from deep inside its scheduler."""
+    with pytest.raises(ValueError, match="continuous batching .* a paged attention cache"):
+        model.generate_batch([[5, 6, 7]])
+    with pytest.raises(ValueError, match="continuous batching .* a paged attention cache"):
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, cache_implementation="paged")
