@@ -786,6 +786,7 @@ class GPNModel(GPNPreTrainedModel):
                 models, ignored (see `_IGNORED_FORWARD_KWARGS`); anything else raises a TypeError.
         """
         cache = _pop_cache_alias(cache, kwargs)
+        _check_cache_type(cache)
         _check_unused_kwargs(kwargs)
         packing = {name: kwargs[name] for name in ("position_ids", *PACKING_KWARGS) if kwargs.get(name) is not None}
         config = self.config
@@ -937,6 +938,34 @@ def _pop_cache_alias(cache: Cache | None, kwargs: dict) -> Cache | None:
     return alias
 
 
+def _check_cache_type(cache) -> None:
+    """A GPN reads and writes its state only in a `GPNCache`; any other cache (a `DynamicCache` of keys and values,
+    as PEFT's prefix tuning builds) is refused by name, not read as if it held one."""
+    if cache is not None and not isinstance(cache, GPNCache):
+        raise TypeError(
+            f"A GPN can only continue from a GPNCache, got {type(cache).__name__}: a GPN has no attention layers, so "
+            "keys and values prepended to them (PEFT's prefix tuning) do not apply; prompt tuning and LoRA do"
+        )
+
+
+def _refuse_peft_prompt_learning_generate(model: nn.Module) -> None:
+    """PEFT's generate for its prompt-learning methods (prompt tuning, p-tuning, prefix tuning) swaps in its own
+    `prepare_inputs_for_generation`, which looks for the cache under its old name, `past_key_values`: finding none at
+    any token, it prepends the virtual tokens again at every decoded token, and the state reads them again (a
+    Llama's output is wrong the same way). Refused by name rather than decoded wrong; the base model's generate
+    on the prompt's embeddings computes what was meant (docs/fine-tuning.md)."""
+    swapped = model.__dict__.get("prepare_inputs_for_generation")
+    peft_config = getattr(getattr(swapped, "__self__", None), "active_peft_config", None)
+    if getattr(peft_config, "is_prompt_learning", False):
+        raise ValueError(
+            f"PEFT's generate() with {getattr(peft_config.peft_type, 'value', peft_config.peft_type)} re-inserts the virtual tokens at every decoded token on "
+            "transformers 5 (it looks for the cache as `past_key_values`), which a GPN would read into its state: "
+            "generate from the base model instead, on the prompt's embeddings: "
+            "peft_model.get_base_model().generate(inputs_embeds=torch.cat([peft_model.get_prompt(batch_size), "
+            "peft_model.get_input_embeddings()(input_ids)], 1), attention_mask=..., max_new_tokens=...)"
+        )
+
+
 def _is_plain_linear(module: nn.Module) -> bool:
     """Whether `module` computes x W^T (+ b) from its own `weight` (FSDP2's sharding subclass included): not a
     wrapper (a PEFT adapter) nor a replacement that overrides `forward` (a quantized linear)."""
@@ -1063,6 +1092,7 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         prepacked matrices, CUDA graphs' copies) once for the whole call: the prompt's forward derives them,
         every decoded token reuses them, and they are dropped when the call returns (`derived_weights.py`), so
         the next call sees the parameters as they are then, however they were edited."""
+        _refuse_peft_prompt_learning_generate(self)
         with derived_weights_scope(self.model):
             return super().generate(*args, **kwargs)
 

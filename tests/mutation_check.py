@@ -621,6 +621,22 @@ MUTATIONS = [
         "    def _init_continuous_batching_unused(self, *args, **kwargs):  # MUTATION\n",
         ("tests/model/test_generate.py::test_continuous_batching_is_refused_clearly",),
     ),
+    Mutation(
+        "PEFT prompt-learning generate refused (its virtual tokens re-inserted at every decoded token, in silence)",
+        "modeling_gpn/modeling_gpn.py",
+        "        _refuse_peft_prompt_learning_generate(self)\n",
+        "        pass  # MUTATION\n",
+        (
+            "tests/ecosystem/test_ecosystem.py::test_peft_prompt_tuning_trains_the_virtual_tokens_and_generates_from_their_embeddings",
+        ),
+    ),
+    Mutation(
+        "a cache other than a GPNCache refused (PEFT prefix tuning's keys and values read as a state)",
+        "modeling_gpn/modeling_gpn.py",
+        "        _check_cache_type(cache)\n",
+        "        pass  # MUTATION\n",
+        ("tests/ecosystem/test_ecosystem.py::test_peft_prefix_tuning_is_refused_by_name",),
+    ),
 ]
 
 

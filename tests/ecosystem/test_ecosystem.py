@@ -389,6 +389,66 @@ def test_peft_lora_trains_saves_reloads_and_merges(tmp_path):
     assert merged.model.last_recurrence_path == "fast"  # plain modules again: the fast path is back
 
 
+def prompt_tuned(config, seed: int = 3):
+    """A GPN under PEFT prompt tuning with 4 virtual tokens of random values (PEFT takes their width from
+    `hidden_size`, the state's, unless told the embedding's)."""
+    import peft
+
+    torch.manual_seed(seed)
+    prompted = peft.get_peft_model(
+        perturbed_model(config),
+        peft.PromptTuningConfig(
+            task_type="CAUSAL_LM", num_virtual_tokens=4, token_dim=config.embedding_size, num_attention_heads=1
+        ),
+    )
+    with torch.no_grad():
+        prompted.prompt_encoder.default.embedding.weight.normal_()
+    return prompted
+
+
+def test_peft_prompt_tuning_trains_the_virtual_tokens_and_generates_from_their_embeddings():
+    """The virtual tokens are read (the loss is the base model's on their embeddings followed by the ids', and
+    their gradient is not zero); the documented way to generate decodes that sequence as the plain forward does;
+    PEFT's own generate(), which prepends them again at every token on transformers 5, is refused by name."""
+    config = tiny_config(eos_token_id=None)
+    ids = token_ids(2, 6)
+    prompted = prompt_tuned(config)
+    base = prompted.get_base_model()
+    loss = prompted(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert prompted.prompt_encoder.default.embedding.weight.grad.abs().max() > 0
+    embeds = torch.cat([prompted.get_prompt(batch_size=2), base.get_input_embeddings()(ids)], dim=1)
+    labels = torch.cat([torch.full((2, 4), -100), ids], dim=1)
+    torch.testing.assert_close(loss, base(inputs_embeds=embeds, labels=labels).loss)
+    assert (loss - base(input_ids=ids, labels=ids).loss).abs() > 1e-3
+
+    with torch.no_grad():
+        embeds = embeds.detach()
+        generated = base.generate(inputs_embeds=embeds, max_new_tokens=5, do_sample=False)
+        greedy = []
+        for _ in range(5):
+            next_id = base(inputs_embeds=embeds, use_cache=False).logits[:, -1].argmax(-1)
+            greedy.append(next_id)
+            embeds = torch.cat([embeds, base.get_input_embeddings()(next_id)[:, None]], dim=1)
+    assert torch.equal(generated, torch.stack(greedy, 1))
+
+    with pytest.raises(ValueError, match="PEFT's generate\\(\\) with PROMPT_TUNING re-inserts the virtual tokens"):
+        prompted.generate(input_ids=ids, max_new_tokens=3)
+    assert base.generate(ids, max_new_tokens=2).shape == (2, 8)  # PEFT put its own preparation back
+
+
+def test_peft_prefix_tuning_is_refused_by_name():
+    """Prefix tuning hands the forward a cache of keys and values for attention layers a GPN does not have."""
+    import peft
+
+    prefixed = peft.get_peft_model(
+        perturbed_model(tiny_config()),
+        peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4, num_attention_heads=1),
+    )
+    with pytest.raises(TypeError, match="got DynamicCache: a GPN has no attention layers"):
+        prefixed(input_ids=token_ids(1, 5))
+
+
 def test_forward_hooks_run_and_count_on_every_projection_path():
     model = perturbed_model(tiny_config())
     ids = token_ids(2, 7)
