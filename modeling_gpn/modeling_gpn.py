@@ -957,8 +957,9 @@ def _refuse_peft_prompt_learning_generate(model: nn.Module) -> None:
     swapped = model.__dict__.get("prepare_inputs_for_generation")
     peft_config = getattr(getattr(swapped, "__self__", None), "active_peft_config", None)
     if getattr(peft_config, "is_prompt_learning", False):
+        method = getattr(peft_config.peft_type, "value", peft_config.peft_type)
         raise ValueError(
-            f"PEFT's generate() with {getattr(peft_config.peft_type, 'value', peft_config.peft_type)} re-inserts the virtual tokens at every decoded token on "
+            f"PEFT's generate() with {method} re-inserts the virtual tokens at every decoded token on "
             "transformers 5 (it looks for the cache as `past_key_values`), which a GPN would read into its state: "
             "generate from the base model instead, on the prompt's embeddings: "
             "peft_model.get_base_model().generate(inputs_embeds=torch.cat([peft_model.get_prompt(batch_size), "
@@ -1114,8 +1115,7 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
                 f"updated in place; leave cache_implementation unset or use one of {GENERATION_CACHE_IMPLEMENTATIONS}"
             )
         if user_cache is not None:
-            if not isinstance(user_cache, GPNCache):
-                raise TypeError(f"A GPN can only continue from a GPNCache, got {type(user_cache).__name__}")
+            _check_cache_type(user_cache)
             user_cache._is_user_defined = True
             return
         if generation_config.use_cache is False:

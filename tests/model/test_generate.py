@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from modeling_gpn import GPNCache
+
 from ..tiny_models import perturbed_model, tiny_config
 
 PAD = 0
@@ -18,15 +20,18 @@ def model():
     return model
 
 
+def argmax_continuation(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
+    """`ids` and `steps` greedy tokens, each recomputed from scratch by the plain forward: no cache anywhere."""
+    for _ in range(steps):
+        ids = torch.cat([ids, model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids
+
+
 @torch.no_grad()
 def test_greedy_equals_argmax_path_without_cache(model):
     prompt = torch.randint(1, 97, (1, 9), generator=torch.Generator().manual_seed(0))
     generated = model.generate(prompt, max_new_tokens=12, do_sample=False)
-    ids = prompt
-    for _ in range(12):  # recompute from scratch at every step: no cache anywhere
-        next_token = model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
-        ids = torch.cat([ids, next_token], dim=1)
-    assert torch.equal(generated, ids)
+    assert torch.equal(generated, argmax_continuation(model, prompt, 12))
 
 
 @torch.no_grad()
@@ -194,10 +199,7 @@ def test_generate_goes_past_the_training_window_at_its_default_length():
     assert getattr(model.config, "max_position_embeddings", None) is None  # (what generate() caps a length by)
     prompt = torch.randint(1, 97, (1, 12), generator=torch.Generator().manual_seed(5))
     generated = model.generate(prompt, do_sample=False)
-    ids = prompt
-    for _ in range(20):
-        ids = torch.cat([ids, model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    assert torch.equal(generated, ids)
+    assert torch.equal(generated, argmax_continuation(model, prompt, 20))
 
 
 @torch.no_grad()
@@ -205,8 +207,6 @@ def test_generate_goes_past_the_training_window_at_its_default_length():
 def test_the_cache_kinds_a_gpn_cache_is_give_the_default_output(model, kind):
     """A GPNCache is one state a row, updated in place, of one size at every length: what `cache_implementation`
     "dynamic" and "static" ask for. Either gives the default call's tokens, on a GPNCache."""
-    from modeling_gpn import GPNCache
-
     prompt = torch.randint(1, 97, (2, 5), generator=torch.Generator().manual_seed(6))
     kwargs = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
     default = model.generate(prompt, **kwargs)
@@ -223,8 +223,6 @@ def test_other_cache_kinds_are_refused_not_ignored(model, kind):
 
 
 def test_a_cache_kind_beside_a_cache_is_refused(model):
-    from modeling_gpn import GPNCache
-
     prompt = torch.randint(1, 97, (1, 4))
     with pytest.raises(ValueError, match="both `cache_implementation` and `cache`"):
         model.generate(prompt, max_new_tokens=3, cache=GPNCache(model.config), cache_implementation="static")
