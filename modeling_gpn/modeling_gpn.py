@@ -788,6 +788,7 @@ class GPNModel(GPNPreTrainedModel):
         cache = _pop_cache_alias(cache, kwargs)
         _check_cache_type(cache)
         _check_unused_kwargs(kwargs)
+        _refuse_attention_outputs(kwargs.get("output_attentions"), self.config)
         packing = {name: kwargs[name] for name in ("position_ids", *PACKING_KWARGS) if kwargs.get(name) is not None}
         config = self.config
         use_cache = use_cache if use_cache is not None else (config.use_cache and not self.training)
@@ -902,8 +903,9 @@ class GPNModel(GPNPreTrainedModel):
 
 # What generate(), Trainer, PEFT and evaluation harnesses pass for attention models, and a GPN has no use
 # for: position and cache positions (a recurrence knows where it is; position ids are read only for where packed
-# sequences start, see `packed_sequence_starts`), attention outputs (it has none),
-# token types, and generate()'s own helpers (`tokenizer` for stop strings, `assistant_tokenizer`).
+# sequences start, see `packed_sequence_starts`), attention outputs when not asked for (asked for, they are
+# refused: `_refuse_attention_outputs`), token types, and generate()'s own helpers (`tokenizer` for stop
+# strings, `assistant_tokenizer`).
 _IGNORED_FORWARD_KWARGS = {
     "position_ids",
     "cache_position",
@@ -922,6 +924,17 @@ def _check_unused_kwargs(kwargs: dict) -> None:
     unknown = set(kwargs) - _IGNORED_FORWARD_KWARGS - PACKING_KWARGS
     if unknown:
         raise TypeError(f"GPN forward got unexpected arguments: {sorted(unknown)}")
+
+
+def _refuse_attention_outputs(output_attentions: bool | None, config: GPNConfig) -> None:
+    """`output_attentions=False` (or None) is what tools pass every model; asked for (here or in the config), a GPN
+    has none to give, and an `attentions` of None would pass for an answer."""
+    if output_attentions if output_attentions is not None else config.output_attentions:
+        raise ValueError(
+            "output_attentions=True: a GPN has no attention layers, so it has no attention weights to return; "
+            "what it keeps of the past is its state: ask for `output_predicted_states=True` or, with memory, "
+            "`output_memory_decays=True` (each head's retention at every position)"
+        )
 
 
 def _pop_cache_alias(cache: Cache | None, kwargs: dict) -> Cache | None:
@@ -1231,6 +1244,7 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         return_dict = return_dict if return_dict is not None else True
         cache = _pop_cache_alias(cache, kwargs)
         shift_labels = kwargs.pop("shift_labels", None)
+        _refuse_attention_outputs(kwargs.get("output_attentions"), self.config)
         asks_only_logits = (
             inputs_embeds is None
             and labels is None

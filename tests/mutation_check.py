@@ -637,6 +637,16 @@ MUTATIONS = [
         "        pass  # MUTATION\n",
         ("tests/ecosystem/test_ecosystem.py::test_peft_prefix_tuning_is_refused_by_name",),
     ),
+    Mutation(
+        "attention outputs asked for refused (answered with attentions=None, in silence)",
+        "modeling_gpn/modeling_gpn.py",
+        "    if output_attentions if output_attentions is not None else config.output_attentions:\n",
+        "    if False:  # MUTATION\n",
+        (
+            "tests/model/test_roundtrip_and_errors.py::test_attention_outputs_asked_for_are_refused_not_returned_as_none",
+            "tests/fast_path/test_decode_call.py::test_attention_outputs_asked_for_a_decoded_token_are_refused",
+        ),
+    ),
 ]
 
 

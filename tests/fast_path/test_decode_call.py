@@ -422,3 +422,16 @@ def test_weights_streamed_from_dram_go_onto_huge_pages(one_thread, monkeypatch, 
     else:  # every whole 2 MB page of both (64 MB, so at least 31 of them), and the kernel took the advice
         assert advised_within(advice, table) >= 31 << 21 and advised_within(advice, probe) >= 31 << 21
         assert huge_page_bytes(table) > 0 and huge_page_bytes(probe) > 0
+
+
+def test_attention_outputs_asked_for_a_decoded_token_are_refused(one_thread, model):
+    """The one-call token refuses `output_attentions=True` as the forward does (it has none to give), and runs
+    with `False`, which tools pass every model."""
+    with torch.no_grad():
+        cache = model(torch.tensor([[1, 2, 3], [4, 5, 6]]), use_cache=True).cache
+        seen = cache.get_seq_length()
+        with pytest.raises(ValueError, match="no attention layers"):
+            model(torch.tensor([[5], [6]]), cache=cache, use_cache=True, output_attentions=True)
+        assert cache.get_seq_length() == seen
+        with ran(DECODE_CALLS):
+            model(torch.tensor([[5], [6]]), cache=cache, use_cache=True, output_attentions=False)

@@ -122,3 +122,22 @@ def test_labels_of_the_wrong_shape(model):
     ids = torch.randint(0, 97, (2, 5))
     with pytest.raises(ValueError, match="labels must have shape"):
         model(ids, labels=ids[:, :4])
+
+
+def test_attention_outputs_asked_for_are_refused_not_returned_as_none(model):
+    """A GPN has no attention weights: `output_attentions=True` (to either forward, to generate(), or set in the
+    config) is refused by name, never answered with `attentions=None`; `False`, which tools pass every model,
+    computes what no argument does."""
+    ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        plain = model(ids).logits
+        assert torch.equal(model(ids, output_attentions=False).logits, plain)
+        for forward in (model, model.model):
+            with pytest.raises(ValueError, match="no attention layers"):
+                forward(ids, output_attentions=True)
+    with pytest.raises(ValueError, match="no attention layers"):
+        model.generate(ids, max_new_tokens=2, output_attentions=True, return_dict_in_generate=True)
+    config = tiny_config()
+    config.output_attentions = True
+    with pytest.raises(ValueError, match="no attention layers"), torch.no_grad():
+        perturbed_model(config, seed=6)(ids)
