@@ -235,3 +235,29 @@ def test_continuous_batching_is_refused_clearly(model):
         model.generate_batch([[5, 6, 7]])
     with pytest.raises(ValueError, match="continuous batching .* a paged attention cache"):
         model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, cache_implementation="paged")
+
+
+def test_the_text_generation_pipeline_gives_generates_tokens(tmp_path):
+    """transformers' `pipeline("text-generation")` on a saved GPN folder with its tokenizer (what a Hub card's
+    `pipeline_tag` promises): one prompt, and two prompts in one padded batch, give the text of greedy
+    generate() on each prompt alone."""
+    from transformers import pipeline
+
+    from modeling_gpn.data import train_bpe_tokenizer
+
+    tokenizer = train_bpe_tokenizer(["the cat sat on the mat. " * 20, "to be or not to be " * 20], 300)
+    tokenizer.save_pretrained(tmp_path)
+    model = perturbed_model(tiny_config(vocab_size=len(tokenizer), eos_token_id=None), seed=13)
+    model.save_pretrained(tmp_path)
+    prompts = ["the cat", "to be or not to be, that"]
+    expected = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            whole = model.generate(ids, max_new_tokens=7, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+            expected.append(tokenizer.decode(whole[0], skip_special_tokens=True)[len(tokenizer.decode(ids[0])) :])
+    generator = pipeline("text-generation", model=str(tmp_path), device="cpu")
+    settings = dict(max_new_tokens=7, do_sample=False, return_full_text=False)
+    assert generator(prompts[1], **settings)[0]["generated_text"] == expected[1]
+    batched = generator(prompts, batch_size=2, **settings)
+    assert [answer[0]["generated_text"] for answer in batched] == expected
