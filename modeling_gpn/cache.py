@@ -14,6 +14,7 @@ far, or only the new positions). docs/cache.md is the user's page.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import weakref
@@ -32,6 +33,8 @@ from .tracing import is_tracing
 
 _FINGERPRINT_MODULUS = 2**31 - 1  # a prime; products of two residues fit in int64
 _FINGERPRINT_BASES = (1_000_003, 998_244_353 % (2**31 - 1))  # two independent polynomial hashes: ~62 bits
+# a filled cache's weak reference to the GPNModel that filled it (set by the forward), which `save` fingerprints
+MODEL_REF_ATTRIBUTE = "_gpn_model_ref"
 _PADDING_VALUE = 1  # a padded position's value in the hash (a token id t counts as t + 2)
 
 
@@ -222,6 +225,23 @@ class GPNCache(Cache):
     def __init__(self, config: GPNConfig | None = None, **kwargs):
         super().__init__(layers=[GPNStateLayer()])
 
+    def __getstate__(self) -> dict:
+        """For pickle (multiprocessing, `torch.save`): the state and what it read, without the weak link to the
+        model that filled it, which does not pickle; the copy continues as the original does, and its `save`
+        says it does not know its model. (`save` and `load` are the checked way to keep a state.)"""
+        state = self.__dict__.copy()
+        state.pop(MODEL_REF_ATTRIBUTE, None)
+        return state
+
+    def __deepcopy__(self, memo: dict) -> GPNCache:
+        """A copy of the state that still knows the model that filled it (as `fork` does)."""
+        copied = self.__class__.__new__(self.__class__)
+        memo[id(self)] = copied
+        copied.__dict__.update(copy.deepcopy(self.__getstate__(), memo))
+        if MODEL_REF_ATTRIBUTE in self.__dict__:
+            copied.__dict__[MODEL_REF_ATTRIBUTE] = self.__dict__[MODEL_REF_ATTRIBUTE]
+        return copied
+
     @property
     def state_layer(self) -> GPNStateLayer:
         return self.layers[0]
@@ -323,7 +343,7 @@ class GPNCache(Cache):
         forked.state_layer.fingerprint = ReadFingerprint(
             known=read is not None, fingerprint=None if read is None else read.repeat_interleave(num_copies, dim=0)
         )
-        forked._gpn_model_ref = getattr(self, "_gpn_model_ref", None)
+        forked._gpn_model_ref = getattr(self, MODEL_REF_ATTRIBUTE, None)
         return forked
 
     def save(self, path: str | os.PathLike) -> None:
@@ -339,7 +359,7 @@ class GPNCache(Cache):
         path = Path(path)
         if not self.has_state:
             raise ValueError(f"Cannot save {path}: this GPNCache holds no state (run the model on a prompt first)")
-        model_ref = getattr(self, "_gpn_model_ref", None)
+        model_ref = getattr(self, MODEL_REF_ATTRIBUTE, None)
         model = model_ref() if model_ref is not None else None
         if model is None:
             raise ValueError(

@@ -59,6 +59,9 @@ from .recurrence_step import (
 )
 
 WINDOW_CHUNK = 32  # steps per graph replay for windows of more than one token (prefill, scoring)
+# the model's attributes holding its captured graphs and their static buffers (read from its weights: never
+# copied or pickled with it, `fast_recurrence.DERIVED_ATTRIBUTES`)
+GRAPHS_ATTRIBUTE, SWEEPS_ATTRIBUTE = "_gpn_graphs", "_gpn_training_sweeps"
 replays: Counter = Counter()  # graph replays so far, "no-grad window" / "training" (benchmarks say what ran)
 
 
@@ -226,10 +229,10 @@ def graph_of(
     CUDA) on first use, reading the folded weights `w` of the current forward or generate() call: `derived` is
     that call's dict of derived weights (`derived_weights.py`), where the graphs that already read `w` are
     noted, so each graph copies the weights in once per call, not once per replay."""
-    graphs = getattr(model, "_gpn_graphs", None)
+    graphs = getattr(model, GRAPHS_ATTRIBUTE, None)
     if graphs is None:
         graphs = {}
-        object.__setattr__(model, "_gpn_graphs", graphs)
+        object.__setattr__(model, GRAPHS_ATTRIBUTE, graphs)
     big_w = w.big_w.matrix if isinstance(w.big_w, PackedMatrix) else w.big_w
     key = (batch, device, steps, big_w.dtype)
     graph = graphs.get(key)
@@ -550,10 +553,10 @@ def training_sweep(
     dtypes = tuple(t.dtype for t in (w.fg_w, w.big_w, *w.out_w, *w.layer_w))
     if len(set(dtypes)) != 1 or dtypes[0] not in (torch.float32, torch.bfloat16, torch.float16):
         return None
-    sweeps = getattr(model, "_gpn_training_sweeps", None)
+    sweeps = getattr(model, SWEEPS_ATTRIBUTE, None)
     if sweeps is None:
         sweeps = {}
-        object.__setattr__(model, "_gpn_training_sweeps", sweeps)
+        object.__setattr__(model, SWEEPS_ATTRIBUTE, sweeps)
     segment = segment or SWEEP_SEGMENT_LENGTH
     key = (batch, segment, dtypes[0], device)
     sweep = sweeps.get(key)

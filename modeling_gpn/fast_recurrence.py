@@ -72,10 +72,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .cuda_graphs import GraphKernels, training_sweep
+from .cuda_graphs import GRAPHS_ATTRIBUTE, SWEEPS_ATTRIBUTE, GraphKernels, training_sweep
 from .cuda_graphs import asked as graphs_asked
 from .cuda_graphs import window_forward as graph_window_forward
 from .derived_weights import (
+    KEPT_ATTRIBUTE,
     WatchedModules,
     called_as_is,
     derived_weights_of,
@@ -630,6 +631,13 @@ def _run_steps(
 # Reused buffers for M
 # --------------------------------------------------------------------------------------------------
 
+BUFFER_POOL_ATTRIBUTE = "_gpn_buffer_pool"
+# What the fast path keeps on a model between calls, all of it derived from the model's weights or sized for
+# its calls: the weights kept with a cache (folded matrices, C plans holding raw pointers), the buffer pool, the
+# CUDA graphs and their static buffers. A copy or a pickle of the model leaves them behind (`GPNPreTrainedModel.
+# __getstate__`) and derives its own from its own weights: a copy's pointers would be the original's memory.
+DERIVED_ATTRIBUTES = frozenset({KEPT_ATTRIBUTE, BUFFER_POOL_ATTRIBUTE, GRAPHS_ATTRIBUTE, SWEEPS_ATTRIBUTE})
+
 
 class BufferPool:
     """Scratch buffers for the memory M that training calls hand back and reuse (on CPU).
@@ -664,10 +672,10 @@ class BufferPool:
 
 def buffer_pool_of(model) -> BufferPool:
     """The model's `BufferPool` (created on first use; `model._gpn_buffer_pool.release()` empties it)."""
-    pool = getattr(model, "_gpn_buffer_pool", None)
+    pool = getattr(model, BUFFER_POOL_ATTRIBUTE, None)
     if pool is None:
         pool = BufferPool()
-        object.__setattr__(model, "_gpn_buffer_pool", pool)
+        object.__setattr__(model, BUFFER_POOL_ATTRIBUTE, pool)
     return pool
 
 

@@ -50,7 +50,14 @@ from .cache import GPNCache, continuation_start
 from .chunked_loss import chunked_causal_lm_loss, divide_loss_sum
 from .configuration_gpn import GPNConfig
 from .derived_weights import called_as_is, derived_weights_scope, keep_with, registered_global_hook
-from .fast_recurrence import fast_decode_token, fast_project, fast_recurrence, foldable_parameter, output_logits
+from .fast_recurrence import (
+    DERIVED_ATTRIBUTES,
+    fast_decode_token,
+    fast_project,
+    fast_recurrence,
+    foldable_parameter,
+    output_logits,
+)
 from .packing import PACKING_KWARGS, packed_sequence_starts
 from .prefill import forward_in_chunks, prefill_chunk_length_for
 from .state_file import GPNStateFileError
@@ -351,6 +358,15 @@ class GPNPreTrainedModel(PreTrainedModel):
     # each checkpoint key with or without the base-model prefix (`model.`) to the name the model has, the rule that
     # loads a causal LM from a base model's folder, and the decoder kept its module names inside `GPNModel`. No
     # renaming is recorded, so such a model is saved in the current layout (tests/model/test_output_layer.py).
+
+    def __getstate__(self) -> dict:
+        """The module's state for `copy.deepcopy` and pickle, without what the fast path derived from the weights
+        (`DERIVED_ATTRIBUTES`: C plans hold raw pointers, which neither copies nor pickles): the copy derives
+        its own from its own weights at its first call."""
+        state = super().__getstate__()
+        for name in DERIVED_ATTRIBUTES & state.keys():
+            del state[name]
+        return state
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """`PreTrainedModel.save_pretrained`, with an `auto_map` naming every auto class a GPN serves.

@@ -647,6 +647,27 @@ MUTATIONS = [
             "tests/fast_path/test_decode_call.py::test_attention_outputs_asked_for_a_decoded_token_are_refused",
         ),
     ),
+    Mutation(
+        "a model's copy or pickle leaves the fast path's derived weights behind (C plans' pointers fail to pickle)",
+        "modeling_gpn/modeling_gpn.py",
+        "            del state[name]\n",
+        "            pass  # MUTATION\n",
+        ("tests/fast_path/test_decode_call.py::test_a_model_copied_or_pickled_after_decoding_derives_its_own",),
+    ),
+    Mutation(
+        "a cache pickles without its model's weak reference",
+        "modeling_gpn/cache.py",
+        "        state.pop(MODEL_REF_ATTRIBUTE, None)\n",
+        "        pass  # MUTATION\n",
+        ("tests/model/test_state.py::test_a_pickled_or_copied_cache_continues_as_the_original",),
+    ),
+    Mutation(
+        "a cache's deep copy keeps its model (it saves as the original does)",
+        "modeling_gpn/cache.py",
+        "            copied.__dict__[MODEL_REF_ATTRIBUTE] = self.__dict__[MODEL_REF_ATTRIBUTE]\n",
+        "            pass  # MUTATION\n",
+        ("tests/model/test_state.py::test_a_pickled_or_copied_cache_continues_as_the_original",),
+    ),
 ]
 
 

@@ -435,3 +435,29 @@ def test_attention_outputs_asked_for_a_decoded_token_are_refused(one_thread, mod
         assert cache.get_seq_length() == seen
         with ran(DECODE_CALLS):
             model(torch.tensor([[5], [6]]), cache=cache, use_cache=True, output_attentions=False)
+
+
+def test_a_model_copied_or_pickled_after_decoding_derives_its_own(one_thread, model):
+    """After generate() has left its one-call plans with the model (C structures holding raw pointers into the
+    weights), `copy.deepcopy` and pickle (TRL's reference model, multiprocessing, `torch.save`) leave them behind:
+    each copy decodes in one call from plans of its own, to the same tokens, and an edit of a copy's weights
+    changes that copy's tokens and not the original's."""
+    import pickle
+
+    from modeling_gpn.fast_recurrence import DERIVED_ATTRIBUTES
+
+    ids = torch.randint(1, 97, (2, 5), generator=torch.Generator().manual_seed(60))
+    settings = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with ran(DECODE_CALLS):
+        expected = model.generate(ids, **settings)
+    assert any(DERIVED_ATTRIBUTES & module.__dict__.keys() for module in model.modules())
+    for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert not any(DERIVED_ATTRIBUTES & module.__dict__.keys() for module in other.modules())
+        with ran(DECODE_CALLS):
+            assert torch.equal(other.generate(ids, **settings), expected)
+        with torch.no_grad():
+            other.model.decode_proj.weight.mul_(-1.0)
+        with ran(DECODE_CALLS):
+            assert not torch.equal(other.generate(ids, **settings), expected)
+    with ran(DECODE_CALLS):
+        assert torch.equal(model.generate(ids, **settings), expected)

@@ -440,6 +440,29 @@ def test_fork_refuses_what_it_cannot_do():
             cache.fork(bad)
 
 
+@torch.no_grad()
+def test_a_pickled_or_copied_cache_continues_as_the_original(tmp_path):
+    """A cache pickles (multiprocessing, `torch.save`) and deep-copies: either copy continues to the original's
+    tokens. The pickle leaves the model behind (its `save` says so by name, as for any cache no GPN filled);
+    the deep copy keeps it, so it saves as the original does."""
+    import copy
+    import pickle
+
+    model = perturbed_model(tiny_config(eos_token_id=None), seed=12)
+    prompt, follow = token_ids(2, 6, seed=15), token_ids(2, 1, seed=16)
+    settings = dict(attention_mask=torch.ones(2, 7, dtype=torch.long), max_new_tokens=5, do_sample=False)
+    cache = model(prompt, use_cache=True).cache
+    unpickled, copied = pickle.loads(pickle.dumps(cache)), copy.deepcopy(cache)
+    expected = model.generate(follow, cache=cache, pad_token_id=0, **settings)
+    for other in (unpickled, copied):
+        assert other.get_seq_length() == 6
+        assert torch.equal(model.generate(follow, cache=other, pad_token_id=0, **settings), expected)
+    with pytest.raises(ValueError, match="does not know the model that filled it"):
+        pickle.loads(pickle.dumps(model(prompt, use_cache=True).cache)).save(tmp_path / "pickled.safetensors")
+    copy.deepcopy(model(prompt, use_cache=True).cache).save(tmp_path / "copied.safetensors")
+    assert GPNCache.load(tmp_path / "copied.safetensors", model).get_seq_length() == 6
+
+
 # --------------------------------------------------------------------------------------------------
 # 4. On the command line: gpn generate --save-state / --state
 # --------------------------------------------------------------------------------------------------
