@@ -103,9 +103,10 @@ def load_model(
     path: str, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = True, tokenizer: str | None = None
 ):
     """Load any causal LM (a GPN folder, a Hub repo, a LlamaForCausalLM folder) and its tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     import modeling_gpn  # noqa: F401  (registers the GPN Auto classes for folders without remote code)
+    from modeling_gpn.data import load_tokenizer
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in dtypes:
@@ -116,7 +117,7 @@ def load_model(
         raise FileNotFoundError(f"model folder {path} does not exist")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtypes[dtype], trust_remote_code=trust_remote_code)
     model = model.to(device).eval()
-    tok = AutoTokenizer.from_pretrained(tokenizer or path, trust_remote_code=trust_remote_code)
+    tok = load_tokenizer(tokenizer or path, trust_remote_code=trust_remote_code, require_eos=False)
     return model, tok
 
 

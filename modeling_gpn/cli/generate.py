@@ -104,15 +104,16 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def _load(args: argparse.Namespace):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     import modeling_gpn  # noqa: F401  (registers GPN with the Auto classes)
+    from modeling_gpn.data import DataError, load_tokenizer
 
     source = args.tokenizer or args.model
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-    except Exception as error:  # noqa: BLE001 - any loader failure becomes one clear message
-        raise GenerateError(f"cannot load a tokenizer from {source}: {type(error).__name__}: {error}") from error
+        tokenizer = load_tokenizer(source, require_eos=False)
+    except DataError as error:  # any loader failure, as one clear message
+        raise GenerateError(str(error)) from error
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token is None and len(args.prompts) > 1:

@@ -17,6 +17,8 @@ from .corpus import CorpusSpec
 from .errors import DataError
 
 DEFAULT_TOKENIZER = "meta-llama/Llama-2-7b-hf"
+# the files a saved tokenizer folder holds one of at least (transformers' fast, SentencePiece and BPE formats)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 BPE_EOS = "<|endoftext|>"
 
 
@@ -67,6 +69,13 @@ def load_tokenizer(
         tokenizer = train_bpe_tokenizer(_bpe_training_texts(corpus, bpe_max_documents), bpe_vocab_size)
         write_folder_atomically(folder, tokenizer.save_pretrained)
         return tokenizer
+    folder = Path(name_or_path)
+    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        # (transformers would say it cannot build a backend tokenizer and ask for sentencepiece)
+        raise DataError(
+            f"{name_or_path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save the tokenizer "
+            "beside the model (tokenizer.save_pretrained), or name one with --tokenizer"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except Exception as error:  # noqa: BLE001

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 
 import pytest
 import torch
@@ -458,7 +459,7 @@ def test_same_command_on_a_llama(llama_dir, data, tmp_path):
     assert "| **" in (out / "eval_report.md").read_text()
 
 
-def test_clear_errors(gpn_dir, data, llama_dir, capsys):
+def test_clear_errors(gpn_dir, data, llama_dir, capsys, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from modeling_gpn.cli import main
@@ -472,6 +473,12 @@ def test_clear_errors(gpn_dir, data, llama_dir, capsys):
     assert "gpn eval: FileNotFoundError: " in (err := capsys.readouterr().err) and "no data for task 'wikitext'" in err
     assert main(["eval", str(gpn_dir.parent / "no-such-model"), "--tasks", "fineweb_paper"]) == 1
     assert "does not exist" in capsys.readouterr().err
+    bare = tmp_path / "without-tokenizer"  # the model's files, not its tokenizer's
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(gpn_dir / name, bare / name)
+    assert main(["eval", str(bare), "--tasks", "fineweb_paper"]) == 1
+    assert "gpn eval: DataError: " in (err := capsys.readouterr().err) and "holds no tokenizer" in err
     llama = AutoModelForCausalLM.from_pretrained(llama_dir)
     with pytest.raises(ValueError, match="needs a model with empty_state_logits"):
         protocols.windowed_perplexity(llama, list(range(300)), WINDOW, first_position="empty_state")
