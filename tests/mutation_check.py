@@ -668,6 +668,39 @@ MUTATIONS = [
         "            pass  # MUTATION\n",
         ("tests/model/test_state.py::test_a_pickled_or_copied_cache_continues_as_the_original",),
     ),
+    Mutation(
+        "a folder without a tokenizer named as such (transformers' message asks for sentencepiece)",
+        "modeling_gpn/data/tokenizer.py",
+        "    if folder.is_dir() and not any(",
+        "    if False and not any(  # MUTATION\n",
+        (
+            "tests/tools/test_faults_io.py::test_generate_bad_arguments_are_one_clear_line[model-without-tokenizer]",
+            "tests/ecosystem/test_eval.py::test_clear_errors",
+        ),
+    ),
+    Mutation(
+        "gpn bench checks every preset before measuring (a misspelt one: a traceback minutes later)",
+        "modeling_gpn/bench/command.py",
+        "            preset_path(preset)\n",
+        "            pass  # MUTATION\n",
+        ("tests/tools/test_bench.py::test_an_unknown_preset_is_refused_before_anything_is_measured",),
+    ),
+    Mutation(
+        "gpn study refuses a model name it does not have (--only skipped it in silence)",
+        "modeling_gpn/study/runs.py",
+        "    if unknown:\n",
+        "    if False:  # MUTATION\n",
+        (
+            "tests/tools/test_study.py::test_a_study_that_cannot_run_is_one_line_before_anything_is_written[unknown-model]",
+        ),
+    ),
+    Mutation(
+        "gpn study's errors as one line (a traceback)",
+        "modeling_gpn/study/cli.py",
+        "    except StudyError as error:",
+        "    except NotImplementedError as error:  # MUTATION",
+        ("tests/tools/test_study.py::test_a_study_that_cannot_run_is_one_line_before_anything_is_written",),
+    ),
 ]
 
 

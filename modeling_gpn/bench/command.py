@@ -95,12 +95,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from tqdm import tqdm
 
+    from modeling_gpn.configuration import preset_path
+
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda asked for, but torch sees no GPU")
     if args.dtype == "int8" and not args.skip_training:
         raise SystemExit("--dtype int8 measures inference only (quantized weights do not train): add --skip-training")
+    for preset in args.preset:  # all of them checked before the first is measured (a preset takes minutes)
+        try:
+            preset_path(preset)
+        except FileNotFoundError as error:
+            raise SystemExit(f"--preset: {error}") from None
     rows = []
     for preset in tqdm(args.preset, desc="bench", unit="preset"):
         models = {}

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from .definition import StudyError
 from .report import render_report
 from .runs import run_study
 
@@ -32,6 +33,9 @@ def run(args: argparse.Namespace) -> int:
     overrides = {"steps": args.steps} if args.steps else {}
     try:
         results = run_study(args.study, args.output, args.data_dir, args.only, overrides, not args.no_progress)
+    except StudyError as error:  # (raised before anything is trained)
+        print(f"gpn study: error: {error}", file=sys.stderr)
+        return 2
     except (NonFiniteLossError, StorageError) as error:
         print(f"gpn study: error: {error}", file=sys.stderr)
         return 1

@@ -9,6 +9,10 @@ from typing import Any
 STUDY_DIR_NAME = "studies"
 
 
+class StudyError(ValueError):
+    """A study that cannot be run as asked: no such study, a file that is not a study, no model selected."""
+
+
 def study_path(name_or_path: str) -> Path:
     """A study file by name (configuration/studies/NAME.json) or path."""
     path = Path(name_or_path)
@@ -19,13 +23,19 @@ def study_path(name_or_path: str) -> Path:
     path = PRESET_DIR / STUDY_DIR_NAME / f"{name_or_path}.json"
     if not path.exists():
         available = sorted(p.stem for p in (PRESET_DIR / STUDY_DIR_NAME).glob("*.json"))
-        raise ValueError(f"No study named {name_or_path!r}; available: {', '.join(available)}")
+        raise StudyError(f"No study named {name_or_path!r}; available: {', '.join(available)}")
     return path
 
 
 def load_study(name_or_path: str) -> dict[str, Any]:
-    study = json.loads(study_path(name_or_path).read_text())
+    path = study_path(name_or_path)
+    try:
+        study = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise StudyError(f"Cannot read the study {path}: {error}") from None
+    if not isinstance(study, dict):
+        raise StudyError(f"The study {path} is not a JSON object")
     for key in ("recipe", "models", "eval"):
         if key not in study:
-            raise ValueError(f"Study {name_or_path} lacks the {key!r} section")
+            raise StudyError(f"Study {name_or_path} lacks the {key!r} section")
     return study

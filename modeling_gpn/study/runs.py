@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .comparison import PAPER_TABLE, ratios, reading, table_row
-from .definition import load_study
+from .definition import StudyError, load_study
 from .report import plot_curves, render_report
 
 
@@ -27,11 +27,14 @@ def run_study(
 
     study = load_study(study_name)
     study["recipe"].update(overrides or {})
-    output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
+    unknown = [name for name in only or () if name not in study["models"]]
+    if unknown:
+        raise StudyError(f"The study has no model named {', '.join(unknown)}; it has {', '.join(study['models'])}")
     names = [name for name in study["models"] if not only or name in only]
     if not names:
-        raise ValueError(f"No model selected; the study has {', '.join(study['models'])}")
+        raise StudyError(f"No model selected; the study has {', '.join(study['models'])}")
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     runs: dict[str, dict] = {}
     for name in names:

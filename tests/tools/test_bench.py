@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from modeling_gpn.cli import main
 
 
@@ -149,3 +151,13 @@ def test_generate_timings_decode_to_the_end_without_logits_processors(monkeypatc
     monkeypatch.setattr(LogitsProcessorList, "__call__", lambda self, *a: processors.extend(self) or call(self, *a))
     to_first, gaps, _ = generate_timings(model, prompt, SimpleNamespace(device="cpu", decode_tokens=6))
     assert len(gaps) == 5 and to_first > 0 and processors == []
+
+
+def test_an_unknown_preset_is_refused_before_anything_is_measured(capsys):
+    """Every preset is checked first: a misspelt second one is one line naming it and the presets there are,
+    not a traceback after the first one's minutes of measuring."""
+    with pytest.raises(SystemExit) as stopped:
+        main(["bench", "--preset", "tiny", "smal", "--skip-training"])
+    message = str(stopped.value.code)
+    assert message.startswith("--preset: No preset named 'smal'") and "small" in message
+    assert "bench" not in capsys.readouterr().err  # (no progress bar: nothing was measured)

@@ -74,3 +74,26 @@ def test_sigterm_during_a_study_stops_cleanly_with_the_model_checkpointed(tmp_pa
     text = stopped(process, 128 + signal.SIGTERM)
     assert "gpn study: stopped by SIGTERM after step " in text, text[-3000:]
     assert list((output / "gpn-m-1l" / "checkpoints").glob("step-*"))
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["unknown-study", "unknown-model", "not-a-study"],
+)
+def test_a_study_that_cannot_run_is_one_line_before_anything_is_written(tmp_path, capsys, case):
+    """A misspelt study or model name (`--only`), or a file that is not a study: exit 2 and one line saying
+    what is wrong and what there is, before any model trains or any folder is made."""
+    from modeling_gpn.cli import main
+
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    arguments, needle = {
+        "unknown-study": (["--study", "cpu-smal"], "No study named 'cpu-smal'; available: cpu-small, toy"),
+        "unknown-model": (["--study", "toy", "--only", "gpn-m-1l", "gpn-m-9l"], "no model named gpn-m-9l; it has"),
+        "not-a-study": (["--study", str(broken)], f"Cannot read the study {broken}"),
+    }[case]
+    output = tmp_path / "out"
+    assert main(["study", *arguments, "--output", str(output)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("gpn study: error: ") and needle in err, err
+    assert not output.exists()
