@@ -21,7 +21,9 @@ def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
     try:
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
     except ImportError as error:
-        raise SystemExit(f"--dtype int8 needs torchao (pip install torchao): {error}") from None
+        raise SystemExit(
+            f"--dtype int8 needs torchao (pip install -e '.[int8]', or torchao==0.18.0): {error}"
+        ) from None
     tied = {id(model.get_output_embeddings())} if getattr(model.config, "tie_word_embeddings", False) else set()
     quantize_(
         model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and id(m) not in tied

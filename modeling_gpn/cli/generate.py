@@ -138,7 +138,9 @@ def _to_dtype(model, dtype: str):
     try:
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
     except ImportError as error:
-        raise GenerateError(f"--dtype int8 needs torchao (pip install torchao): {error}") from None
+        raise GenerateError(
+            f"--dtype int8 needs torchao (pip install -e '.[int8]', or torchao==0.18.0): {error}"
+        ) from None
     model = model.to(torch.bfloat16)
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = {id(output)} if isinstance(output, torch.nn.Linear) else set()
