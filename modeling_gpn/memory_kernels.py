@@ -274,6 +274,12 @@ enum { ROUND_OUTPUT = 1, STORE_BF16 = 2, BIAS_AFTER_ROUND = 4, STREAM_ROWS = 8, 
    the L2 (with the hardware's prefetcher alone one core keeps too few reads in flight; where much of the
    weights stays in the L3 the extra instructions cost more than they bring: benchmarks/RESULTS.md) */
 enum { FAR_AHEAD = 4096 };
+/* ... every cache line of a float32 or bf16 row: with every other line (the hardware fetching its neighbour) the
+   130M model's step and prefill took 2-18% longer, at 1 and 2 threads (benchmarks/RESULTS.md; -DFAR_EVERY_LINE=0
+   builds that, for an A/B). int8 rows keep every other line: the same change there was as often slower as faster. */
+#ifndef FAR_EVERY_LINE
+#define FAR_EVERY_LINE 1
+#endif
 /* NEAR_AHEAD: rows read a row at a time without FAR_ROWS (weights in the L3, or a little beyond it: bf16 rows, and
    the int8 rows that hold their input, `held_input`) are prefetched this much nearer, into the L2. Between two
    decoded tokens the L3's other tenants evict part of them, and the hardware's prefetcher alone then keeps too few
@@ -420,7 +426,7 @@ static inline __attribute__((always_inline)) void dot_rows(const void *const row
                 const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + k + 32 * a));
                 for (int i = 0; i < NR; i++) {
                     const uint16_t *row = (const uint16_t *)rows[i];
-                    if (FAR && a % 2 == 0) _mm_prefetch((const char *)row + 2 * (k + 32 * a) + FAR_AHEAD, _MM_HINT_T2);
+                    if (FAR && (FAR_EVERY_LINE || a % 2 == 0)) _mm_prefetch((const char *)row + 2 * (k + 32 * a) + FAR_AHEAD, _MM_HINT_T2);
                     else if (NEAR_PREFETCH && a % 2 == 0)
                         _mm_prefetch((const char *)row + 2 * (k + 32 * a) + NEAR_AHEAD, _MM_HINT_T1);
                     acc[i][a] = _mm512_dpbf16_ps(acc[i][a], (__m512bh)_mm512_loadu_si512((const void *)(row + k + 32 * a)), xv);
@@ -434,7 +440,7 @@ static inline __attribute__((always_inline)) void dot_rows(const void *const row
         for (int a = 0; a < 8; a++) {
             const __m512 xv = _mm512_loadu_ps(x + k + 16 * a);
             for (int i = 0; i < NR; i++) {
-                if (FAR && KIND == KIND_F32 && a % 2 == 0)
+                if (FAR && KIND == KIND_F32 && (FAR_EVERY_LINE || a % 2 == 0))
                     _mm_prefetch((const char *)rows[i] + 4 * (k + 16 * a) + FAR_AHEAD, _MM_HINT_T2);
                 acc[i][a] = _mm512_fmadd_ps(load_weights(rows[i], KIND, k + 16 * a, (__mmask16)0xffff), xv, acc[i][a]);
             }
