@@ -111,14 +111,20 @@ def load_model(
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in dtypes:
         raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {dtype!r}")
-    if Path(path).exists() and not (Path(path) / "config.json").exists():
-        raise FileNotFoundError(f"{path} is not a model folder: it has no config.json")
-    if not Path(path).exists() and (path.startswith((".", "/", "~")) or path.count("/") > 1):
-        raise FileNotFoundError(f"model folder {path} does not exist")
+    check_model_path(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtypes[dtype], trust_remote_code=trust_remote_code)
     model = model.to(device).eval()
     tok = load_tokenizer(tokenizer or path, trust_remote_code=trust_remote_code, require_eos=False)
     return model, tok
+
+
+def check_model_path(path: str) -> None:
+    """Refuse, naming it, a local path that does not exist or is not a model folder (from_pretrained would take it
+    for a malformed Hub id); a Hub id passes."""
+    if Path(path).exists() and not (Path(path) / "config.json").exists():
+        raise FileNotFoundError(f"{path} is not a model folder: it has no config.json")
+    if not Path(path).exists() and (path.startswith((".", "/", "~")) or path.count("/") > 1):
+        raise FileNotFoundError(f"model folder {path} does not exist")
 
 
 def count_parameters(model) -> int:

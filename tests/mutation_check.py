@@ -695,6 +695,13 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "gpn inspect's bad arguments as one line (a traceback)",
+        "modeling_gpn/inspect/cli.py",
+        "    except (OSError, ValueError) as error:",
+        "    except NotImplementedError as error:  # MUTATION",
+        ("tests/tools/test_inspect.py::test_gpn_inspect_rejects_bad_input",),
+    ),
+    Mutation(
         "gpn study's errors as one line (a traceback)",
         "modeling_gpn/study/cli.py",
         "    except StudyError as error:",

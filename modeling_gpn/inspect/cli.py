@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -70,14 +71,18 @@ def run(args: argparse.Namespace) -> int:
     for name in ("tokens", "batch_size", "top_k", "max_geometry_states"):
         if getattr(args, name) < 1:
             raise SystemExit(f"gpn inspect: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    model = load_model(args.model, args.device, args.dtype, args.trust_remote_code)
-    tokenizer = load_tokenizer(
-        args.tokenizer or args.model, trust_remote_code=args.trust_remote_code, require_eos=False
-    )
-    seq_len = args.seq_len or model.config.max_length_hint or 2048
-    windows = load_token_windows(
-        tokenizer, args.data, seq_len, args.tokens, args.data_config, args.split, args.text_column, progress
-    )
+    try:  # what the arguments name (a model, a tokenizer, data) missing or unusable: one line, no traceback
+        model = load_model(args.model, args.device, args.dtype, args.trust_remote_code)
+        tokenizer = load_tokenizer(
+            args.tokenizer or args.model, trust_remote_code=args.trust_remote_code, require_eos=False
+        )
+        seq_len = args.seq_len or model.config.max_length_hint or 2048
+        windows = load_token_windows(
+            tokenizer, args.data, seq_len, args.tokens, args.data_config, args.split, args.text_column, progress
+        )
+    except (OSError, ValueError) as error:
+        print(f"gpn inspect: error: {error}", file=sys.stderr)
+        return 2
     if windows.max() >= model.config.vocab_size:
         raise SystemExit(
             f"gpn inspect: the tokenizer produced id {int(windows.max())} but the model's vocabulary has "

@@ -20,7 +20,9 @@ def load_model(name: str, device: str = "cpu", dtype: str = "float32", trust_rem
     from transformers import AutoModelForCausalLM
 
     import modeling_gpn  # noqa: F401  (registers GPN with the Auto classes)
+    from modeling_gpn.evaluation.runner import check_model_path
 
+    check_model_path(name)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, trust_remote_code=trust_remote_code)
     if getattr(model.config, "model_type", None) != "gpn" or not hasattr(getattr(model, "model", None), "token_inputs"):

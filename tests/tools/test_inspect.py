@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -286,48 +287,38 @@ def test_gpn_inspect_end_to_end(tiny_llama_vocab_model, tmp_path):
         assert image.ndim == 3 and image.shape[0] > 300 and image.shape[1] > 600
 
 
-def test_gpn_inspect_rejects_bad_input(tiny_llama_vocab_model, tmp_path):
+def test_gpn_inspect_rejects_bad_input(tiny_llama_vocab_model, tmp_path, capsys):
+    """What the arguments name, missing or unusable (too little text for a window, a missing or unsupported data
+    file, no model, a model folder without a tokenizer): exit 2 and one line naming it, nothing written."""
     from modeling_gpn.cli import main
 
     text = require_shared("data/tinyshakespeare/input.txt")
-    with pytest.raises(ValueError, match="at least one window"):
-        main(
-            [
-                "inspect",
-                str(tiny_llama_vocab_model),
-                "--data",
-                str(text),
-                "--tokens",
-                "10",
-                "--seq-len",
-                "64",
-                "--output",
-                str(tmp_path),
-                "--quiet",
-            ]
-        )
-    with pytest.raises(ValueError, match="does not exist"):
-        main(
-            ["inspect", str(tiny_llama_vocab_model), "--data", str(tmp_path / "missing.txt"), "--output", str(tmp_path)]
-        )
     bad = tmp_path / "notes.csv"
     bad.write_text("a,b\n")
-    with pytest.raises(ValueError, match="unsupported data file"):
-        main(
-            [
-                "inspect",
-                str(tiny_llama_vocab_model),
-                "--data",
-                str(bad),
-                "--tokens",
-                "128",
-                "--seq-len",
-                "64",
-                "--output",
-                str(tmp_path),
-                "--quiet",
-            ]
-        )
+    bare = tmp_path / "without-tokenizer"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_llama_vocab_model / name, bare / name)
+    cases = [
+        (
+            [str(tiny_llama_vocab_model), "--data", str(text), "--tokens", "10", "--seq-len", "64"],
+            "at least one window",
+        ),
+        ([str(tiny_llama_vocab_model), "--data", str(tmp_path / "missing.txt")], "does not exist"),
+        (
+            [str(tiny_llama_vocab_model), "--data", str(bad), "--tokens", "128", "--seq-len", "64"],
+            "unsupported data file",
+        ),
+        ([str(tmp_path / "no-such-model"), "--data", str(text)], "does not exist"),
+        ([str(bare), "--data", str(text)], "holds no tokenizer"),
+    ]
+    for arguments, needle in cases:
+        output = tmp_path / "report"
+        assert main(["inspect", *arguments, "--output", str(output), "--quiet"]) == 2
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.startswith("gpn inspect: error: ")]
+        assert len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err
+        assert not output.exists()
 
 
 def test_report_of_a_gpn_without_memory(tmp_path):
