@@ -33,8 +33,6 @@ from .tracing import is_tracing
 
 _FINGERPRINT_MODULUS = 2**31 - 1  # a prime; products of two residues fit in int64
 _FINGERPRINT_BASES = (1_000_003, 998_244_353 % (2**31 - 1))  # two independent polynomial hashes: ~62 bits
-# a filled cache's weak reference to the GPNModel that filled it (set by the forward), which `save` fingerprints
-MODEL_REF_ATTRIBUTE = "_gpn_model_ref"
 _PADDING_VALUE = 1  # a padded position's value in the hash (a token id t counts as t + 2)
 
 
@@ -227,10 +225,11 @@ class GPNCache(Cache):
 
     def __getstate__(self) -> dict:
         """For pickle (multiprocessing, `torch.save`): the state and what it read, without the weak link to the
-        model that filled it, which does not pickle; the copy continues as the original does, and its `save`
-        says it does not know its model. (`save` and `load` are the checked way to keep a state.)"""
+        model that filled it (`_gpn_model_ref`, set by the forward), which does not pickle; the copy continues as
+        the original does, and its `save` says it does not know its model. (`save` and `load` are the checked way
+        to keep a state.)"""
         state = self.__dict__.copy()
-        state.pop(MODEL_REF_ATTRIBUTE, None)
+        state.pop("_gpn_model_ref", None)
         return state
 
     def __deepcopy__(self, memo: dict) -> GPNCache:
@@ -238,8 +237,8 @@ class GPNCache(Cache):
         copied = self.__class__.__new__(self.__class__)
         memo[id(self)] = copied
         copied.__dict__.update(copy.deepcopy(self.__getstate__(), memo))
-        if MODEL_REF_ATTRIBUTE in self.__dict__:
-            copied.__dict__[MODEL_REF_ATTRIBUTE] = self.__dict__[MODEL_REF_ATTRIBUTE]
+        if "_gpn_model_ref" in self.__dict__:
+            copied._gpn_model_ref = self._gpn_model_ref
         return copied
 
     @property
@@ -343,7 +342,7 @@ class GPNCache(Cache):
         forked.state_layer.fingerprint = ReadFingerprint(
             known=read is not None, fingerprint=None if read is None else read.repeat_interleave(num_copies, dim=0)
         )
-        forked._gpn_model_ref = getattr(self, MODEL_REF_ATTRIBUTE, None)
+        forked._gpn_model_ref = getattr(self, "_gpn_model_ref", None)
         return forked
 
     def save(self, path: str | os.PathLike) -> None:
@@ -359,7 +358,7 @@ class GPNCache(Cache):
         path = Path(path)
         if not self.has_state:
             raise ValueError(f"Cannot save {path}: this GPNCache holds no state (run the model on a prompt first)")
-        model_ref = getattr(self, MODEL_REF_ATTRIBUTE, None)
+        model_ref = getattr(self, "_gpn_model_ref", None)
         model = model_ref() if model_ref is not None else None
         if model is None:
             raise ValueError(

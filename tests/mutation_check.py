@@ -657,14 +657,14 @@ MUTATIONS = [
     Mutation(
         "a cache pickles without its model's weak reference",
         "modeling_gpn/cache.py",
-        "        state.pop(MODEL_REF_ATTRIBUTE, None)\n",
+        '        state.pop("_gpn_model_ref", None)\n',
         "        pass  # MUTATION\n",
         ("tests/model/test_state.py::test_a_pickled_or_copied_cache_continues_as_the_original",),
     ),
     Mutation(
         "a cache's deep copy keeps its model (it saves as the original does)",
         "modeling_gpn/cache.py",
-        "            copied.__dict__[MODEL_REF_ATTRIBUTE] = self.__dict__[MODEL_REF_ATTRIBUTE]\n",
+        "            copied._gpn_model_ref = self._gpn_model_ref\n",
         "            pass  # MUTATION\n",
         ("tests/model/test_state.py::test_a_pickled_or_copied_cache_continues_as_the_original",),
     ),
