@@ -120,10 +120,11 @@ def load_model(
 
 def check_model_path(path: str) -> None:
     """Refuse, naming it, a local path that does not exist or is not a model folder (from_pretrained would take it
-    for a malformed Hub id); a Hub id passes."""
-    if Path(path).exists() and not (Path(path) / "config.json").exists():
+    for a malformed Hub id); a Hub id passes. (gpn eval, inspect and generate all check their model this way.)"""
+    folder = Path(path).expanduser()
+    if folder.exists() and not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a model folder: it has no config.json")
-    if not Path(path).exists() and (path.startswith((".", "/", "~")) or path.count("/") > 1):
+    if not folder.exists() and (path.startswith((".", "/", "~")) or path.count("/") > 1):
         raise FileNotFoundError(f"model folder {path} does not exist")
 
 

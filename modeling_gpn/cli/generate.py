@@ -94,13 +94,12 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise GenerateError(f"--device {args.device!r} is not a torch device: {error}") from error
     if device.type == "cuda" and not torch.cuda.is_available():
         raise GenerateError(f"--device {args.device} asks for CUDA, which this machine does not have; use --device cpu")
-    looks_local = args.model.startswith((".", "/", "~")) or Path(args.model).exists() or args.model.count("/") > 1
-    if looks_local:
-        folder = Path(args.model).expanduser()
-        if not folder.exists():
-            raise GenerateError(f"model folder {args.model} does not exist")
-        if not (folder / "config.json").is_file():
-            raise GenerateError(f"{args.model} is not a model folder: it has no config.json")
+    from modeling_gpn.evaluation.runner import check_model_path
+
+    try:
+        check_model_path(args.model)
+    except FileNotFoundError as error:
+        raise GenerateError(str(error)) from None
 
 
 def _load(args: argparse.Namespace):
