@@ -122,6 +122,27 @@ def test_beam_search_and_many_rows(one_thread, model, monkeypatch):
         decode(model, steps=2, rows=17)
 
 
+HISTORY_PROCESSORS = {
+    "repetition_penalty": dict(repetition_penalty=3.0),
+    "no_repeat_ngram_size": dict(no_repeat_ngram_size=1),
+    "sequence_bias": dict(sequence_bias={(5,): 8.0}),
+}
+
+
+@pytest.mark.parametrize("processor", HISTORY_PROCESSORS)
+def test_processors_that_read_the_history_see_the_one_calls_tokens(one_thread, model, processor):
+    """generate()'s logits processors that read the tokens so far (penalties, banned n-grams, biases) choose
+    the same tokens over the one-call decode as over the plain loop, and they change what greedy picks."""
+    ids = torch.randint(1, 97, (2, 6), generator=torch.Generator().manual_seed(3))
+    greedy = lambda **processed: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, **processed)
+    with ran(DECODE_CALLS):
+        fast = greedy(**HISTORY_PROCESSORS[processor])
+    model.model.use_fast_path = False
+    with ran(PLAIN_PATH, not_ran=(DECODE_CALLS,)):
+        assert torch.equal(fast, greedy(**HISTORY_PROCESSORS[processor]))
+        assert not torch.equal(fast, greedy())
+
+
 def doubling(module, args, output):
     return output * 2
 
