@@ -134,7 +134,9 @@ def test_processors_that_read_the_history_see_the_one_calls_tokens(one_thread, m
     """generate()'s logits processors that read the tokens so far (penalties, banned n-grams, biases) choose
     the same tokens over the one-call decode as over the plain loop, and they change what greedy picks."""
     ids = torch.randint(1, 97, (2, 6), generator=torch.Generator().manual_seed(3))
-    greedy = lambda **processed: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, **processed)
+    greedy = lambda **processed: model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, **processed
+    )
     with ran(DECODE_CALLS):
         fast = greedy(**HISTORY_PROCESSORS[processor])
     model.model.use_fast_path = False
