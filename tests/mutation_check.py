@@ -708,6 +708,13 @@ MUTATIONS = [
         "    except NotImplementedError as error:  # MUTATION",
         ("tests/tools/test_study.py::test_a_study_that_cannot_run_is_one_line_before_anything_is_written",),
     ),
+    Mutation(
+        "gpn CMD --help without '(default: None)' after options that have no default",
+        "modeling_gpn/cli/__init__.py",
+        "        return action.help if action.default is None else super()._get_help_string(action)",
+        "        return super()._get_help_string(action)  # MUTATION",
+        ("tests/tools/test_docs.py::test_help_gives_each_option_its_default_once",),
+    ),
 ]
 
 

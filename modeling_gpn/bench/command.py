@@ -32,9 +32,8 @@ generate()'s time per token lies beyond the model's step."""
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (parser.description or "") + "\n\n" + LIMIT_HELP
-    parser.formatter_class = type(
-        "Formatter", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {}
-    )
+    # the limit's paragraphs as written, options as the `gpn` command formats them
+    parser.formatter_class = type("Formatter", (argparse.RawDescriptionHelpFormatter, parser.formatter_class), {})
     parser.add_argument("--preset", nargs="+", default=["tiny", "small"], help="GPN presets or config JSON paths")
     parser.add_argument(
         "--impl", nargs="+", default=list(IMPLEMENTATIONS), choices=IMPLEMENTATIONS, help="implementations to measure"

@@ -29,6 +29,14 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's help with its default, where it has one. An option without one (None) says in its own help
+    what happens when it is not given; "(default: None)" after that says nothing, or contradicts it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def available_subcommands() -> dict[str, tuple[str, str]]:
     return {name: spec for name, spec in SUBCOMMANDS.items() if importlib.util.find_spec(spec[0]) is not None}
 
@@ -40,9 +48,7 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in available_subcommands().items():
-        sub = subparsers.add_parser(
-            name, help=help_text, description=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter
-        )
+        sub = subparsers.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
         if name == selected:  # import only the module that will run
             module = importlib.import_module(module_name)
             module.add_arguments(sub)

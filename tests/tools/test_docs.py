@@ -13,6 +13,7 @@ Every fenced code block of README.md, CONTRIBUTING.md and the pages of docs/ is 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import re
@@ -106,6 +107,24 @@ def test_documented_gpn_commands_parse(arguments):
             parser.parse_args(arguments)
         except SystemExit as exit:
             assert exit.code == 0, f"`gpn {' '.join(arguments)}` does not parse: {errors.getvalue().strip()}"
+
+
+@pytest.mark.parametrize("subcommand", ["generate", "bench", "eval", "push"])
+def test_help_gives_each_option_its_default_once(subcommand):
+    """`gpn CMD --help` appends an option's default where it has one (`--max-new-tokens ... (default: 64)`);
+    an option without one says in its own words what happens when it is not given, so no "(default: None)"
+    follows it (for `--temperature`, "(with --sample, default 0.8) (default: None)" contradicted itself)."""
+    from modeling_gpn.cli import build_parser
+
+    parser = build_parser(subcommand)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[subcommand]
+    text = " ".join(sub.format_help().split())
+    assert "(default: None)" not in text
+    assert {"generate": "(default: 64)", "bench": "(default: 3)", "eval": "(default: ", "push": "(default: "}[
+        subcommand
+    ] in text
+    if subcommand == "generate":
+        assert "with --sample, default 0.8)" in text and "default 0.8) (default" not in text
 
 
 @pytest.fixture(scope="module")
