@@ -715,6 +715,13 @@ MUTATIONS = [
         "        return super()._get_help_string(action)  # MUTATION",
         ("tests/tools/test_docs.py::test_help_gives_each_option_its_default_once",),
     ),
+    Mutation(
+        "gpn --version",
+        "modeling_gpn/cli/__init__.py",
+        '    parser.add_argument("--version", action="version", version=version_line())',
+        "    pass  # MUTATION",
+        ("tests/tools/test_docs.py::test_gpn_version_names_the_installed_package_and_what_it_runs_on",),
+    ),
 ]
 
 

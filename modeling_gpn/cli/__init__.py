@@ -41,11 +41,27 @@ def available_subcommands() -> dict[str, tuple[str, str]]:
     return {name: spec for name, spec in SUBCOMMANDS.items() if importlib.util.find_spec(spec[0]) is not None}
 
 
+def version_line() -> str:
+    """What `gpn --version` prints: this package's version and those of what it runs on, for a bug report."""
+    import platform
+
+    import torch
+    import transformers
+
+    from modeling_gpn import __version__
+
+    return (
+        f"gpn {__version__} (torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"Python {platform.python_version()})"
+    )
+
+
 def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpn",
         description="Grounded Prediction Networks (arXiv 2605.10643) for the Hugging Face ecosystem.",
     )
+    parser.add_argument("--version", action="version", version=version_line())
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in available_subcommands().items():
         sub = subparsers.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)

@@ -127,6 +127,23 @@ def test_help_gives_each_option_its_default_once(subcommand):
         assert "with --sample, default 0.8)" in text and "default 0.8) (default" not in text
 
 
+def test_gpn_version_names_the_installed_package_and_what_it_runs_on(capsys):
+    """`gpn --version` (for a bug report): the version pip installed, which `modeling_gpn.__version__` repeats
+    (pyproject.toml and the package must not drift apart), and torch's and transformers' versions."""
+    from importlib.metadata import version
+
+    import transformers
+
+    import modeling_gpn
+    from modeling_gpn.cli import main
+
+    with pytest.raises(SystemExit) as exit:
+        main(["--version"])
+    line = capsys.readouterr().out.strip()
+    assert exit.value.code == 0 and modeling_gpn.__version__ == version("gpn")
+    assert line.startswith(f"gpn {version('gpn')} (torch {torch.__version__}, transformers {transformers.__version__},")
+
+
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     """A folder holding `me/gpn-tiny`: a tiny GPN and its tokenizer, saved as a user's download would be."""
