@@ -110,11 +110,14 @@ def run(args) -> int:
     rows = []
     for preset in tqdm(args.preset, desc="bench", unit="preset"):
         models = {}
-        for impl in args.impl:  # one model per implementation (same seed, same weights for plain and fast)
-            gpn = build_gpn(preset, args.dtype, args.device, args.segment_length)
-            models[impl] = (
-                gpn if impl != "llama" else matched_llama(gpn.config, count_params(gpn), args.dtype, args.device)
-            )
+        try:
+            for impl in args.impl:  # one model per implementation (same seed, same weights for plain and fast)
+                gpn = build_gpn(preset, args.dtype, args.device, args.segment_length)
+                models[impl] = (
+                    gpn if impl != "llama" else matched_llama(gpn.config, count_params(gpn), args.dtype, args.device)
+                )
+        except ImportError as error:  # --dtype int8 without torchao (`quantize_int8` says what to install)
+            raise SystemExit(str(error)) from None
         rows += measure(models, preset, args)
         del models, gpn
         gc.collect()

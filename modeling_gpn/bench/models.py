@@ -15,18 +15,20 @@ def weight_dtype(name: str) -> torch.dtype:
 
 
 def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
-    """`model` with every nn.Linear quantized by torchao's int8 weight-only config (int8 weights, one scale
-    per output row; activations stay in the model's dtype), in place. An output head tied to the input
-    embedding (a Llama's `lm_head`) is left as it is: quantizing it would untie it."""
+    """`model` with every nn.Linear but its output head quantized by torchao's int8 weight-only config (int8
+    weights, one scale per output row; activations stay in the model's dtype), in place. The head
+    (`get_output_embeddings()`: a GPN's is its embedding, as is the bench's Llama's) is left as it is: quantizing
+    it would untie it. Without torchao: ImportError, saying what to install."""
     try:
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
     except ImportError as error:
-        raise SystemExit(
+        raise ImportError(
             f"--dtype int8 needs torchao (pip install -e '.[int8]', or torchao==0.18.0): {error}"
         ) from None
-    tied = {id(model.get_output_embeddings())} if getattr(model.config, "tie_word_embeddings", False) else set()
+    output = model.get_output_embeddings()
+    head = {id(output)} if isinstance(output, torch.nn.Linear) else set()
     quantize_(
-        model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and id(m) not in tied
+        model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and id(m) not in head
     )
     return model
 

@@ -129,24 +129,18 @@ def _load(args: argparse.Namespace):
 
 def _to_dtype(model, dtype: str):
     """The model in `--dtype` (auto: as loaded). int8 quantizes every nn.Linear of the bfloat16 model with
-    torchao's int8 weight-only config (the embedding, tied to the output, stays bfloat16)."""
+    torchao's int8 weight-only config, as `gpn bench` does (`quantize_int8`: the output head, tied to the
+    embedding, stays bfloat16)."""
     if dtype == "auto":
         return model
     if dtype in ("float32", "bfloat16"):
         return model.to(getattr(torch, dtype))
+    from modeling_gpn.bench.models import quantize_int8
+
     try:
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+        return quantize_int8(model.to(torch.bfloat16))
     except ImportError as error:
-        raise GenerateError(
-            f"--dtype int8 needs torchao (pip install -e '.[int8]', or torchao==0.18.0): {error}"
-        ) from None
-    model = model.to(torch.bfloat16)
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    tied = {id(output)} if isinstance(output, torch.nn.Linear) else set()
-    quantize_(
-        model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and id(m) not in tied
-    )
-    return model
+        raise GenerateError(str(error)) from None
 
 
 def _load_state(args: argparse.Namespace, model, num_prompts: int):
