@@ -710,10 +710,20 @@ MUTATIONS = [
     ),
     Mutation(
         "gpn CMD --help without '(default: None)' after options that have no default",
-        "modeling_gpn/cli/__init__.py",
+        "modeling_gpn/cli/formatting.py",
         "        return action.help if action.default is None else super()._get_help_string(action)",
         "        return super()._get_help_string(action)  # MUTATION",
-        ("tests/tools/test_docs.py::test_help_gives_each_option_its_default_once",),
+        (
+            "tests/tools/test_docs.py::test_help_gives_each_option_its_default_once",
+            "tests/tools/test_docs.py::test_the_training_programs_own_help_gives_each_default_once",
+        ),
+    ),
+    Mutation(
+        "python -m modeling_gpn.train --help with the gpn command's formatter",
+        "modeling_gpn/train/cli.py",
+        "formatter_class=HelpFormatter)",
+        "formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # MUTATION",
+        ("tests/tools/test_docs.py::test_the_training_programs_own_help_gives_each_default_once",),
     ),
     Mutation(
         "gpn --version",

@@ -12,6 +12,8 @@ import importlib
 import importlib.util
 import sys
 
+from .formatting import HelpFormatter
+
 # name -> (module, one-line help). Keep this interface stable: users script against it.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("modeling_gpn.conversion.cli", "convert a reference (JAX) checkpoint to a transformers folder"),
@@ -27,14 +29,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "serve a model behind an OpenAI-compatible API (transformers serve), conversations kept as states",
     ),
 }
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Each option's help with its default, where it has one. An option without one (None) says in its own help
-    what happens when it is not given; "(default: None)" after that says nothing, or contradicts it."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        return action.help if action.default is None else super()._get_help_string(action)
 
 
 def available_subcommands() -> dict[str, tuple[str, str]]:

@@ -7,6 +7,7 @@ import argparse
 import signal
 import sys
 
+from ..cli.formatting import HelpFormatter
 from .distributed import RunStage
 from .errors import CollectiveError, LaunchError, NonFiniteLossError, RunFolderInUseError, StorageError, TrainingStopped
 from .settings import OPTIONS, list_recipes, resolve_config
@@ -121,6 +122,6 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m modeling_gpn.train` / `accelerate launch -m modeling_gpn.train`."""
-    parser = argparse.ArgumentParser(prog="modeling_gpn.train", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(prog="modeling_gpn.train", formatter_class=HelpFormatter)
     add_arguments(parser)
     return run(parser.parse_args(argv))

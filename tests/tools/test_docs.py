@@ -127,6 +127,17 @@ def test_help_gives_each_option_its_default_once(subcommand):
         assert "with --sample, default 0.8)" in text and "default 0.8) (default" not in text
 
 
+def test_the_training_programs_own_help_gives_each_default_once(capsys):
+    """`python -m modeling_gpn.train --help` (what `accelerate launch -m modeling_gpn.train` users read) does not go
+    through the `gpn` command, so it needs the same formatter: no "(default: None)", a default where there is one."""
+    from modeling_gpn.train.cli import main
+
+    with pytest.raises(SystemExit) as exit:
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert exit.value.code == 0 and "(default: None)" not in text and "(default: " in text
+
+
 def test_gpn_version_names_the_installed_package_and_what_it_runs_on(capsys):
     """`gpn --version` (for a bug report): the version pip installed, which `modeling_gpn.__version__` repeats
     (pyproject.toml and the package must not drift apart), and torch's and transformers' versions."""

@@ -1,0 +1,16 @@
+"""The help formatter of the `gpn` command and of the entry points that bypass it (`python -m modeling_gpn.train`).
+
+Its own module below both, so that the training program can share it without importing the command (which
+imports the training program)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's help with its default, where it has one. An option without one (None) says in its own help
+    what happens when it is not given; "(default: None)" after that says nothing, or contradicts it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
