@@ -44,6 +44,7 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput, SequenceClassifierOutputWithPast
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging
 
 from .cache import GPNCache, continuation_start
@@ -1029,6 +1030,9 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # Never saved (it is the embedding), so the Trainer's resume, which loads a checkpoint's state dict, re-ties it
+    # instead of warning "missing keys ['lm_head.weight']".
+    _keys_to_ignore_on_save = ["lm_head.weight"]
 
     def __init__(self, config: GPNConfig):
         super().__init__(config)
@@ -1511,6 +1515,10 @@ GPNConfig.register_for_auto_class()
 GPNForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 GPNForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
 GPNModel.register_for_auto_class("AutoModel")
+# The tools that ask "is this a causal LM?" read transformers' table of them, which `register` does not extend:
+# the Trainer shifts the labels of its label smoothing only for the models named there (without it a GPN learns to
+# predict the token it reads), lm-eval picks its causal backend from it. Here, so the Hub's remote code does it too.
+MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(GPNConfig.model_type, GPNForCausalLM.__name__)
 
 __all__ = [
     "GPNCache",

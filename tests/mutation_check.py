@@ -726,6 +726,23 @@ MUTATIONS = [
         ("tests/tools/test_docs.py::test_the_training_programs_own_help_gives_each_default_once",),
     ),
     Mutation(
+        "GPN listed among transformers' causal LMs (the Trainer's label smoothing shifts the labels)",
+        "modeling_gpn/modeling_gpn.py",
+        "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(GPNConfig.model_type, GPNForCausalLM.__name__)",
+        "pass  # MUTATION",
+        (
+            "tests/ecosystem/test_ecosystem.py::test_trainer_label_smoothing_targets_the_next_token",
+            "tests/ecosystem/test_ecosystem.py::test_saved_folder_loads_every_auto_class_through_remote_code_without_the_package",
+        ),
+    ),
+    Mutation(
+        "the tied head left out of what is saved (a resumed Trainer re-ties it without a warning)",
+        "modeling_gpn/modeling_gpn.py",
+        '    _keys_to_ignore_on_save = ["lm_head.weight"]',
+        "    pass  # MUTATION",
+        ("tests/ecosystem/test_ecosystem.py::test_trainer_resumes_without_warning_of_the_tied_head",),
+    ),
+    Mutation(
         "gpn --version",
         "modeling_gpn/cli/__init__.py",
         '    parser.add_argument("--version", action="version", version=version_line())',

@@ -673,6 +673,72 @@ def test_trainer_with_accumulation_and_checkpointing_trains_evaluates_with_the_t
     assert after < before - 1e-3
 
 
+def trainer_arguments(output_dir, **overrides):
+    from transformers import TrainingArguments
+
+    values = dict(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=4,
+        learning_rate=3e-3,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
+    return TrainingArguments(**(values | overrides))
+
+
+def test_trainer_label_smoothing_targets_the_next_token(tmp_path):
+    """With `label_smoothing_factor`, the Trainer pops the labels and smooths the loss itself, shifting them only
+    for the models transformers lists as causal LMs; unlisted, a GPN was scored (and trained) on the token it
+    reads, not the next one."""
+    from transformers import Trainer
+
+    ids = token_ids(4, 10, seed=5)
+    labels = ragged_labels(ids)
+    rows = [{"input_ids": i, "attention_mask": torch.ones_like(i), "labels": target} for i, target in zip(ids, labels)]
+    model = perturbed_model(tiny_config())
+    trainer = Trainer(model=model, args=trainer_arguments(tmp_path, label_smoothing_factor=0.1), eval_dataset=rows)
+    logits = logits_of(model, ids)
+    next_token = F.cross_entropy(
+        logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100, label_smoothing=0.1
+    )
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(next_token.item(), rel=1e-5)
+
+
+def test_trainer_resumes_without_warning_of_the_tied_head(tmp_path):
+    """A checkpoint leaves out `lm_head.weight` (it is the embedding); resuming from it re-ties the head, and the
+    Trainer says nothing about "missing keys", which would read as a lost output layer."""
+    import logging
+
+    from transformers import Trainer
+
+    ids = token_ids(4, 10, seed=5)
+    rows = [{"input_ids": i, "attention_mask": torch.ones_like(i), "labels": i} for i in ids]
+    arguments = dict(max_steps=2, save_strategy="steps", save_steps=1)
+    Trainer(
+        model=perturbed_model(tiny_config()).train(), args=trainer_arguments(tmp_path, **arguments), train_dataset=rows
+    ).train()
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logger = logging.getLogger("transformers.trainer")
+    logger.addHandler(handler)
+    try:
+        resumed = Trainer(
+            model=perturbed_model(tiny_config(), seed=1).train(),
+            args=trainer_arguments(tmp_path, **arguments | {"max_steps": 3}),
+            train_dataset=rows,
+        )
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    finally:
+        logger.removeHandler(handler)
+    assert not [message for message in warnings if "missing keys" in message], warnings
+    assert resumed.model.lm_head.weight is resumed.model.model.embed_tokens.weight
+
+
 # --------------------------------------------------------------------------------------------------
 # 4. torch.export and torch.compile
 # --------------------------------------------------------------------------------------------------
@@ -843,6 +909,9 @@ def test_saved_folder_loads_every_auto_class_through_remote_code_without_the_pac
         assert type(base).__name__ == "GPNModel" and type(base).__module__.startswith("transformers_modules")
         lm = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
         assert type(lm).__name__ == "GPNForCausalLM"
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        assert MODEL_FOR_CAUSAL_LM_MAPPING_NAMES["gpn"] == "GPNForCausalLM"  # the Trainer's label smoothing shifts
         scorer = AutoModelForSequenceClassification.from_pretrained(folder, trust_remote_code=True, num_labels=1)
         assert type(scorer).__name__ == "GPNForSequenceClassification" and scorer.score.out_features == 1
         leaked = [n for n in sys.modules if n == "modeling_gpn" or n.startswith("modeling_gpn.")]
