@@ -1149,6 +1149,14 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             )
         if user_cache is not None:
             _check_cache_type(user_cache)
+            if (generation_config.num_beams or 1) > 1 and user_cache.has_state:
+                # Beam search widens the rows but not a given cache, and drops an all-ones attention mask (with it,
+                # how many positions the state has read): refused here, not by a row count the caller never chose.
+                raise ValueError(
+                    f"Beam search (num_beams={generation_config.num_beams}) cannot continue from a given cache that "
+                    f"already holds a state ({user_cache.get_seq_length()} positions read): decode greedily or sample "
+                    "from a state, or run the beam search on the whole prompt"
+                )
             user_cache._is_user_defined = True
             return
         if generation_config.use_cache is False:

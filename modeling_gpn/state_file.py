@@ -2,8 +2,8 @@
 
 A safetensors file (never pickle) holding p, g and M of every row in float32 and, as metadata, the number
 of positions read, what identifies the model that computed the state (`state_fingerprint`: the
-configuration fields that give the state its meaning, the weights' dtype, a hash of the vector
-parameters) and a checksum of the tensors. Reading refuses, with a `GPNStateFileError` naming the file,
+configuration fields that give the state its meaning, the weights' dtype, a hash of every parameter as
+stored) and a checksum of the tensors and of the positions they read. Reading refuses, with a `GPNStateFileError` naming the file,
 anything that could not be continued from: damaged or truncated files, files that are not GPN states,
 another model's state, non-finite values.
 """
@@ -15,17 +15,21 @@ import json
 import os
 import secrets
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 import safetensors.torch
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .configuration_gpn import GPNConfig
 
 STATE_FILE_FORMAT = "gpn-state"
-STATE_FILE_VERSION = 1
+# 2: the weights fingerprint hashes every parameter (1 hashed only the vectors, so a state loaded into the same
+# model with other matrices, a merged LoRA's, unrefused), and the checksum covers the positions read.
+STATE_FILE_VERSION = 2
 STATE_TENSOR_NAMES = ("predicted", "grounded", "memory")  # p, g, M: the order of the cache layer's states
 # The configuration fields that give a state its meaning (what the recurrence computes and the shapes it
 # keeps); training settings (BPTT, token ids, the window hint) do not change it.
@@ -65,32 +69,75 @@ def state_shapes(config: GPNConfig) -> dict[str, tuple[int, ...]]:
 
 
 def gpn_base_model(model: nn.Module) -> nn.Module:
-    """The `GPNModel` under `model` (a `GPNForCausalLM` or the base model itself), or a TypeError."""
+    """The `GPNModel` under `model` (a `GPNForCausalLM` or the base model itself), or a TypeError.
+
+    Known by its config's model type, not its class: a model loaded as the Hub's remote code has a `GPNConfig` of
+    transformers' dynamic modules (sometimes two copies of it), never this package's."""
     base = getattr(model, "base_model", model)
-    if not isinstance(getattr(base, "config", None), GPNConfig) or not hasattr(base, "zero_state"):
+    model_type = getattr(getattr(base, "config", None), "model_type", None)
+    if model_type != GPNConfig.model_type or not hasattr(base, "zero_state"):
         raise TypeError(f"A GPN state belongs to a GPN model, got {type(model).__name__}")
     return base
+
+
+# model -> (a glance at its parameters when hashed, their hash): a state is saved and loaded many times between two
+# edits of the weights, and hashing them all (about 0.3 s for the 130M model's 520 MB) once per edit is enough.
+_weights_hashes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+GLANCE_VALUES = 4096  # values of each stored tensor read, evenly spaced, to tell whether it changed since hashed
 
 
 def state_fingerprint(model: nn.Module) -> dict[str, str]:
     """What identifies the model (a `GPNModel`) a state belongs to, as safetensors metadata (strings).
 
     `state_config`: the `STATE_CONFIG_FIELDS` as JSON; `config_fingerprint`: its SHA-256; `weights_dtype`;
-    `weights_fingerprint`: SHA-256 of the model's vector parameters (norm weights, biases, memory decay
-    parameters) as float32, in order -- cheap, and different for any two trained or initialised models.
+    `weights_fingerprint`: SHA-256 of every parameter as stored (a quantized weight's data and scales, an
+    unmerged adapter's matrices), in order: two models that compute different states differ in it.
     """
     config = {name: getattr(model.config, name) for name in STATE_CONFIG_FIELDS}
     config_json = json.dumps(config, sort_keys=True)
-    vectors = [parameter.detach() for parameter in model.parameters() if parameter.dim() == 1]
-    digest = hashlib.sha256()
-    for vector in vectors:
-        digest.update(vector.to("cpu", torch.float32).contiguous().numpy().tobytes())
     return {
         "state_config": config_json,
         "config_fingerprint": hashlib.sha256(config_json.encode()).hexdigest(),
         "weights_dtype": str(model.dtype).removeprefix("torch."),
-        "weights_fingerprint": digest.hexdigest(),
+        "weights_fingerprint": _weights_hash(model),
     }
+
+
+def _weights_hash(model: nn.Module) -> str:
+    """SHA-256 of `model`'s parameters as stored, recomputed when a glance says they changed since last hashed:
+    their names, shapes and dtypes, the version counters every in-place write bumps (an optimizer step, `copy_`,
+    `load_state_dict`), and `GLANCE_VALUES` evenly spaced values of each, for what writes through `.data` without
+    a bump (EMA, weight averaging, PEFT's merge), which changes values all over a matrix."""
+    stored = [
+        part for name, parameter in model.named_parameters() for part in _stored_tensors(name, parameter.detach())
+    ]
+    glance = hashlib.sha256()
+    for name, tensor in stored:
+        flat = tensor.reshape(-1)
+        glance.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}{tensor._version}".encode())
+        glance.update(_tensor_bytes(flat[:: max(1, flat.numel() // GLANCE_VALUES)]))
+    cached = _weights_hashes.get(model)
+    if cached is not None and cached[0] == glance.digest():
+        return cached[1]
+    digest = hashlib.sha256()
+    for name, tensor in stored:
+        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+        digest.update(_tensor_bytes(tensor))
+    _weights_hashes[model] = (glance.digest(), digest.hexdigest())
+    return _weights_hashes[model][1]
+
+
+def _tensor_bytes(tensor: torch.Tensor):
+    """A plain tensor's bytes as hashlib reads them (a view of a CPU copy; nothing for an empty tensor)."""
+    return tensor.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy() if tensor.numel() else b""
+
+
+def _stored_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The plain tensors that hold `tensor`: itself, or a quantized weight's (a tensor subclass) inner tensors."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return [(name, tensor)]
+    inner_names, _ = tensor.__tensor_flatten__()
+    return [part for inner in inner_names for part in _stored_tensors(f"{name}.{inner}", getattr(tensor, inner))]
 
 
 def write_state_file(
@@ -110,7 +157,7 @@ def write_state_file(
         "positions_read": str(positions_read),
         "batch_size": str(tensors["predicted"].shape[0]),
         "read_fingerprint": read_fingerprint,
-        "checksum": _state_checksum(tensors, read_fingerprint),
+        "checksum": _state_checksum(tensors, read_fingerprint, str(positions_read)),
         **state_fingerprint(model),
     }
     payload = safetensors.torch.save(tensors, metadata=metadata)
@@ -142,7 +189,7 @@ def read_state_file(path: Path, model: nn.Module) -> StateFile:
             f"{path} is not a GPN state file: it holds tensors {sorted(tensors)}, not {list(STATE_TENSOR_NAMES)}"
         )
     read_fingerprint = metadata.get("read_fingerprint", "unknown")
-    if metadata.get("checksum") != _state_checksum(tensors, read_fingerprint):
+    if metadata.get("checksum") != _state_checksum(tensors, read_fingerprint, metadata.get("positions_read", "")):
         raise GPNStateFileError(f"{path} is damaged: its tensors do not match the checksum recorded when it was saved")
     _check_state_belongs_to(metadata, model, path)
     batch_size = tensors["predicted"].shape[0]
@@ -166,10 +213,11 @@ def read_state_file(path: Path, model: nn.Module) -> StateFile:
     return StateFile(tensors, positions_read, read_fingerprint)
 
 
-def _state_checksum(tensors: dict[str, torch.Tensor], read_fingerprint: str) -> str:
-    """SHA-256 over the state tensors' names, shapes and bytes, in `STATE_TENSOR_NAMES` order, and the
-    fingerprint of the positions read (a damaged one could make a continuation feed positions twice)."""
-    digest = hashlib.sha256(read_fingerprint.encode())
+def _state_checksum(tensors: dict[str, torch.Tensor], read_fingerprint: str, positions_read: str) -> str:
+    """SHA-256 over the state tensors' names, shapes and bytes, in `STATE_TENSOR_NAMES` order, the fingerprint
+    of the positions read (a damaged one could make a continuation feed positions twice) and their number (the
+    position a continuation counts from)."""
+    digest = hashlib.sha256(f"{read_fingerprint}/{positions_read}".encode())
     for name in STATE_TENSOR_NAMES:
         tensor = tensors[name]
         digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
@@ -191,7 +239,8 @@ def _state_file_metadata(payload: bytes, path: Path) -> dict[str, str]:
         raise GPNStateFileError(f"{path} is not a GPN state file (written by GPNCache.save)")
     if metadata.get("format_version") != str(STATE_FILE_VERSION):
         raise GPNStateFileError(
-            f"{path} is a GPN state file of format version {metadata.get('format_version')}; this code reads version {STATE_FILE_VERSION}"
+            f"{path} is a GPN state file of format version {metadata.get('format_version')}; this code reads version "
+            f"{STATE_FILE_VERSION}: compute the state again with this version and save it"
         )
     return metadata
 

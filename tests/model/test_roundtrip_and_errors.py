@@ -70,12 +70,20 @@ def test_trust_remote_code_in_a_fresh_process_without_the_package(saved, tmp_pat
         ids = torch.load({str(tmp_path / "ids.pt")!r})["ids"]
         with torch.no_grad():
             torch.save(model(ids).logits, {str(tmp_path / "logits.pt")!r})
+            # a kept state saved and loaded through the remote code's own cache, whose GPNConfig class is not the
+            # config's (transformers loads configuration_gpn.py once for AutoConfig and again beside the model)
+            cache = model(ids[:, :7], use_cache=True).cache
+            cache.save({str(tmp_path / "state.safetensors")!r})
+            loaded = type(cache).load({str(tmp_path / "state.safetensors")!r}, model)
+            continued = model(ids[:, 7:], cache=loaded).logits
+            torch.save(continued, {str(tmp_path / "continued.pt")!r})
         """
     )
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert torch.equal(torch.load(tmp_path / "logits.pt"), logits)
+    torch.testing.assert_close(torch.load(tmp_path / "continued.pt"), logits[:, 7:], rtol=1e-5, atol=1e-5)
 
 
 # ---- bad input ------------------------------------------------------------------------------------

@@ -295,7 +295,21 @@ def test_a_state_of_another_model_is_refused(saved, tmp_path):
     refused(path, perturbed_model(tiny_config(use_memory=False), seed=10), "use_memory True (this model: False)")
     refused(path, perturbed_model(tiny_config(), seed=11), "other weights")
     refused(path, perturbed_model(tiny_config(), seed=10).to(torch.bfloat16), "bfloat16")
-    GPNCache.load(path, perturbed_model(tiny_config(), seed=10))  # the same model, built again: accepted
+    same = perturbed_model(tiny_config(), seed=10)
+    GPNCache.load(path, same)  # the same model, built again: accepted
+    weight = same.model.embed_tokens.weight
+    kept = weight[3, 1].item()
+    with torch.no_grad():  # one matrix changed in place (a merged LoRA, an optimizer step), every vector the same
+        weight[3, 1] += 0.5
+    refused(path, same, "other weights")
+    with torch.no_grad():
+        weight[3, 1] = kept
+    GPNCache.load(path, same)  # and back
+    original = weight.detach().clone()
+    weight.data.mul_(1.01)  # through `.data`, as EMA or PEFT's merge write: no version bump
+    refused(path, same, "other weights")
+    weight.data.copy_(original)
+    GPNCache.load(path, same)
 
 
 @pytest.mark.parametrize("cut", [4, 40, "header", "data", 1])
@@ -342,7 +356,7 @@ def test_a_non_finite_state_is_refused(saved, tmp_path):
     poisoned = tmp_path / "nan.safetensors"
     poisoned.write_bytes(
         safetensors.torch.save(
-            tensors, metadata={**metadata, "checksum": _state_checksum(tensors, metadata["read_fingerprint"])}
+            tensors, metadata={**metadata, "checksum": _state_checksum(tensors, metadata["read_fingerprint"], "7")}
         )
     )
     refused(poisoned, model, "NaN or infinite")
@@ -377,11 +391,24 @@ def test_a_read_fingerprint_no_cache_computes_is_refused(saved, tmp_path, read_f
             metadata={
                 **metadata,
                 "read_fingerprint": read_fingerprint,
-                "checksum": _state_checksum(tensors, read_fingerprint),
+                "checksum": _state_checksum(tensors, read_fingerprint, "7"),
             },
         )
     )
     refused(forged, model, needle)
+
+
+def test_a_changed_count_of_positions_read_is_refused(saved, tmp_path):
+    """The positions read are where a continuation counts from: a file whose count was changed after it was
+    saved (its tensors and their checksum left as they were) is damaged, not a state of that many positions."""
+    model, path = saved
+    header_length = int.from_bytes(path.read_bytes()[:8], "little")
+    metadata = json.loads(path.read_bytes()[8 : 8 + header_length])["__metadata__"]
+    tensors = safetensors.torch.load(path.read_bytes())
+    for count in ("5", "100000000000000000000000"):
+        changed = tmp_path / f"positions-{count[:3]}.safetensors"
+        changed.write_bytes(safetensors.torch.save(tensors, metadata={**metadata, "positions_read": count}))
+        refused(changed, model, "checksum")
 
 
 def test_the_state_file_says_whose_state_it_is(saved):
@@ -438,6 +465,19 @@ def test_fork_refuses_what_it_cannot_do():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="positive number of copies"):
             cache.fork(bad)
+
+
+@torch.no_grad()
+def test_beam_search_from_a_state_is_refused_by_name():
+    """Beam search from a given cache that holds a state is not supported (docs/cache.md): refused as that, not
+    by the forward's "the cache holds 1 rows but the input has 2", rows the caller never asked for."""
+    model = perturbed_model(tiny_config(), seed=1)
+    state = model(token_ids(1, 5, seed=1), use_cache=True).cache
+    more = token_ids(1, 3, seed=2)
+    with pytest.raises(ValueError, match=r"Beam search \(num_beams=2\) cannot continue from a given cache"):
+        model.generate(more, cache=state.fork(1), num_beams=2, max_new_tokens=3)
+    assert model.generate(more, cache=GPNCache(), num_beams=2, max_new_tokens=3).shape == (1, 6)  # empty: fine
+    assert model.generate(more, cache=state.fork(1), max_new_tokens=3).shape == (1, 6)  # greedy from a state
 
 
 @torch.no_grad()
