@@ -350,8 +350,8 @@ class GPNCache(Cache):
 
         The file holds p, g and M for every row (float32) and, as metadata, the number of positions read,
         the fingerprint of the model that computed the state (`state_file.state_fingerprint`: the
-        configuration fields that give the state its meaning, the weights' dtype and a hash of the model's
-        vector parameters) and a checksum of the tensors. It is written under a temporary name unique to the
+        configuration fields that give the state its meaning, the weights' dtype and a hash of every
+        parameter as stored) and a checksum of the tensors and the positions read. It is written under a temporary name unique to the
         call and renamed, so an interrupted save never leaves a partial file at `path`, and saves from several
         threads to one path each succeed. `GPNCache.load(path, model)` reads it.
         """
