@@ -749,6 +749,27 @@ MUTATIONS = [
         "    pass  # MUTATION",
         ("tests/tools/test_docs.py::test_gpn_version_names_the_installed_package_and_what_it_runs_on",),
     ),
+    Mutation(
+        "gpn serve: generate() from a kept state given only the prompt's last token (processors miss the prompt)",
+        "modeling_gpn/serve/generation.py",
+        "            sequences = model.generate(\n"
+        "                input_ids=input_ids.repeat_interleave(answers, dim=0),\n"
+        "                attention_mask=torch.ones(answers, length, dtype=torch.long, device=input_ids.device),\n"
+        "                cache=cache,\n"
+        "                streamer=streamer,\n"
+        "                generation_config=config,\n"
+        "                **kwargs,\n"
+        "            )\n",
+        "            sequences = torch.cat([input_ids[:, : length - 1].repeat_interleave(answers, dim=0), model.generate(\n"
+        "                input_ids=input_ids[:, length - 1 :].repeat_interleave(answers, dim=0),  # MUTATION\n"
+        "                attention_mask=torch.ones(answers, length, dtype=torch.long, device=input_ids.device),\n"
+        "                cache=cache,\n"
+        "                streamer=streamer,\n"
+        "                generation_config=config,\n"
+        "                **kwargs,\n"
+        "            )], dim=1)\n",
+        ("tests/tools/test_serve_store.py -k processors_that_look_back",),
+    ),
 ]
 
 

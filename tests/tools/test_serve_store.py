@@ -147,10 +147,39 @@ def test_generate_through_the_store_gives_the_tokens_of_the_whole_prompt(model):
         turn, expected_cached = turn + answer + [7, 8, 9], len(turn) + len(answer) - 1
 
 
-def greedy(model, new: int):
+# A prompt that repeats itself and the model's own answer: what a processor looking back over input_ids does
+# then depends on the whole prompt, not only on its last token.
+LOOKING_BACK = {
+    "repetition_penalty": dict(repetition_penalty=5.0),
+    "no_repeat_ngram_size": dict(no_repeat_ngram_size=2),
+    "multi-token sequence_bias": None,  # a ban on (the prompt's last two tokens, the plain first answer token)
+}
+
+
+@pytest.mark.parametrize("name", list(LOOKING_BACK))
+def test_processors_that_look_back_see_the_whole_prompt_through_the_store(model, name):
+    """generate() through the store is generate() on the whole prompt, also for the logits processors that read
+    the prompt (repetition_penalty, no_repeat_ngram_size, a sequence_bias longer than one token): a kept state
+    stands for the prompt it read, it does not hide it from them."""
+    prompt = IDS + generate_plain(model, IDS, 8)[0, len(IDS) :].tolist() + IDS
+    unprocessed = generate_plain(model, prompt, 8)
+    processor = LOOKING_BACK[name] or dict(sequence_bias=[[[*prompt[-2:], int(unprocessed[0, len(prompt)])], -100.0]])
+    expected = generate_plain(model, prompt, 8, **processor)
+    assert not torch.equal(expected, unprocessed)  # the processor changes this answer: the test can fail
+    store = StateStore(1 << 22)
+    for cached in (0, len(prompt) - 1):  # read from scratch, then continued from the state kept by the first
+        kept = StateKeepingModel(model, store)
+        out = kept.generate(torch.tensor([prompt]), generation_config=greedy(model, 8, **processor))
+        assert kept.cached_tokens == cached and torch.equal(out, expected)
+    answers = StateKeepingModel(model, store, answers=2)  # n answers: rows forked from the kept state
+    out = answers.generate(torch.tensor([prompt]), generation_config=greedy(model, 8, **processor))
+    assert torch.equal(out, expected.expand(2, -1))
+
+
+def greedy(model, new: int, **processors):
     from transformers import GenerationConfig
 
-    return GenerationConfig(max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None)
+    return GenerationConfig(max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None, **processors)
 
 
 def test_n_answers_fork_one_state_and_read_the_prompt_once(model):
