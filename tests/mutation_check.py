@@ -768,7 +768,24 @@ MUTATIONS = [
         "                generation_config=config,\n"
         "                **kwargs,\n"
         "            )], dim=1)\n",
-        ("tests/tools/test_serve_store.py -k processors_that_look_back",),
+        (
+            "tests/tools/test_serve_store.py -k processors_that_look_back",
+            "tests/tools/test_serve.py -k greedy_requests_as_transformers_serve_reads_them",
+        ),
+    ),
+    Mutation(
+        "gpn serve: temperature 0 greedy whatever top_p (a 400: sampling at temperature 0)",
+        "modeling_gpn/serve/handlers.py",
+        "    if temperature is not None and temperature == 0:\n        return False\n",
+        "    pass  # MUTATION\n",
+        ("tests/tools/test_serve.py -k greedy_requests_as_transformers_serve_reads_them",),
+    ),
+    Mutation(
+        "gpn serve: a generation_config without max_new_tokens resolved as generate() would (a 500)",
+        "modeling_gpn/serve/handlers.py",
+        "        if gen_config.max_new_tokens is None:\n            _resolve_max_new_tokens(gen_config, length)\n",
+        "        pass  # MUTATION\n",
+        ("tests/tools/test_serve.py -k greedy_requests_as_transformers_serve_reads_them",),
     ),
 ]
 

@@ -31,6 +31,7 @@ import torch
 from fastapi import HTTPException
 from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
+from transformers import GenerationConfig
 from transformers.cli.serving.chat_completion import ChatCompletionHandler
 from transformers.cli.serving.completion import CompletionHandler
 from transformers.cli.serving.utils import CBGenerateManager
@@ -169,6 +170,8 @@ class StateKeeping:
         length = inputs["input_ids"].shape[-1]
         if length == 0:
             raise HTTPException(status_code=400, detail="the prompt is empty: it has no tokens to continue")
+        if gen_config.max_new_tokens is None:
+            _resolve_max_new_tokens(gen_config, length)
         limit = self.policy.max_context
         if limit is None:
             return
@@ -236,9 +239,29 @@ class StateKeeping:
 
 def _asks_to_sample(body: dict) -> bool:
     """A temperature above 0, or a top_p below 1, means sampling in the OpenAI API. transformers serve sets only
-    the value, so a model whose generation config does not sample (a GPN's, by default) would answer greedily."""
+    the value, so a model whose generation config does not sample (a GPN's, by default) would answer greedily.
+    A temperature of 0 is greedy whatever top_p says, as in transformers serve (it sets do_sample=False)."""
     temperature, top_p = body.get("temperature"), body.get("top_p")
+    if temperature is not None and temperature == 0:
+        return False
     return (temperature is not None and temperature > 0) or (top_p is not None and top_p < 1)
+
+
+def _resolve_max_new_tokens(gen_config, length: int) -> None:
+    """Set `max_new_tokens` to what `generate()` would make without it (a request's `generation_config` without
+    max_new_tokens, and no max_tokens): up to its `max_length`, prompt included, or 20 new tokens when it has
+    none, as plain transformers serve answers. Set, the context limit can bound it and transformers' handlers
+    can tell an answer cut at its length from one that stopped."""
+    if gen_config.max_length is None:
+        gen_config.max_new_tokens = GenerationConfig._get_default_generation_params()["max_length"]
+        return
+    if gen_config.max_length <= length:
+        raise HTTPException(
+            status_code=400,
+            detail=f"generation_config's max_length ({gen_config.max_length}) leaves no room for an answer after the "
+            f"prompt's {length} tokens: raise it, or give max_new_tokens or max_tokens",
+        )
+    gen_config.max_new_tokens, gen_config.max_length = gen_config.max_length - length, None
 
 
 class StateKeepingChatCompletionHandler(StateKeeping, ChatCompletionHandler):

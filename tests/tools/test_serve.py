@@ -140,11 +140,11 @@ def model_name(model_dir) -> str:
     return str(model_dir)
 
 
-def expected_chat(reference, messages: list[dict], max_tokens: int, streamed: bool = False) -> str:
+def expected_chat(reference, messages: list[dict], max_tokens: int, streamed: bool = False, **generation) -> str:
     model, tokenizer = reference
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+        out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, **generation)
     return as_text(tokenizer, out[0, inputs["input_ids"].shape[1] :], streamed)
 
 
@@ -236,6 +236,36 @@ def test_n_answers_models_and_health(client, model_name, reference, server):
     assert len({choice.text for choice in sampled.choices}) > 1  # temperature 1 samples (transformers: greedy here)
     assert [model.id for model in client.models.list().data] == [model_name]
     assert get(server + "/health") == (200, {"status": "ok"})
+
+
+def test_greedy_requests_as_transformers_serve_reads_them_with_the_tokens_of_the_whole_prompt(
+    client, model_name, reference
+):
+    """temperature 0 is greedy whatever top_p (transformers serve: do_sample=False), a generation_config without
+    max_new_tokens answers as generate() does without it, and frequency_penalty (transformers: repetition_penalty
+    1 + frequency_penalty) gives, from a kept state, the tokens of generate() on the whole prompt."""
+    messages = [{"role": "user", "content": "the cat sat on the mat. the cat sat on the mat. the cat"}]
+    reply = client.chat.completions.create(model=model_name, messages=messages, max_tokens=8, temperature=0, top_p=0.5)
+    assert reply.choices[0].message.content == expected_chat(reference, messages, 8)
+    # no max_new_tokens in the generation_config, no max_tokens: generate()'s own 20 new tokens, or up to its max_length
+    for generation_config, new_tokens in (
+        ('{"do_sample": false}', 20),
+        ('{"do_sample": false, "max_length": 30}', None),
+    ):
+        reply = client.chat.completions.create(
+            model=model_name, messages=messages, extra_body={"generation_config": generation_config}
+        )
+        new_tokens = new_tokens or 30 - reply.usage.prompt_tokens
+        assert reply.choices[0].message.content == expected_chat(reference, messages, new_tokens)
+        assert reply.usage.completion_tokens <= new_tokens
+    penalized = expected_chat(reference, messages, 12, repetition_penalty=2.0)
+    assert penalized != expected_chat(reference, messages, 12)  # the penalty changes this answer: the test can fail
+    for _ in range(2):  # the second continues from the state the first kept
+        reply = client.chat.completions.create(
+            model=model_name, messages=messages, max_tokens=12, temperature=0, frequency_penalty=1.0
+        )
+        assert reply.choices[0].message.content == penalized
+    assert reply.usage.prompt_tokens_details.cached_tokens == reply.usage.prompt_tokens - 1
 
 
 def test_clients_at_once_each_get_their_own_answer(client, model_name, reference):
