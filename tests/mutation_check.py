@@ -787,6 +787,20 @@ MUTATIONS = [
         "        pass  # MUTATION\n",
         ("tests/tools/test_serve.py -k greedy_requests_as_transformers_serve_reads_them",),
     ),
+    Mutation(
+        "gpn serve: --state-dir-bytes counts the ids file a spilled state writes",
+        "modeling_gpn/serve/state_store.py",
+        "            size = path.stat().st_size + ids_path.stat().st_size\n",
+        "            size = path.stat().st_size  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k spill_folder_limit_counts_every_file",),
+    ),
+    Mutation(
+        "gpn serve: --state-dir-bytes counts the ids files a restarted store finds",
+        "modeling_gpn/serve/state_store.py",
+        "                size = stat.st_size + ids_path.stat().st_size  # both files count, as when they were written\n",
+        "                size = stat.st_size  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k spill_folder_limit_counts_every_file",),
+    ),
 ]
 
 

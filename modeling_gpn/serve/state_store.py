@@ -279,16 +279,16 @@ class StateStore:
     def _spill(self, key: str, entry: _Entry) -> None:
         """Write an evicted state to the folder (the state file, then its ids: both written under a temporary
         name and renamed, so a file's presence means it is whole); drop it when it cannot be written."""
-        path = self._state_path(key)
+        path, ids_path = self._state_path(key), self._ids_path(key)
         try:
             entry.cache.save(path)
-            _write_atomically(
-                self._ids_path(key), json.dumps({"model": entry.model, "ids": _ids_from_bytes(entry.ids)}).encode()
-            )
-            size = path.stat().st_size
+            _write_atomically(ids_path, json.dumps({"model": entry.model, "ids": _ids_from_bytes(entry.ids)}).encode())
+            # both files count against the folder's limit: the ids outweigh the state in a long conversation
+            size = path.stat().st_size + ids_path.stat().st_size
         except (OSError, ValueError) as error:
             logger.warning("state store: cannot write %s, the state is dropped: %s", path, error)
             path.unlink(missing_ok=True)
+            ids_path.unlink(missing_ok=True)
             self._count_length(entry.model, entry.length, -1)
             return
         self._files[key] = _Entry(entry.model, entry.ids, None, size)
@@ -338,11 +338,12 @@ class StateStore:
                 ids = [int(token) for token in record["ids"]]
                 ids_bytes, owner = _ids_bytes(ids), str(record["model"])
                 stat = state_path.stat()
+                size = stat.st_size + ids_path.stat().st_size  # both files count, as when they were written
             except (OSError, ValueError, KeyError, TypeError, OverflowError):
                 continue
             if _entry_key(owner, ids_bytes) != key or not ids:
                 continue
-            found.append((stat.st_mtime, key, _Entry(owner, ids_bytes, None, stat.st_size)))
+            found.append((stat.st_mtime, key, _Entry(owner, ids_bytes, None, size)))
         for _, key, entry in sorted(found, key=lambda item: item[0]):
             self._files[key] = entry
             self._file_bytes += entry.nbytes

@@ -127,6 +127,23 @@ def test_the_spill_folder_is_bounded_and_a_damaged_file_is_dropped(model, tmp_pa
     assert not newest.exists()
 
 
+def test_the_spill_folder_limit_counts_every_file_a_state_takes(model, tmp_path):
+    """A spilled state is its state file and the JSON of its ids, which in a long conversation outweighs the
+    state: the folder's limit counts both, when they are written and when a restarted store finds them."""
+
+    def on_disk() -> int:
+        return sum(path.stat().st_size for path in tmp_path.iterdir())
+
+    long_ids = [(7 * position) % 90 + 1 for position in range(900)]
+    store = StateStore(0, spill_dir=tmp_path, spill_max_bytes=12_000)  # files only
+    for length in (300, 600, 900):
+        store.keep(model, long_ids[:length], state_after(model, long_ids[:length]))
+        assert on_disk() <= 12_000 and store.summary()["file_bytes"] == on_disk()
+    assert store.lookup(model, long_ids)[0] == 900  # the newest stays
+    restarted = StateStore(0, spill_dir=tmp_path, spill_max_bytes=7_000)
+    assert on_disk() <= 7_000 and restarted.summary()["file_bytes"] == on_disk() > 0
+
+
 def generate_plain(model, ids: list[int], new: int, **kwargs):
     with torch.no_grad():
         return model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, pad_token_id=0, **kwargs)
