@@ -801,6 +801,13 @@ MUTATIONS = [
         "                size = stat.st_size  # MUTATION\n",
         ("tests/tools/test_serve_store.py -k spill_folder_limit_counts_every_file",),
     ),
+    Mutation(
+        "gpn serve: the kept states written to --state-dir when the server stops",
+        "modeling_gpn/serve/server.py",
+        '            _pointing(serving_server, "build_server", _with_shutdown_step(serving_server.build_server, on_shutdown)),\n',
+        "",
+        ("tests/tools/test_serve.py -k stopped_and_restarted",),
+    ),
 ]
 
 

@@ -107,7 +107,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--state-dir",
         default=None,
         metavar="DIR",
-        help="folder for states evicted from memory (state files), read back when needed and after a restart",
+        help="folder for state files: the states evicted from memory, and every kept state when the server stops "
+        "(Ctrl-C or SIGTERM; a killed server, kill -9, loses those in memory); read back when needed and after a "
+        "restart",
     )
     gpn.add_argument(
         "--state-dir-bytes",
@@ -142,5 +144,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     options = {name: getattr(args, name) for name, *_ in _serve_parameters() if name != "force_model"}
     options.update({name: getattr(args, name) for name in GPN_OPTIONS})
-    GPNServe(args.model, **options)
+    try:
+        GPNServe(args.model, **options)
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn has stopped the server (and the states are written); no traceback
+        return 130
     return 0

@@ -13,7 +13,8 @@ belongs to and the token ids it has read, and a request continues from the longe
   used are evicted first. With a `spill_dir` an evicted state is written there as a state file
   (`GPNCache.save`, beside a small JSON of its ids) and read back (`GPNCache.load`, which checks the file
   belongs to the model) when a request needs it; the folder is bounded too (`spill_max_bytes`), and a
-  server started on a folder that holds such files continues from them.
+  server started on a folder that holds such files continues from them (a server that stops writes the
+  states still in memory there too: `spill_all`).
 - Thread-safe: one lock guards the store; every method may be called from any thread.
 """
 
@@ -194,6 +195,18 @@ class StateStore:
             self.stats.kept += 1
             self._evict()
             return True
+
+    def spill_all(self) -> None:
+        """Write every state in memory to the spill folder, least recently used first (so the folder's limit
+        drops those first), for a server that stops: one restarted on the folder continues from them. Nothing
+        without a spill folder."""
+        if self.spill_dir is None:
+            return
+        with self._lock:
+            while self._memory:
+                key, entry = self._memory.popitem(last=False)
+                self._memory_bytes -= entry.nbytes
+                self._spill(key, entry)
 
     def summary(self) -> dict:
         """Sizes and counts, for logs and tests."""

@@ -13,8 +13,10 @@ model, with the state store, a spill folder and small limits. What it must do:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +24,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai  # the test extra has it, with the serving extra's server stack: missing, these tests fail, never skip
@@ -73,14 +76,11 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    """`gpn serve MODEL` in its own process; always killed at the end."""
-    port, states, log_path = (
-        free_port(),
-        tmp_path_factory.mktemp("states"),
-        tmp_path_factory.mktemp("log") / "serve.log",
-    )
+@contextlib.contextmanager
+def serving(model_dir: Path, log_path: Path, *options: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`gpn serve MODEL --device cpu OPTIONS` in its own process on a free port: (its address, the process),
+    once /health answers; killed at the end if it is still running."""
+    port = free_port()
     command = [
         sys.executable,
         "-m",
@@ -93,12 +93,7 @@ def server(model_dir, tmp_path_factory):
         str(port),
         "--device",
         "cpu",
-        "--state-dir",
-        str(states),
-        "--max-queued-requests",
-        str(MAX_QUEUED),
-        "--max-context",
-        str(MAX_CONTEXT),
+        *options,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(log_path, "w") as log:
@@ -110,7 +105,7 @@ def server(model_dir, tmp_path_factory):
             if process.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"gpn serve did not come up (exit {process.poll()}):\n{log_path.read_text()[-3000:]}")
             time.sleep(0.2)
-        yield base
+        yield base, process
     finally:
         process.terminate()
         try:
@@ -118,6 +113,15 @@ def server(model_dir, tmp_path_factory):
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=15)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    """`gpn serve MODEL` in its own process, with the state store, a spill folder and small limits."""
+    states, log_path = tmp_path_factory.mktemp("states"), tmp_path_factory.mktemp("log") / "serve.log"
+    options = ["--state-dir", str(states), "--max-queued-requests", str(MAX_QUEUED), "--max-context", str(MAX_CONTEXT)]
+    with serving(model_dir, log_path, *options) as (base, _):
+        yield base
 
 
 def get(url: str) -> tuple[int | None, dict | None]:
@@ -418,6 +422,28 @@ def wait_until_idle(client, model_name) -> None:
         except openai.RateLimitError:
             assert time.monotonic() < deadline, "the server stayed busy"
             time.sleep(0.2)
+
+
+def test_a_conversation_continues_after_the_server_is_stopped_and_restarted(model_dir, reference, tmp_path):
+    """With --state-dir, a server stopped with Ctrl-C (SIGINT) writes the states it kept in memory there; one
+    restarted on the folder continues the conversation from them (cached tokens), with the same answer."""
+    messages = [{"role": "system", "content": "the cat sat"}, {"role": "user", "content": "to be or not to be"}]
+    states = tmp_path / "states"
+    with serving(model_dir, tmp_path / "first.log", "--state-dir", str(states)) as (base, process):
+        first = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        reply = first.chat.completions.create(model=str(model_dir), messages=messages, max_tokens=6, temperature=0)
+        first_prompt = reply.usage.prompt_tokens
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 130, (tmp_path / "first.log").read_text()[-3000:]  # stopped, quietly
+    messages += [
+        {"role": "assistant", "content": reply.choices[0].message.content},
+        {"role": "user", "content": "that is the question"},
+    ]
+    with serving(model_dir, tmp_path / "second.log", "--state-dir", str(states)) as (base, _):
+        second = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        reply = second.chat.completions.create(model=str(model_dir), messages=messages, max_tokens=6, temperature=0)
+    assert reply.choices[0].message.content == expected_chat(reference, messages, 6)
+    assert reply.usage.prompt_tokens_details.cached_tokens >= first_prompt - 1  # (a fresh server: nothing in memory)
 
 
 def test_gpn_serve_help_has_transformers_serve_options(capsys):
