@@ -35,6 +35,7 @@ from transformers import GenerationConfig
 from transformers.cli.serving.chat_completion import ChatCompletionHandler
 from transformers.cli.serving.completion import CompletionHandler
 from transformers.cli.serving.utils import CBGenerateManager
+from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .generation import StateKeepingModel
 from .state_store import StateStore
@@ -223,9 +224,10 @@ class StateKeeping:
             await gen_manager.generate_non_streaming(model, processor, inputs, gen_config, request_id=request_id)
             body = None
             for row in range(model.sequences.shape[0]):
-                arguments.arguments["gen_manager"] = _Answer(
-                    _answer_tokens(model.sequences, row, inputs, gen_config, processor), processor
+                input_len, ids, _ = _answer_tokens(
+                    model.sequences, row, inputs, gen_config, processor, model.generation_config.eos_token_id
                 )
+                arguments.arguments["gen_manager"] = _Answer((input_len, ids), processor)
                 answer = json.loads((await super()._non_streaming(*arguments.args, **arguments.kwargs)).body)
                 if body is None:
                     body = answer
@@ -234,6 +236,17 @@ class StateKeeping:
                 body["choices"].extend(answer["choices"])
                 for name in ("completion_tokens", "total_tokens"):
                     body["usage"][name] += answer["usage"]["completion_tokens"]
+        if model.sequences is not None:  # (None: continuous batching ran it, without generate())
+            for row, choice in enumerate(body["choices"]):
+                if (
+                    choice.get("finish_reason") == "length"
+                    and _answer_tokens(
+                        model.sequences, row, inputs, gen_config, processor, model.generation_config.eos_token_id
+                    )[2]
+                ):
+                    # it ended on EOS or a stop string at its last allowed token: it stopped. (transformers says
+                    # "length" for any answer max_tokens long; here the row's end is known.)
+                    choice["finish_reason"] = "stop"
         return body
 
 
@@ -288,21 +301,27 @@ class _Answer:
         return self.processor.decode(self.ids, skip_special_tokens=True), self.input_len, self.ids
 
 
-def _answer_tokens(sequences: torch.Tensor, row: int, inputs, gen_config, processor) -> tuple[int, torch.Tensor]:
-    """(prompt length, the row's generated tokens up to its end): a row that ended before the longest one
-    is padded after its end (EOS, or a stop string's last token), which is not part of its answer."""
+def _answer_tokens(
+    sequences: torch.Tensor, row: int, inputs, gen_config, processor, eos_token_id=None
+) -> tuple[int, torch.Tensor, bool]:
+    """(prompt length, the row's generated tokens up to where it finished, whether it finished by itself).
+
+    A row that finished before the longest one is padded after its end with the pad token, which is the EOS
+    token when the configuration has no pad: so the row's end is found the way generate() found it, at the
+    first EOS (kept, as generate() keeps it) or the first token that completes a stop string (the same check,
+    transformers' `StopStringCriteria`), never by looking for padding. A row that did neither ran to its
+    length. `eos_token_id` is the model's, for a generation config (a request's own) that names none."""
     input_len = inputs["input_ids"].shape[-1]
     ids = sequences[row, input_len:]
-    ends = gen_config.eos_token_id
+    ends = gen_config.eos_token_id if gen_config.eos_token_id is not None else eos_token_id
     ends = set(ends if isinstance(ends, list) else [] if ends is None else [ends])
+    stop_strings = gen_config.stop_strings
+    stops = StopStringCriteria(getattr(processor, "tokenizer", processor), stop_strings) if stop_strings else None
+    whole = sequences[row : row + 1]
     for position, token in enumerate(ids.tolist()):
-        if token in ends:
-            return input_len, ids[: position + 1]
-    pad = gen_config.pad_token_id
-    if pad is not None:
-        while ids.numel() and int(ids[-1]) == pad:
-            ids = ids[:-1]
-    return input_len, ids
+        if token in ends or (stops is not None and bool(stops(whole[:, : input_len + position + 1], None)[0])):
+            return input_len, ids[: position + 1], True
+    return input_len, ids, False
 
 
 def _report_cached_tokens(usage: dict | None, cached_tokens: int) -> None:

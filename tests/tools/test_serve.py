@@ -14,6 +14,7 @@ model, with the state store, a spill folder and small limits. What it must do:
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import signal
@@ -270,6 +271,48 @@ def test_greedy_requests_as_transformers_serve_reads_them_with_the_tokens_of_the
         )
         assert reply.choices[0].message.content == penalized
     assert reply.usage.prompt_tokens_details.cached_tokens == reply.usage.prompt_tokens - 1
+
+
+def test_n_answers_end_where_each_row_finished(client, model_name, reference):
+    """Rows of one generate() that finish early are padded (with EOS, when the model has no pad token): each of
+    the n answers is cut where its row finished (its EOS kept, or the token that completes a stop string), the
+    padding neither in its text nor its token count; an answer that ends so is "stop", even at max_tokens."""
+    from modeling_gpn.serve.handlers import _answer_tokens
+
+    model, tokenizer = reference
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "to be or not"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    prompt = inputs["input_ids"].shape[1]
+    config = copy.deepcopy(model.generation_config)
+    config.update(max_new_tokens=12, do_sample=True, temperature=1.0, top_k=0, stop_strings=["e"])
+    torch.manual_seed(1)
+    with torch.no_grad():
+        rows = model.generate(inputs["input_ids"].repeat(4, 1), generation_config=config, tokenizer=tokenizer)
+    eos, padded = model.generation_config.eos_token_id, 0
+    for row in range(4):
+        _, ids, stopped = _answer_tokens(rows, row, inputs, config, tokenizer)
+        generated = rows[row, prompt:]
+        assert torch.equal(generated[: len(ids)], ids) and (generated[len(ids) :] == eos).all()  # the rest: padding
+        padded += len(ids) < len(generated)
+        text = tokenizer.decode(ids)
+        if stopped and int(ids[-1]) != eos:  # the first token to complete the stop string is its last
+            assert "e" in text and "e" not in tokenizer.decode(ids[:-1])
+        assert stopped or len(ids) == config.max_new_tokens
+    assert padded, "no row ended before another: nothing here could be padding"
+    # through the server: a greedy answer whose stop string is completed by its max_tokens-th token is "stop"
+    messages = [{"role": "user", "content": "the cat sat on the mat"}]
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        answer = model.generate(**inputs, max_new_tokens=4, do_sample=False)[0, inputs["input_ids"].shape[1] :]
+    assert len(answer) == 4 and eos not in answer
+    last = tokenizer.decode(answer[-1:])
+    assert last.strip() and last not in tokenizer.decode(answer[:-1])
+    reply = client.chat.completions.create(
+        model=model_name, messages=messages, max_tokens=4, temperature=0, n=2, stop=[last]
+    )
+    assert [choice.finish_reason for choice in reply.choices] == ["stop", "stop"]
+    assert reply.usage.completion_tokens == 2 * 4
 
 
 def test_clients_at_once_each_get_their_own_answer(client, model_name, reference):
