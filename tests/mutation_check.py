@@ -822,6 +822,20 @@ MUTATIONS = [
         "                    pass  # MUTATION\n",
         ("tests/tools/test_serve.py -k end_where_each_row_finished",),
     ),
+    Mutation(
+        "gpn serve: a lone surrogate in a request is a 400 (a 500 from the tokenizer)",
+        "modeling_gpn/serve/validation.py",
+        "    for name, value in body.items():\n        _check_text(value, name)\n",
+        "",
+        ("tests/tools/test_serve.py::test_bad_completion_requests_and_bodies_get_a_4xx",),
+    ),
+    Mutation(
+        "gpn serve --help names the positional MODEL where transformers' help says force_model",
+        "modeling_gpn/serve/cli.py",
+        '.replace("force_model is set", "MODEL is given")',
+        "",
+        ("tests/tools/test_serve.py::test_gpn_serve_help_has_transformers_serve_options",),
+    ),
 ]
 
 

@@ -76,7 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "next turn reads only its new tokens. Options up to --state-store-bytes are transformers serve's own."
     )
     for name, kind, info, default in _serve_parameters():
-        help_text = (info.help or "").replace("%", "%%")
+        # transformers' help names its own parameter (--model-timeout: "Ignored when force_model is set"): here it
+        # is the positional MODEL
+        help_text = (info.help or "").replace("%", "%%").replace("force_model is set", "MODEL is given")
         if name == "force_model":
             parser.add_argument(
                 "model", nargs="?", default=None, help=help_text + " Without it, each request's `model` is loaded."

@@ -118,6 +118,8 @@ def check_completion_request(body: dict[str, Any]) -> None:
 
 
 def _check_common(body: dict[str, Any]) -> None:
+    for name, value in body.items():
+        _check_text(value, name)
     _check_type(body, "model", str)
     _check_type(body, "stream", bool)
     _check_positive_int(body, "max_tokens")
@@ -160,6 +162,25 @@ def _check_common(body: dict[str, Any]) -> None:
             raise RequestError(f"generation_config must be a JSON object in a string: {error}") from error
         if not isinstance(parsed, dict):
             raise RequestError("generation_config must be a JSON object in a string")
+
+
+def _check_text(value: Any, where: str) -> None:
+    """Refuse a string that is not Unicode text: JSON lets a request escape half of a surrogate pair alone
+    ("\\ud83d"), which no tokenizer can encode (transformers: a 500)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise RequestError(
+                f"{where} has a lone surrogate ({value[error.start]!r} at character {error.start}): text must be "
+                "valid Unicode (a character beyond U+FFFF is escaped as a pair, e.g. \\ud83d\\ude00)"
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_text(item, f"{where}[{index}]")
 
 
 def _is_int(value: Any) -> bool:

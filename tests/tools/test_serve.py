@@ -400,6 +400,21 @@ def test_bad_completion_requests_and_bodies_get_a_4xx(client, model_name, server
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(model=model_name, prompt=prompt, max_tokens=3)
         assert word in str(refused.value.body)
+    # half a surrogate pair, escaped alone: valid JSON, not text (transformers: a 500 from the tokenizer)
+    for path, field in (
+        ("/v1/completions", '"prompt": "to be \\ud83d"'),
+        ("/v1/chat/completions", '"messages": [{"role": "user", "content": "\\ud83d"}]'),
+    ):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(
+                urllib.request.Request(
+                    server + path,
+                    data=f'{{"model": {json.dumps(model_name)}, "max_tokens": 2, {field}}}'.encode(),
+                    headers={"Content-Type": "application/json"},
+                ),
+                timeout=30,
+            )
+        assert refused.value.code == 400 and "surrogate" in refused.value.read().decode()
     request = urllib.request.Request(
         server + "/v1/chat/completions", data=b"{not json", headers={"Content-Type": "application/json"}
     )
@@ -508,6 +523,8 @@ def test_gpn_serve_help_has_transformers_serve_options(capsys):
         "--max-queued-requests",
     ):
         assert option in text
+    # transformers' help names its parameter force_model; gpn serve takes it as the positional MODEL
+    assert "force_model" not in text and "Ignored when MODEL is given" in " ".join(text.split())
 
 
 def test_a_server_not_pinned_answers_an_unknown_model_with_404(tmp_path):
