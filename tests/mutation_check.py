@@ -836,6 +836,16 @@ MUTATIONS = [
         "",
         ("tests/tools/test_serve.py::test_gpn_serve_help_has_transformers_serve_options",),
     ),
+    Mutation(
+        "gpn serve: /v1/responses through the state store, the request checks and the limits",
+        "modeling_gpn/serve/server.py",
+        '            _pointing(response, "ResponseHandler", responses),\n',
+        "",
+        (
+            "tests/tools/test_serve.py -k responses_answer_through_the_store",
+            "tests/tools/test_serve.py -k queue_limit_refuses",
+        ),
+    ),
 ]
 
 

@@ -72,7 +72,7 @@ def _serve_parameters() -> list[tuple[str, type, object, object]]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Serve a model behind an OpenAI-compatible API (/v1/chat/completions with streaming, /v1/completions, "
-        "/v1/models, /health): transformers serve, able to build a GPN, keeping each conversation's state so the "
+        "/v1/responses, /v1/models, /health): transformers serve, able to build a GPN, keeping each conversation's state so the "
         "next turn reads only its new tokens. Options up to --state-store-bytes are transformers serve's own."
     )
     for name, kind, info, default in _serve_parameters():

@@ -1,6 +1,6 @@
-"""transformers' chat and completion handlers, with what `gpn serve` adds around them.
+"""transformers' chat, completion and Responses API handlers, with what `gpn serve` adds around them.
 
-The handlers are transformers' own (`ChatCompletionHandler`, `CompletionHandler`): they parse the request,
+The handlers are transformers' own (`ChatCompletionHandler`, `CompletionHandler`, `ResponseHandler`): they parse the request,
 render the chat template, build the generation config, stream and format the answer. `StateKeeping` (a
 mixin placed before them) adds, at the points where they hand over:
 
@@ -16,7 +16,7 @@ mixin placed before them) adds, at the points where they hand over:
   store), and the prompt tokens continued from a kept state are reported as the OpenAI API does, in
   `usage.prompt_tokens_details.cached_tokens`;
 - `n` answers (transformers ignores `n`): made as `n` rows of one `generate()` call, each formatted by
-  transformers' own response builder.
+  transformers' own response builder (chat and completions: the Responses API has no `n`).
 """
 
 from __future__ import annotations
@@ -34,12 +34,13 @@ from jinja2 import TemplateError
 from transformers import GenerationConfig
 from transformers.cli.serving.chat_completion import ChatCompletionHandler
 from transformers.cli.serving.completion import CompletionHandler
+from transformers.cli.serving.response import ResponseHandler
 from transformers.cli.serving.utils import CBGenerateManager
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .generation import StateKeepingModel
 from .state_store import StateStore
-from .validation import RequestError, check_chat_request, check_completion_request
+from .validation import RequestError, check_chat_request, check_completion_request, check_response_request
 
 
 class Admission:
@@ -107,6 +108,8 @@ class StateKeeping:
     """Mixin for a transformers serving handler (see the module docstring); `check_request` validates bodies."""
 
     check_request = staticmethod(lambda body: None)
+    takes_n = True  # whether the endpoint has `n` (the Responses API has not: transformers refuses it, 422)
+    max_tokens_fields = ("max_tokens", "max_completion_tokens")  # what sets the answer's length
 
     def __init__(self, *args, policy: ServingPolicy, **kwargs):
         super().__init__(*args, **kwargs)
@@ -121,8 +124,9 @@ class StateKeeping:
             raise HTTPException(status_code=400, detail="model is required (this server is not pinned to one model)")
         if body.get("logit_bias"):  # generate() takes float biases only; JSON's -100 is an int (transformers: a 500)
             body["logit_bias"] = {token: float(bias) for token, bias in body["logit_bias"].items()}
-        answers = body.pop("n", None) or 1  # transformers would ignore it (with a warning): the answers are made here
-        max_tokens_given = body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
+        # transformers would ignore n (with a warning): the answers are made here
+        answers = (body.pop("n", None) or 1) if self.takes_n else 1
+        max_tokens_given = any(body.get(name) is not None for name in self.max_tokens_fields)
         slot = self.policy.admission.admit()
         token = _current.set(_Request(slot, answers, max_tokens_given))
         streaming = False
@@ -187,32 +191,36 @@ class StateKeeping:
         elif length + gen_config.max_new_tokens > limit:
             raise HTTPException(
                 status_code=400,
-                detail=f"the prompt ({length} tokens) and max_tokens ({gen_config.max_new_tokens}) pass this server's "
+                detail=f"the prompt ({length} tokens) and {self.max_tokens_fields[0]} ({gen_config.max_new_tokens}) pass this server's "
                 f"context limit of {limit} tokens (--max-context): shorten the conversation or ask for fewer tokens",
             )
 
-    def _streaming(self, request_id, model, processor, model_id, inputs, gen_config, *args, **kwargs):
-        self._fit_context(inputs, gen_config)
-        response = super()._streaming(request_id, model, processor, model_id, inputs, gen_config, *args, **kwargs)
-        response.body_iterator = _finishing_stream(response.body_iterator, model, _current.get().slot)
+    # transformers' handlers differ in what they pass (the Responses API's passes the body too): the arguments are
+    # read by name, from the signature of the method they are for
+
+    def _streaming(self, *args, **kwargs):
+        arguments = inspect.signature(super()._streaming).bind(*args, **kwargs).arguments
+        self._fit_context(arguments["inputs"], arguments["gen_config"])
+        response = super()._streaming(*args, **kwargs)
+        response.body_iterator = _finishing_stream(response.body_iterator, arguments["model"], _current.get().slot)
         return response
 
-    async def _non_streaming(self, request_id, model, processor, model_id, inputs, gen_config, *args, **kwargs):
-        self._fit_context(inputs, gen_config)
+    async def _non_streaming(self, *args, **kwargs):
+        arguments = inspect.signature(super()._non_streaming).bind(*args, **kwargs)
+        self._fit_context(arguments.arguments["inputs"], arguments.arguments["gen_config"])
         try:
-            body = await self._answers(request_id, model, processor, model_id, inputs, gen_config, *args, **kwargs)
+            body = await self._answers(arguments)
         except (ValueError, TypeError) as error:
             # generate() checks what the request asked for (its generation_config's values, ...) as it runs:
             # the request's fault, said as such (a stream reports it in its error event)
             raise HTTPException(status_code=400, detail=f"generate() refused this request: {error}") from None
-        _report_cached_tokens(body.get("usage"), model.cached_tokens)
+        _report_cached_tokens(body.get("usage"), arguments.arguments["model"].cached_tokens)
         return JSONResponse(body, media_type="application/json")
 
-    async def _answers(self, request_id, model, processor, model_id, inputs, gen_config, *args, **kwargs) -> dict:
+    async def _answers(self, arguments: inspect.BoundArguments) -> dict:
         """transformers' non-streamed response body, with the n answers when n > 1."""
-        arguments = inspect.signature(super()._non_streaming).bind(
-            request_id, model, processor, model_id, inputs, gen_config, *args, **kwargs
-        )
+        model, processor = arguments.arguments["model"], arguments.arguments["processor"]
+        inputs, gen_config = arguments.arguments["inputs"], arguments.arguments["gen_config"]
         if model.answers == 1:
             body = json.loads((await super()._non_streaming(*arguments.args, **arguments.kwargs)).body)
         else:
@@ -221,6 +229,7 @@ class StateKeeping:
             gen_manager = arguments.arguments["gen_manager"]
             if isinstance(gen_manager, CBGenerateManager):  # (a model other than a GPN, --continuous-batching)
                 raise HTTPException(status_code=400, detail="n > 1 is not supported with --continuous-batching")
+            request_id = arguments.arguments["request_id"]
             await gen_manager.generate_non_streaming(model, processor, inputs, gen_config, request_id=request_id)
             body = None
             for row in range(model.sequences.shape[0]):
@@ -237,7 +246,7 @@ class StateKeeping:
                 for name in ("completion_tokens", "total_tokens"):
                     body["usage"][name] += answer["usage"]["completion_tokens"]
         if model.sequences is not None:  # (None: continuous batching ran it, without generate())
-            for row, choice in enumerate(body["choices"]):
+            for row, choice in enumerate(body.get("choices", [])):
                 if (
                     choice.get("finish_reason") == "length"
                     and _answer_tokens(
@@ -289,6 +298,14 @@ class StateKeepingCompletionHandler(StateKeeping, CompletionHandler):
     check_request = staticmethod(check_completion_request)
 
 
+class StateKeepingResponseHandler(StateKeeping, ResponseHandler):
+    """transformers' `/v1/responses` handler, through the state store, with the same checks and limits."""
+
+    check_request = staticmethod(check_response_request)
+    takes_n = False
+    max_tokens_fields = ("max_output_tokens",)
+
+
 class _Answer:
     """Stands in for transformers' generation manager when its handler formats one of the n answers
     (already generated): returns what `GenerateManager.generate_non_streaming` returns for it."""
@@ -325,8 +342,11 @@ def _answer_tokens(
 
 
 def _report_cached_tokens(usage: dict | None, cached_tokens: int) -> None:
+    """The OpenAI API's field for prompt caching: `input_tokens_details` in the Responses API's usage,
+    `prompt_tokens_details` in the others'."""
     if usage is not None:
-        usage.setdefault("prompt_tokens_details", {})["cached_tokens"] = cached_tokens
+        details = "input_tokens_details" if "input_tokens" in usage else "prompt_tokens_details"
+        usage.setdefault(details, {})["cached_tokens"] = cached_tokens
 
 
 async def _finishing_stream(chunks, model: StateKeepingModel, slot: Slot):
@@ -340,7 +360,9 @@ async def _finishing_stream(chunks, model: StateKeepingModel, slot: Slot):
                 for event in chunk.split("\n\n"):
                     if event.startswith("data: ") and '"usage"' in event:
                         data = json.loads(event.removeprefix("data: "))
-                        _report_cached_tokens(data.get("usage"), model.cached_tokens)
+                        # (the Responses API's last event carries the response, and its usage, whole)
+                        usage = data.get("usage") or (data.get("response") or {}).get("usage")
+                        _report_cached_tokens(usage, model.cached_tokens)
                         event = "data: " + json.dumps(data, separators=(",", ":"))
                     events.append(event)
                 chunk = "\n\n".join(events)

@@ -3,7 +3,7 @@ built with the pieces `gpn serve` changes.
 
 `Serve.__init__` composes the server from transformers' serving modules, importing each piece from its module
 as it builds it. `GPNServe` runs that same `__init__` with some of those names pointing at `gpn serve`'s
-own while it builds: the chat and completion handlers (`handlers.py`), and `build_server`, whose app is given
+own while it builds: the chat, completion and Responses API handlers (`handlers.py`), and `build_server`, whose app is given
 one step more at shutdown (the kept states written to `--state-dir`); and it makes the model manager able to
 build a GPN (`models.py`). Nothing of the server is copied. Everything else, every option included, is
 transformers' own.
@@ -17,7 +17,7 @@ import os
 from collections.abc import Callable, Iterator
 
 from transformers.cli.serve import Serve
-from transformers.cli.serving import chat_completion, completion
+from transformers.cli.serving import chat_completion, completion, response
 from transformers.cli.serving import server as serving_server
 
 from . import (
@@ -31,6 +31,7 @@ from .handlers import (
     ServingPolicy,
     StateKeepingChatCompletionHandler,
     StateKeepingCompletionHandler,
+    StateKeepingResponseHandler,
 )
 from .models import make_gpn_loadable
 from .state_store import StateStore
@@ -45,6 +46,19 @@ def _pointing(module, name: str, value) -> Iterator[None]:
         yield
     finally:
         setattr(module, name, original)
+
+
+def _with_policy(handler: type, policy: ServingPolicy) -> type:
+    """`handler` built with `policy`, as a class: the names are pointed at it while the server runs (`Serve.__init__`
+    runs the server), and transformers' handlers call their own static methods through their module's name
+    (`ResponseHandler._normalize_response_items`), so what the name holds must still be the handler class."""
+
+    class WithPolicy(handler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, policy=policy, **kwargs)
+
+    WithPolicy.__name__ = WithPolicy.__qualname__ = handler.__name__
+    return WithPolicy
 
 
 def _with_shutdown_step(build_server: Callable, on_shutdown: Callable[[], None]) -> Callable:
@@ -103,14 +117,16 @@ class GPNServe(Serve):
             store = StateStore(state_store_bytes, spill_dir=state_dir, spill_max_bytes=state_dir_bytes)
         self.policy = ServingPolicy(store=store, max_context=max_context, admission=Admission(max_queued_requests))
         make_gpn_loadable()
-        chat = functools.partial(StateKeepingChatCompletionHandler, policy=self.policy)
-        legacy = functools.partial(StateKeepingCompletionHandler, policy=self.policy)
+        chat = _with_policy(StateKeepingChatCompletionHandler, self.policy)
+        legacy = _with_policy(StateKeepingCompletionHandler, self.policy)
+        responses = _with_policy(StateKeepingResponseHandler, self.policy)
         # a server that stops (Ctrl-C, SIGTERM) writes the states it keeps in memory to --state-dir, so one
         # restarted on the folder continues the conversations (a killed one, kill -9, loses them)
         on_shutdown = store.spill_all if store is not None else lambda: None
         with (
             _pointing(chat_completion, "ChatCompletionHandler", chat),
             _pointing(completion, "CompletionHandler", legacy),
+            _pointing(response, "ResponseHandler", responses),
             _pointing(serving_server, "build_server", _with_shutdown_step(serving_server.build_server, on_shutdown)),
         ):
             super().__init__(force_model, **serve_options)

@@ -117,6 +117,37 @@ def check_completion_request(body: dict[str, Any]) -> None:
     _check_type(body, "echo", bool)
 
 
+def check_response_request(body: dict[str, Any]) -> None:
+    """Refuse a `/v1/responses` body with a field of the wrong type or out of range."""
+    _check_common(body)
+    _check_positive_int(body, "max_output_tokens")
+    _check_type(body, "instructions", str)
+    items = body.get("input")
+    if not isinstance(items, str | list) or not items:
+        raise RequestError("input must be a non-empty string or a non-empty list of items")
+    for index, item in enumerate(items if isinstance(items, list) else []):
+        where = f"input[{index}]"
+        if not isinstance(item, dict):
+            raise RequestError(f"{where} must be an object (a message with a role, or a typed item)")
+        if "role" in item:
+            if item["role"] not in CHAT_ROLES:
+                raise RequestError(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {item['role']!r}")
+            content = item.get("content", "")
+            if not isinstance(content, str | list) or not all(
+                isinstance(part, dict) and isinstance(part.get("type"), str)
+                for part in (content if isinstance(content, list) else [])
+            ):
+                raise RequestError(f"{where}.content must be a string or a list of content parts with a type")
+        elif item.get("type") == "function_call" and not all(
+            isinstance(item.get(name), str) for name in ("call_id", "name", "arguments")
+        ):
+            raise RequestError(f"{where} (a function_call) must have a call_id, a name and arguments, as strings")
+        elif item.get("type") == "function_call_output" and (
+            not isinstance(item.get("call_id"), str) or "output" not in item
+        ):
+            raise RequestError(f"{where} (a function_call_output) must have a call_id and an output")
+
+
 def _check_common(body: dict[str, Any]) -> None:
     for name, value in body.items():
         _check_text(value, name)

@@ -315,6 +315,26 @@ def test_n_answers_end_where_each_row_finished(client, model_name, reference):
     assert reply.usage.completion_tokens == 2 * 4
 
 
+def test_responses_answer_through_the_store_with_the_checks_and_limits_of_chat(client, model_name, reference):
+    """/v1/responses (transformers' handler) goes through the state store, the request checks and the context
+    limit as chat does: the same greedy tokens, a kept state reused, and a 400 naming the problem, never a 500."""
+    messages = [{"role": "user", "content": "to be or not to be, that is"}]
+    for _ in range(2):  # the second continues from the state the first kept
+        reply = client.responses.create(
+            model=model_name, input=messages, max_output_tokens=6, temperature=0, stream=False
+        )
+        assert reply.output_text == expected_chat(reference, messages, 6)
+    assert reply.usage.input_tokens_details.cached_tokens == reply.usage.input_tokens - 1
+    for fields, word in (
+        ({"temperature": "hot"}, "temperature"),
+        ({"max_output_tokens": MAX_CONTEXT}, "context limit"),
+        ({"input": [3]}, "input[0]"),
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model=model_name, input="hi", stream=False, extra_body=fields)
+        assert word in str(refused.value.body), refused.value.body
+
+
 def test_clients_at_once_each_get_their_own_answer(client, model_name, reference):
     """Branches of one conversation at once: each continues from the same kept state, and none disturbs another."""
     history = [{"role": "system", "content": "the cat sat on the mat"}, {"role": "user", "content": "to be"}]
@@ -441,6 +461,8 @@ def test_the_queue_limit_refuses_and_a_client_that_goes_away_frees_its_slot(clie
                 model=model_name, messages=[{"role": "user", "content": "one more"}], max_tokens=2
             )
         assert "max-queued-requests" in str(refused.value.body)
+        with pytest.raises(openai.RateLimitError):  # /v1/responses too
+            client.responses.create(model=model_name, input="one more", max_output_tokens=2, stream=False)
     finally:
         for stream in streams:
             stream.close()
