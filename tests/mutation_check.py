@@ -846,6 +846,34 @@ MUTATIONS = [
             "tests/tools/test_serve.py -k queue_limit_refuses",
         ),
     ),
+    Mutation(
+        "gpn serve: /v1/completions applies logit_bias (transformers' handler accepts it and ignores it)",
+        "modeling_gpn/serve/handlers.py",
+        '                config.sequence_bias = {(int(token),): bias for token, bias in body["logit_bias"].items()}\n',
+        "                pass  # MUTATION\n",
+        ("tests/tools/test_serve.py -k completions_apply_logit_bias",),
+    ),
+    Mutation(
+        "gpn serve: /v1/completions refuses echo, best_of, logprobs, presence_penalty (transformers ignores them)",
+        "modeling_gpn/serve/validation.py",
+        '    _check_supported(body, "completion")\n',
+        "",
+        ("tests/tools/test_serve.py -k completions_apply_logit_bias",),
+    ),
+    Mutation(
+        "gpn serve: /v1/chat/completions refuses logprobs, presence_penalty, response_format (transformers ignores them)",
+        "modeling_gpn/serve/validation.py",
+        '    _check_supported(body, "chat")\n',
+        "",
+        ("tests/tools/test_serve.py -k bad_chat_requests and (logprobs or presence_penalty or response_format)",),
+    ),
+    Mutation(
+        "gpn serve: /v1/responses refuses previous_response_id, a non-text format, ... (transformers ignores them)",
+        "modeling_gpn/serve/validation.py",
+        '    _check_supported(body, "response")\n',
+        "",
+        ("tests/tools/test_serve.py -k responses_answer_through_the_store",),
+    ),
 ]
 
 

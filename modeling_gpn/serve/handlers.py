@@ -162,6 +162,10 @@ class StateKeeping:
     def _build_generation_config(self, body: dict, model_generation_config, use_cb: bool = False):
         try:
             config = super()._build_generation_config(body, model_generation_config, use_cb=use_cb)
+            if body.get("logit_bias") and not config.sequence_bias:
+                # transformers' completion handler accepts logit_bias and never applies it (its chat handler
+                # does, as here): a bias on one token is a sequence_bias of one token
+                config.sequence_bias = {(int(token),): bias for token, bias in body["logit_bias"].items()}
             if _asks_to_sample(body):  # as the OpenAI API means it (transformers leaves the model's default)
                 config.do_sample = True
             config.validate()

@@ -226,6 +226,34 @@ def test_completions_plain_and_streamed(client, model_name, reference):
     assert longer.usage.prompt_tokens_details.cached_tokens >= ids["input_ids"].shape[1] - 1
 
 
+def test_completions_apply_logit_bias_and_refuse_what_they_would_ignore(client, model_name, reference):
+    """transformers' completion handler accepts logit_bias, echo, best_of, logprobs and presence_penalty and
+    applies none of them: logit_bias is applied here (as its chat handler applies it), the others are a 400
+    naming the field, but for their defaults, which change nothing."""
+    model, tokenizer = reference
+    prompt = "the cat sat on the"
+    ids = tokenizer(prompt, return_tensors="pt")
+    with torch.no_grad():
+        plain = model.generate(**ids, max_new_tokens=6, do_sample=False)[0, ids["input_ids"].shape[1] :]
+        ban = {(int(plain[0]),): -100.0}
+        banned = model.generate(**ids, max_new_tokens=6, do_sample=False, sequence_bias=ban)
+    banned = banned[0, ids["input_ids"].shape[1] :]
+    assert not torch.equal(banned, plain)  # the bias changes this answer: the test can fail
+    reply = client.completions.create(
+        model=model_name, prompt=prompt, max_tokens=6, temperature=0, logit_bias={str(int(plain[0])): -100}
+    )
+    assert reply.choices[0].text == as_text(tokenizer, banned, False)
+    for fields in ({"echo": True}, {"best_of": 3}, {"logprobs": 2}, {"presence_penalty": 1.0}):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model=model_name, prompt=prompt, max_tokens=2, **fields)
+        assert f"does not support {next(iter(fields))}" in str(refused.value.body)
+    defaults = dict(echo=False, best_of=1, logprobs=0, presence_penalty=0)
+    assert client.completions.create(model=model_name, prompt=prompt, max_tokens=2, temperature=0, **defaults).choices
+    chat_defaults = dict(logprobs=False, presence_penalty=0, response_format={"type": "text"})
+    messages = [{"role": "user", "content": "hi"}]
+    assert client.chat.completions.create(model=model_name, messages=messages, max_tokens=2, **chat_defaults).choices
+
+
 def test_n_answers_models_and_health(client, model_name, reference, server):
     messages = [{"role": "user", "content": "that is the question"}]
     reply = client.chat.completions.create(model=model_name, messages=messages, max_tokens=6, temperature=0, n=3)
@@ -329,6 +357,8 @@ def test_responses_answer_through_the_store_with_the_checks_and_limits_of_chat(c
         ({"temperature": "hot"}, "temperature"),
         ({"max_output_tokens": MAX_CONTEXT}, "context limit"),
         ({"input": [3]}, "input[0]"),
+        ({"previous_response_id": "resp_1"}, "does not support previous_response_id"),  # (transformers ignores it)
+        ({"text": {"format": {"type": "json_object"}}}, "does not support text"),
     ):
         with pytest.raises(openai.BadRequestError) as refused:
             client.responses.create(model=model_name, input="hi", stream=False, extra_body=fields)
@@ -399,6 +429,10 @@ BAD_CHAT_REQUESTS = [  # (what the request gets wrong, the fields sent, a word t
     ("an unknown model", {"model": "no/such-model"}, "no/such-model"),
     ("a field the API does not have", {"colour": "blue"}, "colour"),
     ("past the context limit", {"max_tokens": MAX_CONTEXT}, "context limit"),
+    # what transformers serve accepts and ignores (it only logs them): refused, unless it changes nothing
+    ("logprobs asked for", {"logprobs": True}, "does not support logprobs"),
+    ("a presence_penalty", {"presence_penalty": 0.5}, "does not support presence_penalty"),
+    ("a JSON response_format", {"response_format": {"type": "json_object"}}, "does not support response_format"),
 ]
 
 
