@@ -791,6 +791,131 @@ MUTATIONS = [
         "    pass  # MUTATION",
         ("tests/tools/test_docs.py::test_gpn_version_names_the_installed_package_and_what_it_runs_on",),
     ),
+    Mutation(
+        "gpn serve: generate() from a kept state given only the prompt's last token (processors miss the prompt)",
+        "modeling_gpn/serve/generation.py",
+        "            sequences = model.generate(\n"
+        "                input_ids=input_ids.repeat_interleave(answers, dim=0),\n"
+        "                attention_mask=torch.ones(answers, length, dtype=torch.long, device=input_ids.device),\n"
+        "                cache=cache,\n"
+        "                streamer=streamer,\n"
+        "                generation_config=config,\n"
+        "                **kwargs,\n"
+        "            )\n",
+        "            sequences = torch.cat([input_ids[:, : length - 1].repeat_interleave(answers, dim=0), model.generate(\n"
+        "                input_ids=input_ids[:, length - 1 :].repeat_interleave(answers, dim=0),  # MUTATION\n"
+        "                attention_mask=torch.ones(answers, length, dtype=torch.long, device=input_ids.device),\n"
+        "                cache=cache,\n"
+        "                streamer=streamer,\n"
+        "                generation_config=config,\n"
+        "                **kwargs,\n"
+        "            )], dim=1)\n",
+        (
+            "tests/tools/test_serve_store.py -k processors_that_look_back",
+            "tests/tools/test_serve.py -k greedy_requests_as_transformers_serve_reads_them",
+        ),
+    ),
+    Mutation(
+        "gpn serve: temperature 0 greedy whatever top_p (a 400: sampling at temperature 0)",
+        "modeling_gpn/serve/handlers.py",
+        "    if temperature is not None and temperature == 0:\n        return False\n",
+        "    pass  # MUTATION\n",
+        ("tests/tools/test_serve.py -k greedy_requests_as_transformers_serve_reads_them",),
+    ),
+    Mutation(
+        "gpn serve: a generation_config without max_new_tokens resolved as generate() would (a 500)",
+        "modeling_gpn/serve/handlers.py",
+        "        if gen_config.max_new_tokens is None:\n            _resolve_max_new_tokens(gen_config, length)\n",
+        "        pass  # MUTATION\n",
+        ("tests/tools/test_serve.py -k greedy_requests_as_transformers_serve_reads_them",),
+    ),
+    Mutation(
+        "gpn serve: --state-dir-bytes counts the ids file a spilled state writes",
+        "modeling_gpn/serve/state_store.py",
+        "            size = path.stat().st_size + ids_path.stat().st_size\n",
+        "            size = path.stat().st_size  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k spill_folder_limit_counts_every_file",),
+    ),
+    Mutation(
+        "gpn serve: --state-dir-bytes counts the ids files a restarted store finds",
+        "modeling_gpn/serve/state_store.py",
+        "                size = stat.st_size + ids_path.stat().st_size  # both files count, as when they were written\n",
+        "                size = stat.st_size  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k spill_folder_limit_counts_every_file",),
+    ),
+    Mutation(
+        "gpn serve: the kept states written to --state-dir when the server stops",
+        "modeling_gpn/serve/server.py",
+        '            _pointing(serving_server, "build_server", _with_shutdown_step(serving_server.build_server, on_shutdown)),\n',
+        "",
+        ("tests/tools/test_serve.py -k stopped_and_restarted",),
+    ),
+    Mutation(
+        "gpn serve: n answers cut where a stop string ended their row (not at the padding after it)",
+        "modeling_gpn/serve/handlers.py",
+        "        if token in ends or (stops is not None and bool(stops(whole[:, : input_len + position + 1], None)[0])):\n",
+        "        if token in ends:  # MUTATION\n",
+        ("tests/tools/test_serve.py -k end_where_each_row_finished",),
+    ),
+    Mutation(
+        "gpn serve: an answer that stopped at its max_tokens-th token is finish_reason stop",
+        "modeling_gpn/serve/handlers.py",
+        '                    choice["finish_reason"] = "stop"\n',
+        "                    pass  # MUTATION\n",
+        ("tests/tools/test_serve.py -k end_where_each_row_finished",),
+    ),
+    Mutation(
+        "gpn serve: a lone surrogate in a request is a 400 (a 500 from the tokenizer)",
+        "modeling_gpn/serve/validation.py",
+        "    for name, value in body.items():\n        _check_text(value, name)\n",
+        "",
+        ("tests/tools/test_serve.py::test_bad_completion_requests_and_bodies_get_a_4xx",),
+    ),
+    Mutation(
+        "gpn serve --help names the positional MODEL where transformers' help says force_model",
+        "modeling_gpn/serve/cli.py",
+        '.replace("force_model is set", "MODEL is given")',
+        "",
+        ("tests/tools/test_serve.py::test_gpn_serve_help_has_transformers_serve_options",),
+    ),
+    Mutation(
+        "gpn serve: /v1/responses through the state store, the request checks and the limits",
+        "modeling_gpn/serve/server.py",
+        '            _pointing(response, "ResponseHandler", responses),\n',
+        "",
+        (
+            "tests/tools/test_serve.py -k responses_answer_through_the_store",
+            "tests/tools/test_serve.py -k queue_limit_refuses",
+        ),
+    ),
+    Mutation(
+        "gpn serve: /v1/completions applies logit_bias (transformers' handler accepts it and ignores it)",
+        "modeling_gpn/serve/handlers.py",
+        '                config.sequence_bias = {(int(token),): bias for token, bias in body["logit_bias"].items()}\n',
+        "                pass  # MUTATION\n",
+        ("tests/tools/test_serve.py -k completions_apply_logit_bias",),
+    ),
+    Mutation(
+        "gpn serve: /v1/completions refuses echo, best_of, logprobs, presence_penalty (transformers ignores them)",
+        "modeling_gpn/serve/validation.py",
+        '    _check_supported(body, "completion")\n',
+        "",
+        ("tests/tools/test_serve.py -k completions_apply_logit_bias",),
+    ),
+    Mutation(
+        "gpn serve: /v1/chat/completions refuses logprobs, presence_penalty, response_format (transformers ignores them)",
+        "modeling_gpn/serve/validation.py",
+        '    _check_supported(body, "chat")\n',
+        "",
+        ("tests/tools/test_serve.py -k bad_chat_requests and (logprobs or presence_penalty or response_format)",),
+    ),
+    Mutation(
+        "gpn serve: /v1/responses refuses previous_response_id, a non-text format, ... (transformers ignores them)",
+        "modeling_gpn/serve/validation.py",
+        '    _check_supported(body, "response")\n',
+        "",
+        ("tests/tools/test_serve.py -k responses_answer_through_the_store",),
+    ),
 ]
 
 

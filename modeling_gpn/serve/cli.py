@@ -72,11 +72,13 @@ def _serve_parameters() -> list[tuple[str, type, object, object]]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Serve a model behind an OpenAI-compatible API (/v1/chat/completions with streaming, /v1/completions, "
-        "/v1/models, /health): transformers serve, able to build a GPN, keeping each conversation's state so the "
+        "/v1/responses, /v1/models, /health): transformers serve, able to build a GPN, keeping each conversation's state so the "
         "next turn reads only its new tokens. Options up to --state-store-bytes are transformers serve's own."
     )
     for name, kind, info, default in _serve_parameters():
-        help_text = (info.help or "").replace("%", "%%")
+        # transformers' help names its own parameter (--model-timeout: "Ignored when force_model is set"): here it
+        # is the positional MODEL
+        help_text = (info.help or "").replace("%", "%%").replace("force_model is set", "MODEL is given")
         if name == "force_model":
             parser.add_argument(
                 "model", nargs="?", default=None, help=help_text + " Without it, each request's `model` is loaded."
@@ -107,7 +109,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--state-dir",
         default=None,
         metavar="DIR",
-        help="folder for states evicted from memory (state files), read back when needed and after a restart",
+        help="folder for state files: the states evicted from memory, and every kept state when the server stops "
+        "(Ctrl-C or SIGTERM; a killed server, kill -9, loses those in memory); read back when needed and after a "
+        "restart",
     )
     gpn.add_argument(
         "--state-dir-bytes",
@@ -142,5 +146,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     options = {name: getattr(args, name) for name, *_ in _serve_parameters() if name != "force_model"}
     options.update({name: getattr(args, name) for name in GPN_OPTIONS})
-    GPNServe(args.model, **options)
+    try:
+        GPNServe(args.model, **options)
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn has stopped the server (and the states are written); no traceback
+        return 130
     return 0

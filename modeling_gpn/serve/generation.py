@@ -3,16 +3,18 @@
 transformers' handlers call `model.generate(input_ids=..., attention_mask=..., streamer=..., generation_config=...,
 tokenizer=...)` on the model the model manager loaded, on one inference thread per model. `gpn serve` hands
 them a `StateKeepingModel` instead: the same model (every other attribute is the model's), whose `generate`
-asks the `StateStore` for the longest kept state the prompt begins with and reads only the rest, the
-unambiguous way: the new ids, an attention mask over the positions the state has read plus the new ones, and
-a private copy of the kept state (`fork(1)`) as the cache `generate()` advances. It returns what `generate()`
-returns for the whole prompt, so nothing downstream changes.
+asks the `StateStore` for the longest kept state the prompt begins with and reads only the rest: a private
+copy of the kept state (`fork(1)`) reads the prompt's new ids up to its last token (a forward, given the new
+ids with an attention mask over the positions read plus the new ones: never ambiguous), then `generate()` is
+given the whole prompt with that cache and reads only its last token (it recognises what the cache has read by
+its fingerprint). Every logits processor and stopping criterion of `generate()` so sees the whole prompt, and
+it returns what `generate()` returns for the whole prompt, token for token: nothing downstream changes.
 
 Two states are kept per request. One is the state before the prompt's last token: `generate()` must read at
 least one token (its logits give the first answer token), so this is the state that serves the same prompt
 again (a retry, more samples: one token read) and the next turn, which begins with this prompt (one token more
 than its new ones). It is made by reading the prompt up to that token in a forward of its own, then
-`generate()` reads the last token. The other is the state after the answer (the prompt and every answer token
+`generate()`, given the whole prompt, reads the last token. The other is the state after the answer (the prompt and every answer token
 but the last, which `generate()` never reads), which serves the next turn when the answer's text, rendered by
 the chat template and tokenized again, gives back the generated tokens (it need not: then the first state
 serves).
@@ -140,26 +142,27 @@ class StateKeepingModel:
                 cache = GPNCache()
             elif answers > 1:
                 cache = cache.fork(answers)  # n answers, one state: the prompt is not read n times
-            new_ids = input_ids[:, length - 1 :].repeat_interleave(answers, dim=0)
-            mask = torch.ones(
-                answers, length, dtype=torch.long, device=input_ids.device
-            )  # what was read + the new column
+            # generate() is given the whole prompt, not only its last token: the cache has read all but that
+            # token, and generate() recognises what it read (its fingerprint) and reads only the rest. So every
+            # logits processor and stopping criterion sees the whole history (repetition_penalty,
+            # no_repeat_ngram_size, sequence_bias, min_length, max_length, ...) and the answer is generate()'s
+            # on the whole conversation, token for token.
             sequences = model.generate(
-                input_ids=new_ids,
-                attention_mask=mask,
+                input_ids=input_ids.repeat_interleave(answers, dim=0),
+                attention_mask=torch.ones(answers, length, dtype=torch.long, device=input_ids.device),
                 cache=cache,
                 streamer=streamer,
                 generation_config=config,
                 **kwargs,
             )
-        generated = sequences[:, 1:]
+        generated = sequences[:, length:]
         # The answers' states: each row has read the prompt and its tokens but the last (generate() stops
         # without reading it); rows that finished early have read padding after their end, kept as read.
         read = cache.get_seq_length()
         for row in range(answers):
             answer_state = (lambda: cache) if answers == 1 else (lambda row=row: _row(cache, row, answers))
             _keep_safely(store, model, (prompt + generated[row].tolist())[:read], answer_state)
-        return torch.cat([input_ids.repeat_interleave(answers, dim=0), generated], dim=1)
+        return sequences
 
 
 def _keep_safely(store: StateStore, model, ids: list[int], state: Callable[[], GPNCache]) -> None:

@@ -1,6 +1,6 @@
-"""transformers' chat and completion handlers, with what `gpn serve` adds around them.
+"""transformers' chat, completion and Responses API handlers, with what `gpn serve` adds around them.
 
-The handlers are transformers' own (`ChatCompletionHandler`, `CompletionHandler`): they parse the request,
+The handlers are transformers' own (`ChatCompletionHandler`, `CompletionHandler`, `ResponseHandler`): they parse the request,
 render the chat template, build the generation config, stream and format the answer. `StateKeeping` (a
 mixin placed before them) adds, at the points where they hand over:
 
@@ -16,7 +16,7 @@ mixin placed before them) adds, at the points where they hand over:
   store), and the prompt tokens continued from a kept state are reported as the OpenAI API does, in
   `usage.prompt_tokens_details.cached_tokens`;
 - `n` answers (transformers ignores `n`): made as `n` rows of one `generate()` call, each formatted by
-  transformers' own response builder.
+  transformers' own response builder (chat and completions: the Responses API has no `n`).
 """
 
 from __future__ import annotations
@@ -31,13 +31,16 @@ import torch
 from fastapi import HTTPException
 from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
+from transformers import GenerationConfig
 from transformers.cli.serving.chat_completion import ChatCompletionHandler
 from transformers.cli.serving.completion import CompletionHandler
+from transformers.cli.serving.response import ResponseHandler
 from transformers.cli.serving.utils import CBGenerateManager
+from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .generation import StateKeepingModel
 from .state_store import StateStore
-from .validation import RequestError, check_chat_request, check_completion_request
+from .validation import RequestError, check_chat_request, check_completion_request, check_response_request
 
 
 class Admission:
@@ -105,6 +108,8 @@ class StateKeeping:
     """Mixin for a transformers serving handler (see the module docstring); `check_request` validates bodies."""
 
     check_request = staticmethod(lambda body: None)
+    takes_n = True  # whether the endpoint has `n` (the Responses API has not: transformers refuses it, 422)
+    max_tokens_fields = ("max_tokens", "max_completion_tokens")  # what sets the answer's length
 
     def __init__(self, *args, policy: ServingPolicy, **kwargs):
         super().__init__(*args, **kwargs)
@@ -119,8 +124,9 @@ class StateKeeping:
             raise HTTPException(status_code=400, detail="model is required (this server is not pinned to one model)")
         if body.get("logit_bias"):  # generate() takes float biases only; JSON's -100 is an int (transformers: a 500)
             body["logit_bias"] = {token: float(bias) for token, bias in body["logit_bias"].items()}
-        answers = body.pop("n", None) or 1  # transformers would ignore it (with a warning): the answers are made here
-        max_tokens_given = body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
+        # transformers would ignore n (with a warning): the answers are made here
+        answers = (body.pop("n", None) or 1) if self.takes_n else 1
+        max_tokens_given = any(body.get(name) is not None for name in self.max_tokens_fields)
         slot = self.policy.admission.admit()
         token = _current.set(_Request(slot, answers, max_tokens_given))
         streaming = False
@@ -156,6 +162,10 @@ class StateKeeping:
     def _build_generation_config(self, body: dict, model_generation_config, use_cb: bool = False):
         try:
             config = super()._build_generation_config(body, model_generation_config, use_cb=use_cb)
+            if body.get("logit_bias") and not config.sequence_bias:
+                # transformers' completion handler accepts logit_bias and never applies it (its chat handler
+                # does, as here): a bias on one token is a sequence_bias of one token
+                config.sequence_bias = {(int(token),): bias for token, bias in body["logit_bias"].items()}
             if _asks_to_sample(body):  # as the OpenAI API means it (transformers leaves the model's default)
                 config.do_sample = True
             config.validate()
@@ -169,6 +179,8 @@ class StateKeeping:
         length = inputs["input_ids"].shape[-1]
         if length == 0:
             raise HTTPException(status_code=400, detail="the prompt is empty: it has no tokens to continue")
+        if gen_config.max_new_tokens is None:
+            _resolve_max_new_tokens(gen_config, length)
         limit = self.policy.max_context
         if limit is None:
             return
@@ -183,32 +195,36 @@ class StateKeeping:
         elif length + gen_config.max_new_tokens > limit:
             raise HTTPException(
                 status_code=400,
-                detail=f"the prompt ({length} tokens) and max_tokens ({gen_config.max_new_tokens}) pass this server's "
+                detail=f"the prompt ({length} tokens) and {self.max_tokens_fields[0]} ({gen_config.max_new_tokens}) pass this server's "
                 f"context limit of {limit} tokens (--max-context): shorten the conversation or ask for fewer tokens",
             )
 
-    def _streaming(self, request_id, model, processor, model_id, inputs, gen_config, *args, **kwargs):
-        self._fit_context(inputs, gen_config)
-        response = super()._streaming(request_id, model, processor, model_id, inputs, gen_config, *args, **kwargs)
-        response.body_iterator = _finishing_stream(response.body_iterator, model, _current.get().slot)
+    # transformers' handlers differ in what they pass (the Responses API's passes the body too): the arguments are
+    # read by name, from the signature of the method they are for
+
+    def _streaming(self, *args, **kwargs):
+        arguments = inspect.signature(super()._streaming).bind(*args, **kwargs).arguments
+        self._fit_context(arguments["inputs"], arguments["gen_config"])
+        response = super()._streaming(*args, **kwargs)
+        response.body_iterator = _finishing_stream(response.body_iterator, arguments["model"], _current.get().slot)
         return response
 
-    async def _non_streaming(self, request_id, model, processor, model_id, inputs, gen_config, *args, **kwargs):
-        self._fit_context(inputs, gen_config)
+    async def _non_streaming(self, *args, **kwargs):
+        arguments = inspect.signature(super()._non_streaming).bind(*args, **kwargs)
+        self._fit_context(arguments.arguments["inputs"], arguments.arguments["gen_config"])
         try:
-            body = await self._answers(request_id, model, processor, model_id, inputs, gen_config, *args, **kwargs)
+            body = await self._answers(arguments)
         except (ValueError, TypeError) as error:
             # generate() checks what the request asked for (its generation_config's values, ...) as it runs:
             # the request's fault, said as such (a stream reports it in its error event)
             raise HTTPException(status_code=400, detail=f"generate() refused this request: {error}") from None
-        _report_cached_tokens(body.get("usage"), model.cached_tokens)
+        _report_cached_tokens(body.get("usage"), arguments.arguments["model"].cached_tokens)
         return JSONResponse(body, media_type="application/json")
 
-    async def _answers(self, request_id, model, processor, model_id, inputs, gen_config, *args, **kwargs) -> dict:
+    async def _answers(self, arguments: inspect.BoundArguments) -> dict:
         """transformers' non-streamed response body, with the n answers when n > 1."""
-        arguments = inspect.signature(super()._non_streaming).bind(
-            request_id, model, processor, model_id, inputs, gen_config, *args, **kwargs
-        )
+        model, processor = arguments.arguments["model"], arguments.arguments["processor"]
+        inputs, gen_config = arguments.arguments["inputs"], arguments.arguments["gen_config"]
         if model.answers == 1:
             body = json.loads((await super()._non_streaming(*arguments.args, **arguments.kwargs)).body)
         else:
@@ -217,12 +233,14 @@ class StateKeeping:
             gen_manager = arguments.arguments["gen_manager"]
             if isinstance(gen_manager, CBGenerateManager):  # (a model other than a GPN, --continuous-batching)
                 raise HTTPException(status_code=400, detail="n > 1 is not supported with --continuous-batching")
+            request_id = arguments.arguments["request_id"]
             await gen_manager.generate_non_streaming(model, processor, inputs, gen_config, request_id=request_id)
             body = None
             for row in range(model.sequences.shape[0]):
-                arguments.arguments["gen_manager"] = _Answer(
-                    _answer_tokens(model.sequences, row, inputs, gen_config, processor), processor
+                input_len, ids, _ = _answer_tokens(
+                    model.sequences, row, inputs, gen_config, processor, model.generation_config.eos_token_id
                 )
+                arguments.arguments["gen_manager"] = _Answer((input_len, ids), processor)
                 answer = json.loads((await super()._non_streaming(*arguments.args, **arguments.kwargs)).body)
                 if body is None:
                     body = answer
@@ -231,14 +249,45 @@ class StateKeeping:
                 body["choices"].extend(answer["choices"])
                 for name in ("completion_tokens", "total_tokens"):
                     body["usage"][name] += answer["usage"]["completion_tokens"]
+        if model.sequences is not None:  # (None: continuous batching ran it, without generate())
+            for row, choice in enumerate(body.get("choices", [])):
+                if (
+                    choice.get("finish_reason") == "length"
+                    and _answer_tokens(
+                        model.sequences, row, inputs, gen_config, processor, model.generation_config.eos_token_id
+                    )[2]
+                ):
+                    # it ended on EOS or a stop string at its last allowed token: it stopped. (transformers says
+                    # "length" for any answer max_tokens long; here the row's end is known.)
+                    choice["finish_reason"] = "stop"
         return body
 
 
 def _asks_to_sample(body: dict) -> bool:
     """A temperature above 0, or a top_p below 1, means sampling in the OpenAI API. transformers serve sets only
-    the value, so a model whose generation config does not sample (a GPN's, by default) would answer greedily."""
+    the value, so a model whose generation config does not sample (a GPN's, by default) would answer greedily.
+    A temperature of 0 is greedy whatever top_p says, as in transformers serve (it sets do_sample=False)."""
     temperature, top_p = body.get("temperature"), body.get("top_p")
+    if temperature is not None and temperature == 0:
+        return False
     return (temperature is not None and temperature > 0) or (top_p is not None and top_p < 1)
+
+
+def _resolve_max_new_tokens(gen_config, length: int) -> None:
+    """Set `max_new_tokens` to what `generate()` would make without it (a request's `generation_config` without
+    max_new_tokens, and no max_tokens): up to its `max_length`, prompt included, or 20 new tokens when it has
+    none, as plain transformers serve answers. Set, the context limit can bound it and transformers' handlers
+    can tell an answer cut at its length from one that stopped."""
+    if gen_config.max_length is None:
+        gen_config.max_new_tokens = GenerationConfig._get_default_generation_params()["max_length"]
+        return
+    if gen_config.max_length <= length:
+        raise HTTPException(
+            status_code=400,
+            detail=f"generation_config's max_length ({gen_config.max_length}) leaves no room for an answer after the "
+            f"prompt's {length} tokens: raise it, or give max_new_tokens or max_tokens",
+        )
+    gen_config.max_new_tokens, gen_config.max_length = gen_config.max_length - length, None
 
 
 class StateKeepingChatCompletionHandler(StateKeeping, ChatCompletionHandler):
@@ -253,6 +302,14 @@ class StateKeepingCompletionHandler(StateKeeping, CompletionHandler):
     check_request = staticmethod(check_completion_request)
 
 
+class StateKeepingResponseHandler(StateKeeping, ResponseHandler):
+    """transformers' `/v1/responses` handler, through the state store, with the same checks and limits."""
+
+    check_request = staticmethod(check_response_request)
+    takes_n = False
+    max_tokens_fields = ("max_output_tokens",)
+
+
 class _Answer:
     """Stands in for transformers' generation manager when its handler formats one of the n answers
     (already generated): returns what `GenerateManager.generate_non_streaming` returns for it."""
@@ -265,26 +322,35 @@ class _Answer:
         return self.processor.decode(self.ids, skip_special_tokens=True), self.input_len, self.ids
 
 
-def _answer_tokens(sequences: torch.Tensor, row: int, inputs, gen_config, processor) -> tuple[int, torch.Tensor]:
-    """(prompt length, the row's generated tokens up to its end): a row that ended before the longest one
-    is padded after its end (EOS, or a stop string's last token), which is not part of its answer."""
+def _answer_tokens(
+    sequences: torch.Tensor, row: int, inputs, gen_config, processor, eos_token_id=None
+) -> tuple[int, torch.Tensor, bool]:
+    """(prompt length, the row's generated tokens up to where it finished, whether it finished by itself).
+
+    A row that finished before the longest one is padded after its end with the pad token, which is the EOS
+    token when the configuration has no pad: so the row's end is found the way generate() found it, at the
+    first EOS (kept, as generate() keeps it) or the first token that completes a stop string (the same check,
+    transformers' `StopStringCriteria`), never by looking for padding. A row that did neither ran to its
+    length. `eos_token_id` is the model's, for a generation config (a request's own) that names none."""
     input_len = inputs["input_ids"].shape[-1]
     ids = sequences[row, input_len:]
-    ends = gen_config.eos_token_id
+    ends = gen_config.eos_token_id if gen_config.eos_token_id is not None else eos_token_id
     ends = set(ends if isinstance(ends, list) else [] if ends is None else [ends])
+    stop_strings = gen_config.stop_strings
+    stops = StopStringCriteria(getattr(processor, "tokenizer", processor), stop_strings) if stop_strings else None
+    whole = sequences[row : row + 1]
     for position, token in enumerate(ids.tolist()):
-        if token in ends:
-            return input_len, ids[: position + 1]
-    pad = gen_config.pad_token_id
-    if pad is not None:
-        while ids.numel() and int(ids[-1]) == pad:
-            ids = ids[:-1]
-    return input_len, ids
+        if token in ends or (stops is not None and bool(stops(whole[:, : input_len + position + 1], None)[0])):
+            return input_len, ids[: position + 1], True
+    return input_len, ids, False
 
 
 def _report_cached_tokens(usage: dict | None, cached_tokens: int) -> None:
+    """The OpenAI API's field for prompt caching: `input_tokens_details` in the Responses API's usage,
+    `prompt_tokens_details` in the others'."""
     if usage is not None:
-        usage.setdefault("prompt_tokens_details", {})["cached_tokens"] = cached_tokens
+        details = "input_tokens_details" if "input_tokens" in usage else "prompt_tokens_details"
+        usage.setdefault(details, {})["cached_tokens"] = cached_tokens
 
 
 async def _finishing_stream(chunks, model: StateKeepingModel, slot: Slot):
@@ -298,7 +364,9 @@ async def _finishing_stream(chunks, model: StateKeepingModel, slot: Slot):
                 for event in chunk.split("\n\n"):
                     if event.startswith("data: ") and '"usage"' in event:
                         data = json.loads(event.removeprefix("data: "))
-                        _report_cached_tokens(data.get("usage"), model.cached_tokens)
+                        # (the Responses API's last event carries the response, and its usage, whole)
+                        usage = data.get("usage") or (data.get("response") or {}).get("usage")
+                        _report_cached_tokens(usage, model.cached_tokens)
                         event = "data: " + json.dumps(data, separators=(",", ":"))
                     events.append(event)
                 chunk = "\n\n".join(events)

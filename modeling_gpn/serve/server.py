@@ -2,9 +2,10 @@
 built with the pieces `gpn serve` changes.
 
 `Serve.__init__` composes the server from transformers' serving modules, importing each piece from its module
-as it builds it. `GPNServe` runs that same `__init__` with two of those names pointing at `gpn serve`'s
-subclasses (the chat and completion handlers, `handlers.py`) while it builds, and makes the model manager able
-to build a GPN (`models.py`); nothing of the server is copied. Everything else, every option included, is
+as it builds it. `GPNServe` runs that same `__init__` with some of those names pointing at `gpn serve`'s
+own while it builds: the chat, completion and Responses API handlers (`handlers.py`), and `build_server`, whose app is given
+one step more at shutdown (the kept states written to `--state-dir`); and it makes the model manager able to
+build a GPN (`models.py`). Nothing of the server is copied. Everything else, every option included, is
 transformers' own.
 """
 
@@ -13,10 +14,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from transformers.cli.serve import Serve
-from transformers.cli.serving import chat_completion, completion
+from transformers.cli.serving import chat_completion, completion, response
+from transformers.cli.serving import server as serving_server
 
 from . import (
     DEFAULT_MAX_CONTEXT,
@@ -29,6 +31,7 @@ from .handlers import (
     ServingPolicy,
     StateKeepingChatCompletionHandler,
     StateKeepingCompletionHandler,
+    StateKeepingResponseHandler,
 )
 from .models import make_gpn_loadable
 from .state_store import StateStore
@@ -45,13 +48,50 @@ def _pointing(module, name: str, value) -> Iterator[None]:
         setattr(module, name, original)
 
 
+def _with_policy(handler: type, policy: ServingPolicy) -> type:
+    """`handler` built with `policy`, as a class: the names are pointed at it while the server runs (`Serve.__init__`
+    runs the server), and transformers' handlers call their own static methods through their module's name
+    (`ResponseHandler._normalize_response_items`), so what the name holds must still be the handler class."""
+
+    class WithPolicy(handler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, policy=policy, **kwargs)
+
+    WithPolicy.__name__ = WithPolicy.__qualname__ = handler.__name__
+    return WithPolicy
+
+
+def _with_shutdown_step(build_server: Callable, on_shutdown: Callable[[], None]) -> Callable:
+    """transformers' `build_server`, `on_shutdown` run when its app stops gracefully (uvicorn runs the lifespan's
+    end on Ctrl-C and SIGTERM, after the last connection closed), before transformers' own end."""
+
+    @functools.wraps(build_server)
+    def build(*args, **kwargs):
+        app = build_server(*args, **kwargs)
+        serve_lifespan = app.router.lifespan_context
+
+        @contextlib.asynccontextmanager
+        async def lifespan(app):
+            async with serve_lifespan(app) as state:
+                try:
+                    yield state
+                finally:  # before transformers' own end, which unloads the models the states need to be saved
+                    on_shutdown()
+
+        app.router.lifespan_context = lifespan
+        return app
+
+    return build
+
+
 class GPNServe(Serve):
     """`transformers serve`, serving GPNs, conversations kept as states (every `Serve` option is accepted).
 
     Args:
         force_model: as `Serve`'s: the model to preload and serve for every request.
         state_store_bytes: the most the kept states may take in memory; 0 turns the state store off.
-        state_dir: a folder for states evicted from memory (state files), found again after a restart.
+        state_dir: a folder for state files: the states evicted from memory, and every kept state when the server
+            stops gracefully (Ctrl-C, SIGTERM); found again after a restart.
         state_dir_bytes: the most the state files in `state_dir` may take.
         max_context: the most tokens a request's prompt and answer may take together (None: no limit).
         max_queued_requests: the most requests taken on at once, running or waiting (None: no limit).
@@ -77,10 +117,16 @@ class GPNServe(Serve):
             store = StateStore(state_store_bytes, spill_dir=state_dir, spill_max_bytes=state_dir_bytes)
         self.policy = ServingPolicy(store=store, max_context=max_context, admission=Admission(max_queued_requests))
         make_gpn_loadable()
-        chat = functools.partial(StateKeepingChatCompletionHandler, policy=self.policy)
-        legacy = functools.partial(StateKeepingCompletionHandler, policy=self.policy)
+        chat = _with_policy(StateKeepingChatCompletionHandler, self.policy)
+        legacy = _with_policy(StateKeepingCompletionHandler, self.policy)
+        responses = _with_policy(StateKeepingResponseHandler, self.policy)
+        # a server that stops (Ctrl-C, SIGTERM) writes the states it keeps in memory to --state-dir, so one
+        # restarted on the folder continues the conversations (a killed one, kill -9, loses them)
+        on_shutdown = store.spill_all if store is not None else lambda: None
         with (
             _pointing(chat_completion, "ChatCompletionHandler", chat),
             _pointing(completion, "CompletionHandler", legacy),
+            _pointing(response, "ResponseHandler", responses),
+            _pointing(serving_server, "build_server", _with_shutdown_step(serving_server.build_server, on_shutdown)),
         ):
             super().__init__(force_model, **serve_options)

@@ -13,7 +13,8 @@ belongs to and the token ids it has read, and a request continues from the longe
   used are evicted first. With a `spill_dir` an evicted state is written there as a state file
   (`GPNCache.save`, beside a small JSON of its ids) and read back (`GPNCache.load`, which checks the file
   belongs to the model) when a request needs it; the folder is bounded too (`spill_max_bytes`), and a
-  server started on a folder that holds such files continues from them.
+  server started on a folder that holds such files continues from them (a server that stops writes the
+  states still in memory there too: `spill_all`).
 - Thread-safe: one lock guards the store; every method may be called from any thread.
 """
 
@@ -195,6 +196,18 @@ class StateStore:
             self._evict()
             return True
 
+    def spill_all(self) -> None:
+        """Write every state in memory to the spill folder, least recently used first (so the folder's limit
+        drops those first), for a server that stops: one restarted on the folder continues from them. Nothing
+        without a spill folder."""
+        if self.spill_dir is None:
+            return
+        with self._lock:
+            while self._memory:
+                key, entry = self._memory.popitem(last=False)
+                self._memory_bytes -= entry.nbytes
+                self._spill(key, entry)
+
     def summary(self) -> dict:
         """Sizes and counts, for logs and tests."""
         with self._lock:
@@ -279,16 +292,16 @@ class StateStore:
     def _spill(self, key: str, entry: _Entry) -> None:
         """Write an evicted state to the folder (the state file, then its ids: both written under a temporary
         name and renamed, so a file's presence means it is whole); drop it when it cannot be written."""
-        path = self._state_path(key)
+        path, ids_path = self._state_path(key), self._ids_path(key)
         try:
             entry.cache.save(path)
-            _write_atomically(
-                self._ids_path(key), json.dumps({"model": entry.model, "ids": _ids_from_bytes(entry.ids)}).encode()
-            )
-            size = path.stat().st_size
+            _write_atomically(ids_path, json.dumps({"model": entry.model, "ids": _ids_from_bytes(entry.ids)}).encode())
+            # both files count against the folder's limit: the ids outweigh the state in a long conversation
+            size = path.stat().st_size + ids_path.stat().st_size
         except (OSError, ValueError) as error:
             logger.warning("state store: cannot write %s, the state is dropped: %s", path, error)
             path.unlink(missing_ok=True)
+            ids_path.unlink(missing_ok=True)
             self._count_length(entry.model, entry.length, -1)
             return
         self._files[key] = _Entry(entry.model, entry.ids, None, size)
@@ -338,11 +351,12 @@ class StateStore:
                 ids = [int(token) for token in record["ids"]]
                 ids_bytes, owner = _ids_bytes(ids), str(record["model"])
                 stat = state_path.stat()
+                size = stat.st_size + ids_path.stat().st_size  # both files count, as when they were written
             except (OSError, ValueError, KeyError, TypeError, OverflowError):
                 continue
             if _entry_key(owner, ids_bytes) != key or not ids:
                 continue
-            found.append((stat.st_mtime, key, _Entry(owner, ids_bytes, None, stat.st_size)))
+            found.append((stat.st_mtime, key, _Entry(owner, ids_bytes, None, size)))
         for _, key, entry in sorted(found, key=lambda item: item[0]):
             self._files[key] = entry
             self._file_bytes += entry.nbytes

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
 MAX_ANSWERS = 128  # the OpenAI API's bound on `n`
@@ -39,6 +40,56 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 
 
+def _is_default(default: Any) -> Callable[[Any], bool]:
+    return lambda value: value == default
+
+
+def _text_format(value: Any) -> bool:
+    return isinstance(value, dict) and value.get("type", "text") == "text"
+
+
+# Fields of the OpenAI API that transformers serve accepts and then ignores (it only logs them, which an OpenAI
+# client never sees). A value that would change the answer or what the response holds is refused, naming the
+# field; the field's default (what the API does without it), or a value that changes nothing here, is accepted.
+# Fields that change nothing in the answer (user, metadata, store, service_tier, stream_options, prediction,
+# parallel_tool_calls) are accepted as transformers accepts them.
+NOT_SUPPORTED: dict[str, dict[str, tuple[str, Callable[[Any], bool]]]] = {  # endpoint: {field: (accepted, test)}
+    "chat": {
+        "logprobs": ("false", lambda value: value is False),
+        "top_logprobs": ("0", _is_default(0)),
+        "presence_penalty": ("0", _is_default(0)),
+        "response_format": ('{"type": "text"}', _text_format),
+        "modalities": ('["text"]', _is_default(["text"])),
+        "audio": ("null", lambda value: False),
+        "functions": ("null (give tools)", lambda value: False),
+        "function_call": ("null (give tools)", lambda value: False),
+        "tool_choice": ('"auto"', _is_default("auto")),
+        "reasoning_effort": ("null", lambda value: False),
+        "web_search_options": ("null", lambda value: False),
+    },
+    "completion": {
+        "logprobs": ("0", _is_default(0)),
+        "echo": ("false", lambda value: value is False),
+        "best_of": ("1", _is_default(1)),
+        "presence_penalty": ("0", _is_default(0)),
+    },
+    "response": {
+        "previous_response_id": ("null (send the conversation in input)", lambda value: False),
+        "prompt": ("null", lambda value: False),
+        "background": ("false", lambda value: value is False),
+        "include": ("[]", _is_default([])),
+        "text": (
+            '{"format": {"type": "text"}}',
+            lambda value: isinstance(value, dict) and _text_format(value.get("format", {})),
+        ),
+        "top_logprobs": ("0", _is_default(0)),
+        "tool_choice": ('"auto"', _is_default("auto")),
+        "truncation": ('"disabled"', _is_default("disabled")),
+        "max_tool_calls": ("null", lambda value: False),
+    },
+}
+
+
 class RequestError(ValueError):
     """A request the server will not run; the message names the field and what it must be."""
 
@@ -50,6 +101,7 @@ class RequestError(ValueError):
 def check_chat_request(body: dict[str, Any]) -> None:
     """Refuse a `/v1/chat/completions` body with a field of the wrong type or out of range."""
     _check_common(body)
+    _check_supported(body, "chat")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list of {role, content} objects")
@@ -111,13 +163,48 @@ def _check_tool_calls(tool_calls: Any, where: str) -> None:
 def check_completion_request(body: dict[str, Any]) -> None:
     """Refuse a `/v1/completions` body with a field of the wrong type or out of range."""
     _check_common(body)
+    _check_supported(body, "completion")
     if not isinstance(body.get("prompt"), str):
         raise RequestError("prompt must be a string (lists of prompts and token ids are not supported)")
     _check_type(body, "suffix", str)
     _check_type(body, "echo", bool)
 
 
+def check_response_request(body: dict[str, Any]) -> None:
+    """Refuse a `/v1/responses` body with a field of the wrong type or out of range."""
+    _check_common(body)
+    _check_supported(body, "response")
+    _check_positive_int(body, "max_output_tokens")
+    _check_type(body, "instructions", str)
+    items = body.get("input")
+    if not isinstance(items, str | list) or not items:
+        raise RequestError("input must be a non-empty string or a non-empty list of items")
+    for index, item in enumerate(items if isinstance(items, list) else []):
+        where = f"input[{index}]"
+        if not isinstance(item, dict):
+            raise RequestError(f"{where} must be an object (a message with a role, or a typed item)")
+        if "role" in item:
+            if item["role"] not in CHAT_ROLES:
+                raise RequestError(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {item['role']!r}")
+            content = item.get("content", "")
+            if not isinstance(content, str | list) or not all(
+                isinstance(part, dict) and isinstance(part.get("type"), str)
+                for part in (content if isinstance(content, list) else [])
+            ):
+                raise RequestError(f"{where}.content must be a string or a list of content parts with a type")
+        elif item.get("type") == "function_call" and not all(
+            isinstance(item.get(name), str) for name in ("call_id", "name", "arguments")
+        ):
+            raise RequestError(f"{where} (a function_call) must have a call_id, a name and arguments, as strings")
+        elif item.get("type") == "function_call_output" and (
+            not isinstance(item.get("call_id"), str) or "output" not in item
+        ):
+            raise RequestError(f"{where} (a function_call_output) must have a call_id and an output")
+
+
 def _check_common(body: dict[str, Any]) -> None:
+    for name, value in body.items():
+        _check_text(value, name)
     _check_type(body, "model", str)
     _check_type(body, "stream", bool)
     _check_positive_int(body, "max_tokens")
@@ -160,6 +247,35 @@ def _check_common(body: dict[str, Any]) -> None:
             raise RequestError(f"generation_config must be a JSON object in a string: {error}") from error
         if not isinstance(parsed, dict):
             raise RequestError("generation_config must be a JSON object in a string")
+
+
+def _check_supported(body: dict[str, Any], endpoint: str) -> None:
+    """Refuse a field transformers serve would accept and ignore, with a value that would change the answer."""
+    for name, (accepted, honoured) in NOT_SUPPORTED[endpoint].items():
+        value = body.get(name)
+        if value is not None and not honoured(value):
+            raise RequestError(
+                f"gpn serve does not support {name} (got {json.dumps(value)}): leave it out, or send {accepted}"
+            )
+
+
+def _check_text(value: Any, where: str) -> None:
+    """Refuse a string that is not Unicode text: JSON lets a request escape half of a surrogate pair alone
+    ("\\ud83d"), which no tokenizer can encode (transformers: a 500)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise RequestError(
+                f"{where} has a lone surrogate ({value[error.start]!r} at character {error.start}): text must be "
+                "valid Unicode (a character beyond U+FFFF is escaped as a pair, e.g. \\ud83d\\ude00)"
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_text(item, f"{where}[{index}]")
 
 
 def _is_int(value: Any) -> bool:

@@ -13,8 +13,11 @@ model, with the state store, a spill folder and small limits. What it must do:
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +25,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai  # the test extra has it, with the serving extra's server stack: missing, these tests fail, never skip
@@ -73,14 +77,11 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    """`gpn serve MODEL` in its own process; always killed at the end."""
-    port, states, log_path = (
-        free_port(),
-        tmp_path_factory.mktemp("states"),
-        tmp_path_factory.mktemp("log") / "serve.log",
-    )
+@contextlib.contextmanager
+def serving(model_dir: Path, log_path: Path, *options: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`gpn serve MODEL --device cpu OPTIONS` in its own process on a free port: (its address, the process),
+    once /health answers; killed at the end if it is still running."""
+    port = free_port()
     command = [
         sys.executable,
         "-m",
@@ -93,12 +94,7 @@ def server(model_dir, tmp_path_factory):
         str(port),
         "--device",
         "cpu",
-        "--state-dir",
-        str(states),
-        "--max-queued-requests",
-        str(MAX_QUEUED),
-        "--max-context",
-        str(MAX_CONTEXT),
+        *options,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(log_path, "w") as log:
@@ -110,7 +106,7 @@ def server(model_dir, tmp_path_factory):
             if process.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"gpn serve did not come up (exit {process.poll()}):\n{log_path.read_text()[-3000:]}")
             time.sleep(0.2)
-        yield base
+        yield base, process
     finally:
         process.terminate()
         try:
@@ -118,6 +114,15 @@ def server(model_dir, tmp_path_factory):
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=15)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    """`gpn serve MODEL` in its own process, with the state store, a spill folder and small limits."""
+    states, log_path = tmp_path_factory.mktemp("states"), tmp_path_factory.mktemp("log") / "serve.log"
+    options = ["--state-dir", str(states), "--max-queued-requests", str(MAX_QUEUED), "--max-context", str(MAX_CONTEXT)]
+    with serving(model_dir, log_path, *options) as (base, _):
+        yield base
 
 
 def get(url: str) -> tuple[int | None, dict | None]:
@@ -140,11 +145,11 @@ def model_name(model_dir) -> str:
     return str(model_dir)
 
 
-def expected_chat(reference, messages: list[dict], max_tokens: int, streamed: bool = False) -> str:
+def expected_chat(reference, messages: list[dict], max_tokens: int, streamed: bool = False, **generation) -> str:
     model, tokenizer = reference
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+        out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, **generation)
     return as_text(tokenizer, out[0, inputs["input_ids"].shape[1] :], streamed)
 
 
@@ -221,6 +226,34 @@ def test_completions_plain_and_streamed(client, model_name, reference):
     assert longer.usage.prompt_tokens_details.cached_tokens >= ids["input_ids"].shape[1] - 1
 
 
+def test_completions_apply_logit_bias_and_refuse_what_they_would_ignore(client, model_name, reference):
+    """transformers' completion handler accepts logit_bias, echo, best_of, logprobs and presence_penalty and
+    applies none of them: logit_bias is applied here (as its chat handler applies it), the others are a 400
+    naming the field, but for their defaults, which change nothing."""
+    model, tokenizer = reference
+    prompt = "the cat sat on the"
+    ids = tokenizer(prompt, return_tensors="pt")
+    with torch.no_grad():
+        plain = model.generate(**ids, max_new_tokens=6, do_sample=False)[0, ids["input_ids"].shape[1] :]
+        ban = {(int(plain[0]),): -100.0}
+        banned = model.generate(**ids, max_new_tokens=6, do_sample=False, sequence_bias=ban)
+    banned = banned[0, ids["input_ids"].shape[1] :]
+    assert not torch.equal(banned, plain)  # the bias changes this answer: the test can fail
+    reply = client.completions.create(
+        model=model_name, prompt=prompt, max_tokens=6, temperature=0, logit_bias={str(int(plain[0])): -100}
+    )
+    assert reply.choices[0].text == as_text(tokenizer, banned, False)
+    for fields in ({"echo": True}, {"best_of": 3}, {"logprobs": 2}, {"presence_penalty": 1.0}):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model=model_name, prompt=prompt, max_tokens=2, **fields)
+        assert f"does not support {next(iter(fields))}" in str(refused.value.body)
+    defaults = dict(echo=False, best_of=1, logprobs=0, presence_penalty=0)
+    assert client.completions.create(model=model_name, prompt=prompt, max_tokens=2, temperature=0, **defaults).choices
+    chat_defaults = dict(logprobs=False, presence_penalty=0, response_format={"type": "text"})
+    messages = [{"role": "user", "content": "hi"}]
+    assert client.chat.completions.create(model=model_name, messages=messages, max_tokens=2, **chat_defaults).choices
+
+
 def test_n_answers_models_and_health(client, model_name, reference, server):
     messages = [{"role": "user", "content": "that is the question"}]
     reply = client.chat.completions.create(model=model_name, messages=messages, max_tokens=6, temperature=0, n=3)
@@ -236,6 +269,100 @@ def test_n_answers_models_and_health(client, model_name, reference, server):
     assert len({choice.text for choice in sampled.choices}) > 1  # temperature 1 samples (transformers: greedy here)
     assert [model.id for model in client.models.list().data] == [model_name]
     assert get(server + "/health") == (200, {"status": "ok"})
+
+
+def test_greedy_requests_as_transformers_serve_reads_them_with_the_tokens_of_the_whole_prompt(
+    client, model_name, reference
+):
+    """temperature 0 is greedy whatever top_p (transformers serve: do_sample=False), a generation_config without
+    max_new_tokens answers as generate() does without it, and frequency_penalty (transformers: repetition_penalty
+    1 + frequency_penalty) gives, from a kept state, the tokens of generate() on the whole prompt."""
+    messages = [{"role": "user", "content": "the cat sat on the mat. the cat sat on the mat. the cat"}]
+    reply = client.chat.completions.create(model=model_name, messages=messages, max_tokens=8, temperature=0, top_p=0.5)
+    assert reply.choices[0].message.content == expected_chat(reference, messages, 8)
+    # no max_new_tokens in the generation_config, no max_tokens: generate()'s own 20 new tokens, or up to its max_length
+    for generation_config, new_tokens in (
+        ('{"do_sample": false}', 20),
+        ('{"do_sample": false, "max_length": 30}', None),
+    ):
+        reply = client.chat.completions.create(
+            model=model_name, messages=messages, extra_body={"generation_config": generation_config}
+        )
+        new_tokens = new_tokens or 30 - reply.usage.prompt_tokens
+        assert reply.choices[0].message.content == expected_chat(reference, messages, new_tokens)
+        assert reply.usage.completion_tokens <= new_tokens
+    penalized = expected_chat(reference, messages, 12, repetition_penalty=2.0)
+    assert penalized != expected_chat(reference, messages, 12)  # the penalty changes this answer: the test can fail
+    for _ in range(2):  # the second continues from the state the first kept
+        reply = client.chat.completions.create(
+            model=model_name, messages=messages, max_tokens=12, temperature=0, frequency_penalty=1.0
+        )
+        assert reply.choices[0].message.content == penalized
+    assert reply.usage.prompt_tokens_details.cached_tokens == reply.usage.prompt_tokens - 1
+
+
+def test_n_answers_end_where_each_row_finished(client, model_name, reference):
+    """Rows of one generate() that finish early are padded (with EOS, when the model has no pad token): each of
+    the n answers is cut where its row finished (its EOS kept, or the token that completes a stop string), the
+    padding neither in its text nor its token count; an answer that ends so is "stop", even at max_tokens."""
+    from modeling_gpn.serve.handlers import _answer_tokens
+
+    model, tokenizer = reference
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "to be or not"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    prompt = inputs["input_ids"].shape[1]
+    config = copy.deepcopy(model.generation_config)
+    config.update(max_new_tokens=12, do_sample=True, temperature=1.0, top_k=0, stop_strings=["e"])
+    torch.manual_seed(1)
+    with torch.no_grad():
+        rows = model.generate(inputs["input_ids"].repeat(4, 1), generation_config=config, tokenizer=tokenizer)
+    eos, padded = model.generation_config.eos_token_id, 0
+    for row in range(4):
+        _, ids, stopped = _answer_tokens(rows, row, inputs, config, tokenizer)
+        generated = rows[row, prompt:]
+        assert torch.equal(generated[: len(ids)], ids) and (generated[len(ids) :] == eos).all()  # the rest: padding
+        padded += len(ids) < len(generated)
+        text = tokenizer.decode(ids)
+        if stopped and int(ids[-1]) != eos:  # the first token to complete the stop string is its last
+            assert "e" in text and "e" not in tokenizer.decode(ids[:-1])
+        assert stopped or len(ids) == config.max_new_tokens
+    assert padded, "no row ended before another: nothing here could be padding"
+    # through the server: a greedy answer whose stop string is completed by its max_tokens-th token is "stop"
+    messages = [{"role": "user", "content": "the cat sat on the mat"}]
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        answer = model.generate(**inputs, max_new_tokens=4, do_sample=False)[0, inputs["input_ids"].shape[1] :]
+    assert len(answer) == 4 and eos not in answer
+    last = tokenizer.decode(answer[-1:])
+    assert last.strip() and last not in tokenizer.decode(answer[:-1])
+    reply = client.chat.completions.create(
+        model=model_name, messages=messages, max_tokens=4, temperature=0, n=2, stop=[last]
+    )
+    assert [choice.finish_reason for choice in reply.choices] == ["stop", "stop"]
+    assert reply.usage.completion_tokens == 2 * 4
+
+
+def test_responses_answer_through_the_store_with_the_checks_and_limits_of_chat(client, model_name, reference):
+    """/v1/responses (transformers' handler) goes through the state store, the request checks and the context
+    limit as chat does: the same greedy tokens, a kept state reused, and a 400 naming the problem, never a 500."""
+    messages = [{"role": "user", "content": "to be or not to be, that is"}]
+    for _ in range(2):  # the second continues from the state the first kept
+        reply = client.responses.create(
+            model=model_name, input=messages, max_output_tokens=6, temperature=0, stream=False
+        )
+        assert reply.output_text == expected_chat(reference, messages, 6)
+    assert reply.usage.input_tokens_details.cached_tokens == reply.usage.input_tokens - 1
+    for fields, word in (
+        ({"temperature": "hot"}, "temperature"),
+        ({"max_output_tokens": MAX_CONTEXT}, "context limit"),
+        ({"input": [3]}, "input[0]"),
+        ({"previous_response_id": "resp_1"}, "does not support previous_response_id"),  # (transformers ignores it)
+        ({"text": {"format": {"type": "json_object"}}}, "does not support text"),
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model=model_name, input="hi", stream=False, extra_body=fields)
+        assert word in str(refused.value.body), refused.value.body
 
 
 def test_clients_at_once_each_get_their_own_answer(client, model_name, reference):
@@ -302,6 +429,10 @@ BAD_CHAT_REQUESTS = [  # (what the request gets wrong, the fields sent, a word t
     ("an unknown model", {"model": "no/such-model"}, "no/such-model"),
     ("a field the API does not have", {"colour": "blue"}, "colour"),
     ("past the context limit", {"max_tokens": MAX_CONTEXT}, "context limit"),
+    # what transformers serve accepts and ignores (it only logs them): refused, unless it changes nothing
+    ("logprobs asked for", {"logprobs": True}, "does not support logprobs"),
+    ("a presence_penalty", {"presence_penalty": 0.5}, "does not support presence_penalty"),
+    ("a JSON response_format", {"response_format": {"type": "json_object"}}, "does not support response_format"),
 ]
 
 
@@ -323,6 +454,21 @@ def test_bad_completion_requests_and_bodies_get_a_4xx(client, model_name, server
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(model=model_name, prompt=prompt, max_tokens=3)
         assert word in str(refused.value.body)
+    # half a surrogate pair, escaped alone: valid JSON, not text (transformers: a 500 from the tokenizer)
+    for path, field in (
+        ("/v1/completions", '"prompt": "to be \\ud83d"'),
+        ("/v1/chat/completions", '"messages": [{"role": "user", "content": "\\ud83d"}]'),
+    ):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(
+                urllib.request.Request(
+                    server + path,
+                    data=f'{{"model": {json.dumps(model_name)}, "max_tokens": 2, {field}}}'.encode(),
+                    headers={"Content-Type": "application/json"},
+                ),
+                timeout=30,
+            )
+        assert refused.value.code == 400 and "surrogate" in refused.value.read().decode()
     request = urllib.request.Request(
         server + "/v1/chat/completions", data=b"{not json", headers={"Content-Type": "application/json"}
     )
@@ -349,6 +495,8 @@ def test_the_queue_limit_refuses_and_a_client_that_goes_away_frees_its_slot(clie
                 model=model_name, messages=[{"role": "user", "content": "one more"}], max_tokens=2
             )
         assert "max-queued-requests" in str(refused.value.body)
+        with pytest.raises(openai.RateLimitError):  # /v1/responses too
+            client.responses.create(model=model_name, input="one more", max_output_tokens=2, stream=False)
     finally:
         for stream in streams:
             stream.close()
@@ -390,6 +538,28 @@ def wait_until_idle(client, model_name) -> None:
             time.sleep(0.2)
 
 
+def test_a_conversation_continues_after_the_server_is_stopped_and_restarted(model_dir, reference, tmp_path):
+    """With --state-dir, a server stopped with Ctrl-C (SIGINT) writes the states it kept in memory there; one
+    restarted on the folder continues the conversation from them (cached tokens), with the same answer."""
+    messages = [{"role": "system", "content": "the cat sat"}, {"role": "user", "content": "to be or not to be"}]
+    states = tmp_path / "states"
+    with serving(model_dir, tmp_path / "first.log", "--state-dir", str(states)) as (base, process):
+        first = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        reply = first.chat.completions.create(model=str(model_dir), messages=messages, max_tokens=6, temperature=0)
+        first_prompt = reply.usage.prompt_tokens
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 130, (tmp_path / "first.log").read_text()[-3000:]  # stopped, quietly
+    messages += [
+        {"role": "assistant", "content": reply.choices[0].message.content},
+        {"role": "user", "content": "that is the question"},
+    ]
+    with serving(model_dir, tmp_path / "second.log", "--state-dir", str(states)) as (base, _):
+        second = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        reply = second.chat.completions.create(model=str(model_dir), messages=messages, max_tokens=6, temperature=0)
+    assert reply.choices[0].message.content == expected_chat(reference, messages, 6)
+    assert reply.usage.prompt_tokens_details.cached_tokens >= first_prompt - 1  # (a fresh server: nothing in memory)
+
+
 def test_gpn_serve_help_has_transformers_serve_options(capsys):
     from modeling_gpn.cli import main
 
@@ -409,6 +579,8 @@ def test_gpn_serve_help_has_transformers_serve_options(capsys):
         "--max-queued-requests",
     ):
         assert option in text
+    # transformers' help names its parameter force_model; gpn serve takes it as the positional MODEL
+    assert "force_model" not in text and "Ignored when MODEL is given" in " ".join(text.split())
 
 
 def test_a_server_not_pinned_answers_an_unknown_model_with_404(tmp_path):

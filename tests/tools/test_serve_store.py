@@ -127,6 +127,23 @@ def test_the_spill_folder_is_bounded_and_a_damaged_file_is_dropped(model, tmp_pa
     assert not newest.exists()
 
 
+def test_the_spill_folder_limit_counts_every_file_a_state_takes(model, tmp_path):
+    """A spilled state is its state file and the JSON of its ids, which in a long conversation outweighs the
+    state: the folder's limit counts both, when they are written and when a restarted store finds them."""
+
+    def on_disk() -> int:
+        return sum(path.stat().st_size for path in tmp_path.iterdir())
+
+    long_ids = [(7 * position) % 90 + 1 for position in range(900)]
+    store = StateStore(0, spill_dir=tmp_path, spill_max_bytes=12_000)  # files only
+    for length in (300, 600, 900):
+        store.keep(model, long_ids[:length], state_after(model, long_ids[:length]))
+        assert on_disk() <= 12_000 and store.summary()["file_bytes"] == on_disk()
+    assert store.lookup(model, long_ids)[0] == 900  # the newest stays
+    restarted = StateStore(0, spill_dir=tmp_path, spill_max_bytes=7_000)
+    assert on_disk() <= 7_000 and restarted.summary()["file_bytes"] == on_disk() > 0
+
+
 def generate_plain(model, ids: list[int], new: int, **kwargs):
     with torch.no_grad():
         return model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, pad_token_id=0, **kwargs)
@@ -147,10 +164,39 @@ def test_generate_through_the_store_gives_the_tokens_of_the_whole_prompt(model):
         turn, expected_cached = turn + answer + [7, 8, 9], len(turn) + len(answer) - 1
 
 
-def greedy(model, new: int):
+# A prompt that repeats itself and the model's own answer: what a processor looking back over input_ids does
+# then depends on the whole prompt, not only on its last token.
+LOOKING_BACK = {
+    "repetition_penalty": dict(repetition_penalty=5.0),
+    "no_repeat_ngram_size": dict(no_repeat_ngram_size=2),
+    "multi-token sequence_bias": None,  # a ban on (the prompt's last two tokens, the plain first answer token)
+}
+
+
+@pytest.mark.parametrize("name", list(LOOKING_BACK))
+def test_processors_that_look_back_see_the_whole_prompt_through_the_store(model, name):
+    """generate() through the store is generate() on the whole prompt, also for the logits processors that read
+    the prompt (repetition_penalty, no_repeat_ngram_size, a sequence_bias longer than one token): a kept state
+    stands for the prompt it read, it does not hide it from them."""
+    prompt = IDS + generate_plain(model, IDS, 8)[0, len(IDS) :].tolist() + IDS
+    unprocessed = generate_plain(model, prompt, 8)
+    processor = LOOKING_BACK[name] or dict(sequence_bias=[[[*prompt[-2:], int(unprocessed[0, len(prompt)])], -100.0]])
+    expected = generate_plain(model, prompt, 8, **processor)
+    assert not torch.equal(expected, unprocessed)  # the processor changes this answer: the test can fail
+    store = StateStore(1 << 22)
+    for cached in (0, len(prompt) - 1):  # read from scratch, then continued from the state kept by the first
+        kept = StateKeepingModel(model, store)
+        out = kept.generate(torch.tensor([prompt]), generation_config=greedy(model, 8, **processor))
+        assert kept.cached_tokens == cached and torch.equal(out, expected)
+    answers = StateKeepingModel(model, store, answers=2)  # n answers: rows forked from the kept state
+    out = answers.generate(torch.tensor([prompt]), generation_config=greedy(model, 8, **processor))
+    assert torch.equal(out, expected.expand(2, -1))
+
+
+def greedy(model, new: int, **processors):
     from transformers import GenerationConfig
 
-    return GenerationConfig(max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None)
+    return GenerationConfig(max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None, **processors)
 
 
 def test_n_answers_fork_one_state_and_read_the_prompt_once(model):
