@@ -99,12 +99,12 @@ def state_fingerprint(model: nn.Module) -> dict[str, str]:
         "state_config": config_json,
         "config_fingerprint": hashlib.sha256(config_json.encode()).hexdigest(),
         "weights_dtype": str(model.dtype).removeprefix("torch."),
-        "weights_fingerprint": _weights_hash(model),
+        "weights_fingerprint": weights_hash(model),
     }
 
 
-def _weights_hash(model: nn.Module) -> str:
-    """SHA-256 of `model`'s parameters as stored, recomputed when a glance says they changed since last hashed:
+def weights_hash(model: nn.Module) -> str:
+    """SHA-256 of `model`'s parameters as stored (names, shapes, dtypes and bytes; a quantized weight's inner tensors), recomputed when a glance says they changed since last hashed:
     their names, shapes and dtypes, the version counters every in-place write bumps (an optimizer step, `copy_`,
     `load_state_dict`), and `GLANCE_VALUES` evenly spaced values of each, for what writes through `.data` without
     a bump (EMA, weight averaging, PEFT's merge), which changes values all over a matrix."""

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from .. import GPNCache, GPNStateFileError
+from ..state_file import weights_hash
 
 logger = logging.getLogger(__name__)
 
@@ -52,23 +53,20 @@ _model_keys_lock = threading.Lock()
 
 
 def model_key(model: torch.nn.Module) -> str:
-    """SHA-256 naming a model's states: its class, configuration, and the bytes (so the dtype) of every
-    parameter and buffer, hashed once a model.
-
-    What a state file records of its model (`GPNCache.save`: the configuration fields that give a state its
-    meaning, the weights' dtype, the vector parameters) cannot tell apart two models whose matrices alone
-    differ (a merged LoRA adapter); one server may hold both, so the key covers all the weights.
-    """
+    """SHA-256 naming a model's states: its class, its whole configuration (a state file records only the fields
+    that give a state its meaning), the bytes of every parameter (`state_file.weights_hash`) and buffer; hashed
+    once a model, which a server does not edit."""
     with _model_keys_lock:
         known = _model_keys.get(model)
         if known is not None:
             return known
         config = {name: value for name, value in model.config.to_dict().items() if name not in _CONFIG_NOT_MEANING}
         digest = hashlib.sha256(f"{type(model).__name__}{json.dumps(config, sort_keys=True, default=str)}".encode())
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        digest.update(weights_hash(model).encode())
+        for name, tensor in model.named_buffers():
             data = tensor.detach().to("cpu").contiguous()
             digest.update(f"{name}{tuple(data.shape)}{data.dtype}".encode())
-            digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+            digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
         key = digest.hexdigest()
         _model_keys[model] = key
         return key
