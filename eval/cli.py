@@ -143,7 +143,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder or repo; without it the model's")
     parser.add_argument(
-        "--no-trust-remote-code", dest="trust_remote_code", action="store_false", help="refuse remote modeling code"
+        "--trust-remote-code",
+        action="store_true",
+        help="run the modeling code a Hub repo ships (a GPN or Llama folder or repo needs none: this package "
+        "registers GPN with transformers' Auto classes)",
+    )
+    # the old opt-out, kept so that scripts using it still run: it is now the default, so it is not shown
+    parser.add_argument(
+        "--no-trust-remote-code", dest="trust_remote_code", action="store_false", default=False, help=argparse.SUPPRESS
     )
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads; without it torch's choice")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -89,7 +89,7 @@ class EvalSettings:
     fineweb_skip_documents: int = 0
     first_position: str | None = None  # None: the paper's where the model allows, else "skip"
     bootstrap_iters: int = 0
-    trust_remote_code: bool = True
+    trust_remote_code: bool = False  # a Hub repo's own code runs only when asked for (--trust-remote-code)
     tokenizer: str | None = None
     progress: bool = True
 
@@ -100,7 +100,7 @@ class EvalSettings:
 
 
 def load_model(
-    path: str, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = True, tokenizer: str | None = None
+    path: str, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = False, tokenizer: str | None = None
 ):
     """Load any causal LM (a GPN folder, a Hub repo, a LlamaForCausalLM folder) and its tokenizer."""
     from transformers import AutoModelForCausalLM

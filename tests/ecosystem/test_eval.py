@@ -484,3 +484,32 @@ def test_clear_errors(gpn_dir, data, llama_dir, capsys, tmp_path):
         protocols.windowed_perplexity(llama, list(range(300)), WINDOW, first_position="empty_state")
     with pytest.raises(ValueError, match="fewer than one window"):
         protocols.windowed_perplexity(llama, list(range(100)), WINDOW, first_position="skip")
+
+
+def test_a_repos_own_code_runs_only_with_trust_remote_code(tmp_path, capsys):
+    """`gpn eval` runs the modeling code a folder or Hub repo ships only when asked (`--trust-remote-code`), as
+    `gpn generate` and `gpn inspect` do; `--no-trust-remote-code` (the old opt-out) still parses and is the
+    default. A GPN or Llama folder needs no flag (test_gpn_eval_command..., test_same_command_on_a_llama)."""
+    from modeling_gpn.cli import build_parser, main
+    from modeling_gpn.evaluation.cli import settings_from_args
+
+    shipped = tmp_path / "ships-code"
+    shipped.mkdir()
+    ran = tmp_path / "the repo's code ran"
+    (shipped / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "shipped-only",
+                "auto_map": {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XModel"},
+            }
+        )
+    )
+    (shipped / "configuration_x.py").write_text(f"open({str(ran)!r}, 'w').close()\nraise ImportError('stop')\n")
+    code = main(["eval", str(shipped), "--tasks", "fineweb_paper"])
+    assert not ran.exists() and code != 0
+    assert "trust_remote_code" in capsys.readouterr().err
+
+    def parsed(*flags):
+        return settings_from_args(build_parser("eval").parse_args(["eval", "m", *flags])).trust_remote_code
+
+    assert (parsed(), parsed("--trust-remote-code"), parsed("--no-trust-remote-code")) == (False, True, False)
