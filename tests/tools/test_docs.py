@@ -127,6 +127,20 @@ def test_help_gives_each_option_its_default_once(subcommand):
         assert "with --sample, default 0.8)" in text and "default 0.8) (default" not in text
 
 
+@pytest.mark.parametrize(
+    "subcommand", ["convert", "train", "eval", "push", "inspect", "bench", "study", "generate", "serve"]
+)
+def test_every_option_has_help(subcommand):
+    """`gpn eval --batch-size` and `gpn bench --device` were listed in --help with nothing said about them."""
+    from modeling_gpn.cli import available_subcommands, build_parser
+
+    if subcommand not in available_subcommands():
+        pytest.skip(f"gpn {subcommand} needs what this environment lacks")
+    parser = build_parser(subcommand)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[subcommand]
+    assert [a.option_strings for a in sub._actions if a.option_strings and not a.help] == []
+
+
 def test_the_training_programs_own_help_gives_each_default_once(capsys):
     """`python -m modeling_gpn.train --help` (what `accelerate launch -m modeling_gpn.train` users read) does not go
     through the `gpn` command, so it needs the same formatter: no "(default: None)", a default where there is one."""

@@ -488,10 +488,13 @@ GENERATE_BAD = {
     "negative-new-tokens": (["{model}", "hi", "--max-new-tokens", "-3"], "--max-new-tokens must be at least 1"),
     "empty-prompt": (["{model}", "hi", ""], "prompt 2 is empty"),
     "blank-prompt": (["{model}", "   "], "prompt 1 is empty"),
-    "temperature-without-sample": (["{model}", "hi", "--temperature", "0.5"], "--temperature only apply with --sample"),
+    "temperature-without-sample": (
+        ["{model}", "hi", "--temperature", "0.5"],
+        "--temperature only applies with --sample",
+    ),
     "top-p-without-sample": (
         ["{model}", "hi", "--top-p", "0.5", "--num-beams", "2"],
-        "--top-p only apply with --sample",
+        "--top-p only applies with --sample",
     ),
     "zero-temperature": (["{model}", "hi", "--sample", "--temperature", "0"], "--temperature must be > 0"),
     "top-p-above-one": (["{model}", "hi", "--sample", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
