@@ -227,6 +227,7 @@ def fail(message: object) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from modeling_gpn.cli.arguments import writable_folder
+    from modeling_gpn.data.tokenizer import check_tokenizer_path
 
     from .runner import check_model_path, check_settings, data_source, evaluate
 
@@ -237,6 +238,8 @@ def run(args: argparse.Namespace) -> int:
         if args.num_threads is not None and args.num_threads < 1:
             raise ValueError(f"--num-threads must be at least 1, got {args.num_threads}")
         check_model_path(args.model)
+        if args.tokenizer:
+            check_tokenizer_path(args.tokenizer)
         for task in settings.tasks:  # a --data-dir without a task's files
             data_source(task, settings)
         output_dir = writable_folder(args.output_dir or f"eval-{Path(args.model.rstrip('/')).name}", "--output-dir")

@@ -128,10 +128,12 @@ def load_model(
 def check_model_path(path: str) -> None:
     """Refuse, naming it, a local path that does not exist or is not a model folder (from_pretrained would take it
     for a malformed Hub id); a Hub id passes. (gpn eval, inspect and generate all check their model this way.)"""
+    from modeling_gpn.data.tokenizer import names_a_local_path
+
     folder = Path(path).expanduser()
     if folder.exists() and not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a model folder: it has no config.json")
-    if not folder.exists() and (path.startswith((".", "/", "~")) or path.count("/") > 1):
+    if not folder.exists() and names_a_local_path(path):
         raise FileNotFoundError(f"model folder {path} does not exist")
 
 

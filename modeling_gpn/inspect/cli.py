@@ -13,6 +13,7 @@ import torch
 
 from ..cli.arguments import writable_folder
 from ..data import load_tokenizer
+from ..data.tokenizer import check_tokenizer_path
 from .figures import write_figures
 from .inputs import DEFAULT_DATASET, DEFAULT_DATASET_CONFIG, load_model, load_token_windows
 from .markdown import report_markdown
@@ -88,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
     # whole analysis, whose results a bad --output then lost to a traceback).
     try:
         check_numbers(args)
+        if args.tokenizer:
+            check_tokenizer_path(args.tokenizer)
         output = writable_folder(args.output, "--output")
     except ValueError as error:
         return fail(error)
