@@ -371,6 +371,15 @@ def test_refusals_name_the_problem(source, tmp_path, capsys):
         assert TOKEN not in captured.out + captured.err
         return captured.err
 
+    def refused_id(repo_id: str) -> str:
+        out = tmp_path / "out-repo-id"
+        assert main(["push", str(source["dir"]), repo_id, "--dry-run", str(out)]) == 1
+        assert not out.exists()
+        return capsys.readouterr().err
+
+    for bad_id in ("bad repo id", "owner/two/slashes", "me/name..dots"):  # the Hub's rule, a dry run included
+        assert f"{bad_id!r} is not a Hub repo id" in refused_id(bad_id)
+
     pickled = copy_source(source, tmp_path / "pickle")
     torch.save({"x": torch.zeros(1)}, pickled / "pytorch_model.bin")
     assert "pickle files (pytorch_model.bin)" in refused(pickled)
