@@ -109,6 +109,25 @@ def test_documented_gpn_commands_parse(arguments):
             assert exit.code == 0, f"`gpn {' '.join(arguments)}` does not parse: {errors.getvalue().strip()}"
 
 
+def test_documented_model_folders_are_where_gpn_train_writes_them():
+    """A documented command's model is a placeholder (`path/to/...`), a Hub id of the docs' own (`me/...`,
+    `user/...`), or where `gpn train` writes a model: `runs/NAME/model` (docs/generate.md used
+    `outputs/tiny-shakespeare`, which nothing writes)."""
+    from modeling_gpn.cli import build_parser
+
+    stale = []
+    for param in DOCUMENTED_COMMANDS:
+        arguments = param.values[0]
+        if not arguments or arguments[0] not in ("generate", "eval", "inspect", "push", "serve"):
+            continue
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            parsed = build_parser(arguments[0]).parse_args(arguments)
+        model = getattr(parsed, "model", None) or getattr(parsed, "model_dir", None)
+        if model and not re.fullmatch(r"path/.*|(me|user)/[^/]+|runs/[^/]+/model", model):
+            stale.append(f"{param.id}: {model}")
+    assert stale == []
+
+
 @pytest.mark.parametrize("subcommand", ["generate", "bench", "eval", "push"])
 def test_help_gives_each_option_its_default_once(subcommand):
     """`gpn CMD --help` appends an option's default where it has one (`--max-new-tokens ... (default: 64)`);
