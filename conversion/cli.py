@@ -13,10 +13,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "src", help="the reference trainer's checkpoint.pkl, or a folder with params.npz (+ config.json)"
     )
     parser.add_argument(
-        "out", help="output folder (written with save_pretrained: safetensors, config.json, modeling files)"
+        "out",
+        help="output folder, new or empty (written with save_pretrained: safetensors, config.json, modeling files)",
     )
     parser.add_argument(
-        "--tokenizer", default=None, help="tokenizer name or path to save beside the model (e.g. the LLaMA-2 tokenizer)"
+        "--tokenizer",
+        default=None,
+        help="tokenizer name or path to save beside the model (e.g. the LLaMA-2 tokenizer); its ids must fit the "
+        "model's vocab_size",
     )
     parser.add_argument(
         "--push-to-hub", metavar="REPO_ID", default=None, help="also publish OUT to this Hub repo (see `gpn push`)"

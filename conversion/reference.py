@@ -808,24 +808,43 @@ def load_reference_model(src: str | Path) -> GPNForCausalLM:
 
 
 def convert(src: str | Path, out: str | Path, tokenizer: str | None = None) -> GPNForCausalLM:
-    """Convert SRC to a `save_pretrained` folder OUT (safetensors, config with auto_map, modeling files)."""
-    model = load_reference_model(src)
+    """Convert SRC to a `save_pretrained` folder OUT (safetensors, config with auto_map, modeling files).
+
+    OUT must be new or empty: files already there (a tokenizer of another model) would stay beside the new
+    model. A `tokenizer` saved beside it must make only ids the model has (its ids below `vocab_size`). Both
+    are refused, as `CheckpointError`, before anything is written.
+    """
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"Cannot write the converted model to {out}: it is a file, not a folder")
-    if tokenizer:
-        from transformers import AutoTokenizer
-
-        try:
-            loaded_tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-        except Exception as error:  # noqa: BLE001 - any loader failure becomes one clear message
+    if out.is_dir() and any(out.iterdir()):
+        raise CheckpointError(
+            f"Cannot write the converted model to {out}: the folder is not empty (its files would stay beside the "
+            "new model); name a new or empty folder, or remove it first"
+        )
+    loaded_tokenizer = _load_tokenizer(tokenizer) if tokenizer else None  # a bad name costs no conversion
+    model = load_reference_model(src)
+    if loaded_tokenizer is not None:
+        ids = max(loaded_tokenizer.get_vocab().values()) + 1
+        if ids > model.config.vocab_size:
             raise CheckpointError(
-                f"Cannot load the tokenizer {tokenizer!r}: {type(error).__name__}: {error}"
-            ) from error
+                f"The tokenizer {tokenizer!r} has {ids:,} token ids, more than the model's vocab_size of "
+                f"{model.config.vocab_size:,}: save the tokenizer the checkpoint was trained with"
+            )
     try:
         model.save_pretrained(out)
-        if tokenizer:
+        if loaded_tokenizer is not None:
             loaded_tokenizer.save_pretrained(out)
     except OSError as error:
         raise CheckpointError(f"Cannot write the converted model to {out}: {error.strerror or error}") from error
     return model
+
+
+def _load_tokenizer(name: str):
+    """The tokenizer `name` (a Hub id or a folder), any failure as one `CheckpointError` naming it."""
+    from modeling_gpn.data import DataError, load_tokenizer
+
+    try:
+        return load_tokenizer(name, require_eos=False)
+    except DataError as error:
+        raise CheckpointError(str(error)) from error

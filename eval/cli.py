@@ -83,7 +83,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="where to write eval_results.json and eval_report.md; without it ./eval-<model name>",
     )
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=8,
+        help="examples or windows per forward pass (the figures do not depend on it)",
+    )
     parser.add_argument(
         "--limit", type=int, default=None, help="first N examples of each LAMBADA/lm-eval task (testing only)"
     )
@@ -143,10 +148,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder or repo; without it the model's")
     parser.add_argument(
-        "--no-trust-remote-code", dest="trust_remote_code", action="store_false", help="refuse remote modeling code"
+        "--trust-remote-code",
+        action="store_true",
+        help="run the modeling code a Hub repo ships (a GPN or Llama folder or repo needs none: this package "
+        "registers GPN with transformers' Auto classes)",
+    )
+    # the old opt-out, kept so that scripts using it still run: it is now the default, so it is not shown
+    parser.add_argument(
+        "--no-trust-remote-code", dest="trust_remote_code", action="store_false", default=False, help=argparse.SUPPRESS
     )
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads; without it torch's choice")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress bars: neither this command's nor those of transformers, datasets and lm-eval (lm-eval's "
+        "warnings still show)",
+    )
 
 
 def parse_task_data(items: list[str]) -> dict[str, str]:
@@ -201,29 +218,48 @@ def write_outputs(results: dict, output_dir: str | Path) -> tuple[Path, Path]:
     return json_path, report_path
 
 
-def run(args: argparse.Namespace) -> int:
-    from .runner import check_tasks, evaluate
+def fail(message: object) -> int:
+    """A bad argument, or what one names (a model, data, a tokenizer, the output folder) missing or unusable:
+    one line, as argparse writes its own errors, and exit status 2 (as gpn inspect and generate)."""
+    print(f"gpn eval: error: {message}", file=sys.stderr)
+    return 2
 
+
+def run(args: argparse.Namespace) -> int:
+    from modeling_gpn.cli.arguments import writable_folder
+    from modeling_gpn.data.tokenizer import check_tokenizer_path
+
+    from .runner import check_model_path, check_settings, data_source, evaluate
+
+    # Everything the arguments say is checked before the model loads: a bad one costs no computation.
     try:
         settings = settings_from_args(args)
-        check_tasks(settings.tasks)
-    except ValueError as error:
-        print(f"gpn eval: {error}", file=sys.stderr)
-        return 2
+        check_settings(settings)
+        if args.num_threads is not None and args.num_threads < 1:
+            raise ValueError(f"--num-threads must be at least 1, got {args.num_threads}")
+        check_model_path(args.model)
+        if args.tokenizer:
+            check_tokenizer_path(args.tokenizer)
+        for task in settings.tasks:  # a --data-dir without a task's files
+            data_source(task, settings)
+        output_dir = writable_folder(args.output_dir or f"eval-{Path(args.model.rstrip('/')).name}", "--output-dir")
+    except (OSError, ValueError) as error:
+        return fail(error)
     if args.num_threads:
         import torch
 
         torch.set_num_threads(args.num_threads)
-    output_dir = args.output_dir or f"eval-{Path(args.model.rstrip('/')).name}"
     try:
         results = evaluate(args.model, settings)
-        json_path, report_path = write_outputs(results, output_dir)
     except (OSError, ValueError, KeyError) as error:  # a missing model or data file, bad data: one line, no traceback
-        message = error.args[0] if isinstance(error, KeyError) and error.args else error
-        print(f"gpn eval: {type(error).__name__}: {message}", file=sys.stderr)
-        return 1
+        return fail(error.args[0] if isinstance(error, KeyError) and error.args else error)
     for task, metrics in results["tasks"].items():
         shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float))
         print(f"{task:16s} {shown}  ({results['wall_time_s'][task]:.1f}s)")
+    try:
+        json_path, report_path = write_outputs(results, output_dir)
+    except OSError as error:  # checked writable before, so rare (a full disk): the figures above are printed
+        print(f"gpn eval: error: cannot write the results to {output_dir}: {error}", file=sys.stderr)
+        return 1
     print(f"wrote {json_path} and {report_path}")
     return 0

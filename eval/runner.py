@@ -8,15 +8,18 @@ default (lm-eval's own dataset names); `data_dir` / `task_data` point a task at 
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import math
 import re
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -89,7 +92,7 @@ class EvalSettings:
     fineweb_skip_documents: int = 0
     first_position: str | None = None  # None: the paper's where the model allows, else "skip"
     bootstrap_iters: int = 0
-    trust_remote_code: bool = True
+    trust_remote_code: bool = False  # a Hub repo's own code runs only when asked for (--trust-remote-code)
     tokenizer: str | None = None
     progress: bool = True
 
@@ -100,7 +103,11 @@ class EvalSettings:
 
 
 def load_model(
-    path: str, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = True, tokenizer: str | None = None
+    path: str,
+    device: str = "cpu",
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+    tokenizer: str | None = None,
 ):
     """Load any causal LM (a GPN folder, a Hub repo, a LlamaForCausalLM folder) and its tokenizer."""
     from transformers import AutoModelForCausalLM
@@ -121,10 +128,12 @@ def load_model(
 def check_model_path(path: str) -> None:
     """Refuse, naming it, a local path that does not exist or is not a model folder (from_pretrained would take it
     for a malformed Hub id); a Hub id passes. (gpn eval, inspect and generate all check their model this way.)"""
+    from modeling_gpn.data.tokenizer import names_a_local_path
+
     folder = Path(path).expanduser()
     if folder.exists() and not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a model folder: it has no config.json")
-    if not folder.exists() and (path.startswith((".", "/", "~")) or path.count("/") > 1):
+    if not folder.exists() and names_a_local_path(path):
         raise FileNotFoundError(f"model folder {path} does not exist")
 
 
@@ -218,13 +227,13 @@ def load_texts(
         column = field_name
     texts = []
     for index, row in enumerate(data):
+        if limit is not None and len(texts) >= limit:  # before the row is taken: a limit of 0 takes none
+            break
         if index < skip:
             continue
         if column not in row:
             raise KeyError(f"dataset {source or hub_default[0]} has no column {column!r}; columns: {sorted(row)}")
         texts.append(row[column])
-        if limit is not None and len(texts) >= limit:
-            break
     return texts
 
 
@@ -331,6 +340,49 @@ def rolling_batch_size(batch_size: int, max_length: int, vocab_size: int) -> int
     return max(1, min(batch_size, ROLLING_LOGITS_BUDGET_BYTES // per_row))
 
 
+# The lm-eval modules whose progress bars a run shows (building a task's requests, tokenizing, scoring them).
+# lm-eval's simple_evaluate offers no switch for them (its `disable_tqdm` reaches only some of them, and not
+# from simple_evaluate), so --quiet hands these modules a `tqdm` that is switched off, for the run only.
+LM_EVAL_PROGRESS_MODULES = ("lm_eval.api.task", "lm_eval.api.model", "lm_eval.models.huggingface")
+
+
+def _switched_off(tqdm: type) -> Callable[..., Any]:
+    """`tqdm`, switched off whatever its caller asks (lm-eval passes its own `disable=`)."""
+
+    def silent(*args: Any, **kwargs: Any) -> Any:
+        return tqdm(*args, **{**kwargs, "disable": True})
+
+    return silent
+
+
+@contextlib.contextmanager
+def progress_bars_off() -> Iterator[None]:
+    """No progress bars while inside: transformers' (loading weights), datasets' (reading data) and lm-eval's;
+    each library's own setting is restored on the way out."""
+    import importlib
+
+    import datasets
+    from tqdm import tqdm
+    from transformers.utils import logging as transformers_logging
+
+    transformers_on = transformers_logging.is_progress_bar_enabled()
+    datasets_off = datasets.are_progress_bars_disabled()
+    transformers_logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+    with contextlib.ExitStack() as patches:
+        for name in LM_EVAL_PROGRESS_MODULES:
+            module = importlib.import_module(name)
+            if getattr(module, "tqdm", None) is tqdm:
+                patches.enter_context(mock.patch.object(module, "tqdm", _switched_off(tqdm)))
+        try:
+            yield
+        finally:
+            if transformers_on:
+                transformers_logging.enable_progress_bar()
+            if not datasets_off:
+                datasets.enable_progress_bars()
+
+
 def run_lm_eval(
     model, tokenizer, task: str, source: str | None, settings: EvalSettings, max_length: int
 ) -> tuple[dict, dict]:
@@ -379,18 +431,49 @@ def check_tasks(tasks: list[str]) -> None:
         raise ValueError(f"unknown task(s) {unknown}; the GPN task set is {sorted(TASKS)}")
 
 
+# setting -> the least value it takes (None, where allowed, means "not given" and is not checked)
+SETTING_MINIMUMS = {
+    "batch_size": 1,
+    "limit": 1,
+    "max_length": 1,
+    "fineweb_window": 2,
+    "fineweb_max_windows": 1,
+    "fineweb_max_documents": 1,
+    "fineweb_max_tokens": 1,
+    "fineweb_skip_documents": 0,
+    "bootstrap_iters": 0,
+}
+
+
+def check_settings(settings: EvalSettings) -> None:
+    """Refuse, naming the option, a setting out of range, before any model or data is loaded (a `--limit 0`
+    would otherwise score one example and report it as a result)."""
+    check_tasks(settings.tasks)
+    for name, least in SETTING_MINIMUMS.items():
+        value = getattr(settings, name)
+        if value is not None and value < least:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
+    fraction = settings.fineweb_held_out_fraction
+    if fraction is not None and not 0 < fraction <= 1:
+        raise ValueError(f"--fineweb-held-out-fraction must be in (0, 1], got {fraction}")
+
+
 def load_baselines(path: str | Path = BASELINES_PATH) -> dict:
     """The paper's Table 1 (`baselines.json`): citation, metric protocols and rows."""
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
 def evaluate(model_path: str, settings: EvalSettings, model=None, tokenizer=None) -> dict[str, Any]:
-    """Run `settings.tasks` on one model; returns the `eval_results.json` dictionary (schema in `cli`)."""
+    """Run `settings.tasks` on one model; returns the `eval_results.json` dictionary (schema in `cli`).
+    Without `settings.progress`, no library shows a progress bar meanwhile."""
+    check_settings(settings)
+    with contextlib.nullcontext() if settings.progress else progress_bars_off():
+        return _evaluate(model_path, settings, model, tokenizer)
+
+
+def _evaluate(model_path: str, settings: EvalSettings, model, tokenizer) -> dict[str, Any]:
     import lm_eval
 
-    check_tasks(settings.tasks)
-    if settings.batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {settings.batch_size}")
     if model is None:
         model, tokenizer = load_model(
             model_path, settings.device, settings.dtype, settings.trust_remote_code, settings.tokenizer

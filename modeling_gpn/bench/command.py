@@ -76,7 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="weight dtype; int8: the bfloat16 model with every nn.Linear quantized by torchao's "
         "int8 weight-only config (needs torchao; the Llama's tied head stays bf16)",
     )
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device to measure on"
+    )
     parser.add_argument(
         "--segment-length",
         type=int,

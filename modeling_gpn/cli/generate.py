@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--save-state",
         metavar="FILE",
         default=None,
-        help="write the state after each prompt and its generated text to FILE (safetensors), to continue with --state",
+        help="write the state after each prompt and its generated text to FILE (safetensors), to continue with "
+        "--state (a GPN only)",
     )
     parser.add_argument(
         "--state",
@@ -73,7 +74,8 @@ def check_arguments(args: argparse.Namespace) -> None:
             name for name, value in (("--temperature", args.temperature), ("--top-p", args.top_p)) if value is not None
         ]
         if given:  # greedy and beam decoding ignore them: say so instead of ignoring them in silence
-            raise GenerateError(f"{' and '.join(given)} only apply with --sample (decoding is greedy without it)")
+            verb = "applies" if len(given) == 1 else "apply"
+            raise GenerateError(f"{' and '.join(given)} only {verb} with --sample (decoding is greedy without it)")
     if args.temperature is not None and not args.temperature > 0:
         raise GenerateError(f"--temperature must be > 0, got {args.temperature}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
@@ -143,6 +145,21 @@ def _to_dtype(model, dtype: str):
         raise GenerateError(str(error)) from None
 
 
+def _check_saves_a_state(args: argparse.Namespace, model) -> None:
+    """Refuse `--save-state` for a model that keeps no GPN state (a Llama's cache is its keys and values), before
+    anything is generated (it failed with a traceback after generating)."""
+    from modeling_gpn.state_file import gpn_base_model
+
+    if args.save_state is None:
+        return
+    try:
+        gpn_base_model(model)
+    except TypeError:
+        raise GenerateError(
+            f"--save-state needs a GPN model (a state of fixed size to save); {args.model} is a {type(model).__name__}"
+        ) from None
+
+
 def _load_state(args: argparse.Namespace, model, num_prompts: int):
     """The `--state` file's cache, with one row per prompt (a one-row state is forked to every prompt)."""
     from modeling_gpn.modeling_gpn import GPNCache, GPNStateFileError
@@ -192,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
         model, tokenizer = _load(args)
         model.to(args.device).eval()
         model = _to_dtype(model, args.dtype)
+        _check_saves_a_state(args, model)
         # Text that continues a saved state gets no BOS or other special tokens in front of it.
         special = args.state is None
         batch = tokenizer(args.prompts, return_tensors="pt", padding=True, add_special_tokens=special).to(args.device)
@@ -227,8 +245,8 @@ def run(args: argparse.Namespace) -> int:
             prompt_width = batch["input_ids"].shape[1]
             text_mask = _text_mask(prompt_mask, output[:, prompt_width:], model.generation_config.eos_token_id)
             _save_state(args, model, start, output, text_mask)
-    except GenerateError as error:
-        print(f"gpn generate: {error}", file=sys.stderr)
+    except GenerateError as error:  # a bad argument: one line worded as argparse words its own
+        print(f"gpn generate: error: {error}", file=sys.stderr)
         return 2
     except (ValueError, TypeError, RuntimeError) as error:  # generate() refusing the combination it was given
         print(f"gpn generate: {type(error).__name__}: {error}", file=sys.stderr)

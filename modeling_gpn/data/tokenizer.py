@@ -44,6 +44,19 @@ def train_bpe_tokenizer(documents: Iterable[str], vocab_size: int):
     )
 
 
+def names_a_local_path(name: str) -> bool:
+    """Whether `name` can only be a local path, never a Hub id (`owner/name`): it starts with `/`, `.` or `~`,
+    or has more than one `/`. (The rule every gpn command applies to a model or tokenizer argument.)"""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1
+
+
+def check_tokenizer_path(name: str) -> None:
+    """Refuse, naming it, a local path (`names_a_local_path`) that does not exist: transformers would take it for
+    a malformed Hub id ("Repo id must be in the form 'repo_name'..."). A Hub id passes."""
+    if names_a_local_path(name) and not Path(name).expanduser().exists():
+        raise DataError(f"tokenizer folder {name} does not exist")
+
+
 def load_tokenizer(
     name_or_path: str,
     corpus: CorpusSpec | None = None,
@@ -69,7 +82,8 @@ def load_tokenizer(
         tokenizer = train_bpe_tokenizer(_bpe_training_texts(corpus, bpe_max_documents), bpe_vocab_size)
         write_folder_atomically(folder, tokenizer.save_pretrained)
         return tokenizer
-    folder = Path(name_or_path)
+    check_tokenizer_path(name_or_path)
+    folder = Path(name_or_path).expanduser()
     if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
         # (transformers would say it cannot build a backend tokenizer and ask for sentencepiece)
         raise DataError(
@@ -77,7 +91,9 @@ def load_tokenizer(
             "beside the model (tokenizer.save_pretrained), or name one with --tokenizer"
         )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(folder) if folder.exists() else name_or_path, trust_remote_code=trust_remote_code
+        )
     except Exception as error:  # noqa: BLE001
         raise DataError(f"Cannot load tokenizer {name_or_path!r}: {type(error).__name__}: {error}") from error
     if require_eos and tokenizer.eos_token_id is None:

@@ -166,53 +166,75 @@ def _hub_dataset_ids(values: Iterable[Any]) -> list[str]:
     return found
 
 
-def read_training_info(model_dir: str | Path) -> TrainingInfo | None:
-    """Read what a training run left in `model_dir`, or None when there is nothing.
+# What `gpn train` leaves in its run folder OUTPUT (modeling_gpn/train/run_folder.py): the model in OUTPUT/model,
+# the resolved settings in OUTPUT/train_config.json, one JSON record per log or evaluation in OUTPUT/log.jsonl.
+TRAIN_RUN_MODEL, TRAIN_RUN_CONFIG, TRAIN_RUN_LOG = "model", "train_config.json", "log.jsonl"
 
-    Looked for, in this order (all optional): `training_config.json` (the recipe: any JSON object,
-    nested sections are flattened), `trainer_state.json` (transformers' Trainer: `log_history`,
-    `global_step`, `max_steps`, `train_batch_size`), `train_log.jsonl`, then any other `*.jsonl` whose
-    rows carry a `loss` (or `train_loss`) value. From log rows the card takes the last value of each
-    key (loss, validation loss/perplexity, step, tokens, learning rate). Keys that look like
-    credentials (`token`, `hub_token`, `password`, ...) are never read.
+
+def train_run_folder(model_dir: str | Path) -> Path | None:
+    """The `gpn train` run folder that holds `model_dir` as its model (OUTPUT for OUTPUT/model), or None."""
+    model_dir = Path(model_dir).resolve()
+    run_dir = model_dir.parent
+    if model_dir.name == TRAIN_RUN_MODEL and (run_dir / TRAIN_RUN_CONFIG).is_file():
+        return run_dir
+    return None
+
+
+def _read_json_object(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def read_training_info(model_dir: str | Path) -> TrainingInfo | None:
+    """Read what a training run left in `model_dir` (or, for `gpn train`'s output, in its run folder), or None
+    when there is nothing.
+
+    Looked for, in this order (all optional): the recipe, `training_config.json` in `model_dir` or
+    `train_config.json` in the `gpn train` run folder holding it (`train_run_folder`; any JSON object, nested
+    sections flattened); `trainer_state.json` (transformers' Trainer: `log_history`, `global_step`,
+    `max_steps`, `train_batch_size`); the log, `train_log.jsonl` in `model_dir` or `log.jsonl` in the run
+    folder; then any other `*.jsonl` of `model_dir` whose rows carry a `loss` (or `train_loss`) value. From log
+    rows the card takes the last value of each key (loss, validation loss/perplexity, step, tokens, learning
+    rate). A run folder's files are named `../NAME` among the sources. Keys that look like credentials
+    (`token`, `hub_token`, `password`, ...) are never read.
     """
     model_dir = Path(model_dir)
+    run_dir = train_run_folder(model_dir)
     info = TrainingInfo()
-    config_path = model_dir / "training_config.json"
-    if config_path.is_file():
-        try:
-            data = json.loads(config_path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError):
-            data = None
-        if isinstance(data, dict):
-            info.sources.append(config_path.name)
+    recipes = [(model_dir / "training_config.json", "training_config.json")]
+    logs = [(model_dir / "train_log.jsonl", "train_log.jsonl")]
+    if run_dir is not None:
+        recipes.append((run_dir / TRAIN_RUN_CONFIG, f"../{TRAIN_RUN_CONFIG}"))
+        logs.append((run_dir / TRAIN_RUN_LOG, f"../{TRAIN_RUN_LOG}"))
+    for config_path, name in recipes:
+        data = _read_json_object(config_path) if config_path.is_file() else None
+        if data is not None:
+            info.sources.append(name)
             info.recipe.update(flatten(data))
     state_path = model_dir / "trainer_state.json"
-    if state_path.is_file():
-        try:
-            state = json.loads(state_path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError):
-            state = None
-        if isinstance(state, dict):
-            info.sources.append(state_path.name)
-            for key in ("global_step", "max_steps", "train_batch_size", "num_train_epochs"):
-                if key in state and state[key] is not None:
-                    info.recipe.setdefault(key, state[key])
-            history = [row for row in state.get("log_history") or [] if isinstance(row, dict)]
-            info.log_rows += len(history)
-            for row in history:
-                info.last.update({k: v for k, v in flatten(row).items() if is_number(v)})
-    logs = []
-    if (model_dir / "train_log.jsonl").is_file():
-        logs.append(model_dir / "train_log.jsonl")
-    logs += [p for p in sorted(model_dir.glob("*.jsonl")) if p.name != "train_log.jsonl"]
-    for path in logs:
+    state = _read_json_object(state_path) if state_path.is_file() else None
+    if state is not None:
+        info.sources.append(state_path.name)
+        for key in ("global_step", "max_steps", "train_batch_size", "num_train_epochs"):
+            if key in state and state[key] is not None:
+                info.recipe.setdefault(key, state[key])
+        history = [row for row in state.get("log_history") or [] if isinstance(row, dict)]
+        info.log_rows += len(history)
+        for row in history:
+            info.last.update({k: v for k, v in flatten(row).items() if is_number(v)})
+    logs = [(path, name) for path, name in logs if path.is_file()]
+    logs += [(p, p.name) for p in sorted(model_dir.glob("*.jsonl")) if p.name != "train_log.jsonl"]
+    for path, name in logs:
         rows = _read_jsonl_rows(path)
-        if path.name != "train_log.jsonl" and not any("loss" in r or "train_loss" in r for r in rows):
+        known = name in ("train_log.jsonl", f"../{TRAIN_RUN_LOG}")  # another *.jsonl counts if it logs a loss
+        if not known and not any("loss" in r or "train_loss" in r for r in rows):
             continue
         if not rows:
             continue
-        info.sources.append(path.name)
+        info.sources.append(name)
         info.log_rows += len(rows)
         for row in rows:
             info.last.update({k: v for k, v in flatten(row).items() if is_number(v)})

@@ -357,7 +357,8 @@ def training_lines(training: TrainingInfo | None) -> list[str]:
             shown = ", ".join(map(str, value)) if isinstance(value, list) else _fmt(value)
             if isinstance(value, str) and Path(value).is_absolute():
                 shown = Path(value).name  # local paths say nothing to a reader (and may be private)
-            lines.append(f"| {key} | {shown.replace('|', '/')} |")
+            shown = shown.replace("|", "/").replace("\n", "\\n")  # one table cell: no pipe, no line break
+            lines.append(f"| {key} | {shown} |")
         lines.append("")
     if training.last:
         wanted = [k for k in training.last if re.search(r"step|loss|ppl|perplexity|tokens|lr|learning_rate|epoch", k)]

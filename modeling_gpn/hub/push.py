@@ -40,6 +40,20 @@ def upload(
     )
 
 
+def check_repo_id(repo_id: str) -> None:
+    """Refuse what the Hub would refuse as a repo id (huggingface_hub's own rule), a dry run included: a dry run
+    that accepts "bad repo id" promises an upload that cannot happen."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        if not repo_id or repo_id.endswith("/"):
+            raise HFValidationError("it is empty or ends with '/'")
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        raise HubPushError(f"{repo_id!r} is not a Hub repo id (expected 'name' or 'owner/name'): {error}") from None
+
+
 def push_folder(
     folder: str | Path,
     repo_id: str,
@@ -63,8 +77,7 @@ def push_folder(
     `HubPushError` for a folder it refuses (see the module docstring). `token` defaults to the
     `HF_TOKEN` environment variable or the cached `hf auth login`.
     """
-    if not repo_id or repo_id.count("/") > 1 or repo_id.startswith("/") or repo_id.endswith("/"):
-        raise HubPushError(f"{repo_id!r} is not a Hub repo id (expected 'name' or 'owner/name')")
+    check_repo_id(repo_id)
     commit_message = commit_message or f"Upload {model_name or repo_id.split('/')[-1]} (GPN) with gpn push"
     options = dict(
         license=license, datasets=datasets, tags=tags, model_name=model_name, tokenizer=tokenizer, token=token

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import torch
 
+from ..cli.arguments import writable_folder
 from ..data import load_tokenizer
+from ..data.tokenizer import check_tokenizer_path
 from .figures import write_figures
 from .inputs import DEFAULT_DATASET, DEFAULT_DATASET_CONFIG, load_model, load_token_windows
 from .markdown import report_markdown
@@ -65,12 +67,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
+def fail(message: object) -> int:
+    """A bad argument, or what one names (a model, a tokenizer, data, the output folder) missing or unusable: one
+    line, as argparse writes its own errors, and exit status 2."""
+    print(f"gpn inspect: error: {message}", file=sys.stderr)
+    return 2
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    """Refuse, naming the option, a count that is not positive (a `None` means "not given")."""
+    for name in ("tokens", "batch_size", "top_k", "max_geometry_states", "seq_len", "ablation_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+
+
 def run(args: argparse.Namespace) -> int:
     started = time.time()
     progress = not args.quiet
-    for name in ("tokens", "batch_size", "top_k", "max_geometry_states"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"gpn inspect: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    # The arguments are checked before the model loads (the output folder too: it was created only after the
+    # whole analysis, whose results a bad --output then lost to a traceback).
+    try:
+        check_numbers(args)
+        if args.tokenizer:
+            check_tokenizer_path(args.tokenizer)
+        output = writable_folder(args.output, "--output")
+    except ValueError as error:
+        return fail(error)
     try:  # what the arguments name (a model, a tokenizer, data) missing or unusable: one line, no traceback
         model = load_model(args.model, args.device, args.dtype, args.trust_remote_code)
         tokenizer = load_tokenizer(
@@ -81,11 +104,10 @@ def run(args: argparse.Namespace) -> int:
             tokenizer, args.data, seq_len, args.tokens, args.data_config, args.split, args.text_column, progress
         )
     except (OSError, ValueError) as error:
-        print(f"gpn inspect: error: {error}", file=sys.stderr)
-        return 2
+        return fail(error)
     if windows.max() >= model.config.vocab_size:
-        raise SystemExit(
-            f"gpn inspect: the tokenizer produced id {int(windows.max())} but the model's vocabulary has "
+        return fail(
+            f"the tokenizer produced id {int(windows.max())} but the model's vocabulary has "
             f"{model.config.vocab_size} tokens; pass the tokenizer the model was trained with"
         )
     collected = collect(model, windows, args.batch_size, progress)
@@ -105,7 +127,6 @@ def run(args: argparse.Namespace) -> int:
     )
     report["data"]["source"] = args.data
     report["model"]["name_or_path"] = args.model
-    output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     figures = write_figures(report, output)
     summary = report_json(report)

@@ -17,6 +17,7 @@ from .context import TrainingRun
 from .distributed import all_finite, is_fsdp
 from .errors import NonFiniteLossError
 from .run_folder import (
+    REPLACED_PREFIX,
     fsync_tree,
     install_folder,
     intact,
@@ -81,14 +82,36 @@ def _optimizer_tensors(run: TrainingRun):
         yield from (value for value in state.values() if torch.is_tensor(value))
 
 
+def check_resume_path(resume: str | bool | None) -> None:
+    """Refuse, naming it, a `--resume PATH` that is no complete checkpoint (a folder holding trainer_state.json).
+    Checked again once the run folder is recovered; checked first before the data are tokenized, unless the
+    folder is missing only because a crash left it renamed aside (the recovery puts it back)."""
+    if resume is None or isinstance(resume, bool):
+        return
+    path = Path(resume)
+    if (path / "trainer_state.json").exists() or (
+        not path.exists() and path.with_name(REPLACED_PREFIX + path.name).exists()
+    ):
+        return
+    found = "does not exist" if not path.exists() else "holds no trainer_state.json"
+    raise FileNotFoundError(
+        f"--resume {resume}: no complete checkpoint there (it {found}); give a checkpoints/step-N folder of a run, "
+        "or --resume alone for the newest of --output-dir"
+    )
+
+
 def resume_from_checkpoint(run: TrainingRun, resume: str | bool) -> None:
     """`--resume` (True: the newest checkpoint of the run folder; a path: that one): load the training state
     into the prepared model and optimizer and continue where it stopped. Refused, naming why: no complete
     checkpoint, a changed setting that would change the data, the model or the optimisation, or non-finite
     weights (which older versions could write)."""
-    checkpoint = latest_checkpoint(run.run_dir) if resume is True else Path(resume)
-    if checkpoint is None or not (checkpoint / "trainer_state.json").exists():
-        raise FileNotFoundError(f"--resume: no complete checkpoint in {run.checkpoints_dir}")
+    if resume is True:
+        checkpoint = latest_checkpoint(run.run_dir)
+        if checkpoint is None:
+            raise FileNotFoundError(f"--resume: no complete checkpoint in {run.checkpoints_dir}")
+    else:
+        check_resume_path(resume)
+        checkpoint = Path(resume)
     state = read_json(checkpoint / "trainer_state.json", "checkpoint state")
     changes = changed_settings(state.get("config", {}), run.config)
     if changes:

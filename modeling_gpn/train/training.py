@@ -20,7 +20,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from .checkpoints import complete_tied_weights, resume_from_checkpoint
+from .checkpoints import check_resume_path, complete_tied_weights, resume_from_checkpoint
 from .context import TrainingRun
 from .distributed import RunStage, all_finite, collective_error, distribution_name, is_fsdp, start_accelerator
 from .errors import CollectiveError, LaunchError, NonFiniteLossError, RunFolderInUseError, StorageError
@@ -98,6 +98,8 @@ def run_training(
     import modeling_gpn  # noqa: F401 - registers GPN with the Auto classes
 
     micro, accumulation = split_batch(config, accelerator.num_processes)
+    if not prepare_only:
+        check_resume_path(resume)  # a wrong --resume PATH costs no tokenizing
     tokenizer, stream, windows = prepare_data(accelerator, config, show_progress)
     if prepare_only:
         return {"token_cache": str(stream.folder), "tokens": len(stream), "reused_cache": stream.reused}

@@ -469,18 +469,106 @@ def test_clear_errors(gpn_dir, data, llama_dir, capsys, tmp_path):
     assert "unknown task(s) ['hellaswag']" in capsys.readouterr().err
     assert main(["eval", str(gpn_dir), "--task-data", "lambada_openai"]) == 2
     assert "TASK=SOURCE" in capsys.readouterr().err
-    assert main(["eval", str(gpn_dir), "--data-dir", str(data / "lambada"), "--tasks", "wikitext"]) == 1
-    assert "gpn eval: FileNotFoundError: " in (err := capsys.readouterr().err) and "no data for task 'wikitext'" in err
-    assert main(["eval", str(gpn_dir.parent / "no-such-model"), "--tasks", "fineweb_paper"]) == 1
-    assert "does not exist" in capsys.readouterr().err
+    # what the arguments name, missing or unusable: one `gpn eval: error: ...` line, exit 2, as argparse's own
+    assert main(["eval", str(gpn_dir), "--data-dir", str(data / "lambada"), "--tasks", "wikitext"]) == 2
+    assert "gpn eval: error: " in (err := capsys.readouterr().err) and "no data for task 'wikitext'" in err
+    assert main(["eval", str(gpn_dir.parent / "no-such-model"), "--tasks", "fineweb_paper"]) == 2
+    assert capsys.readouterr().err.startswith("gpn eval: error: model folder ")
     bare = tmp_path / "without-tokenizer"  # the model's files, not its tokenizer's
     bare.mkdir()
     for name in ("config.json", "model.safetensors"):
         shutil.copy(gpn_dir / name, bare / name)
-    assert main(["eval", str(bare), "--tasks", "fineweb_paper"]) == 1
-    assert "gpn eval: DataError: " in (err := capsys.readouterr().err) and "holds no tokenizer" in err
+    assert main(["eval", str(bare), "--tasks", "fineweb_paper", "--output-dir", str(tmp_path / "out")]) == 2
+    assert "gpn eval: error: " in (err := capsys.readouterr().err) and "holds no tokenizer" in err
+    assert not (tmp_path / "out").exists()  # a refused run leaves no empty output folder
     llama = AutoModelForCausalLM.from_pretrained(llama_dir)
     with pytest.raises(ValueError, match="needs a model with empty_state_logits"):
         protocols.windowed_perplexity(llama, list(range(300)), WINDOW, first_position="empty_state")
     with pytest.raises(ValueError, match="fewer than one window"):
         protocols.windowed_perplexity(llama, list(range(100)), WINDOW, first_position="skip")
+
+
+def test_a_repos_own_code_runs_only_with_trust_remote_code(tmp_path, capsys):
+    """`gpn eval` runs the modeling code a folder or Hub repo ships only when asked (`--trust-remote-code`), as
+    `gpn generate` and `gpn inspect` do; `--no-trust-remote-code` (the old opt-out) still parses and is the
+    default. A GPN or Llama folder needs no flag (test_gpn_eval_command..., test_same_command_on_a_llama)."""
+    from modeling_gpn.cli import build_parser, main
+    from modeling_gpn.evaluation.cli import settings_from_args
+
+    shipped = tmp_path / "ships-code"
+    shipped.mkdir()
+    ran = tmp_path / "the repo's code ran"
+    (shipped / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "shipped-only",
+                "auto_map": {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XModel"},
+            }
+        )
+    )
+    (shipped / "configuration_x.py").write_text(f"open({str(ran)!r}, 'w').close()\nraise ImportError('stop')\n")
+    code = main(["eval", str(shipped), "--tasks", "fineweb_paper"])
+    assert not ran.exists() and code != 0
+    assert "trust_remote_code" in capsys.readouterr().err
+
+    def parsed(*flags):
+        return settings_from_args(build_parser("eval").parse_args(["eval", "m", *flags])).trust_remote_code
+
+    assert (parsed(), parsed("--trust-remote-code"), parsed("--no-trust-remote-code")) == (False, True, False)
+
+
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("--limit", "0", "--limit must be at least 1, got 0"),
+        ("--batch-size", "0", "--batch-size must be at least 1, got 0"),
+        ("--fineweb-window", "1", "--fineweb-window must be at least 2, got 1"),
+        ("--fineweb-held-out-fraction", "1.5", "--fineweb-held-out-fraction must be in (0, 1], got 1.5"),
+        ("--num-threads", "0", "--num-threads must be at least 1, got 0"),
+    ],
+)
+def test_numbers_out_of_range_are_refused_before_the_model_loads(gpn_dir, option, value, message, capsys, monkeypatch):
+    """`--limit 0` scored one example and reported it as a result; `--batch-size 0` ended in `ValueError:`, exit 1.
+    Now each is one `gpn eval: error: ...` line and exit 2, before anything loads."""
+    from modeling_gpn.cli import main
+    from modeling_gpn.evaluation import runner
+
+    monkeypatch.setattr(runner, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    assert main(["eval", str(gpn_dir), "--tasks", "lambada_paper", option, value]) == 2
+    assert capsys.readouterr().err == f"gpn eval: error: {message}\n"
+
+
+def test_a_limit_takes_that_many_texts(data):
+    from modeling_gpn.evaluation.runner import load_texts
+
+    lambada = str(data / "lambada" / "lambada_test.jsonl")
+    assert [len(load_texts(lambada, None, "text", limit=n)) for n in (0, 1, 3)] == [0, 1, 3]
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file", "unwritable"])
+def test_an_unusable_output_dir_is_refused_before_the_model_loads(gpn_dir, where, tmp_path, capsys, monkeypatch):
+    """`--output-dir` was only created after the whole evaluation, which then ended in a traceback."""
+    from modeling_gpn.cli import main
+    from modeling_gpn.evaluation import runner
+
+    monkeypatch.setattr(runner, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    (tmp_path / "file").write_text("x")
+    output = {"a file": tmp_path / "file", "under a file": tmp_path / "file" / "out", "unwritable": "/proc/gpn-out"}
+    assert main(["eval", str(gpn_dir), "--tasks", "lambada_paper", "--output-dir", str(output[where])]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"gpn eval: error: --output-dir {output[where]}") and err.count("\n") == 1
+
+
+def test_quiet_shows_no_progress_bar_of_any_library(gpn_dir, data, tmp_path, capfd):
+    """`--quiet` said "no progress bars", but lm-eval's "Running loglikelihood requests" bars (and those of
+    transformers' weight loading and datasets' reading) still showed; each library's setting is restored after."""
+    from transformers.utils import logging as transformers_logging
+
+    from modeling_gpn.cli import main
+
+    lambada = str(data / "lambada" / "lambada_test.jsonl")
+    arguments = ["eval", str(gpn_dir), "--tasks", "lambada_openai", "--task-data", f"lambada_openai={lambada}"]
+    assert main([*arguments, "--limit", "2", "--output-dir", str(tmp_path), "--quiet"]) == 0
+    err = capfd.readouterr().err
+    assert "Running loglikelihood requests" not in err and "it/s]" not in err, err
+    assert transformers_logging.is_progress_bar_enabled()

@@ -179,3 +179,30 @@ def test_the_training_window_is_lm_evals_context_length_and_no_positional_limit(
     renamed = tiny_config(max_position_embeddings=40)
     assert renamed.max_length_hint == 40 and not hasattr(renamed, "max_position_embeddings")
     assert resolve_max_length(GPNConfig.from_dict(renamed.to_dict())) == 40
+
+
+def test_gpn_convert_refuses_a_folder_with_files_in_it(tmp_path, capsys):
+    """OUT was overwritten in silence, leaving its files (another model's tokenizer) beside the new model."""
+    from modeling_gpn.cli import main
+
+    folder = require_shared("fixtures/reference/sot_m_1l")
+    out = tmp_path / "converted"
+    out.mkdir()
+    (out / "tokenizer.json").write_text("{}")
+    assert main(["convert", str(folder), str(out)]) == 1
+    assert capsys.readouterr().err.startswith(f"gpn convert: Cannot write the converted model to {out}: the folder is")
+    assert [path.name for path in out.iterdir()] == ["tokenizer.json"]
+    (out / "tokenizer.json").unlink()  # an empty folder is as good as a new one
+    assert main(["convert", str(folder), str(out)]) == 0 and (out / "model.safetensors").exists()
+
+
+def test_gpn_convert_refuses_a_tokenizer_with_more_ids_than_the_model(tmp_path, capsys):
+    """The LLaMA-2 tokenizer (32,000 ids) was saved beside a model of 97 tokens."""
+    from modeling_gpn.cli import main
+
+    folder = require_shared("fixtures/reference/sot_m_1l")
+    tokenizer = require_shared("data/llama2-tokenizer")
+    out = tmp_path / "converted"
+    assert main(["convert", str(folder), str(out), "--tokenizer", str(tokenizer)]) == 1
+    assert "has 32,000 token ids, more than the model's vocab_size of 97" in capsys.readouterr().err
+    assert not out.exists()

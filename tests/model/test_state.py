@@ -614,6 +614,26 @@ def test_cli_bad_state_is_one_clear_line(generate_dir, tmp_path, capsys, case):
         assert str(state) in lines[0]
 
 
+def test_cli_save_state_of_a_model_without_a_gpn_state_is_refused_before_generating(generate_dir, tmp_path, capsys):
+    """A Llama's cache is no GPN state: `--save-state` ended in an AttributeError traceback after generating."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    llama = tmp_path / "llama"
+    tokenizer = AutoTokenizer.from_pretrained(generate_dir)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    LlamaForCausalLM(config).save_pretrained(llama)
+    tokenizer.save_pretrained(llama)
+    state = tmp_path / "s.safetensors"
+    code, out, err = run_cli(capsys, llama, "the cat", "--max-new-tokens", "2", "--save-state", state)
+    assert (code, out) == (2, "") and not state.exists(), err
+    assert "Traceback" not in err and [line for line in err.splitlines() if line.startswith("gpn")] == [
+        f"gpn generate: error: --save-state needs a GPN model (a state of fixed size to save); {llama} is a "
+        "LlamaForCausalLM"
+    ]
+
+
 def test_loaded_and_forked_states_keep_what_they_read_for_both_ways_of_continuing(tmp_path):
     """A saved, loaded or forked state keeps the fingerprint of the positions it read, so `generate()`
     continues it from the whole sequence (as with a KV cache) as well as from the new positions only, and

@@ -109,6 +109,25 @@ def test_documented_gpn_commands_parse(arguments):
             assert exit.code == 0, f"`gpn {' '.join(arguments)}` does not parse: {errors.getvalue().strip()}"
 
 
+def test_documented_model_folders_are_where_gpn_train_writes_them():
+    """A documented command's model is a placeholder (`path/to/...`), a Hub id of the docs' own (`me/...`,
+    `user/...`), or where `gpn train` writes a model: `runs/NAME/model` (docs/generate.md used
+    `outputs/tiny-shakespeare`, which nothing writes)."""
+    from modeling_gpn.cli import build_parser
+
+    stale = []
+    for param in DOCUMENTED_COMMANDS:
+        arguments = param.values[0]
+        if not arguments or arguments[0] not in ("generate", "eval", "inspect", "push", "serve"):
+            continue
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            parsed = build_parser(arguments[0]).parse_args(arguments)
+        model = getattr(parsed, "model", None) or getattr(parsed, "model_dir", None)
+        if model and not re.fullmatch(r"path/.*|(me|user)/[^/]+|runs/[^/]+/model", model):
+            stale.append(f"{param.id}: {model}")
+    assert stale == []
+
+
 @pytest.mark.parametrize("subcommand", ["generate", "bench", "eval", "push"])
 def test_help_gives_each_option_its_default_once(subcommand):
     """`gpn CMD --help` appends an option's default where it has one (`--max-new-tokens ... (default: 64)`);
@@ -125,6 +144,20 @@ def test_help_gives_each_option_its_default_once(subcommand):
     ] in text
     if subcommand == "generate":
         assert "with --sample, default 0.8)" in text and "default 0.8) (default" not in text
+
+
+@pytest.mark.parametrize(
+    "subcommand", ["convert", "train", "eval", "push", "inspect", "bench", "study", "generate", "serve"]
+)
+def test_every_option_has_help(subcommand):
+    """`gpn eval --batch-size` and `gpn bench --device` were listed in --help with nothing said about them."""
+    from modeling_gpn.cli import available_subcommands, build_parser
+
+    if subcommand not in available_subcommands():
+        pytest.skip(f"gpn {subcommand} needs what this environment lacks")
+    parser = build_parser(subcommand)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[subcommand]
+    assert [a.option_strings for a in sub._actions if a.option_strings and not a.help] == []
 
 
 def test_the_training_programs_own_help_gives_each_default_once(capsys):

@@ -488,16 +488,19 @@ GENERATE_BAD = {
     "negative-new-tokens": (["{model}", "hi", "--max-new-tokens", "-3"], "--max-new-tokens must be at least 1"),
     "empty-prompt": (["{model}", "hi", ""], "prompt 2 is empty"),
     "blank-prompt": (["{model}", "   "], "prompt 1 is empty"),
-    "temperature-without-sample": (["{model}", "hi", "--temperature", "0.5"], "--temperature only apply with --sample"),
+    "temperature-without-sample": (
+        ["{model}", "hi", "--temperature", "0.5"],
+        "--temperature only applies with --sample",
+    ),
     "top-p-without-sample": (
         ["{model}", "hi", "--top-p", "0.5", "--num-beams", "2"],
-        "--top-p only apply with --sample",
+        "--top-p only applies with --sample",
     ),
     "zero-temperature": (["{model}", "hi", "--sample", "--temperature", "0"], "--temperature must be > 0"),
     "top-p-above-one": (["{model}", "hi", "--sample", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
     "zero-beams": (["{model}", "hi", "--num-beams", "0"], "--num-beams must be at least 1"),
     "bad-device": (["{model}", "hi", "--device", "toaster"], "is not a torch device"),
-    "missing-tokenizer": (["{model}", "hi", "--tokenizer", "{tmp}/nowhere"], "Cannot load tokenizer"),
+    "missing-tokenizer": (["{model}", "hi", "--tokenizer", "{tmp}/nowhere"], "/nowhere does not exist"),
     "model-without-tokenizer": (["{small_model}", "hi"], "small holds no tokenizer (none of tokenizer.json"),
     "foreign-tokenizer": (["{small_model}", "hello there", "--tokenizer", "{model}"], "outside the model's vocabulary"),
 }
@@ -516,6 +519,36 @@ def test_generate_bad_arguments_are_one_clear_line(generate_dir, tmp_path, capsy
     assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
     assert needle in lines[0], lines[0]
     assert captured.out == ""
+
+
+@pytest.mark.parametrize("command", ["generate", "convert", "inspect", "eval"])
+def test_a_missing_tokenizer_folder_is_named_not_taken_for_a_hub_id(generate_dir, command, tmp_path, capsys):
+    """`--tokenizer ./no/such` ended in transformers' "Repo id must be in the form 'repo_name'..." (or a traceback):
+    a path that cannot be a Hub id and does not exist is named as a missing folder, by every command."""
+    source = write_pickle(tmp_path / "c.pkl", reference_params())
+    arguments = {
+        "generate": [str(generate_dir), "hi"],
+        "convert": [str(source), str(tmp_path / "out")],
+        "inspect": [str(generate_dir), "--output", str(tmp_path / "report")],
+        "eval": [str(generate_dir), "--output-dir", str(tmp_path / "report")],
+    }[command]
+    gpn_main([command, *arguments, "--tokenizer", "./no/such/tokenizer"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith(f"gpn {command}:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].endswith("tokenizer folder ./no/such/tokenizer does not exist"), lines[0]
+    assert not (tmp_path / "out").exists() and not (tmp_path / "report").exists()
+
+
+def test_load_tokenizer_names_a_missing_local_path_and_passes_a_hub_id(tmp_path):
+    from modeling_gpn.data import DataError, load_tokenizer
+
+    for path in ("./nowhere", "/no/such", "~/no-such-tokenizer-here", "a/b/c"):
+        with pytest.raises(DataError, match=f"^tokenizer folder {path} does not exist$"):
+            load_tokenizer(path)
+    with pytest.raises(DataError) as hub:  # offline: the Hub cannot answer, but it was asked
+        load_tokenizer("no-such-owner/no-such-tokenizer")
+    assert "does not exist" not in str(hub.value)
 
 
 def test_generate_unparsable_number_is_argparse_usage_not_a_traceback(generate_dir, capsys):

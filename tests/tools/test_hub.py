@@ -289,6 +289,28 @@ def test_card_without_eval_or_training_log_uses_the_paper_table(source, tmp_path
     assert text.count("(paper) |") == len(PAPER_TABLE_1)
 
 
+def test_card_of_gpn_trains_own_output_reads_its_run_folder(source, tmp_path):
+    """`gpn train` writes OUTPUT/model beside OUTPUT/train_config.json and OUTPUT/log.jsonl: the card of OUTPUT/model
+    said "No training log was found" (it looked for other names, inside the model folder only)."""
+    from modeling_gpn.hub import push_folder
+
+    folder = copy_source(source, tmp_path / "run")  # run/model
+    for name in ("training_config.json", "train_log.jsonl"):
+        (folder / name).unlink()
+    settings = {"recipe": "tiny-cpu", "lr": 0.003, "sample_prompt": "ROMEO:\n", "hub_token": TOKEN}
+    (tmp_path / "run" / "train_config.json").write_text(json.dumps(settings))
+    rows = [{"step": 10, "loss": 7.6, "lr": 0.0015}, {"step": 20, "val_loss": 4.66, "val_ppl": 105.6, "event": "final"}]
+    (tmp_path / "run" / "log.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    text = (push_folder(folder, "gpn-run", dry_run=tmp_path / "out", quiet=True).path / "README.md").read_text()
+    assert "| lr | 0.003 |" in text and "| recipe | tiny-cpu |" in text and "| sample_prompt | ROMEO:\\n |" in text
+    assert "loss = 7.6" in text and "val_loss = 4.66" in text and TOKEN not in text
+    assert "Read from: `../train_config.json`, `../log.jsonl` (2 log rows)." in text
+    # the same files beside a folder that is not the run's model (OUTPUT/model) are not its training
+    other = folder.rename(tmp_path / "run" / "other")
+    text = (push_folder(other, "gpn-run", dry_run=tmp_path / "out2", quiet=True).path / "README.md").read_text()
+    assert "No training log was found" in text
+
+
 def test_paper_columns_without_gpn_evals_comparison_match_protocols_only():
     from modeling_gpn.hub.model_card import model_paper_columns, read_eval_results
 
@@ -348,6 +370,15 @@ def test_refusals_name_the_problem(source, tmp_path, capsys):
         captured = capsys.readouterr()
         assert TOKEN not in captured.out + captured.err
         return captured.err
+
+    def refused_id(repo_id: str) -> str:
+        out = tmp_path / "out-repo-id"
+        assert main(["push", str(source["dir"]), repo_id, "--dry-run", str(out)]) == 1
+        assert not out.exists()
+        return capsys.readouterr().err
+
+    for bad_id in ("bad repo id", "owner/two/slashes", "me/name..dots"):  # the Hub's rule, a dry run included
+        assert f"{bad_id!r} is not a Hub repo id" in refused_id(bad_id)
 
     pickled = copy_source(source, tmp_path / "pickle")
     torch.save({"x": torch.zeros(1)}, pickled / "pytorch_model.bin")

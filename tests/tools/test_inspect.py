@@ -366,3 +366,29 @@ def test_decode_only_shortcut_matches_the_ablated_recurrence():
     assert collected.perplexity == pytest.approx(
         decoded_perplexity(model, collected.states, windows)["perplexity"], rel=1e-6
     )
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--tokens", "0"], "--tokens must be positive, got 0"),
+        (["--seq-len", "0"], "--seq-len must be positive, got 0"),
+        (["--output", "{file}"], "--output {file}: {file} is a file, not a folder"),
+        (["--output", "{file}/report"], "--output {file}/report: {file} is a file, not a folder"),
+        (["--output", "/proc/gpn-report"], "--output /proc/gpn-report: cannot write in /proc"),
+    ],
+)
+def test_gpn_inspect_checks_its_arguments_before_the_model_loads(arguments, message, tmp_path, capsys, monkeypatch):
+    """A bad --output was found only after the whole analysis, as a traceback that lost it; --tokens 0 exited 1
+    with a message unlike the others. Each is now one `gpn inspect: error: ...` line, exit 2, nothing loaded."""
+    from modeling_gpn.cli import main
+    from modeling_gpn.inspect import cli
+
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    file = tmp_path / "file"
+    file.write_text("x")
+    arguments = [argument.format(file=file) for argument in arguments]
+    if "--output" not in arguments:
+        arguments += ["--output", str(tmp_path / "report")]
+    assert main(["inspect", "some/model", *arguments, "--quiet"]) == 2
+    assert capsys.readouterr().err.startswith(f"gpn inspect: error: {message.format(file=file)}")

@@ -613,3 +613,21 @@ def test_the_lock_is_held_only_while_train_runs_in_process(tmp_path, cache, shak
     with pytest.raises(FileExistsError):  # a failing run (here: no --resume over a checkpoint) releases it too
         run_train(shakespeare, run_dir, cache, "--steps", "2", "--checkpoint-interval", "1")
     train_module.RunFolderLock(run_dir).acquire().release()
+
+
+@pytest.mark.parametrize("given", ["missing", "a run folder"])
+def test_resume_from_a_path_that_is_no_checkpoint_names_that_path(
+    tmp_path, cache, shakespeare, given, capsys, monkeypatch
+):
+    """`--resume PATH` with a bad PATH said "no complete checkpoint in OUTPUT/checkpoints", a folder it was not
+    given; and it said so only after tokenizing the data."""
+    from modeling_gpn.train import training
+
+    monkeypatch.setattr(training, "prepare_data", lambda *a, **k: pytest.fail("the data were prepared"))
+    path = {"missing": tmp_path / "nowhere", "a run folder": tmp_path}[given]
+    found = {"missing": "does not exist", "a run folder": "holds no trainer_state.json"}[given]
+    args = parse(small_args(shakespeare, tmp_path / "run", cache, "--resume", str(path)))
+    assert train_module.run(args) == 1
+    err = capsys.readouterr().err
+    assert f"gpn train: error: --resume {path}: no complete checkpoint there (it {found})" in err, err
+    assert "run/checkpoints" not in err
