@@ -81,7 +81,7 @@ def gpn_base_model(model: nn.Module) -> nn.Module:
 
 
 # model -> (a glance at its parameters when hashed, their hash): a state is saved and loaded many times between two
-# edits of the weights, and hashing them all (about 0.3 s for the 130M model's 520 MB) once per edit is enough.
+# edits of the weights, and hashing them all (every byte of the model) once per edit is enough.
 _weights_hashes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 GLANCE_VALUES = 4096  # values of each stored tensor read, evenly spaced, to tell whether it changed since hashed
 
