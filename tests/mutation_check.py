@@ -853,14 +853,14 @@ MUTATIONS = [
     Mutation(
         "gpn serve: n answers cut where a stop string ended their row (not at the padding after it)",
         "modeling_gpn/serve/handlers.py",
-        "        if token in ends or (stops is not None and bool(stops(whole[:, : input_len + position + 1], None)[0])):\n",
-        "        if token in ends:  # MUTATION\n",
+        "                if token in ends or (stops is not None and bool(stops(whole[:, : input_len + position + 1], None)[0]))\n",
+        "                if token in ends  # MUTATION\n",
         ("tests/tools/test_serve.py -k end_where_each_row_finished",),
     ),
     Mutation(
         "gpn serve: an answer that stopped at its max_tokens-th token is finish_reason stop",
         "modeling_gpn/serve/handlers.py",
-        '                    choice["finish_reason"] = "stop"\n',
+        '                    choices[row]["finish_reason"] = "stop"\n',
         "                    pass  # MUTATION\n",
         ("tests/tools/test_serve.py -k end_where_each_row_finished",),
     ),

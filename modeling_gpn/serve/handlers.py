@@ -225,6 +225,7 @@ class StateKeeping:
         """transformers' non-streamed response body, with the n answers when n > 1."""
         model, processor = arguments.arguments["model"], arguments.arguments["processor"]
         inputs, gen_config = arguments.arguments["inputs"], arguments.arguments["gen_config"]
+        rows = None  # each row's answer tokens and whether it stopped (`_answer_rows`), once, when needed
         if model.answers == 1:
             body = json.loads((await super()._non_streaming(*arguments.args, **arguments.kwargs)).body)
         else:
@@ -236,10 +237,8 @@ class StateKeeping:
             request_id = arguments.arguments["request_id"]
             await gen_manager.generate_non_streaming(model, processor, inputs, gen_config, request_id=request_id)
             body = None
-            for row in range(model.sequences.shape[0]):
-                input_len, ids, _ = _answer_tokens(
-                    model.sequences, row, inputs, gen_config, processor, model.generation_config.eos_token_id
-                )
+            rows = _answer_rows(model.sequences, inputs, gen_config, processor, model.generation_config.eos_token_id)
+            for row, (input_len, ids, _) in enumerate(rows):
                 arguments.arguments["gen_manager"] = _Answer((input_len, ids), processor)
                 answer = json.loads((await super()._non_streaming(*arguments.args, **arguments.kwargs)).body)
                 if body is None:
@@ -249,17 +248,18 @@ class StateKeeping:
                 body["choices"].extend(answer["choices"])
                 for name in ("completion_tokens", "total_tokens"):
                     body["usage"][name] += answer["usage"]["completion_tokens"]
-        if model.sequences is not None:  # (None: continuous batching ran it, without generate())
-            for row, choice in enumerate(body.get("choices", [])):
-                if (
-                    choice.get("finish_reason") == "length"
-                    and _answer_tokens(
-                        model.sequences, row, inputs, gen_config, processor, model.generation_config.eos_token_id
-                    )[2]
-                ):
+        choices = body.get("choices", [])
+        at_length = [row for row, choice in enumerate(choices) if choice.get("finish_reason") == "length"]
+        if at_length and model.sequences is not None:  # (None: continuous batching ran it, without generate())
+            if rows is None:
+                rows = _answer_rows(
+                    model.sequences, inputs, gen_config, processor, model.generation_config.eos_token_id
+                )
+            for row in at_length:
+                if rows[row][2]:
                     # it ended on EOS or a stop string at its last allowed token: it stopped. (transformers says
                     # "length" for any answer max_tokens long; here the row's end is known.)
-                    choice["finish_reason"] = "stop"
+                    choices[row]["finish_reason"] = "stop"
         return body
 
 
@@ -322,27 +322,36 @@ class _Answer:
         return self.processor.decode(self.ids, skip_special_tokens=True), self.input_len, self.ids
 
 
-def _answer_tokens(
-    sequences: torch.Tensor, row: int, inputs, gen_config, processor, eos_token_id=None
-) -> tuple[int, torch.Tensor, bool]:
-    """(prompt length, the row's generated tokens up to where it finished, whether it finished by itself).
+def _answer_rows(
+    sequences: torch.Tensor, inputs, gen_config, processor, eos_token_id=None
+) -> list[tuple[int, torch.Tensor, bool]]:
+    """Per row of `sequences`: (prompt length, the row's generated tokens up to where it finished, whether it
+    finished by itself).
 
     A row that finished before the longest one is padded after its end with the pad token, which is the EOS
     token when the configuration has no pad: so the row's end is found the way generate() found it, at the
     first EOS (kept, as generate() keeps it) or the first token that completes a stop string (the same check,
-    transformers' `StopStringCriteria`), never by looking for padding. A row that did neither ran to its
-    length. `eos_token_id` is the model's, for a generation config (a request's own) that names none."""
+    transformers' `StopStringCriteria`, built once for all rows), never by looking for padding. A row that did
+    neither ran to its length. `eos_token_id` is the model's, for a generation config (a request's own) that
+    names none."""
     input_len = inputs["input_ids"].shape[-1]
-    ids = sequences[row, input_len:]
     ends = gen_config.eos_token_id if gen_config.eos_token_id is not None else eos_token_id
     ends = set(ends if isinstance(ends, list) else [] if ends is None else [ends])
     stop_strings = gen_config.stop_strings
     stops = StopStringCriteria(getattr(processor, "tokenizer", processor), stop_strings) if stop_strings else None
-    whole = sequences[row : row + 1]
-    for position, token in enumerate(ids.tolist()):
-        if token in ends or (stops is not None and bool(stops(whole[:, : input_len + position + 1], None)[0])):
-            return input_len, ids[: position + 1], True
-    return input_len, ids, False
+    rows = []
+    for row in range(sequences.shape[0]):
+        ids, whole = sequences[row, input_len:], sequences[row : row + 1]
+        end = next(
+            (
+                position
+                for position, token in enumerate(ids.tolist())
+                if token in ends or (stops is not None and bool(stops(whole[:, : input_len + position + 1], None)[0]))
+            ),
+            None,
+        )
+        rows.append((input_len, ids, False) if end is None else (input_len, ids[: end + 1], True))
+    return rows
 
 
 def _report_cached_tokens(usage: dict | None, cached_tokens: int) -> None:

@@ -305,7 +305,7 @@ def test_n_answers_end_where_each_row_finished(client, model_name, reference):
     """Rows of one generate() that finish early are padded (with EOS, when the model has no pad token): each of
     the n answers is cut where its row finished (its EOS kept, or the token that completes a stop string), the
     padding neither in its text nor its token count; an answer that ends so is "stop", even at max_tokens."""
-    from modeling_gpn.serve.handlers import _answer_tokens
+    from modeling_gpn.serve.handlers import _answer_rows
 
     model, tokenizer = reference
     inputs = tokenizer.apply_chat_template(
@@ -318,8 +318,7 @@ def test_n_answers_end_where_each_row_finished(client, model_name, reference):
     with torch.no_grad():
         rows = model.generate(inputs["input_ids"].repeat(4, 1), generation_config=config, tokenizer=tokenizer)
     eos, padded = model.generation_config.eos_token_id, 0
-    for row in range(4):
-        _, ids, stopped = _answer_tokens(rows, row, inputs, config, tokenizer)
+    for row, (_, ids, stopped) in enumerate(_answer_rows(rows, inputs, config, tokenizer)):
         generated = rows[row, prompt:]
         assert torch.equal(generated[: len(ids)], ids) and (generated[len(ids) :] == eos).all()  # the rest: padding
         padded += len(ids) < len(generated)
