@@ -26,7 +26,14 @@ from torch import nn
 from transformers.cache_utils import Cache, LinearAttentionLayer
 
 from .configuration_gpn import GPNConfig
-from .state_file import STATE_TENSOR_NAMES, GPNStateFileError, gpn_base_model, read_state_file, write_state_file
+from .state_file import (
+    STATE_TENSOR_NAMES,
+    GPNStateFileError,
+    gpn_base_model,
+    read_state_file,
+    state_fingerprint,
+    write_state_file,
+)
 from .tracing import is_tracing
 
 # ---- what a cache has read: a fingerprint, to tell generate()'s two ways of continuing apart ------------
@@ -345,7 +352,7 @@ class GPNCache(Cache):
         forked._gpn_model_ref = getattr(self, "_gpn_model_ref", None)
         return forked
 
-    def save(self, path: str | os.PathLike) -> None:
+    def save(self, path: str | os.PathLike, *, model_fingerprint: dict[str, str] | None = None) -> None:
         """Write the state to `path` as safetensors (never pickle), with what identifies its model.
 
         The file holds p, g and M for every row (float32) and, as metadata, the number of positions read,
@@ -354,17 +361,25 @@ class GPNCache(Cache):
         parameter as stored) and a checksum of the tensors and the positions read. It is written under a temporary name unique to the
         call and renamed, so an interrupted save never leaves a partial file at `path`, and saves from several
         threads to one path each succeed. `GPNCache.load(path, model)` reads it.
+
+        Args:
+            model_fingerprint: `state_file.state_fingerprint(model)` of the model that computed the state, taken
+                while it was loaded; for saving after that model was deleted (a server that unloads idle
+                models). By default, that of the model that filled this cache.
         """
         path = Path(path)
         if not self.has_state:
             raise ValueError(f"Cannot save {path}: this GPNCache holds no state (run the model on a prompt first)")
-        model_ref = getattr(self, "_gpn_model_ref", None)
-        model = model_ref() if model_ref is not None else None
-        if model is None:
-            raise ValueError(
-                f"Cannot save {path}: this GPNCache does not know the model that filled it (it was not filled by "
-                "a GPN forward in this process, or that model was deleted), so the file could not say whose state it is"
-            )
+        if model_fingerprint is None:
+            model_ref = getattr(self, "_gpn_model_ref", None)
+            model = model_ref() if model_ref is not None else None
+            if model is None:
+                raise ValueError(
+                    f"Cannot save {path}: this GPNCache does not know the model that filled it (it was not filled "
+                    "by a GPN forward in this process, or that model was deleted), so the file could not say whose "
+                    "state it is"
+                )
+            model_fingerprint = state_fingerprint(model)
         layer = self.state_layer
         tensors = {
             name: layer.recurrent_states[index].detach().to("cpu", copy=True).contiguous()
@@ -373,7 +388,7 @@ class GPNCache(Cache):
         # what it read (for generate()'s two ways of continuing, `continuation_start`), or "unknown"
         read = self.read_fingerprint()
         read_fingerprint = json.dumps(read.tolist()) if read is not None else "unknown"
-        write_state_file(path, tensors, self.get_seq_length(), read_fingerprint, model)
+        write_state_file(path, tensors, self.get_seq_length(), read_fingerprint, model_fingerprint)
 
     @classmethod
     def load(cls, path: str | os.PathLike, model: nn.Module) -> GPNCache:

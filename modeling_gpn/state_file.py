@@ -141,9 +141,14 @@ def _stored_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Te
 
 
 def write_state_file(
-    path: Path, tensors: dict[str, torch.Tensor], positions_read: int, read_fingerprint: str, model: nn.Module
+    path: Path,
+    tensors: dict[str, torch.Tensor],
+    positions_read: int,
+    read_fingerprint: str,
+    model_fingerprint: dict[str, str],
 ) -> None:
-    """Write `tensors` (p, g, M on the CPU) as the state of `model` (a `GPNModel`) after `positions_read`.
+    """Write `tensors` (p, g, M on the CPU) as the state, after `positions_read`, of the model that
+    `model_fingerprint` (`state_fingerprint` of a `GPNModel`) names.
 
     Written under a temporary name unique to this call (process, thread and a random part: two threads
     saving to one path never share it), fsynced and renamed, so an interrupted save never leaves a partial
@@ -151,6 +156,7 @@ def write_state_file(
     """
     if not all(bool(torch.isfinite(tensor).all()) for tensor in tensors.values()):
         raise ValueError(f"Cannot save {path}: the state holds NaN or infinite values")
+    _check_model_fingerprint(model_fingerprint, path)
     metadata = {
         "format": STATE_FILE_FORMAT,
         "format_version": str(STATE_FILE_VERSION),
@@ -158,7 +164,7 @@ def write_state_file(
         "batch_size": str(tensors["predicted"].shape[0]),
         "read_fingerprint": read_fingerprint,
         "checksum": _state_checksum(tensors, read_fingerprint, str(positions_read)),
-        **state_fingerprint(model),
+        **model_fingerprint,
     }
     payload = safetensors.torch.save(tensors, metadata=metadata)
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}")
@@ -171,6 +177,18 @@ def write_state_file(
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
+
+
+def _check_model_fingerprint(fingerprint: dict[str, str], path: Path) -> None:
+    """Refuse to write a file whose model fingerprint is not one `state_fingerprint` gives: no load would take it."""
+    names = ("state_config", "config_fingerprint", "weights_dtype", "weights_fingerprint")
+    if not isinstance(fingerprint, dict) or sorted(fingerprint) != sorted(names):
+        got = sorted(fingerprint) if isinstance(fingerprint, dict) else type(fingerprint).__name__
+        raise ValueError(f"Cannot save {path}: a model fingerprint has the fields {list(names)}, got {got}")
+    if not all(isinstance(value, str) for value in fingerprint.values()) or (
+        hashlib.sha256(fingerprint["state_config"].encode()).hexdigest() != fingerprint["config_fingerprint"]
+    ):
+        raise ValueError(f"Cannot save {path}: the model fingerprint is not one state_fingerprint(model) gives")
 
 
 def read_state_file(path: Path, model: nn.Module) -> StateFile:

@@ -830,6 +830,30 @@ MUTATIONS = [
         ("tests/tools/test_serve.py -k greedy_requests_as_transformers_serve_reads_them",),
     ),
     Mutation(
+        "gpn serve: the states of an unloaded model spill by the fingerprint taken while it was loaded",
+        "modeling_gpn/serve/state_store.py",
+        "            entry.cache.save(path, model_fingerprint=self._model_fingerprints.get(entry.model))\n",
+        "            entry.cache.save(path)  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k unloaded_model_still_spill",),
+    ),
+    Mutation(
+        "GPNCache.save names the model by a given fingerprint (its model deleted)",
+        "modeling_gpn/cache.py",
+        "        if model_fingerprint is None:\n",
+        "        if True:  # MUTATION\n",
+        (
+            "tests/model/test_state.py -k saved_after_its_model_is_deleted",
+            "tests/tools/test_serve_store.py -k unloaded_model_still_spill",
+        ),
+    ),
+    Mutation(
+        "a state file is written only with a model fingerprint state_fingerprint gives",
+        "modeling_gpn/state_file.py",
+        "    _check_model_fingerprint(model_fingerprint, path)\n",
+        "",
+        ("tests/model/test_state.py -k saved_after_its_model_is_deleted",),
+    ),
+    Mutation(
         "gpn serve: --state-dir-bytes counts the ids file a spilled state writes",
         "modeling_gpn/serve/state_store.py",
         "            size = path.stat().st_size + ids_path.stat().st_size\n",

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from .. import GPNCache, GPNStateFileError
-from ..state_file import weights_hash
+from ..state_file import gpn_base_model, state_fingerprint, weights_hash
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +131,9 @@ class StateStore:
         self._memory_bytes = 0
         self._file_bytes = 0
         self._lengths: dict[str, dict[int, int]] = {}  # model -> {length: entries of that length}, both tiers
+        # model key -> what a state file names the model by (`state_fingerprint`), taken while the model was loaded:
+        # a server that unloads an idle model (--model-timeout) still writes its states to files
+        self._model_fingerprints: dict[str, dict[str, str]] = {}
         if self.spill_dir is not None:
             self.spill_dir.mkdir(parents=True, exist_ok=True)
             self._index_spill_dir()
@@ -179,6 +182,7 @@ class StateStore:
         key = _entry_key(key_of_model, ids_bytes)
         nbytes = self.entry_bytes(cache, len(ids))
         with self._lock:
+            self._remember_model(key_of_model, model)
             self._forget(key)
             if nbytes > self.max_bytes:
                 if self.spill_dir is None:
@@ -270,6 +274,7 @@ class StateStore:
             self._files.move_to_end(key)
             return cache
         # back into memory (most recently used); the file goes, so each state lives in one tier
+        self._remember_model(entry.model, model)
         self._forget(key)
         self._memory[key] = _Entry(entry.model, entry.ids, cache.fork(1), nbytes)
         self._memory_bytes += nbytes
@@ -292,7 +297,8 @@ class StateStore:
         name and renamed, so a file's presence means it is whole); drop it when it cannot be written."""
         path, ids_path = self._state_path(key), self._ids_path(key)
         try:
-            entry.cache.save(path)
+            # named by the fingerprint taken while the model was loaded: it may have been unloaded since
+            entry.cache.save(path, model_fingerprint=self._model_fingerprints.get(entry.model))
             _write_atomically(ids_path, json.dumps({"model": entry.model, "ids": _ids_from_bytes(entry.ids)}).encode())
             # both files count against the folder's limit: the ids outweigh the state in a long conversation
             size = path.stat().st_size + ids_path.stat().st_size
@@ -324,6 +330,10 @@ class StateStore:
             self._count_length(entry.model, entry.length, -1)
             self._state_path(key).unlink(missing_ok=True)
             self._ids_path(key).unlink(missing_ok=True)
+
+    def _remember_model(self, key_of_model: str, model: torch.nn.Module) -> None:
+        if key_of_model not in self._model_fingerprints:
+            self._model_fingerprints[key_of_model] = state_fingerprint(gpn_base_model(model))
 
     def _count_length(self, model: str, length: int, change: int) -> None:
         lengths = self._lengths.setdefault(model, {})

@@ -422,6 +422,32 @@ def test_the_state_file_says_whose_state_it_is(saved):
         GPNCache().save(path.parent / "empty.safetensors")
 
 
+def test_a_state_is_saved_after_its_model_is_deleted_by_the_fingerprint_taken_before(tmp_path):
+    """A server unloads an idle model and still writes its kept states: `save(model_fingerprint=...)`, the
+    fingerprint taken while the model was loaded, writes a file the same model, loaded again, continues from.
+    Without it the cache refuses, and a fingerprint no model gives is refused before anything is written."""
+    import gc
+
+    ids = torch.tensor([[5, 17, 3, 44]])
+    model = perturbed_model(tiny_config(eos_token_id=None), seed=31)
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).cache
+    fingerprint = state_fingerprint(model.model)
+    del model
+    gc.collect()
+    with pytest.raises(ValueError, match="does not know the model"):
+        cache.save(tmp_path / "no-model.safetensors")
+    for bad, needle in (({**fingerprint, "state_config": "{}"}, "not one state_fingerprint"), ({}, "has the fields")):
+        with pytest.raises(ValueError, match=needle):
+            cache.save(tmp_path / "bad.safetensors", model_fingerprint=bad)
+    assert not list(tmp_path.iterdir())
+    cache.save(tmp_path / "state.safetensors", model_fingerprint=fingerprint)
+    reloaded = perturbed_model(tiny_config(eos_token_id=None), seed=31)
+    loaded = GPNCache.load(tmp_path / "state.safetensors", reloaded)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.get_state(), cache.get_state()))
+    refused(tmp_path / "state.safetensors", perturbed_model(tiny_config(eos_token_id=None), seed=32), "another model")
+
+
 # --------------------------------------------------------------------------------------------------
 # 3. Fork: one state, N continuations
 # --------------------------------------------------------------------------------------------------

@@ -111,6 +111,29 @@ def test_evicted_states_spill_to_files_and_come_back_after_a_restart(model, tmp_
     assert restarted.lookup(perturbed_model(tiny_config(eos_token_id=None), seed=22), IDS) is None
 
 
+def test_states_of_an_unloaded_model_still_spill_to_files(model, tmp_path):
+    """An unpinned server unloads an idle model (--model-timeout): its states, evicted by another model's or
+    written when the server stops, go to files all the same, and the model loaded again continues from them."""
+    import gc
+
+    cost = state_bytes(model)
+    store = StateStore(cost + cost // 2, spill_dir=tmp_path)  # one state in memory
+    unloaded = perturbed_model(tiny_config(eos_token_id=None), seed=23)
+    for length in (3, 4):
+        assert store.keep(unloaded, IDS[:length], state_after(unloaded, IDS[:length]))
+    expected = {length: state_after(unloaded, IDS[:length]) for length in (3, 4)}
+    del unloaded
+    gc.collect()
+    assert store.keep(model, IDS[:2], state_after(model, IDS[:2]))  # evicts the unloaded model's state of 4 ids
+    store.spill_all()  # as the server does when it stops
+    assert store.summary()["states_in_files"] == 3
+    reloaded = perturbed_model(tiny_config(eos_token_id=None), seed=23)
+    restarted = StateStore(cost + cost // 2, spill_dir=tmp_path)
+    for length in (4, 3):
+        found, cache = restarted.lookup(reloaded, IDS[:length])
+        assert found == length and same_state(cache, expected[length])
+
+
 def test_the_spill_folder_is_bounded_and_a_damaged_file_is_dropped(model, tmp_path):
     state_after(model, IDS).save(tmp_path / "one-file")
     file_bytes = (tmp_path / "one-file").stat().st_size
