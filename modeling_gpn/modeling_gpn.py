@@ -360,6 +360,14 @@ class GPNPreTrainedModel(PreTrainedModel):
     # loads a causal LM from a base model's folder, and the decoder kept its module names inside `GPNModel`. No
     # renaming is recorded, so such a model is saved in the current layout (tests/model/test_output_layer.py).
 
+    def __init__(self, config: GPNConfig, *args, **kwargs):
+        # The config was checked when it was built, not since: `config.update(...)`, an attribute written, or
+        # `from_pretrained(path, hidden_size=0)` (transformers sets such keyword arguments after construction).
+        # Built from it, the modules would fail deep inside (a ZeroDivisionError in an initialiser, a size
+        # mismatch report) without naming the value.
+        config._check_values(token_ids=False)
+        super().__init__(config, *args, **kwargs)
+
     def __getstate__(self) -> dict:
         """The module's state for `copy.deepcopy` and pickle, without what the fast path derived from the weights
         (`DERIVED_ATTRIBUTES`: C plans hold raw pointers, which neither copies nor pickles): the copy derives
