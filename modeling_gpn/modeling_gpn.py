@@ -382,7 +382,8 @@ class GPNPreTrainedModel(PreTrainedModel):
 
         transformers records only the saved model's own auto class; the folder then loads through remote
         code (`trust_remote_code=True`, without this package) as `AutoConfig`, `AutoModel`,
-        `AutoModelForCausalLM` and `AutoModelForSequenceClassification` alike.
+        `AutoModelForCausalLM` and `AutoModelForSequenceClassification` alike. The `bptt_segment_length` that
+        enabling gradient checkpointing set is not saved (the folder says what the model was given).
         """
         module = type(self).__module__.rsplit(".", 1)[-1]
         auto_map = dict(getattr(self.config, "auto_map", None) or {})
@@ -390,7 +391,15 @@ class GPNPreTrainedModel(PreTrainedModel):
         auto_map.setdefault("AutoModelForCausalLM", f"{module}.GPNForCausalLM")
         auto_map.setdefault("AutoModelForSequenceClassification", f"{module}.GPNForSequenceClassification")
         self.config.auto_map = auto_map
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        # The segment length gradient checkpointing set (`_set_gradient_checkpointing`) belongs to this run, not to
+        # the model: saved (a Trainer saves with checkpointing on), every load would train in segments.
+        config, segment = self.config, self.config.bptt_segment_length
+        if getattr(self, "_gpn_segment_length_set_by_checkpointing", False):
+            config.bptt_segment_length = None
+        try:
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        finally:
+            config.bptt_segment_length = segment
 
     def _set_gradient_checkpointing(
         self, enable: bool = True, gradient_checkpointing_func=None, every_n_layers: int = 1

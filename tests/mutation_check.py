@@ -1107,6 +1107,13 @@ MUTATIONS = [
             "tests/model/test_config_and_conversion.py::test_a_value_changed_after_construction_is_refused_when_a_model_is_built",
         ),
     ),
+    Mutation(
+        "the segment length gradient checkpointing set is left out of a saved config",
+        "modeling_gpn/modeling_gpn.py",
+        "            config.bptt_segment_length = None\n        try:\n",
+        "            pass  # MUTATION\n        try:\n",
+        ("tests/ecosystem/test_ecosystem.py::test_the_segment_length_checkpointing_sets_is_not_saved_with_the_model",),
+    ),
 ]
 
 

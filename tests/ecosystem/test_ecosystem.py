@@ -560,6 +560,24 @@ def test_gradient_checkpointing_recomputes_segments_with_the_same_gradients(path
     assert not model.is_activation_checkpointing and model.config.bptt_segment_length is None
 
 
+def test_the_segment_length_checkpointing_sets_is_not_saved_with_the_model(tmp_path):
+    """Enabling checkpointing sets `bptt_segment_length` (64) where the config had none; a model saved with it on
+    (as a Trainer saves its checkpoints) wrote 64 to config.json, so every later load trained in segments and
+    `gradient_checkpointing_disable()` no longer put None back."""
+    model = perturbed_model(tiny_config()).train()
+    model.gradient_checkpointing_enable()
+    model.save_pretrained(tmp_path / "model")
+    assert json.loads((tmp_path / "model" / "config.json").read_text())["bptt_segment_length"] is None
+    assert model.config.bptt_segment_length == 64 and model.is_activation_checkpointing  # still on in this run
+    loaded = type(model).from_pretrained(tmp_path / "model")
+    assert loaded.config.bptt_segment_length is None
+    # a segment length the model was given is the model's, and is saved
+    given = perturbed_model(tiny_config(bptt_segment_length=5))
+    given.gradient_checkpointing_enable()
+    given.save_pretrained(tmp_path / "given")
+    assert json.loads((tmp_path / "given" / "config.json").read_text())["bptt_segment_length"] == 5
+
+
 @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_checkpointing_runs_every_bptt_segment_through_the_gradient_checkpointing_layer(use_reentrant):
     """transformers' mechanism, for real: `activation_checkpointing_enable` sets the flag and the checkpoint
