@@ -1095,13 +1095,15 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
     def _check_tied(self) -> None:
         """Refuse a plain head left with a weight other than the plain embedding's (an embedding replaced or loaded
         without `tie_weights()`): it would read a stale table. A tensor-subclass weight (a quantized head) is a
-        deliberate replacement, called as it is."""
+        deliberate replacement, called as it is; a meta one is an offloaded head's (`device_map` offloading), which
+        accelerate's hook loads, from the embedding's tied weights, when the head is called."""
         head, embedding = self.lm_head, self.model.embed_tokens
         if (
             _is_plain_linear(head)
             and _is_plain_embedding(embedding)
             and head.weight is not embedding.weight
             and type(head.weight) is nn.Parameter
+            and not head.weight.is_meta
         ):
             raise ValueError(
                 "lm_head.weight is no longer model.embed_tokens.weight (a GPN's output matrix is its embedding): after "

@@ -1114,6 +1114,13 @@ MUTATIONS = [
         "            pass  # MUTATION\n        try:\n",
         ("tests/ecosystem/test_ecosystem.py::test_the_segment_length_checkpointing_sets_is_not_saved_with_the_model",),
     ),
+    Mutation(
+        "an offloaded head (meta until accelerate's hook loads it) is not taken for an untied one",
+        "modeling_gpn/modeling_gpn.py",
+        "            and not head.weight.is_meta\n",
+        "",
+        ("tests/ecosystem/test_ecosystem.py::test_a_model_offloaded_to_disk_by_device_map_runs_and_generates",),
+    ),
 ]
 
 

@@ -894,6 +894,32 @@ def test_torch_compile_fullgraph_inductor_matches_eager():
 
 
 # --------------------------------------------------------------------------------------------------
+# device_map offloading (accelerate)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_a_model_offloaded_to_disk_by_device_map_runs_and_generates(tmp_path):
+    """`from_pretrained(device_map="auto", max_memory=...)` offloads the weights (accelerate's hooks load each
+    module's weights when it is called): the head's weight is meta until then, and the forward refused it as a
+    head left untied ("call `model.tie_weights()`", which cannot help)."""
+    from transformers import AutoModelForCausalLM
+
+    model = perturbed_model(tiny_config())
+    model.save_pretrained(tmp_path / "model")
+    offloaded = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "model", device_map="auto", max_memory={"cpu": "20KB"}, offload_folder=str(tmp_path / "offload")
+    )
+    assert offloaded.hf_device_map == {"": "disk"} and offloaded.lm_head.weight.is_meta
+    ids = token_ids(2, 9)
+    with torch.no_grad():
+        torch.testing.assert_close(offloaded(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(
+        offloaded.generate(ids, max_new_tokens=5, do_sample=False),
+        model.generate(ids, max_new_tokens=5, do_sample=False),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
 # 5. Remote code for every auto class
 # --------------------------------------------------------------------------------------------------
 
