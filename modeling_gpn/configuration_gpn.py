@@ -6,6 +6,8 @@ from the installed `modeling_gpn` package.
 
 from __future__ import annotations
 
+import math
+
 from transformers import PreTrainedConfig
 
 
@@ -87,14 +89,28 @@ class GPNConfig(PreTrainedConfig):
         self._check_values()
         super().__post_init__(**kwargs)
 
-    def _check_values(self) -> None:
-        """Raise one clear error for any value a GPN cannot be built with."""
+    def _check_values(self, token_ids: bool = True) -> None:
+        """Raise one clear error for any value a GPN cannot be built with, and (`token_ids`) for special token ids
+        the vocabulary lacks. A model checks only the former when it is built: resizing the vocabulary changes
+        `vocab_size` before the ids can follow, and transformers builds models from such configs."""
         problems = []
 
         def positive_int(name: str, value) -> None:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 problems.append(f"{name} must be a positive integer, got {value!r}")
 
+        def number(name: str, value, positive: bool) -> None:
+            # finite: an infinite eps zeroes every RMSNorm, an infinite std fills every weight with NaN
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                problems.append(f"{name} must be a finite number, got {value!r}")
+            elif value < 0 or (positive and value == 0):
+                problems.append(f"{name} must be {'positive' if positive else 'non-negative'}, got {value!r}")
+
+        for name in ("use_memory", "use_decoder_bias"):
+            # A hand-edited config.json's "false" (a string) is truthy: it would build the memory or the bias, and
+            # a checkpoint without them would load with those weights drawn at random.
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("vocab_size", "hidden_size", "embedding_size", "intermediate_size", "num_predict_layers"):
             positive_int(name, getattr(self, name))
         if self.use_memory:
@@ -104,13 +120,28 @@ class GPNConfig(PreTrainedConfig):
             value = getattr(self, name)
             if value is not None:
                 positive_int(name, value)
-        if not isinstance(self.rms_norm_eps, (int, float)) or not self.rms_norm_eps > 0:
-            problems.append(f"rms_norm_eps must be a positive number, got {self.rms_norm_eps!r}")
+        number("rms_norm_eps", self.rms_norm_eps, positive=True)
+        number("initializer_range", self.initializer_range, positive=False)
+        vocab_size = self.vocab_size
+        if token_ids and isinstance(vocab_size, int) and not isinstance(vocab_size, bool) and vocab_size > 0:
+            for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+                # An id the embedding has no row for: generate() would never stop on such an eos, and would feed
+                # such a pad back in to finished rows. (transformers only warns, for Hub configs storing -1.)
+                value = getattr(self, name)
+                ids = value if isinstance(value, (list, tuple)) and name == "eos_token_id" else [value]
+                if value is not None and not all(
+                    isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids
+                ):
+                    problems.append(f"{name} must be None or a token id below vocab_size ({vocab_size}), got {value!r}")
         if problems:
             raise ValueError("Invalid GPNConfig: " + "; ".join(problems))
 
-    def validate_architecture(self):
-        """Part of transformers' strict validation (runs again at `save_pretrained`)."""
+    def validate(self) -> None:
+        """transformers' strict validation, which `save_pretrained` runs before writing config.json, with this
+        config's own checks: transformers calls its own class validators (`PreTrainedConfig.validate_*`), never
+        an override of one, so a value set after construction (`config.update`, an attribute) would otherwise be
+        saved unchecked."""
+        super().validate()
         self._check_values()
 
     @property

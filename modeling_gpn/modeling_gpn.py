@@ -360,6 +360,14 @@ class GPNPreTrainedModel(PreTrainedModel):
     # loads a causal LM from a base model's folder, and the decoder kept its module names inside `GPNModel`. No
     # renaming is recorded, so such a model is saved in the current layout (tests/model/test_output_layer.py).
 
+    def __init__(self, config: GPNConfig, *args, **kwargs):
+        # The config was checked when it was built, not since: `config.update(...)`, an attribute written, or
+        # `from_pretrained(path, hidden_size=0)` (transformers sets such keyword arguments after construction).
+        # Built from it, the modules would fail deep inside (a ZeroDivisionError in an initialiser, a size
+        # mismatch report) without naming the value.
+        config._check_values(token_ids=False)
+        super().__init__(config, *args, **kwargs)
+
     def __getstate__(self) -> dict:
         """The module's state for `copy.deepcopy` and pickle, without what the fast path derived from the weights
         (`DERIVED_ATTRIBUTES`: C plans hold raw pointers, which neither copies nor pickles): the copy derives
@@ -374,7 +382,8 @@ class GPNPreTrainedModel(PreTrainedModel):
 
         transformers records only the saved model's own auto class; the folder then loads through remote
         code (`trust_remote_code=True`, without this package) as `AutoConfig`, `AutoModel`,
-        `AutoModelForCausalLM` and `AutoModelForSequenceClassification` alike.
+        `AutoModelForCausalLM` and `AutoModelForSequenceClassification` alike. The `bptt_segment_length` that
+        enabling gradient checkpointing set is not saved (the folder says what the model was given).
         """
         module = type(self).__module__.rsplit(".", 1)[-1]
         auto_map = dict(getattr(self.config, "auto_map", None) or {})
@@ -382,7 +391,15 @@ class GPNPreTrainedModel(PreTrainedModel):
         auto_map.setdefault("AutoModelForCausalLM", f"{module}.GPNForCausalLM")
         auto_map.setdefault("AutoModelForSequenceClassification", f"{module}.GPNForSequenceClassification")
         self.config.auto_map = auto_map
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        # The segment length gradient checkpointing set (`_set_gradient_checkpointing`) belongs to this run, not to
+        # the model: saved (a Trainer saves with checkpointing on), every load would train in segments.
+        config, segment = self.config, self.config.bptt_segment_length
+        if getattr(self, "_gpn_segment_length_set_by_checkpointing", False):
+            config.bptt_segment_length = None
+        try:
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        finally:
+            config.bptt_segment_length = segment
 
     def _set_gradient_checkpointing(
         self, enable: bool = True, gradient_checkpointing_func=None, every_n_layers: int = 1
@@ -1078,13 +1095,15 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
     def _check_tied(self) -> None:
         """Refuse a plain head left with a weight other than the plain embedding's (an embedding replaced or loaded
         without `tie_weights()`): it would read a stale table. A tensor-subclass weight (a quantized head) is a
-        deliberate replacement, called as it is."""
+        deliberate replacement, called as it is; a meta one is an offloaded head's (`device_map` offloading), which
+        accelerate's hook loads, from the embedding's tied weights, when the head is called."""
         head, embedding = self.lm_head, self.model.embed_tokens
         if (
             _is_plain_linear(head)
             and _is_plain_embedding(embedding)
             and head.weight is not embedding.weight
             and type(head.weight) is nn.Parameter
+            and not head.weight.is_meta
         ):
             raise ValueError(
                 "lm_head.weight is no longer model.embed_tokens.weight (a GPN's output matrix is its embedding): after "

@@ -1081,6 +1081,70 @@ MUTATIONS = [
         'gpn generate outputs/tiny-shakespeare "ROMEO:" "To be, or not"',
         ("tests/tools/test_docs.py::test_documented_model_folders_are_where_gpn_train_writes_them",),
     ),
+    Mutation(
+        'GPNConfig\'s booleans checked (a hand-edited "false" string builds the memory)',
+        "modeling_gpn/configuration_gpn.py",
+        "            if not isinstance(getattr(self, name), bool):\n",
+        "            if False:  # MUTATION\n",
+        (
+            "tests/model/test_config_and_conversion.py -k misread and string",
+            "tests/model/test_config_and_conversion.py::test_a_hand_edited_config_json_is_refused_at_from_pretrained[use_memory]",
+        ),
+    ),
+    Mutation(
+        "GPNConfig's special token ids checked against the vocabulary",
+        "modeling_gpn/configuration_gpn.py",
+        "        if token_ids and isinstance(vocab_size, int) and not isinstance(vocab_size, bool) and vocab_size > 0:\n",
+        "        if False:  # MUTATION\n",
+        (
+            "tests/model/test_config_and_conversion.py -k misread and outside",
+            "tests/model/test_config_and_conversion.py::test_a_hand_edited_config_json_is_refused_at_from_pretrained[eos_token_id]",
+        ),
+    ),
+    Mutation(
+        "GPNConfig's numbers checked finite",
+        "modeling_gpn/configuration_gpn.py",
+        " or not math.isfinite(value):",
+        ":  # MUTATION",
+        ("tests/model/test_config_and_conversion.py -k misread and infinite",),
+    ),
+    Mutation(
+        "GPNConfig's initializer_range checked non-negative",
+        "modeling_gpn/configuration_gpn.py",
+        "            elif value < 0 or (positive and value == 0):\n",
+        "            elif positive and value == 0:  # MUTATION\n",
+        ("tests/model/test_config_and_conversion.py -k misread and negative",),
+    ),
+    Mutation(
+        "GPNConfig checked at save (transformers' validation calls only its own validators)",
+        "modeling_gpn/configuration_gpn.py",
+        "        super().validate()\n        self._check_values()\n",
+        "        super().validate()  # MUTATION\n",
+        ("tests/model/test_config_and_conversion.py::test_a_value_changed_after_construction_is_refused_at_save",),
+    ),
+    Mutation(
+        "GPNConfig checked again when a model is built from it",
+        "modeling_gpn/modeling_gpn.py",
+        "        config._check_values(token_ids=False)\n",
+        "        pass  # MUTATION\n",
+        (
+            "tests/model/test_config_and_conversion.py::test_a_value_changed_after_construction_is_refused_when_a_model_is_built",
+        ),
+    ),
+    Mutation(
+        "the segment length gradient checkpointing set is left out of a saved config",
+        "modeling_gpn/modeling_gpn.py",
+        "            config.bptt_segment_length = None\n        try:\n",
+        "            pass  # MUTATION\n        try:\n",
+        ("tests/ecosystem/test_ecosystem.py::test_the_segment_length_checkpointing_sets_is_not_saved_with_the_model",),
+    ),
+    Mutation(
+        "an offloaded head (meta until accelerate's hook loads it) is not taken for an untied one",
+        "modeling_gpn/modeling_gpn.py",
+        "            and not head.weight.is_meta\n",
+        "",
+        ("tests/ecosystem/test_ecosystem.py::test_a_model_offloaded_to_disk_by_device_map_runs_and_generates",),
+    ),
 ]
 
 

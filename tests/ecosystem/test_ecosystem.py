@@ -560,6 +560,24 @@ def test_gradient_checkpointing_recomputes_segments_with_the_same_gradients(path
     assert not model.is_activation_checkpointing and model.config.bptt_segment_length is None
 
 
+def test_the_segment_length_checkpointing_sets_is_not_saved_with_the_model(tmp_path):
+    """Enabling checkpointing sets `bptt_segment_length` (64) where the config had none; a model saved with it on
+    (as a Trainer saves its checkpoints) wrote 64 to config.json, so every later load trained in segments and
+    `gradient_checkpointing_disable()` no longer put None back."""
+    model = perturbed_model(tiny_config()).train()
+    model.gradient_checkpointing_enable()
+    model.save_pretrained(tmp_path / "model")
+    assert json.loads((tmp_path / "model" / "config.json").read_text())["bptt_segment_length"] is None
+    assert model.config.bptt_segment_length == 64 and model.is_activation_checkpointing  # still on in this run
+    loaded = type(model).from_pretrained(tmp_path / "model")
+    assert loaded.config.bptt_segment_length is None
+    # a segment length the model was given is the model's, and is saved
+    given = perturbed_model(tiny_config(bptt_segment_length=5))
+    given.gradient_checkpointing_enable()
+    given.save_pretrained(tmp_path / "given")
+    assert json.loads((tmp_path / "given" / "config.json").read_text())["bptt_segment_length"] == 5
+
+
 @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_checkpointing_runs_every_bptt_segment_through_the_gradient_checkpointing_layer(use_reentrant):
     """transformers' mechanism, for real: `activation_checkpointing_enable` sets the flag and the checkpoint
@@ -873,6 +891,32 @@ def test_torch_compile_fullgraph_inductor_matches_eager():
     compiled = torch.compile(model, fullgraph=True)
     with torch.no_grad():
         torch.testing.assert_close(compiled(ids, use_cache=False).logits, logits_of(model, ids), rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------
+# device_map offloading (accelerate)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_a_model_offloaded_to_disk_by_device_map_runs_and_generates(tmp_path):
+    """`from_pretrained(device_map="auto", max_memory=...)` offloads the weights (accelerate's hooks load each
+    module's weights when it is called): the head's weight is meta until then, and the forward refused it as a
+    head left untied ("call `model.tie_weights()`", which cannot help)."""
+    from transformers import AutoModelForCausalLM
+
+    model = perturbed_model(tiny_config())
+    model.save_pretrained(tmp_path / "model")
+    offloaded = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "model", device_map="auto", max_memory={"cpu": "20KB"}, offload_folder=str(tmp_path / "offload")
+    )
+    assert offloaded.hf_device_map == {"": "disk"} and offloaded.lm_head.weight.is_meta
+    ids = token_ids(2, 9)
+    with torch.no_grad():
+        torch.testing.assert_close(offloaded(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(
+        offloaded.generate(ids, max_new_tokens=5, do_sample=False),
+        model.generate(ids, max_new_tokens=5, do_sample=False),
+    )
 
 
 # --------------------------------------------------------------------------------------------------

@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import json
 import pickle
+import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from modeling_gpn import GPNConfig, GPNForCausalLM
 from modeling_gpn.configuration import list_presets, load_preset, preset_path
 from modeling_gpn.conversion import CheckpointError, load_reference_model
 
 from ..environment import require_shared
-from ..tiny_models import tiny_config
+from ..tiny_models import perturbed_model, tiny_config
 
 
 def count_parameters(config: GPNConfig) -> int:
@@ -41,6 +43,86 @@ def count_parameters(config: GPNConfig) -> int:
 def test_invalid_config_values_raise_clearly(bad, message):
     with pytest.raises(ValueError, match=message):
         GPNConfig(**bad)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        # a hand-edited config.json's string is truthy: "false" built the memory (or the bias)
+        pytest.param(dict(use_memory="false"), "use_memory must be true or false", id="use_memory-string"),
+        pytest.param(dict(use_decoder_bias="no"), "use_decoder_bias must be true or false", id="decoder_bias-string"),
+        # an infinite eps zeroed every RMSNorm; a negative std failed inside torch's initialiser
+        pytest.param(dict(rms_norm_eps=float("inf")), "rms_norm_eps must be a finite number", id="eps-infinite"),
+        pytest.param(dict(initializer_range=-0.02), "initializer_range must be non-negative", id="std-negative"),
+        # ids the embedding has no row for: generate() never stopped on such an eos
+        pytest.param(dict(eos_token_id=32000), "eos_token_id must be None or a token id below", id="eos-outside"),
+        pytest.param(
+            dict(eos_token_id=[2, 32000]), "eos_token_id must be None or a token id below", id="eoses-outside"
+        ),
+        pytest.param(dict(pad_token_id=-1), "pad_token_id must be None or a token id below", id="pad-outside"),
+        pytest.param(
+            dict(vocab_size=97, bos_token_id=97), "bos_token_id must be None or a token id below", id="bos-outside"
+        ),
+    ],
+)
+def test_values_a_gpn_would_misread_are_refused_naming_the_field(bad, message):
+    with pytest.raises(ValueError, match=message):
+        GPNConfig(**bad)
+
+
+def edited_copy(folder, tmp_path, **values):
+    """A copy of a saved model folder whose config.json has `values` written over it, as by hand."""
+    copy = tmp_path / "edited"
+    shutil.copytree(folder, copy)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, **values}))
+    return copy
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (dict(use_memory="false"), "use_memory must be true or false, got 'false'"),
+        (dict(eos_token_id=500), "eos_token_id must be None or a token id below vocab_size \\(97\\), got 500"),
+    ],
+    ids=["use_memory", "eos_token_id"],
+)
+def test_a_hand_edited_config_json_is_refused_at_from_pretrained(tmp_path, values, message):
+    """Such a config loaded: a memoryless checkpoint marked use_memory "false" came up with a memory drawn at random
+    (only a load report said so), an eos the vocabulary lacks made generate() run to max_new_tokens."""
+    folder = tmp_path / "saved"
+    perturbed_model(tiny_config(use_memory=False)).save_pretrained(folder)
+    edited = edited_copy(folder, tmp_path, **values)
+    with pytest.raises(ValueError, match=message):
+        AutoModelForCausalLM.from_pretrained(edited)
+
+
+def test_a_value_changed_after_construction_is_refused_when_a_model_is_built():
+    """`config.update(...)`, an attribute written and `from_pretrained(path, hidden_size=0)` change a config after
+    its checks ran; a model built from it failed with a ZeroDivisionError in an initialiser."""
+    config = tiny_config()
+    config.update({"hidden_size": 0})
+    with pytest.raises(ValueError, match="hidden_size must be a positive integer, got 0"):
+        GPNForCausalLM(config)
+    config = tiny_config()
+    config.initializer_range = "0.02"
+    with pytest.raises(ValueError, match="initializer_range must be a finite number, got '0.02'"):
+        GPNForCausalLM(config)
+
+
+def test_a_value_changed_after_construction_is_refused_at_save(tmp_path):
+    """transformers' save-time validation calls its own validators, not GPNConfig's: an invalid value set after
+    construction was written to config.json (a folder that then fails to load)."""
+    config = tiny_config()
+    config.update({"memory_key_dim": -8})
+    with pytest.raises(ValueError, match="memory_key_dim must be a positive integer, got -8"):
+        config.save_pretrained(tmp_path / "config")
+    assert not (tmp_path / "config" / "config.json").exists()
+    model = perturbed_model(tiny_config())
+    model.config.eos_token_id = 500
+    with pytest.raises(ValueError, match="eos_token_id must be None or a token id below vocab_size \\(97\\)"):
+        model.save_pretrained(tmp_path / "model")
+    assert not (tmp_path / "model" / "config.json").exists()
 
 
 def test_memoryless_config_ignores_memory_sizes():
