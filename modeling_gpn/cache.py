@@ -270,8 +270,9 @@ class GPNCache(Cache):
         self.state_layer.store(predicted, grounded, memory)
         seen = self.state_layer.seen_tokens
         if is_tracing() and not isinstance(seen, torch.Tensor):
-            # a tensor while tracing, so the count of a dynamic-length program is computed, not frozen (see pytree)
-            seen = torch.zeros((), dtype=torch.int64)
+            # a tensor while tracing, so the count of a dynamic-length program is computed, not frozen (see pytree);
+            # it carries what the cache read before (an eagerly filled cache entering a compiled decode step)
+            seen = torch.tensor(seen, dtype=torch.int64)
         self.state_layer.seen_tokens = seen + num_new_tokens
 
     def advanced_in_place(self, token_ids: torch.Tensor, hashed: bool = False) -> None:

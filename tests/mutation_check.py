@@ -1057,6 +1057,13 @@ MUTATIONS = [
         'gpn generate outputs/tiny-shakespeare "ROMEO:" "To be, or not"',
         ("tests/tools/test_docs.py::test_documented_model_folders_are_where_gpn_train_writes_them",),
     ),
+    Mutation(
+        "a compiled decode step continues the count of positions an eager prefill read (restarted at 0)",
+        "modeling_gpn/cache.py",
+        "            seen = torch.tensor(seen, dtype=torch.int64)\n",
+        "            seen = torch.zeros((), dtype=torch.int64)  # MUTATION\n",
+        ("tests/model/test_generate.py::test_a_compiled_decode_step_counts_the_positions_an_eager_prefill_read",),
+    ),
 ]
 
 

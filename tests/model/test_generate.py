@@ -261,3 +261,29 @@ def test_the_text_generation_pipeline_gives_generates_tokens(tmp_path):
     assert generator(prompts[1], **settings)[0]["generated_text"] == expected[1]
     batched = generator(prompts, batch_size=2, **settings)
     assert [answer[0]["generated_text"] for answer in batched] == expected
+
+
+@torch.no_grad()
+def test_a_compiled_decode_step_counts_the_positions_an_eager_prefill_read(model):
+    """On CUDA, transformers' generate() compiles the decoding forward of a model whose cache is compileable (a
+    GPNCache is) and runs the prompt's forward eagerly: the compiled steps continue a cache whose count of positions
+    read is a Python int. They must add to it, not start it again from 0 (the count then said 4 after a 7-token prompt
+    and 5 generated tokens, and a saved state or a continuation's mask was judged against it). Here the same
+    compiled call is forced on CPU (`compile_config`, the eager backend), and a hand-written loop does the same."""
+    from transformers import CompileConfig
+
+    torch._dynamo.reset()
+    prompt = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(60))
+    compile_config = CompileConfig(backend="eager")
+    compile_config._compile_all_devices = True  # what a CUDA device decides by itself
+    out = model.generate(
+        prompt, max_new_tokens=5, do_sample=False, compile_config=compile_config, return_dict_in_generate=True
+    )
+    assert torch.equal(out.sequences, argmax_continuation(model, prompt, 5))
+    assert out.cache.get_seq_length() == 7 + 4  # the prompt and every generated token but the last
+
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    cache = model(prompt, use_cache=True).cache
+    for step in range(3):
+        compiled(prompt[:, step : step + 1], cache=cache, use_cache=True)
+        assert cache.get_seq_length() == 7 + step + 1
