@@ -997,6 +997,35 @@ def _refuse_peft_prompt_learning_generate(model: nn.Module) -> None:
         )
 
 
+def _refuse_non_finite_prompt_logits(
+    model: nn.Module, logits: torch.Tensor | None, copies: int, continued: bool, embeds: bool
+) -> None:
+    """generate() picks every token from the logits: NaN or inf there (from NaN or inf weights, `inputs_embeds` or the
+    state of a cache it continues) would give tokens in silence (greedy's argmax takes a NaN for the largest). The
+    prompt's logits are checked once per call (one host sync; nothing per decoded token): every parameter and the
+    whole state reach them, so a non-finite value anywhere shows there. The error names where to look, and the rows
+    as the caller numbered them (generate() holds `copies` of each: beams or returned sequences)."""
+    if logits is None or is_tracing():
+        return
+    finite = torch.isfinite(logits[:, -1]).all(dim=-1)
+    if bool(finite.all()):
+        return
+    rows = sorted({row // copies for row in (~finite).nonzero().flatten().tolist()})
+    where = [
+        f"parameter {name}"
+        for name, param in model.named_parameters()
+        if type(param.data) is torch.Tensor and param.is_floating_point() and not bool(torch.isfinite(param).all())
+    ]
+    if not where:  # (the state is overwritten by now: only what may have held them can be named)
+        where = (
+            ["no parameter"] + ["the prompt's inputs_embeds"] * embeds + ["the state of the given cache"] * continued
+        )
+    raise ValueError(
+        f"generate(): the model's logits after the prompt are not finite (NaN or inf) in rows {rows}, and every token "
+        f"would be picked from them meaninglessly; non-finite values: {', '.join(where)}"
+    )
+
+
 def _is_plain_linear(module: nn.Module) -> bool:
     """Whether `module` computes x W^T (+ b) from its own `weight` (FSDP2's sharding subclass included): not a
     wrapper (a PEFT adapter) nor a replacement that overrides `forward` (a quantized linear)."""
@@ -1234,7 +1263,15 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
                 model_kwargs = {**model_kwargs, "inputs_embeds": embeds[:, start:]}
             elif start:
                 input_ids = input_ids[:, start:]
-        return super()._prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
+        outputs = super()._prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
+        _refuse_non_finite_prompt_logits(
+            self,
+            getattr(outputs, "logits", None),
+            copies=max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1),
+            continued=seen > 0,
+            embeds=model_kwargs.get("inputs_embeds") is not None,
+        )
+        return outputs
 
     def forward(
         self,

@@ -1064,6 +1064,13 @@ MUTATIONS = [
         "            seen = torch.zeros((), dtype=torch.int64)  # MUTATION\n",
         ("tests/model/test_generate.py::test_a_compiled_decode_step_counts_the_positions_an_eager_prefill_read",),
     ),
+    Mutation(
+        "generate() refuses non-finite prompt logits (NaN weights or embeddings decoded in silence)",
+        "modeling_gpn/modeling_gpn.py",
+        "        _refuse_non_finite_prompt_logits(\n            self,\n",
+        "        (lambda *args, **kwargs: None)(  # MUTATION\n            self,\n",
+        ("tests/model/test_generate.py -k non_finite_logits_are_refused",),
+    ),
 ]
 
 

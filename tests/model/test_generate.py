@@ -287,3 +287,24 @@ def test_a_compiled_decode_step_counts_the_positions_an_eager_prefill_read(model
     for step in range(3):
         compiled(prompt[:, step : step + 1], cache=cache, use_cache=True)
         assert cache.get_seq_length() == 7 + step + 1
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["greedy", "beam", "sample"])
+def test_non_finite_logits_are_refused_by_name_not_decoded(mode):
+    """A NaN weight, or inf in a prompt's embeddings, makes the logits non-finite; generate() picked tokens from
+    them in silence (greedy's argmax takes a NaN for the largest: a NaN in the embedding row of token 50, which the
+    prompt never reads, made the first generated token 50 and, its row read, every later one 0). Refused by name,
+    in every decoding mode."""
+    model = perturbed_model(tiny_config(eos_token_id=None), seed=11)
+    model.generation_config.pad_token_id = PAD
+    settings = {"greedy": {}, "beam": {"num_beams": 2}, "sample": {"do_sample": True}}[mode]
+    prompt = torch.randint(1, 50, (2, 5), generator=torch.Generator().manual_seed(61))
+    model.generate(prompt, max_new_tokens=3, **settings)  # (finite: decodes)
+    embeds = model.get_input_embeddings()(prompt)
+    embeds[1, 2, 0] = float("inf")
+    with pytest.raises(ValueError, match=r"not finite \(NaN or inf\) in rows \[1\].*the prompt's inputs_embeds"):
+        model.generate(inputs_embeds=embeds, max_new_tokens=3, **settings)
+    model.model.embed_tokens.weight[50, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"not finite .* parameter model\.embed_tokens\.weight"):
+        model.generate(prompt, max_new_tokens=3, **settings)
