@@ -997,6 +997,33 @@ def _refuse_peft_prompt_learning_generate(model: nn.Module) -> None:
         )
 
 
+def _check_generate_input_shapes(input_ids, kwargs: dict) -> None:
+    """generate() reads the batch and length off `input_ids` and `attention_mask` before the model sees them, and
+    drops an all-ones mask unread: one prompt of shape (seq,) failed with a bare IndexError from inside
+    transformers, and an all-ones mask of another batch or length was ignored in silence (a mask that has zeros is
+    checked by the forward). Named here instead. A mask longer than the prompt is the whole sequence of a
+    continued cache (`continuation_start` judges it)."""
+    mask = kwargs.get("attention_mask")
+    for name, value in (("input_ids", input_ids), ("attention_mask", mask)):
+        if isinstance(value, torch.Tensor) and value.dim() != 2:
+            raise ValueError(
+                f"generate() takes {name} of shape (batch, seq), got {tuple(value.shape)}"
+                + (": for one prompt, add the batch dimension (`ids[None]`)" if value.dim() == 1 else "")
+            )
+    embeds = kwargs.get("inputs_embeds")
+    prompt = input_ids if isinstance(input_ids, torch.Tensor) else embeds
+    if not isinstance(mask, torch.Tensor) or not isinstance(prompt, torch.Tensor) or prompt.dim() < 2:
+        return
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    continuing = isinstance(cache, GPNCache) and cache.has_state
+    batch, length = prompt.shape[:2]
+    if mask.shape[0] != batch or (mask.shape[1] != length and not continuing):
+        raise ValueError(
+            f"attention_mask has shape {tuple(mask.shape)} but the prompt has {batch} rows of {length} positions: it "
+            "must have one column a position (or, continuing a cache, one a position read and given)"
+        )
+
+
 def _refuse_non_finite_prompt_logits(
     model: nn.Module, logits: torch.Tensor | None, copies: int, continued: bool, embeds: bool
 ) -> None:
@@ -1156,6 +1183,7 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         every decoded token reuses them, and they are dropped when the call returns (`derived_weights.py`), so
         the next call sees the parameters as they are then, however they were edited."""
         _refuse_peft_prompt_learning_generate(self)
+        _check_generate_input_shapes(args[0] if args else kwargs.get("inputs", kwargs.get("input_ids")), kwargs)
         with derived_weights_scope(self.model):
             return super().generate(*args, **kwargs)
 

@@ -308,3 +308,27 @@ def test_non_finite_logits_are_refused_by_name_not_decoded(mode):
     model.model.embed_tokens.weight[50, 0] = float("nan")
     with pytest.raises(ValueError, match=r"not finite .* parameter model\.embed_tokens\.weight"):
         model.generate(prompt, max_new_tokens=3, **settings)
+
+
+def test_prompts_and_masks_of_the_wrong_shape_are_refused_by_name(model):
+    """generate() reads the batch and length off the prompt and the mask before the model sees them, and drops an
+    all-ones mask unread: a prompt of shape (seq,) failed with a bare IndexError from inside transformers, and an
+    all-ones mask of another batch or length was ignored in silence. Each is named; a mask over the whole sequence
+    of a continued cache (longer than the prompt) is still taken."""
+    prompt = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(62))
+    with pytest.raises(ValueError, match=r"input_ids of shape \(batch, seq\), got \(7,\).*ids\[None\]"):
+        model.generate(prompt[0], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"attention_mask of shape \(batch, seq\), got \(7,\)"):
+        model.generate(prompt[:1], attention_mask=torch.ones(7, dtype=torch.long), max_new_tokens=2)
+    for shape in ((1, 7), (2, 5), (2, 9)):
+        with pytest.raises(ValueError, match=rf"attention_mask has shape \({shape[0]}, {shape[1]}\) but the prompt"):
+            model.generate(prompt, attention_mask=torch.ones(shape, dtype=torch.long), max_new_tokens=2)
+    embeds = model.get_input_embeddings()(prompt).detach()
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 5\) but the prompt has 2 rows of 7"):
+        model.generate(inputs_embeds=embeds, attention_mask=torch.ones(2, 5, dtype=torch.long), max_new_tokens=2)
+    with torch.no_grad():
+        cache = model(prompt, use_cache=True).cache
+    new = torch.randint(1, 97, (2, 3), generator=torch.Generator().manual_seed(63))
+    whole = torch.ones(2, 7 + 3, dtype=torch.long)
+    continued = model.generate(new, attention_mask=whole, cache=cache, max_new_tokens=2, do_sample=False)
+    assert torch.equal(continued[:, 3:], argmax_continuation(model, torch.cat([prompt, new], 1), 2)[:, 10:])
