@@ -1187,11 +1187,17 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         with derived_weights_scope(self.model):
             return super().generate(*args, **kwargs)
 
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs) -> None:
+    def _prepare_cache_for_generation(
+        self, generation_config, model_kwargs, generation_mode=None, batch_size: int | None = None, *args, **kwargs
+    ) -> None:
         """generate() gets a `GPNCache` (not a `DynamicCache`) unless the caller passed a cache. A GPNCache is
         what `cache_implementation` "dynamic" and "static" ask for (one state a row, updated in place, of the
         same size at every length); the other kinds (offloaded, quantized, sliding-window) are refused, not
-        ignored, as is a cache_implementation beside a cache, which transformers refuses too."""
+        ignored, as is a cache_implementation beside a cache, which transformers refuses too.
+
+        A given cache that holds a state of one row a prompt (`batch_size`, the prompts' count) is repeated in place
+        for `num_return_sequences` samples, as transformers repeats the prompts' rows (it does not repeat a cache's):
+        row i's copies are rows i*n ... i*n + n - 1, the order of the returned sequences (`GPNCache.fork`'s)."""
         user_cache = model_kwargs.get("cache")
         requested = generation_config.cache_implementation
         if requested is not None and user_cache is not None:
@@ -1214,6 +1220,9 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
                     f"already holds a state ({user_cache.get_seq_length()} positions read): decode greedily or sample "
                     "from a state, or run the beam search on the whole prompt"
                 )
+            copies = generation_config.num_return_sequences or 1
+            if copies > 1 and user_cache.has_state and user_cache.state_layer.batch_size == batch_size:
+                user_cache.batch_repeat_interleave(copies)
             user_cache._is_user_defined = True
             return
         if generation_config.use_cache is False:

@@ -1078,6 +1078,13 @@ MUTATIONS = [
         "        (lambda *args: None)(args[0] if args",
         ("tests/model/test_generate.py::test_prompts_and_masks_of_the_wrong_shape_are_refused_by_name",),
     ),
+    Mutation(
+        "a given state repeated for num_return_sequences (its rows left one a prompt)",
+        "modeling_gpn/modeling_gpn.py",
+        "                user_cache.batch_repeat_interleave(copies)\n",
+        "                pass  # MUTATION\n",
+        ("tests/model/test_generate.py -k sampling_several_sequences_from_a_given_state",),
+    ),
 ]
 
 

@@ -332,3 +332,28 @@ def test_prompts_and_masks_of_the_wrong_shape_are_refused_by_name(model):
     whole = torch.ones(2, 7 + 3, dtype=torch.long)
     continued = model.generate(new, attention_mask=whole, cache=cache, max_new_tokens=2, do_sample=False)
     assert torch.equal(continued[:, 3:], argmax_continuation(model, torch.cat([prompt, new], 1), 2)[:, 10:])
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("given", ["new positions", "whole sequence"])
+def test_sampling_several_sequences_from_a_given_state(model, given):
+    """`num_return_sequences=3` continuing a cache of one row a prompt: transformers repeats the prompts' rows but
+    not a cache's, and generate() failed on "The cache holds 2 rows but the input has 6". The state's rows are
+    repeated with them, and the samples, tokens and logits, are those of the uninterrupted run with the same seed."""
+    prompt = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(64))
+    more = torch.randint(1, 97, (2, 3), generator=torch.Generator().manual_seed(65))
+    settings = dict(do_sample=True, num_return_sequences=3, max_new_tokens=4, return_dict_in_generate=True)
+    torch.manual_seed(66)
+    whole = model.generate(torch.cat([prompt, more], dim=1), output_logits=True, **settings)
+    cache = model(prompt, use_cache=True).cache
+    torch.manual_seed(66)
+    if given == "new positions":
+        mask = torch.ones(2, 7 + 3, dtype=torch.long)
+        continued = model.generate(more, attention_mask=mask, cache=cache, output_logits=True, **settings)
+        new_tokens = continued.sequences[:, 3:]
+    else:
+        continued = model.generate(torch.cat([prompt, more], dim=1), cache=cache, output_logits=True, **settings)
+        new_tokens = continued.sequences[:, 10:]
+    assert torch.equal(new_tokens, whole.sequences[:, 10:])
+    torch.testing.assert_close(torch.stack(continued.logits), torch.stack(whole.logits), atol=1e-5, rtol=0)
+    assert continued.cache is cache and cache.get_seq_length() == 10 + 3
