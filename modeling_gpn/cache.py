@@ -529,7 +529,8 @@ def continuation_start(
         what = (
             "as inputs_embeds: embeddings cannot be matched against what the cache read"
             if input_ids is None
-            else "to a cache without a record of what it read (it read inputs_embeds, or was rebuilt by a traced program)"
+            else "to a cache without a record of what it read (it read inputs_embeds, was rebuilt by a traced program "
+            "or advanced by a compiled forward, as generate() compiles its decoding on CUDA)"
         )
         raise ValueError(
             f"generate() got {given} positions {what}, and the cache has read {seen}: it cannot tell the whole "

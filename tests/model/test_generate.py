@@ -281,6 +281,12 @@ def test_a_compiled_decode_step_counts_the_positions_an_eager_prefill_read(model
     )
     assert torch.equal(out.sequences, argmax_continuation(model, prompt, 5))
     assert out.cache.get_seq_length() == 7 + 4  # the prompt and every generated token but the last
+    # continued as docs/cache.md says a compiled generate()'s cache is: the new positions, a mask of read + new columns
+    more = torch.cat([out.sequences[:, 11:], torch.tensor([[5, 6], [7, 8]])], dim=1)
+    mask = torch.ones(2, 11 + 3, dtype=torch.long)
+    continued = model.generate(more, attention_mask=mask, cache=out.cache, max_new_tokens=2, do_sample=False)
+    whole = torch.cat([out.sequences, more[:, 1:]], dim=1)
+    assert torch.equal(continued[:, 3:], argmax_continuation(model, whole, 2)[:, 14:])
 
     compiled = torch.compile(model, backend="eager", fullgraph=True)
     cache = model(prompt, use_cache=True).cache
