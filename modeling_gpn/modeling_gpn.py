@@ -1193,11 +1193,20 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         """generate() gets a `GPNCache` (not a `DynamicCache`) unless the caller passed a cache. A GPNCache is
         what `cache_implementation` "dynamic" and "static" ask for (one state a row, updated in place, of the
         same size at every length); the other kinds (offloaded, quantized, sliding-window) are refused, not
-        ignored, as is a cache_implementation beside a cache, which transformers refuses too.
+        ignored, as is a cache_implementation beside a cache, which transformers refuses too, and a GPN as the draft
+        model of assisted decoding (its cache would have to be rolled back).
 
         A given cache that holds a state of one row a prompt (`batch_size`, the prompts' count) is repeated in place
         for `num_return_sequences` samples, as transformers repeats the prompts' rows (it does not repeat a cache's):
         row i's copies are rows i*n ... i*n + n - 1, the order of the returned sequences (`GPNCache.fork`'s)."""
+        if getattr(generation_config, "is_assistant", False):
+            # transformers refuses a stateful main model itself, but not a stateful draft: it crops the draft's cache
+            # to the accepted tokens after every round, which failed deep in transformers' cache code
+            raise ValueError(
+                "A GPN cannot be the assistant (draft) model of assisted decoding: after every round the draft's cache "
+                "is rolled back to the tokens the main model accepted, and a GPN's state cannot be rolled back. "
+                "Decode without `assistant_model`"
+            )
         user_cache = model_kwargs.get("cache")
         requested = generation_config.cache_implementation
         if requested is not None and user_cache is not None:

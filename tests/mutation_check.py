@@ -1085,6 +1085,13 @@ MUTATIONS = [
         "                pass  # MUTATION\n",
         ("tests/model/test_generate.py -k sampling_several_sequences_from_a_given_state",),
     ),
+    Mutation(
+        "a GPN as the draft model of assisted decoding refused (left to fail in transformers' crop)",
+        "modeling_gpn/modeling_gpn.py",
+        '        if getattr(generation_config, "is_assistant", False):\n',
+        "        if False:  # MUTATION\n",
+        ("tests/model/test_generate.py::test_a_gpn_as_the_draft_model_of_assisted_decoding_is_refused_clearly",),
+    ),
 ]
 
 

@@ -126,6 +126,21 @@ def test_assisted_decoding_is_refused_clearly(model):
         model.generate(prompt, assistant_model=model, max_new_tokens=3)
 
 
+def test_a_gpn_as_the_draft_model_of_assisted_decoding_is_refused_clearly(model):
+    """transformers refuses a stateful main model, not a stateful draft: with a GPN assisting a Llama it crops the
+    GPN's cache after the first round, which failed with a RuntimeError from deep in transformers' cache code."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    sizes = dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2
+    )
+    main = LlamaForCausalLM(LlamaConfig(vocab_size=97, pad_token_id=PAD, **sizes)).eval()
+    prompt = torch.randint(1, 97, (1, 4))
+    with pytest.raises(ValueError, match=r"cannot be the assistant \(draft\) model .* cannot be rolled back"):
+        main.generate(prompt, assistant_model=model, max_new_tokens=3, do_sample=False)
+
+
 @torch.no_grad()
 def test_generate_does_not_inspect_the_forward_at_every_token(model, monkeypatch):
     """generate() asks for the forward's signature at every token of a model defined outside transformers: a
