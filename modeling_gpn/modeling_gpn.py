@@ -1309,6 +1309,13 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
                 model_kwargs = {**model_kwargs, "inputs_embeds": embeds[:, start:]}
             elif start:
                 input_ids = input_ids[:, start:]
+            given = (input_ids if embeds is None else embeds).shape[1]
+            if mask is not None and not start and mask.shape[1] == given:
+                # a mask over the new positions only: transformers' chunked prefill (`prefill_chunk_size`) slices the
+                # mask as one over the whole sequence, read positions first, and gave a chunk the wrong columns; the
+                # read positions' columns are put in front (their value is not used: the state has read them)
+                mask = torch.cat([mask.new_ones(mask.shape[0], seen), mask], dim=1)
+                model_kwargs = {**model_kwargs, "attention_mask": mask}
         outputs = super()._prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
         _refuse_non_finite_prompt_logits(
             self,

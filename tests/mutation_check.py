@@ -1092,6 +1092,13 @@ MUTATIONS = [
         "        if False:  # MUTATION\n",
         ("tests/model/test_generate.py::test_a_gpn_as_the_draft_model_of_assisted_decoding_is_refused_clearly",),
     ),
+    Mutation(
+        "a mask over the new positions widened to the whole sequence for transformers' chunked prefill",
+        "modeling_gpn/modeling_gpn.py",
+        "            if mask is not None and not start and mask.shape[1] == given:\n",
+        "            if False:  # MUTATION\n",
+        ("tests/model/test_generate.py::test_continuing_with_a_mask_over_the_new_positions_in_prefill_chunks",),
+    ),
 ]
 
 

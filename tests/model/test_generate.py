@@ -378,3 +378,22 @@ def test_sampling_several_sequences_from_a_given_state(model, given):
     assert torch.equal(new_tokens, whole.sequences[:, 10:])
     torch.testing.assert_close(torch.stack(continued.logits), torch.stack(whole.logits), atol=1e-5, rtol=0)
     assert continued.cache is cache and cache.get_seq_length() == 10 + 3
+
+
+@torch.no_grad()
+def test_continuing_with_a_mask_over_the_new_positions_in_prefill_chunks(model):
+    """A cache continued with the new positions and a mask over them only (accepted, docs/cache.md), padded in one
+    row, read in transformers' prefill chunks (`prefill_chunk_size`): its chunked prefill slices the mask as one over
+    the whole sequence, so each chunk got another chunk's columns and a padded position was read as real, in
+    silence. Tokens and logits are the uninterrupted run's."""
+    prompt = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(67))
+    new = torch.randint(1, 97, (2, 5), generator=torch.Generator().manual_seed(68))
+    new_mask = torch.ones(2, 5, dtype=torch.long)
+    new_mask[0, :2] = 0
+    settings = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    whole_mask = torch.cat([torch.ones(2, 7, dtype=torch.long), new_mask], dim=1)
+    whole = model.generate(torch.cat([prompt, new], dim=1), attention_mask=whole_mask, **settings)
+    cache = model(prompt, use_cache=True).cache
+    continued = model.generate(new, attention_mask=new_mask, cache=cache, prefill_chunk_size=2, **settings)
+    assert torch.equal(continued.sequences[:, 5:], whole.sequences[:, 12:])
+    torch.testing.assert_close(torch.stack(continued.logits), torch.stack(whole.logits), atol=1e-5, rtol=0)
