@@ -1187,18 +1187,12 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         with derived_weights_scope(self.model):
             return super().generate(*args, **kwargs)
 
-    def _prepare_cache_for_generation(
-        self, generation_config, model_kwargs, generation_mode=None, batch_size: int | None = None, *args, **kwargs
-    ) -> None:
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs) -> None:
         """generate() gets a `GPNCache` (not a `DynamicCache`) unless the caller passed a cache. A GPNCache is
         what `cache_implementation` "dynamic" and "static" ask for (one state a row, updated in place, of the
         same size at every length); the other kinds (offloaded, quantized, sliding-window) are refused, not
         ignored, as is a cache_implementation beside a cache, which transformers refuses too, and a GPN as the draft
-        model of assisted decoding (its cache would have to be rolled back).
-
-        A given cache that holds a state of one row a prompt (`batch_size`, the prompts' count) is repeated in place
-        for `num_return_sequences` samples, as transformers repeats the prompts' rows (it does not repeat a cache's):
-        row i's copies are rows i*n ... i*n + n - 1, the order of the returned sequences (`GPNCache.fork`'s)."""
+        model of assisted decoding (its cache would have to be rolled back)."""
         if getattr(generation_config, "is_assistant", False):
             # transformers refuses a stateful main model itself, but not a stateful draft: it crops the draft's cache
             # to the accepted tokens after every round, which failed deep in transformers' cache code
@@ -1229,9 +1223,6 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
                     f"already holds a state ({user_cache.get_seq_length()} positions read): decode greedily or sample "
                     "from a state, or run the beam search on the whole prompt"
                 )
-            copies = generation_config.num_return_sequences or 1
-            if copies > 1 and user_cache.has_state and user_cache.state_layer.batch_size == batch_size:
-                user_cache.batch_repeat_interleave(copies)
             user_cache._is_user_defined = True
             return
         if generation_config.use_cache is False:
@@ -1295,7 +1286,8 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         only the positions after those; where it cannot tell, it refuses, saying what to pass. It never feeds
         a position twice: a recurrent state cannot be rolled back. What it cannot judge (new positions that
         repeat exactly what was read; a cache after beam search, whose rows are the last step's beams) is
-        listed in `continuation_start` and docs/cache.md.
+        listed in `continuation_start` and docs/cache.md. With `num_return_sequences`, a cache of one row a prompt
+        is repeated as the prompts were.
         """
         cache = model_kwargs.get("cache")
         seen = cache.get_seq_length() if isinstance(cache, GPNCache) and cache.has_state else 0
@@ -1304,7 +1296,22 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             mask = model_kwargs.get("attention_mask")
             # generate() drops an all-ones mask before the prefill and keeps only its length
             mask_columns = mask.shape[1] if mask is not None else getattr(generation_config, "_mask_length", None)
-            start = continuation_start(cache, seen, input_ids if embeds is None else None, embeds, mask, mask_columns)
+            # num_return_sequences: transformers repeated each prompt's row n times (rows i*n ... i*n + n - 1) but
+            # not a given cache's; a cache of one row a prompt is judged on the prompts' own rows, then repeated
+            # in place as they were (`fork`'s order), so a refused call leaves it as it was given
+            copies = generation_config.num_return_sequences or 1
+            prompt_rows = (input_ids if embeds is None else embeds).shape[0]
+            repeat = copies if copies > 1 and cache.state_layer.batch_size * copies == prompt_rows else 1
+            start = continuation_start(
+                cache,
+                seen,
+                input_ids[::repeat] if embeds is None else None,
+                None if embeds is None else embeds[::repeat],
+                None if mask is None else mask[::repeat],
+                mask_columns,
+            )
+            if repeat > 1:
+                cache.batch_repeat_interleave(repeat)
             if start and embeds is not None:
                 model_kwargs = {**model_kwargs, "inputs_embeds": embeds[:, start:]}
             elif start:

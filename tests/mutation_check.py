@@ -1081,8 +1081,8 @@ MUTATIONS = [
     Mutation(
         "a given state repeated for num_return_sequences (its rows left one a prompt)",
         "modeling_gpn/modeling_gpn.py",
-        "                user_cache.batch_repeat_interleave(copies)\n",
-        "                pass  # MUTATION\n",
+        "            repeat = copies if copies > 1 and cache.state_layer.batch_size * copies == prompt_rows else 1\n",
+        "            repeat = 1  # MUTATION\n",
         ("tests/model/test_generate.py -k sampling_several_sequences_from_a_given_state",),
     ),
     Mutation(

@@ -360,7 +360,8 @@ def test_prompts_and_masks_of_the_wrong_shape_are_refused_by_name(model):
 def test_sampling_several_sequences_from_a_given_state(model, given):
     """`num_return_sequences=3` continuing a cache of one row a prompt: transformers repeats the prompts' rows but
     not a cache's, and generate() failed on "The cache holds 2 rows but the input has 6". The state's rows are
-    repeated with them, and the samples, tokens and logits, are those of the uninterrupted run with the same seed."""
+    repeated with them, and the samples, tokens and logits, are those of the uninterrupted run with the same seed;
+    a refused call leaves them as they were."""
     prompt = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(64))
     more = torch.randint(1, 97, (2, 3), generator=torch.Generator().manual_seed(65))
     settings = dict(do_sample=True, num_return_sequences=3, max_new_tokens=4, return_dict_in_generate=True)
@@ -378,6 +379,11 @@ def test_sampling_several_sequences_from_a_given_state(model, given):
     assert torch.equal(new_tokens, whole.sequences[:, 10:])
     torch.testing.assert_close(torch.stack(continued.logits), torch.stack(whole.logits), atol=1e-5, rtol=0)
     assert continued.cache is cache and cache.get_seq_length() == 10 + 3
+    # a refused continuation (the whole sequence with nothing new) leaves the given cache as it was: two rows
+    cache = model(prompt, use_cache=True).cache
+    with pytest.raises(ValueError, match="nothing new"):
+        model.generate(prompt, cache=cache, **settings)
+    assert cache.state_layer.batch_size == 2
 
 
 @torch.no_grad()
