@@ -277,8 +277,9 @@ class GPNCache(Cache):
         self.state_layer.store(predicted, grounded, memory)
         seen = self.state_layer.seen_tokens
         if is_tracing() and not isinstance(seen, torch.Tensor):
-            # a tensor while tracing, so the count of a dynamic-length program is computed, not frozen (see pytree)
-            seen = torch.zeros((), dtype=torch.int64)
+            # a tensor while tracing, so the count of a dynamic-length program is computed, not frozen (see pytree);
+            # it carries what the cache read before (an eagerly filled cache entering a compiled decode step)
+            seen = torch.tensor(seen, dtype=torch.int64)
         self.state_layer.seen_tokens = seen + num_new_tokens
 
     def advanced_in_place(self, token_ids: torch.Tensor, hashed: bool = False) -> None:
@@ -543,7 +544,8 @@ def continuation_start(
         what = (
             "as inputs_embeds: embeddings cannot be matched against what the cache read"
             if input_ids is None
-            else "to a cache without a record of what it read (it read inputs_embeds, or was rebuilt by a traced program)"
+            else "to a cache without a record of what it read (it read inputs_embeds, was rebuilt by a traced program "
+            "or advanced by a compiled forward, as generate() compiles its decoding on CUDA)"
         )
         raise ValueError(
             f"generate() got {given} positions {what}, and the cache has read {seen}: it cannot tell the whole "

@@ -1014,6 +1014,62 @@ def _refuse_peft_prompt_learning_generate(model: nn.Module) -> None:
         )
 
 
+def _check_generate_input_shapes(input_ids, kwargs: dict) -> None:
+    """generate() reads the batch and length off `input_ids` and `attention_mask` before the model sees them, and
+    drops an all-ones mask unread: one prompt of shape (seq,) failed with a bare IndexError from inside
+    transformers, and an all-ones mask of another batch or length was ignored in silence (a mask that has zeros is
+    checked by the forward). Named here instead. A mask longer than the prompt is the whole sequence of a
+    continued cache (`continuation_start` judges it)."""
+    mask = kwargs.get("attention_mask")
+    for name, value in (("input_ids", input_ids), ("attention_mask", mask)):
+        if isinstance(value, torch.Tensor) and value.dim() != 2:
+            raise ValueError(
+                f"generate() takes {name} of shape (batch, seq), got {tuple(value.shape)}"
+                + (": for one prompt, add the batch dimension (`ids[None]`)" if value.dim() == 1 else "")
+            )
+    embeds = kwargs.get("inputs_embeds")
+    prompt = input_ids if isinstance(input_ids, torch.Tensor) else embeds
+    if not isinstance(mask, torch.Tensor) or not isinstance(prompt, torch.Tensor) or prompt.dim() < 2:
+        return
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    continuing = isinstance(cache, GPNCache) and cache.has_state
+    batch, length = prompt.shape[:2]
+    if mask.shape[0] != batch or (mask.shape[1] != length and not continuing):
+        raise ValueError(
+            f"attention_mask has shape {tuple(mask.shape)} but the prompt has {batch} rows of {length} positions: it "
+            "must have one column a position (or, continuing a cache, one a position read and given)"
+        )
+
+
+def _refuse_non_finite_prompt_logits(
+    model: nn.Module, logits: torch.Tensor | None, copies: int, continued: bool, embeds: bool
+) -> None:
+    """generate() picks every token from the logits: NaN or inf there (from NaN or inf weights, `inputs_embeds` or the
+    state of a cache it continues) would give tokens in silence (greedy's argmax takes a NaN for the largest). The
+    prompt's logits are checked once per call (one host sync; nothing per decoded token): every parameter and the
+    whole state reach them, so a non-finite value anywhere shows there. The error names where to look, and the rows
+    as the caller numbered them (generate() holds `copies` of each: beams or returned sequences)."""
+    if logits is None or is_tracing():
+        return
+    finite = torch.isfinite(logits[:, -1]).all(dim=-1)
+    if bool(finite.all()):
+        return
+    rows = sorted({row // copies for row in (~finite).nonzero().flatten().tolist()})
+    where = [
+        f"parameter {name}"
+        for name, param in model.named_parameters()
+        if type(param.data) is torch.Tensor and param.is_floating_point() and not bool(torch.isfinite(param).all())
+    ]
+    if not where:  # (the state is overwritten by now: only what may have held them can be named)
+        where = (
+            ["no parameter"] + ["the prompt's inputs_embeds"] * embeds + ["the state of the given cache"] * continued
+        )
+    raise ValueError(
+        f"generate(): the model's logits after the prompt are not finite (NaN or inf) in rows {rows}, and every token "
+        f"would be picked from them meaninglessly; non-finite values: {', '.join(where)}"
+    )
+
+
 def _is_plain_linear(module: nn.Module) -> bool:
     """Whether `module` computes x W^T (+ b) from its own `weight` (FSDP2's sharding subclass included): not a
     wrapper (a PEFT adapter) nor a replacement that overrides `forward` (a quantized linear)."""
@@ -1146,6 +1202,7 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         every decoded token reuses them, and they are dropped when the call returns (`derived_weights.py`), so
         the next call sees the parameters as they are then, however they were edited."""
         _refuse_peft_prompt_learning_generate(self)
+        _check_generate_input_shapes(args[0] if args else kwargs.get("inputs", kwargs.get("input_ids")), kwargs)
         with derived_weights_scope(self.model):
             return super().generate(*args, **kwargs)
 
@@ -1153,7 +1210,16 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         """generate() gets a `GPNCache` (not a `DynamicCache`) unless the caller passed a cache. A GPNCache is
         what `cache_implementation` "dynamic" and "static" ask for (one state a row, updated in place, of the
         same size at every length); the other kinds (offloaded, quantized, sliding-window) are refused, not
-        ignored, as is a cache_implementation beside a cache, which transformers refuses too."""
+        ignored, as is a cache_implementation beside a cache, which transformers refuses too, and a GPN as the draft
+        model of assisted decoding (its cache would have to be rolled back)."""
+        if getattr(generation_config, "is_assistant", False):
+            # transformers refuses a stateful main model itself, but not a stateful draft: it crops the draft's cache
+            # to the accepted tokens after every round, which failed deep in transformers' cache code
+            raise ValueError(
+                "A GPN cannot be the assistant (draft) model of assisted decoding: after every round the draft's cache "
+                "is rolled back to the tokens the main model accepted, and a GPN's state cannot be rolled back. "
+                "Decode without `assistant_model`"
+            )
         user_cache = model_kwargs.get("cache")
         requested = generation_config.cache_implementation
         if requested is not None and user_cache is not None:
@@ -1239,7 +1305,8 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         only the positions after those; where it cannot tell, it refuses, saying what to pass. It never feeds
         a position twice: a recurrent state cannot be rolled back. What it cannot judge (new positions that
         repeat exactly what was read; a cache after beam search, whose rows are the last step's beams) is
-        listed in `continuation_start` and docs/cache.md.
+        listed in `continuation_start` and docs/cache.md. With `num_return_sequences`, a cache of one row a prompt
+        is repeated as the prompts were.
         """
         cache = model_kwargs.get("cache")
         seen = cache.get_seq_length() if isinstance(cache, GPNCache) and cache.has_state else 0
@@ -1248,12 +1315,42 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             mask = model_kwargs.get("attention_mask")
             # generate() drops an all-ones mask before the prefill and keeps only its length
             mask_columns = mask.shape[1] if mask is not None else getattr(generation_config, "_mask_length", None)
-            start = continuation_start(cache, seen, input_ids if embeds is None else None, embeds, mask, mask_columns)
+            # num_return_sequences: transformers repeated each prompt's row n times (rows i*n ... i*n + n - 1) but
+            # not a given cache's; a cache of one row a prompt is judged on the prompts' own rows, then repeated
+            # in place as they were (`fork`'s order), so a refused call leaves it as it was given
+            copies = generation_config.num_return_sequences or 1
+            prompt_rows = (input_ids if embeds is None else embeds).shape[0]
+            repeat = copies if copies > 1 and cache.state_layer.batch_size * copies == prompt_rows else 1
+            start = continuation_start(
+                cache,
+                seen,
+                input_ids[::repeat] if embeds is None else None,
+                None if embeds is None else embeds[::repeat],
+                None if mask is None else mask[::repeat],
+                mask_columns,
+            )
+            if repeat > 1:
+                cache.batch_repeat_interleave(repeat)
             if start and embeds is not None:
                 model_kwargs = {**model_kwargs, "inputs_embeds": embeds[:, start:]}
             elif start:
                 input_ids = input_ids[:, start:]
-        return super()._prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
+            given = (input_ids if embeds is None else embeds).shape[1]
+            if mask is not None and not start and mask.shape[1] == given:
+                # a mask over the new positions only: transformers' chunked prefill (`prefill_chunk_size`) slices the
+                # mask as one over the whole sequence, read positions first, and gave a chunk the wrong columns; the
+                # read positions' columns are put in front (their value is not used: the state has read them)
+                mask = torch.cat([mask.new_ones(mask.shape[0], seen), mask], dim=1)
+                model_kwargs = {**model_kwargs, "attention_mask": mask}
+        outputs = super()._prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
+        _refuse_non_finite_prompt_logits(
+            self,
+            getattr(outputs, "logits", None),
+            copies=max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1),
+            continued=seen > 0,
+            embeds=model_kwargs.get("inputs_embeds") is not None,
+        )
+        return outputs
 
     def forward(
         self,

@@ -1145,6 +1145,48 @@ MUTATIONS = [
         "",
         ("tests/ecosystem/test_ecosystem.py::test_a_model_offloaded_to_disk_by_device_map_runs_and_generates",),
     ),
+    Mutation(
+        "a compiled decode step continues the count of positions an eager prefill read (restarted at 0)",
+        "modeling_gpn/cache.py",
+        "            seen = torch.tensor(seen, dtype=torch.int64)\n",
+        "            seen = torch.zeros((), dtype=torch.int64)  # MUTATION\n",
+        ("tests/model/test_generate.py::test_a_compiled_decode_step_counts_the_positions_an_eager_prefill_read",),
+    ),
+    Mutation(
+        "generate() refuses non-finite prompt logits (NaN weights or embeddings decoded in silence)",
+        "modeling_gpn/modeling_gpn.py",
+        "        _refuse_non_finite_prompt_logits(\n            self,\n",
+        "        (lambda *args, **kwargs: None)(  # MUTATION\n            self,\n",
+        ("tests/model/test_generate.py -k non_finite_logits_are_refused",),
+    ),
+    Mutation(
+        "generate() checks the prompt's and the mask's shapes (IndexError from transformers; all-ones mask ignored)",
+        "modeling_gpn/modeling_gpn.py",
+        "        _check_generate_input_shapes(args[0] if args",
+        "        (lambda *args: None)(args[0] if args",
+        ("tests/model/test_generate.py::test_prompts_and_masks_of_the_wrong_shape_are_refused_by_name",),
+    ),
+    Mutation(
+        "a given state repeated for num_return_sequences (its rows left one a prompt)",
+        "modeling_gpn/modeling_gpn.py",
+        "            repeat = copies if copies > 1 and cache.state_layer.batch_size * copies == prompt_rows else 1\n",
+        "            repeat = 1  # MUTATION\n",
+        ("tests/model/test_generate.py -k sampling_several_sequences_from_a_given_state",),
+    ),
+    Mutation(
+        "a GPN as the draft model of assisted decoding refused (left to fail in transformers' crop)",
+        "modeling_gpn/modeling_gpn.py",
+        '        if getattr(generation_config, "is_assistant", False):\n',
+        "        if False:  # MUTATION\n",
+        ("tests/model/test_generate.py::test_a_gpn_as_the_draft_model_of_assisted_decoding_is_refused_clearly",),
+    ),
+    Mutation(
+        "a mask over the new positions widened to the whole sequence for transformers' chunked prefill",
+        "modeling_gpn/modeling_gpn.py",
+        "            if mask is not None and not start and mask.shape[1] == given:\n",
+        "            if False:  # MUTATION\n",
+        ("tests/model/test_generate.py::test_continuing_with_a_mask_over_the_new_positions_in_prefill_chunks",),
+    ),
 ]
 
 

@@ -126,6 +126,21 @@ def test_assisted_decoding_is_refused_clearly(model):
         model.generate(prompt, assistant_model=model, max_new_tokens=3)
 
 
+def test_a_gpn_as_the_draft_model_of_assisted_decoding_is_refused_clearly(model):
+    """transformers refuses a stateful main model, not a stateful draft: with a GPN assisting a Llama it crops the
+    GPN's cache after the first round, which failed with a RuntimeError from deep in transformers' cache code."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    sizes = dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2
+    )
+    main = LlamaForCausalLM(LlamaConfig(vocab_size=97, pad_token_id=PAD, **sizes)).eval()
+    prompt = torch.randint(1, 97, (1, 4))
+    with pytest.raises(ValueError, match=r"cannot be the assistant \(draft\) model .* cannot be rolled back"):
+        main.generate(prompt, assistant_model=model, max_new_tokens=3, do_sample=False)
+
+
 @torch.no_grad()
 def test_generate_does_not_inspect_the_forward_at_every_token(model, monkeypatch):
     """generate() asks for the forward's signature at every token of a model defined outside transformers: a
@@ -261,3 +276,130 @@ def test_the_text_generation_pipeline_gives_generates_tokens(tmp_path):
     assert generator(prompts[1], **settings)[0]["generated_text"] == expected[1]
     batched = generator(prompts, batch_size=2, **settings)
     assert [answer[0]["generated_text"] for answer in batched] == expected
+
+
+@torch.no_grad()
+def test_a_compiled_decode_step_counts_the_positions_an_eager_prefill_read(model):
+    """On CUDA, transformers' generate() compiles the decoding forward of a model whose cache is compileable (a
+    GPNCache is) and runs the prompt's forward eagerly: the compiled steps continue a cache whose count of positions
+    read is a Python int. They must add to it, not start it again from 0 (the count then said 4 after a 7-token prompt
+    and 5 generated tokens, and a saved state or a continuation's mask was judged against it). Here the same
+    compiled call is forced on CPU (`compile_config`, the eager backend), and a hand-written loop does the same."""
+    from transformers import CompileConfig
+
+    torch._dynamo.reset()
+    prompt = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(60))
+    compile_config = CompileConfig(backend="eager")
+    compile_config._compile_all_devices = True  # what a CUDA device decides by itself
+    out = model.generate(
+        prompt, max_new_tokens=5, do_sample=False, compile_config=compile_config, return_dict_in_generate=True
+    )
+    assert torch.equal(out.sequences, argmax_continuation(model, prompt, 5))
+    assert out.cache.get_seq_length() == 7 + 4  # the prompt and every generated token but the last
+    # continued as docs/cache.md says a compiled generate()'s cache is: the new positions, a mask of read + new columns
+    more = torch.cat([out.sequences[:, 11:], torch.tensor([[5, 6], [7, 8]])], dim=1)
+    mask = torch.ones(2, 11 + 3, dtype=torch.long)
+    continued = model.generate(more, attention_mask=mask, cache=out.cache, max_new_tokens=2, do_sample=False)
+    whole = torch.cat([out.sequences, more[:, 1:]], dim=1)
+    assert torch.equal(continued[:, 3:], argmax_continuation(model, whole, 2)[:, 14:])
+
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    cache = model(prompt, use_cache=True).cache
+    for step in range(3):
+        compiled(prompt[:, step : step + 1], cache=cache, use_cache=True)
+        assert cache.get_seq_length() == 7 + step + 1
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["greedy", "beam", "sample"])
+def test_non_finite_logits_are_refused_by_name_not_decoded(mode):
+    """A NaN weight, or inf in a prompt's embeddings, makes the logits non-finite; generate() picked tokens from
+    them in silence (greedy's argmax takes a NaN for the largest: a NaN in the embedding row of token 50, which the
+    prompt never reads, made the first generated token 50 and, its row read, every later one 0). Refused by name,
+    in every decoding mode."""
+    model = perturbed_model(tiny_config(eos_token_id=None), seed=11)
+    model.generation_config.pad_token_id = PAD
+    settings = {"greedy": {}, "beam": {"num_beams": 2}, "sample": {"do_sample": True}}[mode]
+    prompt = torch.randint(1, 50, (2, 5), generator=torch.Generator().manual_seed(61))
+    model.generate(prompt, max_new_tokens=3, **settings)  # (finite: decodes)
+    embeds = model.get_input_embeddings()(prompt)
+    embeds[1, 2, 0] = float("inf")
+    with pytest.raises(ValueError, match=r"not finite \(NaN or inf\) in rows \[1\].*the prompt's inputs_embeds"):
+        model.generate(inputs_embeds=embeds, max_new_tokens=3, **settings)
+    model.model.embed_tokens.weight[50, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"not finite .* parameter model\.embed_tokens\.weight"):
+        model.generate(prompt, max_new_tokens=3, **settings)
+
+
+def test_prompts_and_masks_of_the_wrong_shape_are_refused_by_name(model):
+    """generate() reads the batch and length off the prompt and the mask before the model sees them, and drops an
+    all-ones mask unread: a prompt of shape (seq,) failed with a bare IndexError from inside transformers, and an
+    all-ones mask of another batch or length was ignored in silence. Each is named; a mask over the whole sequence
+    of a continued cache (longer than the prompt) is still taken."""
+    prompt = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(62))
+    with pytest.raises(ValueError, match=r"input_ids of shape \(batch, seq\), got \(7,\).*ids\[None\]"):
+        model.generate(prompt[0], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"attention_mask of shape \(batch, seq\), got \(7,\)"):
+        model.generate(prompt[:1], attention_mask=torch.ones(7, dtype=torch.long), max_new_tokens=2)
+    for shape in ((1, 7), (2, 5), (2, 9)):
+        with pytest.raises(ValueError, match=rf"attention_mask has shape \({shape[0]}, {shape[1]}\) but the prompt"):
+            model.generate(prompt, attention_mask=torch.ones(shape, dtype=torch.long), max_new_tokens=2)
+    embeds = model.get_input_embeddings()(prompt).detach()
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 5\) but the prompt has 2 rows of 7"):
+        model.generate(inputs_embeds=embeds, attention_mask=torch.ones(2, 5, dtype=torch.long), max_new_tokens=2)
+    with torch.no_grad():
+        cache = model(prompt, use_cache=True).cache
+    new = torch.randint(1, 97, (2, 3), generator=torch.Generator().manual_seed(63))
+    whole = torch.ones(2, 7 + 3, dtype=torch.long)
+    continued = model.generate(new, attention_mask=whole, cache=cache, max_new_tokens=2, do_sample=False)
+    assert torch.equal(continued[:, 3:], argmax_continuation(model, torch.cat([prompt, new], 1), 2)[:, 10:])
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("given", ["new positions", "whole sequence"])
+def test_sampling_several_sequences_from_a_given_state(model, given):
+    """`num_return_sequences=3` continuing a cache of one row a prompt: transformers repeats the prompts' rows but
+    not a cache's, and generate() failed on "The cache holds 2 rows but the input has 6". The state's rows are
+    repeated with them, and the samples, tokens and logits, are those of the uninterrupted run with the same seed;
+    a refused call leaves them as they were."""
+    prompt = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(64))
+    more = torch.randint(1, 97, (2, 3), generator=torch.Generator().manual_seed(65))
+    settings = dict(do_sample=True, num_return_sequences=3, max_new_tokens=4, return_dict_in_generate=True)
+    torch.manual_seed(66)
+    whole = model.generate(torch.cat([prompt, more], dim=1), output_logits=True, **settings)
+    cache = model(prompt, use_cache=True).cache
+    torch.manual_seed(66)
+    if given == "new positions":
+        mask = torch.ones(2, 7 + 3, dtype=torch.long)
+        continued = model.generate(more, attention_mask=mask, cache=cache, output_logits=True, **settings)
+        new_tokens = continued.sequences[:, 3:]
+    else:
+        continued = model.generate(torch.cat([prompt, more], dim=1), cache=cache, output_logits=True, **settings)
+        new_tokens = continued.sequences[:, 10:]
+    assert torch.equal(new_tokens, whole.sequences[:, 10:])
+    torch.testing.assert_close(torch.stack(continued.logits), torch.stack(whole.logits), atol=1e-5, rtol=0)
+    assert continued.cache is cache and cache.get_seq_length() == 10 + 3
+    # a refused continuation (the whole sequence with nothing new) leaves the given cache as it was: two rows
+    cache = model(prompt, use_cache=True).cache
+    with pytest.raises(ValueError, match="nothing new"):
+        model.generate(prompt, cache=cache, **settings)
+    assert cache.state_layer.batch_size == 2
+
+
+@torch.no_grad()
+def test_continuing_with_a_mask_over_the_new_positions_in_prefill_chunks(model):
+    """A cache continued with the new positions and a mask over them only (accepted, docs/cache.md), padded in one
+    row, read in transformers' prefill chunks (`prefill_chunk_size`): its chunked prefill slices the mask as one over
+    the whole sequence, so each chunk got another chunk's columns and a padded position was read as real, in
+    silence. Tokens and logits are the uninterrupted run's."""
+    prompt = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(67))
+    new = torch.randint(1, 97, (2, 5), generator=torch.Generator().manual_seed(68))
+    new_mask = torch.ones(2, 5, dtype=torch.long)
+    new_mask[0, :2] = 0
+    settings = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    whole_mask = torch.cat([torch.ones(2, 7, dtype=torch.long), new_mask], dim=1)
+    whole = model.generate(torch.cat([prompt, new], dim=1), attention_mask=whole_mask, **settings)
+    cache = model(prompt, use_cache=True).cache
+    continued = model.generate(new, attention_mask=new_mask, cache=cache, prefill_chunk_size=2, **settings)
+    assert torch.equal(continued.sequences[:, 5:], whole.sequences[:, 12:])
+    torch.testing.assert_close(torch.stack(continued.logits), torch.stack(whole.logits), atol=1e-5, rtol=0)
