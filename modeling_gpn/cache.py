@@ -545,7 +545,7 @@ def continuation_start(
             "as inputs_embeds: embeddings cannot be matched against what the cache read"
             if input_ids is None
             else "to a cache without a record of what it read (it read inputs_embeds, was rebuilt by a traced program "
-            "or advanced by a compiled forward, as generate() compiles its decoding on CUDA)"
+            "or advanced by a compiled forward, as generate() given a compile_config does)"
         )
         raise ValueError(
             f"generate() got {given} positions {what}, and the cache has read {seen}: it cannot tell the whole "

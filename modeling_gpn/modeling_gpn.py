@@ -1206,6 +1206,15 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         with derived_weights_scope(self.model):
             return super().generate(*args, **kwargs)
 
+    def _valid_auto_compile_criteria(self, model_kwargs: dict, generation_config) -> bool:
+        """generate() compiles a GPN's decoding forward only when asked (`compile_config`). transformers compiles it
+        on CUDA for every compileable cache (a GPNCache is one), which would trace the plain recurrence in place of
+        the fast path the dispatcher chooses (Triton kernels, CUDA graphs), pay a compile at the first call, and
+        leave the cache without its record of what it read."""
+        if generation_config.compile_config is None:
+            return False
+        return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
+
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs) -> None:
         """generate() gets a `GPNCache` (not a `DynamicCache`) unless the caller passed a cache. A GPNCache is
         what `cache_implementation` "dynamic" and "static" ask for (one state a row, updated in place, of the

@@ -1174,6 +1174,13 @@ MUTATIONS = [
         ("tests/model/test_generate.py -k sampling_several_sequences_from_a_given_state",),
     ),
     Mutation(
+        "generate() compiles a GPN's decoding forward only when asked (transformers compiles it on CUDA)",
+        "modeling_gpn/modeling_gpn.py",
+        "        if generation_config.compile_config is None:\n            return False\n",
+        "",
+        ("tests/model/test_generate.py::test_generate_compiles_the_decoding_forward_only_when_asked",),
+    ),
+    Mutation(
         "a GPN as the draft model of assisted decoding refused (left to fail in transformers' crop)",
         "modeling_gpn/modeling_gpn.py",
         '        if getattr(generation_config, "is_assistant", False):\n',

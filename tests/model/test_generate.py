@@ -280,9 +280,8 @@ def test_the_text_generation_pipeline_gives_generates_tokens(tmp_path):
 
 @torch.no_grad()
 def test_a_compiled_decode_step_counts_the_positions_an_eager_prefill_read(model):
-    """On CUDA, transformers' generate() compiles the decoding forward of a model whose cache is compileable (a
-    GPNCache is) and runs the prompt's forward eagerly: the compiled steps continue a cache whose count of positions
-    read is a Python int. They must add to it, not start it again from 0 (the count then said 4 after a 7-token prompt
+    """A generate() given a `compile_config` compiles the decoding forward and runs the prompt's forward eagerly:
+    the compiled steps continue a cache whose count of positions read is a Python int. They must add to it, not start it again from 0 (the count then said 4 after a 7-token prompt
     and 5 generated tokens, and a saved state or a continuation's mask was judged against it). Here the same
     compiled call is forced on CPU (`compile_config`, the eager backend), and a hand-written loop does the same."""
     from transformers import CompileConfig
@@ -290,7 +289,7 @@ def test_a_compiled_decode_step_counts_the_positions_an_eager_prefill_read(model
     torch._dynamo.reset()
     prompt = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(60))
     compile_config = CompileConfig(backend="eager")
-    compile_config._compile_all_devices = True  # what a CUDA device decides by itself
+    compile_config._compile_all_devices = True  # (on CPU too)
     out = model.generate(
         prompt, max_new_tokens=5, do_sample=False, compile_config=compile_config, return_dict_in_generate=True
     )
@@ -308,6 +307,22 @@ def test_a_compiled_decode_step_counts_the_positions_an_eager_prefill_read(model
     for step in range(3):
         compiled(prompt[:, step : step + 1], cache=cache, use_cache=True)
         assert cache.get_seq_length() == 7 + step + 1
+
+
+def test_generate_compiles_the_decoding_forward_only_when_asked(model, monkeypatch):
+    """transformers' generate() compiles the decoding forward by itself on CUDA for a compileable cache (a GPNCache
+    is one): for a GPN that traced the plain recurrence in place of the fast path's kernels and graphs. It does so
+    only given a `compile_config`. Asked of the criterion generate() consults, on a model that says it is on CUDA (no
+    tensor moves: only the answer is read)."""
+    from transformers import CompileConfig, GenerationConfig
+
+    monkeypatch.setattr(type(model), "device", property(lambda self: torch.device("cuda")))
+    kwargs = {"cache": GPNCache()}
+    assert not model._valid_auto_compile_criteria(kwargs, GenerationConfig())
+    assert model._valid_auto_compile_criteria(kwargs, GenerationConfig(compile_config=CompileConfig()))
+    assert not model._valid_auto_compile_criteria(
+        kwargs, GenerationConfig(compile_config=CompileConfig(), disable_compile=True)
+    )
 
 
 @torch.no_grad()
