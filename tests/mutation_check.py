@@ -1057,6 +1057,13 @@ MUTATIONS = [
         'gpn generate outputs/tiny-shakespeare "ROMEO:" "To be, or not"',
         ("tests/tools/test_docs.py::test_documented_model_folders_are_where_gpn_train_writes_them",),
     ),
+    Mutation(
+        "gpn train overwrites a finished run's model and log without --resume",
+        "modeling_gpn/train/training.py",
+        '    elif (run_dir / "model").exists():\n',
+        "    elif False:  # MUTATION\n",
+        ("tests/tools/test_train_faults.py -k finished_run_without_checkpoints",),
+    ),
 ]
 
 

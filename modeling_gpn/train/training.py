@@ -218,6 +218,13 @@ def open_run_folder(run: TrainingRun, resume: str | bool | None) -> None:
         raise FileExistsError(
             f"{run_dir} already holds checkpoints: pass --resume to continue, or choose another --output-dir"
         )
+    elif (run_dir / "model").exists():
+        # A finished run (one without checkpoints: --checkpoint-interval 0, or fewer steps than the interval):
+        # a new run here would delete its log at once and replace its model at the end.
+        raise FileExistsError(
+            f"{run_dir} already holds the model of a finished run ({run_dir / 'model'}): choose another "
+            "--output-dir, or move that folder away to train here again"
+        )
     if run.main:
         try:
             write_file_atomically(run_dir / "train_config.json", json.dumps(config, indent=1, default=str))

@@ -615,6 +615,20 @@ def test_the_lock_is_held_only_while_train_runs_in_process(tmp_path, cache, shak
     train_module.RunFolderLock(run_dir).acquire().release()
 
 
+def test_a_finished_run_without_checkpoints_is_not_overwritten_by_a_new_run(tmp_path, cache, shakespeare, capsys):
+    """A finished run that kept no checkpoint (`--checkpoint-interval 0`): a second `gpn train` into its folder
+    deleted its log at once and replaced its model at the end, without a word. It is refused, naming the model,
+    and the finished run is left as it was."""
+    out = tmp_path / "run"
+    run_train(shakespeare, out, cache, "--steps", "2")
+    files = [out / "log.jsonl", out / "train_config.json", out / "model" / "model.safetensors"]
+    before = [path.read_bytes() for path in files]
+    assert train_module.run(parse(small_args(shakespeare, out, cache, "--steps", "2", "--lr", "0.5"))) == 1
+    err = capsys.readouterr().err
+    assert f"gpn train: error: {out} already holds the model of a finished run ({out / 'model'})" in err, err
+    assert [path.read_bytes() for path in files] == before
+
+
 @pytest.mark.parametrize("given", ["missing", "a run folder"])
 def test_resume_from_a_path_that_is_no_checkpoint_names_that_path(
     tmp_path, cache, shakespeare, given, capsys, monkeypatch
