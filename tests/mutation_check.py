@@ -1064,6 +1064,13 @@ MUTATIONS = [
         "    elif False:  # MUTATION\n",
         ("tests/tools/test_train_faults.py -k finished_run_without_checkpoints",),
     ),
+    Mutation(
+        "gpn train takes a negative clip norm or weight decay, bad betas, eps, keep_checkpoints, threads, seed",
+        "modeling_gpn/train/settings.py",
+        "    for key, kind, low, high in NUMERIC_RANGES:\n",
+        "    for key, kind, low, high in ():  # MUTATION\n",
+        ("tests/tools/test_train.py -k torch_would_train_wrongly",),
+    ),
 ]
 
 
