@@ -1071,6 +1071,13 @@ MUTATIONS = [
         "    for key, kind, low, high in ():  # MUTATION\n",
         ("tests/tools/test_train.py -k torch_would_train_wrongly",),
     ),
+    Mutation(
+        "gpn train --resume from a damaged checkpoint file: a reader's traceback instead of the file and what to resume",
+        "modeling_gpn/train/checkpoints.py",
+        "    except Exception as error:  # every reader fails its own way",
+        "    except () as error:  # MUTATION",
+        ("tests/tools/test_train_faults.py -k damaged_checkpoint_file",),
+    ),
 ]
 
 

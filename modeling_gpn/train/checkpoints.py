@@ -182,10 +182,12 @@ def load_training_state(accelerator, model, optimizer, scheduler, folder: Path) 
     import torch
     from safetensors.torch import load_file
 
-    weights = load_file(str(folder / MODEL_FILE))
+    weights = read_checkpoint_file(folder / MODEL_FILE, lambda path: load_file(str(path)))
     if weights and all(name.startswith("module.") for name in weights):  # DDP checkpoints of older versions
         weights = {name[len("module.") :]: tensor for name, tensor in weights.items()}
-    optimizer_state = torch.load(folder / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+    optimizer_state = read_checkpoint_file(
+        folder / OPTIMIZER_FILE, lambda path: torch.load(path, map_location="cpu", weights_only=True)
+    )
     if is_fsdp(accelerator):
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -204,17 +206,48 @@ def load_training_state(accelerator, model, optimizer, scheduler, folder: Path) 
         complete_tied_weights(weights, unwrapped)
         unwrapped.load_state_dict(weights)
         optimizer.load_state_dict(optimizer_state)
-    scheduler.load_state_dict(torch.load(folder / SCHEDULER_FILE, map_location="cpu", weights_only=False))
+    scheduler.load_state_dict(
+        read_checkpoint_file(
+            folder / SCHEDULER_FILE, lambda path: torch.load(path, map_location="cpu", weights_only=False)
+        )
+    )
     if accelerator.scaler is not None and (folder / SCALER_FILE).exists():
-        accelerator.scaler.load_state_dict(torch.load(folder / SCALER_FILE, weights_only=False))
+        accelerator.scaler.load_state_dict(
+            read_checkpoint_file(folder / SCALER_FILE, lambda path: torch.load(path, weights_only=False))
+        )
     rng_file = folder / RNG_FILE.format(accelerator.process_index)
     if rng_file.exists():
-        generators = torch.load(rng_file, weights_only=False)
+        generators = read_checkpoint_file(rng_file, lambda path: torch.load(path, weights_only=False))
         random.setstate(generators["random_state"])
         np.random.set_state(generators["numpy_random_seed"])
         torch.set_rng_state(generators["torch_manual_seed"])
         if torch.cuda.is_available() and "torch_cuda_manual_seed" in generators:
             torch.cuda.set_rng_state_all(generators["torch_cuda_manual_seed"])
+
+
+def read_checkpoint_file(path: Path, read):
+    """`read(path)`, where a missing or damaged file (truncated, overwritten, bit rot: checkpoints are written
+    whole, so only something outside a run leaves one so) is a ValueError naming it and the checkpoints that
+    can be resumed instead, not a reader's traceback."""
+    try:
+        return read(path)
+    except Exception as error:  # every reader fails its own way: SafetensorError, torch's zip RuntimeError, pickle's
+        folder = path.parent
+        others = [
+            str(other)
+            for other in sorted(folder.parent.glob("step-*"))
+            if other != folder and (other / "trainer_state.json").exists()
+        ]
+        instead = (
+            f"resume from another checkpoint with --resume PATH ({', '.join(others)})"
+            if others
+            else "no other checkpoint is there: start a new run in another --output-dir"
+        )
+        first_line = (str(error).splitlines() or [type(error).__name__])[0]
+        raise ValueError(
+            f"--resume: cannot read {path} ({type(error).__name__}: {first_line}): the checkpoint {folder} is "
+            f"damaged; {instead}"
+        ) from error
 
 
 def drop_tied_copies(weights: dict, model) -> None:

@@ -426,6 +426,32 @@ def test_resume_refuses_settings_that_change_data_or_optimisation_and_allows_the
         assert torch.allclose(tensor, first[name], atol=1e-5), name  # same run, regrouped into one forward pass
 
 
+def test_a_damaged_checkpoint_file_is_named_with_the_checkpoint_to_resume_from_instead(
+    tmp_path, cache, shakespeare, capsys
+):
+    """A truncated or overwritten file of the newest checkpoint (checkpoints are written whole: only something
+    outside the run leaves one so) was a reader's traceback (SafetensorError, torch's zip error) on --resume. It
+    is one line naming the file and the older checkpoint, which then resumes."""
+    out = tmp_path / "run"
+    common = ["--steps", "5", "--checkpoint-interval", "2"]
+    run_train(shakespeare, out, cache, *common)
+    shutil.rmtree(out / "model")  # (as if the run had been killed after its last checkpoint)
+    capsys.readouterr()
+    newest, older = out / "checkpoints" / "step-0000004", out / "checkpoints" / "step-0000002"
+    for name, error in (("model.safetensors", "SafetensorError"), ("optimizer.bin", "RuntimeError")):
+        kept = (newest / name).read_bytes()
+        os.truncate(newest / name, 100)  # (a copy cut short)
+        assert train_module.run(parse(small_args(shakespeare, out, cache, *common, "--resume"))) == 1
+        err = capsys.readouterr().err
+        assert f"gpn train: error: --resume: cannot read {newest / name} ({error}: " in err, err
+        assert f"the checkpoint {newest} is damaged; resume from another checkpoint with --resume PATH ({older})" in err
+        assert "Traceback" not in err and err.count("\n") == 1, err
+        (newest / name).write_bytes(kept)
+    os.truncate(newest / "optimizer.bin", 100)
+    assert train_module.run(parse(small_args(shakespeare, out, cache, *common, "--resume", str(older)))) == 0
+    assert (out / "model").exists() and [r["step"] for r in read_log(out) if "lr" in r] == [1, 2, 3, 4, 5]
+
+
 def changed_settings_of(run_dir: Path, *argv: str) -> list[str]:
     saved = json.loads((train_module.latest_checkpoint(run_dir) / "trainer_state.json").read_text())["config"]
     config = train_module.resolve_config(parse(small_args(Path("data.txt"), run_dir, Path("cache"), *argv)))
