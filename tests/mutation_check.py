@@ -1078,6 +1078,20 @@ MUTATIONS = [
         "    except () as error:  # MUTATION",
         ("tests/tools/test_train_faults.py -k damaged_checkpoint_file",),
     ),
+    Mutation(
+        "gpn train --mixed-precision fp16 on a CPU trains in float32 while the run says fp16",
+        "modeling_gpn/train/distributed.py",
+        '    if asked != "no" and not accelerator.native_amp and accelerator.distributed_type != DistributedType.DEEPSPEED:\n',
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_train.py -k would_not_be_applied",),
+    ),
+    Mutation(
+        "gpn train overrides accelerate launch --mixed_precision with its own setting in silence",
+        "modeling_gpn/train/distributed.py",
+        '    if launched_with not in ("no", asked):\n',
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_train.py -k would_not_be_applied",),
+    ),
 ]
 
 

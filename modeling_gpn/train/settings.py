@@ -136,7 +136,7 @@ OPTIONS: list[Option] = [
         "mixed_precision",
         str,
         "no",
-        "Accelerate mixed precision: bf16 autocast with float32 weights and float32 GPN state, fp16, or no",
+        "Accelerate mixed precision: bf16 autocast with float32 weights and float32 GPN state, fp16 (GPUs only), or no",
         ("no", "bf16", "fp16"),
     ),
     Option(

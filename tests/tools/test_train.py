@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -438,6 +439,29 @@ def test_bad_data_fails_clearly_before_training(tmp_path, cache):
     with pytest.raises(DataError, match="has no EOS token"):
         attempt(good, "--tokenizer", str(no_eos))
     assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_mixed_precision_that_would_not_be_applied_is_refused(tmp_path):
+    """`--mixed-precision fp16` on a CPU trained in float32 (Accelerate applies fp16 only off the CPU) while the
+    run's summary said fp16; `accelerate launch --mixed_precision bf16` was overridden by the run's own "no". Both
+    are refused in one line, before any data are read (each in its own process: Accelerate's state is per
+    process)."""
+    cases = {
+        "fp16 on CPU": (["--mixed-precision", "fp16"], {}, "--mixed-precision fp16 is not applied on CPU"),
+        "the launcher's choice": (
+            [],
+            {"ACCELERATE_MIXED_PRECISION": "bf16"},
+            "accelerate launch asked for mixed precision bf16, but this run's setting is no",
+        ),
+    }
+    for name, (extra, env, needle) in cases.items():
+        command = [sys.executable, "-m", "modeling_gpn.cli", "train", "--dataset", str(tmp_path / "missing.txt")]
+        command += ["--output-dir", str(tmp_path / "run"), *extra]
+        done = subprocess.run(
+            command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, **env}
+        )
+        assert done.returncode == 1 and f"gpn train: error: {needle}" in done.stderr, (name, done.stderr[-3000:])
+        assert "Traceback" not in done.stderr and not (tmp_path / "run").exists(), name
 
 
 def test_gpn_train_mixed_precision_bf16_on_cpu_ends_finite(tmp_path):
