@@ -1092,6 +1092,13 @@ MUTATIONS = [
         "    if False:  # MUTATION\n",
         ("tests/tools/test_train.py -k would_not_be_applied",),
     ),
+    Mutation(
+        "gpn train --resume takes a corpus that changed under the same name",
+        "modeling_gpn/train/checkpoints.py",
+        "    if saved_data is not None and saved_data != data:  # (checkpoints of older versions hold none)\n",
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_train_faults.py -k corpus_that_changed",),
+    ),
 ]
 
 

@@ -58,6 +58,7 @@ def save_checkpoint(run: TrainingRun, step: int) -> Path:
             trainer_state = {
                 "step": step,
                 "config": run.config,
+                "data": data_fingerprint(run.stream),
                 "skipped_steps": run.skipped_steps,
                 "running_losses": run.running,
             }
@@ -73,6 +74,30 @@ def save_checkpoint(run: TrainingRun, step: int) -> Path:
         raise storage_error(run.run_dir, final, error) from error
     accelerator.wait_for_everyone()
     return final
+
+
+# The data a checkpoint was trained on, compared on --resume: the settings name the corpus, not what it holds,
+# and a file edited (or a Hub dataset updated) under the same name would resume on other windows.
+FINGERPRINT_SLICES, FINGERPRINT_SLICE_TOKENS = 64, 256
+
+
+def data_fingerprint(stream) -> dict:
+    """The token count and a SHA-256 of `FINGERPRINT_SLICES` slices spread evenly over the token stream (the
+    first and the last included): a few memory-mapped reads whatever the corpus's size, and any change of its
+    length, or of the tokens at those places, shows."""
+    import hashlib
+
+    import numpy as np
+
+    total = len(stream)
+    digest = hashlib.sha256(str(total).encode())
+    room = max(0, total - FINGERPRINT_SLICE_TOKENS)
+    for index in range(FINGERPRINT_SLICES):
+        start = room * index // (FINGERPRINT_SLICES - 1)
+        digest.update(
+            np.ascontiguousarray(stream.tokens(start, min(total, start + FINGERPRINT_SLICE_TOKENS))).tobytes()
+        )
+    return {"tokens": total, "sample_sha256": digest.hexdigest()}
 
 
 def _optimizer_tensors(run: TrainingRun):
@@ -114,6 +139,14 @@ def resume_from_checkpoint(run: TrainingRun, resume: str | bool) -> None:
         checkpoint = Path(resume)
     state = read_json(checkpoint / "trainer_state.json", "checkpoint state")
     changes = changed_settings(state.get("config", {}), run.config)
+    saved_data, data = state.get("data"), data_fingerprint(run.stream)
+    if saved_data is not None and saved_data != data:  # (checkpoints of older versions hold none)
+        same_count = saved_data.get("tokens") == data["tokens"]
+        changes.append(
+            f"the training data ({run.config['dataset']}): {saved_data.get('tokens')} -> {data['tokens']} tokens"
+            + (", other tokens" if same_count else "")
+            + " (the corpus changed since the checkpoint: other training windows and another held-out split)"
+        )
     if changes:
         raise ValueError(
             f"--resume: these settings differ from those of {checkpoint} and would change the data, the model "

@@ -452,6 +452,28 @@ def test_a_damaged_checkpoint_file_is_named_with_the_checkpoint_to_resume_from_i
     assert (out / "model").exists() and [r["step"] for r in read_log(out) if "lr" in r] == [1, 2, 3, 4, 5]
 
 
+def test_resume_refuses_a_corpus_that_changed_under_the_same_name(tmp_path, cache, shakespeare):
+    """The settings name the corpus, not what it holds: a file cut short (or edited, or a Hub dataset updated)
+    under the same name resumed in silence on other training windows and another held-out split. The checkpoint
+    keeps the data's fingerprint (token count, a hash of slices spread over the tokens); the same text, tokenized
+    anew, still resumes."""
+    corpus, text = tmp_path / "corpus.txt", shakespeare.read_text()
+    corpus.write_text(text[:120_000])
+    out = tmp_path / "run"
+    common = ["--steps", "3", "--checkpoint-interval", "2"]
+    run_train(corpus, out, cache, *common)
+    tokens = json.loads((out / "checkpoints" / "step-0000002" / "trainer_state.json").read_text())["data"]["tokens"]
+    shutil.rmtree(out / "model")
+    corpus.write_text(text[:100_000])
+    with pytest.raises(ValueError) as caught:
+        run_train(corpus, out, cache, *common, resume=True)
+    message = str(caught.value)
+    assert f"the training data ({corpus}): {tokens} -> " in message and "the corpus changed" in message, message
+    corpus.write_text(text[:120_000])  # a new file (another cache key): tokenized again, the same tokens
+    run_train(corpus, out, cache, *common, resume=True)
+    assert (out / "model").exists()
+
+
 def changed_settings_of(run_dir: Path, *argv: str) -> list[str]:
     saved = json.loads((train_module.latest_checkpoint(run_dir) / "trainer_state.json").read_text())["config"]
     config = train_module.resolve_config(parse(small_args(Path("data.txt"), run_dir, Path("cache"), *argv)))
