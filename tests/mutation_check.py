@@ -583,8 +583,8 @@ MUTATIONS = [
     Mutation(
         "FSDP checkpoint (the tied embedding stored under both names)",
         "modeling_gpn/train/checkpoints.py",
-        "        drop_tied_copies(weights, accelerator.unwrap_model(model))",
-        "        pass  # MUTATION",
+        "    drop_tied_copies(weights, accelerator.unwrap_model(model))\n",
+        "    pass  # MUTATION\n",
         ("tests/tools/test_train.py -k two_process_fsdp",),
     ),
     Mutation(
@@ -1098,6 +1098,20 @@ MUTATIONS = [
         "    if saved_data is not None and saved_data != data:  # (checkpoints of older versions hold none)\n",
         "    if False:  # MUTATION\n",
         ("tests/tools/test_train_faults.py -k corpus_that_changed",),
+    ),
+    Mutation(
+        "gpn train --no-progress still shows transformers' bar while the model is saved",
+        "modeling_gpn/train/training.py",
+        "    if not run.show_progress:\n        transformers_logging.disable_progress_bar()\n",
+        "    if False:  # MUTATION\n        transformers_logging.disable_progress_bar()\n",
+        ("tests/tools/test_train_faults.py -k quiet_run_prints_no_bar",),
+    ),
+    Mutation(
+        "gpn train leaves the tied copy to Accelerate's save, which warns at every checkpoint",
+        "modeling_gpn/train/checkpoints.py",
+        "    drop_tied_copies(weights, accelerator.unwrap_model(model))\n",
+        "    pass  # MUTATION\n",
+        ("tests/tools/test_train_faults.py -k quiet_run_prints_no_bar",),
     ),
 ]
 

@@ -187,9 +187,12 @@ def save_training_state(accelerator, model, optimizer, scheduler, folder: Path) 
             model, optimizer.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
         optimizer_state = _optimizer_state_by_position(by_name) if accelerator.is_main_process else None
-        drop_tied_copies(weights, accelerator.unwrap_model(model))  # gathered: a copy under every tied name
     else:
         optimizer_state = optimizer.state_dict()
+    # A tied parameter under one name (e.g. not lm_head.weight beside the embedding), as safetensors stores it.
+    # FSDP's gathered weights hold a separate copy under every tied name; other state dicts share the storage,
+    # which Accelerate's `save` would drop itself, warning at every checkpoint that it did.
+    drop_tied_copies(weights, accelerator.unwrap_model(model))
     if accelerator.is_main_process:
         save(weights, folder / MODEL_FILE, safe_serialization=True)
         torch.save(optimizer_state, folder / OPTIMIZER_FILE)

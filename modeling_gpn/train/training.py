@@ -314,6 +314,8 @@ def gather_final_weights(run: TrainingRun, unwrapped, record: dict):
 def save_model(run: TrainingRun, final_model, model_dir: Path) -> None:
     """`save_pretrained` of the model and its tokenizer (with the generation settings of the tokenizer's special
     tokens) into a temporary folder, fsynced, then renamed to `model_dir` (main process)."""
+    from transformers.utils import logging as transformers_logging
+
     run.stage.enter("saving the model")
     tokenizer = run.tokenizer
     generation = final_model.generation_config
@@ -321,6 +323,10 @@ def save_model(run: TrainingRun, final_model, model_dir: Path) -> None:
     generation.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     generation.bos_token_id = tokenizer.bos_token_id
     tmp_model = run.run_dir / ".tmp-model"
+    # --no-progress: no bar of transformers' own either ("Writing model shards").
+    bars = transformers_logging.is_progress_bar_enabled()
+    if not run.show_progress:
+        transformers_logging.disable_progress_bar()
     try:
         shutil.rmtree(tmp_model, ignore_errors=True)
         final_model.save_pretrained(str(tmp_model))
@@ -331,6 +337,9 @@ def save_model(run: TrainingRun, final_model, model_dir: Path) -> None:
         shutil.rmtree(tmp_model, ignore_errors=True)
         end_process_group(run, after_error=True)
         raise storage_error(run.run_dir, model_dir, error) from error
+    finally:
+        if bars:
+            transformers_logging.enable_progress_bar()
 
 
 def print_summary(run: TrainingRun, val_loss: float, val_ppl: float, sample: str | None, model_dir: Path) -> None:

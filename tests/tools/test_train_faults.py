@@ -663,6 +663,20 @@ def test_the_lock_is_held_only_while_train_runs_in_process(tmp_path, cache, shak
     train_module.RunFolderLock(run_dir).acquire().release()
 
 
+def test_a_quiet_run_prints_no_bar_and_no_warning_at_each_checkpoint(tmp_path, cache, shakespeare, capfd, caplog):
+    """--no-progress (show_progress=False) still printed transformers' "Writing model shards" bar when the model
+    was saved, and every checkpoint printed Accelerate's "Removed shared tensor {'lm_head.weight'} while saving ...
+    check by verifying that you don't receive any warning while reloading" (the tied embedding, stored once)."""
+    out = tmp_path / "run"
+    run_train(shakespeare, out, cache, "--steps", "3", "--checkpoint-interval", "1")
+    printed = "".join(capfd.readouterr())
+    assert "model saved to" in printed  # (the run's own output is captured)
+    assert "Writing model shards" not in printed and "Removed shared tensor" not in printed, printed[-3000:]
+    warned = [record.getMessage() for record in caplog.records]  # (pytest takes the log records from stderr)
+    assert not [message for message in warned if "Removed shared tensor" in message], warned
+    assert "lm_head.weight" not in saved_weights(out / "checkpoints" / "step-0000002")  # stored once, by gpn train
+
+
 def test_a_finished_run_without_checkpoints_is_not_overwritten_by_a_new_run(tmp_path, cache, shakespeare, capsys):
     """A finished run that kept no checkpoint (`--checkpoint-interval 0`): a second `gpn train` into its folder
     deleted its log at once and replaced its model at the end, without a word. It is refused, naming the model,
