@@ -1113,6 +1113,13 @@ MUTATIONS = [
         "    pass  # MUTATION\n",
         ("tests/tools/test_train_faults.py -k quiet_run_prints_no_bar",),
     ),
+    Mutation(
+        "gpn train into an output folder it cannot write: a traceback from the lock file",
+        "modeling_gpn/train/run_folder.py",
+        "        except OSError as error:  # the first write of a run",
+        "        except () as error:  # MUTATION",
+        ("tests/tools/test_train_faults.py -k output_folder_that_cannot_be_written",),
+    ),
 ]
 
 

@@ -677,6 +677,18 @@ def test_a_quiet_run_prints_no_bar_and_no_warning_at_each_checkpoint(tmp_path, c
     assert "lm_head.weight" not in saved_weights(out / "checkpoints" / "step-0000002")  # stored once, by gpn train
 
 
+def test_an_output_folder_that_cannot_be_written_is_one_line(tmp_path, cache, shakespeare, capsys):
+    """An --output-dir that cannot be made or written (a read-only file system, no permission; here: under a
+    file, which needs no root) was a traceback from the run folder's lock file. It is one line naming the folder."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    out = blocker / "run"
+    assert train_module.run(parse(small_args(shakespeare, out, cache, "--steps", "2"))) == 1
+    err = capsys.readouterr().err
+    assert f"gpn train: error: Cannot write the run folder {out} (" in err and "Nothing was written" in err, err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+
+
 def test_a_finished_run_without_checkpoints_is_not_overwritten_by_a_new_run(tmp_path, cache, shakespeare, capsys):
     """A finished run that kept no checkpoint (`--checkpoint-interval 0`): a second `gpn train` into its folder
     deleted its log at once and replaced its model at the end, without a word. It is refused, naming the model,
