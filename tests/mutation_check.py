@@ -1120,6 +1120,13 @@ MUTATIONS = [
         "        except () as error:  # MUTATION",
         ("tests/tools/test_train_faults.py -k output_folder_that_cannot_be_written",),
     ),
+    Mutation(
+        "gpn train writes a bare NaN (no JSON) into log.jsonl",
+        "modeling_gpn/train/run_folder.py",
+        "        key: str(value) if isinstance(value, float) and not math.isfinite(value) else value\n",
+        "        key: value  # MUTATION\n",
+        ("tests/tools/test_train_faults.py -k log_is_strict_json",),
+    ),
 ]
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -108,6 +109,13 @@ def append_log_record(path: Path, record: dict) -> None:
     """Append one JSON line to the run log and fsync it. A failed append (a full disk) is cut back to the old
     length, so the log never keeps half a record; rewriting the whole log at every record would make logging
     quadratic in the run's length."""
+    # Strict JSON: a NaN or inf (a validation without held-out windows, a diverged loss) is written as its name in
+    # a string, as the non-finite events already are; json.dumps would write a bare NaN, which is no JSON (jq,
+    # JavaScript's JSON.parse and other strict readers refuse the line).
+    record = {
+        key: str(value) if isinstance(value, float) and not math.isfinite(value) else value
+        for key, value in record.items()
+    }
     line = (json.dumps(record) + "\n").encode()
     size = path.stat().st_size if path.exists() else 0
     try:

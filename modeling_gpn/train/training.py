@@ -344,10 +344,17 @@ def save_model(run: TrainingRun, final_model, model_dir: Path) -> None:
 
 def print_summary(run: TrainingRun, val_loss: float, val_ppl: float, sample: str | None, model_dir: Path) -> None:
     config = run.config
-    run.say(
-        f"\nvalidation loss {val_loss:.4f}, perplexity {val_ppl:.2f} ({min(config['eval_windows'], run.windows.num_val)} "
-        f"held-out windows of {config['seq_len']} tokens)"
-    )
+    evaluated = min(config["eval_windows"], run.windows.num_val)
+    if evaluated:
+        run.say(
+            f"\nvalidation loss {val_loss:.4f}, perplexity {val_ppl:.2f} ({evaluated} held-out windows of "
+            f"{config['seq_len']} tokens)"
+        )
+    else:
+        run.say(
+            f"\nno validation: no held-out windows (--val-fraction {config['val_fraction']}, --eval-windows "
+            f"{config['eval_windows']})"
+        )
     if sample is not None:
         run.say(f"sample (prompt {config['sample_prompt']!r}):\n{sample}\n")
     run.say(

@@ -689,6 +689,23 @@ def test_an_output_folder_that_cannot_be_written_is_one_line(tmp_path, cache, sh
     assert "Traceback" not in err and err.count("\n") == 1, err
 
 
+def test_the_log_is_strict_json_when_there_is_no_held_out_window(tmp_path, cache, shakespeare, capsys):
+    """`--val-fraction 0` (or `--eval-windows 0`) leaves no window to validate on: the final record held a bare
+    `NaN`, which is no JSON (jq and JavaScript refuse the line), and the summary printed "validation loss nan,
+    perplexity nan". Non-finite numbers are written as strings, like the non-finite events, and the summary says
+    there was no validation."""
+    out = tmp_path / "run"
+    run_train(shakespeare, out, cache, "--steps", "2", "--val-fraction", "0")
+    assert "no validation: no held-out windows (--val-fraction 0.0, --eval-windows 8)" in capsys.readouterr().out
+
+    def refuse(constant: str):
+        raise ValueError(f"{constant} is no JSON")
+
+    records = [json.loads(line, parse_constant=refuse) for line in (out / "log.jsonl").read_text().splitlines()]
+    final = records[-1]
+    assert final["event"] == "final" and (final["val_loss"], final["val_ppl"]) == ("nan", "nan"), final
+
+
 def test_a_finished_run_without_checkpoints_is_not_overwritten_by_a_new_run(tmp_path, cache, shakespeare, capsys):
     """A finished run that kept no checkpoint (`--checkpoint-interval 0`): a second `gpn train` into its folder
     deleted its log at once and replaced its model at the end, without a word. It is refused, naming the model,
