@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     except StudyError as error:  # (raised before anything is trained)
         print(f"gpn study: error: {error}", file=sys.stderr)
         return 2
-    except (NonFiniteLossError, StorageError) as error:
+    except (NonFiniteLossError, StorageError, FileExistsError) as error:  # (a model's folder holds a run)
         print(f"gpn study: error: {error}", file=sys.stderr)
         return 1
     except TrainingStopped as stop:  # SIGTERM/SIGINT: `gpn train` checkpointed the model it was training

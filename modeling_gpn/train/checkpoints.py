@@ -58,6 +58,7 @@ def save_checkpoint(run: TrainingRun, step: int) -> Path:
             trainer_state = {
                 "step": step,
                 "config": run.config,
+                "data": data_fingerprint(run.stream),
                 "skipped_steps": run.skipped_steps,
                 "running_losses": run.running,
             }
@@ -73,6 +74,30 @@ def save_checkpoint(run: TrainingRun, step: int) -> Path:
         raise storage_error(run.run_dir, final, error) from error
     accelerator.wait_for_everyone()
     return final
+
+
+# The data a checkpoint was trained on, compared on --resume: the settings name the corpus, not what it holds,
+# and a file edited (or a Hub dataset updated) under the same name would resume on other windows.
+FINGERPRINT_SLICES, FINGERPRINT_SLICE_TOKENS = 64, 256
+
+
+def data_fingerprint(stream) -> dict:
+    """The token count and a SHA-256 of `FINGERPRINT_SLICES` slices spread evenly over the token stream (the
+    first and the last included): a few memory-mapped reads whatever the corpus's size, and any change of its
+    length, or of the tokens at those places, shows."""
+    import hashlib
+
+    import numpy as np
+
+    total = len(stream)
+    digest = hashlib.sha256(str(total).encode())
+    room = max(0, total - FINGERPRINT_SLICE_TOKENS)
+    for index in range(FINGERPRINT_SLICES):
+        start = room * index // (FINGERPRINT_SLICES - 1)
+        digest.update(
+            np.ascontiguousarray(stream.tokens(start, min(total, start + FINGERPRINT_SLICE_TOKENS))).tobytes()
+        )
+    return {"tokens": total, "sample_sha256": digest.hexdigest()}
 
 
 def _optimizer_tensors(run: TrainingRun):
@@ -114,6 +139,14 @@ def resume_from_checkpoint(run: TrainingRun, resume: str | bool) -> None:
         checkpoint = Path(resume)
     state = read_json(checkpoint / "trainer_state.json", "checkpoint state")
     changes = changed_settings(state.get("config", {}), run.config)
+    saved_data, data = state.get("data"), data_fingerprint(run.stream)
+    if saved_data is not None and saved_data != data:  # (checkpoints of older versions hold none)
+        same_count = saved_data.get("tokens") == data["tokens"]
+        changes.append(
+            f"the training data ({run.config['dataset']}): {saved_data.get('tokens')} -> {data['tokens']} tokens"
+            + (", other tokens" if same_count else "")
+            + " (the corpus changed since the checkpoint: other training windows and another held-out split)"
+        )
     if changes:
         raise ValueError(
             f"--resume: these settings differ from those of {checkpoint} and would change the data, the model "
@@ -154,9 +187,12 @@ def save_training_state(accelerator, model, optimizer, scheduler, folder: Path) 
             model, optimizer.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
         optimizer_state = _optimizer_state_by_position(by_name) if accelerator.is_main_process else None
-        drop_tied_copies(weights, accelerator.unwrap_model(model))  # gathered: a copy under every tied name
     else:
         optimizer_state = optimizer.state_dict()
+    # A tied parameter under one name (e.g. not lm_head.weight beside the embedding), as safetensors stores it.
+    # FSDP's gathered weights hold a separate copy under every tied name; other state dicts share the storage,
+    # which Accelerate's `save` would drop itself, warning at every checkpoint that it did.
+    drop_tied_copies(weights, accelerator.unwrap_model(model))
     if accelerator.is_main_process:
         save(weights, folder / MODEL_FILE, safe_serialization=True)
         torch.save(optimizer_state, folder / OPTIMIZER_FILE)
@@ -182,10 +218,12 @@ def load_training_state(accelerator, model, optimizer, scheduler, folder: Path) 
     import torch
     from safetensors.torch import load_file
 
-    weights = load_file(str(folder / MODEL_FILE))
+    weights = read_checkpoint_file(folder / MODEL_FILE, lambda path: load_file(str(path)))
     if weights and all(name.startswith("module.") for name in weights):  # DDP checkpoints of older versions
         weights = {name[len("module.") :]: tensor for name, tensor in weights.items()}
-    optimizer_state = torch.load(folder / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+    optimizer_state = read_checkpoint_file(
+        folder / OPTIMIZER_FILE, lambda path: torch.load(path, map_location="cpu", weights_only=True)
+    )
     if is_fsdp(accelerator):
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -204,17 +242,48 @@ def load_training_state(accelerator, model, optimizer, scheduler, folder: Path) 
         complete_tied_weights(weights, unwrapped)
         unwrapped.load_state_dict(weights)
         optimizer.load_state_dict(optimizer_state)
-    scheduler.load_state_dict(torch.load(folder / SCHEDULER_FILE, map_location="cpu", weights_only=False))
+    scheduler.load_state_dict(
+        read_checkpoint_file(
+            folder / SCHEDULER_FILE, lambda path: torch.load(path, map_location="cpu", weights_only=False)
+        )
+    )
     if accelerator.scaler is not None and (folder / SCALER_FILE).exists():
-        accelerator.scaler.load_state_dict(torch.load(folder / SCALER_FILE, weights_only=False))
+        accelerator.scaler.load_state_dict(
+            read_checkpoint_file(folder / SCALER_FILE, lambda path: torch.load(path, weights_only=False))
+        )
     rng_file = folder / RNG_FILE.format(accelerator.process_index)
     if rng_file.exists():
-        generators = torch.load(rng_file, weights_only=False)
+        generators = read_checkpoint_file(rng_file, lambda path: torch.load(path, weights_only=False))
         random.setstate(generators["random_state"])
         np.random.set_state(generators["numpy_random_seed"])
         torch.set_rng_state(generators["torch_manual_seed"])
         if torch.cuda.is_available() and "torch_cuda_manual_seed" in generators:
             torch.cuda.set_rng_state_all(generators["torch_cuda_manual_seed"])
+
+
+def read_checkpoint_file(path: Path, read):
+    """`read(path)`, where a missing or damaged file (truncated, overwritten, bit rot: checkpoints are written
+    whole, so only something outside a run leaves one so) is a ValueError naming it and the checkpoints that
+    can be resumed instead, not a reader's traceback."""
+    try:
+        return read(path)
+    except Exception as error:  # every reader fails its own way: SafetensorError, torch's zip RuntimeError, pickle's
+        folder = path.parent
+        others = [
+            str(other)
+            for other in sorted(folder.parent.glob("step-*"))
+            if other != folder and (other / "trainer_state.json").exists()
+        ]
+        instead = (
+            f"resume from another checkpoint with --resume PATH ({', '.join(others)})"
+            if others
+            else "no other checkpoint is there: start a new run in another --output-dir"
+        )
+        first_line = (str(error).splitlines() or [type(error).__name__])[0]
+        raise ValueError(
+            f"--resume: cannot read {path} ({type(error).__name__}: {first_line}): the checkpoint {folder} is "
+            f"damaged; {instead}"
+        ) from error
 
 
 def drop_tied_copies(weights: dict, model) -> None:

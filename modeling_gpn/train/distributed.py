@@ -50,6 +50,9 @@ def start_accelerator(config: dict, trackers: list[str], run_dir: Path):
     - Accelerate (1.15) makes an FSDP launch on CPU plain DDP without a word (it applies FSDP only on
       GPU-like devices); FSDP2 (`fully_shard`) runs on CPU with gloo, so it is applied here as asked.
       FSDP1 on CPU is refused by Accelerate itself; that is said in one line.
+    - Mixed precision is applied as the run says, or refused: Accelerate trains fp16 on a CPU in float32 without a
+      word, and this run's setting silently overrides a launcher's other choice (`accelerate launch
+      --mixed_precision`).
     """
     import datetime
 
@@ -63,13 +66,29 @@ def start_accelerator(config: dict, trackers: list[str], run_dir: Path):
             "FSDP version 1 needs GPUs in Accelerate; on CPU launch FSDP2 with `ACCELERATE_USE_CPU=1 accelerate launch "
             "--use_fsdp --fsdp_version 2 --num_processes N --num_machines 1 -m modeling_gpn.train ...`"
         )
+    asked = config["mixed_precision"]
+    launched_with = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if launched_with not in ("no", asked):
+        # The setting below overrides the launcher's (`accelerate launch --mixed_precision`, `accelerate config`),
+        # which would otherwise be dropped without a word. (Its "no" is also its default: not a choice to check.)
+        raise LaunchError(
+            f"accelerate launch asked for mixed precision {launched_with}, but this run's setting is {asked} (the "
+            f"built-in default, the recipe or --mixed-precision), which Accelerate would use: pass --mixed-precision "
+            f"{launched_with}, or launch with --mixed_precision {asked}"
+        )
     accelerator = Accelerator(
-        mixed_precision=config["mixed_precision"],
+        mixed_precision=asked,
         log_with=trackers or None,
         project_dir=str(run_dir),
         # A process that stops (not dies) would otherwise hold the others for gloo's 30-minute default.
         kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=config["ddp_timeout"]))],
     )
+    if asked != "no" and not accelerator.native_amp and accelerator.distributed_type != DistributedType.DEEPSPEED:
+        # Accelerate (1.16) applies fp16 only off the CPU; on a CPU it trains in float32 while the run says fp16.
+        raise LaunchError(
+            f"--mixed-precision {asked} is not applied on {accelerator.device.type.upper()} by Accelerate "
+            f"{_accelerate_version()}: the run would train in float32. Use --mixed-precision bf16 or no there"
+        )
     launched = launched_as_several_processes()
     if launched and accelerator.num_processes == 1:
         cause = (

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -108,6 +109,13 @@ def append_log_record(path: Path, record: dict) -> None:
     """Append one JSON line to the run log and fsync it. A failed append (a full disk) is cut back to the old
     length, so the log never keeps half a record; rewriting the whole log at every record would make logging
     quadratic in the run's length."""
+    # Strict JSON: a NaN or inf (a validation without held-out windows, a diverged loss) is written as its name in
+    # a string, as the non-finite events already are; json.dumps would write a bare NaN, which is no JSON (jq,
+    # JavaScript's JSON.parse and other strict readers refuse the line).
+    record = {
+        key: str(value) if isinstance(value, float) and not math.isfinite(value) else value
+        for key, value in record.items()
+    }
     line = (json.dumps(record) + "\n").encode()
     size = path.stat().st_size if path.exists() else 0
     try:
@@ -179,12 +187,19 @@ class RunFolderLock:
         self._fd: int | None = None
 
     def acquire(self, warn=None) -> RunFolderLock:
-        """Take the lock, or raise RunFolderInUseError naming the holder. Returns self."""
+        """Take the lock, or raise RunFolderInUseError naming the holder (StorageError: the folder cannot be
+        written, e.g. read-only). Returns self."""
         import fcntl
         import socket
 
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:  # the first write of a run: a read-only folder or file system, no permission
+            raise StorageError(
+                f"Cannot write the run folder {self.path.parent} ({error}): make it writable or choose another "
+                "--output-dir. Nothing was written"
+            ) from error
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -243,12 +258,13 @@ def hold_run_folder(accelerator, run_dir: Path, warn=None):
     if accelerator.is_main_process:
         try:
             lock = RunFolderLock(run_dir).acquire(warn)
-        except RunFolderInUseError as error:
-            refusal = str(error)
+        except (RunFolderInUseError, StorageError) as error:
+            refusal = (type(error).__name__, str(error))
     if accelerator.num_processes > 1:
         refusal = broadcast_object_list([refusal])[0]  # so the other processes stop too, instead of waiting
     if refusal:
-        raise RunFolderInUseError(refusal)
+        kind, message = refusal
+        raise (StorageError if kind == StorageError.__name__ else RunFolderInUseError)(message)
     try:
         yield lock
     finally:

@@ -136,7 +136,7 @@ OPTIONS: list[Option] = [
         "mixed_precision",
         str,
         "no",
-        "Accelerate mixed precision: bf16 autocast with float32 weights and float32 GPN state, fp16, or no",
+        "Accelerate mixed precision: bf16 autocast with float32 weights and float32 GPN state, fp16 (GPUs only), or no",
         ("no", "bf16", "fp16"),
     ),
     Option(
@@ -151,7 +151,7 @@ OPTIONS: list[Option] = [
     Option("output_dir", str, None, "run directory (default runs/<recipe name>)"),
     Option("eval_interval", int, 500, "validate every this many steps (and at the end); 0 = only at the end"),
     Option("checkpoint_interval", int, 500, "save the full training state every this many steps; 0 = never"),
-    Option("keep_checkpoints", int, 2, "keep only the newest this many checkpoints"),
+    Option("keep_checkpoints", int, 2, "keep only the newest this many checkpoints (at least 1)"),
     Option("log_interval", int, 10, "log loss, learning rate and tokens/s every this many steps"),
     Option(
         "max_skipped_steps",
@@ -251,6 +251,19 @@ def resolve_config(args: argparse.Namespace) -> dict:
     return config
 
 
+# Settings checked against a range: (key, the type, the lowest value, the bound above it (excluded) or None).
+NUMERIC_RANGES = (
+    ("clip_norm", float, 0, None),
+    ("weight_decay", float, 0, None),
+    ("beta1", float, 0, 1),
+    ("beta2", float, 0, 1),
+    ("eps", float, 0, None),
+    ("keep_checkpoints", int, 1, None),  # at least the checkpoint --resume continues from
+    ("num_threads", int, 1, None),  # or unset
+    ("seed", int, 0, 2**32),  # numpy's and torch's seeds
+)
+
+
 def validate_config(config: dict) -> None:
     """Raise ValueError naming every setting of `config` out of its range (all of them, in one message)."""
     problems = []
@@ -277,6 +290,18 @@ def validate_config(config: dict) -> None:
         problems.append(f"min_lr_ratio must be in [0, 1], got {config['min_lr_ratio']}")
     if not 0 <= config["val_fraction"] < 1:
         problems.append(f"val_fraction must be in [0, 1), got {config['val_fraction']}")
+    # Values torch would take without a word and train wrongly with (a negative clip norm multiplies the
+    # gradient by a negative factor: gradient ascent; a negative weight decay grows the weights), or refuse only
+    # after the data are tokenized and without naming the option.
+    for key, kind, low, high in NUMERIC_RANGES:
+        value = config[key]
+        if value is None and key == "num_threads":
+            continue
+        # (`not low <= value` also refuses NaN; a bool is an int to Python but no number here.)
+        if not isinstance(value, (int, float) if kind is float else int) or isinstance(value, bool):
+            problems.append(f"{key} must be {'a number' if kind is float else 'an integer'}, got {value!r}")
+        elif not low <= value or (high is not None and not value < high):
+            problems.append(f"{key} must be in [{low}, {high if high is not None else 'inf'}), got {value!r}")
     if not isinstance(config["reset_at_document_start"], bool):
         problems.append(f"reset_at_document_start must be true or false, got {config['reset_at_document_start']!r}")
     if config["mixed_precision"] not in ("no", "bf16", "fp16"):

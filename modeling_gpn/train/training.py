@@ -218,6 +218,13 @@ def open_run_folder(run: TrainingRun, resume: str | bool | None) -> None:
         raise FileExistsError(
             f"{run_dir} already holds checkpoints: pass --resume to continue, or choose another --output-dir"
         )
+    elif (run_dir / "model").exists():
+        # A finished run (one without checkpoints: --checkpoint-interval 0, or fewer steps than the interval):
+        # a new run here would delete its log at once and replace its model at the end.
+        raise FileExistsError(
+            f"{run_dir} already holds the model of a finished run ({run_dir / 'model'}): choose another "
+            "--output-dir, or move that folder away to train here again"
+        )
     if run.main:
         try:
             write_file_atomically(run_dir / "train_config.json", json.dumps(config, indent=1, default=str))
@@ -307,6 +314,8 @@ def gather_final_weights(run: TrainingRun, unwrapped, record: dict):
 def save_model(run: TrainingRun, final_model, model_dir: Path) -> None:
     """`save_pretrained` of the model and its tokenizer (with the generation settings of the tokenizer's special
     tokens) into a temporary folder, fsynced, then renamed to `model_dir` (main process)."""
+    from transformers.utils import logging as transformers_logging
+
     run.stage.enter("saving the model")
     tokenizer = run.tokenizer
     generation = final_model.generation_config
@@ -314,6 +323,10 @@ def save_model(run: TrainingRun, final_model, model_dir: Path) -> None:
     generation.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     generation.bos_token_id = tokenizer.bos_token_id
     tmp_model = run.run_dir / ".tmp-model"
+    # --no-progress: no bar of transformers' own either ("Writing model shards").
+    bars = transformers_logging.is_progress_bar_enabled()
+    if not run.show_progress:
+        transformers_logging.disable_progress_bar()
     try:
         shutil.rmtree(tmp_model, ignore_errors=True)
         final_model.save_pretrained(str(tmp_model))
@@ -324,14 +337,24 @@ def save_model(run: TrainingRun, final_model, model_dir: Path) -> None:
         shutil.rmtree(tmp_model, ignore_errors=True)
         end_process_group(run, after_error=True)
         raise storage_error(run.run_dir, model_dir, error) from error
+    finally:
+        if bars:
+            transformers_logging.enable_progress_bar()
 
 
 def print_summary(run: TrainingRun, val_loss: float, val_ppl: float, sample: str | None, model_dir: Path) -> None:
     config = run.config
-    run.say(
-        f"\nvalidation loss {val_loss:.4f}, perplexity {val_ppl:.2f} ({min(config['eval_windows'], run.windows.num_val)} "
-        f"held-out windows of {config['seq_len']} tokens)"
-    )
+    evaluated = min(config["eval_windows"], run.windows.num_val)
+    if evaluated:
+        run.say(
+            f"\nvalidation loss {val_loss:.4f}, perplexity {val_ppl:.2f} ({evaluated} held-out windows of "
+            f"{config['seq_len']} tokens)"
+        )
+    else:
+        run.say(
+            f"\nno validation: no held-out windows (--val-fraction {config['val_fraction']}, --eval-windows "
+            f"{config['eval_windows']})"
+        )
     if sample is not None:
         run.say(f"sample (prompt {config['sample_prompt']!r}):\n{sample}\n")
     run.say(

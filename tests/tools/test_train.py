@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -350,6 +351,35 @@ def test_configuration_precedence_and_help(tmp_path):
         assert "--" + option.key.replace("_", "-") in text
 
 
+def test_settings_torch_would_train_wrongly_with_are_refused_before_the_data(tmp_path, capsys):
+    """`--clip-norm -1` trained by gradient ascent (torch scales the gradient by the negative ratio) and
+    `--weight-decay -0.1` grew the weights, both in silence; `--keep-checkpoints 0` kept one, `--num-threads -1` was
+    a traceback, bad betas or eps were refused only after tokenizing. Each is named, in one line, before any data
+    are read."""
+    bad = {
+        "clip-norm": ("-1", "clip_norm must be in [0, inf), got -1.0"),
+        "weight-decay": ("-0.1", "weight_decay must be in [0, inf), got -0.1"),
+        "beta1": ("1.5", "beta1 must be in [0, 1), got 1.5"),
+        "beta2": ("1", "beta2 must be in [0, 1), got 1.0"),
+        "eps": ("nan", "eps must be in [0, inf), got nan"),
+        "keep-checkpoints": ("0", "keep_checkpoints must be in [1, inf), got 0"),
+        "num-threads": ("-1", "num_threads must be in [1, inf), got -1"),
+        "seed": ("-1", "seed must be in [0, 4294967296), got -1"),
+    }
+    argv = ["--dataset", str(tmp_path / "missing.txt"), "--output-dir", str(tmp_path / "run")]
+    for flag, (value, _) in bad.items():
+        argv += [f"--{flag}", value]
+    assert train_module.run(parse(argv)) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("gpn train: error: Invalid training configuration: ") and err.count("\n") == 1, err
+    for _, needle in bad.values():
+        assert needle in err, err
+    assert not (tmp_path / "run").exists()
+    # The edges stay allowed (0 = no clipping; eps 0 is what test_train_faults.py diverges with).
+    edges = ["--clip-norm", "0", "--weight-decay", "0", "--beta1", "0", "--eps", "0", "--keep-checkpoints", "1"]
+    train_module.resolve_config(parse([*edges, "--seed", str(2**32 - 1), "--num-threads", "1"]))
+
+
 def test_nonfinite_loss_stops_naming_the_step_or_is_skipped(tmp_path, cache, shakespeare, monkeypatch):
     # At lr 1e30 the torch-ops fast path's folded matrices (norm weight x matrix) overflow float32, so its loss
     # is NaN from step 2; the plain loop and the C step kernels apply the norm weights to normalised inputs and
@@ -409,6 +439,29 @@ def test_bad_data_fails_clearly_before_training(tmp_path, cache):
     with pytest.raises(DataError, match="has no EOS token"):
         attempt(good, "--tokenizer", str(no_eos))
     assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_mixed_precision_that_would_not_be_applied_is_refused(tmp_path):
+    """`--mixed-precision fp16` on a CPU trained in float32 (Accelerate applies fp16 only off the CPU) while the
+    run's summary said fp16; `accelerate launch --mixed_precision bf16` was overridden by the run's own "no". Both
+    are refused in one line, before any data are read (each in its own process: Accelerate's state is per
+    process)."""
+    cases = {
+        "fp16 on CPU": (["--mixed-precision", "fp16"], {}, "--mixed-precision fp16 is not applied on CPU"),
+        "the launcher's choice": (
+            [],
+            {"ACCELERATE_MIXED_PRECISION": "bf16"},
+            "accelerate launch asked for mixed precision bf16, but this run's setting is no",
+        ),
+    }
+    for name, (extra, env, needle) in cases.items():
+        command = [sys.executable, "-m", "modeling_gpn.cli", "train", "--dataset", str(tmp_path / "missing.txt")]
+        command += ["--output-dir", str(tmp_path / "run"), *extra]
+        done = subprocess.run(
+            command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, **env}
+        )
+        assert done.returncode == 1 and f"gpn train: error: {needle}" in done.stderr, (name, done.stderr[-3000:])
+        assert "Traceback" not in done.stderr and not (tmp_path / "run").exists(), name
 
 
 def test_gpn_train_mixed_precision_bf16_on_cpu_ends_finite(tmp_path):

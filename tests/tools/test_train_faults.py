@@ -426,6 +426,54 @@ def test_resume_refuses_settings_that_change_data_or_optimisation_and_allows_the
         assert torch.allclose(tensor, first[name], atol=1e-5), name  # same run, regrouped into one forward pass
 
 
+def test_a_damaged_checkpoint_file_is_named_with_the_checkpoint_to_resume_from_instead(
+    tmp_path, cache, shakespeare, capsys
+):
+    """A truncated or overwritten file of the newest checkpoint (checkpoints are written whole: only something
+    outside the run leaves one so) was a reader's traceback (SafetensorError, torch's zip error) on --resume. It
+    is one line naming the file and the older checkpoint, which then resumes."""
+    out = tmp_path / "run"
+    common = ["--steps", "5", "--checkpoint-interval", "2"]
+    run_train(shakespeare, out, cache, *common)
+    shutil.rmtree(out / "model")  # (as if the run had been killed after its last checkpoint)
+    capsys.readouterr()
+    newest, older = out / "checkpoints" / "step-0000004", out / "checkpoints" / "step-0000002"
+    for name, error in (("model.safetensors", "SafetensorError"), ("optimizer.bin", "RuntimeError")):
+        kept = (newest / name).read_bytes()
+        os.truncate(newest / name, 100)  # (a copy cut short)
+        assert train_module.run(parse(small_args(shakespeare, out, cache, *common, "--resume"))) == 1
+        err = capsys.readouterr().err
+        assert f"gpn train: error: --resume: cannot read {newest / name} ({error}: " in err, err
+        assert f"the checkpoint {newest} is damaged; resume from another checkpoint with --resume PATH ({older})" in err
+        assert "Traceback" not in err and err.count("\n") == 1, err
+        (newest / name).write_bytes(kept)
+    os.truncate(newest / "optimizer.bin", 100)
+    assert train_module.run(parse(small_args(shakespeare, out, cache, *common, "--resume", str(older)))) == 0
+    assert (out / "model").exists() and [r["step"] for r in read_log(out) if "lr" in r] == [1, 2, 3, 4, 5]
+
+
+def test_resume_refuses_a_corpus_that_changed_under_the_same_name(tmp_path, cache, shakespeare):
+    """The settings name the corpus, not what it holds: a file cut short (or edited, or a Hub dataset updated)
+    under the same name resumed in silence on other training windows and another held-out split. The checkpoint
+    keeps the data's fingerprint (token count, a hash of slices spread over the tokens); the same text, tokenized
+    anew, still resumes."""
+    corpus, text = tmp_path / "corpus.txt", shakespeare.read_text()
+    corpus.write_text(text[:120_000])
+    out = tmp_path / "run"
+    common = ["--steps", "3", "--checkpoint-interval", "2"]
+    run_train(corpus, out, cache, *common)
+    tokens = json.loads((out / "checkpoints" / "step-0000002" / "trainer_state.json").read_text())["data"]["tokens"]
+    shutil.rmtree(out / "model")
+    corpus.write_text(text[:100_000])
+    with pytest.raises(ValueError) as caught:
+        run_train(corpus, out, cache, *common, resume=True)
+    message = str(caught.value)
+    assert f"the training data ({corpus}): {tokens} -> " in message and "the corpus changed" in message, message
+    corpus.write_text(text[:120_000])  # a new file (another cache key): tokenized again, the same tokens
+    run_train(corpus, out, cache, *common, resume=True)
+    assert (out / "model").exists()
+
+
 def changed_settings_of(run_dir: Path, *argv: str) -> list[str]:
     saved = json.loads((train_module.latest_checkpoint(run_dir) / "trainer_state.json").read_text())["config"]
     config = train_module.resolve_config(parse(small_args(Path("data.txt"), run_dir, Path("cache"), *argv)))
@@ -613,6 +661,63 @@ def test_the_lock_is_held_only_while_train_runs_in_process(tmp_path, cache, shak
     with pytest.raises(FileExistsError):  # a failing run (here: no --resume over a checkpoint) releases it too
         run_train(shakespeare, run_dir, cache, "--steps", "2", "--checkpoint-interval", "1")
     train_module.RunFolderLock(run_dir).acquire().release()
+
+
+def test_a_quiet_run_prints_no_bar_and_no_warning_at_each_checkpoint(tmp_path, cache, shakespeare, capfd, caplog):
+    """--no-progress (show_progress=False) still printed transformers' "Writing model shards" bar when the model
+    was saved, and every checkpoint printed Accelerate's "Removed shared tensor {'lm_head.weight'} while saving ...
+    check by verifying that you don't receive any warning while reloading" (the tied embedding, stored once)."""
+    out = tmp_path / "run"
+    run_train(shakespeare, out, cache, "--steps", "3", "--checkpoint-interval", "1")
+    printed = "".join(capfd.readouterr())
+    assert "model saved to" in printed  # (the run's own output is captured)
+    assert "Writing model shards" not in printed and "Removed shared tensor" not in printed, printed[-3000:]
+    warned = [record.getMessage() for record in caplog.records]  # (pytest takes the log records from stderr)
+    assert not [message for message in warned if "Removed shared tensor" in message], warned
+    assert "lm_head.weight" not in saved_weights(out / "checkpoints" / "step-0000002")  # stored once, by gpn train
+
+
+def test_an_output_folder_that_cannot_be_written_is_one_line(tmp_path, cache, shakespeare, capsys):
+    """An --output-dir that cannot be made or written (a read-only file system, no permission; here: under a
+    file, which needs no root) was a traceback from the run folder's lock file. It is one line naming the folder."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    out = blocker / "run"
+    assert train_module.run(parse(small_args(shakespeare, out, cache, "--steps", "2"))) == 1
+    err = capsys.readouterr().err
+    assert f"gpn train: error: Cannot write the run folder {out} (" in err and "Nothing was written" in err, err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+
+
+def test_the_log_is_strict_json_when_there_is_no_held_out_window(tmp_path, cache, shakespeare, capsys):
+    """`--val-fraction 0` (or `--eval-windows 0`) leaves no window to validate on: the final record held a bare
+    `NaN`, which is no JSON (jq and JavaScript refuse the line), and the summary printed "validation loss nan,
+    perplexity nan". Non-finite numbers are written as strings, like the non-finite events, and the summary says
+    there was no validation."""
+    out = tmp_path / "run"
+    run_train(shakespeare, out, cache, "--steps", "2", "--val-fraction", "0")
+    assert "no validation: no held-out windows (--val-fraction 0.0, --eval-windows 8)" in capsys.readouterr().out
+
+    def refuse(constant: str):
+        raise ValueError(f"{constant} is no JSON")
+
+    records = [json.loads(line, parse_constant=refuse) for line in (out / "log.jsonl").read_text().splitlines()]
+    final = records[-1]
+    assert final["event"] == "final" and (final["val_loss"], final["val_ppl"]) == ("nan", "nan"), final
+
+
+def test_a_finished_run_without_checkpoints_is_not_overwritten_by_a_new_run(tmp_path, cache, shakespeare, capsys):
+    """A finished run that kept no checkpoint (`--checkpoint-interval 0`): a second `gpn train` into its folder
+    deleted its log at once and replaced its model at the end, without a word. It is refused, naming the model,
+    and the finished run is left as it was."""
+    out = tmp_path / "run"
+    run_train(shakespeare, out, cache, "--steps", "2")
+    files = [out / "log.jsonl", out / "train_config.json", out / "model" / "model.safetensors"]
+    before = [path.read_bytes() for path in files]
+    assert train_module.run(parse(small_args(shakespeare, out, cache, "--steps", "2", "--lr", "0.5"))) == 1
+    err = capsys.readouterr().err
+    assert f"gpn train: error: {out} already holds the model of a finished run ({out / 'model'})" in err, err
+    assert [path.read_bytes() for path in files] == before
 
 
 @pytest.mark.parametrize("given", ["missing", "a run folder"])
