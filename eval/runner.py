@@ -9,6 +9,7 @@ default (lm-eval's own dataset names); `data_dir` / `task_data` point a task at 
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import json
 import math
@@ -383,12 +384,30 @@ def progress_bars_off() -> Iterator[None]:
                 datasets.enable_progress_bars()
 
 
+@functools.cache
+def float32_logits_hflm() -> type:
+    """lm-eval's `HFLM`, its model's logits upcast to float32 before lm-eval scores them.
+
+    HFLM takes the log-softmax of the logits, gathers the continuation's log-probabilities and sums them in the
+    logits' dtype: with `--dtype bfloat16` every log-likelihood would come out rounded to bfloat16 (8 bits of
+    mantissa: a LAMBADA example's -18.23 read as -18.25, a window's summed log-likelihood kept to 3 digits), while
+    the paper's protocols score the same logits in float64. Upcast, lm-eval's figures are those of the model's
+    own logits, whatever the weights' dtype; a float32 model's logits are returned as they are.
+    """
+    from lm_eval.models.huggingface import HFLM
+
+    class Float32LogitsHFLM(HFLM):
+        def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
+            return super()._model_call(inps, attn_mask, labels).float()
+
+    return Float32LogitsHFLM
+
+
 def run_lm_eval(
     model, tokenizer, task: str, source: str | None, settings: EvalSettings, max_length: int
 ) -> tuple[dict, dict]:
     """Run one lm-eval task; returns (metrics, the raw simple_evaluate output)."""
     import lm_eval
-    from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
     task_manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
@@ -398,7 +417,7 @@ def run_lm_eval(
     batch_size = (
         rolling_batch_size(settings.batch_size, max_length, model.config.vocab_size) if rolling else settings.batch_size
     )
-    lm = HFLM(
+    lm = float32_logits_hflm()(
         pretrained=model,
         tokenizer=tokenizer,
         batch_size=batch_size,

@@ -948,6 +948,13 @@ MUTATIONS = [
         ("tests/ecosystem/test_eval.py::test_a_repos_own_code_runs_only_with_trust_remote_code",),
     ),
     Mutation(
+        "gpn eval's lm-eval tasks score a bfloat16 model's logits in bfloat16",
+        "eval/runner.py",
+        "            return super()._model_call(inps, attn_mask, labels).float()\n",
+        "            return super()._model_call(inps, attn_mask, labels)  # MUTATION\n",
+        ("tests/ecosystem/test_eval.py::test_lm_eval_scores_a_bfloat16_model_from_float32_logits",),
+    ),
+    Mutation(
         "gpn eval's numbers not checked (--limit 0, --batch-size 0 reach the run)",
         "eval/runner.py",
         "        if value is not None and value < least:\n",

@@ -135,6 +135,22 @@ def test_lambada_openai_matches_the_paper_variant_on_the_same_tokens(runs):
     assert measured["lambada_paper"]["acc_whole_word"] == measured["lambada_openai"]["acc"] > 0  # a hit is scored
 
 
+def test_lm_eval_scores_a_bfloat16_model_from_float32_logits(gpn_dir, data):
+    """With --dtype bfloat16 lm-eval's log-likelihoods are those of the model's logits (as the paper variant
+    scores them, in float64), not rounded to bfloat16 by a log-softmax and a sum taken in the logits' dtype
+    (-18.23 read as -18.25: the perplexities below would differ by about 1%)."""
+    from modeling_gpn.evaluation.runner import evaluate, load_model
+
+    model, tokenizer = load_model(str(gpn_dir), dtype="bfloat16")
+    assert model(input_ids=torch.tensor([[1, 2]])).logits.dtype == torch.bfloat16  # what lm-eval would round
+    # batch size 1: both protocols run each example alone, so they see the very same bfloat16 logits
+    options = settings(data, 1, ("lambada_openai", "lambada_paper"), limit=8, dtype="bfloat16")
+    measured = evaluate(str(gpn_dir), options, model, tokenizer)["tasks"]
+    assert measured["lambada_paper"]["ppl_per_example"] == pytest.approx(
+        measured["lambada_openai"]["perplexity"], rel=1e-5
+    )
+
+
 def last_word_token_positions(tokenizer, text: str) -> tuple[list[int], list[int]]:
     """Tokens of `text` whose characters lie in its last word, found through the offset mapping
     (independently of the context/target split the implementation uses)."""
