@@ -955,6 +955,13 @@ MUTATIONS = [
         ("tests/ecosystem/test_eval.py::test_lm_eval_scores_a_bfloat16_model_from_float32_logits",),
     ),
     Mutation(
+        "gpn eval's --device not checked before the model loads",
+        "eval/cli.py",
+        "        torch_device(args.device)\n",
+        "",
+        ("tests/ecosystem/test_eval.py -k unusable_device",),
+    ),
+    Mutation(
         "gpn eval's numbers not checked (--limit 0, --batch-size 0 reach the run)",
         "eval/runner.py",
         "        if value is not None and value < least:\n",

@@ -554,6 +554,18 @@ def test_numbers_out_of_range_are_refused_before_the_model_loads(gpn_dir, option
     assert capsys.readouterr().err == f"gpn eval: error: {message}\n"
 
 
+@pytest.mark.parametrize("device, message", [("toaster", "is not a torch device"), ("cuda:99", "CUDA")])
+def test_an_unusable_device_is_refused_before_the_model_loads(gpn_dir, device, message, capsys, monkeypatch):
+    """`--device toaster` (or a GPU the machine does not have) ended in a traceback once the model had loaded."""
+    from modeling_gpn.cli import main
+    from modeling_gpn.evaluation import runner
+
+    monkeypatch.setattr(runner, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    assert main(["eval", str(gpn_dir), "--tasks", "lambada_paper", "--device", device]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gpn eval: error: --device ") and device in err and message in err and err.count("\n") == 1
+
+
 def test_a_limit_takes_that_many_texts(data):
     from modeling_gpn.evaluation.runner import load_texts
 
