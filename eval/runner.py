@@ -288,8 +288,11 @@ def _lm_eval_task_config(task: str, source: str | None, settings: EvalSettings, 
     config = load_yaml(lm_eval_task_yaml(task))
     config.pop("tag", None)
     if task == "gpn_rolling_ppl" and source is not None:
-        config["doc_to_target"] = "{{" + settings.text_field + "}}"
-        config["doc_to_decontamination_query"] = "{{" + settings.text_field + "}}"
+        # local .txt/.raw files are read by datasets' text builder, whose one column is `text` (as load_texts reads them)
+        plain_text = _is_local(source) and _builder(source.split(",")) == "text"
+        column = "text" if plain_text else settings.text_field
+        config["doc_to_target"] = "{{" + column + "}}"
+        config["doc_to_decontamination_query"] = "{{" + column + "}}"
     if source is None:
         return config
     if not _is_local(source):  # another Hub dataset: name[:config[:split]]
@@ -308,6 +311,7 @@ def _lm_eval_task_config(task: str, source: str | None, settings: EvalSettings, 
         local.write_text("".join(json.dumps({"page": page}) + "\n" for page in pages), encoding="utf-8")
         paths = [str(local)]
     builder = _builder(paths)
+    _check_column(task, paths, builder, settings.text_field)
     config["dataset_path"], config["dataset_name"] = builder, None
     config["dataset_kwargs"] = {
         "data_files": {"test": paths},
@@ -317,6 +321,24 @@ def _lm_eval_task_config(task: str, source: str | None, settings: EvalSettings, 
     for split in ("training_split", "validation_split", "fewshot_split"):
         config.pop(split, None)
     return config
+
+
+# The column each lm-eval task's YAML reads (gpn_rolling_ppl reads --text-field).
+LM_EVAL_TASK_COLUMNS = {"lambada_openai": "text", "wikitext": "page"}
+
+
+def _check_column(task: str, paths: list[str], builder: str, text_field: str) -> None:
+    """Refuse local data without the column the task reads, naming it and the columns there are: lm-eval would
+    fail only inside its prompt templates, with a bare `page` or a jinja traceback."""
+    if builder == "text":  # read by datasets' text builder: the column is always `text`
+        return
+    import datasets
+
+    column = LM_EVAL_TASK_COLUMNS.get(task, text_field)
+    columns = datasets.load_dataset(builder, data_files={"test": paths}, split="test").column_names
+    if column not in columns:
+        option = "--text-field" if task == "gpn_rolling_ppl" else f"task {task}"
+        raise ValueError(f"{','.join(paths)} has no column {column!r} ({option} reads it); columns: {sorted(columns)}")
 
 
 def _flatten_lm_eval_metrics(results: dict[str, Any]) -> dict[str, float]:

@@ -962,6 +962,20 @@ MUTATIONS = [
         ("tests/ecosystem/test_eval.py -k unusable_device",),
     ),
     Mutation(
+        "gpn eval's local lm-eval data not checked for the column the task reads",
+        "eval/runner.py",
+        "    _check_column(task, paths, builder, settings.text_field)\n",
+        "",
+        ("tests/ecosystem/test_eval.py::test_local_data_without_the_tasks_column_is_one_clear_line",),
+    ),
+    Mutation(
+        "gpn eval's gpn_rolling_ppl reads a .txt file's column as --text-field",
+        "eval/runner.py",
+        '        column = "text" if plain_text else settings.text_field\n',
+        "        column = settings.text_field  # MUTATION\n",
+        ("tests/ecosystem/test_eval.py::test_rolling_ppl_reads_a_text_file_whatever_the_text_field",),
+    ),
+    Mutation(
         "gpn eval's numbers not checked (--limit 0, --batch-size 0 reach the run)",
         "eval/runner.py",
         "        if value is not None and value < least:\n",

@@ -566,6 +566,33 @@ def test_an_unusable_device_is_refused_before_the_model_loads(gpn_dir, device, m
     assert err.startswith("gpn eval: error: --device ") and device in err and message in err and err.count("\n") == 1
 
 
+def test_local_data_without_the_tasks_column_is_one_clear_line(gpn_dir, tmp_path, capsys):
+    """lm-eval read the column only inside its prompt templates: a jsonl without `page` for wikitext ended in
+    `gpn eval: error: page`, a --text-field the data lacks in a jinja traceback."""
+    from modeling_gpn.cli import main
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(json.dumps({"text": "Some words of a document."}) + "\n")
+    for task, extra, column in (("wikitext", [], "'page'"), ("gpn_rolling_ppl", ["--text-field", "body"], "'body'")):
+        argv = ["eval", str(gpn_dir), "--tasks", task, "--task-data", f"{task}={docs}", *extra, "--quiet"]
+        assert main([*argv, "--output-dir", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"gpn eval: error: {docs} has no column {column}") and "['text']" in err, err
+
+
+def test_rolling_ppl_reads_a_text_file_whatever_the_text_field(gpn_dir, tmp_path):
+    """A .txt file is read by datasets' text builder, whose column is `text`: --text-field (meant for the jsonl
+    of another task in the same run) does not apply to it, as the FineWeb protocol reads it."""
+    from modeling_gpn.cli import main
+
+    text = tmp_path / "doc.txt"
+    text.write_text("A short document about rivers and rain.\n")
+    argv = ["eval", str(gpn_dir), "--tasks", "gpn_rolling_ppl", "--task-data", f"gpn_rolling_ppl={text}"]
+    assert main([*argv, "--text-field", "body", "--quiet", "--output-dir", str(tmp_path / "out")]) == 0
+    results = json.loads((tmp_path / "out" / "eval_results.json").read_text())
+    assert results["tasks"]["gpn_rolling_ppl"]["word_perplexity"] > 1
+
+
 def test_a_limit_takes_that_many_texts(data):
     from modeling_gpn.evaluation.runner import load_texts
 
