@@ -226,7 +226,7 @@ def fail(message: object) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from modeling_gpn.cli.arguments import writable_folder
+    from modeling_gpn.cli.arguments import torch_device, writable_folder
     from modeling_gpn.data.tokenizer import check_tokenizer_path
 
     from .runner import check_model_path, check_settings, data_source, evaluate
@@ -237,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
         check_settings(settings)
         if args.num_threads is not None and args.num_threads < 1:
             raise ValueError(f"--num-threads must be at least 1, got {args.num_threads}")
+        torch_device(args.device)
         check_model_path(args.model)
         if args.tokenizer:
             check_tokenizer_path(args.tokenizer)

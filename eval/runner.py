@@ -9,6 +9,7 @@ default (lm-eval's own dataset names); `data_dir` / `task_data` point a task at 
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import json
 import math
@@ -287,8 +288,11 @@ def _lm_eval_task_config(task: str, source: str | None, settings: EvalSettings, 
     config = load_yaml(lm_eval_task_yaml(task))
     config.pop("tag", None)
     if task == "gpn_rolling_ppl" and source is not None:
-        config["doc_to_target"] = "{{" + settings.text_field + "}}"
-        config["doc_to_decontamination_query"] = "{{" + settings.text_field + "}}"
+        # local .txt/.raw files are read by datasets' text builder, whose one column is `text` (as load_texts reads them)
+        plain_text = _is_local(source) and _builder(source.split(",")) == "text"
+        column = "text" if plain_text else settings.text_field
+        config["doc_to_target"] = "{{" + column + "}}"
+        config["doc_to_decontamination_query"] = "{{" + column + "}}"
     if source is None:
         return config
     if not _is_local(source):  # another Hub dataset: name[:config[:split]]
@@ -307,6 +311,7 @@ def _lm_eval_task_config(task: str, source: str | None, settings: EvalSettings, 
         local.write_text("".join(json.dumps({"page": page}) + "\n" for page in pages), encoding="utf-8")
         paths = [str(local)]
     builder = _builder(paths)
+    _check_column(task, paths, builder, settings.text_field)
     config["dataset_path"], config["dataset_name"] = builder, None
     config["dataset_kwargs"] = {
         "data_files": {"test": paths},
@@ -316,6 +321,24 @@ def _lm_eval_task_config(task: str, source: str | None, settings: EvalSettings, 
     for split in ("training_split", "validation_split", "fewshot_split"):
         config.pop(split, None)
     return config
+
+
+# The column each lm-eval task's YAML reads (gpn_rolling_ppl reads --text-field).
+LM_EVAL_TASK_COLUMNS = {"lambada_openai": "text", "wikitext": "page"}
+
+
+def _check_column(task: str, paths: list[str], builder: str, text_field: str) -> None:
+    """Refuse local data without the column the task reads, naming it and the columns there are: lm-eval would
+    fail only inside its prompt templates, with a bare `page` or a jinja traceback."""
+    if builder == "text":  # read by datasets' text builder: the column is always `text`
+        return
+    import datasets
+
+    column = LM_EVAL_TASK_COLUMNS.get(task, text_field)
+    columns = datasets.load_dataset(builder, data_files={"test": paths}, split="test").column_names
+    if column not in columns:
+        option = "--text-field" if task == "gpn_rolling_ppl" else f"task {task}"
+        raise ValueError(f"{','.join(paths)} has no column {column!r} ({option} reads it); columns: {sorted(columns)}")
 
 
 def _flatten_lm_eval_metrics(results: dict[str, Any]) -> dict[str, float]:
@@ -383,12 +406,30 @@ def progress_bars_off() -> Iterator[None]:
                 datasets.enable_progress_bars()
 
 
+@functools.cache
+def float32_logits_hflm() -> type:
+    """lm-eval's `HFLM`, its model's logits upcast to float32 before lm-eval scores them.
+
+    HFLM takes the log-softmax of the logits, gathers the continuation's log-probabilities and sums them in the
+    logits' dtype: with `--dtype bfloat16` every log-likelihood would come out rounded to bfloat16 (8 bits of
+    mantissa: a LAMBADA example's -18.23 read as -18.25, a window's summed log-likelihood kept to 3 digits), while
+    the paper's protocols score the same logits in float64. Upcast, lm-eval's figures are those of the model's
+    own logits, whatever the weights' dtype; a float32 model's logits are returned as they are.
+    """
+    from lm_eval.models.huggingface import HFLM
+
+    class Float32LogitsHFLM(HFLM):
+        def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
+            return super()._model_call(inps, attn_mask, labels).float()
+
+    return Float32LogitsHFLM
+
+
 def run_lm_eval(
     model, tokenizer, task: str, source: str | None, settings: EvalSettings, max_length: int
 ) -> tuple[dict, dict]:
     """Run one lm-eval task; returns (metrics, the raw simple_evaluate output)."""
     import lm_eval
-    from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
     task_manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
@@ -398,7 +439,7 @@ def run_lm_eval(
     batch_size = (
         rolling_batch_size(settings.batch_size, max_length, model.config.vocab_size) if rolling else settings.batch_size
     )
-    lm = HFLM(
+    lm = float32_logits_hflm()(
         pretrained=model,
         tokenizer=tokenizer,
         batch_size=batch_size,

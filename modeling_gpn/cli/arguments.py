@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def writable_folder(path: str | Path, option: str) -> Path:
@@ -28,3 +32,21 @@ def writable_folder(path: str | Path, option: str) -> Path:
     except OSError as error:
         raise ValueError(f"{option} {path}: cannot write in {existing}: {error.strerror or error}") from None
     return folder
+
+
+def torch_device(device: str, option: str = "--device") -> torch.device:
+    """`device` as a torch device this machine has. Raises `ValueError` naming `option` for a name torch does not
+    know (`toaster`), CUDA on a machine without it, or a CUDA index beyond the machine's GPUs: otherwise each
+    would surface as a traceback only once the model has loaded and is being moved."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"{option} {device!r} is not a torch device: {error}") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{option} {device} asks for CUDA, which this machine does not have; use {option} cpu")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(f"{option} {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return parsed

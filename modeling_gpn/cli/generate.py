@@ -90,12 +90,12 @@ def check_arguments(args: argparse.Namespace) -> None:
     for index, prompt in enumerate(args.prompts, start=1):
         if not prompt.strip():
             raise GenerateError(f"prompt {index} is empty: give some text to continue")
+    from modeling_gpn.cli.arguments import torch_device
+
     try:
-        device = torch.device(args.device)
-    except RuntimeError as error:
-        raise GenerateError(f"--device {args.device!r} is not a torch device: {error}") from error
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise GenerateError(f"--device {args.device} asks for CUDA, which this machine does not have; use --device cpu")
+        torch_device(args.device)
+    except ValueError as error:
+        raise GenerateError(str(error)) from None
     from modeling_gpn.evaluation.runner import check_model_path
 
     try:

@@ -135,6 +135,22 @@ def test_lambada_openai_matches_the_paper_variant_on_the_same_tokens(runs):
     assert measured["lambada_paper"]["acc_whole_word"] == measured["lambada_openai"]["acc"] > 0  # a hit is scored
 
 
+def test_lm_eval_scores_a_bfloat16_model_from_float32_logits(gpn_dir, data):
+    """With --dtype bfloat16 lm-eval's log-likelihoods are those of the model's logits (as the paper variant
+    scores them, in float64), not rounded to bfloat16 by a log-softmax and a sum taken in the logits' dtype
+    (-18.23 read as -18.25: the perplexities below would differ by about 1%)."""
+    from modeling_gpn.evaluation.runner import evaluate, load_model
+
+    model, tokenizer = load_model(str(gpn_dir), dtype="bfloat16")
+    assert model(input_ids=torch.tensor([[1, 2]])).logits.dtype == torch.bfloat16  # what lm-eval would round
+    # batch size 1: both protocols run each example alone, so they see the very same bfloat16 logits
+    options = settings(data, 1, ("lambada_openai", "lambada_paper"), limit=8, dtype="bfloat16")
+    measured = evaluate(str(gpn_dir), options, model, tokenizer)["tasks"]
+    assert measured["lambada_paper"]["ppl_per_example"] == pytest.approx(
+        measured["lambada_openai"]["perplexity"], rel=1e-5
+    )
+
+
 def last_word_token_positions(tokenizer, text: str) -> tuple[list[int], list[int]]:
     """Tokens of `text` whose characters lie in its last word, found through the offset mapping
     (independently of the context/target split the implementation uses)."""
@@ -536,6 +552,45 @@ def test_numbers_out_of_range_are_refused_before_the_model_loads(gpn_dir, option
     monkeypatch.setattr(runner, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
     assert main(["eval", str(gpn_dir), "--tasks", "lambada_paper", option, value]) == 2
     assert capsys.readouterr().err == f"gpn eval: error: {message}\n"
+
+
+@pytest.mark.parametrize("device, message", [("toaster", "is not a torch device"), ("cuda:99", "CUDA")])
+def test_an_unusable_device_is_refused_before_the_model_loads(gpn_dir, device, message, capsys, monkeypatch):
+    """`--device toaster` (or a GPU the machine does not have) ended in a traceback once the model had loaded."""
+    from modeling_gpn.cli import main
+    from modeling_gpn.evaluation import runner
+
+    monkeypatch.setattr(runner, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    assert main(["eval", str(gpn_dir), "--tasks", "lambada_paper", "--device", device]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gpn eval: error: --device ") and device in err and message in err and err.count("\n") == 1
+
+
+def test_local_data_without_the_tasks_column_is_one_clear_line(gpn_dir, tmp_path, capsys):
+    """lm-eval read the column only inside its prompt templates: a jsonl without `page` for wikitext ended in
+    `gpn eval: error: page`, a --text-field the data lacks in a jinja traceback."""
+    from modeling_gpn.cli import main
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(json.dumps({"text": "Some words of a document."}) + "\n")
+    for task, extra, column in (("wikitext", [], "'page'"), ("gpn_rolling_ppl", ["--text-field", "body"], "'body'")):
+        argv = ["eval", str(gpn_dir), "--tasks", task, "--task-data", f"{task}={docs}", *extra, "--quiet"]
+        assert main([*argv, "--output-dir", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"gpn eval: error: {docs} has no column {column}") and "['text']" in err, err
+
+
+def test_rolling_ppl_reads_a_text_file_whatever_the_text_field(gpn_dir, tmp_path):
+    """A .txt file is read by datasets' text builder, whose column is `text`: --text-field (meant for the jsonl
+    of another task in the same run) does not apply to it, as the FineWeb protocol reads it."""
+    from modeling_gpn.cli import main
+
+    text = tmp_path / "doc.txt"
+    text.write_text("A short document about rivers and rain.\n")
+    argv = ["eval", str(gpn_dir), "--tasks", "gpn_rolling_ppl", "--task-data", f"gpn_rolling_ppl={text}"]
+    assert main([*argv, "--text-field", "body", "--quiet", "--output-dir", str(tmp_path / "out")]) == 0
+    results = json.loads((tmp_path / "out" / "eval_results.json").read_text())
+    assert results["tasks"]["gpn_rolling_ppl"]["word_perplexity"] > 1
 
 
 def test_a_limit_takes_that_many_texts(data):
