@@ -577,6 +577,8 @@ def summary(folder: Path) -> dict:
                 result["notes"].append(f"stage '{name}' hit its {limit} s limit: what it had not finished is missing")
             elif stage["exit"] == -1:
                 result["notes"].append(f"stage '{name}' was skipped: the budget was spent")
+            elif stage["exit"] != 0:  # a failed check exits 1; so does a crash (a traceback), which prints no [FAIL]
+                result["notes"].append(f"stage '{name}' exited {code}: a check failed or it crashed (see its output)")
     graphs_file = folder / "graphs_in_bench.json"  # written by gpu_check.sh: the bench's GPN_CUDA_GRAPHS and why
     if graphs_file.is_file():
         graphs = result["bench_graphs"] = json.loads(graphs_file.read_text())
@@ -590,7 +592,14 @@ def summary(folder: Path) -> dict:
     correctness_file = folder / "correctness.txt"
     if correctness_file.is_file():
         text = correctness_file.read_text()
-        result["correctness"] = "FAIL" if "[FAIL]" in text else ("ok" if "[ok]" in text else "did not run")
+        # "ok" only from a run that finished (`finish`'s last line): a crash after some [ok] lines (an exception
+        # outside the checks' own try, a CUDA error) or a timeout leaves checks unrun, which is not "ok"
+        finished = "all checks passed" in text or "check(s) failed" in text
+        result["correctness"] = (
+            "FAIL"
+            if "[FAIL]" in text
+            else ("ok" if finished else "did not finish" if "[ok]" in text else "did not run")
+        )
     for name in ("decode", "training", "profile"):
         timing = folder / f"{name}_timing.json"
         if timing.is_file():

@@ -1194,6 +1194,24 @@ MUTATIONS = [
         "            if False:  # MUTATION\n",
         ("tests/model/test_generate.py::test_continuing_with_a_mask_over_the_new_positions_in_prefill_chunks",),
     ),
+    Mutation(
+        "gpu_check's summary: a stage that crashed after some [ok] lines is not reported ok",
+        "benchmarks/gpu_check.py",
+        '        finished = "all checks passed" in text or "check(s) failed" in text\n',
+        "        finished = True  # MUTATION\n",
+        (
+            "tests/tools/test_gpu_check_report.py::test_a_stage_that_crashed_after_some_checks_passed_is_not_reported_ok",
+        ),
+    ),
+    Mutation(
+        "gpu_check's summary notes a stage's non-zero exit (not only timeouts and skips)",
+        "benchmarks/gpu_check.py",
+        '            elif stage["exit"] != 0:  # a failed check exits 1;',
+        "            elif False:  # MUTATION;",
+        (
+            "tests/tools/test_gpu_check_report.py::test_a_stage_that_crashed_after_some_checks_passed_is_not_reported_ok",
+        ),
+    ),
 ]
 
 

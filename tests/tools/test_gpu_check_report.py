@@ -75,3 +75,23 @@ def test_a_stage_past_its_limit_is_stopped_timed_and_noted_in_the_summary(tmp_pa
     assert "bench_16x2048: the fast path's train ran on torch ops" in notes and "forward ran on" not in notes
     assert summary["backends"]["bench_16x2048"]["fast forward"].startswith("triton kernels")
     assert [stage["stage"] for stage in summary["stages"]] == ["quick", "slow", "last"]
+
+
+def test_a_stage_that_crashed_after_some_checks_passed_is_not_reported_ok(tmp_path):
+    """A stage that dies of an exception (outside the checks' own try, or a CUDA error) exits 1 after printing
+    some [ok] lines and no [FAIL]: the summary must say it did not finish, and note the stage's exit code."""
+    (tmp_path / "stages.tsv").write_text("correctness + decode timing\t10:00:00\t12\t60\t1\n")
+    (tmp_path / "correctness.txt").write_text(
+        "[ok] triton importable and the kernels build: yes (10:00:01 +1.0s)\n"
+        "[ok] cuda fp32 fast (torch ops) == plain (gpn+m): loss diff 0.00e+00 (10:00:02 +2.0s)\n"
+        "Traceback (most recent call last):\n"
+        "RuntimeError: CUDA error: an illegal memory access was encountered\n"
+    )
+    summary = gpu_check_module().summary(tmp_path)
+    assert summary["correctness"] == "did not finish"
+    assert "stage 'correctness + decode timing' exited 1" in "\n".join(summary["notes"])
+    # a run that finished with every check passed is "ok"
+    (tmp_path / "stages.tsv").write_text("correctness + decode timing\t10:00:00\t12\t60\t0\n")
+    (tmp_path / "correctness.txt").write_text("[ok] one (10:00:01 +1.0s)\nall checks passed (10:00:02 +2.0s)\n")
+    summary = gpu_check_module().summary(tmp_path)
+    assert summary["correctness"] == "ok" and not summary["notes"]
