@@ -1212,6 +1212,13 @@ MUTATIONS = [
             "tests/tools/test_gpu_check_report.py::test_a_stage_that_crashed_after_some_checks_passed_is_not_reported_ok",
         ),
     ),
+    Mutation(
+        "decoded tokens through the decode graph (only windows of 2+ tokens take the graphs)",
+        "modeling_gpn/fast_recurrence.py",
+        "        if not needs_grad and matmul_dtype is None:\n",
+        "        if not needs_grad and matmul_dtype is None and U.shape[1] > 1:  # MUTATION\n",
+        ("tests/fast_path/test_triton_kernels.py::test_generate_through_the_decode_graph_equals_plain",),
+    ),
 ]
 
 
