@@ -118,6 +118,15 @@ def tiny(**overrides):
 DRY_RUN = False  # --dry-run-cpu: the same checks on CPU through Triton's interpreter, short sequences
 
 
+def cuda_route_on_cpu() -> None:
+    """For a dry run: switch off what runs only on CPU, so the fast path takes the route it takes on CUDA. The C
+    kernels (`memory_kernels`; GPN_MEMORY_KERNELS=0 turns off the step kernels with them) would otherwise run
+    every decoded token of ids on the CPU as one C call before the dispatcher is asked, and the whole no-grad
+    step of a small batch: the decode timing and generate()'s decode graph would then check and time C calls,
+    not the Triton steps and graphs a GPU runs (and "torch ops" would be the C memory kernels)."""
+    os.environ["GPN_MEMORY_KERNELS"] = "0"
+
+
 def backend(name: str) -> None:
     """Select the fast path's backend: 'triton' (the default on CUDA; forced on CPU in a dry run) or 'torch ops'."""
     os.environ["GPN_TRITON"] = "0" if name == "torch ops" else ("1" if DRY_RUN else "auto")
@@ -723,6 +732,7 @@ def main() -> int:
         DRY_RUN = True
         if not tk.interpreter_on():
             raise SystemExit("--dry-run-cpu needs TRITON_INTERPRET=1 in the environment")
+        cuda_route_on_cpu()
         self_checks("cpu")  # (every self-check before any timing, as on a GPU)
         correctness("cpu")
         decode_timing("cpu", preset="tiny")  # (the code path only: CPU-interpreter times mean nothing)

@@ -1219,6 +1219,13 @@ MUTATIONS = [
         "        if not needs_grad and matmul_dtype is None and U.shape[1] > 1:  # MUTATION\n",
         ("tests/fast_path/test_triton_kernels.py::test_generate_through_the_decode_graph_equals_plain",),
     ),
+    Mutation(
+        "gpu_check's dry run takes the CUDA route on CPU (the C kernels off)",
+        "benchmarks/gpu_check.py",
+        '    os.environ["GPN_MEMORY_KERNELS"] = "0"\n',
+        "    pass  # MUTATION\n",
+        ("tests/tools/test_gpu_check_report.py::test_the_dry_run_times_the_decode_step_on_the_route_a_gpu_takes",),
+    ),
 ]
 
 
