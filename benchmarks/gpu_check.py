@@ -118,6 +118,15 @@ def tiny(**overrides):
 DRY_RUN = False  # --dry-run-cpu: the same checks on CPU through Triton's interpreter, short sequences
 
 
+def cuda_route_on_cpu() -> None:
+    """For a dry run: switch off what runs only on CPU, so the fast path takes the route it takes on CUDA. The C
+    kernels (`memory_kernels`; GPN_MEMORY_KERNELS=0 turns off the step kernels with them) would otherwise run
+    every decoded token of ids on the CPU as one C call before the dispatcher is asked, and the whole no-grad
+    step of a small batch: the decode timing and generate()'s decode graph would then check and time C calls,
+    not the Triton steps and graphs a GPU runs (and "torch ops" would be the C memory kernels)."""
+    os.environ["GPN_MEMORY_KERNELS"] = "0"
+
+
 def backend(name: str) -> None:
     """Select the fast path's backend: 'triton' (the default on CUDA; forced on CPU in a dry run) or 'torch ops'."""
     os.environ["GPN_TRITON"] = "0" if name == "torch ops" else ("1" if DRY_RUN else "auto")
@@ -577,6 +586,8 @@ def summary(folder: Path) -> dict:
                 result["notes"].append(f"stage '{name}' hit its {limit} s limit: what it had not finished is missing")
             elif stage["exit"] == -1:
                 result["notes"].append(f"stage '{name}' was skipped: the budget was spent")
+            elif stage["exit"] != 0:  # a failed check exits 1; so does a crash (a traceback), which prints no [FAIL]
+                result["notes"].append(f"stage '{name}' exited {code}: a check failed or it crashed (see its output)")
     graphs_file = folder / "graphs_in_bench.json"  # written by gpu_check.sh: the bench's GPN_CUDA_GRAPHS and why
     if graphs_file.is_file():
         graphs = result["bench_graphs"] = json.loads(graphs_file.read_text())
@@ -590,7 +601,14 @@ def summary(folder: Path) -> dict:
     correctness_file = folder / "correctness.txt"
     if correctness_file.is_file():
         text = correctness_file.read_text()
-        result["correctness"] = "FAIL" if "[FAIL]" in text else ("ok" if "[ok]" in text else "did not run")
+        # "ok" only from a run that finished (`finish`'s last line): a crash after some [ok] lines (an exception
+        # outside the checks' own try, a CUDA error) or a timeout leaves checks unrun, which is not "ok"
+        finished = "all checks passed" in text or "check(s) failed" in text
+        result["correctness"] = (
+            "FAIL"
+            if "[FAIL]" in text
+            else ("ok" if finished else "did not finish" if "[ok]" in text else "did not run")
+        )
     for name in ("decode", "training", "profile"):
         timing = folder / f"{name}_timing.json"
         if timing.is_file():
@@ -714,6 +732,7 @@ def main() -> int:
         DRY_RUN = True
         if not tk.interpreter_on():
             raise SystemExit("--dry-run-cpu needs TRITON_INTERPRET=1 in the environment")
+        cuda_route_on_cpu()
         self_checks("cpu")  # (every self-check before any timing, as on a GPU)
         correctness("cpu")
         decode_timing("cpu", preset="tiny")  # (the code path only: CPU-interpreter times mean nothing)

@@ -1292,6 +1292,38 @@ MUTATIONS = [
         "        key: value  # MUTATION\n",
         ("tests/tools/test_train_faults.py -k log_is_strict_json",),
     ),
+    Mutation(
+        "gpu_check's summary: a stage that crashed after some [ok] lines is not reported ok",
+        "benchmarks/gpu_check.py",
+        '        finished = "all checks passed" in text or "check(s) failed" in text\n',
+        "        finished = True  # MUTATION\n",
+        (
+            "tests/tools/test_gpu_check_report.py::test_a_stage_that_crashed_after_some_checks_passed_is_not_reported_ok",
+        ),
+    ),
+    Mutation(
+        "gpu_check's summary notes a stage's non-zero exit (not only timeouts and skips)",
+        "benchmarks/gpu_check.py",
+        '            elif stage["exit"] != 0:  # a failed check exits 1;',
+        "            elif False:  # MUTATION;",
+        (
+            "tests/tools/test_gpu_check_report.py::test_a_stage_that_crashed_after_some_checks_passed_is_not_reported_ok",
+        ),
+    ),
+    Mutation(
+        "decoded tokens through the decode graph (only windows of 2+ tokens take the graphs)",
+        "modeling_gpn/fast_recurrence.py",
+        "        if not needs_grad and matmul_dtype is None:\n",
+        "        if not needs_grad and matmul_dtype is None and U.shape[1] > 1:  # MUTATION\n",
+        ("tests/fast_path/test_triton_kernels.py::test_generate_through_the_decode_graph_equals_plain",),
+    ),
+    Mutation(
+        "gpu_check's dry run takes the CUDA route on CPU (the C kernels off)",
+        "benchmarks/gpu_check.py",
+        '    os.environ["GPN_MEMORY_KERNELS"] = "0"\n',
+        "    pass  # MUTATION\n",
+        ("tests/tools/test_gpu_check_report.py::test_the_dry_run_times_the_decode_step_on_the_route_a_gpu_takes",),
+    ),
 ]
 
 

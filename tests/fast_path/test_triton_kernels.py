@@ -440,7 +440,11 @@ def test_the_decode_graph_takes_prepacked_weights(triton_on, monkeypatch):
 
 @torch.no_grad()
 def test_generate_through_the_decode_graph_equals_plain(triton_on, monkeypatch):
-    """generate() with GPN_CUDA_GRAPHS=1: every decoded token goes through the static-buffer step."""
+    """generate() with GPN_CUDA_GRAPHS=1: every decoded token goes through the static-buffer step, as on a GPU.
+    On CPU a decoded token of ids on the CPU runs as one C call before the dispatcher is asked (which never
+    happens on CUDA), so that is switched off here: else only the prompt (5 tokens, one single-step graph call
+    each) would reach the graph, and a broken decode graph would pass."""
+    monkeypatch.setenv("GPN_DECODE_KERNEL", "0")
     model = perturbed_model(tiny_config(), seed=12)
     prompt = torch.randint(1, 97, (2, 5), generator=torch.Generator().manual_seed(1))
     model.model.use_fast_path = False
@@ -450,6 +454,8 @@ def test_generate_through_the_decode_graph_equals_plain(triton_on, monkeypatch):
     fast = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(fast, plain)
     assert getattr(model.model, "_gpn_graphs", None)  # the graph steps ran
+    # ... for the decoded tokens too: the last forward (the last decoded token) went through the decode graph
+    assert model.model.last_recurrence_backends.graphs == fr.INFERENCE_GRAPHS
 
 
 def test_without_triton_the_model_runs_on_the_other_backends():

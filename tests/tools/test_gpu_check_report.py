@@ -75,3 +75,43 @@ def test_a_stage_past_its_limit_is_stopped_timed_and_noted_in_the_summary(tmp_pa
     assert "bench_16x2048: the fast path's train ran on torch ops" in notes and "forward ran on" not in notes
     assert summary["backends"]["bench_16x2048"]["fast forward"].startswith("triton kernels")
     assert [stage["stage"] for stage in summary["stages"]] == ["quick", "slow", "last"]
+
+
+def test_a_stage_that_crashed_after_some_checks_passed_is_not_reported_ok(tmp_path):
+    """A stage that dies of an exception (outside the checks' own try, or a CUDA error) exits 1 after printing
+    some [ok] lines and no [FAIL]: the summary must say it did not finish, and note the stage's exit code."""
+    (tmp_path / "stages.tsv").write_text("correctness + decode timing\t10:00:00\t12\t60\t1\n")
+    (tmp_path / "correctness.txt").write_text(
+        "[ok] triton importable and the kernels build: yes (10:00:01 +1.0s)\n"
+        "[ok] cuda fp32 fast (torch ops) == plain (gpn+m): loss diff 0.00e+00 (10:00:02 +2.0s)\n"
+        "Traceback (most recent call last):\n"
+        "RuntimeError: CUDA error: an illegal memory access was encountered\n"
+    )
+    summary = gpu_check_module().summary(tmp_path)
+    assert summary["correctness"] == "did not finish"
+    assert "stage 'correctness + decode timing' exited 1" in "\n".join(summary["notes"])
+    # a run that finished with every check passed is "ok"
+    (tmp_path / "stages.tsv").write_text("correctness + decode timing\t10:00:00\t12\t60\t0\n")
+    (tmp_path / "correctness.txt").write_text("[ok] one (10:00:01 +1.0s)\nall checks passed (10:00:02 +2.0s)\n")
+    summary = gpu_check_module().summary(tmp_path)
+    assert summary["correctness"] == "ok" and not summary["notes"]
+
+
+def test_the_dry_run_times_the_decode_step_on_the_route_a_gpu_takes(monkeypatch):
+    """`--dry-run-cpu` checks gpu_check's code on CPU: its decode timing must go through the Triton steps and the
+    decode graph's code as on a GPU, not through the C one-call decode that only CPU ids take."""
+    from modeling_gpn import triton_kernels as tk
+
+    from ..environment import TRITON_INTERPRETER_AT_START, require_environment
+
+    require_environment(TRITON_INTERPRETER_AT_START and tk.available(), "triton's interpreter", "GPN_REQUIRE_TRITON")
+    for name in ("GPN_MEMORY_KERNELS", "GPN_TRITON", "GPN_CUDA_GRAPHS"):  # (restored after the test)
+        monkeypatch.setenv(name, "auto")
+        monkeypatch.delenv(name)
+    module = gpu_check_module()
+    monkeypatch.setattr(module, "DRY_RUN", True)
+    module.cuda_route_on_cpu()
+    backends = module.decode_timing("cpu", preset="tiny")["backends"]
+    assert backends["model_forward_one_token_ms_graphs_off"].startswith("triton kernels, no graphs"), backends
+    # (on CPU the graph path runs its static steps without a capture: Triton launches, no replays)
+    assert backends["model_forward_one_token_ms_graphs_on"].startswith("triton kernels"), backends
