@@ -69,7 +69,9 @@ def self_checks(device: str, preset: str = "gpn-m-1l-130m", batches=(1, 16)) -> 
         for batch in batches:
             s = shapes_of(model.model, batch)
             w = cached_folded_weights(model.model, rows=batch)
-            tk.self_check(w, s, model.config.rms_norm_eps, torch.device(device), torch.bfloat16)
+            # the model's own device (cuda:0): self-checks are kept by its name, and the later stages' forwards ask
+            # for that one, so a check under "cuda" would run again there
+            tk.self_check(w, s, model.config.rms_norm_eps, model.device, torch.bfloat16)
     for combination, verdict in tk.self_check_summary().items():
         report(verdict == "passed", f"self-check {combination}: {verdict}")
     print(
@@ -406,7 +408,7 @@ def step_bytes(model, batch: int) -> dict:
     matrix once (forward: fg, big, out and the layers' matrices, in the weights' dtype; at a few rows a
     matmul streams its weight) and the memory read and written once (M and M', float32). The backward step
     reads the transposes once more and M, M' and dL/dM' again. Their ratio to the time of a step is the
-    bandwidth achieved, against the H200's ~4.8 TB/s."""
+    bandwidth achieved, against the GPU's nominal one (`NOMINAL_HBM_GB_S`)."""
     from modeling_gpn.fast_recurrence import fold_weights
 
     with torch.no_grad():
@@ -562,6 +564,19 @@ def graphs_setting(value: str):
             os.environ["GPN_CUDA_GRAPHS"] = before
 
 
+# The nominal HBM bandwidth of the GPUs the device tool lends (an un-named run may get either), by name.
+NOMINAL_HBM_GB_S = {"H200": 4800, "H100": 3350}
+
+
+def gpu_and_bandwidth() -> tuple[str | None, str]:
+    """This machine's GPU name and how a bandwidth figure names its ceiling ("GB/s of ~4800")."""
+    if not torch.cuda.is_available():
+        return None, "GB/s"
+    name = torch.cuda.get_device_name(0)
+    nominal = next((rate for gpu, rate in NOMINAL_HBM_GB_S.items() if gpu in name), None)
+    return name, f"GB/s of ~{nominal}" if nominal else "GB/s, nominal unknown"
+
+
 def summary(folder: Path) -> dict:
     """One JSON object from gpu_check.sh's outputs: the figures, each target's ratio, met or not; first what
     ran how: every stage's start, duration, limit and exit code (a timeout, and what it changed for the
@@ -576,6 +591,7 @@ def summary(folder: Path) -> dict:
         "runs": {},
         "targets": {},
     }
+    result["gpu"], bandwidth = gpu_and_bandwidth()
     stages_file = folder / "stages.tsv"  # written by gpu_check.sh: name, start, seconds, limit, exit code
     if stages_file.is_file():
         for line in stages_file.read_text().splitlines():
@@ -665,12 +681,12 @@ def summary(folder: Path) -> dict:
         for name in ("on", "off"):
             if f"forward_GB_s_graphs_{name}" in profile:
                 rate = profile[f"forward_GB_s_graphs_{name}"]
-                targets[f"HBM bandwidth of a forward step, graphs {name} (GB/s of ~4800, reported)"] = (
+                targets[f"HBM bandwidth of a forward step, graphs {name} ({bandwidth}, reported)"] = (
                     round(rate),
                     None,
                 )
         if "training_GB_s" in profile:
-            targets["HBM bandwidth of a training step (GB/s of ~4800, reported)"] = (
+            targets[f"HBM bandwidth of a training step ({bandwidth}, reported)"] = (
                 round(profile["training_GB_s"]),
                 None,
             )

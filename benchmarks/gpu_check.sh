@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One short device run (at most GPU_CHECK_BUDGET seconds of stages, default 240, on one H200): first the
+# One short device run (at most GPU_CHECK_BUDGET seconds of stages, default 240, on one H100 or H200): first the
 # kernels' self-checks at every size the timings use (which also compiles them), then CUDA correctness of the
 # fast path and its Triton kernels (Triton = torch ops = plain, fp32 and bf16; the decode graph; the training
 # graphs), the 130M model's one-token step and its training step with the training graphs off and on,

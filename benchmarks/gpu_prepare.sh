@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Before a device run (benchmarks/gpu_check.sh), once, here: download the wheels the GPU machine's image
-# lacks into .whl/ (which this script makes git ignore), for its Python 3.12 on x86-64 Linux.
+# lacks into .whl/ (which .gitignore ignores), for its Python 3.12 on x86-64 Linux.
 #
 # The image (see /work/.library/device/KINDS.md) has torch 2.11, triton 3.6 and transformers 5.17; the
 # project needs transformers >= 5.24 (pyproject.toml). We send the versions this checkout's tests pass
@@ -13,7 +13,6 @@
 # then:  run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=300)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-grep -qx "/.whl/" .git/info/exclude 2>/dev/null || echo "/.whl/" >> .git/info/exclude
 version() { python3 -c "import importlib.metadata as m; print(m.version('$1'))"; }
 wanted=("transformers==$(version transformers)" "regex==$(version regex)")
 rm -rf .whl && mkdir -p .whl

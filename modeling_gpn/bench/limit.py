@@ -52,15 +52,21 @@ def prefill_bytes(model, rows: int = 1) -> int:
 
 
 class ReadProbe:
-    """A call reads `nbytes` once, as fast as this machine streams them: the C kernels' read
-    (`memory_kernels.read_probe`, on the widest vectors the CPU has and torch's threads) where they are built, else
-    `torch.sum`. What the limit of a figure is measured with, alternated with the figure's own timings."""
+    """A call reads `nbytes` once, as fast as this machine streams them from where the step's weights sit: on the
+    CPU the C kernels' read (`memory_kernels.read_probe`, on the widest vectors the CPU has and torch's threads)
+    where they are built, else `torch.sum`; on a GPU (`device`) `torch.sum` of a buffer in its memory. What the
+    limit of a figure is measured with, alternated with the figure's own timings."""
 
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, device: str | torch.device = "cpu"):
         from modeling_gpn import memory_kernels
 
         self.nbytes = nbytes
-        self.buffer = torch.ones(max(16, nbytes // 4))
+        self.device = torch.device(device)
+        self.buffer = torch.ones(max(16, nbytes // 4), device=self.device)
+        if self.device.type != "cpu":  # (a step on a GPU reads its weights from the GPU's memory, not the host's)
+            self.kind = f"torch.sum on {self.device}"
+            self._read = self.buffer.sum
+            return
         if memory_kernels.available():  # (on the pages a plan's weights of this size sit on: huge ones from DRAM)
             memory_kernels.huge_pages_if_streamed([self.buffer])
         self.kind = f"C read kernel, {memory_kernels.products_isa()}" if memory_kernels.available() else "torch.sum"
@@ -76,7 +82,13 @@ class ReadProbe:
         times = []
         for _ in range(reads):
             self._read()
+            self._synchronize()
             start = time.perf_counter()
             self._read()
+            self._synchronize()
             times.append(time.perf_counter() - start)
         return times
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":  # (a GPU's read is launched, not done, when the call returns)
+            torch.cuda.synchronize(self.device)

@@ -138,7 +138,10 @@ def _measure_steps(models: dict, rows: dict, vocab: int, args) -> None:
         fns = {kind: one_token_step_fn(model, batch, vocab, device) for kind, model in models.items()}
         probes = {}
         if gpn is not None and batch == 1:
-            probe, prompt_probe = ReadProbe(step_bytes(gpn, batch)), ReadProbe(prefill_bytes(gpn, batch))
+            probe, prompt_probe = (
+                ReadProbe(step_bytes(gpn, batch), device),
+                ReadProbe(prefill_bytes(gpn, batch), device),
+            )
             probes = {"limit": probe, "prefill limit": prompt_probe}
         with BackendProbe() as backend:
             timed = _steps_and_reads(fns, probes, device, args.repeats)
@@ -185,7 +188,9 @@ def _measure_generate(models: dict, rows: dict, vocab: int, generator, args) -> 
     decoders = {kind: model for kind, model in models.items() if not (kind == "plain" and args.skip_plain_decode)}
     gpn = next((model for kind, model in decoders.items() if kind != "llama"), None)
     probes = (
-        {"limit": ReadProbe(step_bytes(gpn)), "prefill limit": ReadProbe(prefill_bytes(gpn))} if gpn is not None else {}
+        {"limit": ReadProbe(step_bytes(gpn), device), "prefill limit": ReadProbe(prefill_bytes(gpn), device)}
+        if gpn is not None
+        else {}
     )
     for length in args.decode_prompt_lengths:
         prompt = torch.randint(1, vocab, (1, length), generator=generator).to(device)
