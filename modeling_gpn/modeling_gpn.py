@@ -59,7 +59,7 @@ from .fast_recurrence import (
     foldable_parameter,
     output_logits,
 )
-from .packing import PACKING_KWARGS, packed_sequence_starts
+from .packing import PACKING_KWARGS, packed_sequence_starts, packing_arguments, refuse_packed_rows
 from .prefill import forward_in_chunks, prefill_chunk_length_for
 from .state_file import GPNStateFileError
 from .tracing import is_tracing
@@ -823,7 +823,7 @@ class GPNModel(GPNPreTrainedModel):
         _check_cache_type(cache)
         _check_unused_kwargs(kwargs)
         _refuse_attention_outputs(kwargs.get("output_attentions"), self.config)
-        packing = {name: kwargs[name] for name in ("position_ids", *PACKING_KWARGS) if kwargs.get(name) is not None}
+        packing = packing_arguments(kwargs)
         config = self.config
         use_cache = use_cache if use_cache is not None else (config.use_cache and not self.training)
         return_dict = return_dict if return_dict is not None else True
@@ -1557,7 +1557,9 @@ class GPNForSequenceClassification(GPNPreTrainedModel):
     A row's last real token is the last position its `attention_mask` marks 1 (padding may sit anywhere in the
     row, as in the causal LM: padded positions leave the state unchanged); without a mask, the last token that is
     not `config.pad_token_id`, as in transformers' models (every token, when no pad token is set). Without a
-    mask, padding is read as tokens: pass the mask with padded batches.
+    mask, padding is read as tokens: pass the mask with padded batches. A row holds one sequence: rows that pack
+    several (padding-free batches: position ids restarting, `cu_seq_lens_q/k`, `seq_idx`) are refused, as their
+    one score would be the last sequence's.
     """
 
     # The loss is a mean over the batch's rows, not a sum over counted tokens: `Trainer` then divides it by the
@@ -1626,6 +1628,8 @@ class GPNForSequenceClassification(GPNPreTrainedModel):
         )
         hidden = outputs.last_hidden_state
         batch_size, seq_len = hidden.shape[:2]
+        mask = None if attention_mask is None else attention_mask[:, -seq_len:].bool()
+        refuse_packed_rows(batch_size, seq_len, mask, kwargs, "GPNForSequenceClassification", hidden.device)
         last = self.last_real_positions(input_ids, attention_mask, batch_size, seq_len).to(hidden.device)
         pooled = hidden[torch.arange(batch_size, device=hidden.device), last]
         weight = self.score.weight

@@ -18,6 +18,12 @@ from .tracing import is_tracing
 PACKING_KWARGS = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"}
 
 
+def packing_arguments(kwargs: dict) -> dict:
+    """Those of a forward's `kwargs` that may say where packed sequences start (`position_ids` and
+    `PACKING_KWARGS`), the ones given (not None): what `packed_sequence_starts` takes."""
+    return {name: kwargs[name] for name in ("position_ids", *PACKING_KWARGS) if kwargs.get(name) is not None}
+
+
 def _previous_real_index(real: torch.Tensor) -> torch.Tensor:
     """(batch, seq) long: the index of the row's last real position before each position, -1 where none."""
     seq_len = real.shape[1]
@@ -178,3 +184,24 @@ def packed_sequence_starts(
                 f"{column}) a sequence {says(starts)} by {first_name} but {says(other)} by {name}"
             )
     return starts if bool(starts.any()) else None
+
+
+def refuse_packed_rows(
+    batch_size: int, seq_len: int, mask: torch.Tensor | None, kwargs: dict, reader: str, device: torch.device
+) -> None:
+    """Raise a ValueError when the packing arguments among `kwargs` say a row holds several sequences, for a
+    `reader` that reads one result a row (a sequence classifier's score at the row's last real token): it would
+    silently read only the last sequence of each row. Ordinary position ids, and packing arguments whose every
+    row holds one sequence, pass. (Under torch.compile / torch.export nothing is checked, as for the other
+    value checks.)"""
+    packing = packing_arguments(kwargs)
+    if not packing or is_tracing():
+        return
+    starts = packed_sequence_starts(batch_size, seq_len, mask, **packing, device=device)
+    if starts is not None:
+        row, position = (int(i) for i in starts.nonzero()[0])
+        raise ValueError(
+            f"{reader} reads one result a row, but these rows pack several sequences ({', '.join(sorted(packing))} "
+            f"start one at row {row}, position {position}): every sequence but the last of a row would go unread. "
+            "Give each sequence its own row (pad them, with the attention mask)"
+        )

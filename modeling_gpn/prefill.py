@@ -18,7 +18,7 @@ from torch import nn
 
 from .cache import GPNCache
 from .chunked_loss import chunked_causal_lm_loss, divide_loss_sum
-from .packing import PACKING_KWARGS, packed_sequence_starts
+from .packing import packed_sequence_starts, packing_arguments
 from .tracing import is_tracing
 
 
@@ -88,7 +88,7 @@ def forward_in_chunks(
     # The checks one pass makes over the whole input, made once here (a chunk sees only its part).
     continuing = isinstance(cache, GPNCache) and cache.has_state
     mask = base.check_attention_mask(attention_mask, batch_size, seq_len, continuing=continuing)
-    packing = {name: kwargs[name] for name in ("position_ids", *PACKING_KWARGS) if kwargs.get(name) is not None}
+    packing = packing_arguments(kwargs)
     if packing and packed_sequence_starts(batch_size, seq_len, mask, **packing, device=tokens.device) is not None:
         return None
     kwargs = {name: value for name, value in kwargs.items() if name not in packing}  # (ordinary position ids)

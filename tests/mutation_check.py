@@ -581,6 +581,13 @@ MUTATIONS = [
         ("tests/model/test_packed.py -k trl_sft",),
     ),
     Mutation(
+        "sequence classification of packed rows (scored as their last sequence, not refused)",
+        "modeling_gpn/packing.py",
+        "    if not packing or is_tracing():\n        return\n    starts = packed_sequence_starts(",
+        "    if True:  # MUTATION\n        return\n    starts = packed_sequence_starts(",
+        ("tests/model/test_packed.py -k sequence_classification_refuses",),
+    ),
+    Mutation(
         "FSDP checkpoint (the tied embedding stored under both names)",
         "modeling_gpn/train/checkpoints.py",
         "    drop_tied_copies(weights, accelerator.unwrap_model(model))\n",

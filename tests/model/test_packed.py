@@ -4,7 +4,8 @@ A packed batch must give the loss, the logits and every gradient of running its 
 way the starts are given (`position_ids` restarting, `cu_seq_lens_q/k` with `max_length_q/k`, `seq_idx`, or all
 together), with padding inside the rows, with BPTT segments, and from a cache. transformers'
 `DataCollatorWithFlattening` with `Trainer`, and TRL's `SFTTrainer(packing=True, padding_free=True)` (no
-override: TRL's fused LM head scores the packed rows), train a GPN.
+override: TRL's fused LM head scores the packed rows), train a GPN. A sequence classifier (one score a row)
+refuses packed rows.
 """
 
 from __future__ import annotations
@@ -252,6 +253,29 @@ def test_ordinary_position_ids_change_nothing():
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, padding_value)
         torch.testing.assert_close(model(ids, attention_mask=mask, position_ids=positions).logits, expected)
     torch.testing.assert_close(model(ids, attention_mask=mask, position_ids=torch.arange(6)[None]).logits, expected)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("form", INPUT_FORMS)
+def test_sequence_classification_refuses_rows_packing_several_sequences(form):
+    """A sequence classifier gives one score a row, at its last real token: a row packing several sequences
+    would be scored as its last sequence alone, the others silently unscored, so it is refused by name. Position
+    ids that pack nothing (a padded batch's) and packing arguments whose every row holds one sequence score as
+    without them."""
+    from modeling_gpn import GPNForSequenceClassification
+
+    model = GPNForSequenceClassification(tiny_config(num_labels=2, pad_token_id=0)).eval()
+    _, row_ids, _ = packed_problem(seed=30)
+    with pytest.raises(ValueError, match=r"GPNForSequenceClassification reads one result a row.*row 0, position 5"):
+        model(row_ids, **packing_arguments(form))
+
+    mask = torch.ones_like(row_ids)
+    mask[1, :3] = 0  # left padding
+    expected = model(row_ids, attention_mask=mask).logits
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    torch.testing.assert_close(model(row_ids, attention_mask=mask, position_ids=positions).logits, expected)
+    one_each = torch.tensor([0, 14, 28], dtype=torch.int32)  # cu_seq_lens of one sequence a row
+    torch.testing.assert_close(model(row_ids, attention_mask=mask, cu_seq_lens_q=one_each).logits, expected)
 
 
 # --------------------------------------------------------------------------------------------------
