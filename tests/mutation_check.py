@@ -581,6 +581,20 @@ MUTATIONS = [
         ("tests/model/test_packed.py -k trl_sft",),
     ),
     Mutation(
+        "padded training batches (the plain loop writes the memory on padded positions)",
+        "modeling_gpn/modeling_gpn.py",
+        "                    memory = torch.where(real[:, None, None, None], new_memory, memory)\n",
+        "                    memory = new_memory  # MUTATION\n",
+        ("tests/model/test_cache_and_padding.py -k padded_training_batch and plain",),
+    ),
+    Mutation(
+        "padded training batches (the fast path's steps read no mask)",
+        "modeling_gpn/fast_recurrence.py",
+        "mask[:, t] if t in masked_steps else None",
+        "None if 'MUTATION' else None",
+        ("tests/model/test_cache_and_padding.py -k padded_training_batch and fast",),
+    ),
+    Mutation(
         "sequence classification of packed rows (scored as their last sequence, not refused)",
         "modeling_gpn/packing.py",
         "    if not packing or is_tracing():\n        return\n    starts = packed_sequence_starts(",

@@ -92,6 +92,62 @@ def test_padding_is_exactly_inert():
         assert torch.equal(old, new)
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["plain", "fast"])
+@pytest.mark.parametrize("layout", ["left", "inside"])
+def test_a_padded_training_batch_has_the_loss_and_gradients_of_its_rows_alone(layout, fast):
+    """Training on a padded batch (labels -100 on the padding, `num_items_in_batch` as `Trainer` passes it, an
+    all-padding row among them): the loss and every gradient are those of the rows run alone, on either path,
+    and bit-for-bit the same whatever ids the padding holds. (Left padding labels its first real token -100 too:
+    the last pad's logits, the empty state's, would target it, docs/transformers.md. Right padding alone would
+    test nothing here: a causal loss never reads what comes after its targets.)"""
+    from ..backend_observer import FAST_PATH, PLAIN_PATH, ran
+
+    model = perturbed_model(tiny_config(), seed=3).train()
+    generator = torch.Generator().manual_seed(4)
+    rows = [torch.randint(1, 97, (n,), generator=generator) for n in (7, 1, 12)]
+    num_items = sum(len(row) - 1 for row in rows)
+
+    def gradients():
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    model.model.use_fast_path = False
+    model.zero_grad(set_to_none=True)
+    expected = sum(model(row[None], labels=row[None], num_items_in_batch=num_items).loss for row in rows)
+    expected.backward()
+    expected_grads = gradients()
+
+    model.model.use_fast_path = fast
+    ids, mask = pad_rows(rows, "left" if layout == "left" else "right", 14, generator)
+    if layout == "inside":  # padding between real tokens and after them, each row's first token first
+        for i, row in enumerate(rows):
+            slots = torch.cat(
+                [
+                    torch.zeros(1, dtype=torch.long),
+                    torch.randperm(13, generator=generator)[: len(row) - 1].sort().values + 1,
+                ]
+            )
+            ids[i], mask[i] = 3, 0
+            ids[i, slots], mask[i, slots] = row, 1
+    ids, mask = torch.cat([ids, torch.zeros_like(ids[:1])]), torch.cat([mask, torch.zeros_like(mask[:1])])
+    runs = []
+    for pad_id in (0, 96):
+        padded = ids.masked_fill(mask == 0, pad_id)
+        model.zero_grad(set_to_none=True)
+        with ran(FAST_PATH if fast else PLAIN_PATH, not_ran=(PLAIN_PATH if fast else FAST_PATH,)):
+            labels = padded.masked_fill(mask == 0, -100)
+            labels[torch.arange(len(mask)), mask.argmax(1)] = -100  # each row's first real token: no target
+            loss = model(padded, attention_mask=mask, labels=labels, num_items_in_batch=num_items).loss
+            loss.backward()
+        runs.append((loss.detach(), gradients()))
+    (loss, grads), (other_loss, other_grads) = runs
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+        assert torch.equal(other_grads[name], grads[name]), name
+    assert torch.equal(other_loss, loss)
+
+
 def test_cache_size_does_not_grow_with_length():
     model = perturbed_model(tiny_config(), seed=3)
     with torch.no_grad():
