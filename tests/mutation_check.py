@@ -941,6 +941,13 @@ MUTATIONS = [
         ("tests/tools/test_serve.py -k responses_answer_through_the_store",),
     ),
     Mutation(
+        "gpn serve: a request's seed applied as its generate() starts (transformers: when it arrives)",
+        "modeling_gpn/serve/handlers.py",
+        '            body = {**body, "seed": None}\n',
+        "            pass  # MUTATION\n",
+        ("tests/tools/test_serve.py -k seed_gives_the_same_sample",),
+    ),
+    Mutation(
         "gpn eval runs a repo's own code without --trust-remote-code",
         "eval/cli.py",
         "        trust_remote_code=args.trust_remote_code,\n",

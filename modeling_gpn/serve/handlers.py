@@ -155,11 +155,15 @@ class StateKeeping:
                 status_code=404, detail=f"model {body.get('model')!r} cannot be loaded: {error}"
             ) from None
         request.model = StateKeepingModel(
-            model, self.policy.store, answers=request.answers, on_done=request.slot.release
+            model, self.policy.store, answers=request.answers, on_done=request.slot.release, seed=body.get("seed")
         )
         return model_id, request.model, processor
 
     def _build_generation_config(self, body: dict, model_generation_config, use_cb: bool = False):
+        if not use_cb:
+            # the seed is applied as the request's generate() starts (`StateKeepingModel`), not here, when it
+            # arrives: transformers' seeding here reseeds the generator other requests are drawing from
+            body = {**body, "seed": None}
         try:
             config = super()._build_generation_config(body, model_generation_config, use_cb=use_cb)
             if body.get("logit_bias") and not config.sequence_bias:

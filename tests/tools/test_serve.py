@@ -397,6 +397,34 @@ def test_clients_at_once_each_get_their_own_answer(client, model_name, reference
     assert all(answers[index][1] >= first.usage.prompt_tokens - 1 for index in range(len(branches)))
 
 
+def test_a_seed_gives_the_same_sample_whatever_runs_beside_it(client, model_name):
+    """A request's `seed` gives the same sampled answer asked alone (its prompt read whole) and asked while other
+    sampled requests arrive and generate (continuing from the state the first kept): the seed is applied when the
+    request's generate() starts, not when the request arrives (transformers serve), which reseeds the generator
+    the request generating then draws from."""
+    seeds = range(1, MAX_QUEUED + 1)
+
+    def sample(seed: int) -> str:
+        request = dict(model=model_name, prompt=f"the cat sat {seed}", max_tokens=16, temperature=1.0, seed=seed)
+        return client.completions.create(**request).choices[0].text
+
+    alone = {seed: sample(seed) for seed in seeds}
+    assert len(set(alone.values())) == len(alone)  # they sample: a reseeded generator would change them
+    at_once: dict[int, str] = {}
+    start = threading.Barrier(len(alone))
+
+    def ask(seed: int) -> None:
+        start.wait()
+        at_once[seed] = sample(seed)
+
+    threads = [threading.Thread(target=ask, args=(seed,)) for seed in seeds]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert at_once == alone
+
+
 BAD_CHAT_REQUESTS = [  # (what the request gets wrong, the fields sent, a word the error must say)
     ("negative max_tokens", {"max_tokens": -1}, "max_tokens"),
     ("max_tokens a string", {"max_tokens": "ten"}, "max_tokens"),
