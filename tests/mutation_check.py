@@ -948,6 +948,20 @@ MUTATIONS = [
         ("tests/tools/test_serve.py -k seed_gives_the_same_sample",),
     ),
     Mutation(
+        "gpn serve: the handlers are told when a request's client goes away",
+        "modeling_gpn/serve/server.py",
+        "        app.add_middleware(WatchingClients)\n",
+        "",
+        ("tests/tools/test_serve.py -k gives_up_on_a_non_streamed_answer",),
+    ),
+    Mutation(
+        "gpn serve: a non-streamed answer's generate() stops when its client goes away",
+        "modeling_gpn/serve/generation.py",
+        "            if self._client_gone is not None:\n",
+        "            if False:  # MUTATION\n",
+        ("tests/tools/test_serve.py -k gives_up_on_a_non_streamed_answer",),
+    ),
+    Mutation(
         "gpn eval runs a repo's own code without --trust-remote-code",
         "eval/cli.py",
         "        trust_remote_code=args.trust_remote_code,\n",

@@ -537,6 +537,31 @@ def test_the_queue_limit_refuses_and_a_client_that_goes_away_frees_its_slot(clie
     wait_until_idle(client, model_name)
 
 
+def test_a_client_that_gives_up_on_a_non_streamed_answer_frees_the_model(server, client, model_name):
+    """A non-streamed request whose client goes away (its timeout: the `openai` client would then retry) stops
+    generating at its next token: its slot, and the model's inference thread, are free again within seconds, not
+    after the minutes its answer of almost MAX_CONTEXT tokens would take."""
+    wait_until_idle(client, model_name)
+    impatient = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=1)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": "a long one"}], max_tokens=MAX_CONTEXT - 100
+        )
+    requests = [
+        {"model": model_name, "messages": [{"role": "user", "content": f"next {index}"}], "stream": True}
+        for index in range(MAX_QUEUED)
+    ]
+    deadline = time.monotonic() + 10
+    while not all_admitted(client, requests):
+        assert time.monotonic() < deadline, "the abandoned answer still holds its slot"
+        time.sleep(0.2)
+    reply = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "after"}], max_tokens=2, temperature=0
+    )
+    assert reply.choices[0].message.content is not None  # the model answers again
+    wait_until_idle(client, model_name)
+
+
 def all_admitted(client, requests: list[dict]) -> bool:
     """Whether every one of these streamed requests is taken on at once (each closed straight after)."""
     opened = []
