@@ -962,6 +962,13 @@ MUTATIONS = [
         ("tests/tools/test_serve.py -k gives_up_on_a_non_streamed_answer",),
     ),
     Mutation(
+        "gpn serve: sampled generate() calls take turns at torch's generator (one model's draws from another's seed)",
+        "modeling_gpn/serve/generation.py",
+        "    with _sampling_turn:\n",
+        "    with contextlib.nullcontext():  # MUTATION\n",
+        ("tests/tools/test_serve.py -k not_pinned_keeps_each_models_conversations",),
+    ),
+    Mutation(
         "gpn eval runs a repo's own code without --trust-remote-code",
         "eval/cli.py",
         "        trust_remote_code=args.trust_remote_code,\n",

@@ -6,9 +6,10 @@ model, with the state store, a spill folder and small limits. What it must do:
   this process (serving without the store), while later turns continue from kept states
   (`usage.prompt_tokens_details.cached_tokens`);
 - `n` answers; `/v1/models` and `/health`;
-- clients at once each get the answer they get alone;
+- clients at once each get the answer they get alone, a seeded sample too;
 - the refusals: bad input is a 4xx naming the problem (never a 500), a request past the context limit a 400,
-  one past the queue limit a 429, and a client that goes away mid-stream frees its slot.
+  one past the queue limit a 429, and a client that goes away, mid-stream or not, frees its slot.
+A server of its own, not pinned, serves two models: each continues from its own states, across an unload.
 """
 
 from __future__ import annotations
@@ -78,16 +79,16 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(model_dir: Path, log_path: Path, *options: str) -> Iterator[tuple[str, subprocess.Popen]]:
-    """`gpn serve MODEL --device cpu OPTIONS` in its own process on a free port: (its address, the process),
-    once /health answers; killed at the end if it is still running."""
+def serving(model_dir: Path | None, log_path: Path, *options: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`gpn serve MODEL --device cpu OPTIONS` (without MODEL when None: not pinned) in its own process on a free
+    port: (its address, the process), once /health answers; killed at the end if it is still running."""
     port = free_port()
     command = [
         sys.executable,
         "-m",
         "modeling_gpn.cli",
         "serve",
-        str(model_dir),
+        *([] if model_dir is None else [str(model_dir)]),
         "--host",
         "127.0.0.1",
         "--port",
@@ -610,6 +611,64 @@ def test_a_conversation_continues_after_the_server_is_stopped_and_restarted(mode
         reply = second.chat.completions.create(model=str(model_dir), messages=messages, max_tokens=6, temperature=0)
     assert reply.choices[0].message.content == expected_chat(reference, messages, 6)
     assert reply.usage.prompt_tokens_details.cached_tokens >= first_prompt - 1  # (a fresh server: nothing in memory)
+
+
+def test_a_server_not_pinned_keeps_each_models_conversations_apart_and_across_unloads(model_dir, reference, tmp_path):
+    """Without MODEL, each request names its model: two models given the same messages continue each from its own
+    states (the same token ids, kept for each), a seeded sample of one is the same while the other samples beside it
+    (two inference threads, one generator), and a model unloaded after --model-timeout, loaded again, continues its
+    conversation from the states it kept."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    other_dir = tmp_path / "other-gpn"
+    shutil.copytree(model_dir, other_dir)
+    perturbed_model(reference[0].config, seed=77).save_pretrained(other_dir)
+    models = {
+        str(model_dir): reference,
+        str(other_dir): (AutoModelForCausalLM.from_pretrained(other_dir).eval(), reference[1]),
+    }
+    first = [{"role": "system", "content": "two models"}, {"role": "user", "content": "to be or not to be"}]
+    options = ("--model-timeout", "2", "--state-dir", str(tmp_path / "states"))
+    with serving(None, tmp_path / "serve.log", *options) as (base, _):
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        replies = {}
+        for name, model in models.items():
+            replies[name] = client.chat.completions.create(model=name, messages=first, max_tokens=6, temperature=0)
+            assert replies[name].choices[0].message.content == expected_chat(model, first, 6), name
+        assert len({reply.choices[0].message.content for reply in replies.values()}) == 2  # the models differ
+
+        seeded, beside = str(model_dir), str(other_dir)
+        request = dict(model=seeded, prompt="the cat sat", max_tokens=48, temperature=1.0, seed=3)
+        alone = client.completions.create(**request).choices[0].text
+        answers = {}
+        start = threading.Barrier(2)
+
+        def sample_beside() -> None:
+            start.wait()
+            for _ in range(3):
+                client.completions.create(model=beside, prompt="to be", max_tokens=48, temperature=1.0)
+
+        sampler = threading.Thread(target=sample_beside)
+        sampler.start()
+        start.wait()
+        answers["seeded"] = client.completions.create(**request).choices[0].text
+        sampler.join(timeout=120)
+        assert answers["seeded"] == alone
+
+        deadline = time.monotonic() + 60
+        while [model.id for model in client.models.list().data if model.id in models]:  # unloaded when idle
+            assert time.monotonic() < deadline, "the idle models were not unloaded"
+            time.sleep(0.5)
+        for name, model in models.items():
+            messages = first + [
+                {"role": "assistant", "content": replies[name].choices[0].message.content},
+                {"role": "user", "content": "that is the question"},
+            ]
+            reply = client.chat.completions.create(model=name, messages=messages, max_tokens=6, temperature=0)
+            assert reply.choices[0].message.content == expected_chat(model, messages, 6), name
+            assert reply.usage.prompt_tokens_details.cached_tokens >= replies[name].usage.prompt_tokens - 1, name
 
 
 def test_gpn_serve_help_has_transformers_serve_options(capsys):
