@@ -25,17 +25,25 @@ Models other than a GPN, beam search, padded or batched inputs run `generate()` 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from .. import GPNCache, GPNForCausalLM
 from ..derived_weights import derived_weights_scope
 from .state_store import StateStore
 
 logger = logging.getLogger(__name__)
+
+# Sampling draws from torch's one global generator, which every thread shares: one model's inference thread
+# draws while another's does (an unpinned server runs one per model). Sampled generate() calls take turns, so
+# that a request's seed, applied when its turn comes, gives the same answer whatever runs beside it.
+_sampling_turn = threading.Lock()
 
 
 class StateKeepingModel:
@@ -46,13 +54,28 @@ class StateKeepingModel:
         store: where states are kept; None (or a model that is not a GPN) runs `generate()` as it is.
         answers: how many answers to make (the request's `n`): rows of one state, or of the prompt repeated.
         on_done: called once when this request's `generate()` is over (finished, failed or cancelled).
+        seed: the request's `seed`: torch's generator is seeded with it as its `generate()` starts, on the inference
+            thread (transformers serve seeds it when the request arrives, so the requests generating or waiting
+            before it draw from its seed, and its own draws come from whichever request arrived last).
+        client_gone: set when the request's client has gone away: its `generate()` stops at the next token (a
+            streamed answer's is cancelled by transformers' streamer; nothing stops a non-streamed one's).
     """
 
-    def __init__(self, model, store: StateStore | None, answers: int = 1, on_done: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        model,
+        store: StateStore | None,
+        answers: int = 1,
+        on_done: Callable[[], None] | None = None,
+        seed: int | None = None,
+        client_gone: threading.Event | None = None,
+    ):
         self._model = model
         self._store = store if isinstance(model, GPNForCausalLM) else None
         self.answers = answers
         self._on_done = on_done
+        self.seed = seed
+        self._client_gone = client_gone
         self.cached_tokens = 0  # prompt tokens continued from a kept state rather than read
         self.sequences: torch.Tensor | None = None  # every row generate() returned (n answers: n rows)
 
@@ -81,21 +104,26 @@ class StateKeepingModel:
                 generation_config if generation_config is not None else self._model.generation_config
             )
             answers = self.answers  # rows made here: greedy decoding refuses num_return_sequences > 1
-            if self._continues_from_store(input_ids, attention_mask, config, kwargs):
-                self.sequences = self._generate_from_kept_state(input_ids, answers, streamer, config, kwargs)
-            else:
-                if answers > 1:
-                    input_ids = input_ids.repeat_interleave(answers, dim=0)
-                    attention_mask = (
-                        None if attention_mask is None else attention_mask.repeat_interleave(answers, dim=0)
-                    )
-                self.sequences = self._model.generate(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    streamer=streamer,
-                    generation_config=config,
-                    **kwargs,
+            if self._client_gone is not None:
+                kwargs["stopping_criteria"] = StoppingCriteriaList(
+                    [*(kwargs.get("stopping_criteria") or []), ClientGone(self._client_gone)]
                 )
+            with _seeded(self.seed, samples=bool(config.do_sample)):
+                if self._continues_from_store(input_ids, attention_mask, config, kwargs):
+                    self.sequences = self._generate_from_kept_state(input_ids, answers, streamer, config, kwargs)
+                else:
+                    if answers > 1:
+                        input_ids = input_ids.repeat_interleave(answers, dim=0)
+                        attention_mask = (
+                            None if attention_mask is None else attention_mask.repeat_interleave(answers, dim=0)
+                        )
+                    self.sequences = self._model.generate(
+                        input_ids=input_ids,
+                        attention_mask=attention_mask,
+                        streamer=streamer,
+                        generation_config=config,
+                        **kwargs,
+                    )
             return self.sequences
         finally:
             if self._on_done is not None:
@@ -163,6 +191,30 @@ class StateKeepingModel:
             answer_state = (lambda: cache) if answers == 1 else (lambda row=row: _row(cache, row, answers))
             _keep_safely(store, model, (prompt + generated[row].tolist())[:read], answer_state)
         return sequences
+
+
+class ClientGone(StoppingCriteria):
+    """Stops every row once `gone` is set (the request's client went away): no one is left to read the answer.
+    What was read is read: the states kept are those of the tokens read, and a retry continues from them."""
+
+    def __init__(self, gone: threading.Event):
+        self.gone = gone
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), self.gone.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int | None, samples: bool) -> Iterator[None]:
+    """A sampled generate()'s turn at torch's generator, seeded with `seed` (when given) as it begins. Greedy
+    decoding draws nothing: it neither waits nor seeds."""
+    if not samples:
+        yield
+        return
+    with _sampling_turn:
+        if seed is not None:
+            torch.manual_seed(seed)
+        yield
 
 
 def _keep_safely(store: StateStore, model, ids: list[int], state: Callable[[], GPNCache]) -> None:

@@ -8,7 +8,8 @@ mixin placed before them) adds, at the points where they hand over:
 - admission: at most `max_queued_requests` requests taken on at once (running or waiting for the model's
   inference thread); one more is a 429. A request's slot is freed when its answer is over: its response sent,
   or its stream ended, finished or cut off by the client (whose generation transformers' streamer then
-  cancels at the next token), or its `generate()` returned, whichever comes first;
+  cancels at the next token), or its `generate()` returned, whichever comes first; a non-streamed answer whose
+  client went away (`WatchingClients`) stops generating at its next token too;
 - the context limit: the prompt and `max_tokens` within `max_context` tokens, or a 400 (without
   `max_tokens`, the answer is cut to fit, as transformers' default of 1024 new tokens would otherwise refuse
   long prompts);
@@ -21,6 +22,7 @@ mixin placed before them) adds, at the points where they hand over:
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import threading
@@ -102,6 +104,49 @@ class _Request:
 
 # The request a handler is working on: set in handle_request, read where transformers' handler calls back.
 _current: ContextVar[_Request] = ContextVar("gpn_serve_request")
+# Set when the client of the HTTP request being handled has gone away (`WatchingClients`).
+_client_gone: ContextVar[threading.Event | None] = ContextVar("gpn_serve_client_gone", default=None)
+
+
+class WatchingClients:
+    """ASGI middleware: tells the handlers (`_client_gone`) when a request's client goes away.
+
+    A streamed answer learns it from its next write, and transformers' streamer then cancels its generation; a
+    non-streamed answer writes nothing until it is done, so without this a client that gave up (a timeout, whose
+    `openai` client then retries) kept the model's inference thread and a slot for the whole answer, and each retry
+    queued behind it. Once the request's body is read, the server's `receive` returns only when the client
+    disconnects (or the response is complete): a task waits on it.
+    """
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        gone, body_read = threading.Event(), asyncio.Event()
+
+        async def receiving():
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                gone.set()
+            elif not message.get("more_body", False):
+                body_read.set()
+            return message
+
+        async def watch():
+            await body_read.wait()  # (before: the app's own reads would race this one for the body)
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+
+        token = _client_gone.set(gone)
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await self.app(scope, receiving, send)
+        finally:
+            watcher.cancel()
+            _client_gone.reset(token)
 
 
 class StateKeeping:
@@ -155,11 +200,20 @@ class StateKeeping:
                 status_code=404, detail=f"model {body.get('model')!r} cannot be loaded: {error}"
             ) from None
         request.model = StateKeepingModel(
-            model, self.policy.store, answers=request.answers, on_done=request.slot.release
+            model,
+            self.policy.store,
+            answers=request.answers,
+            on_done=request.slot.release,
+            seed=body.get("seed"),
+            client_gone=_client_gone.get(),
         )
         return model_id, request.model, processor
 
     def _build_generation_config(self, body: dict, model_generation_config, use_cb: bool = False):
+        if not use_cb:
+            # the seed is applied as the request's generate() starts (`StateKeepingModel`), not here, when it
+            # arrives: transformers' seeding here reseeds the generator other requests are drawing from
+            body = {**body, "seed": None}
         try:
             config = super()._build_generation_config(body, model_generation_config, use_cb=use_cb)
             if body.get("logit_bias") and not config.sequence_bias:

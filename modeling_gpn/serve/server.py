@@ -4,7 +4,8 @@ built with the pieces `gpn serve` changes.
 `Serve.__init__` composes the server from transformers' serving modules, importing each piece from its module
 as it builds it. `GPNServe` runs that same `__init__` with some of those names pointing at `gpn serve`'s
 own while it builds: the chat, completion and Responses API handlers (`handlers.py`), and `build_server`, whose app is given
-one step more at shutdown (the kept states written to `--state-dir`); and it makes the model manager able to
+one step more at shutdown (the kept states written to `--state-dir`) and a middleware that tells the handlers
+when a request's client goes away; and it makes the model manager able to
 build a GPN (`models.py`). Nothing of the server is copied. Everything else, every option included, is
 transformers' own.
 """
@@ -32,6 +33,7 @@ from .handlers import (
     StateKeepingChatCompletionHandler,
     StateKeepingCompletionHandler,
     StateKeepingResponseHandler,
+    WatchingClients,
 )
 from .models import make_gpn_loadable
 from .state_store import StateStore
@@ -63,11 +65,13 @@ def _with_policy(handler: type, policy: ServingPolicy) -> type:
 
 def _with_shutdown_step(build_server: Callable, on_shutdown: Callable[[], None]) -> Callable:
     """transformers' `build_server`, `on_shutdown` run when its app stops gracefully (uvicorn runs the lifespan's
-    end on Ctrl-C and SIGTERM, after the last connection closed), before transformers' own end."""
+    end on Ctrl-C and SIGTERM, after the last connection closed), before transformers' own end; and the app tells
+    the handlers when a request's client goes away (`WatchingClients`)."""
 
     @functools.wraps(build_server)
     def build(*args, **kwargs):
         app = build_server(*args, **kwargs)
+        app.add_middleware(WatchingClients)
         serve_lifespan = app.router.lifespan_context
 
         @contextlib.asynccontextmanager

@@ -6,9 +6,10 @@ model, with the state store, a spill folder and small limits. What it must do:
   this process (serving without the store), while later turns continue from kept states
   (`usage.prompt_tokens_details.cached_tokens`);
 - `n` answers; `/v1/models` and `/health`;
-- clients at once each get the answer they get alone;
+- clients at once each get the answer they get alone, a seeded sample too;
 - the refusals: bad input is a 4xx naming the problem (never a 500), a request past the context limit a 400,
-  one past the queue limit a 429, and a client that goes away mid-stream frees its slot.
+  one past the queue limit a 429, and a client that goes away, mid-stream or not, frees its slot.
+A server of its own, not pinned, serves two models: each continues from its own states, across an unload.
 """
 
 from __future__ import annotations
@@ -78,16 +79,16 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(model_dir: Path, log_path: Path, *options: str) -> Iterator[tuple[str, subprocess.Popen]]:
-    """`gpn serve MODEL --device cpu OPTIONS` in its own process on a free port: (its address, the process),
-    once /health answers; killed at the end if it is still running."""
+def serving(model_dir: Path | None, log_path: Path, *options: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`gpn serve MODEL --device cpu OPTIONS` (without MODEL when None: not pinned) in its own process on a free
+    port: (its address, the process), once /health answers; killed at the end if it is still running."""
     port = free_port()
     command = [
         sys.executable,
         "-m",
         "modeling_gpn.cli",
         "serve",
-        str(model_dir),
+        *([] if model_dir is None else [str(model_dir)]),
         "--host",
         "127.0.0.1",
         "--port",
@@ -397,6 +398,34 @@ def test_clients_at_once_each_get_their_own_answer(client, model_name, reference
     assert all(answers[index][1] >= first.usage.prompt_tokens - 1 for index in range(len(branches)))
 
 
+def test_a_seed_gives_the_same_sample_whatever_runs_beside_it(client, model_name):
+    """A request's `seed` gives the same sampled answer asked alone (its prompt read whole) and asked while other
+    sampled requests arrive and generate (continuing from the state the first kept): the seed is applied when the
+    request's generate() starts, not when the request arrives (transformers serve), which reseeds the generator
+    the request generating then draws from."""
+    seeds = range(1, MAX_QUEUED + 1)
+
+    def sample(seed: int) -> str:
+        request = dict(model=model_name, prompt=f"the cat sat {seed}", max_tokens=16, temperature=1.0, seed=seed)
+        return client.completions.create(**request).choices[0].text
+
+    alone = {seed: sample(seed) for seed in seeds}
+    assert len(set(alone.values())) == len(alone)  # they sample: a reseeded generator would change them
+    at_once: dict[int, str] = {}
+    start = threading.Barrier(len(alone))
+
+    def ask(seed: int) -> None:
+        start.wait()
+        at_once[seed] = sample(seed)
+
+    threads = [threading.Thread(target=ask, args=(seed,)) for seed in seeds]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert at_once == alone
+
+
 BAD_CHAT_REQUESTS = [  # (what the request gets wrong, the fields sent, a word the error must say)
     ("negative max_tokens", {"max_tokens": -1}, "max_tokens"),
     ("max_tokens a string", {"max_tokens": "ten"}, "max_tokens"),
@@ -509,6 +538,31 @@ def test_the_queue_limit_refuses_and_a_client_that_goes_away_frees_its_slot(clie
     wait_until_idle(client, model_name)
 
 
+def test_a_client_that_gives_up_on_a_non_streamed_answer_frees_the_model(server, client, model_name):
+    """A non-streamed request whose client goes away (its timeout: the `openai` client would then retry) stops
+    generating at its next token: its slot, and the model's inference thread, are free again within seconds, not
+    after the minutes its answer of almost MAX_CONTEXT tokens would take."""
+    wait_until_idle(client, model_name)
+    impatient = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=1)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": "a long one"}], max_tokens=MAX_CONTEXT - 100
+        )
+    requests = [
+        {"model": model_name, "messages": [{"role": "user", "content": f"next {index}"}], "stream": True}
+        for index in range(MAX_QUEUED)
+    ]
+    deadline = time.monotonic() + 10
+    while not all_admitted(client, requests):
+        assert time.monotonic() < deadline, "the abandoned answer still holds its slot"
+        time.sleep(0.2)
+    reply = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "after"}], max_tokens=2, temperature=0
+    )
+    assert reply.choices[0].message.content is not None  # the model answers again
+    wait_until_idle(client, model_name)
+
+
 def all_admitted(client, requests: list[dict]) -> bool:
     """Whether every one of these streamed requests is taken on at once (each closed straight after)."""
     opened = []
@@ -557,6 +611,64 @@ def test_a_conversation_continues_after_the_server_is_stopped_and_restarted(mode
         reply = second.chat.completions.create(model=str(model_dir), messages=messages, max_tokens=6, temperature=0)
     assert reply.choices[0].message.content == expected_chat(reference, messages, 6)
     assert reply.usage.prompt_tokens_details.cached_tokens >= first_prompt - 1  # (a fresh server: nothing in memory)
+
+
+def test_a_server_not_pinned_keeps_each_models_conversations_apart_and_across_unloads(model_dir, reference, tmp_path):
+    """Without MODEL, each request names its model: two models given the same messages continue each from its own
+    states (the same token ids, kept for each), a seeded sample of one is the same while the other samples beside it
+    (two inference threads, one generator), and a model unloaded after --model-timeout, loaded again, continues its
+    conversation from the states it kept."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    other_dir = tmp_path / "other-gpn"
+    shutil.copytree(model_dir, other_dir)
+    perturbed_model(reference[0].config, seed=77).save_pretrained(other_dir)
+    models = {
+        str(model_dir): reference,
+        str(other_dir): (AutoModelForCausalLM.from_pretrained(other_dir).eval(), reference[1]),
+    }
+    first = [{"role": "system", "content": "two models"}, {"role": "user", "content": "to be or not to be"}]
+    options = ("--model-timeout", "2", "--state-dir", str(tmp_path / "states"))
+    with serving(None, tmp_path / "serve.log", *options) as (base, _):
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        replies = {}
+        for name, model in models.items():
+            replies[name] = client.chat.completions.create(model=name, messages=first, max_tokens=6, temperature=0)
+            assert replies[name].choices[0].message.content == expected_chat(model, first, 6), name
+        assert len({reply.choices[0].message.content for reply in replies.values()}) == 2  # the models differ
+
+        seeded, beside = str(model_dir), str(other_dir)
+        request = dict(model=seeded, prompt="the cat sat", max_tokens=48, temperature=1.0, seed=3)
+        alone = client.completions.create(**request).choices[0].text
+        answers = {}
+        start = threading.Barrier(2)
+
+        def sample_beside() -> None:
+            start.wait()
+            for _ in range(3):
+                client.completions.create(model=beside, prompt="to be", max_tokens=48, temperature=1.0)
+
+        sampler = threading.Thread(target=sample_beside)
+        sampler.start()
+        start.wait()
+        answers["seeded"] = client.completions.create(**request).choices[0].text
+        sampler.join(timeout=120)
+        assert answers["seeded"] == alone
+
+        deadline = time.monotonic() + 60
+        while [model.id for model in client.models.list().data if model.id in models]:  # unloaded when idle
+            assert time.monotonic() < deadline, "the idle models were not unloaded"
+            time.sleep(0.5)
+        for name, model in models.items():
+            messages = first + [
+                {"role": "assistant", "content": replies[name].choices[0].message.content},
+                {"role": "user", "content": "that is the question"},
+            ]
+            reply = client.chat.completions.create(model=name, messages=messages, max_tokens=6, temperature=0)
+            assert reply.choices[0].message.content == expected_chat(model, messages, 6), name
+            assert reply.usage.prompt_tokens_details.cached_tokens >= replies[name].usage.prompt_tokens - 1, name
 
 
 def test_gpn_serve_help_has_transformers_serve_options(capsys):
