@@ -1073,6 +1073,13 @@ MUTATIONS = [
         ("tests/tools/test_docs.py -k every_option_has_help and eval",),
     ),
     Mutation(
+        "gpn inspect's memory heads off before the read's norm (the other heads' read scaled up)",
+        "modeling_gpn/inspect/ablations.py",
+        "    normalised = layer.read_out_norm(read_vector)\n",
+        "    normalised = layer.read_out_norm(read_vector * keep)  # MUTATION\n",
+        ("tests/tools/test_inspect.py::test_removing_memory_heads_leaves_the_other_heads_reads_as_they_were",),
+    ),
+    Mutation(
         "gpn inspect's counts not checked before the model loads",
         "modeling_gpn/inspect/cli.py",
         "        check_numbers(args)\n",

@@ -26,7 +26,7 @@ Where its parts live (this face re-exports their public names):
     inputs.py     the model (`load_model`) and the token windows (`load_token_windows`, `iter_documents`);
                   the tokenizer comes from `modeling_gpn.data.load_tokenizer`
     states.py     `collect`: one pass keeps p_t, gamma_t and the loss (`Collected`)
-    ablations.py  `Ablation`, `ablated_logits`, the perplexities and the causal tests
+    ablations.py  `Ablation`, `ablated_logits`, `ablated_states`, the perplexities and the causal tests
     report.py     `build_report`, `report_json`
     markdown.py   `report_markdown`
     figures.py    `write_figures`
@@ -38,6 +38,7 @@ from __future__ import annotations
 from .ablations import (
     Ablation,
     ablated_logits,
+    ablated_states,
     ablation_perplexity,
     causal_tests,
     decoded_perplexity,
@@ -66,6 +67,7 @@ __all__ = [
     "LOCAL_EXTENSIONS",
     "TEXT_BLOCK_CHARS",
     "ablated_logits",
+    "ablated_states",
     "ablation_perplexity",
     "add_arguments",
     "build_report",

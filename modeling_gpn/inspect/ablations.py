@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from .states import Collected, window_nll
 
@@ -24,7 +25,11 @@ class Ablation:
 
     decode_shift: subtracted from p_t before decoding only (the recurrence is untouched).
     carry_shift: subtracted from p_t before it is carried into the next step (decoding sees p_t).
-    heads_off: memory heads kept at zero (never written, so they read back zero).
+    heads_off: memory heads whose share of every read is removed: their part of the normalised read vector
+        rms(M^T q) is zeroed after the norm, which still runs over all heads as the model computed it. (Keeping
+        their memory at zero instead would change the other heads' read too: the output norm runs over the whole
+        H*dv vector, so zeroed heads scale the others' read up by sqrt(sum over all heads of r^2 / sum over the
+        heads kept), and a slow pool "off" then measured mostly the fast pool turned up.)
     reads_off: every predict layer skips its memory read (the memory is still written).
     """
 
@@ -43,6 +48,26 @@ def ablated_logits(model, input_ids: torch.Tensor, ablation: Ablation | None = N
     memory_write, the predict layers and their read, decode); with no ablation it is the model's
     forward bit for bit.
     """
+    ablation = ablation or Ablation()
+    states = ablated_states(model, input_ids, ablation)
+    if ablation.decode_shift is not None:
+        states = states - ablation.decode_shift
+    return model.decode(states)
+
+
+def _read_without_heads(layer, state: torch.Tensor, memory: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """`GPNPredictLayer.read` with the normalised read vector multiplied by `keep` (H * dv, 0 for removed heads)."""
+    from ..modeling_gpn import l2_normalize, project
+
+    normed = layer.read_norm(state)
+    query = l2_normalize(F.relu(project(layer.read_query, normed)).view(-1, layer.num_heads, layer.key_dim))
+    read_vector = torch.einsum("bhk,bhkv->bhv", query, memory).flatten(1)
+    normalised = layer.read_out_norm(read_vector)
+    return project(layer.read_out, F.silu(project(layer.read_gate, normed)) * (normalised * keep.to(normalised.dtype)))
+
+
+def ablated_states(model, input_ids: torch.Tensor, ablation: Ablation | None = None) -> torch.Tensor:
+    """The predicted states p_t (batch, T, d) of `ablated_logits`, before any `decode_shift`."""
     from ..modeling_gpn import project
 
     ablation = ablation or Ablation()
@@ -56,9 +81,9 @@ def ablated_logits(model, input_ids: torch.Tensor, ablation: Ablation | None = N
         bad = [h for h in ablation.heads_off if not 0 <= h < config.num_memory_heads]
         if bad:
             raise ValueError(f"memory heads {bad} do not exist (the model has {config.num_memory_heads})")
-        head_mask = torch.ones(config.num_memory_heads, device=input_ids.device)
+        head_mask = torch.ones(config.num_memory_heads, config.memory_value_dim, device=input_ids.device)
         head_mask[list(ablation.heads_off)] = 0.0
-        head_mask = head_mask[None, :, None, None]
+        head_mask = head_mask.flatten()  # over the flattened read vector (H * dv), head by head
     batch_size, length = input_ids.shape
     token_inputs = core.token_inputs(core.embed_tokens(input_ids))
     predicted, grounded, memory = core.zero_state(batch_size, input_ids.device)
@@ -67,24 +92,22 @@ def ablated_logits(model, input_ids: torch.Tensor, ablation: Ablation | None = N
         new_grounded = core.ground(predicted, token_inputs[:, t])
         if has_memory:
             memory, _ = core.memory_write(memory, grounded, new_grounded)
-            if head_mask is not None:
-                memory = memory * head_mask
         state = new_grounded
         for layer in core.predict_layers:
-            if has_memory and not ablation.reads_off:
-                state = layer(state, memory)
-            elif not has_memory:
+            if not has_memory:
                 state = layer(state, None)
-            else:  # the predict layer without its read
+            elif not ablation.reads_off and head_mask is None:
+                state = layer(state, memory)
+            else:  # the predict layer without its read, or with part of it
                 keep = torch.sigmoid(project(layer.gate, layer.gate_norm(state)))
-                state = keep * state + layer.ffn(state)
+                new_state = keep * state + layer.ffn(state)
+                if not ablation.reads_off:
+                    new_state = new_state + _read_without_heads(layer, state, memory, head_mask)
+                state = new_state
         outputs.append(state)
         predicted = state if ablation.carry_shift is None else state - ablation.carry_shift
         grounded = new_grounded
-    states = torch.stack(outputs, dim=1)
-    if ablation.decode_shift is not None:
-        states = states - ablation.decode_shift
-    return model.decode(states)
+    return torch.stack(outputs, dim=1)
 
 
 @torch.inference_mode()
@@ -138,14 +161,14 @@ def standard_ablations(model, s_bar: np.ndarray, pools: dict | None) -> list[Abl
             ablations.append(
                 Ablation(
                     "fast_pool_off",
-                    f"fast-pool memory heads {pools['fast_heads']} kept at zero",
+                    f"fast-pool memory heads {pools['fast_heads']} removed from every read",
                     heads_off=tuple(pools["fast_heads"]),
                 )
             )
             ablations.append(
                 Ablation(
                     "slow_pool_off",
-                    f"slow-pool memory heads {pools['slow_heads']} kept at zero",
+                    f"slow-pool memory heads {pools['slow_heads']} removed from every read",
                     heads_off=tuple(pools["slow_heads"]),
                 )
             )
