@@ -1080,6 +1080,27 @@ MUTATIONS = [
         ("tests/tools/test_inspect.py::test_removing_memory_heads_leaves_the_other_heads_reads_as_they_were",),
     ),
     Mutation(
+        "gpn inspect's report compares s̄'s share with the paper's stated 58% alone (its own 107/132 is 81%)",
+        "modeling_gpn/inspect/markdown.py",
+        '        "107 (58% stated; 107/132 = 81%) |",\n',
+        '        "107 (58%) |",  # MUTATION\n',
+        ("tests/tools/test_inspect.py::test_report_of_a_gpn_without_memory",),
+    ),
+    Mutation(
+        "gpn inspect's correlation panel gives the mean |r| of every pair as the sample's",
+        "modeling_gpn/inspect/figures.py",
+        "-dim sample); all dims: mean |r| = ",
+        "-dim sample): mean |r| = ",
+        ("tests/tools/test_inspect.py::test_report_of_a_gpn_without_memory",),
+    ),
+    Mutation(
+        "gpn inspect's --max-geometry-states 1 not refused (a traceback after the run)",
+        "modeling_gpn/inspect/cli.py",
+        "    if args.max_geometry_states < 2:",
+        "    if False:  # MUTATION",
+        ("tests/tools/test_inspect.py -k before_the_model_loads and geometry",),
+    ),
+    Mutation(
         "gpn inspect's counts not checked before the model loads",
         "modeling_gpn/inspect/cli.py",
         "        check_numbers(args)\n",

@@ -80,6 +80,8 @@ def check_numbers(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if args.max_geometry_states < 2:  # one state has no spread: the geometry failed with a traceback after the run
+        raise ValueError(f"--max-geometry-states must be at least 2, got {args.max_geometry_states}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -52,7 +52,8 @@ def geometry_figure(plt, g: dict):
     ax.set_xlabel("off-diagonal correlation")
     ax.set_ylabel("number of dimension pairs")
     ax.set_title(
-        f"(b) correlations ({g['correlation_sample_dims']}-dim sample): mean |r| = {g['offdiag_corr_mean_abs']:.3f}"
+        # the histogram is of a sample of dimensions, the mean |r| of every pair of live dimensions
+        f"(b) correlations ({g['correlation_sample_dims']}-dim sample); all dims: mean |r| = {g['offdiag_corr_mean_abs']:.3f}"
     )
     ax.grid(alpha=0.3)
     ax = axes[2]

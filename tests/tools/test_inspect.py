@@ -369,6 +369,15 @@ def test_report_of_a_gpn_without_memory(tmp_path):
     json.dumps(report_json(report), allow_nan=False)
     markdown = report_markdown(report, figures)
     assert "## Memory retention" not in markdown and "## Causal tests" in markdown
+    # the paper's "58%" is not its own 107/132: the comparison column shows both
+    assert "| 107 (58% stated; 107/132 = 81%) |" in markdown
+    import matplotlib.pyplot as plt
+
+    from modeling_gpn.inspect.figures import geometry_figure
+
+    title = geometry_figure(plt, report["geometry"]).axes[1].get_title()
+    plt.close("all")
+    assert "all dims: mean |r| = " in title  # the histogram is a sample, the mean is of every pair
 
 
 def test_decode_only_shortcut_matches_the_ablated_recurrence():
@@ -393,6 +402,7 @@ def test_decode_only_shortcut_matches_the_ablated_recurrence():
     [
         (["--tokens", "0"], "--tokens must be positive, got 0"),
         (["--seq-len", "0"], "--seq-len must be positive, got 0"),
+        (["--max-geometry-states", "1"], "--max-geometry-states must be at least 2, got 1"),
         (["--output", "{file}"], "--output {file}: {file} is a file, not a folder"),
         (["--output", "{file}/report"], "--output {file}/report: {file} is a file, not a folder"),
         (["--output", "/proc/gpn-report"], "--output /proc/gpn-report: cannot write in /proc"),
