@@ -25,6 +25,7 @@ from __future__ import annotations
 import operator
 import threading
 import weakref
+from collections.abc import Callable, Mapping
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -95,6 +96,24 @@ def registered_global_hook() -> str | None:
     return next((name.strip("_") for name in _GLOBAL_HOOKS if getattr(hooks, name, None)), None)
 
 
+def replaced_method(obj: object, methods: Mapping[type, Mapping[str, Callable]]) -> str | None:
+    """The name of a method of `obj` that a fast path computes without calling it and that would not run as
+    written: set on the instance, or on its class (overridden by a subclass, or assigned to the class). `methods`:
+    by class, each such method as written (a class not listed, nor a subclass of one, has none); None when every
+    one runs as written."""
+    kind = type(obj)
+    written = methods.get(kind)
+    if written is None:  # (a subclass of a listed class: its own definitions are overrides)
+        written = next((methods[base] for base in kind.__mro__ if base in methods), None)
+        if written is None:
+            return None
+    instance = obj.__dict__
+    for name, function in written.items():
+        if name in instance or getattr(kind, name, None) is not function:
+            return name
+    return None
+
+
 def called_as_is(module: torch.nn.Module) -> bool:
     """No hooks on `module` and no `forward` of its own instance: calling it runs its class's forward alone."""
     return not (
@@ -113,8 +132,10 @@ _data_ptr = torch.Tensor.data_ptr
 
 class WatchedModules:
     """The modules below `roots` as they are now, to tell cheaply whether they still are: the same module
-    objects under the same names, none hooked nor given a `forward` of its own, each parameter the same
-    tensor with the same storage and version, and no global module hook. A tensor subclass (a torchao
+    objects under the same names, none hooked nor given a `forward` (or another of its `methods`, and no
+    method of `callers`, by class as `replaced_method` takes them) of its own instance, each parameter the same
+    tensor with the same storage and version, and no global module hook. (A method assigned to a class is
+    looked for when the plan is built, not at every check: a class is not watched.) A tensor subclass (a torchao
     quantized weight) is watched through what it holds: every attribute the same object (none added), each
     plain tensor among them with the same storage and version (one holding another subclass is keyed whole,
     `_tensor_key`). What a plan derived from them (and checked as plain when it was built) asks before every
@@ -127,12 +148,20 @@ class WatchedModules:
     `RemovableHandle.next_id`); the rest is a few C-level passes over flat lists, with no key tuple to build
     and no `__tensor_flatten__` (which torchao answers in Python)."""
 
-    def __init__(self, *roots: torch.nn.Module):
+    def __init__(
+        self,
+        *roots: torch.nn.Module,
+        methods: Mapping[type, Mapping[str, Callable]] | None = None,
+        callers: tuple = (),
+    ):
         self.modules = _modules_below(*roots)
         self.owners, self.names, self.objects = [], [], []  # owners[i][names[i]] is objects[i]
         self.held, self.sizes, self.subclassed, self.kinds, self.whole, tensors = [], [], [], [], [], []
+        for caller in callers:
+            self._watch_methods(caller, methods)
         for module in self.modules:
             self._watch(module.__dict__, "forward", None)  # (no `forward` of its own instance)
+            self._watch_methods(module, methods)
             for name, child in module._modules.items():
                 self._watch(module._modules, name, child)
             for name, parameter in module._parameters.items():
@@ -159,6 +188,15 @@ class WatchedModules:
         self.versions = list(map(_version, tensors))
         self.hooks_seen_at = None  # (the `next_id` at the last look at every module's hooks that found none)
         self.unhooked()
+
+    def _watch_methods(self, obj: object, methods: Mapping[type, Mapping[str, Callable]] | None) -> None:
+        """Watch that none of `obj`'s methods listed in `methods` (by its class) is set on the instance."""
+        kind = type(obj)
+        for base in kind.__mro__ if methods else ():
+            if base in methods:
+                for name in methods[base].keys() - {"forward"}:  # (every module's forward is watched already)
+                    self._watch(obj.__dict__, name, None)
+                return
 
     def _watch(self, owner: dict, name: str, value: object) -> None:
         self.owners.append(owner)

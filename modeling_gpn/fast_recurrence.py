@@ -83,6 +83,7 @@ from .derived_weights import (
     derived_weights_scope,
     keep_with,
     registered_global_hook,
+    replaced_method,
 )
 from .memory_kernels import (
     MAX_STEP_ROWS,
@@ -358,7 +359,7 @@ def decode_kernel_enabled() -> bool:
     return step_kernels_enabled() and not switched_off("GPN_DECODE_KERNEL")
 
 
-def decode_lane_blocker(lm, norm_class: type) -> str | None:
+def decode_lane_blocker(lm, norm_class: type, methods: dict) -> str | None:
     """Why a decoded token of the causal LM `lm` cannot run as one C call (`fast_decode_token`), or None.
 
     The call computes the embedding row, the token and decoder projections, the step and the logits from
@@ -368,7 +369,9 @@ def decode_lane_blocker(lm, norm_class: type) -> str | None:
     norm), the projections plain `nn.Linear`s (float32, bfloat16 or torchao int8 weight-only weights), the head
     a bias-free `nn.Linear` whose weight is the embedding's (tied) or an `nn.Linear` with torchao's int8
     weight-only weight (a quantized head, which the forward calls as it is), none of them nor the base model
-    hooked, and no global module hook. Anything else runs the forward as usual, which calls every module."""
+    hooked, no global module hook, and none of the `methods` it computes (by class: the base model's forward,
+    the logits, the step's, ...; `replaced_method`) set on an instance, overridden or assigned to a class.
+    Anything else runs the forward as usual, which calls every module and method."""
     model = lm.model
     embedding, head = model.embed_tokens, lm.lm_head
     for name, module in (("lm_head", head), ("fuse_proj", model.fuse_proj), ("decode_proj", model.decode_proj)):
@@ -387,6 +390,10 @@ def decode_lane_blocker(lm, norm_class: type) -> str | None:
             return f"{name} is not a plain {norm_class.__name__} without hooks"
     if not called_as_is(model):
         return "the base model is hooked or its forward replaced"
+    for obj in (lm, model):
+        method = replaced_method(obj, methods)
+        if method is not None:
+            return f"{type(obj).__name__}.{method} is replaced (on the instance, by a subclass or on the class)"
     return model.fast_path_blocker()
 
 
@@ -397,7 +404,7 @@ class DecodeLane(NamedTuple):
     modules: WatchedModules
 
 
-def _decode_lane(lm, derived: dict, rows: int) -> DecodeLane:
+def _decode_lane(lm, derived: dict, rows: int, methods: dict) -> DecodeLane:
     """The `DecodeLane` of `rows` rows for this scope, built (after `decode_lane_blocker` found the modules plain)
     on first use, and again whenever its modules are no longer what they were."""
     lanes = derived.setdefault("decode lanes", {})
@@ -420,14 +427,17 @@ def _decode_lane(lm, derived: dict, rows: int) -> DecodeLane:
                     )
             except KernelRefusal:
                 pass
-        lane = lanes[rows] = DecodeLane(plan, WatchedModules(model, lm.lm_head))
+        lane = lanes[rows] = DecodeLane(plan, WatchedModules(model, lm.lm_head, methods=methods, callers=(lm,)))
     return lane
 
 
-def fast_decode_token(lm, input_ids: torch.Tensor, attention_mask, cache, norm_class: type) -> torch.Tensor | None:
+def fast_decode_token(
+    lm, input_ids: torch.Tensor, attention_mask, cache, norm_class: type, methods: dict
+) -> torch.Tensor | None:
     """The logits (B, 1, vocab) of one token a row decoded from `cache`, which it advances, in one C call
     (`memory_kernels.DecodePlan`: embedding row, token projection, step, decoder, logits), or None where this
-    call is not such a step, or its modules are not plain (`decode_lane_blocker`): the caller then runs the
+    call is not such a step, or its modules or `methods` (by class, those it computes without calling them) are
+    not as written (`decode_lane_blocker`): the caller then runs the
     forward as usual, which computes the same.
 
     Such a step: `input_ids` (B, 1) on the CPU, 1 <= B <= `MAX_STEP_ROWS`, no autograd, a cache holding a state
@@ -458,9 +468,10 @@ def fast_decode_token(lm, input_ids: torch.Tensor, attention_mask, cache, norm_c
     with derived_weights_scope(model, kept_by=cache) as scope:
         lane = scope.entries.get("decode lanes", {}).get(rows)
         if lane is None or not lane.modules.unchanged():
-            if decode_lane_blocker(lm, norm_class) is not None:
+            if decode_lane_blocker(lm, norm_class, methods) is not None:
                 return None
-            lane = _decode_lane(lm, scope.current(model), rows)  # (current: dropping what older weights derived)
+            # (current: dropping what older weights derived)
+            lane = _decode_lane(lm, scope.current(model), rows, methods)
         if lane.plan is None:
             return None
         plan, derived = lane.plan, scope.entries

@@ -50,7 +50,7 @@ from transformers.utils import logging
 from .cache import GPNCache, continuation_start
 from .chunked_loss import chunked_causal_lm_loss, divide_loss_sum
 from .configuration_gpn import GPNConfig
-from .derived_weights import called_as_is, derived_weights_scope, keep_with, registered_global_hook
+from .derived_weights import called_as_is, derived_weights_scope, keep_with, registered_global_hook, replaced_method
 from .fast_recurrence import (
     DERIVED_ATTRIBUTES,
     fast_decode_token,
@@ -464,6 +464,13 @@ class GPNPreTrainedModel(PreTrainedModel):
                 module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
 
 
+def _replaced_method_reason(name: str, obj: object, method: str) -> str:
+    return (
+        f"{name}.{method} is replaced (set on the instance, overridden by a subclass or assigned to the class): the "
+        "fast path computes the one defined here, the plain path calls it"
+    )
+
+
 def _why_not_foldable(name: str, module: nn.Module, allowed: tuple[type, ...]) -> str:
     """The reason `GPNModel.fast_path_blocker` gives for `module`."""
     if type(module) not in allowed:
@@ -472,6 +479,9 @@ def _why_not_foldable(name: str, module: nn.Module, allowed: tuple[type, ...]) -
         return f"{name} has hooks"
     if "forward" in module.__dict__:
         return f"{name} has a forward of its own (set on the module)"
+    method = replaced_method(module, RECURRENCE_METHODS)
+    if method is not None:
+        return _replaced_method_reason(name, module, method)
     param_name, param = next((n, p) for n, p in module._parameters.items() if not foldable_parameter(module, n, p))
     return f"{name}.{param_name} is a {type(param).__qualname__}, not a plain nn.Parameter (nor a weight the fast path takes)"
 
@@ -587,8 +597,10 @@ class GPNModel(GPNPreTrainedModel):
         modules, so it computes the model only when each of them is exactly what it folds: an
         `nn.Linear` or `GPNRMSNorm` of that exact class (a subclass, a PEFT LoRA wrapper or a quantized
         replacement is not), with plain `nn.Parameter` weights (no tensor subclass, no parametrization),
-        and no forward or backward hooks on it or registered globally. Anything else runs the plain path,
-        which calls every module. So does gradient checkpointing with a checkpoint function other than
+        and no forward or backward hooks on it or registered globally; and each method of the equations the
+        plain loop would call (`RECURRENCE_METHODS`: `ground`, `ffn`, ...) as written here, not replaced on
+        an instance, overridden or assigned to its class. Anything else runs the plain path, which calls
+        every module and method. So does gradient checkpointing with a checkpoint function other than
         `torch.utils.checkpoint.checkpoint` (whose work the fast path does itself), and a hook on the
         segment layer: the plain path calls them on every segment.
         """
@@ -598,6 +610,12 @@ class GPNModel(GPNPreTrainedModel):
         blocker = self._segment_layer_blocker()
         if blocker is not None:
             return blocker
+        method = replaced_method(self, RECURRENCE_METHODS)
+        if method is not None:
+            return _replaced_method_reason("model", self, method)
+        # (the norms' class is looked at once, as they are many; a forward set on one of them, in the loop below)
+        if GPNRMSNorm.forward is not RECURRENCE_METHODS[GPNRMSNorm]["forward"]:
+            return _replaced_method_reason("GPNRMSNorm", GPNRMSNorm, "forward")
         allowed = (nn.Linear, GPNRMSNorm, nn.ModuleList, GPNMemoryWrite, GPNPredictLayer)
         # Runs before every fast call (decoding too): a flat walk over the two levels of modules below the
         # model's children (the blocks and their projections); a wrapper fails on its own type, so what it
@@ -618,6 +636,7 @@ class GPNModel(GPNPreTrainedModel):
             if (
                 type(module) not in allowed
                 or "forward" in module.__dict__  # (a forward patched on the instance: it must be called)
+                or (type(module) in (GPNMemoryWrite, GPNPredictLayer) and replaced_method(module, RECURRENCE_METHODS))
                 or module._forward_pre_hooks
                 or module._forward_hooks
                 or module._backward_pre_hooks
@@ -640,6 +659,9 @@ class GPNModel(GPNPreTrainedModel):
             or segment._backward_hooks
         ):
             return "segment_layer has hooks"
+        method = replaced_method(segment, RECURRENCE_METHODS)
+        if method is not None:
+            return _replaced_method_reason("segment_layer", segment, method)
         if self.checkpointing_segments() and not is_torch_checkpoint(segment._gradient_checkpointing_func):
             return "gradient checkpointing runs a checkpoint function other than torch.utils.checkpoint.checkpoint"
         return None
@@ -1410,7 +1432,9 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         )
         if asks_only_logits and input_ids is not None and not is_tracing():
             # a decoded token (one a row, from a cache): the whole of it in one C call where it is plain
-            logits = fast_decode_token(self, input_ids, attention_mask, cache, norm_class=GPNRMSNorm)
+            logits = fast_decode_token(
+                self, input_ids, attention_mask, cache, norm_class=GPNRMSNorm, methods=DECODED_TOKEN_METHODS
+            )
             if logits is not None:
                 output = GPNCausalLMOutput.of_decoded_token(logits, cache)
                 return output if return_dict else output.to_tuple()
@@ -1525,6 +1549,29 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
 # generate() inspects the forward's signature at every token of a model defined outside transformers (does it
 # take `cache_position`?): computed once here, as `inspect.signature` returns a function's `__signature__`
 GPNForCausalLM.forward.__signature__ = inspect.signature(GPNForCausalLM.forward)
+
+
+def _as_written(cls: type, *names: str) -> dict:
+    return {name: cls.__dict__[name] for name in names}
+
+
+# The methods the fast path computes without calling them, by class, as written here: those the plain loop
+# (`recurrence_plain`) calls. One set on an instance (`model.model.ground = ...`), overridden by a subclass or
+# assigned to the class (an interpretability patch of a step, a steering `ffn`) takes effect only where it is
+# called, so the plain path then runs (`GPNModel.fast_path_blocker`).
+RECURRENCE_METHODS = {
+    GPNRMSNorm: _as_written(GPNRMSNorm, "forward"),
+    GPNMemoryWrite: _as_written(GPNMemoryWrite, "forward", "keys", "log_decay"),
+    GPNPredictLayer: _as_written(GPNPredictLayer, "forward", "ffn", "read"),
+    GPNSegmentLayer: _as_written(GPNSegmentLayer, "forward"),
+    GPNModel: _as_written(GPNModel, "recurrence_plain", "_plain_steps", "step", "ground", "predict"),
+}
+# A decoded token in one C call (`fast_recurrence.fast_decode_token`) computes more without calling it: the base
+# model's forward (its token side, recurrence and decoder) and the logits. Those replaced, the forward runs.
+DECODED_TOKEN_METHODS = RECURRENCE_METHODS | {
+    GPNModel: RECURRENCE_METHODS[GPNModel] | _as_written(GPNModel, "forward", "token_inputs", "recurrence", "decoded"),
+    GPNForCausalLM: _as_written(GPNForCausalLM, "logits_of"),
+}
 
 
 def causal_lm_loss(

@@ -60,15 +60,30 @@ class Observed(Counter):
 
 @contextlib.contextmanager
 def _wrapped(owner, name: str, wrapper_of, static: bool = False) -> Iterator[None]:
-    """`owner.name` replaced for the block by `wrapper_of(real)`, a pass-through that counts."""
+    """`owner.name` replaced for the block by `wrapper_of(real)`, a pass-through that counts. Where the fast path
+    computes that method without calling it (`modeling_gpn.RECURRENCE_METHODS`, `DECODED_TOKEN_METHODS`), it
+    would take the wrapper for a replacement it must call and step aside: the registries are told for the block
+    that the wrapper is the method as written (it computes exactly what it wraps)."""
+    from modeling_gpn import modeling_gpn
+
     real = owner.__dict__[name]
     function = real.__func__ if isinstance(real, staticmethod) else real
     wrapper = functools.wraps(function)(wrapper_of(function))
+    listed = [
+        methods
+        for registry in (modeling_gpn.RECURRENCE_METHODS, modeling_gpn.DECODED_TOKEN_METHODS)
+        for methods in registry.values()
+        if methods.get(name) is real
+    ]
     setattr(owner, name, staticmethod(wrapper) if static else wrapper)
+    for methods in listed:
+        methods[name] = wrapper
     try:
         yield
     finally:
         setattr(owner, name, real)
+        for methods in listed:
+            methods[name] = real
 
 
 def _counting(seen: Observed, backend: str):

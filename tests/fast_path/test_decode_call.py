@@ -149,6 +149,25 @@ def doubling(module, args, output):
     return output * 2
 
 
+def doubled(method):
+    return lambda *args, **kwargs: 2 * method(*args, **kwargs)
+
+
+class replaced_on_class:  # noqa: N801 (a handle, named for what it does)
+    """`cls.name` doubled until `remove()`, as a hook's handle removes it."""
+
+    def __init__(self, cls: type, name: str):
+        self.cls, self.name, self.written = cls, name, cls.__dict__[name]
+        setattr(cls, name, doubled_method(self.written))
+
+    def remove(self) -> None:
+        setattr(self.cls, self.name, self.written)
+
+
+def doubled_method(function):
+    return lambda self, *args, **kwargs: 2 * function(self, *args, **kwargs)
+
+
 HOOKED = {
     "lm_head forward hook": lambda m: m.lm_head.register_forward_hook(doubling),
     "decode_proj forward hook": lambda m: m.model.decode_proj.register_forward_hook(doubling),
@@ -164,14 +183,21 @@ HOOKED = {
         m.model.fuse_proj, "forward", lambda x: torch.full((*x.shape[:-1], m.config.hidden_size), 5.0, dtype=x.dtype)
     ),
     "fuse_gate forward hook (a step module)": lambda m: m.model.fuse_gate.register_forward_hook(doubling),
+    # methods the one call computes without calling them (`modeling_gpn.DECODED_TOKEN_METHODS`), replaced
+    "decoded replaced on the base model's instance": lambda m: setattr(m.model, "decoded", doubled(m.model.decoded)),
+    "logits_of replaced on the causal LM's instance": lambda m: setattr(m, "logits_of", doubled(m.logits_of)),
+    "token_inputs replaced on the base model's class": lambda m: replaced_on_class(type(m.model), "token_inputs"),
+    "ffn replaced on a layer's instance (a step method)": lambda m: setattr(
+        m.model.predict_layers[0], "ffn", doubled(m.model.predict_layers[0].ffn)
+    ),
 }
 
 
 @pytest.mark.parametrize("change", HOOKED)
 def test_a_hook_or_replaced_forward_is_never_skipped(one_thread, model, change):
     """With a hook (its own, on the base model, global) or an instance forward on a module the one call would
-    not call, it does not run: the tokens decode as the forward computes them with the hook (= the plain
-    loop's), which differ from the unhooked ones."""
+    not call, or a method it computes replaced (on an instance or a class), it does not run: the tokens decode as
+    the forward computes them with the hook (= the plain loop's), which differ from the unhooked ones."""
     unhooked = decode(model)
     handle = HOOKED[change](model)
     try:
@@ -246,15 +272,19 @@ AFTER_THE_PLAN = (
     "global forward hook",
     "fuse_proj forward replaced",
     "fuse_gate forward hook (a step module)",
+    # (a method set on an instance is watched before every token; one assigned to a class, from the next scope)
+    "decoded replaced on the base model's instance",
+    "logits_of replaced on the causal LM's instance",
+    "ffn replaced on a layer's instance (a step method)",
 )
 
 
 @pytest.mark.parametrize("change", AFTER_THE_PLAN)
 def test_a_hook_or_forward_added_between_two_calls_on_one_cache_is_seen(one_thread, model, change):
-    """A hook registered, or a forward given to a module, between two one-token calls on one cache, after the
-    first call built and checked its plan: the next token runs the hook (`assert_an_edit_between_two_calls_is_seen`).
-    The plan looks at its modules' hooks again because a hook was registered (`WatchedModules.unhooked`), and
-    at their forwards before every token."""
+    """A hook registered, or a forward (or another method the one call computes) given to a module or the causal LM,
+    between two one-token calls on one cache, after the first call built and checked its plan: the next token runs
+    the hook (`assert_an_edit_between_two_calls_is_seen`). The plan looks at its modules' hooks again because a hook
+    was registered (`WatchedModules.unhooked`), and at their forwards and methods before every token."""
     handles = []
     ids = torch.randint(1, 97, (1, 6), generator=torch.Generator().manual_seed(29))
     try:
