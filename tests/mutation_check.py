@@ -1324,6 +1324,13 @@ MUTATIONS = [
         "    pass  # MUTATION\n",
         ("tests/tools/test_gpu_check_report.py::test_the_dry_run_times_the_decode_step_on_the_route_a_gpu_takes",),
     ),
+    Mutation(
+        "gpn serve: chat to a model without a chat template is a 400 (transformers: a 500)",
+        "modeling_gpn/serve/handlers.py",
+        '        if self.renders_chat and getattr(processor, "chat_template", None) is None:\n',
+        "        if False:  # MUTATION\n",
+        ("tests/tools/test_serve.py -k without_a_chat_template",),
+    ),
 ]
 
 
