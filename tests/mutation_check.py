@@ -1331,6 +1331,13 @@ MUTATIONS = [
         "        if False:  # MUTATION\n",
         ("tests/tools/test_serve.py -k without_a_chat_template",),
     ),
+    Mutation(
+        "gpn serve's missing-extra hint installs from the repository, not PyPI's unrelated gpn",
+        "modeling_gpn/serve/cli.py",
+        "pip install -e '.[serving]' in the gpn repository",
+        "pip install 'gpn[serving]'  # MUTATION",
+        ("tests/tools/test_docs.py -k unrelated_gpn",),
+    ),
 ]
 
 

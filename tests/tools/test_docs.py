@@ -216,6 +216,19 @@ def test_runnable_python_blocks_run(block, workspace, monkeypatch):
         exec(code, namespace)  # noqa: S102 - the documentation's own code, run as a reader would
 
 
+def test_no_install_hint_names_the_unrelated_gpn_package_on_pypi():
+    """This package installs from its repository (`pip install -e ".[gpu]"`): `gpn` on PyPI is another project
+    (genomic language models), so `pip install 'gpn[serving]'`, which `gpn serve` printed when its extra was
+    missing (and docs/gpu.md and the Triton kernels' import error said for `[gpu]`), installs that instead."""
+    from ..environment import REPO_ROOT
+
+    files = [REPO_ROOT / "README.md", REPO_ROOT / "CONTRIBUTING.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+    for folder in ("modeling_gpn", "eval", "conversion", "benchmarks"):
+        files += sorted((REPO_ROOT / folder).rglob("*.py")) + sorted((REPO_ROOT / folder).rglob("*.sh"))
+    assert len(files) > 50
+    assert [f"{path.relative_to(REPO_ROOT)}" for path in files if "gpn[" in path.read_text()] == []
+
+
 def test_a_renamed_option_fails_the_parse_check():
     """The check can fail: an option the parser does not know is reported with the parser's message."""
     with pytest.raises(AssertionError, match="unrecognized arguments: --tokens-to-generate"):
