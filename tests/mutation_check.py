@@ -1338,6 +1338,13 @@ MUTATIONS = [
         "pip install 'gpn[serving]'  # MUTATION",
         ("tests/tools/test_docs.py -k unrelated_gpn",),
     ),
+    Mutation(
+        "gpn train --help leaves out '[built-in: None]' (the option's help says what unset means)",
+        "modeling_gpn/train/cli.py",
+        '        built_in = "" if option.default is None else f" [built-in: {option.default}]"\n',
+        '        built_in = f" [built-in: {option.default}]"  # MUTATION\n',
+        ("tests/tools/test_docs.py -k training_programs_own_help",),
+    ),
 ]
 
 

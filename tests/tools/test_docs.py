@@ -162,13 +162,23 @@ def test_every_option_has_help(subcommand):
 
 def test_the_training_programs_own_help_gives_each_default_once(capsys):
     """`python -m modeling_gpn.train --help` (what `accelerate launch -m modeling_gpn.train` users read) does not go
-    through the `gpn` command, so it needs the same formatter: no "(default: None)", a default where there is one."""
+    through the `gpn` command, so it needs the same formatter: no "(default: None)", a default where there is one.
+    The settings' built-in values read "[built-in: X]"; an unset one says in its own help what unset means, never
+    "[built-in: None]" (`--output-dir ... (default runs/<recipe name>) [built-in: None]`)."""
     from modeling_gpn.train.cli import main
+    from modeling_gpn.train.settings import OPTIONS
 
     with pytest.raises(SystemExit) as exit:
         main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert exit.value.code == 0 and "(default: None)" not in text and "(default: " in text
+    assert "[built-in: None]" not in text and "[built-in: 2048]" in text
+    unexplained = [
+        option.key
+        for option in OPTIONS
+        if option.default is None and not re.search(r"\b(unset|default|without it)\b", option.help)
+    ]
+    assert unexplained == [], "options with no built-in value whose help does not say what unset means"
 
 
 def test_gpn_version_names_the_installed_package_and_what_it_runs_on(capsys):
