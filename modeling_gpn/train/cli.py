@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Train a GPN (or a LlamaForCausalLM baseline) with Accelerate. Settings come from the built-in defaults, "
         "then --recipe, then --config, then the options below. Recipes: " + ", ".join(list_recipes()) + ". "
-        "Example: `gpn train --recipe tiny-cpu` (the tiny preset on Shakespeare, a few minutes on a CPU); "
+        "Example: `gpn train --recipe tiny-cpu` (the tiny preset on Shakespeare, about a minute on 2 CPU cores); "
         "`accelerate launch -m modeling_gpn.train --recipe paper-130m` (the paper's run)."
     )
     parser.add_argument("--recipe", help="a recipe name (" + ", ".join(list_recipes()) + ") or a recipe JSON path")
