@@ -1345,6 +1345,13 @@ MUTATIONS = [
         '        built_in = f" [built-in: {option.default}]"  # MUTATION\n',
         ("tests/tools/test_docs.py -k training_programs_own_help",),
     ),
+    Mutation(
+        "the model card's kernel note names the step kernels (not only the memory update)",
+        "modeling_gpn/hub/model_card.py",
+        '"half of a step and its gradient, and the whole no-grad step of 1 to 16 rows: a prompt\'s prefill and every "\n    "decoded token) with',
+        '"half of a step and its gradient) with',
+        ("tests/fast_path/test_kernel_safety.py -k model_card_says",),
+    ),
 ]
 
 
