@@ -239,6 +239,32 @@ def test_no_install_hint_names_the_unrelated_gpn_package_on_pypi():
     assert [f"{path.relative_to(REPO_ROOT)}" for path in files if "gpn[" in path.read_text()] == []
 
 
+def test_the_docs_links_and_named_files_exist():
+    """Every relative link of README.md, CONTRIBUTING.md and docs/ (reports included) leads to a file, and every
+    file of the repository a page names in backticks (`benchmarks/serve_ttft.py`) is there: a moved script or
+    a renamed page fails here, naming the page. Links out of the repository (`../shared/GPN.md`) are the
+    shared folder's, checked by the tests that read it."""
+    from ..environment import REPO_ROOT
+
+    pages = [REPO_ROOT / "README.md", REPO_ROOT / "CONTRIBUTING.md", *sorted((REPO_ROOT / "docs").rglob("*.md"))]
+    from_sdist = {"tests/test_modeling_common.py"}  # transformers' file, fetched by the common-tests test
+    missing = []
+    for page in pages:
+        text = page.read_text()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            path = (page.parent / target.split("#")[0]).resolve()
+            if re.match(r"[a-z]+://", target) or not path.is_relative_to(REPO_ROOT):
+                continue
+            if not path.exists():
+                missing.append(f"{page.relative_to(REPO_ROOT)}: link {target}")
+        for named in re.findall(
+            r"`((?:benchmarks|modeling_gpn|tests|configuration|eval|conversion|docs)/[\w./-]+)`", text
+        ):
+            if named not in from_sdist and not (REPO_ROOT / named).exists():
+                missing.append(f"{page.relative_to(REPO_ROOT)}: `{named}`")
+    assert len(pages) > 15 and missing == []
+
+
 def test_a_renamed_option_fails_the_parse_check():
     """The check can fail: an option the parser does not know is reported with the parser's message."""
     with pytest.raises(AssertionError, match="unrecognized arguments: --tokens-to-generate"):
