@@ -11,7 +11,7 @@ try:  # (inside try: transformers' remote-code import check must not demand trit
     import triton
     import triton.language as tl
 except ImportError as error:
-    raise ImportError(f"the GPN Triton kernels need triton ({error}); pip install 'gpn[gpu]'") from error
+    raise ImportError(f"the GPN Triton kernels need triton ({error}): pip install triton") from error
 
 
 def _mend_interpreter_index() -> None:

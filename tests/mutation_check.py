@@ -6,7 +6,7 @@ checks behind the tests that once could not fail), the tests that claim that fea
 a table says, per mutation, how many of them ran and how many failed. Every one of them must fail: a test
 that passes with its feature gone does not test it. Exit status 0 only then.
 
-Not part of CI (it runs a slice of the suite once per mutation: about 10 minutes on 2 cores). Run from the
+Not part of CI (it runs a slice of the suite once per mutation, some 170 of them: tens of minutes on 2 cores). Run from the
 repository root, with the test environment active (and GPN_SHARED_DIR set, as for the tests):
 
     python tests/mutation_check.py                # all mutations
@@ -1466,6 +1466,34 @@ MUTATIONS = [
         '    os.environ["GPN_MEMORY_KERNELS"] = "0"\n',
         "    pass  # MUTATION\n",
         ("tests/tools/test_gpu_check_report.py::test_the_dry_run_times_the_decode_step_on_the_route_a_gpu_takes",),
+    ),
+    Mutation(
+        "gpn serve: chat to a model without a chat template is a 400 (transformers: a 500)",
+        "modeling_gpn/serve/handlers.py",
+        '        if self.renders_chat and getattr(processor, "chat_template", None) is None:\n',
+        "        if False:  # MUTATION\n",
+        ("tests/tools/test_serve.py -k without_a_chat_template",),
+    ),
+    Mutation(
+        "gpn serve's missing-extra hint installs from the repository, not PyPI's unrelated gpn",
+        "modeling_gpn/serve/cli.py",
+        "pip install -e '.[serving]' in the gpn repository",
+        "pip install 'gpn[serving]'  # MUTATION",
+        ("tests/tools/test_docs.py -k unrelated_gpn",),
+    ),
+    Mutation(
+        "gpn train --help leaves out '[built-in: None]' (the option's help says what unset means)",
+        "modeling_gpn/train/cli.py",
+        '        built_in = "" if option.default is None else f" [built-in: {option.default}]"\n',
+        '        built_in = f" [built-in: {option.default}]"  # MUTATION\n',
+        ("tests/tools/test_docs.py -k training_programs_own_help",),
+    ),
+    Mutation(
+        "the model card's kernel note names the step kernels (not only the memory update)",
+        "modeling_gpn/hub/model_card.py",
+        '"half of a step and its gradient, and the whole no-grad step of 1 to 16 rows: a prompt\'s prefill and every "\n    "decoded token) with',
+        '"half of a step and its gradient) with',
+        ("tests/fast_path/test_kernel_safety.py -k model_card_says",),
     ),
 ]
 

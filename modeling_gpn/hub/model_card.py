@@ -224,14 +224,15 @@ def extract_usage_snippet(card_text: str) -> str:
 
 
 KERNEL_NOTE = (
-    "**The remote code compiles and loads C.** On CPU, `memory_kernels.py` compiles two small C kernels (the "
-    "memory update of a step and its gradient) with the system's C compiler (`cc`, or `$CC`) on first use, "
+    "**The remote code compiles and loads C.** On CPU, `memory_kernels.py` compiles its C kernels (the memory "
+    "half of a step and its gradient, and the whole no-grad step of 1 to 16 rows: a prompt's prefill and every "
+    "decoded token) with the system's C compiler (`cc`, or `$CC`) on first use, "
     "at most `GPN_KERNEL_BUILD_TIMEOUT` seconds (default 60), and loads the shared library into the Python "
     "process with `ctypes`. Builds are cached in `$GPN_KERNEL_CACHE` (default `~/.cache/gpn/kernels`) and a "
     "cached build is loaded only if it and its folder are owned by you and writable by no one else and its "
     "content matches the hash recorded when it was built; anything else is rebuilt, with a warning. "
     "`GPN_MEMORY_KERNELS=0` turns them off: nothing is compiled or loaded, and torch operations compute the "
-    "same results (somewhat slower)."
+    "same results, slower."
 )
 
 

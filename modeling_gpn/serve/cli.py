@@ -142,7 +142,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         from .server import GPNServe
     except ImportError as error:  # fastapi, uvicorn, openai: transformers' serving extra
-        print(f"gpn serve needs the serving dependencies ({error}): pip install 'gpn[serving]'", file=sys.stderr)
+        print(
+            f"gpn serve needs the serving dependencies ({error}): pip install -e '.[serving]' in the gpn repository",
+            file=sys.stderr,
+        )
         return 2
     options = {name: getattr(args, name) for name, *_ in _serve_parameters() if name != "force_model"}
     options.update({name: getattr(args, name) for name in GPN_OPTIONS})

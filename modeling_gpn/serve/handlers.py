@@ -5,6 +5,8 @@ render the chat template, build the generation config, stream and format the ans
 mixin placed before them) adds, at the points where they hand over:
 
 - the request checked first (`validation`): a wrong type or value is a 400 naming the field, never a 500;
+  so is a chat or Responses request to a model whose tokenizer has no chat template (every model `gpn train`
+  makes: transformers would answer with a 500 and a traceback in the log);
 - admission: at most `max_queued_requests` requests taken on at once (running or waiting for the model's
   inference thread); one more is a 429. A request's slot is freed when its answer is over: its response sent,
   or its stream ended, finished or cut off by the client (whose generation transformers' streamer then
@@ -153,6 +155,7 @@ class StateKeeping:
     """Mixin for a transformers serving handler (see the module docstring); `check_request` validates bodies."""
 
     check_request = staticmethod(lambda body: None)
+    renders_chat = True  # whether the endpoint renders messages with the tokenizer's chat template
     takes_n = True  # whether the endpoint has `n` (the Responses API has not: transformers refuses it, 422)
     max_tokens_fields = ("max_tokens", "max_completion_tokens")  # what sets the answer's length
 
@@ -199,6 +202,13 @@ class StateKeeping:
             raise HTTPException(
                 status_code=404, detail=f"model {body.get('model')!r} cannot be loaded: {error}"
             ) from None
+        if self.renders_chat and getattr(processor, "chat_template", None) is None:
+            raise HTTPException(
+                status_code=400,
+                detail=f"model {model_id!r} has no chat template (its tokenizer's chat_template is not set), so it "
+                "cannot render messages: send raw text to /v1/completions, or set tokenizer.chat_template and save "
+                "the tokenizer into the model folder",
+            )
         request.model = StateKeepingModel(
             model,
             self.policy.store,
@@ -354,6 +364,7 @@ class StateKeepingCompletionHandler(StateKeeping, CompletionHandler):
     """transformers' `/v1/completions` handler, through the state store."""
 
     check_request = staticmethod(check_completion_request)
+    renders_chat = False  # raw text: no chat template needed
 
 
 class StateKeepingResponseHandler(StateKeeping, ResponseHandler):

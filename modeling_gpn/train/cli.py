@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Train a GPN (or a LlamaForCausalLM baseline) with Accelerate. Settings come from the built-in defaults, "
         "then --recipe, then --config, then the options below. Recipes: " + ", ".join(list_recipes()) + ". "
-        "Example: `gpn train --recipe tiny-cpu` (the tiny preset on Shakespeare, a few minutes on a CPU); "
+        "Example: `gpn train --recipe tiny-cpu` (the tiny preset on Shakespeare, about a minute on 2 CPU cores); "
         "`accelerate launch -m modeling_gpn.train --recipe paper-130m` (the paper's run)."
     )
     parser.add_argument("--recipe", help="a recipe name (" + ", ".join(list_recipes()) + ") or a recipe JSON path")
@@ -56,11 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("settings (default shown is the built-in one; a recipe may set another)")
     for option in OPTIONS:
         # SUPPRESS: an option not given stays unset, so the recipe / config file value is kept.
-        kwargs = {
-            "dest": option.key,
-            "default": argparse.SUPPRESS,
-            "help": f"{option.help} [built-in: {option.default}]",
-        }
+        # An option whose built-in is None says in its own help what unset means ("[built-in: None]" said
+        # nothing, and beside "(default runs/<recipe name>)" contradicted it).
+        built_in = "" if option.default is None else f" [built-in: {option.default}]"
+        kwargs = {"dest": option.key, "default": argparse.SUPPRESS, "help": option.help + built_in}
         if option.choices:
             kwargs["choices"] = option.choices
         if option.type is bool:  # a flag: given means true (a recipe or config file may set it either way)

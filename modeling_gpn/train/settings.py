@@ -52,10 +52,10 @@ OPTIONS: list[Option] = [
         None,
         "force the model family: gpn, or llama (the Transformer++ baseline, built from "
         "--llama-config or the model JSON); a model JSON may also name another transformers model_type (e.g. "
-        "qwen3_next for the Gated DeltaNet baseline of `gpn study`)",
+        "qwen3_next for the Gated DeltaNet baseline of `gpn study`); unset = the model JSON's model_type",
         ("gpn", "llama"),
     ),
-    Option("llama_config", str, None, "path to a LlamaConfig JSON (implies --model-type llama)"),
+    Option("llama_config", str, None, "path to a LlamaConfig JSON (implies --model-type llama); unset = none"),
     Option(
         "bptt_truncation",
         int,

@@ -558,6 +558,9 @@ def test_memory_sizes_that_overflowed_the_kernel_stack_compute_right(good_build,
 
 
 def test_the_model_card_says_the_remote_code_compiles_c_and_how_to_turn_it_off():
+    """The card names what the C runs: since the step kernels, decoding and prefill too (it said "two small C
+    kernels (the memory update of a step and its gradient)", which a user turning them off for a test read as
+    training-only)."""
     from modeling_gpn.hub.model_card import build_card, validate_card
 
     card = build_card(tiny_config(), "someone/tiny-gpn", n_params=1234)
@@ -569,5 +572,7 @@ def test_the_model_card_says_the_remote_code_compiles_c_and_how_to_turn_it_off()
         "~/.cache/gpn/kernels",
         "GPN_MEMORY_KERNELS=0",
         "GPN_KERNEL_BUILD_TIMEOUT",
+        "whole no-grad step of 1 to 16 rows",
+        "decoded token",
     ):
         assert words in card, words

@@ -162,13 +162,23 @@ def test_every_option_has_help(subcommand):
 
 def test_the_training_programs_own_help_gives_each_default_once(capsys):
     """`python -m modeling_gpn.train --help` (what `accelerate launch -m modeling_gpn.train` users read) does not go
-    through the `gpn` command, so it needs the same formatter: no "(default: None)", a default where there is one."""
+    through the `gpn` command, so it needs the same formatter: no "(default: None)", a default where there is one.
+    The settings' built-in values read "[built-in: X]"; an unset one says in its own help what unset means, never
+    "[built-in: None]" (`--output-dir ... (default runs/<recipe name>) [built-in: None]`)."""
     from modeling_gpn.train.cli import main
+    from modeling_gpn.train.settings import OPTIONS
 
     with pytest.raises(SystemExit) as exit:
         main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert exit.value.code == 0 and "(default: None)" not in text and "(default: " in text
+    assert "[built-in: None]" not in text and "[built-in: 2048]" in text
+    unexplained = [
+        option.key
+        for option in OPTIONS
+        if option.default is None and not re.search(r"\b(unset|default|without it)\b", option.help)
+    ]
+    assert unexplained == [], "options with no built-in value whose help does not say what unset means"
 
 
 def test_gpn_version_names_the_installed_package_and_what_it_runs_on(capsys):
@@ -214,6 +224,45 @@ def test_runnable_python_blocks_run(block, workspace, monkeypatch):
     namespace = {"__name__": "__docs__"}
     with contextlib.redirect_stdout(io.StringIO()):
         exec(code, namespace)  # noqa: S102 - the documentation's own code, run as a reader would
+
+
+def test_no_install_hint_names_the_unrelated_gpn_package_on_pypi():
+    """This package installs from its repository (`pip install -e ".[gpu]"`): `gpn` on PyPI is another project
+    (genomic language models), so `pip install 'gpn[serving]'`, which `gpn serve` printed when its extra was
+    missing (and docs/gpu.md and the Triton kernels' import error said for `[gpu]`), installs that instead."""
+    from ..environment import REPO_ROOT
+
+    files = [REPO_ROOT / "README.md", REPO_ROOT / "CONTRIBUTING.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+    for folder in ("modeling_gpn", "eval", "conversion", "benchmarks"):
+        files += sorted((REPO_ROOT / folder).rglob("*.py")) + sorted((REPO_ROOT / folder).rglob("*.sh"))
+    assert len(files) > 50
+    assert [f"{path.relative_to(REPO_ROOT)}" for path in files if "gpn[" in path.read_text()] == []
+
+
+def test_the_docs_links_and_named_files_exist():
+    """Every relative link of README.md, CONTRIBUTING.md and docs/ (reports included) leads to a file, and every
+    file of the repository a page names in backticks (`benchmarks/serve_ttft.py`) is there: a moved script or
+    a renamed page fails here, naming the page. Links out of the repository (`../shared/GPN.md`) are the
+    shared folder's, checked by the tests that read it."""
+    from ..environment import REPO_ROOT
+
+    pages = [REPO_ROOT / "README.md", REPO_ROOT / "CONTRIBUTING.md", *sorted((REPO_ROOT / "docs").rglob("*.md"))]
+    from_sdist = {"tests/test_modeling_common.py"}  # transformers' file, fetched by the common-tests test
+    missing = []
+    for page in pages:
+        text = page.read_text()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            path = (page.parent / target.split("#")[0]).resolve()
+            if re.match(r"[a-z]+://", target) or not path.is_relative_to(REPO_ROOT):
+                continue
+            if not path.exists():
+                missing.append(f"{page.relative_to(REPO_ROOT)}: link {target}")
+        for named in re.findall(
+            r"`((?:benchmarks|modeling_gpn|tests|configuration|eval|conversion|docs)/[\w./-]+)`", text
+        ):
+            if named not in from_sdist and not (REPO_ROOT / named).exists():
+                missing.append(f"{page.relative_to(REPO_ROOT)}: `{named}`")
+    assert len(pages) > 15 and missing == []
 
 
 def test_a_renamed_option_fails_the_parse_check():

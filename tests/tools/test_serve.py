@@ -721,3 +721,58 @@ def test_a_server_not_pinned_answers_an_unknown_model_with_404(tmp_path):
             asyncio.run(handler.handle_request(body, "request-id"))
         assert refused.value.status_code == status and word in refused.value.detail
     assert handler.policy.admission.active == 0  # the refused requests gave their slot back
+
+
+def test_chat_to_a_model_without_a_chat_template_is_a_400_that_points_to_completions(tmp_path, monkeypatch):
+    """A model `gpn train` makes has a tokenizer without a chat template: a chat or Responses request to it is a
+    400 saying so (transformers' handler raised a ValueError from `apply_chat_template`: a 500 and a traceback),
+    and `/v1/completions`, which needs no template, still answers."""
+    import asyncio
+
+    from fastapi import HTTPException
+    from transformers.cli.serving import model_manager
+    from transformers.cli.serving.model_manager import ModelManager
+    from transformers.cli.serving.utils import GenerationState
+
+    from modeling_gpn.data import train_bpe_tokenizer
+    from modeling_gpn.serve.handlers import (
+        Admission,
+        ServingPolicy,
+        StateKeepingChatCompletionHandler,
+        StateKeepingCompletionHandler,
+        StateKeepingResponseHandler,
+    )
+    from modeling_gpn.serve.models import TransformersWithGPN
+
+    tokenizer = train_bpe_tokenizer(["the cat sat on the mat. " * 20], 300)
+    assert tokenizer.chat_template is None
+    tokenizer.save_pretrained(tmp_path)
+    perturbed_model(
+        tiny_config(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id), seed=3
+    ).save_pretrained(tmp_path)
+    monkeypatch.setattr(model_manager, "transformers", TransformersWithGPN())  # as gpn serve does, for this test only
+    manager, state = ModelManager(device="cpu"), GenerationState()
+
+    def handler(kind):
+        return kind(
+            model_manager=manager,
+            generation_state=state,
+            policy=ServingPolicy(store=None, max_context=None, admission=Admission(1)),
+        )
+
+    for kind, body in (
+        (StateKeepingChatCompletionHandler, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
+        (StateKeepingResponseHandler, {"input": "hi", "max_output_tokens": 4}),
+    ):
+        refused_handler = handler(kind)
+        with pytest.raises(HTTPException) as refused:
+            asyncio.run(refused_handler.handle_request({"model": str(tmp_path), **body}, "id"))
+        assert refused.value.status_code == 400, refused.value.detail
+        assert "no chat template" in refused.value.detail and "/v1/completions" in refused.value.detail
+        assert refused_handler.policy.admission.active == 0
+    answered = asyncio.run(
+        handler(StateKeepingCompletionHandler).handle_request(
+            {"model": str(tmp_path), "prompt": "the cat", "max_tokens": 4}, "id"
+        )
+    )
+    assert answered.status_code == 200
