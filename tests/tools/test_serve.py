@@ -751,7 +751,9 @@ def test_chat_to_a_model_without_a_chat_template_is_a_400_that_points_to_complet
         tiny_config(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id), seed=3
     ).save_pretrained(tmp_path)
     monkeypatch.setattr(model_manager, "transformers", TransformersWithGPN())  # as gpn serve does, for this test only
-    manager, state = ModelManager(device="cpu"), GenerationState()
+    # (no idle-unload timer: transformers' is a non-daemon 300 s threading.Timer, which kept the test process
+    # alive for 5 minutes after the tests finished)
+    manager, state = ModelManager(device="cpu", model_timeout=-1), GenerationState()
 
     def handler(kind):
         return kind(
@@ -776,3 +778,4 @@ def test_chat_to_a_model_without_a_chat_template_is_a_400_that_points_to_complet
         )
     )
     assert answered.status_code == 200
+    manager.shutdown()
