@@ -67,7 +67,12 @@ def main() -> None:
     parser.add_argument("--prompt-lengths", type=int, nargs="+", default=[128, 1024])
     parser.add_argument("--decode-tokens", type=int, default=32, help="new tokens per generate() call")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "int8"],
+        help="int8: torchao weight-only, as gpn bench",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
@@ -75,10 +80,11 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     from modeling_gpn.bench import TokenTimes, synchronize
+    from modeling_gpn.bench.models import quantize_int8, weight_dtype
     from modeling_gpn.configuration import load_preset
 
     config_values = load_preset(args.preset).to_dict()
-    dtype = getattr(torch, args.dtype)
+    dtype = weight_dtype(args.dtype)
     models = {}
     with tempfile.TemporaryDirectory() as folder:
         for side, revision in (("old", args.old), ("new", args.new)):
@@ -93,6 +99,8 @@ def main() -> None:
                     weights.setdefault(tied, weights[original])
                 model.load_state_dict(weights)
             models[side] = model.to(args.device, dtype).eval()
+        if args.dtype == "int8":  # (once both hold the same weights: a quantized state dict does not load into bf16)
+            models = {side: quantize_int8(model) for side, model in models.items()}
 
         def timings(model, prompt):
             streamer = TokenTimes(args.device)
