@@ -125,7 +125,7 @@ MUTATIONS = [
         "modeling_gpn/derived_weights.py",
         '            self._watch(module.__dict__, "forward", None)',
         "            pass  # MUTATION",
-        ("tests/fast_path/test_decode_call.py -k added_between_two_calls and replaced",),
+        ("tests/fast_path/test_decode_call.py -k added_between_two_calls and fuse_proj",),
     ),
     Mutation(
         "fast path (a method of the equations replaced on an instance, a class or by a subclass not looked for)",
