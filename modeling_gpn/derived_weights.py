@@ -114,6 +114,14 @@ def replaced_method(obj: object, methods: Mapping[type, Mapping[str, Callable]])
     return None
 
 
+def replaced_method_reason(owner: str, method: str) -> str:
+    """What a fast path's blocker says of `owner`'s `method` that `replaced_method` found."""
+    return (
+        f"{owner}.{method} is replaced (set on the instance, overridden by a subclass or assigned to the class): the "
+        "fast path computes the one defined here, the plain path calls it"
+    )
+
+
 def called_as_is(module: torch.nn.Module) -> bool:
     """No hooks on `module` and no `forward` of its own instance: calling it runs its class's forward alone."""
     return not (

@@ -84,6 +84,7 @@ from .derived_weights import (
     keep_with,
     registered_global_hook,
     replaced_method,
+    replaced_method_reason,
 )
 from .memory_kernels import (
     MAX_STEP_ROWS,
@@ -393,7 +394,7 @@ def decode_lane_blocker(lm, norm_class: type, methods: dict) -> str | None:
     for obj in (lm, model):
         method = replaced_method(obj, methods)
         if method is not None:
-            return f"{type(obj).__name__}.{method} is replaced (on the instance, by a subclass or on the class)"
+            return replaced_method_reason(type(obj).__name__, method)
     return model.fast_path_blocker()
 
 

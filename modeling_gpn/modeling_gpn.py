@@ -50,7 +50,14 @@ from transformers.utils import logging
 from .cache import GPNCache, continuation_start
 from .chunked_loss import chunked_causal_lm_loss, divide_loss_sum
 from .configuration_gpn import GPNConfig
-from .derived_weights import called_as_is, derived_weights_scope, keep_with, registered_global_hook, replaced_method
+from .derived_weights import (
+    called_as_is,
+    derived_weights_scope,
+    keep_with,
+    registered_global_hook,
+    replaced_method,
+    replaced_method_reason,
+)
 from .fast_recurrence import (
     DERIVED_ATTRIBUTES,
     fast_decode_token,
@@ -464,13 +471,6 @@ class GPNPreTrainedModel(PreTrainedModel):
                 module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
 
 
-def _replaced_method_reason(name: str, obj: object, method: str) -> str:
-    return (
-        f"{name}.{method} is replaced (set on the instance, overridden by a subclass or assigned to the class): the "
-        "fast path computes the one defined here, the plain path calls it"
-    )
-
-
 def _why_not_foldable(name: str, module: nn.Module, allowed: tuple[type, ...]) -> str:
     """The reason `GPNModel.fast_path_blocker` gives for `module`."""
     if type(module) not in allowed:
@@ -481,7 +481,7 @@ def _why_not_foldable(name: str, module: nn.Module, allowed: tuple[type, ...]) -
         return f"{name} has a forward of its own (set on the module)"
     method = replaced_method(module, RECURRENCE_METHODS)
     if method is not None:
-        return _replaced_method_reason(name, module, method)
+        return replaced_method_reason(name, method)
     param_name, param = next((n, p) for n, p in module._parameters.items() if not foldable_parameter(module, n, p))
     return f"{name}.{param_name} is a {type(param).__qualname__}, not a plain nn.Parameter (nor a weight the fast path takes)"
 
@@ -612,10 +612,10 @@ class GPNModel(GPNPreTrainedModel):
             return blocker
         method = replaced_method(self, RECURRENCE_METHODS)
         if method is not None:
-            return _replaced_method_reason("model", self, method)
+            return replaced_method_reason("model", method)
         # (the norms' class is looked at once, as they are many; a forward set on one of them, in the loop below)
         if GPNRMSNorm.forward is not RECURRENCE_METHODS[GPNRMSNorm]["forward"]:
-            return _replaced_method_reason("GPNRMSNorm", GPNRMSNorm, "forward")
+            return replaced_method_reason("GPNRMSNorm", "forward")
         allowed = (nn.Linear, GPNRMSNorm, nn.ModuleList, GPNMemoryWrite, GPNPredictLayer)
         # Runs before every fast call (decoding too): a flat walk over the two levels of modules below the
         # model's children (the blocks and their projections); a wrapper fails on its own type, so what it
@@ -661,7 +661,7 @@ class GPNModel(GPNPreTrainedModel):
             return "segment_layer has hooks"
         method = replaced_method(segment, RECURRENCE_METHODS)
         if method is not None:
-            return _replaced_method_reason("segment_layer", segment, method)
+            return replaced_method_reason("segment_layer", method)
         if self.checkpointing_segments() and not is_torch_checkpoint(segment._gradient_checkpointing_func):
             return "gradient checkpointing runs a checkpoint function other than torch.utils.checkpoint.checkpoint"
         return None
