@@ -72,6 +72,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .arguments import check_input_ids
 from .cuda_graphs import GRAPHS_ATTRIBUTE, SWEEPS_ATTRIBUTE, GraphKernels, training_sweep
 from .cuda_graphs import asked as graphs_asked
 from .cuda_graphs import window_forward as graph_window_forward
@@ -484,7 +485,7 @@ def fast_decode_token(
         except KernelRefusal:
             return None
         except IndexError:  # an id outside the vocabulary: the forward's own check says which
-            model.check_input_ids(input_ids)
+            check_input_ids(input_ids, model.config.vocab_size)
             raise
         derived["decoded key"] = (g0, g0._version, plan.key)
     cache.advanced_in_place(input_ids, hashed=ids_hash is not None)

@@ -31,7 +31,6 @@ import dataclasses
 import functools
 import inspect
 import math
-import warnings
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -47,7 +46,16 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput, S
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging
 
-from .cache import GPNCache, continuation_start
+from .arguments import (
+    DECODED_TOKEN_KWARGS,
+    check_attention_mask,
+    check_cache_type,
+    check_input_ids,
+    check_unused_kwargs,
+    pop_cache_alias,
+    refuse_attention_outputs,
+)
+from .cache import GPNCache
 from .chunked_loss import chunked_causal_lm_loss, divide_loss_sum
 from .configuration_gpn import GPNConfig
 from .derived_weights import (
@@ -66,7 +74,14 @@ from .fast_recurrence import (
     foldable_parameter,
     output_logits,
 )
-from .packing import PACKING_KWARGS, packed_sequence_starts, packing_arguments, refuse_packed_rows
+from .generation import (
+    check_generate_input_shapes,
+    continue_from_cache,
+    generation_cache,
+    refuse_non_finite_prompt_logits,
+    refuse_peft_prompt_learning_generate,
+)
+from .packing import packed_sequence_starts, packing_arguments, refuse_packed_rows
 from .prefill import forward_in_chunks, prefill_chunk_length_for
 from .state_file import GPNStateFileError
 from .tracing import is_tracing
@@ -75,9 +90,6 @@ logger = logging.get_logger(__name__)
 
 L2_NORM_EPS = 1e-12  # inside the square root of every per-head L2 normalisation, as in the reference
 DEFAULT_CHECKPOINT_SEGMENT_LENGTH = 64  # what gradient_checkpointing_enable() sets when bptt_segment_length is unset
-# generate()'s cache kinds a GPNCache is: one state a row updated in place (dynamic), of one size at every length
-# (static, so compiled decoding steps keep their shapes)
-GENERATION_CACHE_IMPLEMENTATIONS = ("dynamic", "static")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -839,12 +851,12 @@ class GPNModel(GPNPreTrainedModel):
                 `position_ids` restarting inside a row, `cu_seq_lens_q/k` (with `max_length_q/k`) or
                 `seq_idx` say where the sequences packed into a row start, and the state resets to zero there
                 (see `packed_sequence_starts`); what `generate()` and transformers' tools pass for attention
-                models, ignored (see `_IGNORED_FORWARD_KWARGS`); anything else raises a TypeError.
+                models, ignored (see `arguments.IGNORED_FORWARD_KWARGS`); anything else raises a TypeError.
         """
-        cache = _pop_cache_alias(cache, kwargs)
-        _check_cache_type(cache)
-        _check_unused_kwargs(kwargs)
-        _refuse_attention_outputs(kwargs.get("output_attentions"), self.config)
+        cache = pop_cache_alias(cache, kwargs)
+        check_cache_type(cache)
+        check_unused_kwargs(kwargs)
+        refuse_attention_outputs(kwargs.get("output_attentions"), self.config.output_attentions)
         packing = packing_arguments(kwargs)
         config = self.config
         use_cache = use_cache if use_cache is not None else (config.use_cache and not self.training)
@@ -854,7 +866,7 @@ class GPNModel(GPNPreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds")
         if input_ids is not None:
-            self.check_input_ids(input_ids)
+            check_input_ids(input_ids, config.vocab_size)
             embeddings = self.embed_tokens(input_ids)
         else:
             if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.embedding_size:
@@ -872,7 +884,7 @@ class GPNModel(GPNPreTrainedModel):
         state = cache.get_state() if cache is not None else None
         if state is not None and state[0].shape[0] != batch_size:
             raise ValueError(f"The cache holds {state[0].shape[0]} rows but the input has {batch_size}")
-        mask = self.check_attention_mask(attention_mask, batch_size, seq_len, continuing=state is not None)
+        mask = check_attention_mask(attention_mask, batch_size, seq_len, continuing=state is not None)
         sequence_starts = (
             packed_sequence_starts(batch_size, seq_len, mask, **packing, device=embeddings.device) if packing else None
         )
@@ -906,190 +918,6 @@ class GPNModel(GPNPreTrainedModel):
             predicted_states=predicted_states if output_predicted_states else None,
         )
         return output if return_dict else output.to_tuple()
-
-    # ---- input checks (clear errors instead of index errors from deep inside) --------------------
-
-    def check_input_ids(self, input_ids: torch.Tensor) -> None:
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must have shape (batch, seq), got {tuple(input_ids.shape)}")
-        if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-            raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
-        if input_ids.numel() == 0:
-            raise ValueError(
-                f"GPN needs at least one row and one token, got input_ids of shape {tuple(input_ids.shape)}"
-            )
-        vocab_size = self.config.vocab_size
-        if is_tracing():  # a value check cannot be decided on symbolic tensors (the embedding still bounds-checks)
-            return
-        bad = (input_ids < 0) | (input_ids >= vocab_size)
-        if bad.any():
-            position = bad.nonzero()[0].tolist()
-            value = int(input_ids[tuple(position)])
-            raise ValueError(
-                f"Token id {value} at (row {position[0]}, position {position[1]}) is outside the vocabulary "
-                f"[0, {vocab_size}) of this model (vocab_size={vocab_size}); {int(bad.sum())} ids are out of range. "
-                "Was the text tokenized with a different tokenizer?"
-            )
-
-    def check_attention_mask(
-        self, attention_mask: torch.Tensor | None, batch_size: int, seq_len: int, continuing: bool
-    ) -> torch.Tensor | None:
-        """Return a (batch, seq) mask, or None when every position is real."""
-        if attention_mask is None:
-            return None
-        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size:
-            raise ValueError(
-                f"attention_mask must have shape (batch={batch_size}, seq) like input_ids, got {tuple(attention_mask.shape)}"
-            )
-        mask_len = attention_mask.shape[1]
-        if mask_len < seq_len or (mask_len > seq_len and not continuing):
-            raise ValueError(
-                f"attention_mask has {mask_len} columns but input_ids has {seq_len} tokens; a longer mask is only "
-                "accepted when continuing from a cache (its last columns are used)"
-            )
-        mask = attention_mask[:, -seq_len:]
-        if is_tracing():  # keep the mask (an all-ones mask computes the same); no value checks on symbolic tensors
-            return mask.bool()
-        if mask.dtype != torch.bool and not ((mask == 0) | (mask == 1)).all():
-            raise ValueError("attention_mask must contain only 0 (padding) and 1 (real token)")
-        if bool(mask.bool().all()):
-            return None
-        return mask.bool()
-
-
-# What generate(), Trainer, PEFT and evaluation harnesses pass for attention models, and a GPN has no use
-# for: position and cache positions (a recurrence knows where it is; position ids are read only for where packed
-# sequences start, see `packed_sequence_starts`), attention outputs when not asked for (asked for, they are
-# refused: `_refuse_attention_outputs`), token types, and generate()'s own helpers (`tokenizer` for stop
-# strings, `assistant_tokenizer`).
-_IGNORED_FORWARD_KWARGS = {
-    "position_ids",
-    "cache_position",
-    "output_attentions",
-    "token_type_ids",
-    "tokenizer",
-    "assistant_tokenizer",
-}
-# those a decoded token may be given and still run in one C call (position ids may say where packed sequences start)
-_DECODED_TOKEN_KWARGS = frozenset(_IGNORED_FORWARD_KWARGS - {"position_ids"})
-
-
-def _check_unused_kwargs(kwargs: dict) -> None:
-    """Accept the harmless extras of `_IGNORED_FORWARD_KWARGS` and the packing arguments (`PACKING_KWARGS`,
-    read by `GPNModel.forward`); refuse everything else by name."""
-    unknown = set(kwargs) - _IGNORED_FORWARD_KWARGS - PACKING_KWARGS
-    if unknown:
-        raise TypeError(f"GPN forward got unexpected arguments: {sorted(unknown)}")
-
-
-def _refuse_attention_outputs(output_attentions: bool | None, config: GPNConfig) -> None:
-    """`output_attentions=False` (or None) is what tools pass every model; asked for (here or in the config), a GPN
-    has none to give, and an `attentions` of None would pass for an answer."""
-    if output_attentions if output_attentions is not None else config.output_attentions:
-        raise ValueError(
-            "output_attentions=True: a GPN has no attention layers, so it has no attention weights to return; "
-            "what it keeps of the past is its state: ask for `output_predicted_states=True` or, with memory, "
-            "`output_memory_decays=True` (each head's retention at every position)"
-        )
-
-
-def _pop_cache_alias(cache: Cache | None, kwargs: dict) -> Cache | None:
-    """`past_key_values=` is the deprecated name of `cache=` (transformers 5 still accepts it): map it, once."""
-    if "past_key_values" not in kwargs:
-        return cache
-    alias = kwargs.pop("past_key_values")
-    if alias is None:
-        return cache
-    if cache is not None:
-        raise ValueError("Pass the cache as `cache` or as `past_key_values` (deprecated), not both")
-    if not is_tracing():
-        warnings.warn("`past_key_values` is deprecated; pass the GPNCache as `cache`", FutureWarning, stacklevel=3)
-    return alias
-
-
-def _check_cache_type(cache) -> None:
-    """A GPN reads and writes its state only in a `GPNCache`; any other cache (a `DynamicCache` of keys and values,
-    as PEFT's prefix tuning builds) is refused by name, not read as if it held one."""
-    if cache is not None and not isinstance(cache, GPNCache):
-        raise TypeError(
-            f"A GPN can only continue from a GPNCache, got {type(cache).__name__}: a GPN has no attention layers, so "
-            "keys and values prepended to them (PEFT's prefix tuning) do not apply; prompt tuning and LoRA do"
-        )
-
-
-def _refuse_peft_prompt_learning_generate(model: nn.Module) -> None:
-    """PEFT's generate for its prompt-learning methods (prompt tuning, p-tuning, prefix tuning) swaps in its own
-    `prepare_inputs_for_generation`, which looks for the cache under its old name, `past_key_values`: finding none at
-    any token, it prepends the virtual tokens again at every decoded token, and the state reads them again (a
-    Llama's output is wrong the same way). Refused by name rather than decoded wrong; the base model's generate
-    on the prompt's embeddings computes what was meant (docs/fine-tuning.md)."""
-    swapped = model.__dict__.get("prepare_inputs_for_generation")
-    peft_config = getattr(getattr(swapped, "__self__", None), "active_peft_config", None)
-    if getattr(peft_config, "is_prompt_learning", False):
-        method = getattr(peft_config.peft_type, "value", peft_config.peft_type)
-        raise ValueError(
-            f"PEFT's generate() with {method} re-inserts the virtual tokens at every decoded token on "
-            "transformers 5 (it looks for the cache as `past_key_values`), which a GPN would read into its state: "
-            "generate from the base model instead, on the prompt's embeddings: "
-            "peft_model.get_base_model().generate(inputs_embeds=torch.cat([peft_model.get_prompt(batch_size), "
-            "peft_model.get_input_embeddings()(input_ids)], 1), attention_mask=..., max_new_tokens=...)"
-        )
-
-
-def _check_generate_input_shapes(input_ids, kwargs: dict) -> None:
-    """generate() reads the batch and length off `input_ids` and `attention_mask` before the model sees them, and
-    drops an all-ones mask unread: one prompt of shape (seq,) failed with a bare IndexError from inside
-    transformers, and an all-ones mask of another batch or length was ignored in silence (a mask that has zeros is
-    checked by the forward). Named here instead. A mask longer than the prompt is the whole sequence of a
-    continued cache (`continuation_start` judges it)."""
-    mask = kwargs.get("attention_mask")
-    for name, value in (("input_ids", input_ids), ("attention_mask", mask)):
-        if isinstance(value, torch.Tensor) and value.dim() != 2:
-            raise ValueError(
-                f"generate() takes {name} of shape (batch, seq), got {tuple(value.shape)}"
-                + (": for one prompt, add the batch dimension (`ids[None]`)" if value.dim() == 1 else "")
-            )
-    embeds = kwargs.get("inputs_embeds")
-    prompt = input_ids if isinstance(input_ids, torch.Tensor) else embeds
-    if not isinstance(mask, torch.Tensor) or not isinstance(prompt, torch.Tensor) or prompt.dim() < 2:
-        return
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    continuing = isinstance(cache, GPNCache) and cache.has_state
-    batch, length = prompt.shape[:2]
-    if mask.shape[0] != batch or (mask.shape[1] != length and not continuing):
-        raise ValueError(
-            f"attention_mask has shape {tuple(mask.shape)} but the prompt has {batch} rows of {length} positions: it "
-            "must have one column a position (or, continuing a cache, one a position read and given)"
-        )
-
-
-def _refuse_non_finite_prompt_logits(
-    model: nn.Module, logits: torch.Tensor | None, copies: int, continued: bool, embeds: bool
-) -> None:
-    """generate() picks every token from the logits: NaN or inf there (from NaN or inf weights, `inputs_embeds` or the
-    state of a cache it continues) would give tokens in silence (greedy's argmax takes a NaN for the largest). The
-    prompt's logits are checked once per call (one host sync; nothing per decoded token): every parameter and the
-    whole state reach them, so a non-finite value anywhere shows there. The error names where to look, and the rows
-    as the caller numbered them (generate() holds `copies` of each: beams or returned sequences)."""
-    if logits is None or is_tracing():
-        return
-    finite = torch.isfinite(logits[:, -1]).all(dim=-1)
-    if bool(finite.all()):
-        return
-    rows = sorted({row // copies for row in (~finite).nonzero().flatten().tolist()})
-    where = [
-        f"parameter {name}"
-        for name, param in model.named_parameters()
-        if type(param.data) is torch.Tensor and param.is_floating_point() and not bool(torch.isfinite(param).all())
-    ]
-    if not where:  # (the state is overwritten by now: only what may have held them can be named)
-        where = (
-            ["no parameter"] + ["the prompt's inputs_embeds"] * embeds + ["the state of the given cache"] * continued
-        )
-    raise ValueError(
-        f"generate(): the model's logits after the prompt are not finite (NaN or inf) in rows {rows}, and every token "
-        f"would be picked from them meaninglessly; non-finite values: {', '.join(where)}"
-    )
 
 
 def _is_plain_linear(module: nn.Module) -> bool:
@@ -1223,8 +1051,8 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         prepacked matrices, CUDA graphs' copies) once for the whole call: the prompt's forward derives them,
         every decoded token reuses them, and they are dropped when the call returns (`derived_weights.py`), so
         the next call sees the parameters as they are then, however they were edited."""
-        _refuse_peft_prompt_learning_generate(self)
-        _check_generate_input_shapes(args[0] if args else kwargs.get("inputs", kwargs.get("input_ids")), kwargs)
+        refuse_peft_prompt_learning_generate(self)
+        check_generate_input_shapes(args[0] if args else kwargs.get("inputs", kwargs.get("input_ids")), kwargs)
         with derived_weights_scope(self.model):
             return super().generate(*args, **kwargs)
 
@@ -1238,46 +1066,11 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs) -> None:
-        """generate() gets a `GPNCache` (not a `DynamicCache`) unless the caller passed a cache. A GPNCache is
-        what `cache_implementation` "dynamic" and "static" ask for (one state a row, updated in place, of the
-        same size at every length); the other kinds (offloaded, quantized, sliding-window) are refused, not
-        ignored, as is a cache_implementation beside a cache, which transformers refuses too, and a GPN as the draft
-        model of assisted decoding (its cache would have to be rolled back)."""
-        if getattr(generation_config, "is_assistant", False):
-            # transformers refuses a stateful main model itself, but not a stateful draft: it crops the draft's cache
-            # to the accepted tokens after every round, which failed deep in transformers' cache code
-            raise ValueError(
-                "A GPN cannot be the assistant (draft) model of assisted decoding: after every round the draft's cache "
-                "is rolled back to the tokens the main model accepted, and a GPN's state cannot be rolled back. "
-                "Decode without `assistant_model`"
-            )
-        user_cache = model_kwargs.get("cache")
-        requested = generation_config.cache_implementation
-        if requested is not None and user_cache is not None:
-            raise ValueError(
-                "Passing both `cache_implementation` and `cache` (a GPNCache) is unsupported: use only one of the two"
-            )
-        if requested not in (None, *GENERATION_CACHE_IMPLEMENTATIONS):
-            raise ValueError(
-                f"cache_implementation={requested!r} does not apply to a GPN: its cache is one state a row (hidden "
-                f"states and memory, {self.config.state_floats_per_row * 4:,} bytes, the same at every length), "
-                f"updated in place; leave cache_implementation unset or use one of {GENERATION_CACHE_IMPLEMENTATIONS}"
-            )
-        if user_cache is not None:
-            _check_cache_type(user_cache)
-            if (generation_config.num_beams or 1) > 1 and user_cache.has_state:
-                # Beam search widens the rows but not a given cache, and drops an all-ones attention mask (with it,
-                # how many positions the state has read): refused here, not by a row count the caller never chose.
-                raise ValueError(
-                    f"Beam search (num_beams={generation_config.num_beams}) cannot continue from a given cache that "
-                    f"already holds a state ({user_cache.get_seq_length()} positions read): decode greedily or sample "
-                    "from a state, or run the beam search on the whole prompt"
-                )
-            user_cache._is_user_defined = True
-            return
-        if generation_config.use_cache is False:
-            return
-        model_kwargs["cache"] = GPNCache(self.config)
+        """generate() gets a `GPNCache` (not a `DynamicCache`) unless the caller passed one; cache kinds a GPN does
+        not have, and what would roll its state back, are refused (`generation.generation_cache`)."""
+        cache = generation_cache(self.config, generation_config, model_kwargs)
+        if cache is not None:
+            model_kwargs["cache"] = cache
 
     def init_continuous_batching(self, *args, **kwargs):
         """Refused: transformers' continuous batching (`generate_batch`, `generate(cache_implementation="paged")`,
@@ -1328,53 +1121,11 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         )
 
     def _prefill(self, input_ids: torch.Tensor, generation_config, model_kwargs: dict, *args, **kwargs):
-        """Continue generation from a returned cache, given the whole sequence or only the new positions.
-
-        transformers' models continue in two ways: with the whole sequence so far (as with a KV cache) or
-        with only the new positions (as Mamba and its other recurrent models). A `GPNCache` tells them
-        apart by what it has read (`continuation_start`: a fingerprint of fixed size, kept in place) and feeds
-        only the positions after those; where it cannot tell, it refuses, saying what to pass. It never feeds
-        a position twice: a recurrent state cannot be rolled back. What it cannot judge (new positions that
-        repeat exactly what was read; a cache after beam search, whose rows are the last step's beams) is
-        listed in `continuation_start` and docs/cache.md. With `num_return_sequences`, a cache of one row a prompt
-        is repeated as the prompts were.
-        """
-        cache = model_kwargs.get("cache")
-        seen = cache.get_seq_length() if isinstance(cache, GPNCache) and cache.has_state else 0
-        if seen:
-            embeds = model_kwargs.get("inputs_embeds")
-            mask = model_kwargs.get("attention_mask")
-            # generate() drops an all-ones mask before the prefill and keeps only its length
-            mask_columns = mask.shape[1] if mask is not None else getattr(generation_config, "_mask_length", None)
-            # num_return_sequences: transformers repeated each prompt's row n times (rows i*n ... i*n + n - 1) but
-            # not a given cache's; a cache of one row a prompt is judged on the prompts' own rows, then repeated
-            # in place as they were (`fork`'s order), so a refused call leaves it as it was given
-            copies = generation_config.num_return_sequences or 1
-            prompt_rows = (input_ids if embeds is None else embeds).shape[0]
-            repeat = copies if copies > 1 and cache.state_layer.batch_size * copies == prompt_rows else 1
-            start = continuation_start(
-                cache,
-                seen,
-                input_ids[::repeat] if embeds is None else None,
-                None if embeds is None else embeds[::repeat],
-                None if mask is None else mask[::repeat],
-                mask_columns,
-            )
-            if repeat > 1:
-                cache.batch_repeat_interleave(repeat)
-            if start and embeds is not None:
-                model_kwargs = {**model_kwargs, "inputs_embeds": embeds[:, start:]}
-            elif start:
-                input_ids = input_ids[:, start:]
-            given = (input_ids if embeds is None else embeds).shape[1]
-            if mask is not None and not start and mask.shape[1] == given:
-                # a mask over the new positions only: transformers' chunked prefill (`prefill_chunk_size`) slices the
-                # mask as one over the whole sequence, read positions first, and gave a chunk the wrong columns; the
-                # read positions' columns are put in front (their value is not used: the state has read them)
-                mask = torch.cat([mask.new_ones(mask.shape[0], seen), mask], dim=1)
-                model_kwargs = {**model_kwargs, "attention_mask": mask}
+        """Continue generation from a returned cache, given the whole sequence or only the new positions, never
+        a position read twice (`generation.continue_from_cache`); then check the prompt's logits are finite."""
+        input_ids, model_kwargs, seen = continue_from_cache(input_ids, generation_config, model_kwargs)
         outputs = super()._prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
-        _refuse_non_finite_prompt_logits(
+        refuse_non_finite_prompt_logits(
             self,
             getattr(outputs, "logits", None),
             copies=max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1),
@@ -1417,9 +1168,9 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             Other arguments: see `GPNModel.forward` (`past_key_values` is a deprecated alias of `cache`).
         """
         return_dict = return_dict if return_dict is not None else True
-        cache = _pop_cache_alias(cache, kwargs)
+        cache = pop_cache_alias(cache, kwargs)
         shift_labels = kwargs.pop("shift_labels", None)
-        _refuse_attention_outputs(kwargs.get("output_attentions"), self.config)
+        refuse_attention_outputs(kwargs.get("output_attentions"), self.config.output_attentions)
         asks_only_logits = (
             inputs_embeds is None
             and labels is None
@@ -1428,7 +1179,7 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             and not (output_memory_decays or output_predicted_states)
             and not (output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states)
             and (use_cache if use_cache is not None else self.config.use_cache and not self.training)
-            and kwargs.keys() <= _DECODED_TOKEN_KWARGS
+            and kwargs.keys() <= DECODED_TOKEN_KWARGS
         )
         if asks_only_logits and input_ids is not None and not is_tracing():
             # a decoded token (one a row, from a cache): the whole of it in one C call where it is plain
@@ -1660,7 +1411,7 @@ class GPNForSequenceClassification(GPNPreTrainedModel):
         loss when `labels` are given (regression for `num_labels=1`, else single- or multi-label by
         `config.problem_type` or the labels' dtype). Other arguments: see `GPNModel.forward`."""
         return_dict = return_dict if return_dict is not None else True
-        cache = _pop_cache_alias(cache, kwargs)
+        cache = pop_cache_alias(cache, kwargs)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .arguments import check_attention_mask
 from .cache import GPNCache
 from .chunked_loss import chunked_causal_lm_loss, divide_loss_sum
 from .packing import packed_sequence_starts, packing_arguments
@@ -87,7 +88,7 @@ def forward_in_chunks(
     use_cache = use_cache if use_cache is not None else (model.config.use_cache and not base.training)
     # The checks one pass makes over the whole input, made once here (a chunk sees only its part).
     continuing = isinstance(cache, GPNCache) and cache.has_state
-    mask = base.check_attention_mask(attention_mask, batch_size, seq_len, continuing=continuing)
+    mask = check_attention_mask(attention_mask, batch_size, seq_len, continuing=continuing)
     packing = packing_arguments(kwargs)
     if packing and packed_sequence_starts(batch_size, seq_len, mask, **packing, device=tokens.device) is not None:
         return None

@@ -693,9 +693,9 @@ MUTATIONS = [
     ),
     Mutation(
         "cache kinds refused (offloaded, quantized, sliding-window and a kind beside a cache ignored in silence)",
-        "modeling_gpn/modeling_gpn.py",
-        "        requested = generation_config.cache_implementation\n",
-        "        requested = None  # MUTATION\n",
+        "modeling_gpn/generation.py",
+        "    requested = generation_config.cache_implementation\n",
+        "    requested = None  # MUTATION\n",
         (
             "tests/model/test_generate.py::test_other_cache_kinds_are_refused_not_ignored",
             "tests/model/test_generate.py::test_a_cache_kind_beside_a_cache_is_refused",
@@ -711,7 +711,7 @@ MUTATIONS = [
     Mutation(
         "PEFT prompt-learning generate refused (its virtual tokens re-inserted at every decoded token, in silence)",
         "modeling_gpn/modeling_gpn.py",
-        "        _refuse_peft_prompt_learning_generate(self)\n",
+        "        refuse_peft_prompt_learning_generate(self)\n",
         "        pass  # MUTATION\n",
         (
             "tests/ecosystem/test_ecosystem.py::test_peft_prompt_tuning_trains_the_virtual_tokens_and_generates_from_their_embeddings",
@@ -720,14 +720,14 @@ MUTATIONS = [
     Mutation(
         "a cache other than a GPNCache refused (PEFT prefix tuning's keys and values read as a state)",
         "modeling_gpn/modeling_gpn.py",
-        "        _check_cache_type(cache)\n",
+        "        check_cache_type(cache)\n",
         "        pass  # MUTATION\n",
         ("tests/ecosystem/test_ecosystem.py::test_peft_prefix_tuning_is_refused_by_name",),
     ),
     Mutation(
         "attention outputs asked for refused (answered with attentions=None, in silence)",
-        "modeling_gpn/modeling_gpn.py",
-        "    if output_attentions if output_attentions is not None else config.output_attentions:\n",
+        "modeling_gpn/arguments.py",
+        "    if output_attentions if output_attentions is not None else config_default:\n",
         "    if False:  # MUTATION\n",
         (
             "tests/model/test_roundtrip_and_errors.py::test_attention_outputs_asked_for_are_refused_not_returned_as_none",
@@ -866,9 +866,9 @@ MUTATIONS = [
     ),
     Mutation(
         "beam search from a given state refused by name",
-        "modeling_gpn/modeling_gpn.py",
-        "            if (generation_config.num_beams or 1) > 1 and user_cache.has_state:",
-        "            if False:  # MUTATION",
+        "modeling_gpn/generation.py",
+        "        if (generation_config.num_beams or 1) > 1 and user_cache.has_state:",
+        "        if False:  # MUTATION",
         ("tests/model/test_state.py::test_beam_search_from_a_state_is_refused_by_name",),
     ),
     Mutation(
@@ -1326,22 +1326,22 @@ MUTATIONS = [
     Mutation(
         "generate() refuses non-finite prompt logits (NaN weights or embeddings decoded in silence)",
         "modeling_gpn/modeling_gpn.py",
-        "        _refuse_non_finite_prompt_logits(\n            self,\n",
+        "        refuse_non_finite_prompt_logits(\n            self,\n",
         "        (lambda *args, **kwargs: None)(  # MUTATION\n            self,\n",
         ("tests/model/test_generate.py -k non_finite_logits_are_refused",),
     ),
     Mutation(
         "generate() checks the prompt's and the mask's shapes (IndexError from transformers; all-ones mask ignored)",
         "modeling_gpn/modeling_gpn.py",
-        "        _check_generate_input_shapes(args[0] if args",
+        "        check_generate_input_shapes(args[0] if args",
         "        (lambda *args: None)(args[0] if args",
         ("tests/model/test_generate.py::test_prompts_and_masks_of_the_wrong_shape_are_refused_by_name",),
     ),
     Mutation(
         "a given state repeated for num_return_sequences (its rows left one a prompt)",
-        "modeling_gpn/modeling_gpn.py",
-        "            repeat = copies if copies > 1 and cache.state_layer.batch_size * copies == prompt_rows else 1\n",
-        "            repeat = 1  # MUTATION\n",
+        "modeling_gpn/generation.py",
+        "    repeat = copies if copies > 1 and cache.state_layer.batch_size * copies == prompt_rows else 1\n",
+        "    repeat = 1  # MUTATION\n",
         ("tests/model/test_generate.py -k sampling_several_sequences_from_a_given_state",),
     ),
     Mutation(
@@ -1353,16 +1353,16 @@ MUTATIONS = [
     ),
     Mutation(
         "a GPN as the draft model of assisted decoding refused (left to fail in transformers' crop)",
-        "modeling_gpn/modeling_gpn.py",
-        '        if getattr(generation_config, "is_assistant", False):\n',
-        "        if False:  # MUTATION\n",
+        "modeling_gpn/generation.py",
+        '    if getattr(generation_config, "is_assistant", False):\n',
+        "    if False:  # MUTATION\n",
         ("tests/model/test_generate.py::test_a_gpn_as_the_draft_model_of_assisted_decoding_is_refused_clearly",),
     ),
     Mutation(
         "a mask over the new positions widened to the whole sequence for transformers' chunked prefill",
-        "modeling_gpn/modeling_gpn.py",
-        "            if mask is not None and not start and mask.shape[1] == given:\n",
-        "            if False:  # MUTATION\n",
+        "modeling_gpn/generation.py",
+        "    if mask is not None and not start and mask.shape[1] == given:\n",
+        "    if False:  # MUTATION\n",
         ("tests/model/test_generate.py::test_continuing_with_a_mask_over_the_new_positions_in_prefill_chunks",),
     ),
     Mutation(

@@ -1,0 +1,131 @@
+"""What a GPN's forward accepts, and clear errors for what it cannot take.
+
+A GPN is called by tools written for attention models (generate(), Trainer, PEFT, TRL, evaluation harnesses):
+they pass arguments a recurrence has no use for, and users pass ids, masks and caches of the wrong kind. The
+forward checks its arguments here, before anything runs, so a wrong one is an error naming it instead of an
+index error from deep inside or, worse, an argument ignored in silence. `modeling_gpn.py` calls these at the top
+of each forward; the one-call decode (`fast_recurrence.py`) and the chunked prefill (`prefill.py`) call the same.
+
+Shipped to the Hub with `modeling_gpn.py` as remote code (it imports only its siblings).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from transformers.cache_utils import Cache
+
+from .cache import GPNCache
+from .packing import PACKING_KWARGS
+from .tracing import is_tracing
+
+# What generate(), Trainer, PEFT and evaluation harnesses pass for attention models, and a GPN has no use
+# for: position and cache positions (a recurrence knows where it is; position ids are read only for where packed
+# sequences start, see `packed_sequence_starts`), attention outputs when not asked for (asked for, they are
+# refused: `refuse_attention_outputs`), token types, and generate()'s own helpers (`tokenizer` for stop
+# strings, `assistant_tokenizer`).
+IGNORED_FORWARD_KWARGS = frozenset(
+    {
+        "position_ids",
+        "cache_position",
+        "output_attentions",
+        "token_type_ids",
+        "tokenizer",
+        "assistant_tokenizer",
+    }
+)
+# those a decoded token may be given and still run in one C call (position ids may say where packed sequences start)
+DECODED_TOKEN_KWARGS = IGNORED_FORWARD_KWARGS - {"position_ids"}
+
+
+def check_unused_kwargs(kwargs: dict) -> None:
+    """Accept the harmless extras of `IGNORED_FORWARD_KWARGS` and the packing arguments (`PACKING_KWARGS`,
+    read by `GPNModel.forward`); refuse everything else by name."""
+    unknown = set(kwargs) - IGNORED_FORWARD_KWARGS - PACKING_KWARGS
+    if unknown:
+        raise TypeError(f"GPN forward got unexpected arguments: {sorted(unknown)}")
+
+
+def refuse_attention_outputs(output_attentions: bool | None, config_default: bool) -> None:
+    """`output_attentions=False` (or None) is what tools pass every model; asked for (here or in the config,
+    `config_default`), a GPN has none to give, and an `attentions` of None would pass for an answer."""
+    if output_attentions if output_attentions is not None else config_default:
+        raise ValueError(
+            "output_attentions=True: a GPN has no attention layers, so it has no attention weights to return; "
+            "what it keeps of the past is its state: ask for `output_predicted_states=True` or, with memory, "
+            "`output_memory_decays=True` (each head's retention at every position)"
+        )
+
+
+def pop_cache_alias(cache: Cache | None, kwargs: dict) -> Cache | None:
+    """`past_key_values=` is the deprecated name of `cache=` (transformers 5 still accepts it): map it, once."""
+    if "past_key_values" not in kwargs:
+        return cache
+    alias = kwargs.pop("past_key_values")
+    if alias is None:
+        return cache
+    if cache is not None:
+        raise ValueError("Pass the cache as `cache` or as `past_key_values` (deprecated), not both")
+    if not is_tracing():
+        warnings.warn("`past_key_values` is deprecated; pass the GPNCache as `cache`", FutureWarning, stacklevel=3)
+    return alias
+
+
+def check_cache_type(cache) -> None:
+    """A GPN reads and writes its state only in a `GPNCache`; any other cache (a `DynamicCache` of keys and values,
+    as PEFT's prefix tuning builds) is refused by name, not read as if it held one."""
+    if cache is not None and not isinstance(cache, GPNCache):
+        raise TypeError(
+            f"A GPN can only continue from a GPNCache, got {type(cache).__name__}: a GPN has no attention layers, so "
+            "keys and values prepended to them (PEFT's prefix tuning) do not apply; prompt tuning and LoRA do"
+        )
+
+
+def check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """(batch, seq) integer ids, at least one, each in [0, vocab_size): the first id outside is named with its
+    position (an id from another tokenizer would otherwise fail inside the embedding, or on a GPU, later)."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must have shape (batch, seq), got {tuple(input_ids.shape)}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.numel() == 0:
+        raise ValueError(f"GPN needs at least one row and one token, got input_ids of shape {tuple(input_ids.shape)}")
+    if is_tracing():  # a value check cannot be decided on symbolic tensors (the embedding still bounds-checks)
+        return
+    bad = (input_ids < 0) | (input_ids >= vocab_size)
+    if bad.any():
+        position = bad.nonzero()[0].tolist()
+        value = int(input_ids[tuple(position)])
+        raise ValueError(
+            f"Token id {value} at (row {position[0]}, position {position[1]}) is outside the vocabulary "
+            f"[0, {vocab_size}) of this model (vocab_size={vocab_size}); {int(bad.sum())} ids are out of range. "
+            "Was the text tokenized with a different tokenizer?"
+        )
+
+
+def check_attention_mask(
+    attention_mask: torch.Tensor | None, batch_size: int, seq_len: int, continuing: bool
+) -> torch.Tensor | None:
+    """Return a (batch, seq) boolean mask of the given positions, or None when every position is real. Continuing
+    a cache, the mask may be longer than the input (generate() passes the whole sequence's): its last columns."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size:
+        raise ValueError(
+            f"attention_mask must have shape (batch={batch_size}, seq) like input_ids, got {tuple(attention_mask.shape)}"
+        )
+    mask_len = attention_mask.shape[1]
+    if mask_len < seq_len or (mask_len > seq_len and not continuing):
+        raise ValueError(
+            f"attention_mask has {mask_len} columns but input_ids has {seq_len} tokens; a longer mask is only "
+            "accepted when continuing from a cache (its last columns are used)"
+        )
+    mask = attention_mask[:, -seq_len:]
+    if is_tracing():  # keep the mask (an all-ones mask computes the same); no value checks on symbolic tensors
+        return mask.bool()
+    if mask.dtype != torch.bool and not ((mask == 0) | (mask == 1)).all():
+        raise ValueError("attention_mask must contain only 0 (padding) and 1 (real token)")
+    if bool(mask.bool().all()):
+        return None
+    return mask.bool()

@@ -1,0 +1,198 @@
+"""generate() on a GPN: the cache it gets, how it continues from a kept state, and what it refuses.
+
+transformers' `GenerationMixin` is written for attention models with a cache that grows; a GPN's cache is one
+fixed-size state a row, updated in place, that cannot be rolled back. `GPNForCausalLM` overrides a few of
+generate()'s steps, each a thin call of a function here:
+
+- `generation_cache`: a `GPNCache` for every cache kind it is (dynamic, static), the others refused by name, and
+  refusals of what would need a state rolled back (a GPN as assisted decoding's draft, beams from a kept state);
+- `continue_from_cache`: a kept state continued with the whole sequence so far or only the new positions
+  (`cache.continuation_start` tells them apart), never a position read twice;
+- checks once per call: the prompt's shapes, PEFT's prompt-learning generate (which would re-read its virtual
+  tokens at every token), and the prompt's logits, which must be finite before any token is picked from them.
+
+docs/generate.md and docs/cache.md are the user's pages. Shipped to the Hub with `modeling_gpn.py` as remote code.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .arguments import check_cache_type
+from .cache import GPNCache, continuation_start
+from .tracing import is_tracing
+
+# generate()'s cache kinds a GPNCache is: one state a row updated in place (dynamic), of one size at every length
+# (static, so compiled decoding steps keep their shapes)
+GENERATION_CACHE_IMPLEMENTATIONS = ("dynamic", "static")
+
+
+def generation_cache(config, generation_config, model_kwargs: dict) -> GPNCache | None:
+    """The cache generate() decodes with: the caller's (checked), else a new `GPNCache` (None without a cache,
+    `use_cache=False`). A GPNCache is what `cache_implementation` "dynamic" and "static" ask for; the other kinds
+    (offloaded, quantized, sliding-window) are refused, not ignored, as is a cache_implementation beside a cache,
+    which transformers refuses too, and a GPN as the draft model of assisted decoding (its cache would have to be
+    rolled back)."""
+    if getattr(generation_config, "is_assistant", False):
+        # transformers refuses a stateful main model itself, but not a stateful draft: it crops the draft's cache
+        # to the accepted tokens after every round, which failed deep in transformers' cache code
+        raise ValueError(
+            "A GPN cannot be the assistant (draft) model of assisted decoding: after every round the draft's cache "
+            "is rolled back to the tokens the main model accepted, and a GPN's state cannot be rolled back. "
+            "Decode without `assistant_model`"
+        )
+    user_cache = model_kwargs.get("cache")
+    requested = generation_config.cache_implementation
+    if requested is not None and user_cache is not None:
+        raise ValueError(
+            "Passing both `cache_implementation` and `cache` (a GPNCache) is unsupported: use only one of the two"
+        )
+    if requested not in (None, *GENERATION_CACHE_IMPLEMENTATIONS):
+        raise ValueError(
+            f"cache_implementation={requested!r} does not apply to a GPN: its cache is one state a row (hidden "
+            f"states and memory, {config.state_floats_per_row * 4:,} bytes, the same at every length), "
+            f"updated in place; leave cache_implementation unset or use one of {GENERATION_CACHE_IMPLEMENTATIONS}"
+        )
+    if user_cache is not None:
+        check_cache_type(user_cache)
+        if (generation_config.num_beams or 1) > 1 and user_cache.has_state:
+            # Beam search widens the rows but not a given cache, and drops an all-ones attention mask (with it,
+            # how many positions the state has read): refused here, not by a row count the caller never chose.
+            raise ValueError(
+                f"Beam search (num_beams={generation_config.num_beams}) cannot continue from a given cache that "
+                f"already holds a state ({user_cache.get_seq_length()} positions read): decode greedily or sample "
+                "from a state, or run the beam search on the whole prompt"
+            )
+        user_cache._is_user_defined = True
+        return user_cache
+    if generation_config.use_cache is False:
+        return None
+    return GPNCache(config)
+
+
+def continue_from_cache(
+    input_ids: torch.Tensor, generation_config, model_kwargs: dict
+) -> tuple[torch.Tensor, dict, int]:
+    """The prompt generate()'s prefill should run from a given cache, as (input_ids, model_kwargs, positions the
+    cache had read); without a state, the call's own arguments and 0.
+
+    transformers' models continue in two ways: with the whole sequence so far (as with a KV cache) or with only
+    the new positions (as Mamba and its other recurrent models). A `GPNCache` tells them apart by what it has read
+    (`continuation_start`: a fingerprint of fixed size, kept in place) and feeds only the positions after those;
+    where it cannot tell, it refuses, saying what to pass. It never feeds a position twice: a recurrent state
+    cannot be rolled back. What it cannot judge (new positions that repeat exactly what was read; a cache after
+    beam search, whose rows are the last step's beams) is listed in `continuation_start` and docs/cache.md. With
+    `num_return_sequences`, a cache of one row a prompt is repeated as the prompts were.
+    """
+    cache = model_kwargs.get("cache")
+    seen = cache.get_seq_length() if isinstance(cache, GPNCache) and cache.has_state else 0
+    if not seen:
+        return input_ids, model_kwargs, 0
+    embeds = model_kwargs.get("inputs_embeds")
+    mask = model_kwargs.get("attention_mask")
+    # generate() drops an all-ones mask before the prefill and keeps only its length
+    mask_columns = mask.shape[1] if mask is not None else getattr(generation_config, "_mask_length", None)
+    # num_return_sequences: transformers repeated each prompt's row n times (rows i*n ... i*n + n - 1) but not a
+    # given cache's; a cache of one row a prompt is judged on the prompts' own rows, then repeated in place as they
+    # were (`fork`'s order), so a refused call leaves it as it was given
+    copies = generation_config.num_return_sequences or 1
+    prompt_rows = (input_ids if embeds is None else embeds).shape[0]
+    repeat = copies if copies > 1 and cache.state_layer.batch_size * copies == prompt_rows else 1
+    start = continuation_start(
+        cache,
+        seen,
+        input_ids[::repeat] if embeds is None else None,
+        None if embeds is None else embeds[::repeat],
+        None if mask is None else mask[::repeat],
+        mask_columns,
+    )
+    if repeat > 1:
+        cache.batch_repeat_interleave(repeat)
+    if start and embeds is not None:
+        model_kwargs = {**model_kwargs, "inputs_embeds": embeds[:, start:]}
+    elif start:
+        input_ids = input_ids[:, start:]
+    given = (input_ids if embeds is None else embeds).shape[1]
+    if mask is not None and not start and mask.shape[1] == given:
+        # a mask over the new positions only: transformers' chunked prefill (`prefill_chunk_size`) slices the mask
+        # as one over the whole sequence, read positions first, and gave a chunk the wrong columns; the read
+        # positions' columns are put in front (their value is not used: the state has read them)
+        mask = torch.cat([mask.new_ones(mask.shape[0], seen), mask], dim=1)
+        model_kwargs = {**model_kwargs, "attention_mask": mask}
+    return input_ids, model_kwargs, seen
+
+
+def refuse_peft_prompt_learning_generate(model: nn.Module) -> None:
+    """PEFT's generate for its prompt-learning methods (prompt tuning, p-tuning, prefix tuning) swaps in its own
+    `prepare_inputs_for_generation`, which looks for the cache under its old name, `past_key_values`: finding none at
+    any token, it prepends the virtual tokens again at every decoded token, and the state reads them again (a
+    Llama's output is wrong the same way). Refused by name rather than decoded wrong; the base model's generate
+    on the prompt's embeddings computes what was meant (docs/fine-tuning.md)."""
+    swapped = model.__dict__.get("prepare_inputs_for_generation")
+    peft_config = getattr(getattr(swapped, "__self__", None), "active_peft_config", None)
+    if getattr(peft_config, "is_prompt_learning", False):
+        method = getattr(peft_config.peft_type, "value", peft_config.peft_type)
+        raise ValueError(
+            f"PEFT's generate() with {method} re-inserts the virtual tokens at every decoded token on "
+            "transformers 5 (it looks for the cache as `past_key_values`), which a GPN would read into its state: "
+            "generate from the base model instead, on the prompt's embeddings: "
+            "peft_model.get_base_model().generate(inputs_embeds=torch.cat([peft_model.get_prompt(batch_size), "
+            "peft_model.get_input_embeddings()(input_ids)], 1), attention_mask=..., max_new_tokens=...)"
+        )
+
+
+def check_generate_input_shapes(input_ids, kwargs: dict) -> None:
+    """generate() reads the batch and length off `input_ids` and `attention_mask` before the model sees them, and
+    drops an all-ones mask unread: one prompt of shape (seq,) failed with a bare IndexError from inside
+    transformers, and an all-ones mask of another batch or length was ignored in silence (a mask that has zeros is
+    checked by the forward). Named here instead. A mask longer than the prompt is the whole sequence of a
+    continued cache (`continuation_start` judges it)."""
+    mask = kwargs.get("attention_mask")
+    for name, value in (("input_ids", input_ids), ("attention_mask", mask)):
+        if isinstance(value, torch.Tensor) and value.dim() != 2:
+            raise ValueError(
+                f"generate() takes {name} of shape (batch, seq), got {tuple(value.shape)}"
+                + (": for one prompt, add the batch dimension (`ids[None]`)" if value.dim() == 1 else "")
+            )
+    embeds = kwargs.get("inputs_embeds")
+    prompt = input_ids if isinstance(input_ids, torch.Tensor) else embeds
+    if not isinstance(mask, torch.Tensor) or not isinstance(prompt, torch.Tensor) or prompt.dim() < 2:
+        return
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    continuing = isinstance(cache, GPNCache) and cache.has_state
+    batch, length = prompt.shape[:2]
+    if mask.shape[0] != batch or (mask.shape[1] != length and not continuing):
+        raise ValueError(
+            f"attention_mask has shape {tuple(mask.shape)} but the prompt has {batch} rows of {length} positions: it "
+            "must have one column a position (or, continuing a cache, one a position read and given)"
+        )
+
+
+def refuse_non_finite_prompt_logits(
+    model: nn.Module, logits: torch.Tensor | None, copies: int, continued: bool, embeds: bool
+) -> None:
+    """generate() picks every token from the logits: NaN or inf there (from NaN or inf weights, `inputs_embeds` or the
+    state of a cache it continues) would give tokens in silence (greedy's argmax takes a NaN for the largest). The
+    prompt's logits are checked once per call (one host sync; nothing per decoded token): every parameter and the
+    whole state reach them, so a non-finite value anywhere shows there. The error names where to look, and the rows
+    as the caller numbered them (generate() holds `copies` of each: beams or returned sequences)."""
+    if logits is None or is_tracing():
+        return
+    finite = torch.isfinite(logits[:, -1]).all(dim=-1)
+    if bool(finite.all()):
+        return
+    rows = sorted({row // copies for row in (~finite).nonzero().flatten().tolist()})
+    where = [
+        f"parameter {name}"
+        for name, param in model.named_parameters()
+        if type(param.data) is torch.Tensor and param.is_floating_point() and not bool(torch.isfinite(param).all())
+    ]
+    if not where:  # (the state is overwritten by now: only what may have held them can be named)
+        where = (
+            ["no parameter"] + ["the prompt's inputs_embeds"] * embeds + ["the state of the given cache"] * continued
+        )
+    raise ValueError(
+        f"generate(): the model's logits after the prompt are not finite (NaN or inf) in rows {rows}, and every token "
+        f"would be picked from them meaninglessly; non-finite values: {', '.join(where)}"
+    )
