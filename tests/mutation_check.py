@@ -547,6 +547,13 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "output layer (a head holding a table other than the embedding's is saved, and lost in silence)",
+        "modeling_gpn/modeling_gpn.py",
+        "        if isinstance(self, GPNForCausalLM):\n            self._check_tied()\n",
+        "        pass  # MUTATION\n",
+        ("tests/model/test_output_layer.py -k trained_apart_from_the_embedding",),
+    ),
+    Mutation(
         "output layer (the predicted state p not returned)",
         "modeling_gpn/modeling_gpn.py",
         "            predicted_states=predicted_states if output_predicted_states else None,\n",
