@@ -665,7 +665,10 @@ MUTATIONS = [
         "modeling_gpn/fast_recurrence.py",
         "mask[:, t] if t in masked_steps else None",
         "None if 'MUTATION' else None",
-        ("tests/model/test_cache_and_padding.py -k padded_training_batch and fast",),
+        (
+            "tests/model/test_cache_and_padding.py -k padded_training_batch and fast",
+            "tests/ecosystem/test_trl.py -k grpo_log_probs_of_padded_rows",
+        ),
     ),
     Mutation(
         "sequence classification of packed rows (scored as their last sequence, not refused)",
