@@ -402,8 +402,12 @@ class GPNPreTrainedModel(PreTrainedModel):
         transformers records only the saved model's own auto class; the folder then loads through remote
         code (`trust_remote_code=True`, without this package) as `AutoConfig`, `AutoModel`,
         `AutoModelForCausalLM` and `AutoModelForSequenceClassification` alike. The `bptt_segment_length` that
-        enabling gradient checkpointing set is not saved (the folder says what the model was given).
+        enabling gradient checkpointing set is not saved (the folder says what the model was given). A causal LM
+        whose head holds a table other than the embedding's is refused, as its forward refuses it: only the
+        embedding is saved, and the head's table would be lost in silence.
         """
+        if isinstance(self, GPNForCausalLM):
+            self._check_tied()
         module = type(self).__module__.rsplit(".", 1)[-1]
         auto_map = dict(getattr(self.config, "auto_map", None) or {})
         auto_map.setdefault("AutoModel", f"{module}.GPNModel")
@@ -1012,8 +1016,10 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             and not head.weight.is_meta
         ):
             raise ValueError(
-                "lm_head.weight is no longer model.embed_tokens.weight (a GPN's output matrix is its embedding): after "
-                "replacing or loading the embedding, call `model.tie_weights()`"
+                "lm_head.weight is no longer model.embed_tokens.weight (a GPN's output matrix is its embedding, the only "
+                "one saved): after replacing or loading the embedding, call `model.tie_weights()`. A head trained apart "
+                "from the embedding (a merged PEFT `modules_to_save` copy of lm_head) cannot be kept, and `tie_weights()` "
+                "drops it: train `embed_tokens` instead (`modules_to_save=['embed_tokens']` trains both sides)"
             )
 
     def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:

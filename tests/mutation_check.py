@@ -547,6 +547,13 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "output layer (a head holding a table other than the embedding's is saved, and lost in silence)",
+        "modeling_gpn/modeling_gpn.py",
+        "        if isinstance(self, GPNForCausalLM):\n            self._check_tied()\n",
+        "        pass  # MUTATION\n",
+        ("tests/model/test_output_layer.py -k trained_apart_from_the_embedding",),
+    ),
+    Mutation(
         "output layer (the predicted state p not returned)",
         "modeling_gpn/modeling_gpn.py",
         "            predicted_states=predicted_states if output_predicted_states else None,\n",
@@ -658,7 +665,10 @@ MUTATIONS = [
         "modeling_gpn/fast_recurrence.py",
         "mask[:, t] if t in masked_steps else None",
         "None if 'MUTATION' else None",
-        ("tests/model/test_cache_and_padding.py -k padded_training_batch and fast",),
+        (
+            "tests/model/test_cache_and_padding.py -k padded_training_batch and fast",
+            "tests/ecosystem/test_trl.py -k grpo_log_probs_of_padded_rows",
+        ),
     ),
     Mutation(
         "sequence classification of packed rows (scored as their last sequence, not refused)",

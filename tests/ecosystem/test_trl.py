@@ -253,6 +253,72 @@ def test_dpo_trainer_trains_a_gpn(gpn_folder, tokenizer, tmp_path):
     assert losses[-1] < losses[0]
 
 
+def alone_log_probs(model, prompt_ids: list[int], completion_ids: list[int]) -> float:
+    """Sum of log p(completion | prompt) from the plain forward on the unpadded sequence alone."""
+    ids = torch.tensor([prompt_ids + completion_ids])
+    with torch.no_grad():
+        logits = type(model).forward(model, ids).logits[0].float()
+    picked = F.log_softmax(logits[:-1], dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
+    return float(picked[len(prompt_ids) - 1 :].sum())
+
+
+@pytest.mark.parametrize("reference", ["separate model", "adapter disabled", "precomputed"])
+def test_dpo_rewards_are_log_ratios_of_each_pair_alone(gpn_folder, tokenizer, tmp_path, reference):
+    """DPO's reference paths (a separate model; `ref_model=None` with a LoRA, whose disabled adapter is the
+    reference; `precompute_ref_log_probs`): the first step's loss and rewards equal beta * (policy - reference)
+    log-probabilities of each pair computed alone, from the plain forward of the models the trainer holds."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+    from trl import DPOConfig, DPOTrainer
+
+    pairs = Dataset.from_dict(
+        {
+            "prompt": ["the cat", "a dog", "once upon a time", "the end"],
+            "chosen": [" sat on the mat.", " sat.", " there was a cat.", "."],
+            "rejected": [" dog dog.", " mat mat mat.", " end.", " cat cat."],
+        }
+    )
+    beta = 0.5
+    args = DPOConfig(
+        **common_arguments(tmp_path, max_steps=1),
+        per_device_train_batch_size=4,
+        max_length=32,
+        beta=beta,
+        precompute_ref_log_probs=reference == "precomputed",
+    )
+    ref_model = gpn(tokenizer, seed=17).eval() if reference != "adapter disabled" else None
+    peft_config = None
+    if reference == "adapter disabled":  # adapters that move the policy away from the base model at once
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    trainer = DPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(gpn_folder),
+        ref_model=ref_model,
+        args=args,
+        train_dataset=pairs,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
+    policy = trainer.model.get_base_model() if peft_config else trainer.model
+    rewards = []
+    for row in trainer.train_dataset:
+        for side in ("chosen_ids", "rejected_ids"):
+            logp = alone_log_probs(policy, row["prompt_ids"], row[side])
+            if peft_config:
+                with trainer.model.disable_adapter():
+                    ref_logp = alone_log_probs(policy, row["prompt_ids"], row[side])
+            else:
+                ref_logp = alone_log_probs(ref_model, row["prompt_ids"], row[side])
+            rewards.append(beta * (logp - ref_logp))
+    chosen, rejected = torch.tensor(rewards).view(-1, 2).unbind(1)
+    assert (chosen - rejected).abs().max() > 1e-3  # the check means something
+    trainer.train()
+    first = trainer.state.log_history[0]
+    assert first["rewards/chosen"] == pytest.approx(chosen.mean().item(), abs=1e-5)
+    assert first["rewards/rejected"] == pytest.approx(rejected.mean().item(), abs=1e-5)
+    assert first["loss"] == pytest.approx(-F.logsigmoid(chosen - rejected).mean().item(), abs=1e-5)
+
+
 def test_grpo_trainer_generates_and_trains_without_vllm(gpn_folder, tmp_path):
     """GRPOTrainer with `use_vllm=False`: completions come from the GPN's own `generate()`, are scored by a reward
     function, and the policy's log-probabilities of them are the model's own (every fused call checked)."""
@@ -279,6 +345,51 @@ def test_grpo_trainer_generates_and_trains_without_vllm(gpn_folder, tmp_path):
     assert len(logged(trainer)) == 2 and check.calls
     assert all(length > 0 for length in logged(trainer, "completions/mean_length"))
     assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.model.named_parameters())
+
+
+def test_grpo_log_probs_of_padded_rows_equal_each_sequence_alone(gpn_folder, tmp_path):
+    """GRPO scores left-padded prompts of different lengths followed by right-padded completions (padding at both
+    ends of a row), for the policy and the reference (`beta` > 0), at the sampling temperature: every per-token
+    log-probability equals the plain forward's on that prompt and completion alone."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    def reward_length(completions, **kwargs):
+        return [0.1 * len(completion) for completion in completions]
+
+    args = GRPOConfig(
+        **common_arguments(tmp_path, max_steps=1),
+        use_vllm=False,
+        num_generations=4,
+        max_completion_length=6,
+        per_device_train_batch_size=4,
+        generation_batch_size=8,
+        beta=0.1,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=20,
+    )
+    prompts = Dataset.from_dict({"prompt": ["the cat", "a dog sat on the", "once upon a time there", "the"]})
+    trainer = GRPOTrainer(model=gpn_folder, reward_funcs=reward_length, args=args, train_dataset=prompts)
+    scored = trainer._get_per_token_logps_and_entropies
+    compared = []
+
+    def compare_with_each_alone(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        logps, entropies, aux = scored(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        for row, mask, row_logps in zip(input_ids, attention_mask, logps):
+            real = mask.bool()
+            n = int(real[-logits_to_keep:].sum())  # the completion's real tokens
+            ids = row[real][None]
+            with torch.no_grad():
+                logits = type(model).forward(model, ids).logits[0].float() / trainer.temperature
+            alone = F.log_softmax(logits[:-1], dim=-1).gather(-1, ids[0, 1:, None])[:, 0][-n:]
+            torch.testing.assert_close(row_logps[real[-logits_to_keep:]].float(), alone, rtol=1e-5, atol=1e-5)
+            compared.append(bool((~real[:-logits_to_keep]).any()))  # a left-padded prompt
+        return logps, entropies, aux
+
+    trainer._get_per_token_logps_and_entropies = compare_with_each_alone
+    trainer.train()
+    assert len(compared) >= 16 and any(compared)  # policy and reference rows, some with padded prompts
 
 
 # --------------------------------------------------------------------------------------------------

@@ -171,6 +171,35 @@ def test_an_embedding_replaced_without_tying_is_refused_then_followed_once_tied(
         assert torch.equal(model(ids).logits, model.model(ids).last_hidden_state @ model.model.embed_tokens.weight.T)
 
 
+def test_a_head_trained_apart_from_the_embedding_is_refused_at_saving_not_dropped(tmp_path):
+    """PEFT's `modules_to_save=["embed_tokens", "lm_head"]` (a common recipe for new chat tokens) trains two copies;
+    merged, the head holds a table of its own, which a GPN cannot hold (its output matrix is its embedding, the only
+    one saved): saving refuses it by name instead of writing a folder that reloads as another model. With
+    `modules_to_save=["embed_tokens"]` both sides follow the trained copy: merged and tied, the same logits."""
+    import peft
+
+    ids = token_ids()
+    for targets in (["embed_tokens", "lm_head"], ["embed_tokens"]):
+        torch.manual_seed(11)
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", modules_to_save=targets)
+        adapted = peft.get_peft_model(perturbed_model(tiny_config(), seed=10), config).eval()
+        with torch.no_grad():
+            for name in targets:  # as training would move the copies
+                copy = adapted.get_base_model().get_submodule(f"model.{name}" if "embed" in name else name)
+                copy.modules_to_save["default"].weight.add_(0.3 * torch.randn_like(copy.weight))
+            trained = adapted(ids).logits
+        merged = adapted.merge_and_unload()
+        with pytest.raises(ValueError, match="tie_weights"):
+            merged.save_pretrained(tmp_path / "merged")
+        assert not (tmp_path / "merged" / "model.safetensors").exists()
+        if targets == ["embed_tokens"]:
+            merged.tie_weights()
+            merged.save_pretrained(tmp_path / "tied")
+            reloaded = type(merged).from_pretrained(tmp_path / "tied").eval()
+            with torch.no_grad():
+                torch.testing.assert_close(reloaded(ids).logits, trained, rtol=1e-5, atol=1e-5)
+
+
 def test_resize_token_embeddings_keeps_the_output_tied():
     """The head is resized with the embedding and tied again; the logits of the old tokens are unchanged."""
     model = perturbed_model(tiny_config(), seed=9)
