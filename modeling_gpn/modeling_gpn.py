@@ -402,12 +402,8 @@ class GPNPreTrainedModel(PreTrainedModel):
         transformers records only the saved model's own auto class; the folder then loads through remote
         code (`trust_remote_code=True`, without this package) as `AutoConfig`, `AutoModel`,
         `AutoModelForCausalLM` and `AutoModelForSequenceClassification` alike. The `bptt_segment_length` that
-        enabling gradient checkpointing set is not saved (the folder says what the model was given). A causal LM
-        whose head holds a table other than the embedding's is refused, as its forward refuses it: only the
-        embedding is saved, and the head's table would be lost in silence.
+        enabling gradient checkpointing set is not saved (the folder says what the model was given).
         """
-        if isinstance(self, GPNForCausalLM):
-            self._check_tied()
         module = type(self).__module__.rsplit(".", 1)[-1]
         auto_map = dict(getattr(self.config, "auto_map", None) or {})
         auto_map.setdefault("AutoModel", f"{module}.GPNModel")
@@ -1021,6 +1017,12 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
                 "from the embedding (a merged PEFT `modules_to_save` copy of lm_head) cannot be kept, and `tie_weights()` "
                 "drops it: train `embed_tokens` instead (`modules_to_save=['embed_tokens']` trains both sides)"
             )
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """`GPNPreTrainedModel.save_pretrained`, refusing a head that holds a table other than the embedding's, as the
+        forward refuses it (`_check_tied`): only the embedding is saved, so that table would be lost in silence."""
+        self._check_tied()
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
     def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of decoded vectors (rows of `last_hidden_state`): `lm_head(hidden)`, the head called as a module,

@@ -549,8 +549,8 @@ MUTATIONS = [
     Mutation(
         "output layer (a head holding a table other than the embedding's is saved, and lost in silence)",
         "modeling_gpn/modeling_gpn.py",
-        "        if isinstance(self, GPNForCausalLM):\n            self._check_tied()\n",
-        "        pass  # MUTATION\n",
+        "        self._check_tied()\n        return super().save_pretrained(save_directory, *args, **kwargs)\n",
+        "        return super().save_pretrained(save_directory, *args, **kwargs)  # MUTATION\n",
         ("tests/model/test_output_layer.py -k trained_apart_from_the_embedding",),
     ),
     Mutation(
