@@ -1287,6 +1287,13 @@ MUTATIONS = [
         ("tests/model/test_config_and_conversion.py -k misread and negative",),
     ),
     Mutation(
+        "GPNConfig refuses an attention head shape by name (transformers' ExecuTorch exporter failed deep inside)",
+        "modeling_gpn/configuration_gpn.py",
+        "        if name in _ATTENTION_SHAPE_ATTRIBUTES:\n",
+        "        if False:  # MUTATION\n",
+        ("tests/ecosystem/test_ecosystem.py::test_transformers_executorch_exporter_is_refused_by_name",),
+    ),
+    Mutation(
         "GPNConfig checked at save (transformers' validation calls only its own validators)",
         "modeling_gpn/configuration_gpn.py",
         "        super().validate()\n        self._check_values()\n",
