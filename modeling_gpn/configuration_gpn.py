@@ -10,6 +10,9 @@ import math
 
 from transformers import PreTrainedConfig
 
+# The head shape of an attention model, which tools made for attention caches read from a config (`GPNConfig.__getattr__`).
+_ATTENTION_SHAPE_ATTRIBUTES = frozenset({"num_attention_heads", "num_key_value_heads", "head_dim"})
+
 
 class GPNConfig(PreTrainedConfig):
     r"""
@@ -143,6 +146,22 @@ class GPNConfig(PreTrainedConfig):
         saved unchecked."""
         super().validate()
         self._check_values()
+
+    def __getattr__(self, name: str):
+        """Called only for an attribute the config lacks: an attention model's head shape is refused by name (still
+        an AttributeError, so `getattr(config, name, default)` and `hasattr` answer as before). Tools made for
+        attention caches read it: transformers' `StaticCache` and the ExecuTorch exporters of
+        `transformers.integrations.executorch`, which build one, failed deep inside transformers with a bare "no
+        attribute 'num_attention_heads'"."""
+        if name in _ATTENTION_SHAPE_ATTRIBUTES:
+            raise AttributeError(
+                f"{type(self).__name__} has no {name}: a GPN has no attention layers (its cache is one recurrent "
+                "state a row, a GPNCache), so tools made for attention key-value caches do not apply: transformers' "
+                "StaticCache, and the ExecuTorch exporters of transformers.integrations.executorch, which build one. "
+                "generate() takes cache_implementation='static' (a GPNCache); torch.export.export takes a GPN whose "
+                "forward is given and returns its GPNCache (docs/transformers.md, 'torch.compile and torch.export')"
+            )
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
     @property
     def memory_cells(self) -> int:

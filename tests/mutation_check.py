@@ -1297,6 +1297,22 @@ MUTATIONS = [
         ("tests/model/test_config_and_conversion.py -k misread and negative",),
     ),
     Mutation(
+        "the fast path takes torchao's int8 weight-only weights (quantize_ or TorchAoConfig at from_pretrained)",
+        "modeling_gpn/fast_recurrence.py",
+        '    return name == "weight" and type(module) is torch.nn.Linear and int8_weight_parts(parameter) is not None\n',
+        "    return False  # MUTATION\n",
+        (
+            "tests/fast_path/test_step_kernels.py -k int8_weights_run_the_fast_path_within or torchao_config_runs_the_fast_path",
+        ),
+    ),
+    Mutation(
+        "GPNConfig refuses an attention head shape by name (transformers' ExecuTorch exporter failed deep inside)",
+        "modeling_gpn/configuration_gpn.py",
+        "        if name in _ATTENTION_SHAPE_ATTRIBUTES:\n",
+        "        if False:  # MUTATION\n",
+        ("tests/ecosystem/test_ecosystem.py::test_transformers_executorch_exporter_is_refused_by_name",),
+    ),
+    Mutation(
         "GPNConfig checked at save (transformers' validation calls only its own validators)",
         "modeling_gpn/configuration_gpn.py",
         "        super().validate()\n        self._check_values()\n",

@@ -855,6 +855,21 @@ def test_torch_export_save_load_round_trips_dynamic_programs_that_take_and_retur
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_transformers_executorch_exporter_is_refused_by_name():
+    """transformers' ExecuTorch exporter builds an attention StaticCache for the model. Given a GPN (with the static
+    cache its own error asks for), it failed deep inside transformers with "'GPNConfig' object has no attribute
+    'num_attention_heads'"; the config now says why. getattr with a default and hasattr answer as before."""
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    model = perturbed_model(tiny_config())
+    model.generation_config.cache_implementation = "static"
+    with pytest.raises(AttributeError, match="a GPN has no attention layers.*ExecuTorch exporters"):
+        TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=8)
+    assert getattr(model.config, "num_attention_heads", None) is None and not hasattr(model.config, "head_dim")
+    with pytest.raises(AttributeError, match="'GPNConfig' object has no attribute 'no_such_field'"):
+        model.config.no_such_field  # noqa: B018 (any other missing attribute: Python's own message)
+
+
 @pytest.mark.slow
 def test_torch_compile_fullgraph_matches_eager():
     """Dynamo captures the whole forward (and the backward through AOT autograd); the aot_eager backend
