@@ -78,7 +78,9 @@ def check_cache_type(cache) -> None:
     if cache is not None and not isinstance(cache, GPNCache):
         raise TypeError(
             f"A GPN can only continue from a GPNCache, got {type(cache).__name__}: a GPN has no attention layers, so "
-            "keys and values prepended to them (PEFT's prefix tuning) do not apply; prompt tuning and LoRA do"
+            "a cache of keys and values (a DynamicCache or StaticCache, PEFT's prefix tuning) does not apply. Pass a "
+            "GPNCache or none (generate() makes one, for cache_implementation='static' too); of PEFT's methods, "
+            "prompt tuning and LoRA apply"
         )
 
 
