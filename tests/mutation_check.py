@@ -832,8 +832,8 @@ MUTATIONS = [
     Mutation(
         "a state's model known by its model type (the Hub's remote code has its own GPNConfig class)",
         "modeling_gpn/state_file.py",
-        '    if model_type != GPNConfig.model_type or not hasattr(base, "zero_state"):',
-        '    if not isinstance(getattr(base, "config", None), GPNConfig) or not hasattr(base, "zero_state"):  # MUTATION',
+        '        if model_type == GPNConfig.model_type and hasattr(base, "zero_state"):',
+        '        if isinstance(getattr(base, "config", None), GPNConfig) and hasattr(base, "zero_state"):  # MUTATION',
         ("tests/model/test_roundtrip_and_errors.py::test_trust_remote_code_in_a_fresh_process_without_the_package",),
     ),
     Mutation(
@@ -846,9 +846,23 @@ MUTATIONS = [
     Mutation(
         "the weights fingerprint recomputed after an edit of a parameter (in place or through .data)",
         "modeling_gpn/state_file.py",
-        "    if cached is not None and cached[0] == glance.digest():",
-        "    if cached is not None:  # MUTATION",
+        "    if cached is None or cached[0] != glance.digest():",
+        "    if cached is None:  # MUTATION",
         ("tests/model/test_state.py::test_a_state_of_another_model_is_refused",),
+    ),
+    Mutation(
+        "a state is loaded for a PEFT model (a GPNModel found through the wrappers' base_model)",
+        "modeling_gpn/state_file.py",
+        "    for _ in range(MAX_WRAPPERS):",
+        "    for _ in range(2):  # MUTATION",
+        ("tests/ecosystem/test_ecosystem.py -k peft_models_state",),
+    ),
+    Mutation(
+        "the weights fingerprint covers PEFT's adapter settings (active adapter, disabled)",
+        "modeling_gpn/state_file.py",
+        "    if not adapters:  # a model without adapters: the hash of its weights alone, as format version 2 has it",
+        "    if True:  # MUTATION",
+        ("tests/ecosystem/test_ecosystem.py -k peft_models_state",),
     ),
     Mutation(
         "the state file's checksum covers the positions read",
