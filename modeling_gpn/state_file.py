@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import secrets
+import stat
 import threading
 import weakref
 from dataclasses import dataclass
@@ -231,7 +232,7 @@ def _check_model_fingerprint(fingerprint: dict[str, str], path: Path) -> None:
 def read_state_file(path: Path, model: nn.Module) -> StateFile:
     """Read and check the state file at `path` for `model` (a `GPNModel`); see the module docstring."""
     try:
-        payload = path.read_bytes()
+        payload = _read_state_bytes(path)
     except OSError as error:
         raise GPNStateFileError(f"Cannot read the GPN state file {path}: {error.strerror or error}") from error
     metadata = _state_file_metadata(payload, path)
@@ -266,6 +267,23 @@ def read_state_file(path: Path, model: nn.Module) -> StateFile:
     if positions_read < 1:
         raise GPNStateFileError(f"{path} does not say how many positions its state has read")
     return StateFile(tensors, positions_read, read_fingerprint)
+
+
+def _read_state_bytes(path: Path) -> bytes:
+    """The bytes of the file at `path`, read only from a regular file, and past its header only when the header
+    says it is a GPN state: a device (`/dev/zero`) would be read without end and a FIFO would block, and a weights
+    file of many GB given by mistake would be read whole only to be refused."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO opens without waiting for a writer)
+    with open(descriptor, "rb") as file:
+        mode = os.fstat(descriptor).st_mode
+        if not stat.S_ISREG(mode):
+            what = "a folder" if stat.S_ISDIR(mode) else "a device, pipe or socket"
+            raise GPNStateFileError(f"{path} is {what}, not a GPN state file (GPNCache.save writes a regular file)")
+        size = os.fstat(descriptor).st_size
+        head = file.read(8)
+        head += file.read(min(int.from_bytes(head, "little"), max(0, size - 8)))
+        _state_file_metadata(head, path)
+        return head + file.read()
 
 
 def _state_checksum(tensors: dict[str, torch.Tensor], read_fingerprint: str, positions_read: str) -> str:

@@ -865,6 +865,13 @@ MUTATIONS = [
         ("tests/ecosystem/test_ecosystem.py -k peft_models_state",),
     ),
     Mutation(
+        "a state file is read only from a regular file (a FIFO blocked, /dev/zero filled the memory)",
+        "modeling_gpn/state_file.py",
+        "        if not stat.S_ISREG(mode):",
+        "        if False:  # MUTATION",
+        ("tests/model/test_state.py -k pipe_is_refused",),
+    ),
+    Mutation(
         "the state file's checksum covers the positions read",
         "modeling_gpn/state_file.py",
         '    digest = hashlib.sha256(f"{read_fingerprint}/{positions_read}".encode())',

@@ -347,6 +347,31 @@ def test_a_damaged_state_file_is_refused(saved, tmp_path):
     refused(missing, model, "Cannot read")
 
 
+def test_a_pipe_is_refused_by_name_without_being_read(saved, tmp_path):
+    """`GPNCache.load` read any path to its end: a FIFO blocked it until a writer came and went (and took what was
+    written for a damaged file), `/dev/zero` filled the memory. Only a regular file is read."""
+    import os
+    import threading
+
+    model, _ = saved
+    pipe = tmp_path / "pipe.safetensors"
+    os.mkfifo(pipe)
+    writer = os.open(pipe, os.O_RDWR)  # (never blocks) a writer is there, so the unfixed load does not hang
+
+    def write_then_close():
+        os.write(writer, b"x" * 16)
+        threading.Event().wait(0.2)
+        os.close(writer)
+
+    thread = threading.Thread(target=write_then_close)
+    thread.start()
+    try:
+        with pytest.raises(GPNStateFileError, match="is a device, pipe or socket, not a GPN state file"):
+            GPNCache.load(pipe, model)
+    finally:
+        thread.join()
+
+
 def test_a_non_finite_state_is_refused(saved, tmp_path):
     model, path = saved
     header_length = int.from_bytes(path.read_bytes()[:8], "little")
