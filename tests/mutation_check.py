@@ -872,6 +872,20 @@ MUTATIONS = [
         ("tests/model/test_state.py -k pipe_is_refused",),
     ),
     Mutation(
+        "gpn push: an unreachable Hub (huggingface_hub's HTTP client's errors) is one line, not a traceback",
+        "modeling_gpn/hub/errors.py",
+        '    return (HfHubHTTPError, OfflineModeIsEnabled, OSError, *(c.HTTPError for c in clients if hasattr(c, "HTTPError")))',
+        "    return (HfHubHTTPError, OfflineModeIsEnabled, OSError)  # MUTATION",
+        ("tests/tools/test_hub.py -k unreachable_hub",),
+    ),
+    Mutation(
+        "gpn convert --push-to-hub: an unreachable Hub is one line, not a traceback",
+        "conversion/cli.py",
+        "            if not isinstance(error, (HubPushError, CardError, *unreachable_hub_errors())):",
+        "            if not isinstance(error, (HubPushError, CardError)):  # MUTATION",
+        ("tests/tools/test_hub.py -k unreachable_hub and convert",),
+    ),
+    Mutation(
         "the state file's checksum covers the positions read",
         "modeling_gpn/state_file.py",
         '    digest = hashlib.sha256(f"{read_fingerprint}/{positions_read}".encode())',

@@ -526,6 +526,48 @@ def test_upload_as_pull_request_with_defaults(source, hub_calls, capsys):
     assert upload["commit_message"] == "Upload gpn-tiny-test (GPN) with gpn push"
 
 
+@pytest.fixture
+def no_network(monkeypatch):
+    """The Hub unreachable as on a machine without network (not HF_HUB_OFFLINE, which huggingface_hub answers
+    itself): its endpoint is a closed local port, so every request fails in the HTTP client."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
+
+
+def word_level_tokenizer(folder: Path) -> Path:
+    """A 27-token tokenizer (fits the reference fixtures' vocabulary of 97), saved to `folder`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{chr(ord("a") + i): i + 1 for i in range(26)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<unk>").save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("command", ["push", "convert --push-to-hub"])
+def test_an_unreachable_hub_is_one_line_not_a_traceback(source, no_network, tmp_path, capsys, command):
+    """Without network, huggingface_hub 2's HTTP client (httpx2) raises its own ConnectError, which is no OSError:
+    `gpn push` ended in its traceback, and `gpn convert --push-to-hub` in any error of the upload's."""
+    from modeling_gpn.cli import main
+
+    if command == "push":
+        argv = ["push", str(source["dir"]), REPO_ID, "--token", TOKEN]
+        prefix = "gpn push: the Hub refused or could not be reached: "
+    else:
+        fixture = require_shared("fixtures/reference/sot_m_1l")
+        tokenizer = str(word_level_tokenizer(tmp_path / "tok"))
+        argv = ["convert", str(fixture), str(tmp_path / "out"), "--tokenizer", tokenizer, "--push-to-hub", REPO_ID]
+        prefix = f"gpn convert: converted to {tmp_path / 'out'}, but did not publish it: "
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("gpn ")]
+    assert "Traceback" not in err and len(lines) == 1 and lines[0].startswith(prefix) and TOKEN not in err, err
+
+
 def test_push_help_lists_every_option(capsys):
     from modeling_gpn.cli import main
 
@@ -539,18 +581,10 @@ def test_push_help_lists_every_option(capsys):
 
 def test_convert_push_to_hub_publishes_the_converted_checkpoint(hub_calls, tmp_path, capsys):
     """`gpn convert SRC OUT --push-to-hub REPO` ends in the same checked upload."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     from modeling_gpn.cli import main
 
     fixture = require_shared("fixtures/reference/sot_m_1l")
-    vocab = {"<unk>": 0, **{chr(ord("a") + i): i + 1 for i in range(26)}}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<unk>").save_pretrained(
-        tmp_path / "tok"
-    )
+    word_level_tokenizer(tmp_path / "tok")
 
     out = tmp_path / "converted"
     assert (
