@@ -886,6 +886,13 @@ MUTATIONS = [
         ("tests/tools/test_hub.py -k unreachable_hub and convert",),
     ),
     Mutation(
+        "gpn push refuses `from . import module` in the remote code (transformers' loader never ships that module)",
+        "modeling_gpn/hub/checks.py",
+        "    if module is None:\n",
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_hub.py -k loader_cannot_follow",),
+    ),
+    Mutation(
         "the state file's checksum covers the positions read",
         "modeling_gpn/state_file.py",
         '    digest = hashlib.sha256(f"{read_fingerprint}/{positions_read}".encode())',

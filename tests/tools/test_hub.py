@@ -140,13 +140,31 @@ def copy_source(source, tmp_path: Path) -> Path:
 # The folder
 
 
-def test_dry_run_folder_holds_exactly_what_the_hub_needs(source, published):
-    from transformers.dynamic_module_utils import get_relative_import_files
+def imported_siblings(start: Path) -> set[str]:
+    """The file names of `start` and of every module it imports relatively, transitively, in any form (`from .x
+    import y`, `from . import x`, deferred imports inside functions), read from the syntax tree: what Python will
+    import, not what transformers' pattern for relative imports sees."""
+    import ast
 
+    found, todo = set(), [start.name]
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        found.add(name)
+        for node in ast.walk(ast.parse((start.parent / name).read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                modules = [node.module] if node.module else [alias.name for alias in node.names]
+                todo += [f"{module}.py" for module in modules]
+    return found
+
+
+def test_dry_run_folder_holds_exactly_what_the_hub_needs(source, published):
+    import modeling_gpn.configuration_gpn as configuration
     import modeling_gpn.modeling_gpn as modeling
 
     files = sorted(p.name for p in published.iterdir())
-    code = sorted(Path(f).name for f in [modeling.__file__, *get_relative_import_files(modeling.__file__)])
+    code = sorted(imported_siblings(Path(modeling.__file__)) | imported_siblings(Path(configuration.__file__)))
     assert "configuration_gpn.py" in code and "modeling_gpn.py" in code
     expected = {
         "README.md",
@@ -430,6 +448,29 @@ def test_remote_code_importing_the_installed_package_is_refused(tmp_path):
         check_remote_code(tmp_path)
     assert "modeling_gpn.py imports modeling_gpn" in str(error.value)
     assert "configuration_gpn.py imports .helpers, which is not in the folder" in str(error.value)
+
+
+def test_relative_imports_the_hubs_loader_cannot_follow_are_refused(tmp_path):
+    """transformers' remote-code loader ships and fetches only the files its pattern `from .module import` names:
+    `from . import helpers` passed the check (helpers.py was never copied, and the published model failed to
+    import), as would a package or a module above the folder."""
+    from modeling_gpn.hub import HubPushError, check_remote_code
+
+    (tmp_path / "configuration_gpn.py").write_text("import torch\n")
+    (tmp_path / "helpers.py").write_text("X = 1\n")
+    (tmp_path / "modeling_gpn.py").write_text(
+        "import torch\nfrom . import helpers\nfrom .configuration_gpn import GPNConfig\n"
+        "def later():\n    from .pkg.checks import check\n    from ..above import thing\n    from .gone import x\n"
+    )
+    with pytest.raises(HubPushError) as error:
+        check_remote_code(tmp_path)
+    message = str(error.value)
+    assert "modeling_gpn.py line 2: `from . import helpers` is not followed" in message
+    assert "modeling_gpn.py line 5 imports .pkg.checks: the remote code is one flat folder" in message
+    assert "modeling_gpn.py line 6 imports from ..above, outside the folder" in message
+    assert "modeling_gpn.py imports .gone, which is not in the folder" in message
+    (tmp_path / "modeling_gpn.py").write_text("import torch\nfrom .helpers import X\n")
+    assert check_remote_code(tmp_path) == ["configuration_gpn.py", "helpers.py", "modeling_gpn.py"]
 
 
 def test_tokenizer_option_adds_a_tokenizer(source, tmp_path):
