@@ -213,6 +213,8 @@ def write_state_file(
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)
+    except OSError as error:  # named by the path asked for, not the temporary one (a full disk, a missing folder)
+        raise type(error)(error.errno, error.strerror, str(path)) from error
     finally:
         temporary.unlink(missing_ok=True)
 

@@ -893,6 +893,13 @@ MUTATIONS = [
         ("tests/tools/test_hub.py -k loader_cannot_follow",),
     ),
     Mutation(
+        "a failed state save names the path asked for, not its temporary file",
+        "modeling_gpn/state_file.py",
+        "        raise type(error)(error.errno, error.strerror, str(path)) from error",
+        "        raise  # MUTATION",
+        ("tests/model/test_state.py -k cut_short",),
+    ),
+    Mutation(
         "the state file's checksum covers the positions read",
         "modeling_gpn/state_file.py",
         '    digest = hashlib.sha256(f"{read_fingerprint}/{positions_read}".encode())',

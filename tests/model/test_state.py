@@ -288,6 +288,26 @@ def refused(path, model, needle: str) -> str:
     return str(error.value)
 
 
+def test_a_save_cut_short_keeps_the_old_file_and_names_the_path(saved, tmp_path):
+    """A full disk (here a real EFBIG, from a file-size limit) while saving leaves the old file whole and no partial
+    one; the error names the path asked for (it named the hidden temporary file the state was written to)."""
+    import resource
+
+    model, path = saved
+    old = path.read_bytes()
+    with torch.no_grad():
+        bigger = model(token_ids(16, 3, seed=1), use_cache=True).cache
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (len(old) + 64, hard))  # (CPython ignores SIGXFSZ: the write fails)
+    try:
+        with pytest.raises(OSError) as error:
+            bigger.save(path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert error.value.filename == str(path) and "File too large" in str(error.value), error.value
+    assert path.read_bytes() == old and list(tmp_path.iterdir()) == [path]
+
+
 def test_a_state_of_another_model_is_refused(saved, tmp_path):
     model, path = saved
     message = refused(path, perturbed_model(tiny_config(hidden_size=40), seed=10), "another model")
