@@ -241,6 +241,22 @@ def test_saved_state_continued_in_a_new_process_equals_one_run(tmp_path):
         assert torch.equal(saved, back)
 
 
+def test_one_row_of_a_saved_batch_continues_as_its_uninterrupted_run(tmp_path):
+    """docs/cache.md: a saved batch's row is continued alone by selecting it after loading."""
+    model = perturbed_model(tiny_config(eos_token_id=None), seed=9)
+    prefix, prefix_mask, new = token_ids(3, 12, seed=8), padded_mask(3, 12), token_ids(3, 4, seed=9)
+    greedy = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        mask = torch.cat([prefix_mask, torch.ones_like(new)], 1)
+        uninterrupted = model.generate(torch.cat([prefix, new], 1), attention_mask=mask, **greedy)
+        model(prefix, attention_mask=prefix_mask, use_cache=True).cache.save(tmp_path / "batch.safetensors")
+    state = GPNCache.load(tmp_path / "batch.safetensors", model)
+    state.batch_select_indices(torch.tensor([0]))  # row 0: the left-padded one
+    with torch.no_grad():
+        continued = model.generate(new[:1], attention_mask=mask[:1], cache=state, **greedy)
+    assert torch.equal(continued, uninterrupted[:1, 12:])
+
+
 @pytest.fixture
 def saved(tmp_path):
     """A model, and the path of a state it saved."""
