@@ -276,12 +276,17 @@ def _read_state_bytes(path: Path) -> bytes:
     says it is a GPN state: a device (`/dev/zero`) would be read without end and a FIFO would block, and a weights
     file of many GB given by mistake would be read whole only to be refused."""
     descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO opens without waiting for a writer)
-    with open(descriptor, "rb") as file:
-        mode = os.fstat(descriptor).st_mode
-        if not stat.S_ISREG(mode):
-            what = "a folder" if stat.S_ISDIR(mode) else "a device, pipe or socket"
+    try:
+        status = os.fstat(descriptor)
+        if not stat.S_ISREG(status.st_mode):
+            what = "a folder" if stat.S_ISDIR(status.st_mode) else "a device, pipe or socket"
             raise GPNStateFileError(f"{path} is {what}, not a GPN state file (GPNCache.save writes a regular file)")
-        size = os.fstat(descriptor).st_size
+        file = open(descriptor, "rb")  # (closed by the `with` below)
+    except BaseException:
+        os.close(descriptor)
+        raise
+    with file:
+        size = status.st_size
         head = file.read(8)
         head += file.read(min(int.from_bytes(head, "little"), max(0, size - 8)))
         _state_file_metadata(head, path)
