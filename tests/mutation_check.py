@@ -867,7 +867,7 @@ MUTATIONS = [
     Mutation(
         "a state file is read only from a regular file (a FIFO blocked, /dev/zero filled the memory)",
         "modeling_gpn/state_file.py",
-        "        if not stat.S_ISREG(mode):",
+        "        if not stat.S_ISREG(status.st_mode):",
         "        if False:  # MUTATION",
         ("tests/model/test_state.py -k pipe_is_refused",),
     ),
