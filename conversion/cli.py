@@ -48,11 +48,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"Converted {args.src} -> {args.out} ({n_params:,} parameters, {model.config.memory_cells:,} memory cells)")
     if args.push_to_hub:
         from modeling_gpn.hub import HubPushError, push_folder
+        from modeling_gpn.hub.errors import unreachable_hub_errors
         from modeling_gpn.hub.model_card import CardError
 
         try:
             push_folder(args.out, args.push_to_hub)
-        except (HubPushError, CardError) as error:
+        except Exception as error:  # noqa: BLE001 - sorted below: a refusal or an unreachable Hub is one line
+            if not isinstance(error, (HubPushError, CardError, *unreachable_hub_errors())):
+                raise
             print(f"gpn convert: converted to {args.out}, but did not publish it: {error}", file=sys.stderr)
             return 1
     return 0

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import secrets
+import stat
 import threading
 import weakref
 from dataclasses import dataclass
@@ -68,16 +69,26 @@ def state_shapes(config: GPNConfig) -> dict[str, tuple[int, ...]]:
     return {"predicted": (config.hidden_size,), "grounded": (config.hidden_size,), "memory": memory}
 
 
+MAX_WRAPPERS = 4  # a PeftModel's GPNModel is 3 `base_model`s down; a cycle of wrappers ends here
+
+
 def gpn_base_model(model: nn.Module) -> nn.Module:
     """The `GPNModel` under `model` (a `GPNForCausalLM` or the base model itself), or a TypeError.
 
     Known by its config's model type, not its class: a model loaded as the Hub's remote code has a `GPNConfig` of
-    transformers' dynamic modules (sometimes two copies of it), never this package's."""
-    base = getattr(model, "base_model", model)
-    model_type = getattr(getattr(base, "config", None), "model_type", None)
-    if model_type != GPNConfig.model_type or not hasattr(base, "zero_state"):
-        raise TypeError(f"A GPN state belongs to a GPN model, got {type(model).__name__}")
-    return base
+    transformers' dynamic modules (sometimes two copies of it), never this package's. Wrappers are looked through
+    by their `base_model`: a PEFT model (`PeftModel` -> its tuner -> the `GPNForCausalLM` -> the `GPNModel`) is
+    the model a user generates with, so it is the one a state is loaded for."""
+    base = model
+    for _ in range(MAX_WRAPPERS):
+        model_type = getattr(getattr(base, "config", None), "model_type", None)
+        if model_type == GPNConfig.model_type and hasattr(base, "zero_state"):
+            return base
+        inner = getattr(base, "base_model", None)
+        if not isinstance(inner, nn.Module) or inner is base:
+            break
+        base = inner
+    raise TypeError(f"A GPN state belongs to a GPN model, got {type(model).__name__}")
 
 
 # model -> (a glance at its parameters when hashed, their hash): a state is saved and loaded many times between two
@@ -91,7 +102,8 @@ def state_fingerprint(model: nn.Module) -> dict[str, str]:
 
     `state_config`: the `STATE_CONFIG_FIELDS` as JSON; `config_fingerprint`: its SHA-256; `weights_dtype`;
     `weights_fingerprint`: SHA-256 of every parameter as stored (a quantized weight's data and scales, an
-    unmerged adapter's matrices), in order: two models that compute different states differ in it.
+    unmerged adapter's matrices), in order, and of PEFT's adapter settings (`adapter_settings`): two models that
+    compute different states differ in it.
     """
     config = {name: getattr(model.config, name) for name in STATE_CONFIG_FIELDS}
     config_json = json.dumps(config, sort_keys=True)
@@ -107,7 +119,8 @@ def weights_hash(model: nn.Module) -> str:
     """SHA-256 of `model`'s parameters as stored (names, shapes, dtypes and bytes; a quantized weight's inner tensors), recomputed when a glance says they changed since last hashed:
     their names, shapes and dtypes, the version counters every in-place write bumps (an optimizer step, `copy_`,
     `load_state_dict`), and `GLANCE_VALUES` evenly spaced values of each, for what writes through `.data` without
-    a bump (EMA, weight averaging, PEFT's merge), which changes values all over a matrix."""
+    a bump (EMA, weight averaging, PEFT's merge), which changes values all over a matrix. A model with PEFT
+    adapters gets the hash of that hash and of its `adapter_settings` (read afresh each call: cheap)."""
     stored = [
         part for name, parameter in model.named_parameters() for part in _stored_tensors(name, parameter.detach())
     ]
@@ -117,14 +130,39 @@ def weights_hash(model: nn.Module) -> str:
         glance.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}{tensor._version}".encode())
         glance.update(_tensor_bytes(flat[:: max(1, flat.numel() // GLANCE_VALUES)]))
     cached = _weights_hashes.get(model)
-    if cached is not None and cached[0] == glance.digest():
+    if cached is None or cached[0] != glance.digest():
+        digest = hashlib.sha256()
+        for name, tensor in stored:
+            digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+            digest.update(_tensor_bytes(tensor))
+        cached = _weights_hashes[model] = (glance.digest(), digest.hexdigest())
+    adapters = adapter_settings(model)
+    if not adapters:  # a model without adapters: the hash of its weights alone, as format version 2 has it
         return cached[1]
-    digest = hashlib.sha256()
-    for name, tensor in stored:
-        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
-        digest.update(_tensor_bytes(tensor))
-    _weights_hashes[model] = (glance.digest(), digest.hexdigest())
-    return _weights_hashes[model][1]
+    return hashlib.sha256(f"{cached[1]}/{json.dumps(adapters, sort_keys=True)}".encode()).hexdigest()
+
+
+def adapter_settings(model: nn.Module) -> dict[str, dict]:
+    """What PEFT's adapter layers (LoRA and its kin) compute with beyond their weights, by module name: the
+    active adapters, whether adapters are disabled, which are merged, and LoRA's scaling.
+
+    The adapters' matrices are parameters, hashed with the others; but a model holding two adapters computes
+    another state with the other one active (`set_adapter`), and none of them inside `disable_adapter()`, with
+    the same parameters. Read by attribute (PEFT's `BaseTunerLayer`), so nothing here imports PEFT."""
+    settings = {}
+    for name, module in model.named_modules():
+        # a tuner layer's are properties; a transformers model's `active_adapters()` (its own PEFT mixin) is a method
+        tuner_layer = hasattr(module, "merged_adapters") and hasattr(module, "active_adapters")
+        if not tuner_layer or callable(module.active_adapters):
+            continue
+        scaling = getattr(module, "scaling", None)
+        settings[name] = {
+            "active": sorted(str(adapter) for adapter in module.active_adapters),
+            "disabled": bool(module.disable_adapters),
+            "merged": sorted(str(adapter) for adapter in module.merged_adapters),
+            "scaling": {str(k): repr(v) for k, v in scaling.items()} if isinstance(scaling, dict) else None,
+        }
+    return settings
 
 
 def _tensor_bytes(tensor: torch.Tensor):
@@ -175,6 +213,8 @@ def write_state_file(
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)
+    except OSError as error:  # named by the path asked for, not the temporary one (a full disk, a missing folder)
+        raise type(error)(error.errno, error.strerror, str(path)) from error
     finally:
         temporary.unlink(missing_ok=True)
 
@@ -194,7 +234,7 @@ def _check_model_fingerprint(fingerprint: dict[str, str], path: Path) -> None:
 def read_state_file(path: Path, model: nn.Module) -> StateFile:
     """Read and check the state file at `path` for `model` (a `GPNModel`); see the module docstring."""
     try:
-        payload = path.read_bytes()
+        payload = _read_state_bytes(path)
     except OSError as error:
         raise GPNStateFileError(f"Cannot read the GPN state file {path}: {error.strerror or error}") from error
     metadata = _state_file_metadata(payload, path)
@@ -229,6 +269,28 @@ def read_state_file(path: Path, model: nn.Module) -> StateFile:
     if positions_read < 1:
         raise GPNStateFileError(f"{path} does not say how many positions its state has read")
     return StateFile(tensors, positions_read, read_fingerprint)
+
+
+def _read_state_bytes(path: Path) -> bytes:
+    """The bytes of the file at `path`, read only from a regular file, and past its header only when the header
+    says it is a GPN state: a device (`/dev/zero`) would be read without end and a FIFO would block, and a weights
+    file of many GB given by mistake would be read whole only to be refused."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO opens without waiting for a writer)
+    try:
+        status = os.fstat(descriptor)
+        if not stat.S_ISREG(status.st_mode):
+            what = "a folder" if stat.S_ISDIR(status.st_mode) else "a device, pipe or socket"
+            raise GPNStateFileError(f"{path} is {what}, not a GPN state file (GPNCache.save writes a regular file)")
+        file = open(descriptor, "rb")  # (closed by the `with` below)
+    except BaseException:
+        os.close(descriptor)
+        raise
+    with file:
+        size = status.st_size
+        head = file.read(8)
+        head += file.read(min(int.from_bytes(head, "little"), max(0, size - 8)))
+        _state_file_metadata(head, path)
+        return head + file.read()
 
 
 def _state_checksum(tensors: dict[str, torch.Tensor], read_fingerprint: str, positions_read: str) -> str:
@@ -286,5 +348,6 @@ def _check_state_belongs_to(metadata: dict[str, str], model: nn.Module, path: Pa
         )
     if metadata.get("weights_fingerprint") != ours["weights_fingerprint"]:
         raise GPNStateFileError(
-            f"{path} holds the state of another model: same configuration, other weights (weights fingerprint differs)"
+            f"{path} holds the state of another model: same configuration, other weights (weights fingerprint differs;"
+            " with PEFT adapters: other adapter weights, another adapter active, or adapters disabled)"
         )

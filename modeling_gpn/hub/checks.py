@@ -4,6 +4,7 @@ remote code, a card the Hub parses, no Hub token in any file)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import sys
@@ -105,9 +106,43 @@ def check_weights(files: list[Path], config) -> int:
     return n_params
 
 
+def relative_imports(path: Path) -> list[tuple[int, int, str | None, list[str]]]:
+    """Every relative import in the Python file at `path`, deferred ones included, as (line, level, module,
+    names): `from .cache import GPNCache` is (n, 1, "cache", ["GPNCache"]), `from . import cache` (n, 1, None,
+    ["cache"]). Read from the syntax tree, so no form of the statement escapes."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    return [
+        (node.lineno, node.level, node.module, [alias.name for alias in node.names])
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.level > 0
+    ]
+
+
+def _relative_import_problem(name: str, folder: Path, line: int, level: int, module: str | None, names: list[str]):
+    """Why a relative import of the shipped file `name` would fail once published, or None.
+
+    transformers' remote-code loader ships and fetches exactly the files its pattern `from .module import`
+    names (`get_relative_import_files`), flat beside the modeling file: `from . import module` (which it does not
+    see), a package (`.pkg.module`) or a module above the folder is missing on the Hub, though it imports here."""
+    where = f"{name} line {line}"
+    if level > 1:
+        return f"{where} imports from {'.' * level}{module or ''}, outside the folder that ships"
+    if module is None:
+        return (
+            f"{where}: `from . import {', '.join(names)}` is not followed by transformers' remote-code loader (it "
+            "ships the files of `from .module import name` only): write `from .module import name`"
+        )
+    if "." in module:
+        return f"{where} imports .{module}: the remote code is one flat folder of modules, not packages"
+    if not (folder / f"{module}.py").is_file():
+        return f"{name} imports .{module}, which is not in the folder"
+    return None
+
+
 def check_remote_code(folder: Path) -> list[str]:
-    """Every shipped .py file imports only torch/transformers/safetensors/stdlib and shipped files; returns their names."""
-    from transformers.dynamic_module_utils import get_imports, get_relative_imports
+    """Every shipped .py file imports only torch/transformers/safetensors/stdlib and shipped files, each in a form
+    transformers' remote-code loader follows (`relative_imports`); returns their names."""
+    from transformers.dynamic_module_utils import get_imports
 
     code_files = sorted(p.name for p in folder.glob("*.py"))
     problems = []
@@ -117,9 +152,10 @@ def check_remote_code(folder: Path) -> list[str]:
         if foreign:
             hint = " (the installed package never ships: import it relatively)" if "modeling_gpn" in foreign else ""
             problems.append(f"{name} imports {', '.join(foreign)}{hint}")
-        for relative in get_relative_imports(path):
-            if not (folder / f"{relative}.py").is_file():
-                problems.append(f"{name} imports .{relative}, which is not in the folder")
+        for line, level, module, names in relative_imports(path):
+            problem = _relative_import_problem(name, folder, line, level, module, names)
+            if problem:
+                problems.append(problem)
     if problems:
         raise HubPushError("the remote code is not self-contained: " + "; ".join(problems))
     return code_files

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from .checks import token_values
-from .errors import CardError, HubPushError
+from .errors import CardError, HubPushError, unreachable_hub_errors
 from .push import push_folder
 
 
@@ -70,9 +70,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"gpn push: {error}", file=sys.stderr)
         return 1
     except Exception as error:  # noqa: BLE001 - network / auth errors from huggingface_hub
-        from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
-
-        if isinstance(error, (HfHubHTTPError, OfflineModeIsEnabled, OSError)):
+        if isinstance(error, unreachable_hub_errors()):
             message = str(error)
             for secret in token_values(args.token):
                 message = message.replace(secret, "***")

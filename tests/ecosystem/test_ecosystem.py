@@ -389,6 +389,40 @@ def test_peft_lora_trains_saves_reloads_and_merges(tmp_path):
     assert merged.model.last_recurrence_path == "fast"  # plain modules again: the fast path is back
 
 
+def test_a_peft_models_state_loads_into_it_and_not_with_other_adapter_settings(tmp_path):
+    """A state is loaded for the model a user generates with, the PeftModel itself, and continues as one run;
+    the same parameters with another adapter active, or adapters disabled, compute other states, so they refuse it
+    (both were taken in silence: the fingerprint hashed the adapters' matrices, not which of them were on)."""
+    import peft
+
+    from modeling_gpn import GPNCache
+    from modeling_gpn.state_file import GPNStateFileError
+
+    adapted = lora_model(perturbed_model(tiny_config(eos_token_id=None))).eval()
+    prefix, new = token_ids(2, 7, seed=4), token_ids(2, 3, seed=5)
+    greedy = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        uninterrupted = adapted.generate(input_ids=torch.cat([prefix, new], 1), **greedy)
+        adapted(input_ids=prefix, use_cache=True).cache.save(tmp_path / "state.safetensors")
+    loaded = GPNCache.load(tmp_path / "state.safetensors", adapted)
+    with torch.no_grad():
+        continued = adapted.generate(
+            input_ids=new, attention_mask=torch.ones(2, 7 + 3, dtype=torch.long), cache=loaded, **greedy
+        )
+    assert torch.equal(continued, uninterrupted[:, 7:])
+
+    with adapted.disable_adapter(), pytest.raises(GPNStateFileError, match="adapters disabled"):
+        GPNCache.load(tmp_path / "state.safetensors", adapted)
+    torch.manual_seed(7)
+    adapted.add_adapter("other", peft.LoraConfig(r=4, target_modules=LORA_TARGETS, init_lora_weights=False))
+    adapted.set_adapter("other")
+    with pytest.raises(GPNStateFileError, match="another adapter active"):
+        GPNCache.load(tmp_path / "state.safetensors", adapted)
+    adapted.set_adapter("default")
+    adapted.delete_adapter("other")  # (its matrices are parameters too: while it is held, the weights differ)
+    assert GPNCache.load(tmp_path / "state.safetensors", adapted).get_seq_length() == 7
+
+
 def prompt_tuned(config, seed: int = 3):
     """A GPN under PEFT prompt tuning with 4 virtual tokens of random values (PEFT takes their width from
     `hidden_size`, the state's, unless told the embedding's)."""

@@ -241,6 +241,22 @@ def test_saved_state_continued_in_a_new_process_equals_one_run(tmp_path):
         assert torch.equal(saved, back)
 
 
+def test_one_row_of_a_saved_batch_continues_as_its_uninterrupted_run(tmp_path):
+    """docs/cache.md: a saved batch's row is continued alone by selecting it after loading."""
+    model = perturbed_model(tiny_config(eos_token_id=None), seed=9)
+    prefix, prefix_mask, new = token_ids(3, 12, seed=8), padded_mask(3, 12), token_ids(3, 4, seed=9)
+    greedy = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        mask = torch.cat([prefix_mask, torch.ones_like(new)], 1)
+        uninterrupted = model.generate(torch.cat([prefix, new], 1), attention_mask=mask, **greedy)
+        model(prefix, attention_mask=prefix_mask, use_cache=True).cache.save(tmp_path / "batch.safetensors")
+    state = GPNCache.load(tmp_path / "batch.safetensors", model)
+    state.batch_select_indices(torch.tensor([0]))  # row 0: the left-padded one
+    with torch.no_grad():
+        continued = model.generate(new[:1], attention_mask=mask[:1], cache=state, **greedy)
+    assert torch.equal(continued, uninterrupted[:1, 12:])
+
+
 @pytest.fixture
 def saved(tmp_path):
     """A model, and the path of a state it saved."""
@@ -286,6 +302,26 @@ def refused(path, model, needle: str) -> str:
         GPNCache.load(path, model)
     assert needle in str(error.value), str(error.value)
     return str(error.value)
+
+
+def test_a_save_cut_short_keeps_the_old_file_and_names_the_path(saved, tmp_path):
+    """A full disk (here a real EFBIG, from a file-size limit) while saving leaves the old file whole and no partial
+    one; the error names the path asked for (it named the hidden temporary file the state was written to)."""
+    import resource
+
+    model, path = saved
+    old = path.read_bytes()
+    with torch.no_grad():
+        bigger = model(token_ids(16, 3, seed=1), use_cache=True).cache
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (len(old) + 64, hard))  # (CPython ignores SIGXFSZ: the write fails)
+    try:
+        with pytest.raises(OSError) as error:
+            bigger.save(path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert error.value.filename == str(path) and "File too large" in str(error.value), error.value
+    assert path.read_bytes() == old and list(tmp_path.iterdir()) == [path]
 
 
 def test_a_state_of_another_model_is_refused(saved, tmp_path):
@@ -345,6 +381,31 @@ def test_a_damaged_state_file_is_refused(saved, tmp_path):
     refused(weights / "model.safetensors", model, "not a GPN state file")
     missing = tmp_path / "nowhere.safetensors"
     refused(missing, model, "Cannot read")
+
+
+def test_a_pipe_is_refused_by_name_without_being_read(saved, tmp_path):
+    """`GPNCache.load` read any path to its end: a FIFO blocked it until a writer came and went (and took what was
+    written for a damaged file), `/dev/zero` filled the memory. Only a regular file is read."""
+    import os
+    import threading
+
+    model, _ = saved
+    pipe = tmp_path / "pipe.safetensors"
+    os.mkfifo(pipe)
+    writer = os.open(pipe, os.O_RDWR)  # (never blocks) a writer is there, so the unfixed load does not hang
+
+    def write_then_close():
+        os.write(writer, b"x" * 16)
+        threading.Event().wait(0.2)
+        os.close(writer)
+
+    thread = threading.Thread(target=write_then_close)
+    thread.start()
+    try:
+        with pytest.raises(GPNStateFileError, match="is a device, pipe or socket, not a GPN state file"):
+            GPNCache.load(pipe, model)
+    finally:
+        thread.join()
 
 
 def test_a_non_finite_state_is_refused(saved, tmp_path):

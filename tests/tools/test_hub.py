@@ -140,13 +140,31 @@ def copy_source(source, tmp_path: Path) -> Path:
 # The folder
 
 
-def test_dry_run_folder_holds_exactly_what_the_hub_needs(source, published):
-    from transformers.dynamic_module_utils import get_relative_import_files
+def imported_siblings(start: Path) -> set[str]:
+    """The file names of `start` and of every module it imports relatively, transitively, in any form (`from .x
+    import y`, `from . import x`, deferred imports inside functions), read from the syntax tree: what Python will
+    import, not what transformers' pattern for relative imports sees."""
+    import ast
 
+    found, todo = set(), [start.name]
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        found.add(name)
+        for node in ast.walk(ast.parse((start.parent / name).read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                modules = [node.module] if node.module else [alias.name for alias in node.names]
+                todo += [f"{module}.py" for module in modules]
+    return found
+
+
+def test_dry_run_folder_holds_exactly_what_the_hub_needs(source, published):
+    import modeling_gpn.configuration_gpn as configuration
     import modeling_gpn.modeling_gpn as modeling
 
     files = sorted(p.name for p in published.iterdir())
-    code = sorted(Path(f).name for f in [modeling.__file__, *get_relative_import_files(modeling.__file__)])
+    code = sorted(imported_siblings(Path(modeling.__file__)) | imported_siblings(Path(configuration.__file__)))
     assert "configuration_gpn.py" in code and "modeling_gpn.py" in code
     expected = {
         "README.md",
@@ -432,6 +450,29 @@ def test_remote_code_importing_the_installed_package_is_refused(tmp_path):
     assert "configuration_gpn.py imports .helpers, which is not in the folder" in str(error.value)
 
 
+def test_relative_imports_the_hubs_loader_cannot_follow_are_refused(tmp_path):
+    """transformers' remote-code loader ships and fetches only the files its pattern `from .module import` names:
+    `from . import helpers` passed the check (helpers.py was never copied, and the published model failed to
+    import), as would a package or a module above the folder."""
+    from modeling_gpn.hub import HubPushError, check_remote_code
+
+    (tmp_path / "configuration_gpn.py").write_text("import torch\n")
+    (tmp_path / "helpers.py").write_text("X = 1\n")
+    (tmp_path / "modeling_gpn.py").write_text(
+        "import torch\nfrom . import helpers\nfrom .configuration_gpn import GPNConfig\n"
+        "def later():\n    from .pkg.checks import check\n    from ..above import thing\n    from .gone import x\n"
+    )
+    with pytest.raises(HubPushError) as error:
+        check_remote_code(tmp_path)
+    message = str(error.value)
+    assert "modeling_gpn.py line 2: `from . import helpers` is not followed" in message
+    assert "modeling_gpn.py line 5 imports .pkg.checks: the remote code is one flat folder" in message
+    assert "modeling_gpn.py line 6 imports from ..above, outside the folder" in message
+    assert "modeling_gpn.py imports .gone, which is not in the folder" in message
+    (tmp_path / "modeling_gpn.py").write_text("import torch\nfrom .helpers import X\n")
+    assert check_remote_code(tmp_path) == ["configuration_gpn.py", "helpers.py", "modeling_gpn.py"]
+
+
 def test_tokenizer_option_adds_a_tokenizer(source, tmp_path):
     from modeling_gpn.hub import push_folder
 
@@ -526,6 +567,48 @@ def test_upload_as_pull_request_with_defaults(source, hub_calls, capsys):
     assert upload["commit_message"] == "Upload gpn-tiny-test (GPN) with gpn push"
 
 
+@pytest.fixture
+def no_network(monkeypatch):
+    """The Hub unreachable as on a machine without network (not HF_HUB_OFFLINE, which huggingface_hub answers
+    itself): its endpoint is a closed local port, so every request fails in the HTTP client."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
+
+
+def word_level_tokenizer(folder: Path) -> Path:
+    """A 27-token tokenizer (fits the reference fixtures' vocabulary of 97), saved to `folder`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{chr(ord("a") + i): i + 1 for i in range(26)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<unk>").save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("command", ["push", "convert --push-to-hub"])
+def test_an_unreachable_hub_is_one_line_not_a_traceback(source, no_network, tmp_path, capsys, command):
+    """Without network, huggingface_hub 2's HTTP client (httpx2) raises its own ConnectError, which is no OSError:
+    `gpn push` ended in its traceback, and `gpn convert --push-to-hub` in any error of the upload's."""
+    from modeling_gpn.cli import main
+
+    if command == "push":
+        argv = ["push", str(source["dir"]), REPO_ID, "--token", TOKEN]
+        prefix = "gpn push: the Hub refused or could not be reached: "
+    else:
+        fixture = require_shared("fixtures/reference/sot_m_1l")
+        tokenizer = str(word_level_tokenizer(tmp_path / "tok"))
+        argv = ["convert", str(fixture), str(tmp_path / "out"), "--tokenizer", tokenizer, "--push-to-hub", REPO_ID]
+        prefix = f"gpn convert: converted to {tmp_path / 'out'}, but did not publish it: "
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("gpn ")]
+    assert "Traceback" not in err and len(lines) == 1 and lines[0].startswith(prefix) and TOKEN not in err, err
+
+
 def test_push_help_lists_every_option(capsys):
     from modeling_gpn.cli import main
 
@@ -539,18 +622,10 @@ def test_push_help_lists_every_option(capsys):
 
 def test_convert_push_to_hub_publishes_the_converted_checkpoint(hub_calls, tmp_path, capsys):
     """`gpn convert SRC OUT --push-to-hub REPO` ends in the same checked upload."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     from modeling_gpn.cli import main
 
     fixture = require_shared("fixtures/reference/sot_m_1l")
-    vocab = {"<unk>": 0, **{chr(ord("a") + i): i + 1 for i in range(26)}}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<unk>").save_pretrained(
-        tmp_path / "tok"
-    )
+    word_level_tokenizer(tmp_path / "tok")
 
     out = tmp_path / "converted"
     assert (
