@@ -214,6 +214,8 @@ def write_state_file(
             os.fsync(file.fileno())
         os.replace(temporary, path)
     except OSError as error:  # named by the path asked for, not the temporary one (a full disk, a missing folder)
+        if error.errno is None:  # (not a system call's error: nothing to rename)
+            raise
         raise type(error)(error.errno, error.strerror, str(path)) from error
     finally:
         temporary.unlink(missing_ok=True)
