@@ -81,6 +81,7 @@ from .generation import (
     refuse_non_finite_prompt_logits,
     refuse_peft_prompt_learning_generate,
 )
+from .output_layer import output_embeddings
 from .packing import packed_sequence_starts, packing_arguments, refuse_packed_rows
 from .prefill import forward_in_chunks, prefill_chunk_length_for
 from .state_file import GPNStateFileError
@@ -972,11 +973,9 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         self.model.embed_tokens = value
 
     def get_output_embeddings(self) -> nn.Module:
-        """The module whose weight multiplies `last_hidden_state`: `lm_head`, or, while the output follows a wrapped
-        embedding (`output_follows_embedding`), that embedding module itself. Tools that multiply by
-        `get_output_embeddings().weight` directly (TRL's fused head) then see the wrapper, and TRL refuses a PEFT
-        adapter there instead of scoring with the unadapted table."""
-        return self.model.embed_tokens if self.output_follows_embedding() else self.lm_head
+        """`lm_head`, or, while the output follows a wrapped embedding, a bias-free view whose weight is the table
+        it computes, for the tools that multiply by that weight (TRL's fused head): `output_layer.output_embeddings`."""
+        return output_embeddings(self)
 
     def set_output_embeddings(self, new_embeddings: nn.Module) -> None:
         self.lm_head = new_embeddings

@@ -537,14 +537,53 @@ MUTATIONS = [
     ),
     Mutation(
         "output layer (get_output_embeddings() finds no head)",
-        "modeling_gpn/modeling_gpn.py",
-        "        return self.model.embed_tokens if self.output_follows_embedding() else self.lm_head\n",
-        "        return None  # MUTATION\n",
+        "modeling_gpn/output_layer.py",
+        "    return head\n",
+        "    return None  # MUTATION\n",
         (
             "tests/model/test_output_layer.py -k peft_all_linear or base_model_ends_with_the_decoder",
-            "tests/ecosystem/test_trl.py -k fused_head_log_probs or sft_trainer_trains or dpo or grpo",
+            "tests/ecosystem/test_trl.py -k (fused_head_log_probs or sft_trainer_trains or dpo or grpo)"
+            " and not embedding and not trainable",
             "tests/model/test_packed.py -k trl_sft",
         ),
+    ),
+    Mutation(
+        "output layer (TRL's fused head is shown the wrapped embedding itself, and reads its missing bias)",
+        "modeling_gpn/output_layer.py",
+        "        return EmbeddingTableHead(model.embedding_table, model.config.embedding_size, model.config.vocab_size)\n",
+        "        return embedding  # MUTATION\n",
+        (
+            "tests/ecosystem/test_trl.py -k (fused_head_log_probs or sft_trainer_trains) and (embedding or trainable)",
+            "tests/ecosystem/test_trl.py -k dpo_rewards and embedding",
+            "tests/ecosystem/test_trl.py -k grpo_log_probs and embedding",
+            "tests/model/test_output_layer.py -k wrapped_embedding_is_followed or second_all_linear",
+        ),
+    ),
+    Mutation(
+        "output layer (TRL's fused head scores a wrapped embedding with the unadapted table)",
+        "modeling_gpn/output_layer.py",
+        "EmbeddingTableHead(model.embedding_table,",
+        "EmbeddingTableHead(lambda: head.weight,  # MUTATION\n",
+        (  # (not trainable tokens: their tied head's weight is the adapted table; only its bias is missing)
+            "tests/ecosystem/test_trl.py -k fused_head_log_probs and embedding",
+            "tests/ecosystem/test_trl.py -k dpo_rewards and embedding",
+            "tests/ecosystem/test_trl.py -k grpo_log_probs and embedding",
+            "tests/model/test_output_layer.py -k wrapped_embedding_is_followed",
+        ),
+    ),
+    Mutation(
+        "output layer (the wrapped embedding's table, read by TRL, carries no gradient to the adapter)",
+        "modeling_gpn/output_layer.py",
+        "        return self.table()\n",
+        "        return self.table().detach()  # MUTATION\n",
+        ("tests/ecosystem/test_trl.py -k fused_head_log_probs and (embedding or trainable)",),
+    ),
+    Mutation(
+        "output layer (trainable tokens: TRL's fused head reads the tied head's missing bias)",
+        "modeling_gpn/output_layer.py",
+        '    return token_adapter is not None and getattr(head_adapter, "tied_adapter", None) is token_adapter\n',
+        "    return False  # MUTATION\n",
+        ("tests/ecosystem/test_trl.py -k (fused_head_log_probs or sft_trainer_trains) and trainable",),
     ),
     Mutation(
         "output layer (a head holding a table other than the embedding's is saved, and lost in silence)",

@@ -108,15 +108,45 @@ CASES = {
     "packed": {},
     "decoder bias": dict(use_decoder_bias=True),
     "lora all-linear": {},
+    "lora on the embedding": {},
+    "modules_to_save embedding": {},
+    "trainable tokens": {},
     "d == e": dict(hidden_size=32, intermediate_size=48),
 }  # (where p alone would have fit the head's width)
+ADAPTERS = {  # the PEFT config of each adapted case; the embedding's cases make the output follow a wrapped embedding
+    "lora all-linear": dict(target_modules="all-linear"),
+    "lora on the embedding": dict(target_modules=["embed_tokens", "decode_proj"]),
+    "modules_to_save embedding": dict(target_modules=["decode_proj"], modules_to_save=["embed_tokens"]),
+    "trainable tokens": dict(target_modules=["decode_proj"], trainable_token_indices={"embed_tokens": [3, 7, 50]}),
+}
+
+
+def adapted(model: torch.nn.Module, case: str) -> torch.nn.Module:
+    """`model` with the case's PEFT adapter, its weights drawn from a fixed seed; a `modules_to_save` copy of the
+    embedding and trainable tokens are moved off the original, as training would move them."""
+    import peft
+
+    torch.manual_seed(5)
+    config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **ADAPTERS[case])
+    model = peft.get_peft_model(model, config)
+    embedding = model.get_base_model().model.embed_tokens
+    if hasattr(embedding, "modules_to_save"):
+        with torch.no_grad():
+            copy = embedding.modules_to_save["default"].weight
+            copy.add_(0.5 * torch.randn(copy.shape, generator=torch.Generator().manual_seed(6)))
+    if hasattr(embedding, "token_adapter"):  # (the head carries the same, tied, token adapter)
+        with torch.no_grad():
+            for delta in embedding.token_adapter.trainable_tokens_delta.values():
+                delta.add_(0.5 * torch.randn(delta.shape, generator=torch.Generator().manual_seed(6)))
+    return model
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_trl_fused_head_log_probs_equal_log_softmax_of_the_models_logits(case):
     """`add_fused_lm_head` (what SFT, DPO, GRPO, RLOO, KTO use) on a GPN: log-probabilities, loss and gradients
-    equal those of the model's own logits."""
-    import peft
+    equal those of the model's own logits. With an adapter on the embedding (LoRA or a `modules_to_save` copy) the
+    output follows the adapted table, and so does TRL's head, which reads `get_output_embeddings().weight`: the
+    gradients reach the adapter (the unadapted table would give other log-probabilities)."""
     from trl.trainer.utils import add_fused_lm_head
 
     model = perturbed_model(tiny_config(**CASES[case]), seed=3).train()
@@ -138,16 +168,14 @@ def test_trl_fused_head_log_probs_equal_log_softmax_of_the_models_logits(case):
         inputs["position_ids"] = torch.tensor(positions)
         labels[0, 5] = labels[1, 4] = labels[1, 7] = -100
     reference = perturbed_model(tiny_config(**CASES[case]), seed=3).train()
-    if case == "lora all-linear":
-        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
-        torch.manual_seed(5)
-        model = peft.get_peft_model(model, config)
-        torch.manual_seed(5)
-        reference = peft.get_peft_model(reference, config)
+    if case in ADAPTERS:
+        model, reference = adapted(model, case), adapted(reference, case)
         base = model.get_base_model()
-        assert type(base.lm_head) is torch.nn.Linear and not hasattr(base.lm_head, "lora_A")  # left out by identity
-        assert hasattr(base.model.decode_proj, "lora_A")
-    fused_model = model.get_base_model() if case == "lora all-linear" else model
+        assert not hasattr(base.lm_head, "lora_A") and hasattr(base.model.decode_proj, "lora_A")
+        if case != "trainable tokens":  # (whose adapter PEFT ties to the head)
+            assert type(base.lm_head) is torch.nn.Linear  # left out by identity
+        assert base.output_follows_embedding() is (case in ("lora on the embedding", "modules_to_save embedding"))
+    fused_model = model.get_base_model() if case in ADAPTERS else model
     add_fused_lm_head(fused_model, outputs=("log_probs", "entropy", "is_top1"))
 
     fused = model(**inputs, labels=labels, fused_lm_head=True)
@@ -164,6 +192,12 @@ def test_trl_fused_head_log_probs_equal_log_softmax_of_the_models_logits(case):
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     references = dict(reference.named_parameters())
     assert trained and all(p.grad is not None for _, p in trained)
+    if case == "lora on the embedding":
+        assert any("lora_embedding_A" in n for n, _ in trained)
+    if case == "modules_to_save embedding":
+        assert any("embed_tokens.modules_to_save" in n for n, _ in trained)
+    if case == "trainable tokens":
+        assert any("trainable_tokens_delta" in n for n, _ in trained)
     for name, param in trained:
         torch.testing.assert_close(param.grad, references[name].grad, rtol=1e-4, atol=1e-6, msg=name)
 
@@ -173,17 +207,43 @@ def test_trl_fused_head_log_probs_equal_log_softmax_of_the_models_logits(case):
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("variant", ["plain", "lora"])
+SFT_ADAPTERS = {
+    "plain": None,
+    "lora": dict(target_modules="all-linear"),
+    "lora on the embedding": dict(target_modules=["embed_tokens", "decode_proj"]),
+    "modules_to_save embedding": dict(target_modules=["decode_proj"], modules_to_save=["embed_tokens"]),
+    "trainable tokens": dict(target_modules=["decode_proj"], trainable_token_indices={"embed_tokens": [3, 7, 50]}),
+}
+ADAPTER_WEIGHTS = {  # what each variant trains besides the decoder's LoRA
+    "lora": "lora_",
+    "lora on the embedding": "embed_tokens.lora_embedding_",
+    "modules_to_save embedding": "embed_tokens.modules_to_save.",
+    "trainable tokens": "embed_tokens.token_adapter.trainable_tokens_delta",
+}
+
+
+def base_weight_name(name: str) -> str:
+    """The plain model's name of a PEFT model's base weight."""
+    name = name.removeprefix("base_model.model.")
+    for wrapper in (".base_layer", ".original_module", ".token_adapter"):
+        name = name.replace(wrapper, "")
+    return name
+
+
+@pytest.mark.parametrize("variant", SFT_ADAPTERS)
 def test_sft_trainer_trains_with_the_models_own_loss(tokenizer, tmp_path, variant):
     """SFTTrainer as its documentation shows (a text dataset; with `peft_config=LoraConfig(target_modules=
-    "all-linear")`): every step's loss is the model's own loss on the same batch, and it trains."""
+    "all-linear")`): every step's loss is the model's own loss on the same batch, and it trains. An adapter on the
+    embedding (LoRA, a `modules_to_save` copy or trainable tokens, for new tokens) is followed by the output, by TRL's
+    fused head too: the adapter trains, the base weights do not move."""
     from datasets import Dataset
     from peft import LoraConfig
     from trl import SFTConfig, SFTTrainer
 
     model = gpn(tokenizer)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear") if variant == "lora" else None
+    adapter = SFT_ADAPTERS[variant]
+    peft_config = LoraConfig(r=4, lora_alpha=8, **adapter) if adapter else None
     args = SFTConfig(**common_arguments(tmp_path, max_steps=3), max_length=32, per_device_train_batch_size=4)
     trainer = SFTTrainer(
         model=model,
@@ -192,6 +252,7 @@ def test_sft_trainer_trains_with_the_models_own_loss(tokenizer, tmp_path, varian
         processing_class=tokenizer,
         peft_config=peft_config,
     )
+    start = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     check = FusedHeadCheck(trainer.model)
     trainer.train()
     check.remove()
@@ -199,31 +260,19 @@ def test_sft_trainer_trains_with_the_models_own_loss(tokenizer, tmp_path, varian
     assert len(check.calls) == len(losses) == 3
     assert losses == pytest.approx([trl for trl, _ in check.calls], rel=1e-5)  # the logged loss is the checked one
     assert all(math.isfinite(loss) for loss in losses)
-    changed = {n for n, p in trainer.model.named_parameters() if n in before and not torch.equal(p.detach(), before[n])}
-    if variant == "lora":
-        base = trainer.model.get_base_model()
-        assert type(base.lm_head) is torch.nn.Linear and base.lm_head.weight is base.model.embed_tokens.weight
-        assert not changed and any("lora_" in n and p.requires_grad for n, p in trainer.model.named_parameters())
-    else:
+    if variant == "plain":
+        changed = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}
         assert "model.embed_tokens.weight" in changed and "model.decode_proj.weight" in changed
-
-
-def test_sft_trainer_refuses_an_adapter_on_the_tied_output(tokenizer, tmp_path):
-    """LoRA on `embed_tokens` makes a GPN's output follow the adapted table; TRL's fused head would multiply by the
-    unadapted weight, so the output embedding it is shown is the adapted embedding, which TRL refuses by name."""
-    from datasets import Dataset
-    from peft import LoraConfig
-    from trl import SFTConfig, SFTTrainer
-
-    args = SFTConfig(**common_arguments(tmp_path), max_length=32, per_device_train_batch_size=4)
-    with pytest.raises(ValueError, match="PEFT adapter"):
-        SFTTrainer(
-            model=gpn(tokenizer),
-            args=args,
-            train_dataset=Dataset.from_dict({"text": TEXT}),
-            processing_class=tokenizer,
-            peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "decode_proj"]),
-        )
+        return
+    weights = dict(trainer.model.named_parameters())
+    adapters = {n for n in weights if ADAPTER_WEIGHTS[variant] in n}
+    assert adapters and all(weights[n].requires_grad for n in adapters)
+    # the base weights stay (the table the head is tied to included), the adapters move
+    bases = {base_weight_name(name): weight for name, weight in weights.items() if base_weight_name(name) in before}
+    assert "model.embed_tokens.weight" in bases and "model.decode_proj.weight" in bases
+    for name, weight in bases.items():
+        assert torch.equal(weight.detach(), before[name]), name
+    assert all(not torch.equal(weights[n].detach(), start[n]) for n in adapters), "an adapter did not train"
 
 
 def test_dpo_trainer_trains_a_gpn(gpn_folder, tokenizer, tmp_path):
@@ -262,11 +311,20 @@ def alone_log_probs(model, prompt_ids: list[int], completion_ids: list[int]) -> 
     return float(picked[len(prompt_ids) - 1 :].sum())
 
 
-@pytest.mark.parametrize("reference", ["separate model", "adapter disabled", "precomputed"])
+REFERENCES = {  # DPO's reference -> the policy's PEFT adapter (disabled, it is the reference)
+    "separate model": None,
+    "adapter disabled": dict(target_modules="all-linear"),
+    "embedding adapter disabled": dict(target_modules=["embed_tokens", "decode_proj"]),
+    "precomputed": None,
+}
+
+
+@pytest.mark.parametrize("reference", REFERENCES)
 def test_dpo_rewards_are_log_ratios_of_each_pair_alone(gpn_folder, tokenizer, tmp_path, reference):
     """DPO's reference paths (a separate model; `ref_model=None` with a LoRA, whose disabled adapter is the
-    reference; `precompute_ref_log_probs`): the first step's loss and rewards equal beta * (policy - reference)
-    log-probabilities of each pair computed alone, from the plain forward of the models the trainer holds."""
+    reference, on the embedding too, which the output and TRL's head follow; `precompute_ref_log_probs`): the
+    first step's loss and rewards equal beta * (policy - reference) log-probabilities of each pair computed alone,
+    from the plain forward of the models the trainer holds."""
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
@@ -287,10 +345,11 @@ def test_dpo_rewards_are_log_ratios_of_each_pair_alone(gpn_folder, tokenizer, tm
         beta=beta,
         precompute_ref_log_probs=reference == "precomputed",
     )
-    ref_model = gpn(tokenizer, seed=17).eval() if reference != "adapter disabled" else None
+    adapter = REFERENCES[reference]
+    ref_model = gpn(tokenizer, seed=17).eval() if adapter is None else None
     peft_config = None
-    if reference == "adapter disabled":  # adapters that move the policy away from the base model at once
-        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    if adapter is not None:  # adapters that move the policy away from the base model at once
+        peft_config = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **adapter)
     trainer = DPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(gpn_folder),
         ref_model=ref_model,
@@ -314,9 +373,9 @@ def test_dpo_rewards_are_log_ratios_of_each_pair_alone(gpn_folder, tokenizer, tm
     assert (chosen - rejected).abs().max() > 1e-3  # the check means something
     trainer.train()
     first = trainer.state.log_history[0]
-    assert first["rewards/chosen"] == pytest.approx(chosen.mean().item(), abs=1e-5)
-    assert first["rewards/rejected"] == pytest.approx(rejected.mean().item(), abs=1e-5)
-    assert first["loss"] == pytest.approx(-F.logsigmoid(chosen - rejected).mean().item(), abs=1e-5)
+    assert first["rewards/chosen"] == pytest.approx(chosen.mean().item(), rel=1e-6, abs=1e-5)
+    assert first["rewards/rejected"] == pytest.approx(rejected.mean().item(), rel=1e-6, abs=1e-5)
+    assert first["loss"] == pytest.approx(-F.logsigmoid(chosen - rejected).mean().item(), rel=1e-6, abs=1e-5)
 
 
 def test_grpo_trainer_generates_and_trains_without_vllm(gpn_folder, tmp_path):
@@ -347,11 +406,14 @@ def test_grpo_trainer_generates_and_trains_without_vllm(gpn_folder, tmp_path):
     assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.model.named_parameters())
 
 
-def test_grpo_log_probs_of_padded_rows_equal_each_sequence_alone(gpn_folder, tmp_path):
+@pytest.mark.parametrize("adapter", ["none", "lora on the embedding"])
+def test_grpo_log_probs_of_padded_rows_equal_each_sequence_alone(gpn_folder, tmp_path, adapter):
     """GRPO scores left-padded prompts of different lengths followed by right-padded completions (padding at both
     ends of a row), for the policy and the reference (`beta` > 0), at the sampling temperature: every per-token
-    log-probability equals the plain forward's on that prompt and completion alone."""
+    log-probability equals the plain forward's on that prompt and completion alone. With a LoRA on the embedding
+    (the reference: its adapter disabled), TRL's head follows the adapted table, as the forward does."""
     from datasets import Dataset
+    from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
     def reward_length(completions, **kwargs):
@@ -370,7 +432,14 @@ def test_grpo_log_probs_of_padded_rows_equal_each_sequence_alone(gpn_folder, tmp
         top_k=20,
     )
     prompts = Dataset.from_dict({"prompt": ["the cat", "a dog sat on the", "once upon a time there", "the"]})
-    trainer = GRPOTrainer(model=gpn_folder, reward_funcs=reward_length, args=args, train_dataset=prompts)
+    peft_config = None
+    if adapter != "none":
+        peft_config = LoraConfig(
+            r=4, lora_alpha=1, target_modules=["embed_tokens", "decode_proj"], init_lora_weights=False
+        )
+    trainer = GRPOTrainer(
+        model=gpn_folder, reward_funcs=reward_length, args=args, train_dataset=prompts, peft_config=peft_config
+    )
     scored = trainer._get_per_token_logps_and_entropies
     compared = []
 

@@ -121,9 +121,10 @@ def test_peft_all_linear_leaves_the_output_head_out():
 
 def test_a_wrapped_embedding_is_followed_by_the_output_and_never_ignored():
     """LoRA on `embed_tokens`: the output matrix is the adapted table (input and output sides match, before and after
-    `merge_and_unload()`), and `get_output_embeddings()` shows the adapted embedding, so tools that multiply by its
-    weight see the wrapper. With PEFT's `ensure_weight_tying=True` the head carries the tied adapter and is called:
-    the same logits."""
+    `merge_and_unload()`), and `get_output_embeddings()` is a bias-free view whose weight is that table (the base
+    table while the adapter is disabled), so tools that multiply by its weight (TRL's fused head) compute the
+    model's logits. With PEFT's `ensure_weight_tying=True` the head carries the tied adapter and is called: the
+    same logits."""
     import peft
 
     ids = token_ids(2, 8)
@@ -149,13 +150,49 @@ def test_a_wrapped_embedding_is_followed_by_the_output_and_never_ignored():
         if tying:
             assert hasattr(inner.lm_head, "lora_A") and inner.output_follows_embedding() is False
         else:
-            assert inner.output_follows_embedding() and inner.get_output_embeddings() is inner.model.embed_tokens
+            assert inner.output_follows_embedding()
+            head = inner.get_output_embeddings()
+            assert head.bias is None and not list(head.parameters()) and head not in list(inner.modules())
+            with torch.no_grad():
+                torch.testing.assert_close(head.weight, table)
+                torch.testing.assert_close(head(hidden), logits, rtol=1e-5, atol=1e-5)
+                with adapted.disable_adapter():
+                    assert torch.equal(head.weight, inner.lm_head.weight)
             merged = adapted.merge_and_unload().eval()
             assert merged.get_output_embeddings() is merged.lm_head
             assert merged.lm_head.weight is merged.model.embed_tokens.weight
             torch.testing.assert_close(merged(ids).logits.detach(), logits, rtol=1e-4, atol=1e-4)
         outputs[tying] = logits
     torch.testing.assert_close(outputs[True], outputs[False], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("wrapper", ["lora", "modules_to_save"])
+def test_a_second_all_linear_adapter_never_moves_the_output_off_a_wrapped_embedding(wrapper):
+    """PEFT's `target_modules="all-linear"` leaves out the module `get_output_embeddings()` returns, looked up by
+    identity among the named modules. While the output follows a wrapped embedding that is a view of no named
+    module, so adding an `all-linear` adapter stops in PEFT 0.21 (StopIteration) rather than wrap `lm_head`, which
+    would take the output off the wrapped table and move the first adapter's logits in silence. Named targets work."""
+    import peft
+
+    ids = token_ids(2, 8)
+    torch.manual_seed(12)
+    first = dict(target_modules=["embed_tokens"], init_lora_weights=False)
+    if wrapper == "modules_to_save":
+        first = dict(target_modules=["decode_proj"], modules_to_save=["embed_tokens"])
+    adapted = peft.get_peft_model(perturbed_model(tiny_config(), seed=12), peft.LoraConfig(r=4, **first)).eval()
+    inner = adapted.get_base_model()
+    if wrapper == "modules_to_save":
+        with torch.no_grad():
+            inner.model.embed_tokens.modules_to_save["default"].weight.add_(0.3)
+    with torch.no_grad():
+        before = adapted(input_ids=ids).logits
+    with pytest.raises(StopIteration):
+        adapted.add_adapter("second", peft.LoraConfig(r=4, target_modules="all-linear"))
+    assert type(inner.lm_head) is nn.Linear and inner.output_follows_embedding()
+    adapted.add_adapter("named", peft.LoraConfig(r=4, target_modules=["decode_proj", "ffn_in"]))
+    assert type(inner.lm_head) is nn.Linear and inner.output_follows_embedding()
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(input_ids=ids).logits, before)
 
 
 def test_an_embedding_replaced_without_tying_is_refused_then_followed_once_tied():

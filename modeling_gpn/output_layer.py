@@ -1,0 +1,67 @@
+"""The output embedding a GPN shows while its output follows a wrapped embedding.
+
+A GPN's output matrix is its embedding. While PEFT wraps `embed_tokens` (a LoRA adapter, a `modules_to_save` copy,
+trainable tokens) the logits are `last_hidden_state` times the table the wrapped embedding computes
+(`GPNForCausalLM.embedding_table`). Tools that score tokens without calling the head read
+`get_output_embeddings().weight` and `.bias` (TRL's fused LM head, its distillation loss): PEFT's wrappers have no
+`bias`, and a LoRA's `weight` is the unadapted table, so they are shown `EmbeddingTableHead`, a bias-free linear
+view whose `weight` is the computed table, with the gradients of whatever the wrapper trains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class EmbeddingTableHead(nn.Module):
+    """A bias-free linear head whose `weight` is `table()`, computed on every read (so it follows the active
+    adapter, a disabled one included, and carries its gradients); calling it gives the logits of a
+    `last_hidden_state`. It holds no parameters and is no submodule of the model: the parameters stay the
+    wrapper's, trained and saved there."""
+
+    bias = None
+
+    def __init__(self, table: Callable[[], torch.Tensor], in_features: int, out_features: int):
+        super().__init__()
+        self.table = table  # a bound method, not a module: the model is not registered below this view
+        self.in_features = in_features
+        self.out_features = out_features
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The (vocab, e) table the wrapped embedding computes."""
+        return self.table()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        return F.linear(hidden.to(weight.dtype), weight)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias=False (the embedding's table)"
+
+
+def carries_the_embeddings_token_adapter(head: nn.Module, embedding: nn.Module) -> bool:
+    """Whether `head` is PEFT's trainable-tokens wrapper of the tied head, tied to the embedding's own token adapter
+    (`trainable_token_indices` on a tied model): it multiplies by the table the wrapped embedding computes, and
+    has no `bias`."""
+    token_adapter = getattr(embedding, "token_adapter", None)
+    head_adapter = getattr(head, "token_adapter", None)
+    return token_adapter is not None and getattr(head_adapter, "tied_adapter", None) is token_adapter
+
+
+def output_embeddings(model: nn.Module) -> nn.Module:
+    """`GPNForCausalLM.get_output_embeddings()` of `model`: the module whose weight multiplies `last_hidden_state`.
+    That is `lm_head`, unless the output follows a wrapped embedding (`output_follows_embedding`: LoRA or a `modules_to_save` copy on
+    `embed_tokens`) or the head carries the embedding's token adapter (`trainable_token_indices`): then neither
+    `lm_head` (whose weight is the base table) nor a wrapper (which has no `bias`) shows the tools that read them
+    (TRL's fused head) the output matrix, so they are shown an `EmbeddingTableHead` of `model.embedding_table`. It is no named module, so PEFT's `all-linear`, which
+    looks the output embedding up among them to leave it out, stops there rather than adapt `lm_head` (which would
+    take the output off the wrapped table)."""
+    head, embedding = model.lm_head, model.model.embed_tokens
+    if model.output_follows_embedding() or carries_the_embeddings_token_adapter(head, embedding):
+        return EmbeddingTableHead(model.embedding_table, model.config.embedding_size, model.config.vocab_size)
+    return head
