@@ -1570,6 +1570,13 @@ MUTATIONS = [
         '"half of a step and its gradient) with',
         ("tests/fast_path/test_kernel_safety.py -k model_card_says",),
     ),
+    Mutation(
+        "the token cache keyed by a local file's mtime alone (a rewrite given its old mtime reuses stale tokens)",
+        "modeling_gpn/data/corpus.py",
+        "stat.st_mtime_ns), int(stat.st_ctime_ns)])",
+        "stat.st_mtime_ns)])  # MUTATION",
+        ("tests/tools/test_faults_io.py -k rewritten_with_its_old_mtime",),
+    ),
 ]
 
 

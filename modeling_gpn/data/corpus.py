@@ -84,9 +84,17 @@ class CorpusSpec:
         return files
 
     def fingerprint(self) -> dict:
-        """What identifies this corpus for the caches (local files: paths, sizes and modification times)."""
+        """What identifies this corpus for the caches (local files: paths, sizes, modification and change times).
+
+        The change time (ctime) is there because the modification time alone can be put back: `cp -p`,
+        `rsync -a`, `touch -r` or `tar x` leave a rewritten file with its old mtime (and, same-size, its old
+        key), and the caches would then hand out the old file's tokens. No user-level call sets the ctime.
+        """
         if self.kind == "local":
-            files = [[str(p.resolve()), p.stat().st_size, int(p.stat().st_mtime_ns)] for p in self.local_files()]
+            files = []
+            for path in self.local_files():
+                stat = path.stat()
+                files.append([str(path.resolve()), stat.st_size, int(stat.st_mtime_ns), int(stat.st_ctime_ns)])
             return {"kind": "local", "files": files, "text_field": self.text_field}
         if self.kind == "builtin":
             files = shakespeare_files()
