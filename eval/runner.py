@@ -71,6 +71,9 @@ FIRST_POSITION_TEXT = {
 }
 
 
+DEFAULT_FINEWEB_MAX_DOCUMENTS = 2000  # fineweb_paper reads at most this many documents unless told otherwise
+
+
 @dataclass
 class EvalSettings:
     """Everything `evaluate` needs besides the model; mirrors `gpn eval`'s options."""
@@ -86,7 +89,7 @@ class EvalSettings:
     max_length: int | None = None
     fineweb_window: int = 2048
     fineweb_max_windows: int | None = None
-    fineweb_max_documents: int | None = 2000
+    fineweb_max_documents: int | None = DEFAULT_FINEWEB_MAX_DOCUMENTS
     fineweb_separator: str = "eos"
     fineweb_held_out_fraction: float | None = None
     fineweb_max_tokens: int | None = None

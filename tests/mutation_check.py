@@ -1577,6 +1577,20 @@ MUTATIONS = [
         "stat.st_mtime_ns)])  # MUTATION",
         ("tests/tools/test_faults_io.py -k rewritten_with_its_old_mtime",),
     ),
+    Mutation(
+        "gpn eval --fineweb-held-out-fraction reads only the first 2000 documents (scores training windows)",
+        "eval/cli.py",
+        "    if args.fineweb_held_out_fraction is not None:\n",
+        "    if False:  # MUTATION\n",
+        ("tests/ecosystem/test_eval.py -k held_out_windows_of_a_real_corpus",),
+    ),
+    Mutation(
+        "fineweb_paper's stream keeps blank documents that gpn train's leaves out (held-out windows shifted)",
+        "eval/protocols.py",
+        "        if not text.strip():  # as gpn train",
+        "        if False:  # MUTATION",
+        ("tests/ecosystem/test_eval.py -k held_out_windows_of_a_real_corpus",),
+    ),
 ]
 
 
