@@ -1591,6 +1591,14 @@ MUTATIONS = [
         "        if False:  # MUTATION",
         ("tests/ecosystem/test_eval.py -k held_out_windows_of_a_real_corpus",),
     ),
+    Mutation(
+        "an unwritable token / tokenizer cache folder is a traceback",
+        "modeling_gpn/data/cache.py",
+        "        raise cache_write_error(folder, error) from error\n",
+        "        raise  # MUTATION\n",
+        ("tests/tools/test_faults_io.py -k cache_folder_that_cannot_be_written",),
+        occurrences=2,
+    ),
 ]
 
 

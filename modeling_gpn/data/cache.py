@@ -10,6 +10,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from .errors import DataError
+
 
 def default_cache_dir() -> Path:
     """`$GPN_CACHE` or `~/.cache/gpn`: where token shards and trained tokenizers are kept."""
@@ -22,10 +24,16 @@ def content_hash(value) -> str:
 
 
 def write_folder_atomically(folder: Path, writer) -> None:
-    """Run `writer(tmp_folder)` and rename the folder into place (a crash never leaves half a cache)."""
+    """Run `writer(tmp_folder)` and rename the folder into place (a crash never leaves half a cache).
+
+    A cache folder that cannot be written (no permission, a file in its path, a full disk) is a `DataError`
+    naming it and how to choose another, not a traceback."""
     folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    except OSError as error:
+        raise cache_write_error(folder, error) from error
     try:
         writer(tmp)
         try:
@@ -33,6 +41,14 @@ def write_folder_atomically(folder: Path, writer) -> None:
         except OSError:  # another process finished first: keep theirs
             if not folder.exists():
                 raise
+    except OSError as error:
+        raise cache_write_error(folder, error) from error
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def cache_write_error(folder: Path, error: OSError) -> DataError:
+    return DataError(
+        f"Cannot write the cache folder {folder.parent} ({error}): choose a writable one with --cache-dir or $GPN_CACHE"
+    )

@@ -755,6 +755,24 @@ def test_a_corpus_rewritten_with_its_old_mtime_is_tokenized_anew(bpe_tokenizer_d
     assert second.tokens(0, len(second)).tolist() == expected
 
 
+def test_a_cache_folder_that_cannot_be_written_is_one_clear_error(bpe_tokenizer_dir, tmp_path):
+    """(A file in the --cache-dir path: what root, as these tests run, cannot write either.) It was a
+    NotADirectoryError traceback out of `gpn train`."""
+    from transformers import AutoTokenizer
+
+    from modeling_gpn import data
+
+    path = tmp_path / "corpus.txt"
+    path.write_text("the cat sat on the mat\n" * 50, encoding="utf-8")
+    corpus = data.CorpusSpec(source=str(path))
+    cache = path / "cache"  # under a file
+    tokenizer = AutoTokenizer.from_pretrained(bpe_tokenizer_dir)
+    with pytest.raises(data.DataError, match=r"Cannot write the cache folder .*corpus\.txt/cache/tokens .*--cache-dir"):
+        data.build_token_stream(corpus, tokenizer, cache_dir=cache, show_progress=False)
+    with pytest.raises(data.DataError, match=r"Cannot write the cache folder .*corpus\.txt/cache/tokenizers"):
+        data.load_tokenizer("bpe", corpus, 300, cache_dir=cache)
+
+
 # --------------------------------------------------------------------------------------------------
 # gpn eval fineweb_paper: chunked logits, same figures, bounded memory
 # --------------------------------------------------------------------------------------------------
