@@ -1606,6 +1606,13 @@ MUTATIONS = [
         "and True  # MUTATION",
         ("tests/tools/test_faults_io.py -k hidden_and_special_folders",),
     ),
+    Mutation(
+        "gpn train --dataset 'data/*.jsonl' taken for a Hub id",
+        "modeling_gpn/data/corpus.py",
+        'self.source.startswith((".", "/", "~")) or self.is_glob:',
+        'self.source.startswith((".", "/", "~")):  # MUTATION',
+        ("tests/tools/test_faults_io.py -k dataset_glob_reads",),
+    ),
 ]
 
 

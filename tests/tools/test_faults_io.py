@@ -774,7 +774,28 @@ def test_a_corpus_folder_leaves_out_hidden_and_special_folders(bpe_tokenizer_dir
     corpus = data.CorpusSpec(source=str(folder))
     assert corpus.local_files() == [folder / "sub" / "plays.txt"]
     stream = data.build_token_stream(corpus, AutoTokenizer.from_pretrained(bpe_tokenizer_dir), tmp_path / "cache")
-    assert stream.meta["documents"] == 1 and corpus.describe() == f"1 local files in {folder}"
+    assert stream.meta["documents"] == 1 and corpus.describe() == f"1 local file in {folder}"
+
+
+def test_a_dataset_glob_reads_the_files_it_matches(bpe_tokenizer_dir, tmp_path, monkeypatch):
+    """`--dataset 'shards/*.jsonl'` (as gpn inspect --data takes it) was taken for a Hub id: offline, 'Cannot
+    load Hub dataset 'shards/*.jsonl' ... OfflineModeIsEnabled', for files that are right there."""
+    from transformers import AutoTokenizer
+
+    from modeling_gpn import data
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for index in range(3):
+        (shards / f"part-{index}.jsonl").write_text(json.dumps({"text": f"document {index} " * 30}) + "\n")
+    (shards / "notes.md").write_text("not a corpus")
+    monkeypatch.chdir(tmp_path)  # a relative pattern, as typed
+    corpus = data.CorpusSpec(source="shards/part-*.jsonl")
+    assert corpus.kind == "local" and corpus.local_files() == sorted(Path("shards").glob("*.jsonl"))
+    stream = data.build_token_stream(corpus, AutoTokenizer.from_pretrained(bpe_tokenizer_dir), tmp_path / "cache")
+    assert stream.meta["documents"] == 3
+    with pytest.raises(data.DataError, match=r"No training file matches '.*/n\*' .*1 other files match"):
+        data.CorpusSpec(source="shards/n*").local_files()  # only notes.md
 
 
 def test_a_cache_folder_that_cannot_be_written_is_one_clear_error(bpe_tokenizer_dir, tmp_path):
