@@ -1613,6 +1613,13 @@ MUTATIONS = [
         'self.source.startswith((".", "/", "~")):  # MUTATION',
         ("tests/tools/test_faults_io.py -k dataset_glob_reads",),
     ),
+    Mutation(
+        "a token cache shard overwritten with valid ids (zeros) read as the corpus",
+        "modeling_gpn/data/stream.py",
+        "            if shard_sample_digest(shard) != expected:\n",
+        "            if False:  # MUTATION\n",
+        ("tests/tools/test_faults_io.py::test_a_damaged_token_cache_names_the_file_and_how_to_rebuild[zeroed]",),
+    ),
 ]
 
 

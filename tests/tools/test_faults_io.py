@@ -701,13 +701,15 @@ def _damage(folder: Path, how: str) -> Path:
         shard.unlink()
     elif how == "overwritten":  # right size, bytes of something else
         shard.write_bytes(b"\xff" * shard.stat().st_size)
+    elif how == "zeroed":  # right size, every id one the tokenizer has (a block a crash lost reads as zeros)
+        shard.write_bytes(b"\0" * shard.stat().st_size)
     elif how == "bad-meta":
         shard = folder / "meta.json"
         shard.write_text(shard.read_text()[:50])
     return shard
 
 
-@pytest.mark.parametrize("how", ["truncated", "grown", "missing", "overwritten", "bad-meta"])
+@pytest.mark.parametrize("how", ["truncated", "grown", "missing", "overwritten", "zeroed", "bad-meta"])
 def test_a_damaged_token_cache_names_the_file_and_how_to_rebuild(small_cache, how):
     from modeling_gpn.data import DataError, WindowDataset
 
