@@ -1620,6 +1620,20 @@ MUTATIONS = [
         "            if False:  # MUTATION\n",
         ("tests/tools/test_faults_io.py::test_a_damaged_token_cache_names_the_file_and_how_to_rebuild[zeroed]",),
     ),
+    Mutation(
+        "gpn inspect's error for a non-UTF-8 or non-text corpus names no file",
+        "modeling_gpn/inspect/inputs.py",
+        "                except UnicodeDecodeError as error:",
+        "                except LookupError as error:  # MUTATION",
+        ("tests/tools/test_inspect.py -k rejects_bad_input",),
+    ),
+    Mutation(
+        "gpn inspect's jsonl row of a number reaches the tokenizer",
+        "modeling_gpn/inspect/inputs.py",
+        "        if text is not None and not isinstance(text, str):",
+        "        if False:  # MUTATION",
+        ("tests/tools/test_inspect.py -k rejects_bad_input",),
+    ),
 ]
 
 
