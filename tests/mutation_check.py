@@ -1589,7 +1589,7 @@ MUTATIONS = [
         "eval/protocols.py",
         "        if not text.strip():  # as gpn train",
         "        if False:  # MUTATION",
-        ("tests/ecosystem/test_eval.py -k held_out_windows_of_a_real_corpus",),
+        ("tests/ecosystem/test_eval.py -k leaves_out_blank_documents",),
     ),
     Mutation(
         "an unwritable token / tokenizer cache folder is a traceback",
@@ -1633,6 +1633,20 @@ MUTATIONS = [
         "        if text is not None and not isinstance(text, str):",
         "        if False:  # MUTATION",
         ("tests/tools/test_inspect.py -k rejects_bad_input",),
+    ),
+    Mutation(
+        "fineweb_paper's held-out windows read with eval's own reader, not gpn train's (no folders)",
+        "eval/runner.py",
+        "            if settings.fineweb_held_out_fraction is not None and (corpus := training_corpus(source, settings)):",
+        "            if False:  # MUTATION",
+        ("tests/ecosystem/test_eval.py -k held_out_windows_of_a_real_corpus",),
+    ),
+    Mutation(
+        "gpn eval --fineweb-held-out-fraction on a Hub corpus without --fineweb-max-tokens streams all of it",
+        "eval/runner.py",
+        "        and settings.fineweb_max_tokens is None\n",
+        "        and False  # MUTATION\n",
+        ("tests/ecosystem/test_eval.py -k held_out_windows_of_a_real_corpus",),
     ),
 ]
 
