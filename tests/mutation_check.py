@@ -1648,6 +1648,20 @@ MUTATIONS = [
         "        and False  # MUTATION\n",
         ("tests/ecosystem/test_eval.py -k held_out_windows_of_a_real_corpus",),
     ),
+    Mutation(
+        "a killed tokenization's temporary folder left in the cache for good",
+        "modeling_gpn/data/cache.py",
+        "        remove_abandoned_writes(folder, tmp)\n",
+        "        pass  # MUTATION\n",
+        ("tests/tools/test_faults_io.py -k killed_write_of_the_token_cache",),
+    ),
+    Mutation(
+        "a live writer's temporary cache folder deleted by another run",
+        "modeling_gpn/data/cache.py",
+        "                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)\n",
+        "                pass  # MUTATION\n",
+        ("tests/tools/test_faults_io.py -k killed_write_of_the_token_cache",),
+    ),
 ]
 
 

@@ -13,6 +13,7 @@ import math
 import os
 import pickle
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -798,6 +799,35 @@ def test_a_dataset_glob_reads_the_files_it_matches(bpe_tokenizer_dir, tmp_path, 
     assert stream.meta["documents"] == 3
     with pytest.raises(data.DataError, match=r"No training file matches '.*/n\*' .*1 other files match"):
         data.CorpusSpec(source="shards/n*").local_files()  # only notes.md
+
+
+def test_a_killed_write_of_the_token_cache_is_cleaned_up_by_the_next(bpe_tokenizer_dir, tmp_path):
+    """A run killed while tokenizing left its temporary folder (measured: 12 MB for a 21 MB corpus, as large as
+    the cache) for good; the next write of the same cache deletes it, never one whose writer is alive."""
+    import fcntl
+
+    from transformers import AutoTokenizer
+
+    from modeling_gpn import data
+
+    path = tmp_path / "corpus.txt"
+    path.write_text("the cat sat on the mat\n" * 50, encoding="utf-8")
+    build = lambda: data.build_token_stream(  # noqa: E731
+        data.CorpusSpec(source=str(path)), AutoTokenizer.from_pretrained(bpe_tokenizer_dir), tmp_path / "cache"
+    )
+    folder = build().folder
+    shutil.rmtree(folder)
+    killed, alive = (folder.parent / f".{folder.name}.tmp-{name}" for name in ("killed", "alive"))
+    for other in (killed, alive):
+        other.mkdir()
+        (other / "tokens-00000.bin").write_bytes(b"\0" * 1000)
+        (other / ".writing.lock").touch()
+    with open(alive / ".writing.lock") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # (flock locks belong to an open file: this one conflicts)
+        stream = build()
+        assert not stream.reused and not killed.exists() and alive.exists()
+    assert sorted(p.name for p in folder.parent.iterdir()) == sorted([folder.name, alive.name])
+    assert not (folder / ".writing.lock").exists()
 
 
 def test_a_cache_folder_that_cannot_be_written_is_one_clear_error(bpe_tokenizer_dir, tmp_path):
