@@ -53,7 +53,7 @@ import json
 import sys
 from pathlib import Path
 
-from .runner import DEFAULT_TASKS, TASKS, EvalSettings
+from .runner import DEFAULT_FINEWEB_MAX_DOCUMENTS, DEFAULT_TASKS, TASKS, EvalSettings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -109,7 +109,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--fineweb-window", type=int, default=2048, help="window length of the FineWeb protocol (paper: 2048)"
     )
     parser.add_argument("--fineweb-max-windows", type=int, default=None, help="stop after this many windows")
-    parser.add_argument("--fineweb-max-documents", type=int, default=2000, help="read at most this many documents")
+    parser.add_argument(
+        "--fineweb-max-documents",
+        type=int,
+        default=None,
+        help=f"read at most this many documents (default {DEFAULT_FINEWEB_MAX_DOCUMENTS}; with --fineweb-held-out-fraction "
+        "all of them: gpn train's held-out windows are the end of the whole corpus)",
+    )
     parser.add_argument(
         "--fineweb-held-out-fraction",
         type=float,
@@ -181,6 +187,23 @@ def parse_task_data(items: list[str]) -> dict[str, str]:
 
 def settings_from_args(args: argparse.Namespace) -> EvalSettings:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    max_documents = args.fineweb_max_documents
+    if args.fineweb_held_out_fraction is not None:
+        # gpn train holds out the last windows of the whole corpus: the last windows of its first N documents
+        # (the default cap) are training windows, scored as if held out.
+        cutting = [
+            f"--fineweb-{name} {value}"
+            for name, value in (("max-documents", max_documents), ("skip-documents", args.fineweb_skip_documents))
+            if value
+        ]
+        if cutting:
+            raise ValueError(
+                f"--fineweb-held-out-fraction scores gpn train's held-out windows, the end of the whole corpus: "
+                f"{' and '.join(cutting)} would cut the token stream elsewhere (use --fineweb-max-tokens as gpn "
+                "train's --max-tokens)"
+            )
+    elif max_documents is None:
+        max_documents = DEFAULT_FINEWEB_MAX_DOCUMENTS
     return EvalSettings(
         tasks=tasks,
         data_dir=args.data_dir,
@@ -193,7 +216,7 @@ def settings_from_args(args: argparse.Namespace) -> EvalSettings:
         max_length=args.max_length,
         fineweb_window=args.fineweb_window,
         fineweb_max_windows=args.fineweb_max_windows,
-        fineweb_max_documents=args.fineweb_max_documents,
+        fineweb_max_documents=max_documents,
         fineweb_separator=args.fineweb_separator,
         fineweb_held_out_fraction=args.fineweb_held_out_fraction,
         fineweb_max_tokens=args.fineweb_max_tokens,

@@ -178,7 +178,8 @@ def token_stream(
     tokenizer, texts: Iterable[str], separator: str = "eos", max_tokens: int | None = None
 ) -> tuple[list[int], int]:
     """Concatenate documents into one token stream: each tokenized without special tokens, then
-    followed by EOS (`separator="eos"`), preceded by BOS (`"bos"`), or joined with nothing (`"none"`).
+    followed by EOS (`separator="eos"`), preceded by BOS (`"bos"`), or joined with nothing (`"none"`); a blank
+    document is left out (as `gpn train` leaves it out of its token stream, so the streams are the same).
     Stops once `max_tokens` are reached. Returns (stream, number of documents used)."""
     if separator not in ("eos", "bos", "none"):
         raise ValueError(f"separator must be 'eos', 'bos' or 'none', got {separator!r}")
@@ -191,6 +192,8 @@ def token_stream(
     stream: list[int] = []
     used = 0
     for text in texts:
+        if not text.strip():  # as gpn train, whose held-out windows --fineweb-held-out-fraction scores, skips it
+            continue
         used += 1
         ids: list[int] = []
         for piece, continues, _ends in split_document(text, encoder.safe_cut):

@@ -71,6 +71,9 @@ FIRST_POSITION_TEXT = {
 }
 
 
+DEFAULT_FINEWEB_MAX_DOCUMENTS = 2000  # fineweb_paper reads at most this many documents unless told otherwise
+
+
 @dataclass
 class EvalSettings:
     """Everything `evaluate` needs besides the model; mirrors `gpn eval`'s options."""
@@ -86,7 +89,7 @@ class EvalSettings:
     max_length: int | None = None
     fineweb_window: int = 2048
     fineweb_max_windows: int | None = None
-    fineweb_max_documents: int | None = 2000
+    fineweb_max_documents: int | None = DEFAULT_FINEWEB_MAX_DOCUMENTS
     fineweb_separator: str = "eos"
     fineweb_held_out_fraction: float | None = None
     fineweb_max_tokens: int | None = None
@@ -497,6 +500,17 @@ def check_settings(settings: EvalSettings) -> None:
     fraction = settings.fineweb_held_out_fraction
     if fraction is not None and not 0 < fraction <= 1:
         raise ValueError(f"--fineweb-held-out-fraction must be in (0, 1], got {fraction}")
+    if (
+        fraction is not None
+        and "fineweb_paper" in settings.tasks
+        and settings.fineweb_max_documents is None
+        and settings.fineweb_max_tokens is None
+        and training_corpus(data_source("fineweb_paper", settings), settings) is None
+    ):
+        raise ValueError(
+            "the held-out windows of a Hub corpus are the end of what gpn train read from it: pass "
+            "--fineweb-max-tokens with the token count its data line printed (else the whole dataset is streamed)"
+        )
 
 
 def load_baselines(path: str | Path = BASELINES_PATH) -> dict:
@@ -559,14 +573,17 @@ def _evaluate(model_path: str, settings: EvalSettings, model, tokenizer) -> dict
             metrics = protocols.lambada_metrics(scores)
         elif task == "fineweb_paper":
             streaming = source is None or not _is_local(source)
-            texts = load_texts(
-                source,
-                FINEWEB_HUB,
-                settings.text_field,
-                limit=settings.fineweb_max_documents,
-                streaming=streaming,
-                skip=settings.fineweb_skip_documents,
-            )
+            if settings.fineweb_held_out_fraction is not None and (corpus := training_corpus(source, settings)):
+                texts = corpus.documents()  # gpn train's own reader: the same documents, in the same order
+            else:
+                texts = load_texts(
+                    source,
+                    FINEWEB_HUB,
+                    settings.text_field,
+                    limit=settings.fineweb_max_documents,
+                    streaming=streaming,
+                    skip=settings.fineweb_skip_documents,
+                )
             max_tokens = settings.fineweb_max_tokens
             if settings.fineweb_max_windows and settings.fineweb_held_out_fraction is None:
                 budget = settings.fineweb_max_windows * settings.fineweb_window
@@ -602,6 +619,17 @@ def _evaluate(model_path: str, settings: EvalSettings, model, tokenizer) -> dict
         results["data"][task] = source or _hub_name(task)
     results["comparison"] = compare_with_baselines(results, baselines)
     return results
+
+
+def training_corpus(source: str | None, settings: EvalSettings):
+    """The local corpus `source` as `gpn train --dataset SOURCE` reads it (a file, a folder, a glob), for scoring
+    its held-out windows; None for a Hub dataset or a comma-separated list (which gpn train does not take)."""
+    from modeling_gpn.data import CorpusSpec
+
+    if source is None or "," in source:
+        return None
+    corpus = CorpusSpec(source=source, text_field=settings.text_field)
+    return corpus if corpus.kind == "local" else None
 
 
 def _hub_name(task: str) -> str:

@@ -10,8 +10,8 @@
 3. **Token stream**: documents are joined with EOS (`doc EOS doc EOS ...`) and written once to disk as
    memory-mapped shards (`tokens-00000.bin`, uint16 or uint32) under a cache key made of the corpus,
    the tokenizer and the token budget; a second run with the same inputs memory-maps the shards
-   instead of tokenizing again (each shard's size is checked against `meta.json`; a damaged cache is
-   an error naming the file and the folder to delete). A long document (one big .txt file) is read
+   instead of tokenizing again (each shard's size and a digest of a few slices of it are checked against
+   `meta.json`; a damaged cache is an error naming the file and the folder to delete). A long document (one big .txt file) is read
    and tokenized in pieces of about `PIECE_CHARS` characters, cut just after a line break that is
    followed by a non-space character, and only where tokenizing the two lines around the cut whole
    and in two parts gives the same tokens, so the tokens equal those of the whole document while

