@@ -1661,10 +1661,17 @@ MUTATIONS = [
     ),
     Mutation(
         "gpn inspect's error for a non-UTF-8 or non-text corpus names no file",
-        "modeling_gpn/inspect/inputs.py",
-        "                except UnicodeDecodeError as error:",
-        "                except LookupError as error:  # MUTATION",
+        "modeling_gpn/data/corpus.py",
+        '    except UnicodeDecodeError as error:\n        raise DataError(f"Cannot read training file {path}: it is not UTF-8',
+        '    except LookupError as error:\n        raise DataError(f"Cannot read training file {path}: it is not UTF-8',
         ("tests/tools/test_inspect.py -k rejects_bad_input",),
+    ),
+    Mutation(
+        "gpn inspect tokenizes a long text file's pieces each on its own (not as the whole file, as gpn train does)",
+        "modeling_gpn/inspect/inputs.py",
+        "            new = encoder.encode([(text, continues)])[0]\n",
+        '            new = tokenizer(text, add_special_tokens=False)["input_ids"]  # MUTATION\n',
+        ("tests/tools/test_inspect.py -k long_text_file",),
     ),
     Mutation(
         "gpn inspect's jsonl row of a number reaches the tokenizer",

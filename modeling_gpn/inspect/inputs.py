@@ -4,15 +4,17 @@ local files or a Hub dataset (streamed), each window from the zero state as in t
 from __future__ import annotations
 
 import glob
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
+from ..data.corpus import text_file_pieces
+from ..data.tokenizer import PieceEncoder
+
 DEFAULT_DATASET = "HuggingFaceFW/fineweb-edu"
 DEFAULT_DATASET_CONFIG = "sample-10BT"
 LOCAL_EXTENSIONS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-TEXT_BLOCK_CHARS = 200_000  # plain-text files are tokenized in blocks of about this many characters
 
 
 def load_model(name: str, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = False):
@@ -55,31 +57,24 @@ def _local_files(data: str) -> list[Path] | None:
 
 
 def iter_documents(
-    data: str, config: str | None = None, split: str = "train", text_column: str = "text"
-) -> Iterator[tuple[str, bool]]:
-    """Yield (text, ends_document) from local files or a Hub dataset (streamed).
+    data: str,
+    config: str | None = None,
+    split: str = "train",
+    text_column: str = "text",
+    safe_cut: Callable[[str, str], bool] | None = None,
+) -> Iterator[tuple[str, bool, bool]]:
+    """Yield (text, continues the previous piece, ends its document) from local files or a Hub dataset (streamed).
 
-    A plain-text file is one document, yielded in blocks cut at line ends; a jsonl / json / parquet row
-    is one document (its `text_column`).
+    A plain-text file is one document, read in pieces as `gpn train` reads it (`data.corpus.text_file_pieces`:
+    cut at line ends where `safe_cut(line before, line after)` agrees, so that `PieceEncoder` gives the tokens of
+    the whole document); a jsonl / json / parquet row is one document (its `text_column`).
     """
     files = _local_files(data)
     if files is not None:
         for file in files:
             kind = LOCAL_EXTENSIONS[file.suffix.lower()]
             if kind == "text":
-                try:
-                    with open(file, encoding="utf-8") as handle:
-                        block: list[str] = []
-                        size = 0
-                        for line in handle:
-                            block.append(line)
-                            size += len(line)
-                            if size >= TEXT_BLOCK_CHARS:
-                                yield "".join(block), False
-                                block, size = [], 0
-                        yield "".join(block), True
-                except UnicodeDecodeError as error:  # (the codec's message names no file)
-                    raise ValueError(f"{file} is not UTF-8 text ({error})") from error
+                yield from text_file_pieces(file, safe_cut)  # (a DataError, a ValueError, names the file)
             else:
                 from datasets import load_dataset
 
@@ -107,7 +102,7 @@ def _rows_text(rows, text_column: str, source: str) -> Iterator[tuple[str, bool]
         if text is not None and not isinstance(text, str):  # (the tokenizer's message names no file or column)
             raise ValueError(f"{source}: column {text_column!r} holds {type(text).__name__}, not text")
         if text:
-            yield text, True
+            yield text, False, True
 
 
 def load_token_windows(
@@ -132,9 +127,12 @@ def load_token_windows(
     needed = num_windows * seq_len
     eos = tokenizer.eos_token_id
     ids: list[int] = []
+    encoder = PieceEncoder(tokenizer)  # (a long text file's pieces tokenized as the whole file, as in training)
     with tqdm(total=needed, desc="tokenizing", unit="tok", disable=not progress) as bar:
-        for text, ends_document in iter_documents(data, config, split, text_column):
-            new = tokenizer(text, add_special_tokens=False)["input_ids"]
+        for text, continues, ends_document in iter_documents(data, config, split, text_column, encoder.safe_cut):
+            new = encoder.encode([(text, continues)])[0]
+            if new is None:  # safe_cut checked this cut: the tokenizer changed its mind
+                raise ValueError(f"cannot tokenize {data!r} in pieces with this tokenizer")
             if ends_document and eos is not None:
                 new = new + [eos]
             bar.update(min(len(new), needed - len(ids)))

@@ -333,7 +333,7 @@ def test_gpn_inspect_rejects_bad_input(tiny_llama_vocab_model, tmp_path, capsys)
             [str(tiny_llama_vocab_model), "--data", str(bad), "--tokens", "128", "--seq-len", "64"],
             "unsupported data file",
         ),
-        ([str(tiny_llama_vocab_model), "--data", str(latin1)], "latin1.txt is not UTF-8 text"),
+        ([str(tiny_llama_vocab_model), "--data", str(latin1)], "latin1.txt: it is not UTF-8 text"),
         ([str(tiny_llama_vocab_model), "--data", str(numbers)], "numbers.jsonl: column 'text' holds int, not text"),
         ([str(tmp_path / "no-such-model"), "--data", str(text)], "does not exist"),
         ([str(bare), "--data", str(text)], "holds no tokenizer"),
@@ -428,3 +428,21 @@ def test_gpn_inspect_checks_its_arguments_before_the_model_loads(arguments, mess
         arguments += ["--output", str(tmp_path / "report")]
     assert main(["inspect", "some/model", *arguments, "--quiet"]) == 2
     assert capsys.readouterr().err.startswith(f"gpn inspect: error: {message.format(file=file)}")
+
+
+def test_a_long_text_file_is_tokenized_as_gpn_train_tokenizes_it(tmp_path):
+    """A .txt file longer than one piece: `gpn inspect`'s windows are the tokens of the whole file, as `gpn train`'s
+    are (`text_file_pieces` and `PieceEncoder`). Tokenized in blocks on their own, each block's first word was
+    tokenized as a text's first word (LLaMA's leading "▁"), not as the word after a line break it is."""
+    from transformers import AutoTokenizer
+
+    from modeling_gpn.data.corpus import PIECE_CHARS
+    from modeling_gpn.inspect import load_token_windows
+
+    tokenizer = AutoTokenizer.from_pretrained(require_shared("data/llama2-tokenizer"))
+    path = tmp_path / "plays.txt"
+    path.write_text(require_shared("data/tinyshakespeare/input.txt").read_text()[: 3 * PIECE_CHARS])
+    whole = tokenizer(path.read_text(), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    windows = load_token_windows(tokenizer, str(path), seq_len=64, max_tokens=len(whole), progress=False)
+    assert windows.numel() > len(whole) - 64
+    assert windows.flatten().tolist() == whole[: windows.numel()]
