@@ -1674,6 +1674,13 @@ MUTATIONS = [
         ("tests/tools/test_inspect.py -k long_text_file",),
     ),
     Mutation(
+        "gpn train says nothing when a trained BPE is smaller than --bpe-vocab-size",
+        "modeling_gpn/train/training.py",
+        '        if config["tokenizer"] == "bpe" and len(tokenizer) < config["bpe_vocab_size"]:\n',
+        "        if False:  # MUTATION\n",
+        ("tests/tools/test_train.py -k bpe_smaller",),
+    ),
+    Mutation(
         "gpn inspect's jsonl row of a number reaches the tokenizer",
         "modeling_gpn/inspect/inputs.py",
         "        if text is not None and not isinstance(text, str):",

@@ -161,6 +161,12 @@ def prepare_data(accelerator, config: dict, show_progress: bool):
         tokenizer = load_tokenizer(
             config["tokenizer"], corpus, config["bpe_vocab_size"], config["bpe_max_documents"], config["cache_dir"]
         )
+        if config["tokenizer"] == "bpe" and len(tokenizer) < config["bpe_vocab_size"]:
+            # (BPE stops merging when the corpus has no pair left: the model's vocabulary is then the smaller size)
+            accelerator.print(
+                f"tokenizer: a byte-level BPE of {len(tokenizer):,} tokens, fewer than --bpe-vocab-size "
+                f"{config['bpe_vocab_size']:,}: the corpus gives no more (the model's vocabulary is {len(tokenizer):,})"
+            )
         stream = build_token_stream(
             corpus,
             tokenizer,

@@ -478,3 +478,22 @@ def test_gpn_train_mixed_precision_bf16_on_cpu_ends_finite(tmp_path):
     log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines() if line]
     losses = [r["loss"] for r in log if "loss" in r and "event" not in r]
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses), losses
+
+
+def test_a_bpe_smaller_than_asked_is_said(tmp_path, capsys):
+    """A byte-level BPE stops merging when the corpus has no pair left: `--bpe-vocab-size 60000` on a short corpus
+    gives a few hundred tokens, and the model's vocabulary with it. The run says so instead of leaving the user to
+    find a 60,000 in the settings and a few hundred in the model."""
+    from accelerate import Accelerator
+
+    from modeling_gpn.train import training
+
+    corpus = tmp_path / "short.txt"
+    corpus.write_text("To be, or not to be, that is the question. " * 200)
+    config = train_module.resolve_config(
+        parse(small_args(corpus, tmp_path / "out", tmp_path / "c", "--bpe-vocab-size", "60000"))
+    )
+    tokenizer, _stream, _windows = training.prepare_data(Accelerator(cpu=True), config, show_progress=False)
+    said = capsys.readouterr().out
+    assert len(tokenizer) < 1000
+    assert f"a byte-level BPE of {len(tokenizer):,} tokens, fewer than --bpe-vocab-size 60,000" in said
