@@ -635,7 +635,10 @@ MUTATIONS = [
         "modeling_gpn/modeling_gpn.py",
         '    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}\n',
         "    _tied_weights_keys = None  # MUTATION\n",
-        ("tests/model/test_output_layer.py -k resize_token_embeddings or base_model_ends_with_the_decoder",),
+        (
+            "tests/model/test_output_layer.py -k resize_token_embeddings or base_model_ends_with_the_decoder",
+            "tests/ecosystem/test_pipelines_and_loading.py -k sharded_bfloat16_checkpoint",
+        ),
     ),
     Mutation(
         "output layer (the chunked loss reads a hooked head's weight)",
@@ -673,6 +676,7 @@ MUTATIONS = [
         (
             "tests/ecosystem/test_trl.py -k reward_trainer or sequence_classification",
             "tests/model/test_output_layer.py -k sequence_classification_scores",
+            "tests/ecosystem/test_pipelines_and_loading.py -k text_classification_pipeline",
         ),
     ),
     Mutation(
