@@ -39,6 +39,10 @@ IGNORED_FORWARD_KWARGS = frozenset(
 DECODED_TOKEN_KWARGS = IGNORED_FORWARD_KWARGS - {"position_ids"}
 
 
+# what an empty prompt may have meant: the prediction made before any token
+EMPTY_HINT = "; the prediction from the empty state, before any token, is `model.empty_state_logits()`"
+
+
 def check_unused_kwargs(kwargs: dict) -> None:
     """Accept the harmless extras of `IGNORED_FORWARD_KWARGS` and the packing arguments (`PACKING_KWARGS`,
     read by `GPNModel.forward`); refuse everything else by name."""
@@ -92,7 +96,9 @@ def check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
     if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
         raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
     if input_ids.numel() == 0:
-        raise ValueError(f"GPN needs at least one row and one token, got input_ids of shape {tuple(input_ids.shape)}")
+        raise ValueError(
+            f"GPN needs at least one row and one token, got input_ids of shape {tuple(input_ids.shape)}{EMPTY_HINT}"
+        )
     if is_tracing():  # a value check cannot be decided on symbolic tensors (the embedding still bounds-checks)
         return
     bad = (input_ids < 0) | (input_ids >= vocab_size)

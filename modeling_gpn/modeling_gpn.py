@@ -48,6 +48,7 @@ from transformers.utils import logging
 
 from .arguments import (
     DECODED_TOKEN_KWARGS,
+    EMPTY_HINT,
     check_attention_mask,
     check_cache_type,
     check_input_ids,
@@ -880,6 +881,7 @@ class GPNModel(GPNPreTrainedModel):
         if batch_size == 0 or seq_len == 0:
             raise ValueError(
                 f"GPN needs at least one row and one token, got input of shape (batch={batch_size}, seq={seq_len})"
+                + EMPTY_HINT
             )
 
         state = cache.get_state() if cache is not None else None

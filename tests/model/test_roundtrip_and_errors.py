@@ -113,8 +113,11 @@ def test_mask_of_the_wrong_shape(model):
 
 @pytest.mark.parametrize("shape", [(1, 0), (0, 5)])
 def test_empty_input(model, shape):
-    with pytest.raises(ValueError, match="at least one row and one token"):
+    """An empty prompt is refused, pointing to the prediction made before any token (what it may have meant)."""
+    with pytest.raises(ValueError, match="at least one row and one token.*empty_state_logits"):
         model(torch.zeros(shape, dtype=torch.long))
+    with pytest.raises(ValueError, match="at least one row and one token.*empty_state_logits"):
+        model(inputs_embeds=torch.zeros(*shape, model.config.embedding_size))
 
 
 def test_float_ids_and_wrong_cache(model):
