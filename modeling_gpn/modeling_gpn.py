@@ -389,6 +389,21 @@ class GPNPreTrainedModel(PreTrainedModel):
         config._check_values(token_ids=False)
         super().__init__(config, *args, **kwargs)
 
+    def _check_and_adjust_attn_implementation(
+        self, attn_implementation: str | None, is_init_check: bool = False, allow_all_kernels: bool = False
+    ) -> str:
+        """`attn_implementation` selects how attention layers run; a GPN has none. Unset or "eager" (what
+        transformers records for a model without attention kernels) it is accepted; any other ("sdpa",
+        "flash_attention_2", a Hub kernel, as scripts and TRL's `model_init_kwargs` set for attention models) is
+        refused by name, not with transformers' message that support for it may come later."""
+        if attn_implementation not in (None, "eager"):
+            raise ValueError(
+                f"attn_implementation={attn_implementation!r} does not apply to a GPN: it has no attention layers, so "
+                "there is no attention implementation to choose (its recurrence runs on the fast path by itself); "
+                "leave attn_implementation unset"
+            )
+        return super()._check_and_adjust_attn_implementation(attn_implementation, is_init_check, allow_all_kernels)
+
     def __getstate__(self) -> dict:
         """The module's state for `copy.deepcopy` and pickle, without what the fast path derived from the weights
         (`DERIVED_ATTRIBUTES`: C plans hold raw pointers, which neither copies nor pickles): the copy derives

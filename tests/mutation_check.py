@@ -1685,6 +1685,13 @@ MUTATIONS = [
         ("tests/tools/test_train.py -k bpe_smaller",),
     ),
     Mutation(
+        "an attention implementation asked of a GPN left to transformers' 'request support' message",
+        "modeling_gpn/modeling_gpn.py",
+        '        if attn_implementation not in (None, "eager"):\n',
+        "        if False:  # MUTATION\n",
+        ("tests/model/test_config_and_conversion.py -k attention_implementation_is_refused",),
+    ),
+    Mutation(
         "gpn inspect's jsonl row of a number reaches the tokenizer",
         "modeling_gpn/inspect/inputs.py",
         "        if text is not None and not isinstance(text, str):",

@@ -125,6 +125,18 @@ def test_a_value_changed_after_construction_is_refused_at_save(tmp_path):
     assert not (tmp_path / "model" / "config.json").exists()
 
 
+@pytest.mark.parametrize("implementation", ["sdpa", "flash_attention_2", "flex_attention"])
+def test_an_attention_implementation_is_refused_by_name(tmp_path, implementation):
+    """Scripts and TRL's `model_init_kwargs` set `attn_implementation` for attention models; a GPN has none, so any
+    choice but the unset one (or "eager", what transformers records for it) is refused as not applying, not with
+    transformers' "not supported yet, request support" for a model still to add it."""
+    perturbed_model(tiny_config()).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"attn_implementation='{implementation}' does not apply to a GPN"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=implementation)
+    for accepted in (None, "eager"):
+        assert AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=accepted).config.model_type == "gpn"
+
+
 def test_memoryless_config_ignores_memory_sizes():
     config = GPNConfig(use_memory=False, num_memory_heads=0)
     assert config.memory_cells == 0
