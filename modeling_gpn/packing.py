@@ -67,6 +67,13 @@ def _starts_from_cu_seq_lens(
         raise ValueError(
             f"{name} must run from 0 to the number of tokens in the batch ({batch_size} x {seq_len} = {total}), "
             f"got {first} .. {last}"
+            + (
+                f": the input has {total - last} more positions than the packed sequences, as when tokens are put "
+                "in front of a packed batch after its collator counted it (PEFT's prompt tuning prepends its virtual "
+                "tokens so): pack without prompt tuning, or train it on padded batches"
+                if first == 0 and 0 < last < total
+                else ""
+            )
         )
     lengths = cu_seq_lens[1:] - cu_seq_lens[:-1]
     if bool((lengths <= 0).any()):

@@ -1692,6 +1692,13 @@ MUTATIONS = [
         ("tests/model/test_config_and_conversion.py -k attention_implementation_is_refused",),
     ),
     Mutation(
+        "packed sequences shorter than the input not explained (PEFT's prompt tuning in front of a packed batch)",
+        "modeling_gpn/packing.py",
+        "                if first == 0 and 0 < last < total\n",
+        "                if False  # MUTATION\n",
+        ("tests/model/test_packed.py -k inconsistent_packing_arguments and arguments0",),
+    ),
+    Mutation(
         "gpn inspect's jsonl row of a number reaches the tokenizer",
         "modeling_gpn/inspect/inputs.py",
         "        if text is not None and not isinstance(text, str):",

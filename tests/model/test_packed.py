@@ -288,7 +288,12 @@ def test_sequence_classification_refuses_rows_packing_several_sequences(form):
     [
         (
             dict(cu_seq_lens_q=torch.tensor([0, 5, 27])),
-            r"must run from 0 to the number of tokens in the batch \(2 x 14 = 28\)",
+            r"must run from 0 to the number of tokens in the batch \(2 x 14 = 28\), got 0 .. 27: the input has 1 "
+            "more positions than the packed sequences, as when tokens are put in front .*PEFT's prompt tuning",
+        ),
+        (
+            dict(cu_seq_lens_q=torch.tensor([0, 5, 30])),
+            r"must run from 0 to the number of tokens in the batch \(2 x 14 = 28\), got 0 .. 30$",
         ),
         (dict(cu_seq_lens_q=torch.tensor([0, 5, 5, 28])), "strictly increasing"),
         (dict(cu_seq_lens_q=torch.tensor([0, 10, 28])), "running from row 0 into row 1"),
