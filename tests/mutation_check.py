@@ -1726,6 +1726,20 @@ MUTATIONS = [
         "                pass  # MUTATION\n",
         ("tests/tools/test_faults_io.py -k killed_write_of_the_token_cache",),
     ),
+    Mutation(
+        "Ctrl-C in a gpn subcommand a traceback (exit status 1)",
+        "modeling_gpn/cli/__init__.py",
+        "    except KeyboardInterrupt:  # Ctrl-C where the subcommand has nothing of its own to say: no traceback\n",
+        "    except ZeroDivisionError:  # MUTATION\n",
+        ("tests/tools/test_faults_io.py::test_generate_ctrl_c_is_one_line_and_the_shells_status",),
+    ),
+    Mutation(
+        "gpn generate into a closed pipe a BrokenPipeError traceback",
+        "modeling_gpn/cli/__init__.py",
+        "    except BrokenPipeError:  # the reader went away",
+        "    except ZeroDivisionError:  # MUTATION",
+        ("tests/tools/test_faults_io.py::test_generate_into_a_closed_pipe_stops_quietly",),
+    ),
 ]
 
 
