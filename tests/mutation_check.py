@@ -1727,6 +1727,20 @@ MUTATIONS = [
         ("tests/tools/test_faults_io.py -k killed_write_of_the_token_cache",),
     ),
     Mutation(
+        "gpn bench's counts, device and --json checked only once models are built (tracebacks, or after the run)",
+        "modeling_gpn/bench/command.py",
+        "    check_arguments(args)\n",
+        "    pass  # MUTATION\n",
+        ("tests/tools/test_bench.py -k refused_before_any_model",),
+    ),
+    Mutation(
+        "gpn bench --json written straight into the file (an interrupted write leaves half a document)",
+        "modeling_gpn/bench/command.py",
+        '    temporary = Path(f"{path}.tmp{os.getpid()}")\n',
+        "    temporary = Path(path)  # MUTATION\n",
+        ("tests/tools/test_bench.py::test_an_interrupted_json_write_leaves_no_half_file",),
+    ),
+    Mutation(
         "Ctrl-C in a gpn subcommand a traceback (exit status 1)",
         "modeling_gpn/cli/__init__.py",
         "    except KeyboardInterrupt:  # Ctrl-C where the subcommand has nothing of its own to say: no traceback\n",

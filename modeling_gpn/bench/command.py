@@ -6,9 +6,11 @@ import argparse
 import gc
 import json
 import os
+from pathlib import Path
 
 import torch
 
+from ..cli.arguments import torch_device
 from .measure import measure
 from .models import DTYPES, build_gpn, count_params, matched_llama
 from .report import print_limits, print_ratios, print_table
@@ -93,17 +95,56 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="also write all figures to this JSON file")
 
 
+def check_arguments(args) -> None:
+    """Refuse what would fail only once models are built and measured (a traceback from `statistics.median`,
+    `generate()` or `torch.set_num_threads`), or after the whole run (a --json file that cannot be written)."""
+    counts = {"--repeats": [args.repeats], "--batch": [args.batch], "--seq-len": [args.seq_len]}
+    counts.update({"--decode-prompt-lengths": args.decode_prompt_lengths, "--decode-batches": args.decode_batches})
+    counts.update({"--memory-seq-lens": args.memory_seq_lens})
+    if args.threads is not None:
+        counts["--threads"] = [args.threads]
+    for option, values in counts.items():
+        if any(value < 1 for value in values):
+            raise SystemExit(f"{option} must be at least 1, got {' '.join(map(str, values))}")
+    if args.decode_prompt_lengths and args.decode_tokens < 2:  # decode: the median gap between new tokens
+        raise SystemExit(
+            f"--decode-tokens must be at least 2 (decode times the gaps between them), got {args.decode_tokens}"
+        )
+    if args.segment_length < 0:
+        raise SystemExit(f"--segment-length must be >= 0 (0: keep every step), got {args.segment_length}")
+    try:
+        torch_device(args.device)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+    if args.dtype == "int8" and not args.skip_training:
+        raise SystemExit("--dtype int8 measures inference only (quantized weights do not train): add --skip-training")
+    if args.json is not None:
+        if Path(args.json).is_dir():
+            raise SystemExit(f"--json {args.json} is a folder: name the file to write")
+        if not Path(args.json).resolve().parent.is_dir():
+            raise SystemExit(f"--json {args.json}: its folder does not exist")
+
+
+def write_json(path: str, report: dict) -> None:
+    """`report` to `path` in one step: written beside it and renamed, so that a run interrupted while writing
+    leaves the previous file (or none), never half a JSON document."""
+    temporary = Path(f"{path}.tmp{os.getpid()}")
+    try:
+        with open(temporary, "w") as handle:
+            json.dump(report, handle, indent=2, default=str)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
 def run(args) -> int:
     from tqdm import tqdm
 
     from modeling_gpn.configuration import preset_path
 
+    check_arguments(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("--device cuda asked for, but torch sees no GPU")
-    if args.dtype == "int8" and not args.skip_training:
-        raise SystemExit("--dtype int8 measures inference only (quantized weights do not train): add --skip-training")
     for preset in args.preset:  # all of them checked before the first is measured (a preset takes minutes)
         try:
             preset_path(preset)
@@ -137,17 +178,14 @@ def run(args) -> int:
             print(f"{r.preset} {r.impl} {timing} ran on: {backend}")
     print(f"Triton self-checks: {checks or 'none ran'}")
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(
-                {
-                    "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-                    "memory_kernels": memory_kernels_state(args.device),
-                    "cuda_graphs_setting": os.environ.get("GPN_CUDA_GRAPHS", "off"),
-                    "triton_self_checks": checks,
-                    "rows": [r.__dict__ for r in rows],
-                },
-                handle,
-                indent=2,
-                default=str,
-            )
+        write_json(
+            args.json,
+            {
+                "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+                "memory_kernels": memory_kernels_state(args.device),
+                "cuda_graphs_setting": os.environ.get("GPN_CUDA_GRAPHS", "off"),
+                "triton_self_checks": checks,
+                "rows": [r.__dict__ for r in rows],
+            },
+        )
     return 0
