@@ -1741,6 +1741,13 @@ MUTATIONS = [
         ("tests/tools/test_bench.py::test_an_interrupted_json_write_leaves_no_half_file",),
     ),
     Mutation(
+        "gpn generate decodes the new tokens alone (a SentencePiece continuation loses its leading space)",
+        "modeling_gpn/cli/generate.py",
+        '        print(f"{prompt}{continuation(tokenizer, prompt_ids, row[prompt_width:])}")\n',
+        '        print(f"{prompt}{tokenizer.decode(row[prompt_width:], skip_special_tokens=True)}")  # MUTATION\n',
+        ("tests/tools/test_generate_cli.py::test_a_sentencepiece_continuation_keeps_its_space",),
+    ),
+    Mutation(
         "Ctrl-C in a gpn subcommand a traceback (exit status 1)",
         "modeling_gpn/cli/__init__.py",
         "    except KeyboardInterrupt:  # Ctrl-C where the subcommand has nothing of its own to say: no traceback\n",

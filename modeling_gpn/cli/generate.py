@@ -252,7 +252,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"gpn generate: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
     prompt_width = batch["input_ids"].shape[1]
-    for prompt, row in zip(args.prompts, output):
-        print(f"{prompt}{tokenizer.decode(row[prompt_width:], skip_special_tokens=True)}")
+    for prompt, row, mask in zip(args.prompts, output, prompt_mask):
+        prompt_ids = row[:prompt_width][mask.bool()]
+        print(f"{prompt}{continuation(tokenizer, prompt_ids, row[prompt_width:])}")
         print("-" * 40)
     return 0
+
+
+def continuation(tokenizer, prompt_ids: torch.Tensor, new_ids: torch.Tensor) -> str:
+    """The text `new_ids` add after `prompt_ids`: the decoded whole less the decoded prompt.
+
+    Decoding the new tokens alone loses what depends on the token before them: a SentencePiece tokenizer
+    (Llama 2's, that of the paper's models) drops the space a word-start piece opens with, so "Hello" and
+    " world" printed as "Helloworld".
+    """
+    whole = tokenizer.decode(torch.cat([prompt_ids, new_ids]), skip_special_tokens=True)
+    before = tokenizer.decode(prompt_ids, skip_special_tokens=True)
+    if whole.startswith(before):
+        return whole[len(before) :]
+    return tokenizer.decode(new_ids, skip_special_tokens=True)  # (the prompt's text changed when decoded on)
