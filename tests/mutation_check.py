@@ -1748,6 +1748,20 @@ MUTATIONS = [
         ("tests/tools/test_generate_cli.py::test_a_sentencepiece_continuation_keeps_its_space",),
     ),
     Mutation(
+        "gpn generate --seed of 2**64 or more: generate()'s 'Overflow when unpacking long long'",
+        "modeling_gpn/cli/generate.py",
+        "    if not 0 <= args.seed < 2**64:",
+        "    if not 0 <= args.seed:  # MUTATION",
+        ("tests/tools/test_faults_io.py -k generate_bad_arguments and huge-seed",),
+    ),
+    Mutation(
+        "gpn generate --temperature inf taken (every token equally likely)",
+        "modeling_gpn/cli/generate.py",
+        "not 0 < args.temperature < math.inf:",
+        "not 0 < args.temperature:  # MUTATION",
+        ("tests/tools/test_faults_io.py -k generate_bad_arguments and infinite-temperature",),
+    ),
+    Mutation(
         "Ctrl-C in a gpn subcommand a traceback (exit status 1)",
         "modeling_gpn/cli/__init__.py",
         "    except KeyboardInterrupt:  # Ctrl-C where the subcommand has nothing of its own to say: no traceback\n",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -36,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"nucleus sampling mass (in (0, 1]; with --sample, default {DEFAULT_TOP_P})",
     )
     parser.add_argument("--num-beams", type=int, default=1, help="beam search with this many beams (>= 1)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed for sampling (>= 0)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed for sampling (0 to 2**64 - 1)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     parser.add_argument(
         "--dtype",
@@ -67,8 +68,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise GenerateError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.num_beams < 1:
         raise GenerateError(f"--num-beams must be at least 1, got {args.num_beams}")
-    if args.seed < 0:
-        raise GenerateError(f"--seed must be >= 0, got {args.seed}")
+    if not 0 <= args.seed < 2**64:  # torch.manual_seed's range (above it: "Overflow when unpacking long long")
+        raise GenerateError(f"--seed must be >= 0 and below 2**64, got {args.seed}")
     if not args.sample:
         given = [
             name for name, value in (("--temperature", args.temperature), ("--top-p", args.top_p)) if value is not None
@@ -76,8 +77,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         if given:  # greedy and beam decoding ignore them: say so instead of ignoring them in silence
             verb = "applies" if len(given) == 1 else "apply"
             raise GenerateError(f"{' and '.join(given)} only {verb} with --sample (decoding is greedy without it)")
-    if args.temperature is not None and not args.temperature > 0:
-        raise GenerateError(f"--temperature must be > 0, got {args.temperature}")
+    if args.temperature is not None and not 0 < args.temperature < math.inf:  # inf: every token equally likely
+        raise GenerateError(f"--temperature must be > 0 and finite, got {args.temperature}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise GenerateError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.state is not None:
