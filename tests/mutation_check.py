@@ -1762,6 +1762,13 @@ MUTATIONS = [
         ("tests/tools/test_faults_io.py -k generate_bad_arguments and infinite-temperature",),
     ),
     Mutation(
+        "gpn bench --help explains only the byte limit's columns",
+        "modeling_gpn/bench/command.py",
+        ' + LIMIT_HELP + "\\n\\n" + COLUMNS_HELP\n',
+        " + LIMIT_HELP  # MUTATION\n",
+        ("tests/tools/test_bench.py::test_help_explains_every_column",),
+    ),
+    Mutation(
         "Ctrl-C in a gpn subcommand a traceback (exit status 1)",
         "modeling_gpn/cli/__init__.py",
         "    except KeyboardInterrupt:  # Ctrl-C where the subcommand has nothing of its own to say: no traceback\n",

@@ -32,8 +32,19 @@ token) is a ratio to a second read of those bytes. 1.00x is a step that costs it
 generate()'s time per token lies beyond the model's step."""
 
 
+COLUMNS_HELP = """\
+the other columns: "params" the model's parameters; "train tok/s" forward + backward + AdamW step on
+--batch x --seq-len random tokens, "fwd tok/s" a no-grad forward of them, "GFLOP/s" the model's matmul
+and memory arithmetic per second (training = 3x forward); "train peak @N" the training step's peak
+memory at length N (CUDA: max_memory_allocated; CPU: resident-set growth); "tok/s @B rows" one-token
+steps at B batch rows (--decode-batches); "prefill tok/s @N" a prompt of N tokens over generate()'s time
+to its first new token, "decode ms @N" the median time between its later new tokens (greedy, batch 1);
+"cache @N" the cache's bytes after N tokens. Every figure is a median of --repeats after a warm-up; the
+lines "... ran on:" say which backend each of the fast path's timings used."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = (parser.description or "") + "\n\n" + LIMIT_HELP
+    parser.description = (parser.description or "") + "\n\n" + LIMIT_HELP + "\n\n" + COLUMNS_HELP
     # the limit's paragraphs as written, options as the `gpn` command formats them
     parser.formatter_class = type("Formatter", (argparse.RawDescriptionHelpFormatter, parser.formatter_class), {})
     parser.add_argument("--preset", nargs="+", default=["tiny", "small"], help="GPN presets or config JSON paths")

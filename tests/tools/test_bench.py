@@ -227,3 +227,23 @@ def _bench_args(extra: list[str]):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     return parser.parse_args([*TINY, *extra])
+
+
+def test_help_explains_every_column(capsys):
+    """Every header the table can print (every option on) is named, in quotes, in `gpn bench --help`: the
+    limit's columns were, the speed and memory ones only in the module's docstring."""
+    import re
+
+    from modeling_gpn.bench.report import _columns
+
+    args = _bench_args(["--memory-seq-lens", "24", "--decode-batches", "1", "4"])
+    args.skip_training = False
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for header, _ in _columns(args):
+        if header in ("preset", "impl"):
+            continue
+        name = re.sub(r"@\d+ rows", "@B rows", re.sub(r"@\d+$", "@N", header))
+        name = re.sub(r"^(train|fwd) GFLOP/s$", "GFLOP/s", name)
+        assert f'"{name}"' in text, header
