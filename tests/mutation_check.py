@@ -1769,6 +1769,20 @@ MUTATIONS = [
         ("tests/tools/test_bench.py::test_help_explains_every_column",),
     ),
     Mutation(
+        "gpn bench --memory-seq-lens with --skip-training ignored in silence",
+        "modeling_gpn/bench/command.py",
+        "    if args.skip_training and args.memory_seq_lens:",
+        "    if False:  # MUTATION",
+        ("tests/tools/test_bench.py -k refused_before_any_model and memory-without-training",),
+    ),
+    Mutation(
+        "gpn bench with nothing to measure runs (an empty table)",
+        "modeling_gpn/bench/command.py",
+        "    if args.skip_training and not args.decode_prompt_lengths and not args.decode_batches:",
+        "    if False:  # MUTATION",
+        ("tests/tools/test_bench.py -k refused_before_any_model and nothing-to-measure",),
+    ),
+    Mutation(
         "Ctrl-C in a gpn subcommand a traceback (exit status 1)",
         "modeling_gpn/cli/__init__.py",
         "    except KeyboardInterrupt:  # Ctrl-C where the subcommand has nothing of its own to say: no traceback\n",

@@ -127,6 +127,10 @@ def check_arguments(args) -> None:
         torch_device(args.device)
     except ValueError as error:
         raise SystemExit(str(error)) from None
+    if args.skip_training and args.memory_seq_lens:  # (it would be ignored in silence)
+        raise SystemExit("--memory-seq-lens measures the training step's memory: it does not go with --skip-training")
+    if args.skip_training and not args.decode_prompt_lengths and not args.decode_batches:
+        raise SystemExit("nothing to measure: --skip-training with no --decode-prompt-lengths and no --decode-batches")
     if args.dtype == "int8" and not args.skip_training:
         raise SystemExit("--dtype int8 measures inference only (quantized weights do not train): add --skip-training")
     if args.json is not None:

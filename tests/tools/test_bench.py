@@ -178,6 +178,8 @@ BENCH_BAD = {  # each was a traceback once the models were built (or, for --json
     "unknown-device": (["--device", "toaster"], "--device 'toaster' is not a torch device"),
     "json-in-no-folder": (["--json", "{tmp}/no/such/bench.json"], "its folder does not exist"),
     "json-a-folder": (["--json", "{tmp}"], "is a folder"),
+    "memory-without-training": (["--memory-seq-lens", "64"], "--memory-seq-lens measures the training step's"),
+    "nothing-to-measure": (["--decode-prompt-lengths", "--decode-batches"], "nothing to measure"),
 }
 
 
