@@ -1783,6 +1783,13 @@ MUTATIONS = [
         ("tests/tools/test_bench.py -k refused_before_any_model and nothing-to-measure",),
     ),
     Mutation(
+        "gpn generate - taken as the prompt '-' (not read from standard input)",
+        "modeling_gpn/cli/generate.py",
+        "        args.prompts = read_stdin_prompt(args.prompts)\n",
+        "        pass  # MUTATION\n",
+        ("tests/tools/test_generate_cli.py::test_a_prompt_from_standard_input",),
+    ),
+    Mutation(
         "Ctrl-C in a gpn subcommand a traceback (exit status 1)",
         "modeling_gpn/cli/__init__.py",
         "    except KeyboardInterrupt:  # Ctrl-C where the subcommand has nothing of its own to say: no traceback\n",

@@ -20,7 +20,11 @@ class GenerateError(ValueError):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="model folder or Hub repo id")
-    parser.add_argument("prompts", nargs="+", help="one or more prompts (batched with left padding)")
+    parser.add_argument(
+        "prompts",
+        nargs="+",
+        help="one or more prompts (batched with left padding); - reads one from standard input (a file: < FILE)",
+    )
     parser.add_argument("--tokenizer", default=None, help="tokenizer name or path (default: the model's own)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (>= 1)")
     parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
@@ -204,8 +208,21 @@ def _save_state(args: argparse.Namespace, model, start, output: torch.Tensor, te
     print(f"state after {state.get_seq_length()} positions written to {args.save_state}", file=sys.stderr)
 
 
+def read_stdin_prompt(prompts: list[str]) -> list[str]:
+    """`prompts` with a `-` replaced by standard input's text, less the one newline that ends a file or an
+    `echo` (as the shell's `$(cat FILE)` drops it): a prompt too long for the command line, or with quotes."""
+    if prompts.count("-") > 1:
+        raise GenerateError("- (a prompt from standard input) can be given once")
+    if "-" not in prompts:
+        return prompts
+    text = sys.stdin.read()
+    text = text[:-1] if text.endswith("\n") else text
+    return [text if prompt == "-" else prompt for prompt in prompts]
+
+
 def run(args: argparse.Namespace) -> int:
     try:
+        args.prompts = read_stdin_prompt(args.prompts)
         check_arguments(args)
         model, tokenizer = _load(args)
         model.to(args.device).eval()

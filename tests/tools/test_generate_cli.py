@@ -89,3 +89,16 @@ def test_a_sentencepiece_continuation_keeps_its_space(tmp_path, capsys):
     expected = generated_texts(tmp_path, prompts, max_new_tokens=6, do_sample=False)
     assert printed == expected
     assert any(text[len(prompt)] == " " for prompt, text in zip(prompts, expected))  # (the case in point)
+
+
+def test_a_prompt_from_standard_input(bpe_dir, capsys, monkeypatch):
+    """`-` is the text on standard input, less the newline that ends it: `echo "the cat" | gpn generate M -`
+    prints what `gpn generate M "the cat"` does."""
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("the cat\n"))
+    piped = printed_texts(capsys, bpe_dir, "-", "to be", "--max-new-tokens", 6)
+    assert piped == printed_texts(capsys, bpe_dir, "the cat", "to be", "--max-new-tokens", 6)
+    monkeypatch.setattr("sys.stdin", io.StringIO("the cat\n"))
+    assert gpn_main(["generate", str(bpe_dir), "-", "-", "--device", "cpu"]) == 2
+    assert "can be given once" in capsys.readouterr().err
