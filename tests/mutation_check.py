@@ -1916,6 +1916,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     chosen = [m for m in MUTATIONS if args.only.lower() in m.name.lower()]
+    if not chosen:  # (a typo in --only ran nothing and ended in a traceback from the empty table)
+        print(f"mutation_check: no mutation's name contains {args.only!r} (--list shows them)", file=sys.stderr)
+        return 2
     if args.list:
         for mutation in chosen:
             print(f"{mutation.name}: {mutation.file}\n  " + "\n  ".join(mutation.tests))
