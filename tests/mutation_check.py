@@ -1740,6 +1740,83 @@ MUTATIONS = [
         "                pass  # MUTATION\n",
         ("tests/tools/test_faults_io.py -k killed_write_of_the_token_cache",),
     ),
+    Mutation(
+        "gpn bench's counts, device and --json checked only once models are built (tracebacks, or after the run)",
+        "modeling_gpn/bench/command.py",
+        "    check_arguments(args)\n",
+        "    pass  # MUTATION\n",
+        ("tests/tools/test_bench.py -k refused_before_any_model",),
+    ),
+    Mutation(
+        "gpn bench --json written straight into the file (an interrupted write leaves half a document)",
+        "modeling_gpn/bench/command.py",
+        '    temporary = Path(f"{path}.tmp{os.getpid()}")\n',
+        "    temporary = Path(path)  # MUTATION\n",
+        ("tests/tools/test_bench.py::test_an_interrupted_json_write_leaves_no_half_file",),
+    ),
+    Mutation(
+        "gpn generate decodes the new tokens alone (a SentencePiece continuation loses its leading space)",
+        "modeling_gpn/cli/generate.py",
+        '        print(f"{prompt}{continuation(tokenizer, prompt_ids, row[prompt_width:])}")\n',
+        '        print(f"{prompt}{tokenizer.decode(row[prompt_width:], skip_special_tokens=True)}")  # MUTATION\n',
+        ("tests/tools/test_generate_cli.py::test_a_sentencepiece_continuation_keeps_its_space",),
+    ),
+    Mutation(
+        "gpn generate --seed of 2**64 or more: generate()'s 'Overflow when unpacking long long'",
+        "modeling_gpn/cli/generate.py",
+        "    if not 0 <= args.seed < 2**64:",
+        "    if not 0 <= args.seed:  # MUTATION",
+        ("tests/tools/test_faults_io.py -k generate_bad_arguments and huge-seed",),
+    ),
+    Mutation(
+        "gpn generate --temperature inf taken (every token equally likely)",
+        "modeling_gpn/cli/generate.py",
+        "not 0 < args.temperature < math.inf:",
+        "not 0 < args.temperature:  # MUTATION",
+        ("tests/tools/test_faults_io.py -k generate_bad_arguments and infinite-temperature",),
+    ),
+    Mutation(
+        "gpn bench --help explains only the byte limit's columns",
+        "modeling_gpn/bench/command.py",
+        ' + LIMIT_HELP + "\\n\\n" + COLUMNS_HELP\n',
+        " + LIMIT_HELP  # MUTATION\n",
+        ("tests/tools/test_bench.py::test_help_explains_every_column",),
+    ),
+    Mutation(
+        "gpn bench --memory-seq-lens with --skip-training ignored in silence",
+        "modeling_gpn/bench/command.py",
+        "    if args.skip_training and args.memory_seq_lens:",
+        "    if False:  # MUTATION",
+        ("tests/tools/test_bench.py -k refused_before_any_model and memory-without-training",),
+    ),
+    Mutation(
+        "gpn bench with nothing to measure runs (an empty table)",
+        "modeling_gpn/bench/command.py",
+        "    if args.skip_training and not args.decode_prompt_lengths and not args.decode_batches:",
+        "    if False:  # MUTATION",
+        ("tests/tools/test_bench.py -k refused_before_any_model and nothing-to-measure",),
+    ),
+    Mutation(
+        "gpn generate - taken as the prompt '-' (not read from standard input)",
+        "modeling_gpn/cli/generate.py",
+        "        args.prompts = read_stdin_prompt(args.prompts)\n",
+        "        pass  # MUTATION\n",
+        ("tests/tools/test_generate_cli.py::test_a_prompt_from_standard_input",),
+    ),
+    Mutation(
+        "Ctrl-C in a gpn subcommand a traceback (exit status 1)",
+        "modeling_gpn/cli/__init__.py",
+        "    except KeyboardInterrupt:  # Ctrl-C where the subcommand has nothing of its own to say: no traceback\n",
+        "    except ZeroDivisionError:  # MUTATION\n",
+        ("tests/tools/test_faults_io.py::test_generate_ctrl_c_is_one_line_and_the_shells_status",),
+    ),
+    Mutation(
+        "gpn generate into a closed pipe a BrokenPipeError traceback",
+        "modeling_gpn/cli/__init__.py",
+        "    except BrokenPipeError:  # the reader went away",
+        "    except ZeroDivisionError:  # MUTATION",
+        ("tests/tools/test_faults_io.py::test_generate_into_a_closed_pipe_stops_quietly",),
+    ),
 ]
 
 
@@ -1853,6 +1930,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     chosen = [m for m in MUTATIONS if args.only.lower() in m.name.lower()]
+    if not chosen:  # (a typo in --only ran nothing and ended in a traceback from the empty table)
+        print(f"mutation_check: no mutation's name contains {args.only!r} (--list shows them)", file=sys.stderr)
+        return 2
     if args.list:
         for mutation in chosen:
             print(f"{mutation.name}: {mutation.file}\n  " + "\n  ".join(mutation.tests))

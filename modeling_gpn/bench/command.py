@@ -6,9 +6,11 @@ import argparse
 import gc
 import json
 import os
+from pathlib import Path
 
 import torch
 
+from ..cli.arguments import torch_device
 from .measure import measure
 from .models import DTYPES, build_gpn, count_params, matched_llama
 from .report import print_limits, print_ratios, print_table
@@ -30,8 +32,19 @@ token) is a ratio to a second read of those bytes. 1.00x is a step that costs it
 generate()'s time per token lies beyond the model's step."""
 
 
+COLUMNS_HELP = """\
+the other columns: "params" the model's parameters; "train tok/s" forward + backward + AdamW step on
+--batch x --seq-len random tokens, "fwd tok/s" a no-grad forward of them, "GFLOP/s" the model's matmul
+and memory arithmetic per second (training = 3x forward); "train peak @N" the training step's peak
+memory at length N (CUDA: max_memory_allocated; CPU: resident-set growth); "tok/s @B rows" one-token
+steps at B batch rows (--decode-batches); "prefill tok/s @N" a prompt of N tokens over generate()'s time
+to its first new token, "decode ms @N" the median time between its later new tokens (greedy, batch 1);
+"cache @N" the cache's bytes after N tokens. Every figure is a median of --repeats after a warm-up; the
+lines "... ran on:" say which backend each of the fast path's timings used."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = (parser.description or "") + "\n\n" + LIMIT_HELP
+    parser.description = (parser.description or "") + "\n\n" + LIMIT_HELP + "\n\n" + COLUMNS_HELP
     # the limit's paragraphs as written, options as the `gpn` command formats them
     parser.formatter_class = type("Formatter", (argparse.RawDescriptionHelpFormatter, parser.formatter_class), {})
     parser.add_argument("--preset", nargs="+", default=["tiny", "small"], help="GPN presets or config JSON paths")
@@ -93,17 +106,60 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="also write all figures to this JSON file")
 
 
+def check_arguments(args) -> None:
+    """Refuse what would fail only once models are built and measured (a traceback from `statistics.median`,
+    `generate()` or `torch.set_num_threads`), or after the whole run (a --json file that cannot be written)."""
+    counts = {"--repeats": [args.repeats], "--batch": [args.batch], "--seq-len": [args.seq_len]}
+    counts.update({"--decode-prompt-lengths": args.decode_prompt_lengths, "--decode-batches": args.decode_batches})
+    counts.update({"--memory-seq-lens": args.memory_seq_lens})
+    if args.threads is not None:
+        counts["--threads"] = [args.threads]
+    for option, values in counts.items():
+        if any(value < 1 for value in values):
+            raise SystemExit(f"{option} must be at least 1, got {' '.join(map(str, values))}")
+    if args.decode_prompt_lengths and args.decode_tokens < 2:  # decode: the median gap between new tokens
+        raise SystemExit(
+            f"--decode-tokens must be at least 2 (decode times the gaps between them), got {args.decode_tokens}"
+        )
+    if args.segment_length < 0:
+        raise SystemExit(f"--segment-length must be >= 0 (0: keep every step), got {args.segment_length}")
+    try:
+        torch_device(args.device)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+    if args.skip_training and args.memory_seq_lens:  # (it would be ignored in silence)
+        raise SystemExit("--memory-seq-lens measures the training step's memory: it does not go with --skip-training")
+    if args.skip_training and not args.decode_prompt_lengths and not args.decode_batches:
+        raise SystemExit("nothing to measure: --skip-training with no --decode-prompt-lengths and no --decode-batches")
+    if args.dtype == "int8" and not args.skip_training:
+        raise SystemExit("--dtype int8 measures inference only (quantized weights do not train): add --skip-training")
+    if args.json is not None:
+        if Path(args.json).is_dir():
+            raise SystemExit(f"--json {args.json} is a folder: name the file to write")
+        if not Path(args.json).resolve().parent.is_dir():
+            raise SystemExit(f"--json {args.json}: its folder does not exist")
+
+
+def write_json(path: str, report: dict) -> None:
+    """`report` to `path` in one step: written beside it and renamed, so that a run interrupted while writing
+    leaves the previous file (or none), never half a JSON document."""
+    temporary = Path(f"{path}.tmp{os.getpid()}")
+    try:
+        with open(temporary, "w") as handle:
+            json.dump(report, handle, indent=2, default=str)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
 def run(args) -> int:
     from tqdm import tqdm
 
     from modeling_gpn.configuration import preset_path
 
+    check_arguments(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("--device cuda asked for, but torch sees no GPU")
-    if args.dtype == "int8" and not args.skip_training:
-        raise SystemExit("--dtype int8 measures inference only (quantized weights do not train): add --skip-training")
     for preset in args.preset:  # all of them checked before the first is measured (a preset takes minutes)
         try:
             preset_path(preset)
@@ -137,17 +193,14 @@ def run(args) -> int:
             print(f"{r.preset} {r.impl} {timing} ran on: {backend}")
     print(f"Triton self-checks: {checks or 'none ran'}")
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(
-                {
-                    "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-                    "memory_kernels": memory_kernels_state(args.device),
-                    "cuda_graphs_setting": os.environ.get("GPN_CUDA_GRAPHS", "off"),
-                    "triton_self_checks": checks,
-                    "rows": [r.__dict__ for r in rows],
-                },
-                handle,
-                indent=2,
-                default=str,
-            )
+        write_json(
+            args.json,
+            {
+                "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+                "memory_kernels": memory_kernels_state(args.device),
+                "cuda_graphs_setting": os.environ.get("GPN_CUDA_GRAPHS", "off"),
+                "triton_self_checks": checks,
+                "rows": [r.__dict__ for r in rows],
+            },
+        )
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import signal
 import sys
 
 from .formatting import HelpFormatter
@@ -74,5 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 0 if args.command is None else 2
-    result = args._run(args)
+    try:
+        result = args._run(args)
+    except KeyboardInterrupt:  # Ctrl-C where the subcommand has nothing of its own to say: no traceback
+        print(f"gpn {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except BrokenPipeError:  # the reader went away (`gpn generate ... | head`): stop quietly, as `cat` would
+        return 128 + 13  # SIGPIPE's number (the signal module lacks it on Windows): the shell's "ended by SIGPIPE"
     return int(result or 0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -19,7 +20,11 @@ class GenerateError(ValueError):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="model folder or Hub repo id")
-    parser.add_argument("prompts", nargs="+", help="one or more prompts (batched with left padding)")
+    parser.add_argument(
+        "prompts",
+        nargs="+",
+        help="one or more prompts (batched with left padding); - reads one from standard input (a file: < FILE)",
+    )
     parser.add_argument("--tokenizer", default=None, help="tokenizer name or path (default: the model's own)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (>= 1)")
     parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
@@ -36,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"nucleus sampling mass (in (0, 1]; with --sample, default {DEFAULT_TOP_P})",
     )
     parser.add_argument("--num-beams", type=int, default=1, help="beam search with this many beams (>= 1)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed for sampling (>= 0)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed for sampling (0 to 2**64 - 1)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     parser.add_argument(
         "--dtype",
@@ -67,8 +72,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise GenerateError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.num_beams < 1:
         raise GenerateError(f"--num-beams must be at least 1, got {args.num_beams}")
-    if args.seed < 0:
-        raise GenerateError(f"--seed must be >= 0, got {args.seed}")
+    if not 0 <= args.seed < 2**64:  # torch.manual_seed's range (above it: "Overflow when unpacking long long")
+        raise GenerateError(f"--seed must be >= 0 and below 2**64, got {args.seed}")
     if not args.sample:
         given = [
             name for name, value in (("--temperature", args.temperature), ("--top-p", args.top_p)) if value is not None
@@ -76,8 +81,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         if given:  # greedy and beam decoding ignore them: say so instead of ignoring them in silence
             verb = "applies" if len(given) == 1 else "apply"
             raise GenerateError(f"{' and '.join(given)} only {verb} with --sample (decoding is greedy without it)")
-    if args.temperature is not None and not args.temperature > 0:
-        raise GenerateError(f"--temperature must be > 0, got {args.temperature}")
+    if args.temperature is not None and not 0 < args.temperature < math.inf:  # inf: every token equally likely
+        raise GenerateError(f"--temperature must be > 0 and finite, got {args.temperature}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise GenerateError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.state is not None:
@@ -203,8 +208,21 @@ def _save_state(args: argparse.Namespace, model, start, output: torch.Tensor, te
     print(f"state after {state.get_seq_length()} positions written to {args.save_state}", file=sys.stderr)
 
 
+def read_stdin_prompt(prompts: list[str]) -> list[str]:
+    """`prompts` with a `-` replaced by standard input's text, less the one newline that ends a file or an
+    `echo` (as the shell's `$(cat FILE)` drops it): a prompt too long for the command line, or with quotes."""
+    if prompts.count("-") > 1:
+        raise GenerateError("- (a prompt from standard input) can be given once")
+    if "-" not in prompts:
+        return prompts
+    text = sys.stdin.read()
+    text = text[:-1] if text.endswith("\n") else text
+    return [text if prompt == "-" else prompt for prompt in prompts]
+
+
 def run(args: argparse.Namespace) -> int:
     try:
+        args.prompts = read_stdin_prompt(args.prompts)
         check_arguments(args)
         model, tokenizer = _load(args)
         model.to(args.device).eval()
@@ -252,7 +270,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"gpn generate: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
     prompt_width = batch["input_ids"].shape[1]
-    for prompt, row in zip(args.prompts, output):
-        print(f"{prompt}{tokenizer.decode(row[prompt_width:], skip_special_tokens=True)}")
+    for prompt, row, mask in zip(args.prompts, output, prompt_mask):
+        prompt_ids = row[:prompt_width][mask.bool()]
+        print(f"{prompt}{continuation(tokenizer, prompt_ids, row[prompt_width:])}")
         print("-" * 40)
     return 0
+
+
+def continuation(tokenizer, prompt_ids: torch.Tensor, new_ids: torch.Tensor) -> str:
+    """The text `new_ids` add after `prompt_ids`: the decoded whole less the decoded prompt.
+
+    Decoding the new tokens alone loses what depends on the token before them: a SentencePiece tokenizer
+    (Llama 2's, that of the paper's models) drops the space a word-start piece opens with, so "Hello" and
+    " world" printed as "Helloworld".
+    """
+    whole = tokenizer.decode(torch.cat([prompt_ids, new_ids]), skip_special_tokens=True)
+    before = tokenizer.decode(prompt_ids, skip_special_tokens=True)
+    if whole.startswith(before):
+        return whole[len(before) :]
+    return tokenizer.decode(new_ids, skip_special_tokens=True)  # (the prompt's text changed when decoded on)

@@ -161,3 +161,91 @@ def test_an_unknown_preset_is_refused_before_anything_is_measured(capsys):
     message = str(stopped.value.code)
     assert message.startswith("--preset: No preset named 'smal'") and "small" in message
     assert "bench" not in capsys.readouterr().err  # (no progress bar: nothing was measured)
+
+
+TINY = ["--preset", "tiny", "--impl", "fast", "--skip-training", "--decode-prompt-lengths", "4"]
+TINY += ["--decode-tokens", "3", "--decode-batches", "1", "--repeats", "1", "--device", "cpu"]
+
+BENCH_BAD = {  # each was a traceback once the models were built (or, for --json, after the whole run)
+    "zero-repeats": (["--repeats", "0"], "--repeats must be at least 1, got 0"),
+    "negative-repeats": (["--repeats", "-2"], "--repeats must be at least 1, got -2"),
+    "one-decode-token": (["--decode-tokens", "1"], "--decode-tokens must be at least 2"),
+    "zero-batch-rows": (["--decode-batches", "1", "0"], "--decode-batches must be at least 1, got 1 0"),
+    "negative-prompt": (["--decode-prompt-lengths", "-3"], "--decode-prompt-lengths must be at least 1"),
+    "zero-batch": (["--batch", "0"], "--batch must be at least 1, got 0"),
+    "zero-threads": (["--threads", "0"], "--threads must be at least 1, got 0"),
+    "negative-segment": (["--segment-length", "-1"], "--segment-length must be >= 0"),
+    "unknown-device": (["--device", "toaster"], "--device 'toaster' is not a torch device"),
+    "json-in-no-folder": (["--json", "{tmp}/no/such/bench.json"], "its folder does not exist"),
+    "json-a-folder": (["--json", "{tmp}"], "is a folder"),
+    "memory-without-training": (["--memory-seq-lens", "64"], "--memory-seq-lens measures the training step's"),
+    "nothing-to-measure": (["--decode-prompt-lengths", "--decode-batches"], "nothing to measure"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BENCH_BAD))
+def test_bad_arguments_are_refused_before_any_model_is_built(case, tmp_path, monkeypatch):
+    import modeling_gpn.bench.command as command
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(command, "build_gpn", no_model)
+    extra, needle = BENCH_BAD[case]
+    with pytest.raises(SystemExit) as stopped:
+        main(["bench", *TINY, *[a.format(tmp=tmp_path) for a in extra]])
+    assert needle in str(stopped.value.code)
+
+
+def test_an_interrupted_json_write_leaves_no_half_file(tmp_path, monkeypatch):
+    """The JSON report was written straight into --json: a run stopped while writing it left half a document
+    there (in place of the previous run's). It is written beside it and renamed."""
+    import modeling_gpn.bench.command as command
+
+    out = tmp_path / "bench.json"
+    out.write_text('{"previous": "run"}')
+    monkeypatch.setattr(command, "measure", lambda models, preset, args: [])
+
+    def interrupted_dump(report, handle, **kwargs):
+        handle.write('{"args": {')
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(command.json, "dump", interrupted_dump)
+    with pytest.raises(KeyboardInterrupt):
+        command.run(_bench_args(["--json", str(out)]))
+    assert json.loads(out.read_text()) == {"previous": "run"}
+    assert [path.name for path in tmp_path.iterdir()] == ["bench.json"]  # (nor a temporary file)
+    monkeypatch.undo()
+    monkeypatch.setattr(command, "measure", lambda models, preset, args: [])
+    assert command.run(_bench_args(["--json", str(out)])) == 0
+    assert json.loads(out.read_text())["rows"] == []
+
+
+def _bench_args(extra: list[str]):
+    import argparse
+
+    from modeling_gpn.bench import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args([*TINY, *extra])
+
+
+def test_help_explains_every_column(capsys):
+    """Every header the table can print (every option on) is named, in quotes, in `gpn bench --help`: the
+    limit's columns were, the speed and memory ones only in the module's docstring."""
+    import re
+
+    from modeling_gpn.bench.report import _columns
+
+    args = _bench_args(["--memory-seq-lens", "24", "--decode-batches", "1", "4"])
+    args.skip_training = False
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for header, _ in _columns(args):
+        if header in ("preset", "impl"):
+            continue
+        name = re.sub(r"@\d+ rows", "@B rows", re.sub(r"@\d+$", "@N", header))
+        name = re.sub(r"^(train|fwd) GFLOP/s$", "GFLOP/s", name)
+        assert f'"{name}"' in text, header

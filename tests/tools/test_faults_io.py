@@ -498,6 +498,9 @@ GENERATE_BAD = {
         "--top-p only applies with --sample",
     ),
     "zero-temperature": (["{model}", "hi", "--sample", "--temperature", "0"], "--temperature must be > 0"),
+    "infinite-temperature": (["{model}", "hi", "--sample", "--temperature", "inf"], "must be > 0 and finite, got inf"),
+    "negative-seed": (["{model}", "hi", "--seed", "-1"], "--seed must be >= 0 and below 2**64"),
+    "huge-seed": (["{model}", "hi", "--seed", str(2**64)], "--seed must be >= 0 and below 2**64"),
     "top-p-above-one": (["{model}", "hi", "--sample", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
     "zero-beams": (["{model}", "hi", "--num-beams", "0"], "--num-beams must be at least 1"),
     "bad-device": (["{model}", "hi", "--device", "toaster"], "is not a torch device"),
@@ -572,6 +575,44 @@ def test_generate_in_a_real_process(generate_dir, tmp_path):
     )
     assert good.returncode == 0, good.stderr
     assert good.stdout.count("-" * 40) == 2 and good.stdout.startswith("the cat")
+
+
+def test_generate_ctrl_c_is_one_line_and_the_shells_status(generate_dir, monkeypatch, capsys):
+    """Ctrl-C in the middle of generate() was a 30-line traceback ending in KeyboardInterrupt, exit status 1:
+    it is one line and 130, the status a shell gives a command ended by SIGINT."""
+    from modeling_gpn import GPNForCausalLM
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(GPNForCausalLM, "generate", interrupted)
+    try:
+        code = gpn_main(["generate", str(generate_dir), "the cat", "--max-new-tokens", "3", "--device", "cpu"])
+    except KeyboardInterrupt:  # (caught here, or it would stop the whole test run)
+        pytest.fail("Ctrl-C escaped `gpn generate` (a traceback for a user)")
+    captured = capsys.readouterr()
+    assert code == 130 and captured.out == "", captured
+    assert "Traceback" not in captured.err and captured.err.strip().endswith("gpn generate: interrupted (Ctrl-C)")
+
+
+def test_generate_into_a_closed_pipe_stops_quietly(generate_dir):
+    """`gpn generate ... | head -c 10`: the reader gone, printing the texts raised BrokenPipeError with a
+    traceback (exit status 1). It stops without one, with the status of a command ended by SIGPIPE."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has gone before anything is printed
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "modeling_gpn.cli", "generate", str(generate_dir), "the cat", "to be"]
+            + ["--max-new-tokens", "3", "--device", "cpu"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO_ROOT,
+        )
+    finally:
+        os.close(write_end)
+    assert result.returncode == 141, result.stderr
+    assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr, result.stderr
 
 
 # --------------------------------------------------------------------------------------------------

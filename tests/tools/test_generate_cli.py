@@ -1,0 +1,104 @@
+"""`gpn generate` prints what `model.generate()` gives with the same settings: greedy, seeded sampling and
+beams, a batch of prompts of different lengths (left padded), and the text of a SentencePiece tokenizer's
+continuation as the decoded whole has it. (Bad arguments: tests/tools/test_faults_io.py; --state and
+--save-state: tests/model/test_state.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from modeling_gpn.cli import main as gpn_main
+
+from ..environment import require_shared
+from ..tiny_models import perturbed_model, tiny_config
+
+PROMPTS = ["the cat", "to be or not to be the cat sat"]
+
+
+@pytest.fixture(scope="module")
+def bpe_dir(tmp_path_factory):
+    """A tiny GPN folder with its own byte-level BPE tokenizer, which stops at its EOS."""
+    from modeling_gpn.data import train_bpe_tokenizer
+
+    folder = tmp_path_factory.mktemp("generate-cli")
+    tokenizer = train_bpe_tokenizer(["the cat sat on the mat. " * 20, "to be or not to be " * 20], 300)
+    tokenizer.save_pretrained(folder)
+    config = tiny_config(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    perturbed_model(config, seed=3).save_pretrained(folder)
+    return folder
+
+
+def printed_texts(capsys, folder, *args) -> list[str]:
+    """The texts `gpn generate FOLDER ARGS` printed, one per prompt (each followed by a line of dashes)."""
+    code = gpn_main(["generate", str(folder), *map(str, args), "--device", "cpu"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return captured.out.split("\n" + "-" * 40 + "\n")[:-1]
+
+
+def generated_texts(folder, prompts: list[str], seed: int = 0, **settings) -> list[str]:
+    """What `model.generate()` gives for `prompts` in one left-padded batch, each decoded whole."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        output = model.generate(**batch, pad_token_id=tokenizer.pad_token_id, **settings)
+    return tokenizer.batch_decode(output, skip_special_tokens=True)
+
+
+CASES = {
+    "greedy": ([], dict(do_sample=False)),
+    "sampled": (["--sample", "--seed", "5"], dict(do_sample=True, temperature=0.8, top_p=0.95, seed=5)),
+    "sampled-settings": (
+        ["--sample", "--seed", "3", "--temperature", "1.5", "--top-p", "0.5"],
+        dict(do_sample=True, temperature=1.5, top_p=0.5, seed=3),
+    ),
+    "beams": (["--num-beams", "3"], dict(do_sample=False, num_beams=3)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["one-prompt", "two-prompts"])
+def test_generate_prints_what_model_generate_gives(bpe_dir, capsys, case, prompts):
+    options, settings = CASES[case]
+    printed = printed_texts(capsys, bpe_dir, *prompts, "--max-new-tokens", 10, *options)
+    assert printed == generated_texts(bpe_dir, prompts, max_new_tokens=10, **settings)
+
+
+def test_a_batch_prints_what_each_prompt_gives_alone_when_greedy(bpe_dir, capsys):
+    """Left padding changes nothing: each row of a greedy batch is its prompt's own greedy text."""
+    both = printed_texts(capsys, bpe_dir, *PROMPTS, "--max-new-tokens", 10)
+    assert both == [printed_texts(capsys, bpe_dir, prompt, "--max-new-tokens", 10)[0] for prompt in PROMPTS]
+
+
+def test_a_sentencepiece_continuation_keeps_its_space(tmp_path, capsys):
+    """With Llama 2's tokenizer (the paper's models'), the new tokens were decoded alone, which drops the
+    space a word-start piece opens with: "The cat sat" + "▁controls..." printed as "The cat satcontrols...".
+    The printed text is the decoded whole, as `tokenizer.decode(model.generate(...)[0])` gives it."""
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(require_shared("data/llama2-tokenizer")).save_pretrained(tmp_path)
+    perturbed_model(tiny_config(vocab_size=32000, eos_token_id=2, bos_token_id=1)).save_pretrained(tmp_path)
+    prompts = ["Hello", "The cat sat"]
+    printed = printed_texts(capsys, tmp_path, *prompts, "--max-new-tokens", 6)
+    expected = generated_texts(tmp_path, prompts, max_new_tokens=6, do_sample=False)
+    assert printed == expected
+    assert any(text[len(prompt)] == " " for prompt, text in zip(prompts, expected))  # (the case in point)
+
+
+def test_a_prompt_from_standard_input(bpe_dir, capsys, monkeypatch):
+    """`-` is the text on standard input, less the newline that ends it: `echo "the cat" | gpn generate M -`
+    prints what `gpn generate M "the cat"` does."""
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("the cat\n"))
+    piped = printed_texts(capsys, bpe_dir, "-", "to be", "--max-new-tokens", 6)
+    assert piped == printed_texts(capsys, bpe_dir, "the cat", "to be", "--max-new-tokens", 6)
+    monkeypatch.setattr("sys.stdin", io.StringIO("the cat\n"))
+    assert gpn_main(["generate", str(bpe_dir), "-", "-", "--device", "cpu"]) == 2
+    assert "can be given once" in capsys.readouterr().err
