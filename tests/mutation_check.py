@@ -1706,6 +1706,13 @@ MUTATIONS = [
         ("tests/tools/test_train.py -k every_row_format",),
     ),
     Mutation(
+        "gpn generate --sample ignores the model's own sampling settings (generation_config.json)",
+        "modeling_gpn/cli/generate.py",
+        "    own = model.generation_config.to_diff_dict().get(name)\n",
+        "    own = None  # MUTATION\n",
+        ("tests/tools/test_generate_cli.py -k models_own",),
+    ),
+    Mutation(
         "gpn inspect's jsonl row of a number reaches the tokenizer",
         "modeling_gpn/inspect/inputs.py",
         "        if text is not None and not isinstance(text, str):",

@@ -18,6 +18,15 @@ class GenerateError(ValueError):
     """A bad argument or a model/tokenizer that cannot be used; the message says which."""
 
 
+def sampling_setting(model, name: str, given: float | None, default: float) -> float:
+    """`--temperature` / `--top-p` for sampling: as given, else the model's own (what its generation_config.json sets,
+    its authors' choice, which `model.generate(do_sample=True)` uses too), else this command's default."""
+    if given is not None:
+        return given
+    own = model.generation_config.to_diff_dict().get(name)
+    return own if own is not None else default
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="model folder or Hub repo id")
     parser.add_argument(
@@ -32,13 +41,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--temperature",
         type=float,
         default=None,
-        help=f"sampling temperature (> 0; with --sample, default {DEFAULT_TEMPERATURE})",
+        help="sampling temperature (> 0; with --sample, default: the model's generation_config.json's, else "
+        f"{DEFAULT_TEMPERATURE})",
     )
     parser.add_argument(
         "--top-p",
         type=float,
         default=None,
-        help=f"nucleus sampling mass (in (0, 1]; with --sample, default {DEFAULT_TOP_P})",
+        help="nucleus sampling mass (in (0, 1]; with --sample, default: the model's generation_config.json's, else "
+        f"{DEFAULT_TOP_P})",
     )
     parser.add_argument("--num-beams", type=int, default=1, help="beam search with this many beams (>= 1)")
     parser.add_argument("--seed", type=int, default=0, help="random seed for sampling (0 to 2**64 - 1)")
@@ -254,8 +265,10 @@ def run(args: argparse.Namespace) -> int:
                 **generation_inputs,
                 max_new_tokens=args.max_new_tokens,
                 do_sample=args.sample,
-                temperature=(args.temperature or DEFAULT_TEMPERATURE) if args.sample else None,
-                top_p=(args.top_p or DEFAULT_TOP_P) if args.sample else None,
+                temperature=sampling_setting(model, "temperature", args.temperature, DEFAULT_TEMPERATURE)
+                if args.sample
+                else None,
+                top_p=sampling_setting(model, "top_p", args.top_p, DEFAULT_TOP_P) if args.sample else None,
                 num_beams=args.num_beams,
                 pad_token_id=tokenizer.pad_token_id,
             )

@@ -102,3 +102,29 @@ def test_a_prompt_from_standard_input(bpe_dir, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("the cat\n"))
     assert gpn_main(["generate", str(bpe_dir), "-", "-", "--device", "cpu"]) == 2
     assert "can be given once" in capsys.readouterr().err
+
+
+def test_sampling_takes_the_models_own_settings_unless_given(bpe_dir, tmp_path, capsys):
+    """A model whose generation_config.json sets a temperature and top_p (its authors' choice) samples with them, as
+    `model.generate(do_sample=True)` does; --temperature / --top-p given on the command line win; a model that sets
+    none samples with the command's defaults (the CASES above)."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    folder = tmp_path / "tuned"
+    shutil.copytree(bpe_dir, folder)
+    tuned = GenerationConfig.from_pretrained(folder)
+    tuned.do_sample, tuned.temperature, tuned.top_p = True, 0.3, 0.6  # (as a chat model's file sets them)
+    tuned.save_pretrained(folder)
+    printed = printed_texts(capsys, folder, PROMPTS[1], "--max-new-tokens", 12, "--sample", "--seed", 7)
+    assert printed == generated_texts(folder, PROMPTS[1:], seed=7, max_new_tokens=12, do_sample=True)
+    assert printed == generated_texts(
+        folder, PROMPTS[1:], seed=7, max_new_tokens=12, do_sample=True, temperature=0.3, top_p=0.6
+    )
+    given = printed_texts(
+        capsys, folder, PROMPTS[1], "--max-new-tokens", 12, "--sample", "--seed", 7, "--temperature", 1.5
+    )
+    assert given == generated_texts(
+        folder, PROMPTS[1:], seed=7, max_new_tokens=12, do_sample=True, temperature=1.5, top_p=0.6
+    )
