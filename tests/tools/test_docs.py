@@ -143,7 +143,7 @@ def test_help_gives_each_option_its_default_once(subcommand):
         subcommand
     ] in text
     if subcommand == "generate":
-        assert "with --sample, default 0.8)" in text and "default 0.8) (default" not in text
+        assert "generation_config.json's, else 0.8)" in text and "else 0.8) (default" not in text
 
 
 @pytest.mark.parametrize(
