@@ -110,9 +110,19 @@ def state_fingerprint(model: nn.Module) -> dict[str, str]:
     return {
         "state_config": config_json,
         "config_fingerprint": hashlib.sha256(config_json.encode()).hexdigest(),
-        "weights_dtype": str(model.dtype).removeprefix("torch."),
+        "weights_dtype": weights_kind(model),
         "weights_fingerprint": weights_hash(model),
     }
+
+
+def weights_kind(model: nn.Module) -> str:
+    """The weights' dtype as a state file names it: `model.dtype` ("bfloat16"), and for a model with quantized
+    weights (torchao's tensor subclasses, whose `dtype` is the float one they compute in) their kinds too:
+    "bfloat16, quantized (Int8Tensor)". A state of int8 weights loaded beside bf16 ones is then refused naming
+    both, not as "computed with bfloat16 weights", which sent users to load the model in bf16."""
+    dtype = str(model.dtype).removeprefix("torch.")
+    quantized = sorted({type(p).__name__ for p in model.parameters() if is_traceable_wrapper_subclass(p.detach())})
+    return f"{dtype}, quantized ({', '.join(quantized)})" if quantized else dtype
 
 
 def weights_hash(model: nn.Module) -> str:
@@ -344,9 +354,10 @@ def _check_state_belongs_to(metadata: dict[str, str], model: nn.Module, path: Pa
         raise GPNStateFileError(
             f"{path} holds the state of another model: {'; '.join(differences) or 'another configuration'}"
         )
-    if metadata.get("weights_dtype") != ours["weights_dtype"]:
+    their_dtype = metadata.get("weights_dtype")
+    if their_dtype != ours["weights_dtype"]:
         raise GPNStateFileError(
-            f"{path} holds a state computed with {metadata.get('weights_dtype')} weights; this model's are {ours['weights_dtype']}"
+            f"{path} holds a state computed with {their_dtype} weights; this model's are {ours['weights_dtype']}"
         )
     if metadata.get("weights_fingerprint") != ours["weights_fingerprint"]:
         raise GPNStateFileError(

@@ -1713,6 +1713,13 @@ MUTATIONS = [
         ("tests/tools/test_generate_cli.py -k models_own",),
     ),
     Mutation(
+        "a state file names quantized weights by their float dtype alone (int8 refused as 'bfloat16')",
+        "modeling_gpn/state_file.py",
+        '    return f"{dtype}, quantized ({\', \'.join(quantized)})" if quantized else dtype\n',
+        "    return dtype  # MUTATION\n",
+        ("tests/model/test_state.py -k quantized_weights",),
+    ),
+    Mutation(
         "gpn inspect's jsonl row of a number reaches the tokenizer",
         "modeling_gpn/inspect/inputs.py",
         "        if text is not None and not isinstance(text, str):",

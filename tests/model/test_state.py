@@ -348,6 +348,27 @@ def test_a_state_of_another_model_is_refused(saved, tmp_path):
     GPNCache.load(path, same)
 
 
+def test_a_state_of_quantized_weights_is_refused_beside_float_ones_naming_both(tmp_path):
+    """A quantized model's dtype is the float one it computes in: a state of int8 weights was refused beside bf16 ones
+    as "computed with bfloat16 weights; this model's are bfloat16"-like words that sent users to load the model in
+    bf16. Both sides now name the quantization, and a quantized model takes its own state back."""
+    torchao = pytest.importorskip("torchao.quantization", reason="torchao (the test extra) quantizes the int8 model")
+    int8 = perturbed_model(tiny_config(), seed=10).to(torch.bfloat16)
+    torchao.quantize_(int8, torchao.Int8WeightOnlyConfig())
+    with torch.no_grad():
+        cache = int8(token_ids(1, 5, seed=2), use_cache=True).cache
+    path = tmp_path / "int8.st"
+    cache.save(path)
+    GPNCache.load(path, int8)
+    bf16 = perturbed_model(tiny_config(), seed=10).to(torch.bfloat16)
+    message = refused(path, bf16, "computed with bfloat16, quantized (")
+    assert message.endswith("this model's are bfloat16"), message
+    bf16_path = tmp_path / "bf16.st"
+    with torch.no_grad():
+        bf16(token_ids(1, 5, seed=2), use_cache=True).cache.save(bf16_path)
+    refused(bf16_path, int8, "this model's are bfloat16, quantized (")
+
+
 @pytest.mark.parametrize("cut", [4, 40, "header", "data", 1])
 def test_a_truncated_state_file_is_refused(saved, tmp_path, cut):
     model, path = saved
