@@ -1715,7 +1715,7 @@ MUTATIONS = [
     Mutation(
         "a state file names quantized weights by their float dtype alone (int8 refused as 'bfloat16')",
         "modeling_gpn/state_file.py",
-        '    return f"{dtype}, quantized ({\', \'.join(quantized)})" if quantized else dtype\n',
+        "    return f\"{dtype}, quantized ({', '.join(quantized)})\" if quantized else dtype\n",
         "    return dtype  # MUTATION\n",
         ("tests/model/test_state.py -k quantized_weights",),
     ),
