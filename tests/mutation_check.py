@@ -1720,6 +1720,13 @@ MUTATIONS = [
         ("tests/model/test_state.py -k quantized_weights",),
     ),
     Mutation(
+        "gpn serve exits 0 after a Ctrl-C whose re-raised KeyboardInterrupt was lost",
+        "modeling_gpn/serve/cli.py",
+        "    return 130 if interrupted else 0\n",
+        "    return 0  # MUTATION\n",
+        ("tests/tools/test_serve.py -k ctrl_c_exits_130",),
+    ),
+    Mutation(
         "gpn inspect's jsonl row of a number reaches the tokenizer",
         "modeling_gpn/inspect/inputs.py",
         "        if text is not None and not isinstance(text, str):",

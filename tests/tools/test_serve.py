@@ -613,6 +613,26 @@ def test_a_conversation_continues_after_the_server_is_stopped_and_restarted(mode
     assert reply.usage.prompt_tokens_details.cached_tokens >= first_prompt - 1  # (a fresh server: nothing in memory)
 
 
+def test_ctrl_c_exits_130_even_when_the_servers_own_re_raise_is_lost(model_dir, monkeypatch):
+    """uvicorn catches Ctrl-C, stops gracefully, then raises SIGINT again for the default handler's KeyboardInterrupt;
+    under asyncio's runner that becomes a cancellation of the server's task, which can be lost (one CI run's server
+    exited 0 after Ctrl-C). Here a server that stops on SIGINT and swallows the re-raised KeyboardInterrupt stands
+    in for that lost one: `gpn serve` still exits 130, as a Ctrl-C'd command does."""
+    from modeling_gpn.cli import build_parser
+    from modeling_gpn.serve import server
+
+    def stopped_by_ctrl_c(*args, **kwargs):
+        try:
+            signal.raise_signal(signal.SIGINT)  # (as uvicorn's shutdown raises it again)
+        except KeyboardInterrupt:
+            pass  # (lost, as the cancellation was)
+
+    monkeypatch.setattr(server, "GPNServe", stopped_by_ctrl_c)
+    args = build_parser("serve").parse_args(["serve", str(model_dir)])
+    assert args._run(args) == 130
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # (the handler put back)
+
+
 def test_a_server_not_pinned_keeps_each_models_conversations_apart_and_across_unloads(model_dir, reference, tmp_path):
     """Without MODEL, each request names its model: two models given the same messages continue each from its own
     states (the same token ids, kept for each), a seeded sample of one is the same while the other samples beside it
