@@ -162,11 +162,12 @@ def run(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def _sigint_noted():
-    """A list that holds SIGINT once one arrived while the server ran. uvicorn catches Ctrl-C, shuts down gracefully
-    and raises the signal again once stopped, for the handler it found to turn into a KeyboardInterrupt; under
-    asyncio's runner that handler cancels the server's task, and a server once exited 0 after a Ctrl-C (one CI run;
-    not reproduced in ten runs since, alone or under load). With this handler as the one uvicorn restores, the
-    signal raises a KeyboardInterrupt as always and is also noted, so the exit status is 130 either way."""
+    """A list that holds SIGINT once one arrived while the server ran. uvicorn catches Ctrl-C, shuts down gracefully,
+    puts back the SIGINT handler it found and raises the signal again, for that handler's KeyboardInterrupt; in a
+    process started with SIGINT ignored (a background job of a non-interactive shell) that handler is SIG_IGN and
+    the server exits 0 after a Ctrl-C. (A server also exited 0 after SIGINT once in a CI run, not reproduced in
+    eleven runs since.) With this handler as the one uvicorn puts back, the signal raises a KeyboardInterrupt and
+    is noted, so the exit status is 130 either way."""
     noted: list[int] = []
     if threading.current_thread() is not threading.main_thread():  # (only the main thread has signal handlers)
         yield noted

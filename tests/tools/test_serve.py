@@ -613,24 +613,32 @@ def test_a_conversation_continues_after_the_server_is_stopped_and_restarted(mode
     assert reply.usage.prompt_tokens_details.cached_tokens >= first_prompt - 1  # (a fresh server: nothing in memory)
 
 
-def test_ctrl_c_exits_130_even_when_the_servers_own_re_raise_is_lost(model_dir, monkeypatch):
-    """uvicorn catches Ctrl-C, stops gracefully, then raises SIGINT again for the default handler's KeyboardInterrupt;
-    under asyncio's runner that becomes a cancellation of the server's task, which can be lost (one CI run's server
-    exited 0 after Ctrl-C). Here a server that stops on SIGINT and swallows the re-raised KeyboardInterrupt stands
-    in for that lost one: `gpn serve` still exits 130, as a Ctrl-C'd command does."""
+def test_ctrl_c_exits_130_in_a_process_that_started_with_sigint_ignored(model_dir):
+    """uvicorn catches Ctrl-C, stops gracefully, puts back the SIGINT handler it found and raises the signal again,
+    for that handler's KeyboardInterrupt. A server started with SIGINT ignored (a background job of a
+    non-interactive shell) found SIG_IGN: the signal raised again was ignored and the server exited 0 after a
+    Ctrl-C. Here uvicorn's own
+    `capture_signals` stops a stand-in server on a SIGINT, in a process that ignores SIGINT: `gpn serve` exits 130."""
+    import uvicorn
+
     from modeling_gpn.cli import build_parser
     from modeling_gpn.serve import server
 
     def stopped_by_ctrl_c(*args, **kwargs):
-        try:
-            signal.raise_signal(signal.SIGINT)  # (as uvicorn's shutdown raises it again)
-        except KeyboardInterrupt:
-            pass  # (lost, as the cancellation was)
+        stand_in = uvicorn.Server(uvicorn.Config(app=lambda scope, receive, send: None))
+        with stand_in.capture_signals():
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C while serving: uvicorn notes it (and would stop)
+        # (leaving capture_signals, uvicorn put back the handler it found and raised SIGINT again)
 
-    monkeypatch.setattr(server, "GPNServe", stopped_by_ctrl_c)
     args = build_parser("serve").parse_args(["serve", str(model_dir)])
-    assert args._run(args) == 130
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # (the handler put back)
+    original = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(server, "GPNServe", stopped_by_ctrl_c)
+            assert args._run(args) == 130
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # (the handler it found put back)
+    finally:
+        signal.signal(signal.SIGINT, original)
 
 
 def test_a_server_not_pinned_keeps_each_models_conversations_apart_and_across_unloads(model_dir, reference, tmp_path):
