@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -202,16 +202,22 @@ def tokenize_into(folder: Path, corpus: CorpusSpec, tokenizer, max_tokens: int |
 SAMPLE_SLICES, SAMPLE_SLICE_TOKENS = 16, 256
 
 
-def shard_sample_digest(shard: np.ndarray) -> str:
-    """SHA-256 of the shard's length and `SAMPLE_SLICES` slices spread evenly over it (the first and the last
-    included): a few reads, whatever the shard's size."""
-    total = len(shard)
+def sample_digest(total: int, read: Callable[[int, int], np.ndarray], slices: int, slice_tokens: int = 256) -> str:
+    """SHA-256 of a token sequence's length `total` and `slices` slices of `slice_tokens` spread evenly over it (the
+    first and the last included), each `read(start, stop)`: a few reads whatever its size, and any change of its
+    length, or of the tokens at those places, shows. (A shard's own check below; `gpn train`'s checkpoints compare
+    the whole stream's on --resume, `train.checkpoints.data_fingerprint`.)"""
     digest = hashlib.sha256(str(total).encode())
-    room = max(0, total - SAMPLE_SLICE_TOKENS)
-    for index in range(SAMPLE_SLICES):
-        start = room * index // (SAMPLE_SLICES - 1)
-        digest.update(np.ascontiguousarray(shard[start : start + SAMPLE_SLICE_TOKENS]).tobytes())
+    room = max(0, total - slice_tokens)
+    for index in range(slices):
+        start = room * index // (slices - 1)
+        digest.update(np.ascontiguousarray(read(start, min(total, start + slice_tokens))).tobytes())
     return digest.hexdigest()
+
+
+def shard_sample_digest(shard: np.ndarray) -> str:
+    """`sample_digest` of one shard, `SAMPLE_SLICES` slices of its tokens as stored."""
+    return sample_digest(len(shard), lambda start, stop: shard[start:stop], SAMPLE_SLICES, SAMPLE_SLICE_TOKENS)
 
 
 class ShardWriter:

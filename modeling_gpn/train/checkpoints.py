@@ -82,22 +82,13 @@ FINGERPRINT_SLICES, FINGERPRINT_SLICE_TOKENS = 64, 256
 
 
 def data_fingerprint(stream) -> dict:
-    """The token count and a SHA-256 of `FINGERPRINT_SLICES` slices spread evenly over the token stream (the
-    first and the last included): a few memory-mapped reads whatever the corpus's size, and any change of its
-    length, or of the tokens at those places, shows."""
-    import hashlib
-
-    import numpy as np
+    """The token count and a SHA-256 of `FINGERPRINT_SLICES` slices spread evenly over the token stream (as int64,
+    `data.stream.sample_digest`): a few memory-mapped reads whatever the corpus's size."""
+    from modeling_gpn.data.stream import sample_digest
 
     total = len(stream)
-    digest = hashlib.sha256(str(total).encode())
-    room = max(0, total - FINGERPRINT_SLICE_TOKENS)
-    for index in range(FINGERPRINT_SLICES):
-        start = room * index // (FINGERPRINT_SLICES - 1)
-        digest.update(
-            np.ascontiguousarray(stream.tokens(start, min(total, start + FINGERPRINT_SLICE_TOKENS))).tobytes()
-        )
-    return {"tokens": total, "sample_sha256": digest.hexdigest()}
+    digest = sample_digest(total, stream.tokens, FINGERPRINT_SLICES, FINGERPRINT_SLICE_TOKENS)
+    return {"tokens": total, "sample_sha256": digest}
 
 
 def _optimizer_tensors(run: TrainingRun):
