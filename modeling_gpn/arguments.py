@@ -39,10 +39,6 @@ IGNORED_FORWARD_KWARGS = frozenset(
 DECODED_TOKEN_KWARGS = IGNORED_FORWARD_KWARGS - {"position_ids"}
 
 
-# what an empty prompt may have meant: the prediction made before any token
-EMPTY_HINT = "; the prediction from the empty state, before any token, is `model.empty_state_logits()`"
-
-
 def check_unused_kwargs(kwargs: dict) -> None:
     """Accept the harmless extras of `IGNORED_FORWARD_KWARGS` and the packing arguments (`PACKING_KWARGS`,
     read by `GPNModel.forward`); refuse everything else by name."""
@@ -89,16 +85,12 @@ def check_cache_type(cache) -> None:
 
 
 def check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
-    """(batch, seq) integer ids, at least one, each in [0, vocab_size): the first id outside is named with its
+    """(batch, seq) integer ids, each in [0, vocab_size): the first id outside is named with its
     position (an id from another tokenizer would otherwise fail inside the embedding, or on a GPU, later)."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must have shape (batch, seq), got {tuple(input_ids.shape)}")
     if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
         raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
-    if input_ids.numel() == 0:
-        raise ValueError(
-            f"GPN needs at least one row and one token, got input_ids of shape {tuple(input_ids.shape)}{EMPTY_HINT}"
-        )
     if is_tracing():  # a value check cannot be decided on symbolic tensors (the embedding still bounds-checks)
         return
     bad = (input_ids < 0) | (input_ids >= vocab_size)
@@ -109,6 +101,16 @@ def check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
             f"Token id {value} at (row {position[0]}, position {position[1]}) is outside the vocabulary "
             f"[0, {vocab_size}) of this model (vocab_size={vocab_size}); {int(bad.sum())} ids are out of range. "
             "Was the text tokenized with a different tokenizer?"
+        )
+
+
+def check_not_empty(batch_size: int, seq_len: int) -> None:
+    """At least one row and one position (of ids or embeddings), with what an empty prompt may have meant: the
+    prediction made before any token."""
+    if batch_size == 0 or seq_len == 0:
+        raise ValueError(
+            f"GPN needs at least one row and one token, got input of shape (batch={batch_size}, seq={seq_len}); the "
+            "prediction from the empty state, before any token, is `model.empty_state_logits()`"
         )
 
 

@@ -48,10 +48,10 @@ from transformers.utils import logging
 
 from .arguments import (
     DECODED_TOKEN_KWARGS,
-    EMPTY_HINT,
     check_attention_mask,
     check_cache_type,
     check_input_ids,
+    check_not_empty,
     check_unused_kwargs,
     pop_cache_alias,
     refuse_attention_outputs,
@@ -893,11 +893,7 @@ class GPNModel(GPNPreTrainedModel):
                 )
             embeddings = inputs_embeds
         batch_size, seq_len = embeddings.shape[:2]
-        if batch_size == 0 or seq_len == 0:
-            raise ValueError(
-                f"GPN needs at least one row and one token, got input of shape (batch={batch_size}, seq={seq_len})"
-                + EMPTY_HINT
-            )
+        check_not_empty(batch_size, seq_len)
 
         state = cache.get_state() if cache is not None else None
         if state is not None and state[0].shape[0] != batch_size:
