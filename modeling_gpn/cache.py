@@ -32,6 +32,7 @@ from .state_file import (
     gpn_base_model,
     read_state_file,
     state_fingerprint,
+    weights_snapshot,
     write_state_file,
 )
 from .tracing import is_tracing
@@ -237,6 +238,7 @@ class GPNCache(Cache):
         to keep a state.)"""
         state = self.__dict__.copy()
         state.pop("_gpn_model_ref", None)
+        state.pop("_gpn_weights_snapshot", None)
         return state
 
     def __deepcopy__(self, memo: dict) -> GPNCache:
@@ -244,9 +246,24 @@ class GPNCache(Cache):
         copied = self.__class__.__new__(self.__class__)
         memo[id(self)] = copied
         copied.__dict__.update(copy.deepcopy(self.__getstate__(), memo))
-        if "_gpn_model_ref" in self.__dict__:
-            copied._gpn_model_ref = self._gpn_model_ref
+        for name in ("_gpn_model_ref", "_gpn_weights_snapshot"):
+            if name in self.__dict__:
+                setattr(copied, name, self.__dict__[name])
         return copied
+
+    def note_model(self, model: nn.Module) -> None:
+        """Remember `model` (a `GPNModel`) as the one that advanced this state, for `save`. A model new to this
+        cache also leaves a snapshot of its weights (`state_file.weights_snapshot`), by which `save` tells that
+        they changed after the state was computed (the forward calls this after every step: a glance at one
+        attribute while the model stays the same). A compiled or exported forward reads no storage: it leaves no
+        snapshot, and the save of a state it advanced is not checked."""
+        if is_tracing():
+            self._gpn_model_ref, self._gpn_weights_snapshot = weakref.ref(model), None
+            return
+        ref = self.__dict__.get("_gpn_model_ref")
+        if ref is None or ref() is not model:
+            self._gpn_model_ref = weakref.ref(model)
+            self._gpn_weights_snapshot = weights_snapshot(model)
 
     @property
     def state_layer(self) -> GPNStateLayer:
@@ -351,6 +368,7 @@ class GPNCache(Cache):
             known=read is not None, fingerprint=None if read is None else read.repeat_interleave(num_copies, dim=0)
         )
         forked._gpn_model_ref = getattr(self, "_gpn_model_ref", None)
+        forked._gpn_weights_snapshot = getattr(self, "_gpn_weights_snapshot", None)
         return forked
 
     def save(self, path: str | os.PathLike, *, model_fingerprint: dict[str, str] | None = None) -> None:
@@ -379,6 +397,14 @@ class GPNCache(Cache):
                     f"Cannot save {path}: this GPNCache does not know the model that filled it (it was not filled "
                     "by a GPN forward in this process, or that model was deleted), so the file could not say whose "
                     "state it is"
+                )
+            snapshot = getattr(self, "_gpn_weights_snapshot", None)
+            if snapshot is not None and weights_snapshot(model) != snapshot:
+                raise ValueError(
+                    f"Cannot save {path}: the model's weights or adapters changed after this state was computed "
+                    "(a parameter edited in place, replaced, cast or moved, or a PEFT adapter switched, merged or "
+                    "disabled), so the file would name a model that did not compute it. Save before changing the "
+                    "model, or compute the state again with the model as it is now"
                 )
             model_fingerprint = state_fingerprint(model)
         layer = self.state_layer
@@ -432,7 +458,7 @@ class GPNCache(Cache):
             cache.state_layer.fingerprint = ReadFingerprint(fingerprint=read)
         else:
             cache.state_layer.fingerprint.forget()
-        cache._gpn_model_ref = weakref.ref(base)
+        cache.note_model(base)
         return cache
 
 

@@ -489,7 +489,7 @@ def fast_decode_token(
             raise
         derived["decoded key"] = (g0, g0._version, plan.key)
     cache.advanced_in_place(input_ids, hashed=ids_hash is not None)
-    cache._gpn_model_ref = weakref.ref(model)  # whose state this is, for GPNCache.save
+    cache.note_model(model)  # whose state this is, for GPNCache.save
     keep_with(model, cache, scope)
     object.__setattr__(model, "last_recurrence_path", "fast")
     object.__setattr__(model, "last_recurrence_backends", _DECODED_BACKENDS[plan.step_plan.memory])

@@ -31,7 +31,6 @@ import dataclasses
 import functools
 import inspect
 import math
-import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -921,7 +920,7 @@ class GPNModel(GPNPreTrainedModel):
                 cache = GPNCache(config)
             cache.update_state(*final_state, num_new_tokens=seq_len)
             cache.record_read(input_ids, mask)
-            cache._gpn_model_ref = weakref.ref(self)  # whose state this is, for GPNCache.save
+            cache.note_model(self)  # whose state this is, for GPNCache.save
             keep_with(self, cache, derived)  # the next call that continues this cache reuses them
         decoded = self.decoded(predicted_states)
         output = GPNModelOutput(

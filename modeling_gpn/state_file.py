@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .configuration_gpn import GPNConfig
+from .derived_weights import parameters_key
 
 STATE_FILE_FORMAT = "gpn-state"
 # 2: the weights fingerprint hashes every parameter (1 hashed only the vectors, so a state loaded into the same
@@ -150,6 +151,15 @@ def weights_hash(model: nn.Module) -> str:
     if not adapters:  # a model without adapters: the hash of its weights alone, as format version 2 has it
         return cached[1]
     return hashlib.sha256(f"{cached[1]}/{json.dumps(adapters, sort_keys=True)}".encode()).hexdigest()
+
+
+def weights_snapshot(model: nn.Module) -> tuple:
+    """What a model's weights are now, cheaply (no byte read): each parameter's storage, version, dtype and device
+    (`parameters_key`) and PEFT's `adapter_settings`. A cache takes one when a model first advances it, and
+    `GPNCache.save` compares: weights edited in place, replaced, cast or moved, or an adapter switched, after the
+    state was computed would otherwise give a file naming the edited model. Writes through `.data` (EMA, PEFT's
+    merge) change none of it, as in `parameters_key`."""
+    return parameters_key(model), json.dumps(adapter_settings(model), sort_keys=True)
 
 
 def adapter_settings(model: nn.Module) -> dict[str, dict]:

@@ -1838,6 +1838,23 @@ MUTATIONS = [
         "    except ZeroDivisionError:  # MUTATION",
         ("tests/tools/test_faults_io.py::test_generate_into_a_closed_pipe_stops_quietly",),
     ),
+    Mutation(
+        "a state saved after its model changed names the edited model (the save's snapshot check removed)",
+        "modeling_gpn/cache.py",
+        "            if snapshot is not None and weights_snapshot(model) != snapshot:",
+        "            if False:  # MUTATION",
+        (
+            "tests/model/test_state.py::test_a_state_is_not_saved_after_its_model_changed",
+            "tests/ecosystem/test_ecosystem.py::test_a_peft_models_state_loads_into_it_and_not_with_other_adapter_settings",
+        ),
+    ),
+    Mutation(
+        "a cache's weights snapshot taken again at every forward (an edit between tokens not seen)",
+        "modeling_gpn/cache.py",
+        "        if ref is None or ref() is not model:",
+        "        if True:  # MUTATION",
+        ("tests/model/test_state.py::test_a_state_is_not_saved_after_its_model_changed",),
+    ),
 ]
 
 

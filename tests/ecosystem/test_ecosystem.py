@@ -422,6 +422,14 @@ def test_a_peft_models_state_loads_into_it_and_not_with_other_adapter_settings(t
     adapted.delete_adapter("other")  # (its matrices are parameters too: while it is held, the weights differ)
     assert GPNCache.load(tmp_path / "state.safetensors", adapted).get_seq_length() == 7
 
+    # and a state computed with the adapter on is not saved inside disable_adapter(): the file would name the
+    # model without it (it did, and that model then loaded it)
+    with torch.no_grad():
+        cache = adapted(input_ids=prefix, use_cache=True).cache
+    with adapted.disable_adapter(), pytest.raises(ValueError, match="changed after this state was computed"):
+        cache.save(tmp_path / "disabled.safetensors")
+    cache.save(tmp_path / "enabled.safetensors")
+
 
 def prompt_tuned(config, seed: int = 3):
     """A GPN under PEFT prompt tuning with 4 virtual tokens of random values (PEFT takes their width from

@@ -493,6 +493,39 @@ def test_a_changed_count_of_positions_read_is_refused(saved, tmp_path):
         refused(changed, model, "checksum")
 
 
+def test_a_state_is_not_saved_after_its_model_changed(tmp_path):
+    """A state names the model that computed it, not the one it was saved beside: weights edited in place
+    (an optimizer step), replaced (`load_state_dict`) or cast after the state was computed refuse the save, naming
+    why (the file named the edited model, which then loaded a state it never computed). The same model, unedited,
+    saves, and so does a state computed again after the edit; a loaded state is checked from its loading."""
+    model = perturbed_model(tiny_config(eos_token_id=None), seed=13)
+    ids, path = token_ids(1, 5, seed=13), tmp_path / "state.safetensors"
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).cache
+        cache.save(path)  # unedited: saved
+        model.model.embed_tokens.weight[3, 1] += 0.5  # in place (as an optimizer step): a version bump
+    with pytest.raises(ValueError, match="changed after this state was computed") as error:
+        cache.save(path)
+    assert str(path) in str(error.value)
+    with torch.no_grad():  # continued by the edited model: a state of neither model
+        model(ids[:, :1], attention_mask=torch.ones(1, 6, dtype=torch.long), cache=cache, use_cache=True)
+    with pytest.raises(ValueError, match="changed after this state was computed"):
+        cache.save(path)
+    with torch.no_grad():
+        again = model(ids, use_cache=True).cache
+    again.save(tmp_path / "again.safetensors")  # computed with the model as it is now
+    loaded = GPNCache.load(tmp_path / "again.safetensors", model)
+    model.load_state_dict(perturbed_model(tiny_config(eos_token_id=None), seed=14).state_dict())
+    with pytest.raises(ValueError, match="changed after this state was computed"):
+        loaded.save(tmp_path / "loaded.safetensors")
+    with torch.no_grad():
+        cast = model(ids, use_cache=True).cache
+    model.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="changed after this state was computed"):
+        cast.save(tmp_path / "cast.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again.safetensors", "state.safetensors"]
+
+
 def test_the_state_file_says_whose_state_it_is(saved):
     model, path = saved
     header_length = int.from_bytes(path.read_bytes()[:8], "little")
