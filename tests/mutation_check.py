@@ -1839,6 +1839,20 @@ MUTATIONS = [
         ("tests/tools/test_faults_io.py::test_generate_into_a_closed_pipe_stops_quietly",),
     ),
     Mutation(
+        "gpn generate prints one prompt's text at the end (not streamed)",
+        "modeling_gpn/cli/generate.py",
+        "        if args.stream and len(args.prompts) == 1 and args.num_beams == 1:",
+        "        if False:  # MUTATION",
+        ("tests/tools/test_generate_cli.py -k as_it_is_generated",),
+    ),
+    Mutation(
+        "gpn generate's streamed pieces decoded without the prompt's last tokens (a SentencePiece space lost)",
+        "modeling_gpn/cli/generate.py",
+        "self.tokenizer, self.context = tokenizer, prompt_ids[-self.CONTEXT :]",
+        "self.tokenizer, self.context = tokenizer, prompt_ids[:0]  # MUTATION",
+        ("tests/tools/test_generate_cli.py -k as_it_is_generated and SentencePiece",),
+    ),
+    Mutation(
         "a state saved after its model changed names the edited model (the save's snapshot check removed)",
         "modeling_gpn/cache.py",
         "            if snapshot is not None and weights_snapshot(model) != snapshot:",

@@ -63,6 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--trust-remote-code", action="store_true", help="load the model's own code (Hub repos)")
     parser.add_argument(
+        "--no-stream",
+        dest="stream",
+        action="store_false",
+        help="print the text once it is all generated (by default one prompt's text is printed as it is generated; "
+        "several prompts and beam search always print at the end)",
+    )
+    parser.add_argument(
         "--save-state",
         metavar="FILE",
         default=None,
@@ -259,9 +266,14 @@ def run(args: argparse.Namespace) -> int:
                 [prompt_mask.new_ones(prompt_mask.shape[0], read), prompt_mask], 1
             )
             generation_inputs["cache"] = start.fork(1)  # generate() advances its cache; `start` stays for --save-state
+        prompt_width = batch["input_ids"].shape[1]
+        streamer = None
+        if args.stream and len(args.prompts) == 1 and args.num_beams == 1:  # (transformers streams one row, no beams)
+            streamer = PrintingStreamer(tokenizer, batch["input_ids"][0], args.prompts[0])
         torch.manual_seed(args.seed)
         with torch.no_grad():
             output = model.generate(
+                streamer=streamer,
                 **generation_inputs,
                 max_new_tokens=args.max_new_tokens,
                 do_sample=args.sample,
@@ -273,7 +285,6 @@ def run(args: argparse.Namespace) -> int:
                 pad_token_id=tokenizer.pad_token_id,
             )
         if args.save_state is not None:
-            prompt_width = batch["input_ids"].shape[1]
             text_mask = _text_mask(prompt_mask, output[:, prompt_width:], model.generation_config.eos_token_id)
             _save_state(args, model, start, output, text_mask)
     except GenerateError as error:  # a bad argument: one line worded as argparse words its own
@@ -282,12 +293,50 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, RuntimeError) as error:  # generate() refusing the combination it was given
         print(f"gpn generate: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
-    prompt_width = batch["input_ids"].shape[1]
     for prompt, row, mask in zip(args.prompts, output, prompt_mask):
         prompt_ids = row[:prompt_width][mask.bool()]
-        print(f"{prompt}{continuation(tokenizer, prompt_ids, row[prompt_width:])}")
+        if streamer is None:
+            print(f"{prompt}{continuation(tokenizer, prompt_ids, row[prompt_width:])}")
+        else:  # what was not printed yet (text held back at the end, or where the whole decodes otherwise)
+            print(streamer.rest(continuation(tokenizer, prompt_ids, row[prompt_width:])))
         print("-" * 40)
     return 0
+
+
+class PrintingStreamer:
+    """A generate() streamer (transformers' `put` / `end`) that prints one prompt's continuation as its tokens come:
+    the prompt first, then each new piece of text, flushed. Each piece is the continuation decoded with the last
+    few prompt tokens before it (`continuation`, as the printed whole is; decoding the new tokens alone loses a
+    SentencePiece word's space), less what was printed; text ending in an unfinished character (a byte token's
+    replacement character) waits for the token that completes it. `rest` gives what the finished text adds."""
+
+    CONTEXT = 8  # prompt tokens decoded before the new ones: enough for a piece's space or a byte sequence
+
+    def __init__(self, tokenizer, prompt_ids: torch.Tensor, prompt: str):
+        self.tokenizer, self.context = tokenizer, prompt_ids[-self.CONTEXT :]
+        self.prompt, self.new_ids, self.printed, self.prompt_seen = prompt, [], "", False
+
+    def put(self, ids: torch.Tensor) -> None:
+        if not self.prompt_seen:  # generate() puts the prompt's ids first
+            self.prompt_seen = True
+            sys.stdout.write(self.prompt)
+            sys.stdout.flush()
+            return
+        self.new_ids.extend(ids.reshape(-1).tolist())
+        text = continuation(self.tokenizer, self.context, torch.tensor(self.new_ids, dtype=self.context.dtype))
+        text = text.rstrip("\ufffd")  # (an unfinished UTF-8 character: printed with the token that ends it)
+        if text.startswith(self.printed) and len(text) > len(self.printed):
+            sys.stdout.write(text[len(self.printed) :])
+            sys.stdout.flush()
+            self.printed = text
+
+    def end(self) -> None:
+        pass
+
+    def rest(self, whole: str) -> str:
+        """What `whole` (the finished continuation) adds to what was printed; all of it, on a line of its own, in
+        the rare case the printed pieces are not how the whole decodes."""
+        return whole[len(self.printed) :] if whole.startswith(self.printed) else f"\n{self.prompt}{whole}"
 
 
 def continuation(tokenizer, prompt_ids: torch.Tensor, new_ids: torch.Tensor) -> str:

@@ -91,6 +91,46 @@ def test_a_sentencepiece_continuation_keeps_its_space(tmp_path, capsys):
     assert any(text[len(prompt)] == " " for prompt, text in zip(prompts, expected))  # (the case in point)
 
 
+class RecordedWrites:
+    """A standard output that keeps each write apart."""
+
+    def __init__(self):
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("tokenizer", ["byte-level BPE", "Llama 2 SentencePiece"])
+def test_one_prompt_is_printed_as_it_is_generated(bpe_dir, tmp_path, monkeypatch, tokenizer):
+    """One prompt's text is written piece by piece while generate() runs (it was printed once at the end): the
+    prompt, then a piece per token or so; what it prints in all is what --no-stream prints, which is what
+    model.generate() gives (above), a SentencePiece word's space included."""
+    folder = bpe_dir
+    if tokenizer != "byte-level BPE":
+        from transformers import AutoTokenizer
+
+        folder = tmp_path
+        AutoTokenizer.from_pretrained(require_shared("data/llama2-tokenizer")).save_pretrained(folder)
+        perturbed_model(tiny_config(vocab_size=32000, eos_token_id=2, bos_token_id=1)).save_pretrained(folder)
+    outputs = {}
+    for stream in ([], ["--no-stream"]):
+        stdout = RecordedWrites()
+        monkeypatch.setattr("sys.stdout", stdout)
+        assert (
+            gpn_main(["generate", str(folder), "The cat sat", "--max-new-tokens", "8", "--device", "cpu", *stream]) == 0
+        )
+        outputs[bool(stream)] = stdout.writes
+    streamed, at_the_end = outputs[False], outputs[True]
+    assert "".join(streamed) == "".join(at_the_end)
+    assert streamed[0] == "The cat sat" and len(streamed) >= 5, streamed  # the prompt, pieces, the end, the dashes
+    assert len(at_the_end) == 4, at_the_end  # (print: the text and its newline, the dashes and theirs)
+
+
 def test_a_prompt_from_standard_input(bpe_dir, capsys, monkeypatch):
     """`-` is the text on standard input, less the newline that ends it: `echo "the cat" | gpn generate M -`
     prints what `gpn generate M "the cat"` does."""
