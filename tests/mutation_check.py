@@ -946,11 +946,14 @@ MUTATIONS = [
         ("tests/tools/test_hub.py -k loader_cannot_follow",),
     ),
     Mutation(
-        "a failed state save names the path asked for, not its temporary file",
-        "modeling_gpn/state_file.py",
+        "a failed atomic write (a state save, gpn bench --json) names the path asked for, not its temporary file",
+        "modeling_gpn/atomic_files.py",
         "        raise type(error)(error.errno, error.strerror, str(path)) from error",
         "        raise  # MUTATION",
-        ("tests/model/test_state.py -k cut_short",),
+        (
+            "tests/model/test_state.py -k cut_short",
+            "tests/tools/test_bench.py::test_the_json_report_is_synced_and_a_failed_write_names_it",
+        ),
     ),
     Mutation(
         "the state file's checksum covers the positions read",
@@ -1769,11 +1772,39 @@ MUTATIONS = [
         ("tests/tools/test_bench.py -k refused_before_any_model",),
     ),
     Mutation(
-        "gpn bench --json written straight into the file (an interrupted write leaves half a document)",
+        "gpn bench --json written straight into the file (an interrupted write leaves half a document, unsynced)",
         "modeling_gpn/bench/command.py",
-        '    temporary = Path(f"{path}.tmp{os.getpid()}")\n',
-        "    temporary = Path(path)  # MUTATION\n",
-        ("tests/tools/test_bench.py::test_an_interrupted_json_write_leaves_no_half_file",),
+        '    with replacing(path, "w") as handle:\n',
+        '    with open(path, "w") as handle:  # MUTATION\n',
+        (
+            "tests/tools/test_bench.py::test_an_interrupted_json_write_leaves_no_half_file",
+            "tests/tools/test_bench.py::test_the_json_report_is_synced_and_a_failed_write_names_it",
+        ),
+    ),
+    Mutation(
+        "an atomic write renames its file into place unsynced (gpn bench --json, the state file, gpn train's files)",
+        "modeling_gpn/atomic_files.py",
+        "            os.fsync(handle.fileno())\n",
+        "            pass  # MUTATION\n",
+        ("tests/tools/test_bench.py::test_the_json_report_is_synced_and_a_failed_write_names_it",),
+    ),
+    Mutation(
+        "an atomic write leaves its rename unsynced (the folder is not fsynced)",
+        "modeling_gpn/atomic_files.py",
+        "        fsync(path.parent)\n",
+        "        pass  # MUTATION\n",
+        ("tests/tools/test_bench.py::test_the_json_report_is_synced_and_a_failed_write_names_it",),
+    ),
+    Mutation(
+        "an atomic write that fails leaves its temporary file behind",
+        "modeling_gpn/atomic_files.py",
+        "        temporary.unlink(missing_ok=True)\n",
+        "        pass  # MUTATION\n",
+        (
+            "tests/tools/test_bench.py::test_an_interrupted_json_write_leaves_no_half_file",
+            "tests/model/test_state.py -k cut_short",
+            "tests/tools/test_train_faults.py::test_log_rewrite_on_resume_is_write_then_rename",
+        ),
     ),
     Mutation(
         "gpn generate decodes the new tokens alone (a SentencePiece continuation loses its leading space)",
