@@ -1653,6 +1653,20 @@ MUTATIONS = [
         ("tests/tools/test_faults_io.py -k hidden_and_special_folders",),
     ),
     Mutation(
+        "gpn inspect --data FOLDER searches the folder on its own (Jupyter's copies read, csv left out)",
+        "modeling_gpn/inspect/inputs.py",
+        '    return spec.local_files() if spec.kind == "local" else None\n',
+        '    return sorted(p for p in Path(data).rglob("*") if p.is_file() and p.suffix in LOCAL_EXTENSIONS) or None  # MUTATION\n',
+        ("tests/tools/test_inspect.py -k exactly_the_files_gpn_train_reads",),
+    ),
+    Mutation(
+        "gpn train leaves out the .text files gpn inspect reads",
+        "modeling_gpn/data/corpus.py",
+        '    ".text": "text",\n',
+        "",
+        ("tests/tools/test_inspect.py -k exactly_the_files_gpn_train_reads",),
+    ),
+    Mutation(
         "gpn train --dataset 'data/*.jsonl' taken for a Hub id",
         "modeling_gpn/data/corpus.py",
         'self.source.startswith((".", "/", "~")) or self.is_glob:',
@@ -1704,8 +1718,8 @@ MUTATIONS = [
     Mutation(
         "gpn train reads no csv corpus",
         "modeling_gpn/data/corpus.py",
-        ', ".parquet": "parquet", ".csv": "csv"}',
-        ', ".parquet": "parquet"}  # MUTATION',
+        '    ".csv": "csv",\n',
+        "",
         ("tests/tools/test_train.py -k every_row_format",),
     ),
     Mutation(

