@@ -13,9 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import secrets
 import stat
-import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from .atomic_files import write_file_atomically
 from .configuration_gpn import GPNConfig
 from .derived_weights import parameters_key
 
@@ -208,9 +207,9 @@ def write_state_file(
     """Write `tensors` (p, g, M on the CPU) as the state, after `positions_read`, of the model that
     `model_fingerprint` (`state_fingerprint` of a `GPNModel`) names.
 
-    Written under a temporary name unique to this call (process, thread and a random part: two threads
-    saving to one path never share it), fsynced and renamed, so an interrupted save never leaves a partial
-    file at `path` and concurrent saves to one path each leave a whole file (the last rename wins).
+    Written through `atomic_files.write_file_atomically` (a temporary name unique to this call, fsynced and
+    renamed), so an interrupted save never leaves a partial file at `path`, concurrent saves to one path each
+    leave a whole file (the last rename wins), and an error names `path`.
     """
     if not all(bool(torch.isfinite(tensor).all()) for tensor in tensors.values()):
         raise ValueError(f"Cannot save {path}: the state holds NaN or infinite values")
@@ -225,20 +224,7 @@ def write_state_file(
         **model_fingerprint,
     }
     payload = safetensors.torch.save(tensors, metadata=metadata)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}")
-    try:
-        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        with open(descriptor, "wb") as file:
-            file.write(payload)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except OSError as error:  # named by the path asked for, not the temporary one (a full disk, a missing folder)
-        if error.errno is None:  # (not a system call's error: nothing to rename)
-            raise
-        raise type(error)(error.errno, error.strerror, str(path)) from error
-    finally:
-        temporary.unlink(missing_ok=True)
+    write_file_atomically(path, payload)
 
 
 def _check_model_fingerprint(fingerprint: dict[str, str], path: Path) -> None:

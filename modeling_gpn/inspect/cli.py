@@ -26,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data",
         default=DEFAULT_DATASET,
-        help="Hub dataset id, or local .txt/.jsonl/.json/.parquet file(s), a folder or a glob",
+        help="Hub dataset id, or local .txt/.text/.jsonl/.json/.parquet/.csv file(s), a folder or a glob, found as gpn train "
+        "--dataset finds them (files and folders named .* or __* left out)",
     )
     parser.add_argument(
         "--data-config",

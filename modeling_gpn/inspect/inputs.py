@@ -3,18 +3,17 @@ local files or a Hub dataset (streamed), each window from the zero state as in t
 
 from __future__ import annotations
 
-import glob
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
-from ..data.corpus import text_file_pieces
+from ..data.corpus import LOCAL_SUFFIXES, CorpusSpec, text_file_pieces
 from ..data.tokenizer import PieceEncoder
 
 DEFAULT_DATASET = "HuggingFaceFW/fineweb-edu"
 DEFAULT_DATASET_CONFIG = "sample-10BT"
-LOCAL_EXTENSIONS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+LOCAL_EXTENSIONS = LOCAL_SUFFIXES  # (the kinds of local file gpn train reads, and the `datasets` builder of each)
 
 
 def load_model(name: str, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = False):
@@ -36,24 +35,13 @@ def load_model(name: str, device: str = "cpu", dtype: str = "float32", trust_rem
 
 
 def _local_files(data: str) -> list[Path] | None:
-    """The local files `data` names (a file, a folder, or a glob), or None if it is not local."""
-    path = Path(data)
-    if path.is_file():
-        files = [path]
-    elif path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in LOCAL_EXTENSIONS)
-        if not files:
-            raise ValueError(f"folder {data!r} holds no {'/'.join(sorted(LOCAL_EXTENSIONS))} files")
-    elif any(ch in data for ch in "*?["):
-        files = sorted(Path(p) for p in glob.glob(data) if Path(p).is_file())
-        if not files:
-            raise ValueError(f"no files match {data!r}")
-    else:
-        return None
-    for file in files:
-        if file.suffix.lower() not in LOCAL_EXTENSIONS:
-            raise ValueError(f"unsupported data file {str(file)!r}: use one of {', '.join(sorted(LOCAL_EXTENSIONS))}")
-    return files
+    """The local files `data` names (a file, a folder, or a glob), or None if it names no local data.
+
+    Found as `gpn train --data` finds them (`data.CorpusSpec.local_files`): the same kinds of file, files and
+    folders named `.*` or `__*` (Jupyter's `.ipynb_checkpoints/` copies, `__pycache__/`) left out, each
+    checked to be readable and non-empty; so a folder inspected is exactly the corpus a run trained on."""
+    spec = CorpusSpec(data)
+    return spec.local_files() if spec.kind == "local" else None
 
 
 def iter_documents(
@@ -67,7 +55,7 @@ def iter_documents(
 
     A plain-text file is one document, read in pieces as `gpn train` reads it (`data.corpus.text_file_pieces`:
     cut at line ends where `safe_cut(line before, line after)` agrees, so that `PieceEncoder` gives the tokens of
-    the whole document); a jsonl / json / parquet row is one document (its `text_column`).
+    the whole document); a jsonl / json / parquet / csv row is one document (its `text_column`).
     """
     files = _local_files(data)
     if files is not None:

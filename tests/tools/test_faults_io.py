@@ -842,6 +842,74 @@ def test_a_dataset_glob_reads_the_files_it_matches(bpe_tokenizer_dir, tmp_path, 
         data.CorpusSpec(source="shards/n*").local_files()  # only notes.md
 
 
+def test_a_hub_dataset_is_cached_per_commit_and_read_at_that_commit(bpe_tokenizer_dir, tmp_path, monkeypatch):
+    """The token cache of a Hub dataset was keyed by its name, configuration and split alone: a dataset updated
+    on the Hub kept handing out the old tokens, and no revision could be asked for. The commit the revision asked
+    for names (here from a local dataset repository in the Hugging Face cache's layout, offline) keys the cache,
+    and the rows are read at that commit, not at whatever the branch holds by the time they are streamed."""
+    import datasets
+    import huggingface_hub
+    from transformers import AutoTokenizer
+
+    from modeling_gpn import data
+
+    repo = tmp_path / "hub" / "datasets--someone--corpus"
+
+    def publish(ref: str, commit: str) -> None:  # what a download of the dataset card at `ref` leaves
+        (repo / "snapshots" / commit).mkdir(parents=True, exist_ok=True)
+        (repo / "snapshots" / commit / "README.md").write_text("---\nlicense: mit\n---\n")
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    read_at = []
+
+    def load_dataset(name, config=None, *, split, streaming, revision=None):
+        read_at.append(revision)
+        return [{"text": f"the rows of {name} at commit {revision} " * 20}]
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    tokenizer = AutoTokenizer.from_pretrained(bpe_tokenizer_dir)
+    old, new = "a" * 40, "b" * 40
+    publish("main", old)
+    publish("v2", new)
+
+    def stream(revision=None):
+        corpus = data.CorpusSpec(source="someone/corpus", config_name=None, revision=revision)
+        return data.build_token_stream(corpus, tokenizer, tmp_path / "cache", show_progress=False)
+
+    first = stream()
+    assert read_at == [old] and not first.reused
+    assert stream().folder == first.folder and read_at == [old]  # (reused)
+    pinned = stream("v2")  # another revision asked for: another cache, read at its commit
+    assert pinned.folder != first.folder and read_at == [old, new]
+    publish("main", new)  # the dataset updated on the Hub
+    updated = stream()
+    assert updated.folder not in (first.folder, pinned.folder) and not updated.reused and read_at == [old, new, new]
+    assert data.CorpusSpec(source="someone/corpus", revision=old).fingerprint()["commit"] == old
+    unresolved = [data.CorpusSpec(source="someone/corpus", revision=r).fingerprint() for r in ("v3", "v4")]
+    assert unresolved[0]["commit"] is None and unresolved[0] != unresolved[1]  # (keyed by the revision asked for)
+
+    # gpn train --dataset-revision is the revision its corpus asks for
+    from modeling_gpn import train as train_module
+    from modeling_gpn.train import training
+
+    from .train_runs import parse
+
+    class Built(Exception):
+        pass
+
+    def corpus_spec(**fields):
+        raise Built(fields)
+
+    monkeypatch.setattr(data, "CorpusSpec", corpus_spec)
+    config = train_module.resolve_config(parse(["--dataset", "someone/corpus", "--dataset-revision", "v2"]))
+    with pytest.raises(Built) as built:
+        training.prepare_data(None, config, show_progress=False)
+    assert built.value.args[0]["revision"] == "v2" and built.value.args[0]["source"] == "someone/corpus"
+
+
 def test_a_killed_write_of_the_token_cache_is_cleaned_up_by_the_next(bpe_tokenizer_dir, tmp_path):
     """A run killed while tokenizing left its temporary folder (measured: 12 MB for a 21 MB corpus, as large as
     the cache) for good; the next write of the same cache deletes it, never one whose writer is alive."""

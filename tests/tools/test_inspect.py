@@ -313,8 +313,8 @@ def test_gpn_inspect_rejects_bad_input(tiny_llama_vocab_model, tmp_path, capsys)
     from modeling_gpn.cli import main
 
     text = require_shared("data/tinyshakespeare/input.txt")
-    bad = tmp_path / "notes.csv"
-    bad.write_text("a,b\n")
+    bad = tmp_path / "notes.md"
+    bad.write_text("# a,b\n")
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("café résumé\n".encode("latin-1") * 50)
     numbers = tmp_path / "numbers.jsonl"
@@ -331,7 +331,7 @@ def test_gpn_inspect_rejects_bad_input(tiny_llama_vocab_model, tmp_path, capsys)
         ([str(tiny_llama_vocab_model), "--data", str(tmp_path / "missing.txt")], "does not exist"),
         (
             [str(tiny_llama_vocab_model), "--data", str(bad), "--tokens", "128", "--seq-len", "64"],
-            "unsupported data file",
+            "notes.md: unknown file type '.md'",
         ),
         ([str(tiny_llama_vocab_model), "--data", str(latin1)], "latin1.txt: it is not UTF-8 text"),
         ([str(tiny_llama_vocab_model), "--data", str(numbers)], "numbers.jsonl: column 'text' holds int, not text"),
@@ -446,3 +446,30 @@ def test_a_long_text_file_is_tokenized_as_gpn_train_tokenizes_it(tmp_path):
     windows = load_token_windows(tokenizer, str(path), seq_len=64, max_tokens=len(whole), progress=False)
     assert windows.numel() > len(whole) - 64
     assert windows.flatten().tolist() == whole[: windows.numel()]
+
+
+def test_a_folder_is_inspected_on_exactly_the_files_gpn_train_reads(tmp_path):
+    """`gpn inspect --data FOLDER` searched the folder on its own: it read Jupyter's `.ipynb_checkpoints/` copies
+    and `__*` entries as more documents (which `gpn train` leaves out), took `.text` files `gpn train` did not,
+    and left out the `.csv` files it trains on. It finds the files as `gpn train --dataset FOLDER` does
+    (`CorpusSpec.local_files`), so both read the same documents, in the same order."""
+    from modeling_gpn.data import CorpusSpec
+    from modeling_gpn.inspect import iter_documents
+
+    folder = tmp_path / "corpus"
+    (folder / "plays" / ".ipynb_checkpoints").mkdir(parents=True)
+    (folder / "__pycache__").mkdir()
+    (folder / "plays" / "one.txt").write_text("the first play\nends here\n")
+    (folder / "plays" / ".ipynb_checkpoints" / "one-checkpoint.txt").write_text("the first play, an older copy\n")
+    (folder / "plays" / "two.text").write_text("the second play\n")
+    (folder / "rows.jsonl").write_text('{"text": "a row of the jsonl file"}\n')
+    (folder / "rows.csv").write_text('text\n"a row of the csv file"\n')
+    (folder / "__pycache__" / "notes.txt").write_text("no part of the corpus\n")
+    (folder / "__notes.txt").write_text("no part of the corpus either\n")
+
+    trained = [text for text, _, _ in CorpusSpec(str(folder)).document_pieces()]
+    inspected = [text for text, _, _ in iter_documents(str(folder))]
+    assert inspected == trained
+    assert sorted(trained) == sorted(
+        ["the first play\nends here\n", "the second play\n", "a row of the jsonl file", "a row of the csv file"]
+    )
