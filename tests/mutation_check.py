@@ -1519,6 +1519,13 @@ MUTATIONS = [
         ("tests/tools/test_train.py -k would_not_be_applied",),
     ),
     Mutation(
+        "gpn train blames the disk for a process that died inside a checkpoint (Cannot write ... MiB free there)",
+        "modeling_gpn/train/checkpoints.py",
+        '        failure = collective_error(error, run.stage.name, run.config["ddp_timeout"]) if run.world > 1 else None\n',
+        "        failure = None  # MUTATION\n",
+        ("tests/tools/test_train_faults.py -k dies_inside_a_checkpoint",),
+    ),
+    Mutation(
         "gpn train --resume takes a corpus that changed under the same name",
         "modeling_gpn/train/checkpoints.py",
         "    if saved_data is not None and saved_data != data:  # (checkpoints of older versions hold none)\n",
