@@ -1526,6 +1526,30 @@ MUTATIONS = [
         ("tests/tools/test_train_faults.py -k dies_inside_a_checkpoint",),
     ),
     Mutation(
+        "gpn train under FSDP2 keeps a wrap policy whose unit holds the embedding (accelerate config's default: a crash)",
+        "modeling_gpn/train/distributed.py",
+        "        plugin.auto_wrap_policy = None\n",
+        "        pass  # MUTATION\n",
+        (
+            "tests/tools/test_train.py -k fsdp2_with_accelerate_configs_default",
+            "tests/tools/test_train.py -k fsdp2_options_accelerate and whole",
+        ),
+    ),
+    Mutation(
+        "gpn train under FSDP2 on CPU takes --fsdp_offload_params (Accelerate's traceback pinning memory)",
+        "modeling_gpn/train/distributed.py",
+        "    if isinstance(plugin.cpu_offload, CPUOffloadPolicy) and on_cpu:",
+        "    if False:  # MUTATION",
+        ("tests/tools/test_train.py -k fsdp2_options_accelerate and offload",),
+    ),
+    Mutation(
+        "gpn train under FSDP2 takes activation checkpointing without a wrap policy (Accelerate's TypeError)",
+        "modeling_gpn/train/distributed.py",
+        "    if plugin.activation_checkpointing and plugin.auto_wrap_policy is None:\n",
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_train.py -k fsdp2_options_accelerate and checkpointing",),
+    ),
+    Mutation(
         "gpn train --resume takes a corpus that changed under the same name",
         "modeling_gpn/train/checkpoints.py",
         "    if saved_data is not None and saved_data != data:  # (checkpoints of older versions hold none)\n",
