@@ -1550,6 +1550,13 @@ MUTATIONS = [
         ("tests/tools/test_train.py -k fsdp2_options_accelerate and checkpointing",),
     ),
     Mutation(
+        "gpn train --help does not say how to start several processes (on CPU: ACCELERATE_USE_CPU=1 --multi_gpu)",
+        "modeling_gpn/train/cli.py",
+        "(the paper's run).\" + MULTI_PROCESS_HELP\n",
+        "(the paper's run).\"  # MUTATION\n",
+        ("tests/tools/test_train.py -k configuration_precedence_and_help",),
+    ),
+    Mutation(
         "gpn train --resume takes a corpus that changed under the same name",
         "modeling_gpn/train/checkpoints.py",
         "    if saved_data is not None and saved_data != data:  # (checkpoints of older versions hold none)\n",

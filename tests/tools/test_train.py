@@ -405,6 +405,10 @@ def test_configuration_precedence_and_help(tmp_path):
     text = parser.format_help()
     for option in train_module.OPTIONS:
         assert "--" + option.key.replace("_", "-") in text
+    # How to start several processes, on CPU too (where `accelerate launch --cpu` starts one).
+    flat = " ".join(text.split())
+    assert "accelerate launch --multi_gpu --num_processes N -m modeling_gpn.train" in flat
+    assert "--use_fsdp --fsdp_version 2" in flat and "ACCELERATE_USE_CPU=1" in flat
 
 
 def test_settings_torch_would_train_wrongly_with_are_refused_before_the_data(tmp_path, capsys):
