@@ -4,6 +4,7 @@
   collectives' timeout (`--ddp-timeout`), and applies FSDP2 on CPU, which Accelerate would silently make DDP;
 - `RunStage` names the stage a run is in, for errors, and is the watchdog of the end of a multi-process run
   (the process group's end and the interpreter's exit, which no collective timeout covers);
+- `fit_fsdp_plugin` drops or refuses, in one line, the FSDP2 options Accelerate would fail on with the model;
 - `collective_error` turns a gloo / NCCL failure into a `CollectiveError` naming that stage;
 - `all_finite` and `stop_requested` are the two questions every process must answer alike.
 """
@@ -124,7 +125,7 @@ def fit_fsdp_plugin(plugin, model, on_cpu: bool) -> str | None:
     - An auto-wrap unit that holds the input embedding: a GPN's `_no_split_modules` is its whole GPNModel,
       which `TRANSFORMER_BASED_WRAP` (`accelerate config`'s FSDP default) wraps; Accelerate then shards the
       embedding inside it a second time and fails ("Invariant encountered: value was None"). The policy is
-      dropped: the model is sharded as one unit, which is what that unit was (it held every weight).
+      dropped: the model is sharded as one unit (for a GPN the same grouping: that unit held every weight).
     - Activation checkpointing without a wrap policy: Accelerate calls the missing policy (a TypeError).
     - Parameter offload on CPU: the parameters are in CPU memory already, and its pinned memory needs a GPU.
     """
