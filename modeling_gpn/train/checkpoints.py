@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 from .context import TrainingRun
-from .distributed import all_finite, is_fsdp
+from .distributed import all_finite, collective_error, is_fsdp
 from .errors import NonFiniteLossError
 from .run_folder import (
     REPLACED_PREFIX,
@@ -71,6 +71,12 @@ def save_checkpoint(run: TrainingRun, step: int) -> Path:
     except write_errors() as error:
         if run.main:
             shutil.rmtree(tmp, ignore_errors=True)  # frees the space the partial checkpoint took
+        # gloo / NCCL report a process that died (or stopped) inside the checkpoint's collectives as a
+        # RuntimeError too: that is no failed write, and "Cannot write ... (N MiB free there)" would send the
+        # user to the disk.
+        failure = collective_error(error, run.stage.name, run.config["ddp_timeout"]) if run.world > 1 else None
+        if failure is not None:
+            raise failure from error
         raise storage_error(run.run_dir, final, error) from error
     accelerator.wait_for_everyone()
     return final

@@ -13,6 +13,14 @@ from .errors import CollectiveError, LaunchError, NonFiniteLossError, RunFolderI
 from .settings import OPTIONS, list_recipes, resolve_config
 from .training import train
 
+# How to start several processes, which the launcher's own flags do not make obvious on CPU (`accelerate launch
+# --cpu --num_processes 2` starts one process).
+MULTI_PROCESS_HELP = (
+    " Several processes (the same options): `accelerate launch --multi_gpu --num_processes N -m modeling_gpn.train "
+    "...` (DDP; FSDP2: `--use_fsdp --fsdp_version 2` instead of --multi_gpu); on CPU prefix ACCELERATE_USE_CPU=1 and "
+    "add --num_machines 1 (`accelerate launch --cpu` starts one process). Details: docs/training.md."
+)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `gpn train` (also `accelerate launch -m modeling_gpn.train`)."""
@@ -20,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Train a GPN (or a LlamaForCausalLM baseline) with Accelerate. Settings come from the built-in defaults, "
         "then --recipe, then --config, then the options below. Recipes: " + ", ".join(list_recipes()) + ". "
         "Example: `gpn train --recipe tiny-cpu` (the tiny preset on Shakespeare, about a minute on 2 CPU cores); "
-        "`accelerate launch -m modeling_gpn.train --recipe paper-130m` (the paper's run)."
+        "`accelerate launch -m modeling_gpn.train --recipe paper-130m` (the paper's run)." + MULTI_PROCESS_HELP
     )
     parser.add_argument("--recipe", help="a recipe name (" + ", ".join(list_recipes()) + ") or a recipe JSON path")
     parser.add_argument(

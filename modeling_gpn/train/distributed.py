@@ -4,6 +4,7 @@
   collectives' timeout (`--ddp-timeout`), and applies FSDP2 on CPU, which Accelerate would silently make DDP;
 - `RunStage` names the stage a run is in, for errors, and is the watchdog of the end of a multi-process run
   (the process group's end and the interpreter's exit, which no collective timeout covers);
+- `fit_fsdp_plugin` drops or refuses, in one line, the FSDP2 options Accelerate would fail on with the model;
 - `collective_error` turns a gloo / NCCL failure into a `CollectiveError` naming that stage;
 - `all_finite` and `stop_requested` are the two questions every process must answer alike.
 """
@@ -115,6 +116,47 @@ def start_accelerator(config: dict, trackers: list[str], run_dir: Path):
                 "--multi_gpu (DDP) instead"
             )
     return accelerator
+
+
+def fit_fsdp_plugin(plugin, model, on_cpu: bool) -> str | None:
+    """Before `accelerator.prepare(model)` under FSDP2: drop or refuse the options Accelerate (1.15) fails on
+    with this model, a traceback deep in `fully_shard` otherwise. Returns a line saying what was changed, or None.
+
+    - An auto-wrap unit that holds the input embedding: a GPN's `_no_split_modules` is its whole GPNModel,
+      which `TRANSFORMER_BASED_WRAP` (`accelerate config`'s FSDP default) wraps; Accelerate then shards the
+      embedding inside it a second time and fails ("Invariant encountered: value was None"). The policy is
+      dropped: the model is sharded as one unit (for a GPN the same grouping: that unit held every weight).
+    - Activation checkpointing without a wrap policy: Accelerate calls the missing policy (a TypeError).
+    - Parameter offload on CPU: the parameters are in CPU memory already, and its pinned memory needs a GPU.
+    """
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if isinstance(plugin.cpu_offload, CPUOffloadPolicy) and on_cpu:  # (no offload is the base OffloadPolicy())
+        raise LaunchError(
+            "--fsdp_offload_params moves the parameters to CPU memory: on CPU they are there already (and Accelerate "
+            "fails pinning them without a GPU); launch without it"
+        )
+    note = None
+    policy = fsdp2_prepare_auto_wrap_policy(plugin, model) if plugin.auto_wrap_policy is not None else None
+    embedding = model.get_input_embeddings()
+    wrapped = [m for m in model.modules() if m is not model and m is not embedding and policy(m)] if policy else []
+    holders = [type(unit).__name__ for unit in wrapped if any(inner is embedding for inner in unit.modules())]
+    if holders:
+        plugin.auto_wrap_policy = None
+        note = (
+            f"FSDP2: the auto-wrap policy's unit {holders[0]} holds the input embedding, which Accelerate cannot "
+            "shard inside it: the model is sharded as one unit instead (the same grouping; to shard layers apart, "
+            "name ones without the embedding with --fsdp_transformer_layer_cls_to_wrap, e.g. GPNPredictLayer)"
+        )
+    if plugin.activation_checkpointing and plugin.auto_wrap_policy is None:
+        raise LaunchError(
+            "--fsdp_activation_checkpointing needs an auto-wrap policy naming the layers to recompute "
+            "(--fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP with --fsdp_transformer_layer_cls_to_wrap of layers "
+            "without the input embedding); a GPN's --bptt-segment already bounds its activation memory: launch "
+            "without it"
+        )
+    return note
 
 
 def _accelerate_version() -> str:

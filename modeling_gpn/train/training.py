@@ -22,7 +22,15 @@ from pathlib import Path
 
 from .checkpoints import check_resume_path, complete_tied_weights, resume_from_checkpoint
 from .context import TrainingRun
-from .distributed import RunStage, all_finite, collective_error, distribution_name, is_fsdp, start_accelerator
+from .distributed import (
+    RunStage,
+    all_finite,
+    collective_error,
+    distribution_name,
+    fit_fsdp_plugin,
+    is_fsdp,
+    start_accelerator,
+)
 from .errors import CollectiveError, LaunchError, NonFiniteLossError, RunFolderInUseError, StorageError
 from .loop import end_process_group, fit, validate
 from .models import build_model, build_optimizer, generate_sample, weights_sha256
@@ -207,6 +215,10 @@ def prepare_model(run: TrainingRun) -> str:
     run.loss_kwargs = {"use_cache": False}
     if "return_logits" in inspect.signature(model.forward).parameters:
         run.loss_kwargs["return_logits"] = False
+    if is_fsdp(run.accelerator):
+        note = fit_fsdp_plugin(run.accelerator.state.fsdp_plugin, model, run.accelerator.device.type == "cpu")
+        if note:
+            run.say(note)
     run.model, run.optimizer = run.accelerator.prepare(model, optimizer)  # the scheduler is stepped by hand
     return described
 

@@ -245,6 +245,62 @@ def test_two_process_fsdp_trains_saves_and_resumes_like_one_process(two_process_
         assert max(abs(a - b) for a, b in zip(losses(run)[-3:], losses(continued_from)[-3:])) < 1e-5
 
 
+def test_fsdp2_with_accelerate_configs_default_wrap_policy_trains_a_gpn(tmp_path, cache, shakespeare):
+    # `accelerate config`'s FSDP default, TRANSFORMER_BASED_WRAP, wraps a GPN's `_no_split_modules` (its whole
+    # GPNModel, which holds the embedding); Accelerate 1.15 then sharded the embedding inside it again and every
+    # process died in fully_shard: "TypeError: Invariant encountered: value was None when it should not be".
+    run_dir = tmp_path / "fsdp"
+    output = finish(
+        launch_two_processes(
+            [*FSDP2, "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP"],
+            small_args(shakespeare, run_dir, cache, "--steps", "2"),
+            tmp_path / "fsdp.log",
+        )
+    )
+    assert "FSDP2: the auto-wrap policy's unit GPNModel holds the input embedding" in output, output[-3000:]
+    assert "2 process(es) x 1 accumulation x 4 windows; FSDP2" in output
+    assert len(losses(run_dir)) == 2 and all(math.isfinite(loss) for loss in losses(run_dir))
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "model")  # the full weights, gathered
+    assert all(torch.equal(model.state_dict()[name], t) for name, t in saved_weights(run_dir / "model").items())
+
+
+@pytest.mark.parametrize(
+    "options, refusal",
+    [
+        ({"cpu_offload": True}, "--fsdp_offload_params moves the parameters to CPU memory"),
+        ({"activation_checkpointing": True}, "--fsdp_activation_checkpointing needs an auto-wrap policy"),
+        (  # a GPN's own policy, dropped (its unit holds the embedding): nothing left to checkpoint by
+            {"activation_checkpointing": True, "auto_wrap_policy": "transformer_based_wrap"},
+            "--fsdp_activation_checkpointing needs an auto-wrap policy",
+        ),
+    ],
+    ids=["offload on CPU", "checkpointing without a policy", "checkpointing of the whole GPN"],
+)
+def test_fsdp2_options_accelerate_would_fail_on_are_refused_in_one_line(options, refusal):
+    """Accelerate 1.15 fails deep in its FSDP2 preparation on CPU with `--fsdp_offload_params` (pinned memory
+    needs a GPU: "Cannot access accelerator device when none is available") and with
+    `--fsdp_activation_checkpointing` without a wrap policy (it calls the missing one: "'NoneType' object is
+    not callable"); refused in one line. What works is left as asked."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    model = build_tiny_gpn()
+    with pytest.raises(train_module.LaunchError, match=refusal):
+        train_module.fit_fsdp_plugin(FullyShardedDataParallelPlugin(fsdp_version=2, **options), model, on_cpu=True)
+    layers = {"auto_wrap_policy": "transformer_based_wrap", "transformer_cls_names_to_wrap": ["GPNPredictLayer"]}
+    for works in ({}, layers, {**layers, "activation_checkpointing": True}):
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, **works)
+        policy = plugin.auto_wrap_policy
+        assert train_module.fit_fsdp_plugin(plugin, model, on_cpu=True) is None and plugin.auto_wrap_policy is policy
+
+
+def build_tiny_gpn():
+    from modeling_gpn import GPNForCausalLM
+
+    return GPNForCausalLM(tiny_config())
+
+
 def test_a_launch_of_several_processes_that_accelerate_runs_as_one_each_is_refused(
     tmp_path, cache, shakespeare, monkeypatch
 ):
@@ -349,6 +405,10 @@ def test_configuration_precedence_and_help(tmp_path):
     text = parser.format_help()
     for option in train_module.OPTIONS:
         assert "--" + option.key.replace("_", "-") in text
+    # How to start several processes, on CPU too (where `accelerate launch --cpu` starts one).
+    flat = " ".join(text.split())
+    assert "accelerate launch --multi_gpu --num_processes N -m modeling_gpn.train" in flat
+    assert "--use_fsdp --fsdp_version 2" in flat and "ACCELERATE_USE_CPU=1" in flat
 
 
 def test_settings_torch_would_train_wrongly_with_are_refused_before_the_data(tmp_path, capsys):

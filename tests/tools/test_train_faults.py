@@ -550,6 +550,53 @@ def test_sigterm_to_one_ddp_rank_stops_every_rank_at_the_same_step_with_a_checkp
     assert f"stopped by SIGTERM after step {step} of 100000" in output, output[-3000:]
 
 
+# `gpn train` whose rank 1 dies (SIGKILL) inside the checkpoint of step 2, once its own files are written: the main
+# process is then in the checkpoint's next barrier.
+DIES_IN_A_CHECKPOINT = """
+import os, signal, sys
+from modeling_gpn.train import checkpoints
+from modeling_gpn.train.cli import main
+
+save_training_state = checkpoints.save_training_state
+
+def save_then_die_on_rank_1(accelerator, model, optimizer, scheduler, folder):
+    save_training_state(accelerator, model, optimizer, scheduler, folder)
+    if accelerator.process_index == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+checkpoints.save_training_state = save_then_die_on_rank_1
+sys.exit(main())
+"""
+
+
+def test_a_rank_that_dies_inside_a_checkpoint_is_named_not_blamed_on_the_disk(tmp_path, cache, shakespeare):
+    # The peer's death reached the main process as gloo's RuntimeError inside the checkpoint, which was
+    # reported as a failed write: "Cannot write .../step-0000002: ... Connection reset by peer ... (58392.2 MiB
+    # free there)".
+    script = tmp_path / "dies_in_a_checkpoint.py"
+    script.write_text(DIES_IN_A_CHECKPOINT)
+    run_dir = tmp_path / "ddp"
+    launcher = launch_two_processes(
+        ["--multi_gpu"],
+        small_args(shakespeare, run_dir, cache, "--steps", "4", "--checkpoint-interval", "2", "--ddp-timeout", "30"),
+        tmp_path / "ddp.log",
+        program=(str(script),),
+    )
+    try:
+        launcher.wait(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+    output = launcher.log_path.read_text()
+    assert launcher.returncode != 0, output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith("gpn train: error:")]
+    assert errors and errors[0].startswith(
+        "gpn train: error: another process ended while saving checkpoint step-0000002, so this one stops too"
+    ), output[-3000:]
+    assert "Cannot write" not in output, output[-3000:]
+    assert checkpoint_steps(run_dir) == [] and not list((run_dir / "checkpoints").glob(".tmp-*"))
+
+
 def test_the_end_of_a_ddp_run_is_bounded_by_ddp_timeout_and_names_the_stage(tmp_path, cache, shakespeare):
     # Rank 1 stops (SIGSTOP) once training is over: whatever collective of the end rank 0 reaches next (the
     # weights' check, or the barrier after saving the model) must give up after --ddp-timeout, naming it.

@@ -114,9 +114,12 @@ def finish(process: subprocess.Popen, timeout: float = 300) -> str:
     return output
 
 
-def launch_two_processes(distribution: list[str], args: list[str], log: Path) -> subprocess.Popen:
+def launch_two_processes(
+    distribution: list[str], args: list[str], log: Path, program: tuple[str, ...] = ("-m", "modeling_gpn.train")
+) -> subprocess.Popen:
     """`accelerate launch` of 2 CPU processes with `distribution`'s flags (`--multi_gpu` for DDP, FSDP's),
-    running `gpn train` with `args` (ACCELERATE_USE_CPU=1 comes from the accelerate_on_cpu fixture)."""
+    running `gpn train` (or `program`, a script that wraps it) with `args` (ACCELERATE_USE_CPU=1 comes from the
+    accelerate_on_cpu fixture)."""
     return launch(
         [
             sys.executable,
@@ -133,8 +136,7 @@ def launch_two_processes(distribution: list[str], args: list[str], log: Path) ->
             "no",
             "--main_process_port",
             str(free_port()),
-            "-m",
-            "modeling_gpn.train",
+            *program,
             *args,
         ],
         log,
