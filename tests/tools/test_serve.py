@@ -229,8 +229,9 @@ def test_completions_plain_and_streamed(client, model_name, reference):
 
 def test_completions_apply_logit_bias_and_refuse_what_they_would_ignore(client, model_name, reference):
     """transformers' completion handler accepts logit_bias, echo, best_of, logprobs and presence_penalty and
-    applies none of them: logit_bias is applied here (as its chat handler applies it), the others are a 400
-    naming the field, but for their defaults, which change nothing."""
+    applies none of them, and appends a suffix to the answer (the API inserts the answer before it): logit_bias
+    is applied here (as its chat handler applies it), the others are a 400 naming the field, but for their
+    defaults, which change nothing."""
     model, tokenizer = reference
     prompt = "the cat sat on the"
     ids = tokenizer(prompt, return_tensors="pt")
@@ -244,15 +245,75 @@ def test_completions_apply_logit_bias_and_refuse_what_they_would_ignore(client, 
         model=model_name, prompt=prompt, max_tokens=6, temperature=0, logit_bias={str(int(plain[0])): -100}
     )
     assert reply.choices[0].text == as_text(tokenizer, banned, False)
-    for fields in ({"echo": True}, {"best_of": 3}, {"logprobs": 2}, {"presence_penalty": 1.0}):
+    for fields in ({"echo": True}, {"best_of": 3}, {"logprobs": 2}, {"presence_penalty": 1.0}, {"suffix": " END"}):
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(model=model_name, prompt=prompt, max_tokens=2, **fields)
         assert f"does not support {next(iter(fields))}" in str(refused.value.body)
-    defaults = dict(echo=False, best_of=1, logprobs=0, presence_penalty=0)
+    defaults = dict(echo=False, best_of=1, logprobs=0, presence_penalty=0, suffix="")
     assert client.completions.create(model=model_name, prompt=prompt, max_tokens=2, temperature=0, **defaults).choices
     chat_defaults = dict(logprobs=False, presence_penalty=0, response_format={"type": "text"})
     messages = [{"role": "user", "content": "hi"}]
     assert client.chat.completions.create(model=model_name, messages=messages, max_tokens=2, **chat_defaults).choices
+
+
+def a_stop_inside(text: str) -> tuple[str, int]:
+    """A stop sequence of two plain characters that first occurs inside `text` (not at its start), and where."""
+    for position in range(1, len(text) - 1):
+        stop = text[position : position + 2]
+        if all(char.isascii() and (char.isalpha() or char == " ") for char in stop) and text.find(stop) == position:
+            return stop, position
+    pytest.fail(f"no plain two characters inside {text!r} to stop at")
+
+
+def test_answers_end_before_their_stop_sequence(client, model_name, reference):
+    """The OpenAI API returns the text before a stop sequence ("the returned text will not contain the stop
+    sequence"); transformers serve stops at the token that completes it and sends that token's text whole, stop
+    sequence and all. Here chat and completions, plain, streamed and with n answers, end before it, "stop"."""
+    model, tokenizer = reference
+    prompts = {
+        "completion": tokenizer("the cat sat on the", return_tensors="pt"),
+        "chat": tokenizer.apply_chat_template(
+            [{"role": "user", "content": "to be or not"}],
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
+        ),
+    }
+    for endpoint, inputs in prompts.items():
+        with torch.no_grad():
+            answer = model.generate(**inputs, max_new_tokens=20, do_sample=False)[0, inputs["input_ids"].shape[1] :]
+        text = as_text(tokenizer, answer, False)
+        stop, position = a_stop_inside(text)
+        streamed_before_stop = as_text(tokenizer, answer, True).split(stop)[0]
+        request = dict(model=model_name, max_tokens=20, temperature=0, stop=[stop, "never in it"])
+        if endpoint == "completion":
+            request["prompt"] = "the cat sat on the"
+            plain = client.completions.create(**request, n=2)
+            texts = [choice.text for choice in plain.choices]
+            streamed = "".join(
+                chunk.choices[0].text for chunk in client.completions.create(**request, stream=True) if chunk.choices
+            )
+        else:
+            request["messages"] = [{"role": "user", "content": "to be or not"}]
+            plain = client.chat.completions.create(**request, n=2)
+            texts = [choice.message.content for choice in plain.choices]
+            streamed, _ = streamed_text(client.chat.completions.create(**request, stream=True))
+        assert texts == [text[:position]] * 2, (endpoint, stop, text)
+        assert [choice.finish_reason for choice in plain.choices] == ["stop", "stop"]
+        assert streamed == streamed_before_stop, (endpoint, stop, text)
+
+
+def test_a_stream_holds_back_what_may_begin_a_stop_sequence():
+    """A stop sequence spread over several streamed pieces is cut whole: the pieces' text that could begin one
+    waits for the next piece, and is sent when it does not."""
+    from modeling_gpn.serve.stop_strings import StreamCutter
+
+    cutter = StreamCutter(["\nObservation:", "END"])
+    sent = [cutter.feed(piece) for piece in ["Thought: go", "\nObs", "erv", "ation: 42", " more"]]
+    assert sent == ["Thought: go", "", "", "", ""] and cutter.stopped and cutter.flush() == ""
+    cutter = StreamCutter(["\nObservation:", "END"])
+    sent = [cutter.feed(piece) for piece in ["a\nOb", "x E", "N"]] + [cutter.flush()]
+    assert "".join(sent) == "a\nObx EN" and sent[0] == "a" and not cutter.stopped
 
 
 def test_n_answers_models_and_health(client, model_name, reference, server):
@@ -359,6 +420,14 @@ def test_responses_answer_through_the_store_with_the_checks_and_limits_of_chat(c
         ({"input": [3]}, "input[0]"),
         ({"previous_response_id": "resp_1"}, "does not support previous_response_id"),  # (transformers ignores it)
         ({"text": {"format": {"type": "json_object"}}}, "does not support text"),
+        (
+            {"input": [{"type": "input_image", "image_url": "http://x/a.png"}]},
+            "input[0] is a part of type 'input_image'",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/a.png"}]}]},
+            "input[0].content[0] is a part of type 'input_image'",
+        ),
     ):
         with pytest.raises(openai.BadRequestError) as refused:
             client.responses.create(model=model_name, input="hi", stream=False, extra_body=fields)
@@ -461,6 +530,18 @@ BAD_CHAT_REQUESTS = [  # (what the request gets wrong, the fields sent, a word t
     ("logprobs asked for", {"logprobs": True}, "does not support logprobs"),
     ("a presence_penalty", {"presence_penalty": 0.5}, "does not support presence_penalty"),
     ("a JSON response_format", {"response_format": {"type": "json_object"}}, "does not support response_format"),
+    # what transformers' chat template rendering drops in silence
+    (
+        "tools the chat template never renders",
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
+        "does not render tools",
+    ),
+    (
+        "an image for a model that reads text",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]},
+        "messages[0].content[0] is a part of type 'image_url'",
+    ),
+    ("max_completion_tokens past the context limit", {"max_completion_tokens": MAX_CONTEXT}, "max_completion_tokens ("),
 ]
 
 
