@@ -1161,6 +1161,20 @@ MUTATIONS = [
         ("tests/tools/test_serve.py -k bad_chat_requests and max_completion_tokens",),
     ),
     Mutation(
+        "gpn serve: errors answered in the OpenAI API's shape (transformers: FastAPI's detail)",
+        "modeling_gpn/serve/server.py",
+        "        add_openai_error_handlers(app)\n",
+        "",
+        ("tests/tools/test_serve.py -k openai_apis_shape",),
+    ),
+    Mutation(
+        "gpn serve: a stream's error event in the OpenAI API's shape (transformers: a bare string)",
+        "modeling_gpn/serve/handlers.py",
+        "                    error = as_openai_stream_error(event)\n",
+        "                    error = None  # MUTATION\n",
+        ("tests/tools/test_serve.py -k openai_apis_shape",),
+    ),
+    Mutation(
         "gpn serve: /v1/completions refuses echo, best_of, logprobs, presence_penalty (transformers ignores them)",
         "modeling_gpn/serve/validation.py",
         '    _check_supported(body, "completion")\n',

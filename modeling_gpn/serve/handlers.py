@@ -42,6 +42,7 @@ from transformers.cli.serving.response import ResponseHandler
 from transformers.cli.serving.utils import CBGenerateManager, Modality
 from transformers.generation.stopping_criteria import StopStringCriteria
 
+from .errors import as_openai_stream_error
 from .generation import StateKeepingModel
 from .state_store import StateStore
 from .stop_strings import StreamCutter, cut_at_stop, stop_sequences
@@ -503,16 +504,19 @@ def _cut_chunk_at_stop(data: dict, cutter: StreamCutter) -> bool:
 
 async def _finishing_stream(chunks, model: StateKeepingModel, slot: Slot, stops: list[str]):
     """transformers' SSE stream, its last chunk (the one with `usage`) given `cached_tokens`, the text cut before
-    the first `stop` sequence (`stop_strings`); the request's slot is freed when the stream ends, finished or cut
+    the first `stop` sequence (`stop_strings`), an error event in the OpenAI API's shape; the request's slot is freed when the stream ends, finished or cut
     off by the client (or when its generate() ends, if sooner: with continuous batching there is no generate()
     call to end)."""
     cutter = StreamCutter(stops) if stops else None
     try:
         async for chunk in chunks:
-            if '"usage"' in chunk or cutter is not None:
+            if '"usage"' in chunk or '"error"' in chunk or cutter is not None:
                 events = []
                 for event in chunk.split("\n\n"):
-                    if event.startswith("data: {"):
+                    error = as_openai_stream_error(event)
+                    if error is not None:  # (its JSON may be broken: written anew, not read)
+                        event = error
+                    elif event.startswith("data: {"):
                         data = json.loads(event.removeprefix("data: "))
                         if cutter is not None and not _cut_chunk_at_stop(data, cutter):
                             continue  # its text is held back (or past the stop sequence): nothing to send yet

@@ -587,6 +587,41 @@ def test_bad_completion_requests_and_bodies_get_a_4xx(client, model_name, server
     assert get(server + "/health")[0] == 200  # and the server is still well
 
 
+def test_errors_come_in_the_openai_apis_shape(client, model_name, server):
+    """An error is the OpenAI API's `{"error": {"message", "type", ...}}`, which the `openai` client reads (its
+    exception's message and type): transformers serve answered FastAPI's `{"detail": ...}`, and a stream's error
+    as `{"error": "..."}`, whose message the client dropped ("An error occurred during streaming")."""
+    from modeling_gpn.serve.errors import as_openai_stream_error
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=-1)
+    assert refused.value.type == "invalid_request_error"
+    assert refused.value.message == "Error code: 400 - max_tokens must be a positive integer, got -1"
+    request = urllib.request.Request(
+        server + "/v1/completions", data=b"{not json", headers={"Content-Type": "application/json"}
+    )
+    with pytest.raises(urllib.error.HTTPError) as unreadable:
+        urllib.request.urlopen(request, timeout=10)
+    error = json.loads(unreadable.value.read())["error"]
+    assert unreadable.value.code == 422 and "JSON decode error" in error["message"], error
+    # generate() refuses the request once the stream has begun: the error event says why, stop sequence or not
+    for stop in (None, ["zz"]):
+        with pytest.raises(openai.APIError) as failed:
+            for _ in client.chat.completions.create(
+                model=model_name,
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=3,
+                stream=True,
+                stop=stop,
+                extra_body={"generation_config": '{"top_k": "many"}'},
+            ):
+                pass
+        assert "not supported between instances of 'str' and 'int'" in failed.value.message, failed.value
+    # transformers writes the message between quotes as it is: a quote in it is read back whole
+    event = as_openai_stream_error('data: {"error": "no "such" thing"}')
+    assert json.loads(event.removeprefix("data: "))["error"]["message"] == 'no "such" thing'
+
+
 def test_the_queue_limit_refuses_and_a_client_that_goes_away_frees_its_slot(client, model_name):
     wait_until_idle(client, model_name)
     long = dict(model=model_name, max_tokens=MAX_CONTEXT - 100, temperature=0, stream=True)  # minutes, unless cut short
