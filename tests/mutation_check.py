@@ -1175,6 +1175,13 @@ MUTATIONS = [
         ("tests/tools/test_serve.py -k openai_apis_shape",),
     ),
     Mutation(
+        "gpn serve: /v1/responses instructions inserted before an input's system message (transformers: over it)",
+        "modeling_gpn/serve/handlers.py",
+        "        return await super().handle_request(_instructions_before_the_input(body), request_id)\n",
+        "        return await super().handle_request(body, request_id)  # MUTATION\n",
+        ("tests/tools/test_serve.py -k instructions_come_before",),
+    ),
+    Mutation(
         "gpn serve: /v1/completions refuses echo, best_of, logprobs, presence_penalty (transformers ignores them)",
         "modeling_gpn/serve/validation.py",
         '    _check_supported(body, "completion")\n',

@@ -409,6 +409,21 @@ class StateKeepingResponseHandler(StateKeeping, ResponseHandler):
     takes_n = False
     max_tokens_fields = ("max_output_tokens",)
 
+    async def handle_request(self, body: dict, request_id: str):
+        return await super().handle_request(_instructions_before_the_input(body), request_id)
+
+
+def _instructions_before_the_input(body: dict) -> dict:
+    """`instructions` as a system message of their own before the input, as the API inserts them: transformers'
+    handler writes them over the content of an input that begins with a system message, which the model then
+    never sees."""
+    instructions, items = body.get("instructions"), body.get("input")
+    if not isinstance(instructions, str) or not instructions or not isinstance(items, list) or not items:
+        return body
+    if not isinstance(items[0], dict) or items[0].get("role") != "system":
+        return body  # (transformers puts them before the input itself)
+    return {**body, "instructions": None, "input": [{"role": "system", "content": instructions}, *items]}
+
 
 class _Answer:
     """Stands in for transformers' generation manager when its handler formats one of the n answers

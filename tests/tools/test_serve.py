@@ -434,6 +434,24 @@ def test_responses_answer_through_the_store_with_the_checks_and_limits_of_chat(c
         assert word in str(refused.value.body), refused.value.body
 
 
+def test_responses_instructions_come_before_an_input_that_begins_with_a_system_message(client, model_name, reference):
+    """The Responses API inserts `instructions` before the input; transformers' handler wrote them over the
+    content of an input's first system message, which the model then never saw."""
+    instructions = {"role": "system", "content": "that is the question"}
+    given = [{"role": "system", "content": "the cat sat on the mat"}, {"role": "user", "content": "to be or not"}]
+    expected = expected_chat(reference, [instructions, *given], 12)
+    assert expected != expected_chat(reference, [instructions, given[1]], 12)  # the system message counts here
+    reply = client.responses.create(
+        model=model_name,
+        instructions=instructions["content"],
+        input=given,
+        max_output_tokens=12,
+        temperature=0,
+        stream=False,
+    )
+    assert reply.output_text == expected
+
+
 def test_clients_at_once_each_get_their_own_answer(client, model_name, reference):
     """Branches of one conversation at once: each continues from the same kept state, and none disturbs another."""
     history = [{"role": "system", "content": "the cat sat on the mat"}, {"role": "user", "content": "to be"}]
