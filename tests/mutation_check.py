@@ -1085,6 +1085,27 @@ MUTATIONS = [
         ("tests/tools/test_serve.py::test_bad_completion_requests_and_bodies_get_a_4xx",),
     ),
     Mutation(
+        "gpn serve: a --state-dir that cannot be a folder is one line, exit 2 (a traceback from the store)",
+        "modeling_gpn/serve/cli.py",
+        '            writable_folder(args.state_dir, "--state-dir")\n',
+        "            pass  # MUTATION\n",
+        ("tests/tools/test_serve.py -k cannot_start_says_why",),
+    ),
+    Mutation(
+        "gpn serve: a MODEL folder that is not there is one line, exit 2 (transformers: Repo id must be ...)",
+        "modeling_gpn/serve/cli.py",
+        '                raise ValueError(f"MODEL {args.model}: no such folder (a Hub repo id has no leading / . or ~)")\n',
+        "                pass  # MUTATION\n",
+        ("tests/tools/test_serve.py -k cannot_start_says_why",),
+    ),
+    Mutation(
+        "gpn serve: a server that cannot start says why in one line (a traceback)",
+        "modeling_gpn/serve/cli.py",
+        "        except (OSError, ValueError) as error:\n",
+        "        except KeyboardInterrupt as error:  # MUTATION\n",
+        ("tests/tools/test_serve.py -k cannot_start_says_why",),
+    ),
+    Mutation(
         "gpn serve --help names the positional MODEL where transformers' help says force_model",
         "modeling_gpn/serve/cli.py",
         '.replace("force_model is set", "MODEL is given")',

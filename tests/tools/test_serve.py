@@ -856,6 +856,24 @@ def test_gpn_serve_help_has_transformers_serve_options(capsys):
     assert "force_model" not in text and "Ignored when MODEL is given" in " ".join(text.split())
 
 
+def test_gpn_serve_that_cannot_start_says_why_without_a_traceback(tmp_path, capsys):
+    """A --state-dir that cannot be a folder, a MODEL folder that is not there, a folder that holds no model:
+    one line naming the problem and a non-zero exit (they were tracebacks: NotADirectoryError from the state
+    store, transformers' "Repo id must be in the form ...", its error from the preload)."""
+    from modeling_gpn.cli import build_parser
+
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "empty").mkdir()
+    for arguments, status, words in (
+        ([str(tmp_path / "empty"), "--state-dir", str(tmp_path / "a-file" / "states")], 2, "--state-dir"),
+        ([str(tmp_path / "no-such-model")], 2, "no such folder"),
+        ([str(tmp_path / "empty"), "--device", "cpu"], 1, "gpn serve: cannot start:"),
+    ):
+        args = build_parser("serve").parse_args(["serve", *arguments])
+        assert args._run(args) == status, arguments
+        assert words in capsys.readouterr().err, arguments
+
+
 def test_a_server_not_pinned_answers_an_unknown_model_with_404(tmp_path):
     """Without MODEL, each request's `model` is loaded: one that cannot be is a 404 naming it (transformers: a 500)."""
     import asyncio
