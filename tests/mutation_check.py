@@ -1106,6 +1106,13 @@ MUTATIONS = [
         ("tests/tools/test_serve.py -k cannot_start_says_why",),
     ),
     Mutation(
+        "gpn serve: logit_bias past the vocabulary is a 400 before a stream begins (an error event in a 200)",
+        "modeling_gpn/serve/handlers.py",
+        "        if outside:  # (generate() refuses them as it starts: a stream would already have begun, a 200)\n",
+        "        if False:  # MUTATION\n",
+        ("tests/tools/test_serve.py -k bad_chat_requests and vocabulary",),
+    ),
+    Mutation(
         "gpn serve --help names the positional MODEL where transformers' help says force_model",
         "modeling_gpn/serve/cli.py",
         '.replace("force_model is set", "MODEL is given")',

@@ -221,6 +221,14 @@ class StateKeeping:
             )
         if self.renders_chat:
             self._check_renderable(body, model, processor)
+        vocabulary = getattr(getattr(model, "config", None), "vocab_size", None)
+        outside = sorted(int(token) for token in body.get("logit_bias") or {} if int(token) >= (vocabulary or 1 << 62))
+        if outside:  # (generate() refuses them as it starts: a stream would already have begun, a 200)
+            raise HTTPException(
+                status_code=400,
+                detail=f"logit_bias names token ids the model does not have ({', '.join(map(str, outside[:5]))}): "
+                f"its vocabulary has {vocabulary} tokens",
+            )
         request.model = StateKeepingModel(
             model,
             self.policy.store,

@@ -524,6 +524,7 @@ BAD_CHAT_REQUESTS = [  # (what the request gets wrong, the fields sent, a word t
     ("an unknown role", {"messages": [{"role": "robot", "content": "hi"}]}, "role"),
     ("content a number", {"messages": [{"role": "user", "content": 3}]}, "content"),
     ("logit_bias on a word", {"logit_bias": {"cat": 5}}, "logit_bias"),
+    ("logit_bias past the vocabulary, streamed", {"logit_bias": {"99999": 5}, "stream": True}, "99999"),
     ("generation_config not JSON", {"generation_config": "{beams"}, "generation_config"),
     ("a generation_config generate() refuses", {"generation_config": '{"max_new_tokens": 0}'}, "max_new_tokens"),
     ("a generation_config value generate() refuses", {"generation_config": '{"top_k": "many"}'}, "generate() refused"),
