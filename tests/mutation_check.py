@@ -1043,6 +1043,20 @@ MUTATIONS = [
         ("tests/model/test_state.py -k saved_after_its_model_is_deleted",),
     ),
     Mutation(
+        "gpn serve: what a killed write left in --state-dir is deleted when a store opens it (kept, uncounted)",
+        "modeling_gpn/serve/state_store.py",
+        "        self._delete_leftovers()\n",
+        "",
+        ("tests/tools/test_serve_store.py -k killed_write_left",),
+    ),
+    Mutation(
+        "gpn serve: a write in progress in --state-dir (fresh) is left to finish, not deleted as a leftover",
+        "modeling_gpn/serve/state_store.py",
+        "                if now - path.stat().st_mtime > LEFTOVER_AGE_SECONDS:\n",
+        "                if True:  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k killed_write_left",),
+    ),
+    Mutation(
         "gpn serve: --state-dir-bytes counts the ids file a spilled state writes",
         "modeling_gpn/serve/state_store.py",
         "            size = path.stat().st_size + ids_path.stat().st_size\n",
