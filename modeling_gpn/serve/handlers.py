@@ -19,7 +19,10 @@ mixin placed before them) adds, at the points where they hand over:
   store), and the prompt tokens continued from a kept state are reported as the OpenAI API does, in
   `usage.prompt_tokens_details.cached_tokens`;
 - `n` answers (transformers ignores `n`): made as `n` rows of one `generate()` call, each formatted by
-  transformers' own response builder (chat and completions: the Responses API has no `n`).
+  transformers' own response builder (chat and completions: the Responses API has no `n`);
+- each answer cut before its `stop` sequence, streamed or not (`stop_strings`), a stream's error event in the
+  OpenAI API's shape (`errors`), and what the chat template would drop in silence refused with a 400: tools
+  it never renders, content parts other than text for a model that reads text.
 """
 
 from __future__ import annotations
