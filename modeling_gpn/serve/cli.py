@@ -16,9 +16,11 @@ import sys
 import threading
 import types
 import typing
+from pathlib import Path
 
 from transformers.cli.serve import Serve
 
+from ..cli.arguments import writable_folder
 from . import (
     DEFAULT_MAX_CONTEXT,
     DEFAULT_MAX_QUEUED_REQUESTS,
@@ -152,11 +154,25 @@ def run(args: argparse.Namespace) -> int:
         return 2
     options = {name: getattr(args, name) for name, *_ in _serve_parameters() if name != "force_model"}
     options.update({name: getattr(args, name) for name in GPN_OPTIONS})
+    try:  # checked before the model loads: a bad argument costs nothing
+        if args.model is not None and args.model.startswith(("/", "./", "../", "~")):
+            if not Path(args.model).expanduser().is_dir():  # (transformers: "Repo id must be in the form ...")
+                raise ValueError(f"MODEL {args.model}: no such folder (a Hub repo id has no leading / . or ~)")
+        if args.state_dir is not None:
+            writable_folder(args.state_dir, "--state-dir")
+    except ValueError as error:
+        print(f"gpn serve: {error}", file=sys.stderr)
+        return 2
     with _sigint_noted() as interrupted:
         try:
             GPNServe(args.model, **options)
         except KeyboardInterrupt:  # Ctrl-C: uvicorn has stopped the server (and the states are written); no traceback
             return 130
+        except (OSError, ValueError) as error:
+            # before serving: a MODEL that cannot be loaded, a --device or --dtype transformers refuses, ... (once
+            # serving, uvicorn and the handlers answer every error themselves)
+            print(f"gpn serve: cannot start: {type(error).__name__}: {error}", file=sys.stderr)
+            return 1
     return 130 if interrupted else 0
 
 

@@ -19,7 +19,10 @@ mixin placed before them) adds, at the points where they hand over:
   store), and the prompt tokens continued from a kept state are reported as the OpenAI API does, in
   `usage.prompt_tokens_details.cached_tokens`;
 - `n` answers (transformers ignores `n`): made as `n` rows of one `generate()` call, each formatted by
-  transformers' own response builder (chat and completions: the Responses API has no `n`).
+  transformers' own response builder (chat and completions: the Responses API has no `n`);
+- each answer cut before its `stop` sequence, streamed or not (`stop_strings`), a stream's error event in the
+  OpenAI API's shape (`errors`), and what the chat template would drop in silence refused with a 400: tools
+  it never renders, content parts other than text for a model that reads text.
 """
 
 from __future__ import annotations
@@ -39,12 +42,20 @@ from transformers import GenerationConfig
 from transformers.cli.serving.chat_completion import ChatCompletionHandler
 from transformers.cli.serving.completion import CompletionHandler
 from transformers.cli.serving.response import ResponseHandler
-from transformers.cli.serving.utils import CBGenerateManager
+from transformers.cli.serving.utils import CBGenerateManager, Modality
 from transformers.generation.stopping_criteria import StopStringCriteria
 
+from .errors import as_openai_stream_error
 from .generation import StateKeepingModel
 from .state_store import StateStore
-from .validation import RequestError, check_chat_request, check_completion_request, check_response_request
+from .stop_strings import StreamCutter, cut_at_stop, stop_sequences
+from .validation import (
+    RequestError,
+    check_chat_request,
+    check_completion_request,
+    check_response_request,
+    check_text_only,
+)
 
 
 class Admission:
@@ -100,7 +111,8 @@ class ServingPolicy:
 class _Request:
     slot: Slot
     answers: int
-    max_tokens_given: bool
+    max_tokens_field: str | None  # the field that set the answer's length, if any
+    stops: list[str]
     model: StateKeepingModel | None = None
 
 
@@ -157,7 +169,8 @@ class StateKeeping:
     check_request = staticmethod(lambda body: None)
     renders_chat = True  # whether the endpoint renders messages with the tokenizer's chat template
     takes_n = True  # whether the endpoint has `n` (the Responses API has not: transformers refuses it, 422)
-    max_tokens_fields = ("max_tokens", "max_completion_tokens")  # what sets the answer's length
+    # what sets the answer's length, the first given winning (as in transformers' handlers)
+    max_tokens_fields = ("max_completion_tokens", "max_tokens")
 
     def __init__(self, *args, policy: ServingPolicy, **kwargs):
         super().__init__(*args, **kwargs)
@@ -174,9 +187,9 @@ class StateKeeping:
             body["logit_bias"] = {token: float(bias) for token, bias in body["logit_bias"].items()}
         # transformers would ignore n (with a warning): the answers are made here
         answers = (body.pop("n", None) or 1) if self.takes_n else 1
-        max_tokens_given = any(body.get(name) is not None for name in self.max_tokens_fields)
+        max_tokens_field = next((name for name in self.max_tokens_fields if body.get(name) is not None), None)
         slot = self.policy.admission.admit()
-        token = _current.set(_Request(slot, answers, max_tokens_given))
+        token = _current.set(_Request(slot, answers, max_tokens_field, stop_sequences(body)))
         streaming = False
         try:
             response = await super().handle_request(body, request_id)
@@ -209,6 +222,16 @@ class StateKeeping:
                 "cannot render messages: send raw text to /v1/completions, or set tokenizer.chat_template and save "
                 "the tokenizer into the model folder",
             )
+        if self.renders_chat:
+            self._check_renderable(body, model, processor)
+        vocabulary = getattr(getattr(model, "config", None), "vocab_size", None)
+        outside = sorted(int(token) for token in body.get("logit_bias") or {} if int(token) >= (vocabulary or 1 << 62))
+        if outside:  # (generate() refuses them as it starts: a stream would already have begun, a 200)
+            raise HTTPException(
+                status_code=400,
+                detail=f"logit_bias names token ids the model does not have ({', '.join(map(str, outside[:5]))}): "
+                f"its vocabulary has {vocabulary} tokens",
+            )
         request.model = StateKeepingModel(
             model,
             self.policy.store,
@@ -218,6 +241,24 @@ class StateKeeping:
             client_gone=_client_gone.get(),
         )
         return model_id, request.model, processor
+
+    def _check_renderable(self, body: dict, model, processor) -> None:
+        """Refuse what the chat template would drop in silence: content parts other than text for a model that
+        reads text only, and tools when the template never reads `tools` (the model would answer as if it had
+        none, and never call one)."""
+        if self.model_manager.get_model_modality(model, processor=processor) == Modality.LLM:
+            try:
+                check_text_only(body)
+            except RequestError as error:
+                raise HTTPException(status_code=error.status_code, detail=str(error)) from None
+        template = processor.chat_template
+        sources = template.values() if isinstance(template, dict) else [template]
+        if body.get("tools") and not any("tools" in source for source in sources):
+            raise HTTPException(
+                status_code=400,
+                detail="tools: this model's chat template does not render tools, so the model would never see them: "
+                "leave them out, or give the model a chat template that renders `tools`",
+            )
 
     def _build_generation_config(self, body: dict, model_generation_config, use_cb: bool = False):
         if not use_cb:
@@ -254,12 +295,13 @@ class StateKeeping:
                 detail=f"the prompt has {length} tokens: this server's context limit is {limit} tokens (--max-context), "
                 "prompt and answer together",
             )
-        if not _current.get().max_tokens_given:
+        max_tokens_field = _current.get().max_tokens_field
+        if max_tokens_field is None:
             gen_config.max_new_tokens = min(gen_config.max_new_tokens, limit - length)
         elif length + gen_config.max_new_tokens > limit:
             raise HTTPException(
                 status_code=400,
-                detail=f"the prompt ({length} tokens) and {self.max_tokens_fields[0]} ({gen_config.max_new_tokens}) pass this server's "
+                detail=f"the prompt ({length} tokens) and {max_tokens_field} ({gen_config.max_new_tokens}) pass this server's "
                 f"context limit of {limit} tokens (--max-context): shorten the conversation or ask for fewer tokens",
             )
 
@@ -270,7 +312,10 @@ class StateKeeping:
         arguments = inspect.signature(super()._streaming).bind(*args, **kwargs).arguments
         self._fit_context(arguments["inputs"], arguments["gen_config"])
         response = super()._streaming(*args, **kwargs)
-        response.body_iterator = _finishing_stream(response.body_iterator, arguments["model"], _current.get().slot)
+        request = _current.get()
+        response.body_iterator = _finishing_stream(
+            response.body_iterator, arguments["model"], request.slot, request.stops
+        )
         return response
 
     async def _non_streaming(self, *args, **kwargs):
@@ -283,6 +328,7 @@ class StateKeeping:
             # the request's fault, said as such (a stream reports it in its error event)
             raise HTTPException(status_code=400, detail=f"generate() refused this request: {error}") from None
         _report_cached_tokens(body.get("usage"), arguments.arguments["model"].cached_tokens)
+        _cut_answers_at_stop(body.get("choices", []), _current.get().stops)
         return JSONResponse(body, media_type="application/json")
 
     async def _answers(self, arguments: inspect.BoundArguments) -> dict:
@@ -374,6 +420,21 @@ class StateKeepingResponseHandler(StateKeeping, ResponseHandler):
     takes_n = False
     max_tokens_fields = ("max_output_tokens",)
 
+    async def handle_request(self, body: dict, request_id: str):
+        return await super().handle_request(_instructions_before_the_input(body), request_id)
+
+
+def _instructions_before_the_input(body: dict) -> dict:
+    """`instructions` as a system message of their own before the input, as the API inserts them: transformers'
+    handler writes them over the content of an input that begins with a system message, which the model then
+    never sees."""
+    instructions, items = body.get("instructions"), body.get("input")
+    if not isinstance(instructions, str) or not instructions or not isinstance(items, list) or not items:
+        return body
+    if not isinstance(items[0], dict) or items[0].get("role") != "system":
+        return body  # (transformers puts them before the input itself)
+    return {**body, "instructions": None, "input": [{"role": "system", "content": instructions}, *items]}
+
 
 class _Answer:
     """Stands in for transformers' generation manager when its handler formats one of the n answers
@@ -419,6 +480,24 @@ def _answer_rows(
     return rows
 
 
+def _cut_answers_at_stop(choices: list[dict], stops: list[str]) -> None:
+    """Each answer's text up to its first stop sequence, as the OpenAI API returns it (`stop_strings`)."""
+    for choice in choices if stops else []:
+        holder, key = _text_of(choice)
+        if isinstance(holder.get(key), str):
+            holder[key], stopped = cut_at_stop(holder[key], stops)
+            if stopped:
+                choice["finish_reason"] = "stop"
+
+
+def _text_of(choice: dict) -> tuple[dict, str]:
+    """Where a choice holds its text: a chat message's or chunk delta's `content`, a completion's `text`."""
+    for holder in ("message", "delta"):
+        if isinstance(choice.get(holder), dict):
+            return choice[holder], "content"
+    return choice, "text"
+
+
 def _report_cached_tokens(usage: dict | None, cached_tokens: int) -> None:
     """The OpenAI API's field for prompt caching: `input_tokens_details` in the Responses API's usage,
     `prompt_tokens_details` in the others'."""
@@ -427,24 +506,54 @@ def _report_cached_tokens(usage: dict | None, cached_tokens: int) -> None:
         usage.setdefault(details, {})["cached_tokens"] = cached_tokens
 
 
-async def _finishing_stream(chunks, model: StateKeepingModel, slot: Slot):
-    """transformers' SSE stream, its last chunk (the one with `usage`) given `cached_tokens`; the request's slot
-    is freed when the stream ends, finished or cut off by the client (or when its generate() ends, if sooner:
-    with continuous batching there is no generate() call to end)."""
+def _cut_chunk_at_stop(data: dict, cutter: StreamCutter) -> bool:
+    """Cut one streamed chunk's text before the stop sequence (holding back what may begin one; the last chunk,
+    with the finish reason, gets what was held). Returns whether the chunk is still worth sending."""
+    choices = data.get("choices") or []
+    if not choices:
+        return True
+    choice = choices[0]
+    holder, key = _text_of(choice)
+    text = holder.get(key)
+    if choice.get("finish_reason") is not None:
+        rest = cutter.feed(text or "") + cutter.flush()
+        if rest or text is not None:
+            holder[key] = rest
+        if cutter.stopped:
+            choice["finish_reason"] = "stop"
+        return True
+    if not text:
+        return True
+    holder[key] = cutter.feed(text)
+    return bool(holder[key])
+
+
+async def _finishing_stream(chunks, model: StateKeepingModel, slot: Slot, stops: list[str]):
+    """transformers' SSE stream, its last chunk (the one with `usage`) given `cached_tokens`, the text cut before
+    the first `stop` sequence (`stop_strings`), an error event in the OpenAI API's shape; the request's slot is freed when the stream ends, finished or cut
+    off by the client (or when its generate() ends, if sooner: with continuous batching there is no generate()
+    call to end)."""
+    cutter = StreamCutter(stops) if stops else None
     try:
         async for chunk in chunks:
-            if '"usage"' in chunk:
+            if '"usage"' in chunk or '"error"' in chunk or cutter is not None:
                 events = []
                 for event in chunk.split("\n\n"):
-                    if event.startswith("data: ") and '"usage"' in event:
+                    error = as_openai_stream_error(event)
+                    if error is not None:  # (its JSON may be broken: written anew, not read)
+                        event = error
+                    elif event.startswith("data: {"):
                         data = json.loads(event.removeprefix("data: "))
+                        if cutter is not None and not _cut_chunk_at_stop(data, cutter):
+                            continue  # its text is held back (or past the stop sequence): nothing to send yet
                         # (the Responses API's last event carries the response, and its usage, whole)
                         usage = data.get("usage") or (data.get("response") or {}).get("usage")
                         _report_cached_tokens(usage, model.cached_tokens)
                         event = "data: " + json.dumps(data, separators=(",", ":"))
                     events.append(event)
                 chunk = "\n\n".join(events)
-            yield chunk
+            if chunk:
+                yield chunk
     finally:
         slot.release()
         await chunks.aclose()

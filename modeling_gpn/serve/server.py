@@ -27,6 +27,7 @@ from . import (
     DEFAULT_STATE_DIR_BYTES,
     DEFAULT_STATE_STORE_BYTES,
 )
+from .errors import add_openai_error_handlers
 from .handlers import (
     Admission,
     ServingPolicy,
@@ -65,13 +66,15 @@ def _with_policy(handler: type, policy: ServingPolicy) -> type:
 
 def _with_shutdown_step(build_server: Callable, on_shutdown: Callable[[], None]) -> Callable:
     """transformers' `build_server`, `on_shutdown` run when its app stops gracefully (uvicorn runs the lifespan's
-    end on Ctrl-C and SIGTERM, after the last connection closed), before transformers' own end; and the app tells
-    the handlers when a request's client goes away (`WatchingClients`)."""
+    end on Ctrl-C and SIGTERM, after the last connection closed), before transformers' own end; the app tells
+    the handlers when a request's client goes away (`WatchingClients`), and answers errors in the OpenAI API's
+    shape (`errors`)."""
 
     @functools.wraps(build_server)
     def build(*args, **kwargs):
         app = build_server(*args, **kwargs)
         app.add_middleware(WatchingClients)
+        add_openai_error_handlers(app)
         serve_lifespan = app.router.lifespan_context
 
         @contextlib.asynccontextmanager

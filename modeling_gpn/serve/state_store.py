@@ -24,7 +24,9 @@ import hashlib
 import json
 import logging
 import os
+import re
 import threading
+import time
 import weakref
 from array import array
 from collections import OrderedDict
@@ -45,6 +47,12 @@ IDS_SUFFIX = ".ids.json"
 # What an entry costs beyond its buffers and ids (the Python objects, the index); small, but it keeps a
 # flood of tiny states from escaping the byte limit.
 ENTRY_OVERHEAD_BYTES = 512
+# A write (a state file, then its ids) takes well under this: what a killed server left half-done in the folder,
+# older than this, is no write in progress (of another server on the folder) and is deleted when a store opens it.
+LEFTOVER_AGE_SECONDS = 600
+_STATE_NAME = re.compile(rf"^[0-9a-f]{{64}}{re.escape(STATE_SUFFIX)}$")
+# the temporary names `atomic_files.replacing` writes under (the ids file, `GPNCache.save`): "." + the file's name + ".tmp-..."
+_LEFTOVER_TEMPORARY = re.compile(rf"^\.[0-9a-f]{{64}}({re.escape(STATE_SUFFIX)}|{re.escape(IDS_SUFFIX)})\.tmp-")
 
 # where the model was read from, and by which transformers: not what it computes
 _CONFIG_NOT_MEANING = ("_name_or_path", "transformers_version", "name_or_path")
@@ -343,6 +351,22 @@ class StateStore:
         if lengths[length] <= 0:
             del lengths[length]
 
+    def _delete_leftovers(self) -> None:
+        """Delete, once older than `LEFTOVER_AGE_SECONDS`, the temporary files of this store's writes and its state
+        files without their ids (only names of this store's own: a user's state file in the folder is left)."""
+        now = time.time()
+        for path in self.spill_dir.iterdir():
+            temporary = _LEFTOVER_TEMPORARY.match(path.name)
+            unlisted = _STATE_NAME.match(path.name) and not self._ids_path(path.name[:64]).exists()
+            if not (temporary or unlisted):
+                continue
+            try:
+                if now - path.stat().st_mtime > LEFTOVER_AGE_SECONDS:
+                    path.unlink()
+                    logger.warning("state store: deleted %s, left by a write that did not finish", path)
+            except OSError:  # (gone meanwhile, or not ours to delete: left as it is)
+                continue
+
     def _state_path(self, key: str) -> Path:
         return self.spill_dir / f"{key}{STATE_SUFFIX}"
 
@@ -351,7 +375,10 @@ class StateStore:
 
     def _index_spill_dir(self) -> None:
         """Find the states an earlier run left in the folder (oldest first). Files that do not parse, or whose
-        name is not the hash of what they say they hold, are left alone (and not used)."""
+        name is not the hash of what they say they hold, are left alone (and not used). What a server killed
+        while writing left (a temporary file, a state file whose ids were never written) is deleted: counted
+        nowhere, it would take the disk beyond the folder's limit, one killed write after another."""
+        self._delete_leftovers()
         found = []
         for ids_path in self.spill_dir.glob(f"*{IDS_SUFFIX}"):
             key = ids_path.name.removesuffix(IDS_SUFFIX)

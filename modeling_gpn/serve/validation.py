@@ -17,6 +17,7 @@ from typing import Any
 MAX_ANSWERS = 128  # the OpenAI API's bound on `n`
 MAX_STOP_STRINGS = 4
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+TEXT_PARTS = ("text", "input_text", "output_text")  # the content parts a text-only model reads
 # what transformers' handler passes to apply_chat_template itself: a request setting one would collide with it
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {
@@ -72,6 +73,8 @@ NOT_SUPPORTED: dict[str, dict[str, tuple[str, Callable[[Any], bool]]]] = {  # en
         "echo": ("false", lambda value: value is False),
         "best_of": ("1", _is_default(1)),
         "presence_penalty": ("0", _is_default(0)),
+        # transformers appends it to the answer's text; the API means text the answer is inserted before
+        "suffix": ('""', _is_default("")),
     },
     "response": {
         "previous_response_id": ("null (send the conversation in input)", lambda value: False),
@@ -200,6 +203,29 @@ def check_response_request(body: dict[str, Any]) -> None:
             not isinstance(item.get("call_id"), str) or "output" not in item
         ):
             raise RequestError(f"{where} (a function_call_output) must have a call_id and an output")
+
+
+def check_text_only(body: dict[str, Any]) -> None:
+    """Refuse a content part other than text (an image, audio, a file) for a model that reads text only:
+    transformers drops such parts in silence when it renders the messages, so the model would answer a
+    conversation without them."""
+    name = "messages" if "messages" in body else "input"
+    items = body.get(name)
+    for index, item in enumerate(items if isinstance(items, list) else []):
+        if not isinstance(item, dict):
+            continue
+        if "role" not in item and str(item.get("type", "")).startswith("input_"):
+            parts = [(f"{name}[{index}]", item)]  # (a Responses API input of bare content parts)
+        else:  # a message's parts (not those of other Responses API items: reasoning, tool calls)
+            content = item.get("content") if "role" in item or item.get("type") == "message" else None
+            content = content if isinstance(content, list) else []
+            parts = [(f"{name}[{index}].content[{number}]", part) for number, part in enumerate(content)]
+        for where, part in parts:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in TEXT_PARTS:
+                raise RequestError(
+                    f"{where} is a part of type {kind!r}: this model reads text only (parts of type text)"
+                )
 
 
 def _check_common(body: dict[str, Any]) -> None:

@@ -229,8 +229,9 @@ def test_completions_plain_and_streamed(client, model_name, reference):
 
 def test_completions_apply_logit_bias_and_refuse_what_they_would_ignore(client, model_name, reference):
     """transformers' completion handler accepts logit_bias, echo, best_of, logprobs and presence_penalty and
-    applies none of them: logit_bias is applied here (as its chat handler applies it), the others are a 400
-    naming the field, but for their defaults, which change nothing."""
+    applies none of them, and appends a suffix to the answer (the API inserts the answer before it): logit_bias
+    is applied here (as its chat handler applies it), the others are a 400 naming the field, but for their
+    defaults, which change nothing."""
     model, tokenizer = reference
     prompt = "the cat sat on the"
     ids = tokenizer(prompt, return_tensors="pt")
@@ -244,15 +245,75 @@ def test_completions_apply_logit_bias_and_refuse_what_they_would_ignore(client, 
         model=model_name, prompt=prompt, max_tokens=6, temperature=0, logit_bias={str(int(plain[0])): -100}
     )
     assert reply.choices[0].text == as_text(tokenizer, banned, False)
-    for fields in ({"echo": True}, {"best_of": 3}, {"logprobs": 2}, {"presence_penalty": 1.0}):
+    for fields in ({"echo": True}, {"best_of": 3}, {"logprobs": 2}, {"presence_penalty": 1.0}, {"suffix": " END"}):
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(model=model_name, prompt=prompt, max_tokens=2, **fields)
         assert f"does not support {next(iter(fields))}" in str(refused.value.body)
-    defaults = dict(echo=False, best_of=1, logprobs=0, presence_penalty=0)
+    defaults = dict(echo=False, best_of=1, logprobs=0, presence_penalty=0, suffix="")
     assert client.completions.create(model=model_name, prompt=prompt, max_tokens=2, temperature=0, **defaults).choices
     chat_defaults = dict(logprobs=False, presence_penalty=0, response_format={"type": "text"})
     messages = [{"role": "user", "content": "hi"}]
     assert client.chat.completions.create(model=model_name, messages=messages, max_tokens=2, **chat_defaults).choices
+
+
+def a_stop_inside(text: str) -> tuple[str, int]:
+    """A stop sequence of two plain characters that first occurs inside `text` (not at its start), and where."""
+    for position in range(1, len(text) - 1):
+        stop = text[position : position + 2]
+        if all(char.isascii() and (char.isalpha() or char == " ") for char in stop) and text.find(stop) == position:
+            return stop, position
+    pytest.fail(f"no plain two characters inside {text!r} to stop at")
+
+
+def test_answers_end_before_their_stop_sequence(client, model_name, reference):
+    """The OpenAI API returns the text before a stop sequence ("the returned text will not contain the stop
+    sequence"); transformers serve stops at the token that completes it and sends that token's text whole, stop
+    sequence and all. Here chat and completions, plain, streamed and with n answers, end before it, "stop"."""
+    model, tokenizer = reference
+    prompts = {
+        "completion": tokenizer("the cat sat on the", return_tensors="pt"),
+        "chat": tokenizer.apply_chat_template(
+            [{"role": "user", "content": "to be or not"}],
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
+        ),
+    }
+    for endpoint, inputs in prompts.items():
+        with torch.no_grad():
+            answer = model.generate(**inputs, max_new_tokens=20, do_sample=False)[0, inputs["input_ids"].shape[1] :]
+        text = as_text(tokenizer, answer, False)
+        stop, position = a_stop_inside(text)
+        streamed_before_stop = as_text(tokenizer, answer, True).split(stop)[0]
+        request = dict(model=model_name, max_tokens=20, temperature=0, stop=[stop, "never in it"])
+        if endpoint == "completion":
+            request["prompt"] = "the cat sat on the"
+            plain = client.completions.create(**request, n=2)
+            texts = [choice.text for choice in plain.choices]
+            streamed = "".join(
+                chunk.choices[0].text for chunk in client.completions.create(**request, stream=True) if chunk.choices
+            )
+        else:
+            request["messages"] = [{"role": "user", "content": "to be or not"}]
+            plain = client.chat.completions.create(**request, n=2)
+            texts = [choice.message.content for choice in plain.choices]
+            streamed, _ = streamed_text(client.chat.completions.create(**request, stream=True))
+        assert texts == [text[:position]] * 2, (endpoint, stop, text)
+        assert [choice.finish_reason for choice in plain.choices] == ["stop", "stop"]
+        assert streamed == streamed_before_stop, (endpoint, stop, text)
+
+
+def test_a_stream_holds_back_what_may_begin_a_stop_sequence():
+    """A stop sequence spread over several streamed pieces is cut whole: the pieces' text that could begin one
+    waits for the next piece, and is sent when it does not."""
+    from modeling_gpn.serve.stop_strings import StreamCutter
+
+    cutter = StreamCutter(["\nObservation:", "END"])
+    sent = [cutter.feed(piece) for piece in ["Thought: go", "\nObs", "erv", "ation: 42", " more"]]
+    assert sent == ["Thought: go", "", "", "", ""] and cutter.stopped and cutter.flush() == ""
+    cutter = StreamCutter(["\nObservation:", "END"])
+    sent = [cutter.feed(piece) for piece in ["a\nOb", "x E", "N"]] + [cutter.flush()]
+    assert "".join(sent) == "a\nObx EN" and sent[0] == "a" and not cutter.stopped
 
 
 def test_n_answers_models_and_health(client, model_name, reference, server):
@@ -359,10 +420,36 @@ def test_responses_answer_through_the_store_with_the_checks_and_limits_of_chat(c
         ({"input": [3]}, "input[0]"),
         ({"previous_response_id": "resp_1"}, "does not support previous_response_id"),  # (transformers ignores it)
         ({"text": {"format": {"type": "json_object"}}}, "does not support text"),
+        (
+            {"input": [{"type": "input_image", "image_url": "http://x/a.png"}]},
+            "input[0] is a part of type 'input_image'",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/a.png"}]}]},
+            "input[0].content[0] is a part of type 'input_image'",
+        ),
     ):
         with pytest.raises(openai.BadRequestError) as refused:
             client.responses.create(model=model_name, input="hi", stream=False, extra_body=fields)
         assert word in str(refused.value.body), refused.value.body
+
+
+def test_responses_instructions_come_before_an_input_that_begins_with_a_system_message(client, model_name, reference):
+    """The Responses API inserts `instructions` before the input; transformers' handler wrote them over the
+    content of an input's first system message, which the model then never saw."""
+    instructions = {"role": "system", "content": "that is the question"}
+    given = [{"role": "system", "content": "the cat sat on the mat"}, {"role": "user", "content": "to be or not"}]
+    expected = expected_chat(reference, [instructions, *given], 12)
+    assert expected != expected_chat(reference, [instructions, given[1]], 12)  # the system message counts here
+    reply = client.responses.create(
+        model=model_name,
+        instructions=instructions["content"],
+        input=given,
+        max_output_tokens=12,
+        temperature=0,
+        stream=False,
+    )
+    assert reply.output_text == expected
 
 
 def test_clients_at_once_each_get_their_own_answer(client, model_name, reference):
@@ -437,6 +524,7 @@ BAD_CHAT_REQUESTS = [  # (what the request gets wrong, the fields sent, a word t
     ("an unknown role", {"messages": [{"role": "robot", "content": "hi"}]}, "role"),
     ("content a number", {"messages": [{"role": "user", "content": 3}]}, "content"),
     ("logit_bias on a word", {"logit_bias": {"cat": 5}}, "logit_bias"),
+    ("logit_bias past the vocabulary, streamed", {"logit_bias": {"99999": 5}, "stream": True}, "99999"),
     ("generation_config not JSON", {"generation_config": "{beams"}, "generation_config"),
     ("a generation_config generate() refuses", {"generation_config": '{"max_new_tokens": 0}'}, "max_new_tokens"),
     ("a generation_config value generate() refuses", {"generation_config": '{"top_k": "many"}'}, "generate() refused"),
@@ -461,6 +549,18 @@ BAD_CHAT_REQUESTS = [  # (what the request gets wrong, the fields sent, a word t
     ("logprobs asked for", {"logprobs": True}, "does not support logprobs"),
     ("a presence_penalty", {"presence_penalty": 0.5}, "does not support presence_penalty"),
     ("a JSON response_format", {"response_format": {"type": "json_object"}}, "does not support response_format"),
+    # what transformers' chat template rendering drops in silence
+    (
+        "tools the chat template never renders",
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
+        "does not render tools",
+    ),
+    (
+        "an image for a model that reads text",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]},
+        "messages[0].content[0] is a part of type 'image_url'",
+    ),
+    ("max_completion_tokens past the context limit", {"max_completion_tokens": MAX_CONTEXT}, "max_completion_tokens ("),
 ]
 
 
@@ -504,6 +604,41 @@ def test_bad_completion_requests_and_bodies_get_a_4xx(client, model_name, server
         urllib.request.urlopen(request, timeout=10)
     assert refused.value.code == 422
     assert get(server + "/health")[0] == 200  # and the server is still well
+
+
+def test_errors_come_in_the_openai_apis_shape(client, model_name, server):
+    """An error is the OpenAI API's `{"error": {"message", "type", ...}}`, which the `openai` client reads (its
+    exception's message and type): transformers serve answered FastAPI's `{"detail": ...}`, and a stream's error
+    as `{"error": "..."}`, whose message the client dropped ("An error occurred during streaming")."""
+    from modeling_gpn.serve.errors import as_openai_stream_error
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=-1)
+    assert refused.value.type == "invalid_request_error"
+    assert refused.value.message == "Error code: 400 - max_tokens must be a positive integer, got -1"
+    request = urllib.request.Request(
+        server + "/v1/completions", data=b"{not json", headers={"Content-Type": "application/json"}
+    )
+    with pytest.raises(urllib.error.HTTPError) as unreadable:
+        urllib.request.urlopen(request, timeout=10)
+    error = json.loads(unreadable.value.read())["error"]
+    assert unreadable.value.code == 422 and "JSON decode error" in error["message"], error
+    # generate() refuses the request once the stream has begun: the error event says why, stop sequence or not
+    for stop in (None, ["zz"]):
+        with pytest.raises(openai.APIError) as failed:
+            for _ in client.chat.completions.create(
+                model=model_name,
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=3,
+                stream=True,
+                stop=stop,
+                extra_body={"generation_config": '{"top_k": "many"}'},
+            ):
+                pass
+        assert "not supported between instances of 'str' and 'int'" in failed.value.message, failed.value
+    # transformers writes the message between quotes as it is: a quote in it is read back whole
+    event = as_openai_stream_error('data: {"error": "no "such" thing"}')
+    assert json.loads(event.removeprefix("data: "))["error"]["message"] == 'no "such" thing'
 
 
 def test_the_queue_limit_refuses_and_a_client_that_goes_away_frees_its_slot(client, model_name):
@@ -720,6 +855,24 @@ def test_gpn_serve_help_has_transformers_serve_options(capsys):
         assert option in text
     # transformers' help names its parameter force_model; gpn serve takes it as the positional MODEL
     assert "force_model" not in text and "Ignored when MODEL is given" in " ".join(text.split())
+
+
+def test_gpn_serve_that_cannot_start_says_why_without_a_traceback(tmp_path, capsys):
+    """A --state-dir that cannot be a folder, a MODEL folder that is not there, a folder that holds no model:
+    one line naming the problem and a non-zero exit (they were tracebacks: NotADirectoryError from the state
+    store, transformers' "Repo id must be in the form ...", its error from the preload)."""
+    from modeling_gpn.cli import build_parser
+
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "empty").mkdir()
+    for arguments, status, words in (
+        ([str(tmp_path / "empty"), "--state-dir", str(tmp_path / "a-file" / "states")], 2, "--state-dir"),
+        ([str(tmp_path / "no-such-model")], 2, "no such folder"),
+        ([str(tmp_path / "empty"), "--device", "cpu"], 1, "gpn serve: cannot start:"),
+    ):
+        args = build_parser("serve").parse_args(["serve", *arguments])
+        assert args._run(args) == status, arguments
+        assert words in capsys.readouterr().err, arguments
 
 
 def test_a_server_not_pinned_answers_an_unknown_model_with_404(tmp_path):

@@ -167,6 +167,36 @@ def test_the_spill_folder_limit_counts_every_file_a_state_takes(model, tmp_path)
     assert on_disk() <= 7_000 and restarted.summary()["file_bytes"] == on_disk() > 0
 
 
+def test_what_a_killed_write_left_is_deleted_when_a_store_opens_the_folder(model, tmp_path):
+    """A server killed while writing a state leaves its temporary file, or the state file without the ids written
+    after it: no store counted them against the folder's limit, and nothing deleted them. A store opening the
+    folder deletes those that are old, and leaves a fresh one (another server's write in progress), the finished
+    states and a user's own state file."""
+    import os
+    import time
+
+    from modeling_gpn.serve.state_store import IDS_SUFFIX, LEFTOVER_AGE_SECONDS
+
+    StateStore(0, spill_dir=tmp_path).keep(model, IDS[:3], state_after(model, IDS[:3]))  # a finished state
+    finished = list(tmp_path.iterdir())
+    key = "ab" * 32
+    left = [
+        tmp_path / f".{key}{STATE_SUFFIX}.tmp-1-2-abcd",
+        tmp_path / f".{key}{IDS_SUFFIX}.tmp-1-2-abcd",
+        tmp_path / f"{key}{STATE_SUFFIX}",  # (its ids never written)
+    ]
+    in_progress, users = tmp_path / f".{'cd' * 32}{STATE_SUFFIX}.tmp-3-4-abcd", tmp_path / f"system{STATE_SUFFIX}"
+    for path in [*left, in_progress, users]:
+        path.write_bytes(b"half")
+    long_ago = time.time() - LEFTOVER_AGE_SECONDS - 60
+    for path in [*left, *finished, users]:
+        os.utime(path, (long_ago, long_ago))
+    restarted = StateStore(0, spill_dir=tmp_path)
+    assert [path.name for path in left if path.exists()] == []
+    assert in_progress.exists() and users.exists() and all(path.exists() for path in finished)
+    assert restarted.lookup(model, IDS[:4])[0] == 3
+
+
 def generate_plain(model, ids: list[int], new: int, **kwargs):
     with torch.no_grad():
         return model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, pad_token_id=0, **kwargs)
