@@ -379,16 +379,17 @@ def test_n_answers_end_where_each_row_finished(client, model_name, reference):
     torch.manual_seed(1)
     with torch.no_grad():
         rows = model.generate(inputs["input_ids"].repeat(4, 1), generation_config=config, tokenizer=tokenizer)
-    eos, padded = model.generation_config.eos_token_id, 0
+    eos, padded, at_the_stop_string = model.generation_config.eos_token_id, 0, 0
     for row, (_, ids, stopped) in enumerate(_answer_rows(rows, inputs, config, tokenizer)):
         generated = rows[row, prompt:]
         assert torch.equal(generated[: len(ids)], ids) and (generated[len(ids) :] == eos).all()  # the rest: padding
         padded += len(ids) < len(generated)
-        text = tokenizer.decode(ids)
-        if stopped and int(ids[-1]) != eos:  # the first token to complete the stop string is its last
-            assert "e" in text and "e" not in tokenizer.decode(ids[:-1])
+        if stopped:  # at its EOS or the first token to complete the stop string, not at the padding after it
+            assert "e" not in tokenizer.decode(ids[:-1]), tokenizer.decode(ids)
+            at_the_stop_string += int(ids[-1]) != eos
         assert stopped or len(ids) == config.max_new_tokens
     assert padded, "no row ended before another: nothing here could be padding"
+    assert at_the_stop_string, "no row ended at the stop string: nothing here checks where one ends"
     # through the server: a greedy answer whose stop string is completed by its max_tokens-th token is "stop"
     messages = [{"role": "user", "content": "the cat sat on the mat"}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
@@ -402,6 +403,11 @@ def test_n_answers_end_where_each_row_finished(client, model_name, reference):
     )
     assert [choice.finish_reason for choice in reply.choices] == ["stop", "stop"]
     assert reply.usage.completion_tokens == 2 * 4
+    # and one whose EOS is its max_tokens-th token (EOS made certain by logit_bias): "stop", not "length"
+    reply = client.chat.completions.create(
+        model=model_name, messages=messages, max_tokens=1, temperature=0, logit_bias={str(eos): 100}
+    )
+    assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens == 1
 
 
 def test_responses_answer_through_the_store_with_the_checks_and_limits_of_chat(client, model_name, reference):
