@@ -1838,6 +1838,20 @@ MUTATIONS = [
         "    except ZeroDivisionError:  # MUTATION",
         ("tests/tools/test_faults_io.py::test_generate_into_a_closed_pipe_stops_quietly",),
     ),
+    Mutation(
+        "gpn push publishes a --limit evaluation as the whole test split",
+        "modeling_gpn/hub/card_inputs.py",
+        '        limit=int(limit) if is_number(limit := data.get("limit")) and limit >= 1 else None,\n',
+        "        limit=None,  # MUTATION\n",
+        ("tests/tools/test_hub.py::test_a_limited_evaluation_is_not_published_as_the_whole_test_split",),
+    ),
+    Mutation(
+        "gpn push puts fineweb_paper's first_window index in the model-index",
+        "modeling_gpn/hub/card_metadata.py",
+        '        "first_window",  # where',
+        "        # MUTATION",
+        ("tests/tools/test_hub.py::test_a_limited_evaluation_is_not_published_as_the_whole_test_split",),
+    ),
 ]
 
 

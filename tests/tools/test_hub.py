@@ -650,3 +650,38 @@ def test_convert_push_to_hub_publishes_the_converted_checkpoint(hub_calls, tmp_p
     )
     assert upload["snapshot"]["model.safetensors"] == (out / "model.safetensors").read_bytes()
     assert "Parameters: 30,022" in upload["snapshot"]["README.md"].decode()  # the reference's own count
+
+
+def test_a_limited_evaluation_is_not_published_as_the_whole_test_split(tmp_path):
+    """`gpn eval --limit 2` scored 2 LAMBADA examples; the card's model-index said `split: test` (the Hub shows that
+    as the test set's score), and put fineweb_paper's `first_window` index among the metrics."""
+    from huggingface_hub.repocard_data import model_index_to_eval_results
+
+    from modeling_gpn.hub.card_metadata import eval_results_for_model_index, validate_card
+    from modeling_gpn.hub.model_card import read_eval_results, results_lines
+
+    results = json.loads(json.dumps(EVAL_RESULTS))
+    results["limit"] = 2
+    results["tasks"]["fineweb_paper"]["first_window"] = 0
+    path = tmp_path / "eval_results.json"
+    path.write_text(json.dumps(results))
+    evaluation = read_eval_results(path)
+    splits = {(r.metric_name, r.dataset_split) for r in eval_results_for_model_index(evaluation)}
+    assert ("lambada_paper acc", "test[:2]") in splits and ("lambada_openai acc", "test[:2]") in splits
+    assert ("wikitext word_perplexity", "test[:2]") in splits
+    assert ("fineweb_paper ppl", "train") in splits  # --limit does not cut fineweb_paper's windows
+    assert not any(name == "fineweb_paper first_window" for name, _ in splits)
+    assert any("Scored on the first 2 examples" in line for line in results_lines(evaluation))
+    # the Hub reads the sliced split back as it was written
+    from huggingface_hub import ModelCard, ModelCardData
+
+    card = ModelCard.from_template(
+        ModelCardData(
+            library_name="transformers",
+            pipeline_tag="text-generation",
+            model_name="m",
+            eval_results=eval_results_for_model_index(evaluation),
+        )
+    )
+    _, read_back = model_index_to_eval_results(validate_card(str(card))["model-index"])
+    assert {r.dataset_split for r in read_back} == {"test[:2]", "train"}
