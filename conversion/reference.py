@@ -638,6 +638,15 @@ def _infer_config(params: dict[str, Any], reference_config: dict[str, Any] | Non
             for ref_name, ours in names.items()
             if ref_name in reference_config and ours in kwargs and reference_config[ref_name] != kwargs[ours]
         ]
+        # A memory-less model has no memory sizes to compare: a config giving them (the reference's SoTMConfig)
+        # describes a GPN+M whose memory parameters are all absent, not a GPN to convert without its memory.
+        memory_sizes = [
+            f"{name}={reference_config[name]}" for name in ("n_heads", "d_key", "d_val") if name in reference_config
+        ]
+        if memory_sizes and not use_memory:
+            disagreements.append(
+                f"{', '.join(memory_sizes)} (a model with memory) but the parameters have no memory (no write_* parameters)"
+            )
         if disagreements:
             raise CheckpointError(
                 "The checkpoint's config.json disagrees with its parameters: " + "; ".join(disagreements)

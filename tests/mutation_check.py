@@ -1852,6 +1852,13 @@ MUTATIONS = [
         "        # MUTATION",
         ("tests/tools/test_hub.py::test_a_limited_evaluation_is_not_published_as_the_whole_test_split",),
     ),
+    Mutation(
+        "gpn convert takes a GPN+M config.json beside memory-less parameters for a GPN",
+        "conversion/reference.py",
+        "        if memory_sizes and not use_memory:\n",
+        "        if False:  # MUTATION\n",
+        ("tests/model/test_config_and_conversion.py::test_a_memory_config_with_memoryless_parameters_is_refused",),
+    ),
 ]
 
 

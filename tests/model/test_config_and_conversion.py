@@ -261,6 +261,18 @@ def test_config_disagreeing_with_shapes_is_refused(tmp_path):
         load_reference_model(tmp_path)
 
 
+def test_a_memory_config_with_memoryless_parameters_is_refused(tmp_path):
+    """The GPN's parameters (sot_1l) beside a GPN+M config.json (n_heads, d_key, d_val) were converted, in silence,
+    to a model without memory: the memory sizes had nothing in the memory-less parameters to be compared with."""
+    folder = require_shared("fixtures/reference/sot_m_1l")
+    np.savez(tmp_path / "params.npz", **fixture_params("sot_1l"))
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    with pytest.raises(
+        CheckpointError, match=r"n_heads=3, d_key=8, d_val=16 \(a model with memory\) but the parameters"
+    ):
+        load_reference_model(tmp_path)
+
+
 def test_the_training_window_is_lm_evals_context_length_and_no_positional_limit():
     """lm-eval reads a context length from the config (`n_positions` first): a GPN's is its training window,
     `max_length_hint`; `max_position_embeddings`, which generate() takes for a hard limit, is not there, and given
