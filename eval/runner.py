@@ -123,7 +123,12 @@ def load_model(
     if dtype not in dtypes:
         raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {dtype!r}")
     check_model_path(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtypes[dtype], trust_remote_code=trust_remote_code)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtypes[dtype], trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):  # a missing file, an unknown model type: transformers' own message names it
+        raise
+    except Exception as error:  # a damaged weights file (safetensors' SafetensorError, torch's zip RuntimeError)
+        raise OSError(f"cannot load a model from {path}: {type(error).__name__}: {error}") from error
     model = model.to(device).eval()
     tok = load_tokenizer(tokenizer or path, trust_remote_code=trust_remote_code, require_eos=False)
     return model, tok

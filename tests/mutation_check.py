@@ -1859,6 +1859,13 @@ MUTATIONS = [
         "        if False:  # MUTATION\n",
         ("tests/model/test_config_and_conversion.py::test_a_memory_config_with_memoryless_parameters_is_refused",),
     ),
+    Mutation(
+        "gpn eval on a damaged weights file a SafetensorError traceback",
+        "eval/runner.py",
+        "    except Exception as error:  # a damaged weights file",
+        "    except ZeroDivisionError as error:  # MUTATION",
+        ("tests/ecosystem/test_eval.py::test_a_damaged_weights_file_is_one_line",),
+    ),
 ]
 
 
