@@ -648,10 +648,32 @@ def _infer_config(params: dict[str, Any], reference_config: dict[str, Any] | Non
                 f"{', '.join(memory_sizes)} (a model with memory) but the parameters have no memory (no write_* parameters)"
             )
         if disagreements:
+            stated = {
+                ours: reference_config[ref] for ref, ours in names.items() if ref in reference_config and ours in kwargs
+            }
+            # at most the layers the parameters have: a stray L1_ tensor is then named as unexpected, and a claimed
+            # million layers is not built (even on the meta device that takes long)
+            layers = stated.get("num_predict_layers")
+            if isinstance(layers, int):
+                stated["num_predict_layers"] = min(layers, kwargs["num_predict_layers"])
             raise CheckpointError(
-                "The checkpoint's config.json disagrees with its parameters: " + "; ".join(disagreements)
+                "The checkpoint's config.json disagrees with its parameters: "
+                + "; ".join(disagreements)
+                + _misfits(params, {**kwargs, **stated})
             )
     return GPNConfig(**kwargs)
+
+
+def _misfits(params: dict[str, Any], sizes: dict[str, Any]) -> str:
+    """The parameters that a model of config.json's sizes cannot take, named: a size is inferred from one
+    parameter's shape, so one misshaped parameter shows as a disagreeing size, not by its own name."""
+    try:
+        plan_conversion(params, GPNConfig(**sizes))
+    except CheckpointError as error:
+        return f" (with config.json's sizes: {str(error).removeprefix('Cannot convert the checkpoint: ')})"
+    except (ValueError, TypeError):  # config.json's sizes are not a valid config themselves
+        pass
+    return ""
 
 
 def parameter_map(config: GPNConfig) -> dict[str, tuple[str, bool]]:

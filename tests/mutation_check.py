@@ -1866,6 +1866,24 @@ MUTATIONS = [
         "    except ZeroDivisionError as error:  # MUTATION",
         ("tests/ecosystem/test_eval.py::test_a_damaged_weights_file_is_one_line",),
     ),
+    Mutation(
+        "gpn convert names a size, not the misshaped parameter, beside a config.json",
+        "conversion/reference.py",
+        "                + _misfits(params, {**kwargs, **stated})\n",
+        '                + ""  # MUTATION\n',
+        (
+            "tests/model/test_config_and_conversion.py::test_a_misshaped_or_stray_parameter_beside_a_config_json_is_named",
+        ),
+    ),
+    Mutation(
+        "gpn convert calls a stray layer parameter the missing ones of a whole layer",
+        "conversion/reference.py",
+        '                stated["num_predict_layers"] = min(layers, kwargs["num_predict_layers"])\n',
+        '                stated["num_predict_layers"] = kwargs["num_predict_layers"]  # MUTATION\n',
+        (
+            "tests/model/test_config_and_conversion.py::test_a_misshaped_or_stray_parameter_beside_a_config_json_is_named",
+        ),
+    ),
 ]
 
 
