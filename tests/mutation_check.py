@@ -1884,6 +1884,20 @@ MUTATIONS = [
             "tests/model/test_config_and_conversion.py::test_a_misshaped_or_stray_parameter_beside_a_config_json_is_named",
         ),
     ),
+    Mutation(
+        "gpn push publishes another model's eval_results.json as this model's",
+        "modeling_gpn/hub/folder.py",
+        "    if evaluation.n_params is not None and evaluation.n_params != n_params:\n",
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_hub.py::test_eval_results_from_gpn_evals_own_folder_and_another_models_refused",),
+    ),
+    Mutation(
+        "gpn push --eval-results ignored",
+        "modeling_gpn/hub/folder.py",
+        "    path = Path(eval_results) if eval_results is not None else model_dir / EVAL_RESULTS_FILE\n",
+        "    path = model_dir / EVAL_RESULTS_FILE  # MUTATION\n",
+        ("tests/tools/test_hub.py::test_eval_results_from_gpn_evals_own_folder_and_another_models_refused",),
+    ),
 ]
 
 

@@ -685,3 +685,30 @@ def test_a_limited_evaluation_is_not_published_as_the_whole_test_split(tmp_path)
     )
     _, read_back = model_index_to_eval_results(validate_card(str(card))["model-index"])
     assert {r.dataset_split for r in read_back} == {"test[:2]", "train"}
+
+
+def test_eval_results_from_gpn_evals_own_folder_and_another_models_refused(source, tmp_path, capsys):
+    """gpn eval writes ./eval-NAME/ unless told otherwise, and gpn push read only MODEL_DIR/eval_results.json; one
+    copied beside other weights (another parameter count) was published, model-index and all, as theirs."""
+    from modeling_gpn.cli import main
+
+    folder = copy_source(source, tmp_path)
+    evaluation = tmp_path / "eval-model" / "eval_results.json"
+    evaluation.parent.mkdir()
+    (folder / "eval_results.json").rename(evaluation)
+    out = tmp_path / "out"
+    assert main(["push", str(folder), REPO_ID, "--dry-run", str(out), "--eval-results", str(evaluation)]) == 0
+    assert "lambada_paper acc" in (out / "README.md").read_text()
+    assert not (out / "eval_results.json").exists()
+    capsys.readouterr()
+    missing = tmp_path / "eval-other" / "eval_results.json"
+    assert (
+        main(["push", str(folder), REPO_ID, "--dry-run", str(tmp_path / "out2"), "--eval-results", str(missing)]) == 1
+    )
+    assert capsys.readouterr().err.startswith(f"gpn push: --eval-results {missing} is not a file")
+    other = json.loads(evaluation.read_text())
+    other["n_params"] += 1
+    (folder / "eval_results.json").write_text(json.dumps(other))
+    assert main(["push", str(folder), REPO_ID, "--dry-run", str(tmp_path / "out3")]) == 1
+    assert f"evaluated a model of {other['n_params']:,} parameters" in capsys.readouterr().err
+    assert not (tmp_path / "out2").exists() and not (tmp_path / "out3").exists()
