@@ -1860,11 +1860,14 @@ MUTATIONS = [
         ("tests/model/test_config_and_conversion.py::test_a_memory_config_with_memoryless_parameters_is_refused",),
     ),
     Mutation(
-        "gpn eval on a damaged weights file a SafetensorError traceback",
+        "gpn eval and gpn inspect on a damaged weights file a SafetensorError traceback",
         "eval/runner.py",
         "    except Exception as error:  # a damaged weights file",
         "    except ZeroDivisionError as error:  # MUTATION",
-        ("tests/ecosystem/test_eval.py::test_a_damaged_weights_file_is_one_line",),
+        (
+            "tests/ecosystem/test_eval.py::test_a_damaged_weights_file_is_one_line",
+            "tests/tools/test_inspect.py::test_a_damaged_weights_file_is_one_line",
+        ),
     ),
     Mutation(
         "gpn convert names a size, not the misshaped parameter, beside a config.json",

@@ -446,3 +446,18 @@ def test_a_long_text_file_is_tokenized_as_gpn_train_tokenizes_it(tmp_path):
     windows = load_token_windows(tokenizer, str(path), seq_len=64, max_tokens=len(whole), progress=False)
     assert windows.numel() > len(whole) - 64
     assert windows.flatten().tolist() == whole[: windows.numel()]
+
+
+def test_a_damaged_weights_file_is_one_line(tmp_path, capsys):
+    """A truncated model.safetensors was safetensors' SafetensorError traceback (as in gpn eval)."""
+    from modeling_gpn.cli import main
+
+    folder = tmp_path / "damaged"
+    perturbed_model(tiny_config()).save_pretrained(folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert main(["inspect", str(folder), "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"gpn inspect: error: cannot load a model from {folder}: SafetensorError: ")
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
