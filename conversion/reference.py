@@ -485,7 +485,18 @@ def open_source(src: str | Path) -> ReferenceSource:
             return _open_npz(src / "params.npz", src / "config.json")
         if (src / "checkpoint.pkl").exists():
             return open_source(src / "checkpoint.pkl")
+        if (src / "config.json").is_file() and any(src.glob("*.safetensors")):
+            raise CheckpointError(
+                f"{src} has neither params.npz nor checkpoint.pkl: it is a transformers folder (config.json and "
+                "safetensors weights), which loads as it is with from_pretrained; gpn convert reads the reference's "
+                "JAX checkpoints"
+            )
         raise CheckpointError(f"{src} has neither params.npz nor checkpoint.pkl")
+    if src.suffix == ".safetensors":
+        raise CheckpointError(
+            f"{src} is a safetensors file, not a reference checkpoint (a params.npz or checkpoint.pkl): a "
+            "transformers folder loads as it is with from_pretrained"
+        )
     if src.suffix == ".npz":
         return _open_npz(src, src.parent / "config.json")
     checkpoint = load_pickle_checkpoint(src)

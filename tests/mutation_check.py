@@ -1901,6 +1901,24 @@ MUTATIONS = [
         "    path = model_dir / EVAL_RESULTS_FILE  # MUTATION\n",
         ("tests/tools/test_hub.py::test_eval_results_from_gpn_evals_own_folder_and_another_models_refused",),
     ),
+    Mutation(
+        "gpn convert on a transformers folder does not say it needs no conversion",
+        "conversion/reference.py",
+        '        if (src / "config.json").is_file() and any(src.glob("*.safetensors")):\n',
+        "        if False:  # MUTATION\n",
+        (
+            "tests/model/test_config_and_conversion.py::test_a_transformers_folder_or_its_weights_given_to_convert_says_what_it_is",
+        ),
+    ),
+    Mutation(
+        "gpn convert reads a safetensors file as a pickle",
+        "conversion/reference.py",
+        '    if src.suffix == ".safetensors":\n',
+        "    if False:  # MUTATION\n",
+        (
+            "tests/model/test_config_and_conversion.py::test_a_transformers_folder_or_its_weights_given_to_convert_says_what_it_is",
+        ),
+    ),
 ]
 
 

@@ -278,6 +278,17 @@ def test_a_misshaped_or_stray_parameter_beside_a_config_json_is_named(tmp_path):
             load_reference_model(tmp_path)
 
 
+def test_a_transformers_folder_or_its_weights_given_to_convert_says_what_it_is(tmp_path):
+    """A GPN folder (or its model.safetensors) given as SRC was "has neither params.npz nor checkpoint.pkl" (or a
+    pickle reader's "KeyError: 8"), not that it needs no conversion."""
+    folder = tmp_path / "gpn"
+    GPNForCausalLM(tiny_config()).save_pretrained(folder)
+    with pytest.raises(CheckpointError, match="it is a transformers folder .* loads as it is with from_pretrained"):
+        load_reference_model(folder)
+    with pytest.raises(CheckpointError, match="is a safetensors file, not a reference checkpoint"):
+        load_reference_model(folder / "model.safetensors")
+
+
 def test_a_memory_config_with_memoryless_parameters_is_refused(tmp_path):
     """The GPN's parameters (sot_1l) beside a GPN+M config.json (n_heads, d_key, d_val) were converted, in silence,
     to a model without memory: the memory sizes had nothing in the memory-less parameters to be compared with."""
