@@ -485,7 +485,18 @@ def open_source(src: str | Path) -> ReferenceSource:
             return _open_npz(src / "params.npz", src / "config.json")
         if (src / "checkpoint.pkl").exists():
             return open_source(src / "checkpoint.pkl")
+        if (src / "config.json").is_file() and any(src.glob("*.safetensors")):
+            raise CheckpointError(
+                f"{src} has neither params.npz nor checkpoint.pkl: it is a transformers folder (config.json and "
+                "safetensors weights), which loads as it is with from_pretrained; gpn convert reads the reference's "
+                "JAX checkpoints"
+            )
         raise CheckpointError(f"{src} has neither params.npz nor checkpoint.pkl")
+    if src.suffix == ".safetensors":
+        raise CheckpointError(
+            f"{src} is a safetensors file, not a reference checkpoint (a params.npz or checkpoint.pkl): a "
+            "transformers folder loads as it is with from_pretrained"
+        )
     if src.suffix == ".npz":
         return _open_npz(src, src.parent / "config.json")
     checkpoint = load_pickle_checkpoint(src)
@@ -638,11 +649,42 @@ def _infer_config(params: dict[str, Any], reference_config: dict[str, Any] | Non
             for ref_name, ours in names.items()
             if ref_name in reference_config and ours in kwargs and reference_config[ref_name] != kwargs[ours]
         ]
+        # A memory-less model has no memory sizes to compare: a config giving them (the reference's SoTMConfig)
+        # describes a GPN+M whose memory parameters are all absent, not a GPN to convert without its memory.
+        memory_sizes = [
+            f"{name}={reference_config[name]}" for name in ("n_heads", "d_key", "d_val") if name in reference_config
+        ]
+        if memory_sizes and not use_memory:
+            disagreements.append(
+                f"{', '.join(memory_sizes)} (a model with memory) but the parameters have no memory (no write_* parameters)"
+            )
         if disagreements:
+            stated = {
+                ours: reference_config[ref] for ref, ours in names.items() if ref in reference_config and ours in kwargs
+            }
+            # at most the layers the parameters have: a stray L1_ tensor is then named as unexpected, and a claimed
+            # million layers is not built (even on the meta device that takes long)
+            layers = stated.get("num_predict_layers")
+            if isinstance(layers, int):
+                stated["num_predict_layers"] = min(layers, kwargs["num_predict_layers"])
             raise CheckpointError(
-                "The checkpoint's config.json disagrees with its parameters: " + "; ".join(disagreements)
+                "The checkpoint's config.json disagrees with its parameters: "
+                + "; ".join(disagreements)
+                + _misfits(params, {**kwargs, **stated})
             )
     return GPNConfig(**kwargs)
+
+
+def _misfits(params: dict[str, Any], sizes: dict[str, Any]) -> str:
+    """The parameters that a model of config.json's sizes cannot take, named: a size is inferred from one
+    parameter's shape, so one misshaped parameter shows as a disagreeing size, not by its own name."""
+    try:
+        plan_conversion(params, GPNConfig(**sizes))
+    except CheckpointError as error:
+        return f" (with config.json's sizes: {str(error).removeprefix('Cannot convert the checkpoint: ')})"
+    except (ValueError, TypeError):  # config.json's sizes are not a valid config themselves
+        pass
+    return ""
 
 
 def parameter_map(config: GPNConfig) -> dict[str, tuple[str, bool]]:

@@ -114,8 +114,6 @@ def load_model(
     tokenizer: str | None = None,
 ):
     """Load any causal LM (a GPN folder, a Hub repo, a LlamaForCausalLM folder) and its tokenizer."""
-    from transformers import AutoModelForCausalLM
-
     import modeling_gpn  # noqa: F401  (registers the GPN Auto classes for folders without remote code)
     from modeling_gpn.data import load_tokenizer
 
@@ -123,7 +121,7 @@ def load_model(
     if dtype not in dtypes:
         raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {dtype!r}")
     check_model_path(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtypes[dtype], trust_remote_code=trust_remote_code)
+    model = causal_lm_from_pretrained(path, dtype=dtypes[dtype], trust_remote_code=trust_remote_code)
     model = model.to(device).eval()
     tok = load_tokenizer(tokenizer or path, trust_remote_code=trust_remote_code, require_eos=False)
     return model, tok
@@ -139,6 +137,19 @@ def check_model_path(path: str) -> None:
         raise FileNotFoundError(f"{path} is not a model folder: it has no config.json")
     if not folder.exists() and names_a_local_path(path):
         raise FileNotFoundError(f"model folder {path} does not exist")
+
+
+def causal_lm_from_pretrained(path: str, **kwargs: Any):
+    """`AutoModelForCausalLM.from_pretrained(path, **kwargs)`, a damaged weights file refused as an `OSError` naming
+    the folder (gpn eval and gpn inspect say it in one line; the reader's own error would be a traceback)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except (OSError, ValueError):  # a missing file, an unknown model type: transformers' own message names it
+        raise
+    except Exception as error:  # a damaged weights file (safetensors' SafetensorError, torch's zip RuntimeError)
+        raise OSError(f"cannot load a model from {path}: {type(error).__name__}: {error}") from error
 
 
 def count_parameters(model) -> int:

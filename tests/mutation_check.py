@@ -2095,6 +2095,87 @@ MUTATIONS = [
         "        if True:  # MUTATION",
         ("tests/model/test_state.py::test_a_state_is_not_saved_after_its_model_changed",),
     ),
+    Mutation(
+        "gpn push publishes a --limit evaluation as the whole test split",
+        "modeling_gpn/hub/card_inputs.py",
+        '        limit=int(limit) if is_number(limit := data.get("limit")) and limit >= 1 else None,\n',
+        "        limit=None,  # MUTATION\n",
+        ("tests/tools/test_hub.py::test_a_limited_evaluation_is_not_published_as_the_whole_test_split",),
+    ),
+    Mutation(
+        "gpn push puts fineweb_paper's first_window index in the model-index",
+        "modeling_gpn/hub/card_metadata.py",
+        '        "first_window",  # where',
+        "        # MUTATION",
+        ("tests/tools/test_hub.py::test_a_limited_evaluation_is_not_published_as_the_whole_test_split",),
+    ),
+    Mutation(
+        "gpn convert takes a GPN+M config.json beside memory-less parameters for a GPN",
+        "conversion/reference.py",
+        "        if memory_sizes and not use_memory:\n",
+        "        if False:  # MUTATION\n",
+        ("tests/model/test_config_and_conversion.py::test_a_memory_config_with_memoryless_parameters_is_refused",),
+    ),
+    Mutation(
+        "gpn eval and gpn inspect on a damaged weights file a SafetensorError traceback",
+        "eval/runner.py",
+        "    except Exception as error:  # a damaged weights file",
+        "    except ZeroDivisionError as error:  # MUTATION",
+        (
+            "tests/ecosystem/test_eval.py::test_a_damaged_weights_file_is_one_line",
+            "tests/tools/test_inspect.py::test_a_damaged_weights_file_is_one_line",
+        ),
+    ),
+    Mutation(
+        "gpn convert names a size, not the misshaped parameter, beside a config.json",
+        "conversion/reference.py",
+        "                + _misfits(params, {**kwargs, **stated})\n",
+        '                + ""  # MUTATION\n',
+        (
+            "tests/model/test_config_and_conversion.py::test_a_misshaped_or_stray_parameter_beside_a_config_json_is_named",
+        ),
+    ),
+    Mutation(
+        "gpn convert calls a stray layer parameter the missing ones of a whole layer",
+        "conversion/reference.py",
+        '                stated["num_predict_layers"] = min(layers, kwargs["num_predict_layers"])\n',
+        '                stated["num_predict_layers"] = kwargs["num_predict_layers"]  # MUTATION\n',
+        (
+            "tests/model/test_config_and_conversion.py::test_a_misshaped_or_stray_parameter_beside_a_config_json_is_named",
+        ),
+    ),
+    Mutation(
+        "gpn push publishes another model's eval_results.json as this model's",
+        "modeling_gpn/hub/folder.py",
+        "    if evaluation.n_params is not None and evaluation.n_params != n_params:\n",
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_hub.py::test_eval_results_from_gpn_evals_own_folder_and_another_models_refused",),
+    ),
+    Mutation(
+        "gpn push --eval-results ignored",
+        "modeling_gpn/hub/folder.py",
+        "    path = Path(eval_results) if eval_results is not None else model_dir / EVAL_RESULTS_FILE\n",
+        "    path = model_dir / EVAL_RESULTS_FILE  # MUTATION\n",
+        ("tests/tools/test_hub.py::test_eval_results_from_gpn_evals_own_folder_and_another_models_refused",),
+    ),
+    Mutation(
+        "gpn convert on a transformers folder does not say it needs no conversion",
+        "conversion/reference.py",
+        '        if (src / "config.json").is_file() and any(src.glob("*.safetensors")):\n',
+        "        if False:  # MUTATION\n",
+        (
+            "tests/model/test_config_and_conversion.py::test_a_transformers_folder_or_its_weights_given_to_convert_says_what_it_is",
+        ),
+    ),
+    Mutation(
+        "gpn convert reads a safetensors file as a pickle",
+        "conversion/reference.py",
+        '    if src.suffix == ".safetensors":\n',
+        "    if False:  # MUTATION\n",
+        (
+            "tests/model/test_config_and_conversion.py::test_a_transformers_folder_or_its_weights_given_to_convert_says_what_it_is",
+        ),
+    ),
 ]
 
 

@@ -32,6 +32,7 @@ class EvalInfo:
     published_baselines: list[dict[str, Any]]
     measured: dict[str, float] = field(default_factory=dict)
     data: dict[str, str] = field(default_factory=dict)
+    limit: int | None = None  # `gpn eval --limit N`: only the first N examples of a task were scored
 
 
 @dataclass
@@ -105,6 +106,7 @@ def read_eval_results(path: str | Path) -> EvalInfo:
         published_baselines=baselines,
         measured=measured,
         data={str(k): str(v) for k, v in sources.items()},
+        limit=int(limit) if is_number(limit := data.get("limit")) and limit >= 1 else None,
     )
 
 

@@ -30,8 +30,23 @@ COUNT_METRICS = frozenset(
         "stream_tokens",
         "dropped_tail_tokens",
         "documents",
+        "first_window",  # where fineweb_paper's held-out windows start: an index, not a measurement
     }
 )
+
+#: Tasks whose examples `gpn eval --limit N` does not cut (fineweb_paper's windows have options of their own).
+UNLIMITED_TASKS = frozenset({"fineweb_paper"})
+
+
+def _limited(
+    spec: tuple[str, str, str | None, str | None], limit: int | None
+) -> tuple[str, str, str | None, str | None]:
+    """The dataset of a task scored on its first `limit` examples, as the model-index states it: the split in
+    datasets' slice notation (`test[:40]`), so the Hub does not show a partial score as the whole split's."""
+    if limit is None:
+        return spec
+    dataset_type, dataset_name, dataset_config, split = spec
+    return (dataset_type, dataset_name, dataset_config, f"{split or 'test'}[:{limit}]")
 
 
 def _dataset_for(task: str, source: str | None = None) -> tuple[str, str, str | None, str | None]:
@@ -52,11 +67,16 @@ def eval_results_for_model_index(evaluation: EvalInfo) -> list:
     The Hub groups results by (task type, dataset, config, split), so two tasks on one dataset (lm-eval's
     `lambada_openai` and the paper's `lambada_paper`) share an entry: their metric types are then
     prefixed with the task (`lambada_paper_acc`) so none is ambiguous, and the entry's task name lists
-    both. Every metric's display name is "TASK METRIC".
+    both. Every metric's display name is "TASK METRIC". A run with `--limit N` states its split as `test[:N]`.
     """
     from huggingface_hub import EvalResult
 
-    specs = {task: _dataset_for(task, evaluation.data.get(task)) for task in evaluation.tasks}
+    specs = {
+        task: _limited(
+            _dataset_for(task, evaluation.data.get(task)), None if task in UNLIMITED_TASKS else evaluation.limit
+        )
+        for task in evaluation.tasks
+    }
     sharing: dict[tuple, list[str]] = {}
     for task, spec in specs.items():
         sharing.setdefault(spec, []).append(task)

@@ -47,6 +47,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model-name", default=None, help="name in the card's title and model-index (None: the repo name)"
     )
     parser.add_argument("--tokenizer", default=None, help="tokenizer name or path to publish when MODEL_DIR has none")
+    parser.add_argument(
+        "--eval-results",
+        metavar="FILE",
+        default=None,
+        help="gpn eval's eval_results.json for the card and its model-index (None: MODEL_DIR/eval_results.json if "
+        "there is one; gpn eval writes ./eval-NAME/ unless told --output-dir MODEL_DIR)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
             tags=args.tag,
             model_name=args.model_name,
             tokenizer=args.tokenizer,
+            eval_results=args.eval_results,
         )
     except (HubPushError, CardError) as error:
         print(f"gpn push: {error}", file=sys.stderr)

@@ -25,7 +25,7 @@ from .checks import (
     weight_files,
 )
 from .errors import HubPushError
-from .model_card import build_card, read_eval_results, read_training_info, validate_card
+from .model_card import EvalInfo, build_card, read_eval_results, read_training_info, validate_card
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -75,8 +75,10 @@ def prepare_folder(
     model_name: str | None = None,
     tokenizer: str | None = None,
     token: str | None = None,
+    eval_results: str | Path | None = None,
 ) -> PreparedFolder:
-    """Write into the empty folder `out` exactly what `push` uploads for `model_dir`, checked."""
+    """Write into the empty folder `out` exactly what `push` uploads for `model_dir`, checked. The card's evaluation
+    is `eval_results` (`gpn eval`'s eval_results.json), else the one in `model_dir` when there is one."""
     model_dir, out = Path(model_dir), Path(out)
     config, raw_config, weights, n_params = check_source_folder(model_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -89,7 +91,7 @@ def prepare_folder(
     write_remote_code(out, raw_config)
     write_generation_config(model_dir, out, config)
     tokenizer_name = write_tokenizer(model_dir, out, config, tokenizer)
-    evaluation = read_eval_results(model_dir / EVAL_RESULTS_FILE) if (model_dir / EVAL_RESULTS_FILE).is_file() else None
+    evaluation = read_evaluation(model_dir, eval_results, n_params)
     training = read_training_info(model_dir)
     card = build_card(
         config,
@@ -107,6 +109,24 @@ def prepare_folder(
     (out / "README.md").write_text(card, encoding="utf-8")
     files = check_prepared_folder(out, token=token)
     return PreparedFolder(path=out, files=files, n_params=n_params, card_metadata=metadata)
+
+
+def read_evaluation(model_dir: Path, eval_results: str | Path | None, n_params: int) -> EvalInfo | None:
+    """The evaluation the card publishes: `eval_results`, else `model_dir`'s eval_results.json, else none. One that
+    counts other parameters than this model's is refused: it is another model's (an eval_results.json copied beside
+    the wrong weights), and its figures would be published as this model's in the model-index."""
+    path = Path(eval_results) if eval_results is not None else model_dir / EVAL_RESULTS_FILE
+    if not path.is_file():
+        if eval_results is not None:
+            raise HubPushError(f"--eval-results {path} is not a file (gpn eval writes OUTPUT_DIR/{EVAL_RESULTS_FILE})")
+        return None
+    evaluation = read_eval_results(path)
+    if evaluation.n_params is not None and evaluation.n_params != n_params:
+        raise HubPushError(
+            f"{path} evaluated a model of {evaluation.n_params:,} parameters ({evaluation.model}), not this one of "
+            f"{n_params:,}: its results would be published as this model's; run gpn eval on {model_dir}"
+        )
+    return evaluation
 
 
 def check_source_folder(model_dir: Path):

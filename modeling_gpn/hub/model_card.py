@@ -433,6 +433,13 @@ def results_lines(evaluation: EvalInfo) -> list[str]:
         + ":",
         "",
     ]
+    if evaluation.limit is not None:
+        lines += [
+            f"Scored on the first {evaluation.limit:,} examples of each task (`gpn eval --limit {evaluation.limit}`; "
+            "`fineweb_paper` excepted, its windows are counted below), not on whole test sets: the model-index "
+            f"names the split `test[:{evaluation.limit}]`.",
+            "",
+        ]
     lines += ["| task | metric | value |", "|---|---|---|"]
     for task, metrics in evaluation.tasks.items():
         for metric, value in metrics.items():

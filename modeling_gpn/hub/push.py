@@ -70,6 +70,7 @@ def push_folder(
     model_name: str | None = None,
     tokenizer: str | None = None,
     quiet: bool = False,
+    eval_results: str | Path | None = None,
 ):
     """Publish the model folder `folder` to `repo_id` (or, with `dry_run=OUT`, only write OUT).
 
@@ -80,7 +81,13 @@ def push_folder(
     check_repo_id(repo_id)
     commit_message = commit_message or f"Upload {model_name or repo_id.split('/')[-1]} (GPN) with gpn push"
     options = dict(
-        license=license, datasets=datasets, tags=tags, model_name=model_name, tokenizer=tokenizer, token=token
+        license=license,
+        datasets=datasets,
+        tags=tags,
+        model_name=model_name,
+        tokenizer=tokenizer,
+        token=token,
+        eval_results=eval_results,
     )
     say = (lambda *a: None) if quiet else print
     if dry_run is not None:

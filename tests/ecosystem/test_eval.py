@@ -567,6 +567,20 @@ def test_clear_errors(gpn_dir, data, llama_dir, capsys, tmp_path):
         protocols.windowed_perplexity(llama, list(range(100)), WINDOW, first_position="skip")
 
 
+def test_a_damaged_weights_file_is_one_line(gpn_dir, tmp_path, capsys):
+    """A truncated model.safetensors was safetensors' SafetensorError traceback, exit status 1."""
+    from modeling_gpn.cli import main
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(gpn_dir, damaged)
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert main(["eval", str(damaged), "--tasks", "fineweb_paper", "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"gpn eval: error: cannot load a model from {damaged}: SafetensorError: ")
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
 def test_a_repos_own_code_runs_only_with_trust_remote_code(tmp_path, capsys):
     """`gpn eval` runs the modeling code a folder or Hub repo ships only when asked (`--trust-remote-code`), as
     `gpn generate` and `gpn inspect` do; `--no-trust-remote-code` (the old opt-out) still parses and is the

@@ -261,6 +261,46 @@ def test_config_disagreeing_with_shapes_is_refused(tmp_path):
         load_reference_model(tmp_path)
 
 
+def test_a_misshaped_or_stray_parameter_beside_a_config_json_is_named(tmp_path):
+    """A cut L0_ffn_w1_k was refused as "d_ffn=64 but the parameters say intermediate_size=63", a stray L1_ffn_w2_k as
+    "n_layers=1 but ... num_predict_layers=2": a size inferred from the tensor, never the tensor's name."""
+    folder = require_shared("fixtures/reference/sot_m_1l")
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    params = fixture_params()
+    cut = dict(params, L0_ffn_w1_k=params["L0_ffn_w1_k"][:, :-2])
+    stray = dict(params, L1_ffn_w2_k=params["L0_ffn_w2_k"].copy())
+    for changed, named in (
+        (cut, r"L0_ffn_w1_k: shape \(48, 126\), expected \(48, 128\)"),
+        (stray, r"unexpected parameters: L1_ffn_w2_k\)"),
+    ):
+        np.savez(tmp_path / "params.npz", **changed)
+        with pytest.raises(CheckpointError, match=named):
+            load_reference_model(tmp_path)
+
+
+def test_a_transformers_folder_or_its_weights_given_to_convert_says_what_it_is(tmp_path):
+    """A GPN folder (or its model.safetensors) given as SRC was "has neither params.npz nor checkpoint.pkl" (or a
+    pickle reader's "KeyError: 8"), not that it needs no conversion."""
+    folder = tmp_path / "gpn"
+    GPNForCausalLM(tiny_config()).save_pretrained(folder)
+    with pytest.raises(CheckpointError, match="it is a transformers folder .* loads as it is with from_pretrained"):
+        load_reference_model(folder)
+    with pytest.raises(CheckpointError, match="is a safetensors file, not a reference checkpoint"):
+        load_reference_model(folder / "model.safetensors")
+
+
+def test_a_memory_config_with_memoryless_parameters_is_refused(tmp_path):
+    """The GPN's parameters (sot_1l) beside a GPN+M config.json (n_heads, d_key, d_val) were converted, in silence,
+    to a model without memory: the memory sizes had nothing in the memory-less parameters to be compared with."""
+    folder = require_shared("fixtures/reference/sot_m_1l")
+    np.savez(tmp_path / "params.npz", **fixture_params("sot_1l"))
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    with pytest.raises(
+        CheckpointError, match=r"n_heads=3, d_key=8, d_val=16 \(a model with memory\) but the parameters"
+    ):
+        load_reference_model(tmp_path)
+
+
 def test_the_training_window_is_lm_evals_context_length_and_no_positional_limit():
     """lm-eval reads a context length from the config (`n_positions` first): a GPN's is its training window,
     `max_length_hint`; `max_position_embeddings`, which generate() takes for a hard limit, is not there, and given

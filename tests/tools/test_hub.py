@@ -650,3 +650,65 @@ def test_convert_push_to_hub_publishes_the_converted_checkpoint(hub_calls, tmp_p
     )
     assert upload["snapshot"]["model.safetensors"] == (out / "model.safetensors").read_bytes()
     assert "Parameters: 30,022" in upload["snapshot"]["README.md"].decode()  # the reference's own count
+
+
+def test_a_limited_evaluation_is_not_published_as_the_whole_test_split(tmp_path):
+    """`gpn eval --limit 2` scored 2 LAMBADA examples; the card's model-index said `split: test` (the Hub shows that
+    as the test set's score), and put fineweb_paper's `first_window` index among the metrics."""
+    from huggingface_hub.repocard_data import model_index_to_eval_results
+
+    from modeling_gpn.hub.card_metadata import eval_results_for_model_index, validate_card
+    from modeling_gpn.hub.model_card import read_eval_results, results_lines
+
+    results = json.loads(json.dumps(EVAL_RESULTS))
+    results["limit"] = 2
+    results["tasks"]["fineweb_paper"]["first_window"] = 0
+    path = tmp_path / "eval_results.json"
+    path.write_text(json.dumps(results))
+    evaluation = read_eval_results(path)
+    splits = {(r.metric_name, r.dataset_split) for r in eval_results_for_model_index(evaluation)}
+    assert ("lambada_paper acc", "test[:2]") in splits and ("lambada_openai acc", "test[:2]") in splits
+    assert ("wikitext word_perplexity", "test[:2]") in splits
+    assert ("fineweb_paper ppl", "train") in splits  # --limit does not cut fineweb_paper's windows
+    assert not any(name == "fineweb_paper first_window" for name, _ in splits)
+    assert any("Scored on the first 2 examples" in line for line in results_lines(evaluation))
+    # the Hub reads the sliced split back as it was written
+    from huggingface_hub import ModelCard, ModelCardData
+
+    card = ModelCard.from_template(
+        ModelCardData(
+            library_name="transformers",
+            pipeline_tag="text-generation",
+            model_name="m",
+            eval_results=eval_results_for_model_index(evaluation),
+        )
+    )
+    _, read_back = model_index_to_eval_results(validate_card(str(card))["model-index"])
+    assert {r.dataset_split for r in read_back} == {"test[:2]", "train"}
+
+
+def test_eval_results_from_gpn_evals_own_folder_and_another_models_refused(source, tmp_path, capsys):
+    """gpn eval writes ./eval-NAME/ unless told otherwise, and gpn push read only MODEL_DIR/eval_results.json; one
+    copied beside other weights (another parameter count) was published, model-index and all, as theirs."""
+    from modeling_gpn.cli import main
+
+    folder = copy_source(source, tmp_path)
+    evaluation = tmp_path / "eval-model" / "eval_results.json"
+    evaluation.parent.mkdir()
+    (folder / "eval_results.json").rename(evaluation)
+    out = tmp_path / "out"
+    assert main(["push", str(folder), REPO_ID, "--dry-run", str(out), "--eval-results", str(evaluation)]) == 0
+    assert "lambada_paper acc" in (out / "README.md").read_text()
+    assert not (out / "eval_results.json").exists()
+    capsys.readouterr()
+    missing = tmp_path / "eval-other" / "eval_results.json"
+    assert (
+        main(["push", str(folder), REPO_ID, "--dry-run", str(tmp_path / "out2"), "--eval-results", str(missing)]) == 1
+    )
+    assert capsys.readouterr().err.startswith(f"gpn push: --eval-results {missing} is not a file")
+    other = json.loads(evaluation.read_text())
+    other["n_params"] += 1
+    (folder / "eval_results.json").write_text(json.dumps(other))
+    assert main(["push", str(folder), REPO_ID, "--dry-run", str(tmp_path / "out3")]) == 1
+    assert f"evaluated a model of {other['n_params']:,} parameters" in capsys.readouterr().err
+    assert not (tmp_path / "out2").exists() and not (tmp_path / "out3").exists()

@@ -473,3 +473,18 @@ def test_a_folder_is_inspected_on_exactly_the_files_gpn_train_reads(tmp_path):
     assert sorted(trained) == sorted(
         ["the first play\nends here\n", "the second play\n", "a row of the jsonl file", "a row of the csv file"]
     )
+
+
+def test_a_damaged_weights_file_is_one_line(tmp_path, capsys):
+    """A truncated model.safetensors was safetensors' SafetensorError traceback (as in gpn eval)."""
+    from modeling_gpn.cli import main
+
+    folder = tmp_path / "damaged"
+    perturbed_model(tiny_config()).save_pretrained(folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert main(["inspect", str(folder), "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"gpn inspect: error: cannot load a model from {folder}: SafetensorError: ")
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
