@@ -45,7 +45,7 @@ def _parameters(model: torch.nn.Module) -> list:
     the modules' own dicts (this runs before every decoded token; the generator layers of `parameters()`
     cost more than the keys themselves)."""
     seen, found = set(), []
-    for module in _modules_below(model):
+    for module in modules_below(model):
         for parameter in module._parameters.values():
             if parameter is not None and id(parameter) not in seen:
                 seen.add(id(parameter))
@@ -53,7 +53,7 @@ def _parameters(model: torch.nn.Module) -> list:
     return found
 
 
-def _modules_below(*roots: torch.nn.Module) -> list:
+def modules_below(*roots: torch.nn.Module) -> list:
     """The roots and every module below them, each once, in `modules()`' order."""
     seen, found, pending = set(), [], list(reversed(roots))
     while pending:
@@ -162,7 +162,7 @@ class WatchedModules:
         methods: Mapping[type, Mapping[str, Callable]] | None = None,
         callers: tuple = (),
     ):
-        self.modules = _modules_below(*roots)
+        self.modules = modules_below(*roots)
         self.owners, self.names, self.objects = [], [], []  # owners[i][names[i]] is objects[i]
         self.held, self.sizes, self.subclassed, self.kinds, self.whole, tensors = [], [], [], [], [], []
         for caller in callers:

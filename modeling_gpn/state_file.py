@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .atomic_files import write_file_atomically
 from .configuration_gpn import GPNConfig
-from .derived_weights import parameters_key
+from .derived_weights import modules_below, parameters_key
 
 STATE_FILE_FORMAT = "gpn-state"
 # 2: the weights fingerprint hashes every parameter (1 hashed only the vectors, so a state loaded into the same
@@ -168,6 +168,10 @@ def adapter_settings(model: nn.Module) -> dict[str, dict]:
     The adapters' matrices are parameters, hashed with the others; but a model holding two adapters computes
     another state with the other one active (`set_adapter`), and none of them inside `disable_adapter()`, with
     the same parameters. Read by attribute (PEFT's `BaseTunerLayer`), so nothing here imports PEFT."""
+    if not any(
+        "merged_adapters" in vars(module) or hasattr(type(module), "merged_adapters") for module in modules_below(model)
+    ):
+        return {}  # (no adapter layer: the common case, seen without building every module's name)
     settings = {}
     for name, module in model.named_modules():
         # a tuner layer's are properties; a transformers model's `active_adapters()` (its own PEFT mixin) is a method

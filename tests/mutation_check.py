@@ -2089,6 +2089,15 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "a state file names no PEFT adapter settings (the quick scan for adapter layers finds none)",
+        "modeling_gpn/state_file.py",
+        '"merged_adapters" in vars(module) or hasattr(type(module), "merged_adapters")',
+        "False",
+        (
+            "tests/ecosystem/test_ecosystem.py::test_a_peft_models_state_loads_into_it_and_not_with_other_adapter_settings",
+        ),
+    ),
+    Mutation(
         "a cache's weights snapshot taken again at every forward (an edit between tokens not seen)",
         "modeling_gpn/cache.py",
         "        if ref is None or ref() is not model:",
