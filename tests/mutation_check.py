@@ -1366,6 +1366,13 @@ MUTATIONS = [
         ("tests/tools/test_inspect.py::test_removing_memory_heads_leaves_the_other_heads_reads_as_they_were",),
     ),
     Mutation(
+        "gpn inspect's causal-test baseline is the model's forward (fast path), not the ablations' own loop",
+        "modeling_gpn/inspect/ablations.py",
+        "        states.append(ablated_states(model, batch).float().cpu().numpy())\n",
+        "        states.append(model(batch, output_predicted_states=True).predicted_states.float().cpu().numpy())\n",
+        ("tests/tools/test_inspect.py::test_the_causal_tests_baseline_runs_the_ablations_time_loop",),
+    ),
+    Mutation(
         "gpn inspect's report compares s̄'s share with the paper's stated 58% alone (its own 107/132 is 81%)",
         "modeling_gpn/inspect/markdown.py",
         '        "107 (58% stated; 107/132 = 81%) |",\n',

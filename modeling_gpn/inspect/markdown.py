@@ -152,8 +152,9 @@ def ablation_lines(ablations: dict) -> list[str]:
         "## Causal tests",
         "",
         f"Perplexity over {ablations['rows'][0]['tokens']:,} predicted tokens ({ablations['windows']} windows of "
-        f"{ablations['tokens'] // ablations['windows']}); s̄ {ablations['s_bar_source']}. Baseline and the decode-only "
-        "condition decode the collected states; the others rerun the time loop with the intervention.",
+        f"{ablations['tokens'] // ablations['windows']}); s̄ {ablations['s_bar_source']}. The baseline and every "
+        "intervention run the same time loop (the model's plain, module-calling one), the decode-only condition on the "
+        "baseline's states; the perplexity above is the model's forward.",
         "",
         "| condition | what changes | PPL | ΔPPL | Δ% |",
         "|---|---|---|---|---|",

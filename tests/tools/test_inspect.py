@@ -403,6 +403,26 @@ def test_decode_only_shortcut_matches_the_ablated_recurrence():
     )
 
 
+def test_the_causal_tests_baseline_runs_the_ablations_time_loop():
+    """The baseline was the model's forward (the fast path) and the ablations ran the module-calling loop, which
+    rounds differently in bf16: removing nothing (s̄ = 0) reported a perplexity change. The baseline now runs the
+    ablations' own loop with nothing removed, so removing nothing changes nothing."""
+    from modeling_gpn.inspect import ablation_perplexity, causal_tests
+
+    model = perturbed_model(tiny_config(hidden_size=64)).to(torch.bfloat16)
+    windows = torch.randint(0, 97, (3, 64), generator=torch.Generator().manual_seed(6))
+    collected = collect(model, windows, batch_size=2, progress=False)
+    assert model.model.last_recurrence_path == "fast"
+    rows = {
+        row["name"]: row
+        for row in causal_tests(model, windows, np.zeros(64), None, batch_size=2, progress=False)["rows"]
+    }
+    loop = ablation_perplexity(model, windows, Ablation(), batch_size=2, progress=False)["perplexity"]
+    assert collected.perplexity != loop  # the two paths do differ here, so the check can fail
+    assert rows["baseline"]["perplexity"] == loop
+    assert rows["mean_removed_recurrence"]["delta_pct"] == 0.0 and rows["mean_removed_decode"]["delta_pct"] == 0.0
+
+
 @pytest.mark.parametrize(
     "arguments, message",
     [
