@@ -1366,6 +1366,21 @@ MUTATIONS = [
         ("tests/tools/test_inspect.py::test_removing_memory_heads_leaves_the_other_heads_reads_as_they_were",),
     ),
     Mutation(
+        "gpn inspect's retention from the window's first token only (not averaged over the starts, as documented)",
+        "modeling_gpn/analysis/retention.py",
+        "curves[k] = np.exp(cumulative[:, k:] - cumulative[:, :-k]).mean(axis=(0, 1))",
+        "curves[k] = np.exp(cumulative[:, k:] - cumulative[:, :-k])[:, :1].mean(axis=(0, 1))",
+        ("tests/tools/test_inspect.py::test_retention_averages_over_the_starts_that_have_k_steps_left",),
+    ),
+    Mutation(
+        "gpn inspect's retention over every start, the last k-1 ones wrapping (not only those with k steps left)",
+        "modeling_gpn/analysis/retention.py",
+        "curves[k] = np.exp(cumulative[:, k:] - cumulative[:, :-k]).mean(axis=(0, 1))",
+        "curves[k] = np.exp(np.concatenate([cumulative[:, k:] - cumulative[:, :-k], "
+        "cumulative[:, -1:] - cumulative[:, -k:-1] + cumulative[:, 1:k]], axis=1)).mean(axis=(0, 1))",
+        ("tests/tools/test_inspect.py::test_retention_averages_over_the_starts_that_have_k_steps_left",),
+    ),
+    Mutation(
         "gpn inspect's causal-test baseline is the model's forward (fast path), not the ablations' own loop",
         "modeling_gpn/inspect/ablations.py",
         "        states.append(ablated_states(model, batch).float().cpu().numpy())\n",

@@ -113,7 +113,8 @@ def memory_lines(memory: dict) -> list[str]:
     lines = [
         "## Memory retention",
         "",
-        f"Half-life = lag where the running product of e^γ, averaged over start positions, reaches 1/e "
+        f"Half-life = lag k where the product of k consecutive e^γ, averaged over every start that has k steps left "
+        "in its window, reaches 1/e "
         f"(window {memory['max_lag']} tokens; past it, extrapolated at the head's average rate, marked *). "
         f"Pools: {memory['rule']}"
         + (

@@ -36,6 +36,23 @@ def test_constant_decays_give_exact_half_lives_and_pools():
     assert 3.0 < result["threshold"] < 40.0
 
 
+def test_retention_averages_over_the_starts_that_have_k_steps_left():
+    """The documented definition, on decays that change along the window (constant decays give every definition
+    the same curve): R(k) = mean over windows and starts s = 0..T-k of exp(gamma_s + ... + gamma_{s+k-1}). Here
+    the first half of a window forgets fast and the second slowly, so the paper's product from the first token
+    alone, or a product of mean retentions, gives other curves."""
+    length, rng = 12, np.random.default_rng(7)
+    gammas = np.concatenate([np.full((2, length // 2, 2), -1.0), np.full((2, length // 2, 2), -0.05)], axis=1)
+    gammas = gammas * rng.uniform(0.5, 1.5, gammas.shape)
+    curves = analysis.retention_curves(gammas)
+    assert curves.shape == (length + 1, 2) and np.all(curves[0] == 1.0)
+    for k in range(1, length + 1):
+        products = [np.exp(gammas[n, s : s + k].sum(axis=0)) for n in range(2) for s in range(length - k + 1)]
+        np.testing.assert_allclose(curves[k], np.mean(products, axis=0), rtol=1e-12)
+    from_first_token = np.exp(gammas[:, :4].sum(axis=1)).mean(axis=0)
+    assert np.all(curves[4] > 10 * from_first_token)  # so the check tells the definitions apart
+
+
 def test_pool_split_refuses_a_split_without_two_timescales():
     assert analysis.split_pools([5.0, 6.0, 7.0, 8.0])["split"] is False
     assert analysis.split_pools([5.0])["fast_heads"] == []
