@@ -1366,6 +1366,13 @@ MUTATIONS = [
         ("tests/tools/test_inspect.py::test_removing_memory_heads_leaves_the_other_heads_reads_as_they_were",),
     ),
     Mutation(
+        "gpn inspect's --device not checked before the model loads (a traceback as the model moves)",
+        "modeling_gpn/inspect/cli.py",
+        "        torch_device(args.device)  #",
+        "        pass  #",
+        ("tests/tools/test_inspect.py -k before_the_model_loads and device",),
+    ),
+    Mutation(
         "gpn inspect's retention from the window's first token only (not averaged over the starts, as documented)",
         "modeling_gpn/analysis/retention.py",
         "curves[k] = np.exp(cumulative[:, k:] - cumulative[:, :-k]).mean(axis=(0, 1))",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..cli.arguments import writable_folder
+from ..cli.arguments import torch_device, writable_folder
 from ..data import load_tokenizer
 from ..data.tokenizer import check_tokenizer_path
 from .figures import write_figures
@@ -92,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
     # whole analysis, whose results a bad --output then lost to a traceback).
     try:
         check_numbers(args)
+        torch_device(args.device)  # (a bad one was a traceback once the model had loaded and was being moved)
         if args.tokenizer:
             check_tokenizer_path(args.tokenizer)
         output = writable_folder(args.output, "--output")

@@ -449,6 +449,8 @@ def test_the_causal_tests_baseline_runs_the_ablations_time_loop():
         (["--output", "{file}"], "--output {file}: {file} is a file, not a folder"),
         (["--output", "{file}/report"], "--output {file}/report: {file} is a file, not a folder"),
         (["--output", "/proc/gpn-report"], "--output /proc/gpn-report: cannot write in /proc"),
+        (["--device", "gpu"], "--device 'gpu' is not a torch device"),
+        (["--device", "cuda:99"], "--device cuda:99"),  # no CUDA here, or not 100 GPUs
     ],
 )
 def test_gpn_inspect_checks_its_arguments_before_the_model_loads(arguments, message, tmp_path, capsys, monkeypatch):
