@@ -1366,6 +1366,13 @@ MUTATIONS = [
         ("tests/tools/test_inspect.py::test_removing_memory_heads_leaves_the_other_heads_reads_as_they_were",),
     ),
     Mutation(
+        "gpn inspect reads a blank jsonl / csv / Hub row as a document (gpn train and gpn eval leave it out)",
+        "modeling_gpn/inspect/inputs.py",
+        "        if text and text.strip():  #",
+        "        if text:  #",
+        ("tests/tools/test_inspect.py -k exactly_the_files_gpn_train_reads",),
+    ),
+    Mutation(
         "gpn inspect's --device not checked before the model loads (a traceback as the model moves)",
         "modeling_gpn/inspect/cli.py",
         "        torch_device(args.device)  #",

@@ -87,7 +87,7 @@ def _rows_text(rows, text_column: str, source: str) -> Iterator[tuple[str, bool]
         text = row[text_column]
         if text is not None and not isinstance(text, str):  # (the tokenizer's message names no file or column)
             raise ValueError(f"{source}: column {text_column!r} holds {type(text).__name__}, not text")
-        if text:
+        if text and text.strip():  # a blank row is no document, as in gpn train's and gpn eval's token streams
             yield text, False, True
 
 

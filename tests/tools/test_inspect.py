@@ -490,7 +490,8 @@ def test_a_long_text_file_is_tokenized_as_gpn_train_tokenizes_it(tmp_path):
 def test_a_folder_is_inspected_on_exactly_the_files_gpn_train_reads(tmp_path):
     """`gpn inspect --data FOLDER` searched the folder on its own: it read Jupyter's `.ipynb_checkpoints/` copies
     and `__*` entries as more documents (which `gpn train` leaves out), took `.text` files `gpn train` did not,
-    and left out the `.csv` files it trains on. It finds the files as `gpn train --dataset FOLDER` does
+    and left out the `.csv` files it trains on; a blank jsonl row was a document (its whitespace and an EOS) that
+    gpn train leaves out. It finds the files as `gpn train --dataset FOLDER` does
     (`CorpusSpec.local_files`), so both read the same documents, in the same order."""
     from modeling_gpn.data import CorpusSpec
     from modeling_gpn.inspect import iter_documents
@@ -501,7 +502,7 @@ def test_a_folder_is_inspected_on_exactly_the_files_gpn_train_reads(tmp_path):
     (folder / "plays" / "one.txt").write_text("the first play\nends here\n")
     (folder / "plays" / ".ipynb_checkpoints" / "one-checkpoint.txt").write_text("the first play, an older copy\n")
     (folder / "plays" / "two.text").write_text("the second play\n")
-    (folder / "rows.jsonl").write_text('{"text": "a row of the jsonl file"}\n')
+    (folder / "rows.jsonl").write_text('{"text": "a row of the jsonl file"}\n{"text": " \\n"}\n')  # (and a blank one)
     (folder / "rows.csv").write_text('text\n"a row of the csv file"\n')
     (folder / "__pycache__" / "notes.txt").write_text("no part of the corpus\n")
     (folder / "__notes.txt").write_text("no part of the corpus either\n")
