@@ -1366,6 +1366,13 @@ MUTATIONS = [
         ("tests/tools/test_inspect.py::test_removing_memory_heads_leaves_the_other_heads_reads_as_they_were",),
     ),
     Mutation(
+        "gpn inspect refuses a PEFT adapter folder (no config.json) instead of loading its base with the adapter",
+        "modeling_gpn/inspect/inputs.py",
+        '    if not (Path(name).expanduser() / "adapter_config.json").is_file():  #',
+        "    if True:  #",
+        ("tests/tools/test_inspect.py::test_gpn_inspect_of_a_peft_adapter_folder",),
+    ),
+    Mutation(
         "gpn inspect reads a blank jsonl / csv / Hub row as a document (gpn train and gpn eval leave it out)",
         "modeling_gpn/inspect/inputs.py",
         "        if text and text.strip():  #",

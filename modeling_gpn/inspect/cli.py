@@ -22,7 +22,10 @@ from .states import collect
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="GPN model: a local folder (save_pretrained) or a Hub repo id")
+    parser.add_argument(
+        "model",
+        help="GPN model: a local folder (save_pretrained), a PEFT adapter folder (its base with the adapter), or a Hub repo id",
+    )
     parser.add_argument(
         "--data",
         default=DEFAULT_DATASET,

@@ -324,6 +324,41 @@ def test_gpn_inspect_end_to_end(tiny_llama_vocab_model, tmp_path):
         assert image.ndim == 3 and image.shape[0] > 300 and image.shape[1] > 600
 
 
+def test_gpn_inspect_of_a_peft_adapter_folder(tiny_llama_vocab_model, tmp_path):
+    """A PEFT adapter folder (what a LoRA fine-tune saves) was refused: "not a model folder: it has no config.json".
+    It loads as its base with the adapter attached, and the report is the adapted model's."""
+    import torch.nn.functional as F
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from modeling_gpn.cli import main
+    from modeling_gpn.inspect import load_token_windows
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_vocab_model)
+    adapted = get_peft_model(base, LoraConfig(r=4, target_modules=["read_query", "gate"], init_lora_weights=False))
+    folder = tmp_path / "adapter"
+    adapted.save_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_vocab_model)
+    tokenizer.save_pretrained(folder)
+    text = require_shared("data/tinyshakespeare/input.txt")
+    arguments = ["--data", str(text), "--tokens", "128", "--seq-len", "64", "--no-ablations", "--quiet"]
+    assert main(["inspect", str(folder), *arguments, "--output", str(tmp_path / "report")]) == 0
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+
+    windows = load_token_windows(tokenizer, str(text), 64, 128, progress=False)
+
+    def perplexity() -> float:
+        logits = adapted(windows).logits
+        return math.exp(F.cross_entropy(logits[:, :-1].flatten(0, 1), windows[:, 1:].flatten()).item())
+
+    with torch.no_grad():
+        with_adapter = perplexity()
+        with adapted.disable_adapter():
+            without = perplexity()
+    assert report["data"]["perplexity"] == pytest.approx(with_adapter, rel=1e-5)
+    assert abs(with_adapter / without - 1) > 1e-3  # the adapter matters, so the check can fail
+
+
 def test_gpn_inspect_rejects_bad_input(tiny_llama_vocab_model, tmp_path, capsys):
     """What the arguments name, missing or unusable (too little text for a window, a missing or unsupported data
     file, no model, a model folder without a tokenizer): exit 2 and one line naming it, nothing written."""
