@@ -1,6 +1,6 @@
-"""Memory retention (the paper's section 6.3): per memory head, the running product of the per-step decays
-exp(gamma) averaged over start positions, its 1/e half-life, and the split of the heads into a fast and a
-slow pool."""
+"""Memory retention (the paper's section 6.3): per memory head, the product of k consecutive per-step decays
+exp(gamma) averaged over the start positions that have k steps left in the window, its 1/e half-life, and the
+split of the heads into a fast and a slow pool."""
 
 from __future__ import annotations
 
@@ -16,9 +16,11 @@ INV_E = math.exp(-1.0)
 def retention_curves(gammas, max_lag: int | None = None) -> np.ndarray:
     """Per-head retention R_h(k) for k = 0..max_lag from gamma shaped (sequences, T, H).
 
-    R_h(k) is the product of k consecutive per-step retentions exp(gamma) (what is left of a memory
-    entry k writes later), averaged over every start position of every sequence. R_h(0) = 1.
-    Returns an array (max_lag + 1, H).
+    R_h(k) = mean over sequences n and start positions s = 0 .. T-k of exp(gamma[n, s] + ... + gamma[n, s+k-1]):
+    the share of what the memory held before position s that is left after the k writes at s .. s+k-1. A mean
+    of products (not the product of mean retentions), over the T-k+1 starts that still have k steps in the
+    window: fewer as k grows, so the long lags average over the window's early starts only (the paper's
+    product runs from the window's first token alone, s = 0). R_h(0) = 1. Returns an array (max_lag + 1, H).
     """
     g = as_float64(gammas, "gammas", 3)
     num_seq, length, heads = g.shape

@@ -4,7 +4,8 @@ removed.
 The conditions: s_bar subtracted from the decoded state, s_bar subtracted from the state carried to the
 next step, the fast pool's memory heads off, the slow pool's heads off, and every memory read off. They run
 `ablated_logits`, a copy of the model's time loop built from the model's own pieces that reproduces the
-model's logits exactly when no ablation is active; decode-only conditions reuse the collected states.
+model's plain (module-calling) loop exactly when no ablation is active; the baseline they are compared with
+runs that same loop with nothing removed, and decode-only conditions decode its states.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .states import Collected, window_nll
+from .states import window_nll
 
 
 @dataclass(eq=False)
@@ -144,6 +145,19 @@ def decoded_perplexity(
     return {"nll": nll_sum / count, "perplexity": math.exp(nll_sum / count), "tokens": count}
 
 
+@torch.inference_mode()
+def baseline_states(model, windows: torch.Tensor, batch_size: int = 8, progress: bool = True) -> np.ndarray:
+    """The predicted states (n, T, d), float32, of `windows` through `ablated_states` with nothing removed."""
+    from tqdm.auto import tqdm
+
+    device = next(model.parameters()).device
+    states = []
+    for start in tqdm(range(0, windows.shape[0], batch_size), desc="ablation: baseline", disable=not progress):
+        batch = windows[start : start + batch_size].to(device)
+        states.append(ablated_states(model, batch).float().cpu().numpy())
+    return np.concatenate(states)
+
+
 def standard_ablations(model, s_bar: np.ndarray, pools: dict | None) -> list[Ablation]:
     """The causal tests: s_bar out of the decoded state / the recurrence; fast / slow pool off; reads off."""
     device = next(model.parameters()).device
@@ -181,7 +195,6 @@ def standard_ablations(model, s_bar: np.ndarray, pools: dict | None) -> list[Abl
 def causal_tests(
     model,
     windows: torch.Tensor,
-    collected: Collected,
     s_bar: np.ndarray,
     pools: dict | None,
     ablation_windows: int | None = None,
@@ -189,16 +202,19 @@ def causal_tests(
     progress: bool = True,
 ) -> dict:
     """The report's causal tests: perplexity of the (first `ablation_windows`) windows under each of
-    `standard_ablations`, beside the baseline's, as rows with their change."""
+    `standard_ablations`, beside the baseline's, as rows with their change.
+
+    The baseline is the time loop the ablations run (`ablated_states` with nothing removed), not the model's
+    forward: the forward takes the fast path, whose rounding differs from the module-calling loop's in bf16,
+    and that difference would be counted as the ablations' effect. The decode-only conditions decode the baseline's states (no second recurrence)."""
     subset = windows if ablation_windows is None else windows[: max(1, ablation_windows)]
-    count = subset.shape[0]
-    # Decode-only conditions reuse the collected states (one decoder pass, no second recurrence).
-    baseline = decoded_perplexity(model, collected.states[:count], subset, None, batch_size)
+    states = baseline_states(model, subset, batch_size, progress)
+    baseline = decoded_perplexity(model, states, subset, None, batch_size)
     rows = [{"name": "baseline", "description": "the model as trained", **baseline, "delta_ppl": 0.0, "delta_pct": 0.0}]
     for ablation in standard_ablations(model, s_bar, pools):
         decode_only = ablation.carry_shift is None and not ablation.heads_off and not ablation.reads_off
         if decode_only:
-            result = decoded_perplexity(model, collected.states[:count], subset, ablation.decode_shift, batch_size)
+            result = decoded_perplexity(model, states, subset, ablation.decode_shift, batch_size)
         else:
             result = ablation_perplexity(model, subset, ablation, batch_size, progress)
         rows.append(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..cli.arguments import writable_folder
+from ..cli.arguments import torch_device, writable_folder
 from ..data import load_tokenizer
 from ..data.tokenizer import check_tokenizer_path
 from .figures import write_figures
@@ -22,7 +22,10 @@ from .states import collect
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="GPN model: a local folder (save_pretrained) or a Hub repo id")
+    parser.add_argument(
+        "model",
+        help="GPN model: a local folder (save_pretrained), a PEFT adapter folder (its base with the adapter), or a Hub repo id",
+    )
     parser.add_argument(
         "--data",
         default=DEFAULT_DATASET,
@@ -92,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     # whole analysis, whose results a bad --output then lost to a traceback).
     try:
         check_numbers(args)
+        torch_device(args.device)  # (a bad one was a traceback once the model had loaded and was being moved)
         if args.tokenizer:
             check_tokenizer_path(args.tokenizer)
         output = writable_folder(args.output, "--output")

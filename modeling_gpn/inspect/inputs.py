@@ -17,11 +17,16 @@ LOCAL_EXTENSIONS = LOCAL_SUFFIXES  # (the kinds of local file gpn train reads, a
 
 
 def load_model(name: str, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = False):
-    """Load a GPN causal LM from a local folder or the Hub, in eval mode. Clear error for other models."""
+    """Load a GPN causal LM from a local folder or the Hub, in eval mode. Clear error for other models.
+
+    A local PEFT adapter folder (adapter_config.json, no config.json) loads as its base model with the adapter
+    attached, through transformers' PEFT integration; every part of the analysis calls the adapted modules.
+    """
     import modeling_gpn  # noqa: F401  (registers GPN with the Auto classes)
     from modeling_gpn.evaluation.runner import causal_lm_from_pretrained, check_model_path
 
-    check_model_path(name)
+    if not (Path(name).expanduser() / "adapter_config.json").is_file():  # (which check_model_path would refuse)
+        check_model_path(name)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     model = causal_lm_from_pretrained(name, dtype=torch_dtype, trust_remote_code=trust_remote_code)
     if getattr(model.config, "model_type", None) != "gpn" or not hasattr(getattr(model, "model", None), "token_inputs"):
@@ -87,7 +92,7 @@ def _rows_text(rows, text_column: str, source: str) -> Iterator[tuple[str, bool]
         text = row[text_column]
         if text is not None and not isinstance(text, str):  # (the tokenizer's message names no file or column)
             raise ValueError(f"{source}: column {text_column!r} holds {type(text).__name__}, not text")
-        if text:
+        if text and text.strip():  # a blank row is no document, as in gpn train's and gpn eval's token streams
             yield text, False, True
 
 

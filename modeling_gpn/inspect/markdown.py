@@ -113,7 +113,8 @@ def memory_lines(memory: dict) -> list[str]:
     lines = [
         "## Memory retention",
         "",
-        f"Half-life = lag where the running product of e^γ, averaged over start positions, reaches 1/e "
+        f"Half-life = lag k where the product of k consecutive e^γ, averaged over every start that has k steps left "
+        "in its window, reaches 1/e "
         f"(window {memory['max_lag']} tokens; past it, extrapolated at the head's average rate, marked *). "
         f"Pools: {memory['rule']}"
         + (
@@ -152,8 +153,9 @@ def ablation_lines(ablations: dict) -> list[str]:
         "## Causal tests",
         "",
         f"Perplexity over {ablations['rows'][0]['tokens']:,} predicted tokens ({ablations['windows']} windows of "
-        f"{ablations['tokens'] // ablations['windows']}); s̄ {ablations['s_bar_source']}. Baseline and the decode-only "
-        "condition decode the collected states; the others rerun the time loop with the intervention.",
+        f"{ablations['tokens'] // ablations['windows']}); s̄ {ablations['s_bar_source']}. The baseline and every "
+        "intervention run the same time loop (the model's plain, module-calling one), the decode-only condition on the "
+        "baseline's states; the perplexity above is the model's forward.",
         "",
         "| condition | what changes | PPL | ΔPPL | Δ% |",
         "|---|---|---|---|---|",

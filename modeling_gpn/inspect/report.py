@@ -46,7 +46,7 @@ def build_report(
     if run_ablations:
         s_bar = report["mean_direction"]["s_bar"]
         report["ablations"] = causal_tests(
-            model, windows, collected, s_bar, report["memory"], ablation_windows, batch_size, progress
+            model, windows, s_bar, report["memory"], ablation_windows, batch_size, progress
         )
     return report
 

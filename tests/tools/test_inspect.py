@@ -36,6 +36,23 @@ def test_constant_decays_give_exact_half_lives_and_pools():
     assert 3.0 < result["threshold"] < 40.0
 
 
+def test_retention_averages_over_the_starts_that_have_k_steps_left():
+    """The documented definition, on decays that change along the window (constant decays give every definition
+    the same curve): R(k) = mean over windows and starts s = 0..T-k of exp(gamma_s + ... + gamma_{s+k-1}). Here
+    the first half of a window forgets fast and the second slowly, so the paper's product from the first token
+    alone, or a product of mean retentions, gives other curves."""
+    length, rng = 12, np.random.default_rng(7)
+    gammas = np.concatenate([np.full((2, length // 2, 2), -1.0), np.full((2, length // 2, 2), -0.05)], axis=1)
+    gammas = gammas * rng.uniform(0.5, 1.5, gammas.shape)
+    curves = analysis.retention_curves(gammas)
+    assert curves.shape == (length + 1, 2) and np.all(curves[0] == 1.0)
+    for k in range(1, length + 1):
+        products = [np.exp(gammas[n, s : s + k].sum(axis=0)) for n in range(2) for s in range(length - k + 1)]
+        np.testing.assert_allclose(curves[k], np.mean(products, axis=0), rtol=1e-12)
+    from_first_token = np.exp(gammas[:, :4].sum(axis=1)).mean(axis=0)
+    assert np.all(curves[4] > 10 * from_first_token)  # so the check tells the definitions apart
+
+
 def test_pool_split_refuses_a_split_without_two_timescales():
     assert analysis.split_pools([5.0, 6.0, 7.0, 8.0])["split"] is False
     assert analysis.split_pools([5.0])["fast_heads"] == []
@@ -307,6 +324,41 @@ def test_gpn_inspect_end_to_end(tiny_llama_vocab_model, tmp_path):
         assert image.ndim == 3 and image.shape[0] > 300 and image.shape[1] > 600
 
 
+def test_gpn_inspect_of_a_peft_adapter_folder(tiny_llama_vocab_model, tmp_path):
+    """A PEFT adapter folder (what a LoRA fine-tune saves) was refused: "not a model folder: it has no config.json".
+    It loads as its base with the adapter attached, and the report is the adapted model's."""
+    import torch.nn.functional as F
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from modeling_gpn.cli import main
+    from modeling_gpn.inspect import load_token_windows
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_vocab_model)
+    adapted = get_peft_model(base, LoraConfig(r=4, target_modules=["read_query", "gate"], init_lora_weights=False))
+    folder = tmp_path / "adapter"
+    adapted.save_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_vocab_model)
+    tokenizer.save_pretrained(folder)
+    text = require_shared("data/tinyshakespeare/input.txt")
+    arguments = ["--data", str(text), "--tokens", "128", "--seq-len", "64", "--no-ablations", "--quiet"]
+    assert main(["inspect", str(folder), *arguments, "--output", str(tmp_path / "report")]) == 0
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+
+    windows = load_token_windows(tokenizer, str(text), 64, 128, progress=False)
+
+    def perplexity() -> float:
+        logits = adapted(windows).logits
+        return math.exp(F.cross_entropy(logits[:, :-1].flatten(0, 1), windows[:, 1:].flatten()).item())
+
+    with torch.no_grad():
+        with_adapter = perplexity()
+        with adapted.disable_adapter():
+            without = perplexity()
+    assert report["data"]["perplexity"] == pytest.approx(with_adapter, rel=1e-5)
+    assert abs(with_adapter / without - 1) > 1e-3  # the adapter matters, so the check can fail
+
+
 def test_gpn_inspect_rejects_bad_input(tiny_llama_vocab_model, tmp_path, capsys):
     """What the arguments name, missing or unusable (too little text for a window, a missing or unsupported data
     file, no model, a model folder without a tokenizer): exit 2 and one line naming it, nothing written."""
@@ -403,6 +455,26 @@ def test_decode_only_shortcut_matches_the_ablated_recurrence():
     )
 
 
+def test_the_causal_tests_baseline_runs_the_ablations_time_loop():
+    """The baseline was the model's forward (the fast path) and the ablations ran the module-calling loop, which
+    rounds differently in bf16: removing nothing (s̄ = 0) reported a perplexity change. The baseline now runs the
+    ablations' own loop with nothing removed, so removing nothing changes nothing."""
+    from modeling_gpn.inspect import ablation_perplexity, causal_tests
+
+    model = perturbed_model(tiny_config(hidden_size=64)).to(torch.bfloat16)
+    windows = torch.randint(0, 97, (3, 64), generator=torch.Generator().manual_seed(6))
+    collected = collect(model, windows, batch_size=2, progress=False)
+    assert model.model.last_recurrence_path == "fast"
+    rows = {
+        row["name"]: row
+        for row in causal_tests(model, windows, np.zeros(64), None, batch_size=2, progress=False)["rows"]
+    }
+    loop = ablation_perplexity(model, windows, Ablation(), batch_size=2, progress=False)["perplexity"]
+    assert collected.perplexity != loop  # the two paths do differ here, so the check can fail
+    assert rows["baseline"]["perplexity"] == loop
+    assert rows["mean_removed_recurrence"]["delta_pct"] == 0.0 and rows["mean_removed_decode"]["delta_pct"] == 0.0
+
+
 @pytest.mark.parametrize(
     "arguments, message",
     [
@@ -412,6 +484,8 @@ def test_decode_only_shortcut_matches_the_ablated_recurrence():
         (["--output", "{file}"], "--output {file}: {file} is a file, not a folder"),
         (["--output", "{file}/report"], "--output {file}/report: {file} is a file, not a folder"),
         (["--output", "/proc/gpn-report"], "--output /proc/gpn-report: cannot write in /proc"),
+        (["--device", "gpu"], "--device 'gpu' is not a torch device"),
+        (["--device", "cuda:99"], "--device cuda:99"),  # no CUDA here, or not 100 GPUs
     ],
 )
 def test_gpn_inspect_checks_its_arguments_before_the_model_loads(arguments, message, tmp_path, capsys, monkeypatch):
@@ -451,7 +525,8 @@ def test_a_long_text_file_is_tokenized_as_gpn_train_tokenizes_it(tmp_path):
 def test_a_folder_is_inspected_on_exactly_the_files_gpn_train_reads(tmp_path):
     """`gpn inspect --data FOLDER` searched the folder on its own: it read Jupyter's `.ipynb_checkpoints/` copies
     and `__*` entries as more documents (which `gpn train` leaves out), took `.text` files `gpn train` did not,
-    and left out the `.csv` files it trains on. It finds the files as `gpn train --dataset FOLDER` does
+    and left out the `.csv` files it trains on; a blank jsonl row was a document (its whitespace and an EOS) that
+    gpn train leaves out. It finds the files as `gpn train --dataset FOLDER` does
     (`CorpusSpec.local_files`), so both read the same documents, in the same order."""
     from modeling_gpn.data import CorpusSpec
     from modeling_gpn.inspect import iter_documents
@@ -462,7 +537,7 @@ def test_a_folder_is_inspected_on_exactly_the_files_gpn_train_reads(tmp_path):
     (folder / "plays" / "one.txt").write_text("the first play\nends here\n")
     (folder / "plays" / ".ipynb_checkpoints" / "one-checkpoint.txt").write_text("the first play, an older copy\n")
     (folder / "plays" / "two.text").write_text("the second play\n")
-    (folder / "rows.jsonl").write_text('{"text": "a row of the jsonl file"}\n')
+    (folder / "rows.jsonl").write_text('{"text": "a row of the jsonl file"}\n{"text": " \\n"}\n')  # (and a blank one)
     (folder / "rows.csv").write_text('text\n"a row of the csv file"\n')
     (folder / "__pycache__" / "notes.txt").write_text("no part of the corpus\n")
     (folder / "__notes.txt").write_text("no part of the corpus either\n")
