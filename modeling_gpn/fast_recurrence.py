@@ -86,6 +86,7 @@ from .derived_weights import (
     registered_global_hook,
     replaced_method,
     replaced_method_reason,
+    version_of,
 )
 from .memory_kernels import (
     MAX_STEP_ROWS,
@@ -283,8 +284,10 @@ def _decoded_key(derived: dict, plan: DecodePlan, g0: torch.Tensor) -> torch.Ten
     token left it for exactly this state (the same tensor, not written since: a decode loop's next token),
     else as `_carried_key` finds it (a prompt's last window), else None (the call computes it)."""
     decoded = derived.get("decoded key")
-    if decoded is not None and decoded[0] is g0 and decoded[1] == g0._version and decoded[2] is plan.key:
-        return plan.key
+    # (a cache filled under inference_mode holds inference tensors, which track no version: never "not written")
+    if decoded is not None and decoded[0] is g0 and decoded[1] is not None and decoded[1] == version_of(g0):
+        if decoded[2] is plan.key:
+            return plan.key
     return _carried_key(derived, g0)
 
 
@@ -487,7 +490,7 @@ def fast_decode_token(
         except IndexError:  # an id outside the vocabulary: the forward's own check says which
             check_input_ids(input_ids, model.config.vocab_size)
             raise
-        derived["decoded key"] = (g0, g0._version, plan.key)
+        derived["decoded key"] = (g0, version_of(g0), plan.key)
     cache.advanced_in_place(input_ids, hashed=ids_hash is not None)
     cache.note_model(model)  # whose state this is, for GPNCache.save
     keep_with(model, cache, scope)

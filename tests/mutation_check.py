@@ -2185,6 +2185,34 @@ MUTATIONS = [
             "tests/model/test_config_and_conversion.py::test_a_transformers_folder_or_its_weights_given_to_convert_says_what_it_is",
         ),
     ),
+    Mutation(
+        "inference tensors: their version read as any tensor's (a model built under inference_mode)",
+        "modeling_gpn/derived_weights.py",
+        '    try:\n        return tensor._version\n    except RuntimeError:  # "Inference tensors do not track version counter"\n        return None\n',
+        "    return tensor._version  # MUTATION\n",
+        ("tests/fast_path/test_inference_mode.py -k built",),
+    ),
+    Mutation(
+        "inference tensors: the one-call decode reads the state's version as any tensor's",
+        "modeling_gpn/fast_recurrence.py",
+        'derived["decoded key"] = (g0, version_of(g0), plan.key)',
+        'derived["decoded key"] = (g0, g0._version, plan.key)  # MUTATION',
+        ("tests/fast_path/test_inference_mode.py::test_generate_under_inference_mode_gives_no_grads_logits[fast]",),
+    ),
+    Mutation(
+        "inference tensors: a cache filled under inference_mode is written in place outside it",
+        "modeling_gpn/cache.py",
+        "        self._leave_inference_mode()\n",
+        "",
+        ("tests/fast_path/test_inference_mode.py -k cache_filled and plain",),
+    ),
+    Mutation(
+        "inference tensors: the weights' hash reads their versions as any tensor's",
+        "modeling_gpn/state_file.py",
+        "{tensor.dtype}{version_of(tensor)}",
+        "{tensor.dtype}{tensor._version}",
+        ("tests/fast_path/test_inference_mode.py -k built",),
+    ),
 ]
 
 
