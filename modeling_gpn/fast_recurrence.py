@@ -284,10 +284,15 @@ def _decoded_key(derived: dict, plan: DecodePlan, g0: torch.Tensor) -> torch.Ten
     token left it for exactly this state (the same tensor, not written since: a decode loop's next token),
     else as `_carried_key` finds it (a prompt's last window), else None (the call computes it)."""
     decoded = derived.get("decoded key")
-    # (a cache filled under inference_mode holds inference tensors, which track no version: never "not written")
-    if decoded is not None and decoded[0] is g0 and decoded[1] is not None and decoded[1] == version_of(g0):
-        if decoded[2] is plan.key:
-            return plan.key
+    version = version_of(g0)  # (None: an inference tensor, whose writes nothing tracks: never "not written since")
+    if (
+        decoded is not None
+        and decoded[0] is g0
+        and version is not None
+        and decoded[1] == version
+        and decoded[2] is plan.key
+    ):
+        return plan.key
     return _carried_key(derived, g0)
 
 
