@@ -190,7 +190,7 @@ class GPNStateLayer(LinearAttentionLayer):
         """A cache filled under `torch.inference_mode()` holds inference tensors, which torch lets nothing write in
         place outside it: continued outside it, its buffers are copied once into ordinary tensors (the same
         values), before anything is written (the one-call decode writes them from C, which torch does not see)."""
-        if torch.is_inference_mode_enabled():
+        if is_tracing() or torch.is_inference_mode_enabled():  # (a traced program holds no inference tensor)
             return
         for index in range(self.number_of_states):
             tensor = self.recurrent_states[index]
