@@ -125,6 +125,7 @@ from .recurrence_step import (
     in_matmul_dtype,
     int8_weight_parts,
     key_from_grounded,
+    misshapen_step_weight,
     shapes_of,
     transpose_weights,
 )
@@ -947,6 +948,10 @@ def _fast_recurrence(model, token_inputs, state, mask, output_memory_decays: boo
         starts = starts.bool()
     # the weights derived from the parameters for this forward or generate() call (never an older one's)
     derived = derived_weights_of(model).current(model)
+    if "misshapen weight" not in derived:  # (once per derivation: a replaced parameter derives afresh)
+        derived["misshapen weight"] = misshapen_step_weight(model, s)
+    if derived["misshapen weight"] is not None:
+        raise ValueError(derived["misshapen weight"])
     folded = derived.setdefault("folded weights", {})
     if triton_selected(U):  # the kernels are checked against the torch ops once per device and sizes
         step_dtype = matmul_dtype or model.fuse_gate.weight.dtype

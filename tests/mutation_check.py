@@ -2213,6 +2213,34 @@ MUTATIONS = [
         "{tensor.dtype}{tensor._version}",
         ("tests/fast_path/test_inference_mode.py -k built",),
     ),
+    Mutation(
+        "a step weight of another shape than the config's: the fast path runs it",
+        "modeling_gpn/fast_recurrence.py",
+        '    if derived["misshapen weight"] is not None:\n        raise ValueError(derived["misshapen weight"])\n',
+        "",
+        ("tests/fast_path/test_kernel_safety.py -k replaced_by",),
+    ),
+    Mutation(
+        "a step weight of another shape than the config's: the C step plan takes its rows",
+        "modeling_gpn/memory_kernels.py",
+        "            if op.weight.shape[0] != rows:\n",
+        "            if False:  # MUTATION\n",
+        ("tests/fast_path/test_kernel_safety.py -k replaced_by and ffn_in",),
+    ),
+    Mutation(
+        "a step weight of another shape than the config's: the C step plan takes a norm of d or vw anywhere",
+        "modeling_gpn/memory_kernels.py",
+        "            if n.shape != (width,):\n",
+        "            if n.shape != (width,) and n.numel() not in (d, vw):  # MUTATION\n",
+        ("tests/fast_path/test_kernel_safety.py -k replaced_by and read_out_norm",),
+    ),
+    Mutation(
+        "a step weight of another shape than the config's: the C step plan takes any A_log",
+        "modeling_gpn/memory_kernels.py",
+        "        if self.neg_decay.shape != (max(H, 1),):\n",
+        "        if False:  # MUTATION\n",
+        ("tests/fast_path/test_kernel_safety.py -k replaced_by and A_log",),
+    ),
 ]
 
 
