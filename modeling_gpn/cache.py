@@ -172,6 +172,7 @@ class GPNStateLayer(LinearAttentionLayer):
         self.fingerprint = ReadFingerprint()  # of the positions read (see GPNForCausalLM._prefill)
 
     def store(self, predicted: torch.Tensor, grounded: torch.Tensor, memory: torch.Tensor) -> None:
+        self._leave_inference_mode()
         for index, tensor in ((self.PREDICTED, predicted), (self.GROUNDED, grounded), (self.MEMORY, memory)):
             stored = self.recurrent_states[index]
             if stored is not None and stored.shape != tensor.shape:
@@ -184,6 +185,20 @@ class GPNStateLayer(LinearAttentionLayer):
             self.has_previous_state[index] = True
             if self.device is None:
                 self.device, self.dtype = tensor.device, tensor.dtype
+
+    def _leave_inference_mode(self) -> None:
+        """A cache filled under `torch.inference_mode()` holds inference tensors, which torch lets nothing write in
+        place outside it: continued outside it, its buffers are copied once into ordinary tensors (the same
+        values), before anything is written (the one-call decode writes them from C, which torch does not see)."""
+        if is_tracing() or torch.is_inference_mode_enabled():  # (a traced program holds no inference tensor)
+            return
+        for index in range(self.number_of_states):
+            tensor = self.recurrent_states[index]
+            if isinstance(tensor, torch.Tensor) and tensor.is_inference():
+                self.recurrent_states[index] = tensor.clone()
+        shifted = self.fingerprint.shifted
+        if shifted is not None and shifted.is_inference():
+            self.fingerprint.shifted = shifted.clone()
 
     def reset(self) -> None:
         super().reset()

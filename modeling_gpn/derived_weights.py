@@ -72,10 +72,10 @@ _PLAIN = (torch.nn.Parameter, torch.Tensor)
 def _tensor_key(tensor: torch.Tensor) -> tuple:
     kind = type(tensor)
     if kind in _PLAIN:
-        return tensor.data_ptr(), tensor._version, tensor.dtype, tensor.device
+        return tensor.data_ptr(), version_of(tensor), tensor.dtype, tensor.device
     flatten = getattr(kind, "__tensor_flatten__", None)
     if flatten is None:
-        return tensor.data_ptr(), tensor._version, tensor.dtype, tensor.device
+        return tensor.data_ptr(), version_of(tensor), tensor.dtype, tensor.device
     with torch._C.DisableTorchFunctionSubclass():  # (its attributes without the subclass's dispatch)
         inner = flatten(tensor)[0]
         return (kind, tensor.dtype, tensor.device, *(_tensor_key(tensor.__dict__[name]) for name in inner))
@@ -138,6 +138,24 @@ _version = operator.attrgetter("_version")
 _data_ptr = torch.Tensor.data_ptr
 
 
+def version_of(tensor: torch.Tensor) -> int | None:
+    """`tensor._version`, or None for an inference tensor (made under `torch.inference_mode()`: a model built or
+    loaded there, a cache filled there), which tracks no version. Its in-place writes, possible only inside
+    inference mode, are then not seen by a key, as writes through `.data` are not: scopes still derive afresh."""
+    try:
+        return tensor._version
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return None
+
+
+def _versions(tensors: list) -> list:
+    """`version_of` of each tensor (one C-level pass where none is an inference tensor: the common case)."""
+    try:
+        return list(map(_version, tensors))
+    except RuntimeError:
+        return list(map(version_of, tensors))
+
+
 class WatchedModules:
     """The modules below `roots` as they are now, to tell cheaply whether they still are: the same module
     objects under the same names, none hooked nor given a `forward` (or another of its `methods`, and no
@@ -193,7 +211,7 @@ class WatchedModules:
                 tensors += inner
         self.tensors = tensors
         self.pointers = list(map(_data_ptr, tensors))
-        self.versions = list(map(_version, tensors))
+        self.versions = _versions(tensors)
         self.hooks_seen_at = None  # (the `next_id` at the last look at every module's hooks that found none)
         self.unhooked()
 
@@ -225,7 +243,7 @@ class WatchedModules:
         return (
             self.unhooked()
             and all(map(operator.is_, map(dict.get, self.owners, self.names), self.objects))
-            and list(map(_version, self.tensors)) == self.versions
+            and _versions(self.tensors) == self.versions
             and list(map(_data_ptr, self.tensors)) == self.pointers
             and list(map(len, self.held)) == self.sizes
             and all(map(operator.is_, map(type, self.subclassed), self.kinds))

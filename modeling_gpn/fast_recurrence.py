@@ -86,6 +86,7 @@ from .derived_weights import (
     registered_global_hook,
     replaced_method,
     replaced_method_reason,
+    version_of,
 )
 from .memory_kernels import (
     MAX_STEP_ROWS,
@@ -124,6 +125,7 @@ from .recurrence_step import (
     in_matmul_dtype,
     int8_weight_parts,
     key_from_grounded,
+    misshapen_step_weight,
     shapes_of,
     transpose_weights,
 )
@@ -283,7 +285,14 @@ def _decoded_key(derived: dict, plan: DecodePlan, g0: torch.Tensor) -> torch.Ten
     token left it for exactly this state (the same tensor, not written since: a decode loop's next token),
     else as `_carried_key` finds it (a prompt's last window), else None (the call computes it)."""
     decoded = derived.get("decoded key")
-    if decoded is not None and decoded[0] is g0 and decoded[1] == g0._version and decoded[2] is plan.key:
+    version = version_of(g0)  # (None: an inference tensor, whose writes nothing tracks: never "not written since")
+    if (
+        decoded is not None
+        and decoded[0] is g0
+        and version is not None
+        and decoded[1] == version
+        and decoded[2] is plan.key
+    ):
         return plan.key
     return _carried_key(derived, g0)
 
@@ -487,7 +496,7 @@ def fast_decode_token(
         except IndexError:  # an id outside the vocabulary: the forward's own check says which
             check_input_ids(input_ids, model.config.vocab_size)
             raise
-        derived["decoded key"] = (g0, g0._version, plan.key)
+        derived["decoded key"] = (g0, version_of(g0), plan.key)
     cache.advanced_in_place(input_ids, hashed=ids_hash is not None)
     cache.note_model(model)  # whose state this is, for GPNCache.save
     keep_with(model, cache, scope)
@@ -939,6 +948,10 @@ def _fast_recurrence(model, token_inputs, state, mask, output_memory_decays: boo
         starts = starts.bool()
     # the weights derived from the parameters for this forward or generate() call (never an older one's)
     derived = derived_weights_of(model).current(model)
+    if "misshapen weight" not in derived:  # (once per derivation: a replaced parameter derives afresh)
+        derived["misshapen weight"] = misshapen_step_weight(model, s)
+    if derived["misshapen weight"] is not None:
+        raise ValueError(derived["misshapen weight"])
     folded = derived.setdefault("folded weights", {})
     if triton_selected(U):  # the kernels are checked against the torch ops once per device and sizes
         step_dtype = matmul_dtype or model.fuse_gate.weight.dtype

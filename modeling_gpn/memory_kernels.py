@@ -2480,11 +2480,19 @@ class StepPlan:
                 segments.append(_segment(op, slots[slot], buffers[out] if isinstance(out, str) else out, column))
             phases.append((first, len(parts)))
 
+        def sized(module, rows: int, extra_bias: torch.Tensor | None = None) -> Operand:
+            # (a replaced weight of another shape would run into its neighbours' columns, or leave some unwritten:
+            # the plain loop raises on it, so the plan refuses it and the torch ops raise as the plain loop does)
+            op = operand_of(module, extra_bias=extra_bias)
+            if op.weight.shape[0] != rows:
+                _refuse(f"a weight of shape {tuple(op.weight.shape)} where the config makes {rows} outputs")
+            return op
+
         layers, write_module = list(model.predict_layers), model.memory_write
         norms = [model.fuse_gate_norm.weight, write_module.norm.weight if self.memory else model.fuse_gate_norm.weight]
-        phase((operand_of(model.fuse_gate), "fg", "zfg", 0))
+        phase((sized(model.fuse_gate, d), "fg", "zfg", 0))
         if self.memory:
-            phase((operand_of(write_module.key), "key", "key0", 0))
+            phase((sized(write_module.key, kw), "key", "key0", 0))
         else:
             phase()
         for index, layer in enumerate(layers):
@@ -2494,21 +2502,21 @@ class StepPlan:
             parts = []
             if index == 0 and self.memory:
                 parts += [
-                    (operand_of(write_module.key), "write", "Z", 0),
-                    (operand_of(write_module.value), "write", "Z", kw),
-                    (operand_of(write_module.beta), "write", "Z", kw + vw),
-                    (operand_of(write_module.decay, extra_bias=write_module.dt_bias), "write", "Z", kw + vw + H),
+                    (sized(write_module.key, kw), "write", "Z", 0),
+                    (sized(write_module.value, vw), "write", "Z", kw),
+                    (sized(write_module.beta, H), "write", "Z", kw + vw),
+                    (sized(write_module.decay, H, extra_bias=write_module.dt_bias), "write", "Z", kw + vw + H),
                 ]
-            parts += [(operand_of(layer.gate), "gate", out, base), (operand_of(layer.ffn_in), "ffn", out, base + d)]
+            parts += [(sized(layer.gate, d), "gate", out, base), (sized(layer.ffn_in, 2 * f), "ffn", out, base + d)]
             if self.memory:
                 parts += [
-                    (operand_of(layer.read_query), "read", out, base + d + 2 * f),
-                    (operand_of(layer.read_gate), "read", out, base + d + 2 * f + kw),
+                    (sized(layer.read_query, kw), "read", out, base + d + 2 * f),
+                    (sized(layer.read_gate, vw), "read", out, base + d + 2 * f + kw),
                 ]
             phase(*parts)
-            outputs = [(operand_of(layer.ffn_out), "hidden", "y_ffn", 0)]
+            outputs = [(sized(layer.ffn_out, d), "hidden", "y_ffn", 0)]
             if self.memory:
-                outputs.append((operand_of(layer.read_out), "gated", "y_read", 0))
+                outputs.append((sized(layer.read_out, d), "gated", "y_read", 0))
             phase(*outputs)
         self.key_bias = None
         if self.memory:
@@ -2524,11 +2532,15 @@ class StepPlan:
         self._tasks = torch.tensor(tasks, dtype=torch.int64).reshape(-1)
         self._phases = torch.tensor(ranges, dtype=torch.int64)
         self._norms_f32 = [n.detach().float().contiguous() for n in norms]
-        for n in self._norms_f32:
-            if n.shape != (d,) and n.numel() not in (d, vw):
-                _refuse("a norm weight has an unexpected shape")
+        # (each norm's width: d, but vw for a layer's read output)
+        widths = [d, d] + [vw if (self.memory and i % 4 == 3) else d for i in range(4 * L)]
+        for n, width in zip(self._norms_f32, widths):
+            if n.shape != (width,):
+                _refuse(f"a norm weight has shape {tuple(n.shape)} where the config makes ({width},)")
         self._norm_pointers = (ctypes.c_void_p * len(self._norms_f32))(*(n.data_ptr() for n in self._norms_f32))
         self.neg_decay = (-torch.exp(write_module.A_log.detach().float())).contiguous() if self.memory else zeros(1)
+        if self.neg_decay.shape != (max(H, 1),):
+            _refuse(f"A_log has shape {tuple(self.neg_decay.shape)} where the config makes ({H},)")
         plan = _Plan(
             B, d, f, H, dk, dv, L, int(self.memory), write + width_part, width_part, float(config.rms_norm_eps)
         )

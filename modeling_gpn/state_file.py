@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .atomic_files import write_file_atomically
 from .configuration_gpn import GPNConfig
-from .derived_weights import modules_below, parameters_key
+from .derived_weights import modules_below, parameters_key, version_of
 
 STATE_FILE_FORMAT = "gpn-state"
 # 2: the weights fingerprint hashes every parameter (1 hashed only the vectors, so a state loaded into the same
@@ -137,7 +137,7 @@ def weights_hash(model: nn.Module) -> str:
     glance = hashlib.sha256()
     for name, tensor in stored:
         flat = tensor.reshape(-1)
-        glance.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}{tensor._version}".encode())
+        glance.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}{version_of(tensor)}".encode())
         glance.update(_tensor_bytes(flat[:: max(1, flat.numel() // GLANCE_VALUES)]))
     cached = _weights_hashes.get(model)
     if cached is None or cached[0] != glance.digest():

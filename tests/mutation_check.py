@@ -238,8 +238,8 @@ MUTATIONS = [
     Mutation(
         "one-call decode (the key the last token left reused after the state was written)",
         "modeling_gpn/fast_recurrence.py",
-        "decoded[0] is g0 and decoded[1] == g0._version and decoded[2] is plan.key",
-        "decoded[0] is g0 and True and decoded[2] is plan.key",
+        "        and version is not None\n        and decoded[1] == version\n",
+        "",
         ("tests/fast_path/test_decode_call.py -k written_between",),
     ),
     Mutation(
@@ -2227,6 +2227,62 @@ MUTATIONS = [
         (
             "tests/model/test_config_and_conversion.py::test_a_transformers_folder_or_its_weights_given_to_convert_says_what_it_is",
         ),
+    ),
+    Mutation(
+        "inference tensors: their version read as any tensor's (a model built under inference_mode)",
+        "modeling_gpn/derived_weights.py",
+        '    try:\n        return tensor._version\n    except RuntimeError:  # "Inference tensors do not track version counter"\n        return None\n',
+        "    return tensor._version  # MUTATION\n",
+        ("tests/fast_path/test_inference_mode.py -k built",),
+    ),
+    Mutation(
+        "inference tensors: the one-call decode reads the state's version as any tensor's",
+        "modeling_gpn/fast_recurrence.py",
+        'derived["decoded key"] = (g0, version_of(g0), plan.key)',
+        'derived["decoded key"] = (g0, g0._version, plan.key)  # MUTATION',
+        ("tests/fast_path/test_inference_mode.py::test_generate_under_inference_mode_gives_no_grads_logits[fast]",),
+    ),
+    Mutation(
+        "inference tensors: a cache filled under inference_mode is written in place outside it",
+        "modeling_gpn/cache.py",
+        "        self._leave_inference_mode()\n",
+        "",
+        ("tests/fast_path/test_inference_mode.py -k cache_filled and plain",),
+    ),
+    Mutation(
+        "inference tensors: the weights' hash reads their versions as any tensor's",
+        "modeling_gpn/state_file.py",
+        "{tensor.dtype}{version_of(tensor)}",
+        "{tensor.dtype}{tensor._version}",
+        ("tests/fast_path/test_inference_mode.py -k built",),
+    ),
+    Mutation(
+        "a step weight of another shape than the config's: the fast path runs it",
+        "modeling_gpn/fast_recurrence.py",
+        '    if derived["misshapen weight"] is not None:\n        raise ValueError(derived["misshapen weight"])\n',
+        "",
+        ("tests/fast_path/test_kernel_safety.py -k replaced_by",),
+    ),
+    Mutation(
+        "a step weight of another shape than the config's: the C step plan takes its rows",
+        "modeling_gpn/memory_kernels.py",
+        "            if op.weight.shape[0] != rows:\n",
+        "            if False:  # MUTATION\n",
+        ("tests/fast_path/test_kernel_safety.py -k replaced_by and ffn_in",),
+    ),
+    Mutation(
+        "a step weight of another shape than the config's: the C step plan takes a norm of d or vw anywhere",
+        "modeling_gpn/memory_kernels.py",
+        "            if n.shape != (width,):\n",
+        "            if n.shape != (width,) and n.numel() not in (d, vw):  # MUTATION\n",
+        ("tests/fast_path/test_kernel_safety.py -k replaced_by and read_out_norm",),
+    ),
+    Mutation(
+        "a step weight of another shape than the config's: the C step plan takes any A_log",
+        "modeling_gpn/memory_kernels.py",
+        "        if self.neg_decay.shape != (max(H, 1),):\n",
+        "        if False:  # MUTATION\n",
+        ("tests/fast_path/test_kernel_safety.py -k replaced_by and A_log",),
     ),
 ]
 

@@ -288,6 +288,46 @@ def test_kernels_refuse_tensors_they_cannot_read_and_the_torch_ops_take_over():
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+REPLACED_OF_ANOTHER_SHAPE = {
+    "ffn_in": lambda layer, c: setattr(
+        layer.ffn_in, "weight", torch.nn.Parameter(torch.randn(2 * c.intermediate_size + 1, c.hidden_size))
+    ),
+    "A_log": lambda layer, c: None,  # (the memory write's, below)
+    "read_out_norm": lambda layer, c: setattr(
+        layer.read_out_norm, "weight", torch.nn.Parameter(torch.ones(c.hidden_size))
+    ),
+}
+
+
+@pytest.mark.parametrize("replaced", sorted(REPLACED_OF_ANOTHER_SHAPE))
+def test_a_weight_replaced_by_one_of_another_shape_is_refused_by_name(replaced):
+    """`layer.ffn_in.weight = nn.Parameter(...)` of one more row (or an A_log of one more head, a read output norm as
+    wide as the state where the read is narrower): the plain loop raises on the shapes; the fast path says which
+    weight, never returning logits, on the C step kernels (B = 2) and the torch ops (B = 17). (Both once took some:
+    the extra row ran into the next product's columns, a norm or A_log was read only as far as the config says.)
+    The C step plan refuses them too, whoever builds it."""
+    from modeling_gpn import memory_kernels as mk
+
+    assert mk.available(), mk.unavailable_reason()
+    config = tiny_config(num_memory_heads=2, memory_value_dim=8)  # (the read, 16 wide, narrower than d = 48)
+    model = perturbed_model(config, seed=41)
+    REPLACED_OF_ANOTHER_SHAPE[replaced](model.model.predict_layers[0], config)
+    if replaced == "A_log":
+        model.model.memory_write.A_log = torch.nn.Parameter(torch.zeros(config.num_memory_heads + 1))
+    name = {"A_log": "memory_write.A_log"}.get(replaced, f"predict_layers.0.{replaced}.weight")
+    for rows in (2, 17):
+        ids = torch.randint(1, 97, (rows, 4), generator=torch.Generator().manual_seed(42))
+        model.model.use_fast_path = False
+        with torch.no_grad(), pytest.raises(RuntimeError):
+            model(ids)
+        model.model.use_fast_path = True
+        with torch.no_grad(), pytest.raises(ValueError, match=rf"{name} has shape .* but the config makes it"):
+            model(ids)
+        assert model.model.last_recurrence_path == "fast"
+    with pytest.raises(mk.KernelRefusal, match="config makes"):
+        mk.StepPlan(model.model, 2)
+
+
 # --------------------------------------------------------------------------------------------------
 # The kernel cache: real damaged and foreign libraries, each probed in a subprocess
 # --------------------------------------------------------------------------------------------------
