@@ -2122,6 +2122,13 @@ MUTATIONS = [
         ("tests/tools/test_generate_cli.py -k as_it_is_generated and SentencePiece",),
     ),
     Mutation(
+        "gpn inspect ignores --split / --data-config beside local data (in silence)",
+        "modeling_gpn/inspect/inputs.py",
+        "        if given:  # (they choose a Hub dataset's rows",
+        "        if False:  # MUTATION (they choose a Hub dataset's rows",
+        ("tests/tools/test_inspect.py::test_gpn_inspect_rejects_bad_input",),
+    ),
+    Mutation(
         "a state saved after its model changed names the edited model (the save's snapshot check removed)",
         "modeling_gpn/cache.py",
         "            if snapshot is not None and weights_snapshot(model) != snapshot:",

@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"Hub dataset configuration; None means {DEFAULT_DATASET_CONFIG} for {DEFAULT_DATASET}",
     )
-    parser.add_argument("--split", default="train", help="Hub dataset split (streamed)")
+    parser.add_argument("--split", default="train", help="Hub dataset split (streamed); local data is read whole")
     parser.add_argument("--text-column", default="text", help="column holding the text in jsonl/parquet/Hub data")
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder or Hub id; None means the model's own")
     parser.add_argument("--output", required=True, help="folder for report.json, report.md and the PNG figures")

@@ -62,6 +62,12 @@ def iter_documents(
     """
     files = _local_files(data)
     if files is not None:
+        given = [
+            option for option, value in (("--data-config", config), ("--split", split)) if value not in (None, "train")
+        ]
+        if given:  # (they choose a Hub dataset's rows: local files are read whole, as gpn train reads them)
+            verb = "applies" if len(given) == 1 else "apply"
+            raise ValueError(f"{' and '.join(given)} {verb} to a Hub dataset; {data} is local data, read whole")
         for file in files:
             kind = LOCAL_EXTENSIONS[file.suffix.lower()]
             if kind == "text":

@@ -361,7 +361,8 @@ def test_gpn_inspect_of_a_peft_adapter_folder(tiny_llama_vocab_model, tmp_path):
 
 def test_gpn_inspect_rejects_bad_input(tiny_llama_vocab_model, tmp_path, capsys):
     """What the arguments name, missing or unusable (too little text for a window, a missing or unsupported data
-    file, no model, a model folder without a tokenizer): exit 2 and one line naming it, nothing written."""
+    file, no model, a model folder without a tokenizer, a Hub dataset's --split or --data-config beside local data,
+    which were ignored in silence): exit 2 and one line naming it, nothing written."""
     from modeling_gpn.cli import main
 
     text = require_shared("data/tinyshakespeare/input.txt")
@@ -389,6 +390,14 @@ def test_gpn_inspect_rejects_bad_input(tiny_llama_vocab_model, tmp_path, capsys)
         ([str(tiny_llama_vocab_model), "--data", str(numbers)], "numbers.jsonl: column 'text' holds int, not text"),
         ([str(tmp_path / "no-such-model"), "--data", str(text)], "does not exist"),
         ([str(bare), "--data", str(text)], "holds no tokenizer"),
+        (
+            [str(tiny_llama_vocab_model), "--data", str(text), "--split", "validation"],
+            "--split applies to a Hub dataset",
+        ),
+        (
+            [str(tiny_llama_vocab_model), "--data", str(numbers), "--data-config", "en"],
+            "--data-config applies to a Hub",
+        ),
     ]
     for arguments, needle in cases:
         output = tmp_path / "report"
