@@ -851,8 +851,8 @@ MUTATIONS = [
     Mutation(
         "gpn CMD --help without '(default: None)' after options that have no default",
         "modeling_gpn/cli/formatting.py",
-        "        return action.help if action.default is None else super()._get_help_string(action)",
-        "        return super()._get_help_string(action)  # MUTATION",
+        "        if action.default is None or (action.option_strings and action.nargs == 0):",
+        "        if action.option_strings and action.nargs == 0:  # MUTATION",
         (
             "tests/tools/test_docs.py::test_help_gives_each_option_its_default_once",
             "tests/tools/test_docs.py::test_the_training_programs_own_help_gives_each_default_once",
@@ -2120,6 +2120,13 @@ MUTATIONS = [
         "self.tokenizer, self.context = tokenizer, prompt_ids[-self.CONTEXT :]",
         "self.tokenizer, self.context = tokenizer, prompt_ids[:0]  # MUTATION",
         ("tests/tools/test_generate_cli.py -k as_it_is_generated and SentencePiece",),
+    ),
+    Mutation(
+        "gpn CMD --help shows a flag's default ('--no-stream ... (default: True)')",
+        "modeling_gpn/cli/formatting.py",
+        "        if action.default is None or (action.option_strings and action.nargs == 0):",
+        "        if action.default is None:  # MUTATION",
+        ("tests/tools/test_docs.py -k gives_each_option_its_default_once",),
     ),
     Mutation(
         "gpn inspect ignores --split / --data-config beside local data (in silence)",
