@@ -23,6 +23,7 @@ from modeling_gpn import train as train_module
 
 from ..environment import require_environment
 from .train_runs import (
+    failed_launch_output,
     finish,
     launch,
     launch_two_processes,
@@ -535,13 +536,7 @@ def test_sigterm_to_one_ddp_rank_stops_every_rank_at_the_same_step_with_a_checkp
     )
     wait_for_step(launcher, run_dir, 2)
     os.kill(_ranks(launcher)[1], signal.SIGTERM)  # rank 1 only: rank 0 must learn it at the step boundary
-    try:
-        launcher.wait(timeout=120)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(launcher.pid, signal.SIGKILL)
-    output = launcher.log_path.read_text()
-    assert launcher.returncode != 0, output[-3000:]
+    output = failed_launch_output(launcher)
     [checkpoint] = sorted((run_dir / "checkpoints").glob("step-*"))
     step = int(checkpoint.name.split("-")[1])
     assert json.loads((checkpoint / "trainer_state.json").read_text())["step"] == step
@@ -582,13 +577,7 @@ def test_a_rank_that_dies_inside_a_checkpoint_is_named_not_blamed_on_the_disk(tm
         tmp_path / "ddp.log",
         program=(str(script),),
     )
-    try:
-        launcher.wait(timeout=120)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(launcher.pid, signal.SIGKILL)
-    output = launcher.log_path.read_text()
-    assert launcher.returncode != 0, output[-3000:]
+    output = failed_launch_output(launcher)
     errors = [line for line in output.splitlines() if line.startswith("gpn train: error:")]
     assert errors and errors[0].startswith(
         "gpn train: error: another process ended while saving checkpoint step-0000002, so this one stops too"

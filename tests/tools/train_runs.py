@@ -143,6 +143,19 @@ def launch_two_processes(
     )
 
 
+def failed_launch_output(launcher: subprocess.Popen, timeout: float = 120) -> str:
+    """Wait for a launch that must fail by itself (its process group killed whatever happens, so no rank
+    outlives the test), and give its output after checking it ended with an error."""
+    try:
+        launcher.wait(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+    output = launcher.log_path.read_text()
+    assert launcher.returncode != 0, output[-3000:]
+    return output
+
+
 def free_port() -> int:
     """A free TCP port on the loopback, for a launch's rendezvous."""
     with socket.socket() as sock:
