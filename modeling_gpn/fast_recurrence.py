@@ -949,7 +949,7 @@ def _fast_recurrence(model, token_inputs, state, mask, output_memory_decays: boo
     # the weights derived from the parameters for this forward or generate() call (never an older one's)
     derived = derived_weights_of(model).current(model)
     if "misshapen weight" not in derived:  # (once per derivation: a replaced parameter derives afresh)
-        derived["misshapen weight"] = misshapen_step_weight(model, s)
+        derived["misshapen weight"] = misshapen_step_weight(model)
     if derived["misshapen weight"] is not None:
         raise ValueError(derived["misshapen weight"])
     folded = derived.setdefault("folded weights", {})

@@ -315,33 +315,30 @@ def shapes_of(model, batch: int) -> Shapes:
     )
 
 
-def step_weight_shapes(s: Shapes) -> dict[str, tuple[int, ...]]:
-    """The shape the config makes for each parameter of the step's modules, by its name under the base model."""
-    d, f, L = s.hidden, s.inter, s.layers
-    kw, vw, H = s.heads * s.key_dim, s.heads * s.value_dim, s.heads
-    shapes = {"fuse_gate_norm.weight": (d,), "fuse_gate.weight": (d, d), "fuse_gate.bias": (d,)}
-    if s.memory:
-        write = {"A_log": (H,), "dt_bias": (H,), "norm.weight": (d,), "key.weight": (kw, d), "key.bias": (kw,)}
-        write |= {"value.weight": (vw, d), "beta.weight": (H, d), "decay.weight": (H, d)}
-        shapes |= {f"memory_write.{name}": shape for name, shape in write.items()}
-    layer = {"gate_norm.weight": (d,), "gate.weight": (d, d), "gate.bias": (d,), "ffn_norm.weight": (d,)}
-    layer |= {"ffn_in.weight": (2 * f, d), "ffn_out.weight": (d, f)}
-    if s.memory:
-        layer |= {"read_norm.weight": (d,), "read_query.weight": (kw, d), "read_query.bias": (kw,)}
-        layer |= {"read_gate.weight": (vw, d), "read_out_norm.weight": (vw,), "read_out.weight": (d, vw)}
-    for index in range(L):
-        shapes |= {f"predict_layers.{index}.{name}": shape for name, shape in layer.items()}
+STEP_MODULES = ("fuse_gate", "memory_write.", "predict_layers.")  # the parameters the step's products lay out
+# model -> {parameter name: the shape its class makes for its config}, from the class built on the meta device
+_made_shapes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def made_shapes(model) -> dict[str, tuple[int, ...]]:
+    """The shape of each parameter of `model` as its own class makes it for its config (built once per model on the
+    meta device, which allocates nothing: the modules' constructors stay the one place that says a shape)."""
+    shapes = _made_shapes.get(model)
+    if shapes is None:
+        with torch.device("meta"):
+            made = type(model)(model.config)
+        shapes = _made_shapes[model] = {name: tuple(p.shape) for name, p in made.named_parameters()}
     return shapes
 
 
-def misshapen_step_weight(model, s: Shapes) -> str | None:
+def misshapen_step_weight(model) -> str | None:
     """What is wrong with the first parameter of the step's modules whose shape is not the one the config makes (a
     weight replaced by one of another shape: `layer.ffn_in.weight = nn.Parameter(...)`), or None. The folded
     matrices and the C step kernels lay the products side by side at the columns the config's sizes give, so such a
     weight would shift its neighbours in silence, where the plain loop fails on the shapes."""
-    expected = step_weight_shapes(s)
+    expected = made_shapes(model)
     for name, parameter in model.named_parameters():
-        shape = expected.get(name)
+        shape = expected.get(name) if name.startswith(STEP_MODULES) else None
         if shape is not None and tuple(parameter.shape) != shape:
             return (
                 f"{name} has shape {tuple(parameter.shape)} but the config makes it {shape}: a weight replaced by "
