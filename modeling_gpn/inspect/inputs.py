@@ -8,11 +8,9 @@ from pathlib import Path
 
 import torch
 
-from ..data.corpus import LOCAL_SUFFIXES, CorpusSpec, text_file_pieces
+from ..data.corpus import DEFAULT_DATASET, DEFAULT_DATASET_CONFIG, LOCAL_SUFFIXES, CorpusSpec, text_file_pieces
 from ..data.tokenizer import PieceEncoder
 
-DEFAULT_DATASET = "HuggingFaceFW/fineweb-edu"
-DEFAULT_DATASET_CONFIG = "sample-10BT"
 LOCAL_EXTENSIONS = LOCAL_SUFFIXES  # (the kinds of local file gpn train reads, and the `datasets` builder of each)
 
 
