@@ -100,7 +100,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "int8"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--flags", default="", help="extra compiler flags of both builds (say -DTILED_INT8=0)")
     args = parser.parse_args()
+    flags = tuple(args.flags.split())
     torch.set_num_threads(args.threads)
     model = build_gpn(args.preset, args.dtype, "cpu", 0).eval()
     step = one_token_step_fn(model, 1, model.config.vocab_size, "cpu")
@@ -118,11 +120,11 @@ def main() -> None:
         raise SystemExit("the one-token step did not run as one C call (GPN_DECODE_KERNEL, or a refused model)")
     plan, ids, (p, g, _, M) = captured["call"]
     state = StepState(p, g, plan.key if plan.step_plan.memory else None, M)  # (a decode loop's next call)
-    default = mk._library
+    default = mk.variant(flags) if flags else mk._library
     source = stamped_source()
     mk.SOURCE, original = source, mk.SOURCE
     try:
-        stamped = mk.variant(())
+        stamped = mk.variant(flags)
     finally:
         mk.SOURCE = original
 
@@ -158,7 +160,7 @@ def main() -> None:
     names = phase_names(source, [line for _, line in phases])
     medians = [1e6 * statistics.median(values) for values in phases.values()]
     total = sum(medians)
-    print(f"{args.preset} {args.dtype}, {args.threads} thread(s), medians of {args.steps} calls\n")
+    print(f"{args.preset} {args.dtype}, {args.threads} thread(s), {args.flags or 'no extra flags'}, medians of {args.steps} calls\n")
     print("| phase | us | share |\n|---|---|---|")
     for name, us in zip(names, medians):
         print(f"| {name} | {us:.1f} | {us / total:.0%} |")

@@ -70,6 +70,7 @@ from .recurrence_step import MemoryStep, StepState, int8_weight_parts, keep_padd
 SOURCE = r"""
 #include <stddef.h>
 #include <math.h>
+#include <string.h>
 
 /* One head per iteration: every pass over M (and D) after the first hits the cache. Sizes are 64-bit and
    there are no arrays on the stack (a thread's stack is small: a head's dv floats there overflowed it), so
@@ -298,6 +299,7 @@ typedef struct { /* one linear map of a phase: out[b, j] = (round?)(scale_j * <W
     const uint16_t *xb;   /* the input rounded to bf16 (bf16 weights with AVX512-BF16), else unused */
     void *out;            /* float (or bf16 bits with STORE_BF16) */
     i64 rows, cols, x_stride, out_stride, kind, flags;
+    const uint8_t *tiles; /* int8 only, or NULL: the weights again in tiles of 16 rows (`tiled_int8_rows`) */
 } gpn_segment;
 
 static inline float bf16_bits_to_float(uint16_t h) { union { uint32_t u; float f; } v; v.u = (uint32_t)h << 16; return v.f; }
@@ -1014,6 +1016,110 @@ static inline __attribute__((always_inline)) void held_int8_rows(const gpn_segme
 }
 #endif
 
+/* int8 rows in tiles of 16 (`tiles`, the plan's copy of the weights, `int8_tiles`): each 64-byte vector holds
+   four consecutive weights of 16 rows, their top bits flipped, so one vpdpbusd against four of the input's bytes
+   broadcast adds them into 16 rows' sums at once, each lane a row's. A row read on its own (`held_int8_rows`)
+   ends in a reduction of its accumulators and a scalar store, as many instructions as its products where rows
+   are 256 weights long; here no reduction is left, and 16 outputs are finished and stored as one vector. Four
+   tiles (64 rows) share each broadcast. The sums are the held rows', exact integers, so the outputs are the same
+   to the bit. -DTILED_INT8=0 builds without it, for an A/B (benchmarks/RESULTS.md). */
+#ifndef TILED_INT8
+#define TILED_INT8 1
+#endif
+#if defined(GPN_VNNI) && TILED_INT8
+#define GPN_TILED_INT8 1
+/* float_to_bf16_bits in 16 lanes (in the low half of each) */
+static inline __m512i bf16_bits16(__m512 y)
+{
+    const __m512i u = _mm512_castps_si512(y);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i bits = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    return _mm512_mask_mov_epi32(bits, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+}
+
+/* store_output for rows [r, r + n) (n <= 16) from their two planes' sums: `vnni_dot` and `store_output` in
+   16 lanes, the same operations in the same order (the sum in int64, scaled in double, rounded to float) */
+static inline void store_tile(const gpn_segment *sg, const gpn_quantized *q, i64 r, i64 n, __m512i h, __m512i l)
+{
+    const __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+    const __m512i flipped = _mm512_set1_epi64(256 * 128 * q->sum_hi[0] + 128 * q->sum_lo[0]);
+    const __m512d unit = _mm512_set1_pd(q->unit[0]);
+    __m256 half[2];
+    for (int i = 0; i < 2; i++) {
+        const __m512i hi = _mm512_cvtepi32_epi64(i ? _mm512_extracti64x4_epi64(h, 1) : _mm512_castsi512_si256(h));
+        const __m512i lo = _mm512_cvtepi32_epi64(i ? _mm512_extracti64x4_epi64(l, 1) : _mm512_castsi512_si256(l));
+        const __m512i v = _mm512_sub_epi64(_mm512_add_epi64(_mm512_slli_epi64(hi, 8), lo), flipped);
+        half[i] = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_cvtepi64_pd(v), unit));
+    }
+    __m512 y = _mm512_insertf32x8(_mm512_castps256_ps512(half[0]), half[1], 1);
+    if (sg->scale) y = _mm512_mul_ps(y, _mm512_maskz_loadu_ps(m, sg->scale + r));
+    if (sg->bias && !(sg->flags & BIAS_AFTER_ROUND)) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(m, sg->bias + r));
+    if (sg->flags & ROUND_OUTPUT) y = _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(y), 16));
+    if (sg->bias && (sg->flags & BIAS_AFTER_ROUND)) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(m, sg->bias + r));
+    if (sg->flags & STORE_BF16) _mm256_mask_storeu_epi16((uint16_t *)sg->out + r, m, _mm512_cvtepi32_epi16(bf16_bits16(y)));
+    else _mm512_mask_storeu_ps((float *)sg->out + r, m, y);
+}
+
+/* four bytes of an input plane in every lane (memcpy: the planes are bytes) */
+static inline __m512i broadcast4(const int8_t *at)
+{
+    int32_t four;
+    memcpy(&four, at, 4);
+    return _mm512_set1_epi32(four);
+}
+
+/* rows [r0, r1) of an int8 segment with tiles at one batch row (r0 a multiple of 16). The accumulators are named
+   variables, not arrays: GCC 12 keeps an array the inline assembly writes on the stack, a load and a store around
+   every product. */
+static void tiled_int8_rows(const gpn_segment *sg, const gpn_quantized *q, i64 r0, i64 r1)
+{
+    const i64 width = q->width, tile_bytes = 16 * width;
+    const int8_t *xh = q->hi, *xl = q->lo;
+    i64 r = r0;
+    for (; r + 48 < r1; r += 64) {  /* four tiles, the last maybe partly past r1 */
+        const uint8_t *t = sg->tiles + r / 16 * tile_bytes;
+        __m512i h0 = _mm512_setzero_si512(), h1 = h0, h2 = h0, h3 = h0, l0 = h0, l1 = h0, l2 = h0, l3 = h0;
+        for (i64 k = 0; k < width; k += 4) {
+            const __m512i bh = broadcast4(xh + k), bl = broadcast4(xl + k);
+            const uint8_t *at = t + 16 * k;
+            const __m512i w0 = _mm512_loadu_si512((const void *)at);
+            const __m512i w1 = _mm512_loadu_si512((const void *)(at + tile_bytes));
+            const __m512i w2 = _mm512_loadu_si512((const void *)(at + 2 * tile_bytes));
+            const __m512i w3 = _mm512_loadu_si512((const void *)(at + 3 * tile_bytes));
+            DPBUSD_HELD(h0, w0, bh); DPBUSD_HELD(l0, w0, bl);
+            DPBUSD_HELD(h1, w1, bh); DPBUSD_HELD(l1, w1, bl);
+            DPBUSD_HELD(h2, w2, bh); DPBUSD_HELD(l2, w2, bl);
+            DPBUSD_HELD(h3, w3, bh); DPBUSD_HELD(l3, w3, bl);
+        }
+        store_tile(sg, q, r, 16, h0, l0);
+        store_tile(sg, q, r + 16, 16, h1, l1);
+        store_tile(sg, q, r + 32, 16, h2, l2);
+        store_tile(sg, q, r + 48, r1 - r - 48 < 16 ? r1 - r - 48 : 16, h3, l3);
+    }
+    for (; r < r1; r += 16) {
+        const uint8_t *t = sg->tiles + r / 16 * tile_bytes;
+        __m512i h0 = _mm512_setzero_si512(), l0 = h0;
+        for (i64 k = 0; k < width; k += 4) {
+            const __m512i w = _mm512_loadu_si512((const void *)(t + 16 * k));
+            DPBUSD_HELD(h0, w, broadcast4(xh + k));
+            DPBUSD_HELD(l0, w, broadcast4(xl + k));
+        }
+        store_tile(sg, q, r, r1 - r < 16 ? r1 - r : 16, h0, l0);
+    }
+}
+#endif
+
+/* whether rows from r0 on are read from their tiles (a task that begins inside a tile reads the rows) */
+static int tiled_input(const gpn_segment *sg, i64 B, i64 r0)
+{
+#ifdef GPN_TILED_INT8
+    return B == 1 && sg->kind == KIND_I8 && sg->tiles && r0 % 16 == 0;
+#else
+    (void)sg; (void)B; (void)r0;
+    return 0;
+#endif
+}
+
 static int held_input(const gpn_segment *sg, i64 B)
 {
     if (!HELD_INPUT || B != 1 || (sg->flags & FAR_ROWS) || (sg->cols != 256 && sg->cols != 512 && sg->cols != 768))
@@ -1033,6 +1139,12 @@ static void quantized_rows(const gpn_segment *sg, const gpn_quantized *q, i64 B,
 {
     const i64 K = sg->cols;
     const int8_t *w = (const int8_t *)sg->w;
+#ifdef GPN_TILED_INT8
+    if (tiled_input(sg, B, r0)) {
+        tiled_int8_rows(sg, q, r0, r1);
+        return;
+    }
+#endif
 #ifdef GPN_HELD_INT8
     if (held_input(sg, B)) {
         if (K == 256) held_int8_rows(sg, q, r0, r1, 4);
@@ -1192,6 +1304,22 @@ static void run_tasks(const gpn_segment *segs, const i64 *tasks, i64 first, i64 
     }
 }
 
+/* `int8_tiles`: the int8 weight w (rows, cols) in tiles of 16 rows into `tiles` (ceil(rows / 16), width / 4, 16, 4),
+   width = cols rounded up to 64; zero bytes, flipped, where rows or cols are padded */
+void gpn_int8_tiles(const int8_t *w, i64 rows, i64 cols, uint8_t *tiles, int threads)
+{
+    const i64 width = (cols + 63) / 64 * 64, n_tiles = (rows + 15) / 16;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (i64 t = 0; t < n_tiles; t++)
+        for (i64 k = 0; k < width; k += 4)
+            for (i64 i = 0; i < 16; i++) {
+                const i64 r = 16 * t + i;
+                uint8_t *to = tiles + (16 * (t * width + k) + 4 * i);
+                for (i64 j = 0; j < 4; j++)
+                    to[j] = (uint8_t)((r < rows && k + j < cols ? (uint8_t)w[r * cols + k + j] : 0) ^ 0x80u);
+            }
+}
+
 /* One phase of products on its own (the logits of a few rows, and any product the fused step does not cover) */
 void gpn_linear(const gpn_segment *segs, const i64 *tasks, i64 n_tasks, i64 B, int threads)
 {
@@ -1203,6 +1331,7 @@ void gpn_linear(const gpn_segment *segs, const i64 *tasks, i64 n_tasks, i64 B, i
 int gpn_paired_rows(const gpn_segment *sg, i64 B) { return paired_rows(sg, B); }
 /* Whether segment_rows holds the input of `sg` in registers at B batch rows (`held_input`; asked by the tests) */
 int gpn_held_input(const gpn_segment *sg, i64 B) { return held_input(sg, B); }
+int gpn_tiled_input(const gpn_segment *sg, i64 B) { return tiled_input(sg, B, 0); }
 
 /* The vector instructions the products were built for (`products_isa`: the bench says it, the tests ask it) */
 const char *gpn_products_isa(void)
@@ -1581,8 +1710,10 @@ _SYMBOLS = (
     "gpn_memory_step",
     "gpn_memory_write_backward",
     "gpn_linear",
+    "gpn_int8_tiles",
     "gpn_paired_rows",
     "gpn_held_input",
+    "gpn_tiled_input",
     "gpn_gates",
     "gpn_log_tasks",
     "gpn_step",
@@ -1742,10 +1873,13 @@ def _load_verified(folder: Path, key: str) -> ctypes.CDLL:
     lib.gpn_memory_write_backward.restype = None
     lib.gpn_linear.argtypes = [p, p, i64, i64, ctypes.c_int]
     lib.gpn_linear.restype = None
+    lib.gpn_int8_tiles.argtypes = [p, i64, i64, p, ctypes.c_int]
+    lib.gpn_int8_tiles.restype = None
     lib.gpn_paired_rows.argtypes = [p, i64]
     lib.gpn_paired_rows.restype = ctypes.c_int
     lib.gpn_held_input.argtypes = [p, i64]
     lib.gpn_held_input.restype = ctypes.c_int
+    lib.gpn_tiled_input.argtypes, lib.gpn_tiled_input.restype = [p, i64], ctypes.c_int
     lib.gpn_gates.argtypes, lib.gpn_gates.restype = [p, p, p, i64], None
     lib.gpn_log_tasks.argtypes, lib.gpn_log_tasks.restype = [p], None
     lib.gpn_step.argtypes = [*[p] * 11, ctypes.c_int]
@@ -2192,6 +2326,7 @@ class _Segment(ctypes.Structure):  # gpn_segment
         ("out_stride", _i64),
         ("kind", _i64),
         ("flags", _i64),
+        ("tiles", _ptr),
     ]
 
 
@@ -2416,14 +2551,46 @@ def advise_huge_pages(tensors: list[torch.Tensor]) -> int:
 
 def _tasks(segments: list, first_segment: int, count: int) -> list:
     """(segment, first row, end row) triples that cut segments [first_segment, +count) into row blocks of
-    about `_TASK_BYTES` of weights (multiples of 4 rows, the kernel's block)."""
+    about `_TASK_BYTES` of weights (multiples of 16 rows: the kernels' blocks of 4 rows, and the tiles of int8
+    weights, `int8_tiles`, which a task must begin at the start of)."""
     triples = []
     for index in range(first_segment, first_segment + count):
         seg = segments[index]
         size = {KIND_F32: 4, KIND_BF16: 2, KIND_I8: 1}[seg.kind]
-        block = max(4, (_TASK_BYTES // max(1, seg.cols * size)) // 4 * 4)
+        block = max(16, (_TASK_BYTES // max(1, seg.cols * size)) // 16 * 16)
         triples += [(index, r, min(r + block, seg.rows)) for r in range(0, seg.rows, block)]
     return triples
+
+
+def int8_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """A contiguous int8 CPU weight (rows, cols) as the tiled products read it (the kernel's `tiled_int8_rows`):
+    tiles of 16 rows, each a run of 64-byte vectors holding four consecutive weights of its 16 rows, the weights'
+    top bits flipped (VNNI multiplies unsigned bytes by signed ones); rows padded to a multiple of 16 and columns
+    to one of 64 (the input's planes are zero there). Returns (ceil(rows / 16), width / 4, 16, 4) uint8."""
+    _require()
+    if weight.dtype != torch.int8 or weight.dim() != 2 or not weight.is_contiguous() or not weight.is_cpu:
+        _refuse(f"a {weight.dtype} weight of shape {tuple(weight.shape)}; expected a contiguous int8 CPU matrix")
+    rows, cols = weight.shape
+    tiles = torch.empty(-(-rows // 16), -(-cols // 64) * 16, 16, 4, dtype=torch.uint8)
+    _library.gpn_int8_tiles(weight.data_ptr(), rows, cols, tiles.data_ptr(), torch.get_num_threads())
+    return tiles
+
+
+def _tile_int8(segments: list, weights: list[torch.Tensor], rows: int) -> list[torch.Tensor]:
+    """Give the int8 products of a plan at one batch row whose weights sit in the L3 (not `STREAM_ROWS`) their
+    weights in tiles (`int8_tiles`), where the kernels' int8 products run on VNNI; returns the tiles, which the
+    plan keeps. A weight read by two products is tiled once. The copy doubles those weights' memory (the model
+    keeps its own), at most the L3's size, and is derived with the plan, once per derived-weights scope."""
+    if rows != 1 or "+vnni" not in products_isa():
+        return []
+    made: dict[int, torch.Tensor] = {}
+    for segment, weight in zip(segments, weights):
+        if segment.kind == KIND_I8 and not segment.flags & STREAM_ROWS:
+            tiles = made.get(weight.data_ptr())
+            if tiles is None:
+                tiles = made[weight.data_ptr()] = int8_tiles(weight)
+            segment.tiles = tiles.data_ptr()
+    return list(made.values())
 
 
 class StepPlan:
@@ -2528,6 +2695,7 @@ class StepPlan:
             tasks += _tasks(segments, first, count)
             ranges += [start, len(tasks)]
         _mark_streamed(segments, [op.weight for op in keep])
+        self._tiles = _tile_int8(segments, [op.weight for op in keep], B)
         self._segments = (_Segment * len(segments))(*segments)
         self._tasks = torch.tensor(tasks, dtype=torch.int64).reshape(-1)
         self._phases = torch.tensor(ranges, dtype=torch.int64)
@@ -2750,6 +2918,7 @@ class DecodePlan:
             tasks += [x for triple in _tasks(segments, index, 1) for x in triple]
             phases.append(len(tasks) // 3)
         _mark_streamed(segments, [*step.weights, table, fuse.weight, decoder.weight, head.weight])
+        self._tiles = _tile_int8(segments, [fuse.weight, decoder.weight, head.weight], B)
         self._segments = (_Segment * 3)(*segments)
         self._logits_segment = self._segments[2]  # (a view into the array, whose output each call sets)
         self._tasks = torch.tensor(tasks, dtype=torch.int64)

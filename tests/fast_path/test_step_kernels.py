@@ -265,10 +265,11 @@ def test_rows_far_beyond_the_l3_are_prefetched_ahead(monkeypatch):
         assert segment.flags == flags, megabytes
 
 
-def segment_phase(monkeypatch, op, x: torch.Tensor, streamed: bool):
+def segment_phase(monkeypatch, op, x: torch.Tensor, streamed: bool, spare: int = 0):
     """`op` (a `memory_kernels.Operand`) times the rows of float32 `x` as one phase of a plan's products, its
     weights marked as streamed from DRAM (`STREAM_ROWS`, against an L3 of one byte) or as fitting the L3: a call
-    runs the phase on two threads and returns its output; `.segment` and `.tasks` are the phase's."""
+    runs the phase on two threads and returns its output; `.segment` and `.tasks` are the phase's. The output's
+    buffer has `spare` columns of NaN after the product's (`.spare()`), which nothing may write."""
     import ctypes
 
     from modeling_gpn import memory_kernels as mk
@@ -279,7 +280,7 @@ def segment_phase(monkeypatch, op, x: torch.Tensor, streamed: bool):
     slot["x"][:, :cols] = x  # (and, as the kernels' `put` writes them, its bf16 rounding and bits for bf16 products)
     slot["xr"][:, :cols] = x.bfloat16().float()
     slot["xb"][:, :cols] = x.bfloat16().view(torch.int16)
-    out = torch.empty(batch, op.weight.shape[0])
+    out = torch.full((batch, op.weight.shape[0] + spare), float("nan"))
     segment = mk._segment(op, slot, out, 0)
     monkeypatch.setattr(mk, "_last_level_cache_bytes", (lambda: 1) if streamed else (lambda: 1 << 40))
     mk._mark_streamed([segment], [op.weight])
@@ -287,9 +288,11 @@ def segment_phase(monkeypatch, op, x: torch.Tensor, streamed: bool):
 
     def run() -> torch.Tensor:
         mk._library.gpn_linear(ctypes.addressof(segment), tasks.data_ptr(), len(tasks), batch, 2)
-        return out
+        return out[:, : op.weight.shape[0]]
 
     run.segment, run.tasks, run.slot = segment, tasks, slot  # (the slot: what the segment's pointers read)
+    run.spare = lambda: out[:, op.weight.shape[0] :]
+    run.bf16_bits = lambda: out.view(torch.int16)[:, : op.weight.shape[0]]  # (`STORE_BF16`'s output)
     return run
 
 
@@ -362,6 +365,58 @@ def test_short_rows_in_the_l3_hold_their_input_in_registers(monkeypatch, product
             assert torch.equal(out, out_far), (kind, cols)
         assert product(kind, 300, 800, streamed=False)[0] == 0
         assert product(kind, 300, 768, streamed=False, batch=2)[0] == 0
+
+
+def test_int8_rows_in_the_l3_read_from_tiles_of_16_rows(monkeypatch, products_build):
+    """int8 products of a plan at one batch row whose weights fit the L3 read a copy of the weights in tiles of 16
+    rows (`int8_tiles`, where the CPU has VNNI): every output is the one the rows read one by one give, to the bit,
+    whatever the rows' length (padded to 64), the rows' count (a last tile partly past the end), the tasks' cuts
+    (multiples of 16 rows), the scale, bias and rounding the segment asks for and the output's dtype; a task that
+    begins inside a tile reads the rows instead, to the same bits; and a plan of int8 weights gets its tiles."""
+    import ctypes
+
+    from modeling_gpn import memory_kernels as mk
+
+    tiled_here = "+vnni" in products_build
+    generator = torch.Generator().manual_seed(52)
+    for rows, cols in ((700, 768), (61, 70), (300, 256), (64, 2048)):
+        weight = torch.randint(-128, 128, (rows, cols), dtype=torch.int8, generator=generator)
+        scale, bias = torch.rand(rows, generator=generator), torch.randn(rows, generator=generator)
+        x = torch.randn(1, cols, generator=generator)
+        for bias_given, bf16, after in ((None, False, False), (bias, True, False), (bias, True, True)):
+            op = mk.Operand(mk.KIND_I8, weight, scale, bias_given, bf16, bias_after_round=after)
+            run = segment_phase(monkeypatch, op, x, streamed=False, spare=16)
+            assert mk._library.gpn_tiled_input(ctypes.addressof(run.segment), 1) == 0
+            rows_read = run().clone()
+            kept = mk._tile_int8([run.segment], [weight], 1)
+            assert len(kept) == tiled_here and bool(run.segment.tiles) == tiled_here
+            assert mk._library.gpn_tiled_input(ctypes.addressof(run.segment), 1) == tiled_here
+            assert mk._library.gpn_tiled_input(ctypes.addressof(run.segment), 2) == 0
+            assert all(int(start) % 16 == 0 for start in run.tasks.reshape(-1, 3)[:, 1])
+            assert torch.equal(run().clone(), rows_read), (rows, cols, bias_given is not None, bf16, after)
+            assert run.spare().isnan().all(), (rows, cols)  # (a last tile's rows past the end not stored)
+            run.segment.flags |= mk.STORE_BF16  # (bf16 bits into the first half of the same buffer)
+            run()
+            tiled_bits = run.bf16_bits().clone()
+            run.segment.tiles = None
+            run()
+            assert torch.equal(tiled_bits, run.bf16_bits()), (rows, cols, "bf16 output")
+    # a task from inside a tile: those rows are read one by one, the same outputs
+    weight = torch.randint(-128, 128, (40, 256), dtype=torch.int8, generator=generator)
+    x = torch.randn(1, 256, generator=generator)
+    run = segment_phase(monkeypatch, mk.Operand(mk.KIND_I8, weight, torch.rand(40), None, False), x, streamed=False)
+    rows_read = run().clone()
+    kept = mk._tile_int8([run.segment], [weight], 1)
+    out = run().fill_(float("nan"))  # (the output, to be written by these tasks alone)
+    tasks = torch.tensor([[0, 0, 8], [0, 8, 40]], dtype=torch.int64)
+    mk._library.gpn_linear(ctypes.addressof(run.segment), tasks.data_ptr(), 2, 1, 2)
+    assert torch.equal(out, rows_read)
+    # weights beyond the L3 (STREAM_ROWS), more batch rows: no tiles
+    run = segment_phase(monkeypatch, mk.Operand(mk.KIND_I8, weight, torch.rand(40), None, False), x, streamed=True)
+    assert mk._tile_int8([run.segment], [weight], 1) == [] and not run.segment.tiles
+    run = segment_phase(monkeypatch, mk.Operand(mk.KIND_I8, weight, torch.rand(40), None, False), x, streamed=False)
+    assert mk._tile_int8([run.segment], [weight], 2) == [] and not run.segment.tiles
+    del kept
 
 
 def test_weights_in_the_l3_are_read_by_the_same_thread_at_every_step(monkeypatch):
@@ -577,6 +632,36 @@ def test_int8_sums_stay_exact_over_rows_longer_than_an_accumulator_holds(monkeyp
     for row in range(3):
         streamed, _ = segment_product(monkeypatch, op, x[row : row + 1], streamed=True)
         assert torch.equal(streamed, on_sixteen_bits(x[row : row + 1], linear)), row
+
+
+def test_an_int8_model_decodes_from_its_tiles_to_the_same_bits(monkeypatch):
+    """An int8 model's prompt and decoded tokens at one batch row read its products' weights from tiles of 16 rows
+    (the step's and the decoder's, every int8 product of the plans), and give the same logits, to the bit, as
+    the rows read one by one (a plan without tiles)."""
+    import ctypes
+
+    require_exact_int8()
+    from modeling_gpn import memory_kernels
+
+    model = quantized(perturbed_model(tiny_config(), seed=53))
+    ids = torch.randint(1, 97, (1, 6), generator=torch.Generator().manual_seed(54))
+    made, tile = [], memory_kernels._tile_int8
+
+    def seen(segments, weights, rows):
+        kept = tile(segments, weights, rows)
+        made.extend(ctypes.addressof(s) for s in segments if s.kind == memory_kernels.KIND_I8)
+        assert all(memory_kernels._library.gpn_tiled_input(ctypes.addressof(s), 1) for s in segments if s.kind == memory_kernels.KIND_I8)
+        return kept
+
+    monkeypatch.setattr(memory_kernels, "_last_level_cache_bytes", lambda: 1 << 30)
+    monkeypatch.setattr(memory_kernels, "_tile_int8", seen)
+    with ran(DECODE_CALLS, INT8_STEPS):
+        tiled = decode_loop(model, ids, None)
+    assert len(made) >= 2  # (the step's products and the decode call's)
+    monkeypatch.setattr(memory_kernels, "_tile_int8", lambda *arguments: [])
+    with ran(DECODE_CALLS, INT8_STEPS):
+        rows_read = decode_loop(model, ids, None)
+    assert torch.equal(tiled, rows_read)
 
 
 def test_int8_weights_streamed_a_row_at_a_time_give_the_same_bits(one_thread, monkeypatch):
