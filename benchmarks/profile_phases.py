@@ -160,7 +160,9 @@ def main() -> None:
     names = phase_names(source, [line for _, line in phases])
     medians = [1e6 * statistics.median(values) for values in phases.values()]
     total = sum(medians)
-    print(f"{args.preset} {args.dtype}, {args.threads} thread(s), {args.flags or 'no extra flags'}, medians of {args.steps} calls\n")
+    print(
+        f"{args.preset} {args.dtype}, {args.threads} thread(s), {args.flags or 'no extra flags'}, medians of {args.steps} calls\n"
+    )
     print("| phase | us | share |\n|---|---|---|")
     for name, us in zip(names, medians):
         print(f"| {name} | {us:.1f} | {us / total:.0%} |")

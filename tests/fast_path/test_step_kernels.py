@@ -650,7 +650,11 @@ def test_an_int8_model_decodes_from_its_tiles_to_the_same_bits(monkeypatch):
     def seen(segments, weights, rows):
         kept = tile(segments, weights, rows)
         made.extend(ctypes.addressof(s) for s in segments if s.kind == memory_kernels.KIND_I8)
-        assert all(memory_kernels._library.gpn_tiled_input(ctypes.addressof(s), 1) for s in segments if s.kind == memory_kernels.KIND_I8)
+        assert all(
+            memory_kernels._library.gpn_tiled_input(ctypes.addressof(s), 1)
+            for s in segments
+            if s.kind == memory_kernels.KIND_I8
+        )
         return kept
 
     monkeypatch.setattr(memory_kernels, "_last_level_cache_bytes", lambda: 1 << 30)
