@@ -2298,6 +2298,27 @@ MUTATIONS = [
         "        if False:  # MUTATION\n",
         ("tests/fast_path/test_kernel_safety.py -k replaced_by and A_log",),
     ),
+    Mutation(
+        "gpn serve: a message's name the chat template leaves out is a 400 (transformers drops it in silence)",
+        "modeling_gpn/serve/handlers.py",
+        "        if named and not self._renders_names(body, processor, modality):\n",
+        "        if False:  # MUTATION\n",
+        ("tests/tools/test_serve.py -k bad_chat_requests and leaves",),
+    ),
+    Mutation(
+        "gpn serve: a message's name reaches the chat template (transformers leaves it out)",
+        "modeling_gpn/serve/handlers.py",
+        '                parsed["name"] = message["name"]\n',
+        "                pass  # MUTATION\n",
+        ("tests/tools/test_serve.py -k name_reaches",),
+    ),
+    Mutation(
+        "gpn serve: stream_options include_usage false leaves a stream's usage out",
+        "modeling_gpn/serve/handlers.py",
+        '                        if not usage:\n                            data.pop("usage", None)\n',
+        "",
+        ("tests/tools/test_serve.py -k include_usage",),
+    ),
 ]
 
 

@@ -562,6 +562,11 @@ BAD_CHAT_REQUESTS = [  # (what the request gets wrong, the fields sent, a word t
         "does not render tools",
     ),
     (
+        "a message's name that the chat template leaves out",
+        {"messages": [{"role": "user", "name": "alice", "content": "hi"}]},
+        "messages[0].name: this model's chat template does not render",
+    ),
+    (
         "an image for a model that reads text",
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]},
         "messages[0].content[0] is a part of type 'image_url'",
@@ -581,6 +586,30 @@ def test_bad_chat_requests_get_a_4xx_naming_the_problem(client, model_name, fiel
         )
     assert 400 <= refused.value.status_code < 500, refused.value
     assert word in str(refused.value.body), refused.value.body
+
+
+def test_a_message_name_reaches_a_chat_template_that_renders_it():
+    """transformers' messages for the template leave `name` out; `gpn serve`'s keep it (the template decides)."""
+    from transformers.cli.serving.utils import Modality
+
+    from modeling_gpn.serve.handlers import StateKeepingChatCompletionHandler
+
+    messages = [{"role": "user", "name": "alice", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    parsed = StateKeepingChatCompletionHandler.get_processor_inputs_from_messages(messages, Modality.LLM)
+    assert [message.get("name") for message in parsed] == ["alice", None]
+
+
+def test_a_stream_leaves_usage_out_when_the_request_says_include_usage_false(client, model_name):
+    """transformers sends usage in a stream's last chunk whatever `stream_options` says."""
+    for include_usage in (False, True, None):
+        options = {} if include_usage is None else {"stream_options": {"include_usage": include_usage}}
+        chat = client.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True, **options
+        )
+        completion = client.completions.create(model=model_name, prompt="the cat", max_tokens=3, stream=True, **options)
+        for stream in (chat, completion):
+            usages = [chunk.usage for chunk in stream if chunk.usage is not None]
+            assert len(usages) == (include_usage is not False), (include_usage, usages)
 
 
 def test_bad_completion_requests_and_bodies_get_a_4xx(client, model_name, server):
