@@ -2319,6 +2319,20 @@ MUTATIONS = [
         "",
         ("tests/tools/test_serve.py -k include_usage",),
     ),
+    Mutation(
+        "a dataset glob leaves out the .* and __* files and folders its wildcards match, as a folder does",
+        "modeling_gpn/data/corpus.py",
+        "                if Path(p).is_file() and not hidden_match(Path(p), root)\n",
+        "                if Path(p).is_file()  # MUTATION\n",
+        ("tests/tools/test_faults_io.py -k leaves_out_what_a_folder",),
+    ),
+    Mutation(
+        "a dataset glob keeps the __* folders its pattern names itself",
+        "modeling_gpn/data/corpus.py",
+        '        part.startswith((".", "__")) and not any(fnmatch.fnmatchcase(part, name) for name in named)\n',
+        '        part.startswith((".", "__"))  # MUTATION\n',
+        ("tests/tools/test_faults_io.py -k leaves_out_what_a_folder",),
+    ),
 ]
 
 
