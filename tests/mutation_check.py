@@ -2333,6 +2333,13 @@ MUTATIONS = [
         '        part.startswith((".", "__"))  # MUTATION\n',
         ("tests/tools/test_faults_io.py -k leaves_out_what_a_folder",),
     ),
+    Mutation(
+        "gpn convert says so when it converts a float16 or float64 checkpoint to float32",
+        "conversion/reference.py",
+        "    if other_dtypes:\n",
+        "    if False:  # MUTATION\n",
+        ("tests/model/test_config_and_conversion.py -k converts_the_checkpoints_dtype",),
+    ),
 ]
 
 
