@@ -1109,10 +1109,10 @@ MUTATIONS = [
         ("tests/tools/test_serve.py -k cannot_start_says_why",),
     ),
     Mutation(
-        "gpn serve: a MODEL folder that is not there is one line, exit 2 (transformers: Repo id must be ...)",
+        "gpn serve: a MODEL folder that is not there, or holds no config.json, is one line, exit 2 (as gpn eval's)",
         "modeling_gpn/serve/cli.py",
-        '                raise ValueError(f"MODEL {args.model}: no such folder (a Hub repo id has no leading / . or ~)")\n',
-        "                pass  # MUTATION\n",
+        '            check_model_path(args.model)  # (transformers: "Repo id must be in the form ...", or its load\'s error)\n',
+        "            pass  # MUTATION\n",
         ("tests/tools/test_serve.py -k cannot_start_says_why",),
     ),
     Mutation(

@@ -893,17 +893,22 @@ def test_gpn_serve_help_has_transformers_serve_options(capsys):
 
 
 def test_gpn_serve_that_cannot_start_says_why_without_a_traceback(tmp_path, capsys):
-    """A --state-dir that cannot be a folder, a MODEL folder that is not there, a folder that holds no model:
-    one line naming the problem and a non-zero exit (they were tracebacks: NotADirectoryError from the state
-    store, transformers' "Repo id must be in the form ...", its error from the preload)."""
+    """A --state-dir that cannot be a folder, a MODEL folder that is not there, a folder that holds no model, a
+    model transformers cannot load: one line naming the problem and a non-zero exit (they were tracebacks:
+    NotADirectoryError from the state store, transformers' "Repo id must be in the form ...", its error from the
+    preload). MODEL is checked as gpn eval, generate and inspect check theirs: a folder without config.json is
+    refused with the arguments (exit 2), before anything loads."""
     from modeling_gpn.cli import build_parser
 
     (tmp_path / "a-file").write_text("")
     (tmp_path / "empty").mkdir()
+    (tmp_path / "unknown").mkdir()
+    (tmp_path / "unknown" / "config.json").write_text("{}")
     for arguments, status, words in (
-        ([str(tmp_path / "empty"), "--state-dir", str(tmp_path / "a-file" / "states")], 2, "--state-dir"),
-        ([str(tmp_path / "no-such-model")], 2, "no such folder"),
-        ([str(tmp_path / "empty"), "--device", "cpu"], 1, "gpn serve: cannot start:"),
+        ([str(tmp_path / "unknown"), "--state-dir", str(tmp_path / "a-file" / "states")], 2, "--state-dir"),
+        ([str(tmp_path / "no-such-model")], 2, "does not exist"),
+        ([str(tmp_path / "empty"), "--device", "cpu"], 2, "is not a model folder: it has no config.json"),
+        ([str(tmp_path / "unknown"), "--device", "cpu"], 1, "gpn serve: cannot start:"),
     ):
         args = build_parser("serve").parse_args(["serve", *arguments])
         assert args._run(args) == status, arguments
