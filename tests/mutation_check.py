@@ -2340,6 +2340,20 @@ MUTATIONS = [
         "    if False:  # MUTATION\n",
         ("tests/model/test_config_and_conversion.py -k converts_the_checkpoints_dtype",),
     ),
+    Mutation(
+        "gpn inspect: a model trained with --reset-at-document-start is found by its run's train_config.json",
+        "modeling_gpn/inspect/inputs.py",
+        '        return isinstance(config, dict) and config.get("reset_at_document_start") is True\n',
+        "        return False  # MUTATION\n",
+        ("tests/tools/test_inspect.py -k document_resets",),
+    ),
+    Mutation(
+        "gpn inspect: the report's header says the state runs across documents for a model trained with resets",
+        "modeling_gpn/inspect/markdown.py",
+        '            if data.get("trained_with_document_resets")\n',
+        "            if False  # MUTATION\n",
+        ("tests/tools/test_inspect.py -k document_resets",),
+    ),
 ]
 
 
