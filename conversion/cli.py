@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
-from .reference import CheckpointError, convert
+from .reference import CheckpointError, ConversionNotice, convert
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +32,9 @@ def run(args: argparse.Namespace) -> int:
     # SRC is untrusted input: every way it can fail ends in one line that names the problem, never a
     # traceback. CheckpointError carries the specific reasons; the rest are the last resort.
     try:
-        model = convert(args.src, args.out, tokenizer=args.tokenizer)
+        with warnings.catch_warnings(record=True) as notices:
+            warnings.simplefilter("always", ConversionNotice)
+            model = convert(args.src, args.out, tokenizer=args.tokenizer)
     except CheckpointError as error:
         print(f"gpn convert: {error}", file=sys.stderr)
         return 1
@@ -44,6 +47,11 @@ def run(args: argparse.Namespace) -> int:
     except Exception as error:  # noqa: BLE001 - a fault no check foresaw still gets one line, not a traceback
         print(f"gpn convert: cannot convert {args.src}: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
+    for notice in notices:  # ours one line each (what the conversion changed: the parameters' dtype)
+        if issubclass(notice.category, ConversionNotice):
+            print(f"gpn convert: note: {notice.message}", file=sys.stderr)
+        else:  # (any other warning, as it would have been shown)
+            warnings.showwarning(notice.message, notice.category, notice.filename, notice.lineno)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"Converted {args.src} -> {args.out} ({n_params:,} parameters, {model.config.memory_cells:,} memory cells)")
     if args.push_to_hub:

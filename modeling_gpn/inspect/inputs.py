@@ -35,6 +35,23 @@ def load_model(name: str, device: str = "cpu", dtype: str = "float32", trust_rem
     return model.to(device).eval()
 
 
+def trained_with_document_resets(name: str) -> bool:
+    """Whether the model folder `name` is the model of a `gpn train --reset-at-document-start` run (its state reset
+    at each document's start in training): its run folder's `train_config.json` says so (gpn train writes it
+    beside RUN/model; the folder itself is looked in too, for a model copied with it). A Hub id, or a folder
+    without the file, tells nothing: False."""
+    import json
+
+    folder = Path(name).expanduser()
+    for candidate in (folder / "train_config.json", folder.parent / "train_config.json"):
+        try:
+            config = json.loads(candidate.read_text())
+        except (OSError, ValueError):
+            continue
+        return isinstance(config, dict) and config.get("reset_at_document_start") is True
+    return False
+
+
 def _local_files(data: str) -> list[Path] | None:
     """The local files `data` names (a file, a folder, or a glob), or None if it names no local data.
 

@@ -47,6 +47,15 @@ def overview_lines(m: dict, data: dict) -> list[str]:
         + f", {m['parameters']:,} parameters.",
         f"Data: {data['windows']} windows × {data['seq_len']} tokens = {data['tokens']:,} tokens "
         f"(each window from the zero state); perplexity {_fmt(data['perplexity'])} over {data['predicted_tokens']:,} predicted tokens.",
+        *(
+            [
+                "Note: this model was trained with `--reset-at-document-start` (its state reset to zero at each "
+                "document's start); here the state runs on across the documents inside a window, so every number "
+                "below (the perplexity too) measures it outside the regime it was trained in."
+            ]
+            if data.get("trained_with_document_resets")
+            else []
+        ),
         "",
     ]
 

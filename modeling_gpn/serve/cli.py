@@ -16,7 +16,6 @@ import sys
 import threading
 import types
 import typing
-from pathlib import Path
 
 from transformers.cli.serve import Serve
 
@@ -152,15 +151,16 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    from ..evaluation.runner import check_model_path
+
     options = {name: getattr(args, name) for name, *_ in _serve_parameters() if name != "force_model"}
     options.update({name: getattr(args, name) for name in GPN_OPTIONS})
     try:  # checked before the model loads: a bad argument costs nothing
-        if args.model is not None and args.model.startswith(("/", "./", "../", "~")):
-            if not Path(args.model).expanduser().is_dir():  # (transformers: "Repo id must be in the form ...")
-                raise ValueError(f"MODEL {args.model}: no such folder (a Hub repo id has no leading / . or ~)")
+        if args.model is not None:  # (as gpn eval, generate and inspect check theirs)
+            check_model_path(args.model)  # (transformers: "Repo id must be in the form ...", or its load's error)
         if args.state_dir is not None:
             writable_folder(args.state_dir, "--state-dir")
-    except ValueError as error:
+    except (FileNotFoundError, ValueError) as error:
         print(f"gpn serve: {error}", file=sys.stderr)
         return 2
     with _sigint_noted() as interrupted:

@@ -22,7 +22,9 @@ mixin placed before them) adds, at the points where they hand over:
   transformers' own response builder (chat and completions: the Responses API has no `n`);
 - each answer cut before its `stop` sequence, streamed or not (`stop_strings`), a stream's error event in the
   OpenAI API's shape (`errors`), and what the chat template would drop in silence refused with a 400: tools
-  it never renders, content parts other than text for a model that reads text.
+  it never renders, a message's `name` it never renders, content parts other than text for a model that reads
+  text; `stream_options: {"include_usage": false}` honoured (transformers sends usage in a stream's last chunk
+  whatever the request says).
 """
 
 from __future__ import annotations
@@ -113,6 +115,7 @@ class _Request:
     answers: int
     max_tokens_field: str | None  # the field that set the answer's length, if any
     stops: list[str]
+    usage: bool = True  # whether a stream's last chunk keeps its usage (`stream_options.include_usage`)
     model: StateKeepingModel | None = None
 
 
@@ -189,7 +192,10 @@ class StateKeeping:
         answers = (body.pop("n", None) or 1) if self.takes_n else 1
         max_tokens_field = next((name for name in self.max_tokens_fields if body.get(name) is not None), None)
         slot = self.policy.admission.admit()
-        token = _current.set(_Request(slot, answers, max_tokens_field, stop_sequences(body)))
+        # a stream's usage unless the request says include_usage: false (the API sends it only when asked; here,
+        # as in transformers serve, unless refused, for the clients that read it from the last chunk)
+        usage = (body.get("stream_options") or {}).get("include_usage") is not False
+        token = _current.set(_Request(slot, answers, max_tokens_field, stop_sequences(body), usage))
         streaming = False
         try:
             response = await super().handle_request(body, request_id)
@@ -246,7 +252,8 @@ class StateKeeping:
         """Refuse what the chat template would drop in silence: content parts other than text for a model that
         reads text only, and tools when the template never reads `tools` (the model would answer as if it had
         none, and never call one)."""
-        if self.model_manager.get_model_modality(model, processor=processor) == Modality.LLM:
+        modality = self.model_manager.get_model_modality(model, processor=processor)
+        if modality == Modality.LLM:
             try:
                 check_text_only(body)
             except RequestError as error:
@@ -259,6 +266,29 @@ class StateKeeping:
                 detail="tools: this model's chat template does not render tools, so the model would never see them: "
                 "leave them out, or give the model a chat template that renders `tools`",
             )
+        named = [index for index, message in enumerate(body.get("messages") or []) if message.get("name")]  # (chat)
+        if named and not self._renders_names(body, processor, modality):
+            raise HTTPException(
+                status_code=400,
+                detail=f"messages[{named[0]}].name: this model's chat template does not render a message's name, so "
+                "the model would never see it: leave it out, or give the model a chat template that renders "
+                "`message.name`",
+            )
+
+    def _renders_names(self, body: dict, processor, modality: Modality) -> bool:
+        """Whether the chat template renders the request's messages' names: told by rendering the prompt with
+        and without them (the word `name` is in most templates, for tools, so reading the source cannot tell)."""
+
+        def rendered(messages: list[dict]) -> str:
+            return processor.apply_chat_template(
+                self.get_processor_inputs_from_messages(messages, modality),
+                tools=body.get("tools"),
+                add_generation_prompt=True,
+                tokenize=False,
+                **{**self.chat_template_kwargs, **(body.get("chat_template_kwargs") or {})},
+            )
+
+        return rendered(body["messages"]) != rendered([{**message, "name": None} for message in body["messages"]])
 
     def _build_generation_config(self, body: dict, model_generation_config, use_cb: bool = False):
         if not use_cb:
@@ -314,7 +344,7 @@ class StateKeeping:
         response = super()._streaming(*args, **kwargs)
         request = _current.get()
         response.body_iterator = _finishing_stream(
-            response.body_iterator, arguments["model"], request.slot, request.stops
+            response.body_iterator, arguments["model"], request.slot, request.stops, request.usage
         )
         return response
 
@@ -404,6 +434,17 @@ class StateKeepingChatCompletionHandler(StateKeeping, ChatCompletionHandler):
     """transformers' `/v1/chat/completions` handler, through the state store."""
 
     check_request = staticmethod(check_chat_request)
+
+    @staticmethod
+    def get_processor_inputs_from_messages(messages: list[dict], modality: Modality) -> list[dict]:
+        """transformers' messages for the chat template, each with its `name` (the OpenAI API's author of a
+        message, which transformers leaves out): a template that renders `message.name` gets it, and one that
+        does not is refused a request with names (`_check_renderable`)."""
+        inputs = ChatCompletionHandler.get_processor_inputs_from_messages(messages, modality)
+        for message, parsed in zip(messages, inputs, strict=True):
+            if message.get("name"):
+                parsed["name"] = message["name"]
+        return inputs
 
 
 class StateKeepingCompletionHandler(StateKeeping, CompletionHandler):
@@ -528,11 +569,12 @@ def _cut_chunk_at_stop(data: dict, cutter: StreamCutter) -> bool:
     return bool(holder[key])
 
 
-async def _finishing_stream(chunks, model: StateKeepingModel, slot: Slot, stops: list[str]):
-    """transformers' SSE stream, its last chunk (the one with `usage`) given `cached_tokens`, the text cut before
-    the first `stop` sequence (`stop_strings`), an error event in the OpenAI API's shape; the request's slot is freed when the stream ends, finished or cut
-    off by the client (or when its generate() ends, if sooner: with continuous batching there is no generate()
-    call to end)."""
+async def _finishing_stream(chunks, model: StateKeepingModel, slot: Slot, stops: list[str], usage: bool = True):
+    """transformers' SSE stream, its last chunk (the one with `usage`) given `cached_tokens`, or its usage left
+    out when not `usage` (`include_usage: false`), the text cut before the first `stop` sequence
+    (`stop_strings`), an error event in the OpenAI API's shape; the request's slot is freed when the stream
+    ends, finished or cut off by the client (or when its generate() ends, if sooner: with continuous batching
+    there is no generate() call to end)."""
     cutter = StreamCutter(stops) if stops else None
     try:
         async for chunk in chunks:
@@ -546,9 +588,11 @@ async def _finishing_stream(chunks, model: StateKeepingModel, slot: Slot, stops:
                         data = json.loads(event.removeprefix("data: "))
                         if cutter is not None and not _cut_chunk_at_stop(data, cutter):
                             continue  # its text is held back (or past the stop sequence): nothing to send yet
+                        if not usage:
+                            data.pop("usage", None)
                         # (the Responses API's last event carries the response, and its usage, whole)
-                        usage = data.get("usage") or (data.get("response") or {}).get("usage")
-                        _report_cached_tokens(usage, model.cached_tokens)
+                        counts = data.get("usage") or (data.get("response") or {}).get("usage")
+                        _report_cached_tokens(counts, model.cached_tokens)
                         event = "data: " + json.dumps(data, separators=(",", ":"))
                     events.append(event)
                 chunk = "\n\n".join(events)

@@ -130,6 +130,8 @@ def check_chat_request(body: dict[str, Any]) -> None:
             raise RequestError(
                 f"{where}.content must be a string or a list of content parts, got {type(content).__name__}"
             )
+        if message.get("name") is not None and not isinstance(message["name"], str):
+            raise RequestError(f"{where}.name must be a string, got {type(message['name']).__name__}")
         _check_tool_calls(message.get("tool_calls"), where)
     _check_positive_int(body, "max_completion_tokens")
     _check_type(body, "tools", list)
@@ -234,6 +236,9 @@ def _check_common(body: dict[str, Any]) -> None:
     _check_type(body, "model", str)
     _check_type(body, "stream", bool)
     _check_positive_int(body, "max_tokens")
+    _check_type(body, "stream_options", dict)
+    if not isinstance((body.get("stream_options") or {}).get("include_usage", False), bool):
+        raise RequestError("stream_options.include_usage must be true or false")
     _check_number(body, "temperature", low=0.0)
     _check_number(body, "top_p", low=0.0, high=1.0, low_open=True)
     # transformers reads it as repetition_penalty = 1 + frequency_penalty, which must stay above 0

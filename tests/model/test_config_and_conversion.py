@@ -212,6 +212,30 @@ def test_gpn_convert_command_writes_a_loadable_folder(tmp_path):
         torch.testing.assert_close(loaded(tokens).logits, load_reference_model(folder)(tokens).logits, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float64])
+def test_gpn_convert_says_so_when_it_converts_the_checkpoints_dtype_to_float32(tmp_path, dtype):
+    """A float16 or float64 checkpoint became a float32 folder in silence: converted (a GPN computes in float32)
+    with one line saying so; float16 values kept exactly."""
+    params = {name: array.astype(dtype) for name, array in fixture_params().items()}
+    write_checkpoint(tmp_path / "checkpoint.pkl", params)
+    out = tmp_path / "converted"
+    result = subprocess.run(
+        [sys.executable, "-m", "modeling_gpn.cli", "convert", str(tmp_path / "checkpoint.pkl"), str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    notes = [line for line in result.stderr.splitlines() if line.startswith("gpn convert: note:")]
+    assert notes == [
+        f"gpn convert: note: the checkpoint's parameters are {np.dtype(dtype).name}: converted to float32 (float16 "
+        "values exactly, wider ones rounded to the nearest float32)"
+    ], result.stderr
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.dtype == torch.float32
+    embedding = model.get_input_embeddings().weight
+    assert torch.equal(embedding, torch.from_numpy(params["embedding"].astype(np.float32)))
+
+
 class Payload:
     """Stands for anything a reference checkpoint never holds: unpickling it would create `mark`."""
 

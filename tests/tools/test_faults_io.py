@@ -842,6 +842,22 @@ def test_a_dataset_glob_reads_the_files_it_matches(bpe_tokenizer_dir, tmp_path, 
         data.CorpusSpec(source="shards/n*").local_files()  # only notes.md
 
 
+def test_a_dataset_glob_leaves_out_what_a_folder_leaves_out_unless_it_names_it(tmp_path, monkeypatch):
+    """A folder's `.*` and `__*` files and folders are left out (macOS zips' `__MACOSX/` copies); a glob read the
+    `__*` ones its wildcards matched (Python's glob skips only `.*`): `'data/**/*.txt'` read `__MACOSX/` twice."""
+    from modeling_gpn import data
+
+    for name in ("data/sub/plays.txt", "data/__MACOSX/sub/plays.txt", "data/.ipynb_checkpoints/plays.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("the cat sat on the mat\n")
+    monkeypatch.chdir(tmp_path)
+    assert data.CorpusSpec(source="data/**/*.txt").local_files() == [Path("data/sub/plays.txt")]
+    assert data.CorpusSpec(source="data").local_files() == [Path("data/sub/plays.txt")]  # (the folder)
+    # named by the pattern itself, as Python's glob matches `.*` for a pattern part that starts with a dot
+    assert data.CorpusSpec(source="data/__MACOSX/*/*.txt").local_files() == [Path("data/__MACOSX/sub/plays.txt")]
+    assert data.CorpusSpec(source="data/__*/*/*.txt").local_files() == [Path("data/__MACOSX/sub/plays.txt")]
+
+
 def test_a_hub_dataset_is_cached_per_commit_and_read_at_that_commit(bpe_tokenizer_dir, tmp_path, monkeypatch):
     """The token cache of a Hub dataset was keyed by its name, configuration and split alone: a dataset updated
     on the Hub kept handing out the old tokens, and no revision could be asked for. The commit the revision asked

@@ -324,6 +324,29 @@ def test_gpn_inspect_end_to_end(tiny_llama_vocab_model, tmp_path):
         assert image.ndim == 3 and image.shape[0] > 300 and image.shape[1] > 600
 
 
+def test_gpn_inspect_says_when_the_model_was_trained_with_document_resets(tiny_llama_vocab_model, tmp_path):
+    """inspect's windows join documents with EOS and run the state on across them; a model trained with
+    `--reset-at-document-start` never ran that way, and the report said nothing. Its run folder's
+    train_config.json (beside RUN/model) tells, and the report's header says so."""
+    from modeling_gpn.cli import main
+
+    text = tmp_path / "docs.jsonl"
+    text.write_text("".join(json.dumps({"text": f"the cat sat on mat {i}. " * 8}) + "\n" for i in range(12)))
+    run = tmp_path / "run"
+    shutil.copytree(tiny_llama_vocab_model, run / "model")
+    reports = {}
+    for resets in (False, True):
+        (run / "train_config.json").write_text(json.dumps({"reset_at_document_start": resets, "lr": 0.001}))
+        output = tmp_path / f"report-{resets}"
+        arguments = ["inspect", str(run / "model"), "--data", str(text), "--tokens", "128", "--seq-len", "64"]
+        assert main([*arguments, "--no-ablations", "--output", str(output), "--quiet"]) == 0
+        reports[resets] = json.loads((output / "report.json").read_text()), (output / "report.md").read_text()
+    assert reports[True][0]["data"]["trained_with_document_resets"] is True
+    assert reports[False][0]["data"]["trained_with_document_resets"] is False
+    assert "trained with `--reset-at-document-start`" in reports[True][1]
+    assert "reset-at-document-start" not in reports[False][1]
+
+
 def test_gpn_inspect_of_a_peft_adapter_folder(tiny_llama_vocab_model, tmp_path):
     """A PEFT adapter folder (what a LoRA fine-tune saves) was refused: "not a model folder: it has no config.json".
     It loads as its base with the adapter attached, and the report is the adapted model's."""

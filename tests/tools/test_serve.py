@@ -562,6 +562,11 @@ BAD_CHAT_REQUESTS = [  # (what the request gets wrong, the fields sent, a word t
         "does not render tools",
     ),
     (
+        "a message's name that the chat template leaves out",
+        {"messages": [{"role": "user", "name": "alice", "content": "hi"}]},
+        "messages[0].name: this model's chat template does not render",
+    ),
+    (
         "an image for a model that reads text",
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]},
         "messages[0].content[0] is a part of type 'image_url'",
@@ -581,6 +586,30 @@ def test_bad_chat_requests_get_a_4xx_naming_the_problem(client, model_name, fiel
         )
     assert 400 <= refused.value.status_code < 500, refused.value
     assert word in str(refused.value.body), refused.value.body
+
+
+def test_a_message_name_reaches_a_chat_template_that_renders_it():
+    """transformers' messages for the template leave `name` out; `gpn serve`'s keep it (the template decides)."""
+    from transformers.cli.serving.utils import Modality
+
+    from modeling_gpn.serve.handlers import StateKeepingChatCompletionHandler
+
+    messages = [{"role": "user", "name": "alice", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    parsed = StateKeepingChatCompletionHandler.get_processor_inputs_from_messages(messages, Modality.LLM)
+    assert [message.get("name") for message in parsed] == ["alice", None]
+
+
+def test_a_stream_leaves_usage_out_when_the_request_says_include_usage_false(client, model_name):
+    """transformers sends usage in a stream's last chunk whatever `stream_options` says."""
+    for include_usage in (False, True, None):
+        options = {} if include_usage is None else {"stream_options": {"include_usage": include_usage}}
+        chat = client.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True, **options
+        )
+        completion = client.completions.create(model=model_name, prompt="the cat", max_tokens=3, stream=True, **options)
+        for stream in (chat, completion):
+            usages = [chunk.usage for chunk in stream if chunk.usage is not None]
+            assert len(usages) == (include_usage is not False), (include_usage, usages)
 
 
 def test_bad_completion_requests_and_bodies_get_a_4xx(client, model_name, server):
@@ -864,17 +893,22 @@ def test_gpn_serve_help_has_transformers_serve_options(capsys):
 
 
 def test_gpn_serve_that_cannot_start_says_why_without_a_traceback(tmp_path, capsys):
-    """A --state-dir that cannot be a folder, a MODEL folder that is not there, a folder that holds no model:
-    one line naming the problem and a non-zero exit (they were tracebacks: NotADirectoryError from the state
-    store, transformers' "Repo id must be in the form ...", its error from the preload)."""
+    """A --state-dir that cannot be a folder, a MODEL folder that is not there, a folder that holds no model, a
+    model transformers cannot load: one line naming the problem and a non-zero exit (they were tracebacks:
+    NotADirectoryError from the state store, transformers' "Repo id must be in the form ...", its error from the
+    preload). MODEL is checked as gpn eval, generate and inspect check theirs: a folder without config.json is
+    refused with the arguments (exit 2), before anything loads."""
     from modeling_gpn.cli import build_parser
 
     (tmp_path / "a-file").write_text("")
     (tmp_path / "empty").mkdir()
+    (tmp_path / "unknown").mkdir()
+    (tmp_path / "unknown" / "config.json").write_text("{}")
     for arguments, status, words in (
-        ([str(tmp_path / "empty"), "--state-dir", str(tmp_path / "a-file" / "states")], 2, "--state-dir"),
-        ([str(tmp_path / "no-such-model")], 2, "no such folder"),
-        ([str(tmp_path / "empty"), "--device", "cpu"], 1, "gpn serve: cannot start:"),
+        ([str(tmp_path / "unknown"), "--state-dir", str(tmp_path / "a-file" / "states")], 2, "--state-dir"),
+        ([str(tmp_path / "no-such-model")], 2, "does not exist"),
+        ([str(tmp_path / "empty"), "--device", "cpu"], 2, "is not a model folder: it has no config.json"),
+        ([str(tmp_path / "unknown"), "--device", "cpu"], 1, "gpn serve: cannot start:"),
     ):
         args = build_parser("serve").parse_args(["serve", *arguments])
         assert args._run(args) == status, arguments
