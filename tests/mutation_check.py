@@ -1027,10 +1027,65 @@ MUTATIONS = [
     ),
     Mutation(
         "gpn --version",
-        "modeling_gpn/cli/__init__.py",
-        '    parser.add_argument("--version", action="version", version=version_line())',
+        "gpn_cli/__init__.py",
+        '    parser.add_argument("--version", action=VersionAction)',
         "    pass  # MUTATION",
         ("tests/tools/test_docs.py::test_gpn_version_names_the_installed_package_and_what_it_runs_on",),
+    ),
+    Mutation(
+        "gpn --help imports torch and transformers (the subcommands' formatter and list looked up for it)",
+        "gpn_cli/__init__.py",
+        "    if selected is not None:\n        from modeling_gpn.cli.formatting import HelpFormatter\n",
+        "    if True:  # MUTATION\n        from modeling_gpn.cli.formatting import HelpFormatter\n",
+        ("tests/tools/test_cli_startup.py::test_gpn_help_imports_neither_torch_nor_transformers",),
+    ),
+    Mutation(
+        "gpn --help imports torch (the --version line made for every command)",
+        "gpn_cli/__init__.py",
+        '    parser.add_argument("--version", action=VersionAction)',
+        '    parser.add_argument("--version", action="version", version=version_line())  # MUTATION',
+        ("tests/tools/test_cli_startup.py::test_gpn_help_imports_neither_torch_nor_transformers",),
+    ),
+    Mutation(
+        "gpn commands print upstream noise (the filters never installed)",
+        "gpn_cli/__init__.py",
+        "    quiet_known_upstream_noise()  # before",
+        "    pass  # MUTATION",
+        ("tests/tools/test_cli_startup.py -k every_subcommands_help",),
+    ),
+    Mutation(
+        "gpn commands print torchao's 'Failed to load .../_C*.so' on a CPU torch",
+        "gpn_cli/upstream_noise.py",
+        "    return not (_EXTENSION_NOT_LOADED.match(record.getMessage()) and _torch_without_gpu_build())",
+        "    return True  # MUTATION",
+        (
+            "tests/tools/test_cli_startup.py -k every_subcommands_help",
+            "tests/tools/test_cli_startup.py::test_only_the_known_lines_are_dropped",
+        ),
+    ),
+    Mutation(
+        "gpn commands print torch's notices about torchao's enums",
+        "gpn_cli/upstream_noise.py",
+        "    return not from_torchao\n",
+        "    return True  # MUTATION\n",
+        (
+            "tests/tools/test_cli_startup.py -k every_subcommands_help",
+            "tests/tools/test_cli_startup.py::test_only_the_known_lines_are_dropped",
+        ),
+    ),
+    Mutation(
+        "gpn hides torchao's 'Failed to load' on a CUDA torch too (where it may be a real fault)",
+        "gpn_cli/upstream_noise.py",
+        " and _torch_without_gpu_build())",
+        ")  # MUTATION",
+        ("tests/tools/test_cli_startup.py::test_only_the_known_lines_are_dropped",),
+    ),
+    Mutation(
+        "gpn hides torch's register_constant notice about any enum, not only torchao's",
+        "gpn_cli/upstream_noise.py",
+        ' and cls.__module__.split(".")[0] == TORCHAO',
+        "  # MUTATION",
+        ("tests/tools/test_cli_startup.py::test_only_the_known_lines_are_dropped",),
     ),
     Mutation(
         "gpn serve: generate() from a kept state given only the prompt's last token (processors miss the prompt)",
@@ -2144,14 +2199,14 @@ MUTATIONS = [
     ),
     Mutation(
         "Ctrl-C in a gpn subcommand a traceback (exit status 1)",
-        "modeling_gpn/cli/__init__.py",
+        "gpn_cli/__init__.py",
         "    except KeyboardInterrupt:  # Ctrl-C where the subcommand has nothing of its own to say: no traceback\n",
         "    except ZeroDivisionError:  # MUTATION\n",
         ("tests/tools/test_faults_io.py::test_generate_ctrl_c_is_one_line_and_the_shells_status",),
     ),
     Mutation(
         "gpn generate into a closed pipe a BrokenPipeError traceback",
-        "modeling_gpn/cli/__init__.py",
+        "gpn_cli/__init__.py",
         "    except BrokenPipeError:  # the reader went away",
         "    except ZeroDivisionError:  # MUTATION",
         ("tests/tools/test_faults_io.py::test_generate_into_a_closed_pipe_stops_quietly",),
@@ -2478,7 +2533,7 @@ def run_tests(root: Path, specs: tuple[str, ...], report: Path) -> tuple[int, in
 def check_imports_the_copy(root: Path) -> None:
     """The copy's tests must import the copy's package, or the mutation would not be tested at all."""
     env = dict(os.environ, PYTHONPATH=str(root))
-    modules = ["modeling_gpn", *(f"modeling_gpn.{package}" for package in SUBPACKAGES)]
+    modules = ["modeling_gpn", "gpn_cli", *(f"modeling_gpn.{package}" for package in SUBPACKAGES)]
     code = f"import importlib\nfor name in {modules!r}: print(importlib.import_module(name).__file__)"
     found = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, check=True)
     for module, where in zip(modules, found.stdout.split()):

@@ -1,0 +1,119 @@
+"""The `gpn` console script: one subcommand per job.
+
+Each subcommand lives in its own module, imported only when it runs, which defines
+`add_arguments(parser)` and `run(args) -> int | None`. `gpn --help` lists them; `gpn CMD --help`
+explains every option of one.
+
+This package sits outside `modeling_gpn` on purpose: importing anything inside `modeling_gpn` first runs the
+package's `__init__`, which registers GPN with transformers' Auto classes and so imports torch and transformers
+(seconds). The registration cannot be deferred (it needs the model classes themselves, and
+`import modeling_gpn; AutoModelForCausalLM.from_pretrained(folder)` must keep working), so the command's own
+entry point imports nothing of `modeling_gpn` until a subcommand is chosen: `gpn`, `gpn --help` and a
+mistyped command answer at once. `modeling_gpn.cli` re-exports `main`, `build_parser` and `SUBCOMMANDS`
+(`python -m modeling_gpn.cli` is the same command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import signal
+import sys
+
+from .upstream_noise import quiet_known_upstream_noise
+
+# name -> (module, one-line help). Keep this interface stable: users script against it.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "convert": ("modeling_gpn.conversion.cli", "convert a reference (JAX) checkpoint to a transformers folder"),
+    "train": ("modeling_gpn.train", "train a GPN (or a Llama baseline) on a text corpus"),
+    "eval": ("modeling_gpn.evaluation.cli", "evaluate a model with lm-eval-harness beside the paper's baselines"),
+    "push": ("modeling_gpn.hub", "publish a model folder to the Hugging Face Hub with a model card"),
+    "inspect": ("modeling_gpn.inspect", "analyse a model's single state (geometry, mean direction, horizons, memory)"),
+    "bench": ("modeling_gpn.bench", "measure training, prefill and decode speed and memory"),
+    "study": ("modeling_gpn.study", "small-scale replication: train and evaluate GPN variants and baselines"),
+    "generate": ("modeling_gpn.cli.generate", "generate text from a model folder or Hub repo"),
+    "serve": (
+        "modeling_gpn.serve.cli",
+        "serve a model behind an OpenAI-compatible API (transformers serve), conversations kept as states",
+    ),
+}
+
+
+def available_subcommands() -> dict[str, tuple[str, str]]:
+    """The subcommands whose module is installed. (Looking a module up imports the packages above it, that is
+    `modeling_gpn` with torch and transformers: only for a command that will run.)"""
+    return {name: spec for name, spec in SUBCOMMANDS.items() if importlib.util.find_spec(spec[0]) is not None}
+
+
+def version_line() -> str:
+    """What `gpn --version` prints: this package's version and those of what it runs on, for a bug report."""
+    import platform
+
+    import torch
+    import transformers
+
+    from modeling_gpn import __version__
+
+    return (
+        f"gpn {__version__} (torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"Python {platform.python_version()})"
+    )
+
+
+class VersionAction(argparse.Action):
+    """argparse's `version` action, but the line is made when the option is given: it names the versions torch
+    and transformers report once imported, and importing them for every command would cost each one seconds."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs) -> None:
+        kwargs.setdefault("help", "show program's version number and exit")
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace, values, option_string=None) -> None:
+        formatter = parser._get_formatter()
+        formatter.add_text(version_line())
+        parser._print_message(formatter.format_help(), sys.stdout)
+        parser.exit()
+
+
+def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
+    """The command's parser; `selected`'s module is imported and gives its subcommand's options. With no
+    subcommand selected, nothing of `modeling_gpn` (so no torch) is imported."""
+    parser = argparse.ArgumentParser(
+        prog="gpn",
+        description="Grounded Prediction Networks (arXiv 2605.10643) for the Hugging Face ecosystem.",
+    )
+    parser.add_argument("--version", action=VersionAction)
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    formatter_class = argparse.HelpFormatter  # a subcommand that is not selected never prints its help
+    listed = SUBCOMMANDS
+    if selected is not None:
+        from modeling_gpn.cli.formatting import HelpFormatter
+
+        formatter_class, listed = HelpFormatter, available_subcommands()
+    for name, (module_name, help_text) in listed.items():
+        sub = subparsers.add_parser(name, help=help_text, description=help_text, formatter_class=formatter_class)
+        if name == selected:  # import only the module that will run
+            module = importlib.import_module(module_name)
+            module.add_arguments(sub)
+            sub.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    quiet_known_upstream_noise()  # before any subcommand imports transformers (which imports torchao)
+    selected = next((arg for arg in argv if not arg.startswith("-")), None)
+    parser = build_parser(selected if selected in SUBCOMMANDS else None)
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 0 if args.command is None else 2
+    try:
+        result = args._run(args)
+    except KeyboardInterrupt:  # Ctrl-C where the subcommand has nothing of its own to say: no traceback
+        print(f"gpn {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except BrokenPipeError:  # the reader went away (`gpn generate ... | head`): stop quietly, as `cat` would
+        return 128 + 13  # SIGPIPE's number (the signal module lacks it on Windows): the shell's "ended by SIGPIPE"
+    return int(result or 0)

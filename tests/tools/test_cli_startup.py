@@ -1,0 +1,131 @@
+"""The `gpn` command's start: `gpn --help` answers without importing torch or transformers, and no command prints
+the upstream log lines nobody asked for (torchao's unloadable CUDA extensions on a CPU torch, torch's deprecation
+notices about torchao's enums), while every other log line still gets through."""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpn_cli import SUBCOMMANDS
+from gpn_cli.upstream_noise import keep_pytree_record, keep_torchao_record
+
+NOISE = ("Failed to load", "is an Enum subclass", "register_constant")
+
+
+def run(code: str) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter (PYTHONPATH kept: the mutation check's copy is what it must import)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL
+    )
+
+
+def noise_in(text: str) -> list[str]:
+    return [line for line in text.splitlines() if any(part in line for part in NOISE)]
+
+
+def test_gpn_help_imports_neither_torch_nor_transformers():
+    """`gpn --help` took about 4 s: the entry point was inside `modeling_gpn`, whose `__init__` imports torch and
+    transformers (to register GPN with the Auto classes). `gpn`, `gpn --help` and a mistyped command now import
+    nothing of either, and say what they said before."""
+    result = run(
+        "import contextlib, io, json, sys\n"
+        "from gpn_cli import main\n"
+        "codes, out = [], io.StringIO()\n"
+        "for argv in (['--help'], [], ['nosuch']):\n"
+        "    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):\n"
+        "        try:\n"
+        "            codes.append(main(argv))\n"
+        "        except SystemExit as exit:\n"
+        "            codes.append(exit.code)\n"
+        "heavy = [m for m in ('torch', 'transformers', 'torchao', 'modeling_gpn') if m in sys.modules]\n"
+        "print(json.dumps({'codes': codes, 'heavy': heavy, 'out': out.getvalue()}))\n"
+    )
+    assert result.returncode == 0, result.stderr
+    found = json.loads(result.stdout.splitlines()[-1])
+    assert found["heavy"] == [], f"gpn --help imported {found['heavy']}"
+    assert found["codes"] == [0, 0, 2]  # help, help, argparse's usage error
+    assert all(name in found["out"] for name in SUBCOMMANDS) and "invalid choice: 'nosuch'" in found["out"]
+    assert noise_in(found["out"] + result.stderr) == []
+
+
+def test_the_console_script_and_every_subcommands_help_exit_0_without_upstream_noise():
+    """The installed `gpn` script's --help, then `gpn CMD --help` of every subcommand in one process (the first
+    one imports transformers, which imports torchao): each exits 0 and nothing but the help is printed."""
+    script = Path(sys.executable).with_name("gpn")
+    if script.exists():
+        env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+        top = subprocess.run([str(script), "--help"], env=env, capture_output=True, text=True, timeout=120)
+        assert top.returncode == 0 and "generate" in top.stdout and noise_in(top.stdout + top.stderr) == []
+    result = run(
+        "import contextlib, io, json\n"
+        "from gpn_cli import SUBCOMMANDS, main\n"
+        "codes = {}\n"
+        "for name in SUBCOMMANDS:\n"
+        "    with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+        "        try:\n"
+        "            main([name, '--help'])\n"
+        "        except SystemExit as exit:\n"
+        "            codes[name] = (exit.code, f'usage: gpn {name}' in out.getvalue())\n"
+        "print(json.dumps(codes))\n"
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.splitlines()[-1]) == {name: [0, True] for name in SUBCOMMANDS}
+    noise = noise_in(result.stderr)
+    if torch.version.cuda is not None or torch.version.hip is not None:  # there the extensions' failures are kept
+        noise = [line for line in noise if "Failed to load" not in line]
+    assert noise == [], "\n".join(noise)
+
+
+def record(name: str, msg: str, *args) -> logging.LogRecord:
+    return logging.LogRecord(name, logging.WARNING, __file__, 1, msg, args, None)
+
+
+def test_only_the_known_lines_are_dropped(monkeypatch):
+    """Exactly torchao's "Failed to load .../torchao/_C*.so" on a torch without CUDA or ROCm, and torch's notice
+    about torchao's enums; the same failure on a CUDA torch (where it may be real), torchao's other warnings, and
+    the notice about anyone else's enum still print."""
+    so = "/site-packages/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so"
+    failed = record("torchao", f"Failed to load {so}: Could not load this library: {so}")
+
+    class KernelPreference(enum.Enum):
+        AUTO = "auto"
+
+    class Mine(enum.Enum):
+        A = 1
+
+    monkeypatch.setattr(KernelPreference, "__module__", "torchao.quantization.quantize_.common.kernel_preference")
+    notice = "%s is an Enum subclass and is now natively supported by torch.compile as an opaque value type."
+
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert not keep_torchao_record(failed)
+    assert not keep_pytree_record(record("torch.utils._pytree", notice, KernelPreference))
+    assert keep_torchao_record(record("torchao", "Skipping import of cpp extensions due to incompatible torch version"))
+    assert keep_torchao_record(record("torchao", "Failed to load /site-packages/other/_C.so: missing symbol"))
+    assert keep_pytree_record(record("torch.utils._pytree", notice, Mine))
+    assert keep_pytree_record(record("torch.utils._pytree", "something else %s", KernelPreference))
+
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert keep_torchao_record(failed)
+
+
+def test_the_filters_are_installed_once(capsys):
+    """`main` may run many times in one process (tests, scripts): the filters are not stacked up."""
+    from gpn_cli import main
+
+    for _ in range(2):
+        with pytest.raises(SystemExit):
+            main(["--help"])
+    capsys.readouterr()
+    assert logging.getLogger("torchao").filters.count(keep_torchao_record) == 1
+    assert logging.getLogger("torch.utils._pytree").filters.count(keep_pytree_record) == 1
