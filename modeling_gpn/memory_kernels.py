@@ -1305,12 +1305,50 @@ static void run_tasks(const gpn_segment *segs, const i64 *tasks, i64 first, i64 
 }
 
 /* `int8_tiles`: the int8 weight w (rows, cols) in tiles of 16 rows into `tiles` (ceil(rows / 16), width / 4, 16, 4),
-   width = cols rounded up to 64; zero bytes, flipped, where rows or cols are padded */
-void gpn_int8_tiles(const int8_t *w, i64 rows, i64 cols, uint8_t *tiles, int threads)
+   width = cols rounded up to 64; zero bytes, flipped, where rows or cols are padded. With AVX-512 a tile's 16 rows
+   are read 64 bytes at a time and their 4-byte groups transposed in registers (16 x 16), as fast as the copy's
+   bytes stream: a plan builds its tiles once per scope, before a prompt's first token. One thread: on a machine
+   with other tenants a parallel region waits for its slowest thread, and this is a short copy. */
+#ifdef GPN_AVX512
+static inline void transpose16_epi32(__m512i r[16])
+{
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {  /* [a0 b0 a1 b1 | ...], [a2 b2 a3 b3 | ...] in each 128-bit lane */
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  /* u[i + j]: rows i..i+3 of columns j, 4 + j, 8 + j, 12 + j */
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        const __m512i a = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88), b = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xdd);
+        const __m512i c = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88), d = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xdd);
+        r[j] = _mm512_shuffle_i32x4(a, c, 0x88);
+        r[8 + j] = _mm512_shuffle_i32x4(a, c, 0xdd);
+        r[4 + j] = _mm512_shuffle_i32x4(b, d, 0x88);
+        r[12 + j] = _mm512_shuffle_i32x4(b, d, 0xdd);
+    }
+}
+#endif
+void gpn_int8_tiles(const int8_t *w, i64 rows, i64 cols, uint8_t *tiles)
 {
     const i64 width = (cols + 63) / 64 * 64, n_tiles = (rows + 15) / 16;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (i64 t = 0; t < n_tiles; t++)
+    for (i64 t = 0; t < n_tiles; t++) {
+#ifdef GPN_AVX512
+        const __m512i flip = _mm512_set1_epi8((char)0x80);
+        for (i64 k = 0; k < width; k += 64) {
+            const __mmask64 m = cols - k >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (cols - k)) - 1);
+            __m512i r[16];
+            for (i64 i = 0; i < 16; i++)
+                r[i] = 16 * t + i < rows ? _mm512_maskz_loadu_epi8(m, w + (16 * t + i) * cols + k) : _mm512_setzero_si512();
+            transpose16_epi32(r);
+            for (i64 j = 0; j < 16; j++)  /* four columns k + 4j .. of the 16 rows */
+                _mm512_storeu_si512((void *)(tiles + 16 * (t * width + k) + 64 * j), _mm512_xor_si512(r[j], flip));
+        }
+#else
         for (i64 k = 0; k < width; k += 4)
             for (i64 i = 0; i < 16; i++) {
                 const i64 r = 16 * t + i;
@@ -1318,6 +1356,8 @@ void gpn_int8_tiles(const int8_t *w, i64 rows, i64 cols, uint8_t *tiles, int thr
                 for (i64 j = 0; j < 4; j++)
                     to[j] = (uint8_t)((r < rows && k + j < cols ? (uint8_t)w[r * cols + k + j] : 0) ^ 0x80u);
             }
+#endif
+    }
 }
 
 /* One phase of products on its own (the logits of a few rows, and any product the fused step does not cover) */
@@ -1873,7 +1913,7 @@ def _load_verified(folder: Path, key: str) -> ctypes.CDLL:
     lib.gpn_memory_write_backward.restype = None
     lib.gpn_linear.argtypes = [p, p, i64, i64, ctypes.c_int]
     lib.gpn_linear.restype = None
-    lib.gpn_int8_tiles.argtypes = [p, i64, i64, p, ctypes.c_int]
+    lib.gpn_int8_tiles.argtypes = [p, i64, i64, p]
     lib.gpn_int8_tiles.restype = None
     lib.gpn_paired_rows.argtypes = [p, i64]
     lib.gpn_paired_rows.restype = ctypes.c_int
@@ -2572,7 +2612,7 @@ def int8_tiles(weight: torch.Tensor) -> torch.Tensor:
         _refuse(f"a {weight.dtype} weight of shape {tuple(weight.shape)}; expected a contiguous int8 CPU matrix")
     rows, cols = weight.shape
     tiles = torch.empty(-(-rows // 16), -(-cols // 64) * 16, 16, 4, dtype=torch.uint8)
-    _library.gpn_int8_tiles(weight.data_ptr(), rows, cols, tiles.data_ptr(), torch.get_num_threads())
+    _library.gpn_int8_tiles(weight.data_ptr(), rows, cols, tiles.data_ptr())
     return tiles
 
 

@@ -377,9 +377,23 @@ MUTATIONS = [
     Mutation(
         "tiles without the weights' top bits flipped",
         "modeling_gpn/memory_kernels.py",
+        "_mm512_storeu_si512((void *)(tiles + 16 * (t * width + k) + 64 * j), _mm512_xor_si512(r[j], flip));",
+        "_mm512_storeu_si512((void *)(tiles + 16 * (t * width + k) + 64 * j), r[j]);",
+        ("tests/fast_path/test_step_kernels.py -k (tiles_of_16 and native) or decodes_from_its_tiles",),
+    ),
+    Mutation(
+        "tiles transposed with two quarters of the columns swapped",
+        "modeling_gpn/memory_kernels.py",
+        "        r[4 + j] = _mm512_shuffle_i32x4(b, d, 0x88);\n        r[12 + j] = _mm512_shuffle_i32x4(b, d, 0xdd);\n",
+        "        r[12 + j] = _mm512_shuffle_i32x4(b, d, 0x88);\n        r[4 + j] = _mm512_shuffle_i32x4(b, d, 0xdd);\n",
+        ("tests/fast_path/test_step_kernels.py -k (tiles_of_16 and native) or decodes_from_its_tiles",),
+    ),
+    Mutation(
+        "tiles without AVX-512 written without the weights' top bits flipped",
+        "modeling_gpn/memory_kernels.py",
         "                    to[j] = (uint8_t)((r < rows && k + j < cols ? (uint8_t)w[r * cols + k + j] : 0) ^ 0x80u);\n",
         "                    to[j] = (uint8_t)((r < rows && k + j < cols ? (uint8_t)w[r * cols + k + j] : 0));\n",
-        ("tests/fast_path/test_step_kernels.py -k (tiles_of_16 and native) or decodes_from_its_tiles",),
+        ("tests/fast_path/test_step_kernels.py -k tiles_of_16 and (avx2 or portable)",),
     ),
     Mutation(
         "tasks cut at multiples of 4 rows (inside the tiles)",

@@ -381,6 +381,10 @@ def test_int8_rows_in_the_l3_read_from_tiles_of_16_rows(monkeypatch, products_bu
     generator = torch.Generator().manual_seed(52)
     for rows, cols in ((700, 768), (61, 70), (300, 256), (64, 2048)):
         weight = torch.randint(-128, 128, (rows, cols), dtype=torch.int8, generator=generator)
+        width = -(-cols // 64) * 64  # (the layout, as torch writes it: padding 0, flipped)
+        padded = torch.full((-(-rows // 16) * 16, width), 0x80, dtype=torch.uint8)
+        padded[:rows, :cols] = weight.view(torch.uint8) ^ 0x80
+        assert torch.equal(mk.int8_tiles(weight), padded.view(-1, 16, width // 4, 4).transpose(1, 2)), (rows, cols)
         scale, bias = torch.rand(rows, generator=generator), torch.randn(rows, generator=generator)
         x = torch.randn(1, cols, generator=generator)
         for bias_given, bf16, after in ((None, False, False), (bias, True, False), (bias, True, True)):
