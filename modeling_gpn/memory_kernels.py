@@ -2616,11 +2616,12 @@ def int8_tiles(weight: torch.Tensor) -> torch.Tensor:
     return tiles
 
 
-def _tile_int8(segments: list, weights: list[torch.Tensor], rows: int) -> list[torch.Tensor]:
+def _tile_int8(segments, weights: list[torch.Tensor], rows: int) -> list[torch.Tensor]:
     """Give the int8 products of a plan at one batch row whose weights sit in the L3 (not `STREAM_ROWS`) their
     weights in tiles (`int8_tiles`), where the kernels' int8 products run on VNNI; returns the tiles, which the
     plan keeps. A weight read by two products is tiled once. The copy doubles those weights' memory (the model
-    keeps its own), at most the L3's size, and is derived with the plan, once per derived-weights scope."""
+    keeps its own), at most the L3's size, and lives as long as the plan (one derived-weights scope).
+    `segments`: the plan's `_Segment`s (the elements of the array the kernels read are written in place)."""
     if rows != 1 or "+vnni" not in products_isa():
         return []
     made: dict[int, torch.Tensor] = {}
@@ -2631,6 +2632,33 @@ def _tile_int8(segments: list, weights: list[torch.Tensor], rows: int) -> list[t
                 tiles = made[weight.data_ptr()] = int8_tiles(weight)
             segment.tiles = tiles.data_ptr()
     return list(made.values())
+
+
+TILE_AFTER_STEPS = 64  # a plan tiles its int8 weights once it has run, or is about to run, this many steps
+
+
+class _LazyTiles:
+    """A plan's int8 tiles (`_tile_int8`), built once the plan has run `TILE_AFTER_STEPS` steps or is about to:
+    building them costs about what a few steps cost, and each step then saves a little, so a short prompt
+    forwarded once (a plan lives one derived-weights scope) is better off without them, and a long prompt or a
+    generation is not. A decode plan adds its products to its step plan's (`add`): one count of steps."""
+
+    __slots__ = ("parts", "rows", "steps", "tiles")
+
+    def __init__(self, segments, weights: list[torch.Tensor], rows: int):
+        self.parts, self.rows, self.steps, self.tiles = [(segments, weights)], rows, 0, None
+
+    def add(self, segments, weights: list[torch.Tensor]) -> None:
+        """Products of another plan that runs with this one (tiled at once if this one's are)."""
+        self.parts.append((segments, weights))
+        if self.tiles is not None:
+            self.tiles += _tile_int8(segments, weights, self.rows)
+
+    def count(self, steps: int) -> None:
+        """Note `steps` steps about to run (the tiles are built first when they reach `TILE_AFTER_STEPS`)."""
+        self.steps += steps
+        if self.tiles is None and self.steps >= TILE_AFTER_STEPS:
+            self.tiles = [tile for segments, weights in self.parts for tile in _tile_int8(segments, weights, self.rows)]
 
 
 class StepPlan:
@@ -2735,8 +2763,8 @@ class StepPlan:
             tasks += _tasks(segments, first, count)
             ranges += [start, len(tasks)]
         _mark_streamed(segments, [op.weight for op in keep])
-        self._tiles = _tile_int8(segments, [op.weight for op in keep], B)
         self._segments = (_Segment * len(segments))(*segments)
+        self.tiles = _LazyTiles(self._segments, [op.weight for op in keep], B)
         self._tasks = torch.tensor(tasks, dtype=torch.int64).reshape(-1)
         self._phases = torch.tensor(ranges, dtype=torch.int64)
         self._norms_f32 = [n.detach().float().contiguous() for n in norms]
@@ -2805,6 +2833,7 @@ class StepPlan:
             memory_out, new_key, gamma = memory, p.new_empty(B, 0), None
         calls["step"] += 1
         calls["int8 step"] += self.int8
+        self.tiles.count(1)
         _library.gpn_step(
             ctypes.addressof(self._plan),
             p.data_ptr(),
@@ -2851,6 +2880,7 @@ class StepPlan:
         _check_apart(outputs, "outputs", {"U": U, "p": p, "g": g, "memory": memory})
         calls["step"] += T
         calls["int8 step"] += T * self.int8
+        self.tiles.count(T)
         pointer = lambda t: t.data_ptr() if t is not None else None
         _library.gpn_steps(
             ctypes.addressof(self._plan),
@@ -2958,8 +2988,8 @@ class DecodePlan:
             tasks += [x for triple in _tasks(segments, index, 1) for x in triple]
             phases.append(len(tasks) // 3)
         _mark_streamed(segments, [*step.weights, table, fuse.weight, decoder.weight, head.weight])
-        self._tiles = _tile_int8(segments, [fuse.weight, decoder.weight, head.weight], B)
         self._segments = (_Segment * 3)(*segments)
+        step.tiles.add(self._segments, [fuse.weight, decoder.weight, head.weight])
         self._logits_segment = self._segments[2]  # (a view into the array, whose output each call sets)
         self._tasks = torch.tensor(tasks, dtype=torch.int64)
         plan = _DecodePlanStruct(B, e, vocab, KIND_BF16 if table.dtype == torch.bfloat16 else KIND_F32)
@@ -3012,6 +3042,7 @@ class DecodePlan:
         self._logits_segment.out = logits.data_ptr()
         step_plan, plan, key_out = self._fixed
         p_at, g_at, M_at = p.data_ptr(), g.data_ptr(), M.data_ptr() if memory else None
+        self.step_plan.tiles.count(1)
         outside = _library.gpn_decode(
             step_plan,
             plan,

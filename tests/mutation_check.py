@@ -344,7 +344,7 @@ MUTATIONS = [
         "modeling_gpn/memory_kernels.py",
         "    return B == 1 && sg->kind == KIND_I8 && sg->tiles && r0 % 16 == 0;\n",
         "    return 0;\n",
-        ("tests/fast_path/test_step_kernels.py -k (tiles_of_16 and native) or decodes_from_its_tiles",),
+        ("tests/fast_path/test_step_kernels.py -k (tiles_of_16 and native) or tiles_its_weights",),
     ),
     Mutation(
         "a task beginning inside a tile read from the tile's start",
@@ -379,14 +379,14 @@ MUTATIONS = [
         "modeling_gpn/memory_kernels.py",
         "_mm512_storeu_si512((void *)(tiles + 16 * (t * width + k) + 64 * j), _mm512_xor_si512(r[j], flip));",
         "_mm512_storeu_si512((void *)(tiles + 16 * (t * width + k) + 64 * j), r[j]);",
-        ("tests/fast_path/test_step_kernels.py -k (tiles_of_16 and native) or decodes_from_its_tiles",),
+        ("tests/fast_path/test_step_kernels.py -k (tiles_of_16 and native) or tiles_its_weights",),
     ),
     Mutation(
         "tiles transposed with two quarters of the columns swapped",
         "modeling_gpn/memory_kernels.py",
         "        r[4 + j] = _mm512_shuffle_i32x4(b, d, 0x88);\n        r[12 + j] = _mm512_shuffle_i32x4(b, d, 0xdd);\n",
         "        r[12 + j] = _mm512_shuffle_i32x4(b, d, 0x88);\n        r[4 + j] = _mm512_shuffle_i32x4(b, d, 0xdd);\n",
-        ("tests/fast_path/test_step_kernels.py -k (tiles_of_16 and native) or decodes_from_its_tiles",),
+        ("tests/fast_path/test_step_kernels.py -k (tiles_of_16 and native) or tiles_its_weights",),
     ),
     Mutation(
         "tiles without AVX-512 written without the weights' top bits flipped",
@@ -394,6 +394,20 @@ MUTATIONS = [
         "                    to[j] = (uint8_t)((r < rows && k + j < cols ? (uint8_t)w[r * cols + k + j] : 0) ^ 0x80u);\n",
         "                    to[j] = (uint8_t)((r < rows && k + j < cols ? (uint8_t)w[r * cols + k + j] : 0));\n",
         ("tests/fast_path/test_step_kernels.py -k tiles_of_16 and (avx2 or portable)",),
+    ),
+    Mutation(
+        "int8 tiles built at a plan's first step, however few it runs",
+        "modeling_gpn/memory_kernels.py",
+        "        if self.tiles is None and self.steps >= TILE_AFTER_STEPS:\n",
+        "        if self.tiles is None:\n",
+        ("tests/fast_path/test_step_kernels.py -k tiles_its_weights",),
+    ),
+    Mutation(
+        "a decode call's products not tiled when its step plan's already are",
+        "modeling_gpn/memory_kernels.py",
+        "            self.tiles += _tile_int8(segments, weights, self.rows)\n",
+        "            pass\n",
+        ("tests/fast_path/test_step_kernels.py -k tiles_its_weights",),
     ),
     Mutation(
         "tasks cut at multiples of 4 rows (inside the tiles)",

@@ -638,10 +638,11 @@ def test_int8_sums_stay_exact_over_rows_longer_than_an_accumulator_holds(monkeyp
         assert torch.equal(streamed, on_sixteen_bits(x[row : row + 1], linear)), row
 
 
-def test_an_int8_model_decodes_from_its_tiles_to_the_same_bits(monkeypatch):
-    """An int8 model's prompt and decoded tokens at one batch row read its products' weights from tiles of 16 rows
-    (the step's and the decoder's, every int8 product of the plans), and give the same logits, to the bit, as
-    the rows read one by one (a plan without tiles)."""
+def test_an_int8_model_tiles_its_weights_once_its_steps_pay_for_them(monkeypatch):
+    """An int8 model at one batch row reads its products' weights one row at a time for a plan's first steps, and
+    from tiles of 16 rows (every int8 product: the step's and the decode call's) once the plan has run
+    `TILE_AFTER_STEPS` steps or is about to, with the same logits, to the bit, as a plan that never tiles; a
+    prompt shorter than that, forwarded once, builds no tiles (they would cost more than they save)."""
     import ctypes
 
     require_exact_int8()
@@ -649,27 +650,35 @@ def test_an_int8_model_decodes_from_its_tiles_to_the_same_bits(monkeypatch):
 
     model = quantized(perturbed_model(tiny_config(), seed=53))
     ids = torch.randint(1, 97, (1, 6), generator=torch.Generator().manual_seed(54))
-    made, tile = [], memory_kernels._tile_int8
+    tiled_at, tile = [], memory_kernels._tile_int8
 
     def seen(segments, weights, rows):
         kept = tile(segments, weights, rows)
-        made.extend(ctypes.addressof(s) for s in segments if s.kind == memory_kernels.KIND_I8)
-        assert all(
-            memory_kernels._library.gpn_tiled_input(ctypes.addressof(s), 1)
-            for s in segments
-            if s.kind == memory_kernels.KIND_I8
-        )
+        int8 = [s for s in segments if s.kind == memory_kernels.KIND_I8]
+        assert int8 and all(memory_kernels._library.gpn_tiled_input(ctypes.addressof(s), 1) for s in int8)
+        tiled_at.append(memory_kernels.calls["step"])
         return kept
 
     monkeypatch.setattr(memory_kernels, "_last_level_cache_bytes", lambda: 1 << 30)
     monkeypatch.setattr(memory_kernels, "_tile_int8", seen)
+    monkeypatch.setattr(memory_kernels, "TILE_AFTER_STEPS", 8)
+    with torch.no_grad():
+        model(ids)
+    assert tiled_at == []  # (6 steps)
     with ran(DECODE_CALLS, INT8_STEPS):
-        tiled = decode_loop(model, ids, None)
-    assert len(made) >= 2  # (the step's products and the decode call's)
-    monkeypatch.setattr(memory_kernels, "_tile_int8", lambda *arguments: [])
+        first = memory_kernels.calls["step"]
+        tiled = decode_loop(model, ids, None, steps=4)  # (the prompt's 6 steps, then 4 decoded tokens)
+    assert tiled_at == [first + 7, first + 7]  # (before the 8th step: the step plan's products, the decode call's)
+    longer = torch.randint(1, 97, (1, 9), generator=torch.Generator().manual_seed(55))
     with ran(DECODE_CALLS, INT8_STEPS):
-        rows_read = decode_loop(model, ids, None)
-    assert torch.equal(tiled, rows_read)
+        first = memory_kernels.calls["step"]
+        tiled_longer = decode_loop(model, longer, None, steps=2)
+    assert tiled_at[2:] == [first + 9, first + 9]  # (at the prompt's 9 steps; the decode call's when it is built)
+    monkeypatch.setattr(memory_kernels, "TILE_AFTER_STEPS", 10**9)
+    with ran(DECODE_CALLS, INT8_STEPS):
+        rows_read = decode_loop(model, ids, None, steps=4)
+        rows_read_longer = decode_loop(model, longer, None, steps=2)
+    assert len(tiled_at) == 4 and torch.equal(tiled, rows_read) and torch.equal(tiled_longer, rows_read_longer)
 
 
 def test_int8_weights_streamed_a_row_at_a_time_give_the_same_bits(one_thread, monkeypatch):
