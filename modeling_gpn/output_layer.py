@@ -10,6 +10,7 @@ view whose `weight` is the computed table, with the gradients of whatever the wr
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -58,10 +59,27 @@ def output_embeddings(model: nn.Module) -> nn.Module:
     That is `lm_head`, unless the output follows a wrapped embedding (`output_follows_embedding`: LoRA or a `modules_to_save` copy on
     `embed_tokens`) or the head carries the embedding's token adapter (`trainable_token_indices`): then neither
     `lm_head` (whose weight is the base table) nor a wrapper (which has no `bias`) shows the tools that read them
-    (TRL's fused head) the output matrix, so they are shown an `EmbeddingTableHead` of `model.embedding_table`. It is no named module, so PEFT's `all-linear`, which
-    looks the output embedding up among them to leave it out, stops there rather than adapt `lm_head` (which would
-    take the output off the wrapped table)."""
+    (TRL's fused head) the output matrix, so they are shown an `EmbeddingTableHead` of `model.embedding_table`.
+
+    That view is no named module, and PEFT's `all-linear` looks the output embedding up by identity among the named
+    modules to leave it out: it is answered `lm_head` (`asked_by_peft_all_linear`), so a second `all-linear` adapter
+    adapts every linear layer but the head, whose output stays the wrapped table."""
     head, embedding = model.lm_head, model.model.embed_tokens
     if model.output_follows_embedding() or carries_the_embeddings_token_adapter(head, embedding):
+        if asked_by_peft_all_linear():
+            return head
         return EmbeddingTableHead(model.embedding_table, model.config.embedding_size, model.config.vocab_size)
     return head
+
+
+# The PEFT function that resolves `target_modules="all-linear"` (PEFT 0.21, `peft.tuners.tuners_utils`): it asks for
+# the output embedding only to find its name among `named_modules()` and leave it out. Should PEFT rename it, the
+# view is returned and PEFT stops with StopIteration, as it did before (docs/fine-tuning.md), never adapting lm_head.
+_PEFT_ALL_LINEAR = ("peft.tuners.tuners_utils", "_maybe_include_all_linear_layers")
+
+
+def asked_by_peft_all_linear() -> bool:
+    """Whether `get_output_embeddings()` is being called by PEFT's `all-linear` resolution (the caller of
+    `GPNForCausalLM.get_output_embeddings`, two frames above this one)."""
+    caller = sys._getframe(3)  # asked_by_peft_all_linear <- output_embeddings <- get_output_embeddings <- caller
+    return (caller.f_globals.get("__name__"), caller.f_code.co_name) == _PEFT_ALL_LINEAR

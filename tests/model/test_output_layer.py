@@ -166,31 +166,38 @@ def test_a_wrapped_embedding_is_followed_by_the_output_and_never_ignored():
     torch.testing.assert_close(outputs[True], outputs[False], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("wrapper", ["lora", "modules_to_save"])
-def test_a_second_all_linear_adapter_never_moves_the_output_off_a_wrapped_embedding(wrapper):
+@pytest.mark.parametrize("wrapper", ["lora", "modules_to_save", "trainable_tokens"])
+def test_a_second_all_linear_adapter_adapts_every_linear_layer_but_the_head(wrapper):
     """PEFT's `target_modules="all-linear"` leaves out the module `get_output_embeddings()` returns, looked up by
-    identity among the named modules. While the output follows a wrapped embedding that is a view of no named
-    module, so adding an `all-linear` adapter stops in PEFT 0.21 (StopIteration) rather than wrap `lm_head`, which
-    would take the output off the wrapped table and move the first adapter's logits in silence. Named targets work."""
+    identity among the named modules. While the output follows a wrapped embedding (LoRA, a `modules_to_save` copy,
+    trainable tokens) that is a view of no named module, and PEFT 0.21 stopped with a bare StopIteration; it is
+    answered `lm_head`, so a second `all-linear` adapter adapts every linear layer but the head, and the output stays
+    the first adapter's table (the second adapter starts as the identity: the same logits)."""
     import peft
 
     ids = token_ids(2, 8)
     torch.manual_seed(12)
-    first = dict(target_modules=["embed_tokens"], init_lora_weights=False)
-    if wrapper == "modules_to_save":
-        first = dict(target_modules=["decode_proj"], modules_to_save=["embed_tokens"])
+    first = {
+        "lora": dict(target_modules=["embed_tokens"], init_lora_weights=False),
+        "modules_to_save": dict(target_modules=["decode_proj"], modules_to_save=["embed_tokens"]),
+        "trainable_tokens": dict(target_modules=["decode_proj"], trainable_token_indices={"embed_tokens": [3, 5]}),
+    }[wrapper]
     adapted = peft.get_peft_model(perturbed_model(tiny_config(), seed=12), peft.LoraConfig(r=4, **first)).eval()
     inner = adapted.get_base_model()
-    if wrapper == "modules_to_save":
-        with torch.no_grad():
-            inner.model.embed_tokens.modules_to_save["default"].weight.add_(0.3)
     with torch.no_grad():
+        if wrapper == "modules_to_save":
+            inner.model.embed_tokens.modules_to_save["default"].weight.add_(0.3)
+        if wrapper == "trainable_tokens":
+            inner.model.embed_tokens.token_adapter.trainable_tokens_delta["default"].add_(0.3)
         before = adapted(input_ids=ids).logits
-    with pytest.raises(StopIteration):
-        adapted.add_adapter("second", peft.LoraConfig(r=4, target_modules="all-linear"))
-    assert type(inner.lm_head) is nn.Linear and inner.output_follows_embedding()
-    adapted.add_adapter("named", peft.LoraConfig(r=4, target_modules=["decode_proj", "ffn_in"]))
-    assert type(inner.lm_head) is nn.Linear and inner.output_follows_embedding()
+    head = inner.lm_head
+    adapted.add_adapter("second", peft.LoraConfig(r=4, target_modules="all-linear"))
+    adapted.base_model.set_adapter(["default", "second"])
+    assert inner.lm_head is head and "second" not in getattr(head, "lora_A", {})
+    second = {name.rsplit(".lora_A", 1)[0] for name, _ in inner.named_modules() if name.endswith("lora_A.second")}
+    assert {"model.decode_proj", "model.predict_layers.0.ffn_in", "model.memory_write.key"} <= second
+    assert not any(name.startswith("lm_head") for name in second)
+    assert type(inner.get_output_embeddings()).__name__ == "EmbeddingTableHead"  # TRL's fused head still gets the view
     with torch.no_grad():
         torch.testing.assert_close(adapted(input_ids=ids).logits, before)
 
