@@ -11,7 +11,7 @@ view whose `weight` is the computed table, with the gradients of whatever the wr
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import torch
 import torch.nn.functional as F
@@ -19,23 +19,40 @@ from torch import nn
 
 
 class EmbeddingTableHead(nn.Module):
-    """A bias-free linear head whose `weight` is `table()`, computed on every read (so it follows the active
-    adapter, a disabled one included, and carries its gradients); calling it gives the logits of a
-    `last_hidden_state`. It holds no parameters and is no submodule of the model: the parameters stay the
-    wrapper's, trained and saved there."""
+    """A bias-free linear head whose `weight` is `table()`, the table `embedding` (a PEFT wrapper) computes, with
+    its gradients; calling it gives the logits of a `last_hidden_state`. It holds no parameters and is no submodule
+    of the model: the parameters stay the wrapper's, trained and saved there.
+
+    The table is a forward of the embedding over the whole vocabulary, and tools read `weight` several times a call
+    (TRL's fused head: three, its distillation loss more), so it is computed once and kept while nothing it depends
+    on has changed (`_table_state`: the wrapper's parameters, in place too, its active or disabled adapters, grad
+    mode); the backward through a kept table drops it, so a table whose graph is spent is never handed out again."""
 
     bias = None
 
-    def __init__(self, table: Callable[[], torch.Tensor], in_features: int, out_features: int):
+    def __init__(
+        self, table: Callable[[], torch.Tensor], embedding: nn.Module, in_features: int, out_features: int
+    ) -> None:
         super().__init__()
         self.table = table  # a bound method, not a module: the model is not registered below this view
+        self.__dict__["embedding"] = embedding  # read, not registered (nn.Module would make it a submodule)
         self.in_features = in_features
         self.out_features = out_features
+        self._kept: tuple[Hashable, torch.Tensor] | None = None
 
     @property
     def weight(self) -> torch.Tensor:
         """The (vocab, e) table the wrapped embedding computes."""
-        return self.table()
+        state = _table_state(self.embedding)
+        if self._kept is None or self._kept[0] != state:
+            table = self.table()
+            if table.requires_grad:
+                table.register_hook(self._forget)
+            self._kept = (state, table)
+        return self._kept[1]
+
+    def _forget(self, grad: torch.Tensor) -> None:
+        self._kept = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.weight
@@ -43,6 +60,23 @@ class EmbeddingTableHead(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias=False (the embedding's table)"
+
+
+def _table_state(embedding: nn.Module) -> Hashable:
+    """What the table `embedding` computes depends on besides its input: grad mode, training mode, each parameter
+    (which one, and its version, which every in-place change such as an optimizer step bumps), and each PEFT
+    layer's adapter state (`disable_adapter()`, `set_adapter()`, merged adapters)."""
+    adapters = tuple(
+        (
+            id(module),
+            module.__dict__.get("_disable_adapters"),
+            repr(module.__dict__.get("_active_adapter")),
+            tuple(module.__dict__.get("merged_adapters") or ()),
+        )
+        for module in embedding.modules()
+    )
+    parameters = tuple((id(p), p._version) for p in embedding.parameters())
+    return torch.is_grad_enabled(), embedding.training, adapters, parameters
 
 
 def carries_the_embeddings_token_adapter(head: nn.Module, embedding: nn.Module) -> bool:
@@ -68,7 +102,9 @@ def output_embeddings(model: nn.Module) -> nn.Module:
     if model.output_follows_embedding() or carries_the_embeddings_token_adapter(head, embedding):
         if asked_by_peft_all_linear():
             return head
-        return EmbeddingTableHead(model.embedding_table, model.config.embedding_size, model.config.vocab_size)
+        return EmbeddingTableHead(
+            model.embedding_table, embedding, model.config.embedding_size, model.config.vocab_size
+        )
     return head
 
 

@@ -202,6 +202,34 @@ def test_a_second_all_linear_adapter_adapts_every_linear_layer_but_the_head(wrap
         torch.testing.assert_close(adapted(input_ids=ids).logits, before)
 
 
+def test_the_table_view_keeps_its_table_only_while_nothing_it_depends_on_changes():
+    """`get_output_embeddings()` of a wrapped embedding is a view whose table is computed once and kept for the
+    reads of one call (TRL's fused head reads it three times); one held longer never hands out a stale table: an
+    optimizer step, `disable_adapter()`, grad mode and a backward through it (gradient accumulation) each make it
+    compute the table again."""
+    import peft
+
+    config = peft.LoraConfig(r=4, target_modules=["embed_tokens"], init_lora_weights=False)
+    adapted = peft.get_peft_model(perturbed_model(tiny_config(), seed=9), config)
+    inner = adapted.get_base_model()
+    head = inner.get_output_embeddings()
+    hidden = torch.randn(3, inner.config.embedding_size)
+    first = head.weight
+    assert head.weight is first and head.weight is first  # kept between reads
+    with adapted.disable_adapter():
+        assert torch.equal(head.weight, inner.lm_head.weight)
+    for _ in range(2):  # two micro-batches, one optimizer step: the second needs a table with a live graph
+        head(hidden).square().sum().backward()
+    gradient = inner.model.embed_tokens.lora_embedding_A["default"].grad.clone()
+    assert head.weight is not first and gradient.abs().max() > 0
+    with torch.no_grad():
+        inner.model.embed_tokens.lora_embedding_B["default"].add_(1.0)  # (in place, as an optimizer steps)
+    torch.testing.assert_close(head.weight, inner.model.embed_tokens(torch.arange(97)))
+    assert head.weight.requires_grad
+    with torch.no_grad():
+        assert not head.weight.requires_grad
+
+
 def test_an_embedding_replaced_without_tying_is_refused_then_followed_once_tied():
     model = perturbed_model(tiny_config(), seed=8)
     ids = token_ids()
