@@ -95,12 +95,19 @@ def output_embeddings(model: nn.Module) -> nn.Module:
     `lm_head` (whose weight is the base table) nor a wrapper (which has no `bias`) shows the tools that read them
     (TRL's fused head) the output matrix, so they are shown an `EmbeddingTableHead` of `model.embedding_table`.
 
-    That view is no named module, and PEFT's `all-linear` looks the output embedding up by identity among the named
-    modules to leave it out: it is answered `lm_head` (`asked_by_peft_all_linear`), so a second `all-linear` adapter
-    adapts every linear layer but the head, whose output stays the wrapped table."""
+    That view is no named module, so a tool that asks for the output embedding to find it among the named modules
+    (`asked_for_the_named_head`) is answered `lm_head`: PEFT's `all-linear` leaves it out (a second `all-linear`
+    adapter adapts every linear layer but the head, whose output stays the wrapped table), and Accelerate's FSDP2
+    sees it tied to the wrapped embedding and shards the two in one group (the view would split them, and FSDP
+    refuse the shared table in the first forward). Trainable tokens, whose tied head and embedding share a token
+    adapter, FSDP2 cannot shard: refused by name (`refuse_trainable_tokens_under_fsdp2`)."""
     head, embedding = model.lm_head, model.model.embed_tokens
-    if model.output_follows_embedding() or carries_the_embeddings_token_adapter(head, embedding):
-        if asked_by_peft_all_linear():
+    carries_token_adapter = carries_the_embeddings_token_adapter(head, embedding)
+    if model.output_follows_embedding() or carries_token_adapter:
+        asker = asked_for_the_named_head()
+        if asker == FSDP2_PREPARE and carries_token_adapter:
+            refuse_trainable_tokens_under_fsdp2()
+        if asker is not None:
             return head
         return EmbeddingTableHead(
             model.embedding_table, embedding, model.config.embedding_size, model.config.vocab_size
@@ -108,14 +115,40 @@ def output_embeddings(model: nn.Module) -> nn.Module:
     return head
 
 
-# The PEFT function that resolves `target_modules="all-linear"` (PEFT 0.21, `peft.tuners.tuners_utils`): it asks for
-# the output embedding only to find its name among `named_modules()` and leave it out. Should PEFT rename it, the
-# view is returned and PEFT stops with StopIteration, as it did before (docs/fine-tuning.md), never adapting lm_head.
-_PEFT_ALL_LINEAR = ("peft.tuners.tuners_utils", "_maybe_include_all_linear_layers")
+# The callers that ask for the output embedding only to find it among `named_modules()` (PEFT 0.21's resolution of
+# `target_modules="all-linear"`, to leave it out; Accelerate 1.16's FSDP2 preparation, to shard it with the
+# embedding it is tied to), by module and function. Should either be renamed, the view is returned as to anyone
+# else: PEFT stops with StopIteration and FSDP2 in its first forward, as before (docs/fine-tuning.md), neither
+# ever adapting or sharding lm_head apart in silence.
+PEFT_ALL_LINEAR = ("peft.tuners.tuners_utils", "_maybe_include_all_linear_layers")
+FSDP2_PREPARE = ("accelerate.utils.fsdp_utils", "fsdp2_prepare_model")
 
 
-def asked_by_peft_all_linear() -> bool:
-    """Whether `get_output_embeddings()` is being called by PEFT's `all-linear` resolution (the caller of
-    `GPNForCausalLM.get_output_embeddings`, two frames above this one)."""
-    caller = sys._getframe(3)  # asked_by_peft_all_linear <- output_embeddings <- get_output_embeddings <- caller
-    return (caller.f_globals.get("__name__"), caller.f_code.co_name) == _PEFT_ALL_LINEAR
+def asked_for_the_named_head() -> tuple[str, str] | None:
+    """`PEFT_ALL_LINEAR` or `FSDP2_PREPARE` where that is the caller of `GPNForCausalLM.get_output_embeddings`, else
+    None."""
+    caller = sys._getframe(3)  # asked_for_the_named_head <- output_embeddings <- get_output_embeddings <- caller
+    asker = (caller.f_globals.get("__name__"), caller.f_code.co_name)
+    return asker if asker in (PEFT_ALL_LINEAR, FSDP2_PREPARE) else None
+
+
+def refuse_trainable_tokens_under_fsdp2() -> None:
+    """FSDP2 cannot shard PEFT's trainable tokens on a tied model (Accelerate 1.16, torch 2.13: the tied head's and
+    the embedding's wrappers share one token adapter, and sharding them fails deep in `fully_shard`, or earlier in
+    transformers' `tie_weights`, which finds no `embed_tokens.weight` on the wrapper)."""
+    raise ValueError(
+        "FSDP2 cannot shard a GPN whose embedding carries PEFT trainable tokens (`trainable_token_indices`: the tied "
+        "head shares their adapter): train them under DDP (accelerate launch --multi_gpu), or train the embedding "
+        'under FSDP2 with a LoRA on "embed_tokens" or `modules_to_save=["embed_tokens"]`'
+    )
+
+
+def refuse_what_fsdp2_cannot_tie(model: nn.Module) -> None:
+    """Called by `GPNForCausalLM.tie_weights`: where Accelerate's FSDP2 preparation ties the weights (it does before
+    sharding, with its default `cpu_ram_efficient_loading`) of a model whose embedding carries trainable tokens,
+    transformers would fail finding no `embed_tokens.weight` on PEFT's wrapper; refused by name instead."""
+    caller = sys._getframe(2)  # refuse_what_fsdp2_cannot_tie <- tie_weights <- caller
+    if (caller.f_globals.get("__name__"), caller.f_code.co_name) != FSDP2_PREPARE:
+        return
+    if carries_the_embeddings_token_adapter(model.lm_head, model.model.embed_tokens):
+        refuse_trainable_tokens_under_fsdp2()

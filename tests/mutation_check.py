@@ -613,8 +613,8 @@ MUTATIONS = [
     Mutation(
         "output layer (PEFT's all-linear is shown the unnamed view, and stops with StopIteration)",
         "modeling_gpn/output_layer.py",
-        "        if asked_by_peft_all_linear():\n",
-        "        if False:  # MUTATION\n",
+        "    return asker if asker in (PEFT_ALL_LINEAR, FSDP2_PREPARE) else None\n",
+        "    return asker if asker in (FSDP2_PREPARE,) else None  # MUTATION\n",
         ("tests/model/test_output_layer.py -k second_all_linear",),
     ),
     Mutation(
@@ -635,6 +635,27 @@ MUTATIONS = [
         "            table = self.table()\n",
         "            table = self.table().detach()  # MUTATION\n",
         ("tests/ecosystem/test_trl.py -k fused_head_log_probs and (embedding or trainable)",),
+    ),
+    Mutation(
+        "output layer (FSDP2's preparation is shown the table view: head and wrapped embedding in two groups)",
+        "modeling_gpn/output_layer.py",
+        "    return asker if asker in (PEFT_ALL_LINEAR, FSDP2_PREPARE) else None\n",
+        "    return asker if asker in (PEFT_ALL_LINEAR,) else None  # MUTATION\n",
+        ("tests/tools/test_peft_fsdp.py",),
+    ),
+    Mutation(
+        "output layer (FSDP2 shards trainable tokens unrefused: transformers' tie_weights fails on the wrapper)",
+        "modeling_gpn/output_layer.py",
+        "caller.f_code.co_name) != FSDP2_PREPARE:\n",
+        "caller.f_code.co_name) != FSDP2_PREPARE or True:  # MUTATION\n",
+        ("tests/tools/test_peft_fsdp.py",),
+    ),
+    Mutation(
+        "output layer (FSDP2 shards trainable tokens unrefused, weights not tied first: fails in fully_shard)",
+        "modeling_gpn/output_layer.py",
+        "        if asker == FSDP2_PREPARE and carries_token_adapter:\n",
+        "        if False:  # MUTATION\n",
+        ("tests/tools/test_peft_fsdp.py",),
     ),
     Mutation(
         "output layer (the table view computes the wrapped embedding's table on every read: three times a TRL call)",
