@@ -81,7 +81,7 @@ from .generation import (
     refuse_non_finite_prompt_logits,
     refuse_peft_prompt_learning_generate,
 )
-from .output_layer import output_embeddings
+from .output_layer import output_embeddings, refuse_what_fsdp2_cannot_tie
 from .packing import packed_sequence_starts, packing_arguments, refuse_packed_rows
 from .prefill import forward_in_chunks, prefill_chunk_length_for
 from .state_file import GPNStateFileError
@@ -991,6 +991,11 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
 
     def set_output_embeddings(self, new_embeddings: nn.Module) -> None:
         self.lm_head = new_embeddings
+
+    def tie_weights(self, *args, **kwargs) -> None:
+        """transformers' tying; what FSDP2's preparation could not tie is refused by name first."""
+        refuse_what_fsdp2_cannot_tie(self)
+        super().tie_weights(*args, **kwargs)
 
     def output_follows_embedding(self) -> bool:
         """Whether the output matrix is the table of a wrapped or replaced embedding (see the class), not

@@ -10,7 +10,8 @@ view whose `weight` is the computed table, with the gradients of whatever the wr
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Hashable
 
 import torch
 import torch.nn.functional as F
@@ -18,23 +19,40 @@ from torch import nn
 
 
 class EmbeddingTableHead(nn.Module):
-    """A bias-free linear head whose `weight` is `table()`, computed on every read (so it follows the active
-    adapter, a disabled one included, and carries its gradients); calling it gives the logits of a
-    `last_hidden_state`. It holds no parameters and is no submodule of the model: the parameters stay the
-    wrapper's, trained and saved there."""
+    """A bias-free linear head whose `weight` is `table()`, the table `embedding` (a PEFT wrapper) computes, with
+    its gradients; calling it gives the logits of a `last_hidden_state`. It holds no parameters and is no submodule
+    of the model: the parameters stay the wrapper's, trained and saved there.
+
+    The table is a forward of the embedding over the whole vocabulary, and tools read `weight` several times a call
+    (TRL's fused head: three, its distillation loss more), so it is computed once and kept while nothing it depends
+    on has changed (`_table_state`: the wrapper's parameters, in place too, its active or disabled adapters, grad
+    mode); the backward through a kept table drops it, so a table whose graph is spent is never handed out again."""
 
     bias = None
 
-    def __init__(self, table: Callable[[], torch.Tensor], in_features: int, out_features: int):
+    def __init__(
+        self, table: Callable[[], torch.Tensor], embedding: nn.Module, in_features: int, out_features: int
+    ) -> None:
         super().__init__()
         self.table = table  # a bound method, not a module: the model is not registered below this view
+        self.__dict__["embedding"] = embedding  # read, not registered (nn.Module would make it a submodule)
         self.in_features = in_features
         self.out_features = out_features
+        self._kept: tuple[Hashable, torch.Tensor] | None = None
 
     @property
     def weight(self) -> torch.Tensor:
         """The (vocab, e) table the wrapped embedding computes."""
-        return self.table()
+        state = _table_state(self.embedding)
+        if self._kept is None or self._kept[0] != state:
+            table = self.table()
+            if table.requires_grad:
+                table.register_hook(self._forget)
+            self._kept = (state, table)
+        return self._kept[1]
+
+    def _forget(self, grad: torch.Tensor) -> None:
+        self._kept = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.weight
@@ -42,6 +60,23 @@ class EmbeddingTableHead(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias=False (the embedding's table)"
+
+
+def _table_state(embedding: nn.Module) -> Hashable:
+    """What the table `embedding` computes depends on besides its input: grad mode, training mode, each parameter
+    (which one, and its version, which every in-place change such as an optimizer step bumps), and each PEFT
+    layer's adapter state (`disable_adapter()`, `set_adapter()`, merged adapters)."""
+    adapters = tuple(
+        (
+            id(module),
+            module.__dict__.get("_disable_adapters"),
+            repr(module.__dict__.get("_active_adapter")),
+            tuple(module.__dict__.get("merged_adapters") or ()),
+        )
+        for module in embedding.modules()
+    )
+    parameters = tuple((id(p), p._version) for p in embedding.parameters())
+    return torch.is_grad_enabled(), embedding.training, adapters, parameters
 
 
 def carries_the_embeddings_token_adapter(head: nn.Module, embedding: nn.Module) -> bool:
@@ -58,10 +93,62 @@ def output_embeddings(model: nn.Module) -> nn.Module:
     That is `lm_head`, unless the output follows a wrapped embedding (`output_follows_embedding`: LoRA or a `modules_to_save` copy on
     `embed_tokens`) or the head carries the embedding's token adapter (`trainable_token_indices`): then neither
     `lm_head` (whose weight is the base table) nor a wrapper (which has no `bias`) shows the tools that read them
-    (TRL's fused head) the output matrix, so they are shown an `EmbeddingTableHead` of `model.embedding_table`. It is no named module, so PEFT's `all-linear`, which
-    looks the output embedding up among them to leave it out, stops there rather than adapt `lm_head` (which would
-    take the output off the wrapped table)."""
+    (TRL's fused head) the output matrix, so they are shown an `EmbeddingTableHead` of `model.embedding_table`.
+
+    That view is no named module, so a tool that asks for the output embedding to find it among the named modules
+    (`asked_for_the_named_head`) is answered `lm_head`: PEFT's `all-linear` leaves it out (a second `all-linear`
+    adapter adapts every linear layer but the head, whose output stays the wrapped table), and Accelerate's FSDP2
+    sees it tied to the wrapped embedding and shards the two in one group (the view would split them, and FSDP
+    refuse the shared table in the first forward). Trainable tokens, whose tied head and embedding share a token
+    adapter, FSDP2 cannot shard: refused by name (`refuse_trainable_tokens_under_fsdp2`)."""
     head, embedding = model.lm_head, model.model.embed_tokens
-    if model.output_follows_embedding() or carries_the_embeddings_token_adapter(head, embedding):
-        return EmbeddingTableHead(model.embedding_table, model.config.embedding_size, model.config.vocab_size)
+    carries_token_adapter = carries_the_embeddings_token_adapter(head, embedding)
+    if model.output_follows_embedding() or carries_token_adapter:
+        asker = asked_for_the_named_head()
+        if asker == FSDP2_PREPARE and carries_token_adapter:
+            refuse_trainable_tokens_under_fsdp2()
+        if asker is not None:
+            return head
+        return EmbeddingTableHead(
+            model.embedding_table, embedding, model.config.embedding_size, model.config.vocab_size
+        )
     return head
+
+
+# The callers that ask for the output embedding only to find it among `named_modules()` (PEFT 0.21's resolution of
+# `target_modules="all-linear"`, to leave it out; Accelerate 1.16's FSDP2 preparation, to shard it with the
+# embedding it is tied to), by module and function. Should either be renamed, the view is returned as to anyone
+# else: PEFT stops with StopIteration and FSDP2 in its first forward, as before (docs/fine-tuning.md), neither
+# ever adapting or sharding lm_head apart in silence.
+PEFT_ALL_LINEAR = ("peft.tuners.tuners_utils", "_maybe_include_all_linear_layers")
+FSDP2_PREPARE = ("accelerate.utils.fsdp_utils", "fsdp2_prepare_model")
+
+
+def asked_for_the_named_head() -> tuple[str, str] | None:
+    """`PEFT_ALL_LINEAR` or `FSDP2_PREPARE` where that is the caller of `GPNForCausalLM.get_output_embeddings`, else
+    None."""
+    caller = sys._getframe(3)  # asked_for_the_named_head <- output_embeddings <- get_output_embeddings <- caller
+    asker = (caller.f_globals.get("__name__"), caller.f_code.co_name)
+    return asker if asker in (PEFT_ALL_LINEAR, FSDP2_PREPARE) else None
+
+
+def refuse_trainable_tokens_under_fsdp2() -> None:
+    """FSDP2 cannot shard PEFT's trainable tokens on a tied model (Accelerate 1.16, torch 2.13: the tied head's and
+    the embedding's wrappers share one token adapter, and sharding them fails deep in `fully_shard`, or earlier in
+    transformers' `tie_weights`, which finds no `embed_tokens.weight` on the wrapper)."""
+    raise ValueError(
+        "FSDP2 cannot shard a GPN whose embedding carries PEFT trainable tokens (`trainable_token_indices`: the tied "
+        "head shares their adapter): train them under DDP (accelerate launch --multi_gpu), or train the embedding "
+        'under FSDP2 with a LoRA on "embed_tokens" or `modules_to_save=["embed_tokens"]`'
+    )
+
+
+def refuse_what_fsdp2_cannot_tie(model: nn.Module) -> None:
+    """Called by `GPNForCausalLM.tie_weights`: where Accelerate's FSDP2 preparation ties the weights (it does before
+    sharding, with its default `cpu_ram_efficient_loading`) of a model whose embedding carries trainable tokens,
+    transformers would fail finding no `embed_tokens.weight` on PEFT's wrapper; refused by name instead."""
+    caller = sys._getframe(2)  # refuse_what_fsdp2_cannot_tie <- tie_weights <- caller
+    if (caller.f_globals.get("__name__"), caller.f_code.co_name) != FSDP2_PREPARE:
+        return
+    if carries_the_embeddings_token_adapter(model.lm_head, model.model.embed_tokens):
+        refuse_trainable_tokens_under_fsdp2()

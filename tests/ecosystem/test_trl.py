@@ -202,6 +202,33 @@ def test_trl_fused_head_log_probs_equal_log_softmax_of_the_models_logits(case):
         torch.testing.assert_close(param.grad, references[name].grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("case", ["lora on the embedding", "modules_to_save embedding", "trainable tokens"])
+def test_trl_fused_head_computes_a_wrapped_embeddings_table_once_per_step(case):
+    """TRL's fused head reads `get_output_embeddings().weight` three times a call (the device of the hidden states,
+    of the labels, then the weight itself); while the output follows a wrapped embedding that weight is the table it
+    computes, a forward over the whole vocabulary. It is computed once per step (forward and backward): it was
+    three times."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = adapted(perturbed_model(tiny_config(), seed=3).train(), case)
+    base = model.get_base_model()
+    embedding = base.model.embed_tokens
+    tables = []
+    forward = embedding.forward
+
+    def counted(ids, *args, **kwargs):
+        if ids.shape == (base.config.vocab_size,):  # the whole table, not a batch's tokens
+            tables.append(ids)
+        return forward(ids, *args, **kwargs)
+
+    embedding.forward = counted
+    add_fused_lm_head(base, outputs=("log_probs",))
+    ids = torch.randint(1, 97, (2, 11), generator=torch.Generator().manual_seed(4))
+    model(input_ids=ids, labels=ids, fused_lm_head=True).loss.backward()
+    assert len(tables) == 1
+    assert all(p.grad is not None for n, p in model.named_parameters() if p.requires_grad and "embed" in n)
+
+
 # --------------------------------------------------------------------------------------------------
 # SFT, DPO, GRPO
 # --------------------------------------------------------------------------------------------------

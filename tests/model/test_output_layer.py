@@ -166,33 +166,68 @@ def test_a_wrapped_embedding_is_followed_by_the_output_and_never_ignored():
     torch.testing.assert_close(outputs[True], outputs[False], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("wrapper", ["lora", "modules_to_save"])
-def test_a_second_all_linear_adapter_never_moves_the_output_off_a_wrapped_embedding(wrapper):
+@pytest.mark.parametrize("wrapper", ["lora", "modules_to_save", "trainable_tokens"])
+def test_a_second_all_linear_adapter_adapts_every_linear_layer_but_the_head(wrapper):
     """PEFT's `target_modules="all-linear"` leaves out the module `get_output_embeddings()` returns, looked up by
-    identity among the named modules. While the output follows a wrapped embedding that is a view of no named
-    module, so adding an `all-linear` adapter stops in PEFT 0.21 (StopIteration) rather than wrap `lm_head`, which
-    would take the output off the wrapped table and move the first adapter's logits in silence. Named targets work."""
+    identity among the named modules. While the output follows a wrapped embedding (LoRA, a `modules_to_save` copy,
+    trainable tokens) that is a view of no named module, and PEFT 0.21 stopped with a bare StopIteration; it is
+    answered `lm_head`, so a second `all-linear` adapter adapts every linear layer but the head, and the output stays
+    the first adapter's table (the second adapter starts as the identity: the same logits)."""
     import peft
 
     ids = token_ids(2, 8)
     torch.manual_seed(12)
-    first = dict(target_modules=["embed_tokens"], init_lora_weights=False)
-    if wrapper == "modules_to_save":
-        first = dict(target_modules=["decode_proj"], modules_to_save=["embed_tokens"])
+    first = {
+        "lora": dict(target_modules=["embed_tokens"], init_lora_weights=False),
+        "modules_to_save": dict(target_modules=["decode_proj"], modules_to_save=["embed_tokens"]),
+        "trainable_tokens": dict(target_modules=["decode_proj"], trainable_token_indices={"embed_tokens": [3, 5]}),
+    }[wrapper]
     adapted = peft.get_peft_model(perturbed_model(tiny_config(), seed=12), peft.LoraConfig(r=4, **first)).eval()
     inner = adapted.get_base_model()
-    if wrapper == "modules_to_save":
-        with torch.no_grad():
-            inner.model.embed_tokens.modules_to_save["default"].weight.add_(0.3)
     with torch.no_grad():
+        if wrapper == "modules_to_save":
+            inner.model.embed_tokens.modules_to_save["default"].weight.add_(0.3)
+        if wrapper == "trainable_tokens":
+            inner.model.embed_tokens.token_adapter.trainable_tokens_delta["default"].add_(0.3)
         before = adapted(input_ids=ids).logits
-    with pytest.raises(StopIteration):
-        adapted.add_adapter("second", peft.LoraConfig(r=4, target_modules="all-linear"))
-    assert type(inner.lm_head) is nn.Linear and inner.output_follows_embedding()
-    adapted.add_adapter("named", peft.LoraConfig(r=4, target_modules=["decode_proj", "ffn_in"]))
-    assert type(inner.lm_head) is nn.Linear and inner.output_follows_embedding()
+    head = inner.lm_head
+    adapted.add_adapter("second", peft.LoraConfig(r=4, target_modules="all-linear"))
+    adapted.base_model.set_adapter(["default", "second"])
+    assert inner.lm_head is head and "second" not in getattr(head, "lora_A", {})
+    second = {name.rsplit(".lora_A", 1)[0] for name, _ in inner.named_modules() if name.endswith("lora_A.second")}
+    assert {"model.decode_proj", "model.predict_layers.0.ffn_in", "model.memory_write.key"} <= second
+    assert not any(name.startswith("lm_head") for name in second)
+    assert type(inner.get_output_embeddings()).__name__ == "EmbeddingTableHead"  # TRL's fused head still gets the view
     with torch.no_grad():
         torch.testing.assert_close(adapted(input_ids=ids).logits, before)
+
+
+def test_the_table_view_keeps_its_table_only_while_nothing_it_depends_on_changes():
+    """`get_output_embeddings()` of a wrapped embedding is a view whose table is computed once and kept for the
+    reads of one call (TRL's fused head reads it three times); one held longer never hands out a stale table: an
+    optimizer step, `disable_adapter()`, grad mode and a backward through it (gradient accumulation) each make it
+    compute the table again."""
+    import peft
+
+    config = peft.LoraConfig(r=4, target_modules=["embed_tokens"], init_lora_weights=False)
+    adapted = peft.get_peft_model(perturbed_model(tiny_config(), seed=9), config)
+    inner = adapted.get_base_model()
+    head = inner.get_output_embeddings()
+    hidden = torch.randn(3, inner.config.embedding_size)
+    first = head.weight
+    assert head.weight is first and head.weight is first  # kept between reads
+    with adapted.disable_adapter():
+        assert torch.equal(head.weight, inner.lm_head.weight)
+    for _ in range(2):  # two micro-batches, one optimizer step: the second needs a table with a live graph
+        head(hidden).square().sum().backward()
+    gradient = inner.model.embed_tokens.lora_embedding_A["default"].grad.clone()
+    assert head.weight is not first and gradient.abs().max() > 0
+    with torch.no_grad():
+        inner.model.embed_tokens.lora_embedding_B["default"].add_(1.0)  # (in place, as an optimizer steps)
+    torch.testing.assert_close(head.weight, inner.model.embed_tokens(torch.arange(97)))
+    assert head.weight.requires_grad
+    with torch.no_grad():
+        assert not head.weight.requires_grad
 
 
 def test_an_embedding_replaced_without_tying_is_refused_then_followed_once_tied():

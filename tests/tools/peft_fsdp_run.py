@@ -1,0 +1,53 @@
+"""A PEFT adapter's training steps under `accelerate launch` (tests/tools/test_peft_fsdp.py): an Accelerator as a
+user's script or a Trainer makes it, FSDP2 applied on CPU as `gpn train` does (Accelerate would make the launch DDP
+there without a word), two optimizer steps of a tiny GPN whose embedding carries the named adapter, the losses
+printed as one JSON line. Run alone (`--single`), it is the one-process reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+ADAPTERS = {
+    "lora": dict(target_modules=["embed_tokens", "decode_proj"], init_lora_weights=False),
+    "modules_to_save": dict(target_modules=["decode_proj"], modules_to_save=["embed_tokens"]),
+    "trainable_tokens": dict(target_modules=["decode_proj"], trainable_token_indices={"embed_tokens": [3, 5]}),
+}
+
+
+def losses(adapter: str, single: bool) -> list[float]:
+    import peft
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    from tests.tiny_models import perturbed_model, tiny_config
+
+    accelerator = Accelerator(cpu=True)
+    if not single:
+        PartialState().distributed_type = DistributedType.FSDP
+        accelerator.state.distributed_type = DistributedType.FSDP
+        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # from the launcher's FSDP_* variables
+        assert accelerator.is_fsdp2
+    torch.manual_seed(0)
+    model = peft.get_peft_model(perturbed_model(tiny_config(), seed=1), peft.LoraConfig(r=4, **ADAPTERS[adapter]))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    ids = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(0))  # every process: the same batch
+    seen = []
+    for _ in range(3):
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        seen.append(float(loss))
+    return seen
+
+
+if __name__ == "__main__":
+    adapter, single = sys.argv[1], "--single" in sys.argv
+    seen = losses(adapter, single)
+    if os.environ.get("RANK", "0") == "0":  # (one line: the processes' prints would interleave)
+        print("LOSSES " + json.dumps(seen), flush=True)
