@@ -884,6 +884,47 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "gpn study --steps 0 ignored in silence (the study's own steps ran)",
+        "modeling_gpn/study/cli.py",
+        "if args.steps is not None else {}",
+        "if args.steps else {}  # MUTATION",
+        ("tests/tools/test_study.py::test_a_study_that_cannot_run_is_one_line_before_anything_is_written[zero-steps]",),
+    ),
+    Mutation(
+        "gpn study checks each model's training settings only when it trains (after the models before it)",
+        "modeling_gpn/study/runs.py",
+        '        training_config(name, study["models"][name], study, output)\n',
+        "        pass  # MUTATION\n",
+        (
+            "tests/tools/test_study.py::test_a_study_that_cannot_run_is_one_line_before_anything_is_written[negative-steps]",
+            "tests/tools/test_study.py::test_a_study_that_cannot_run_is_one_line_before_anything_is_written[bad-recipe]",
+        ),
+    ),
+    Mutation(
+        "gpn study's invalid training settings as a traceback",
+        "modeling_gpn/study/runs.py",
+        "    except ValueError as error:\n        raise StudyError(",
+        "    except NotImplementedError as error:  # MUTATION\n        raise StudyError(",
+        (
+            "tests/tools/test_study.py::test_a_study_that_cannot_run_is_one_line_before_anything_is_written[negative-steps]",
+            "tests/tools/test_study.py::test_a_study_that_cannot_run_is_one_line_before_anything_is_written[bad-recipe]",
+        ),
+    ),
+    Mutation(
+        "gpn study's data errors (a missing corpus, the Hub offline) as a traceback",
+        "modeling_gpn/study/cli.py",
+        "        DataError,  # (a corpus",
+        "        NotImplementedError,  # MUTATION (a corpus",
+        ("tests/tools/test_study.py::test_a_corpus_that_cannot_be_read_is_one_line_not_a_traceback",),
+    ),
+    Mutation(
+        "gpn study's held-out corpus copy written in place (a copy cut short is reused in silence)",
+        "modeling_gpn/study/runs.py",
+        '            with replacing(path, "w") as handle:',
+        '            with path.open("w") as handle:  # MUTATION',
+        ("tests/tools/test_study.py::test_a_corpus_copy_interrupted_while_written_is_not_left_for_the_next_run",),
+    ),
+    Mutation(
         "gpn inspect's bad arguments as one line (a traceback)",
         "modeling_gpn/inspect/cli.py",
         "    except (OSError, ValueError) as error:",

@@ -28,15 +28,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import signal
 
-    from modeling_gpn.train import NonFiniteLossError, StorageError, TrainingStopped
+    from modeling_gpn.data import DataError
+    from modeling_gpn.train import (
+        CollectiveError,
+        LaunchError,
+        NonFiniteLossError,
+        RunFolderInUseError,
+        StorageError,
+        TrainingStopped,
+    )
 
-    overrides = {"steps": args.steps} if args.steps else {}
+    overrides = {"steps": args.steps} if args.steps is not None else {}  # (--steps 0 is refused, not ignored)
     try:
         results = run_study(args.study, args.output, args.data_dir, args.only, overrides, not args.no_progress)
     except StudyError as error:  # (raised before anything is trained)
         print(f"gpn study: error: {error}", file=sys.stderr)
         return 2
-    except (NonFiniteLossError, StorageError, FileExistsError) as error:  # (a model's folder holds a run)
+    except (
+        DataError,  # (a corpus that cannot be read: the Hub offline, a missing file)
+        NonFiniteLossError,
+        StorageError,
+        RunFolderInUseError,
+        LaunchError,
+        CollectiveError,
+        FileExistsError,  # (a model's folder holds a run)
+    ) as error:
         print(f"gpn study: error: {error}", file=sys.stderr)
         return 1
     except TrainingStopped as stop:  # SIGTERM/SIGINT: `gpn train` checkpointed the model it was training

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..atomic_files import replacing
 from .comparison import PAPER_TABLE, ratios, reading, table_row
 from .definition import StudyError, load_study
 from .report import plot_curves, render_report
@@ -34,6 +35,8 @@ def run_study(
     if not names:
         raise StudyError(f"No model selected; the study has {', '.join(study['models'])}")
     output = Path(output)
+    for name in names:  # every model's settings, before anything is written (not a traceback models later)
+        training_config(name, study["models"][name], study, output)
     output.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     runs: dict[str, dict] = {}
@@ -75,14 +78,26 @@ def run_study(
     return results
 
 
-def train_one(name: str, model_config: dict, study: dict, output: Path, show_progress: bool) -> dict[str, Any]:
-    """Train one model of the study through `gpn train`'s pipeline; returns its training summary."""
-    from modeling_gpn.train import resolve_config, train, validate_config
+def training_config(name: str, model_config: dict, study: dict, output: Path) -> dict[str, Any]:
+    """`gpn train`'s settings for one model of the study, checked (`StudyError` naming the model and what is
+    wrong: a bad recipe or `--steps` is refused before any model trains)."""
+    from modeling_gpn.train import resolve_config, validate_config
 
     config = resolve_config(argparse.Namespace())  # the built-in defaults
     config.update(study["recipe"])
     config.update(model=model_config, model_type=None, output_dir=str(output / name))
-    validate_config(config)
+    try:
+        validate_config(config)
+    except ValueError as error:
+        raise StudyError(f"model {name}: {error}") from None
+    return config
+
+
+def train_one(name: str, model_config: dict, study: dict, output: Path, show_progress: bool) -> dict[str, Any]:
+    """Train one model of the study through `gpn train`'s pipeline; returns its training summary."""
+    from modeling_gpn.train import train
+
+    config = training_config(name, model_config, study, output)
     start = time.perf_counter()
     summary = train(config, show_progress=show_progress)
     summary["wall_time_s"] = time.perf_counter() - start
@@ -127,8 +142,8 @@ def held_out_source(study: dict, output: Path) -> str | None:
         from modeling_gpn.data import shakespeare_documents
 
         path = output / "corpus.jsonl"
-        if not path.exists():
-            with path.open("w") as handle:
+        if not path.exists():  # whole or not at all: a study killed while writing it must not evaluate on a part
+            with replacing(path, "w") as handle:
                 for document in shakespeare_documents():
                     handle.write(json.dumps({"text": document}) + "\n")
         return str(path)

@@ -78,7 +78,7 @@ def test_sigterm_during_a_study_stops_cleanly_with_the_model_checkpointed(tmp_pa
 
 @pytest.mark.parametrize(
     "case",
-    ["unknown-study", "unknown-model", "not-a-study"],
+    ["unknown-study", "unknown-model", "not-a-study", "zero-steps", "negative-steps", "bad-recipe"],
 )
 def test_a_study_that_cannot_run_is_one_line_before_anything_is_written(tmp_path, capsys, case):
     """A misspelt study or model name (`--only`), or a file that is not a study: exit 2 and one line saying
@@ -87,13 +87,51 @@ def test_a_study_that_cannot_run_is_one_line_before_anything_is_written(tmp_path
 
     broken = tmp_path / "broken.json"
     broken.write_text("{not json")
+    bad_recipe = load_study("toy")  # a recipe `gpn train` refuses: before the first model trains
+    bad_recipe["recipe"]["lr"] = -1.0
+    (tmp_path / "bad_recipe.json").write_text(json.dumps(bad_recipe))
     arguments, needle = {
         "unknown-study": (["--study", "cpu-smal"], "No study named 'cpu-smal'; available: cpu-small, toy"),
         "unknown-model": (["--study", "toy", "--only", "gpn-m-1l", "gpn-m-9l"], "no model named gpn-m-9l; it has"),
         "not-a-study": (["--study", str(broken)], f"Cannot read the study {broken}"),
+        "zero-steps": (["--study", "toy", "--steps", "0"], "steps must be a positive integer, got 0"),  # (not ignored)
+        "negative-steps": (["--study", "toy", "--steps", "-3"], "model gpn: Invalid training configuration: steps"),
+        "bad-recipe": (["--study", str(tmp_path / "bad_recipe.json")], "model gpn: Invalid training configuration: lr"),
     }[case]
     output = tmp_path / "out"
     assert main(["study", *arguments, "--output", str(output)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("gpn study: error: ") and needle in err, err
     assert not output.exists()
+
+
+def test_a_corpus_that_cannot_be_read_is_one_line_not_a_traceback(tmp_path, capsys):
+    """`gpn train`'s data errors (a corpus file that is not there, the Hub unreachable) end a study with exit 1
+    and `gpn train`'s one line naming the problem, as they end `gpn train`."""
+    from modeling_gpn.cli import main
+
+    study = load_study("toy")
+    study["recipe"]["dataset"] = str(tmp_path / "no-such-corpus.txt")
+    study["models"] = {"gpn": study["models"]["gpn"]}
+    (tmp_path / "study.json").write_text(json.dumps(study))
+    assert main(["study", "--study", str(tmp_path / "study.json"), "--output", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "gpn study: error: " in err and "no-such-corpus.txt" in err and "Traceback" not in err, err
+
+
+def test_a_corpus_copy_interrupted_while_written_is_not_left_for_the_next_run(tmp_path, monkeypatch):
+    """The held-out corpus the study evaluates on (`corpus.jsonl`, written once and reused by later runs) is
+    written whole or not at all: a copy cut short (Ctrl-C, a kill) would be reused in silence, and every model
+    evaluated on a fraction of the held-out text."""
+    import modeling_gpn.data
+    from modeling_gpn.study import held_out_source
+
+    def documents_then_interrupted():
+        yield "ROMEO: a first play"
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(modeling_gpn.data, "shakespeare_documents", documents_then_interrupted)
+    study = {"recipe": {"dataset": "shakespeare"}}
+    with pytest.raises(KeyboardInterrupt):
+        held_out_source(study, tmp_path)
+    assert list(tmp_path.iterdir()) == []
