@@ -868,11 +868,14 @@ MUTATIONS = [
         ),
     ),
     Mutation(
-        "gpn bench checks every preset before measuring (a misspelt one: a traceback minutes later)",
+        "gpn bench reads every preset before measuring (a misspelt one or a bad config file: a traceback minutes later)",
         "modeling_gpn/bench/command.py",
-        "            preset_path(preset)\n",
+        "            load_preset(preset)\n",
         "            pass  # MUTATION\n",
-        ("tests/tools/test_bench.py::test_an_unknown_preset_is_refused_before_anything_is_measured",),
+        (
+            "tests/tools/test_bench.py::test_an_unknown_preset_is_refused_before_anything_is_measured",
+            "tests/tools/test_bench.py::test_a_preset_file_that_is_no_config_is_refused_before_anything_is_measured",
+        ),
     ),
     Mutation(
         "gpn study refuses a model name it does not have (--only skipped it in silence)",
@@ -2223,6 +2226,20 @@ MUTATIONS = [
         "    if args.skip_training and args.memory_seq_lens:",
         "    if False:  # MUTATION",
         ("tests/tools/test_bench.py -k refused_before_any_model and memory-without-training",),
+    ),
+    Mutation(
+        "gpn bench finds a --json folder that cannot hold a file only after the whole run (a traceback)",
+        "modeling_gpn/bench/command.py",
+        "            tempfile.TemporaryFile(dir=folder).close()",
+        "            pass  # MUTATION",
+        ("tests/tools/test_bench.py -k refused_before_any_model and json-in-no-file-folder",),
+    ),
+    Mutation(
+        "gpn bench's unreadable preset config as a traceback",
+        "modeling_gpn/bench/command.py",
+        "        except (OSError, ValueError) as error:  # (a file that is not JSON",
+        "        except NotImplementedError as error:  # MUTATION (a file that is not JSON",
+        ("tests/tools/test_bench.py::test_a_preset_file_that_is_no_config_is_refused_before_anything_is_measured",),
     ),
     Mutation(
         "gpn bench with nothing to measure runs (an empty table)",

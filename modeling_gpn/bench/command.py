@@ -6,6 +6,7 @@ import argparse
 import gc
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -137,8 +138,13 @@ def check_arguments(args) -> None:
     if args.json is not None:
         if Path(args.json).is_dir():
             raise SystemExit(f"--json {args.json} is a folder: name the file to write")
-        if not Path(args.json).resolve().parent.is_dir():
+        folder = Path(args.json).resolve().parent
+        if not folder.is_dir():
             raise SystemExit(f"--json {args.json}: its folder does not exist")
+        try:  # a file made there and removed: what the report will need (a read-only folder, a full disk, /proc)
+            tempfile.TemporaryFile(dir=folder).close()
+        except OSError as error:
+            raise SystemExit(f"--json {args.json}: its folder cannot hold a new file ({error.strerror})") from None
 
 
 def write_json(path: str, report: dict) -> None:
@@ -151,16 +157,18 @@ def write_json(path: str, report: dict) -> None:
 def run(args) -> int:
     from tqdm import tqdm
 
-    from modeling_gpn.configuration import preset_path
+    from modeling_gpn.configuration import load_preset
 
     check_arguments(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    for preset in args.preset:  # all of them checked before the first is measured (a preset takes minutes)
+    for preset in args.preset:  # all of them read before the first is measured (a preset takes minutes)
         try:
-            preset_path(preset)
+            load_preset(preset)
         except FileNotFoundError as error:
             raise SystemExit(f"--preset: {error}") from None
+        except (OSError, ValueError) as error:  # (a file that is not JSON, or not a valid GPNConfig)
+            raise SystemExit(f"--preset {preset}: {error}") from None
     rows = []
     for preset in tqdm(args.preset, desc="bench", unit="preset"):
         models = {}

@@ -163,6 +163,22 @@ def test_an_unknown_preset_is_refused_before_anything_is_measured(capsys):
     assert "bench" not in capsys.readouterr().err  # (no progress bar: nothing was measured)
 
 
+@pytest.mark.parametrize("case", ["not-json", "invalid-config"])
+def test_a_preset_file_that_is_no_config_is_refused_before_anything_is_measured(case, tmp_path, monkeypatch):
+    """A config JSON given as a preset is read before the first preset is measured: a file that is not JSON,
+    or a config GPNConfig refuses, was a traceback once the models were built (after every preset before it)."""
+    import modeling_gpn.bench.command as command
+
+    monkeypatch.setattr(command, "measure", lambda *args: pytest.fail("a preset was measured"))
+    preset = tmp_path / "mine.json"
+    preset.write_text({"not-json": "{hidden_size: 8", "invalid-config": '{"hidden_size": -3}'}[case])
+    with pytest.raises(SystemExit) as stopped:
+        main(["bench", "--preset", "tiny", str(preset), "--skip-training"])
+    message = str(stopped.value.code)
+    assert message.startswith(f"--preset {preset}: "), message
+    assert {"not-json": "Expecting property name", "invalid-config": "hidden_size must be"}[case] in message
+
+
 TINY = ["--preset", "tiny", "--impl", "fast", "--skip-training", "--decode-prompt-lengths", "4"]
 TINY += ["--decode-tokens", "3", "--decode-batches", "1", "--repeats", "1", "--device", "cpu"]
 
@@ -178,6 +194,7 @@ BENCH_BAD = {  # each was a traceback once the models were built (or, for --json
     "unknown-device": (["--device", "toaster"], "--device 'toaster' is not a torch device"),
     "json-in-no-folder": (["--json", "{tmp}/no/such/bench.json"], "its folder does not exist"),
     "json-a-folder": (["--json", "{tmp}"], "is a folder"),
+    "json-in-no-file-folder": (["--json", "/proc/bench.json"], "its folder cannot hold a new file"),  # (as root too)
     "memory-without-training": (["--memory-seq-lens", "64"], "--memory-seq-lens measures the training step's"),
     "nothing-to-measure": (["--decode-prompt-lengths", "--decode-batches"], "nothing to measure"),
 }
