@@ -2242,6 +2242,13 @@ MUTATIONS = [
         ("tests/tools/test_bench.py::test_a_preset_file_that_is_no_config_is_refused_before_anything_is_measured",),
     ),
     Mutation(
+        "gpn bench's table rounds figures below 1 to two decimals (a small model's limit ms: 0.00)",
+        "modeling_gpn/bench/report.py",
+        "    if 0 < abs(value) < 1:",
+        "    if False:  # MUTATION",
+        ("tests/tools/test_bench.py::test_figures_below_one_keep_their_digits_in_the_table",),
+    ),
+    Mutation(
         "gpn bench with nothing to measure runs (an empty table)",
         "modeling_gpn/bench/command.py",
         "    if args.skip_training and not args.decode_prompt_lengths and not args.decode_batches:",

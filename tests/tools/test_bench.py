@@ -300,3 +300,18 @@ def test_help_explains_every_column(capsys):
         name = re.sub(r"@\d+ rows", "@B rows", re.sub(r"@\d+$", "@N", header))
         name = re.sub(r"^(train|fwd) GFLOP/s$", "GFLOP/s", name)
         assert f'"{name}"' in text, header
+
+
+def test_figures_below_one_keep_their_digits_in_the_table(capsys):
+    """A small model's byte limit is a few microseconds: the table printed "limit ms 0.00" beside "step / limit
+    16.55x", a column no reader could check; figures below 1 keep three significant digits."""
+    from modeling_gpn.bench.measure import Row
+    from modeling_gpn.bench.report import fmt, print_table
+
+    row = Row("tiny", "fast", 43302, step_ms=0.05436, limit_ms=0.003284)
+    print_table([row], _bench_args(["--decode-prompt-lengths"]))
+    header, _, figures = capsys.readouterr().out.splitlines()
+    cells = dict(zip(*[[cell.strip() for cell in line.strip("| ").split(" | ")] for line in (header, figures)]))
+    assert cells["limit ms"] == "0.00328" and cells["step ms"] == "0.0544", cells
+    assert cells["step / limit"] == "16.55x"
+    assert (fmt(0), fmt(2.5), fmt(1234.5)) == ("0.00", "2.50", "1,234")
