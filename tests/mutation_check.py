@@ -896,8 +896,9 @@ MUTATIONS = [
     Mutation(
         "gpn study checks each model's training settings only when it trains (after the models before it)",
         "modeling_gpn/study/runs.py",
-        '        training_config(name, study["models"][name], study, output)\n',
-        "        pass  # MUTATION\n",
+        '        config = training_config(name, study["models"][name], study, output)\n'
+        "        records[name] = earlier_record(name, config, output)\n",
+        "        records[name] = None  # MUTATION\n",
         (
             "tests/tools/test_study.py::test_a_study_that_cannot_run_is_one_line_before_anything_is_written[negative-steps]",
             "tests/tools/test_study.py::test_a_study_that_cannot_run_is_one_line_before_anything_is_written[bad-recipe]",
@@ -926,6 +927,34 @@ MUTATIONS = [
         '            with replacing(path, "w") as handle:',
         '            with path.open("w") as handle:  # MUTATION',
         ("tests/tools/test_study.py::test_a_corpus_copy_interrupted_while_written_is_not_left_for_the_next_run",),
+    ),
+    Mutation(
+        "gpn study run again trains a finished model again (refused: its folder holds a finished run)",
+        "modeling_gpn/study/runs.py",
+        '        if record.get("evaluation") == evaluation:',
+        "        if False:  # MUTATION",
+        ("tests/tools/test_study.py::test_a_stopped_study_continues_where_it_stopped",),
+    ),
+    Mutation(
+        "gpn study run again starts the stopped model afresh (refused: its folder holds checkpoints)",
+        "modeling_gpn/study/runs.py",
+        "            resume = latest_checkpoint(output / name) is not None",
+        "            resume = False  # MUTATION",
+        ("tests/tools/test_study.py::test_a_stopped_study_continues_where_it_stopped",),
+    ),
+    Mutation(
+        "gpn study run again with other settings reuses models trained with the earlier ones",
+        "modeling_gpn/study/runs.py",
+        "    if changed:\n",
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_study.py::test_a_stopped_study_continues_where_it_stopped",),
+    ),
+    Mutation(
+        "gpn study stopped points to gpn train's --resume, an option it does not have",
+        "modeling_gpn/study/cli.py",
+        'f"is saved in {stop.checkpoint}. {CONTINUE.format(output=args.output)}",',
+        'f"is saved in {stop.checkpoint}; continue with the same command plus --resume",  # MUTATION',
+        ("tests/tools/test_study.py::test_a_stopped_study_continues_where_it_stopped",),
     ),
     Mutation(
         "gpn inspect's bad arguments as one line (a traceback)",

@@ -9,10 +9,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..atomic_files import replacing
+from ..atomic_files import replacing, write_file_atomically
 from .comparison import PAPER_TABLE, ratios, reading, table_row
 from .definition import StudyError, load_study
 from .report import plot_curves, render_report
+
+STUDY_RECORD = "study_run.json"  # in each model's folder: what a later run of the study reuses
 
 
 def run_study(
@@ -25,6 +27,7 @@ def run_study(
 ) -> dict[str, Any]:
     """Train and evaluate every model of the study, then write the comparison report. Returns its results."""
     from modeling_gpn.evaluation.runner import load_model
+    from modeling_gpn.train import latest_checkpoint
 
     study = load_study(study_name)
     study["recipe"].update(overrides or {})
@@ -35,24 +38,45 @@ def run_study(
     if not names:
         raise StudyError(f"No model selected; the study has {', '.join(study['models'])}")
     output = Path(output)
+    records = {}
     for name in names:  # every model's settings, before anything is written (not a traceback models later)
-        training_config(name, study["models"][name], study, output)
+        config = training_config(name, study["models"][name], study, output)
+        records[name] = earlier_record(name, config, output)
     output.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     runs: dict[str, dict] = {}
+    evaluation = {"eval": study["eval"], "data_dir": data_dir}
     for name in names:
-        print(f"== {name}: training", flush=True)
-        train_summary = train_one(name, study["models"][name], study, output, show_progress)
+        # A study stopped part-way (Ctrl-C, SIGTERM, a crash) continues where it stopped when run again: the
+        # models it finished are reused, the one it was training resumes from its checkpoint.
+        record = records[name] or {}
+        if record.get("evaluation") == evaluation:
+            print(f"== {name}: trained and evaluated by an earlier run of this study (reused)", flush=True)
+            runs[name] = record["run"]
+            continue
+        if "train" in record:
+            print(f"== {name}: trained by an earlier run of this study (reused)", flush=True)
+        else:
+            resume = latest_checkpoint(output / name) is not None
+            print(f"== {name}: training" + (" (resumed from its last checkpoint)" if resume else ""), flush=True)
+            # the settings first: a later run continues this training only with the same ones
+            record = {"config": record_of(training_config(name, study["models"][name], study, output))}
+            (output / name).mkdir(exist_ok=True)
+            write_file_atomically(output / name / STUDY_RECORD, json.dumps(record, indent=1, default=str))
+            record["train"] = train_one(name, study["models"][name], study, output, show_progress, resume=resume)
+            write_file_atomically(output / name / STUDY_RECORD, json.dumps(record, indent=1, default=str))
         print(f"== {name}: evaluating", flush=True)
         model, tokenizer = load_model(str(output / name / "model"))
         eval_results = evaluate_one(name, study, output, data_dir, show_progress, model, tokenizer)
         runs[name] = {
-            "train": train_summary,
+            "train": record["train"],
             "params": parameter_counts(model),
             "shape": describe(model),
             "eval": eval_results,
         }
         del model, tokenizer
+        record.update(evaluation=evaluation, run=runs[name])
+        write_file_atomically(output / name / STUDY_RECORD, json.dumps(record, indent=1, default=str))
     rows = {name: table_row(name, run) for name, run in runs.items()}
     ratio_rows = ratios(rows)
     recipe = study["recipe"]
@@ -93,13 +117,43 @@ def training_config(name: str, model_config: dict, study: dict, output: Path) ->
     return config
 
 
-def train_one(name: str, model_config: dict, study: dict, output: Path, show_progress: bool) -> dict[str, Any]:
-    """Train one model of the study through `gpn train`'s pipeline; returns its training summary."""
+def record_of(config: dict) -> dict[str, Any]:
+    """`config` as its record reads it back (JSON: tuples as lists, paths as strings)."""
+    return json.loads(json.dumps(config, default=str))
+
+
+def earlier_record(name: str, config: dict, output: Path) -> dict[str, Any] | None:
+    """What an earlier run of the study left of this model (`OUTPUT/<model>/study_run.json`: its training
+    settings from the start of its training, its training summary once trained, its figures once evaluated), or
+    None. A record of other settings is a `StudyError`: reusing or resuming it would put a model trained
+    otherwise in the table."""
+    path = output / name / STUDY_RECORD
+    if not path.exists():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise StudyError(f"Cannot read {path}, left by an earlier run of the study: {error}") from None
+    earlier, now = record.get("config", {}), record_of(config)
+    changed = sorted(key for key in {*earlier, *now} if earlier.get(key) != now.get(key))
+    if changed:
+        raise StudyError(
+            f"{output / name} holds model {name} trained by an earlier run with other settings "
+            f"({', '.join(changed)}): choose another --output, or move that folder away"
+        )
+    return record
+
+
+def train_one(
+    name: str, model_config: dict, study: dict, output: Path, show_progress: bool, resume: bool = False
+) -> dict[str, Any]:
+    """Train one model of the study through `gpn train`'s pipeline (`resume`: from the newest checkpoint in
+    its folder); returns its training summary."""
     from modeling_gpn.train import train
 
     config = training_config(name, model_config, study, output)
     start = time.perf_counter()
-    summary = train(config, show_progress=show_progress)
+    summary = train(config, resume=resume or None, show_progress=show_progress)
     summary["wall_time_s"] = time.perf_counter() - start
     log = [json.loads(line) for line in (output / name / "log.jsonl").read_text().splitlines() if line.strip()]
     summary["curve"] = [

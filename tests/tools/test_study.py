@@ -135,3 +135,52 @@ def test_a_corpus_copy_interrupted_while_written_is_not_left_for_the_next_run(tm
     with pytest.raises(KeyboardInterrupt):
         held_out_source(study, tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_stopped_study_continues_where_it_stopped(tmp_path, monkeypatch, capsys):
+    """A study stopped part-way (here SIGTERM at step 3 of its second model) continues when run again: the
+    model it finished is reused (neither trained nor evaluated again), the one it was training resumes from
+    the checkpoint `gpn train` wrote. Run again, the study refused (the first model's folder "already holds
+    the model of a finished run"), and its message pointed to a --resume option gpn study does not have. A
+    later run with other settings is refused: it would put models trained otherwise in one table."""
+    import os
+    import signal
+
+    from modeling_gpn.cli import main
+    from modeling_gpn.train.context import TrainingRun
+
+    corpus = require_shared("data/tinyshakespeare/input.txt")
+    study = load_study("toy")
+    study["recipe"].update(dataset=str(corpus), max_tokens=20000, cache_dir=str(tmp_path / "cache"), steps=8)
+    study["recipe"].update(checkpoint_interval=0)  # (the stop writes the only checkpoint)
+    study["models"] = {name: study["models"][name] for name in ("gpn", "gpn-m-1l")}
+    study["eval"] = {**study["eval"], "tasks": ["fineweb_paper"], "limit": 2}
+    (tmp_path / "study.json").write_text(json.dumps(study))
+    output = tmp_path / "out"
+    command = ["study", "--study", str(tmp_path / "study.json"), "--output", str(output), "--no-progress"]
+
+    log = TrainingRun.log
+
+    def stopped_at_step_3_of_the_second_model(run, record):
+        log(run, record)
+        if run.run_dir.name == "gpn-m-1l" and record.get("step") == 3 and "loss" in record:
+            os.kill(os.getpid(), signal.SIGTERM)  # (gpn train's handler: a checkpoint, then TrainingStopped)
+
+    monkeypatch.setattr(TrainingRun, "log", stopped_at_step_3_of_the_second_model)
+    assert main(command) == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    assert "gpn study: stopped by SIGTERM after step 3" in err and "--resume" not in err, err
+    first_model = (output / "gpn" / "model" / "model.safetensors").stat().st_mtime_ns
+    monkeypatch.undo()
+
+    assert main(command) == 0
+    out = capsys.readouterr().out
+    assert "== gpn: trained and evaluated by an earlier run of this study (reused)" in out, out
+    assert "== gpn-m-1l: training (resumed from its last checkpoint)" in out, out
+    assert (output / "gpn" / "model" / "model.safetensors").stat().st_mtime_ns == first_model
+    steps = [json.loads(line).get("step") for line in (output / "gpn-m-1l" / "log.jsonl").read_text().splitlines()]
+    assert steps[:3] == [1, 2, 3] and steps[-1] == 8
+    assert set(json.loads((output / "study_results.json").read_text())["rows"]) == {"gpn", "gpn-m-1l"}
+
+    assert main([*command, "--steps", "9"]) == 2
+    assert "trained by an earlier run with other settings (steps)" in capsys.readouterr().err
