@@ -2278,6 +2278,13 @@ MUTATIONS = [
         ("tests/tools/test_bench.py::test_figures_below_one_keep_their_digits_in_the_table",),
     ),
     Mutation(
+        "gpn bench's Ctrl-C loses the presets measured before it",
+        "modeling_gpn/bench/command.py",
+        "        report(rows, args, interrupted=True)\n",
+        "        raise  # MUTATION\n",
+        ("tests/tools/test_bench.py::test_ctrl_c_reports_the_presets_measured_before_it",),
+    ),
+    Mutation(
         "gpn bench with nothing to measure runs (an empty table)",
         "modeling_gpn/bench/command.py",
         "    if args.skip_training and not args.decode_prompt_lengths and not args.decode_batches:",

@@ -6,6 +6,8 @@ import argparse
 import gc
 import json
 import os
+import signal
+import sys
 import tempfile
 from pathlib import Path
 
@@ -170,19 +172,43 @@ def run(args) -> int:
         except (OSError, ValueError) as error:  # (a file that is not JSON, or not a valid GPNConfig)
             raise SystemExit(f"--preset {preset}: {error}") from None
     rows = []
-    for preset in tqdm(args.preset, desc="bench", unit="preset"):
-        models = {}
-        try:
-            for impl in args.impl:  # one model per implementation (same seed, same weights for plain and fast)
-                gpn = build_gpn(preset, args.dtype, args.device, args.segment_length)
-                models[impl] = (
-                    gpn if impl != "llama" else matched_llama(gpn.config, count_params(gpn), args.dtype, args.device)
-                )
-        except ImportError as error:  # --dtype int8 without torchao (`quantize_int8` says what to install)
-            raise SystemExit(str(error)) from None
-        rows += measure(models, preset, args)
-        del models, gpn
-        gc.collect()
+    try:
+        for preset in tqdm(args.preset, desc="bench", unit="preset"):
+            rows += measure_preset(preset, args)
+    except KeyboardInterrupt:  # Ctrl-C: the presets measured so far are reported (and written), not lost
+        if not rows:
+            raise
+        finished = list(dict.fromkeys(r.preset for r in rows))
+        print(
+            f"gpn bench: interrupted (Ctrl-C); reported: the presets measured before it ({', '.join(finished)})",
+            file=sys.stderr,
+        )
+        report(rows, args, interrupted=True)
+        return 128 + signal.SIGINT
+    report(rows, args)
+    return 0
+
+
+def measure_preset(preset: str, args) -> list:
+    """The rows of one preset: one model per implementation, built and measured."""
+    models = {}
+    try:
+        for impl in args.impl:  # one model per implementation (same seed, same weights for plain and fast)
+            gpn = build_gpn(preset, args.dtype, args.device, args.segment_length)
+            models[impl] = (
+                gpn if impl != "llama" else matched_llama(gpn.config, count_params(gpn), args.dtype, args.device)
+            )
+    except ImportError as error:  # --dtype int8 without torchao (`quantize_int8` says what to install)
+        raise SystemExit(str(error)) from None
+    rows = measure(models, preset, args)
+    del models, gpn
+    gc.collect()
+    return rows
+
+
+def report(rows: list, args, interrupted: bool = False) -> None:
+    """The table and the lines after it; the JSON report if asked for (`interrupted`: said in it, for a run
+    stopped before its last preset)."""
     print(
         f"\ndevice {args.device}, dtype {args.dtype}, threads {torch.get_num_threads()}, batch {args.batch} x "
         f"{args.seq_len} tokens, medians of {args.repeats} repeats, GPN training segment {args.segment_length or 'none'}, "
@@ -204,7 +230,7 @@ def run(args) -> int:
                 "memory_kernels": memory_kernels_state(args.device),
                 "cuda_graphs_setting": os.environ.get("GPN_CUDA_GRAPHS", "off"),
                 "triton_self_checks": checks,
+                "interrupted": interrupted,
                 "rows": [r.__dict__ for r in rows],
             },
         )
-    return 0

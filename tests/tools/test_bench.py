@@ -315,3 +315,33 @@ def test_figures_below_one_keep_their_digits_in_the_table(capsys):
     assert cells["limit ms"] == "0.00328" and cells["step ms"] == "0.0544", cells
     assert cells["step / limit"] == "16.55x"
     assert (fmt(0), fmt(2.5), fmt(1234.5)) == ("0.00", "2.50", "1,234")
+
+
+def test_ctrl_c_reports_the_presets_measured_before_it(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the second preset is measured: the first one's figures (minutes of measuring) were lost, the
+    table printed only at the end. They are printed and written (--json, marked interrupted), exit status 130."""
+    import modeling_gpn.bench.command as command
+    from modeling_gpn.bench.measure import Row
+
+    def measured(models, preset, args):
+        if preset == "small":
+            raise KeyboardInterrupt
+        limits = dict(limit_bytes=1000, limit_probe="a read", prefill_limit_bytes=500, prefill_limit_ms=0.125)
+        return [Row(preset, "fast", 1000, step_ms=0.5, limit_ms=0.25, **limits)]
+
+    monkeypatch.setattr(command, "measure", measured)
+    out = tmp_path / "bench.json"
+    try:
+        status = command.run(_bench_args(["--preset", "tiny", "small", "--json", str(out)]))
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C lost the figures measured before it")
+    assert status == 130
+    captured = capsys.readouterr()
+    assert "| tiny | fast |" in captured.out and "| small |" not in captured.out, captured.out
+    assert "interrupted (Ctrl-C)" in captured.err and "(tiny)" in captured.err
+    report = json.loads(out.read_text())
+    assert report["interrupted"] is True and [(r["preset"], r["step_ms"]) for r in report["rows"]] == [("tiny", 0.5)]
+
+    monkeypatch.setattr(command, "measure", lambda *args: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):  # (nothing measured: the command's own one line, no empty table)
+        command.run(_bench_args(["--preset", "tiny", "--json", str(out)]))
