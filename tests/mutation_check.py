@@ -957,6 +957,20 @@ MUTATIONS = [
         ("tests/tools/test_study.py::test_a_stopped_study_continues_where_it_stopped",),
     ),
     Mutation(
+        "gpn study's report gives this run's wall time as the whole study's (models reused from earlier runs)",
+        "modeling_gpn/study/report.py",
+        "    if not reused:\n",
+        "    if True:  # MUTATION\n",
+        ("tests/tools/test_study.py::test_a_stopped_study_continues_where_it_stopped",),
+    ),
+    Mutation(
+        "gpn study's report calls gpn train's validation PPL a second 'held-out PPL' (other figures, same name)",
+        "modeling_gpn/study/report.py",
+        "| gpn train's validation PPL |",
+        "| held-out PPL |",
+        ("tests/tools/test_study.py::test_a_stopped_study_continues_where_it_stopped",),
+    ),
+    Mutation(
         "gpn inspect's bad arguments as one line (a traceback)",
         "modeling_gpn/inspect/cli.py",
         "    except (OSError, ValueError) as error:",

@@ -45,6 +45,7 @@ def run_study(
     output.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     runs: dict[str, dict] = {}
+    reused: list[str] = []
     evaluation = {"eval": study["eval"], "data_dir": data_dir}
     for name in names:
         # A study stopped part-way (Ctrl-C, SIGTERM, a crash) continues where it stopped when run again: the
@@ -53,6 +54,7 @@ def run_study(
         if record.get("evaluation") == evaluation:
             print(f"== {name}: trained and evaluated by an earlier run of this study (reused)", flush=True)
             runs[name] = record["run"]
+            reused.append(name)
             continue
         if "train" in record:
             print(f"== {name}: trained by an earlier run of this study (reused)", flush=True)
@@ -86,6 +88,7 @@ def run_study(
         "eval": study["eval"],
         "tokens_per_model": recipe["steps"] * recipe["batch_size"] * recipe["seq_len"],
         "wall_time_s": time.perf_counter() - start,
+        "reused": reused,  # (trained and evaluated by an earlier run: their time is not in wall_time_s)
         "rows": rows,
         "ratios": ratio_rows,
         "paper": PAPER_TABLE,

@@ -181,6 +181,9 @@ def test_a_stopped_study_continues_where_it_stopped(tmp_path, monkeypatch, capsy
     steps = [json.loads(line).get("step") for line in (output / "gpn-m-1l" / "log.jsonl").read_text().splitlines()]
     assert steps[:3] == [1, 2, 3] and steps[-1] == 8
     assert set(json.loads((output / "study_results.json").read_text())["rows"]) == {"gpn", "gpn-m-1l"}
+    report = (output / "study_report.md").read_text()  # (this run's time is not the whole study's)
+    assert "Wall time of this run: " in report and "(reused from earlier runs of the study: gpn)" in report
+    assert "| model | first loss | last loss | gpn train's validation PPL |" in report  # (not a 2nd held-out PPL)
 
     assert main([*command, "--steps", "9"]) == 2
     assert "trained by an earlier run with other settings (steps)" in capsys.readouterr().err
