@@ -2299,6 +2299,16 @@ MUTATIONS = [
         ("tests/tools/test_bench.py::test_ctrl_c_reports_the_presets_measured_before_it",),
     ),
     Mutation(
+        "a preset file of another model (a Llama's config.json) loads as a GPN of the default sizes",
+        "configuration/__init__.py",
+        "    if declared != GPNConfig.model_type:",
+        "    if False:  # MUTATION",
+        (
+            "tests/tools/test_bench.py::test_a_preset_file_that_is_no_config_is_refused_before_anything_is_measured"
+            "[llama-config]",
+        ),
+    ),
+    Mutation(
         "gpn bench with nothing to measure runs (an empty table)",
         "modeling_gpn/bench/command.py",
         "    if args.skip_training and not args.decode_prompt_lengths and not args.decode_batches:",

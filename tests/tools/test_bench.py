@@ -163,7 +163,7 @@ def test_an_unknown_preset_is_refused_before_anything_is_measured(capsys):
     assert "bench" not in capsys.readouterr().err  # (no progress bar: nothing was measured)
 
 
-@pytest.mark.parametrize("case", ["not-json", "invalid-config"])
+@pytest.mark.parametrize("case", ["not-json", "invalid-config", "llama-config"])
 def test_a_preset_file_that_is_no_config_is_refused_before_anything_is_measured(case, tmp_path, monkeypatch):
     """A config JSON given as a preset is read before the first preset is measured: a file that is not JSON,
     or a config GPNConfig refuses, was a traceback once the models were built (after every preset before it)."""
@@ -171,12 +171,21 @@ def test_a_preset_file_that_is_no_config_is_refused_before_anything_is_measured(
 
     monkeypatch.setattr(command, "measure", lambda *args: pytest.fail("a preset was measured"))
     preset = tmp_path / "mine.json"
-    preset.write_text({"not-json": "{hidden_size: 8", "invalid-config": '{"hidden_size": -3}'}[case])
+    preset.write_text(
+        {
+            "not-json": "{hidden_size: 8",
+            "invalid-config": '{"hidden_size": -3}',
+            # another model's config.json (a Llama's): measured in silence as a GPN of the default sizes
+            "llama-config": '{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2}',
+        }[case]
+    )
     with pytest.raises(SystemExit) as stopped:
         main(["bench", "--preset", "tiny", str(preset), "--skip-training"])
     message = str(stopped.value.code)
     assert message.startswith(f"--preset {preset}: "), message
-    assert {"not-json": "Expecting property name", "invalid-config": "hidden_size must be"}[case] in message
+    needle = {"not-json": "Expecting property name", "invalid-config": "hidden_size must be"}
+    needle["llama-config"] = "is the config of a 'llama' model, not a GPN"
+    assert needle[case] in message, message
 
 
 TINY = ["--preset", "tiny", "--impl", "fast", "--skip-training", "--decode-prompt-lengths", "4"]
