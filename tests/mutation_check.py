@@ -971,6 +971,16 @@ MUTATIONS = [
         ("tests/tools/test_study.py::test_a_stopped_study_continues_where_it_stopped",),
     ),
     Mutation(
+        "gpn study finds a misspelt --data-dir only once the first model has trained (a traceback)",
+        "modeling_gpn/study/runs.py",
+        "            data_source(task, settings)\n",
+        "            pass  # MUTATION\n",
+        (
+            "tests/tools/test_study.py::test_a_study_that_cannot_run_is_one_line_before_anything_is_written"
+            "[misspelt-data-dir]",
+        ),
+    ),
+    Mutation(
         "gpn inspect's bad arguments as one line (a traceback)",
         "modeling_gpn/inspect/cli.py",
         "    except (OSError, ValueError) as error:",

@@ -38,6 +38,7 @@ def run_study(
     if not names:
         raise StudyError(f"No model selected; the study has {', '.join(study['models'])}")
     output = Path(output)
+    check_evaluation_data(study, data_dir)
     records = {}
     for name in names:  # every model's settings, before anything is written (not a traceback models later)
         config = training_config(name, study["models"][name], study, output)
@@ -188,6 +189,28 @@ def evaluate_one(
     results = evaluate(str(output / name / "model"), settings, model=model, tokenizer=tokenizer)
     write_outputs(results, output / name / "eval")
     return results
+
+
+def check_evaluation_data(study: dict, data_dir: str | None) -> None:
+    """Every evaluation task finds its data (a misspelt --data-dir was a traceback once the first model had
+    trained); `StudyError` otherwise. The held-out corpus of a local training set needs none."""
+    from modeling_gpn.evaluation.runner import EvalSettings, data_source
+
+    settings = EvalSettings(**study["eval"])
+    if data_dir and not settings.data_dir:
+        settings.data_dir = data_dir
+    dataset = study["recipe"].get("dataset")
+    local_corpus = dataset == "shakespeare" or bool(dataset and Path(dataset).exists())  # (`held_out_source`)
+    for task in settings.tasks:
+        if task == "fineweb_paper" and local_corpus:
+            continue
+        try:
+            data_source(task, settings)
+        except FileNotFoundError:
+            raise StudyError(
+                f"--data-dir {settings.data_dir} has no data for the study's task {task!r} (a folder laid out "
+                "like ../shared/data: lambada/, fineweb-edu/)"
+            ) from None
 
 
 def held_out_source(study: dict, output: Path) -> str | None:

@@ -78,7 +78,15 @@ def test_sigterm_during_a_study_stops_cleanly_with_the_model_checkpointed(tmp_pa
 
 @pytest.mark.parametrize(
     "case",
-    ["unknown-study", "unknown-model", "not-a-study", "zero-steps", "negative-steps", "bad-recipe"],
+    [
+        "unknown-study",
+        "unknown-model",
+        "not-a-study",
+        "zero-steps",
+        "negative-steps",
+        "bad-recipe",
+        "misspelt-data-dir",
+    ],
 )
 def test_a_study_that_cannot_run_is_one_line_before_anything_is_written(tmp_path, capsys, case):
     """A misspelt study or model name (`--only`), or a file that is not a study: exit 2 and one line saying
@@ -96,6 +104,10 @@ def test_a_study_that_cannot_run_is_one_line_before_anything_is_written(tmp_path
         "not-a-study": (["--study", str(broken)], f"Cannot read the study {broken}"),
         "zero-steps": (["--study", "toy", "--steps", "0"], "steps must be a positive integer, got 0"),  # (not ignored)
         "negative-steps": (["--study", "toy", "--steps", "-3"], "model gpn: Invalid training configuration: steps"),
+        "misspelt-data-dir": (  # (found once the first model had trained: a traceback)
+            ["--study", "toy", "--data-dir", str(tmp_path / "shared" / "dta")],
+            f"--data-dir {tmp_path / 'shared' / 'dta'} has no data for the study's task",
+        ),
         "bad-recipe": (["--study", str(tmp_path / "bad_recipe.json")], "model gpn: Invalid training configuration: lr"),
     }[case]
     output = tmp_path / "out"
