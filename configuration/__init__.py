@@ -6,6 +6,7 @@ the `_comment` field says where each size comes from. `preset_path("tiny")` find
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 PRESET_DIR = Path(__file__).resolve().parent
@@ -31,7 +32,13 @@ def load_preset(name_or_path: str):
     """The `GPNConfig` of a model preset."""
     from modeling_gpn import GPNConfig
 
-    config = GPNConfig.from_json_file(str(preset_path(name_or_path)))
+    path = preset_path(name_or_path)
+    config = GPNConfig.from_json_file(str(path))
+    # Another model's config (a Llama's config.json) loads as a GPNConfig too, every size it does not share
+    # left at the defaults: refused, or a default GPN would pass for it.
+    declared = json.loads(path.read_text()).get("model_type", GPNConfig.model_type)
+    if declared != GPNConfig.model_type:
+        raise ValueError(f"{path} is the config of a {declared!r} model, not a GPN ({GPNConfig.model_type!r})")
     if hasattr(config, "_comment"):  # documentation of the preset, not part of the model
         del config._comment
     return config

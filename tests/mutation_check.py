@@ -964,11 +964,14 @@ MUTATIONS = [
         ),
     ),
     Mutation(
-        "gpn bench checks every preset before measuring (a misspelt one: a traceback minutes later)",
+        "gpn bench reads every preset before measuring (a misspelt one or a bad config file: a traceback minutes later)",
         "modeling_gpn/bench/command.py",
-        "            preset_path(preset)\n",
+        "            load_preset(preset)\n",
         "            pass  # MUTATION\n",
-        ("tests/tools/test_bench.py::test_an_unknown_preset_is_refused_before_anything_is_measured",),
+        (
+            "tests/tools/test_bench.py::test_an_unknown_preset_is_refused_before_anything_is_measured",
+            "tests/tools/test_bench.py::test_a_preset_file_that_is_no_config_is_refused_before_anything_is_measured",
+        ),
     ),
     Mutation(
         "gpn study refuses a model name it does not have (--only skipped it in silence)",
@@ -977,6 +980,100 @@ MUTATIONS = [
         "    if False:  # MUTATION\n",
         (
             "tests/tools/test_study.py::test_a_study_that_cannot_run_is_one_line_before_anything_is_written[unknown-model]",
+        ),
+    ),
+    Mutation(
+        "gpn study --steps 0 ignored in silence (the study's own steps ran)",
+        "modeling_gpn/study/cli.py",
+        "if args.steps is not None else {}",
+        "if args.steps else {}  # MUTATION",
+        ("tests/tools/test_study.py::test_a_study_that_cannot_run_is_one_line_before_anything_is_written[zero-steps]",),
+    ),
+    Mutation(
+        "gpn study checks each model's training settings only when it trains (after the models before it)",
+        "modeling_gpn/study/runs.py",
+        '        config = training_config(name, study["models"][name], study, output)\n'
+        "        records[name] = earlier_record(name, config, output)\n",
+        "        records[name] = None  # MUTATION\n",
+        (
+            "tests/tools/test_study.py::test_a_study_that_cannot_run_is_one_line_before_anything_is_written[negative-steps]",
+            "tests/tools/test_study.py::test_a_study_that_cannot_run_is_one_line_before_anything_is_written[bad-recipe]",
+        ),
+    ),
+    Mutation(
+        "gpn study's invalid training settings as a traceback",
+        "modeling_gpn/study/runs.py",
+        "    except ValueError as error:\n        raise StudyError(",
+        "    except NotImplementedError as error:  # MUTATION\n        raise StudyError(",
+        (
+            "tests/tools/test_study.py::test_a_study_that_cannot_run_is_one_line_before_anything_is_written[negative-steps]",
+            "tests/tools/test_study.py::test_a_study_that_cannot_run_is_one_line_before_anything_is_written[bad-recipe]",
+        ),
+    ),
+    Mutation(
+        "gpn study's data errors (a missing corpus, the Hub offline) as a traceback",
+        "modeling_gpn/study/cli.py",
+        "        DataError,  # (a corpus",
+        "        NotImplementedError,  # MUTATION (a corpus",
+        ("tests/tools/test_study.py::test_a_corpus_that_cannot_be_read_is_one_line_not_a_traceback",),
+    ),
+    Mutation(
+        "gpn study's held-out corpus copy written in place (a copy cut short is reused in silence)",
+        "modeling_gpn/study/runs.py",
+        '            with replacing(path, "w") as handle:',
+        '            with path.open("w") as handle:  # MUTATION',
+        ("tests/tools/test_study.py::test_a_corpus_copy_interrupted_while_written_is_not_left_for_the_next_run",),
+    ),
+    Mutation(
+        "gpn study run again trains a finished model again (refused: its folder holds a finished run)",
+        "modeling_gpn/study/runs.py",
+        '        if record.get("evaluation") == evaluation:',
+        "        if False:  # MUTATION",
+        ("tests/tools/test_study.py::test_a_stopped_study_continues_where_it_stopped",),
+    ),
+    Mutation(
+        "gpn study run again starts the stopped model afresh (refused: its folder holds checkpoints)",
+        "modeling_gpn/study/runs.py",
+        "            resume = latest_checkpoint(output / name) is not None",
+        "            resume = False  # MUTATION",
+        ("tests/tools/test_study.py::test_a_stopped_study_continues_where_it_stopped",),
+    ),
+    Mutation(
+        "gpn study run again with other settings reuses models trained with the earlier ones",
+        "modeling_gpn/study/runs.py",
+        "    if changed:\n",
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_study.py::test_a_stopped_study_continues_where_it_stopped",),
+    ),
+    Mutation(
+        "gpn study stopped points to gpn train's --resume, an option it does not have",
+        "modeling_gpn/study/cli.py",
+        'f"is saved in {stop.checkpoint}. {CONTINUE.format(output=args.output)}",',
+        'f"is saved in {stop.checkpoint}; continue with the same command plus --resume",  # MUTATION',
+        ("tests/tools/test_study.py::test_a_stopped_study_continues_where_it_stopped",),
+    ),
+    Mutation(
+        "gpn study's report gives this run's wall time as the whole study's (models reused from earlier runs)",
+        "modeling_gpn/study/report.py",
+        "    if not reused:\n",
+        "    if True:  # MUTATION\n",
+        ("tests/tools/test_study.py::test_a_stopped_study_continues_where_it_stopped",),
+    ),
+    Mutation(
+        "gpn study's report calls gpn train's validation PPL a second 'held-out PPL' (other figures, same name)",
+        "modeling_gpn/study/report.py",
+        "| gpn train's validation PPL |",
+        "| held-out PPL |",
+        ("tests/tools/test_study.py::test_a_stopped_study_continues_where_it_stopped",),
+    ),
+    Mutation(
+        "gpn study finds a misspelt --data-dir only once the first model has trained (a traceback)",
+        "modeling_gpn/study/runs.py",
+        "            data_source(task, settings)\n",
+        "            pass  # MUTATION\n",
+        (
+            "tests/tools/test_study.py::test_a_study_that_cannot_run_is_one_line_before_anything_is_written"
+            "[misspelt-data-dir]",
         ),
     ),
     Mutation(
@@ -2278,6 +2375,44 @@ MUTATIONS = [
         "    if args.skip_training and args.memory_seq_lens:",
         "    if False:  # MUTATION",
         ("tests/tools/test_bench.py -k refused_before_any_model and memory-without-training",),
+    ),
+    Mutation(
+        "gpn bench finds a --json folder that cannot hold a file only after the whole run (a traceback)",
+        "modeling_gpn/bench/command.py",
+        "            tempfile.TemporaryFile(dir=folder).close()",
+        "            pass  # MUTATION",
+        ("tests/tools/test_bench.py -k refused_before_any_model and json-in-no-file-folder",),
+    ),
+    Mutation(
+        "gpn bench's unreadable preset config as a traceback",
+        "modeling_gpn/bench/command.py",
+        "        except (OSError, ValueError) as error:  # (a file that is not JSON",
+        "        except NotImplementedError as error:  # MUTATION (a file that is not JSON",
+        ("tests/tools/test_bench.py::test_a_preset_file_that_is_no_config_is_refused_before_anything_is_measured",),
+    ),
+    Mutation(
+        "gpn bench's table rounds figures below 1 to two decimals (a small model's limit ms: 0.00)",
+        "modeling_gpn/bench/report.py",
+        "    if 0 < abs(value) < 1:",
+        "    if False:  # MUTATION",
+        ("tests/tools/test_bench.py::test_figures_below_one_keep_their_digits_in_the_table",),
+    ),
+    Mutation(
+        "gpn bench's Ctrl-C loses the presets measured before it",
+        "modeling_gpn/bench/command.py",
+        "        report(rows, args, interrupted=True)\n",
+        "        raise  # MUTATION\n",
+        ("tests/tools/test_bench.py::test_ctrl_c_reports_the_presets_measured_before_it",),
+    ),
+    Mutation(
+        "a preset file of another model (a Llama's config.json) loads as a GPN of the default sizes",
+        "configuration/__init__.py",
+        "    if declared != GPNConfig.model_type:",
+        "    if False:  # MUTATION",
+        (
+            "tests/tools/test_bench.py::test_a_preset_file_that_is_no_config_is_refused_before_anything_is_measured"
+            "[llama-config]",
+        ),
     ),
     Mutation(
         "gpn bench with nothing to measure runs (an empty table)",

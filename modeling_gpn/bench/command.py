@@ -6,6 +6,9 @@ import argparse
 import gc
 import json
 import os
+import signal
+import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -137,8 +140,13 @@ def check_arguments(args) -> None:
     if args.json is not None:
         if Path(args.json).is_dir():
             raise SystemExit(f"--json {args.json} is a folder: name the file to write")
-        if not Path(args.json).resolve().parent.is_dir():
+        folder = Path(args.json).resolve().parent
+        if not folder.is_dir():
             raise SystemExit(f"--json {args.json}: its folder does not exist")
+        try:  # a file made there and removed: what the report will need (a read-only folder, a full disk, /proc)
+            tempfile.TemporaryFile(dir=folder).close()
+        except OSError as error:
+            raise SystemExit(f"--json {args.json}: its folder cannot hold a new file ({error.strerror})") from None
 
 
 def write_json(path: str, report: dict) -> None:
@@ -151,30 +159,56 @@ def write_json(path: str, report: dict) -> None:
 def run(args) -> int:
     from tqdm import tqdm
 
-    from modeling_gpn.configuration import preset_path
+    from modeling_gpn.configuration import load_preset
 
     check_arguments(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    for preset in args.preset:  # all of them checked before the first is measured (a preset takes minutes)
+    for preset in args.preset:  # all of them read before the first is measured (a preset takes minutes)
         try:
-            preset_path(preset)
+            load_preset(preset)
         except FileNotFoundError as error:
             raise SystemExit(f"--preset: {error}") from None
+        except (OSError, ValueError) as error:  # (a file that is not JSON, or not a valid GPNConfig)
+            raise SystemExit(f"--preset {preset}: {error}") from None
     rows = []
-    for preset in tqdm(args.preset, desc="bench", unit="preset"):
-        models = {}
-        try:
-            for impl in args.impl:  # one model per implementation (same seed, same weights for plain and fast)
-                gpn = build_gpn(preset, args.dtype, args.device, args.segment_length)
-                models[impl] = (
-                    gpn if impl != "llama" else matched_llama(gpn.config, count_params(gpn), args.dtype, args.device)
-                )
-        except ImportError as error:  # --dtype int8 without torchao (`quantize_int8` says what to install)
-            raise SystemExit(str(error)) from None
-        rows += measure(models, preset, args)
-        del models, gpn
-        gc.collect()
+    try:
+        for preset in tqdm(args.preset, desc="bench", unit="preset"):
+            rows += measure_preset(preset, args)
+    except KeyboardInterrupt:  # Ctrl-C: the presets measured so far are reported (and written), not lost
+        if not rows:
+            raise
+        finished = list(dict.fromkeys(r.preset for r in rows))
+        print(
+            f"gpn bench: interrupted (Ctrl-C); reported: the presets measured before it ({', '.join(finished)})",
+            file=sys.stderr,
+        )
+        report(rows, args, interrupted=True)
+        return 128 + signal.SIGINT
+    report(rows, args)
+    return 0
+
+
+def measure_preset(preset: str, args) -> list:
+    """The rows of one preset: one model per implementation, built and measured."""
+    models = {}
+    try:
+        for impl in args.impl:  # one model per implementation (same seed, same weights for plain and fast)
+            gpn = build_gpn(preset, args.dtype, args.device, args.segment_length)
+            models[impl] = (
+                gpn if impl != "llama" else matched_llama(gpn.config, count_params(gpn), args.dtype, args.device)
+            )
+    except ImportError as error:  # --dtype int8 without torchao (`quantize_int8` says what to install)
+        raise SystemExit(str(error)) from None
+    rows = measure(models, preset, args)
+    del models, gpn
+    gc.collect()
+    return rows
+
+
+def report(rows: list, args, interrupted: bool = False) -> None:
+    """The table and the lines after it; the JSON report if asked for (`interrupted`: said in it, for a run
+    stopped before its last preset)."""
     print(
         f"\ndevice {args.device}, dtype {args.dtype}, threads {torch.get_num_threads()}, batch {args.batch} x "
         f"{args.seq_len} tokens, medians of {args.repeats} repeats, GPN training segment {args.segment_length or 'none'}, "
@@ -196,7 +230,7 @@ def run(args) -> int:
                 "memory_kernels": memory_kernels_state(args.device),
                 "cuda_graphs_setting": os.environ.get("GPN_CUDA_GRAPHS", "off"),
                 "triton_self_checks": checks,
+                "interrupted": interrupted,
                 "rows": [r.__dict__ for r in rows],
             },
         )
-    return 0

@@ -18,6 +18,8 @@ def fmt(value, kind: str = "num") -> str:
         return f"{value:.2f}x"
     if value >= 100:
         return f"{value:,.0f}"
+    if 0 < abs(value) < 1:  # three significant digits: a small model's limit is microseconds, not "0.00" ms
+        return f"{value:.3g}"
     return f"{value:.2f}"
 
 

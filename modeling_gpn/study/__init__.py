@@ -10,7 +10,8 @@ the same `gpn train` pipeline (same tokenizer, token stream, budget, recipe and 
     OUTPUT/study_report.md     the table in the paper's shape, ratios beside the paper's, a reading
     OUTPUT/study_results.json  every number
     OUTPUT/training_curves.png loss against tokens for every model
-    OUTPUT/<model>/            each model's run directory (model/, log.jsonl, eval/)
+    OUTPUT/<model>/            each model's run directory (model/, log.jsonl, eval/, and study_run.json:
+                               what a later run of the same study reuses, or resumes from)
 
 Parameter counts are reported with and without the token embedding (the study matches models on
 non-embedding parameters, since at this scale the embedding would dominate a total-count match).

@@ -10,6 +10,12 @@ from .definition import StudyError
 from .report import render_report
 from .runs import run_study
 
+# (not `gpn train`'s "--resume": gpn study has no such option, and needs none)
+CONTINUE = (
+    "Run the same gpn study command again to continue: the models finished in {output} are reused and the one "
+    "stopped resumes from its last checkpoint."
+)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--study", default="cpu-small", help="a study name (configuration/studies/NAME.json) or path")
@@ -28,22 +34,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import signal
 
-    from modeling_gpn.train import NonFiniteLossError, StorageError, TrainingStopped
+    from modeling_gpn.data import DataError
+    from modeling_gpn.train import (
+        CollectiveError,
+        LaunchError,
+        NonFiniteLossError,
+        RunFolderInUseError,
+        StorageError,
+        TrainingStopped,
+    )
 
-    overrides = {"steps": args.steps} if args.steps else {}
+    overrides = {"steps": args.steps} if args.steps is not None else {}  # (--steps 0 is refused, not ignored)
     try:
         results = run_study(args.study, args.output, args.data_dir, args.only, overrides, not args.no_progress)
     except StudyError as error:  # (raised before anything is trained)
         print(f"gpn study: error: {error}", file=sys.stderr)
         return 2
-    except (NonFiniteLossError, StorageError, FileExistsError) as error:  # (a model's folder holds a run)
+    except (
+        DataError,  # (a corpus that cannot be read: the Hub offline, a missing file)
+        NonFiniteLossError,
+        StorageError,
+        RunFolderInUseError,
+        LaunchError,
+        CollectiveError,
+        FileExistsError,  # (a model's folder holds a run)
+    ) as error:
         print(f"gpn study: error: {error}", file=sys.stderr)
         return 1
     except TrainingStopped as stop:  # SIGTERM/SIGINT: `gpn train` checkpointed the model it was training
-        print(f"gpn study: {stop} (models finished before it are complete in {args.output})", file=sys.stderr)
+        print(
+            f"gpn study: stopped by {signal.Signals(stop.signum).name} after step {stop.step}; the training state "
+            f"is saved in {stop.checkpoint}. {CONTINUE.format(output=args.output)}",
+            file=sys.stderr,
+        )
         return 128 + stop.signum
     except KeyboardInterrupt:  # a second Ctrl-C, or one outside training (evaluation, the report)
-        print(f"gpn study: interrupted (Ctrl-C); models finished so far are complete in {args.output}", file=sys.stderr)
+        print(f"gpn study: interrupted (Ctrl-C). {CONTINUE.format(output=args.output)}", file=sys.stderr)
         return 128 + signal.SIGINT
     print(render_report(results))
     print(f"Report: {Path(args.output) / 'study_report.md'}")

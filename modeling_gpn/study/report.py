@@ -14,6 +14,15 @@ def fmt(value, pattern="{:.3f}") -> str:
     return pattern.format(value)
 
 
+def wall_time(results: dict[str, Any]) -> str:
+    """The study's wall time, saying which models an earlier run trained (their time is not in it)."""
+    minutes = results["wall_time_s"] / 60
+    reused = results.get("reused")
+    if not reused:
+        return f"Wall time of the whole study: {minutes:.1f} min."
+    return f"Wall time of this run: {minutes:.1f} min (reused from earlier runs of the study: {', '.join(reused)})."
+
+
 def render_report(results: dict[str, Any]) -> str:
     rows, recipe = results["rows"], results["recipe"]
     lines = [
@@ -21,8 +30,7 @@ def render_report(results: dict[str, Any]) -> str:
         "",
         f"Every model: same tokenizer ({recipe.get('tokenizer')}), data ({recipe.get('dataset')}), "
         f"{results['tokens_per_model']:,} training tokens ({recipe['steps']} steps x {recipe['batch_size']} windows x "
-        f"{recipe['seq_len']} tokens), recipe and seed {recipe.get('seed', 0)}. Wall time of the whole study: "
-        f"{results['wall_time_s'] / 60:.1f} min.",
+        f"{recipe['seq_len']} tokens), recipe and seed {recipe.get('seed', 0)}. {wall_time(results)}",
         "",
         "Parameters are matched on the non-embedding count (the token embedding dominates at this scale).",
         "",
@@ -54,7 +62,8 @@ def render_report(results: dict[str, Any]) -> str:
             f"| {row['model']} | {row['baseline']} | {row['metric']} | {fmt(row['measured'])} | {fmt(row['published'])} |"
         )
     lines += ["", "## Training", "", "![loss against tokens](training_curves.png)", ""]
-    lines += ["| model | first loss | last loss | held-out PPL | wall time |", "|---|---|---|---|---|"]
+    # (gpn train's own validation at the end of its run: other windows and protocol than the table's held-out PPL)
+    lines += ["| model | first loss | last loss | gpn train's validation PPL | wall time |", "|---|---|---|---|---|"]
     for name, row in rows.items():
         lines.append(
             f"| {name} | {fmt(row['first_loss'])} | {fmt(row['last_loss'])} | {fmt(row['val_ppl'], '{:.2f}')} | "

@@ -9,9 +9,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..atomic_files import replacing, write_file_atomically
 from .comparison import PAPER_TABLE, ratios, reading, table_row
 from .definition import StudyError, load_study
 from .report import plot_curves, render_report
+
+STUDY_RECORD = "study_run.json"  # in each model's folder: what a later run of the study reuses
 
 
 def run_study(
@@ -24,6 +27,7 @@ def run_study(
 ) -> dict[str, Any]:
     """Train and evaluate every model of the study, then write the comparison report. Returns its results."""
     from modeling_gpn.evaluation.runner import load_model
+    from modeling_gpn.train import latest_checkpoint
 
     study = load_study(study_name)
     study["recipe"].update(overrides or {})
@@ -34,22 +38,48 @@ def run_study(
     if not names:
         raise StudyError(f"No model selected; the study has {', '.join(study['models'])}")
     output = Path(output)
+    check_evaluation_data(study, data_dir)
+    records = {}
+    for name in names:  # every model's settings, before anything is written (not a traceback models later)
+        config = training_config(name, study["models"][name], study, output)
+        records[name] = earlier_record(name, config, output)
     output.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     runs: dict[str, dict] = {}
+    reused: list[str] = []
+    evaluation = {"eval": study["eval"], "data_dir": data_dir}
     for name in names:
-        print(f"== {name}: training", flush=True)
-        train_summary = train_one(name, study["models"][name], study, output, show_progress)
+        # A study stopped part-way (Ctrl-C, SIGTERM, a crash) continues where it stopped when run again: the
+        # models it finished are reused, the one it was training resumes from its checkpoint.
+        record = records[name] or {}
+        if record.get("evaluation") == evaluation:
+            print(f"== {name}: trained and evaluated by an earlier run of this study (reused)", flush=True)
+            runs[name] = record["run"]
+            reused.append(name)
+            continue
+        if "train" in record:
+            print(f"== {name}: trained by an earlier run of this study (reused)", flush=True)
+        else:
+            resume = latest_checkpoint(output / name) is not None
+            print(f"== {name}: training" + (" (resumed from its last checkpoint)" if resume else ""), flush=True)
+            # the settings first: a later run continues this training only with the same ones
+            record = {"config": record_of(training_config(name, study["models"][name], study, output))}
+            (output / name).mkdir(exist_ok=True)
+            write_file_atomically(output / name / STUDY_RECORD, json.dumps(record, indent=1, default=str))
+            record["train"] = train_one(name, study["models"][name], study, output, show_progress, resume=resume)
+            write_file_atomically(output / name / STUDY_RECORD, json.dumps(record, indent=1, default=str))
         print(f"== {name}: evaluating", flush=True)
         model, tokenizer = load_model(str(output / name / "model"))
         eval_results = evaluate_one(name, study, output, data_dir, show_progress, model, tokenizer)
         runs[name] = {
-            "train": train_summary,
+            "train": record["train"],
             "params": parameter_counts(model),
             "shape": describe(model),
             "eval": eval_results,
         }
         del model, tokenizer
+        record.update(evaluation=evaluation, run=runs[name])
+        write_file_atomically(output / name / STUDY_RECORD, json.dumps(record, indent=1, default=str))
     rows = {name: table_row(name, run) for name, run in runs.items()}
     ratio_rows = ratios(rows)
     recipe = study["recipe"]
@@ -59,6 +89,7 @@ def run_study(
         "eval": study["eval"],
         "tokens_per_model": recipe["steps"] * recipe["batch_size"] * recipe["seq_len"],
         "wall_time_s": time.perf_counter() - start,
+        "reused": reused,  # (trained and evaluated by an earlier run: their time is not in wall_time_s)
         "rows": rows,
         "ratios": ratio_rows,
         "paper": PAPER_TABLE,
@@ -75,16 +106,58 @@ def run_study(
     return results
 
 
-def train_one(name: str, model_config: dict, study: dict, output: Path, show_progress: bool) -> dict[str, Any]:
-    """Train one model of the study through `gpn train`'s pipeline; returns its training summary."""
-    from modeling_gpn.train import resolve_config, train, validate_config
+def training_config(name: str, model_config: dict, study: dict, output: Path) -> dict[str, Any]:
+    """`gpn train`'s settings for one model of the study, checked (`StudyError` naming the model and what is
+    wrong: a bad recipe or `--steps` is refused before any model trains)."""
+    from modeling_gpn.train import resolve_config, validate_config
 
     config = resolve_config(argparse.Namespace())  # the built-in defaults
     config.update(study["recipe"])
     config.update(model=model_config, model_type=None, output_dir=str(output / name))
-    validate_config(config)
+    try:
+        validate_config(config)
+    except ValueError as error:
+        raise StudyError(f"model {name}: {error}") from None
+    return config
+
+
+def record_of(config: dict) -> dict[str, Any]:
+    """`config` as its record reads it back (JSON: tuples as lists, paths as strings)."""
+    return json.loads(json.dumps(config, default=str))
+
+
+def earlier_record(name: str, config: dict, output: Path) -> dict[str, Any] | None:
+    """What an earlier run of the study left of this model (`OUTPUT/<model>/study_run.json`: its training
+    settings from the start of its training, its training summary once trained, its figures once evaluated), or
+    None. A record of other settings is a `StudyError`: reusing or resuming it would put a model trained
+    otherwise in the table."""
+    path = output / name / STUDY_RECORD
+    if not path.exists():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise StudyError(f"Cannot read {path}, left by an earlier run of the study: {error}") from None
+    earlier, now = record.get("config", {}), record_of(config)
+    changed = sorted(key for key in {*earlier, *now} if earlier.get(key) != now.get(key))
+    if changed:
+        raise StudyError(
+            f"{output / name} holds model {name} trained by an earlier run with other settings "
+            f"({', '.join(changed)}): choose another --output, or move that folder away"
+        )
+    return record
+
+
+def train_one(
+    name: str, model_config: dict, study: dict, output: Path, show_progress: bool, resume: bool = False
+) -> dict[str, Any]:
+    """Train one model of the study through `gpn train`'s pipeline (`resume`: from the newest checkpoint in
+    its folder); returns its training summary."""
+    from modeling_gpn.train import train
+
+    config = training_config(name, model_config, study, output)
     start = time.perf_counter()
-    summary = train(config, show_progress=show_progress)
+    summary = train(config, resume=resume or None, show_progress=show_progress)
     summary["wall_time_s"] = time.perf_counter() - start
     log = [json.loads(line) for line in (output / name / "log.jsonl").read_text().splitlines() if line.strip()]
     summary["curve"] = [
@@ -118,6 +191,28 @@ def evaluate_one(
     return results
 
 
+def check_evaluation_data(study: dict, data_dir: str | None) -> None:
+    """Every evaluation task finds its data (a misspelt --data-dir was a traceback once the first model had
+    trained); `StudyError` otherwise. The held-out corpus of a local training set needs none."""
+    from modeling_gpn.evaluation.runner import EvalSettings, data_source
+
+    settings = EvalSettings(**study["eval"])
+    if data_dir and not settings.data_dir:
+        settings.data_dir = data_dir
+    dataset = study["recipe"].get("dataset")
+    local_corpus = dataset == "shakespeare" or bool(dataset and Path(dataset).exists())  # (`held_out_source`)
+    for task in settings.tasks:
+        if task == "fineweb_paper" and local_corpus:
+            continue
+        try:
+            data_source(task, settings)
+        except FileNotFoundError:
+            raise StudyError(
+                f"--data-dir {settings.data_dir} has no data for the study's task {task!r} (a folder laid out "
+                "like ../shared/data: lambada/, fineweb-edu/)"
+            ) from None
+
+
 def held_out_source(study: dict, output: Path) -> str | None:
     """A local file holding the training corpus, for evaluating on `gpn train`'s held-out windows.
 
@@ -127,8 +222,8 @@ def held_out_source(study: dict, output: Path) -> str | None:
         from modeling_gpn.data import shakespeare_documents
 
         path = output / "corpus.jsonl"
-        if not path.exists():
-            with path.open("w") as handle:
+        if not path.exists():  # whole or not at all: a study killed while writing it must not evaluate on a part
+            with replacing(path, "w") as handle:
                 for document in shakespeare_documents():
                     handle.write(json.dumps({"text": document}) + "\n")
         return str(path)

@@ -163,6 +163,31 @@ def test_an_unknown_preset_is_refused_before_anything_is_measured(capsys):
     assert "bench" not in capsys.readouterr().err  # (no progress bar: nothing was measured)
 
 
+@pytest.mark.parametrize("case", ["not-json", "invalid-config", "llama-config"])
+def test_a_preset_file_that_is_no_config_is_refused_before_anything_is_measured(case, tmp_path, monkeypatch):
+    """A config JSON given as a preset is read before the first preset is measured: a file that is not JSON,
+    or a config GPNConfig refuses, was a traceback once the models were built (after every preset before it)."""
+    import modeling_gpn.bench.command as command
+
+    monkeypatch.setattr(command, "measure", lambda *args: pytest.fail("a preset was measured"))
+    preset = tmp_path / "mine.json"
+    preset.write_text(
+        {
+            "not-json": "{hidden_size: 8",
+            "invalid-config": '{"hidden_size": -3}',
+            # another model's config.json (a Llama's): measured in silence as a GPN of the default sizes
+            "llama-config": '{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2}',
+        }[case]
+    )
+    with pytest.raises(SystemExit) as stopped:
+        main(["bench", "--preset", "tiny", str(preset), "--skip-training"])
+    message = str(stopped.value.code)
+    assert message.startswith(f"--preset {preset}: "), message
+    needle = {"not-json": "Expecting property name", "invalid-config": "hidden_size must be"}
+    needle["llama-config"] = "is the config of a 'llama' model, not a GPN"
+    assert needle[case] in message, message
+
+
 TINY = ["--preset", "tiny", "--impl", "fast", "--skip-training", "--decode-prompt-lengths", "4"]
 TINY += ["--decode-tokens", "3", "--decode-batches", "1", "--repeats", "1", "--device", "cpu"]
 
@@ -178,6 +203,7 @@ BENCH_BAD = {  # each was a traceback once the models were built (or, for --json
     "unknown-device": (["--device", "toaster"], "--device 'toaster' is not a torch device"),
     "json-in-no-folder": (["--json", "{tmp}/no/such/bench.json"], "its folder does not exist"),
     "json-a-folder": (["--json", "{tmp}"], "is a folder"),
+    "json-in-no-file-folder": (["--json", "/proc/bench.json"], "its folder cannot hold a new file"),  # (as root too)
     "memory-without-training": (["--memory-seq-lens", "64"], "--memory-seq-lens measures the training step's"),
     "nothing-to-measure": (["--decode-prompt-lengths", "--decode-batches"], "nothing to measure"),
 }
@@ -283,3 +309,48 @@ def test_help_explains_every_column(capsys):
         name = re.sub(r"@\d+ rows", "@B rows", re.sub(r"@\d+$", "@N", header))
         name = re.sub(r"^(train|fwd) GFLOP/s$", "GFLOP/s", name)
         assert f'"{name}"' in text, header
+
+
+def test_figures_below_one_keep_their_digits_in_the_table(capsys):
+    """A small model's byte limit is a few microseconds: the table printed "limit ms 0.00" beside "step / limit
+    16.55x", a column no reader could check; figures below 1 keep three significant digits."""
+    from modeling_gpn.bench.measure import Row
+    from modeling_gpn.bench.report import fmt, print_table
+
+    row = Row("tiny", "fast", 43302, step_ms=0.05436, limit_ms=0.003284)
+    print_table([row], _bench_args(["--decode-prompt-lengths"]))
+    header, _, figures = capsys.readouterr().out.splitlines()
+    cells = dict(zip(*[[cell.strip() for cell in line.strip("| ").split(" | ")] for line in (header, figures)]))
+    assert cells["limit ms"] == "0.00328" and cells["step ms"] == "0.0544", cells
+    assert cells["step / limit"] == "16.55x"
+    assert (fmt(0), fmt(2.5), fmt(1234.5)) == ("0.00", "2.50", "1,234")
+
+
+def test_ctrl_c_reports_the_presets_measured_before_it(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the second preset is measured: the first one's figures (minutes of measuring) were lost, the
+    table printed only at the end. They are printed and written (--json, marked interrupted), exit status 130."""
+    import modeling_gpn.bench.command as command
+    from modeling_gpn.bench.measure import Row
+
+    def measured(models, preset, args):
+        if preset == "small":
+            raise KeyboardInterrupt
+        limits = dict(limit_bytes=1000, limit_probe="a read", prefill_limit_bytes=500, prefill_limit_ms=0.125)
+        return [Row(preset, "fast", 1000, step_ms=0.5, limit_ms=0.25, **limits)]
+
+    monkeypatch.setattr(command, "measure", measured)
+    out = tmp_path / "bench.json"
+    try:
+        status = command.run(_bench_args(["--preset", "tiny", "small", "--json", str(out)]))
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C lost the figures measured before it")
+    assert status == 130
+    captured = capsys.readouterr()
+    assert "| tiny | fast |" in captured.out and "| small |" not in captured.out, captured.out
+    assert "interrupted (Ctrl-C)" in captured.err and "(tiny)" in captured.err
+    report = json.loads(out.read_text())
+    assert report["interrupted"] is True and [(r["preset"], r["step_ms"]) for r in report["rows"]] == [("tiny", 0.5)]
+
+    monkeypatch.setattr(command, "measure", lambda *args: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):  # (nothing measured: the command's own one line, no empty table)
+        command.run(_bench_args(["--preset", "tiny", "--json", str(out)]))

@@ -78,7 +78,15 @@ def test_sigterm_during_a_study_stops_cleanly_with_the_model_checkpointed(tmp_pa
 
 @pytest.mark.parametrize(
     "case",
-    ["unknown-study", "unknown-model", "not-a-study"],
+    [
+        "unknown-study",
+        "unknown-model",
+        "not-a-study",
+        "zero-steps",
+        "negative-steps",
+        "bad-recipe",
+        "misspelt-data-dir",
+    ],
 )
 def test_a_study_that_cannot_run_is_one_line_before_anything_is_written(tmp_path, capsys, case):
     """A misspelt study or model name (`--only`), or a file that is not a study: exit 2 and one line saying
@@ -87,13 +95,107 @@ def test_a_study_that_cannot_run_is_one_line_before_anything_is_written(tmp_path
 
     broken = tmp_path / "broken.json"
     broken.write_text("{not json")
+    bad_recipe = load_study("toy")  # a recipe `gpn train` refuses: before the first model trains
+    bad_recipe["recipe"]["lr"] = -1.0
+    (tmp_path / "bad_recipe.json").write_text(json.dumps(bad_recipe))
     arguments, needle = {
         "unknown-study": (["--study", "cpu-smal"], "No study named 'cpu-smal'; available: cpu-small, toy"),
         "unknown-model": (["--study", "toy", "--only", "gpn-m-1l", "gpn-m-9l"], "no model named gpn-m-9l; it has"),
         "not-a-study": (["--study", str(broken)], f"Cannot read the study {broken}"),
+        "zero-steps": (["--study", "toy", "--steps", "0"], "steps must be a positive integer, got 0"),  # (not ignored)
+        "negative-steps": (["--study", "toy", "--steps", "-3"], "model gpn: Invalid training configuration: steps"),
+        "misspelt-data-dir": (  # (found once the first model had trained: a traceback)
+            ["--study", "toy", "--data-dir", str(tmp_path / "shared" / "dta")],
+            f"--data-dir {tmp_path / 'shared' / 'dta'} has no data for the study's task",
+        ),
+        "bad-recipe": (["--study", str(tmp_path / "bad_recipe.json")], "model gpn: Invalid training configuration: lr"),
     }[case]
     output = tmp_path / "out"
     assert main(["study", *arguments, "--output", str(output)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("gpn study: error: ") and needle in err, err
     assert not output.exists()
+
+
+def test_a_corpus_that_cannot_be_read_is_one_line_not_a_traceback(tmp_path, capsys):
+    """`gpn train`'s data errors (a corpus file that is not there, the Hub unreachable) end a study with exit 1
+    and `gpn train`'s one line naming the problem, as they end `gpn train`."""
+    from modeling_gpn.cli import main
+
+    study = load_study("toy")
+    study["recipe"]["dataset"] = str(tmp_path / "no-such-corpus.txt")
+    study["models"] = {"gpn": study["models"]["gpn"]}
+    (tmp_path / "study.json").write_text(json.dumps(study))
+    assert main(["study", "--study", str(tmp_path / "study.json"), "--output", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "gpn study: error: " in err and "no-such-corpus.txt" in err and "Traceback" not in err, err
+
+
+def test_a_corpus_copy_interrupted_while_written_is_not_left_for_the_next_run(tmp_path, monkeypatch):
+    """The held-out corpus the study evaluates on (`corpus.jsonl`, written once and reused by later runs) is
+    written whole or not at all: a copy cut short (Ctrl-C, a kill) would be reused in silence, and every model
+    evaluated on a fraction of the held-out text."""
+    import modeling_gpn.data
+    from modeling_gpn.study import held_out_source
+
+    def documents_then_interrupted():
+        yield "ROMEO: a first play"
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(modeling_gpn.data, "shakespeare_documents", documents_then_interrupted)
+    study = {"recipe": {"dataset": "shakespeare"}}
+    with pytest.raises(KeyboardInterrupt):
+        held_out_source(study, tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_stopped_study_continues_where_it_stopped(tmp_path, monkeypatch, capsys):
+    """A study stopped part-way (here SIGTERM at step 3 of its second model) continues when run again: the
+    model it finished is reused (neither trained nor evaluated again), the one it was training resumes from
+    the checkpoint `gpn train` wrote. Run again, the study refused (the first model's folder "already holds
+    the model of a finished run"), and its message pointed to a --resume option gpn study does not have. A
+    later run with other settings is refused: it would put models trained otherwise in one table."""
+    import os
+    import signal
+
+    from modeling_gpn.cli import main
+    from modeling_gpn.train.context import TrainingRun
+
+    corpus = require_shared("data/tinyshakespeare/input.txt")
+    study = load_study("toy")
+    study["recipe"].update(dataset=str(corpus), max_tokens=20000, cache_dir=str(tmp_path / "cache"), steps=8)
+    study["recipe"].update(checkpoint_interval=0)  # (the stop writes the only checkpoint)
+    study["models"] = {name: study["models"][name] for name in ("gpn", "gpn-m-1l")}
+    study["eval"] = {**study["eval"], "tasks": ["fineweb_paper"], "limit": 2}
+    (tmp_path / "study.json").write_text(json.dumps(study))
+    output = tmp_path / "out"
+    command = ["study", "--study", str(tmp_path / "study.json"), "--output", str(output), "--no-progress"]
+
+    log = TrainingRun.log
+
+    def stopped_at_step_3_of_the_second_model(run, record):
+        log(run, record)
+        if run.run_dir.name == "gpn-m-1l" and record.get("step") == 3 and "loss" in record:
+            os.kill(os.getpid(), signal.SIGTERM)  # (gpn train's handler: a checkpoint, then TrainingStopped)
+
+    monkeypatch.setattr(TrainingRun, "log", stopped_at_step_3_of_the_second_model)
+    assert main(command) == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    assert "gpn study: stopped by SIGTERM after step 3" in err and "--resume" not in err, err
+    first_model = (output / "gpn" / "model" / "model.safetensors").stat().st_mtime_ns
+    monkeypatch.undo()
+
+    assert main(command) == 0
+    out = capsys.readouterr().out
+    assert "== gpn: trained and evaluated by an earlier run of this study (reused)" in out, out
+    assert "== gpn-m-1l: training (resumed from its last checkpoint)" in out, out
+    assert (output / "gpn" / "model" / "model.safetensors").stat().st_mtime_ns == first_model
+    steps = [json.loads(line).get("step") for line in (output / "gpn-m-1l" / "log.jsonl").read_text().splitlines()]
+    assert steps[:3] == [1, 2, 3] and steps[-1] == 8
+    assert set(json.loads((output / "study_results.json").read_text())["rows"]) == {"gpn", "gpn-m-1l"}
+    report = (output / "study_report.md").read_text()  # (this run's time is not the whole study's)
+    assert "Wall time of this run: " in report and "(reused from earlier runs of the study: gpn)" in report
+    assert "| model | first loss | last loss | gpn train's validation PPL |" in report  # (not a 2nd held-out PPL)
+
+    assert main([*command, "--steps", "9"]) == 2
+    assert "trained by an earlier run with other settings (steps)" in capsys.readouterr().err
