@@ -2689,6 +2689,13 @@ MUTATIONS = [
         "            if False  # MUTATION\n",
         ("tests/tools/test_inspect.py -k document_resets",),
     ),
+    Mutation(
+        "gpn bench's one-token step without its cache",
+        "modeling_gpn/bench/timing.py",
+        'state["cache"] = cache_of(model(input_ids=token, cache=state["cache"], use_cache=True))',
+        'state["cache"] = cache_of(model(input_ids=token, cache=None, use_cache=True))',
+        ("tests/tools/test_bench.py -k continues_each",),
+    ),
 ]
 
 

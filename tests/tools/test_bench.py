@@ -153,6 +153,41 @@ def test_generate_timings_decode_to_the_end_without_logits_processors(monkeypatc
     assert len(gaps) == 5 and to_first > 0 and processors == []
 
 
+def test_the_one_token_step_continues_each_models_cache():
+    """`gpn bench`'s one-token step (a forward of one token with its cache) continues the cache it was given, for a
+    GPN and for the Llama (transformers 5 names the Llama's `cache=` too; `past_key_values=` is its deprecated
+    alias): the Llama's cache grows by a position a step, and a GPN's logits are those of its prompt continued,
+    not of a fresh one-token prompt."""
+    import torch
+
+    from modeling_gpn.bench import build_gpn, matched_llama, one_token_step_fn
+
+    gpn = build_gpn("tiny", "float32", "cpu", 0).eval()
+    llama = matched_llama(gpn.config, 50_000, "float32", "cpu").eval()
+    seen = []
+    forward = llama.model.forward
+
+    def watched(*args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        seen.append(None if cache is None else cache.get_seq_length())
+        return forward(*args, **kwargs)
+
+    llama.model.forward = watched
+    step = one_token_step_fn(llama, 1, gpn.config.vocab_size, "cpu", prompt_length=5)
+    step()
+    step()
+    assert seen == [None, 5, 6]  # (the prompt, then two steps continuing its cache)
+    logits = []
+    gpn_forward = gpn.forward
+    gpn.forward = lambda *args, **kwargs: logits.append(gpn_forward(*args, **kwargs)) or logits[-1]
+    one_token_step_fn(gpn, 1, gpn.config.vocab_size, "cpu", prompt_length=5)()
+    generator = torch.Generator().manual_seed(1)  # (the prompt the step function draws)
+    prompt = torch.randint(1, gpn.config.vocab_size, (1, 5), generator=generator)
+    with torch.no_grad():
+        continued = gpn_forward(torch.cat([prompt, prompt[:, -1:]], dim=1)).logits[:, -1]
+    torch.testing.assert_close(logits[-1].logits[:, -1], continued, rtol=1e-4, atol=1e-4)
+
+
 def test_an_unknown_preset_is_refused_before_anything_is_measured(capsys):
     """Every preset is checked first: a misspelt second one is one line naming it and the presets there are,
     not a traceback after the first one's minutes of measuring."""
