@@ -2634,7 +2634,7 @@ def _tile_int8(segments, weights: list[torch.Tensor], rows: int) -> list[torch.T
     return list(made.values())
 
 
-TILE_AFTER_STEPS = 64  # a plan tiles its int8 weights once it has run, or is about to run, this many steps
+TILE_AFTER_STEPS = 128  # a plan tiles its int8 weights once it has run, or is about to run, this many steps
 
 
 class _LazyTiles:
