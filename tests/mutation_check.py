@@ -1067,6 +1067,13 @@ MUTATIONS = [
         ("tests/tools/test_study.py::test_a_stopped_study_continues_where_it_stopped",),
     ),
     Mutation(
+        "gpn study --only X rewrites the report with X alone (the other models finished in its folder dropped)",
+        "modeling_gpn/study/runs.py",
+        "    runs.update(finished)\n",
+        "    pass  # MUTATION\n",
+        ("tests/tools/test_study.py::test_a_run_of_part_of_a_study_reports_every_model_finished_in_its_folder",),
+    ),
+    Mutation(
         "gpn study finds a misspelt --data-dir only once the first model has trained (a traceback)",
         "modeling_gpn/study/runs.py",
         "            data_source(task, settings)\n",

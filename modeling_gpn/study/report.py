@@ -23,6 +23,15 @@ def wall_time(results: dict[str, Any]) -> str:
     return f"Wall time of this run: {minutes:.1f} min (reused from earlier runs of the study: {', '.join(reused)})."
 
 
+def left_out(results: dict[str, Any]) -> str:
+    """The models of the study missing from the table, and why (a run of part of it: `--only`)."""
+    missing = results.get("left_out")
+    if not missing:
+        return ""
+    reasons = "; ".join(f"{name} ({why})" for name, why in missing.items())
+    return f" Left out of this report, models of the study without finished figures here: {reasons}."
+
+
 def render_report(results: dict[str, Any]) -> str:
     rows, recipe = results["rows"], results["recipe"]
     lines = [
@@ -30,7 +39,7 @@ def render_report(results: dict[str, Any]) -> str:
         "",
         f"Every model: same tokenizer ({recipe.get('tokenizer')}), data ({recipe.get('dataset')}), "
         f"{results['tokens_per_model']:,} training tokens ({recipe['steps']} steps x {recipe['batch_size']} windows x "
-        f"{recipe['seq_len']} tokens), recipe and seed {recipe.get('seed', 0)}. {wall_time(results)}",
+        f"{recipe['seq_len']} tokens), recipe and seed {recipe.get('seed', 0)}. {wall_time(results)}{left_out(results)}",
         "",
         "Parameters are matched on the non-embedding count (the token embedding dominates at this scale).",
         "",

@@ -80,6 +80,13 @@ def run_study(
         del model, tokenizer
         record.update(evaluation=evaluation, run=runs[name])
         write_file_atomically(output / name / STUDY_RECORD, json.dumps(record, indent=1, default=str))
+    # The report covers the whole study, not only this run's models (`--only`): the other models an earlier run
+    # of it finished in this folder are in the table, and the ones it lacks are named as left out.
+    others = [name for name in study["models"] if name not in names]
+    finished, left_out = finished_earlier(others, study, output, evaluation)
+    runs.update(finished)
+    reused += list(finished)
+    runs = {name: runs[name] for name in study["models"] if name in runs}  # (the study's order)
     rows = {name: table_row(name, run) for name, run in runs.items()}
     ratio_rows = ratios(rows)
     recipe = study["recipe"]
@@ -90,6 +97,7 @@ def run_study(
         "tokens_per_model": recipe["steps"] * recipe["batch_size"] * recipe["seq_len"],
         "wall_time_s": time.perf_counter() - start,
         "reused": reused,  # (trained and evaluated by an earlier run: their time is not in wall_time_s)
+        "left_out": left_out,  # model -> why it is not in the table
         "rows": rows,
         "ratios": ratio_rows,
         "paper": PAPER_TABLE,
@@ -146,6 +154,25 @@ def earlier_record(name: str, config: dict, output: Path) -> dict[str, Any] | No
             f"({', '.join(changed)}): choose another --output, or move that folder away"
         )
     return record
+
+
+def finished_earlier(
+    names: list[str], study: dict, output: Path, evaluation: dict
+) -> tuple[dict[str, dict], dict[str, str]]:
+    """The models of `names` that an earlier run of the study trained and evaluated in `output` with the study's
+    present settings (name -> its figures), and the others (name -> why each is left out of the report)."""
+    finished, left_out = {}, {}
+    for name in names:
+        try:
+            record = earlier_record(name, training_config(name, study["models"][name], study, output), output)
+        except StudyError:  # (other settings, or a record that cannot be read: not this study's model)
+            left_out[name] = "its folder holds a run with other settings"
+            continue
+        if record and record.get("evaluation") == evaluation and "run" in record:
+            finished[name] = record["run"]
+        else:
+            left_out[name] = "not finished in this folder"
+    return finished, left_out
 
 
 def train_one(

@@ -199,3 +199,26 @@ def test_a_stopped_study_continues_where_it_stopped(tmp_path, monkeypatch, capsy
 
     assert main([*command, "--steps", "9"]) == 2
     assert "trained by an earlier run with other settings (steps)" in capsys.readouterr().err
+
+
+def test_a_run_of_part_of_a_study_reports_every_model_finished_in_its_folder(tmp_path, capsys):
+    """`--only X` after a run of the other models: the report and study_results.json cover every model of the
+    study finished in the folder (X alone, once), and name the models left out. They held X alone: the first
+    run's figures were gone from the report while its models stayed in the folder."""
+    from modeling_gpn.cli import main
+
+    corpus = require_shared("data/tinyshakespeare/input.txt")
+    study = load_study("toy")
+    study["recipe"].update(dataset=str(corpus), max_tokens=20000, cache_dir=str(tmp_path / "cache"), steps=2)
+    study["models"] = {name: study["models"][name] for name in ("gpn", "gpn-m-1l", "transformer++")}
+    study["eval"] = {**study["eval"], "tasks": ["fineweb_paper"], "limit": 2}
+    (tmp_path / "study.json").write_text(json.dumps(study))
+    output = tmp_path / "out"
+    command = ["study", "--study", str(tmp_path / "study.json"), "--output", str(output), "--no-progress"]
+    assert main([*command, "--only", "gpn"]) == 0
+    assert main([*command, "--only", "gpn-m-1l"]) == 0
+    capsys.readouterr()
+    assert list(json.loads((output / "study_results.json").read_text())["rows"]) == ["gpn", "gpn-m-1l"]
+    report = (output / "study_report.md").read_text()
+    assert "| gpn | " in report and "| gpn-m-1l | " in report, report
+    assert "Left out of this report, models of the study without finished figures here: transformer++" in report
