@@ -1074,6 +1074,20 @@ MUTATIONS = [
         ("tests/tools/test_study.py::test_a_run_of_part_of_a_study_reports_every_model_finished_in_its_folder",),
     ),
     Mutation(
+        "gpn study's study_results.json written in place (a write cut short leaves half a file)",
+        "modeling_gpn/study/runs.py",
+        '    write_file_atomically(output / "study_results.json", json.dumps(results, indent=2, default=str))\n',
+        '    (output / "study_results.json").write_text(json.dumps(results, indent=2, default=str))  # MUTATION\n',
+        ("tests/tools/test_study.py::test_a_report_write_cut_short_leaves_the_previous_one_whole[study_results.json]",),
+    ),
+    Mutation(
+        "gpn study's study_report.md written in place (a write cut short leaves half a file)",
+        "modeling_gpn/study/runs.py",
+        '    write_file_atomically(output / "study_report.md", render_report(results))\n',
+        '    (output / "study_report.md").write_text(render_report(results))  # MUTATION\n',
+        ("tests/tools/test_study.py::test_a_report_write_cut_short_leaves_the_previous_one_whole[study_report.md]",),
+    ),
+    Mutation(
         "gpn study finds a misspelt --data-dir only once the first model has trained (a traceback)",
         "modeling_gpn/study/runs.py",
         "            data_source(task, settings)\n",

@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ..atomic_files import replacing
+
 
 def fmt(value, pattern="{:.3f}") -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
@@ -105,5 +107,6 @@ def plot_curves(runs: dict[str, dict], path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with replacing(path, "wb") as handle:  # (whole or not at all, as the report beside it)
+        fig.savefig(handle, format="png", dpi=120)
     plt.close(fig)

@@ -108,10 +108,16 @@ def run_study(
         ),
         "reading": reading(rows, ratio_rows),
     }
-    (output / "study_results.json").write_text(json.dumps(results, indent=2, default=str))
-    plot_curves(runs, output / "training_curves.png")
-    (output / "study_report.md").write_text(render_report(results))
+    write_report(results, runs, output)
     return results
+
+
+def write_report(results: dict[str, Any], runs: dict[str, dict], output: Path) -> None:
+    """study_results.json, training_curves.png and study_report.md, each replaced whole or not at all: a study
+    stopped (or a disk filled) while writing them leaves the previous run's files whole."""
+    write_file_atomically(output / "study_results.json", json.dumps(results, indent=2, default=str))
+    plot_curves(runs, output / "training_curves.png")
+    write_file_atomically(output / "study_report.md", render_report(results))
 
 
 def training_config(name: str, model_config: dict, study: dict, output: Path) -> dict[str, Any]:

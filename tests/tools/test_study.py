@@ -222,3 +222,40 @@ def test_a_run_of_part_of_a_study_reports_every_model_finished_in_its_folder(tmp
     report = (output / "study_report.md").read_text()
     assert "| gpn | " in report and "| gpn-m-1l | " in report, report
     assert "Left out of this report, models of the study without finished figures here: transformer++" in report
+
+
+@pytest.mark.parametrize("file", ["study_results.json", "study_report.md"])
+def test_a_report_write_cut_short_leaves_the_previous_one_whole(tmp_path, monkeypatch, file):
+    """study_results.json and study_report.md were written in place: a write cut short (here a real EFBIG, a
+    file-size limit standing for a full disk) left half a file where the previous run's was. Each is replaced
+    whole or not at all, and no temporary file is left."""
+    import resource
+
+    from modeling_gpn.cli import main
+    from modeling_gpn.study import runs
+
+    corpus = require_shared("data/tinyshakespeare/input.txt")
+    study = load_study("toy")
+    study["recipe"].update(dataset=str(corpus), max_tokens=20000, cache_dir=str(tmp_path / "cache"), steps=2)
+    study["models"] = {"gpn": study["models"]["gpn"]}
+    study["eval"] = {**study["eval"], "tasks": ["fineweb_paper"], "limit": 2}
+    (tmp_path / "study.json").write_text(json.dumps(study))
+    output = tmp_path / "out"
+    assert main(["study", "--study", str(tmp_path / "study.json"), "--output", str(output), "--no-progress"]) == 0
+    previous = {name: (output / name).read_bytes() for name in ("study_results.json", "study_report.md")}
+    results = json.loads(previous["study_results.json"])
+    monkeypatch.setattr(runs, "plot_curves", lambda runs, path: None)
+    limit = 16  # (study_results.json, written first, is cut short)
+    if file == "study_report.md":  # a report larger than the limit, written after a results file within it
+        limit = len(previous["study_results.json"]) * 2
+        monkeypatch.setattr(runs, "render_report", lambda results: "x" * limit * 2)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))  # (CPython ignores SIGXFSZ: the write fails)
+    try:  # (the writer alone: pytest's captured output is a file, which the limit would stop too)
+        with pytest.raises(OSError) as error:
+            runs.write_report(results, {}, output)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert "File too large" in str(error.value) and error.value.filename == str(output / file), error.value
+    assert (output / file).read_bytes() == previous[file]
+    assert not [path.name for path in output.iterdir() if path.name.startswith(".")]
