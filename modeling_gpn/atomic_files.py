@@ -2,9 +2,9 @@
 and their folder fsynced.
 
 The one way gpn replaces a file: a kept state (`state_file.py`), a training run's settings, rewritten log
-and checkpoint state (`train/run_folder.py`), `gpn bench --json`'s report, `gpn study`'s report and results, `gpn serve`'s spilled states. A
-crash or an interruption at any instant leaves the old content or the new one, never a mix, and no
-temporary file behind. The standard library only: it ships with the model, which saves states through it.
+and checkpoint state (`train/run_folder.py`), `gpn bench --json`'s report, `gpn study`'s report and results,
+`gpn serve`'s spilled states. A crash or an interruption at any instant leaves the old content or the new one,
+never a mix, and no temporary file behind. The standard library only: it ships with the model, which saves states through it.
 """
 
 from __future__ import annotations
