@@ -1088,6 +1088,13 @@ MUTATIONS = [
         ("tests/tools/test_study.py::test_a_report_write_cut_short_leaves_the_previous_one_whole[study_report.md]",),
     ),
     Mutation(
+        "gpn study resumed with a changed corpus as gpn train's ValueError traceback",
+        "modeling_gpn/study/cli.py",
+        "    except ResumeMismatchError as error:",
+        "    except ZeroDivisionError as error:  # MUTATION",
+        ("tests/tools/test_study.py::test_a_stopped_model_whose_corpus_changed_is_one_line_not_a_traceback",),
+    ),
+    Mutation(
         "gpn study finds a misspelt --data-dir only once the first model has trained (a traceback)",
         "modeling_gpn/study/runs.py",
         "            data_source(task, settings)\n",

@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
         CollectiveError,
         LaunchError,
         NonFiniteLossError,
+        ResumeMismatchError,
         RunFolderInUseError,
         StorageError,
         TrainingStopped,
@@ -50,6 +51,15 @@ def run(args: argparse.Namespace) -> int:
     except StudyError as error:  # (raised before anything is trained)
         print(f"gpn study: error: {error}", file=sys.stderr)
         return 2
+    except ResumeMismatchError as error:  # (a model stopped part-way, its corpus or settings changed since)
+        model_dir = error.checkpoint.parent.parent
+        print(
+            f"gpn study: error: model {model_dir.name} cannot resume from {error.checkpoint}: "
+            f"{'; '.join(error.changes)}. Restore them to continue it, or move {model_dir} away (or choose "
+            "another --output) to train it afresh",
+            file=sys.stderr,
+        )
+        return 1
     except (
         DataError,  # (a corpus that cannot be read: the Hub offline, a missing file)
         NonFiniteLossError,

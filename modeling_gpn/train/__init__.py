@@ -67,7 +67,15 @@ from .distributed import (
     launched_as_several_processes,
     start_accelerator,
 )
-from .errors import CollectiveError, LaunchError, NonFiniteLossError, RunFolderInUseError, StorageError, TrainingStopped
+from .errors import (
+    CollectiveError,
+    LaunchError,
+    NonFiniteLossError,
+    ResumeMismatchError,
+    RunFolderInUseError,
+    StorageError,
+    TrainingStopped,
+)
 from .models import (
     NO_DECAY_NAMES,
     build_model,
@@ -123,6 +131,7 @@ __all__ = [
     "REPLACED_PREFIX",
     "RESUME_MAY_CHANGE",
     "RNG_FILE",
+    "ResumeMismatchError",
     "RunFolderInUseError",
     "RunFolderLock",
     "RunStage",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .context import TrainingRun
 from .distributed import all_finite, collective_error, is_fsdp
-from .errors import NonFiniteLossError
+from .errors import NonFiniteLossError, ResumeMismatchError
 from .run_folder import (
     REPLACED_PREFIX,
     fsync_tree,
@@ -145,11 +145,7 @@ def resume_from_checkpoint(run: TrainingRun, resume: str | bool) -> None:
             + " (the corpus changed since the checkpoint: other training windows and another held-out split)"
         )
     if changes:
-        raise ValueError(
-            f"--resume: these settings differ from those of {checkpoint} and would change the data, the model "
-            f"or the optimisation: {'; '.join(changes)}. Resume with the checkpoint's values, or start a new "
-            "run in another --output-dir"
-        )
+        raise ResumeMismatchError(checkpoint, changes)
     load_training_state(run.accelerator, run.model, run.optimizer, run.scheduler, checkpoint)
     if not all_finite(run.accelerator, run.model.parameters()):
         raise NonFiniteLossError(

@@ -43,3 +43,17 @@ class LaunchError(RuntimeError):
 class CollectiveError(RuntimeError):
     """A collective operation failed in a multi-process run (another process stopped responding or ended);
     the message names the stage the run was in."""
+
+
+class ResumeMismatchError(ValueError):
+    """A resume refused because settings or the training data changed since the checkpoint (`changes` names
+    each): continuing would change the data, the model or the optimisation. `gpn study` says it in its own
+    terms (its models resume by themselves, and it has no --output-dir)."""
+
+    def __init__(self, checkpoint: Path, changes: list[str]) -> None:
+        self.checkpoint, self.changes = checkpoint, changes
+        super().__init__(
+            f"--resume: these settings differ from those of {checkpoint} and would change the data, the model "
+            f"or the optimisation: {'; '.join(changes)}. Resume with the checkpoint's values, or start a new "
+            "run in another --output-dir"
+        )

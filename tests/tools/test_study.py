@@ -259,3 +259,31 @@ def test_a_report_write_cut_short_leaves_the_previous_one_whole(tmp_path, monkey
     assert "File too large" in str(error.value) and error.value.filename == str(output / file), error.value
     assert (output / file).read_bytes() == previous[file]
     assert not [path.name for path in output.iterdir() if path.name.startswith(".")]
+
+
+def test_a_stopped_model_whose_corpus_changed_is_one_line_not_a_traceback(tmp_path, capsys):
+    """A study stopped part-way, its corpus edited before it was run again: the model it was training cannot
+    resume (other training windows). That was `gpn train`'s ValueError as a traceback, pointing to an
+    --output-dir gpn study does not have; it is one line naming the model, what changed and what to do."""
+    from modeling_gpn.cli import main
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(require_shared("data/tinyshakespeare/input.txt").read_bytes()[:60000])
+    study = load_study("toy")
+    study["recipe"].update(dataset=str(corpus), cache_dir=str(tmp_path / "cache"), steps=3, checkpoint_interval=1)
+    study["models"] = {"gpn": study["models"]["gpn"]}
+    study["eval"] = {**study["eval"], "tasks": ["fineweb_paper"], "limit": 2}
+    (tmp_path / "study.json").write_text(json.dumps(study))
+    output = tmp_path / "out"
+    command = ["study", "--study", str(tmp_path / "study.json"), "--output", str(output), "--no-progress"]
+    assert main(command) == 0
+    record = output / "gpn" / "study_run.json"  # as a study stopped while training it leaves it: settings alone
+    record.write_text(json.dumps({"config": json.loads(record.read_text())["config"]}))
+    with corpus.open("a") as handle:
+        handle.write("\nA line added to the corpus since.\n")
+    capsys.readouterr()
+    assert main(command) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("gpn study: error: model gpn cannot resume from "), err
+    assert "the corpus changed since the checkpoint" in err and f"move {output / 'gpn'} away" in err, err
+    assert "--output-dir" not in err
