@@ -14,6 +14,7 @@ import glob
 import json
 import math
 import re
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -439,11 +440,24 @@ def float32_logits_hflm() -> type:
     return Float32LogitsHFLM
 
 
+def quiet_git_commit_hash() -> str | None:
+    """The current folder's git commit, as lm-eval records it in its results, or None outside a checkout.
+
+    lm-eval's own lookup runs `git describe` with git's stderr left on the terminal: outside a git checkout
+    (the usual place to run `gpn eval` or `gpn study`) every task printed "fatal: not a git repository"."""
+    try:
+        described = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, check=False)
+    except OSError:  # (no git on the machine)
+        return None
+    return (described.stdout.strip() or None) if described.returncode == 0 else None
+
+
 def run_lm_eval(
     model, tokenizer, task: str, source: str | None, settings: EvalSettings, max_length: int
 ) -> tuple[dict, dict]:
     """Run one lm-eval task; returns (metrics, the raw simple_evaluate output)."""
     import lm_eval
+    import lm_eval.evaluator
     from lm_eval.tasks import TaskManager
 
     task_manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
@@ -461,7 +475,10 @@ def run_lm_eval(
         device=settings.device,
         add_bos_token=False if rolling else None,
     )
-    with tempfile.TemporaryDirectory() as workdir:
+    with (
+        tempfile.TemporaryDirectory() as workdir,
+        mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", quiet_git_commit_hash),
+    ):
         spec = _lm_eval_task_config(task, source, settings, Path(workdir))
         output = lm_eval.simple_evaluate(
             model=lm,

@@ -1095,6 +1095,13 @@ MUTATIONS = [
         ("tests/tools/test_study.py::test_a_stopped_model_whose_corpus_changed_is_one_line_not_a_traceback",),
     ),
     Mutation(
+        "lm-eval's git lookup prints git's 'fatal: not a git repository' outside a checkout",
+        "eval/runner.py",
+        '        mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", quiet_git_commit_hash),\n',
+        "        contextlib.nullcontext(),  # MUTATION\n",
+        ("tests/ecosystem/test_eval.py::test_outside_a_git_checkout_no_git_error_is_printed",),
+    ),
+    Mutation(
         "gpn study finds a misspelt --data-dir only once the first model has trained (a traceback)",
         "modeling_gpn/study/runs.py",
         "            data_source(task, settings)\n",

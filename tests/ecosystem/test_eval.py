@@ -704,3 +704,18 @@ def test_quiet_shows_no_progress_bar_of_any_library(gpn_dir, data, tmp_path, cap
     err = capfd.readouterr().err
     assert "Running loglikelihood requests" not in err and "it/s]" not in err, err
     assert transformers_logging.is_progress_bar_enabled()
+
+
+def test_outside_a_git_checkout_no_git_error_is_printed(gpn_dir, data, tmp_path, capfd, monkeypatch):
+    """lm-eval records the current folder's git commit by running git with its stderr on the terminal: run
+    outside a checkout (as `gpn study` and `gpn eval` usually are), every task printed "fatal: not a git
+    repository". The lookup is quiet, and the results record no commit."""
+    from modeling_gpn.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # (no checkout above it either)
+    lambada = str(data / "lambada" / "lambada_test.jsonl")
+    arguments = ["eval", str(gpn_dir), "--tasks", "lambada_openai", "--task-data", f"lambada_openai={lambada}"]
+    assert main([*arguments, "--limit", "2", "--output-dir", str(tmp_path / "eval"), "--quiet"]) == 0
+    err = capfd.readouterr().err
+    assert "not a git repository" not in err, err
