@@ -1102,6 +1102,23 @@ MUTATIONS = [
         ("tests/ecosystem/test_eval.py::test_outside_a_git_checkout_no_git_error_is_printed",),
     ),
     Mutation(
+        "gpn bench --preset tiny tiny measures tiny twice (its rows and ratios printed twice)",
+        "modeling_gpn/bench/command.py",
+        "    if repeated:  # (it was measured twice, its rows and ratios printed twice)\n",
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_bench.py::test_bad_arguments_are_refused_before_any_model_is_built[repeated-preset]",),
+    ),
+    Mutation(
+        "gpn bench's refusals as a bare message with exit status 1 (not argparse's 'gpn bench: error:', 2)",
+        "modeling_gpn/bench/command.py",
+        '        print(f"gpn bench: error: {error}", file=sys.stderr)\n        return 2\n',
+        "        raise SystemExit(str(error)) from None  # MUTATION\n",
+        (
+            "tests/tools/test_bench.py::test_an_unknown_preset_is_refused_before_anything_is_measured",
+            "tests/tools/test_bench.py::test_bad_arguments_are_refused_before_any_model_is_built[zero-repeats]",
+        ),
+    ),
+    Mutation(
         "gpn study finds a misspelt --data-dir only once the first model has trained (a traceback)",
         "modeling_gpn/study/runs.py",
         "            data_source(task, settings)\n",

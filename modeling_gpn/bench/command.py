@@ -22,6 +22,12 @@ from .timing import memory_kernels_state, self_checks_state
 
 IMPLEMENTATIONS = ("plain", "fast", "llama")
 
+
+class BenchError(ValueError):
+    """A run `gpn bench` refuses, before any model is measured: one line, "gpn bench: error: ...", exit status 2,
+    as argparse's refusals and the other subcommands' own (gpn study, gpn eval, gpn inspect)."""
+
+
 LIMIT_HELP = """\
 the byte limit: a batch-1 GPN step reads every weight once (the tied embedding as the output matrix) and
 its state, and nothing grows with the context, so its time per token cannot go below those bytes over the
@@ -51,7 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (parser.description or "") + "\n\n" + LIMIT_HELP + "\n\n" + COLUMNS_HELP
     # the limit's paragraphs as written, options as the `gpn` command formats them
     parser.formatter_class = type("Formatter", (argparse.RawDescriptionHelpFormatter, parser.formatter_class), {})
-    parser.add_argument("--preset", nargs="+", default=["tiny", "small"], help="GPN presets or config JSON paths")
+    parser.add_argument(
+        "--preset",
+        nargs="+",
+        default=["tiny", "small"],
+        help="GPN presets or config JSON paths, each named once (a repeated one is refused)",
+    )
     parser.add_argument(
         "--impl", nargs="+", default=list(IMPLEMENTATIONS), choices=IMPLEMENTATIONS, help="implementations to measure"
     )
@@ -118,35 +129,38 @@ def check_arguments(args) -> None:
     counts.update({"--memory-seq-lens": args.memory_seq_lens})
     if args.threads is not None:
         counts["--threads"] = [args.threads]
+    repeated = sorted({preset for preset in args.preset if args.preset.count(preset) > 1})
+    if repeated:  # (it was measured twice, its rows and ratios printed twice)
+        raise BenchError(f"--preset names {', '.join(repeated)} more than once: name each preset once")
     for option, values in counts.items():
         if any(value < 1 for value in values):
-            raise SystemExit(f"{option} must be at least 1, got {' '.join(map(str, values))}")
+            raise BenchError(f"{option} must be at least 1, got {' '.join(map(str, values))}")
     if args.decode_prompt_lengths and args.decode_tokens < 2:  # decode: the median gap between new tokens
-        raise SystemExit(
+        raise BenchError(
             f"--decode-tokens must be at least 2 (decode times the gaps between them), got {args.decode_tokens}"
         )
     if args.segment_length < 0:
-        raise SystemExit(f"--segment-length must be >= 0 (0: keep every step), got {args.segment_length}")
+        raise BenchError(f"--segment-length must be >= 0 (0: keep every step), got {args.segment_length}")
     try:
         torch_device(args.device)
     except ValueError as error:
-        raise SystemExit(str(error)) from None
+        raise BenchError(str(error)) from None
     if args.skip_training and args.memory_seq_lens:  # (it would be ignored in silence)
-        raise SystemExit("--memory-seq-lens measures the training step's memory: it does not go with --skip-training")
+        raise BenchError("--memory-seq-lens measures the training step's memory: it does not go with --skip-training")
     if args.skip_training and not args.decode_prompt_lengths and not args.decode_batches:
-        raise SystemExit("nothing to measure: --skip-training with no --decode-prompt-lengths and no --decode-batches")
+        raise BenchError("nothing to measure: --skip-training with no --decode-prompt-lengths and no --decode-batches")
     if args.dtype == "int8" and not args.skip_training:
-        raise SystemExit("--dtype int8 measures inference only (quantized weights do not train): add --skip-training")
+        raise BenchError("--dtype int8 measures inference only (quantized weights do not train): add --skip-training")
     if args.json is not None:
         if Path(args.json).is_dir():
-            raise SystemExit(f"--json {args.json} is a folder: name the file to write")
+            raise BenchError(f"--json {args.json} is a folder: name the file to write")
         folder = Path(args.json).resolve().parent
         if not folder.is_dir():
-            raise SystemExit(f"--json {args.json}: its folder does not exist")
+            raise BenchError(f"--json {args.json}: its folder does not exist")
         try:  # a file made there and removed: what the report will need (a read-only folder, a full disk, /proc)
             tempfile.TemporaryFile(dir=folder).close()
         except OSError as error:
-            raise SystemExit(f"--json {args.json}: its folder cannot hold a new file ({error.strerror})") from None
+            raise BenchError(f"--json {args.json}: its folder cannot hold a new file ({error.strerror})") from None
 
 
 def write_json(path: str, report: dict) -> None:
@@ -157,6 +171,15 @@ def write_json(path: str, report: dict) -> None:
 
 
 def run(args) -> int:
+    try:
+        return run_bench(args)
+    except BenchError as error:
+        print(f"gpn bench: error: {error}", file=sys.stderr)
+        return 2
+
+
+def run_bench(args) -> int:
+    """The run: every argument and preset checked (`BenchError`), then each preset measured and reported."""
     from tqdm import tqdm
 
     from modeling_gpn.configuration import load_preset
@@ -168,9 +191,9 @@ def run(args) -> int:
         try:
             load_preset(preset)
         except FileNotFoundError as error:
-            raise SystemExit(f"--preset: {error}") from None
+            raise BenchError(f"--preset: {error}") from None
         except (OSError, ValueError) as error:  # (a file that is not JSON, or not a valid GPNConfig)
-            raise SystemExit(f"--preset {preset}: {error}") from None
+            raise BenchError(f"--preset {preset}: {error}") from None
     rows = []
     try:
         for preset in tqdm(args.preset, desc="bench", unit="preset"):
@@ -199,7 +222,7 @@ def measure_preset(preset: str, args) -> list:
                 gpn if impl != "llama" else matched_llama(gpn.config, count_params(gpn), args.dtype, args.device)
             )
     except ImportError as error:  # --dtype int8 without torchao (`quantize_int8` says what to install)
-        raise SystemExit(str(error)) from None
+        raise BenchError(str(error)) from None
     rows = measure(models, preset, args)
     del models, gpn
     gc.collect()

@@ -191,15 +191,13 @@ def test_the_one_token_step_continues_each_models_cache():
 def test_an_unknown_preset_is_refused_before_anything_is_measured(capsys):
     """Every preset is checked first: a misspelt second one is one line naming it and the presets there are,
     not a traceback after the first one's minutes of measuring."""
-    with pytest.raises(SystemExit) as stopped:
-        main(["bench", "--preset", "tiny", "smal", "--skip-training"])
-    message = str(stopped.value.code)
+    assert main(["bench", "--preset", "tiny", "smal", "--skip-training"]) == 2
+    message = refusal(capsys)
     assert message.startswith("--preset: No preset named 'smal'") and "small" in message
-    assert "bench" not in capsys.readouterr().err  # (no progress bar: nothing was measured)
 
 
 @pytest.mark.parametrize("case", ["not-json", "invalid-config", "llama-config"])
-def test_a_preset_file_that_is_no_config_is_refused_before_anything_is_measured(case, tmp_path, monkeypatch):
+def test_a_preset_file_that_is_no_config_is_refused_before_anything_is_measured(case, tmp_path, monkeypatch, capsys):
     """A config JSON given as a preset is read before the first preset is measured: a file that is not JSON,
     or a config GPNConfig refuses, was a traceback once the models were built (after every preset before it)."""
     import modeling_gpn.bench.command as command
@@ -214,9 +212,8 @@ def test_a_preset_file_that_is_no_config_is_refused_before_anything_is_measured(
             "llama-config": '{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2}',
         }[case]
     )
-    with pytest.raises(SystemExit) as stopped:
-        main(["bench", "--preset", "tiny", str(preset), "--skip-training"])
-    message = str(stopped.value.code)
+    assert main(["bench", "--preset", "tiny", str(preset), "--skip-training"]) == 2
+    message = refusal(capsys)
     assert message.startswith(f"--preset {preset}: "), message
     needle = {"not-json": "Expecting property name", "invalid-config": "hidden_size must be"}
     needle["llama-config"] = "is the config of a 'llama' model, not a GPN"
@@ -241,11 +238,22 @@ BENCH_BAD = {  # each was a traceback once the models were built (or, for --json
     "json-in-no-file-folder": (["--json", "/proc/bench.json"], "its folder cannot hold a new file"),  # (as root too)
     "memory-without-training": (["--memory-seq-lens", "64"], "--memory-seq-lens measures the training step's"),
     "nothing-to-measure": (["--decode-prompt-lengths", "--decode-batches"], "nothing to measure"),
+    # (measured twice, its rows and ratios printed twice)
+    "repeated-preset": (["--preset", "tiny", "tiny"], "--preset names tiny more than once: name each preset once"),
 }
 
 
+def refusal(capsys) -> str:
+    """The message of gpn bench's refusal, checked to be one line worded as argparse's ("gpn bench: error: ...",
+    exit status 2, checked by the caller): its refusals were the bare message with exit status 1."""
+    captured = capsys.readouterr()
+    # (from its first character: no progress bar before it, nothing was measured)
+    assert captured.err.startswith("gpn bench: error: ") and captured.err.count("\n") == 1, captured.err
+    return captured.err.removeprefix("gpn bench: error: ").rstrip("\n")
+
+
 @pytest.mark.parametrize("case", sorted(BENCH_BAD))
-def test_bad_arguments_are_refused_before_any_model_is_built(case, tmp_path, monkeypatch):
+def test_bad_arguments_are_refused_before_any_model_is_built(case, tmp_path, monkeypatch, capsys):
     import modeling_gpn.bench.command as command
 
     def no_model(*args, **kwargs):
@@ -253,9 +261,8 @@ def test_bad_arguments_are_refused_before_any_model_is_built(case, tmp_path, mon
 
     monkeypatch.setattr(command, "build_gpn", no_model)
     extra, needle = BENCH_BAD[case]
-    with pytest.raises(SystemExit) as stopped:
-        main(["bench", *TINY, *[a.format(tmp=tmp_path) for a in extra]])
-    assert needle in str(stopped.value.code)
+    assert main(["bench", *TINY, *[a.format(tmp=tmp_path) for a in extra]]) == 2
+    assert needle in refusal(capsys)
 
 
 def test_an_interrupted_json_write_leaves_no_half_file(tmp_path, monkeypatch):
