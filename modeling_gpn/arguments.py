@@ -84,13 +84,21 @@ def check_cache_type(cache) -> None:
         )
 
 
+# The id dtypes torch's embedding takes (int32 gives the same outputs as int64); any other, even an integer
+# one, is refused by name instead of failing inside the embedding.
+EMBEDDING_ID_DTYPES = (torch.int64, torch.int32)
+
+
 def check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
     """(batch, seq) integer ids, each in [0, vocab_size): the first id outside is named with its
     position (an id from another tokenizer would otherwise fail inside the embedding, or on a GPU, later)."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must have shape (batch, seq), got {tuple(input_ids.shape)}")
-    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-        raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.dtype not in EMBEDDING_ID_DTYPES:  # (int16 / uint8 ids failed inside torch's embedding)
+        raise ValueError(
+            f"input_ids must be integer token ids of dtype torch.int64 (or torch.int32), got dtype {input_ids.dtype}: "
+            "pass input_ids.long()"
+        )
     if is_tracing():  # a value check cannot be decided on symbolic tensors (the embedding still bounds-checks)
         return
     bad = (input_ids < 0) | (input_ids >= vocab_size)

@@ -1119,6 +1119,20 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "int16 / uint8 token ids fail inside torch's embedding (not named with the fix, .long())",
+        "modeling_gpn/arguments.py",
+        "    if input_ids.dtype not in EMBEDDING_ID_DTYPES:  # (int16 / uint8 ids failed inside torch's embedding)\n",
+        "    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:  # MUTATION\n",
+        ("tests/model/test_roundtrip_and_errors.py -k ids_of_a_dtype_the_embedding_refuses",),
+    ),
+    Mutation(
+        "int32 token ids refused, though torch's embedding takes them",
+        "modeling_gpn/arguments.py",
+        "EMBEDDING_ID_DTYPES = (torch.int64, torch.int32)\n",
+        "EMBEDDING_ID_DTYPES = (torch.int64,)  # MUTATION\n",
+        ("tests/model/test_roundtrip_and_errors.py::test_int32_ids_are_taken_as_int64_ones",),
+    ),
+    Mutation(
         "gpn study finds a misspelt --data-dir only once the first model has trained (a traceback)",
         "modeling_gpn/study/runs.py",
         "            data_source(task, settings)\n",

@@ -129,6 +129,20 @@ def test_float_ids_and_wrong_cache(model):
     assert isinstance(cache, GPNCache)
 
 
+@pytest.mark.parametrize("dtype", [torch.int16, torch.uint8, torch.int8, torch.uint16])
+def test_ids_of_a_dtype_the_embedding_refuses_are_named_with_the_fix(model, dtype):
+    """int16 / uint8 ids were torch's embedding error ("Expected tensor for argument #1 'indices' ..."), uint16
+    a NotImplementedError from the range check; each is refused naming its dtype and `.long()`."""
+    with pytest.raises(ValueError, match=rf"got dtype {dtype}: pass input_ids.long\(\)"):
+        model(torch.tensor([[1, 2, 3]], dtype=dtype))
+
+
+def test_int32_ids_are_taken_as_int64_ones(model):
+    """torch's embedding takes int32 ids: the model gives the same outputs for them as for int64 ones."""
+    ids = torch.tensor([[1, 2, 3, 96]])
+    assert torch.equal(model(ids.int()).logits, model(ids).logits)
+
+
 def test_labels_of_the_wrong_shape(model):
     ids = torch.randint(0, 97, (2, 5))
     with pytest.raises(ValueError, match="labels must have shape"):
