@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .derived_weights import version_of
+
 
 class EmbeddingTableHead(nn.Module):
     """A bias-free linear head whose `weight` is `table()`, the table `embedding` (a PEFT wrapper) computes, with
@@ -38,17 +40,19 @@ class EmbeddingTableHead(nn.Module):
         self.__dict__["embedding"] = embedding  # read, not registered (nn.Module would make it a submodule)
         self.in_features = in_features
         self.out_features = out_features
-        self._kept: tuple[Hashable, torch.Tensor] | None = None
+        self._kept: tuple[Hashable, torch.Tensor, list] | None = None
 
     @property
     def weight(self) -> torch.Tensor:
         """The (vocab, e) table the wrapped embedding computes."""
-        state = _table_state(self.embedding)
+        state, parameters = _table_state(self.embedding)
         if self._kept is None or self._kept[0] != state:
             table = self.table()
             if table.requires_grad:
                 table.register_hook(self._forget)
-            self._kept = (state, table)
+            # (the parameters kept alive with the table: the state names them by id, which a parameter made after
+            # one freed could take again)
+            self._kept = (state, table, parameters)
         return self._kept[1]
 
     def _forget(self, grad: torch.Tensor) -> None:
@@ -62,10 +66,11 @@ class EmbeddingTableHead(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias=False (the embedding's table)"
 
 
-def _table_state(embedding: nn.Module) -> Hashable:
+def _table_state(embedding: nn.Module) -> tuple[Hashable, list]:
     """What the table `embedding` computes depends on besides its input: grad mode, training mode, each parameter
-    (which one, and its version, which every in-place change such as an optimizer step bumps), and each PEFT
-    layer's adapter state (`disable_adapter()`, `set_adapter()`, merged adapters)."""
+    (which one, its storage, and its version, which every in-place change such as an optimizer step bumps; None
+    for an inference tensor, which tracks none: such a table is never reused), and each PEFT layer's adapter state
+    (`disable_adapter()`, `set_adapter()`, merged adapters); and the parameters."""
     adapters = tuple(
         (
             id(module),
@@ -75,8 +80,11 @@ def _table_state(embedding: nn.Module) -> Hashable:
         )
         for module in embedding.modules()
     )
-    parameters = tuple((id(p), p._version) for p in embedding.parameters())
-    return torch.is_grad_enabled(), embedding.training, adapters, parameters
+    parameters = list(embedding.parameters())
+    keys = tuple((id(p), p.data_ptr(), version_of(p)) for p in parameters)
+    if any(key[2] is None for key in keys):
+        return object(), parameters  # (unequal to any other state)
+    return (torch.is_grad_enabled(), embedding.training, adapters, keys), parameters
 
 
 def carries_the_embeddings_token_adapter(head: nn.Module, embedding: nn.Module) -> bool:

@@ -228,6 +228,17 @@ def test_the_table_view_keeps_its_table_only_while_nothing_it_depends_on_changes
     assert head.weight.requires_grad
     with torch.no_grad():
         assert not head.weight.requires_grad
+        kept = head.weight
+        lora_b = inner.model.embed_tokens.lora_embedding_B
+        lora_b["default"] = nn.Parameter(
+            lora_b["default"] + 1.0
+        )  # (a new parameter, its version 0 as the old one's may be)
+        assert head.weight is not kept
+        torch.testing.assert_close(head.weight, inner.model.embed_tokens(torch.arange(97)))
+    with torch.inference_mode():  # (an inference tensor tracks no version: its table is never kept)
+        lora_b["default"] = nn.Parameter(lora_b["default"] + 1.0)
+        assert head.weight is not head.weight
+        torch.testing.assert_close(head.weight, inner.model.embed_tokens(torch.arange(97)))
 
 
 def test_an_embedding_replaced_without_tying_is_refused_then_followed_once_tied():
