@@ -128,7 +128,7 @@ echo "graphs in the bench: ${GPN_CUDA_GRAPHS:-off} (1: decode and training; infe
 printf '{"setting": "%s", "why": "%s"}\n' "${GPN_CUDA_GRAPHS:-off}" "$graphs_why" > "$RUN/graphs_in_bench.json"
 
 # 2. gpn bench at 16 x 2048 (training, forward, prefill and decode after a 4096-token prompt)
-BENCH="env -C /tmp/pkg python3 -m modeling_gpn.cli bench --device cuda --dtype bfloat16 --preset gpn-m-1l-130m --impl fast llama --repeats 2"
+BENCH="env -C /tmp/pkg python3 -m gpn_cli bench --device cuda --dtype bfloat16 --preset gpn-m-1l-130m --impl fast llama --repeats 2"
 limit=$(stage_limit 65 20)
 if [ "$limit" -gt 0 ]; then
   stage "bench 16x2048" "$limit" bench_16x2048.txt $BENCH --batch 16 --seq-len 2048 --decode-prompt-lengths 4096 --decode-tokens 12 --json "$RUN/bench_16x2048.json"

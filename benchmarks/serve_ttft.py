@@ -167,7 +167,7 @@ class Server:
 
 
 def start_servers(gpn_dir: Path, llama_dir: Path, work: Path, threads: int) -> list[Server]:
-    gpn = [sys.executable, "-m", "modeling_gpn.cli", "serve", str(gpn_dir), "--host", "127.0.0.1", "--device", "cpu"]
+    gpn = [sys.executable, "-m", "gpn_cli", "serve", str(gpn_dir), "--host", "127.0.0.1", "--device", "cpu"]
     transformers_cli = Path(sys.executable).with_name("transformers")
     plain = [str(transformers_cli), "serve", str(llama_dir), "--host", "127.0.0.1", "--device", "cpu"]
     specs = [

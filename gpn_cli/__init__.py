@@ -9,8 +9,8 @@ package's `__init__`, which registers GPN with transformers' Auto classes and so
 (seconds). The registration cannot be deferred (it needs the model classes themselves, and
 `import modeling_gpn; AutoModelForCausalLM.from_pretrained(folder)` must keep working), so the command's own
 entry point imports nothing of `modeling_gpn` until a subcommand is chosen: `gpn`, `gpn --help` and a
-mistyped command answer at once. `modeling_gpn.cli` re-exports `main`, `build_parser` and `SUBCOMMANDS`
-(`python -m modeling_gpn.cli` is the same command).
+mistyped command answer at once. `python -m gpn_cli` is the same command. (Nothing in `modeling_gpn` imports
+this package: it sits above every tool it dispatches to.)
 """
 
 from __future__ import annotations

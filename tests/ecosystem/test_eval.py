@@ -242,7 +242,7 @@ def test_held_out_fraction_scores_gpn_train_held_out_windows_of_a_real_corpus(gp
     (measured: 102 of 102), and a blank row added an EOS that gpn train leaves out, shifting every window."""
     from transformers import AutoTokenizer
 
-    from modeling_gpn.cli import main
+    from gpn_cli import main
     from modeling_gpn.data import CorpusSpec, WindowDataset, build_token_stream
 
     words = "the of and to in that is was he for it with as his on be at by".split()
@@ -439,7 +439,7 @@ def llama_dir(tmp_path_factory, data):
 
 
 def test_gpn_eval_command_writes_results_and_side_by_side_report(gpn_dir, data, tmp_path, capsys):
-    from modeling_gpn.cli import main
+    from gpn_cli import main
 
     out = tmp_path / "out"
     code = main(
@@ -503,7 +503,7 @@ def test_gpn_eval_command_writes_results_and_side_by_side_report(gpn_dir, data, 
 
 
 def test_same_command_on_a_llama(llama_dir, data, tmp_path):
-    from modeling_gpn.cli import main
+    from gpn_cli import main
 
     out = tmp_path / "llama"
     code = main(
@@ -541,7 +541,7 @@ def test_same_command_on_a_llama(llama_dir, data, tmp_path):
 def test_clear_errors(gpn_dir, data, llama_dir, capsys, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from modeling_gpn.cli import main
+    from gpn_cli import main
     from modeling_gpn.evaluation import protocols
 
     assert main(["eval", str(gpn_dir), "--tasks", "lambada_openai,hellaswag"]) == 2
@@ -569,7 +569,7 @@ def test_clear_errors(gpn_dir, data, llama_dir, capsys, tmp_path):
 
 def test_a_damaged_weights_file_is_one_line(gpn_dir, tmp_path, capsys):
     """A truncated model.safetensors was safetensors' SafetensorError traceback, exit status 1."""
-    from modeling_gpn.cli import main
+    from gpn_cli import main
 
     damaged = tmp_path / "damaged"
     shutil.copytree(gpn_dir, damaged)
@@ -585,7 +585,7 @@ def test_a_repos_own_code_runs_only_with_trust_remote_code(tmp_path, capsys):
     """`gpn eval` runs the modeling code a folder or Hub repo ships only when asked (`--trust-remote-code`), as
     `gpn generate` and `gpn inspect` do; `--no-trust-remote-code` (the old opt-out) still parses and is the
     default. A GPN or Llama folder needs no flag (test_gpn_eval_command..., test_same_command_on_a_llama)."""
-    from modeling_gpn.cli import build_parser, main
+    from gpn_cli import build_parser, main
     from modeling_gpn.evaluation.cli import settings_from_args
 
     shipped = tmp_path / "ships-code"
@@ -623,7 +623,7 @@ def test_a_repos_own_code_runs_only_with_trust_remote_code(tmp_path, capsys):
 def test_numbers_out_of_range_are_refused_before_the_model_loads(gpn_dir, option, value, message, capsys, monkeypatch):
     """`--limit 0` scored one example and reported it as a result; `--batch-size 0` ended in `ValueError:`, exit 1.
     Now each is one `gpn eval: error: ...` line and exit 2, before anything loads."""
-    from modeling_gpn.cli import main
+    from gpn_cli import main
     from modeling_gpn.evaluation import runner
 
     monkeypatch.setattr(runner, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
@@ -634,7 +634,7 @@ def test_numbers_out_of_range_are_refused_before_the_model_loads(gpn_dir, option
 @pytest.mark.parametrize("device, message", [("toaster", "is not a torch device"), ("cuda:99", "CUDA")])
 def test_an_unusable_device_is_refused_before_the_model_loads(gpn_dir, device, message, capsys, monkeypatch):
     """`--device toaster` (or a GPU the machine does not have) ended in a traceback once the model had loaded."""
-    from modeling_gpn.cli import main
+    from gpn_cli import main
     from modeling_gpn.evaluation import runner
 
     monkeypatch.setattr(runner, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
@@ -646,7 +646,7 @@ def test_an_unusable_device_is_refused_before_the_model_loads(gpn_dir, device, m
 def test_local_data_without_the_tasks_column_is_one_clear_line(gpn_dir, tmp_path, capsys):
     """lm-eval read the column only inside its prompt templates: a jsonl without `page` for wikitext ended in
     `gpn eval: error: page`, a --text-field the data lacks in a jinja traceback."""
-    from modeling_gpn.cli import main
+    from gpn_cli import main
 
     docs = tmp_path / "docs.jsonl"
     docs.write_text(json.dumps({"text": "Some words of a document."}) + "\n")
@@ -660,7 +660,7 @@ def test_local_data_without_the_tasks_column_is_one_clear_line(gpn_dir, tmp_path
 def test_rolling_ppl_reads_a_text_file_whatever_the_text_field(gpn_dir, tmp_path):
     """A .txt file is read by datasets' text builder, whose column is `text`: --text-field (meant for the jsonl
     of another task in the same run) does not apply to it, as the FineWeb protocol reads it."""
-    from modeling_gpn.cli import main
+    from gpn_cli import main
 
     text = tmp_path / "doc.txt"
     text.write_text("A short document about rivers and rain.\n")
@@ -680,7 +680,7 @@ def test_a_limit_takes_that_many_texts(data):
 @pytest.mark.parametrize("where", ["a file", "under a file", "unwritable"])
 def test_an_unusable_output_dir_is_refused_before_the_model_loads(gpn_dir, where, tmp_path, capsys, monkeypatch):
     """`--output-dir` was only created after the whole evaluation, which then ended in a traceback."""
-    from modeling_gpn.cli import main
+    from gpn_cli import main
     from modeling_gpn.evaluation import runner
 
     monkeypatch.setattr(runner, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
@@ -696,7 +696,7 @@ def test_quiet_shows_no_progress_bar_of_any_library(gpn_dir, data, tmp_path, cap
     transformers' weight loading and datasets' reading) still showed; each library's setting is restored after."""
     from transformers.utils import logging as transformers_logging
 
-    from modeling_gpn.cli import main
+    from gpn_cli import main
 
     lambada = str(data / "lambada" / "lambada_test.jsonl")
     arguments = ["eval", str(gpn_dir), "--tasks", "lambada_openai", "--task-data", f"lambada_openai={lambada}"]
@@ -710,7 +710,7 @@ def test_outside_a_git_checkout_no_git_error_is_printed(gpn_dir, data, tmp_path,
     """lm-eval records the current folder's git commit by running git with its stderr on the terminal: run
     outside a checkout (as `gpn study` and `gpn eval` usually are), every task printed "fatal: not a git
     repository". The lookup is quiet, and the results record no commit."""
-    from modeling_gpn.cli import main
+    from gpn_cli import main
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # (no checkout above it either)

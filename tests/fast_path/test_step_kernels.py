@@ -494,7 +494,7 @@ def test_gpn_generate_runs_an_int8_model_on_the_fast_path(tmp_path, capsys, one_
     """`gpn generate --dtype int8` quantizes the loaded model (torchao int8 weight-only) and generates with it
     on the fast path's int8 kernels (and `--dtype float32` does not)."""
     require_c_kernels()
-    from modeling_gpn.cli import main
+    from gpn_cli import main
     from modeling_gpn.data import train_bpe_tokenizer
 
     tokenizer = train_bpe_tokenizer(["the cat sat on the mat. " * 20, "to be or not to be " * 20], 300)

@@ -195,7 +195,7 @@ def test_gpn_convert_command_writes_a_loadable_folder(tmp_path):
     folder = require_shared("fixtures/reference/sot_m_2l")
     out = tmp_path / "converted"
     result = subprocess.run(
-        [sys.executable, "-m", "modeling_gpn.cli", "convert", str(folder), str(out)], capture_output=True, text=True
+        [sys.executable, "-m", "gpn_cli", "convert", str(folder), str(out)], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
     assert (out / "model.safetensors").exists() and not list(out.glob("*.bin"))
@@ -220,7 +220,7 @@ def test_gpn_convert_says_so_when_it_converts_the_checkpoints_dtype_to_float32(t
     write_checkpoint(tmp_path / "checkpoint.pkl", params)
     out = tmp_path / "converted"
     result = subprocess.run(
-        [sys.executable, "-m", "modeling_gpn.cli", "convert", str(tmp_path / "checkpoint.pkl"), str(out)],
+        [sys.executable, "-m", "gpn_cli", "convert", str(tmp_path / "checkpoint.pkl"), str(out)],
         capture_output=True,
         text=True,
     )
@@ -341,7 +341,7 @@ def test_the_training_window_is_lm_evals_context_length_and_no_positional_limit(
 
 def test_gpn_convert_refuses_a_folder_with_files_in_it(tmp_path, capsys):
     """OUT was overwritten in silence, leaving its files (another model's tokenizer) beside the new model."""
-    from modeling_gpn.cli import main
+    from gpn_cli import main
 
     folder = require_shared("fixtures/reference/sot_m_1l")
     out = tmp_path / "converted"
@@ -356,7 +356,7 @@ def test_gpn_convert_refuses_a_folder_with_files_in_it(tmp_path, capsys):
 
 def test_gpn_convert_refuses_a_tokenizer_with_more_ids_than_the_model(tmp_path, capsys):
     """The LLaMA-2 tokenizer (32,000 ids) was saved beside a model of 97 tokens."""
-    from modeling_gpn.cli import main
+    from gpn_cli import main
 
     folder = require_shared("fixtures/reference/sot_m_1l")
     tokenizer = require_shared("data/llama2-tokenizer")

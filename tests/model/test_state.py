@@ -668,7 +668,7 @@ def printed_texts(stdout: str) -> list[str]:
 
 
 def gpn_generate(*args) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "modeling_gpn.cli", "generate", *map(str, args), "--device", "cpu"]
+    command = [sys.executable, "-m", "gpn_cli", "generate", *map(str, args), "--device", "cpu"]
     return subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT)
 
 
@@ -697,7 +697,7 @@ def test_cli_save_state_then_continue_equals_one_run(generate_dir, tmp_path):
 
 def run_cli(capsys, *args) -> tuple[int, str, str]:
     """`gpn generate ARGS` through the console script's own entry point, in this process."""
-    from modeling_gpn.cli import main as gpn_main
+    from gpn_cli import main as gpn_main
 
     code = gpn_main(["generate", *map(str, args), "--device", "cpu"])
     captured = capsys.readouterr()

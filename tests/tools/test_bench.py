@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from modeling_gpn.cli import main
+from gpn_cli import main
 
 
 def test_bench_reports_every_implementation(tmp_path, capsys):

@@ -62,10 +62,10 @@ def gpn_arguments(command: list[str]) -> list[str] | None:
         return command[1:]
     if "-m" in command and command[0] in ("python", "python3", "accelerate", "torchrun"):
         module = command[command.index("-m") + 1]
+        if module == "gpn_cli":
+            return command[command.index("-m") + 2 :]
         if module.startswith("modeling_gpn."):
-            subcommand = {"modeling_gpn.train": "train", "modeling_gpn.cli": None}.get(
-                module, module.rsplit(".", 1)[-1]
-            )
+            subcommand = {"modeling_gpn.train": "train"}.get(module, module.rsplit(".", 1)[-1])
             rest = command[command.index("-m") + 2 :]
             return rest if subcommand is None else [subcommand, *rest]
     return None
@@ -84,14 +84,14 @@ def test_the_docs_hold_runnable_blocks_and_gpn_commands():
     assert len(RUNNABLE) >= 2, [block.where for block in RUNNABLE]
     assert len(DOCUMENTED_COMMANDS) >= 20
     documented = {param.values[0][0] for param in DOCUMENTED_COMMANDS if param.values[0]}
-    from modeling_gpn.cli import SUBCOMMANDS
+    from gpn_cli import SUBCOMMANDS
 
     assert set(SUBCOMMANDS) <= documented, f"subcommands without a documented example: {set(SUBCOMMANDS) - documented}"
 
 
 @pytest.mark.parametrize("arguments", DOCUMENTED_COMMANDS)
 def test_documented_gpn_commands_parse(arguments):
-    from modeling_gpn.cli import SUBCOMMANDS, build_parser
+    from gpn_cli import SUBCOMMANDS, build_parser
 
     assert arguments, "a bare `gpn` with no subcommand"
     subcommand = arguments[0]
@@ -113,7 +113,7 @@ def test_documented_model_folders_are_where_gpn_train_writes_them():
     """A documented command's model is a placeholder (`path/to/...`), a Hub id of the docs' own (`me/...`,
     `user/...`), or where `gpn train` writes a model: `runs/NAME/model` (docs/generate.md used
     `outputs/tiny-shakespeare`, which nothing writes)."""
-    from modeling_gpn.cli import build_parser
+    from gpn_cli import build_parser
 
     stale = []
     for param in DOCUMENTED_COMMANDS:
@@ -134,7 +134,7 @@ def test_help_gives_each_option_its_default_once(subcommand):
     an option without one says in its own words what happens when it is not given, so no "(default: None)"
     follows it (for `--temperature`, "(with --sample, default 0.8) (default: None)" contradicted itself), and a flag
     shows none ("--no-stream ... (default: True)" read as if streaming were off by default)."""
-    from modeling_gpn.cli import build_parser
+    from gpn_cli import build_parser
 
     parser = build_parser(subcommand)
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[subcommand]
@@ -153,7 +153,7 @@ def test_help_gives_each_option_its_default_once(subcommand):
 )
 def test_every_option_has_help(subcommand):
     """`gpn eval --batch-size` and `gpn bench --device` were listed in --help with nothing said about them."""
-    from modeling_gpn.cli import available_subcommands, build_parser
+    from gpn_cli import available_subcommands, build_parser
 
     if subcommand not in available_subcommands():
         pytest.skip(f"gpn {subcommand} needs what this environment lacks")
@@ -191,7 +191,7 @@ def test_gpn_version_names_the_installed_package_and_what_it_runs_on(capsys):
     import transformers
 
     import modeling_gpn
-    from modeling_gpn.cli import main
+    from gpn_cli import main
 
     with pytest.raises(SystemExit) as exit:
         main(["--version"])

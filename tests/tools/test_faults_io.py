@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from modeling_gpn.cli import main as gpn_main  # noqa: E402
+from gpn_cli import main as gpn_main  # noqa: E402
 from modeling_gpn.conversion.reference import parameter_map  # noqa: E402
 
 from ..environment import REPO_ROOT
@@ -67,7 +67,7 @@ class Finished:
 
 BOUNDED_PREAMBLE = """
 import contextlib, io, json, re, resource, sys, traceback
-import modeling_gpn.cli, modeling_gpn.conversion.reference, modeling_gpn.data, modeling_gpn.evaluation.runner
+import gpn_cli, modeling_gpn.conversion.reference, modeling_gpn.data, modeling_gpn.evaluation.runner
 import torch; torch.zeros(1) + 1  # start torch's thread pool before the cap
 vm = int(re.search(r'VmSize:\\s+(\\d+)', open('/proc/self/status').read()).group(1)) * 1024
 cap = vm + int(sys.argv[1])
@@ -81,7 +81,7 @@ for args in json.loads(sys.argv[2]):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            code = modeling_gpn.cli.main(args)
+            code = gpn_cli.main(args)
         except SystemExit as exit:
             code = exit.code if isinstance(exit.code, int) else 1
         except BaseException:
@@ -450,7 +450,7 @@ def test_convert_answers_every_malformed_input_with_one_clear_line(tmp_path, cap
 def test_convert_malformed_input_in_a_real_process_prints_no_traceback(tmp_path):
     source = _truncated(write_pickle(tmp_path / "c.pkl", reference_params()), 0.5)
     result = subprocess.run(
-        [sys.executable, "-m", "modeling_gpn.cli", "convert", str(source), str(tmp_path / "out")],
+        [sys.executable, "-m", "gpn_cli", "convert", str(source), str(tmp_path / "out")],
         capture_output=True,
         text=True,
         cwd=REPO_ROOT,
@@ -564,7 +564,7 @@ def test_generate_unparsable_number_is_argparse_usage_not_a_traceback(generate_d
 
 def test_generate_in_a_real_process(generate_dir, tmp_path):
     """The real console entry: a bad path is one line and exit 2; good arguments still generate."""
-    command = [sys.executable, "-m", "modeling_gpn.cli", "generate"]
+    command = [sys.executable, "-m", "gpn_cli", "generate"]
     bad = subprocess.run([*command, str(tmp_path / "nowhere"), "hi"], capture_output=True, text=True, cwd=REPO_ROOT)
     assert_one_clear_error(bad, "generate", "does not exist")
     good = subprocess.run(
@@ -602,7 +602,7 @@ def test_generate_into_a_closed_pipe_stops_quietly(generate_dir):
     os.close(read_end)  # the reader has gone before anything is printed
     try:
         result = subprocess.run(
-            [sys.executable, "-m", "modeling_gpn.cli", "generate", str(generate_dir), "the cat", "to be"]
+            [sys.executable, "-m", "gpn_cli", "generate", str(generate_dir), "the cat", "to be"]
             + ["--max-new-tokens", "3", "--device", "cpu"],
             stdout=write_end,
             stderr=subprocess.PIPE,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from modeling_gpn.cli import main as gpn_main
+from gpn_cli import main as gpn_main
 
 from ..environment import require_shared
 from ..tiny_models import perturbed_model, tiny_config

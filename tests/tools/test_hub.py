@@ -379,7 +379,7 @@ def test_validate_card_rejects_broken_metadata():
 
 
 def test_refusals_name_the_problem(source, tmp_path, capsys):
-    from modeling_gpn.cli import main
+    from gpn_cli import main
 
     def refused(folder: Path, *extra: str) -> str:
         out = tmp_path / f"out-{len(list(tmp_path.iterdir()))}"
@@ -523,7 +523,7 @@ def hub_calls(monkeypatch, tmp_path):
 
 
 def test_upload_gets_the_right_arguments_and_the_dry_run_files(source, published, hub_calls, capsys):
-    from modeling_gpn.cli import main
+    from gpn_cli import main
 
     argv = [
         "push",
@@ -593,7 +593,7 @@ def word_level_tokenizer(folder: Path) -> Path:
 def test_an_unreachable_hub_is_one_line_not_a_traceback(source, no_network, tmp_path, capsys, command):
     """Without network, huggingface_hub 2's HTTP client (httpx2) raises its own ConnectError, which is no OSError:
     `gpn push` ended in its traceback, and `gpn convert --push-to-hub` in any error of the upload's."""
-    from modeling_gpn.cli import main
+    from gpn_cli import main
 
     if command == "push":
         argv = ["push", str(source["dir"]), REPO_ID, "--token", TOKEN]
@@ -610,7 +610,7 @@ def test_an_unreachable_hub_is_one_line_not_a_traceback(source, no_network, tmp_
 
 
 def test_push_help_lists_every_option(capsys):
-    from modeling_gpn.cli import main
+    from gpn_cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["push", "--help"])
@@ -622,7 +622,7 @@ def test_push_help_lists_every_option(capsys):
 
 def test_convert_push_to_hub_publishes_the_converted_checkpoint(hub_calls, tmp_path, capsys):
     """`gpn convert SRC OUT --push-to-hub REPO` ends in the same checked upload."""
-    from modeling_gpn.cli import main
+    from gpn_cli import main
 
     fixture = require_shared("fixtures/reference/sot_m_1l")
     word_level_tokenizer(tmp_path / "tok")
@@ -690,7 +690,7 @@ def test_a_limited_evaluation_is_not_published_as_the_whole_test_split(tmp_path)
 def test_eval_results_from_gpn_evals_own_folder_and_another_models_refused(source, tmp_path, capsys):
     """gpn eval writes ./eval-NAME/ unless told otherwise, and gpn push read only MODEL_DIR/eval_results.json; one
     copied beside other weights (another parameter count) was published, model-index and all, as theirs."""
-    from modeling_gpn.cli import main
+    from gpn_cli import main
 
     folder = copy_source(source, tmp_path)
     evaluation = tmp_path / "eval-model" / "eval_results.json"

@@ -284,7 +284,7 @@ def tiny_llama_vocab_model(tmp_path_factory):
 def test_gpn_inspect_end_to_end(tiny_llama_vocab_model, tmp_path):
     import matplotlib.image
 
-    from modeling_gpn.cli import main
+    from gpn_cli import main
 
     text = require_shared("data/tinyshakespeare/input.txt")
     output = tmp_path / "report"
@@ -328,7 +328,7 @@ def test_gpn_inspect_says_when_the_model_was_trained_with_document_resets(tiny_l
     """inspect's windows join documents with EOS and run the state on across them; a model trained with
     `--reset-at-document-start` never ran that way, and the report said nothing. Its run folder's
     train_config.json (beside RUN/model) tells, and the report's header says so."""
-    from modeling_gpn.cli import main
+    from gpn_cli import main
 
     text = tmp_path / "docs.jsonl"
     text.write_text("".join(json.dumps({"text": f"the cat sat on mat {i}. " * 8}) + "\n" for i in range(12)))
@@ -354,7 +354,7 @@ def test_gpn_inspect_of_a_peft_adapter_folder(tiny_llama_vocab_model, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from modeling_gpn.cli import main
+    from gpn_cli import main
     from modeling_gpn.inspect import load_token_windows
 
     base = AutoModelForCausalLM.from_pretrained(tiny_llama_vocab_model)
@@ -386,7 +386,7 @@ def test_gpn_inspect_rejects_bad_input(tiny_llama_vocab_model, tmp_path, capsys)
     """What the arguments name, missing or unusable (too little text for a window, a missing or unsupported data
     file, no model, a model folder without a tokenizer, a Hub dataset's --split or --data-config beside local data,
     which were ignored in silence): exit 2 and one line naming it, nothing written."""
-    from modeling_gpn.cli import main
+    from gpn_cli import main
 
     text = require_shared("data/tinyshakespeare/input.txt")
     bad = tmp_path / "notes.md"
@@ -523,7 +523,7 @@ def test_the_causal_tests_baseline_runs_the_ablations_time_loop():
 def test_gpn_inspect_checks_its_arguments_before_the_model_loads(arguments, message, tmp_path, capsys, monkeypatch):
     """A bad --output was found only after the whole analysis, as a traceback that lost it; --tokens 0 exited 1
     with a message unlike the others. Each is now one `gpn inspect: error: ...` line, exit 2, nothing loaded."""
-    from modeling_gpn.cli import main
+    from gpn_cli import main
     from modeling_gpn.inspect import cli
 
     monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
@@ -584,7 +584,7 @@ def test_a_folder_is_inspected_on_exactly_the_files_gpn_train_reads(tmp_path):
 
 def test_a_damaged_weights_file_is_one_line(tmp_path, capsys):
     """A truncated model.safetensors was safetensors' SafetensorError traceback (as in gpn eval)."""
-    from modeling_gpn.cli import main
+    from gpn_cli import main
 
     folder = tmp_path / "damaged"
     perturbed_model(tiny_config()).save_pretrained(folder)

@@ -86,7 +86,7 @@ def serving(model_dir: Path | None, log_path: Path, *options: str) -> Iterator[t
     command = [
         sys.executable,
         "-m",
-        "modeling_gpn.cli",
+        "gpn_cli",
         "serve",
         *([] if model_dir is None else [str(model_dir)]),
         "--host",
@@ -791,7 +791,7 @@ def test_ctrl_c_exits_130_in_a_process_that_started_with_sigint_ignored(model_di
     `capture_signals` stops a stand-in server on a SIGINT, in a process that ignores SIGINT: `gpn serve` exits 130."""
     import uvicorn
 
-    from modeling_gpn.cli import build_parser
+    from gpn_cli import build_parser
     from modeling_gpn.serve import server
 
     def stopped_by_ctrl_c(*args, **kwargs):
@@ -870,7 +870,7 @@ def test_a_server_not_pinned_keeps_each_models_conversations_apart_and_across_un
 
 
 def test_gpn_serve_help_has_transformers_serve_options(capsys):
-    from modeling_gpn.cli import main
+    from gpn_cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "--help"])
@@ -898,7 +898,7 @@ def test_gpn_serve_that_cannot_start_says_why_without_a_traceback(tmp_path, caps
     NotADirectoryError from the state store, transformers' "Repo id must be in the form ...", its error from the
     preload). MODEL is checked as gpn eval, generate and inspect check theirs: a folder without config.json is
     refused with the arguments (exit 2), before anything loads."""
-    from modeling_gpn.cli import build_parser
+    from gpn_cli import build_parser
 
     (tmp_path / "a-file").write_text("")
     (tmp_path / "empty").mkdir()

@@ -59,7 +59,7 @@ def test_sigterm_during_a_study_stops_cleanly_with_the_model_checkpointed(tmp_pa
         [
             sys.executable,
             "-m",
-            "modeling_gpn.cli",
+            "gpn_cli",
             "study",
             "--study",
             str(tmp_path / "study.json"),
@@ -91,7 +91,7 @@ def test_sigterm_during_a_study_stops_cleanly_with_the_model_checkpointed(tmp_pa
 def test_a_study_that_cannot_run_is_one_line_before_anything_is_written(tmp_path, capsys, case):
     """A misspelt study or model name (`--only`), or a file that is not a study: exit 2 and one line saying
     what is wrong and what there is, before any model trains or any folder is made."""
-    from modeling_gpn.cli import main
+    from gpn_cli import main
 
     broken = tmp_path / "broken.json"
     broken.write_text("{not json")
@@ -120,7 +120,7 @@ def test_a_study_that_cannot_run_is_one_line_before_anything_is_written(tmp_path
 def test_a_corpus_that_cannot_be_read_is_one_line_not_a_traceback(tmp_path, capsys):
     """`gpn train`'s data errors (a corpus file that is not there, the Hub unreachable) end a study with exit 1
     and `gpn train`'s one line naming the problem, as they end `gpn train`."""
-    from modeling_gpn.cli import main
+    from gpn_cli import main
 
     study = load_study("toy")
     study["recipe"]["dataset"] = str(tmp_path / "no-such-corpus.txt")
@@ -158,7 +158,7 @@ def test_a_stopped_study_continues_where_it_stopped(tmp_path, monkeypatch, capsy
     import os
     import signal
 
-    from modeling_gpn.cli import main
+    from gpn_cli import main
     from modeling_gpn.train.context import TrainingRun
 
     corpus = require_shared("data/tinyshakespeare/input.txt")
@@ -205,7 +205,7 @@ def test_a_run_of_part_of_a_study_reports_every_model_finished_in_its_folder(tmp
     """`--only X` after a run of the other models: the report and study_results.json cover every model of the
     study finished in the folder (X alone, once), and name the models left out. They held X alone: the first
     run's figures were gone from the report while its models stayed in the folder."""
-    from modeling_gpn.cli import main
+    from gpn_cli import main
 
     corpus = require_shared("data/tinyshakespeare/input.txt")
     study = load_study("toy")
@@ -231,7 +231,7 @@ def test_a_report_write_cut_short_leaves_the_previous_one_whole(tmp_path, monkey
     whole or not at all, and no temporary file is left."""
     import resource
 
-    from modeling_gpn.cli import main
+    from gpn_cli import main
     from modeling_gpn.study import runs
 
     corpus = require_shared("data/tinyshakespeare/input.txt")
@@ -265,7 +265,7 @@ def test_a_stopped_model_whose_corpus_changed_is_one_line_not_a_traceback(tmp_pa
     """A study stopped part-way, its corpus edited before it was run again: the model it was training cannot
     resume (other training windows). That was `gpn train`'s ValueError as a traceback, pointing to an
     --output-dir gpn study does not have; it is one line naming the model, what changed and what to do."""
-    from modeling_gpn.cli import main
+    from gpn_cli import main
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(require_shared("data/tinyshakespeare/input.txt").read_bytes()[:60000])

@@ -515,7 +515,7 @@ def test_mixed_precision_that_would_not_be_applied_is_refused(tmp_path):
         ),
     }
     for name, (extra, env, needle) in cases.items():
-        command = [sys.executable, "-m", "modeling_gpn.cli", "train", "--dataset", str(tmp_path / "missing.txt")]
+        command = [sys.executable, "-m", "gpn_cli", "train", "--dataset", str(tmp_path / "missing.txt")]
         command += ["--output-dir", str(tmp_path / "run"), *extra]
         done = subprocess.run(
             command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, **env}
@@ -530,7 +530,7 @@ def test_gpn_train_mixed_precision_bf16_on_cpu_ends_finite(tmp_path):
     rate)."""
     data = require_shared("data/tinyshakespeare/input.txt")
     run = tmp_path / "run"
-    command = [sys.executable, "-m", "modeling_gpn.cli", "train"]
+    command = [sys.executable, "-m", "gpn_cli", "train"]
     command += small_args(data, run, tmp_path / "cache", "--steps", "4", "--mixed-precision", "bf16")
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

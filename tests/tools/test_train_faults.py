@@ -38,7 +38,7 @@ from .train_runs import (
 
 pytestmark = pytest.mark.usefixtures("accelerate_on_cpu")
 
-TRAIN_CLI = [sys.executable, "-m", "modeling_gpn.cli", "train"]  # the `gpn` console script's own entry point
+TRAIN_CLI = [sys.executable, "-m", "gpn_cli", "train"]  # the `gpn` console script's own entry point
 
 
 def run_train(shakespeare, out, cache, *extra, skip_nonfinite=False, resume=None) -> dict:
@@ -663,7 +663,7 @@ def test_a_second_run_into_the_same_folder_stops_at_once_and_a_killed_runs_lock_
         output = second.log_path.read_text()
         assert second.returncode == 1, output[-3000:]
         assert f"is in use by another gpn train run (pid {first.pid} on " in output, output[-3000:]
-        assert "__main__.py train --recipe tiny-cpu" in output  # the holder's command (python -m modeling_gpn.cli)
+        assert "__main__.py train --recipe tiny-cpu" in output  # the holder's command (python -m gpn_cli)
         assert time.time() - started < 60
         # It wrote nothing: the first run's log goes on, one record per step, and has no model yet.
         wait_for_step(first, run_dir, max(r["step"] for r in read_log(run_dir)) + 1)

@@ -1,7 +1,0 @@
-"""`python -m modeling_gpn.cli`: the `gpn` console script."""
-
-import sys
-
-from . import main
-
-sys.exit(main())
