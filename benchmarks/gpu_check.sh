@@ -84,7 +84,7 @@ have = tuple(int(x) for x in re.findall(r"\d+", transformers.__version__)[:2])
 sys.exit(0 if have >= (5, 24) else 1)
 PY
 # the package layout without installing: modeling_gpn + its configuration presets
-rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r modeling_gpn /tmp/pkg/ && cp -r configuration /tmp/pkg/modeling_gpn/configuration && cp -r conversion /tmp/pkg/modeling_gpn/conversion && cp -r eval /tmp/pkg/modeling_gpn/evaluation
+rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r modeling_gpn gpn_cli /tmp/pkg/ && cp -r configuration /tmp/pkg/modeling_gpn/configuration && cp -r conversion /tmp/pkg/modeling_gpn/conversion && cp -r eval /tmp/pkg/modeling_gpn/evaluation
 export PYTHONPATH=/tmp/pkg:${PYTHONPATH:-}
 unset TRITON_INTERPRET  # compiled kernels on the GPU
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
