@@ -65,9 +65,9 @@ def run_study(
             # the settings first: a later run continues this training only with the same ones
             record = {"config": record_of(training_config(name, study["models"][name], study, output))}
             (output / name).mkdir(exist_ok=True)
-            write_file_atomically(output / name / STUDY_RECORD, json.dumps(record, indent=1, default=str))
+            write_record(output / name, record)
             record["train"] = train_one(name, study["models"][name], study, output, show_progress, resume=resume)
-            write_file_atomically(output / name / STUDY_RECORD, json.dumps(record, indent=1, default=str))
+            write_record(output / name, record)
         print(f"== {name}: evaluating", flush=True)
         model, tokenizer = load_model(str(output / name / "model"))
         eval_results = evaluate_one(name, study, output, data_dir, show_progress, model, tokenizer)
@@ -79,7 +79,7 @@ def run_study(
         }
         del model, tokenizer
         record.update(evaluation=evaluation, run=runs[name])
-        write_file_atomically(output / name / STUDY_RECORD, json.dumps(record, indent=1, default=str))
+        write_record(output / name, record)
     # The report covers the whole study, not only this run's models (`--only`): the other models an earlier run
     # of it finished in this folder are in the table, and the ones it lacks are named as left out.
     others = [name for name in study["models"] if name not in names]
@@ -133,6 +133,11 @@ def training_config(name: str, model_config: dict, study: dict, output: Path) ->
     except ValueError as error:
         raise StudyError(f"model {name}: {error}") from None
     return config
+
+
+def write_record(folder: Path, record: dict[str, Any]) -> None:
+    """A model's record (`STUDY_RECORD`) in its folder, replaced whole."""
+    write_file_atomically(folder / STUDY_RECORD, json.dumps(record, indent=1, default=str))
 
 
 def record_of(config: dict) -> dict[str, Any]:
@@ -232,10 +237,8 @@ def check_evaluation_data(study: dict, data_dir: str | None) -> None:
     settings = EvalSettings(**study["eval"])
     if data_dir and not settings.data_dir:
         settings.data_dir = data_dir
-    dataset = study["recipe"].get("dataset")
-    local_corpus = dataset == "shakespeare" or bool(dataset and Path(dataset).exists())  # (`held_out_source`)
     for task in settings.tasks:
-        if task == "fineweb_paper" and local_corpus:
+        if task == "fineweb_paper" and trains_on_a_local_corpus(study):
             continue
         try:
             data_source(task, settings)
@@ -246,10 +249,19 @@ def check_evaluation_data(study: dict, data_dir: str | None) -> None:
             ) from None
 
 
+def trains_on_a_local_corpus(study: dict) -> bool:
+    """Whether the study's corpus is local (the built-in Shakespeare, or a file), so that its held-out windows are
+    evaluated from it (`held_out_source`) and not from the Hub."""
+    dataset = study["recipe"].get("dataset")
+    return dataset == "shakespeare" or bool(dataset and Path(dataset).exists())
+
+
 def held_out_source(study: dict, output: Path) -> str | None:
     """A local file holding the training corpus, for evaluating on `gpn train`'s held-out windows.
 
     Hub corpora return None (the evaluation then reads FineWeb-Edu from the Hub)."""
+    if not trains_on_a_local_corpus(study):
+        return None
     dataset = study["recipe"].get("dataset")
     if dataset == "shakespeare":
         from modeling_gpn.data import shakespeare_documents
@@ -260,9 +272,7 @@ def held_out_source(study: dict, output: Path) -> str | None:
                 for document in shakespeare_documents():
                     handle.write(json.dumps({"text": document}) + "\n")
         return str(path)
-    if dataset and Path(dataset).exists():
-        return str(dataset)
-    return None
+    return str(dataset)
 
 
 def parameter_counts(model) -> dict[str, int]:
