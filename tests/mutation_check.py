@@ -2756,6 +2756,20 @@ MUTATIONS = [
         ("tests/tools/test_inspect.py -k document_resets",),
     ),
     Mutation(
+        "analysis.state_horizons pairs positions of different documents",
+        "modeling_gpn/analysis/horizons.py",
+        "    return lambda k: ids[:, :-k] == ids[:, k:]\n",
+        "    return lambda k: ids[:, :-k] == ids[:, :-k]  # MUTATION\n",
+        ("tests/tools/test_inspect.py::test_horizons_and_retention_pair_no_positions_across_a_reset",),
+    ),
+    Mutation(
+        "analysis.retention_curves multiplies decays across a document reset",
+        "modeling_gpn/analysis/retention.py",
+        "            inside = ids[:, : ids.shape[1] - k + 1] == ids[:, k - 1 :]\n",
+        "            inside = ids[:, : ids.shape[1] - k + 1] == ids[:, : ids.shape[1] - k + 1]  # MUTATION\n",
+        ("tests/tools/test_inspect.py::test_horizons_and_retention_pair_no_positions_across_a_reset",),
+    ),
+    Mutation(
         "gpn bench's one-token step without its cache",
         "modeling_gpn/bench/timing.py",
         'state["cache"] = cache_of(model(input_ids=token, cache=state["cache"], use_cache=True))',

@@ -204,6 +204,37 @@ def test_horizons_of_an_alternating_state():
     np.testing.assert_allclose(result["centred"], [-1, 1, -1, 1])
 
 
+def test_horizons_and_retention_pair_no_positions_across_a_reset():
+    """Statistics that pair positions (the horizons' cos(p_t, p_t+k), the retention's products of consecutive e^γ)
+    paired positions of different documents, across a reset the model ran. With documents, only pairs inside one
+    document count: here every state of a document is one direction (+a in the first, -a in the second), so
+    every pair inside a document has cosine 1 and every pair across has -1; the decays differ by document."""
+    a = np.zeros((1, 10, 4))
+    a[..., 0] = 1.0
+    states = np.concatenate([a[:, :4] * 2.0, -a[:, :6]], axis=1).repeat(2, axis=0)  # documents of 4 and 6 positions
+    documents = np.array([[0] * 4 + [1] * 6] * 2)
+    paired = analysis.state_horizons(states, lags=[1, 3, 5], documents=documents)
+    np.testing.assert_allclose(paired["raw"], [1.0, 1.0, 1.0])
+    carried = analysis.state_horizons(states, lags=[1, 3, 5])
+    assert carried["raw"][0] < 1.0  # across the reset they pair: the check can fail
+    assert analysis.state_horizons(states, lags=[6], documents=documents)["raw"][0] != 1.0  # (NaN: no pair)
+
+    gammas = np.concatenate([np.full((2, 4, 1), -1.0), np.full((2, 6, 1), -0.1)], axis=1)
+    curves = analysis.retention_curves(gammas, documents=documents)
+    assert curves.shape == (7, 1)  # to the longest document
+    for k in range(1, 7):
+        inside = [
+            np.exp(gammas[n, s : s + k].sum())
+            for n in range(2)
+            for s in range(10 - k + 1)
+            if (s < 4) == (s + k - 1 < 4)
+        ]
+        np.testing.assert_allclose(curves[k, 0], np.mean(inside), rtol=1e-12)
+    assert not np.allclose(analysis.retention_curves(gammas)[1:7], curves[1:])  # the check can fail
+    result = analysis.memory_retention(gammas, documents=documents)
+    assert result["max_lag"] == 6 and np.isfinite(result["half_lives"]).all()
+
+
 # --------------------------------------------------------------------------------------------------
 # Causal ablations
 # --------------------------------------------------------------------------------------------------
