@@ -2828,6 +2828,13 @@ MUTATIONS = [
         ("tests/tools/test_inspect.py::test_gpn_inspect_runs_a_model_in_its_own_document_regime",),
     ),
     Mutation(
+        "gpn inspect's document resets asked of a tokenizer without EOS (silently resetting nowhere)",
+        "modeling_gpn/inspect/cli.py",
+        "    if resets and tokenizer.eos_token_id is None:  # (documents are found by their EOS)\n",
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_inspect.py::test_document_resets_without_an_eos_token_are_one_line",),
+    ),
+    Mutation(
         "gpn inspect's document starts are not gpn train's (the EOS itself taken as the start)",
         "modeling_gpn/inspect/states.py",
         "    starts[:, 1:] = windows[:, :-1] == eos_token_id\n",

@@ -509,6 +509,32 @@ def test_gpn_inspect_runs_a_model_in_its_own_document_regime(tiny_llama_vocab_mo
     assert recorded["horizons"]["max_lag"] < overridden["horizons"]["max_lag"]  # lags inside one document
 
 
+def test_document_resets_without_an_eos_token_are_one_line(tiny_llama_vocab_model, tmp_path, monkeypatch, capsys):
+    """Documents are found by their EOS: resets asked of a tokenizer without one would silently reset nowhere.
+    One `gpn inspect: error:` line names the option and what to do, exit 2, nothing written."""
+    from gpn_cli import main
+    from modeling_gpn.inspect import cli
+
+    load_tokenizer = cli.load_tokenizer
+
+    def without_eos(*args, **kwargs):
+        tokenizer = load_tokenizer(*args, **kwargs)
+        tokenizer.eos_token = None
+        return tokenizer
+
+    monkeypatch.setattr(cli, "load_tokenizer", without_eos)
+    text = require_shared("data/tinyshakespeare/input.txt")
+    output = tmp_path / "report"
+    arguments = [str(tiny_llama_vocab_model), "--data", str(text), "--tokens", "128", "--seq-len", "64"]
+    assert main(["inspect", *arguments, "--reset-at-document-start", "--output", str(output), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("gpn inspect: error: ")]
+    assert len(lines) == 1 and "Traceback" not in err and not output.exists(), err
+    assert lines[0].startswith(
+        "gpn inspect: error: document resets (--reset-at-document-start) need the tokenizer's EOS"
+    )
+
+
 def test_gpn_inspect_of_a_peft_adapter_folder(tiny_llama_vocab_model, tmp_path):
     """A PEFT adapter folder (what a LoRA fine-tune saves) was refused: "not a model folder: it has no config.json".
     It loads as its base with the adapter attached, and the report is the adapted model's."""
