@@ -12,6 +12,9 @@ model and writes the report. Definitions follow "A Single-Layer Model Can Do Lan
   averaged over start positions, its 1/e half-life, and the split of the heads into a fast and a
   slow pool.
 
+The horizons and the memory retention pair positions; given per-position document ids (`documents`, for states
+collected with the state reset at each document start), they pair positions inside one document only.
+
 Choices the paper leaves open are made here and stated in each docstring (all computed in float64).
 
 Where its parts live (this face re-exports their public names):
@@ -20,7 +23,7 @@ Where its parts live (this face re-exports their public names):
     direction.py  `mean_direction`, `spearman`, `rankdata`
     horizons.py   `state_horizons`, `log_lags`
     retention.py  `memory_retention`, `retention_curves`, `half_lives`, `split_pools`, `INV_E`
-    arrays.py     the input check they share
+    arrays.py     the input check they share, `longest_document`
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The one check every measurement makes of its input: a finite, non-empty float64 array of the right rank."""
+"""The one check every measurement makes of its input (a finite, non-empty float64 array of the right rank), and
+the length of the longest document in the per-position document ids that the measurements pairing positions take."""
 
 from __future__ import annotations
 
@@ -15,3 +16,12 @@ def as_float64(array, name: str, ndim: int) -> np.ndarray:
     if not np.isfinite(values).all():
         raise ValueError(f"{name} contains NaN or infinite values")
     return values
+
+
+def longest_document(documents) -> int:
+    """The longest run of one document id (sequences, T) inside a sequence: the longest lag + 1 with a pair."""
+    ids = np.asarray(documents)
+    changes = np.ones(ids.shape, dtype=bool)
+    changes[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    starts = np.flatnonzero(changes.ravel())  # (each sequence's first position is a change, so runs stay inside one)
+    return int(np.diff(np.append(starts, ids.size)).max())

@@ -8,12 +8,12 @@ import math
 
 import numpy as np
 
-from .arrays import as_float64
+from .arrays import as_float64, longest_document
 
 INV_E = math.exp(-1.0)
 
 
-def retention_curves(gammas, max_lag: int | None = None) -> np.ndarray:
+def retention_curves(gammas, max_lag: int | None = None, documents=None) -> np.ndarray:
     """Per-head retention R_h(k) for k = 0..max_lag from gamma shaped (sequences, T, H).
 
     R_h(k) = mean over sequences n and start positions s = 0 .. T-k of exp(gamma[n, s] + ... + gamma[n, s+k-1]):
@@ -21,14 +21,27 @@ def retention_curves(gammas, max_lag: int | None = None) -> np.ndarray:
     of products (not the product of mean retentions), over the T-k+1 starts that still have k steps in the
     window: fewer as k grows, so the long lags average over the window's early starts only (the paper's
     product runs from the window's first token alone, s = 0). R_h(0) = 1. Returns an array (max_lag + 1, H).
+
+    `documents` (sequences, T) ints, for a memory reset to zero at each document start: only the starts whose k
+    writes s .. s+k-1 lie in one document count (a reset in between leaves nothing), and max_lag is at most the
+    longest stretch of one document, so every lag has a start.
     """
     g = as_float64(gammas, "gammas", 3)
     num_seq, length, heads = g.shape
+    if documents is not None:
+        ids = np.asarray(documents)
+        if ids.shape != (num_seq, length):
+            raise ValueError(f"documents must have shape {(num_seq, length)} (sequences, T), got {ids.shape}")
+        length = longest_document(ids)
     max_lag = length if max_lag is None else min(max_lag, length)
     cumulative = np.concatenate([np.zeros((num_seq, 1, heads)), np.cumsum(g, axis=1)], axis=1)
     curves = np.ones((max_lag + 1, heads))
     for k in range(1, max_lag + 1):
-        curves[k] = np.exp(cumulative[:, k:] - cumulative[:, :-k]).mean(axis=(0, 1))
+        if documents is None:
+            curves[k] = np.exp(cumulative[:, k:] - cumulative[:, :-k]).mean(axis=(0, 1))
+        else:  # the starts s whose first and last of the k writes lie in one document (documents are contiguous)
+            inside = ids[:, : ids.shape[1] - k + 1] == ids[:, k - 1 :]
+            curves[k] = np.exp(cumulative[:, k:] - cumulative[:, :-k])[inside].mean(axis=0)
     return curves
 
 
@@ -106,14 +119,15 @@ def split_pools(half_life_values, min_ratio: float = 2.0) -> dict:
     }
 
 
-def memory_retention(gammas, max_lag: int | None = None, min_pool_ratio: float = 2.0) -> dict:
+def memory_retention(gammas, max_lag: int | None = None, min_pool_ratio: float = 2.0, documents=None) -> dict:
     """Per-head retention curves, 1/e half-lives and the fast / slow pool split (section 6.3).
 
     `gammas` (sequences, T, H) are the models' log retentions per step (retention = exp(gamma)).
     Also reports each head's mean gamma and the half-life of its average rate, -1 / mean(gamma).
+    `documents`: as in `retention_curves`, for a memory reset at each document start.
     """
     g = as_float64(gammas, "gammas", 3)
-    curves = retention_curves(g, max_lag)
+    curves = retention_curves(g, max_lag, documents)
     lives, beyond = half_lives(curves)
     mean_gamma = g.mean(axis=(0, 1))
     pools = split_pools(lives, min_ratio=min_pool_ratio)

@@ -4,8 +4,9 @@
 
 MODEL is a local folder or a Hub repo id; DATA a Hub dataset id or local .txt / .jsonl / .json /
 .parquet files (or a folder of them). The command runs the model over `--tokens` tokens cut into
-non-overlapping windows of `--seq-len` tokens (each window starts from the zero state, as in training),
-collects the predicted state p_t at every position (`output_predicted_states`) and the per-head memory
+non-overlapping windows of `--seq-len` tokens (each window starts from the zero state, as in training; a
+model trained with `gpn train --reset-at-document-start` also starts each document inside a window from it, as
+`--[no-]reset-at-document-start` can choose either way), collects the predicted state p_t at every position (`output_predicted_states`) and the per-head memory
 decays gamma (`output_memory_decays`), and writes to DIR:
 
 - `report.json`: every number below, machine-readable;
@@ -25,7 +26,8 @@ Where its parts live (this face re-exports their public names):
 
     inputs.py     the model (`load_model`) and the token windows (`load_token_windows`, `iter_documents`);
                   the tokenizer comes from `modeling_gpn.data.load_tokenizer`
-    states.py     `collect`: one pass keeps p_t, gamma_t and the loss (`Collected`)
+    states.py     `collect`: one pass keeps p_t, gamma_t and the loss (`Collected`); where documents start
+                  (`document_starts`, `document_position_ids`, `document_ids`)
     ablations.py  `Ablation`, `ablated_logits`, `ablated_states`, the perplexities and the causal tests
     report.py     `build_report`, `report_json`
     markdown.py   `report_markdown`
@@ -56,7 +58,7 @@ from .inputs import (
 )
 from .markdown import report_markdown
 from .report import build_report, report_json
-from .states import Collected, collect
+from .states import Collected, collect, document_ids, document_position_ids, document_starts
 
 __all__ = [
     "Ablation",
@@ -72,6 +74,9 @@ __all__ = [
     "causal_tests",
     "collect",
     "decoded_perplexity",
+    "document_ids",
+    "document_position_ids",
+    "document_starts",
     "iter_documents",
     "load_model",
     "load_token_windows",

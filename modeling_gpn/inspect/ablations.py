@@ -5,7 +5,9 @@ The conditions: s_bar subtracted from the decoded state, s_bar subtracted from t
 next step, the fast pool's memory heads off, the slow pool's heads off, and every memory read off. They run
 `ablated_logits`, a copy of the model's time loop built from the model's own pieces that reproduces the
 model's plain (module-calling) loop exactly when no ablation is active; the baseline they are compared with
-runs that same loop with nothing removed, and decode-only conditions decode its states.
+runs that same loop with nothing removed, and decode-only conditions decode its states. With document resets
+(`reset_after`, an EOS id) the loop resets (p, g, M) to the zero state right before every document start, as
+the model's plain loop does for packed sequences, so each condition runs in the regime the model was trained in.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .states import window_nll
+from .states import document_starts, window_nll
 
 
 @dataclass(eq=False)
@@ -42,15 +44,18 @@ class Ablation:
     reads_off: bool = False
 
 
-def ablated_logits(model, input_ids: torch.Tensor, ablation: Ablation | None = None) -> torch.Tensor:
+def ablated_logits(
+    model, input_ids: torch.Tensor, ablation: Ablation | None = None, reset_after: int | None = None
+) -> torch.Tensor:
     """Logits (batch, T, vocab) of `model` on `input_ids` from the zero state under `ablation`.
 
     Built from the model's own pieces in the order of `GPNModel.step` (token_inputs, ground,
     memory_write, the predict layers and their read, decode); with no ablation it is the model's
-    forward bit for bit.
+    forward bit for bit. `reset_after`: a token id (EOS) after which every document starts again from the
+    zero state (`states.document_starts`); None runs the state on across documents.
     """
     ablation = ablation or Ablation()
-    states = ablated_states(model, input_ids, ablation)
+    states = ablated_states(model, input_ids, ablation, reset_after)
     if ablation.decode_shift is not None:
         states = states - ablation.decode_shift
     return model.decode(states)
@@ -67,7 +72,9 @@ def _read_without_heads(layer, state: torch.Tensor, memory: torch.Tensor, keep: 
     return project(layer.read_out, F.silu(project(layer.read_gate, normed)) * (normalised * keep.to(normalised.dtype)))
 
 
-def ablated_states(model, input_ids: torch.Tensor, ablation: Ablation | None = None) -> torch.Tensor:
+def ablated_states(
+    model, input_ids: torch.Tensor, ablation: Ablation | None = None, reset_after: int | None = None
+) -> torch.Tensor:
     """The predicted states p_t (batch, T, d) of `ablated_logits`, before any `decode_shift`."""
     from ..modeling_gpn import project
 
@@ -88,8 +95,14 @@ def ablated_states(model, input_ids: torch.Tensor, ablation: Ablation | None = N
     batch_size, length = input_ids.shape
     token_inputs = core.token_inputs(core.embed_tokens(input_ids))
     predicted, grounded, memory = core.zero_state(batch_size, input_ids.device)
+    starts = None if reset_after is None else document_starts(input_ids, reset_after)
     outputs = []
     for t in range(length):
+        if starts is not None:  # a document starts here: from the zero state (as the model's plain loop resets)
+            starting = starts[:, t]
+            predicted = predicted.masked_fill(starting[:, None], 0.0)
+            grounded = grounded.masked_fill(starting[:, None], 0.0)
+            memory = memory.masked_fill(starting.view(-1, *([1] * (memory.dim() - 1))), 0.0)
         new_grounded = core.ground(predicted, token_inputs[:, t])
         if has_memory:
             memory, _ = core.memory_write(memory, grounded, new_grounded)
@@ -113,16 +126,22 @@ def ablated_states(model, input_ids: torch.Tensor, ablation: Ablation | None = N
 
 @torch.inference_mode()
 def ablation_perplexity(
-    model, windows: torch.Tensor, ablation: Ablation, batch_size: int = 8, progress: bool = True
+    model,
+    windows: torch.Tensor,
+    ablation: Ablation,
+    batch_size: int = 8,
+    progress: bool = True,
+    reset_after: int | None = None,
 ) -> dict:
-    """Token perplexity of `windows` under `ablation` (all positions of every window)."""
+    """Token perplexity of `windows` under `ablation` (all positions of every window); `reset_after` as in
+    `ablated_logits`."""
     from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
     nll_sum, count = 0.0, 0
     for start in tqdm(range(0, windows.shape[0], batch_size), desc=f"ablation: {ablation.name}", disable=not progress):
         batch = windows[start : start + batch_size].to(device)
-        s, c = window_nll(ablated_logits(model, batch, ablation), batch)
+        s, c = window_nll(ablated_logits(model, batch, ablation, reset_after), batch)
         nll_sum, count = nll_sum + s, count + c
     return {"nll": nll_sum / count, "perplexity": math.exp(nll_sum / count), "tokens": count}
 
@@ -146,15 +165,18 @@ def decoded_perplexity(
 
 
 @torch.inference_mode()
-def baseline_states(model, windows: torch.Tensor, batch_size: int = 8, progress: bool = True) -> np.ndarray:
-    """The predicted states (n, T, d), float32, of `windows` through `ablated_states` with nothing removed."""
+def baseline_states(
+    model, windows: torch.Tensor, batch_size: int = 8, progress: bool = True, reset_after: int | None = None
+) -> np.ndarray:
+    """The predicted states (n, T, d), float32, of `windows` through `ablated_states` with nothing removed
+    (`reset_after` as in `ablated_logits`)."""
     from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
     states = []
     for start in tqdm(range(0, windows.shape[0], batch_size), desc="ablation: baseline", disable=not progress):
         batch = windows[start : start + batch_size].to(device)
-        states.append(ablated_states(model, batch).float().cpu().numpy())
+        states.append(ablated_states(model, batch, reset_after=reset_after).float().cpu().numpy())
     return np.concatenate(states)
 
 
@@ -200,15 +222,17 @@ def causal_tests(
     ablation_windows: int | None = None,
     batch_size: int = 8,
     progress: bool = True,
+    reset_after: int | None = None,
 ) -> dict:
     """The report's causal tests: perplexity of the (first `ablation_windows`) windows under each of
-    `standard_ablations`, beside the baseline's, as rows with their change.
+    `standard_ablations`, beside the baseline's, as rows with their change; with `reset_after` (an EOS id),
+    every condition and the baseline start each document from the zero state.
 
     The baseline is the time loop the ablations run (`ablated_states` with nothing removed), not the model's
     forward: the forward takes the fast path, whose rounding differs from the module-calling loop's in bf16,
     and that difference would be counted as the ablations' effect. The decode-only conditions decode the baseline's states (no second recurrence)."""
     subset = windows if ablation_windows is None else windows[: max(1, ablation_windows)]
-    states = baseline_states(model, subset, batch_size, progress)
+    states = baseline_states(model, subset, batch_size, progress, reset_after)
     baseline = decoded_perplexity(model, states, subset, None, batch_size)
     rows = [{"name": "baseline", "description": "the model as trained", **baseline, "delta_ppl": 0.0, "delta_pct": 0.0}]
     for ablation in standard_ablations(model, s_bar, pools):
@@ -216,7 +240,7 @@ def causal_tests(
         if decode_only:
             result = decoded_perplexity(model, states, subset, ablation.decode_shift, batch_size)
         else:
-            result = ablation_perplexity(model, subset, ablation, batch_size, progress)
+            result = ablation_perplexity(model, subset, ablation, batch_size, progress, reset_after)
         rows.append(
             {
                 "name": ablation.name,

@@ -22,7 +22,7 @@ from .inputs import (
     load_token_windows,
     trained_with_document_resets,
 )
-from .markdown import report_markdown
+from .markdown import RECORDED, report_markdown
 from .report import build_report, report_json
 from .states import collect
 
@@ -65,6 +65,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens (first windows) for the causal tests; None means all of --tokens",
     )
     parser.add_argument("--no-ablations", action="store_true", help="skip the causal tests")
+    parser.add_argument(
+        "--reset-at-document-start",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="start every document inside a window (the token after each EOS) from the zero state, in every "
+        "measurement and causal test, as gpn train --reset-at-document-start trains; --no-reset-at-document-start "
+        "runs the state on across documents; default: the model's own regime (resets when its run folder's "
+        "train_config.json says it was trained with them, none otherwise)",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     parser.add_argument(
         "--dtype",
@@ -92,6 +101,16 @@ def check_numbers(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
     if args.max_geometry_states < 2:  # one state has no spread: the geometry failed with a traceback after the run
         raise ValueError(f"--max-geometry-states must be at least 2, got {args.max_geometry_states}")
+
+
+def document_regime(option: bool | None, trained_with_resets: bool) -> tuple[bool, str]:
+    """Whether the state resets at each document start, and why: `--[no-]reset-at-document-start` when given,
+    else the model's own regime (its run folder's train_config.json)."""
+    if option is not None:
+        return option, "--reset-at-document-start" if option else "--no-reset-at-document-start"
+    if trained_with_resets:
+        return True, RECORDED
+    return False, "the default (no train_config.json records document resets)"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -123,7 +142,15 @@ def run(args: argparse.Namespace) -> int:
             f"the tokenizer produced id {int(windows.max())} but the model's vocabulary has "
             f"{model.config.vocab_size} tokens; pass the tokenizer the model was trained with"
         )
-    collected = collect(model, windows, args.batch_size, progress)
+    trained_with_resets = trained_with_document_resets(args.model)
+    resets, resets_from = document_regime(args.reset_at_document_start, trained_with_resets)
+    if resets and tokenizer.eos_token_id is None:  # (documents are found by their EOS)
+        return fail(
+            f"document resets ({resets_from}) need the tokenizer's EOS token, which marks where documents end, and "
+            "this tokenizer has none; pass the tokenizer the model was trained with, or --no-reset-at-document-start"
+        )
+    reset_after = tokenizer.eos_token_id if resets else None
+    collected = collect(model, windows, args.batch_size, progress, reset_after)
     ablation_windows = None if args.ablation_tokens is None else max(1, args.ablation_tokens // seq_len)
     report = build_report(
         model,
@@ -137,11 +164,13 @@ def run(args: argparse.Namespace) -> int:
         run_ablations=not args.no_ablations,
         seed=args.seed,
         progress=progress,
+        reset_after=reset_after,
     )
     report["data"]["source"] = args.data
-    # the windows run the state on across the documents inside them (joined with EOS): said where the model was
-    # trained to start each document from the zero state, whose numbers here then differ from training's
-    report["data"]["trained_with_document_resets"] = trained_with_document_resets(args.model)
+    # which regime ran and why: a model trained to start each document from the zero state, run on across the
+    # documents of a window (joined with EOS), is measured outside the regime it was trained in
+    report["data"]["trained_with_document_resets"] = trained_with_resets
+    report["data"]["document_resets_from"] = resets_from
     report["model"]["name_or_path"] = args.model
     output.mkdir(parents=True, exist_ok=True)
     figures = write_figures(report, output)

@@ -30,7 +30,7 @@ def report_markdown(report: dict, figures: Sequence[str] = ()) -> str:
     lines += mean_direction_lines(report["mean_direction"])
     lines += horizons_lines(report["horizons"])
     if report.get("memory"):
-        lines += memory_lines(report["memory"])
+        lines += memory_lines(report["memory"], bool(report["data"].get("document_resets")))
     if report.get("ablations"):
         lines += ablation_lines(report["ablations"])
     if figures:
@@ -47,17 +47,37 @@ def overview_lines(m: dict, data: dict) -> list[str]:
         + f", {m['parameters']:,} parameters.",
         f"Data: {data['windows']} windows × {data['seq_len']} tokens = {data['tokens']:,} tokens "
         f"(each window from the zero state); perplexity {_fmt(data['perplexity'])} over {data['predicted_tokens']:,} predicted tokens.",
-        *(
-            [
-                "Note: this model was trained with `--reset-at-document-start` (its state reset to zero at each "
-                "document's start); here the state runs on across the documents inside a window, so every number "
-                "below (the perplexity too) measures it outside the regime it was trained in."
-            ]
-            if data.get("trained_with_document_resets")
-            else []
-        ),
+        document_regime_line(data),
         "",
     ]
+
+
+# `data.document_resets_from` when the model's own record chose the regime (`gpn inspect`'s `document_regime`)
+RECORDED = "the model's train_config.json (trained with --reset-at-document-start)"
+
+
+def document_regime_line(data: dict) -> str:
+    """Which regime ran (the state reset at each document start, or run on across documents) and why."""
+    trained = data.get("trained_with_document_resets")
+    source = data.get("document_resets_from")
+    if not data.get("document_resets"):
+        if not trained:
+            return "Documents are joined with EOS and the state runs on across them inside a window."
+        return (
+            "Note: this model was trained with `--reset-at-document-start` (its state reset to zero at each "
+            "document's start); here the state runs on across the documents inside a window"
+            + (f" ({source})" if source else "")
+            + ", so every number below (the perplexity too) measures it outside the regime it was trained in."
+        )
+    if source == RECORDED:
+        why = ", as in training: the model was trained with `--reset-at-document-start` (its train_config.json)."
+    else:
+        why = f" ({source})." if source else "."
+    return (
+        "Documents: each starts from the zero state (the state resets at the token after every EOS, in every "
+        "measurement and causal test; the horizons and the memory retention pair positions inside one document "
+        "only)" + why
+    )
 
 
 def geometry_lines(g: dict) -> list[str]:
@@ -117,15 +137,22 @@ def horizons_lines(hz: dict) -> list[str]:
     ]
 
 
-def memory_lines(memory: dict) -> list[str]:
-    """Each head's half-life (shortest first) and pool, and the pools' ranges."""
+def memory_lines(memory: dict, documents: bool = False) -> list[str]:
+    """Each head's half-life (shortest first) and pool, and the pools' ranges (`documents`: the memory was reset
+    at each document start, and the products of decays stay inside one document)."""
     lines = [
         "## Memory retention",
         "",
-        f"Half-life = lag k where the product of k consecutive e^γ, averaged over every start that has k steps left "
-        "in its window, reaches 1/e "
-        f"(window {memory['max_lag']} tokens; past it, extrapolated at the head's average rate, marked *). "
-        f"Pools: {memory['rule']}"
+        "Half-life = lag k where the product of k consecutive e^γ, averaged over every start that has k steps left "
+        + (
+            "in its document (the memory resets at each document start), reaches 1/e "
+            f"(longest document stretch {memory['max_lag']} tokens; past it, extrapolated at the head's average rate, "
+            "marked *). "
+            if documents
+            else "in its window, reaches 1/e "
+            f"(window {memory['max_lag']} tokens; past it, extrapolated at the head's average rate, marked *). "
+        )
+        + f"Pools: {memory['rule']}"
         + (
             f", cut at {_fmt(memory['threshold'])} tokens (pool ratio {_fmt(memory.get('pool_ratio'))}×)."
             if memory["split"]

@@ -10,7 +10,7 @@ import torch
 
 from .. import analysis
 from .ablations import causal_tests
-from .states import Collected
+from .states import Collected, document_ids
 
 
 def build_report(
@@ -25,9 +25,15 @@ def build_report(
     run_ablations: bool = True,
     seed: int = 0,
     progress: bool = True,
+    reset_after: int | None = None,
 ) -> dict:
-    """All measurements and causal tests as one dict (numpy arrays kept for the figures)."""
+    """All measurements and causal tests as one dict (numpy arrays kept for the figures).
+
+    `reset_after`: the token id (EOS) after which every document started from the zero state when `collected`
+    was collected (`collect(..., reset_after=...)`); the causal tests run so too, and the horizons and the memory
+    retention pair only positions inside one document. None: the state ran on across documents."""
     num_windows, length = windows.shape
+    documents = None if reset_after is None else document_ids(windows, reset_after)
     report: dict = {
         "model": model_summary(model, collected.states.shape[-1]),
         "data": {
@@ -36,17 +42,20 @@ def build_report(
             "tokens": num_windows * length,
             "predicted_tokens": collected.nll_count,
             "perplexity": collected.perplexity,
+            "document_resets": reset_after is not None,
         },
     }
     report["geometry"] = analysis.state_geometry(sampled_states(collected.states, max_geometry_states, seed), seed=seed)
     report["mean_direction"] = mean_direction_report(model, tokenizer, windows, collected, top_k)
-    report["horizons"] = analysis.state_horizons(collected.states)
-    report["memory"] = analysis.memory_retention(collected.gammas) if collected.gammas is not None else None
+    report["horizons"] = analysis.state_horizons(collected.states, documents=documents)
+    report["memory"] = (
+        analysis.memory_retention(collected.gammas, documents=documents) if collected.gammas is not None else None
+    )
     report["ablations"] = None
     if run_ablations:
         s_bar = report["mean_direction"]["s_bar"]
         report["ablations"] = causal_tests(
-            model, windows, s_bar, report["memory"], ablation_windows, batch_size, progress
+            model, windows, s_bar, report["memory"], ablation_windows, batch_size, progress, reset_after
         )
     return report
 

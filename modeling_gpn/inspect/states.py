@@ -1,5 +1,10 @@
 """Collecting the state: one pass of the model over the windows keeps the predicted state p_t at every
-position (`output_predicted_states`), the per-head memory decays gamma (`output_memory_decays`) and the loss."""
+position (`output_predicted_states`), the per-head memory decays gamma (`output_memory_decays`) and the loss.
+
+Documents are joined with EOS inside a window. With document resets (the regime of a model trained with
+`gpn train --reset-at-document-start`), every document starts from the zero state: the first token after each
+EOS is a document start (`document_starts`), as in training, and the model's forward is given position ids that
+restart there (`document_position_ids`), which it reads as packed sequences and resets its state at."""
 
 from __future__ import annotations
 
@@ -25,6 +30,30 @@ class Collected:
         return math.exp(self.nll_sum / self.nll_count)
 
 
+def document_starts(windows: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """(n, T) bool: True at the first token after every EOS of the token windows (n, T), where a document starts,
+    as `gpn train --reset-at-document-start` marks them (a window's first position is its own start: not marked).
+    The token after an EOS stays a target: it is predicted at the EOS, from the previous document's state."""
+    starts = torch.zeros_like(windows, dtype=torch.bool)
+    starts[:, 1:] = windows[:, :-1] == eos_token_id
+    return starts
+
+
+def document_position_ids(windows: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """Position ids (n, T) counting from 0 at each window's start and at every `document_starts`: the model's
+    forward reads ids restarting inside a row as packed sequences and resets (p, g, M) to zero where each starts
+    (modeling_gpn/packing.py), the same ids gpn train gives it with --reset-at-document-start."""
+    positions = torch.arange(windows.shape[1], device=windows.device).expand_as(windows)
+    last_start = torch.where(document_starts(windows, eos_token_id), positions, 0).cummax(dim=1).values
+    return positions - last_start
+
+
+def document_ids(windows: torch.Tensor, eos_token_id: int) -> np.ndarray:
+    """(n, T) int: which document of its window each position belongs to (0, 1, ... from the window's start); the
+    statistics that pair positions (horizons, memory retention) pair only those with the same id."""
+    return document_starts(windows, eos_token_id).long().cumsum(dim=1).cpu().numpy()
+
+
 def window_nll(logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[float, int]:
     """Summed next-token cross-entropy of every window position (logits[:, t] predicts token t+1)."""
     loss = F.cross_entropy(
@@ -34,8 +63,13 @@ def window_nll(logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[float, in
 
 
 @torch.inference_mode()
-def collect(model, windows: torch.Tensor, batch_size: int = 8, progress: bool = True) -> Collected:
-    """Run the model over `windows` (n, T), each from the zero state, and keep p_t, gamma_t and the loss."""
+def collect(
+    model, windows: torch.Tensor, batch_size: int = 8, progress: bool = True, reset_after: int | None = None
+) -> Collected:
+    """Run the model over `windows` (n, T), each from the zero state, and keep p_t, gamma_t and the loss.
+
+    `reset_after`: a token id (EOS) after which every document starts again from the zero state
+    (`document_starts`); None runs the state on across the documents inside a window."""
     from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
@@ -43,7 +77,8 @@ def collect(model, windows: torch.Tensor, batch_size: int = 8, progress: bool = 
     nll_sum, nll_count = 0.0, 0
     for start in tqdm(range(0, windows.shape[0], batch_size), desc="collecting states", disable=not progress):
         batch = windows[start : start + batch_size].to(device)
-        out = model(batch, output_predicted_states=True, output_memory_decays=True, use_cache=False)
+        resets = {} if reset_after is None else {"position_ids": document_position_ids(batch, reset_after)}
+        out = model(batch, output_predicted_states=True, output_memory_decays=True, use_cache=False, **resets)
         states.append(out.predicted_states.float().cpu().numpy())
         if out.memory_decays is not None:
             gammas.append(out.memory_decays.float().cpu().numpy())

@@ -204,6 +204,37 @@ def test_horizons_of_an_alternating_state():
     np.testing.assert_allclose(result["centred"], [-1, 1, -1, 1])
 
 
+def test_horizons_and_retention_pair_no_positions_across_a_reset():
+    """Statistics that pair positions (the horizons' cos(p_t, p_t+k), the retention's products of consecutive e^γ)
+    paired positions of different documents, across a reset the model ran. With documents, only pairs inside one
+    document count: here every state of a document is one direction (+a in the first, -a in the second), so
+    every pair inside a document has cosine 1 and every pair across has -1; the decays differ by document."""
+    a = np.zeros((1, 10, 4))
+    a[..., 0] = 1.0
+    states = np.concatenate([a[:, :4] * 2.0, -a[:, :6]], axis=1).repeat(2, axis=0)  # documents of 4 and 6 positions
+    documents = np.array([[0] * 4 + [1] * 6] * 2)
+    paired = analysis.state_horizons(states, lags=[1, 3, 5], documents=documents)
+    np.testing.assert_allclose(paired["raw"], [1.0, 1.0, 1.0])
+    carried = analysis.state_horizons(states, lags=[1, 3, 5])
+    assert carried["raw"][0] < 1.0  # across the reset they pair: the check can fail
+    assert analysis.state_horizons(states, lags=[6], documents=documents)["raw"][0] != 1.0  # (NaN: no pair)
+
+    gammas = np.concatenate([np.full((2, 4, 1), -1.0), np.full((2, 6, 1), -0.1)], axis=1)
+    curves = analysis.retention_curves(gammas, documents=documents)
+    assert curves.shape == (7, 1)  # to the longest document
+    for k in range(1, 7):
+        inside = [
+            np.exp(gammas[n, s : s + k].sum())
+            for n in range(2)
+            for s in range(10 - k + 1)
+            if (s < 4) == (s + k - 1 < 4)
+        ]
+        np.testing.assert_allclose(curves[k, 0], np.mean(inside), rtol=1e-12)
+    assert not np.allclose(analysis.retention_curves(gammas)[1:7], curves[1:])  # the check can fail
+    result = analysis.memory_retention(gammas, documents=documents)
+    assert result["max_lag"] == 6 and np.isfinite(result["half_lives"]).all()
+
+
 # --------------------------------------------------------------------------------------------------
 # Causal ablations
 # --------------------------------------------------------------------------------------------------
@@ -345,6 +376,163 @@ def test_gpn_inspect_says_when_the_model_was_trained_with_document_resets(tiny_l
     assert reports[False][0]["data"]["trained_with_document_resets"] is False
     assert "trained with `--reset-at-document-start`" in reports[True][1]
     assert "reset-at-document-start" not in reports[False][1]
+
+
+# --------------------------------------------------------------------------------------------------
+# Document resets: a model trained with --reset-at-document-start, inspected in its own regime
+# --------------------------------------------------------------------------------------------------
+
+EOS = 0  # tiny_config's eos_token_id
+
+
+def two_documents(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two documents, each ending in EOS, and the window (1, 23) that joins them as inspect's windows do."""
+    generator = torch.Generator().manual_seed(seed)
+    first = torch.cat([torch.randint(1, 97, (9,), generator=generator), torch.tensor([EOS])])
+    second = torch.cat([torch.randint(1, 97, (12,), generator=generator), torch.tensor([EOS])])
+    return first[None], second[None], torch.cat([first, second])[None]
+
+
+@pytest.mark.parametrize("overrides", [{}, {"num_predict_layers": 2}, {"use_memory": False}])
+def test_with_resets_a_window_of_two_documents_collects_each_document_as_if_alone(overrides):
+    """inspect ran a model trained with --reset-at-document-start with its state carried across the documents of a
+    window. With resets, the window's p_t and gamma_t are, position for position, each document's inspected alone."""
+    model = perturbed_model(tiny_config(**overrides))
+    first, second, window = two_documents(seed=8)
+    joined = collect(model, window, progress=False, reset_after=EOS)
+    alone = [collect(model, document, progress=False) for document in (first, second)]
+    np.testing.assert_allclose(joined.states, np.concatenate([a.states for a in alone], axis=1), rtol=0, atol=1e-5)
+    if joined.gammas is not None:
+        np.testing.assert_allclose(joined.gammas, np.concatenate([a.gammas for a in alone], axis=1), rtol=0, atol=1e-6)
+    carried = collect(model, window, progress=False)
+    assert (
+        np.abs(carried.states[:, 10:] - alone[1].states).max() > 0.1
+    )  # without resets they differ: the check can fail
+
+
+@pytest.mark.parametrize(
+    "ablation",
+    [Ablation(), Ablation("carry", carry_shift=torch.full((48,), 0.3)), Ablation("heads", heads_off=(1,))],
+    ids=lambda ablation: ablation.name,
+)
+def test_with_resets_an_ablation_runs_each_document_as_if_alone(ablation):
+    """inspect's own time loop (the baseline and every causal test) carried the state across documents too. With
+    resets its logits are each document's alone, and its perplexity is the documents' losses summed one by one
+    (the token after an EOS is predicted at the EOS, from the previous document's state, as in training)."""
+    import torch.nn.functional as F
+
+    from modeling_gpn.inspect import ablation_perplexity
+
+    model = perturbed_model(tiny_config())
+    first, second, window = two_documents(seed=9)
+    with torch.no_grad():
+        joined = ablated_logits(model, window, ablation, reset_after=EOS)
+        alone = torch.cat([ablated_logits(model, document, ablation) for document in (first, second)], dim=1)
+        torch.testing.assert_close(joined, alone, rtol=0, atol=1e-5)
+        assert not torch.allclose(ablated_logits(model, window, ablation)[:, 10:], alone[:, 10:], atol=1e-2)
+        result = ablation_perplexity(model, window, ablation, batch_size=1, progress=False, reset_after=EOS)
+    per_document = F.cross_entropy(alone[0, :-1], window[0, 1:], reduction="sum")  # each document's own logits
+    assert result["tokens"] == 22
+    assert result["perplexity"] == pytest.approx(math.exp(per_document.item() / 22), rel=1e-5)
+
+
+def test_with_resets_the_causal_tests_baseline_is_the_documents_one_by_one():
+    """The causal tests' baseline (and every condition) runs with the resets: removing nothing from a model inspected
+    with resets gives the forward's perplexity with resets, not the perplexity of the state carried across."""
+    from modeling_gpn.inspect import causal_tests
+
+    model = perturbed_model(tiny_config())
+    windows = torch.cat([two_documents(seed)[2] for seed in (10, 11)])
+    with_resets = collect(model, windows, progress=False, reset_after=EOS)
+    carried = collect(model, windows, progress=False)
+    rows = causal_tests(model, windows, np.zeros(48), None, batch_size=2, progress=False, reset_after=EOS)["rows"]
+    assert rows[0]["name"] == "baseline"
+    assert rows[0]["perplexity"] == pytest.approx(with_resets.perplexity, rel=1e-5)
+    assert abs(carried.perplexity / with_resets.perplexity - 1) > 1e-3  # the regimes differ, so the check can fail
+
+
+def test_inspect_resets_as_gpn_train_does():
+    """The document starts inspect resets at are those gpn train --reset-at-document-start gives the model."""
+    from modeling_gpn.inspect.states import document_position_ids
+    from modeling_gpn.train import document_position_ids as training_position_ids
+
+    windows = torch.tensor([[5, 0, 7, 0, 0, 3, 4], [0, 1, 2, 3, 0, 9, 0]])
+    assert torch.equal(document_position_ids(windows, 0), training_position_ids(windows, 0))
+
+
+def test_gpn_inspect_runs_a_model_in_its_own_document_regime(tiny_llama_vocab_model, tmp_path, monkeypatch):
+    """The regime follows the model's run folder (train_config.json), and --[no-]reset-at-document-start overrides
+    it either way; the report says which ran and why, and its numbers are the ones of that regime."""
+    from transformers import AutoTokenizer
+
+    from gpn_cli import main
+    from modeling_gpn.inspect import cli, load_model, load_token_windows
+
+    monkeypatch.setattr(cli, "write_figures", lambda report, output: [])  # (drawn and checked end to end above)
+    text = tmp_path / "docs.jsonl"
+    text.write_text("".join(json.dumps({"text": f"the cat sat on mat {i}. " * 3}) + "\n" for i in range(12)))
+    run = tmp_path / "run"
+    shutil.copytree(tiny_llama_vocab_model, run / "model")
+    (run / "train_config.json").write_text(json.dumps({"reset_at_document_start": True}))
+    bare = tiny_llama_vocab_model  # no train_config.json anywhere
+
+    def inspect(folder, *options) -> tuple[dict, str]:
+        output = tmp_path / f"report-{len(list(tmp_path.iterdir()))}"
+        arguments = ["inspect", str(folder), "--data", str(text), "--tokens", "128", "--seq-len", "64"]
+        assert main([*arguments, *options, "--ablation-tokens", "64", "--output", str(output), "--quiet"]) == 0
+        return json.loads((output / "report.json").read_text()), (output / "report.md").read_text()
+
+    recorded, recorded_md = inspect(run / "model")
+    overridden, overridden_md = inspect(run / "model", "--no-reset-at-document-start", "--no-ablations")
+    asked, asked_md = inspect(bare, "--reset-at-document-start", "--no-ablations")
+    assert [r["data"]["document_resets"] for r in (recorded, overridden, asked)] == [True, False, True]
+    assert "train_config.json" in recorded["data"]["document_resets_from"]
+    assert overridden["data"]["document_resets_from"] == "--no-reset-at-document-start"
+    assert asked["data"]["document_resets_from"] == "--reset-at-document-start"
+    assert "each starts from the zero state" in recorded_md and "as in training" in recorded_md
+    assert "outside the regime it was trained in" in overridden_md and "(--no-reset-at-document-start)" in overridden_md
+    assert "(--reset-at-document-start)" in asked_md
+
+    model = load_model(str(bare))
+    windows = load_token_windows(AutoTokenizer.from_pretrained(bare), str(text), 64, 128, progress=False)
+    assert int((windows == 2).sum()) >= 2  # documents end inside the windows (2: the llama tokenizer's EOS)
+    expected = collect(model, windows, progress=False, reset_after=2).perplexity
+    carried = collect(model, windows, progress=False).perplexity
+    assert recorded["data"]["perplexity"] == pytest.approx(expected, rel=1e-6)
+    assert asked["data"]["perplexity"] == pytest.approx(expected, rel=1e-6)
+    assert overridden["data"]["perplexity"] == pytest.approx(carried, rel=1e-6)
+    assert abs(carried / expected - 1) > 1e-4  # the regimes differ, so the check can fail
+    baseline = {r["name"]: r for r in recorded["ablations"]["rows"]}["baseline"]
+    assert baseline["perplexity"] == pytest.approx(
+        collect(model, windows[:1], progress=False, reset_after=2).perplexity, rel=1e-5
+    )
+    assert recorded["horizons"]["max_lag"] < overridden["horizons"]["max_lag"]  # lags inside one document
+
+
+def test_document_resets_without_an_eos_token_are_one_line(tiny_llama_vocab_model, tmp_path, monkeypatch, capsys):
+    """Documents are found by their EOS: resets asked of a tokenizer without one would silently reset nowhere.
+    One `gpn inspect: error:` line names the option and what to do, exit 2, nothing written."""
+    from gpn_cli import main
+    from modeling_gpn.inspect import cli
+
+    load_tokenizer = cli.load_tokenizer
+
+    def without_eos(*args, **kwargs):
+        tokenizer = load_tokenizer(*args, **kwargs)
+        tokenizer.eos_token = None
+        return tokenizer
+
+    monkeypatch.setattr(cli, "load_tokenizer", without_eos)
+    text = require_shared("data/tinyshakespeare/input.txt")
+    output = tmp_path / "report"
+    arguments = [str(tiny_llama_vocab_model), "--data", str(text), "--tokens", "128", "--seq-len", "64"]
+    assert main(["inspect", *arguments, "--reset-at-document-start", "--output", str(output), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("gpn inspect: error: ")]
+    assert len(lines) == 1 and "Traceback" not in err and not output.exists(), err
+    assert lines[0].startswith(
+        "gpn inspect: error: document resets (--reset-at-document-start) need the tokenizer's EOS"
+    )
 
 
 def test_gpn_inspect_of_a_peft_adapter_folder(tiny_llama_vocab_model, tmp_path):
