@@ -2052,12 +2052,19 @@ MUTATIONS = [
     Mutation(
         "gpn train under FSDP2 keeps a wrap policy whose unit holds the embedding (accelerate config's default: a crash)",
         "modeling_gpn/train/distributed.py",
-        "        plugin.auto_wrap_policy = None\n",
-        "        pass  # MUTATION\n",
+        "    elif holders:\n        plugin.auto_wrap_policy = None\n",
+        "    elif holders:\n        pass  # MUTATION\n",
         (
             "tests/tools/test_train.py -k fsdp2_with_accelerate_configs_default",
             "tests/tools/test_train.py -k fsdp2_options_accelerate and whole",
         ),
+    ),
+    Mutation(
+        "gpn train under FSDP2 drops SIZE_BASED_WRAP to one unit (it wraps GPNModel and the ModuleList: unshardable)",
+        "modeling_gpn/train/distributed.py",
+        "    if size_based and any(_why_not_a_unit(unit, model) for unit in wrapped):\n",
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_train.py -k fsdp2_size_based_wrap",),
     ),
     Mutation(
         "gpn train under FSDP2 on CPU takes --fsdp_offload_params (Accelerate's traceback pinning memory)",

@@ -138,11 +138,16 @@ def fit_fsdp_plugin(plugin, model, on_cpu: bool) -> str | None:
             "fails pinning them without a GPU); launch without it"
         )
     note = None
+    size_based = _is_size_based(plugin.auto_wrap_policy)
+    if size_based and not plugin.min_num_params > 0:
+        plugin.auto_wrap_policy = None  # what Accelerate does with it (the policy would otherwise wrap everything)
     policy = fsdp2_prepare_auto_wrap_policy(plugin, model) if plugin.auto_wrap_policy is not None else None
     embedding = model.get_input_embeddings()
     wrapped = [m for m in model.modules() if m is not model and m is not embedding and policy(m)] if policy else []
     holders = [type(unit).__name__ for unit in wrapped if any(inner is embedding for inner in unit.modules())]
-    if holders:
+    if size_based and any(_why_not_a_unit(unit, model) for unit in wrapped):
+        note = _size_policy_as_blocks(plugin, model, wrapped)
+    elif holders:
         plugin.auto_wrap_policy = None
         note = (
             f"FSDP2: the auto-wrap policy's unit {holders[0]} holds the input embedding, which Accelerate cannot "
@@ -157,6 +162,59 @@ def fit_fsdp_plugin(plugin, model, on_cpu: bool) -> str | None:
             "without it"
         )
     return note
+
+
+def _is_size_based(policy) -> bool:
+    """Whether the plugin's auto-wrap policy is `SIZE_BASED_WRAP` (torch's function, or Accelerate's partial of it)."""
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
+    return getattr(policy, "func", policy) is size_based_auto_wrap_policy
+
+
+def _why_not_a_unit(module, model) -> str | None:
+    """Why Accelerate's FSDP2 preparation cannot shard `module` as a unit of its own, or None: a container without
+    a forward (`fully_shard` refuses a ModuleList), or one holding the input embedding or the output layer
+    (Accelerate shards those again in a group of their own: a table in two groups fails in `fully_shard`)."""
+    import torch
+
+    if (
+        isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict))
+        and type(module).forward is torch.nn.Module.forward
+    ):
+        return "is a container without a forward"
+    ends = [model.get_input_embeddings(), model.get_output_embeddings()]
+    tables = {id(p) for end in ends if end is not None for p in end.parameters()}
+    if any(id(p) in tables for p in module.parameters()):
+        return "holds the embedding"
+    return None
+
+
+def _size_policy_as_blocks(plugin, model, wrapped: list) -> str:
+    """`SIZE_BASED_WRAP` whose units include one Accelerate cannot shard (a GPN's GPNModel and its ModuleList of
+    predict layers, above any small `--fsdp_min_num_params`): Accelerate 1.16 would fail in `fully_shard`. Its
+    other policy is one of classes, so the size rule becomes the classes whose every instance it wraps and that
+    can be sharded apart (GPNPredictLayer, GPNMemoryWrite, ...); what is left (the embedding, the tied head, a
+    Linear class that includes it) stays in the root unit. Returns the line that says so."""
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    refused, why = next((unit, why) for unit in wrapped if (why := _why_not_a_unit(unit, model)))
+    chosen = {id(unit) for unit in wrapped if _why_not_a_unit(unit, model) is None}
+    every_instance: dict[str, bool] = {}
+    for module in model.modules():
+        if module is not model:
+            name = type(module).__name__
+            every_instance[name] = every_instance.get(name, True) and id(module) in chosen
+    blocks = [name for name, chosen_in_every_instance in every_instance.items() if chosen_in_every_instance]
+    asked = f"SIZE_BASED_WRAP over {plugin.min_num_params:,} parameters wraps {type(refused).__name__}, which {why}"
+    if not blocks:
+        plugin.auto_wrap_policy = None
+        return f"FSDP2: {asked}: the model is sharded as one unit instead"
+    plugin.auto_wrap_policy = transformer_auto_wrap_policy
+    plugin.transformer_cls_names_to_wrap = blocks
+    return (
+        f"FSDP2: {asked}: sharded apart instead are the classes it wraps in every instance that hold no embedding "
+        f"({', '.join(blocks)}), the rest as one unit"
+    )
 
 
 def _accelerate_version() -> str:
