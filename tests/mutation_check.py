@@ -669,7 +669,7 @@ MUTATIONS = [
         "modeling_gpn/output_layer.py",
         "    return asker if asker in (PEFT_ALL_LINEAR, FSDP2_PREPARE) else None\n",
         "    return asker if asker in (PEFT_ALL_LINEAR,) else None  # MUTATION\n",
-        ("tests/tools/test_peft_fsdp.py",),
+        ("tests/tools/test_peft_fsdp.py", "tests/tools/test_sft_fsdp.py"),
     ),
     Mutation(
         "output layer (FSDP2 shards trainable tokens unrefused: transformers' tie_weights fails on the wrapper)",
