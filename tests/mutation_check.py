@@ -2067,6 +2067,13 @@ MUTATIONS = [
         ("tests/tools/test_train.py -k fsdp2_size_based_wrap",),
     ),
     Mutation(
+        "gpn train under FSDP2 on CPU trains --mixed-precision bf16 in float32 (its plugin without a precision policy)",
+        "modeling_gpn/train/distributed.py",
+        "            plugin.set_mixed_precision(asked)\n",
+        "            pass  # MUTATION\n",
+        ("tests/tools/test_train.py -k fsdp2_on_cpu_computes_in_the_runs_mixed_precision",),
+    ),
+    Mutation(
         "gpn train under FSDP2 on CPU takes --fsdp_offload_params (Accelerate's traceback pinning memory)",
         "modeling_gpn/train/distributed.py",
         "    if isinstance(plugin.cpu_offload, CPUOffloadPolicy) and on_cpu:",

@@ -109,7 +109,11 @@ def start_accelerator(config: dict, trackers: list[str], run_dir: Path):
         # (PartialState holds a non-device type for DeepSpeed the same way; its collectives accept FSDP.)
         PartialState().distributed_type = DistributedType.FSDP
         accelerator.state.distributed_type = DistributedType.FSDP
-        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # from the launcher's FSDP_* variables
+        accelerator.state.fsdp_plugin = plugin = FullyShardedDataParallelPlugin()  # from the launcher's FSDP_*
+        if asked != "no":
+            # Accelerate's FSDP2 computes in low precision only through the plugin's policy (it wraps no autocast
+            # around an FSDP2 model), which it sets only on a plugin of its own: this one trained in float32.
+            plugin.set_mixed_precision(asked)
         if not accelerator.is_fsdp2:
             raise LaunchError(
                 f"Could not apply FSDP2 on CPU with Accelerate {_accelerate_version()}: launch with "

@@ -319,6 +319,30 @@ def test_fsdp2_size_based_wrap_shards_the_blocks_it_can_and_trains_like_one_proc
     assert len(fsdp) == 2 and max(abs(a - b) for a, b in zip(one, fsdp)) < 1e-4, (one, fsdp)
 
 
+def test_fsdp2_on_cpu_computes_in_the_runs_mixed_precision(tmp_path, cache, shakespeare):
+    # Accelerate's FSDP2 computes in bf16 only through its plugin's policy (no autocast around an FSDP2 model); the
+    # plugin `gpn train` makes on CPU had none, so `--mixed-precision bf16` trained in float32 under a summary line
+    # saying bf16: its losses were bit-identical to the float32 run's.
+    def run(precision, name=None):
+        return small_args(
+            shakespeare, tmp_path / (name or precision), cache, "--steps", "2", "--mixed-precision", precision
+        )
+
+    # (one-process references in processes of their own: a process's Accelerate state keeps its first precision)
+    alone = {
+        p: launch([sys.executable, "-m", "modeling_gpn.train", *run(p)], tmp_path / f"{p}.log") for p in ("no", "bf16")
+    }
+    run_dir = tmp_path / "fsdp"
+    output = finish(launch_two_processes(FSDP2, run("bf16", "fsdp"), tmp_path / "fsdp.log"))
+    assert "FSDP2; mixed precision bf16" in output, output[-3000:]
+    for process in alone.values():
+        finish(process)
+    runs = {precision: losses(tmp_path / precision) for precision in alone}
+    sharded = losses(run_dir)
+    assert sharded != runs["no"], (sharded, runs)  # not float32
+    assert max(abs(a - b) for a, b in zip(sharded, runs["bf16"])) < 1e-3, (sharded, runs)
+
+
 def test_fsdp2_size_based_wrap_keeps_the_units_accelerate_can_shard():
     """Which modules Accelerate's FSDP2 preparation then shards apart: every predict layer and memory write, never
     the ModuleList, GPNModel or the tied head (a Linear like the small ones left in the root unit)."""
