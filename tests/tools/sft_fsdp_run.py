@@ -22,10 +22,10 @@ TEXT = [
 ]
 
 
-def losses(single: bool, lora_on_the_embedding: bool = False) -> tuple[list[float], str]:
+def losses(single: bool, lora_on_the_embedding: bool = False, pad: bool = False) -> tuple[list[float], str]:
     """The logged training losses and the class of the model the trainer trained (FSDP2 renames it); with
     `lora_on_the_embedding`, a LoRA `peft_config` on the embedding and the decoder (TRL's fused head then reads the
-    wrapped table)."""
+    wrapped table); with `pad`, every batch padded to one length (what sharding blocks apart needs)."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -56,7 +56,12 @@ def losses(single: bool, lora_on_the_embedding: bool = False) -> tuple[list[floa
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "decode_proj"])
     with tempfile.TemporaryDirectory() as out:
-        args = SFTConfig(**common_arguments(out, max_steps=3), max_length=32, per_device_train_batch_size=batch)
+        args = SFTConfig(
+            **common_arguments(out, max_steps=3),
+            max_length=32,
+            per_device_train_batch_size=batch,
+            pad_to_multiple_of=32 if pad else None,
+        )
         trainer = ShardedOnCpu(
             model=model,
             args=args,
@@ -71,6 +76,6 @@ def losses(single: bool, lora_on_the_embedding: bool = False) -> tuple[list[floa
 
 if __name__ == "__main__":
     single = "--single" in sys.argv
-    seen, trained = losses(single, lora_on_the_embedding="--lora" in sys.argv)
+    seen, trained = losses(single, lora_on_the_embedding="--lora" in sys.argv, pad="--pad" in sys.argv)
     if os.environ.get("RANK", "0") == "0":  # (one line: the processes' prints would interleave)
         print("LOSSES " + json.dumps({"losses": seen, "model": trained}), flush=True)
