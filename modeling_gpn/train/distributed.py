@@ -130,6 +130,9 @@ def fit_fsdp_plugin(plugin, model, on_cpu: bool) -> str | None:
       which `TRANSFORMER_BASED_WRAP` (`accelerate config`'s FSDP default) wraps; Accelerate then shards the
       embedding inside it a second time and fails ("Invariant encountered: value was None"). The policy is
       dropped: the model is sharded as one unit (for a GPN the same grouping: that unit held every weight).
+    - `SIZE_BASED_WRAP` with a small `--fsdp_min_num_params`: it also wraps GPNModel and the ModuleList of
+      predict layers (`fully_shard` refuses a container without a forward); the blocks it can shard apart are
+      sharded apart instead (`_size_policy_as_blocks`).
     - Activation checkpointing without a wrap policy: Accelerate calls the missing policy (a TypeError).
     - Parameter offload on CPU: the parameters are in CPU memory already, and its pinned memory needs a GPU.
     """
