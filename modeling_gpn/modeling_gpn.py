@@ -84,6 +84,7 @@ from .generation import (
 from .output_layer import output_embeddings, refuse_what_fsdp2_cannot_tie
 from .packing import packed_sequence_starts, packing_arguments, refuse_packed_rows
 from .prefill import forward_in_chunks, prefill_chunk_length_for
+from .sharding import check_sharded_lengths
 from .state_file import GPNStateFileError
 from .tracing import is_tracing
 
@@ -893,6 +894,7 @@ class GPNModel(GPNPreTrainedModel):
             embeddings = inputs_embeds
         batch_size, seq_len = embeddings.shape[:2]
         check_not_empty(batch_size, seq_len)
+        check_sharded_lengths(self, seq_len, self._CALLED_CHILDREN, embeddings.device)  # (FSDP2: blocks apart)
 
         state = cache.get_state() if cache is not None else None
         if state is not None and state[0].shape[0] != batch_size:

@@ -669,7 +669,7 @@ MUTATIONS = [
         "modeling_gpn/output_layer.py",
         "    return asker if asker in (PEFT_ALL_LINEAR, FSDP2_PREPARE) else None\n",
         "    return asker if asker in (PEFT_ALL_LINEAR,) else None  # MUTATION\n",
-        ("tests/tools/test_peft_fsdp.py",),
+        ("tests/tools/test_peft_fsdp.py", "tests/tools/test_sft_fsdp.py"),
     ),
     Mutation(
         "output layer (FSDP2 shards trainable tokens unrefused: transformers' tie_weights fails on the wrapper)",
@@ -2052,12 +2052,33 @@ MUTATIONS = [
     Mutation(
         "gpn train under FSDP2 keeps a wrap policy whose unit holds the embedding (accelerate config's default: a crash)",
         "modeling_gpn/train/distributed.py",
-        "        plugin.auto_wrap_policy = None\n",
-        "        pass  # MUTATION\n",
+        "    elif holders:\n        plugin.auto_wrap_policy = None\n",
+        "    elif holders:\n        pass  # MUTATION\n",
         (
             "tests/tools/test_train.py -k fsdp2_with_accelerate_configs_default",
             "tests/tools/test_train.py -k fsdp2_options_accelerate and whole",
         ),
+    ),
+    Mutation(
+        "gpn train under FSDP2 drops SIZE_BASED_WRAP to one unit (it wraps GPNModel and the ModuleList: unshardable)",
+        "modeling_gpn/train/distributed.py",
+        "    if size_based and any(_why_not_a_unit(unit, model) for unit in wrapped):\n",
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_train.py -k fsdp2_size_based_wrap",),
+    ),
+    Mutation(
+        "gpn train under FSDP2 on CPU trains --mixed-precision bf16 in float32 (its plugin without a precision policy)",
+        "modeling_gpn/train/distributed.py",
+        "            plugin.set_mixed_precision(asked)\n",
+        "            pass  # MUTATION\n",
+        ("tests/tools/test_train.py -k fsdp2_on_cpu_computes_in_the_runs_mixed_precision",),
+    ),
+    Mutation(
+        "FSDP2 with blocks of a GPN sharded apart takes inputs of different lengths per process (collectives mismatch)",
+        "modeling_gpn/sharding.py",
+        "    if longest != shortest:\n",
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_sft_fsdp.py",),
     ),
     Mutation(
         "gpn train under FSDP2 on CPU takes --fsdp_offload_params (Accelerate's traceback pinning memory)",

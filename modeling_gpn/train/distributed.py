@@ -109,7 +109,11 @@ def start_accelerator(config: dict, trackers: list[str], run_dir: Path):
         # (PartialState holds a non-device type for DeepSpeed the same way; its collectives accept FSDP.)
         PartialState().distributed_type = DistributedType.FSDP
         accelerator.state.distributed_type = DistributedType.FSDP
-        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # from the launcher's FSDP_* variables
+        accelerator.state.fsdp_plugin = plugin = FullyShardedDataParallelPlugin()  # from the launcher's FSDP_*
+        if asked != "no":
+            # Accelerate's FSDP2 computes in low precision only through the plugin's policy (it wraps no autocast
+            # around an FSDP2 model), which it sets only on a plugin of its own: this one trained in float32.
+            plugin.set_mixed_precision(asked)
         if not accelerator.is_fsdp2:
             raise LaunchError(
                 f"Could not apply FSDP2 on CPU with Accelerate {_accelerate_version()}: launch with "
@@ -126,6 +130,9 @@ def fit_fsdp_plugin(plugin, model, on_cpu: bool) -> str | None:
       which `TRANSFORMER_BASED_WRAP` (`accelerate config`'s FSDP default) wraps; Accelerate then shards the
       embedding inside it a second time and fails ("Invariant encountered: value was None"). The policy is
       dropped: the model is sharded as one unit (for a GPN the same grouping: that unit held every weight).
+    - `SIZE_BASED_WRAP` with a small `--fsdp_min_num_params`: it also wraps GPNModel and the ModuleList of
+      predict layers (`fully_shard` refuses a container without a forward); the blocks it can shard apart are
+      sharded apart instead (`_size_policy_as_blocks`).
     - Activation checkpointing without a wrap policy: Accelerate calls the missing policy (a TypeError).
     - Parameter offload on CPU: the parameters are in CPU memory already, and its pinned memory needs a GPU.
     """
@@ -138,11 +145,16 @@ def fit_fsdp_plugin(plugin, model, on_cpu: bool) -> str | None:
             "fails pinning them without a GPU); launch without it"
         )
     note = None
+    size_based = _is_size_based(plugin.auto_wrap_policy)
+    if size_based and not plugin.min_num_params > 0:
+        plugin.auto_wrap_policy = None  # what Accelerate does with it (the policy would otherwise wrap everything)
     policy = fsdp2_prepare_auto_wrap_policy(plugin, model) if plugin.auto_wrap_policy is not None else None
     embedding = model.get_input_embeddings()
     wrapped = [m for m in model.modules() if m is not model and m is not embedding and policy(m)] if policy else []
     holders = [type(unit).__name__ for unit in wrapped if any(inner is embedding for inner in unit.modules())]
-    if holders:
+    if size_based and any(_why_not_a_unit(unit, model) for unit in wrapped):
+        note = _size_policy_as_blocks(plugin, model, wrapped)
+    elif holders:
         plugin.auto_wrap_policy = None
         note = (
             f"FSDP2: the auto-wrap policy's unit {holders[0]} holds the input embedding, which Accelerate cannot "
@@ -157,6 +169,59 @@ def fit_fsdp_plugin(plugin, model, on_cpu: bool) -> str | None:
             "without it"
         )
     return note
+
+
+def _is_size_based(policy) -> bool:
+    """Whether the plugin's auto-wrap policy is `SIZE_BASED_WRAP` (torch's function, or Accelerate's partial of it)."""
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
+    return getattr(policy, "func", policy) is size_based_auto_wrap_policy
+
+
+def _why_not_a_unit(module, model) -> str | None:
+    """Why Accelerate's FSDP2 preparation cannot shard `module` as a unit of its own, or None: a container without
+    a forward (`fully_shard` refuses a ModuleList), or one holding the input embedding or the output layer
+    (Accelerate shards those again in a group of their own: a table in two groups fails in `fully_shard`)."""
+    import torch
+
+    if (
+        isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict))
+        and type(module).forward is torch.nn.Module.forward
+    ):
+        return "is a container without a forward"
+    ends = [model.get_input_embeddings(), model.get_output_embeddings()]
+    tables = {id(p) for end in ends if end is not None for p in end.parameters()}
+    if any(id(p) in tables for p in module.parameters()):
+        return "holds the embedding"
+    return None
+
+
+def _size_policy_as_blocks(plugin, model, wrapped: list) -> str:
+    """`SIZE_BASED_WRAP` whose units include one Accelerate cannot shard (a GPN's GPNModel and its ModuleList of
+    predict layers, above any small `--fsdp_min_num_params`): Accelerate 1.16 would fail in `fully_shard`. Its
+    other policy is one of classes, so the size rule becomes the classes whose every instance it wraps and that
+    can be sharded apart (GPNPredictLayer, GPNMemoryWrite, ...); what is left (the embedding, the tied head, a
+    Linear class that includes it) stays in the root unit. Returns the line that says so."""
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    refused, why = next((unit, why) for unit in wrapped if (why := _why_not_a_unit(unit, model)))
+    chosen = {id(unit) for unit in wrapped if _why_not_a_unit(unit, model) is None}
+    every_instance: dict[str, bool] = {}
+    for module in model.modules():
+        if module is not model:
+            name = type(module).__name__
+            every_instance[name] = every_instance.get(name, True) and id(module) in chosen
+    blocks = [name for name, chosen_in_every_instance in every_instance.items() if chosen_in_every_instance]
+    asked = f"SIZE_BASED_WRAP over {plugin.min_num_params:,} parameters wraps {type(refused).__name__}, which {why}"
+    if not blocks:
+        plugin.auto_wrap_policy = None
+        return f"FSDP2: {asked}: the model is sharded as one unit instead"
+    plugin.auto_wrap_policy = transformer_auto_wrap_policy
+    plugin.transformer_cls_names_to_wrap = blocks
+    return (
+        f"FSDP2: {asked}: sharded apart instead are the classes it wraps in every instance that hold no embedding "
+        f"({', '.join(blocks)}), the rest as one unit"
+    )
 
 
 def _accelerate_version() -> str:

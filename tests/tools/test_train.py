@@ -295,6 +295,83 @@ def test_fsdp2_options_accelerate_would_fail_on_are_refused_in_one_line(options,
         assert train_module.fit_fsdp_plugin(plugin, model, on_cpu=True) is None and plugin.auto_wrap_policy is policy
 
 
+def test_fsdp2_size_based_wrap_shards_the_blocks_it_can_and_trains_like_one_process(tmp_path, cache, shakespeare):
+    # `--fsdp_auto_wrap_policy SIZE_BASED_WRAP` with a small `--fsdp_min_num_params` wraps GPNModel (it holds the
+    # embedding) and the ModuleList of predict layers (no forward): Accelerate cannot shard either. The policy
+    # was dropped, the whole model one unit, under a line that called that "the same grouping".
+    run_dir = tmp_path / "fsdp"
+    output = finish(
+        launch_two_processes(
+            [*FSDP2, "--fsdp_auto_wrap_policy", "SIZE_BASED_WRAP", "--fsdp_min_num_params", "1000"],
+            small_args(shakespeare, run_dir, cache, "--steps", "2"),
+            tmp_path / "fsdp.log",
+        )
+    )
+    assert (
+        "SIZE_BASED_WRAP over 1,000 parameters wraps GPNModel, which holds the embedding: sharded apart instead are "
+        "the classes it wraps in every instance that hold no embedding (GPNMemoryWrite, GPNPredictLayer)"
+    ) in output, output[-3000:]
+    one_dir = tmp_path / "one"
+    train_module.train(
+        train_module.resolve_config(parse(small_args(shakespeare, one_dir, cache, "--steps", "2"))), show_progress=False
+    )
+    one, fsdp = losses(one_dir), losses(run_dir)
+    assert len(fsdp) == 2 and max(abs(a - b) for a, b in zip(one, fsdp)) < 1e-4, (one, fsdp)
+
+
+def test_fsdp2_on_cpu_computes_in_the_runs_mixed_precision(tmp_path, cache, shakespeare):
+    # Accelerate's FSDP2 computes in bf16 only through its plugin's policy (no autocast around an FSDP2 model); the
+    # plugin `gpn train` makes on CPU had none, so `--mixed-precision bf16` trained in float32 under a summary line
+    # saying bf16: its losses were bit-identical to the float32 run's.
+    def run(precision, name=None):
+        return small_args(
+            shakespeare, tmp_path / (name or precision), cache, "--steps", "2", "--mixed-precision", precision
+        )
+
+    # (one-process references in processes of their own: a process's Accelerate state keeps its first precision)
+    alone = {
+        p: launch([sys.executable, "-m", "modeling_gpn.train", *run(p)], tmp_path / f"{p}.log") for p in ("no", "bf16")
+    }
+    run_dir = tmp_path / "fsdp"
+    output = finish(launch_two_processes(FSDP2, run("bf16", "fsdp"), tmp_path / "fsdp.log"))
+    assert "FSDP2; mixed precision bf16" in output, output[-3000:]
+    for process in alone.values():
+        finish(process)
+    runs = {precision: losses(tmp_path / precision) for precision in alone}
+    sharded = losses(run_dir)
+    assert sharded != runs["no"], (sharded, runs)  # not float32
+    assert max(abs(a - b) for a, b in zip(sharded, runs["bf16"])) < 1e-3, (sharded, runs)
+
+
+def test_fsdp2_size_based_wrap_keeps_the_units_accelerate_can_shard():
+    """Which modules Accelerate's FSDP2 preparation then shards apart: every predict layer and memory write, never
+    the ModuleList, GPNModel or the tied head (a Linear like the small ones left in the root unit)."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+
+    model = build_tiny_gpn()
+
+    def units(min_num_params):
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="size_based_wrap", min_num_params=min_num_params
+        )
+        note = train_module.fit_fsdp_plugin(plugin, model, on_cpu=True)
+        if plugin.auto_wrap_policy is None:
+            return note, []
+        plugin.set_auto_wrap_policy(model)  # as Accelerate's preparation does
+        policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+        return note, [name for name, module in model.named_modules() if module is not model and policy(module)]
+
+    assert units(1000)[1] == ["model.memory_write", "model.predict_layers.0"]
+    assert set(units(10)[1]) == {"model.memory_write", "model.predict_layers.0"} | {
+        name for name, module in model.named_modules() if type(module).__name__ == "GPNRMSNorm"
+    }
+    note, none = units(sum(p.numel() for p in model.model.predict_layers.parameters()))  # only the holders
+    assert none == [] and note.endswith("the model is sharded as one unit instead")
+    assert units(10**9) == (None, [])  # nothing wrapped: left as asked
+    assert units(0) == (None, [])  # (Accelerate ignores a size of 0: no policy, not every module wrapped)
+
+
 def build_tiny_gpn():
     from modeling_gpn import GPNForCausalLM
 

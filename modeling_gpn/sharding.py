@@ -1,0 +1,60 @@
+"""A GPN under FSDP2 with blocks of its recurrence sharded apart: every process must run as many steps.
+
+`fully_shard` gathers a unit's weights in that unit's forward pre-hook. A unit the recurrence calls at every token
+(a `GPNPredictLayer`, the `GPNMemoryWrite`, as `--fsdp_transformer_layer_cls_to_wrap` or a size policy shards them)
+is therefore gathered once per token, forward and backward: processes whose batches have different lengths (a
+collator padding each batch to its longest row, padding-free batches) make different numbers of collectives, which
+pair up wrongly: gloo aborts ("Received data size doesn't match expected size"), NCCL may hang. The model sharded
+as one unit (no auto-wrap policy) gathers once per call and takes any lengths.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_sharded_lengths(model: torch.nn.Module, seq_len: int, called_once: tuple[str, ...], device) -> None:
+    """Refuse, on every process alike, a call whose `seq_len` differs between the processes when FSDP2 shards a
+    unit inside one of `model`'s children the recurrence calls at every token (all but those named in
+    `called_once`). One all-reduce of two numbers per call, and only then; nothing outside a process group."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    unit = next(
+        (
+            module
+            for name, child in model.named_children()
+            if name not in called_once
+            for module in child.modules()
+            if isinstance(module, FSDPModule)
+        ),
+        None,
+    )
+    if unit is None:
+        return
+    group = _shard_group(unit)
+    lengths = torch.tensor([seq_len, -seq_len], device=device)
+    torch.distributed.all_reduce(lengths, op=torch.distributed.ReduceOp.MAX, group=group)
+    longest, shortest = int(lengths[0]), -int(lengths[1])
+    if longest != shortest:
+        name = type(unit).__name__.removeprefix("FSDP")
+        raise ValueError(
+            f"FSDP2 shards {name} apart, which the recurrence gathers at every token, but the processes' inputs "
+            f"have different lengths ({shortest} to {longest} tokens; this one {seq_len}): their collectives would "
+            "not match. Pad every batch to one length (e.g. a collator's pad_to_multiple_of = max_length), or shard "
+            "the model as one unit (no auto-wrap policy)"
+        )
+
+
+def _shard_group(unit: torch.nn.Module):
+    """The process group a `fully_shard` unit gathers its weights over (the mesh dimension its weights are
+    sharded on), or None (the default group) when that cannot be read."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    weight = next((p for p in unit.parameters() if isinstance(p, DTensor)), None)
+    if weight is None:
+        return None
+    mesh = weight.device_mesh
+    dims = [dim for dim, placement in enumerate(weight.placements) if isinstance(placement, Shard)]
+    return mesh.get_group(dims[0] if dims else 0) if mesh.ndim > 1 else mesh.get_group()

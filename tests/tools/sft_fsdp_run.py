@@ -1,0 +1,81 @@
+"""TRL's `SFTTrainer` training a tiny GPN under `accelerate launch` (tests/tools/test_sft_fsdp.py): FSDP2 applied
+on CPU as `gpn train` does (Accelerate 1.16 would make a Trainer's FSDP launch DDP there without a word), three
+steps, each step's logged loss printed as one JSON line. Run alone (`--single`), it is the one-process reference,
+with the same global batch (4 rows: 2 per process when launched as 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+
+TEXT = [
+    "the cat sat on the mat.",
+    "a dog.",
+    "once upon a time there was a cat and a dog.",
+    "the end.",
+    "the dog sat on the log.",
+    "a cat and a mat.",
+    "there was a time.",
+    "upon the mat sat a dog.",
+]
+
+
+def losses(single: bool, lora_on_the_embedding: bool = False, pad: bool = False) -> tuple[list[float], str]:
+    """The logged training losses and the class of the model the trainer trained (FSDP2 renames it); with
+    `lora_on_the_embedding`, a LoRA `peft_config` on the embedding and the decoder (TRL's fused head then reads the
+    wrapped table); with `pad`, every batch padded to one length (what sharding blocks apart needs)."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from modeling_gpn.data import train_bpe_tokenizer
+    from tests.tiny_models import perturbed_model, tiny_config
+    from tests.trainer_arguments import common_arguments
+
+    class ShardedOnCpu(SFTTrainer):
+        def create_accelerator_and_postprocess(self):
+            from accelerate import PartialState
+            from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+            super().create_accelerator_and_postprocess()
+            if not single:  # what `gpn train` does on CPU (modeling_gpn/train/distributed.py)
+                PartialState().distributed_type = DistributedType.FSDP
+                self.accelerator.state.distributed_type = DistributedType.FSDP
+                self.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # the launcher's FSDP_*
+                assert self.accelerator.is_fsdp2
+                self.is_fsdp_enabled = True
+
+    tokenizer = train_bpe_tokenizer(TEXT * 4, vocab_size=300)
+    config = tiny_config(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    model = perturbed_model(config, seed=16).train()
+    batch = 4 if single else 2
+    peft_config = None
+    if lora_on_the_embedding:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "decode_proj"])
+    with tempfile.TemporaryDirectory() as out:
+        args = SFTConfig(
+            **common_arguments(out, max_steps=3),
+            max_length=32,
+            per_device_train_batch_size=batch,
+            pad_to_multiple_of=32 if pad else None,
+        )
+        trainer = ShardedOnCpu(
+            model=model,
+            args=args,
+            train_dataset=Dataset.from_dict({"text": TEXT}),
+            processing_class=tokenizer,
+            peft_config=peft_config,
+        )
+        trainer.train()
+    logged = [record["loss"] for record in trainer.state.log_history if "loss" in record]
+    return logged, type(trainer.model_wrapped).__name__
+
+
+if __name__ == "__main__":
+    single = "--single" in sys.argv
+    seen, trained = losses(single, lora_on_the_embedding="--lora" in sys.argv, pad="--pad" in sys.argv)
+    if os.environ.get("RANK", "0") == "0":  # (one line: the processes' prints would interleave)
+        print("LOSSES " + json.dumps({"losses": seen, "model": trained}), flush=True)
