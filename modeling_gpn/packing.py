@@ -212,3 +212,26 @@ def refuse_packed_rows(
             f"start one at row {row}, position {position}): every sequence but the last of a row would go unread. "
             "Give each sequence its own row (pad them, with the attention mask)"
         )
+
+
+# Documents joined with EOS in a token window (gpn train --reset-at-document-start, gpn inspect): each starts at the
+# token after an EOS, which the recurrence takes as a packed sequence's start when the position ids restart there.
+
+
+def document_starts(windows: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """(batch, seq) bool: True at the first token after every EOS of the token windows (batch, seq), where a document
+    joined with EOS starts (a window's first position is its own start: not marked). The token after an EOS stays a
+    target: it is predicted at the EOS, from the previous document's state, as without resets (so losses and
+    perplexities stay comparable)."""
+    starts = torch.zeros_like(windows, dtype=torch.bool)
+    starts[:, 1:] = windows[:, :-1] == eos_token_id
+    return starts
+
+
+def document_position_ids(windows: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """Position ids (batch, seq) counting from 0 at each window's start and at every `document_starts`: a GPN reads
+    ids restarting inside a row as packed sequences (`packed_sequence_starts`) and resets (p, g, M) to the zero
+    state where each starts, so every document of the window runs from the zero state."""
+    positions = torch.arange(windows.shape[1], device=windows.device).expand_as(windows)
+    last_start = torch.where(document_starts(windows, eos_token_id), positions, 0).cummax(dim=1).values
+    return positions - last_start

@@ -2856,12 +2856,12 @@ MUTATIONS = [
         ("tests/tools/test_inspect.py::test_document_resets_without_an_eos_token_are_one_line",),
     ),
     Mutation(
-        "gpn inspect's document starts are not gpn train's (the EOS itself taken as the start)",
-        "modeling_gpn/inspect/states.py",
+        "documents joined with EOS start at the EOS itself, not the token after it (gpn train's and gpn inspect's resets)",
+        "modeling_gpn/packing.py",
         "    starts[:, 1:] = windows[:, :-1] == eos_token_id\n",
         "    starts[:, 1:] = windows[:, 1:] == eos_token_id  # MUTATION\n",
         (
-            "tests/tools/test_inspect.py::test_inspect_resets_as_gpn_train_does",
+            "tests/model/test_packed.py::test_document_position_ids_restart_after_every_eos",
             "tests/tools/test_inspect.py -k two_documents_collects_each_document_as_if_alone",
         ),
     ),

@@ -27,7 +27,7 @@ Where its parts live (this face re-exports their public names):
     inputs.py     the model (`load_model`) and the token windows (`load_token_windows`, `iter_documents`);
                   the tokenizer comes from `modeling_gpn.data.load_tokenizer`
     states.py     `collect`: one pass keeps p_t, gamma_t and the loss (`Collected`); where documents start
-                  (`document_starts`, `document_position_ids`, `document_ids`)
+                  (`document_ids`; the starts are `modeling_gpn.packing.document_starts`, gpn train's)
     ablations.py  `Ablation`, `ablated_logits`, `ablated_states`, the perplexities and the causal tests
     report.py     `build_report`, `report_json`
     markdown.py   `report_markdown`
@@ -58,7 +58,7 @@ from .inputs import (
 )
 from .markdown import report_markdown
 from .report import build_report, report_json
-from .states import Collected, collect, document_ids, document_position_ids, document_starts
+from .states import Collected, collect, document_ids
 
 __all__ = [
     "Ablation",
@@ -75,8 +75,6 @@ __all__ = [
     "collect",
     "decoded_perplexity",
     "document_ids",
-    "document_position_ids",
-    "document_starts",
     "iter_documents",
     "load_model",
     "load_token_windows",

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .states import document_starts, window_nll
+from ..packing import document_starts
+from .states import window_nll
 
 
 @dataclass(eq=False)
@@ -52,7 +53,7 @@ def ablated_logits(
     Built from the model's own pieces in the order of `GPNModel.step` (token_inputs, ground,
     memory_write, the predict layers and their read, decode); with no ablation it is the model's
     forward bit for bit. `reset_after`: a token id (EOS) after which every document starts again from the
-    zero state (`states.document_starts`); None runs the state on across documents.
+    zero state (`packing.document_starts`, as gpn train marks them); None runs the state on across documents.
     """
     ablation = ablation or Ablation()
     states = ablated_states(model, input_ids, ablation, reset_after)

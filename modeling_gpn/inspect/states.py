@@ -3,8 +3,9 @@ position (`output_predicted_states`), the per-head memory decays gamma (`output_
 
 Documents are joined with EOS inside a window. With document resets (the regime of a model trained with
 `gpn train --reset-at-document-start`), every document starts from the zero state: the first token after each
-EOS is a document start (`document_starts`), as in training, and the model's forward is given position ids that
-restart there (`document_position_ids`), which it reads as packed sequences and resets its state at."""
+EOS is a document start (`packing.document_starts`, the one rule gpn train uses too), and the model's forward is
+given position ids that restart there (`packing.document_position_ids`), which it reads as packed sequences and
+resets its state at."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from ..packing import document_position_ids, document_starts
 
 
 @dataclass
@@ -28,24 +31,6 @@ class Collected:
     @property
     def perplexity(self) -> float:
         return math.exp(self.nll_sum / self.nll_count)
-
-
-def document_starts(windows: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """(n, T) bool: True at the first token after every EOS of the token windows (n, T), where a document starts,
-    as `gpn train --reset-at-document-start` marks them (a window's first position is its own start: not marked).
-    The token after an EOS stays a target: it is predicted at the EOS, from the previous document's state."""
-    starts = torch.zeros_like(windows, dtype=torch.bool)
-    starts[:, 1:] = windows[:, :-1] == eos_token_id
-    return starts
-
-
-def document_position_ids(windows: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """Position ids (n, T) counting from 0 at each window's start and at every `document_starts`: the model's
-    forward reads ids restarting inside a row as packed sequences and resets (p, g, M) to zero where each starts
-    (modeling_gpn/packing.py), the same ids gpn train gives it with --reset-at-document-start."""
-    positions = torch.arange(windows.shape[1], device=windows.device).expand_as(windows)
-    last_start = torch.where(document_starts(windows, eos_token_id), positions, 0).cummax(dim=1).values
-    return positions - last_start
 
 
 def document_ids(windows: torch.Tensor, eos_token_id: int) -> np.ndarray:
@@ -69,7 +54,7 @@ def collect(
     """Run the model over `windows` (n, T), each from the zero state, and keep p_t, gamma_t and the loss.
 
     `reset_after`: a token id (EOS) after which every document starts again from the zero state
-    (`document_starts`); None runs the state on across the documents inside a window."""
+    (`packing.document_starts`); None runs the state on across the documents inside a window."""
     from tqdm.auto import tqdm
 
     device = next(model.parameters()).device

@@ -45,6 +45,7 @@ Where its parts live (each module is read top to bottom; this face re-exports th
 
 from __future__ import annotations
 
+from ..packing import document_position_ids
 from .checkpoints import (
     MODEL_FILE,
     OPTIMIZER_FILE,
@@ -80,7 +81,6 @@ from .models import (
     NO_DECAY_NAMES,
     build_model,
     build_optimizer,
-    document_position_ids,
     generate_sample,
     lr_factor,
     model_config_dict,

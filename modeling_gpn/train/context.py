@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .models import document_position_ids
+from ..packing import document_position_ids
 from .run_folder import append_log_record, storage_error
 
 if TYPE_CHECKING:

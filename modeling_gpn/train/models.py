@@ -118,23 +118,6 @@ def build_optimizer(model, config: dict):
     return optimizer, scheduler
 
 
-def document_position_ids(windows, eos_token_id: int):
-    """`--reset-at-document-start`: position ids (batch, seq) that restart at 0 on the first token after every EOS
-    of the token windows (batch, seq) (documents are joined with EOS), counting from 0 at each window's start.
-
-    A GPN reads position ids restarting inside a row as packed sequences and resets its state to zero where each
-    starts (`packed_sequence_starts` in packing.py), so every document runs from the zero state. The token
-    after an EOS stays a target, predicted at the EOS from the previous document's state, as without the option
-    (so losses and perplexities stay comparable)."""
-    import torch
-
-    positions = torch.arange(windows.shape[1], device=windows.device).expand_as(windows)
-    starts = torch.zeros_like(windows, dtype=torch.bool)
-    starts[:, 1:] = windows[:, :-1] == eos_token_id
-    last_start = torch.where(starts, positions, 0).cummax(dim=1).values
-    return positions - last_start
-
-
 def generate_sample(model, tokenizer, prompt: str, max_new_tokens: int, seed: int) -> str:
     """Sample `max_new_tokens` after `prompt` (top-k 40, temperature 0.8, seeded)."""
     import torch

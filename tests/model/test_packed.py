@@ -604,7 +604,7 @@ def test_trl_sft_trainer_with_packing_trains(tmp_path):
 
 
 def test_document_position_ids_restart_after_every_eos():
-    from modeling_gpn.train import document_position_ids
+    from modeling_gpn.packing import document_position_ids
 
     eos = 0
     windows = torch.tensor([[5, 6, 0, 7, 8, 9, 0, 0, 4], [0, 3, 3, 3, 3, 3, 3, 3, 0]])
@@ -616,7 +616,7 @@ def test_document_position_ids_restart_after_every_eos():
 def test_document_position_ids_run_every_document_of_a_window_from_the_zero_state():
     """A window [end of a document | EOS-joined documents | start of one]: with `document_position_ids` the model's
     logits over each piece are those of the piece run alone (the window's first piece from the zero state too)."""
-    from modeling_gpn.train import document_position_ids
+    from modeling_gpn.packing import document_position_ids
 
     model = perturbed_model(tiny_config(), seed=17)
     eos = model.config.eos_token_id

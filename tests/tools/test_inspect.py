@@ -451,15 +451,6 @@ def test_with_resets_the_causal_tests_baseline_is_the_documents_one_by_one():
     assert abs(carried.perplexity / with_resets.perplexity - 1) > 1e-3  # the regimes differ, so the check can fail
 
 
-def test_inspect_resets_as_gpn_train_does():
-    """The document starts inspect resets at are those gpn train --reset-at-document-start gives the model."""
-    from modeling_gpn.inspect.states import document_position_ids
-    from modeling_gpn.train import document_position_ids as training_position_ids
-
-    windows = torch.tensor([[5, 0, 7, 0, 0, 3, 4], [0, 1, 2, 3, 0, 9, 0]])
-    assert torch.equal(document_position_ids(windows, 0), training_position_ids(windows, 0))
-
-
 def test_gpn_inspect_runs_a_model_in_its_own_document_regime(tiny_llama_vocab_model, tmp_path, monkeypatch):
     """The regime follows the model's run folder (train_config.json), and --[no-]reset-at-document-start overrides
     it either way; the report says which ran and why, and its numbers are the ones of that regime."""
