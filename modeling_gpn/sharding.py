@@ -6,6 +6,8 @@ is therefore gathered once per token, forward and backward: processes whose batc
 collator padding each batch to its longest row, padding-free batches) make different numbers of collectives, which
 pair up wrongly: gloo aborts ("Received data size doesn't match expected size"), NCCL may hang. The model sharded
 as one unit (no auto-wrap policy) gathers once per call and takes any lengths.
+
+Shipped to the Hub with `modeling_gpn.py` as remote code: it imports only torch.
 """
 
 from __future__ import annotations
