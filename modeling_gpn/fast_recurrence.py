@@ -120,6 +120,7 @@ from .recurrence_step import (
     _WeightGrads,
     cached_folded_weights,
     columns_of,
+    dequantized_by_linear,
     first_key_gradient,
     fold_weights,
     in_matmul_dtype,
@@ -232,11 +233,16 @@ def foldable_parameter(module: torch.nn.Module, name: str, parameter) -> bool:
     """Whether the fast path takes `parameter` (`module.<name>`) as the plain loop would use it: a plain
     nn.Parameter (or None), or the weight of an nn.Linear quantized by torchao's int8 weight-only config
     (exactly that tensor class and layout: `recurrence_step.int8_weight_parts`), which the C step kernels
-    multiply as it is and the torch-ops steps dequantize. Any other tensor subclass keeps the plain path
-    (`GPNModel.fast_path_blocker`), which calls the module."""
+    multiply as it is and the torch-ops steps dequantize, or by its low-bit weight-only config (int4, ...:
+    `recurrence_step.dequantized_by_linear`), whose dequantized matrix every backend multiplies. Any other
+    tensor subclass keeps the plain path (`GPNModel.fast_path_blocker`), which calls the module."""
     if parameter is None or type(parameter) is torch.nn.Parameter:
         return True
-    return name == "weight" and type(module) is torch.nn.Linear and int8_weight_parts(parameter) is not None
+    return (
+        name == "weight"
+        and type(module) is torch.nn.Linear
+        and (int8_weight_parts(parameter) is not None or dequantized_by_linear(parameter))
+    )
 
 
 def step_kernels_enabled() -> bool:
@@ -393,8 +399,8 @@ def decode_lane_blocker(lm, norm_class: type, methods: dict) -> str | None:
     if not _plain_parameters(embedding):
         return "embed_tokens has a weight that is not a plain nn.Parameter"
     tied = head.weight is embedding.weight and head.bias is None
-    if not tied and int8_weight_parts(head.weight) is None:  # (a head of its own: torchao's int8, as it computes)
-        return "lm_head is neither the tied embedding nor an int8 weight-only head"
+    if not tied and int8_weight_parts(head.weight) is None and not dequantized_by_linear(head.weight):
+        return "lm_head is neither the tied embedding nor a torchao weight-only head"  # (one of its own, quantized)
     for name in ("fuse_norm", "decode_norm"):
         norm = getattr(model, name)
         if type(norm) is not norm_class or not called_as_is(norm) or not _plain_parameters(norm):

@@ -65,7 +65,7 @@ from typing import NamedTuple
 import torch
 from torch.autograd.graph import increment_version
 
-from .recurrence_step import MemoryStep, StepState, int8_weight_parts, keep_padded_rows
+from .recurrence_step import MemoryStep, StepState, dequantized_by_linear, int8_weight_parts, keep_padded_rows
 
 SOURCE = r"""
 #include <stddef.h>
@@ -2426,10 +2426,15 @@ class Operand(NamedTuple):
 
 
 def operand_of(linear: torch.nn.Module, extra_bias: torch.Tensor | None = None) -> Operand:
-    """The `Operand` of an nn.Linear whose weight is a plain float32 / bfloat16 CPU matrix or a torchao
-    int8 weight-only one (`recurrence_step.int8_weight_parts`); raises `KernelRefusal` for anything else.
-    `extra_bias` is added to the module's own (float32; the decay's dt_bias)."""
+    """The `Operand` of an nn.Linear whose weight is a plain float32 / bfloat16 CPU matrix, a torchao int8
+    weight-only one (`recurrence_step.int8_weight_parts`) or a low-bit one its linear dequantizes
+    (`recurrence_step.dequantized_by_linear`: the dequantized matrix, made here, which the operand holds);
+    raises `KernelRefusal` for anything else. `extra_bias` is added to the module's own (float32; the decay's
+    dt_bias)."""
     weight = linear.weight
+    if dequantized_by_linear(weight):
+        with torch.no_grad():
+            weight = weight.dequantize().contiguous()
     parts = int8_weight_parts(weight)
     if parts is not None:
         data, scale = parts.qdata, parts.scale

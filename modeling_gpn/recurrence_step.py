@@ -148,12 +148,38 @@ def _int8_parts(weight, held: dict) -> Int8Weight | None:
     return Int8Weight(qdata, scale.reshape(rows), weight.dtype)
 
 
+def dequantized_by_linear(weight) -> bool:
+    """Whether `weight` is exactly a torchao weight-only low-bit weight whose linear multiplies by its dequantized
+    matrix: `IntxUnpackedToInt8Tensor` made by `IntxWeightOnlyConfig` (int1 to int8 values, e.g. int4, per group
+    or per row, with or without zero points; that class, not a subclass; named, not imported: torchao stays
+    optional), without activation quantization, in float32 or bfloat16. Its `F.linear(x, W)` is
+    `F.linear(x, W.dequantize())`: the fast path multiplies that same matrix, dequantized once where it derives its
+    weights (a scope: one forward or generate() call, `derived_weights.py`), as it multiplies a float model's
+    weights. Anything else quantized keeps the plain path (`GPNModel.fast_path_blocker`)."""
+    kind = type(weight)
+    if kind.__qualname__ != "IntxUnpackedToInt8Tensor" or not kind.__module__.startswith("torchao."):
+        return False
+    held = weight.__dict__
+    qdata = held.get("qdata")
+    return (
+        held.get("activation_quantization") is None
+        and isinstance(qdata, torch.Tensor)
+        and qdata.dtype == torch.int8
+        and qdata.dim() == 2
+        and weight.dtype in (torch.float32, torch.bfloat16)
+    )
+
+
 def dense_weight(linear: torch.nn.Linear) -> torch.Tensor:
-    """The (out, in) weight of `linear` as a plain tensor: its weight, or an int8 weight dequantized
-    (qdata * scale, in the module's dtype) for the torch-ops steps, which multiply plain matrices."""
-    parts = int8_weight_parts(linear.weight)
+    """The (out, in) weight of `linear` as a plain tensor: its weight, an int8 weight dequantized (qdata * scale,
+    in the module's dtype), or a low-bit weight dequantized as its linear does (`dequantized_by_linear`), for the
+    torch-ops steps, which multiply plain matrices."""
+    weight = linear.weight
+    if dequantized_by_linear(weight):
+        return weight.dequantize()
+    parts = int8_weight_parts(weight)
     if parts is None:
-        return linear.weight
+        return weight
     return (parts.qdata.float() * parts.scale[:, None]).to(parts.dtype)
 
 

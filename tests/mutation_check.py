@@ -1913,13 +1913,55 @@ MUTATIONS = [
         ("tests/model/test_config_and_conversion.py -k misread and negative",),
     ),
     Mutation(
-        "the fast path takes torchao's int8 weight-only weights (quantize_ or TorchAoConfig at from_pretrained)",
+        "the fast path takes torchao's int8 and int4 weight-only weights (quantize_ or TorchAoConfig at from_pretrained)",
         "modeling_gpn/fast_recurrence.py",
-        '    return name == "weight" and type(module) is torch.nn.Linear and int8_weight_parts(parameter) is not None\n',
-        "    return False  # MUTATION\n",
+        "        and (int8_weight_parts(parameter) is not None or dequantized_by_linear(parameter))\n",
+        "        and False  # MUTATION\n",
         (
-            "tests/fast_path/test_step_kernels.py -k int8_weights_run_the_fast_path_within or torchao_config_runs_the_fast_path",
+            "tests/fast_path/test_step_kernels.py -k int8_weights_run_the_fast_path_within or torchao_config_runs_the_fast_path or int4_weights_run",
         ),
+    ),
+    Mutation(
+        "torchao's int4 weight-only weights (IntxWeightOnlyConfig) not recognised: the plain loop runs them",
+        "modeling_gpn/recurrence_step.py",
+        '        held.get("activation_quantization") is None\n        and isinstance(qdata, torch.Tensor)\n',
+        "        False  # MUTATION\n        and isinstance(qdata, torch.Tensor)\n",
+        (
+            "tests/fast_path/test_step_kernels.py -k int4_weights_run or generate_runs_an_int8",
+            "tests/tools/test_bench.py::test_bench_measures_int4_weights_on_the_fast_path",
+            "tests/fast_path/test_decode_call.py -k int4",
+        ),
+    ),
+    Mutation(
+        "int4 weights whose linear quantizes its input too (dynamic activations) taken as weight-only",
+        "modeling_gpn/recurrence_step.py",
+        '        held.get("activation_quantization") is None\n        and isinstance(qdata, torch.Tensor)\n',
+        "        isinstance(qdata, torch.Tensor)  # MUTATION\n",
+        ("tests/fast_path/test_step_kernels.py::test_low_bit_weights_with_quantized_activations_keep_the_plain_path",),
+    ),
+    Mutation(
+        "the C kernels refuse int4 weights (not dequantized into the plan): the torch-ops steps run them",
+        "modeling_gpn/memory_kernels.py",
+        "    if dequantized_by_linear(weight):\n        with torch.no_grad():\n",
+        "    if False:  # MUTATION\n        with torch.no_grad():\n",
+        ("tests/fast_path/test_step_kernels.py -k int4_weights_run or generate_runs_an_int8",),
+    ),
+    Mutation(
+        "a decoded token of a model whose head is int4 weight-only runs off the one C call",
+        "modeling_gpn/fast_recurrence.py",
+        "    if not tied and int8_weight_parts(head.weight) is None and not dequantized_by_linear(head.weight):\n",
+        "    if not tied and int8_weight_parts(head.weight) is None:  # MUTATION\n",
+        (
+            "tests/fast_path/test_step_kernels.py::"
+            "test_int4_weights_run_the_fast_path_on_the_matrices_their_linear_multiplies[decode-in-one-call]",
+        ),
+    ),
+    Mutation(
+        "the torch-ops steps multiply an int4 weight as torchao's tensor, not its dequantized matrix",
+        "modeling_gpn/recurrence_step.py",
+        "    if dequantized_by_linear(weight):\n        return weight.dequantize()\n",
+        "    if False:  # MUTATION\n        return weight.dequantize()\n",
+        ("tests/fast_path/test_step_kernels.py -k int4_weights_run",),
     ),
     Mutation(
         "GPNConfig refuses an attention head shape by name (transformers' ExecuTorch exporter failed deep inside)",

@@ -19,7 +19,17 @@ Modules: `command` (arguments, run), `models` (what is measured), `measure` (one
 from .command import IMPLEMENTATIONS, LIMIT_HELP, add_arguments, run
 from .limit import ReadProbe, prefill_bytes, step_bytes, tensor_bytes
 from .measure import Row, measure
-from .models import DTYPES, build_gpn, count_params, forward_flops_per_token, matched_llama, quantize_int8, weight_dtype
+from .models import (
+    DTYPES,
+    QUANTIZERS,
+    build_gpn,
+    count_params,
+    forward_flops_per_token,
+    matched_llama,
+    quantize_int4,
+    quantize_int8,
+    weight_dtype,
+)
 from .report import fmt, print_limits, print_ratios, print_table
 from .timing import (
     BackendProbe,
@@ -40,6 +50,7 @@ from .timing import (
 __all__ = [
     "BackendProbe",
     "DTYPES",
+    "QUANTIZERS",
     "IMPLEMENTATIONS",
     "LIMIT_HELP",
     "PeakMemory",
@@ -61,6 +72,7 @@ __all__ = [
     "print_limits",
     "print_ratios",
     "print_table",
+    "quantize_int4",
     "quantize_int8",
     "release_reused_buffers",
     "run",

@@ -16,7 +16,7 @@ import torch
 from ..atomic_files import replacing
 from ..cli.arguments import torch_device
 from .measure import measure
-from .models import DTYPES, build_gpn, count_params, matched_llama
+from .models import DTYPES, QUANTIZERS, build_gpn, count_params, matched_llama
 from .report import print_limits, print_ratios, print_table
 from .timing import memory_kernels_state, self_checks_state
 
@@ -101,8 +101,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default="float32",
         choices=DTYPES,
-        help="weight dtype; int8: the bfloat16 model with every nn.Linear quantized by torchao's "
-        "int8 weight-only config (needs torchao; the Llama's tied head stays bf16)",
+        help="weight dtype; int8 / int4: the bfloat16 model with every nn.Linear quantized by torchao's "
+        "int8 weight-only config / its int4 weight-only IntxWeightOnlyConfig (groups of 32) (needs torchao; the "
+        "tied heads stay bf16)",
     )
     parser.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device to measure on"
@@ -149,8 +150,10 @@ def check_arguments(args) -> None:
         raise BenchError("--memory-seq-lens measures the training step's memory: it does not go with --skip-training")
     if args.skip_training and not args.decode_prompt_lengths and not args.decode_batches:
         raise BenchError("nothing to measure: --skip-training with no --decode-prompt-lengths and no --decode-batches")
-    if args.dtype == "int8" and not args.skip_training:
-        raise BenchError("--dtype int8 measures inference only (quantized weights do not train): add --skip-training")
+    if args.dtype in QUANTIZERS and not args.skip_training:
+        raise BenchError(
+            f"--dtype {args.dtype} measures inference only (quantized weights do not train): add --skip-training"
+        )
     if args.json is not None:
         if Path(args.json).is_dir():
             raise BenchError(f"--json {args.json} is a folder: name the file to write")
@@ -221,7 +224,7 @@ def measure_preset(preset: str, args) -> list:
             models[impl] = (
                 gpn if impl != "llama" else matched_llama(gpn.config, count_params(gpn), args.dtype, args.device)
             )
-    except ImportError as error:  # --dtype int8 without torchao (`quantize_int8` says what to install)
+    except ImportError as error:  # --dtype int8 / int4 without torchao (it says what to install)
         raise BenchError(str(error)) from None
     rows = measure(models, preset, args)
     del models, gpn

@@ -1,17 +1,17 @@
 """The models `gpn bench` measures: a GPN preset (random weights, every matrix non-zero), a parameter-matched
-`LlamaForCausalLM`, in float32, bfloat16, or int8 (torchao's int8 weight-only quantization of the bfloat16
-model, every `nn.Linear` but a tied output head), and the arithmetic they do per token."""
+`LlamaForCausalLM`, in float32, bfloat16, int8 or int4 (torchao's int8 or int4 weight-only quantization of the
+bfloat16 model, every `nn.Linear` but a tied output head), and the arithmetic they do per token."""
 
 from __future__ import annotations
 
 import torch
 
-DTYPES = ("float32", "bfloat16", "int8")
+DTYPES = ("float32", "bfloat16", "int8", "int4")
 
 
 def weight_dtype(name: str) -> torch.dtype:
-    """The dtype a model is built in for `--dtype name` (int8 quantizes a bfloat16 model)."""
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.bfloat16}[name]
+    """The dtype a model is built in for `--dtype name` (int8 and int4 quantize a bfloat16 model)."""
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.bfloat16, "int4": torch.bfloat16}[name]
 
 
 def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
@@ -19,26 +19,63 @@ def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
     weights, one scale per output row; activations stay in the model's dtype), in place. The head
     (`get_output_embeddings()`: a GPN's is its embedding, as is the bench's Llama's) is left as it is: quantizing
     it would untie it. Without torchao: ImportError, saying what to install."""
-    try:
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_
-    except ImportError as error:
-        raise ImportError(
-            f"--dtype int8 needs torchao (pip install -e '.[int8]', or torchao==0.18.0): {error}"
-        ) from None
-    output = model.get_output_embeddings()
-    head = {id(output)} if isinstance(output, torch.nn.Linear) else set()
-    quantize_(
-        model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and id(m) not in head
-    )
+    quantization = _torchao("int8")
+    quantization.quantize_(model, quantization.Int8WeightOnlyConfig(), filter_fn=_linears_but_the_head(model))
     return model
 
 
+INT4_GROUP = 32  # weights sharing a scale and a zero point (torchao's default group for int4)
+
+
+def quantize_int4(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with every nn.Linear but its output head quantized by torchao's low-bit weight-only config to int4
+    (`IntxWeightOnlyConfig`, torchao's int4 with a CPU path: values in [-8, 7], a scale and a zero point per group
+    of `INT4_GROUP` weights of a row, or per row where a row's length is not a multiple of it), in place; the head
+    as in `quantize_int8`. Its linear multiplies the dequantized matrix, as the fast path does
+    (`recurrence_step.dequantized_by_linear`). Without torchao: ImportError, saying what to install."""
+    quantization = _torchao("int4")
+    from torchao.quantization.granularity import PerAxis, PerGroup
+
+    linears = _linears_but_the_head(model)
+    for granularity, fits in ((PerGroup(INT4_GROUP), True), (PerAxis(0), False)):
+        config = quantization.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=granularity)
+        quantization.quantize_(
+            model,
+            config,
+            filter_fn=lambda m, fqn, fits=fits: (
+                linears(m, fqn) and type(m.weight) is torch.nn.Parameter and (m.in_features % INT4_GROUP == 0) == fits
+            ),
+        )
+    return model
+
+
+QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}  # --dtype name -> what quantizes the bfloat16 model
+
+
+def _torchao(name: str):
+    """torchao's quantization module, or ImportError saying what `--dtype name` needs installed."""
+    try:
+        import torchao.quantization
+    except ImportError as error:
+        raise ImportError(
+            f"--dtype {name} needs torchao (pip install -e '.[int8]', or torchao==0.18.0): {error}"
+        ) from None
+    return torchao.quantization
+
+
+def _linears_but_the_head(model: torch.nn.Module):
+    """A `quantize_` filter: the model's nn.Linear modules but its output head (`get_output_embeddings()`)."""
+    output = model.get_output_embeddings()
+    head = {id(output)} if isinstance(output, torch.nn.Linear) else set()
+    return lambda m, fqn: isinstance(m, torch.nn.Linear) and id(m) not in head
+
+
 def build_gpn(preset: str, dtype: torch.dtype | str, device: str, segment_length: int):
-    """A GPN of `preset` (name or config JSON) in `dtype` ("int8": quantized, see `quantize_int8`)."""
+    """A GPN of `preset` (name or config JSON) in `dtype` ("int8", "int4": quantized, see `QUANTIZERS`)."""
     from modeling_gpn import GPNForCausalLM
     from modeling_gpn.configuration import load_preset
 
-    quantize = dtype == "int8"
+    quantize = QUANTIZERS.get(dtype) if isinstance(dtype, str) else None
     if isinstance(dtype, str):
         dtype = weight_dtype(dtype)
     config = load_preset(preset)
@@ -49,7 +86,7 @@ def build_gpn(preset: str, dtype: torch.dtype | str, device: str, segment_length
         for param in model.parameters():
             if param.dim() == 2 and not param.any():
                 param.normal_(0, 0.02)
-    return quantize_int8(model) if quantize else model
+    return quantize(model) if quantize else model
 
 
 def matched_llama(gpn_config, params: int, dtype: torch.dtype | str, device: str):
@@ -57,7 +94,7 @@ def matched_llama(gpn_config, params: int, dtype: torch.dtype | str, device: str
     bring it closest to `params` parameters."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    quantize = dtype == "int8"
+    quantize = QUANTIZERS.get(dtype) if isinstance(dtype, str) else None
     if isinstance(dtype, str):
         dtype = weight_dtype(dtype)
     hidden = gpn_config.embedding_size
@@ -82,7 +119,7 @@ def matched_llama(gpn_config, params: int, dtype: torch.dtype | str, device: str
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(device=device, dtype=dtype)
-    return quantize_int8(model) if quantize else model
+    return quantize(model) if quantize else model
 
 
 def count_params(model) -> int:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-DTYPES = ("auto", "float32", "bfloat16", "int8")
+DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
 DEFAULT_TEMPERATURE = 0.8
 DEFAULT_TOP_P = 0.95
 
@@ -58,8 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         choices=DTYPES,
-        help="weights: as saved (auto), float32, bfloat16, or int8 (torchao's int8 weight-only quantization of "
-        "every nn.Linear of the bfloat16 model; needs torchao; on CPU the fast path runs it on its int8 kernels)",
+        help="weights: as saved (auto), float32, bfloat16, int8 or int4 (torchao's int8 weight-only / int4 "
+        "weight-only quantization of every nn.Linear of the bfloat16 model but the tied head; needs torchao; on CPU "
+        "the fast path runs int8 on its int8 kernels, int4 on the matrices it dequantizes to)",
     )
     parser.add_argument("--trust-remote-code", action="store_true", help="load the model's own code (Hub repos)")
     parser.add_argument(
@@ -153,17 +154,17 @@ def _load(args: argparse.Namespace):
 
 
 def _to_dtype(model, dtype: str):
-    """The model in `--dtype` (auto: as loaded). int8 quantizes every nn.Linear of the bfloat16 model with
-    torchao's int8 weight-only config, as `gpn bench` does (`quantize_int8`: the output head, tied to the
-    embedding, stays bfloat16)."""
+    """The model in `--dtype` (auto: as loaded). int8 and int4 quantize every nn.Linear of the bfloat16 model with
+    torchao's weight-only configs, as `gpn bench` does (`QUANTIZERS`: the output head, tied to the embedding, stays
+    bfloat16)."""
     if dtype == "auto":
         return model
     if dtype in ("float32", "bfloat16"):
         return model.to(getattr(torch, dtype))
-    from modeling_gpn.bench.models import quantize_int8
+    from modeling_gpn.bench.models import QUANTIZERS
 
     try:
-        return quantize_int8(model.to(torch.bfloat16))
+        return QUANTIZERS[dtype](model.to(torch.bfloat16))
     except ImportError as error:
         raise GenerateError(str(error)) from None
 

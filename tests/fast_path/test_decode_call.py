@@ -318,6 +318,29 @@ def test_int8_weights_edited_between_two_calls_are_seen(one_thread, edit):
     assert_an_edit_between_two_calls_is_seen(model, INT8_EDITS[edit], ids, tolerance=1e-3)
 
 
+INT4_EDITS = {  # (torchao's int4 weight-only weight, whose linear multiplies its dequantized matrix)
+    "int4 data in place": lambda m: m.model.fuse_proj.weight.qdata.mul_(-1),
+    "scale in place": lambda m: m.model.decode_proj.weight.scale.mul_(1.5),
+    "zero points replaced": lambda m: setattr(
+        m.model.fuse_proj.weight, "zero_point", m.model.fuse_proj.weight.zero_point + 8
+    ),
+}
+
+
+@pytest.mark.parametrize("edit", INT4_EDITS)
+def test_int4_weights_edited_between_two_calls_are_seen(one_thread, edit):
+    """The same for torchao's int4 weight-only model, whose plans hold matrices dequantized from what the weights
+    hold: its int4 data or scale edited in place, or its zero points replaced, are multiplied afresh."""
+    require_c_kernels()
+    torchao = pytest.importorskip("torchao.quantization", reason="torchao (the test extra) quantizes the model")
+    from torchao.quantization.granularity import PerGroup
+
+    model = perturbed_model(tiny_config(), seed=26).eval()
+    torchao.quantize_(model, torchao.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(16)))
+    ids = torch.randint(1, 97, (1, 6), generator=torch.Generator().manual_seed(27))
+    assert_an_edit_between_two_calls_is_seen(model, INT4_EDITS[edit], ids, tolerance=1e-3)
+
+
 def test_bad_ids_and_padded_tokens(one_thread, model):
     """An id outside the vocabulary is refused with the forward's own message, before anything is computed (nor
     folded into the cache's fingerprint), and so is a mask holding a value other than 0 and 1;

@@ -19,10 +19,12 @@ from ..tiny_models import perturbed_model, tiny_config
 torchao = pytest.importorskip("torchao.quantization", reason="torchao (the test extra) quantizes the int8 models")
 
 
-def quantized(model: torch.nn.Module, config=None) -> torch.nn.Module:
-    """`model` in bf16 with every nn.Linear quantized by torchao (int8 weight-only unless `config`)."""
+def quantized(model: torch.nn.Module, config=None, head: bool = True) -> torch.nn.Module:
+    """`model` in bf16 with every nn.Linear quantized by torchao (int8 weight-only unless `config`), the head too
+    unless `head` is False (it then stays the tied embedding)."""
     model = model.to(torch.bfloat16)
-    torchao.quantize_(model, config or torchao.Int8WeightOnlyConfig())
+    linears = lambda module, name: type(module) is torch.nn.Linear and (head or name != "lm_head")  # noqa: E731
+    torchao.quantize_(model, config or torchao.Int8WeightOnlyConfig(), filter_fn=linears)
     return model
 
 
@@ -170,6 +172,71 @@ def test_weights_the_fast_path_does_not_know_keep_the_plain_path(one_thread):
     """Exactly torchao's int8 weight-only weights are taken: its dynamic-activation int8 (activations
     quantized too) is another computation, so the model keeps the plain loop, which calls the modules."""
     model = quantized(perturbed_model(tiny_config(), seed=8), torchao.Int8DynamicActivationInt8WeightConfig())
+    blocker = model.model.fast_path_blocker()
+    assert blocker is not None and "not a plain nn.Parameter" in blocker, blocker
+    with torch.no_grad(), ran(PLAIN_PATH, not_ran=(FAST_PATH, C_STEP_KERNELS)):
+        model(torch.tensor([[1, 2, 3]]))
+
+
+def int4(model: torch.nn.Module, head: bool = True) -> torch.nn.Module:
+    """`model` in bf16 with every nn.Linear (the head too unless `head` is False) quantized by torchao's low-bit
+    weight-only config: int4 values in groups of 16 weights, a scale and a zero point each
+    (`IntxWeightOnlyConfig`, torchao's CPU int4)."""
+    from torchao.quantization.granularity import PerGroup
+
+    return quantized(model, torchao.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(16)), head)
+
+
+def with_dequantized_weights(model: torch.nn.Module) -> torch.nn.Module:
+    """The same model with each quantized weight replaced by the plain matrix its linear multiplies
+    (`weight.dequantize()`, in the model's dtype); the head must be the tied embedding (a GPN's plain head is)."""
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and type(module.weight) is not torch.nn.Parameter:
+            module.weight = torch.nn.Parameter(module.weight.dequantize(), requires_grad=False)
+    return model
+
+
+def test_int4_weights_run_the_fast_path_on_the_matrices_their_linear_multiplies(one_thread, decoded_backends):
+    """torchao's int4 weight-only model (`IntxWeightOnlyConfig`, whose linear multiplies its dequantized matrix)
+    runs the fast path, its step and its decoded tokens on the C kernels, not the plain loop: to the bit what the
+    bf16 fast path computes of a model holding those dequantized matrices, and so within bf16's rounding of the
+    plain loop of the same int4 model; a batch beyond the kernels' rows, on the torch-ops steps, likewise. With
+    its head quantized too (`quantize_`'s default takes every nn.Linear), its decoded tokens still run in one C call,
+    within bf16's rounding of its plain loop."""
+    require_c_kernels()
+    model = int4(perturbed_model(tiny_config(), seed=5), head=False)
+    reference = with_dequantized_weights(int4(perturbed_model(tiny_config(), seed=5), head=False))
+    assert model.model.fast_path_blocker() is None
+    ids = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(6))
+    with ran(FAST_PATH, C_STEP_KERNELS, *decoded_backends, not_ran=(PLAIN_PATH,)):
+        fast = decode_loop(model, ids, None)
+    assert torch.equal(fast, decode_loop(reference, ids, None))
+    wide = torch.randint(1, 97, (20, 4), generator=torch.Generator().manual_seed(7))  # more rows than the kernels take
+    with torch.no_grad(), ran(FAST_PATH, not_ran=(PLAIN_PATH, C_STEP_KERNELS)):
+        wide_fast = model(wide).logits
+    with torch.no_grad():
+        assert torch.equal(wide_fast, reference(wide).logits)
+    whole = int4(perturbed_model(tiny_config(), seed=5))
+    with ran(FAST_PATH, C_STEP_KERNELS, *decoded_backends, not_ran=(PLAIN_PATH,)):
+        whole_fast = decode_loop(whole, ids, None)
+    whole.model.use_fast_path = False
+    assert (log_probs(whole_fast) - log_probs(decode_loop(whole, ids, None))).abs().max() < 2e-2
+    model.model.use_fast_path = False
+    with ran(PLAIN_PATH, not_ran=(FAST_PATH,)):
+        plain = decode_loop(model, ids, None)
+        with torch.no_grad():
+            wide_plain = model(wide).logits
+    assert (log_probs(fast) - log_probs(plain)).abs().max() < 2e-2
+    assert (log_probs(wide_fast) - log_probs(wide_plain)).abs().max() < 2e-2
+
+
+def test_low_bit_weights_with_quantized_activations_keep_the_plain_path(one_thread):
+    """torchao's int4 weights with int8 dynamic activations (`Int8DynamicActivationIntxWeightConfig`) quantize each
+    linear's input too, which the dequantized matrix alone does not compute: the plain loop calls the modules."""
+    from torchao.quantization.granularity import PerGroup
+
+    config = torchao.Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(16))
+    model = quantized(perturbed_model(tiny_config(), seed=8), config)
     blocker = model.model.fast_path_blocker()
     assert blocker is not None and "not a plain nn.Parameter" in blocker, blocker
     with torch.no_grad(), ran(PLAIN_PATH, not_ran=(FAST_PATH, C_STEP_KERNELS)):
@@ -492,7 +559,8 @@ def test_the_read_probe_reads_every_byte(products_build):
 
 def test_gpn_generate_runs_an_int8_model_on_the_fast_path(tmp_path, capsys, one_thread):
     """`gpn generate --dtype int8` quantizes the loaded model (torchao int8 weight-only) and generates with it
-    on the fast path's int8 kernels (and `--dtype float32` does not)."""
+    on the fast path's int8 kernels (and `--dtype float32` does not); `--dtype int4` (torchao's int4 weight-only)
+    on the fast path's C kernels too, on the matrices it dequantizes to."""
     require_c_kernels()
     from gpn_cli import main
     from modeling_gpn.data import train_bpe_tokenizer
@@ -505,8 +573,10 @@ def test_gpn_generate_runs_an_int8_model_on_the_fast_path(tmp_path, capsys, one_
         assert main([*arguments, "int8"]) == 0
     with ran(FAST_PATH, C_STEP_KERNELS, not_ran=(PLAIN_PATH, INT8_STEPS)):
         assert main([*arguments, "float32"]) == 0
+    with ran(FAST_PATH, C_STEP_KERNELS, DECODE_CALLS, not_ran=(PLAIN_PATH, INT8_STEPS)):
+        assert main([*arguments, "int4"]) == 0
     printed = capsys.readouterr().out.splitlines()
-    assert printed[0].startswith("the cat") and printed[2].startswith("the cat")
+    assert printed[0].startswith("the cat") and printed[2].startswith("the cat") and printed[4].startswith("the cat")
 
 
 def test_a_model_quantized_by_torchao_config_runs_the_fast_path_saves_and_reloads(tmp_path, one_thread):

@@ -8,6 +8,8 @@ import pytest
 
 from gpn_cli import main
 
+from ..backend_observer import C_STEP_KERNELS, FAST_PATH, PLAIN_PATH, ran
+
 
 def test_bench_reports_every_implementation(tmp_path, capsys):
     out = tmp_path / "bench.json"
@@ -68,6 +70,29 @@ def test_bench_reports_every_implementation(tmp_path, capsys):
     # a GPN's cache does not grow with the prompt; the Llama's does
     assert rows["fast"]["cache_bytes"]["4"] == rows["fast"]["cache_bytes"]["9"]
     assert rows["llama"]["cache_bytes"]["9"] > rows["llama"]["cache_bytes"]["4"]
+
+
+def test_bench_measures_int4_weights_on_the_fast_path(tmp_path, capsys):
+    """`gpn bench --dtype int4` quantizes both models with torchao's int4 weight-only config (the GPN's every
+    nn.Linear but the tied head) and measures the GPN on the fast path against the bytes its quantized weights
+    hold; like int8 it measures inference only."""
+    import pytest
+
+    pytest.importorskip("torchao.quantization", reason="--dtype int4 quantizes with torchao (the test extra)")
+    from modeling_gpn.bench import build_gpn, step_bytes
+
+    out = tmp_path / "bench.json"
+    common = ["bench", "--preset", "tiny", "--impl", "fast", "--dtype", "int4", "--device", "cpu"]
+    measure = ["--skip-training", "--decode-prompt-lengths", "6", "--decode-tokens", "3", "--repeats", "1"]
+    with ran(FAST_PATH, C_STEP_KERNELS, not_ran=(PLAIN_PATH,)):
+        assert main([*common, *measure, "--json", str(out)]) == 0
+    fast = json.loads(out.read_text())["rows"][0]
+    model = build_gpn("tiny", "int4", "cpu", 0)
+    assert type(model.model.fuse_proj.weight).__name__ == "IntxUnpackedToInt8Tensor"
+    assert fast["limit_bytes"] == step_bytes(model) < step_bytes(build_gpn("tiny", "bfloat16", "cpu", 0))
+    capsys.readouterr()
+    assert main(common) == 2
+    assert "--dtype int4 measures inference only" in capsys.readouterr().err
 
 
 def test_bench_states_every_batch_one_figure_against_its_byte_limit(tmp_path, capsys):
