@@ -1159,8 +1159,8 @@ MUTATIONS = [
     Mutation(
         "gpn CMD --help without '(default: None)' after options that have no default",
         "modeling_gpn/cli/formatting.py",
-        "        if action.default is None or (action.option_strings and action.nargs == 0):",
-        "        if action.option_strings and action.nargs == 0:  # MUTATION",
+        "        if action.default is None or action.default == [] or (action.option_strings and action.nargs == 0):",
+        "        if action.default == [] or (action.option_strings and action.nargs == 0):  # MUTATION",
         (
             "tests/tools/test_docs.py::test_help_gives_each_option_its_default_once",
             "tests/tools/test_docs.py::test_the_training_programs_own_help_gives_each_default_once",
@@ -2616,9 +2616,16 @@ MUTATIONS = [
     Mutation(
         "gpn CMD --help shows a flag's default ('--no-stream ... (default: True)')",
         "modeling_gpn/cli/formatting.py",
-        "        if action.default is None or (action.option_strings and action.nargs == 0):",
-        "        if action.default is None:  # MUTATION",
+        "        if action.default is None or action.default == [] or (action.option_strings and action.nargs == 0):",
+        "        if action.default is None or action.default == []:  # MUTATION",
         ("tests/tools/test_docs.py -k gives_each_option_its_default_once",),
+    ),
+    Mutation(
+        "gpn CMD --help shows a repeatable option's empty default ('--tag ... (default: [])')",
+        "modeling_gpn/cli/formatting.py",
+        "        if action.default is None or action.default == [] or (action.option_strings and action.nargs == 0):",
+        "        if action.default is None or (action.option_strings and action.nargs == 0):  # MUTATION",
+        ("tests/tools/test_docs.py -k gives_each_option_its_default_once and (push or bench or eval)",),
     ),
     Mutation(
         "gpn inspect ignores --split / --data-config beside local data (in silence)",

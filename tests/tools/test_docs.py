@@ -133,13 +133,14 @@ def test_help_gives_each_option_its_default_once(subcommand):
     """`gpn CMD --help` appends an option's default where it has one (`--max-new-tokens ... (default: 64)`);
     an option without one says in its own words what happens when it is not given, so no "(default: None)"
     follows it (for `--temperature`, "(with --sample, default 0.8) (default: None)" contradicted itself), and a flag
-    shows none ("--no-stream ... (default: True)" read as if streaming were off by default)."""
+    shows none ("--no-stream ... (default: True)" read as if streaming were off by default); nor does a repeatable
+    option given nothing ("--tag ... (default: [])")."""
     from gpn_cli import build_parser
 
     parser = build_parser(subcommand)
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[subcommand]
     text = " ".join(sub.format_help().split())
-    assert "(default: None)" not in text
+    assert "(default: None)" not in text and "(default: [])" not in text  # (`gpn push --tag`: none unless given)
     assert "(default: True)" not in text and "(default: False)" not in text  # (a flag: --no-stream read as on)
     assert {"generate": "(default: 64)", "bench": "(default: 3)", "eval": "(default: ", "push": "(default: "}[
         subcommand
