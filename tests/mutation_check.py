@@ -1900,6 +1900,13 @@ MUTATIONS = [
         ("tests/tools/test_docs.py -k links_and_named_files",),
     ),
     Mutation(
+        "the docs name a Python name where it is not (modeling_gpn.RECURRENCE_METHODS, not in the package)",
+        "docs/transformers.md",
+        "`modeling_gpn.modeling_gpn.RECURRENCE_METHODS`",
+        "`modeling_gpn.RECURRENCE_METHODS`",
+        ("tests/tools/test_docs.py -k python_names",),
+    ),
+    Mutation(
         "CONTRIBUTING.md's layout leaves out a file of the model",
         "CONTRIBUTING.md",
         "`sharding.py` (FSDP2 with blocks sharded apart), ",

@@ -348,6 +348,42 @@ def test_contributing_names_every_file_of_the_model():
     assert len(files) > 15 and [name for name in files if f"`{name}`" not in layout] == []
 
 
+def test_the_python_names_the_docs_give_exist():
+    """A name the pages give in backticks as `modeling_gpn.X.Y` or `module.name` (a module of the package:
+    `fast_recurrence.fast_project`, `triton_kernels.self_check_failures()`) is there, so a reader can import it:
+    `modeling_gpn.RECURRENCE_METHODS` was named for months, which lives in `modeling_gpn.modeling_gpn`.
+    (`cache.`, `data.` and `train.` read as a GPNCache, report.json's keys and a file name there, so they are not
+    taken for the modules.)"""
+    import importlib
+
+    from ..environment import REPO_ROOT
+
+    modules = {path.stem for path in (REPO_ROOT / "modeling_gpn").glob("*.py")} | {
+        path.parent.name for path in (REPO_ROOT / "modeling_gpn").glob("*/__init__.py")
+    }
+    modules -= {"__init__", "cache", "data", "train"}
+    missing, seen = [], 0
+    for page in DOC_FILES:
+        for name in re.findall(r"`([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)", page.read_text()):
+            parts = name.split(".")
+            if parts[-1] in ("py", "md", "json", "jsonl", "sh") or parts[0] not in modules | {"modeling_gpn"}:
+                continue
+            if parts[0] != "modeling_gpn":
+                parts = ["modeling_gpn", *parts]
+            seen += 1
+            for split in range(len(parts), 0, -1):  # the longest importable prefix, then attributes
+                try:
+                    found = importlib.import_module(".".join(parts[:split]))
+                except ImportError:
+                    continue
+                for attribute in parts[split:]:
+                    found = getattr(found, attribute, None)
+                break
+            if found is None:
+                missing.append(f"{page.name}: {name}")
+    assert seen >= 15 and missing == []
+
+
 def test_a_renamed_option_fails_the_parse_check():
     """The check can fail: an option the parser does not know is reported with the parser's message."""
     with pytest.raises(AssertionError, match="unrecognized arguments: --tokens-to-generate"):
