@@ -1907,6 +1907,20 @@ MUTATIONS = [
         ("tests/tools/test_docs.py -k python_names",),
     ),
     Mutation(
+        "an accelerate launch in the docs that Accelerate's launcher refuses (FSDP version 3)",
+        "docs/training.md",
+        "# FSDP2 (fully_shard), 2 processes on CPU\nACCELERATE_USE_CPU=1 accelerate launch --use_fsdp --fsdp_version 2",
+        "# FSDP2 (fully_shard), 2 processes on CPU\nACCELERATE_USE_CPU=1 accelerate launch --use_fsdp --fsdp_version 3",
+        ("tests/tools/test_docs.py -k accelerate_launch",),
+    ),
+    Mutation(
+        "an Accelerate option named in the docs' prose that its launcher does not have",
+        "docs/training.md",
+        "`--fsdp_transformer_layer_cls_to_wrap GPNPredictLayer,GPNMemoryWrite` (ran here",
+        "`--fsdp_layer_cls_to_wrap GPNPredictLayer,GPNMemoryWrite` (ran here",
+        ("tests/tools/test_docs.py -k accelerate_launch",),
+    ),
+    Mutation(
         "CONTRIBUTING.md's layout leaves out a file of the model",
         "CONTRIBUTING.md",
         "`sharding.py` (FSDP2 with blocks sharded apart), ",

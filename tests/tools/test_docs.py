@@ -384,6 +384,42 @@ def test_the_python_names_the_docs_give_exist():
     assert seen >= 15 and missing == []
 
 
+LM_EVAL_OPTIONS = {"--model_args", "--batch_size"}  # docs/evaluation.md's plain `lm_eval` command
+
+
+def test_accelerate_launch_options_the_docs_name_exist():
+    """Every `accelerate launch` of a code block parses with Accelerate's own launcher parser, and every
+    Accelerate-style option (`--fsdp_auto_wrap_policy`, `--multi_gpu`) the pages name is one it has: the
+    FSDP notes of docs/training.md and docs/fine-tuning.md name a dozen of them, which `gpn train`'s parser
+    (`test_documented_gpn_commands_parse`) never sees."""
+    from accelerate.commands.launch import launch_command_parser
+
+    parser = launch_command_parser()
+    known = {option for action in parser._actions for option in action.option_strings}
+    launches = []
+    for block in SHELL:
+        for command in shell_commands(block.code):
+            words = [word for word in command if not re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", word)]  # (VARIABLE=1)
+            if words[:2] == ["accelerate", "launch"]:
+                launches.append(words[2:])
+    for arguments in launches:
+        errors = io.StringIO()
+        with contextlib.redirect_stderr(errors):
+            try:
+                parser.parse_args(arguments)
+            except SystemExit as exit:
+                raise AssertionError(
+                    f"`accelerate launch {' '.join(arguments)}`: {errors.getvalue().strip()}"
+                ) from exit
+    named = {
+        f"{page.name}: {option}"
+        for page in DOC_FILES
+        for option in re.findall(r"(?<![\w-])(--[a-z0-9]+_[a-z0-9_]+|--multi_gpu|--use_fsdp|--cpu)\b", page.read_text())
+        if option not in known and option not in LM_EVAL_OPTIONS
+    }
+    assert len(launches) >= 5 and named == set()
+
+
 def test_a_renamed_option_fails_the_parse_check():
     """The check can fail: an option the parser does not know is reported with the parser's message."""
     with pytest.raises(AssertionError, match="unrecognized arguments: --tokens-to-generate"):
