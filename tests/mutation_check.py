@@ -6,7 +6,7 @@ checks behind the tests that once could not fail), the tests that claim that fea
 a table says, per mutation, how many of them ran and how many failed. Every one of them must fail: a test
 that passes with its feature gone does not test it. Exit status 0 only then.
 
-Not part of CI (it runs a slice of the suite once per mutation, some 170 of them: tens of minutes on 2 cores). Run from the
+Not part of CI (it runs a slice of the suite once per mutation, some 380 of them: tens of minutes on 2 cores). Run from the
 repository root, with the test environment active (and GPN_SHARED_DIR set, as for the tests):
 
     python tests/mutation_check.py                # all mutations
@@ -1159,8 +1159,8 @@ MUTATIONS = [
     Mutation(
         "gpn CMD --help without '(default: None)' after options that have no default",
         "modeling_gpn/cli/formatting.py",
-        "        if action.default is None or (action.option_strings and action.nargs == 0):",
-        "        if action.option_strings and action.nargs == 0:  # MUTATION",
+        "        if action.default is None or action.default == [] or (action.option_strings and action.nargs == 0):",
+        "        if action.default == [] or (action.option_strings and action.nargs == 0):  # MUTATION",
         (
             "tests/tools/test_docs.py::test_help_gives_each_option_its_default_once",
             "tests/tools/test_docs.py::test_the_training_programs_own_help_gives_each_default_once",
@@ -1879,6 +1879,55 @@ MUTATIONS = [
         ("tests/tools/test_docs.py::test_documented_model_folders_are_where_gpn_train_writes_them",),
     ),
     Mutation(
+        "the docs name a library version other than the installed one (Accelerate 1.15 under 1.16)",
+        "docs/transformers.md",
+        "which holds the embedding, and Accelerate 1.16 then fails",
+        "which holds the embedding, and Accelerate 1.15 then fails",
+        ("tests/tools/test_docs.py -k library_versions",),
+    ),
+    Mutation(
+        "a gpn option named in the docs' prose that the command does not have",
+        "docs/publishing.md",
+        "for a `gpn eval --limit N` run",
+        "for a `gpn eval --max-examples N` run",
+        ("tests/tools/test_docs.py -k prose_names_exist",),
+    ),
+    Mutation(
+        "a link to a heading the page does not have",
+        "docs/fine-tuning.md",
+        "(transformers.md#gradient-checkpointing)",
+        "(transformers.md#checkpointing-time)",
+        ("tests/tools/test_docs.py -k links_and_named_files",),
+    ),
+    Mutation(
+        "the docs name a Python name where it is not (modeling_gpn.RECURRENCE_METHODS, not in the package)",
+        "docs/transformers.md",
+        "`modeling_gpn.modeling_gpn.RECURRENCE_METHODS`",
+        "`modeling_gpn.RECURRENCE_METHODS`",
+        ("tests/tools/test_docs.py -k python_names",),
+    ),
+    Mutation(
+        "an accelerate launch in the docs that Accelerate's launcher refuses (FSDP version 3)",
+        "docs/training.md",
+        "# FSDP2 (fully_shard), 2 processes on CPU\nACCELERATE_USE_CPU=1 accelerate launch --use_fsdp --fsdp_version 2",
+        "# FSDP2 (fully_shard), 2 processes on CPU\nACCELERATE_USE_CPU=1 accelerate launch --use_fsdp --fsdp_version 3",
+        ("tests/tools/test_docs.py -k accelerate_launch",),
+    ),
+    Mutation(
+        "an Accelerate option named in the docs' prose that its launcher does not have",
+        "docs/training.md",
+        "`--fsdp_transformer_layer_cls_to_wrap GPNPredictLayer,GPNMemoryWrite` (ran here",
+        "`--fsdp_layer_cls_to_wrap GPNPredictLayer,GPNMemoryWrite` (ran here",
+        ("tests/tools/test_docs.py -k accelerate_launch",),
+    ),
+    Mutation(
+        "CONTRIBUTING.md's layout leaves out a file of the model",
+        "CONTRIBUTING.md",
+        "`sharding.py` (FSDP2 with blocks sharded apart), ",
+        "",
+        ("tests/tools/test_docs.py -k contributing_names",),
+    ),
+    Mutation(
         'GPNConfig\'s booleans checked (a hand-edited "false" string builds the memory)',
         "modeling_gpn/configuration_gpn.py",
         "            if not isinstance(getattr(self, name), bool):\n",
@@ -2588,9 +2637,16 @@ MUTATIONS = [
     Mutation(
         "gpn CMD --help shows a flag's default ('--no-stream ... (default: True)')",
         "modeling_gpn/cli/formatting.py",
-        "        if action.default is None or (action.option_strings and action.nargs == 0):",
-        "        if action.default is None:  # MUTATION",
+        "        if action.default is None or action.default == [] or (action.option_strings and action.nargs == 0):",
+        "        if action.default is None or action.default == []:  # MUTATION",
         ("tests/tools/test_docs.py -k gives_each_option_its_default_once",),
+    ),
+    Mutation(
+        "gpn CMD --help shows a repeatable option's empty default ('--tag ... (default: [])')",
+        "modeling_gpn/cli/formatting.py",
+        "        if action.default is None or action.default == [] or (action.option_strings and action.nargs == 0):",
+        "        if action.default is None or (action.option_strings and action.nargs == 0):  # MUTATION",
+        ("tests/tools/test_docs.py -k gives_each_option_its_default_once and (push or bench or eval)",),
     ),
     Mutation(
         "gpn inspect ignores --split / --data-config beside local data (in silence)",

@@ -9,11 +9,12 @@ import argparse
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Each option's help with its default, where it has one. An option without one (None) says in its own help
-    what happens when it is not given; "(default: None)" after that says nothing, or contradicts it. A flag (an
-    option that takes no value) has no default to show: "--no-stream ... (default: True)" read as if it were on."""
+    """Each option's help with its default, where it has one. An option without one (None, or an empty list: a
+    repeatable option given no value) says in its own help what happens when it is not given; "(default: None)" or
+    "(default: [])" after that says nothing, or contradicts it. A flag (an option that takes no value) has no
+    default to show: "--no-stream ... (default: True)" read as if it were on."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or (action.option_strings and action.nargs == 0):
+        if action.default is None or action.default == [] or (action.option_strings and action.nargs == 0):
             return action.help
         return super()._get_help_string(action)

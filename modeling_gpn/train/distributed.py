@@ -48,7 +48,7 @@ def start_accelerator(config: dict, trackers: list[str], run_dir: Path):
     - A job launched as several processes that Accelerate starts as one (an FSDP config file with `use_cpu`
       does not reach the processes, so on a machine without GPUs each comes up alone) would train the whole
       run once per process into the same folder: refused with the launch command that works.
-    - Accelerate (1.15) makes an FSDP launch on CPU plain DDP without a word (it applies FSDP only on
+    - Accelerate (1.16) makes an FSDP launch on CPU plain DDP without a word (it applies FSDP only on
       GPU-like devices); FSDP2 (`fully_shard`) runs on CPU with gloo, so it is applied here as asked.
       FSDP1 on CPU is refused by Accelerate itself; that is said in one line.
     - Mixed precision is applied as the run says, or refused: Accelerate trains fp16 on a CPU in float32 without a
@@ -123,7 +123,7 @@ def start_accelerator(config: dict, trackers: list[str], run_dir: Path):
 
 
 def fit_fsdp_plugin(plugin, model, on_cpu: bool) -> str | None:
-    """Before `accelerator.prepare(model)` under FSDP2: drop or refuse the options Accelerate (1.15) fails on
+    """Before `accelerator.prepare(model)` under FSDP2: drop or refuse the options Accelerate (1.16) fails on
     with this model, a traceback deep in `fully_shard` otherwise. Returns a line saying what was changed, or None.
 
     - An auto-wrap unit that holds the input embedding: a GPN's `_no_split_modules` is its whole GPNModel,

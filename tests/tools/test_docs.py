@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from ..tiny_models import tiny_config
-from .doc_blocks import ALL_BLOCKS
+from .doc_blocks import ALL_BLOCKS, DOC_FILES
 
 RUNNABLE = [block for block in ALL_BLOCKS if block.language == "python" and "runnable" in block.options]
 SHELL = [block for block in ALL_BLOCKS if block.language in ("bash", "sh", "shell", "console")]
@@ -133,13 +133,14 @@ def test_help_gives_each_option_its_default_once(subcommand):
     """`gpn CMD --help` appends an option's default where it has one (`--max-new-tokens ... (default: 64)`);
     an option without one says in its own words what happens when it is not given, so no "(default: None)"
     follows it (for `--temperature`, "(with --sample, default 0.8) (default: None)" contradicted itself), and a flag
-    shows none ("--no-stream ... (default: True)" read as if streaming were off by default)."""
+    shows none ("--no-stream ... (default: True)" read as if streaming were off by default); nor does a repeatable
+    option given nothing ("--tag ... (default: [])")."""
     from gpn_cli import build_parser
 
     parser = build_parser(subcommand)
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[subcommand]
     text = " ".join(sub.format_help().split())
-    assert "(default: None)" not in text
+    assert "(default: None)" not in text and "(default: [])" not in text  # (`gpn push --tag`: none unless given)
     assert "(default: True)" not in text and "(default: False)" not in text  # (a flag: --no-stream read as on)
     assert {"generate": "(default: 64)", "bench": "(default: 3)", "eval": "(default: ", "push": "(default: "}[
         subcommand
@@ -241,10 +242,18 @@ def test_no_install_hint_names_the_unrelated_gpn_package_on_pypi():
     assert [f"{path.relative_to(REPO_ROOT)}" for path in files if "gpn[" in path.read_text()] == []
 
 
+def heading_anchors(page) -> set[str]:
+    """The `#anchors` GitHub gives a page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    anchors = set()
+    for heading in re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", page.read_text(), flags=re.S), flags=re.M):
+        anchors.add(re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-"))
+    return anchors
+
+
 def test_the_docs_links_and_named_files_exist():
-    """Every relative link of README.md, CONTRIBUTING.md and docs/ (reports included) leads to a file, and every
-    file of the repository a page names in backticks (`benchmarks/serve_ttft.py`) is there: a moved script or
-    a renamed page fails here, naming the page. Links out of the repository (`../shared/GPN.md`) are the
+    """Every relative link of README.md, CONTRIBUTING.md and docs/ (reports included) leads to a file (and a
+    `#heading` in it to a heading there), and every file of the repository a page names in backticks
+    (`benchmarks/serve_ttft.py`) is there: a moved script or a renamed page or heading fails here, naming the page. Links out of the repository (`../shared/GPN.md`) are the
     shared folder's, checked by the tests that read it."""
     from ..environment import REPO_ROOT
 
@@ -254,17 +263,161 @@ def test_the_docs_links_and_named_files_exist():
     for page in pages:
         text = page.read_text()
         for target in re.findall(r"\]\(([^)\s]+)\)", text):
-            path = (page.parent / target.split("#")[0]).resolve()
+            file, _, anchor = target.partition("#")
+            path = (page.parent / file).resolve() if file else page
             if re.match(r"[a-z]+://", target) or not path.is_relative_to(REPO_ROOT):
                 continue
             if not path.exists():
                 missing.append(f"{page.relative_to(REPO_ROOT)}: link {target}")
+            elif anchor and path.suffix == ".md" and anchor not in heading_anchors(path):
+                missing.append(f"{page.relative_to(REPO_ROOT)}: link {target} (no such heading)")
         for named in re.findall(
             r"`((?:benchmarks|modeling_gpn|tests|configuration|eval|conversion|docs)/[\w./-]+)`", text
         ):
             if named not in from_sdist and not (REPO_ROOT / named).exists():
                 missing.append(f"{page.relative_to(REPO_ROOT)}: `{named}`")
     assert len(pages) > 15 and missing == []
+
+
+def prose(page) -> str:
+    """A page's text outside its fenced code blocks."""
+    return re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+
+
+def test_gpn_options_the_docs_prose_names_exist():
+    """A `gpn CMD --option ...` written in a page's text, outside the code blocks that
+    `test_documented_gpn_commands_parse` parses (`gpn eval --limit N`, `gpn train --reset-at-document-start`),
+    names a subcommand and options it has: a renamed option fails here too, naming the page."""
+    from gpn_cli import SUBCOMMANDS, build_parser
+
+    options = {}
+    stale = []
+    for page in DOC_FILES:
+        for command, rest in re.findall(r"`gpn ([a-z]+)\b([^`]*)`", prose(page)):
+            if command not in SUBCOMMANDS:
+                stale.append(f"{page.name}: gpn {command} (no such subcommand)")
+                continue
+            if command not in options:
+                parser = build_parser(command)
+                sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+                options[command] = {option for action in sub._actions for option in action.option_strings}
+            stale += [
+                f"{page.name}: gpn {command} {option}"
+                for option in re.findall(r"(?<![\w-])--[a-z][\w-]*", rest)
+                if option not in options[command]
+            ]
+    assert len(options) >= 5 and stale == []
+
+
+# The libraries whose behaviour the docs state with their version ("Accelerate 1.16 then fails ..."): the version
+# named must be the one installed, the one the tests ran that behaviour against (docs/training.md said
+# "Accelerate 1.15" for months under 1.16). Names as the pages write them, each with its distribution.
+DOCUMENTED_LIBRARIES = {
+    "accelerate": "accelerate",
+    "datasets": "datasets",
+    "lm-eval": "lm_eval",
+    "peft": "peft",
+    "torch": "torch",
+    "torchao": "torchao",
+    "transformers": "transformers",
+    "trl": "trl",
+}
+
+
+def test_the_library_versions_the_docs_name_are_the_installed_ones():
+    from importlib.metadata import version
+
+    names = "|".join(re.escape(name) for name in DOCUMENTED_LIBRARIES)
+    stale, seen = [], 0
+    for page in DOC_FILES:
+        for name, stated in re.findall(rf"(?<![\w.-])({names}) (\d+\.\d+(?:\.\d+)?)\b", page.read_text(), flags=re.I):
+            seen += 1
+            installed = version(DOCUMENTED_LIBRARIES[name.lower()]).split("+")[0]
+            if installed.split(".")[: stated.count(".") + 1] != stated.split("."):
+                stale.append(f"{page.name}: {name} {stated} (installed: {installed})")
+    assert seen >= 10 and stale == []
+
+
+def test_contributing_names_every_file_of_the_model():
+    """CONTRIBUTING.md's layout lists the files that ship to the Hub as remote code, each with what it holds:
+    `output_layer.py` and `sharding.py` had been added to `modeling_gpn/` without a line there."""
+    from ..environment import REPO_ROOT
+
+    layout = (REPO_ROOT / "CONTRIBUTING.md").read_text()
+    files = sorted(path.name for path in (REPO_ROOT / "modeling_gpn").glob("*.py") if path.name != "__init__.py")
+    assert len(files) > 15 and [name for name in files if f"`{name}`" not in layout] == []
+
+
+def test_the_python_names_the_docs_give_exist():
+    """A name the pages give in backticks as `modeling_gpn.X.Y` or `module.name` (a module of the package:
+    `fast_recurrence.fast_project`, `triton_kernels.self_check_failures()`) is there, so a reader can import it:
+    `modeling_gpn.RECURRENCE_METHODS` was named for months, which lives in `modeling_gpn.modeling_gpn`.
+    (`cache.`, `data.` and `train.` read as a GPNCache, report.json's keys and a file name there, so they are not
+    taken for the modules.)"""
+    import importlib
+
+    from ..environment import REPO_ROOT
+
+    modules = {path.stem for path in (REPO_ROOT / "modeling_gpn").glob("*.py")} | {
+        path.parent.name for path in (REPO_ROOT / "modeling_gpn").glob("*/__init__.py")
+    }
+    modules -= {"__init__", "cache", "data", "train"}
+    missing, seen = [], 0
+    for page in DOC_FILES:
+        for name in re.findall(r"`([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)", page.read_text()):
+            parts = name.split(".")
+            if parts[-1] in ("py", "md", "json", "jsonl", "sh") or parts[0] not in modules | {"modeling_gpn"}:
+                continue
+            if parts[0] != "modeling_gpn":
+                parts = ["modeling_gpn", *parts]
+            seen += 1
+            for split in range(len(parts), 0, -1):  # the longest importable prefix, then attributes
+                try:
+                    found = importlib.import_module(".".join(parts[:split]))
+                except ImportError:
+                    continue
+                for attribute in parts[split:]:
+                    found = getattr(found, attribute, None)
+                break
+            if found is None:
+                missing.append(f"{page.name}: {name}")
+    assert seen >= 15 and missing == []
+
+
+LM_EVAL_OPTIONS = {"--model_args", "--batch_size"}  # docs/evaluation.md's plain `lm_eval` command
+
+
+def test_accelerate_launch_options_the_docs_name_exist():
+    """Every `accelerate launch` of a code block parses with Accelerate's own launcher parser, and every
+    Accelerate-style option (`--fsdp_auto_wrap_policy`, `--multi_gpu`) the pages name is one it has: the
+    FSDP notes of docs/training.md and docs/fine-tuning.md name a dozen of them, which `gpn train`'s parser
+    (`test_documented_gpn_commands_parse`) never sees."""
+    from accelerate.commands.launch import launch_command_parser
+
+    parser = launch_command_parser()
+    known = {option for action in parser._actions for option in action.option_strings}
+    launches = []
+    for block in SHELL:
+        for command in shell_commands(block.code):
+            words = [word for word in command if not re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", word)]  # (VARIABLE=1)
+            if words[:2] == ["accelerate", "launch"]:
+                launches.append(words[2:])
+    for arguments in launches:
+        errors = io.StringIO()
+        with contextlib.redirect_stderr(errors):
+            try:
+                parser.parse_args(arguments)
+            except SystemExit as exit:
+                raise AssertionError(
+                    f"`accelerate launch {' '.join(arguments)}`: {errors.getvalue().strip()}"
+                ) from exit
+    named = {
+        f"{page.name}: {option}"
+        for page in DOC_FILES
+        for option in re.findall(r"(?<![\w-])(--[a-z0-9]+_[a-z0-9_]+|--multi_gpu|--use_fsdp|--cpu)\b", page.read_text())
+        if option not in known and option not in LM_EVAL_OPTIONS
+    }
+    assert len(launches) >= 5 and named == set()
 
 
 def test_a_renamed_option_fails_the_parse_check():
