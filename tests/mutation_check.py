@@ -1928,6 +1928,8 @@ MUTATIONS = [
         "        False  # MUTATION\n        and isinstance(qdata, torch.Tensor)\n",
         (
             "tests/fast_path/test_step_kernels.py -k int4_weights_run or generate_runs_an_int8",
+            "tests/fast_path/test_step_kernels.py::"
+            "test_a_model_quantized_by_torchao_config_runs_the_fast_path_saves_and_reloads[int4]",
             "tests/tools/test_bench.py::test_bench_measures_int4_weights_on_the_fast_path",
             "tests/fast_path/test_decode_call.py -k int4",
         ),

@@ -579,32 +579,53 @@ def test_gpn_generate_runs_an_int8_model_on_the_fast_path(tmp_path, capsys, one_
     assert printed[0].startswith("the cat") and printed[2].startswith("the cat") and printed[4].startswith("the cat")
 
 
-def test_a_model_quantized_by_torchao_config_runs_the_fast_path_saves_and_reloads(tmp_path, one_thread):
-    """transformers' way to quantize, and the way to save a quantized model (docs/inference-speed.md):
-    `from_pretrained(quantization_config=TorchAoConfig(Int8WeightOnlyConfig()))` gives int8 weight-only weights
-    that run the fast path's int8 kernels (= the plain loop within the 16-bit input's rounding; the head left the
-    bf16 embedding), and `save_pretrained` + `from_pretrained` give the same quantized model back, to the bit."""
-    require_c_kernels()
-    from transformers import AutoModelForCausalLM, TorchAoConfig
+def torchao_config(kind: str):
+    """transformers' `TorchAoConfig` quantizing to `kind` ("int8": `Int8WeightOnlyConfig`; "int4":
+    `IntxWeightOnlyConfig` of int4 values in groups of 16)."""
+    from torchao.quantization.granularity import PerGroup
+    from transformers import TorchAoConfig
 
+    if kind == "int8":
+        return TorchAoConfig(torchao.Int8WeightOnlyConfig())
+    return TorchAoConfig(torchao.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(16)))
+
+
+TORCHAO_CONFIGS = {  # kind -> (the weights' class, what observes their steps besides the C step kernels)
+    "int8": ("Int8Tensor", (INT8_STEPS,)),
+    "int4": ("IntxUnpackedToInt8Tensor", ()),
+}
+
+
+@pytest.mark.parametrize("kind", TORCHAO_CONFIGS)
+def test_a_model_quantized_by_torchao_config_runs_the_fast_path_saves_and_reloads(tmp_path, one_thread, kind):
+    """transformers' way to quantize, and the way to save a quantized model (docs/inference-speed.md):
+    `from_pretrained(quantization_config=TorchAoConfig(...))` gives int8 weight-only weights that run the fast
+    path's int8 kernels (= the plain loop within the 16-bit input's rounding), or int4 weight-only ones
+    (`IntxWeightOnlyConfig`) that run its C kernels on their dequantized matrices (= the plain loop within bf16's
+    rounding), the head left the bf16 embedding; `save_pretrained` + `from_pretrained` give the same quantized
+    model back, to the bit."""
+    require_c_kernels()
+    from transformers import AutoModelForCausalLM
+
+    weights, steps = TORCHAO_CONFIGS[kind]
     perturbed_model(tiny_config(), seed=60).save_pretrained(tmp_path / "float")
     model = AutoModelForCausalLM.from_pretrained(
-        tmp_path / "float", dtype=torch.bfloat16, quantization_config=TorchAoConfig(torchao.Int8WeightOnlyConfig())
+        tmp_path / "float", dtype=torch.bfloat16, quantization_config=torchao_config(kind)
     )
-    assert type(model.model.fuse_gate.weight).__name__ == "Int8Tensor"
+    assert type(model.model.fuse_gate.weight).__name__ == weights
     assert model.lm_head.weight is model.model.embed_tokens.weight
     ids = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(61))
-    with torch.no_grad(), ran(FAST_PATH, C_STEP_KERNELS, INT8_STEPS, not_ran=(PLAIN_PATH,)):
+    with torch.no_grad(), ran(FAST_PATH, C_STEP_KERNELS, *steps, not_ran=(PLAIN_PATH,)):
         fast = model(ids).logits
     model.model.use_fast_path = False
     with torch.no_grad():
         plain = model(ids).logits
     assert (log_probs(fast) - log_probs(plain)).abs().max() < 2e-2
 
-    model.save_pretrained(tmp_path / "int8")  # (safetensors: transformers 5 writes nothing else)
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "int8")
-    assert type(reloaded.model.fuse_gate.weight).__name__ == "Int8Tensor" and reloaded.dtype == torch.bfloat16
-    with torch.no_grad(), ran(FAST_PATH, C_STEP_KERNELS, INT8_STEPS, not_ran=(PLAIN_PATH,)):
+    model.save_pretrained(tmp_path / kind)  # (safetensors: transformers 5 writes nothing else)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / kind)
+    assert type(reloaded.model.fuse_gate.weight).__name__ == weights and reloaded.dtype == torch.bfloat16
+    with torch.no_grad(), ran(FAST_PATH, C_STEP_KERNELS, *steps, not_ran=(PLAIN_PATH,)):
         torch.testing.assert_close(reloaded(ids).logits, fast, rtol=0, atol=0)
 
 
