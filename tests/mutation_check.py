@@ -1966,6 +1966,30 @@ MUTATIONS = [
         ("tests/fast_path/test_step_kernels.py -k int4_weights_run",),
     ),
     Mutation(
+        "gpn generate --dtype KIND quantizes a folder saved quantized to KIND again (torchao fails in its dispatch)",
+        "modeling_gpn/cli/generate.py",
+        "    if kinds == {dtype}:\n        return model\n",
+        "    if False:  # MUTATION\n        return model\n",
+        ("tests/fast_path/test_step_kernels.py -k saved_quantized_as_saved",),
+    ),
+    Mutation(
+        "gpn generate --dtype of another quantization than the folder's is not refused (int4 ran int8 in silence)",
+        "modeling_gpn/cli/generate.py",
+        "    if kinds:\n        raise GenerateError(\n",
+        "    if False:  # MUTATION\n        raise GenerateError(\n",
+        ("tests/fast_path/test_step_kernels.py -k saved_quantized_as_saved",),
+    ),
+    Mutation(
+        "a folder saved int4 is not told from another quantization (gpn generate --dtype int4 refuses it)",
+        "modeling_gpn/bench/models.py",
+        '        elif dequantized_by_linear(parameter) and getattr(parameter, "target_dtype", None) is torch.int4:\n',
+        "        elif False:  # MUTATION\n",
+        (
+            "tests/fast_path/test_step_kernels.py::"
+            "test_gpn_generate_runs_a_folder_saved_quantized_as_saved_and_refuses_another_quantization[int4-int8]",
+        ),
+    ),
+    Mutation(
         "GPNConfig refuses an attention head shape by name (transformers' ExecuTorch exporter failed deep inside)",
         "modeling_gpn/configuration_gpn.py",
         "        if name in _ATTENTION_SHAPE_ATTRIBUTES:\n",

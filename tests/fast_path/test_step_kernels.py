@@ -629,6 +629,35 @@ def test_a_model_quantized_by_torchao_config_runs_the_fast_path_saves_and_reload
         torch.testing.assert_close(reloaded(ids).logits, fast, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(("kind", "other"), [("int8", "int4"), ("int4", "int8")])
+def test_gpn_generate_runs_a_folder_saved_quantized_as_saved_and_refuses_another_quantization(
+    tmp_path, capsys, one_thread, kind, other
+):
+    """`gpn generate FOLDER --dtype KIND` of a folder saved quantized to KIND (`TorchAoConfig`) runs it as saved on
+    the fast path (int8: torchao cannot quantize its weights again, it failed with its dispatch's
+    NotImplementedError), and another `--dtype` quantization of it is refused in one line (int4 of an int8 folder
+    ran the int8 weights in silence; int8 of an int4 folder failed in torchao's dispatch)."""
+    require_c_kernels()
+    from transformers import AutoModelForCausalLM
+
+    from gpn_cli import main
+    from modeling_gpn.data import train_bpe_tokenizer
+
+    tokenizer = train_bpe_tokenizer(["the cat sat on the mat. " * 20, "to be or not to be " * 20], 300)
+    perturbed_model(tiny_config(vocab_size=len(tokenizer)), seed=13).save_pretrained(tmp_path / "float")
+    AutoModelForCausalLM.from_pretrained(
+        tmp_path / "float", dtype=torch.bfloat16, quantization_config=torchao_config(kind)
+    ).save_pretrained(tmp_path / kind)
+    tokenizer.save_pretrained(tmp_path / kind)
+    arguments = ["generate", str(tmp_path / kind), "the cat", "--max-new-tokens", "3", "--device", "cpu", "--dtype"]
+    with ran(FAST_PATH, C_STEP_KERNELS, *TORCHAO_CONFIGS[kind][1], not_ran=(PLAIN_PATH,)):
+        assert main([*arguments, kind]) == 0
+    assert capsys.readouterr().out.startswith("the cat")
+    assert main([*arguments, other]) == 2
+    error = capsys.readouterr().err
+    assert f"is saved quantized already ({kind} weights): --dtype {other} quantizes a float model" in error, error
+
+
 # ---- int8 products on the integer dot products (VNNI) ----
 
 
