@@ -1927,7 +1927,7 @@ MUTATIONS = [
         '        held.get("activation_quantization") is None\n        and isinstance(qdata, torch.Tensor)\n',
         "        False  # MUTATION\n        and isinstance(qdata, torch.Tensor)\n",
         (
-            "tests/fast_path/test_step_kernels.py -k int4_weights_run or generate_runs_an_int8",
+            "tests/fast_path/test_step_kernels.py -k int4_weights_run or int4_weights_train or generate_runs_an_int8",
             "tests/fast_path/test_step_kernels.py::"
             "test_a_model_quantized_by_torchao_config_runs_the_fast_path_saves_and_reloads[int4]",
             "tests/tools/test_bench.py::test_bench_measures_int4_weights_on_the_fast_path",
@@ -1963,7 +1963,7 @@ MUTATIONS = [
         "modeling_gpn/recurrence_step.py",
         "    if dequantized_by_linear(weight):\n        return weight.dequantize()\n",
         "    if False:  # MUTATION\n        return weight.dequantize()\n",
-        ("tests/fast_path/test_step_kernels.py -k int4_weights_run",),
+        ("tests/fast_path/test_step_kernels.py -k int4_weights_run or int4_weights_train",),
     ),
     Mutation(
         "gpn generate --dtype KIND quantizes a folder saved quantized to KIND again (torchao fails in its dispatch)",

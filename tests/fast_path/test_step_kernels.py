@@ -14,7 +14,7 @@ import torch
 
 from ..backend_observer import C_PRODUCTS, C_STEP_KERNELS, DECODE_CALLS, FAST_PATH, INT8_STEPS, PLAIN_PATH, ran
 from ..environment import require_c_kernels, require_exact_int8
-from ..tiny_models import perturbed_model, tiny_config
+from ..tiny_models import perturbed_model, tiny_config, well_conditioned_model
 
 torchao = pytest.importorskip("torchao.quantization", reason="torchao (the test extra) quantizes the int8 models")
 
@@ -228,6 +228,26 @@ def test_int4_weights_run_the_fast_path_on_the_matrices_their_linear_multiplies(
             wide_plain = model(wide).logits
     assert (log_probs(fast) - log_probs(plain)).abs().max() < 2e-2
     assert (log_probs(wide_fast) - log_probs(wide_plain)).abs().max() < 2e-2
+
+
+def test_int4_weights_train_the_float_parameters_around_them_as_their_dequantized_matrices(one_thread):
+    """Training the float parameters around frozen int4 weight-only weights (a bf16 model, `quantize_` freezes them)
+    runs the fast path, forward and backward: its loss and every gradient are to the bit those of the bf16 model
+    holding the dequantized matrices, frozen (whose own fast path is within bf16's rounding of the plain loop)."""
+    model = int4(well_conditioned_model(tiny_config(), seed=9), head=False).train()
+    reference = with_dequantized_weights(int4(well_conditioned_model(tiny_config(), seed=9), head=False)).train()
+    ids = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(10))
+    with ran(FAST_PATH, not_ran=(PLAIN_PATH,)):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+    expected = reference(ids, labels=ids).loss
+    expected.backward()
+    assert torch.equal(loss, expected)
+    trained = [(name, p.grad, q.grad) for (name, p), q in zip(model.named_parameters(), reference.parameters())]
+    assert sum(grad is not None for _, grad, _ in trained) == 15  # the vectors and the embedding
+    for name, grad, expected_grad in trained:
+        assert (grad is None) == (expected_grad is None), name
+        assert grad is None or torch.equal(grad, expected_grad), name
 
 
 def test_low_bit_weights_with_quantized_activations_keep_the_plain_path(one_thread):
