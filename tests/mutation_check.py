@@ -1990,6 +1990,13 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "what a call derived outlives the cache it was kept for (an int4 model held its bf16 matrices for good)",
+        "modeling_gpn/derived_weights.py",
+        "(weakref.ref(cache, _forgetting(model)), derived))\n",
+        "(weakref.ref(cache), derived))  # MUTATION\n",
+        ("tests/fast_path/test_edited_weights.py::test_what_a_call_derived_goes_when_the_cache_it_was_kept_for_does",),
+    ),
+    Mutation(
         "GPNConfig refuses an attention head shape by name (transformers' ExecuTorch exporter failed deep inside)",
         "modeling_gpn/configuration_gpn.py",
         "        if name in _ATTENTION_SHAPE_ATTRIBUTES:\n",
