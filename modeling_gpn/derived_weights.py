@@ -342,6 +342,13 @@ def _forgetting(model: torch.nn.Module) -> Callable:
     return forget
 
 
+def drop_kept(model: torch.nn.Module) -> None:
+    """Let go of what `keep_with` left with `model`, for a caller that will not continue that cache one call at a
+    time (a server keeping states for later requests, each of which derives afresh): it would otherwise live as
+    long as the cache (for a quantized model, its dequantized matrices beside the quantized ones)."""
+    model.__dict__.pop(KEPT_ATTRIBUTE, None)
+
+
 def derived_weights_of(model: torch.nn.Module) -> DerivedWeights:
     """The derived weights of the scope open for `model` on this thread; outside any scope a fresh, empty
     one (so a call outside a scope derives afresh and keeps nothing)."""

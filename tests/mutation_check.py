@@ -1997,6 +1997,13 @@ MUTATIONS = [
         ("tests/fast_path/test_edited_weights.py::test_what_a_call_derived_goes_when_the_cache_it_was_kept_for_does",),
     ),
     Mutation(
+        "gpn serve leaves what a request derived with the state the store keeps (an int4 model's bf16 matrices)",
+        "modeling_gpn/serve/generation.py",
+        "        drop_kept(model.model)\n",
+        "        pass  # MUTATION\n",
+        ("tests/tools/test_serve_store.py::test_the_weights_a_request_derived_do_not_live_on_with_the_state_it_kept",),
+    ),
+    Mutation(
         "GPNConfig refuses an attention head shape by name (transformers' ExecuTorch exporter failed deep inside)",
         "modeling_gpn/configuration_gpn.py",
         "        if name in _ATTENTION_SHAPE_ATTRIBUTES:\n",
