@@ -286,7 +286,7 @@ class derived_weights_scope:  # noqa: N801 (a context manager, named as the func
     with that same cache (`keep_with`) instead of starting empty, so a decode loop that calls the model one
     token at a time with its cache derives once, as `generate()` does, not once per token. The model keeps
     what it derived for one cache at most (the last one it filled; a weak reference, so one fold's memory,
-    not one per cache alive): continuing any other cache, or none, derives afresh. Within one cache's life
+    not one per cache alive, dropped when that cache is): continuing any other cache, or none, derives afresh. Within one cache's life
     `parameters_key` still guards (an optimizer step, `load_state_dict`, `to()`), but an edit through
     `.data` between two calls that continue the same cache is not seen: start from a new cache (a new
     prompt, a `generate()` call) after editing weights."""
@@ -319,8 +319,34 @@ KEPT_ATTRIBUTE = "_gpn_derived_weights_kept"
 
 
 def keep_with(model: torch.nn.Module, cache: object, derived: DerivedWeights) -> None:
-    """Leave `derived` with `model` for the next call that continues `cache` (`derived_weights_scope`)."""
-    object.__setattr__(model, KEPT_ATTRIBUTE, (weakref.ref(cache), derived))
+    """Leave `derived` with `model` for the next call that continues `cache` (`derived_weights_scope`), for as long
+    as `cache` lives: when it is collected, `model` lets go of `derived` too (it held it for the model's life, or
+    until another call replaced it: for an int4 model, its matrices dequantized to bf16 beside the int4 ones)."""
+    kept = model.__dict__.get(KEPT_ATTRIBUTE)
+    if kept is not None and kept[1] is derived and kept[0]() is cache:
+        return  # (every decoded token of a loop: kept already)
+    object.__setattr__(model, KEPT_ATTRIBUTE, (weakref.ref(cache, _forgetting(model)), derived))
+
+
+def _forgetting(model: torch.nn.Module) -> Callable:
+    """The callback of a kept cache's weak reference: `model` (if alive) drops what it keeps, if it still keeps it
+    for that cache (a later `keep_with` for another cache is left alone)."""
+    model_ref = weakref.ref(model)
+
+    def forget(cache_ref: weakref.ref) -> None:
+        owner = model_ref()
+        kept = owner.__dict__.get(KEPT_ATTRIBUTE) if owner is not None else None
+        if kept is not None and kept[0] is cache_ref:
+            owner.__dict__.pop(KEPT_ATTRIBUTE, None)
+
+    return forget
+
+
+def drop_kept(model: torch.nn.Module) -> None:
+    """Let go of what `keep_with` left with `model`, for a caller that will not continue that cache one call at a
+    time (a server keeping states for later requests, each of which derives afresh): it would otherwise live as
+    long as the cache (for a quantized model, its dequantized matrices beside the quantized ones)."""
+    model.__dict__.pop(KEPT_ATTRIBUTE, None)
 
 
 def derived_weights_of(model: torch.nn.Module) -> DerivedWeights:

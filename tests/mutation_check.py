@@ -1976,7 +1976,9 @@ MUTATIONS = [
         '        held.get("activation_quantization") is None\n        and isinstance(qdata, torch.Tensor)\n',
         "        False  # MUTATION\n        and isinstance(qdata, torch.Tensor)\n",
         (
-            "tests/fast_path/test_step_kernels.py -k int4_weights_run or generate_runs_an_int8",
+            "tests/fast_path/test_step_kernels.py -k int4_weights_run or int4_weights_train or generate_runs_an_int8",
+            "tests/fast_path/test_step_kernels.py::"
+            "test_a_model_quantized_by_torchao_config_runs_the_fast_path_saves_and_reloads[int4]",
             "tests/tools/test_bench.py::test_bench_measures_int4_weights_on_the_fast_path",
             "tests/fast_path/test_decode_call.py -k int4",
         ),
@@ -2010,7 +2012,45 @@ MUTATIONS = [
         "modeling_gpn/recurrence_step.py",
         "    if dequantized_by_linear(weight):\n        return weight.dequantize()\n",
         "    if False:  # MUTATION\n        return weight.dequantize()\n",
-        ("tests/fast_path/test_step_kernels.py -k int4_weights_run",),
+        ("tests/fast_path/test_step_kernels.py -k int4_weights_run or int4_weights_train",),
+    ),
+    Mutation(
+        "gpn generate --dtype KIND quantizes a folder saved quantized to KIND again (torchao fails in its dispatch)",
+        "modeling_gpn/cli/generate.py",
+        "    if kinds == {dtype}:\n        return model\n",
+        "    if False:  # MUTATION\n        return model\n",
+        ("tests/fast_path/test_step_kernels.py -k saved_quantized_as_saved",),
+    ),
+    Mutation(
+        "gpn generate --dtype of another quantization than the folder's is not refused (int4 ran int8 in silence)",
+        "modeling_gpn/cli/generate.py",
+        "    if kinds:\n        raise GenerateError(\n",
+        "    if False:  # MUTATION\n        raise GenerateError(\n",
+        ("tests/fast_path/test_step_kernels.py -k saved_quantized_as_saved",),
+    ),
+    Mutation(
+        "a folder saved int4 is not told from another quantization (gpn generate --dtype int4 refuses it)",
+        "modeling_gpn/bench/models.py",
+        '        elif dequantized_by_linear(parameter) and getattr(parameter, "target_dtype", None) is torch.int4:\n',
+        "        elif False:  # MUTATION\n",
+        (
+            "tests/fast_path/test_step_kernels.py::"
+            "test_gpn_generate_runs_a_folder_saved_quantized_as_saved_and_refuses_another_quantization[int4-int8]",
+        ),
+    ),
+    Mutation(
+        "what a call derived outlives the cache it was kept for (an int4 model held its bf16 matrices for good)",
+        "modeling_gpn/derived_weights.py",
+        "(weakref.ref(cache, _forgetting(model)), derived))\n",
+        "(weakref.ref(cache), derived))  # MUTATION\n",
+        ("tests/fast_path/test_edited_weights.py::test_what_a_call_derived_goes_when_the_cache_it_was_kept_for_does",),
+    ),
+    Mutation(
+        "gpn serve leaves what a request derived with the state the store keeps (an int4 model's bf16 matrices)",
+        "modeling_gpn/serve/generation.py",
+        "        drop_kept(model.model)\n",
+        "        pass  # MUTATION\n",
+        ("tests/tools/test_serve_store.py::test_the_weights_a_request_derived_do_not_live_on_with_the_state_it_kept",),
     ),
     Mutation(
         "GPNConfig refuses an attention head shape by name (transformers' ExecuTorch exporter failed deep inside)",

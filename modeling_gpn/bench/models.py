@@ -52,6 +52,27 @@ def quantize_int4(model: torch.nn.Module) -> torch.nn.Module:
 QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}  # --dtype name -> what quantizes the bfloat16 model
 
 
+def quantized_as(model: torch.nn.Module) -> set[str]:
+    """How `model`'s weights are already quantized (a folder saved through transformers' `TorchAoConfig`): the
+    `QUANTIZERS` names of those they make ("int8": torchao's int8 weight-only weight, `int8_weight_parts`; "int4":
+    its int4 weight-only one, `dequantized_by_linear` with int4 values), any other tensor subclass by its class name;
+    empty for a float model. torchao cannot quantize a quantized weight again (quantize_ fails inside its dispatch)
+    and `QUANTIZERS` skip int4's, so a caller asked for one kind checks this first."""
+    from modeling_gpn.recurrence_step import dequantized_by_linear, int8_weight_parts
+
+    kinds = set()
+    for parameter in model.parameters():
+        if type(parameter) is torch.nn.Parameter or type(parameter) is torch.Tensor:
+            continue
+        if int8_weight_parts(parameter) is not None:
+            kinds.add("int8")
+        elif dequantized_by_linear(parameter) and getattr(parameter, "target_dtype", None) is torch.int4:
+            kinds.add("int4")
+        else:
+            kinds.add(type(parameter).__name__)
+    return kinds
+
+
 def _torchao(name: str):
     """torchao's quantization module, or ImportError saying what `--dtype name` needs installed."""
     try:

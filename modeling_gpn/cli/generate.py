@@ -153,16 +153,26 @@ def _load(args: argparse.Namespace):
     return model, tokenizer
 
 
-def _to_dtype(model, dtype: str):
+def _to_dtype(model, dtype: str, source: str = "the model"):
     """The model in `--dtype` (auto: as loaded). int8 and int4 quantize every nn.Linear of the bfloat16 model with
     torchao's weight-only configs, as `gpn bench` does (`QUANTIZERS`: the output head, tied to the embedding, stays
-    bfloat16)."""
+    bfloat16). A model saved quantized already (`TorchAoConfig`) is kept as saved when it is of that kind, and
+    refused otherwise: torchao cannot quantize its weights again (it failed deep in its dispatch), and int4 skipped
+    int8 weights, giving an int8 model in silence."""
     if dtype == "auto":
         return model
     if dtype in ("float32", "bfloat16"):
         return model.to(getattr(torch, dtype))
-    from modeling_gpn.bench.models import QUANTIZERS
+    from modeling_gpn.bench.models import QUANTIZERS, quantized_as
 
+    kinds = quantized_as(model)
+    if kinds == {dtype}:
+        return model
+    if kinds:
+        raise GenerateError(
+            f"{source} is saved quantized already ({', '.join(sorted(kinds))} weights): --dtype {dtype} quantizes a "
+            "float model; use --dtype auto to run it as saved, or give the float model"
+        )
     try:
         return QUANTIZERS[dtype](model.to(torch.bfloat16))
     except ImportError as error:
@@ -245,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
         check_arguments(args)
         model, tokenizer = _load(args)
         model.to(args.device).eval()
-        model = _to_dtype(model, args.dtype)
+        model = _to_dtype(model, args.dtype, args.model)
         _check_saves_a_state(args, model)
         # Text that continues a saved state gets no BOS or other special tokens in front of it.
         special = args.state is None

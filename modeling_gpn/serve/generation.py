@@ -35,7 +35,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from .. import GPNCache, GPNForCausalLM
-from ..derived_weights import derived_weights_scope
+from ..derived_weights import derived_weights_scope, drop_kept
 from .state_store import StateStore
 
 logger = logging.getLogger(__name__)
@@ -183,6 +183,9 @@ class StateKeepingModel:
                 generation_config=config,
                 **kwargs,
             )
+        # the store keeps the cache generate() filled, and with it what the fast path derived (kept for a decode
+        # loop continuing that cache); the next request opens its own scope and derives afresh, so let it go
+        drop_kept(model.model)
         generated = sequences[:, length:]
         # The answers' states: each row has read the prompt and its tokens but the last (generate() stops
         # without reading it); rows that finished early have read padding after their end, kept as read.

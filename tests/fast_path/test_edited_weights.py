@@ -308,3 +308,25 @@ def test_a_decode_loop_sees_weights_changed_between_two_calls_on_one_cache(route
     torch.testing.assert_close(fast, plain, rtol=2e-4, atol=2e-5)
     for kept, reference in zip(cache.get_state(), plain_cache.get_state()):
         torch.testing.assert_close(kept, reference, rtol=2e-4, atol=2e-5)
+
+
+@torch.no_grad()
+def test_what_a_call_derived_goes_when_the_cache_it_was_kept_for_does():
+    """What the fast path derives (folded matrices; for an int4 model, its matrices dequantized to bf16) is kept
+    with the cache a call returned, for a decode loop continuing it (`derived_weights.keep_with`), and goes when
+    that cache does: the model held it for its whole life (until another call replaced it), so an int4 model
+    held its bf16 matrices beside its int4 ones after its first `generate()`."""
+    import gc
+
+    from modeling_gpn.derived_weights import KEPT_ATTRIBUTE
+
+    model = perturbed_model(tiny_config(), seed=5).eval()
+    out = model.generate(token_ids(1, 5, seed=6), max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    kept = model.model.__dict__[KEPT_ATTRIBUTE]
+    assert kept[0]() is out.past_key_values and kept[1].entries  # kept while the returned cache lives
+    del out, kept
+    gc.collect()
+    assert KEPT_ATTRIBUTE not in model.model.__dict__
+    model.generate(token_ids(1, 5, seed=6), max_new_tokens=3, do_sample=False)  # (its cache is not returned)
+    gc.collect()
+    assert KEPT_ATTRIBUTE not in model.model.__dict__

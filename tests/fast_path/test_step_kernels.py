@@ -14,7 +14,7 @@ import torch
 
 from ..backend_observer import C_PRODUCTS, C_STEP_KERNELS, DECODE_CALLS, FAST_PATH, INT8_STEPS, PLAIN_PATH, ran
 from ..environment import require_c_kernels, require_exact_int8
-from ..tiny_models import perturbed_model, tiny_config
+from ..tiny_models import perturbed_model, tiny_config, well_conditioned_model
 
 torchao = pytest.importorskip("torchao.quantization", reason="torchao (the test extra) quantizes the int8 models")
 
@@ -228,6 +228,26 @@ def test_int4_weights_run_the_fast_path_on_the_matrices_their_linear_multiplies(
             wide_plain = model(wide).logits
     assert (log_probs(fast) - log_probs(plain)).abs().max() < 2e-2
     assert (log_probs(wide_fast) - log_probs(wide_plain)).abs().max() < 2e-2
+
+
+def test_int4_weights_train_the_float_parameters_around_them_as_their_dequantized_matrices(one_thread):
+    """Training the float parameters around frozen int4 weight-only weights (a bf16 model, `quantize_` freezes them)
+    runs the fast path, forward and backward: its loss and every gradient are to the bit those of the bf16 model
+    holding the dequantized matrices, frozen (whose own fast path is within bf16's rounding of the plain loop)."""
+    model = int4(well_conditioned_model(tiny_config(), seed=9), head=False).train()
+    reference = with_dequantized_weights(int4(well_conditioned_model(tiny_config(), seed=9), head=False)).train()
+    ids = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(10))
+    with ran(FAST_PATH, not_ran=(PLAIN_PATH,)):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+    expected = reference(ids, labels=ids).loss
+    expected.backward()
+    assert torch.equal(loss, expected)
+    trained = [(name, p.grad, q.grad) for (name, p), q in zip(model.named_parameters(), reference.parameters())]
+    assert sum(grad is not None for _, grad, _ in trained) == 15  # the vectors and the embedding
+    for name, grad, expected_grad in trained:
+        assert (grad is None) == (expected_grad is None), name
+        assert grad is None or torch.equal(grad, expected_grad), name
 
 
 def test_low_bit_weights_with_quantized_activations_keep_the_plain_path(one_thread):
@@ -579,33 +599,83 @@ def test_gpn_generate_runs_an_int8_model_on_the_fast_path(tmp_path, capsys, one_
     assert printed[0].startswith("the cat") and printed[2].startswith("the cat") and printed[4].startswith("the cat")
 
 
-def test_a_model_quantized_by_torchao_config_runs_the_fast_path_saves_and_reloads(tmp_path, one_thread):
-    """transformers' way to quantize, and the way to save a quantized model (docs/inference-speed.md):
-    `from_pretrained(quantization_config=TorchAoConfig(Int8WeightOnlyConfig()))` gives int8 weight-only weights
-    that run the fast path's int8 kernels (= the plain loop within the 16-bit input's rounding; the head left the
-    bf16 embedding), and `save_pretrained` + `from_pretrained` give the same quantized model back, to the bit."""
-    require_c_kernels()
-    from transformers import AutoModelForCausalLM, TorchAoConfig
+def torchao_config(kind: str):
+    """transformers' `TorchAoConfig` quantizing to `kind` ("int8": `Int8WeightOnlyConfig`; "int4":
+    `IntxWeightOnlyConfig` of int4 values in groups of 16)."""
+    from torchao.quantization.granularity import PerGroup
+    from transformers import TorchAoConfig
 
+    if kind == "int8":
+        return TorchAoConfig(torchao.Int8WeightOnlyConfig())
+    return TorchAoConfig(torchao.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(16)))
+
+
+TORCHAO_CONFIGS = {  # kind -> (the weights' class, what observes their steps besides the C step kernels)
+    "int8": ("Int8Tensor", (INT8_STEPS,)),
+    "int4": ("IntxUnpackedToInt8Tensor", ()),
+}
+
+
+@pytest.mark.parametrize("kind", TORCHAO_CONFIGS)
+def test_a_model_quantized_by_torchao_config_runs_the_fast_path_saves_and_reloads(tmp_path, one_thread, kind):
+    """transformers' way to quantize, and the way to save a quantized model (docs/inference-speed.md):
+    `from_pretrained(quantization_config=TorchAoConfig(...))` gives int8 weight-only weights that run the fast
+    path's int8 kernels (= the plain loop within the 16-bit input's rounding), or int4 weight-only ones
+    (`IntxWeightOnlyConfig`) that run its C kernels on their dequantized matrices (= the plain loop within bf16's
+    rounding), the head left the bf16 embedding; `save_pretrained` + `from_pretrained` give the same quantized
+    model back, to the bit."""
+    require_c_kernels()
+    from transformers import AutoModelForCausalLM
+
+    weights, steps = TORCHAO_CONFIGS[kind]
     perturbed_model(tiny_config(), seed=60).save_pretrained(tmp_path / "float")
     model = AutoModelForCausalLM.from_pretrained(
-        tmp_path / "float", dtype=torch.bfloat16, quantization_config=TorchAoConfig(torchao.Int8WeightOnlyConfig())
+        tmp_path / "float", dtype=torch.bfloat16, quantization_config=torchao_config(kind)
     )
-    assert type(model.model.fuse_gate.weight).__name__ == "Int8Tensor"
+    assert type(model.model.fuse_gate.weight).__name__ == weights
     assert model.lm_head.weight is model.model.embed_tokens.weight
     ids = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(61))
-    with torch.no_grad(), ran(FAST_PATH, C_STEP_KERNELS, INT8_STEPS, not_ran=(PLAIN_PATH,)):
+    with torch.no_grad(), ran(FAST_PATH, C_STEP_KERNELS, *steps, not_ran=(PLAIN_PATH,)):
         fast = model(ids).logits
     model.model.use_fast_path = False
     with torch.no_grad():
         plain = model(ids).logits
     assert (log_probs(fast) - log_probs(plain)).abs().max() < 2e-2
 
-    model.save_pretrained(tmp_path / "int8")  # (safetensors: transformers 5 writes nothing else)
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "int8")
-    assert type(reloaded.model.fuse_gate.weight).__name__ == "Int8Tensor" and reloaded.dtype == torch.bfloat16
-    with torch.no_grad(), ran(FAST_PATH, C_STEP_KERNELS, INT8_STEPS, not_ran=(PLAIN_PATH,)):
+    model.save_pretrained(tmp_path / kind)  # (safetensors: transformers 5 writes nothing else)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / kind)
+    assert type(reloaded.model.fuse_gate.weight).__name__ == weights and reloaded.dtype == torch.bfloat16
+    with torch.no_grad(), ran(FAST_PATH, C_STEP_KERNELS, *steps, not_ran=(PLAIN_PATH,)):
         torch.testing.assert_close(reloaded(ids).logits, fast, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("kind", "other"), [("int8", "int4"), ("int4", "int8")])
+def test_gpn_generate_runs_a_folder_saved_quantized_as_saved_and_refuses_another_quantization(
+    tmp_path, capsys, one_thread, kind, other
+):
+    """`gpn generate FOLDER --dtype KIND` of a folder saved quantized to KIND (`TorchAoConfig`) runs it as saved on
+    the fast path (int8: torchao cannot quantize its weights again, it failed with its dispatch's
+    NotImplementedError), and another `--dtype` quantization of it is refused in one line (int4 of an int8 folder
+    ran the int8 weights in silence; int8 of an int4 folder failed in torchao's dispatch)."""
+    require_c_kernels()
+    from transformers import AutoModelForCausalLM
+
+    from gpn_cli import main
+    from modeling_gpn.data import train_bpe_tokenizer
+
+    tokenizer = train_bpe_tokenizer(["the cat sat on the mat. " * 20, "to be or not to be " * 20], 300)
+    perturbed_model(tiny_config(vocab_size=len(tokenizer)), seed=13).save_pretrained(tmp_path / "float")
+    AutoModelForCausalLM.from_pretrained(
+        tmp_path / "float", dtype=torch.bfloat16, quantization_config=torchao_config(kind)
+    ).save_pretrained(tmp_path / kind)
+    tokenizer.save_pretrained(tmp_path / kind)
+    arguments = ["generate", str(tmp_path / kind), "the cat", "--max-new-tokens", "3", "--device", "cpu", "--dtype"]
+    with ran(FAST_PATH, C_STEP_KERNELS, *TORCHAO_CONFIGS[kind][1], not_ran=(PLAIN_PATH,)):
+        assert main([*arguments, kind]) == 0
+    assert capsys.readouterr().out.startswith("the cat")
+    assert main([*arguments, other]) == 2
+    error = capsys.readouterr().err
+    assert f"is saved quantized already ({kind} weights): --dtype {other} quantizes a float model" in error, error
 
 
 # ---- int8 products on the integer dot products (VNNI) ----

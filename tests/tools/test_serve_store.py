@@ -252,6 +252,22 @@ def greedy(model, new: int, **processors):
     return GenerationConfig(max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None, **processors)
 
 
+def test_the_weights_a_request_derived_do_not_live_on_with_the_state_it_kept(model):
+    """A request through the store derives the fast path's weights once (folded; for an int4 model, its matrices
+    dequantized to bf16) and the store keeps the cache generate() filled. What was derived went with that cache
+    (for a decode loop continuing it), so it lived as long as the kept state: an int4 model served held its
+    dequantized matrices beside its int4 ones for good. The next request derives afresh: nothing is kept."""
+    from modeling_gpn.derived_weights import KEPT_ATTRIBUTE
+
+    store = StateStore(1 << 22)
+    kept = StateKeepingModel(model, store)
+    out = kept.generate(torch.tensor([IDS]), generation_config=greedy(model, 4))
+    left = model.model.__dict__.get(KEPT_ATTRIBUTE)  # (before any other call, which would replace it)
+    assert left is None or left[0]() is None
+    assert store.lookup(model, out[0].tolist())[0] == len(IDS) + 3  # the answer's state is kept
+    assert torch.equal(out, generate_plain(model, IDS, 4))
+
+
 def test_n_answers_fork_one_state_and_read_the_prompt_once(model):
     store = StateStore(1 << 22)
     read = []
