@@ -2905,7 +2905,10 @@ MUTATIONS = [
         "modeling_gpn/inspect/inputs.py",
         '        return isinstance(config, dict) and config.get("reset_at_document_start") is True\n',
         "        return False  # MUTATION\n",
-        ("tests/tools/test_inspect.py -k document_resets",),
+        (
+            "tests/tools/test_inspect.py::test_gpn_inspect_says_when_the_model_was_trained_with_document_resets",
+            "tests/tools/test_inspect.py::test_gpn_inspect_runs_a_model_in_its_own_document_regime",
+        ),
     ),
     Mutation(
         "gpn inspect: the report's header does not say the model was trained with document resets",
@@ -2913,7 +2916,7 @@ MUTATIONS = [
         '    trained = data.get("trained_with_document_resets")\n    source = data.get("document_resets_from")\n',
         "    trained, source = False, None  # MUTATION\n",
         (
-            "tests/tools/test_inspect.py -k document_resets",
+            "tests/tools/test_inspect.py::test_gpn_inspect_says_when_the_model_was_trained_with_document_resets",
             "tests/tools/test_inspect.py::test_gpn_inspect_runs_a_model_in_its_own_document_regime",
         ),
     ),
