@@ -53,3 +53,16 @@ def well_conditioned_model(config, seed: int):
             if name.endswith(("read_query.bias", "memory_write.key.bias")):
                 param.add_(1.0)
     return model
+
+
+# A tiny corpus of short documents (TRL's trainers and their FSDP launch train a tokenizer and a model on it)
+TINY_TEXT = [
+    "the cat sat on the mat.",
+    "a dog.",
+    "once upon a time there was a cat and a dog.",
+    "the end.",
+    "the dog sat on the log.",
+    "a cat and a mat.",
+    "there was a time.",
+    "upon the mat sat a dog.",
+]

@@ -18,22 +18,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ..tiny_models import TINY_TEXT as TEXT
 from ..tiny_models import perturbed_model, tiny_config
 from ..trainer_arguments import common_arguments
 
 pytest.importorskip("trl")
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-TEXT = [
-    "the cat sat on the mat.",
-    "a dog.",
-    "once upon a time there was a cat and a dog.",
-    "the end.",
-    "the dog sat on the log.",
-    "a cat and a mat.",
-    "there was a time.",
-    "upon the mat sat a dog.",
-]
 
 
 @pytest.fixture(scope="module")

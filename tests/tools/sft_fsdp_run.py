@@ -10,17 +10,6 @@ import os
 import sys
 import tempfile
 
-TEXT = [
-    "the cat sat on the mat.",
-    "a dog.",
-    "once upon a time there was a cat and a dog.",
-    "the end.",
-    "the dog sat on the log.",
-    "a cat and a mat.",
-    "there was a time.",
-    "upon the mat sat a dog.",
-]
-
 
 def losses(single: bool, lora_on_the_embedding: bool = False, pad: bool = False) -> tuple[list[float], str]:
     """The logged training losses and the class of the model the trainer trained (FSDP2 renames it); with
@@ -30,6 +19,7 @@ def losses(single: bool, lora_on_the_embedding: bool = False, pad: bool = False)
     from trl import SFTConfig, SFTTrainer
 
     from modeling_gpn.data import train_bpe_tokenizer
+    from tests.tiny_models import TINY_TEXT as TEXT
     from tests.tiny_models import perturbed_model, tiny_config
     from tests.trainer_arguments import common_arguments
 
