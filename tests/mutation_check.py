@@ -1013,8 +1013,8 @@ MUTATIONS = [
     Mutation(
         "gpn study's data errors (a missing corpus, the Hub offline) as a traceback",
         "modeling_gpn/study/cli.py",
-        "        DataError,  # (a corpus",
-        "        NotImplementedError,  # MUTATION (a corpus",
+        "    except (DataError, *RUN_ERRORS, FileExistsError) as error:\n",
+        "    except (NotImplementedError, *RUN_ERRORS, FileExistsError) as error:  # MUTATION\n",
         ("tests/tools/test_study.py::test_a_corpus_that_cannot_be_read_is_one_line_not_a_traceback",),
     ),
     Mutation(

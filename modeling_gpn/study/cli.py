@@ -35,15 +35,7 @@ def run(args: argparse.Namespace) -> int:
     import signal
 
     from modeling_gpn.data import DataError
-    from modeling_gpn.train import (
-        CollectiveError,
-        LaunchError,
-        NonFiniteLossError,
-        ResumeMismatchError,
-        RunFolderInUseError,
-        StorageError,
-        TrainingStopped,
-    )
+    from modeling_gpn.train import RUN_ERRORS, ResumeMismatchError, TrainingStopped
 
     overrides = {"steps": args.steps} if args.steps is not None else {}  # (--steps 0 is refused, not ignored)
     try:
@@ -60,15 +52,9 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    except (
-        DataError,  # (a corpus that cannot be read: the Hub offline, a missing file)
-        NonFiniteLossError,
-        StorageError,
-        RunFolderInUseError,
-        LaunchError,
-        CollectiveError,
-        FileExistsError,  # (a model's folder holds a run)
-    ) as error:
+    # (DataError: a corpus that cannot be read, the Hub offline, a missing file; FileExistsError: a model's folder
+    # holds a run)
+    except (DataError, *RUN_ERRORS, FileExistsError) as error:
         print(f"gpn study: error: {error}", file=sys.stderr)
         return 1
     except TrainingStopped as stop:  # SIGTERM/SIGINT: `gpn train` checkpointed the model it was training

@@ -69,6 +69,7 @@ from .distributed import (
     start_accelerator,
 )
 from .errors import (
+    RUN_ERRORS,
     CollectiveError,
     LaunchError,
     NonFiniteLossError,
@@ -116,6 +117,7 @@ from .training import train
 
 __all__ = [
     "CollectiveError",
+    "RUN_ERRORS",
     "LAUNCHER_RANK_VARIABLES",
     "LAUNCHER_SIZE_VARIABLES",
     "LaunchError",

@@ -9,7 +9,7 @@ import sys
 
 from ..cli.formatting import HelpFormatter
 from .distributed import RunStage
-from .errors import CollectiveError, LaunchError, NonFiniteLossError, RunFolderInUseError, StorageError, TrainingStopped
+from .errors import RUN_ERRORS, CollectiveError, TrainingStopped
 from .settings import OPTIONS, list_recipes, resolve_config
 from .training import train
 
@@ -90,17 +90,7 @@ def run(args: argparse.Namespace) -> int:
             prepare_only=args.prepare_data_only,
             show_progress=not args.no_progress,
         )
-    except (
-        DataError,
-        NonFiniteLossError,
-        StorageError,
-        RunFolderInUseError,
-        LaunchError,
-        CollectiveError,
-        FileExistsError,
-        FileNotFoundError,
-        ValueError,
-    ) as error:
+    except (DataError, *RUN_ERRORS, FileExistsError, FileNotFoundError, ValueError) as error:
         print(
             f"gpn train: error: {error}"
             + (

@@ -45,6 +45,11 @@ class CollectiveError(RuntimeError):
     the message names the stage the run was in."""
 
 
+# The errors of a run whose message says all a user needs (the problem, what is intact): `gpn train` and `gpn study`
+# print them as one line
+RUN_ERRORS = (NonFiniteLossError, StorageError, RunFolderInUseError, LaunchError, CollectiveError)
+
+
 class ResumeMismatchError(ValueError):
     """A resume refused because settings or the training data changed since the checkpoint (`changes` names
     each): continuing would change the data, the model or the optimisation. `gpn study` says it in its own
