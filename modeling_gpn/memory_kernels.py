@@ -2731,8 +2731,10 @@ class StepPlan:
         layers, write_module = list(model.predict_layers), model.memory_write
         norms = [model.fuse_gate_norm.weight, write_module.norm.weight if self.memory else model.fuse_gate_norm.weight]
         phase((sized(model.fuse_gate, d), "fg", "zfg", 0))
+        # (one operand for the key, read by two products: an int4 weight is dequantized once, not three times)
+        key_op = sized(write_module.key, kw) if self.memory else None
         if self.memory:
-            phase((sized(write_module.key, kw), "key", "key0", 0))
+            phase((key_op, "key", "key0", 0))
         else:
             phase()
         for index, layer in enumerate(layers):
@@ -2742,7 +2744,7 @@ class StepPlan:
             parts = []
             if index == 0 and self.memory:
                 parts += [
-                    (sized(write_module.key, kw), "write", "Z", 0),
+                    (key_op, "write", "Z", 0),
                     (sized(write_module.value, vw), "write", "Z", kw),
                     (sized(write_module.beta, H), "write", "Z", kw + vw),
                     (sized(write_module.decay, H, extra_bias=write_module.dt_bias), "write", "Z", kw + vw + H),
@@ -2760,7 +2762,6 @@ class StepPlan:
             phase(*outputs)
         self.key_bias = None
         if self.memory:
-            key_op = operand_of(write_module.key)
             self.key_bias = key_op.bias if key_op.bias is not None else torch.zeros(kw)
         tasks, ranges = [], []
         for first, count in phases:
