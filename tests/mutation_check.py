@@ -2181,7 +2181,7 @@ MUTATIONS = [
         ("tests/tools/test_train_faults.py -k dies_inside_a_checkpoint",),
     ),
     Mutation(
-        "gpn train under FSDP2 keeps a wrap policy whose unit holds the embedding (accelerate config's default: a crash)",
+        "gpn train under FSDP2 keeps a wrap policy whose unit holds the embedding (GPNModel named: a crash in fully_shard)",
         "modeling_gpn/train/distributed.py",
         "    elif holders:\n        plugin.auto_wrap_policy = None\n",
         "    elif holders:\n        pass  # MUTATION\n",
