@@ -371,7 +371,14 @@ class GPNPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     # Activation checkpointing recomputes BPTT segments (`GPNSegmentLayer`, `_set_gradient_checkpointing`).
     supports_gradient_checkpointing = True
-    _no_split_modules = ["GPNModel"]
+    # Nothing is named: a GPN is one unit, which this attribute cannot say. transformers' device_map and Accelerate
+    # read the top model's set (transformers 5 adds every submodel's to it) and never test the top model's own class.
+    # What it names, Accelerate's FSDP2 `TRANSFORMER_BASED_WRAP` (`accelerate config`'s default) shards apart:
+    # GPNModel, which holds the embedding that Accelerate 1.16 groups again with the tied head, failed in
+    # fully_shard; a block would be gathered at every token of the recurrence. Named nothing, FSDP2 shards the
+    # model, PEFT-wrapped too, as one unit. The price: device_map="auto" over several devices may place blocks
+    # apart (correct through accelerate's hooks, on the plain recurrence, but slow: docs/transformers.md).
+    _no_split_modules = []
     _is_stateful = True  # generate() refuses assisted decoding: a recurrent state cannot be rolled back
     _supports_cache_class = True
 

@@ -1881,8 +1881,8 @@ MUTATIONS = [
     Mutation(
         "the docs name a library version other than the installed one (Accelerate 1.15 under 1.16)",
         "docs/transformers.md",
-        "which holds the embedding, and Accelerate 1.16 then fails",
-        "which holds the embedding, and Accelerate 1.15 then fails",
+        "and Accelerate 1.16 failed sharding the embedding",
+        "and Accelerate 1.15 failed sharding the embedding",
         ("tests/tools/test_docs.py -k library_versions",),
     ),
     Mutation(
@@ -2181,13 +2181,31 @@ MUTATIONS = [
         ("tests/tools/test_train_faults.py -k dies_inside_a_checkpoint",),
     ),
     Mutation(
-        "gpn train under FSDP2 keeps a wrap policy whose unit holds the embedding (accelerate config's default: a crash)",
+        "gpn train under FSDP2 keeps a wrap policy whose unit holds the embedding (GPNModel named: a crash in fully_shard)",
         "modeling_gpn/train/distributed.py",
         "    elif holders:\n        plugin.auto_wrap_policy = None\n",
         "    elif holders:\n        pass  # MUTATION\n",
         (
-            "tests/tools/test_train.py -k fsdp2_with_accelerate_configs_default",
+            "tests/tools/test_train.py -k naming_gpnmodel_is_dropped",
             "tests/tools/test_train.py -k fsdp2_options_accelerate and whole",
+        ),
+    ),
+    Mutation(
+        "gpn train under FSDP2 takes activation checkpointing by a policy that wraps nothing (it recomputes nothing)",
+        "modeling_gpn/train/distributed.py",
+        "    if plugin.activation_checkpointing and (plugin.auto_wrap_policy is None or not wrapped):\n",
+        "    if plugin.activation_checkpointing and plugin.auto_wrap_policy is None:  # MUTATION\n",
+        ("tests/tools/test_train.py -k fsdp2_options_accelerate and default",),
+    ),
+    Mutation(
+        "a GPN's _no_split_modules names GPNModel (FSDP2's default policy wraps the unit that holds the embedding)",
+        "modeling_gpn/modeling_gpn.py",
+        "    _no_split_modules = []\n",
+        '    _no_split_modules = ["GPNModel"]  # MUTATION\n',
+        (
+            "tests/ecosystem/test_ecosystem.py -k default_fsdp2_wrap_policy",
+            "tests/tools/test_train.py -k fsdp2_with_accelerate_configs_default",
+            "tests/tools/test_sft_fsdp.py",
         ),
     ),
     Mutation(
@@ -2221,7 +2239,7 @@ MUTATIONS = [
     Mutation(
         "gpn train under FSDP2 takes activation checkpointing without a wrap policy (Accelerate's TypeError)",
         "modeling_gpn/train/distributed.py",
-        "    if plugin.activation_checkpointing and plugin.auto_wrap_policy is None:\n",
+        "    if plugin.activation_checkpointing and (plugin.auto_wrap_policy is None or not wrapped):\n",
         "    if False:  # MUTATION\n",
         ("tests/tools/test_train.py -k fsdp2_options_accelerate and checkpointing",),
     ),

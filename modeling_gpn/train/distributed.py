@@ -126,14 +126,16 @@ def fit_fsdp_plugin(plugin, model, on_cpu: bool) -> str | None:
     """Before `accelerator.prepare(model)` under FSDP2: drop or refuse the options Accelerate (1.16) fails on
     with this model, a traceback deep in `fully_shard` otherwise. Returns a line saying what was changed, or None.
 
-    - An auto-wrap unit that holds the input embedding: a GPN's `_no_split_modules` is its whole GPNModel,
-      which `TRANSFORMER_BASED_WRAP` (`accelerate config`'s FSDP default) wraps; Accelerate then shards the
-      embedding inside it a second time and fails ("Invariant encountered: value was None"). The policy is
-      dropped: the model is sharded as one unit (for a GPN the same grouping: that unit held every weight).
+    - An auto-wrap unit that holds the input embedding (GPNModel named with `--fsdp_transformer_layer_cls_to_wrap`;
+      `TRANSFORMER_BASED_WRAP` alone, `accelerate config`'s FSDP default, wraps nothing: a GPN's
+      `_no_split_modules` names no module): Accelerate shards the embedding inside it a second time and fails
+      ("Invariant encountered: value was None"). The policy is dropped: the model is sharded as one unit (for a
+      GPN the same grouping: that unit held every weight).
     - `SIZE_BASED_WRAP` with a small `--fsdp_min_num_params`: it also wraps GPNModel and the ModuleList of
       predict layers (`fully_shard` refuses a container without a forward); the blocks it can shard apart are
       sharded apart instead (`_size_policy_as_blocks`).
-    - Activation checkpointing without a wrap policy: Accelerate calls the missing policy (a TypeError).
+    - Activation checkpointing without a wrap policy: Accelerate calls the missing policy (a TypeError); with
+      one that wraps nothing (`TRANSFORMER_BASED_WRAP` alone), it would recompute nothing without a word.
     - Parameter offload on CPU: the parameters are in CPU memory already, and its pinned memory needs a GPU.
     """
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
@@ -161,7 +163,7 @@ def fit_fsdp_plugin(plugin, model, on_cpu: bool) -> str | None:
             "shard inside it: the model is sharded as one unit instead (the same grouping; to shard layers apart, "
             "name ones without the embedding with --fsdp_transformer_layer_cls_to_wrap, e.g. GPNPredictLayer)"
         )
-    if plugin.activation_checkpointing and plugin.auto_wrap_policy is None:
+    if plugin.activation_checkpointing and (plugin.auto_wrap_policy is None or not wrapped):
         raise LaunchError(
             "--fsdp_activation_checkpointing needs an auto-wrap policy naming the layers to recompute "
             "(--fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP with --fsdp_transformer_layer_cls_to_wrap of layers "

@@ -799,6 +799,27 @@ def test_trainer_resumes_without_warning_of_the_tied_head(tmp_path):
     assert resumed.model.lm_head.weight is resumed.model.model.embed_tokens.weight
 
 
+def test_accelerates_default_fsdp2_wrap_policy_shards_every_gpn_class_as_one_unit():
+    """`accelerate config`'s FSDP2 default, `TRANSFORMER_BASED_WRAP` without class names, wraps the classes the
+    prepared model's `_no_split_modules` names (transformers 5 gathers a head's from its submodels; a PEFT model
+    reads its base model's): for every GPN class, PEFT-wrapped too, none below the model, which is sharded as one
+    unit. It named GPNModel: Accelerate 1.16 sharded the embedding inside it again and failed in fully_shard (a
+    launch: tests/tools/test_sft_fsdp.py). (device_map="auto" reads the same set: over several devices it may
+    place blocks apart, docs/transformers.md.)"""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+
+    from modeling_gpn import GPNForCausalLM, GPNForSequenceClassification, GPNModel
+
+    config = tiny_config(pad_token_id=0)
+    models = [GPNForCausalLM(config), GPNForSequenceClassification(config), GPNModel(config)]
+    models.append(lora_model(GPNForCausalLM(config), targets=["embed_tokens", "decode_proj"]))
+    for model in models:
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
+        policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+        assert [name for name, module in model.named_modules() if name and policy(module)] == [], type(model)
+
+
 # --------------------------------------------------------------------------------------------------
 # 4. torch.export and torch.compile
 # --------------------------------------------------------------------------------------------------

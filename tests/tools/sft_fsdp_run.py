@@ -1,7 +1,7 @@
 """TRL's `SFTTrainer` training a tiny GPN under `accelerate launch` (tests/tools/test_sft_fsdp.py): FSDP2 applied
 on CPU as `gpn train` does (Accelerate 1.16 would make a Trainer's FSDP launch DDP there without a word), three
-steps, each step's logged loss printed as one JSON line. Run alone (`--single`), it is the one-process reference,
-with the same global batch (4 rows: 2 per process when launched as 2)."""
+steps, each step's logged loss printed as one JSON line with the units FSDP2 sharded apart. Run alone (`--single`),
+it is the one-process reference, with the same global batch (4 rows: 2 per process when launched as 2)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import sys
 import tempfile
 
 
-def losses(single: bool, lora_on_the_embedding: bool = False, pad: bool = False) -> tuple[list[float], str]:
-    """The logged training losses and the class of the model the trainer trained (FSDP2 renames it); with
+def losses(single: bool, lora_on_the_embedding: bool = False, pad: bool = False) -> tuple[list[float], str, list[str]]:
+    """The logged training losses, the class of the model the trainer trained (FSDP2 renames it) and the classes
+    of the modules below it that FSDP2 sharded as units of their own (sorted, with repeats); with
     `lora_on_the_embedding`, a LoRA `peft_config` on the embedding and the decoder (TRL's fused head then reads the
     wrapped table); with `pad`, every batch padded to one length (what sharding blocks apart needs)."""
     from datasets import Dataset
@@ -61,11 +62,18 @@ def losses(single: bool, lora_on_the_embedding: bool = False, pad: bool = False)
         )
         trainer.train()
     logged = [record["loss"] for record in trainer.state.log_history if "loss" in record]
-    return logged, type(trainer.model_wrapped).__name__
+    from torch.distributed.fsdp import FSDPModule
+
+    root = trainer.model_wrapped
+    # (FSDP2 renames a unit's class "FSDP" + its name.)
+    units = sorted(
+        type(m).__name__.removeprefix("FSDP") for m in root.modules() if m is not root and isinstance(m, FSDPModule)
+    )
+    return logged, type(root).__name__, units
 
 
 if __name__ == "__main__":
     single = "--single" in sys.argv
-    seen, trained = losses(single, lora_on_the_embedding="--lora" in sys.argv, pad="--pad" in sys.argv)
+    seen, trained, units = losses(single, lora_on_the_embedding="--lora" in sys.argv, pad="--pad" in sys.argv)
     if os.environ.get("RANK", "0") == "0":  # (one line: the processes' prints would interleave)
-        print("LOSSES " + json.dumps({"losses": seen, "model": trained}), flush=True)
+        print("LOSSES " + json.dumps({"losses": seen, "model": trained, "units": units}), flush=True)

@@ -1,6 +1,7 @@
 """TRL's `SFTTrainer` trains a GPN under FSDP2 (`accelerate launch --use_fsdp --fsdp_version 2`, 2 processes on CPU)
 as in one process: with a LoRA `peft_config` on the embedding, whose wrapped table TRL's fused head reads (the view
-Accelerate's FSDP2 preparation is shown, tests/tools/test_peft_fsdp.py; the model one unit), and the plain model
+Accelerate's FSDP2 preparation is shown, tests/tools/test_peft_fsdp.py) under `accelerate config`'s default auto-wrap
+policy, `TRANSFORMER_BASED_WRAP` without class names (the model one unit), and the plain model
 with the blocks of the recurrence sharded apart on batches padded to one length. Each step's logged loss equals the
 one-process run's on the same global batch. Blocks sharded apart on batches of different lengths are refused in
 one line: the recurrence gathers their weights at every token, so the processes' collectives did not match (gloo
@@ -24,13 +25,16 @@ BLOCKS = [
     "--fsdp_transformer_layer_cls_to_wrap",
     "GPNPredictLayer,GPNMemoryWrite",
 ]
+DEFAULT_POLICY = [*FSDP2, "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP"]
 PROGRAM = ("-m", "tests.tools.sft_fsdp_run")
 
 
 def test_sft_trainer_trains_a_gpn_under_fsdp2_as_in_one_process(tmp_path):
     pytest.importorskip("trl")
     pytest.importorskip("peft")
-    runs = {"lora": (FSDP2, ["--lora"]), "blocks": (BLOCKS, ["--pad"])}  # (the model as one unit; blocks apart)
+    # The LoRA run under `accelerate config`'s default policy, named no classes: a GPN names none to keep whole
+    # (`_no_split_modules`), so the model is one unit; it named GPNModel, which Accelerate 1.16 failed to shard.
+    runs = {"lora": (DEFAULT_POLICY, ["--lora"]), "blocks": (BLOCKS, ["--pad"])}
     launches = {
         variant: launch_two_processes(launch, flags, tmp_path / f"{variant}.log", program=PROGRAM)
         for variant, (launch, flags) in runs.items()
@@ -39,8 +43,12 @@ def test_sft_trainer_trains_a_gpn_under_fsdp2_as_in_one_process(tmp_path):
     for variant, launched in launches.items():
         [line] = [line for line in finish(launched).splitlines() if line.startswith("LOSSES ")]
         sharded = json.loads(line.removeprefix("LOSSES "))
-        alone, _ = losses(single=True, lora_on_the_embedding=variant == "lora")
+        alone, _, _ = losses(single=True, lora_on_the_embedding=variant == "lora")
         assert sharded["model"].startswith("FSDP"), sharded  # really sharded (Accelerate alone: DDP on CPU)
+        if variant == "lora":  # only the tied ends apart, which Accelerate always groups apart: no block, no GPNModel
+            assert sharded["units"] == ["Embedding", "Linear"], sharded
+        else:
+            assert {"GPNMemoryWrite", "GPNPredictLayer"} <= set(sharded["units"]), sharded
         assert len(sharded["losses"]) == 3 and sharded["losses"][-1] < sharded["losses"][0], (variant, sharded)
         assert max(abs(a - b) for a, b in zip(sharded["losses"], alone)) < 1e-5, (variant, sharded, alone)
     refused = failed_launch_output(unpadded, timeout=300)

@@ -246,9 +246,10 @@ def test_two_process_fsdp_trains_saves_and_resumes_like_one_process(two_process_
 
 
 def test_fsdp2_with_accelerate_configs_default_wrap_policy_trains_a_gpn(tmp_path, cache, shakespeare):
-    # `accelerate config`'s FSDP default, TRANSFORMER_BASED_WRAP, wraps a GPN's `_no_split_modules` (its whole
-    # GPNModel, which holds the embedding); Accelerate 1.15 then sharded the embedding inside it again and every
-    # process died in fully_shard: "TypeError: Invariant encountered: value was None when it should not be".
+    # `accelerate config`'s FSDP default, TRANSFORMER_BASED_WRAP, wraps a GPN's `_no_split_modules`. It named the
+    # whole GPNModel, which holds the embedding; Accelerate 1.15 then sharded the embedding inside it again and
+    # every process died in fully_shard: "TypeError: Invariant encountered: value was None when it should not be".
+    # `gpn train` then dropped the policy with a note; it names nothing now, so the policy is kept: nothing to say.
     run_dir = tmp_path / "fsdp"
     output = finish(
         launch_two_processes(
@@ -257,7 +258,7 @@ def test_fsdp2_with_accelerate_configs_default_wrap_policy_trains_a_gpn(tmp_path
             tmp_path / "fsdp.log",
         )
     )
-    assert "FSDP2: the auto-wrap policy's unit GPNModel holds the input embedding" in output, output[-3000:]
+    assert "auto-wrap policy" not in output and "FSDP2:" not in output, output[-3000:]
     assert "2 process(es) x 1 accumulation x 4 windows; FSDP2" in output
     assert len(losses(run_dir)) == 2 and all(math.isfinite(loss) for loss in losses(run_dir))
     from transformers import AutoModelForCausalLM
@@ -266,17 +267,24 @@ def test_fsdp2_with_accelerate_configs_default_wrap_policy_trains_a_gpn(tmp_path
     assert all(torch.equal(model.state_dict()[name], t) for name, t in saved_weights(run_dir / "model").items())
 
 
+NAMES_GPN_MODEL = {"transformer_cls_names_to_wrap": ["GPNModel"]}  # (--fsdp_transformer_layer_cls_to_wrap GPNModel)
+
+
 @pytest.mark.parametrize(
     "options, refusal",
     [
         ({"cpu_offload": True}, "--fsdp_offload_params moves the parameters to CPU memory"),
         ({"activation_checkpointing": True}, "--fsdp_activation_checkpointing needs an auto-wrap policy"),
-        (  # a GPN's own policy, dropped (its unit holds the embedding): nothing left to checkpoint by
+        (  # GPNModel named, dropped (its unit holds the embedding): nothing left to checkpoint by
+            {"activation_checkpointing": True, "auto_wrap_policy": "transformer_based_wrap", **NAMES_GPN_MODEL},
+            "--fsdp_activation_checkpointing needs an auto-wrap policy",
+        ),
+        (  # no class named: a GPN's `_no_split_modules` names none, so the policy wraps (and recomputes) nothing
             {"activation_checkpointing": True, "auto_wrap_policy": "transformer_based_wrap"},
             "--fsdp_activation_checkpointing needs an auto-wrap policy",
         ),
     ],
-    ids=["offload on CPU", "checkpointing without a policy", "checkpointing of the whole GPN"],
+    ids=["offload on CPU", "checkpointing without a policy", "checkpointing of the whole GPN", "default policy"],
 )
 def test_fsdp2_options_accelerate_would_fail_on_are_refused_in_one_line(options, refusal):
     """Accelerate 1.15 fails deep in its FSDP2 preparation on CPU with `--fsdp_offload_params` (pinned memory
@@ -289,10 +297,25 @@ def test_fsdp2_options_accelerate_would_fail_on_are_refused_in_one_line(options,
     with pytest.raises(train_module.LaunchError, match=refusal):
         train_module.fit_fsdp_plugin(FullyShardedDataParallelPlugin(fsdp_version=2, **options), model, on_cpu=True)
     layers = {"auto_wrap_policy": "transformer_based_wrap", "transformer_cls_names_to_wrap": ["GPNPredictLayer"]}
-    for works in ({}, layers, {**layers, "activation_checkpointing": True}):
+    default = {"auto_wrap_policy": "transformer_based_wrap"}  # `accelerate config`'s: it wraps nothing of a GPN
+    for works in ({}, layers, {**layers, "activation_checkpointing": True}, default):
         plugin = FullyShardedDataParallelPlugin(fsdp_version=2, **works)
         policy = plugin.auto_wrap_policy
         assert train_module.fit_fsdp_plugin(plugin, model, on_cpu=True) is None and plugin.auto_wrap_policy is policy
+
+
+def test_fsdp2_wrap_policy_naming_gpnmodel_is_dropped_for_the_model_as_one_unit():
+    """`--fsdp_transformer_layer_cls_to_wrap GPNModel` names the unit that holds the embedding, which Accelerate
+    1.16 shards again in a group of its own (a failure in fully_shard): the policy is dropped, in one line, and the
+    model is sharded as one unit, the same grouping (launched without a policy: test_two_process_fsdp_trains_saves_and_resumes_like_one_process)."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", **NAMES_GPN_MODEL
+    )
+    note = train_module.fit_fsdp_plugin(plugin, build_tiny_gpn(), on_cpu=True)
+    assert note.startswith("FSDP2: the auto-wrap policy's unit GPNModel holds the input embedding"), note
+    assert plugin.auto_wrap_policy is None
 
 
 def test_fsdp2_size_based_wrap_shards_the_blocks_it_can_and_trains_like_one_process(tmp_path, cache, shakespeare):
