@@ -84,7 +84,7 @@ from .generation import (
 from .output_layer import output_embeddings, refuse_what_fsdp2_cannot_tie
 from .packing import packed_sequence_starts, packing_arguments, refuse_packed_rows
 from .prefill import forward_in_chunks, prefill_chunk_length_for
-from .sharding import check_sharded_lengths
+from .sharding import check_sharded_lengths, placement_warning
 from .state_file import GPNStateFileError
 from .tracing import is_tracing
 
@@ -377,7 +377,7 @@ class GPNPreTrainedModel(PreTrainedModel):
     # GPNModel, which holds the embedding that Accelerate 1.16 groups again with the tied head, failed in
     # fully_shard; a block would be gathered at every token of the recurrence. Named nothing, FSDP2 shards the
     # model, PEFT-wrapped too, as one unit. The price: device_map="auto" over several devices may place blocks
-    # apart (correct through accelerate's hooks, on the plain recurrence, but slow: docs/transformers.md).
+    # apart (correct through accelerate's hooks, on the plain recurrence, but slow): `from_pretrained` says so.
     _no_split_modules = []
     _is_stateful = True  # generate() refuses assisted decoding: a recurrent state cannot be rolled back
     _supports_cache_class = True
@@ -387,6 +387,16 @@ class GPNPreTrainedModel(PreTrainedModel):
     # each checkpoint key with or without the base-model prefix (`model.`) to the name the model has, the rule that
     # loads a causal LM from a base model's folder, and the decoder kept its module names inside `GPNModel`. No
     # renaming is recorded, so such a model is saved in the current layout (tests/model/test_output_layer.py).
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, warning where its `device_map` split the model (`placement_warning`)."""
+        loaded = super().from_pretrained(*args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded  # (output_loading_info=True)
+        warning = placement_warning(getattr(model, "hf_device_map", None))
+        if warning is not None:
+            logger.warning(warning)
+        return loaded
 
     def __init__(self, config: GPNConfig, *args, **kwargs):
         # The config was checked when it was built, not since: `config.update(...)`, an attribute written, or

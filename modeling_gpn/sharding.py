@@ -1,4 +1,6 @@
-"""A GPN under FSDP2 with blocks of its recurrence sharded apart: every process must run as many steps.
+"""Where a GPN's weights are split: FSDP2 units, and devices a `device_map` places them on.
+
+A GPN under FSDP2 with blocks of its recurrence sharded apart: every process must run as many steps.
 
 `fully_shard` gathers a unit's weights in that unit's forward pre-hook. A unit the recurrence calls at every token
 (a `GPNPredictLayer`, the `GPNMemoryWrite`, as `--fsdp_transformer_layer_cls_to_wrap` or a size policy shards them)
@@ -47,6 +49,24 @@ def check_sharded_lengths(model: torch.nn.Module, seq_len: int, called_once: tup
             "not match. Pad every batch to one length (e.g. a collator's pad_to_multiple_of = max_length), or shard "
             "the model as one unit (no auto-wrap policy)"
         )
+
+
+def placement_warning(device_map: dict | None) -> str | None:
+    """What to tell the user of a GPN that `from_pretrained(device_map=...)` placed on several devices, or offloaded
+    to disk (transformers then dispatches it with accelerate's hooks), or None. The recurrence runs every block
+    at each token, so such a model moves its activations between devices, or reads offloaded weights again, at
+    every token, on the plain loop: correct, but far slower than the model on one device. `_no_split_modules`
+    cannot keep it whole (it names what Accelerate's FSDP2 policy shards apart: modeling_gpn.py)."""
+    if not device_map:
+        return None
+    places = sorted({str(place) for place in device_map.values()})
+    if len(places) < 2 and "disk" not in places:
+        return None
+    return (
+        f"device_map placed this GPN on {', '.join(places)}: its recurrence runs every block at each token, so every "
+        "token moves activations between them (or reads offloaded weights again) on the plain loop, far slower than "
+        'on one device; load it on one device (device_map="cuda:0" or "cpu") unless it does not fit'
+    )
 
 
 def _shard_group(unit: torch.nn.Module):

@@ -2090,6 +2090,20 @@ MUTATIONS = [
         ("tests/ecosystem/test_ecosystem.py::test_a_model_offloaded_to_disk_by_device_map_runs_and_generates",),
     ),
     Mutation(
+        "a GPN that device_map splits over several places, or offloads, is loaded without a word",
+        "modeling_gpn/sharding.py",
+        '    if len(places) < 2 and "disk" not in places:\n',
+        "    if True:  # MUTATION\n",
+        ("tests/ecosystem/test_ecosystem.py::test_a_model_offloaded_to_disk_by_device_map_runs_and_generates",),
+    ),
+    Mutation(
+        "from_pretrained never says where device_map placed a GPN",
+        "modeling_gpn/modeling_gpn.py",
+        "        if warning is not None:\n            logger.warning(warning)\n",
+        "",
+        ("tests/ecosystem/test_ecosystem.py::test_a_model_offloaded_to_disk_by_device_map_runs_and_generates",),
+    ),
+    Mutation(
         "a compiled decode step continues the count of positions an eager prefill read (restarted at 0)",
         "modeling_gpn/cache.py",
         "            seen = torch.tensor(seen, dtype=torch.int64)\n",

@@ -979,18 +979,39 @@ def test_torch_compile_fullgraph_inductor_matches_eager():
 def test_a_model_offloaded_to_disk_by_device_map_runs_and_generates(tmp_path):
     """`from_pretrained(device_map="auto", max_memory=...)` offloads the weights (accelerate's hooks load each
     module's weights when it is called): the head's weight is meta until then, and the forward refused it as a
-    head left untied ("call `model.tie_weights()`", which cannot help)."""
+    head left untied ("call `model.tie_weights()`", which cannot help). Offloaded or split over several places
+    (`_no_split_modules` keeps nothing whole), the model runs right and the user is told it is slow there."""
     from transformers import AutoModelForCausalLM
+    from transformers.testing_utils import CaptureLogger
+
+    from modeling_gpn.modeling_gpn import logger
 
     model = perturbed_model(tiny_config())
     model.save_pretrained(tmp_path / "model")
-    offloaded = AutoModelForCausalLM.from_pretrained(
-        tmp_path / "model", device_map="auto", max_memory={"cpu": "20KB"}, offload_folder=str(tmp_path / "offload")
-    )
+    with CaptureLogger(logger) as said:
+        offloaded = AutoModelForCausalLM.from_pretrained(
+            tmp_path / "model", device_map="auto", max_memory={"cpu": "20KB"}, offload_folder=str(tmp_path / "offload")
+        )
     assert offloaded.hf_device_map == {"": "disk"} and offloaded.lm_head.weight.is_meta
+    # a GPN runs every block at each token: offloaded or split, it is told (on one device it is not)
+    assert "device_map placed this GPN on disk: its recurrence runs every block at each token" in said.out
+    with CaptureLogger(logger) as said:
+        split, info = AutoModelForCausalLM.from_pretrained(
+            tmp_path / "model",
+            device_map="auto",
+            max_memory={"cpu": "80KB"},  # (a predict layer's modules land on both)
+            offload_folder=str(tmp_path / "split"),
+            output_loading_info=True,
+        )
+    assert {"cpu", "disk"} == set(split.hf_device_map.values()) and not info["missing_keys"]
+    assert "device_map placed this GPN on cpu, disk:" in said.out
+    with CaptureLogger(logger) as said:
+        AutoModelForCausalLM.from_pretrained(tmp_path / "model", device_map="cpu")
+    assert "device_map placed" not in said.out
     ids = token_ids(2, 9)
     with torch.no_grad():
         torch.testing.assert_close(offloaded(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(split(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
     assert torch.equal(
         offloaded.generate(ids, max_new_tokens=5, do_sample=False),
         model.generate(ids, max_new_tokens=5, do_sample=False),
