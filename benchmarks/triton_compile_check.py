@@ -15,12 +15,13 @@ the target. So the kernels see the wrappers' actual arguments as the JIT's binde
 GPU (argument types, 16-byte alignment of pointers and of ints, ints equal to 1), and a keyword argument
 a kernel lacks fails here as it would there (the interpreter drops it in silence).
 
-    python benchmarks/triton_compile_check.py [--arch 90] [--json out.json] [--no-steps]
+    python benchmarks/triton_compile_check.py [--arch 90] [--json out.json] [--no-steps | --only-steps]
 
 Prints one line per kernel variant (registers and spills per thread from ptxas -v, shared memory), then
 one per distinct compiled launch of the steps, and exits 1 if any fails to compile; spills are reported,
 not failed (they cost speed, not correctness). About 35 s on 2 busy CPU cores with Triton's cache cold,
-20 s of it the steps (`--no-steps` skips them).
+20 s of it the steps (`--no-steps` skips them, `--only-steps` compiles nothing else: the two halves in two
+processes take half the time on two cores, as the test runs them).
 """
 
 from __future__ import annotations
@@ -257,11 +258,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10 (90: H100/H200)")
     parser.add_argument("--json", default=None)
-    parser.add_argument("--no-steps", action="store_true", help="skip the launches of the presets' steps")
+    halves = parser.add_mutually_exclusive_group()
+    halves.add_argument("--no-steps", action="store_true", help="skip the launches of the presets' steps")
+    halves.add_argument("--only-steps", action="store_true", help="compile only the launches of the presets' steps")
     args = parser.parse_args()
     target = GPUTarget("cuda", args.arch, 32)
     results, failures = [], 0
-    for name, variants in CASES.items():
+    for name, variants in {} if args.only_steps else CASES.items():
         kernel = triton_jit.KERNELS[name]
         cases = [(c, "") for c in variants] + ([(variants[0], BF16_INPUTS[name])] if name in BF16_INPUTS else [])
         for constexprs, bf16 in cases:
@@ -281,7 +284,8 @@ def main() -> int:
                     label, compiled, seconds, args.arch, kernel=name, constexprs=constexprs, bf16=[bf16] if bf16 else []
                 )
             )
-    print(f"sm_{args.arch}: {len(results) - failures} of {len(results)} kernel variants compiled", flush=True)
+    if not args.only_steps:
+        print(f"sm_{args.arch}: {len(results) - failures} of {len(results)} kernel variants compiled", flush=True)
     if not args.no_steps:
         step_results = compile_step_launches(target, args.arch)
         step_failures = sum(not r["ok"] for r in step_results)
