@@ -1585,9 +1585,16 @@ MUTATIONS = [
     Mutation(
         "gpn serve: /v1/responses instructions inserted before an input's system message (transformers: over it)",
         "modeling_gpn/serve/handlers.py",
-        "        return await super().handle_request(_instructions_before_the_input(body), request_id)\n",
-        "        return await super().handle_request(body, request_id)  # MUTATION\n",
+        "        body = _instructions_before_the_input(body)\n",
+        "        pass  # MUTATION\n",
         ("tests/tools/test_serve.py -k instructions_come_before",),
+    ),
+    Mutation(
+        "gpn serve: /v1/responses without stream answers one JSON response, as the API (transformers streams)",
+        "modeling_gpn/serve/handlers.py",
+        '            body = {**body, "stream": False}\n',
+        "            pass  # MUTATION\n",
+        ("tests/tools/test_serve.py -k responses_answer_through_the_store",),
     ),
     Mutation(
         "gpn serve: /v1/completions refuses echo, best_of, logprobs, presence_penalty (transformers ignores them)",
@@ -1609,6 +1616,13 @@ MUTATIONS = [
         '    _check_supported(body, "response")\n',
         "",
         ("tests/tools/test_serve.py -k responses_answer_through_the_store",),
+    ),
+    Mutation(
+        "gpn serve: temperature samples the whole distribution, as the OpenAI API (generate(): the 50 likeliest)",
+        "modeling_gpn/serve/handlers.py",
+        "                    config.top_k = 0\n",
+        "                    pass  # MUTATION\n",
+        ("tests/tools/test_serve.py -k drawn_from_the_whole_distribution",),
     ),
     Mutation(
         "gpn serve: a request's seed applied as its generate() starts (transformers: when it arrives)",

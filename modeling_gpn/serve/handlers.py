@@ -303,6 +303,10 @@ class StateKeeping:
                 config.sequence_bias = {(int(token),): bias for token, bias in body["logit_bias"].items()}
             if _asks_to_sample(body):  # as the OpenAI API means it (transformers leaves the model's default)
                 config.do_sample = True
+                if config.top_k is None:
+                    # the API samples from the whole distribution (it has no top_k): left unset, generate() would
+                    # keep only the 50 likeliest tokens (its library default), which no model or request asked for
+                    config.top_k = 0
             config.validate()
         except (ValueError, TypeError) as error:  # from the request's own values (generation_config, ...)
             raise HTTPException(status_code=400, detail=f"invalid generation parameters: {error}") from None
@@ -462,7 +466,12 @@ class StateKeepingResponseHandler(StateKeeping, ResponseHandler):
     max_tokens_fields = ("max_output_tokens",)
 
     async def handle_request(self, body: dict, request_id: str):
-        return await super().handle_request(_instructions_before_the_input(body), request_id)
+        body = _instructions_before_the_input(body)
+        if body.get("stream") is None:
+            # the API answers with one JSON response unless asked to stream; transformers' handler streams by
+            # default, which the `openai` client, not having asked for a stream, cannot read (it returns the raw text)
+            body = {**body, "stream": False}
+        return await super().handle_request(body, request_id)
 
 
 def _instructions_before_the_input(body: dict) -> dict:

@@ -412,12 +412,12 @@ def test_n_answers_end_where_each_row_finished(client, model_name, reference):
 
 def test_responses_answer_through_the_store_with_the_checks_and_limits_of_chat(client, model_name, reference):
     """/v1/responses (transformers' handler) goes through the state store, the request checks and the context
-    limit as chat does: the same greedy tokens, a kept state reused, and a 400 naming the problem, never a 500."""
+    limit as chat does: the same greedy tokens, a kept state reused, and a 400 naming the problem, never a 500.
+    Without `stream`, the answer is one JSON response, as the API's default (transformers streams it: the `openai`
+    client, which sent no `stream`, returned the raw event text)."""
     messages = [{"role": "user", "content": "to be or not to be, that is"}]
-    for _ in range(2):  # the second continues from the state the first kept
-        reply = client.responses.create(
-            model=model_name, input=messages, max_output_tokens=6, temperature=0, stream=False
-        )
+    for stream in ({}, {"stream": False}):  # the second continues from the state the first kept
+        reply = client.responses.create(model=model_name, input=messages, max_output_tokens=6, temperature=0, **stream)
         assert reply.output_text == expected_chat(reference, messages, 6)
     assert reply.usage.input_tokens_details.cached_tokens == reply.usage.input_tokens - 1
     for fields, word in (
@@ -518,6 +518,25 @@ def test_a_seed_gives_the_same_sample_whatever_runs_beside_it(client, model_name
         thread.join(timeout=120)
     assert at_once == alone
 
+
+
+def test_a_sample_is_drawn_from_the_whole_distribution_as_the_openai_api_draws_it(client, model_name, reference):
+    """The OpenAI API has no top_k: `temperature` samples from every token. A GPN's generation config sets no top_k,
+    so generate() would keep only the 50 likeliest (its library default): the seeded sample here is generate()'s
+    with top_k=0, which differs from the truncated one."""
+    model, tokenizer = reference
+    prompt = "the cat sat"
+    inputs = tokenizer(prompt, return_tensors="pt")
+    samples = {}
+    for top_k in (0, None):  # None: not given, generate()'s default, the 50 likeliest tokens
+        torch.manual_seed(0)
+        with torch.no_grad():
+            given = {} if top_k is None else {"top_k": top_k}
+            out = model.generate(**inputs, max_new_tokens=12, do_sample=True, temperature=2.0, **given)
+        samples[top_k] = out[0, inputs["input_ids"].shape[1] :]
+    assert not torch.equal(samples[0], samples[None])  # the truncation changes this sample: the test can fail
+    reply = client.completions.create(model=model_name, prompt=prompt, max_tokens=12, temperature=2.0, seed=0)
+    assert reply.choices[0].text == as_text(tokenizer, samples[0], False)
 
 BAD_CHAT_REQUESTS = [  # (what the request gets wrong, the fields sent, a word the error must say)
     ("negative max_tokens", {"max_tokens": -1}, "max_tokens"),
