@@ -1618,6 +1618,13 @@ MUTATIONS = [
         ("tests/tools/test_serve.py -k responses_answer_through_the_store",),
     ),
     Mutation(
+        'gpn serve: a streamed answer that ended on EOS at its max_tokens-th token is "stop" (transformers: "length")',
+        "modeling_gpn/serve/handlers.py",
+        '                                last["finish_reason"] = "stop"  # it ended on EOS, at its last allowed token\n',
+        "                                pass  # MUTATION\n",
+        ("tests/tools/test_serve.py -k n_answers_end_where_each_row_finished",),
+    ),
+    Mutation(
         "gpn serve: temperature samples the whole distribution, as the OpenAI API (generate(): the 50 likeliest)",
         "modeling_gpn/serve/handlers.py",
         "                    config.top_k = 0\n",
@@ -1641,8 +1648,8 @@ MUTATIONS = [
     Mutation(
         "gpn serve: a non-streamed answer's generate() stops when its client goes away",
         "modeling_gpn/serve/generation.py",
-        "            if self._client_gone is not None:\n",
-        "            if False:  # MUTATION\n",
+        "[] if self._client_gone is None else [ClientGone(self._client_gone)]",
+        "[]",
         ("tests/tools/test_serve.py -k gives_up_on_a_non_streamed_answer",),
     ),
     Mutation(

@@ -366,7 +366,8 @@ def test_greedy_requests_as_transformers_serve_reads_them_with_the_tokens_of_the
 def test_n_answers_end_where_each_row_finished(client, model_name, reference):
     """Rows of one generate() that finish early are padded (with EOS, when the model has no pad token): each of
     the n answers is cut where its row finished (its EOS kept, or the token that completes a stop string), the
-    padding neither in its text nor its token count; an answer that ends so is "stop", even at max_tokens."""
+    padding neither in its text nor its token count; an answer that ends so is "stop", even at max_tokens,
+    streamed or not."""
     from modeling_gpn.serve.handlers import _answer_rows
 
     model, tokenizer = reference
@@ -408,6 +409,12 @@ def test_n_answers_end_where_each_row_finished(client, model_name, reference):
         model=model_name, messages=messages, max_tokens=1, temperature=0, logit_bias={str(eos): 100}
     )
     assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens == 1
+    # streamed too (transformers: "length" for any stream max_tokens long), and one cut at its length is "length"
+    for max_tokens, bias, reason in ((1, {str(eos): 100}, "stop"), (4, None, "length")):
+        chunks = client.chat.completions.create(
+            model=model_name, messages=messages, max_tokens=max_tokens, temperature=0, logit_bias=bias, stream=True
+        )
+        assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == reason, max_tokens
 
 
 def test_responses_answer_through_the_store_with_the_checks_and_limits_of_chat(client, model_name, reference):
@@ -519,7 +526,6 @@ def test_a_seed_gives_the_same_sample_whatever_runs_beside_it(client, model_name
     assert at_once == alone
 
 
-
 def test_a_sample_is_drawn_from_the_whole_distribution_as_the_openai_api_draws_it(client, model_name, reference):
     """The OpenAI API has no top_k: `temperature` samples from every token. A GPN's generation config sets no top_k,
     so generate() would keep only the 50 likeliest (its library default): the seeded sample here is generate()'s
@@ -537,6 +543,7 @@ def test_a_sample_is_drawn_from_the_whole_distribution_as_the_openai_api_draws_i
     assert not torch.equal(samples[0], samples[None])  # the truncation changes this sample: the test can fail
     reply = client.completions.create(model=model_name, prompt=prompt, max_tokens=12, temperature=2.0, seed=0)
     assert reply.choices[0].text == as_text(tokenizer, samples[0], False)
+
 
 BAD_CHAT_REQUESTS = [  # (what the request gets wrong, the fields sent, a word the error must say)
     ("negative max_tokens", {"max_tokens": -1}, "max_tokens"),
