@@ -1585,9 +1585,16 @@ MUTATIONS = [
     Mutation(
         "gpn serve: /v1/responses instructions inserted before an input's system message (transformers: over it)",
         "modeling_gpn/serve/handlers.py",
-        "        return await super().handle_request(_instructions_before_the_input(body), request_id)\n",
-        "        return await super().handle_request(body, request_id)  # MUTATION\n",
+        "        body = _instructions_before_the_input(body)\n",
+        "        pass  # MUTATION\n",
         ("tests/tools/test_serve.py -k instructions_come_before",),
+    ),
+    Mutation(
+        "gpn serve: /v1/responses without stream answers one JSON response, as the API (transformers streams)",
+        "modeling_gpn/serve/handlers.py",
+        '            body = {**body, "stream": False}\n',
+        "            pass  # MUTATION\n",
+        ("tests/tools/test_serve.py -k responses_answer_through_the_store",),
     ),
     Mutation(
         "gpn serve: /v1/completions refuses echo, best_of, logprobs, presence_penalty (transformers ignores them)",
@@ -1611,6 +1618,20 @@ MUTATIONS = [
         ("tests/tools/test_serve.py -k responses_answer_through_the_store",),
     ),
     Mutation(
+        'gpn serve: a streamed answer that ended on EOS at its max_tokens-th token is "stop" (transformers: "length")',
+        "modeling_gpn/serve/handlers.py",
+        '                                last["finish_reason"] = "stop"  # it ended on EOS, at its last allowed token\n',
+        "                                pass  # MUTATION\n",
+        ("tests/tools/test_serve.py -k n_answers_end_where_each_row_finished",),
+    ),
+    Mutation(
+        "gpn serve: temperature samples the whole distribution, as the OpenAI API (generate(): the 50 likeliest)",
+        "modeling_gpn/serve/handlers.py",
+        "                    config.top_k = 0\n",
+        "                    pass  # MUTATION\n",
+        ("tests/tools/test_serve.py -k drawn_from_the_whole_distribution",),
+    ),
+    Mutation(
         "gpn serve: a request's seed applied as its generate() starts (transformers: when it arrives)",
         "modeling_gpn/serve/handlers.py",
         '            body = {**body, "seed": None}\n',
@@ -1627,8 +1648,8 @@ MUTATIONS = [
     Mutation(
         "gpn serve: a non-streamed answer's generate() stops when its client goes away",
         "modeling_gpn/serve/generation.py",
-        "            if self._client_gone is not None:\n",
-        "            if False:  # MUTATION\n",
+        "[] if self._client_gone is None else [ClientGone(self._client_gone)]",
+        "[]",
         ("tests/tools/test_serve.py -k gives_up_on_a_non_streamed_answer",),
     ),
     Mutation(

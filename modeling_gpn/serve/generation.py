@@ -78,6 +78,8 @@ class StateKeepingModel:
         self._client_gone = client_gone
         self.cached_tokens = 0  # prompt tokens continued from a kept state rather than read
         self.sequences: torch.Tensor | None = None  # every row generate() returned (n answers: n rows)
+        # the ids generate() has made so far, prompt included: known before a stream's end is (`LastToken`)
+        self.ids_so_far: torch.Tensor | None = None
 
     @property
     def __class__(self):
@@ -104,10 +106,8 @@ class StateKeepingModel:
                 generation_config if generation_config is not None else self._model.generation_config
             )
             answers = self.answers  # rows made here: greedy decoding refuses num_return_sequences > 1
-            if self._client_gone is not None:
-                kwargs["stopping_criteria"] = StoppingCriteriaList(
-                    [*(kwargs.get("stopping_criteria") or []), ClientGone(self._client_gone)]
-                )
+            watchers = [LastToken(self)] + ([] if self._client_gone is None else [ClientGone(self._client_gone)])
+            kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), *watchers])
             with _seeded(self.seed, samples=bool(config.do_sample)):
                 if self._continues_from_store(input_ids, attention_mask, config, kwargs):
                     self.sequences = self._generate_from_kept_state(input_ids, answers, streamer, config, kwargs)
@@ -128,6 +128,11 @@ class StateKeepingModel:
         finally:
             if self._on_done is not None:
                 self._on_done()
+
+    def token_at(self, position: int) -> int | None:
+        """The first row's token at `position` (prompt included) as generate() made it; None if not made."""
+        ids = self.ids_so_far
+        return None if ids is None or ids.shape[-1] <= position else int(ids[0, position])
 
     def _continues_from_store(self, input_ids, attention_mask, config, kwargs) -> bool:
         """Whether this call can go through the store: one unpadded row of token ids, sampling or greedy
@@ -205,6 +210,20 @@ class ClientGone(StoppingCriteria):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
         return torch.full((input_ids.shape[0],), self.gone.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+class LastToken(StoppingCriteria):
+    """Records on `model` the ids made so far (never stops a row; a reference, no copy or device sync). generate()
+    checks its stopping criteria after each token, before it ends the streamer, so a stream's last chunk can
+    tell an answer that ended on EOS at its `max_tokens`-th token from one cut at its length (by position: a
+    deferred stop check on a GPU makes, then undoes, one token more)."""
+
+    def __init__(self, model: StateKeepingModel):
+        self.model = model
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        self.model.ids_so_far = input_ids
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 @contextlib.contextmanager

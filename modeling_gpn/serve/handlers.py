@@ -303,6 +303,10 @@ class StateKeeping:
                 config.sequence_bias = {(int(token),): bias for token, bias in body["logit_bias"].items()}
             if _asks_to_sample(body):  # as the OpenAI API means it (transformers leaves the model's default)
                 config.do_sample = True
+                if config.top_k is None:
+                    # the API samples from the whole distribution (it has no top_k): left unset, generate() would
+                    # keep only the 50 likeliest tokens (its library default), which no model or request asked for
+                    config.top_k = 0
             config.validate()
         except (ValueError, TypeError) as error:  # from the request's own values (generation_config, ...)
             raise HTTPException(status_code=400, detail=f"invalid generation parameters: {error}") from None
@@ -343,10 +347,16 @@ class StateKeeping:
         self._fit_context(arguments["inputs"], arguments["gen_config"])
         response = super()._streaming(*args, **kwargs)
         request = _current.get()
+        gen_config = arguments["gen_config"]
+        ends = gen_config.eos_token_id if gen_config.eos_token_id is not None else self._eos_of(arguments["model"])
         response.body_iterator = _finishing_stream(
-            response.body_iterator, arguments["model"], request.slot, request.stops, request.usage
+            response.body_iterator, arguments["model"], request.slot, request.stops, request.usage, _as_set(ends)
         )
         return response
+
+    @staticmethod
+    def _eos_of(model) -> int | list[int] | None:
+        return getattr(getattr(model, "generation_config", None), "eos_token_id", None)
 
     async def _non_streaming(self, *args, **kwargs):
         arguments = inspect.signature(super()._non_streaming).bind(*args, **kwargs)
@@ -462,7 +472,12 @@ class StateKeepingResponseHandler(StateKeeping, ResponseHandler):
     max_tokens_fields = ("max_output_tokens",)
 
     async def handle_request(self, body: dict, request_id: str):
-        return await super().handle_request(_instructions_before_the_input(body), request_id)
+        body = _instructions_before_the_input(body)
+        if body.get("stream") is None:
+            # the API answers with one JSON response unless asked to stream; transformers' handler streams by
+            # default, which the `openai` client, not having asked for a stream, cannot read (it returns the raw text)
+            body = {**body, "stream": False}
+        return await super().handle_request(body, request_id)
 
 
 def _instructions_before_the_input(body: dict) -> dict:
@@ -502,8 +517,7 @@ def _answer_rows(
     neither ran to its length. `eos_token_id` is the model's, for a generation config (a request's own) that
     names none."""
     input_len = inputs["input_ids"].shape[-1]
-    ends = gen_config.eos_token_id if gen_config.eos_token_id is not None else eos_token_id
-    ends = set(ends if isinstance(ends, list) else [] if ends is None else [ends])
+    ends = _as_set(gen_config.eos_token_id if gen_config.eos_token_id is not None else eos_token_id)
     stop_strings = gen_config.stop_strings
     stops = StopStringCriteria(getattr(processor, "tokenizer", processor), stop_strings) if stop_strings else None
     rows = []
@@ -519,6 +533,11 @@ def _answer_rows(
         )
         rows.append((input_len, ids, False) if end is None else (input_len, ids[: end + 1], True))
     return rows
+
+
+def _as_set(ids: int | list[int] | None) -> set[int]:
+    """A generation config's `eos_token_id` (one id, a list, or None) as a set."""
+    return set(ids if isinstance(ids, list) else [] if ids is None else [ids])
 
 
 def _cut_answers_at_stop(choices: list[dict], stops: list[str]) -> None:
@@ -569,9 +588,12 @@ def _cut_chunk_at_stop(data: dict, cutter: StreamCutter) -> bool:
     return bool(holder[key])
 
 
-async def _finishing_stream(chunks, model: StateKeepingModel, slot: Slot, stops: list[str], usage: bool = True):
+async def _finishing_stream(
+    chunks, model: StateKeepingModel, slot: Slot, stops: list[str], usage: bool = True, ends: frozenset = frozenset()
+):
     """transformers' SSE stream, its last chunk (the one with `usage`) given `cached_tokens`, or its usage left
-    out when not `usage` (`include_usage: false`), the text cut before the first `stop` sequence
+    out when not `usage` (`include_usage: false`), its finish reason "stop" when the answer ended on one of `ends`
+    (EOS) at its `max_tokens`-th token (transformers says "length"), the text cut before the first `stop` sequence
     (`stop_strings`), an error event in the OpenAI API's shape; the request's slot is freed when the stream
     ends, finished or cut off by the client (or when its generate() ends, if sooner: with continuous batching
     there is no generate() call to end)."""
@@ -588,6 +610,10 @@ async def _finishing_stream(chunks, model: StateKeepingModel, slot: Slot, stops:
                         data = json.loads(event.removeprefix("data: "))
                         if cutter is not None and not _cut_chunk_at_stop(data, cutter):
                             continue  # its text is held back (or past the stop sequence): nothing to send yet
+                        last, counts = (data.get("choices") or [{}])[0], data.get("usage") or {}
+                        if last.get("finish_reason") == "length" and counts.get("total_tokens"):
+                            if model.token_at(counts["total_tokens"] - 1) in ends:
+                                last["finish_reason"] = "stop"  # it ended on EOS, at its last allowed token
                         if not usage:
                             data.pop("usage", None)
                         # (the Responses API's last event carries the response, and its usage, whole)

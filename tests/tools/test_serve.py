@@ -366,7 +366,8 @@ def test_greedy_requests_as_transformers_serve_reads_them_with_the_tokens_of_the
 def test_n_answers_end_where_each_row_finished(client, model_name, reference):
     """Rows of one generate() that finish early are padded (with EOS, when the model has no pad token): each of
     the n answers is cut where its row finished (its EOS kept, or the token that completes a stop string), the
-    padding neither in its text nor its token count; an answer that ends so is "stop", even at max_tokens."""
+    padding neither in its text nor its token count; an answer that ends so is "stop", even at max_tokens,
+    streamed or not."""
     from modeling_gpn.serve.handlers import _answer_rows
 
     model, tokenizer = reference
@@ -408,16 +409,22 @@ def test_n_answers_end_where_each_row_finished(client, model_name, reference):
         model=model_name, messages=messages, max_tokens=1, temperature=0, logit_bias={str(eos): 100}
     )
     assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens == 1
+    # streamed too (transformers: "length" for any stream max_tokens long), and one cut at its length is "length"
+    for max_tokens, bias, reason in ((1, {str(eos): 100}, "stop"), (4, None, "length")):
+        chunks = client.chat.completions.create(
+            model=model_name, messages=messages, max_tokens=max_tokens, temperature=0, logit_bias=bias, stream=True
+        )
+        assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == reason, max_tokens
 
 
 def test_responses_answer_through_the_store_with_the_checks_and_limits_of_chat(client, model_name, reference):
     """/v1/responses (transformers' handler) goes through the state store, the request checks and the context
-    limit as chat does: the same greedy tokens, a kept state reused, and a 400 naming the problem, never a 500."""
+    limit as chat does: the same greedy tokens, a kept state reused, and a 400 naming the problem, never a 500.
+    Without `stream`, the answer is one JSON response, as the API's default (transformers streams it: the `openai`
+    client, which sent no `stream`, returned the raw event text)."""
     messages = [{"role": "user", "content": "to be or not to be, that is"}]
-    for _ in range(2):  # the second continues from the state the first kept
-        reply = client.responses.create(
-            model=model_name, input=messages, max_output_tokens=6, temperature=0, stream=False
-        )
+    for stream in ({}, {"stream": False}):  # the second continues from the state the first kept
+        reply = client.responses.create(model=model_name, input=messages, max_output_tokens=6, temperature=0, **stream)
         assert reply.output_text == expected_chat(reference, messages, 6)
     assert reply.usage.input_tokens_details.cached_tokens == reply.usage.input_tokens - 1
     for fields, word in (
@@ -517,6 +524,25 @@ def test_a_seed_gives_the_same_sample_whatever_runs_beside_it(client, model_name
     for thread in threads:
         thread.join(timeout=120)
     assert at_once == alone
+
+
+def test_a_sample_is_drawn_from_the_whole_distribution_as_the_openai_api_draws_it(client, model_name, reference):
+    """The OpenAI API has no top_k: `temperature` samples from every token. A GPN's generation config sets no top_k,
+    so generate() would keep only the 50 likeliest (its library default): the seeded sample here is generate()'s
+    with top_k=0, which differs from the truncated one."""
+    model, tokenizer = reference
+    prompt = "the cat sat"
+    inputs = tokenizer(prompt, return_tensors="pt")
+    samples = {}
+    for top_k in (0, None):  # None: not given, generate()'s default, the 50 likeliest tokens
+        torch.manual_seed(0)
+        with torch.no_grad():
+            given = {} if top_k is None else {"top_k": top_k}
+            out = model.generate(**inputs, max_new_tokens=12, do_sample=True, temperature=2.0, **given)
+        samples[top_k] = out[0, inputs["input_ids"].shape[1] :]
+    assert not torch.equal(samples[0], samples[None])  # the truncation changes this sample: the test can fail
+    reply = client.completions.create(model=model_name, prompt=prompt, max_tokens=12, temperature=2.0, seed=0)
+    assert reply.choices[0].text == as_text(tokenizer, samples[0], False)
 
 
 BAD_CHAT_REQUESTS = [  # (what the request gets wrong, the fields sent, a word the error must say)
