@@ -2111,6 +2111,20 @@ MUTATIONS = [
         ("tests/ecosystem/test_ecosystem.py::test_a_model_offloaded_to_disk_by_device_map_runs_and_generates",),
     ),
     Mutation(
+        "gpn serve refuses stop: [] (vLLM's default) instead of reading it as no stop sequence",
+        "modeling_gpn/serve/validation.py",
+        "    if stop is not None and stop != []:",
+        "    if stop is not None:  # MUTATION",
+        ("tests/tools/test_serve.py::test_an_empty_stop_list_is_no_stop_sequence",),
+    ),
+    Mutation(
+        "gpn serve hands an empty stop list on to transformers",
+        "modeling_gpn/serve/handlers.py",
+        '            del body["stop"]  #',
+        '            pass  # MUTATION',
+        ("tests/tools/test_serve.py::test_an_empty_stop_list_is_no_stop_sequence",),
+    ),
+    Mutation(
         "a GPN that device_map splits over several places, or offloads, is loaded without a word",
         "modeling_gpn/sharding.py",
         '    if len(places) < 2 and "disk" not in places:\n',

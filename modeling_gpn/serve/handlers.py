@@ -186,6 +186,8 @@ class StateKeeping:
             raise HTTPException(status_code=error.status_code, detail=str(error)) from None
         if body.get("model") is None and self.model_manager.force_model is None:
             raise HTTPException(status_code=400, detail="model is required (this server is not pinned to one model)")
+        if body.get("stop") == []:
+            del body["stop"]  # no stop sequence (transformers would hand generate() an empty stop_strings)
         if body.get("logit_bias"):  # generate() takes float biases only; JSON's -100 is an int (transformers: a 500)
             body["logit_bias"] = {token: float(bias) for token, bias in body["logit_bias"].items()}
         # transformers would ignore n (with a warning): the answers are made here

@@ -253,7 +253,7 @@ def _check_common(body: dict[str, Any]) -> None:
     if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**64):
         raise RequestError(f"seed must be a 64-bit integer, got {seed!r}")
     stop = body.get("stop")
-    if stop is not None:
+    if stop is not None and stop != []:  # (an empty list is no stop sequence: vLLM's default, which clients send)
         stops = [stop] if isinstance(stop, str) else stop
         if (
             not isinstance(stops, list)

@@ -303,6 +303,19 @@ def test_answers_end_before_their_stop_sequence(client, model_name, reference):
         assert streamed == streamed_before_stop, (endpoint, stop, text)
 
 
+def test_an_empty_stop_list_is_no_stop_sequence(client, model_name):
+    """`stop: []` is what clients built for vLLM send (its default): the answer is the one without `stop`, as the
+    OpenAI API answers it; it was refused ("a list of 1 to 4")."""
+    request = dict(model=model_name, max_tokens=6, temperature=0)
+    for endpoint, fields in (
+        (client.chat.completions, {"messages": [{"role": "user", "content": "to be or not"}]}),
+        (client.completions, {"prompt": "the cat sat on the"}),
+    ):
+        plain, empty = (endpoint.create(**request, **fields, **stop) for stop in ({}, {"stop": []}))
+        assert empty.choices[0].model_dump() == plain.choices[0].model_dump()
+        assert empty.usage.completion_tokens == plain.usage.completion_tokens == 6
+
+
 def test_a_stream_holds_back_what_may_begin_a_stop_sequence():
     """A stop sequence spread over several streamed pieces is cut whole: the pieces' text that could begin one
     waits for the next piece, and is sent when it does not."""
