@@ -2121,7 +2121,7 @@ MUTATIONS = [
         "gpn serve hands an empty stop list on to transformers",
         "modeling_gpn/serve/handlers.py",
         '            del body["stop"]  #',
-        '            pass  # MUTATION',
+        "            pass  # MUTATION",
         ("tests/tools/test_serve.py::test_an_empty_stop_list_is_no_stop_sequence",),
     ),
     Mutation(
