@@ -352,7 +352,13 @@ class StateKeeping:
         gen_config = arguments["gen_config"]
         ends = gen_config.eos_token_id if gen_config.eos_token_id is not None else self._eos_of(arguments["model"])
         response.body_iterator = _finishing_stream(
-            response.body_iterator, arguments["model"], request.slot, request.stops, request.usage, _as_set(ends)
+            response.body_iterator,
+            arguments["model"],
+            request.slot,
+            request.stops,
+            request.usage,
+            _as_set(ends),
+            gen_config.max_new_tokens,
         )
         return response
 
@@ -400,6 +406,12 @@ class StateKeeping:
                 body["choices"].extend(answer["choices"])
                 for name in ("completion_tokens", "total_tokens"):
                     body["usage"][name] += answer["usage"]["completion_tokens"]
+        if body.get("object") == "response" and body.get("status") == "completed" and model.sequences is not None:
+            _, ids, stopped = _answer_rows(
+                model.sequences, inputs, gen_config, processor, model.generation_config.eos_token_id
+            )[0]
+            if not stopped and len(ids) >= (gen_config.max_new_tokens or float("inf")):
+                _mark_incomplete(body)
         choices = body.get("choices", [])
         at_length = [row for row, choice in enumerate(choices) if choice.get("finish_reason") == "length"]
         if at_length and model.sequences is not None:  # (None: continuous batching ran it, without generate())
@@ -413,6 +425,13 @@ class StateKeeping:
                     # "length" for any answer max_tokens long; here the row's end is known.)
                     choices[row]["finish_reason"] = "stop"
         return body
+
+
+def _mark_incomplete(response: dict) -> None:
+    """A Responses API response cut at its `max_output_tokens`, as the API marks it (transformers says
+    "completed" for every answer, so a client cannot tell a cut answer from a finished one)."""
+    response["status"] = "incomplete"
+    response["incomplete_details"] = {"reason": "max_output_tokens"}
 
 
 def _asks_to_sample(body: dict) -> bool:
@@ -591,12 +610,19 @@ def _cut_chunk_at_stop(data: dict, cutter: StreamCutter) -> bool:
 
 
 async def _finishing_stream(
-    chunks, model: StateKeepingModel, slot: Slot, stops: list[str], usage: bool = True, ends: frozenset = frozenset()
+    chunks,
+    model: StateKeepingModel,
+    slot: Slot,
+    stops: list[str],
+    usage: bool = True,
+    ends: frozenset = frozenset(),
+    max_new_tokens: int | None = None,
 ):
     """transformers' SSE stream, its last chunk (the one with `usage`) given `cached_tokens`, or its usage left
     out when not `usage` (`include_usage: false`), its finish reason "stop" when the answer ended on one of `ends`
-    (EOS) at its `max_tokens`-th token (transformers says "length"), the text cut before the first `stop` sequence
-    (`stop_strings`), an error event in the OpenAI API's shape; the request's slot is freed when the stream
+    (EOS) at its `max_tokens`-th token (transformers says "length"), a Responses API answer cut at its
+    `max_new_tokens` ending in "response.incomplete" (`_mark_incomplete`; transformers: "response.completed"), the
+    text cut before the first `stop` sequence (`stop_strings`), an error event in the OpenAI API's shape; the request's slot is freed when the stream
     ends, finished or cut off by the client (or when its generate() ends, if sooner: with continuous batching
     there is no generate() call to end)."""
     cutter = StreamCutter(stops) if stops else None
@@ -616,6 +642,13 @@ async def _finishing_stream(
                         if last.get("finish_reason") == "length" and counts.get("total_tokens"):
                             if model.token_at(counts["total_tokens"] - 1) in ends:
                                 last["finish_reason"] = "stop"  # it ended on EOS, at its last allowed token
+                        whole = data.get("response") if data.get("type") == "response.completed" else None
+                        if whole is not None and max_new_tokens:  # (the Responses API takes no `stop`)
+                            made = (whole.get("usage") or {}).get("output_tokens", 0)
+                            total = (whole.get("usage") or {}).get("total_tokens", 0)
+                            if made >= max_new_tokens and model.token_at(total - 1) not in ends:
+                                data["type"] = "response.incomplete"
+                                _mark_incomplete(whole)
                         if not usage:
                             data.pop("usage", None)
                         # (the Responses API's last event carries the response, and its usage, whole)

@@ -460,6 +460,28 @@ def test_responses_answer_through_the_store_with_the_checks_and_limits_of_chat(c
         assert word in str(refused.value.body), refused.value.body
 
 
+def test_a_response_cut_at_max_output_tokens_is_incomplete(client, model_name, reference):
+    """The Responses API marks an answer cut at `max_output_tokens` `status: "incomplete"` (`incomplete_details`
+    naming the reason; streamed, its last event is "response.incomplete"); transformers said "completed" for every
+    answer, so a client could not tell a cut answer from a finished one. One that ended on EOS at its last allowed
+    token (a `generation_config` naming its first token EOS) is complete."""
+    model, tokenizer = reference
+    messages = [{"role": "user", "content": "the cat sat on the mat"}]
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        answer = model.generate(**inputs, max_new_tokens=3, do_sample=False)[0, inputs["input_ids"].shape[1] :]
+    assert len(answer) == 3 and model.generation_config.eos_token_id not in answer
+    ends_at_first = {"generation_config": json.dumps({"eos_token_id": int(answer[0])})}
+    for max_output_tokens, extra, status in ((3, {}, "incomplete"), (1, ends_at_first, "completed")):
+        request = dict(model=model_name, input=messages, max_output_tokens=max_output_tokens, temperature=0)
+        reply = client.responses.create(**request, stream=False, extra_body=extra)
+        assert reply.status == status and reply.usage.output_tokens == max_output_tokens, (status, reply)
+        reason = getattr(reply.incomplete_details, "reason", None)
+        assert reason == ("max_output_tokens" if status == "incomplete" else None), reply.incomplete_details
+        events = list(client.responses.create(**request, stream=True, extra_body=extra))
+        assert events[-1].type == f"response.{status}" and events[-1].response.status == status, events[-1]
+
+
 def test_responses_instructions_come_before_an_input_that_begins_with_a_system_message(client, model_name, reference):
     """The Responses API inserts `instructions` before the input; transformers' handler wrote them over the
     content of an input's first system message, which the model then never saw."""
