@@ -1597,18 +1597,18 @@ MUTATIONS = [
         ("tests/tools/test_serve.py -k responses_answer_through_the_store",),
     ),
     Mutation(
-        "gpn serve: /v1/completions refuses echo, best_of, logprobs, presence_penalty (transformers ignores them)",
+        "gpn serve: /v1/completions refuses echo, best_of, logprobs, suffix (transformers ignores them)",
         "modeling_gpn/serve/validation.py",
         '    _check_supported(body, "completion")\n',
         "",
         ("tests/tools/test_serve.py -k completions_apply_logit_bias",),
     ),
     Mutation(
-        "gpn serve: /v1/chat/completions refuses logprobs, presence_penalty, response_format (transformers ignores them)",
+        "gpn serve: /v1/chat/completions refuses logprobs, response_format (transformers ignores them)",
         "modeling_gpn/serve/validation.py",
         '    _check_supported(body, "chat")\n',
         "",
-        ("tests/tools/test_serve.py -k bad_chat_requests and (logprobs or presence_penalty or response_format)",),
+        ("tests/tools/test_serve.py -k bad_chat_requests and (logprobs or response_format)",),
     ),
     Mutation(
         "gpn serve: /v1/responses refuses previous_response_id, a non-text format, ... (transformers ignores them)",
@@ -1634,8 +1634,8 @@ MUTATIONS = [
     Mutation(
         "gpn serve: a request's seed applied as its generate() starts (transformers: when it arrives)",
         "modeling_gpn/serve/handlers.py",
-        '            body = {**body, "seed": None}\n',
-        "            pass  # MUTATION\n",
+        '            body = {**body, "seed": None, "frequency_penalty": None}\n',
+        '            body = {**body, "frequency_penalty": None}  # MUTATION\n',
         ("tests/tools/test_serve.py -k seed_gives_the_same_sample",),
     ),
     Mutation(
@@ -2109,6 +2109,47 @@ MUTATIONS = [
         "            and not head.weight.is_meta\n",
         "",
         ("tests/ecosystem/test_ecosystem.py::test_a_model_offloaded_to_disk_by_device_map_runs_and_generates",),
+    ),
+    Mutation(
+        "gpn serve lets transformers read frequency_penalty as a repetition penalty too",
+        "modeling_gpn/serve/handlers.py",
+        'body = {**body, "seed": None, "frequency_penalty": None}',
+        'body = {**body, "seed": None}',
+        ("tests/tools/test_serve.py::test_penalties_are_the_apis",),
+    ),
+    Mutation(
+        "gpn serve never gives generate() the API's penalties",
+        "modeling_gpn/serve/handlers.py",
+        "            penalties=_penalties(body),\n",
+        "",
+        ("tests/tools/test_serve.py::test_penalties_are_the_apis",),
+    ),
+    Mutation(
+        "the API's penalties count the prompt's tokens too",
+        "modeling_gpn/serve/generation.py",
+        "        made = input_ids[:, self.prompt_length :]\n",
+        "        made = input_ids\n",
+        (
+            "tests/tools/test_serve.py::test_penalties_are_the_apis",
+            "tests/tools/test_serve.py::test_sampled_penalties_come_before_the_temperature_and_the_cuts",
+        ),
+    ),
+    Mutation(
+        "presence_penalty is not applied",
+        "modeling_gpn/serve/generation.py",
+        " - self.presence * (counts > 0).to(scores.dtype)",
+        "",
+        (
+            "tests/tools/test_serve.py::test_penalties_are_the_apis",
+            "tests/tools/test_serve.py::test_sampled_penalties_come_before_the_temperature_and_the_cuts",
+        ),
+    ),
+    Mutation(
+        "a sampled request's temperature and cuts stay in generate()'s config, before the penalties",
+        "modeling_gpn/serve/generation.py",
+        "            config.temperature, config.top_k, config.top_p = 1.0, 0, 1.0\n",
+        "",
+        ("tests/tools/test_serve.py::test_sampled_penalties_come_before_the_temperature_and_the_cuts",),
     ),
     Mutation(
         "a Responses API answer cut at max_output_tokens says completed (not streamed)",

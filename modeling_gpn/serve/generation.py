@@ -32,7 +32,15 @@ import threading
 from collections.abc import Callable, Iterator
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from .. import GPNCache, GPNForCausalLM
 from ..derived_weights import derived_weights_scope, drop_kept
@@ -69,8 +77,10 @@ class StateKeepingModel:
         on_done: Callable[[], None] | None = None,
         seed: int | None = None,
         client_gone: threading.Event | None = None,
+        penalties: Penalties | None = None,
     ):
         self._model = model
+        self.penalties = penalties
         self._store = store if isinstance(model, GPNForCausalLM) else None
         self.answers = answers
         self._on_done = on_done
@@ -108,6 +118,9 @@ class StateKeepingModel:
             answers = self.answers  # rows made here: greedy decoding refuses num_return_sequences > 1
             watchers = [LastToken(self)] + ([] if self._client_gone is None else [ClientGone(self._client_gone)])
             kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), *watchers])
+            if self.penalties is not None:
+                processors = self.penalties.processors(config, prompt_length=input_ids.shape[-1])
+                kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), *processors])
             with _seeded(self.seed, samples=bool(config.do_sample)):
                 if self._continues_from_store(input_ids, attention_mask, config, kwargs):
                     self.sequences = self._generate_from_kept_state(input_ids, answers, streamer, config, kwargs)
@@ -210,6 +223,43 @@ class ClientGone(StoppingCriteria):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
         return torch.full((input_ids.shape[0],), self.gone.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+class Penalties:
+    """The OpenAI API's `frequency_penalty` and `presence_penalty`: before sampling, each token's logit is lowered by
+    `frequency` times the number of times the answer has made it so far, and by `presence` once it has made it at
+    all (the prompt does not count). transformers serve reads `frequency_penalty` as a repetition penalty of
+    `1 + frequency_penalty`, which divides the logits of every token of the prompt and answer alike."""
+
+    def __init__(self, frequency: float, presence: float):
+        self.frequency, self.presence = frequency, presence
+
+    def processors(self, config, prompt_length: int) -> list[LogitsProcessor]:
+        """The processors generate() adds after its own: the penalties, then (when it samples) the request's
+        temperature, top-k and top-p, taken out of `config` (set neutral there), which generate() would apply
+        before anything it is given: the API penalises the logits, and then scales and cuts them."""
+        chain: list[LogitsProcessor] = [_Penalised(self.frequency, self.presence, prompt_length)]
+        if config.do_sample:
+            if config.temperature is not None and config.temperature != 1.0:
+                chain.append(TemperatureLogitsWarper(config.temperature))
+            if config.top_k:
+                chain.append(TopKLogitsWarper(config.top_k))
+            if config.top_p is not None and config.top_p < 1.0:
+                chain.append(TopPLogitsWarper(config.top_p))
+            config.temperature, config.top_k, config.top_p = 1.0, 0, 1.0
+        return chain
+
+
+class _Penalised(LogitsProcessor):
+    """`Penalties` on the logits of rows whose first `prompt_length` tokens are the prompt."""
+
+    def __init__(self, frequency: float, presence: float, prompt_length: int):
+        self.frequency, self.presence, self.prompt_length = frequency, presence, prompt_length
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        made = input_ids[:, self.prompt_length :]
+        counts = torch.zeros_like(scores).scatter_add_(1, made, torch.ones_like(made, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
 
 
 class LastToken(StoppingCriteria):

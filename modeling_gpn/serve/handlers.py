@@ -48,7 +48,7 @@ from transformers.cli.serving.utils import CBGenerateManager, Modality
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .errors import as_openai_stream_error
-from .generation import StateKeepingModel
+from .generation import Penalties, StateKeepingModel
 from .state_store import StateStore
 from .stop_strings import StreamCutter, cut_at_stop, stop_sequences
 from .validation import (
@@ -247,6 +247,7 @@ class StateKeeping:
             on_done=request.slot.release,
             seed=body.get("seed"),
             client_gone=_client_gone.get(),
+            penalties=_penalties(body),
         )
         return model_id, request.model, processor
 
@@ -295,8 +296,14 @@ class StateKeeping:
     def _build_generation_config(self, body: dict, model_generation_config, use_cb: bool = False):
         if not use_cb:
             # the seed is applied as the request's generate() starts (`StateKeepingModel`), not here, when it
-            # arrives: transformers' seeding here reseeds the generator other requests are drawing from
-            body = {**body, "seed": None}
+            # arrives: transformers' seeding here reseeds the generator other requests are drawing from; and the
+            # penalties are the API's (`Penalties`), not transformers' repetition penalty of 1 + frequency_penalty
+            body = {**body, "seed": None, "frequency_penalty": None}
+        elif _penalties(body) is not None:  # (no generate() call to give them to)
+            raise HTTPException(
+                status_code=400,
+                detail="frequency_penalty and presence_penalty are not supported with --continuous-batching",
+            )
         try:
             config = super()._build_generation_config(body, model_generation_config, use_cb=use_cb)
             if body.get("logit_bias") and not config.sequence_bias:
@@ -425,6 +432,12 @@ class StateKeeping:
                     # "length" for any answer max_tokens long; here the row's end is known.)
                     choices[row]["finish_reason"] = "stop"
         return body
+
+
+def _penalties(body: dict) -> Penalties | None:
+    """The request's `frequency_penalty` and `presence_penalty` (`Penalties`), or None when both are 0 or absent."""
+    frequency, presence = body.get("frequency_penalty") or 0.0, body.get("presence_penalty") or 0.0
+    return Penalties(float(frequency), float(presence)) if frequency or presence else None
 
 
 def _mark_incomplete(response: dict) -> None:

@@ -58,7 +58,6 @@ NOT_SUPPORTED: dict[str, dict[str, tuple[str, Callable[[Any], bool]]]] = {  # en
     "chat": {
         "logprobs": ("false", lambda value: value is False),
         "top_logprobs": ("0", _is_default(0)),
-        "presence_penalty": ("0", _is_default(0)),
         "response_format": ('{"type": "text"}', _text_format),
         "modalities": ('["text"]', _is_default(["text"])),
         "audio": ("null", lambda value: False),
@@ -72,7 +71,6 @@ NOT_SUPPORTED: dict[str, dict[str, tuple[str, Callable[[Any], bool]]]] = {  # en
         "logprobs": ("0", _is_default(0)),
         "echo": ("false", lambda value: value is False),
         "best_of": ("1", _is_default(1)),
-        "presence_penalty": ("0", _is_default(0)),
         # transformers appends it to the answer's text; the API means text the answer is inserted before
         "suffix": ('""', _is_default("")),
     },
@@ -241,8 +239,7 @@ def _check_common(body: dict[str, Any]) -> None:
         raise RequestError("stream_options.include_usage must be true or false")
     _check_number(body, "temperature", low=0.0)
     _check_number(body, "top_p", low=0.0, high=1.0, low_open=True)
-    # transformers reads it as repetition_penalty = 1 + frequency_penalty, which must stay above 0
-    _check_number(body, "frequency_penalty", low=-1.0, high=2.0, low_open=True)
+    _check_number(body, "frequency_penalty", low=-2.0, high=2.0)  # (the API's ranges: `generation.Penalties`)
     _check_number(body, "presence_penalty", low=-2.0, high=2.0)
     answers = body.get("n")
     if answers is not None and (not _is_int(answers) or not 1 <= answers <= MAX_ANSWERS):

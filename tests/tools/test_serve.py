@@ -154,6 +154,31 @@ def expected_chat(reference, messages: list[dict], max_tokens: int, streamed: bo
     return as_text(tokenizer, out[0, inputs["input_ids"].shape[1] :], streamed)
 
 
+def api_penalties(logits: torch.Tensor, answer: list[int], frequency: float, presence: float) -> torch.Tensor:
+    """The OpenAI API's penalties, as its docs write them: mu[j] - c[j] * frequency - (c[j] > 0) * presence, c[j]
+    the times the answer so far holds token j (the prompt does not count)."""
+    counts = torch.bincount(torch.tensor(answer, dtype=torch.long), minlength=logits.shape[-1]).to(logits.dtype)
+    return logits - counts * frequency - (counts > 0).to(logits.dtype) * presence
+
+
+def penalized_greedy(
+    reference, messages: list[dict], max_tokens: int, frequency: float, presence: float, prompt_counts: bool = False
+) -> str:
+    """A greedy answer under the API's penalties, one forward of the whole sequence a token (no cache); with
+    `prompt_counts`, the prompt's tokens counted too (the way the API does not)."""
+    model, tokenizer = reference
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    prompt, answer = ids["input_ids"][0].tolist(), []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            counted = prompt + answer if prompt_counts else answer
+            logits = api_penalties(model(torch.tensor([prompt + answer])).logits[0, -1], counted, frequency, presence)
+            answer.append(int(logits.argmax()))
+            if answer[-1] == model.generation_config.eos_token_id:
+                break
+    return as_text(tokenizer, torch.tensor(answer), False)
+
+
 def as_text(tokenizer, ids: torch.Tensor, streamed: bool) -> str:
     """The answer's text as the server sends it: decoded whole, or streamed token by token the way
     transformers' streamer decodes (an incomplete UTF-8 character at the end is never sent)."""
@@ -230,8 +255,8 @@ def test_completions_plain_and_streamed(client, model_name, reference):
 def test_completions_apply_logit_bias_and_refuse_what_they_would_ignore(client, model_name, reference):
     """transformers' completion handler accepts logit_bias, echo, best_of, logprobs and presence_penalty and
     applies none of them, and appends a suffix to the answer (the API inserts the answer before it): logit_bias
-    is applied here (as its chat handler applies it), the others are a 400 naming the field, but for their
-    defaults, which change nothing."""
+    is applied here (as its chat handler applies it; presence_penalty too, `test_penalties_are_the_apis`), the
+    others are a 400 naming the field, but for their defaults, which change nothing."""
     model, tokenizer = reference
     prompt = "the cat sat on the"
     ids = tokenizer(prompt, return_tensors="pt")
@@ -245,7 +270,7 @@ def test_completions_apply_logit_bias_and_refuse_what_they_would_ignore(client, 
         model=model_name, prompt=prompt, max_tokens=6, temperature=0, logit_bias={str(int(plain[0])): -100}
     )
     assert reply.choices[0].text == as_text(tokenizer, banned, False)
-    for fields in ({"echo": True}, {"best_of": 3}, {"logprobs": 2}, {"presence_penalty": 1.0}, {"suffix": " END"}):
+    for fields in ({"echo": True}, {"best_of": 3}, {"logprobs": 2}, {"suffix": " END"}):
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(model=model_name, prompt=prompt, max_tokens=2, **fields)
         assert f"does not support {next(iter(fields))}" in str(refused.value.body)
@@ -350,8 +375,8 @@ def test_greedy_requests_as_transformers_serve_reads_them_with_the_tokens_of_the
     client, model_name, reference
 ):
     """temperature 0 is greedy whatever top_p (transformers serve: do_sample=False), a generation_config without
-    max_new_tokens answers as generate() does without it, and frequency_penalty (transformers: repetition_penalty
-    1 + frequency_penalty) gives, from a kept state, the tokens of generate() on the whole prompt."""
+    max_new_tokens answers as generate() does without it, and a penalty that looks back over the answer
+    (`frequency_penalty`) gives, from a kept state, the tokens of a loop over the whole prompt."""
     messages = [{"role": "user", "content": "the cat sat on the mat. the cat sat on the mat. the cat"}]
     reply = client.chat.completions.create(model=model_name, messages=messages, max_tokens=8, temperature=0, top_p=0.5)
     assert reply.choices[0].message.content == expected_chat(reference, messages, 8)
@@ -366,7 +391,7 @@ def test_greedy_requests_as_transformers_serve_reads_them_with_the_tokens_of_the
         new_tokens = new_tokens or 30 - reply.usage.prompt_tokens
         assert reply.choices[0].message.content == expected_chat(reference, messages, new_tokens)
         assert reply.usage.completion_tokens <= new_tokens
-    penalized = expected_chat(reference, messages, 12, repetition_penalty=2.0)
+    penalized = penalized_greedy(reference, messages, 12, frequency=1.0, presence=0.0)
     assert penalized != expected_chat(reference, messages, 12)  # the penalty changes this answer: the test can fail
     for _ in range(2):  # the second continues from the state the first kept
         reply = client.chat.completions.create(
@@ -580,6 +605,65 @@ def test_a_sample_is_drawn_from_the_whole_distribution_as_the_openai_api_draws_i
     assert reply.choices[0].text == as_text(tokenizer, samples[0], False)
 
 
+def test_penalties_are_the_apis(client, model_name, reference):
+    """`frequency_penalty` and `presence_penalty` as the OpenAI API applies them: each token's logit lowered by its
+    count in the answer so far (not the prompt), and once it is there, before temperature scales the logits
+    (transformers serve: a repetition penalty of 1 + frequency_penalty dividing the logits of the prompt's tokens
+    too, and presence_penalty ignored): each greedy answer is a loop of the API's formula. (This tiny model's
+    answers decode to few distinct texts: each case is one whose text tells the API's way from the others.)"""
+    repeated = [{"role": "user", "content": "the cat sat on the mat. the cat sat on the mat. the cat"}]
+    short = [{"role": "user", "content": "to be"}]
+    for messages, frequency, presence, others in (
+        (repeated, 0.3, 0.0, [(0.0, 0.0, False), (0.3, 0.0, True)]),  # (the prompt counted: transformers' way)
+        (short, 0.05, 0.0, [(0.0, 0.0, False), (0.0, 0.05, False)]),
+        (short, 0.0, 0.05, [(0.0, 0.0, False), (0.05, 0.0, False)]),
+    ):
+        expected = penalized_greedy(reference, messages, 12, frequency, presence)
+        for other in others:  # the case can fail
+            assert expected != penalized_greedy(reference, messages, 12, *other), (frequency, presence, other)
+        reply = client.chat.completions.create(
+            model=model_name,
+            messages=messages,
+            max_tokens=12,
+            temperature=0,
+            frequency_penalty=frequency,
+            presence_penalty=presence,
+        )
+        assert reply.choices[0].message.content == expected, (frequency, presence)
+
+
+def test_sampled_penalties_come_before_the_temperature_and_the_cuts():
+    """The API penalises the logits, then samples at its temperature and top_p: generate() applies its own
+    temperature, top-k and top-p before any processor it is given, so `Penalties` takes them out of the request's
+    generation config and applies them after the penalties. (This tiny model's nearly uniform logits draw the same
+    seeded sample in either order, so the order is checked on the logits the processors give.)"""
+    from transformers import GenerationConfig
+
+    from modeling_gpn.serve.generation import Penalties
+
+    torch.manual_seed(0)
+    scores, prompt, answer = torch.randn(2, 50) * 3, [7, 8, 9], [[3, 3, 5], [9, 4, 4]]
+    ids = torch.tensor([prompt + row for row in answer])
+    config = GenerationConfig(do_sample=True, temperature=0.5, top_k=20, top_p=0.9)
+    chain = Penalties(1.5, 0.5).processors(config, prompt_length=len(prompt))
+    assert (config.temperature, config.top_k, config.top_p) == (1.0, 0, 1.0)  # generate() applies none of them
+    given = scores
+    for processor in chain:
+        given = processor(ids, given)
+    expected = torch.stack([api_penalties(scores[r], answer[r], 1.5, 0.5) for r in range(2)]) / 0.5
+    for r in range(2):  # top-k 20, then top-p 0.9 of what is left: the rest -inf
+        keep = expected[r].topk(20).indices
+        kept = torch.full_like(expected[r], float("-inf")).scatter(0, keep, expected[r][keep])
+        order = kept.sort(descending=True)
+        mass = order.values.softmax(0).cumsum(0)
+        cut = order.indices[(mass - order.values.softmax(0)) >= 0.9]
+        expected[r] = kept.index_fill(0, cut, float("-inf"))
+    assert torch.equal(given.isinf(), expected.isinf())
+    torch.testing.assert_close(given[~given.isinf()], expected[~expected.isinf()])
+    greedy = GenerationConfig(do_sample=False, temperature=0.5)
+    assert len(Penalties(1.0, 0.0).processors(greedy, prompt_length=3)) == 1 and greedy.temperature == 0.5
+
+
 BAD_CHAT_REQUESTS = [  # (what the request gets wrong, the fields sent, a word the error must say)
     ("negative max_tokens", {"max_tokens": -1}, "max_tokens"),
     ("max_tokens a string", {"max_tokens": "ten"}, "max_tokens"),
@@ -614,7 +698,8 @@ BAD_CHAT_REQUESTS = [  # (what the request gets wrong, the fields sent, a word t
     ("past the context limit", {"max_tokens": MAX_CONTEXT}, "context limit"),
     # what transformers serve accepts and ignores (it only logs them): refused, unless it changes nothing
     ("logprobs asked for", {"logprobs": True}, "does not support logprobs"),
-    ("a presence_penalty", {"presence_penalty": 0.5}, "does not support presence_penalty"),
+    ("frequency_penalty past 2", {"frequency_penalty": 2.5}, "frequency_penalty"),
+    ("presence_penalty a string", {"presence_penalty": "some"}, "presence_penalty"),
     ("a JSON response_format", {"response_format": {"type": "json_object"}}, "does not support response_format"),
     # what transformers' chat template rendering drops in silence
     (
