@@ -2125,6 +2125,13 @@ MUTATIONS = [
         ("tests/tools/test_serve.py::test_penalties_are_the_apis",),
     ),
     Mutation(
+        "gpn serve hands the API's penalties to continuous batching, which has no generate() to apply them",
+        "modeling_gpn/serve/handlers.py",
+        "        elif _penalties(body) is not None:  # (no generate() call to give them to)",
+        "        elif False:  # MUTATION",
+        ("tests/tools/test_serve.py::test_penalties_are_refused_under_continuous_batching",),
+    ),
+    Mutation(
         "the API's penalties count the prompt's tokens too",
         "modeling_gpn/serve/generation.py",
         "        made = input_ids[:, self.prompt_length :]\n",

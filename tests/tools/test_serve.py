@@ -664,6 +664,28 @@ def test_sampled_penalties_come_before_the_temperature_and_the_cuts():
     assert len(Penalties(1.0, 0.0).processors(greedy, prompt_length=3)) == 1 and greedy.temperature == 0.5
 
 
+def test_penalties_are_refused_under_continuous_batching():
+    """With `--continuous-batching` (a model other than a GPN) no generate() call takes the API's penalties: a
+    400, not transformers' repetition penalty, nor presence_penalty ignored."""
+    from fastapi import HTTPException
+    from transformers import GenerationConfig
+    from transformers.cli.serving.model_manager import ModelManager
+    from transformers.cli.serving.utils import GenerationState
+
+    from modeling_gpn.serve.handlers import Admission, ServingPolicy, StateKeepingChatCompletionHandler
+
+    handler = StateKeepingChatCompletionHandler(
+        model_manager=ModelManager(device="cpu", model_timeout=-1),
+        generation_state=GenerationState(),
+        policy=ServingPolicy(store=None, max_context=None, admission=Admission(1)),
+    )
+    for penalty in ({"frequency_penalty": 0.5}, {"presence_penalty": -1.0}):
+        with pytest.raises(HTTPException) as refused:
+            handler._build_generation_config(penalty, GenerationConfig(), use_cb=True)
+        assert refused.value.status_code == 400 and "--continuous-batching" in refused.value.detail
+    assert handler._build_generation_config({"frequency_penalty": 0}, GenerationConfig(), use_cb=True) is not None
+
+
 BAD_CHAT_REQUESTS = [  # (what the request gets wrong, the fields sent, a word the error must say)
     ("negative max_tokens", {"max_tokens": -1}, "max_tokens"),
     ("max_tokens a string", {"max_tokens": "ten"}, "max_tokens"),
