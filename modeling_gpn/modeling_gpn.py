@@ -1452,9 +1452,13 @@ class GPNForSequenceClassification(GPNPreTrainedModel):
     ) -> GPNSequenceClassifierOutput | tuple:
         """Scores (batch, num_labels) at each row's last real token, and transformers' sequence-classification
         loss when `labels` are given (regression for `num_labels=1`, else single- or multi-label by
-        `config.problem_type` or the labels' dtype). Other arguments: see `GPNModel.forward`."""
+        `config.problem_type` or the labels' dtype). `margin` (TRL's `RewardTrainer` passes a preference dataset's
+        margins with the batch, for its loss) is accepted and not read. Other arguments: see `GPNModel.forward`."""
         return_dict = return_dict if return_dict is not None else True
         cache = pop_cache_alias(cache, kwargs)
+        # TRL's RewardTrainer passes its batch whole, with the pairs' `margin` when the dataset has that column: its
+        # own loss reads it from the batch, the scores do not depend on it (a Llama's forward drops it too)
+        kwargs.pop("margin", None)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

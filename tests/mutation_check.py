@@ -825,6 +825,13 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "sequence classification (TRL's reward margin refused: RewardTrainer with a `margin` column fails)",
+        "modeling_gpn/modeling_gpn.py",
+        '        kwargs.pop("margin", None)\n',
+        "",
+        ("tests/ecosystem/test_trl.py -k reward_trainer",),
+    ),
+    Mutation(
         "sequence classification (the attention mask ignored: a trailing EOS = pad read as padding)",
         "modeling_gpn/modeling_gpn.py",
         "        if attention_mask is not None:\n            real = attention_mask[:, -seq_len:].bool()\n        elif",

@@ -485,7 +485,8 @@ def test_grpo_log_probs_of_padded_rows_equal_each_sequence_alone(gpn_folder, tmp
 
 def test_reward_trainer_trains_a_gpn_reward_model(tokenizer, tmp_path):
     """RewardTrainer on chosen/rejected pairs with a `GPNForSequenceClassification(num_labels=1)`: each step's loss
-    is -log sigmoid(r_chosen - r_rejected) of the model's own scores on that batch, and the chosen ones win."""
+    is -log sigmoid(r_chosen - r_rejected - margin) of the model's own scores on that batch (the dataset's `margin`
+    column, which TRL passes to the model with the batch), and the chosen ones win."""
     from datasets import Dataset
     from trl import RewardConfig, RewardTrainer
 
@@ -503,6 +504,7 @@ def test_reward_trainer_trains_a_gpn_reward_model(tokenizer, tmp_path):
         {
             "chosen": ["the cat sat on the mat.", "a cat.", "the cat and the mat.", "once upon a time a cat sat."],
             "rejected": ["the dog dog dog.", "a dog log.", "the end end end end.", "a log."],
+            "margin": [0.5, 0.0, 0.25, 1.0],
         }
     )
     args = RewardConfig(
@@ -518,7 +520,7 @@ def test_reward_trainer_trains_a_gpn_reward_model(tokenizer, tmp_path):
                 for row, n in zip(kwargs["input_ids"], kwargs["attention_mask"].sum(1))
             ]
         chosen, rejected = torch.stack(scores).chunk(2)
-        seen.append(float(-F.logsigmoid(chosen - rejected).mean()))
+        seen.append(float(-F.logsigmoid(chosen - rejected - kwargs["margin"]).mean()))
 
     handle = trainer.model.register_forward_hook(own_loss, with_kwargs=True)
     trainer.train()
