@@ -1627,8 +1627,8 @@ MUTATIONS = [
     Mutation(
         'gpn serve: a streamed answer that ended on EOS at its max_tokens-th token is "stop" (transformers: "length")',
         "modeling_gpn/serve/handlers.py",
-        '                                last["finish_reason"] = "stop"  # it ended on EOS, at its last allowed token\n',
-        "                                pass  # MUTATION\n",
+        '                            last["finish_reason"] = "stop"  # it ended on EOS, at its last allowed token\n',
+        "                            pass  # MUTATION\n",
         ("tests/tools/test_serve.py -k n_answers_end_where_each_row_finished",),
     ),
     Mutation(
@@ -2189,7 +2189,7 @@ MUTATIONS = [
     Mutation(
         "a streamed Responses API answer that ended on EOS at max_output_tokens is called incomplete",
         "modeling_gpn/serve/handlers.py",
-        "if made >= max_new_tokens and model.token_at(total - 1) not in ends:",
+        "if made >= max_new_tokens and not _ended_on(model, total, ends):",
         "if made >= max_new_tokens:",
         ("tests/tools/test_serve.py::test_a_response_cut_at_max_output_tokens_is_incomplete",),
     ),

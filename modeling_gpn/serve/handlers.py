@@ -356,22 +356,18 @@ class StateKeeping:
         self._fit_context(arguments["inputs"], arguments["gen_config"])
         response = super()._streaming(*args, **kwargs)
         request = _current.get()
-        gen_config = arguments["gen_config"]
-        ends = gen_config.eos_token_id if gen_config.eos_token_id is not None else self._eos_of(arguments["model"])
+        gen_config, model = arguments["gen_config"], arguments["model"]
+        model_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         response.body_iterator = _finishing_stream(
             response.body_iterator,
-            arguments["model"],
+            model,
             request.slot,
             request.stops,
             request.usage,
-            _as_set(ends),
+            _end_ids(gen_config, model_eos),
             gen_config.max_new_tokens,
         )
         return response
-
-    @staticmethod
-    def _eos_of(model) -> int | list[int] | None:
-        return getattr(getattr(model, "generation_config", None), "eos_token_id", None)
 
     async def _non_streaming(self, *args, **kwargs):
         arguments = inspect.signature(super()._non_streaming).bind(*args, **kwargs)
@@ -551,7 +547,7 @@ def _answer_rows(
     neither ran to its length. `eos_token_id` is the model's, for a generation config (a request's own) that
     names none."""
     input_len = inputs["input_ids"].shape[-1]
-    ends = _as_set(gen_config.eos_token_id if gen_config.eos_token_id is not None else eos_token_id)
+    ends = _end_ids(gen_config, eos_token_id)
     stop_strings = gen_config.stop_strings
     stops = StopStringCriteria(getattr(processor, "tokenizer", processor), stop_strings) if stop_strings else None
     rows = []
@@ -569,9 +565,16 @@ def _answer_rows(
     return rows
 
 
-def _as_set(ids: int | list[int] | None) -> set[int]:
-    """A generation config's `eos_token_id` (one id, a list, or None) as a set."""
+def _end_ids(gen_config, eos_token_id: int | list[int] | None) -> set[int]:
+    """The ids that end an answer: the generation config's `eos_token_id` (one id, a list), or, where it names
+    none (a request's own config), the model's `eos_token_id`."""
+    ids = gen_config.eos_token_id if gen_config.eos_token_id is not None else eos_token_id
     return set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+
+
+def _ended_on(model: StateKeepingModel, total_tokens: int, ends: set[int]) -> bool:
+    """Whether a streamed answer's last token (at `total_tokens` - 1, prompt included) is one of `ends`."""
+    return total_tokens > 0 and model.token_at(total_tokens - 1) in ends
 
 
 def _cut_answers_at_stop(choices: list[dict], stops: list[str]) -> None:
@@ -628,7 +631,7 @@ async def _finishing_stream(
     slot: Slot,
     stops: list[str],
     usage: bool = True,
-    ends: frozenset = frozenset(),
+    ends: set[int] | frozenset = frozenset(),
     max_new_tokens: int | None = None,
 ):
     """transformers' SSE stream, its last chunk (the one with `usage`) given `cached_tokens`, or its usage left
@@ -652,14 +655,15 @@ async def _finishing_stream(
                         if cutter is not None and not _cut_chunk_at_stop(data, cutter):
                             continue  # its text is held back (or past the stop sequence): nothing to send yet
                         last, counts = (data.get("choices") or [{}])[0], data.get("usage") or {}
-                        if last.get("finish_reason") == "length" and counts.get("total_tokens"):
-                            if model.token_at(counts["total_tokens"] - 1) in ends:
-                                last["finish_reason"] = "stop"  # it ended on EOS, at its last allowed token
+                        if last.get("finish_reason") == "length" and _ended_on(
+                            model, counts.get("total_tokens", 0), ends
+                        ):
+                            last["finish_reason"] = "stop"  # it ended on EOS, at its last allowed token
                         whole = data.get("response") if data.get("type") == "response.completed" else None
                         if whole is not None and max_new_tokens:  # (the Responses API takes no `stop`)
-                            made = (whole.get("usage") or {}).get("output_tokens", 0)
-                            total = (whole.get("usage") or {}).get("total_tokens", 0)
-                            if made >= max_new_tokens and model.token_at(total - 1) not in ends:
+                            counts = whole.get("usage") or {}
+                            made, total = counts.get("output_tokens", 0), counts.get("total_tokens", 0)
+                            if made >= max_new_tokens and not _ended_on(model, total, ends):
                                 data["type"] = "response.incomplete"
                                 _mark_incomplete(whole)
                         if not usage:
