@@ -78,6 +78,22 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def bare_handler(kind: type, manager=None, state=None):
+    """A `gpn serve` handler of `kind` outside a server: no store, no context limit, one slot, and a model manager
+    without transformers' idle-unload timer (a non-daemon 300 s threading.Timer, which kept the test process alive
+    for 5 minutes after the tests finished)."""
+    from transformers.cli.serving.model_manager import ModelManager
+    from transformers.cli.serving.utils import GenerationState
+
+    from modeling_gpn.serve.handlers import Admission, ServingPolicy
+
+    return kind(
+        model_manager=manager or ModelManager(device="cpu", model_timeout=-1),
+        generation_state=state or GenerationState(),
+        policy=ServingPolicy(store=None, max_context=None, admission=Admission(1)),
+    )
+
+
 @contextlib.contextmanager
 def serving(model_dir: Path | None, log_path: Path, *options: str) -> Iterator[tuple[str, subprocess.Popen]]:
     """`gpn serve MODEL --device cpu OPTIONS` (without MODEL when None: not pinned) in its own process on a free
@@ -637,7 +653,7 @@ def test_sampled_penalties_come_before_the_temperature_and_the_cuts():
     temperature, top-k and top-p before any processor it is given, so `Penalties` takes them out of the request's
     generation config and applies them after the penalties. (This tiny model's nearly uniform logits draw the same
     seeded sample in either order, so the order is checked on the logits the processors give.)"""
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig, TopKLogitsWarper, TopPLogitsWarper
 
     from modeling_gpn.serve.generation import Penalties
 
@@ -651,13 +667,7 @@ def test_sampled_penalties_come_before_the_temperature_and_the_cuts():
     for processor in chain:
         given = processor(ids, given)
     expected = torch.stack([api_penalties(scores[r], answer[r], 1.5, 0.5) for r in range(2)]) / 0.5
-    for r in range(2):  # top-k 20, then top-p 0.9 of what is left: the rest -inf
-        keep = expected[r].topk(20).indices
-        kept = torch.full_like(expected[r], float("-inf")).scatter(0, keep, expected[r][keep])
-        order = kept.sort(descending=True)
-        mass = order.values.softmax(0).cumsum(0)
-        cut = order.indices[(mass - order.values.softmax(0)) >= 0.9]
-        expected[r] = kept.index_fill(0, cut, float("-inf"))
+    expected = TopPLogitsWarper(0.9)(ids, TopKLogitsWarper(20)(ids, expected))  # (generate()'s own cuts, in its order)
     assert torch.equal(given.isinf(), expected.isinf())
     torch.testing.assert_close(given[~given.isinf()], expected[~expected.isinf()])
     greedy = GenerationConfig(do_sample=False, temperature=0.5)
@@ -669,16 +679,10 @@ def test_penalties_are_refused_under_continuous_batching():
     400, not transformers' repetition penalty, nor presence_penalty ignored."""
     from fastapi import HTTPException
     from transformers import GenerationConfig
-    from transformers.cli.serving.model_manager import ModelManager
-    from transformers.cli.serving.utils import GenerationState
 
-    from modeling_gpn.serve.handlers import Admission, ServingPolicy, StateKeepingChatCompletionHandler
+    from modeling_gpn.serve.handlers import StateKeepingChatCompletionHandler
 
-    handler = StateKeepingChatCompletionHandler(
-        model_manager=ModelManager(device="cpu", model_timeout=-1),
-        generation_state=GenerationState(),
-        policy=ServingPolicy(store=None, max_context=None, admission=Admission(1)),
-    )
+    handler = bare_handler(StateKeepingChatCompletionHandler)
     for penalty in ({"frequency_penalty": 0.5}, {"presence_penalty": -1.0}):
         with pytest.raises(HTTPException) as refused:
             handler._build_generation_config(penalty, GenerationConfig(), use_cb=True)
@@ -1088,16 +1092,10 @@ def test_a_server_not_pinned_answers_an_unknown_model_with_404(tmp_path):
     import asyncio
 
     from fastapi import HTTPException
-    from transformers.cli.serving.model_manager import ModelManager
-    from transformers.cli.serving.utils import GenerationState
 
-    from modeling_gpn.serve.handlers import Admission, ServingPolicy, StateKeepingChatCompletionHandler
+    from modeling_gpn.serve.handlers import StateKeepingChatCompletionHandler
 
-    handler = StateKeepingChatCompletionHandler(
-        model_manager=ModelManager(device="cpu"),
-        generation_state=GenerationState(),
-        policy=ServingPolicy(store=None, max_context=None, admission=Admission(1)),
-    )
+    handler = bare_handler(StateKeepingChatCompletionHandler)
     for body, status, word in (
         (
             {"model": str(tmp_path / "no-such-model"), "messages": [{"role": "user", "content": "hi"}]},
@@ -1125,8 +1123,6 @@ def test_chat_to_a_model_without_a_chat_template_is_a_400_that_points_to_complet
 
     from modeling_gpn.data import train_bpe_tokenizer
     from modeling_gpn.serve.handlers import (
-        Admission,
-        ServingPolicy,
         StateKeepingChatCompletionHandler,
         StateKeepingCompletionHandler,
         StateKeepingResponseHandler,
@@ -1140,16 +1136,10 @@ def test_chat_to_a_model_without_a_chat_template_is_a_400_that_points_to_complet
         tiny_config(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id), seed=3
     ).save_pretrained(tmp_path)
     monkeypatch.setattr(model_manager, "transformers", TransformersWithGPN())  # as gpn serve does, for this test only
-    # (no idle-unload timer: transformers' is a non-daemon 300 s threading.Timer, which kept the test process
-    # alive for 5 minutes after the tests finished)
     manager, state = ModelManager(device="cpu", model_timeout=-1), GenerationState()
 
     def handler(kind):
-        return kind(
-            model_manager=manager,
-            generation_state=state,
-            policy=ServingPolicy(store=None, max_context=None, admission=Admission(1)),
-        )
+        return bare_handler(kind, manager, state)
 
     for kind, body in (
         (StateKeepingChatCompletionHandler, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
