@@ -264,7 +264,7 @@ def main() -> int:
     args = parser.parse_args()
     target = GPUTarget("cuda", args.arch, 32)
     results, failures = [], 0
-    for name, variants in {} if args.only_steps else CASES.items():
+    for name, variants in ({} if args.only_steps else CASES).items():
         kernel = triton_jit.KERNELS[name]
         cases = [(c, "") for c in variants] + ([(variants[0], BF16_INPUTS[name])] if name in BF16_INPUTS else [])
         for constexprs, bf16 in cases:
