@@ -137,6 +137,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cut the token stream after this many tokens (as gpn train --max-tokens)",
     )
     parser.add_argument(
+        "--cache-dir",
+        default=None,
+        help="gpn train's token cache (as its --cache-dir; default $GPN_CACHE or ~/.cache/gpn): with "
+        "--fineweb-held-out-fraction on a local corpus, its tokens are read from there (tokenized into it "
+        "where missing)",
+    )
+    parser.add_argument(
         "--fineweb-separator",
         default="eos",
         choices=["eos", "bos", "none"],
@@ -221,6 +228,7 @@ def settings_from_args(args: argparse.Namespace) -> EvalSettings:
         fineweb_held_out_fraction=args.fineweb_held_out_fraction,
         fineweb_max_tokens=args.fineweb_max_tokens,
         fineweb_skip_documents=args.fineweb_skip_documents,
+        cache_dir=args.cache_dir,
         first_position=args.first_position,
         bootstrap_iters=args.bootstrap_iters,
         trust_remote_code=args.trust_remote_code,

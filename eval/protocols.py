@@ -42,6 +42,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
@@ -201,6 +202,8 @@ def token_stream(
             if piece_ids is None:  # split_document checked this cut: the tokenizer changed its mind
                 raise ValueError("cannot tokenize a long document in pieces with this tokenizer")
             ids.extend(piece_ids)
+            if max_tokens is not None and len(stream) + len(ids) >= max_tokens:
+                break  # the stream ends inside this document: the rest of a long one is not tokenized
         if separator == "bos":
             stream.append(special)
         stream.extend(ids)
@@ -310,7 +313,7 @@ def windowed_perplexity(
     if max_windows is not None:
         n_windows = min(n_windows, max_windows)
     start_token = first_window * window
-    tokens = torch.tensor(list(stream[start_token : start_token + n_windows * window]), dtype=torch.long)
+    tokens = torch.as_tensor(np.asarray(stream[start_token : start_token + n_windows * window], dtype=np.int64))
     tokens = tokens.view(n_windows, window)
 
     first_nll = None

@@ -95,6 +95,7 @@ class EvalSettings:
     fineweb_held_out_fraction: float | None = None
     fineweb_max_tokens: int | None = None
     fineweb_skip_documents: int = 0
+    cache_dir: str | None = None  # gpn train's token cache, read for held-out windows (default: as gpn train's)
     first_position: str | None = None  # None: the paper's where the model allows, else "skip"
     bootstrap_iters: int = 0
     trust_remote_code: bool = False  # a Hub repo's own code runs only when asked for (--trust-remote-code)
@@ -528,6 +529,11 @@ def check_settings(settings: EvalSettings) -> None:
     fraction = settings.fineweb_held_out_fraction
     if fraction is not None and not 0 < fraction <= 1:
         raise ValueError(f"--fineweb-held-out-fraction must be in (0, 1], got {fraction}")
+    if fraction is not None and settings.fineweb_separator != "eos":
+        raise ValueError(
+            "--fineweb-held-out-fraction scores gpn train's held-out windows, of a stream that joins documents with "
+            f"EOS: --fineweb-separator {settings.fineweb_separator} would shift every window"
+        )
     if (
         fraction is not None
         and "fineweb_paper" in settings.tasks
@@ -556,6 +562,8 @@ def evaluate(model_path: str, settings: EvalSettings, model=None, tokenizer=None
 
 def _evaluate(model_path: str, settings: EvalSettings, model, tokenizer) -> dict[str, Any]:
     import lm_eval
+
+    from modeling_gpn.data import build_token_stream
 
     if model is None:
         model, tokenizer = load_model(
@@ -601,8 +609,15 @@ def _evaluate(model_path: str, settings: EvalSettings, model, tokenizer) -> dict
             metrics = protocols.lambada_metrics(scores)
         elif task == "fineweb_paper":
             streaming = source is None or not _is_local(source)
+            token_cache = None
             if settings.fineweb_held_out_fraction is not None and (corpus := training_corpus(source, settings)):
-                texts = corpus.documents()  # gpn train's own reader: the same documents, in the same order
+                # gpn train's own token stream of the corpus, from its cache (tokenized into it as gpn train
+                # would, where missing): the held-out windows are the ones it held out, read without holding
+                # the corpus's tokens in memory
+                stream = build_token_stream(
+                    corpus, tokenizer, settings.cache_dir, settings.fineweb_max_tokens, settings.progress
+                )
+                used, token_cache = stream.meta["documents"], str(stream.folder)
             else:
                 texts = load_texts(
                     source,
@@ -612,11 +627,13 @@ def _evaluate(model_path: str, settings: EvalSettings, model, tokenizer) -> dict
                     streaming=streaming,
                     skip=settings.fineweb_skip_documents,
                 )
-            max_tokens = settings.fineweb_max_tokens
-            if settings.fineweb_max_windows and settings.fineweb_held_out_fraction is None:
-                budget = settings.fineweb_max_windows * settings.fineweb_window
-                max_tokens = budget if max_tokens is None else min(max_tokens, budget)
-            stream, used = protocols.token_stream(tokenizer, texts, settings.fineweb_separator, max_tokens=max_tokens)
+                max_tokens = settings.fineweb_max_tokens
+                if settings.fineweb_max_windows and settings.fineweb_held_out_fraction is None:
+                    budget = settings.fineweb_max_windows * settings.fineweb_window
+                    max_tokens = budget if max_tokens is None else min(max_tokens, budget)
+                stream, used = protocols.token_stream(
+                    tokenizer, texts, settings.fineweb_separator, max_tokens=max_tokens
+                )
             metrics = protocols.windowed_perplexity(
                 model,
                 stream,
@@ -629,6 +646,8 @@ def _evaluate(model_path: str, settings: EvalSettings, model, tokenizer) -> dict
                 settings.progress,
             )
             metrics["documents"] = used
+            if token_cache:
+                results["token_cache"] = {task: token_cache}
             protocol = protocol.format(window=settings.fineweb_window, first=FIRST_POSITION_TEXT[first_position])
             protocol += f"; documents tokenized without special tokens, separator {settings.fineweb_separator!r}"
             if settings.fineweb_skip_documents:

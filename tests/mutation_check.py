@@ -1000,6 +1000,7 @@ MUTATIONS = [
         "gpn study checks each model's training settings only when it trains (after the models before it)",
         "modeling_gpn/study/runs.py",
         '        config = training_config(name, study["models"][name], study, output)\n'
+        "        check_held_out_windows(study, config)\n"
         "        records[name] = earlier_record(name, config, output)\n",
         "        records[name] = None  # MUTATION\n",
         (
@@ -1030,6 +1031,47 @@ MUTATIONS = [
         '            with replacing(path, "w") as handle:',
         '            with path.open("w") as handle:  # MUTATION',
         ("tests/tools/test_study.py::test_a_corpus_copy_interrupted_while_written_is_not_left_for_the_next_run",),
+    ),
+    Mutation(
+        "gpn study scores the last windows of the whole corpus as its held-out ones (the recipe's max_tokens ignored)",
+        "modeling_gpn/study/runs.py",
+        '        settings.fineweb_max_tokens, settings.cache_dir = trained["max_tokens"], trained["cache_dir"]\n',
+        '        settings.cache_dir = trained["cache_dir"]  # MUTATION\n',
+        ("tests/tools/test_study.py::test_toy_study_end_to_end",),
+    ),
+    Mutation(
+        "gpn study reuses the figures of a model evaluated on the old held-out windows",
+        "modeling_gpn/study/runs.py",
+        """"data_dir": data_dir, "held_out": "gpn train's split"}""",
+        '"data_dir": data_dir}  # MUTATION',
+        ("tests/tools/test_study.py::test_a_run_of_part_of_a_study_reports_every_model_finished_in_its_folder",),
+    ),
+    Mutation(
+        "gpn study evaluates held-out windows cut otherwise than its training cut them",
+        "modeling_gpn/study/runs.py",
+        "        check_held_out_windows(study, config)\n",
+        "",
+        (
+            "tests/tools/test_study.py::test_a_study_that_cannot_run_is_one_line_before_anything_is_written[held-out-window]",
+            "tests/tools/test_study.py::test_a_study_that_cannot_run_is_one_line_before_anything_is_written[held-out-fraction]",
+        ),
+    ),
+    Mutation(
+        "gpn eval tokenizes a training corpus again for its held-out windows (gpn train's token cache not read)",
+        "eval/runner.py",
+        "            if settings.fineweb_held_out_fraction is not None and (corpus := training_corpus(source, settings)):\n",
+        "            if False:  # MUTATION\n",
+        (
+            "tests/ecosystem/test_eval.py::test_held_out_fraction_scores_gpn_train_held_out_windows_of_a_real_corpus",
+            "tests/tools/test_study.py::test_toy_study_end_to_end",
+        ),
+    ),
+    Mutation(
+        "gpn eval joins the held-out stream's documents otherwise than gpn train (--fineweb-separator taken)",
+        "eval/runner.py",
+        '    if fraction is not None and settings.fineweb_separator != "eos":\n',
+        "    if False:  # MUTATION\n",
+        ("tests/ecosystem/test_eval.py::test_held_out_fraction_scores_gpn_train_held_out_windows_of_a_real_corpus",),
     ),
     Mutation(
         "gpn study run again trains a finished model again (refused: its folder holds a finished run)",

@@ -104,6 +104,14 @@ class TokenStream:
             shard += 1
         return np.concatenate(pieces).astype(np.int64) if pieces else np.zeros(0, dtype=np.int64)
 
+    def __getitem__(self, index: slice) -> np.ndarray:
+        """`stream[start:stop]`: the tokens as int64, as `tokens(start, stop)` (so the stream reads like a
+        sequence of token ids, as the evaluation's windows read it)."""
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            raise TypeError(f"a TokenStream is read by contiguous slices, not {index!r}")
+        start, stop, _ = index.indices(len(self))
+        return self.tokens(start, max(start, stop))
+
 
 def build_token_stream(
     corpus: CorpusSpec,

@@ -42,12 +42,15 @@ def run_study(
     records = {}
     for name in names:  # every model's settings, before anything is written (not a traceback models later)
         config = training_config(name, study["models"][name], study, output)
+        check_held_out_windows(study, config)
         records[name] = earlier_record(name, config, output)
     output.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     runs: dict[str, dict] = {}
     reused: list[str] = []
-    evaluation = {"eval": study["eval"], "data_dir": data_dir}
+    # (held_out: records of studies evaluated before the held-out windows were gpn train's own, whose FineWeb
+    # figures scored the end of the whole corpus, are evaluated again)
+    evaluation = {"eval": study["eval"], "data_dir": data_dir, "held_out": "gpn train's split"}
     for name in names:
         # A study stopped part-way (Ctrl-C, SIGTERM, a crash) continues where it stopped when run again: the
         # models it finished are reused, the one it was training resumes from its checkpoint.
@@ -224,6 +227,11 @@ def evaluate_one(
         # the paper's FineWeb protocol on the training corpus's own held-out windows
         settings.task_data = {**settings.task_data, "fineweb_paper": held_out}
         settings.fineweb_max_documents = None
+        # the stream gpn train cut at its max_tokens, read from its token cache: the windows it held out (without
+        # these, a recipe's max_tokens was ignored and the last windows of the whole corpus were scored, under a
+        # protocol that said "gpn train's held-out split")
+        trained = training_config(name, study["models"][name], study, output)
+        settings.fineweb_max_tokens, settings.cache_dir = trained["max_tokens"], trained["cache_dir"]
     results = evaluate(str(output / name / "model"), settings, model=model, tokenizer=tokenizer)
     write_outputs(results, output / name / "eval")
     return results
@@ -247,6 +255,24 @@ def check_evaluation_data(study: dict, data_dir: str | None) -> None:
                 f"--data-dir {settings.data_dir} has no data for the study's task {task!r} (a folder laid out "
                 "like ../shared/data: lambada/, fineweb-edu/)"
             ) from None
+
+
+def check_held_out_windows(study: dict, config: dict[str, Any]) -> None:
+    """A study on a local corpus scores the FineWeb protocol on gpn train's held-out windows (`evaluate_one`): its
+    evaluation must cut the windows as training did (`fineweb_window` = `seq_len`, `fineweb_held_out_fraction` =
+    `val_fraction`), else it would score other windows, training ones among them; `StudyError` otherwise."""
+    from modeling_gpn.evaluation.runner import EvalSettings
+
+    settings = EvalSettings(**study["eval"])
+    if not trains_on_a_local_corpus(study) or "fineweb_paper" not in settings.tasks:
+        return
+    for eval_key, train_key in (("fineweb_window", "seq_len"), ("fineweb_held_out_fraction", "val_fraction")):
+        if getattr(settings, eval_key) != config[train_key]:
+            raise StudyError(
+                f"the study's eval.{eval_key} is {getattr(settings, eval_key)}, its recipe's {train_key} "
+                f"{config[train_key]}: the held-out windows of the training corpus are scored as gpn train cut "
+                f"them, so eval.{eval_key} must be {config[train_key]}"
+            )
 
 
 def trains_on_a_local_corpus(study: dict) -> bool:

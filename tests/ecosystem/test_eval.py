@@ -258,10 +258,13 @@ def test_held_out_fraction_scores_gpn_train_held_out_windows_of_a_real_corpus(gp
     windows = WindowDataset(stream, 16, 0.01, seed=0)  # what gpn train --seq-len 16 --val-fraction 0.01 holds out
     common = ["eval", str(gpn_dir), "--tasks", "fineweb_paper", "--task-data", f"fineweb_paper={corpus}"]
     common += ["--fineweb-window", "16", "--fineweb-held-out-fraction", "0.01", "--quiet"]
+    common += ["--cache-dir", str(tmp_path / "cache")]
     assert main([*common, "--output-dir", str(tmp_path / "out")]) == 0
-    scored = json.loads((tmp_path / "out" / "eval_results.json").read_text())["tasks"]["fineweb_paper"]
+    results = json.loads((tmp_path / "out" / "eval_results.json").read_text())
+    scored = results["tasks"]["fineweb_paper"]
     assert (scored["first_window"], scored["windows"]) == (windows.num_train, windows.num_val)
     assert scored["documents"] == stream.meta["documents"]
+    assert results["token_cache"] == {"fineweb_paper": str(stream.folder)}  # gpn train's tokens, not tokenized again
     # a folder, as gpn train reads it (recursively, leaving out Jupyter's copies): its held-out windows too
     folder = tmp_path / "folder"
     (folder / "b" / ".ipynb_checkpoints").mkdir(parents=True)
@@ -281,6 +284,9 @@ def test_held_out_fraction_scores_gpn_train_held_out_windows_of_a_real_corpus(gp
     # the documents cut elsewhere than gpn train cuts them: refused, naming the option
     assert main([*common, "--fineweb-max-documents", "2000", "--output-dir", str(tmp_path / "out2")]) == 2
     assert "--fineweb-max-documents 2000 would cut the token stream elsewhere" in capsys.readouterr().err
+    # documents joined otherwise than gpn train joins them (with EOS): refused too
+    assert main([*common, "--fineweb-separator", "bos", "--output-dir", str(tmp_path / "out2")]) == 2
+    assert "--fineweb-separator bos would shift every window" in capsys.readouterr().err
     # a Hub corpus (the default): its held-out windows need gpn train's token count, else all of it is streamed
     hub = ["eval", str(gpn_dir), "--tasks", "fineweb_paper", "--fineweb-held-out-fraction", "0.01"]
     assert main([*hub, "--output-dir", str(tmp_path / "out3")]) == 2

@@ -31,6 +31,17 @@ def test_toy_study_end_to_end(tmp_path):
         assert row["train_tokens_per_s"] > 0
         assert (tmp_path / name / "model" / "config.json").exists()
         assert (tmp_path / name / "eval" / "eval_results.json").exists()
+    # each model's held-out perplexity scores the windows gpn train held out of its 20,000 tokens, read from its
+    # token cache (once tokenized, for every model): not the end of the whole corpus
+    from modeling_gpn.data import TokenStream, WindowDataset
+
+    (cache,) = (tmp_path / "cache" / "tokens").iterdir()
+    held_out = WindowDataset(TokenStream(cache), 32, 0.1, seed=0)
+    for name in expected:
+        evaluated = json.loads((tmp_path / name / "eval" / "eval_results.json").read_text())
+        fineweb = evaluated["tasks"]["fineweb_paper"]
+        assert (fineweb["first_window"], fineweb["windows"]) == (held_out.num_train, held_out.num_val) == (563, 62)
+        assert fineweb["stream_tokens"] == 20000 and evaluated["token_cache"] == {"fineweb_paper": str(cache)}
     saved = json.loads((tmp_path / "study_results.json").read_text())
     assert saved["tokens_per_model"] == 6 * 4 * 32
     report = (tmp_path / "study_report.md").read_text()
@@ -86,6 +97,8 @@ def test_sigterm_during_a_study_stops_cleanly_with_the_model_checkpointed(tmp_pa
         "negative-steps",
         "bad-recipe",
         "misspelt-data-dir",
+        "held-out-window",
+        "held-out-fraction",
     ],
 )
 def test_a_study_that_cannot_run_is_one_line_before_anything_is_written(tmp_path, capsys, case):
@@ -98,6 +111,12 @@ def test_a_study_that_cannot_run_is_one_line_before_anything_is_written(tmp_path
     bad_recipe = load_study("toy")  # a recipe `gpn train` refuses: before the first model trains
     bad_recipe["recipe"]["lr"] = -1.0
     (tmp_path / "bad_recipe.json").write_text(json.dumps(bad_recipe))
+    (tmp_path / "corpus.txt").write_text("a local corpus\n")  # its held-out windows are gpn train's: cut alike
+    for name, key, value in (("window", "fineweb_window", 16), ("fraction", "fineweb_held_out_fraction", 0.2)):
+        other_cut = load_study("toy")
+        other_cut["recipe"]["dataset"] = str(tmp_path / "corpus.txt")
+        other_cut["eval"][key] = value
+        (tmp_path / f"held_out_{name}.json").write_text(json.dumps(other_cut))
     arguments, needle = {
         "unknown-study": (["--study", "cpu-smal"], "No study named 'cpu-smal'; available: cpu-small, toy"),
         "unknown-model": (["--study", "toy", "--only", "gpn-m-1l", "gpn-m-9l"], "no model named gpn-m-9l; it has"),
@@ -109,6 +128,14 @@ def test_a_study_that_cannot_run_is_one_line_before_anything_is_written(tmp_path
             f"--data-dir {tmp_path / 'shared' / 'dta'} has no data for the study's task",
         ),
         "bad-recipe": (["--study", str(tmp_path / "bad_recipe.json")], "model gpn: Invalid training configuration: lr"),
+        "held-out-window": (
+            ["--study", str(tmp_path / "held_out_window.json")],
+            "eval.fineweb_window is 16, its recipe's seq_len 32",
+        ),
+        "held-out-fraction": (
+            ["--study", str(tmp_path / "held_out_fraction.json")],
+            "eval.fineweb_held_out_fraction is 0.2, its recipe's val_fraction 0.1",
+        ),
     }[case]
     output = tmp_path / "out"
     assert main(["study", *arguments, "--output", str(output)]) == 2
@@ -222,6 +249,15 @@ def test_a_run_of_part_of_a_study_reports_every_model_finished_in_its_folder(tmp
     report = (output / "study_report.md").read_text()
     assert "| gpn | " in report and "| gpn-m-1l | " in report, report
     assert "Left out of this report, models of the study without finished figures here: transformer++" in report
+    # a model evaluated before the held-out windows were gpn train's own (its FineWeb figure scored the end of the
+    # whole corpus): evaluated again, its training reused
+    record_path = output / "gpn" / "study_run.json"
+    record = json.loads(record_path.read_text())
+    record["evaluation"].pop("held_out", None)
+    record_path.write_text(json.dumps(record))
+    assert main([*command, "--only", "gpn"]) == 0
+    out = capsys.readouterr().out
+    assert "== gpn: trained by an earlier run of this study (reused)" in out and "== gpn: evaluating" in out, out
 
 
 @pytest.mark.parametrize("file", ["study_results.json", "study_report.md"])
