@@ -1695,6 +1695,27 @@ MUTATIONS = [
         ("tests/tools/test_serve.py -k gives_up_on_a_non_streamed_answer",),
     ),
     Mutation(
+        "gpn serve: a request body over --max-request-bytes is read whole",
+        "modeling_gpn/serve/server.py",
+        "            app.add_middleware(LimitedBodies, max_bytes=max_request_bytes)\n",
+        "            pass  # MUTATION\n",
+        ("tests/tools/test_serve.py -k bad_completion_requests_and_bodies",),
+    ),
+    Mutation(
+        "gpn serve: a body over --max-request-bytes is read before it is refused by its Content-Length",
+        "modeling_gpn/serve/handlers.py",
+        "        if declared.isdigit() and int(declared) > self.max_bytes:\n",
+        "        if False:  # MUTATION\n",
+        ("tests/tools/test_serve.py -k bad_completion_requests_and_bodies",),
+    ),
+    Mutation(
+        "gpn serve: a refused body's client is not drained (its connection reset before it reads the 413)",
+        "modeling_gpn/serve/handlers.py",
+        "        if sending:\n",
+        "        if False:  # MUTATION\n",
+        ("tests/tools/test_serve.py -k bad_completion_requests_and_bodies",),
+    ),
+    Mutation(
         "gpn serve: a non-streamed answer's generate() stops when its client goes away",
         "modeling_gpn/serve/generation.py",
         "[] if self._client_gone is None else [ClientGone(self._client_gone)]",

@@ -16,3 +16,8 @@ DEFAULT_STATE_STORE_BYTES = 1 << 30
 DEFAULT_STATE_DIR_BYTES = 10 << 30
 DEFAULT_MAX_CONTEXT = 131_072
 DEFAULT_MAX_QUEUED_REQUESTS = 64
+# A request's body is read whole into memory, and its prompt tokenized on the server's event loop, before any
+# other limit applies: 4 MiB holds a prompt of the default --max-context (131,072 tokens, about 0.5 MB of English
+# text) several times over, and bounds the time a hostile body holds the other requests (tokenizing 4 MiB as one
+# text takes seconds: benchmarks/RESULTS.md).
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20

@@ -23,11 +23,19 @@ from ..cli.arguments import writable_folder
 from . import (
     DEFAULT_MAX_CONTEXT,
     DEFAULT_MAX_QUEUED_REQUESTS,
+    DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_STATE_DIR_BYTES,
     DEFAULT_STATE_STORE_BYTES,
 )
 
-GPN_OPTIONS = ("state_store_bytes", "state_dir", "state_dir_bytes", "max_context", "max_queued_requests")
+GPN_OPTIONS = (
+    "state_store_bytes",
+    "state_dir",
+    "state_dir_bytes",
+    "max_context",
+    "max_queued_requests",
+    "max_request_bytes",
+)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
 
@@ -41,6 +49,11 @@ def parse_size(text: str) -> int:
     number, unit, binary = match.groups()
     power = "kmgt".index(unit.lower()) + 1 if unit else 0
     return int(float(number) * (1024 if binary else 1000) ** power)
+
+
+def _size_limit(text: str) -> int | None:
+    """A size limit in bytes (`parse_size`); 0: no limit (None)."""
+    return parse_size(text) or None
 
 
 def _size_text(size: int) -> str:
@@ -137,6 +150,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_QUEUED_REQUESTS,
         metavar="N",
         help="the most requests taken on at once, running or waiting (429 beyond; 0: no limit)",
+    )
+    gpn.add_argument(
+        "--max-request-bytes",
+        type=_size_limit,
+        default=_size_text(DEFAULT_MAX_REQUEST_BYTES),
+        metavar="SIZE",
+        help="the largest request body taken (413 beyond, before it is read whole; 0: no limit)",
     )
 
 

@@ -30,6 +30,7 @@ mixin placed before them) adds, at the points where they hand over:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import threading
@@ -47,7 +48,7 @@ from transformers.cli.serving.response import ResponseHandler
 from transformers.cli.serving.utils import CBGenerateManager, Modality
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from .errors import as_openai_stream_error
+from .errors import as_openai_stream_error, error_body
 from .generation import Penalties, StateKeepingModel
 from .state_store import StateStore
 from .stop_strings import StreamCutter, cut_at_stop, stop_sequences
@@ -164,6 +165,71 @@ class WatchingClients:
         finally:
             watcher.cancel()
             _client_gone.reset(token)
+
+
+class LimitedBodies:
+    """ASGI middleware: a request body over `max_bytes` is answered 413 (in the API's error shape) without being
+    kept: refused by its Content-Length, or (a chunked body) once the bytes read pass the limit. A body within the
+    limit is read here and handed on as one message.
+
+    FastAPI reads a body whole into memory, and the handlers tokenize its prompt on the event loop, before the
+    context limit can refuse it: a body of hundreds of MB took the server's memory and every other request's
+    time. (starlette's own `RequestBodyLimitMiddleware` answers its 413 as plain text, which the `openai` client
+    shows without the reason; and an error raised while FastAPI reads the body reaches it through transformers'
+    request-id middleware as "There was an error parsing the body".)"""
+
+    # What a refused client is still sending is read and dropped for at most this long before the answer: a
+    # connection closed on a client still writing is reset, and the client (`openai`, `httpx`) then reports the
+    # reset, not the 413 (nginx drains so too). A client that waits for "100 Continue" has sent nothing.
+    DRAIN_SECONDS = 5.0
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            sending = headers.get(b"expect", b"").lower() != b"100-continue"
+            return await self.refuse(scope, receive, send, sending)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away before its body was sent
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > self.max_bytes:
+                return await self.refuse(scope, receive, send, more)
+        body, handed = b"".join(chunks), False
+
+        async def receiving():
+            nonlocal handed
+            if not handed:
+                handed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # (then only the client's going away: WatchingClients waits on it)
+
+        await self.app(scope, receiving, send)
+
+    async def refuse(self, scope, receive, send, sending: bool) -> None:
+        """Answer 413, after dropping what the client is still `sending` (for at most `DRAIN_SECONDS`)."""
+
+        async def drop_the_rest():
+            while (message := await receive())["type"] == "http.request" and message.get("more_body", False):
+                pass
+
+        if sending:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(drop_the_rest(), self.DRAIN_SECONDS)
+        message = (
+            f"the request body is larger than this server takes: at most {self.max_bytes} bytes (--max-request-bytes)"
+        )
+        answer = JSONResponse(error_body(message, 413), 413, headers={"Connection": "close"})
+        await answer(scope, receive, send)
 
 
 class StateKeeping:

@@ -24,12 +24,14 @@ from transformers.cli.serving import server as serving_server
 from . import (
     DEFAULT_MAX_CONTEXT,
     DEFAULT_MAX_QUEUED_REQUESTS,
+    DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_STATE_DIR_BYTES,
     DEFAULT_STATE_STORE_BYTES,
 )
 from .errors import add_openai_error_handlers
 from .handlers import (
     Admission,
+    LimitedBodies,
     ServingPolicy,
     StateKeepingChatCompletionHandler,
     StateKeepingCompletionHandler,
@@ -64,16 +66,20 @@ def _with_policy(handler: type, policy: ServingPolicy) -> type:
     return WithPolicy
 
 
-def _with_shutdown_step(build_server: Callable, on_shutdown: Callable[[], None]) -> Callable:
+def _with_shutdown_step(
+    build_server: Callable, on_shutdown: Callable[[], None], max_request_bytes: int | None
+) -> Callable:
     """transformers' `build_server`, `on_shutdown` run when its app stops gracefully (uvicorn runs the lifespan's
     end on Ctrl-C and SIGTERM, after the last connection closed), before transformers' own end; the app tells
-    the handlers when a request's client goes away (`WatchingClients`), and answers errors in the OpenAI API's
-    shape (`errors`)."""
+    the handlers when a request's client goes away (`WatchingClients`), refuses a body over `max_request_bytes`
+    (`LimitedBodies`, outermost), and answers errors in the OpenAI API's shape (`errors`)."""
 
     @functools.wraps(build_server)
     def build(*args, **kwargs):
         app = build_server(*args, **kwargs)
         app.add_middleware(WatchingClients)
+        if max_request_bytes is not None:
+            app.add_middleware(LimitedBodies, max_bytes=max_request_bytes)
         add_openai_error_handlers(app)
         serve_lifespan = app.router.lifespan_context
 
@@ -102,6 +108,7 @@ class GPNServe(Serve):
         state_dir_bytes: the most the state files in `state_dir` may take.
         max_context: the most tokens a request's prompt and answer may take together (None: no limit).
         max_queued_requests: the most requests taken on at once, running or waiting (None: no limit).
+        max_request_bytes: the largest request body taken, a 413 beyond (None: no limit).
         **serve_options: `Serve`'s options (`host`, `port`, `device`, `dtype`, ...).
     """
 
@@ -114,9 +121,15 @@ class GPNServe(Serve):
         state_dir_bytes: int | None = DEFAULT_STATE_DIR_BYTES,
         max_context: int | None = DEFAULT_MAX_CONTEXT,
         max_queued_requests: int | None = DEFAULT_MAX_QUEUED_REQUESTS,
+        max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
         **serve_options,
     ) -> None:
-        for name, value in (("max_context", max_context), ("max_queued_requests", max_queued_requests)):
+        limits = {
+            "max_context": max_context,
+            "max_queued_requests": max_queued_requests,
+            "max_request_bytes": max_request_bytes,
+        }
+        for name, value in limits.items():
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1 (or None for no limit), got {value}")
         store = None
@@ -134,6 +147,10 @@ class GPNServe(Serve):
             _pointing(chat_completion, "ChatCompletionHandler", chat),
             _pointing(completion, "CompletionHandler", legacy),
             _pointing(response, "ResponseHandler", responses),
-            _pointing(serving_server, "build_server", _with_shutdown_step(serving_server.build_server, on_shutdown)),
+            _pointing(
+                serving_server,
+                "build_server",
+                _with_shutdown_step(serving_server.build_server, on_shutdown, max_request_bytes),
+            ),
         ):
             super().__init__(force_model, **serve_options)

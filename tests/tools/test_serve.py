@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import http.client
 import json
 import os
 import signal
@@ -41,6 +42,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 MAX_QUEUED = 6
 MAX_CONTEXT = 200_000  # room for the long streams the disconnect test cuts short
+MAX_REQUEST_BYTES = 1 << 20
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -138,6 +140,7 @@ def server(model_dir, tmp_path_factory):
     """`gpn serve MODEL` in its own process, with the state store, a spill folder and small limits."""
     states, log_path = tmp_path_factory.mktemp("states"), tmp_path_factory.mktemp("log") / "serve.log"
     options = ["--state-dir", str(states), "--max-queued-requests", str(MAX_QUEUED), "--max-context", str(MAX_CONTEXT)]
+    options += ["--max-request-bytes", str(MAX_REQUEST_BYTES)]
     with serving(model_dir, log_path, *options) as (base, _):
         yield base
 
@@ -810,6 +813,30 @@ def test_bad_completion_requests_and_bodies_get_a_4xx(client, model_name, server
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=10)
     assert refused.value.code == 422
+    # a body over --max-request-bytes: refused by its Content-Length, and without one (chunked) once the bytes read
+    # pass the limit, the rest read and dropped so that the client reads the answer, not a reset; it was read
+    # whole into memory and its prompt tokenized on the event loop. A client that waits for "100 Continue" is
+    # answered at once, its body unsent.
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"a" * MAX_REQUEST_BYTES + b'"}]}'
+    address = server.removeprefix("http://").split(":")
+    for sent in ("declared", "chunked", "expecting 100 Continue"):
+        connection = http.client.HTTPConnection(*address, timeout=30)
+        headers = {"Content-Type": "application/json"}
+        if sent == "expecting 100 Continue":
+            connection.putrequest("POST", "/v1/chat/completions")
+            for name, value in {**headers, "Content-Length": len(body), "Expect": "100-continue"}.items():
+                connection.putheader(name, value)
+            connection.endheaders()
+        elif sent == "chunked":
+            chunks = (body[start : start + 65536] for start in range(0, len(body), 65536))
+            connection.request("POST", "/v1/chat/completions", chunks, headers, encode_chunked=True)
+        else:  # (a body larger than the sockets' buffers: the client is still writing when the server answers)
+            connection.request("POST", "/v1/chat/completions", body + b" " * (15 * MAX_REQUEST_BYTES), headers)
+        answer = connection.getresponse()
+        error = json.loads(answer.read())["error"]
+        assert answer.status == 413, (sent, answer.status, error)
+        assert f"at most {MAX_REQUEST_BYTES} bytes (--max-request-bytes)" in error["message"], error
+        connection.close()
     assert get(server + "/health")[0] == 200  # and the server is still well
 
 
