@@ -1488,8 +1488,8 @@ MUTATIONS = [
     Mutation(
         "gpn serve: the kept states written to --state-dir when the server stops",
         "modeling_gpn/serve/server.py",
-        '            _pointing(serving_server, "build_server", _with_shutdown_step(serving_server.build_server, on_shutdown)),\n',
-        "",
+        "        on_shutdown = store.spill_all if store is not None else lambda: None\n",
+        "        on_shutdown = lambda: None  # MUTATION\n",
         ("tests/tools/test_serve.py -k stopped_and_restarted",),
     ),
     Mutation(
