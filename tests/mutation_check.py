@@ -1042,8 +1042,8 @@ MUTATIONS = [
     Mutation(
         "gpn study reuses the figures of a model evaluated on the old held-out windows",
         "modeling_gpn/study/runs.py",
-        """"data_dir": data_dir, "held_out": "gpn train's split"}""",
-        '"data_dir": data_dir}  # MUTATION',
+        """"data_dir": data_dir, "held_out": "gpn train's split", """,
+        '"data_dir": data_dir, ',  # MUTATION
         ("tests/tools/test_study.py::test_a_run_of_part_of_a_study_reports_every_model_finished_in_its_folder",),
     ),
     Mutation(
@@ -1055,6 +1055,50 @@ MUTATIONS = [
             "tests/tools/test_study.py::test_a_study_that_cannot_run_is_one_line_before_anything_is_written[held-out-window]",
             "tests/tools/test_study.py::test_a_study_that_cannot_run_is_one_line_before_anything_is_written[held-out-fraction]",
         ),
+    ),
+    Mutation(
+        "gpn study scores the held-out windows of another column than its recipe's text_field (eval.text_field taken)",
+        "modeling_gpn/study/runs.py",
+        '        pairs.insert(0, ("text_field", "text_field"))',
+        "        pass  # MUTATION",
+        (
+            "tests/tools/test_study.py::test_a_study_that_cannot_run_is_one_line_before_anything_is_written[held-out-text-field]",
+        ),
+    ),
+    Mutation(
+        "gpn study lets each model read LAMBADA through its own max length (the Gated DeltaNet's 32,768 tokens)",
+        "modeling_gpn/study/runs.py",
+        '        settings.max_length = trained["seq_len"]\n',
+        "        pass  # MUTATION\n",
+        ("tests/tools/test_study.py::test_toy_study_end_to_end",),
+    ),
+    Mutation(
+        "gpn study reuses the LAMBADA figures of a model evaluated through its own max length",
+        "modeling_gpn/study/runs.py",
+        """"held_out": "gpn train's split", "max_length": "seq_len"}""",
+        """"held_out": "gpn train's split"}  # MUTATION""",
+        ("tests/tools/test_study.py::test_a_run_of_part_of_a_study_reports_every_model_finished_in_its_folder",),
+    ),
+    Mutation(
+        "gpn study's evaluation errors (the Hub offline, data without its column) as a traceback after training",
+        "modeling_gpn/study/runs.py",
+        "        except (OSError, ValueError, KeyError) as error:\n            raise EvaluationError(",
+        "        except NotImplementedError as error:  # MUTATION\n            raise EvaluationError(",
+        ("tests/tools/test_study.py::test_a_run_of_part_of_a_study_reports_every_model_finished_in_its_folder",),
+    ),
+    Mutation(
+        "gpn study's report says every position of a held-out window is scored (a baseline's first is not)",
+        "modeling_gpn/study/report.py",
+        'f"from the zero state; {first_position(results)}). LAMBADA',
+        "\"from the zero state, every position scored; a GPN's first position from the empty state). LAMBADA",
+        ("tests/tools/test_study.py::test_toy_study_end_to_end",),
+    ),
+    Mutation(
+        "gpn study's report calls --data-dir's FineWeb files FineWeb-Edu from the Hub",
+        "modeling_gpn/study/runs.py",
+        'return "FineWeb-Edu from the Hub" if source is None else f"the documents of {source}"',
+        'return "FineWeb-Edu from the Hub"  # MUTATION',
+        ("tests/tools/test_study.py::test_the_report_names_the_held_out_data_the_evaluation_read",),
     ),
     Mutation(
         "gpn eval tokenizes a training corpus again for its held-out windows (gpn train's token cache not read)",

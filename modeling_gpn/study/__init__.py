@@ -31,7 +31,7 @@ from .cli import add_arguments, run
 from .comparison import BASELINES, PAPER_TABLE, pick, ratios, reading, table_row
 from .definition import STUDY_DIR_NAME, load_study, study_path
 from .report import fmt, plot_curves, render_report
-from .runs import describe, evaluate_one, held_out_source, parameter_counts, run_study, train_one
+from .runs import describe, evaluate_one, held_out_data, held_out_source, parameter_counts, run_study, train_one
 
 __all__ = [
     "BASELINES",
@@ -41,6 +41,7 @@ __all__ = [
     "describe",
     "evaluate_one",
     "fmt",
+    "held_out_data",
     "held_out_source",
     "load_study",
     "parameter_counts",

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .definition import StudyError
+from .definition import EvaluationError, StudyError
 from .report import render_report
 from .runs import run_study
 
@@ -49,6 +49,13 @@ def run(args: argparse.Namespace) -> int:
             f"gpn study: error: model {model_dir.name} cannot resume from {error.checkpoint}: "
             f"{'; '.join(error.changes)}. Restore them to continue it, or move {model_dir} away (or choose "
             "another --output) to train it afresh",
+            file=sys.stderr,
+        )
+        return 1
+    except EvaluationError as error:  # (its training is kept: the next run evaluates it)
+        print(
+            f"gpn study: error: {error}. Mend that and run the same gpn study command again: the models trained in "
+            f"{args.output} are reused",
             file=sys.stderr,
         )
         return 1

@@ -13,6 +13,15 @@ class StudyError(ValueError):
     """A study that cannot be run as asked: no such study, a file that is not a study, no model selected."""
 
 
+class EvaluationError(RuntimeError):
+    """A trained model of the study that could not be evaluated (the Hub unreachable, a data file without the column
+    a task reads): its training is kept, and the same command evaluates it once that is mended."""
+
+    def __init__(self, name: str, folder: Path, error: BaseException) -> None:
+        reason = error.args[0] if isinstance(error, KeyError) and error.args else error
+        super().__init__(f"model {name} is trained ({folder}), but its evaluation failed: {reason}")
+
+
 def study_path(name_or_path: str) -> Path:
     """A study file by name (configuration/studies/NAME.json) or path."""
     path = Path(name_or_path)

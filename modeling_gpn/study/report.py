@@ -34,6 +34,14 @@ def left_out(results: dict[str, Any]) -> str:
     return f" Left out of this report, models of the study without finished figures here: {reasons}."
 
 
+def first_position(results: dict[str, Any]) -> str:
+    """Which models' first position of a window the held-out PPL scores (`gpn eval`'s default: a GPN's, predicted
+    from its empty state as in the paper; a baseline has nothing to predict it from, so its first is left out)."""
+    if results["eval"].get("first_position") == "skip":
+        return "every window's first position not scored"
+    return "a GPN's first position predicted from its empty state, a baseline's not scored (nothing precedes it)"
+
+
 def render_report(results: dict[str, Any]) -> str:
     rows, recipe = results["rows"], results["recipe"]
     lines = [
@@ -59,7 +67,7 @@ def render_report(results: dict[str, Any]) -> str:
     lines += [
         "",
         f"Held-out PPL: the paper's FineWeb protocol on {results['held_out_data']} (non-overlapping windows, each "
-        "from the zero state, every position scored; a GPN's first position from the empty state). LAMBADA acc / PPL: the "
+        f"from the zero state; {first_position(results)}). LAMBADA acc / PPL: the "
         "paper's variant (first subword of the last word; PPL pooled over the last word's subwords). lm-eval "
         "columns: the standard `lambada_openai` (whole-word greedy match, per-example perplexity).",
         "",

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..atomic_files import replacing, write_file_atomically
 from .comparison import PAPER_TABLE, ratios, reading, table_row
-from .definition import StudyError, load_study
+from .definition import EvaluationError, StudyError, load_study
 from .report import plot_curves, render_report
 
 STUDY_RECORD = "study_run.json"  # in each model's folder: what a later run of the study reuses
@@ -49,8 +49,9 @@ def run_study(
     runs: dict[str, dict] = {}
     reused: list[str] = []
     # (held_out: records of studies evaluated before the held-out windows were gpn train's own, whose FineWeb
-    # figures scored the end of the whole corpus, are evaluated again)
-    evaluation = {"eval": study["eval"], "data_dir": data_dir, "held_out": "gpn train's split"}
+    # figures scored the end of the whole corpus, are evaluated again; max_length: before every model read LAMBADA
+    # through the training window, the Gated DeltaNet read it through 32,768 tokens, the others through seq_len)
+    evaluation = {"eval": study["eval"], "data_dir": data_dir, "held_out": "gpn train's split", "max_length": "seq_len"}
     for name in names:
         # A study stopped part-way (Ctrl-C, SIGTERM, a crash) continues where it stopped when run again: the
         # models it finished are reused, the one it was training resumes from its checkpoint.
@@ -72,8 +73,11 @@ def run_study(
             record["train"] = train_one(name, study["models"][name], study, output, show_progress, resume=resume)
             write_record(output / name, record)
         print(f"== {name}: evaluating", flush=True)
-        model, tokenizer = load_model(str(output / name / "model"))
-        eval_results = evaluate_one(name, study, output, data_dir, show_progress, model, tokenizer)
+        try:  # (gpn eval's one-line errors: the Hub unreachable, a data file without the column a task reads)
+            model, tokenizer = load_model(str(output / name / "model"))
+            eval_results = evaluate_one(name, study, output, data_dir, show_progress, model, tokenizer)
+        except (OSError, ValueError, KeyError) as error:
+            raise EvaluationError(name, output / name, error) from error
         runs[name] = {
             "train": record["train"],
             "params": parameter_counts(model),
@@ -104,11 +108,7 @@ def run_study(
         "rows": rows,
         "ratios": ratio_rows,
         "paper": PAPER_TABLE,
-        "held_out_data": (
-            f"the held-out windows of the training corpus ({recipe.get('dataset')})"
-            if held_out_source(study, output)
-            else "FineWeb-Edu from the Hub"
-        ),
+        "held_out_data": held_out_data(study, output, data_dir),
         "reading": reading(rows, ratio_rows),
     }
     write_report(results, runs, output)
@@ -222,6 +222,11 @@ def evaluate_one(
     settings = EvalSettings(**{**study["eval"], "progress": show_progress})
     if data_dir and not settings.data_dir:
         settings.data_dir = data_dir
+    trained = training_config(name, study["models"][name], study, output)
+    if settings.max_length is None:
+        # every model reads LAMBADA's contexts through the training window (a model's own default differs: a
+        # Qwen3-Next config's is 32,768 tokens, so the Gated DeltaNet alone read whole passages)
+        settings.max_length = trained["seq_len"]
     held_out = held_out_source(study, output)
     if held_out and "fineweb_paper" in settings.tasks:
         # the paper's FineWeb protocol on the training corpus's own held-out windows
@@ -230,7 +235,6 @@ def evaluate_one(
         # the stream gpn train cut at its max_tokens, read from its token cache: the windows it held out (without
         # these, a recipe's max_tokens was ignored and the last windows of the whole corpus were scored, under a
         # protocol that said "gpn train's held-out split")
-        trained = training_config(name, study["models"][name], study, output)
         settings.fineweb_max_tokens, settings.cache_dir = trained["max_tokens"], trained["cache_dir"]
     results = evaluate(str(output / name / "model"), settings, model=model, tokenizer=tokenizer)
     write_outputs(results, output / name / "eval")
@@ -259,19 +263,23 @@ def check_evaluation_data(study: dict, data_dir: str | None) -> None:
 
 def check_held_out_windows(study: dict, config: dict[str, Any]) -> None:
     """A study on a local corpus scores the FineWeb protocol on gpn train's held-out windows (`evaluate_one`): its
-    evaluation must cut the windows as training did (`fineweb_window` = `seq_len`, `fineweb_held_out_fraction` =
-    `val_fraction`), else it would score other windows, training ones among them; `StudyError` otherwise."""
+    evaluation must read the corpus and cut the windows as training did (`text_field` = the recipe's,
+    `fineweb_window` = `seq_len`, `fineweb_held_out_fraction` = `val_fraction`), else it would score other text or
+    other windows, training ones among them; `StudyError` otherwise."""
     from modeling_gpn.evaluation.runner import EvalSettings
 
     settings = EvalSettings(**study["eval"])
     if not trains_on_a_local_corpus(study) or "fineweb_paper" not in settings.tasks:
         return
-    for eval_key, train_key in (("fineweb_window", "seq_len"), ("fineweb_held_out_fraction", "val_fraction")):
+    pairs = [("fineweb_window", "seq_len"), ("fineweb_held_out_fraction", "val_fraction")]
+    if study["recipe"].get("dataset") != "shakespeare":  # (its copy, corpus.jsonl, has one column: "text")
+        pairs.insert(0, ("text_field", "text_field"))  # (in a jsonl/parquet/csv corpus, another column is another text)
+    for eval_key, train_key in pairs:
         if getattr(settings, eval_key) != config[train_key]:
             raise StudyError(
                 f"the study's eval.{eval_key} is {getattr(settings, eval_key)}, its recipe's {train_key} "
-                f"{config[train_key]}: the held-out windows of the training corpus are scored as gpn train cut "
-                f"them, so eval.{eval_key} must be {config[train_key]}"
+                f"{config[train_key]}: the held-out windows of the training corpus are scored as gpn train read and "
+                f"cut them, so eval.{eval_key} must be {config[train_key]}"
             )
 
 
@@ -280,6 +288,20 @@ def trains_on_a_local_corpus(study: dict) -> bool:
     evaluated from it (`held_out_source`) and not from the Hub."""
     dataset = study["recipe"].get("dataset")
     return dataset == "shakespeare" or bool(dataset and Path(dataset).exists())
+
+
+def held_out_data(study: dict, output: Path, data_dir: str | None) -> str:
+    """What the held-out perplexity scored, for the report: the training corpus's held-out windows, else the
+    `fineweb_paper` data the evaluation read (`--data-dir`'s files, the study's own, or FineWeb-Edu from the Hub)."""
+    from modeling_gpn.evaluation.runner import EvalSettings, data_source
+
+    if held_out_source(study, output):
+        return f"the held-out windows of the training corpus ({study['recipe'].get('dataset')})"
+    settings = EvalSettings(**study["eval"])
+    if data_dir and not settings.data_dir:
+        settings.data_dir = data_dir
+    source = data_source("fineweb_paper", settings)
+    return "FineWeb-Edu from the Hub" if source is None else f"the documents of {source}"
 
 
 def held_out_source(study: dict, output: Path) -> str | None:

@@ -42,6 +42,9 @@ def test_toy_study_end_to_end(tmp_path):
         fineweb = evaluated["tasks"]["fineweb_paper"]
         assert (fineweb["first_window"], fineweb["windows"]) == (held_out.num_train, held_out.num_val) == (563, 62)
         assert fineweb["stream_tokens"] == 20000 and evaluated["token_cache"] == {"fineweb_paper": str(cache)}
+        # every model reads LAMBADA through the training window (the Gated DeltaNet read it through Qwen3-Next's
+        # 32,768 tokens, the others through 32)
+        assert evaluated["max_length"] == 32, (name, evaluated["max_length"])
     saved = json.loads((tmp_path / "study_results.json").read_text())
     assert saved["tokens_per_model"] == 6 * 4 * 32
     report = (tmp_path / "study_report.md").read_text()
@@ -49,6 +52,8 @@ def test_toy_study_end_to_end(tmp_path):
         assert f"| {name} |" in report
     assert "| gpn-m-1l | transformer++ | fineweb_ppl |" in report
     assert "## Reading" in report
+    # (the baselines' first position of a window is not scored: the report said "every position scored")
+    assert "a GPN's first position predicted from its empty state, a baseline's not scored" in report, report
     assert (tmp_path / "training_curves.png").stat().st_size > 10_000
 
 
@@ -99,6 +104,7 @@ def test_sigterm_during_a_study_stops_cleanly_with_the_model_checkpointed(tmp_pa
         "misspelt-data-dir",
         "held-out-window",
         "held-out-fraction",
+        "held-out-text-field",
     ],
 )
 def test_a_study_that_cannot_run_is_one_line_before_anything_is_written(tmp_path, capsys, case):
@@ -112,10 +118,16 @@ def test_a_study_that_cannot_run_is_one_line_before_anything_is_written(tmp_path
     bad_recipe["recipe"]["lr"] = -1.0
     (tmp_path / "bad_recipe.json").write_text(json.dumps(bad_recipe))
     (tmp_path / "corpus.txt").write_text("a local corpus\n")  # its held-out windows are gpn train's: cut alike
-    for name, key, value in (("window", "fineweb_window", 16), ("fraction", "fineweb_held_out_fraction", 0.2)):
+    for name, key, value in (
+        ("window", "fineweb_window", 16),
+        ("fraction", "fineweb_held_out_fraction", 0.2),
+        ("text_field", "text_field", "text"),  # (the recipe reads "content": the eval would score the "text" column)
+    ):
         other_cut = load_study("toy")
-        other_cut["recipe"]["dataset"] = str(tmp_path / "corpus.txt")
+        other_cut["recipe"].update(dataset=str(tmp_path / "corpus.txt"), text_field="content")
         other_cut["eval"][key] = value
+        if key != "text_field":
+            other_cut["eval"]["text_field"] = "content"
         (tmp_path / f"held_out_{name}.json").write_text(json.dumps(other_cut))
     arguments, needle = {
         "unknown-study": (["--study", "cpu-smal"], "No study named 'cpu-smal'; available: cpu-small, toy"),
@@ -135,6 +147,10 @@ def test_a_study_that_cannot_run_is_one_line_before_anything_is_written(tmp_path
         "held-out-fraction": (
             ["--study", str(tmp_path / "held_out_fraction.json")],
             "eval.fineweb_held_out_fraction is 0.2, its recipe's val_fraction 0.1",
+        ),
+        "held-out-text-field": (
+            ["--study", str(tmp_path / "held_out_text_field.json")],
+            "eval.text_field is text, its recipe's text_field content",
         ),
     }[case]
     output = tmp_path / "out"
@@ -250,14 +266,43 @@ def test_a_run_of_part_of_a_study_reports_every_model_finished_in_its_folder(tmp
     assert "| gpn | " in report and "| gpn-m-1l | " in report, report
     assert "Left out of this report, models of the study without finished figures here: transformer++" in report
     # a model evaluated before the held-out windows were gpn train's own (its FineWeb figure scored the end of the
-    # whole corpus): evaluated again, its training reused
+    # whole corpus), or before every model read LAMBADA through the training window: evaluated again, its training
+    # reused
     record_path = output / "gpn" / "study_run.json"
-    record = json.loads(record_path.read_text())
-    record["evaluation"].pop("held_out", None)
-    record_path.write_text(json.dumps(record))
-    assert main([*command, "--only", "gpn"]) == 0
-    out = capsys.readouterr().out
-    assert "== gpn: trained by an earlier run of this study (reused)" in out and "== gpn: evaluating" in out, out
+    for marker in ("held_out", "max_length"):
+        record = json.loads(record_path.read_text())
+        record["evaluation"].pop(marker)
+        record_path.write_text(json.dumps(record))
+        assert main([*command, "--only", "gpn"]) == 0
+        out = capsys.readouterr().out
+        assert "== gpn: trained by an earlier run of this study (reused)" in out and "== gpn: evaluating" in out, out
+    # an evaluation that fails once the model is trained (here LAMBADA data without its "text" column; the Hub
+    # offline alike) is one line saying the training is kept, not gpn eval's error deep in a traceback
+    (tmp_path / "lambada.jsonl").write_text('{"passage": "no text column"}\n')
+    study["eval"] = {
+        **study["eval"],
+        "tasks": ["lambada_paper"],
+        "task_data": {"lambada_paper": str(tmp_path / "lambada.jsonl")},
+    }
+    (tmp_path / "study.json").write_text(json.dumps(study))
+    assert main([*command, "--only", "gpn"]) == 1
+    err = capsys.readouterr().err  # (after transformers' "Loading weights" bar)
+    assert "Traceback" not in err and err.endswith("\n") and err.count("gpn study: error: ") == 1, err
+    line = err.splitlines()[-1]
+    assert line.startswith(f"gpn study: error: model gpn is trained ({output / 'gpn'})"), err
+    assert "has no column 'text'" in line and "run the same gpn study command again" in err, err
+
+
+def test_the_report_names_the_held_out_data_the_evaluation_read(tmp_path):
+    """A study on a Hub corpus scores the `fineweb_paper` data: with --data-dir, that folder's files, which the
+    report called "FineWeb-Edu from the Hub"."""
+    from modeling_gpn.study import held_out_data
+
+    data_dir = require_shared("data")
+    study = {"recipe": {"dataset": "HuggingFaceFW/fineweb-edu"}, "eval": {"tasks": ["fineweb_paper"]}}
+    assert held_out_data(study, tmp_path, None) == "FineWeb-Edu from the Hub"
+    local = held_out_data(study, tmp_path, str(data_dir))
+    assert local == f"the documents of {data_dir / 'fineweb-edu' / 'fineweb_edu_sample10bt_150.jsonl'}", local
 
 
 @pytest.mark.parametrize("file", ["study_results.json", "study_report.md"])
