@@ -12,8 +12,6 @@ import json
 import math
 import shutil
 import textwrap
-from collections.abc import Iterator
-from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from ..environment import require_shared
-from ..subprocesses import BLOCK_PACKAGE, run_python, two_at_a_time
+from ..subprocesses import BLOCK_PACKAGE, run_python
 from ..tiny_models import perturbed_model, tiny_config
 
 REPO_ID = "someone/gpn-tiny-test"
@@ -195,16 +193,9 @@ def test_dry_run_folder_holds_exactly_what_the_hub_needs(source, published):
         assert not path.name.endswith((".bin", ".pt", ".pth", ".pkl"))
 
 
-@pytest.fixture(scope="module")
-def published_in_fresh_processes(published, tmp_path_factory) -> Iterator[dict[str, Future]]:
-    """The published folder in fresh processes without the package, as a user has it: "loaded" by the Auto
-    classes (what it computed saved to `loaded.safetensors` in its folder), and the card's "usage snippet" run
-    as written. Both started at once, two at a time: each is seconds of imports on one core of the suite's 2.
-    Maps each to (its folder, a future of its finished process)."""
-    from modeling_gpn.hub.model_card import extract_usage_snippet
-
-    folders = {name: tmp_path_factory.mktemp(name.replace(" ", "-")) for name in ("loaded", "usage snippet")}
-    loads = BLOCK_PACKAGE + textwrap.dedent(
+def test_published_folder_loads_without_the_package_and_matches(source, published, tmp_path):
+    out = tmp_path / "loaded.safetensors"
+    code = BLOCK_PACKAGE + textwrap.dedent(
         f"""
         import torch
         from safetensors.torch import save_file
@@ -223,32 +214,25 @@ def published_in_fresh_processes(published, tmp_path_factory) -> Iterator[dict[s
         assert type(base).__name__ == "GPNModel"
         leaked = [n for n in sys.modules if n == "modeling_gpn" or n.startswith("modeling_gpn.")]
         assert not leaked, leaked
-        save_file({{"ids": ids, "logits": logits.contiguous(), "generated": generated}}, {str(folders["loaded"] / "loaded.safetensors")!r})
+        save_file({{"ids": ids, "logits": logits.contiguous(), "generated": generated}}, {str(out)!r})
         """
     )
-    snippet = extract_usage_snippet((published / "README.md").read_text())
-    codes = {"loaded": loads, "usage snippet": BLOCK_PACKAGE + snippet.replace(f'"{REPO_ID}"', repr(str(published)))}
-    with two_at_a_time() as pool:
-        yield {name: (folders[name], pool.submit(run_python, code, folders[name])) for name, code in codes.items()}
-
-
-def test_published_folder_loads_without_the_package_and_matches(source, published_in_fresh_processes):
-    folder, run = published_in_fresh_processes["loaded"]
-    result = run.result()
+    result = run_python(code, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    loaded = load_file(folder / "loaded.safetensors")
+    loaded = load_file(out)
     assert torch.equal(loaded["ids"], source["ids"])
     assert torch.equal(loaded["logits"], source["logits"])
     assert torch.equal(loaded["generated"], source["generated"])
 
 
-def test_usage_snippet_in_the_card_runs_as_written(published, published_in_fresh_processes):
+def test_usage_snippet_in_the_card_runs_as_written(published, tmp_path):
     from modeling_gpn.hub.model_card import extract_usage_snippet
 
     card = (published / "README.md").read_text()
     snippet = extract_usage_snippet(card)
     assert f'repo = "{REPO_ID}"' in snippet and "trust_remote_code=True" in snippet
-    result = published_in_fresh_processes["usage snippet"][1].result()  # (the snippet as run there)
+    code = BLOCK_PACKAGE + snippet.replace(f'"{REPO_ID}"', repr(str(published)))
+    result = run_python(code, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip().startswith("The meaning of life is"), result.stdout
     assert "Do you wish to run the custom code" not in result.stdout + result.stderr
