@@ -17,6 +17,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -502,18 +503,20 @@ def cache_probes(request, tmp_path_factory) -> Iterator[dict]:
         for item in tests
         if item.get_closest_marker("kernel_cache")
     }
-    good_build = None
-    if HAS_COMPILER and any(scenarios.values()):
-        with contextlib.suppress(Exception):  # (its tests request it too, and fail on its error there)
-            good_build = request.getfixturevalue("good_build")
     with two_at_a_time() as pool:
-        yield {
-            prepare: pool.submit(
-                prepare_and_probe, prepare, tmp_path_factory.mktemp(prepare.__name__), good_build if needs else None
-            )
-            for prepare, needs in scenarios.items()
-            if good_build is not None or not needs  # (a test of a scenario left out skips or fails on good_build)
-        }
+
+        def start(prepare, good_build: Path | None) -> Future:
+            return pool.submit(prepare_and_probe, prepare, tmp_path_factory.mktemp(prepare.__name__), good_build)
+
+        # those that need no good build first: they run while it is made
+        futures = {prepare: start(prepare, None) for prepare, needs in scenarios.items() if not needs}
+        good_build = None
+        if HAS_COMPILER and any(scenarios.values()):
+            with contextlib.suppress(Exception):  # (its tests request it too, and fail on its error there)
+                good_build = request.getfixturevalue("good_build")
+        if good_build is not None:  # (else each test of the rest skips or fails on good_build)
+            futures |= {prepare: start(prepare, good_build) for prepare, needs in scenarios.items() if needs}
+        yield futures
 
 
 @pytest.fixture
