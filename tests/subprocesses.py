@@ -4,10 +4,13 @@ saved folder loads is its own remote code."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 # A `sys.meta_path` finder that raises ImportError for `modeling_gpn` (the editable install would otherwise
@@ -46,3 +49,16 @@ def run_python(code: str, cwd: Path, timeout: int = 300) -> subprocess.Completed
         timeout=timeout,
         stdin=subprocess.DEVNULL,
     )
+
+
+@contextlib.contextmanager
+def two_at_a_time() -> Iterator[ThreadPoolExecutor]:
+    """A pool that runs its jobs two at a time, for jobs that mostly wait on a fresh single-threaded process
+    (a probe, a `gpn` command with one thread): the suite runs on 2 cores, and such processes launched one after
+    another leave one of them idle. (Threads suffice: a job waiting on its process holds no lock.) Jobs not
+    started when the block ends are cancelled; those running are waited for."""
+    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="two-at-a-time")
+    try:
+        yield pool
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -305,24 +307,35 @@ def test_the_report_names_the_held_out_data_the_evaluation_read(tmp_path):
     assert local == f"the documents of {data_dir / 'fineweb-edu' / 'fineweb_edu_sample10bt_150.jsonl'}", local
 
 
+@pytest.fixture(scope="module")
+def finished_study(tmp_path_factory) -> Path:
+    """The output folder of a study of one model (2 steps, 2 evaluation windows) run to the end, which each
+    test that needs one copies: one run, not one per test (seconds of the suite's time on 2 cores)."""
+    from gpn_cli import main
+
+    folder = tmp_path_factory.mktemp("finished-study")
+    corpus = require_shared("data/tinyshakespeare/input.txt")
+    study = load_study("toy")
+    study["recipe"].update(dataset=str(corpus), max_tokens=20000, cache_dir=str(folder / "cache"), steps=2)
+    study["models"] = {"gpn": study["models"]["gpn"]}
+    study["eval"] = {**study["eval"], "tasks": ["fineweb_paper"], "limit": 2}
+    (folder / "study.json").write_text(json.dumps(study))
+    output = folder / "out"
+    assert main(["study", "--study", str(folder / "study.json"), "--output", str(output), "--no-progress"]) == 0
+    return output
+
+
 @pytest.mark.parametrize("file", ["study_results.json", "study_report.md"])
-def test_a_report_write_cut_short_leaves_the_previous_one_whole(tmp_path, monkeypatch, file):
+def test_a_report_write_cut_short_leaves_the_previous_one_whole(finished_study, tmp_path, monkeypatch, file):
     """study_results.json and study_report.md were written in place: a write cut short (here a real EFBIG, a
     file-size limit standing for a full disk) left half a file where the previous run's was. Each is replaced
     whole or not at all, and no temporary file is left."""
     import resource
 
-    from gpn_cli import main
     from modeling_gpn.study import runs
 
-    corpus = require_shared("data/tinyshakespeare/input.txt")
-    study = load_study("toy")
-    study["recipe"].update(dataset=str(corpus), max_tokens=20000, cache_dir=str(tmp_path / "cache"), steps=2)
-    study["models"] = {"gpn": study["models"]["gpn"]}
-    study["eval"] = {**study["eval"], "tasks": ["fineweb_paper"], "limit": 2}
-    (tmp_path / "study.json").write_text(json.dumps(study))
     output = tmp_path / "out"
-    assert main(["study", "--study", str(tmp_path / "study.json"), "--output", str(output), "--no-progress"]) == 0
+    shutil.copytree(finished_study, output)
     previous = {name: (output / name).read_bytes() for name in ("study_results.json", "study_report.md")}
     results = json.loads(previous["study_results.json"])
     monkeypatch.setattr(runs, "plot_curves", lambda runs, path: None)
