@@ -137,6 +137,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cut the token stream after this many tokens (as gpn train --max-tokens)",
     )
     parser.add_argument(
+        "--fineweb-token-cache",
+        default=None,
+        metavar="DIR",
+        help="score the windows of a gpn train run's own token stream (the folder its data line printed: "
+        "'tokenized at DIR' or 'cached at DIR'), whatever its corpus (a Hub one too, offline): with "
+        "--fineweb-held-out-fraction its --val-fraction, the run's held-out windows",
+    )
+    parser.add_argument(
         "--cache-dir",
         default=None,
         help="gpn train's token cache (as its --cache-dir; default $GPN_CACHE or ~/.cache/gpn): with "
@@ -209,7 +217,7 @@ def settings_from_args(args: argparse.Namespace) -> EvalSettings:
                 f"{' and '.join(cutting)} would cut the token stream elsewhere (use --fineweb-max-tokens as gpn "
                 "train's --max-tokens)"
             )
-    elif max_documents is None:
+    elif max_documents is None and args.fineweb_token_cache is None:
         max_documents = DEFAULT_FINEWEB_MAX_DOCUMENTS
     return EvalSettings(
         tasks=tasks,
@@ -229,6 +237,7 @@ def settings_from_args(args: argparse.Namespace) -> EvalSettings:
         fineweb_max_tokens=args.fineweb_max_tokens,
         fineweb_skip_documents=args.fineweb_skip_documents,
         cache_dir=args.cache_dir,
+        fineweb_token_cache=args.fineweb_token_cache,
         first_position=args.first_position,
         bootstrap_iters=args.bootstrap_iters,
         trust_remote_code=args.trust_remote_code,

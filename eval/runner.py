@@ -96,6 +96,7 @@ class EvalSettings:
     fineweb_max_tokens: int | None = None
     fineweb_skip_documents: int = 0
     cache_dir: str | None = None  # gpn train's token cache, read for held-out windows (default: as gpn train's)
+    fineweb_token_cache: str | None = None  # one gpn train token stream (its folder): fineweb_paper scores its windows
     first_position: str | None = None  # None: the paper's where the model allows, else "skip"
     bootstrap_iters: int = 0
     trust_remote_code: bool = False  # a Hub repo's own code runs only when asked for (--trust-remote-code)
@@ -529,6 +530,19 @@ def check_settings(settings: EvalSettings) -> None:
     fraction = settings.fineweb_held_out_fraction
     if fraction is not None and not 0 < fraction <= 1:
         raise ValueError(f"--fineweb-held-out-fraction must be in (0, 1], got {fraction}")
+    if settings.fineweb_token_cache is not None and "fineweb_paper" in settings.tasks:
+        ignored = {  # (each cuts or joins the documents: a token cache holds them cut and joined already)
+            "--fineweb-max-documents": settings.fineweb_max_documents is not None,
+            "--fineweb-skip-documents": bool(settings.fineweb_skip_documents),
+            "--fineweb-max-tokens": settings.fineweb_max_tokens is not None,
+            "--fineweb-separator": settings.fineweb_separator != "eos",
+            "--task-data fineweb_paper=...": "fineweb_paper" in settings.task_data,
+        }
+        if any(ignored.values()):
+            named = ", ".join(name for name, given in ignored.items() if given)
+            raise ValueError(
+                f"--fineweb-token-cache reads a token stream gpn train cut already: {named} would be ignored beside it"
+            )
     if fraction is not None and settings.fineweb_separator != "eos":
         raise ValueError(
             "--fineweb-held-out-fraction scores gpn train's held-out windows, of a stream that joins documents with "
@@ -537,13 +551,15 @@ def check_settings(settings: EvalSettings) -> None:
     if (
         fraction is not None
         and "fineweb_paper" in settings.tasks
+        and settings.fineweb_token_cache is None
         and settings.fineweb_max_documents is None
         and settings.fineweb_max_tokens is None
         and training_corpus(data_source("fineweb_paper", settings), settings) is None
     ):
         raise ValueError(
             "the held-out windows of a Hub corpus are the end of what gpn train read from it: pass "
-            "--fineweb-max-tokens with the token count its data line printed (else the whole dataset is streamed)"
+            "--fineweb-max-tokens with the token count its data line printed (else the whole dataset is streamed), or "
+            "--fineweb-token-cache with the folder it printed (the run's own tokens, read offline)"
         )
 
 
@@ -598,7 +614,8 @@ def _evaluate(model_path: str, settings: EvalSettings, model, tokenizer) -> dict
     }
     for task in settings.tasks:
         kind, protocol = TASKS[task]
-        source = data_source(task, settings)
+        reads_a_token_cache = task == "fineweb_paper" and settings.fineweb_token_cache is not None
+        source = settings.fineweb_token_cache if reads_a_token_cache else data_source(task, settings)
         start = time.perf_counter()
         if task in ("lambada_paper",):
             texts = load_texts(source, LAMBADA_HUB, "text", limit=settings.limit)
@@ -610,7 +627,10 @@ def _evaluate(model_path: str, settings: EvalSettings, model, tokenizer) -> dict
         elif task == "fineweb_paper":
             streaming = source is None or not _is_local(source)
             token_cache = None
-            if settings.fineweb_held_out_fraction is not None and (corpus := training_corpus(source, settings)):
+            if reads_a_token_cache:  # the stream a gpn train run read, whatever its corpus (a Hub one too)
+                stream = read_token_cache(settings.fineweb_token_cache, tokenizer)
+                used, token_cache = stream.meta["documents"], str(stream.folder)
+            elif settings.fineweb_held_out_fraction is not None and (corpus := training_corpus(source, settings)):
                 # gpn train's own token stream of the corpus, from its cache (tokenized into it as gpn train
                 # would, where missing): the held-out windows are the ones it held out, read without holding
                 # the corpus's tokens in memory
@@ -666,6 +686,26 @@ def _evaluate(model_path: str, settings: EvalSettings, model, tokenizer) -> dict
         results["data"][task] = source or _hub_name(task)
     results["comparison"] = compare_with_baselines(results, baselines)
     return results
+
+
+def read_token_cache(folder: str, tokenizer):
+    """The token stream of a `gpn train` run in `folder` (its token cache: `meta.json` and shards), checked to be
+    the tokens of `tokenizer` (else its ids would be read as other tokens): `ValueError` naming the folder."""
+    from modeling_gpn.data import TokenStream
+    from modeling_gpn.data.tokenizer import tokenizer_fingerprint
+
+    if not (Path(folder) / "meta.json").is_file():
+        raise ValueError(
+            f"--fineweb-token-cache {folder} is not a gpn train token cache (no meta.json there): give the folder "
+            "its data line printed ('tokenized at ...' or 'cached at ...')"
+        )
+    stream = TokenStream(Path(folder))
+    if stream.meta.get("tokenizer") != tokenizer_fingerprint(tokenizer):
+        raise ValueError(
+            f"--fineweb-token-cache {folder} holds the tokens of another tokenizer than the model's: its ids would be "
+            "read as other tokens"
+        )
+    return stream
 
 
 def training_corpus(source: str | None, settings: EvalSettings):

@@ -1037,7 +1037,28 @@ MUTATIONS = [
         "modeling_gpn/study/runs.py",
         '        settings.fineweb_max_tokens, settings.cache_dir = trained["max_tokens"], trained["cache_dir"]\n',
         '        settings.cache_dir = trained["cache_dir"]  # MUTATION\n',
+        ("tests/tools/test_study.py::test_a_run_of_part_of_a_study_reports_every_model_finished_in_its_folder",),
+    ),
+    Mutation(
+        "gpn study scores its held-out windows from a corpus read again, not the token stream its training read",
+        "modeling_gpn/study/runs.py",
+        '    if token_cache is not None and "fineweb_paper" in settings.tasks:\n',
+        "    if False:  # MUTATION\n",
         ("tests/tools/test_study.py::test_toy_study_end_to_end",),
+    ),
+    Mutation(
+        "gpn eval --fineweb-token-cache reads a stream of another tokenizer",
+        "eval/runner.py",
+        '    if stream.meta.get("tokenizer") != tokenizer_fingerprint(tokenizer):\n',
+        "    if False:  # MUTATION\n",
+        ("tests/ecosystem/test_eval.py::test_held_out_fraction_scores_gpn_train_held_out_windows_of_a_real_corpus",),
+    ),
+    Mutation(
+        "gpn eval --fineweb-token-cache ignores an option that cuts documents in silence",
+        "eval/runner.py",
+        "        if any(ignored.values()):\n",
+        "        if False:  # MUTATION\n",
+        ("tests/ecosystem/test_eval.py::test_held_out_fraction_scores_gpn_train_held_out_windows_of_a_real_corpus",),
     ),
     Mutation(
         "gpn study reuses the figures of a model evaluated on the old held-out windows",
@@ -1103,11 +1124,11 @@ MUTATIONS = [
     Mutation(
         "gpn eval tokenizes a training corpus again for its held-out windows (gpn train's token cache not read)",
         "eval/runner.py",
-        "            if settings.fineweb_held_out_fraction is not None and (corpus := training_corpus(source, settings)):\n",
-        "            if False:  # MUTATION\n",
+        "            elif settings.fineweb_held_out_fraction is not None and (corpus := training_corpus(source, settings)):\n",
+        "            elif False:  # MUTATION\n",
         (
             "tests/ecosystem/test_eval.py::test_held_out_fraction_scores_gpn_train_held_out_windows_of_a_real_corpus",
-            "tests/tools/test_study.py::test_toy_study_end_to_end",
+            "tests/tools/test_study.py::test_a_run_of_part_of_a_study_reports_every_model_finished_in_its_folder",
         ),
     ),
     Mutation(
@@ -2749,8 +2770,8 @@ MUTATIONS = [
     Mutation(
         "fineweb_paper's held-out windows read with eval's own reader, not gpn train's (no folders)",
         "eval/runner.py",
-        "            if settings.fineweb_held_out_fraction is not None and (corpus := training_corpus(source, settings)):",
-        "            if False:  # MUTATION",
+        "            elif settings.fineweb_held_out_fraction is not None and (corpus := training_corpus(source, settings)):",
+        "            elif False:  # MUTATION",
         ("tests/ecosystem/test_eval.py -k held_out_windows_of_a_real_corpus",),
     ),
     Mutation(

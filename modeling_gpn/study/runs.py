@@ -75,7 +75,8 @@ def run_study(
         print(f"== {name}: evaluating", flush=True)
         try:  # (gpn eval's one-line errors: the Hub unreachable, a data file without the column a task reads)
             model, tokenizer = load_model(str(output / name / "model"))
-            eval_results = evaluate_one(name, study, output, data_dir, show_progress, model, tokenizer)
+            token_cache = record["train"].get("token_cache")  # (None: trained before its summary named it)
+            eval_results = evaluate_one(name, study, output, data_dir, show_progress, model, tokenizer, token_cache)
         except (OSError, ValueError, KeyError) as error:
             raise EvaluationError(name, output / name, error) from error
         runs[name] = {
@@ -108,7 +109,7 @@ def run_study(
         "rows": rows,
         "ratios": ratio_rows,
         "paper": PAPER_TABLE,
-        "held_out_data": held_out_data(study, output, data_dir),
+        "held_out_data": held_out_data(study, output, data_dir, [run["eval"] for run in runs.values()]),
         "reading": reading(rows, ratio_rows),
     }
     write_report(results, runs, output)
@@ -213,9 +214,17 @@ def train_one(
 
 
 def evaluate_one(
-    name: str, study: dict, output: Path, data_dir: str | None, show_progress: bool, model, tokenizer
+    name: str,
+    study: dict,
+    output: Path,
+    data_dir: str | None,
+    show_progress: bool,
+    model,
+    tokenizer,
+    token_cache: str | None = None,
 ) -> dict[str, Any]:
-    """Run the study's evaluation tasks on one trained (already loaded) model through `gpn eval`'s pipeline."""
+    """Run the study's evaluation tasks on one trained (already loaded) model through `gpn eval`'s pipeline; its
+    held-out perplexity on the windows its training held out of `token_cache`, the token stream it read."""
     from modeling_gpn.evaluation.cli import write_outputs
     from modeling_gpn.evaluation.runner import EvalSettings, evaluate
 
@@ -228,7 +237,11 @@ def evaluate_one(
         # Qwen3-Next config's is 32,768 tokens, so the Gated DeltaNet alone read whole passages)
         settings.max_length = trained["seq_len"]
     held_out = held_out_source(study, output)
-    if held_out and "fineweb_paper" in settings.tasks:
+    if token_cache is not None and "fineweb_paper" in settings.tasks:
+        # the paper's FineWeb protocol on the windows gpn train held out of the very tokens it read, whatever the
+        # corpus (a Hub corpus's too: scored from FineWeb-Edu's start, they were documents it trained on)
+        settings.fineweb_token_cache, settings.fineweb_max_documents = token_cache, None
+    elif held_out and "fineweb_paper" in settings.tasks:  # (a model trained before its summary named its cache)
         # the paper's FineWeb protocol on the training corpus's own held-out windows
         settings.task_data = {**settings.task_data, "fineweb_paper": held_out}
         settings.fineweb_max_documents = None
@@ -243,14 +256,14 @@ def evaluate_one(
 
 def check_evaluation_data(study: dict, data_dir: str | None) -> None:
     """Every evaluation task finds its data (a misspelt --data-dir was a traceback once the first model had
-    trained); `StudyError` otherwise. The held-out corpus of a local training set needs none."""
+    trained); `StudyError` otherwise. `fineweb_paper` needs none: it scores each model's own token stream."""
     from modeling_gpn.evaluation.runner import EvalSettings, data_source
 
     settings = EvalSettings(**study["eval"])
     if data_dir and not settings.data_dir:
         settings.data_dir = data_dir
     for task in settings.tasks:
-        if task == "fineweb_paper" and trains_on_a_local_corpus(study):
+        if task == "fineweb_paper":  # (the held-out windows of each model's own token stream)
             continue
         try:
             data_source(task, settings)
@@ -262,17 +275,18 @@ def check_evaluation_data(study: dict, data_dir: str | None) -> None:
 
 
 def check_held_out_windows(study: dict, config: dict[str, Any]) -> None:
-    """A study on a local corpus scores the FineWeb protocol on gpn train's held-out windows (`evaluate_one`): its
-    evaluation must read the corpus and cut the windows as training did (`text_field` = the recipe's,
-    `fineweb_window` = `seq_len`, `fineweb_held_out_fraction` = `val_fraction`), else it would score other text or
-    other windows, training ones among them; `StudyError` otherwise."""
+    """A study scores the FineWeb protocol on gpn train's held-out windows (`evaluate_one`): its evaluation must cut
+    the windows as training did (`fineweb_window` = `seq_len`, `fineweb_held_out_fraction` = `val_fraction`) and,
+    where it reads a local corpus again (a model trained before its summary named its token cache), read the
+    recipe's `text_field`; else it would score other windows or other text, training ones among them; `StudyError`
+    otherwise."""
     from modeling_gpn.evaluation.runner import EvalSettings
 
     settings = EvalSettings(**study["eval"])
-    if not trains_on_a_local_corpus(study) or "fineweb_paper" not in settings.tasks:
+    if "fineweb_paper" not in settings.tasks:
         return
     pairs = [("fineweb_window", "seq_len"), ("fineweb_held_out_fraction", "val_fraction")]
-    if study["recipe"].get("dataset") != "shakespeare":  # (its copy, corpus.jsonl, has one column: "text")
+    if trains_on_a_local_corpus(study) and study["recipe"].get("dataset") != "shakespeare":  # (its copy has "text")
         pairs.insert(0, ("text_field", "text_field"))  # (in a jsonl/parquet/csv corpus, another column is another text)
     for eval_key, train_key in pairs:
         if getattr(settings, eval_key) != config[train_key]:
@@ -290,11 +304,14 @@ def trains_on_a_local_corpus(study: dict) -> bool:
     return dataset == "shakespeare" or bool(dataset and Path(dataset).exists())
 
 
-def held_out_data(study: dict, output: Path, data_dir: str | None) -> str:
-    """What the held-out perplexity scored, for the report: the training corpus's held-out windows, else the
-    `fineweb_paper` data the evaluation read (`--data-dir`'s files, the study's own, or FineWeb-Edu from the Hub)."""
+def held_out_data(study: dict, output: Path, data_dir: str | None, evaluations: list[dict] | None = None) -> str:
+    """What the held-out perplexity scored, for the report: the training corpus's held-out windows (read from each
+    model's token cache where `evaluations` say so), else the `fineweb_paper` data the evaluation read
+    (`--data-dir`'s files, the study's own, or FineWeb-Edu from the Hub)."""
     from modeling_gpn.evaluation.runner import EvalSettings, data_source
 
+    if evaluations and all("fineweb_paper" in evaluation.get("token_cache", {}) for evaluation in evaluations):
+        return f"the held-out windows of the training corpus ({study['recipe'].get('dataset')}), from its token cache"
     if held_out_source(study, output):
         return f"the held-out windows of the training corpus ({study['recipe'].get('dataset')})"
     settings = EvalSettings(**study["eval"])

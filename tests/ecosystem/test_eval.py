@@ -291,6 +291,29 @@ def test_held_out_fraction_scores_gpn_train_held_out_windows_of_a_real_corpus(gp
     hub = ["eval", str(gpn_dir), "--tasks", "fineweb_paper", "--fineweb-held-out-fraction", "0.01"]
     assert main([*hub, "--output-dir", str(tmp_path / "out3")]) == 2
     assert "pass --fineweb-max-tokens" in capsys.readouterr().err and not (tmp_path / "out3").exists()
+    # a run's own token stream, whatever its corpus (a Hub one too, offline): its held-out windows, read from it
+    cached = [*hub, "--fineweb-window", "16", "--quiet", "--fineweb-token-cache", str(stream.folder)]
+    assert main([*cached, "--output-dir", str(tmp_path / "out4")]) == 0
+    results = json.loads((tmp_path / "out4" / "eval_results.json").read_text())
+    scored = results["tasks"]["fineweb_paper"]
+    assert (scored["first_window"], scored["windows"]) == (windows.num_train, windows.num_val)
+    assert (
+        results["token_cache"]
+        == {"fineweb_paper": str(stream.folder)}
+        == {"fineweb_paper": results["data"]["fineweb_paper"]}
+    )
+    # beside an option that cuts the documents, of another tokenizer, or not a token cache: refused, saying why
+    other_tokenizer = tmp_path / "other-tokenizer-cache"
+    shutil.copytree(stream.folder, other_tokenizer)
+    meta = json.loads((other_tokenizer / "meta.json").read_text())
+    (other_tokenizer / "meta.json").write_text(json.dumps({**meta, "tokenizer": "another"}))
+    for changed, needle in (
+        (["--fineweb-max-tokens", "100"], "--fineweb-max-tokens would be ignored beside it"),
+        (["--fineweb-token-cache", str(other_tokenizer)], "holds the tokens of another tokenizer than the model's"),
+        (["--fineweb-token-cache", str(tmp_path)], "is not a gpn train token cache"),
+    ):
+        assert main([*cached, *changed, "--output-dir", str(tmp_path / "out5")]) == 2, changed
+        assert needle in capsys.readouterr().err and not (tmp_path / "out5").exists()
 
 
 def test_fineweb_stream_leaves_out_blank_documents_as_gpn_train_does(gpn_dir):

@@ -44,6 +44,7 @@ def test_toy_study_end_to_end(tmp_path):
         fineweb = evaluated["tasks"]["fineweb_paper"]
         assert (fineweb["first_window"], fineweb["windows"]) == (held_out.num_train, held_out.num_val) == (563, 62)
         assert fineweb["stream_tokens"] == 20000 and evaluated["token_cache"] == {"fineweb_paper": str(cache)}
+        assert evaluated["data"]["fineweb_paper"] == str(cache)  # (the stream its training summary named)
         # every model reads LAMBADA through the training window (the Gated DeltaNet read it through Qwen3-Next's
         # 32,768 tokens, the others through 32)
         assert evaluated["max_length"] == 32, (name, evaluated["max_length"])
@@ -270,14 +271,22 @@ def test_a_run_of_part_of_a_study_reports_every_model_finished_in_its_folder(tmp
     # a model evaluated before the held-out windows were gpn train's own (its FineWeb figure scored the end of the
     # whole corpus), or before every model read LAMBADA through the training window: evaluated again, its training
     # reused
-    record_path = output / "gpn" / "study_run.json"
+    # reused; one trained before its summary named its token cache reads its local corpus again, to the same windows
+    record_path, results_path = output / "gpn" / "study_run.json", output / "gpn" / "eval" / "eval_results.json"
+    scored = json.loads(results_path.read_text())["tasks"]["fineweb_paper"]
     for marker in ("held_out", "max_length"):
         record = json.loads(record_path.read_text())
         record["evaluation"].pop(marker)
+        record["train"].pop("token_cache", None)
         record_path.write_text(json.dumps(record))
         assert main([*command, "--only", "gpn"]) == 0
         out = capsys.readouterr().out
         assert "== gpn: trained by an earlier run of this study (reused)" in out and "== gpn: evaluating" in out, out
+        again = json.loads(results_path.read_text())
+        assert (
+            again["tasks"]["fineweb_paper"] == scored
+            and again["data"]["fineweb_paper"] != again["token_cache"]["fineweb_paper"]
+        )
     # an evaluation that fails once the model is trained (here LAMBADA data without its "text" column; the Hub
     # offline alike) is one line saying the training is kept, not gpn eval's error deep in a traceback
     (tmp_path / "lambada.jsonl").write_text('{"passage": "no text column"}\n')
