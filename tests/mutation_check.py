@@ -2928,6 +2928,27 @@ MUTATIONS = [
         ("tests/tools/test_hub.py::test_eval_results_from_gpn_evals_own_folder_and_another_models_refused",),
     ),
     Mutation(
+        "gpn push calls a PEFT adapter folder one without a config.json",
+        "modeling_gpn/hub/folder.py",
+        '    if (model_dir / "adapter_config.json").is_file():\n',
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_hub.py::test_refusals_name_the_problem",),
+    ),
+    Mutation(
+        "gpn push refuses a quantized folder as weights that do not match config.json",
+        "modeling_gpn/hub/folder.py",
+        "    if quantization:  # its tensors",
+        "    if False:  # MUTATION",
+        ("tests/tools/test_hub.py::test_refusals_name_the_problem",),
+    ),
+    Mutation(
+        "gpn push's card says a shorter, cast or partial evaluation was the paper's",
+        "modeling_gpn/hub/model_card.py",
+        '    differences = "; ".join(run_differences(evaluation))\n',
+        '    differences = ""  # MUTATION\n',
+        ("tests/tools/test_hub.py::test_card_text_states_architecture_training_and_results_beside_the_paper",),
+    ),
+    Mutation(
         "gpn push --eval-results ignored",
         "modeling_gpn/hub/folder.py",
         "    path = Path(eval_results) if eval_results is not None else model_dir / EVAL_RESULTS_FILE\n",

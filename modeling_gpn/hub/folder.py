@@ -139,7 +139,20 @@ def check_source_folder(model_dir: Path):
             f"{model_dir} holds pickle files ({', '.join(pickles)}); pickles can run code when loaded, so gpn push "
             "publishes safetensors only. Move or delete them (the safetensors weights are what gets uploaded)."
         )
+    if (model_dir / "adapter_config.json").is_file():
+        raise HubPushError(
+            f"{model_dir} is a PEFT adapter (adapter_config.json), not a whole model: gpn push publishes whole GPNs; "
+            "merge it into its base first (PeftModel.from_pretrained(base, DIR).merge_and_unload().save_pretrained("
+            "OUT), with the tokenizer) and push OUT"
+        )
     config, raw_config = load_folder_config(model_dir)
+    quantization = raw_config.get("quantization_config")
+    if quantization:  # its tensors are not the config's (torchao: `*._weight_qdata`, `*._weight_scale`)
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+        raise HubPushError(
+            f"{model_dir} holds quantized weights (config.json's quantization_config, {method}); gpn push publishes "
+            "unquantized weights: push the float folder, and quantize after loading (docs/inference-speed.md)"
+        )
     weights = weight_files(model_dir)
     n_params = check_weights(weights, config)
     return config, raw_config, weights, n_params

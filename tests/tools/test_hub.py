@@ -30,6 +30,7 @@ EVAL_RESULTS = {  # the schema `gpn eval` writes (eval/cli.py), with made-up num
     "schema_version": 1,
     "model": "/somewhere/gpn-tiny-test",
     "n_params": 1050918,
+    "dtype": "bfloat16",
     "tasks": {
         "lambada_openai": {
             "acc,none": 0.0125,
@@ -38,7 +39,7 @@ EVAL_RESULTS = {  # the schema `gpn eval` writes (eval/cli.py), with made-up num
             "alias": "lambada_openai",
         },
         "lambada_paper": {"acc": 0.0521, "ppl": 913.25, "acc_whole_word": 0.01, "examples": 40},
-        "fineweb_paper": {"ppl": 1204.75, "ppl_excluding_first": 1190.5, "tokens_scored": 8192},
+        "fineweb_paper": {"ppl": 1204.75, "ppl_excluding_first": 1190.5, "tokens_scored": 8192, "window": 128},
         "wikitext": {"word_perplexity": 3105.5, "bits_per_byte": 2.61},
     },
     "protocols": {
@@ -291,6 +292,12 @@ def test_card_text_states_architecture_training_and_results_beside_the_paper(sou
     assert text.count("(paper) |") == 2  # the JSON's baselines replace the built-in table
     assert "| lambada_openai | acc | 0.0125 ± 0.004 |" in text and "| fineweb_paper | tokens_scored | 8,192 |" in text
     assert "- `lambada_openai`: lm-eval lambada_openai: whole-word greedy match" in text
+    # beside the paper's figures, how this run was not the paper's (gpn eval's report flags the same)
+    assert (
+        "measured by the paper's protocols, but not as the paper ran them: FineWeb PPL over 128-token windows (the "
+        "paper's are 2,048); LAMBADA on 40 examples (the paper's are all 5,153); the weights cast to bfloat16" in text
+    )
+    assert "All results of this model (lm-eval 0.4.13), measured with the weights in bfloat16:" in text
 
 
 def test_card_without_eval_or_training_log_uses_the_paper_table(source, tmp_path):
@@ -416,6 +423,15 @@ def test_refusals_name_the_problem(source, tmp_path, capsys):
 
     (bad_config / "config.json").write_text(json.dumps(dict(config, intermediate_size=96)))
     assert "weights do not match config.json" in refused(bad_config)
+
+    (bad_config / "config.json").write_text(json.dumps(dict(config, quantization_config={"quant_method": "torchao"})))
+    assert "holds quantized weights (config.json's quantization_config, torchao)" in refused(bad_config)
+
+    adapter = tmp_path / "adapter"  # what PEFT's save_pretrained writes: an adapter, no config.json
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "task_type": "CAUSAL_LM"}))
+    shutil.copyfile(source["dir"] / "model.safetensors", adapter / "adapter_model.safetensors")
+    assert "is a PEFT adapter (adapter_config.json), not a whole model" in refused(adapter)
 
     no_weights = copy_source(source, tmp_path / "noweights")
     (no_weights / "model.safetensors").unlink()
