@@ -2935,6 +2935,13 @@ MUTATIONS = [
         ("tests/tools/test_hub.py::test_refusals_name_the_problem",),
     ),
     Mutation(
+        "gpn push publishes a stale weights index or a stale model.safetensors beside the new weights",
+        "modeling_gpn/hub/checks.py",
+        "    if absent or stray:\n",
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_hub.py::test_refusals_name_the_problem",),
+    ),
+    Mutation(
         "gpn push refuses a quantized folder as weights that do not match config.json",
         "modeling_gpn/hub/folder.py",
         "    if quantization:  # its tensors",

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .checks import (
+    WEIGHTS_INDEX,
     check_prepared_folder,
     check_remote_code,
     check_weights,
@@ -86,8 +87,8 @@ def prepare_folder(
         raise HubPushError(f"{out} is not empty; give a new or empty folder")
     for path in weights:
         shutil.copyfile(path, out / path.name)
-    if (model_dir / "model.safetensors.index.json").is_file():
-        shutil.copyfile(model_dir / "model.safetensors.index.json", out / "model.safetensors.index.json")
+    if (model_dir / WEIGHTS_INDEX).is_file():
+        shutil.copyfile(model_dir / WEIGHTS_INDEX, out / WEIGHTS_INDEX)
     write_remote_code(out, raw_config)
     write_generation_config(model_dir, out, config)
     tokenizer_name = write_tokenizer(model_dir, out, config, tokenizer)

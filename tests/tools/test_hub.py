@@ -433,6 +433,18 @@ def test_refusals_name_the_problem(source, tmp_path, capsys):
     shutil.copyfile(source["dir"] / "model.safetensors", adapter / "adapter_model.safetensors")
     assert "is a PEFT adapter (adapter_config.json), not a whole model" in refused(adapter)
 
+    # save_pretrained into a used folder leaves the last save's index, or its model.safetensors (which transformers
+    # loads first), beside the new weights: either was published
+    stale = copy_source(source, tmp_path / "stale")
+    index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}
+    (stale / "model.safetensors.index.json").write_text(json.dumps(index))
+    refusal = refused(stale)
+    assert "do not agree with its model.safetensors.index.json (the index names model-00001-of-00002" in refusal
+    assert "model.safetensors is not in the index" in refusal
+    (stale / "model.safetensors.index.json").unlink()
+    shutil.copyfile(stale / "model.safetensors", stale / "model-00001-of-00002.safetensors")
+    assert "model-00001-of-00002.safetensors is not in the index" in refused(stale)
+
     no_weights = copy_source(source, tmp_path / "noweights")
     (no_weights / "model.safetensors").unlink()
     assert "no *.safetensors weights" in refused(no_weights)
