@@ -2942,6 +2942,13 @@ MUTATIONS = [
         ("tests/tools/test_hub.py::test_refusals_name_the_problem",),
     ),
     Mutation(
+        "gpn push into a closed pipe says the Hub refused",
+        "modeling_gpn/hub/cli.py",
+        "    except BrokenPipeError:  # stdout's reader",
+        "    except ZeroDivisionError:  # MUTATION",
+        ("tests/tools/test_hub.py::test_a_dry_run_into_a_closed_pipe_is_no_hub_error",),
+    ),
+    Mutation(
         "gpn push refuses a quantized folder as weights that do not match config.json",
         "modeling_gpn/hub/folder.py",
         "    if quantization:  # its tensors",

@@ -77,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
     except (HubPushError, CardError) as error:
         print(f"gpn push: {error}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # stdout's reader went away (`gpn push ... | head`), no Hub: `gpn` stops quietly
+        raise
     except Exception as error:  # noqa: BLE001 - network / auth errors from huggingface_hub
         if isinstance(error, unreachable_hub_errors()):
             message = str(error)

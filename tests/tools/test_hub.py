@@ -637,6 +637,24 @@ def test_an_unreachable_hub_is_one_line_not_a_traceback(source, no_network, tmp_
     assert "Traceback" not in err and len(lines) == 1 and lines[0].startswith(prefix) and TOKEN not in err, err
 
 
+def test_a_dry_run_into_a_closed_pipe_is_no_hub_error(source, tmp_path, monkeypatch, capsys):
+    """`gpn push ... --dry-run OUT | head -1`: printing the file list raised BrokenPipeError, an OSError, which
+    ended in "the Hub refused or could not be reached: [Errno 32] Broken pipe" for a run that never met the Hub.
+    It stops as `gpn generate` does into a closed pipe (the shell's status of SIGPIPE), its folder written."""
+    from gpn_cli import main
+
+    class ClosedPipe:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr("sys.stdout", ClosedPipe())
+    assert main(["push", str(source["dir"]), REPO_ID, "--dry-run", str(tmp_path / "out")]) == 141
+    assert capsys.readouterr().err == "" and (tmp_path / "out" / "README.md").is_file()
+
+
 def test_push_help_lists_every_option(capsys):
     from gpn_cli import main
 
