@@ -2949,6 +2949,20 @@ MUTATIONS = [
         ("tests/tools/test_hub.py::test_a_dry_run_into_a_closed_pipe_is_no_hub_error",),
     ),
     Mutation(
+        "gpn push --dry-run leaves a refused folder's files in an OUT that was empty",
+        "modeling_gpn/hub/push.py",
+        "            elif was_empty:\n",
+        "            elif False:  # MUTATION\n",
+        ("tests/tools/test_hub.py::test_refusals_name_the_problem",),
+    ),
+    Mutation(
+        "gpn convert leaves a partial folder when a write fails part-way",
+        "conversion/reference.py",
+        "        _remove_written(out, created)\n",
+        "        pass  # MUTATION\n",
+        ("tests/model/test_config_and_conversion.py::test_gpn_convert_refuses_a_folder_with_files_in_it",),
+    ),
+    Mutation(
         "gpn push refuses a quantized folder as weights that do not match config.json",
         "modeling_gpn/hub/folder.py",
         "    if quantization:  # its tensors",

@@ -458,6 +458,11 @@ def test_refusals_name_the_problem(source, tmp_path, capsys):
     (nan_eval / "eval_results.json").write_text(json.dumps({"tasks": {"fineweb_edu": {"perplexity": float("nan")}}}))
     assert "needs finite numbers" in refused(nan_eval)
 
+    empty = tmp_path / "empty"  # an empty OUT is emptied again: a refusal left the weights and code it had copied
+    empty.mkdir()
+    assert main(["push", str(no_tokenizer), REPO_ID, "--dry-run", str(empty)]) == 1
+    assert "pass --tokenizer" in capsys.readouterr().err and list(empty.iterdir()) == []
+
     taken = tmp_path / "taken"
     taken.mkdir()
     (taken / "keep.txt").write_text("user data")
