@@ -2963,6 +2963,22 @@ MUTATIONS = [
         ("tests/model/test_config_and_conversion.py::test_gpn_convert_refuses_a_folder_with_files_in_it",),
     ),
     Mutation(
+        "gpn push's refusal of a tokenizer it cannot load runs over two lines",
+        "modeling_gpn/hub/folder.py",
+        '            reason = " ".join(str(error).split())  # one line',
+        "            reason = str(error)  # MUTATION",
+        ("tests/tools/test_hub.py::test_refusals_name_the_problem",),
+    ),
+    Mutation(
+        "gpn convert's refusal of a tokenizer it cannot load runs over two lines",
+        "modeling_gpn/data/tokenizer.py",
+        '        reason = " ".join(str(error).split())  # one line',
+        "        reason = str(error)  # MUTATION",
+        (
+            "tests/model/test_config_and_conversion.py::test_gpn_convert_refuses_a_tokenizer_with_more_ids_than_the_model",
+        ),
+    ),
+    Mutation(
         "gpn push refuses a quantized folder as weights that do not match config.json",
         "modeling_gpn/hub/folder.py",
         "    if quantization:  # its tensors",

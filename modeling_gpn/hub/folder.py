@@ -207,7 +207,8 @@ def write_tokenizer(model_dir: Path, out: Path, config, tokenizer: str | None) -
         try:
             AutoTokenizer.from_pretrained(tokenizer).save_pretrained(out)
         except Exception as error:  # noqa: BLE001
-            raise HubPushError(f"cannot load the tokenizer {tokenizer!r}: {error}") from error
+            reason = " ".join(str(error).split())  # one line: transformers' offline message runs over two
+            raise HubPushError(f"cannot load the tokenizer {tokenizer!r}: {reason}") from error
     else:
         present = [name for name in TOKENIZER_FILES if (model_dir / name).is_file()]
         if not present:

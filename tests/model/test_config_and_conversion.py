@@ -373,3 +373,7 @@ def test_gpn_convert_refuses_a_tokenizer_with_more_ids_than_the_model(tmp_path, 
     assert main(["convert", str(folder), str(out), "--tokenizer", str(tokenizer)]) == 1
     assert "has 32,000 token ids, more than the model's vocab_size of 97" in capsys.readouterr().err
     assert not out.exists()
+    assert main(["convert", str(folder), str(out), "--tokenizer", "nobody/no-such-tokenizer"]) == 1  # offline
+    err = capsys.readouterr().err  # one line, though transformers' own message runs over two
+    assert err.startswith("gpn convert: Cannot load tokenizer 'nobody/no-such-tokenizer': ") and err.count("\n") == 1
+    assert not out.exists()

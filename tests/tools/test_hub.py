@@ -453,6 +453,11 @@ def test_refusals_name_the_problem(source, tmp_path, capsys):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (no_tokenizer / name).unlink()
     assert "pass --tokenizer" in refused(no_tokenizer)
+    refusal = refused(no_tokenizer, "--tokenizer", "nobody/no-such-tokenizer")  # offline: transformers' two lines
+    assert (
+        refusal.startswith("gpn push: cannot load the tokenizer 'nobody/no-such-tokenizer': ")
+        and refusal.count("\n") == 1
+    ), refusal
 
     nan_eval = copy_source(source, tmp_path / "naneval")
     (nan_eval / "eval_results.json").write_text(json.dumps({"tasks": {"fineweb_edu": {"perplexity": float("nan")}}}))
