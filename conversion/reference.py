@@ -891,6 +891,12 @@ def convert(src: str | Path, out: str | Path, tokenizer: str | None = None) -> G
                 f"The tokenizer {tokenizer!r} has {ids:,} token ids, more than the model's vocab_size of "
                 f"{model.config.vocab_size:,}: save the tokenizer the checkpoint was trained with"
             )
+        # The ids that begin, end and pad a text are the tokenizer's, as `gpn train` sets them: the config's
+        # defaults are LLaMA-2's (1, 2), which another tokenizer gives to ordinary tokens, so generate() stopped
+        # at one of those and never at the tokenizer's own end of text.
+        bos, eos, pad = loaded_tokenizer.bos_token_id, loaded_tokenizer.eos_token_id, loaded_tokenizer.pad_token_id
+        model.config.update({"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad})
+        model.generation_config.update(bos_token_id=bos, eos_token_id=eos, pad_token_id=eos if pad is None else pad)
     created = not out.exists()
     try:
         model.save_pretrained(out)

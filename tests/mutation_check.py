@@ -2979,6 +2979,20 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "gpn convert --tokenizer keeps LLaMA-2's special ids in the config, not the tokenizer's",
+        "conversion/reference.py",
+        '        model.config.update({"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad})\n',
+        "        pass  # MUTATION\n",
+        ("tests/tools/test_hub.py::test_convert_push_to_hub_publishes_the_converted_checkpoint",),
+    ),
+    Mutation(
+        "gpn convert --tokenizer keeps LLaMA-2's end of text in the generation config, not the tokenizer's",
+        "conversion/reference.py",
+        "        model.generation_config.update(bos_token_id=bos, eos_token_id=eos,",
+        "        model.generation_config.update(",
+        ("tests/tools/test_hub.py::test_convert_push_to_hub_publishes_the_converted_checkpoint",),
+    ),
+    Mutation(
         "gpn push refuses a quantized folder as weights that do not match config.json",
         "modeling_gpn/hub/folder.py",
         "    if quantization:  # its tensors",

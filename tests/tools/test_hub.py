@@ -706,6 +706,10 @@ def test_convert_push_to_hub_publishes_the_converted_checkpoint(hub_calls, tmp_p
     )
     assert upload["snapshot"]["model.safetensors"] == (out / "model.safetensors").read_bytes()
     assert "Parameters: 30,022" in upload["snapshot"]["README.md"].decode()  # the reference's own count
+    # generate() ends at the tokenizer's end of text (<unk>, 0 here), not at the config's LLaMA-2 default 2 ("b")
+    config, generation = (json.loads(upload["snapshot"][name]) for name in ("config.json", "generation_config.json"))
+    assert config["eos_token_id"] == generation["eos_token_id"] == generation["pad_token_id"] == 0
+    assert config.get("bos_token_id") is None and generation.get("bos_token_id") is None
 
 
 def test_a_limited_evaluation_is_not_published_as_the_whole_test_split(tmp_path):
