@@ -2993,6 +2993,13 @@ MUTATIONS = [
         ("tests/tools/test_hub.py::test_convert_push_to_hub_publishes_the_converted_checkpoint",),
     ),
     Mutation(
+        "gpn push publishes a generation config that does not stop at the tokenizer's end of text",
+        "modeling_gpn/hub/folder.py",
+        "    if eos is not None and ends and eos not in ends:\n",
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_hub.py::test_refusals_name_the_problem",),
+    ),
+    Mutation(
         "gpn push refuses a quantized folder as weights that do not match config.json",
         "modeling_gpn/hub/folder.py",
         "    if quantization:  # its tensors",

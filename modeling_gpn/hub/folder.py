@@ -227,8 +227,26 @@ def write_tokenizer(model_dir: Path, out: Path, config, tokenizer: str | None) -
         raise HubPushError(
             f"the tokenizer has {len(loaded_tokenizer):,} tokens but the model's vocabulary is {config.vocab_size:,}"
         )
+    check_end_of_text(out, loaded_tokenizer)
     tokenizer_name = tokenizer if tokenizer and not Path(tokenizer).exists() else None
     return tokenizer_name or f"{type(loaded_tokenizer).__name__}, {len(loaded_tokenizer):,} tokens"
+
+
+def check_end_of_text(out: Path, tokenizer) -> None:
+    """generate() stops at the generation config's eos ids: the tokenizer's end of text must be one of them, or the
+    published model stops at an ordinary token (a config left with LLaMA-2's id 2 beside another tokenizer)."""
+    from transformers import GenerationConfig
+
+    ends = GenerationConfig.from_pretrained(out).eos_token_id
+    ends = [] if ends is None else ends if isinstance(ends, list) else [ends]
+    eos = tokenizer.eos_token_id
+    if eos is not None and ends and eos not in ends:
+        names = ", ".join(f"{i} ({tokenizer.convert_ids_to_tokens(i)!r})" for i in ends)
+        raise HubPushError(
+            f"generation_config.json ends generate() at token id {names}, not at the tokenizer's end of text "
+            f"{eos} ({tokenizer.eos_token!r}): set eos_token_id in config.json and generation_config.json to the "
+            "tokenizer's, or publish the tokenizer the model was trained with"
+        )
 
 
 def _clean_tokenizer_config(path: Path) -> None:

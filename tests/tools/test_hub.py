@@ -463,6 +463,13 @@ def test_refusals_name_the_problem(source, tmp_path, capsys):
     (nan_eval / "eval_results.json").write_text(json.dumps({"tasks": {"fineweb_edu": {"perplexity": float("nan")}}}))
     assert "needs finite numbers" in refused(nan_eval)
 
+    wrong_end = copy_source(source, tmp_path / "wrongend")  # LLaMA-2's end of text is 2, "</s>"
+    generation = json.loads((wrong_end / "generation_config.json").read_text())
+    (wrong_end / "generation_config.json").write_text(json.dumps(dict(generation, eos_token_id=[5, 7])))
+    assert "ends generate() at token id 5 ('<0x02>'), 7 ('<0x04>'), not at the tokenizer's end of text 2" in refused(
+        wrong_end
+    )
+
     empty = tmp_path / "empty"  # an empty OUT is emptied again: a refusal left the weights and code it had copied
     empty.mkdir()
     assert main(["push", str(no_tokenizer), REPO_ID, "--dry-run", str(empty)]) == 1
