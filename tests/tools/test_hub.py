@@ -194,8 +194,14 @@ def test_dry_run_folder_holds_exactly_what_the_hub_needs(source, published):
         assert not path.name.endswith((".bin", ".pt", ".pth", ".pkl"))
 
 
-def test_published_folder_loads_without_the_package_and_matches(source, published, tmp_path):
+def test_published_folder_loads_without_the_package_matches_and_its_card_snippet_runs(source, published, tmp_path):
+    """In one fresh interpreter without the package (one start, not two): the folder loads as remote code and
+    computes what the model did, and the card's usage snippet runs as written."""
+    from modeling_gpn.hub.model_card import extract_usage_snippet
+
     out = tmp_path / "loaded.safetensors"
+    snippet = extract_usage_snippet((published / "README.md").read_text())
+    assert f'repo = "{REPO_ID}"' in snippet and "trust_remote_code=True" in snippet
     code = BLOCK_PACKAGE + textwrap.dedent(
         f"""
         import torch
@@ -218,23 +224,13 @@ def test_published_folder_loads_without_the_package_and_matches(source, publishe
         save_file({{"ids": ids, "logits": logits.contiguous(), "generated": generated}}, {str(out)!r})
         """
     )
+    code += "\n# the card's usage snippet, as written\n" + snippet.replace(f'"{REPO_ID}"', repr(str(published)))
     result = run_python(code, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     loaded = load_file(out)
     assert torch.equal(loaded["ids"], source["ids"])
     assert torch.equal(loaded["logits"], source["logits"])
     assert torch.equal(loaded["generated"], source["generated"])
-
-
-def test_usage_snippet_in_the_card_runs_as_written(published, tmp_path):
-    from modeling_gpn.hub.model_card import extract_usage_snippet
-
-    card = (published / "README.md").read_text()
-    snippet = extract_usage_snippet(card)
-    assert f'repo = "{REPO_ID}"' in snippet and "trust_remote_code=True" in snippet
-    code = BLOCK_PACKAGE + snippet.replace(f'"{REPO_ID}"', repr(str(published)))
-    result = run_python(code, tmp_path)
-    assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip().startswith("The meaning of life is"), result.stdout
     assert "Do you wish to run the custom code" not in result.stdout + result.stderr
 
