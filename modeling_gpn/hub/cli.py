@@ -46,7 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model-name", default=None, help="name in the card's title and model-index (None: the repo name)"
     )
-    parser.add_argument("--tokenizer", default=None, help="tokenizer name or path to publish when MODEL_DIR has none")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer name or path to publish (None: MODEL_DIR's own; given, it replaces it)",
+    )
     parser.add_argument(
         "--eval-results",
         metavar="FILE",
