@@ -3000,6 +3000,13 @@ MUTATIONS = [
         ("tests/tools/test_hub.py::test_refusals_name_the_problem",),
     ),
     Mutation(
+        "gpn convert --push-to-hub without --tokenizer converts, then cannot publish",
+        "conversion/cli.py",
+        "    if args.push_to_hub and not args.tokenizer:",
+        "    if False:",
+        ("tests/tools/test_hub.py::test_convert_push_to_hub_publishes_the_converted_checkpoint",),
+    ),
+    Mutation(
         "gpn push refuses a quantized folder as weights that do not match config.json",
         "modeling_gpn/hub/folder.py",
         "    if quantization:  # its tensors",

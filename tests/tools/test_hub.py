@@ -687,6 +687,10 @@ def test_convert_push_to_hub_publishes_the_converted_checkpoint(hub_calls, tmp_p
     word_level_tokenizer(tmp_path / "tok")
 
     out = tmp_path / "converted"
+    # without a tokenizer gpn push refuses the folder: said before a conversion that could not be published
+    assert main(["convert", str(fixture), str(out), "--push-to-hub", "someone/gpn-ref"]) == 1
+    assert capsys.readouterr().err.startswith("gpn convert: --push-to-hub needs --tokenizer")
+    assert not out.exists() and hub_calls == []
     assert (
         main(
             [
