@@ -29,6 +29,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.push_to_hub and not args.tokenizer:  # gpn push refuses a folder without one: say so before converting
+        print(
+            "gpn convert: --push-to-hub needs --tokenizer (the one the checkpoint was trained with, e.g. "
+            "meta-llama/Llama-2-7b-hf): a published model carries its tokenizer",
+            file=sys.stderr,
+        )
+        return 1
     # SRC is untrusted input: every way it can fail ends in one line that names the problem, never a
     # traceback. CheckpointError carries the specific reasons; the rest are the last resort.
     try:

@@ -35,6 +35,7 @@ import math
 import pickle
 import re
 import resource
+import shutil
 import warnings
 import zipfile
 from collections import OrderedDict
@@ -870,7 +871,8 @@ def convert(src: str | Path, out: str | Path, tokenizer: str | None = None) -> G
 
     OUT must be new or empty: files already there (a tokenizer of another model) would stay beside the new
     model. A `tokenizer` saved beside it must make only ids the model has (its ids below `vocab_size`). Both
-    are refused, as `CheckpointError`, before anything is written.
+    are refused, as `CheckpointError`, before anything is written; a write that fails part-way (a full disk)
+    removes what it wrote.
     """
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -889,13 +891,37 @@ def convert(src: str | Path, out: str | Path, tokenizer: str | None = None) -> G
                 f"The tokenizer {tokenizer!r} has {ids:,} token ids, more than the model's vocab_size of "
                 f"{model.config.vocab_size:,}: save the tokenizer the checkpoint was trained with"
             )
+        # The ids that begin, end and pad a text are the tokenizer's, as `gpn train` sets them: the config's
+        # defaults are LLaMA-2's (1, 2), which another tokenizer gives to ordinary tokens, so generate() stopped
+        # at one of those and never at the tokenizer's own end of text.
+        bos, eos, pad = loaded_tokenizer.bos_token_id, loaded_tokenizer.eos_token_id, loaded_tokenizer.pad_token_id
+        model.config.update({"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad})
+        model.generation_config.update(bos_token_id=bos, eos_token_id=eos, pad_token_id=eos if pad is None else pad)
+    created = not out.exists()
     try:
         model.save_pretrained(out)
         if loaded_tokenizer is not None:
             loaded_tokenizer.save_pretrained(out)
-    except OSError as error:
-        raise CheckpointError(f"Cannot write the converted model to {out}: {error.strerror or error}") from error
+    except BaseException as error:
+        # OUT was new or empty: what was written of it is no model (code files without weights, or weights
+        # without the tokenizer), and left there it would make the next try refuse OUT as not empty
+        _remove_written(out, created)
+        if isinstance(error, OSError):
+            raise CheckpointError(f"Cannot write the converted model to {out}: {error.strerror or error}") from error
+        raise
     return model
+
+
+def _remove_written(out: Path, created: bool) -> None:
+    """Remove what a failed write put into OUT, which was new (`created`) or empty."""
+    if created:
+        shutil.rmtree(out, ignore_errors=True)
+        return
+    for path in out.iterdir() if out.is_dir() else ():
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def _load_tokenizer(name: str):

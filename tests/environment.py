@@ -8,7 +8,7 @@ into failures so CI can never pass by skipping.
 
 The same holds for what the machine provides (`require_environment`): a C compiler for the memory kernels
 (GPN_REQUIRE_C_KERNELS), root for the cache-ownership test (GPN_REQUIRE_ROOT), a mountable tmpfs for the
-full-disk test (GPN_REQUIRE_MOUNT), triton for the Triton kernels' tests (GPN_REQUIRE_TRITON). `.ci/run`
+full-disk tests (GPN_REQUIRE_MOUNT), triton for the Triton kernels' tests (GPN_REQUIRE_TRITON). `.ci/run`
 sets each one CI's machine can satisfy; the skips left are listed at the end of the run (`-ra`).
 
 tests/conftest.py imports this module before it imports torch; this module must not import torch itself.
@@ -16,7 +16,9 @@ tests/conftest.py imports this module before it imports torch; this module must 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -59,6 +61,19 @@ def require_environment(satisfied: bool, missing: str, variable: str) -> None:
     if os.environ.get(variable) == "1":
         pytest.fail(f"{missing} ({variable}=1: this machine must provide it)")
     pytest.skip(missing)
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size: str):
+    """A real filesystem of `size` at `path` (tmpfs; mounting needs root), for writes that meet a full disk."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    problem = f"cannot mount a small tmpfs here (needs root, or CAP_SYS_ADMIN in a container): {mounted.stderr.decode().strip()}"
+    require_environment(mounted.returncode == 0, problem, "GPN_REQUIRE_MOUNT")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def require_c_kernels() -> None:

@@ -95,7 +95,8 @@ def load_tokenizer(
             str(folder) if folder.exists() else name_or_path, trust_remote_code=trust_remote_code
         )
     except Exception as error:  # noqa: BLE001
-        raise DataError(f"Cannot load tokenizer {name_or_path!r}: {type(error).__name__}: {error}") from error
+        reason = " ".join(str(error).split())  # one line: transformers' offline message runs over two
+        raise DataError(f"Cannot load tokenizer {name_or_path!r}: {type(error).__name__}: {reason}") from error
     if require_eos and tokenizer.eos_token_id is None:
         raise DataError(
             f"Tokenizer {name_or_path!r} has no EOS token: documents are joined with EOS, so set `eos_token` "

@@ -15,8 +15,10 @@ The upload is one folder built from MODEL_DIR and checked before anything touche
 
 Only top-level files of MODEL_DIR are considered (sub-folders such as training checkpoints are never
 uploaded). Refused, each with an error naming the problem: pickle files at the top level (`*.bin`,
-`*.pt`, `*.pth`, `*.pkl`, `*.pickle`, `*.ckpt`), no safetensors weights, a config that does not load,
-weights that do not match the config, a tokenizer that does not load or is larger than the vocabulary,
+`*.pt`, `*.pth`, `*.pkl`, `*.pickle`, `*.ckpt`), a PEFT adapter (merge it first), no safetensors weights, a
+config that does not load, quantized weights (a `quantization_config`),
+weights that do not match the config, a tokenizer that does not load, is larger than the vocabulary or
+whose end of text is not where generate() stops,
 remote code that imports the installed `modeling_gpn`, and a card whose metadata fails
 `huggingface_hub`'s parsing. `--dry-run OUT` writes exactly the folder that would be uploaded and
 stops. The token is passed to `huggingface_hub.HfApi` only: never printed, never written.

@@ -33,6 +33,7 @@ class EvalInfo:
     measured: dict[str, float] = field(default_factory=dict)
     data: dict[str, str] = field(default_factory=dict)
     limit: int | None = None  # `gpn eval --limit N`: only the first N examples of a task were scored
+    dtype: str | None = None  # `gpn eval --dtype`: the weights' dtype the figures were measured in
 
 
 @dataclass
@@ -107,6 +108,7 @@ def read_eval_results(path: str | Path) -> EvalInfo:
         measured=measured,
         data={str(k): str(v) for k, v in sources.items()},
         limit=int(limit) if is_number(limit := data.get("limit")) and limit >= 1 else None,
+        dtype=str(data["dtype"]) if data.get("dtype") else None,
     )
 
 

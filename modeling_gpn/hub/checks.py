@@ -49,13 +49,40 @@ def load_folder_config(model_dir: Path):
     return config, raw
 
 
+WEIGHTS_INDEX = "model.safetensors.index.json"
+
+
 def weight_files(model_dir: Path) -> list[Path]:
-    """The top-level safetensors weights of `model_dir` (single file or shards + index)."""
+    """The top-level safetensors weights of `model_dir`: model.safetensors alone, or the shards its index names.
+
+    A file left from an earlier save is refused: save_pretrained into a folder removes neither the index of an
+    earlier sharded save nor an earlier single model.safetensors, and transformers loads model.safetensors
+    whenever there is one, so a stale one beside fresh shards would be the published model."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise HubPushError(
             f"{model_dir} has no *.safetensors weights; gpn push uploads safetensors only "
             "(re-save the model with save_pretrained, which writes model.safetensors)"
+        )
+    present = {path.name for path in files}
+    index = model_dir / WEIGHTS_INDEX
+    if not index.is_file():
+        named = {"model.safetensors"}
+    else:
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            named = {str(name) for name in weight_map.values()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            raise HubPushError(f"{index} is not a weights index (a JSON 'weight_map'): {error!r}") from error
+    absent, stray = sorted(named - present), sorted(present - named)
+    if absent or stray:
+        which = f"its {WEIGHTS_INDEX}" if index.is_file() else f"no {WEIGHTS_INDEX}"
+        problems = ([f"the index names {', '.join(absent)}, not there"] if absent and index.is_file() else []) + (
+            [f"{', '.join(stray)} {'is' if len(stray) == 1 else 'are'} not in the index"] if stray else []
+        )
+        raise HubPushError(
+            f"{model_dir}'s weights files do not agree with {which} ({'; '.join(problems)}): one of them is left "
+            "from an earlier save (save_pretrained removes neither); delete the stale files, or save to a new folder"
         )
     return files
 

@@ -46,7 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model-name", default=None, help="name in the card's title and model-index (None: the repo name)"
     )
-    parser.add_argument("--tokenizer", default=None, help="tokenizer name or path to publish when MODEL_DIR has none")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer name or path to publish (None: MODEL_DIR's own; given, it replaces it)",
+    )
     parser.add_argument(
         "--eval-results",
         metavar="FILE",
@@ -77,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
     except (HubPushError, CardError) as error:
         print(f"gpn push: {error}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # stdout's reader went away (`gpn push ... | head`), no Hub: `gpn` stops quietly
+        raise
     except Exception as error:  # noqa: BLE001 - network / auth errors from huggingface_hub
         if isinstance(error, unreachable_hub_errors()):
             message = str(error)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .checks import (
+    WEIGHTS_INDEX,
     check_prepared_folder,
     check_remote_code,
     check_weights,
@@ -86,8 +87,8 @@ def prepare_folder(
         raise HubPushError(f"{out} is not empty; give a new or empty folder")
     for path in weights:
         shutil.copyfile(path, out / path.name)
-    if (model_dir / "model.safetensors.index.json").is_file():
-        shutil.copyfile(model_dir / "model.safetensors.index.json", out / "model.safetensors.index.json")
+    if (model_dir / WEIGHTS_INDEX).is_file():
+        shutil.copyfile(model_dir / WEIGHTS_INDEX, out / WEIGHTS_INDEX)
     write_remote_code(out, raw_config)
     write_generation_config(model_dir, out, config)
     tokenizer_name = write_tokenizer(model_dir, out, config, tokenizer)
@@ -139,7 +140,20 @@ def check_source_folder(model_dir: Path):
             f"{model_dir} holds pickle files ({', '.join(pickles)}); pickles can run code when loaded, so gpn push "
             "publishes safetensors only. Move or delete them (the safetensors weights are what gets uploaded)."
         )
+    if (model_dir / "adapter_config.json").is_file():
+        raise HubPushError(
+            f"{model_dir} is a PEFT adapter (adapter_config.json), not a whole model: gpn push publishes whole GPNs; "
+            "merge it into its base first (PeftModel.from_pretrained(base, DIR).merge_and_unload().save_pretrained("
+            "OUT), with the tokenizer) and push OUT"
+        )
     config, raw_config = load_folder_config(model_dir)
+    quantization = raw_config.get("quantization_config")
+    if quantization:  # its tensors are not the config's (torchao: `*._weight_qdata`, `*._weight_scale`)
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+        raise HubPushError(
+            f"{model_dir} holds quantized weights (config.json's quantization_config, {method}); gpn push publishes "
+            "unquantized weights: push the float folder, and quantize after loading (docs/inference-speed.md)"
+        )
     weights = weight_files(model_dir)
     n_params = check_weights(weights, config)
     return config, raw_config, weights, n_params
@@ -193,7 +207,8 @@ def write_tokenizer(model_dir: Path, out: Path, config, tokenizer: str | None) -
         try:
             AutoTokenizer.from_pretrained(tokenizer).save_pretrained(out)
         except Exception as error:  # noqa: BLE001
-            raise HubPushError(f"cannot load the tokenizer {tokenizer!r}: {error}") from error
+            reason = " ".join(str(error).split())  # one line: transformers' offline message runs over two
+            raise HubPushError(f"cannot load the tokenizer {tokenizer!r}: {reason}") from error
     else:
         present = [name for name in TOKENIZER_FILES if (model_dir / name).is_file()]
         if not present:
@@ -212,8 +227,26 @@ def write_tokenizer(model_dir: Path, out: Path, config, tokenizer: str | None) -
         raise HubPushError(
             f"the tokenizer has {len(loaded_tokenizer):,} tokens but the model's vocabulary is {config.vocab_size:,}"
         )
+    check_end_of_text(out, loaded_tokenizer)
     tokenizer_name = tokenizer if tokenizer and not Path(tokenizer).exists() else None
     return tokenizer_name or f"{type(loaded_tokenizer).__name__}, {len(loaded_tokenizer):,} tokens"
+
+
+def check_end_of_text(out: Path, tokenizer) -> None:
+    """generate() stops at the generation config's eos ids: the tokenizer's end of text must be one of them, or the
+    published model stops at an ordinary token (a config left with LLaMA-2's id 2 beside another tokenizer)."""
+    from transformers import GenerationConfig
+
+    ends = GenerationConfig.from_pretrained(out).eos_token_id
+    ends = [] if ends is None else ends if isinstance(ends, list) else [ends]
+    eos = tokenizer.eos_token_id
+    if eos is not None and ends and eos not in ends:
+        names = ", ".join(f"{i} ({tokenizer.convert_ids_to_tokens(i)!r})" for i in ends)
+        raise HubPushError(
+            f"generation_config.json ends generate() at token id {names}, not at the tokenizer's end of text "
+            f"{eos} ({tokenizer.eos_token!r}): set eos_token_id in config.json and generation_config.json to the "
+            "tokenizer's, or publish the tokenizer the model was trained with"
+        )
 
 
 def _clean_tokenizer_config(path: Path) -> None:

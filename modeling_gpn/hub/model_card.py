@@ -408,12 +408,16 @@ def evaluation_lines(config, model_name: str, n_params: int, evaluation: EvalInf
             "This model has not been evaluated yet (no `eval_results.json` beside the weights): `gpn eval` writes one.",
             "",
         ]
+    # the run's differences from the paper's (shorter windows, fewer examples, cast weights) stand beside its figures
+    differences = "; ".join(run_differences(evaluation))
+    differences = f", but not as the paper ran them: {differences}" if differences else ""
     if measured_from and set(measured_from.values()) == {"comparison.measured"}:
-        lines += ["This model's columns are the ones `gpn eval` measured by the paper's protocols.", ""]
+        lines += [f"This model's columns are the ones `gpn eval` measured by the paper's protocols{differences}.", ""]
     elif measured_from:
         lines += [
             "This model's columns come from: "
             + ", ".join(f"{PAPER_COLUMNS[k]} = `{v}`" for k, v in measured_from.items())
+            + differences
             + ".",
             "",
         ]
@@ -425,11 +429,31 @@ def evaluation_lines(config, model_name: str, n_params: int, evaluation: EvalInf
     return lines + results_lines(evaluation)
 
 
+#: The paper's FineWeb window and LAMBADA test set (GPN.md), against which a measured row's run is stated.
+PAPER_FINEWEB_WINDOW, PAPER_LAMBADA_EXAMPLES = 2048, 5153
+
+
+def run_differences(evaluation: EvalInfo) -> list[str]:
+    """How the evaluation's run differs from the paper's, as `gpn eval`'s own report flags it: a figure beside
+    Table 1 from shorter FineWeb windows, fewer LAMBADA examples or cast weights is not the paper's measure."""
+    differences = []
+    window = evaluation.tasks.get("fineweb_paper", {}).get("window")
+    if is_number(window) and window != PAPER_FINEWEB_WINDOW:
+        differences.append(f"FineWeb PPL over {window:,}-token windows (the paper's are {PAPER_FINEWEB_WINDOW:,})")
+    examples = evaluation.tasks.get("lambada_paper", {}).get("examples")
+    if is_number(examples) and examples != PAPER_LAMBADA_EXAMPLES:
+        differences.append(f"LAMBADA on {examples:,} examples (the paper's are all {PAPER_LAMBADA_EXAMPLES:,})")
+    if evaluation.dtype and evaluation.dtype != "float32":
+        differences.append(f"the weights cast to {evaluation.dtype} (`gpn eval --dtype {evaluation.dtype}`)")
+    return differences
+
+
 def results_lines(evaluation: EvalInfo) -> list[str]:
     """Every metric of every task (with its stderr), and what each task measures."""
     lines = [
         "All results of this model"
         + (f" (lm-eval {evaluation.lm_eval_version})" if evaluation.lm_eval_version else "")
+        + (f", measured with the weights in {evaluation.dtype}" if evaluation.dtype else "")
         + ":",
         "",
     ]
@@ -488,6 +512,7 @@ __all__ = [
     "extract_usage_snippet",
     "model_paper_columns",
     "read_eval_results",
+    "run_differences",
     "read_training_info",
     "usage_snippet",
     "validate_card",

@@ -95,11 +95,20 @@ def push_folder(
         if out.resolve() == Path(folder).resolve():
             raise HubPushError("--dry-run OUT must be a new folder, not MODEL_DIR")
         created = not out.exists()
+        was_empty = out.is_dir() and not any(out.iterdir())  # (a folder with files is refused, untouched)
         try:
             prepared = prepare_folder(folder, out, repo_id, **options)
         except BaseException:
+            # nothing half-written is left: a refused folder's weights and code would read as a dry run's output
+            # and make the next try refuse OUT as not empty
             if created and out.exists():
                 shutil.rmtree(out)
+            elif was_empty:
+                for path in out.iterdir():
+                    if path.is_dir() and not path.is_symlink():
+                        shutil.rmtree(path)
+                    else:
+                        path.unlink()
             raise
         size = sum((out / f).stat().st_size for f in prepared.files)
         say(f"Dry run: wrote {len(prepared.files)} files ({size / 2**20:.1f} MiB) to {out}; nothing was uploaded.")

@@ -17,7 +17,7 @@ from modeling_gpn import GPNConfig, GPNForCausalLM
 from modeling_gpn.configuration import list_presets, load_preset, preset_path
 from modeling_gpn.conversion import CheckpointError, load_reference_model
 
-from ..environment import require_shared
+from ..environment import require_shared, small_disk
 from ..tiny_models import perturbed_model, tiny_config
 
 
@@ -352,6 +352,15 @@ def test_gpn_convert_refuses_a_folder_with_files_in_it(tmp_path, capsys):
     assert [path.name for path in out.iterdir()] == ["tokenizer.json"]
     (out / "tokenizer.json").unlink()  # an empty folder is as good as a new one
     assert main(["convert", str(folder), str(out)]) == 0 and (out / "model.safetensors").exists()
+    capsys.readouterr()
+    # A disk that fills up part-way (400 KiB: some code files fit, the weights do not) left the files written so
+    # far, no model, and a folder the next try refused as not empty: a new OUT is removed, an empty one emptied.
+    with small_disk(tmp_path / "disk", "400k") as disk:
+        (disk / "empty").mkdir()
+        for target in (disk / "new", disk / "empty"):
+            assert main(["convert", str(folder), str(target)]) == 1
+            assert capsys.readouterr().err.endswith("No space left on device\n")
+        assert not (disk / "new").exists() and list((disk / "empty").iterdir()) == []
 
 
 def test_gpn_convert_refuses_a_tokenizer_with_more_ids_than_the_model(tmp_path, capsys):
@@ -363,4 +372,8 @@ def test_gpn_convert_refuses_a_tokenizer_with_more_ids_than_the_model(tmp_path, 
     out = tmp_path / "converted"
     assert main(["convert", str(folder), str(out), "--tokenizer", str(tokenizer)]) == 1
     assert "has 32,000 token ids, more than the model's vocab_size of 97" in capsys.readouterr().err
+    assert not out.exists()
+    assert main(["convert", str(folder), str(out), "--tokenizer", "nobody/no-such-tokenizer"]) == 1  # offline
+    err = capsys.readouterr().err  # one line, though transformers' own message runs over two
+    assert err.startswith("gpn convert: Cannot load tokenizer 'nobody/no-such-tokenizer': ") and err.count("\n") == 1
     assert not out.exists()

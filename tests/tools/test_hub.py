@@ -30,6 +30,7 @@ EVAL_RESULTS = {  # the schema `gpn eval` writes (eval/cli.py), with made-up num
     "schema_version": 1,
     "model": "/somewhere/gpn-tiny-test",
     "n_params": 1050918,
+    "dtype": "bfloat16",
     "tasks": {
         "lambada_openai": {
             "acc,none": 0.0125,
@@ -38,7 +39,7 @@ EVAL_RESULTS = {  # the schema `gpn eval` writes (eval/cli.py), with made-up num
             "alias": "lambada_openai",
         },
         "lambada_paper": {"acc": 0.0521, "ppl": 913.25, "acc_whole_word": 0.01, "examples": 40},
-        "fineweb_paper": {"ppl": 1204.75, "ppl_excluding_first": 1190.5, "tokens_scored": 8192},
+        "fineweb_paper": {"ppl": 1204.75, "ppl_excluding_first": 1190.5, "tokens_scored": 8192, "window": 128},
         "wikitext": {"word_perplexity": 3105.5, "bits_per_byte": 2.61},
     },
     "protocols": {
@@ -193,8 +194,14 @@ def test_dry_run_folder_holds_exactly_what_the_hub_needs(source, published):
         assert not path.name.endswith((".bin", ".pt", ".pth", ".pkl"))
 
 
-def test_published_folder_loads_without_the_package_and_matches(source, published, tmp_path):
+def test_published_folder_loads_without_the_package_matches_and_its_card_snippet_runs(source, published, tmp_path):
+    """In one fresh interpreter without the package (one start, not two): the folder loads as remote code and
+    computes what the model did, and the card's usage snippet runs as written."""
+    from modeling_gpn.hub.model_card import extract_usage_snippet
+
     out = tmp_path / "loaded.safetensors"
+    snippet = extract_usage_snippet((published / "README.md").read_text())
+    assert f'repo = "{REPO_ID}"' in snippet and "trust_remote_code=True" in snippet
     code = BLOCK_PACKAGE + textwrap.dedent(
         f"""
         import torch
@@ -217,23 +224,13 @@ def test_published_folder_loads_without_the_package_and_matches(source, publishe
         save_file({{"ids": ids, "logits": logits.contiguous(), "generated": generated}}, {str(out)!r})
         """
     )
+    code += "\n# the card's usage snippet, as written\n" + snippet.replace(f'"{REPO_ID}"', repr(str(published)))
     result = run_python(code, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     loaded = load_file(out)
     assert torch.equal(loaded["ids"], source["ids"])
     assert torch.equal(loaded["logits"], source["logits"])
     assert torch.equal(loaded["generated"], source["generated"])
-
-
-def test_usage_snippet_in_the_card_runs_as_written(published, tmp_path):
-    from modeling_gpn.hub.model_card import extract_usage_snippet
-
-    card = (published / "README.md").read_text()
-    snippet = extract_usage_snippet(card)
-    assert f'repo = "{REPO_ID}"' in snippet and "trust_remote_code=True" in snippet
-    code = BLOCK_PACKAGE + snippet.replace(f'"{REPO_ID}"', repr(str(published)))
-    result = run_python(code, tmp_path)
-    assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip().startswith("The meaning of life is"), result.stdout
     assert "Do you wish to run the custom code" not in result.stdout + result.stderr
 
@@ -291,6 +288,12 @@ def test_card_text_states_architecture_training_and_results_beside_the_paper(sou
     assert text.count("(paper) |") == 2  # the JSON's baselines replace the built-in table
     assert "| lambada_openai | acc | 0.0125 ± 0.004 |" in text and "| fineweb_paper | tokens_scored | 8,192 |" in text
     assert "- `lambada_openai`: lm-eval lambada_openai: whole-word greedy match" in text
+    # beside the paper's figures, how this run was not the paper's (gpn eval's report flags the same)
+    assert (
+        "measured by the paper's protocols, but not as the paper ran them: FineWeb PPL over 128-token windows (the "
+        "paper's are 2,048); LAMBADA on 40 examples (the paper's are all 5,153); the weights cast to bfloat16" in text
+    )
+    assert "All results of this model (lm-eval 0.4.13), measured with the weights in bfloat16:" in text
 
 
 def test_card_without_eval_or_training_log_uses_the_paper_table(source, tmp_path):
@@ -417,6 +420,27 @@ def test_refusals_name_the_problem(source, tmp_path, capsys):
     (bad_config / "config.json").write_text(json.dumps(dict(config, intermediate_size=96)))
     assert "weights do not match config.json" in refused(bad_config)
 
+    (bad_config / "config.json").write_text(json.dumps(dict(config, quantization_config={"quant_method": "torchao"})))
+    assert "holds quantized weights (config.json's quantization_config, torchao)" in refused(bad_config)
+
+    adapter = tmp_path / "adapter"  # what PEFT's save_pretrained writes: an adapter, no config.json
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "task_type": "CAUSAL_LM"}))
+    shutil.copyfile(source["dir"] / "model.safetensors", adapter / "adapter_model.safetensors")
+    assert "is a PEFT adapter (adapter_config.json), not a whole model" in refused(adapter)
+
+    # save_pretrained into a used folder leaves the last save's index, or its model.safetensors (which transformers
+    # loads first), beside the new weights: either was published
+    stale = copy_source(source, tmp_path / "stale")
+    index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}
+    (stale / "model.safetensors.index.json").write_text(json.dumps(index))
+    refusal = refused(stale)
+    assert "do not agree with its model.safetensors.index.json (the index names model-00001-of-00002" in refusal
+    assert "model.safetensors is not in the index" in refusal
+    (stale / "model.safetensors.index.json").unlink()
+    shutil.copyfile(stale / "model.safetensors", stale / "model-00001-of-00002.safetensors")
+    assert "model-00001-of-00002.safetensors is not in the index" in refused(stale)
+
     no_weights = copy_source(source, tmp_path / "noweights")
     (no_weights / "model.safetensors").unlink()
     assert "no *.safetensors weights" in refused(no_weights)
@@ -425,10 +449,27 @@ def test_refusals_name_the_problem(source, tmp_path, capsys):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (no_tokenizer / name).unlink()
     assert "pass --tokenizer" in refused(no_tokenizer)
+    refusal = refused(no_tokenizer, "--tokenizer", "nobody/no-such-tokenizer")  # offline: transformers' two lines
+    assert (
+        refusal.startswith("gpn push: cannot load the tokenizer 'nobody/no-such-tokenizer': ")
+        and refusal.count("\n") == 1
+    ), refusal
 
     nan_eval = copy_source(source, tmp_path / "naneval")
     (nan_eval / "eval_results.json").write_text(json.dumps({"tasks": {"fineweb_edu": {"perplexity": float("nan")}}}))
     assert "needs finite numbers" in refused(nan_eval)
+
+    wrong_end = copy_source(source, tmp_path / "wrongend")  # LLaMA-2's end of text is 2, "</s>"
+    generation = json.loads((wrong_end / "generation_config.json").read_text())
+    (wrong_end / "generation_config.json").write_text(json.dumps(dict(generation, eos_token_id=[5, 7])))
+    assert "ends generate() at token id 5 ('<0x02>'), 7 ('<0x04>'), not at the tokenizer's end of text 2" in refused(
+        wrong_end
+    )
+
+    empty = tmp_path / "empty"  # an empty OUT is emptied again: a refusal left the weights and code it had copied
+    empty.mkdir()
+    assert main(["push", str(no_tokenizer), REPO_ID, "--dry-run", str(empty)]) == 1
+    assert "pass --tokenizer" in capsys.readouterr().err and list(empty.iterdir()) == []
 
     taken = tmp_path / "taken"
     taken.mkdir()
@@ -609,6 +650,24 @@ def test_an_unreachable_hub_is_one_line_not_a_traceback(source, no_network, tmp_
     assert "Traceback" not in err and len(lines) == 1 and lines[0].startswith(prefix) and TOKEN not in err, err
 
 
+def test_a_dry_run_into_a_closed_pipe_is_no_hub_error(source, tmp_path, monkeypatch, capsys):
+    """`gpn push ... --dry-run OUT | head -1`: printing the file list raised BrokenPipeError, an OSError, which
+    ended in "the Hub refused or could not be reached: [Errno 32] Broken pipe" for a run that never met the Hub.
+    It stops as `gpn generate` does into a closed pipe (the shell's status of SIGPIPE), its folder written."""
+    from gpn_cli import main
+
+    class ClosedPipe:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr("sys.stdout", ClosedPipe())
+    assert main(["push", str(source["dir"]), REPO_ID, "--dry-run", str(tmp_path / "out")]) == 141
+    assert capsys.readouterr().err == "" and (tmp_path / "out" / "README.md").is_file()
+
+
 def test_push_help_lists_every_option(capsys):
     from gpn_cli import main
 
@@ -628,6 +687,10 @@ def test_convert_push_to_hub_publishes_the_converted_checkpoint(hub_calls, tmp_p
     word_level_tokenizer(tmp_path / "tok")
 
     out = tmp_path / "converted"
+    # without a tokenizer gpn push refuses the folder: said before a conversion that could not be published
+    assert main(["convert", str(fixture), str(out), "--push-to-hub", "someone/gpn-ref"]) == 1
+    assert capsys.readouterr().err.startswith("gpn convert: --push-to-hub needs --tokenizer")
+    assert not out.exists() and hub_calls == []
     assert (
         main(
             [
@@ -650,6 +713,10 @@ def test_convert_push_to_hub_publishes_the_converted_checkpoint(hub_calls, tmp_p
     )
     assert upload["snapshot"]["model.safetensors"] == (out / "model.safetensors").read_bytes()
     assert "Parameters: 30,022" in upload["snapshot"]["README.md"].decode()  # the reference's own count
+    # generate() ends at the tokenizer's end of text (<unk>, 0 here), not at the config's LLaMA-2 default 2 ("b")
+    config, generation = (json.loads(upload["snapshot"][name]) for name in ("config.json", "generation_config.json"))
+    assert config["eos_token_id"] == generation["eos_token_id"] == generation["pad_token_id"] == 0
+    assert config.get("bos_token_id") is None and generation.get("bos_token_id") is None
 
 
 def test_a_limited_evaluation_is_not_published_as_the_whole_test_split(tmp_path):

@@ -21,7 +21,7 @@ import torch
 
 from modeling_gpn import train as train_module
 
-from ..environment import require_environment
+from ..environment import small_disk
 from .train_runs import (
     failed_launch_output,
     finish,
@@ -224,19 +224,6 @@ def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path, cache, shak
 # --------------------------------------------------------------------------------------------------
 # Crash-safe files and a full disk
 # --------------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def small_disk(path: Path, size: str):
-    """A real filesystem of `size` at `path` (tmpfs; mounting needs root)."""
-    path.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
-    problem = f"cannot mount a small tmpfs here (needs root, or CAP_SYS_ADMIN in a container): {mounted.stderr.decode().strip()}"
-    require_environment(mounted.returncode == 0, problem, "GPN_REQUIRE_MOUNT")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def _checkpoint_bytes(folder: Path) -> int:
