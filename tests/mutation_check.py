@@ -1760,6 +1760,13 @@ MUTATIONS = [
         ("tests/tools/test_serve.py -k gives_up_on_a_non_streamed_answer",),
     ),
     Mutation(
+        "gpn train's ranks train on, orphaned, when their launcher is killed",
+        "modeling_gpn/train/training.py",
+        "    stop_when_the_launcher_dies(started_by_a_launcher())\n",
+        "    stop_when_the_launcher_dies(False)  # MUTATION\n",
+        ("tests/tools/test_train_faults.py -k launcher_is_killed",),
+    ),
+    Mutation(
         "gpn serve: a request body over --max-request-bytes is read whole",
         "modeling_gpn/serve/server.py",
         "            app.add_middleware(LimitedBodies, max_bytes=max_request_bytes)\n",

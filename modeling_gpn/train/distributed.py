@@ -35,6 +35,12 @@ def launched_as_several_processes() -> list[str]:
     return found
 
 
+def started_by_a_launcher() -> bool:
+    """Whether a launcher (torchrun, `accelerate launch` of several processes, mpirun) started this process: it
+    sets a rank variable in each process it starts."""
+    return any(name in os.environ for name in LAUNCHER_RANK_VARIABLES)
+
+
 def fsdp_requested() -> int | None:
     """The FSDP version `accelerate launch --use_fsdp` (or a config file with distributed_type FSDP) asked for."""
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":

@@ -1,10 +1,30 @@
-"""SIGTERM / SIGINT during training: finish the step, checkpoint, stop (exit 128 + the signal number)."""
+"""SIGTERM / SIGINT during training: finish the step, checkpoint, stop (exit 128 + the signal number); and a
+rank whose launcher dies gets that SIGTERM."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+import sys
 import threading
+
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when the thread that started it ends
+
+
+def stop_when_the_launcher_dies(launched: bool) -> bool:
+    """In a rank a launcher started (`launched`: torchrun, `accelerate launch`, mpirun), ask Linux for SIGTERM
+    when the launcher dies, which then stops the rank as a SIGTERM does (a checkpoint at the step boundary).
+    A launcher killed outright (kill -9, the OOM killer) cannot stop its ranks: they trained on, orphaned, to
+    the end of the run, holding its folder, after the shell had its prompt back. Returns whether it is asked
+    (only on Linux; elsewhere the ranks train on as before)."""
+    if not launched or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) == 0
+    except (OSError, AttributeError):  # (a libc without prctl)
+        return False
 
 
 class StopSignals:

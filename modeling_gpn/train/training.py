@@ -30,6 +30,7 @@ from .distributed import (
     fit_fsdp_plugin,
     is_fsdp,
     start_accelerator,
+    started_by_a_launcher,
 )
 from .errors import CollectiveError, LaunchError, NonFiniteLossError, RunFolderInUseError, StorageError
 from .loop import end_process_group, fit, validate
@@ -46,7 +47,7 @@ from .run_folder import (
     write_errors,
     write_file_atomically,
 )
-from .stop_signals import StopSignals
+from .stop_signals import StopSignals, stop_when_the_launcher_dies
 
 
 def train(
@@ -72,6 +73,7 @@ def train(
         trackers.append("tensorboard")
     except ImportError:
         pass
+    stop_when_the_launcher_dies(started_by_a_launcher())
     accelerator = start_accelerator(config, trackers, run_dir)
     # Past the last collective a multi-process run has nothing left to wait for: its process-group end is
     # bounded by a watchdog (one process has no one to wait for).

@@ -532,6 +532,31 @@ def test_sigterm_to_one_ddp_rank_stops_every_rank_at_the_same_step_with_a_checkp
     assert f"stopped by SIGTERM after step {step} of 100000" in output, output[-3000:]
 
 
+def test_ranks_whose_launcher_is_killed_stop_with_a_checkpoint(tmp_path, cache, shakespeare):
+    """A launcher killed outright (kill -9, the OOM killer) cannot stop its ranks: they trained on, orphaned, to
+    the end of the run. Each rank now gets SIGTERM when its launcher dies, and stops as SIGTERM stops it."""
+    run_dir = tmp_path / "ddp"
+    launcher = launch_two_processes(
+        ["--multi_gpu"], small_args(shakespeare, run_dir, cache, "--steps", "100000"), tmp_path / "ddp.log"
+    )
+    wait_for_step(launcher, run_dir, 2)
+    ranks = _ranks(launcher)
+    os.kill(launcher.pid, signal.SIGKILL)  # the launcher alone: its ranks are left to themselves
+    killed_at = time.time()
+    try:
+        while any(_process_state(pid) not in ("X", "Z") for pid in ranks.values()):
+            assert time.time() - killed_at < 60, "the ranks still train 60 s after their launcher was killed"
+            time.sleep(0.1)
+    finally:
+        for pid in ranks.values():  # (each rank has its own process group: the launcher's is not theirs)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        launcher.wait()
+    [checkpoint] = sorted((run_dir / "checkpoints").glob("step-*"))
+    step = int(checkpoint.name.split("-")[1])
+    assert [r for r in read_log(run_dir) if r.get("event")] == [{"step": step, "event": "stopped", "signal": "SIGTERM"}]
+
+
 # `gpn train` whose rank 1 dies (SIGKILL) inside the checkpoint of step 2, once its own files are written: the main
 # process is then in the checkpoint's next barrier.
 DIES_IN_A_CHECKPOINT = """
