@@ -2845,6 +2845,20 @@ MUTATIONS = [
         ("tests/tools/test_bench.py::test_help_explains_every_column",),
     ),
     Mutation(
+        "gpn bench's GFLOP/s count a GPN's tied head twice (as the linear and again as the embedding)",
+        "modeling_gpn/bench/models.py",
+        "        return 2.0 * linear + (6 + 2 * config.num_predict_layers) * config.memory_cells\n",
+        "        return 2.0 * (linear + model.get_input_embeddings().weight.numel()) + (6 + 2 * config.num_predict_layers) * config.memory_cells  # MUTATION\n",
+        ("tests/tools/test_bench.py::test_gflops_count_each_weight_once",),
+    ),
+    Mutation(
+        "gpn bench's GFLOP/s count half of a Llama's attention (q.K or the weighted sum of V, not both)",
+        "modeling_gpn/bench/models.py",
+        "    return 2.0 * linear + 2.0 * 2 * config.num_hidden_layers * context * config.hidden_size\n",
+        "    return 2.0 * linear + 2.0 * config.num_hidden_layers * context * config.hidden_size  # MUTATION\n",
+        ("tests/tools/test_bench.py::test_gflops_count_each_weight_once",),
+    ),
+    Mutation(
         "gpn bench --memory-seq-lens with --skip-training ignored in silence",
         "modeling_gpn/bench/command.py",
         "    if args.skip_training and args.memory_seq_lens:",

@@ -213,6 +213,25 @@ def test_the_one_token_step_continues_each_models_cache():
     torch.testing.assert_close(logits[-1].logits[:, -1], continued, rtol=1e-4, atol=1e-4)
 
 
+def test_gflops_count_each_weight_once():
+    """GFLOP/s counts 2 flops a weight a token: every matrix once (the tied embedding as the output head only:
+    its lookup multiplies nothing), plus a GPN's memory or a Llama's attention (q.K and the weighted sum of V at
+    the mean context). The tied head was counted twice (a fifth of small's figure), the attention half."""
+    from modeling_gpn.bench import build_gpn, forward_flops_per_token, matched_llama
+
+    gpn = build_gpn("tiny", "float32", "cpu", 0)
+    llama = matched_llama(gpn.config, 50_000, "float32", "cpu")
+    config = gpn.config
+
+    def matrices(model):  # (parameters() yields a tied weight once)
+        return sum(p.numel() for p in model.parameters() if p.dim() == 2)
+
+    memory = (6 + 2 * config.num_predict_layers) * config.memory_cells
+    assert forward_flops_per_token(gpn, 64) == 2 * matrices(gpn) + memory
+    layers, hidden = llama.config.num_hidden_layers, llama.config.hidden_size
+    assert forward_flops_per_token(llama, 64) == 2 * matrices(llama) + 2 * (2 * 64 * hidden) * layers
+
+
 def test_an_unknown_preset_is_refused_before_anything_is_measured(capsys):
     """Every preset is checked first: a misspelt second one is one line naming it and the presets there are,
     not a traceback after the first one's minutes of measuring."""
