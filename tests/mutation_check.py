@@ -2859,6 +2859,13 @@ MUTATIONS = [
         ("tests/tools/test_bench.py::test_gflops_count_each_weight_once",),
     ),
     Mutation(
+        "gpn bench's cache @N: the cache generate() ended with (N + --decode-tokens - 1 positions)",
+        "modeling_gpn/bench/measure.py",
+        "            rows[kind].cache_bytes[length] = prompt_cache_nbytes(model, prompt)\n",
+        "            rows[kind].cache_bytes[length] = generate_timings(model, prompt, args)[2]  # MUTATION\n",
+        ("tests/tools/test_bench.py::test_bench_reports_every_implementation",),
+    ),
+    Mutation(
         "gpn bench --memory-seq-lens with --skip-training ignored in silence",
         "modeling_gpn/bench/command.py",
         "    if args.skip_training and args.memory_seq_lens:",
