@@ -2866,6 +2866,31 @@ MUTATIONS = [
         ("tests/tools/test_bench.py::test_bench_reports_every_implementation",),
     ),
     Mutation(
+        "gpn bench --batch / --seq-len / --segment-length with --skip-training ignored in silence",
+        "modeling_gpn/bench/command.py",
+        "    if args.skip_training and given:",
+        "    if False:  # MUTATION",
+        (
+            "tests/tools/test_bench.py::test_bad_arguments_are_refused_before_any_model_is_built[batch-without-training]",
+            "tests/tools/test_bench.py::test_bad_arguments_are_refused_before_any_model_is_built"
+            "[training-options-without-training]",
+        ),
+    ),
+    Mutation(
+        "gpn bench --decode-prompt-lengths 4 4 measures 4 twice (its columns and ratios printed twice)",
+        "modeling_gpn/bench/command.py",
+        "    if repeated:  # (measured twice, its columns",
+        "    if False:  # MUTATION (measured twice, its columns",
+        ("tests/tools/test_bench.py::test_bad_arguments_are_refused_before_any_model_is_built[repeated-length]",),
+    ),
+    Mutation(
+        "gpn bench's report of a --skip-training run names the batch and length it did not train",
+        "modeling_gpn/bench/command.py",
+        "        if not args.skip_training\n",
+        "        if True  # MUTATION\n",
+        ("tests/tools/test_bench.py::test_bench_states_every_batch_one_figure_against_its_byte_limit",),
+    ),
+    Mutation(
         "gpn bench --memory-seq-lens with --skip-training ignored in silence",
         "modeling_gpn/bench/command.py",
         "    if args.skip_training and args.memory_seq_lens:",

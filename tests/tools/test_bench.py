@@ -47,6 +47,7 @@ def test_bench_reports_every_implementation(tmp_path, capsys):
     for impl in ("plain", "fast", "llama"):
         assert f"| tiny | {impl} |" in printed
     assert "train tok/s / Llama's" in printed and "train peak memory @24 / @12" in printed
+    assert "batch 2 x 12 tokens, GPN training segment 5," in printed
     from modeling_gpn import memory_kernels
 
     kernels = f"on ({memory_kernels.products_isa()})" if memory_kernels.available() else "off ("
@@ -133,7 +134,11 @@ def test_bench_states_every_batch_one_figure_against_its_byte_limit(tmp_path, ca
     printed = capsys.readouterr().out
     for header in ("| step ms | limit ms | step / limit |", "prefill / limit @6", "decode / limit @6", "tok/s @2 rows"):
         assert header in printed, header
-    assert "train tok/s" not in printed
+    assert (
+        "train tok/s" not in printed
+        and "inference only (--skip-training)," in printed
+        and " x 256 tokens" not in printed
+    )
     rows = {row["impl"]: row for row in json.loads(out.read_text())["rows"]}
     fast = rows["fast"]
     assert fast["limit_ms"] > 0 and fast["step_ms"] > 0 and fast["batch_tok_s"]["2"] > 0
@@ -285,6 +290,13 @@ BENCH_BAD = {  # each was a traceback once the models were built (or, for --json
     "nothing-to-measure": (["--decode-prompt-lengths", "--decode-batches"], "nothing to measure"),
     # (measured twice, its rows and ratios printed twice)
     "repeated-preset": (["--preset", "tiny", "tiny"], "--preset names tiny more than once: name each preset once"),
+    "repeated-length": (["--decode-prompt-lengths", "4", "8", "4"], "--decode-prompt-lengths names 4 more than once"),
+    # (ignored in silence, the report saying "batch 8 x 256 tokens" of a run that trained nothing)
+    "batch-without-training": (["--batch", "4"], "--batch sets the training and forward runs, which --skip-training"),
+    "training-options-without-training": (
+        ["--seq-len", "64", "--segment-length", "0"],
+        "--seq-len, --segment-length set the training and forward runs",
+    ),
 }
 
 
@@ -386,7 +398,7 @@ def test_help_explains_every_column(capsys):
     from modeling_gpn.bench.report import _columns
 
     args = _bench_args(["--memory-seq-lens", "24", "--decode-batches", "1", "4"])
-    args.skip_training = False
+    args.skip_training, args.seq_len = False, 12
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
     text = " ".join(capsys.readouterr().out.split())
