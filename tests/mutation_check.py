@@ -2873,6 +2873,52 @@ MUTATIONS = [
         ("tests/tools/test_bench.py::test_help_explains_every_column",),
     ),
     Mutation(
+        "gpn bench's GFLOP/s count a GPN's tied head twice (as the linear and again as the embedding)",
+        "modeling_gpn/bench/models.py",
+        "        return 2.0 * linear + (6 + 2 * config.num_predict_layers) * config.memory_cells\n",
+        "        return 2.0 * (linear + model.get_input_embeddings().weight.numel()) + (6 + 2 * config.num_predict_layers) * config.memory_cells  # MUTATION\n",
+        ("tests/tools/test_bench.py::test_gflops_count_each_weight_once",),
+    ),
+    Mutation(
+        "gpn bench's GFLOP/s count half of a Llama's attention (q.K or the weighted sum of V, not both)",
+        "modeling_gpn/bench/models.py",
+        "    return 2.0 * linear + 2.0 * 2 * config.num_hidden_layers * context * config.hidden_size\n",
+        "    return 2.0 * linear + 2.0 * config.num_hidden_layers * context * config.hidden_size  # MUTATION\n",
+        ("tests/tools/test_bench.py::test_gflops_count_each_weight_once",),
+    ),
+    Mutation(
+        "gpn bench's cache @N: the cache generate() ended with (N + --decode-tokens - 1 positions)",
+        "modeling_gpn/bench/measure.py",
+        "            rows[kind].cache_bytes[length] = prompt_cache_nbytes(model, prompt)\n",
+        "            rows[kind].cache_bytes[length] = generate_timings(model, prompt, args)[2]  # MUTATION\n",
+        ("tests/tools/test_bench.py::test_bench_reports_every_implementation",),
+    ),
+    Mutation(
+        "gpn bench --batch / --seq-len / --segment-length with --skip-training ignored in silence",
+        "modeling_gpn/bench/command.py",
+        "    if args.skip_training and given:",
+        "    if False:  # MUTATION",
+        (
+            "tests/tools/test_bench.py::test_bad_arguments_are_refused_before_any_model_is_built[batch-without-training]",
+            "tests/tools/test_bench.py::test_bad_arguments_are_refused_before_any_model_is_built"
+            "[training-options-without-training]",
+        ),
+    ),
+    Mutation(
+        "gpn bench --decode-prompt-lengths 4 4 measures 4 twice (its columns and ratios printed twice)",
+        "modeling_gpn/bench/command.py",
+        "    if repeated:  # (measured twice, its columns",
+        "    if False:  # MUTATION (measured twice, its columns",
+        ("tests/tools/test_bench.py::test_bad_arguments_are_refused_before_any_model_is_built[repeated-length]",),
+    ),
+    Mutation(
+        "gpn bench's report of a --skip-training run names the batch and length it did not train",
+        "modeling_gpn/bench/command.py",
+        "        if not args.skip_training\n",
+        "        if True  # MUTATION\n",
+        ("tests/tools/test_bench.py::test_bench_states_every_batch_one_figure_against_its_byte_limit",),
+    ),
+    Mutation(
         "gpn bench --memory-seq-lens with --skip-training ignored in silence",
         "modeling_gpn/bench/command.py",
         "    if args.skip_training and args.memory_seq_lens:",

@@ -49,7 +49,7 @@ and memory arithmetic per second (training = 3x forward); "train peak @N" the tr
 memory at length N (CUDA: max_memory_allocated; CPU: resident-set growth); "tok/s @B rows" one-token
 steps at B batch rows (--decode-batches); "prefill tok/s @N" a prompt of N tokens over generate()'s time
 to its first new token, "decode ms @N" the median time between its later new tokens (greedy, batch 1);
-"cache @N" the cache's bytes after N tokens. Every figure is a median of --repeats after a warm-up; the
+"cache @N" the bytes of the cache a prompt of N tokens leaves (a GPN's state does not grow with it). Every figure is a median of --repeats after a warm-up; the
 lines "... ran on:" say which backend each of the fast path's timings used."""
 
 
@@ -66,8 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--impl", nargs="+", default=list(IMPLEMENTATIONS), choices=IMPLEMENTATIONS, help="implementations to measure"
     )
-    parser.add_argument("--batch", type=int, default=8, help="training / forward batch size")
-    parser.add_argument("--seq-len", type=int, default=256, help="training / forward sequence length")
+    # (None: not given, so that --skip-training can refuse them; `check_arguments` sets TRAINING_DEFAULTS)
+    parser.add_argument("--batch", type=int, default=None, help="training / forward batch size (default 8)")
+    parser.add_argument("--seq-len", type=int, default=None, help="training / forward sequence length (default 256)")
     parser.add_argument(
         "--decode-prompt-lengths",
         type=int,
@@ -111,9 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--segment-length",
         type=int,
-        default=256,
+        default=None,
         help="bptt_segment_length for GPN training, as `gpn train --bptt-segment` (0: keep every "
-        "step); windows up to this long train without recomputation",
+        "step; default 256); windows up to this long train without recomputation",
     )
     parser.add_argument(
         "--skip-plain-decode", action="store_true", help="do not run the (slow) plain path through generate()"
@@ -122,10 +123,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="also write all figures to this JSON file")
 
 
+TRAINING_DEFAULTS = {"batch": 8, "seq_len": 256, "segment_length": 256}  # what only training and the forward use
+
+
 def check_arguments(args) -> None:
     """Refuse what would fail only once models are built and measured (a traceback from `statistics.median`,
-    `generate()` or `torch.set_num_threads`), or after the whole run (a --json file that cannot be written)."""
-    counts = {"--repeats": [args.repeats], "--batch": [args.batch], "--seq-len": [args.seq_len]}
+    `generate()` or `torch.set_num_threads`), or after the whole run (a --json file that cannot be written), and
+    options the run would ignore; then set the training options not given to `TRAINING_DEFAULTS`."""
+    counts = {"--repeats": [args.repeats]}
+    for option, value in (("--batch", args.batch), ("--seq-len", args.seq_len)):
+        if value is not None:  # (None: not given, the default set below)
+            counts[option] = [value]
     counts.update({"--decode-prompt-lengths": args.decode_prompt_lengths, "--decode-batches": args.decode_batches})
     counts.update({"--memory-seq-lens": args.memory_seq_lens})
     if args.threads is not None:
@@ -133,6 +141,12 @@ def check_arguments(args) -> None:
     repeated = sorted({preset for preset in args.preset if args.preset.count(preset) > 1})
     if repeated:  # (it was measured twice, its rows and ratios printed twice)
         raise BenchError(f"--preset names {', '.join(repeated)} more than once: name each preset once")
+    lengths = args.decode_prompt_lengths
+    repeated = sorted({length for length in lengths if lengths.count(length) > 1})
+    if repeated:  # (measured twice, its columns and ratios printed twice, the JSON holding the last)
+        raise BenchError(
+            f"--decode-prompt-lengths names {' '.join(map(str, repeated))} more than once: name each length once"
+        )
     for option, values in counts.items():
         if any(value < 1 for value in values):
             raise BenchError(f"{option} must be at least 1, got {' '.join(map(str, values))}")
@@ -140,8 +154,15 @@ def check_arguments(args) -> None:
         raise BenchError(
             f"--decode-tokens must be at least 2 (decode times the gaps between them), got {args.decode_tokens}"
         )
-    if args.segment_length < 0:
+    if args.segment_length is not None and args.segment_length < 0:
         raise BenchError(f"--segment-length must be >= 0 (0: keep every step), got {args.segment_length}")
+    given = [f"--{name.replace('_', '-')}" for name in TRAINING_DEFAULTS if getattr(args, name) is not None]
+    if args.skip_training and given:  # (they were ignored in silence, and the report said "batch 8 x 256 tokens")
+        sets = "sets" if len(given) == 1 else "set"
+        raise BenchError(f"{', '.join(given)} {sets} the training and forward runs, which --skip-training skips")
+    for name, default in TRAINING_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     try:
         torch_device(args.device)
     except ValueError as error:
@@ -235,10 +256,14 @@ def measure_preset(preset: str, args) -> list:
 def report(rows: list, args, interrupted: bool = False) -> None:
     """The table and the lines after it; the JSON report if asked for (`interrupted`: said in it, for a run
     stopped before its last preset)."""
+    training = (
+        f"batch {args.batch} x {args.seq_len} tokens, GPN training segment {args.segment_length or 'none'}, "
+        if not args.skip_training
+        else "inference only (--skip-training), "
+    )
     print(
-        f"\ndevice {args.device}, dtype {args.dtype}, threads {torch.get_num_threads()}, batch {args.batch} x "
-        f"{args.seq_len} tokens, medians of {args.repeats} repeats, GPN training segment {args.segment_length or 'none'}, "
-        f"GPN memory kernels {memory_kernels_state(args.device)}\n"
+        f"\ndevice {args.device}, dtype {args.dtype}, threads {torch.get_num_threads()}, {training}"
+        f"medians of {args.repeats} repeats, GPN memory kernels {memory_kernels_state(args.device)}\n"
     )
     print_table(rows, args)
     print_limits(rows)

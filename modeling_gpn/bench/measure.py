@@ -17,6 +17,7 @@ from .timing import (
     PeakMemory,
     generate_timings,
     one_token_step_fn,
+    prompt_cache_nbytes,
     release_reused_buffers,
     synchronize,
     timed_alternating,
@@ -198,7 +199,8 @@ def _measure_generate(models: dict, rows: dict, vocab: int, generator, args) -> 
         gaps = {kind: [] for kind in decoders}
         reads = {name: [] for name in probes}
         for kind, model in decoders.items():
-            rows[kind].cache_bytes[length] = generate_timings(model, prompt, args)[2]  # (and a warm-up)
+            generate_timings(model, prompt, args)  # (a warm-up)
+            rows[kind].cache_bytes[length] = prompt_cache_nbytes(model, prompt)
         with BackendProbe() as probe:
             for _ in range(repeats):
                 for kind, model in decoders.items():

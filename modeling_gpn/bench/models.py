@@ -147,14 +147,13 @@ def count_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def forward_flops_per_token(model, context: int) -> float:
-    """Multiply-adds x 2 of one token's forward pass (matmuls, memory, attention at a mean context)."""
+def forward_flops_per_token(model, context: float) -> float:
+    """Multiply-adds x 2 of one token's forward pass: every nn.Linear's weight once (the output head among
+    them, tied to the embedding or not; the embedding's lookup multiplies nothing), and a GPN's memory, or a
+    Llama's attention at a mean `context` (q.K and the weighted sum of V: 2 x context x hidden a layer)."""
     config = model.config
+    # (the embedding counted beside the linears counted the tied head twice: a fifth of small's figure)
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    embedding = model.get_input_embeddings().weight.numel()
     if config.model_type == "gpn":
-        cells = config.memory_cells
-        return 2.0 * (linear + embedding) + (6 + 2 * config.num_predict_layers) * cells
-    if getattr(config, "tie_word_embeddings", False):
-        linear += embedding
-    return 2.0 * linear + 2.0 * config.num_hidden_layers * context * config.hidden_size
+        return 2.0 * linear + (6 + 2 * config.num_predict_layers) * config.memory_cells
+    return 2.0 * linear + 2.0 * 2 * config.num_hidden_layers * context * config.hidden_size

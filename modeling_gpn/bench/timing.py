@@ -126,6 +126,14 @@ def cache_nbytes(cache) -> int:
     return total
 
 
+def prompt_cache_nbytes(model, prompt: torch.Tensor) -> int:
+    """Bytes of the cache a forward of `prompt` leaves: the "cache @N" column, N positions (the cache a
+    generate() call ends with holds its new tokens too, --decode-tokens - 1 more positions of a Llama's)."""
+    with torch.no_grad():
+        output = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+    return cache_nbytes(getattr(output, "cache", None) or output.past_key_values)
+
+
 class BackendProbe:
     """What the fast path ran on while the block ran, from the Triton kernel launches, CUDA graph replays and
     C step-kernel calls made meanwhile (`triton_kernels.launches`, `cuda_graphs.replays`,

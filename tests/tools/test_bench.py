@@ -47,6 +47,7 @@ def test_bench_reports_every_implementation(tmp_path, capsys):
     for impl in ("plain", "fast", "llama"):
         assert f"| tiny | {impl} |" in printed
     assert "train tok/s / Llama's" in printed and "train peak memory @24 / @12" in printed
+    assert "batch 2 x 12 tokens, GPN training segment 5," in printed
     from modeling_gpn import memory_kernels
 
     kernels = f"on ({memory_kernels.products_isa()})" if memory_kernels.available() else "off ("
@@ -67,9 +68,10 @@ def test_bench_reports_every_implementation(tmp_path, capsys):
     if memory_kernels.available():  # (a one-token step of one row: the whole token in one C call)
         assert "decoded tokens in one call" in backend["step @1 rows"], backend
     assert "fast train ran on: torch ops" in printed and report["triton_self_checks"] == {}
-    # a GPN's cache does not grow with the prompt; the Llama's does
+    # a GPN's cache does not grow with the prompt; the Llama's holds the prompt's positions (it was the cache
+    # generate() ended with: 2 more new tokens' positions here)
     assert rows["fast"]["cache_bytes"]["4"] == rows["fast"]["cache_bytes"]["9"]
-    assert rows["llama"]["cache_bytes"]["9"] > rows["llama"]["cache_bytes"]["4"]
+    assert rows["llama"]["cache_bytes"]["9"] * 4 == rows["llama"]["cache_bytes"]["4"] * 9
 
 
 def test_bench_measures_int4_weights_on_the_fast_path(tmp_path, capsys):
@@ -132,7 +134,11 @@ def test_bench_states_every_batch_one_figure_against_its_byte_limit(tmp_path, ca
     printed = capsys.readouterr().out
     for header in ("| step ms | limit ms | step / limit |", "prefill / limit @6", "decode / limit @6", "tok/s @2 rows"):
         assert header in printed, header
-    assert "train tok/s" not in printed
+    assert (
+        "train tok/s" not in printed
+        and "inference only (--skip-training)," in printed
+        and " x 256 tokens" not in printed
+    )
     rows = {row["impl"]: row for row in json.loads(out.read_text())["rows"]}
     fast = rows["fast"]
     assert fast["limit_ms"] > 0 and fast["step_ms"] > 0 and fast["batch_tok_s"]["2"] > 0
@@ -213,6 +219,25 @@ def test_the_one_token_step_continues_each_models_cache():
     torch.testing.assert_close(logits[-1].logits[:, -1], continued, rtol=1e-4, atol=1e-4)
 
 
+def test_gflops_count_each_weight_once():
+    """GFLOP/s counts 2 flops a weight a token: every matrix once (the tied embedding as the output head only:
+    its lookup multiplies nothing), plus a GPN's memory or a Llama's attention (q.K and the weighted sum of V at
+    the mean context). The tied head was counted twice (a fifth of small's figure), the attention half."""
+    from modeling_gpn.bench import build_gpn, forward_flops_per_token, matched_llama
+
+    gpn = build_gpn("tiny", "float32", "cpu", 0)
+    llama = matched_llama(gpn.config, 50_000, "float32", "cpu")
+    config = gpn.config
+
+    def matrices(model):  # (parameters() yields a tied weight once)
+        return sum(p.numel() for p in model.parameters() if p.dim() == 2)
+
+    memory = (6 + 2 * config.num_predict_layers) * config.memory_cells
+    assert forward_flops_per_token(gpn, 64) == 2 * matrices(gpn) + memory
+    layers, hidden = llama.config.num_hidden_layers, llama.config.hidden_size
+    assert forward_flops_per_token(llama, 64) == 2 * matrices(llama) + 2 * (2 * 64 * hidden) * layers
+
+
 def test_an_unknown_preset_is_refused_before_anything_is_measured(capsys):
     """Every preset is checked first: a misspelt second one is one line naming it and the presets there are,
     not a traceback after the first one's minutes of measuring."""
@@ -265,6 +290,13 @@ BENCH_BAD = {  # each was a traceback once the models were built (or, for --json
     "nothing-to-measure": (["--decode-prompt-lengths", "--decode-batches"], "nothing to measure"),
     # (measured twice, its rows and ratios printed twice)
     "repeated-preset": (["--preset", "tiny", "tiny"], "--preset names tiny more than once: name each preset once"),
+    "repeated-length": (["--decode-prompt-lengths", "4", "8", "4"], "--decode-prompt-lengths names 4 more than once"),
+    # (ignored in silence, the report saying "batch 8 x 256 tokens" of a run that trained nothing)
+    "batch-without-training": (["--batch", "4"], "--batch sets the training and forward runs, which --skip-training"),
+    "training-options-without-training": (
+        ["--seq-len", "64", "--segment-length", "0"],
+        "--seq-len, --segment-length set the training and forward runs",
+    ),
 }
 
 
@@ -366,7 +398,7 @@ def test_help_explains_every_column(capsys):
     from modeling_gpn.bench.report import _columns
 
     args = _bench_args(["--memory-seq-lens", "24", "--decode-batches", "1", "4"])
-    args.skip_training = False
+    args.skip_training, args.seq_len = False, 12
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
     text = " ".join(capsys.readouterr().out.split())
