@@ -24,7 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "model's vocab_size",
     )
     parser.add_argument(
-        "--push-to-hub", metavar="REPO_ID", default=None, help="also publish OUT to this Hub repo (see `gpn push`)"
+        "--push-to-hub",
+        metavar="REPO_ID",
+        default=None,
+        help="also publish OUT to this Hub repo (see `gpn push`; needs --tokenizer, as a published model carries one)",
     )
 
 

@@ -67,8 +67,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--impl", nargs="+", default=list(IMPLEMENTATIONS), choices=IMPLEMENTATIONS, help="implementations to measure"
     )
     # (None: not given, so that --skip-training can refuse them; `check_arguments` sets TRAINING_DEFAULTS)
-    parser.add_argument("--batch", type=int, default=None, help="training / forward batch size (default 8)")
-    parser.add_argument("--seq-len", type=int, default=None, help="training / forward sequence length (default 256)")
+    parser.add_argument(
+        "--batch", type=int, default=None, help="training / forward batch size (default 8; not with --skip-training)"
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="training / forward sequence length (default 256; not with --skip-training)",
+    )
     parser.add_argument(
         "--decode-prompt-lengths",
         type=int,
@@ -103,8 +110,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="float32",
         choices=DTYPES,
         help="weight dtype; int8 / int4: the bfloat16 model with every nn.Linear quantized by torchao's "
-        "int8 weight-only config / its int4 weight-only IntxWeightOnlyConfig (groups of 32) (needs torchao; the "
-        "tied heads stay bf16)",
+        "int8 weight-only config / its int4 weight-only IntxWeightOnlyConfig (groups of 32) (needs torchao and "
+        "--skip-training; the tied heads stay bf16)",
     )
     parser.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device to measure on"
@@ -114,7 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="bptt_segment_length for GPN training, as `gpn train --bptt-segment` (0: keep every "
-        "step; default 256); windows up to this long train without recomputation",
+        "step; default 256; not with --skip-training); windows up to this long train without recomputation",
     )
     parser.add_argument(
         "--skip-plain-decode", action="store_true", help="do not run the (slow) plain path through generate()"

@@ -23,8 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data-dir",
         default=None,
-        help="local evaluation data laid out like ../shared/data "
-        "(lambada/, fineweb-edu/); default: the study's own eval settings (Hub data)",
+        help="local evaluation data laid out like ../shared/data (lambada/; the held-out PPL scores each model's own "
+        "training token stream, docs/study.md); default: the study's own eval settings (Hub data)",
     )
     parser.add_argument("--only", nargs="+", default=None, help="train and evaluate only these models of the study")
     parser.add_argument("--steps", type=int, default=None, help="override the study's optimizer steps (budget)")
