@@ -630,6 +630,7 @@ def _evaluate(model_path: str, settings: EvalSettings, model, tokenizer) -> dict
             if reads_a_token_cache:  # the stream a gpn train run read, whatever its corpus (a Hub one too)
                 stream = read_token_cache(settings.fineweb_token_cache, tokenizer)
                 used, token_cache = stream.meta["documents"], str(stream.folder)
+                source = f"{token_cache} (gpn train's tokens of {corpus_named(stream.meta.get('corpus'))})"
             elif settings.fineweb_held_out_fraction is not None and (corpus := training_corpus(source, settings)):
                 # gpn train's own token stream of the corpus, from its cache (tokenized into it as gpn train
                 # would, where missing): the held-out windows are the ones it held out, read without holding
@@ -706,6 +707,19 @@ def read_token_cache(folder: str, tokenizer):
             "read as other tokens"
         )
     return stream
+
+
+def corpus_named(fingerprint: dict | None) -> str:
+    """The corpus a token cache's `meta.json` fingerprints, as a reader names it: its file (and how many more), the
+    built-in corpus's name, or the Hub dataset's `hf://` name."""
+    fingerprint = fingerprint if isinstance(fingerprint, dict) else {}
+    kind = fingerprint.get("kind")
+    if kind == "local" and fingerprint.get("files"):
+        files = fingerprint["files"]
+        return str(files[0][0]) + (f" and {len(files) - 1} more files" if len(files) > 1 else "")
+    if kind == "hub":
+        return f"hf://{fingerprint.get('name')} ({fingerprint.get('config')}, {fingerprint.get('split')})"
+    return str(fingerprint.get("name") or "an unnamed corpus")
 
 
 def training_corpus(source: str | None, settings: EvalSettings):

@@ -1047,6 +1047,13 @@ MUTATIONS = [
         ("tests/tools/test_study.py::test_toy_study_end_to_end",),
     ),
     Mutation(
+        "gpn push's card puts a FineWeb figure of other text beside the paper's with nothing said",
+        "modeling_gpn/hub/model_card.py",
+        '    if "fineweb_paper" in evaluation.tasks and fineweb_data and "fineweb" not in fineweb_data.lower():\n',
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_hub.py::test_card_says_a_fineweb_figure_of_other_text_is_not_fineweb",),
+    ),
+    Mutation(
         "gpn eval --fineweb-token-cache reads a stream of another tokenizer",
         "eval/runner.py",
         '    if stream.meta.get("tokenizer") != tokenizer_fingerprint(tokenizer):\n',

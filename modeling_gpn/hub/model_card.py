@@ -435,8 +435,13 @@ PAPER_FINEWEB_WINDOW, PAPER_LAMBADA_EXAMPLES = 2048, 5153
 
 def run_differences(evaluation: EvalInfo) -> list[str]:
     """How the evaluation's run differs from the paper's, as `gpn eval`'s own report flags it: a figure beside
-    Table 1 from shorter FineWeb windows, fewer LAMBADA examples or cast weights is not the paper's measure."""
+    Table 1 from other text than FineWeb-Edu, shorter FineWeb windows, fewer LAMBADA examples or cast weights is
+    not the paper's measure."""
     differences = []
+    fineweb_data = evaluation.data.get("fineweb_paper")
+    if "fineweb_paper" in evaluation.tasks and fineweb_data and "fineweb" not in fineweb_data.lower():
+        # (gpn eval's protocol on another corpus: a held-out split of the training text, --task-data, ...)
+        differences.append(f"FineWeb PPL scored on other text than FineWeb-Edu ({fineweb_data})")
     window = evaluation.tasks.get("fineweb_paper", {}).get("window")
     if is_number(window) and window != PAPER_FINEWEB_WINDOW:
         differences.append(f"FineWeb PPL over {window:,}-token windows (the paper's are {PAPER_FINEWEB_WINDOW:,})")

@@ -297,11 +297,9 @@ def test_held_out_fraction_scores_gpn_train_held_out_windows_of_a_real_corpus(gp
     results = json.loads((tmp_path / "out4" / "eval_results.json").read_text())
     scored = results["tasks"]["fineweb_paper"]
     assert (scored["first_window"], scored["windows"]) == (windows.num_train, windows.num_val)
-    assert (
-        results["token_cache"]
-        == {"fineweb_paper": str(stream.folder)}
-        == {"fineweb_paper": results["data"]["fineweb_paper"]}
-    )
+    assert results["token_cache"] == {"fineweb_paper": str(stream.folder)}
+    named = f"{stream.folder} (gpn train's tokens of {(folder / 'a.txt').resolve()} and 1 more files)"
+    assert results["data"]["fineweb_paper"] == named  # (the model card says it is not FineWeb-Edu)
     # beside an option that cuts the documents, of another tokenizer, or not a token cache: refused, saying why
     other_tokenizer = tmp_path / "other-tokenizer-cache"
     shutil.copytree(stream.folder, other_tokenizer)

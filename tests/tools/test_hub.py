@@ -296,6 +296,22 @@ def test_card_text_states_architecture_training_and_results_beside_the_paper(sou
     assert "All results of this model (lm-eval 0.4.13), measured with the weights in bfloat16:" in text
 
 
+def test_card_says_a_fineweb_figure_of_other_text_is_not_fineweb(source, tmp_path):
+    """`fineweb_paper` scored on another corpus (a run's held-out windows of its own text, `--task-data`) filled
+    the card's FineWeb PPL column beside the paper's with nothing said."""
+    from modeling_gpn.hub import push_folder
+
+    folder = copy_source(source, tmp_path)
+    results = json.loads((folder / "eval_results.json").read_text())
+    results["data"]["fineweb_paper"] = "/tokens/abc (gpn train's tokens of /data/tinyshakespeare/input.txt)"
+    (folder / "eval_results.json").write_text(json.dumps(results))
+    text = (push_folder(folder, "gpn-other-text", dry_run=tmp_path / "out", quiet=True).path / "README.md").read_text()
+    assert (
+        "not as the paper ran them: FineWeb PPL scored on other text than FineWeb-Edu (/tokens/abc (gpn train's "
+        "tokens of /data/tinyshakespeare/input.txt)); FineWeb PPL over 128-token windows" in text
+    ), text
+
+
 def test_card_without_eval_or_training_log_uses_the_paper_table(source, tmp_path):
     from modeling_gpn.hub import push_folder
     from modeling_gpn.hub.model_card import PAPER_TABLE_1

@@ -44,7 +44,8 @@ def test_toy_study_end_to_end(tmp_path):
         fineweb = evaluated["tasks"]["fineweb_paper"]
         assert (fineweb["first_window"], fineweb["windows"]) == (held_out.num_train, held_out.num_val) == (563, 62)
         assert fineweb["stream_tokens"] == 20000 and evaluated["token_cache"] == {"fineweb_paper": str(cache)}
-        assert evaluated["data"]["fineweb_paper"] == str(cache)  # (the stream its training summary named)
+        # (the stream its training summary named)
+        assert evaluated["data"]["fineweb_paper"] == f"{cache} (gpn train's tokens of {corpus.resolve()})"
         # every model reads LAMBADA through the training window (the Gated DeltaNet read it through Qwen3-Next's
         # 32,768 tokens, the others through 32)
         assert evaluated["max_length"] == 32, (name, evaluated["max_length"])
