@@ -990,6 +990,13 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "gpn study --dataset ignored (the study's own corpus trained on)",
+        "modeling_gpn/study/cli.py",
+        '        overrides["dataset"] = args.dataset\n',
+        "        pass  # MUTATION\n",
+        ("tests/tools/test_study.py::test_a_run_of_part_of_a_study_reports_every_model_finished_in_its_folder",),
+    ),
+    Mutation(
         "gpn study --steps 0 ignored in silence (the study's own steps ran)",
         "modeling_gpn/study/cli.py",
         "if args.steps is not None else {}",

@@ -28,6 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--only", nargs="+", default=None, help="train and evaluate only these models of the study")
     parser.add_argument("--steps", type=int, default=None, help="override the study's optimizer steps (budget)")
+    parser.add_argument(
+        "--dataset",
+        default=None,
+        help="override the study's training corpus, as gpn train --dataset takes it (a local file, folder or glob, "
+        "shakespeare, or a Hub dataset name): every model trains on it and is scored on its held-out windows",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -38,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
     from modeling_gpn.train import RUN_ERRORS, ResumeMismatchError, TrainingStopped
 
     overrides = {"steps": args.steps} if args.steps is not None else {}  # (--steps 0 is refused, not ignored)
+    if args.dataset is not None:
+        overrides["dataset"] = args.dataset
     try:
         results = run_study(args.study, args.output, args.data_dir, args.only, overrides, not args.no_progress)
     except StudyError as error:  # (raised before anything is trained)

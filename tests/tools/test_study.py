@@ -256,12 +256,13 @@ def test_a_run_of_part_of_a_study_reports_every_model_finished_in_its_folder(tmp
 
     corpus = require_shared("data/tinyshakespeare/input.txt")
     study = load_study("toy")
-    study["recipe"].update(dataset=str(corpus), max_tokens=20000, cache_dir=str(tmp_path / "cache"), steps=2)
+    study["recipe"].update(max_tokens=20000, cache_dir=str(tmp_path / "cache"), steps=2)  # (its corpus: --dataset)
     study["models"] = {name: study["models"][name] for name in ("gpn", "gpn-m-1l", "transformer++")}
     study["eval"] = {**study["eval"], "tasks": ["fineweb_paper"], "limit": 2}
     (tmp_path / "study.json").write_text(json.dumps(study))
     output = tmp_path / "out"
     command = ["study", "--study", str(tmp_path / "study.json"), "--output", str(output), "--no-progress"]
+    command += ["--dataset", str(corpus)]
     assert main([*command, "--only", "gpn"]) == 0
     assert main([*command, "--only", "gpn-m-1l"]) == 0
     capsys.readouterr()
