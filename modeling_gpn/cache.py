@@ -551,7 +551,10 @@ def continuation_start(
     - G > `seen`: the fingerprint of the first `seen` positions given (token ids and padding,
       `token_fingerprint`) decides: the cache's own in every row means the whole sequence, in no row the new
       positions; rows that disagree, embeddings (nothing to fingerprint) and a cache that does not know what
-      it read (it read embeddings, or was rebuilt by a traced program) are refused.
+      it read (it read embeddings, or was rebuilt by a traced program) are refused;
+    - G >= `seen` with a row whose fingerprint matches only with the padding inside it counted as read (the pad
+      tokens generate() feeds a row that ended with EOS, which a mask inferred from pad_token_id pads): refused,
+      naming the rows (a state cannot un-read them).
 
     What it cannot judge, and takes by the rule above: new positions that repeat, in every row, exactly what
     the cache has read (they are taken for the whole sequence; pass the mask of `seen` + G columns to feed
