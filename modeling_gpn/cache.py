@@ -551,7 +551,10 @@ def continuation_start(
     - G > `seen`: the fingerprint of the first `seen` positions given (token ids and padding,
       `token_fingerprint`) decides: the cache's own in every row means the whole sequence, in no row the new
       positions; rows that disagree, embeddings (nothing to fingerprint) and a cache that does not know what
-      it read (it read embeddings, or was rebuilt by a traced program) are refused.
+      it read (it read embeddings, or was rebuilt by a traced program) are refused;
+    - G >= `seen` with a row whose fingerprint matches only with the padding inside it counted as read (the pad
+      tokens generate() feeds a row that ended with EOS, which a mask inferred from pad_token_id pads): refused,
+      naming the rows (a state cannot un-read them).
 
     What it cannot judge, and takes by the rule above: new positions that repeat, in every row, exactly what
     the cache has read (they are taken for the whole sequence; pass the mask of `seen` + G columns to feed
@@ -595,6 +598,25 @@ def continuation_start(
         )
     prefix_mask = None if attention_mask is None else attention_mask[:, :seen]
     matches = (token_fingerprint(input_ids[:, :seen], prefix_mask) == known.to(input_ids.device)).all(dim=1)
+    if prefix_mask is not None and not bool(matches.all()):
+        # generate() feeds a row that ended (EOS) pad tokens, unmasked, while others go on, and the cache reads them
+        # as tokens; the mask transformers infers from pad_token_id for the whole sequence marks them as padding, so
+        # that row looked like new positions: rows disagreeing were refused for the wrong reason, and where every row
+        # had such a tail (a continued cache's second round) the whole sequence was read again, in silence. A row that
+        # matches with its padding after the first real position taken as read is named instead.
+        after_first = prefix_mask.long().cummax(dim=1).values  # left padding kept, padding inside the row read
+        read_as_tokens = ~matches & (
+            token_fingerprint(input_ids[:, :seen], after_first) == known.to(input_ids.device)
+        ).all(dim=1)
+        if bool(read_as_tokens.any()):
+            raise ValueError(
+                f"generate() got {given} positions with a cache that has read {seen}: rows "
+                f"{read_as_tokens.nonzero()[:, 0].tolist()} begin with what the cache read, but the attention_mask marks "
+                "as padding positions that the cache read as tokens (after a row ends with EOS, generate() feeds it pad "
+                "tokens, unmasked, while other rows go on; a mask inferred from pad_token_id marks them as padding), and "
+                "a state cannot un-read them. Pass an attention_mask with 1 at those positions (as the cache read "
+                f"them), or only the new positions with an attention_mask of {seen} + new columns."
+            )
     if given == seen:
         if bool(matches.all()):
             raise ValueError(

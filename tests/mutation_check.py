@@ -571,6 +571,15 @@ MUTATIONS = [
         ("tests/model/test_generate.py::test_beam_search_reorders_what_each_cache_row_has_read",),
     ),
     Mutation(
+        "a continued whole sequence whose mask pads what the cache read as tokens (pads after a row's EOS) is refused by name",
+        "modeling_gpn/cache.py",
+        "    if prefix_mask is not None and not bool(matches.all()):\n",
+        "    if False:  # MUTATION\n",
+        (
+            "tests/model/test_generate.py::test_a_continued_whole_sequence_whose_mask_pads_what_the_cache_read_is_refused_by_name",
+        ),
+    ),
+    Mutation(
         "hub refusal names the field (the loader's error dropped)",
         "modeling_gpn/hub/checks.py",
         'f"{path} does not load as a GPNConfig: {error}"',

@@ -418,3 +418,37 @@ def test_continuing_with_a_mask_over_the_new_positions_in_prefill_chunks(model):
     continued = model.generate(new, attention_mask=new_mask, cache=cache, prefill_chunk_size=2, **settings)
     assert torch.equal(continued.sequences[:, 5:], whole.sequences[:, 12:])
     torch.testing.assert_close(torch.stack(continued.logits), torch.stack(whole.logits), atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def test_a_continued_whole_sequence_whose_mask_pads_what_the_cache_read_is_refused_by_name(model):
+    """A row that ends (EOS) while others go on is fed pad tokens, unmasked, and its cache reads them as tokens; given
+    the whole sequence back, transformers infers a mask from pad_token_id that marks them as padding. After two rounds
+    in which each row ended first once, no row matched its fingerprint and the whole sequence was read again as new
+    positions, in silence (45 positions read, not 25); after one round the rows disagreed, refused for the wrong
+    reason. Named instead; the whole sequence with 1 at those positions continues as one run."""
+    prompt = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(0))
+    first = model.generate(prompt, max_new_tokens=6, eos_token_id=[43], do_sample=False, return_dict_in_generate=True)
+    read = first.cache.get_seq_length()
+    sequence = torch.cat([first.sequences, torch.tensor([[5, 6], [7, 8]])], dim=1)
+    second = model.generate(
+        sequence[:, read:],
+        attention_mask=torch.ones(2, sequence.shape[1], dtype=torch.long),
+        cache=first.cache,
+        max_new_tokens=6,
+        eos_token_id=[54],
+        do_sample=False,
+        return_dict_in_generate=True,
+    )
+    sequence = torch.cat([sequence[:, :read], second.sequences, torch.tensor([[9, 10], [11, 12]])], dim=1)
+    ended = sequence[:, 7:-2] == PAD
+    assert ended[0].any() and ended[1].any()  # (each row ended with EOS while the other went on, once)
+    cache = second.cache
+    with pytest.raises(ValueError, match=r"rows \[0, 1\] begin with what the cache read, but the attention_mask marks"):
+        model.generate(sequence, cache=cache, max_new_tokens=3, do_sample=False)
+    assert cache.get_seq_length() == 20
+    continued = model.generate(
+        sequence, attention_mask=torch.ones_like(sequence), cache=cache, max_new_tokens=3, do_sample=False
+    )
+    assert sequence.shape[1] == 23 and cache.get_seq_length() == 23 + 2  # (the last token generated is not read)
+    assert torch.equal(continued, argmax_continuation(model, sequence, 3))
