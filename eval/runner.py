@@ -543,6 +543,11 @@ def check_settings(settings: EvalSettings) -> None:
             raise ValueError(
                 f"--fineweb-token-cache reads a token stream gpn train cut already: {named} would be ignored beside it"
             )
+        if not (Path(settings.fineweb_token_cache) / "meta.json").is_file():
+            raise ValueError(
+                f"--fineweb-token-cache {settings.fineweb_token_cache} is not a gpn train token cache (no meta.json "
+                "there): give the folder its data line printed ('tokenized at ...' or 'cached at ...')"
+            )
     if fraction is not None and settings.fineweb_separator != "eos":
         raise ValueError(
             "--fineweb-held-out-fraction scores gpn train's held-out windows, of a stream that joins documents with "
@@ -695,12 +700,7 @@ def read_token_cache(folder: str, tokenizer):
     from modeling_gpn.data import TokenStream
     from modeling_gpn.data.tokenizer import tokenizer_fingerprint
 
-    if not (Path(folder) / "meta.json").is_file():
-        raise ValueError(
-            f"--fineweb-token-cache {folder} is not a gpn train token cache (no meta.json there): give the folder "
-            "its data line printed ('tokenized at ...' or 'cached at ...')"
-        )
-    stream = TokenStream(Path(folder))
+    stream = TokenStream(Path(folder))  # (check_settings saw it is a token cache)
     if stream.meta.get("tokenizer") != tokenizer_fingerprint(tokenizer):
         raise ValueError(
             f"--fineweb-token-cache {folder} holds the tokens of another tokenizer than the model's: its ids would be "

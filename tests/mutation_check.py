@@ -1070,6 +1070,13 @@ MUTATIONS = [
         ("tests/tools/test_hub.py::test_card_says_a_fineweb_figure_of_other_text_is_not_fineweb",),
     ),
     Mutation(
+        "gpn eval --fineweb-token-cache takes a folder that is no token cache (the model loaded first)",
+        "eval/runner.py",
+        '        if not (Path(settings.fineweb_token_cache) / "meta.json").is_file():\n',
+        "        if False:  # MUTATION\n",
+        ("tests/ecosystem/test_eval.py::test_held_out_fraction_scores_gpn_train_held_out_windows_of_a_real_corpus",),
+    ),
+    Mutation(
         "gpn eval --fineweb-token-cache reads a stream of another tokenizer",
         "eval/runner.py",
         '    if stream.meta.get("tokenizer") != tokenizer_fingerprint(tokenizer):\n',
