@@ -81,7 +81,12 @@ from .generation import (
     refuse_non_finite_prompt_logits,
     refuse_peft_prompt_learning_generate,
 )
-from .output_layer import output_embeddings, refuse_what_fsdp2_cannot_tie
+from .output_layer import (
+    mixed_batch_adapter_names,
+    mixed_batch_logits,
+    output_embeddings,
+    refuse_what_fsdp2_cannot_tie,
+)
 from .packing import packed_sequence_starts, packing_arguments, refuse_packed_rows
 from .prefill import forward_in_chunks, prefill_chunk_length_for
 from .sharding import check_sharded_lengths, placement_warning
@@ -1021,12 +1026,15 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         `lm_head`'s weight."""
         return _is_plain_linear(self.lm_head) and not _is_plain_embedding(self.model.embed_tokens)
 
-    def embedding_table(self) -> torch.Tensor:
+    def embedding_table(self, adapter_name: str | None = None) -> torch.Tensor:
         """The (vocab, e) table the embedding module computes: its forward on every id (a wrapper's adapted table),
         with the gradients of whatever it trains. Hooks on the input embedding are input-side by transformers'
-        convention (NEFTune noise, `enable_input_require_grads`) and do not run here."""
+        convention (NEFTune noise, `enable_input_require_grads`) and do not run here. `adapter_name`: the table of
+        that PEFT adapter alone ("__base__": of none), as PEFT's mixed-batch inference computes a row's embedding."""
         embedding = self.model.embed_tokens
         ids = torch.arange(self.config.vocab_size, device=next(embedding.parameters()).device)
+        if adapter_name is not None:  # (one row of every id, its adapter named)
+            return embedding.forward(ids[None], adapter_names=[adapter_name])[0]
         if _is_fsdp_module(embedding):
             # FSDP2 shards the table; only the module's own call gathers it (in its pre-forward hook) and
             # reduces its gradient (in its backward hook), so here the hooks must run.
@@ -1063,6 +1071,9 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         """Logits of decoded vectors (rows of `last_hidden_state`): `lm_head(hidden)`, the head called as a module,
         or `hidden` times the wrapped embedding's table while the output follows it."""
         if self.output_follows_embedding():
+            adapter_names = mixed_batch_adapter_names(self.model.embed_tokens)
+            if adapter_names is not None:  # (PEFT's mixed batch: each row's output follows its own adapter)
+                return mixed_batch_logits(hidden, adapter_names, self.embedding_table)
             table = self.embedding_table()
             return F.linear(hidden.to(table.dtype), table)
         self._check_tied()
@@ -1306,12 +1317,15 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
     def output_matrix(self) -> torch.Tensor | None:
         """The (vocab, e) matrix the logits multiply `last_hidden_state` by, for reading directly (as the chunked
         loss does): `lm_head`'s weight, or the wrapped embedding's table while the output follows it; None where
-        only calling `lm_head` computes the output (a wrapped, replaced, biased or hooked head).
+        only calling `lm_head` computes the output (a wrapped, replaced, biased or hooked head), or each row has its own
+        (PEFT's mixed-batch inference with an adapter on the embedding).
 
         Under FSDP2 a weight still sharded is gathered (`full_tensor()`, whose backward reduce-scatters the
         gradient), as TRL's fused head does; an FSDP2 module's own hooks are its sharding, not a change of output.
         """
         if self.output_follows_embedding():
+            if mixed_batch_adapter_names(self.model.embed_tokens) is not None:
+                return None  # (one matrix per row's adapter: `logits_of` computes them)
             return self.embedding_table()
         head = self.lm_head
         if not _is_plain_linear(head) or head.bias is not None:

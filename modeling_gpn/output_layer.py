@@ -45,6 +45,11 @@ class EmbeddingTableHead(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The (vocab, e) table the wrapped embedding computes."""
+        if mixed_batch_adapter_names(self.embedding) is not None:
+            raise ValueError(
+                "PEFT's mixed-batch inference (adapter_names=...) gives each row the output matrix of its own adapter, "
+                "so there is no one output weight: call the model (its logits follow each row's adapter)"
+            )
         state, parameters = _table_state(self.embedding)
         if self._kept is None or self._kept[0] != state:
             table = self.table()
@@ -85,6 +90,40 @@ def _table_state(embedding: nn.Module) -> tuple[Hashable, list]:
     if any(key[2] is None for key in keys):
         return object(), parameters  # (unequal to any other state)
     return (torch.is_grad_enabled(), embedding.training, adapters, keys), parameters
+
+
+def mixed_batch_adapter_names(embedding: nn.Module) -> list | None:
+    """The adapter of each row (a name, or "__base__" for none) while PEFT's mixed-batch inference runs
+    (`peft_model(..., adapter_names=[...])`, its generate() too), else None. PEFT hands them to each adapted layer
+    in a forward pre-hook holding them as its `adapter_names` keyword; the output side computes the table without
+    calling the embedding's hooks (`GPNForCausalLM.embedding_table`), so it reads them there, or every row's logits
+    would follow the active adapter whatever adapter its input side used."""
+    names = None
+    for hook in embedding._forward_pre_hooks.values():
+        keywords = getattr(hook, "keywords", None)
+        if isinstance(keywords, dict) and "adapter_names" in keywords:
+            names = keywords["adapter_names"]  # (the last one registered is the one the forward sees)
+    return names
+
+
+def mixed_batch_logits(
+    hidden: torch.Tensor, adapter_names: list, table_of: Callable[[str], torch.Tensor]
+) -> torch.Tensor:
+    """The logits of `hidden` (batch, ..., e), each row against `table_of(its adapter's name)`, the table the wrapped
+    embedding computes with that adapter alone (PEFT's mixed-batch inference)."""
+    if len(adapter_names) != hidden.shape[0]:
+        raise ValueError(
+            f"adapter_names names {len(adapter_names)} adapters for {hidden.shape[0]} rows: give one per row"
+        )
+    parts = []
+    for name in dict.fromkeys(adapter_names):
+        rows = torch.tensor([i for i, n in enumerate(adapter_names) if n == name], device=hidden.device)
+        table = table_of(name)
+        parts.append((rows, F.linear(hidden[rows].to(table.dtype), table)))
+    logits = parts[0][1].new_empty(*hidden.shape[:-1], parts[0][1].shape[-1])
+    for rows, part in parts:
+        logits = logits.index_copy(0, rows, part)
+    return logits
 
 
 def carries_the_embeddings_token_adapter(head: nn.Module, embedding: nn.Module) -> bool:

@@ -674,6 +674,28 @@ MUTATIONS = [
         ("tests/ecosystem/test_trl.py -k fused_head_log_probs and (embedding or trainable)",),
     ),
     Mutation(
+        "output layer (PEFT's mixed batch: every row's logits follow the active adapter's table)",
+        "modeling_gpn/output_layer.py",
+        '            names = keywords["adapter_names"]  # (the last one registered is the one the forward sees)\n'
+        "    return names\n",
+        '            names = keywords["adapter_names"]\n    return None  # MUTATION\n',
+        ("tests/ecosystem/test_ecosystem.py -k peft_lora_trains_saves_reloads_and_merges",),
+    ),
+    Mutation(
+        "output layer (PEFT's mixed batch: a tool reading the output weight gets the active adapter's table)",
+        "modeling_gpn/output_layer.py",
+        "        if mixed_batch_adapter_names(self.embedding) is not None:\n",
+        "        if False:  # MUTATION\n",
+        ("tests/ecosystem/test_ecosystem.py -k peft_lora_trains_saves_reloads_and_merges",),
+    ),
+    Mutation(
+        "output layer (PEFT's mixed batch: the loss reads the active adapter's table for every row)",
+        "modeling_gpn/modeling_gpn.py",
+        "            if mixed_batch_adapter_names(self.model.embed_tokens) is not None:\n                return None",
+        "            if False:  # MUTATION\n                return None",
+        ("tests/ecosystem/test_ecosystem.py -k peft_lora_trains_saves_reloads_and_merges",),
+    ),
+    Mutation(
         "output layer (FSDP2's preparation is shown the table view: head and wrapped embedding in two groups)",
         "modeling_gpn/output_layer.py",
         "    return asker if asker in (PEFT_ALL_LINEAR, FSDP2_PREPARE) else None\n",

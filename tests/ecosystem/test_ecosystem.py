@@ -377,6 +377,21 @@ def test_peft_lora_trains_saves_reloads_and_merges(tmp_path):
 
     adapted.eval()
     adapted_logits = logits_of(adapted, ids)
+    # PEFT's mixed batch: each row's logits, and the loss, follow its own adapter on the output side (the embedding's
+    # table) too (the base rows were scored against the adapted table); the one output weight a tool reads is refused
+    with adapted.disable_adapter():
+        base_logits = logits_of(adapted, ids)
+    names = ["default", "__base__", "__base__", "default"]
+    with torch.no_grad():
+        mixed_logits = adapted(input_ids=ids, adapter_names=names).logits
+        mixed_loss = adapted(input_ids=ids, labels=ids, adapter_names=names, return_logits=False).loss  # (chunked)
+    expected = torch.where(torch.tensor([n == "default" for n in names])[:, None, None], adapted_logits, base_logits)
+    close = dict(rtol=1e-4, atol=1e-4)  # (PEFT adds a sub-batch's LoRA term apart: rounding)
+    torch.testing.assert_close(mixed_logits, expected, **close)
+    torch.testing.assert_close(mixed_loss, token_mean_loss(expected, ids), **close)
+    with adapted.base_model._enable_peft_forward_hooks(adapter_names=names):  # (what PEFT's forward runs inside)
+        with pytest.raises(ValueError, match="mixed-batch inference .* there is no one output weight"):
+            adapted.get_output_embeddings()(torch.zeros(4, config.embedding_size))  # (it reads the weight)
     adapted.save_pretrained(tmp_path / "adapter")
     reloaded = peft.PeftModel.from_pretrained(perturbed_model(config), tmp_path / "adapter").eval()
     torch.testing.assert_close(logits_of(reloaded, ids), adapted_logits)
