@@ -2443,6 +2443,13 @@ MUTATIONS = [
         ("tests/tools/test_train.py -k torch_would_train_wrongly",),
     ),
     Mutation(
+        "gpn train's config file with a value of another JSON type (a quoted number, null): a TypeError traceback",
+        "modeling_gpn/train/settings.py",
+        "        if (expected := _wrong_type(option, config[option.key]))\n",
+        "        if False and _wrong_type(option, config[option.key])  # MUTATION\n",
+        ("tests/tools/test_train.py -k configuration_precedence",),
+    ),
+    Mutation(
         "gpn train takes eps or clip norm inf (eps inf: every update 0, nothing trained, in silence)",
         "modeling_gpn/train/settings.py",
         "        elif not low <= value < (high if high is not None else math.inf):\n",

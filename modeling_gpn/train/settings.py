@@ -278,9 +278,32 @@ NUMERIC_RANGES = (
 )
 
 
+def _wrong_type(option: Option, value) -> str | None:
+    """What `value` (of a recipe, a config file or the command line) should be for `option`, or None if it is
+    of the option's type. None stands for unset only where the built-in is unset; a bool is no number here."""
+    if value is None and option.default is None:
+        return None
+    if option.type is bool:
+        return None if isinstance(value, bool) else "true or false"
+    if option.type is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "an integer"
+    if option.type is float:
+        return None if isinstance(value, (int, float)) and not isinstance(value, bool) else "a number"
+    if option.key == "model" and isinstance(value, dict):  # a recipe's inline model config
+        return None
+    return None if isinstance(value, str) else "a string"
+
+
 def validate_config(config: dict) -> None:
     """Raise ValueError naming every setting of `config` out of its range (all of them, in one message)."""
-    problems = []
+    # A config file's value of another JSON type (a quoted number, null) was a TypeError traceback below.
+    problems = [
+        f"{option.key} must be {expected}, got {config[option.key]!r}"
+        for option in OPTIONS
+        if (expected := _wrong_type(option, config[option.key]))
+    ]
+    if problems:
+        raise ValueError("Invalid training configuration: " + "; ".join(problems))
     # (log_interval 0 logged every step in silence; bpe_max_documents 0 trained the BPE on no text, a
     # byte-level vocabulary of ~260 tokens.)
     for key in ("seq_len", "batch_size", "micro_batch_size", "steps", "log_interval", "bpe_max_documents"):

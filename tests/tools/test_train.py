@@ -498,6 +498,13 @@ def test_configuration_precedence_and_help(tmp_path):
     bad.write_text(json.dumps({"learning_rate": 1}))
     with pytest.raises(ValueError, match="Unknown keys.*learning_rate"):
         train_module.resolve_config(parse(["--config", str(bad)]))
+    # A config file's value of another JSON type is named, not a TypeError traceback (null only where unset is).
+    bad.write_text(json.dumps({"lr": "0.1", "val_fraction": None, "reset_at_document_start": 1, "max_tokens": None}))
+    with pytest.raises(ValueError) as refused:
+        train_module.resolve_config(parse(["--config", str(bad)]))
+    for needle in ("lr must be a number, got '0.1'", "val_fraction must be a number, got None", "reset_at_document_"):
+        assert needle in str(refused.value), refused.value
+    assert "max_tokens" not in str(refused.value)
     with pytest.raises(ValueError, match="No recipe named 'nope'"):
         train_module.resolve_config(parse(["--recipe", "nope"]))
     parser = argparse.ArgumentParser()
