@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,7 +160,12 @@ OPTIONS: list[Option] = [
     Option("eval_interval", int, 500, "validate every this many steps (and at the end); 0 = only at the end"),
     Option("checkpoint_interval", int, 500, "save the full training state every this many steps; 0 = never"),
     Option("keep_checkpoints", int, 2, "keep only the newest this many checkpoints (at least 1)"),
-    Option("log_interval", int, 10, "log loss, learning rate and tokens/s every this many steps"),
+    Option(
+        "log_interval",
+        int,
+        10,
+        "log loss (the mean of these steps), learning rate and tokens/s every this many steps (and at the end)",
+    ),
     Option(
         "max_skipped_steps",
         int,
@@ -272,17 +278,46 @@ NUMERIC_RANGES = (
 )
 
 
+def _wrong_type(option: Option, value) -> str | None:
+    """What `value` (of a recipe, a config file or the command line) should be for `option`, or None if it is
+    of the option's type. None stands for unset only where the built-in is unset; a bool is no number here."""
+    if value is None and option.default is None:
+        return None
+    if option.type is bool:
+        return None if isinstance(value, bool) else "true or false"
+    if option.type is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "an integer"
+    if option.type is float:
+        return None if isinstance(value, (int, float)) and not isinstance(value, bool) else "a number"
+    if option.key == "model" and isinstance(value, dict):  # a recipe's inline model config
+        return None
+    return None if isinstance(value, str) else "a string"
+
+
 def validate_config(config: dict) -> None:
     """Raise ValueError naming every setting of `config` out of its range (all of them, in one message)."""
-    problems = []
-    for key in ("seq_len", "batch_size", "micro_batch_size", "steps"):
+    # A config file's value of another JSON type (a quoted number, null) was a TypeError traceback below.
+    problems = [
+        f"{option.key} must be {expected}, got {config[option.key]!r}"
+        for option in OPTIONS
+        if (expected := _wrong_type(option, config[option.key]))
+    ]
+    if problems:
+        raise ValueError("Invalid training configuration: " + "; ".join(problems))
+    # (log_interval 0 logged every step in silence; bpe_max_documents 0 trained the BPE on no text, a
+    # byte-level vocabulary of ~260 tokens.)
+    for key in ("seq_len", "batch_size", "micro_batch_size", "steps", "log_interval", "bpe_max_documents"):
         if not isinstance(config[key], int) or config[key] < 1:
             problems.append(f"{key} must be a positive integer, got {config[key]!r}")
+    # A negative max_tokens cut the first piece of the corpus at its end (a slice [:-N]) and stopped there.
+    if config["max_tokens"] is not None and (not isinstance(config["max_tokens"], int) or config["max_tokens"] < 1):
+        problems.append(
+            f"max_tokens must be a positive integer (or unset: the whole corpus), got {config['max_tokens']!r}"
+        )
     for key in (
         "warmup_steps",
         "eval_interval",
         "checkpoint_interval",
-        "log_interval",
         "sample_tokens",
         "eval_windows",
         "bptt_segment",
@@ -292,8 +327,8 @@ def validate_config(config: dict) -> None:
             problems.append(f"{key} must be a non-negative integer, got {config[key]!r}")
     if not isinstance(config["ddp_timeout"], int) or config["ddp_timeout"] < 1:
         problems.append(f"ddp_timeout must be a positive number of seconds, got {config['ddp_timeout']!r}")
-    if not config["lr"] > 0:
-        problems.append(f"lr must be positive, got {config['lr']}")
+    if not 0 < config["lr"] < math.inf:
+        problems.append(f"lr must be positive and finite, got {config['lr']}")
     if not 0 <= config["min_lr_ratio"] <= 1:
         problems.append(f"min_lr_ratio must be in [0, 1], got {config['min_lr_ratio']}")
     if not 0 <= config["val_fraction"] < 1:
@@ -308,7 +343,8 @@ def validate_config(config: dict) -> None:
         # (`not low <= value` also refuses NaN; a bool is an int to Python but no number here.)
         if not isinstance(value, (int, float) if kind is float else int) or isinstance(value, bool):
             problems.append(f"{key} must be {'a number' if kind is float else 'an integer'}, got {value!r}")
-        elif not low <= value or (high is not None and not value < high):
+        # (An open bound above is infinity, itself refused: eps inf made every update 0, training nothing.)
+        elif not low <= value < (high if high is not None else math.inf):
             problems.append(f"{key} must be in [{low}, {high if high is not None else 'inf'}), got {value!r}")
     if not isinstance(config["reset_at_document_start"], bool):
         problems.append(f"reset_at_document_start must be true or false, got {config['reset_at_document_start']!r}")

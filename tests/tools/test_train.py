@@ -498,6 +498,13 @@ def test_configuration_precedence_and_help(tmp_path):
     bad.write_text(json.dumps({"learning_rate": 1}))
     with pytest.raises(ValueError, match="Unknown keys.*learning_rate"):
         train_module.resolve_config(parse(["--config", str(bad)]))
+    # A config file's value of another JSON type is named, not a TypeError traceback (null only where unset is).
+    bad.write_text(json.dumps({"lr": "0.1", "val_fraction": None, "reset_at_document_start": 1, "max_tokens": None}))
+    with pytest.raises(ValueError) as refused:
+        train_module.resolve_config(parse(["--config", str(bad)]))
+    for needle in ("lr must be a number, got '0.1'", "val_fraction must be a number, got None", "reset_at_document_"):
+        assert needle in str(refused.value), refused.value
+    assert "max_tokens" not in str(refused.value)
     with pytest.raises(ValueError, match="No recipe named 'nope'"):
         train_module.resolve_config(parse(["--recipe", "nope"]))
     parser = argparse.ArgumentParser()
@@ -525,6 +532,11 @@ def test_settings_torch_would_train_wrongly_with_are_refused_before_the_data(tmp
         "keep-checkpoints": ("0", "keep_checkpoints must be in [1, inf), got 0"),
         "num-threads": ("-1", "num_threads must be in [1, inf), got -1"),
         "seed": ("-1", "seed must be in [0, 4294967296), got -1"),
+        # A negative --max-tokens cut the corpus's first piece short and trained on that, in silence;
+        # --log-interval 0 logged every step; --bpe-max-documents 0 trained the BPE on no text.
+        "max-tokens": ("-5", "max_tokens must be a positive integer (or unset: the whole corpus), got -5"),
+        "log-interval": ("0", "log_interval must be a positive integer, got 0"),
+        "bpe-max-documents": ("0", "bpe_max_documents must be a positive integer, got 0"),
     }
     argv = ["--dataset", str(tmp_path / "missing.txt"), "--output-dir", str(tmp_path / "run")]
     for flag, (value, _) in bad.items():
@@ -533,6 +545,12 @@ def test_settings_torch_would_train_wrongly_with_are_refused_before_the_data(tmp
     err = capsys.readouterr().err
     assert err.startswith("gpn train: error: Invalid training configuration: ") and err.count("\n") == 1, err
     for _, needle in bad.values():
+        assert needle in err, err
+    # Infinity is out of [0, inf) too: eps inf made every AdamW update 0 (only the decay applied: nothing trained),
+    # lr inf stopped only after the first step, both unnamed.
+    assert train_module.run(parse([*argv[:4], "--eps", "inf", "--clip-norm", "inf", "--lr", "inf"])) == 1
+    err = capsys.readouterr().err
+    for needle in ("eps must be in [0, inf), got inf", "clip_norm must be in [0, inf), got inf", "lr must be positive"):
         assert needle in err, err
     assert not (tmp_path / "run").exists()
     # The edges stay allowed (0 = no clipping; eps 0 is what test_train_faults.py diverges with).
