@@ -49,8 +49,9 @@ and memory arithmetic per second (training = 3x forward); "train peak @N" the tr
 memory at length N (CUDA: max_memory_allocated; CPU: resident-set growth); "tok/s @B rows" one-token
 steps at B batch rows (--decode-batches); "prefill tok/s @N" a prompt of N tokens over generate()'s time
 to its first new token, "decode ms @N" the median time between its later new tokens (greedy, batch 1);
-"cache @N" the bytes of the cache a prompt of N tokens leaves (a GPN's state does not grow with it). Every figure is a median of --repeats after a warm-up; the
-lines "... ran on:" say which backend each of the fast path's timings used."""
+"cache @N" the bytes of the cache a prompt of N tokens leaves (a GPN's state does not grow with it).
+Every figure is a median of --repeats after a warm-up; the lines "... ran on:" say which backend each of
+the fast path's timings used."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

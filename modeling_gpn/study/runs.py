@@ -226,11 +226,9 @@ def evaluate_one(
     """Run the study's evaluation tasks on one trained (already loaded) model through `gpn eval`'s pipeline; its
     held-out perplexity on the windows its training held out of `token_cache`, the token stream it read."""
     from modeling_gpn.evaluation.cli import write_outputs
-    from modeling_gpn.evaluation.runner import EvalSettings, evaluate
+    from modeling_gpn.evaluation.runner import evaluate
 
-    settings = EvalSettings(**{**study["eval"], "progress": show_progress})
-    if data_dir and not settings.data_dir:
-        settings.data_dir = data_dir
+    settings = study_eval_settings(study, data_dir, progress=show_progress)
     trained = training_config(name, study["models"][name], study, output)
     if settings.max_length is None:
         # every model reads LAMBADA's contexts through the training window (a model's own default differs: a
@@ -254,14 +252,24 @@ def evaluate_one(
     return results
 
 
+def study_eval_settings(study: dict, data_dir: str | None, **overrides: Any):
+    """The study's `gpn eval` settings (`overrides` set over them), reading `data_dir` (`gpn study --data-dir`)
+    where the study names no data folder of its own: what each model's evaluation reads, and what the checks
+    before training and the report say it reads."""
+    from modeling_gpn.evaluation.runner import EvalSettings
+
+    settings = EvalSettings(**{**study["eval"], **overrides})
+    if data_dir and not settings.data_dir:
+        settings.data_dir = data_dir
+    return settings
+
+
 def check_evaluation_data(study: dict, data_dir: str | None) -> None:
     """Every evaluation task finds its data (a misspelt --data-dir was a traceback once the first model had
     trained); `StudyError` otherwise. `fineweb_paper` needs none: it scores each model's own token stream."""
-    from modeling_gpn.evaluation.runner import EvalSettings, data_source
+    from modeling_gpn.evaluation.runner import data_source
 
-    settings = EvalSettings(**study["eval"])
-    if data_dir and not settings.data_dir:
-        settings.data_dir = data_dir
+    settings = study_eval_settings(study, data_dir)
     for task in settings.tasks:
         if task == "fineweb_paper":  # (the held-out windows of each model's own token stream)
             continue
@@ -308,16 +316,13 @@ def held_out_data(study: dict, output: Path, data_dir: str | None, evaluations: 
     """What the held-out perplexity scored, for the report: the training corpus's held-out windows (read from each
     model's token cache where `evaluations` say so), else the `fineweb_paper` data the evaluation read
     (`--data-dir`'s files, the study's own, or FineWeb-Edu from the Hub)."""
-    from modeling_gpn.evaluation.runner import EvalSettings, data_source
+    from modeling_gpn.evaluation.runner import data_source
 
     if evaluations and all("fineweb_paper" in evaluation.get("token_cache", {}) for evaluation in evaluations):
         return f"the held-out windows of the training corpus ({study['recipe'].get('dataset')}), from its token cache"
     if held_out_source(study, output):
         return f"the held-out windows of the training corpus ({study['recipe'].get('dataset')})"
-    settings = EvalSettings(**study["eval"])
-    if data_dir and not settings.data_dir:
-        settings.data_dir = data_dir
-    source = data_source("fineweb_paper", settings)
+    source = data_source("fineweb_paper", study_eval_settings(study, data_dir))
     return "FineWeb-Edu from the Hub" if source is None else f"the documents of {source}"
 
 

@@ -306,9 +306,8 @@ def finish(run: TrainingRun) -> dict:
         "sample": sample,
         "run_dir": str(run.run_dir),
         "reused_cache": run.stream.reused,
-        "token_cache": str(
-            run.stream.folder
-        ),  # (the stream it read: gpn eval --fineweb-token-cache scores its windows)
+        # (the stream it read: gpn eval --fineweb-token-cache scores its windows)
+        "token_cache": str(run.stream.folder),
         "skipped_steps": run.skipped_steps,
         "processes": run.world,
         "distribution": distribution_name(run.accelerator),

@@ -272,7 +272,6 @@ def test_a_run_of_part_of_a_study_reports_every_model_finished_in_its_folder(tmp
     assert "Left out of this report, models of the study without finished figures here: transformer++" in report
     # a model evaluated before the held-out windows were gpn train's own (its FineWeb figure scored the end of the
     # whole corpus), or before every model read LAMBADA through the training window: evaluated again, its training
-    # reused
     # reused; one trained before its summary named its token cache reads its local corpus again, to the same windows
     record_path, results_path = output / "gpn" / "study_run.json", output / "gpn" / "eval" / "eval_results.json"
     scored = json.loads(results_path.read_text())["tasks"]["fineweb_paper"]
