@@ -2467,8 +2467,8 @@ MUTATIONS = [
     Mutation(
         "gpn train takes a negative clip norm or weight decay, bad betas, eps, keep_checkpoints, threads, seed",
         "modeling_gpn/train/settings.py",
-        "    for key, kind, low, high in NUMERIC_RANGES:\n",
-        "    for key, kind, low, high in ():  # MUTATION\n",
+        "    for key, low, high in NUMERIC_RANGES:\n",
+        "    for key, low, high in ():  # MUTATION\n",
         ("tests/tools/test_train.py -k torch_would_train_wrongly",),
     ),
     Mutation(
@@ -2481,8 +2481,8 @@ MUTATIONS = [
     Mutation(
         "gpn train takes eps or clip norm inf (eps inf: every update 0, nothing trained, in silence)",
         "modeling_gpn/train/settings.py",
-        "        elif not low <= value < (high if high is not None else math.inf):\n",
-        "        elif not low <= value or (high is not None and not value < high):  # MUTATION\n",
+        "        if not low <= value < (high if high is not None else math.inf):\n",
+        "        if not low <= value or (high is not None and not value < high):  # MUTATION\n",
         ("tests/tools/test_train.py -k torch_would_train_wrongly",),
     ),
     Mutation(
@@ -2495,8 +2495,8 @@ MUTATIONS = [
     Mutation(
         "gpn train takes a negative --max-tokens (trained on the corpus's first piece cut short, in silence)",
         "modeling_gpn/train/settings.py",
-        'if config["max_tokens"] is not None and (',
-        "if False and (  # MUTATION: never checked\n",
+        'if config["max_tokens"] is not None and config["max_tokens"] < 1:',
+        "if False:  # MUTATION: never checked",
         ("tests/tools/test_train.py -k torch_would_train_wrongly",),
     ),
     Mutation(

@@ -265,16 +265,16 @@ def resolve_config(args: argparse.Namespace) -> dict:
     return config
 
 
-# Settings checked against a range: (key, the type, the lowest value, the bound above it (excluded) or None).
+# Settings checked against a range: (key, the lowest value, the bound above it (excluded) or None).
 NUMERIC_RANGES = (
-    ("clip_norm", float, 0, None),
-    ("weight_decay", float, 0, None),
-    ("beta1", float, 0, 1),
-    ("beta2", float, 0, 1),
-    ("eps", float, 0, None),
-    ("keep_checkpoints", int, 1, None),  # at least the checkpoint --resume continues from
-    ("num_threads", int, 1, None),  # or unset
-    ("seed", int, 0, 2**32),  # numpy's and torch's seeds
+    ("clip_norm", 0, None),
+    ("weight_decay", 0, None),
+    ("beta1", 0, 1),
+    ("beta2", 0, 1),
+    ("eps", 0, None),
+    ("keep_checkpoints", 1, None),  # at least the checkpoint --resume continues from
+    ("num_threads", 1, None),  # or unset
+    ("seed", 0, 2**32),  # numpy's and torch's seeds
 )
 
 
@@ -304,13 +304,14 @@ def validate_config(config: dict) -> None:
     ]
     if problems:
         raise ValueError("Invalid training configuration: " + "; ".join(problems))
+    # Below, every value is of its option's type (a number is no bool), or None where the option may be unset.
     # (log_interval 0 logged every step in silence; bpe_max_documents 0 trained the BPE on no text, a
     # byte-level vocabulary of ~260 tokens.)
     for key in ("seq_len", "batch_size", "micro_batch_size", "steps", "log_interval", "bpe_max_documents"):
-        if not isinstance(config[key], int) or config[key] < 1:
+        if config[key] < 1:
             problems.append(f"{key} must be a positive integer, got {config[key]!r}")
     # A negative max_tokens cut the first piece of the corpus at its end (a slice [:-N]) and stopped there.
-    if config["max_tokens"] is not None and (not isinstance(config["max_tokens"], int) or config["max_tokens"] < 1):
+    if config["max_tokens"] is not None and config["max_tokens"] < 1:
         problems.append(
             f"max_tokens must be a positive integer (or unset: the whole corpus), got {config['max_tokens']!r}"
         )
@@ -323,9 +324,9 @@ def validate_config(config: dict) -> None:
         "bptt_segment",
         "max_skipped_steps",
     ):
-        if not isinstance(config[key], int) or config[key] < 0:
+        if config[key] < 0:
             problems.append(f"{key} must be a non-negative integer, got {config[key]!r}")
-    if not isinstance(config["ddp_timeout"], int) or config["ddp_timeout"] < 1:
+    if config["ddp_timeout"] < 1:
         problems.append(f"ddp_timeout must be a positive number of seconds, got {config['ddp_timeout']!r}")
     if not 0 < config["lr"] < math.inf:
         problems.append(f"lr must be positive and finite, got {config['lr']}")
@@ -336,18 +337,14 @@ def validate_config(config: dict) -> None:
     # Values torch would take without a word and train wrongly with (a negative clip norm multiplies the
     # gradient by a negative factor: gradient ascent; a negative weight decay grows the weights), or refuse only
     # after the data are tokenized and without naming the option.
-    for key, kind, low, high in NUMERIC_RANGES:
+    for key, low, high in NUMERIC_RANGES:
         value = config[key]
         if value is None and key == "num_threads":
             continue
-        # (`not low <= value` also refuses NaN; a bool is an int to Python but no number here.)
-        if not isinstance(value, (int, float) if kind is float else int) or isinstance(value, bool):
-            problems.append(f"{key} must be {'a number' if kind is float else 'an integer'}, got {value!r}")
-        # (An open bound above is infinity, itself refused: eps inf made every update 0, training nothing.)
-        elif not low <= value < (high if high is not None else math.inf):
+        # (`not low <= value` also refuses NaN. An open bound above is infinity, itself refused: eps inf made every
+        # update 0, training nothing.)
+        if not low <= value < (high if high is not None else math.inf):
             problems.append(f"{key} must be in [{low}, {high if high is not None else 'inf'}), got {value!r}")
-    if not isinstance(config["reset_at_document_start"], bool):
-        problems.append(f"reset_at_document_start must be true or false, got {config['reset_at_document_start']!r}")
     if config["mixed_precision"] not in ("no", "bf16", "fp16"):
         problems.append(f"mixed_precision must be no, bf16 or fp16, got {config['mixed_precision']!r}")
     if problems:
