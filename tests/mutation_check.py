@@ -2975,9 +2975,9 @@ MUTATIONS = [
     ),
     Mutation(
         "gpn bench's cache @N: the cache generate() ended with (N + --decode-tokens - 1 positions)",
-        "modeling_gpn/bench/measure.py",
-        "            rows[kind].cache_bytes[length] = prompt_cache_nbytes(model, prompt)\n",
-        "            rows[kind].cache_bytes[length] = generate_timings(model, prompt, args)[2]  # MUTATION\n",
+        "modeling_gpn/bench/timing.py",
+        "        output = model(input_ids=prompt, use_cache=True, logits_to_keep=1)\n",
+        "        output = model.generate(prompt, max_new_tokens=4, min_new_tokens=4, return_dict_in_generate=True)  # MUTATION\n",
         ("tests/tools/test_bench.py::test_bench_reports_every_implementation",),
     ),
     Mutation(

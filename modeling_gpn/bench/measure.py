@@ -210,7 +210,7 @@ def _measure_generate(models: dict, rows: dict, vocab: int, generator, args) -> 
         with BackendProbe() as probe:
             for _ in range(repeats):
                 for kind, model in decoders.items():
-                    first, later, _ = generate_timings(model, prompt, args)
+                    first, later = generate_timings(model, prompt, args)
                     prefill[kind].append(first)
                     gaps[kind] += later
                 for name, read in probes.items():

@@ -184,22 +184,21 @@ def greedy_without_end(model, new_tokens: int, **settings):
     return config
 
 
-def generate_timings(model, prompt: torch.Tensor, args) -> tuple[float, list[float], int]:
+def generate_timings(model, prompt: torch.Tensor, args) -> tuple[float, list[float]]:
     """One greedy generate() call of `args.decode_tokens` tokens (`greedy_without_end`): (seconds to the
-    first new token, gaps between the later tokens, bytes of the cache it ended with)."""
+    first new token, gaps between the later tokens). (The "cache @N" column is `prompt_cache_nbytes`'s.)"""
     device = args.device
     streamer = TokenTimes(device)
     synchronize(device)
     start = time.perf_counter()
-    out = model.generate(
+    model.generate(
         prompt,
         attention_mask=torch.ones_like(prompt),
-        generation_config=greedy_without_end(model, args.decode_tokens, return_dict_in_generate=True),
+        generation_config=greedy_without_end(model, args.decode_tokens),
         streamer=streamer,
     )
     stamps = streamer.stamps  # [prompt, token 1, token 2, ...]
-    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-    return stamps[1] - start, [b - a for a, b in zip(stamps[1:], stamps[2:])], cache_nbytes(cache)
+    return stamps[1] - start, [b - a for a, b in zip(stamps[1:], stamps[2:])]
 
 
 def memory_kernels_state(device: str) -> str:

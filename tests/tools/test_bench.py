@@ -180,7 +180,7 @@ def test_generate_timings_decode_to_the_end_without_logits_processors(monkeypatc
     processors = []
     call = LogitsProcessorList.__call__
     monkeypatch.setattr(LogitsProcessorList, "__call__", lambda self, *a: processors.extend(self) or call(self, *a))
-    to_first, gaps, _ = generate_timings(model, prompt, SimpleNamespace(device="cpu", decode_tokens=6))
+    to_first, gaps = generate_timings(model, prompt, SimpleNamespace(device="cpu", decode_tokens=6))
     assert len(gaps) == 5 and to_first > 0 and processors == []
 
 
