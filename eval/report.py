@@ -88,20 +88,29 @@ def render_report(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+#: The paper's FineWeb window and LAMBADA test set (GPN.md), against which a measured row's run is stated (here
+#: and in a model card, `modeling_gpn.hub.model_card`).
+PAPER_FINEWEB_WINDOW, PAPER_LAMBADA_EXAMPLES = 2048, 5153
+
+
 def _measured_row_notes(results: dict[str, Any]) -> list[str]:
     """Where the measured row's run differs in size from the paper's (fewer examples, shorter windows)."""
     notes = []
     lambada = results["tasks"].get("lambada_paper")
     if lambada:
         n = lambada.get("examples")
-        flag = "" if n == 5153 else " (**not the full set**; the paper uses all 5153)"
+        flag = (
+            ""
+            if n == PAPER_LAMBADA_EXAMPLES
+            else f" (**not the full set**; the paper uses all {PAPER_LAMBADA_EXAMPLES})"
+        )
         notes.append(
             f"- measured LAMBADA: {n} examples, {lambada.get('target_tokens')} last-word subwords{flag}; data {results['data'].get('lambada_paper')}"
         )
     fineweb = results["tasks"].get("fineweb_paper")
     if fineweb:
         window = fineweb.get("window")
-        flag = "" if window == 2048 else " (**the paper uses 2048**)"
+        flag = "" if window == PAPER_FINEWEB_WINDOW else f" (**the paper uses {PAPER_FINEWEB_WINDOW}**)"
         convention = (
             "all positions, first from the empty state"
             if fineweb.get("tokens_scored") == fineweb.get("windows", 0) * (window or 0)

@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ..evaluation.report import PAPER_FINEWEB_WINDOW, PAPER_LAMBADA_EXAMPLES
 from .card_inputs import (
     DATASET_KEYS,
     SECRET_KEY,
@@ -427,10 +428,6 @@ def evaluation_lines(config, model_name: str, n_params: int, evaluation: EvalInf
             "",
         ]
     return lines + results_lines(evaluation)
-
-
-#: The paper's FineWeb window and LAMBADA test set (GPN.md), against which a measured row's run is stated.
-PAPER_FINEWEB_WINDOW, PAPER_LAMBADA_EXAMPLES = 2048, 5153
 
 
 def run_differences(evaluation: EvalInfo) -> list[str]:
