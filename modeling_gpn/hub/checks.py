@@ -76,13 +76,18 @@ def weight_files(model_dir: Path) -> list[Path]:
             raise HubPushError(f"{index} is not a weights index (a JSON 'weight_map'): {error!r}") from error
     absent, stray = sorted(named - present), sorted(present - named)
     if absent or stray:
-        which = f"its {WEIGHTS_INDEX}" if index.is_file() else f"no {WEIGHTS_INDEX}"
-        problems = ([f"the index names {', '.join(absent)}, not there"] if absent and index.is_file() else []) + (
-            [f"{', '.join(stray)} {'is' if len(stray) == 1 else 'are'} not in the index"] if stray else []
-        )
+        if index.is_file():
+            problems = ([f"its {WEIGHTS_INDEX} names {', '.join(absent)}, not there"] if absent else []) + (
+                [f"{', '.join(stray)} {'is' if len(stray) == 1 else 'are'} not in its {WEIGHTS_INDEX}"] if stray else []
+            )
+        else:  # no index: only model.safetensors is read, and it is not alone (or not there)
+            problems = [
+                f"{', '.join(stray)} {'is' if len(stray) == 1 else 'are'} there with no {WEIGHTS_INDEX} naming"
+                f" {'it' if len(stray) == 1 else 'them'}" + (" and no model.safetensors" if absent else "")
+            ]
         raise HubPushError(
-            f"{model_dir}'s weights files do not agree with {which} ({'; '.join(problems)}): one of them is left "
-            "from an earlier save (save_pretrained removes neither); delete the stale files, or save to a new folder"
+            f"{model_dir}'s weights files do not agree ({'; '.join(problems)}): one of them is left from an earlier "
+            "save (save_pretrained removes neither); delete the stale files, or save to a new folder"
         )
     return files
 

@@ -451,11 +451,12 @@ def test_refusals_name_the_problem(source, tmp_path, capsys):
     index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}
     (stale / "model.safetensors.index.json").write_text(json.dumps(index))
     refusal = refused(stale)
-    assert "do not agree with its model.safetensors.index.json (the index names model-00001-of-00002" in refusal
-    assert "model.safetensors is not in the index" in refusal
+    assert "do not agree (its model.safetensors.index.json names model-00001-of-00002" in refusal
+    assert "model.safetensors is not in its model.safetensors.index.json" in refusal
     (stale / "model.safetensors.index.json").unlink()
     shutil.copyfile(stale / "model.safetensors", stale / "model-00001-of-00002.safetensors")
-    assert "model-00001-of-00002.safetensors is not in the index" in refused(stale)
+    lone_shard = "model-00001-of-00002.safetensors is there with no model.safetensors.index.json naming it"
+    assert lone_shard in refused(stale)
 
     no_weights = copy_source(source, tmp_path / "noweights")
     (no_weights / "model.safetensors").unlink()
