@@ -3580,6 +3580,13 @@ MUTATIONS = [
         "    if False:\n",
         ("tests/model/test_output_layer.py -k table_view_keeps",),
     ),
+    Mutation(
+        "gpn train's flags cannot be turned off on the command line once a recipe or config file sets them",
+        "modeling_gpn/train/cli.py",
+        '            kwargs["action"] = argparse.BooleanOptionalAction\n',
+        '            kwargs["action"] = "store_true"  # MUTATION\n',
+        ("tests/tools/test_train.py::test_configuration_precedence_and_help",),
+    ),
 ]
 
 

@@ -70,8 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         kwargs = {"dest": option.key, "default": argparse.SUPPRESS, "help": option.help + built_in}
         if option.choices:
             kwargs["choices"] = option.choices
-        if option.type is bool:  # a flag: given means true (a recipe or config file may set it either way)
-            kwargs["action"] = "store_true"
+        if option.type is bool:  # --X or --no-X: either overrides what a recipe or config file set
+            kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs["type"] = option.type
         group.add_argument("--" + option.key.replace("_", "-"), **kwargs)

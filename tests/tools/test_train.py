@@ -490,6 +490,13 @@ def test_configuration_precedence_and_help(tmp_path):
     config = train_module.resolve_config(parse(["--recipe", "tiny-cpu", "--config", str(config_file), "--steps", "9"]))
     assert (config["lr"], config["steps"], config["seq_len"]) == (0.5, 9, 16)  # file over recipe, CLI over file
     assert config["batch_size"] == 64 and config["dataset"] == "shakespeare"  # from the recipe
+    # A flag set by a file is turned off on the command line, and on over the file's false
+    config_file.write_text(json.dumps({"reset_at_document_start": True}))
+    off = parse(["--config", str(config_file), "--no-reset-at-document-start"])
+    assert train_module.resolve_config(off)["reset_at_document_start"] is False
+    config_file.write_text(json.dumps({"reset_at_document_start": False}))
+    on = parse(["--config", str(config_file), "--reset-at-document-start"])
+    assert train_module.resolve_config(on)["reset_at_document_start"] is True
     assert (
         train_module.resolve_config(parse(["--recipe", "tiny-cpu", "--hub-data"]))["dataset"]
         == "HuggingFaceFW/fineweb-edu"
