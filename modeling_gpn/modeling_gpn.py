@@ -31,8 +31,10 @@ import dataclasses
 import functools
 import inspect
 import math
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +46,9 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput, SequenceClassifierOutputWithPast
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging
+
+if TYPE_CHECKING:
+    from transformers.generation.utils import GenerateOutput
 
 from .arguments import (
     DECODED_TOKEN_KWARGS,
@@ -435,7 +440,7 @@ class GPNPreTrainedModel(PreTrainedModel):
             del state[name]
         return state
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
+    def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs) -> None:
         """`PreTrainedModel.save_pretrained`, with an `auto_map` naming every auto class a GPN serves.
 
         transformers records only the saved model's own auto class; the folder then loads through remote
@@ -1061,7 +1066,7 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
                 "drops it: train `embed_tokens` instead (`modules_to_save=['embed_tokens']` trains both sides)"
             )
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
+    def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs) -> None:
         """`GPNPreTrainedModel.save_pretrained`, refusing a head that holds a table other than the embedding's, as the
         forward refuses it (`_check_tied`): only the embedding is saved, so that table would be lost in silence."""
         self._check_tied()
@@ -1100,7 +1105,7 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         predicted = torch.zeros(batch_size, self.config.hidden_size, device=self.device)
         return self.decode(predicted)
 
-    def generate(self, *args, **kwargs):
+    def generate(self, *args, **kwargs) -> GenerateOutput | torch.LongTensor:
         """`GenerationMixin.generate`, with the fast path's weights derived from the parameters (folded and
         prepacked matrices, CUDA graphs' copies) once for the whole call: the prompt's forward derives them,
         every decoded token reuses them, and they are dropped when the call returns (`derived_weights.py`), so
@@ -1126,7 +1131,7 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         if cache is not None:
             model_kwargs["cache"] = cache
 
-    def init_continuous_batching(self, *args, **kwargs):
+    def init_continuous_batching(self, *args, **kwargs) -> NoReturn:
         """Refused: transformers' continuous batching (`generate_batch`, `generate(cache_implementation="paged")`,
         `transformers serve --continuous-batching`) schedules requests over a paged attention cache. A GPN keeps one
         fixed-size state a row: batch prompts in one `generate()` call (left-padded), or serve with `gpn serve`."""

@@ -11,10 +11,14 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .cache import content_hash, default_cache_dir, write_folder_atomically
 from .corpus import CorpusSpec
 from .errors import DataError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 DEFAULT_TOKENIZER = "meta-llama/Llama-2-7b-hf"
 # the files a saved tokenizer folder holds one of at least (transformers' fast, SentencePiece and BPE formats)
@@ -22,7 +26,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 BPE_EOS = "<|endoftext|>"
 
 
-def train_bpe_tokenizer(documents: Iterable[str], vocab_size: int):
+def train_bpe_tokenizer(documents: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
     """A byte-level BPE `PreTrainedTokenizerFast` trained on `documents`, with EOS `<|endoftext|>` = id 0."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -66,7 +70,7 @@ def load_tokenizer(
     *,
     trust_remote_code: bool = False,
     require_eos: bool = True,
-):
+) -> PreTrainedTokenizerBase:
     """The tokenizer named `name_or_path` (a Hub id or a folder), or (`"bpe"`, given a `corpus`) a byte-level
     BPE trained on `corpus` and cached.
 

@@ -7,9 +7,15 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import HubPushError
 from .folder import prepare_folder
+
+if TYPE_CHECKING:
+    from huggingface_hub import CommitInfo
+
+    from .folder import PreparedFolder
 
 
 def upload(
@@ -21,7 +27,7 @@ def upload(
     commit_message: str | None = None,
     token: str | None = None,
     create_pr: bool = False,
-):
+) -> CommitInfo:
     """`create_repo` (+ `create_branch` for a new revision) and `upload_folder`; returns the CommitInfo."""
     from huggingface_hub import HfApi
 
@@ -71,7 +77,7 @@ def push_folder(
     tokenizer: str | None = None,
     quiet: bool = False,
     eval_results: str | Path | None = None,
-):
+) -> PreparedFolder | CommitInfo:
     """Publish the model folder `folder` to `repo_id` (or, with `dry_run=OUT`, only write OUT).
 
     Returns the `PreparedFolder` for a dry run, else huggingface_hub's `CommitInfo`. Raises
