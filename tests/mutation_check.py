@@ -940,8 +940,8 @@ MUTATIONS = [
     Mutation(
         "continuous batching refused (transformers' scheduler left to fail on the config)",
         "modeling_gpn/modeling_gpn.py",
-        "    def init_continuous_batching(self, *args, **kwargs):\n",
-        "    def _init_continuous_batching_unused(self, *args, **kwargs):  # MUTATION\n",
+        "    def init_continuous_batching(self, *args, **kwargs) -> NoReturn:\n",
+        "    def _init_continuous_batching_unused(self, *args, **kwargs) -> NoReturn:  # MUTATION\n",
         ("tests/model/test_generate.py::test_continuous_batching_is_refused_clearly",),
     ),
     Mutation(
