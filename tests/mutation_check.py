@@ -2036,6 +2036,20 @@ MUTATIONS = [
         ("tests/tools/test_inspect.py::test_token_labels_show_a_newline_as_one_escape",),
     ),
     Mutation(
+        "gpn inspect --ablation-tokens ignored in silence under --no-ablations",
+        "modeling_gpn/inspect/cli.py",
+        "    if args.no_ablations and args.ablation_tokens is not None:",
+        "    if False:  # MUTATION",
+        ("tests/tools/test_inspect.py -k before_the_model_loads and ablation",),
+    ),
+    Mutation(
+        "gpn inspect --data - taken for a Hub dataset id (a message about repo ids)",
+        "modeling_gpn/inspect/cli.py",
+        '    if args.data == "-":',
+        "    if False:  # MUTATION",
+        ("tests/tools/test_inspect.py -k before_the_model_loads and data",),
+    ),
+    Mutation(
         "gpn inspect's counts not checked before the model loads",
         "modeling_gpn/inspect/cli.py",
         "        check_numbers(args)\n",

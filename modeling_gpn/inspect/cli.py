@@ -98,13 +98,18 @@ def fail(message: object) -> int:
 
 
 def check_numbers(args: argparse.Namespace) -> None:
-    """Refuse, naming the option, a count that is not positive (a `None` means "not given")."""
+    """Refuse, naming the option, a count that is not positive (a `None` means "not given"), a count for the
+    causal tests that are skipped, and `--data -` (no standard input)."""
     for name in ("tokens", "batch_size", "top_k", "max_geometry_states", "seq_len", "ablation_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
     if args.max_geometry_states < 2:  # one state has no spread: the geometry failed with a traceback after the run
         raise ValueError(f"--max-geometry-states must be at least 2, got {args.max_geometry_states}")
+    if args.no_ablations and args.ablation_tokens is not None:  # (it was ignored in silence)
+        raise ValueError("--ablation-tokens sizes the causal tests, which --no-ablations skips; give one of them")
+    if args.data == "-":  # (taken for a Hub dataset id: "Repo id must use alphanumeric chars")
+        raise ValueError("--data -: standard input is not read; write the text to a file and give its path")
 
 
 def check_no_report(output: Path) -> None:

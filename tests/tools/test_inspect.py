@@ -468,7 +468,8 @@ def test_gpn_inspect_runs_a_model_in_its_own_document_regime(tiny_llama_vocab_mo
     def inspect(folder, *options) -> tuple[dict, str]:
         output = tmp_path / f"report-{len(list(tmp_path.iterdir()))}"
         arguments = ["inspect", str(folder), "--data", str(text), "--tokens", "128", "--seq-len", "64"]
-        assert main([*arguments, *options, "--ablation-tokens", "64", "--output", str(output), "--quiet"]) == 0
+        causal = [] if "--no-ablations" in options else ["--ablation-tokens", "64"]  # (refused beside it)
+        assert main([*arguments, *options, *causal, "--output", str(output), "--quiet"]) == 0
         return json.loads((output / "report.json").read_text()), (output / "report.md").read_text()
 
     recorded, recorded_md = inspect(run / "model")
@@ -716,6 +717,8 @@ def test_the_causal_tests_baseline_runs_the_ablations_time_loop():
         (["--tokens", "0"], "--tokens must be positive, got 0"),
         (["--seq-len", "0"], "--seq-len must be positive, got 0"),
         (["--max-geometry-states", "1"], "--max-geometry-states must be at least 2, got 1"),
+        (["--ablation-tokens", "64", "--no-ablations"], "--ablation-tokens sizes the causal tests, which --no-abl"),
+        (["--data", "-"], "--data -: standard input is not read; write the text to a file"),
         (["--output", "{file}"], "--output {file}: {file} is a file, not a folder"),
         (["--output", "{file}/report"], "--output {file}/report: {file} is a file, not a folder"),
         (["--output", "/proc/gpn-report"], "--output /proc/gpn-report: cannot write in /proc"),
