@@ -14,7 +14,7 @@ import torch
 from ..cli.arguments import torch_device, writable_folder
 from ..data import load_tokenizer
 from ..data.tokenizer import check_tokenizer_path
-from .figures import write_figures
+from .figures import FIGURE_NAMES, write_figures
 from .inputs import (
     DEFAULT_DATASET,
     DEFAULT_DATASET_CONFIG,
@@ -46,7 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split", default="train", help="Hub dataset split (streamed); local data is read whole")
     parser.add_argument("--text-column", default="text", help="column holding the text in jsonl/parquet/Hub data")
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder or Hub id; None means the model's own")
-    parser.add_argument("--output", required=True, help="folder for report.json, report.md and the PNG figures")
+    parser.add_argument(
+        "--output",
+        required=True,
+        help="folder for report.json, report.md and the PNG figures; refused if it holds a report already",
+    )
     parser.add_argument(
         "--tokens", type=int, default=16384, help="token budget: this many tokens, cut into windows of --seq-len"
     )
@@ -94,13 +98,29 @@ def fail(message: object) -> int:
 
 
 def check_numbers(args: argparse.Namespace) -> None:
-    """Refuse, naming the option, a count that is not positive (a `None` means "not given")."""
+    """Refuse, naming the option, a count that is not positive (a `None` means "not given"), a count for the
+    causal tests that are skipped, and `--data -` (no standard input)."""
     for name in ("tokens", "batch_size", "top_k", "max_geometry_states", "seq_len", "ablation_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
     if args.max_geometry_states < 2:  # one state has no spread: the geometry failed with a traceback after the run
         raise ValueError(f"--max-geometry-states must be at least 2, got {args.max_geometry_states}")
+    if args.no_ablations and args.ablation_tokens is not None:  # (it was ignored in silence)
+        raise ValueError("--ablation-tokens sizes the causal tests, which --no-ablations skips; give one of them")
+    if args.data == "-":  # (taken for a Hub dataset id: "Repo id must use alphanumeric chars")
+        raise ValueError("--data -: standard input is not read; write the text to a file and give its path")
+
+
+def check_no_report(output: Path) -> None:
+    """Refuse an output folder that holds a report already (report.json, report.md or a figure): it was
+    overwritten without notice, and a figure the new run does not draw (ablations.png, under --no-ablations) stayed
+    beside the new report as if it were its own."""
+    held = [name for name in ("report.json", "report.md", *FIGURE_NAMES) if (output / name).exists()]
+    if held:
+        raise ValueError(
+            f"--output {output} already holds a report ({', '.join(held)}); choose another folder, or remove them"
+        )
 
 
 def document_regime(option: bool | None, trained_with_resets: bool) -> tuple[bool, str]:
@@ -115,7 +135,6 @@ def document_regime(option: bool | None, trained_with_resets: bool) -> tuple[boo
 
 def run(args: argparse.Namespace) -> int:
     started = time.time()
-    progress = not args.quiet
     # The arguments are checked before the model loads (the output folder too: it was created only after the
     # whole analysis, whose results a bad --output then lost to a traceback).
     try:
@@ -124,8 +143,20 @@ def run(args: argparse.Namespace) -> int:
         if args.tokenizer:
             check_tokenizer_path(args.tokenizer)
         output = writable_folder(args.output, "--output")
+        check_no_report(output)
     except ValueError as error:
         return fail(error)
+    if args.quiet:  # no progress bar of any library either (transformers' "Loading weights" showed)
+        from modeling_gpn.evaluation.runner import progress_bars_off
+
+        with progress_bars_off():
+            return inspect_model(args, output, started)
+    return inspect_model(args, output, started)
+
+
+def inspect_model(args: argparse.Namespace, output: Path, started: float) -> int:
+    """`run` once its arguments are checked: load, collect, report and write."""
+    progress = not args.quiet
     try:  # what the arguments name (a model, a tokenizer, data) missing or unusable: one line, no traceback
         model = load_model(args.model, args.device, args.dtype, args.trust_remote_code)
         tokenizer = load_tokenizer(

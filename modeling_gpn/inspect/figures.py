@@ -11,6 +11,9 @@ import numpy as np
 
 from .. import analysis
 
+# The figures a report may draw (ablations.png only with the causal tests)
+FIGURE_NAMES = ("geometry.png", "mean_direction.png", "horizons.png", "ablations.png")
+
 
 def write_figures(report: dict, output: Path) -> list[str]:
     """Write geometry.png, mean_direction.png, horizons.png and (with ablations) ablations.png."""
@@ -90,7 +93,7 @@ def mean_direction_figure(plt, mean: dict):
     ax.legend(loc="lower right")
     ax.grid(alpha=0.3)
     ax = axes[1]
-    labels = [repr(t)[1:-1] for t in mean["top_tokens"]][::-1]
+    labels = mean["top_tokens"][::-1]  # (escaped already, once: a newline shows as \n)
     ax.barh(np.arange(len(labels)), mean["top_probs"][::-1], color="C1")
     ax.set_yticks(np.arange(len(labels)), labels)
     ax.set_xlabel("probability after decoding s̄")

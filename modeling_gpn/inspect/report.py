@@ -102,9 +102,28 @@ def mean_direction_report(model, tokenizer, windows: torch.Tensor, collected: Co
     return mean
 
 
+# How tokenizers spell a space, a newline, a tab and a carriage return inside a token: SentencePiece's "▁" and
+# byte fallback (<0x0A>), and byte-level BPE's stand-ins for the bytes (GPT-2's and gpn train's: "Ġ" is the space,
+# "Ċ" the newline: the report and its figure showed a newline token as "Ċ").
+_TOKEN_SPELLINGS = {
+    "▁": "␣",
+    "Ġ": "␣",
+    "Ċ": "\n",
+    "ĉ": "\t",
+    "č": "\r",
+    "<0x0A>": "\n",
+    "<0x09>": "\t",
+    "<0x0D>": "\r",
+}
+
+
 def _token_label(tokenizer, token_id: int) -> str:
-    token = tokenizer.convert_ids_to_tokens(int(token_id))
-    return str(token).replace("▁", "␣").replace("Ġ", "␣").replace("\n", "\\n").replace("<0x0A>", "\\n")
+    """A token as the report and the figures show it: a space as ␣, a control character (a newline) escaped once,
+    as `\\n`."""
+    token = str(tokenizer.convert_ids_to_tokens(int(token_id)))
+    for spelling, text in _TOKEN_SPELLINGS.items():
+        token = token.replace(spelling, text)
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in token)
 
 
 def _jsonable(value):

@@ -312,31 +312,29 @@ def tiny_llama_vocab_model(tmp_path_factory):
     return folder
 
 
-def test_gpn_inspect_end_to_end(tiny_llama_vocab_model, tmp_path):
+def test_gpn_inspect_end_to_end(tiny_llama_vocab_model, tmp_path, capfd):
+    """The whole command; `--quiet` shows no progress bar of any library (transformers' "Loading weights" showed),
+    and a second run into the same folder is refused before the model loads: it overwrote the report without
+    notice, and under --no-ablations the first run's ablations.png stayed beside the new report as its own."""
     import matplotlib.image
 
     from gpn_cli import main
 
     text = require_shared("data/tinyshakespeare/input.txt")
     output = tmp_path / "report"
-    code = main(
-        [
-            "inspect",
-            str(tiny_llama_vocab_model),
-            "--data",
-            str(text),
-            "--tokens",
-            "600",
-            "--seq-len",
-            "64",
-            "--batch-size",
-            "5",
-            "--output",
-            str(output),
-            "--quiet",
-        ]
-    )
+    arguments = ["inspect", str(tiny_llama_vocab_model), "--data", str(text), "--tokens", "600", "--seq-len", "64"]
+    capfd.readouterr()
+    code = main([*arguments, "--batch-size", "5", "--output", str(output), "--quiet"])
     assert code == 0
+    err = capfd.readouterr().err
+    assert "Loading weights" not in err and "it/s]" not in err, err
+    written = {path.name: path.read_bytes() for path in output.iterdir()}
+    assert main([*arguments, "--no-ablations", "--output", str(output), "--quiet"]) == 2
+    assert capfd.readouterr().err == (
+        f"gpn inspect: error: --output {output} already holds a report (report.json, report.md, geometry.png, "
+        "mean_direction.png, horizons.png, ablations.png); choose another folder, or remove them\n"
+    )
+    assert {path.name: path.read_bytes() for path in output.iterdir()} == written
     report = json.loads((output / "report.json").read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON {c}"))
     assert report["data"]["windows"] == 9 and report["data"]["tokens"] == 576  # 600 // 64 windows
     assert report["geometry"]["num_states"] == 576 and report["geometry"]["state_dim"] == 48
@@ -470,7 +468,8 @@ def test_gpn_inspect_runs_a_model_in_its_own_document_regime(tiny_llama_vocab_mo
     def inspect(folder, *options) -> tuple[dict, str]:
         output = tmp_path / f"report-{len(list(tmp_path.iterdir()))}"
         arguments = ["inspect", str(folder), "--data", str(text), "--tokens", "128", "--seq-len", "64"]
-        assert main([*arguments, *options, "--ablation-tokens", "64", "--output", str(output), "--quiet"]) == 0
+        causal = [] if "--no-ablations" in options else ["--ablation-tokens", "64"]  # (refused beside it)
+        assert main([*arguments, *options, *causal, "--output", str(output), "--quiet"]) == 0
         return json.loads((output / "report.json").read_text()), (output / "report.md").read_text()
 
     recorded, recorded_md = inspect(run / "model")
@@ -649,6 +648,32 @@ def test_report_of_a_gpn_without_memory(tmp_path):
     assert "all dims: mean |r| = " in title  # the histogram is a sample, the mean is of every pair
 
 
+def test_token_labels_show_a_newline_as_one_escape():
+    """The labels of s̄'s decoded tokens and of the data's: a byte-level BPE's newline (gpn train's tokenizer, GPT-2's)
+    was shown as its stand-in "Ċ", and the figure escaped the labels a second time (LLaMA's newline showed two backslashes)."""
+    import matplotlib.pyplot as plt
+    from transformers import AutoTokenizer
+
+    from modeling_gpn.data.tokenizer import train_bpe_tokenizer
+    from modeling_gpn.inspect.figures import mean_direction_figure
+    from modeling_gpn.inspect.report import _token_label
+
+    byte_level = train_bpe_tokenizer(["the cat\n\tsat on the mat\n"] * 4, vocab_size=270)
+    llama = AutoTokenizer.from_pretrained(require_shared("data/llama2-tokenizer"))
+    newlines = [
+        _token_label(byte_level, byte_level.convert_tokens_to_ids("Ċ")),
+        _token_label(llama, llama.convert_tokens_to_ids("<0x0A>")),
+    ]
+    assert newlines == ["\\n", "\\n"]
+    assert _token_label(byte_level, byte_level.convert_tokens_to_ids("ĉ")) == "\\t"
+    assert _token_label(llama, llama.convert_tokens_to_ids("▁the")) == "␣the"
+    mean = {"running_mean_cosine": np.linspace(0.5, 0.9, 8), "norm": 1.0, "share_of_state_norm": 0.5}
+    figure = mean_direction_figure(plt, {**mean, "top_tokens": [*newlines, "␣the"], "top_probs": [0.5, 0.3, 0.2]})
+    shown = [label.get_text() for label in figure.axes[1].get_yticklabels()]
+    plt.close("all")
+    assert shown == ["␣the", "\\n", "\\n"]
+
+
 def test_decode_only_shortcut_matches_the_ablated_recurrence():
     from modeling_gpn.inspect import ablation_perplexity, decoded_perplexity
 
@@ -692,6 +717,8 @@ def test_the_causal_tests_baseline_runs_the_ablations_time_loop():
         (["--tokens", "0"], "--tokens must be positive, got 0"),
         (["--seq-len", "0"], "--seq-len must be positive, got 0"),
         (["--max-geometry-states", "1"], "--max-geometry-states must be at least 2, got 1"),
+        (["--ablation-tokens", "64", "--no-ablations"], "--ablation-tokens sizes the causal tests, which --no-abl"),
+        (["--data", "-"], "--data -: standard input is not read; write the text to a file"),
         (["--output", "{file}"], "--output {file}: {file} is a file, not a folder"),
         (["--output", "{file}/report"], "--output {file}/report: {file} is a file, not a folder"),
         (["--output", "/proc/gpn-report"], "--output /proc/gpn-report: cannot write in /proc"),
