@@ -3629,6 +3629,13 @@ MUTATIONS = [
         '            kwargs["action"] = "store_true"  # MUTATION\n',
         ("tests/tools/test_train.py::test_configuration_precedence_and_help",),
     ),
+    Mutation(
+        "gpn inspect --overwrite leaves an earlier run's figure beside the new report",
+        "modeling_gpn/inspect/cli.py",
+        "        (output / stale).unlink(missing_ok=True)\n",
+        "        pass  # MUTATION\n",
+        ("tests/tools/test_inspect.py::test_gpn_inspect_end_to_end",),
+    ),
 ]
 
 

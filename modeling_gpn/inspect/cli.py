@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ..atomic_files import write_file_atomically
 from ..cli.arguments import torch_device, writable_folder
 from ..data import load_tokenizer
 from ..data.tokenizer import check_tokenizer_path
@@ -49,7 +50,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--output",
         required=True,
-        help="folder for report.json, report.md and the PNG figures; refused if it holds a report already",
+        help="folder for report.json, report.md and the PNG figures; refused if it holds a report already, "
+        "unless --overwrite",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a report already in --output once the new one is made (its figures the new run does not draw "
+        "are removed; a run that fails leaves the old report as it was)",
     )
     parser.add_argument(
         "--tokens", type=int, default=16384, help="token budget: this many tokens, cut into windows of --seq-len"
@@ -143,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
         if args.tokenizer:
             check_tokenizer_path(args.tokenizer)
         output = writable_folder(args.output, "--output")
-        check_no_report(output)
+        if not args.overwrite:
+            check_no_report(output)
     except ValueError as error:
         return fail(error)
     if args.quiet:  # no progress bar of any library either (transformers' "Loading weights" showed)
@@ -205,11 +214,13 @@ def inspect_model(args: argparse.Namespace, output: Path, started: float) -> int
     report["model"]["name_or_path"] = args.model
     output.mkdir(parents=True, exist_ok=True)
     figures = write_figures(report, output)
+    for stale in set(FIGURE_NAMES) - {Path(f).name for f in figures}:  # (--overwrite: an earlier run's figure)
+        (output / stale).unlink(missing_ok=True)
     summary = report_json(report)
     summary["figures"] = [Path(f).name for f in figures]
     summary["seconds"] = round(time.time() - started, 1)
-    (output / "report.json").write_text(json.dumps(summary, indent=1, allow_nan=False) + "\n")
-    (output / "report.md").write_text(report_markdown(report, figures))
+    write_file_atomically(output / "report.json", json.dumps(summary, indent=1, allow_nan=False) + "\n")
+    write_file_atomically(output / "report.md", report_markdown(report, figures))
     print(report_markdown(report))
     print(f"wrote {output / 'report.json'}, {output / 'report.md'} and {len(figures)} figures to {output}")
     return 0

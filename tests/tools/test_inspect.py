@@ -335,6 +335,16 @@ def test_gpn_inspect_end_to_end(tiny_llama_vocab_model, tmp_path, capfd):
         "mean_direction.png, horizons.png, ablations.png); choose another folder, or remove them\n"
     )
     assert {path.name: path.read_bytes() for path in output.iterdir()} == written
+    # --overwrite replaces it, once the new report is made: the figure the new run does not draw is removed
+    assert main([*arguments, "--no-ablations", "--output", str(output), "--quiet", "--overwrite"]) == 0
+    assert not (output / "ablations.png").exists()
+    assert json.loads((output / "report.json").read_text())["figures"] == [
+        "geometry.png",
+        "mean_direction.png",
+        "horizons.png",
+    ]
+    for name, data in written.items():
+        (output / name).write_bytes(data)  # (the first run's report, for the checks below)
     report = json.loads((output / "report.json").read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON {c}"))
     assert report["data"]["windows"] == 9 and report["data"]["tokens"] == 576  # 600 // 64 windows
     assert report["geometry"]["num_states"] == 576 and report["geometry"]["state_dim"] == 48
