@@ -88,7 +88,7 @@ def mean_direction_figure(plt, mean: dict):
     ax.set_xlabel("tokens read (log)")
     ax.set_ylabel("cosine with s̄")
     ax.set_title(
-        f"(a) running mean converges to s̄ (‖s̄‖ = {mean['norm']:.3g}, {mean['share_of_state_norm']:.0%} of ‖p‖)"
+        f"(a) the running mean's cosine with s̄ (‖s̄‖ = {mean['norm']:.3g}, {mean['share_of_state_norm']:.0%} of ‖p‖)"
     )
     ax.legend(loc="lower right")
     ax.grid(alpha=0.3)
