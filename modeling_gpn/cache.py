@@ -35,7 +35,7 @@ from .state_file import (
     weights_snapshot,
     write_state_file,
 )
-from .tracing import is_tracing
+from .tracing import is_exporting, is_tracing
 
 # ---- what a cache has read: a fingerprint, to tell generate()'s two ways of continuing apart ------------
 
@@ -172,7 +172,16 @@ class GPNStateLayer(LinearAttentionLayer):
         self.fingerprint = ReadFingerprint()  # of the positions read (see GPNForCausalLM._prefill)
 
     def store(self, predicted: torch.Tensor, grounded: torch.Tensor, memory: torch.Tensor) -> None:
+        """The state after a call: written into the held buffers in place, except in an exported program.
+
+        An exported program runs a write into its input cache's buffers as an in-place write when it is called,
+        but not what else the call changes (the count of positions read, the fingerprint), which it returns in a
+        new cache: the given cache's state would hold a position its count and fingerprint do not, and share its
+        buffers with the returned cache, so continuing either advanced both. Exported, the state is stored out
+        of place instead: the program returns the advanced cache and leaves the one it was given as it was (a
+        cache of inference tensors included, which torch lets nothing write outside inference mode)."""
         self._leave_inference_mode()
+        out_of_place = is_exporting()
         for index, tensor in ((self.PREDICTED, predicted), (self.GROUNDED, grounded), (self.MEMORY, memory)):
             stored = self.recurrent_states[index]
             if stored is not None and stored.shape != tensor.shape:
@@ -180,7 +189,10 @@ class GPNStateLayer(LinearAttentionLayer):
                     f"GPNCache holds a state of shape {tuple(stored.shape)} but the model produced "
                     f"{tuple(tensor.shape)}: the batch size changed between calls that share a cache"
                 )
-            self.update_recurrent_state(tensor.detach(), state_idx=index)
+            if out_of_place and self.is_recurrent_states_initialized[index]:
+                self.recurrent_states[index] = tensor.detach()
+            else:
+                self.update_recurrent_state(tensor.detach(), state_idx=index)
             # The stock layer only marks a state as present on conv updates; GPN has no conv.
             self.has_previous_state[index] = True
             if self.device is None:
