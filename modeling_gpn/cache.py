@@ -202,7 +202,9 @@ class GPNStateLayer(LinearAttentionLayer):
         """A cache filled under `torch.inference_mode()` holds inference tensors, which torch lets nothing write in
         place outside it: continued outside it, its buffers are copied once into ordinary tensors (the same
         values), before anything is written (the one-call decode writes them from C, which torch does not see)."""
-        if is_tracing() or torch.is_inference_mode_enabled():  # (a traced program holds no inference tensor)
+        # (traced, nothing is copied ahead of the graph: an exported program writes none of the given buffers, `store`;
+        # a compiled forward given such a cache runs only in inference mode, docs/transformers.md)
+        if is_tracing() or torch.is_inference_mode_enabled():
             return
         for index in range(self.number_of_states):
             tensor = self.recurrent_states[index]
@@ -218,7 +220,7 @@ class GPNStateLayer(LinearAttentionLayer):
         self.fingerprint = ReadFingerprint()
 
     def get_seq_length(self) -> int:
-        seen = self.seen_tokens  # a 0-dim tensor only inside a traced program (see the pytree functions)
+        seen = self.seen_tokens  # a 0-dim tensor in a traced program and in a cache one returned (the pytree functions)
         return int(seen) if isinstance(seen, torch.Tensor) and not is_tracing() else seen
 
     @property
@@ -332,7 +334,9 @@ class GPNCache(Cache):
         `update_state` and `record_read` do after a call that returns its state, without the copies.
         `hashed`: the call folded them in itself (`step_hash`)."""
         layer = self.state_layer
-        layer.seen_tokens += token_ids.shape[1]
+        # (not +=: the count of a cache an exported or compiled forward returned is a tensor, of inference mode when
+        # that ran under torch.inference_mode(), which torch lets nothing write in place outside it)
+        layer.seen_tokens = layer.seen_tokens + token_ids.shape[1]
         if not hashed:
             layer.fingerprint.record(token_ids, None)
 

@@ -2447,6 +2447,16 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "the one-call decode counts its positions out of place (a traced program's count may be an inference tensor)",
+        "modeling_gpn/cache.py",
+        "        layer.seen_tokens = layer.seen_tokens + token_ids.shape[1]\n",
+        "        layer.seen_tokens += token_ids.shape[1]  # MUTATION\n",
+        (
+            "tests/ecosystem/test_ecosystem.py::"
+            "test_torch_export_save_load_round_trips_dynamic_programs_that_take_and_return_the_cache",
+        ),
+    ),
+    Mutation(
         "generate() compiles a GPN's decoding forward only when asked (transformers compiles it on CUDA)",
         "modeling_gpn/modeling_gpn.py",
         "        if generation_config.compile_config is None:\n            return False\n",

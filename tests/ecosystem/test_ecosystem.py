@@ -920,6 +920,7 @@ def test_torch_export_save_load_round_trips_dynamic_programs_that_take_and_retur
     other_prompt = token_ids(3, 5, seed=2)  # another batch size: the program is not a recording of one input
     with torch.inference_mode():  # (a cache of inference tensors, which torch lets nothing write in place outside)
         logits, exported_cache = prefill.module()(other_prompt)
+    prefilled = exported_cache
     with torch.no_grad():
         eager = model(other_prompt, use_cache=True)
     torch.testing.assert_close(logits, eager.logits, rtol=1e-5, atol=1e-5)
@@ -939,6 +940,13 @@ def test_torch_export_save_load_round_trips_dynamic_programs_that_take_and_retur
         assert exported_cache.get_seq_length() == eager_cache.get_seq_length() == 6 + step
         for got, want in zip(exported_cache.get_state(), eager_cache.get_state()):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # the prefill's cache, still the prompt's, continues eagerly (its count is an inference tensor there)
+    token = token_ids(3, 1, seed=10)
+    with torch.no_grad():
+        continued = model(token, cache=prefilled, use_cache=True)
+        whole = model(torch.cat([other_prompt, token], 1)).logits[:, -1:]
+    torch.testing.assert_close(continued.logits, whole, rtol=1e-5, atol=1e-5)
+    assert continued.cache.get_seq_length() == 6
 
 
 def test_transformers_executorch_exporter_is_refused_by_name():
