@@ -35,7 +35,7 @@ from .state_file import (
     weights_snapshot,
     write_state_file,
 )
-from .tracing import is_tracing
+from .tracing import is_exporting, is_tracing
 
 # ---- what a cache has read: a fingerprint, to tell generate()'s two ways of continuing apart ------------
 
@@ -172,7 +172,16 @@ class GPNStateLayer(LinearAttentionLayer):
         self.fingerprint = ReadFingerprint()  # of the positions read (see GPNForCausalLM._prefill)
 
     def store(self, predicted: torch.Tensor, grounded: torch.Tensor, memory: torch.Tensor) -> None:
+        """The state after a call: written into the held buffers in place, except in an exported program.
+
+        An exported program runs a write into its input cache's buffers as an in-place write when it is called,
+        but not what else the call changes (the count of positions read, the fingerprint), which it returns in a
+        new cache: the given cache's state would hold a position its count and fingerprint do not, and share its
+        buffers with the returned cache, so continuing either advanced both. Exported, the state is stored out
+        of place instead: the program returns the advanced cache and leaves the one it was given as it was (a
+        cache of inference tensors included, which torch lets nothing write outside inference mode)."""
         self._leave_inference_mode()
+        out_of_place = is_exporting()
         for index, tensor in ((self.PREDICTED, predicted), (self.GROUNDED, grounded), (self.MEMORY, memory)):
             stored = self.recurrent_states[index]
             if stored is not None and stored.shape != tensor.shape:
@@ -180,7 +189,10 @@ class GPNStateLayer(LinearAttentionLayer):
                     f"GPNCache holds a state of shape {tuple(stored.shape)} but the model produced "
                     f"{tuple(tensor.shape)}: the batch size changed between calls that share a cache"
                 )
-            self.update_recurrent_state(tensor.detach(), state_idx=index)
+            if out_of_place and self.is_recurrent_states_initialized[index]:
+                self.recurrent_states[index] = tensor.detach()
+            else:
+                self.update_recurrent_state(tensor.detach(), state_idx=index)
             # The stock layer only marks a state as present on conv updates; GPN has no conv.
             self.has_previous_state[index] = True
             if self.device is None:
@@ -190,7 +202,9 @@ class GPNStateLayer(LinearAttentionLayer):
         """A cache filled under `torch.inference_mode()` holds inference tensors, which torch lets nothing write in
         place outside it: continued outside it, its buffers are copied once into ordinary tensors (the same
         values), before anything is written (the one-call decode writes them from C, which torch does not see)."""
-        if is_tracing() or torch.is_inference_mode_enabled():  # (a traced program holds no inference tensor)
+        # (traced, nothing is copied ahead of the graph: an exported program writes none of the given buffers, `store`;
+        # a compiled forward given such a cache runs only in inference mode, docs/transformers.md)
+        if is_tracing() or torch.is_inference_mode_enabled():
             return
         for index in range(self.number_of_states):
             tensor = self.recurrent_states[index]
@@ -206,7 +220,7 @@ class GPNStateLayer(LinearAttentionLayer):
         self.fingerprint = ReadFingerprint()
 
     def get_seq_length(self) -> int:
-        seen = self.seen_tokens  # a 0-dim tensor only inside a traced program (see the pytree functions)
+        seen = self.seen_tokens  # a 0-dim tensor in a traced program and in a cache one returned (the pytree functions)
         return int(seen) if isinstance(seen, torch.Tensor) and not is_tracing() else seen
 
     @property
@@ -320,7 +334,9 @@ class GPNCache(Cache):
         `update_state` and `record_read` do after a call that returns its state, without the copies.
         `hashed`: the call folded them in itself (`step_hash`)."""
         layer = self.state_layer
-        layer.seen_tokens += token_ids.shape[1]
+        # (not +=: the count of a cache an exported or compiled forward returned is a tensor, of inference mode when
+        # that ran under torch.inference_mode(), which torch lets nothing write in place outside it)
+        layer.seen_tokens = layer.seen_tokens + token_ids.shape[1]
         if not hashed:
             layer.fingerprint.record(token_ids, None)
 

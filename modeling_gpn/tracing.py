@@ -14,8 +14,13 @@ def is_tracing() -> bool:
     """Whether torch.compile, torch.export, torch.jit or torch.fx is tracing the current call."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing():
         return True
-    is_exporting = getattr(torch.compiler, "is_exporting", None)
-    if is_exporting is not None and is_exporting():
+    if is_exporting():
         return True
     is_fx_symbolic_tracing = getattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing", None)
     return bool(is_fx_symbolic_tracing is not None and is_fx_symbolic_tracing())
+
+
+def is_exporting() -> bool:
+    """Whether torch.export (torch.onnx.export's dynamo exporter included) is tracing the current call."""
+    exporting = getattr(torch.compiler, "is_exporting", None)
+    return bool(exporting is not None and exporting())

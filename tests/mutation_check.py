@@ -2479,6 +2479,26 @@ MUTATIONS = [
         ("tests/model/test_generate.py -k sampling_several_sequences_from_a_given_state",),
     ),
     Mutation(
+        "an exported program stores the state out of place (it wrote the given cache's buffers, not its count)",
+        "modeling_gpn/cache.py",
+        "        out_of_place = is_exporting()\n",
+        "        out_of_place = False  # MUTATION\n",
+        (
+            "tests/ecosystem/test_ecosystem.py::"
+            "test_torch_export_save_load_round_trips_dynamic_programs_that_take_and_return_the_cache",
+        ),
+    ),
+    Mutation(
+        "the one-call decode counts its positions out of place (a traced program's count may be an inference tensor)",
+        "modeling_gpn/cache.py",
+        "        layer.seen_tokens = layer.seen_tokens + token_ids.shape[1]\n",
+        "        layer.seen_tokens += token_ids.shape[1]  # MUTATION\n",
+        (
+            "tests/ecosystem/test_ecosystem.py::"
+            "test_torch_export_save_load_round_trips_dynamic_programs_that_take_and_return_the_cache",
+        ),
+    ),
+    Mutation(
         "generate() compiles a GPN's decoding forward only when asked (transformers compiles it on CUDA)",
         "modeling_gpn/modeling_gpn.py",
         "        if generation_config.compile_config is None:\n            return False\n",

@@ -902,7 +902,9 @@ def test_torch_export_save_load_round_trips_dynamic_programs_that_take_and_retur
     """The cache's pytree context is static (the positions read are a tensor child): a program exported with
     dynamic shapes saves (a count in the context was a SymInt: "Object of type SymInt is not JSON
     serializable"), and takes caches that have read any number of positions (a count in the context was a
-    constant the input had to match)."""
+    constant the input had to match). The decode program returns the advanced cache and leaves the one it was
+    given as it was: it had written the new state into the given cache's buffers (not its count), shared with
+    the returned cache, and failed on a cache of inference tensors ("Inplace update to inference tensor")."""
     model = perturbed_model(tiny_config(num_predict_layers=1))
     auto = torch.export.Dim.AUTO
     prompt = token_ids(2, 5)
@@ -916,7 +918,9 @@ def test_torch_export_save_load_round_trips_dynamic_programs_that_take_and_retur
     )
 
     other_prompt = token_ids(3, 5, seed=2)  # another batch size: the program is not a recording of one input
-    logits, exported_cache = prefill.module()(other_prompt)
+    with torch.inference_mode():  # (a cache of inference tensors, which torch lets nothing write in place outside)
+        logits, exported_cache = prefill.module()(other_prompt)
+    prefilled = exported_cache
     with torch.no_grad():
         eager = model(other_prompt, use_cache=True)
     torch.testing.assert_close(logits, eager.logits, rtol=1e-5, atol=1e-5)
@@ -924,13 +928,25 @@ def test_torch_export_save_load_round_trips_dynamic_programs_that_take_and_retur
     eager_cache = eager.cache
     for step in range(3):  # the decode program continues from caches that have read 5, 6 and 7 positions
         token = token_ids(3, 1, seed=10 + step)
-        logits, exported_cache = decode.module()(token, exported_cache)
+        given = exported_cache.get_state()
+        logits, advanced = decode.module()(token, exported_cache)
+        assert exported_cache.get_seq_length() == 5 + step
+        for got, want in zip(exported_cache.get_state(), given):
+            assert torch.equal(got, want)
+        exported_cache = advanced
         with torch.no_grad():
             eager = model(token, cache=eager_cache, use_cache=True)
         torch.testing.assert_close(logits, eager.logits, rtol=1e-5, atol=1e-5)
         assert exported_cache.get_seq_length() == eager_cache.get_seq_length() == 6 + step
         for got, want in zip(exported_cache.get_state(), eager_cache.get_state()):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # the prefill's cache, still the prompt's, continues eagerly (its count is an inference tensor there)
+    token = token_ids(3, 1, seed=10)
+    with torch.no_grad():
+        continued = model(token, cache=prefilled, use_cache=True)
+        whole = model(torch.cat([other_prompt, token], 1)).logits[:, -1:]
+    torch.testing.assert_close(continued.logits, whole, rtol=1e-5, atol=1e-5)
+    assert continued.cache.get_seq_length() == 6
 
 
 def test_transformers_executorch_exporter_is_refused_by_name():
