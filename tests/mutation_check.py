@@ -1292,6 +1292,27 @@ MUTATIONS = [
         ("tests/model/test_roundtrip_and_errors.py -k ids_of_a_dtype_the_embedding_refuses",),
     ),
     Mutation(
+        "labels outside the vocabulary (not -100) fail inside torch's cross-entropy (a device-side assert on a GPU)",
+        "modeling_gpn/arguments.py",
+        "    bad = ((labels < 0) | (labels >= vocab_size)) & (labels != -100)\n",
+        "    bad = labels < -100  # MUTATION\n",
+        ("tests/model/test_roundtrip_and_errors.py::test_labels_outside_the_vocabulary_or_not_int64_are_named",),
+    ),
+    Mutation(
+        "float labels fail inside torch's cross-entropy by dtype (not named)",
+        "modeling_gpn/arguments.py",
+        "    if labels.dtype != torch.int64:\n",
+        "    if False:  # MUTATION\n",
+        ("tests/model/test_roundtrip_and_errors.py::test_labels_outside_the_vocabulary_or_not_int64_are_named",),
+    ),
+    Mutation(
+        "a cache another model filled fails inside a matrix product (the forward does not compare its shapes)",
+        "modeling_gpn/arguments.py",
+        "        if tuple(tensor.shape) != expected:\n",
+        "        if False:  # MUTATION\n",
+        ("tests/model/test_roundtrip_and_errors.py::test_a_cache_another_model_filled_is_refused_naming_the_shapes",),
+    ),
+    Mutation(
         "int32 token ids refused, though torch's embedding takes them",
         "modeling_gpn/arguments.py",
         "EMBEDDING_ID_DTYPES = (torch.int64, torch.int32)\n",
