@@ -1924,6 +1924,13 @@ MUTATIONS = [
         ("tests/ecosystem/test_eval.py::test_a_limit_takes_that_many_texts",),
     ),
     Mutation(
+        "gpn eval and gpn inspect run a model whose weights hold NaN or inf (perplexities of NaN written as results)",
+        "eval/runner.py",
+        "    refuse_non_finite_parameters(model, path)\n",
+        "    pass  # MUTATION\n",
+        ("tests/ecosystem/test_eval.py::test_a_damaged_weights_file_is_one_line",),
+    ),
+    Mutation(
         "gpn eval's and gpn inspect's output folder not checked before the work",
         "modeling_gpn/cli/arguments.py",
         "    existing = folder\n    while not existing.exists():\n",
