@@ -1931,6 +1931,15 @@ MUTATIONS = [
         ("tests/ecosystem/test_eval.py::test_a_damaged_weights_file_is_one_line",),
     ),
     Mutation(
+        "a preset file holding a JSON list or number fails inside GPNConfig(**values) (a TypeError traceback)",
+        "configuration/__init__.py",
+        "    if not isinstance(values, dict):  # (a list",
+        "    if False:  # MUTATION (a list",
+        (
+            "tests/tools/test_bench.py::test_a_preset_file_that_is_no_config_is_refused_before_anything_is_measured[not-an-object]",
+        ),
+    ),
+    Mutation(
         "gpn eval's and gpn inspect's output folder not checked before the work",
         "modeling_gpn/cli/arguments.py",
         "    existing = folder\n    while not existing.exists():\n",
