@@ -33,10 +33,13 @@ def load_preset(name_or_path: str):
     from modeling_gpn import GPNConfig
 
     path = preset_path(name_or_path)
+    values = json.loads(path.read_text())
+    if not isinstance(values, dict):  # (a list or a number failed inside GPNConfig(**values) with a TypeError)
+        raise ValueError(f"{path} holds a JSON {type(values).__name__}, not an object of config values")
     config = GPNConfig.from_json_file(str(path))
     # Another model's config (a Llama's config.json) loads as a GPNConfig too, every size it does not share
     # left at the defaults: refused, or a default GPN would pass for it.
-    declared = json.loads(path.read_text()).get("model_type", GPNConfig.model_type)
+    declared = values.get("model_type", GPNConfig.model_type)
     if declared != GPNConfig.model_type:
         raise ValueError(f"{path} is the config of a {declared!r} model, not a GPN ({GPNConfig.model_type!r})")
     if hasattr(config, "_comment"):  # documentation of the preset, not part of the model

@@ -144,15 +144,35 @@ def check_model_path(path: str) -> None:
 
 def causal_lm_from_pretrained(path: str, **kwargs: Any):
     """`AutoModelForCausalLM.from_pretrained(path, **kwargs)`, a damaged weights file refused as an `OSError` naming
-    the folder (gpn eval and gpn inspect say it in one line; the reader's own error would be a traceback)."""
+    the folder (gpn eval and gpn inspect say it in one line; the reader's own error would be a traceback), and
+    weights holding NaN or inf refused as a `ValueError` naming them: every figure computed from them would be NaN
+    (gpn eval wrote perplexities of NaN to its results, as if measured)."""
     from transformers import AutoModelForCausalLM
 
     try:
-        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except (OSError, ValueError):  # a missing file, an unknown model type: transformers' own message names it
         raise
     except Exception as error:  # a damaged weights file (safetensors' SafetensorError, torch's zip RuntimeError)
         raise OSError(f"cannot load a model from {path}: {type(error).__name__}: {error}") from error
+    refuse_non_finite_parameters(model, path)
+    return model
+
+
+def refuse_non_finite_parameters(model, path: str) -> None:
+    """A `ValueError` naming the floating-point parameters of `model` (loaded from `path`) that hold NaN or inf: in the
+    weights file, or made so by the dtype they were loaded in (float16 overflows above 65504)."""
+    bad = [
+        name
+        for name, param in model.named_parameters()
+        if param.is_floating_point() and param.device.type != "meta" and not bool(torch.isfinite(param).all())
+    ]
+    if bad:
+        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise ValueError(
+            f"the model in {path} has parameters holding NaN or inf (loaded as {next(model.parameters()).dtype}): "
+            f"{shown}; nothing computed from them would mean anything"
+        )
 
 
 def count_parameters(model) -> int:

@@ -84,6 +84,38 @@ def check_cache_type(cache) -> None:
         )
 
 
+def state_shapes(config, batch_size: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """The shapes of the state (p, g, M) of `batch_size` rows of a model of `config` (M is (rows, 0) without
+    memory), as `GPNModel.zero_state` makes it."""
+    d = config.hidden_size
+    if config.use_memory:
+        memory = (batch_size, config.num_memory_heads, config.memory_key_dim, config.memory_value_dim)
+    else:
+        memory = (batch_size, 0)
+    return (batch_size, d), (batch_size, d), memory
+
+
+def check_cache_state(state: tuple[torch.Tensor, ...], config, batch_size: int) -> None:
+    """A cache's state (p, g, M) must have the shapes of this model's, for `batch_size` rows: a cache filled by
+    another model (another width, other memory heads, or none) failed inside a matrix product or a kernel's
+    argument check, naming neither the cache nor the model."""
+    rows = state[0].shape[0]
+    if rows != batch_size:
+        raise ValueError(f"The cache holds {rows} rows but the input has {batch_size}")
+    for name, tensor, expected in zip(("p", "g", "memory"), state, state_shapes(config, rows)):
+        if tuple(tensor.shape) != expected:
+            raise ValueError(
+                f"The cache holds a state of another model: its {name} has shape {tuple(tensor.shape)}, this model's "
+                f"has {expected} (hidden_size={config.hidden_size}, "
+                + (
+                    f"memory {config.num_memory_heads} heads of {config.memory_key_dim} x {config.memory_value_dim}"
+                    if config.use_memory
+                    else "no memory"
+                )
+                + "); continue a cache only with the model that filled it"
+            )
+
+
 # The id dtypes torch's embedding takes (int32 gives the same outputs as int64); any other, even an integer
 # one, is refused by name instead of failing inside the embedding.
 EMBEDDING_ID_DTYPES = (torch.int64, torch.int32)
@@ -109,6 +141,27 @@ def check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
             f"Token id {value} at (row {position[0]}, position {position[1]}) is outside the vocabulary "
             f"[0, {vocab_size}) of this model (vocab_size={vocab_size}); {int(bad.sum())} ids are out of range. "
             "Was the text tokenized with a different tokenizer?"
+        )
+
+
+def check_labels(labels: torch.Tensor | None, name: str, vocab_size: int) -> None:
+    """`labels` / `shift_labels`: int64 token ids in [0, vocab_size), or -100 (ignored). Any other id (from another
+    tokenizer, a -1 for padding) failed inside torch's cross-entropy, and on a GPU as a device-side assert that
+    ends the process; float or int32 labels failed there by dtype. The first bad one is named with its position."""
+    if labels is None:
+        return
+    if labels.dtype != torch.int64:
+        raise ValueError(f"{name} must be token ids of dtype torch.int64 (-100 to ignore), got dtype {labels.dtype}")
+    if is_tracing():
+        return
+    bad = ((labels < 0) | (labels >= vocab_size)) & (labels != -100)
+    if bad.any():
+        position = bad.nonzero()[0].tolist()
+        value = int(labels[tuple(position)])
+        raise ValueError(
+            f"{name} holds {value} at (row {position[0]}, position {position[1]}): a label must be a token id in "
+            f"[0, {vocab_size}) of this model (vocab_size={vocab_size}), or -100 for a position without a loss; "
+            f"{int(bad.sum())} labels are out of range"
         )
 
 

@@ -53,12 +53,15 @@ if TYPE_CHECKING:
 from .arguments import (
     DECODED_TOKEN_KWARGS,
     check_attention_mask,
+    check_cache_state,
     check_cache_type,
     check_input_ids,
+    check_labels,
     check_not_empty,
     check_unused_kwargs,
     pop_cache_alias,
     refuse_attention_outputs,
+    state_shapes,
 )
 from .cache import GPNCache
 from .chunked_loss import chunked_causal_lm_loss, divide_loss_sum
@@ -614,14 +617,9 @@ class GPNModel(GPNPreTrainedModel):
 
     def zero_state(self, batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(p, g, M) before the first token: all zero, float32."""
-        config = self.config
-        d = config.hidden_size
-        if config.use_memory:
-            memory_shape = (batch_size, config.num_memory_heads, config.memory_key_dim, config.memory_value_dim)
-        else:
-            memory_shape = (batch_size, 0)
-        zeros = lambda *shape: torch.zeros(*shape, device=device, dtype=torch.float32)
-        return zeros(batch_size, d), zeros(batch_size, d), zeros(*memory_shape)
+        return tuple(
+            torch.zeros(shape, device=device, dtype=torch.float32) for shape in state_shapes(self.config, batch_size)
+        )
 
     # The fast path's settings, one name each (docs/speed.md), set on a model (`model.model.use_c_kernels = False`)
     # or on the class. (GPN_MEMORY_KERNELS, GPN_STEP_KERNELS, GPN_TRITON and GPN_CUDA_GRAPHS remain for tests
@@ -924,8 +922,8 @@ class GPNModel(GPNPreTrainedModel):
         check_sharded_lengths(self, seq_len, self._CALLED_CHILDREN, embeddings.device)  # (FSDP2: blocks apart)
 
         state = cache.get_state() if cache is not None else None
-        if state is not None and state[0].shape[0] != batch_size:
-            raise ValueError(f"The cache holds {state[0].shape[0]} rows but the input has {batch_size}")
+        if state is not None:
+            check_cache_state(state, config, batch_size)
         mask = check_attention_mask(attention_mask, batch_size, seq_len, continuing=state is not None)
         sequence_starts = (
             packed_sequence_starts(batch_size, seq_len, mask, **packing, device=embeddings.device) if packing else None
@@ -1229,6 +1227,8 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         return_dict = return_dict if return_dict is not None else True
         cache = pop_cache_alias(cache, kwargs)
         shift_labels = kwargs.pop("shift_labels", None)
+        check_labels(labels, "labels", self.config.vocab_size)
+        check_labels(shift_labels, "shift_labels", self.config.vocab_size)
         refuse_attention_outputs(kwargs.get("output_attentions"), self.config.output_attentions)
         asks_only_logits = (
             inputs_embeds is None

@@ -1292,6 +1292,27 @@ MUTATIONS = [
         ("tests/model/test_roundtrip_and_errors.py -k ids_of_a_dtype_the_embedding_refuses",),
     ),
     Mutation(
+        "labels outside the vocabulary (not -100) fail inside torch's cross-entropy (a device-side assert on a GPU)",
+        "modeling_gpn/arguments.py",
+        "    bad = ((labels < 0) | (labels >= vocab_size)) & (labels != -100)\n",
+        "    bad = labels < -100  # MUTATION\n",
+        ("tests/model/test_roundtrip_and_errors.py::test_labels_outside_the_vocabulary_or_not_int64_are_named",),
+    ),
+    Mutation(
+        "float labels fail inside torch's cross-entropy by dtype (not named)",
+        "modeling_gpn/arguments.py",
+        "    if labels.dtype != torch.int64:\n",
+        "    if False:  # MUTATION\n",
+        ("tests/model/test_roundtrip_and_errors.py::test_labels_outside_the_vocabulary_or_not_int64_are_named",),
+    ),
+    Mutation(
+        "a cache another model filled fails inside a matrix product (the forward does not compare its shapes)",
+        "modeling_gpn/arguments.py",
+        "        if tuple(tensor.shape) != expected:\n",
+        "        if False:  # MUTATION\n",
+        ("tests/model/test_roundtrip_and_errors.py::test_a_cache_another_model_filled_is_refused_naming_the_shapes",),
+    ),
+    Mutation(
         "int32 token ids refused, though torch's embedding takes them",
         "modeling_gpn/arguments.py",
         "EMBEDDING_ID_DTYPES = (torch.int64, torch.int32)\n",
@@ -1901,6 +1922,22 @@ MUTATIONS = [
         "        if limit is not None and len(texts) >= limit:  # before the row is taken: a limit of 0 takes none\n",
         "        if False:  # MUTATION\n",
         ("tests/ecosystem/test_eval.py::test_a_limit_takes_that_many_texts",),
+    ),
+    Mutation(
+        "gpn eval and gpn inspect run a model whose weights hold NaN or inf (perplexities of NaN written as results)",
+        "eval/runner.py",
+        "    refuse_non_finite_parameters(model, path)\n",
+        "    pass  # MUTATION\n",
+        ("tests/ecosystem/test_eval.py::test_a_damaged_weights_file_is_one_line",),
+    ),
+    Mutation(
+        "a preset file holding a JSON list or number fails inside GPNConfig(**values) (a TypeError traceback)",
+        "configuration/__init__.py",
+        "    if not isinstance(values, dict):  # (a list",
+        "    if False:  # MUTATION (a list",
+        (
+            "tests/tools/test_bench.py::test_a_preset_file_that_is_no_config_is_refused_before_anything_is_measured[not-an-object]",
+        ),
     ),
     Mutation(
         "gpn eval's and gpn inspect's output folder not checked before the work",

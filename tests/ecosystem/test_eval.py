@@ -596,6 +596,8 @@ def test_clear_errors(gpn_dir, data, llama_dir, capsys, tmp_path):
 
 def test_a_damaged_weights_file_is_one_line(gpn_dir, tmp_path, capsys):
     """A truncated model.safetensors was safetensors' SafetensorError traceback, exit status 1."""
+    from safetensors.torch import load_file, save_file
+
     from gpn_cli import main
 
     damaged = tmp_path / "damaged"
@@ -606,6 +608,15 @@ def test_a_damaged_weights_file_is_one_line(gpn_dir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"gpn eval: error: cannot load a model from {damaged}: SafetensorError: ")
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    # a weight holding NaN: the run wrote perplexities of NaN to eval_results.json, as if measured
+    tensors = load_file(gpn_dir / "model.safetensors")
+    tensors["model.fuse_gate.weight"][0, 0] = float("nan")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    assert main(["eval", str(damaged), "--tasks", "fineweb_paper", "--output-dir", str(tmp_path / "out")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gpn eval: error: ")]
+    assert len(errors) == 1 and "model.fuse_gate.weight;" in errors[0], errors
+    assert errors[0].startswith(f"gpn eval: error: the model in {damaged} has parameters holding NaN or inf")
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_repos_own_code_runs_only_with_trust_remote_code(tmp_path, capsys):

@@ -149,6 +149,39 @@ def test_labels_of_the_wrong_shape(model):
         model(ids, labels=ids[:, :4])
 
 
+def test_labels_outside_the_vocabulary_or_not_int64_are_named(model):
+    """A label that is neither a token id of the model nor -100 failed inside torch's cross-entropy ("Target 200 is
+    out of bounds", on a GPU a device-side assert), float or int32 labels there by dtype; -100 stays ignored."""
+    ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(1))
+    for bad in (97, -1):
+        labels = ids.clone()
+        labels[1, 3] = bad
+        for name in ("labels", "shift_labels"):
+            with pytest.raises(ValueError, match=rf"{name} holds {bad} at \(row 1, position 3\).*vocab_size=97"):
+                model(ids, **{name: labels})
+    with pytest.raises(ValueError, match="labels must be token ids of dtype torch.int64.*got dtype torch.float32"):
+        model(ids, labels=ids.float())
+    ignored = ids.clone()
+    ignored[:, 2] = -100
+    assert torch.isfinite(model(ids, labels=ignored).loss)
+
+
+def test_a_cache_another_model_filled_is_refused_naming_the_shapes(model):
+    """A cache from a model of other sizes failed inside a matrix product, or (decoding one token, where the fast path
+    runs the C kernels) with the kernels' own refusal of their arguments; it is named as another model's state."""
+    ids = torch.tensor([[1, 2, 3]])
+    for other, part in (
+        (tiny_config(hidden_size=40), r"its p has shape \(1, 40\), this model's has \(1, 48\)"),
+        (tiny_config(memory_value_dim=8), r"its memory has shape \(1, 3, 8, 8\), this model's has \(1, 3, 8, 16\)"),
+        (tiny_config(use_memory=False), r"its memory has shape \(1, 0\)"),
+    ):
+        with torch.no_grad():
+            cache = perturbed_model(other)(ids, use_cache=True).cache
+            for new in (ids[:, :1], ids):  # one decoded token (the fast path's C call), and a prompt
+                with pytest.raises(ValueError, match="The cache holds a state of another model: " + part):
+                    model(new, cache=cache)
+
+
 def test_attention_outputs_asked_for_are_refused_not_returned_as_none(model):
     """A GPN has no attention weights: `output_attentions=True` (to either forward, to generate(), or set in the
     config) is refused by name, never answered with `attentions=None`; `False`, which tools pass every model,

@@ -246,7 +246,7 @@ def test_an_unknown_preset_is_refused_before_anything_is_measured(capsys):
     assert message.startswith("--preset: No preset named 'smal'") and "small" in message
 
 
-@pytest.mark.parametrize("case", ["not-json", "invalid-config", "llama-config"])
+@pytest.mark.parametrize("case", ["not-json", "not-an-object", "invalid-config", "llama-config"])
 def test_a_preset_file_that_is_no_config_is_refused_before_anything_is_measured(case, tmp_path, monkeypatch, capsys):
     """A config JSON given as a preset is read before the first preset is measured: a file that is not JSON,
     or a config GPNConfig refuses, was a traceback once the models were built (after every preset before it)."""
@@ -257,6 +257,7 @@ def test_a_preset_file_that_is_no_config_is_refused_before_anything_is_measured(
     preset.write_text(
         {
             "not-json": "{hidden_size: 8",
+            "not-an-object": "[1, 2]",  # (a TypeError traceback inside GPNConfig(**values))
             "invalid-config": '{"hidden_size": -3}',
             # another model's config.json (a Llama's): measured in silence as a GPN of the default sizes
             "llama-config": '{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2}',
@@ -266,6 +267,7 @@ def test_a_preset_file_that_is_no_config_is_refused_before_anything_is_measured(
     message = refusal(capsys)
     assert message.startswith(f"--preset {preset}: "), message
     needle = {"not-json": "Expecting property name", "invalid-config": "hidden_size must be"}
+    needle["not-an-object"] = "holds a JSON list, not an object of config values"
     needle["llama-config"] = "is the config of a 'llama' model, not a GPN"
     assert needle[case] in message, message
 
