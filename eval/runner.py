@@ -209,6 +209,24 @@ def _is_local(source: str) -> bool:
     return all(Path(part).exists() for part in source.split(","))
 
 
+# The files `--task-data` reads (`_builder`): a source ending so names a file, never a Hub dataset.
+DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt", ".raw")
+
+
+def check_task_data(task: str, source: str) -> None:
+    """Refuse, naming it, a `--task-data` source that names local files that are not there: a list of several, a
+    path (`names_a_local_path`) or a data file's name. It would otherwise be taken for a Hub dataset's name and
+    fail only when its task's turn came, after the model loaded and the tasks before it ran, their figures lost.
+    (A glob that matches, `gpn train`'s reader's way of naming a corpus, passes.)"""
+    from modeling_gpn.data.tokenizer import names_a_local_path
+
+    parts = source.split(",")
+    for part in parts:
+        names_a_file = len(parts) > 1 or names_a_local_path(part) or Path(part).suffix.lower() in DATA_FILE_SUFFIXES
+        if names_a_file and not Path(part).exists() and not glob.glob(part):
+            raise FileNotFoundError(f"--task-data {task}={source}: {part} does not exist")
+
+
 def _builder(paths: list[str]) -> str:
     suffix = Path(paths[0]).suffix.lower()
     return {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(suffix, "text")
@@ -523,6 +541,8 @@ def check_settings(settings: EvalSettings) -> None:
     """Refuse, naming the option, a setting out of range, before any model or data is loaded (a `--limit 0`
     would otherwise score one example and report it as a result)."""
     check_tasks(settings.tasks)
+    for task, source in settings.task_data.items():
+        check_task_data(task, source)
     for name, least in SETTING_MINIMUMS.items():
         value = getattr(settings, name)
         if value is not None and value < least:

@@ -1868,6 +1868,13 @@ MUTATIONS = [
         ("tests/ecosystem/test_eval.py::test_lm_eval_scores_a_bfloat16_model_from_float32_logits",),
     ),
     Mutation(
+        "gpn eval's --task-data files not checked before the model loads (a missing one taken for a Hub name)",
+        "eval/runner.py",
+        "        check_task_data(task, source)\n",
+        "        pass  # MUTATION\n",
+        ("tests/ecosystem/test_eval.py -k task_data_naming_missing",),
+    ),
+    Mutation(
         "gpn eval's --device not checked before the model loads",
         "eval/cli.py",
         "        torch_device(args.device)\n",

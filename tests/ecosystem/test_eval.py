@@ -684,6 +684,24 @@ def test_local_data_without_the_tasks_column_is_one_clear_line(gpn_dir, tmp_path
         assert err.startswith(f"gpn eval: error: {docs} has no column {column}") and "['text']" in err, err
 
 
+@pytest.mark.parametrize("missing", ["/no/such/wiki.test.raw", "wiki.test.raw", "docs.jsonl,wiki.test.raw"])
+def test_task_data_naming_missing_files_is_refused_before_the_model_loads(
+    gpn_dir, missing, tmp_path, capsys, monkeypatch
+):
+    """A missing --task-data file was taken for a Hub dataset's name and failed only at its task's turn: after the
+    model loaded and the tasks before it ran (their figures lost), and offline as "Couldn't reach ... on the Hub"."""
+    from gpn_cli import main
+    from modeling_gpn.evaluation import runner
+
+    monkeypatch.setattr(runner, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "A document."}) + "\n")
+    argv = ["eval", str(gpn_dir), "--tasks", "lambada_paper,wikitext", "--task-data", f"wikitext={missing}"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == f"gpn eval: error: --task-data wikitext={missing}: {missing.split(',')[-1]} does not exist\n"
+
+
 def test_rolling_ppl_reads_a_text_file_whatever_the_text_field(gpn_dir, tmp_path):
     """A .txt file is read by datasets' text builder, whose column is `text`: --text-field (meant for the jsonl
     of another task in the same run) does not apply to it, as the FineWeb protocol reads it."""
