@@ -518,6 +518,10 @@ def run_lm_eval(
 
 
 def check_tasks(tasks: list[str]) -> None:
+    """Refuse an unknown task, or none at all (`--tasks ,` loaded the model, scored nothing and wrote a report of
+    dashes, exit status 0)."""
+    if not tasks:
+        raise ValueError(f"--tasks names no task; the GPN task set is {sorted(TASKS)}")
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise ValueError(f"unknown task(s) {unknown}; the GPN task set is {sorted(TASKS)}")

@@ -1875,6 +1875,13 @@ MUTATIONS = [
         ("tests/ecosystem/test_eval.py -k task_data_naming_missing",),
     ),
     Mutation(
+        "gpn eval runs with no task at all (--tasks ,), writing a report of dashes",
+        "eval/runner.py",
+        "    if not tasks:\n",
+        "    if False:  # MUTATION\n",
+        ("tests/ecosystem/test_eval.py::test_clear_errors",),
+    ),
+    Mutation(
         "gpn eval's --device not checked before the model loads",
         "eval/cli.py",
         "        torch_device(args.device)\n",

@@ -573,6 +573,8 @@ def test_clear_errors(gpn_dir, data, llama_dir, capsys, tmp_path):
 
     assert main(["eval", str(gpn_dir), "--tasks", "lambada_openai,hellaswag"]) == 2
     assert "unknown task(s) ['hellaswag']" in capsys.readouterr().err
+    assert main(["eval", str(gpn_dir), "--tasks", ","]) == 2  # (no task: nothing would be scored, exit 0)
+    assert capsys.readouterr().err.startswith("gpn eval: error: --tasks names no task; the GPN task set is [")
     assert main(["eval", str(gpn_dir), "--task-data", "lambada_openai"]) == 2
     assert "TASK=SOURCE" in capsys.readouterr().err
     # what the arguments name, missing or unusable: one `gpn eval: error: ...` line, exit 2, as argparse's own
