@@ -1882,6 +1882,13 @@ MUTATIONS = [
         ("tests/ecosystem/test_eval.py::test_clear_errors",),
     ),
     Mutation(
+        "gpn eval's report says --limit cut every task (FineWeb's windows too)",
+        "eval/report.py",
+        "            f\"; **limit: the first {results['limit']} examples of each LAMBADA and lm-eval task**\"\n",
+        "            f\"; **limit {results['limit']} examples per task**\"  # MUTATION\n",
+        ("tests/ecosystem/test_eval.py::test_gpn_eval_command_writes_results_and_side_by_side_report",),
+    ),
+    Mutation(
         "gpn eval's --device not checked before the model loads",
         "eval/cli.py",
         "        torch_device(args.device)\n",

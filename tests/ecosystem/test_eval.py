@@ -526,6 +526,8 @@ def test_gpn_eval_command_writes_results_and_side_by_side_report(gpn_dir, data, 
     assert "| 16.05 | 0.223 | 18.99 |" in table[0]
     assert f"**{results['tasks']['lambada_paper']['ppl']:.2f}**" in table[-1]
     assert "not the full set" in report and "the paper uses 2048" in report
+    # --limit cuts LAMBADA, not the FineWeb windows (once "limit 8 examples per task", FineWeb's column included)
+    assert "**limit: the first 8 examples of each LAMBADA and lm-eval task**" in report
     assert "lambada_paper" in capsys.readouterr().out
 
 
