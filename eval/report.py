@@ -42,6 +42,10 @@ def render_report(results: dict[str, Any]) -> str:
             if results.get("limit")
             else ""
         ),
+        *(
+            f"- **task `{task}` failed, not scored** ({error}): the figures are those of the tasks before it"
+            for task, error in results.get("failed", {}).items()
+        ),
         "",
         "## Beside the paper's Table 1",
         "",

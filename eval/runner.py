@@ -597,15 +597,19 @@ def load_baselines(path: str | Path = BASELINES_PATH) -> dict:
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
-def evaluate(model_path: str, settings: EvalSettings, model=None, tokenizer=None) -> dict[str, Any]:
+def evaluate(
+    model_path: str, settings: EvalSettings, model=None, tokenizer=None, finished: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Run `settings.tasks` on one model; returns the `eval_results.json` dictionary (schema in `cli`).
-    Without `settings.progress`, no library shows a progress bar meanwhile."""
+    Without `settings.progress`, no library shows a progress bar meanwhile. `finished`, where given, is that
+    dictionary as it fills, each task's figures in it once the task is done (without `comparison` until all are):
+    when a later task fails, its caller still holds those of the tasks before it."""
     check_settings(settings)
     with contextlib.nullcontext() if settings.progress else progress_bars_off():
-        return _evaluate(model_path, settings, model, tokenizer)
+        return _evaluate(model_path, settings, model, tokenizer, {} if finished is None else finished)
 
 
-def _evaluate(model_path: str, settings: EvalSettings, model, tokenizer) -> dict[str, Any]:
+def _evaluate(model_path: str, settings: EvalSettings, model, tokenizer, results: dict[str, Any]) -> dict[str, Any]:
     import lm_eval
 
     from modeling_gpn.data import build_token_stream
@@ -619,7 +623,7 @@ def _evaluate(model_path: str, settings: EvalSettings, model, tokenizer) -> dict
         protocols.PAPER_FIRST_POSITION if protocols.has_empty_state(model) else protocols.SKIP_FIRST_POSITION
     )
     baselines = load_baselines()
-    results: dict[str, Any] = {
+    results |= {
         "schema_version": 1,
         "model": model_path,
         "model_type": getattr(model.config, "model_type", type(model).__name__),

@@ -1889,6 +1889,13 @@ MUTATIONS = [
         ("tests/ecosystem/test_eval.py::test_gpn_eval_command_writes_results_and_side_by_side_report",),
     ),
     Mutation(
+        "gpn eval loses the figures of the tasks finished before one that fails",
+        "eval/cli.py",
+        '        if finished.get("tasks"):  # the tasks before the one that failed are kept, not lost with it\n',
+        "        if False:  # MUTATION\n",
+        ("tests/ecosystem/test_eval.py -k finished_before_it",),
+    ),
+    Mutation(
         "gpn eval's --device not checked before the model loads",
         "eval/cli.py",
         "        torch_device(args.device)\n",

@@ -598,6 +598,27 @@ def test_clear_errors(gpn_dir, data, llama_dir, capsys, tmp_path):
         protocols.windowed_perplexity(llama, list(range(100)), WINDOW, first_position="skip")
 
 
+def test_a_task_that_fails_keeps_the_tasks_finished_before_it(gpn_dir, data, tmp_path, capsys):
+    """A task failing late (here FineWeb's one document shorter than a window) lost the figures of every task before
+    it: nothing was written. Now they are, the failed task named in the results and the report, exit status 2."""
+    from gpn_cli import main
+
+    out = tmp_path / "out"
+    argv = ["eval", str(gpn_dir), "--data-dir", str(data), "--tasks", "lambada_paper,fineweb_paper", "--limit", "2"]
+    argv += ["--fineweb-max-documents", "1", "--fineweb-window", "100000", "--output-dir", str(out), "--quiet"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gpn eval: error: the token stream has ") and "fewer than one window of 100000" in err
+    assert err.endswith(f"; lambada_paper, finished before fineweb_paper failed, written to {out}\n")
+    results = json.loads((out / "eval_results.json").read_text())
+    assert list(results["tasks"]) == ["lambada_paper"] and results["tasks"]["lambada_paper"]["examples"] == 2
+    assert (
+        list(results["failed"]) == ["fineweb_paper"] and "fewer than one window" in results["failed"]["fineweb_paper"]
+    )
+    assert results["comparison"]["measured"]["lambada_ppl"] == results["tasks"]["lambada_paper"]["ppl"]
+    assert "**task `fineweb_paper` failed, not scored**" in (out / "eval_report.md").read_text()
+
+
 def test_a_damaged_weights_file_is_one_line(gpn_dir, tmp_path, capsys):
     """A truncated model.safetensors was safetensors' SafetensorError traceback, exit status 1."""
     from gpn_cli import main
