@@ -28,7 +28,8 @@ Transformer++ baseline). Writes two files into `--output-dir`:
       "comparison": {
         "measured": {column: float},                           # columns of Table 1 that were measured
         "ratio_to_published": {baseline_model: {column: float}}  # measured / published
-      }
+      },
+      "failed": {task: str}          # only where a task failed (its error): the tasks before it, kept
     }
 
 Tasks and their metrics:
@@ -258,6 +259,22 @@ def write_outputs(results: dict, output_dir: str | Path) -> tuple[Path, Path]:
     return json_path, report_path
 
 
+def keep_finished_tasks(finished: dict, tasks: list[str], message: object, output_dir: Path) -> str:
+    """Write the results of the tasks that finished before one failed (`finished`, as `evaluate` filled it), the
+    failed task named under `failed`; returns what became of them, for the error line."""
+    from .runner import compare_with_baselines, load_baselines
+
+    failed = next(task for task in tasks if task not in finished["tasks"])
+    finished["failed"] = {failed: str(message)}
+    finished["comparison"] = compare_with_baselines(finished, load_baselines())
+    done = ", ".join(finished["tasks"])
+    try:
+        json_path, _ = write_outputs(finished, output_dir)
+    except OSError as error:
+        return f"the figures of {done}, finished before {failed} failed, could not be written: {error}"
+    return f"{done}, finished before {failed} failed, written to {json_path.parent}"
+
+
 def fail(message: object) -> int:
     """A bad argument, or what one names (a model, data, a tokenizer, the output folder) missing or unusable:
     one line, as argparse writes its own errors, and exit status 2 (as gpn inspect and generate)."""
@@ -290,10 +307,14 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.num_threads)
+    finished: dict = {}  # the figures of each task once it is done
     try:
-        results = evaluate(args.model, settings)
+        results = evaluate(args.model, settings, finished=finished)
     except (OSError, ValueError, KeyError) as error:  # a missing model or data file, bad data: one line, no traceback
-        return fail(error.args[0] if isinstance(error, KeyError) and error.args else error)
+        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        if finished.get("tasks"):  # the tasks before the one that failed are kept, not lost with it
+            message = f"{message}; {keep_finished_tasks(finished, settings.tasks, message, output_dir)}"
+        return fail(message)
     for task, metrics in results["tasks"].items():
         shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float))
         print(f"{task:16s} {shown}  ({results['wall_time_s'][task]:.1f}s)")

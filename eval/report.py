@@ -36,7 +36,16 @@ def render_report(results: dict[str, Any]) -> str:
         f"**{results['n_params']:,} parameters** ({_params(results['n_params'])})",
         f"- lm-eval {results['lm_eval_version']}; max_length {results['max_length']}; dtype {results['dtype']}; "
         f"device {results['device']}; batch size {results['batch_size']}"
-        + (f"; **limit {results['limit']} examples per task**" if results.get("limit") else ""),
+        # (--limit cuts the LAMBADA and lm-eval tasks only: the FineWeb windows are counted in their own note)
+        + (
+            f"; **limit: the first {results['limit']} examples of each LAMBADA and lm-eval task**"
+            if results.get("limit")
+            else ""
+        ),
+        *(
+            f"- **task `{task}` failed, not scored** ({error}): the figures are those of the tasks before it"
+            for task, error in results.get("failed", {}).items()
+        ),
         "",
         "## Beside the paper's Table 1",
         "",

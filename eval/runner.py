@@ -229,6 +229,24 @@ def _is_local(source: str) -> bool:
     return all(Path(part).exists() for part in source.split(","))
 
 
+# The files `--task-data` reads (`_builder`): a source ending so names a file, never a Hub dataset.
+DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt", ".raw")
+
+
+def check_task_data(task: str, source: str) -> None:
+    """Refuse, naming it, a `--task-data` source that names local files that are not there: a list of several, a
+    path (`names_a_local_path`) or a data file's name. It would otherwise be taken for a Hub dataset's name and
+    fail only when its task's turn came, after the model loaded and the tasks before it ran, their figures lost.
+    (A glob that matches, `gpn train`'s reader's way of naming a corpus, passes.)"""
+    from modeling_gpn.data.tokenizer import names_a_local_path
+
+    parts = source.split(",")
+    for part in parts:
+        names_a_file = len(parts) > 1 or names_a_local_path(part) or Path(part).suffix.lower() in DATA_FILE_SUFFIXES
+        if names_a_file and not Path(part).exists() and not glob.glob(part):
+            raise FileNotFoundError(f"--task-data {task}={source}: {part} does not exist")
+
+
 def _builder(paths: list[str]) -> str:
     suffix = Path(paths[0]).suffix.lower()
     return {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(suffix, "text")
@@ -520,6 +538,10 @@ def run_lm_eval(
 
 
 def check_tasks(tasks: list[str]) -> None:
+    """Refuse an unknown task, or none at all (`--tasks ,` loaded the model, scored nothing and wrote a report of
+    dashes, exit status 0)."""
+    if not tasks:
+        raise ValueError(f"--tasks names no task; the GPN task set is {sorted(TASKS)}")
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise ValueError(f"unknown task(s) {unknown}; the GPN task set is {sorted(TASKS)}")
@@ -543,6 +565,8 @@ def check_settings(settings: EvalSettings) -> None:
     """Refuse, naming the option, a setting out of range, before any model or data is loaded (a `--limit 0`
     would otherwise score one example and report it as a result)."""
     check_tasks(settings.tasks)
+    for task, source in settings.task_data.items():
+        check_task_data(task, source)
     for name, least in SETTING_MINIMUMS.items():
         value = getattr(settings, name)
         if value is not None and value < least:
@@ -593,15 +617,19 @@ def load_baselines(path: str | Path = BASELINES_PATH) -> dict:
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
-def evaluate(model_path: str, settings: EvalSettings, model=None, tokenizer=None) -> dict[str, Any]:
+def evaluate(
+    model_path: str, settings: EvalSettings, model=None, tokenizer=None, finished: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Run `settings.tasks` on one model; returns the `eval_results.json` dictionary (schema in `cli`).
-    Without `settings.progress`, no library shows a progress bar meanwhile."""
+    Without `settings.progress`, no library shows a progress bar meanwhile. `finished`, where given, is that
+    dictionary as it fills, each task's figures in it once the task is done (without `comparison` until all are):
+    when a later task fails, its caller still holds those of the tasks before it."""
     check_settings(settings)
     with contextlib.nullcontext() if settings.progress else progress_bars_off():
-        return _evaluate(model_path, settings, model, tokenizer)
+        return _evaluate(model_path, settings, model, tokenizer, {} if finished is None else finished)
 
 
-def _evaluate(model_path: str, settings: EvalSettings, model, tokenizer) -> dict[str, Any]:
+def _evaluate(model_path: str, settings: EvalSettings, model, tokenizer, results: dict[str, Any]) -> dict[str, Any]:
     import lm_eval
 
     from modeling_gpn.data import build_token_stream
@@ -615,7 +643,7 @@ def _evaluate(model_path: str, settings: EvalSettings, model, tokenizer) -> dict
         protocols.PAPER_FIRST_POSITION if protocols.has_empty_state(model) else protocols.SKIP_FIRST_POSITION
     )
     baselines = load_baselines()
-    results: dict[str, Any] = {
+    results |= {
         "schema_version": 1,
         "model": model_path,
         "model_type": getattr(model.config, "model_type", type(model).__name__),

@@ -348,8 +348,9 @@ def test_wikitext_rolling_perplexity_batch_invariant(gpn_dir, loaded, data):
     from modeling_gpn.evaluation.runner import evaluate
 
     model, tokenizer = loaded
+    # the first article: 1,519 tokens, 12 windows of 128, so batches of 8 and of 4 (its last window shorter, padded)
     results = {
-        bs: evaluate(str(gpn_dir), settings(data, bs, ["wikitext"], limit=2), model, tokenizer)["tasks"]
+        bs: evaluate(str(gpn_dir), settings(data, bs, ["wikitext"], limit=1), model, tokenizer)["tasks"]
         for bs in (1, 8)
     }
     assert_same_metrics(results[1], results[8])
@@ -526,6 +527,8 @@ def test_gpn_eval_command_writes_results_and_side_by_side_report(gpn_dir, data, 
     assert "| 16.05 | 0.223 | 18.99 |" in table[0]
     assert f"**{results['tasks']['lambada_paper']['ppl']:.2f}**" in table[-1]
     assert "not the full set" in report and "the paper uses 2048" in report
+    # --limit cuts LAMBADA, not the FineWeb windows (once "limit 8 examples per task", FineWeb's column included)
+    assert "**limit: the first 8 examples of each LAMBADA and lm-eval task**" in report
     assert "lambada_paper" in capsys.readouterr().out
 
 
@@ -573,6 +576,8 @@ def test_clear_errors(gpn_dir, data, llama_dir, capsys, tmp_path):
 
     assert main(["eval", str(gpn_dir), "--tasks", "lambada_openai,hellaswag"]) == 2
     assert "unknown task(s) ['hellaswag']" in capsys.readouterr().err
+    assert main(["eval", str(gpn_dir), "--tasks", ","]) == 2  # (no task: nothing would be scored, exit 0)
+    assert capsys.readouterr().err.startswith("gpn eval: error: --tasks names no task; the GPN task set is [")
     assert main(["eval", str(gpn_dir), "--task-data", "lambada_openai"]) == 2
     assert "TASK=SOURCE" in capsys.readouterr().err
     # what the arguments name, missing or unusable: one `gpn eval: error: ...` line, exit 2, as argparse's own
@@ -592,6 +597,27 @@ def test_clear_errors(gpn_dir, data, llama_dir, capsys, tmp_path):
         protocols.windowed_perplexity(llama, list(range(300)), WINDOW, first_position="empty_state")
     with pytest.raises(ValueError, match="fewer than one window"):
         protocols.windowed_perplexity(llama, list(range(100)), WINDOW, first_position="skip")
+
+
+def test_a_task_that_fails_keeps_the_tasks_finished_before_it(gpn_dir, data, tmp_path, capsys):
+    """A task failing late (here FineWeb's one document shorter than a window) lost the figures of every task before
+    it: nothing was written. Now they are, the failed task named in the results and the report, exit status 2."""
+    from gpn_cli import main
+
+    out = tmp_path / "out"
+    argv = ["eval", str(gpn_dir), "--data-dir", str(data), "--tasks", "lambada_paper,fineweb_paper", "--limit", "2"]
+    argv += ["--fineweb-max-documents", "1", "--fineweb-window", "100000", "--output-dir", str(out), "--quiet"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gpn eval: error: the token stream has ") and "fewer than one window of 100000" in err
+    assert err.endswith(f"; lambada_paper, finished before fineweb_paper failed, written to {out}\n")
+    results = json.loads((out / "eval_results.json").read_text())
+    assert list(results["tasks"]) == ["lambada_paper"] and results["tasks"]["lambada_paper"]["examples"] == 2
+    assert (
+        list(results["failed"]) == ["fineweb_paper"] and "fewer than one window" in results["failed"]["fineweb_paper"]
+    )
+    assert results["comparison"]["measured"]["lambada_ppl"] == results["tasks"]["lambada_paper"]["ppl"]
+    assert "**task `fineweb_paper` failed, not scored**" in (out / "eval_report.md").read_text()
 
 
 def test_a_damaged_weights_file_is_one_line(gpn_dir, tmp_path, capsys):
@@ -693,6 +719,24 @@ def test_local_data_without_the_tasks_column_is_one_clear_line(gpn_dir, tmp_path
         assert main([*argv, "--output-dir", str(tmp_path / "out")]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"gpn eval: error: {docs} has no column {column}") and "['text']" in err, err
+
+
+@pytest.mark.parametrize("missing", ["/no/such/wiki.test.raw", "wiki.test.raw", "docs.jsonl,wiki.test.raw"])
+def test_task_data_naming_missing_files_is_refused_before_the_model_loads(
+    gpn_dir, missing, tmp_path, capsys, monkeypatch
+):
+    """A missing --task-data file was taken for a Hub dataset's name and failed only at its task's turn: after the
+    model loaded and the tasks before it ran (their figures lost), and offline as "Couldn't reach ... on the Hub"."""
+    from gpn_cli import main
+    from modeling_gpn.evaluation import runner
+
+    monkeypatch.setattr(runner, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "A document."}) + "\n")
+    argv = ["eval", str(gpn_dir), "--tasks", "lambada_paper,wikitext", "--task-data", f"wikitext={missing}"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == f"gpn eval: error: --task-data wikitext={missing}: {missing.split(',')[-1]} does not exist\n"
 
 
 def test_rolling_ppl_reads_a_text_file_whatever_the_text_field(gpn_dir, tmp_path):
