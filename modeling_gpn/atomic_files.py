@@ -41,8 +41,11 @@ def replacing(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
         raise ValueError(f"replacing() writes a new file: mode 'w' or 'wb', got {mode!r}")
     path = Path(path)
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}")
+    created = False
     try:
-        with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), mode) as handle:
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        created = True
+        with open(descriptor, mode) as handle:
             yield handle
             handle.flush()
             os.fsync(handle.fileno())
@@ -52,7 +55,10 @@ def replacing(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
             raise
         raise type(error)(error.errno, error.strerror, str(path)) from error
     finally:
-        temporary.unlink(missing_ok=True)
+        # Only a temporary file this call created: on a read-only file system, removing one that is not there
+        # fails too (EROFS, not ENOENT), and that error, naming the hidden temporary name, replaced the one above.
+        if created:
+            temporary.unlink(missing_ok=True)
     if hasattr(os, "O_DIRECTORY"):  # (where a folder can be opened to fsync it: not on Windows)
         fsync(path.parent)
 

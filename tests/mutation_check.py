@@ -2921,10 +2921,38 @@ MUTATIONS = [
         ("tests/tools/test_bench.py::test_the_json_report_is_synced_and_a_failed_write_names_it",),
     ),
     Mutation(
+        "an atomic write removes a temporary file it never made (on a read-only file system that fails, naming it)",
+        "modeling_gpn/atomic_files.py",
+        "        if created:\n",
+        "        if True:  # MUTATION\n",
+        ("tests/model/test_state.py -k read_only_or_full",),
+    ),
+    Mutation(
+        "gpn generate --save-state refuses a folder it cannot write in before generating",
+        "modeling_gpn/cli/generate.py",
+        '            writable_folder(folder, "--save-state")\n',
+        "            pass  # MUTATION\n",
+        ("tests/model/test_state.py -k read_only_or_full",),
+    ),
+    Mutation(
+        "gpn generate prints its text before saving the state (a failed save loses the state, not the text)",
+        "modeling_gpn/cli/generate.py",
+        "    for prompt, row, mask in zip(args.prompts, output, prompt_mask):\n",
+        "    if args.save_state is not None:  # MUTATION: the state saved first, as before\n"
+        "        try:\n"
+        "            text_mask = _text_mask(prompt_mask, output[:, prompt_width:], model.generation_config.eos_token_id)\n"
+        "            _save_state(args, model, start, output, text_mask)\n"
+        "        except GenerateError as error:\n"
+        '            print(f"gpn generate: error: {error}", file=sys.stderr)\n'
+        "            return 2\n"
+        "    for prompt, row, mask in zip(args.prompts, output, prompt_mask):\n",
+        ("tests/model/test_state.py -k read_only_or_full",),
+    ),
+    Mutation(
         "an atomic write that fails leaves its temporary file behind",
         "modeling_gpn/atomic_files.py",
-        "        temporary.unlink(missing_ok=True)\n",
-        "        pass  # MUTATION\n",
+        "            temporary.unlink(missing_ok=True)\n",
+        "            pass  # MUTATION\n",
         (
             "tests/tools/test_bench.py::test_an_interrupted_json_write_leaves_no_half_file",
             "tests/model/test_state.py -k cut_short",

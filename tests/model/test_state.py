@@ -8,6 +8,7 @@ process (`GPNCache.save` / `GPNCache.load`), one state is forked into N rows (`G
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 import subprocess
@@ -20,7 +21,7 @@ import torch
 from modeling_gpn import GPNCache
 from modeling_gpn.state_file import GPNStateFileError, _state_checksum, state_fingerprint
 
-from ..environment import REPO_ROOT
+from ..environment import REPO_ROOT, small_disk
 from ..tiny_models import perturbed_model, tiny_config
 
 VOCAB = 97
@@ -753,6 +754,30 @@ def test_cli_bad_state_is_one_clear_line(generate_dir, tmp_path, capsys, case):
     assert len(lines) == 1 and needle in lines[0], err
     if case not in ("beams", "no-folder"):
         assert str(state) in lines[0]
+
+
+def test_a_read_only_or_full_disk_loses_no_text_and_names_the_state_file(generate_dir, saved, tmp_path, capsys):
+    """A read-only file system: `save` failed naming its hidden temporary file (removing one that was never made
+    fails there too, EROFS, and that error replaced the first), and `gpn generate --save-state` generated, then
+    failed at the save. A disk that fills during generation: the generated text was lost (printed only after a
+    save that succeeded); now it is printed, and the failed save is one line."""
+    model, path = saved
+    cache = GPNCache.load(path, model)
+    with small_disk(tmp_path / "read-only", "64k", read_only=True) as folder:
+        with pytest.raises(OSError) as error:
+            cache.save(folder / "s.safetensors")
+        assert (error.value.errno, error.value.filename) == (errno.EROFS, str(folder / "s.safetensors")), error.value
+        code, out, err = run_cli(capsys, generate_dir, "the cat", "--max-new-tokens", "1", "--save-state", folder / "s")
+        assert (code, out) == (2, "") and f"--save-state {folder}: cannot write in {folder}" in err, err
+    with small_disk(tmp_path / "full", "4k") as folder:  # room for no two-row state of this model
+        state = folder / "s.safetensors"
+        code, out, err = run_cli(
+            capsys, generate_dir, "the cat", "to be", "--max-new-tokens", "2", "--save-state", state
+        )
+        lines = [line for line in err.splitlines() if line.startswith("gpn generate:")]
+        assert code == 2 and len(printed_texts(out)) == 2 and "Traceback" not in err, err
+        assert lines == [f"gpn generate: error: cannot write --save-state {state}: No space left on device"], err
+        assert list(folder.iterdir()) == []
 
 
 def test_cli_save_state_of_a_model_without_a_gpn_state_is_refused_before_generating(generate_dir, tmp_path, capsys):
