@@ -1430,6 +1430,20 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "a state of no rows is not saved (no load would take the file)",
+        "modeling_gpn/state_file.py",
+        '    if tensors["predicted"].shape[0] < 1:  # (a cache whose rows were all selected away): no load would take it\n',
+        "    if False:  # MUTATION\n",
+        ("tests/model/test_state.py::test_a_state_of_no_rows_is_neither_saved_nor_loaded",),
+    ),
+    Mutation(
+        "a state file of no rows is refused saying so",
+        "modeling_gpn/state_file.py",
+        "    if batch_size < 1:\n",
+        "    if False:  # MUTATION\n",
+        ("tests/model/test_state.py::test_a_state_of_no_rows_is_neither_saved_nor_loaded",),
+    ),
+    Mutation(
         "the state file's checksum covers the positions read",
         "modeling_gpn/state_file.py",
         '    digest = hashlib.sha256(f"{read_fingerprint}/{positions_read}".encode())',

@@ -451,6 +451,26 @@ def test_a_non_finite_state_is_refused(saved, tmp_path):
     assert not (tmp_path / "inf.safetensors").exists()
 
 
+def test_a_state_of_no_rows_is_neither_saved_nor_loaded(saved, tmp_path):
+    """A cache whose rows were all selected away was saved, into a file every load refused as a read fingerprint
+    "of shape (0,)"; such a file (consistent, checksum and all) is refused saying it holds no rows."""
+    model, path = saved
+    cache = GPNCache.load(path, model)
+    cache.batch_select_indices(torch.tensor([], dtype=torch.long))
+    with pytest.raises(ValueError, match="holds no rows"):
+        cache.save(tmp_path / "empty.safetensors")
+    assert not (tmp_path / "empty.safetensors").exists()
+    header_length = int.from_bytes(path.read_bytes()[:8], "little")
+    metadata = json.loads(path.read_bytes()[8 : 8 + header_length])["__metadata__"]
+    tensors = {name: tensor[:0] for name, tensor in safetensors.torch.load(path.read_bytes()).items()}
+    empty = tmp_path / "forged.safetensors"
+    checksum = _state_checksum(tensors, "unknown", "7")
+    empty.write_bytes(
+        safetensors.torch.save(tensors, metadata={**metadata, "read_fingerprint": "unknown", "checksum": checksum})
+    )
+    refused(empty, model, "no rows")
+
+
 @pytest.mark.parametrize(
     "read_fingerprint, needle",
     [
