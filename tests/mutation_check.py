@@ -1444,6 +1444,13 @@ MUTATIONS = [
         ("tests/model/test_state.py::test_a_state_of_no_rows_is_neither_saved_nor_loaded",),
     ),
     Mutation(
+        "gpn serve's store leaves, logged, a file it cannot delete (a spill folder turned read-only failed requests)",
+        "modeling_gpn/serve/state_store.py",
+        "    try:\n        path.unlink(missing_ok=True)\n    except OSError as error:\n",
+        "    path.unlink(missing_ok=True)  # MUTATION\n    if False:\n        error = None\n",
+        ("tests/tools/test_serve_store.py::test_a_spill_folder_turned_read_only_fails_no_request",),
+    ),
+    Mutation(
         "the state file's checksum covers the positions read",
         "modeling_gpn/state_file.py",
         '    digest = hashlib.sha256(f"{read_fingerprint}/{positions_read}".encode())',
