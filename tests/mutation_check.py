@@ -1451,6 +1451,13 @@ MUTATIONS = [
         ("tests/tools/test_serve_store.py::test_a_spill_folder_turned_read_only_fails_no_request",),
     ),
     Mutation(
+        "a state file's read fingerprint of non-integers (1.7, true) is refused, not truncated into residues",
+        "modeling_gpn/cache.py",
+        "                if not all(type(value) is int for value in values):\n",
+        "                if False:  # MUTATION\n",
+        ("tests/model/test_state.py -k read_fingerprint_no_cache and (float or bool)",),
+    ),
+    Mutation(
         "the state file's checksum covers the positions read",
         "modeling_gpn/state_file.py",
         '    digest = hashlib.sha256(f"{read_fingerprint}/{positions_read}".encode())',

@@ -478,6 +478,8 @@ def test_a_state_of_no_rows_is_neither_saved_nor_loaded(saved, tmp_path):
         ("[[1, 2], [-3, 4]]", "outside"),
         ('[["a", 2], [3, 4]]', "not a table"),
         ("[[1, 2], [3, 99999999999999999999999]]", "not a table"),
+        pytest.param("[[1.7, 2], [3, 4]]", "not a table", id="float"),  # (taken as 1 before)
+        pytest.param("[[true, 2], [3, 4]]", "not a table", id="bool"),
     ],
 )
 def test_a_read_fingerprint_no_cache_computes_is_refused(saved, tmp_path, read_fingerprint, needle):
