@@ -2977,6 +2977,13 @@ MUTATIONS = [
         ("tests/model/test_state.py -k read_only_or_full",),
     ),
     Mutation(
+        "an atomic write refuses to put a file in place of a device, pipe or socket (root replaced /dev/full)",
+        "modeling_gpn/atomic_files.py",
+        "    if existing is not None and not (stat.S_ISREG(existing) or stat.S_ISDIR(existing)):\n",
+        "    if False:  # MUTATION\n",
+        ("tests/model/test_state.py::test_a_pipe_is_refused_by_name_without_being_read",),
+    ),
+    Mutation(
         "an atomic write that fails leaves its temporary file behind",
         "modeling_gpn/atomic_files.py",
         "            temporary.unlink(missing_ok=True)\n",

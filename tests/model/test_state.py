@@ -407,8 +407,10 @@ def test_a_damaged_state_file_is_refused(saved, tmp_path):
 
 def test_a_pipe_is_refused_by_name_without_being_read(saved, tmp_path):
     """`GPNCache.load` read any path to its end: a FIFO blocked it until a writer came and went (and took what was
-    written for a damaged file), `/dev/zero` filled the memory. Only a regular file is read."""
+    written for a damaged file), `/dev/zero` filled the memory. Only a regular file is read; and `save` refuses to
+    put a file in a pipe's place."""
     import os
+    import stat
     import threading
 
     model, _ = saved
@@ -428,6 +430,11 @@ def test_a_pipe_is_refused_by_name_without_being_read(saved, tmp_path):
             GPNCache.load(pipe, model)
     finally:
         thread.join()
+    # nor written: the rename put a state file in the pipe's place (as root, in /dev/full's and /dev/stdout's)
+    with pytest.raises(OSError, match="a device, pipe or socket, not a file") as error:
+        GPNCache.load(saved[1], model).save(pipe)
+    assert error.value.filename == str(pipe) and stat.S_ISFIFO(os.lstat(pipe).st_mode)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["pipe.safetensors", "state.safetensors"]
 
 
 def test_a_non_finite_state_is_refused(saved, tmp_path):
