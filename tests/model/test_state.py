@@ -702,13 +702,13 @@ def gpn_generate(*args) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT)
 
 
-def test_cli_save_state_then_continue_equals_one_run(generate_dir, tmp_path):
+def test_cli_save_state_then_continue_equals_one_run(generate_dir, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     state = tmp_path / "story.safetensors"
-    first = gpn_generate(generate_dir, "the cat sat", "--max-new-tokens", "5", "--save-state", state)
-    assert first.returncode == 0, first.stderr
-    assert f"written to {state}" in first.stderr and state.is_file()
+    # saved in this process (run_cli, below), continued in a fresh one through the console script
+    code, _, err = run_cli(capsys, generate_dir, "the cat sat", "--max-new-tokens", "5", "--save-state", state)
+    assert code == 0 and f"written to {state}" in err and state.is_file(), err
     second = gpn_generate(generate_dir, "--state", state, " on the", "--max-new-tokens", "6")
     assert second.returncode == 0, second.stderr
 
