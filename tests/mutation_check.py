@@ -2956,6 +2956,13 @@ MUTATIONS = [
         ("tests/model/test_state.py -k read_only_or_full",),
     ),
     Mutation(
+        "gpn generate --save-state refuses a path that is a folder, device or pipe before generating",
+        "modeling_gpn/cli/generate.py",
+        "        if Path(args.save_state).expanduser().exists() and not Path(args.save_state).expanduser().is_file():\n",
+        "        if False:  # MUTATION\n",
+        ("tests/model/test_state.py -k bad_state_is_one_clear_line and save-to-folder",),
+    ),
+    Mutation(
         "gpn generate --save-state refuses a folder it cannot write in before generating",
         "modeling_gpn/cli/generate.py",
         '            writable_folder(folder, "--save-state")\n',

@@ -113,6 +113,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         folder = Path(args.save_state).expanduser().resolve().parent
         if not folder.is_dir():
             raise GenerateError(f"--save-state {args.save_state}: its folder does not exist")
+        if Path(args.save_state).expanduser().exists() and not Path(args.save_state).expanduser().is_file():
+            raise GenerateError(f"--save-state {args.save_state} is not a file (a folder, device or pipe)")
         from modeling_gpn.cli.arguments import writable_folder
 
         try:  # (a read-only folder failed only after generating, at the save)

@@ -755,7 +755,7 @@ def test_cli_one_saved_state_continues_several_prompts_and_saves_again(generate_
     assert code == 2 and "holds 2 rows" in err
 
 
-@pytest.mark.parametrize("case", ["missing", "damaged", "other-model", "beams", "no-folder"])
+@pytest.mark.parametrize("case", ["missing", "damaged", "other-model", "beams", "no-folder", "save-to-folder"])
 def test_cli_bad_state_is_one_clear_line(generate_dir, tmp_path, capsys, case):
     state = tmp_path / "s.safetensors"
     extra = []
@@ -775,13 +775,16 @@ def test_cli_bad_state_is_one_clear_line(generate_dir, tmp_path, capsys, case):
     elif case == "no-folder":
         extra, needle = ["--save-state", tmp_path / "no" / "such.safetensors"], "its folder does not exist"
         state.write_bytes(b"x")
+    elif case == "save-to-folder":  # (failed at the save, after generating)
+        extra, needle = ["--save-state", tmp_path], "is not a file"
+        state.write_bytes(b"x")
     else:
         needle = "is not a file"
     code, out, err = run_cli(capsys, generate_dir, "--state", state, "hi", "--max-new-tokens", "2", *extra)
     lines = [line for line in err.splitlines() if line.startswith("gpn generate:")]
     assert code == 2 and "Traceback" not in err and out == "", err
     assert len(lines) == 1 and needle in lines[0], err
-    if case not in ("beams", "no-folder"):
+    if case not in ("beams", "no-folder", "save-to-folder"):
         assert str(state) in lines[0]
 
 
