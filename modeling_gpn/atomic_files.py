@@ -4,14 +4,18 @@ and their folder fsynced.
 The one way gpn replaces a file: a kept state (`state_file.py`), a training run's settings, rewritten log
 and checkpoint state (`train/run_folder.py`), `gpn bench --json`'s report, `gpn study`'s report and results,
 `gpn serve`'s spilled states. A crash or an interruption at any instant leaves the old content or the new one,
-never a mix, and no temporary file behind. The standard library only: it ships with the model, which saves states through it.
+never a mix; an exception (Ctrl-C too) leaves no temporary file behind, a killed process (`kill -9`) its hidden one.
+A path that is a device, pipe or socket is refused, not replaced. The standard library only: it ships with the model,
+which saves states through it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
+import stat
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,14 +39,26 @@ def replacing(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     The file is written under a temporary name of its own in `path`'s folder (process, thread and a random
     part: two threads replacing one path never share it), then fsynced and renamed over `path`, and the folder
     fsynced. If the block raises, the temporary file is removed and `path` is left as it was. An `OSError`
-    (a full disk, a missing folder) names `path`, not the hidden temporary file.
+    (a full disk, a missing or read-only folder, a `path` that is a device, pipe or socket) names `path`, not the
+    hidden temporary file.
     """
     if mode not in ("w", "wb"):
         raise ValueError(f"replacing() writes a new file: mode 'w' or 'wb', got {mode!r}")
     path = Path(path)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}")
     try:
-        with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), mode) as handle:
+        existing = os.stat(path).st_mode  # (through a link: /dev/stdout is one, to a pipe or a terminal)
+    except OSError:
+        existing = None
+    if existing is not None and not (stat.S_ISREG(existing) or stat.S_ISDIR(existing)):
+        # The rename would put a file in place of the device, pipe or socket (root replaced /dev/full, and the
+        # /dev/stdout link, with a state file), where the caller meant to write into it.
+        raise OSError(errno.EINVAL, "a device, pipe or socket, not a file (replacing it would remove it)", str(path))
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}")
+    created = False
+    try:
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        created = True
+        with open(descriptor, mode) as handle:
             yield handle
             handle.flush()
             os.fsync(handle.fileno())
@@ -52,7 +68,10 @@ def replacing(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
             raise
         raise type(error)(error.errno, error.strerror, str(path)) from error
     finally:
-        temporary.unlink(missing_ok=True)
+        # Only a temporary file this call created: on a read-only file system, removing one that is not there
+        # fails too (EROFS, not ENOENT), and that error, naming the hidden temporary name, replaced the one above.
+        if created:
+            temporary.unlink(missing_ok=True)
     if hasattr(os, "O_DIRECTORY"):  # (where a folder can be opened to fsync it: not on Windows)
         fsync(path.parent)
 

@@ -473,7 +473,12 @@ class GPNCache(Cache):
         if state.read_fingerprint != "unknown":
             batch_size = state.tensors["predicted"].shape[0]
             try:
-                read = torch.tensor(json.loads(state.read_fingerprint), dtype=torch.int64, device=base.device)
+                table = json.loads(state.read_fingerprint)
+                # (torch.tensor would truncate 1.7 to 1 and take true as 1: only integers are a cache's residues)
+                values = [value for row in table for value in row] if isinstance(table, list) else [table]
+                if not all(type(value) is int for value in values):
+                    raise TypeError(f"it holds {sorted({type(value).__name__ for value in values} - {'int'})}")
+                read = torch.tensor(table, dtype=torch.int64, device=base.device)
             except (ValueError, TypeError, RuntimeError, OverflowError) as error:
                 raise GPNStateFileError(
                     f"{path} holds a read fingerprint that is not a table of integers ({error})"

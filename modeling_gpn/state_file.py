@@ -215,6 +215,8 @@ def write_state_file(
     renamed), so an interrupted save never leaves a partial file at `path`, concurrent saves to one path each
     leave a whole file (the last rename wins), and an error names `path`.
     """
+    if tensors["predicted"].shape[0] < 1:  # (a cache whose rows were all selected away): no load would take it
+        raise ValueError(f"Cannot save {path}: the state holds no rows")
     if not all(bool(torch.isfinite(tensor).all()) for tensor in tensors.values()):
         raise ValueError(f"Cannot save {path}: the state holds NaN or infinite values")
     _check_model_fingerprint(model_fingerprint, path)
@@ -263,6 +265,8 @@ def read_state_file(path: Path, model: nn.Module) -> StateFile:
         raise GPNStateFileError(f"{path} is damaged: its tensors do not match the checksum recorded when it was saved")
     _check_state_belongs_to(metadata, model, path)
     batch_size = tensors["predicted"].shape[0]
+    if batch_size < 1:
+        raise GPNStateFileError(f"{path} holds a state of no rows: there is nothing to continue")
     expected = {name: (batch_size, *shape) for name, shape in state_shapes(model.config).items()}
     for name, tensor in tensors.items():
         if tuple(tensor.shape) != expected[name] or tensor.dtype != torch.float32:

@@ -64,10 +64,12 @@ def require_environment(satisfied: bool, missing: str, variable: str) -> None:
 
 
 @contextlib.contextmanager
-def small_disk(path: Path, size: str):
-    """A real filesystem of `size` at `path` (tmpfs; mounting needs root), for writes that meet a full disk."""
+def small_disk(path: Path, size: str, read_only: bool = False):
+    """A real filesystem of `size` at `path` (tmpfs; mounting needs root), for writes that meet a full disk, or
+    (`read_only`) a read-only file system."""
     path.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    options = f"{'ro,' if read_only else ''}size={size}"
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
     problem = f"cannot mount a small tmpfs here (needs root, or CAP_SYS_ADMIN in a container): {mounted.stderr.decode().strip()}"
     require_environment(mounted.returncode == 0, problem, "GPN_REQUIRE_MOUNT")
     try:

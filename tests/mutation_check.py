@@ -1451,6 +1451,34 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "a state of no rows is not saved (no load would take the file)",
+        "modeling_gpn/state_file.py",
+        '    if tensors["predicted"].shape[0] < 1:  # (a cache whose rows were all selected away): no load would take it\n',
+        "    if False:  # MUTATION\n",
+        ("tests/model/test_state.py::test_a_state_of_no_rows_is_neither_saved_nor_loaded",),
+    ),
+    Mutation(
+        "a state file of no rows is refused saying so",
+        "modeling_gpn/state_file.py",
+        "    if batch_size < 1:\n",
+        "    if False:  # MUTATION\n",
+        ("tests/model/test_state.py::test_a_state_of_no_rows_is_neither_saved_nor_loaded",),
+    ),
+    Mutation(
+        "gpn serve's store leaves, logged, a file it cannot delete (a spill folder turned read-only failed requests)",
+        "modeling_gpn/serve/state_store.py",
+        "    try:\n        path.unlink(missing_ok=True)\n    except OSError as error:\n",
+        "    path.unlink(missing_ok=True)  # MUTATION\n    if False:\n        error = None\n",
+        ("tests/tools/test_serve_store.py::test_a_spill_folder_turned_read_only_fails_no_request",),
+    ),
+    Mutation(
+        "a state file's read fingerprint of non-integers (1.7, true) is refused, not truncated into residues",
+        "modeling_gpn/cache.py",
+        "                if not all(type(value) is int for value in values):\n",
+        "                if False:  # MUTATION\n",
+        ("tests/model/test_state.py -k read_fingerprint_no_cache and (float or bool)",),
+    ),
+    Mutation(
         "the state file's checksum covers the positions read",
         "modeling_gpn/state_file.py",
         '    digest = hashlib.sha256(f"{read_fingerprint}/{positions_read}".encode())',
@@ -3048,10 +3076,52 @@ MUTATIONS = [
         ("tests/tools/test_bench.py::test_the_json_report_is_synced_and_a_failed_write_names_it",),
     ),
     Mutation(
+        "an atomic write removes a temporary file it never made (on a read-only file system that fails, naming it)",
+        "modeling_gpn/atomic_files.py",
+        "        if created:\n",
+        "        if True:  # MUTATION\n",
+        ("tests/model/test_state.py -k read_only_or_full",),
+    ),
+    Mutation(
+        "gpn generate --save-state refuses a path that is a folder, device or pipe before generating",
+        "modeling_gpn/cli/generate.py",
+        "        if Path(args.save_state).expanduser().exists() and not Path(args.save_state).expanduser().is_file():\n",
+        "        if False:  # MUTATION\n",
+        ("tests/model/test_state.py -k bad_state_is_one_clear_line and save-to-folder",),
+    ),
+    Mutation(
+        "gpn generate --save-state refuses a folder it cannot write in before generating",
+        "modeling_gpn/cli/generate.py",
+        '            writable_folder(folder, "--save-state")\n',
+        "            pass  # MUTATION\n",
+        ("tests/model/test_state.py -k read_only_or_full",),
+    ),
+    Mutation(
+        "gpn generate prints its text before saving the state (a failed save loses the state, not the text)",
+        "modeling_gpn/cli/generate.py",
+        "    for prompt, row, mask in zip(args.prompts, output, prompt_mask):\n",
+        "    if args.save_state is not None:  # MUTATION: the state saved first, as before\n"
+        "        try:\n"
+        "            text_mask = _text_mask(prompt_mask, output[:, prompt_width:], model.generation_config.eos_token_id)\n"
+        "            _save_state(args, model, start, output, text_mask)\n"
+        "        except GenerateError as error:\n"
+        '            print(f"gpn generate: error: {error}", file=sys.stderr)\n'
+        "            return 2\n"
+        "    for prompt, row, mask in zip(args.prompts, output, prompt_mask):\n",
+        ("tests/model/test_state.py -k read_only_or_full",),
+    ),
+    Mutation(
+        "an atomic write refuses to put a file in place of a device, pipe or socket (root replaced /dev/full)",
+        "modeling_gpn/atomic_files.py",
+        "    if existing is not None and not (stat.S_ISREG(existing) or stat.S_ISDIR(existing)):\n",
+        "    if False:  # MUTATION\n",
+        ("tests/model/test_state.py::test_a_pipe_is_refused_by_name_without_being_read",),
+    ),
+    Mutation(
         "an atomic write that fails leaves its temporary file behind",
         "modeling_gpn/atomic_files.py",
-        "        temporary.unlink(missing_ok=True)\n",
-        "        pass  # MUTATION\n",
+        "            temporary.unlink(missing_ok=True)\n",
+        "            pass  # MUTATION\n",
         (
             "tests/tools/test_bench.py::test_an_interrupted_json_write_leaves_no_half_file",
             "tests/model/test_state.py -k cut_short",

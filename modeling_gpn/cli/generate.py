@@ -109,8 +109,18 @@ def check_arguments(args: argparse.Namespace) -> None:
             raise GenerateError(f"--state {args.state} is not a file")
         if args.num_beams > 1:
             raise GenerateError("--num-beams above 1 cannot continue from --state yet: use greedy decoding or --sample")
-    if args.save_state is not None and not Path(args.save_state).expanduser().resolve().parent.is_dir():
-        raise GenerateError(f"--save-state {args.save_state}: its folder does not exist")
+    if args.save_state is not None:
+        folder = Path(args.save_state).expanduser().resolve().parent
+        if not folder.is_dir():
+            raise GenerateError(f"--save-state {args.save_state}: its folder does not exist")
+        if Path(args.save_state).expanduser().exists() and not Path(args.save_state).expanduser().is_file():
+            raise GenerateError(f"--save-state {args.save_state} is not a file (a folder, device or pipe)")
+        from modeling_gpn.cli.arguments import writable_folder
+
+        try:  # (a read-only folder failed only after generating, at the save)
+            writable_folder(folder, "--save-state")
+        except ValueError as error:
+            raise GenerateError(str(error)) from None
     for index, prompt in enumerate(args.prompts, start=1):
         if not prompt.strip():
             raise GenerateError(f"prompt {index} is empty: give some text to continue")
@@ -295,9 +305,6 @@ def run(args: argparse.Namespace) -> int:
                 num_beams=args.num_beams,
                 pad_token_id=tokenizer.pad_token_id,
             )
-        if args.save_state is not None:
-            text_mask = _text_mask(prompt_mask, output[:, prompt_width:], model.generation_config.eos_token_id)
-            _save_state(args, model, start, output, text_mask)
     except GenerateError as error:  # a bad argument: one line worded as argparse words its own
         print(f"gpn generate: error: {error}", file=sys.stderr)
         return 2
@@ -311,6 +318,19 @@ def run(args: argparse.Namespace) -> int:
         else:  # what was not printed yet (text held back at the end, or where the whole decodes otherwise)
             print(streamer.rest(continuation(tokenizer, prompt_ids, row[prompt_width:])))
         print("-" * 40)
+    # The state is written after the text is printed: a save that fails (a disk that filled meanwhile) loses
+    # only the state, never the generated text (it was printed only after a save that succeeded).
+    if args.save_state is not None:
+        sys.stdout.flush()
+        try:
+            text_mask = _text_mask(prompt_mask, output[:, prompt_width:], model.generation_config.eos_token_id)
+            _save_state(args, model, start, output, text_mask)
+        except GenerateError as error:
+            print(f"gpn generate: error: {error}", file=sys.stderr)
+            return 2
+        except (ValueError, TypeError, RuntimeError) as error:  # the save refusing the state (GPNCache.save)
+            print(f"gpn generate: {type(error).__name__}: {error}", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -314,8 +314,8 @@ class StateStore:
             size = path.stat().st_size + ids_path.stat().st_size
         except (OSError, ValueError) as error:
             logger.warning("state store: cannot write %s, the state is dropped: %s", path, error)
-            path.unlink(missing_ok=True)
-            ids_path.unlink(missing_ok=True)
+            _remove(path)
+            _remove(ids_path)
             self._count_length(entry.model, entry.length, -1)
             return
         self._files[key] = _Entry(entry.model, entry.ids, None, size)
@@ -338,8 +338,8 @@ class StateStore:
         if entry is not None:
             self._file_bytes -= entry.nbytes
             self._count_length(entry.model, entry.length, -1)
-            self._state_path(key).unlink(missing_ok=True)
-            self._ids_path(key).unlink(missing_ok=True)
+            _remove(self._state_path(key))
+            _remove(self._ids_path(key))
 
     def _remember_model(self, key_of_model: str, model: torch.nn.Module) -> None:
         if key_of_model not in self._model_fingerprints:
@@ -399,6 +399,18 @@ class StateStore:
             self._file_bytes += entry.nbytes
             self._count_length(entry.model, entry.length, +1)
         self._trim_files()
+
+
+def _remove(path: Path) -> None:
+    """Delete one of the store's files, if there. One that cannot be deleted (the folder turned read-only: a file
+    system remounted so after an error) is left, logged: the entry is gone from the index all the same. (An error
+    here failed the request whose state had just been read back from that file, and stopped a store writing its
+    other states at shutdown; on a read-only file system deleting a file that is not there fails too.)"""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as error:
+        if path.exists():
+            logger.warning("state store: cannot delete %s: %s", path, error.strerror or error)
 
 
 def _ids_from_bytes(ids: bytes) -> list[int]:

@@ -8,6 +8,7 @@ process (`GPNCache.save` / `GPNCache.load`), one state is forked into N rows (`G
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 import subprocess
@@ -20,7 +21,7 @@ import torch
 from modeling_gpn import GPNCache
 from modeling_gpn.state_file import GPNStateFileError, _state_checksum, state_fingerprint
 
-from ..environment import REPO_ROOT
+from ..environment import REPO_ROOT, small_disk
 from ..tiny_models import perturbed_model, tiny_config
 
 VOCAB = 97
@@ -406,8 +407,10 @@ def test_a_damaged_state_file_is_refused(saved, tmp_path):
 
 def test_a_pipe_is_refused_by_name_without_being_read(saved, tmp_path):
     """`GPNCache.load` read any path to its end: a FIFO blocked it until a writer came and went (and took what was
-    written for a damaged file), `/dev/zero` filled the memory. Only a regular file is read."""
+    written for a damaged file), `/dev/zero` filled the memory. Only a regular file is read; and `save` refuses to
+    put a file in a pipe's place."""
     import os
+    import stat
     import threading
 
     model, _ = saved
@@ -427,6 +430,11 @@ def test_a_pipe_is_refused_by_name_without_being_read(saved, tmp_path):
             GPNCache.load(pipe, model)
     finally:
         thread.join()
+    # nor written: the rename put a state file in the pipe's place (as root, in /dev/full's and /dev/stdout's)
+    with pytest.raises(OSError, match="a device, pipe or socket, not a file") as error:
+        GPNCache.load(saved[1], model).save(pipe)
+    assert error.value.filename == str(pipe) and stat.S_ISFIFO(os.lstat(pipe).st_mode)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["pipe.safetensors", "state.safetensors"]
 
 
 def test_a_non_finite_state_is_refused(saved, tmp_path):
@@ -450,6 +458,26 @@ def test_a_non_finite_state_is_refused(saved, tmp_path):
     assert not (tmp_path / "inf.safetensors").exists()
 
 
+def test_a_state_of_no_rows_is_neither_saved_nor_loaded(saved, tmp_path):
+    """A cache whose rows were all selected away was saved, into a file every load refused as a read fingerprint
+    "of shape (0,)"; such a file (consistent, checksum and all) is refused saying it holds no rows."""
+    model, path = saved
+    cache = GPNCache.load(path, model)
+    cache.batch_select_indices(torch.tensor([], dtype=torch.long))
+    with pytest.raises(ValueError, match="holds no rows"):
+        cache.save(tmp_path / "empty.safetensors")
+    assert not (tmp_path / "empty.safetensors").exists()
+    header_length = int.from_bytes(path.read_bytes()[:8], "little")
+    metadata = json.loads(path.read_bytes()[8 : 8 + header_length])["__metadata__"]
+    tensors = {name: tensor[:0] for name, tensor in safetensors.torch.load(path.read_bytes()).items()}
+    empty = tmp_path / "forged.safetensors"
+    checksum = _state_checksum(tensors, "unknown", "7")
+    empty.write_bytes(
+        safetensors.torch.save(tensors, metadata={**metadata, "read_fingerprint": "unknown", "checksum": checksum})
+    )
+    refused(empty, model, "no rows")
+
+
 @pytest.mark.parametrize(
     "read_fingerprint, needle",
     [
@@ -457,6 +485,8 @@ def test_a_non_finite_state_is_refused(saved, tmp_path):
         ("[[1, 2], [-3, 4]]", "outside"),
         ('[["a", 2], [3, 4]]', "not a table"),
         ("[[1, 2], [3, 99999999999999999999999]]", "not a table"),
+        pytest.param("[[1.7, 2], [3, 4]]", "not a table", id="float"),  # (taken as 1 before)
+        pytest.param("[[true, 2], [3, 4]]", "not a table", id="bool"),
     ],
 )
 def test_a_read_fingerprint_no_cache_computes_is_refused(saved, tmp_path, read_fingerprint, needle):
@@ -672,13 +702,13 @@ def gpn_generate(*args) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT)
 
 
-def test_cli_save_state_then_continue_equals_one_run(generate_dir, tmp_path):
+def test_cli_save_state_then_continue_equals_one_run(generate_dir, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     state = tmp_path / "story.safetensors"
-    first = gpn_generate(generate_dir, "the cat sat", "--max-new-tokens", "5", "--save-state", state)
-    assert first.returncode == 0, first.stderr
-    assert f"written to {state}" in first.stderr and state.is_file()
+    # saved in this process (run_cli, below), continued in a fresh one through the console script
+    code, _, err = run_cli(capsys, generate_dir, "the cat sat", "--max-new-tokens", "5", "--save-state", state)
+    assert code == 0 and f"written to {state}" in err and state.is_file(), err
     second = gpn_generate(generate_dir, "--state", state, " on the", "--max-new-tokens", "6")
     assert second.returncode == 0, second.stderr
 
@@ -725,7 +755,7 @@ def test_cli_one_saved_state_continues_several_prompts_and_saves_again(generate_
     assert code == 2 and "holds 2 rows" in err
 
 
-@pytest.mark.parametrize("case", ["missing", "damaged", "other-model", "beams", "no-folder"])
+@pytest.mark.parametrize("case", ["missing", "damaged", "other-model", "beams", "no-folder", "save-to-folder"])
 def test_cli_bad_state_is_one_clear_line(generate_dir, tmp_path, capsys, case):
     state = tmp_path / "s.safetensors"
     extra = []
@@ -745,14 +775,41 @@ def test_cli_bad_state_is_one_clear_line(generate_dir, tmp_path, capsys, case):
     elif case == "no-folder":
         extra, needle = ["--save-state", tmp_path / "no" / "such.safetensors"], "its folder does not exist"
         state.write_bytes(b"x")
+    elif case == "save-to-folder":  # (failed at the save, after generating)
+        extra, needle = ["--save-state", tmp_path], "is not a file"
+        state.write_bytes(b"x")
     else:
         needle = "is not a file"
     code, out, err = run_cli(capsys, generate_dir, "--state", state, "hi", "--max-new-tokens", "2", *extra)
     lines = [line for line in err.splitlines() if line.startswith("gpn generate:")]
     assert code == 2 and "Traceback" not in err and out == "", err
     assert len(lines) == 1 and needle in lines[0], err
-    if case not in ("beams", "no-folder"):
+    if case not in ("beams", "no-folder", "save-to-folder"):
         assert str(state) in lines[0]
+
+
+def test_a_read_only_or_full_disk_loses_no_text_and_names_the_state_file(generate_dir, saved, tmp_path, capsys):
+    """A read-only file system: `save` failed naming its hidden temporary file (removing one that was never made
+    fails there too, EROFS, and that error replaced the first), and `gpn generate --save-state` generated, then
+    failed at the save. A disk that fills during generation: the generated text was lost (printed only after a
+    save that succeeded); now it is printed, and the failed save is one line."""
+    model, path = saved
+    cache = GPNCache.load(path, model)
+    with small_disk(tmp_path / "read-only", "64k", read_only=True) as folder:
+        with pytest.raises(OSError) as error:
+            cache.save(folder / "s.safetensors")
+        assert (error.value.errno, error.value.filename) == (errno.EROFS, str(folder / "s.safetensors")), error.value
+        code, out, err = run_cli(capsys, generate_dir, "the cat", "--max-new-tokens", "1", "--save-state", folder / "s")
+        assert (code, out) == (2, "") and f"--save-state {folder}: cannot write in {folder}" in err, err
+    with small_disk(tmp_path / "full", "4k") as folder:  # room for no two-row state of this model
+        state = folder / "s.safetensors"
+        code, out, err = run_cli(
+            capsys, generate_dir, "the cat", "to be", "--max-new-tokens", "2", "--save-state", state
+        )
+        lines = [line for line in err.splitlines() if line.startswith("gpn generate:")]
+        assert code == 2 and len(printed_texts(out)) == 2 and "Traceback" not in err, err
+        assert lines == [f"gpn generate: error: cannot write --save-state {state}: No space left on device"], err
+        assert list(folder.iterdir()) == []
 
 
 def test_cli_save_state_of_a_model_without_a_gpn_state_is_refused_before_generating(generate_dir, tmp_path, capsys):

@@ -20,6 +20,7 @@ from modeling_gpn import GPNCache
 from modeling_gpn.serve.generation import StateKeepingModel
 from modeling_gpn.serve.state_store import STATE_SUFFIX, StateStore
 
+from ..environment import small_disk
 from ..tiny_models import perturbed_model, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -195,6 +196,25 @@ def test_what_a_killed_write_left_is_deleted_when_a_store_opens_the_folder(model
     assert [path.name for path in left if path.exists()] == []
     assert in_progress.exists() and users.exists() and all(path.exists() for path in finished)
     assert restarted.lookup(model, IDS[:4])[0] == 3
+
+
+def test_a_spill_folder_turned_read_only_fails_no_request(model, tmp_path):
+    """A spill folder whose file system turns read-only (remounted so after an error): a state read back from its
+    file, which could not be deleted then, failed the request (the OSError of the delete), as did every later
+    keep and the writing of the states at shutdown. Now a file that cannot be deleted is left, and logged."""
+    import subprocess
+
+    cost = state_bytes(model)
+    with small_disk(tmp_path / "disk", "1m") as folder:
+        store = StateStore(cost + cost // 2, spill_dir=folder)  # one state in memory
+        for length in (2, 3):
+            store.keep(model, IDS[:length], state_after(model, IDS[:length]))
+        subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
+        assert store.keep(model, IDS[:4], state_after(model, IDS[:4]))  # the state it evicts cannot be written
+        length, cache = store.lookup(model, IDS[:3])  # 3 was dropped; 2 is read back from its file, which stays
+        assert length == 2 and same_state(cache, state_after(model, IDS[:2]))
+        store.spill_all()
+        assert store.summary()["states_in_memory"] == 0
 
 
 def generate_plain(model, ids: list[int], new: int, **kwargs):
