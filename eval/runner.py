@@ -150,13 +150,32 @@ def causal_lm_from_pretrained(path: str, **kwargs: Any):
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model, loading = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
     except (OSError, ValueError):  # a missing file, an unknown model type: transformers' own message names it
         raise
     except Exception as error:  # a damaged weights file (safetensors' SafetensorError, torch's zip RuntimeError)
         raise OSError(f"cannot load a model from {path}: {type(error).__name__}: {error}") from error
+    refuse_incomplete_weights(loading, path)
     refuse_non_finite_parameters(model, path)
     return model
+
+
+def refuse_incomplete_weights(loading: dict[str, Any], path: str) -> None:
+    """A `ValueError` naming the weights the model of `path`'s config.json has and its weights files lack, or hold
+    and it has not (`from_pretrained`'s `output_loading_info`): transformers draws the missing ones at random and
+    drops the others, saying so only in a load report on stderr, and every figure or text would come from that
+    model (a config.json edited to more or fewer layers than were trained, a weights file cut short)."""
+    missing, unexpected = sorted(loading.get("missing_keys") or ()), sorted(loading.get("unexpected_keys") or ())
+    if not missing and not unexpected:
+        return
+    shown = lambda names: ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    problems = ([f"its weights lack {shown(missing)}"] if missing else []) + (
+        [f"its weights hold {shown(unexpected)}, which its config.json has no place for"] if unexpected else []
+    )
+    raise ValueError(
+        f"the model in {path} does not match its config.json: {'; '.join(problems)} (transformers would draw the "
+        "missing weights at random and drop the others); load the folder the weights were saved with"
+    )
 
 
 def refuse_non_finite_parameters(model, path: str) -> None:

@@ -3791,6 +3791,17 @@ MUTATIONS = [
         "        pass  # MUTATION\n",
         ("tests/tools/test_inspect.py::test_gpn_inspect_end_to_end",),
     ),
+    Mutation(
+        "gpn eval / generate / inspect run a model whose weights files lack weights its config.json has (drawn at "
+        "random) or hold ones it has no place for",
+        "eval/runner.py",
+        "    if not missing and not unexpected:\n",
+        "    if True:  # MUTATION\n",
+        (
+            "tests/ecosystem/test_eval.py::test_a_damaged_weights_file_is_one_line",
+            "tests/tools/test_faults_io.py::test_generate_bad_arguments_are_one_clear_line[weights-short-of-config]",
+        ),
+    ),
 ]
 
 

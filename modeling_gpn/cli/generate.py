@@ -156,10 +156,18 @@ def _load(args: argparse.Namespace):
                 f"the tokenizer of {source} has neither a pad nor an EOS token to pad a batch of prompts with"
             )
         tokenizer.pad_token = tokenizer.eos_token
+    from modeling_gpn.evaluation.runner import refuse_incomplete_weights
+
     try:
-        model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            args.model, trust_remote_code=args.trust_remote_code, output_loading_info=True
+        )
     except Exception as error:  # noqa: BLE001
         raise GenerateError(f"cannot load a model from {args.model}: {type(error).__name__}: {error}") from error
+    try:  # (weights drawn at random where the files lack them: text from another model than the one named)
+        refuse_incomplete_weights(loading, args.model)
+    except ValueError as error:
+        raise GenerateError(str(error)) from None
     return model, tokenizer
 
 

@@ -642,6 +642,23 @@ def test_a_damaged_weights_file_is_one_line(gpn_dir, tmp_path, capsys):
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gpn eval: error: ")]
     assert len(errors) == 1 and "model.fuse_gate.weight;" in errors[0], errors
     assert errors[0].startswith(f"gpn eval: error: the model in {damaged} has parameters holding NaN or inf")
+    # a weight left out, and a config.json of more predict layers than were trained: transformers drew the weights
+    # it lacked at random (saying so only in its load report) and the run scored that model
+    del tensors["model.fuse_gate.weight"]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    config = json.loads((damaged / "config.json").read_text())
+    (damaged / "config.json").write_text(json.dumps(dict(config, num_predict_layers=config["num_predict_layers"] + 1)))
+    assert main(["eval", str(damaged), "--tasks", "fineweb_paper", "--output-dir", str(tmp_path / "out")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gpn eval: error: ")]
+    assert len(errors) == 1 and errors[0].startswith(f"gpn eval: error: the model in {damaged} does not match its "), (
+        errors
+    )
+    assert "its weights lack model.fuse_gate.weight, model.predict_layers." in errors[0], errors
+    (damaged / "config.json").write_text(json.dumps(config))  # a tensor the model has no place for
+    save_file({**load_file(gpn_dir / "model.safetensors"), "model.extra.weight": torch.ones(2)}, weights)
+    assert main(["eval", str(damaged), "--tasks", "fineweb_paper", "--output-dir", str(tmp_path / "out")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gpn eval: error: ")]
+    assert "its weights hold model.extra.weight, which its config.json has no place for" in errors[0], errors
     assert not (tmp_path / "out").exists()
 
 

@@ -507,6 +507,8 @@ GENERATE_BAD = {
     "missing-tokenizer": (["{model}", "hi", "--tokenizer", "{tmp}/nowhere"], "/nowhere does not exist"),
     "model-without-tokenizer": (["{small_model}", "hi"], "small holds no tokenizer (none of tokenizer.json"),
     "foreign-tokenizer": (["{small_model}", "hello there", "--tokenizer", "{model}"], "outside the model's vocabulary"),
+    # a config.json of more layers than the weights hold: transformers drew the missing ones at random
+    "weights-short-of-config": (["{grown_model}", "hi"], "does not match its config.json: its weights lack model."),
 }
 
 
@@ -515,7 +517,15 @@ def test_generate_bad_arguments_are_one_clear_line(generate_dir, tmp_path, capsy
     args, needle = GENERATE_BAD[case]
     if "{small_model}" in args:  # a model of 97 tokens, given the 257+ token tokenizer
         perturbed_model(tiny_config(vocab_size=97)).save_pretrained(tmp_path / "small")
-    args = [a.format(model=generate_dir, tmp=tmp_path, small_model=tmp_path / "small") for a in args]
+    if "{grown_model}" in args:
+        shutil.copytree(generate_dir, tmp_path / "grown")
+        config = json.loads((tmp_path / "grown" / "config.json").read_text())
+        config["num_predict_layers"] += 1
+        (tmp_path / "grown" / "config.json").write_text(json.dumps(config))
+    args = [
+        a.format(model=generate_dir, tmp=tmp_path, small_model=tmp_path / "small", grown_model=tmp_path / "grown")
+        for a in args
+    ]
     code = gpn_main(["generate", *args])
     captured = capsys.readouterr()
     lines = [line for line in captured.err.splitlines() if line.startswith("gpn generate:")]
