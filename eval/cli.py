@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -315,6 +316,12 @@ def run(args: argparse.Namespace) -> int:
         if finished.get("tasks"):  # the tasks before the one that failed are kept, not lost with it
             message = f"{message}; {keep_finished_tasks(finished, settings.tasks, message, output_dir)}"
         return fail(message)
+    except KeyboardInterrupt:  # Ctrl-C: the tasks finished before it are kept too
+        if not finished.get("tasks"):
+            raise  # (the command's own one line, exit status 130)
+        kept = keep_finished_tasks(finished, settings.tasks, "interrupted (Ctrl-C)", output_dir)
+        print(f"gpn eval: interrupted (Ctrl-C); {kept}", file=sys.stderr)
+        return 128 + signal.SIGINT
     for task, metrics in results["tasks"].items():
         shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float))
         print(f"{task:16s} {shown}  ({results['wall_time_s'][task]:.1f}s)")

@@ -3802,6 +3802,13 @@ MUTATIONS = [
             "tests/tools/test_faults_io.py::test_generate_bad_arguments_are_one_clear_line[weights-short-of-config]",
         ),
     ),
+    Mutation(
+        "Ctrl-C in gpn eval loses the figures of the tasks finished before it",
+        "eval/cli.py",
+        "    except KeyboardInterrupt:  # Ctrl-C: the tasks finished before it are kept too\n",
+        "    except ZeroDivisionError:  # MUTATION\n",
+        ("tests/ecosystem/test_eval.py::test_a_task_that_fails_keeps_the_tasks_finished_before_it",),
+    ),
 ]
 
 

@@ -599,7 +599,7 @@ def test_clear_errors(gpn_dir, data, llama_dir, capsys, tmp_path):
         protocols.windowed_perplexity(llama, list(range(100)), WINDOW, first_position="skip")
 
 
-def test_a_task_that_fails_keeps_the_tasks_finished_before_it(gpn_dir, data, tmp_path, capsys):
+def test_a_task_that_fails_keeps_the_tasks_finished_before_it(gpn_dir, data, tmp_path, capsys, monkeypatch):
     """A task failing late (here FineWeb's one document shorter than a window) lost the figures of every task before
     it: nothing was written. Now they are, the failed task named in the results and the report, exit status 2."""
     from gpn_cli import main
@@ -618,6 +618,26 @@ def test_a_task_that_fails_keeps_the_tasks_finished_before_it(gpn_dir, data, tmp
     )
     assert results["comparison"]["measured"]["lambada_ppl"] == results["tasks"]["lambada_paper"]["ppl"]
     assert "**task `fineweb_paper` failed, not scored**" in (out / "eval_report.md").read_text()
+    # Ctrl-C in a later task keeps them the same way (it lost them all), exit status 130
+    from modeling_gpn.evaluation import runner
+
+    load_texts = runner.load_texts
+
+    def interrupted_in_fineweb(source, hub_name, *args, **kwargs):
+        if hub_name == runner.FINEWEB_HUB:  # (Ctrl-C while FineWeb's documents are read)
+            raise KeyboardInterrupt
+        return load_texts(source, hub_name, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "load_texts", interrupted_in_fineweb)
+    shutil.rmtree(out)
+    assert main(argv) == 130
+    assert capsys.readouterr().err.endswith(
+        f"interrupted (Ctrl-C); lambada_paper, finished before fineweb_paper failed, written to {out}\n"
+    )
+    results = json.loads((out / "eval_results.json").read_text())
+    assert list(results["tasks"]) == ["lambada_paper"] and results["failed"] == {
+        "fineweb_paper": "interrupted (Ctrl-C)"
+    }
 
 
 def test_a_damaged_weights_file_is_one_line(gpn_dir, tmp_path, capsys):
