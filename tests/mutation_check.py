@@ -3809,6 +3809,13 @@ MUTATIONS = [
         "    except ZeroDivisionError:  # MUTATION\n",
         ("tests/ecosystem/test_eval.py::test_a_task_that_fails_keeps_the_tasks_finished_before_it",),
     ),
+    Mutation(
+        "gpn study trains every model before it finds its eval names no task (or an unknown one)",
+        "modeling_gpn/study/runs.py",
+        "        check_tasks(settings.tasks)\n",
+        "        pass  # MUTATION\n",
+        ("tests/tools/test_study.py::test_a_study_that_cannot_run_is_one_line_before_anything_is_written[no-tasks]",),
+    ),
 ]
 
 

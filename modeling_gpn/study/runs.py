@@ -265,11 +265,15 @@ def study_eval_settings(study: dict, data_dir: str | None, **overrides: Any):
 
 
 def check_evaluation_data(study: dict, data_dir: str | None) -> None:
-    """Every evaluation task finds its data (a misspelt --data-dir was a traceback once the first model had
-    trained); `StudyError` otherwise. `fineweb_paper` needs none: it scores each model's own token stream."""
-    from modeling_gpn.evaluation.runner import data_source
+    """The study names evaluation tasks gpn eval has, and every one finds its data (a misspelt --data-dir was a
+    traceback once the first model had trained); `StudyError` otherwise. `fineweb_paper` needs none: it scores each model's own token stream."""
+    from modeling_gpn.evaluation.runner import check_tasks, data_source
 
     settings = study_eval_settings(study, data_dir)
+    try:  # (an unknown task, or none, failed each model's evaluation once it had trained)
+        check_tasks(settings.tasks)
+    except ValueError as error:
+        raise StudyError(f"the study's eval.tasks: {error}") from None
     for task in settings.tasks:
         if task == "fineweb_paper":  # (the held-out windows of each model's own token stream)
             continue

@@ -109,6 +109,7 @@ def test_sigterm_during_a_study_stops_cleanly_with_the_model_checkpointed(tmp_pa
         "held-out-window",
         "held-out-fraction",
         "held-out-text-field",
+        "no-tasks",
     ],
 )
 def test_a_study_that_cannot_run_is_one_line_before_anything_is_written(tmp_path, capsys, case):
@@ -133,7 +134,11 @@ def test_a_study_that_cannot_run_is_one_line_before_anything_is_written(tmp_path
         if key != "text_field":
             other_cut["eval"]["text_field"] = "content"
         (tmp_path / f"held_out_{name}.json").write_text(json.dumps(other_cut))
+    no_tasks = load_study("toy")
+    no_tasks["eval"]["tasks"] = []  # (every model trained, then its evaluation failed)
+    (tmp_path / "no_tasks.json").write_text(json.dumps(no_tasks))
     arguments, needle = {
+        "no-tasks": (["--study", str(tmp_path / "no_tasks.json")], "the study's eval.tasks: --tasks names no task"),
         "unknown-study": (["--study", "cpu-smal"], "No study named 'cpu-smal'; available: cpu-small, toy"),
         "unknown-model": (["--study", "toy", "--only", "gpn-m-1l", "gpn-m-9l"], "no model named gpn-m-9l; it has"),
         "not-a-study": (["--study", str(broken)], f"Cannot read the study {broken}"),
