@@ -1049,8 +1049,8 @@ MUTATIONS = [
     Mutation(
         "gpn study's invalid training settings as a traceback",
         "modeling_gpn/study/runs.py",
-        "    except ValueError as error:\n        raise StudyError(",
-        "    except NotImplementedError as error:  # MUTATION\n        raise StudyError(",
+        "    except ValueError as error:\n        raise StudyError(f\"model {name}",
+        "    except NotImplementedError as error:  # MUTATION\n        raise StudyError(f\"model {name}",
         (
             "tests/tools/test_study.py::test_a_study_that_cannot_run_is_one_line_before_anything_is_written[negative-steps]",
             "tests/tools/test_study.py::test_a_study_that_cannot_run_is_one_line_before_anything_is_written[bad-recipe]",
