@@ -1049,8 +1049,8 @@ MUTATIONS = [
     Mutation(
         "gpn study's invalid training settings as a traceback",
         "modeling_gpn/study/runs.py",
-        "    except ValueError as error:\n        raise StudyError(f\"model {name}",
-        "    except NotImplementedError as error:  # MUTATION\n        raise StudyError(f\"model {name}",
+        '    except ValueError as error:\n        raise StudyError(f"model {name}',
+        '    except NotImplementedError as error:  # MUTATION\n        raise StudyError(f"model {name}',
         (
             "tests/tools/test_study.py::test_a_study_that_cannot_run_is_one_line_before_anything_is_written[negative-steps]",
             "tests/tools/test_study.py::test_a_study_that_cannot_run_is_one_line_before_anything_is_written[bad-recipe]",
@@ -3815,6 +3815,16 @@ MUTATIONS = [
         "        check_tasks(settings.tasks)\n",
         "        pass  # MUTATION\n",
         ("tests/tools/test_study.py::test_a_study_that_cannot_run_is_one_line_before_anything_is_written[no-tasks]",),
+    ),
+    Mutation(
+        "gpn bench asks the allocator for a preset's weights beyond the machine's memory (a traceback)",
+        "modeling_gpn/bench/command.py",
+        "    if needed > memory:\n",
+        "    if False:  # MUTATION\n",
+        (
+            "tests/tools/test_bench.py::test_a_preset_file_that_is_no_config_is_refused_before_anything_is_measured"
+            "[beyond-memory]",
+        ),
     ),
 ]
 

@@ -16,7 +16,7 @@ import torch
 from ..atomic_files import replacing
 from ..cli.arguments import torch_device
 from .measure import measure
-from .models import DTYPES, QUANTIZERS, build_gpn, count_params, matched_llama
+from .models import DTYPES, QUANTIZERS, build_gpn, count_params, matched_llama, weight_bytes
 from .report import print_limits, print_ratios, print_table
 from .timing import memory_kernels_state, self_checks_state
 
@@ -226,6 +226,7 @@ def run_bench(args) -> int:
             raise BenchError(f"--preset: {error}") from None
         except (OSError, ValueError) as error:  # (a file that is not JSON, or not a valid GPNConfig)
             raise BenchError(f"--preset {preset}: {error}") from None
+        check_fits(preset, args.dtype, args.device)
     rows = []
     try:
         for preset in tqdm(args.preset, desc="bench", unit="preset"):
@@ -242,6 +243,26 @@ def run_bench(args) -> int:
         return 128 + signal.SIGINT
     report(rows, args)
     return 0
+
+
+def check_fits(preset: str, dtype: str, device: str) -> None:
+    """Refuse a preset whose weights alone pass the memory of `device` (a vocabulary of 10**12 in a config file
+    asked the allocator for 128 TB: torch's traceback after the presets before it were measured)."""
+    from modeling_gpn.configuration import load_preset
+
+    needed = weight_bytes(load_preset(preset), dtype)
+    place = torch.device(device)
+    if place.type == "cuda":
+        memory = torch.cuda.get_device_properties(place).total_memory
+    elif hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    else:  # (no way to tell here: the allocator will say)
+        return
+    if needed > memory:
+        raise BenchError(
+            f"--preset {preset}: its weights alone take {needed / 2**30:,.1f} GiB in {dtype}, more than the "
+            f"{memory / 2**30:,.1f} GiB of {place.type} memory here"
+        )
 
 
 def measure_preset(preset: str, args) -> list:

@@ -110,6 +110,17 @@ def build_gpn(preset: str, dtype: torch.dtype | str, device: str, segment_length
     return quantize(model) if quantize else model
 
 
+def weight_bytes(config, dtype: str) -> int:
+    """The bytes of the weights `build_gpn` would allocate for a model of `config` in `--dtype dtype` (counted on the
+    meta device: nothing is allocated; int8 and int4 are built in bfloat16 first)."""
+    from modeling_gpn import GPNForCausalLM
+
+    with torch.device("meta"):
+        model = GPNForCausalLM(config)
+    size = torch.empty((), dtype=weight_dtype(dtype)).element_size()
+    return sum(param.numel() for param in model.parameters()) * size
+
+
 def matched_llama(gpn_config, params: int, dtype: torch.dtype | str, device: str):
     """A LlamaForCausalLM with hidden = the GPN's embedding width, tied embeddings, and as many layers as
     bring it closest to `params` parameters."""

@@ -246,7 +246,7 @@ def test_an_unknown_preset_is_refused_before_anything_is_measured(capsys):
     assert message.startswith("--preset: No preset named 'smal'") and "small" in message
 
 
-@pytest.mark.parametrize("case", ["not-json", "not-an-object", "invalid-config", "llama-config"])
+@pytest.mark.parametrize("case", ["not-json", "not-an-object", "invalid-config", "llama-config", "beyond-memory"])
 def test_a_preset_file_that_is_no_config_is_refused_before_anything_is_measured(case, tmp_path, monkeypatch, capsys):
     """A config JSON given as a preset is read before the first preset is measured: a file that is not JSON,
     or a config GPNConfig refuses, was a traceback once the models were built (after every preset before it)."""
@@ -261,6 +261,8 @@ def test_a_preset_file_that_is_no_config_is_refused_before_anything_is_measured(
             "invalid-config": '{"hidden_size": -3}',
             # another model's config.json (a Llama's): measured in silence as a GPN of the default sizes
             "llama-config": '{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2}',
+            # (torch's allocator was asked for 128 TB: a traceback once the presets before it were measured)
+            "beyond-memory": '{"vocab_size": 1000000000000, "hidden_size": 32, "embedding_size": 32}',
         }[case]
     )
     assert main(["bench", "--preset", "tiny", str(preset), "--skip-training"]) == 2
@@ -269,6 +271,7 @@ def test_a_preset_file_that_is_no_config_is_refused_before_anything_is_measured(
     needle = {"not-json": "Expecting property name", "invalid-config": "hidden_size must be"}
     needle["not-an-object"] = "holds a JSON list, not an object of config values"
     needle["llama-config"] = "is the config of a 'llama' model, not a GPN"
+    needle["beyond-memory"] = "its weights alone take 119,209.3 GiB in float32, more than the "
     assert needle[case] in message, message
 
 
