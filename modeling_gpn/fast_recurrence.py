@@ -215,7 +215,11 @@ def choose_backends(
         step = C_STEP
     step_backward = None
     if needs_grad:
-        step_backward = TRITON if triton and triton_usable_backward_steps(s, U) else TORCH_OPS
+        # Triton's backward reads the records of Triton's forward steps (row-major rows); the torch-ops step's
+        # records follow their inputs' layout (a window whose token inputs have the batch innermost makes
+        # column-major ones), which the kernels would read as garbage: it runs behind Triton's steps only
+        triton_backward = step == TRITON and triton_usable_backward_steps(s, U)
+        step_backward = TRITON if triton_backward else TORCH_OPS
     memory = (
         memory_backend(M0.view(-1, s.key_dim, s.value_dim), U, triton=triton, c_kernels=c_kernels) if s.memory else None
     )

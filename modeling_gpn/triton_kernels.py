@@ -547,6 +547,8 @@ def ground(z_fg: torch.Tensor, bias: torch.Tensor, p: torch.Tensor, u: torch.Ten
     """(sig, g, rms(g)) with sig = sigmoid(z_fg + bias), g = sig * p + u; z_fg and p contiguous (B, d),
     u (B, d) with unit column stride (a column of the window's inputs)."""
     rows, width = p.shape
+    if not bias.is_contiguous():  # (the kernel reads it at unit stride: a strided nn.Parameter is possible)
+        bias = bias.contiguous()
     sig, g, a_g = (_empty(ws, name, rows, width, device=p.device) for name in ("sig_fg", "grounded", "a_g"))
     _launch("ground", rows, z_fg, bias, p, u, u.stride(0), sig, g, a_g, width, eps, BLOCK=_next_power_of_two(width))
     return sig, g, a_g
@@ -624,8 +626,9 @@ def usable_backward_steps(s, U: torch.Tensor) -> bool:
     """Whether `step_backward` takes every backward step of a window of the fast path with token inputs U
     (B, T, d) and the model's sizes `s`. What `usable_step_backward` asks of one step, asked once for the
     window: the records the forward steps saved and the gradients carried between backward steps are
-    contiguous float32 tensors on U's device (the dispatcher makes those handed in by autograd so), so the
-    sizes decide."""
+    contiguous float32 tensors on U's device (the dispatcher makes those handed in by autograd so, and asks
+    this only of a window whose forward steps are this file's `step`: the torch-ops step's records follow
+    its inputs' layout), so the sizes decide."""
     if U.dtype != torch.float32 or s.hidden > MAX_ROW_BLOCK:
         return False
     if s.memory:

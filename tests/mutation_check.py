@@ -540,6 +540,22 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "Triton backward only behind Triton's forward steps (it reads their row-major records)",
+        "modeling_gpn/fast_recurrence.py",
+        "triton_backward = step == TRITON and triton_usable_backward_steps(s, U)",
+        "triton_backward = triton and triton_usable_backward_steps(s, U)  # MUTATION",
+        (
+            "tests/fast_path/test_triton_kernels.py::test_a_window_the_triton_step_does_not_take_runs_its_backward_on_the_torch_ops",
+        ),
+    ),
+    Mutation(
+        "Triton ground reads a strided fuse gate bias made contiguous",
+        "modeling_gpn/triton_kernels.py",
+        "    if not bias.is_contiguous():  # (the kernel",
+        "    if False:  # MUTATION (the kernel",
+        ("tests/fast_path/test_triton_kernels.py::test_a_strided_fuse_gate_bias_on_the_triton_path_equals_plain",),
+    ),
+    Mutation(
         "chunked loss (the loss always from full logits)",
         "modeling_gpn/modeling_gpn.py",
         "if wants_loss and not return_logits:",

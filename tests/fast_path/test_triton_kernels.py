@@ -253,6 +253,36 @@ def test_inference_on_the_triton_path_equals_plain(triton_on, variant):
         torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-4)
 
 
+def test_a_window_the_triton_step_does_not_take_runs_its_backward_on_the_torch_ops(triton_on):
+    """Token inputs with the batch innermost (a permuted tensor: a step's rows are not unit-stride) run the
+    torch-ops steps, whose records follow that layout (column-major); the backward must then run on the torch
+    ops too, not on Triton's kernels, which read row-major records (the gradients were silently wrong)."""
+    model = perturbed_model(tiny_config(**VARIANTS["gpn+m-awkward"]), seed=3).train()
+    token_inputs, state, mask, weights = random_problem(model, batch=3, length=2, mask_kind=None, seed=1)
+    token_inputs = token_inputs.permute(2, 1, 0).contiguous().permute(2, 1, 0)  # (B, T, d), batch innermost
+    plain = run_recurrence(model, False, token_inputs, state, mask, weights)
+    with ran(FAST_PATH, TRITON):  # (the memory half still runs on Triton's kernels)
+        fast = run_recurrence(model, True, token_inputs, state, mask, weights)
+    assert model.model.last_recurrence_backends[:2] == (fr.TORCH_OPS, fr.TORCH_OPS)
+    assert_same(plain, fast)
+
+
+@torch.no_grad()
+def test_a_strided_fuse_gate_bias_on_the_triton_path_equals_plain(triton_on):
+    """`ground` reads the fuse gate's bias at unit stride: a strided one (a plain nn.Parameter can be a
+    strided view) is made contiguous first, not read as garbage."""
+    model = perturbed_model(tiny_config(**VARIANTS["gpn+m-awkward"]), seed=4)
+    bias = model.model.fuse_gate.bias.detach()
+    model.model.fuse_gate.bias = torch.nn.Parameter(torch.stack([bias, torch.zeros_like(bias)], dim=1)[:, 0])
+    ids = torch.randint(0, model.config.vocab_size, (2, 3), generator=torch.Generator().manual_seed(5))
+    model.model.use_fast_path = False
+    expected = model(ids).logits
+    model.model.use_fast_path = True
+    with ran(FAST_PATH, TRITON):
+        got = model(ids).logits
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-4)
+
+
 def test_backend_choice(monkeypatch):
     """Which implementation runs the memory half: Triton only where selected and usable, never silently on
     inputs it cannot take (a key dimension past the block limit falls back to the C kernels or torch ops)."""
