@@ -83,7 +83,9 @@ def self_checks(device: str, preset: str = "gpn-m-1l-130m", batches=(1, 16)) -> 
 
 
 def write_json(out: str | None, name: str, value) -> None:
+    """`value` as `out`/`name` (the folder made if need be: a dry run's --out was lost at the end otherwise)."""
     if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
         Path(out, name).write_text(json.dumps(value, indent=1, default=str))
 
 
@@ -256,6 +258,23 @@ def correctness(device: str) -> None:
             report(
                 diff < 1e-4,
                 f"{device} a 70-token window through graph chunks == without graphs: max |dlogit| {diff:.2e}",
+            )
+            # weights swapped by assigning a new Parameter: the captured graph copies the new values into its own
+            # weights, never into the old Parameter (float32's folded fuse-gate bias is that Parameter itself)
+            gate = model.model.fuse_gate
+            old_bias, kept = gate.bias, gate.bias.detach().clone()
+            gate.bias = torch.nn.Parameter(old_bias.detach() + 0.5)
+            with graphs_setting("1"):
+                swapped = model(ids).logits
+            with graphs_setting("0"):
+                swapped_without = model(ids).logits
+            gate.bias = old_bias
+            untouched = torch.equal(old_bias.detach(), kept)
+            diff = (swapped - swapped_without).abs().max().item()
+            report(
+                untouched and diff < 1e-4,
+                f"{device} a new fuse-gate bias Parameter through the captured graphs: the old one untouched "
+                f"{untouched}, max |dlogit| against no graphs {diff:.2e}",
             )
         except Exception as error:  # noqa: BLE001 (report and go on: the bench runs without graphs then)
             report(False, f"{device} decode graph: {type(error).__name__}: {error}")

@@ -150,6 +150,14 @@ class StepsGraph:
             for slot in (0, 1, 0, 1):
                 self.run(slot)
 
+        # The graph reads its weights from here on, and `load_weights` copies each later call's into them: a folded
+        # weight that is a model's parameter itself (fuse_gate's bias in float32, a memory-less model's output
+        # matrices) would have the next parameters' values copied into it, a model's weights swapped by assigning
+        # new Parameters overwriting the old ones. Those (small) ones are the graph's own copies.
+        parameters = {param.untyped_storage().data_ptr() for param in self.model.parameters()}
+        self.w = _unflatten(
+            [t.clone() if t.untyped_storage().data_ptr() in parameters else t for t in _flatten(self.w)], self.s
+        )
         self.graphs = captured(warm_up, [lambda: self.run(0), lambda: self.run(1)], self.p[0])
 
     def load_weights(self, w) -> None:
