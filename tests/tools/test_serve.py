@@ -490,6 +490,10 @@ def test_responses_answer_through_the_store_with_the_checks_and_limits_of_chat(c
         ({"input": [3]}, "input[0]"),
         ({"previous_response_id": "resp_1"}, "does not support previous_response_id"),  # (transformers ignores it)
         ({"text": {"format": {"type": "json_object"}}}, "does not support text"),
+        ({"text": {"verbosity": "low"}}, "does not support text"),
+        ({"conversation": "conv_1"}, "does not support conversation"),  # (its stored items would never be read)
+        ({"reasoning": {"effort": "high"}}, "does not support reasoning"),
+        ({"context_management": [{"type": "compaction"}]}, "does not support context_management"),
         (
             {"input": [{"type": "input_image", "image_url": "http://x/a.png"}]},
             "input[0] is a part of type 'input_image'",
@@ -730,6 +734,7 @@ BAD_CHAT_REQUESTS = [  # (what the request gets wrong, the fields sent, a word t
     ("frequency_penalty past 2", {"frequency_penalty": 2.5}, "frequency_penalty"),
     ("presence_penalty a string", {"presence_penalty": "some"}, "presence_penalty"),
     ("a JSON response_format", {"response_format": {"type": "json_object"}}, "does not support response_format"),
+    ("a verbosity", {"verbosity": "low"}, "does not support verbosity"),
     # what transformers' chat template rendering drops in silence
     (
         "tools the chat template never renders",
