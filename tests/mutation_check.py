@@ -1833,6 +1833,13 @@ MUTATIONS = [
         ("tests/tools/test_serve.py -k responses_answer_through_the_store",),
     ),
     Mutation(
+        "gpn serve: a pinned server's /load_model loads no other model (transformers: loaded, kept for good, unserved)",
+        "modeling_gpn/serve/server.py",
+        '        load_only_the_pinned_model(kwargs["model_manager"] if "model_manager" in kwargs else args[0])\n',
+        "",
+        ("tests/tools/test_serve.py -k n_answers_models_and_health",),
+    ),
+    Mutation(
         "gpn serve: /v1/chat/completions refuses a verbosity (transformers ignores it)",
         "modeling_gpn/serve/validation.py",
         '        "verbosity": (\'"medium"\', _is_default("medium")),  # (the API\'s default: how long the answer is asked to be)\n',

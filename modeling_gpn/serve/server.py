@@ -38,7 +38,7 @@ from .handlers import (
     StateKeepingResponseHandler,
     WatchingClients,
 )
-from .models import make_gpn_loadable
+from .models import load_only_the_pinned_model, make_gpn_loadable
 from .state_store import StateStore
 
 
@@ -72,10 +72,12 @@ def _with_shutdown_step(
     """transformers' `build_server`, `on_shutdown` run when its app stops gracefully (uvicorn runs the lifespan's
     end on Ctrl-C and SIGTERM, after the last connection closed), before transformers' own end; the app tells
     the handlers when a request's client goes away (`WatchingClients`), refuses a body over `max_request_bytes`
-    (`LimitedBodies`, outermost), and answers errors in the OpenAI API's shape (`errors`)."""
+    (`LimitedBodies`, outermost), answers errors in the OpenAI API's shape (`errors`), and, pinned, loads no other
+    model (`load_only_the_pinned_model`)."""
 
     @functools.wraps(build_server)
     def build(*args, **kwargs):
+        load_only_the_pinned_model(kwargs["model_manager"] if "model_manager" in kwargs else args[0])
         app = build_server(*args, **kwargs)
         app.add_middleware(WatchingClients)
         if max_request_bytes is not None:

@@ -388,6 +388,20 @@ def test_n_answers_models_and_health(client, model_name, reference, server):
     assert len({choice.text for choice in sampled.choices}) > 1  # temperature 1 samples (transformers: greedy here)
     assert [model.id for model in client.models.list().data] == [model_name]
     assert get(server + "/health") == (200, {"status": "ok"})
+    # pinned, it loads no other model: transformers' /load_model loaded any it was named and kept it for good
+    # (a pinned server never unloads), while refusing every request for it
+    for name, status in (("no/such-model", 400), (model_name, 200)):
+        request = urllib.request.Request(
+            server + "/load_model",
+            data=json.dumps({"model": name}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=30) as answer:
+                code, text = answer.status, answer.read().decode()
+        except urllib.error.HTTPError as refused:
+            code, text = refused.code, refused.read().decode()
+        assert (code, "pinned" in text) == (status, status == 400), text
 
 
 def test_greedy_requests_as_transformers_serve_reads_them_with_the_tokens_of_the_whole_prompt(
