@@ -1833,6 +1833,13 @@ MUTATIONS = [
         ("tests/tools/test_serve.py -k responses_answer_through_the_store",),
     ),
     Mutation(
+        "gpn serve: /v1/systemone takes a slot of --max-queued-requests (transformers let any number in)",
+        "modeling_gpn/serve/server.py",
+        '            _pointing(systemone, "SystemOneHandler", decisions),\n',
+        "",
+        ("tests/tools/test_serve.py -k queue_limit_refuses",),
+    ),
+    Mutation(
         "gpn serve: a pinned server's /load_model loads no other model (transformers: loaded, kept for good, unserved)",
         "modeling_gpn/serve/server.py",
         '        load_only_the_pinned_model(kwargs["model_manager"] if "model_manager" in kwargs else args[0])\n',

@@ -45,6 +45,7 @@ from transformers import GenerationConfig
 from transformers.cli.serving.chat_completion import ChatCompletionHandler
 from transformers.cli.serving.completion import CompletionHandler
 from transformers.cli.serving.response import ResponseHandler
+from transformers.cli.serving.systemone import SystemOneHandler
 from transformers.cli.serving.utils import CBGenerateManager, Modality
 from transformers.generation.stopping_criteria import StopStringCriteria
 
@@ -574,6 +575,23 @@ class StateKeepingResponseHandler(StateKeeping, ResponseHandler):
             # default, which the `openai` client, not having asked for a stream, cannot read (it returns the raw text)
             body = {**body, "stream": False}
         return await super().handle_request(body, request_id)
+
+
+class AdmittedSystemOneHandler(SystemOneHandler):
+    """transformers' `/v1/systemone` handler (typed decisions: the model's forward, no text generated), taking a
+    slot of the admission limit as the other endpoints do: its requests wait for the same inference thread, and
+    transformers let any number of them in, past `--max-queued-requests`."""
+
+    def __init__(self, *args, policy: ServingPolicy, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.policy = policy
+
+    async def handle_request(self, body: dict, request_id: str):
+        slot = self.policy.admission.admit()
+        try:
+            return await super().handle_request(body, request_id)  # (one JSON answer: over when it returns)
+        finally:
+            slot.release()
 
 
 def _instructions_before_the_input(body: dict) -> dict:

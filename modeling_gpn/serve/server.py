@@ -3,10 +3,10 @@ built with the pieces `gpn serve` changes.
 
 `Serve.__init__` composes the server from transformers' serving modules, importing each piece from its module
 as it builds it. `GPNServe` runs that same `__init__` with some of those names pointing at `gpn serve`'s
-own while it builds: the chat, completion and Responses API handlers (`handlers.py`), and `build_server`, whose app is given
-one step more at shutdown (the kept states written to `--state-dir`) and a middleware that tells the handlers
-when a request's client goes away; and it makes the model manager able to
-build a GPN (`models.py`). Nothing of the server is copied. Everything else, every option included, is
+own while it builds: the chat, completion and Responses API handlers (`handlers.py`), the `/v1/systemone` handler
+(admitted as they are), and `build_server`, whose app is given one step more at shutdown (the kept states written
+to `--state-dir`) and a middleware that tells the handlers when a request's client goes away; and it makes the
+model manager able to build a GPN (`models.py`). Nothing of the server is copied. Everything else, every option included, is
 transformers' own.
 """
 
@@ -18,7 +18,7 @@ import os
 from collections.abc import Callable, Iterator
 
 from transformers.cli.serve import Serve
-from transformers.cli.serving import chat_completion, completion, response
+from transformers.cli.serving import chat_completion, completion, response, systemone
 from transformers.cli.serving import server as serving_server
 
 from . import (
@@ -31,6 +31,7 @@ from . import (
 from .errors import add_openai_error_handlers
 from .handlers import (
     Admission,
+    AdmittedSystemOneHandler,
     LimitedBodies,
     ServingPolicy,
     StateKeepingChatCompletionHandler,
@@ -142,6 +143,7 @@ class GPNServe(Serve):
         chat = _with_policy(StateKeepingChatCompletionHandler, self.policy)
         legacy = _with_policy(StateKeepingCompletionHandler, self.policy)
         responses = _with_policy(StateKeepingResponseHandler, self.policy)
+        decisions = _with_policy(AdmittedSystemOneHandler, self.policy)
         # a server that stops (Ctrl-C, SIGTERM) writes the states it keeps in memory to --state-dir, so one
         # restarted on the folder continues the conversations (a killed one, kill -9, loses them)
         on_shutdown = store.spill_all if store is not None else lambda: None
@@ -149,6 +151,7 @@ class GPNServe(Serve):
             _pointing(chat_completion, "ChatCompletionHandler", chat),
             _pointing(completion, "CompletionHandler", legacy),
             _pointing(response, "ResponseHandler", responses),
+            _pointing(systemone, "SystemOneHandler", decisions),
             _pointing(
                 serving_server,
                 "build_server",

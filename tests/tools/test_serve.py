@@ -913,6 +913,16 @@ def test_the_queue_limit_refuses_and_a_client_that_goes_away_frees_its_slot(clie
         assert "max-queued-requests" in str(refused.value.body)
         with pytest.raises(openai.RateLimitError):  # /v1/responses too
             client.responses.create(model=model_name, input="one more", max_output_tokens=2, stream=False)
+        # and transformers' /v1/systemone (typed decisions, on the same inference thread): it let any number in
+        decision = json.dumps({"state": "cat", "questions": {"q": {"type": "noul"}}}).encode()
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(
+                urllib.request.Request(
+                    f"{client.base_url}systemone", data=decision, headers={"Content-Type": "application/json"}
+                ),
+                timeout=30,
+            )
+        assert refused.value.code == 429 and "max-queued-requests" in refused.value.read().decode()
     finally:
         for stream in streams:
             stream.close()
