@@ -1833,6 +1833,13 @@ MUTATIONS = [
         ("tests/tools/test_serve.py -k responses_answer_through_the_store",),
     ),
     Mutation(
+        "gpn serve: /v1/audio/transcriptions without python-multipart is a 501 saying so (transformers: a bare 500)",
+        "modeling_gpn/serve/server.py",
+        '            _pointing(transcription, "TranscriptionHandler", CheckedTranscriptionHandler),\n',
+        "",
+        ("tests/tools/test_serve.py -k bad_completion_requests_and_bodies",),
+    ),
+    Mutation(
         "gpn serve: /v1/systemone takes a slot of --max-queued-requests (transformers let any number in)",
         "modeling_gpn/serve/server.py",
         '            _pointing(systemone, "SystemOneHandler", decisions),\n',

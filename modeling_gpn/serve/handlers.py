@@ -46,8 +46,10 @@ from transformers.cli.serving.chat_completion import ChatCompletionHandler
 from transformers.cli.serving.completion import CompletionHandler
 from transformers.cli.serving.response import ResponseHandler
 from transformers.cli.serving.systemone import SystemOneHandler
+from transformers.cli.serving.transcription import TranscriptionHandler
 from transformers.cli.serving.utils import CBGenerateManager, Modality
 from transformers.generation.stopping_criteria import StopStringCriteria
+from transformers.utils.import_utils import is_multipart_available
 
 from .errors import as_openai_stream_error, error_body
 from .generation import Penalties, StateKeepingModel
@@ -592,6 +594,21 @@ class AdmittedSystemOneHandler(SystemOneHandler):
             return await super().handle_request(body, request_id)  # (one JSON answer: over when it returns)
         finally:
             slot.release()
+
+
+class CheckedTranscriptionHandler(TranscriptionHandler):
+    """transformers' `/v1/audio/transcriptions` handler (a speech model's), answering a 501 that says so where
+    python-multipart, which reads its form, is not installed (the serving extra does not bring it): transformers
+    raised an ImportError, a bare "Internal Server Error" with a traceback in the log."""
+
+    async def handle_request(self, request):
+        if not is_multipart_available():
+            raise HTTPException(
+                status_code=501,
+                detail="/v1/audio/transcriptions is not available on this server: it reads its form with "
+                "python-multipart, which is not installed (pip install python-multipart; it serves speech models)",
+            )
+        return await super().handle_request(request)
 
 
 def _instructions_before_the_input(body: dict) -> dict:

@@ -4,9 +4,10 @@ built with the pieces `gpn serve` changes.
 `Serve.__init__` composes the server from transformers' serving modules, importing each piece from its module
 as it builds it. `GPNServe` runs that same `__init__` with some of those names pointing at `gpn serve`'s
 own while it builds: the chat, completion and Responses API handlers (`handlers.py`), the `/v1/systemone` handler
-(admitted as they are), and `build_server`, whose app is given one step more at shutdown (the kept states written
-to `--state-dir`) and a middleware that tells the handlers when a request's client goes away; and it makes the
-model manager able to build a GPN (`models.py`). Nothing of the server is copied. Everything else, every option included, is
+(admitted as they are), the `/v1/audio/transcriptions` one (a 501 without python-multipart), and `build_server`,
+whose app is given one step more at shutdown (the kept states written to `--state-dir`) and a middleware that
+tells the handlers when a request's client goes away; and it makes the model manager able to build a GPN
+(`models.py`). Nothing of the server is copied. Everything else, every option included, is
 transformers' own.
 """
 
@@ -18,7 +19,7 @@ import os
 from collections.abc import Callable, Iterator
 
 from transformers.cli.serve import Serve
-from transformers.cli.serving import chat_completion, completion, response, systemone
+from transformers.cli.serving import chat_completion, completion, response, systemone, transcription
 from transformers.cli.serving import server as serving_server
 
 from . import (
@@ -32,6 +33,7 @@ from .errors import add_openai_error_handlers
 from .handlers import (
     Admission,
     AdmittedSystemOneHandler,
+    CheckedTranscriptionHandler,
     LimitedBodies,
     ServingPolicy,
     StateKeepingChatCompletionHandler,
@@ -152,6 +154,7 @@ class GPNServe(Serve):
             _pointing(completion, "CompletionHandler", legacy),
             _pointing(response, "ResponseHandler", responses),
             _pointing(systemone, "SystemOneHandler", decisions),
+            _pointing(transcription, "TranscriptionHandler", CheckedTranscriptionHandler),
             _pointing(
                 serving_server,
                 "build_server",

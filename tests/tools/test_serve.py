@@ -826,6 +826,18 @@ def test_bad_completion_requests_and_bodies_get_a_4xx(client, model_name, server
                 timeout=30,
             )
         assert refused.value.code == 400 and "surrogate" in refused.value.read().decode()
+    # transformers' /v1/audio/transcriptions (speech models) reads its form with python-multipart, which the serving
+    # extra does not bring: without it, transformers answered a bare 500 (an ImportError's traceback in the log)
+    from transformers.utils.import_utils import is_multipart_available
+
+    if not is_multipart_available():
+        form = b'--b\r\nContent-Disposition: form-data; name="model"\r\n\r\nm\r\n--b--\r\n'
+        request = urllib.request.Request(
+            server + "/v1/audio/transcriptions", data=form, headers={"Content-Type": "multipart/form-data; boundary=b"}
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == 501 and "python-multipart" in refused.value.read().decode()
     request = urllib.request.Request(
         server + "/v1/chat/completions", data=b"{not json", headers={"Content-Type": "application/json"}
     )
