@@ -45,8 +45,11 @@ from transformers import GenerationConfig
 from transformers.cli.serving.chat_completion import ChatCompletionHandler
 from transformers.cli.serving.completion import CompletionHandler
 from transformers.cli.serving.response import ResponseHandler
+from transformers.cli.serving.systemone import SystemOneHandler
+from transformers.cli.serving.transcription import TranscriptionHandler
 from transformers.cli.serving.utils import CBGenerateManager, Modality
 from transformers.generation.stopping_criteria import StopStringCriteria
+from transformers.utils.import_utils import is_multipart_available
 
 from .errors import as_openai_stream_error, error_body
 from .generation import Penalties, StateKeepingModel
@@ -574,6 +577,38 @@ class StateKeepingResponseHandler(StateKeeping, ResponseHandler):
             # default, which the `openai` client, not having asked for a stream, cannot read (it returns the raw text)
             body = {**body, "stream": False}
         return await super().handle_request(body, request_id)
+
+
+class AdmittedSystemOneHandler(SystemOneHandler):
+    """transformers' `/v1/systemone` handler (typed decisions: the model's forward, no text generated), taking a
+    slot of the admission limit as the other endpoints do: its requests wait for the same inference thread, and
+    transformers let any number of them in, past `--max-queued-requests`."""
+
+    def __init__(self, *args, policy: ServingPolicy, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.policy = policy
+
+    async def handle_request(self, body: dict, request_id: str):
+        slot = self.policy.admission.admit()
+        try:
+            return await super().handle_request(body, request_id)  # (one JSON answer: over when it returns)
+        finally:
+            slot.release()
+
+
+class CheckedTranscriptionHandler(TranscriptionHandler):
+    """transformers' `/v1/audio/transcriptions` handler (a speech model's), answering a 501 that says so where
+    python-multipart, which reads its form, is not installed (the serving extra does not bring it): transformers
+    raised an ImportError, a bare "Internal Server Error" with a traceback in the log."""
+
+    async def handle_request(self, request):
+        if not is_multipart_available():
+            raise HTTPException(
+                status_code=501,
+                detail="/v1/audio/transcriptions is not available on this server: it reads its form with "
+                "python-multipart, which is not installed (pip install python-multipart; it serves speech models)",
+            )
+        return await super().handle_request(request)
 
 
 def _instructions_before_the_input(body: dict) -> dict:

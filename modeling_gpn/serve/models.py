@@ -5,7 +5,7 @@ start-up on a GPN (`module transformers has no attribute GPNForCausalLM`): the A
 `import modeling_gpn` registers GPN, is not consulted. The model manager's module holds its own reference to
 the `transformers` module; `gpn serve` points it at `TransformersWithGPN`, transformers as it is with GPN's
 classes beside its own, and leaves the model manager's code (loading, dtype, device map, quantization,
-the idle timeout) as transformers wrote it.
+the idle timeout) as transformers wrote it. A server pinned to one model loads no other (`load_only_the_pinned_model`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from __future__ import annotations
 import types
 
 import transformers
+from fastapi import HTTPException
 from transformers.cli.serving import model_manager
+from transformers.cli.serving.utils import split_model_id
 
 from .. import GPNForCausalLM, GPNModel
 
@@ -36,3 +38,26 @@ def make_gpn_loadable() -> None:
     """Point transformers' serving model manager at `TransformersWithGPN` (idempotent; for this process)."""
     if not isinstance(model_manager.transformers, TransformersWithGPN):
         model_manager.transformers = TransformersWithGPN()
+
+
+def load_only_the_pinned_model(manager: model_manager.ModelManager) -> None:
+    """On a server pinned to one model (`force_model`), `POST /load_model` naming another is a 400. transformers'
+    endpoint loaded any model it was given and kept it for good (a pinned server's idle timeout is off), while
+    every request for it was refused: memory taken for nothing, once for each name a client sent."""
+    if manager.force_model is None:
+        return
+    repo, pinned_gguf_file = split_model_id(manager.force_model)
+    pinned = (manager.process_model_name(repo), pinned_gguf_file)
+    load = manager.load_model_streaming
+
+    def load_model_streaming(model_id_and_revision: str, gguf_file: str | None = None):
+        # (called by the endpoint before its response begins: raised here, the refusal is the answer's status)
+        if (model_id_and_revision, gguf_file) != pinned:
+            raise HTTPException(
+                status_code=400,
+                detail=f"this server is pinned to {manager.force_model!r}: it loads no other model "
+                f"({model_id_and_revision!r})",
+            )
+        return load(model_id_and_revision, gguf_file=gguf_file)
+
+    manager.load_model_streaming = load_model_streaming

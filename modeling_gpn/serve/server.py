@@ -3,10 +3,11 @@ built with the pieces `gpn serve` changes.
 
 `Serve.__init__` composes the server from transformers' serving modules, importing each piece from its module
 as it builds it. `GPNServe` runs that same `__init__` with some of those names pointing at `gpn serve`'s
-own while it builds: the chat, completion and Responses API handlers (`handlers.py`), and `build_server`, whose app is given
-one step more at shutdown (the kept states written to `--state-dir`) and a middleware that tells the handlers
-when a request's client goes away; and it makes the model manager able to
-build a GPN (`models.py`). Nothing of the server is copied. Everything else, every option included, is
+own while it builds: the chat, completion and Responses API handlers (`handlers.py`), the `/v1/systemone` handler
+(admitted as they are), the `/v1/audio/transcriptions` one (a 501 without python-multipart), and `build_server`,
+whose app is given one step more at shutdown (the kept states written to `--state-dir`) and a middleware that
+tells the handlers when a request's client goes away; and it makes the model manager able to build a GPN
+(`models.py`). Nothing of the server is copied. Everything else, every option included, is
 transformers' own.
 """
 
@@ -18,7 +19,7 @@ import os
 from collections.abc import Callable, Iterator
 
 from transformers.cli.serve import Serve
-from transformers.cli.serving import chat_completion, completion, response
+from transformers.cli.serving import chat_completion, completion, response, systemone, transcription
 from transformers.cli.serving import server as serving_server
 
 from . import (
@@ -31,6 +32,8 @@ from . import (
 from .errors import add_openai_error_handlers
 from .handlers import (
     Admission,
+    AdmittedSystemOneHandler,
+    CheckedTranscriptionHandler,
     LimitedBodies,
     ServingPolicy,
     StateKeepingChatCompletionHandler,
@@ -38,7 +41,7 @@ from .handlers import (
     StateKeepingResponseHandler,
     WatchingClients,
 )
-from .models import make_gpn_loadable
+from .models import load_only_the_pinned_model, make_gpn_loadable
 from .state_store import StateStore
 
 
@@ -72,10 +75,12 @@ def _with_shutdown_step(
     """transformers' `build_server`, `on_shutdown` run when its app stops gracefully (uvicorn runs the lifespan's
     end on Ctrl-C and SIGTERM, after the last connection closed), before transformers' own end; the app tells
     the handlers when a request's client goes away (`WatchingClients`), refuses a body over `max_request_bytes`
-    (`LimitedBodies`, outermost), and answers errors in the OpenAI API's shape (`errors`)."""
+    (`LimitedBodies`, outermost), answers errors in the OpenAI API's shape (`errors`), and, pinned, loads no other
+    model (`load_only_the_pinned_model`)."""
 
     @functools.wraps(build_server)
     def build(*args, **kwargs):
+        load_only_the_pinned_model(kwargs["model_manager"] if "model_manager" in kwargs else args[0])
         app = build_server(*args, **kwargs)
         app.add_middleware(WatchingClients)
         if max_request_bytes is not None:
@@ -140,6 +145,7 @@ class GPNServe(Serve):
         chat = _with_policy(StateKeepingChatCompletionHandler, self.policy)
         legacy = _with_policy(StateKeepingCompletionHandler, self.policy)
         responses = _with_policy(StateKeepingResponseHandler, self.policy)
+        decisions = _with_policy(AdmittedSystemOneHandler, self.policy)
         # a server that stops (Ctrl-C, SIGTERM) writes the states it keeps in memory to --state-dir, so one
         # restarted on the folder continues the conversations (a killed one, kill -9, loses them)
         on_shutdown = store.spill_all if store is not None else lambda: None
@@ -147,6 +153,8 @@ class GPNServe(Serve):
             _pointing(chat_completion, "ChatCompletionHandler", chat),
             _pointing(completion, "CompletionHandler", legacy),
             _pointing(response, "ResponseHandler", responses),
+            _pointing(systemone, "SystemOneHandler", decisions),
+            _pointing(transcription, "TranscriptionHandler", CheckedTranscriptionHandler),
             _pointing(
                 serving_server,
                 "build_server",

@@ -49,11 +49,23 @@ def _text_format(value: Any) -> bool:
     return isinstance(value, dict) and value.get("type", "text") == "text"
 
 
+def _plain_text(value: Any) -> bool:
+    """A Responses API `text`: a text format, and the default verbosity (or none): what the model answers anyway."""
+    if not isinstance(value, dict):
+        return False
+    return _text_format(value.get("format", {})) and value.get("verbosity") in (None, "medium")
+
+
+def _no_reasoning(value: Any) -> bool:
+    """A Responses API `reasoning` that asks for nothing (every field null): a GPN does not reason apart."""
+    return isinstance(value, dict) and all(field is None for field in value.values())
+
+
 # Fields of the OpenAI API that transformers serve accepts and then ignores (it only logs them, which an OpenAI
 # client never sees). A value that would change the answer or what the response holds is refused, naming the
 # field; the field's default (what the API does without it), or a value that changes nothing here, is accepted.
 # Fields that change nothing in the answer (user, metadata, store, service_tier, stream_options, prediction,
-# parallel_tool_calls) are accepted as transformers accepts them.
+# parallel_tool_calls, safety_identifier, prompt_cache_key, ...) are accepted as transformers accepts them.
 NOT_SUPPORTED: dict[str, dict[str, tuple[str, Callable[[Any], bool]]]] = {  # endpoint: {field: (accepted, test)}
     "chat": {
         "logprobs": ("false", lambda value: value is False),
@@ -66,6 +78,8 @@ NOT_SUPPORTED: dict[str, dict[str, tuple[str, Callable[[Any], bool]]]] = {  # en
         "tool_choice": ('"auto"', _is_default("auto")),
         "reasoning_effort": ("null", lambda value: False),
         "web_search_options": ("null", lambda value: False),
+        "verbosity": ('"medium"', _is_default("medium")),  # (the API's default: how long the answer is asked to be)
+        "moderation": ("null", lambda value: False),  # (nothing here moderates an answer)
     },
     "completion": {
         "logprobs": ("0", _is_default(0)),
@@ -76,13 +90,15 @@ NOT_SUPPORTED: dict[str, dict[str, tuple[str, Callable[[Any], bool]]]] = {  # en
     },
     "response": {
         "previous_response_id": ("null (send the conversation in input)", lambda value: False),
+        # (a stored conversation's items would come before the input: nothing is stored here, so they never would)
+        "conversation": ("null (send the conversation in input)", lambda value: False),
         "prompt": ("null", lambda value: False),
         "background": ("false", lambda value: value is False),
         "include": ("[]", _is_default([])),
-        "text": (
-            '{"format": {"type": "text"}}',
-            lambda value: isinstance(value, dict) and _text_format(value.get("format", {})),
-        ),
+        "text": ('{"format": {"type": "text"}} (and verbosity "medium")', _plain_text),
+        "reasoning": ("null", _no_reasoning),
+        "context_management": ("[]", _is_default([])),
+        "moderation": ("null", lambda value: False),
         "top_logprobs": ("0", _is_default(0)),
         "tool_choice": ('"auto"', _is_default("auto")),
         "truncation": ('"disabled"', _is_default("disabled")),

@@ -388,6 +388,20 @@ def test_n_answers_models_and_health(client, model_name, reference, server):
     assert len({choice.text for choice in sampled.choices}) > 1  # temperature 1 samples (transformers: greedy here)
     assert [model.id for model in client.models.list().data] == [model_name]
     assert get(server + "/health") == (200, {"status": "ok"})
+    # pinned, it loads no other model: transformers' /load_model loaded any it was named and kept it for good
+    # (a pinned server never unloads), while refusing every request for it
+    for name, status in (("no/such-model", 400), (model_name, 200)):
+        request = urllib.request.Request(
+            server + "/load_model",
+            data=json.dumps({"model": name}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=30) as answer:
+                code, text = answer.status, answer.read().decode()
+        except urllib.error.HTTPError as refused:
+            code, text = refused.code, refused.read().decode()
+        assert (code, "pinned" in text) == (status, status == 400), text
 
 
 def test_greedy_requests_as_transformers_serve_reads_them_with_the_tokens_of_the_whole_prompt(
@@ -490,6 +504,10 @@ def test_responses_answer_through_the_store_with_the_checks_and_limits_of_chat(c
         ({"input": [3]}, "input[0]"),
         ({"previous_response_id": "resp_1"}, "does not support previous_response_id"),  # (transformers ignores it)
         ({"text": {"format": {"type": "json_object"}}}, "does not support text"),
+        ({"text": {"verbosity": "low"}}, "does not support text"),
+        ({"conversation": "conv_1"}, "does not support conversation"),  # (its stored items would never be read)
+        ({"reasoning": {"effort": "high"}}, "does not support reasoning"),
+        ({"context_management": [{"type": "compaction"}]}, "does not support context_management"),
         (
             {"input": [{"type": "input_image", "image_url": "http://x/a.png"}]},
             "input[0] is a part of type 'input_image'",
@@ -730,6 +748,7 @@ BAD_CHAT_REQUESTS = [  # (what the request gets wrong, the fields sent, a word t
     ("frequency_penalty past 2", {"frequency_penalty": 2.5}, "frequency_penalty"),
     ("presence_penalty a string", {"presence_penalty": "some"}, "presence_penalty"),
     ("a JSON response_format", {"response_format": {"type": "json_object"}}, "does not support response_format"),
+    ("a verbosity", {"verbosity": "low"}, "does not support verbosity"),
     # what transformers' chat template rendering drops in silence
     (
         "tools the chat template never renders",
@@ -807,6 +826,18 @@ def test_bad_completion_requests_and_bodies_get_a_4xx(client, model_name, server
                 timeout=30,
             )
         assert refused.value.code == 400 and "surrogate" in refused.value.read().decode()
+    # transformers' /v1/audio/transcriptions (speech models) reads its form with python-multipart, which the serving
+    # extra does not bring: without it, transformers answered a bare 500 (an ImportError's traceback in the log)
+    from transformers.utils.import_utils import is_multipart_available
+
+    if not is_multipart_available():
+        form = b'--b\r\nContent-Disposition: form-data; name="model"\r\n\r\nm\r\n--b--\r\n'
+        request = urllib.request.Request(
+            server + "/v1/audio/transcriptions", data=form, headers={"Content-Type": "multipart/form-data; boundary=b"}
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == 501 and "python-multipart" in refused.value.read().decode()
     request = urllib.request.Request(
         server + "/v1/chat/completions", data=b"{not json", headers={"Content-Type": "application/json"}
     )
@@ -894,6 +925,16 @@ def test_the_queue_limit_refuses_and_a_client_that_goes_away_frees_its_slot(clie
         assert "max-queued-requests" in str(refused.value.body)
         with pytest.raises(openai.RateLimitError):  # /v1/responses too
             client.responses.create(model=model_name, input="one more", max_output_tokens=2, stream=False)
+        # and transformers' /v1/systemone (typed decisions, on the same inference thread): it let any number in
+        decision = json.dumps({"state": "cat", "questions": {"q": {"type": "noul"}}}).encode()
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(
+                urllib.request.Request(
+                    f"{client.base_url}systemone", data=decision, headers={"Content-Type": "application/json"}
+                ),
+                timeout=30,
+            )
+        assert refused.value.code == 429 and "max-queued-requests" in refused.value.read().decode()
     finally:
         for stream in streams:
             stream.close()
