@@ -3827,6 +3827,13 @@ MUTATIONS = [
         ("tests/tools/test_train.py::test_configuration_precedence_and_help",),
     ),
     Mutation(
+        "a corpus glob reads a file once per path a symbolic link loop gives it",
+        "modeling_gpn/data/corpus.py",
+        "        chosen.setdefault(path.resolve(), path)\n",
+        "        chosen.setdefault(path, path)  # MUTATION\n",
+        ("tests/tools/test_faults_io.py::test_a_dataset_glob_leaves_out_what_a_folder_leaves_out_unless_it_names_it",),
+    ),
+    Mutation(
         "gpn inspect --overwrite leaves an earlier run's figure beside the new report",
         "modeling_gpn/inspect/cli.py",
         "        (output / stale).unlink(missing_ok=True)\n",
