@@ -3834,6 +3834,13 @@ MUTATIONS = [
         ("tests/tools/test_faults_io.py::test_a_dataset_glob_leaves_out_what_a_folder_leaves_out_unless_it_names_it",),
     ),
     Mutation(
+        "a token cache holding another tokenizer's files is read as this run's tokens",
+        "modeling_gpn/data/stream.py",
+        "        if differ:\n",
+        "        if False:  # MUTATION\n",
+        ("tests/tools/test_faults_io.py -k damaged_token_cache and another-tokenizer",),
+    ),
+    Mutation(
         "gpn inspect --overwrite leaves an earlier run's figure beside the new report",
         "modeling_gpn/inspect/cli.py",
         "        (output / stale).unlink(missing_ok=True)\n",

@@ -748,10 +748,15 @@ def _damage(folder: Path, how: str) -> Path:
     elif how == "bad-meta":
         shard = folder / "meta.json"
         shard.write_text(shard.read_text()[:50])
+    elif how == "another-tokenizer":  # the files of a cache another tokenizer wrote, put in this one's place
+        shard = folder / "meta.json"
+        shard.write_text(json.dumps({**json.loads(shard.read_text()), "tokenizer": "0" * 16}))
     return shard
 
 
-@pytest.mark.parametrize("how", ["truncated", "grown", "missing", "overwritten", "zeroed", "bad-meta"])
+@pytest.mark.parametrize(
+    "how", ["truncated", "grown", "missing", "overwritten", "zeroed", "bad-meta", "another-tokenizer"]
+)
 def test_a_damaged_token_cache_names_the_file_and_how_to_rebuild(small_cache, how):
     from modeling_gpn.data import DataError, WindowDataset
 
