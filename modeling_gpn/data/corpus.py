@@ -20,7 +20,7 @@ from __future__ import annotations
 import fnmatch
 import glob
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,7 +84,7 @@ class CorpusSpec:
                 for p in glob.glob(str(root), recursive=True)
                 if Path(p).is_file() and not hidden_match(Path(p), root)
             )
-            files = [p for p in matches if p.suffix.lower() in LOCAL_SUFFIXES]
+            files = distinct_files(p for p in matches if p.suffix.lower() in LOCAL_SUFFIXES)
             if not files:
                 raise DataError(
                     f"No training file matches {self.source!r} (looked for {', '.join(sorted(LOCAL_SUFFIXES))}; "
@@ -94,7 +94,7 @@ class CorpusSpec:
         elif not root.exists():
             raise DataError(f"Dataset path {root} does not exist")
         elif root.is_dir():
-            files = sorted(
+            files = distinct_files(
                 p
                 for p in root.rglob("*")
                 if p.is_file() and p.suffix.lower() in LOCAL_SUFFIXES and not hidden(p.relative_to(root))
@@ -194,6 +194,16 @@ class CorpusSpec:
                 yield from _local_documents(path, self.text_field)
         else:
             yield from _hub_documents(self)
+
+
+def distinct_files(paths: Iterable[Path]) -> list[Path]:
+    """`paths` sorted, each file once: of the paths that reach the same file (through symbolic links), the shortest.
+    A glob's `**` follows links to folders, so a link back up (`data/loop -> .`) matched every file 41 times, once
+    per level until the kernel's limit of 40 links, and the corpus trained 41 times over, in silence."""
+    chosen: dict[Path, Path] = {}
+    for path in sorted(paths, key=lambda path: (len(path.parts), str(path))):
+        chosen.setdefault(path.resolve(), path)
+    return sorted(chosen.values())
 
 
 def hidden(relative: Path) -> bool:

@@ -126,17 +126,24 @@ def build_token_stream(
     """
     if tokenizer.eos_token_id is None:
         raise DataError("The tokenizer has no EOS token: documents are joined with EOS")
-    key = content_hash(
-        {
-            "corpus": corpus.fingerprint(),
-            "tokenizer": tokenizer_fingerprint(tokenizer),
-            "max_tokens": max_tokens,
-            "version": CACHE_FORMAT_VERSION,
-        }
-    )
+    made_from = {
+        "corpus": corpus.fingerprint(),
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "max_tokens": max_tokens,
+    }
+    key = content_hash({**made_from, "version": CACHE_FORMAT_VERSION})
     folder = Path(cache_dir or default_cache_dir()) / "tokens" / key
     if (folder / "meta.json").exists():
         stream = TokenStream(folder)
+        # The folder's name is the key, its meta.json says what it was written from: another cache's files put in
+        # its place (another tokenizer's ids, another corpus) were read as this corpus's tokens, in silence.
+        written = {name: stream.meta.get(name) for name in made_from}
+        differ = [name for name in made_from if json.loads(json.dumps(made_from[name])) != written[name]]
+        if differ:
+            raise DataError(
+                f"The token cache {folder / 'meta.json'} was written for another {' and '.join(differ)} than this "
+                f"run's (files of another cache put in its place?); {stream.rebuild_hint}"
+            )
         stream.reused = True
         return stream
     write_folder_atomically(folder, lambda tmp: tokenize_into(tmp, corpus, tokenizer, max_tokens, show_progress))

@@ -202,7 +202,7 @@ def load_recipe(name_or_path: str, _seen: tuple = ()) -> dict:
     if str(path) in _seen:
         raise ValueError(f"Recipe {path} extends itself")
     values = read_json(path, "recipe")
-    parent = values.pop("extends", None)
+    parent = _extends(values, f"recipe {path}")
     values.pop("_comment", None)
     _check_keys(values, f"recipe {path}")
     if parent:
@@ -216,11 +216,20 @@ def read_json(path: Path, what: str) -> dict:
     """The JSON object in `path`; a ValueError naming `what` and the file if it is unreadable or not an object."""
     try:
         values = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as error:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:  # (a file not UTF-8 did not name the file)
         raise ValueError(f"Cannot read {what} {path}: {error}") from error
     if not isinstance(values, dict):
         raise ValueError(f"{what} {path} must hold a JSON object")
     return values
+
+
+def _extends(values: dict, where: str) -> str | None:
+    """The recipe that `values` (of a recipe or config file) `extends`, popped; None where it extends none. (A number
+    or a list there was a TypeError traceback from pathlib.)"""
+    parent = values.pop("extends", None)
+    if parent is not None and not isinstance(parent, str):
+        raise ValueError(f"{where}: extends must be a recipe name or path (a string), got {parent!r}")
+    return parent
 
 
 def _check_keys(values: dict, where: str) -> None:
@@ -239,9 +248,9 @@ def resolve_config(args: argparse.Namespace) -> dict:
     if getattr(args, "config", None):
         values = read_json(Path(args.config), "config file")
         values.pop("_comment", None)
-        if "extends" in values:
-            base = load_recipe(values.pop("extends"))
-            config.update(base)
+        parent = _extends(values, f"config file {args.config}")
+        if parent:
+            config.update(load_recipe(parent))
         _check_keys(values, f"config file {args.config}")
         config.update(values)
     if getattr(args, "hub_data", False):
@@ -265,6 +274,15 @@ def resolve_config(args: argparse.Namespace) -> dict:
     return config
 
 
+# The largest integer setting: what torch and numpy hold (int64). 10**30 steps, batch windows or BPE tokens
+# (JSON and argparse take any size) failed deep in torch or tokenizers ("int too big to convert"), after the
+# data were tokenized.
+MAX_INTEGER = 2**63 - 1
+MAX_THREADS = 1024
+# Collective timeouts and the end-of-run watchdog hold seconds as a C timestamp (`timedelta`, `faulthandler`):
+# 10**30 was an OverflowError traceback. 2**31 s is 68 years.
+MAX_DDP_TIMEOUT = 2**31 - 1
+
 # Settings checked against a range: (key, the lowest value, the bound above it (excluded) or None).
 NUMERIC_RANGES = (
     ("clip_norm", 0, None),
@@ -273,7 +291,8 @@ NUMERIC_RANGES = (
     ("beta2", 0, 1),
     ("eps", 0, None),
     ("keep_checkpoints", 1, None),  # at least the checkpoint --resume continues from
-    ("num_threads", 1, None),  # or unset
+    # (or unset) torch starts that many OpenMP threads: 20,000 aborted the process in libgomp ("Thread creation failed")
+    ("num_threads", 1, MAX_THREADS + 1),
     ("seed", 0, 2**32),  # numpy's and torch's seeds
 )
 
@@ -326,8 +345,20 @@ def validate_config(config: dict) -> None:
     ):
         if config[key] < 0:
             problems.append(f"{key} must be a non-negative integer, got {config[key]!r}")
-    if config["ddp_timeout"] < 1:
-        problems.append(f"ddp_timeout must be a positive number of seconds, got {config['ddp_timeout']!r}")
+    if not 1 <= config["ddp_timeout"] <= MAX_DDP_TIMEOUT:
+        problems.append(
+            f"ddp_timeout must be a positive number of seconds, at most {MAX_DDP_TIMEOUT}, got {config['ddp_timeout']!r}"
+        )
+    bounded = {"ddp_timeout"} | {key for key, _low, high in NUMERIC_RANGES if high is not None}  # (named below)
+    for option in OPTIONS:
+        value = config[option.key]
+        if option.type is int and value is not None and value > MAX_INTEGER and option.key not in bounded:
+            problems.append(f"{option.key} must be at most 2**63 - 1, got {value!r}")
+    # (A number or a list there was a TypeError traceback from the model's config, after the data were tokenized.)
+    if not isinstance(config.get("model_overrides") or {}, dict):
+        problems.append(
+            f"model_overrides must be a JSON object of model config values, got {config['model_overrides']!r}"
+        )
     if not 0 < config["lr"] < math.inf:
         problems.append(f"lr must be positive and finite, got {config['lr']}")
     if not 0 <= config["min_lr_ratio"] <= 1:

@@ -758,10 +758,15 @@ def _damage(folder: Path, how: str) -> Path:
     elif how == "bad-meta":
         shard = folder / "meta.json"
         shard.write_text(shard.read_text()[:50])
+    elif how == "another-tokenizer":  # the files of a cache another tokenizer wrote, put in this one's place
+        shard = folder / "meta.json"
+        shard.write_text(json.dumps({**json.loads(shard.read_text()), "tokenizer": "0" * 16}))
     return shard
 
 
-@pytest.mark.parametrize("how", ["truncated", "grown", "missing", "overwritten", "zeroed", "bad-meta"])
+@pytest.mark.parametrize(
+    "how", ["truncated", "grown", "missing", "overwritten", "zeroed", "bad-meta", "another-tokenizer"]
+)
 def test_a_damaged_token_cache_names_the_file_and_how_to_rebuild(small_cache, how):
     from modeling_gpn.data import DataError, WindowDataset
 
@@ -860,6 +865,9 @@ def test_a_dataset_glob_leaves_out_what_a_folder_leaves_out_unless_it_names_it(t
     for name in ("data/sub/plays.txt", "data/__MACOSX/sub/plays.txt", "data/.ipynb_checkpoints/plays.txt"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("the cat sat on the mat\n")
+    # A link back up (a loop) or a second link to a file reads it once, not once per level of the loop.
+    (tmp_path / "data" / "sub" / "loop").symlink_to("..")
+    (tmp_path / "data" / "sub" / "same.txt").symlink_to("plays.txt")
     monkeypatch.chdir(tmp_path)
     assert data.CorpusSpec(source="data/**/*.txt").local_files() == [Path("data/sub/plays.txt")]
     assert data.CorpusSpec(source="data").local_files() == [Path("data/sub/plays.txt")]  # (the folder)

@@ -514,6 +514,22 @@ def test_configuration_precedence_and_help(tmp_path):
     assert "max_tokens" not in str(refused.value)
     with pytest.raises(ValueError, match="No recipe named 'nope'"):
         train_module.resolve_config(parse(["--recipe", "nope"]))
+    # A file that is no UTF-8 is named; an `extends` or `model_overrides` of another JSON type, and integers beyond
+    # what torch holds, are named settings, not tracebacks from pathlib, the model's config, torch or tokenizers.
+    bad.write_bytes('{"lr": 0.1}'.encode("utf-16"))
+    with pytest.raises(ValueError, match=f"Cannot read config file {bad}: 'utf-8' codec"):
+        train_module.resolve_config(parse(["--config", str(bad)]))
+    for values, needle in (
+        ({"extends": 5}, f"config file {bad}: extends must be a recipe name or path (a string), got 5"),
+        ({"model_overrides": [1]}, "model_overrides must be a JSON object of model config values, got [1]"),
+        ({"batch_size": 10**30}, "batch_size must be at most 2**63 - 1, got 10000000"),
+        ({"ddp_timeout": 10**30}, "ddp_timeout must be a positive number of seconds, at most 2147483647, got 1000"),
+        ({"num_threads": 20_000}, "num_threads must be in [1, 1025), got 20000"),
+    ):
+        bad.write_text(json.dumps(values))
+        with pytest.raises(ValueError) as refused:
+            train_module.resolve_config(parse(["--config", str(bad)]))
+        assert needle in str(refused.value), refused.value
     parser = argparse.ArgumentParser()
     train_module.add_arguments(parser)
     text = parser.format_help()
@@ -537,7 +553,7 @@ def test_settings_torch_would_train_wrongly_with_are_refused_before_the_data(tmp
         "beta2": ("1", "beta2 must be in [0, 1), got 1.0"),
         "eps": ("nan", "eps must be in [0, inf), got nan"),
         "keep-checkpoints": ("0", "keep_checkpoints must be in [1, inf), got 0"),
-        "num-threads": ("-1", "num_threads must be in [1, inf), got -1"),
+        "num-threads": ("-1", "num_threads must be in [1, 1025), got -1"),
         "seed": ("-1", "seed must be in [0, 4294967296), got -1"),
         # A negative --max-tokens cut the corpus's first piece short and trained on that, in silence;
         # --log-interval 0 logged every step; --bpe-max-documents 0 trained the BPE on no text.
