@@ -168,9 +168,10 @@ def refuse_incomplete_weights(loading: dict[str, Any], path: str) -> None:
     missing, unexpected = sorted(loading.get("missing_keys") or ()), sorted(loading.get("unexpected_keys") or ())
     if not missing and not unexpected:
         return
-    shown = lambda names: ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-    problems = ([f"its weights lack {shown(missing)}"] if missing else []) + (
-        [f"its weights hold {shown(unexpected)}, which its config.json has no place for"] if unexpected else []
+    problems = ([f"its weights lack {_first_names(missing, 4)}"] if missing else []) + (
+        [f"its weights hold {_first_names(unexpected, 4)}, which its config.json has no place for"]
+        if unexpected
+        else []
     )
     raise ValueError(
         f"the model in {path} does not match its config.json: {'; '.join(problems)} (transformers would draw the "
@@ -187,11 +188,15 @@ def refuse_non_finite_parameters(model, path: str) -> None:
         if param.is_floating_point() and param.device.type != "meta" and not bool(torch.isfinite(param).all())
     ]
     if bad:
-        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
         raise ValueError(
             f"the model in {path} has parameters holding NaN or inf (loaded as {next(model.parameters()).dtype}): "
-            f"{shown}; nothing computed from them would mean anything"
+            f"{_first_names(bad, 5)}; nothing computed from them would mean anything"
         )
+
+
+def _first_names(names: list[str], count: int) -> str:
+    """The first `count` of `names`, and how many more there are: a model's thousands of weights are not listed."""
+    return ", ".join(names[:count]) + (f" and {len(names) - count} more" if len(names) > count else "")
 
 
 def count_parameters(model) -> int:

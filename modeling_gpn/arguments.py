@@ -18,6 +18,7 @@ from transformers.cache_utils import Cache
 
 from .cache import GPNCache
 from .packing import PACKING_KWARGS
+from .state_file import state_shapes
 from .tracing import is_tracing
 
 # What generate(), Trainer, PEFT and evaluation harnesses pass for attention models, and a GPN has no use
@@ -84,15 +85,10 @@ def check_cache_type(cache) -> None:
         )
 
 
-def state_shapes(config, batch_size: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+def batch_state_shapes(config, batch_size: int) -> tuple[tuple[int, ...], ...]:
     """The shapes of the state (p, g, M) of `batch_size` rows of a model of `config` (M is (rows, 0) without
-    memory), as `GPNModel.zero_state` makes it."""
-    d = config.hidden_size
-    if config.use_memory:
-        memory = (batch_size, config.num_memory_heads, config.memory_key_dim, config.memory_value_dim)
-    else:
-        memory = (batch_size, 0)
-    return (batch_size, d), (batch_size, d), memory
+    memory), as `GPNModel.zero_state` makes it: a row's shapes (`state_file.state_shapes`), `batch_size` of them."""
+    return tuple((batch_size, *shape) for shape in state_shapes(config).values())
 
 
 def check_cache_state(state: tuple[torch.Tensor, ...], config, batch_size: int) -> None:
@@ -102,7 +98,7 @@ def check_cache_state(state: tuple[torch.Tensor, ...], config, batch_size: int) 
     rows = state[0].shape[0]
     if rows != batch_size:
         raise ValueError(f"The cache holds {rows} rows but the input has {batch_size}")
-    for name, tensor, expected in zip(("p", "g", "memory"), state, state_shapes(config, rows)):
+    for name, tensor, expected in zip(("p", "g", "memory"), state, batch_state_shapes(config, rows)):
         if tuple(tensor.shape) != expected:
             raise ValueError(
                 f"The cache holds a state of another model: its {name} has shape {tuple(tensor.shape)}, this model's "

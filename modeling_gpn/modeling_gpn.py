@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 
 from .arguments import (
     DECODED_TOKEN_KWARGS,
+    batch_state_shapes,
     check_attention_mask,
     check_cache_state,
     check_cache_type,
@@ -61,7 +62,6 @@ from .arguments import (
     check_unused_kwargs,
     pop_cache_alias,
     refuse_attention_outputs,
-    state_shapes,
 )
 from .cache import GPNCache
 from .chunked_loss import chunked_causal_lm_loss, divide_loss_sum
@@ -618,7 +618,8 @@ class GPNModel(GPNPreTrainedModel):
     def zero_state(self, batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(p, g, M) before the first token: all zero, float32."""
         return tuple(
-            torch.zeros(shape, device=device, dtype=torch.float32) for shape in state_shapes(self.config, batch_size)
+            torch.zeros(shape, device=device, dtype=torch.float32)
+            for shape in batch_state_shapes(self.config, batch_size)
         )
 
     # The fast path's settings, one name each (docs/speed.md), set on a model (`model.model.use_c_kernels = False`)

@@ -2,7 +2,8 @@
 
 Under tracing the model runs its plain path (the fast path reads data pointers and calls C kernels) and
 leaves out the input checks that depend on tensor values, which cannot be decided on symbolic tensors.
-The model, its cache and the packed-sequence detection all ask this one question.
+The model, its cache and the packed-sequence detection all ask this one question; the cache asks too whether
+it is torch.export (`is_exporting`): an exported program stores the cache's state out of place.
 """
 
 from __future__ import annotations

@@ -327,7 +327,7 @@ def run(args: argparse.Namespace) -> int:
             print(streamer.rest(continuation(tokenizer, prompt_ids, row[prompt_width:])))
         print("-" * 40)
     # The state is written after the text is printed: a save that fails (a disk that filled meanwhile) loses
-    # only the state, never the generated text (it was printed only after a save that succeeded).
+    # only the state, never the generated text (saved first, a failed save had lost the text with it).
     if args.save_state is not None:
         sys.stdout.flush()
         try:

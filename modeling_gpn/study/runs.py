@@ -266,7 +266,8 @@ def study_eval_settings(study: dict, data_dir: str | None, **overrides: Any):
 
 def check_evaluation_data(study: dict, data_dir: str | None) -> None:
     """The study names evaluation tasks gpn eval has, and every one finds its data (a misspelt --data-dir was a
-    traceback once the first model had trained); `StudyError` otherwise. `fineweb_paper` needs none: it scores each model's own token stream."""
+    traceback once the first model had trained); `StudyError` otherwise. `fineweb_paper` needs none: it scores
+    each model's own token stream."""
     from modeling_gpn.evaluation.runner import check_tasks, data_source
 
     settings = study_eval_settings(study, data_dir)

@@ -349,7 +349,8 @@ def validate_config(config: dict) -> None:
         problems.append(
             f"ddp_timeout must be a positive number of seconds, at most {MAX_DDP_TIMEOUT}, got {config['ddp_timeout']!r}"
         )
-    bounded = {"ddp_timeout"} | {key for key, _low, high in NUMERIC_RANGES if high is not None}  # (named below)
+    # (a setting with a bound of its own, checked apart, is named once, with that bound)
+    bounded = {"ddp_timeout"} | {key for key, _low, high in NUMERIC_RANGES if high is not None}
     for option in OPTIONS:
         value = config[option.key]
         if option.type is int and value is not None and value > MAX_INTEGER and option.key not in bounded:
