@@ -82,7 +82,14 @@ def load_tokenizer(
         key = content_hash({"corpus": corpus.fingerprint(), "vocab": bpe_vocab_size, "docs": bpe_max_documents, "v": 1})
         folder = Path(cache_dir or default_cache_dir()) / "tokenizers" / f"bpe-{bpe_vocab_size}-{key}"
         if (folder / "tokenizer.json").exists():
-            return AutoTokenizer.from_pretrained(str(folder))
+            try:
+                return AutoTokenizer.from_pretrained(str(folder))
+            except Exception as error:  # noqa: BLE001  (a file of it damaged: a JSON error naming no file)
+                reason = " ".join(str(error).split())
+                raise DataError(
+                    f"The cached BPE tokenizer {folder} cannot be loaded ({type(error).__name__}: {reason}): delete "
+                    "that folder and run again to train it anew"
+                ) from error
         tokenizer = train_bpe_tokenizer(_bpe_training_texts(corpus, bpe_max_documents), bpe_vocab_size)
         write_folder_atomically(folder, tokenizer.save_pretrained)
         return tokenizer

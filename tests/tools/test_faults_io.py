@@ -991,6 +991,23 @@ def test_a_cache_folder_that_cannot_be_written_is_one_clear_error(bpe_tokenizer_
         data.load_tokenizer("bpe", corpus, 300, cache_dir=cache)
 
 
+def test_a_damaged_cached_bpe_tokenizer_names_its_folder(tmp_path):
+    """A cached BPE whose tokenizer.json was cut short ended `gpn train` with json's "Expecting value: line 7
+    column 12", naming neither the file nor what to do."""
+    from modeling_gpn import data
+
+    path = tmp_path / "corpus.txt"
+    path.write_text("the cat sat on the mat\n" * 50, encoding="utf-8")
+    corpus, cache = data.CorpusSpec(source=str(path)), tmp_path / "cache"
+    trained = data.load_tokenizer("bpe", corpus, 300, cache_dir=cache)
+    (saved,) = (cache / "tokenizers").glob("bpe-*/tokenizer.json")
+    saved.write_bytes(saved.read_bytes()[:100])
+    with pytest.raises(data.DataError, match=rf"The cached BPE tokenizer {re.escape(str(saved.parent))} cannot be "):
+        data.load_tokenizer("bpe", corpus, 300, cache_dir=cache)
+    shutil.rmtree(saved.parent)  # as the message says: trained again, the same
+    assert data.load_tokenizer("bpe", corpus, 300, cache_dir=cache).get_vocab() == trained.get_vocab()
+
+
 # --------------------------------------------------------------------------------------------------
 # gpn eval fineweb_paper: chunked logits, same figures, bounded memory
 # --------------------------------------------------------------------------------------------------
