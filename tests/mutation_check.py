@@ -3954,6 +3954,20 @@ MUTATIONS = [
             "[beyond-memory]",
         ),
     ),
+    Mutation(
+        "a damaged cached BPE tokenizer ends gpn train with a JSON error naming no file",
+        "modeling_gpn/data/tokenizer.py",
+        "            except Exception as error:  # noqa: BLE001  (a file of it damaged: a JSON error naming no file)\n",
+        "            except ZeroDivisionError as error:  # MUTATION\n",
+        ("tests/tools/test_faults_io.py::test_a_damaged_cached_bpe_tokenizer_names_its_folder",),
+    ),
+    Mutation(
+        "gpn train keeps a misspelt model_overrides key and trains the default size in silence",
+        "modeling_gpn/train/training.py",
+        "        check_model_overrides(config)  # nor a misspelt model setting\n",
+        "        pass  # MUTATION\n",
+        ("tests/tools/test_train.py::test_settings_torch_would_train_wrongly_with_are_refused_before_the_data",),
+    ),
 ]
 
 

@@ -29,6 +29,32 @@ def model_config_dict(config: dict) -> dict:
     return values
 
 
+def check_model_overrides(config: dict) -> None:
+    """Refuse `model_overrides` naming a setting the model's config class does not have (`{"hiden_size": 8}`
+    trained a model of the default size in silence: a config takes and keeps any key), before the data are read."""
+    overrides = config.get("model_overrides") or {}
+    if not overrides:
+        return
+    model_type = model_config_dict(config)["model_type"]
+    if model_type == "gpn":
+        from modeling_gpn import GPNConfig
+
+        known = GPNConfig().to_dict()
+    else:
+        from transformers import AutoConfig
+
+        try:
+            known = AutoConfig.for_model(model_type).to_dict()
+        except ValueError:  # (an unknown model type: build_model names it)
+            return
+    unknown = sorted(key for key in overrides if key not in known)
+    if unknown:
+        raise ValueError(
+            f"model_overrides: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not a setting of a "
+            f"{model_type} model's config (a misspelt name would be kept and ignored)"
+        )
+
+
 def build_model(config: dict, tokenizer):
     """A freshly initialised GPNForCausalLM or LlamaForCausalLM, its vocabulary and special ids from `tokenizer`."""
     values = model_config_dict(config)

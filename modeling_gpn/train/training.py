@@ -34,7 +34,7 @@ from .distributed import (
 )
 from .errors import CollectiveError, LaunchError, NonFiniteLossError, RunFolderInUseError, StorageError
 from .loop import end_process_group, fit, validate
-from .models import build_model, build_optimizer, generate_sample, weights_sha256
+from .models import build_model, build_optimizer, check_model_overrides, generate_sample, weights_sha256
 from .run_folder import (
     fsync_tree,
     hold_run_folder,
@@ -110,6 +110,7 @@ def run_training(
     micro, accumulation = split_batch(config, accelerator.num_processes)
     if not prepare_only:
         check_resume_path(resume)  # a wrong --resume PATH costs no tokenizing
+        check_model_overrides(config)  # nor a misspelt model setting
     tokenizer, stream, windows = prepare_data(accelerator, config, show_progress)
     if prepare_only:
         return {"token_cache": str(stream.folder), "tokens": len(stream), "reused_cache": stream.reused}

@@ -576,6 +576,11 @@ def test_settings_torch_would_train_wrongly_with_are_refused_before_the_data(tmp
     for needle in ("eps must be in [0, inf), got inf", "clip_norm must be in [0, inf), got inf", "lr must be positive"):
         assert needle in err, err
     assert not (tmp_path / "run").exists()
+    # A misspelt model setting was kept by the model's config and ignored: the default size trained in silence
+    (tmp_path / "typo.json").write_text(json.dumps({"model_overrides": {"hiden_size": 8, "num_predict_layers": 1}}))
+    assert train_module.run(parse([*argv[:4], "--model", "tiny", "--config", str(tmp_path / "typo.json")])) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("gpn train: error: model_overrides: hiden_size is not a setting of a gpn model's"), err
     # The edges stay allowed (0 = no clipping; eps 0 is what test_train_faults.py diverges with).
     edges = ["--clip-norm", "0", "--weight-decay", "0", "--beta1", "0", "--eps", "0", "--keep-checkpoints", "1"]
     train_module.resolve_config(parse([*edges, "--seed", str(2**32 - 1), "--num-threads", "1"]))
