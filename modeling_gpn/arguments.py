@@ -154,8 +154,10 @@ def check_labels(labels: torch.Tensor | None, name: str, vocab_size: int) -> Non
     if bad.any():
         position = bad.nonzero()[0].tolist()
         value = int(labels[tuple(position)])
+        # (labels of another shape than (batch, seq) are the loss's to refuse: named here by their index)
+        where = f"(row {position[0]}, position {position[1]})" if len(position) == 2 else f"index {tuple(position)}"
         raise ValueError(
-            f"{name} holds {value} at (row {position[0]}, position {position[1]}): a label must be a token id in "
+            f"{name} holds {value} at {where}: a label must be a token id in "
             f"[0, {vocab_size}) of this model (vocab_size={vocab_size}), or -100 for a position without a loss; "
             f"{int(bad.sum())} labels are out of range"
         )

@@ -161,6 +161,10 @@ def test_labels_outside_the_vocabulary_or_not_int64_are_named(model):
                 model(ids, **{name: labels})
     with pytest.raises(ValueError, match="labels must be token ids of dtype torch.int64.*got dtype torch.float32"):
         model(ids, labels=ids.float())
+    flat = ids[0].clone()  # (1-D labels: an IndexError while the bad one was named)
+    flat[4] = 97
+    with pytest.raises(ValueError, match=r"labels holds 97 at index \(4,\)"):
+        model(ids[:1], labels=flat)
     ignored = ids.clone()
     ignored[:, 2] = -100
     assert torch.isfinite(model(ids, labels=ignored).loss)
