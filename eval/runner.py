@@ -20,12 +20,15 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from unittest import mock
 
 import torch
 
 from . import protocols
+
+if TYPE_CHECKING:
+    from modeling_gpn.data import TokenStream
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 BASELINES_PATH = Path(__file__).resolve().parent / "baselines.json"
@@ -766,7 +769,7 @@ def _evaluate(model_path: str, settings: EvalSettings, model, tokenizer, results
     return results
 
 
-def read_token_cache(folder: str, tokenizer):
+def read_token_cache(folder: str, tokenizer) -> TokenStream:
     """The token stream of a `gpn train` run in `folder` (its token cache: `meta.json` and shards), checked to be
     the tokens of `tokenizer` (else its ids would be read as other tokens): `ValueError` naming the folder."""
     from modeling_gpn.data import TokenStream

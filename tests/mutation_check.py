@@ -1020,8 +1020,8 @@ MUTATIONS = [
     Mutation(
         "gpn bench reads every preset before measuring (a misspelt one or a bad config file: a traceback minutes later)",
         "modeling_gpn/bench/command.py",
-        "            load_preset(preset)\n",
-        "            pass  # MUTATION\n",
+        "            config = load_preset(preset)\n",
+        '            config = load_preset("tiny")  # MUTATION\n',
         (
             "tests/tools/test_bench.py::test_an_unknown_preset_is_refused_before_anything_is_measured",
             "tests/tools/test_bench.py::test_a_preset_file_that_is_no_config_is_refused_before_anything_is_measured",
@@ -3509,8 +3509,8 @@ MUTATIONS = [
     Mutation(
         "gpn convert's refusal of a tokenizer it cannot load runs over two lines",
         "modeling_gpn/data/tokenizer.py",
-        '        reason = " ".join(str(error).split())  # one line',
-        "        reason = str(error)  # MUTATION",
+        """    return f"{type(error).__name__}: {' '.join(str(error).split())}"\n""",
+        """    return f"{type(error).__name__}: {error}"  # MUTATION\n""",
         (
             "tests/model/test_config_and_conversion.py::test_gpn_convert_refuses_a_tokenizer_with_more_ids_than_the_model",
         ),

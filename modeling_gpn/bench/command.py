@@ -221,12 +221,12 @@ def run_bench(args) -> int:
         torch.set_num_threads(args.threads)
     for preset in args.preset:  # all of them read before the first is measured (a preset takes minutes)
         try:
-            load_preset(preset)
+            config = load_preset(preset)
         except FileNotFoundError as error:
             raise BenchError(f"--preset: {error}") from None
         except (OSError, ValueError) as error:  # (a file that is not JSON, or not a valid GPNConfig)
             raise BenchError(f"--preset {preset}: {error}") from None
-        check_fits(preset, args.dtype, args.device)
+        check_fits(preset, config, args.dtype, args.device)
     rows = []
     try:
         for preset in tqdm(args.preset, desc="bench", unit="preset"):
@@ -245,12 +245,10 @@ def run_bench(args) -> int:
     return 0
 
 
-def check_fits(preset: str, dtype: str, device: str) -> None:
-    """Refuse a preset whose weights alone pass the memory of `device` (a vocabulary of 10**12 in a config file
-    asked the allocator for 128 TB: torch's traceback after the presets before it were measured)."""
-    from modeling_gpn.configuration import load_preset
-
-    needed = weight_bytes(load_preset(preset), dtype)
+def check_fits(preset: str, config, dtype: str, device: str) -> None:
+    """Refuse `preset` (its `config`) where its weights alone pass the memory of `device` (a vocabulary of 10**12 in
+    a config file asked the allocator for 128 TB: torch's traceback after the presets before it were measured)."""
+    needed = weight_bytes(config, dtype)
     place = torch.device(device)
     if place.type == "cuda":
         memory = torch.cuda.get_device_properties(place).total_memory

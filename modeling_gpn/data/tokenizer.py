@@ -85,9 +85,8 @@ def load_tokenizer(
             try:
                 return AutoTokenizer.from_pretrained(str(folder))
             except Exception as error:  # noqa: BLE001  (a file of it damaged: a JSON error naming no file)
-                reason = " ".join(str(error).split())
                 raise DataError(
-                    f"The cached BPE tokenizer {folder} cannot be loaded ({type(error).__name__}: {reason}): delete "
+                    f"The cached BPE tokenizer {folder} cannot be loaded ({_one_line(error)}): delete "
                     "that folder and run again to train it anew"
                 ) from error
         tokenizer = train_bpe_tokenizer(_bpe_training_texts(corpus, bpe_max_documents), bpe_vocab_size)
@@ -106,14 +105,18 @@ def load_tokenizer(
             str(folder) if folder.exists() else name_or_path, trust_remote_code=trust_remote_code
         )
     except Exception as error:  # noqa: BLE001
-        reason = " ".join(str(error).split())  # one line: transformers' offline message runs over two
-        raise DataError(f"Cannot load tokenizer {name_or_path!r}: {type(error).__name__}: {reason}") from error
+        raise DataError(f"Cannot load tokenizer {name_or_path!r}: {_one_line(error)}") from error
     if require_eos and tokenizer.eos_token_id is None:
         raise DataError(
             f"Tokenizer {name_or_path!r} has no EOS token: documents are joined with EOS, so set `eos_token` "
             "in its tokenizer_config.json or use --tokenizer bpe"
         )
     return tokenizer
+
+
+def _one_line(error: Exception) -> str:
+    """`error` as one line, its type first (transformers' offline message runs over two)."""
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"
 
 
 def _bpe_training_texts(corpus: CorpusSpec, max_documents: int | None) -> Iterator[str]:
