@@ -3968,6 +3968,13 @@ MUTATIONS = [
         "        pass  # MUTATION\n",
         ("tests/tools/test_train.py::test_settings_torch_would_train_wrongly_with_are_refused_before_the_data",),
     ),
+    Mutation(
+        "gpn serve: a 429 for a full queue says when to retry (Retry-After)",
+        "modeling_gpn/serve/handlers.py",
+        '                    headers={"Retry-After": str(RETRY_AFTER_S)},\n',
+        "",
+        ("tests/tools/test_serve.py -k queue_limit_refuses",),
+    ),
 ]
 
 

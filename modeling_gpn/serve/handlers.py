@@ -63,6 +63,9 @@ from .validation import (
     check_text_only,
 )
 
+# The seconds a client refused for a full queue is told to wait: about one short answer's time on a CPU.
+RETRY_AFTER_S = 1
+
 
 class Admission:
     """The requests a server has taken on (running, or waiting for the inference thread), at most `limit`."""
@@ -79,6 +82,9 @@ class Admission:
                     status_code=429,
                     detail=f"the server is busy: {self.active} requests are running or waiting (--max-queued-requests "
                     f"{self.limit}); retry later",
+                    # (the `openai` client waits this long before its own retries, instead of its backoff's
+                    # fraction of a second, and HTTP clients and proxies read it)
+                    headers={"Retry-After": str(RETRY_AFTER_S)},
                 )
             self.active += 1
         return Slot(self)

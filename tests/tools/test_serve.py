@@ -8,7 +8,7 @@ model, with the state store, a spill folder and small limits. What it must do:
 - `n` answers; `/v1/models` and `/health`;
 - clients at once each get the answer they get alone, a seeded sample too;
 - the refusals: bad input is a 4xx naming the problem (never a 500), a request past the context limit a 400,
-  one past the queue limit a 429, and a client that goes away, mid-stream or not, frees its slot.
+  one past the queue limit a 429 saying when to retry, and a client that goes away, mid-stream or not, frees its slot.
 A server of its own, not pinned, serves two models: each continues from its own states, across an unload.
 """
 
@@ -923,6 +923,7 @@ def test_the_queue_limit_refuses_and_a_client_that_goes_away_frees_its_slot(clie
                 model=model_name, messages=[{"role": "user", "content": "one more"}], max_tokens=2
             )
         assert "max-queued-requests" in str(refused.value.body)
+        assert refused.value.response.headers["retry-after"] == "1"  # what the `openai` client's retries wait
         with pytest.raises(openai.RateLimitError):  # /v1/responses too
             client.responses.create(model=model_name, input="one more", max_output_tokens=2, stream=False)
         # and transformers' /v1/systemone (typed decisions, on the same inference thread): it let any number in
@@ -935,6 +936,7 @@ def test_the_queue_limit_refuses_and_a_client_that_goes_away_frees_its_slot(clie
                 timeout=30,
             )
         assert refused.value.code == 429 and "max-queued-requests" in refused.value.read().decode()
+        assert refused.value.headers["Retry-After"] == "1"
     finally:
         for stream in streams:
             stream.close()
