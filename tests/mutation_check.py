@@ -2052,11 +2052,14 @@ MUTATIONS = [
         ("tests/ecosystem/test_eval.py::test_a_limit_takes_that_many_texts",),
     ),
     Mutation(
-        "gpn eval and gpn inspect run a model whose weights hold NaN or inf (perplexities of NaN written as results)",
+        "gpn eval, inspect and generate run a model whose weights hold NaN or inf (perplexities of NaN written as results)",
         "eval/runner.py",
         "    refuse_non_finite_parameters(model, path)\n",
         "    pass  # MUTATION\n",
-        ("tests/ecosystem/test_eval.py::test_a_damaged_weights_file_is_one_line",),
+        (
+            "tests/ecosystem/test_eval.py::test_a_damaged_weights_file_is_one_line",
+            "tests/tools/test_faults_io.py -k nan-weights",
+        ),
     ),
     Mutation(
         "a preset file holding a JSON list or number fails inside GPNConfig(**values) (a TypeError traceback)",

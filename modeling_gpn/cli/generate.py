@@ -139,7 +139,6 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def _load(args: argparse.Namespace):
-    from transformers import AutoModelForCausalLM
 
     import modeling_gpn  # noqa: F401  (registers GPN with the Auto classes)
     from modeling_gpn.data import DataError, load_tokenizer
@@ -156,18 +155,16 @@ def _load(args: argparse.Namespace):
                 f"the tokenizer of {source} has neither a pad nor an EOS token to pad a batch of prompts with"
             )
         tokenizer.pad_token = tokenizer.eos_token
-    from modeling_gpn.evaluation.runner import refuse_incomplete_weights
+    from modeling_gpn.evaluation.runner import causal_lm_from_pretrained
 
+    # (as gpn eval and gpn inspect load: weights drawn at random where the files lack them, or holding NaN, would
+    # give text from another model than the one named, or the same token over and over, without a word)
     try:
-        model, loading = AutoModelForCausalLM.from_pretrained(
-            args.model, trust_remote_code=args.trust_remote_code, output_loading_info=True
-        )
+        model = causal_lm_from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    except ValueError as error:  # (its own refusals, and transformers' naming the problem)
+        raise GenerateError(str(error)) from None
     except Exception as error:  # noqa: BLE001
         raise GenerateError(f"cannot load a model from {args.model}: {type(error).__name__}: {error}") from error
-    try:  # (weights drawn at random where the files lack them: text from another model than the one named)
-        refuse_incomplete_weights(loading, args.model)
-    except ValueError as error:
-        raise GenerateError(str(error)) from None
     return model, tokenizer
 
 

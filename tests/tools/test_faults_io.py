@@ -509,6 +509,8 @@ GENERATE_BAD = {
     "foreign-tokenizer": (["{small_model}", "hello there", "--tokenizer", "{model}"], "outside the model's vocabulary"),
     # a config.json of more layers than the weights hold: transformers drew the missing ones at random
     "weights-short-of-config": (["{grown_model}", "hi"], "does not match its config.json: its weights lack model."),
+    # a weight holding NaN: the same token over and over, as if generated
+    "nan-weights": (["{nan_model}", "hi"], "has parameters holding NaN or inf (loaded as torch.float32): model."),
 }
 
 
@@ -522,10 +524,15 @@ def test_generate_bad_arguments_are_one_clear_line(generate_dir, tmp_path, capsy
         config = json.loads((tmp_path / "grown" / "config.json").read_text())
         config["num_predict_layers"] += 1
         (tmp_path / "grown" / "config.json").write_text(json.dumps(config))
-    args = [
-        a.format(model=generate_dir, tmp=tmp_path, small_model=tmp_path / "small", grown_model=tmp_path / "grown")
-        for a in args
-    ]
+    if "{nan_model}" in args:
+        from safetensors.torch import load_file, save_file
+
+        shutil.copytree(generate_dir, tmp_path / "nan")
+        tensors = load_file(tmp_path / "nan" / "model.safetensors")
+        tensors["model.fuse_gate.weight"][0, 0] = float("nan")
+        save_file(tensors, tmp_path / "nan" / "model.safetensors", metadata={"format": "pt"})
+    folders = dict(small_model=tmp_path / "small", grown_model=tmp_path / "grown", nan_model=tmp_path / "nan")
+    args = [a.format(model=generate_dir, tmp=tmp_path, **folders) for a in args]
     code = gpn_main(["generate", *args])
     captured = capsys.readouterr()
     lines = [line for line in captured.err.splitlines() if line.startswith("gpn generate:")]
