@@ -32,6 +32,7 @@ from .state_file import (
     gpn_base_model,
     read_state_file,
     state_fingerprint,
+    tokenizer_fingerprint,
     weights_snapshot,
     write_state_file,
 )
@@ -402,7 +403,7 @@ class GPNCache(Cache):
         forked._gpn_weights_snapshot = getattr(self, "_gpn_weights_snapshot", None)
         return forked
 
-    def save(self, path: str | os.PathLike, *, model_fingerprint: dict[str, str] | None = None) -> None:
+    def save(self, path: str | os.PathLike, *, model_fingerprint: dict[str, str] | None = None, tokenizer=None) -> None:
         """Write the state to `path` as safetensors (never pickle), with what identifies its model.
 
         The file holds p, g and M for every row (float32) and, as metadata, the number of positions read,
@@ -416,6 +417,9 @@ class GPNCache(Cache):
             model_fingerprint: `state_file.state_fingerprint(model)` of the model that computed the state, taken
                 while it was loaded; for saving after that model was deleted (a server that unloads idle
                 models). By default, that of the model that filled this cache.
+            tokenizer: the tokenizer that made the ids the state read, to name in the file
+                (`state_file.tokenizer_fingerprint`): `load` given another one refuses the file. By default the
+                file names none.
         """
         path = Path(path)
         if not self.has_state:
@@ -446,15 +450,18 @@ class GPNCache(Cache):
         # what it read (for generate()'s two ways of continuing, `continuation_start`), or "unknown"
         read = self.read_fingerprint()
         read_fingerprint = json.dumps(read.tolist()) if read is not None else "unknown"
-        write_state_file(path, tensors, self.get_seq_length(), read_fingerprint, model_fingerprint)
+        tokenizer_named = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
+        write_state_file(path, tensors, self.get_seq_length(), read_fingerprint, model_fingerprint, tokenizer_named)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, model: nn.Module) -> GPNCache:
-        """Read a state written by `save` onto `model`'s device, after checking it belongs to `model`.
+    def load(cls, path: str | os.PathLike, model: nn.Module, *, tokenizer=None) -> GPNCache:
+        """Read a state written by `save` onto `model`'s device, after checking it belongs to `model` (and to
+        `tokenizer`, when given and the file names the tokenizer it was saved with).
 
         Refuses, with a `GPNStateFileError` naming the file: a file that is not a complete GPN state file
         (truncated, damaged: the checksum recorded at save time does not match), the state of another model
-        (another configuration, weights dtype or weights), and a state holding NaN or infinite values.
+        (another configuration, weights dtype or weights), the state of another tokenizer's ids, and a state
+        holding NaN or infinite values.
         Continue from it as from the cache `generate()` returns: the new tokens, with an attention mask
         covering `cache.get_seq_length()` positions more.
         """
@@ -466,6 +473,11 @@ class GPNCache(Cache):
                 f"GPNCache.load needs the GPN model the state belongs to, got {type(model).__name__}"
             ) from None
         state = read_state_file(path, base)
+        if tokenizer is not None and state.tokenizer_fingerprint not in (None, tokenizer_fingerprint(tokenizer)):
+            raise GPNStateFileError(
+                f"{path} holds a state of another tokenizer's ids (its vocabulary differs from the one given): "
+                "continue it with the tokenizer it was saved with"
+            )
         cache = cls()
         cache.update_state(
             *(state.tensors[name].to(base.device) for name in STATE_TENSOR_NAMES), num_new_tokens=state.positions_read

@@ -5,7 +5,9 @@ of positions read, what identifies the model that computed the state (`state_fin
 configuration fields that give the state its meaning, the weights' dtype, a hash of every parameter as
 stored) and a checksum of the tensors and of the positions they read. Reading refuses, with a `GPNStateFileError` naming the file,
 anything that could not be continued from: damaged or truncated files, files that are not GPN states,
-another model's state, non-finite values.
+another model's state, non-finite values. A file saved with its tokenizer named (`tokenizer_fingerprint`) is
+refused to a continuation that names another: a state is the token ids it read, and another tokenizer's ids of the
+same vocabulary size would be continued in silence as other words.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class StateFile:
     tensors: dict[str, torch.Tensor]
     positions_read: int
     read_fingerprint: str
+    tokenizer_fingerprint: str | None = None  # None: saved without naming its tokenizer
 
 
 def state_shapes(config: GPNConfig) -> dict[str, tuple[int, ...]]:
@@ -113,6 +116,14 @@ def state_fingerprint(model: nn.Module) -> dict[str, str]:
         "weights_dtype": weights_kind(model),
         "weights_fingerprint": weights_hash(model),
     }
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """SHA-256 of a tokenizer's vocabulary (every token and its id, added tokens included): what a state's ids
+    mean. Two loads of one tokenizer (from its folder, the Hub, a saved copy) give the same; another tokenizer of
+    the same vocabulary size does not."""
+    vocabulary = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
+    return hashlib.sha256(json.dumps(vocabulary, ensure_ascii=False).encode()).hexdigest()
 
 
 def weights_kind(model: nn.Module) -> str:
@@ -207,9 +218,11 @@ def write_state_file(
     positions_read: int,
     read_fingerprint: str,
     model_fingerprint: dict[str, str],
+    tokenizer_fingerprint: str | None = None,
 ) -> None:
     """Write `tensors` (p, g, M on the CPU) as the state, after `positions_read`, of the model that
-    `model_fingerprint` (`state_fingerprint` of a `GPNModel`) names.
+    `model_fingerprint` (`state_fingerprint` of a `GPNModel`) names, and of the tokenizer whose
+    `tokenizer_fingerprint` is given (None: the file names none).
 
     Written through `atomic_files.write_file_atomically` (a temporary name unique to this call, fsynced and
     renamed), so an interrupted save never leaves a partial file at `path`, concurrent saves to one path each
@@ -228,6 +241,7 @@ def write_state_file(
         "read_fingerprint": read_fingerprint,
         "checksum": _state_checksum(tensors, read_fingerprint, str(positions_read)),
         **model_fingerprint,
+        **({"tokenizer_fingerprint": tokenizer_fingerprint} if tokenizer_fingerprint is not None else {}),
     }
     payload = safetensors.torch.save(tensors, metadata=metadata)
     write_file_atomically(path, payload)
@@ -284,7 +298,7 @@ def read_state_file(path: Path, model: nn.Module) -> StateFile:
         positions_read = -1
     if positions_read < 1:
         raise GPNStateFileError(f"{path} does not say how many positions its state has read")
-    return StateFile(tensors, positions_read, read_fingerprint)
+    return StateFile(tensors, positions_read, read_fingerprint, metadata.get("tokenizer_fingerprint"))
 
 
 def _read_state_bytes(path: Path) -> bytes:

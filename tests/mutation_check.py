@@ -3978,6 +3978,13 @@ MUTATIONS = [
         "",
         ("tests/tools/test_serve.py -k queue_limit_refuses",),
     ),
+    Mutation(
+        "a state saved with one tokenizer is continued with another's ids (of the same vocabulary size) in silence",
+        "modeling_gpn/cache.py",
+        "        if tokenizer is not None and state.tokenizer_fingerprint not in (None, tokenizer_fingerprint(tokenizer)):",
+        "        if False:  # MUTATION",
+        ("tests/model/test_state.py -k other-tokenizer",),
+    ),
 ]
 
 

@@ -209,12 +209,12 @@ def _check_saves_a_state(args: argparse.Namespace, model) -> None:
         ) from None
 
 
-def _load_state(args: argparse.Namespace, model, num_prompts: int):
+def _load_state(args: argparse.Namespace, model, tokenizer, num_prompts: int):
     """The `--state` file's cache, with one row per prompt (a one-row state is forked to every prompt)."""
     from modeling_gpn.modeling_gpn import GPNCache, GPNStateFileError
 
     try:
-        state = GPNCache.load(args.state, model)
+        state = GPNCache.load(args.state, model, tokenizer=tokenizer)
     except (GPNStateFileError, TypeError) as error:
         raise GenerateError(str(error)) from error
     rows = state.state_layer.batch_size
@@ -238,15 +238,18 @@ def _text_mask(prompt_mask: torch.Tensor, generated: torch.Tensor, eos_token_id)
     return torch.cat([prompt_mask, generated_mask], dim=1)
 
 
-def _save_state(args: argparse.Namespace, model, start, output: torch.Tensor, text_mask: torch.Tensor) -> None:
-    """Write the state after `start` (a cache, or None for the empty state) and every row's text."""
+def _save_state(
+    args: argparse.Namespace, model, tokenizer, start, output: torch.Tensor, text_mask: torch.Tensor
+) -> None:
+    """Write the state after `start` (a cache, or None for the empty state) and every row's text, naming the
+    tokenizer whose ids it read (a later `--state` with another tokenizer is refused)."""
     read_before = start.get_seq_length() if start is not None else 0
     if read_before:
         text_mask = torch.cat([text_mask.new_ones(text_mask.shape[0], read_before), text_mask], dim=1)
     with torch.no_grad():  # a no-grad forward keeping one logit runs in bounded memory, whatever the length
         state = model(output, attention_mask=text_mask, cache=start, use_cache=True, logits_to_keep=1).cache
     try:
-        state.save(args.save_state)
+        state.save(args.save_state, tokenizer=tokenizer)
     except OSError as error:
         raise GenerateError(f"cannot write --save-state {args.save_state}: {error.strerror or error}") from error
     print(f"state after {state.get_seq_length()} positions written to {args.save_state}", file=sys.stderr)
@@ -284,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
                 "is --tokenizer the model's own?"
             )
         prompt_mask = batch["attention_mask"]
-        start = _load_state(args, model, len(args.prompts)) if args.state is not None else None
+        start = _load_state(args, model, tokenizer, len(args.prompts)) if args.state is not None else None
         generation_inputs = dict(batch)
         if start is not None:  # the new tokens, with a mask covering the positions the state has read
             read = start.get_seq_length()
@@ -329,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         try:
             text_mask = _text_mask(prompt_mask, output[:, prompt_width:], model.generation_config.eos_token_id)
-            _save_state(args, model, start, output, text_mask)
+            _save_state(args, model, tokenizer, start, output, text_mask)
         except GenerateError as error:
             print(f"gpn generate: error: {error}", file=sys.stderr)
             return 2

@@ -755,7 +755,9 @@ def test_cli_one_saved_state_continues_several_prompts_and_saves_again(generate_
     assert code == 2 and "holds 2 rows" in err
 
 
-@pytest.mark.parametrize("case", ["missing", "damaged", "other-model", "beams", "no-folder", "save-to-folder"])
+@pytest.mark.parametrize(
+    "case", ["missing", "damaged", "other-model", "other-tokenizer", "beams", "no-folder", "save-to-folder"]
+)
 def test_cli_bad_state_is_one_clear_line(generate_dir, tmp_path, capsys, case):
     state = tmp_path / "s.safetensors"
     extra = []
@@ -769,6 +771,15 @@ def test_cli_bad_state_is_one_clear_line(generate_dir, tmp_path, capsys, case):
             cache = other_model(token_ids(1, 3, seed=1), use_cache=True).cache
         cache.save(state)
         needle = "another model"
+    elif case == "other-tokenizer":  # of the model's vocabulary size: its ids were continued as other words
+        from modeling_gpn.data import train_bpe_tokenizer
+
+        assert run_cli(capsys, generate_dir, "the cat", "--max-new-tokens", "1", "--save-state", state)[0] == 0
+        other = train_bpe_tokenizer(["a stitch in time saves nine. " * 20, "all that glitters is not gold " * 20], 300)
+        other.save_pretrained(tmp_path / "other")
+        # (the model's own tokenizer continues it; naming it again is no change)
+        assert run_cli(capsys, generate_dir, "--state", state, "hi", "--tokenizer", generate_dir)[0] == 0
+        extra, needle = ["--tokenizer", tmp_path / "other"], "another tokenizer's ids"
     elif case == "beams":
         state.write_bytes(b"x")
         extra, needle = ["--num-beams", "2"], "--num-beams"
