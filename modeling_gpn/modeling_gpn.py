@@ -378,6 +378,23 @@ def is_torch_checkpoint(function) -> bool:
 # ---- end of gradient checkpointing -------------------------------------------------------------------
 
 
+def quantized_after_loading(model: PreTrainedModel, state_dict: dict | None = None) -> tuple[str, str] | None:
+    """(name, class) of a weight that torchao's `quantize_` quantized after loading, which transformers cannot save,
+    or None. transformers saves torchao's tensor subclasses only through the quantizer that `from_pretrained(...,
+    quantization_config=TorchAoConfig(...))` attaches (`model.hf_quantizer`), which flattens them into plain tensors;
+    without it, `save_pretrained` (transformers 5.24) writes the config and code, then fails reading the first such
+    weight's storage ("Attempted to access the data pointer on an invalid python storage"). `state_dict`: what is
+    to be saved, when given instead of the model's own weights."""
+    if getattr(model, "hf_quantizer", None) is not None:
+        return None
+    named = state_dict.items() if state_dict is not None else model.named_parameters()
+    for name, tensor in named:
+        kind = type(tensor)
+        if kind.__module__.startswith("torchao."):  # (a subclass of torch's own, a DTensor, saves as usual)
+            return name, kind.__name__
+    return None
+
+
 class GPNPreTrainedModel(PreTrainedModel):
     config_class = GPNConfig
     config: GPNConfig
@@ -449,8 +466,19 @@ class GPNPreTrainedModel(PreTrainedModel):
         transformers records only the saved model's own auto class; the folder then loads through remote
         code (`trust_remote_code=True`, without this package) as `AutoConfig`, `AutoModel`,
         `AutoModelForCausalLM` and `AutoModelForSequenceClassification` alike. The `bptt_segment_length` that
-        enabling gradient checkpointing set is not saved (the folder says what the model was given).
+        enabling gradient checkpointing set is not saved (the folder says what the model was given). Weights that
+        torchao's `quantize_` quantized after loading are refused before anything is written
+        (`quantized_after_loading`).
         """
+        state_dict = kwargs.get("state_dict", args[1] if len(args) > 1 else None)
+        quantized = quantized_after_loading(self, state_dict)
+        if quantized is not None:
+            raise ValueError(
+                f"{quantized[0]} is a torchao {quantized[1]} quantized after loading (quantize_), which transformers "
+                "cannot save (its save_pretrained fails partway, leaving a folder without weights): save the float "
+                "model and quantize after loading, or load with quantization_config=TorchAoConfig(...) to save a "
+                "quantized one (docs/inference-speed.md)"
+            )
         module = type(self).__module__.rsplit(".", 1)[-1]
         auto_map = dict(getattr(self.config, "auto_map", None) or {})
         auto_map.setdefault("AutoModel", f"{module}.GPNModel")

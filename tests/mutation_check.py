@@ -2396,6 +2396,13 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "save_pretrained refuses weights torchao's quantize_ quantized after loading, before anything is written",
+        "modeling_gpn/modeling_gpn.py",
+        '        if kind.__module__.startswith("torchao."):  # (a subclass of torch\'s own, a DTensor, saves as usual)\n',
+        "        if False:  # MUTATION\n",
+        ("tests/fast_path/test_step_kernels.py -k quantized_after_loading_is_refused",),
+    ),
+    Mutation(
         "torchao's int4 weight-only weights (IntxWeightOnlyConfig) not recognised: the plain loop runs them",
         "modeling_gpn/recurrence_step.py",
         '        held.get("activation_quantization") is None\n        and isinstance(qdata, torch.Tensor)\n',

@@ -649,6 +649,20 @@ def test_a_model_quantized_by_torchao_config_runs_the_fast_path_saves_and_reload
         torch.testing.assert_close(reloaded(ids).logits, fast, rtol=0, atol=0)
 
 
+def test_a_model_quantized_after_loading_is_refused_by_save_pretrained_before_anything_is_written(tmp_path):
+    """transformers saves torchao's weights only through the quantizer `TorchAoConfig` attaches at loading (above). A
+    model given to `quantize_` after loading failed partway through `save_pretrained` with "Attempted to access the
+    data pointer on an invalid python storage", leaving a folder of config and code without weights; it is refused
+    by name before anything is written."""
+    model = perturbed_model(tiny_config(), seed=62)
+    torchao.quantize_(model, torchao.Int8WeightOnlyConfig(), filter_fn=lambda module, name: name == "model.decode_proj")
+    with pytest.raises(
+        ValueError, match=r"^model\.decode_proj\.weight is a torchao Int8Tensor quantized after loading"
+    ):
+        model.save_pretrained(tmp_path / "int8")
+    assert not (tmp_path / "int8").exists()
+
+
 @pytest.mark.parametrize(("kind", "other"), [("int8", "int4"), ("int4", "int8")])
 def test_gpn_generate_runs_a_folder_saved_quantized_as_saved_and_refuses_another_quantization(
     tmp_path, capsys, one_thread, kind, other
