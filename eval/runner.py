@@ -185,10 +185,14 @@ def refuse_incomplete_weights(loading: dict[str, Any], path: str) -> None:
 def refuse_non_finite_parameters(model, path: str) -> None:
     """A `ValueError` naming the floating-point parameters of `model` (loaded from `path`) that hold NaN or inf: in the
     weights file, or made so by the dtype they were loaded in (float16 overflows above 65504)."""
-    bad = [
-        name
+    from modeling_gpn.state_file import stored_tensors
+
+    bad = [  # (a quantized weight by its inner tensors, its scales: torchao's have no isfinite)
+        part_name
         for name, param in model.named_parameters()
-        if param.is_floating_point() and param.device.type != "meta" and not bool(torch.isfinite(param).all())
+        if param.device.type != "meta"
+        for part_name, part in stored_tensors(name, param.detach())
+        if part.is_floating_point() and not bool(torch.isfinite(part).all())
     ]
     if bad:
         raise ValueError(

@@ -142,9 +142,7 @@ def weights_hash(model: nn.Module) -> str:
     `load_state_dict`), and `GLANCE_VALUES` evenly spaced values of each, for what writes through `.data` without
     a bump (EMA, weight averaging, PEFT's merge), which changes values all over a matrix. A model with PEFT
     adapters gets the hash of that hash and of its `adapter_settings` (read afresh each call: cheap)."""
-    stored = [
-        part for name, parameter in model.named_parameters() for part in _stored_tensors(name, parameter.detach())
-    ]
+    stored = [part for name, parameter in model.named_parameters() for part in stored_tensors(name, parameter.detach())]
     glance = hashlib.sha256()
     for name, tensor in stored:
         flat = tensor.reshape(-1)
@@ -204,12 +202,12 @@ def _tensor_bytes(tensor: torch.Tensor):
     return tensor.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy() if tensor.numel() else b""
 
 
-def _stored_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+def stored_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """The plain tensors that hold `tensor`: itself, or a quantized weight's (a tensor subclass) inner tensors."""
     if not is_traceable_wrapper_subclass(tensor):
         return [(name, tensor)]
     inner_names, _ = tensor.__tensor_flatten__()
-    return [part for inner in inner_names for part in _stored_tensors(f"{name}.{inner}", getattr(tensor, inner))]
+    return [part for inner in inner_names for part in stored_tensors(f"{name}.{inner}", getattr(tensor, inner))]
 
 
 def write_state_file(
