@@ -3723,6 +3723,14 @@ MUTATIONS = [
         ("tests/tools/test_faults_io.py -k leaves_out_what_a_folder",),
     ),
     Mutation(
+        "a Hub dataset's stream that breaks while read is named as its failure, not blamed on the cache folder",
+        "modeling_gpn/data/corpus.py",
+        "        except Exception as error:  # noqa: BLE001 - any reader failure becomes one clear message\n"
+        '            raise DataError(\n                f"Reading Hub dataset',
+        '        except DataError as error:  # MUTATION\n            raise DataError(\n                f"Reading Hub dataset',
+        ("tests/tools/test_faults_io.py -k hub_dataset_is_cached",),
+    ),
+    Mutation(
         "gpn convert says so when it converts a float16 or float64 checkpoint to float32",
         "conversion/reference.py",
         "    if other_dtypes:\n",
