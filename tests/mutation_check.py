@@ -891,8 +891,8 @@ MUTATIONS = [
     Mutation(
         "packed SFT (the state not reset where a packed sequence starts)",
         "modeling_gpn/modeling_gpn.py",
-        "packed_sequence_starts(batch_size, seq_len, mask, **packing, device=embeddings.device) if packing else None",
-        "None  # MUTATION",
+        "        sequence_starts = (\n            packed_sequence_starts(\n",
+        "        sequence_starts = None and (  # MUTATION\n            packed_sequence_starts(\n",
         ("tests/model/test_packed.py -k trl_sft",),
     ),
     Mutation(
@@ -3052,6 +3052,20 @@ MUTATIONS = [
         "                if first == 0 and 0 < last < total\n",
         "                if False  # MUTATION\n",
         ("tests/model/test_packed.py -k inconsistent_packing_arguments and arguments0",),
+    ),
+    Mutation(
+        "position ids longer than the input are refused unless continuing a cache (their last columns taken)",
+        "modeling_gpn/packing.py",
+        "            or (columns > seq_len and not continuing)\n",
+        "",
+        ("tests/model/test_packed.py -k inconsistent_packing_arguments and arguments11",),
+    ),
+    Mutation(
+        "continuing a cache, longer position ids are taken (their last columns)",
+        "modeling_gpn/modeling_gpn.py",
+        "device=embeddings.device, continuing=state is not None\n",
+        "device=embeddings.device, continuing=False  # MUTATION\n",
+        ("tests/model/test_packed.py -k cache_continues_the_last_packed",),
     ),
     Mutation(
         "gpn train reads no csv corpus",
