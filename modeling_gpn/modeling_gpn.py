@@ -955,7 +955,11 @@ class GPNModel(GPNPreTrainedModel):
             check_cache_state(state, config, batch_size)
         mask = check_attention_mask(attention_mask, batch_size, seq_len, continuing=state is not None)
         sequence_starts = (
-            packed_sequence_starts(batch_size, seq_len, mask, **packing, device=embeddings.device) if packing else None
+            packed_sequence_starts(
+                batch_size, seq_len, mask, **packing, device=embeddings.device, continuing=state is not None
+            )
+            if packing
+            else None
         )
         if state is None:
             state = self.zero_state(batch_size, embeddings.device)
@@ -1507,6 +1511,7 @@ class GPNForSequenceClassification(GPNPreTrainedModel):
         # TRL's RewardTrainer passes its batch whole, with the pairs' `margin` when the dataset has that column: its
         # own loss reads it from the batch, the scores do not depend on it (a Llama's forward drops it too)
         kwargs.pop("margin", None)
+        continuing = isinstance(cache, GPNCache) and cache.has_state  # (before the call below updates the cache)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -1522,7 +1527,9 @@ class GPNForSequenceClassification(GPNPreTrainedModel):
         hidden = outputs.last_hidden_state
         batch_size, seq_len = hidden.shape[:2]
         mask = None if attention_mask is None else attention_mask[:, -seq_len:].bool()
-        refuse_packed_rows(batch_size, seq_len, mask, kwargs, "GPNForSequenceClassification", hidden.device)
+        refuse_packed_rows(
+            batch_size, seq_len, mask, kwargs, "GPNForSequenceClassification", hidden.device, continuing=continuing
+        )
         last = self.last_real_positions(input_ids, attention_mask, batch_size, seq_len).to(hidden.device)
         pooled = hidden[torch.arange(batch_size, device=hidden.device), last]
         weight = self.score.weight

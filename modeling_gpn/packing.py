@@ -103,6 +103,7 @@ def packed_sequence_starts(
     max_length_k: int | None = None,
     seq_idx: torch.Tensor | None = None,
     device: torch.device | None = None,
+    continuing: bool = False,
 ) -> torch.Tensor | None:
     """Where packed sequences start inside the rows: (batch, seq) bool, True at the first real token of every
     sequence but the first of its row, or None when no row packs more than one sequence.
@@ -114,7 +115,8 @@ def packed_sequence_starts(
 
     - `position_ids` (batch or 1, seq): a sequence starts where the position id does not exceed that of the
       row's previous real token (`DataCollatorWithFlattening` numbers each sequence from 0, or from
-      `position_ids_start`). Ordinary position ids (increasing over the real tokens) mark nothing.
+      `position_ids_start`). Ordinary position ids (increasing over the real tokens) mark nothing. Longer
+      ones only when `continuing` a cache, as for the attention mask: their last `seq` columns.
     - `cu_seq_lens_q` / `cu_seq_lens_k`: FlashAttention's cumulative lengths over the flattened batch,
       [0, ..., batch * seq]; every row start must be one of them. `max_length_q/k`, if given, must be at least
       the longest sequence.
@@ -132,10 +134,20 @@ def packed_sequence_starts(
 
     if position_ids is not None:
         position_ids = _as_index_tensor(position_ids, "position_ids", device)
-        if position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch_size) or position_ids.shape[1] < seq_len:
+        # Longer ones are taken (their last columns) only when continuing a cache, as the attention mask is: without
+        # one they belong to another input (ids cut at the right, their position ids not), and their last columns
+        # would put the starts elsewhere, in silence.
+        columns = position_ids.shape[-1]
+        if (
+            position_ids.dim() != 2
+            or position_ids.shape[0] not in (1, batch_size)
+            or columns < seq_len
+            or (columns > seq_len and not continuing)
+        ):
             raise ValueError(
                 f"position_ids must have shape (batch={batch_size} or 1, seq={seq_len}) like input_ids, got "
                 f"{tuple(position_ids.shape)}"
+                + ("; longer ones only when continuing from a cache" if columns > seq_len and not continuing else "")
             )
         positions = position_ids[:, -seq_len:].expand(batch_size, seq_len)
         previous = _previous_real_index(real)
@@ -194,7 +206,13 @@ def packed_sequence_starts(
 
 
 def refuse_packed_rows(
-    batch_size: int, seq_len: int, mask: torch.Tensor | None, kwargs: dict, reader: str, device: torch.device
+    batch_size: int,
+    seq_len: int,
+    mask: torch.Tensor | None,
+    kwargs: dict,
+    reader: str,
+    device: torch.device,
+    continuing: bool = False,
 ) -> None:
     """Raise a ValueError when the packing arguments among `kwargs` say a row holds several sequences, for a
     `reader` that reads one result a row (a sequence classifier's score at the row's last real token): it would
@@ -204,7 +222,7 @@ def refuse_packed_rows(
     packing = packing_arguments(kwargs)
     if not packing or is_tracing():
         return
-    starts = packed_sequence_starts(batch_size, seq_len, mask, **packing, device=device)
+    starts = packed_sequence_starts(batch_size, seq_len, mask, **packing, device=device, continuing=continuing)
     if starts is not None:
         row, position = (int(i) for i in starts.nonzero()[0])
         raise ValueError(

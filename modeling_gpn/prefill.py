@@ -90,7 +90,11 @@ def forward_in_chunks(
     continuing = isinstance(cache, GPNCache) and cache.has_state
     mask = check_attention_mask(attention_mask, batch_size, seq_len, continuing=continuing)
     packing = packing_arguments(kwargs)
-    if packing and packed_sequence_starts(batch_size, seq_len, mask, **packing, device=tokens.device) is not None:
+    if (
+        packing
+        and packed_sequence_starts(batch_size, seq_len, mask, **packing, device=tokens.device, continuing=continuing)
+        is not None
+    ):
         return None
     kwargs = {name: value for name, value in kwargs.items() if name not in packing}  # (ordinary position ids)
     for name, given in (("labels", labels), ("shift_labels", shift_labels)):

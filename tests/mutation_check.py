@@ -891,8 +891,8 @@ MUTATIONS = [
     Mutation(
         "packed SFT (the state not reset where a packed sequence starts)",
         "modeling_gpn/modeling_gpn.py",
-        "packed_sequence_starts(batch_size, seq_len, mask, **packing, device=embeddings.device) if packing else None",
-        "None  # MUTATION",
+        "        sequence_starts = (\n            packed_sequence_starts(\n",
+        "        sequence_starts = None and (  # MUTATION\n            packed_sequence_starts(\n",
         ("tests/model/test_packed.py -k trl_sft",),
     ),
     Mutation(
@@ -3064,6 +3064,20 @@ MUTATIONS = [
         ("tests/model/test_packed.py -k inconsistent_packing_arguments and arguments0",),
     ),
     Mutation(
+        "position ids longer than the input are refused unless continuing a cache (their last columns taken)",
+        "modeling_gpn/packing.py",
+        "            or (columns > seq_len and not continuing)\n",
+        "",
+        ("tests/model/test_packed.py -k inconsistent_packing_arguments and arguments11",),
+    ),
+    Mutation(
+        "continuing a cache, longer position ids are taken (their last columns)",
+        "modeling_gpn/modeling_gpn.py",
+        "device=embeddings.device, continuing=state is not None\n",
+        "device=embeddings.device, continuing=False  # MUTATION\n",
+        ("tests/model/test_packed.py -k cache_continues_the_last_packed",),
+    ),
+    Mutation(
         "gpn train reads no csv corpus",
         "modeling_gpn/data/corpus.py",
         '    ".csv": "csv",\n',
@@ -3731,6 +3745,14 @@ MUTATIONS = [
         '        part.startswith((".", "__")) and not any(fnmatch.fnmatchcase(part, name) for name in named)\n',
         '        part.startswith((".", "__"))  # MUTATION\n',
         ("tests/tools/test_faults_io.py -k leaves_out_what_a_folder",),
+    ),
+    Mutation(
+        "a Hub dataset's stream that breaks while read is named as its failure, not blamed on the cache folder",
+        "modeling_gpn/data/corpus.py",
+        "        except Exception as error:  # noqa: BLE001 - any reader failure becomes one clear message\n"
+        '            raise DataError(\n                f"Reading Hub dataset',
+        '        except DataError as error:  # MUTATION\n            raise DataError(\n                f"Reading Hub dataset',
+        ("tests/tools/test_faults_io.py -k hub_dataset_is_cached",),
     ),
     Mutation(
         "gpn convert says so when it converts a float16 or float64 checkpoint to float32",

@@ -351,7 +351,22 @@ def _hub_documents(spec: CorpusSpec) -> Iterator[str]:
             + "): "
             f"{type(error).__name__}: {error}. Without Hub access, pass local files or `--dataset shakespeare`."
         ) from error
-    for row in dataset:
+    rows = iter(dataset)
+    read = 0
+    while True:
+        # A streamed dataset fails while it is read too (a connection reset, a file of the repo that cannot be
+        # parsed): named here, as its loading is above. Its OSError (a ConnectionError is one) would otherwise
+        # reach the token cache's writer and be blamed on the cache folder.
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except Exception as error:  # noqa: BLE001 - any reader failure becomes one clear message
+            raise DataError(
+                f"Reading Hub dataset {spec.source!r} failed after {read:,} rows: {type(error).__name__}: {error}. "
+                "Nothing was cached: run again to read it from the start"
+            ) from error
+        read += 1
         if spec.text_field not in row:
             raise DataError(f"Dataset {spec.source} has no column {spec.text_field!r} (columns: {', '.join(row)})")
         text = row[spec.text_field]

@@ -216,7 +216,10 @@ def test_a_cache_continues_the_last_packed_sequence_and_a_continuation_its_first
     torch.testing.assert_close(continued, model(torch.cat([second, more], dim=1)).logits[:, 3:], rtol=1e-5, atol=1e-5)
     # from a cache holding `first`: [second-part of first | a new sequence], numbered as one packed row would be
     cache = model(first, use_cache=True).cache
-    both = model(torch.cat([second, more], dim=1), cache=cache, position_ids=torch.tensor([[4, 5, 6, 0, 1, 2, 3, 4]]))
+    # (continuing, position ids may be longer, as generate() may give the attention mask: their last columns)
+    both = model(
+        torch.cat([second, more], dim=1), cache=cache, position_ids=torch.tensor([[0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4]])
+    )
     torch.testing.assert_close(both.logits[:, :3], model(row).logits[:, 4:], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(both.logits[:, 3:], model(more).logits, rtol=1e-5, atol=1e-5)
 
@@ -304,6 +307,10 @@ def test_sequence_classification_refuses_rows_packing_several_sequences(form):
         (dict(max_length_k=14), "max_length_k was given without cu_seq_lens_k"),
         (dict(seq_idx=torch.zeros(2, 13, dtype=torch.int32)), r"seq_idx must have shape \(batch=2, seq=14\)"),
         (dict(position_ids=torch.arange(14)), r"position_ids must have shape"),
+        (  # (ids cut at the right, their position ids not: the last columns would put the starts elsewhere)
+            dict(position_ids=torch.cat([torch.arange(9), torch.arange(7)])[None]),
+            r"got \(1, 16\); longer ones only when continuing from a cache",
+        ),
         (
             dict(position_ids=torch.arange(14)[None].repeat(2, 1), cu_seq_lens_q=torch.tensor([0, 5, 14, 28])),
             r"disagree .* \(row 0, position 5\) a sequence does not start by position_ids but starts by cu_seq_lens_q",

@@ -932,6 +932,17 @@ def test_a_hub_dataset_is_cached_per_commit_and_read_at_that_commit(bpe_tokenize
     unresolved = [data.CorpusSpec(source="someone/corpus", revision=r).fingerprint() for r in ("v3", "v4")]
     assert unresolved[0]["commit"] is None and unresolved[0] != unresolved[1]  # (keyed by the revision asked for)
 
+    # a stream that breaks while it is read (a connection reset: an OSError) is named as the dataset's failure, not
+    # blamed on the cache folder the tokens were going to, and leaves no cache behind
+    def broken_stream(*args, **kwargs):
+        yield {"text": "the first row " * 20}
+        raise ConnectionError("Connection reset by peer")
+
+    monkeypatch.setattr(datasets, "load_dataset", broken_stream)
+    with pytest.raises(data.DataError, match=r"^Reading Hub dataset 'someone/corpus' failed after 1 rows: Connection"):
+        stream("v3")
+    assert not list((tmp_path / "cache" / "tokens").glob(".*tmp*"))
+
     # gpn train --dataset-revision is the revision its corpus asks for
     from modeling_gpn import train as train_module
     from modeling_gpn.train import training
