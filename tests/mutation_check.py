@@ -3338,7 +3338,24 @@ MUTATIONS = [
         "gpn_cli/__init__.py",
         "    except KeyboardInterrupt:  # Ctrl-C where the subcommand has nothing of its own to say: no traceback\n",
         "    except ZeroDivisionError:  # MUTATION\n",
-        ("tests/tools/test_faults_io.py::test_generate_ctrl_c_is_one_line_and_the_shells_status",),
+        (
+            "tests/tools/test_faults_io.py::test_generate_ctrl_c_is_one_line_and_the_shells_status",
+            "tests/tools/test_cli_startup.py::test_ctrl_c_while_a_subcommand_loads_is_one_line_and_the_shells_status",
+        ),
+    ),
+    Mutation(
+        "Ctrl-C while a gpn subcommand loads (its parser built) a traceback",
+        "gpn_cli/__init__.py",
+        "    try:\n        return _parse_and_run(argv, selected)\n",
+        "    build_parser(selected)  # MUTATION\n    try:\n        return _parse_and_run(argv, selected)\n",
+        ("tests/tools/test_cli_startup.py::test_ctrl_c_while_a_subcommand_loads_is_one_line_and_the_shells_status",),
+    ),
+    Mutation(
+        "gpn CMD --help ends with no example",
+        "gpn_cli/__init__.py",
+        '        epilog = f"example: {EXAMPLES[name]}" if name in EXAMPLES else None\n',
+        "        epilog = None  # MUTATION\n",
+        ("tests/tools/test_docs.py -k every_option_has_help_and_the_help_an_example and not train",),
     ),
     Mutation(
         "gpn generate into a closed pipe a BrokenPipeError traceback",
