@@ -3351,6 +3351,13 @@ MUTATIONS = [
         ("tests/tools/test_cli_startup.py::test_ctrl_c_while_a_subcommand_loads_is_one_line_and_the_shells_status",),
     ),
     Mutation(
+        "gpn bench refuses --num-threads (the spelling of gpn train and gpn eval)",
+        "modeling_gpn/bench/command.py",
+        '"--threads", "--num-threads", dest="threads"',
+        '"--threads", dest="threads"  # MUTATION',
+        ("tests/tools/test_bench.py::test_threads_take_the_name_gpn_train_and_eval_give_them",),
+    ),
+    Mutation(
         "gpn CMD --help ends with no example",
         "gpn_cli/__init__.py",
         '        epilog = f"example: {EXAMPLES[name]}" if name in EXAMPLES else None\n',
