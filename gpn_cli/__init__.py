@@ -142,7 +142,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parse_and_run(argv: list[str], selected: str | None) -> int:
     parser = build_parser(selected)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # refused by the subcommand's parser, whose usage it shows (the top one said "gpn: error: ...")
+        subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        (subparsers.choices.get(args.command) or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "_run", None):
         parser.print_help()
         return 0 if args.command is None else 2

@@ -3358,6 +3358,13 @@ MUTATIONS = [
         ("tests/tools/test_bench.py::test_threads_take_the_name_gpn_train_and_eval_give_them",),
     ),
     Mutation(
+        "an unknown option of a gpn subcommand refused by the top-level parser (gpn: error: ...)",
+        "gpn_cli/__init__.py",
+        "    if unknown:  # refused by the subcommand's parser",
+        "    if unknown:  # MUTATION\n        parser.error(f\"unrecognized arguments: {' '.join(unknown)}\")\n    if False:",
+        ("tests/tools/test_cli_startup.py::test_an_unknown_option_is_refused_by_its_subcommand",),
+    ),
+    Mutation(
         "gpn CMD --help ends with no example",
         "gpn_cli/__init__.py",
         '        epilog = f"example: {EXAMPLES[name]}" if name in EXAMPLES else None\n',

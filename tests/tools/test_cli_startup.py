@@ -146,3 +146,16 @@ def test_ctrl_c_while_a_subcommand_loads_is_one_line_and_the_shells_status(tmp_p
         pytest.fail("a Ctrl-C while the subcommand loaded escaped gpn's main: a traceback")
     assert code == 130
     assert capsys.readouterr().err == "gpn slow: interrupted (Ctrl-C)\n"
+
+
+def test_an_unknown_option_is_refused_by_its_subcommand(capsys):
+    """`gpn push a b --nosuch` was refused by the top-level parser: "gpn: error: unrecognized arguments" under the
+    usage of `gpn` itself, not naming the subcommand nor showing its options. The subcommand now refuses it."""
+    from gpn_cli import main
+
+    for argv, prefix in ((["push", "a", "b", "--nosuch", "x"], "gpn push"), (["--nosuch"], "gpn")):
+        with pytest.raises(SystemExit) as exit:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit.value.code == 2 and err.startswith(f"usage: {prefix} "), err
+        assert err.splitlines()[-1] == f"{prefix}: error: unrecognized arguments: {' '.join(argv[3:] or argv)}"
