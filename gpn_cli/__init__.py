@@ -40,6 +40,27 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# name -> what `gpn CMD --help` ends with: a command to start from, short enough that the help's 80 columns do not
+# break it (each parses: tests/tools/test_docs.py). `gpn train` shows its own in its description, beside its recipes.
+EXAMPLES: dict[str, str] = {
+    "convert": "gpn convert path/to/checkpoint.pkl converted/ --tokenizer TOKENIZER",
+    "eval": "gpn eval runs/tiny-cpu/model --data-dir ../shared/data --limit 100",
+    "push": "gpn push runs/tiny-cpu/model me/gpn-tiny --dry-run upload/",
+    "inspect": "gpn inspect runs/tiny-cpu/model --data my_text.jsonl --output inspect/",
+    "bench": "gpn bench --preset tiny small --impl fast llama --repeats 3",
+    "study": "gpn study --study cpu-small --data-dir ../shared/data",
+    "generate": 'gpn generate runs/tiny-cpu/model "ROMEO:" --max-new-tokens 60 --sample',
+    "serve": "gpn serve runs/tiny-cpu/model --host 127.0.0.1 --port 8000",
+}
+
+
+def example_arguments(name: str) -> list[str]:
+    """`EXAMPLES[name]` as the arguments after `gpn`, for the test that parses it."""
+    import shlex
+
+    return shlex.split(EXAMPLES[name])[1:]
+
+
 def available_subcommands() -> dict[str, tuple[str, str]]:
     """The subcommands whose module is installed. (Looking a module up imports the packages above it, that is
     `modeling_gpn` with torch and transformers: only for a command that will run.)"""
@@ -92,7 +113,10 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
 
         formatter_class, listed = HelpFormatter, available_subcommands()
     for name, (module_name, help_text) in listed.items():
-        sub = subparsers.add_parser(name, help=help_text, description=help_text, formatter_class=formatter_class)
+        epilog = f"example: {EXAMPLES[name]}" if name in EXAMPLES else None
+        sub = subparsers.add_parser(
+            name, help=help_text, description=help_text, epilog=epilog, formatter_class=formatter_class
+        )
         if name == selected:  # import only the module that will run
             module = importlib.import_module(module_name)
             module.add_arguments(sub)
@@ -104,16 +128,25 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     quiet_known_upstream_noise()  # before any subcommand imports transformers (which imports torchao)
     selected = next((arg for arg in argv if not arg.startswith("-")), None)
-    parser = build_parser(selected if selected in SUBCOMMANDS else None)
-    args = parser.parse_args(argv)
-    if not getattr(args, "_run", None):
-        parser.print_help()
-        return 0 if args.command is None else 2
+    selected = selected if selected in SUBCOMMANDS else None
+    # Ctrl-C is caught around the parsing too: a subcommand's parser imports its module (torch and transformers,
+    # seconds), and a Ctrl-C then, at `gpn train --help` or at any command's start, printed a traceback.
     try:
-        result = args._run(args)
+        return _parse_and_run(argv, selected)
     except KeyboardInterrupt:  # Ctrl-C where the subcommand has nothing of its own to say: no traceback
-        print(f"gpn {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
+        print(f"gpn{f' {selected}' if selected else ''}: interrupted (Ctrl-C)", file=sys.stderr)
         return 128 + signal.SIGINT
     except BrokenPipeError:  # the reader went away (`gpn generate ... | head`): stop quietly, as `cat` would
         return 128 + 13  # SIGPIPE's number (the signal module lacks it on Windows): the shell's "ended by SIGPIPE"
-    return int(result or 0)
+
+
+def _parse_and_run(argv: list[str], selected: str | None) -> int:
+    parser = build_parser(selected)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # refused by the subcommand's parser, whose usage it shows (the top one said "gpn: error: ...")
+        subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        (subparsers.choices.get(args.command) or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 0 if args.command is None else 2
+    return int(args._run(args) or 0)

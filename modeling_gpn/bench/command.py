@@ -127,7 +127,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--skip-plain-decode", action="store_true", help="do not run the (slow) plain path through generate()"
     )
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    parser.add_argument(  # (--num-threads: as gpn train and gpn eval spell it)
+        "--threads", "--num-threads", dest="threads", type=int, default=None, help="torch intra-op threads (CPU)"
+    )
     parser.add_argument("--json", default=None, help="also write all figures to this JSON file")
 
 

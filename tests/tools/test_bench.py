@@ -395,6 +395,12 @@ def _bench_args(extra: list[str]):
     return parser.parse_args([*TINY, *extra])
 
 
+def test_threads_take_the_name_gpn_train_and_eval_give_them():
+    """`gpn train` and `gpn eval` say --num-threads; `gpn bench --num-threads 2` was refused ("unrecognized
+    arguments"). Both spellings set the same option."""
+    assert _bench_args(["--num-threads", "2"]).threads == 2 and _bench_args(["--threads", "3"]).threads == 3
+
+
 def test_help_explains_every_column(capsys):
     """Every header the table can print (every option on) is named, in quotes, in `gpn bench --help`: the
     limit's columns were, the speed and memory ones only in the module's docstring."""

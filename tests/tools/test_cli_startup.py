@@ -129,3 +129,33 @@ def test_the_filters_are_installed_once(capsys):
     capsys.readouterr()
     assert logging.getLogger("torchao").filters.count(keep_torchao_record) == 1
     assert logging.getLogger("torch.utils._pytree").filters.count(keep_pytree_record) == 1
+
+
+def test_ctrl_c_while_a_subcommand_loads_is_one_line_and_the_shells_status(tmp_path, monkeypatch, capsys):
+    """`gpn CMD` imports CMD's module (torch and transformers: seconds) to build its parser; a Ctrl-C then (an
+    impatient `gpn train --help`) printed a KeyboardInterrupt traceback. It ends like a Ctrl-C in the command: one
+    line naming it, exit status 130. (The interrupt is raised where it lands in life: in the module's import.)"""
+    import gpn_cli
+
+    (tmp_path / "interrupted_while_loading.py").write_text("raise KeyboardInterrupt\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(gpn_cli.SUBCOMMANDS, "slow", ("interrupted_while_loading", "a subcommand slow to load"))
+    try:
+        code = gpn_cli.main(["slow", "--help"])
+    except KeyboardInterrupt:  # (caught here: pytest takes one that escapes for the user's, and stops the run)
+        pytest.fail("a Ctrl-C while the subcommand loaded escaped gpn's main: a traceback")
+    assert code == 130
+    assert capsys.readouterr().err == "gpn slow: interrupted (Ctrl-C)\n"
+
+
+def test_an_unknown_option_is_refused_by_its_subcommand(capsys):
+    """`gpn push a b --nosuch` was refused by the top-level parser: "gpn: error: unrecognized arguments" under the
+    usage of `gpn` itself, not naming the subcommand nor showing its options. The subcommand now refuses it."""
+    from gpn_cli import main
+
+    for argv, prefix in ((["push", "a", "b", "--nosuch", "x"], "gpn push"), (["--nosuch"], "gpn")):
+        with pytest.raises(SystemExit) as exit:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit.value.code == 2 and err.startswith(f"usage: {prefix} "), err
+        assert err.splitlines()[-1] == f"{prefix}: error: unrecognized arguments: {' '.join(argv[3:] or argv)}"

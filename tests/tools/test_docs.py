@@ -152,15 +152,28 @@ def test_help_gives_each_option_its_default_once(subcommand):
 @pytest.mark.parametrize(
     "subcommand", ["convert", "train", "eval", "push", "inspect", "bench", "study", "generate", "serve"]
 )
-def test_every_option_has_help(subcommand):
-    """`gpn eval --batch-size` and `gpn bench --device` were listed in --help with nothing said about them."""
-    from gpn_cli import available_subcommands, build_parser
+def test_every_option_has_help_and_the_help_an_example(subcommand):
+    """`gpn eval --batch-size` and `gpn bench --device` were listed in --help with nothing said about them; and only
+    `gpn train --help` showed a command to start from. Each help now ends with an example, which parses."""
+    from gpn_cli import EXAMPLES, available_subcommands, build_parser, example_arguments
 
     if subcommand not in available_subcommands():
         pytest.skip(f"gpn {subcommand} needs what this environment lacks")
     parser = build_parser(subcommand)
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[subcommand]
     assert [a.option_strings for a in sub._actions if a.option_strings and not a.help] == []
+    help_text = " ".join(sub.format_help().split())
+    if subcommand == "train":  # (its description holds its example, beside the recipes it names)
+        assert "Example: `gpn train --recipe tiny-cpu`" in help_text
+        return
+    assert help_text.endswith(f"example: {EXAMPLES[subcommand]}"), help_text[-200:]
+    arguments = example_arguments(subcommand)
+    with contextlib.redirect_stderr(io.StringIO()) as errors:
+        try:
+            parsed = parser.parse_args(arguments)
+        except SystemExit:
+            pytest.fail(f"the example of gpn {subcommand} --help does not parse: {errors.getvalue().strip()}")
+    assert parsed.command == subcommand
 
 
 def test_the_training_programs_own_help_gives_each_default_once(capsys):
