@@ -2305,9 +2305,9 @@ MUTATIONS = [
     ),
     Mutation(
         "the docs name a library version other than the installed one (Accelerate 1.15 under 1.16)",
-        "docs/transformers.md",
-        "and Accelerate 1.16 failed sharding the embedding",
-        "and Accelerate 1.15 failed sharding the embedding",
+        "docs/fine-tuning.md",
+        "layers), Accelerate 1.16 fails on in `fully_shard`",
+        "layers), Accelerate 1.15 fails on in `fully_shard`",
         ("tests/tools/test_docs.py -k library_versions",),
     ),
     Mutation(
