@@ -332,6 +332,11 @@ def load_pickle_checkpoint(path: str | Path) -> dict[str, Any]:
         data = path.read_bytes()
     except OSError as error:
         raise CheckpointError(f"Cannot read {path}: {error.strerror or error}") from error
+    # (another file under the name: the unpickler's own complaint about a text file was "IndexError: pop from
+    # empty list"; the reference writes pickles of protocol 2 or later, which begin with PROTO, 0x80)
+    if not data.startswith(pickle.PROTO):
+        what = "it is empty" if not data else f"it is not a Python pickle (it begins {data[:16]!r})"
+        raise CheckpointError(f"{path} is not a readable reference checkpoint: {what}")
     try:
         checkpoint = RestrictedUnpickler(
             io.BytesIO(data), budget=PICKLE_BUDGET_FACTOR * size + SMALL_CLAIM_BYTES

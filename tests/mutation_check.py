@@ -4052,6 +4052,13 @@ MUTATIONS = [
         "        for part_name, part in [(name, param.detach())]  # MUTATION",
         ("tests/fast_path/test_step_kernels.py -k folder_saved_quantized",),
     ),
+    Mutation(
+        "gpn convert names a file that is not a pickle as such (the unpickler said 'IndexError: pop from empty list')",
+        "conversion/reference.py",
+        "    if not data.startswith(pickle.PROTO):",
+        "    if False:  # MUTATION",
+        ("tests/tools/test_faults_io.py -k text-file",),
+    ),
 ]
 
 

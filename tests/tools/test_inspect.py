@@ -332,7 +332,7 @@ def test_gpn_inspect_end_to_end(tiny_llama_vocab_model, tmp_path, capfd):
     assert main([*arguments, "--no-ablations", "--output", str(output), "--quiet"]) == 2
     assert capfd.readouterr().err == (
         f"gpn inspect: error: --output {output} already holds a report (report.json, report.md, geometry.png, "
-        "mean_direction.png, horizons.png, ablations.png); choose another folder, or remove them\n"
+        "mean_direction.png, horizons.png, ablations.png); choose another folder, or give --overwrite to replace it\n"
     )
     assert {path.name: path.read_bytes() for path in output.iterdir()} == written
     # --overwrite replaces it, once the new report is made: the figure the new run does not draw is removed
