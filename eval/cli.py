@@ -55,6 +55,8 @@ import signal
 import sys
 from pathlib import Path
 
+import torch
+
 from .runner import DEFAULT_FINEWEB_MAX_DOCUMENTS, DEFAULT_TASKS, TASKS, EvalSettings
 
 
@@ -94,7 +96,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--limit", type=int, default=None, help="first N examples of each LAMBADA/lm-eval task (testing only)"
     )
-    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    parser.add_argument(
+        "--device",
+        # (as gpn generate, inspect and bench: a GPU machine's eval ran on its CPU unless told)
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="torch device, e.g. cpu or cuda:0 (default: cuda where available, else cpu)",
+    )
     parser.add_argument(
         "--dtype",
         default="float32",

@@ -4059,6 +4059,13 @@ MUTATIONS = [
         "    if False:  # MUTATION",
         ("tests/tools/test_faults_io.py -k text-file",),
     ),
+    Mutation(
+        "gpn eval's --device defaults to cuda where available (it ran on a GPU machine's CPU unless told)",
+        "eval/cli.py",
+        '        default="cuda" if torch.cuda.is_available() else "cpu",',
+        '        default="cpu",  # MUTATION',
+        ("tests/ecosystem/test_eval.py -k device_is_a_gpu",),
+    ),
 ]
 
 

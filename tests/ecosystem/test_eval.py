@@ -711,6 +711,17 @@ def test_a_repos_own_code_runs_only_with_trust_remote_code(tmp_path, capsys):
     assert (parsed(), parsed("--trust-remote-code"), parsed("--no-trust-remote-code")) == (False, True, False)
 
 
+def test_the_device_is_a_gpu_where_one_is_available(monkeypatch):
+    """`gpn eval --device` defaults to cuda where torch sees a GPU (as gpn generate, inspect and bench): it ran on the
+    CPU of a GPU machine unless told. The parser is built with torch seeing one (no GPU is needed to check the
+    default it takes)."""
+    from gpn_cli import build_parser
+
+    assert build_parser("eval").parse_args(["eval", "m"]).device == "cpu"  # (imports the package, without a GPU)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert build_parser("eval").parse_args(["eval", "m"]).device == "cuda"
+
+
 @pytest.mark.parametrize(
     "option, value, message",
     [
