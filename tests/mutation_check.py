@@ -4066,6 +4066,13 @@ MUTATIONS = [
         '        default="cpu",  # MUTATION',
         ("tests/ecosystem/test_eval.py -k device_is_a_gpu",),
     ),
+    Mutation(
+        "gpn serve checks a GPN's weights as gpn eval does (NaN weights were served: one token over and over)",
+        "modeling_gpn/serve/models.py",
+        'GPN_CLASSES = {"GPNForCausalLM": CheckedGPNForCausalLM, "GPNModel": GPNModel}',
+        'GPN_CLASSES = {"GPNForCausalLM": GPNForCausalLM, "GPNModel": GPNModel}  # MUTATION',
+        ("tests/tools/test_serve.py -k weights_hold_nan_is_not_served",),
+    ),
 ]
 
 

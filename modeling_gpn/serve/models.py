@@ -5,7 +5,8 @@ start-up on a GPN (`module transformers has no attribute GPNForCausalLM`): the A
 `import modeling_gpn` registers GPN, is not consulted. The model manager's module holds its own reference to
 the `transformers` module; `gpn serve` points it at `TransformersWithGPN`, transformers as it is with GPN's
 classes beside its own, and leaves the model manager's code (loading, dtype, device map, quantization,
-the idle timeout) as transformers wrote it. A server pinned to one model loads no other (`load_only_the_pinned_model`).
+the idle timeout) as transformers wrote it, a GPN's weights checked as the other commands check them
+(`CheckedGPNForCausalLM`). A server pinned to one model loads no other (`load_only_the_pinned_model`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,21 @@ from transformers.cli.serving.utils import split_model_id
 
 from .. import GPNForCausalLM, GPNModel
 
-GPN_CLASSES = {cls.__name__: cls for cls in (GPNForCausalLM, GPNModel)}
+
+class CheckedGPNForCausalLM:
+    """`GPNForCausalLM` as the serving model manager builds it (`from_pretrained`, its only use), with the weights
+    checked as gpn eval, inspect and generate check theirs (`causal_lm_from_pretrained`): weights the files lack
+    (drawn at random) or hold NaN would be served as the model named, every answer from another model or one token
+    over and over."""
+
+    @staticmethod
+    def from_pretrained(model_id: str, **kwargs) -> GPNForCausalLM:
+        from ..evaluation.runner import causal_lm_from_pretrained
+
+        return causal_lm_from_pretrained(model_id, **kwargs)
+
+
+GPN_CLASSES = {"GPNForCausalLM": CheckedGPNForCausalLM, "GPNModel": GPNModel}
 
 
 class TransformersWithGPN(types.ModuleType):

@@ -19,6 +19,7 @@ import copy
 import http.client
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -1155,6 +1156,26 @@ def test_gpn_serve_that_cannot_start_says_why_without_a_traceback(tmp_path, caps
         args = build_parser("serve").parse_args(["serve", *arguments])
         assert args._run(args) == status, arguments
         assert words in capsys.readouterr().err, arguments
+
+
+def test_a_gpn_whose_weights_hold_nan_is_not_served(model_dir, tmp_path, monkeypatch):
+    """The serving model manager builds a GPN with its weights checked as gpn eval, generate and inspect check theirs:
+    a weight holding NaN was served (one token over and over), as were weights drawn at random for those the files
+    lack. (`gpn serve` says a preload's error in one line: test_gpn_serve_that_cannot_start...)"""
+    from safetensors.torch import load_file, save_file
+    from transformers.cli.serving import model_manager
+    from transformers.cli.serving.model_manager import ModelManager
+
+    from modeling_gpn.serve.models import TransformersWithGPN
+
+    poisoned = tmp_path / "nan"
+    shutil.copytree(model_dir, poisoned)
+    tensors = load_file(poisoned / "model.safetensors")
+    tensors["model.fuse_gate.weight"][0, 0] = float("nan")
+    save_file(tensors, poisoned / "model.safetensors", metadata={"format": "pt"})
+    monkeypatch.setattr(model_manager, "transformers", TransformersWithGPN())  # as gpn serve does, for this test only
+    with pytest.raises(ValueError, match=r"has parameters holding NaN or inf \(loaded as torch.float32\): model\."):
+        ModelManager(device="cpu", model_timeout=-1).load_model_and_processor(str(poisoned))
 
 
 def test_a_server_not_pinned_answers_an_unknown_model_with_404(tmp_path):
