@@ -18,6 +18,20 @@ from .tracing import is_tracing
 PACKING_KWARGS = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"}
 
 
+def add_packing_parameters(kwargs: dict, position_ids: torch.Tensor | None, seq_idx: torch.Tensor | None) -> dict:
+    """`kwargs` with the packing arguments a forward names as parameters added, those given (not None), where the
+    rest of the forward reads them with the others (`packing_arguments`).
+
+    A forward names `position_ids` and `seq_idx`, the two a dataset's rows may carry, because `Trainer` keeps only
+    the dataset columns its model's forward names (`remove_unused_columns`, on by default): a pre-packed dataset's
+    column taken as a keyword would be dropped, and its rows trained as one sequence each, with an info line only.
+    """
+    for name, value in (("position_ids", position_ids), ("seq_idx", seq_idx)):
+        if value is not None:
+            kwargs[name] = value
+    return kwargs
+
+
 def packing_arguments(kwargs: dict) -> dict:
     """Those of a forward's `kwargs` that may say where packed sequences start (`position_ids` and
     `PACKING_KWARGS`), the ones given (not None): what `packed_sequence_starts` takes."""
