@@ -63,6 +63,16 @@ def _as_index_tensor(value, name: str, device: torch.device) -> torch.Tensor:
     return tensor.to(device)
 
 
+# How cumulative lengths come to be cut short in training: Accelerate's batch dispatcher, which `Trainer` uses for an
+# IterableDataset, cuts every tensor of a batch to the batch's rows, so a packed batch's cu_seq_lens (one row: its
+# input is (1, tokens)) to its first entry. Named in the refusals, with the way out, as `str.format`s of the name.
+DISPATCHER_CUT = (
+    "with an IterableDataset, Trainer's batch dispatcher (Accelerate's) cuts {name} to the batch's rows: pass "
+    'TrainingArguments(accelerator_config={{"dispatch_batches": False}}), or leave the FlashAttention arguments out of '
+    "the collator (the position ids say where the sequences start)"
+)
+
+
 def _starts_from_cu_seq_lens(
     cu_seq_lens: torch.Tensor, name: str, batch_size: int, seq_len: int, validate: bool
 ) -> torch.Tensor:
@@ -72,6 +82,7 @@ def _starts_from_cu_seq_lens(
     if cu_seq_lens.dim() != 1 or cu_seq_lens.numel() < 2:
         raise ValueError(
             f"{name} must be a 1-D tensor [0, end of sequence 1, ..., {total}], got shape {tuple(cu_seq_lens.shape)}"
+            + ("; " + DISPATCHER_CUT.format(name=name) if cu_seq_lens.dim() == 1 else "")
         )
     if not validate:
         boundaries = torch.zeros(total + 1, dtype=torch.bool, device=cu_seq_lens.device)
@@ -84,7 +95,8 @@ def _starts_from_cu_seq_lens(
             + (
                 f": the input has {total - last} more positions than the packed sequences, as when tokens are put "
                 "in front of a packed batch after its collator counted it (PEFT's prompt tuning prepends its virtual "
-                "tokens so): pack without prompt tuning, or train it on padded batches"
+                "tokens so): pack without prompt tuning, or train it on padded batches; "
+                + DISPATCHER_CUT.format(name=name)
                 if first == 0 and 0 < last < total
                 else ""
             )

@@ -3064,6 +3064,21 @@ MUTATIONS = [
         ("tests/model/test_packed.py -k inconsistent_packing_arguments and arguments0",),
     ),
     Mutation(
+        "cu_seq_lens cut to one entry not explained (Accelerate's batch dispatcher, Trainer's for an IterableDataset)",
+        "modeling_gpn/packing.py",
+        '            + ("; " + DISPATCHER_CUT.format(name=name) if cu_seq_lens.dim() == 1 else "")\n',
+        "",
+        ("tests/model/test_packed.py -k inconsistent_packing_arguments and arguments13",),
+    ),
+    Mutation(
+        "packed sequences shorter than the input: Accelerate's batch dispatcher not named beside prompt tuning",
+        "modeling_gpn/packing.py",
+        '"tokens so): pack without prompt tuning, or train it on padded batches; "\n'
+        "                + DISPATCHER_CUT.format(name=name)\n",
+        '"tokens so): pack without prompt tuning, or train it on padded batches; "  # MUTATION\n',
+        ("tests/model/test_packed.py -k inconsistent_packing_arguments and arguments0",),
+    ),
+    Mutation(
         "position ids longer than the input are refused unless continuing a cache (their last columns taken)",
         "modeling_gpn/packing.py",
         "            or (columns > seq_len and not continuing)\n",

@@ -306,7 +306,9 @@ def test_sequence_classification_refuses_rows_packing_several_sequences(form):
         (
             dict(cu_seq_lens_q=torch.tensor([0, 5, 27])),
             r"must run from 0 to the number of tokens in the batch \(2 x 14 = 28\), got 0 .. 27: the input has 1 "
-            "more positions than the packed sequences, as when tokens are put in front .*PEFT's prompt tuning",
+            "more positions than the packed sequences, as when tokens are put in front .*PEFT's prompt tuning.*; "
+            r"with an IterableDataset, Trainer's batch dispatcher \(Accelerate's\) cuts cu_seq_lens_q .*"
+            '"dispatch_batches": False',
         ),
         (
             dict(cu_seq_lens_q=torch.tensor([0, 5, 30])),
@@ -314,7 +316,10 @@ def test_sequence_classification_refuses_rows_packing_several_sequences(form):
         ),
         (dict(cu_seq_lens_q=torch.tensor([0, 5, 5, 28])), "strictly increasing"),
         (dict(cu_seq_lens_q=torch.tensor([0, 10, 28])), "running from row 0 into row 1"),
-        (dict(cu_seq_lens_q=torch.tensor([[0, 14, 28]])), "1-D tensor"),
+        (
+            dict(cu_seq_lens_q=torch.tensor([[0, 14, 28]])),
+            r"1-D tensor \[0, end of sequence 1, ..., 28\], got shape \(1, 3\)$",
+        ),
         (dict(cu_seq_lens_q=torch.tensor([0.0, 14.0, 28.0])), "must hold integers"),
         (dict(cu_seq_lens_q=torch.tensor([0, 14, 28]), cu_seq_lens_k=torch.tensor([0, 7, 14, 28])), "differ"),
         (dict(cu_seq_lens_q=torch.tensor([0, 14, 28]), max_length_q=13), "max_length_q=13 is shorter"),
@@ -328,6 +333,11 @@ def test_sequence_classification_refuses_rows_packing_several_sequences(form):
         (
             dict(position_ids=torch.arange(14)[None].repeat(2, 1), cu_seq_lens_q=torch.tensor([0, 5, 14, 28])),
             r"disagree .* \(row 0, position 5\) a sequence does not start by position_ids but starts by cu_seq_lens_q",
+        ),
+        (  # (cut to the batch's one row by Accelerate's dispatcher, as Trainer's for an IterableDataset)
+            dict(cu_seq_lens_q=torch.tensor([0])),
+            r"got shape \(1,\); with an IterableDataset, Trainer's batch dispatcher \(Accelerate's\) cuts cu_seq_lens_q "
+            r'to the batch\'s rows: pass TrainingArguments\(accelerator_config=\{"dispatch_batches": False\}\)',
         ),
     ],
 )
