@@ -95,7 +95,7 @@ from .output_layer import (
     output_embeddings,
     refuse_what_fsdp2_cannot_tie,
 )
-from .packing import packed_sequence_starts, packing_arguments, refuse_packed_rows
+from .packing import add_packing_parameters, packed_sequence_starts, packing_arguments, refuse_packed_rows
 from .prefill import forward_in_chunks, prefill_chunk_length_for
 from .sharding import check_sharded_lengths, placement_warning
 from .state_file import GPNStateFileError
@@ -899,6 +899,9 @@ class GPNModel(GPNPreTrainedModel):
         output_memory_decays: bool = False,
         output_predicted_states: bool = False,
         return_dict: bool | None = None,
+        *,
+        position_ids: torch.LongTensor | None = None,
+        seq_idx: torch.Tensor | None = None,
         **kwargs,
     ) -> GPNModelOutput | tuple:
         """Run the recurrence over `input_ids` (or `inputs_embeds`), starting from `cache` if it holds a state, and
@@ -918,12 +921,18 @@ class GPNModel(GPNPreTrainedModel):
             output_memory_decays: also return gamma (batch, seq, H), GPN+M only.
             output_predicted_states: also return the predicted state p at every position (batch, seq, d),
                 float32, as `predicted_states` (the paper's object of study, before the decoder).
-            **kwargs: `past_key_values` (deprecated alias of `cache`); packed (padding-free) batches:
-                `position_ids` restarting inside a row, `cu_seq_lens_q/k` (with `max_length_q/k`) or
-                `seq_idx` say where the sequences packed into a row start, and the state resets to zero there
-                (see `packed_sequence_starts`); what `generate()` and transformers' tools pass for attention
-                models, ignored (see `arguments.IGNORED_FORWARD_KWARGS`); anything else raises a TypeError.
+            position_ids, seq_idx: packed (padding-free) batches: `position_ids` restarting inside a row, or
+                `seq_idx` (batch, seq) the index of the sequence each position belongs to, say where the sequences
+                packed into a row start, and the state resets to zero there (see `packed_sequence_starts`).
+                Position ids that count up from 0 (ordinary ones) change nothing: a GPN has no positions.
+                Parameters, not keywords, so that `Trainer` keeps a pre-packed dataset's columns
+                (`add_packing_parameters`).
+            **kwargs: `past_key_values` (deprecated alias of `cache`); `cu_seq_lens_q/k` (with `max_length_q/k`),
+                FlashAttention's form of the packed starts; what `generate()` and transformers' tools pass for
+                attention models, ignored (see `arguments.IGNORED_FORWARD_KWARGS`); anything else raises a
+                TypeError.
         """
+        add_packing_parameters(kwargs, position_ids, seq_idx)
         cache = pop_cache_alias(cache, kwargs)
         check_cache_type(cache)
         check_unused_kwargs(kwargs)
@@ -1162,6 +1171,13 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         if cache is not None:
             model_kwargs["cache"] = cache
 
+    def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs) -> None:
+        """No position ids from generate(): it builds them from the attention mask for every model whose forward
+        names `position_ids` (a GPN's does, for `Trainer`: `add_packing_parameters`) and passes them at every
+        token, which a GPN, having no positions, would only read for packed starts, off the one-call decode. Those
+        the caller passes (a packed prompt) are passed on as given."""
+        return None
+
     def init_continuous_batching(self, *args, **kwargs) -> NoReturn:
         """Refused: transformers' continuous batching (`generate_batch`, `generate(cache_implementation="paged")`,
         `transformers serve --continuous-batching`) schedules requests over a paged attention cache. A GPN keeps one
@@ -1180,17 +1196,20 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         attention_mask: torch.LongTensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         is_first_iteration: bool | None = False,
+        position_ids: torch.LongTensor | None = None,
         **kwargs,
     ) -> dict:
         """transformers' `prepare_inputs_for_generation`, and for a decoded token (one new position a row, from a
         GPNCache that holds a state, nothing beyond `use_cache` and `logits_to_keep` to pass on) the same inputs
         built directly: the last ids (a contiguous copy), the cache, the mask if any, the kwargs. transformers'
         generic version asks the config and the model's device afresh at every token, which on a small GPN
-        costs more than a tenth of the token."""
+        costs more than a tenth of the token. (`position_ids` is None unless the caller passed some to generate():
+        `_prepare_position_ids_for_generation`.)"""
         if (
             next_sequence_length == 1
             and not is_first_iteration
             and inputs_embeds is None
+            and position_ids is None
             and isinstance(cache, GPNCache)
             and cache.has_state
             and kwargs.keys() <= {"use_cache", "logits_to_keep"}
@@ -1207,6 +1226,7 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
             is_first_iteration=is_first_iteration,
+            position_ids=position_ids,
             **kwargs,
         )
 
@@ -1239,6 +1259,9 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         logits_to_keep: int = 0,
         return_logits: bool = True,
         num_items_in_batch: torch.Tensor | int | None = None,
+        *,
+        position_ids: torch.LongTensor | None = None,
+        seq_idx: torch.Tensor | None = None,
         **kwargs,
     ) -> GPNCausalLMOutput | tuple:
         """Next-token logits at every position (or the last `logits_to_keep`), and the causal LM loss
@@ -1257,6 +1280,7 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
                 chunks of positions and never holds the (batch, seq, vocab) logits; `logits` is then None.
             Other arguments: see `GPNModel.forward` (`past_key_values` is a deprecated alias of `cache`).
         """
+        add_packing_parameters(kwargs, position_ids, seq_idx)  # (read as keywords from here on, as by the base model)
         return_dict = return_dict if return_dict is not None else True
         cache = pop_cache_alias(cache, kwargs)
         shift_labels = kwargs.pop("shift_labels", None)
@@ -1500,12 +1524,17 @@ class GPNForSequenceClassification(GPNPreTrainedModel):
         output_memory_decays: bool = False,
         output_predicted_states: bool = False,
         return_dict: bool | None = None,
+        *,
+        position_ids: torch.LongTensor | None = None,
+        seq_idx: torch.Tensor | None = None,
         **kwargs,
     ) -> GPNSequenceClassifierOutput | tuple:
         """Scores (batch, num_labels) at each row's last real token, and transformers' sequence-classification
         loss when `labels` are given (regression for `num_labels=1`, else single- or multi-label by
         `config.problem_type` or the labels' dtype). `margin` (TRL's `RewardTrainer` passes a preference dataset's
-        margins with the batch, for its loss) is accepted and not read. Other arguments: see `GPNModel.forward`."""
+        margins with the batch, for its loss) is accepted and not read. Other arguments: see `GPNModel.forward`
+        (named `position_ids` and `seq_idx` that pack several sequences in a row are refused: one score a row)."""
+        add_packing_parameters(kwargs, position_ids, seq_idx)
         return_dict = return_dict if return_dict is not None else True
         cache = pop_cache_alias(cache, kwargs)
         # TRL's RewardTrainer passes its batch whole, with the pairs' `margin` when the dataset has that column: its

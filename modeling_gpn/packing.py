@@ -18,6 +18,20 @@ from .tracing import is_tracing
 PACKING_KWARGS = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"}
 
 
+def add_packing_parameters(kwargs: dict, position_ids: torch.Tensor | None, seq_idx: torch.Tensor | None) -> dict:
+    """`kwargs` with the packing arguments a forward names as parameters added, those given (not None), where the
+    rest of the forward reads them with the others (`packing_arguments`).
+
+    A forward names `position_ids` and `seq_idx`, the two a dataset's rows may carry, because `Trainer` keeps only
+    the dataset columns its model's forward names (`remove_unused_columns`, on by default): a pre-packed dataset's
+    column taken as a keyword would be dropped, and its rows trained as one sequence each, with an info line only.
+    """
+    for name, value in (("position_ids", position_ids), ("seq_idx", seq_idx)):
+        if value is not None:
+            kwargs[name] = value
+    return kwargs
+
+
 def packing_arguments(kwargs: dict) -> dict:
     """Those of a forward's `kwargs` that may say where packed sequences start (`position_ids` and
     `PACKING_KWARGS`), the ones given (not None): what `packed_sequence_starts` takes."""
@@ -49,6 +63,16 @@ def _as_index_tensor(value, name: str, device: torch.device) -> torch.Tensor:
     return tensor.to(device)
 
 
+# How cumulative lengths come to be cut short in training: Accelerate's batch dispatcher, which `Trainer` uses for an
+# IterableDataset, cuts every tensor of a batch to the batch's rows, so a packed batch's cu_seq_lens (one row: its
+# input is (1, tokens)) to its first entry. Named in the refusals, with the way out, as `str.format`s of the name.
+DISPATCHER_CUT = (
+    "with an IterableDataset, Trainer's batch dispatcher (Accelerate's) cuts {name} to the batch's rows: pass "
+    'TrainingArguments(accelerator_config={{"dispatch_batches": False}}), or leave the FlashAttention arguments out of '
+    "the collator (the position ids say where the sequences start)"
+)
+
+
 def _starts_from_cu_seq_lens(
     cu_seq_lens: torch.Tensor, name: str, batch_size: int, seq_len: int, validate: bool
 ) -> torch.Tensor:
@@ -58,6 +82,7 @@ def _starts_from_cu_seq_lens(
     if cu_seq_lens.dim() != 1 or cu_seq_lens.numel() < 2:
         raise ValueError(
             f"{name} must be a 1-D tensor [0, end of sequence 1, ..., {total}], got shape {tuple(cu_seq_lens.shape)}"
+            + ("; " + DISPATCHER_CUT.format(name=name) if cu_seq_lens.dim() == 1 else "")
         )
     if not validate:
         boundaries = torch.zeros(total + 1, dtype=torch.bool, device=cu_seq_lens.device)
@@ -70,7 +95,8 @@ def _starts_from_cu_seq_lens(
             + (
                 f": the input has {total - last} more positions than the packed sequences, as when tokens are put "
                 "in front of a packed batch after its collator counted it (PEFT's prompt tuning prepends its virtual "
-                "tokens so): pack without prompt tuning, or train it on padded batches"
+                "tokens so): pack without prompt tuning, or train it on padded batches; "
+                + DISPATCHER_CUT.format(name=name)
                 if first == 0 and 0 < last < total
                 else ""
             )

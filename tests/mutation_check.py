@@ -3064,6 +3064,21 @@ MUTATIONS = [
         ("tests/model/test_packed.py -k inconsistent_packing_arguments and arguments0",),
     ),
     Mutation(
+        "cu_seq_lens cut to one entry not explained (Accelerate's batch dispatcher, Trainer's for an IterableDataset)",
+        "modeling_gpn/packing.py",
+        '            + ("; " + DISPATCHER_CUT.format(name=name) if cu_seq_lens.dim() == 1 else "")\n',
+        "",
+        ("tests/model/test_packed.py -k inconsistent_packing_arguments and arguments13",),
+    ),
+    Mutation(
+        "packed sequences shorter than the input: Accelerate's batch dispatcher not named beside prompt tuning",
+        "modeling_gpn/packing.py",
+        '"tokens so): pack without prompt tuning, or train it on padded batches; "\n'
+        "                + DISPATCHER_CUT.format(name=name)\n",
+        '"tokens so): pack without prompt tuning, or train it on padded batches; "  # MUTATION\n',
+        ("tests/model/test_packed.py -k inconsistent_packing_arguments and arguments0",),
+    ),
+    Mutation(
         "position ids longer than the input are refused unless continuing a cache (their last columns taken)",
         "modeling_gpn/packing.py",
         "            or (columns > seq_len and not continuing)\n",
@@ -3076,6 +3091,33 @@ MUTATIONS = [
         "device=embeddings.device, continuing=state is not None\n",
         "device=embeddings.device, continuing=False  # MUTATION\n",
         ("tests/model/test_packed.py -k cache_continues_the_last_packed",),
+    ),
+    Mutation(
+        "the causal LM's forward takes position_ids and seq_idx as keywords (Trainer drops a pre-packed dataset's columns)",
+        "modeling_gpn/modeling_gpn.py",
+        "        *,\n        position_ids: torch.LongTensor | None = None,\n        seq_idx: torch.Tensor | None = None,\n"
+        "        **kwargs,\n    ) -> GPNCausalLMOutput | tuple:\n",
+        "        **kwargs,\n    ) -> GPNCausalLMOutput | tuple:\n"
+        '        position_ids, seq_idx = kwargs.pop("position_ids", None), kwargs.pop("seq_idx", None)  # MUTATION\n',
+        ("tests/model/test_packed.py -k pre_packed_datasets_packing_column",),
+    ),
+    Mutation(
+        "generate() builds position ids for a GPN from the attention mask (as for any forward naming them)",
+        "modeling_gpn/modeling_gpn.py",
+        'are passed on as given."""\n        return None\n',
+        'are passed on as given."""\n'
+        "        return super()._prepare_position_ids_for_generation(inputs_tensor, model_kwargs)  # MUTATION\n",
+        (
+            "tests/fast_path/test_decode_call.py -k generate_decodes_in_one_call",
+            "tests/model/test_generate.py -k a_decoded_tokens_inputs_are_transformers_own",
+        ),
+    ),
+    Mutation(
+        "generate() drops the position ids its caller passes (a packed prompt runs as one sequence)",
+        "modeling_gpn/modeling_gpn.py",
+        "            is_first_iteration=is_first_iteration,\n            position_ids=position_ids,\n",
+        "            is_first_iteration=is_first_iteration,\n",
+        ("tests/model/test_packed.py -k generate_from_a_packed_prompt",),
     ),
     Mutation(
         "gpn train reads no csv corpus",

@@ -225,6 +225,20 @@ def test_a_cache_continues_the_last_packed_sequence_and_a_continuation_its_first
 
 
 @torch.no_grad()
+def test_generate_from_a_packed_prompt_continues_its_last_sequence():
+    """Position ids the caller passes to generate() say where a packed prompt's sequences start (generate() builds
+    none of its own for a GPN): the tokens are those generated from the last sequence alone."""
+    model = perturbed_model(tiny_config(), seed=32)
+    generator = torch.Generator().manual_seed(33)
+    first, second = (torch.randint(1, VOCAB, (1, n), generator=generator) for n in (4, 3))
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2]])
+    settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    packed = model.generate(torch.cat([first, second], dim=1), position_ids=positions, **settings)
+    assert torch.equal(packed[:, 7:], model.generate(second, **settings)[:, 3:])
+    assert not torch.equal(packed[:, 7:], model.generate(torch.cat([first, second], dim=1), **settings)[:, 7:])
+
+
+@torch.no_grad()
 def test_a_long_packed_prompt_is_not_cut_into_prefill_chunks(monkeypatch):
     """No-grad calls over more positions than `prefill_chunk_length` run in chunks, each continuing the
     previous one's cache; a packed batch runs in one pass instead (a sequence starting at a chunk's first
@@ -292,7 +306,9 @@ def test_sequence_classification_refuses_rows_packing_several_sequences(form):
         (
             dict(cu_seq_lens_q=torch.tensor([0, 5, 27])),
             r"must run from 0 to the number of tokens in the batch \(2 x 14 = 28\), got 0 .. 27: the input has 1 "
-            "more positions than the packed sequences, as when tokens are put in front .*PEFT's prompt tuning",
+            "more positions than the packed sequences, as when tokens are put in front .*PEFT's prompt tuning.*; "
+            r"with an IterableDataset, Trainer's batch dispatcher \(Accelerate's\) cuts cu_seq_lens_q .*"
+            '"dispatch_batches": False',
         ),
         (
             dict(cu_seq_lens_q=torch.tensor([0, 5, 30])),
@@ -300,7 +316,10 @@ def test_sequence_classification_refuses_rows_packing_several_sequences(form):
         ),
         (dict(cu_seq_lens_q=torch.tensor([0, 5, 5, 28])), "strictly increasing"),
         (dict(cu_seq_lens_q=torch.tensor([0, 10, 28])), "running from row 0 into row 1"),
-        (dict(cu_seq_lens_q=torch.tensor([[0, 14, 28]])), "1-D tensor"),
+        (
+            dict(cu_seq_lens_q=torch.tensor([[0, 14, 28]])),
+            r"1-D tensor \[0, end of sequence 1, ..., 28\], got shape \(1, 3\)$",
+        ),
         (dict(cu_seq_lens_q=torch.tensor([0.0, 14.0, 28.0])), "must hold integers"),
         (dict(cu_seq_lens_q=torch.tensor([0, 14, 28]), cu_seq_lens_k=torch.tensor([0, 7, 14, 28])), "differ"),
         (dict(cu_seq_lens_q=torch.tensor([0, 14, 28]), max_length_q=13), "max_length_q=13 is shorter"),
@@ -314,6 +333,11 @@ def test_sequence_classification_refuses_rows_packing_several_sequences(form):
         (
             dict(position_ids=torch.arange(14)[None].repeat(2, 1), cu_seq_lens_q=torch.tensor([0, 5, 14, 28])),
             r"disagree .* \(row 0, position 5\) a sequence does not start by position_ids but starts by cu_seq_lens_q",
+        ),
+        (  # (cut to the batch's one row by Accelerate's dispatcher, as Trainer's for an IterableDataset)
+            dict(cu_seq_lens_q=torch.tensor([0])),
+            r"got shape \(1,\); with an IterableDataset, Trainer's batch dispatcher \(Accelerate's\) cuts cu_seq_lens_q "
+            r'to the batch\'s rows: pass TrainingArguments\(accelerator_config=\{"dispatch_batches": False\}\)',
         ),
     ],
 )
@@ -490,7 +514,7 @@ class FirstStep:
 
             def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
                 if self.grads is None:
-                    self.grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+                    self.grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
         return Recorder()
 
@@ -539,6 +563,38 @@ def test_data_collator_with_flattening_trains_with_the_loss_of_the_sequences_one
     for name, grad in expected_grads.items():
         torch.testing.assert_close(recorder.grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("column, adapter", [("position_ids", None), ("seq_idx", None), ("position_ids", "lora")])
+def test_trainer_keeps_a_pre_packed_datasets_packing_column(tmp_path, column, adapter):
+    """A `datasets.Dataset` of rows packed already (a `position_ids` or `seq_idx` column, the default collator and
+    `remove_unused_columns=True`): `Trainer` keeps only the columns the forward's signature names, of the base model
+    under PEFT, so a GPN names them; the first step's loss and gradients are those of the sequences one by one."""
+    from datasets import Dataset
+    from transformers import Trainer
+
+    def build():
+        model = perturbed_model(tiny_config(), seed=19).train()
+        model.model.use_fast_path = False
+        if adapter == "lora":
+            import peft
+
+            model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear"))
+        return model
+
+    sequences, row_ids, row_labels = packed_problem(seed=20)
+    num_items = int((row_labels[:, 1:] != -100).sum())
+    expected_loss, _, expected_grads = one_by_one(build(), sequences, num_items)
+    columns = {"input_ids": row_ids, "labels": row_labels, **packing_arguments(column)}
+    rows = Dataset.from_dict({name: values.tolist() for name, values in columns.items()})
+    recorder = FirstStep.callback()
+    args = trainer_arguments(tmp_path, max_steps=1, per_device_train_batch_size=len(rows))
+    trainer = Trainer(model=build(), args=args, train_dataset=rows, callbacks=[recorder])
+    trainer.train()
+    assert trainer.state.log_history[0]["loss"] == pytest.approx(expected_loss.item(), abs=2e-4)
+    assert recorder.grads.keys() == expected_grads.keys()
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(recorder.grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_trl_sft_trainer_with_packing_trains(tmp_path):
