@@ -2860,6 +2860,13 @@ MUTATIONS = [
         ("tests/tools/test_train_faults.py -k output_folder_that_cannot_be_written",),
     ),
     Mutation(
+        "gpn train takes over the lock of a run that was killed without a word",
+        "modeling_gpn/train/run_folder.py",
+        "        if previous.strip() and warn:\n",
+        "        if False:  # MUTATION\n",
+        ("tests/tools/test_train_faults.py -k killed_runs_lock_is_taken_over",),
+    ),
+    Mutation(
         "gpn train writes a bare NaN (no JSON) into log.jsonl",
         "modeling_gpn/train/run_folder.py",
         "        key: str(value) if isinstance(value, float) and not math.isfinite(value) else value\n",
