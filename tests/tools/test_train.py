@@ -21,7 +21,8 @@ import torch
 from modeling_gpn import train as train_module
 from modeling_gpn.data import DataError, train_bpe_tokenizer
 
-from ..environment import REPO_ROOT, require_shared
+from ..environment import REPO_ROOT
+from ..subprocesses import two_at_a_time
 from ..tiny_models import tiny_config
 from .train_runs import (
     finish,
@@ -677,24 +678,29 @@ def test_mixed_precision_that_would_not_be_applied_is_refused(tmp_path):
             "accelerate launch asked for mixed precision bf16, but this run's setting is no",
         ),
     }
-    for name, (extra, env, needle) in cases.items():
+
+    def refusal(extra: list[str], env: dict) -> subprocess.CompletedProcess:
         command = [sys.executable, "-m", "gpn_cli", "train", "--dataset", str(tmp_path / "missing.txt")]
         command += ["--output-dir", str(tmp_path / "run"), *extra]
-        done = subprocess.run(
+        return subprocess.run(
             command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, **env}
         )
+
+    with two_at_a_time() as pool:  # (each process imports torch and transformers on one core)
+        refused = {name: pool.submit(refusal, extra, env) for name, (extra, env, _) in cases.items()}
+    for name, (_, _, needle) in cases.items():
+        done = refused[name].result()
         assert done.returncode == 1 and f"gpn train: error: {needle}" in done.stderr, (name, done.stderr[-3000:])
         assert "Traceback" not in done.stderr and not (tmp_path / "run").exists(), name
 
 
-def test_gpn_train_mixed_precision_bf16_on_cpu_ends_finite(tmp_path):
+def test_gpn_train_mixed_precision_bf16_on_cpu_ends_finite(tmp_path, cache, shakespeare):
     """`gpn train --mixed-precision bf16` on CPU (its own process: Accelerate's state is per process): a few
     steps of the tiny preset end with finite losses (before the fix: NaN at step 1, blaming the learning
     rate)."""
-    data = require_shared("data/tinyshakespeare/input.txt")
     run = tmp_path / "run"
     command = [sys.executable, "-m", "gpn_cli", "train"]
-    command += small_args(data, run, tmp_path / "cache", "--steps", "4", "--mixed-precision", "bf16")
+    command += small_args(shakespeare, run, cache, "--steps", "4", "--mixed-precision", "bf16")  # (tokenized)
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "mixed precision bf16" in done.stdout + done.stderr
