@@ -16,12 +16,16 @@ GPU (argument types, 16-byte alignment of pointers and of ints, ints equal to 1)
 a kernel lacks fails here as it would there (the interpreter drops it in silence).
 
     python benchmarks/triton_compile_check.py [--arch 90] [--json out.json] [--no-steps | --only-steps]
+        [--presets NAME,...] [--no-registers]
 
 Prints one line per kernel variant (registers and spills per thread from ptxas -v, shared memory), then
 one per distinct compiled launch of the steps, and exits 1 if any fails to compile; spills are reported,
-not failed (they cost speed, not correctness). About 35 s on 2 busy CPU cores with Triton's cache cold,
-20 s of it the steps (`--no-steps` skips them, `--only-steps` compiles nothing else: the two halves in two
-processes take half the time on two cores, as the test runs them).
+not failed (they cost speed, not correctness). `--no-registers` leaves out the registers and spills (each
+report runs ptxas on the kernel again: seconds of a run whose kernels Triton's cache holds; the test asserts
+what compiles, not the registers). About 35 s on 2 busy CPU cores with Triton's cache cold, 20 s of it the
+steps (`--no-steps` skips them, `--only-steps` compiles nothing else, `--presets` names the presets whose
+steps are compiled: the test runs the kernels with one preset's steps beside the two others' steps, two
+processes of about equal time on two cores).
 """
 
 from __future__ import annotations
@@ -119,11 +123,11 @@ def ptxas_report(ptx: str, arch: int) -> str:
     return "ptxas -v unavailable"
 
 
-def compiled_result(label: str, compiled, seconds: float, arch: int, **identity) -> dict:
+def compiled_result(label: str, compiled, seconds: float, arch: int, registers: bool, **identity) -> dict:
     """Print the `[ok]` line of a compiled kernel (warps, shared memory, ptxas -v's registers and spills per
-    thread, `[SPILLS]` when it reports any) and return its result: `identity` (which kernel, which case),
-    then ok, seconds, shared and the ptxas report."""
-    usage = ptxas_report(compiled.asm["ptx"], arch)
+    thread where `registers`, `[SPILLS]` when it reports any) and return its result: `identity` (which kernel,
+    which case), then ok, seconds, shared and the ptxas report."""
+    usage = ptxas_report(compiled.asm["ptx"], arch) if registers else "registers not reported (--no-registers)"
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", usage)]
     note = "  [SPILLS]" if any(spills) else ""
     shared = compiled.metadata.shared
@@ -157,15 +161,15 @@ class CompileOnlyDriver:
         return self.target
 
 
-def one_step_on_the_wrappers(preset: str, dtype, batch: int) -> None:
-    """One step forward and backward of `preset` (weights in `dtype`, the vocabulary cut to 16: no kernel
-    sees it) through `triton_kernels.step` and `step_backward` on CPU tensors. The weights are zeros (no
-    kernel runs, so the values never matter; only shapes, strides, dtypes and alignment do)."""
+def one_step_on_the_wrappers(preset: str, dtype, batches: tuple[int, ...]) -> None:
+    """One step forward and backward of `preset` at each of `batches` (weights in `dtype`, the vocabulary cut to
+    16: no kernel sees it) through `triton_kernels.step` and `step_backward` on CPU tensors. The weights are
+    zeros (no kernel runs, so the values never matter; only shapes, strides, dtypes and alignment do), folded
+    once for every batch (folding the 130M weights is most of this check's time on CPU)."""
     import torch
 
     from modeling_gpn import GPNForCausalLM
     from modeling_gpn import fast_recurrence as fr
-    from modeling_gpn import triton_kernels as tk
     from modeling_gpn.configuration import load_preset
 
     config = load_preset(preset)
@@ -177,9 +181,23 @@ def one_step_on_the_wrappers(preset: str, dtype, batch: int) -> None:
         for param in model.parameters():
             param.zero_()
         core = model.model
-        s, eps = fr.shapes_of(core, batch), core.config.rms_norm_eps
-        c = fr.columns_of(s)
+        eps = core.config.rms_norm_eps
         w = fr.fold_weights(core)
+        transposed = fr.transpose_weights(w)
+    for batch in batches:
+        one_step(core, w, transposed, eps, batch)
+
+
+def one_step(core, w, transposed, eps: float, batch: int) -> None:
+    """One step forward and backward of `core`, its weights folded (`w`) and transposed, at `batch` rows."""
+    import torch
+
+    from modeling_gpn import fast_recurrence as fr
+    from modeling_gpn import triton_kernels as tk
+
+    with torch.no_grad():
+        s = fr.shapes_of(core, batch)
+        c = fr.columns_of(s)
         p, grounded, memory = core.zero_state(batch, torch.device("cpu"))
         state = fr.StepState(p, grounded, fr.key_from_grounded(grounded, w, s, eps), memory)
         u = torch.zeros(batch, 3, s.hidden)[:, 1]  # (a column of a window's inputs, as the fast path passes it)
@@ -187,12 +205,12 @@ def one_step_on_the_wrappers(preset: str, dtype, batch: int) -> None:
         new_state, _ = tk.step(state, u, None, w, s, c, eps, saved, torch.empty_like(memory) if s.memory else None)
         grads = fr.StepState(*(torch.zeros_like(x) for x in new_state))
         if not tk.usable_step_backward(saved, grads, s):
-            raise RuntimeError(f"{preset}: step_backward would not take this step (it would run the torch ops)")
+            raise RuntimeError(f"batch {batch}: step_backward would not take this step (it would run the torch ops)")
         weight_grads = fr._WeightGrads(w, s.batch)
         tk.step_backward(
             saved,
             grads,
-            fr.transpose_weights(w),
+            transposed,
             s,
             c,
             eps,
@@ -201,9 +219,10 @@ def one_step_on_the_wrappers(preset: str, dtype, batch: int) -> None:
         )
 
 
-def compile_step_launches(target: GPUTarget, arch: int) -> list[dict]:
+def compile_step_launches(target: GPUTarget, arch: int, registers: bool, presets: tuple[str, ...]) -> list[dict]:
     """Compile (through the JIT, as on a GPU) every distinct launch of one step forward and backward of each
-    of `STEP_PRESETS`, fp32 and bf16 weights; one result per distinct compiled kernel, or per failure."""
+    of `presets` (of `STEP_PRESETS`), fp32 and bf16 weights; one result per distinct compiled kernel, or per failure (with
+    ptxas -v's registers and spills where `registers`)."""
     import torch
     from triton.runtime.driver import driver
 
@@ -231,7 +250,15 @@ def compile_step_launches(target: GPUTarget, arch: int) -> list[dict]:
         seconds = time.perf_counter() - start
         results.append(
             compiled_result(
-                f"{case}: {label}", compiled, seconds, arch, kernel=name, case=case, meta=str(meta), bf16=bf16
+                f"{case}: {label}",
+                compiled,
+                seconds,
+                arch,
+                registers,
+                kernel=name,
+                case=case,
+                meta=str(meta),
+                bf16=bf16,
             )
         )
 
@@ -239,12 +266,11 @@ def compile_step_launches(target: GPUTarget, arch: int) -> list[dict]:
     driver.set_active(CompileOnlyDriver(target))
     tk._launch = compile_launch
     try:
-        for preset in STEP_PRESETS:
+        for preset in presets:
             for dtype in (torch.float32, torch.bfloat16):
                 case = f"{preset} {str(dtype).replace('torch.', '')}"
                 try:
-                    for batch in STEP_BATCHES:
-                        one_step_on_the_wrappers(preset, dtype, batch)
+                    one_step_on_the_wrappers(preset, dtype, STEP_BATCHES)
                 except Exception as error:  # noqa: BLE001 (a wrapper's own failure: report it, go on)
                     print(f"[FAIL] {case}: the step itself: {type(error).__name__}: {str(error)[:2000]}", flush=True)
                     results.append(dict(kernel="(step)", case=case, ok=False, error=str(error)[:2000]))
@@ -261,7 +287,16 @@ def main() -> int:
     halves = parser.add_mutually_exclusive_group()
     halves.add_argument("--no-steps", action="store_true", help="skip the launches of the presets' steps")
     halves.add_argument("--only-steps", action="store_true", help="compile only the launches of the presets' steps")
+    parser.add_argument("--no-registers", action="store_true", help="leave out ptxas -v's registers and spills")
+    parser.add_argument(
+        "--presets",
+        default=",".join(STEP_PRESETS),
+        help=f"the presets whose steps' launches are compiled, comma-separated (default: {','.join(STEP_PRESETS)})",
+    )
     args = parser.parse_args()
+    presets = tuple(args.presets.split(","))
+    if not set(presets) <= set(STEP_PRESETS):
+        parser.error(f"--presets takes some of {', '.join(STEP_PRESETS)}, got {args.presets}")
     target = GPUTarget("cuda", args.arch, 32)
     results, failures = [], 0
     for name, variants in ({} if args.only_steps else CASES).items():
@@ -281,19 +316,26 @@ def main() -> int:
             seconds = time.perf_counter() - start
             results.append(
                 compiled_result(
-                    label, compiled, seconds, args.arch, kernel=name, constexprs=constexprs, bf16=[bf16] if bf16 else []
+                    label,
+                    compiled,
+                    seconds,
+                    args.arch,
+                    not args.no_registers,
+                    kernel=name,
+                    constexprs=constexprs,
+                    bf16=[bf16] if bf16 else [],
                 )
             )
     if not args.only_steps:
         print(f"sm_{args.arch}: {len(results) - failures} of {len(results)} kernel variants compiled", flush=True)
     if not args.no_steps:
-        step_results = compile_step_launches(target, args.arch)
+        step_results = compile_step_launches(target, args.arch, not args.no_registers, presets)
         step_failures = sum(not r["ok"] for r in step_results)
         failures += step_failures
         results += step_results
         print(
             f"sm_{args.arch}: {len(step_results) - step_failures} of {len(step_results)} distinct launches of the "
-            f"130M presets' steps compiled",
+            f"130M presets' steps compiled ({', '.join(presets)})",
             flush=True,
         )
     if args.json:

@@ -2870,6 +2870,23 @@ MUTATIONS = [
         ("tests/tools/test_train_faults.py -k output_folder_that_cannot_be_written",),
     ),
     Mutation(
+        "gpn train --resume in one process starts the optimizer afresh (its moments not loaded)",
+        "modeling_gpn/train/checkpoints.py",
+        "        optimizer.load_state_dict(optimizer_state)\n",
+        "        pass  # MUTATION\n",
+        (
+            "tests/tools/test_train.py -k resume_after_sigkill",
+            "tests/tools/test_train_faults.py -k sigterm_and_sigint",
+        ),
+    ),
+    Mutation(
+        "gpn train takes over the lock of a run that was killed without a word",
+        "modeling_gpn/train/run_folder.py",
+        "        if previous.strip() and warn:\n",
+        "        if False:  # MUTATION\n",
+        ("tests/tools/test_train_faults.py -k killed_runs_lock_is_taken_over",),
+    ),
+    Mutation(
         "gpn train writes a bare NaN (no JSON) into log.jsonl",
         "modeling_gpn/train/run_folder.py",
         "        key: str(value) if isinstance(value, float) and not math.isfinite(value) else value\n",

@@ -1,7 +1,13 @@
 """TRL's `SFTTrainer` training a tiny GPN under `accelerate launch` (tests/tools/test_sft_fsdp.py): FSDP2 applied
 on CPU as `gpn train` does (Accelerate 1.16 would make a Trainer's FSDP launch DDP there without a word), three
 steps, each step's logged loss printed as one JSON line with the units FSDP2 sharded apart. Run alone (`--single`),
-it is the one-process reference, with the same global batch (4 rows: 2 per process when launched as 2)."""
+it is the one-process reference, with the same global batch (4 rows: 2 per process when launched as 2).
+
+Launched, it trains each variant named on its command line (`VARIANTS`) in turn in the same 2 processes (one launch,
+not one per variant: each start of 2 processes imports torch, transformers and TRL, seconds of the suite's time on 2
+cores), and prints one `RESULT` line per variant: its losses and units, or the traceback of its refusal. The
+launch names the auto-wrap policy; each variant names the classes to wrap as `--fsdp_transformer_layer_cls_to_wrap`
+would (the variable that flag sets, read by the FSDP plugin each variant's trainer makes)."""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ import json
 import os
 import sys
 import tempfile
+import traceback
 
 
 def losses(single: bool, lora_on_the_embedding: bool = False, pad: bool = False) -> tuple[list[float], str, list[str]]:
@@ -72,8 +79,34 @@ def losses(single: bool, lora_on_the_embedding: bool = False, pad: bool = False)
     return logged, type(root).__name__, units
 
 
+# name -> (the classes the policy wraps, LoRA on the embedding, every batch padded to one length)
+VARIANTS = {
+    "lora": (None, True, False),  # `accelerate config`'s default policy: it names no class
+    "blocks": ("GPNPredictLayer,GPNMemoryWrite", False, True),
+    "unpadded": ("GPNPredictLayer,GPNMemoryWrite", False, False),
+}
+
+
+def result(variant: str) -> dict:
+    """`{"losses", "model", "units"}` of `variant` trained over the launch's processes (`losses`), or
+    `{"error": traceback}` where it was refused."""
+    wrapped, lora_on_the_embedding, pad = VARIANTS[variant]
+    os.environ.pop("FSDP_TRANSFORMER_CLS_TO_WRAP", None)
+    if wrapped:
+        os.environ["FSDP_TRANSFORMER_CLS_TO_WRAP"] = wrapped
+    try:
+        seen, trained, units = losses(False, lora_on_the_embedding=lora_on_the_embedding, pad=pad)
+    except Exception:  # noqa: BLE001 (the refusal under test: reported, then the next variant)
+        return {"error": traceback.format_exc()}
+    return {"losses": seen, "model": trained, "units": units}
+
+
 if __name__ == "__main__":
-    single = "--single" in sys.argv
-    seen, trained, units = losses(single, lora_on_the_embedding="--lora" in sys.argv, pad="--pad" in sys.argv)
-    if os.environ.get("RANK", "0") == "0":  # (one line: the processes' prints would interleave)
+    if "--single" in sys.argv:
+        seen, trained, units = losses(True, lora_on_the_embedding="--lora" in sys.argv, pad="--pad" in sys.argv)
         print("LOSSES " + json.dumps({"losses": seen, "model": trained, "units": units}), flush=True)
+        sys.exit()
+    for variant in sys.argv[1:]:
+        outcome = result(variant)
+        if os.environ.get("RANK", "0") == "0":  # (one line: the processes' prints would interleave)
+            print(f"RESULT {variant} " + json.dumps(outcome), flush=True)

@@ -30,6 +30,7 @@ from gpn_cli import main as gpn_main  # noqa: E402
 from modeling_gpn.conversion.reference import parameter_map  # noqa: E402
 
 from ..environment import REPO_ROOT
+from ..subprocesses import two_at_a_time
 from ..tiny_models import perturbed_model, tiny_config
 
 GIB = 1 << 30
@@ -583,14 +584,17 @@ def test_generate_unparsable_number_is_argparse_usage_not_a_traceback(generate_d
 def test_generate_in_a_real_process(generate_dir, tmp_path):
     """The real console entry: a bad path is one line and exit 2; good arguments still generate."""
     command = [sys.executable, "-m", "gpn_cli", "generate"]
-    bad = subprocess.run([*command, str(tmp_path / "nowhere"), "hi"], capture_output=True, text=True, cwd=REPO_ROOT)
+    arguments = {
+        "bad": [str(tmp_path / "nowhere"), "hi"],
+        "good": [str(generate_dir), "the cat", "to be", "--max-new-tokens", "5", "--device", "cpu"],
+    }
+    with two_at_a_time() as pool:  # (each process imports torch and transformers on one core)
+        runs = {
+            name: pool.submit(subprocess.run, [*command, *argv], capture_output=True, text=True, cwd=REPO_ROOT)
+            for name, argv in arguments.items()
+        }
+    bad, good = runs["bad"].result(), runs["good"].result()
     assert_one_clear_error(bad, "generate", "does not exist")
-    good = subprocess.run(
-        [*command, str(generate_dir), "the cat", "to be", "--max-new-tokens", "5", "--device", "cpu"],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-    )
     assert good.returncode == 0, good.stderr
     assert good.stdout.count("-" * 40) == 2 and good.stdout.startswith("the cat")
 

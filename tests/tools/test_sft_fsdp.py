@@ -14,18 +14,12 @@ import json
 import pytest
 
 from .sft_fsdp_run import losses
-from .train_runs import failed_launch_output, finish, launch_two_processes
+from .train_runs import finish, launch_two_processes
 
 pytestmark = pytest.mark.usefixtures("accelerate_on_cpu")
-FSDP2 = ["--use_fsdp", "--fsdp_version", "2"]
-BLOCKS = [
-    *FSDP2,
-    "--fsdp_auto_wrap_policy",
-    "TRANSFORMER_BASED_WRAP",
-    "--fsdp_transformer_layer_cls_to_wrap",
-    "GPNPredictLayer,GPNMemoryWrite",
-]
-DEFAULT_POLICY = [*FSDP2, "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP"]
+# `accelerate config`'s default auto-wrap policy; the variants that shard blocks apart name their classes
+# (tests/tools/sft_fsdp_run.py's VARIANTS, as `--fsdp_transformer_layer_cls_to_wrap` would).
+DEFAULT_POLICY = ["--use_fsdp", "--fsdp_version", "2", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP"]
 PROGRAM = ("-m", "tests.tools.sft_fsdp_run")
 
 
@@ -34,23 +28,25 @@ def test_sft_trainer_trains_a_gpn_under_fsdp2_as_in_one_process(tmp_path):
     pytest.importorskip("peft")
     # The LoRA run under `accelerate config`'s default policy, named no classes: a GPN names none to keep whole
     # (`_no_split_modules`), so the model is one unit; it named GPNModel, which Accelerate 1.16 failed to shard.
-    runs = {"lora": (DEFAULT_POLICY, ["--lora"]), "blocks": (BLOCKS, ["--pad"])}
-    launches = {
-        variant: launch_two_processes(launch, flags, tmp_path / f"{variant}.log", program=PROGRAM)
-        for variant, (launch, flags) in runs.items()
-    }
-    unpadded = launch_two_processes(BLOCKS, [], tmp_path / "unpadded.log", program=PROGRAM)
-    for variant, launched in launches.items():
-        [line] = [line for line in finish(launched).splitlines() if line.startswith("LOSSES ")]
-        sharded = json.loads(line.removeprefix("LOSSES "))
-        alone, _, _ = losses(single=True, lora_on_the_embedding=variant == "lora")
+    # One launch trains every variant in turn (tests/tools/sft_fsdp_run.py), the refused one last.
+    variants = ("lora", "blocks", "unpadded")
+    launched = launch_two_processes(DEFAULT_POLICY, list(variants), tmp_path / "launch.log", program=PROGRAM)
+    alone = {variant: losses(single=True, lora_on_the_embedding=variant == "lora")[0] for variant in ("lora", "blocks")}
+    output = finish(launched)  # (the references above ran meanwhile)
+    results = dict(line.split(" ", 2)[1:] for line in output.splitlines() if line.startswith("RESULT "))
+    assert list(results) == list(variants), output[-3000:]
+    results = {variant: json.loads(outcome) for variant, outcome in results.items()}
+    for variant in ("lora", "blocks"):
+        sharded = results[variant]
+        assert "losses" in sharded, (variant, sharded)
         assert sharded["model"].startswith("FSDP"), sharded  # really sharded (Accelerate alone: DDP on CPU)
         if variant == "lora":  # only the tied ends apart, which Accelerate always groups apart: no block, no GPNModel
             assert sharded["units"] == ["Embedding", "Linear"], sharded
         else:
             assert {"GPNMemoryWrite", "GPNPredictLayer"} <= set(sharded["units"]), sharded
         assert len(sharded["losses"]) == 3 and sharded["losses"][-1] < sharded["losses"][0], (variant, sharded)
-        assert max(abs(a - b) for a, b in zip(sharded["losses"], alone)) < 1e-5, (variant, sharded, alone)
-    refused = failed_launch_output(unpadded, timeout=300)
+        assert max(abs(a - b) for a, b in zip(sharded["losses"], alone[variant])) < 1e-5, (variant, sharded, alone)
+    assert "losses" not in results["unpadded"], results["unpadded"]
+    refused = results["unpadded"]["error"]
     assert "ValueError: FSDP2 shards GPNMemoryWrite apart, which the recurrence gathers at every token" in refused
-    assert "Pad every batch to one length" in refused and "\nLOSSES" not in refused
+    assert "Pad every batch to one length" in refused

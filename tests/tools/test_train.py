@@ -4,6 +4,7 @@ the recipe's optimizer groups and schedule, and clear errors for bad data."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,8 @@ import torch
 from modeling_gpn import train as train_module
 from modeling_gpn.data import DataError, train_bpe_tokenizer
 
-from ..environment import REPO_ROOT, require_shared
+from ..environment import REPO_ROOT
+from ..subprocesses import two_at_a_time
 from ..tiny_models import tiny_config
 from .train_runs import (
     finish,
@@ -85,7 +88,7 @@ def test_llama_baseline_trains_from_the_same_entry_point(tmp_path, cache, shakes
     assert len(losses(out)) == 3
 
 
-def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, cache, shakespeare):
+def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, cache, shakespeare, capfd):
     common = ["--steps", "24", "--checkpoint-interval", "4", "--keep-checkpoints", "3"]
     train_cli = [sys.executable, "-m", "modeling_gpn.train"]
     # Tokenize once so both runs start at the same point quickly.
@@ -110,10 +113,14 @@ def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, cache, shakespe
     stopped_at = train_module.latest_checkpoint(killed_dir)
     assert stopped_at is not None and int(stopped_at.name.split("-")[1]) < 24
 
-    resumed = finish(
-        launch(train_cli + small_args(shakespeare, killed_dir, cache, *common, "--resume"), tmp_path / "s.log")
+    # Resumed in this process (the kill was of a CLI run; one import of torch and transformers less on 2 cores).
+    capfd.readouterr()
+    train_module.train(
+        train_module.resolve_config(parse(small_args(shakespeare, killed_dir, cache, *common))),
+        resume=True,
+        show_progress=False,
     )
-    assert f"resumed from {stopped_at}" in resumed
+    assert f"resumed from {stopped_at}" in capfd.readouterr().out
     finish(reference)
 
     expected, actual = saved_weights(tmp_path / "reference" / "model"), saved_weights(killed_dir / "model")
@@ -245,19 +252,53 @@ def test_two_process_fsdp_trains_saves_and_resumes_like_one_process(two_process_
         assert max(abs(a - b) for a, b in zip(losses(run)[-3:], losses(continued_from)[-3:])) < 1e-5
 
 
-def test_fsdp2_with_accelerate_configs_default_wrap_policy_trains_a_gpn(tmp_path, cache, shakespeare):
+TWO_STEPS = ("--steps", "2")
+
+
+@pytest.fixture(scope="module")
+def two_step_runs(tmp_path_factory, cache, shakespeare) -> Iterator[dict[str, tuple[Path, subprocess.Popen | None]]]:
+    """The 2-step runs of the FSDP2 tests below, launched together at once (name -> (run folder, its launch, to
+    `finish`; None for the one-process run made here meanwhile)): on 2 cores, one launch after another leaves a
+    core idle while each launcher imports torch, and the one-process float32 run serves two of the tests."""
+    root = tmp_path_factory.mktemp("two-step")
+    runs = {
+        "default policy": ([*FSDP2, "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP"], ()),
+        "size-based wrap": (
+            [*FSDP2, "--fsdp_auto_wrap_policy", "SIZE_BASED_WRAP", "--fsdp_min_num_params", "1000"],
+            (),
+        ),
+        "bf16": (FSDP2, ("--mixed-precision", "bf16")),
+    }
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("ACCELERATE_USE_CPU", "1")  # (the function-scoped accelerate_on_cpu fixture does not cover this one)
+        launched = {
+            name: launch_two_processes(
+                distribution, small_args(shakespeare, root / name, cache, *TWO_STEPS, *extra), root / f"{name}.log"
+            )
+            for name, (distribution, extra) in runs.items()
+        }
+    # (one-process bf16 in a process of its own: a process's Accelerate state keeps its first precision)
+    bf16_alone = small_args(shakespeare, root / "bf16 alone", cache, *TWO_STEPS, "--mixed-precision", "bf16")
+    launched["bf16 alone"] = launch([sys.executable, "-m", "modeling_gpn.train", *bf16_alone], root / "bf16 alone.log")
+    try:
+        alone = root / "alone"
+        config = train_module.resolve_config(parse(small_args(shakespeare, alone, cache, *TWO_STEPS)))
+        train_module.train(config, show_progress=False)
+        yield {"alone": (alone, None)} | {name: (root / name, process) for name, process in launched.items()}
+    finally:
+        for process in launched.values():  # (those a failing test left running)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def test_fsdp2_with_accelerate_configs_default_wrap_policy_trains_a_gpn(two_step_runs):
     # `accelerate config`'s FSDP default, TRANSFORMER_BASED_WRAP, wraps a GPN's `_no_split_modules`. It named the
     # whole GPNModel, which holds the embedding; Accelerate 1.15 then sharded the embedding inside it again and
     # every process died in fully_shard: "TypeError: Invariant encountered: value was None when it should not be".
     # `gpn train` then dropped the policy with a note; it names nothing now, so the policy is kept: nothing to say.
-    run_dir = tmp_path / "fsdp"
-    output = finish(
-        launch_two_processes(
-            [*FSDP2, "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP"],
-            small_args(shakespeare, run_dir, cache, "--steps", "2"),
-            tmp_path / "fsdp.log",
-        )
-    )
+    run_dir, process = two_step_runs["default policy"]
+    output = finish(process)
     assert "auto-wrap policy" not in output and "FSDP2:" not in output, output[-3000:]
     assert "2 process(es) x 1 accumulation x 4 windows; FSDP2" in output
     assert len(losses(run_dir)) == 2 and all(math.isfinite(loss) for loss in losses(run_dir))
@@ -318,49 +359,30 @@ def test_fsdp2_wrap_policy_naming_gpnmodel_is_dropped_for_the_model_as_one_unit(
     assert plugin.auto_wrap_policy is None
 
 
-def test_fsdp2_size_based_wrap_shards_the_blocks_it_can_and_trains_like_one_process(tmp_path, cache, shakespeare):
+def test_fsdp2_size_based_wrap_shards_the_blocks_it_can_and_trains_like_one_process(two_step_runs):
     # `--fsdp_auto_wrap_policy SIZE_BASED_WRAP` with a small `--fsdp_min_num_params` wraps GPNModel (it holds the
     # embedding) and the ModuleList of predict layers (no forward): Accelerate cannot shard either. The policy
     # was dropped, the whole model one unit, under a line that called that "the same grouping".
-    run_dir = tmp_path / "fsdp"
-    output = finish(
-        launch_two_processes(
-            [*FSDP2, "--fsdp_auto_wrap_policy", "SIZE_BASED_WRAP", "--fsdp_min_num_params", "1000"],
-            small_args(shakespeare, run_dir, cache, "--steps", "2"),
-            tmp_path / "fsdp.log",
-        )
-    )
+    run_dir, process = two_step_runs["size-based wrap"]
+    output = finish(process)
     assert (
         "SIZE_BASED_WRAP over 1,000 parameters wraps GPNModel, which holds the embedding: sharded apart instead are "
         "the classes it wraps in every instance that hold no embedding (GPNMemoryWrite, GPNPredictLayer)"
     ) in output, output[-3000:]
-    one_dir = tmp_path / "one"
-    train_module.train(
-        train_module.resolve_config(parse(small_args(shakespeare, one_dir, cache, "--steps", "2"))), show_progress=False
-    )
-    one, fsdp = losses(one_dir), losses(run_dir)
+    one, fsdp = losses(two_step_runs["alone"][0]), losses(run_dir)
     assert len(fsdp) == 2 and max(abs(a - b) for a, b in zip(one, fsdp)) < 1e-4, (one, fsdp)
 
 
-def test_fsdp2_on_cpu_computes_in_the_runs_mixed_precision(tmp_path, cache, shakespeare):
+def test_fsdp2_on_cpu_computes_in_the_runs_mixed_precision(two_step_runs):
     # Accelerate's FSDP2 computes in bf16 only through its plugin's policy (no autocast around an FSDP2 model); the
     # plugin `gpn train` makes on CPU had none, so `--mixed-precision bf16` trained in float32 under a summary line
     # saying bf16: its losses were bit-identical to the float32 run's.
-    def run(precision, name=None):
-        return small_args(
-            shakespeare, tmp_path / (name or precision), cache, "--steps", "2", "--mixed-precision", precision
-        )
-
-    # (one-process references in processes of their own: a process's Accelerate state keeps its first precision)
-    alone = {
-        p: launch([sys.executable, "-m", "modeling_gpn.train", *run(p)], tmp_path / f"{p}.log") for p in ("no", "bf16")
-    }
-    run_dir = tmp_path / "fsdp"
-    output = finish(launch_two_processes(FSDP2, run("bf16", "fsdp"), tmp_path / "fsdp.log"))
+    run_dir, process = two_step_runs["bf16"]
+    output = finish(process)
     assert "FSDP2; mixed precision bf16" in output, output[-3000:]
-    for process in alone.values():
-        finish(process)
-    runs = {precision: losses(tmp_path / precision) for precision in alone}
+    bf16_dir, bf16_process = two_step_runs["bf16 alone"]
+    finish(bf16_process)
+    runs = {"no": losses(two_step_runs["alone"][0]), "bf16": losses(bf16_dir)}
     sharded = losses(run_dir)
     assert sharded != runs["no"], (sharded, runs)  # not float32
     assert max(abs(a - b) for a, b in zip(sharded, runs["bf16"])) < 1e-3, (sharded, runs)
@@ -660,24 +682,29 @@ def test_mixed_precision_that_would_not_be_applied_is_refused(tmp_path):
             "accelerate launch asked for mixed precision bf16, but this run's setting is no",
         ),
     }
-    for name, (extra, env, needle) in cases.items():
+
+    def refusal(extra: list[str], env: dict) -> subprocess.CompletedProcess:
         command = [sys.executable, "-m", "gpn_cli", "train", "--dataset", str(tmp_path / "missing.txt")]
         command += ["--output-dir", str(tmp_path / "run"), *extra]
-        done = subprocess.run(
+        return subprocess.run(
             command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, **env}
         )
+
+    with two_at_a_time() as pool:  # (each process imports torch and transformers on one core)
+        refused = {name: pool.submit(refusal, extra, env) for name, (extra, env, _) in cases.items()}
+    for name, (_, _, needle) in cases.items():
+        done = refused[name].result()
         assert done.returncode == 1 and f"gpn train: error: {needle}" in done.stderr, (name, done.stderr[-3000:])
         assert "Traceback" not in done.stderr and not (tmp_path / "run").exists(), name
 
 
-def test_gpn_train_mixed_precision_bf16_on_cpu_ends_finite(tmp_path):
+def test_gpn_train_mixed_precision_bf16_on_cpu_ends_finite(tmp_path, cache, shakespeare):
     """`gpn train --mixed-precision bf16` on CPU (its own process: Accelerate's state is per process): a few
     steps of the tiny preset end with finite losses (before the fix: NaN at step 1, blaming the learning
     rate)."""
-    data = require_shared("data/tinyshakespeare/input.txt")
     run = tmp_path / "run"
     command = [sys.executable, "-m", "gpn_cli", "train"]
-    command += small_args(data, run, tmp_path / "cache", "--steps", "4", "--mixed-precision", "bf16")
+    command += small_args(shakespeare, run, cache, "--steps", "4", "--mixed-precision", "bf16")  # (tokenized)
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "mixed precision bf16" in done.stdout + done.stderr
