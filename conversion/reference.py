@@ -332,11 +332,8 @@ def load_pickle_checkpoint(path: str | Path) -> dict[str, Any]:
         data = path.read_bytes()
     except OSError as error:
         raise CheckpointError(f"Cannot read {path}: {error.strerror or error}") from error
-    # (another file under the name: the unpickler's own complaint about a text file was "IndexError: pop from
-    # empty list"; the reference writes pickles of protocol 2 or later, which begin with PROTO, 0x80)
-    if not data.startswith(pickle.PROTO):
-        what = "it is empty" if not data else f"it is not a Python pickle (it begins {data[:16]!r})"
-        raise CheckpointError(f"{path} is not a readable reference checkpoint: {what}")
+    if not data:
+        raise CheckpointError(f"{path} is not a readable reference checkpoint: it is empty")
     try:
         checkpoint = RestrictedUnpickler(
             io.BytesIO(data), budget=PICKLE_BUDGET_FACTOR * size + SMALL_CLAIM_BYTES
@@ -346,8 +343,15 @@ def load_pickle_checkpoint(path: str | Path) -> dict[str, Any]:
     except RecursionError as error:
         raise CheckpointError(f"{path} is not a readable reference checkpoint: nested too deeply") from error
     except Exception as error:  # truncated, not a pickle, a wrapper's own TypeError, ...
+        # (another file under the name: the unpickler's complaint about a text file is "IndexError: pop from empty
+        # list"; the reference writes pickles of protocol 2 or later, which begin with PROTO, 0x80)
+        other_file = (
+            ""
+            if data.startswith(pickle.PROTO)
+            else f"; it does not begin as the reference's pickles do (it begins {data[:16]!r})"
+        )
         raise CheckpointError(
-            f"{path} is not a readable reference checkpoint: {type(error).__name__}: {error}"
+            f"{path} is not a readable reference checkpoint: {type(error).__name__}: {error}{other_file}"
         ) from error
     del data
     if not isinstance(checkpoint, dict) or "params" not in checkpoint:

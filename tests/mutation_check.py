@@ -4112,10 +4112,10 @@ MUTATIONS = [
         ("tests/fast_path/test_step_kernels.py -k folder_saved_quantized",),
     ),
     Mutation(
-        "gpn convert names a file that is not a pickle as such (the unpickler said 'IndexError: pop from empty list')",
+        "gpn convert says a file does not begin as a pickle (the unpickler said only 'IndexError: pop from empty list')",
         "conversion/reference.py",
-        "    if not data.startswith(pickle.PROTO):",
-        "    if False:  # MUTATION",
+        "            if data.startswith(pickle.PROTO)",
+        "            if True  # MUTATION",
         ("tests/tools/test_faults_io.py -k text-file",),
     ),
     Mutation(

@@ -388,7 +388,10 @@ MALFORMED = {
         "not a readable reference checkpoint",
     ),
     "empty-file": (lambda t: _write(t / "c.pkl", b""), "not a readable reference checkpoint: it is empty"),
-    "text-file": (lambda t: _write(t / "c.pkl", "hello\n"), "checkpoint: it is not a Python pickle (it begins b'hello"),
+    "text-file": (
+        lambda t: _write(t / "c.pkl", "hello\n"),
+        "it does not begin as the reference's pickles do (it begins b'hello",
+    ),
     "truncated-npz": (lambda t: _truncated(_npz_folder(t) / "params.npz", 0.6).parent, "not a readable npz"),
     "npz-not-a-zip": (lambda t: _write(t / "params.npz", "hello").parent, "not a readable npz"),
     "pickle-without-params": (lambda t: _write(t / "c.pkl", pickle.dumps({"step": 1})), "no 'params' entry"),
