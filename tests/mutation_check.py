@@ -4126,7 +4126,7 @@ MUTATIONS = [
         ("tests/ecosystem/test_eval.py -k device_is_a_gpu",),
     ),
     Mutation(
-        "gpn serve checks a GPN's weights as gpn eval does (NaN weights were served: one token over and over)",
+        "gpn serve checks a GPN's weights at load as gpn eval does (NaN ones failed each request instead)",
         "modeling_gpn/serve/models.py",
         'GPN_CLASSES = {"GPNForCausalLM": CheckedGPNForCausalLM, "GPNModel": GPNModel}',
         'GPN_CLASSES = {"GPNForCausalLM": GPNForCausalLM, "GPNModel": GPNModel}  # MUTATION',

@@ -24,8 +24,8 @@ from .. import GPNForCausalLM, GPNModel
 class CheckedGPNForCausalLM:
     """`GPNForCausalLM` as the serving model manager builds it (`from_pretrained`, its only use), with the weights
     checked as gpn eval, inspect and generate check theirs (`causal_lm_from_pretrained`): weights the files lack
-    (drawn at random) or hold NaN would be served as the model named, every answer from another model or one token
-    over and over."""
+    were drawn at random and served as the model named, and weights holding NaN failed every request (generate()'s
+    check of the logits) instead of the load."""
 
     @staticmethod
     def from_pretrained(model_id: str, **kwargs) -> GPNForCausalLM:

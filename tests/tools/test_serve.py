@@ -1160,8 +1160,8 @@ def test_gpn_serve_that_cannot_start_says_why_without_a_traceback(tmp_path, caps
 
 def test_a_gpn_whose_weights_hold_nan_is_not_served(model_dir, tmp_path, monkeypatch):
     """The serving model manager builds a GPN with its weights checked as gpn eval, generate and inspect check theirs:
-    a weight holding NaN was served (one token over and over), as were weights drawn at random for those the files
-    lack. (`gpn serve` says a preload's error in one line: test_gpn_serve_that_cannot_start...)"""
+    a weight holding NaN is refused at load (each request failed at generate()'s check of the logits instead), as are
+    weights the files lack (drawn at random and served in silence). (`gpn serve` says a preload's error in one line: test_gpn_serve_that_cannot_start...)"""
     from safetensors.torch import load_file, save_file
     from transformers.cli.serving import model_manager
     from transformers.cli.serving.model_manager import ModelManager
