@@ -292,9 +292,10 @@ def fail(message: object) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from modeling_gpn.cli.arguments import torch_device, writable_folder
+    from modeling_gpn.cli.loading import check_model_path
     from modeling_gpn.data.tokenizer import check_tokenizer_path
 
-    from .runner import check_model_path, check_settings, data_source, evaluate
+    from .runner import check_settings, data_source, evaluate
 
     # Everything the arguments say is checked before the model loads: a bad one costs no computation.
     try:

@@ -2053,7 +2053,7 @@ MUTATIONS = [
     ),
     Mutation(
         "gpn eval, inspect and generate run a model whose weights hold NaN or inf (perplexities of NaN written as results)",
-        "eval/runner.py",
+        "modeling_gpn/cli/loading.py",
         "    refuse_non_finite_parameters(model, path)\n",
         "    pass  # MUTATION\n",
         (
@@ -3545,7 +3545,7 @@ MUTATIONS = [
     ),
     Mutation(
         "gpn eval and gpn inspect on a damaged weights file a SafetensorError traceback",
-        "eval/runner.py",
+        "modeling_gpn/cli/loading.py",
         "    except Exception as error:  # a damaged weights file",
         "    except ZeroDivisionError as error:  # MUTATION",
         (
@@ -4044,7 +4044,7 @@ MUTATIONS = [
     Mutation(
         "gpn eval / generate / inspect run a model whose weights files lack weights its config.json has (drawn at "
         "random) or hold ones it has no place for",
-        "eval/runner.py",
+        "modeling_gpn/cli/loading.py",
         "    if not missing and not unexpected:\n",
         "    if True:  # MUTATION\n",
         (
@@ -4106,7 +4106,7 @@ MUTATIONS = [
     ),
     Mutation(
         "the NaN check of a loaded model reads a quantized weight by its inner tensors (torchao's have no isfinite)",
-        "eval/runner.py",
+        "modeling_gpn/cli/loading.py",
         "        for part_name, part in stored_tensors(name, param.detach())",
         "        for part_name, part in [(name, param.detach())]  # MUTATION",
         ("tests/fast_path/test_step_kernels.py -k folder_saved_quantized",),

@@ -1,5 +1,5 @@
-"""What the `gpn` subcommands share: the tools' argument checks (`arguments`), the help formatter (`formatting`), and
-`gpn generate` (`generate`). The command itself (`main`, `build_parser`, `SUBCOMMANDS`; `python -m gpn_cli`) is the
+"""What the `gpn` subcommands share: the tools' argument checks (`arguments`), the loading of a model folder with its
+weights checked (`loading`), the help formatter (`formatting`), and `gpn generate` (`generate`). The command itself (`main`, `build_parser`, `SUBCOMMANDS`; `python -m gpn_cli`) is the
 top-level `gpn_cli` package, outside `modeling_gpn`, so that `gpn --help` does not pay for this package's
 `__init__` (torch and transformers, to register GPN with the Auto classes); nothing here imports it back.
 """

@@ -130,7 +130,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         torch_device(args.device)
     except ValueError as error:
         raise GenerateError(str(error)) from None
-    from modeling_gpn.evaluation.runner import check_model_path
+    from modeling_gpn.cli.loading import check_model_path
 
     try:
         check_model_path(args.model)
@@ -139,7 +139,6 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def _load(args: argparse.Namespace):
-
     import modeling_gpn  # noqa: F401  (registers GPN with the Auto classes)
     from modeling_gpn.data import DataError, load_tokenizer
 
@@ -155,10 +154,10 @@ def _load(args: argparse.Namespace):
                 f"the tokenizer of {source} has neither a pad nor an EOS token to pad a batch of prompts with"
             )
         tokenizer.pad_token = tokenizer.eos_token
-    from modeling_gpn.evaluation.runner import causal_lm_from_pretrained
+    from modeling_gpn.cli.loading import causal_lm_from_pretrained
 
-    # (as gpn eval and gpn inspect load: weights drawn at random where the files lack them, or holding NaN, would
-    # give text from another model than the one named, or the same token over and over, without a word)
+    # (as gpn eval and gpn inspect load: weights drawn at random where the files lack them gave text from another
+    # model than the one named, without a word; NaN weights are named at load)
     try:
         model = causal_lm_from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     except ValueError as error:  # (its own refusals, and transformers' naming the problem)

@@ -127,7 +127,8 @@ def check_no_report(output: Path) -> None:
     held = [name for name in ("report.json", "report.md", *FIGURE_NAMES) if (output / name).exists()]
     if held:
         raise ValueError(
-            f"--output {output} already holds a report ({', '.join(held)}); choose another folder, or give --overwrite to replace it"
+            f"--output {output} already holds a report ({', '.join(held)}); choose another folder, or give "
+            "--overwrite to replace it"
         )
 
 

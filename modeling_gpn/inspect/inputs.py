@@ -21,7 +21,7 @@ def load_model(name: str, device: str = "cpu", dtype: str = "float32", trust_rem
     attached, through transformers' PEFT integration; every part of the analysis calls the adapted modules.
     """
     import modeling_gpn  # noqa: F401  (registers GPN with the Auto classes)
-    from modeling_gpn.evaluation.runner import causal_lm_from_pretrained, check_model_path
+    from modeling_gpn.cli.loading import causal_lm_from_pretrained, check_model_path
 
     if not (Path(name).expanduser() / "adapter_config.json").is_file():  # (which check_model_path would refuse)
         check_model_path(name)

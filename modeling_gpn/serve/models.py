@@ -29,7 +29,7 @@ class CheckedGPNForCausalLM:
 
     @staticmethod
     def from_pretrained(model_id: str, **kwargs) -> GPNForCausalLM:
-        from ..evaluation.runner import causal_lm_from_pretrained
+        from ..cli.loading import causal_lm_from_pretrained
 
         return causal_lm_from_pretrained(model_id, **kwargs)
 
