@@ -66,3 +66,17 @@ TINY_TEXT = [
     "there was a time.",
     "upon the mat sat a dog.",
 ]
+
+
+def copy_with_a_nan_weight(folder, into):
+    """A copy of the saved GPN `folder` at `into` whose `model.fuse_gate.weight` holds one NaN (for the loaders'
+    refusal of non-finite weights)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, into)
+    tensors = load_file(into / "model.safetensors")
+    tensors["model.fuse_gate.weight"][0, 0] = float("nan")
+    save_file(tensors, into / "model.safetensors", metadata={"format": "pt"})
+    return into

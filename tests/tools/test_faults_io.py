@@ -31,7 +31,7 @@ from modeling_gpn.conversion.reference import parameter_map  # noqa: E402
 
 from ..environment import REPO_ROOT
 from ..subprocesses import two_at_a_time
-from ..tiny_models import perturbed_model, tiny_config
+from ..tiny_models import copy_with_a_nan_weight, perturbed_model, tiny_config
 
 GIB = 1 << 30
 
@@ -530,12 +530,7 @@ def test_generate_bad_arguments_are_one_clear_line(generate_dir, tmp_path, capsy
         config["num_predict_layers"] += 1
         (tmp_path / "grown" / "config.json").write_text(json.dumps(config))
     if "{nan_model}" in args:
-        from safetensors.torch import load_file, save_file
-
-        shutil.copytree(generate_dir, tmp_path / "nan")
-        tensors = load_file(tmp_path / "nan" / "model.safetensors")
-        tensors["model.fuse_gate.weight"][0, 0] = float("nan")
-        save_file(tensors, tmp_path / "nan" / "model.safetensors", metadata={"format": "pt"})
+        copy_with_a_nan_weight(generate_dir, tmp_path / "nan")
     folders = dict(small_model=tmp_path / "small", grown_model=tmp_path / "grown", nan_model=tmp_path / "nan")
     args = [a.format(model=generate_dir, tmp=tmp_path, **folders) for a in args]
     code = gpn_main(["generate", *args])

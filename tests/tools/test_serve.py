@@ -36,7 +36,7 @@ import pytest
 import torch
 
 from ..environment import REPO_ROOT
-from ..tiny_models import perturbed_model, tiny_config
+from ..tiny_models import copy_with_a_nan_weight, perturbed_model, tiny_config
 from .doc_blocks import ALL_BLOCKS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -1059,7 +1059,6 @@ def test_a_server_not_pinned_keeps_each_models_conversations_apart_and_across_un
     states (the same token ids, kept for each), a seeded sample of one is the same while the other samples beside it
     (two inference threads, one generator), and a model unloaded after --model-timeout, loaded again, continues its
     conversation from the states it kept."""
-    import shutil
 
     from transformers import AutoModelForCausalLM
 
@@ -1162,17 +1161,12 @@ def test_a_gpn_whose_weights_hold_nan_is_not_served(model_dir, tmp_path, monkeyp
     """The serving model manager builds a GPN with its weights checked as gpn eval, generate and inspect check theirs:
     a weight holding NaN is refused at load (each request failed at generate()'s check of the logits instead), as are
     weights the files lack (drawn at random and served in silence). (`gpn serve` says a preload's error in one line: test_gpn_serve_that_cannot_start...)"""
-    from safetensors.torch import load_file, save_file
     from transformers.cli.serving import model_manager
     from transformers.cli.serving.model_manager import ModelManager
 
     from modeling_gpn.serve.models import TransformersWithGPN
 
-    poisoned = tmp_path / "nan"
-    shutil.copytree(model_dir, poisoned)
-    tensors = load_file(poisoned / "model.safetensors")
-    tensors["model.fuse_gate.weight"][0, 0] = float("nan")
-    save_file(tensors, poisoned / "model.safetensors", metadata={"format": "pt"})
+    poisoned = copy_with_a_nan_weight(model_dir, tmp_path / "nan")
     monkeypatch.setattr(model_manager, "transformers", TransformersWithGPN())  # as gpn serve does, for this test only
     with pytest.raises(ValueError, match=r"has parameters holding NaN or inf \(loaded as torch.float32\): model\."):
         ModelManager(device="cpu", model_timeout=-1).load_model_and_processor(str(poisoned))
