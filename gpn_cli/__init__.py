@@ -100,6 +100,11 @@ class VersionAction(argparse.Action):
 def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     """The command's parser; `selected`'s module is imported and gives its subcommand's options. With no
     subcommand selected, nothing of `modeling_gpn` (so no torch) is imported."""
+    return _build_parsers(selected)[0]
+
+
+def _build_parsers(selected: str | None) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """`build_parser`'s parser and its subcommands' parsers by name (to refuse an option by its subcommand)."""
     parser = argparse.ArgumentParser(
         prog="gpn",
         description="Grounded Prediction Networks (arXiv 2605.10643) for the Hugging Face ecosystem.",
@@ -107,7 +112,7 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action=VersionAction)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     formatter_class = argparse.HelpFormatter  # a subcommand that is not selected never prints its help
-    listed = SUBCOMMANDS
+    listed, subcommand_parsers = SUBCOMMANDS, {}
     if selected is not None:
         from modeling_gpn.cli.formatting import HelpFormatter
 
@@ -117,11 +122,12 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
         sub = subparsers.add_parser(
             name, help=help_text, description=help_text, epilog=epilog, formatter_class=formatter_class
         )
+        subcommand_parsers[name] = sub
         if name == selected:  # import only the module that will run
             module = importlib.import_module(module_name)
             module.add_arguments(sub)
             sub.set_defaults(_run=module.run)
-    return parser
+    return parser, subcommand_parsers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,11 +147,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parse_and_run(argv: list[str], selected: str | None) -> int:
-    parser = build_parser(selected)
+    parser, subcommand_parsers = _build_parsers(selected)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # refused by the subcommand's parser, whose usage it shows (the top one said "gpn: error: ...")
-        subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        (subparsers.choices.get(args.command) or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+        subcommand_parsers.get(args.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "_run", None):
         parser.print_help()
         return 0 if args.command is None else 2
