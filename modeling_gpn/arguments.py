@@ -163,6 +163,32 @@ def check_labels(labels: torch.Tensor | None, name: str, vocab_size: int) -> Non
         )
 
 
+def positions_to_keep(logits_to_keep, seq_len: int) -> slice | torch.Tensor:
+    """The positions whose logits the causal LM returns, read as transformers' causal LMs read `logits_to_keep`: an
+    int keeps the last that many (0: every position), a 1-D integer tensor names the positions to keep (the packed
+    form transformers documents). A tensor was read as a count: `torch.tensor([3])` returned the last three
+    positions, not position 3, and two indices failed on a tensor's truth value; a negative count kept all but the
+    first few. Both are refused by name, as is an index outside the `seq_len` positions."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        if logits_to_keep.dim() != 1 or logits_to_keep.dtype not in EMBEDDING_ID_DTYPES:
+            raise ValueError(
+                "logits_to_keep must be an int (keep the last that many positions, 0 for all) or a 1-D integer "
+                f"tensor of the positions to keep, got a tensor of shape {tuple(logits_to_keep.shape)} and dtype "
+                f"{logits_to_keep.dtype}"
+            )
+        if not is_tracing() and bool(((logits_to_keep < -seq_len) | (logits_to_keep >= seq_len)).any()):
+            raise ValueError(
+                f"logits_to_keep names positions {logits_to_keep.tolist()} but the input has {seq_len} positions"
+            )
+        return logits_to_keep
+    if not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+        raise ValueError(
+            "logits_to_keep must be an int >= 0 (keep the last that many positions, 0 for all) or a 1-D integer "
+            f"tensor of the positions to keep, got {logits_to_keep!r}"
+        )
+    return slice(-logits_to_keep, None)
+
+
 def check_not_empty(batch_size: int, seq_len: int) -> None:
     """At least one row and one position (of ids or embeddings), with what an empty prompt may have meant: the
     prediction made before any token."""

@@ -61,6 +61,7 @@ from .arguments import (
     check_not_empty,
     check_unused_kwargs,
     pop_cache_alias,
+    positions_to_keep,
     refuse_attention_outputs,
 )
 from .cache import GPNCache
@@ -1256,7 +1257,7 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         output_memory_decays: bool = False,
         output_predicted_states: bool = False,
         return_dict: bool | None = None,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | torch.Tensor = 0,
         return_logits: bool = True,
         num_items_in_batch: torch.Tensor | int | None = None,
         *,
@@ -1268,6 +1269,8 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         when `labels` or `shift_labels` are given, as transformers' `ForCausalLMLoss` computes it.
 
         Args:
+            logits_to_keep: the logits returned, as in transformers' causal LMs: an int keeps the last that many
+                positions (0: all), a 1-D integer tensor the positions it names. The loss is over every position.
             labels: (batch, seq) token ids; the loss at position t targets `labels[:, t + 1]` (-100 ignored).
             shift_labels (keyword): (batch, seq) targets already shifted (position t targets
                 `shift_labels[:, t]`), as context-parallel training passes them; they take precedence over
@@ -1296,6 +1299,7 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             and not (output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states)
             and (use_cache if use_cache is not None else self.config.use_cache and not self.training)
             and kwargs.keys() <= DECODED_TOKEN_KWARGS
+            and isinstance(logits_to_keep, int)  # (positions named by a tensor are checked by the one-pass path)
         )
         if asks_only_logits and input_ids is not None and not is_tracing():
             # a decoded token (one a row, from a cache): the whole of it in one C call where it is plain
@@ -1362,11 +1366,12 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             loss = self._chunked_loss(hidden, labels, shift_labels, num_items_in_batch)
             output = GPNCausalLMOutput(loss=loss, **extras)
             return output if return_dict else output.to_tuple()
-        logits = self.logits_of(hidden if not logits_to_keep else hidden[:, -logits_to_keep:])
+        keeps_all = isinstance(logits_to_keep, int) and logits_to_keep == 0
+        logits = self.logits_of(hidden if keeps_all else hidden[:, positions_to_keep(logits_to_keep, hidden.shape[1])])
 
         loss = None
         if wants_loss:
-            full_logits = logits if not logits_to_keep else self.logits_of(hidden)
+            full_logits = logits if keeps_all else self.logits_of(hidden)
             loss = causal_lm_loss(full_logits, labels, shift_labels, num_items_in_batch)
 
         output = GPNCausalLMOutput(loss=loss, logits=logits, **extras)

@@ -256,6 +256,11 @@ def test_a_long_packed_prompt_is_not_cut_into_prefill_chunks(monkeypatch):
     last = [ids for ids, _ in sequences][2]  # the first row's last sequence
     kept = model(row_ids, logits_to_keep=2, **packing_arguments("position_ids")).logits[0]
     torch.testing.assert_close(kept, model(last).logits[0, -2:], rtol=1e-5, atol=1e-5)
+    # positions named by a tensor (transformers' form for packed rows): each sequence's last one in the first row
+    sequence_ends = torch.tensor(ROW_SEQUENCE_LENGTHS[0]).cumsum(0) - 1
+    kept = model(row_ids, logits_to_keep=sequence_ends, **packing_arguments("position_ids")).logits[0]
+    alone = torch.cat([model(ids).logits[0, -1:] for ids, _ in sequences[: len(sequence_ends)]])
+    torch.testing.assert_close(kept, alone, rtol=1e-5, atol=1e-5)
 
 
 @torch.no_grad()

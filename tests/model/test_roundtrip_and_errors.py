@@ -149,6 +149,19 @@ def test_labels_of_the_wrong_shape(model):
         model(ids, labels=ids[:, :4])
 
 
+def test_logits_to_keep_that_names_no_positions_is_refused(model):
+    """`logits_to_keep` is a count (>= 0) or a 1-D tensor of positions (tests/model/test_packed.py); a negative count
+    kept all but the first positions, a 0-d tensor was read as a count where transformers reads an index, an index
+    past the end failed inside the indexing (on a GPU, a device-side assert)."""
+    ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="logits_to_keep must be an int >= 0 .* got -2"):
+        model(ids, logits_to_keep=-2)
+    with pytest.raises(ValueError, match=r"logits_to_keep must be .* got a tensor of shape \(\)"):
+        model(ids, logits_to_keep=torch.tensor(3))
+    with pytest.raises(ValueError, match=r"logits_to_keep names positions \[1, 5\] but the input has 5 positions"):
+        model(ids, logits_to_keep=torch.tensor([1, 5]))
+
+
 def test_labels_outside_the_vocabulary_or_not_int64_are_named(model):
     """A label that is neither a token id of the model nor -100 failed inside torch's cross-entropy ("Target 200 is
     out of bounds", on a GPU a device-side assert), float or int32 labels there by dtype; -100 stays ignored."""
