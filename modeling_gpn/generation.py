@@ -8,6 +8,9 @@ generate()'s steps, each a thin call of a function here:
   refusals of what would need a state rolled back (a GPN as assisted decoding's draft, beams from a kept state);
 - `continue_from_cache`: a kept state continued with the whole sequence so far or only the new positions
   (`cache.continuation_start` tells them apart), never a position read twice;
+- `refuse_hub_decoding_a_state_cannot_run`: DoLa and contrastive search, which transformers 5 loads from the Hub
+  (`custom_generate`), refused before anything is fetched; `custom_generate_offline_error`: a Hub decoding method
+  under HF_HUB_OFFLINE that is not in the local cache, said so;
 - checks once per call: the prompt's shapes, PEFT's prompt-learning generate (which would re-read its virtual
   tokens at every token), and the prompt's logits, which must be finite before any token is picked from them.
 
@@ -16,8 +19,11 @@ docs/generate.md and docs/cache.md are the user's pages. Shipped to the Hub with
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
+from transformers.generation.configuration_utils import GenerationMode
 
 from .arguments import check_cache_type
 from .cache import GPNCache, continuation_start
@@ -69,6 +75,44 @@ def generation_cache(config, generation_config, model_kwargs: dict) -> GPNCache 
     if generation_config.use_cache is False:
         return None
     return GPNCache(config)
+
+
+# Decoding methods transformers 5 moved to the Hub (`custom_generate`) that a GPN cannot run, and why
+HUB_DECODING_A_STATE_CANNOT_RUN = {
+    GenerationMode.DOLA_GENERATION: (
+        "DoLa (dola_layers) contrasts the final layer's logits with earlier layers' ones, and a GPN has no earlier "
+        "layers: its depth is time (one layer revisited at every token), and its hidden_states are only the "
+        "embedding output and the decoded vector"
+    ),
+    GenerationMode.CONTRASTIVE_SEARCH: (
+        "contrastive search (penalty_alpha) runs every candidate token and then rolls the cache back to the chosen "
+        "one, and a GPN's state cannot be rolled back"
+    ),
+}
+
+
+def refuse_hub_decoding_a_state_cannot_run(generation_mode) -> None:
+    """DoLa and contrastive search: transformers 5 runs them from Hub repos (`custom_generate`, after asking for
+    `trust_remote_code`), code written for attention models; on a GPN they cannot mean what they say (see
+    `HUB_DECODING_A_STATE_CANNOT_RUN`). Refused by name before anything is fetched, rather than left to fail deep in
+    downloaded code or to decode something else."""
+    reason = HUB_DECODING_A_STATE_CANNOT_RUN.get(generation_mode)
+    if reason is not None:
+        raise ValueError(f"{reason}: decode greedily, sample or use beam search")
+
+
+def custom_generate_offline_error(name) -> OSError | None:
+    """transformers says a Hub repo given as `custom_generate` "does not contain a `custom_generate` subdirectory"
+    whenever it cannot see the file, which under HF_HUB_OFFLINE=1 only means it is not in the local cache: the
+    error that says so (None where the original is right: online, or a local folder)."""
+    from huggingface_hub import constants
+
+    if not constants.is_offline_mode() or not isinstance(name, str) or os.path.isdir(name):
+        return None
+    return OSError(
+        f"custom_generate={name!r}: HF_HUB_OFFLINE is set and the repo's custom_generate/generate.py is not in the "
+        "local Hub cache; download it once online, or pass a local folder that holds custom_generate/generate.py"
+    )
 
 
 def continue_from_cache(

@@ -86,7 +86,9 @@ from .fast_recurrence import (
 from .generation import (
     check_generate_input_shapes,
     continue_from_cache,
+    custom_generate_offline_error,
     generation_cache,
+    refuse_hub_decoding_a_state_cannot_run,
     refuse_non_finite_prompt_logits,
     refuse_peft_prompt_learning_generate,
 )
@@ -1164,6 +1166,24 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         if generation_config.compile_config is None:
             return False
         return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
+
+    def _get_deprecated_gen_repo(self, generation_mode, trust_remote_code, custom_generate=None) -> str | None:
+        """transformers' step that sends DoLa and contrastive search to their Hub repos (called on every generate()
+        call, once the mode is known): for a GPN these two are refused first, by name, before anything is fetched
+        (`generation.refuse_hub_decoding_a_state_cannot_run`)."""
+        refuse_hub_decoding_a_state_cannot_run(generation_mode)
+        return super()._get_deprecated_gen_repo(generation_mode, trust_remote_code, custom_generate)
+
+    def load_custom_generate(self, pretrained_model_name_or_path=None, trust_remote_code=None, **kwargs):
+        """transformers' loader of a `custom_generate` decoding method, which under HF_HUB_OFFLINE=1 says a Hub repo
+        not in the local cache has no such method: said as it is instead (`generation.custom_generate_offline_error`)."""
+        try:
+            return super().load_custom_generate(pretrained_model_name_or_path, trust_remote_code, **kwargs)
+        except OSError as error:
+            offline = custom_generate_offline_error(pretrained_model_name_or_path)
+            if offline is None:
+                raise
+            raise offline from error
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs) -> None:
         """generate() gets a `GPNCache` (not a `DynamicCache`) unless the caller passed one; cache kinds a GPN does

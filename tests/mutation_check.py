@@ -961,6 +961,20 @@ MUTATIONS = [
         ("tests/model/test_generate.py::test_continuous_batching_is_refused_clearly",),
     ),
     Mutation(
+        "DoLa and contrastive search refused by name (left to transformers' trust_remote_code call and the Hub's code)",
+        "modeling_gpn/modeling_gpn.py",
+        "        refuse_hub_decoding_a_state_cannot_run(generation_mode)\n",
+        "        pass  # MUTATION\n",
+        ("tests/model/test_generate.py::test_hub_decoding_methods_a_gpn_cannot_run_are_refused_by_name",),
+    ),
+    Mutation(
+        "an offline custom_generate said to be missing from the cache (transformers: the repo has no such method)",
+        "modeling_gpn/modeling_gpn.py",
+        "            if offline is None:\n",
+        "            if True:  # MUTATION\n",
+        ("tests/model/test_generate.py::test_hub_decoding_methods_a_gpn_cannot_run_are_refused_by_name",),
+    ),
+    Mutation(
         "PEFT prompt-learning generate refused (its virtual tokens re-inserted at every decoded token, in silence)",
         "modeling_gpn/modeling_gpn.py",
         "        refuse_peft_prompt_learning_generate(self)\n",

@@ -252,6 +252,21 @@ def test_continuous_batching_is_refused_clearly(model):
         model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, cache_implementation="paged")
 
 
+@torch.no_grad()
+def test_hub_decoding_methods_a_gpn_cannot_run_are_refused_by_name(model):
+    """DoLa and contrastive search, which transformers 5 fetches from Hub repos, are refused saying why before
+    anything is fetched (not transformers' call for trust_remote_code, then code written for layers and rollbacks);
+    under HF_HUB_OFFLINE (the suite's) a Hub `custom_generate` not in the cache is said to be that, not a repo
+    without the method."""
+    prompt = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match="DoLa .* a GPN has no earlier layers"):
+        model.generate(prompt, max_new_tokens=3, dola_layers="low")
+    with pytest.raises(ValueError, match="contrastive search .* cannot be rolled back"):
+        model.generate(prompt, max_new_tokens=3, penalty_alpha=0.6, top_k=4, trust_remote_code=True)
+    with pytest.raises(OSError, match="HF_HUB_OFFLINE is set .* not in the local Hub cache"):
+        model.generate(prompt, max_new_tokens=3, custom_generate="me/no-such-method", trust_remote_code=True)
+
+
 def test_the_text_generation_pipeline_gives_generates_tokens(tmp_path):
     """transformers' `pipeline("text-generation")` on a saved GPN folder with its tokenizer (what a Hub card's
     `pipeline_tag` promises): one prompt, and two prompts in one padded batch, give the text of greedy
