@@ -2814,6 +2814,13 @@ MUTATIONS = [
         ("tests/tools/test_train.py -k fsdp2_on_cpu_computes_in_the_runs_mixed_precision",),
     ),
     Mutation(
+        "gpn train under FSDP2 in bf16 casts the float32 state entering a GPN block sharded apart (the write fails)",
+        "modeling_gpn/train/distributed.py",
+        "        plugin.mixed_precision_policy = dataclasses.replace(mixed, cast_forward_inputs=False)\n",
+        "        pass  # MUTATION\n",
+        ("tests/tools/test_train.py -k fsdp2_on_cpu_computes_in_the_runs_mixed_precision",),
+    ),
+    Mutation(
         "FSDP2 with blocks of a GPN sharded apart takes inputs of different lengths per process (collectives mismatch)",
         "modeling_gpn/sharding.py",
         "    if longest != shortest:\n",
