@@ -77,8 +77,16 @@ def _tensor_key(tensor: torch.Tensor) -> tuple:
     if flatten is None:
         return tensor.data_ptr(), version_of(tensor), tensor.dtype, tensor.device
     with torch._C.DisableTorchFunctionSubclass():  # (its attributes without the subclass's dispatch)
-        inner = flatten(tensor)[0]
-        return (kind, tensor.dtype, tensor.device, *(_tensor_key(tensor.__dict__[name]) for name in inner))
+        inner = [_held(tensor, name) for name in flatten(tensor)[0]]
+        return (kind, tensor.dtype, tensor.device, *(_tensor_key(x) if torch.is_tensor(x) else id(x) for x in inner))
+
+
+def _held(tensor: torch.Tensor, name: str):
+    """What a subclass holds as `name`: in its `__dict__` (torchao's weights) or in a slot (a DTensor, an FSDP2
+    shard, holds `_local_tensor` and its `device_mesh`, keyed by identity: a GPN block sharded apart is still
+    sharded when a cache notes the model)."""
+    held = tensor.__dict__.get(name)
+    return held if held is not None else object.__getattribute__(tensor, name)
 
 
 _GLOBAL_HOOKS = (

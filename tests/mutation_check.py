@@ -2856,6 +2856,20 @@ MUTATIONS = [
         ("tests/tools/test_train.py -k fsdp2_on_cpu_computes_in_the_runs_mixed_precision",),
     ),
     Mutation(
+        "gpn train under FSDP2 in bf16 casts the float32 state entering a GPN block sharded apart (the write fails)",
+        "modeling_gpn/train/distributed.py",
+        "        plugin.mixed_precision_policy = dataclasses.replace(mixed, cast_forward_inputs=False)\n",
+        "        pass  # MUTATION\n",
+        ("tests/tools/test_train.py -k fsdp2_on_cpu_computes_in_the_runs_mixed_precision",),
+    ),
+    Mutation(
+        "a cache noting a GPN's weights reads only a tensor subclass's __dict__ (an FSDP2 shard's DTensor: KeyError)",
+        "modeling_gpn/derived_weights.py",
+        "    return held if held is not None else object.__getattribute__(tensor, name)\n",
+        "    return tensor.__dict__[name]  # MUTATION\n",
+        ("tests/tools/test_sft_fsdp.py",),
+    ),
+    Mutation(
         "FSDP2 with blocks of a GPN sharded apart takes inputs of different lengths per process (collectives mismatch)",
         "modeling_gpn/sharding.py",
         "    if longest != shortest:\n",

@@ -143,15 +143,24 @@ def fit_fsdp_plugin(plugin, model, on_cpu: bool) -> str | None:
     - Activation checkpointing without a wrap policy: Accelerate calls the missing policy (a TypeError); with
       one that wraps nothing (`TRANSFORMER_BASED_WRAP` alone), it would recompute nothing without a word.
     - Parameter offload on CPU: the parameters are in CPU memory already, and its pinned memory needs a GPU.
+    - Mixed precision (a GPN): FSDP2's policy casts every floating input of a unit's forward to its `param_dtype`,
+      so a block sharded apart would get the float32 recurrent state and memory in bf16 at every token (the memory
+      write failed on it: "expected scalar type Float but found BFloat16"). A GPN casts each projection's input to
+      its weight's dtype itself, so the inputs are left as they come (`cast_forward_inputs=False`).
     """
+    import dataclasses
+
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
-    from torch.distributed.fsdp import CPUOffloadPolicy
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
     if isinstance(plugin.cpu_offload, CPUOffloadPolicy) and on_cpu:  # (no offload is the base OffloadPolicy())
         raise LaunchError(
             "--fsdp_offload_params moves the parameters to CPU memory: on CPU they are there already (and Accelerate "
             "fails pinning them without a GPU); launch without it"
         )
+    mixed = plugin.mixed_precision_policy
+    if isinstance(mixed, MixedPrecisionPolicy) and mixed.cast_forward_inputs and model.config.model_type == "gpn":
+        plugin.mixed_precision_policy = dataclasses.replace(mixed, cast_forward_inputs=False)
     note = None
     size_based = _is_size_based(plugin.auto_wrap_policy)
     if size_based and not plugin.min_num_params > 0:

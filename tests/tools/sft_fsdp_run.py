@@ -18,9 +18,13 @@ import tempfile
 import traceback
 
 
-def losses(single: bool, lora_on_the_embedding: bool = False, pad: bool = False) -> tuple[list[float], str, list[str]]:
-    """The logged training losses, the class of the model the trainer trained (FSDP2 renames it) and the classes
-    of the modules below it that FSDP2 sharded as units of their own (sorted, with repeats); with
+def losses(
+    single: bool, lora_on_the_embedding: bool = False, pad: bool = False
+) -> tuple[list[float], str, list[str], float]:
+    """The logged training losses, the class of the model the trainer trained (FSDP2 renames it), the classes
+    of the modules below it that FSDP2 sharded as units of their own (sorted, with repeats) and the evaluation loss
+    of the trained model on one text (a forward in eval mode, which builds a cache, as a sample generated in a
+    callback does); with
     `lora_on_the_embedding`, a LoRA `peft_config` on the embedding and the decoder (TRL's fused head then reads the
     wrapped table); with `pad`, every batch padded to one length (what sharding blocks apart needs)."""
     from datasets import Dataset
@@ -68,6 +72,13 @@ def losses(single: bool, lora_on_the_embedding: bool = False, pad: bool = False)
             peft_config=peft_config,
         )
         trainer.train()
+        import torch
+
+        trainer.model_wrapped.eval()
+        text = torch.tensor([tokenizer(TEXT[2])["input_ids"][:8]])  # (one length on every process; TRL turned the
+        # config's use_cache off, so it is asked for)
+        with torch.no_grad():
+            evaluated = trainer.model_wrapped(input_ids=text, labels=text, use_cache=True).loss.item()
     logged = [record["loss"] for record in trainer.state.log_history if "loss" in record]
     from torch.distributed.fsdp import FSDPModule
 
@@ -76,7 +87,7 @@ def losses(single: bool, lora_on_the_embedding: bool = False, pad: bool = False)
     units = sorted(
         type(m).__name__.removeprefix("FSDP") for m in root.modules() if m is not root and isinstance(m, FSDPModule)
     )
-    return logged, type(root).__name__, units
+    return logged, type(root).__name__, units, evaluated
 
 
 # name -> (the classes the policy wraps, LoRA on the embedding, every batch padded to one length)
@@ -95,16 +106,21 @@ def result(variant: str) -> dict:
     if wrapped:
         os.environ["FSDP_TRANSFORMER_CLS_TO_WRAP"] = wrapped
     try:
-        seen, trained, units = losses(False, lora_on_the_embedding=lora_on_the_embedding, pad=pad)
+        seen, trained, units, evaluated = losses(False, lora_on_the_embedding=lora_on_the_embedding, pad=pad)
     except Exception:  # noqa: BLE001 (the refusal under test: reported, then the next variant)
         return {"error": traceback.format_exc()}
-    return {"losses": seen, "model": trained, "units": units}
+    return {"losses": seen, "model": trained, "units": units, "eval_loss": evaluated}
 
 
 if __name__ == "__main__":
     if "--single" in sys.argv:
-        seen, trained, units = losses(True, lora_on_the_embedding="--lora" in sys.argv, pad="--pad" in sys.argv)
-        print("LOSSES " + json.dumps({"losses": seen, "model": trained, "units": units}), flush=True)
+        seen, trained, units, evaluated = losses(
+            True, lora_on_the_embedding="--lora" in sys.argv, pad="--pad" in sys.argv
+        )
+        print(
+            "LOSSES " + json.dumps({"losses": seen, "model": trained, "units": units, "eval_loss": evaluated}),
+            flush=True,
+        )
         sys.exit()
     for variant in sys.argv[1:]:
         outcome = result(variant)

@@ -253,6 +253,13 @@ def test_two_process_fsdp_trains_saves_and_resumes_like_one_process(two_process_
 
 
 TWO_STEPS = ("--steps", "2")
+# The blocks of the recurrence sharded apart, as `--fsdp_transformer_layer_cls_to_wrap` names them.
+BLOCKS_APART = (
+    "--fsdp_auto_wrap_policy",
+    "TRANSFORMER_BASED_WRAP",
+    "--fsdp_transformer_layer_cls_to_wrap",
+    "GPNPredictLayer,GPNMemoryWrite",
+)
 
 
 @pytest.fixture(scope="module")
@@ -267,7 +274,8 @@ def two_step_runs(tmp_path_factory, cache, shakespeare) -> Iterator[dict[str, tu
             [*FSDP2, "--fsdp_auto_wrap_policy", "SIZE_BASED_WRAP", "--fsdp_min_num_params", "1000"],
             (),
         ),
-        "bf16": (FSDP2, ("--mixed-precision", "bf16")),
+        # (the blocks of the recurrence sharded apart: their float32 state crosses FSDP2's cast at every token)
+        "bf16": ([*FSDP2, *BLOCKS_APART], ("--mixed-precision", "bf16")),
     }
     with pytest.MonkeyPatch.context() as env:
         env.setenv("ACCELERATE_USE_CPU", "1")  # (the function-scoped accelerate_on_cpu fixture does not cover this one)
@@ -376,7 +384,9 @@ def test_fsdp2_size_based_wrap_shards_the_blocks_it_can_and_trains_like_one_proc
 def test_fsdp2_on_cpu_computes_in_the_runs_mixed_precision(two_step_runs):
     # Accelerate's FSDP2 computes in bf16 only through its plugin's policy (no autocast around an FSDP2 model); the
     # plugin `gpn train` makes on CPU had none, so `--mixed-precision bf16` trained in float32 under a summary line
-    # saying bf16: its losses were bit-identical to the float32 run's.
+    # saying bf16: its losses were bit-identical to the float32 run's. With the blocks of the recurrence sharded
+    # apart, the policy also cast their inputs, the float32 state and memory, to bf16: every process failed at the
+    # first step ("expected scalar type Float but found BFloat16" in the memory write).
     run_dir, process = two_step_runs["bf16"]
     output = finish(process)
     assert "FSDP2; mixed precision bf16" in output, output[-3000:]
