@@ -1319,7 +1319,9 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             and not (output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states)
             and (use_cache if use_cache is not None else self.config.use_cache and not self.training)
             and kwargs.keys() <= DECODED_TOKEN_KWARGS
-            and isinstance(logits_to_keep, int)  # (positions named by a tensor are checked by the one-pass path)
+            # (positions named by a tensor, or a count that names none, are checked by the one-pass path)
+            and isinstance(logits_to_keep, int)
+            and logits_to_keep >= 0
         )
         if asks_only_logits and input_ids is not None and not is_tracing():
             # a decoded token (one a row, from a cache): the whole of it in one C call where it is plain

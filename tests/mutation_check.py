@@ -1343,6 +1343,13 @@ MUTATIONS = [
         ("tests/model/test_roundtrip_and_errors.py::test_logits_to_keep_that_names_no_positions_is_refused",),
     ),
     Mutation(
+        "a negative logits_to_keep on a decoded token taken by the one-call decode (its logits returned, not refused)",
+        "modeling_gpn/modeling_gpn.py",
+        "            and isinstance(logits_to_keep, int)\n            and logits_to_keep >= 0\n",
+        "            and isinstance(logits_to_keep, int)  # MUTATION\n",
+        ("tests/model/test_roundtrip_and_errors.py::test_logits_to_keep_that_names_no_positions_is_refused",),
+    ),
+    Mutation(
         "a 0-d logits_to_keep tensor taken (an index where a count may have been meant)",
         "modeling_gpn/arguments.py",
         "        if logits_to_keep.dim() != 1 or logits_to_keep.dtype not in EMBEDDING_ID_DTYPES:\n",

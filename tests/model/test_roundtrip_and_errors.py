@@ -156,6 +156,10 @@ def test_logits_to_keep_that_names_no_positions_is_refused(model):
     ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(1))
     with pytest.raises(ValueError, match="logits_to_keep must be an int >= 0 .* got -2"):
         model(ids, logits_to_keep=-2)
+    with torch.no_grad():  # a decoded token too (the one-call decode took it and returned the token's logits)
+        cache = model(ids, use_cache=True).cache
+        with pytest.raises(ValueError, match="logits_to_keep must be an int >= 0 .* got -1"):
+            model(ids[:, :1], cache=cache, use_cache=True, logits_to_keep=-1)
     with pytest.raises(ValueError, match=r"logits_to_keep must be .* got a tensor of shape \(\)"):
         model(ids, logits_to_keep=torch.tensor(3))
     with pytest.raises(ValueError, match=r"logits_to_keep names positions \[1, 5\] but the input has 5 positions"):
