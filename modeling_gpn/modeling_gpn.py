@@ -1243,7 +1243,7 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
                 inputs["attention_mask"] = attention_mask
             return inputs | kwargs
         peer = kwargs.pop(SYNCED_PEER, None)
-        if peer is not None:  # a synced decoding (`_sample`): its idle forwards advance a copy of the cache
+        if peer is not None:  # a synced decoding (`_sample`, `_beam_search`): its idle forwards advance a copy
             return self.prepare_inputs_for_generation(
                 input_ids,
                 next_sequence_length,

@@ -977,7 +977,7 @@ MUTATIONS = [
     Mutation(
         "synced_gpus: generate() returns the idle forwards' throwaway copy, not the cache kept",
         "modeling_gpn/generation.py",
-        "            result[\"cache\"] = self.kept\n",
+        '            result["cache"] = self.kept\n',
         "            pass  # MUTATION\n",
         ("tests/model/test_generate.py -k synced_gpus",),
     ),
