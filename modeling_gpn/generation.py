@@ -11,6 +11,8 @@ generate()'s steps, each a thin call of a function here:
 - `refuse_hub_decoding_a_state_cannot_run`: DoLa and contrastive search, which transformers 5 loads from the Hub
   (`custom_generate`), refused before anything is fetched; `custom_generate_offline_error`: a Hub decoding method
   under HF_HUB_OFFLINE that is not in the local cache, said so;
+- `SyncedPeer`: under `synced_gpus` (DeepSpeed ZeRO-3, FSDP), the forwards a process runs after its rows have all
+  finished, only to keep the processes' collectives matched, run on a throwaway copy of the cache;
 - checks once per call: the prompt's shapes, PEFT's prompt-learning generate (which would re-read its virtual
   tokens at every token), and the prompt's logits, which must be finite before any token is picked from them.
 
@@ -20,10 +22,13 @@ docs/generate.md and docs/cache.md are the user's pages. Shipped to the Hub with
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 from transformers.generation.configuration_utils import GenerationMode
+from transformers.modeling_outputs import ModelOutput
 
 from .arguments import check_cache_type
 from .cache import GPNCache, continuation_start
@@ -165,6 +170,59 @@ def continue_from_cache(
         mask = torch.cat([mask.new_ones(mask.shape[0], seen), mask], dim=1)
         model_kwargs = {**model_kwargs, "attention_mask": mask}
     return input_ids, model_kwargs, seen
+
+
+# The model_kwargs entry that hands a synced decoding's `SyncedPeer` to `prepare_inputs_for_generation`: a key
+# beyond the decoded token's own, so only a synced decoding leaves the per-token fast path to look at it
+SYNCED_PEER = "gpn_synced_peer"
+
+
+class SyncedPeer:
+    """One process's side of a generate() under `synced_gpus`, which transformers turns on by itself for a model
+    under DeepSpeed ZeRO-3 or FSDP with more than one process (or the caller does).
+
+    Once this process's rows have all finished, transformers' decoding loops (`_sample`, `_beam_search`) go on
+    calling the model's forward on the last tokens until every process has finished, only so that the collectives
+    (the sharded weights' gathers) stay matched, and drop what it returns. For a KV cache that only appends entries
+    past the returned sequences; a GPN's state would read them, and the cache generate() returns (or advanced in
+    place for the caller) would hold a state past its sequences, continued in silence as if it were theirs. Those
+    idle forwards run on a copy of the cache instead (`cache_for_forward`): the same forward and collectives, and
+    the cache kept holds exactly the state of the sequences returned. Nothing of this runs without `synced_gpus`.
+    """
+
+    def __init__(self) -> None:
+        self.finished = False  # this process's rows have all finished while others go on: its next forward is idle
+        self.kept: GPNCache | None = None  # the cache that holds the sequences' state, from the first idle forward
+        self.scratch: GPNCache | None = None  # its copy, which the idle forwards advance
+
+    def cache_for_forward(self, cache):
+        """The cache the next forward should advance: `cache`, or for an idle forward a throwaway copy of it
+        (made once; transformers then hands back that copy, which the later idle forwards advance in turn)."""
+        if not self.finished or not isinstance(cache, GPNCache) or not cache.has_state:
+            return cache
+        if cache is not self.scratch:
+            self.kept, self.scratch = cache, cache.fork(1)
+        return self.scratch
+
+    def returned(self, result):
+        """The decoding loop's result with the kept cache where transformers put the last one it was handed back
+        (the throwaway copy, after idle forwards)."""
+        if self.scratch is not None and isinstance(result, ModelOutput) and result.get("cache") is self.scratch:
+            result["cache"] = self.kept
+        return result
+
+
+@contextmanager
+def synced_peer(model: nn.Module, model_kwargs: dict) -> Iterator[SyncedPeer]:
+    """A `SyncedPeer` for one synced decoding loop on `model`: in `model_kwargs` (for `prepare_inputs_for_generation`)
+    and on the model (for `_has_unfinished_sequences`, which alone sees whether this process has finished, and is
+    not given the model_kwargs) while the loop runs."""
+    peer = model_kwargs[SYNCED_PEER] = SyncedPeer()
+    model.__dict__["_gpn_synced_peer"] = peer
+    try:
+        yield peer
+    finally:
+        model.__dict__.pop("_gpn_synced_peer", None)
 
 
 def refuse_peft_prompt_learning_generate(model: nn.Module) -> None:

@@ -84,6 +84,7 @@ from .fast_recurrence import (
     output_logits,
 )
 from .generation import (
+    SYNCED_PEER,
     check_generate_input_shapes,
     continue_from_cache,
     custom_generate_offline_error,
@@ -91,6 +92,7 @@ from .generation import (
     refuse_hub_decoding_a_state_cannot_run,
     refuse_non_finite_prompt_logits,
     refuse_peft_prompt_learning_generate,
+    synced_peer,
 )
 from .output_layer import (
     mixed_batch_adapter_names,
@@ -1240,6 +1242,18 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             if attention_mask is not None:
                 inputs["attention_mask"] = attention_mask
             return inputs | kwargs
+        peer = kwargs.pop(SYNCED_PEER, None)
+        if peer is not None:  # a synced decoding (`_sample`, `_beam_search`): its idle forwards advance a copy
+            return self.prepare_inputs_for_generation(
+                input_ids,
+                next_sequence_length,
+                peer.cache_for_forward(cache),
+                attention_mask,
+                inputs_embeds,
+                is_first_iteration,
+                position_ids,
+                **kwargs,
+            )
         return super().prepare_inputs_for_generation(
             input_ids,
             next_sequence_length=next_sequence_length,
@@ -1250,6 +1264,47 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             position_ids=position_ids,
             **kwargs,
         )
+
+    def _sample(
+        self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus: bool = False, **kwargs
+    ):
+        """transformers' greedy and sampling loop. Under `synced_gpus`, the forwards this process runs after its rows
+        have all finished (to keep the collectives matched) advance a throwaway copy of the cache, so the cache kept
+        and returned holds the sequences' state (`generation.SyncedPeer`); without it, the loop as it is."""
+        if not synced_gpus:
+            return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config, **kwargs)
+        with synced_peer(self, kwargs) as peer:
+            return peer.returned(
+                super()._sample(
+                    input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=True, **kwargs
+                )
+            )
+
+    def _beam_search(
+        self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus: bool = False, **kwargs
+    ):
+        """transformers' beam search, with `_sample`'s handling of `synced_gpus`."""
+        if not synced_gpus:
+            return super()._beam_search(input_ids, logits_processor, stopping_criteria, generation_config, **kwargs)
+        with synced_peer(self, kwargs) as peer:
+            return peer.returned(
+                super()._beam_search(
+                    input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=True, **kwargs
+                )
+            )
+
+    def _has_unfinished_sequences(self, this_peer_finished: bool, synced_gpus: bool, device: torch.device) -> bool:
+        """transformers' test at the top of every decoding step. Under `synced_gpus`, as transformers does it (an
+        all-reduce of every process's flag), and it notes for `SyncedPeer` whether this process's next forward is
+        idle (its rows have all finished while others go on), which only this step sees. Without it, transformers'
+        own answer, written out so a plain decode pays nothing more a token than it did."""
+        if not synced_gpus:
+            return not this_peer_finished
+        unfinished = super()._has_unfinished_sequences(this_peer_finished, synced_gpus, device)
+        peer = self.__dict__.get("_gpn_synced_peer")
+        if peer is not None:
+            peer.finished = bool(this_peer_finished) and unfinished
+        return unfinished
 
     def _prefill(self, input_ids: torch.Tensor, generation_config, model_kwargs: dict, *args, **kwargs):
         """Continue generation from a returned cache, given the whole sequence or only the new positions, never

@@ -968,6 +968,20 @@ MUTATIONS = [
         ("tests/model/test_generate.py::test_hub_decoding_methods_a_gpn_cannot_run_are_refused_by_name",),
     ),
     Mutation(
+        "synced_gpus: a finished process's idle forwards advance the cache kept (not a throwaway copy)",
+        "modeling_gpn/modeling_gpn.py",
+        "            peer.finished = bool(this_peer_finished) and unfinished\n",
+        "            peer.finished = False  # MUTATION\n",
+        ("tests/model/test_generate.py -k synced_gpus",),
+    ),
+    Mutation(
+        "synced_gpus: generate() returns the idle forwards' throwaway copy, not the cache kept",
+        "modeling_gpn/generation.py",
+        '            result["cache"] = self.kept\n',
+        "            pass  # MUTATION\n",
+        ("tests/model/test_generate.py -k synced_gpus",),
+    ),
+    Mutation(
         "an offline custom_generate said to be missing from the cache (transformers: the repo has no such method)",
         "modeling_gpn/modeling_gpn.py",
         "            if offline is None:\n",

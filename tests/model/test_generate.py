@@ -467,3 +467,42 @@ def test_a_continued_whole_sequence_whose_mask_pads_what_the_cache_read_is_refus
     )
     assert sequence.shape[1] == 23 and cache.get_seq_length() == 23 + 2  # (the last token generated is not read)
     assert torch.equal(continued, argmax_continuation(model, sequence, 3))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["greedy", "sample", "beams"])
+def test_a_process_that_finished_first_under_synced_gpus_keeps_its_sequences_state(model, monkeypatch, mode):
+    """Under `synced_gpus` (on by itself for generate() under DeepSpeed ZeRO-3 or FSDP with more than one
+    process), a process whose rows have all finished goes on running the forward on its last tokens until every
+    process has finished (transformers' loops: forward, then `continue`), to keep the collectives matched. A
+    GPN's state read them: the cache returned, and the caller's, held a state past the sequences, and continuing
+    it with the whole sequence gave logits off by 0.01 in silence. They run on a copy: the cache is the one the
+    same generate() without `synced_gpus` returns, and continues as a fresh read. The other process is the
+    all-reduce of transformers' `_has_unfinished_sequences` (the only collective the loop runs itself): still
+    decoding 3 steps after this one finished."""
+    calls = []
+
+    def another_process_still_decoding(flag, *args, **kwargs):  # its flag (1: unfinished) added to this one's
+        calls.append(float(flag))
+        flag += 1.0 if len(calls) <= 3 + 3 else 0.0
+
+    prompt = torch.randint(1, 97, (2, 5), generator=torch.Generator().manual_seed(70))
+    settings = {"greedy": {}, "sample": {"do_sample": True}, "beams": {"num_beams": 2}}[mode]
+    settings = {"do_sample": False, "max_new_tokens": 3, "return_dict_in_generate": True} | settings
+    torch.manual_seed(71)
+    alone = model.generate(prompt, **settings)
+    monkeypatch.setattr(torch.distributed, "all_reduce", another_process_still_decoding)
+    given = GPNCache()
+    torch.manual_seed(71)
+    synced = model.generate(prompt, cache=given, synced_gpus=True, **settings)
+    assert calls == [1.0, 1.0, 1.0] + [0.0] * 4  # 3 tokens picked, then 3 idle forwards (and the last check)
+    assert torch.equal(synced.sequences, alone.sequences) and synced.cache is given
+    assert given.get_seq_length() == alone.cache.get_seq_length() == 5 + 2
+    for kept, reference in zip(given.get_state(), alone.cache.get_state()):
+        assert torch.equal(kept, reference)
+    assert torch.equal(given.read_fingerprint(), alone.cache.read_fingerprint())
+    if mode != "beams":  # (a beam search's cache rows are its last running beams: docs/cache.md)
+        whole = torch.cat([synced.sequences, torch.full((2, 1), 9)], dim=1)
+        continued = model.generate(whole, cache=given, **(settings | {"max_new_tokens": 1}), output_logits=True)
+        fresh = model(whole).logits[:, -1]
+        torch.testing.assert_close(continued.logits[0], fresh, atol=1e-5, rtol=0)
