@@ -1294,14 +1294,11 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             )
 
     def _has_unfinished_sequences(self, this_peer_finished: bool, synced_gpus: bool, device: torch.device) -> bool:
-        """transformers' test at the top of every decoding step. Under `synced_gpus`, as transformers does it (an
-        all-reduce of every process's flag), and it notes for `SyncedPeer` whether this process's next forward is
-        idle (its rows have all finished while others go on), which only this step sees. Without it, transformers'
-        own answer, written out so a plain decode pays nothing more a token than it did."""
-        if not synced_gpus:
-            return not this_peer_finished
+        """transformers' test at the top of every decoding step; under `synced_gpus` it also notes for `SyncedPeer`
+        whether this process's next forward is idle (its rows have all finished while others go on), which only
+        this step sees."""
         unfinished = super()._has_unfinished_sequences(this_peer_finished, synced_gpus, device)
-        peer = self.__dict__.get("_gpn_synced_peer")
+        peer = self.__dict__.get("_gpn_synced_peer") if synced_gpus else None
         if peer is not None:
             peer.finished = bool(this_peer_finished) and unfinished
         return unfinished
