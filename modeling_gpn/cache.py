@@ -30,6 +30,7 @@ from .state_file import (
     STATE_TENSOR_NAMES,
     GPNStateFileError,
     gpn_base_model,
+    mixed_batch_adapters,
     read_state_file,
     state_fingerprint,
     tokenizer_fingerprint,
@@ -166,6 +167,10 @@ class GPNStateLayer(LinearAttentionLayer):
     """
 
     PREDICTED, GROUNDED, MEMORY = 0, 1, 2
+    # The adapters of the PEFT mixed-batch calls that advanced this state (`GPNCache.note_model`): its rows were
+    # computed under several adapters, so no one model's state file can name it. (A class default: a layer
+    # pickled before it existed reads none.)
+    mixed_adapters: frozenset = frozenset()
 
     def __init__(self, **kwargs):
         super().__init__(number_of_states=3)
@@ -219,6 +224,7 @@ class GPNStateLayer(LinearAttentionLayer):
         super().reset()
         self.seen_tokens = 0
         self.fingerprint = ReadFingerprint()
+        self.mixed_adapters = frozenset()
 
     def get_seq_length(self) -> int:
         seen = self.seen_tokens  # a 0-dim tensor in a traced program and in a cache one returned (the pytree functions)
@@ -281,15 +287,25 @@ class GPNCache(Cache):
                 setattr(copied, name, self.__dict__[name])
         return copied
 
-    def note_model(self, model: nn.Module) -> None:
+    def note_model(self, model: nn.Module, look_for_mixed_adapters: bool = True) -> None:
         """Remember `model` (a `GPNModel`) as the one that advanced this state, for `save`. A model new to this
         cache also leaves a snapshot of its weights (`state_file.weights_snapshot`), by which `save` tells that
         they changed after the state was computed (the forward calls this after every step: a glance at one
         attribute while the model stays the same). A compiled or exported forward reads no storage: it leaves no
-        snapshot, and the save of a state it advanced is not checked."""
+        snapshot, and the save of a state it advanced is not checked.
+
+        `look_for_mixed_adapters`: whether the call that advanced the state may have been PEFT's mixed-batch
+        inference (`state_file.mixed_batch_adapters`); if it was, the cache keeps its adapters for good (its rows
+        were computed under several), and `save` refuses it. False only where no such call can reach (a
+        state just loaded, the one-call decode of a model of plain modules)."""
         if is_tracing():
             self._gpn_model_ref, self._gpn_weights_snapshot = weakref.ref(model), None
             return
+        if look_for_mixed_adapters:
+            names = mixed_batch_adapters(model)
+            if names is not None:
+                layer = self.state_layer
+                layer.mixed_adapters = layer.mixed_adapters | {str(name) for name in names}
         ref = self.__dict__.get("_gpn_model_ref")
         if ref is None or ref() is not model:
             self._gpn_model_ref = weakref.ref(model)
@@ -399,6 +415,7 @@ class GPNCache(Cache):
         forked.state_layer.fingerprint = ReadFingerprint(
             known=read is not None, fingerprint=None if read is None else read.repeat_interleave(num_copies, dim=0)
         )
+        forked.state_layer.mixed_adapters = layer.mixed_adapters  # (each copy was computed as its original row)
         forked._gpn_model_ref = getattr(self, "_gpn_model_ref", None)
         forked._gpn_weights_snapshot = getattr(self, "_gpn_weights_snapshot", None)
         return forked
@@ -424,6 +441,14 @@ class GPNCache(Cache):
         path = Path(path)
         if not self.has_state:
             raise ValueError(f"Cannot save {path}: this GPNCache holds no state (run the model on a prompt first)")
+        mixed = self.state_layer.mixed_adapters
+        if mixed:  # (whatever fingerprint is given: it names one model, and these rows are of several)
+            raise ValueError(
+                f"Cannot save {path}: PEFT's mixed-batch inference (adapter_names) computed this state, its rows under "
+                f"the adapters {sorted(mixed)}, but a state file names one model (the active adapter's), which would "
+                "continue each row as if it had computed it. Compute each row's state with its adapter set active "
+                '(`set_adapter(name)`; `disable_adapter()` for "__base__"), without adapter_names, then save'
+            )
         if model_fingerprint is None:
             model_ref = getattr(self, "_gpn_model_ref", None)
             model = model_ref() if model_ref is not None else None
@@ -506,7 +531,7 @@ class GPNCache(Cache):
             cache.state_layer.fingerprint = ReadFingerprint(fingerprint=read)
         else:
             cache.state_layer.fingerprint.forget()
-        cache.note_model(base)
+        cache.note_model(base, look_for_mixed_adapters=False)  # (nothing has run: the file's state is the model's)
         return cache
 
 

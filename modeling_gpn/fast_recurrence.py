@@ -508,7 +508,9 @@ def fast_decode_token(
             raise
         derived["decoded key"] = (g0, version_of(g0), plan.key)
     cache.advanced_in_place(input_ids, hashed=ids_hash is not None)
-    cache.note_model(model)  # whose state this is, for GPNCache.save
+    # whose state this is, for GPNCache.save; never PEFT's mixed-batch inference, whose hooks sit on adapter layers,
+    # which are no plain modules (`decode_lane_blocker`): nothing to look for on the decoded token
+    cache.note_model(model, look_for_mixed_adapters=False)
     keep_with(model, cache, scope)
     object.__setattr__(model, "last_recurrence_path", "fast")
     object.__setattr__(model, "last_recurrence_backends", _DECODED_BACKENDS[plan.step_plan.memory])

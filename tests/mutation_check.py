@@ -3593,6 +3593,51 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "a PEFT mixed-batch state is saved naming the active adapter (the cache keeps no mark of the call)",
+        "modeling_gpn/cache.py",
+        "            names = mixed_batch_adapters(model)\n            if names is not None:",
+        "            names = mixed_batch_adapters(model)\n            if False:  # MUTATION",
+        (
+            "tests/ecosystem/test_ecosystem.py::test_a_peft_models_state_loads_into_it_and_not_with_other_adapter_settings",
+        ),
+    ),
+    Mutation(
+        "a PEFT mixed batch is looked for on the embedding only (adapters on linear layers unseen)",
+        "modeling_gpn/state_file.py",
+        "            for module in modules_below(model)\n",
+        "            for module in [model.embed_tokens]  # MUTATION\n",
+        (
+            "tests/ecosystem/test_ecosystem.py::test_a_peft_models_state_loads_into_it_and_not_with_other_adapter_settings",
+        ),
+    ),
+    Mutation(
+        "a PEFT mixed batch's hooks are looked for once a model (never after a hook is registered)",
+        "modeling_gpn/state_file.py",
+        "    if look is None or look[0] != registered:",
+        "    if look is None:  # MUTATION",
+        (
+            "tests/ecosystem/test_ecosystem.py::test_a_peft_models_state_loads_into_it_and_not_with_other_adapter_settings",
+        ),
+    ),
+    Mutation(
+        "a PEFT mixed batch is remembered after its hooks are gone (the modules found hooked not read again)",
+        "modeling_gpn/state_file.py",
+        "        names = mixed_batch_adapter_names(module) if module is not None else None",
+        "        names = ['stale'] if module is not None else None  # MUTATION",
+        (
+            "tests/ecosystem/test_ecosystem.py::test_a_peft_models_state_loads_into_it_and_not_with_other_adapter_settings",
+        ),
+    ),
+    Mutation(
+        "a fork of a PEFT mixed-batch state is saved naming the active adapter (fork drops the mark)",
+        "modeling_gpn/cache.py",
+        "        forked.state_layer.mixed_adapters = layer.mixed_adapters",
+        "        pass  # MUTATION",
+        (
+            "tests/ecosystem/test_ecosystem.py::test_a_peft_models_state_loads_into_it_and_not_with_other_adapter_settings",
+        ),
+    ),
+    Mutation(
         "a cache's weights snapshot taken again at every forward (an edit between tokens not seen)",
         "modeling_gpn/cache.py",
         "        if ref is None or ref() is not model:",

@@ -9,7 +9,9 @@ continued from a returned cache.
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
 import textwrap
 
 import pytest
@@ -444,6 +446,21 @@ def test_a_peft_models_state_loads_into_it_and_not_with_other_adapter_settings(t
     with adapted.disable_adapter(), pytest.raises(ValueError, match="changed after this state was computed"):
         cache.save(tmp_path / "disabled.safetensors")
     cache.save(tmp_path / "enabled.safetensors")
+
+    # PEFT's mixed-batch inference computes each row under its own adapter (its hooks on the adapted layers, here
+    # linear ones only): the file named the active adapter's model, which then continued the "__base__" row as its
+    # own, in silence. Refused at save, by a fork, a deep copy, a pickled copy and a selection of rows alike
+    mixed_generate = greedy | dict(max_new_tokens=2, return_dict_in_generate=True)
+    with torch.no_grad():
+        mixed = adapted.generate(input_ids=prefix, adapter_names=["__base__", "default"], **mixed_generate)
+        after = adapted(input_ids=prefix, use_cache=True).cache  # (the hooks gone: a state of the model again)
+    mixed = mixed.past_key_values
+    copies = [mixed.fork(2), copy.deepcopy(mixed), pickle.loads(pickle.dumps(mixed)), mixed]
+    mixed.batch_select_indices(torch.tensor([1]))
+    for each in copies:
+        with pytest.raises(ValueError, match=r"mixed-batch inference .*\['__base__', 'default'\].*set_adapter"):
+            each.save(tmp_path / "mixed.safetensors")
+    after.save(tmp_path / "after.safetensors")
 
 
 def prompt_tuned(config, seed: int = 3):
