@@ -1150,6 +1150,27 @@ MUTATIONS = [
         ("tests/ecosystem/test_eval.py::test_held_out_fraction_scores_gpn_train_held_out_windows_of_a_real_corpus",),
     ),
     Mutation(
+        "gpn eval replaces an earlier run's results in its --output-dir in silence",
+        "eval/cli.py",
+        "        if not args.overwrite:\n",
+        "        if False:  # MUTATION\n",
+        ("tests/ecosystem/test_eval.py::test_gpn_eval_command_writes_results_and_side_by_side_report",),
+    ),
+    Mutation(
+        "gpn eval's report writes the paper's published rows to fixed decimals (263.6 as 263.60)",
+        "eval/report.py",
+        "        cells = [_fmt(row.get(key), PUBLISHED_PATTERNS[key]) for key, _, _ in COLUMNS]\n",
+        "        cells = [_fmt(row.get(key), pattern) for key, _, pattern in COLUMNS]  # MUTATION\n",
+        ("tests/ecosystem/test_eval.py::test_gpn_eval_command_writes_results_and_side_by_side_report",),
+    ),
+    Mutation(
+        "gpn eval's report does not say which way each column of Table 1 is better",
+        "eval/report.py",
+        '    return "↑" if metrics[column]["higher_is_better"] else "↓"\n',
+        '    return ""  # MUTATION\n',
+        ("tests/ecosystem/test_eval.py::test_gpn_eval_command_writes_results_and_side_by_side_report",),
+    ),
+    Mutation(
         "gpn eval --fineweb-token-cache ignores an option that cuts documents in silence",
         "eval/runner.py",
         "        if any(ignored.values()):\n",

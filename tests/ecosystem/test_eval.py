@@ -524,12 +524,28 @@ def test_gpn_eval_command_writes_results_and_side_by_side_report(gpn_dir, data, 
         "| GPN (no memory)",
         f"| **{gpn_dir}**",
     ]
-    assert "| 16.05 | 0.223 | 18.99 |" in table[0]
+    # the paper's rows as GPN.md quotes them (263.6, not 263.60; 0.160, not 0.16), each column's direction said
+    assert table[0].endswith("| published | ≈130M | 12 | 768 | 16.05 | 0.223 | 18.99 |")
+    assert table[3].endswith("| 16.95 | 0.160 | 27.39 |") and table[4].endswith("| 23.51 | 0.015 | 263.6 |")
+    assert "| FineWeb PPL ↓ | LAMBADA acc ↑ | LAMBADA PPL ↓ |" in report
     assert f"**{results['tasks']['lambada_paper']['ppl']:.2f}**" in table[-1]
     assert "not the full set" in report and "the paper uses 2048" in report
     # --limit cuts LAMBADA, not the FineWeb windows (once "limit 8 examples per task", FineWeb's column included)
     assert "**limit: the first 8 examples of each LAMBADA and lm-eval task**" in report
     assert "lambada_paper" in capsys.readouterr().out
+
+    # A second run into the same folder (the default one of every runs/NAME/model is ./eval-model) replaced the
+    # first's results in silence: refused before the model loads, the first's files untouched; --overwrite replaces.
+    again = ["eval", str(gpn_dir), "--data-dir", str(data), "--tasks", "lambada_paper", "--limit", "2"]
+    assert main([*again, "--output-dir", str(out), "--quiet"]) == 2
+    assert capsys.readouterr().err == (
+        f"gpn eval: error: --output-dir {out} already holds an evaluation (eval_results.json, eval_report.md); "
+        "choose another folder, or give --overwrite to replace it\n"
+    )
+    assert json.loads((out / "eval_results.json").read_text()) == results
+    assert (out / "eval_report.md").read_text() == report
+    assert main([*again, "--output-dir", str(out), "--quiet", "--overwrite"]) == 0
+    assert set(json.loads((out / "eval_results.json").read_text())["tasks"]) == {"lambada_paper"}
 
 
 def test_same_command_on_a_llama(llama_dir, data, tmp_path):
