@@ -37,7 +37,7 @@ Tasks and their metrics:
 - `lambada_openai` (lm-eval): `acc` (whole last word greedy), `perplexity` (per-example summed NLL).
 - `lambada_paper` (paper, `protocols.py`): `acc` (top-1 of the first subword of the last word),
   `ppl` (pooled over the last word's subwords), `acc_whole_word`, `ppl_per_example`, `examples`,
-  `target_tokens`.
+  `target_tokens`, `truncated_examples` (contexts left-truncated to `max_length`, as lm-eval's).
 - `fineweb_paper` (paper, `protocols.py`): `ppl` (the reported convention), `ppl_all_positions`
   (GPN: first token from the empty state), `ppl_excluding_first`, `tokens_scored`, `windows`,
   `window`, `first_window`, `stream_tokens`, `dropped_tail_tokens`, `documents`.
@@ -118,7 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-length",
         type=int,
         default=None,
-        help="context length for lm-eval; without it config.max_length_hint for a GPN (its training window), else the model's positional limit",
+        help="context length for lm-eval and lambada_paper (longer contexts are left-truncated); without it config.max_length_hint for a GPN (its training window), else the model's positional limit",
     )
     parser.add_argument(
         "--fineweb-window", type=int, default=2048, help="window length of the FineWeb protocol (paper: 2048)"

@@ -123,6 +123,12 @@ def _measured_row_notes(results: dict[str, Any]) -> list[str]:
             if n == PAPER_LAMBADA_EXAMPLES
             else f" (**not the full set**; the paper uses all {PAPER_LAMBADA_EXAMPLES})"
         )
+        truncated = lambada.get("truncated_examples")
+        if truncated:  # (the paper reads every context whole)
+            flag += (
+                f" (**{truncated} of them with the context cut to its last {results['max_length']} tokens**; the paper "
+                "reads them whole: raise --max-length)"
+            )
         notes.append(
             f"- measured LAMBADA: {n} examples, {lambada.get('target_tokens')} last-word subwords{flag}; data {results['data'].get('lambada_paper')}"
         )

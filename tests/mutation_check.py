@@ -1171,6 +1171,13 @@ MUTATIONS = [
         ("tests/ecosystem/test_eval.py::test_gpn_eval_command_writes_results_and_side_by_side_report",),
     ),
     Mutation(
+        "gpn eval's lambada_paper left-truncates contexts to --max-length with nothing said",
+        "eval/protocols.py",
+        "    return sum(len(example.context_ids) + len(example.target_ids) - 1 > max_length for example in examples)\n",
+        "    return 0  # MUTATION\n",
+        ("tests/ecosystem/test_eval.py::test_gpn_eval_command_writes_results_and_side_by_side_report",),
+    ),
+    Mutation(
         "gpn eval --fineweb-token-cache ignores an option that cuts documents in silence",
         "eval/runner.py",
         "        if any(ignored.values()):\n",

@@ -10,6 +10,7 @@ import json
 import math
 import re
 import shutil
+from functools import partial
 
 import pytest
 import torch
@@ -467,7 +468,11 @@ def llama_dir(tmp_path_factory, data):
 
 
 def test_gpn_eval_command_writes_results_and_side_by_side_report(gpn_dir, data, tmp_path, capsys):
+    from transformers import AutoTokenizer
+
     from gpn_cli import main
+    from modeling_gpn.evaluation.protocols import encode_lambada
+    from modeling_gpn.evaluation.runner import load_texts
 
     out = tmp_path / "out"
     code = main(
@@ -544,8 +549,16 @@ def test_gpn_eval_command_writes_results_and_side_by_side_report(gpn_dir, data, 
     )
     assert json.loads((out / "eval_results.json").read_text()) == results
     assert (out / "eval_report.md").read_text() == report
-    assert main([*again, "--output-dir", str(out), "--quiet", "--overwrite"]) == 0
-    assert set(json.loads((out / "eval_results.json").read_text())["tasks"]) == {"lambada_paper"}
+    # (a context longer than --max-length is left-truncated, as lm-eval does: counted and said beside the table)
+    assert main([*again, "--max-length", "80", "--output-dir", str(out), "--quiet", "--overwrite"]) == 0
+    rerun = json.loads((out / "eval_results.json").read_text())
+    assert set(rerun["tasks"]) == {"lambada_paper"}
+    tokenizer = AutoTokenizer.from_pretrained(gpn_dir)
+    texts = load_texts(str(data / "lambada" / "lambada_test.jsonl"), None, "text", limit=2)
+    read = [len(e.context_ids) + len(e.target_ids) - 1 for e in map(partial(encode_lambada, tokenizer), texts)]
+    assert min(read) <= 80 < max(read)  # (one is cut, the other not)
+    assert rerun["tasks"]["lambada_paper"]["truncated_examples"] == 1
+    assert "(**1 of them with the context cut to its last 80 tokens**" in (out / "eval_report.md").read_text()
 
 
 def test_same_command_on_a_llama(llama_dir, data, tmp_path):
