@@ -2863,6 +2863,13 @@ MUTATIONS = [
         ("tests/tools/test_train.py -k fsdp2_on_cpu_computes_in_the_runs_mixed_precision",),
     ),
     Mutation(
+        "a GPN block takes the state FSDP2's mixed precision cast to bf16 at its entry (rounded, or a deep failure)",
+        "modeling_gpn/modeling_gpn.py",
+        "        if tensor is not None and tensor.dtype != torch.float32:\n",
+        "        if False:  # MUTATION\n",
+        ("tests/ecosystem/test_ecosystem.py -k fsdp2_mixed_precision_casts_into_a_block",),
+    ),
+    Mutation(
         "a cache noting a GPN's weights reads only a tensor subclass's __dict__ (an FSDP2 shard's DTensor: KeyError)",
         "modeling_gpn/derived_weights.py",
         "    return held if held is not None else object.__getattribute__(tensor, name)\n",
