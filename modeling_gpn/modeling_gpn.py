@@ -176,6 +176,24 @@ def lecun_normal_(weight: torch.Tensor) -> None:
     init.trunc_normal_(weight, mean=0.0, std=std, a=-2 * std, b=2 * std)
 
 
+def refuse_state_not_float32(block: nn.Module, **state: torch.Tensor | None) -> None:
+    """Refuse a recurrent state (p, g) or memory M reaching `block`'s forward in another dtype than float32, in one
+    line naming the cause. The state never leaves float32 by itself (every projection returns float32): what casts
+    it is FSDP2's mixed precision on a block sharded apart (`MixedPrecisionPolicy(cast_forward_inputs=True)`, its
+    default, casts every floating input of the block's call to `param_dtype`), which would round the state at every
+    token, or fail deep in the memory write ("expected scalar type Float but found BFloat16"). A dtype comparison
+    per call of the plain loop, no more (the fast path calls no block)."""
+    for name, tensor in state.items():
+        if tensor is not None and tensor.dtype != torch.float32:
+            block_name = type(block).__name__.removeprefix("FSDP")  # (FSDP2 renames a class it shards apart)
+            raise TypeError(
+                f"{block_name} got the recurrent {name} in {tensor.dtype}, not float32 (the state is "
+                "kept in float32 at every token): FSDP2's mixed precision casts the inputs of a block sharded apart to "
+                "its param_dtype; shard it with MixedPrecisionPolicy(cast_forward_inputs=False) (what `gpn train` sets), "
+                "or shard the model as one unit"
+            )
+
+
 # --------------------------------------------------------------------------------------------------
 # The blocks of one step
 # --------------------------------------------------------------------------------------------------
@@ -215,6 +233,7 @@ class GPNMemoryWrite(nn.Module):
         self, memory: torch.Tensor, older_grounded: torch.Tensor, grounded: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return the memory after the write and gamma (batch, H)."""
+        refuse_state_not_float32(self, memory=memory, older_grounded=older_grounded, grounded=grounded)
         key = self.keys(older_grounded)
         normed = self.norm(grounded)
         value = project(self.value, normed).view(-1, self.num_heads, self.value_dim)
@@ -265,6 +284,7 @@ class GPNPredictLayer(nn.Module):
         return project(self.read_out, F.silu(project(self.read_gate, normed)) * self.read_out_norm(read_vector))
 
     def forward(self, state: torch.Tensor, memory: torch.Tensor | None) -> torch.Tensor:
+        refuse_state_not_float32(self, state=state, memory=memory)
         keep = torch.sigmoid(project(self.gate, self.gate_norm(state)))
         new_state = keep * state + self.ffn(state)
         if self.use_memory:

@@ -2884,6 +2884,23 @@ MUTATIONS = [
         ("tests/tools/test_train.py -k fsdp2_on_cpu_computes_in_the_runs_mixed_precision",),
     ),
     Mutation(
+        "a GPN block takes the state FSDP2's mixed precision cast to bf16 at its entry (rounded, or a deep failure)",
+        "modeling_gpn/modeling_gpn.py",
+        "        if tensor is not None and tensor.dtype != torch.float32:\n",
+        "        if False:  # MUTATION\n",
+        ("tests/ecosystem/test_ecosystem.py -k fsdp2_mixed_precision_casts_into_a_block",),
+    ),
+    Mutation(
+        "the loss ignores num_items_in_batch (a mean per process and per micro-batch, not over the global batch)",
+        "modeling_gpn/chunked_loss.py",
+        "    if num_items_in_batch is None:\n",
+        "    if True:  # MUTATION\n",
+        (
+            "tests/ecosystem/test_ecosystem.py -k num_items_in_batch_makes_gradient_accumulation_exact",
+            "tests/tools/test_sft_fsdp.py",
+        ),
+    ),
+    Mutation(
         "a cache noting a GPN's weights reads only a tensor subclass's __dict__ (an FSDP2 shard's DTensor: KeyError)",
         "modeling_gpn/derived_weights.py",
         "    return held if held is not None else object.__getattribute__(tensor, name)\n",

@@ -852,6 +852,40 @@ def test_accelerates_default_fsdp2_wrap_policy_shards_every_gpn_class_as_one_uni
         assert [name for name, module in model.named_modules() if name and policy(module)] == [], type(model)
 
 
+def cast_inputs_as_fsdp2_mixed_precision(block: nn.Module, dtype: torch.dtype = torch.bfloat16):
+    """What FSDP2's `MixedPrecisionPolicy(param_dtype=dtype)` does at each call of a unit it sharded apart while
+    `cast_forward_inputs` is True (its default): every floating input cast to `dtype` before the forward runs."""
+
+    def cast(module, args, kwargs):
+        recast = [a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+        return tuple(recast), kwargs
+
+    return block.register_forward_pre_hook(cast, with_kwargs=True)
+
+
+@pytest.mark.parametrize("use_memory", [True, False])
+def test_a_state_fsdp2_mixed_precision_casts_into_a_block_is_refused_naming_the_fix(use_memory):
+    """A Trainer / Accelerate user who shards the blocks apart under FSDP2 in bf16 (`GPNPredictLayer,GPNMemoryWrite`
+    as the classes to wrap) gets the float32 recurrent state and memory cast to bf16 at the entry of every block's
+    call: with the memory the write failed deep inside ("expected scalar type Float but found BFloat16"); without
+    it, the state was rounded to bf16 at every token in silence. Refused in one line naming the cast and its fix
+    (`gpn train` sets it: tests/tools/test_train.py). A model whose weights are bf16 keeps its float32 state."""
+    model = perturbed_model(tiny_config(use_memory=use_memory), seed=3).to(torch.bfloat16)
+    model.model.use_fast_path = False  # (the path that calls the blocks, as FSDP2's hooks on them make it run)
+    ids = token_ids(2, 5)
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()  # bf16 weights, the state in float32: not refused
+        blocks = [model.model.memory_write] if use_memory else []
+        for block in [*blocks, *model.model.predict_layers]:
+            cast_inputs_as_fsdp2_mixed_precision(block)
+        first = "GPNMemoryWrite got the recurrent memory" if use_memory else "GPNPredictLayer got the recurrent state"
+        fix = r"MixedPrecisionPolicy\(cast_forward_inputs=False\)"
+        with pytest.raises(
+            TypeError, match=rf"^{first} in torch.bfloat16, not float32 .*FSDP2's mixed precision.*{fix}"
+        ):
+            model(ids)
+
+
 # --------------------------------------------------------------------------------------------------
 # 4. torch.export and torch.compile
 # --------------------------------------------------------------------------------------------------
