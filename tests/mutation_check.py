@@ -1520,6 +1520,14 @@ MUTATIONS = [
         ("tests/tools/test_hub.py -k loader_cannot_follow",),
     ),
     Mutation(
+        "gpn push lets the remote code import huggingface_hub (transformers' own dependency; generate() asks it "
+        "whether the Hub is offline): refused, every push failed",
+        "modeling_gpn/hub/checks.py",
+        '"safetensors", "huggingface_hub", "__future__"}',
+        '"safetensors", "__future__"}  # MUTATION',
+        ("tests/tools/test_hub.py::test_dry_run_folder_holds_exactly_what_the_hub_needs",),
+    ),
+    Mutation(
         "a failed atomic write (a state save, gpn bench --json) names the path asked for, not its temporary file",
         "modeling_gpn/atomic_files.py",
         "        raise type(error)(error.errno, error.strerror, str(path)) from error",
