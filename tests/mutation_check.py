@@ -1528,6 +1528,13 @@ MUTATIONS = [
         ("tests/tools/test_hub.py::test_dry_run_folder_holds_exactly_what_the_hub_needs",),
     ),
     Mutation(
+        "gpn push over an earlier push removes the repo's weights and tokenizer files it does not replace",
+        "modeling_gpn/hub/push.py",
+        "        delete_patterns=list(REPLACED_FILES),\n",
+        "        delete_patterns=None,  # MUTATION\n",
+        ("tests/tools/test_hub.py::test_upload_gets_the_right_arguments_and_the_dry_run_files",),
+    ),
+    Mutation(
         "a failed atomic write (a state save, gpn bench --json) names the path asked for, not its temporary file",
         "modeling_gpn/atomic_files.py",
         "        raise type(error)(error.errno, error.strerror, str(path)) from error",

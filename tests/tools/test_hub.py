@@ -611,6 +611,21 @@ def test_upload_gets_the_right_arguments_and_the_dry_run_files(source, published
     dry_run = {p.name: p.read_bytes() for p in published.iterdir()}
     assert upload["snapshot"] == dry_run  # the upload is exactly the dry-run folder
     assert not any(TOKEN.encode() in data for data in upload["snapshot"].values())
+    # a push over an earlier one (sharded weights, another tokenizer) leaves only this one's weights and tokenizer:
+    # upload_folder only adds, and transformers loaded a stale shard set's index, or a stale chat template
+    from huggingface_hub.utils import filter_repo_objects
+
+    earlier = {
+        "model-00001-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "tokenizer.model",
+        "chat_template.jinja",
+    }
+    own = {".gitattributes", "notes.md", "onnx/model.safetensors"}  # the repo's other files are the user's
+    repo = earlier | own | {"model.safetensors", "tokenizer.json", "config.json", "modeling_gpn.py"}
+    deleted = set(filter_repo_objects(repo, allow_patterns=upload["delete_patterns"])) - {".gitattributes"}
+    after = (repo - deleted) | set(upload["snapshot"])
+    assert after == own | set(dry_run), sorted(after ^ (own | set(dry_run)))
 
 
 def test_upload_as_pull_request_with_defaults(source, hub_calls, capsys):
