@@ -1535,6 +1535,20 @@ MUTATIONS = [
         ("tests/tools/test_hub.py::test_upload_gets_the_right_arguments_and_the_dry_run_files",),
     ),
     Mutation(
+        "gpn convert records the checkpoint it converted, and the card of its folder names it",
+        "conversion/reference.py",
+        '        (out / "conversion.json").write_text(',
+        '        0 and (out / "conversion.json").write_text(',
+        ("tests/tools/test_hub.py::test_convert_push_to_hub_publishes_the_converted_checkpoint",),
+    ),
+    Mutation(
+        "the card of a converted model names the checkpoint (read from conversion.json)",
+        "modeling_gpn/hub/card_inputs.py",
+        "    if conversion is not None:  # the weights are the reference trainer's: its run left no log here\n",
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_hub.py::test_convert_push_to_hub_publishes_the_converted_checkpoint",),
+    ),
+    Mutation(
         "a failed atomic write (a state save, gpn bench --json) names the path asked for, not its temporary file",
         "modeling_gpn/atomic_files.py",
         "        raise type(error)(error.errno, error.strerror, str(path)) from error",

@@ -348,6 +348,15 @@ def training_lines(training: TrainingInfo | None) -> list[str]:
     lines = ["## Training", ""]
     if training is None:
         return lines + ["No training log was found beside the weights, so the data and recipe are not stated here.", ""]
+    if training.conversion:
+        source = training.conversion.get("source", "?")
+        kind = training.conversion.get("format")
+        lines += [
+            f"Converted with `gpn convert` from the reference implementation's ({REFERENCE_CODE}) checkpoint "
+            f"`{source}`" + (f" ({kind})" if kind else "") + ": the weights are those the reference trainer wrote, "
+            "float32, computing what the reference computes.",
+            "",
+        ]
     if training.datasets:
         lines.append("Data: " + ", ".join(f"[{d}](https://huggingface.co/datasets/{d})" for d in training.datasets))
         lines.append("")
@@ -367,7 +376,8 @@ def training_lines(training: TrainingInfo | None) -> list[str]:
         if wanted:
             lines.append("Last logged values: " + ", ".join(f"{k} = {_fmt(training.last[k])}" for k in wanted) + ".")
             lines.append("")
-    return lines + [f"Read from: {', '.join(f'`{s}`' for s in training.sources)} ({training.log_rows} log rows).", ""]
+    rows = f" ({training.log_rows} log rows)" if training.log_rows else ""
+    return lines + [f"Read from: {', '.join(f'`{s}`' for s in training.sources)}{rows}.", ""]
 
 
 def evaluation_lines(config, model_name: str, n_params: int, evaluation: EvalInfo | None) -> list[str]:

@@ -744,7 +744,11 @@ def test_convert_push_to_hub_publishes_the_converted_checkpoint(hub_calls, tmp_p
         upload["snapshot"]
     )
     assert upload["snapshot"]["model.safetensors"] == (out / "model.safetensors").read_bytes()
-    assert "Parameters: 30,022" in upload["snapshot"]["README.md"].decode()  # the reference's own count
+    card = upload["snapshot"]["README.md"].decode()
+    assert "Parameters: 30,022" in card  # the reference's own count
+    # the card names what was converted (it said "No training log was found", as of weights of unknown origin)
+    assert "Converted with `gpn convert` from the reference implementation's" in card
+    assert "checkpoint `sot_m_1l` (params.npz)" in card and "No training log" not in card
     # generate() ends at the tokenizer's end of text (<unk>, 0 here), not at the config's LLaMA-2 default 2 ("b")
     config, generation = (json.loads(upload["snapshot"][name]) for name in ("config.json", "generation_config.json"))
     assert config["eos_token_id"] == generation["eos_token_id"] == generation["pad_token_id"] == 0
