@@ -1535,6 +1535,20 @@ MUTATIONS = [
         ("tests/tools/test_hub.py::test_upload_gets_the_right_arguments_and_the_dry_run_files",),
     ),
     Mutation(
+        "gpn push keeps the base_model of the card a Trainer or TRL wrote beside a fine-tune",
+        "modeling_gpn/hub/folder.py",
+        "    base_model = check_base_model(base_model) if base_model else card_base_model(model_dir)\n",
+        "    base_model = check_base_model(base_model) if base_model else None  # MUTATION\n",
+        ("tests/tools/test_hub.py::test_card_keeps_the_base_model_a_fine_tunes_trainer_named",),
+    ),
+    Mutation(
+        "gpn push refuses a --base-model that is no Hub repo id (a dead link on the Hub)",
+        "modeling_gpn/hub/folder.py",
+        "        validate_repo_id(base_model)\n",
+        "        pass  # MUTATION\n",
+        ("tests/tools/test_hub.py::test_card_keeps_the_base_model_a_fine_tunes_trainer_named",),
+    ),
+    Mutation(
         "gpn convert records the checkpoint it converted, and the card of its folder names it",
         "conversion/reference.py",
         '        (out / "conversion.json").write_text(',

@@ -249,6 +249,7 @@ def build_card(
     tags: Iterable[str] = (),
     model_name: str | None = None,
     tokenizer_name: str | None = None,
+    base_model: str | None = None,
 ) -> str:
     """The README.md text: YAML metadata plus usage, architecture, training and evaluation sections."""
     from huggingface_hub import ModelCardData
@@ -267,6 +268,7 @@ def build_card(
         tags=all_tags,
         model_name=model_name,
         eval_results=eval_results,
+        base_model=base_model,  # the Hub links a fine-tune or a merged adapter to the model it came from
     )
     variant = variant_name(config)
     lines = intro_lines(config, variant, model_name, repo_id)

@@ -87,6 +87,7 @@ def push_folder(
     tokenizer: str | None = None,
     quiet: bool = False,
     eval_results: str | Path | None = None,
+    base_model: str | None = None,
 ) -> PreparedFolder | CommitInfo:
     """Publish the model folder `folder` to `repo_id` (or, with `dry_run=OUT`, only write OUT).
 
@@ -104,6 +105,7 @@ def push_folder(
         tokenizer=tokenizer,
         token=token,
         eval_results=eval_results,
+        base_model=base_model,
     )
     say = (lambda *a: None) if quiet else print
     if dry_run is not None:

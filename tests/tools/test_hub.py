@@ -348,6 +348,26 @@ def test_card_of_gpn_trains_own_output_reads_its_run_folder(source, tmp_path):
     assert "No training log was found" in text
 
 
+def test_card_keeps_the_base_model_a_fine_tunes_trainer_named(source, tmp_path, capsys):
+    """A Trainer or TRL writes README.md beside a fine-tune's weights with its `base_model`; gpn push replaced that
+    card with its own, which named no base model, so the Hub showed the fine-tune as trained from scratch."""
+    from huggingface_hub import ModelCard
+
+    from gpn_cli import main
+
+    folder = copy_source(source, tmp_path)
+    (folder / "README.md").write_text(  # the metadata TRL's SFTTrainer writes
+        "---\nbase_model: someone/gpn-base\nlibrary_name: transformers\nmodel_name: tuned\ntags:\n- trl\n- sft\n"
+        "---\n\n# Model Card for tuned\n"
+    )
+    assert main(["push", str(folder), REPO_ID, "--dry-run", str(tmp_path / "out")]) == 0
+    assert ModelCard.load(tmp_path / "out" / "README.md").data.base_model == "someone/gpn-base"
+    capsys.readouterr()
+    bad = ["push", str(folder), REPO_ID, "--dry-run", str(tmp_path / "out2"), "--base-model", str(tmp_path)]
+    assert main(bad) == 1 and not (tmp_path / "out2").exists()
+    assert capsys.readouterr().err.startswith(f"gpn push: --base-model {str(tmp_path)!r} is not a Hub repo id")
+
+
 def test_paper_columns_without_gpn_evals_comparison_match_protocols_only():
     from modeling_gpn.hub.model_card import model_paper_columns, read_eval_results
 
