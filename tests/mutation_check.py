@@ -1539,14 +1539,21 @@ MUTATIONS = [
         "modeling_gpn/hub/folder.py",
         "    base_model = check_base_model(base_model) if base_model else card_base_model(model_dir)\n",
         "    base_model = check_base_model(base_model) if base_model else None  # MUTATION\n",
-        ("tests/tools/test_hub.py::test_card_keeps_the_base_model_a_fine_tunes_trainer_named",),
+        ("tests/tools/test_hub.py::test_a_fine_tunes_folder_keeps_its_base_model_and_gets_every_auto_class",),
+    ),
+    Mutation(
+        "gpn push's auto_map names AutoModelForSequenceClassification whatever the folder's config named",
+        "modeling_gpn/hub/folder.py",
+        '            ("AutoModelForSequenceClassification", GPNForSequenceClassification),\n',
+        "",
+        ("tests/tools/test_hub.py::test_a_fine_tunes_folder_keeps_its_base_model_and_gets_every_auto_class",),
     ),
     Mutation(
         "gpn push refuses a --base-model that is no Hub repo id (a dead link on the Hub)",
         "modeling_gpn/hub/folder.py",
         "        validate_repo_id(base_model)\n",
         "        pass  # MUTATION\n",
-        ("tests/tools/test_hub.py::test_card_keeps_the_base_model_a_fine_tunes_trainer_named",),
+        ("tests/tools/test_hub.py::test_a_fine_tunes_folder_keeps_its_base_model_and_gets_every_auto_class",),
     ),
     Mutation(
         "gpn convert records the checkpoint it converted, and the card of its folder names it",

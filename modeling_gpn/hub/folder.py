@@ -198,20 +198,23 @@ def write_remote_code(out: Path, raw_config: dict) -> None:
     from transformers.dynamic_module_utils import custom_object_save
 
     from ..configuration_gpn import GPNConfig
-    from ..modeling_gpn import GPNForCausalLM, GPNModel
+    from ..modeling_gpn import GPNForCausalLM, GPNForSequenceClassification, GPNModel
 
     for cls in (GPNConfig, GPNForCausalLM):
         custom_object_save(cls, out)
     raw_config = dict(raw_config)
-    auto_map = dict(raw_config.get("auto_map") or {})
-    auto_map.update(
-        {
-            "AutoConfig": f"{GPNConfig.__module__.rsplit('.', 1)[-1]}.{GPNConfig.__name__}",
-            "AutoModel": f"{GPNModel.__module__.rsplit('.', 1)[-1]}.{GPNModel.__name__}",
-            "AutoModelForCausalLM": f"{GPNForCausalLM.__module__.rsplit('.', 1)[-1]}.{GPNForCausalLM.__name__}",
-        }
-    )
-    raw_config["auto_map"] = auto_map
+    # Every auto class a GPN serves, and only those, pointing at the code shipped here: the folder's own auto_map is
+    # not kept, as a folder whose config was saved apart from the model (config.save_pretrained beside weights an
+    # FSDP or Accelerate run wrote) names AutoConfig alone, and one saved from another repo's code may name that repo.
+    raw_config["auto_map"] = {
+        auto: f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__name__}"
+        for auto, cls in (
+            ("AutoConfig", GPNConfig),
+            ("AutoModel", GPNModel),
+            ("AutoModelForCausalLM", GPNForCausalLM),
+            ("AutoModelForSequenceClassification", GPNForSequenceClassification),
+        )
+    }
     (out / "config.json").write_text(json.dumps(raw_config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     check_remote_code(out)
     load_folder_config(out)

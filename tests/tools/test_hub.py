@@ -348,20 +348,27 @@ def test_card_of_gpn_trains_own_output_reads_its_run_folder(source, tmp_path):
     assert "No training log was found" in text
 
 
-def test_card_keeps_the_base_model_a_fine_tunes_trainer_named(source, tmp_path, capsys):
+def test_a_fine_tunes_folder_keeps_its_base_model_and_gets_every_auto_class(source, tmp_path, capsys):
     """A Trainer or TRL writes README.md beside a fine-tune's weights with its `base_model`; gpn push replaced that
-    card with its own, which named no base model, so the Hub showed the fine-tune as trained from scratch."""
+    card with its own, which named no base model, so the Hub showed the fine-tune as trained from scratch. And a
+    config saved apart from the model (beside weights an FSDP or Accelerate run wrote) has an auto_map of AutoConfig
+    alone: published, AutoModelForSequenceClassification did not load it."""
     from huggingface_hub import ModelCard
 
     from gpn_cli import main
 
     folder = copy_source(source, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_gpn.GPNConfig", "AutoModelForTokenClassification": "x.Gone"}
+    (folder / "config.json").write_text(json.dumps(config))
     (folder / "README.md").write_text(  # the metadata TRL's SFTTrainer writes
         "---\nbase_model: someone/gpn-base\nlibrary_name: transformers\nmodel_name: tuned\ntags:\n- trl\n- sft\n"
         "---\n\n# Model Card for tuned\n"
     )
     assert main(["push", str(folder), REPO_ID, "--dry-run", str(tmp_path / "out")]) == 0
     assert ModelCard.load(tmp_path / "out" / "README.md").data.base_model == "someone/gpn-base"
+    published_auto_map = json.loads((tmp_path / "out" / "config.json").read_text())["auto_map"]
+    assert published_auto_map == json.loads((source["dir"] / "config.json").read_text())["auto_map"]
     capsys.readouterr()
     bad = ["push", str(folder), REPO_ID, "--dry-run", str(tmp_path / "out2"), "--base-model", str(tmp_path)]
     assert main(bad) == 1 and not (tmp_path / "out2").exists()
