@@ -233,7 +233,8 @@ KERNEL_NOTE = (
     "cached build is loaded only if it and its folder are owned by you and writable by no one else and its "
     "content matches the hash recorded when it was built; anything else is rebuilt, with a warning. "
     "`GPN_MEMORY_KERNELS=0` turns them off: nothing is compiled or loaded, and torch operations compute the "
-    "same results, slower."
+    "same results, slower; so they do, without a warning, where there is no C compiler. "
+    "`model.model.last_recurrence_backends` says what the last call ran (`'c step kernels'`, or `'torch ops'`)."
 )
 
 

@@ -278,6 +278,8 @@ def test_card_text_states_architecture_training_and_results_beside_the_paper(sou
     config = source["config"]
     assert f"Parameters: {source['n_params']:,}" in text
     assert f"{config.state_floats_per_row:,} floats" in text and f"{config.memory_cells:,} cells" in text
+    # where no compiler builds the kernels, the remote code runs the torch ops without a warning: the card says so
+    assert "without a warning, where there is no C compiler. `model.model.last_recurrence_backends` says" in text
     # Training: recipe from training_config.json, last values from train_log.jsonl, secrets and local paths out.
     assert "| optimizer.lr | 0.0006 |" in text and "| data.seq_len | 64 |" in text
     assert "loss = 8.4" in text and "val_loss = 8.3" in text
