@@ -2727,6 +2727,16 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "the few-row kernels' row limit is not compared under tracing (an exported program guarded on its batch)",
+        "modeling_gpn/fast_recurrence.py",
+        "    return (\n        x.dtype == torch.float32\n",
+        "    return (\n        1 <= x.numel() // max(1, x.shape[-1]) <= MAX_STEP_ROWS  # MUTATION\n        and x.dtype == torch.float32\n",
+        (
+            "tests/ecosystem/test_ecosystem.py::"
+            "test_torch_export_save_load_round_trips_dynamic_programs_that_take_and_return_the_cache",
+        ),
+    ),
+    Mutation(
         "the one-call decode counts its positions out of place (a traced program's count may be an inference tensor)",
         "modeling_gpn/cache.py",
         "        layer.seen_tokens = layer.seen_tokens + token_ids.shape[1]\n",
