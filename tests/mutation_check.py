@@ -2727,6 +2727,13 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "an exported program adds the norms' epsilons as tensors (ONNX's optimizer dropped a scalar 1e-12: NaN)",
+        "modeling_gpn/modeling_gpn.py",
+        "    if is_exporting():\n        return total + total.new_full((1,), eps)\n",
+        "",
+        ("tests/ecosystem/test_ecosystem.py::test_torch_export_and_its_onnx_export_match_eager_and_return_the_cache",),
+    ),
+    Mutation(
         "the few-row kernels' row limit is not compared under tracing (an exported program guarded on its batch)",
         "modeling_gpn/fast_recurrence.py",
         "    return (\n        x.dtype == torch.float32\n",

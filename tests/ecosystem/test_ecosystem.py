@@ -863,8 +863,15 @@ def export_inputs():
     return ids, mask
 
 
-def test_torch_export_matches_eager_and_returns_the_cache():
+def test_torch_export_and_its_onnx_export_match_eager_and_return_the_cache():
+    """The exported forward, and torch.onnx.export (dynamo) of it run by onnx's reference evaluator, give the eager
+    logits and state. ONNX's graph optimizer (onnxscript 0.7) drops an Add of a scalar within 1e-8 of zero as `x + 0`,
+    the L2 normalisation's 1e-12 with it: a head whose relu'd keys are all zero (head 0 here) gave NaN after it."""
+    from onnx.reference import ReferenceEvaluator
+
     model = perturbed_model(tiny_config(num_predict_layers=1))
+    with torch.no_grad():
+        model.model.memory_write.key.bias[: model.config.memory_key_dim] -= 100.0
     ids, mask = export_inputs()
     with torch.no_grad():
         eager = model(ids, attention_mask=mask, use_cache=True)
@@ -881,6 +888,10 @@ def test_torch_export_matches_eager_and_returns_the_cache():
         rtol=1e-5,
         atol=1e-5,
     )
+    onnx_model = torch.onnx.export(program, verbose=False).model_proto
+    got = ReferenceEvaluator(onnx_model).run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})
+    for got_tensor, want in zip(got[:4], [eager.logits, *eager.cache.get_state()], strict=True):
+        torch.testing.assert_close(torch.from_numpy(got_tensor), want, rtol=1e-5, atol=1e-5)
 
 
 class ExportedPrefill(nn.Module):
