@@ -466,6 +466,18 @@ class GPNPreTrainedModel(PreTrainedModel):
             )
         return super()._check_and_adjust_attn_implementation(attn_implementation, is_init_check, allow_all_kernels)
 
+    def __prepare_scriptable__(self):
+        """Called by `torch.jit.script` before it compiles a module (this model, or one holding it): TorchScript
+        cannot compile a GPN (its forward takes **kwargs and returns a ModelOutput holding a GPNCache), and failed on
+        the first annotation it could not read ("Unknown type annotation: 'str | None'"). Refused by name, saying
+        what works."""
+        raise TypeError(
+            f"torch.jit.script cannot compile a {type(self).__name__}: TorchScript (deprecated) takes no **kwargs, "
+            "ModelOutput or GPNCache. Export it with torch.export.export (a decoding step that takes and returns a "
+            "GPNCache: docs/transformers.md, 'torch.compile and torch.export'), or torch.jit.trace a module that "
+            "returns its tensors (a traced graph is specific to the sequence length)"
+        )
+
     def __getstate__(self) -> dict:
         """The module's state for `copy.deepcopy` and pickle, without what the fast path derived from the weights
         (`DERIVED_ATTRIBUTES`: C plans hold raw pointers, which neither copies nor pickles): the copy derives

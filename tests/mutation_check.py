@@ -2552,7 +2552,9 @@ MUTATIONS = [
         "modeling_gpn/configuration_gpn.py",
         "        if name in _ATTENTION_SHAPE_ATTRIBUTES:\n",
         "        if False:  # MUTATION\n",
-        ("tests/ecosystem/test_ecosystem.py::test_transformers_executorch_exporter_is_refused_by_name",),
+        (
+            "tests/ecosystem/test_ecosystem.py::test_transformers_executorch_exporter_and_torchscript_are_refused_by_name",
+        ),
     ),
     Mutation(
         "GPNConfig checked at save (transformers' validation calls only its own validators)",
@@ -2724,6 +2726,15 @@ MUTATIONS = [
         (
             "tests/ecosystem/test_ecosystem.py::"
             "test_torch_export_save_load_round_trips_dynamic_programs_that_take_and_return_the_cache",
+        ),
+    ),
+    Mutation(
+        "torch.jit.script of a GPN is refused by name (it failed on \"Unknown type annotation: 'str | None'\")",
+        "modeling_gpn/modeling_gpn.py",
+        "    def __prepare_scriptable__(self):\n",
+        "    def _no_prepare_scriptable(self):  # MUTATION\n",
+        (
+            "tests/ecosystem/test_ecosystem.py::test_transformers_executorch_exporter_and_torchscript_are_refused_by_name",
         ),
     ),
     Mutation(

@@ -979,10 +979,11 @@ def test_torch_export_save_load_round_trips_dynamic_programs_that_take_and_retur
     assert continued.cache.get_seq_length() == 6
 
 
-def test_transformers_executorch_exporter_is_refused_by_name():
+def test_transformers_executorch_exporter_and_torchscript_are_refused_by_name():
     """transformers' ExecuTorch exporter builds an attention StaticCache for the model. Given a GPN (with the static
     cache its own error asks for), it failed deep inside transformers with "'GPNConfig' object has no attribute
-    'num_attention_heads'"; the config now says why. getattr with a default and hasattr answer as before."""
+    'num_attention_heads'"; the config now says why. getattr with a default and hasattr answer as before.
+    torch.jit.script of a GPN, or of a module holding one, failed on "Unknown type annotation: 'str | None'"."""
     from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
     model = perturbed_model(tiny_config())
@@ -992,6 +993,9 @@ def test_transformers_executorch_exporter_is_refused_by_name():
     assert getattr(model.config, "num_attention_heads", None) is None and not hasattr(model.config, "head_dim")
     with pytest.raises(AttributeError, match="'GPNConfig' object has no attribute 'no_such_field'"):
         model.config.no_such_field  # noqa: B018 (any other missing attribute: Python's own message)
+    for scripted in (model, ExportedPrefill(model)):
+        with pytest.raises(TypeError, match="torch.jit.script cannot compile a GPNForCausalLM: .*torch.export.export"):
+            torch.jit.script(scripted)
 
 
 @pytest.mark.slow
