@@ -2602,7 +2602,9 @@ MUTATIONS = [
         "modeling_gpn/configuration_gpn.py",
         "        if name in _ATTENTION_SHAPE_ATTRIBUTES:\n",
         "        if False:  # MUTATION\n",
-        ("tests/ecosystem/test_ecosystem.py::test_transformers_executorch_exporter_is_refused_by_name",),
+        (
+            "tests/ecosystem/test_ecosystem.py::test_transformers_executorch_exporter_and_torchscript_are_refused_by_name",
+        ),
     ),
     Mutation(
         "GPNConfig checked at save (transformers' validation calls only its own validators)",
@@ -2771,6 +2773,32 @@ MUTATIONS = [
         "modeling_gpn/cache.py",
         "        out_of_place = is_exporting()\n",
         "        out_of_place = False  # MUTATION\n",
+        (
+            "tests/ecosystem/test_ecosystem.py::"
+            "test_torch_export_save_load_round_trips_dynamic_programs_that_take_and_return_the_cache",
+        ),
+    ),
+    Mutation(
+        "torch.jit.script of a GPN is refused by name (it failed on \"Unknown type annotation: 'str | None'\")",
+        "modeling_gpn/modeling_gpn.py",
+        "    def __prepare_scriptable__(self):\n",
+        "    def _no_prepare_scriptable(self):  # MUTATION\n",
+        (
+            "tests/ecosystem/test_ecosystem.py::test_transformers_executorch_exporter_and_torchscript_are_refused_by_name",
+        ),
+    ),
+    Mutation(
+        "an exported program adds the norms' epsilons as tensors (ONNX's optimizer dropped a scalar 1e-12: NaN)",
+        "modeling_gpn/modeling_gpn.py",
+        "    if is_exporting():\n        return total + total.new_full((1,), eps)\n",
+        "",
+        ("tests/ecosystem/test_ecosystem.py::test_torch_export_and_its_onnx_export_match_eager_and_return_the_cache",),
+    ),
+    Mutation(
+        "the few-row kernels' row limit is not compared under tracing (an exported program guarded on its batch)",
+        "modeling_gpn/fast_recurrence.py",
+        "    return (\n        x.dtype == torch.float32\n",
+        "    return (\n        1 <= x.numel() // max(1, x.shape[-1]) <= MAX_STEP_ROWS  # MUTATION\n        and x.dtype == torch.float32\n",
         (
             "tests/ecosystem/test_ecosystem.py::"
             "test_torch_export_save_load_round_trips_dynamic_programs_that_take_and_return_the_cache",
