@@ -876,7 +876,8 @@ def load_reference_model(src: str | Path) -> GPNForCausalLM:
 
 
 def convert(src: str | Path, out: str | Path, tokenizer: str | None = None) -> GPNForCausalLM:
-    """Convert SRC to a `save_pretrained` folder OUT (safetensors, config with auto_map, modeling files).
+    """Convert SRC to a `save_pretrained` folder OUT (safetensors, config with auto_map, modeling files), with
+    `conversion.json` naming SRC (`conversion_record`) for the card `gpn push` writes.
 
     OUT must be new or empty: files already there (a tokenizer of another model) would stay beside the new
     model. A `tokenizer` saved beside it must make only ids the model has (its ids below `vocab_size`). Both
@@ -911,6 +912,9 @@ def convert(src: str | Path, out: str | Path, tokenizer: str | None = None) -> G
         model.save_pretrained(out)
         if loaded_tokenizer is not None:
             loaded_tokenizer.save_pretrained(out)
+        # what the weights came from, for the card `gpn push` writes (modeling_gpn.hub's CONVERSION_RECORD); names,
+        # not the local path, which says nothing to a reader of the card and may be private
+        (out / "conversion.json").write_text(json.dumps(conversion_record(src), indent=2) + "\n", encoding="utf-8")
     except BaseException as error:
         # OUT was new or empty: what was written of it is no model (code files without weights, or weights
         # without the tokenizer), and left there it would make the next try refuse OUT as not empty
@@ -919,6 +923,17 @@ def convert(src: str | Path, out: str | Path, tokenizer: str | None = None) -> G
             raise CheckpointError(f"Cannot write the converted model to {out}: {error.strerror or error}") from error
         raise
     return model
+
+
+def conversion_record(src: str | Path) -> dict[str, str]:
+    """What `convert` records of SRC beside the model: its name (a folder's, or a file's with its folder's) and
+    its format."""
+    src = Path(src).resolve()
+    if src.is_dir():
+        kind = "params.npz" if (src / "params.npz").exists() else "checkpoint.pkl"
+        return {"converted_with": "gpn convert", "source": src.name, "format": kind}
+    kind = "params.npz" if src.suffix == ".npz" else "checkpoint.pkl"
+    return {"converted_with": "gpn convert", "source": f"{src.parent.name}/{src.name}", "format": kind}
 
 
 def _remove_written(out: Path, created: bool) -> None:

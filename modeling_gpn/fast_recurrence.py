@@ -130,6 +130,7 @@ from .recurrence_step import (
     shapes_of,
     transpose_weights,
 )
+from .tracing import is_tracing
 from .triton_kernels import _linear as triton_linear
 from .triton_kernels import memory_step as triton_memory_step
 from .triton_kernels import memory_write_backward as triton_memory_write_backward
@@ -310,13 +311,14 @@ def _decoded_key(derived: dict, plan: DecodePlan, g0: torch.Tensor) -> torch.Ten
 def _few_rows_on_kernels(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
     """Whether a product of `x` (..., K) may run on the C kernels: 1 to `MAX_STEP_ROWS` float32 CPU rows, no
     autograd through it, not traced or compiled, the kernels built and switched on."""
-    rows = x.numel() // max(1, x.shape[-1])
     return (
-        1 <= rows <= MAX_STEP_ROWS
-        and x.dtype == torch.float32
+        x.dtype == torch.float32
         and x.device.type == "cpu"
         and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *tensors)))
-        and not torch.jit.is_tracing()
+        # (before the rows are counted: under torch.export or a dynamic compile they are symbolic, and comparing
+        # them made the traced program guard on its batch size, refusing rows on the other side of the limit)
+        and not is_tracing()
+        and 1 <= x.numel() // max(1, x.shape[-1]) <= MAX_STEP_ROWS
         and step_kernels_enabled()
         and memory_kernels_usable(x)
     )

@@ -104,7 +104,7 @@ from .packing import add_packing_parameters, packed_sequence_starts, packing_arg
 from .prefill import forward_in_chunks, prefill_chunk_length_for
 from .sharding import check_sharded_lengths, placement_warning
 from .state_file import GPNStateFileError
-from .tracing import is_tracing
+from .tracing import is_exporting, is_tracing
 
 logger = logging.get_logger(__name__)
 
@@ -117,6 +117,16 @@ DEFAULT_CHECKPOINT_SEGMENT_LENGTH = 64  # what gradient_checkpointing_enable() s
 # --------------------------------------------------------------------------------------------------
 
 
+def plus_eps(total: torch.Tensor, eps: float) -> torch.Tensor:
+    """`total + eps`, the epsilon under a normalisation's square root. In an exported program it is added as a
+    one-element tensor: torch.onnx.export(dynamo=True) optimizes its graph with onnxscript, whose rule for `x + 0`
+    (0.7) takes any scalar within 1e-8 of zero for 0 and dropped the L2 normalisation's 1e-12, so a head whose relu'd
+    key or query was all zero gave NaN logits and state in the ONNX model (the rule matches scalars only)."""
+    if is_exporting():
+        return total + total.new_full((1,), eps)
+    return total + eps
+
+
 class GPNRMSNorm(nn.Module):
     """rms(x; w) = x / sqrt(mean(x^2) + eps) * w, computed in float32 (returns float32)."""
 
@@ -127,7 +137,7 @@ class GPNRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        return x * torch.rsqrt(plus_eps(x.pow(2).mean(-1, keepdim=True), self.eps)) * self.weight.float()
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -144,7 +154,7 @@ def _is_fsdp_module(module: nn.Module) -> bool:
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
     """l2(x) = x / sqrt(sum(x^2) + 1e-12) over the last axis."""
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + L2_NORM_EPS)
+    return x * torch.rsqrt(plus_eps(x.pow(2).sum(-1, keepdim=True), L2_NORM_EPS))
 
 
 def project(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -174,6 +184,24 @@ def lecun_normal_(weight: torch.Tensor) -> None:
     fan_in = weight.shape[1]
     std = math.sqrt(1.0 / fan_in) / 0.87962566103423978  # std of a unit normal truncated at +-2
     init.trunc_normal_(weight, mean=0.0, std=std, a=-2 * std, b=2 * std)
+
+
+def refuse_state_not_float32(block: nn.Module, **state: torch.Tensor | None) -> None:
+    """Refuse a recurrent state (p, g) or memory M reaching `block`'s forward in another dtype than float32, in one
+    line naming the cause. The state never leaves float32 by itself (every projection returns float32): what casts
+    it is FSDP2's mixed precision on a block sharded apart (`MixedPrecisionPolicy(cast_forward_inputs=True)`, its
+    default, casts every floating input of the block's call to `param_dtype`), which would round the state at every
+    token, or fail deep in the memory write ("expected scalar type Float but found BFloat16"). A dtype comparison
+    per call of the plain loop, no more (the fast path calls no block)."""
+    for name, tensor in state.items():
+        if tensor is not None and tensor.dtype != torch.float32:
+            block_name = type(block).__name__.removeprefix("FSDP")  # (FSDP2 renames a class it shards apart)
+            raise TypeError(
+                f"{block_name} got the recurrent {name} in {tensor.dtype}, not float32 (the state is "
+                "kept in float32 at every token): FSDP2's mixed precision casts the inputs of a block sharded apart to "
+                "its param_dtype; shard it with MixedPrecisionPolicy(cast_forward_inputs=False) (what `gpn train` sets), "
+                "or shard the model as one unit"
+            )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -215,6 +243,7 @@ class GPNMemoryWrite(nn.Module):
         self, memory: torch.Tensor, older_grounded: torch.Tensor, grounded: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return the memory after the write and gamma (batch, H)."""
+        refuse_state_not_float32(self, memory=memory, older_grounded=older_grounded, grounded=grounded)
         key = self.keys(older_grounded)
         normed = self.norm(grounded)
         value = project(self.value, normed).view(-1, self.num_heads, self.value_dim)
@@ -265,6 +294,7 @@ class GPNPredictLayer(nn.Module):
         return project(self.read_out, F.silu(project(self.read_gate, normed)) * self.read_out_norm(read_vector))
 
     def forward(self, state: torch.Tensor, memory: torch.Tensor | None) -> torch.Tensor:
+        refuse_state_not_float32(self, state=state, memory=memory)
         keep = torch.sigmoid(project(self.gate, self.gate_norm(state)))
         new_state = keep * state + self.ffn(state)
         if self.use_memory:
@@ -455,6 +485,18 @@ class GPNPreTrainedModel(PreTrainedModel):
                 "leave attn_implementation unset"
             )
         return super()._check_and_adjust_attn_implementation(attn_implementation, is_init_check, allow_all_kernels)
+
+    def __prepare_scriptable__(self):
+        """Called by `torch.jit.script` before it compiles a module (this model, or one holding it): TorchScript
+        cannot compile a GPN (its forward takes **kwargs and returns a ModelOutput holding a GPNCache), and failed on
+        the first annotation it could not read ("Unknown type annotation: 'str | None'"). Refused by name, saying
+        what works."""
+        raise TypeError(
+            f"torch.jit.script cannot compile a {type(self).__name__}: TorchScript (deprecated) takes no **kwargs, "
+            "ModelOutput or GPNCache. Export it with torch.export.export (a decoding step that takes and returns a "
+            "GPNCache: docs/transformers.md, 'torch.compile and torch.export'), or torch.jit.trace a module that "
+            "returns its tensors (a traced graph is specific to the sequence length)"
+        )
 
     def __getstate__(self) -> dict:
         """The module's state for `copy.deepcopy` and pickle, without what the fast path derived from the weights

@@ -1548,6 +1548,56 @@ MUTATIONS = [
         ("tests/tools/test_hub.py -k loader_cannot_follow",),
     ),
     Mutation(
+        "gpn push lets the remote code import huggingface_hub (transformers' own dependency; generate() asks it "
+        "whether the Hub is offline): refused, every push failed",
+        "modeling_gpn/hub/checks.py",
+        '"safetensors", "huggingface_hub", "__future__"}',
+        '"safetensors", "__future__"}  # MUTATION',
+        ("tests/tools/test_hub.py::test_dry_run_folder_holds_exactly_what_the_hub_needs",),
+    ),
+    Mutation(
+        "gpn push over an earlier push removes the repo's weights and tokenizer files it does not replace",
+        "modeling_gpn/hub/push.py",
+        "        delete_patterns=list(REPLACED_FILES),\n",
+        "        delete_patterns=None,  # MUTATION\n",
+        ("tests/tools/test_hub.py::test_upload_gets_the_right_arguments_and_the_dry_run_files",),
+    ),
+    Mutation(
+        "gpn push keeps the base_model of the card a Trainer or TRL wrote beside a fine-tune",
+        "modeling_gpn/hub/folder.py",
+        "    base_model = check_base_model(base_model) if base_model else card_base_model(model_dir)\n",
+        "    base_model = check_base_model(base_model) if base_model else None  # MUTATION\n",
+        ("tests/tools/test_hub.py::test_a_fine_tunes_folder_keeps_its_base_model_and_gets_every_auto_class",),
+    ),
+    Mutation(
+        "gpn push's auto_map names AutoModelForSequenceClassification whatever the folder's config named",
+        "modeling_gpn/hub/folder.py",
+        '            ("AutoModelForSequenceClassification", GPNForSequenceClassification),\n',
+        "",
+        ("tests/tools/test_hub.py::test_a_fine_tunes_folder_keeps_its_base_model_and_gets_every_auto_class",),
+    ),
+    Mutation(
+        "gpn push refuses a --base-model that is no Hub repo id (a dead link on the Hub)",
+        "modeling_gpn/hub/folder.py",
+        "        validate_repo_id(base_model)\n",
+        "        pass  # MUTATION\n",
+        ("tests/tools/test_hub.py::test_a_fine_tunes_folder_keeps_its_base_model_and_gets_every_auto_class",),
+    ),
+    Mutation(
+        "gpn convert records the checkpoint it converted, and the card of its folder names it",
+        "conversion/reference.py",
+        '        (out / "conversion.json").write_text(',
+        '        0 and (out / "conversion.json").write_text(',
+        ("tests/tools/test_hub.py::test_convert_push_to_hub_publishes_the_converted_checkpoint",),
+    ),
+    Mutation(
+        "the card of a converted model names the checkpoint (read from conversion.json)",
+        "modeling_gpn/hub/card_inputs.py",
+        "    if conversion is not None:  # the weights are the reference trainer's: its run left no log here\n",
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_hub.py::test_convert_push_to_hub_publishes_the_converted_checkpoint",),
+    ),
+    Mutation(
         "a failed atomic write (a state save, gpn bench --json) names the path asked for, not its temporary file",
         "modeling_gpn/atomic_files.py",
         "        raise type(error)(error.errno, error.strerror, str(path)) from error",
@@ -2580,7 +2630,9 @@ MUTATIONS = [
         "modeling_gpn/configuration_gpn.py",
         "        if name in _ATTENTION_SHAPE_ATTRIBUTES:\n",
         "        if False:  # MUTATION\n",
-        ("tests/ecosystem/test_ecosystem.py::test_transformers_executorch_exporter_is_refused_by_name",),
+        (
+            "tests/ecosystem/test_ecosystem.py::test_transformers_executorch_exporter_and_torchscript_are_refused_by_name",
+        ),
     ),
     Mutation(
         "GPNConfig checked at save (transformers' validation calls only its own validators)",
@@ -2755,6 +2807,32 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "torch.jit.script of a GPN is refused by name (it failed on \"Unknown type annotation: 'str | None'\")",
+        "modeling_gpn/modeling_gpn.py",
+        "    def __prepare_scriptable__(self):\n",
+        "    def _no_prepare_scriptable(self):  # MUTATION\n",
+        (
+            "tests/ecosystem/test_ecosystem.py::test_transformers_executorch_exporter_and_torchscript_are_refused_by_name",
+        ),
+    ),
+    Mutation(
+        "an exported program adds the norms' epsilons as tensors (ONNX's optimizer dropped a scalar 1e-12: NaN)",
+        "modeling_gpn/modeling_gpn.py",
+        "    if is_exporting():\n        return total + total.new_full((1,), eps)\n",
+        "",
+        ("tests/ecosystem/test_ecosystem.py::test_torch_export_and_its_onnx_export_match_eager_and_return_the_cache",),
+    ),
+    Mutation(
+        "the few-row kernels' row limit is not compared under tracing (an exported program guarded on its batch)",
+        "modeling_gpn/fast_recurrence.py",
+        "    return (\n        x.dtype == torch.float32\n",
+        "    return (\n        1 <= x.numel() // max(1, x.shape[-1]) <= MAX_STEP_ROWS  # MUTATION\n        and x.dtype == torch.float32\n",
+        (
+            "tests/ecosystem/test_ecosystem.py::"
+            "test_torch_export_save_load_round_trips_dynamic_programs_that_take_and_return_the_cache",
+        ),
+    ),
+    Mutation(
         "the one-call decode counts its positions out of place (a traced program's count may be an inference tensor)",
         "modeling_gpn/cache.py",
         "        layer.seen_tokens = layer.seen_tokens + token_ids.shape[1]\n",
@@ -2910,6 +2988,23 @@ MUTATIONS = [
         "        plugin.mixed_precision_policy = dataclasses.replace(mixed, cast_forward_inputs=False)\n",
         "        pass  # MUTATION\n",
         ("tests/tools/test_train.py -k fsdp2_on_cpu_computes_in_the_runs_mixed_precision",),
+    ),
+    Mutation(
+        "a GPN block takes the state FSDP2's mixed precision cast to bf16 at its entry (rounded, or a deep failure)",
+        "modeling_gpn/modeling_gpn.py",
+        "        if tensor is not None and tensor.dtype != torch.float32:\n",
+        "        if False:  # MUTATION\n",
+        ("tests/ecosystem/test_ecosystem.py -k fsdp2_mixed_precision_casts_into_a_block",),
+    ),
+    Mutation(
+        "the loss ignores num_items_in_batch (a mean per process and per micro-batch, not over the global batch)",
+        "modeling_gpn/chunked_loss.py",
+        "    if num_items_in_batch is None:\n",
+        "    if True:  # MUTATION\n",
+        (
+            "tests/ecosystem/test_ecosystem.py -k num_items_in_batch_makes_gradient_accumulation_exact",
+            "tests/tools/test_sft_fsdp.py",
+        ),
     ),
     Mutation(
         "a cache noting a GPN's weights reads only a tensor subclass's __dict__ (an FSDP2 shard's DTensor: KeyError)",

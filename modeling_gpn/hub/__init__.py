@@ -11,7 +11,7 @@ The upload is one folder built from MODEL_DIR and checked before anything touche
 - tokenizer files (from MODEL_DIR, or `--tokenizer NAME_OR_PATH`), `generation_config.json` (from
   MODEL_DIR, or derived from the config), and a generated `README.md` model card (see `model_card.py`):
   it reads `eval_results.json` and a training log (`training_config.json`, `trainer_state.json`,
-  `train_log.jsonl`, other `*.jsonl` with loss rows) when present.
+  `train_log.jsonl`, other `*.jsonl` with loss rows, `gpn convert`'s `conversion.json`) when present.
 
 Only top-level files of MODEL_DIR are considered (sub-folders such as training checkpoints are never
 uploaded). Refused, each with an error naming the problem: pickle files at the top level (`*.bin`,

@@ -45,6 +45,7 @@ class TrainingInfo:
     last: dict[str, Any] = field(default_factory=dict)
     datasets: list[str] = field(default_factory=list)
     log_rows: int = 0
+    conversion: dict[str, str] | None = None  # `gpn convert`'s record of the checkpoint the weights came from
 
 
 def is_number(value: Any) -> bool:
@@ -170,6 +171,10 @@ def _hub_dataset_ids(values: Iterable[Any]) -> list[str]:
     return found
 
 
+#: What `gpn convert` writes beside a converted model (conversion/reference.py): the reference checkpoint it read.
+CONVERSION_RECORD = "conversion.json"
+
+
 # What `gpn train` leaves in its run folder OUTPUT (modeling_gpn/train/run_folder.py): the model in OUTPUT/model,
 # the resolved settings in OUTPUT/train_config.json, one JSON record per log or evaluation in OUTPUT/log.jsonl.
 TRAIN_RUN_MODEL, TRAIN_RUN_CONFIG, TRAIN_RUN_LOG = "model", "train_config.json", "log.jsonl"
@@ -200,7 +205,8 @@ def read_training_info(model_dir: str | Path) -> TrainingInfo | None:
     `train_config.json` in the `gpn train` run folder holding it (`train_run_folder`; any JSON object, nested
     sections flattened); `trainer_state.json` (transformers' Trainer: `log_history`, `global_step`,
     `max_steps`, `train_batch_size`); the log, `train_log.jsonl` in `model_dir` or `log.jsonl` in the run
-    folder; then any other `*.jsonl` of `model_dir` whose rows carry a `loss` (or `train_loss`) value. From log
+    folder; then any other `*.jsonl` of `model_dir` whose rows carry a `loss` (or `train_loss`) value; and
+    `gpn convert`'s `conversion.json` (the reference checkpoint the weights were converted from). From log
     rows the card takes the last value of each key (loss, validation loss/perplexity, step, tokens, learning
     rate). A run folder's files are named `../NAME` among the sources. Keys that look like credentials
     (`token`, `hub_token`, `password`, ...) are never read.
@@ -245,6 +251,10 @@ def read_training_info(model_dir: str | Path) -> TrainingInfo | None:
             for key in DATASET_KEYS:  # a log may state its data in a header row
                 if isinstance(row.get(key), str) and key not in info.recipe:
                     info.recipe[key] = row[key]
+    conversion = _read_json_object(model_dir / CONVERSION_RECORD) if (model_dir / CONVERSION_RECORD).is_file() else None
+    if conversion is not None:  # the weights are the reference trainer's: its run left no log here
+        info.sources.append(CONVERSION_RECORD)
+        info.conversion = {str(k): str(v) for k, v in conversion.items() if not SECRET_KEY.search(str(k))}
     if not info.sources:
         return None
     info.datasets = _hub_dataset_ids(v for k, v in info.recipe.items() if k.split(".")[-1] in DATASET_KEYS)

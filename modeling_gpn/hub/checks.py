@@ -14,8 +14,9 @@ from .card_metadata import validate_card
 from .errors import CardError, HubPushError
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
-# safetensors is a dependency of transformers itself (GPNCache.save / load write and read state files with it).
-ALLOWED_CODE_IMPORTS = frozenset({"torch", "transformers", "safetensors", "__future__"}) | frozenset(
+# safetensors and huggingface_hub are dependencies of transformers itself, present wherever it is: GPNCache.save /
+# load write and read state files with safetensors; generate() asks huggingface_hub whether the Hub is offline.
+ALLOWED_CODE_IMPORTS = frozenset({"torch", "transformers", "safetensors", "huggingface_hub", "__future__"}) | frozenset(
     sys.stdlib_module_names
 )
 
@@ -172,8 +173,9 @@ def _relative_import_problem(name: str, folder: Path, line: int, level: int, mod
 
 
 def check_remote_code(folder: Path) -> list[str]:
-    """Every shipped .py file imports only torch/transformers/safetensors/stdlib and shipped files, each in a form
-    transformers' remote-code loader follows (`relative_imports`); returns their names."""
+    """Every shipped .py file imports only torch, transformers (and its own dependencies safetensors and
+    huggingface_hub), the standard library and shipped files, each in a form transformers' remote-code loader
+    follows (`relative_imports`); returns their names."""
     from transformers.dynamic_module_utils import get_imports
 
     code_files = sorted(p.name for p in folder.glob("*.py"))

@@ -52,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokenizer name or path to publish (None: MODEL_DIR's own; given, it replaces it)",
     )
     parser.add_argument(
+        "--base-model",
+        metavar="REPO_ID",
+        default=None,
+        help="the Hub model this one was fine-tuned or merged from, for the card's base_model (None: the base_model "
+        "of a README.md that a Trainer or TRL wrote into MODEL_DIR, if any)",
+    )
+    parser.add_argument(
         "--eval-results",
         metavar="FILE",
         default=None,
@@ -77,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
             model_name=args.model_name,
             tokenizer=args.tokenizer,
             eval_results=args.eval_results,
+            base_model=args.base_model,
         )
     except (HubPushError, CardError) as error:
         print(f"gpn push: {error}", file=sys.stderr)

@@ -77,11 +77,14 @@ def prepare_folder(
     tokenizer: str | None = None,
     token: str | None = None,
     eval_results: str | Path | None = None,
+    base_model: str | None = None,
 ) -> PreparedFolder:
     """Write into the empty folder `out` exactly what `push` uploads for `model_dir`, checked. The card's evaluation
-    is `eval_results` (`gpn eval`'s eval_results.json), else the one in `model_dir` when there is one."""
+    is `eval_results` (`gpn eval`'s eval_results.json), else the one in `model_dir` when there is one; its
+    `base_model` is `base_model`, else the one named by the card a Trainer or TRL wrote into `model_dir`."""
     model_dir, out = Path(model_dir), Path(out)
     config, raw_config, weights, n_params = check_source_folder(model_dir)
+    base_model = check_base_model(base_model) if base_model else card_base_model(model_dir)
     out.mkdir(parents=True, exist_ok=True)
     if any(out.iterdir()):
         raise HubPushError(f"{out} is not empty; give a new or empty folder")
@@ -105,11 +108,41 @@ def prepare_folder(
         tags=list(tags),
         model_name=model_name,
         tokenizer_name=tokenizer_name,
+        base_model=base_model,
     )
     metadata = validate_card(card)
     (out / "README.md").write_text(card, encoding="utf-8")
     files = check_prepared_folder(out, token=token)
     return PreparedFolder(path=out, files=files, n_params=n_params, card_metadata=metadata)
+
+
+def check_base_model(base_model: str) -> str:
+    """`--base-model`, a Hub repo id (the Hub links only those; a local path would publish a dead link)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(base_model)
+    except HFValidationError as error:
+        raise HubPushError(f"--base-model {base_model!r} is not a Hub repo id ('owner/name'): {error}") from None
+    return base_model
+
+
+def card_base_model(model_dir: Path) -> str | None:
+    """The `base_model` of the README.md that transformers' Trainer or TRL's trainers write beside a fine-tune's
+    weights (replaced by gpn push's card, which would otherwise drop it), when it is one Hub repo id."""
+    from huggingface_hub import ModelCard
+
+    path = model_dir / "README.md"
+    if not path.is_file():
+        return None
+    try:
+        found = ModelCard.load(path).data.to_dict().get("base_model")
+        if isinstance(found, list) and len(found) == 1:
+            found = found[0]
+        return check_base_model(found) if isinstance(found, str) else None
+    except Exception:  # noqa: BLE001 - a card that does not parse, or names no repo, names no base model
+        return None
 
 
 def read_evaluation(model_dir: Path, eval_results: str | Path | None, n_params: int) -> EvalInfo | None:
@@ -144,7 +177,7 @@ def check_source_folder(model_dir: Path):
         raise HubPushError(
             f"{model_dir} is a PEFT adapter (adapter_config.json), not a whole model: gpn push publishes whole GPNs; "
             "merge it into its base first (PeftModel.from_pretrained(base, DIR).merge_and_unload().save_pretrained("
-            "OUT), with the tokenizer) and push OUT"
+            "OUT), with the tokenizer) and push OUT with --base-model naming the base"
         )
     config, raw_config = load_folder_config(model_dir)
     quantization = raw_config.get("quantization_config")
@@ -165,20 +198,23 @@ def write_remote_code(out: Path, raw_config: dict) -> None:
     from transformers.dynamic_module_utils import custom_object_save
 
     from ..configuration_gpn import GPNConfig
-    from ..modeling_gpn import GPNForCausalLM, GPNModel
+    from ..modeling_gpn import GPNForCausalLM, GPNForSequenceClassification, GPNModel
 
     for cls in (GPNConfig, GPNForCausalLM):
         custom_object_save(cls, out)
     raw_config = dict(raw_config)
-    auto_map = dict(raw_config.get("auto_map") or {})
-    auto_map.update(
-        {
-            "AutoConfig": f"{GPNConfig.__module__.rsplit('.', 1)[-1]}.{GPNConfig.__name__}",
-            "AutoModel": f"{GPNModel.__module__.rsplit('.', 1)[-1]}.{GPNModel.__name__}",
-            "AutoModelForCausalLM": f"{GPNForCausalLM.__module__.rsplit('.', 1)[-1]}.{GPNForCausalLM.__name__}",
-        }
-    )
-    raw_config["auto_map"] = auto_map
+    # Every auto class a GPN serves, and only those, pointing at the code shipped here: the folder's own auto_map is
+    # not kept, as a folder whose config was saved apart from the model (config.save_pretrained beside weights an
+    # FSDP or Accelerate run wrote) names AutoConfig alone, and one saved from another repo's code may name that repo.
+    raw_config["auto_map"] = {
+        auto: f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__name__}"
+        for auto, cls in (
+            ("AutoConfig", GPNConfig),
+            ("AutoModel", GPNModel),
+            ("AutoModelForCausalLM", GPNForCausalLM),
+            ("AutoModelForSequenceClassification", GPNForSequenceClassification),
+        )
+    }
     (out / "config.json").write_text(json.dumps(raw_config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     check_remote_code(out)
     load_folder_config(out)

@@ -233,7 +233,8 @@ KERNEL_NOTE = (
     "cached build is loaded only if it and its folder are owned by you and writable by no one else and its "
     "content matches the hash recorded when it was built; anything else is rebuilt, with a warning. "
     "`GPN_MEMORY_KERNELS=0` turns them off: nothing is compiled or loaded, and torch operations compute the "
-    "same results, slower."
+    "same results, slower; so they do, without a warning, where there is no C compiler. "
+    "`model.model.last_recurrence_backends` says what the last call ran (`'c step kernels'`, or `'torch ops'`)."
 )
 
 
@@ -249,6 +250,7 @@ def build_card(
     tags: Iterable[str] = (),
     model_name: str | None = None,
     tokenizer_name: str | None = None,
+    base_model: str | None = None,
 ) -> str:
     """The README.md text: YAML metadata plus usage, architecture, training and evaluation sections."""
     from huggingface_hub import ModelCardData
@@ -267,6 +269,7 @@ def build_card(
         tags=all_tags,
         model_name=model_name,
         eval_results=eval_results,
+        base_model=base_model,  # the Hub links a fine-tune or a merged adapter to the model it came from
     )
     variant = variant_name(config)
     lines = intro_lines(config, variant, model_name, repo_id)
@@ -348,6 +351,15 @@ def training_lines(training: TrainingInfo | None) -> list[str]:
     lines = ["## Training", ""]
     if training is None:
         return lines + ["No training log was found beside the weights, so the data and recipe are not stated here.", ""]
+    if training.conversion:
+        source = training.conversion.get("source", "?")
+        kind = training.conversion.get("format")
+        lines += [
+            f"Converted with `gpn convert` from the reference implementation's ({REFERENCE_CODE}) checkpoint "
+            f"`{source}`" + (f" ({kind})" if kind else "") + ": the weights are those the reference trainer wrote, "
+            "float32, computing what the reference computes.",
+            "",
+        ]
     if training.datasets:
         lines.append("Data: " + ", ".join(f"[{d}](https://huggingface.co/datasets/{d})" for d in training.datasets))
         lines.append("")
@@ -367,7 +379,8 @@ def training_lines(training: TrainingInfo | None) -> list[str]:
         if wanted:
             lines.append("Last logged values: " + ", ".join(f"{k} = {_fmt(training.last[k])}" for k in wanted) + ".")
             lines.append("")
-    return lines + [f"Read from: {', '.join(f'`{s}`' for s in training.sources)} ({training.log_rows} log rows).", ""]
+    rows = f" ({training.log_rows} log rows)" if training.log_rows else ""
+    return lines + [f"Read from: {', '.join(f'`{s}`' for s in training.sources)}{rows}.", ""]
 
 
 def evaluation_lines(config, model_name: str, n_params: int, evaluation: EvalInfo | None) -> list[str]:

@@ -9,13 +9,21 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .checks import WEIGHTS_INDEX
 from .errors import HubPushError
-from .folder import prepare_folder
+from .folder import TOKENIZER_FILES, prepare_folder
 
 if TYPE_CHECKING:
     from huggingface_hub import CommitInfo
 
     from .folder import PreparedFolder
+
+#: The repo's files an upload replaces as a set (huggingface_hub's `delete_patterns`, matched against the repo's top
+#: level by fnmatch; a file uploaded again is kept): `upload_folder` only adds, so a push over an earlier one left
+#: the earlier weights or tokenizer files beside the new ones, and transformers loads a stale model.safetensors
+#: before the shards an index names, or a stale chat_template.jinja / added_tokens.json with the new tokenizer.
+#: Other files of the repo (a user's own, `.gitattributes`) are left alone.
+REPLACED_FILES = ("model*.safetensors", WEIGHTS_INDEX, *TOKENIZER_FILES)
 
 
 def upload(
@@ -28,7 +36,8 @@ def upload(
     token: str | None = None,
     create_pr: bool = False,
 ) -> CommitInfo:
-    """`create_repo` (+ `create_branch` for a new revision) and `upload_folder`; returns the CommitInfo."""
+    """`create_repo` (+ `create_branch` for a new revision) and `upload_folder`, which removes the repo's earlier
+    weights and tokenizer files that this upload does not replace (`REPLACED_FILES`); returns the CommitInfo."""
     from huggingface_hub import HfApi
 
     api = HfApi(token=token)
@@ -43,6 +52,7 @@ def upload(
         revision=revision,
         commit_message=commit_message,
         create_pr=create_pr,
+        delete_patterns=list(REPLACED_FILES),
     )
 
 
@@ -77,6 +87,7 @@ def push_folder(
     tokenizer: str | None = None,
     quiet: bool = False,
     eval_results: str | Path | None = None,
+    base_model: str | None = None,
 ) -> PreparedFolder | CommitInfo:
     """Publish the model folder `folder` to `repo_id` (or, with `dry_run=OUT`, only write OUT).
 
@@ -94,6 +105,7 @@ def push_folder(
         tokenizer=tokenizer,
         token=token,
         eval_results=eval_results,
+        base_model=base_model,
     )
     say = (lambda *a: None) if quiet else print
     if dry_run is not None:

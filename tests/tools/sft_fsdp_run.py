@@ -5,7 +5,8 @@ it is the one-process reference, with the same global batch (4 rows: 2 per proce
 
 Launched, it trains each variant named on its command line (`VARIANTS`) in turn in the same 2 processes (one launch,
 not one per variant: each start of 2 processes imports torch, transformers and TRL, seconds of the suite's time on 2
-cores), and prints one `RESULT` line per variant: its losses and units, or the traceback of its refusal. The
+cores), and prints one `RESULT` line per variant: its losses and units, or the traceback of its refusal. The variant
+`trainer-ddp:FOLDER`, first, is a plain transformers `Trainer` under DDP (`trainer_losses`). The
 launch names the auto-wrap policy; each variant names the classes to wrap as `--fsdp_transformer_layer_cls_to_wrap`
 would (the variable that flag sets, read by the FSDP plugin each variant's trainer makes)."""
 
@@ -90,6 +91,51 @@ def losses(
     return logged, type(root).__name__, units, evaluated
 
 
+def trainer_losses(single: bool, out: str) -> dict:
+    """A plain transformers `Trainer` (neither TRL nor `gpn train`) on the tiny model under the launch's processes
+    as DDP (this launch names FSDP, which Accelerate 1.16 runs as DDP on CPU: the SFT variants apply FSDP2
+    themselves, so this one runs first), or alone with the same global batch: 4 steps over texts of different
+    lengths, each batch padded to its longest row (so the processes count different numbers of tokens), a
+    checkpoint saved at step 2 in `out` (one folder for every process: the main one writes the checkpoint, all
+    read it), and a second trainer resumed from it. `{"losses", "resumed", "norms", "model"}`: the logged losses of
+    both runs, each trained weight's norm, and the class of the trained (wrapped) model."""
+    from datasets import Dataset
+    from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+    from modeling_gpn.data import train_bpe_tokenizer
+    from tests.tiny_models import TINY_TEXT as TEXT
+    from tests.tiny_models import perturbed_model, tiny_config
+    from tests.trainer_arguments import common_arguments
+
+    tokenizer = train_bpe_tokenizer(TEXT * 4, vocab_size=300)
+    config = tiny_config(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    rows = Dataset.from_dict({"input_ids": [tokenizer(text)["input_ids"] for text in TEXT]})
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    args = TrainingArguments(
+        **common_arguments(out, max_steps=4, save_strategy="steps", save_steps=2),
+        per_device_train_batch_size=4 if single else 2,
+    )
+
+    def trained(resume: str | None = None) -> Trainer:
+        model = perturbed_model(config, seed=17).train()
+        trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collator)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    whole = trained()
+    resumed = trained(os.path.join(out, "checkpoint-2"))
+
+    def logged(trainer: Trainer) -> list[float]:
+        return [record["loss"] for record in trainer.state.log_history if "loss" in record]
+
+    return {
+        "losses": logged(whole),
+        "resumed": logged(resumed),
+        "norms": [float(p.detach().norm()) for p in whole.model.parameters()],
+        "model": type(whole.model_wrapped).__name__,
+    }
+
+
 # name -> (the classes the policy wraps, LoRA on the embedding, every batch padded to one length)
 VARIANTS = {
     "lora": (None, True, False),  # `accelerate config`'s default policy: it names no class
@@ -101,6 +147,11 @@ VARIANTS = {
 def result(variant: str) -> dict:
     """`{"losses", "model", "units"}` of `variant` trained over the launch's processes (`losses`), or
     `{"error": traceback}` where it was refused."""
+    if variant.startswith("trainer-ddp:"):  # (then the folder its processes share)
+        try:
+            return trainer_losses(single=False, out=variant.partition(":")[2])
+        except Exception:  # noqa: BLE001 (reported, then the next variant)
+            return {"error": traceback.format_exc()}
     wrapped, lora_on_the_embedding, pad = VARIANTS[variant]
     os.environ.pop("FSDP_TRANSFORMER_CLS_TO_WRAP", None)
     if wrapped:
@@ -125,4 +176,4 @@ if __name__ == "__main__":
     for variant in sys.argv[1:]:
         outcome = result(variant)
         if os.environ.get("RANK", "0") == "0":  # (one line: the processes' prints would interleave)
-            print(f"RESULT {variant} " + json.dumps(outcome), flush=True)
+            print(f"RESULT {variant.partition(':')[0]} " + json.dumps(outcome), flush=True)

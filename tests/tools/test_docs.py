@@ -329,6 +329,8 @@ DOCUMENTED_LIBRARIES = {
     "accelerate": "accelerate",
     "datasets": "datasets",
     "lm-eval": "lm_eval",
+    "onnx": "onnx",
+    "onnxscript": "onnxscript",
     "peft": "peft",
     "torch": "torch",
     "torchao": "torchao",

@@ -278,6 +278,8 @@ def test_card_text_states_architecture_training_and_results_beside_the_paper(sou
     config = source["config"]
     assert f"Parameters: {source['n_params']:,}" in text
     assert f"{config.state_floats_per_row:,} floats" in text and f"{config.memory_cells:,} cells" in text
+    # where no compiler builds the kernels, the remote code runs the torch ops without a warning: the card says so
+    assert "without a warning, where there is no C compiler. `model.model.last_recurrence_backends` says" in text
     # Training: recipe from training_config.json, last values from train_log.jsonl, secrets and local paths out.
     assert "| optimizer.lr | 0.0006 |" in text and "| data.seq_len | 64 |" in text
     assert "loss = 8.4" in text and "val_loss = 8.3" in text
@@ -359,6 +361,33 @@ def test_card_of_gpn_trains_own_output_reads_its_run_folder(source, tmp_path):
     other = folder.rename(tmp_path / "run" / "other")
     text = (push_folder(other, "gpn-run", dry_run=tmp_path / "out2", quiet=True).path / "README.md").read_text()
     assert "No training log was found" in text
+
+
+def test_a_fine_tunes_folder_keeps_its_base_model_and_gets_every_auto_class(source, tmp_path, capsys):
+    """A Trainer or TRL writes README.md beside a fine-tune's weights with its `base_model`; gpn push replaced that
+    card with its own, which named no base model, so the Hub showed the fine-tune as trained from scratch. And a
+    config saved apart from the model (beside weights an FSDP or Accelerate run wrote) has an auto_map of AutoConfig
+    alone: published, AutoModelForSequenceClassification did not load it."""
+    from huggingface_hub import ModelCard
+
+    from gpn_cli import main
+
+    folder = copy_source(source, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_gpn.GPNConfig", "AutoModelForTokenClassification": "x.Gone"}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "README.md").write_text(  # the metadata TRL's SFTTrainer writes
+        "---\nbase_model: someone/gpn-base\nlibrary_name: transformers\nmodel_name: tuned\ntags:\n- trl\n- sft\n"
+        "---\n\n# Model Card for tuned\n"
+    )
+    assert main(["push", str(folder), REPO_ID, "--dry-run", str(tmp_path / "out")]) == 0
+    assert ModelCard.load(tmp_path / "out" / "README.md").data.base_model == "someone/gpn-base"
+    published_auto_map = json.loads((tmp_path / "out" / "config.json").read_text())["auto_map"]
+    assert published_auto_map == json.loads((source["dir"] / "config.json").read_text())["auto_map"]
+    capsys.readouterr()
+    bad = ["push", str(folder), REPO_ID, "--dry-run", str(tmp_path / "out2"), "--base-model", str(tmp_path)]
+    assert main(bad) == 1 and not (tmp_path / "out2").exists()
+    assert capsys.readouterr().err.startswith(f"gpn push: --base-model {str(tmp_path)!r} is not a Hub repo id")
 
 
 def test_paper_columns_without_gpn_evals_comparison_match_protocols_only():
@@ -624,6 +653,21 @@ def test_upload_gets_the_right_arguments_and_the_dry_run_files(source, published
     dry_run = {p.name: p.read_bytes() for p in published.iterdir()}
     assert upload["snapshot"] == dry_run  # the upload is exactly the dry-run folder
     assert not any(TOKEN.encode() in data for data in upload["snapshot"].values())
+    # a push over an earlier one (sharded weights, another tokenizer) leaves only this one's weights and tokenizer:
+    # upload_folder only adds, and transformers loaded a stale shard set's index, or a stale chat template
+    from huggingface_hub.utils import filter_repo_objects
+
+    earlier = {
+        "model-00001-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "tokenizer.model",
+        "chat_template.jinja",
+    }
+    own = {".gitattributes", "notes.md", "onnx/model.safetensors"}  # the repo's other files are the user's
+    repo = earlier | own | {"model.safetensors", "tokenizer.json", "config.json", "modeling_gpn.py"}
+    deleted = set(filter_repo_objects(repo, allow_patterns=upload["delete_patterns"])) - {".gitattributes"}
+    after = (repo - deleted) | set(upload["snapshot"])
+    assert after == own | set(dry_run), sorted(after ^ (own | set(dry_run)))
 
 
 def test_upload_as_pull_request_with_defaults(source, hub_calls, capsys):
@@ -742,7 +786,11 @@ def test_convert_push_to_hub_publishes_the_converted_checkpoint(hub_calls, tmp_p
         upload["snapshot"]
     )
     assert upload["snapshot"]["model.safetensors"] == (out / "model.safetensors").read_bytes()
-    assert "Parameters: 30,022" in upload["snapshot"]["README.md"].decode()  # the reference's own count
+    card = upload["snapshot"]["README.md"].decode()
+    assert "Parameters: 30,022" in card  # the reference's own count
+    # the card names what was converted (it said "No training log was found", as of weights of unknown origin)
+    assert "Converted with `gpn convert` from the reference implementation's" in card
+    assert "checkpoint `sot_m_1l` (params.npz)" in card and "No training log" not in card
     # generate() ends at the tokenizer's end of text (<unk>, 0 here), not at the config's LLaMA-2 default 2 ("b")
     config, generation = (json.loads(upload["snapshot"][name]) for name in ("config.json", "generation_config.json"))
     assert config["eos_token_id"] == generation["eos_token_id"] == generation["pad_token_id"] == 0
