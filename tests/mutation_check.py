@@ -1178,6 +1178,13 @@ MUTATIONS = [
         ("tests/ecosystem/test_eval.py::test_gpn_eval_command_writes_results_and_side_by_side_report",),
     ),
     Mutation(
+        "gpn push's card puts LAMBADA figures of truncated contexts beside the paper's with nothing said",
+        "modeling_gpn/hub/model_card.py",
+        "    if is_number(truncated) and truncated:  # (a context longer than the model's window, left-truncated as lm-eval's)\n",
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_hub.py::test_card_says_lambada_contexts_were_truncated",),
+    ),
+    Mutation(
         "gpn eval --fineweb-token-cache ignores an option that cuts documents in silence",
         "eval/runner.py",
         "        if any(ignored.values()):\n",
