@@ -37,7 +37,7 @@ Tasks and their metrics:
 - `lambada_openai` (lm-eval): `acc` (whole last word greedy), `perplexity` (per-example summed NLL).
 - `lambada_paper` (paper, `protocols.py`): `acc` (top-1 of the first subword of the last word),
   `ppl` (pooled over the last word's subwords), `acc_whole_word`, `ppl_per_example`, `examples`,
-  `target_tokens`.
+  `target_tokens`, `truncated_examples` (contexts left-truncated to `max_length`, as lm-eval's).
 - `fineweb_paper` (paper, `protocols.py`): `ppl` (the reported convention), `ppl_all_positions`
   (GPN: first token from the empty state), `ppl_excluding_first`, `tokens_scored`, `windows`,
   `window`, `first_window`, `stream_tokens`, `dropped_tail_tokens`, `documents`.
@@ -85,7 +85,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--output-dir",
         default=None,
-        help="where to write eval_results.json and eval_report.md; without it ./eval-<model name>",
+        help="where to write eval_results.json and eval_report.md; without it ./eval-<model name>; refused if it "
+        "holds them already, unless --overwrite",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the eval_results.json and eval_report.md already in --output-dir (an earlier run's)",
     )
     parser.add_argument(
         "--batch-size",
@@ -112,7 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-length",
         type=int,
         default=None,
-        help="context length for lm-eval; without it config.max_length_hint for a GPN (its training window), else the model's positional limit",
+        help="context length for lm-eval and lambada_paper (longer contexts are left-truncated); without it config.max_length_hint for a GPN (its training window), else the model's positional limit",
     )
     parser.add_argument(
         "--fineweb-window", type=int, default=2048, help="window length of the FineWeb protocol (paper: 2048)"
@@ -255,13 +261,16 @@ def settings_from_args(args: argparse.Namespace) -> EvalSettings:
     )
 
 
+OUTPUT_FILES = ("eval_results.json", "eval_report.md")  # what a run writes into --output-dir
+
+
 def write_outputs(results: dict, output_dir: str | Path) -> tuple[Path, Path]:
     """Write `eval_results.json` and `eval_report.md`; returns their paths."""
     from .report import render_report
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    json_path, report_path = out / "eval_results.json", out / "eval_report.md"
+    json_path, report_path = (out / name for name in OUTPUT_FILES)
     json_path.write_text(json.dumps(results, indent=2, allow_nan=True) + "\n", encoding="utf-8")
     report_path.write_text(render_report(results), encoding="utf-8")
     return json_path, report_path
@@ -281,6 +290,18 @@ def keep_finished_tasks(finished: dict, tasks: list[str], message: object, outpu
     except OSError as error:
         return f"the figures of {done}, finished before {failed} failed, could not be written: {error}"
     return f"{done}, finished before {failed} failed, written to {json_path.parent}"
+
+
+def check_no_results(output_dir: Path) -> None:
+    """Refuse an output folder that holds an earlier run's results: they were replaced without notice (the default
+    folder, ./eval-<the model folder's name>, is the same for runs/a/model and runs/b/model, so evaluating the
+    second lost the first's figures; so did a second run with other --tasks)."""
+    held = [name for name in OUTPUT_FILES if (output_dir / name).exists()]
+    if held:
+        raise ValueError(
+            f"--output-dir {output_dir} already holds an evaluation ({', '.join(held)}); choose another folder, or "
+            "give --overwrite to replace it"
+        )
 
 
 def fail(message: object) -> int:
@@ -310,6 +331,8 @@ def run(args: argparse.Namespace) -> int:
         for task in settings.tasks:  # a --data-dir without a task's files
             data_source(task, settings)
         output_dir = writable_folder(args.output_dir or f"eval-{Path(args.model.rstrip('/')).name}", "--output-dir")
+        if not args.overwrite:
+            check_no_results(output_dir)
     except (OSError, ValueError) as error:
         return fail(error)
     if args.num_threads:

@@ -153,6 +153,14 @@ def score_lambada(
     return scores  # type: ignore[return-value]
 
 
+def truncated_lambada_examples(examples: Sequence[LambadaExample], max_length: int | None) -> int:
+    """How many examples `score_lambada` left-truncates to `max_length` (as lm-eval does): the paper reads every
+    context whole (at most 244 LLaMA-2 tokens), so each of them is scored otherwise than the paper's."""
+    if max_length is None:
+        return 0
+    return sum(len(example.context_ids) + len(example.target_ids) - 1 > max_length for example in examples)
+
+
 def lambada_metrics(scores: Sequence[LambadaScore]) -> dict[str, float]:
     """The paper's LAMBADA acc and pooled-token ppl, plus lm-eval's whole-word acc and per-example ppl."""
     if not scores:

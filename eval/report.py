@@ -10,6 +10,9 @@ COLUMNS = (
     ("lambada_acc", "LAMBADA acc", "{:.3f}"),
     ("lambada_ppl", "LAMBADA PPL", "{:.2f}"),
 )
+# The published rows as GPN.md quotes Table 1: perplexities to 4 significant figures (a fixed 2 decimals wrote the
+# paper's 263.6 as 263.60, a digit it does not give), accuracies to 3 decimals (0.160, not 0.16).
+PUBLISHED_PATTERNS = {"fineweb_ppl": "{:.4g}", "lambada_acc": "{:.3f}", "lambada_ppl": "{:.4g}"}
 
 
 def _fmt(value: Any, pattern: str = "{:.4g}") -> str:
@@ -22,6 +25,11 @@ def _fmt(value: Any, pattern: str = "{:.4g}") -> str:
 
 def _params(n: int) -> str:
     return f"{n / 1e6:.1f}M" if n >= 1e5 else f"{n:,}"
+
+
+def _direction(metrics: dict[str, Any], column: str) -> str:
+    """↑ where a higher figure of `column` is better (accuracy), ↓ where a lower one is (perplexity)."""
+    return "↑" if metrics[column]["higher_is_better"] else "↓"
 
 
 def render_report(results: dict[str, Any]) -> str:
@@ -50,15 +58,17 @@ def render_report(results: dict[str, Any]) -> str:
         "## Beside the paper's Table 1",
         "",
         f"Published rows: {results['baselines_citation']} Measured rows use the same protocol as the column "
-        "(see *Protocols*); a dash means the task was not run.",
+        "(see *Protocols*); a dash means the task was not run; ↓: lower is better, ↑: higher is better.",
         "",
-        "| model | source | params | layers | state dim | " + " | ".join(title for _, title, _ in COLUMNS) + " |",
+        "| model | source | params | layers | state dim | "
+        + " | ".join(f"{title} {_direction(metrics, key)}" for key, title, _ in COLUMNS)
+        + " |",
         "|---|---|---|---|---|" + "---|" * len(COLUMNS),
     ]
     for row in results["published_baselines"]:
-        cells = [_fmt(row.get(key), pattern) for key, _, pattern in COLUMNS]
+        cells = [_fmt(row.get(key), PUBLISHED_PATTERNS[key]) for key, _, _ in COLUMNS]
         lines.append(
-            f"| {row['model']} | published | ≈{_params(row['params'])} | {row['layers']} | {row['state_dim']} | "
+            f"| {row['model']} | published | ≈{row['params'] / 1e6:.4g}M | {row['layers']} | {row['state_dim']} | "
             + " | ".join(cells)
             + " |"
         )
@@ -113,6 +123,12 @@ def _measured_row_notes(results: dict[str, Any]) -> list[str]:
             if n == PAPER_LAMBADA_EXAMPLES
             else f" (**not the full set**; the paper uses all {PAPER_LAMBADA_EXAMPLES})"
         )
+        truncated = lambada.get("truncated_examples")
+        if truncated:  # (the paper reads every context whole)
+            flag += (
+                f" (**{truncated} of them with the context cut to its last {results['max_length']} tokens**; the paper "
+                "reads them whole: raise --max-length)"
+            )
         notes.append(
             f"- measured LAMBADA: {n} examples, {lambada.get('target_tokens')} last-word subwords{flag}; data {results['data'].get('lambada_paper')}"
         )

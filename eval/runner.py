@@ -637,6 +637,9 @@ def _evaluate(model_path: str, settings: EvalSettings, model, tokenizer, results
                 model, examples, settings.batch_size, max_length, settings.device, settings.progress
             )
             metrics = protocols.lambada_metrics(scores)
+            # (a GPN has no context limit; max_length is its training window, which can be shorter than a context)
+            metrics["truncated_examples"] = protocols.truncated_lambada_examples(examples, max_length)
+            protocol += f"; contexts left-truncated to max_length={max_length} as lm-eval's"
         elif task == "fineweb_paper":
             streaming = source is None or not _is_local(source)
             token_cache = None

@@ -445,8 +445,8 @@ def evaluation_lines(config, model_name: str, n_params: int, evaluation: EvalInf
 
 def run_differences(evaluation: EvalInfo) -> list[str]:
     """How the evaluation's run differs from the paper's, as `gpn eval`'s own report flags it: a figure beside
-    Table 1 from other text than FineWeb-Edu, shorter FineWeb windows, fewer LAMBADA examples or cast weights is
-    not the paper's measure."""
+    Table 1 from other text than FineWeb-Edu, shorter FineWeb windows, fewer LAMBADA examples, LAMBADA contexts cut
+    to a window or cast weights is not the paper's measure."""
     differences = []
     fineweb_data = evaluation.data.get("fineweb_paper")
     if "fineweb_paper" in evaluation.tasks and fineweb_data and "fineweb" not in fineweb_data.lower():
@@ -458,6 +458,12 @@ def run_differences(evaluation: EvalInfo) -> list[str]:
     examples = evaluation.tasks.get("lambada_paper", {}).get("examples")
     if is_number(examples) and examples != PAPER_LAMBADA_EXAMPLES:
         differences.append(f"LAMBADA on {examples:,} examples (the paper's are all {PAPER_LAMBADA_EXAMPLES:,})")
+    truncated = evaluation.tasks.get("lambada_paper", {}).get("truncated_examples")
+    if is_number(truncated) and truncated:  # (a context longer than the model's window, left-truncated as lm-eval's)
+        differences.append(
+            f"LAMBADA with {truncated:,} contexts left-truncated to `gpn eval --max-length` (the paper "
+            "reads them whole)"
+        )
     if evaluation.dtype and evaluation.dtype != "float32":
         differences.append(f"the weights cast to {evaluation.dtype} (`gpn eval --dtype {evaluation.dtype}`)")
     return differences

@@ -10,6 +10,7 @@ import json
 import math
 import re
 import shutil
+from functools import partial
 
 import pytest
 import torch
@@ -467,7 +468,11 @@ def llama_dir(tmp_path_factory, data):
 
 
 def test_gpn_eval_command_writes_results_and_side_by_side_report(gpn_dir, data, tmp_path, capsys):
+    from transformers import AutoTokenizer
+
     from gpn_cli import main
+    from modeling_gpn.evaluation.protocols import encode_lambada
+    from modeling_gpn.evaluation.runner import load_texts
 
     out = tmp_path / "out"
     code = main(
@@ -524,12 +529,36 @@ def test_gpn_eval_command_writes_results_and_side_by_side_report(gpn_dir, data, 
         "| GPN (no memory)",
         f"| **{gpn_dir}**",
     ]
-    assert "| 16.05 | 0.223 | 18.99 |" in table[0]
+    # the paper's rows as GPN.md quotes them (263.6, not 263.60; 0.160, not 0.16), each column's direction said
+    assert table[0].endswith("| published | ≈130M | 12 | 768 | 16.05 | 0.223 | 18.99 |")
+    assert table[3].endswith("| 16.95 | 0.160 | 27.39 |") and table[4].endswith("| 23.51 | 0.015 | 263.6 |")
+    assert "| FineWeb PPL ↓ | LAMBADA acc ↑ | LAMBADA PPL ↓ |" in report
     assert f"**{results['tasks']['lambada_paper']['ppl']:.2f}**" in table[-1]
     assert "not the full set" in report and "the paper uses 2048" in report
     # --limit cuts LAMBADA, not the FineWeb windows (once "limit 8 examples per task", FineWeb's column included)
     assert "**limit: the first 8 examples of each LAMBADA and lm-eval task**" in report
     assert "lambada_paper" in capsys.readouterr().out
+
+    # A second run into the same folder (the default one of every runs/NAME/model is ./eval-model) replaced the
+    # first's results in silence: refused before the model loads, the first's files untouched; --overwrite replaces.
+    again = ["eval", str(gpn_dir), "--data-dir", str(data), "--tasks", "lambada_paper", "--limit", "2"]
+    assert main([*again, "--output-dir", str(out), "--quiet"]) == 2
+    assert capsys.readouterr().err == (
+        f"gpn eval: error: --output-dir {out} already holds an evaluation (eval_results.json, eval_report.md); "
+        "choose another folder, or give --overwrite to replace it\n"
+    )
+    assert json.loads((out / "eval_results.json").read_text()) == results
+    assert (out / "eval_report.md").read_text() == report
+    # (a context longer than --max-length is left-truncated, as lm-eval does: counted and said beside the table)
+    assert main([*again, "--max-length", "80", "--output-dir", str(out), "--quiet", "--overwrite"]) == 0
+    rerun = json.loads((out / "eval_results.json").read_text())
+    assert set(rerun["tasks"]) == {"lambada_paper"}
+    tokenizer = AutoTokenizer.from_pretrained(gpn_dir)
+    texts = load_texts(str(data / "lambada" / "lambada_test.jsonl"), None, "text", limit=2)
+    read = [len(e.context_ids) + len(e.target_ids) - 1 for e in map(partial(encode_lambada, tokenizer), texts)]
+    assert min(read) <= 80 < max(read)  # (one is cut, the other not)
+    assert rerun["tasks"]["lambada_paper"]["truncated_examples"] == 1
+    assert "(**1 of them with the context cut to its last 80 tokens**" in (out / "eval_report.md").read_text()
 
 
 def test_same_command_on_a_llama(llama_dir, data, tmp_path):

@@ -399,7 +399,13 @@ def test_the_python_names_the_docs_give_exist():
     assert seen >= 15 and missing == []
 
 
-LM_EVAL_OPTIONS = {"--model_args", "--batch_size"}  # docs/evaluation.md's plain `lm_eval` command
+def lm_eval_options() -> set[str]:
+    """The options of lm-eval's own `lm_eval run` parser: docs/evaluation.md names them for plain lm-eval."""
+    from lm_eval._cli.run import Run
+
+    subparsers = argparse.ArgumentParser().add_subparsers()
+    Run(subparsers)
+    return {option for action in subparsers.choices["run"]._actions for option in action.option_strings}
 
 
 def test_accelerate_launch_options_the_docs_name_exist():
@@ -411,6 +417,7 @@ def test_accelerate_launch_options_the_docs_name_exist():
 
     parser = launch_command_parser()
     known = {option for action in parser._actions for option in action.option_strings}
+    lm_eval_known = lm_eval_options()
     launches = []
     for block in SHELL:
         for command in shell_commands(block.code):
@@ -430,7 +437,7 @@ def test_accelerate_launch_options_the_docs_name_exist():
         f"{page.name}: {option}"
         for page in DOC_FILES
         for option in re.findall(r"(?<![\w-])(--[a-z0-9]+_[a-z0-9_]+|--multi_gpu|--use_fsdp|--cpu)\b", page.read_text())
-        if option not in known and option not in LM_EVAL_OPTIONS
+        if option not in known and option not in lm_eval_known
     }
     assert len(launches) >= 5 and named == set()
 

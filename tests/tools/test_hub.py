@@ -314,6 +314,19 @@ def test_card_says_a_fineweb_figure_of_other_text_is_not_fineweb(source, tmp_pat
     ), text
 
 
+def test_card_says_lambada_contexts_were_truncated(source, tmp_path):
+    """`lambada_paper` with contexts left-truncated to a model's window (`truncated_examples`, `gpn eval
+    --max-length`) filled the card's LAMBADA columns beside the paper's, which reads every context whole."""
+    from modeling_gpn.hub import push_folder
+
+    folder = copy_source(source, tmp_path)
+    results = json.loads((folder / "eval_results.json").read_text())
+    results["tasks"]["lambada_paper"]["truncated_examples"] = 67
+    (folder / "eval_results.json").write_text(json.dumps(results))
+    text = (push_folder(folder, "gpn-cut", dry_run=tmp_path / "out", quiet=True).path / "README.md").read_text()
+    assert "LAMBADA with 67 contexts left-truncated to `gpn eval --max-length` (the paper reads them whole)" in text
+
+
 def test_card_without_eval_or_training_log_uses_the_paper_table(source, tmp_path):
     from modeling_gpn.hub import push_folder
     from modeling_gpn.hub.model_card import PAPER_TABLE_1
