@@ -39,12 +39,14 @@ from .tracing import is_tracing
 GENERATION_CACHE_IMPLEMENTATIONS = ("dynamic", "static")
 
 
-def generation_cache(config, generation_config, model_kwargs: dict) -> GPNCache | None:
+def generation_cache(
+    config, generation_config, model_kwargs: dict, batch_size: int = 1, device: torch.device | None = None
+) -> GPNCache | None:
     """The cache generate() decodes with: the caller's (checked), else a new `GPNCache` (None without a cache,
     `use_cache=False`). A GPNCache is what `cache_implementation` "dynamic" and "static" ask for; the other kinds
     (offloaded, quantized, sliding-window) are refused, not ignored, as is a cache_implementation beside a cache,
     which transformers refuses too, and a GPN as the draft model of assisted decoding (its cache would have to be
-    rolled back)."""
+    rolled back). The generation config's values are checked first (`check_generation_values`)."""
     if getattr(generation_config, "is_assistant", False):
         # transformers refuses a stateful main model itself, but not a stateful draft: it crops the draft's cache
         # to the accepted tokens after every round, which failed deep in transformers' cache code
@@ -53,6 +55,7 @@ def generation_cache(config, generation_config, model_kwargs: dict) -> GPNCache 
             "is rolled back to the tokens the main model accepted, and a GPN's state cannot be rolled back. "
             "Decode without `assistant_model`"
         )
+    check_generation_values(config, generation_config, batch_size, device)
     user_cache = model_kwargs.get("cache")
     requested = generation_config.cache_implementation
     if requested is not None and user_cache is not None:
@@ -80,6 +83,68 @@ def generation_cache(config, generation_config, model_kwargs: dict) -> GPNCache 
     if generation_config.use_cache is False:
         return None
     return GPNCache(config)
+
+
+def _token_ids(value) -> list[int]:
+    """A generation config's token id (an int, a list of them, a tensor or None) as a list of ints."""
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor):
+        return [int(v) for v in value.reshape(-1).tolist()]
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+# What beam search preallocates per (row, beam, position) of `max_length` (transformers' `_beam_search`): the
+# running and finished sequences (int64) and their beam indices (int32)
+BEAM_SEARCH_BYTES_PER_POSITION = 2 * 8 + 2 * 4
+
+
+def device_memory_bytes(device: torch.device | None) -> int | None:
+    """The memory of `device` (a GPU's total, the CPU's physical memory), or None where it cannot be read."""
+    try:
+        if device is not None and device.type == "cuda":
+            return torch.cuda.get_device_properties(device).total_memory
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError, RuntimeError):
+        return None
+
+
+def check_generation_values(config, generation_config, batch_size: int, device: torch.device | None) -> None:
+    """Values of the generation config that would be wrong in silence, or fail far from their cause, refused by name:
+
+    - `num_return_sequences` below 1 gave one sequence a row (transformers expands by max(beams, sequences));
+    - an `eos_token_id` outside the vocabulary can never be generated (generation ran to its length without a
+      word); a `pad_token_id` outside it is written after a row's end and, greedy or sampling, fed back to the
+      model, whose id check then blamed the prompt's tokenizer;
+    - beam search preallocates its sequences for `max_length` positions: a huge `max_new_tokens` tried to
+      allocate terabytes (greedy decoding and sampling allocate as they go, so they are not limited here).
+    """
+    returned = generation_config.num_return_sequences
+    if returned is not None and returned < 1:
+        raise ValueError(f"num_return_sequences must be at least 1, got {returned}")
+    vocab_size = config.vocab_size
+    for name in ("eos_token_id", "pad_token_id"):
+        outside = [i for i in _token_ids(getattr(generation_config, name)) if not 0 <= i < vocab_size]
+        if outside:
+            raise ValueError(
+                f"{name}={outside[0]} (generation config) is outside the vocabulary [0, {vocab_size}) of this model: "
+                + (
+                    "it can never be generated, so generation would never stop on it"
+                    if name == "eos_token_id"
+                    else "generate() writes it after a finished row's end and, greedy or sampling, feeds it back to the model"
+                )
+                + "; pass the tokenizer's id, or resize the model's embeddings (resize_token_embeddings) first"
+            )
+    beams = generation_config.num_beams or 1
+    if beams > 1 and generation_config.max_length is not None:
+        needed = batch_size * beams * generation_config.max_length * BEAM_SEARCH_BYTES_PER_POSITION
+        available = device_memory_bytes(device)
+        if available is not None and needed > available:
+            raise ValueError(
+                f"Beam search preallocates its sequences for max_length={generation_config.max_length} positions: "
+                f"{batch_size} rows x {beams} beams need {needed / 2**30:,.0f} GiB, more than the "
+                f"{available / 2**30:,.0f} GiB of {device or 'the CPU'}; ask for fewer new tokens (max_new_tokens)"
+            )
 
 
 # Decoding methods transformers 5 moved to the Hub (`custom_generate`) that a GPN cannot run, and why

@@ -1001,6 +1001,11 @@ class GPNModel(GPNPreTrainedModel):
                     f"inputs_embeds must have shape (batch, seq, {config.embedding_size}), "
                     f"got {tuple(inputs_embeds.shape)}"
                 )
+            if not inputs_embeds.dtype.is_floating_point:  # (ids passed as embeddings were cast and run)
+                raise ValueError(
+                    f"inputs_embeds must be floating-point embeddings, got dtype {inputs_embeds.dtype}: token ids "
+                    "go in input_ids"
+                )
             embeddings = inputs_embeds
         batch_size, seq_len = embeddings.shape[:2]
         check_not_empty(batch_size, seq_len)
@@ -1232,7 +1237,9 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs) -> None:
         """generate() gets a `GPNCache` (not a `DynamicCache`) unless the caller passed one; cache kinds a GPN does
         not have, and what would roll its state back, are refused (`generation.generation_cache`)."""
-        cache = generation_cache(self.config, generation_config, model_kwargs)
+        # (transformers passes the generation mode, the batch size before beams and the cache's length)
+        batch_size = args[1] if len(args) > 1 else kwargs.get("batch_size", 1)
+        cache = generation_cache(self.config, generation_config, model_kwargs, batch_size, self.device)
         if cache is not None:
             model_kwargs["cache"] = cache
 

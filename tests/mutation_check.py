@@ -2864,6 +2864,20 @@ MUTATIONS = [
         ("tests/model/test_generate.py::test_a_gpn_as_the_draft_model_of_assisted_decoding_is_refused_clearly",),
     ),
     Mutation(
+        "generate() refuses generation values wrong in silence (0 sequences, eos/pad outside the vocabulary, beams' giant allocation)",
+        "modeling_gpn/generation.py",
+        "    check_generation_values(config, generation_config, batch_size, device)\n",
+        "",
+        ("tests/model/test_generate.py::test_generation_values_that_would_be_wrong_in_silence_are_refused_by_name",),
+    ),
+    Mutation(
+        "integer or boolean inputs_embeds refused (cast and run in silence)",
+        "modeling_gpn/modeling_gpn.py",
+        "            if not inputs_embeds.dtype.is_floating_point:",
+        "            if False:  # MUTATION",
+        ("tests/model/test_roundtrip_and_errors.py::test_inputs_embeds_that_are_not_floating_point_are_refused",),
+    ),
+    Mutation(
         "a mask over the new positions widened to the whole sequence for transformers' chunked prefill",
         "modeling_gpn/generation.py",
         "    if mask is not None and not start and mask.shape[1] == given:\n",

@@ -385,6 +385,24 @@ def test_prompts_and_masks_of_the_wrong_shape_are_refused_by_name(model):
     assert torch.equal(continued[:, 3:], argmax_continuation(model, torch.cat([prompt, new], 1), 2)[:, 10:])
 
 
+def test_generation_values_that_would_be_wrong_in_silence_are_refused_by_name(model):
+    """num_return_sequences=0 gave one sequence a row; an eos_token_id outside the vocabulary was never generated
+    (generation ran to its length); a pad_token_id outside it was fed back after a row's end and blamed on the
+    prompt's tokenizer; beam search with a huge max_new_tokens tried to preallocate terabytes. Each is named before
+    anything runs."""
+    prompt = torch.randint(1, 97, (2, 3), generator=torch.Generator().manual_seed(64))
+    with pytest.raises(ValueError, match="num_return_sequences must be at least 1, got 0"):
+        model.generate(prompt, max_new_tokens=2, do_sample=True, num_return_sequences=0)
+    for name, value in (("eos_token_id", 97), ("eos_token_id", [5, -1]), ("pad_token_id", 500)):
+        bad = value if isinstance(value, int) else value[1]
+        with pytest.raises(
+            ValueError, match=rf"{name}={bad} \(generation config\) is outside the vocabulary \[0, 97\)"
+        ):
+            model.generate(prompt, max_new_tokens=2, **{name: value})
+    with pytest.raises(ValueError, match=r"Beam search preallocates its sequences for max_length=10000000000003 "):
+        model.generate(prompt, max_new_tokens=10**13, num_beams=2)
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("given", ["new positions", "whole sequence"])
 def test_sampling_several_sequences_from_a_given_state(model, given):

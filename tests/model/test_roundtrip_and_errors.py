@@ -137,6 +137,17 @@ def test_ids_of_a_dtype_the_embedding_refuses_are_named_with_the_fix(model, dtyp
         model(torch.tensor([[1, 2, 3]], dtype=dtype))
 
 
+def test_inputs_embeds_that_are_not_floating_point_are_refused(model):
+    """Integer or boolean inputs_embeds (ids passed as embeddings) were cast and run in silence; float64 ones are
+    embeddings and give the float32 ones' outputs."""
+    embeds = model.get_input_embeddings()(torch.tensor([[1, 2, 3]])).detach()
+    for dtype in (torch.int64, torch.bool):
+        with pytest.raises(ValueError, match=rf"inputs_embeds must be floating-point embeddings, got dtype {dtype}"):
+            model(inputs_embeds=embeds.to(dtype))
+    with torch.no_grad():
+        assert torch.equal(model(inputs_embeds=embeds.double()).logits, model(inputs_embeds=embeds).logits)
+
+
 def test_int32_ids_are_taken_as_int64_ones(model):
     """torch's embedding takes int32 ids: the model gives the same outputs for them as for int64 ones."""
     ids = torch.tensor([[1, 2, 3, 96]])
