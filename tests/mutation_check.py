@@ -4398,6 +4398,20 @@ MUTATIONS = [
         'GPN_CLASSES = {"GPNForCausalLM": GPNForCausalLM, "GPNModel": GPNModel}  # MUTATION',
         ("tests/tools/test_serve.py -k weights_hold_nan_is_not_served",),
     ),
+    Mutation(
+        "gpn train's tokens/s leaves out the validations and checkpoints between steps (they made a step look slow)",
+        "modeling_gpn/train/loop.py",
+        "            window.paused += time.perf_counter() - paused\n",
+        "",
+        ("tests/tools/test_train.py -k tiny_preset",),
+    ),
+    Mutation(
+        "gpn train's summary says which positions the held-out perplexity scores (the first of a window is not)",
+        "modeling_gpn/train/training.py",
+        "tokens, each scored on its {config['seq_len'] - 1} next-token predictions: its \"\n",
+        'tokens"  # MUTATION\n',
+        ("tests/tools/test_train.py -k tiny_preset",),
+    ),
 ]
 
 

@@ -27,10 +27,12 @@ from .stop_signals import StopSignals
 
 @dataclass
 class LogWindow:
-    """The steps since the last log record: when they started and how many tokens they trained on."""
+    """The steps since the last log record: when they started, how many tokens they read, and the seconds spent
+    meanwhile between steps (validation, checkpoints), which are no training and are left out of its tokens/s."""
 
     started: float
     tokens: int = 0
+    paused: float = 0.0
 
 
 def fit(run: TrainingRun, stop: StopSignals) -> None:
@@ -60,7 +62,9 @@ def fit(run: TrainingRun, stop: StopSignals) -> None:
             if done % max(1, run.config["log_interval"]) == 0 or done == run.steps:
                 log_window(run, done, lr, grad_norm, window, bar)
                 window = LogWindow(started=time.perf_counter())
+            paused = time.perf_counter()
             between_steps(run, done, stop, bar)
+            window.paused += time.perf_counter() - paused
     except BaseException:
         bar.close()
         end_process_group(run, after_error=True)
@@ -157,8 +161,9 @@ def skip_or_stop_on_nonfinite(run: TrainingRun, done: int, loss: float, grad_nor
 
 
 def log_window(run: TrainingRun, done: int, lr: float, grad_norm: float, window: LogWindow, bar) -> None:
-    """The log record of the steps since the last one: mean loss, learning rate, gradient norm, speed."""
-    elapsed = time.perf_counter() - window.started
+    """The log record of the steps since the last one: mean loss, learning rate, gradient norm, speed (the
+    window's tokens over its training time: a validation or checkpoint inside it once made a step look slow)."""
+    elapsed = time.perf_counter() - window.started - window.paused
     # A window whose steps were all skipped has no loss (null), not a loss of 0.
     window_loss = sum(run.running) / len(run.running) if run.running else None
     record = {

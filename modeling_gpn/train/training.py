@@ -374,7 +374,8 @@ def print_summary(run: TrainingRun, val_loss: float, val_ppl: float, sample: str
     if evaluated:
         run.say(
             f"\nvalidation loss {val_loss:.4f}, perplexity {val_ppl:.2f} ({evaluated} held-out windows of "
-            f"{config['seq_len']} tokens)"
+            f"{config['seq_len']} tokens, each scored on its {config['seq_len'] - 1} next-token predictions: its "
+            "first token is not scored)"
         )
     else:
         run.say(

@@ -39,18 +39,42 @@ from .train_runs import (
 pytestmark = pytest.mark.usefixtures("accelerate_on_cpu")
 
 
-def test_tiny_preset_loss_falls_and_output_loads(tmp_path, cache, shakespeare):
+def test_tiny_preset_loss_falls_output_loads_and_the_log_says_what_ran(
+    tmp_path, cache, shakespeare, monkeypatch, capsys
+):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from modeling_gpn.train import loop
+
+    # A clock that moves only where the run works: 1 s a training step, 100 s a validation or a checkpoint between
+    # steps. tokens/s is the training's speed: the validation and checkpoint after step 20 are left out of step 21's.
+    clock = [0.0]
+
+    def taking(seconds, function):
+        def timed(*args, **kwargs):
+            clock[0] += seconds
+            return function(*args, **kwargs)
+
+        return timed
+
+    monkeypatch.setattr(loop, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    for name, seconds in (("training_step", 1.0), ("validate", 100.0), ("save_checkpoint", 100.0)):
+        monkeypatch.setattr(loop, name, taking(seconds, getattr(loop, name)))
     out = tmp_path / "run"
+    extra = ("--steps", "40", "--lr", "0.01", "--warmup-steps", "4", "--sample-tokens", "8", "--eval-interval", "20")
     config = train_module.resolve_config(
-        parse(
-            small_args(
-                shakespeare, out, cache, "--steps", "40", "--lr", "0.01", "--warmup-steps", "4", "--sample-tokens", "8"
-            )
-        )
+        parse(small_args(shakespeare, out, cache, *extra, "--checkpoint-interval", "20"))
     )
     summary = train_module.train(config, show_progress=False)
+    records = [r for r in read_log(out) if "lr" in r]
+    assert [r["tokens_per_s"] for r in records] == [8 * 32] * 40  # 8 windows of 32 tokens a (1 s) step
+    assert [r["tokens"] for r in records] == [8 * 32 * step for step in range(1, 41)]
+    assert [r["step"] for r in read_log(out) if "val_loss" in r] == [20, 40]
+    # The summary says which positions the held-out perplexity scores (not the first of each window).
+    assert (
+        f"perplexity {summary['val_ppl']:.2f} (8 held-out windows of 32 tokens, each scored on its 31 next-token "
+        in (capsys.readouterr().out)
+    )
     curve = losses(out)
     assert len(curve) == 40
     start, end = sum(curve[:3]) / 3, sum(curve[-3:]) / 3
