@@ -120,6 +120,11 @@ EMBEDDING_ID_DTYPES = (torch.int64, torch.int32)
 def check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
     """(batch, seq) integer ids, each in [0, vocab_size): the first id outside is named with its
     position (an id from another tokenizer would otherwise fail inside the embedding, or on a GPU, later)."""
+    if not isinstance(input_ids, torch.Tensor):  # (a list or an array failed on a missing attribute)
+        raise TypeError(
+            f"input_ids must be a torch.Tensor of token ids, shape (batch, seq), got {type(input_ids).__name__}: "
+            "pass torch.tensor(ids) (a tokenizer's return_tensors='pt' gives one)"
+        )
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must have shape (batch, seq), got {tuple(input_ids.shape)}")
     if input_ids.dtype not in EMBEDDING_ID_DTYPES:  # (int16 / uint8 ids failed inside torch's embedding)

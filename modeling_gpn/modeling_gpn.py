@@ -1424,7 +1424,7 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             and isinstance(logits_to_keep, int)
             and logits_to_keep >= 0
         )
-        if asks_only_logits and input_ids is not None and not is_tracing():
+        if asks_only_logits and isinstance(input_ids, torch.Tensor) and not is_tracing():
             # a decoded token (one a row, from a cache): the whole of it in one C call where it is plain
             logits = fast_decode_token(
                 self, input_ids, attention_mask, cache, norm_class=GPNRMSNorm, methods=DECODED_TOKEN_METHODS

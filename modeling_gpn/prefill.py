@@ -46,7 +46,7 @@ def prefill_chunk_length_for(
         return 0
     if output_hidden_states if output_hidden_states is not None else model.config.output_hidden_states:
         return 0
-    if input_ids is not None and inputs_embeds is None and input_ids.dim() == 2:
+    if isinstance(input_ids, torch.Tensor) and inputs_embeds is None and input_ids.dim() == 2:
         seq_len = input_ids.shape[1]
     elif inputs_embeds is not None and input_ids is None and inputs_embeds.dim() == 3:
         seq_len = inputs_embeds.shape[1]

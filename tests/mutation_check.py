@@ -1392,6 +1392,27 @@ MUTATIONS = [
         ("tests/model/test_roundtrip_and_errors.py::test_logits_to_keep_that_names_no_positions_is_refused",),
     ),
     Mutation(
+        "input_ids that are not a tensor (a list, an array) fail on a missing attribute, not named",
+        "modeling_gpn/arguments.py",
+        "    if not isinstance(input_ids, torch.Tensor):  # (a list or an array failed on a missing attribute)\n",
+        "    if False:  # MUTATION\n",
+        ("tests/model/test_roundtrip_and_errors.py::test_input_ids_that_are_not_a_tensor_are_named",),
+    ),
+    Mutation(
+        "the one-call decode takes input_ids that are not a tensor (an array from a cache fails on .dim)",
+        "modeling_gpn/modeling_gpn.py",
+        "        if asks_only_logits and isinstance(input_ids, torch.Tensor) and not is_tracing():\n",
+        "        if asks_only_logits and input_ids is not None and not is_tracing():  # MUTATION\n",
+        ("tests/model/test_roundtrip_and_errors.py::test_input_ids_that_are_not_a_tensor_are_named",),
+    ),
+    Mutation(
+        "prefill chunking reads the length of input_ids that are not a tensor (a list fails on .dim)",
+        "modeling_gpn/prefill.py",
+        "    if isinstance(input_ids, torch.Tensor) and inputs_embeds is None and input_ids.dim() == 2:\n",
+        "    if input_ids is not None and inputs_embeds is None and input_ids.dim() == 2:  # MUTATION\n",
+        ("tests/model/test_roundtrip_and_errors.py::test_input_ids_that_are_not_a_tensor_are_named",),
+    ),
+    Mutation(
         "a negative logits_to_keep on a decoded token taken by the one-call decode (its logits returned, not refused)",
         "modeling_gpn/modeling_gpn.py",
         "            and isinstance(logits_to_keep, int)\n            and logits_to_keep >= 0\n",

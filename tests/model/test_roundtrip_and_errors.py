@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -146,6 +147,16 @@ def test_inputs_embeds_that_are_not_floating_point_are_refused(model):
             model(inputs_embeds=embeds.to(dtype))
     with torch.no_grad():
         assert torch.equal(model(inputs_embeds=embeds.double()).logits, model(inputs_embeds=embeds).logits)
+
+
+def test_input_ids_that_are_not_a_tensor_are_named(model):
+    """A list or a numpy array of ids failed on a missing attribute ("'list' object has no attribute 'dim'"), on the
+    one-call decode of a token from a cache as on any other call."""
+    with torch.no_grad():
+        cache = model(torch.tensor([[1, 2, 3]]), use_cache=True).cache
+        for ids, kwargs in (([[1, 2, 3]], {}), (np.array([[4]]), {"cache": cache, "use_cache": True})):
+            with pytest.raises(TypeError, match=rf"input_ids must be a torch.Tensor .* got {type(ids).__name__}"):
+                model(ids, **kwargs)
 
 
 def test_int32_ids_are_taken_as_int64_ones(model):
