@@ -2338,6 +2338,27 @@ MUTATIONS = [
         ("tests/tools/test_inspect.py::test_report_of_a_gpn_without_memory",),
     ),
     Mutation(
+        "gpn inspect's report of a PEFT adapter folder does not say an adapter was attached, nor to which base",
+        "modeling_gpn/inspect/report.py",
+        '        "adapter": adapter_summary(model),\n',
+        '        "adapter": None,  # MUTATION\n',
+        ("tests/tools/test_inspect.py::test_gpn_inspect_of_a_peft_adapter_folder",),
+    ),
+    Mutation(
+        "gpn inspect's report of a GPN without memory leaves the memory section out without a word",
+        "modeling_gpn/inspect/markdown.py",
+        '    elif not report["model"]["use_memory"]:',
+        "    elif False:  # MUTATION",
+        ("tests/tools/test_inspect.py::test_report_of_a_gpn_without_memory",),
+    ),
+    Mutation(
+        "gpn inspect's ablations figure gives the windows' tokens as the count its perplexities are over",
+        "modeling_gpn/inspect/figures.py",
+        "{rows[0]['tokens']:,} predicted tokens)",
+        "{ablations['tokens']:,} predicted tokens)",
+        ("tests/tools/test_inspect.py::test_report_of_a_gpn_without_memory",),
+    ),
+    Mutation(
         "gpn inspect's --max-geometry-states 1 not refused (a traceback after the run)",
         "modeling_gpn/inspect/cli.py",
         "    if args.max_geometry_states < 2:",

@@ -185,7 +185,8 @@ def ablations_figure(plt, ablations: dict):
     ax.set_xticks(np.arange(len(rows)), [r["name"].replace("_", "\n") for r in rows])
     ax.set_ylabel("perplexity change vs baseline (%)" + (", symlog" if max(abs(low), abs(high)) > 20 else ""))
     ax.set_title(
-        f"Causal tests: perplexity with one part removed (baseline {base:.4g}, {ablations['tokens']:,} tokens)"
+        # (the perplexities count the predicted tokens, one fewer per window than the windows' tokens it showed)
+        f"Causal tests: perplexity with one part removed (baseline {base:.4g}, {rows[0]['tokens']:,} predicted tokens)"
     )
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()

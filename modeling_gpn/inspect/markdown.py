@@ -31,6 +31,8 @@ def report_markdown(report: dict, figures: Sequence[str] = ()) -> str:
     lines += horizons_lines(report["horizons"])
     if report.get("memory"):
         lines += memory_lines(report["memory"], bool(report["data"].get("document_resets")))
+    elif not report["model"]["use_memory"]:  # (the section was left out without a word)
+        lines += ["## Memory retention", "", "Skipped: this model has no matrix memory (a GPN), so no decays γ.", ""]
     if report.get("ablations"):
         lines += ablation_lines(report["ablations"])
     if figures:
@@ -44,12 +46,24 @@ def overview_lines(m: dict, data: dict) -> list[str]:
         "",
         f"Model `{m['name_or_path']}`: d = {m['hidden_size']}, {m['num_predict_layers']} predict layer(s), "
         + (f"memory {m['num_memory_heads']} heads" if m["use_memory"] else "no memory")
-        + f", {m['parameters']:,} parameters.",
+        + f", {m['parameters']:,} parameters"
+        + adapter_words(m.get("adapter"))
+        + ".",
         f"Data: {data['windows']} windows × {data['seq_len']} tokens = {data['tokens']:,} tokens "
         f"(each window from the zero state); perplexity {_fmt(data['perplexity'])} over {data['predicted_tokens']:,} predicted tokens.",
         document_regime_line(data),
         "",
     ]
+
+
+def adapter_words(adapter: dict | None) -> str:
+    """What the overview says of a PEFT adapter: that every number is the adapted model's, on which base."""
+    if not adapter:
+        return ""
+    return (
+        f" ({adapter['adapter_parameters']:,} of them a {'/'.join(adapter['peft_type'])} adapter's, attached to the "
+        f"base model `{'`, `'.join(adapter['base_model'])}`: every measurement and causal test runs the adapted model)"
+    )
 
 
 # `data.document_resets_from` when the model's own record chose the regime (`gpn inspect`'s `document_regime`)

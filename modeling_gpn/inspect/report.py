@@ -68,6 +68,24 @@ def model_summary(model, state_dim: int) -> dict:
         "use_memory": bool(model.config.use_memory),
         "num_memory_heads": model.config.num_memory_heads if model.config.use_memory else 0,
         "parameters": int(sum(p.numel() for p in model.parameters())),
+        "adapter": adapter_summary(model),
+    }
+
+
+def adapter_summary(model) -> dict | None:
+    """The PEFT adapter attached to `model` (a MODEL that is an adapter folder loads as its base with it attached),
+    or None: the report named only the adapter folder, and counted the adapter's parameters as the model's, without
+    saying that every number is the adapted model's or which base it adapts."""
+    if not getattr(model, "_hf_peft_config_loaded", False):
+        return None
+    configs = getattr(model, "peft_config", {}) or {}
+    return {
+        "base_model": sorted({str(c.base_model_name_or_path) for c in configs.values()}),
+        "peft_type": sorted({str(getattr(c.peft_type, "value", c.peft_type)) for c in configs.values()}),
+        # (PEFT names an adapter's own weights after it: lora_A.default.weight, modules_to_save.default.weight)
+        "adapter_parameters": int(
+            sum(p.numel() for n, p in model.named_parameters() if any(f".{a}." in n for a in configs))
+        ),
     }
 
 

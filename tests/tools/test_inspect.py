@@ -537,7 +537,8 @@ def test_document_resets_without_an_eos_token_are_one_line(tiny_llama_vocab_mode
 
 def test_gpn_inspect_of_a_peft_adapter_folder(tiny_llama_vocab_model, tmp_path):
     """A PEFT adapter folder (what a LoRA fine-tune saves) was refused: "not a model folder: it has no config.json".
-    It loads as its base with the adapter attached, and the report is the adapted model's."""
+    It loads as its base with the adapter attached, and the report is the adapted model's, and says so: it named
+    only the adapter folder, and counted the adapter's parameters as the model's."""
     import torch.nn.functional as F
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -568,6 +569,16 @@ def test_gpn_inspect_of_a_peft_adapter_folder(tiny_llama_vocab_model, tmp_path):
             without = perplexity()
     assert report["data"]["perplexity"] == pytest.approx(with_adapter, rel=1e-5)
     assert abs(with_adapter / without - 1) > 1e-3  # the adapter matters, so the check can fail
+    lora = sum(p.numel() for n, p in adapted.named_parameters() if "lora_" in n)
+    assert report["model"]["adapter"] == {
+        "base_model": [str(tiny_llama_vocab_model)],
+        "peft_type": ["LORA"],
+        "adapter_parameters": lora,
+    }
+    assert (
+        f"({lora:,} of them a LORA adapter's, attached to the base model `{tiny_llama_vocab_model}`: every measurement "
+        "and causal test runs the adapted model)." in (tmp_path / "report" / "report.md").read_text()
+    )
 
 
 def test_gpn_inspect_rejects_bad_input(tiny_llama_vocab_model, tmp_path, capsys):
@@ -646,16 +657,20 @@ def test_report_of_a_gpn_without_memory(tmp_path):
     assert matplotlib.image.imread(figures[2]).shape[1] > 600
     json.dumps(report_json(report), allow_nan=False)
     markdown = report_markdown(report, figures)
-    assert "## Memory retention" not in markdown and "## Causal tests" in markdown
+    assert "## Causal tests" in markdown  # the memory section says it was skipped (it was left out without a word)
+    assert "## Memory retention\n\nSkipped: this model has no matrix memory (a GPN), so no decays γ." in markdown
     # the paper's "58%" is not its own 107/132: the comparison column shows both
     assert "| 107 (58% stated; 107/132 = 81%) |" in markdown
     import matplotlib.pyplot as plt
 
-    from modeling_gpn.inspect.figures import geometry_figure
+    from modeling_gpn.inspect.figures import ablations_figure, geometry_figure
 
     title = geometry_figure(plt, report["geometry"]).axes[1].get_title()
+    ablations_title = ablations_figure(plt, report["ablations"]).axes[0].get_title()
     plt.close("all")
     assert "all dims: mean |r| = " in title  # the histogram is a sample, the mean is of every pair
+    # the perplexities count 4 x 31 predicted tokens (the title gave the windows' 4 x 32 tokens)
+    assert ablations_title.endswith(", 124 predicted tokens)"), ablations_title
 
 
 def test_token_labels_show_a_newline_as_one_escape():
