@@ -3568,6 +3568,34 @@ MUTATIONS = [
         ("tests/tools/test_faults_io.py -k generate_bad_arguments and infinite-temperature",),
     ),
     Mutation(
+        "gpn bench with --decode-batches none: generate()'s limit ratios printed, their bytes null in the JSON",
+        "modeling_gpn/bench/measure.py",
+        '                rows[kind].limit_bytes, rows[kind].limit_probe = probes["limit"].nbytes, probes["limit"].kind\n',
+        "                pass  # MUTATION\n",
+        ("tests/tools/test_bench.py::test_bench_measures_int4_weights_on_the_fast_path",),
+    ),
+    Mutation(
+        "gpn bench states only the steps' limit after the table (none without steps, not generate()'s reads)",
+        "modeling_gpn/bench/report.py",
+        "        for n, ms in r.limit_ms_at.items():\n",
+        "        for n, ms in {}.items():  # MUTATION\n",
+        ("tests/tools/test_bench.py::test_bench_measures_int4_weights_on_the_fast_path",),
+    ),
+    Mutation(
+        "byte_limit_table.py takes one fast row a report (a report of two presets stopped it)",
+        "benchmarks/byte_limit_table.py",
+        "        for row in fast:  # (one per preset",
+        "        for row in fast[-1:]:  # MUTATION (one per preset",
+        ("tests/tools/test_bench.py::test_bench_reports_every_implementation",),
+    ),
+    Mutation(
+        "byte_limit_table.py prints 0 tok/s for a batch not measured",
+        "benchmarks/byte_limit_table.py",
+        'if str(b) in row["batch_tok_s"] else "-" for b in (4, 16)]',
+        'if str(b) in row["batch_tok_s"] else "0" for b in (4, 16)]  # MUTATION',
+        ("tests/tools/test_bench.py::test_bench_reports_every_implementation",),
+    ),
+    Mutation(
         "gpn bench --help explains only the byte limit's columns",
         "modeling_gpn/bench/command.py",
         ' + LIMIT_HELP + "\\n\\n" + COLUMNS_HELP\n',
@@ -3699,8 +3727,8 @@ MUTATIONS = [
     Mutation(
         "gpn bench refuses --num-threads (the spelling of gpn train and gpn eval)",
         "modeling_gpn/bench/command.py",
-        '"--threads", "--num-threads", dest="threads"',
-        '"--threads", dest="threads"  # MUTATION',
+        '        "--threads",\n        "--num-threads",\n',
+        '        "--threads",  # MUTATION\n',
         ("tests/tools/test_bench.py::test_threads_take_the_name_gpn_train_and_eval_give_them",),
     ),
     Mutation(

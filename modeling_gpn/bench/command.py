@@ -38,8 +38,9 @@ put on; see docs/inference-speed.md): "limit ms" is that read's median; "step ms
 its cache, batch 1); "step / limit" and "decode / limit @N" (generate()'s ms per new token) are ratios to
 it. A prompt token reads less (the recurrence's weights: the token-side projection runs for the whole
 prompt beforehand, and only the last position is decoded), so "prefill / limit @N" (seconds per prompt
-token) is a ratio to a second read of those bytes. 1.00x is a step that costs its bytes and nothing else. The lines after the table say each limit's bytes and bandwidth, and how much of
-generate()'s time per token lies beyond the model's step."""
+token) is a ratio to a second read of those bytes. 1.00x is a step that costs its bytes and nothing else. The lines after the table say each limit's bytes and bandwidth (beside the steps, and
+beside generate()'s calls at each prompt length: what its ratios use), and how much of generate()'s time per
+token lies beyond the model's step."""
 
 
 COLUMNS_HELP = """\
@@ -128,9 +129,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--skip-plain-decode", action="store_true", help="do not run the (slow) plain path through generate()"
     )
     parser.add_argument(  # (--num-threads: as gpn train and gpn eval spell it)
-        "--threads", "--num-threads", dest="threads", type=int, default=None, help="torch intra-op threads (CPU)"
+        "--threads",
+        "--num-threads",
+        dest="threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (CPU; default: torch's own, one per core it sees)",
     )
-    parser.add_argument("--json", default=None, help="also write all figures to this JSON file")
+    parser.add_argument(
+        "--json", default=None, help="also write all figures to this JSON file (replacing one there, in one step)"
+    )
 
 
 TRAINING_DEFAULTS = {"batch": 8, "seq_len": 256, "segment_length": 256}  # what only training and the forward use

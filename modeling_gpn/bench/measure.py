@@ -223,3 +223,7 @@ def _measure_generate(models: dict, rows: dict, vocab: int, generator, args) -> 
             if kind != "llama" and probes:
                 rows[kind].limit_ms_at[length] = 1e3 * statistics.median(reads["limit"])
                 rows[kind].prefill_limit_ms_at[length] = 1e3 * statistics.median(reads["prefill limit"])
+                # (the bytes these ratios are to: set here too, for a run that skips the steps, --decode-batches
+                # none, where they were null and the ratios printed to a limit stated nowhere)
+                rows[kind].limit_bytes, rows[kind].limit_probe = probes["limit"].nbytes, probes["limit"].kind
+                rows[kind].prefill_limit_bytes = probes["prefill limit"].nbytes

@@ -83,15 +83,27 @@ def print_table(rows: list[Row], args) -> None:
 
 
 def print_limits(rows: list[Row]) -> None:
-    """What each row's limit is: the bytes a step reads, the probe's bandwidth, and what read them."""
+    """What each row's limits are: the bytes a step and a prompt token read, the probe's bandwidth beside the
+    steps and beside generate()'s calls at each prompt length (what the decode and prefill ratios use), and
+    what read them."""
     for r in rows:
+        if not r.limit_bytes:
+            continue
+        step, prompt = r.limit_bytes, r.prefill_limit_bytes
         if r.limit_ms:
-            print(
-                f"{r.preset} {r.impl} limit: {r.limit_bytes / 1e6:.1f} MB a step / "
-                f"{r.limit_bytes / r.limit_ms / 1e6:.1f} GB/s read ({r.limit_probe}) = {r.limit_ms:.3f} ms; "
-                f"a prompt token {r.prefill_limit_bytes / 1e6:.1f} MB / {r.prefill_limit_bytes / r.prefill_limit_ms / 1e6:.1f} "
-                f"GB/s = {r.prefill_limit_ms:.3f} ms"
+            text = (
+                f"{r.preset} {r.impl} limit: {step / 1e6:.1f} MB a step / {step / r.limit_ms / 1e6:.1f} GB/s read "
+                f"({r.limit_probe}) = {fmt(r.limit_ms)} ms; a prompt token {prompt / 1e6:.1f} MB / "
+                f"{prompt / r.prefill_limit_ms / 1e6:.1f} GB/s = {fmt(r.prefill_limit_ms)} ms"
             )
+        else:  # (no steps measured, --decode-batches none: only the reads beside generate())
+            text = f"{r.preset} {r.impl} limit: {step / 1e6:.1f} MB a step, a prompt token {prompt / 1e6:.1f} MB ({r.limit_probe})"
+        for n, ms in r.limit_ms_at.items():
+            text += (
+                f"; beside generate() @{n}: {step / ms / 1e6:.1f} GB/s = {fmt(ms)} ms, a prompt token "
+                f"{prompt / r.prefill_limit_ms_at[n] / 1e6:.1f} GB/s = {fmt(r.prefill_limit_ms_at[n])} ms"
+            )
+        print(text)
 
 
 def print_ratios(rows: list[Row], args) -> None:

@@ -72,27 +72,60 @@ def test_bench_reports_every_implementation(tmp_path, capsys):
     # generate() ended with: 2 more new tokens' positions here)
     assert rows["fast"]["cache_bytes"]["4"] == rows["fast"]["cache_bytes"]["9"]
     assert rows["llama"]["cache_bytes"]["9"] * 4 == rows["llama"]["cache_bytes"]["4"] * 9
+    # benchmarks/byte_limit_table.py on a report of two presets (as a plain `gpn bench` run's, tiny and small: it
+    # stopped at unpacking one fast row) lays out the JSON's figures under their headers (a batch not measured:
+    # "-", where it printed 0 tok/s)
+    (tmp_path / "tables").mkdir()
+    second = {**rows["fast"], "preset": "small", "step_ms": 2 * rows["fast"]["step_ms"]}
+    report["rows"].append(second)
+    (tmp_path / "tables" / "both-after.json").write_text(json.dumps(report))
+    table = table_cells(tmp_path / "tables")
+    assert [(cells["preset"], cells["code"]) for cells in table] == [("small", "after"), ("tiny", "after")]
+    for cells, row in zip(table, (second, rows["fast"])):
+        step, limit, at = row["step_ms"], row["limit_ms"], row["limit_ms_at"]["9"]
+        assert cells["step ms (x limit)"] == f"{step:.3f} ({step / limit:.2f}x)", cells
+        assert cells["decode ms @9 (x)"] == f"{row['decode_ms']['9']:.3f} ({row['decode_ms']['9'] / at:.2f}x)"
+        assert cells["tok/s @4 rows"] == f"{row['batch_tok_s']['4']:,.0f}" and cells["tok/s @16 rows"] == "-"
+
+
+def table_cells(folder) -> list[dict]:
+    """The rows of `benchmarks/byte_limit_table.py FOLDER`'s table, each as {header: cell}."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "byte_limit_table.py"
+    text = subprocess.run([sys.executable, str(script), str(folder)], capture_output=True, text=True, check=True)
+    header, _, *lines = text.stdout.splitlines()
+    split = lambda line: [cell.strip() for cell in line.strip().strip("|").split(" | ")]  # noqa: E731
+    return [dict(zip(split(header), split(line), strict=True)) for line in lines]
 
 
 def test_bench_measures_int4_weights_on_the_fast_path(tmp_path, capsys):
     """`gpn bench --dtype int4` quantizes both models with torchao's int4 weight-only config (the GPN's every
     nn.Linear but the tied head) and measures the GPN on the fast path against the bytes its quantized weights
-    hold; like int8 it measures inference only."""
+    hold; like int8 it measures inference only. With no one-token steps (--decode-batches none) the limits
+    that generate()'s figures are ratios to are still stated, in the JSON and after the table (they were null,
+    the ratios printed to a limit stated nowhere)."""
     import pytest
 
     pytest.importorskip("torchao.quantization", reason="--dtype int4 quantizes with torchao (the test extra)")
-    from modeling_gpn.bench import build_gpn, step_bytes
+    from modeling_gpn.bench import build_gpn, prefill_bytes, step_bytes
 
     out = tmp_path / "bench.json"
     common = ["bench", "--preset", "tiny", "--impl", "fast", "--dtype", "int4", "--device", "cpu"]
     measure = ["--skip-training", "--decode-prompt-lengths", "6", "--decode-tokens", "3", "--repeats", "1"]
     with ran(FAST_PATH, C_STEP_KERNELS, not_ran=(PLAIN_PATH,)):
-        assert main([*common, *measure, "--json", str(out)]) == 0
+        assert main([*common, *measure, "--decode-batches", "--json", str(out)]) == 0
     fast = json.loads(out.read_text())["rows"][0]
     model = build_gpn("tiny", "int4", "cpu", 0)
     assert type(model.model.fuse_proj.weight).__name__ == "IntxUnpackedToInt8Tensor"
     assert fast["limit_bytes"] == step_bytes(model) < step_bytes(build_gpn("tiny", "bfloat16", "cpu", 0))
-    capsys.readouterr()
+    assert fast["prefill_limit_bytes"] == prefill_bytes(model) and fast["step_ms"] is None
+    step, prompt, at = fast["limit_bytes"], fast["prefill_limit_bytes"], fast["limit_ms_at"]["6"]
+    printed = capsys.readouterr().out
+    assert f"tiny fast limit: {step / 1e6:.1f} MB a step, a prompt token {prompt / 1e6:.1f} MB (" in printed
+    assert f"beside generate() @6: {step / at / 1e6:.1f} GB/s" in printed
     assert main(common) == 2
     assert "--dtype int4 measures inference only" in capsys.readouterr().err
 
