@@ -164,12 +164,48 @@ def weights_hash(model: nn.Module) -> str:
 
 
 def weights_snapshot(model: nn.Module) -> tuple:
-    """What a model's weights are now, cheaply (no byte read): each parameter's storage, version, dtype and device
-    (`parameters_key`) and PEFT's `adapter_settings`. A cache takes one when a model first advances it, and
-    `GPNCache.save` compares: weights edited in place, replaced, cast or moved, or an adapter switched, after the
-    state was computed would otherwise give a file naming the edited model. Writes through `.data` (EMA, PEFT's
-    merge) change none of it, as in `parameters_key`."""
-    return parameters_key(model), json.dumps(adapter_settings(model), sort_keys=True)
+    """What a model's weights are now, cheaply: each parameter's storage, version, dtype and device
+    (`parameters_key`), PEFT's `adapter_settings` and a glance at its adapters' matrices (`adapter_glance`). A cache
+    takes one when a model first advances it, and `GPNCache.save` compares: weights edited in place, replaced, cast
+    or moved, or an adapter switched or swapped, after the state was computed would otherwise give a file naming the
+    edited model. Other writes through `.data` (EMA, weight averaging) change none of it, as in `parameters_key`."""
+    return parameters_key(model), json.dumps(adapter_settings(model), sort_keys=True), adapter_glance(model)
+
+
+def _tuner_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """PEFT's adapter layers (LoRA and its kin: `BaseTunerLayer`, recognized by attribute, so nothing here imports
+    PEFT) below `model`, by name."""
+    if not any(
+        "merged_adapters" in vars(module) or hasattr(type(module), "merged_adapters") for module in modules_below(model)
+    ):
+        return []  # (no adapter layer: the common case, seen without building every module's name)
+    # a tuner layer's are properties; a transformers model's `active_adapters()` (its own PEFT mixin) is a method
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if hasattr(module, "merged_adapters")
+        and hasattr(module, "active_adapters")
+        and not callable(module.active_adapters)
+    ]
+
+
+def adapter_glance(model: nn.Module) -> str:
+    """A SHA-256 of `GLANCE_VALUES` evenly spaced values of each PEFT adapter matrix (a tuner layer's parameters
+    but its `base_layer`'s), "" without adapters: PEFT's `hotswap_adapter` writes another adapter's matrices into
+    the loaded one's through `.data`, which bumps no version and leaves the settings as they were, so the
+    parameters' keys alone take the swapped model for the one that computed a state. Adapters are small, and the
+    values are gathered into one tensor: one copy to the host."""
+    parts = [
+        parameter.detach().reshape(-1)[:: max(1, parameter.numel() // GLANCE_VALUES)].to(torch.float64)
+        for _, layer in _tuner_layers(model)
+        for name, parameter in layer.named_parameters()
+        if not name.startswith("base_layer.")
+        and not parameter.is_meta  # (offloaded: accelerate's hooks hold its values)
+        and not is_traceable_wrapper_subclass(parameter.detach())
+    ]
+    if not parts:
+        return ""
+    return hashlib.sha256(_tensor_bytes(torch.cat([part.to(parts[0].device) for part in parts]))).hexdigest()
 
 
 def adapter_settings(model: nn.Module) -> dict[str, dict]:
@@ -179,16 +215,8 @@ def adapter_settings(model: nn.Module) -> dict[str, dict]:
     The adapters' matrices are parameters, hashed with the others; but a model holding two adapters computes
     another state with the other one active (`set_adapter`), and none of them inside `disable_adapter()`, with
     the same parameters. Read by attribute (PEFT's `BaseTunerLayer`), so nothing here imports PEFT."""
-    if not any(
-        "merged_adapters" in vars(module) or hasattr(type(module), "merged_adapters") for module in modules_below(model)
-    ):
-        return {}  # (no adapter layer: the common case, seen without building every module's name)
     settings = {}
-    for name, module in model.named_modules():
-        # a tuner layer's are properties; a transformers model's `active_adapters()` (its own PEFT mixin) is a method
-        tuner_layer = hasattr(module, "merged_adapters") and hasattr(module, "active_adapters")
-        if not tuner_layer or callable(module.active_adapters):
-            continue
+    for name, module in _tuner_layers(model):
         scaling = getattr(module, "scaling", None)
         settings[name] = {
             "active": sorted(str(adapter) for adapter in module.active_adapters),

@@ -3807,6 +3807,15 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "a state saved after PEFT's hotswap_adapter names the swapped model (no glance at the adapters' matrices)",
+        "modeling_gpn/state_file.py",
+        "    return parameters_key(model), json.dumps(adapter_settings(model), sort_keys=True), adapter_glance(model)",
+        "    return parameters_key(model), json.dumps(adapter_settings(model), sort_keys=True)  # MUTATION",
+        (
+            "tests/ecosystem/test_ecosystem.py::test_a_peft_models_state_loads_into_it_and_not_with_other_adapter_settings",
+        ),
+    ),
+    Mutation(
         "a PEFT mixed-batch state is saved naming the active adapter (the cache keeps no mark of the call)",
         "modeling_gpn/cache.py",
         "            names = mixed_batch_adapters(model)\n            if names is not None:",

@@ -462,6 +462,15 @@ def test_a_peft_models_state_loads_into_it_and_not_with_other_adapter_settings(t
             each.save(tmp_path / "mixed.safetensors")
     after.save(tmp_path / "after.safetensors")
 
+    # PEFT's hotswap_adapter writes another adapter's matrices into the loaded ones through `.data` (no version bump,
+    # the same settings): the state computed before was saved naming the swapped model, which then continued it
+    from peft.utils.hotswap import hotswap_adapter
+
+    lora_model(perturbed_model(tiny_config(eos_token_id=None)), seed=8).save_pretrained(tmp_path / "swapped")
+    hotswap_adapter(adapted, str(tmp_path / "swapped"), adapter_name="default")
+    with pytest.raises(ValueError, match="changed after this state was computed"):
+        after.save(tmp_path / "swapped.safetensors")
+
 
 def prompt_tuned(config, seed: int = 3):
     """A GPN under PEFT prompt tuning with 4 virtual tokens of random values (PEFT takes their width from
