@@ -42,6 +42,7 @@ def table_row(name: str, run: dict) -> dict[str, Any]:
         "lm_eval_lambada_ppl": pick(openai, "perplexity"),
         "train_tokens_per_s": run["train"]["tokens_per_s"],
         "train_wall_s": run["train"]["wall_time_s"],
+        "resumed_at_step": run["train"].get("resumed_at_step"),  # (stopped, then resumed from that checkpoint)
         "first_loss": run["train"]["first_loss"],
         "last_loss": run["train"]["last_loss"],
         "val_ppl": run["train"]["val_ppl"],

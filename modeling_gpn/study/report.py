@@ -42,6 +42,38 @@ def first_position(results: dict[str, Any]) -> str:
     return "a GPN's first position predicted from its empty state, a baseline's not scored (nothing precedes it)"
 
 
+def parameter_match(rows: dict[str, dict]) -> str:
+    """How close the models' non-embedding parameter counts are, measured from the models (the report said they
+    were matched whatever they were: the toy study's differ by 39%)."""
+    counts = {name: row["non_embedding_params"] for name, row in rows.items()}
+    if not counts:
+        return ""
+    low, high = min(counts.values()), max(counts.values())
+    spread = (high - low) / low * 100 if low else math.inf
+    return (
+        "Parameters are compared on the non-embedding count (the token embedding dominates at this scale): "
+        f"{low:,} to {high:,} here, the largest {spread:.1f}% above the smallest."
+    )
+
+
+def smoothing(results: dict[str, Any]) -> str:
+    """What each point of the training curves and the first / last loss are: `gpn train` logs the mean loss of
+    the `log_interval` steps before each record, not one step's."""
+    interval = results.get("log_interval")
+    if interval is None:  # (study_results.json written before it was recorded)
+        return "the training loss gpn train logged"
+    if interval == 1:
+        return "each step's training loss"
+    return f"the mean training loss of the {interval} steps up to each logged step (gpn train's log_interval)"
+
+
+def resumed(row: dict[str, Any]) -> str:
+    """Beside a model's wall time: that its training was stopped and resumed (its time before a stop the study saw
+    is counted, before a crash not)."""
+    step = row.get("resumed_at_step")
+    return "" if step is None else f" (resumed at step {step})"
+
+
 def render_report(results: dict[str, Any]) -> str:
     rows, recipe = results["rows"], results["recipe"]
     lines = [
@@ -51,7 +83,7 @@ def render_report(results: dict[str, Any]) -> str:
         f"{results['tokens_per_model']:,} training tokens ({recipe['steps']} steps x {recipe['batch_size']} windows x "
         f"{recipe['seq_len']} tokens), recipe and seed {recipe.get('seed', 0)}. {wall_time(results)}{left_out(results)}",
         "",
-        "Parameters are matched on the non-embedding count (the token embedding dominates at this scale).",
+        parameter_match(rows),
         "",
         "| model | layers | state dim | memory cells | params (non-emb.) | held-out PPL | LAMBADA acc | LAMBADA PPL "
         "| lm-eval LAMBADA acc | lm-eval LAMBADA PPL | train tok/s |",
@@ -81,12 +113,13 @@ def render_report(results: dict[str, Any]) -> str:
             f"| {row['model']} | {row['baseline']} | {row['metric']} | {fmt(row['measured'])} | {fmt(row['published'])} |"
         )
     lines += ["", "## Training", "", "![loss against tokens](training_curves.png)", ""]
+    lines += [f"Curves, first and last loss: {smoothing(results)}, for every model alike.", ""]
     # (gpn train's own validation at the end of its run: other windows and protocol than the table's held-out PPL)
     lines += ["| model | first loss | last loss | gpn train's validation PPL | wall time |", "|---|---|---|---|---|"]
     for name, row in rows.items():
         lines.append(
             f"| {name} | {fmt(row['first_loss'])} | {fmt(row['last_loss'])} | {fmt(row['val_ppl'], '{:.2f}')} | "
-            f"{row['train_wall_s'] / 60:.1f} min |"
+            f"{row['train_wall_s'] / 60:.1f} min{resumed(row)} |"
         )
     lines += ["", "## Reading", ""] + [f"- {line}" for line in results["reading"]]
     lines += [
@@ -110,7 +143,7 @@ def plot_curves(runs: dict[str, dict], path: Path) -> None:
             tokens, losses = zip(*curve)
             ax.plot(tokens, losses, label=name, linewidth=1.6)
     ax.set_xlabel("training tokens")
-    ax.set_ylabel("training loss (nats/token)")
+    ax.set_ylabel("training loss (nats/token, mean of each log interval)")  # (gpn train's log records)
     ax.set_title("Training curves, same data, tokenizer, recipe and seed")
     ax.grid(alpha=0.3)
     ax.legend()

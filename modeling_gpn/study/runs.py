@@ -27,7 +27,7 @@ def run_study(
 ) -> dict[str, Any]:
     """Train and evaluate every model of the study, then write the comparison report. Returns its results."""
     from modeling_gpn.evaluation.runner import load_model
-    from modeling_gpn.train import latest_checkpoint
+    from modeling_gpn.train import TrainingStopped, latest_checkpoint
 
     study = load_study(study_name)
     study["recipe"].update(overrides or {})
@@ -44,6 +44,7 @@ def run_study(
         config = training_config(name, study["models"][name], study, output)
         check_held_out_windows(study, config)
         records[name] = earlier_record(name, config, output)
+    check_same_study(study_name, output)
     output.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     runs: dict[str, dict] = {}
@@ -64,13 +65,28 @@ def run_study(
         if "train" in record:
             print(f"== {name}: trained by an earlier run of this study (reused)", flush=True)
         else:
-            resume = latest_checkpoint(output / name) is not None
+            checkpoint = latest_checkpoint(output / name)
+            resume = checkpoint is not None
             print(f"== {name}: training" + (" (resumed from its last checkpoint)" if resume else ""), flush=True)
+            # the training time before a stop this study saw (Ctrl-C, SIGTERM), counted in the model's wall time
+            # (a resumed model's was the time since it resumed alone)
+            before = record.get("trained_before_stop_s", 0.0) if resume else 0.0
             # the settings first: a later run continues this training only with the same ones
             record = {"config": record_of(training_config(name, study["models"][name], study, output))}
+            record["trained_before_stop_s"] = before
             (output / name).mkdir(exist_ok=True)
             write_record(output / name, record)
-            record["train"] = train_one(name, study["models"][name], study, output, show_progress, resume=resume)
+            started = time.perf_counter()
+            try:
+                summary = train_one(name, study["models"][name], study, output, show_progress, resume=resume)
+            except TrainingStopped:
+                record["trained_before_stop_s"] = before + time.perf_counter() - started
+                write_record(output / name, record)
+                raise
+            summary["wall_time_s"] += before
+            if resume:  # (the report says so beside its wall time)
+                summary["resumed_at_step"] = int(checkpoint.name.removeprefix("step-"))
+            record["train"] = summary
             write_record(output / name, record)
         print(f"== {name}: evaluating", flush=True)
         try:  # (gpn eval's one-line errors: the Hub unreachable, a data file without the column a task reads)
@@ -103,6 +119,8 @@ def run_study(
         "recipe": recipe,
         "eval": study["eval"],
         "tokens_per_model": recipe["steps"] * recipe["batch_size"] * recipe["seq_len"],
+        # (each logged loss, the curves' points, is the mean of this many steps: the recipe is every model's)
+        "log_interval": training_config(names[0], study["models"][names[0]], study, output)["log_interval"],
         "wall_time_s": time.perf_counter() - start,
         "reused": reused,  # (trained and evaluated by an earlier run: their time is not in wall_time_s)
         "left_out": left_out,  # model -> why it is not in the table
@@ -169,6 +187,24 @@ def earlier_record(name: str, config: dict, output: Path) -> dict[str, Any] | No
             f"({', '.join(changed)}): choose another --output, or move that folder away"
         )
     return record
+
+
+def check_same_study(study_name: str, output: Path) -> None:
+    """A folder holding another study's report (`study_results.json`) is refused (`StudyError`): this study's would
+    replace it, its figures and curves, in silence (studies are told apart by their file's name: `toy` and
+    `configuration/studies/toy.json` are one study)."""
+    path = output / "study_results.json"
+    if not path.exists():
+        return
+    try:
+        earlier = json.loads(path.read_text()).get("study")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as error:
+        raise StudyError(f"Cannot read {path}, left by an earlier study: {error}") from None
+    if earlier is not None and Path(str(earlier)).stem != Path(study_name).stem:
+        raise StudyError(
+            f"{output} holds the report of another study ({earlier}): this one's would replace it; choose another "
+            "--output"
+        )
 
 
 def finished_earlier(

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -52,6 +54,30 @@ def test_toy_study_end_to_end(tmp_path):
     saved = json.loads((tmp_path / "study_results.json").read_text())
     assert saved["tokens_per_model"] == 6 * 4 * 32
     report = (tmp_path / "study_report.md").read_text()
+    # the parameter counts are the saved models' (recounted from their weights), and the report states how far
+    # apart they are: it said "matched" whatever they were (here 39% apart)
+    from safetensors import safe_open
+
+    counts = {}
+    for name, row in results["rows"].items():
+        with safe_open(str(tmp_path / name / "model" / "model.safetensors"), "pt") as weights:
+            shapes = {key: weights.get_slice(key).get_shape() for key in weights.keys()}  # noqa: SIM118
+        total = sum(math.prod(shape) for shape in shapes.values())
+        assert (row["params"], row["non_embedding_params"]) == (total, total - 512 * 16), name
+        counts[name] = row["non_embedding_params"]
+        # every model read the same tokens in the same order under the same schedule: its log's steps, token
+        # counts and learning rates are the gpn model's; the curve and the first / last loss are its log's
+        log = [json.loads(line) for line in (tmp_path / name / "log.jsonl").read_text().splitlines()]
+        logged = [(r["step"], r["tokens"]) for r in log if "loss" in r and "lr" in r]
+        assert logged == [(step, step * 4 * 32) for step in range(1, 7)], name
+        curve = json.loads((tmp_path / name / "study_run.json").read_text())["run"]["train"]["curve"]
+        assert curve == [[r["tokens"], r["loss"]] for r in log if "loss" in r and "lr" in r], name
+        assert (row["first_loss"], row["last_loss"]) == (curve[0][1], curve[-1][1]), name
+    lrs = {name: [json.loads(line).get("lr") for line in (tmp_path / name / "log.jsonl").open()] for name in counts}
+    assert all(rates == lrs["gpn"] for rates in lrs.values()), lrs
+    low, high = min(counts.values()), max(counts.values())
+    assert f"{low:,} to {high:,} here, the largest {(high - low) / low * 100:.1f}% above the smallest." in report
+    assert "Curves, first and last loss: each step's training loss, for every model alike." in report, report
     for name in expected:
         assert f"| {name} |" in report
     assert "| gpn-m-1l | transformer++ | fineweb_ppl |" in report
@@ -231,10 +257,18 @@ def test_a_stopped_study_continues_where_it_stopped(tmp_path, monkeypatch, capsy
             os.kill(os.getpid(), signal.SIGTERM)  # (gpn train's handler: a checkpoint, then TrainingStopped)
 
     monkeypatch.setattr(TrainingRun, "log", stopped_at_step_3_of_the_second_model)
+    # the study's clock, in this stopped run alone: 1000 s a reading (so the training before the stop is longer
+    # than any real time after the resume, and a wall time without it is seen short)
+    from modeling_gpn.study import runs
+
+    ticks = iter(range(0, 10**9, 1000))
+    monkeypatch.setattr(runs, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
     assert main(command) == 128 + signal.SIGTERM
     err = capsys.readouterr().err
     assert "gpn study: stopped by SIGTERM after step 3" in err and "--resume" not in err, err
     first_model = (output / "gpn" / "model" / "model.safetensors").stat().st_mtime_ns
+    before_stop = json.loads((output / "gpn-m-1l" / "study_run.json").read_text())["trained_before_stop_s"]
+    assert before_stop >= 1000
     monkeypatch.undo()
 
     assert main(command) == 0
@@ -248,6 +282,11 @@ def test_a_stopped_study_continues_where_it_stopped(tmp_path, monkeypatch, capsy
     report = (output / "study_report.md").read_text()  # (this run's time is not the whole study's)
     assert "Wall time of this run: " in report and "(reused from earlier runs of the study: gpn)" in report
     assert "| model | first loss | last loss | gpn train's validation PPL |" in report  # (not a 2nd held-out PPL)
+    # the resumed model's wall time counts its training before the stop (it was the time since the resume alone),
+    # and the report says it was resumed
+    resumed = json.loads((output / "gpn-m-1l" / "study_run.json").read_text())["run"]["train"]
+    assert resumed["wall_time_s"] > before_stop and resumed["resumed_at_step"] == 3, resumed
+    assert " min (resumed at step 3) |" in report, report
 
     assert main([*command, "--steps", "9"]) == 2
     assert "trained by an earlier run with other settings (steps)" in capsys.readouterr().err
@@ -262,6 +301,7 @@ def test_a_run_of_part_of_a_study_reports_every_model_finished_in_its_folder(tmp
     corpus = require_shared("data/tinyshakespeare/input.txt")
     study = load_study("toy")
     study["recipe"].update(max_tokens=20000, cache_dir=str(tmp_path / "cache"), steps=2)  # (its corpus: --dataset)
+    study["recipe"]["log_interval"] = 2  # (each logged loss is the mean of 2 steps: the report says so)
     study["models"] = {name: study["models"][name] for name in ("gpn", "gpn-m-1l", "transformer++")}
     study["eval"] = {**study["eval"], "tasks": ["fineweb_paper"], "limit": 2}
     (tmp_path / "study.json").write_text(json.dumps(study))
@@ -275,6 +315,7 @@ def test_a_run_of_part_of_a_study_reports_every_model_finished_in_its_folder(tmp
     report = (output / "study_report.md").read_text()
     assert "| gpn | " in report and "| gpn-m-1l | " in report, report
     assert "Left out of this report, models of the study without finished figures here: transformer++" in report
+    assert "Curves, first and last loss: the mean training loss of the 2 steps up to each logged step" in report
     # a model evaluated before the held-out windows were gpn train's own (its FineWeb figure scored the end of the
     # whole corpus), or before every model read LAMBADA through the training window: evaluated again, its training
     # reused; one trained before its summary named its token cache reads its local corpus again, to the same windows
@@ -368,6 +409,25 @@ def test_a_report_write_cut_short_leaves_the_previous_one_whole(finished_study, 
     assert "File too large" in str(error.value) and error.value.filename == str(output / file), error.value
     assert (output / file).read_bytes() == previous[file]
     assert not [path.name for path in output.iterdir() if path.name.startswith(".")]
+
+
+def test_another_study_into_a_folder_holding_a_report_is_refused(finished_study, tmp_path, capsys):
+    """A second study (other models) run into a folder holding a first study's report replaced its
+    study_report.md, study_results.json and training curves in silence. It is refused before anything trains,
+    naming the study there; the first study's report is left whole."""
+    from gpn_cli import main
+
+    output = tmp_path / "out"
+    shutil.copytree(finished_study, output)
+    previous = {name: (output / name).read_bytes() for name in ("study_results.json", "study_report.md")}
+    other = load_study("toy")
+    other["models"] = {"gpn-wide": {**other["models"]["gpn"], "hidden_size": 32}}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    assert main(["study", "--study", str(tmp_path / "other.json"), "--output", str(output), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{output} holds the report of another study (" in err, err
+    assert {name: (output / name).read_bytes() for name in previous} == previous
+    assert not (output / "gpn-wide").exists()
 
 
 def test_a_stopped_model_whose_corpus_changed_is_one_line_not_a_traceback(tmp_path, capsys):
