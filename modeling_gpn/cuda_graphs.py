@@ -1,6 +1,6 @@
 """No-grad windows of the fast path as CUDA graphs: the one-token decode step, and chunks of
-`WINDOW_CHUNK` steps for longer windows (prefill, scoring), each captured once per batch size and weight
-dtype and replayed (opt-in: `GPN_CUDA_GRAPHS=1`, or `model.model.use_cuda_graphs = True`).
+`WINDOW_CHUNK` steps for longer windows (prefill, scoring), each captured once per batch size and the step
+matrices' dtypes and replayed (opt-in: `GPN_CUDA_GRAPHS=1`, or `model.model.use_cuda_graphs = True`).
 
 Why: a decode step is a dozen small kernels (`triton_kernels.step`); launched one by one from Python each
 costs several microseconds of CPU time, more than the GPU needs for it at batch 1. A captured graph
@@ -233,16 +233,21 @@ def graph_of(
     *,
     kernels: GraphKernels,
 ) -> StepsGraph:
-    """The model's `StepsGraph` for this batch size, number of steps and weight dtype, made (and captured, on
-    CUDA) on first use, reading the folded weights `w` of the current forward or generate() call: `derived` is
-    that call's dict of derived weights (`derived_weights.py`), where the graphs that already read `w` are
-    noted, so each graph copies the weights in once per call, not once per replay."""
+    """The model's `StepsGraph` for this batch size, number of steps and step matrices' dtypes, made (and
+    captured, on CUDA) on first use, reading the folded weights `w` of the current forward or generate() call:
+    `derived` is that call's dict of derived weights (`derived_weights.py`), where the graphs that already read
+    `w` are noted, so each graph copies the weights in once per call, not once per replay.
+
+    Keyed by every step matrix's dtype, not one: a captured graph multiplies in its static weights' dtypes and
+    `load_weights` copies (casts) into them, so a model with one module cast since (its fuse gate kept in
+    float32 beside bf16 matrices) would otherwise replay that module's products in the old dtype."""
     graphs = getattr(model, GRAPHS_ATTRIBUTE, None)
     if graphs is None:
         graphs = {}
         object.__setattr__(model, GRAPHS_ATTRIBUTE, graphs)
-    big_w = w.big_w.matrix if isinstance(w.big_w, PackedMatrix) else w.big_w
-    key = (batch, device, steps, big_w.dtype)
+    unpacked = lambda m: m.matrix if isinstance(m, PackedMatrix) else m
+    dtypes = tuple(unpacked(m).dtype for m in (w.fg_w, w.big_w, *w.out_w, *w.layer_w))
+    key = (batch, device, steps, dtypes)
     graph = graphs.get(key)
     loaded = derived.setdefault("graphs holding these weights", set())
     if graph is None:

@@ -556,6 +556,13 @@ MUTATIONS = [
         ("tests/fast_path/test_triton_kernels.py::test_a_strided_fuse_gate_bias_on_the_triton_path_equals_plain",),
     ),
     Mutation(
+        "a no-grad graph per dtype of every step matrix (keyed by the big matrix's alone)",
+        "modeling_gpn/cuda_graphs.py",
+        "    key = (batch, device, steps, dtypes)\n",
+        "    key = (batch, device, steps, dtypes[1])  # MUTATION\n",
+        ("tests/fast_path/test_triton_kernels.py::test_a_graph_is_kept_per_dtype_of_every_step_matrix",),
+    ),
+    Mutation(
         "chunked loss (the loss always from full logits)",
         "modeling_gpn/modeling_gpn.py",
         "if wants_loss and not return_logits:",

@@ -469,6 +469,22 @@ def test_the_decode_graph_takes_prepacked_weights(triton_on, monkeypatch):
 
 
 @torch.no_grad()
+def test_a_graph_is_kept_per_dtype_of_every_step_matrix():
+    """A captured graph multiplies in its static weights' dtypes and copies (casts) each later call's weights
+    into them: a model whose fuse gate alone was cast since (kept in float32 beside bf16 matrices, or the
+    reverse) needs a graph of its own, not the old one replaying that product in the old dtype. (Pure
+    bookkeeping: on CPU nothing is captured, so no triton is needed.)"""
+    from modeling_gpn import cuda_graphs
+
+    core = perturbed_model(tiny_config(), seed=15).model
+    cpu, w = torch.device("cpu"), fr.cached_folded_weights(core, rows=2)
+    first = cuda_graphs.graph_of(core, 2, cpu, 1, w, {}, kernels=fr.GRAPH_KERNELS)
+    recast = cuda_graphs.graph_of(core, 2, cpu, 1, w._replace(fg_w=w.fg_w.bfloat16()), {}, kernels=fr.GRAPH_KERNELS)
+    assert recast is not first and recast.w.fg_w.dtype == torch.bfloat16 and first.w.fg_w.dtype == torch.float32
+    assert cuda_graphs.graph_of(core, 2, cpu, 1, w, {}, kernels=fr.GRAPH_KERNELS) is first  # (same dtypes: kept)
+
+
+@torch.no_grad()
 def test_generate_through_the_decode_graph_equals_plain(triton_on, monkeypatch):
     """generate() with GPN_CUDA_GRAPHS=1: every decoded token goes through the static-buffer step, as on a GPU.
     On CPU a decoded token of ids on the CPU runs as one C call before the dispatcher is asked (which never
