@@ -1,6 +1,6 @@
 """No-grad windows of the fast path as CUDA graphs: the one-token decode step, and chunks of
-`WINDOW_CHUNK` steps for longer windows (prefill, scoring), each captured once per batch size and weight
-dtype and replayed (opt-in: `GPN_CUDA_GRAPHS=1`, or `model.model.use_cuda_graphs = True`).
+`WINDOW_CHUNK` steps for longer windows (prefill, scoring), each captured once per batch size and the step
+matrices' dtypes and replayed (opt-in: `GPN_CUDA_GRAPHS=1`, or `model.model.use_cuda_graphs = True`).
 
 Why: a decode step is a dozen small kernels (`triton_kernels.step`); launched one by one from Python each
 costs several microseconds of CPU time, more than the GPU needs for it at batch 1. A captured graph
@@ -153,12 +153,18 @@ class StepsGraph:
         # The graph reads its weights from here on, and `load_weights` copies each later call's into them: a folded
         # weight that is a model's parameter itself (fuse_gate's bias in float32, a memory-less model's output
         # matrices) would have the next parameters' values copied into it, a model's weights swapped by assigning
-        # new Parameters overwriting the old ones. Those (small) ones are the graph's own copies.
-        parameters = {param.untyped_storage().data_ptr() for param in self.model.parameters()}
-        self.w = _unflatten(
-            [t.clone() if t.untyped_storage().data_ptr() in parameters else t for t in _flatten(self.w)], self.s
-        )
+        # new Parameters overwriting the old ones. Those (small) ones are the graph's own copies, and so are
+        # weights folded under torch.inference_mode() (inference tensors, which a later call outside it could not
+        # copy its weights into)
+        self.w = self.own_weights()
         self.graphs = captured(warm_up, [lambda: self.run(0), lambda: self.run(1)], self.p[0])
+
+    def own_weights(self):
+        """`self.w` with the graph's own copy of each weight it could not write into later: those sharing a
+        parameter's storage and inference tensors (see `capture`); the others as they are."""
+        parameters = {param.untyped_storage().data_ptr() for param in self.model.parameters()}
+        own = lambda t: t.clone() if t.is_inference() or t.untyped_storage().data_ptr() in parameters else t
+        return _unflatten([own(t) for t in _flatten(self.w)], self.s)
 
     def load_weights(self, w) -> None:
         """Read the folded weights `w` from now on: copied into the captured graph's static ones (same shapes and
@@ -233,16 +239,21 @@ def graph_of(
     *,
     kernels: GraphKernels,
 ) -> StepsGraph:
-    """The model's `StepsGraph` for this batch size, number of steps and weight dtype, made (and captured, on
-    CUDA) on first use, reading the folded weights `w` of the current forward or generate() call: `derived` is
-    that call's dict of derived weights (`derived_weights.py`), where the graphs that already read `w` are
-    noted, so each graph copies the weights in once per call, not once per replay."""
+    """The model's `StepsGraph` for this batch size, number of steps and step matrices' dtypes, made (and
+    captured, on CUDA) on first use, reading the folded weights `w` of the current forward or generate() call:
+    `derived` is that call's dict of derived weights (`derived_weights.py`), where the graphs that already read
+    `w` are noted, so each graph copies the weights in once per call, not once per replay.
+
+    Keyed by every step matrix's dtype, not one: a captured graph multiplies in its static weights' dtypes and
+    `load_weights` copies (casts) into them, so a model with one module cast since (its fuse gate kept in
+    float32 beside bf16 matrices) would otherwise replay that module's products in the old dtype."""
     graphs = getattr(model, GRAPHS_ATTRIBUTE, None)
     if graphs is None:
         graphs = {}
         object.__setattr__(model, GRAPHS_ATTRIBUTE, graphs)
-    big_w = w.big_w.matrix if isinstance(w.big_w, PackedMatrix) else w.big_w
-    key = (batch, device, steps, big_w.dtype)
+    unpacked = lambda m: m.matrix if isinstance(m, PackedMatrix) else m
+    dtypes = tuple(unpacked(m).dtype for m in (w.fg_w, w.big_w, *w.out_w, *w.layer_w))
+    key = (batch, device, steps, dtypes)
     graph = graphs.get(key)
     loaded = derived.setdefault("graphs holding these weights", set())
     if graph is None:
@@ -269,7 +280,17 @@ def window_forward(
     `WINDOW_CHUNK` steps (one replay each), then single steps (the decode graph: one replay per token), on the
     folded weights `w` of the current call (`derived`: see `graph_of`).
     Returns (outputs (B, T, d), (p, g, M), gammas (B, T, H) or None); outputs and gammas are fresh tensors,
-    the state the graph's buffers (see the module docstring)."""
+    the state the graph's buffers (see the module docstring).
+
+    Outside `torch.inference_mode()` even when called inside it: the graph's static buffers (made on its
+    first call, written in place by every later one) must be normal tensors, since torch lets nothing write an
+    inference tensor in place outside inference mode, and a graph made under it (an evaluation harness) is
+    replayed later under no_grad (generate()); reading the inference tensors handed in is allowed."""
+    if torch.is_inference_mode_enabled():  # (no grad inside either: inference_mode(False) turns grad mode on)
+        with torch.inference_mode(False), torch.no_grad():
+            return window_forward(
+                model, token_inputs, state, output_memory_decays, kernels=kernels, w=w, derived=derived
+            )
     B, T, d = token_inputs.shape
     device = token_inputs.device
     if T == 1:  # decoding: nothing else is allocated

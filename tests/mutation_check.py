@@ -556,6 +556,27 @@ MUTATIONS = [
         ("tests/fast_path/test_triton_kernels.py::test_a_strided_fuse_gate_bias_on_the_triton_path_equals_plain",),
     ),
     Mutation(
+        "a no-grad graph per dtype of every step matrix (keyed by the big matrix's alone)",
+        "modeling_gpn/cuda_graphs.py",
+        "    key = (batch, device, steps, dtypes)\n",
+        "    key = (batch, device, steps, dtypes[1])  # MUTATION\n",
+        ("tests/fast_path/test_triton_kernels.py::test_a_graph_is_kept_per_dtype_of_every_step_matrix",),
+    ),
+    Mutation(
+        "no-grad graphs made under inference mode keep normal static buffers (made outside it)",
+        "modeling_gpn/cuda_graphs.py",
+        "    if torch.is_inference_mode_enabled():  # (no grad inside either",
+        "    if False:  # MUTATION (no grad inside either",
+        ("tests/fast_path/test_triton_kernels.py::test_graphs_made_under_inference_mode_run_outside_it",),
+    ),
+    Mutation(
+        "a captured graph's own copies of weights folded under inference mode",
+        "modeling_gpn/cuda_graphs.py",
+        "t.clone() if t.is_inference() or t.untyped_storage()",
+        "t.clone() if t.untyped_storage()",
+        ("tests/fast_path/test_triton_kernels.py::test_graphs_made_under_inference_mode_run_outside_it",),
+    ),
+    Mutation(
         "chunked loss (the loss always from full logits)",
         "modeling_gpn/modeling_gpn.py",
         "if wants_loss and not return_logits:",

@@ -469,6 +469,50 @@ def test_the_decode_graph_takes_prepacked_weights(triton_on, monkeypatch):
 
 
 @torch.no_grad()
+def test_a_graph_is_kept_per_dtype_of_every_step_matrix():
+    """A captured graph multiplies in its static weights' dtypes and copies (casts) each later call's weights
+    into them: a model whose fuse gate alone was cast since (kept in float32 beside bf16 matrices, or the
+    reverse) needs a graph of its own, not the old one replaying that product in the old dtype. (Pure
+    bookkeeping: on CPU nothing is captured, so no triton is needed.)"""
+    from modeling_gpn import cuda_graphs
+
+    core = perturbed_model(tiny_config(), seed=15).model
+    cpu, w = torch.device("cpu"), fr.cached_folded_weights(core, rows=2)
+    first = cuda_graphs.graph_of(core, 2, cpu, 1, w, {}, kernels=fr.GRAPH_KERNELS)
+    recast = cuda_graphs.graph_of(core, 2, cpu, 1, w._replace(fg_w=w.fg_w.bfloat16()), {}, kernels=fr.GRAPH_KERNELS)
+    assert recast is not first and recast.w.fg_w.dtype == torch.bfloat16 and first.w.fg_w.dtype == torch.float32
+    assert cuda_graphs.graph_of(core, 2, cpu, 1, w, {}, kernels=fr.GRAPH_KERNELS) is first  # (same dtypes: kept)
+
+
+@torch.no_grad()
+def test_graphs_made_under_inference_mode_run_outside_it(triton_on, monkeypatch):
+    """Graphs made under torch.inference_mode() (an evaluation harness) and replayed under no_grad (generate())
+    write their static buffers in place, which torch forbids on inference tensors outside inference mode (it
+    raised): the buffers are made outside it. On CUDA a capture keeps its own copies of weights folded under it
+    (`own_weights`: a later call copies its weights into them)."""
+    from modeling_gpn import cuda_graphs
+
+    model = perturbed_model(tiny_config(), seed=16)
+    core = model.model
+    tokens, state, _, _ = random_problem(model, batch=2, length=2, mask_kind=None, seed=8)
+    core.use_fast_path = False
+    expected = core.recurrence(tokens, state, None)
+    core.use_fast_path = True
+    monkeypatch.setenv("GPN_CUDA_GRAPHS", "1")
+    with torch.inference_mode():
+        first = core.recurrence(tokens, state, None)
+    second = core.recurrence(tokens, state, None)
+    assert core.last_recurrence_backends.graphs == fr.INFERENCE_GRAPHS
+    for got in (first, second):
+        for a, b in zip((got[0], *got[1]), (expected[0], *expected[1])):
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-4)
+    with torch.inference_mode():
+        w = fr.cached_folded_weights(core, rows=2)
+    graph = cuda_graphs.StepsGraph(core, 2, torch.device("cpu"), kernels=fr.GRAPH_KERNELS, w=w)
+    assert not [t for t in recurrence_step._flatten(graph.own_weights()) if t.is_inference()]
+
+
+@torch.no_grad()
 def test_generate_through_the_decode_graph_equals_plain(triton_on, monkeypatch):
     """generate() with GPN_CUDA_GRAPHS=1: every decoded token goes through the static-buffer step, as on a GPU.
     On CPU a decoded token of ids on the CPU runs as one C call before the dispatcher is asked (which never
