@@ -251,6 +251,9 @@ class GPNStateLayer(LinearAttentionLayer):
         self.fingerprint.select_rows(lambda rows: rows.index_select(0, beam_idx.to(rows.device)))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        # (indexing with a 0-dim tensor drops the batch dimension: a (d,) state that generate() cannot continue and
+        # that `save` wrote to a file `load` refuses)
+        indices = torch.as_tensor(indices).reshape(-1)  # (a 0-dim index: one row, kept as a batch of one)
         for index in range(self.number_of_states):
             if self.is_recurrent_states_initialized[index]:
                 self.recurrent_states[index] = self.recurrent_states[index][indices, ...]

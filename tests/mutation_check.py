@@ -1057,6 +1057,20 @@ MUTATIONS = [
         ("tests/model/test_state.py::test_a_pickled_or_copied_cache_continues_as_the_original",),
     ),
     Mutation(
+        "text continuing a state is tokenized as the middle of a text (no SentencePiece word start in front)",
+        "modeling_gpn/data/tokenizer.py",
+        "            ids = marked[1:] if marked[:1] == [marker[1]] else None\n",
+        "            ids = None  # MUTATION\n",
+        ("tests/model/test_state.py -k three_turns_read_the_ids_of_one_text",),
+    ),
+    Mutation(
+        "a cache's rows selected by a 0-dim index stay a batch of one row",
+        "modeling_gpn/cache.py",
+        "        indices = torch.as_tensor(indices).reshape(-1)  # (a 0-dim index: one row, kept as a batch of one)\n",
+        "        pass  # MUTATION\n",
+        ("tests/model/test_state.py::test_one_row_of_a_saved_batch_continues_as_its_uninterrupted_run",),
+    ),
+    Mutation(
         "a folder without a tokenizer named as such (transformers' message asks for sentencepiece)",
         "modeling_gpn/data/tokenizer.py",
         "    if folder.is_dir() and not any(",

@@ -274,9 +274,13 @@ def run(args: argparse.Namespace) -> int:
         model.to(args.device).eval()
         model = _to_dtype(model, args.dtype, args.model)
         _check_saves_a_state(args, model)
-        # Text that continues a saved state gets no BOS or other special tokens in front of it.
-        special = args.state is None
-        batch = tokenizer(args.prompts, return_tensors="pt", padding=True, add_special_tokens=special).to(args.device)
+        if args.state is None:
+            batch = tokenizer(args.prompts, return_tensors="pt", padding=True)
+        else:  # text that continues a state: no BOS in front, and tokenized as the middle of a text (continuation_ids)
+            from modeling_gpn.data import continuation_ids
+
+            batch = tokenizer.pad({"input_ids": continuation_ids(tokenizer, args.prompts)}, return_tensors="pt")
+        batch = batch.to(args.device)
         if batch["input_ids"].shape[1] == 0:
             raise GenerateError("the prompts tokenize to no tokens at all")
         vocab = model.get_input_embeddings().num_embeddings

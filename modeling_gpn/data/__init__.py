@@ -25,7 +25,7 @@
 Where its parts live (this face re-exports their public names):
 
     corpus.py     where documents come from (`CorpusSpec`: Hub, local files, shakespeare), long ones in pieces
-    tokenizer.py  `load_tokenizer` (the project's one), `train_bpe_tokenizer`, `PieceEncoder`
+    tokenizer.py  `load_tokenizer` (the project's one), `train_bpe_tokenizer`, `PieceEncoder`, `continuation_ids`
     stream.py     the token cache on disk (`TokenStream`, `build_token_stream`: shards, meta.json)
     windows.py    `WindowDataset`: windows, the held-out split, the order of the training rows
     cache.py      the cache folder, content keys, folders written whole
@@ -56,6 +56,7 @@ from .tokenizer import (
     BPE_EOS,
     DEFAULT_TOKENIZER,
     PieceEncoder,
+    continuation_ids,
     load_tokenizer,
     tokenizer_fingerprint,
     train_bpe_tokenizer,
@@ -79,6 +80,7 @@ __all__ = [
     "WindowDataset",
     "build_token_stream",
     "clean_play_markdown",
+    "continuation_ids",
     "default_cache_dir",
     "find_cut",
     "load_tokenizer",

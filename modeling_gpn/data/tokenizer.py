@@ -168,3 +168,32 @@ def tokenizer_fingerprint(tokenizer) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     content = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
     return content_hash({"tokenizer": content, "eos": tokenizer.eos_token_id})
+
+
+def continuation_ids(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
+    """The token ids of each of `texts` as text that follows other text: what the tokenizer makes of it in the
+    middle of a document (no special tokens added), to continue a saved state with.
+
+    Tokenized alone, a SentencePiece tokenizer (Llama 2's, that of the paper's models) puts a word-start piece
+    "▁" in front of a text, as for a document's first word: "\\nUser:" read after a state as " \\nUser:" and
+    "ing" as " ing", ids that the same text read in one piece never holds. Each text is tokenized behind one of
+    the tokenizer's special tokens instead (the text after it is no document's start, and nothing merges across
+    it), which is then dropped; a tokenizer with no special token of one id, or that still adds a piece after one,
+    gives what tokenizing the text alone gives. A word cut at the boundary ("Hel" then "lo") still tokenizes as
+    two words: the text before is not read again."""
+    marker = next(
+        (
+            (token, ids[0])
+            for token in tokenizer.all_special_tokens
+            if len(ids := tokenizer(token, add_special_tokens=False)["input_ids"]) == 1
+        ),
+        None,
+    )
+    result = []
+    for text in texts:
+        ids = None
+        if marker is not None:
+            marked = tokenizer(marker[0] + text, add_special_tokens=False)["input_ids"]
+            ids = marked[1:] if marked[:1] == [marker[1]] else None
+        result.append(ids if ids is not None else tokenizer(text, add_special_tokens=False)["input_ids"])
+    return result

@@ -21,7 +21,7 @@ import torch
 from modeling_gpn import GPNCache
 from modeling_gpn.state_file import GPNStateFileError, _state_checksum, state_fingerprint
 
-from ..environment import REPO_ROOT, small_disk
+from ..environment import REPO_ROOT, require_shared, small_disk
 from ..tiny_models import perturbed_model, tiny_config
 
 VOCAB = 97
@@ -252,7 +252,12 @@ def test_one_row_of_a_saved_batch_continues_as_its_uninterrupted_run(tmp_path):
         uninterrupted = model.generate(torch.cat([prefix, new], 1), attention_mask=mask, **greedy)
         model(prefix, attention_mask=prefix_mask, use_cache=True).cache.save(tmp_path / "batch.safetensors")
     state = GPNCache.load(tmp_path / "batch.safetensors", model)
-    state.batch_select_indices(torch.tensor([0]))  # row 0: the left-padded one
+    # row 0, the left-padded one, as row 1 of its fork (rows 0, 0, 1, 1, 2, 2), by a 0-dim index (which dropped the
+    # batch dimension: a state that `save` wrote and `load` refused), saved again
+    state = state.fork(2)
+    state.batch_select_indices(torch.tensor(1))
+    state.save(tmp_path / "row.safetensors")
+    state = GPNCache.load(tmp_path / "row.safetensors", model)
     with torch.no_grad():
         continued = model.generate(new[:1], attention_mask=mask[:1], cache=state, **greedy)
     assert torch.equal(continued, uninterrupted[:1, 12:])
@@ -723,6 +728,51 @@ def test_cli_save_state_then_continue_equals_one_run(generate_dir, tmp_path, cap
     expected = " on the" + tokenizer.decode(whole[0, story.shape[1] + follow.shape[1] :], skip_special_tokens=True)
     assert printed_texts(second.stdout)[0] == expected
     assert GPNCache.load(state, model).get_seq_length() == prompt.shape[1] + 5
+
+
+def test_cli_three_turns_read_the_ids_of_one_text_with_a_sentencepiece_tokenizer(tmp_path, capsys):
+    """Turn by turn (`--save-state`, then `--state` and `--save-state` again, then a sampled third turn), the model
+    reads the ids one call reads for the whole text: the prompt's BOS once, each answer's ids, and each following
+    text as the middle of a text. Tokenized alone, Llama 2's tokenizer (the paper's) put a "▁" in front of every
+    continuation ("\nUser: hi" read as " \nUser: hi"), ids the text in one piece never holds."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = tmp_path / "model"
+    AutoTokenizer.from_pretrained(require_shared("data/llama2-tokenizer")).save_pretrained(folder)
+    perturbed_model(tiny_config(vocab_size=32000, eos_token_id=None, bos_token_id=1), seed=4).save_pretrained(folder)
+    turns, states = (
+        ["Hello there", "\nUser: hi", "\nUser: more"],
+        [tmp_path / "1.safetensors", tmp_path / "2.safetensors"],
+    )
+    printed = [run_cli(capsys, folder, turns[0], "--max-new-tokens", 3, "--save-state", states[0])]
+    printed.append(
+        run_cli(capsys, folder, "--state", states[0], turns[1], "--max-new-tokens", 3, "--save-state", states[1])
+    )
+    printed.append(
+        run_cli(capsys, folder, "--state", states[1], turns[2], "--max-new-tokens", 3, "--sample", "--seed", 7)
+    )
+    assert all(code == 0 for code, _, _ in printed), [err for _, _, err in printed]
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids, expected = tokenizer(turns[0], return_tensors="pt").input_ids, []  # the first prompt, with its BOS
+    for turn, follow in enumerate(turns):
+        follow_ids = ids
+        if turn:  # the ids of `follow` in one text, after whole words: the first prompt's, say
+            in_text = tokenizer(turns[0] + follow).input_ids[len(tokenizer(turns[0]).input_ids) :]
+            assert in_text != tokenizer(follow, add_special_tokens=False).input_ids  # (the case in point)
+            follow_ids = torch.tensor([in_text])
+            ids = torch.cat([ids, follow_ids], 1)
+        torch.manual_seed(7)
+        sampling = dict(do_sample=True, temperature=0.8, top_p=0.95) if turn == 2 else dict(do_sample=False)
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=3, pad_token_id=0, **sampling)
+        before = tokenizer.decode(follow_ids[0], skip_special_tokens=True)
+        after = tokenizer.decode(torch.cat([follow_ids[0], out[0, ids.shape[1] :]]), skip_special_tokens=True)
+        expected.append(follow + after[len(before) :])
+        ids = out
+    assert [printed_texts(out)[0] for _, out, _ in printed] == expected
+    assert GPNCache.load(states[1], model).get_seq_length() == 1 + 2 + 3 + 4 + 3  # BOS once, no "▁" before "\n"
 
 
 def run_cli(capsys, *args) -> tuple[int, str, str]:
