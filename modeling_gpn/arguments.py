@@ -229,3 +229,21 @@ def check_attention_mask(
     if bool(mask.bool().all()):
         return None
     return mask.bool()
+
+
+def refuse_state_not_float32(block: torch.nn.Module, **state: torch.Tensor | None) -> None:
+    """Refuse a recurrent state (p, g) or memory M reaching `block`'s forward in another dtype than float32, in one
+    line naming the cause. The state never leaves float32 by itself (every projection returns float32): what casts
+    it is FSDP2's mixed precision on a block sharded apart (`MixedPrecisionPolicy(cast_forward_inputs=True)`, its
+    default, casts every floating input of the block's call to `param_dtype`), which would round the state at every
+    token, or fail deep in the memory write ("expected scalar type Float but found BFloat16"). A dtype comparison
+    per call of the plain loop, no more (the fast path calls no block)."""
+    for name, tensor in state.items():
+        if tensor is not None and tensor.dtype != torch.float32:
+            block_name = type(block).__name__.removeprefix("FSDP")  # (FSDP2 renames a class it shards apart)
+            raise TypeError(
+                f"{block_name} got the recurrent {name} in {tensor.dtype}, not float32 (the state is "
+                "kept in float32 at every token): FSDP2's mixed precision casts the inputs of a block sharded apart to "
+                "its param_dtype; shard it with MixedPrecisionPolicy(cast_forward_inputs=False) (what `gpn train` sets), "
+                "or shard the model as one unit"
+            )

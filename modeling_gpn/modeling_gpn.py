@@ -63,6 +63,7 @@ from .arguments import (
     pop_cache_alias,
     positions_to_keep,
     refuse_attention_outputs,
+    refuse_state_not_float32,
 )
 from .cache import GPNCache
 from .chunked_loss import chunked_causal_lm_loss, divide_loss_sum
@@ -184,24 +185,6 @@ def lecun_normal_(weight: torch.Tensor) -> None:
     fan_in = weight.shape[1]
     std = math.sqrt(1.0 / fan_in) / 0.87962566103423978  # std of a unit normal truncated at +-2
     init.trunc_normal_(weight, mean=0.0, std=std, a=-2 * std, b=2 * std)
-
-
-def refuse_state_not_float32(block: nn.Module, **state: torch.Tensor | None) -> None:
-    """Refuse a recurrent state (p, g) or memory M reaching `block`'s forward in another dtype than float32, in one
-    line naming the cause. The state never leaves float32 by itself (every projection returns float32): what casts
-    it is FSDP2's mixed precision on a block sharded apart (`MixedPrecisionPolicy(cast_forward_inputs=True)`, its
-    default, casts every floating input of the block's call to `param_dtype`), which would round the state at every
-    token, or fail deep in the memory write ("expected scalar type Float but found BFloat16"). A dtype comparison
-    per call of the plain loop, no more (the fast path calls no block)."""
-    for name, tensor in state.items():
-        if tensor is not None and tensor.dtype != torch.float32:
-            block_name = type(block).__name__.removeprefix("FSDP")  # (FSDP2 renames a class it shards apart)
-            raise TypeError(
-                f"{block_name} got the recurrent {name} in {tensor.dtype}, not float32 (the state is "
-                "kept in float32 at every token): FSDP2's mixed precision casts the inputs of a block sharded apart to "
-                "its param_dtype; shard it with MixedPrecisionPolicy(cast_forward_inputs=False) (what `gpn train` sets), "
-                "or shard the model as one unit"
-            )
 
 
 # --------------------------------------------------------------------------------------------------

@@ -3124,7 +3124,7 @@ MUTATIONS = [
     ),
     Mutation(
         "a GPN block takes the state FSDP2's mixed precision cast to bf16 at its entry (rounded, or a deep failure)",
-        "modeling_gpn/modeling_gpn.py",
+        "modeling_gpn/arguments.py",
         "        if tensor is not None and tensor.dtype != torch.float32:\n",
         "        if False:  # MUTATION\n",
         ("tests/ecosystem/test_ecosystem.py -k fsdp2_mixed_precision_casts_into_a_block",),
