@@ -22,8 +22,6 @@ docs/generate.md and docs/cache.md are the user's pages. Shipped to the Hub with
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -277,15 +275,17 @@ class SyncedPeer:
         return result
 
 
-@contextmanager
-def synced_peer(model: nn.Module, model_kwargs: dict) -> Iterator[SyncedPeer]:
-    """A `SyncedPeer` for one synced decoding loop on `model`: in `model_kwargs` (for `prepare_inputs_for_generation`)
-    and on the model (for `_has_unfinished_sequences`, which alone sees whether this process has finished, and is
-    not given the model_kwargs) while the loop runs."""
+def decode_keeping_the_sequences_state(model: nn.Module, loop, args: tuple, synced_gpus: bool, model_kwargs: dict):
+    """Run transformers' decoding `loop` (the bound `_sample` or `_beam_search` of `model`'s class). Under
+    `synced_gpus` a `SyncedPeer` goes with it: in `model_kwargs` (for `prepare_inputs_for_generation`) and on the
+    model (for `_has_unfinished_sequences`, which alone sees whether this process has finished and is not given the
+    model_kwargs) while the loop runs, and the result holds the cache of the sequences returned."""
+    if not synced_gpus:
+        return loop(*args, **model_kwargs)
     peer = model_kwargs[SYNCED_PEER] = SyncedPeer()
     model.__dict__["_gpn_synced_peer"] = peer
     try:
-        yield peer
+        return peer.returned(loop(*args, synced_gpus=True, **model_kwargs))
     finally:
         model.__dict__.pop("_gpn_synced_peer", None)
 

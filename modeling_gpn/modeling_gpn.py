@@ -89,11 +89,11 @@ from .generation import (
     check_generate_input_shapes,
     continue_from_cache,
     custom_generate_offline_error,
+    decode_keeping_the_sequences_state,
     generation_cache,
     refuse_hub_decoding_a_state_cannot_run,
     refuse_non_finite_prompt_logits,
     refuse_peft_prompt_learning_generate,
-    synced_peer,
 )
 from .output_layer import (
     mixed_batch_adapter_names,
@@ -1297,33 +1297,15 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             **kwargs,
         )
 
-    def _sample(
-        self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus: bool = False, **kwargs
-    ):
+    def _sample(self, *args, synced_gpus: bool = False, **kwargs):
         """transformers' greedy and sampling loop. Under `synced_gpus`, the forwards this process runs after its rows
         have all finished (to keep the collectives matched) advance a throwaway copy of the cache, so the cache kept
         and returned holds the sequences' state (`generation.SyncedPeer`); without it, the loop as it is."""
-        if not synced_gpus:
-            return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config, **kwargs)
-        with synced_peer(self, kwargs) as peer:
-            return peer.returned(
-                super()._sample(
-                    input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=True, **kwargs
-                )
-            )
+        return decode_keeping_the_sequences_state(self, super()._sample, args, synced_gpus, kwargs)
 
-    def _beam_search(
-        self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus: bool = False, **kwargs
-    ):
+    def _beam_search(self, *args, synced_gpus: bool = False, **kwargs):
         """transformers' beam search, with `_sample`'s handling of `synced_gpus`."""
-        if not synced_gpus:
-            return super()._beam_search(input_ids, logits_processor, stopping_criteria, generation_config, **kwargs)
-        with synced_peer(self, kwargs) as peer:
-            return peer.returned(
-                super()._beam_search(
-                    input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=True, **kwargs
-                )
-            )
+        return decode_keeping_the_sequences_state(self, super()._beam_search, args, synced_gpus, kwargs)
 
     def _has_unfinished_sequences(self, this_peer_finished: bool, synced_gpus: bool, device: torch.device) -> bool:
         """transformers' test at the top of every decoding step; under `synced_gpus` it also notes for `SyncedPeer`
