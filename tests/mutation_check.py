@@ -3004,6 +3004,13 @@ MUTATIONS = [
         ("tests/tools/test_train_faults.py -k finished_run_without_checkpoints",),
     ),
     Mutation(
+        "A_log weight-decayed (gpn train's groups; the Trainer override docs/transformers.md gives)",
+        "modeling_gpn/train/models.py",
+        'NO_DECAY_NAMES = ("A_log", "dt_bias")\n',
+        'NO_DECAY_NAMES = ("dt_bias",)  # MUTATION\n',
+        ("tests/ecosystem/test_ecosystem.py -k weight_decay_reaches_a_log",),
+    ),
+    Mutation(
         "gpn train takes a negative clip norm or weight decay, bad betas, eps, keep_checkpoints, threads, seed",
         "modeling_gpn/train/settings.py",
         "    for key, low, high in NUMERIC_RANGES:\n",

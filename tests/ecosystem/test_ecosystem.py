@@ -809,6 +809,31 @@ def test_trainer_label_smoothing_targets_the_next_token(tmp_path):
     assert trainer.evaluate()["eval_loss"] == pytest.approx(next_token.item(), rel=1e-5)
 
 
+def test_trainer_weight_decay_reaches_a_log_unless_exempted_as_gpn_train_does(tmp_path):
+    """Trainer exempts from `weight_decay` only parameters named like biases and norms: `dt_bias` is, `A_log` (the
+    memory's decay rate, 1-D) is not, so it is pulled towards 0 (a retention of exp(-softplus(.)) per step) where
+    `gpn train` never decays it. The override docs/transformers.md gives leaves exactly the matrices decayed."""
+    from transformers import Trainer
+
+    from modeling_gpn.train import NO_DECAY_NAMES
+
+    class GPNTrainer(Trainer):  # the override of docs/transformers.md
+        def get_decay_parameter_names(self, model):
+            names = super().get_decay_parameter_names(model)
+            return [name for name in names if name.split(".")[-1] not in NO_DECAY_NAMES]
+
+    model = perturbed_model(tiny_config())
+    arguments = trainer_arguments(tmp_path, weight_decay=0.1)
+    assert "model.memory_write.A_log" in Trainer(model=model, args=arguments).get_decay_parameter_names(model)
+    optimizer = GPNTrainer(model=model, args=arguments).create_optimizer()
+    names = {id(param): name for name, param in model.named_parameters()}
+    decayed = {
+        names[id(param)] for group in optimizer.param_groups if group["weight_decay"] for param in group["params"]
+    }
+    assert decayed == {name for name, param in model.named_parameters() if param.dim() == 2}
+    assert sum(len(group["params"]) for group in optimizer.param_groups) == len(names)  # the tied head once
+
+
 def test_trainer_resumes_without_warning_of_the_tied_head(tmp_path):
     """A checkpoint leaves out `lm_head.weight` (it is the embedding); resuming from it re-ties the head, and the
     Trainer says nothing about "missing keys", which would read as a lost output layer."""
