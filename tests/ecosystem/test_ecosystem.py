@@ -1045,6 +1045,13 @@ def test_torch_export_save_load_round_trips_dynamic_programs_that_take_and_retur
         whole = model(torch.cat([other_prompt, token], 1)).logits[:, -1:]
     torch.testing.assert_close(continued.logits, whole, rtol=1e-5, atol=1e-5)
     assert continued.cache.get_seq_length() == 6
+    # and a prefill of few rows through the one-call decode (up to 16 rows), which counts its positions too
+    with torch.inference_mode():
+        _, few_rows = prefill.module()(other_prompt[:3])
+    with torch.no_grad():
+        continued = model(token[:3], cache=few_rows, use_cache=True)
+    torch.testing.assert_close(continued.logits, whole[:3], rtol=1e-5, atol=1e-5)
+    assert continued.cache.get_seq_length() == 6
 
 
 def test_transformers_executorch_exporter_and_torchscript_are_refused_by_name():

@@ -430,6 +430,16 @@ def test_graph_steps_run_on_static_buffers_without_allocation_or_host_sync(trito
     assert buffers == {name: t.data_ptr() for ws in graph.workspaces for name, t in ws.items()}
 
 
+def plain_then_graphs_on(core, tokens, state, monkeypatch, **kwargs):
+    """The plain loop's result for a window from `state`, then the fast path switched on with CUDA graphs
+    (`GPN_CUDA_GRAPHS=1`) for the call the test compares with it."""
+    core.use_fast_path = False
+    expected = core.recurrence(tokens, state, None, **kwargs)
+    core.use_fast_path = True
+    monkeypatch.setenv("GPN_CUDA_GRAPHS", "1")
+    return expected
+
+
 @torch.no_grad()
 def test_a_window_through_graph_chunks_equals_plain(triton_on, monkeypatch):
     """A no-grad window with GPN_CUDA_GRAPHS=1: chunks of WINDOW_CHUNK steps, then single steps."""
@@ -439,10 +449,7 @@ def test_a_window_through_graph_chunks_equals_plain(triton_on, monkeypatch):
     model = perturbed_model(tiny_config(num_predict_layers=2), seed=13)
     core = model.model
     tokens, state, _, _ = random_problem(model, batch=3, length=5, mask_kind=None, seed=6)
-    core.use_fast_path = False
-    expected = core.recurrence(tokens, state, None, output_memory_decays=True)
-    core.use_fast_path = True
-    monkeypatch.setenv("GPN_CUDA_GRAPHS", "1")
+    expected = plain_then_graphs_on(core, tokens, state, monkeypatch, output_memory_decays=True)
     got = core.recurrence(tokens, state, None, output_memory_decays=True)
     for a, b in zip((got[0], *got[1], got[2]), (expected[0], *expected[1], expected[2])):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-4)
@@ -458,10 +465,7 @@ def test_the_decode_graph_takes_prepacked_weights(triton_on, monkeypatch):
     model = perturbed_model(tiny_config(), seed=14)
     core = model.model
     tokens, state, _, _ = random_problem(model, batch=2, length=1, mask_kind=None, seed=7)
-    core.use_fast_path = False
-    expected = core.recurrence(tokens, state, None)
-    core.use_fast_path = True
-    monkeypatch.setenv("GPN_CUDA_GRAPHS", "1")
+    expected = plain_then_graphs_on(core, tokens, state, monkeypatch)
     got = core.recurrence(tokens, state, None)
     assert [type(graph.w.big_w) for graph in core._gpn_graphs.values()] == [fr.PackedMatrix]  # (the case)
     for a, b in zip((got[0], *got[1]), (expected[0], *expected[1])):
@@ -495,10 +499,7 @@ def test_graphs_made_under_inference_mode_run_outside_it(triton_on, monkeypatch)
     model = perturbed_model(tiny_config(), seed=16)
     core = model.model
     tokens, state, _, _ = random_problem(model, batch=2, length=2, mask_kind=None, seed=8)
-    core.use_fast_path = False
-    expected = core.recurrence(tokens, state, None)
-    core.use_fast_path = True
-    monkeypatch.setenv("GPN_CUDA_GRAPHS", "1")
+    expected = plain_then_graphs_on(core, tokens, state, monkeypatch)
     with torch.inference_mode():
         first = core.recurrence(tokens, state, None)
     second = core.recurrence(tokens, state, None)
