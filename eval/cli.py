@@ -57,6 +57,8 @@ from pathlib import Path
 
 import torch
 
+from modeling_gpn.cli.arguments import check_no_earlier_output
+
 from .runner import DEFAULT_FINEWEB_MAX_DOCUMENTS, DEFAULT_TASKS, TASKS, EvalSettings
 
 
@@ -296,12 +298,7 @@ def check_no_results(output_dir: Path) -> None:
     """Refuse an output folder that holds an earlier run's results: they were replaced without notice (the default
     folder, ./eval-<the model folder's name>, is the same for runs/a/model and runs/b/model, so evaluating the
     second lost the first's figures; so did a second run with other --tasks)."""
-    held = [name for name in OUTPUT_FILES if (output_dir / name).exists()]
-    if held:
-        raise ValueError(
-            f"--output-dir {output_dir} already holds an evaluation ({', '.join(held)}); choose another folder, or "
-            "give --overwrite to replace it"
-        )
+    check_no_earlier_output(output_dir, OUTPUT_FILES, "--output-dir", "an evaluation")
 
 
 def fail(message: object) -> int:

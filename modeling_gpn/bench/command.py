@@ -15,6 +15,7 @@ import torch
 
 from ..atomic_files import replacing
 from ..cli.arguments import torch_device
+from ..generation import device_memory_bytes
 from .measure import measure
 from .models import DTYPES, QUANTIZERS, build_gpn, count_params, matched_llama, weight_bytes
 from .report import print_limits, print_ratios, print_table
@@ -260,11 +261,8 @@ def check_fits(preset: str, config, dtype: str, device: str) -> None:
     a config file asked the allocator for 128 TB: torch's traceback after the presets before it were measured)."""
     needed = weight_bytes(config, dtype)
     place = torch.device(device)
-    if place.type == "cuda":
-        memory = torch.cuda.get_device_properties(place).total_memory
-    elif hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    else:  # (no way to tell here: the allocator will say)
+    memory = device_memory_bytes(place)
+    if memory is None:  # (no way to tell here: the allocator will say)
         return
     if needed > memory:
         raise BenchError(

@@ -50,3 +50,14 @@ def torch_device(device: str, option: str = "--device") -> torch.device:
         if parsed.index is not None and parsed.index >= torch.cuda.device_count():
             raise ValueError(f"{option} {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return parsed
+
+
+def check_no_earlier_output(folder: Path, names: tuple[str, ...], option: str, what: str) -> None:
+    """Refuse `folder` (given as `option`) when it holds any of `names`, an earlier run's `what` (a report, an
+    evaluation), which the run would replace without notice, unless the command's --overwrite is given."""
+    held = [name for name in names if (folder / name).exists()]
+    if held:
+        raise ValueError(
+            f"{option} {folder} already holds {what} ({', '.join(held)}); choose another folder, or give --overwrite "
+            "to replace it"
+        )

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from ..atomic_files import write_file_atomically
-from ..cli.arguments import torch_device, writable_folder
+from ..cli.arguments import check_no_earlier_output, torch_device, writable_folder
 from ..data import load_tokenizer
 from ..data.tokenizer import check_tokenizer_path
 from .figures import FIGURE_NAMES, write_figures
@@ -124,12 +124,7 @@ def check_no_report(output: Path) -> None:
     """Refuse an output folder that holds a report already (report.json, report.md or a figure): it was
     overwritten without notice, and a figure the new run does not draw (ablations.png, under --no-ablations) stayed
     beside the new report as if it were its own."""
-    held = [name for name in ("report.json", "report.md", *FIGURE_NAMES) if (output / name).exists()]
-    if held:
-        raise ValueError(
-            f"--output {output} already holds a report ({', '.join(held)}); choose another folder, or give "
-            "--overwrite to replace it"
-        )
+    check_no_earlier_output(output, ("report.json", "report.md", *FIGURE_NAMES), "--output", "a report")
 
 
 def document_regime(option: bool | None, trained_with_resets: bool) -> tuple[bool, str]:
