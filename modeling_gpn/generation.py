@@ -37,14 +37,12 @@ from .tracing import is_tracing
 GENERATION_CACHE_IMPLEMENTATIONS = ("dynamic", "static")
 
 
-def generation_cache(
-    config, generation_config, model_kwargs: dict, batch_size: int = 1, device: torch.device | None = None
-) -> GPNCache | None:
+def generation_cache(config, generation_config, model_kwargs: dict) -> GPNCache | None:
     """The cache generate() decodes with: the caller's (checked), else a new `GPNCache` (None without a cache,
     `use_cache=False`). A GPNCache is what `cache_implementation` "dynamic" and "static" ask for; the other kinds
     (offloaded, quantized, sliding-window) are refused, not ignored, as is a cache_implementation beside a cache,
     which transformers refuses too, and a GPN as the draft model of assisted decoding (its cache would have to be
-    rolled back). The generation config's values are checked first (`check_generation_values`)."""
+    rolled back)."""
     if getattr(generation_config, "is_assistant", False):
         # transformers refuses a stateful main model itself, but not a stateful draft: it crops the draft's cache
         # to the accepted tokens after every round, which failed deep in transformers' cache code
@@ -53,7 +51,6 @@ def generation_cache(
             "is rolled back to the tokens the main model accepted, and a GPN's state cannot be rolled back. "
             "Decode without `assistant_model`"
         )
-    check_generation_values(config, generation_config, batch_size, device)
     user_cache = model_kwargs.get("cache")
     requested = generation_config.cache_implementation
     if requested is not None and user_cache is not None:

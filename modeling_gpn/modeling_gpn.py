@@ -87,6 +87,7 @@ from .fast_recurrence import (
 from .generation import (
     SYNCED_PEER,
     check_generate_input_shapes,
+    check_generation_values,
     continue_from_cache,
     custom_generate_offline_error,
     decode_keeping_the_sequences_state,
@@ -1219,10 +1220,12 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs) -> None:
         """generate() gets a `GPNCache` (not a `DynamicCache`) unless the caller passed one; cache kinds a GPN does
-        not have, and what would roll its state back, are refused (`generation.generation_cache`)."""
+        not have, and what would roll its state back, are refused (`generation.generation_cache`); so are generation
+        values that would be wrong in silence (`generation.check_generation_values`)."""
+        cache = generation_cache(self.config, generation_config, model_kwargs)
         # (transformers passes the generation mode, the batch size before beams and the cache's length)
         batch_size = args[1] if len(args) > 1 else kwargs.get("batch_size", 1)
-        cache = generation_cache(self.config, generation_config, model_kwargs, batch_size, self.device)
+        check_generation_values(self.config, generation_config, batch_size, self.device)
         if cache is not None:
             model_kwargs["cache"] = cache
 

@@ -2977,8 +2977,8 @@ MUTATIONS = [
     ),
     Mutation(
         "generate() refuses generation values wrong in silence (0 sequences, eos/pad outside the vocabulary, beams' giant allocation)",
-        "modeling_gpn/generation.py",
-        "    check_generation_values(config, generation_config, batch_size, device)\n",
+        "modeling_gpn/modeling_gpn.py",
+        "        check_generation_values(self.config, generation_config, batch_size, self.device)\n",
         "",
         ("tests/model/test_generate.py::test_generation_values_that_would_be_wrong_in_silence_are_refused_by_name",),
     ),
