@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -59,6 +59,10 @@ from .recurrence_step import (
 )
 
 WINDOW_CHUNK = 32  # steps per graph replay for windows of more than one token (prefill, scoring)
+# no-grad graphs a model keeps at most, the least recently used dropped first: each holds two state slots and
+# two step workspaces for every batch row, and a server or an evaluation that meets many batch sizes would
+# otherwise keep a pair (decode, prompt chunks) for every size it ever saw
+MAX_INFERENCE_GRAPHS = 8
 # the model's attributes holding its captured graphs and their static buffers (read from its weights: never
 # copied or pickled with it, `fast_recurrence.DERIVED_ATTRIBUTES`)
 GRAPHS_ATTRIBUTE, SWEEPS_ATTRIBUTE = "_gpn_graphs", "_gpn_training_sweeps"
@@ -246,10 +250,12 @@ def graph_of(
 
     Keyed by every step matrix's dtype, not one: a captured graph multiplies in its static weights' dtypes and
     `load_weights` copies (casts) into them, so a model with one module cast since (its fuse gate kept in
-    float32 beside bf16 matrices) would otherwise replay that module's products in the old dtype."""
+    float32 beside bf16 matrices) would otherwise replay that module's products in the old dtype.
+
+    At most `MAX_INFERENCE_GRAPHS` are kept, the least recently used dropped to make room for a new one."""
     graphs = getattr(model, GRAPHS_ATTRIBUTE, None)
     if graphs is None:
-        graphs = {}
+        graphs = OrderedDict()  # least recently used first
         object.__setattr__(model, GRAPHS_ATTRIBUTE, graphs)
     unpacked = lambda m: m.matrix if isinstance(m, PackedMatrix) else m
     dtypes = tuple(unpacked(m).dtype for m in (w.fg_w, w.big_w, *w.out_w, *w.layer_w))
@@ -257,11 +263,17 @@ def graph_of(
     graph = graphs.get(key)
     loaded = derived.setdefault("graphs holding these weights", set())
     if graph is None:
+        while len(graphs) >= MAX_INFERENCE_GRAPHS:  # (before the new one's buffers are made)
+            # a state a dropped graph returned stays valid (its slots are referenced by whoever holds it) and is
+            # copied into the slots of the graph that reads it next
+            graphs.popitem(last=False)
         graph = graphs[key] = StepsGraph(model, batch, device, steps, kernels=kernels, w=w)
         if capture and device.type == "cuda":
             graph.capture()
-    elif key not in loaded:
-        graph.load_weights(w)
+    else:
+        graphs.move_to_end(key)
+        if key not in loaded:
+            graph.load_weights(w)
     loaded.add(key)
     return graph
 

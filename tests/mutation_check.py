@@ -4568,6 +4568,20 @@ MUTATIONS = [
         'tokens"  # MUTATION\n',
         ("tests/tools/test_train.py -k tiny_preset",),
     ),
+    Mutation(
+        "the no-grad graphs kept are bounded (none dropped)",
+        "modeling_gpn/cuda_graphs.py",
+        "        while len(graphs) >= MAX_INFERENCE_GRAPHS:  # (before the new one's buffers are made)\n",
+        "        while False:  # MUTATION\n",
+        ("tests/fast_path/test_triton_kernels.py::test_the_no_grad_graphs_kept_are_bounded",),
+    ),
+    Mutation(
+        "the no-grad graphs dropped are the least recently used (not the oldest made)",
+        "modeling_gpn/cuda_graphs.py",
+        "        graphs.move_to_end(key)\n",
+        "        pass  # MUTATION\n",
+        ("tests/fast_path/test_triton_kernels.py::test_the_no_grad_graphs_kept_are_bounded",),
+    ),
 ]
 
 

@@ -489,6 +489,36 @@ def test_a_graph_is_kept_per_dtype_of_every_step_matrix():
 
 
 @torch.no_grad()
+def test_the_no_grad_graphs_kept_are_bounded(triton_on, monkeypatch):
+    """Each batch size gets graphs of its own (two state slots and workspaces a row): a server meeting many batch
+    sizes kept them all. The least recently used go first, and a state a dropped graph returned continues
+    exactly (copied into the slots of the graph made again)."""
+    from modeling_gpn import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "MAX_INFERENCE_GRAPHS", 3)
+    model = perturbed_model(tiny_config(), seed=17)
+    core, cpu = model.model, torch.device("cpu")
+    graph = lambda batch: cuda_graphs.graph_of(
+        core, batch, cpu, 1, fr.cached_folded_weights(core, rows=batch), {}, kernels=fr.GRAPH_KERNELS
+    )
+    kept = lambda: [key[0] for key in core._gpn_graphs]  # batch sizes, least recently used first
+    tokens, state, _, _ = random_problem(model, batch=1, length=2, mask_kind=None, seed=9)
+    core.use_fast_path = False
+    expected = core.recurrence(tokens, state, None)
+    first, carried, _ = graph(1)(tokens[:, :1], state)
+    first = first.clone()
+    for batch in (2, 3, 4):
+        graph(batch)
+    assert kept() == [2, 3, 4]
+    second, final, _ = graph(1)(tokens[:, 1:], carried)  # a new graph, reading the dropped one's state
+    for a, b in zip((torch.cat([first, second], dim=1), *final), (expected[0], *expected[1])):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-4)
+    graph(3)  # used again: kept before 4
+    graph(5)
+    assert kept() == [1, 3, 5]
+
+
+@torch.no_grad()
 def test_graphs_made_under_inference_mode_run_outside_it(triton_on, monkeypatch):
     """Graphs made under torch.inference_mode() (an evaluation harness) and replayed under no_grad (generate())
     write their static buffers in place, which torch forbids on inference tensors outside inference mode (it
