@@ -36,7 +36,11 @@ LOCAL_SUFFIXES = {
     ".json": "json",
     ".parquet": "parquet",
     ".csv": "csv",
+    ".arrow": "arrow",  # (the data files of a `Dataset.save_to_disk` folder, named by a glob: see `local_files`)
 }
+# What `datasets.Dataset.save_to_disk` / `DatasetDict.save_to_disk` write beside their .arrow data files: a folder
+# holding one is refused by name (its .json files are metadata, not documents; a DatasetDict's holds every split).
+SAVED_DATASET_FILES = ("state.json", "dataset_info.json", "dataset_dict.json")
 PIECE_CHARS = 1 << 18  # a long text document is read and tokenized in pieces of about this many characters
 
 
@@ -94,6 +98,18 @@ class CorpusSpec:
         elif not root.exists():
             raise DataError(f"Dataset path {root} does not exist")
         elif root.is_dir():
+            # A `save_to_disk` folder is refused: read as a corpus folder, its metadata would be jsonl documents and its
+            # .arrow files read with them (in a DatasetDict's, every split's).
+            saved = [p for p in root.rglob("*") if p.name in SAVED_DATASET_FILES]
+            if saved := [p for p in saved if not hidden(p.relative_to(root))]:
+                # (the glob named: a split's folder, the one named train where there is one; a Dataset's is the root)
+                splits = sorted({p.parent for p in saved if p.name == "state.json"} or {root})
+                split = next((folder for folder in splits if folder.name == "train"), splits[0])
+                raise DataError(
+                    f"Folder {root} was written by datasets' save_to_disk: its .json files are metadata, not "
+                    f"documents; pass the .arrow data files of the split to train on as a glob ('{split / '*.arrow'}'), "
+                    "or export it with Dataset.to_parquet / to_json"
+                )
             files = distinct_files(
                 p
                 for p in root.rglob("*")
@@ -234,12 +250,15 @@ def _local_documents(path: Path, text_field: str) -> Iterator[str]:
     count = 0
     try:
         dataset = datasets.load_dataset(builder, data_files=[str(path)], split="train", streaming=True, **kwargs)
-        for row in dataset:
+        for number, row in enumerate(dataset, start=1):
             if text_field not in row:
                 raise DataError(f"{path} has no column {text_field!r} (columns: {', '.join(row)}); pass --text-field")
             text = row[text_field]
+            # (named by its row: a jsonl line without the field reads as null, the file's other rows having it)
+            if text is None:
+                raise DataError(f"{path}: row {number} has no {text_field!r} (null, or missing from the row)")
             if not isinstance(text, str):
-                raise DataError(f"{path}: column {text_field!r} holds {type(text).__name__}, not text")
+                raise DataError(f"{path}: row {number}'s {text_field!r} holds {type(text).__name__}, not text")
             if text.strip():
                 count += 1
                 yield text
@@ -324,12 +343,19 @@ def resolve_hub_commit(name: str, revision: str | None) -> str | None:
     """The commit that `revision` (None: the default branch) names in the Hub dataset `name`, found as `datasets`
     fixes it before loading: the snapshot folder its dataset card is downloaded into, from the Hub, or offline
     from the local Hugging Face cache's refs. None where neither tells (no card, no network and nothing cached)."""
+    from datasets import config as datasets_config
     from huggingface_hub import HfApi, hf_hub_download
 
+    # Offline as `datasets` is (HF_DATASETS_OFFLINE=1 as well as HF_HUB_OFFLINE=1): the cache alone is asked, as
+    # `datasets` then asks it; the Hub was asked, retried for about half a minute before the load's own error.
+    offline = datasets_config.HF_HUB_OFFLINE
     try:
-        return Path(hf_hub_download(name, "README.md", repo_type="dataset", revision=revision)).parent.name
+        return Path(
+            hf_hub_download(name, "README.md", repo_type="dataset", revision=revision, local_files_only=offline)
+        ).parent.name
     except Exception:  # noqa: BLE001 - a dataset without a card, or no network: ask the Hub alone
-        pass
+        if offline:
+            return None
     try:
         return HfApi().dataset_info(name, revision=revision).sha
     except Exception:  # noqa: BLE001 - offline, or unknown: keyed by the revision asked for alone

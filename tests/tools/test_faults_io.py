@@ -935,6 +935,25 @@ def test_a_hub_dataset_is_cached_per_commit_and_read_at_that_commit(bpe_tokenize
     unresolved = [data.CorpusSpec(source="someone/corpus", revision=r).fingerprint() for r in ("v3", "v4")]
     assert unresolved[0]["commit"] is None and unresolved[0] != unresolved[1]  # (keyed by the revision asked for)
 
+    # HF_DATASETS_OFFLINE=1 alone (the Hub client online): the commit is found in the cache, the Hub never asked
+    # (which it was, retried for about half a minute before the load's own offline error)
+    asked_the_hub = []
+    download = huggingface_hub.hf_hub_download
+
+    def cache_only_download(*args, local_files_only=False, **kwargs):
+        if not local_files_only:
+            asked_the_hub.append(args)
+            raise OSError("no network in this test")
+        return download(*args, local_files_only=True, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", cache_only_download)
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", lambda *a, **k: asked_the_hub.append(a))
+    assert data.CorpusSpec(source="someone/corpus", revision="v2").hub_commit() == new
+    assert data.CorpusSpec(source="someone/corpus", revision="v3").hub_commit() is None and not asked_the_hub
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
     # a stream that breaks while it is read (a connection reset: an OSError) is named as the dataset's failure, not
     # blamed on the cache folder the tokens were going to, and leaves no cache behind
     def broken_stream(*args, **kwargs):

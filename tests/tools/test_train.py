@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from modeling_gpn import train as train_module
-from modeling_gpn.data import DataError, train_bpe_tokenizer
+from modeling_gpn.data import CorpusSpec, DataError, train_bpe_tokenizer
 
 from ..environment import REPO_ROOT
 from ..subprocesses import two_at_a_time
@@ -687,6 +687,20 @@ def test_bad_data_fails_clearly_before_training(tmp_path, cache):
     wrong_column.write_text(json.dumps({"body": "some text " * 50}) + "\n")
     with pytest.raises(DataError, match="no column 'text'"):
         attempt(wrong_column)
+    # one row of a jsonl without the field (read as null) or with a number: named by its row, not skipped
+    for name, row, message in (("missing", {"title": "x"}, "row 2 has no 'text'"), ("number", {"text": 5}, "row 2's")):
+        rows = tmp_path / f"{name}.jsonl"
+        rows.write_text("".join(json.dumps(r) + "\n" for r in ({"text": "some text"}, row, {"text": "more"})))
+        with pytest.raises(DataError, match=rf"{name}\.jsonl: {message}"):
+            attempt(rows)
+    # a `save_to_disk` folder: its metadata .json files are no documents; its .arrow files, by the glob named, are
+    import datasets
+
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a", "b"]})}).save_to_disk(str(saved))
+    with pytest.raises(DataError, match=r"written by datasets' save_to_disk.*as a glob \('.*saved/train/\*\.arrow'\)"):
+        attempt(saved)
+    assert list(CorpusSpec(str(saved / "train" / "*.arrow")).documents()) == ["a", "b"]
 
     good = tmp_path / "good.txt"
     good.write_text("To be, or not to be, that is the question. " * 200)
