@@ -44,7 +44,8 @@ What makes it fast (see the speed issue and `GPN.md`):
 - **Memory-bounded BPTT.** The forward pass keeps the state (p, g, key, M) only at segment boundaries
   (`config.bptt_segment_length`; `None` keeps every step); the backward pass recomputes each segment's
   states from its boundary before walking it backwards. Activation memory is then one segment's states
-  plus the boundaries, instead of batch x length x memory cells.
+  plus the boundaries, instead of batch x length x memory cells. Under saved-tensor hooks (offloading, a
+  non-reentrant checkpoint) the boundaries go through `save_for_backward`, so the hooks see them too.
 - **Truncated BPTT.** With `config.bptt_truncation_length = K` the gradient through the carried state
   (p, g, M) is cut before every position t with t % K == 0 (t > 0): exactly as the plain loop detaching
   its state there.
@@ -205,7 +206,8 @@ def choose_backends(
     CUDA graphs run unmasked windows when asked for (`cuda_graphs.asked`) on the Triton backend: no-grad
     windows outside autocast (the captured weights are the model's own dtype), training windows without
     truncated BPTT; never `packed` windows (sequences starting inside rows: their steps reset the state,
-    which the graphs' static steps do not). (Module wrappers, hooks and tracing were decided before: the
+    which the graphs' static steps do not), and no training graphs under saved-tensor hooks (their static buffers
+    keep the boundaries, which the hooks would not see). (Module wrappers, hooks and tracing were decided before: the
     plain path runs them, `GPNModel.recurrence_path`.)"""
     # (the kernels were checked against the torch ops for these sizes, dtype and device before: `self_check`)
     triton = model.use_triton and triton_selected(U)
@@ -229,9 +231,17 @@ def choose_backends(
     if graphs_possible and graphs_asked(model, training=needs_grad):
         if not needs_grad and matmul_dtype is None:
             graphs = INFERENCE_GRAPHS
-        elif needs_grad and not model.config.bptt_truncation_length:
+        elif needs_grad and not model.config.bptt_truncation_length and not saved_tensors_hooks_active():
             graphs = TRAINING_GRAPHS
     return Backends(step, step_backward, memory, graphs)
+
+
+def saved_tensors_hooks_active() -> bool:
+    """Whether saved-tensor hooks are active on this thread (`torch.autograd.graph.saved_tensors_hooks` and what
+    is built on it: `save_on_cpu`, TRL's activation offloading, `checkpoint(use_reentrant=False)`), which see only
+    what a backward keeps through `save_for_backward`. (torch's private query; were it gone, assume they are.)"""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None
 
 
 def foldable_parameter(module: torch.nn.Module, name: str, parameter) -> bool:
@@ -755,22 +765,30 @@ class GPNRecurrenceFunction(torch.autograd.Function):
             assert starts is None, "packed windows never run on the training graphs (`choose_backends`)"
             sweep.load_weights(w)
             outputs, state, gammas, ctx.boundaries = sweep.forward(U, p0, g0, M0)
-            ctx.settings, ctx.has_mask = settings, False
+            ctx.settings, ctx.has_mask, ctx.hooked = settings, False, False  # (never under saved-tensor hooks)
             ctx.save_for_backward(U, g0, *flat_weights)
             ctx.mark_non_differentiable(gammas)
             return outputs, state.p, state.g, state.memory, gammas
         outputs = U.new_empty(B, T, d)
         gammas = U.new_zeros(B, T, s.heads) if s.memory else U.new_zeros(B, T, 0)
+        # Under saved-tensor hooks (`save_on_cpu`, TRL's activation offloading, a non-reentrant checkpoint around
+        # the model, your own) everything the backward needs goes through `save_for_backward`, which they see:
+        # the boundary states are saved there, the last segment is recomputed like the others instead of keeping
+        # its records, and what is derived from the weights and the starts is derived again in the backward.
+        # Otherwise they are kept as attributes of ctx, which the hooks never see (memory not offloaded).
+        ctx.hooked = hooked = saved_tensors_hooks_active()
         # the steps multiply by prepacked matrices where that is faster (`PackedMatrix`), packed once per call
-        ctx.step_weights = step_weights = _pack(w) if PackedMatrix.worthwhile(w, B) else w
+        step_weights = _pack(w) if PackedMatrix.worthwhile(w, B) else w
+        ctx.step_weights = None if hooked else step_weights
         key0 = key_from_grounded(g0, step_weights, s, eps) if s.memory else g0.new_zeros(B, 0)
         state = StepState(p0, g0, key0, M0)
-        ctx.starts = starts = SequenceStarts.of(starts, step_weights, s, eps, U.device)
+        sequence_starts = SequenceStarts.of(starts, step_weights, s, eps, U.device)
+        ctx.starts = None if hooked else sequence_starts
         seg = segment or T
         # M' goes into reused buffers: two alternating slots while running, one slot per step of a segment
         # whose records are kept (the last one here; backward reuses the same slots for every segment)
         alternating = pool.take((2, *M0.shape), U.dtype, U.device) if s.memory else None
-        segment_memory = pool.take((min(seg, T), *M0.shape), U.dtype, U.device) if s.memory else None
+        segment_memory = pool.take((min(seg, T), *M0.shape), U.dtype, U.device) if s.memory and not hooked else None
         boundaries, last_records = [], []
         for start in range(0, T, seg):
             if start > 0 and s.memory:  # the boundary must outlive the alternating slots
@@ -778,7 +796,7 @@ class GPNRecurrenceFunction(torch.autograd.Function):
             boundaries.append(state)
             stop = min(start + seg, T)
             # the backward pass starts with the last segment: keep its records instead of recomputing them
-            last = stop == T
+            last = stop == T and not hooked
             buffer = (segment_memory[: stop - start] if last else alternating) if s.memory else None
             state = _run_steps(
                 U,
@@ -794,14 +812,22 @@ class GPNRecurrenceFunction(torch.autograd.Function):
                 gammas if s.memory else None,
                 last_records if last else None,
                 buffer,
-                starts,
+                sequence_starts,
             )
         ctx.settings = settings
-        ctx.boundaries = boundaries
-        ctx.last_records = last_records
+        ctx.has_mask, ctx.has_starts = mask is not None, starts is not None
+        ctx.boundary_count = len(boundaries)
+        ctx.boundaries = None if hooked else boundaries
+        ctx.last_records = None if hooked else last_records
         ctx.segment_memory = segment_memory
-        ctx.has_mask = mask is not None
-        ctx.save_for_backward(U, g0, *([mask] if mask is not None else []), *flat_weights)
+        ctx.save_for_backward(
+            U,
+            g0,
+            *([mask] if mask is not None else []),
+            *([starts] if hooked and starts is not None else []),
+            *(x for boundary in (boundaries if hooked else ()) for x in boundary),
+            *flat_weights,
+        )
         ctx.mark_non_differentiable(gammas)
         # the final M sits in a slot that backward reuses: hand out a copy
         final_memory = state.memory.clone() if s.memory else state.memory
@@ -818,7 +844,7 @@ class GPNRecurrenceFunction(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, dP, dp_final, dg_final, dM_final):
-        if ctx.boundaries[0] is None:  # (freed by the first backward, with the records and buffers)
+        if not ctx.hooked and ctx.boundaries[0] is None:  # (freed by the first backward, with the records and buffers)
             raise RuntimeError(
                 "GPN's fast recurrence frees what its forward saved while its backward runs, so it takes one "
                 "backward per forward; for a second one (backward(retain_graph=True) twice, higher-order "
@@ -837,16 +863,29 @@ class GPNRecurrenceFunction(torch.autograd.Function):
             finally:
                 sweep.release()
             return (dU.to(ctx.input_dtype), dp0, dg0, dM0, None, None, None, *weight_grads)
-        U, g0 = saved[0], saved[1]
-        if ctx.has_mask:
-            mask, flat_weights = saved[2], saved[3:]
-        else:
-            mask, flat_weights = None, saved[2:]
-        w = _unflatten(flat_weights, s)
-        wt = transpose_weights(w, pack=PackedMatrix.worthwhile(w, U.shape[0]))
-        step_weights, ctx.step_weights = ctx.step_weights, None
+        saved = list(saved)
+        U, g0 = saved.pop(0), saved.pop(0)
+        mask = saved.pop(0) if ctx.has_mask else None
         B, T, d = U.shape
-        first = ctx.boundaries[0]
+        seg = segment or T
+        if ctx.hooked:  # (everything came through the saved-tensor hooks: see the forward)
+            starts = saved.pop(0) if ctx.has_starts else None
+            boundaries = [StepState(*saved[4 * i : 4 * i + 4]) for i in range(ctx.boundary_count)]
+            flat_weights = saved[4 * ctx.boundary_count :]
+            w = _unflatten(flat_weights, s)
+            step_weights = _pack(w) if PackedMatrix.worthwhile(w, B) else w
+            sequence_starts = SequenceStarts.of(starts, step_weights, s, eps, U.device)
+            memory = boundaries[0].memory
+            segment_memory = pool.take((min(seg, T), *memory.shape), U.dtype, U.device) if s.memory else None
+            last_records = None
+        else:
+            flat_weights = saved
+            w = _unflatten(flat_weights, s)
+            step_weights, ctx.step_weights = ctx.step_weights, None
+            boundaries, sequence_starts, segment_memory = ctx.boundaries, ctx.starts, ctx.segment_memory
+            last_records, ctx.last_records = ctx.last_records, None
+        wt = transpose_weights(w, pack=PackedMatrix.worthwhile(w, B))
+        first = boundaries[0]
         # (contiguous: autograd may hand in a strided gradient, and the backend chosen for the window takes
         # every step only with the contiguous gradients the steps themselves make)
         grad_or_zero = lambda g, like: g.contiguous() if g is not None else torch.zeros_like(like)
@@ -860,19 +899,18 @@ class GPNRecurrenceFunction(torch.autograd.Function):
         weight_grads = _WeightGrads(w, B)
         c = columns_of(s)
         memory_grads = U.new_empty(2, *first.memory.shape) if s.memory else None  # alternating dL/dM slots
-        seg = segment or T
-        for index in reversed(range(len(ctx.boundaries))):
+        for index in reversed(range(len(boundaries))):
             start = index * seg
             stop = min(start + seg, T)
-            if stop == T:
-                records, ctx.last_records = ctx.last_records, None
+            if stop == T and last_records is not None:
+                records, last_records = last_records, None
             else:  # recompute the segment from its boundary, keeping what the backward steps need
                 records = []
-                buffer = None if ctx.segment_memory is None else ctx.segment_memory[: stop - start]
+                buffer = None if segment_memory is None else segment_memory[: stop - start]
                 _run_steps(
                     U,
                     mask,
-                    ctx.boundaries[index],
+                    boundaries[index],
                     step_weights,
                     s,
                     eps,
@@ -881,17 +919,17 @@ class GPNRecurrenceFunction(torch.autograd.Function):
                     step,
                     records=records,
                     memory_buffer=buffer,
-                    starts=ctx.starts,
+                    starts=sequence_starts,
                 )
-            ctx.boundaries[index] = None
+            boundaries[index] = None
             for t in reversed(range(start, stop)):
                 record = records.pop()
                 if dP is not None:
                     grads = grads._replace(p=grads.p + dP[:, t])
                 out = None if memory_grads is None else memory_grads[t % 2]
                 grads, dU[:, t] = step_backward(record, grads, wt, s, c, eps, weight_grads, out)
-                if ctx.starts is not None and t in ctx.starts.at:  # rows starting a packed sequence here
-                    grads = ctx.starts.cut(grads, t, record, weight_grads, s, eps)
+                if sequence_starts is not None and t in sequence_starts.at:  # rows starting a packed sequence here
+                    grads = sequence_starts.cut(grads, t, record, weight_grads, s, eps)
                 if truncation and t % truncation == 0 and t > 0:
                     # the state is cut here, the weights are not: the key of step t (from g_{t-1}) still
                     # contributes to the key projection's gradient, but nothing flows into g_{t-1}
@@ -899,7 +937,7 @@ class GPNRecurrenceFunction(torch.autograd.Function):
                         weight_grads.add_key(_unit_rms(record["g"], eps), grads.key)
                     grads = StepState(*(torch.zeros_like(x) for x in grads))
         d_g0 = first_key_gradient(grads, g0, w, s, eps, weight_grads)
-        pool.give_back(ctx.segment_memory)  # every record that pointed into it is gone
+        pool.give_back(segment_memory)  # every record that pointed into it is gone
         ctx.segment_memory = None
         return (dU.to(ctx.input_dtype), grads.p, d_g0, grads.memory, None, None, None, *weight_grads.finish())
 

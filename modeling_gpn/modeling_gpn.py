@@ -1045,8 +1045,13 @@ def _is_plain_linear(module: nn.Module) -> bool:
 
 
 def _is_plain_embedding(module: nn.Module) -> bool:
-    """Whether `module` looks its rows up in its own `weight` (FSDP2's sharding subclass included)."""
-    return isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward
+    """Whether `module` looks its rows up in its own `weight` parameter (FSDP2's sharding subclass included): not a
+    `weight` computed from others (a parametrization, pruning, the older weight norm), whose table the output follows."""
+    return (
+        isinstance(module, nn.Embedding)
+        and type(module).forward is nn.Embedding.forward
+        and "weight" in module._parameters
+    )
 
 
 def _runs_more_than_its_forward(module: nn.Module) -> bool:

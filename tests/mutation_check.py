@@ -173,6 +173,20 @@ MUTATIONS = [
         ("tests/fast_path/test_replaced_methods.py -k segment",),
     ),
     Mutation(
+        "the output following an embedding whose weight is computed (a parametrization, pruning: refused instead)",
+        "modeling_gpn/modeling_gpn.py",
+        '        and "weight" in module._parameters\n',
+        "        and True  # MUTATION\n",
+        ("tests/model/test_output_layer.py -k computed_is_followed",),
+    ),
+    Mutation(
+        "fast path's backward (its state kept on ctx under saved-tensor hooks, which never see it)",
+        "modeling_gpn/fast_recurrence.py",
+        "    return top is None or top(False) is not None\n",
+        "    return False  # MUTATION\n",
+        ("tests/fast_path/test_fast_path.py -k saved_tensor_hooks",),
+    ),
+    Mutation(
         "one-call decode (the base model's and the causal LM's methods not looked for: decoder, logits skipped)",
         "modeling_gpn/fast_recurrence.py",
         "        method = replaced_method(obj, methods)\n",

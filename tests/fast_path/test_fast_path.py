@@ -151,6 +151,77 @@ def test_reused_memory_buffers_keep_overlapping_calls_apart():
     assert not pool.free
 
 
+def tensors_in(value, seen=None) -> list:
+    """The tensors `value` holds: itself, or inside its lists, tuples, dicts and objects' attributes."""
+    seen = set() if seen is None else seen
+    if id(value) in seen:
+        return []
+    seen.add(id(value))
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    elif hasattr(value, "__dict__") and not isinstance(value, type) and not callable(value):
+        value = list(vars(value).values())
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in tensors_in(item, seen)]
+    return []
+
+
+def recurrence_node(outputs: torch.Tensor):
+    """The autograd node of the fast path's `GPNRecurrenceFunction` behind `outputs` (its ctx)."""
+    pending = [outputs.grad_fn]
+    while pending:
+        node = pending.pop()
+        if type(node).__name__ == "GPNRecurrenceFunctionBackward":
+            return node
+        pending.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
+    raise AssertionError("the fast path's autograd function is not in the graph")
+
+
+@pytest.mark.parametrize("hooks", ["save_on_cpu", "checkpoint(use_reentrant=False)"])
+def test_saved_tensor_hooks_see_everything_the_fast_backward_keeps(hooks):
+    """Under saved-tensor hooks (`save_on_cpu`, TRL's activation offloading, a non-reentrant checkpoint around the
+    model) the fast path keeps for its backward only what went through them: no tensor on its autograd node
+    beside its saved tensors (it kept the boundary states, the last segment's records, its buffer and packed
+    weights there, which no hook saw: memory the user offloaded stayed where it was). Segments, holes and
+    packed sequences; gradients equal the plain path's under the same hooks."""
+    import torch.utils.checkpoint
+
+    model = perturbed_model(tiny_config(bptt_segment_length=3), seed=12).train()
+    token_inputs, state, mask, weights = random_problem(model, batch=2, length=7, mask_kind="holes", seed=13)
+    starts = torch.zeros(2, 7, dtype=torch.bool)
+    starts[1, 4] = True  # (a packed sequence starts inside the second row)
+    nodes = []
+
+    def recurrence(token_inputs, *state):
+        outputs, final, _ = model.model.recurrence(token_inputs, state, mask, sequence_starts=starts)
+        if model.model.use_fast_path and not nodes:  # (the forward's, not the checkpoint's recomputation)
+            nodes.append(recurrence_node(outputs))
+        return outputs, *final
+
+    results = {}
+    for fast in (False, True):
+        model.model.use_fast_path = fast
+        model.zero_grad(set_to_none=True)
+        leaves = [token_inputs.clone().requires_grad_(True), *(x.clone().requires_grad_(True) for x in state)]
+        with ran(*((FAST_PATH,) if fast else (PLAIN_PATH,))):
+            if hooks == "save_on_cpu":
+                with torch.autograd.graph.save_on_cpu():
+                    outputs = recurrence(*leaves)
+            else:
+                outputs = torch.utils.checkpoint.checkpoint(recurrence, *leaves, use_reentrant=False)
+            if fast and nodes:
+                # (its settings name the model's buffer pool: the model's scratch, not kept for this backward)
+                kept = [t for name, value in vars(nodes[0]).items() if name != "settings" for t in tensors_in(value)]
+                assert not kept, f"{len(kept)} tensors kept on the autograd node, unseen by the hooks"
+            sum((x * w).sum() for x, w in zip(outputs, weights)).backward()
+        grads = [x.grad for x in leaves] + [p.grad for p in model.parameters()]
+        results[fast] = grads
+    for fast_grad, plain_grad in zip(results[True], results[False]):
+        torch.testing.assert_close(fast_grad, plain_grad, atol=2e-5, rtol=2e-4)
+
+
 @pytest.mark.parametrize("variant", ["gpn+m", "gpn+m-bias"])
 def test_causal_lm_loss_and_gradients_with_chunked_loss(variant):
     model = perturbed_model(tiny_config(**VARIANTS[variant]), seed=8).train()

@@ -254,6 +254,42 @@ def test_an_embedding_replaced_without_tying_is_refused_then_followed_once_tied(
         assert torch.equal(model(ids).logits, model.model(ids).last_hidden_state @ model.model.embed_tokens.weight.T)
 
 
+@pytest.mark.parametrize("route", ["parametrization", "pruning"])
+def test_an_embedding_whose_weight_is_computed_is_followed_by_the_output(route):
+    """A parametrization (weight norm, a scaling) or pruning on `embed_tokens` computes its weight from others, so
+    the head cannot hold it: the output follows the table the embedding computes, as for a wrapped one (logits,
+    their gradients on both sides, generate() on the fast path's recurrence equal to the plain path's). Before,
+    every call was refused with advice to call `tie_weights()`, which itself failed on the computed weight."""
+    from torch.nn.utils import parametrize, prune
+
+    class Scaled(nn.Module):
+        def forward(self, weight):
+            return 1.5 * weight
+
+    model = perturbed_model(tiny_config(), seed=9)
+    embedding, ids = model.model.embed_tokens, token_ids()
+    if route == "parametrization":
+        parametrize.register_parametrization(embedding, "weight", Scaled())
+        raw = embedding.parametrizations.weight.original
+    else:
+        prune.l1_unstructured(embedding, "weight", amount=0.3)
+        raw = embedding.weight_orig
+    assert model.output_follows_embedding()
+    model.train()
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    table = embedding(torch.arange(97))
+    with torch.no_grad():
+        logits = model.eval()(ids).logits
+        torch.testing.assert_close(logits, model.model(ids).last_hidden_state @ table.T, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model.get_output_embeddings().weight, table)
+        fast = model.generate(ids[:, :4], max_new_tokens=5, do_sample=False)
+        model.model.use_fast_path = False
+        torch.testing.assert_close(model(ids).logits, logits, rtol=1e-5, atol=1e-5)
+        assert torch.equal(model.generate(ids[:, :4], max_new_tokens=5, do_sample=False), fast)
+    assert raw.grad is not None and raw.grad.abs().sum() > 0
+
+
 def test_a_head_trained_apart_from_the_embedding_is_refused_at_saving_not_dropped(tmp_path):
     """PEFT's `modules_to_save=["embed_tokens", "lm_head"]` (a common recipe for new chat tokens) trains two copies;
     merged, the head holds a table of its own, which a GPN cannot hold (its output matrix is its embedding, the only
