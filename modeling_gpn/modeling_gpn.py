@@ -933,6 +933,7 @@ class GPNModel(GPNPreTrainedModel):
         *,
         position_ids: torch.LongTensor | None = None,
         seq_idx: torch.Tensor | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> GPNModelOutput | tuple:
         """Run the recurrence over `input_ids` (or `inputs_embeds`), starting from `cache` if it holds a state, and
@@ -958,6 +959,10 @@ class GPNModel(GPNPreTrainedModel):
                 Position ids that count up from 0 (ordinary ones) change nothing: a GPN has no positions.
                 Parameters, not keywords, so that `Trainer` keeps a pre-packed dataset's columns
                 (`add_packing_parameters`).
+            logits_to_keep: checked, and otherwise without effect: the base model has no logits and decodes every
+                position, as transformers' base models do; it is taken because tools give the base model what
+                they give the causal LM (TRL's `DistillationTrainer` passes it to `base_model` and keeps the
+                positions it wants itself).
             **kwargs: `past_key_values` (deprecated alias of `cache`); `cu_seq_lens_q/k` (with `max_length_q/k`),
                 FlashAttention's form of the packed starts; what `generate()` and transformers' tools pass for
                 attention models, ignored (see `arguments.IGNORED_FORWARD_KWARGS`); anything else raises a
@@ -993,6 +998,7 @@ class GPNModel(GPNPreTrainedModel):
             embeddings = inputs_embeds
         batch_size, seq_len = embeddings.shape[:2]
         check_not_empty(batch_size, seq_len)
+        positions_to_keep(logits_to_keep, seq_len)  # (a wrong value is refused here as by the causal LM)
         check_sharded_lengths(self, seq_len, self._CALLED_CHILDREN, embeddings.device)  # (FSDP2: blocks apart)
 
         state = cache.get_state() if cache is not None else None

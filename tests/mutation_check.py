@@ -924,6 +924,13 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "TRL's DistillationTrainer (the base model refuses the causal LM's `logits_to_keep` it is given)",
+        "modeling_gpn/modeling_gpn.py",
+        "        logits_to_keep: int | torch.Tensor = 0,\n        **kwargs,\n    ) -> GPNModelOutput | tuple:\n",
+        "        **kwargs,\n    ) -> GPNModelOutput | tuple:\n        logits_to_keep = 0  # MUTATION\n",
+        ("tests/ecosystem/test_trl.py -k distillation",),
+    ),
+    Mutation(
         "packed SFT (the state not reset where a packed sequence starts)",
         "modeling_gpn/modeling_gpn.py",
         "        sequence_starts = (\n            packed_sequence_starts(\n",

@@ -478,6 +478,44 @@ def test_grpo_log_probs_of_padded_rows_equal_each_sequence_alone(gpn_folder, tmp
     assert len(compared) >= 16 and any(compared)  # policy and reference rows, some with padded prompts
 
 
+def test_distillation_trainer_distils_a_gpn_teacher_into_a_gpn(gpn_folder, tokenizer, tmp_path):
+    """DistillationTrainer (student and teacher both GPNs, on-policy completions from the student's `generate()`):
+    TRL gives the base model the causal LM's `logits_to_keep` (it was refused by name, so the trainer failed at its
+    first step), and keeps the positions itself: the base model's output is the same with it as without."""
+    from datasets import Dataset
+    from trl import DistillationConfig, DistillationTrainer
+
+    base_calls = []
+
+    def same_without_logits_to_keep(module, args, kwargs, output):
+        if "logits_to_keep" in kwargs:
+            rest = {k: v for k, v in kwargs.items() if k != "logits_to_keep"}
+            with torch.no_grad():
+                plain = type(module).forward(module, *args, **rest).last_hidden_state
+            torch.testing.assert_close(output.last_hidden_state, plain, rtol=1e-5, atol=1e-6)
+            base_calls.append(kwargs["logits_to_keep"])
+
+    completions = Dataset.from_dict(
+        {"prompt": ["the cat", "a dog", "once upon", "the end"], "completion": [" sat.", " sat.", " a time.", "."]}
+    )
+    args = DistillationConfig(
+        **common_arguments(tmp_path, max_steps=1), per_device_train_batch_size=4, max_completion_length=4
+    )
+    teacher = gpn(tokenizer, seed=17)
+    trainer = DistillationTrainer(
+        model=gpn_folder, teacher_model=teacher, args=args, train_dataset=completions, processing_class=tokenizer
+    )
+    handles = [
+        m.model.register_forward_hook(same_without_logits_to_keep, with_kwargs=True) for m in (trainer.model, teacher)
+    ]
+    trainer.train()
+    for handle in handles:
+        handle.remove()
+    assert len(base_calls) >= 2 and all(isinstance(kept, int) and kept > 1 for kept in base_calls)
+    loss = logged(trainer)
+    assert len(loss) == 1 and math.isfinite(loss[0]) and loss[0] > 0  # (a teacher other than the student)
+
+
 # --------------------------------------------------------------------------------------------------
 # Reward models and sequence classification
 # --------------------------------------------------------------------------------------------------
