@@ -408,16 +408,25 @@ def lm_eval_options() -> set[str]:
     return {option for action in subparsers.choices["run"]._actions for option in action.option_strings}
 
 
+def trl_sft_options() -> set[str]:
+    """The options of TRL's `trl sft` command (its parser's dataclasses): docs/fine-tuning.md names them."""
+    from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
+
+    parser = TrlParser((ScriptArguments, SFTConfig, ModelConfig))
+    return {option for action in parser._actions for option in action.option_strings}
+
+
 def test_accelerate_launch_options_the_docs_name_exist():
     """Every `accelerate launch` of a code block parses with Accelerate's own launcher parser, and every
-    Accelerate-style option (`--fsdp_auto_wrap_policy`, `--multi_gpu`) the pages name is one it has: the
+    Accelerate-style option (`--fsdp_auto_wrap_policy`, `--multi_gpu`) the pages name is one it has (or lm-eval's or
+    `trl sft`'s, whose commands the pages name too): the
     FSDP notes of docs/training.md and docs/fine-tuning.md name a dozen of them, which `gpn train`'s parser
     (`test_documented_gpn_commands_parse`) never sees."""
     from accelerate.commands.launch import launch_command_parser
 
     parser = launch_command_parser()
     known = {option for action in parser._actions for option in action.option_strings}
-    lm_eval_known = lm_eval_options()
+    other_known = lm_eval_options() | trl_sft_options()
     launches = []
     for block in SHELL:
         for command in shell_commands(block.code):
@@ -437,7 +446,7 @@ def test_accelerate_launch_options_the_docs_name_exist():
         f"{page.name}: {option}"
         for page in DOC_FILES
         for option in re.findall(r"(?<![\w-])(--[a-z0-9]+_[a-z0-9_]+|--multi_gpu|--use_fsdp|--cpu)\b", page.read_text())
-        if option not in known and option not in lm_eval_known
+        if option not in known and option not in other_known
     }
     assert len(launches) >= 5 and named == set()
 
