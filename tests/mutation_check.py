@@ -4638,6 +4638,13 @@ MUTATIONS = [
         "        pass  # MUTATION\n",
         ("tests/fast_path/test_triton_kernels.py::test_the_no_grad_graphs_kept_are_bounded",),
     ),
+    Mutation(
+        "a Hub dataset's row without text is named (skipped in silence)",
+        "modeling_gpn/data/corpus.py",
+        '        text = row_text(row, read, f"Hub dataset {spec.source!r}", spec.text_field)\n',
+        '        text = row.get(spec.text_field) or ""  # MUTATION\n',
+        ("tests/tools/test_faults_io.py::test_a_hub_dataset_is_cached_per_commit_and_read_at_that_commit",),
+    ),
 ]
 
 

@@ -241,6 +241,19 @@ def hidden_match(match: Path, pattern: Path) -> bool:
     )
 
 
+def row_text(row: dict, number: int, source: str, text_field: str) -> str:
+    """The text of row `number` (from 1) of `source`, or a `DataError` naming the row: a row without the column
+    reads as null when the source's other rows have it (a jsonl line), and a null or a number is no document."""
+    if text_field not in row:
+        raise DataError(f"{source} has no column {text_field!r} (columns: {', '.join(row)}); pass --text-field")
+    text = row[text_field]
+    if text is None:
+        raise DataError(f"{source}: row {number} has no {text_field!r} (null, or missing from the row)")
+    if not isinstance(text, str):
+        raise DataError(f"{source}: row {number}'s {text_field!r} holds {type(text).__name__}, not text")
+    return text
+
+
 def _local_documents(path: Path, text_field: str) -> Iterator[str]:
     """Documents of one local file, read through `datasets` (a txt file is a single document)."""
     import datasets
@@ -251,14 +264,7 @@ def _local_documents(path: Path, text_field: str) -> Iterator[str]:
     try:
         dataset = datasets.load_dataset(builder, data_files=[str(path)], split="train", streaming=True, **kwargs)
         for number, row in enumerate(dataset, start=1):
-            if text_field not in row:
-                raise DataError(f"{path} has no column {text_field!r} (columns: {', '.join(row)}); pass --text-field")
-            text = row[text_field]
-            # (named by its row: a jsonl line without the field reads as null, the file's other rows having it)
-            if text is None:
-                raise DataError(f"{path}: row {number} has no {text_field!r} (null, or missing from the row)")
-            if not isinstance(text, str):
-                raise DataError(f"{path}: row {number}'s {text_field!r} holds {type(text).__name__}, not text")
+            text = row_text(row, number, str(path), text_field)
             if text.strip():
                 count += 1
                 yield text
@@ -393,10 +399,9 @@ def _hub_documents(spec: CorpusSpec) -> Iterator[str]:
                 "Nothing was cached: run again to read it from the start"
             ) from error
         read += 1
-        if spec.text_field not in row:
-            raise DataError(f"Dataset {spec.source} has no column {spec.text_field!r} (columns: {', '.join(row)})")
-        text = row[spec.text_field]
-        if isinstance(text, str) and text.strip():
+        # (a row without text is named, as a local file's is: it was skipped in silence)
+        text = row_text(row, read, f"Hub dataset {spec.source!r}", spec.text_field)
+        if text.strip():
             yield text
 
 

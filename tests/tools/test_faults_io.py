@@ -965,6 +965,14 @@ def test_a_hub_dataset_is_cached_per_commit_and_read_at_that_commit(bpe_tokenize
         stream("v3")
     assert not list((tmp_path / "cache" / "tokens").glob(".*tmp*"))
 
+    # a row without text is named by its number, as a local file's is (it was skipped in silence)
+    def null_row(*args, **kwargs):
+        yield from ({"text": "the first row " * 20}, {"text": None})
+
+    monkeypatch.setattr(datasets, "load_dataset", null_row)
+    with pytest.raises(data.DataError, match=r"^Hub dataset 'someone/corpus': row 2 has no 'text' \(null"):
+        stream("v3")
+
     # gpn train --dataset-revision is the revision its corpus asks for
     from modeling_gpn import train as train_module
     from modeling_gpn.train import training
