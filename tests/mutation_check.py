@@ -740,6 +740,24 @@ MUTATIONS = [
         ("tests/ecosystem/test_ecosystem.py -k peft_lora_trains_saves_reloads_and_merges",),
     ),
     Mutation(
+        "fast path (a module of another class than the one it folds, a subclass or torch.ao's quantized Linear, "
+        "keeps the plain loop)",
+        "modeling_gpn/modeling_gpn.py",
+        "    if type(module) not in allowed:\n",
+        "    if False:  # MUTATION\n",
+        (
+            "tests/ecosystem/test_ecosystem.py -k classic_dynamic_quantization or "
+            "forward_hooks_run_and_count_on_every_projection_path",
+        ),
+    ),
+    Mutation(
+        "output layer (an embedding without a weight tensor, torch.ao's quantized one, refused in one line)",
+        "modeling_gpn/modeling_gpn.py",
+        "        if not isinstance(weight, torch.Tensor):\n            # torch.ao's eager quantized embedding",
+        "        if False:  # MUTATION\n            # torch.ao's eager quantized embedding",
+        ("tests/ecosystem/test_ecosystem.py -k classic_dynamic_quantization",),
+    ),
+    Mutation(
         "output layer (PEFT's mixed batch: the loss reads the active adapter's table for every row)",
         "modeling_gpn/modeling_gpn.py",
         "            if mixed_batch_adapter_names(self.model.embed_tokens) is not None:\n                return None",

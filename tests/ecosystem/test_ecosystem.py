@@ -601,6 +601,25 @@ def test_forward_hooks_run_and_count_on_every_projection_path():
     assert model.model.last_recurrence_path == "plain" and (replaced - reference).abs().max() > 1e-3
 
 
+def test_classic_dynamic_quantization_runs_the_plain_path_and_its_quantized_embedding_is_refused():
+    """`torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)` swaps every Linear for its own
+    class (packed int8 weights behind a `weight()` method): the fast path names it and the plain loop calls the modules,
+    within the quantization's error of the float model (not its float weights), and generate() runs. Quantizing the
+    embedding that way leaves no table for the tied output: one clear error (it failed reading `.dtype` of a method)."""
+    model = perturbed_model(tiny_config(), seed=3)
+    ids = torch.randint(1, 97, (2, 6), generator=torch.Generator().manual_seed(4))
+    reference = logits_of(model, ids)
+    quantized = torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)  # (a copy)
+    assert "torch.ao.nn.quantized.dynamic" in quantized.model.fast_path_blocker()
+    error = (logits_of(quantized, ids) - reference).abs().max()
+    assert quantized.model.last_recurrence_path == "plain" and 1e-4 < error < 0.1, error
+    assert quantized.generate(ids[:1], max_new_tokens=2, do_sample=False).shape == (1, 8)
+    qconfig = {nn.Embedding: torch.ao.quantization.float_qparams_weight_only_qconfig}
+    embedding_quantized = torch.ao.quantization.quantize_dynamic(model, qconfig, dtype=torch.quint8)
+    with pytest.raises(TypeError, match=r"^model\.embed_tokens is a torch\.ao\.nn\.quantized\.[\w.]*Embedding without"):
+        logits_of(embedding_quantized, ids)
+
+
 # --------------------------------------------------------------------------------------------------
 # 3. Gradient checkpointing
 # --------------------------------------------------------------------------------------------------
