@@ -3413,15 +3413,18 @@ MUTATIONS = [
     Mutation(
         "a jsonl row without its text field (null) is refused naming no row",
         "modeling_gpn/data/corpus.py",
-        "            if text is None:\n",
-        "            if False:  # MUTATION\n",
-        ("tests/tools/test_train.py -k bad_data_fails_clearly",),
+        "    if text is None:\n",
+        "    if False:  # MUTATION\n",
+        (
+            "tests/tools/test_train.py -k bad_data_fails_clearly",
+            "tests/tools/test_faults_io.py::test_a_hub_dataset_is_cached_per_commit_and_read_at_that_commit",
+        ),
     ),
     Mutation(
         "a row whose text is not a string is refused naming no row",
         "modeling_gpn/data/corpus.py",
-        "raise DataError(f\"{path}: row {number}'s {text_field!r} holds",
-        'raise DataError(f"{path}: column {text_field!r} holds',
+        "raise DataError(f\"{source}: row {number}'s {text_field!r} holds",
+        'raise DataError(f"{source}: column {text_field!r} holds',
         ("tests/tools/test_train.py -k bad_data_fails_clearly",),
     ),
     Mutation(
