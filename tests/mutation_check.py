@@ -752,9 +752,9 @@ MUTATIONS = [
     ),
     Mutation(
         "output layer (an embedding without a weight tensor, torch.ao's quantized one, refused in one line)",
-        "modeling_gpn/modeling_gpn.py",
-        "        if not isinstance(weight, torch.Tensor):\n            # torch.ao's eager quantized embedding",
-        "        if False:  # MUTATION\n            # torch.ao's eager quantized embedding",
+        "modeling_gpn/arguments.py",
+        "    if not isinstance(weight, torch.Tensor):\n",
+        "    if False:  # MUTATION\n",
         ("tests/ecosystem/test_ecosystem.py -k classic_dynamic_quantization",),
     ),
     Mutation(
