@@ -2619,8 +2619,8 @@ MUTATIONS = [
     Mutation(
         "a link to a heading the page does not have",
         "docs/fine-tuning.md",
-        "(transformers.md#gradient-checkpointing)",
-        "(transformers.md#checkpointing-time)",
+        "see [transformers.md](transformers.md#gradient-checkpointing)",
+        "see [transformers.md](transformers.md#checkpointing-time)",
         ("tests/tools/test_docs.py -k links_and_named_files",),
     ),
     Mutation(
