@@ -247,3 +247,19 @@ def refuse_state_not_float32(block: torch.nn.Module, **state: torch.Tensor | Non
                 "its param_dtype; shard it with MixedPrecisionPolicy(cast_forward_inputs=False) (what `gpn train` sets), "
                 "or shard the model as one unit"
             )
+
+
+def output_table_dtype(embedding: torch.nn.Module) -> torch.dtype:
+    """The dtype of `embedding`'s weight, which is a GPN's output matrix too. An embedding without a weight tensor is
+    refused in one line naming the fix: torch.ao's eager quantized embedding (quantize_dynamic with an nn.Embedding
+    qconfig) holds packed rows behind a `weight()` method, no table the output could follow (unchecked, the decode
+    fails reading `.dtype` of a method, naming neither the embedding nor the fix)."""
+    weight = getattr(embedding, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        kind = type(embedding)
+        raise TypeError(
+            f"model.embed_tokens is a {kind.__module__}.{kind.__qualname__} without a weight tensor, and a "
+            "GPN's output matrix is its embedding table: leave the embedding float (quantize_dynamic(model, "
+            "{nn.Linear})), or quantize it with torchao's quantize_ and call model.tie_weights()"
+        )
+    return weight.dtype

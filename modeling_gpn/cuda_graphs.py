@@ -1,6 +1,7 @@
 """No-grad windows of the fast path as CUDA graphs: the one-token decode step, and chunks of
 `WINDOW_CHUNK` steps for longer windows (prefill, scoring), each captured once per batch size and the step
-matrices' dtypes and replayed (opt-in: `GPN_CUDA_GRAPHS=1`, or `model.model.use_cuda_graphs = True`).
+matrices' dtypes and replayed (opt-in: `GPN_CUDA_GRAPHS=1`, or `model.model.use_cuda_graphs = True`); the
+`MAX_INFERENCE_GRAPHS` last used are kept.
 
 Why: a decode step is a dozen small kernels (`triton_kernels.step`); launched one by one from Python each
 costs several microseconds of CPU time, more than the GPU needs for it at batch 1. A captured graph
@@ -18,7 +19,8 @@ buffers too: the dispatcher hands in the folded weights of the current forward o
 (`derived_weights.py`) and `graph_of` copies them in once per call, so a graph never replays weights the
 parameters no longer hold, whatever route changed them (no new capture needed).
 
-Training windows (with autograd, unmasked, without truncated BPTT) run their forward and backward sweeps
+Training windows (with autograd, unmasked, without truncated BPTT, outside saved-tensor hooks: the sweeps'
+static buffers keep what the hooks would not see) run their forward and backward sweeps
 on `TrainingSweep`'s static buffers, one graph replay per chunk of `TRAINING_CHUNK` steps of each BPTT
 segment (see the class). GPN_CUDA_GRAPHS=inference keeps them off while the no-grad windows use graphs.
 

@@ -60,6 +60,7 @@ from .arguments import (
     check_labels,
     check_not_empty,
     check_unused_kwargs,
+    output_table_dtype,
     pop_cache_alias,
     positions_to_keep,
     refuse_attention_outputs,
@@ -655,17 +656,7 @@ class GPNModel(GPNPreTrainedModel):
         """Step 4 up to the output matrix: W_dec rms(p) (+ b_dec), in the output matrix's dtype (the embedding's)."""
         # (a few rows, as in decoding, on the fast path's kernels: `fast_recurrence.fast_project`)
         decoded = fast_project(self.decode_proj, self.decode_norm(predicted_states), self.few_row_kernels())
-        weight = getattr(self.embed_tokens, "weight", None)
-        if not isinstance(weight, torch.Tensor):
-            # torch.ao's eager quantized embedding (quantize_dynamic with an nn.Embedding qconfig) holds packed rows
-            # behind a `weight()` method: no table the output could follow (it failed reading `.dtype` of a method)
-            embedding = type(self.embed_tokens)
-            raise TypeError(
-                f"model.embed_tokens is a {embedding.__module__}.{embedding.__qualname__} without a weight tensor, and a "
-                "GPN's output matrix is its embedding table: leave the embedding float (quantize_dynamic(model, "
-                "{nn.Linear})), or quantize it with torchao's quantize_ and call model.tie_weights()"
-            )
-        dtype = weight.dtype
+        dtype = output_table_dtype(self.embed_tokens)
         return decoded.to(dtype) if dtype.is_floating_point else decoded
 
     def step(

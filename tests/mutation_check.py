@@ -752,9 +752,9 @@ MUTATIONS = [
     ),
     Mutation(
         "output layer (an embedding without a weight tensor, torch.ao's quantized one, refused in one line)",
-        "modeling_gpn/modeling_gpn.py",
-        "        if not isinstance(weight, torch.Tensor):\n            # torch.ao's eager quantized embedding",
-        "        if False:  # MUTATION\n            # torch.ao's eager quantized embedding",
+        "modeling_gpn/arguments.py",
+        "    if not isinstance(weight, torch.Tensor):\n",
+        "    if False:  # MUTATION\n",
         ("tests/ecosystem/test_ecosystem.py -k classic_dynamic_quantization",),
     ),
     Mutation(
@@ -2619,8 +2619,8 @@ MUTATIONS = [
     Mutation(
         "a link to a heading the page does not have",
         "docs/fine-tuning.md",
-        "(transformers.md#gradient-checkpointing)",
-        "(transformers.md#checkpointing-time)",
+        "see [transformers.md](transformers.md#gradient-checkpointing)",
+        "see [transformers.md](transformers.md#checkpointing-time)",
         ("tests/tools/test_docs.py -k links_and_named_files",),
     ),
     Mutation(

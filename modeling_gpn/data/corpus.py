@@ -353,7 +353,7 @@ def resolve_hub_commit(name: str, revision: str | None) -> str | None:
     from huggingface_hub import HfApi, hf_hub_download
 
     # Offline as `datasets` is (HF_DATASETS_OFFLINE=1 as well as HF_HUB_OFFLINE=1): the cache alone is asked, as
-    # `datasets` then asks it; the Hub was asked, retried for about half a minute before the load's own error.
+    # `datasets` then asks it; the Hub would be retried for about half a minute before the load's own error.
     offline = datasets_config.HF_HUB_OFFLINE
     try:
         return Path(
@@ -399,7 +399,7 @@ def _hub_documents(spec: CorpusSpec) -> Iterator[str]:
                 "Nothing was cached: run again to read it from the start"
             ) from error
         read += 1
-        # (a row without text is named, as a local file's is: it was skipped in silence)
+        # (a row without text is an error naming it, as a local file's is: skipped, a document would be lost in silence)
         text = row_text(row, read, f"Hub dataset {spec.source!r}", spec.text_field)
         if text.strip():
             yield text

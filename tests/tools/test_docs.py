@@ -419,9 +419,8 @@ def trl_sft_options() -> set[str]:
 def test_accelerate_launch_options_the_docs_name_exist():
     """Every `accelerate launch` of a code block parses with Accelerate's own launcher parser, and every
     Accelerate-style option (`--fsdp_auto_wrap_policy`, `--multi_gpu`) the pages name is one it has (or lm-eval's or
-    `trl sft`'s, whose commands the pages name too): the
-    FSDP notes of docs/training.md and docs/fine-tuning.md name a dozen of them, which `gpn train`'s parser
-    (`test_documented_gpn_commands_parse`) never sees."""
+    `trl sft`'s, whose commands the pages name too): the FSDP notes of docs/training.md and docs/fine-tuning.md name
+    a dozen of them, which `gpn train`'s parser (`test_documented_gpn_commands_parse`) never sees."""
     from accelerate.commands.launch import launch_command_parser
 
     parser = launch_command_parser()
