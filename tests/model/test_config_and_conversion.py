@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import pickle
 import shutil
 import subprocess
 import sys
+import types
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -169,19 +172,40 @@ def fixture_params(name: str = "sot_m_1l") -> dict[str, np.ndarray]:
         return {key: data[key] for key in data.files}
 
 
+# optax's states for clip_by_global_norm + adamw with a weight-decay mask, named where optax (0.2) defines them
+# (pickle writes an instance as its class's module and name)
+ScaleByAdamState = collections.namedtuple("ScaleByAdamState", "count mu nu", module="optax._src.transform")
+ScaleByScheduleState = collections.namedtuple("ScaleByScheduleState", "count", module="optax._src.transform")
+EmptyState = collections.namedtuple("EmptyState", "", module="optax._src.base")
+MaskedState = collections.namedtuple("MaskedState", "inner_state", module="optax.transforms._masking")
+OPTAX_STATES = (ScaleByAdamState, ScaleByScheduleState, EmptyState, MaskedState)
+
+
 def write_checkpoint(path, params, **extra) -> None:
-    checkpoint = {
-        "params": params,
-        "step": 1000,
-        "data_position": 123456,
-        "opt_state": {"mu": {k: np.zeros_like(v) for k, v in params.items()}, "count": np.int32(1000)},
-    }
+    """The reference trainer's checkpoint.pkl: its opt_state is optax's state for clip_by_global_norm + adamw with a
+    weight-decay mask, pickled as it is (optax's NamedTuples), written here without optax installed."""
+    moments = {k: np.zeros_like(v) for k, v in params.items()}
+    opt_state = (
+        EmptyState(),
+        (
+            ScaleByAdamState(np.int32(1000), moments, dict(moments)),
+            MaskedState(EmptyState()),
+            ScaleByScheduleState(1000),
+        ),
+    )
+    checkpoint = {"params": params, "step": 1000, "data_position": 123456, "opt_state": opt_state}
     checkpoint.update(extra)
-    with open(path, "wb") as handle:
+    packages = {".".join(kind.__module__.split(".")[:n]) for kind in OPTAX_STATES for n in (1, 2, 3)}
+    optax = {name: types.ModuleType(name) for name in packages}  # (pickle imports each class's module to find it)
+    for kind in OPTAX_STATES:
+        setattr(optax[kind.__module__], kind.__name__, kind)
+    with mock.patch.dict(sys.modules, optax), open(path, "wb") as handle:
         pickle.dump(checkpoint, handle)
 
 
 def test_convert_from_a_trainer_pickle_equals_the_npz_folder(tmp_path):
+    """The trainer pickles its optax state beside the parameters: every such checkpoint was refused, as holding
+    optax._src.base.EmptyState (the unpickler stands a plain tuple in for any optax class)."""
     folder = require_shared("fixtures/reference/sot_m_1l")
     write_checkpoint(tmp_path / "checkpoint.pkl", fixture_params())
     from_pickle = load_reference_model(tmp_path / "checkpoint.pkl")
