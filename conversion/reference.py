@@ -671,6 +671,16 @@ def _infer_config(params: dict[str, Any], reference_config: dict[str, Any] | Non
             "n_layers": "num_predict_layers",
             "use_decoder_bias": "use_decoder_bias",
         }
+        # SoTMConfig / SoTConfig have exactly these fields: another is an option this converter does not know (a
+        # variant of a later reference, a misspelt field), and ignoring it would convert another model in silence
+        unknown = sorted(set(reference_config) - set(names))
+        if unknown:
+            raise CheckpointError(
+                f"The checkpoint's config.json has fields the reference's SoTMConfig / SoTConfig does not: "
+                f"{', '.join(unknown)} (gpn convert knows {', '.join(names)}); a variant it does not implement "
+                "is not converted"
+                + (" (is it the training config? its 'model' entry is the model's)" if "model" in unknown else "")
+            )
         disagreements = [
             f"{ref_name}={reference_config[ref_name]} but the parameters say {ours}={kwargs[ours]}"
             for ref_name, ours in names.items()

@@ -4648,6 +4648,13 @@ MUTATIONS = [
             "tests/model/test_config_and_conversion.py -k converts_the_checkpoints_dtype",
         ),
     ),
+    Mutation(
+        "gpn convert drops a config.json field the reference config does not have in silence",
+        "conversion/reference.py",
+        "        if unknown:\n",
+        "        if False:  # MUTATION\n",
+        ("tests/model/test_config_and_conversion.py::test_config_disagreeing_with_shapes_is_refused",),
+    ),
 ]
 
 

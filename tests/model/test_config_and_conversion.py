@@ -307,6 +307,13 @@ def test_config_disagreeing_with_shapes_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="d_state=64"):
         load_reference_model(tmp_path)
+    # a field SoTMConfig lacks (an option of a variant the converter does not implement) was dropped in silence
+    config["d_state"] = 48
+    (tmp_path / "config.json").write_text(json.dumps({**config, "use_memory_gate": True}))
+    with pytest.raises(
+        CheckpointError, match="fields the reference's SoTMConfig / SoTConfig does not: use_memory_gate"
+    ):
+        load_reference_model(tmp_path)
 
 
 def test_a_misshaped_or_stray_parameter_beside_a_config_json_is_named(tmp_path):
