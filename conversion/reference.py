@@ -529,7 +529,10 @@ def open_source(src: str | Path) -> ReferenceSource:
     checkpoint = load_pickle_checkpoint(src)
     params = flatten_params(checkpoint["params"])
     _refuse_shared_arrays(src, params)
-    config = checkpoint.get("config") if isinstance(checkpoint.get("config"), dict) else None
+    # the trainer pickles no config; one beside it is read as beside a params.npz (ignored, its fields went unchecked)
+    config = checkpoint.get("config")
+    if not isinstance(config, dict):
+        config = _read_config_json(src.parent / "config.json")
     claims = {
         name: ArrayClaim(array.shape, _plain_dtype(array.dtype, f"parameter {name!r}"), lambda array=array: array)
         for name, array in params.items()

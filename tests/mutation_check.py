@@ -4655,6 +4655,13 @@ MUTATIONS = [
         "        if False:  # MUTATION\n",
         ("tests/model/test_config_and_conversion.py::test_config_disagreeing_with_shapes_is_refused",),
     ),
+    Mutation(
+        "gpn convert leaves a config.json beside a checkpoint.pkl unread",
+        "conversion/reference.py",
+        '        config = _read_config_json(src.parent / "config.json")\n',
+        "        config = None  # MUTATION\n",
+        ("tests/model/test_config_and_conversion.py::test_config_disagreeing_with_shapes_is_refused",),
+    ),
 ]
 
 

@@ -314,6 +314,10 @@ def test_config_disagreeing_with_shapes_is_refused(tmp_path):
         CheckpointError, match="fields the reference's SoTMConfig / SoTConfig does not: use_memory_gate"
     ):
         load_reference_model(tmp_path)
+    # and beside a checkpoint.pkl, where a config.json went unread
+    write_checkpoint(tmp_path / "checkpoint.pkl", fixture_params())
+    with pytest.raises(CheckpointError, match="does not: use_memory_gate"):
+        load_reference_model(tmp_path / "checkpoint.pkl")
 
 
 def test_a_misshaped_or_stray_parameter_beside_a_config_json_is_named(tmp_path):
