@@ -158,6 +158,22 @@ def test_presets_load_and_have_the_paper_sizes():
     assert not no_memory.use_memory and no_memory.hidden_size == 3184
     for config in (two_layer, no_memory):
         assert abs(count_parameters(config) - 130e6) / 130e6 < 0.005
+    # a reference checkpoint of each one's shapes (claims only, nothing allocated) converts to the preset's config
+    from modeling_gpn.conversion.reference import infer_config, parameter_map
+
+    for name in ("gpn-m-1l-130m", "gpn-m-2l-130m", "gpn-130m"):
+        preset = load_preset(name)
+        with torch.device("meta"):
+            state = GPNForCausalLM(preset).state_dict()
+        claims = {
+            ref: types.SimpleNamespace(shape=tuple(state[ours].shape)[:: -1 if transpose else 1])
+            for ref, (ours, transpose) in parameter_map(preset).items()
+        }
+        inferred = infer_config(claims)
+        sizes = ("vocab_size", "hidden_size", "embedding_size", "intermediate_size", "num_predict_layers", "use_memory")
+        sizes += ("num_memory_heads", "memory_key_dim", "memory_value_dim") if preset.use_memory else ()
+        assert {k: getattr(inferred, k) for k in sizes} == {k: getattr(preset, k) for k in sizes}, name
+        assert count_parameters(inferred) == count_parameters(preset)
     # plain transformers loaders read the same files
     assert GPNConfig.from_json_file(str(preset_path("tiny"))).hidden_size == load_preset("tiny").hidden_size
     assert GPNConfig.from_pretrained(str(preset_path("gpn-m-1l-130m"))).hidden_size == 2496
