@@ -11,7 +11,8 @@ from .reference import CheckpointError, ConversionNotice, convert
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "src", help="the reference trainer's checkpoint.pkl, or a folder with params.npz (+ config.json)"
+        "src",
+        help="the reference trainer's checkpoint.pkl (or its folder), or a folder with params.npz (+ config.json)",
     )
     parser.add_argument(
         "out",

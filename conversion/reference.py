@@ -5,7 +5,8 @@ Two sources are understood:
 - the reference trainer's `checkpoint.pkl`: a pickled dict whose `params` is the flat Flax parameter
   dict of numpy arrays (beside `step`, `data_position` and `opt_state`). The pickle is untrusted
   input and is read with `RestrictedUnpickler`, which builds only dicts, lists, tuples, numbers,
-  strings and numpy arrays and refuses everything else;
+  strings and numpy arrays (optax's state classes in `opt_state` become plain tuples) and refuses
+  everything else;
 - a folder with `params.npz` (+ optional `config.json`), laid out like `fixtures/reference/*`.
 
 The reference stores matrices as (in, out) for `x @ W`; `nn.Linear` weights are the transpose.
@@ -163,6 +164,17 @@ class RestrictedUnpickler(pickle._Unpickler):
         self.budget = budget
         self.claimed = 0
         self._globals = self._checked_globals()
+        claim = self.claim
+
+        class OptimizerState:
+            """Stands for any optax class in the pickle (optax is never imported, and `opt_state` is not converted):
+            what it is built from, kept as a plain tuple."""
+
+            def __new__(cls, *fields):  # (NEWOBJ calls cls.__new__(cls, *fields); REDUCE, cls(*fields))
+                claim(64 * len(fields) + 64, "an optimizer state")
+                return fields
+
+        self._optimizer_state = OptimizerState
 
     # ---- budget ----------------------------------------------------------------------------------
 
@@ -183,10 +195,14 @@ class RestrictedUnpickler(pickle._Unpickler):
         if module in ("numpy", "numpy.dtypes") and name.endswith("DType") and hasattr(np.dtypes, name):
             dtype_class = getattr(np.dtypes, name)
             return lambda *args: _plain_dtype(dtype_class(*args), f"numpy.dtypes.{name}")
+        if module == "optax" or module.startswith("optax."):
+            # the trainer pickles its optax state as it is (Adam's moments and step counts in optax's NamedTuples:
+            # ScaleByAdamState, EmptyState, MaskedState, ...): refused, no trainer checkpoint converted at all
+            return self._optimizer_state
         raise CheckpointError(
             f"Refusing to load the checkpoint: its pickle contains the object {module}.{name}, which a reference "
-            "checkpoint never holds (only dicts, lists, tuples, numbers, strings and numpy arrays are accepted). "
-            "The file may be corrupt or malicious."
+            "checkpoint never holds (only dicts, lists, tuples, numbers, strings, numpy arrays and optax's optimizer "
+            "states are accepted). The file may be corrupt or malicious."
         )
 
     def _checked_globals(self) -> dict[tuple[str, str], Any]:
@@ -513,7 +529,10 @@ def open_source(src: str | Path) -> ReferenceSource:
     checkpoint = load_pickle_checkpoint(src)
     params = flatten_params(checkpoint["params"])
     _refuse_shared_arrays(src, params)
-    config = checkpoint.get("config") if isinstance(checkpoint.get("config"), dict) else None
+    # the trainer pickles no config; one beside it is read as beside a params.npz (ignored, its fields went unchecked)
+    config = checkpoint.get("config")
+    if not isinstance(config, dict):
+        config = _read_config_json(src.parent / "config.json")
     claims = {
         name: ArrayClaim(array.shape, _plain_dtype(array.dtype, f"parameter {name!r}"), lambda array=array: array)
         for name, array in params.items()
@@ -655,6 +674,16 @@ def _infer_config(params: dict[str, Any], reference_config: dict[str, Any] | Non
             "n_layers": "num_predict_layers",
             "use_decoder_bias": "use_decoder_bias",
         }
+        # SoTMConfig / SoTConfig have exactly these fields: another is an option this converter does not know (a
+        # variant of a later reference, a misspelt field), and ignoring it would convert another model in silence
+        unknown = sorted(set(reference_config) - set(names))
+        if unknown:
+            raise CheckpointError(
+                f"The checkpoint's config.json has fields the reference's SoTMConfig / SoTConfig does not: "
+                f"{', '.join(unknown)} (gpn convert knows {', '.join(names)}); a variant it does not implement "
+                "is not converted"
+                + (" (is it the training config? its 'model' entry is the model's)" if "model" in unknown else "")
+            )
         disagreements = [
             f"{ref_name}={reference_config[ref_name]} but the parameters say {ours}={kwargs[ours]}"
             for ref_name, ours in names.items()

@@ -4666,6 +4666,30 @@ MUTATIONS = [
         '        text = row.get(spec.text_field) or ""  # MUTATION\n',
         ("tests/tools/test_faults_io.py::test_a_hub_dataset_is_cached_per_commit_and_read_at_that_commit",),
     ),
+    Mutation(
+        "gpn convert refuses the reference trainer's checkpoint.pkl for its optax state",
+        "conversion/reference.py",
+        '        if module == "optax" or module.startswith("optax."):\n',
+        "        if False:  # MUTATION\n",
+        (
+            "tests/model/test_config_and_conversion.py::test_convert_from_a_trainer_pickle_equals_the_npz_folder",
+            "tests/model/test_config_and_conversion.py -k converts_the_checkpoints_dtype",
+        ),
+    ),
+    Mutation(
+        "gpn convert drops a config.json field the reference config does not have in silence",
+        "conversion/reference.py",
+        "        if unknown:\n",
+        "        if False:  # MUTATION\n",
+        ("tests/model/test_config_and_conversion.py::test_config_disagreeing_with_shapes_is_refused",),
+    ),
+    Mutation(
+        "gpn convert leaves a config.json beside a checkpoint.pkl unread",
+        "conversion/reference.py",
+        '        config = _read_config_json(src.parent / "config.json")\n',
+        "        config = None  # MUTATION\n",
+        ("tests/model/test_config_and_conversion.py::test_config_disagreeing_with_shapes_is_refused",),
+    ),
 ]
 
 

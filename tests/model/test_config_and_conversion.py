@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import pickle
 import shutil
 import subprocess
 import sys
+import types
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -155,6 +158,22 @@ def test_presets_load_and_have_the_paper_sizes():
     assert not no_memory.use_memory and no_memory.hidden_size == 3184
     for config in (two_layer, no_memory):
         assert abs(count_parameters(config) - 130e6) / 130e6 < 0.005
+    # a reference checkpoint of each one's shapes (claims only, nothing allocated) converts to the preset's config
+    from modeling_gpn.conversion.reference import infer_config, parameter_map
+
+    for name in ("gpn-m-1l-130m", "gpn-m-2l-130m", "gpn-130m"):
+        preset = load_preset(name)
+        with torch.device("meta"):
+            state = GPNForCausalLM(preset).state_dict()
+        claims = {
+            ref: types.SimpleNamespace(shape=tuple(state[ours].shape)[:: -1 if transpose else 1])
+            for ref, (ours, transpose) in parameter_map(preset).items()
+        }
+        inferred = infer_config(claims)
+        sizes = ("vocab_size", "hidden_size", "embedding_size", "intermediate_size", "num_predict_layers", "use_memory")
+        sizes += ("num_memory_heads", "memory_key_dim", "memory_value_dim") if preset.use_memory else ()
+        assert {k: getattr(inferred, k) for k in sizes} == {k: getattr(preset, k) for k in sizes}, name
+        assert count_parameters(inferred) == count_parameters(preset)
     # plain transformers loaders read the same files
     assert GPNConfig.from_json_file(str(preset_path("tiny"))).hidden_size == load_preset("tiny").hidden_size
     assert GPNConfig.from_pretrained(str(preset_path("gpn-m-1l-130m"))).hidden_size == 2496
@@ -169,19 +188,40 @@ def fixture_params(name: str = "sot_m_1l") -> dict[str, np.ndarray]:
         return {key: data[key] for key in data.files}
 
 
+# optax's states for clip_by_global_norm + adamw with a weight-decay mask, named where optax (0.2) defines them
+# (pickle writes an instance as its class's module and name)
+ScaleByAdamState = collections.namedtuple("ScaleByAdamState", "count mu nu", module="optax._src.transform")
+ScaleByScheduleState = collections.namedtuple("ScaleByScheduleState", "count", module="optax._src.transform")
+EmptyState = collections.namedtuple("EmptyState", "", module="optax._src.base")
+MaskedState = collections.namedtuple("MaskedState", "inner_state", module="optax.transforms._masking")
+OPTAX_STATES = (ScaleByAdamState, ScaleByScheduleState, EmptyState, MaskedState)
+
+
 def write_checkpoint(path, params, **extra) -> None:
-    checkpoint = {
-        "params": params,
-        "step": 1000,
-        "data_position": 123456,
-        "opt_state": {"mu": {k: np.zeros_like(v) for k, v in params.items()}, "count": np.int32(1000)},
-    }
+    """The reference trainer's checkpoint.pkl: its opt_state is optax's state for clip_by_global_norm + adamw with a
+    weight-decay mask, pickled as it is (optax's NamedTuples), written here without optax installed."""
+    moments = {k: np.zeros_like(v) for k, v in params.items()}
+    opt_state = (
+        EmptyState(),
+        (
+            ScaleByAdamState(np.int32(1000), moments, dict(moments)),
+            MaskedState(EmptyState()),
+            ScaleByScheduleState(1000),
+        ),
+    )
+    checkpoint = {"params": params, "step": 1000, "data_position": 123456, "opt_state": opt_state}
     checkpoint.update(extra)
-    with open(path, "wb") as handle:
+    packages = {".".join(kind.__module__.split(".")[:n]) for kind in OPTAX_STATES for n in (1, 2, 3)}
+    optax = {name: types.ModuleType(name) for name in packages}  # (pickle imports each class's module to find it)
+    for kind in OPTAX_STATES:
+        setattr(optax[kind.__module__], kind.__name__, kind)
+    with mock.patch.dict(sys.modules, optax), open(path, "wb") as handle:
         pickle.dump(checkpoint, handle)
 
 
 def test_convert_from_a_trainer_pickle_equals_the_npz_folder(tmp_path):
+    """The trainer pickles its optax state beside the parameters: every such checkpoint was refused, as holding
+    optax._src.base.EmptyState (the unpickler stands a plain tuple in for any optax class)."""
     folder = require_shared("fixtures/reference/sot_m_1l")
     write_checkpoint(tmp_path / "checkpoint.pkl", fixture_params())
     from_pickle = load_reference_model(tmp_path / "checkpoint.pkl")
@@ -283,6 +323,17 @@ def test_config_disagreeing_with_shapes_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="d_state=64"):
         load_reference_model(tmp_path)
+    # a field SoTMConfig lacks (an option of a variant the converter does not implement) was dropped in silence
+    config["d_state"] = 48
+    (tmp_path / "config.json").write_text(json.dumps({**config, "use_memory_gate": True}))
+    with pytest.raises(
+        CheckpointError, match="fields the reference's SoTMConfig / SoTConfig does not: use_memory_gate"
+    ):
+        load_reference_model(tmp_path)
+    # and beside a checkpoint.pkl, where a config.json went unread
+    write_checkpoint(tmp_path / "checkpoint.pkl", fixture_params())
+    with pytest.raises(CheckpointError, match="does not: use_memory_gate"):
+        load_reference_model(tmp_path / "checkpoint.pkl")
 
 
 def test_a_misshaped_or_stray_parameter_beside_a_config_json_is_named(tmp_path):
