@@ -93,7 +93,8 @@ def load_model_tokenizer(path: str, tokenizer: str | None = None, **kwargs: Any)
         if source == path or tokenizer is not None:
             raise
         raise DataError(
-            f"the PEFT adapter {path} holds no tokenizer, and its base's cannot be loaded: {error}"
+            f"cannot load the tokenizer of {source}, the base model of the PEFT adapter {path} (which holds none): "
+            f"{error}"
         ) from None
 
 
