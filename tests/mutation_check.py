@@ -2392,15 +2392,15 @@ MUTATIONS = [
     Mutation(
         "gpn inspect loads a PEFT adapter folder's base without the adapter attached",
         "modeling_gpn/cli/loading.py",
-        "        model.load_adapter(str(Path(path).expanduser()))\n",
+        "        loading = model.load_adapter(folder)\n        refuse_incomplete_adapter(sorted(loading.missing_keys), path)\n",
         "        pass  # MUTATION\n",
         ("tests/tools/test_inspect.py::test_gpn_inspect_of_a_peft_adapter_folder",),
     ),
     Mutation(
         "gpn generate, eval and serve run a PEFT adapter folder's base without merging the adapter",
         "modeling_gpn/cli/loading.py",
-        "        model = PeftModel.from_pretrained(model, str(Path(path).expanduser())).merge_and_unload()\n",
-        "        pass  # MUTATION\n",
+        "    model = adapted.merge_and_unload()\n",
+        "    model = adapted.unload()  # MUTATION (the adapter's layers taken out, not merged)\n",
         ("tests/tools/test_generate_cli.py::test_generate_of_a_peft_adapter_folder_is_the_merged_models",),
     ),
     Mutation(
@@ -2418,7 +2418,18 @@ MUTATIONS = [
         "modeling_gpn/cli/loading.py",
         "            check_model_path(base)\n",
         "            pass  # MUTATION\n",
-        ("tests/tools/test_generate_cli.py::test_an_adapter_whose_base_cannot_be_found_is_one_line_naming_both",),
+        (
+            "tests/tools/test_generate_cli.py::test_an_adapter_whose_base_cannot_be_found_or_whose_weights_are_cut_is_one_line",
+        ),
+    ),
+    Mutation(
+        "a PEFT adapter whose weights file lacks some of its weights is merged (PEFT only warns: them as initialised)",
+        "modeling_gpn/cli/loading.py",
+        '    refuse_incomplete_adapter(sorted(expected.keys() - load_peft_weights(folder, device="cpu").keys()), path)\n',
+        "    pass  # MUTATION\n",
+        (
+            "tests/tools/test_generate_cli.py::test_an_adapter_whose_base_cannot_be_found_or_whose_weights_are_cut_is_one_line",
+        ),
     ),
     Mutation(
         "a PEFT adapter folder without a tokenizer is read for one (not its base's)",
@@ -2427,7 +2438,7 @@ MUTATIONS = [
         "        return path\n    return path  # MUTATION\n",
         (
             "tests/tools/test_generate_cli.py::test_generate_of_a_peft_adapter_folder_is_the_merged_models",
-            "tests/tools/test_generate_cli.py::test_an_adapter_whose_base_cannot_be_found_is_one_line_naming_both",
+            "tests/tools/test_generate_cli.py::test_an_adapter_whose_base_cannot_be_found_or_whose_weights_are_cut_is_one_line",
         ),
     ),
     Mutation(

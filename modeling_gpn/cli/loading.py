@@ -117,7 +117,8 @@ def load_causal_lm(path: str, *, merge_adapter: bool = True, **kwargs: Any):
     `merge_and_unload()`, as a user merges one in Python: the same weights, bit for bit) or, without
     `merge_adapter`, attached (transformers' `load_adapter`: the model's modules wrapped by PEFT's). A base that
     cannot be loaded (a Hub id offline, a folder removed since the check) is a `FileNotFoundError` naming it and
-    the adapter, in one line."""
+    the adapter, in one line; an adapter whose weights file lacks some of its weights, a `ValueError` naming them
+    (`refuse_incomplete_adapter`)."""
     base = adapter_base(path)
     if base is None:
         return causal_lm_from_pretrained(path, **kwargs)
@@ -128,18 +129,37 @@ def load_causal_lm(path: str, *, merge_adapter: bool = True, **kwargs: Any):
         raise BaseModelNotFoundError(
             f"cannot load {base}, the base model of the PEFT adapter {path}: {reason}"
         ) from None
+    folder = str(Path(path).expanduser())
     if not merge_adapter:
-        model.load_adapter(str(Path(path).expanduser()))
+        loading = model.load_adapter(folder)
+        refuse_incomplete_adapter(sorted(loading.missing_keys), path)
         return model
     from peft import PeftModel
+    from peft.utils import get_peft_model_state_dict, load_peft_weights
 
     try:
-        model = PeftModel.from_pretrained(model, str(Path(path).expanduser())).merge_and_unload()
+        adapted = PeftModel.from_pretrained(model, folder)
     except (OSError, ValueError, RuntimeError, KeyError) as error:  # (an adapter of another base: shapes differ)
         reason = " ".join(str(error).split())
         raise ValueError(f"cannot apply the PEFT adapter {path} to its base {base}: {reason}") from None
+    # (the weights PEFT saves for this adapter on this base, against those its file holds: from_pretrained only warns
+    # of the ones it lacks, left as initialised, and would merge them so)
+    expected = get_peft_model_state_dict(adapted, save_embedding_layers=False)
+    refuse_incomplete_adapter(sorted(expected.keys() - load_peft_weights(folder, device="cpu").keys()), path)
+    model = adapted.merge_and_unload()
     refuse_non_finite_parameters(model, path)  # (an adapter holding NaN makes the merged weights NaN)
     return model
+
+
+def refuse_incomplete_adapter(missing: list[str], path: str) -> None:
+    """A `ValueError` naming the adapter weights `missing` from the weights file of the PEFT adapter
+    folder `path` (a file cut short, or edited): PEFT loads such an adapter with only a warning, those weights left
+    as initialised (zero or random), and the model merged or attached would be another than the one trained."""
+    if missing:
+        raise ValueError(
+            f"the PEFT adapter {path} is incomplete: its weights file lacks {_first_names(missing, 4)} of the "
+            "adapter's weights (PEFT would leave them as initialised); save the adapter again"
+        )
 
 
 def causal_lm_from_pretrained(path: str, **kwargs: Any):

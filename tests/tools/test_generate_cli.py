@@ -219,13 +219,15 @@ def test_generate_of_a_peft_adapter_folder_is_the_merged_models(bpe_dir, adapter
         assert "holds the state of another model: same configuration, other weights" in capsys.readouterr().err
 
 
-def test_an_adapter_whose_base_cannot_be_found_is_one_line_naming_both(adapter, tmp_path, capsys):
+def test_an_adapter_whose_base_cannot_be_found_or_whose_weights_are_cut_is_one_line(adapter, tmp_path, capsys):
     """A base folder that is not there, none named, a Hub id that cannot be reached (offline): one line naming the
-    adapter and its base, exit 2 (it was "not a model folder: it has no config.json"). An adapter folder that
-    holds a tokenizer has it read (`tokenizer_source`)."""
+    adapter and its base, exit 2 (it was "not a model folder: it has no config.json"). A weights file that lacks
+    some of the adapter's weights: one line naming them and the adapter (PEFT only warned, and the merge used them
+    as initialised). An adapter folder that holds a tokenizer has it read (`tokenizer_source`)."""
     import json
     import shutil
 
+    from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer
 
     from modeling_gpn.cli.loading import tokenizer_source
@@ -245,6 +247,17 @@ def test_an_adapter_whose_base_cannot_be_found_is_one_line_naming_both(adapter, 
         assert gpn_main(["generate", str(copy), "hi", "--device", "cpu"]) == 2
         lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gpn generate: error:")]
         assert len(lines) == 1 and words.format(adapter=copy, base=base) in lines[0], lines
+    cut = tmp_path / "adapter-cut"
+    shutil.copytree(adapter[0], cut)
+    weights = load_file(cut / "adapter_model.safetensors")
+    lost = sorted(name for name in weights if ".gate." in name)
+    save_file({name: tensor for name, tensor in weights.items() if name not in lost}, cut / "adapter_model.safetensors")
+    assert gpn_main(["generate", str(cut), "hi", "--device", "cpu"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gpn generate: error:")]
+    assert lines == [
+        f"gpn generate: error: the PEFT adapter {cut} is incomplete: its weights file lacks {', '.join(lost)} of the "
+        "adapter's weights (PEFT would leave them as initialised); save the adapter again"
+    ]
     assert tokenizer_source(str(adapter[0])) != str(adapter[0])
     AutoTokenizer.from_pretrained(adapter[1]).save_pretrained(tmp_path / "adapter-0")
     assert tokenizer_source(str(tmp_path / "adapter-0")) == str(tmp_path / "adapter-0")
