@@ -2432,6 +2432,20 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "gpn inspect attaches a PEFT adapter whose weights file lacks some of its weights (them as initialised)",
+        "modeling_gpn/cli/loading.py",
+        "        refuse_incomplete_adapter(sorted(loading.missing_keys), path)\n",
+        "        pass  # MUTATION\n",
+        ("tests/tools/test_inspect.py::test_gpn_inspect_of_a_peft_adapter_folder",),
+    ),
+    Mutation(
+        "gpn inspect analyses a model that is no GPN (a PEFT adapter of a Llama) instead of refusing it",
+        "modeling_gpn/inspect/inputs.py",
+        '    if getattr(model.config, "model_type", None) != "gpn" or not hasattr(getattr(model, "model", None), "token_inputs"):\n',
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_inspect.py::test_gpn_inspect_of_a_peft_adapter_folder",),
+    ),
+    Mutation(
         "a PEFT adapter folder without a tokenizer is read for one (not its base's)",
         "modeling_gpn/cli/loading.py",
         "        return path\n    return base\n",
