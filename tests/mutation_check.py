@@ -2401,7 +2401,17 @@ MUTATIONS = [
         "modeling_gpn/cli/loading.py",
         "    model = adapted.merge_and_unload()\n",
         "    model = adapted.unload()  # MUTATION (the adapter's layers taken out, not merged)\n",
-        ("tests/tools/test_generate_cli.py::test_generate_of_a_peft_adapter_folder_is_the_merged_models",),
+        (
+            "tests/tools/test_generate_cli.py::test_generate_of_a_peft_adapter_folder_is_the_merged_models",
+            "tests/ecosystem/test_eval.py::test_gpn_eval_of_a_peft_adapter_folder_scores_the_merged_model",
+        ),
+    ),
+    Mutation(
+        "gpn eval's results do not say a PEFT adapter folder was scored merged into its base (adapter: null)",
+        "eval/runner.py",
+        '        "adapter": adapter_summary(model_path, settings.tokenizer),\n',
+        '        "adapter": None,  # MUTATION\n',
+        ("tests/ecosystem/test_eval.py::test_gpn_eval_of_a_peft_adapter_folder_scores_the_merged_model",),
     ),
     Mutation(
         "a PEFT adapter folder is refused as no model folder (no config.json)",
