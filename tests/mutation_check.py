@@ -2456,6 +2456,27 @@ MUTATIONS = [
         ("tests/tools/test_inspect.py::test_gpn_inspect_of_a_peft_adapter_folder",),
     ),
     Mutation(
+        "gpn serve cannot load a PEFT adapter folder (transformers' model manager: no config.json)",
+        "modeling_gpn/serve/server.py",
+        '            _pointing(model_manager, "ModelManager", GPNModelManager),',
+        "            # MUTATION",
+        ("tests/tools/test_serve.py -k not_pinned_keeps_each_models_conversations",),
+    ),
+    Mutation(
+        "gpn serve's kept states are keyed without the weights (a PEFT adapter continues from its base's states)",
+        "modeling_gpn/serve/state_store.py",
+        "        digest.update(weights_hash(model).encode())\n",
+        "        pass  # MUTATION\n",
+        ("tests/tools/test_serve.py -k not_pinned_keeps_each_models_conversations",),
+    ),
+    Mutation(
+        "gpn serve ADAPTER --quantization is not refused with the arguments (it failed at the preload, exit 1)",
+        "modeling_gpn/serve/cli.py",
+        '            refuse_quantized_adapter(args.model, options.get("quantization"))\n',
+        "            pass  # MUTATION\n",
+        ("tests/tools/test_serve.py::test_gpn_serve_that_cannot_start_says_why_without_a_traceback",),
+    ),
+    Mutation(
         "a PEFT adapter folder without a tokenizer is read for one (not its base's)",
         "modeling_gpn/cli/loading.py",
         "        return path\n    return base\n",

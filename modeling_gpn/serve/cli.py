@@ -177,12 +177,14 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     from ..cli.loading import adapter_note, check_model_path
+    from .models import refuse_quantized_adapter
 
     options = {name: getattr(args, name) for name, *_ in _serve_parameters() if name != "force_model"}
     options.update({name: getattr(args, name) for name in GPN_OPTIONS})
     try:  # checked before the model loads: a bad argument costs nothing
         if args.model is not None:  # (as gpn eval, generate and inspect check theirs)
             check_model_path(args.model)  # (transformers: "Repo id must be in the form ...", or its load's error)
+            refuse_quantized_adapter(args.model, options.get("quantization"))
             note = adapter_note(args.model)
             if note is not None:  # (which base is served, and whose tokenizer)
                 print(f"gpn serve: {note}", file=sys.stderr)

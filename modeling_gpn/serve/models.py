@@ -37,6 +37,19 @@ class CheckedGPNForCausalLM:
 GPN_CLASSES = {"GPNForCausalLM": CheckedGPNForCausalLM, "GPNModel": GPNModel}
 
 
+def refuse_quantized_adapter(model_id: str, quantization: str | None) -> None:
+    """A `ValueError` where the model `model_id` is a local PEFT adapter folder and `--quantization` is given: merged
+    into 4- or 8-bit weights, the adapter would be rounded away, and the model served would not be the merged one.
+    (`gpn serve ADAPTER` checks it with its arguments; a server not pinned, when a request names the adapter.)"""
+    from ..cli.loading import adapter_base
+
+    if quantization is not None and adapter_base(model_id) is not None:
+        raise ValueError(
+            f"{model_id} is a PEFT adapter: --quantization applies to a whole model; merge the adapter "
+            "(PeftModel.from_pretrained(base, adapter).merge_and_unload().save_pretrained(folder)) and serve that"
+        )
+
+
 class GPNModelManager(model_manager.ModelManager):
     """transformers' serving model manager, able to load a local PEFT adapter folder as the other `gpn` commands
     do (`cli.loading.load_causal_lm`): its base with the adapter merged, and the adapter folder's tokenizer, else
@@ -58,11 +71,7 @@ class GPNModelManager(model_manager.ModelManager):
         model_id, _ = split_revision(model_id_and_revision)
         if gguf_file is not None or adapter_base(model_id) is None:
             return super()._load_model(model_id_and_revision, tqdm_class, progress_callback, gguf_file)
-        if self.quantization is not None:  # (merged into 4- or 8-bit weights, the adapter would be rounded away)
-            raise ValueError(
-                f"{model_id} is a PEFT adapter: --quantization applies to a whole model; merge the adapter "
-                "(PeftModel.from_pretrained(base, adapter).merge_and_unload().save_pretrained(folder)) and serve that"
-            )
+        refuse_quantized_adapter(model_id, self.quantization)  # (a server not pinned: the request's model)
         return load_causal_lm(
             model_id,
             dtype=self.dtype,
