@@ -8,6 +8,8 @@ Transformer++ baseline). Writes two files into `--output-dir`:
     {
       "schema_version": 1,
       "model": str,                  # the MODEL argument (folder path or Hub repo id)
+      "adapter": {"base_model": str, "merged": true, "tokenizer": str} | null,
+                                     # MODEL a PEFT adapter folder: scored merged into its base; the tokenizer read
       "model_type": str,             # config.model_type ("gpn", "llama", ...)
       "architecture": str,           # model class name
       "n_params": int,               # distinct parameters (tied weights once)
@@ -63,7 +65,11 @@ from .runner import DEFAULT_FINEWEB_MAX_DOCUMENTS, DEFAULT_TASKS, TASKS, EvalSet
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="model folder or Hub repo id (a GPN or any transformers causal LM)")
+    parser.add_argument(
+        "model",
+        help="model folder or Hub repo id (a GPN or any transformers causal LM), or a PEFT adapter folder (its base, "
+        "named in adapter_config.json, with the adapter merged; tokenizer: the adapter folder's own, else the base's)",
+    )
     parser.add_argument(
         "--tasks",
         default=",".join(DEFAULT_TASKS),
@@ -310,7 +316,7 @@ def fail(message: object) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from modeling_gpn.cli.arguments import torch_device, writable_folder
-    from modeling_gpn.cli.loading import check_model_path
+    from modeling_gpn.cli.loading import adapter_note, check_model_path
     from modeling_gpn.data.tokenizer import check_tokenizer_path
 
     from .runner import check_settings, data_source, evaluate
@@ -336,6 +342,9 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.num_threads)
+    note = adapter_note(args.model, args.tokenizer)
+    if note is not None:  # (which base the figures are of, and whose tokenizer: eval_results.json says it too)
+        print(f"gpn eval: {note}", file=sys.stderr)
     finished: dict = {}  # the figures of each task once it is done
     try:
         results = evaluate(args.model, settings, finished=finished)

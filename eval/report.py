@@ -41,7 +41,13 @@ def render_report(results: dict[str, Any]) -> str:
         f"# Evaluation of `{name}`",
         "",
         f"- model: `{name}` ({results['architecture']}, model_type `{results['model_type']}`), "
-        f"**{results['n_params']:,} parameters** ({_params(results['n_params'])})",
+        f"**{results['n_params']:,} parameters** ({_params(results['n_params'])})"
+        + (
+            f"; a PEFT adapter, scored merged into its base `{results['adapter']['base_model']}`, with the "
+            f"tokenizer of `{results['adapter']['tokenizer']}`"
+            if results.get("adapter")
+            else ""
+        ),
         f"- lm-eval {results['lm_eval_version']}; max_length {results['max_length']}; dtype {results['dtype']}; "
         f"device {results['device']}; batch size {results['batch_size']}"
         # (--limit cuts the LAMBADA and lm-eval tasks only: the FineWeb windows are counted in their own note)

@@ -25,7 +25,13 @@ from unittest import mock
 
 import torch
 
-from modeling_gpn.cli.loading import causal_lm_from_pretrained, check_model_path
+from modeling_gpn.cli.loading import (
+    adapter_base,
+    check_model_path,
+    load_causal_lm,
+    load_model_tokenizer,
+    tokenizer_source,
+)
 
 from . import protocols
 
@@ -121,18 +127,27 @@ def load_model(
     trust_remote_code: bool = False,
     tokenizer: str | None = None,
 ):
-    """Load any causal LM (a GPN folder, a Hub repo, a LlamaForCausalLM folder) and its tokenizer."""
+    """Load any causal LM (a GPN folder, a Hub repo, a LlamaForCausalLM folder, a PEFT adapter folder: its base with
+    the adapter merged) and its tokenizer (`tokenizer`, else the model's: an adapter folder's own, else its base's)."""
     import modeling_gpn  # noqa: F401  (registers the GPN Auto classes for folders without remote code)
-    from modeling_gpn.data import load_tokenizer
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in dtypes:
         raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {dtype!r}")
     check_model_path(path)
-    model = causal_lm_from_pretrained(path, dtype=dtypes[dtype], trust_remote_code=trust_remote_code)
+    model = load_causal_lm(path, dtype=dtypes[dtype], trust_remote_code=trust_remote_code)
     model = model.to(device).eval()
-    tok = load_tokenizer(tokenizer or path, trust_remote_code=trust_remote_code, require_eos=False)
+    tok = load_model_tokenizer(path, tokenizer, trust_remote_code=trust_remote_code, require_eos=False)
     return model, tok
+
+
+def adapter_summary(model_path: str, tokenizer: str | None) -> dict[str, str] | None:
+    """What `eval_results.json` says of a PEFT adapter folder evaluated (None for a whole model): the base it was
+    merged into and the tokenizer read."""
+    base = adapter_base(model_path)
+    if base is None:
+        return None
+    return {"base_model": base, "merged": True, "tokenizer": tokenizer or tokenizer_source(model_path)}
 
 
 def count_parameters(model) -> int:
@@ -606,6 +621,8 @@ def _evaluate(model_path: str, settings: EvalSettings, model, tokenizer, results
     results |= {
         "schema_version": 1,
         "model": model_path,
+        # (a PEFT adapter folder is scored merged into its base: which base, and whose tokenizer went with it)
+        "adapter": adapter_summary(model_path, settings.tokenizer),
         "model_type": getattr(model.config, "model_type", type(model).__name__),
         "architecture": type(model).__name__,
         "n_params": count_parameters(model),

@@ -80,3 +80,24 @@ def copy_with_a_nan_weight(folder, into):
     tensors["model.fuse_gate.weight"][0, 0] = float("nan")
     save_file(tensors, into / "model.safetensors", metadata={"format": "pt"})
     return into
+
+
+def saved_lora_adapter(base_folder, into, with_tokenizer: bool = False, seed: int = 7):
+    """The folders a LoRA fine-tune of the GPN saved at `base_folder` leaves, and the model merged from it:
+    (`into`/adapter: adapter_config.json naming `base_folder` and the adapter's weights, random so the adapter
+    changes every output; the base's tokenizer beside them where `with_tokenizer`; `into`/merged: what
+    `PeftModel.from_pretrained(base, adapter).merge_and_unload()` saves, with the base's tokenizer)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    adapter, merged = into / "adapter", into / "merged"
+    torch.manual_seed(seed)
+    lora = LoraConfig(r=4, target_modules=["fuse_proj", "gate", "read_query"], init_lora_weights=False)
+    get_peft_model(AutoModelForCausalLM.from_pretrained(base_folder), lora).save_pretrained(adapter)
+    base = AutoModelForCausalLM.from_pretrained(base_folder)
+    PeftModel.from_pretrained(base, adapter).merge_and_unload().save_pretrained(merged)
+    tokenizer = AutoTokenizer.from_pretrained(base_folder)
+    tokenizer.save_pretrained(merged)
+    if with_tokenizer:
+        tokenizer.save_pretrained(adapter)
+    return adapter, merged

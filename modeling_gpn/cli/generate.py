@@ -28,7 +28,11 @@ def sampling_setting(model, name: str, given: float | None, default: float) -> f
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="model folder or Hub repo id")
+    parser.add_argument(
+        "model",
+        help="model folder, Hub repo id, or PEFT adapter folder (its base, named in adapter_config.json, with the "
+        "adapter merged; tokenizer: the adapter folder's own, else the base's)",
+    )
     parser.add_argument(
         "prompts",
         nargs="+",
@@ -140,11 +144,15 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 def _load(args: argparse.Namespace):
     import modeling_gpn  # noqa: F401  (registers GPN with the Auto classes)
-    from modeling_gpn.data import DataError, load_tokenizer
+    from modeling_gpn.cli.loading import BaseModelNotFoundError, adapter_note, load_causal_lm, load_model_tokenizer
+    from modeling_gpn.data import DataError
 
+    note = adapter_note(args.model, args.tokenizer)
+    if note is not None:  # (which base, and whose tokenizer: what the text comes from)
+        print(f"gpn generate: {note}", file=sys.stderr)
     source = args.tokenizer or args.model
     try:
-        tokenizer = load_tokenizer(source, require_eos=False)
+        tokenizer = load_model_tokenizer(args.model, args.tokenizer, require_eos=False)
     except DataError as error:  # any loader failure, as one clear message
         raise GenerateError(str(error)) from error
     tokenizer.padding_side = "left"
@@ -154,13 +162,11 @@ def _load(args: argparse.Namespace):
                 f"the tokenizer of {source} has neither a pad nor an EOS token to pad a batch of prompts with"
             )
         tokenizer.pad_token = tokenizer.eos_token
-    from modeling_gpn.cli.loading import causal_lm_from_pretrained
-
     # (as gpn eval and gpn inspect load: weights drawn at random where the files lack them gave text from another
-    # model than the one named, without a word; NaN weights are named at load)
+    # model than the one named, without a word; NaN weights are named at load; an adapter merged into its base)
     try:
-        model = causal_lm_from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
-    except ValueError as error:  # (its own refusals, and transformers' naming the problem)
+        model = load_causal_lm(args.model, trust_remote_code=args.trust_remote_code)
+    except (ValueError, BaseModelNotFoundError) as error:  # (its own refusals, transformers' naming the problem)
         raise GenerateError(str(error)) from None
     except Exception as error:  # noqa: BLE001
         raise GenerateError(f"cannot load a model from {args.model}: {type(error).__name__}: {error}") from error

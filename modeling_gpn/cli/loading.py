@@ -1,26 +1,165 @@
 """Loading the model folder a `gpn` subcommand is given (gpn eval, generate, inspect and serve load theirs here):
 a path that is no model folder named as such, and a model whose weights do not match its config.json, hold NaN or
 inf, or cannot be read refused in one line, where transformers would load it (drawing missing weights at random)
-or fail in a traceback."""
+or fail in a traceback.
+
+A local PEFT adapter folder (what a LoRA fine-tune saves: adapter_config.json and the adapter's weights, no
+config.json) is a model too, its base (`base_model_name_or_path`) with the adapter: `check_model_path` checks the
+base can be found, `load_causal_lm` loads the base and either merges the adapter into it (gpn generate, eval and
+serve: exactly the model `merge_and_unload()` gives, so their tokens, scores and state files are the merged
+model's, on the fast path) or attaches it (gpn inspect, which reports the adapter's parameters), and
+`tokenizer_source` says whose tokenizer goes with it: the adapter folder's own, else the base's (as PEFT's
+`AutoPeftModelForCausalLM` reads it)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
+ADAPTER_CONFIG = "adapter_config.json"
+# what a saved tokenizer holds, one of them at least (`save_pretrained` writes tokenizer_config.json beside its files)
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
+
+
+class BaseModelNotFoundError(FileNotFoundError):
+    """The base model of a PEFT adapter folder cannot be loaded; the message names it and the adapter."""
+
+
+def adapter_base(path: str) -> str | None:
+    """The base model (a folder or Hub id) the local PEFT adapter folder `path` adapts, or None when `path` is no
+    adapter folder (one with adapter_config.json and no config.json: a folder with both is a whole model that
+    carries an adapter, which transformers loads with it attached). A `FileNotFoundError` naming the adapter when
+    its adapter_config.json names no base, or cannot be read."""
+    folder = Path(path).expanduser()
+    if not (folder / ADAPTER_CONFIG).is_file() or (folder / "config.json").is_file():
+        return None
+    try:
+        base = json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError) as error:
+        raise FileNotFoundError(f"the PEFT adapter {path}: cannot read its {ADAPTER_CONFIG}: {error}") from None
+    if not isinstance(base, str) or not base:
+        raise FileNotFoundError(
+            f"the PEFT adapter {path} names no base model ({ADAPTER_CONFIG}'s base_model_name_or_path is {base!r}): "
+            "set it to the base model's folder or Hub id"
+        )
+    return base
+
 
 def check_model_path(path: str) -> None:
     """Refuse, naming it, a local path that does not exist or is not a model folder (from_pretrained would take it
-    for a malformed Hub id); a Hub id passes. (gpn eval, inspect and generate all check their model this way.)"""
+    for a malformed Hub id); a Hub id passes. A PEFT adapter folder passes when its base does (`adapter_base`),
+    refused naming the base and the adapter otherwise. (gpn eval, generate, inspect and serve check their model
+    this way.)"""
     from ..data.tokenizer import names_a_local_path
 
+    base = adapter_base(path)
+    if base is not None:
+        if adapter_base(base) is not None:
+            raise FileNotFoundError(f"the base model of the PEFT adapter {path}, {base}, is itself an adapter folder")
+        try:
+            check_model_path(base)
+        except FileNotFoundError as error:
+            raise FileNotFoundError(f"the base model of the PEFT adapter {path} cannot be found: {error}") from None
+        return
     folder = Path(path).expanduser()
     if folder.exists() and not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a model folder: it has no config.json")
     if not folder.exists() and names_a_local_path(path):
         raise FileNotFoundError(f"model folder {path} does not exist")
+
+
+def tokenizer_source(path: str) -> str:
+    """Where the tokenizer of the model `path` is read: `path` itself, but for a PEFT adapter folder that holds no
+    tokenizer, its base (an SFT run saves the tokenizer it trained with beside the adapter, special tokens and
+    chat template included: that one, where it is there)."""
+    base = adapter_base(path)
+    if base is None or any((Path(path).expanduser() / name).is_file() for name in TOKENIZER_FILES):
+        return path
+    return base
+
+
+def load_model_tokenizer(path: str, tokenizer: str | None = None, **kwargs: Any):
+    """`data.load_tokenizer` of `tokenizer`, else of the model `path`'s (`tokenizer_source`); a `DataError` (a
+    `ValueError`) naming the file or id, and, where it is a PEFT adapter's base, the adapter too."""
+    from ..data import DataError, load_tokenizer
+
+    source = tokenizer or tokenizer_source(path)
+    try:
+        return load_tokenizer(source, **kwargs)
+    except DataError as error:
+        if source == path or tokenizer is not None:
+            raise
+        raise DataError(
+            f"cannot load the tokenizer of {source}, the base model of the PEFT adapter {path} (which holds none): "
+            f"{error}"
+        ) from None
+
+
+def adapter_note(path: str, tokenizer: str | None = None) -> str | None:
+    """One line saying what a PEFT adapter folder `path` runs as (None for a whole model), for the commands that
+    merge it: its base, and whose tokenizer (`tokenizer`, where the command was given one)."""
+    base = adapter_base(path)
+    if base is None:
+        return None
+    if tokenizer is not None:
+        whose = f"{tokenizer} (--tokenizer)"
+    else:
+        whose = "the adapter's own" if tokenizer_source(path) == path else f"the base's (none in {path})"
+    return f"{path} is a PEFT adapter of {base}: run merged into it; tokenizer: {whose}"
+
+
+def load_causal_lm(path: str, *, merge_adapter: bool = True, **kwargs: Any):
+    """The causal LM `path` names (`causal_lm_from_pretrained(path, **kwargs)`); for a PEFT adapter folder, its base
+    loaded so (its weights checked as any model's) with the adapter merged into it (`PeftModel.from_pretrained` and
+    `merge_and_unload()`, as a user merges one in Python: the same weights, bit for bit) or, without
+    `merge_adapter`, attached (transformers' `load_adapter`: the model's modules wrapped by PEFT's). A base that
+    cannot be loaded (a Hub id offline, a folder removed since the check) is a `FileNotFoundError` naming it and
+    the adapter, in one line; an adapter whose weights file lacks some of its weights, a `ValueError` naming them
+    (`refuse_incomplete_adapter`)."""
+    base = adapter_base(path)
+    if base is None:
+        return causal_lm_from_pretrained(path, **kwargs)
+    try:
+        model = causal_lm_from_pretrained(base, **kwargs)
+    except OSError as error:
+        reason = " ".join(str(error).split())  # (transformers' own messages run over several lines)
+        raise BaseModelNotFoundError(
+            f"cannot load {base}, the base model of the PEFT adapter {path}: {reason}"
+        ) from None
+    folder = str(Path(path).expanduser())
+    if not merge_adapter:
+        loading = model.load_adapter(folder)
+        refuse_incomplete_adapter(sorted(loading.missing_keys), path)
+        return model
+    from peft import PeftModel
+    from peft.utils import get_peft_model_state_dict, load_peft_weights
+
+    try:
+        adapted = PeftModel.from_pretrained(model, folder)
+    except (OSError, ValueError, RuntimeError, KeyError) as error:  # (an adapter of another base: shapes differ)
+        reason = " ".join(str(error).split())
+        raise ValueError(f"cannot apply the PEFT adapter {path} to its base {base}: {reason}") from None
+    # (the weights PEFT saves for this adapter on this base, against those its file holds: from_pretrained only warns
+    # of the ones it lacks, left as initialised, and would merge them so)
+    expected = get_peft_model_state_dict(adapted, save_embedding_layers=False)
+    refuse_incomplete_adapter(sorted(expected.keys() - load_peft_weights(folder, device="cpu").keys()), path)
+    model = adapted.merge_and_unload()
+    refuse_non_finite_parameters(model, path)  # (an adapter holding NaN makes the merged weights NaN)
+    return model
+
+
+def refuse_incomplete_adapter(missing: list[str], path: str) -> None:
+    """A `ValueError` naming the adapter weights `missing` from the weights file of the PEFT adapter
+    folder `path` (a file cut short, or edited): PEFT loads such an adapter with only a warning, those weights left
+    as initialised (zero or random), and the model merged or attached would be another than the one trained."""
+    if missing:
+        raise ValueError(
+            f"the PEFT adapter {path} is incomplete: its weights file lacks {_first_names(missing, 4)} of the "
+            "adapter's weights (PEFT would leave them as initialised); save the adapter again"
+        )
 
 
 def causal_lm_from_pretrained(path: str, **kwargs: Any):

@@ -13,6 +13,7 @@ import torch
 
 from ..atomic_files import write_file_atomically
 from ..cli.arguments import check_no_earlier_output, torch_device, writable_folder
+from ..cli.loading import tokenizer_source
 from ..data import load_tokenizer
 from ..data.tokenizer import check_tokenizer_path
 from .figures import FIGURE_NAMES, write_figures
@@ -31,7 +32,8 @@ from .states import collect
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model",
-        help="GPN model: a local folder (save_pretrained), a PEFT adapter folder (its base with the adapter), or a Hub repo id",
+        help="GPN model: a local folder (save_pretrained), a PEFT adapter folder (its base with the adapter attached; "
+        "tokenizer: the adapter folder's own, else the base's), or a Hub repo id",
     )
     parser.add_argument(
         "--data",
@@ -164,8 +166,8 @@ def inspect_model(args: argparse.Namespace, output: Path, started: float) -> int
     progress = not args.quiet
     try:  # what the arguments name (a model, a tokenizer, data) missing or unusable: one line, no traceback
         model = load_model(args.model, args.device, args.dtype, args.trust_remote_code)
-        tokenizer = load_tokenizer(
-            args.tokenizer or args.model, trust_remote_code=args.trust_remote_code, require_eos=False
+        tokenizer = load_tokenizer(  # (an adapter folder's own, else its base's: `tokenizer_source`)
+            args.tokenizer or tokenizer_source(args.model), trust_remote_code=args.trust_remote_code, require_eos=False
         )
         seq_len = args.seq_len or model.config.max_length_hint or 2048
         windows = load_token_windows(

@@ -18,15 +18,15 @@ def load_model(name: str, device: str = "cpu", dtype: str = "float32", trust_rem
     """Load a GPN causal LM from a local folder or the Hub, in eval mode. Clear error for other models.
 
     A local PEFT adapter folder (adapter_config.json, no config.json) loads as its base model with the adapter
-    attached, through transformers' PEFT integration; every part of the analysis calls the adapted modules.
+    attached, not merged (`cli.loading.load_causal_lm`, the other commands' rule): every part of the analysis calls
+    the adapted modules, and the report counts the adapter's parameters apart.
     """
     import modeling_gpn  # noqa: F401  (registers GPN with the Auto classes)
-    from modeling_gpn.cli.loading import causal_lm_from_pretrained, check_model_path
+    from modeling_gpn.cli.loading import check_model_path, load_causal_lm
 
-    if not (Path(name).expanduser() / "adapter_config.json").is_file():  # (which check_model_path would refuse)
-        check_model_path(name)
+    check_model_path(name)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    model = causal_lm_from_pretrained(name, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    model = load_causal_lm(name, merge_adapter=False, dtype=torch_dtype, trust_remote_code=trust_remote_code)
     if getattr(model.config, "model_type", None) != "gpn" or not hasattr(getattr(model, "model", None), "token_inputs"):
         raise ValueError(
             f"gpn inspect analyses GPN models; {name!r} is a {type(model).__name__} "

@@ -98,7 +98,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help_text = (info.help or "").replace("%", "%%").replace("force_model is set", "MODEL is given")
         if name == "force_model":
             parser.add_argument(
-                "model", nargs="?", default=None, help=help_text + " Without it, each request's `model` is loaded."
+                "model",
+                nargs="?",
+                default=None,
+                help=help_text + " Without it, each request's `model` is loaded. A model folder, a Hub repo id, or a "
+                "PEFT adapter folder (its base, named in adapter_config.json, with the adapter merged; tokenizer: the "
+                "adapter folder's own, else the base's).",
             )
         elif kind is bool:
             parser.add_argument(
@@ -171,13 +176,18 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from ..cli.loading import check_model_path
+    from ..cli.loading import adapter_note, check_model_path
+    from .models import refuse_quantized_adapter
 
     options = {name: getattr(args, name) for name, *_ in _serve_parameters() if name != "force_model"}
     options.update({name: getattr(args, name) for name in GPN_OPTIONS})
     try:  # checked before the model loads: a bad argument costs nothing
         if args.model is not None:  # (as gpn eval, generate and inspect check theirs)
             check_model_path(args.model)  # (transformers: "Repo id must be in the form ...", or its load's error)
+            refuse_quantized_adapter(args.model, options.get("quantization"))
+            note = adapter_note(args.model)
+            if note is not None:  # (which base is served, and whose tokenizer)
+                print(f"gpn serve: {note}", file=sys.stderr)
         if args.state_dir is not None:
             writable_folder(args.state_dir, "--state-dir")
     except (FileNotFoundError, ValueError) as error:

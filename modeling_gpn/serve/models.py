@@ -16,7 +16,7 @@ import types
 import transformers
 from fastapi import HTTPException
 from transformers.cli.serving import model_manager
-from transformers.cli.serving.utils import split_model_id
+from transformers.cli.serving.utils import split_model_id, split_revision
 
 from .. import GPNForCausalLM, GPNModel
 
@@ -35,6 +35,51 @@ class CheckedGPNForCausalLM:
 
 
 GPN_CLASSES = {"GPNForCausalLM": CheckedGPNForCausalLM, "GPNModel": GPNModel}
+
+
+def refuse_quantized_adapter(model_id: str, quantization: str | None) -> None:
+    """A `ValueError` where the model `model_id` is a local PEFT adapter folder and `--quantization` is given: merged
+    into 4- or 8-bit weights, the adapter would be rounded away, and the model served would not be the merged one.
+    (`gpn serve ADAPTER` checks it with its arguments; a server not pinned, when a request names the adapter.)"""
+    from ..cli.loading import adapter_base
+
+    if quantization is not None and adapter_base(model_id) is not None:
+        raise ValueError(
+            f"{model_id} is a PEFT adapter: --quantization applies to a whole model; merge the adapter "
+            "(PeftModel.from_pretrained(base, adapter).merge_and_unload().save_pretrained(folder)) and serve that"
+        )
+
+
+class GPNModelManager(model_manager.ModelManager):
+    """transformers' serving model manager, able to load a local PEFT adapter folder as the other `gpn` commands
+    do (`cli.loading.load_causal_lm`): its base with the adapter merged, and the adapter folder's tokenizer, else
+    the base's. transformers' own reads the folder's config.json, which an adapter folder has not. The model is
+    the merged one, so the state store keeps its states under its own weights (`state_store.model_key`), apart
+    from a server of the base's."""
+
+    def _load_processor(self, model_id_and_revision: str, gguf_file: str | None = None):
+        from ..cli.loading import adapter_base, tokenizer_source
+
+        model_id, _ = split_revision(model_id_and_revision)
+        if gguf_file is None and adapter_base(model_id) is not None:
+            return super()._load_processor(self.process_model_name(tokenizer_source(model_id)))
+        return super()._load_processor(model_id_and_revision, gguf_file=gguf_file)
+
+    def _load_model(self, model_id_and_revision: str, tqdm_class=None, progress_callback=None, gguf_file=None):
+        from ..cli.loading import adapter_base, load_causal_lm
+
+        model_id, _ = split_revision(model_id_and_revision)
+        if gguf_file is not None or adapter_base(model_id) is None:
+            return super()._load_model(model_id_and_revision, tqdm_class, progress_callback, gguf_file)
+        refuse_quantized_adapter(model_id, self.quantization)  # (a server not pinned: the request's model)
+        return load_causal_lm(
+            model_id,
+            dtype=self.dtype,
+            device_map=self.device,
+            attn_implementation=self.attn_implementation,
+            trust_remote_code=self.trust_remote_code,
+            tqdm_class=tqdm_class,
+        )
 
 
 class TransformersWithGPN(types.ModuleType):

@@ -6,8 +6,8 @@ as it builds it. `GPNServe` runs that same `__init__` with some of those names p
 own while it builds: the chat, completion and Responses API handlers (`handlers.py`), the `/v1/systemone` handler
 (admitted as they are), the `/v1/audio/transcriptions` one (a 501 without python-multipart), and `build_server`,
 whose app is given one step more at shutdown (the kept states written to `--state-dir`) and a middleware that
-tells the handlers when a request's client goes away; and it makes the model manager able to build a GPN
-(`models.py`). Nothing of the server is copied. Everything else, every option included, is
+tells the handlers when a request's client goes away, and the model manager (`GPNModelManager`: a PEFT adapter
+folder loaded merged into its base); and it makes the model manager able to build a GPN (`models.py`). Nothing of the server is copied. Everything else, every option included, is
 transformers' own.
 """
 
@@ -19,7 +19,7 @@ import os
 from collections.abc import Callable, Iterator
 
 from transformers.cli.serve import Serve
-from transformers.cli.serving import chat_completion, completion, response, systemone, transcription
+from transformers.cli.serving import chat_completion, completion, model_manager, response, systemone, transcription
 from transformers.cli.serving import server as serving_server
 
 from . import (
@@ -41,7 +41,7 @@ from .handlers import (
     StateKeepingResponseHandler,
     WatchingClients,
 )
-from .models import load_only_the_pinned_model, make_gpn_loadable
+from .models import GPNModelManager, load_only_the_pinned_model, make_gpn_loadable
 from .state_store import StateStore
 
 
@@ -155,6 +155,7 @@ class GPNServe(Serve):
             _pointing(response, "ResponseHandler", responses),
             _pointing(systemone, "SystemOneHandler", decisions),
             _pointing(transcription, "TranscriptionHandler", CheckedTranscriptionHandler),
+            _pointing(model_manager, "ModelManager", GPNModelManager),  # (PEFT adapter folders loaded, merged)
             _pointing(
                 serving_server,
                 "build_server",

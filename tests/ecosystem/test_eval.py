@@ -561,6 +561,34 @@ def test_gpn_eval_command_writes_results_and_side_by_side_report(gpn_dir, data, 
     assert "(**1 of them with the context cut to its last 80 tokens**" in (out / "eval_report.md").read_text()
 
 
+def test_gpn_eval_of_a_peft_adapter_folder_scores_the_merged_model(gpn_dir, loaded, data, tmp_path, capsys):
+    """A PEFT adapter folder (a LoRA fine-tune's, without a tokenizer) was refused: "not a model folder: it has no
+    config.json". It is scored merged into its base: the figures of the merged model saved whole, not the base's;
+    `eval_results.json`'s `adapter` and the report name the base and whose tokenizer was read."""
+    from gpn_cli import main
+    from modeling_gpn.evaluation.runner import evaluate, load_model
+
+    from ..tiny_models import saved_lora_adapter
+
+    folder, merged = saved_lora_adapter(gpn_dir, tmp_path)
+    options = settings(data, 8, ("lambada_paper",), limit=4)
+    argv = ["eval", str(folder), "--data-dir", str(data), "--tasks", "lambada_paper", "--limit", "4", "--quiet"]
+    assert main([*argv, "--output-dir", str(tmp_path / "out")]) == 0
+    results = json.loads((tmp_path / "out" / "eval_results.json").read_text())
+    assert results["adapter"] == {"base_model": str(gpn_dir), "merged": True, "tokenizer": str(gpn_dir)}
+    assert (
+        f"a PEFT adapter, scored merged into its base `{gpn_dir}`" in (tmp_path / "out" / "eval_report.md").read_text()
+    )
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gpn eval")]
+    assert said == [
+        f"gpn eval: {folder} is a PEFT adapter of {gpn_dir}: run merged into it; tokenizer: the base's "
+        f"(none in {folder})"
+    ]
+    adapted = results["tasks"]["lambada_paper"]
+    assert_same_metrics({"lambada_paper": adapted}, evaluate(str(merged), options, *load_model(str(merged)))["tasks"])
+    assert adapted["ppl"] != evaluate(str(gpn_dir), options, *loaded)["tasks"]["lambada_paper"]["ppl"]
+
+
 def test_same_command_on_a_llama(llama_dir, data, tmp_path):
     from gpn_cli import main
 

@@ -168,3 +168,96 @@ def test_sampling_takes_the_models_own_settings_unless_given(bpe_dir, tmp_path, 
     assert given == generated_texts(
         folder, PROMPTS[1:], seed=7, max_new_tokens=12, do_sample=True, temperature=1.5, top_p=0.6
     )
+
+
+@pytest.fixture(scope="module")
+def adapter(bpe_dir, tmp_path_factory):
+    """A LoRA adapter folder of `bpe_dir` without a tokenizer (the base's is read), and the model merged from it."""
+    from ..tiny_models import saved_lora_adapter
+
+    return saved_lora_adapter(bpe_dir, tmp_path_factory.mktemp("adapter"))
+
+
+def test_generate_of_a_peft_adapter_folder_is_the_merged_models(bpe_dir, adapter, tmp_path, capsys):
+    """A PEFT adapter folder (a LoRA fine-tune's) was refused: "not a model folder: it has no config.json". It runs
+    merged into its base: the text of the merged model saved whole, and of the PeftModel in Python; one line on
+    stderr names the base and whose tokenizer. Its states are the adapted model's: --save-state then --state
+    continues, and a state of the base is refused on it, as its state on the base."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, merged = adapter
+    options = ("--max-new-tokens", 10)
+    printed = printed_texts(capsys, folder, *PROMPTS, *options)
+    assert (
+        printed
+        == printed_texts(capsys, merged, *PROMPTS, *options)
+        != printed_texts(capsys, bpe_dir, *PROMPTS, *options)
+    )
+    tokenizer = AutoTokenizer.from_pretrained(bpe_dir, padding_side="left")
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(bpe_dir), folder).eval()
+    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        output = peft_model.generate(**batch, max_new_tokens=10, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    assert printed == tokenizer.batch_decode(output, skip_special_tokens=True)
+
+    state, base_state = tmp_path / "adapted.safetensors", tmp_path / "base.safetensors"
+    assert (
+        gpn_main(
+            ["generate", str(folder), PROMPTS[0], *map(str, options), "--device", "cpu", "--save-state", str(state)]
+        )
+        == 0
+    )
+    note = f"gpn generate: {folder} is a PEFT adapter of {bpe_dir}: run merged into it; tokenizer: the base's (none in"
+    assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("gpn")] == [f"{note} {folder})"]
+    continued = printed_texts(capsys, folder, " on the mat", *options, "--state", state)
+    assert continued == printed_texts(capsys, merged, " on the mat", *options, "--state", state)
+    assert gpn_main(["generate", str(bpe_dir), PROMPTS[0], "--device", "cpu", "--save-state", str(base_state)]) == 0
+    for model, other in ((bpe_dir, state), (folder, base_state)):
+        capsys.readouterr()
+        assert gpn_main(["generate", str(model), "more", "--device", "cpu", "--state", str(other)]) == 2
+        assert "holds the state of another model: same configuration, other weights" in capsys.readouterr().err
+
+
+def test_an_adapter_whose_base_cannot_be_found_or_whose_weights_are_cut_is_one_line(adapter, tmp_path, capsys):
+    """A base folder that is not there, none named, a Hub id that cannot be reached (offline): one line naming the
+    adapter and its base, exit 2 (it was "not a model folder: it has no config.json"). A weights file that lacks
+    some of the adapter's weights: one line naming them and the adapter (PEFT only warned, and the merge used them
+    as initialised). An adapter folder that holds a tokenizer has it read (`tokenizer_source`)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    from modeling_gpn.cli.loading import tokenizer_source
+
+    cases = {
+        str(
+            tmp_path / "gone"
+        ): "the base model of the PEFT adapter {adapter} cannot be found: model folder {base} does not exist",
+        None: "the PEFT adapter {adapter} names no base model (adapter_config.json's base_model_name_or_path is None)",
+        "gpn-tests/no-such-base": "gpn-tests/no-such-base, the base model of the PEFT adapter {adapter}",
+    }
+    for number, (base, words) in enumerate(cases.items()):
+        copy = tmp_path / f"adapter-{number}"
+        shutil.copytree(adapter[0], copy)
+        config = json.loads((copy / "adapter_config.json").read_text())
+        (copy / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": base}))
+        assert gpn_main(["generate", str(copy), "hi", "--device", "cpu"]) == 2
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gpn generate: error:")]
+        assert len(lines) == 1 and words.format(adapter=copy, base=base) in lines[0], lines
+    cut = tmp_path / "adapter-cut"
+    shutil.copytree(adapter[0], cut)
+    weights = load_file(cut / "adapter_model.safetensors")
+    lost = sorted(name for name in weights if ".gate." in name)
+    save_file({name: tensor for name, tensor in weights.items() if name not in lost}, cut / "adapter_model.safetensors")
+    assert gpn_main(["generate", str(cut), "hi", "--device", "cpu"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gpn generate: error:")]
+    assert lines == [
+        f"gpn generate: error: the PEFT adapter {cut} is incomplete: its weights file lacks {', '.join(lost)} of the "
+        "adapter's weights (PEFT would leave them as initialised); save the adapter again"
+    ]
+    assert tokenizer_source(str(adapter[0])) != str(adapter[0])
+    AutoTokenizer.from_pretrained(adapter[1]).save_pretrained(tmp_path / "adapter-0")
+    assert tokenizer_source(str(tmp_path / "adapter-0")) == str(tmp_path / "adapter-0")

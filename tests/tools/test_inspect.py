@@ -535,7 +535,7 @@ def test_document_resets_without_an_eos_token_are_one_line(tiny_llama_vocab_mode
     )
 
 
-def test_gpn_inspect_of_a_peft_adapter_folder(tiny_llama_vocab_model, tmp_path):
+def test_gpn_inspect_of_a_peft_adapter_folder(tiny_llama_vocab_model, tmp_path, capsys):
     """A PEFT adapter folder (what a LoRA fine-tune saves) was refused: "not a model folder: it has no config.json".
     It loads as its base with the adapter attached, and the report is the adapted model's, and says so: it named
     only the adapter folder, and counted the adapter's parameters as the model's."""
@@ -579,6 +579,37 @@ def test_gpn_inspect_of_a_peft_adapter_folder(tiny_llama_vocab_model, tmp_path):
         f"({lora:,} of them a LORA adapter's, attached to the base model `{tiny_llama_vocab_model}`: every measurement "
         "and causal test runs the adapted model)." in (tmp_path / "report" / "report.md").read_text()
     )
+
+    # Refused in one line, nothing written: a weights file that lacks some of the adapter's weights (transformers
+    # only reported them, attached as initialised), and an adapter of a model that is no GPN, as that model is.
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cut = tmp_path / "adapter-cut"
+    shutil.copytree(folder, cut)
+    weights = load_file(cut / "adapter_model.safetensors")
+    save_file(
+        {name: tensor for name, tensor in weights.items() if ".gate." not in name}, cut / "adapter_model.safetensors"
+    )
+    llama = tmp_path / "llama"
+    LlamaForCausalLM(
+        LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    ).save_pretrained(llama)
+    llama_adapter = tmp_path / "llama-adapter"
+    get_peft_model(
+        AutoModelForCausalLM.from_pretrained(llama), LoraConfig(r=2, target_modules=["q_proj"])
+    ).save_pretrained(llama_adapter)
+    for model, words in (
+        (cut, f"the PEFT adapter {cut} is incomplete: its weights file lacks model.predict_layers.0.gate.lora_A."),
+        (
+            llama_adapter,
+            f"gpn inspect analyses GPN models; {str(llama_adapter)!r} is a LlamaForCausalLM (model_type='llama')",
+        ),
+    ):
+        assert main(["inspect", str(model), *arguments, "--output", str(tmp_path / "refused")]) == 2
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gpn inspect: error: ")]
+        assert len(lines) == 1 and words in lines[0], lines
+        assert not (tmp_path / "refused").exists()
 
 
 def test_gpn_inspect_rejects_bad_input(tiny_llama_vocab_model, tmp_path, capsys):

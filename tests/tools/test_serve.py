@@ -1058,16 +1058,22 @@ def test_a_server_not_pinned_keeps_each_models_conversations_apart_and_across_un
     """Without MODEL, each request names its model: two models given the same messages continue each from its own
     states (the same token ids, kept for each), a seeded sample of one is the same while the other samples beside it
     (two inference threads, one generator), and a model unloaded after --model-timeout, loaded again, continues its
-    conversation from the states it kept."""
+    conversation from the states it kept. A PEFT adapter folder of the first (without a tokenizer: the base's is
+    read) is served merged: the merged model's answers, its states kept apart from its base's (the same messages
+    continued from the base's states would give the base's answer)."""
 
     from transformers import AutoModelForCausalLM
+
+    from ..tiny_models import saved_lora_adapter
 
     other_dir = tmp_path / "other-gpn"
     shutil.copytree(model_dir, other_dir)
     perturbed_model(reference[0].config, seed=77).save_pretrained(other_dir)
+    adapter, merged = saved_lora_adapter(model_dir, tmp_path)
     models = {
         str(model_dir): reference,
         str(other_dir): (AutoModelForCausalLM.from_pretrained(other_dir).eval(), reference[1]),
+        str(adapter): (AutoModelForCausalLM.from_pretrained(merged).eval(), reference[1]),
     }
     first = [{"role": "system", "content": "two models"}, {"role": "user", "content": "to be or not to be"}]
     options = ("--model-timeout", "2", "--state-dir", str(tmp_path / "states"))
@@ -1077,7 +1083,7 @@ def test_a_server_not_pinned_keeps_each_models_conversations_apart_and_across_un
         for name, model in models.items():
             replies[name] = client.chat.completions.create(model=name, messages=first, max_tokens=6, temperature=0)
             assert replies[name].choices[0].message.content == expected_chat(model, first, 6), name
-        assert len({reply.choices[0].message.content for reply in replies.values()}) == 2  # the models differ
+        assert len({reply.choices[0].message.content for reply in replies.values()}) == 3  # the models differ
 
         seeded, beside = str(model_dir), str(other_dir)
         request = dict(model=seeded, prompt="the cat sat", max_tokens=48, temperature=1.0, seed=3)
@@ -1146,7 +1152,16 @@ def test_gpn_serve_that_cannot_start_says_why_without_a_traceback(tmp_path, caps
     (tmp_path / "empty").mkdir()
     (tmp_path / "unknown").mkdir()
     (tmp_path / "unknown" / "config.json").write_text("{}")
+    (tmp_path / "adapter").mkdir()  # (a PEFT adapter folder of it: --quantization would round the adapter away)
+    (tmp_path / "adapter" / "adapter_config.json").write_text(
+        json.dumps({"base_model_name_or_path": str(tmp_path / "unknown")})
+    )
     for arguments, status, words in (
+        (
+            [str(tmp_path / "adapter"), "--quantization", "bnb-4bit", "--device", "cpu"],
+            2,
+            f"gpn serve: {tmp_path / 'adapter'} is a PEFT adapter: --quantization applies to a whole model; merge",
+        ),
         ([str(tmp_path / "unknown"), "--state-dir", str(tmp_path / "a-file" / "states")], 2, "--state-dir"),
         ([str(tmp_path / "no-such-model")], 2, "does not exist"),
         ([str(tmp_path / "empty"), "--device", "cpu"], 2, "is not a model folder: it has no config.json"),
