@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -76,11 +77,12 @@ def losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_log(run_dir) if "loss" in r and "event" not in r]
 
 
-def launch(argv: list[str], log: Path) -> subprocess.Popen:
-    """`argv` started in its own process group from the repository root, its output to `log` (`.log_path`)."""
+def launch(argv: list[str], log: Path, env: Mapping[str, str] | None = None) -> subprocess.Popen:
+    """`argv` started in its own process group from the repository root, its output to `log` (`.log_path`), in
+    `env` (default: this process's environment)."""
     # PYTHONFAULTHANDLER: a run that hangs dumps every thread's Python stack on the SIGABRT `finish` sends
     env = dict(
-        os.environ,
+        os.environ if env is None else env,
         PYTHONPATH=str(REPO_ROOT),
         OMP_NUM_THREADS="1",
         TOKENIZERS_PARALLELISM="false",
