@@ -473,23 +473,32 @@ def changed_settings_of(run_dir: Path, *argv: str) -> list[str]:
     return [change.split(":")[0] for change in train_module.changed_settings(saved, config)]
 
 
-@pytest.fixture(scope="module")
-def fault_launches(request, tmp_path_factory, cache, shakespeare) -> Iterator[dict[str, Future]]:
-    """The processes of the fault tests below (2-process DDP runs driven to their fault, and the watched-stage
-    processes), run two at a time in the background from the first of those tests on: test name -> the future of
-    what that test asserts on. Why: the suite's time on 2 cores. Each launch leaves a core idle for seconds (its
-    launcher importing, a stopped rank's --ddp-timeout, a watchdog's wait), which the other launch fills; one
-    after another they took about 50 s of the suite. Only the launches of the tests selected in this run start."""
+@pytest.fixture(scope="module", autouse=True)
+def fault_launches(request, tmp_path_factory) -> Iterator[dict[str, Future]]:
+    """The fresh processes of the tests named in FAULT_LAUNCHES (2-process DDP runs driven to their fault, the
+    watched-stage processes), run two at a time in the background from the module's first test
+    on: test name -> the future of what that test asserts on. Why: the suite's time on 2 cores. This process's
+    tests keep one core busy, and each launch leaves a core idle for seconds (its launcher importing, a stopped
+    rank's --ddp-timeout, a watchdog's wait); one after another they took about 50 s of the suite. Only the
+    launches of the tests selected in this run start."""
     selected = {item.name for item in request.session.items if item.module is request.module}
+    jobs = {test: scenario for test, scenario in FAULT_LAUNCHES.items() if test in selected}
+    if not jobs:  # (nor the corpus, which the tests that need it ask for)
+        yield {}
+        return
+    # (the corpus only for the training runs: the watched stages need none)
+    cache, shakespeare = None, None
+    if jobs.keys() - {test_a_watched_stage_that_hangs_ends_the_process_naming_it_with_every_stack.__name__}:
+        cache, shakespeare = request.getfixturevalue("cache"), request.getfixturevalue("shakespeare")
     root = tmp_path_factory.mktemp("fault-launches")
-    with pytest.MonkeyPatch.context() as env, two_at_a_time() as pool:
-        env.setenv("ACCELERATE_USE_CPU", "1")  # (the function-scoped accelerate_on_cpu fixture does not cover these)
+    # The launches' environment, taken here: the tests meanwhile change os.environ (monkeypatch).
+    env = dict(os.environ, ACCELERATE_USE_CPU="1")
+    with two_at_a_time() as pool:
         futures = {}
-        for test, scenario in FAULT_LAUNCHES.items():
-            if test in selected:
-                folder = root / test
-                folder.mkdir()
-                futures[test] = pool.submit(scenario, folder, cache, shakespeare)
+        for test, scenario in jobs.items():
+            folder = root / test
+            folder.mkdir()
+            futures[test] = pool.submit(scenario, folder, cache, shakespeare, env)
         yield futures
 
 
@@ -499,7 +508,7 @@ def launched(request, fault_launches):
     return fault_launches[request.node.name].result()
 
 
-def _stuck_rank_in_training(folder: Path, cache: Path, shakespeare: Path) -> tuple[float, str]:
+def _stuck_rank_in_training(folder: Path, cache: Path, shakespeare: Path, env: dict[str, str]) -> tuple[float, str]:
     """A 2-process DDP run whose rank 1 is stopped (SIGSTOP) after step 2: (the seconds rank 0 waited before it
     ended, the launch's output)."""
     run_dir = folder / "ddp"
@@ -507,6 +516,7 @@ def _stuck_rank_in_training(folder: Path, cache: Path, shakespeare: Path) -> tup
         ["--multi_gpu"],
         small_args(shakespeare, run_dir, cache, "--steps", "100000", "--ddp-timeout", "5"),
         folder / "ddp.log",
+        env=env,
     )
     wait_for_step(launcher, run_dir, 2)
     ranks = _ranks(launcher)
@@ -553,11 +563,11 @@ def _ranks(launcher: subprocess.Popen) -> dict[int, int]:
     return ranks
 
 
-def _sigterm_to_rank_1(folder: Path, cache: Path, shakespeare: Path) -> tuple[Path, str]:
+def _sigterm_to_rank_1(folder: Path, cache: Path, shakespeare: Path, env: dict[str, str]) -> tuple[Path, str]:
     """A 2-process DDP run whose rank 1 alone gets SIGTERM after step 2: (its run folder, the launch's output)."""
     run_dir = folder / "ddp"
     launcher = launch_two_processes(
-        ["--multi_gpu"], small_args(shakespeare, run_dir, cache, "--steps", "100000"), folder / "ddp.log"
+        ["--multi_gpu"], small_args(shakespeare, run_dir, cache, "--steps", "100000"), folder / "ddp.log", env=env
     )
     wait_for_step(launcher, run_dir, 2)
     os.kill(_ranks(launcher)[1], signal.SIGTERM)  # rank 1 only: rank 0 must learn it at the step boundary
@@ -574,12 +584,12 @@ def test_sigterm_to_one_ddp_rank_stops_every_rank_at_the_same_step_with_a_checkp
     assert f"stopped by SIGTERM after step {step} of 100000" in output, output[-3000:]
 
 
-def _launcher_killed(folder: Path, cache: Path, shakespeare: Path) -> Path:
+def _launcher_killed(folder: Path, cache: Path, shakespeare: Path, env: dict[str, str]) -> Path:
     """A 2-process DDP run whose launcher alone is killed (SIGKILL) after step 2, waited for until its ranks
     end (at most 60 s): its run folder."""
     run_dir = folder / "ddp"
     launcher = launch_two_processes(
-        ["--multi_gpu"], small_args(shakespeare, run_dir, cache, "--steps", "100000"), folder / "ddp.log"
+        ["--multi_gpu"], small_args(shakespeare, run_dir, cache, "--steps", "100000"), folder / "ddp.log", env=env
     )
     wait_for_step(launcher, run_dir, 2)
     ranks = _ranks(launcher)
@@ -625,7 +635,7 @@ sys.exit(main())
 """
 
 
-def _rank_dies_in_a_checkpoint(folder: Path, cache: Path, shakespeare: Path) -> tuple[Path, str]:
+def _rank_dies_in_a_checkpoint(folder: Path, cache: Path, shakespeare: Path, env: dict[str, str]) -> tuple[Path, str]:
     """A 2-process DDP run (DIES_IN_A_CHECKPOINT) whose rank 1 dies inside the checkpoint of step 2: (its run
     folder, the failed launch's output)."""
     script = folder / "dies_in_a_checkpoint.py"
@@ -636,6 +646,7 @@ def _rank_dies_in_a_checkpoint(folder: Path, cache: Path, shakespeare: Path) -> 
         small_args(shakespeare, run_dir, cache, "--steps", "4", "--checkpoint-interval", "2", "--ddp-timeout", "30"),
         folder / "ddp.log",
         program=(str(script),),
+        env=env,
     )
     return run_dir, failed_launch_output(launcher)
 
@@ -653,7 +664,7 @@ def test_a_rank_that_dies_inside_a_checkpoint_is_named_not_blamed_on_the_disk(la
     assert checkpoint_steps(run_dir) == [] and not list((run_dir / "checkpoints").glob(".tmp-*"))
 
 
-def _stuck_rank_at_the_end(folder: Path, cache: Path, shakespeare: Path) -> str:
+def _stuck_rank_at_the_end(folder: Path, cache: Path, shakespeare: Path, env: dict[str, str]) -> str:
     """A 2-process DDP run whose rank 1 stops (SIGSTOP) once training is over (its final record logged), waited
     for until rank 0 ends (at most 90 s): the launch's output."""
     run_dir = folder / "ddp"
@@ -661,6 +672,7 @@ def _stuck_rank_at_the_end(folder: Path, cache: Path, shakespeare: Path) -> str:
         ["--multi_gpu"],
         small_args(shakespeare, run_dir, cache, "--steps", "3", "--ddp-timeout", "5", "--sample-tokens", "200"),
         folder / "ddp.log",
+        env=env,
     )
     deadline = time.time() + 180
     while not (run_dir / "log.jsonl").exists() or not any(
@@ -707,12 +719,16 @@ WATCHED_STAGES_END_IN_TIME = (
 )
 
 
-def _watched_stages(folder: Path, cache: Path, shakespeare: Path) -> tuple[float, list[subprocess.Popen], list]:
+def _watched_stages(
+    folder: Path, cache: Path, shakespeare: Path, env: dict[str, str]
+) -> tuple[float, list[subprocess.Popen], list]:
     """HANGS_IN_A_WATCHED_STAGE and WATCHED_STAGES_END_IN_TIME run at once: (the seconds until both ended, the
     two processes, their (stdout, stderr))."""
     started = time.time()
     processes = [
-        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
         for code in (HANGS_IN_A_WATCHED_STAGE, WATCHED_STAGES_END_IN_TIME)
     ]
     outputs = [process.communicate(timeout=100) for process in processes]
@@ -727,9 +743,9 @@ def test_a_watched_stage_that_hangs_ends_the_process_naming_it_with_every_stack(
     assert processes[1].returncode == 0 and in_time_out.strip() == "done", in_time_err
 
 
-# The launches of the tests above (test name -> what runs it, given its own folder, the token cache and the corpus),
-# two at a time in the order of the tests (fault_launches).
-FAULT_LAUNCHES: dict[str, Callable[[Path, Path, Path], object]] = {
+# The launches of the tests above (test name -> what runs it, given its own folder, the token cache, the corpus and
+# the environment), two at a time in the order of the tests (fault_launches).
+FAULT_LAUNCHES: dict[str, Callable[[Path, Path, Path, dict[str, str]], object]] = {
     test_a_stuck_ddp_rank_fails_the_job_after_ddp_timeout.__name__: _stuck_rank_in_training,
     test_sigterm_to_one_ddp_rank_stops_every_rank_at_the_same_step_with_a_checkpoint.__name__: _sigterm_to_rank_1,
     test_ranks_whose_launcher_is_killed_stop_with_a_checkpoint.__name__: _launcher_killed,

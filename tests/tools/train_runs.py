@@ -117,7 +117,11 @@ def finish(process: subprocess.Popen, timeout: float = 300) -> str:
 
 
 def launch_two_processes(
-    distribution: list[str], args: list[str], log: Path, program: tuple[str, ...] = ("-m", "modeling_gpn.train")
+    distribution: list[str],
+    args: list[str],
+    log: Path,
+    program: tuple[str, ...] = ("-m", "modeling_gpn.train"),
+    env: Mapping[str, str] | None = None,
 ) -> subprocess.Popen:
     """`accelerate launch` of 2 CPU processes with `distribution`'s flags (`--multi_gpu` for DDP, FSDP's),
     running `gpn train` (or `program`, a script that wraps it) with `args` (ACCELERATE_USE_CPU=1 comes from the
@@ -142,6 +146,7 @@ def launch_two_processes(
             *args,
         ],
         log,
+        env,
     )
 
 
