@@ -211,17 +211,20 @@ def converted_from(dtype, folder: Path) -> tuple[dict, Path, subprocess.Complete
 
 @pytest.fixture(scope="module", autouse=True)
 def conversions(request, tmp_path_factory) -> Iterator[dict]:
-    """The `gpn convert` processes of the tests below, started in the background at the module's first test
-    (subprocesses.started_in_the_background; only the selected tests'): test name -> future of what it returns."""
+    """The `gpn convert` processes of the tests below, started in the background at the module's first test,
+    beside the module's in-process tests (subprocesses.started_in_the_background; only the selected tests'): the
+    suite's time on 2 cores. Test name -> future of what the test asserts on."""
     root = tmp_path_factory.mktemp("gpn-convert")
+    for name in ("float16", "float64"):
+        (root / name).mkdir()
     dtypes = "test_gpn_convert_says_so_when_it_converts_the_checkpoints_dtype_to_float32[{}]"
     jobs = {
         "test_gpn_convert_command_writes_a_loadable_folder": lambda: (
             root / "converted",
             gpn_convert(require_shared("fixtures/reference/sot_m_2l"), root / "converted"),
         ),
-        dtypes.format("float16"): lambda: converted_from(np.float16, tmp_path_factory.mktemp("float16")),
-        dtypes.format("float64"): lambda: converted_from(np.float64, tmp_path_factory.mktemp("float64")),
+        dtypes.format("float16"): lambda: converted_from(np.float16, root / "float16"),
+        dtypes.format("float64"): lambda: converted_from(np.float64, root / "float64"),
     }
     selected = {item.name for item in request.session.items if item.module is request.module}
     with started_in_the_background(jobs, selected) as started:

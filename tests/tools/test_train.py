@@ -49,8 +49,9 @@ FRESH_PROCESS_TESTS = {
 @pytest.fixture(scope="module", autouse=True)
 def fresh_processes(request, tmp_path_factory) -> Iterator[dict]:
     """The `gpn train` processes of three tests further down (a launch Accelerate runs as one process each, the
-    mixed-precision refusals, a bf16 run), started in the background at the module's first test
-    (subprocesses.started_in_the_background; only the selected tests'): test name -> future of what it returns."""
+    mixed-precision refusals, a bf16 run), started in the background at the module's first test, beside the
+    module's in-process tests (subprocesses.started_in_the_background; only the selected tests'): the suite's time
+    on 2 cores. Test name -> future of what the test asserts on."""
     selected = {item.name for item in request.session.items if item.module is request.module}
     if not selected & FRESH_PROCESS_TESTS:  # (nor the corpus, which the tests that need it ask for)
         yield {}

@@ -125,7 +125,7 @@ def launch_two_processes(
 ) -> subprocess.Popen:
     """`accelerate launch` of 2 CPU processes with `distribution`'s flags (`--multi_gpu` for DDP, FSDP's),
     running `gpn train` (or `program`, a script that wraps it) with `args` (ACCELERATE_USE_CPU=1 comes from the
-    accelerate_on_cpu fixture)."""
+    accelerate_on_cpu fixture, or from `env`, which replaces this process's environment as `launch`'s does)."""
     return launch(
         [
             sys.executable,
