@@ -9,8 +9,8 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 # A `sys.meta_path` finder that raises ImportError for `modeling_gpn` (the editable install would otherwise
@@ -62,3 +62,16 @@ def two_at_a_time() -> Iterator[ThreadPoolExecutor]:
         yield pool
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+@contextlib.contextmanager
+def started_in_the_background(
+    jobs: Mapping[str, Callable[[], object]], selected: set[str]
+) -> Iterator[dict[str, Future]]:
+    """The `jobs` (test name -> what runs that test's fresh processes) of the `selected` tests, started two at a
+    time in the background at once: test name -> the future of the job's result (waited for when the block ends).
+    For tests whose fresh processes need nothing of the tests before them, started by a module fixture at the
+    module's first test: the suite's time on 2 cores, where this process's tests keep one core busy and a fresh
+    process run meanwhile the other (run by its own test, a fresh process leaves this one waiting)."""
+    with two_at_a_time() as pool:
+        yield {name: pool.submit(job) for name, job in jobs.items() if name in selected}

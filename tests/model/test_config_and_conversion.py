@@ -9,6 +9,8 @@ import shutil
 import subprocess
 import sys
 import types
+from collections.abc import Iterator
+from pathlib import Path
 from unittest import mock
 
 import numpy as np
@@ -21,6 +23,7 @@ from modeling_gpn.configuration import list_presets, load_preset, preset_path
 from modeling_gpn.conversion import CheckpointError, load_reference_model
 
 from ..environment import require_shared, small_disk
+from ..subprocesses import started_in_the_background
 from ..tiny_models import perturbed_model, tiny_config
 
 
@@ -231,12 +234,46 @@ def test_convert_from_a_trainer_pickle_equals_the_npz_folder(tmp_path):
         assert torch.equal(from_pickle(tokens).logits, from_folder(tokens).logits)
 
 
-def test_gpn_convert_command_writes_a_loadable_folder(tmp_path):
-    folder = require_shared("fixtures/reference/sot_m_2l")
-    out = tmp_path / "converted"
-    result = subprocess.run(
-        [sys.executable, "-m", "gpn_cli", "convert", str(folder), str(out)], capture_output=True, text=True
+def gpn_convert(source, out) -> subprocess.CompletedProcess:
+    """`gpn convert SOURCE OUT` through the console script, in a fresh process."""
+    return subprocess.run(
+        [sys.executable, "-m", "gpn_cli", "convert", str(source), str(out)], capture_output=True, text=True
     )
+
+
+def converted_from(dtype, folder: Path) -> tuple[dict, Path, subprocess.CompletedProcess]:
+    """The fixture's parameters cast to `dtype`, written as a reference checkpoint in `folder` and converted by
+    `gpn convert`: (the parameters, the output folder, the finished command)."""
+    params = {name: array.astype(dtype) for name, array in fixture_params().items()}
+    write_checkpoint(folder / "checkpoint.pkl", params)
+    return params, folder / "converted", gpn_convert(folder / "checkpoint.pkl", folder / "converted")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def conversions(request, tmp_path_factory) -> Iterator[dict]:
+    """The `gpn convert` processes of the tests below, started in the background at the module's first test,
+    beside the module's in-process tests (subprocesses.started_in_the_background; only the selected tests'): the
+    suite's time on 2 cores. Test name -> future of what the test asserts on."""
+    root = tmp_path_factory.mktemp("gpn-convert")
+    for name in ("float16", "float64"):
+        (root / name).mkdir()
+    dtypes = "test_gpn_convert_says_so_when_it_converts_the_checkpoints_dtype_to_float32[{}]"
+    jobs = {
+        "test_gpn_convert_command_writes_a_loadable_folder": lambda: (
+            root / "converted",
+            gpn_convert(require_shared("fixtures/reference/sot_m_2l"), root / "converted"),
+        ),
+        dtypes.format("float16"): lambda: converted_from(np.float16, root / "float16"),
+        dtypes.format("float64"): lambda: converted_from(np.float64, root / "float64"),
+    }
+    selected = {item.name for item in request.session.items if item.module is request.module}
+    with started_in_the_background(jobs, selected) as started:
+        yield started
+
+
+def test_gpn_convert_command_writes_a_loadable_folder(request, conversions):
+    folder = require_shared("fixtures/reference/sot_m_2l")
+    out, result = conversions[request.node.name].result()
     assert result.returncode == 0, result.stderr
     assert (out / "model.safetensors").exists() and not list(out.glob("*.bin"))
     config = json.loads((out / "config.json").read_text())
@@ -252,18 +289,11 @@ def test_gpn_convert_command_writes_a_loadable_folder(tmp_path):
         torch.testing.assert_close(loaded(tokens).logits, load_reference_model(folder)(tokens).logits, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("dtype", [np.float16, np.float64])
-def test_gpn_convert_says_so_when_it_converts_the_checkpoints_dtype_to_float32(tmp_path, dtype):
+@pytest.mark.parametrize("dtype", [np.float16, np.float64], ids=["float16", "float64"])
+def test_gpn_convert_says_so_when_it_converts_the_checkpoints_dtype_to_float32(request, conversions, dtype):
     """A float16 or float64 checkpoint became a float32 folder in silence: converted (a GPN computes in float32)
     with one line saying so; float16 values kept exactly."""
-    params = {name: array.astype(dtype) for name, array in fixture_params().items()}
-    write_checkpoint(tmp_path / "checkpoint.pkl", params)
-    out = tmp_path / "converted"
-    result = subprocess.run(
-        [sys.executable, "-m", "gpn_cli", "convert", str(tmp_path / "checkpoint.pkl"), str(out)],
-        capture_output=True,
-        text=True,
-    )
+    params, out, result = conversions[request.node.name].result()
     assert result.returncode == 0, result.stderr
     notes = [line for line in result.stderr.splitlines() if line.startswith("gpn convert: note:")]
     assert notes == [

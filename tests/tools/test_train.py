@@ -22,7 +22,7 @@ from modeling_gpn import train as train_module
 from modeling_gpn.data import CorpusSpec, DataError, train_bpe_tokenizer
 
 from ..environment import REPO_ROOT
-from ..subprocesses import two_at_a_time
+from ..subprocesses import started_in_the_background, two_at_a_time
 from ..tiny_models import tiny_config
 from .train_runs import (
     finish,
@@ -37,6 +37,45 @@ from .train_runs import (
 )
 
 pytestmark = pytest.mark.usefixtures("accelerate_on_cpu")
+
+
+FRESH_PROCESS_TESTS = {
+    "test_a_launch_of_several_processes_that_accelerate_runs_as_one_each_is_refused",
+    "test_mixed_precision_that_would_not_be_applied_is_refused",
+    "test_gpn_train_mixed_precision_bf16_on_cpu_ends_finite",
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_processes(request, tmp_path_factory) -> Iterator[dict]:
+    """The `gpn train` processes of three tests further down (a launch Accelerate runs as one process each, the
+    mixed-precision refusals, a bf16 run), started in the background at the module's first test, beside the
+    module's in-process tests (subprocesses.started_in_the_background; only the selected tests'): the suite's time
+    on 2 cores. Test name -> future of what the test asserts on."""
+    selected = {item.name for item in request.session.items if item.module is request.module}
+    if not selected & FRESH_PROCESS_TESTS:  # (nor the corpus, which the tests that need it ask for)
+        yield {}
+        return
+    cache, shakespeare = request.getfixturevalue("cache"), request.getfixturevalue("shakespeare")
+    root = tmp_path_factory.mktemp("fresh-processes")
+    env = dict(os.environ, ACCELERATE_USE_CPU="1")  # (taken here: the tests' monkeypatches change os.environ)
+    jobs = {  # (FRESH_PROCESS_TESTS)
+        "test_a_launch_of_several_processes_that_accelerate_runs_as_one_each_is_refused": lambda: (
+            _several_processes_accelerate_runs_as_one_each(root / "several", cache, shakespeare, env)
+        ),
+        "test_mixed_precision_that_would_not_be_applied_is_refused": lambda: (
+            root / "refused",
+            _mixed_precision_refusals(root / "refused", env),
+        ),
+        "test_gpn_train_mixed_precision_bf16_on_cpu_ends_finite": lambda: (
+            root / "bf16",
+            _bf16_run(root / "bf16", cache, shakespeare, env),
+        ),
+    }
+    for name in ("several", "refused"):
+        (root / name).mkdir()
+    with started_in_the_background(jobs, selected) as started:
+        yield started
 
 
 def test_tiny_preset_loss_falls_output_loads_and_the_log_says_what_ran(
@@ -457,36 +496,40 @@ def build_tiny_gpn():
     return GPNForCausalLM(tiny_config())
 
 
-def test_a_launch_of_several_processes_that_accelerate_runs_as_one_each_is_refused(
-    tmp_path, cache, shakespeare, monkeypatch
-):
-    # The user's FSDP config on a machine without GPUs: `use_cpu: true` in the file does not reach the processes,
-    # so Accelerate starts each of the 2 launched processes as a single-process run.
-    monkeypatch.delenv("ACCELERATE_USE_CPU")
-    config_file = tmp_path / "fsdp-cpu.yaml"
+def _several_processes_accelerate_runs_as_one_each(
+    folder: Path, cache: Path, shakespeare: Path, env: dict[str, str]
+) -> tuple[Path, str, int]:
+    """The user's FSDP config on a machine without GPUs, launched for 2 processes: (the run folder, the launch's
+    output, its exit status)."""
+    # `use_cpu: true` in the file does not reach the processes, so Accelerate starts each of the 2 launched
+    # processes as a single-process run.
+    config_file = folder / "fsdp-cpu.yaml"
     config_file.write_text(
         "compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n"
         "mixed_precision: 'no'\nnum_machines: 1\nnum_processes: 2\nuse_cpu: true\n"
     )
-    run_dir = tmp_path / "run"
-    launcher = launch(
-        [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--config_file",
-            str(config_file),
-            "--main_process_port",
-            str(free_port()),
-            "-m",
-            "modeling_gpn.train",
-            *small_args(shakespeare, run_dir, cache, "--steps", "3"),
-        ],
-        tmp_path / "launch.log",
-    )
+    run_dir = folder / "run"
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(config_file),
+        "--main_process_port",
+        str(free_port()),
+        "-m",
+        "modeling_gpn.train",
+        *small_args(shakespeare, run_dir, cache, "--steps", "3"),
+    ]
+    without_use_cpu = {name: value for name, value in env.items() if name != "ACCELERATE_USE_CPU"}
+    launcher = launch(command, folder / "launch.log", env=without_use_cpu)
     launcher.wait(timeout=300)
-    output = launcher.log_path.read_text()
-    assert launcher.returncode != 0, output[-3000:]
+    return run_dir, launcher.log_path.read_text(), launcher.returncode
+
+
+def test_a_launch_of_several_processes_that_accelerate_runs_as_one_each_is_refused(fresh_processes, request):
+    run_dir, output, returncode = fresh_processes[request.node.name].result()
+    assert returncode != 0, output[-3000:]
     errors = [line for line in output.splitlines() if line.startswith("gpn train: error:")]
     assert errors and all("launched as several processes (WORLD_SIZE=2" in line for line in errors), output[-3000:]
     assert "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N" in errors[0]
@@ -717,43 +760,60 @@ def test_bad_data_fails_clearly_before_training(tmp_path, cache):
     assert not (tmp_path / "out" / "checkpoints").exists()
 
 
-def test_mixed_precision_that_would_not_be_applied_is_refused(tmp_path):
+# `gpn train --mixed-precision` refusals: the case -> (its arguments, its environment, the refusal)
+MIXED_PRECISION_REFUSALS = {
+    "fp16 on CPU": (["--mixed-precision", "fp16"], {}, "--mixed-precision fp16 is not applied on CPU"),
+    "the launcher's choice": (
+        [],
+        {"ACCELERATE_MIXED_PRECISION": "bf16"},
+        "accelerate launch asked for mixed precision bf16, but this run's setting is no",
+    ),
+}
+
+
+def _mixed_precision_refusals(folder: Path, env: dict[str, str]) -> dict[str, subprocess.CompletedProcess]:
+    """Each of MIXED_PRECISION_REFUSALS in a `gpn train` process of its own (Accelerate's state is per process),
+    two at a time: the case -> the finished process."""
+
+    def refusal(extra: list[str], extra_env: dict) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "gpn_cli", "train", "--dataset", str(folder / "missing.txt")]
+        command += ["--output-dir", str(folder / "run"), *extra]
+        return subprocess.run(
+            command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env={**env, **extra_env}
+        )
+
+    with two_at_a_time() as pool:  # (each process imports torch and transformers on one core)
+        refused = {
+            name: pool.submit(refusal, extra, extra_env)
+            for name, (extra, extra_env, _) in MIXED_PRECISION_REFUSALS.items()
+        }
+    return {name: future.result() for name, future in refused.items()}
+
+
+def test_mixed_precision_that_would_not_be_applied_is_refused(fresh_processes, request):
     """`--mixed-precision fp16` on a CPU trained in float32 (Accelerate applies fp16 only off the CPU) while the
     run's summary said fp16; `accelerate launch --mixed_precision bf16` was overridden by the run's own "no". Both
     are refused in one line, before any data are read (each in its own process: Accelerate's state is per
     process)."""
-    cases = {
-        "fp16 on CPU": (["--mixed-precision", "fp16"], {}, "--mixed-precision fp16 is not applied on CPU"),
-        "the launcher's choice": (
-            [],
-            {"ACCELERATE_MIXED_PRECISION": "bf16"},
-            "accelerate launch asked for mixed precision bf16, but this run's setting is no",
-        ),
-    }
-
-    def refusal(extra: list[str], env: dict) -> subprocess.CompletedProcess:
-        command = [sys.executable, "-m", "gpn_cli", "train", "--dataset", str(tmp_path / "missing.txt")]
-        command += ["--output-dir", str(tmp_path / "run"), *extra]
-        return subprocess.run(
-            command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, **env}
-        )
-
-    with two_at_a_time() as pool:  # (each process imports torch and transformers on one core)
-        refused = {name: pool.submit(refusal, extra, env) for name, (extra, env, _) in cases.items()}
-    for name, (_, _, needle) in cases.items():
-        done = refused[name].result()
+    folder, refused = fresh_processes[request.node.name].result()
+    for name, (_, _, needle) in MIXED_PRECISION_REFUSALS.items():
+        done = refused[name]
         assert done.returncode == 1 and f"gpn train: error: {needle}" in done.stderr, (name, done.stderr[-3000:])
-        assert "Traceback" not in done.stderr and not (tmp_path / "run").exists(), name
+        assert "Traceback" not in done.stderr and not (folder / "run").exists(), name
 
 
-def test_gpn_train_mixed_precision_bf16_on_cpu_ends_finite(tmp_path, cache, shakespeare):
+def _bf16_run(run: Path, cache: Path, shakespeare: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`gpn train --mixed-precision bf16` for 4 steps of the tiny preset, in its own process."""
+    command = [sys.executable, "-m", "gpn_cli", "train"]
+    command += small_args(shakespeare, run, cache, "--steps", "4", "--mixed-precision", "bf16")  # (tokenized)
+    return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=env)
+
+
+def test_gpn_train_mixed_precision_bf16_on_cpu_ends_finite(fresh_processes, request):
     """`gpn train --mixed-precision bf16` on CPU (its own process: Accelerate's state is per process): a few
     steps of the tiny preset end with finite losses (before the fix: NaN at step 1, blaming the learning
     rate)."""
-    run = tmp_path / "run"
-    command = [sys.executable, "-m", "gpn_cli", "train"]
-    command += small_args(shakespeare, run, cache, "--steps", "4", "--mixed-precision", "bf16")  # (tokenized)
-    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    run, done = fresh_processes[request.node.name].result()
     assert done.returncode == 0, done.stderr[-3000:]
     assert "mixed precision bf16" in done.stdout + done.stderr
     log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines() if line]

@@ -14,6 +14,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ import torch
 from modeling_gpn import train as train_module
 
 from ..environment import small_disk
+from ..subprocesses import two_at_a_time
 from .train_runs import (
     failed_launch_output,
     finish,
@@ -470,12 +473,51 @@ def changed_settings_of(run_dir: Path, *argv: str) -> list[str]:
     return [change.split(":")[0] for change in train_module.changed_settings(saved, config)]
 
 
-def test_a_stuck_ddp_rank_fails_the_job_after_ddp_timeout(tmp_path, cache, shakespeare):
-    run_dir = tmp_path / "ddp"
+@pytest.fixture(scope="module", autouse=True)
+def fault_launches(request, tmp_path_factory) -> Iterator[dict[str, Future]]:
+    """The fresh processes of the tests named in FAULT_LAUNCHES (2-process DDP runs driven to their fault, the
+    watched-stage processes), run two at a time in the background from the module's first test on: test name ->
+    the future of what that test asserts on. Why: the suite's time on 2 cores. This process's tests keep one core
+    busy, and each launch leaves a core idle for seconds (its launcher importing, a stopped rank's --ddp-timeout,
+    a watchdog's wait); one after another they took about 50 s of the suite. Only the launches of the tests
+    selected in this run start. (The second-Ctrl-C run stays in its test: run in this pool, it failed once in a
+    run of the whole module, for a reason not seen.)"""
+    selected = {item.name for item in request.session.items if item.module is request.module}
+    jobs = {test: scenario for test, scenario in FAULT_LAUNCHES.items() if test in selected}
+    if not jobs:  # (nor the corpus, which the tests that need it ask for)
+        yield {}
+        return
+    # (the corpus only for the training runs: the watched stages need none)
+    cache, shakespeare = None, None
+    if jobs.keys() - {test_a_watched_stage_that_hangs_ends_the_process_naming_it_with_every_stack.__name__}:
+        cache, shakespeare = request.getfixturevalue("cache"), request.getfixturevalue("shakespeare")
+    root = tmp_path_factory.mktemp("fault-launches")
+    # The launches' environment, taken here: the tests meanwhile change os.environ (monkeypatch).
+    env = dict(os.environ, ACCELERATE_USE_CPU="1")
+    with two_at_a_time() as pool:
+        futures = {}
+        for test, scenario in jobs.items():
+            folder = root / test
+            folder.mkdir()
+            futures[test] = pool.submit(scenario, folder, cache, shakespeare, env)
+        yield futures
+
+
+@pytest.fixture
+def launched(request, fault_launches):
+    """What this test's launch (FAULT_LAUNCHES) left to assert on, once it has ended."""
+    return fault_launches[request.node.name].result()
+
+
+def _stuck_rank_in_training(folder: Path, cache: Path, shakespeare: Path, env: dict[str, str]) -> tuple[float, str]:
+    """A 2-process DDP run whose rank 1 is stopped (SIGSTOP) after step 2: (the seconds rank 0 waited before it
+    ended, the launch's output)."""
+    run_dir = folder / "ddp"
     launcher = launch_two_processes(
         ["--multi_gpu"],
         small_args(shakespeare, run_dir, cache, "--steps", "100000", "--ddp-timeout", "5"),
-        tmp_path / "ddp.log",
+        folder / "ddp.log",
+        env=env,
     )
     wait_for_step(launcher, run_dir, 2)
     ranks = _ranks(launcher)
@@ -494,7 +536,11 @@ def test_a_stuck_ddp_rank_fails_the_job_after_ddp_timeout(tmp_path, cache, shake
         with contextlib.suppress(ProcessLookupError):
             os.kill(ranks[1], signal.SIGKILL)
         launcher.wait()
-    output = launcher.log_path.read_text()
+    return waited, launcher.log_path.read_text()
+
+
+def test_a_stuck_ddp_rank_fails_the_job_after_ddp_timeout(launched):
+    waited, output = launched
     assert 4 < waited < 40, waited
     assert "gpn train: error: a collective operation timed out after --ddp-timeout 5 s while training step" in output, (
         output[-3000:]
@@ -518,14 +564,19 @@ def _ranks(launcher: subprocess.Popen) -> dict[int, int]:
     return ranks
 
 
-def test_sigterm_to_one_ddp_rank_stops_every_rank_at_the_same_step_with_a_checkpoint(tmp_path, cache, shakespeare):
-    run_dir = tmp_path / "ddp"
+def _sigterm_to_rank_1(folder: Path, cache: Path, shakespeare: Path, env: dict[str, str]) -> tuple[Path, str]:
+    """A 2-process DDP run whose rank 1 alone gets SIGTERM after step 2: (its run folder, the launch's output)."""
+    run_dir = folder / "ddp"
     launcher = launch_two_processes(
-        ["--multi_gpu"], small_args(shakespeare, run_dir, cache, "--steps", "100000"), tmp_path / "ddp.log"
+        ["--multi_gpu"], small_args(shakespeare, run_dir, cache, "--steps", "100000"), folder / "ddp.log", env=env
     )
     wait_for_step(launcher, run_dir, 2)
     os.kill(_ranks(launcher)[1], signal.SIGTERM)  # rank 1 only: rank 0 must learn it at the step boundary
-    output = failed_launch_output(launcher)
+    return run_dir, failed_launch_output(launcher)
+
+
+def test_sigterm_to_one_ddp_rank_stops_every_rank_at_the_same_step_with_a_checkpoint(launched):
+    run_dir, output = launched
     [checkpoint] = sorted((run_dir / "checkpoints").glob("step-*"))
     step = int(checkpoint.name.split("-")[1])
     assert json.loads((checkpoint / "trainer_state.json").read_text())["step"] == step
@@ -534,12 +585,12 @@ def test_sigterm_to_one_ddp_rank_stops_every_rank_at_the_same_step_with_a_checkp
     assert f"stopped by SIGTERM after step {step} of 100000" in output, output[-3000:]
 
 
-def test_ranks_whose_launcher_is_killed_stop_with_a_checkpoint(tmp_path, cache, shakespeare):
-    """A launcher killed outright (kill -9, the OOM killer) cannot stop its ranks: they trained on, orphaned, to
-    the end of the run. Each rank now gets SIGTERM when its launcher dies, and stops as SIGTERM stops it."""
-    run_dir = tmp_path / "ddp"
+def _launcher_killed(folder: Path, cache: Path, shakespeare: Path, env: dict[str, str]) -> Path:
+    """A 2-process DDP run whose launcher alone is killed (SIGKILL) after step 2, waited for until its ranks
+    end (at most 60 s): its run folder."""
+    run_dir = folder / "ddp"
     launcher = launch_two_processes(
-        ["--multi_gpu"], small_args(shakespeare, run_dir, cache, "--steps", "100000"), tmp_path / "ddp.log"
+        ["--multi_gpu"], small_args(shakespeare, run_dir, cache, "--steps", "100000"), folder / "ddp.log", env=env
     )
     wait_for_step(launcher, run_dir, 2)
     ranks = _ranks(launcher)
@@ -554,6 +605,13 @@ def test_ranks_whose_launcher_is_killed_stop_with_a_checkpoint(tmp_path, cache, 
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         launcher.wait()
+    return run_dir
+
+
+def test_ranks_whose_launcher_is_killed_stop_with_a_checkpoint(launched):
+    """A launcher killed outright (kill -9, the OOM killer) cannot stop its ranks: they trained on, orphaned, to
+    the end of the run. Each rank now gets SIGTERM when its launcher dies, and stops as SIGTERM stops it."""
+    run_dir = launched
     [checkpoint] = sorted((run_dir / "checkpoints").glob("step-*"))
     step = int(checkpoint.name.split("-")[1])
     assert [r for r in read_log(run_dir) if r.get("event")] == [{"step": step, "event": "stopped", "signal": "SIGTERM"}]
@@ -578,20 +636,27 @@ sys.exit(main())
 """
 
 
-def test_a_rank_that_dies_inside_a_checkpoint_is_named_not_blamed_on_the_disk(tmp_path, cache, shakespeare):
-    # The peer's death reached the main process as gloo's RuntimeError inside the checkpoint, which was
-    # reported as a failed write: "Cannot write .../step-0000002: ... Connection reset by peer ... (58392.2 MiB
-    # free there)".
-    script = tmp_path / "dies_in_a_checkpoint.py"
+def _rank_dies_in_a_checkpoint(folder: Path, cache: Path, shakespeare: Path, env: dict[str, str]) -> tuple[Path, str]:
+    """A 2-process DDP run (DIES_IN_A_CHECKPOINT) whose rank 1 dies inside the checkpoint of step 2: (its run
+    folder, the failed launch's output)."""
+    script = folder / "dies_in_a_checkpoint.py"
     script.write_text(DIES_IN_A_CHECKPOINT)
-    run_dir = tmp_path / "ddp"
+    run_dir = folder / "ddp"
     launcher = launch_two_processes(
         ["--multi_gpu"],
         small_args(shakespeare, run_dir, cache, "--steps", "4", "--checkpoint-interval", "2", "--ddp-timeout", "30"),
-        tmp_path / "ddp.log",
+        folder / "ddp.log",
         program=(str(script),),
+        env=env,
     )
-    output = failed_launch_output(launcher)
+    return run_dir, failed_launch_output(launcher)
+
+
+def test_a_rank_that_dies_inside_a_checkpoint_is_named_not_blamed_on_the_disk(launched):
+    # The peer's death reached the main process as gloo's RuntimeError inside the checkpoint, which was
+    # reported as a failed write: "Cannot write .../step-0000002: ... Connection reset by peer ... (58392.2 MiB
+    # free there)".
+    run_dir, output = launched
     errors = [line for line in output.splitlines() if line.startswith("gpn train: error:")]
     assert errors and errors[0].startswith(
         "gpn train: error: another process ended while saving checkpoint step-0000002, so this one stops too"
@@ -600,14 +665,15 @@ def test_a_rank_that_dies_inside_a_checkpoint_is_named_not_blamed_on_the_disk(tm
     assert checkpoint_steps(run_dir) == [] and not list((run_dir / "checkpoints").glob(".tmp-*"))
 
 
-def test_the_end_of_a_ddp_run_is_bounded_by_ddp_timeout_and_names_the_stage(tmp_path, cache, shakespeare):
-    # Rank 1 stops (SIGSTOP) once training is over: whatever collective of the end rank 0 reaches next (the
-    # weights' check, or the barrier after saving the model) must give up after --ddp-timeout, naming it.
-    run_dir = tmp_path / "ddp"
+def _stuck_rank_at_the_end(folder: Path, cache: Path, shakespeare: Path, env: dict[str, str]) -> str:
+    """A 2-process DDP run whose rank 1 stops (SIGSTOP) once training is over (its final record logged), waited
+    for until rank 0 ends (at most 90 s): the launch's output."""
+    run_dir = folder / "ddp"
     launcher = launch_two_processes(
         ["--multi_gpu"],
         small_args(shakespeare, run_dir, cache, "--steps", "3", "--ddp-timeout", "5", "--sample-tokens", "200"),
-        tmp_path / "ddp.log",
+        folder / "ddp.log",
+        env=env,
     )
     deadline = time.time() + 180
     while not (run_dir / "log.jsonl").exists() or not any(
@@ -629,34 +695,65 @@ def test_the_end_of_a_ddp_run_is_bounded_by_ddp_timeout_and_names_the_stage(tmp_
         with contextlib.suppress(ProcessLookupError):
             os.kill(ranks[1], signal.SIGKILL)
         launcher.wait()
-    output = launcher.log_path.read_text()
+    return launcher.log_path.read_text()
+
+
+def test_the_end_of_a_ddp_run_is_bounded_by_ddp_timeout_and_names_the_stage(launched):
+    # Rank 1 stops (SIGSTOP) once training is over: whatever collective of the end rank 0 reaches next (the
+    # weights' check, or the barrier after saving the model) must give up after --ddp-timeout, naming it.
+    output = launched
     end_stages = ("gathering the final weights", "waiting for every process after the model was saved")
     assert any(f"timed out after --ddp-timeout 5 s while {stage}" in output for stage in end_stages), output[-3000:]
 
 
-def test_a_watched_stage_that_hangs_ends_the_process_naming_it_with_every_stack(tmp_path):
-    # What bounds the end of the process group and the exit, which no --ddp-timeout covers: a real process
-    # that hangs inside a watched stage; and beside it (both started at once: each import takes seconds), a
-    # process whose stages end in time (the next enter, or finish), which the watchdog must leave alone.
-    hangs = (
-        "import time\nfrom modeling_gpn.train import RunStage\nstage = RunStage(watchdog_s=2)\n"
-        "stage.enter('ending the process group', watch=True)\ntime.sleep(120)\n"
-    )
-    ends_in_time = (
-        "import time\nfrom modeling_gpn.train import RunStage\nstage = RunStage(watchdog_s=1)\n"
-        "stage.enter('a', watch=True)\nstage.enter('b')\ntime.sleep(2)\nstage.enter('c', watch=True)\n"
-        "stage.finish()\ntime.sleep(2)\nprint('done')\n"
-    )
+# What bounds the end of the process group and the exit, which no --ddp-timeout covers: a real process that hangs
+# inside a watched stage; and beside it (both started at once: each import takes seconds), a process whose stages
+# end in time (the next enter, or finish), which the watchdog must leave alone.
+HANGS_IN_A_WATCHED_STAGE = (
+    "import time\nfrom modeling_gpn.train import RunStage\nstage = RunStage(watchdog_s=2)\n"
+    "stage.enter('ending the process group', watch=True)\ntime.sleep(120)\n"
+)
+WATCHED_STAGES_END_IN_TIME = (
+    "import time\nfrom modeling_gpn.train import RunStage\nstage = RunStage(watchdog_s=1)\n"
+    "stage.enter('a', watch=True)\nstage.enter('b')\ntime.sleep(2)\nstage.enter('c', watch=True)\n"
+    "stage.finish()\ntime.sleep(2)\nprint('done')\n"
+)
+
+
+def _watched_stages(
+    folder: Path, cache: Path, shakespeare: Path, env: dict[str, str]
+) -> tuple[float, list[subprocess.Popen], list]:
+    """HANGS_IN_A_WATCHED_STAGE and WATCHED_STAGES_END_IN_TIME run at once: (the seconds until both ended, the
+    two processes, their (stdout, stderr))."""
     started = time.time()
     processes = [
-        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for code in (hangs, ends_in_time)
+        subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        for code in (HANGS_IN_A_WATCHED_STAGE, WATCHED_STAGES_END_IN_TIME)
     ]
-    (hung_out, hung_err), (in_time_out, in_time_err) = (process.communicate(timeout=100) for process in processes)
-    assert processes[0].returncode == 1 and time.time() - started < 60, hung_err[-3000:]
+    outputs = [process.communicate(timeout=100) for process in processes]
+    return time.time() - started, processes, outputs
+
+
+def test_a_watched_stage_that_hangs_ends_the_process_naming_it_with_every_stack(launched):
+    took, processes, [(hung_out, hung_err), (in_time_out, in_time_err)] = launched
+    assert processes[0].returncode == 1 and took < 60, hung_err[-3000:]
     assert "gpn train: error: the run hung while ending the process group: still there after 2 s" in hung_err
     assert 'File "<string>", line 5 in <module>' in hung_err  # the stack of the hanging thread
     assert processes[1].returncode == 0 and in_time_out.strip() == "done", in_time_err
+
+
+# The launches of the tests above (test name -> what runs it, given its own folder, the token cache, the corpus and
+# the environment), two at a time in the order of the tests (fault_launches).
+FAULT_LAUNCHES: dict[str, Callable[[Path, Path, Path, dict[str, str]], object]] = {
+    test_a_stuck_ddp_rank_fails_the_job_after_ddp_timeout.__name__: _stuck_rank_in_training,
+    test_sigterm_to_one_ddp_rank_stops_every_rank_at_the_same_step_with_a_checkpoint.__name__: _sigterm_to_rank_1,
+    test_ranks_whose_launcher_is_killed_stop_with_a_checkpoint.__name__: _launcher_killed,
+    test_a_rank_that_dies_inside_a_checkpoint_is_named_not_blamed_on_the_disk.__name__: _rank_dies_in_a_checkpoint,
+    test_the_end_of_a_ddp_run_is_bounded_by_ddp_timeout_and_names_the_stage.__name__: _stuck_rank_at_the_end,
+    test_a_watched_stage_that_hangs_ends_the_process_naming_it_with_every_stack.__name__: _watched_stages,
+}
 
 
 # --------------------------------------------------------------------------------------------------

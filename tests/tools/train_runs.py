@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -76,11 +77,12 @@ def losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_log(run_dir) if "loss" in r and "event" not in r]
 
 
-def launch(argv: list[str], log: Path) -> subprocess.Popen:
-    """`argv` started in its own process group from the repository root, its output to `log` (`.log_path`)."""
+def launch(argv: list[str], log: Path, env: Mapping[str, str] | None = None) -> subprocess.Popen:
+    """`argv` started in its own process group from the repository root, its output to `log` (`.log_path`), in
+    `env` (default: this process's environment)."""
     # PYTHONFAULTHANDLER: a run that hangs dumps every thread's Python stack on the SIGABRT `finish` sends
     env = dict(
-        os.environ,
+        os.environ if env is None else env,
         PYTHONPATH=str(REPO_ROOT),
         OMP_NUM_THREADS="1",
         TOKENIZERS_PARALLELISM="false",
@@ -115,11 +117,15 @@ def finish(process: subprocess.Popen, timeout: float = 300) -> str:
 
 
 def launch_two_processes(
-    distribution: list[str], args: list[str], log: Path, program: tuple[str, ...] = ("-m", "modeling_gpn.train")
+    distribution: list[str],
+    args: list[str],
+    log: Path,
+    program: tuple[str, ...] = ("-m", "modeling_gpn.train"),
+    env: Mapping[str, str] | None = None,
 ) -> subprocess.Popen:
     """`accelerate launch` of 2 CPU processes with `distribution`'s flags (`--multi_gpu` for DDP, FSDP's),
     running `gpn train` (or `program`, a script that wraps it) with `args` (ACCELERATE_USE_CPU=1 comes from the
-    accelerate_on_cpu fixture)."""
+    accelerate_on_cpu fixture, or from `env`, which replaces this process's environment as `launch`'s does)."""
     return launch(
         [
             sys.executable,
@@ -140,6 +146,7 @@ def launch_two_processes(
             *args,
         ],
         log,
+        env,
     )
 
 
