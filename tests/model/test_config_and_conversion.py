@@ -212,8 +212,9 @@ def write_checkpoint(path, params, **extra) -> None:
             ScaleByScheduleState(1000),
         ),
     )
-    checkpoint = {"params": params, "step": 1000, "data_position": 123456, "opt_state": opt_state}
-    checkpoint.update(extra)
+    # `extra` first, where a hostile file puts its payload: run by a plain unpickler before anything else could fail
+    # (the optax classes, which a plain unpickler without optax cannot find)
+    checkpoint = {**extra, "params": params, "step": 1000, "data_position": 123456, "opt_state": opt_state}
     packages = {".".join(kind.__module__.split(".")[:n]) for kind in OPTAX_STATES for n in (1, 2, 3)}
     optax = {name: types.ModuleType(name) for name in packages}  # (pickle imports each class's module to find it)
     for kind in OPTAX_STATES:
