@@ -2489,8 +2489,8 @@ MUTATIONS = [
     Mutation(
         "gpn inspect reads a blank jsonl / csv / Hub row as a document (gpn train and gpn eval leave it out)",
         "modeling_gpn/inspect/inputs.py",
-        "        if text and text.strip():  #",
-        "        if text:  #",
+        "        if text.strip():  # a blank row",
+        "        if text:  # MUTATION",
         ("tests/tools/test_inspect.py -k exactly_the_files_gpn_train_reads",),
     ),
     Mutation(
@@ -3673,10 +3673,10 @@ MUTATIONS = [
     ),
     Mutation(
         "gpn inspect's jsonl row of a number reaches the tokenizer",
-        "modeling_gpn/inspect/inputs.py",
-        "        if text is not None and not isinstance(text, str):",
-        "        if False:  # MUTATION",
-        ("tests/tools/test_inspect.py -k rejects_bad_input",),
+        "modeling_gpn/data/corpus.py",
+        "    if not isinstance(text, str):\n",
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_inspect.py -k rejects_bad_input", "tests/tools/test_train.py -k bad_data_fails_clearly"),
     ),
     Mutation(
         "fineweb_paper's held-out windows read with eval's own reader, not gpn train's (no folders)",
@@ -4779,6 +4779,13 @@ MUTATIONS = [
         '        config = _read_config_json(src.parent / "config.json")\n',
         "        config = None  # MUTATION\n",
         ("tests/model/test_config_and_conversion.py::test_config_disagreeing_with_shapes_is_refused",),
+    ),
+    Mutation(
+        "gpn inspect skips a corpus row without text (gpn train refuses it by row)",
+        "modeling_gpn/inspect/inputs.py",
+        '        text = row_text(row, number, source, text_column, option="--text-column")\n',
+        '        text = row.get(text_column) or ""  # MUTATION\n',
+        ("tests/tools/test_inspect.py::test_gpn_inspect_rejects_bad_input",),
     ),
 ]
 

@@ -241,11 +241,12 @@ def hidden_match(match: Path, pattern: Path) -> bool:
     )
 
 
-def row_text(row: dict, number: int, source: str, text_field: str) -> str:
+def row_text(row: dict, number: int, source: str, text_field: str, option: str = "--text-field") -> str:
     """The text of row `number` (from 1) of `source`, or a `DataError` naming the row: a row without the column
-    reads as null when the source's other rows have it (a jsonl line), and a null or a number is no document."""
+    reads as null when the source's other rows have it (a jsonl line), and a null or a number is no document.
+    `option`: the command's option naming the column (gpn train's, or gpn inspect's --text-column)."""
     if text_field not in row:
-        raise DataError(f"{source} has no column {text_field!r} (columns: {', '.join(row)}); pass --text-field")
+        raise DataError(f"{source} has no column {text_field!r} (columns: {', '.join(row)}); pass {option}")
     text = row[text_field]
     if text is None:
         raise DataError(f"{source}: row {number} has no {text_field!r} (null, or missing from the row)")

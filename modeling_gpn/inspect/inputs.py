@@ -8,7 +8,14 @@ from pathlib import Path
 
 import torch
 
-from ..data.corpus import DEFAULT_DATASET, DEFAULT_DATASET_CONFIG, LOCAL_SUFFIXES, CorpusSpec, text_file_pieces
+from ..data.corpus import (
+    DEFAULT_DATASET,
+    DEFAULT_DATASET_CONFIG,
+    LOCAL_SUFFIXES,
+    CorpusSpec,
+    row_text,
+    text_file_pieces,
+)
 from ..data.tokenizer import PieceEncoder
 
 LOCAL_EXTENSIONS = LOCAL_SUFFIXES  # (the kinds of local file gpn train reads, and the `datasets` builder of each)
@@ -107,13 +114,11 @@ def iter_documents(
 
 
 def _rows_text(rows, text_column: str, source: str) -> Iterator[tuple[str, bool]]:
-    for row in rows:
-        if text_column not in row:
-            raise ValueError(f"{source} has no column {text_column!r} (columns: {sorted(row)}); pass --text-column")
-        text = row[text_column]
-        if text is not None and not isinstance(text, str):  # (the tokenizer's message names no file or column)
-            raise ValueError(f"{source}: column {text_column!r} holds {type(text).__name__}, not text")
-        if text and text.strip():  # a blank row is no document, as in gpn train's and gpn eval's token streams
+    for number, row in enumerate(rows, start=1):
+        # a row without text refused by its number, as gpn train refuses it (skipped, the corpus inspected would
+        # not be the one trained on)
+        text = row_text(row, number, source, text_column, option="--text-column")
+        if text.strip():  # a blank row is no document, as in gpn train's and gpn eval's token streams
             yield text, False, True
 
 

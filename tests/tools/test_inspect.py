@@ -625,6 +625,8 @@ def test_gpn_inspect_rejects_bad_input(tiny_llama_vocab_model, tmp_path, capsys)
     latin1.write_bytes("café résumé\n".encode("latin-1") * 50)
     numbers = tmp_path / "numbers.jsonl"
     numbers.write_text('{"text": 42}\n')
+    nulls = tmp_path / "nulls.jsonl"  # (a line without the field reads as null beside one that has it)
+    nulls.write_text('{"text": "some words"}\n{"title": "no text"}\n')
     bare = tmp_path / "without-tokenizer"
     bare.mkdir()
     for name in ("config.json", "model.safetensors"):
@@ -640,7 +642,8 @@ def test_gpn_inspect_rejects_bad_input(tiny_llama_vocab_model, tmp_path, capsys)
             "notes.md: unknown file type '.md'",
         ),
         ([str(tiny_llama_vocab_model), "--data", str(latin1)], "latin1.txt: it is not UTF-8 text"),
-        ([str(tiny_llama_vocab_model), "--data", str(numbers)], "numbers.jsonl: column 'text' holds int, not text"),
+        ([str(tiny_llama_vocab_model), "--data", str(numbers)], "numbers.jsonl: row 1's 'text' holds int, not text"),
+        ([str(tiny_llama_vocab_model), "--data", str(nulls)], "nulls.jsonl: row 2 has no 'text' (null"),
         ([str(tmp_path / "no-such-model"), "--data", str(text)], "does not exist"),
         ([str(bare), "--data", str(text)], "holds no tokenizer"),
         (
