@@ -59,7 +59,7 @@ from pathlib import Path
 
 import torch
 
-from modeling_gpn.cli.arguments import check_no_earlier_output
+from modeling_gpn.cli.arguments import ADAPTER_FOLDER_HELP, check_no_earlier_output
 
 from .runner import DEFAULT_FINEWEB_MAX_DOCUMENTS, DEFAULT_TASKS, TASKS, EvalSettings
 
@@ -67,8 +67,7 @@ from .runner import DEFAULT_FINEWEB_MAX_DOCUMENTS, DEFAULT_TASKS, TASKS, EvalSet
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model",
-        help="model folder or Hub repo id (a GPN or any transformers causal LM), or a PEFT adapter folder (its base, "
-        "named in adapter_config.json, with the adapter merged; tokenizer: the adapter folder's own, else the base's)",
+        help=f"model folder or Hub repo id (a GPN or any transformers causal LM), or {ADAPTER_FOLDER_HELP}",
     )
     parser.add_argument(
         "--tasks",

@@ -11,6 +11,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+# what the MODEL argument of gpn generate, eval and serve may also be (`cli.loading.load_causal_lm`), said once
+ADAPTER_FOLDER_HELP = (
+    "a PEFT adapter folder (its base, named in adapter_config.json, with the adapter merged; tokenizer: the adapter "
+    "folder's own, else the base's)"
+)
+
 
 def writable_folder(path: str | Path, option: str) -> Path:
     """`path` as a folder that either exists and takes new files, or can be created (its nearest existing

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from .arguments import ADAPTER_FOLDER_HELP
+
 DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
 DEFAULT_TEMPERATURE = 0.8
 DEFAULT_TOP_P = 0.95
@@ -30,8 +32,7 @@ def sampling_setting(model, name: str, given: float | None, default: float) -> f
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model",
-        help="model folder, Hub repo id, or PEFT adapter folder (its base, named in adapter_config.json, with the "
-        "adapter merged; tokenizer: the adapter folder's own, else the base's)",
+        help=f"model folder, Hub repo id, or {ADAPTER_FOLDER_HELP}",
     )
     parser.add_argument(
         "prompts",

@@ -19,7 +19,7 @@ import typing
 
 from transformers.cli.serve import Serve
 
-from ..cli.arguments import writable_folder
+from ..cli.arguments import ADAPTER_FOLDER_HELP, writable_folder
 from . import (
     DEFAULT_MAX_CONTEXT,
     DEFAULT_MAX_QUEUED_REQUESTS,
@@ -101,9 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 "model",
                 nargs="?",
                 default=None,
-                help=help_text + " Without it, each request's `model` is loaded. A model folder, a Hub repo id, or a "
-                "PEFT adapter folder (its base, named in adapter_config.json, with the adapter merged; tokenizer: the "
-                "adapter folder's own, else the base's).",
+                help=help_text + " Without it, each request's `model` is loaded. A model folder, a Hub repo id, or "
+                f"{ADAPTER_FOLDER_HELP}.",
             )
         elif kind is bool:
             parser.add_argument(
