@@ -3454,8 +3454,8 @@ MUTATIONS = [
     Mutation(
         "a corpus folder's .ipynb_checkpoints/ and __MACOSX/ copies read as training files",
         "modeling_gpn/data/corpus.py",
-        "and not hidden(p.relative_to(root))",
-        "and True  # MUTATION",
+        "if not hidden(p.relative_to(root))]  # (the folder walked once)",
+        "]  # MUTATION",
         ("tests/tools/test_faults_io.py -k hidden_and_special_folders",),
     ),
     Mutation(
@@ -3520,7 +3520,7 @@ MUTATIONS = [
     Mutation(
         "a save_to_disk folder read as a corpus folder (its metadata .json files taken for jsonl documents)",
         "modeling_gpn/data/corpus.py",
-        "            if saved := [p for p in saved if not hidden(p.relative_to(root))]:\n",
+        "            if saved := [p for p in visible if p.name in SAVED_DATASET_FILES]:\n",
         "            if False:  # MUTATION\n",
         ("tests/tools/test_train.py -k bad_data_fails_clearly",),
     ),

@@ -100,8 +100,8 @@ class CorpusSpec:
         elif root.is_dir():
             # A `save_to_disk` folder is refused: read as a corpus folder, its metadata would be jsonl documents and its
             # .arrow files read with them (in a DatasetDict's, every split's).
-            saved = [p for p in root.rglob("*") if p.name in SAVED_DATASET_FILES]
-            if saved := [p for p in saved if not hidden(p.relative_to(root))]:
+            visible = [p for p in root.rglob("*") if not hidden(p.relative_to(root))]  # (the folder walked once)
+            if saved := [p for p in visible if p.name in SAVED_DATASET_FILES]:
                 # (the glob named: a split's folder, the one named train where there is one; a Dataset's is the root)
                 splits = sorted({p.parent for p in saved if p.name == "state.json"} or {root})
                 split = next((folder for folder in splits if folder.name == "train"), splits[0])
@@ -110,11 +110,7 @@ class CorpusSpec:
                     f"documents; pass the .arrow data files of the split to train on as a glob ('{split / '*.arrow'}'), "
                     "or export it with Dataset.to_parquet / to_json"
                 )
-            files = distinct_files(
-                p
-                for p in root.rglob("*")
-                if p.is_file() and p.suffix.lower() in LOCAL_SUFFIXES and not hidden(p.relative_to(root))
-            )
+            files = distinct_files(p for p in visible if p.is_file() and p.suffix.lower() in LOCAL_SUFFIXES)
             if not files:
                 raise DataError(
                     f"Folder {root} holds no training files (looked for {', '.join(sorted(LOCAL_SUFFIXES))}, "
