@@ -260,6 +260,9 @@ class GPNStateLayer(LinearAttentionLayer):
         self.fingerprint.select_rows(lambda rows: rows[indices.to(rows.device)])
 
 
+_IN_USE = "_gpn_in_use"  # the attribute a forward sets while it advances a cache (`GPNCache.claim`)
+
+
 class GPNCache(Cache):
     """transformers `Cache` holding a GPN's recurrent state (p, g, M) for every row.
 
@@ -274,11 +277,36 @@ class GPNCache(Cache):
         """For pickle (multiprocessing, `torch.save`): the state and what it read, without the weak link to the
         model that filled it (`_gpn_model_ref`, set by the forward), which does not pickle; the copy continues as
         the original does, and its `save` says it does not know its model. (`save` and `load` are the checked way
-        to keep a state.)"""
+        to keep a state.) A copy made while a call advances this cache is not in use itself."""
         state = self.__dict__.copy()
         state.pop("_gpn_model_ref", None)
         state.pop("_gpn_weights_snapshot", None)
+        state.pop(_IN_USE, None)
         return state
+
+    def claim(self) -> bool:
+        """Mark this cache as being advanced by the calling forward, until `release`; raise if another call holds it.
+
+        A forward reads the state, computes, and writes the state back (the one-call decode writes its buffers in
+        place): two calls on one cache at once (two threads, or a hook calling the model inside a forward) would
+        each continue from the same state, or from one the other is half-way through writing, and both return
+        wrong results in silence. `dict.setdefault` is atomic, so of two calls racing here exactly one wins.
+        Returns False (nothing claimed, nothing to release) while tracing: a compiled or exported program's
+        cache is its own input."""
+        if is_tracing():
+            return False
+        token = object()
+        if self.__dict__.setdefault(_IN_USE, token) is not token:
+            raise RuntimeError(
+                "this GPNCache is being advanced by another call right now (another thread, or a call made inside "
+                "the forward): a cache can be used by one call at a time; give each thread its own cache "
+                "(cache.fork(1) copies one)"
+            )
+        return True
+
+    def release(self) -> None:
+        """End the calling forward's `claim`."""
+        self.__dict__.pop(_IN_USE, None)
 
     def __deepcopy__(self, memo: dict) -> GPNCache:
         """A copy of the state that still knows the model that filled it (as `fork` does)."""

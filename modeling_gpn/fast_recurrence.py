@@ -495,38 +495,42 @@ def fast_decode_token(
         return None
     if attention_mask is not None and not _every_token_real(attention_mask, rows):
         return None  # (a padded row keeps its state: the forward's masked steps; a bad mask: the forward's error)
-    p0, g0, M0 = cache.state_buffers()
-    if p0.shape[0] != rows or p0.dtype is not torch.float32:
-        return None  # (the forward says what is wrong)
-    with derived_weights_scope(model, kept_by=cache) as scope:
-        lane = scope.entries.get("decode lanes", {}).get(rows)
-        if lane is None or not lane.modules.unchanged():
-            if decode_lane_blocker(lm, norm_class, methods) is not None:
+    cache.claim()  # (the call writes the state's buffers in place: one call at a time, `GPNCache.claim`)
+    try:
+        p0, g0, M0 = cache.state_buffers()
+        if p0.shape[0] != rows or p0.dtype is not torch.float32:
+            return None  # (the forward says what is wrong)
+        with derived_weights_scope(model, kept_by=cache) as scope:
+            lane = scope.entries.get("decode lanes", {}).get(rows)
+            if lane is None or not lane.modules.unchanged():
+                if decode_lane_blocker(lm, norm_class, methods) is not None:
+                    return None
+                # (current: dropping what older weights derived)
+                lane = _decode_lane(lm, scope.current(model), rows, methods)
+            if lane.plan is None:
                 return None
-            # (current: dropping what older weights derived)
-            lane = _decode_lane(lm, scope.current(model), rows, methods)
-        if lane.plan is None:
-            return None
-        plan, derived = lane.plan, scope.entries
-        key = _decoded_key(derived, plan, g0) if plan.step_plan.memory else None
-        ids = input_ids.reshape(-1).contiguous()  # (a column sliced from a prompt is not contiguous)
-        ids_hash = cache.step_hash(rows)  # (the cache's fingerprint, folded by the same call)
-        try:
-            logits = plan(ids, StepState(p0, g0, key, M0), ids_hash)  # (the cache's state, advanced in place)
-        except KernelRefusal:
-            return None
-        except IndexError:  # an id outside the vocabulary: the forward's own check says which
-            check_input_ids(input_ids, model.config.vocab_size)
-            raise
-        derived["decoded key"] = (g0, version_of(g0), plan.key)
-    cache.advanced_in_place(input_ids, hashed=ids_hash is not None)
-    # whose state this is, for GPNCache.save; never PEFT's mixed-batch inference, whose hooks sit on adapter layers,
-    # which are no plain modules (`decode_lane_blocker`): nothing to look for on the decoded token
-    cache.note_model(model, look_for_mixed_adapters=False)
-    keep_with(model, cache, scope)
-    object.__setattr__(model, "last_recurrence_path", "fast")
-    object.__setattr__(model, "last_recurrence_backends", _DECODED_BACKENDS[plan.step_plan.memory])
-    return logits.view(rows, 1, -1)
+            plan, derived = lane.plan, scope.entries
+            key = _decoded_key(derived, plan, g0) if plan.step_plan.memory else None
+            ids = input_ids.reshape(-1).contiguous()  # (a column sliced from a prompt is not contiguous)
+            ids_hash = cache.step_hash(rows)  # (the cache's fingerprint, folded by the same call)
+            try:
+                logits = plan(ids, StepState(p0, g0, key, M0), ids_hash)  # (the cache's state, advanced in place)
+            except KernelRefusal:
+                return None
+            except IndexError:  # an id outside the vocabulary: the forward's own check says which
+                check_input_ids(input_ids, model.config.vocab_size)
+                raise
+            derived["decoded key"] = (g0, version_of(g0), plan.key)
+        cache.advanced_in_place(input_ids, hashed=ids_hash is not None)
+        # whose state this is, for GPNCache.save; never PEFT's mixed-batch inference, whose hooks sit on adapter layers,
+        # which are no plain modules (`decode_lane_blocker`): nothing to look for on the decoded token
+        cache.note_model(model, look_for_mixed_adapters=False)
+        keep_with(model, cache, scope)
+        object.__setattr__(model, "last_recurrence_path", "fast")
+        object.__setattr__(model, "last_recurrence_backends", _DECODED_BACKENDS[plan.step_plan.memory])
+        return logits.view(rows, 1, -1)
+    finally:
+        cache.release()
 
 
 def _every_token_real(attention_mask: torch.Tensor, rows: int) -> bool:

@@ -1002,38 +1002,45 @@ class GPNModel(GPNPreTrainedModel):
         positions_to_keep(logits_to_keep, seq_len)  # (a wrong value is refused here as by the causal LM)
         check_sharded_lengths(self, seq_len, self._CALLED_CHILDREN, embeddings.device)  # (FSDP2: blocks apart)
 
-        state = cache.get_state() if cache is not None else None
-        if state is not None:
-            check_cache_state(state, config, batch_size)
-        mask = check_attention_mask(attention_mask, batch_size, seq_len, continuing=state is not None)
-        sequence_starts = (
-            packed_sequence_starts(
-                batch_size, seq_len, mask, **packing, device=embeddings.device, continuing=state is not None
+        # one call at a time advances a cache: another call reading or writing it meanwhile (a second thread, a hook
+        # calling the model) would compute from a half-written state in silence (`GPNCache.claim` refuses it)
+        claimed = cache is not None and cache.claim()
+        try:
+            state = cache.get_state() if cache is not None else None
+            if state is not None:
+                check_cache_state(state, config, batch_size)
+            mask = check_attention_mask(attention_mask, batch_size, seq_len, continuing=state is not None)
+            sequence_starts = (
+                packed_sequence_starts(
+                    batch_size, seq_len, mask, **packing, device=embeddings.device, continuing=state is not None
+                )
+                if packing
+                else None
             )
-            if packing
-            else None
-        )
-        if state is None:
-            state = self.zero_state(batch_size, embeddings.device)
+            if state is None:
+                state = self.zero_state(batch_size, embeddings.device)
 
-        # what the fast path derives from the parameters (folded matrices, ...) lives for this call, the
-        # generate() call around it, or the cache it continues (a decode loop derives once): derived_weights.py
-        with derived_weights_scope(self, kept_by=cache) as derived:
-            predicted_states, final_state, memory_decays = self.recurrence(
-                self.token_inputs(embeddings),
-                state,
-                mask,
-                output_memory_decays=output_memory_decays,
-                sequence_starts=sequence_starts,
-            )
+            # what the fast path derives from the parameters (folded matrices, ...) lives for this call, the
+            # generate() call around it, or the cache it continues (a decode loop derives once): derived_weights.py
+            with derived_weights_scope(self, kept_by=cache) as derived:
+                predicted_states, final_state, memory_decays = self.recurrence(
+                    self.token_inputs(embeddings),
+                    state,
+                    mask,
+                    output_memory_decays=output_memory_decays,
+                    sequence_starts=sequence_starts,
+                )
 
-        if use_cache:
-            if cache is None:
-                cache = GPNCache(config)
-            cache.update_state(*final_state, num_new_tokens=seq_len)
-            cache.record_read(input_ids, mask)
-            cache.note_model(self)  # whose state this is, for GPNCache.save
-            keep_with(self, cache, derived)  # the next call that continues this cache reuses them
+            if use_cache:
+                if cache is None:
+                    cache = GPNCache(config)
+                cache.update_state(*final_state, num_new_tokens=seq_len)
+                cache.record_read(input_ids, mask)
+                cache.note_model(self)  # whose state this is, for GPNCache.save
+                keep_with(self, cache, derived)  # the next call that continues this cache reuses them
+        finally:
+            if claimed:
+                cache.release()
         decoded = self.decoded(predicted_states)
         output = GPNModelOutput(
             last_hidden_state=decoded,

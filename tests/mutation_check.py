@@ -107,6 +107,20 @@ MUTATIONS = [
         ("tests/fast_path/test_decode_call.py -k never_skipped",),
     ),
     Mutation(
+        "threads (a forward does not claim the cache it advances)",
+        "modeling_gpn/modeling_gpn.py",
+        "        claimed = cache is not None and cache.claim()\n",
+        "        claimed = False  # MUTATION\n",
+        ("tests/fast_path/test_threads.py -k refused and prompt",),
+    ),
+    Mutation(
+        "threads (the one-call decode does not claim the cache it writes in place)",
+        "modeling_gpn/fast_recurrence.py",
+        "    cache.claim()  # (the call writes",
+        "    pass  # MUTATION (the call writes",
+        ("tests/fast_path/test_threads.py -k refused and decoded",),
+    ),
+    Mutation(
         "one-call decode (a plan kept after its modules changed)",
         "modeling_gpn/derived_weights.py",
         "    def unchanged(self) -> bool:\n",
@@ -951,8 +965,8 @@ MUTATIONS = [
     Mutation(
         "packed SFT (the state not reset where a packed sequence starts)",
         "modeling_gpn/modeling_gpn.py",
-        "        sequence_starts = (\n            packed_sequence_starts(\n",
-        "        sequence_starts = None and (  # MUTATION\n            packed_sequence_starts(\n",
+        "            sequence_starts = (\n                packed_sequence_starts(\n",
+        "            sequence_starts = None and (  # MUTATION\n                packed_sequence_starts(\n",
         ("tests/model/test_packed.py -k trl_sft",),
     ),
     Mutation(

@@ -1,0 +1,105 @@
+"""Threads: two threads generating with one model at once (a threaded server) each get exactly their own tokens
+(what the fast path derives, its plans and their workspaces included, lives in a scope per thread:
+`derived_weights.py`), and one cache advanced by two calls at once is refused rather than computed from a
+half-written state (`GPNCache.claim`)."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from ..backend_observer import DECODE_CALLS, FAST_PATH, PLAIN_PATH, ran
+from ..environment import require_c_kernels
+from ..tiny_models import perturbed_model, tiny_config
+
+
+@pytest.fixture(scope="module")
+def model():
+    require_c_kernels()
+    return perturbed_model(tiny_config(num_predict_layers=2), seed=31).eval()
+
+
+def test_two_threads_generating_with_one_model_each_get_their_own_tokens(model):
+    """Two threads, each with its own prompt (one row each, so that a plan shared per model would be the same
+    plan) and its own cache, generate greedily at once, three times over (a barrier starts them together): each
+    gets exactly the tokens and logits it gets alone, every decoded token in one C call."""
+    prompts = [torch.randint(1, 97, (1, n), generator=torch.Generator().manual_seed(n)) for n in (5, 7)]
+
+    def generate(ids):
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=6,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        return out.sequences, torch.stack(out.logits)
+
+    alone = [generate(ids) for ids in prompts]
+    with ran(FAST_PATH, DECODE_CALLS, not_ran=(PLAIN_PATH,)):
+        for _ in range(3):
+            for (sequences, logits), (sequences_alone, logits_alone) in zip(
+                at_once(generate, prompts), alone, strict=True
+            ):
+                assert torch.equal(sequences, sequences_alone)
+                torch.testing.assert_close(logits, logits_alone, rtol=0, atol=0)
+
+
+def at_once(function, arguments: list) -> list:
+    """`function(argument)` for each of `arguments`, each in a thread of its own, started together (a barrier)."""
+    barrier, results = threading.Barrier(len(arguments)), [None] * len(arguments)
+
+    def run(index):
+        barrier.wait()
+        results[index] = function(arguments[index])
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(len(arguments))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+@pytest.mark.parametrize("second", ["decoded token", "prompt"])
+def test_a_cache_advanced_by_two_calls_at_once_is_refused(model, second):
+    """While a forward advances a cache, a second call on it from another thread (a decoded token, which runs as
+    one C call writing the state in place, or a prompt through the forward) is refused with a one-line error:
+    the first call's result and the cache's state are what that call gives alone, and the cache is free again
+    after it. (A hook inside the first forward makes the second call, so the two always overlap.)"""
+    ids = torch.randint(1, 97, (1, 8), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        cache = model(ids[:, :4], use_cache=True).cache
+        with model.model.fuse_proj.register_forward_pre_hook(lambda module, args: None):  # (the same path)
+            alone = model(ids[:, 4:6], cache=copy.deepcopy(cache), use_cache=True)
+    other = ids[:, 6:7] if second == "decoded token" else ids[:, 6:8]
+    errors = []
+
+    def second_call():
+        try:
+            with torch.no_grad():
+                model(other, cache=cache, use_cache=True)
+        except RuntimeError as error:
+            errors.append(str(error))
+
+    def inside_the_first(module, args):
+        handle.remove()  # (the second call then runs as it would alone: for one token, the one-call decode)
+        thread = threading.Thread(target=second_call)
+        thread.start()
+        thread.join()
+
+    handle = model.model.fuse_proj.register_forward_pre_hook(inside_the_first)
+    with torch.no_grad():
+        first = model(ids[:, 4:6], cache=cache, use_cache=True)
+    assert len(errors) == 1 and "\n" not in errors[0], errors
+    assert "being advanced by another call" in errors[0]
+    torch.testing.assert_close(first.logits, alone.logits, rtol=0, atol=0)
+    for held, expected in zip(cache.get_state(), alone.cache.get_state(), strict=True):
+        torch.testing.assert_close(held, expected, rtol=0, atol=0)
+    assert cache.get_seq_length() == 6
+    with torch.no_grad(), ran(DECODE_CALLS):  # (released: the next call runs)
+        model(ids[:, 6:7], cache=cache, use_cache=True)
