@@ -91,6 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text-field", default="text", help="text column for fineweb_paper and gpn_rolling_ppl")
     parser.add_argument(
         "--output-dir",
+        "--output",  # (as gpn inspect and gpn study spell it)
+        dest="output_dir",
         default=None,
         help="where to write eval_results.json and eval_report.md; without it ./eval-<model name>; refused if it "
         "holds them already, unless --overwrite",
@@ -119,7 +121,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default="float32",
         choices=["float32", "bfloat16", "float16"],
-        help="weights' dtype (a GPN's state stays float32)",
+        help="weights' dtype, float32 whatever the saved one (gpn generate's default, auto, keeps the saved one); a "
+        "GPN's state stays float32",
     )
     parser.add_argument(
         "--max-length",
@@ -203,6 +206,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads; without it torch's choice")
     parser.add_argument(
         "--quiet",
+        "--no-progress",  # (as gpn train and gpn study spell it)
+        dest="quiet",
         action="store_true",
         help="no progress bars: neither this command's nor those of transformers, datasets and lm-eval (lm-eval's "
         "warnings still show)",

@@ -110,13 +110,14 @@ def _build_parsers(selected: str | None) -> tuple[argparse.ArgumentParser, dict[
         description="Grounded Prediction Networks (arXiv 2605.10643) for the Hugging Face ecosystem.",
     )
     parser.add_argument("--version", action=VersionAction)
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    formatter_class = argparse.HelpFormatter  # a subcommand that is not selected never prints its help
-    listed, subcommand_parsers = SUBCOMMANDS, {}
+    # a subcommand that is not selected never prints its help nor parses its options
+    parser_class, formatter_class, listed = argparse.ArgumentParser, argparse.HelpFormatter, SUBCOMMANDS
     if selected is not None:
-        from modeling_gpn.cli.formatting import HelpFormatter
+        from modeling_gpn.cli.formatting import AliasArgumentParser, HelpFormatter
 
-        formatter_class, listed = HelpFormatter, available_subcommands()
+        parser_class, formatter_class, listed = AliasArgumentParser, HelpFormatter, available_subcommands()
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=parser_class)
+    subcommand_parsers = {}
     for name, (module_name, help_text) in listed.items():
         epilog = f"example: {EXAMPLES[name]}" if name in EXAMPLES else None
         sub = subparsers.add_parser(

@@ -1612,6 +1612,27 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "gpn inspect --output-dir (the alias of its --output, as gpn train and gpn eval spell it)",
+        "modeling_gpn/inspect/cli.py",
+        '        "--output-dir",  # (as gpn train and gpn eval spell it)\n',
+        "        # MUTATION: no --output-dir\n",
+        ("tests/tools/test_docs.py::test_each_alias_parses_as_the_option_it_spells_and_abbreviations_still_do",),
+    ),
+    Mutation(
+        "gpn train's aliases of a setting's flag (--output for --output-dir)",
+        "modeling_gpn/train/cli.py",
+        "*option.aliases, **kwargs)",
+        "**kwargs)  # MUTATION",
+        ("tests/tools/test_docs.py::test_each_alias_parses_as_the_option_it_spells_and_abbreviations_still_do",),
+    ),
+    Mutation(
+        "an abbreviation of an option's two spellings is that option (gpn eval --out), not ambiguous",
+        "modeling_gpn/cli/formatting.py",
+        "            first_match_of_each_option.setdefault(id(match[0]), match)",
+        "            first_match_of_each_option[len(first_match_of_each_option)] = match  # MUTATION",
+        ("tests/tools/test_docs.py::test_each_alias_parses_as_the_option_it_spells_and_abbreviations_still_do",),
+    ),
+    Mutation(
         "python -m modeling_gpn.train --help with the gpn command's formatter",
         "modeling_gpn/train/cli.py",
         "formatter_class=HelpFormatter)",
@@ -1817,8 +1838,8 @@ MUTATIONS = [
     Mutation(
         "gpn --help imports torch and transformers (the subcommands' formatter and list looked up for it)",
         "gpn_cli/__init__.py",
-        "    if selected is not None:\n        from modeling_gpn.cli.formatting import HelpFormatter\n",
-        "    if True:  # MUTATION\n        from modeling_gpn.cli.formatting import HelpFormatter\n",
+        "    if selected is not None:\n        from modeling_gpn.cli.formatting import AliasArgumentParser, HelpFormatter\n",
+        "    if True:  # MUTATION\n        from modeling_gpn.cli.formatting import AliasArgumentParser, HelpFormatter\n",
         ("tests/tools/test_cli_startup.py::test_gpn_help_imports_neither_torch_nor_transformers",),
     ),
     Mutation(

@@ -70,8 +70,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--impl", nargs="+", default=list(IMPLEMENTATIONS), choices=IMPLEMENTATIONS, help="implementations to measure"
     )
     # (None: not given, so that --skip-training can refuse them; `check_arguments` sets TRAINING_DEFAULTS)
-    parser.add_argument(
-        "--batch", type=int, default=None, help="training / forward batch size (default 8; not with --skip-training)"
+    parser.add_argument(  # (--batch-size: as gpn eval and gpn inspect spell it, per forward pass)
+        "--batch",
+        "--batch-size",
+        dest="batch",
+        type=int,
+        default=None,
+        help="training / forward batch size (default 8; not with --skip-training)",
     )
     parser.add_argument(
         "--seq-len",
@@ -121,6 +126,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--segment-length",
+        "--bptt-segment",  # (as gpn train spells it)
+        dest="segment_length",
         type=int,
         default=None,
         help="bptt_segment_length for GPN training, as `gpn train --bptt-segment` (0: keep every "

@@ -1,4 +1,5 @@
-"""The help formatter of the `gpn` command and of the entry points that bypass it (`python -m modeling_gpn.train`).
+"""The help formatter and parser class of the `gpn` command and of the entry points that bypass it
+(`python -m modeling_gpn.train`).
 
 Its own module below both, so that the training program can share it without importing the command (which
 imports the training program)."""
@@ -18,3 +19,19 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or action.default == [] or (action.option_strings and action.nargs == 0):
             return action.help
         return super()._get_help_string(action)
+
+
+class AliasArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, but an abbreviation that matches only spellings of one option is that option.
+
+    Several subcommands accept two spellings of one option (an alias: `gpn inspect --output` or `--output-dir`,
+    as `gpn eval` spells it; each page of docs/ names its own). argparse counts an abbreviation that matches both as
+    ambiguous ("--out could match --output, --output-dir"), so adding an alias would have broken the
+    abbreviation `--out` that worked before it. Matches that name different options stay ambiguous, as before."""
+
+    def _get_option_tuples(self, option_string: str) -> list[tuple]:
+        # Each match is a tuple whose first item is the option's action (its other items differ by Python version).
+        first_match_of_each_option: dict[int, tuple] = {}
+        for match in super()._get_option_tuples(option_string):
+            first_match_of_each_option.setdefault(id(match[0]), match)
+        return list(first_match_of_each_option.values())

@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dataset",
         action="append",
         default=[],
-        help="Hub dataset id the model was trained on (repeatable; added to those the training log names)",
+        help="Hub dataset id the model was trained on, for the card's metadata (nothing is read, unlike gpn train "
+        "--dataset; repeatable; added to those the training log names)",
     )
     parser.add_argument("--tag", action="append", default=[], help="extra tag for the card's metadata (repeatable)")
     parser.add_argument(

@@ -37,20 +37,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--data",
+        "--dataset",  # (as gpn train spells it)
         default=DEFAULT_DATASET,
+        dest="data",
         help="Hub dataset id, or local .txt/.text/.jsonl/.json/.parquet/.csv file(s), a folder or a glob, found as gpn train "
         "--dataset finds them (files and folders named .* or __* left out)",
     )
     parser.add_argument(
         "--data-config",
+        "--dataset-config",
         default=None,
+        dest="data_config",
         help=f"Hub dataset configuration; None means {DEFAULT_DATASET_CONFIG} for {DEFAULT_DATASET}",
     )
     parser.add_argument("--split", default="train", help="Hub dataset split (streamed); local data is read whole")
-    parser.add_argument("--text-column", default="text", help="column holding the text in jsonl/parquet/Hub data")
+    parser.add_argument(
+        "--text-column",
+        "--text-field",
+        dest="text_column",
+        default="text",
+        help="column holding the text in jsonl/parquet/Hub data",
+    )
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder or Hub id; None means the model's own")
     parser.add_argument(
         "--output",
+        "--output-dir",  # (as gpn train and gpn eval spell it)
+        dest="output",
         required=True,
         help="folder for report.json, report.md and the PNG figures; refused if it holds a report already, "
         "unless --overwrite",
@@ -93,11 +105,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default="float32",
         choices=["float32", "bfloat16", "float16"],
-        help="weights' dtype (the state and memory stay float32)",
+        help="weights' dtype, float32 whatever the saved one (gpn generate's default, auto, keeps the saved one); "
+        "the state and memory stay float32",
     )
     parser.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code from the Hub")
     parser.add_argument("--seed", type=int, default=0, help="seed for the sampled states and dimensions")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--quiet", "--no-progress", dest="quiet", action="store_true", help="no progress bars")
 
 
 def fail(message: object) -> int:

@@ -20,7 +20,11 @@ CONTINUE = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--study", default="cpu-small", help="a study name (configuration/studies/NAME.json) or path")
     parser.add_argument(
-        "--output", default="runs/study", help="folder for every run and the comparison report (one study a folder)"
+        "--output",
+        "--output-dir",  # (as gpn train and gpn eval spell it)
+        dest="output",
+        default="runs/study",
+        help="folder for every run and the comparison report (one study a folder)",
     )
     parser.add_argument(
         "--data-dir",

@@ -7,7 +7,7 @@ import argparse
 import signal
 import sys
 
-from ..cli.formatting import HelpFormatter
+from ..cli.formatting import AliasArgumentParser, HelpFormatter
 from .distributed import RunStage
 from .errors import RUN_ERRORS, CollectiveError, TrainingStopped
 from .settings import OPTIONS, list_recipes, resolve_config
@@ -74,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs["type"] = option.type
-        group.add_argument("--" + option.key.replace("_", "-"), **kwargs)
+        group.add_argument("--" + option.key.replace("_", "-"), *option.aliases, **kwargs)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -119,6 +119,6 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m modeling_gpn.train` / `accelerate launch -m modeling_gpn.train`."""
-    parser = argparse.ArgumentParser(prog="modeling_gpn.train", formatter_class=HelpFormatter)
+    parser = AliasArgumentParser(prog="modeling_gpn.train", formatter_class=HelpFormatter)
     add_arguments(parser)
     return run(parser.parse_args(argv))

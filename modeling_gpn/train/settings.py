@@ -36,6 +36,7 @@ class Option:
     default: object
     help: str
     choices: tuple | None = None
+    aliases: tuple[str, ...] = ()  # other spellings of its flag, as other subcommands spell it
 
 
 OPTIONS: list[Option] = [
@@ -123,7 +124,13 @@ OPTIONS: list[Option] = [
         "state (position ids restart after each EOS, read by the model as packed sequences), in training and "
         "validation; default: the state runs on across documents within a window",
     ),
-    Option("batch_size", int, 128, "global batch: windows per optimizer step, over all processes"),
+    Option(
+        "batch_size",
+        int,
+        128,
+        "global batch: windows per optimizer step, over all processes (gpn eval's, inspect's and bench's "
+        "--batch-size count per forward pass, as --micro-batch-size here)",
+    ),
     Option(
         "micro_batch_size",
         int,
@@ -156,7 +163,7 @@ OPTIONS: list[Option] = [
     ),
     Option("seed", int, 0, "seed of the initialisation, the data order and the sample"),
     # bookkeeping
-    Option("output_dir", str, None, "run directory (default runs/<recipe name>)"),
+    Option("output_dir", str, None, "run directory (default runs/<recipe name>)", aliases=("--output",)),
     Option("eval_interval", int, 500, "validate every this many steps (and at the end); 0 = only at the end"),
     Option("checkpoint_interval", int, 500, "save the full training state every this many steps; 0 = never"),
     Option("keep_checkpoints", int, 2, "keep only the newest this many checkpoints (at least 1)"),
