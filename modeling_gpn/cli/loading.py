@@ -119,8 +119,9 @@ def load_causal_lm(path: str, *, merge_adapter: bool = True, **kwargs: Any):
     `merge_and_unload()`, as a user merges one in Python: the same weights, bit for bit) or, without
     `merge_adapter`, attached (transformers' `load_adapter`: the model's modules wrapped by PEFT's). A base that
     cannot be loaded (a Hub id offline, a folder removed since the check) is a `FileNotFoundError` naming it and
-    the adapter, in one line; an adapter whose weights file lacks some of its weights, a `ValueError` naming them
-    (`refuse_incomplete_adapter`)."""
+    the adapter, in one line; an adapter whose weights file lacks some of its weights, or holds weights the model
+    has no place for, a `ValueError` naming them (`refuse_incomplete_adapter`, `refuse_unplaced_adapter_weights`).
+    The adapter's weights file is read once (`_peft_model_from_folder`)."""
     base = adapter_base(path)
     if base is None:
         return causal_lm_from_pretrained(path, **kwargs)
