@@ -108,7 +108,9 @@ def state_fingerprint(model: nn.Module) -> dict[str, str]:
     `state_config`: the `STATE_CONFIG_FIELDS` as JSON; `config_fingerprint`: its SHA-256; `weights_dtype`;
     `weights_fingerprint`: SHA-256 of every parameter as stored (a quantized weight's data and scales, an
     unmerged adapter's matrices), in order, and of PEFT's adapter settings (`adapter_settings`): two models that
-    compute different states differ in it.
+    compute different states differ in it; `unmerged_adapters`: "yes" where PEFT adapters compute beside the
+    weights (`computes_unmerged_adapters`), else "no", so that a refusal can say why a PeftModel's state is not its
+    merged model's.
     """
     config = {name: getattr(model.config, name) for name in STATE_CONFIG_FIELDS}
     config_json = json.dumps(config, sort_keys=True)
@@ -117,7 +119,19 @@ def state_fingerprint(model: nn.Module) -> dict[str, str]:
         "config_fingerprint": hashlib.sha256(config_json.encode()).hexdigest(),
         "weights_dtype": weights_kind(model),
         "weights_fingerprint": weights_hash(model),
+        "unmerged_adapters": "yes" if computes_unmerged_adapters(model) else "no",
     }
+
+
+def computes_unmerged_adapters(model: nn.Module) -> bool:
+    """Whether some PEFT adapter of `model` computes apart from the weights it adapts (active, not disabled, not
+    merged): such a model's states are not those of its merge (`merge_and_unload()`, as `gpn generate` runs an
+    adapter folder) bit for bit, since the adapter's product added beside the weights rounds otherwise than the
+    merged weights, and a continuation of one from the other's state would not be the run it continues."""
+    return any(
+        not settings["disabled"] and set(settings["active"]) - set(settings["merged"])
+        for settings in adapter_settings(model).values()
+    )
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -310,7 +324,7 @@ def write_state_file(
 
 def _check_model_fingerprint(fingerprint: dict[str, str], path: Path) -> None:
     """Refuse to write a file whose model fingerprint is not one `state_fingerprint` gives: no load would take it."""
-    names = ("state_config", "config_fingerprint", "weights_dtype", "weights_fingerprint")
+    names = ("state_config", "config_fingerprint", "weights_dtype", "weights_fingerprint", "unmerged_adapters")
     if not isinstance(fingerprint, dict) or sorted(fingerprint) != sorted(names):
         got = sorted(fingerprint) if isinstance(fingerprint, dict) else type(fingerprint).__name__
         raise ValueError(f"Cannot save {path}: a model fingerprint has the fields {list(names)}, got {got}")
@@ -442,4 +456,27 @@ def _check_state_belongs_to(metadata: dict[str, str], model: nn.Module, path: Pa
         raise GPNStateFileError(
             f"{path} holds the state of another model: same configuration, other weights (weights fingerprint differs;"
             " with PEFT adapters: other adapter weights, another adapter active, or adapters disabled)"
+            + _unmerged_adapters_note(metadata.get("unmerged_adapters"), ours["unmerged_adapters"])
         )
+
+
+def _unmerged_adapters_note(theirs: str | None, ours: str) -> str:
+    """Why a state refused for its weights cannot be continued even where one model is the other's merge: one
+    computed with PEFT adapters unmerged and the other not (`computes_unmerged_adapters`); "" otherwise, and for
+    files saved before the field was written."""
+    if theirs == "yes" and ours == "no":
+        return (
+            ". It was computed by a model with PEFT adapters unmerged (a PeftModel), and this one has none unmerged"
+            " (gpn generate, eval and serve merge an adapter folder): even where this model is that one merged, the"
+            " states differ in their last bits (the adapter's product added beside the weights rounds otherwise), so"
+            " it cannot be continued exactly; save the state from the merged model (merge_and_unload()) or continue"
+            " it with the PeftModel that computed it"
+        )
+    if theirs == "no" and ours == "yes":
+        return (
+            ". It was computed by a model without unmerged PEFT adapters, and this one computes with its adapters"
+            " unmerged: even where that model is this one merged, the states differ in their last bits, so it cannot"
+            " be continued exactly; continue it with the model that computed it, or merge this one"
+            " (merge_and_unload()) where it is this one's merge"
+        )
+    return ""

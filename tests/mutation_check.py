@@ -2470,11 +2470,46 @@ MUTATIONS = [
     Mutation(
         "a PEFT adapter whose weights file lacks some of its weights is merged (PEFT only warns: them as initialised)",
         "modeling_gpn/cli/loading.py",
-        '    refuse_incomplete_adapter(sorted(expected.keys() - load_peft_weights(folder, device="cpu").keys()), path)\n',
+        "    refuse_incomplete_adapter(sorted(expected.keys() - weights.keys()), path)\n",
         "    pass  # MUTATION\n",
         (
             "tests/tools/test_generate_cli.py::test_an_adapter_whose_base_cannot_be_found_or_whose_weights_are_cut_is_one_line",
         ),
+    ),
+    Mutation(
+        "a PEFT adapter holding weights its base has no place for is merged (PEFT drops them in silence)",
+        "modeling_gpn/cli/loading.py",
+        "    refuse_unplaced_adapter_weights(sorted(loading.unexpected_keys), path)\n    model = adapted.merge_and_unload()\n",
+        "    model = adapted.merge_and_unload()  # MUTATION\n",
+        (
+            "tests/tools/test_generate_cli.py::test_an_adapter_with_weights_its_base_has_no_place_for_is_one_line_and_peft_saved_ones_load",
+        ),
+    ),
+    Mutation(
+        "gpn inspect attaches a PEFT adapter holding weights its base has no place for (transformers only reports them)",
+        "modeling_gpn/cli/loading.py",
+        "        refuse_unplaced_adapter_weights(sorted(loading.unexpected_keys), path)\n        return model\n",
+        "        return model  # MUTATION\n",
+        (
+            "tests/tools/test_generate_cli.py::test_an_adapter_with_weights_its_base_has_no_place_for_is_one_line_and_peft_saved_ones_load",
+        ),
+    ),
+    Mutation(
+        "the PEFT adapter's weights, read once, are not the ones given to PEFT (the merge of its initial matrices)",
+        "modeling_gpn/cli/loading.py",
+        "        loading = set_peft_model_state_dict(adapted, weights)\n",
+        "        loading = set_peft_model_state_dict(adapted, {})  # MUTATION\n",
+        (
+            "tests/tools/test_generate_cli.py::test_generate_of_a_peft_adapter_folder_is_the_merged_models",
+            "tests/tools/test_generate_cli.py::test_an_adapter_with_weights_its_base_has_no_place_for_is_one_line_and_peft_saved_ones_load",
+        ),
+    ),
+    Mutation(
+        "a PeftModel's state refused on the merged model does not say why (unmerged adapters round otherwise)",
+        "modeling_gpn/state_file.py",
+        '    if theirs == "yes" and ours == "no":\n',
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_generate_cli.py::test_generate_of_a_peft_adapter_folder_is_the_merged_models",),
     ),
     Mutation(
         "gpn inspect attaches a PEFT adapter whose weights file lacks some of its weights (them as initialised)",

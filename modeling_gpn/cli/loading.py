@@ -14,12 +14,14 @@ model's, on the fast path) or attaches it (gpn inspect, which reports the adapte
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
 ADAPTER_CONFIG = "adapter_config.json"
+LOADED_ADAPTER = "default"  # the name PEFT (and transformers' load_adapter) give the adapter they load
 # what a saved tokenizer holds, one of them at least (`save_pretrained` writes tokenizer_config.json beside its files)
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
 
@@ -117,8 +119,9 @@ def load_causal_lm(path: str, *, merge_adapter: bool = True, **kwargs: Any):
     `merge_and_unload()`, as a user merges one in Python: the same weights, bit for bit) or, without
     `merge_adapter`, attached (transformers' `load_adapter`: the model's modules wrapped by PEFT's). A base that
     cannot be loaded (a Hub id offline, a folder removed since the check) is a `FileNotFoundError` naming it and
-    the adapter, in one line; an adapter whose weights file lacks some of its weights, a `ValueError` naming them
-    (`refuse_incomplete_adapter`)."""
+    the adapter, in one line; an adapter whose weights file lacks some of its weights, or holds weights the model
+    has no place for, a `ValueError` naming them (`refuse_incomplete_adapter`, `refuse_unplaced_adapter_weights`).
+    The adapter's weights file is read once (`_peft_model_from_folder`)."""
     base = adapter_base(path)
     if base is None:
         return causal_lm_from_pretrained(path, **kwargs)
@@ -133,22 +136,44 @@ def load_causal_lm(path: str, *, merge_adapter: bool = True, **kwargs: Any):
     if not merge_adapter:
         loading = model.load_adapter(folder)
         refuse_incomplete_adapter(sorted(loading.missing_keys), path)
+        refuse_unplaced_adapter_weights(sorted(loading.unexpected_keys), path)
         return model
-    from peft import PeftModel
-    from peft.utils import get_peft_model_state_dict, load_peft_weights
+    adapted, weights, loading = _peft_model_from_folder(model, folder, path, base)
+    from peft.utils import get_peft_model_state_dict
 
-    try:
-        adapted = PeftModel.from_pretrained(model, folder)
-    except (OSError, ValueError, RuntimeError, KeyError) as error:  # (an adapter of another base: shapes differ)
-        reason = " ".join(str(error).split())
-        raise ValueError(f"cannot apply the PEFT adapter {path} to its base {base}: {reason}") from None
-    # (the weights PEFT saves for this adapter on this base, against those its file holds: from_pretrained only warns
-    # of the ones it lacks, left as initialised, and would merge them so)
+    # (the weights PEFT saves for this adapter on this base, against those its file holds: PEFT only warns of the
+    # ones it lacks, left as initialised, and would merge them so; and drops in silence the ones the model has no
+    # place for, as PEFT's own load reports them, its renaming of the file's keys applied)
     expected = get_peft_model_state_dict(adapted, save_embedding_layers=False)
-    refuse_incomplete_adapter(sorted(expected.keys() - load_peft_weights(folder, device="cpu").keys()), path)
+    refuse_incomplete_adapter(sorted(expected.keys() - weights.keys()), path)
+    refuse_unplaced_adapter_weights(sorted(loading.unexpected_keys), path)
     model = adapted.merge_and_unload()
     refuse_non_finite_parameters(model, path)  # (an adapter holding NaN makes the merged weights NaN)
     return model
+
+
+def _peft_model_from_folder(model, folder: str, path: str, base: str):
+    """`PeftModel.from_pretrained(model, folder)` as it runs for a local adapter loaded for inference, its weights
+    file read once (`load_peft_weights`: safetensors, or a .bin through `torch.load(weights_only=True)`, which runs
+    no pickled code) and given to PEFT: the PeftModel, the weights the file holds, and PEFT's load result (its
+    `unexpected_keys`), which `from_pretrained` keeps to itself. A `ValueError` naming the adapter and its base
+    where PEFT cannot read it or apply it to the base (an adapter of another model: modules or shapes differ)."""
+    from peft import PeftConfig, PeftModel, set_peft_model_state_dict
+    from peft.auto import MODEL_TYPE_TO_PEFT_MODEL_MAPPING
+    from peft.utils import load_peft_weights
+
+    try:
+        config = PeftConfig.from_pretrained(folder)
+        config.inference_mode = True
+        weights = load_peft_weights(
+            folder, device="cpu", key_mapping=getattr(model, "_checkpoint_conversion_mapping", None) or None
+        )
+        adapted = MODEL_TYPE_TO_PEFT_MODEL_MAPPING.get(config.task_type, PeftModel)(model, config)
+        loading = set_peft_model_state_dict(adapted, weights)
+    except (OSError, ValueError, RuntimeError, KeyError) as error:  # (an adapter of another base: shapes differ)
+        reason = " ".join(str(error).split())
+        raise ValueError(f"cannot apply the PEFT adapter {path} to its base {base}: {reason}") from None
+    return adapted.eval(), weights, loading
 
 
 def refuse_incomplete_adapter(missing: list[str], path: str) -> None:
@@ -159,6 +184,19 @@ def refuse_incomplete_adapter(missing: list[str], path: str) -> None:
         raise ValueError(
             f"the PEFT adapter {path} is incomplete: its weights file lacks {_first_names(missing, 4)} of the "
             "adapter's weights (PEFT would leave them as initialised); save the adapter again"
+        )
+
+
+def refuse_unplaced_adapter_weights(unexpected: list[str], path: str) -> None:
+    """A `ValueError` naming the weights in the weights file of the PEFT adapter folder `path` that the adapted
+    model has no place for (`unexpected` as PEFT's load reports them, the adapter's name it inserts taken out
+    again): an adapter of other modules, a key renamed by hand. PEFT drops them in silence (transformers'
+    `load_adapter` only reports them), and the model merged or attached would lack what was trained."""
+    if unexpected:
+        names = [re.sub(rf"\.{LOADED_ADAPTER}(?=\.[^.]*$|$)", "", name) for name in unexpected]
+        raise ValueError(
+            f"the PEFT adapter {path} does not fit its base: its weights file holds {_first_names(names, 4)}, which "
+            "the adapted model has no place for (PEFT would drop them); save the adapter again from its model"
         )
 
 
