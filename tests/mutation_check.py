@@ -187,6 +187,13 @@ MUTATIONS = [
         ("tests/fast_path/test_fast_path.py -k saved_tensor_hooks",),
     ),
     Mutation(
+        "fast path's backward under saved-tensor hooks (the packed sequences' starts not derived again)",
+        "modeling_gpn/fast_recurrence.py",
+        "            starts = saved.pop(0) if ctx.has_starts else None\n",
+        "            starts = saved.pop(0) if ctx.has_starts else None\n            starts = None  # MUTATION\n",
+        ("tests/fast_path/test_fast_path.py -k saved_tensor_hooks",),
+    ),
+    Mutation(
         "one-call decode (the base model's and the causal LM's methods not looked for: decoder, logits skipped)",
         "modeling_gpn/fast_recurrence.py",
         "        method = replaced_method(obj, methods)\n",
