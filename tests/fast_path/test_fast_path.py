@@ -212,8 +212,7 @@ def test_saved_tensor_hooks_see_everything_the_fast_backward_keeps(hooks, case, 
     token_inputs, state, mask, weights = random_problem(model, batch=2, length=7, mask_kind="holes", seed=13)
     exact = None
     if case == "bfloat16":  # (the same weights in float32, on the plain loop: what both bf16 paths approximate)
-        exact = copy.deepcopy(model)
-        model.to(torch.bfloat16)
+        exact = copy.deepcopy(model.to(torch.bfloat16)).float()
     starts = torch.zeros(2, 7, dtype=torch.bool)
     starts[1, 4] = True  # (a packed sequence starts inside the second row)
     nodes = []
