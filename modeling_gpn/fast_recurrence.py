@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import weakref
 from collections.abc import Callable
 from typing import NamedTuple
@@ -133,6 +134,7 @@ from .recurrence_step import (
 )
 from .tracing import is_tracing
 from .triton_kernels import _linear as triton_linear
+from .triton_kernels import backward_steps_refusal as triton_backward_steps_refusal
 from .triton_kernels import memory_step as triton_memory_step
 from .triton_kernels import memory_write_backward as triton_memory_write_backward
 from .triton_kernels import on_device
@@ -143,10 +145,11 @@ from .triton_kernels import self_check_passed as triton_self_check_passed
 from .triton_kernels import sizes_fit as triton_sizes_fit
 from .triton_kernels import step as triton_step
 from .triton_kernels import step_backward as triton_step_backward
+from .triton_kernels import steps_refusal as triton_steps_refusal
 from .triton_kernels import unit_rms as triton_unit_rms
-from .triton_kernels import usable_backward_steps as triton_usable_backward_steps
 from .triton_kernels import usable_memory as triton_usable_memory
-from .triton_kernels import usable_steps as triton_usable_steps
+
+logger = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------------------------------
 # Backends: which implementation runs each part of a window, chosen once per window
@@ -168,6 +171,9 @@ class Backends(NamedTuple):
     # TORCH_OPS (a Triton step runs Triton's memory kernels itself); None without memory
     graphs: str | None  # INFERENCE_GRAPHS (`cuda_graphs.window_forward`), TRAINING_GRAPHS
     # (`cuda_graphs.TrainingSweep`) or None
+    triton_refused: str | None = None  # why Triton, selected for this window's device, does not run all of its
+    # steps (the part it leaves to the torch ops and why: inputs or sizes its kernels do not take, a failed
+    # self-check); logged once per reason at info level. None: Triton runs them all, or was not selected
 
 
 def memory_backend(memory: torch.Tensor, *others: torch.Tensor, triton: bool = True, c_kernels: bool = True) -> str:
@@ -210,10 +216,16 @@ def choose_backends(
     keep the boundaries, which the hooks would not see). (Module wrappers, hooks and tracing were decided before: the
     plain path runs them, `GPNModel.recurrence_path`.)"""
     # (the kernels were checked against the torch ops for these sizes, dtype and device before: `self_check`)
-    triton = model.use_triton and triton_selected(U)
-    triton = triton and triton_self_check_passed(s, matmul_dtype or model.fuse_gate.weight.dtype, U.device)
+    selected = model.use_triton and triton_selected(U)
+    triton = selected and triton_self_check_passed(s, matmul_dtype or model.fuse_gate.weight.dtype, U.device)
+    refusal = None  # (what the selected Triton leaves to the torch ops, and why: said, never silent)
+    if selected and not triton:
+        refusal = "all", "its self-check failed for these sizes and dtype (`triton_kernels.self_check_failures()`)"
     c_kernels = model.use_c_kernels
-    step = TRITON if triton and triton_usable_steps(s, U, p0, g0, M0) else TORCH_OPS
+    steps_refusal = triton_steps_refusal(s, U, p0, g0, M0) if triton else None
+    if steps_refusal is not None:
+        refusal = "the forward and backward steps" if needs_grad else "the steps", steps_refusal
+    step = TRITON if triton and steps_refusal is None else TORCH_OPS
     if step == TORCH_OPS and c_kernels and step_kernels_fit(U, s, needs_grad, matmul_dtype, packed):
         step = C_STEP
     step_backward = None
@@ -221,8 +233,11 @@ def choose_backends(
         # Triton's backward reads the records of Triton's forward steps (row-major rows); the torch-ops step's
         # records follow their inputs' layout (a window whose token inputs have the batch innermost makes
         # column-major ones), which the kernels would read as garbage: it runs behind Triton's steps only
-        triton_backward = step == TRITON and triton_usable_backward_steps(s, U)
+        backward_refusal = triton_backward_steps_refusal(s, U) if triton else None
+        triton_backward = step == TRITON and backward_refusal is None
         step_backward = TRITON if triton_backward else TORCH_OPS
+        if step == TRITON and backward_refusal is not None:
+            refusal = "the backward steps", backward_refusal
     memory = (
         memory_backend(M0.view(-1, s.key_dim, s.value_dim), U, triton=triton, c_kernels=c_kernels) if s.memory else None
     )
@@ -233,7 +248,14 @@ def choose_backends(
             graphs = INFERENCE_GRAPHS
         elif needs_grad and not model.config.bptt_truncation_length and not saved_tensors_hooks_active():
             graphs = TRAINING_GRAPHS
-    return Backends(step, step_backward, memory, graphs)
+    triton_refused = None
+    if refusal is not None:
+        triton_refused = "Triton leaves {} of this window to the torch ops: {}".format(*refusal)
+        logged = model.__dict__.setdefault("_gpn_logged_triton_refusals", set())
+        if triton_refused not in logged:  # (once per reason and model, as `GPNModel.recurrence_path` logs its own)
+            logged.add(triton_refused)
+            logger.info(f"GPN: {triton_refused}")
+    return Backends(step, step_backward, memory, graphs, triton_refused)
 
 
 def saved_tensors_hooks_active() -> bool:

@@ -38,7 +38,8 @@ after, around the same kernels: a masked_fill per part (8 launches), ~real, and 
 rides in the last `rms_backward`).
 
 Which steps run here is decided once per window by the dispatcher (`fast_recurrence`), from the window's
-inputs and the model's sizes (`usable_steps`, `usable_backward_steps`); no function here picks a backend.
+inputs and the model's sizes (`steps_refusal`, `backward_steps_refusal`: why not, which the dispatcher
+records and logs); no function here picks a backend.
 
 This file ships to the Hub with the model: it imports only torch, typing, the standard library and
 `recurrence_step` (the contract its steps keep, and their fallback to the torch ops); the kernels themselves (`triton_jit.py`, which needs triton) are imported when first used, so CPU users never
@@ -342,24 +343,41 @@ def _float32(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.float32 for t in tensors)
 
 
-def usable_memory(memory: torch.Tensor, *others: torch.Tensor) -> bool:
-    """Whether the memory kernels take M (BH, dk, dv) and these tensors: float32, M contiguous, one device,
-    dk within `MAX_KEY_BLOCK`."""
-    if memory.dim() != 3 or not memory.is_contiguous() or not _float32(memory, *others):
-        return False
+def memory_refusal(memory: torch.Tensor, *others: torch.Tensor) -> str | None:
+    """Why the memory kernels do not take M (BH, dk, dv) and these tensors, or None where they do: float32, M
+    contiguous, one device, dk within `MAX_KEY_BLOCK`."""
+    if memory.dim() != 3 or not memory.is_contiguous():
+        return "the memory is not a contiguous (rows x heads, key, value) tensor"
+    if not _float32(memory, *others):
+        return "the memory or the tensors beside it are not float32"
     if any(t.device != memory.device for t in others):
-        return False
-    return 0 < memory.shape[1] <= MAX_KEY_BLOCK and memory.shape[2] > 0
+        return "the memory and the tensors beside it are on different devices"
+    if not 0 < memory.shape[1] <= MAX_KEY_BLOCK:
+        return f"the memory's key dimension {memory.shape[1]} is outside the kernels' 1 to {MAX_KEY_BLOCK}"
+    return None if memory.shape[2] > 0 else "the memory's value dimension is 0"
+
+
+def usable_memory(memory: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether the memory kernels take M (BH, dk, dv) and these tensors (`memory_refusal` says why not)."""
+    return memory_refusal(memory, *others) is None
+
+
+def rows_refusal(*tensors: torch.Tensor) -> str | None:
+    """Why the row-wise kernels do not take these (rows, width) tensors, or None where they do: float32, unit
+    column stride, one device, width within `MAX_ROW_BLOCK`."""
+    if not _float32(*tensors):
+        return "not float32"
+    for t in tensors:
+        if t.dim() != 2 or t.stride(1) != 1:
+            return "elements not adjacent (the batch innermost, or another odd stride)"
+        if t.shape[1] > MAX_ROW_BLOCK:
+            return f"{t.shape[1]} columns, above the kernels' {MAX_ROW_BLOCK}"
+    return None if len({t.device for t in tensors}) == 1 else "on different devices"
 
 
 def usable_rows(*tensors: torch.Tensor) -> bool:
-    """Whether the row-wise kernels take these (rows, width) tensors: float32, unit column stride, one
-    device, width within `MAX_ROW_BLOCK`."""
-    return (
-        _float32(*tensors)
-        and all(t.dim() == 2 and t.stride(1) == 1 and t.shape[1] <= MAX_ROW_BLOCK for t in tensors)
-        and len({t.device for t in tensors}) == 1
-    )
+    """Whether the row-wise kernels take these (rows, width) tensors (`rows_refusal` says why not)."""
+    return rows_refusal(*tensors) is None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -605,35 +623,48 @@ def gated_residual(Y: torch.Tensor, part: torch.Tensor, c, state: torch.Tensor, 
 # --------------------------------------------------------------------------------------------------
 
 
-def usable_steps(s, U: torch.Tensor, p0: torch.Tensor, g0: torch.Tensor, M0: torch.Tensor) -> bool:
-    """Whether `step` takes every forward step of a window of the fast path: token inputs U (B, T, d), the
-    state before it (p0, g0, M0) and the model's sizes `s`. What `usable_step` asks of one step, asked once
-    for the window: each step's state and key (float32, contiguous or with unit column stride, on U's
-    device) are made by the previous step, so the window's inputs and the sizes decide for all of them."""
+def steps_refusal(s, U: torch.Tensor, p0: torch.Tensor, g0: torch.Tensor, M0: torch.Tensor) -> str | None:
+    """Why `step` does not take every forward step of a window of the fast path, or None where it does: token
+    inputs U (B, T, d), the state before it (p0, g0, M0) and the model's sizes `s`. What `usable_step` asks of
+    one step, asked once for the window: each step's state and key (float32, contiguous or with unit column
+    stride, on U's device) are made by the previous step, so the window's inputs and the sizes decide for all
+    of them. (The dispatcher records and logs the reason: `fast_recurrence.choose_backends`.)"""
     if U.dim() != 3 or U.shape[1] == 0:
-        return False
-    if not (p0.is_contiguous() and g0.is_contiguous() and usable_rows(p0, g0, U[:, 0])):
-        return False
+        return "the window has no steps"
+    if not (p0.is_contiguous() and g0.is_contiguous()):
+        return "the carried state is not contiguous"
+    refusal = rows_refusal(p0, g0, U[:, 0])
+    if refusal is not None:
+        return f"the rows of the state and token inputs: {refusal}"
     if s.memory:  # (the key the fast path computes from g0 is a contiguous float32 (B, H*dk) on g0's device)
-        if not usable_memory(M0.reshape(-1, s.key_dim, s.value_dim), g0):
-            return False
-        if s.heads * s.key_dim > MAX_ROW_BLOCK or s.heads * s.value_dim > MAX_ROW_BLOCK:
-            return False
-    return True
+        refusal = memory_refusal(M0.reshape(-1, s.key_dim, s.value_dim), g0)
+        if refusal is not None:
+            return refusal
+        for name, dim in (("key", s.key_dim), ("value", s.value_dim)):
+            if s.heads * dim > MAX_ROW_BLOCK:
+                return f"the memory's {name} rows ({s.heads} heads of {dim}) are above the kernels' {MAX_ROW_BLOCK}"
+    return None
 
 
-def usable_backward_steps(s, U: torch.Tensor) -> bool:
-    """Whether `step_backward` takes every backward step of a window of the fast path with token inputs U
-    (B, T, d) and the model's sizes `s`. What `usable_step_backward` asks of one step, asked once for the
-    window: the records the forward steps saved and the gradients carried between backward steps are
-    contiguous float32 tensors on U's device (the dispatcher makes those handed in by autograd so, and asks
-    this only of a window whose forward steps are this file's `step`: the torch-ops step's records follow
-    its inputs' layout), so the sizes decide."""
-    if U.dtype != torch.float32 or s.hidden > MAX_ROW_BLOCK:
-        return False
+def backward_steps_refusal(s, U: torch.Tensor) -> str | None:
+    """Why `step_backward` does not take every backward step of a window of the fast path with token inputs U
+    (B, T, d) and the model's sizes `s`, or None where it does. What `usable_step_backward` asks of one step,
+    asked once for the window: the records the forward steps saved and the gradients carried between backward
+    steps are contiguous float32 tensors on U's device (the dispatcher makes those handed in by autograd so,
+    and asks this only of a window whose forward steps are this file's `step`: the torch-ops step's records
+    follow its inputs' layout), so the sizes decide."""
+    if U.dtype != torch.float32:
+        return "the token inputs are not float32"
+    if s.hidden > MAX_ROW_BLOCK:
+        return f"the hidden size {s.hidden} is above the kernels' {MAX_ROW_BLOCK}"
     if s.memory:
-        return 0 < s.key_dim <= MAX_KEY_BLOCK and s.value_dim > 0 and s.heads * s.value_dim <= MAX_ROW_BLOCK
-    return True
+        if not 0 < s.key_dim <= MAX_KEY_BLOCK:
+            return f"the memory's key dimension {s.key_dim} is outside the kernels' 1 to {MAX_KEY_BLOCK}"
+        if s.value_dim <= 0:
+            return "the memory's value dimension is 0"
+        if s.heads * s.value_dim > MAX_ROW_BLOCK:
+            return f"the memory's value rows ({s.heads} heads of {s.value_dim}) are above the kernels' {MAX_ROW_BLOCK}"
+    return None
 
 
 def sizes_fit(config) -> bool:
@@ -821,7 +852,7 @@ def usable_step_backward(saved: dict, grads, s) -> bool:
 def step_backward(saved: dict, grads, wt, s, c, eps: float, weight_grads, memory_grad_out=None, ws: dict | None = None):
     """`recurrence_step._step_backward` with its elementwise work fused into Triton kernels (the matmuls
     stay torch's). Same arguments, same results, for a step `usable_step_backward` accepts: the dispatcher
-    runs it only on windows whose every step it takes (`usable_backward_steps`, asked once per window), and
+    runs it only on windows whose every step it takes (`backward_steps_refusal`, asked once per window), and
     `_step_backward` on the others. A masked step runs on the kernels too, as `_step_backward` runs
     one: the real rows' gradients go through the step, the padded rows' pass straight to the input state.
     With a workspace `ws` (a dict) every intermediate and result goes into its buffers, as in `step` (then

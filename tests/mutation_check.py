@@ -201,6 +201,13 @@ MUTATIONS = [
         ("tests/fast_path/test_fast_path.py -k saved_tensor_hooks",),
     ),
     Mutation(
+        "fast path's backward under saved-tensor hooks (the packed sequences' starts not derived again)",
+        "modeling_gpn/fast_recurrence.py",
+        "            starts = saved.pop(0) if ctx.has_starts else None\n",
+        "            starts = saved.pop(0) if ctx.has_starts else None\n            starts = None  # MUTATION\n",
+        ("tests/fast_path/test_fast_path.py -k saved_tensor_hooks",),
+    ),
+    Mutation(
         "one-call decode (the base model's and the causal LM's methods not looked for: decoder, logits skipped)",
         "modeling_gpn/fast_recurrence.py",
         "        method = replaced_method(obj, methods)\n",
@@ -570,10 +577,44 @@ MUTATIONS = [
     Mutation(
         "Triton backward only behind Triton's forward steps (it reads their row-major records)",
         "modeling_gpn/fast_recurrence.py",
-        "triton_backward = step == TRITON and triton_usable_backward_steps(s, U)",
-        "triton_backward = triton and triton_usable_backward_steps(s, U)  # MUTATION",
+        "triton_backward = step == TRITON and backward_refusal is None",
+        "triton_backward = triton and backward_refusal is None  # MUTATION",
         (
             "tests/fast_path/test_triton_kernels.py::test_a_window_the_triton_step_does_not_take_runs_its_backward_on_the_torch_ops",
+        ),
+    ),
+    Mutation(
+        "why Triton leaves a window to the torch ops (not recorded in last_recurrence_backends)",
+        "modeling_gpn/fast_recurrence.py",
+        "    return Backends(step, step_backward, memory, graphs, triton_refused)\n",
+        "    return Backends(step, step_backward, memory, graphs)  # MUTATION\n",
+        (
+            "tests/fast_path/test_dispatch.py::test_a_window_whose_sizes_the_triton_kernels_do_not_take_says_why",
+            "tests/fast_path/test_triton_kernels.py::test_a_window_the_triton_step_does_not_take_runs_its_backward_on_the_torch_ops",
+            "tests/fast_path/test_self_check.py::test_kernels_that_raise_turn_off_their_combination_and_the_torch_ops_run",
+        ),
+    ),
+    Mutation(
+        "why Triton leaves a window to the torch ops (not logged)",
+        "modeling_gpn/fast_recurrence.py",
+        '            logger.info(f"GPN: {triton_refused}")\n',
+        "            pass  # MUTATION\n",
+        ("tests/fast_path/test_dispatch.py::test_a_window_whose_sizes_the_triton_kernels_do_not_take_says_why",),
+    ),
+    Mutation(
+        "why Triton leaves a window to the torch ops (logged for every window, not once per reason)",
+        "modeling_gpn/fast_recurrence.py",
+        "        if triton_refused not in logged:",
+        "        if True:  # MUTATION",
+        ("tests/fast_path/test_dispatch.py::test_a_window_whose_sizes_the_triton_kernels_do_not_take_says_why",),
+    ),
+    Mutation(
+        "why Triton leaves a window to the torch ops (a failed self-check not named)",
+        "modeling_gpn/fast_recurrence.py",
+        "    if selected and not triton:\n",
+        "    if False:  # MUTATION\n",
+        (
+            "tests/fast_path/test_self_check.py::test_kernels_that_raise_turn_off_their_combination_and_the_torch_ops_run",
         ),
     ),
     Mutation(

@@ -4,11 +4,14 @@ from the window's inputs, records them in `model.model.last_recurrence_backends`
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 from modeling_gpn import fast_recurrence as fr
 
+from ..backend_observer import FAST_PATH, TRITON, ran
 from ..environment import require_c_kernels
 from ..tiny_models import perturbed_model, tiny_config
 from .recurrences import assert_same, random_problem, run_recurrence
@@ -90,6 +93,28 @@ def test_a_strided_gradient_from_autograd_keeps_every_backward_step_on_the_trito
     torch.testing.assert_close(fast_loss, plain_loss, atol=1e-5, rtol=1e-5)
     for got, expected in zip(fast_grads, plain_grads):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_a_window_whose_sizes_the_triton_kernels_do_not_take_says_why(triton_on, caplog):
+    """Sizes past the kernels' limits (a key dimension above `MAX_KEY_BLOCK`) keep the window on the torch ops
+    and the dispatcher says why, naming the size and the limit: in `last_recurrence_backends.triton_refused`
+    and in an info line logged once (not once per window); the window computes what the plain loop computes."""
+    from modeling_gpn import triton_kernels as tk
+
+    key_dim = tk.MAX_KEY_BLOCK + 1
+    config = tiny_config(num_memory_heads=1, memory_key_dim=key_dim, memory_value_dim=2)
+    model = perturbed_model(config, seed=12).train()
+    problem = random_problem(model, batch=1, length=2, mask_kind=None, seed=13)
+    plain = run_recurrence(model, False, *problem)
+    caplog.set_level(logging.INFO, logger=fr.__name__)
+    with ran(FAST_PATH, not_ran=(TRITON,)):
+        fast = run_recurrence(model, True, *problem)
+        run_recurrence(model, True, *problem)
+    backends = model.model.last_recurrence_backends
+    assert backends[:2] == (fr.TORCH_OPS, fr.TORCH_OPS) and backends.memory != fr.TRITON
+    assert f"key dimension {key_dim} is outside the kernels' 1 to {tk.MAX_KEY_BLOCK}" in backends.triton_refused
+    assert [r.getMessage() for r in caplog.records if "Triton" in r.getMessage()] == [f"GPN: {backends.triton_refused}"]
+    assert_same(plain, fast)
 
 
 @pytest.mark.parametrize("setting", ["0", None])

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from modeling_gpn import GPNCache
 
-from ..backend_observer import C_KERNELS_BACKWARD, CHUNKED_LOSS, FAST_PATH, PLAIN_PATH, PREPACKED, ran
+from ..backend_observer import C_KERNELS_BACKWARD, CHUNKED_LOSS, FAST_PATH, PLAIN_PATH, PREPACKED, TRITON, ran
 from ..environment import require_environment
-from ..tiny_models import perturbed_model, tiny_config
+from ..tiny_models import perturbed_model, tiny_config, well_conditioned_model
 from .recurrences import KERNEL_MODES, assert_same, random_problem, run_recurrence
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -179,47 +181,82 @@ def recurrence_node(outputs: torch.Tensor):
     raise AssertionError("the fast path's autograd function is not in the graph")
 
 
-@pytest.mark.parametrize("hooks", ["save_on_cpu", "checkpoint(use_reentrant=False)"])
-def test_saved_tensor_hooks_see_everything_the_fast_backward_keeps(hooks):
+HOOKED_CASES = [  # (hooks, weights and backend): float32 both ways; bf16 weights and the Triton steps under one
+    ("save_on_cpu", "float32"),
+    ("checkpoint(use_reentrant=False)", "float32"),
+    ("save_on_cpu", "bfloat16"),
+    ("save_on_cpu", "triton"),
+]
+
+
+@pytest.mark.parametrize("hooks,case", HOOKED_CASES)
+def test_saved_tensor_hooks_see_everything_the_fast_backward_keeps(hooks, case, request):
     """Under saved-tensor hooks (`save_on_cpu`, TRL's activation offloading, a non-reentrant checkpoint around the
     model) the fast path keeps for its backward only what went through them: no tensor on its autograd node
     beside its saved tensors (it kept the boundary states, the last segment's records, its buffer and packed
     weights there, which no hook saw: memory the user offloaded stayed where it was). Segments, holes and
-    packed sequences; gradients equal the plain path's under the same hooks."""
+    packed sequences; gradients equal the plain path's under the same hooks: in float32 (on the C kernels or the
+    torch ops, and on the Triton steps forward and backward through its interpreter) and with bf16 weights (as
+    close to the float32 gradients as the plain loop's in bf16, and equal to the fast path's without hooks)."""
     import torch.utils.checkpoint
 
-    model = perturbed_model(tiny_config(bptt_segment_length=3), seed=12).train()
+    from modeling_gpn import fast_recurrence as fr
+
+    from ..bf16_closeness import assert_bf16_gradients_close
+
+    triton = case == "triton"
+    if triton:
+        request.getfixturevalue("triton_on")
+    make = well_conditioned_model if case == "bfloat16" else perturbed_model
+    model = make(tiny_config(bptt_segment_length=3), seed=12).train()
     token_inputs, state, mask, weights = random_problem(model, batch=2, length=7, mask_kind="holes", seed=13)
+    exact = None
+    if case == "bfloat16":  # (the same weights in float32, on the plain loop: what both bf16 paths approximate)
+        exact = copy.deepcopy(model.to(torch.bfloat16)).float()
     starts = torch.zeros(2, 7, dtype=torch.bool)
     starts[1, 4] = True  # (a packed sequence starts inside the second row)
     nodes = []
 
-    def recurrence(token_inputs, *state):
-        outputs, final, _ = model.model.recurrence(token_inputs, state, mask, sequence_starts=starts)
-        if model.model.use_fast_path and not nodes:  # (the forward's, not the checkpoint's recomputation)
-            nodes.append(recurrence_node(outputs))
-        return outputs, *final
+    def run(model, fast: bool, hooked: bool = True) -> dict:
+        def recurrence(token_inputs, *state):
+            outputs, final, _ = model.model.recurrence(token_inputs, state, mask, sequence_starts=starts)
+            if fast and hooked and not nodes:  # (the forward's, not the checkpoint's recomputation)
+                nodes.append(recurrence_node(outputs))
+            return outputs, *final
 
-    results = {}
-    for fast in (False, True):
         model.model.use_fast_path = fast
         model.zero_grad(set_to_none=True)
         leaves = [token_inputs.clone().requires_grad_(True), *(x.clone().requires_grad_(True) for x in state)]
-        with ran(*((FAST_PATH,) if fast else (PLAIN_PATH,))):
-            if hooks == "save_on_cpu":
+        backends = (FAST_PATH, *[TRITON] * triton) if fast else (PLAIN_PATH,)
+        with ran(*backends, not_ran=() if triton or not fast else (TRITON,)):
+            if not hooked:
+                outputs = recurrence(*leaves)
+            elif hooks == "save_on_cpu":
                 with torch.autograd.graph.save_on_cpu():
                     outputs = recurrence(*leaves)
             else:
                 outputs = torch.utils.checkpoint.checkpoint(recurrence, *leaves, use_reentrant=False)
-            if fast and nodes:
+            if fast and hooked:
                 # (its settings name the model's buffer pool: the model's scratch, not kept for this backward)
                 kept = [t for name, value in vars(nodes[0]).items() if name != "settings" for t in tensors_in(value)]
                 assert not kept, f"{len(kept)} tensors kept on the autograd node, unseen by the hooks"
             sum((x * w).sum() for x, w in zip(outputs, weights)).backward()
-        grads = [x.grad for x in leaves] + [p.grad for p in model.parameters()]
-        results[fast] = grads
-    for fast_grad, plain_grad in zip(results[True], results[False]):
-        torch.testing.assert_close(fast_grad, plain_grad, atol=2e-5, rtol=2e-4)
+        if fast and triton:  # (every step of the window, both ways, on the kernels)
+            assert model.model.last_recurrence_backends[:2] == (fr.TRITON, fr.TRITON)
+        grads = {f"leaf {i}": x.grad for i, x in enumerate(leaves)}
+        return grads | {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+    plain, fast = run(model, False), run(model, True)
+    if exact is None:
+        assert plain.keys() == fast.keys()
+        for name, plain_grad in plain.items():
+            torch.testing.assert_close(fast[name], plain_grad, atol=2e-5, rtol=2e-4, msg=name)
+        return
+    tensors = {f"leaf {i}": x for i, x in enumerate((token_inputs, *state))} | dict(model.named_parameters())
+    assert_bf16_gradients_close(fast, plain, run(exact, False), tensors)
+    # the hooks change where the backward finds its tensors, not what it computes from them
+    for name, grad in run(model, True, hooked=False).items():
+        torch.testing.assert_close(fast[name], grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("variant", ["gpn+m", "gpn+m-bias"])

@@ -236,6 +236,7 @@ def test_kernels_that_raise_turn_off_their_combination_and_the_torch_ops_run(fre
     assert tk.self_check_failure().endswith("PTXAS error: Internal Triton PTX codegen error")  # its first line
     assert len(tk.self_check_failures()) == 3  # batches 2, 3 and 16: every one raised
     assert n["ground"] == 3 and n["memory_write_backward"] == 0  # only the check's own forward steps ran on them
+    assert "its self-check failed" in model.model.last_recurrence_backends.triton_refused  # (the window says why)
     assert_same(plain, fast)
 
 

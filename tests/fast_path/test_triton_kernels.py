@@ -264,6 +264,7 @@ def test_a_window_the_triton_step_does_not_take_runs_its_backward_on_the_torch_o
     with ran(FAST_PATH, TRITON):  # (the memory half still runs on Triton's kernels)
         fast = run_recurrence(model, True, token_inputs, state, mask, weights)
     assert model.model.last_recurrence_backends[:2] == (fr.TORCH_OPS, fr.TORCH_OPS)
+    assert "elements not adjacent" in model.model.last_recurrence_backends.triton_refused  # (said, not silent)
     assert_same(plain, fast)
 
 
