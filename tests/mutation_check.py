@@ -2492,8 +2492,8 @@ MUTATIONS = [
     Mutation(
         "a PEFT adapter folder is refused as no model folder (no config.json)",
         "modeling_gpn/cli/loading.py",
-        "    base = adapter_base(path)\n    if base is not None:\n        if adapter_base(base)",
-        "    base = None\n    if base is not None:\n        if adapter_base(base)",
+        "    base = adapter_base(path)\n    if base is not None:\n        require_peft(path)",
+        "    base = None\n    if base is not None:\n        require_peft(path)",
         (
             "tests/tools/test_generate_cli.py::test_generate_of_a_peft_adapter_folder_is_the_merged_models",
             "tests/tools/test_inspect.py::test_gpn_inspect_of_a_peft_adapter_folder",
@@ -4897,6 +4897,27 @@ MUTATIONS = [
         '        text = row_text(row, number, source, text_column, option="--text-column")\n',
         '        text = row.get(text_column) or ""  # MUTATION\n',
         ("tests/tools/test_inspect.py::test_gpn_inspect_rejects_bad_input",),
+    ),
+    Mutation(
+        "packaging (a subpackage left out of the wheel: editable installs still import it)",
+        "pyproject.toml",
+        '"modeling_gpn.inspect", "modeling_gpn.serve", "modeling_gpn.study",',
+        '"modeling_gpn.inspect", "modeling_gpn.serve",',
+        ("tests/tools/test_packaging.py",),
+    ),
+    Mutation(
+        "packaging (the training recipes left out of the wheel's package data)",
+        "pyproject.toml",
+        '["*.json", "recipes/*.json", "studies/*.json"]',
+        '["*.json", "studies/*.json"]',
+        ("tests/tools/test_packaging.py",),
+    ),
+    Mutation(
+        "a PEFT adapter where peft is not installed is refused before loading, naming what to install",
+        "modeling_gpn/cli/loading.py",
+        "        require_peft(path)\n        if adapter_base(base) is not None:",
+        "        if adapter_base(base) is not None:  # MUTATION",
+        ("tests/tools/test_generate_cli.py -k peft_is_not_installed",),
     ),
 ]
 

@@ -13,6 +13,7 @@ model's, on the fast path) or attaches it (gpn inspect, which reports the adapte
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -22,12 +23,30 @@ import torch
 
 ADAPTER_CONFIG = "adapter_config.json"
 LOADED_ADAPTER = "default"  # the name PEFT (and transformers' load_adapter) give the adapter they load
+# what a PEFT adapter folder needs installed: peft is no dependency of gpn (a fine-tune brings it, docs/fine-tuning.md);
+# this is the PEFT the tests run (pyproject.toml's test extra)
+PEFT_REQUIREMENT = "peft>=0.21,<0.22"
 # what a saved tokenizer holds, one of them at least (`save_pretrained` writes tokenizer_config.json beside its files)
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
 
 
 class BaseModelNotFoundError(FileNotFoundError):
     """The base model of a PEFT adapter folder cannot be loaded; the message names it and the adapter."""
+
+
+class PeftNotInstalledError(FileNotFoundError):
+    """A PEFT adapter folder given where peft is not installed; the message names the adapter and what to install.
+    A `FileNotFoundError`, as `check_model_path`'s other refusals, so every command that checks its model before
+    loading it reports it in one line (it was a `ModuleNotFoundError`: a traceback from gpn eval)."""
+
+
+def require_peft(path: str) -> None:
+    """Refuse the PEFT adapter folder `path` where peft is not installed (`PeftNotInstalledError`)."""
+    if importlib.util.find_spec("peft") is None:
+        raise PeftNotInstalledError(
+            f"{path} is a PEFT adapter folder, and loading one needs peft, which is not installed: "
+            f"pip install '{PEFT_REQUIREMENT}'"
+        )
 
 
 def adapter_base(path: str) -> str | None:
@@ -59,6 +78,7 @@ def check_model_path(path: str) -> None:
 
     base = adapter_base(path)
     if base is not None:
+        require_peft(path)
         if adapter_base(base) is not None:
             raise FileNotFoundError(f"the base model of the PEFT adapter {path}, {base}, is itself an adapter folder")
         try:
@@ -125,6 +145,7 @@ def load_causal_lm(path: str, *, merge_adapter: bool = True, **kwargs: Any):
     base = adapter_base(path)
     if base is None:
         return causal_lm_from_pretrained(path, **kwargs)
+    require_peft(path)  # (before the base loads: gpn serve loads a request's model here, unchecked)
     try:
         model = causal_lm_from_pretrained(base, **kwargs)
     except OSError as error:

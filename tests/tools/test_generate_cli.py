@@ -5,6 +5,8 @@ continuation as the decoded whole has it. (Bad arguments: tests/tools/test_fault
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -337,3 +339,25 @@ def test_an_adapter_whose_base_cannot_be_found_or_whose_weights_are_cut_is_one_l
     assert tokenizer_source(str(adapter[0])) != str(adapter[0])
     AutoTokenizer.from_pretrained(adapter[1]).save_pretrained(tmp_path / "adapter-0")
     assert tokenizer_source(str(tmp_path / "adapter-0")) == str(tmp_path / "adapter-0")
+
+
+def test_an_adapter_where_peft_is_not_installed_is_one_line_naming_what_to_install(adapter, monkeypatch, capsys):
+    """peft is no dependency of gpn (a fine-tune brings it): an adapter folder given to a `pip install .` without it
+    was a traceback from gpn eval ("No module named 'peft'") and a line naming no install from gpn generate. Each
+    command that checks its model refuses it before loading anything, in one line naming the PEFT to install, the
+    one the tests run (the test extra's pin)."""
+    import tomllib
+
+    from modeling_gpn.cli.loading import PEFT_REQUIREMENT
+
+    from ..environment import REPO_ROOT
+
+    folder = adapter[0]
+    monkeypatch.setitem(sys.modules, "peft", None)  # (what an environment without peft gives: no spec, no import)
+    words = f"{folder} is a PEFT adapter folder, and loading one needs peft, which is not installed: pip install '"
+    for command in ("generate", "eval"):
+        assert gpn_main([command, str(folder), *(["hi"] if command == "generate" else []), "--device", "cpu"]) == 2
+        lines = capsys.readouterr().err.splitlines()
+        assert lines == [f"gpn {command}: error: {words}{PEFT_REQUIREMENT}'"], lines
+    test_extra = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    assert PEFT_REQUIREMENT in test_extra
