@@ -2408,8 +2408,8 @@ MUTATIONS = [
     Mutation(
         "gpn eval, inspect and generate run a model whose weights hold NaN or inf (perplexities of NaN written as results)",
         "modeling_gpn/cli/loading.py",
-        "    refuse_non_finite_parameters(model, path)\n",
-        "    pass  # MUTATION\n",
+        "    refuse_incomplete_weights(loading, path)\n    refuse_non_finite_parameters(model, path)\n",
+        "    refuse_incomplete_weights(loading, path)\n    pass  # MUTATION\n",
         (
             "tests/ecosystem/test_eval.py::test_a_damaged_weights_file_is_one_line",
             "tests/tools/test_faults_io.py -k nan-weights",
@@ -2468,8 +2468,8 @@ MUTATIONS = [
     Mutation(
         "gpn inspect loads a PEFT adapter folder's base without the adapter attached",
         "modeling_gpn/cli/loading.py",
-        "        loading = model.load_adapter(folder)\n        refuse_incomplete_adapter(sorted(loading.missing_keys), path)\n",
-        "        pass  # MUTATION\n",
+        "        model = adapted.base_model.model\n",
+        "        model = adapted.unload()  # MUTATION (the adapter's layers taken out)\n",
         ("tests/tools/test_inspect.py::test_gpn_inspect_of_a_peft_adapter_folder",),
     ),
     Mutation(
@@ -2509,28 +2509,20 @@ MUTATIONS = [
         ),
     ),
     Mutation(
-        "a PEFT adapter whose weights file lacks some of its weights is merged (PEFT only warns: them as initialised)",
+        "a PEFT adapter whose weights file lacks some of its weights is merged or attached (them as initialised)",
         "modeling_gpn/cli/loading.py",
         "    refuse_incomplete_adapter(sorted(expected.keys() - weights.keys()), path)\n",
         "    pass  # MUTATION\n",
         (
             "tests/tools/test_generate_cli.py::test_an_adapter_whose_base_cannot_be_found_or_whose_weights_are_cut_is_one_line",
+            "tests/tools/test_inspect.py::test_gpn_inspect_of_a_peft_adapter_folder",
         ),
     ),
     Mutation(
-        "a PEFT adapter holding weights its base has no place for is merged (PEFT drops them in silence)",
+        "a PEFT adapter holding weights its base has no place for is merged or attached (PEFT drops them in silence)",
         "modeling_gpn/cli/loading.py",
-        "    refuse_unplaced_adapter_weights(sorted(loading.unexpected_keys), path)\n    model = adapted.merge_and_unload()\n",
-        "    model = adapted.merge_and_unload()  # MUTATION\n",
-        (
-            "tests/tools/test_generate_cli.py::test_an_adapter_with_weights_its_base_has_no_place_for_is_one_line_and_peft_saved_ones_load",
-        ),
-    ),
-    Mutation(
-        "gpn inspect attaches a PEFT adapter holding weights its base has no place for (transformers only reports them)",
-        "modeling_gpn/cli/loading.py",
-        "        refuse_unplaced_adapter_weights(sorted(loading.unexpected_keys), path)\n        return model\n",
-        "        return model  # MUTATION\n",
+        "    refuse_unplaced_adapter_weights(sorted(loading.unexpected_keys), path)\n    if not merge_adapter:\n",
+        "    if not merge_adapter:  # MUTATION\n",
         (
             "tests/tools/test_generate_cli.py::test_an_adapter_with_weights_its_base_has_no_place_for_is_one_line_and_peft_saved_ones_load",
         ),
@@ -2553,11 +2545,33 @@ MUTATIONS = [
         ("tests/tools/test_generate_cli.py::test_generate_of_a_peft_adapter_folder_is_the_merged_models",),
     ),
     Mutation(
-        "gpn inspect attaches a PEFT adapter whose weights file lacks some of its weights (them as initialised)",
+        "gpn inspect attaches a PEFT adapter through transformers' load_adapter (DoRA's magnitude vectors missed)",
         "modeling_gpn/cli/loading.py",
-        "        refuse_incomplete_adapter(sorted(loading.missing_keys), path)\n",
-        "        pass  # MUTATION\n",
-        ("tests/tools/test_inspect.py::test_gpn_inspect_of_a_peft_adapter_folder",),
+        "    adapted, weights, loading = _peft_model_from_folder(model, folder, path, base)\n",
+        "    if not merge_adapter:  # MUTATION\n        model.load_adapter(folder)\n        return model\n"
+        "    adapted, weights, loading = _peft_model_from_folder(model, folder, path, base)\n",
+        (
+            "tests/tools/test_generate_cli.py::test_an_adapter_with_weights_its_base_has_no_place_for_is_one_line_and_peft_saved_ones_load",
+        ),
+    ),
+    Mutation(
+        "a damaged adapter_model.safetensors of a PEFT adapter is not named (a traceback, or the folder named as a model)",
+        "modeling_gpn/cli/loading.py",
+        "    except Exception as error:  # noqa: BLE001  (safetensors' SafetensorError, torch's unpickling errors)\n",
+        "    except ZeroDivisionError as error:  # MUTATION\n",
+        (
+            "tests/tools/test_generate_cli.py::test_an_adapter_whose_base_cannot_be_found_or_whose_weights_are_cut_is_one_line",
+            "tests/tools/test_inspect.py::test_gpn_inspect_of_a_peft_adapter_folder",
+        ),
+    ),
+    Mutation(
+        "an adapter_config.json with a setting of the wrong type is not named (PEFT's TypeError as it builds layers)",
+        "modeling_gpn/cli/loading.py",
+        "    except TypeError as error:  # (a setting of the wrong type, `r` a string: PEFT fails as it builds the layers)\n",
+        "    except ZeroDivisionError as error:  # MUTATION\n",
+        (
+            "tests/tools/test_generate_cli.py::test_an_adapter_whose_base_cannot_be_found_or_whose_weights_are_cut_is_one_line",
+        ),
     ),
     Mutation(
         "gpn inspect analyses a model that is no GPN (a PEFT adapter of a Llama) instead of refusing it",

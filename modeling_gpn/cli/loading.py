@@ -137,7 +137,8 @@ def load_causal_lm(path: str, *, merge_adapter: bool = True, **kwargs: Any):
     """The causal LM `path` names (`causal_lm_from_pretrained(path, **kwargs)`); for a PEFT adapter folder, its base
     loaded so (its weights checked as any model's) with the adapter merged into it (`PeftModel.from_pretrained` and
     `merge_and_unload()`, as a user merges one in Python: the same weights, bit for bit) or, without
-    `merge_adapter`, attached (transformers' `load_adapter`: the model's modules wrapped by PEFT's). A base that
+    `merge_adapter`, attached (the base's modules wrapped by PEFT's, as transformers' `load_adapter` leaves them,
+    loaded as PEFT loads it: transformers' `load_adapter` misses DoRA's magnitude vectors). A base that
     cannot be loaded (a Hub id offline, a folder removed since the check) is a `FileNotFoundError` naming it and
     the adapter, in one line; an adapter whose weights file lacks some of its weights, or holds weights the model
     has no place for, a `ValueError` naming them (`refuse_incomplete_adapter`, `refuse_unplaced_adapter_weights`).
@@ -154,11 +155,6 @@ def load_causal_lm(path: str, *, merge_adapter: bool = True, **kwargs: Any):
             f"cannot load {base}, the base model of the PEFT adapter {path}: {reason}"
         ) from None
     folder = str(Path(path).expanduser())
-    if not merge_adapter:
-        loading = model.load_adapter(folder)
-        refuse_incomplete_adapter(sorted(loading.missing_keys), path)
-        refuse_unplaced_adapter_weights(sorted(loading.unexpected_keys), path)
-        return model
     adapted, weights, loading = _peft_model_from_folder(model, folder, path, base)
     from peft.utils import get_peft_model_state_dict
 
@@ -168,6 +164,13 @@ def load_causal_lm(path: str, *, merge_adapter: bool = True, **kwargs: Any):
     expected = get_peft_model_state_dict(adapted, save_embedding_layers=False)
     refuse_incomplete_adapter(sorted(expected.keys() - weights.keys()), path)
     refuse_unplaced_adapter_weights(sorted(loading.unexpected_keys), path)
+    if not merge_adapter:
+        # The base with PEFT's layers in it, unwrapped from the PeftModel: what transformers' `load_adapter` leaves
+        # (its PEFT mixin's flag set, `peft_config` copied in by PEFT), so the model is of its own class still.
+        model = adapted.base_model.model
+        model._hf_peft_config_loaded = True
+        refuse_non_finite_parameters(model, path)
+        return model
     model = adapted.merge_and_unload()
     refuse_non_finite_parameters(model, path)  # (an adapter holding NaN makes the merged weights NaN)
     return model
@@ -177,23 +180,43 @@ def _peft_model_from_folder(model, folder: str, path: str, base: str):
     """`PeftModel.from_pretrained(model, folder)` as it runs for a local adapter loaded for inference, its weights
     file read once (`load_peft_weights`: safetensors, or a .bin through `torch.load(weights_only=True)`, which runs
     no pickled code) and given to PEFT: the PeftModel, the weights the file holds, and PEFT's load result (its
-    `unexpected_keys`), which `from_pretrained` keeps to itself. A `ValueError` naming the adapter and its base
-    where PEFT cannot read it or apply it to the base (an adapter of another model: modules or shapes differ)."""
+    `unexpected_keys`), which `from_pretrained` keeps to itself. A `ValueError` in one line naming the file where
+    the adapter's adapter_config.json or weights file cannot be read (damaged: cut short, garbage, a header lying
+    about its tensors, a value of the wrong type), and naming the adapter and its base where PEFT cannot apply it
+    to the base (an adapter of another model: modules or shapes differ)."""
     from peft import PeftConfig, PeftModel, set_peft_model_state_dict
     from peft.auto import MODEL_TYPE_TO_PEFT_MODEL_MAPPING
-    from peft.utils import load_peft_weights
+    from peft.utils import SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME, load_peft_weights
+
+    def reason(error: BaseException, named: bool = True) -> str:  # (one line: PEFT's messages run over several)
+        return f"{type(error).__name__}: " * named + " ".join(str(error).split())
 
     try:
         config = PeftConfig.from_pretrained(folder)
         config.inference_mode = True
+    except Exception as error:  # noqa: BLE001  (invalid JSON, an unknown peft_type, a value PEFT's checks refuse)
+        raise ValueError(f"the PEFT adapter {path}: cannot read its {ADAPTER_CONFIG}: {reason(error)}") from None
+    weights_file = SAFETENSORS_WEIGHTS_NAME if (Path(folder) / SAFETENSORS_WEIGHTS_NAME).is_file() else WEIGHTS_NAME
+    try:
         weights = load_peft_weights(
             folder, device="cpu", key_mapping=getattr(model, "_checkpoint_conversion_mapping", None) or None
         )
+    except Exception as error:  # noqa: BLE001  (safetensors' SafetensorError, torch's unpickling errors)
+        raise ValueError(
+            f"the PEFT adapter {path}: cannot read its weights file {weights_file}: {reason(error)}"
+        ) from None
+    try:
         adapted = MODEL_TYPE_TO_PEFT_MODEL_MAPPING.get(config.task_type, PeftModel)(model, config)
+    except TypeError as error:  # (a setting of the wrong type, `r` a string: PEFT fails as it builds the layers)
+        raise ValueError(
+            f"the PEFT adapter {path}: its {ADAPTER_CONFIG} holds a setting of the wrong type: {reason(error)}"
+        ) from None
+    except (ValueError, RuntimeError, KeyError, AttributeError) as error:  # (modules the base has not)
+        raise ValueError(f"cannot apply the PEFT adapter {path} to its base {base}: {reason(error, False)}") from None
+    try:
         loading = set_peft_model_state_dict(adapted, weights)
-    except (OSError, ValueError, RuntimeError, KeyError) as error:  # (an adapter of another base: shapes differ)
-        reason = " ".join(str(error).split())
-        raise ValueError(f"cannot apply the PEFT adapter {path} to its base {base}: {reason}") from None
+    except (ValueError, RuntimeError, KeyError, TypeError) as error:  # (an adapter of another base: shapes differ)
+        raise ValueError(f"cannot apply the PEFT adapter {path} to its base {base}: {reason(error, False)}") from None
     return adapted.eval(), weights, loading
 
 

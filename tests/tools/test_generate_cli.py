@@ -280,6 +280,7 @@ def test_an_adapter_with_weights_its_base_has_no_place_for_is_one_line_and_peft_
     assert other_model.removeprefix("base_model.model.") in str(refusal.value)
 
     torch.manual_seed(11)
+    ids = torch.randint(0, 200, (1, 9))
     for number, settings in enumerate(
         (
             dict(target_modules=["embed_tokens", "gate"]),
@@ -290,11 +291,15 @@ def test_an_adapter_with_weights_its_base_has_no_place_for_is_one_line_and_peft_
         saved = tmp_path / f"peft-saved-{number}"
         lora = LoraConfig(r=2, init_lora_weights=False, **settings)
         get_peft_model(AutoModelForCausalLM.from_pretrained(bpe_dir), lora).save_pretrained(saved)
-        merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(bpe_dir), saved).merge_and_unload()
-        expected, loaded = merged.state_dict(), load_causal_lm(str(saved)).state_dict()
+        peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(bpe_dir), saved).eval()
+        with torch.no_grad():
+            unmerged = peft_model(ids).logits
+        expected, loaded = peft_model.merge_and_unload().state_dict(), load_causal_lm(str(saved)).state_dict()
         assert loaded.keys() == expected.keys() and all(torch.equal(loaded[k], expected[k]) for k in expected)
-        if not settings.get("use_dora"):  # (transformers' load_adapter misses DoRA's magnitude: see the report)
-            load_causal_lm(str(saved), merge_adapter=False)
+        # Attached (gpn inspect's), DoRA's too (transformers' load_adapter missed its magnitude vectors, refused as
+        # incomplete): the PeftModel's computation bit for bit.
+        with torch.no_grad():
+            assert torch.equal(load_causal_lm(str(saved), merge_adapter=False)(ids).logits, unmerged)
 
 
 def test_an_adapter_whose_base_cannot_be_found_or_whose_weights_are_cut_is_one_line(adapter, tmp_path, capsys):
@@ -336,6 +341,32 @@ def test_an_adapter_whose_base_cannot_be_found_or_whose_weights_are_cut_is_one_l
         f"gpn generate: error: the PEFT adapter {cut} is incomplete: its weights file lacks {', '.join(lost)} of the "
         "adapter's weights (PEFT would leave them as initialised); save the adapter again"
     ]
+    # A damaged adapter_model.safetensors or adapter_config.json: one line naming the file (PEFT's and safetensors'
+    # errors were tracebacks, or named the folder as a model that cannot load).
+    weights_bytes = (adapter[0] / "adapter_model.safetensors").read_bytes()
+    header_size = int.from_bytes(weights_bytes[:8], "little")
+    header = json.loads(weights_bytes[8 : 8 + header_size])
+    header[lost[0]]["data_offsets"][1] += 4096  # (a header lying about a tensor's size)
+    lying = json.dumps(header).encode().ljust(header_size + 8)
+    config = json.loads((adapter[0] / "adapter_config.json").read_text())
+    damaged = {
+        "cut": ("adapter_model.safetensors", weights_bytes[: len(weights_bytes) // 2]),
+        "lying": (
+            "adapter_model.safetensors",
+            len(lying).to_bytes(8, "little") + lying + weights_bytes[8 + header_size :],
+        ),
+        "not-json": ("adapter_config.json", b'{"peft_type": "LORA", '),
+        "wrong-type": ("adapter_config.json", json.dumps({**config, "r": "four"}).encode()),
+    }
+    for name, (file, content) in damaged.items():
+        copy = tmp_path / f"damaged-{name}"
+        shutil.copytree(adapter[0], copy)
+        (copy / file).write_bytes(content)
+        assert gpn_main(["generate", str(copy), "hi", "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.startswith("gpn generate: error:")]
+        assert len(lines) == 1 and f"the PEFT adapter {copy}: " in lines[0] and file in lines[0], (name, lines)
+        assert "Traceback" not in err
     assert tokenizer_source(str(adapter[0])) != str(adapter[0])
     AutoTokenizer.from_pretrained(adapter[1]).save_pretrained(tmp_path / "adapter-0")
     assert tokenizer_source(str(tmp_path / "adapter-0")) == str(tmp_path / "adapter-0")

@@ -599,8 +599,13 @@ def test_gpn_inspect_of_a_peft_adapter_folder(tiny_llama_vocab_model, tmp_path, 
     get_peft_model(
         AutoModelForCausalLM.from_pretrained(llama), LoraConfig(r=2, target_modules=["q_proj"])
     ).save_pretrained(llama_adapter)
+    damaged = tmp_path / "adapter-damaged"  # (cut short: one line naming the file, was a traceback)
+    shutil.copytree(folder, damaged)
+    (damaged / "adapter_model.safetensors").write_bytes((folder / "adapter_model.safetensors").read_bytes()[:100])
+    prefix = "base_model.model.model."  # (the keys as the file holds them)
     for model, words in (
-        (cut, f"the PEFT adapter {cut} is incomplete: its weights file lacks model.predict_layers.0.gate.lora_A."),
+        (cut, f"the PEFT adapter {cut} is incomplete: its weights file lacks {prefix}predict_layers.0.gate.lora_A."),
+        (damaged, f"the PEFT adapter {damaged}: cannot read its weights file adapter_model.safetensors: "),
         (
             llama_adapter,
             f"gpn inspect analyses GPN models; {str(llama_adapter)!r} is a LlamaForCausalLM (model_type='llama')",
