@@ -1636,6 +1636,21 @@ MUTATIONS = [
         ("tests/tools/test_inspect.py::test_gpn_inspect_rejects_bad_input",),
     ),
     Mutation(
+        "gpn inspect's losses from the whole batch's logits at once (gigabytes for long windows)",
+        "modeling_gpn/inspect/states.py",
+        "    for start in range(0, states.shape[0], NLL_CHUNK_POSITIONS):",
+        "    NLL_CHUNK_POSITIONS = max(states.shape[0], 1)  # MUTATION\n"
+        "    for start in range(0, states.shape[0], NLL_CHUNK_POSITIONS):",
+        ("tests/tools/test_inspect.py::test_the_losses_decode_a_few_positions_at_a_time_and_equal_the_full_logits",),
+    ),
+    Mutation(
+        "gpn inspect's forward keeps every position's logits beside the predicted states",
+        "modeling_gpn/inspect/states.py",
+        "            logits_to_keep=1,\n",
+        "",
+        ("tests/tools/test_inspect.py::test_the_losses_decode_a_few_positions_at_a_time_and_equal_the_full_logits",),
+    ),
+    Mutation(
         "gpn study's errors as one line (a traceback)",
         "modeling_gpn/study/cli.py",
         "    except StudyError as error:",

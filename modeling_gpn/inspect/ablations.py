@@ -142,7 +142,8 @@ def ablation_perplexity(
     nll_sum, count = 0.0, 0
     for start in tqdm(range(0, windows.shape[0], batch_size), desc=f"ablation: {ablation.name}", disable=not progress):
         batch = windows[start : start + batch_size].to(device)
-        s, c = window_nll(ablated_logits(model, batch, ablation, reset_after), batch)
+        states = ablated_states(model, batch, ablation, reset_after)
+        s, c = window_nll(model, states, batch, ablation.decode_shift)
         nll_sum, count = nll_sum + s, count + c
     return {"nll": nll_sum / count, "perplexity": math.exp(nll_sum / count), "tokens": count}
 
@@ -158,9 +159,7 @@ def decoded_perplexity(
     for start in range(0, windows.shape[0], batch_size):
         batch = windows[start : start + batch_size].to(device)
         p = torch.from_numpy(states[start : start + batch_size]).to(device)
-        if decode_shift is not None:
-            p = p - decode_shift
-        s, c = window_nll(model.decode(p), batch)
+        s, c = window_nll(model, p, batch, decode_shift)
         nll_sum, count = nll_sum + s, count + c
     return {"nll": nll_sum / count, "perplexity": math.exp(nll_sum / count), "tokens": count}
 

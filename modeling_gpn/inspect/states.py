@@ -39,12 +39,26 @@ def document_ids(windows: torch.Tensor, eos_token_id: int) -> np.ndarray:
     return document_starts(windows, eos_token_id).long().cumsum(dim=1).cpu().numpy()
 
 
-def window_nll(logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[float, int]:
-    """Summed next-token cross-entropy of every window position (logits[:, t] predicts token t+1)."""
-    loss = F.cross_entropy(
-        logits[:, :-1].float().reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1), reduction="sum"
-    )
-    return float(loss), input_ids[:, 1:].numel()
+# Positions decoded at a time into logits for the loss: about 16 MB of float32 logits at a LLaMA-sized vocabulary.
+# A batch's (batch, T, vocab) logits at once would be gigabytes (8 windows of 2048 at vocab 32000: 2.1 GB, and as
+# much again for cross_entropy's log-softmax), beside predicted states of a few tens of MB.
+NLL_CHUNK_POSITIONS = 128
+
+
+def window_nll(
+    model, predicted_states: torch.Tensor, input_ids: torch.Tensor, decode_shift: torch.Tensor | None = None
+) -> tuple[float, int]:
+    """Summed next-token cross-entropy of every window position, and how many: p_t (`predicted_states`, batch, T,
+    d, minus `decode_shift` where given) decoded (`model.decode`) predicts token t+1, `NLL_CHUNK_POSITIONS`
+    positions at a time, so the whole batch's logits never exist at once."""
+    states = predicted_states[:, :-1].reshape(-1, predicted_states.shape[-1])
+    targets = input_ids[:, 1:].reshape(-1)
+    total = 0.0
+    for start in range(0, states.shape[0], NLL_CHUNK_POSITIONS):
+        rows = states[start : start + NLL_CHUNK_POSITIONS]
+        logits = model.decode(rows if decode_shift is None else rows - decode_shift).float()
+        total += float(F.cross_entropy(logits, targets[start : start + NLL_CHUNK_POSITIONS], reduction="sum"))
+    return total, targets.numel()
 
 
 @torch.inference_mode()
@@ -63,11 +77,19 @@ def collect(
     for start in tqdm(range(0, windows.shape[0], batch_size), desc="collecting states", disable=not progress):
         batch = windows[start : start + batch_size].to(device)
         resets = {} if reset_after is None else {"position_ids": document_position_ids(batch, reset_after)}
-        out = model(batch, output_predicted_states=True, output_memory_decays=True, use_cache=False, **resets)
+        # (logits_to_keep=1: the loss is decoded from p_t a few positions at a time, `window_nll`)
+        out = model(
+            batch,
+            output_predicted_states=True,
+            output_memory_decays=True,
+            use_cache=False,
+            logits_to_keep=1,
+            **resets,
+        )
         states.append(out.predicted_states.float().cpu().numpy())
         if out.memory_decays is not None:
             gammas.append(out.memory_decays.float().cpu().numpy())
-        s, c = window_nll(out.logits, batch)
+        s, c = window_nll(model, out.predicted_states, batch)
         nll_sum, nll_count = nll_sum + s, nll_count + c
     return Collected(
         states=np.concatenate(states),

@@ -77,6 +77,33 @@ def test_constant_decays_set_in_a_model_come_back_from_its_forward_pass():
     assert result["fast_heads"] == [0, 1] and result["slow_heads"] == [2]
 
 
+def test_the_losses_decode_a_few_positions_at_a_time_and_equal_the_full_logits(monkeypatch):
+    """collect, the ablations' and the decoded perplexity gave the loss of a whole batch's (batch, T, vocab)
+    logits at once (gigabytes for long windows at a LLaMA-sized vocabulary); they decode p_t a few positions at a
+    time now, with the same loss."""
+    import torch.nn.functional as F
+
+    from modeling_gpn.inspect import ablation_perplexity, decoded_perplexity, states
+
+    model = perturbed_model(tiny_config())
+    windows = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = F.cross_entropy(
+            model(windows).logits[:, :-1].reshape(-1, 97), windows[:, 1:].reshape(-1), reduction="sum"
+        )
+    monkeypatch.setattr(states, "NLL_CHUNK_POSITIONS", 7)
+    rows = []
+    logits_of = model.logits_of  # every logit the forward or `decode` makes passes here: count its rows
+    monkeypatch.setattr(model, "logits_of", lambda hidden: rows.append(hidden[..., 0].numel()) or logits_of(hidden))
+    collected = collect(model, windows, batch_size=2, progress=False)
+    ablated = ablation_perplexity(model, windows, Ablation(), batch_size=2, progress=False)
+    decoded = decoded_perplexity(model, collected.states, windows)
+    assert rows and max(rows) <= 7
+    assert collected.nll_count == ablated["tokens"] == decoded["tokens"] == 58
+    for nll in (collected.nll_sum, ablated["nll"] * 58, decoded["nll"] * 58):
+        assert nll == pytest.approx(full.item(), rel=1e-5)
+
+
 # --------------------------------------------------------------------------------------------------
 # Geometry: states with a known covariance
 # --------------------------------------------------------------------------------------------------
