@@ -65,7 +65,16 @@ from typing import NamedTuple
 import torch
 from torch.autograd.graph import increment_version
 
-from .recurrence_step import MemoryStep, StepState, dequantized_by_linear, int8_weight_parts, keep_padded_rows
+from .recurrence_step import (
+    Columns,
+    FoldedWeights,
+    MemoryStep,
+    Shapes,
+    StepState,
+    dequantized_by_linear,
+    int8_weight_parts,
+    keep_padded_rows,
+)
 
 SOURCE = r"""
 #include <stddef.h>
@@ -2165,7 +2174,7 @@ def _require() -> None:
 
 def memory_step(
     Z: torch.Tensor,
-    columns,
+    columns: Columns,
     key: torch.Tensor,
     neg_decay_rate: torch.Tensor,
     memory: torch.Tensor,
@@ -2675,7 +2684,7 @@ class StepPlan:
     not float32 / bfloat16 / torchao int8 weight-only, sizes the kernel does not assume, the kernels
     unavailable); `step` refuses state tensors that do not fit (the dispatcher then runs the torch ops)."""
 
-    def __init__(self, model, rows: int):
+    def __init__(self, model: torch.nn.Module, rows: int):
         _require()
         if not 1 <= rows <= MAX_STEP_ROWS:
             _refuse(f"{rows} rows; the step kernel takes 1 to {MAX_STEP_ROWS}")
@@ -2805,13 +2814,13 @@ class StepPlan:
         state: StepState,
         u: torch.Tensor,
         real: torch.Tensor | None,
-        w=None,
-        s=None,
-        c=None,
+        w: FoldedWeights | None = None,
+        s: Shapes | None = None,
+        c: Columns | None = None,
         eps: float = 0.0,
         saved: dict | None = None,
         memory_out: torch.Tensor | None = None,
-    ):
+    ) -> tuple[StepState, torch.Tensor | None]:
         """`recurrence_step._step`'s contract for a no-grad step (no records: `saved` must be None) of this
         plan's rows: (new state, gamma). `state.key` may be None: the key of `state.g` is then computed
         here. The folded weights `w`, shapes and columns are not read (the plan has its own)."""

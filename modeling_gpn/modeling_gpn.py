@@ -50,6 +50,8 @@ from transformers.utils import logging
 if TYPE_CHECKING:
     from transformers.generation.utils import GenerateOutput
 
+from collections.abc import Callable
+
 from .arguments import (
     DECODED_TOKEN_KWARGS,
     batch_state_shapes,
@@ -324,7 +326,7 @@ class GPNCausalLMOutput(CausalLMOutputWithPast):
     predicted_states: torch.Tensor | None = None
 
     @classmethod
-    def of_decoded_token(cls, logits: torch.Tensor, cache) -> GPNCausalLMOutput:
+    def of_decoded_token(cls, logits: torch.Tensor, cache: GPNCache) -> GPNCausalLMOutput:
         """`cls(logits=logits, cache=cache)` built directly: the same attributes and items, without the
         ModelOutput bookkeeping that walks the dataclass fields at every attribute set, which costs as much
         as a small model's one-call token spends around its kernel."""
@@ -376,7 +378,7 @@ class GPNSegmentLayer(GradientCheckpointingLayer):
         output_memory_decays: bool,
         sequence_starts: torch.Tensor | None = None,
         *,
-        steps,
+        steps: Callable[..., tuple],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(outputs, p, g, M, gamma or None) after the segment's positions (tensors positional, as reentrant
         checkpointing needs them; `sequence_starts`: where packed sequences start in the segment, or None)."""
@@ -385,7 +387,7 @@ class GPNSegmentLayer(GradientCheckpointingLayer):
         )
 
 
-def is_torch_checkpoint(function) -> bool:
+def is_torch_checkpoint(function: Callable) -> bool:
     """Whether `function` is torch.utils.checkpoint.checkpoint, possibly with `use_reentrant` bound (what
     `gradient_checkpointing_enable()` installs without `offload`)."""
     from torch.utils.checkpoint import checkpoint
@@ -416,6 +418,8 @@ def quantized_after_loading(model: PreTrainedModel, state_dict: dict | None = No
 
 
 class GPNPreTrainedModel(PreTrainedModel):
+    """The base of every GPN model: its config class, weight initialisation and transformers flags."""
+
     config_class = GPNConfig
     config: GPNConfig
     base_model_prefix = "model"
@@ -629,9 +633,11 @@ class GPNModel(GPNPreTrainedModel):
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
+        """The token embedding table."""
         return self.embed_tokens
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
+        """Replace the token embedding table."""
         self.embed_tokens = value
 
     # ---- pieces of one step, in the order of the equations ----------------------------------------
@@ -1103,9 +1109,11 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
+        """The base model's token embedding table."""
         return self.model.embed_tokens
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
+        """Replace the base model's token embedding table."""
         self.model.embed_tokens = value
 
     def get_output_embeddings(self) -> nn.Module:
@@ -1114,6 +1122,7 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         return output_embeddings(self)
 
     def set_output_embeddings(self, new_embeddings: nn.Module) -> None:
+        """Replace the output head."""
         self.lm_head = new_embeddings
 
     def tie_weights(self, *args, **kwargs) -> None:
@@ -1219,14 +1228,21 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             return False
         return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
 
-    def _get_deprecated_gen_repo(self, generation_mode, trust_remote_code, custom_generate=None) -> str | None:
+    def _get_deprecated_gen_repo(
+        self, generation_mode, trust_remote_code: bool | None, custom_generate=None
+    ) -> str | None:
         """transformers' step that sends DoLa and contrastive search to their Hub repos (called on every generate()
         call, once the mode is known): for a GPN these two are refused first, by name, before anything is fetched
         (`generation.refuse_hub_decoding_a_state_cannot_run`)."""
         refuse_hub_decoding_a_state_cannot_run(generation_mode)
         return super()._get_deprecated_gen_repo(generation_mode, trust_remote_code, custom_generate)
 
-    def load_custom_generate(self, pretrained_model_name_or_path=None, trust_remote_code=None, **kwargs):
+    def load_custom_generate(
+        self,
+        pretrained_model_name_or_path: str | os.PathLike | None = None,
+        trust_remote_code: bool | None = None,
+        **kwargs,
+    ) -> Callable | None:
         """transformers' loader of a `custom_generate` decoding method, which under HF_HUB_OFFLINE=1 says a Hub repo
         not in the local cache has no such method: said as it is instead (`generation.custom_generate_offline_error`)."""
         try:
@@ -1606,9 +1622,11 @@ class GPNForSequenceClassification(GPNPreTrainedModel):
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
+        """The base model's token embedding table."""
         return self.model.embed_tokens
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
+        """Replace the base model's token embedding table."""
         self.model.embed_tokens = value
 
     def last_real_positions(
