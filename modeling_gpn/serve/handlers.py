@@ -36,6 +36,7 @@ import json
 import threading
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from fastapi import HTTPException
@@ -50,6 +51,10 @@ from transformers.cli.serving.transcription import TranscriptionHandler
 from transformers.cli.serving.utils import CBGenerateManager, Modality
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.utils.import_utils import is_multipart_available
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+    from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .errors import as_openai_stream_error, error_body
 from .generation import Penalties, StateKeepingModel
@@ -76,6 +81,7 @@ class Admission:
         self._lock = threading.Lock()
 
     def admit(self) -> Slot:
+        """A `Slot` for one request, or HTTP 429 while the server has as many as it admits."""
         with self._lock:
             if self.limit is not None and self.active >= self.limit:
                 raise HTTPException(
@@ -103,6 +109,7 @@ class Slot:
         self._lock = threading.Lock()
 
     def release(self) -> None:
+        """Give the slot back (once; later calls do nothing)."""
         with self._lock:
             if self._released:
                 return
@@ -145,10 +152,11 @@ class WatchingClients:
     disconnects (or the response is complete): a task waits on it.
     """
 
-    def __init__(self, app):
+    def __init__(self, app: ASGIApp):
         self.app = app
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send):
+        """The ASGI call: an HTTP request runs with an event set when its client disconnects."""
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         gone, body_read = threading.Event(), asyncio.Event()
@@ -192,10 +200,11 @@ class LimitedBodies:
     # reset, not the 413 (nginx drains so too). A client that waits for "100 Continue" has sent nothing.
     DRAIN_SECONDS = 5.0
 
-    def __init__(self, app, max_bytes: int):
+    def __init__(self, app: ASGIApp, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send):
+        """The ASGI call: a request body over `max_bytes` is refused with HTTP 413."""
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
@@ -224,7 +233,7 @@ class LimitedBodies:
 
         await self.app(scope, receiving, send)
 
-    async def refuse(self, scope, receive, send, sending: bool) -> None:
+    async def refuse(self, scope: Scope, receive: Receive, send: Send, sending: bool) -> None:
         """Answer 413, after dropping what the client is still `sending` (for at most `DRAIN_SECONDS`)."""
 
         async def drop_the_rest():
@@ -254,7 +263,8 @@ class StateKeeping:
         super().__init__(*args, **kwargs)
         self.policy = policy
 
-    async def handle_request(self, body: dict, request_id: str):
+    async def handle_request(self, body: dict, request_id: str) -> StreamingResponse | JSONResponse:
+        """Check the request, then answer it keeping the conversation's state."""
         try:
             self.check_request(body)
         except RequestError as error:
@@ -576,7 +586,8 @@ class StateKeepingResponseHandler(StateKeeping, ResponseHandler):
     takes_n = False
     max_tokens_fields = ("max_output_tokens",)
 
-    async def handle_request(self, body: dict, request_id: str):
+    async def handle_request(self, body: dict, request_id: str) -> StreamingResponse | JSONResponse:
+        """Answer /v1/responses: one JSON answer unless a stream is asked for."""
         body = _instructions_before_the_input(body)
         if body.get("stream") is None:
             # the API answers with one JSON response unless asked to stream; transformers' handler streams by
@@ -594,7 +605,8 @@ class AdmittedSystemOneHandler(SystemOneHandler):
         super().__init__(*args, **kwargs)
         self.policy = policy
 
-    async def handle_request(self, body: dict, request_id: str):
+    async def handle_request(self, body: dict, request_id: str) -> JSONResponse:
+        """Answer the request once admitted (HTTP 429 when the server is full)."""
         slot = self.policy.admission.admit()
         try:
             return await super().handle_request(body, request_id)  # (one JSON answer: over when it returns)
@@ -607,7 +619,8 @@ class CheckedTranscriptionHandler(TranscriptionHandler):
     python-multipart, which reads its form, is not installed (the serving extra does not bring it): transformers
     raised an ImportError, a bare "Internal Server Error" with a traceback in the log."""
 
-    async def handle_request(self, request):
+    async def handle_request(self, request: Request) -> JSONResponse | StreamingResponse:
+        """Answer /v1/audio/transcriptions, or HTTP 501 without python-multipart."""
         if not is_multipart_available():
             raise HTTPException(
                 status_code=501,

@@ -29,6 +29,7 @@ class CheckedGPNForCausalLM:
 
     @staticmethod
     def from_pretrained(model_id: str, **kwargs) -> GPNForCausalLM:
+        """Load `model_id` as `causal_lm_from_pretrained` does (damaged or non-finite weights refused)."""
         from ..cli.loading import causal_lm_from_pretrained
 
         return causal_lm_from_pretrained(model_id, **kwargs)

@@ -31,6 +31,8 @@ RECIPE_DIR = _recipe_dir()
 
 @dataclass(frozen=True)
 class Option:
+    """One training option: its key, type, default, help text, choices and other spellings of its flag."""
+
     key: str
     type: type
     default: object
