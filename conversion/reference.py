@@ -43,12 +43,15 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from modeling_gpn import GPNConfig, GPNForCausalLM
+
+if TYPE_CHECKING:
+    from typing import BinaryIO
 
 
 class CheckpointError(ValueError):
@@ -159,7 +162,7 @@ class RestrictedUnpickler(pickle._Unpickler):
 
     dispatch = dict(pickle._Unpickler.dispatch)
 
-    def __init__(self, file, budget: int | None = None):
+    def __init__(self, file: BinaryIO, budget: int | None = None):
         super().__init__(file)
         self.budget = budget
         self.claimed = 0
@@ -179,6 +182,7 @@ class RestrictedUnpickler(pickle._Unpickler):
     # ---- budget ----------------------------------------------------------------------------------
 
     def claim(self, nbytes: int, what: str) -> None:
+        """Count `nbytes` more built (`what` brings them); a `CheckpointError` past the file's budget."""
         self.claimed += int(nbytes)
         if self.budget is not None and self.claimed > self.budget:
             raise CheckpointError(
@@ -189,6 +193,7 @@ class RestrictedUnpickler(pickle._Unpickler):
     # ---- globals ---------------------------------------------------------------------------------
 
     def find_class(self, module: str, name: str) -> Any:
+        """The global `module.name` from the allowed table (or a numpy dtype class); anything else refused."""
         key = (module, name)
         if key in self._globals:
             return self._globals[key]
@@ -306,6 +311,7 @@ class RestrictedUnpickler(pickle._Unpickler):
     # ---- BUILD: only an array's or a dtype's own state ------------------------------------------
 
     def load_build(self) -> None:
+        """BUILD: set only an array's or a dtype's own state; anything else refused."""
         state = self.stack.pop()
         target = self.stack[-1]
         if isinstance(target, np.ndarray) and target.size == 0 and isinstance(state, tuple) and len(state) in (4, 5):
@@ -336,6 +342,7 @@ class RestrictedUnpickler(pickle._Unpickler):
     dispatch[pickle.BUILD[0]] = load_build
 
     def persistent_load(self, pid: Any) -> Any:
+        """Refuse persistent ids: a reference checkpoint has none."""
         raise CheckpointError("Refusing the checkpoint: its pickle refers to persistent objects")
 
 
@@ -402,6 +409,7 @@ class ArrayClaim:
 
     @property
     def nbytes(self) -> int:
+        """Bytes the claimed array's shape and dtype take."""
         return math.prod(self.shape) * self.dtype.itemsize
 
 
@@ -494,6 +502,7 @@ class ReferenceSource:
     archive: zipfile.ZipFile | None = None
 
     def close(self) -> None:
+        """Close the archive the arrays are read from (if any)."""
         if self.archive is not None:
             self.archive.close()
 
