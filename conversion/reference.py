@@ -218,7 +218,7 @@ class RestrictedUnpickler(pickle._Unpickler):
 
         claim = self.claim
 
-        def reconstruct(subtype, shape, dtype_code):
+        def reconstruct(subtype: object, shape: object, dtype_code: object):
             # numpy pickles an array as _reconstruct(ndarray, (0,), b'b') followed by BUILD with its data
             if subtype is not _NDARRAY or _shape_size(shape, "an array") != 0 or dtype_code not in (b"b", "b"):
                 raise CheckpointError(
@@ -227,7 +227,7 @@ class RestrictedUnpickler(pickle._Unpickler):
                 )
             return multiarray._reconstruct(np.ndarray, shape, dtype_code)
 
-        def frombuffer(buffer, dtype, shape, order, axis_order=None):
+        def frombuffer(buffer: object, dtype: object, shape: object, order: object, axis_order: object = None):
             dtype = _plain_dtype(dtype, "an array")
             size = _shape_size(shape, "an array")
             if not _byte_data(buffer) or memoryview(buffer).nbytes != size * dtype.itemsize or order not in ("C", "F"):
@@ -235,13 +235,13 @@ class RestrictedUnpickler(pickle._Unpickler):
             claim(size * dtype.itemsize, "an array")
             return numeric._frombuffer(buffer, dtype, shape, order, axis_order)
 
-        def scalar(dtype, data=None):
+        def scalar(dtype: object, data: object = None):
             dtype = _plain_dtype(dtype, "a number")
             if not isinstance(data, bytes) or len(data) != dtype.itemsize:
                 raise CheckpointError(f"Refusing the checkpoint: a {dtype} number with {type(data).__name__} data")
             return multiarray.scalar(dtype, data)
 
-        def dtype(obj, align=False, copy=False):
+        def dtype(obj: object, align: object = False, copy: object = False):
             if not isinstance(obj, str):
                 raise CheckpointError(f"Refusing the checkpoint: a dtype built from {type(obj).__name__}")
             try:
@@ -250,7 +250,7 @@ class RestrictedUnpickler(pickle._Unpickler):
                 raise CheckpointError(f"Refusing the checkpoint: bad dtype {obj!r}: {error}") from error
             return _plain_dtype(made, "its pickle")
 
-        def encode(text, encoding="utf-8", errors="strict"):
+        def encode(text: object, encoding: object = "utf-8", errors: object = "strict"):
             # numpy's protocol-2 pickles carry array bytes as codecs.encode(str, 'latin1'): one byte per char
             if not isinstance(text, str) or not isinstance(encoding, str) or encoding.lower() not in _LATIN1:
                 raise CheckpointError(f"Refusing the checkpoint: codecs.encode with {encoding!r}")
@@ -451,7 +451,12 @@ def _npz_claims(path: Path, archive: zipfile.ZipFile) -> dict[str, ArrayClaim]:
             )
 
         def read(
-            info=info, shape=tuple(shape), dtype=dtype, fortran=fortran_order, start=header_bytes, size=data_bytes
+            info: zipfile.ZipInfo = info,
+            shape: tuple[int, ...] = tuple(shape),
+            dtype: np.dtype = dtype,
+            fortran: bool = fortran_order,
+            start: int = header_bytes,
+            size: int = data_bytes,
         ):
             data = bytearray(size)  # size checked against the directory, the header and the config
             try:

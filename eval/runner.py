@@ -451,7 +451,9 @@ def float32_logits_hflm() -> type:
     from lm_eval.models.huggingface import HFLM
 
     class Float32LogitsHFLM(HFLM):
-        def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
+        def _model_call(
+            self, inps: torch.Tensor, attn_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None
+        ) -> torch.Tensor:
             return super()._model_call(inps, attn_mask, labels).float()
 
     return Float32LogitsHFLM

@@ -606,7 +606,7 @@ def _flatten_gpn_cache(cache: GPNCache):
     return [*state, _seen_tokens_tensor(cache.state_layer.seen_tokens)], bool(state)
 
 
-def _unflatten_gpn_cache(children, context) -> GPNCache:
+def _unflatten_gpn_cache(children: list, context: pytree.Context) -> GPNCache:
     has_state = context
     *state, seen_tokens = children
     cache = GPNCache()

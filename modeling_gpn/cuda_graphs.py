@@ -537,7 +537,7 @@ class TrainingSweep:
         for target, source in zip(_flatten(self.w), _flatten(w)):
             target.copy_(source.detach())
 
-    def _segment_forward(self, U: torch.Tensor, boundary, start: int, stop: int) -> None:
+    def _segment_forward(self, U: torch.Tensor, boundary: StepState, start: int, stop: int) -> None:
         steps = stop - start
         for target, source in zip(self.state_in, boundary):
             target.copy_(source)

@@ -580,7 +580,15 @@ def _every_token_real(attention_mask: torch.Tensor, rows: int) -> bool:
 _DECODED_BACKENDS = {memory: Backends(C_STEP, None, C_KERNELS if memory else None, None) for memory in (False, True)}
 
 
-def _memory_half(Z, c: Columns, key, neg_decay_rate, memory, memory_out, eps: float) -> MemoryStep:
+def _memory_half(
+    Z: torch.Tensor,
+    c: Columns,
+    key: torch.Tensor,
+    neg_decay_rate: torch.Tensor,
+    memory: torch.Tensor,
+    memory_out: torch.Tensor,
+    eps: float,
+) -> MemoryStep:
     """The memory half of a step on the C kernels (one head at a time, CPU): `memory_kernels.memory_step`,
     which checks every tensor it would read and refuses (`KernelRefusal`) what it cannot take; the torch
     ops compute that step instead."""
@@ -675,15 +683,15 @@ def _run_steps(
     mask: torch.Tensor | None,
     state: StepState,
     w: FoldedWeights,
-    s,
-    eps,
-    start,
-    stop,
-    step,
-    outputs=None,
-    gammas=None,
-    records=None,
-    memory_buffer=None,
+    s: Shapes,
+    eps: float,
+    start: int,
+    stop: int,
+    step: Callable,
+    outputs: torch.Tensor | None = None,
+    gammas: torch.Tensor | None = None,
+    records: list | None = None,
+    memory_buffer: torch.Tensor | None = None,
     starts: SequenceStarts | None = None,
 ):
     """Steps start..stop-1 without autograd on `step` (the window's, `step_functions`); with `records` (a
@@ -737,7 +745,7 @@ class BufferPool:
         self.free: dict[tuple, list[torch.Tensor]] = {}
 
     @staticmethod
-    def _key(shape: tuple[int, ...], dtype, device: torch.device) -> tuple:
+    def _key(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple:
         return tuple(shape), dtype, torch.device(device)
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -1054,11 +1062,11 @@ def fast_recurrence(
 
 def _fast_recurrence(
     model: torch.nn.Module,
-    token_inputs,
-    state,
+    token_inputs: torch.Tensor,
+    state: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     mask: torch.Tensor | None,
     output_memory_decays: bool,
-    matmul_dtype,
+    matmul_dtype: torch.dtype | None,
     starts: SequenceStarts | None,
 ):
     config = model.config

@@ -89,7 +89,7 @@ def generation_cache(config: GPNConfig, generation_config: GenerationConfig, mod
     return GPNCache(config)
 
 
-def _token_ids(value) -> list[int]:
+def _token_ids(value: int | list[int] | torch.Tensor | None) -> list[int]:
     """A generation config's token id (an int, a list of them, a tensor or None) as a list of ints."""
     if value is None:
         return []

@@ -2128,7 +2128,7 @@ def _refuse(problem: str) -> None:
     raise KernelRefusal(f"GPN memory kernel refused its arguments: {problem}")
 
 
-def _check(t, name: str, shape: tuple | None = None, contiguous: bool = False) -> None:
+def _check(t: torch.Tensor, name: str, shape: tuple | None = None, contiguous: bool = False) -> None:
     """`t` must be a float32 strided CPU tensor (of `shape`, contiguous if asked)."""
     if not isinstance(t, torch.Tensor):
         _refuse(f"{name} is a {type(t).__name__}, not a tensor")
@@ -2630,7 +2630,7 @@ def int8_tiles(weight: torch.Tensor) -> torch.Tensor:
     return tiles
 
 
-def _tile_int8(segments, weights: list[torch.Tensor], rows: int) -> list[torch.Tensor]:
+def _tile_int8(segments: list[_Segment], weights: list[torch.Tensor], rows: int) -> list[torch.Tensor]:
     """Give the int8 products of a plan at one batch row whose weights sit in the L3 (not `STREAM_ROWS`) their
     weights in tiles (`int8_tiles`), where the kernels' int8 products run on VNNI; returns the tiles, which the
     plan keeps. A weight read by two products is tiled once. The copy doubles those weights' memory (the model
@@ -2659,10 +2659,10 @@ class _LazyTiles:
 
     __slots__ = ("parts", "rows", "steps", "tiles")
 
-    def __init__(self, segments, weights: list[torch.Tensor], rows: int):
+    def __init__(self, segments: list[_Segment], weights: list[torch.Tensor], rows: int):
         self.parts, self.rows, self.steps, self.tiles = [(segments, weights)], rows, 0, None
 
-    def add(self, segments, weights: list[torch.Tensor]) -> None:
+    def add(self, segments: list[_Segment], weights: list[torch.Tensor]) -> None:
         """Products of another plan that runs with this one (tiled at once if this one's are)."""
         self.parts.append((segments, weights))
         if self.tiles is not None:
@@ -2729,7 +2729,7 @@ class StepPlan:
                 segments.append(_segment(op, slots[slot], buffers[out] if isinstance(out, str) else out, column))
             phases.append((first, len(parts)))
 
-        def sized(module, rows: int, extra_bias: torch.Tensor | None = None) -> Operand:
+        def sized(module: torch.nn.Linear, rows: int, extra_bias: torch.Tensor | None = None) -> Operand:
             # (a replaced weight of another shape would run into its neighbours' columns, or leave some unwritten:
             # the plain loop raises on it, so the plan refuses it and the torch ops raise as the plain loop does)
             op = operand_of(module, extra_bias=extra_bias)

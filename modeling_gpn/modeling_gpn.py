@@ -48,6 +48,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.utils import logging
 
 if TYPE_CHECKING:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import GenerationMode
     from transformers.generation.utils import GenerateOutput
 
 from collections.abc import Callable
@@ -532,7 +534,7 @@ class GPNPreTrainedModel(PreTrainedModel):
             config.bptt_segment_length = segment
 
     def _set_gradient_checkpointing(
-        self, enable: bool = True, gradient_checkpointing_func=None, every_n_layers: int = 1
+        self, enable: bool = True, gradient_checkpointing_func: Callable | None = None, every_n_layers: int = 1
     ):
         """What `activation_checkpointing_enable()` / `gradient_checkpointing_enable()` (and
         `TrainingArguments(gradient_checkpointing=True)`) turn on, and `..._disable()` off.
@@ -1219,7 +1221,7 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         with derived_weights_scope(self.model):
             return super().generate(*args, **kwargs)
 
-    def _valid_auto_compile_criteria(self, model_kwargs: dict, generation_config) -> bool:
+    def _valid_auto_compile_criteria(self, model_kwargs: dict, generation_config: GenerationConfig) -> bool:
         """generate() compiles a GPN's decoding forward only when asked (`compile_config`). transformers compiles it
         on CUDA for every compileable cache (a GPNCache is one), which would trace the plain recurrence in place of
         the fast path the dispatcher chooses (Triton kernels, CUDA graphs), pay a compile at the first call, and
@@ -1229,7 +1231,10 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
 
     def _get_deprecated_gen_repo(
-        self, generation_mode, trust_remote_code: bool | None, custom_generate=None
+        self,
+        generation_mode: GenerationMode | str | None,
+        trust_remote_code: bool | None,
+        custom_generate: str | Callable | None = None,
     ) -> str | None:
         """transformers' step that sends DoLa and contrastive search to their Hub repos (called on every generate()
         call, once the mode is known): for a GPN these two are refused first, by name, before anything is fetched
@@ -1253,7 +1258,9 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
                 raise
             raise offline from error
 
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs) -> None:
+    def _prepare_cache_for_generation(
+        self, generation_config: GenerationConfig, model_kwargs: dict, *args, **kwargs
+    ) -> None:
         """generate() gets a `GPNCache` (not a `DynamicCache`) unless the caller passed one; cache kinds a GPN does
         not have, and what would roll its state back, are refused (`generation.generation_cache`); so are generation
         values that would be wrong in silence (`generation.check_generation_values`)."""
@@ -1264,7 +1271,7 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         if cache is not None:
             model_kwargs["cache"] = cache
 
-    def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs) -> None:
+    def _prepare_position_ids_for_generation(self, inputs_tensor: torch.Tensor, model_kwargs: dict) -> None:
         """No position ids from generate(): it builds them from the attention mask for every model whose forward
         names `position_ids` (a GPN's does, for `Trainer`: `add_packing_parameters`) and passes them at every
         token, which a GPN, having no positions, would only read for packed starts, off the one-call decode. Those
@@ -1355,7 +1362,9 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             peer.finished = bool(this_peer_finished) and unfinished
         return unfinished
 
-    def _prefill(self, input_ids: torch.Tensor, generation_config, model_kwargs: dict, *args, **kwargs):
+    def _prefill(
+        self, input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict, *args, **kwargs
+    ):
         """Continue generation from a returned cache, given the whole sequence or only the new positions, never
         a position read twice (`generation.continue_from_cache`); then check the prompt's logits are finite."""
         input_ids, model_kwargs, seen = continue_from_cache(input_ids, generation_config, model_kwargs)

@@ -191,7 +191,7 @@ def _fold(linear: torch.nn.Linear, norm_weight: torch.Tensor) -> torch.Tensor:
     return (weight.float().t() * norm_weight.float()[:, None]).to(weight.dtype)
 
 
-def _bias(linear: torch.nn.Linear, size: int, device, extra: torch.Tensor | None = None) -> torch.Tensor:
+def _bias(linear: torch.nn.Linear, size: int, device: torch.device, extra: torch.Tensor | None = None) -> torch.Tensor:
     if linear is not None and linear.bias is not None:
         return linear.bias.float()
     if extra is not None:
@@ -199,7 +199,7 @@ def _bias(linear: torch.nn.Linear, size: int, device, extra: torch.Tensor | None
     return torch.zeros(size, device=device, dtype=torch.float32)
 
 
-def _layer_columns(layer, device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _layer_columns(layer: torch.nn.Module, device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     weights = [_fold(layer.gate, layer.gate_norm.weight), _fold(layer.ffn_in, layer.ffn_norm.weight)]
     biases = [_bias(layer.gate, 0, device), _bias(None, layer.ffn_in.weight.shape[0], device)]
     if layer.use_memory:
@@ -208,7 +208,7 @@ def _layer_columns(layer, device) -> tuple[list[torch.Tensor], list[torch.Tensor
     return weights, biases
 
 
-def _out_matrix(layer) -> torch.Tensor:
+def _out_matrix(layer: torch.nn.Module) -> torch.Tensor:
     ffn_out = dense_weight(layer.ffn_out).t()
     if not layer.use_memory:
         return ffn_out
@@ -420,7 +420,7 @@ def _silu_grad(x: torch.Tensor, sig_x: torch.Tensor) -> torch.Tensor:
     return torch.addcmul(sig_x, x, _sigmoid_grad(sig_x))
 
 
-def _mm(x: torch.Tensor, w) -> torch.Tensor:
+def _mm(x: torch.Tensor, w: torch.Tensor | PackedMatrix) -> torch.Tensor:
     """x @ w in the weights' dtype, float32 result (w a matrix or a `PackedMatrix`)."""
     if isinstance(w, PackedMatrix):
         return w.mm(x)
@@ -429,7 +429,7 @@ def _mm(x: torch.Tensor, w) -> torch.Tensor:
     return torch.matmul(x.to(w.dtype), w).float()
 
 
-def _linear(x: torch.Tensor, w, b: torch.Tensor) -> torch.Tensor:
+def _linear(x: torch.Tensor, w: torch.Tensor | PackedMatrix, b: torch.Tensor) -> torch.Tensor:
     """x @ w + b in the weights' dtype, float32 result. (Not addmm: it first copies the broadcast bias into
     its output, a pass that costs more than adding the bias in place afterwards.)"""
     if isinstance(w, PackedMatrix):
@@ -523,7 +523,7 @@ def _memory_step_torch(
     Z: torch.Tensor,
     c: Columns,
     key: torch.Tensor,
-    neg_decay_rate,
+    neg_decay_rate: torch.Tensor,
     memory: torch.Tensor,
     memory_out: torch.Tensor,
     eps: float,
@@ -559,7 +559,15 @@ def _memory_step_torch(
 
 
 def _memory_write_backward_torch(
-    memory_grad, memory: torch.Tensor, queries, read_grads, k, update, a, beta, memory_grad_out
+    memory_grad: torch.Tensor,
+    memory: torch.Tensor,
+    queries: torch.Tensor,
+    read_grads: torch.Tensor,
+    k: torch.Tensor,
+    update: torch.Tensor,
+    a: torch.Tensor,
+    beta: torch.Tensor,
+    memory_grad_out: torch.Tensor | None,
 ):
     """The gradient of the memory half in torch ops (the reference for `memory_kernels.memory_write_backward`
     and `triton_kernels.memory_write_backward`):
@@ -600,7 +608,18 @@ TORCH_MEMORY_OPS = MemoryOps(_memory_step_torch, _memory_write_backward_torch)
 # --------------------------------------------------------------------------------------------------
 
 
-def _predict_layer(state, part, memory_flat, read, normed_read, s: Shapes, c: Columns, eps: float, out_w, record):
+def _predict_layer(
+    state: torch.Tensor,
+    part: torch.Tensor,
+    memory_flat: torch.Tensor | None,
+    read: torch.Tensor | None,
+    normed_read: torch.Tensor | None,
+    s: Shapes,
+    c: Columns,
+    eps: float,
+    out_w: torch.Tensor | PackedMatrix,
+    record: dict | None,
+):
     """A predict layer on folded weights: state' = sigmoid(gate) * state + [silu(a) b | silu(r) rms(read)] W_out.
 
     `part` holds the layer's projections (`Columns`); `read` is M'^T q when already known (layer 0 reads
@@ -658,8 +677,8 @@ def write_memory(
 
 def _step(
     state: StepState,
-    u,
-    real,
+    u: torch.Tensor,
+    real: torch.Tensor | None,
     w: FoldedWeights,
     s: Shapes,
     c: Columns,
@@ -754,7 +773,7 @@ def transpose_weights(w: FoldedWeights, pack: bool = False) -> TransposedWeights
     views (packing lays the weights out anew anyway, so a contiguous copy first would be wasted)."""
     ndr = None if w.neg_decay_rate is None else w.neg_decay_rate.detach()
 
-    def transposed(t) -> TransposedWeights:
+    def transposed(t: torch.Tensor | PackedMatrix) -> TransposedWeights:
         return TransposedWeights(t(w.fg_w), t(w.big_w), tuple(map(t, w.out_w)), tuple(map(t, w.layer_w)), ndr)
 
     if pack:
@@ -939,7 +958,7 @@ class _WeightGrads:
         self.blocks = {name: (empty(g.shape[0]), empty(g.shape[1])) for name, g in self.grads.items()}
         self.step = 0
 
-    def rows(self, name) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(self, name: str | tuple[str, int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(x rows, dy rows) of matrix `name` ("fg", "big", ("out", i), ("layer", i)) for the current step."""
         x, dy = self.blocks[name]
         rows = slice(self.step * self.batch, (self.step + 1) * self.batch)
@@ -965,7 +984,7 @@ class _WeightGrads:
         for name, (x, dy) in self.blocks.items():
             self._accumulate(name, x[:n], dy[:n])
 
-    def _accumulate(self, name, x: torch.Tensor, dy: torch.Tensor) -> None:
+    def _accumulate(self, name: str | tuple[str, int], x: torch.Tensor, dy: torch.Tensor) -> None:
         self.grads[name] += _tmm(x, dy, self.w.big_w.dtype)
         if name in self.bias_grads:
             self.bias_grads[name] += dy.sum(0)
@@ -1009,7 +1028,7 @@ class StaticWeightGrads(_WeightGrads):
             self.neg_decay.zero_()
         self.step = 0
 
-    def _accumulate(self, name, x: torch.Tensor, dy: torch.Tensor) -> None:
+    def _accumulate(self, name: str | tuple[str, int], x: torch.Tensor, dy: torch.Tensor) -> None:
         n = x.shape[0]
         x_rows, dy_rows = x, dy
         if self.cast_blocks is not None:
@@ -1027,7 +1046,7 @@ class StaticWeightGrads(_WeightGrads):
         return [g.clone() if g.data_ptr() in statics else g for g in super().finish()]
 
 
-def _tmm(x: torch.Tensor, gy: torch.Tensor, dtype) -> torch.Tensor:
+def _tmm(x: torch.Tensor, gy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x^T gy over all collected positions, in the weights' dtype with a float32 result."""
     return torch.matmul(x.t().to(dtype), gy.to(dtype)).float()
 
@@ -1044,7 +1063,7 @@ def _flatten(w: FoldedWeights) -> list:
     return flat
 
 
-def _unflatten(flat, s: Shapes) -> FoldedWeights:
+def _unflatten(flat: list, s: Shapes) -> FoldedWeights:
     n = s.layers
     out_w = tuple(flat[4 : 4 + n])
     layer_w = tuple(flat[4 + n : 3 + 2 * n])

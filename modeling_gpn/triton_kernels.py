@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -142,7 +143,7 @@ SELF_CHECK_BATCHES = (2, 16)
 SELF_CHECK_TOLERANCE = 2.0**-13
 
 
-def _self_check_key(device, s: Shapes, matmul_dtype) -> tuple:
+def _self_check_key(device: torch.device, s: Shapes, matmul_dtype: torch.dtype) -> tuple:
     return (str(device), s, matmul_dtype)
 
 
@@ -198,7 +199,9 @@ def self_check(w: FoldedWeights, s: Shapes, eps: float, device: torch.device, ma
     return self_check_passed(s, matmul_dtype, device)
 
 
-def _self_check_batch(weights, sizes, eps: float, device: torch.device, matmul_dtype: torch.dtype) -> None:
+def _self_check_batch(
+    weights: FoldedWeights, sizes: Shapes, eps: float, device: torch.device, matmul_dtype: torch.dtype
+) -> None:
     """`self_check` at one batch size (`sizes.batch`), unless done: the verdict into `_self_checks`."""
     import warnings
 
@@ -251,12 +254,12 @@ def _full_float32_matmuls():
         torch.set_float32_matmul_precision(precision)
 
 
-def _random_weights(w: FoldedWeights, device):
+def _random_weights(w: FoldedWeights, device: torch.device):
     """Float32 random weights of `w`'s shapes (a `FoldedWeights`, matrices possibly packed): every matrix
     and bias non-zero, scaled so that the step's activations are of order one."""
     generator = torch.Generator(device=device).manual_seed(1234)
 
-    def like(t, scale: float | None = None):
+    def like(t: torch.Tensor | PackedMatrix, scale: float | None = None):
         t = getattr(t, "matrix", t)  # (a `recurrence_step.PackedMatrix`)
         x = torch.randn(t.shape, generator=generator, device=device)
         return x * (scale if scale is not None else 0.5 / t.shape[0] ** 0.5)
@@ -302,7 +305,14 @@ def compare_results(expected: dict, got: dict, tolerance: float = SELF_CHECK_TOL
 
 
 def _one_step(
-    forward, backward, state: StepState, u: torch.Tensor, w: FoldedWeights, s: Shapes, c: Columns, eps: float
+    forward: Callable,
+    backward: Callable,
+    state: StepState,
+    u: torch.Tensor,
+    w: FoldedWeights,
+    s: Shapes,
+    c: Columns,
+    eps: float,
 ) -> dict:
     """What one step forward and backward (gradients of ones) computes, by name, for `self_check`."""
     memory_out = lambda: torch.empty_like(state.memory) if s.memory else None
@@ -416,7 +426,9 @@ def _launch(name: str, grid: int, *args, **meta) -> None:
     kernel[name][(grid,)](*args, **meta)
 
 
-def _empty(ws: dict | None, name: str, *shape: int, device, dtype=torch.float32) -> torch.Tensor:
+def _empty(
+    ws: dict | None, name: str, *shape: int, device: torch.device, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """A buffer for an intermediate result: fresh, or with a workspace `ws` (a dict), the one made for
     `name` on the first call (the static buffers a captured CUDA graph replays into; see `cuda_graphs`)."""
     if ws is None:

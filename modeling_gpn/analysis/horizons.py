@@ -44,7 +44,7 @@ def state_horizons(states: ArrayLike, lags: ArrayLike | None = None, documents: 
     if lags.min() < 1 or lags.max() >= length:
         raise ValueError(f"lags must lie in [1, {length - 1}] for sequences of length {length}")
 
-    def unit(v):
+    def unit(v: np.ndarray):
         return v / (np.linalg.norm(v, axis=2, keepdims=True) + 1e-300)
 
     raw_unit = unit(x)

@@ -198,7 +198,9 @@ def _steps_and_reads(fns: dict, probes: dict, device: str, repeats: int) -> dict
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def _measure_generate(models: dict, rows: dict, vocab: int, generator, args: argparse.Namespace) -> None:
+def _measure_generate(
+    models: dict, rows: dict, vocab: int, generator: torch.Generator, args: argparse.Namespace
+) -> None:
     """Prefill and decode through generate() at each prompt length; the limits' reads (a step's bytes, a
     prompt token's) are timed between the generate() calls of every repeat, so each length's ratios are
     to a bandwidth measured in the same spell of the machine (`Row.limit_ms_at`, `prefill_limit_ms_at`)."""

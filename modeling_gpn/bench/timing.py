@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
     from transformers import GenerationConfig, PreTrainedModel
     from transformers.cache_utils import Cache
+    from transformers.modeling_outputs import ModelOutput
 
 
 def synchronize(device: str) -> None:
@@ -254,7 +255,7 @@ def one_token_step_fn(
     prompt = torch.randint(1, vocab, (rows, prompt_length), generator=generator).to(device)
     token = prompt[:, -1:]
 
-    def cache_of(output):
+    def cache_of(output: ModelOutput):
         return getattr(output, "cache", None) or output.past_key_values
 
     with torch.no_grad():

@@ -13,6 +13,8 @@ import torch
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+    from ..cache import GPNCache
+
 from .arguments import ADAPTER_FOLDER_HELP
 
 DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
@@ -236,7 +238,9 @@ def _load_state(args: argparse.Namespace, model: PreTrainedModel, tokenizer: Pre
     raise GenerateError(f"--state {args.state} holds {rows} rows (prompts); give {rows} prompts, or one state row")
 
 
-def _text_mask(prompt_mask: torch.Tensor, generated: torch.Tensor, eos_token_id) -> torch.Tensor:
+def _text_mask(
+    prompt_mask: torch.Tensor, generated: torch.Tensor, eos_token_id: int | list[int] | None
+) -> torch.Tensor:
     """The mask of the text each row holds: its prompt, and its generated tokens up to its first EOS.
 
     generate() pads a row that ended (EOS) while others go on; that padding is not part of its text.
@@ -253,7 +257,7 @@ def _save_state(
     args: argparse.Namespace,
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    start,
+    start: GPNCache | None,
     output: torch.Tensor,
     text_mask: torch.Tensor,
 ) -> None:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
+    from torch import nn
     from transformers import PreTrainedModel
 
 from ..packing import document_starts
@@ -66,7 +67,9 @@ def ablated_logits(
     return model.decode(states)
 
 
-def _read_without_heads(layer, state: torch.Tensor, memory: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+def _read_without_heads(
+    layer: nn.Module, state: torch.Tensor, memory: torch.Tensor, keep: torch.Tensor
+) -> torch.Tensor:
     """`GPNPredictLayer.read` with the normalised read vector multiplied by `keep` (H * dv, 0 for removed heads)."""
     from ..modeling_gpn import l2_normalize, project
 

@@ -28,7 +28,7 @@ def write_figures(report: dict, output: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    def save(fig, name: str) -> str:
+    def save(fig: Figure, name: str) -> str:
         path = output / name
         fig.savefig(path, dpi=110)
         plt.close(fig)

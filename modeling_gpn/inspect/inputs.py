@@ -3,7 +3,7 @@ local files or a Hub dataset (streamed), each window from the zero state as in t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -119,7 +119,7 @@ def iter_documents(
     yield from _rows_text(rows, text_column, data)
 
 
-def _rows_text(rows, text_column: str, source: str) -> Iterator[tuple[str, bool]]:
+def _rows_text(rows: Iterable[dict], text_column: str, source: str) -> Iterator[tuple[str, bool]]:
     for number, row in enumerate(rows, start=1):
         # a row without text refused by its number, as gpn train refuses it (skipped, the corpus inspected would
         # not be the one trained on)

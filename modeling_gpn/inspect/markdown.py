@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 
-def _fmt(value, digits: int = 3) -> str:
+def _fmt(value: float | None, digits: int = 3) -> str:
     if value is None:
         return "—"
     if isinstance(value, (int, np.integer)):

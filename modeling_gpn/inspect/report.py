@@ -151,7 +151,7 @@ def _token_label(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in token)
 
 
-def _jsonable(value):
+def _jsonable(value: object):
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -175,7 +175,7 @@ _FIGURE_ONLY = {"norms", "eigenvalues", "corr_hist_counts", "corr_hist_edges", "
 def report_json(report: dict) -> dict:
     """The JSON-safe part of a report (large arrays dropped, numpy converted, NaN/inf -> null)."""
 
-    def strip(value):
+    def strip(value: object):
         if isinstance(value, dict):
             return {k: strip(v) for k, v in value.items() if k not in _FIGURE_ONLY}
         return value

@@ -220,7 +220,7 @@ def _sigint_noted():
         yield noted
         return
 
-    def note(signum, frame):
+    def note(signum: int, frame: types.FrameType | None):
         noted.append(signum)
         raise KeyboardInterrupt
 

@@ -153,7 +153,9 @@ class StateKeepingModel:
         ids = self.ids_so_far
         return None if ids is None or ids.shape[-1] <= position else int(ids[0, position])
 
-    def _continues_from_store(self, input_ids, attention_mask, config: GenerationConfig, kwargs) -> bool:
+    def _continues_from_store(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, config: GenerationConfig, kwargs: dict
+    ) -> bool:
         """Whether this call can go through the store: one unpadded row of token ids, sampling or greedy
         (beam search from a given cache is not supported), with a cache, not assisted."""
         if self._store is None or input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] != 1:
@@ -167,7 +169,12 @@ class StateKeepingModel:
         )
 
     def _generate_from_kept_state(
-        self, input_ids: torch.Tensor, answers: int, streamer: BaseStreamer | None, config: GenerationConfig, kwargs
+        self,
+        input_ids: torch.Tensor,
+        answers: int,
+        streamer: BaseStreamer | None,
+        config: GenerationConfig,
+        kwargs: dict,
     ) -> torch.Tensor:
         model, store = self._model, self._store
         prompt = input_ids[0].tolist()

@@ -53,8 +53,11 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.utils.import_utils import is_multipart_available
 
 if TYPE_CHECKING:
+    from collections.abc import AsyncGenerator
+
     from starlette.requests import Request
     from starlette.types import ASGIApp, Receive, Scope, Send
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
 
 from .errors import as_openai_stream_error, error_body
 from .generation import Penalties, StateKeepingModel
@@ -336,7 +339,9 @@ class StateKeeping:
         )
         return model_id, request.model, processor
 
-    def _check_renderable(self, body: dict, model, processor) -> None:
+    def _check_renderable(
+        self, body: dict, model: PreTrainedModel, processor: ProcessorMixin | PreTrainedTokenizerBase
+    ) -> None:
         """Refuse what the chat template would drop in silence: content parts other than text for a model that
         reads text only, and tools when the template never reads `tools` (the model would answer as if it had
         none, and never call one)."""
@@ -363,7 +368,9 @@ class StateKeeping:
                 "`message.name`",
             )
 
-    def _renders_names(self, body: dict, processor, modality: Modality) -> bool:
+    def _renders_names(
+        self, body: dict, processor: ProcessorMixin | PreTrainedTokenizerBase, modality: Modality
+    ) -> bool:
         """Whether the chat template renders the request's messages' names: told by rendering the prompt with
         and without them (the word `name` is in most templates, for tools, so reading the source cannot tell)."""
 
@@ -378,7 +385,7 @@ class StateKeeping:
 
         return rendered(body["messages"]) != rendered([{**message, "name": None} for message in body["messages"]])
 
-    def _build_generation_config(self, body: dict, model_generation_config, use_cb: bool = False):
+    def _build_generation_config(self, body: dict, model_generation_config: GenerationConfig, use_cb: bool = False):
         if not use_cb:
             # the seed is applied as the request's generate() starts (`StateKeepingModel`), not here, when it
             # arrives: transformers' seeding here reseeds the generator other requests are drawing from; and the
@@ -406,7 +413,7 @@ class StateKeeping:
             raise HTTPException(status_code=400, detail=f"invalid generation parameters: {error}") from None
         return config
 
-    def _fit_context(self, inputs, gen_config) -> None:
+    def _fit_context(self, inputs: dict, gen_config: GenerationConfig) -> None:
         """Refuse an empty prompt, or one that with its answer would pass `max_context`; without a
         `max_tokens`, cut the answer to what fits."""
         length = inputs["input_ids"].shape[-1]
@@ -538,7 +545,7 @@ def _asks_to_sample(body: dict) -> bool:
     return (temperature is not None and temperature > 0) or (top_p is not None and top_p < 1)
 
 
-def _resolve_max_new_tokens(gen_config, length: int) -> None:
+def _resolve_max_new_tokens(gen_config: GenerationConfig, length: int) -> None:
     """Set `max_new_tokens` to what `generate()` would make without it (a request's `generation_config` without
     max_new_tokens, and no max_tokens): up to its `max_length`, prompt included, or 20 new tokens when it has
     none, as plain transformers serve answers. Set, the context limit can bound it and transformers' handlers
@@ -646,16 +653,27 @@ class _Answer:
     """Stands in for transformers' generation manager when its handler formats one of the n answers
     (already generated): returns what `GenerateManager.generate_non_streaming` returns for it."""
 
-    def __init__(self, prompt_and_ids: tuple[int, torch.Tensor], processor):
+    def __init__(self, prompt_and_ids: tuple[int, torch.Tensor], processor: ProcessorMixin | PreTrainedTokenizerBase):
         self.input_len, self.ids = prompt_and_ids
         self.processor = processor
 
-    async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
+    async def generate_non_streaming(
+        self,
+        model: PreTrainedModel,
+        processor: ProcessorMixin | PreTrainedTokenizerBase,
+        inputs: dict,
+        gen_config: GenerationConfig,
+        request_id: str,
+    ):
         return self.processor.decode(self.ids, skip_special_tokens=True), self.input_len, self.ids
 
 
 def _answer_rows(
-    sequences: torch.Tensor, inputs, gen_config, processor, eos_token_id=None
+    sequences: torch.Tensor,
+    inputs: dict,
+    gen_config: GenerationConfig,
+    processor: ProcessorMixin | PreTrainedTokenizerBase,
+    eos_token_id: int | list[int] | None = None,
 ) -> list[tuple[int, torch.Tensor, bool]]:
     """Per row of `sequences`: (prompt length, the row's generated tokens up to where it finished, whether it
     finished by itself).
@@ -685,7 +703,7 @@ def _answer_rows(
     return rows
 
 
-def _end_ids(gen_config, eos_token_id: int | list[int] | None) -> set[int]:
+def _end_ids(gen_config: GenerationConfig, eos_token_id: int | list[int] | None) -> set[int]:
     """The ids that end an answer: the generation config's `eos_token_id` (one id, a list), or, where it names
     none (a request's own config), the model's `eos_token_id`."""
     ids = gen_config.eos_token_id if gen_config.eos_token_id is not None else eos_token_id
@@ -746,7 +764,7 @@ def _cut_chunk_at_stop(data: dict, cutter: StreamCutter) -> bool:
 
 
 async def _finishing_stream(
-    chunks,
+    chunks: AsyncGenerator[str, None],
     model: StateKeepingModel,
     slot: Slot,
     stops: list[str],

@@ -81,7 +81,7 @@ def reading(rows: dict[str, dict], ratio_rows: list[dict]) -> list[str]:
     """A short, mechanical reading of which of the paper's claims hold at this scale."""
     lines = []
 
-    def fineweb(name):
+    def fineweb(name: str):
         return rows.get(name, {}).get("fineweb_ppl")
 
     ranked = sorted((r["fineweb_ppl"], n) for n, r in rows.items() if r.get("fineweb_ppl"))

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
     import torch
     from accelerate import Accelerator
@@ -197,14 +197,14 @@ def fit_fsdp_plugin(plugin: FullyShardedDataParallelPlugin, model: nn.Module, on
     return note
 
 
-def _is_size_based(policy) -> bool:
+def _is_size_based(policy: Callable | str | None) -> bool:
     """Whether the plugin's auto-wrap policy is `SIZE_BASED_WRAP` (torch's function, or Accelerate's partial of it)."""
     from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 
     return getattr(policy, "func", policy) is size_based_auto_wrap_policy
 
 
-def _why_not_a_unit(module, model: nn.Module) -> str | None:
+def _why_not_a_unit(module: nn.Module, model: nn.Module) -> str | None:
     """Why Accelerate's FSDP2 preparation cannot shard `module` as a unit of its own, or None: a container without
     a forward (`fully_shard` refuses a ModuleList), or one holding the input embedding or the output layer
     (Accelerate shards those again in a group of their own: a table in two groups fails in `fully_shard`)."""

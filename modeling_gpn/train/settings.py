@@ -306,7 +306,7 @@ NUMERIC_RANGES = (
 )
 
 
-def _wrong_type(option: Option, value) -> str | None:
+def _wrong_type(option: Option, value: object) -> str | None:
     """What `value` (of a recipe, a config file or the command line) should be for `option`, or None if it is
     of the option's type. None stands for unset only where the built-in is unset; a bool is no number here."""
     if value is None and option.default is None:
