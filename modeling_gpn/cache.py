@@ -18,6 +18,7 @@ import copy
 import json
 import os
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,8 +29,6 @@ from transformers.cache_utils import Cache, LinearAttentionLayer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-from collections.abc import Callable
 
 from .configuration_gpn import GPNConfig
 from .state_file import (

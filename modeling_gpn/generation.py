@@ -22,6 +22,7 @@ docs/generate.md and docs/cache.md are the user's pages. Shipped to the Hub with
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,8 +35,6 @@ if TYPE_CHECKING:
     from transformers.generation.utils import GenerateOutput
 
     from .configuration_gpn import GPNConfig
-
-from collections.abc import Callable
 
 from .arguments import check_cache_type
 from .cache import GPNCache, continuation_start

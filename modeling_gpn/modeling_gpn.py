@@ -33,6 +33,7 @@ import inspect
 import math
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
@@ -51,8 +52,6 @@ if TYPE_CHECKING:
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import GenerationMode
     from transformers.generation.utils import GenerateOutput
-
-from collections.abc import Callable
 
 from .arguments import (
     DECODED_TOKEN_KWARGS,

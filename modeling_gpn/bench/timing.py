@@ -247,7 +247,7 @@ def release_reused_buffers(model: PreTrainedModel) -> None:
 
 def one_token_step_fn(
     model: PreTrainedModel, rows: int, vocab: int, device: str, prompt_length: int = 16
-) -> Callable[[], Cache]:
+) -> Callable[[], None]:
     """A call runs the model's one-token step at `rows` batch rows: a forward of one token with its cache
     (`use_cache=True`, as a decode loop calls it; the cache advances every call), after a short prompt.
     Without autograd, as decoding runs."""
