@@ -83,7 +83,7 @@ class TrainingRun:
 
     @property
     def tokens_per_step(self) -> int:
-        """Tokens in one optimizer step's batch (per process)."""
+        """Tokens in one optimizer step: the global batch of windows, over all processes."""
         return self.config["batch_size"] * self.config["seq_len"]
 
     def say(self, message: str) -> None:
