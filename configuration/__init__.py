@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from modeling_gpn.configuration_gpn import GPNConfig
 
 PRESET_DIR = Path(__file__).resolve().parent
 
@@ -28,7 +32,7 @@ def preset_path(name_or_path: str) -> Path:
     return path
 
 
-def load_preset(name_or_path: str):
+def load_preset(name_or_path: str) -> GPNConfig:
     """The `GPNConfig` of a model preset."""
     from modeling_gpn import GPNConfig
 

@@ -10,6 +10,7 @@ from .reference import CheckpointError, ConversionNotice, convert
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `gpn convert`."""
     parser.add_argument(
         "src",
         help="the reference trainer's checkpoint.pkl (or its folder), or a folder with params.npz (+ config.json)",
@@ -33,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run `gpn convert`: convert the reference checkpoint to a GPN folder (and push it if asked); returns the exit status."""
     if args.push_to_hub and not args.tokenizer:  # gpn push refuses a folder without one: say so before converting
         print(
             "gpn convert: --push-to-hub needs --tokenizer (the one the checkpoint was trained with, e.g. "

@@ -43,12 +43,15 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from modeling_gpn import GPNConfig, GPNForCausalLM
+
+if TYPE_CHECKING:
+    from typing import BinaryIO
 
 
 class CheckpointError(ValueError):
@@ -159,7 +162,7 @@ class RestrictedUnpickler(pickle._Unpickler):
 
     dispatch = dict(pickle._Unpickler.dispatch)
 
-    def __init__(self, file, budget: int | None = None):
+    def __init__(self, file: BinaryIO, budget: int | None = None):
         super().__init__(file)
         self.budget = budget
         self.claimed = 0
@@ -179,6 +182,7 @@ class RestrictedUnpickler(pickle._Unpickler):
     # ---- budget ----------------------------------------------------------------------------------
 
     def claim(self, nbytes: int, what: str) -> None:
+        """Count `nbytes` more built (`what` brings them); a `CheckpointError` past the file's budget."""
         self.claimed += int(nbytes)
         if self.budget is not None and self.claimed > self.budget:
             raise CheckpointError(
@@ -189,6 +193,7 @@ class RestrictedUnpickler(pickle._Unpickler):
     # ---- globals ---------------------------------------------------------------------------------
 
     def find_class(self, module: str, name: str) -> Any:
+        """The global `module.name` from the allowed table (or a numpy dtype class); anything else refused."""
         key = (module, name)
         if key in self._globals:
             return self._globals[key]
@@ -213,7 +218,7 @@ class RestrictedUnpickler(pickle._Unpickler):
 
         claim = self.claim
 
-        def reconstruct(subtype, shape, dtype_code):
+        def reconstruct(subtype: object, shape: object, dtype_code: object):
             # numpy pickles an array as _reconstruct(ndarray, (0,), b'b') followed by BUILD with its data
             if subtype is not _NDARRAY or _shape_size(shape, "an array") != 0 or dtype_code not in (b"b", "b"):
                 raise CheckpointError(
@@ -222,7 +227,7 @@ class RestrictedUnpickler(pickle._Unpickler):
                 )
             return multiarray._reconstruct(np.ndarray, shape, dtype_code)
 
-        def frombuffer(buffer, dtype, shape, order, axis_order=None):
+        def frombuffer(buffer: object, dtype: object, shape: object, order: object, axis_order: object = None):
             dtype = _plain_dtype(dtype, "an array")
             size = _shape_size(shape, "an array")
             if not _byte_data(buffer) or memoryview(buffer).nbytes != size * dtype.itemsize or order not in ("C", "F"):
@@ -230,13 +235,13 @@ class RestrictedUnpickler(pickle._Unpickler):
             claim(size * dtype.itemsize, "an array")
             return numeric._frombuffer(buffer, dtype, shape, order, axis_order)
 
-        def scalar(dtype, data=None):
+        def scalar(dtype: object, data: object = None):
             dtype = _plain_dtype(dtype, "a number")
             if not isinstance(data, bytes) or len(data) != dtype.itemsize:
                 raise CheckpointError(f"Refusing the checkpoint: a {dtype} number with {type(data).__name__} data")
             return multiarray.scalar(dtype, data)
 
-        def dtype(obj, align=False, copy=False):
+        def dtype(obj: object, align: object = False, copy: object = False):
             if not isinstance(obj, str):
                 raise CheckpointError(f"Refusing the checkpoint: a dtype built from {type(obj).__name__}")
             try:
@@ -245,7 +250,7 @@ class RestrictedUnpickler(pickle._Unpickler):
                 raise CheckpointError(f"Refusing the checkpoint: bad dtype {obj!r}: {error}") from error
             return _plain_dtype(made, "its pickle")
 
-        def encode(text, encoding="utf-8", errors="strict"):
+        def encode(text: object, encoding: object = "utf-8", errors: object = "strict"):
             # numpy's protocol-2 pickles carry array bytes as codecs.encode(str, 'latin1'): one byte per char
             if not isinstance(text, str) or not isinstance(encoding, str) or encoding.lower() not in _LATIN1:
                 raise CheckpointError(f"Refusing the checkpoint: codecs.encode with {encoding!r}")
@@ -306,6 +311,7 @@ class RestrictedUnpickler(pickle._Unpickler):
     # ---- BUILD: only an array's or a dtype's own state ------------------------------------------
 
     def load_build(self) -> None:
+        """BUILD: set only an array's or a dtype's own state; anything else refused."""
         state = self.stack.pop()
         target = self.stack[-1]
         if isinstance(target, np.ndarray) and target.size == 0 and isinstance(state, tuple) and len(state) in (4, 5):
@@ -336,6 +342,7 @@ class RestrictedUnpickler(pickle._Unpickler):
     dispatch[pickle.BUILD[0]] = load_build
 
     def persistent_load(self, pid: Any) -> Any:
+        """Refuse persistent ids: a reference checkpoint has none."""
         raise CheckpointError("Refusing the checkpoint: its pickle refers to persistent objects")
 
 
@@ -402,6 +409,7 @@ class ArrayClaim:
 
     @property
     def nbytes(self) -> int:
+        """Bytes the claimed array's shape and dtype take."""
         return math.prod(self.shape) * self.dtype.itemsize
 
 
@@ -443,7 +451,12 @@ def _npz_claims(path: Path, archive: zipfile.ZipFile) -> dict[str, ArrayClaim]:
             )
 
         def read(
-            info=info, shape=tuple(shape), dtype=dtype, fortran=fortran_order, start=header_bytes, size=data_bytes
+            info: zipfile.ZipInfo = info,
+            shape: tuple[int, ...] = tuple(shape),
+            dtype: np.dtype = dtype,
+            fortran: bool = fortran_order,
+            start: int = header_bytes,
+            size: int = data_bytes,
         ):
             data = bytearray(size)  # size checked against the directory, the header and the config
             try:
@@ -494,6 +507,7 @@ class ReferenceSource:
     archive: zipfile.ZipFile | None = None
 
     def close(self) -> None:
+        """Close the archive the arrays are read from (if any)."""
         if self.archive is not None:
             self.archive.close()
 

@@ -65,6 +65,7 @@ from .runner import DEFAULT_FINEWEB_MAX_DOCUMENTS, DEFAULT_TASKS, TASKS, EvalSet
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `gpn eval`."""
     parser.add_argument(
         "model",
         help=f"model folder or Hub repo id (a GPN or any transformers causal LM), or {ADAPTER_FOLDER_HELP}",
@@ -228,6 +229,7 @@ def parse_task_data(items: list[str]) -> dict[str, str]:
 
 
 def settings_from_args(args: argparse.Namespace) -> EvalSettings:
+    """The `EvalSettings` of the parsed options; a ValueError for options that cut the FineWeb stream two ways."""
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     max_documents = args.fineweb_max_documents
     if args.fineweb_held_out_fraction is not None:
@@ -319,6 +321,7 @@ def fail(message: object) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run `gpn eval`: load the model, run its tasks and write the results; returns the exit status."""
     from modeling_gpn.cli.arguments import torch_device, writable_folder
     from modeling_gpn.cli.loading import adapter_note, check_model_path
     from modeling_gpn.data.tokenizer import check_tokenizer_path

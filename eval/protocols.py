@@ -41,11 +41,17 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 PAPER_FIRST_POSITION = "empty_state"
 SKIP_FIRST_POSITION = "skip"
@@ -72,7 +78,7 @@ def split_lambada(text: str) -> tuple[str, str]:
     return " ".join(words[:-1]), " " + words[-1]
 
 
-def encode_lambada(tokenizer, text: str) -> LambadaExample:
+def encode_lambada(tokenizer: PreTrainedTokenizerBase, text: str) -> LambadaExample:
     """Tokenize one LAMBADA text exactly as lm-eval's HFLM does for a causal model (see module doc)."""
     context, target = split_lambada(text)
     n_spaces = len(context) - len(context.rstrip())
@@ -95,6 +101,7 @@ class LambadaScore:
 
     @property
     def loglikelihood(self) -> float:
+        """The summed log-probability of the target's subwords."""
         return sum(self.target_logprobs)
 
 
@@ -103,7 +110,7 @@ def _batches(order: Sequence[int], batch_size: int) -> Iterable[list[int]]:
         yield list(order[start : start + batch_size])
 
 
-def _forward_logits(model, rows: list[list[int]], device: torch.device | str) -> torch.Tensor:
+def _forward_logits(model: PreTrainedModel, rows: list[list[int]], device: torch.device | str) -> torch.Tensor:
     """Right-pad `rows` with token 0 (no mask, as lm-eval) and return float32 logits (B, T, V)."""
     length = max(len(row) for row in rows)
     batch = torch.zeros(len(rows), length, dtype=torch.long)
@@ -114,7 +121,7 @@ def _forward_logits(model, rows: list[list[int]], device: torch.device | str) ->
 
 
 def score_lambada(
-    model,
+    model: PreTrainedModel,
     examples: Sequence[LambadaExample],
     batch_size: int = 8,
     max_length: int | None = None,
@@ -184,7 +191,7 @@ def lambada_metrics(scores: Sequence[LambadaScore]) -> dict[str, float]:
 
 
 def token_stream(
-    tokenizer, texts: Iterable[str], separator: str = "eos", max_tokens: int | None = None
+    tokenizer: PreTrainedTokenizerBase, texts: Iterable[str], separator: str = "eos", max_tokens: int | None = None
 ) -> tuple[list[int], int]:
     """Concatenate documents into one token stream: each tokenized without special tokens, then
     followed by EOS (`separator="eos"`), preceded by BOS (`"bos"`), or joined with nothing (`"none"`); a blank
@@ -226,7 +233,9 @@ def token_stream(
 PLAIN_LM_HEAD_MODEL_TYPES = {"llama"}
 
 
-def hidden_states_and_decoder(model, input_ids: torch.Tensor):
+def hidden_states_and_decoder(
+    model: PreTrainedModel, input_ids: torch.Tensor
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]] | None:
     """(last hidden states (B, T, h), the callable mapping rows of them to logits), or None when the
     model's logits are not known to be a row-wise function of its last hidden states."""
     if callable(getattr(model, "logits_of", None)) and has_empty_state(model):  # a GPN: logits = lm_head(decoded)
@@ -245,7 +254,7 @@ def hidden_states_and_decoder(model, input_ids: torch.Tensor):
     return None
 
 
-def summed_next_token_nll(model, input_ids: torch.Tensor, chunk_rows: int | None = None) -> float:
+def summed_next_token_nll(model: PreTrainedModel, input_ids: torch.Tensor, chunk_rows: int | None = None) -> float:
     """Sum over rows and positions t >= 1 of -log p(token t | tokens < t), in float64.
 
     Equal to ``F.cross_entropy(logits[:, :-1].double(), ids[:, 1:], reduction="sum")`` on the model's
@@ -270,13 +279,13 @@ def summed_next_token_nll(model, input_ids: torch.Tensor, chunk_rows: int | None
     return total
 
 
-def has_empty_state(model) -> bool:
+def has_empty_state(model: PreTrainedModel) -> bool:
     """Whether the model can predict the first token from its empty state (a GPN)."""
     return callable(getattr(model, "empty_state_logits", None))
 
 
 def windowed_perplexity(
-    model,
+    model: PreTrainedModel,
     stream: Sequence[int],
     window: int = 2048,
     batch_size: int = 8,

@@ -36,7 +36,9 @@ from modeling_gpn.cli.loading import (
 from . import protocols
 
 if TYPE_CHECKING:
-    from modeling_gpn.data import TokenStream
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from modeling_gpn.data import CorpusSpec, TokenStream
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 BASELINES_PATH = Path(__file__).resolve().parent / "baselines.json"
@@ -126,7 +128,7 @@ def load_model(
     dtype: str = "float32",
     trust_remote_code: bool = False,
     tokenizer: str | None = None,
-):
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load any causal LM (a GPN folder, a Hub repo, a LlamaForCausalLM folder, a PEFT adapter folder: its base with
     the adapter merged) and its tokenizer (`tokenizer`, else the model's: an adapter folder's own, else its base's)."""
     import modeling_gpn  # noqa: F401  (registers the GPN Auto classes for folders without remote code)
@@ -150,12 +152,12 @@ def adapter_summary(model_path: str, tokenizer: str | None) -> dict[str, str] | 
     return {"base_model": base, "merged": True, "tokenizer": tokenizer or tokenizer_source(model_path)}
 
 
-def count_parameters(model) -> int:
+def count_parameters(model: PreTrainedModel) -> int:
     """Number of distinct parameters (tied weights counted once)."""
     return sum(p.numel() for p in model.parameters())
 
 
-def default_max_length(model, tokenizer) -> int:
+def default_max_length(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> int:
     """The training window for a GPN (`config.max_length_hint`), else what lm-eval would resolve."""
     hint = getattr(model.config, "max_length_hint", None)
     if hint:
@@ -449,7 +451,9 @@ def float32_logits_hflm() -> type:
     from lm_eval.models.huggingface import HFLM
 
     class Float32LogitsHFLM(HFLM):
-        def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
+        def _model_call(
+            self, inps: torch.Tensor, attn_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None
+        ) -> torch.Tensor:
             return super()._model_call(inps, attn_mask, labels).float()
 
     return Float32LogitsHFLM
@@ -468,7 +472,12 @@ def quiet_git_commit_hash() -> str | None:
 
 
 def run_lm_eval(
-    model, tokenizer, task: str, source: str | None, settings: EvalSettings, max_length: int
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: str,
+    source: str | None,
+    settings: EvalSettings,
+    max_length: int,
 ) -> tuple[dict, dict]:
     """Run one lm-eval task; returns (metrics, the raw simple_evaluate output)."""
     import lm_eval
@@ -593,7 +602,11 @@ def load_baselines(path: str | Path = BASELINES_PATH) -> dict:
 
 
 def evaluate(
-    model_path: str, settings: EvalSettings, model=None, tokenizer=None, finished: dict[str, Any] | None = None
+    model_path: str,
+    settings: EvalSettings,
+    model: PreTrainedModel = None,
+    tokenizer: PreTrainedTokenizerBase = None,
+    finished: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run `settings.tasks` on one model; returns the `eval_results.json` dictionary (schema in `cli`).
     Without `settings.progress`, no library shows a progress bar meanwhile. `finished`, where given, is that
@@ -604,7 +617,13 @@ def evaluate(
         return _evaluate(model_path, settings, model, tokenizer, {} if finished is None else finished)
 
 
-def _evaluate(model_path: str, settings: EvalSettings, model, tokenizer, results: dict[str, Any]) -> dict[str, Any]:
+def _evaluate(
+    model_path: str,
+    settings: EvalSettings,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    results: dict[str, Any],
+) -> dict[str, Any]:
     import lm_eval
 
     from modeling_gpn.data import build_token_stream
@@ -722,7 +741,7 @@ def _evaluate(model_path: str, settings: EvalSettings, model, tokenizer, results
     return results
 
 
-def read_token_cache(folder: str, tokenizer) -> TokenStream:
+def read_token_cache(folder: str, tokenizer: PreTrainedTokenizerBase) -> TokenStream:
     """The token stream of a `gpn train` run in `folder` (its token cache: `meta.json` and shards), checked to be
     the tokens of `tokenizer` (else its ids would be read as other tokens): `ValueError` naming the folder."""
     from modeling_gpn.data import TokenStream
@@ -750,7 +769,7 @@ def corpus_named(fingerprint: dict | None) -> str:
     return str(fingerprint.get("name") or "an unnamed corpus")
 
 
-def training_corpus(source: str | None, settings: EvalSettings):
+def training_corpus(source: str | None, settings: EvalSettings) -> CorpusSpec | None:
     """The local corpus `source` as `gpn train --dataset SOURCE` reads it (a file, a folder, a glob), for scoring
     its held-out windows; None for a Hub dataset or a comma-separated list (which gpn train does not take)."""
     from modeling_gpn.data import CorpusSpec

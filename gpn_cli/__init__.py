@@ -90,7 +90,14 @@ class VersionAction(argparse.Action):
         kwargs.setdefault("help", "show program's version number and exit")
         super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, **kwargs)
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace, values, option_string=None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        """Print the version line (gpn's and its stack's) and exit."""
         formatter = parser._get_formatter()
         formatter.add_text(version_line())
         parser._print_message(formatter.format_help(), sys.stdout)
@@ -132,6 +139,7 @@ def _build_parsers(selected: str | None) -> tuple[argparse.ArgumentParser, dict[
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `gpn` command: parse `argv` (default: sys.argv), run the subcommand, return its exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     quiet_known_upstream_noise()  # before any subcommand imports transformers (which imports torchao)
     selected = next((arg for arg in argv if not arg.startswith("-")), None)

@@ -12,9 +12,13 @@ Shipped to the Hub with `modeling_gpn.py` as remote code (it imports only its si
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.cache_utils import Cache
+
+if TYPE_CHECKING:
+    from .configuration_gpn import GPNConfig
 
 from .cache import GPNCache
 from .packing import PACKING_KWARGS
@@ -73,7 +77,7 @@ def pop_cache_alias(cache: Cache | None, kwargs: dict) -> Cache | None:
     return alias
 
 
-def check_cache_type(cache) -> None:
+def check_cache_type(cache: object) -> None:
     """A GPN reads and writes its state only in a `GPNCache`; any other cache (a `DynamicCache` of keys and values,
     as PEFT's prefix tuning builds) is refused by name, not read as if it held one."""
     if cache is not None and not isinstance(cache, GPNCache):
@@ -85,13 +89,13 @@ def check_cache_type(cache) -> None:
         )
 
 
-def batch_state_shapes(config, batch_size: int) -> tuple[tuple[int, ...], ...]:
+def batch_state_shapes(config: GPNConfig, batch_size: int) -> tuple[tuple[int, ...], ...]:
     """The shapes of the state (p, g, M) of `batch_size` rows of a model of `config` (M is (rows, 0) without
     memory), as `GPNModel.zero_state` makes it: a row's shapes (`state_file.state_shapes`), `batch_size` of them."""
     return tuple((batch_size, *shape) for shape in state_shapes(config).values())
 
 
-def check_cache_state(state: tuple[torch.Tensor, ...], config, batch_size: int) -> None:
+def check_cache_state(state: tuple[torch.Tensor, ...], config: GPNConfig, batch_size: int) -> None:
     """A cache's state (p, g, M) must have the shapes of this model's, for `batch_size` rows: a cache filled by
     another model (another width, other memory heads, or none) failed inside a matrix product or a kernel's
     argument check, naming neither the cache nor the model."""
@@ -168,7 +172,7 @@ def check_labels(labels: torch.Tensor | None, name: str, vocab_size: int) -> Non
         )
 
 
-def positions_to_keep(logits_to_keep, seq_len: int) -> slice | torch.Tensor:
+def positions_to_keep(logits_to_keep: int | torch.Tensor, seq_len: int) -> slice | torch.Tensor:
     """The positions whose logits the causal LM returns, read as transformers' causal LMs read `logits_to_keep`: an
     int keeps the last that many (0: every position), a 1-D integer tensor names the positions to keep (the packed
     form transformers documents). A tensor was read as a count: `torch.tensor([3])` returned the last three

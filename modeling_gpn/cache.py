@@ -18,12 +18,17 @@ import copy
 import json
 import os
 import weakref
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
 from transformers.cache_utils import Cache, LinearAttentionLayer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 from .configuration_gpn import GPNConfig
 from .state_file import (
@@ -142,6 +147,7 @@ class ReadFingerprint:
         return shifted, _FINGERPRINT_BASES, _FINGERPRINT_MODULUS
 
     def forget(self) -> None:
+        """Mark the fingerprint unknown (after an operation on the state it cannot follow)."""
         self.known = False
 
     def value(self) -> torch.Tensor | None:
@@ -150,7 +156,7 @@ class ReadFingerprint:
             return None
         return (self.shifted - _constants_on(self.shifted.device)[1]) % _FINGERPRINT_MODULUS
 
-    def select_rows(self, select) -> None:
+    def select_rows(self, select: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply a row operation (beam search's reordering, repeat_interleave) to the fingerprint."""
         if self.shifted is not None:
             self.shifted = select(self.shifted)
@@ -221,25 +227,30 @@ class GPNStateLayer(LinearAttentionLayer):
             self.fingerprint.shifted = shifted.clone()
 
     def reset(self) -> None:
+        """Empty the state (the next forward starts from the zero state)."""
         super().reset()
         self.seen_tokens = 0
         self.fingerprint = ReadFingerprint()
         self.mixed_adapters = frozenset()
 
     def get_seq_length(self) -> int:
+        """The number of tokens the state has read."""
         seen = self.seen_tokens  # a 0-dim tensor in a traced program and in a cache one returned (the pytree functions)
         return int(seen) if isinstance(seen, torch.Tensor) and not is_tracing() else seen
 
     @property
     def is_croppable(self) -> bool:
+        """False: a recurrent state cannot be cut back to fewer tokens."""
         return False  # a recurrent state cannot be rolled back
 
     @property
     def batch_size(self) -> int:
+        """The number of batch rows of the state (-1 while empty)."""
         state = self.recurrent_states[self.PREDICTED]
         return -1 if state is None else state.shape[0]
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat each row of the state `repeats` times (beam search, num_return_sequences)."""
         for index in range(self.number_of_states):
             if self.is_recurrent_states_initialized[index]:
                 self.recurrent_states[index] = self.recurrent_states[index].repeat_interleave(repeats, dim=0)
@@ -251,6 +262,7 @@ class GPNStateLayer(LinearAttentionLayer):
         self.fingerprint.select_rows(lambda rows: rows.index_select(0, beam_idx.to(rows.device)))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows of the state at `indices` (beam search's reordering)."""
         # (indexing with a 0-dim tensor drops the batch dimension: a (d,) state that generate() cannot continue and
         # that `save` wrote to a file `load` refuses)
         indices = torch.as_tensor(indices).reshape(-1)  # (a 0-dim index: one row, kept as a batch of one)
@@ -344,10 +356,12 @@ class GPNCache(Cache):
 
     @property
     def state_layer(self) -> GPNStateLayer:
+        """The cache's single state layer."""
         return self.layers[0]
 
     @property
     def has_state(self) -> bool:
+        """Whether every part of the state has been filled by a forward."""
         return all(self.state_layer.has_previous_state.values())
 
     def get_state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -451,7 +465,13 @@ class GPNCache(Cache):
         forked._gpn_weights_snapshot = getattr(self, "_gpn_weights_snapshot", None)
         return forked
 
-    def save(self, path: str | os.PathLike, *, model_fingerprint: dict[str, str] | None = None, tokenizer=None) -> None:
+    def save(
+        self,
+        path: str | os.PathLike,
+        *,
+        model_fingerprint: dict[str, str] | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+    ) -> None:
         """Write the state to `path` as safetensors (never pickle), with what identifies its model.
 
         The file holds p, g and M for every row (float32) and, as metadata, the number of positions read,
@@ -510,7 +530,9 @@ class GPNCache(Cache):
         write_state_file(path, tensors, self.get_seq_length(), read_fingerprint, model_fingerprint, tokenizer_named)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, model: nn.Module, *, tokenizer=None) -> GPNCache:
+    def load(
+        cls, path: str | os.PathLike, model: nn.Module, *, tokenizer: PreTrainedTokenizerBase | None = None
+    ) -> GPNCache:
         """Read a state written by `save` onto `model`'s device, after checking it belongs to `model` (and to
         `tokenizer`, when given and the file names the tokenizer it was saved with).
 
@@ -583,7 +605,7 @@ def _flatten_gpn_cache(cache: GPNCache):
     return [*state, _seen_tokens_tensor(cache.state_layer.seen_tokens)], bool(state)
 
 
-def _unflatten_gpn_cache(children, context) -> GPNCache:
+def _unflatten_gpn_cache(children: list, context: pytree.Context) -> GPNCache:
     has_state = context
     *state, seen_tokens = children
     cache = GPNCache()

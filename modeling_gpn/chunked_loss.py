@@ -24,7 +24,15 @@ class ChunkedTiedCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, E, targets, chunk: int, with_grads: bool):
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        h: torch.Tensor,
+        E: torch.Tensor,
+        targets: torch.Tensor,
+        chunk: int,
+        with_grads: bool,
+    ) -> torch.Tensor:
+        """The summed cross-entropy of h @ E^T against `targets` (-100 ignored), chunk by chunk."""
         N = h.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         valid = targets != -100
@@ -49,7 +57,8 @@ class ChunkedTiedCrossEntropy(torch.autograd.Function):
         return total
 
     @staticmethod
-    def backward(ctx, grad_total):
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """The gradients of h and E the forward computed, scaled by `grad_total`."""
         dh, dE = ctx.saved_tensors
         if dh is None:
             raise RuntimeError("ChunkedTiedCrossEntropy was called with with_grads=False: it has no gradients")

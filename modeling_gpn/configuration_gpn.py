@@ -80,7 +80,7 @@ class GPNConfig(PreTrainedConfig):
     pad_token_id: int | None = None
     tie_word_embeddings: bool = True
 
-    def __setattr__(self, key, value):
+    def __setattr__(self, key: str, value: object):
         if key == "tie_word_embeddings":
             # A GPN has no untied variant (logits = (W_dec rms(p) + b) E^T); older configs stored False for it.
             value = True
@@ -98,11 +98,11 @@ class GPNConfig(PreTrainedConfig):
         `vocab_size` before the ids can follow, and transformers builds models from such configs."""
         problems = []
 
-        def positive_int(name: str, value) -> None:
+        def positive_int(name: str, value: object) -> None:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 problems.append(f"{name} must be a positive integer, got {value!r}")
 
-        def number(name: str, value, positive: bool) -> None:
+        def number(name: str, value: object, positive: bool) -> None:
             # finite: an infinite eps zeroes every RMSNorm, an infinite std fills every weight with NaN
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 problems.append(f"{name} must be a finite number, got {value!r}")

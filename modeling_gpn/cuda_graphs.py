@@ -48,6 +48,7 @@ from typing import NamedTuple
 import torch
 
 from .recurrence_step import (
+    FoldedWeights,
     PackedMatrix,
     StaticWeightGrads,
     StepState,
@@ -81,7 +82,7 @@ class GraphKernels(NamedTuple):
     linear: Callable  # (x, w, b, ws, name) -> x @ w + b as float32  (`triton_kernels._linear`)
 
 
-def asked(model, training: bool = False) -> bool:
+def asked(model: torch.nn.Module, training: bool = False) -> bool:
     """Whether graphs are asked for: `model.use_cuda_graphs` True or GPN_CUDA_GRAPHS=1 ("inference", as the
     setting or the variable, asks for the no-grad windows only, not for `training` ones). The dispatcher runs an unmasked window
     through them when they are asked for and the Triton backend is selected and takes the model's sizes (on
@@ -100,7 +101,16 @@ class StepsGraph:
     (p, g, M), gammas (B, steps, H) or None) like the fast path's window, all of them this object's
     buffers; on CUDA (`capture()` done) each call is one copy of u and one graph replay."""
 
-    def __init__(self, model, batch: int, device: torch.device, steps: int = 1, *, kernels: GraphKernels, w):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        batch: int,
+        device: torch.device,
+        steps: int = 1,
+        *,
+        kernels: GraphKernels,
+        w: FoldedWeights,
+    ):
         self.model = model
         self.kernels = kernels
         self.steps = steps
@@ -165,14 +175,14 @@ class StepsGraph:
         self.w = self.own_weights()
         self.graphs = captured(warm_up, [lambda: self.run(0), lambda: self.run(1)], self.p[0])
 
-    def own_weights(self):
+    def own_weights(self) -> FoldedWeights:
         """`self.w` with the graph's own copy of each weight it could not write into later: those sharing a
         parameter's storage and inference tensors (see `capture`); the others as they are."""
         parameters = {param.untyped_storage().data_ptr() for param in self.model.parameters()}
         own = lambda t: t.clone() if t.is_inference() or t.untyped_storage().data_ptr() in parameters else t
         return _unflatten([own(t) for t in _flatten(self.w)], self.s)
 
-    def load_weights(self, w) -> None:
+    def load_weights(self, w: FoldedWeights) -> None:
         """Read the folded weights `w` from now on: copied into the captured graph's static ones (same shapes and
         dtypes); without a capture (CPU, the tests) the steps simply read `w`."""
         if self.graphs is None:
@@ -181,7 +191,7 @@ class StepsGraph:
         for target, source in zip(_flatten(self.w), _flatten(w)):
             target.copy_(source)
 
-    def load(self, state) -> None:
+    def load(self, state: StepState) -> None:
         """Copy a state (p, g, M) that did not come from this graph into the current slot."""
         p, g, memory = state
         slot = self.current
@@ -190,13 +200,16 @@ class StepsGraph:
         if self.s.memory:
             self.memory[slot].copy_(memory)
 
-    def holds(self, state) -> bool:
+    def holds(self, state: StepState) -> bool:
         """Whether `state` is the one in the current slot (returned by the previous call)."""
         p, g, memory = state
         slot = self.current
         return p is self.p[slot] and g is self.g[slot] and (not self.s.memory or memory is self.memory[slot])
 
-    def __call__(self, u: torch.Tensor, state):
+    def __call__(
+        self, u: torch.Tensor, state: StepState
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]:
+        """Run the captured steps on token inputs `u` from `state`: (outputs, final (p, g, M), gammas or None)."""
         if not self.holds(state):
             self.load(state)
         self.u.copy_(u.view(self.u.shape))
@@ -210,7 +223,7 @@ class StepsGraph:
         return self.outputs, (self.p[end], self.g[end], self.memory[end]), (self.gammas if self.s.memory else None)
 
 
-def captured(warm_up, runs: list, like: torch.Tensor) -> list:
+def captured(warm_up: Callable[[], object], runs: list, like: torch.Tensor) -> list:
     """One CUDA graph of each function of `runs`, on the GPU of tensor `like`, after `warm_up()` ran once on
     a side stream (which compiles the kernels and makes every buffer the runs use, so that a capture
     allocates nothing; CUDA requires work before a capture to run outside the default stream's legacy sync).
@@ -235,11 +248,11 @@ def captured(warm_up, runs: list, like: torch.Tensor) -> list:
 
 
 def graph_of(
-    model,
+    model: torch.nn.Module,
     batch: int,
     device: torch.device,
     steps: int,
-    w,
+    w: FoldedWeights,
     derived: dict,
     capture: bool = True,
     *,
@@ -281,15 +294,15 @@ def graph_of(
 
 
 def window_forward(
-    model,
+    model: torch.nn.Module,
     token_inputs: torch.Tensor,
-    state,
+    state: StepState,
     output_memory_decays: bool = False,
     *,
     kernels: GraphKernels,
-    w,
+    w: FoldedWeights,
     derived: dict,
-):
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]:
     """`fast_recurrence.fast_recurrence` for a window without mask or autograd, through graphs: chunks of
     `WINDOW_CHUNK` steps (one replay each), then single steps (the decode graph: one replay per token), on the
     folded weights `w` of the current call (`derived`: see `graph_of`).
@@ -360,7 +373,16 @@ class TrainingSweep:
     `take` refuses a second call meanwhile (it then runs the fast path without graphs).
     `model._gpn_training_sweeps.clear()` frees the buffers and graphs."""
 
-    def __init__(self, model, batch: int, length: int, w, device: torch.device, *, kernels: GraphKernels):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        batch: int,
+        length: int,
+        w: FoldedWeights,
+        device: torch.device,
+        *,
+        kernels: GraphKernels,
+    ):
         s = self.s = shapes_of(model, batch)
         self.kernels = kernels
         self.c = columns_of(s)
@@ -507,14 +529,15 @@ class TrainingSweep:
         return owner
 
     def release(self) -> None:
+        """Let the next call take the buffers (drops the owner `take` gave out)."""
         self.owner = None
 
-    def load_weights(self, w) -> None:
+    def load_weights(self, w: FoldedWeights) -> None:
         """Copy this call's folded weights (fresh tensors every training call) into the static ones."""
         for target, source in zip(_flatten(self.w), _flatten(w)):
             target.copy_(source.detach())
 
-    def _segment_forward(self, U: torch.Tensor, boundary, start: int, stop: int) -> None:
+    def _segment_forward(self, U: torch.Tensor, boundary: StepState, start: int, stop: int) -> None:
         steps = stop - start
         for target, source in zip(self.state_in, boundary):
             target.copy_(source)
@@ -522,7 +545,9 @@ class TrainingSweep:
         for first, n in self._chunks(steps):
             self._run("forward", first, n)
 
-    def forward(self, U: torch.Tensor, p0, g0, M0):
+    def forward(
+        self, U: torch.Tensor, p0: torch.Tensor, g0: torch.Tensor, M0: torch.Tensor
+    ) -> tuple[torch.Tensor, StepState, torch.Tensor | None, list[StepState]]:
         """The forward sweep of a window (weights loaded): (outputs, final StepState (fresh tensors), gammas,
         boundaries). The last segment's records stay in the buffers for `backward`."""
         s = self.s
@@ -541,7 +566,18 @@ class TrainingSweep:
             state = StepState(*(x.clone() for x in self.new_states[stop - start - 1]))
         return outputs, state, gammas, boundaries
 
-    def backward(self, U, g0, w, boundaries, records_kept: bool, dP, dp_final, dg_final, dM_final):
+    def backward(
+        self,
+        U: torch.Tensor,
+        g0: torch.Tensor,
+        w: FoldedWeights,
+        boundaries: list[StepState],
+        records_kept: bool,
+        dP: torch.Tensor,
+        dp_final: torch.Tensor,
+        dg_final: torch.Tensor,
+        dM_final: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list]:
         """The backward sweep: (dU, dp0, dg0, dM0, weight gradients in `_flatten`'s order). `records_kept`:
         the buffers still hold the last segment's records from `forward` (else it is recomputed too)."""
         s, eps = self.s, self.eps
@@ -584,7 +620,14 @@ SWEEP_SEGMENT_LENGTH = 256
 
 
 def training_sweep(
-    model, batch: int, segment: int | None, length: int, w, device: torch.device, *, kernels: GraphKernels
+    model: torch.nn.Module,
+    batch: int,
+    segment: int | None,
+    length: int,
+    w: FoldedWeights,
+    device: torch.device,
+    *,
+    kernels: GraphKernels,
 ) -> TrainingSweep | None:
     """The model's `TrainingSweep` for this batch size, BPTT segment length (`config.bptt_segment_length`,
     else `SWEEP_SEGMENT_LENGTH`) and these weights' dtype, or None where the Triton step does not take these

@@ -248,6 +248,7 @@ class WatchedModules:
         return True
 
     def unchanged(self) -> bool:
+        """Whether the watched modules are as when watched: no hook, the same parameters, versions, storage and sizes."""
         return (
             self.unhooked()
             and all(map(operator.is_, map(dict.get, self.owners, self.names), self.objects))

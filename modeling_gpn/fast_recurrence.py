@@ -69,10 +69,13 @@ import functools
 import logging
 import weakref
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from .cache import GPNCache
 
 from .arguments import check_input_ids
 from .cuda_graphs import GRAPHS_ATTRIBUTE, SWEEPS_ATTRIBUTE, GraphKernels, training_sweep
@@ -106,6 +109,7 @@ from .memory_kernels import usable as memory_kernels_usable
 from .recurrence_step import (
     TORCH_MEMORY_OPS,
     Columns,
+    FoldedWeights,
     MemoryOps,
     MemoryStep,
     PackedMatrix,
@@ -191,7 +195,7 @@ def memory_backend(memory: torch.Tensor, *others: torch.Tensor, triton: bool = T
 
 
 def choose_backends(
-    model,
+    model: torch.nn.Module,
     U: torch.Tensor,
     p0: torch.Tensor,
     g0: torch.Tensor,
@@ -266,7 +270,7 @@ def saved_tensors_hooks_active() -> bool:
     return top is None or top(False) is not None
 
 
-def foldable_parameter(module: torch.nn.Module, name: str, parameter) -> bool:
+def foldable_parameter(module: torch.nn.Module, name: str, parameter: torch.nn.Parameter) -> bool:
     """Whether the fast path takes `parameter` (`module.<name>`) as the plain loop would use it: a plain
     nn.Parameter (or None), or the weight of an nn.Linear quantized by torchao's int8 weight-only config
     (exactly that tensor class and layout: `recurrence_step.int8_weight_parts`), which the C step kernels
@@ -300,7 +304,7 @@ def step_kernels_fit(
     return step_kernels_enabled() and memory_kernels_usable(U)
 
 
-def _step_plan(model, derived: dict, rows: int) -> StepPlan | None:
+def _step_plan(model: torch.nn.Module, derived: dict, rows: int) -> StepPlan | None:
     """The `StepPlan` of `rows` rows for this scope (`derived_weights.py`), built on first use; None where the
     kernels refuse the model's weights (remembered for the scope, so the refusal costs one try)."""
     plans = derived.setdefault("step plans", {})
@@ -414,7 +418,7 @@ def decode_kernel_enabled() -> bool:
     return step_kernels_enabled() and not switched_off("GPN_DECODE_KERNEL")
 
 
-def decode_lane_blocker(lm, norm_class: type, methods: dict) -> str | None:
+def decode_lane_blocker(lm: torch.nn.Module, norm_class: type, methods: dict) -> str | None:
     """Why a decoded token of the causal LM `lm` cannot run as one C call (`fast_decode_token`), or None.
 
     The call computes the embedding row, the token and decoder projections, the step and the logits from
@@ -459,7 +463,7 @@ class DecodeLane(NamedTuple):
     modules: WatchedModules
 
 
-def _decode_lane(lm, derived: dict, rows: int, methods: dict) -> DecodeLane:
+def _decode_lane(lm: torch.nn.Module, derived: dict, rows: int, methods: dict) -> DecodeLane:
     """The `DecodeLane` of `rows` rows for this scope, built (after `decode_lane_blocker` found the modules plain)
     on first use, and again whenever its modules are no longer what they were."""
     lanes = derived.setdefault("decode lanes", {})
@@ -487,7 +491,12 @@ def _decode_lane(lm, derived: dict, rows: int, methods: dict) -> DecodeLane:
 
 
 def fast_decode_token(
-    lm, input_ids: torch.Tensor, attention_mask, cache, norm_class: type, methods: dict
+    lm: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    cache: GPNCache,
+    norm_class: type,
+    methods: dict,
 ) -> torch.Tensor | None:
     """The logits (B, 1, vocab) of one token a row decoded from `cache`, which it advances, in one C call
     (`memory_kernels.DecodePlan`: embedding row, token projection, step, decoder, logits), or None where this
@@ -571,7 +580,15 @@ def _every_token_real(attention_mask: torch.Tensor, rows: int) -> bool:
 _DECODED_BACKENDS = {memory: Backends(C_STEP, None, C_KERNELS if memory else None, None) for memory in (False, True)}
 
 
-def _memory_half(Z, c: Columns, key, neg_decay_rate, memory, memory_out, eps: float) -> MemoryStep:
+def _memory_half(
+    Z: torch.Tensor,
+    c: Columns,
+    key: torch.Tensor,
+    neg_decay_rate: torch.Tensor,
+    memory: torch.Tensor,
+    memory_out: torch.Tensor,
+    eps: float,
+) -> MemoryStep:
     """The memory half of a step on the C kernels (one head at a time, CPU): `memory_kernels.memory_step`,
     which checks every tensor it would read and refuses (`KernelRefusal`) what it cannot take; the torch
     ops compute that step instead."""
@@ -623,7 +640,10 @@ class SequenceStarts(NamedTuple):
     key: torch.Tensor
 
     @staticmethod
-    def of(starts: torch.Tensor | None, w, s: Shapes, eps: float, device) -> SequenceStarts | None:
+    def of(
+        starts: torch.Tensor | None, w: FoldedWeights, s: Shapes, eps: float, device: torch.device
+    ) -> SequenceStarts | None:
+        """The sequence starts of a packed window, or None when `starts` is None (no packing)."""
         if starts is None:
             return None
         steps = starts.any(0).nonzero().flatten().tolist()  # (one look at the mask per window)
@@ -659,19 +679,19 @@ class SequenceStarts(NamedTuple):
 
 
 def _run_steps(
-    U,
-    mask,
+    U: torch.Tensor,
+    mask: torch.Tensor | None,
     state: StepState,
-    w,
-    s,
-    eps,
-    start,
-    stop,
-    step,
-    outputs=None,
-    gammas=None,
-    records=None,
-    memory_buffer=None,
+    w: FoldedWeights,
+    s: Shapes,
+    eps: float,
+    start: int,
+    stop: int,
+    step: Callable,
+    outputs: torch.Tensor | None = None,
+    gammas: torch.Tensor | None = None,
+    records: list | None = None,
+    memory_buffer: torch.Tensor | None = None,
     starts: SequenceStarts | None = None,
 ):
     """Steps start..stop-1 without autograd on `step` (the window's, `step_functions`); with `records` (a
@@ -725,24 +745,26 @@ class BufferPool:
         self.free: dict[tuple, list[torch.Tensor]] = {}
 
     @staticmethod
-    def _key(shape, dtype, device) -> tuple:
+    def _key(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple:
         return tuple(shape), dtype, torch.device(device)
 
-    def take(self, shape, dtype: torch.dtype, device) -> torch.Tensor:
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A buffer of this shape: a given-back one if there is one, else a new (uninitialised) one."""
         free = self.free.get(self._key(shape, dtype, device))
         return free.pop() if free else torch.empty(shape, dtype=dtype, device=device)
 
     def give_back(self, *buffers: torch.Tensor | None) -> None:
+        """Return buffers (None skipped) for a later `take` of the same shape, dtype and device."""
         for buffer in buffers:
             if buffer is not None and buffer.device.type == "cpu":
                 self.free.setdefault(self._key(buffer.shape, buffer.dtype, buffer.device), []).append(buffer)
 
     def release(self) -> None:
+        """Drop every held buffer, freeing their memory."""
         self.free.clear()
 
 
-def buffer_pool_of(model) -> BufferPool:
+def buffer_pool_of(model: torch.nn.Module) -> BufferPool:
     """The model's `BufferPool` (created on first use; `model._gpn_buffer_pool.release()` empties it)."""
     pool = getattr(model, BUFFER_POOL_ATTRIBUTE, None)
     if pool is None:
@@ -780,7 +802,18 @@ class GPNRecurrenceFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, U, p0, g0, M0, mask, starts, settings, *flat_weights):
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        U: torch.Tensor,
+        p0: torch.Tensor,
+        g0: torch.Tensor,
+        M0: torch.Tensor,
+        mask: torch.Tensor | None,
+        starts: SequenceStarts | None,
+        settings: WindowSettings,
+        *flat_weights,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Run the window's steps on the chosen backends; saves what `backward` needs."""
         s, eps, segment, truncation, pool, sweep, sweep_owner, step, _ = settings
         w = _unflatten(flat_weights, s)
         B, T, d = U.shape
@@ -862,14 +895,28 @@ class GPNRecurrenceFunction(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dP, dp_final, dg_final, dM_final, _dgamma):
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx,
+        dP: torch.Tensor,
+        dp_final: torch.Tensor,
+        dg_final: torch.Tensor,
+        dM_final: torch.Tensor,
+        _dgamma: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, ...]:
+        """Gradients of the inputs and flat weights, through the forward's backend."""
         # a backward called inside an autocast region would otherwise run the step matmuls in its dtype; the
         # backward runs on the forward's backend and GPU (autograd may call it from another thread)
         with autocast_off(ctx.device_type), on_device(dP if dP is not None else ctx.saved_tensors[0]):
             return GPNRecurrenceFunction._backward(ctx, dP, dp_final, dg_final, dM_final)
 
     @staticmethod
-    def _backward(ctx, dP, dp_final, dg_final, dM_final):
+    def _backward(
+        ctx: torch.autograd.function.FunctionCtx,
+        dP: torch.Tensor,
+        dp_final: torch.Tensor,
+        dg_final: torch.Tensor,
+        dM_final: torch.Tensor,
+    ):
         if not ctx.hooked and ctx.boundaries[0] is None:  # (freed by the first backward, with the records and buffers)
             raise RuntimeError(
                 "GPN's fast recurrence frees what its forward saved while its backward runs, so it takes one "
@@ -983,7 +1030,7 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
     return None
 
 
-def autocast_off(device_type: str):
+def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
     """A context with autocast off on this device type (nothing to do where it is off already)."""
     if autocast_dtype(device_type) is None:
         return contextlib.nullcontext()
@@ -991,7 +1038,7 @@ def autocast_off(device_type: str):
 
 
 def fast_recurrence(
-    model,
+    model: torch.nn.Module,
     token_inputs: torch.Tensor,
     state: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     mask: torch.Tensor | None,
@@ -1013,7 +1060,15 @@ def fast_recurrence(
         return _fast_recurrence(model, token_inputs, state, mask, output_memory_decays, matmul_dtype, sequence_starts)
 
 
-def _fast_recurrence(model, token_inputs, state, mask, output_memory_decays: bool, matmul_dtype, starts):
+def _fast_recurrence(
+    model: torch.nn.Module,
+    token_inputs: torch.Tensor,
+    state: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    mask: torch.Tensor | None,
+    output_memory_decays: bool,
+    matmul_dtype: torch.dtype | None,
+    starts: SequenceStarts | None,
+):
     config = model.config
     B, T, _ = token_inputs.shape
     s = shapes_of(model, B)

@@ -22,11 +22,19 @@ docs/generate.md and docs/cache.md are the user's pages. Shipped to the Hub with
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.modeling_outputs import ModelOutput
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig
+    from transformers.generation.utils import GenerateOutput
+
+    from .configuration_gpn import GPNConfig
 
 from .arguments import check_cache_type
 from .cache import GPNCache, continuation_start
@@ -37,7 +45,7 @@ from .tracing import is_tracing
 GENERATION_CACHE_IMPLEMENTATIONS = ("dynamic", "static")
 
 
-def generation_cache(config, generation_config, model_kwargs: dict) -> GPNCache | None:
+def generation_cache(config: GPNConfig, generation_config: GenerationConfig, model_kwargs: dict) -> GPNCache | None:
     """The cache generate() decodes with: the caller's (checked), else a new `GPNCache` (None without a cache,
     `use_cache=False`). A GPNCache is what `cache_implementation` "dynamic" and "static" ask for; the other kinds
     (offloaded, quantized, sliding-window) are refused, not ignored, as is a cache_implementation beside a cache,
@@ -80,7 +88,7 @@ def generation_cache(config, generation_config, model_kwargs: dict) -> GPNCache 
     return GPNCache(config)
 
 
-def _token_ids(value) -> list[int]:
+def _token_ids(value: int | list[int] | torch.Tensor | None) -> list[int]:
     """A generation config's token id (an int, a list of them, a tensor or None) as a list of ints."""
     if value is None:
         return []
@@ -104,7 +112,9 @@ def device_memory_bytes(device: torch.device | None) -> int | None:
         return None
 
 
-def check_generation_values(config, generation_config, batch_size: int, device: torch.device | None) -> None:
+def check_generation_values(
+    config: GPNConfig, generation_config: GenerationConfig, batch_size: int, device: torch.device | None
+) -> None:
     """Values of the generation config that would be wrong in silence, or fail far from their cause, refused by name:
 
     - `num_return_sequences` below 1 gave one sequence a row (transformers expands by max(beams, sequences));
@@ -156,7 +166,7 @@ HUB_DECODING_A_STATE_CANNOT_RUN = {
 }
 
 
-def refuse_hub_decoding_a_state_cannot_run(generation_mode) -> None:
+def refuse_hub_decoding_a_state_cannot_run(generation_mode: GenerationMode | str | None) -> None:
     """DoLa and contrastive search: transformers 5 runs them from Hub repos (`custom_generate`, after asking for
     `trust_remote_code`), code written for attention models; on a GPN they cannot mean what they say (see
     `HUB_DECODING_A_STATE_CANNOT_RUN`). Refused by name before anything is fetched, rather than left to fail deep in
@@ -166,7 +176,7 @@ def refuse_hub_decoding_a_state_cannot_run(generation_mode) -> None:
         raise ValueError(f"{reason}: decode greedily, sample or use beam search")
 
 
-def custom_generate_offline_error(name) -> OSError | None:
+def custom_generate_offline_error(name: object) -> OSError | None:
     """transformers says a Hub repo given as `custom_generate` "does not contain a `custom_generate` subdirectory"
     whenever it cannot see the file, which under HF_HUB_OFFLINE=1 only means it is not in the local cache: the
     error that says so (None where the original is right: online, or a local folder)."""
@@ -181,7 +191,7 @@ def custom_generate_offline_error(name) -> OSError | None:
 
 
 def continue_from_cache(
-    input_ids: torch.Tensor, generation_config, model_kwargs: dict
+    input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict
 ) -> tuple[torch.Tensor, dict, int]:
     """The prompt generate()'s prefill should run from a given cache, as (input_ids, model_kwargs, positions the
     cache had read); without a state, the call's own arguments and 0.
@@ -255,7 +265,7 @@ class SyncedPeer:
         self.kept: GPNCache | None = None  # the cache that holds the sequences' state, from the first idle forward
         self.scratch: GPNCache | None = None  # its copy, which the idle forwards advance
 
-    def cache_for_forward(self, cache):
+    def cache_for_forward(self, cache: GPNCache) -> GPNCache:
         """The cache the next forward should advance: `cache`, or for an idle forward a throwaway copy of it
         (made once; transformers then hands back that copy, which the later idle forwards advance in turn)."""
         if not self.finished or not isinstance(cache, GPNCache) or not cache.has_state:
@@ -264,7 +274,7 @@ class SyncedPeer:
             self.kept, self.scratch = cache, cache.fork(1)
         return self.scratch
 
-    def returned(self, result):
+    def returned(self, result: GenerateOutput | torch.LongTensor) -> GenerateOutput | torch.LongTensor:
         """The decoding loop's result with the kept cache where transformers put the last one it was handed back
         (the throwaway copy, after idle forwards)."""
         if self.scratch is not None and isinstance(result, ModelOutput) and result.get("cache") is self.scratch:
@@ -272,7 +282,13 @@ class SyncedPeer:
         return result
 
 
-def decode_keeping_the_sequences_state(model: nn.Module, loop, args: tuple, synced_gpus: bool, model_kwargs: dict):
+def decode_keeping_the_sequences_state(
+    model: nn.Module,
+    loop: Callable[..., GenerateOutput | torch.LongTensor],
+    args: tuple,
+    synced_gpus: bool,
+    model_kwargs: dict,
+) -> GenerateOutput | torch.LongTensor:
     """Run transformers' decoding `loop` (the bound `_sample` or `_beam_search` of `model`'s class). Under
     `synced_gpus` a `SyncedPeer` goes with it: in `model_kwargs` (for `prepare_inputs_for_generation`) and on the
     model (for `_has_unfinished_sequences`, which alone sees whether this process has finished and is not given the
@@ -306,7 +322,7 @@ def refuse_peft_prompt_learning_generate(model: nn.Module) -> None:
         )
 
 
-def check_generate_input_shapes(input_ids, kwargs: dict) -> None:
+def check_generate_input_shapes(input_ids: torch.Tensor | None, kwargs: dict) -> None:
     """generate() reads the batch and length off `input_ids` and `attention_mask` before the model sees them, and
     drops an all-ones mask unread: one prompt of shape (seq,) failed with a bare IndexError from inside
     transformers, and an all-ones mask of another batch or length was ignored in silence (a mask that has zeros is

@@ -65,7 +65,16 @@ from typing import NamedTuple
 import torch
 from torch.autograd.graph import increment_version
 
-from .recurrence_step import MemoryStep, StepState, dequantized_by_linear, int8_weight_parts, keep_padded_rows
+from .recurrence_step import (
+    Columns,
+    FoldedWeights,
+    MemoryStep,
+    Shapes,
+    StepState,
+    dequantized_by_linear,
+    int8_weight_parts,
+    keep_padded_rows,
+)
 
 SOURCE = r"""
 #include <stddef.h>
@@ -2119,7 +2128,7 @@ def _refuse(problem: str) -> None:
     raise KernelRefusal(f"GPN memory kernel refused its arguments: {problem}")
 
 
-def _check(t, name: str, shape: tuple | None = None, contiguous: bool = False) -> None:
+def _check(t: torch.Tensor, name: str, shape: tuple | None = None, contiguous: bool = False) -> None:
     """`t` must be a float32 strided CPU tensor (of `shape`, contiguous if asked)."""
     if not isinstance(t, torch.Tensor):
         _refuse(f"{name} is a {type(t).__name__}, not a tensor")
@@ -2165,7 +2174,7 @@ def _require() -> None:
 
 def memory_step(
     Z: torch.Tensor,
-    columns,
+    columns: Columns,
     key: torch.Tensor,
     neg_decay_rate: torch.Tensor,
     memory: torch.Tensor,
@@ -2621,7 +2630,7 @@ def int8_tiles(weight: torch.Tensor) -> torch.Tensor:
     return tiles
 
 
-def _tile_int8(segments, weights: list[torch.Tensor], rows: int) -> list[torch.Tensor]:
+def _tile_int8(segments: list[_Segment], weights: list[torch.Tensor], rows: int) -> list[torch.Tensor]:
     """Give the int8 products of a plan at one batch row whose weights sit in the L3 (not `STREAM_ROWS`) their
     weights in tiles (`int8_tiles`), where the kernels' int8 products run on VNNI; returns the tiles, which the
     plan keeps. A weight read by two products is tiled once. The copy doubles those weights' memory (the model
@@ -2650,10 +2659,10 @@ class _LazyTiles:
 
     __slots__ = ("parts", "rows", "steps", "tiles")
 
-    def __init__(self, segments, weights: list[torch.Tensor], rows: int):
+    def __init__(self, segments: list[_Segment], weights: list[torch.Tensor], rows: int):
         self.parts, self.rows, self.steps, self.tiles = [(segments, weights)], rows, 0, None
 
-    def add(self, segments, weights: list[torch.Tensor]) -> None:
+    def add(self, segments: list[_Segment], weights: list[torch.Tensor]) -> None:
         """Products of another plan that runs with this one (tiled at once if this one's are)."""
         self.parts.append((segments, weights))
         if self.tiles is not None:
@@ -2675,7 +2684,7 @@ class StepPlan:
     not float32 / bfloat16 / torchao int8 weight-only, sizes the kernel does not assume, the kernels
     unavailable); `step` refuses state tensors that do not fit (the dispatcher then runs the torch ops)."""
 
-    def __init__(self, model, rows: int):
+    def __init__(self, model: torch.nn.Module, rows: int):
         _require()
         if not 1 <= rows <= MAX_STEP_ROWS:
             _refuse(f"{rows} rows; the step kernel takes 1 to {MAX_STEP_ROWS}")
@@ -2720,7 +2729,7 @@ class StepPlan:
                 segments.append(_segment(op, slots[slot], buffers[out] if isinstance(out, str) else out, column))
             phases.append((first, len(parts)))
 
-        def sized(module, rows: int, extra_bias: torch.Tensor | None = None) -> Operand:
+        def sized(module: torch.nn.Linear, rows: int, extra_bias: torch.Tensor | None = None) -> Operand:
             # (a replaced weight of another shape would run into its neighbours' columns, or leave some unwritten:
             # the plain loop raises on it, so the plan refuses it and the torch ops raise as the plain loop does)
             op = operand_of(module, extra_bias=extra_bias)
@@ -2805,13 +2814,13 @@ class StepPlan:
         state: StepState,
         u: torch.Tensor,
         real: torch.Tensor | None,
-        w=None,
-        s=None,
-        c=None,
+        w: FoldedWeights | None = None,
+        s: Shapes | None = None,
+        c: Columns | None = None,
         eps: float = 0.0,
         saved: dict | None = None,
         memory_out: torch.Tensor | None = None,
-    ):
+    ) -> tuple[StepState, torch.Tensor | None]:
         """`recurrence_step._step`'s contract for a no-grad step (no records: `saved` must be None) of this
         plan's rows: (new state, gamma). `state.key` may be None: the key of `state.g` is then computed
         here. The folded weights `w`, shapes and columns are not read (the plan has its own)."""

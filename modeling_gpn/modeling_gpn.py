@@ -33,6 +33,7 @@ import inspect
 import math
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
@@ -48,6 +49,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.utils import logging
 
 if TYPE_CHECKING:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import GenerationMode
     from transformers.generation.utils import GenerateOutput
 
 from .arguments import (
@@ -324,7 +327,7 @@ class GPNCausalLMOutput(CausalLMOutputWithPast):
     predicted_states: torch.Tensor | None = None
 
     @classmethod
-    def of_decoded_token(cls, logits: torch.Tensor, cache) -> GPNCausalLMOutput:
+    def of_decoded_token(cls, logits: torch.Tensor, cache: GPNCache) -> GPNCausalLMOutput:
         """`cls(logits=logits, cache=cache)` built directly: the same attributes and items, without the
         ModelOutput bookkeeping that walks the dataclass fields at every attribute set, which costs as much
         as a small model's one-call token spends around its kernel."""
@@ -376,7 +379,7 @@ class GPNSegmentLayer(GradientCheckpointingLayer):
         output_memory_decays: bool,
         sequence_starts: torch.Tensor | None = None,
         *,
-        steps,
+        steps: Callable[..., tuple],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(outputs, p, g, M, gamma or None) after the segment's positions (tensors positional, as reentrant
         checkpointing needs them; `sequence_starts`: where packed sequences start in the segment, or None)."""
@@ -385,7 +388,7 @@ class GPNSegmentLayer(GradientCheckpointingLayer):
         )
 
 
-def is_torch_checkpoint(function) -> bool:
+def is_torch_checkpoint(function: Callable) -> bool:
     """Whether `function` is torch.utils.checkpoint.checkpoint, possibly with `use_reentrant` bound (what
     `gradient_checkpointing_enable()` installs without `offload`)."""
     from torch.utils.checkpoint import checkpoint
@@ -416,6 +419,8 @@ def quantized_after_loading(model: PreTrainedModel, state_dict: dict | None = No
 
 
 class GPNPreTrainedModel(PreTrainedModel):
+    """The base of every GPN model: its config class, weight initialisation and transformers flags."""
+
     config_class = GPNConfig
     config: GPNConfig
     base_model_prefix = "model"
@@ -528,7 +533,7 @@ class GPNPreTrainedModel(PreTrainedModel):
             config.bptt_segment_length = segment
 
     def _set_gradient_checkpointing(
-        self, enable: bool = True, gradient_checkpointing_func=None, every_n_layers: int = 1
+        self, enable: bool = True, gradient_checkpointing_func: Callable | None = None, every_n_layers: int = 1
     ):
         """What `activation_checkpointing_enable()` / `gradient_checkpointing_enable()` (and
         `TrainingArguments(gradient_checkpointing=True)`) turn on, and `..._disable()` off.
@@ -629,9 +634,11 @@ class GPNModel(GPNPreTrainedModel):
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
+        """The token embedding table."""
         return self.embed_tokens
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
+        """Replace the token embedding table."""
         self.embed_tokens = value
 
     # ---- pieces of one step, in the order of the equations ----------------------------------------
@@ -1103,9 +1110,11 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
+        """The base model's token embedding table."""
         return self.model.embed_tokens
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
+        """Replace the base model's token embedding table."""
         self.model.embed_tokens = value
 
     def get_output_embeddings(self) -> nn.Module:
@@ -1114,6 +1123,7 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         return output_embeddings(self)
 
     def set_output_embeddings(self, new_embeddings: nn.Module) -> None:
+        """Replace the output head."""
         self.lm_head = new_embeddings
 
     def tie_weights(self, *args, **kwargs) -> None:
@@ -1210,7 +1220,7 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         with derived_weights_scope(self.model):
             return super().generate(*args, **kwargs)
 
-    def _valid_auto_compile_criteria(self, model_kwargs: dict, generation_config) -> bool:
+    def _valid_auto_compile_criteria(self, model_kwargs: dict, generation_config: GenerationConfig) -> bool:
         """generate() compiles a GPN's decoding forward only when asked (`compile_config`). transformers compiles it
         on CUDA for every compileable cache (a GPNCache is one), which would trace the plain recurrence in place of
         the fast path the dispatcher chooses (Triton kernels, CUDA graphs), pay a compile at the first call, and
@@ -1219,14 +1229,24 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             return False
         return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
 
-    def _get_deprecated_gen_repo(self, generation_mode, trust_remote_code, custom_generate=None) -> str | None:
+    def _get_deprecated_gen_repo(
+        self,
+        generation_mode: GenerationMode | str | None,
+        trust_remote_code: bool | None,
+        custom_generate: str | Callable | None = None,
+    ) -> str | None:
         """transformers' step that sends DoLa and contrastive search to their Hub repos (called on every generate()
         call, once the mode is known): for a GPN these two are refused first, by name, before anything is fetched
         (`generation.refuse_hub_decoding_a_state_cannot_run`)."""
         refuse_hub_decoding_a_state_cannot_run(generation_mode)
         return super()._get_deprecated_gen_repo(generation_mode, trust_remote_code, custom_generate)
 
-    def load_custom_generate(self, pretrained_model_name_or_path=None, trust_remote_code=None, **kwargs):
+    def load_custom_generate(
+        self,
+        pretrained_model_name_or_path: str | os.PathLike | None = None,
+        trust_remote_code: bool | None = None,
+        **kwargs,
+    ) -> Callable | None:
         """transformers' loader of a `custom_generate` decoding method, which under HF_HUB_OFFLINE=1 says a Hub repo
         not in the local cache has no such method: said as it is instead (`generation.custom_generate_offline_error`)."""
         try:
@@ -1237,7 +1257,9 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
                 raise
             raise offline from error
 
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs) -> None:
+    def _prepare_cache_for_generation(
+        self, generation_config: GenerationConfig, model_kwargs: dict, *args, **kwargs
+    ) -> None:
         """generate() gets a `GPNCache` (not a `DynamicCache`) unless the caller passed one; cache kinds a GPN does
         not have, and what would roll its state back, are refused (`generation.generation_cache`); so are generation
         values that would be wrong in silence (`generation.check_generation_values`)."""
@@ -1248,7 +1270,7 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         if cache is not None:
             model_kwargs["cache"] = cache
 
-    def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs) -> None:
+    def _prepare_position_ids_for_generation(self, inputs_tensor: torch.Tensor, model_kwargs: dict) -> None:
         """No position ids from generate(): it builds them from the attention mask for every model whose forward
         names `position_ids` (a GPN's does, for `Trainer`: `add_packing_parameters`) and passes them at every
         token, which a GPN, having no positions, would only read for packed starts, off the one-call decode. Those
@@ -1339,7 +1361,9 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             peer.finished = bool(this_peer_finished) and unfinished
         return unfinished
 
-    def _prefill(self, input_ids: torch.Tensor, generation_config, model_kwargs: dict, *args, **kwargs):
+    def _prefill(
+        self, input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict, *args, **kwargs
+    ):
         """Continue generation from a returned cache, given the whole sequence or only the new positions, never
         a position read twice (`generation.continue_from_cache`); then check the prompt's logits are finite."""
         input_ids, model_kwargs, seen = continue_from_cache(input_ids, generation_config, model_kwargs)
@@ -1606,9 +1630,11 @@ class GPNForSequenceClassification(GPNPreTrainedModel):
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
+        """The base model's token embedding table."""
         return self.model.embed_tokens
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
+        """Replace the base model's token embedding table."""
         self.model.embed_tokens = value
 
     def last_real_positions(

@@ -64,10 +64,12 @@ class EmbeddingTableHead(nn.Module):
         self._kept = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of `hidden` against the embedding table."""
         weight = self.weight
         return F.linear(hidden.to(weight.dtype), weight)
 
     def extra_repr(self) -> str:
+        """The table's size, for the module's repr."""
         return f"in_features={self.in_features}, out_features={self.out_features}, bias=False (the embedding's table)"
 
 

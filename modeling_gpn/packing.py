@@ -9,7 +9,12 @@ the zero state, so every packed sequence runs as if alone, and refuses inconsist
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 from .tracing import is_tracing
 
@@ -56,7 +61,7 @@ def _starts_at_real_tokens(boundaries: torch.Tensor, real: torch.Tensor) -> torc
     return real & (previous >= 0) & (count > count_at_previous)
 
 
-def _as_index_tensor(value, name: str, device: torch.device) -> torch.Tensor:
+def _as_index_tensor(value: torch.Tensor | Sequence[int], name: str, device: torch.device) -> torch.Tensor:
     tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
     if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
         raise ValueError(f"{name} must hold integers, got dtype {tensor.dtype}")

@@ -29,7 +29,7 @@ def prefill_chunk_length_for(
     inputs_embeds: torch.Tensor | None,
     labels: torch.Tensor | None,
     shift_labels: torch.Tensor | None,
-    logits_to_keep,
+    logits_to_keep: int | torch.Tensor,
     return_logits: bool,
     output_hidden_states: bool | None,
     output_memory_decays: bool,

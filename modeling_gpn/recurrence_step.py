@@ -80,6 +80,8 @@ class FoldedWeights(NamedTuple):
 
 
 class Shapes(NamedTuple):
+    """The sizes of a step: batch rows, widths, heads, layers and whether the model has a memory."""
+
     batch: int
     hidden: int
     inter: int
@@ -101,7 +103,7 @@ class Int8Weight(NamedTuple):
 _int8_checked: dict = {}  # id(weight) -> (weak reference to it, what was checked, result); dropped with the weight
 
 
-def int8_weight_parts(weight) -> Int8Weight | None:
+def int8_weight_parts(weight: torch.Tensor) -> Int8Weight | None:
     """The parts of `weight` if it is exactly what the fast path takes of a quantized weight, else None.
 
     Exactly torchao's `Int8Tensor` made by `Int8WeightOnlyConfig` (that class, not a subclass; named, not
@@ -129,7 +131,7 @@ def int8_weight_parts(weight) -> Int8Weight | None:
 _INT8_PARTS = ("qdata", "scale", "zero_point", "block_size", "act_quant_kwargs", "act_pre_scale", "act_quant_scale")
 
 
-def _int8_parts(weight, held: dict) -> Int8Weight | None:
+def _int8_parts(weight: torch.Tensor, held: dict) -> Int8Weight | None:
     qdata, scale = held.get("qdata"), held.get("scale")
     if not (isinstance(qdata, torch.Tensor) and isinstance(scale, torch.Tensor)):
         return None
@@ -148,7 +150,7 @@ def _int8_parts(weight, held: dict) -> Int8Weight | None:
     return Int8Weight(qdata, scale.reshape(rows), weight.dtype)
 
 
-def dequantized_by_linear(weight) -> bool:
+def dequantized_by_linear(weight: torch.Tensor) -> bool:
     """Whether `weight` is exactly a torchao weight-only low-bit weight whose linear multiplies by its dequantized
     matrix: `IntxUnpackedToInt8Tensor` made by `IntxWeightOnlyConfig` (int1 to int8 values, e.g. int4, per group
     or per row, with or without zero points; that class, not a subclass; named, not imported: torchao stays
@@ -189,7 +191,7 @@ def _fold(linear: torch.nn.Linear, norm_weight: torch.Tensor) -> torch.Tensor:
     return (weight.float().t() * norm_weight.float()[:, None]).to(weight.dtype)
 
 
-def _bias(linear: torch.nn.Linear, size: int, device, extra: torch.Tensor | None = None) -> torch.Tensor:
+def _bias(linear: torch.nn.Linear, size: int, device: torch.device, extra: torch.Tensor | None = None) -> torch.Tensor:
     if linear is not None and linear.bias is not None:
         return linear.bias.float()
     if extra is not None:
@@ -197,7 +199,7 @@ def _bias(linear: torch.nn.Linear, size: int, device, extra: torch.Tensor | None
     return torch.zeros(size, device=device, dtype=torch.float32)
 
 
-def _layer_columns(layer, device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _layer_columns(layer: torch.nn.Module, device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     weights = [_fold(layer.gate, layer.gate_norm.weight), _fold(layer.ffn_in, layer.ffn_norm.weight)]
     biases = [_bias(layer.gate, 0, device), _bias(None, layer.ffn_in.weight.shape[0], device)]
     if layer.use_memory:
@@ -206,7 +208,7 @@ def _layer_columns(layer, device) -> tuple[list[torch.Tensor], list[torch.Tensor
     return weights, biases
 
 
-def _out_matrix(layer) -> torch.Tensor:
+def _out_matrix(layer: torch.nn.Module) -> torch.Tensor:
     ffn_out = dense_weight(layer.ffn_out).t()
     if not layer.use_memory:
         return ffn_out
@@ -214,7 +216,7 @@ def _out_matrix(layer) -> torch.Tensor:
     return torch.cat([ffn_out, read_out], dim=0)
 
 
-def fold_weights(model) -> FoldedWeights:
+def fold_weights(model: torch.nn.Module) -> FoldedWeights:
     """Fold the weights of a `GPNModel` (differentiably: gradients flow back to the parameters)."""
     device = model.fuse_gate.weight.device
     first, *rest = model.predict_layers
@@ -304,7 +306,10 @@ def in_matmul_dtype(w: FoldedWeights, dtype: torch.dtype | None) -> FoldedWeight
 
 
 def cached_folded_weights(
-    model, rows: int | None = None, matmul_dtype: torch.dtype | None = None, variants: dict | None = None
+    model: torch.nn.Module,
+    rows: int | None = None,
+    matmul_dtype: torch.dtype | None = None,
+    variants: dict | None = None,
 ) -> FoldedWeights:
     """`fold_weights` for inference, with the step matrices in `matmul_dtype` (autocast's; None: the weights'
     own) and prepacked for oneDNN where that is faster for products of `rows` rows (`PackedMatrix.worthwhile`):
@@ -327,7 +332,8 @@ def cached_folded_weights(
     return variants[(matmul_dtype, pack)]
 
 
-def shapes_of(model, batch: int) -> Shapes:
+def shapes_of(model: torch.nn.Module, batch: int) -> Shapes:
+    """The `Shapes` of `model`'s step at `batch` rows."""
     config = model.config
     return Shapes(
         batch=batch,
@@ -346,7 +352,7 @@ STEP_MODULES = ("fuse_gate", "memory_write.", "predict_layers.")  # the paramete
 _made_shapes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def made_shapes(model) -> dict[str, tuple[int, ...]]:
+def made_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     """The shape of each parameter of `model` as its own class makes it for its config (built once per model on the
     meta device, which allocates nothing: the modules' constructors stay the one place that says a shape)."""
     shapes = _made_shapes.get(model)
@@ -357,7 +363,7 @@ def made_shapes(model) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def misshapen_step_weight(model) -> str | None:
+def misshapen_step_weight(model: torch.nn.Module) -> str | None:
     """What is wrong with the first parameter of the step's modules whose shape is not the one the config makes (a
     weight replaced by one of another shape: `layer.ffn_in.weight = nn.Parameter(...)`), or None. The folded
     matrices and the C step kernels lay the products side by side at the columns the config's sizes give, so such a
@@ -414,7 +420,7 @@ def _silu_grad(x: torch.Tensor, sig_x: torch.Tensor) -> torch.Tensor:
     return torch.addcmul(sig_x, x, _sigmoid_grad(sig_x))
 
 
-def _mm(x: torch.Tensor, w) -> torch.Tensor:
+def _mm(x: torch.Tensor, w: torch.Tensor | PackedMatrix) -> torch.Tensor:
     """x @ w in the weights' dtype, float32 result (w a matrix or a `PackedMatrix`)."""
     if isinstance(w, PackedMatrix):
         return w.mm(x)
@@ -423,7 +429,7 @@ def _mm(x: torch.Tensor, w) -> torch.Tensor:
     return torch.matmul(x.to(w.dtype), w).float()
 
 
-def _linear(x: torch.Tensor, w, b: torch.Tensor) -> torch.Tensor:
+def _linear(x: torch.Tensor, w: torch.Tensor | PackedMatrix, b: torch.Tensor) -> torch.Tensor:
     """x @ w + b in the weights' dtype, float32 result. (Not addmm: it first copies the broadcast bias into
     its output, a pass that costs more than adding the bias in place afterwards.)"""
     if isinstance(w, PackedMatrix):
@@ -461,6 +467,7 @@ class Columns(NamedTuple):
 
 
 def columns_of(s: Shapes) -> Columns:
+    """Where each projection's columns lie in the fused matrices of sizes `s`."""
     H, dk, dv, d, f = s.heads, s.key_dim, s.value_dim, s.hidden, s.inter
     kw, vw = H * dk, H * dv
     return Columns(
@@ -512,7 +519,15 @@ class MemoryStep(NamedTuple):
     normed_read: torch.Tensor  # (B, H*dv): rms(read) (unit weight)
 
 
-def _memory_step_torch(Z, c: Columns, key, neg_decay_rate, memory, memory_out, eps: float) -> MemoryStep:
+def _memory_step_torch(
+    Z: torch.Tensor,
+    c: Columns,
+    key: torch.Tensor,
+    neg_decay_rate: torch.Tensor,
+    memory: torch.Tensor,
+    memory_out: torch.Tensor,
+    eps: float,
+) -> MemoryStep:
     """The memory half of a step in torch ops (the reference for `memory_kernels.memory_step` and
     `triton_kernels.memory_step`; the path under torch.compile and where neither runs): from Z and the
     carried key, write M' into `memory_out` and read it with layer 0's query.
@@ -543,7 +558,17 @@ def _memory_step_torch(Z, c: Columns, key, neg_decay_rate, memory, memory_out, e
     )
 
 
-def _memory_write_backward_torch(memory_grad, memory, queries, read_grads, k, update, a, beta, memory_grad_out):
+def _memory_write_backward_torch(
+    memory_grad: torch.Tensor,
+    memory: torch.Tensor,
+    queries: torch.Tensor,
+    read_grads: torch.Tensor,
+    k: torch.Tensor,
+    update: torch.Tensor,
+    a: torch.Tensor,
+    beta: torch.Tensor,
+    memory_grad_out: torch.Tensor | None,
+):
     """The gradient of the memory half in torch ops (the reference for `memory_kernels.memory_write_backward`
     and `triton_kernels.memory_write_backward`):
     gradients through M' = a M + k update^T, update = beta (v - M^T k), and the reads M'^T q_l.
@@ -583,7 +608,18 @@ TORCH_MEMORY_OPS = MemoryOps(_memory_step_torch, _memory_write_backward_torch)
 # --------------------------------------------------------------------------------------------------
 
 
-def _predict_layer(state, part, memory_flat, read, normed_read, s: Shapes, c: Columns, eps: float, out_w, record):
+def _predict_layer(
+    state: torch.Tensor,
+    part: torch.Tensor,
+    memory_flat: torch.Tensor | None,
+    read: torch.Tensor | None,
+    normed_read: torch.Tensor | None,
+    s: Shapes,
+    c: Columns,
+    eps: float,
+    out_w: torch.Tensor | PackedMatrix,
+    record: dict | None,
+):
     """A predict layer on folded weights: state' = sigmoid(gate) * state + [silu(a) b | silu(r) rms(read)] W_out.
 
     `part` holds the layer's projections (`Columns`); `read` is M'^T q when already known (layer 0 reads
@@ -611,8 +647,17 @@ def _predict_layer(state, part, memory_flat, read, normed_read, s: Shapes, c: Co
 
 
 def write_memory(
-    Z, key, memory, memory_out, w: FoldedWeights, s: Shapes, c: Columns, eps: float, saved: dict | None, memory_half
-):
+    Z: torch.Tensor,
+    key: torch.Tensor,
+    memory: torch.Tensor,
+    memory_out: torch.Tensor,
+    w: FoldedWeights,
+    s: Shapes,
+    c: Columns,
+    eps: float,
+    saved: dict | None,
+    memory_half: Callable[..., MemoryStep],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The memory half of a step from its big projection Z: M' (into `memory_out` when given) and layer 0's
     read through `memory_half` (a `MemoryOps.step`, or `triton_kernels.memory_step` on static buffers), with the
     records `_step_backward` reads put into `saved`. Shared by `_step` and `triton_kernels.step`, so both
@@ -632,8 +677,8 @@ def write_memory(
 
 def _step(
     state: StepState,
-    u,
-    real,
+    u: torch.Tensor,
+    real: torch.Tensor | None,
     w: FoldedWeights,
     s: Shapes,
     c: Columns,
@@ -728,7 +773,7 @@ def transpose_weights(w: FoldedWeights, pack: bool = False) -> TransposedWeights
     views (packing lays the weights out anew anyway, so a contiguous copy first would be wasted)."""
     ndr = None if w.neg_decay_rate is None else w.neg_decay_rate.detach()
 
-    def transposed(t) -> TransposedWeights:
+    def transposed(t: torch.Tensor | PackedMatrix) -> TransposedWeights:
         return TransposedWeights(t(w.fg_w), t(w.big_w), tuple(map(t, w.out_w)), tuple(map(t, w.layer_w)), ndr)
 
     if pack:
@@ -913,7 +958,7 @@ class _WeightGrads:
         self.blocks = {name: (empty(g.shape[0]), empty(g.shape[1])) for name, g in self.grads.items()}
         self.step = 0
 
-    def rows(self, name) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(self, name: str | tuple[str, int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(x rows, dy rows) of matrix `name` ("fg", "big", ("out", i), ("layer", i)) for the current step."""
         x, dy = self.blocks[name]
         rows = slice(self.step * self.batch, (self.step + 1) * self.batch)
@@ -939,7 +984,7 @@ class _WeightGrads:
         for name, (x, dy) in self.blocks.items():
             self._accumulate(name, x[:n], dy[:n])
 
-    def _accumulate(self, name, x: torch.Tensor, dy: torch.Tensor) -> None:
+    def _accumulate(self, name: str | tuple[str, int], x: torch.Tensor, dy: torch.Tensor) -> None:
         self.grads[name] += _tmm(x, dy, self.w.big_w.dtype)
         if name in self.bias_grads:
             self.bias_grads[name] += dy.sum(0)
@@ -976,13 +1021,14 @@ class StaticWeightGrads(_WeightGrads):
             self.cast_blocks = {name: (like(x, dtype), like(dy, dtype)) for name, (x, dy) in self.blocks.items()}
 
     def zero(self) -> None:
+        """Zero the static gradient buffers in place, for the next captured sweep."""
         for tensor in (*self.grads.values(), *self.bias_grads.values()):
             tensor.zero_()
         if self.neg_decay is not None:
             self.neg_decay.zero_()
         self.step = 0
 
-    def _accumulate(self, name, x: torch.Tensor, dy: torch.Tensor) -> None:
+    def _accumulate(self, name: str | tuple[str, int], x: torch.Tensor, dy: torch.Tensor) -> None:
         n = x.shape[0]
         x_rows, dy_rows = x, dy
         if self.cast_blocks is not None:
@@ -1000,7 +1046,7 @@ class StaticWeightGrads(_WeightGrads):
         return [g.clone() if g.data_ptr() in statics else g for g in super().finish()]
 
 
-def _tmm(x: torch.Tensor, gy: torch.Tensor, dtype) -> torch.Tensor:
+def _tmm(x: torch.Tensor, gy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x^T gy over all collected positions, in the weights' dtype with a float32 result."""
     return torch.matmul(x.t().to(dtype), gy.to(dtype)).float()
 
@@ -1017,7 +1063,7 @@ def _flatten(w: FoldedWeights) -> list:
     return flat
 
 
-def _unflatten(flat, s: Shapes) -> FoldedWeights:
+def _unflatten(flat: list, s: Shapes) -> FoldedWeights:
     n = s.layers
     out_w = tuple(flat[4 : 4 + n])
     layer_w = tuple(flat[4 + n : 3 + 2 * n])

@@ -17,7 +17,9 @@ from __future__ import annotations
 import torch
 
 
-def check_sharded_lengths(model: torch.nn.Module, seq_len: int, called_once: tuple[str, ...], device) -> None:
+def check_sharded_lengths(
+    model: torch.nn.Module, seq_len: int, called_once: tuple[str, ...], device: torch.device
+) -> None:
     """Refuse, on every process alike, a call whose `seq_len` differs between the processes when FSDP2 shards a
     unit inside one of `model`'s children the recurrence calls at every token (all but those named in
     `called_once`). One all-reduce of two numbers per call, and only then; nothing outside a process group."""

@@ -19,12 +19,16 @@ import stat
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import safetensors.torch
 import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.hooks import RemovableHandle
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 from .atomic_files import write_file_atomically
 from .configuration_gpn import GPNConfig
@@ -134,7 +138,7 @@ def computes_unmerged_adapters(model: nn.Module) -> bool:
     )
 
 
-def tokenizer_fingerprint(tokenizer) -> str:
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     """SHA-256 of a tokenizer's vocabulary (every token and its id, added tokens included): what a state's ids
     mean. Two loads of one tokenizer (from its folder, the Hub, a saved copy) give the same; another tokenizer of
     the same vocabulary size does not."""

@@ -51,13 +51,19 @@ from __future__ import annotations
 import contextlib
 import os
 from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from .recurrence_step import (
+    Columns,
     FoldedWeights,
     MemoryStep,
+    PackedMatrix,
+    Shapes,
     StepState,
+    TransposedWeights,
     _split_real,
     _step,
     _step_backward,
@@ -137,7 +143,7 @@ SELF_CHECK_BATCHES = (2, 16)
 SELF_CHECK_TOLERANCE = 2.0**-13
 
 
-def _self_check_key(device, s, matmul_dtype) -> tuple:
+def _self_check_key(device: torch.device, s: Shapes, matmul_dtype: torch.dtype) -> tuple:
     return (str(device), s, matmul_dtype)
 
 
@@ -150,7 +156,7 @@ def _describe(key: tuple) -> str:
     return f"{device} {str(dtype).replace('torch.', '')} ({sizes})"
 
 
-def self_check_needed(s, matmul_dtype: torch.dtype, device: torch.device) -> bool:
+def self_check_needed(s: Shapes, matmul_dtype: torch.dtype, device: torch.device) -> bool:
     """Whether `self_check` has yet to run for these sizes (batch included), weights' dtype and device: on
     CUDA always (the kernels' results on a GPU are checked before they are used), elsewhere only with
     GPN_TRITON_SELF_CHECK=1 (the tests of the check itself; the CPU tests compare the kernels directly)."""
@@ -159,12 +165,12 @@ def self_check_needed(s, matmul_dtype: torch.dtype, device: torch.device) -> boo
     return _self_check_key(device, s, matmul_dtype) not in _self_checks
 
 
-def self_check_passed(s, matmul_dtype: torch.dtype, device: torch.device) -> bool:
+def self_check_passed(s: Shapes, matmul_dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the kernels may run these sizes, dtype and device: not turned off by a failed self-check."""
     return _self_checks.get(_self_check_key(device, s, matmul_dtype)) is None
 
 
-def self_check(w, s, eps: float, device: torch.device, matmul_dtype: torch.dtype) -> bool:
+def self_check(w: FoldedWeights, s: Shapes, eps: float, device: torch.device, matmul_dtype: torch.dtype) -> bool:
     """Check the kernels against the torch ops for sizes `s` (those of weights `w`) at batch `s.batch` and at
     each of `SELF_CHECK_BATCHES` not checked yet: one step forward and backward, `step`/`step_backward` on the
     kernels and `recurrence_step._step`/`_step_backward` on torch ops, comparing the new state, gamma, the
@@ -193,7 +199,9 @@ def self_check(w, s, eps: float, device: torch.device, matmul_dtype: torch.dtype
     return self_check_passed(s, matmul_dtype, device)
 
 
-def _self_check_batch(weights, sizes, eps: float, device: torch.device, matmul_dtype: torch.dtype) -> None:
+def _self_check_batch(
+    weights: FoldedWeights, sizes: Shapes, eps: float, device: torch.device, matmul_dtype: torch.dtype
+) -> None:
     """`self_check` at one batch size (`sizes.batch`), unless done: the verdict into `_self_checks`."""
     import warnings
 
@@ -246,12 +254,12 @@ def _full_float32_matmuls():
         torch.set_float32_matmul_precision(precision)
 
 
-def _random_weights(w, device):
+def _random_weights(w: FoldedWeights, device: torch.device):
     """Float32 random weights of `w`'s shapes (a `FoldedWeights`, matrices possibly packed): every matrix
     and bias non-zero, scaled so that the step's activations are of order one."""
     generator = torch.Generator(device=device).manual_seed(1234)
 
-    def like(t, scale: float | None = None):
+    def like(t: torch.Tensor | PackedMatrix, scale: float | None = None):
         t = getattr(t, "matrix", t)  # (a `recurrence_step.PackedMatrix`)
         x = torch.randn(t.shape, generator=generator, device=device)
         return x * (scale if scale is not None else 0.5 / t.shape[0] ** 0.5)
@@ -296,7 +304,16 @@ def compare_results(expected: dict, got: dict, tolerance: float = SELF_CHECK_TOL
     return None
 
 
-def _one_step(forward, backward, state, u, w, s, c, eps: float) -> dict:
+def _one_step(
+    forward: Callable,
+    backward: Callable,
+    state: StepState,
+    u: torch.Tensor,
+    w: FoldedWeights,
+    s: Shapes,
+    c: Columns,
+    eps: float,
+) -> dict:
     """What one step forward and backward (gradients of ones) computes, by name, for `self_check`."""
     memory_out = lambda: torch.empty_like(state.memory) if s.memory else None
     saved = {}
@@ -333,7 +350,7 @@ def self_check_summary() -> dict:
     return {_describe(key): problem or "passed" for key, problem in _self_checks.items()}
 
 
-def on_device(tensor: torch.Tensor):
+def on_device(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
     """A context running CUDA work (launches, streams, graph captures) on `tensor`'s device rather than the
     current one (a model on cuda:1 while device 0 is current); nothing to do off CUDA."""
     return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
@@ -409,7 +426,9 @@ def _launch(name: str, grid: int, *args, **meta) -> None:
     kernel[name][(grid,)](*args, **meta)
 
 
-def _empty(ws: dict | None, name: str, *shape: int, device, dtype=torch.float32) -> torch.Tensor:
+def _empty(
+    ws: dict | None, name: str, *shape: int, device: torch.device, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """A buffer for an intermediate result: fresh, or with a workspace `ws` (a dict), the one made for
     `name` on the first call (the static buffers a captured CUDA graph replays into; see `cuda_graphs`)."""
     if ws is None:
@@ -429,7 +448,9 @@ def _value_block(dv: int) -> int:
 # --------------------------------------------------------------------------------------------------
 
 
-def unit_rms(x: torch.Tensor, eps: float, out: torch.Tensor | None = None, ws=None, name="rms") -> torch.Tensor:
+def unit_rms(
+    x: torch.Tensor, eps: float, out: torch.Tensor | None = None, ws: dict | None = None, name: str = "rms"
+) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) per row of a (rows, width) float32 tensor (unit column stride)."""
     rows, width = x.shape
     out = _empty(ws, name, rows, width, device=x.device) if out is None else out
@@ -437,7 +458,16 @@ def unit_rms(x: torch.Tensor, eps: float, out: torch.Tensor | None = None, ws=No
     return out
 
 
-def memory_step(Z, c, key, neg_decay_rate, memory, memory_out, eps: float, ws: dict | None = None):
+def memory_step(
+    Z: torch.Tensor,
+    c: Columns,
+    key: torch.Tensor,
+    neg_decay_rate: torch.Tensor,
+    memory: torch.Tensor,
+    memory_out: torch.Tensor,
+    eps: float,
+    ws: dict | None = None,
+) -> MemoryStep:
     """`recurrence_step._memory_step_torch` (and `memory_kernels.memory_step`) in two launches: the memory
     half of a step per (row, head), then the read's RMS norm per row. Same arguments, same `MemoryStep`."""
     heads, dk, dv = memory.shape
@@ -488,7 +518,9 @@ def memory_step(Z, c, key, neg_decay_rate, memory, memory_out, eps: float, ws: d
     return out
 
 
-def memory_read(query: torch.Tensor, memory: torch.Tensor, ws: dict | None = None, name: str = "read"):
+def memory_read(
+    query: torch.Tensor, memory: torch.Tensor, ws: dict | None = None, name: str = "read"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A layer's read of M' (BH, dk, dv) with its query pre-activation (B, H*dk, unit column stride):
     (q_raw, q, q_inv, read) with q = l2(relu(query)) per head (BH, dk), q_inv (BH, 1) and read = M'^T q (B, H*dv)."""
     heads, dk, dv = memory.shape
@@ -515,7 +547,18 @@ def memory_read(query: torch.Tensor, memory: torch.Tensor, ws: dict | None = Non
     return q_raw, q, q_inv, read
 
 
-def memory_write_backward(memory_grad, memory, queries, read_grads, k, update, a, beta, memory_grad_out, ws=None):
+def memory_write_backward(
+    memory_grad: torch.Tensor,
+    memory: torch.Tensor,
+    queries: torch.Tensor,
+    read_grads: torch.Tensor,
+    k: torch.Tensor,
+    update: torch.Tensor,
+    a: torch.Tensor,
+    beta: torch.Tensor,
+    memory_grad_out: torch.Tensor | None,
+    ws: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`recurrence_step._memory_write_backward_torch` (and `memory_kernels.memory_write_backward`) in one
     launch, one program per (row, head). Same arguments, same results: (d_update, d_k, d_a, dq of layer 0,
     d_error), and dL/dM written into `memory_grad_out` (which may not be `memory_grad`). With a workspace
@@ -561,7 +604,9 @@ def memory_write_backward(memory_grad, memory, queries, read_grads, k, update, a
     return d_update, d_k, d_a, dq, d_error
 
 
-def ground(z_fg: torch.Tensor, bias: torch.Tensor, p: torch.Tensor, u: torch.Tensor, eps: float, ws=None):
+def ground(
+    z_fg: torch.Tensor, bias: torch.Tensor, p: torch.Tensor, u: torch.Tensor, eps: float, ws: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sig, g, rms(g)) with sig = sigmoid(z_fg + bias), g = sig * p + u; z_fg and p contiguous (B, d),
     u (B, d) with unit column stride (a column of the window's inputs)."""
     rows, width = p.shape
@@ -573,7 +618,12 @@ def ground(z_fg: torch.Tensor, bias: torch.Tensor, p: torch.Tensor, u: torch.Ten
 
 
 def predict_input(
-    part: torch.Tensor, c, normed_read: torch.Tensor | None, inter: int, ws=None, name="X"
+    part: torch.Tensor,
+    c: Columns,
+    normed_read: torch.Tensor | None,
+    inter: int,
+    ws: dict | None = None,
+    name: str = "X",
 ) -> torch.Tensor:
     """X = [silu(a) b | silu(read_gate) normed_read] (B, f (+ H*dv)) from a layer's projections `part`."""
     rows = part.shape[0]
@@ -599,7 +649,9 @@ def predict_input(
     return X
 
 
-def gated_residual(Y: torch.Tensor, part: torch.Tensor, c, state: torch.Tensor, ws=None, name="state") -> torch.Tensor:
+def gated_residual(
+    Y: torch.Tensor, part: torch.Tensor, c: Columns, state: torch.Tensor, ws: dict | None = None, name: str = "state"
+) -> torch.Tensor:
     """state' = Y + sigmoid(part[:, gate]) * state, (B, d)."""
     rows, width = state.shape
     out = _empty(ws, name, rows, width, device=state.device)
@@ -623,7 +675,7 @@ def gated_residual(Y: torch.Tensor, part: torch.Tensor, c, state: torch.Tensor, 
 # --------------------------------------------------------------------------------------------------
 
 
-def steps_refusal(s, U: torch.Tensor, p0: torch.Tensor, g0: torch.Tensor, M0: torch.Tensor) -> str | None:
+def steps_refusal(s: Shapes, U: torch.Tensor, p0: torch.Tensor, g0: torch.Tensor, M0: torch.Tensor) -> str | None:
     """Why `step` does not take every forward step of a window of the fast path, or None where it does: token
     inputs U (B, T, d), the state before it (p0, g0, M0) and the model's sizes `s`. What `usable_step` asks of
     one step, asked once for the window: each step's state and key (float32, contiguous or with unit column
@@ -646,7 +698,7 @@ def steps_refusal(s, U: torch.Tensor, p0: torch.Tensor, g0: torch.Tensor, M0: to
     return None
 
 
-def backward_steps_refusal(s, U: torch.Tensor) -> str | None:
+def backward_steps_refusal(s: Shapes, U: torch.Tensor) -> str | None:
     """Why `step_backward` does not take every backward step of a window of the fast path with token inputs U
     (B, T, d) and the model's sizes `s`, or None where it does. What `usable_step_backward` asks of one step,
     asked once for the window: the records the forward steps saved and the gradients carried between backward
@@ -667,7 +719,7 @@ def backward_steps_refusal(s, U: torch.Tensor) -> str | None:
     return None
 
 
-def sizes_fit(config) -> bool:
+def sizes_fit(config: Any) -> bool:
     """Whether the Triton step takes this model's sizes whatever its inputs (what the CUDA graphs, which have
     no torch-ops fallback inside, need: the dispatcher asks it before choosing them)."""
     widths = [config.hidden_size, config.intermediate_size]
@@ -678,7 +730,7 @@ def sizes_fit(config) -> bool:
     return max(widths) <= MAX_ROW_BLOCK
 
 
-def usable_step(state, u: torch.Tensor, w, s) -> bool:
+def usable_step(state: StepState, u: torch.Tensor, w: FoldedWeights, s: Shapes) -> bool:
     """Whether `step` takes this state, token input and weights (else the step runs on torch ops)."""
     p, g, key, memory = state
     if not (p.is_contiguous() and g.is_contiguous() and usable_rows(p, g, u)):
@@ -692,7 +744,7 @@ def usable_step(state, u: torch.Tensor, w, s) -> bool:
     return True
 
 
-def _product(x: torch.Tensor, w, ws: dict | None = None, name: str = "") -> torch.Tensor:
+def _product(x: torch.Tensor, w: torch.Tensor | PackedMatrix, ws: dict | None = None, name: str = "") -> torch.Tensor:
     """x @ w in the weights' dtype, the result left in that dtype (float32 from a `PackedMatrix`): the
     kernels that read it upcast as they load (exact, so the same numbers as `recurrence_step._mm`'s
     float32 copy, one launch fewer). With a workspace, into its buffers (`torch.mm(out=)`: nothing
@@ -706,7 +758,9 @@ def _product(x: torch.Tensor, w, ws: dict | None = None, name: str = "") -> torc
     return torch.mm(x, w, out=_empty(ws, name, x.shape[0], w.shape[1], device=x.device, dtype=w.dtype))
 
 
-def _linear(x: torch.Tensor, w, b: torch.Tensor, ws: dict | None = None, name: str = "") -> torch.Tensor:
+def _linear(
+    x: torch.Tensor, w: torch.Tensor | PackedMatrix, b: torch.Tensor, ws: dict | None = None, name: str = ""
+) -> torch.Tensor:
     """x @ w + b as float32 (`recurrence_step._linear`): one add after the product, in place for float32
     weights, else the add that upcasts (bf16 + float32 gives float32: one launch instead of two)."""
     product = _product(x, w, ws, name)
@@ -717,7 +771,18 @@ def _linear(x: torch.Tensor, w, b: torch.Tensor, ws: dict | None = None, name: s
     return torch.add(product, b, out=_empty(ws, f"{name}.float", *product.shape, device=x.device))
 
 
-def step(state, u, real, w, s, c, eps: float, saved: dict | None = None, memory_out=None, ws: dict | None = None):
+def step(
+    state: StepState,
+    u: torch.Tensor,
+    real: torch.Tensor | None,
+    w: FoldedWeights,
+    s: Shapes,
+    c: Columns,
+    eps: float,
+    saved: dict | None = None,
+    memory_out: torch.Tensor | None = None,
+    ws: dict | None = None,
+) -> tuple[StepState, torch.Tensor | None]:
     """`recurrence_step._step` with its elementwise work and the memory half fused into Triton kernels (the
     matmuls stay torch's). Same arguments, same results, same records in `saved` (for `_step_backward`).
     With a workspace `ws` (a dict) every intermediate goes into its buffers (made on the first call): a
@@ -768,8 +833,21 @@ def step(state, u, real, w, s, c, eps: float, saved: dict | None = None, memory_
 
 
 def predict_layer_backward(
-    part, c, state, d_state, dX, normed_read, read, d_part, out_x, d_read, eps, s, ws=None, name="d_state"
-):
+    part: torch.Tensor,
+    c: Columns,
+    state: torch.Tensor,
+    d_state: torch.Tensor,
+    dX: torch.Tensor,
+    normed_read: torch.Tensor | None,
+    read: torch.Tensor | None,
+    d_part: torch.Tensor,
+    out_x: torch.Tensor,
+    d_read: torch.Tensor | None,
+    eps: float,
+    s: Shapes,
+    ws: dict | None = None,
+    name: str = "d_state",
+) -> torch.Tensor:
     """Through one predict layer (see `predict_layer_backward_kernel`): fills the layer's columns of
     `d_part` (not its query: see `memory_read_backward`), X into `out_x` and d_read (B, H*dv) into `d_read`;
     returns the gradient of the layer's input state through its gate (sigmoid(gate) d_state)."""
@@ -807,7 +885,17 @@ def predict_layer_backward(
     return d_state_out
 
 
-def rms_backward(dy, x, eps, acc, acc2=None, mul=None, y_out=None, ws=None, name="rms_backward") -> torch.Tensor:
+def rms_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    eps: float,
+    acc: torch.Tensor,
+    acc2: torch.Tensor | None = None,
+    mul: torch.Tensor | None = None,
+    y_out: torch.Tensor | None = None,
+    ws: dict | None = None,
+    name: str = "rms_backward",
+) -> torch.Tensor:
     """acc [* mul] [+ acc2] + the gradient through y = rms(x) for dy (all (B, width), contiguous), writing
     y into `y_out` when given."""
     rows, width = x.shape
@@ -836,7 +924,7 @@ def _contiguous_rows(*tensors: torch.Tensor) -> bool:
     return all(t.is_contiguous() for t in tensors)
 
 
-def usable_step_backward(saved: dict, grads, s) -> bool:
+def usable_step_backward(saved: dict, grads: StepState, s: Shapes) -> bool:
     """Whether `step_backward` takes this step: one whose records and gradients the kernels take (float32, contiguous rows, sizes within the block limits), masked or not."""
     rows = [saved["p"], saved["grounded"], saved["sig_fg"], grads.p, grads.g]
     if not (usable_rows(*rows) and _contiguous_rows(*rows)):
@@ -849,7 +937,17 @@ def usable_step_backward(saved: dict, grads, s) -> bool:
     return True
 
 
-def step_backward(saved: dict, grads, wt, s, c, eps: float, weight_grads, memory_grad_out=None, ws: dict | None = None):
+def step_backward(
+    saved: dict,
+    grads: StepState,
+    wt: TransposedWeights,
+    s: Shapes,
+    c: Columns,
+    eps: float,
+    weight_grads: _WeightGrads,
+    memory_grad_out: torch.Tensor | None = None,
+    ws: dict | None = None,
+) -> tuple[StepState, torch.Tensor]:
     """`recurrence_step._step_backward` with its elementwise work fused into Triton kernels (the matmuls
     stay torch's). Same arguments, same results, for a step `usable_step_backward` accepts: the dispatcher
     runs it only on windows whose every step it takes (`backward_steps_refusal`, asked once per window), and

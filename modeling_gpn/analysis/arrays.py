@@ -3,10 +3,15 @@ the length of the longest document in the per-position document ids that the mea
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
 
-def as_float64(array, name: str, ndim: int) -> np.ndarray:
+
+def as_float64(array: ArrayLike, name: str, ndim: int) -> np.ndarray:
     """`array` as float64 with `ndim` dimensions; a ValueError naming `name` if it is empty or not finite."""
     values = np.asarray(array, dtype=np.float64)
     if values.ndim != ndim:
@@ -18,7 +23,7 @@ def as_float64(array, name: str, ndim: int) -> np.ndarray:
     return values
 
 
-def longest_document(documents) -> int:
+def longest_document(documents: ArrayLike) -> int:
     """The longest run of one document id (sequences, T) inside a sequence: the longest lag + 1 with a pair."""
     ids = np.asarray(documents)
     changes = np.ones(ids.shape, dtype=bool)

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
 
 from .arrays import as_float64
 
 
-def rankdata(values) -> np.ndarray:
+def rankdata(values: ArrayLike) -> np.ndarray:
     """Ranks 1..n with ties given their average rank (as scipy.stats.rankdata, method 'average')."""
     v = np.asarray(values, dtype=np.float64).ravel()
     order = np.argsort(v, kind="mergesort")
@@ -26,7 +30,7 @@ def rankdata(values) -> np.ndarray:
     return ranks
 
 
-def spearman(a, b) -> float:
+def spearman(a: ArrayLike, b: ArrayLike) -> float:
     """Spearman rank correlation (Pearson correlation of average ranks)."""
     ra, rb = rankdata(a), rankdata(b)
     if ra.size != rb.size:
@@ -41,13 +45,13 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def mean_direction(
-    states,
+    states: ArrayLike,
     decode: Callable[[np.ndarray], np.ndarray],
-    unigram_counts=None,
+    unigram_counts: ArrayLike | None = None,
     top_k: int = 10,
     num_batches: int = 8,
     thresholds: tuple[float, ...] = (0.98, 0.996),
-    control_logits=None,
+    control_logits: ArrayLike | None = None,
 ) -> dict:
     """The mean direction s_bar = E_t[p_t] of states shaped (sequences, T, d), as in section 6.2.
 

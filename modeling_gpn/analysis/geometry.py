@@ -4,12 +4,17 @@ participation ratio)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
 
 from .arrays import as_float64
 
 
-def spectrum_summary(eigenvalues, fractions: tuple[float, ...] = (0.9, 0.99)) -> dict:
+def spectrum_summary(eigenvalues: ArrayLike, fractions: tuple[float, ...] = (0.9, 0.99)) -> dict:
     """Stable rank, participation ratio and component counts of a covariance spectrum.
 
     stable rank = sum(lambda) / max(lambda); participation ratio = sum(lambda)^2 / sum(lambda^2);
@@ -33,7 +38,7 @@ def spectrum_summary(eigenvalues, fractions: tuple[float, ...] = (0.9, 0.99)) ->
     return summary
 
 
-def covariance_eigenvalues(states) -> np.ndarray:
+def covariance_eigenvalues(states: ArrayLike) -> np.ndarray:
     """Eigenvalues (descending) of the centred covariance (1/N normalisation) of the rows of `states`."""
     x = as_float64(states, "states", 2)
     centred = x - x.mean(axis=0, keepdims=True)
@@ -48,7 +53,7 @@ def covariance_eigenvalues(states) -> np.ndarray:
 
 
 def state_geometry(
-    states,
+    states: ArrayLike,
     dead_fraction: float = 1e-3,
     correlation_sample_dims: int = 300,
     histogram_bins: int = 60,

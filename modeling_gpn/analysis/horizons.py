@@ -4,8 +4,12 @@ sequence's mean."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
 
 from .arrays import as_float64, longest_document
 
@@ -18,7 +22,7 @@ def log_lags(max_lag: int, num: int = 40) -> np.ndarray:
     return np.unique(np.concatenate([np.arange(1, min(10, max_lag) + 1), lags]))
 
 
-def state_horizons(states, lags=None, documents=None) -> dict:
+def state_horizons(states: ArrayLike, lags: ArrayLike | None = None, documents: ArrayLike | None = None) -> dict:
     """E[cos(p_t, p_{t+k})] against the lag k for states shaped (sequences, T, d), section 6.3.
 
     `raw` uses the states as they are; `centred` subtracts each sequence's own mean state first.
@@ -40,7 +44,7 @@ def state_horizons(states, lags=None, documents=None) -> dict:
     if lags.min() < 1 or lags.max() >= length:
         raise ValueError(f"lags must lie in [1, {length - 1}] for sequences of length {length}")
 
-    def unit(v):
+    def unit(v: np.ndarray):
         return v / (np.linalg.norm(v, axis=2, keepdims=True) + 1e-300)
 
     raw_unit = unit(x)
@@ -71,7 +75,7 @@ def state_horizons(states, lags=None, documents=None) -> dict:
     }
 
 
-def _same_document(documents, shape: tuple[int, int]):
+def _same_document(documents: ArrayLike | None, shape: tuple[int, int]):
     """None without `documents`, else k -> (sequences, T - k) bool: positions t and t + k lie in one document."""
     if documents is None:
         return None

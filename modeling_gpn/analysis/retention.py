@@ -5,15 +5,19 @@ split of the heads into a fast and a slow pool."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
 
 from .arrays import as_float64, longest_document
 
 INV_E = math.exp(-1.0)
 
 
-def retention_curves(gammas, max_lag: int | None = None, documents=None) -> np.ndarray:
+def retention_curves(gammas: ArrayLike, max_lag: int | None = None, documents: ArrayLike | None = None) -> np.ndarray:
     """Per-head retention R_h(k) for k = 0..max_lag from gamma shaped (sequences, T, H).
 
     R_h(k) = mean over sequences n and start positions s = 0 .. T-k of exp(gamma[n, s] + ... + gamma[n, s+k-1]):
@@ -45,7 +49,7 @@ def retention_curves(gammas, max_lag: int | None = None, documents=None) -> np.n
     return curves
 
 
-def half_lives(curves) -> tuple[np.ndarray, np.ndarray]:
+def half_lives(curves: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
     """The 1/e half-life of each retention curve (max_lag + 1, H) and whether it lies past max_lag.
 
     The crossing of log R = -1 is interpolated linearly in log R between the two integer lags that
@@ -72,7 +76,7 @@ def half_lives(curves) -> tuple[np.ndarray, np.ndarray]:
     return lives, beyond
 
 
-def split_pools(half_life_values, min_ratio: float = 2.0) -> dict:
+def split_pools(half_life_values: ArrayLike, min_ratio: float = 2.0) -> dict:
     """Split heads into a fast and a slow pool by their half-lives.
 
     The rule: the optimal two-class split of log half-life (1-D 2-means / Jenks natural breaks with
@@ -119,7 +123,9 @@ def split_pools(half_life_values, min_ratio: float = 2.0) -> dict:
     }
 
 
-def memory_retention(gammas, max_lag: int | None = None, min_pool_ratio: float = 2.0, documents=None) -> dict:
+def memory_retention(
+    gammas: ArrayLike, max_lag: int | None = None, min_pool_ratio: float = 2.0, documents: ArrayLike | None = None
+) -> dict:
     """Per-head retention curves, 1/e half-lives and the fast / slow pool split (section 6.3).
 
     `gammas` (sequences, T, H) are the models' log retentions per step (retention = exp(gamma)).

@@ -10,8 +10,12 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ..configuration_gpn import GPNConfig
 
 from ..atomic_files import replacing
 from ..cli.arguments import torch_device
@@ -57,6 +61,7 @@ the fast path's timings used."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `gpn bench`."""
     parser.description = (parser.description or "") + "\n\n" + LIMIT_HELP + "\n\n" + COLUMNS_HELP
     # the limit's paragraphs as written, options as the `gpn` command formats them
     parser.formatter_class = type("Formatter", (argparse.RawDescriptionHelpFormatter, parser.formatter_class), {})
@@ -152,7 +157,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 TRAINING_DEFAULTS = {"batch": 8, "seq_len": 256, "segment_length": 256}  # what only training and the forward use
 
 
-def check_arguments(args) -> None:
+def check_arguments(args: argparse.Namespace) -> None:
     """Refuse what would fail only once models are built and measured (a traceback from `statistics.median`,
     `generate()` or `torch.set_num_threads`), or after the whole run (a --json file that cannot be written), and
     options the run would ignore; then set the training options not given to `TRAINING_DEFAULTS`."""
@@ -220,7 +225,8 @@ def write_json(path: str, report: dict) -> None:
         json.dump(report, handle, indent=2, default=str)
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
+    """Run `gpn bench`; a `BenchError` becomes one line on stderr and exit status 2."""
     try:
         return run_bench(args)
     except BenchError as error:
@@ -228,7 +234,7 @@ def run(args) -> int:
         return 2
 
 
-def run_bench(args) -> int:
+def run_bench(args: argparse.Namespace) -> int:
     """The run: every argument and preset checked (`BenchError`), then each preset measured and reported."""
     from tqdm import tqdm
 
@@ -263,7 +269,7 @@ def run_bench(args) -> int:
     return 0
 
 
-def check_fits(preset: str, config, dtype: str, device: str) -> None:
+def check_fits(preset: str, config: GPNConfig, dtype: str, device: str) -> None:
     """Refuse `preset` (its `config`) where its weights alone pass the memory of `device` (a vocabulary of 10**12 in
     a config file asked the allocator for 128 TB: torch's traceback after the presets before it were measured)."""
     needed = weight_bytes(config, dtype)
@@ -278,7 +284,7 @@ def check_fits(preset: str, config, dtype: str, device: str) -> None:
         )
 
 
-def measure_preset(preset: str, args) -> list:
+def measure_preset(preset: str, args: argparse.Namespace) -> list:
     """The rows of one preset: one model per implementation, built and measured."""
     models = {}
     try:
@@ -295,7 +301,7 @@ def measure_preset(preset: str, args) -> list:
     return rows
 
 
-def report(rows: list, args, interrupted: bool = False) -> None:
+def report(rows: list, args: argparse.Namespace, interrupted: bool = False) -> None:
     """The table and the lines after it; the JSON report if asked for (`interrupted`: said in it, for a run
     stopped before its last preset)."""
     training = (

@@ -14,8 +14,12 @@ the limit is its time per token over the probe's time (1.0: the step costs its b
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -27,7 +31,7 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
     return sum(tensor_bytes(getattr(tensor, name)) for name in flatten(tensor)[0])
 
 
-def step_bytes(model, rows: int = 1) -> int:
+def step_bytes(model: nn.Module, rows: int = 1) -> int:
     """Bytes a GPN's one-token step reads and writes at `rows` batch rows: every parameter once (the
     weights are shared by the rows), and per row the state (p and g read, M read and M' written)."""
     config = model.config
@@ -41,7 +45,7 @@ def step_bytes(model, rows: int = 1) -> int:
 _NOT_IN_THE_RECURRENCE = ("embed_tokens.", "fuse_norm.", "fuse_proj.", "decode_norm.", "decode_proj.", "lm_head.")
 
 
-def prefill_bytes(model, rows: int = 1) -> int:
+def prefill_bytes(model: nn.Module, rows: int = 1) -> int:
     """Bytes one prompt token's step reads at `rows` batch rows: the recurrence's weights once (not the
     token side, projected for the whole prompt beforehand, nor the decoder) and the state per row."""
     config = model.config
@@ -73,6 +77,7 @@ class ReadProbe:
         self._read = (lambda: memory_kernels.read_probe(self.buffer)) if memory_kernels.available() else self.buffer.sum
 
     def __call__(self) -> None:
+        """Read the probe's buffer once."""
         self._read()
 
     def seconds(self, reads: int) -> list[float]:

@@ -7,8 +7,15 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Callable
+
+    from torch import nn
 
 from .limit import ReadProbe, prefill_bytes, step_bytes
 from .models import count_params, forward_flops_per_token
@@ -29,6 +36,8 @@ STEP_REPEATS = 15  # one-token steps per repeat (a step is short; their median i
 
 @dataclass
 class Row:
+    """One row of the bench table: a preset and implementation, with each measured figure (None: not measured)."""
+
     preset: str
     impl: str
     params: int
@@ -66,7 +75,7 @@ class Row:
         return 1e3 * seconds_per_token / limit
 
 
-def measure(models: dict, preset: str, args) -> list[Row]:
+def measure(models: dict, preset: str, args: argparse.Namespace) -> list[Row]:
     """Every figure of one preset for `models` ({impl: model}); timings alternate between the models."""
     device, repeats = args.device, args.repeats
     rows = {kind: Row(preset, kind, count_params(model)) for kind, model in models.items()}
@@ -100,7 +109,9 @@ def measure(models: dict, preset: str, args) -> list[Row]:
     return list(rows.values())
 
 
-def _measure_training(models: dict, rows: dict, ids: torch.Tensor, flops: dict, tokens: int, args) -> None:
+def _measure_training(
+    models: dict, rows: dict, ids: torch.Tensor, flops: dict, tokens: int, args: argparse.Namespace
+) -> None:
     device, repeats, vocab = args.device, args.repeats, next(iter(models.values())).config.vocab_size
     generator = torch.Generator().manual_seed(2)
     # training: each model's second step runs under the peak-memory probe, the first having allocated what every
@@ -125,7 +136,7 @@ def _measure_training(models: dict, rows: dict, ids: torch.Tensor, flops: dict, 
             rows[kind].train_peak_bytes[length] = second_step_peak(train_step_fn(model, kind, long_ids), model, device)
 
 
-def second_step_peak(step, model, device: str) -> int | None:
+def second_step_peak(step: Callable[[], object], model: nn.Module, device: str) -> int | None:
     """The peak memory of a training step's second call: the first allocates what the later ones keep (the
     optimizer's state, one-time costs); the buffers a GPN's steps reuse are freed before the second, which must
     allocate its own, as every step of another length would."""
@@ -136,7 +147,7 @@ def second_step_peak(step, model, device: str) -> int | None:
     return memory.peak
 
 
-def _measure_steps(models: dict, rows: dict, vocab: int, args) -> None:
+def _measure_steps(models: dict, rows: dict, vocab: int, args: argparse.Namespace) -> None:
     """The one-token step of every model at each of `--decode-batches` rows, alternated with a read of the
     GPN's step bytes (its limit), `STEP_REPEATS` steps per repeat."""
     device = args.device
@@ -187,7 +198,9 @@ def _steps_and_reads(fns: dict, probes: dict, device: str, repeats: int) -> dict
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def _measure_generate(models: dict, rows: dict, vocab: int, generator, args) -> None:
+def _measure_generate(
+    models: dict, rows: dict, vocab: int, generator: torch.Generator, args: argparse.Namespace
+) -> None:
     """Prefill and decode through generate() at each prompt length; the limits' reads (a step's bytes, a
     prompt token's) are timed between the generate() calls of every repeat, so each length's ratios are
     to a bandwidth measured in the same spell of the machine (`Row.limit_ms_at`, `prefill_limit_ms_at`)."""

@@ -4,7 +4,14 @@ bfloat16 model, every `nn.Linear` but a tied output head), and the arithmetic th
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..configuration_gpn import GPNConfig
 
 DTYPES = ("float32", "bfloat16", "int8", "int4")
 
@@ -91,7 +98,7 @@ def _linears_but_the_head(model: torch.nn.Module):
     return lambda m, fqn: isinstance(m, torch.nn.Linear) and id(m) not in head
 
 
-def build_gpn(preset: str, dtype: torch.dtype | str, device: str, segment_length: int):
+def build_gpn(preset: str, dtype: torch.dtype | str, device: str, segment_length: int) -> nn.Module:
     """A GPN of `preset` (name or config JSON) in `dtype` ("int8", "int4": quantized, see `QUANTIZERS`)."""
     from modeling_gpn import GPNForCausalLM
     from modeling_gpn.configuration import load_preset
@@ -110,7 +117,7 @@ def build_gpn(preset: str, dtype: torch.dtype | str, device: str, segment_length
     return quantize(model) if quantize else model
 
 
-def weight_bytes(config, dtype: str) -> int:
+def weight_bytes(config: GPNConfig, dtype: str) -> int:
     """The bytes of the weights `build_gpn` would allocate for a model of `config` in `--dtype dtype` (counted on the
     meta device: nothing is allocated; int8 and int4 are built in bfloat16 first)."""
     from modeling_gpn import GPNForCausalLM
@@ -121,7 +128,7 @@ def weight_bytes(config, dtype: str) -> int:
     return sum(param.numel() for param in model.parameters()) * size
 
 
-def matched_llama(gpn_config, params: int, dtype: torch.dtype | str, device: str):
+def matched_llama(gpn_config: GPNConfig, params: int, dtype: torch.dtype | str, device: str) -> nn.Module:
     """A LlamaForCausalLM with hidden = the GPN's embedding width, tied embeddings, and as many layers as
     bring it closest to `params` parameters."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -154,11 +161,12 @@ def matched_llama(gpn_config, params: int, dtype: torch.dtype | str, device: str
     return quantize(model) if quantize else model
 
 
-def count_params(model) -> int:
+def count_params(model: nn.Module) -> int:
+    """The number of parameter values of `model` (tied ones as often as they are listed)."""
     return sum(p.numel() for p in model.parameters())
 
 
-def forward_flops_per_token(model, context: float) -> float:
+def forward_flops_per_token(model: nn.Module, context: float) -> float:
     """Multiply-adds x 2 of one token's forward pass: every nn.Linear's weight once (the output head among
     them, tied to the embedding or not; the embedding's lookup multiplies nothing), and a GPN's memory, or a
     Llama's attention at a mean `context` (q.K and the weighted sum of V: 2 x context x hidden a layer)."""

@@ -3,10 +3,16 @@ speed columns, then the fast path's ratios against the targets."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import argparse
+
 from .measure import Row
 
 
-def fmt(value, kind: str = "num") -> str:
+def fmt(value: float | None, kind: str = "num") -> str:
+    """`value` as a table cell: '-' for None, else by `kind` (a number, bytes, ...)."""
     if value is None:
         return "-"
     if kind == "bytes":
@@ -23,7 +29,7 @@ def fmt(value, kind: str = "num") -> str:
     return f"{value:.2f}"
 
 
-def _columns(args) -> list[tuple[str, callable]]:
+def _columns(args: argparse.Namespace) -> list[tuple[str, callable]]:
     """(header, cell of a row) for every column this run has figures for."""
     lengths = args.decode_prompt_lengths
     columns = [
@@ -74,7 +80,8 @@ def _columns(args) -> list[tuple[str, callable]]:
     return columns
 
 
-def print_table(rows: list[Row], args) -> None:
+def print_table(rows: list[Row], args: argparse.Namespace) -> None:
+    """Print the Markdown table of `rows` with the columns `args` asks for."""
     columns = _columns(args)
     lines = ["| " + " | ".join(header for header, _ in columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
@@ -106,7 +113,7 @@ def print_limits(rows: list[Row]) -> None:
         print(text)
 
 
-def print_ratios(rows: list[Row], args) -> None:
+def print_ratios(rows: list[Row], args: argparse.Namespace) -> None:
     """The issue's targets as ratios of the fast path to the others (>= 1 means met where so stated)."""
     by = {(r.preset, r.impl): r for r in rows}
     for preset in args.preset:

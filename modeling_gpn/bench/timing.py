@@ -10,11 +10,21 @@ import gc
 import statistics
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Callable
+
+    from transformers import GenerationConfig, PreTrainedModel
+    from transformers.cache_utils import Cache
+    from transformers.modeling_outputs import ModelOutput
+
 
 def synchronize(device: str) -> None:
+    """Wait for the device's queued work (CUDA), so that a clock read after it is exact."""
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 
@@ -84,7 +94,8 @@ def timed_alternating(fns: dict, device: str, repeats: int, warm_up: bool = True
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def train_step_fn(model, kind: str, ids: torch.Tensor):
+def train_step_fn(model: PreTrainedModel, kind: str, ids: torch.Tensor) -> Callable[[], None]:
+    """A call runs one training step of `model` (forward, loss, backward, AdamW) on `ids`."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     model.train()
 
@@ -106,15 +117,18 @@ class TokenTimes:
     def __init__(self, device: str):
         self.device, self.stamps = device, []
 
-    def put(self, value) -> None:
+    def put(self, value: torch.Tensor) -> None:
+        """Stamp the time a token (or the prompt) arrived, after the device's work is done."""
         synchronize(self.device)
         self.stamps.append(time.perf_counter())
 
     def end(self) -> None:
+        """Nothing to do at the end of generation (the streamer interface asks for it)."""
         pass
 
 
-def cache_nbytes(cache) -> int:
+def cache_nbytes(cache: Cache | None) -> int:
+    """Bytes of the tensors `cache` holds: its own `nbytes()`, else its layers' keys and values."""
     if hasattr(cache, "nbytes") and callable(cache.nbytes):
         return int(cache.nbytes())
     total = 0
@@ -126,7 +140,7 @@ def cache_nbytes(cache) -> int:
     return total
 
 
-def prompt_cache_nbytes(model, prompt: torch.Tensor) -> int:
+def prompt_cache_nbytes(model: PreTrainedModel, prompt: torch.Tensor) -> int:
     """Bytes of the cache a forward of `prompt` leaves: the "cache @N" column, N positions (the cache a
     generate() call ends with holds its new tokens too, --decode-tokens - 1 more positions of a Llama's)."""
     with torch.no_grad():
@@ -171,7 +185,7 @@ class BackendProbe:
         return False
 
 
-def greedy_without_end(model, new_tokens: int, **settings):
+def greedy_without_end(model: PreTrainedModel, new_tokens: int, **settings) -> GenerationConfig:
     """A copy of `model.generation_config` for greedy decoding of exactly `new_tokens` tokens: an empty list of
     end-of-sequence tokens (None would mean "the model's"), so nothing stops it early. (`min_new_tokens` would
     do the same by masking the end token's logit at every step: two logits processors that cost more than a
@@ -184,7 +198,9 @@ def greedy_without_end(model, new_tokens: int, **settings):
     return config
 
 
-def generate_timings(model, prompt: torch.Tensor, args) -> tuple[float, list[float]]:
+def generate_timings(
+    model: PreTrainedModel, prompt: torch.Tensor, args: argparse.Namespace
+) -> tuple[float, list[float]]:
     """One greedy generate() call of `args.decode_tokens` tokens (`greedy_without_end`): (seconds to the
     first new token, gaps between the later tokens). (The "cache @N" column is `prompt_cache_nbytes`'s.)"""
     device = args.device
@@ -220,7 +236,7 @@ def self_checks_state() -> dict:
     return triton_kernels.self_check_summary()
 
 
-def release_reused_buffers(model) -> None:
+def release_reused_buffers(model: PreTrainedModel) -> None:
     """Free the memory buffers a GPN's training calls keep for the next call (`BufferPool`), so that a
     peak-memory probe sees what a first call allocates."""
     if hasattr(model, "model") and hasattr(model.model, "use_fast_path"):
@@ -229,7 +245,9 @@ def release_reused_buffers(model) -> None:
         buffer_pool_of(model.model).release()
 
 
-def one_token_step_fn(model, rows: int, vocab: int, device: str, prompt_length: int = 16):
+def one_token_step_fn(
+    model: PreTrainedModel, rows: int, vocab: int, device: str, prompt_length: int = 16
+) -> Callable[[], None]:
     """A call runs the model's one-token step at `rows` batch rows: a forward of one token with its cache
     (`use_cache=True`, as a decode loop calls it; the cache advances every call), after a short prompt.
     Without autograd, as decoding runs."""
@@ -237,7 +255,7 @@ def one_token_step_fn(model, rows: int, vocab: int, device: str, prompt_length: 
     prompt = torch.randint(1, vocab, (rows, prompt_length), generator=generator).to(device)
     token = prompt[:, -1:]
 
-    def cache_of(output):
+    def cache_of(output: ModelOutput):
         return getattr(output, "cache", None) or output.past_key_values
 
     with torch.no_grad():

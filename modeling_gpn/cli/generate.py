@@ -6,8 +6,14 @@ import argparse
 import math
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from ..cache import GPNCache
 
 from .arguments import ADAPTER_FOLDER_HELP
 
@@ -20,7 +26,7 @@ class GenerateError(ValueError):
     """A bad argument or a model/tokenizer that cannot be used; the message says which."""
 
 
-def sampling_setting(model, name: str, given: float | None, default: float) -> float:
+def sampling_setting(model: PreTrainedModel, name: str, given: float | None, default: float) -> float:
     """`--temperature` / `--top-p` for sampling: as given, else the model's own (what its generation_config.json sets,
     its authors' choice, which `model.generate(do_sample=True)` uses too), else this command's default."""
     if given is not None:
@@ -30,6 +36,7 @@ def sampling_setting(model, name: str, given: float | None, default: float) -> f
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `gpn generate`."""
     parser.add_argument(
         "model",
         help=f"model folder, Hub repo id, or {ADAPTER_FOLDER_HELP}",
@@ -174,7 +181,7 @@ def _load(args: argparse.Namespace):
     return model, tokenizer
 
 
-def _to_dtype(model, dtype: str, source: str = "the model"):
+def _to_dtype(model: PreTrainedModel, dtype: str, source: str = "the model"):
     """The model in `--dtype` (auto: as loaded). int8 and int4 quantize every nn.Linear of the bfloat16 model with
     torchao's weight-only configs, as `gpn bench` does (`QUANTIZERS`: the output head, tied to the embedding, stays
     bfloat16). A model saved quantized already (`TorchAoConfig`) is kept as saved when it is of that kind, and
@@ -200,7 +207,7 @@ def _to_dtype(model, dtype: str, source: str = "the model"):
         raise GenerateError(str(error)) from None
 
 
-def _check_saves_a_state(args: argparse.Namespace, model) -> None:
+def _check_saves_a_state(args: argparse.Namespace, model: PreTrainedModel) -> None:
     """Refuse `--save-state` for a model that keeps no GPN state (a Llama's cache is its keys and values), before
     anything is generated (it failed with a traceback after generating)."""
     from modeling_gpn.state_file import gpn_base_model
@@ -215,7 +222,7 @@ def _check_saves_a_state(args: argparse.Namespace, model) -> None:
         ) from None
 
 
-def _load_state(args: argparse.Namespace, model, tokenizer, num_prompts: int):
+def _load_state(args: argparse.Namespace, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, num_prompts: int):
     """The `--state` file's cache, with one row per prompt (a one-row state is forked to every prompt)."""
     from modeling_gpn.modeling_gpn import GPNCache, GPNStateFileError
 
@@ -231,7 +238,9 @@ def _load_state(args: argparse.Namespace, model, tokenizer, num_prompts: int):
     raise GenerateError(f"--state {args.state} holds {rows} rows (prompts); give {rows} prompts, or one state row")
 
 
-def _text_mask(prompt_mask: torch.Tensor, generated: torch.Tensor, eos_token_id) -> torch.Tensor:
+def _text_mask(
+    prompt_mask: torch.Tensor, generated: torch.Tensor, eos_token_id: int | list[int] | None
+) -> torch.Tensor:
     """The mask of the text each row holds: its prompt, and its generated tokens up to its first EOS.
 
     generate() pads a row that ended (EOS) while others go on; that padding is not part of its text.
@@ -245,7 +254,12 @@ def _text_mask(prompt_mask: torch.Tensor, generated: torch.Tensor, eos_token_id)
 
 
 def _save_state(
-    args: argparse.Namespace, model, tokenizer, start, output: torch.Tensor, text_mask: torch.Tensor
+    args: argparse.Namespace,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    start: GPNCache | None,
+    output: torch.Tensor,
+    text_mask: torch.Tensor,
 ) -> None:
     """Write the state after `start` (a cache, or None for the empty state) and every row's text, naming the
     tokenizer whose ids it read (a later `--state` with another tokenizer is refused)."""
@@ -274,6 +288,7 @@ def read_stdin_prompt(prompts: list[str]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run `gpn generate`: load the model, generate for each prompt and print; returns the exit status."""
     try:
         args.prompts = read_stdin_prompt(args.prompts)
         check_arguments(args)
@@ -361,11 +376,12 @@ class PrintingStreamer:
 
     CONTEXT = 8  # prompt tokens decoded before the new ones: enough for a piece's space or a byte sequence
 
-    def __init__(self, tokenizer, prompt_ids: torch.Tensor, prompt: str):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: torch.Tensor, prompt: str):
         self.tokenizer, self.context = tokenizer, prompt_ids[-self.CONTEXT :]
         self.prompt, self.new_ids, self.printed, self.prompt_seen = prompt, [], "", False
 
     def put(self, ids: torch.Tensor) -> None:
+        """Print the prompt on the first call (generate() puts it first), then each new piece of text."""
         if not self.prompt_seen:  # generate() puts the prompt's ids first
             self.prompt_seen = True
             sys.stdout.write(self.prompt)
@@ -380,6 +396,7 @@ class PrintingStreamer:
             self.printed = text
 
     def end(self) -> None:
+        """Nothing to do: `put` printed each piece as it came (`rest` gives what the finished text adds)."""
         pass
 
     def rest(self, whole: str) -> str:
@@ -388,7 +405,7 @@ class PrintingStreamer:
         return whole[len(self.printed) :] if whole.startswith(self.printed) else f"\n{self.prompt}{whole}"
 
 
-def continuation(tokenizer, prompt_ids: torch.Tensor, new_ids: torch.Tensor) -> str:
+def continuation(tokenizer: PreTrainedTokenizerBase, prompt_ids: torch.Tensor, new_ids: torch.Tensor) -> str:
     """The text `new_ids` add after `prompt_ids`: the decoded whole less the decoded prompt.
 
     Decoding the new tokens alone loses what depends on the token before them: a SentencePiece tokenizer

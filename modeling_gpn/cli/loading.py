@@ -17,9 +17,13 @@ import importlib.util
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from torch import nn
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 ADAPTER_CONFIG = "adapter_config.json"
 LOADED_ADAPTER = "default"  # the name PEFT (and transformers' load_adapter) give the adapter they load
@@ -103,7 +107,7 @@ def tokenizer_source(path: str) -> str:
     return base
 
 
-def load_model_tokenizer(path: str, tokenizer: str | None = None, **kwargs: Any):
+def load_model_tokenizer(path: str, tokenizer: str | None = None, **kwargs: Any) -> PreTrainedTokenizerBase:
     """`data.load_tokenizer` of `tokenizer`, else of the model `path`'s (`tokenizer_source`); a `DataError` (a
     `ValueError`) naming the file or id, and, where it is a PEFT adapter's base, the adapter too."""
     from ..data import DataError, load_tokenizer
@@ -133,7 +137,7 @@ def adapter_note(path: str, tokenizer: str | None = None) -> str | None:
     return f"{path} is a PEFT adapter of {base}: run merged into it; tokenizer: {whose}"
 
 
-def load_causal_lm(path: str, *, merge_adapter: bool = True, **kwargs: Any):
+def load_causal_lm(path: str, *, merge_adapter: bool = True, **kwargs: Any) -> PreTrainedModel:
     """The causal LM `path` names (`causal_lm_from_pretrained(path, **kwargs)`); for a PEFT adapter folder, its base
     loaded so (its weights checked as any model's) with the adapter merged into it (`PeftModel.from_pretrained` and
     `merge_and_unload()`, as a user merges one in Python: the same weights, bit for bit) or, without
@@ -176,7 +180,7 @@ def load_causal_lm(path: str, *, merge_adapter: bool = True, **kwargs: Any):
     return model
 
 
-def _peft_model_from_folder(model, folder: str, path: str, base: str):
+def _peft_model_from_folder(model: nn.Module, folder: str, path: str, base: str):
     """`PeftModel.from_pretrained(model, folder)` as it runs for a local adapter loaded for inference, its weights
     file read once (`load_peft_weights`: safetensors, or a .bin through `torch.load(weights_only=True)`, which runs
     no pickled code) and given to PEFT: the PeftModel, the weights the file holds, and PEFT's load result (its
@@ -244,7 +248,7 @@ def refuse_unplaced_adapter_weights(unexpected: list[str], path: str) -> None:
         )
 
 
-def causal_lm_from_pretrained(path: str, **kwargs: Any):
+def causal_lm_from_pretrained(path: str, **kwargs: Any) -> PreTrainedModel:
     """`AutoModelForCausalLM.from_pretrained(path, **kwargs)`, a damaged weights file refused as an `OSError` naming
     the folder (gpn eval and gpn inspect say it in one line; the reader's own error would be a traceback), and
     weights holding NaN or inf refused as a `ValueError` naming them: every figure computed from them would be NaN
@@ -281,7 +285,7 @@ def refuse_incomplete_weights(loading: dict[str, Any], path: str) -> None:
     )
 
 
-def refuse_non_finite_parameters(model, path: str) -> None:
+def refuse_non_finite_parameters(model: nn.Module, path: str) -> None:
     """A `ValueError` naming the floating-point parameters of `model` (loaded from `path`) that hold NaN or inf: in the
     weights file, or made so by the dtype they were loaded in (float16 overflows above 65504)."""
     from ..state_file import stored_tensors

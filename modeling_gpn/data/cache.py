@@ -10,6 +10,10 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 from .errors import DataError
 
@@ -19,12 +23,12 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("GPN_CACHE", Path.home() / ".cache" / "gpn"))
 
 
-def content_hash(value) -> str:
+def content_hash(value: object) -> str:
     """A short key for `value` (JSON-able): what names a cached folder after what it was made from."""
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def write_folder_atomically(folder: Path, writer) -> None:
+def write_folder_atomically(folder: Path, writer: Callable[[Path], None]) -> None:
     """Run `writer(tmp_folder)` and rename the folder into place (a crash never leaves half a cache).
 
     A cache folder that cannot be written (no permission, a file in its path, a full disk) is a `DataError`
@@ -76,6 +80,7 @@ def remove_abandoned_writes(folder: Path, own: Path) -> None:
 
 
 def cache_write_error(folder: Path, error: OSError) -> DataError:
+    """The `DataError` for a cache folder that cannot be written, naming how to choose another."""
     return DataError(
         f"Cannot write the cache folder {folder.parent} ({error}): choose a writable one with --cache-dir or $GPN_CACHE"
     )

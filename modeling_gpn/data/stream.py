@@ -15,8 +15,12 @@ import json
 import os
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 from . import corpus as corpus_module  # (its PIECE_CHARS read at call time: one setting for both modules)
 from .cache import content_hash, default_cache_dir, write_folder_atomically
@@ -79,6 +83,7 @@ class TokenStream:
 
     @property
     def rebuild_hint(self) -> str:
+        """What to do when the cached stream is damaged: the folder to delete."""
         return f"delete the folder {self.folder} and run again to tokenize the corpus anew"
 
     def __len__(self) -> int:
@@ -115,7 +120,7 @@ class TokenStream:
 
 def build_token_stream(
     corpus: CorpusSpec,
-    tokenizer,
+    tokenizer: PreTrainedTokenizerBase,
     cache_dir: Path | None = None,
     max_tokens: int | None = None,
     show_progress: bool = True,
@@ -151,7 +156,9 @@ def build_token_stream(
     return TokenStream(folder)
 
 
-def tokenize_into(folder: Path, corpus: CorpusSpec, tokenizer, max_tokens: int | None, show_progress: bool) -> None:
+def tokenize_into(
+    folder: Path, corpus: CorpusSpec, tokenizer: PreTrainedTokenizerBase, max_tokens: int | None, show_progress: bool
+) -> None:
     """Write the shards of `corpus` (at most `max_tokens` tokens) and their `meta.json` into `folder`."""
     from tqdm.auto import tqdm
 
@@ -247,6 +254,7 @@ class ShardWriter:
         self._file = None
 
     def append(self, ids: np.ndarray) -> None:
+        """Write `ids`, opening a new shard file whenever the current one is full."""
         while ids.size:
             if self._file is None:
                 self.names.append(f"tokens-{len(self.names):05d}.bin")
@@ -260,6 +268,7 @@ class ShardWriter:
                 self.close()
 
     def close(self) -> None:
+        """Flush, fsync and close the current shard."""
         if self._file is not None:
             self._file.flush()
             os.fsync(self._file.fileno())

@@ -139,7 +139,7 @@ class PieceEncoder:
     after)` says whether a cut between two lines keeps the tokens of the two lines whole.
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
         self.tokenizer = tokenizer
         self.newline_ids = self._encode(["\n"])[0]
 
@@ -159,11 +159,12 @@ class PieceEncoder:
         return out
 
     def safe_cut(self, before: str, after: str) -> bool:
+        """Whether cutting the text between `before` and `after` keeps the tokens the same."""
         whole, left, right = self.encode([(before + after, True), (before, True), (after, True)])
         return None not in (whole, left, right) and whole == left + right
 
 
-def tokenizer_fingerprint(tokenizer) -> str:
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     """What identifies a tokenizer for the token cache: its whole definition and its EOS id."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     content = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)

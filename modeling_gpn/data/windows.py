@@ -40,6 +40,7 @@ class WindowDataset:
         self._permutations: dict[int, np.ndarray] = {}
 
     def window(self, index: int) -> np.ndarray:
+        """The training window at `index`: `seq_len` tokens."""
         return self.stream.tokens(index * self.seq_len, (index + 1) * self.seq_len)
 
     def train_window(self, position: int) -> np.ndarray:
@@ -55,7 +56,9 @@ class WindowDataset:
         return np.stack([self.train_window(base + row) for row in range(start, stop)])
 
     def val_window(self, index: int) -> np.ndarray:
+        """The held-out window at `index` (after the training windows)."""
         return self.window(self.num_train + index)
 
     def epochs(self, steps: int, batch_size: int) -> float:
+        """Passes over the training windows that `steps` steps of `batch_size` make."""
         return steps * batch_size / self.num_train

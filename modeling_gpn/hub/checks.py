@@ -9,6 +9,10 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..configuration_gpn import GPNConfig
 
 from .card_metadata import validate_card
 from .errors import CardError, HubPushError
@@ -27,7 +31,7 @@ def pickle_files(folder: Path, recursive: bool) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in paths if p.is_file() and p.name.lower().endswith(PICKLE_SUFFIXES))
 
 
-def load_folder_config(model_dir: Path):
+def load_folder_config(model_dir: Path) -> tuple[GPNConfig, dict]:
     """The `GPNConfig` of `model_dir`, or `HubPushError` saying why it does not load."""
     from ..configuration_gpn import GPNConfig
 
@@ -93,7 +97,7 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def check_weights(files: list[Path], config) -> int:
+def check_weights(files: list[Path], config: GPNConfig) -> int:
     """Tensor names and shapes of `files` match the model `config` describes; returns the parameter count."""
     import torch
     from safetensors import safe_open

@@ -11,6 +11,7 @@ from .push import push_folder
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `gpn push`."""
     parser.add_argument(
         "model_dir", help="a GPN folder (save_pretrained / gpn train / gpn convert output) with safetensors weights"
     )
@@ -69,6 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run `gpn push`: check the folder, prepare it and upload it; returns the exit status."""
     try:
         push_folder(
             args.model_dir,

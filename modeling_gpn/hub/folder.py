@@ -14,7 +14,12 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from ..configuration_gpn import GPNConfig
 
 from .checks import (
     WEIGHTS_INDEX,
@@ -163,7 +168,7 @@ def read_evaluation(model_dir: Path, eval_results: str | Path | None, n_params: 
     return evaluation
 
 
-def check_source_folder(model_dir: Path):
+def check_source_folder(model_dir: Path) -> tuple[GPNConfig, dict, list[Path], int]:
     """(config, raw config.json, weight files, parameter count) of a folder `gpn push` accepts to publish."""
     if not model_dir.is_dir():
         raise HubPushError(f"{model_dir} is not a folder")
@@ -220,7 +225,7 @@ def write_remote_code(out: Path, raw_config: dict) -> None:
     load_folder_config(out)
 
 
-def write_generation_config(model_dir: Path, out: Path, config) -> None:
+def write_generation_config(model_dir: Path, out: Path, config: GPNConfig) -> None:
     """The folder's generation_config.json, or one derived from the config; it must load."""
     from transformers import GenerationConfig
 
@@ -234,7 +239,7 @@ def write_generation_config(model_dir: Path, out: Path, config) -> None:
         raise HubPushError(f"generation_config.json does not load: {error}") from error
 
 
-def write_tokenizer(model_dir: Path, out: Path, config, tokenizer: str | None) -> str:
+def write_tokenizer(model_dir: Path, out: Path, config: GPNConfig, tokenizer: str | None) -> str:
     """The tokenizer files (from `tokenizer`, else the folder's own), cleaned of load-time options; they must load
     and fit the vocabulary. Returns the name the card gives the tokenizer."""
     from transformers import AutoTokenizer
@@ -268,7 +273,7 @@ def write_tokenizer(model_dir: Path, out: Path, config, tokenizer: str | None) -
     return tokenizer_name or f"{type(loaded_tokenizer).__name__}, {len(loaded_tokenizer):,} tokens"
 
 
-def check_end_of_text(out: Path, tokenizer) -> None:
+def check_end_of_text(out: Path, tokenizer: PreTrainedTokenizerBase) -> None:
     """generate() stops at the generation config's eos ids: the tokenizer's end of text must be one of them, or the
     published model stops at an ordinary token (a config left with LLaMA-2's id 2 beside another tokenizer)."""
     from transformers import GenerationConfig

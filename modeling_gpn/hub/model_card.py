@@ -25,7 +25,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..configuration_gpn import GPNConfig
 
 from ..evaluation.report import PAPER_FINEWEB_WINDOW, PAPER_LAMBADA_EXAMPLES
 from .card_inputs import (
@@ -162,7 +165,8 @@ def model_paper_columns(evaluation: EvalInfo) -> tuple[dict[str, float], dict[st
 # The card
 
 
-def variant_name(config) -> str:
+def variant_name(config: GPNConfig) -> str:
+    """The model's variant as the paper names it: "GPN", "GPN+M" or "N-layer GPN+M"."""
     if not config.use_memory:
         return "GPN"
     if config.num_predict_layers == 1:
@@ -239,7 +243,7 @@ KERNEL_NOTE = (
 
 
 def build_card(
-    config,
+    config: GPNConfig,
     repo_id: str,
     *,
     n_params: int,
@@ -280,7 +284,7 @@ def build_card(
     return f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)
 
 
-def intro_lines(config, variant: str, model_name: str, repo_id: str) -> list[str]:
+def intro_lines(config: GPNConfig, variant: str, model_name: str, repo_id: str) -> list[str]:
     """The title, what the model is, the note on its compiled C kernels, and how to use it."""
     return [
         f"# {model_name}",
@@ -308,7 +312,7 @@ def intro_lines(config, variant: str, model_name: str, repo_id: str) -> list[str
     ]
 
 
-def architecture_lines(config, variant: str, n_params: int, tokenizer_name: str | None) -> list[str]:
+def architecture_lines(config: GPNConfig, variant: str, n_params: int, tokenizer_name: str | None) -> list[str]:
     """Variant, size, widths, the memory's shape and the recurrent state's size."""
     lines = [
         "## Architecture",
@@ -383,7 +387,7 @@ def training_lines(training: TrainingInfo | None) -> list[str]:
     return lines + [f"Read from: {', '.join(f'`{s}`' for s in training.sources)}{rows}.", ""]
 
 
-def evaluation_lines(config, model_name: str, n_params: int, evaluation: EvalInfo | None) -> list[str]:
+def evaluation_lines(config: GPNConfig, model_name: str, n_params: int, evaluation: EvalInfo | None) -> list[str]:
     """This model beside the paper's Table 1 (protocol-matched columns only), then all of its results."""
     baselines = (evaluation.published_baselines if evaluation else []) or PAPER_TABLE_1
     if not any(_baseline_columns(row) for row in baselines):

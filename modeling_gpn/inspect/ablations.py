@@ -14,10 +14,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from torch import nn
+    from transformers import PreTrainedModel
 
 from ..packing import document_starts
 from .states import window_nll
@@ -46,7 +51,7 @@ class Ablation:
 
 
 def ablated_logits(
-    model, input_ids: torch.Tensor, ablation: Ablation | None = None, reset_after: int | None = None
+    model: PreTrainedModel, input_ids: torch.Tensor, ablation: Ablation | None = None, reset_after: int | None = None
 ) -> torch.Tensor:
     """Logits (batch, T, vocab) of `model` on `input_ids` from the zero state under `ablation`.
 
@@ -62,7 +67,9 @@ def ablated_logits(
     return model.decode(states)
 
 
-def _read_without_heads(layer, state: torch.Tensor, memory: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+def _read_without_heads(
+    layer: nn.Module, state: torch.Tensor, memory: torch.Tensor, keep: torch.Tensor
+) -> torch.Tensor:
     """`GPNPredictLayer.read` with the normalised read vector multiplied by `keep` (H * dv, 0 for removed heads)."""
     from ..modeling_gpn import l2_normalize, project
 
@@ -74,7 +81,7 @@ def _read_without_heads(layer, state: torch.Tensor, memory: torch.Tensor, keep: 
 
 
 def ablated_states(
-    model, input_ids: torch.Tensor, ablation: Ablation | None = None, reset_after: int | None = None
+    model: PreTrainedModel, input_ids: torch.Tensor, ablation: Ablation | None = None, reset_after: int | None = None
 ) -> torch.Tensor:
     """The predicted states p_t (batch, T, d) of `ablated_logits`, before any `decode_shift`."""
     from ..modeling_gpn import project
@@ -127,7 +134,7 @@ def ablated_states(
 
 @torch.inference_mode()
 def ablation_perplexity(
-    model,
+    model: PreTrainedModel,
     windows: torch.Tensor,
     ablation: Ablation,
     batch_size: int = 8,
@@ -150,7 +157,11 @@ def ablation_perplexity(
 
 @torch.inference_mode()
 def decoded_perplexity(
-    model, states: np.ndarray, windows: torch.Tensor, decode_shift: torch.Tensor | None = None, batch_size: int = 8
+    model: PreTrainedModel,
+    states: np.ndarray,
+    windows: torch.Tensor,
+    decode_shift: torch.Tensor | None = None,
+    batch_size: int = 8,
 ) -> dict:
     """Token perplexity of `windows` decoded from already collected predicted `states` (n, T, d),
     optionally with `decode_shift` subtracted before decoding."""
@@ -166,7 +177,11 @@ def decoded_perplexity(
 
 @torch.inference_mode()
 def baseline_states(
-    model, windows: torch.Tensor, batch_size: int = 8, progress: bool = True, reset_after: int | None = None
+    model: PreTrainedModel,
+    windows: torch.Tensor,
+    batch_size: int = 8,
+    progress: bool = True,
+    reset_after: int | None = None,
 ) -> np.ndarray:
     """The predicted states (n, T, d), float32, of `windows` through `ablated_states` with nothing removed
     (`reset_after` as in `ablated_logits`)."""
@@ -180,7 +195,7 @@ def baseline_states(
     return np.concatenate(states)
 
 
-def standard_ablations(model, s_bar: np.ndarray, pools: dict | None) -> list[Ablation]:
+def standard_ablations(model: PreTrainedModel, s_bar: np.ndarray, pools: dict | None) -> list[Ablation]:
     """The causal tests: s_bar out of the decoded state / the recurrence; fast / slow pool off; reads off."""
     device = next(model.parameters()).device
     shift = torch.tensor(s_bar, dtype=torch.float32, device=device)
@@ -215,7 +230,7 @@ def standard_ablations(model, s_bar: np.ndarray, pools: dict | None) -> list[Abl
 
 
 def causal_tests(
-    model,
+    model: PreTrainedModel,
     windows: torch.Tensor,
     s_bar: np.ndarray,
     pools: dict | None,

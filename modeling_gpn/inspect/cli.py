@@ -30,6 +30,7 @@ from .states import collect
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `gpn inspect`."""
     parser.add_argument(
         "model",
         help="GPN model: a local folder (save_pretrained), a PEFT adapter folder (its base with the adapter attached; "
@@ -153,6 +154,7 @@ def document_regime(option: bool | None, trained_with_resets: bool) -> tuple[boo
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run `gpn inspect`: collect the states, analyse them and write the report; returns the exit status."""
     started = time.time()
     # The arguments are checked before the model loads (the output folder too: it was created only after the
     # whole analysis, whose results a bad --output then lost to a traceback).

@@ -6,8 +6,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from matplotlib.figure import Figure
 
 from .. import analysis
 
@@ -22,7 +28,7 @@ def write_figures(report: dict, output: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    def save(fig, name: str) -> str:
+    def save(fig: Figure, name: str) -> str:
         path = output / name
         fig.savefig(path, dpi=110)
         plt.close(fig)
@@ -38,7 +44,7 @@ def write_figures(report: dict, output: Path) -> list[str]:
     return written
 
 
-def geometry_figure(plt, g: dict):
+def geometry_figure(plt: ModuleType, g: dict) -> Figure:
     """(a) per-dimension std, sorted; (b) histogram of off-diagonal correlations; (c) cumulative variance."""
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     ax = axes[0]
@@ -77,7 +83,7 @@ def geometry_figure(plt, g: dict):
     return fig
 
 
-def mean_direction_figure(plt, mean: dict):
+def mean_direction_figure(plt: ModuleType, mean: dict) -> Figure:
     """(a) cosine of the running mean with s_bar against tokens read; (b) s_bar's top decoded tokens."""
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     ax = axes[0]
@@ -108,7 +114,7 @@ def mean_direction_figure(plt, mean: dict):
     return fig
 
 
-def horizons_figure(plt, hz: dict, memory: dict | None):
+def horizons_figure(plt: ModuleType, hz: dict, memory: dict | None) -> Figure:
     """(a) state cosine against lag, raw and centred; (b) memory retention per head (GPN+M), pools coloured."""
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     ax = axes[0]
@@ -155,7 +161,7 @@ def horizons_figure(plt, hz: dict, memory: dict | None):
     return fig
 
 
-def ablations_figure(plt, ablations: dict):
+def ablations_figure(plt: ModuleType, ablations: dict) -> Figure:
     """Perplexity change of each causal test against the baseline (symlog when changes differ in size)."""
     rows = ablations["rows"]
     base = rows[0]["perplexity"]

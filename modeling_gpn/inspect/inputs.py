@@ -3,10 +3,14 @@ local files or a Hub dataset (streamed), each window from the zero state as in t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..data.corpus import (
     DEFAULT_DATASET,
@@ -21,7 +25,9 @@ from ..data.tokenizer import PieceEncoder
 LOCAL_EXTENSIONS = LOCAL_SUFFIXES  # (the kinds of local file gpn train reads, and the `datasets` builder of each)
 
 
-def load_model(name: str, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = False):
+def load_model(
+    name: str, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = False
+) -> PreTrainedModel:
     """Load a GPN causal LM from a local folder or the Hub, in eval mode. Clear error for other models.
 
     A local PEFT adapter folder (adapter_config.json, no config.json) loads as its base model with the adapter
@@ -113,7 +119,7 @@ def iter_documents(
     yield from _rows_text(rows, text_column, data)
 
 
-def _rows_text(rows, text_column: str, source: str) -> Iterator[tuple[str, bool]]:
+def _rows_text(rows: Iterable[dict], text_column: str, source: str) -> Iterator[tuple[str, bool]]:
     for number, row in enumerate(rows, start=1):
         # a row without text refused by its number, as gpn train refuses it (skipped, the corpus inspected would
         # not be the one trained on)
@@ -123,7 +129,7 @@ def _rows_text(rows, text_column: str, source: str) -> Iterator[tuple[str, bool]
 
 
 def load_token_windows(
-    tokenizer,
+    tokenizer: PreTrainedTokenizerBase,
     data: str,
     seq_len: int,
     max_tokens: int,

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 
-def _fmt(value, digits: int = 3) -> str:
+def _fmt(value: float | None, digits: int = 3) -> str:
     if value is None:
         return "—"
     if isinstance(value, (int, np.integer)):
@@ -41,6 +41,7 @@ def report_markdown(report: dict, figures: Sequence[str] = ()) -> str:
 
 
 def overview_lines(m: dict, data: dict) -> list[str]:
+    """The report's title and its model and data overview."""
     return [
         "# GPN state inspection",
         "",
@@ -95,6 +96,7 @@ def document_regime_line(data: dict) -> str:
 
 
 def geometry_lines(g: dict) -> list[str]:
+    """The state geometry section, beside the paper's figures."""
     return [
         "## State geometry",
         "",
@@ -115,6 +117,7 @@ def geometry_lines(g: dict) -> list[str]:
 
 
 def mean_direction_lines(mean: dict) -> list[str]:
+    """The mean direction (s_bar) section, beside the paper's figures."""
     return [
         "## Mean direction s̄",
         "",
@@ -141,6 +144,7 @@ def mean_direction_lines(mean: dict) -> list[str]:
 
 
 def horizons_lines(hz: dict) -> list[str]:
+    """The horizons section (state cosine against lag), beside the paper's figures."""
     return [
         "## Horizons",
         "",

@@ -4,9 +4,13 @@ numpy arrays kept for the figures), and its JSON-safe part for report.json (`rep
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .. import analysis
 from .ablations import causal_tests
@@ -14,8 +18,8 @@ from .states import Collected, document_ids
 
 
 def build_report(
-    model,
-    tokenizer,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     windows: torch.Tensor,
     collected: Collected,
     top_k: int = 10,
@@ -60,7 +64,8 @@ def build_report(
     return report
 
 
-def model_summary(model, state_dim: int) -> dict:
+def model_summary(model: PreTrainedModel, state_dim: int) -> dict:
+    """The report's facts about `model`: its name, widths, layers, memory and parameter count."""
     return {
         "name_or_path": getattr(model.config, "_name_or_path", None) or getattr(model, "name_or_path", None),
         "hidden_size": state_dim,
@@ -72,7 +77,7 @@ def model_summary(model, state_dim: int) -> dict:
     }
 
 
-def adapter_summary(model) -> dict | None:
+def adapter_summary(model: PreTrainedModel) -> dict | None:
     """The PEFT adapter attached to `model` (a MODEL that is an adapter folder loads as its base with it attached),
     or None: the report named only the adapter folder, and counted the adapter's parameters as the model's, without
     saying that every number is the adapted model's or which base it adapts."""
@@ -98,7 +103,9 @@ def sampled_states(states: np.ndarray, max_states: int, seed: int) -> np.ndarray
     return flat
 
 
-def mean_direction_report(model, tokenizer, windows: torch.Tensor, collected: Collected, top_k: int) -> dict:
+def mean_direction_report(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, windows: torch.Tensor, collected: Collected, top_k: int
+) -> dict:
     """`analysis.mean_direction` of the collected states, decoded through the model, against the data's unigram
     counts and a control (the data's mean token embedding decoded the same way), with readable token labels."""
     device = next(model.parameters()).device
@@ -135,7 +142,7 @@ _TOKEN_SPELLINGS = {
 }
 
 
-def _token_label(tokenizer, token_id: int) -> str:
+def _token_label(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
     """A token as the report and the figures show it: a space as ␣, a control character (a newline) escaped once,
     as `\\n`."""
     token = str(tokenizer.convert_ids_to_tokens(int(token_id)))
@@ -144,7 +151,7 @@ def _token_label(tokenizer, token_id: int) -> str:
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in token)
 
 
-def _jsonable(value):
+def _jsonable(value: object):
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -168,7 +175,7 @@ _FIGURE_ONLY = {"norms", "eigenvalues", "corr_hist_counts", "corr_hist_edges", "
 def report_json(report: dict) -> dict:
     """The JSON-safe part of a report (large arrays dropped, numpy converted, NaN/inf -> null)."""
 
-    def strip(value):
+    def strip(value: object):
         if isinstance(value, dict):
             return {k: strip(v) for k, v in value.items() if k not in _FIGURE_ONLY}
         return value

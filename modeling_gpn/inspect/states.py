@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 from ..packing import document_position_ids, document_starts
 
@@ -30,6 +34,7 @@ class Collected:
 
     @property
     def perplexity(self) -> float:
+        """Token perplexity over every position collected."""
         return math.exp(self.nll_sum / self.nll_count)
 
 
@@ -63,7 +68,11 @@ def window_nll(
 
 @torch.inference_mode()
 def collect(
-    model, windows: torch.Tensor, batch_size: int = 8, progress: bool = True, reset_after: int | None = None
+    model: PreTrainedModel,
+    windows: torch.Tensor,
+    batch_size: int = 8,
+    progress: bool = True,
+    reset_after: int | None = None,
 ) -> Collected:
     """Run the model over `windows` (n, T), each from the zero state, and keep p_t, gamma_t and the loss.
 

@@ -87,6 +87,7 @@ def _serve_parameters() -> list[tuple[str, type, object, object]]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `gpn serve`: transformers serve's own, then the state store's."""
     parser.description = (
         "Serve a model behind an OpenAI-compatible API (/v1/chat/completions with streaming, /v1/completions, "
         "/v1/responses, /v1/models, /health): transformers serve, able to build a GPN, keeping each conversation's state so the "
@@ -165,6 +166,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run `gpn serve` until stopped; returns the exit status."""
     import modeling_gpn  # noqa: F401  (registers GPN with the Auto classes)
 
     try:
@@ -218,7 +220,7 @@ def _sigint_noted():
         yield noted
         return
 
-    def note(signum, frame):
+    def note(signum: int, frame: types.FrameType | None):
         noted.append(signum)
         raise KeyboardInterrupt
 

@@ -30,6 +30,7 @@ import copy
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import (
@@ -41,6 +42,10 @@ from transformers import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig, PreTrainedModel
+    from transformers.generation.streamers import BaseStreamer
 
 from .. import GPNCache, GPNForCausalLM
 from ..derived_weights import derived_weights_scope, drop_kept
@@ -71,7 +76,7 @@ class StateKeepingModel:
 
     def __init__(
         self,
-        model,
+        model: PreTrainedModel,
         store: StateStore | None,
         answers: int = 1,
         on_done: Callable[[], None] | None = None,
@@ -107,10 +112,11 @@ class StateKeepingModel:
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        streamer=None,
-        generation_config=None,
+        streamer: BaseStreamer | None = None,
+        generation_config: GenerationConfig | None = None,
         **kwargs,
-    ):
+    ) -> torch.Tensor:
+        """generate() from the stored state of the conversation (when kept), storing the state it ends in."""
         try:
             config = copy.deepcopy(
                 generation_config if generation_config is not None else self._model.generation_config
@@ -147,7 +153,9 @@ class StateKeepingModel:
         ids = self.ids_so_far
         return None if ids is None or ids.shape[-1] <= position else int(ids[0, position])
 
-    def _continues_from_store(self, input_ids, attention_mask, config, kwargs) -> bool:
+    def _continues_from_store(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, config: GenerationConfig, kwargs: dict
+    ) -> bool:
         """Whether this call can go through the store: one unpadded row of token ids, sampling or greedy
         (beam search from a given cache is not supported), with a cache, not assisted."""
         if self._store is None or input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] != 1:
@@ -161,7 +169,12 @@ class StateKeepingModel:
         )
 
     def _generate_from_kept_state(
-        self, input_ids: torch.Tensor, answers: int, streamer, config, kwargs
+        self,
+        input_ids: torch.Tensor,
+        answers: int,
+        streamer: BaseStreamer | None,
+        config: GenerationConfig,
+        kwargs: dict,
     ) -> torch.Tensor:
         model, store = self._model, self._store
         prompt = input_ids[0].tolist()
@@ -222,6 +235,7 @@ class ClientGone(StoppingCriteria):
         self.gone = gone
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        """Stop every row once the client has gone."""
         return torch.full((input_ids.shape[0],), self.gone.is_set(), dtype=torch.bool, device=input_ids.device)
 
 
@@ -234,7 +248,7 @@ class Penalties:
     def __init__(self, frequency: float, presence: float):
         self.frequency, self.presence = frequency, presence
 
-    def processors(self, config, prompt_length: int) -> list[LogitsProcessor]:
+    def processors(self, config: GenerationConfig, prompt_length: int) -> list[LogitsProcessor]:
         """The processors generate() adds after its own: the penalties, then (when it samples) the request's
         temperature, top-k and top-p, taken out of `config` (set neutral there), which generate() would apply
         before anything it is given: the API penalises the logits, and then scales and cuts them."""
@@ -272,6 +286,7 @@ class LastToken(StoppingCriteria):
         self.model = model
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        """Record the ids so far (the state kept is theirs); never stops."""
         self.model.ids_so_far = input_ids
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
@@ -289,7 +304,7 @@ def _seeded(seed: int | None, samples: bool) -> Iterator[None]:
         yield
 
 
-def _keep_safely(store: StateStore, model, ids: list[int], state: Callable[[], GPNCache]) -> None:
+def _keep_safely(store: StateStore, model: PreTrainedModel, ids: list[int], state: Callable[[], GPNCache]) -> None:
     """Keep a state; a state that cannot be kept never fails the request that made it (it is logged)."""
     try:
         store.keep(model, ids, state())

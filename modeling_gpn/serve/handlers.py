@@ -36,6 +36,7 @@ import json
 import threading
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from fastapi import HTTPException
@@ -50,6 +51,13 @@ from transformers.cli.serving.transcription import TranscriptionHandler
 from transformers.cli.serving.utils import CBGenerateManager, Modality
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.utils.import_utils import is_multipart_available
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncGenerator
+
+    from starlette.requests import Request
+    from starlette.types import ASGIApp, Receive, Scope, Send
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
 
 from .errors import as_openai_stream_error, error_body
 from .generation import Penalties, StateKeepingModel
@@ -76,6 +84,7 @@ class Admission:
         self._lock = threading.Lock()
 
     def admit(self) -> Slot:
+        """A `Slot` for one request, or HTTP 429 while the server has as many as it admits."""
         with self._lock:
             if self.limit is not None and self.active >= self.limit:
                 raise HTTPException(
@@ -103,6 +112,7 @@ class Slot:
         self._lock = threading.Lock()
 
     def release(self) -> None:
+        """Give the slot back (once; later calls do nothing)."""
         with self._lock:
             if self._released:
                 return
@@ -145,10 +155,11 @@ class WatchingClients:
     disconnects (or the response is complete): a task waits on it.
     """
 
-    def __init__(self, app):
+    def __init__(self, app: ASGIApp):
         self.app = app
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send):
+        """The ASGI call: an HTTP request runs with an event set when its client disconnects."""
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         gone, body_read = threading.Event(), asyncio.Event()
@@ -192,10 +203,11 @@ class LimitedBodies:
     # reset, not the 413 (nginx drains so too). A client that waits for "100 Continue" has sent nothing.
     DRAIN_SECONDS = 5.0
 
-    def __init__(self, app, max_bytes: int):
+    def __init__(self, app: ASGIApp, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send):
+        """The ASGI call: a request body over `max_bytes` is refused with HTTP 413."""
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
@@ -224,7 +236,7 @@ class LimitedBodies:
 
         await self.app(scope, receiving, send)
 
-    async def refuse(self, scope, receive, send, sending: bool) -> None:
+    async def refuse(self, scope: Scope, receive: Receive, send: Send, sending: bool) -> None:
         """Answer 413, after dropping what the client is still `sending` (for at most `DRAIN_SECONDS`)."""
 
         async def drop_the_rest():
@@ -254,7 +266,8 @@ class StateKeeping:
         super().__init__(*args, **kwargs)
         self.policy = policy
 
-    async def handle_request(self, body: dict, request_id: str):
+    async def handle_request(self, body: dict, request_id: str) -> StreamingResponse | JSONResponse:
+        """Check the request, then answer it keeping the conversation's state."""
         try:
             self.check_request(body)
         except RequestError as error:
@@ -326,7 +339,9 @@ class StateKeeping:
         )
         return model_id, request.model, processor
 
-    def _check_renderable(self, body: dict, model, processor) -> None:
+    def _check_renderable(
+        self, body: dict, model: PreTrainedModel, processor: ProcessorMixin | PreTrainedTokenizerBase
+    ) -> None:
         """Refuse what the chat template would drop in silence: content parts other than text for a model that
         reads text only, and tools when the template never reads `tools` (the model would answer as if it had
         none, and never call one)."""
@@ -353,7 +368,9 @@ class StateKeeping:
                 "`message.name`",
             )
 
-    def _renders_names(self, body: dict, processor, modality: Modality) -> bool:
+    def _renders_names(
+        self, body: dict, processor: ProcessorMixin | PreTrainedTokenizerBase, modality: Modality
+    ) -> bool:
         """Whether the chat template renders the request's messages' names: told by rendering the prompt with
         and without them (the word `name` is in most templates, for tools, so reading the source cannot tell)."""
 
@@ -368,7 +385,7 @@ class StateKeeping:
 
         return rendered(body["messages"]) != rendered([{**message, "name": None} for message in body["messages"]])
 
-    def _build_generation_config(self, body: dict, model_generation_config, use_cb: bool = False):
+    def _build_generation_config(self, body: dict, model_generation_config: GenerationConfig, use_cb: bool = False):
         if not use_cb:
             # the seed is applied as the request's generate() starts (`StateKeepingModel`), not here, when it
             # arrives: transformers' seeding here reseeds the generator other requests are drawing from; and the
@@ -396,7 +413,7 @@ class StateKeeping:
             raise HTTPException(status_code=400, detail=f"invalid generation parameters: {error}") from None
         return config
 
-    def _fit_context(self, inputs, gen_config) -> None:
+    def _fit_context(self, inputs: dict, gen_config: GenerationConfig) -> None:
         """Refuse an empty prompt, or one that with its answer would pass `max_context`; without a
         `max_tokens`, cut the answer to what fits."""
         length = inputs["input_ids"].shape[-1]
@@ -528,7 +545,7 @@ def _asks_to_sample(body: dict) -> bool:
     return (temperature is not None and temperature > 0) or (top_p is not None and top_p < 1)
 
 
-def _resolve_max_new_tokens(gen_config, length: int) -> None:
+def _resolve_max_new_tokens(gen_config: GenerationConfig, length: int) -> None:
     """Set `max_new_tokens` to what `generate()` would make without it (a request's `generation_config` without
     max_new_tokens, and no max_tokens): up to its `max_length`, prompt included, or 20 new tokens when it has
     none, as plain transformers serve answers. Set, the context limit can bound it and transformers' handlers
@@ -576,7 +593,8 @@ class StateKeepingResponseHandler(StateKeeping, ResponseHandler):
     takes_n = False
     max_tokens_fields = ("max_output_tokens",)
 
-    async def handle_request(self, body: dict, request_id: str):
+    async def handle_request(self, body: dict, request_id: str) -> StreamingResponse | JSONResponse:
+        """Answer /v1/responses: one JSON answer unless a stream is asked for."""
         body = _instructions_before_the_input(body)
         if body.get("stream") is None:
             # the API answers with one JSON response unless asked to stream; transformers' handler streams by
@@ -594,7 +612,8 @@ class AdmittedSystemOneHandler(SystemOneHandler):
         super().__init__(*args, **kwargs)
         self.policy = policy
 
-    async def handle_request(self, body: dict, request_id: str):
+    async def handle_request(self, body: dict, request_id: str) -> JSONResponse:
+        """Answer the request once admitted (HTTP 429 when the server is full)."""
         slot = self.policy.admission.admit()
         try:
             return await super().handle_request(body, request_id)  # (one JSON answer: over when it returns)
@@ -607,7 +626,8 @@ class CheckedTranscriptionHandler(TranscriptionHandler):
     python-multipart, which reads its form, is not installed (the serving extra does not bring it): transformers
     raised an ImportError, a bare "Internal Server Error" with a traceback in the log."""
 
-    async def handle_request(self, request):
+    async def handle_request(self, request: Request) -> JSONResponse | StreamingResponse:
+        """Answer /v1/audio/transcriptions, or HTTP 501 without python-multipart."""
         if not is_multipart_available():
             raise HTTPException(
                 status_code=501,
@@ -633,16 +653,27 @@ class _Answer:
     """Stands in for transformers' generation manager when its handler formats one of the n answers
     (already generated): returns what `GenerateManager.generate_non_streaming` returns for it."""
 
-    def __init__(self, prompt_and_ids: tuple[int, torch.Tensor], processor):
+    def __init__(self, prompt_and_ids: tuple[int, torch.Tensor], processor: ProcessorMixin | PreTrainedTokenizerBase):
         self.input_len, self.ids = prompt_and_ids
         self.processor = processor
 
-    async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
+    async def generate_non_streaming(
+        self,
+        model: PreTrainedModel,
+        processor: ProcessorMixin | PreTrainedTokenizerBase,
+        inputs: dict,
+        gen_config: GenerationConfig,
+        request_id: str,
+    ):
         return self.processor.decode(self.ids, skip_special_tokens=True), self.input_len, self.ids
 
 
 def _answer_rows(
-    sequences: torch.Tensor, inputs, gen_config, processor, eos_token_id=None
+    sequences: torch.Tensor,
+    inputs: dict,
+    gen_config: GenerationConfig,
+    processor: ProcessorMixin | PreTrainedTokenizerBase,
+    eos_token_id: int | list[int] | None = None,
 ) -> list[tuple[int, torch.Tensor, bool]]:
     """Per row of `sequences`: (prompt length, the row's generated tokens up to where it finished, whether it
     finished by itself).
@@ -672,7 +703,7 @@ def _answer_rows(
     return rows
 
 
-def _end_ids(gen_config, eos_token_id: int | list[int] | None) -> set[int]:
+def _end_ids(gen_config: GenerationConfig, eos_token_id: int | list[int] | None) -> set[int]:
     """The ids that end an answer: the generation config's `eos_token_id` (one id, a list), or, where it names
     none (a request's own config), the model's `eos_token_id`."""
     ids = gen_config.eos_token_id if gen_config.eos_token_id is not None else eos_token_id
@@ -733,7 +764,7 @@ def _cut_chunk_at_stop(data: dict, cutter: StreamCutter) -> bool:
 
 
 async def _finishing_stream(
-    chunks,
+    chunks: AsyncGenerator[str, None],
     model: StateKeepingModel,
     slot: Slot,
     stops: list[str],

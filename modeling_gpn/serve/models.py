@@ -12,11 +12,15 @@ the idle timeout) as transformers wrote it, a GPN's weights checked as the other
 from __future__ import annotations
 
 import types
+from typing import TYPE_CHECKING
 
 import transformers
 from fastapi import HTTPException
 from transformers.cli.serving import model_manager
 from transformers.cli.serving.utils import split_model_id, split_revision
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 from .. import GPNForCausalLM, GPNModel
 
@@ -29,6 +33,7 @@ class CheckedGPNForCausalLM:
 
     @staticmethod
     def from_pretrained(model_id: str, **kwargs) -> GPNForCausalLM:
+        """Load `model_id` as `causal_lm_from_pretrained` does (damaged or non-finite weights refused)."""
         from ..cli.loading import causal_lm_from_pretrained
 
         return causal_lm_from_pretrained(model_id, **kwargs)
@@ -65,7 +70,13 @@ class GPNModelManager(model_manager.ModelManager):
             return super()._load_processor(self.process_model_name(tokenizer_source(model_id)))
         return super()._load_processor(model_id_and_revision, gguf_file=gguf_file)
 
-    def _load_model(self, model_id_and_revision: str, tqdm_class=None, progress_callback=None, gguf_file=None):
+    def _load_model(
+        self,
+        model_id_and_revision: str,
+        tqdm_class: type | None = None,
+        progress_callback: Callable | None = None,
+        gguf_file: str | None = None,
+    ):
         from ..cli.loading import adapter_base, load_causal_lm
 
         model_id, _ = split_revision(model_id_and_revision)

@@ -17,10 +17,16 @@ import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from transformers.cli.serve import Serve
 from transformers.cli.serving import chat_completion, completion, model_manager, response, systemone, transcription
 from transformers.cli.serving import server as serving_server
+
+if TYPE_CHECKING:
+    import types
+
+    from starlette.types import ASGIApp
 
 from . import (
     DEFAULT_MAX_CONTEXT,
@@ -46,7 +52,7 @@ from .state_store import StateStore
 
 
 @contextlib.contextmanager
-def _pointing(module, name: str, value) -> Iterator[None]:
+def _pointing(module: types.ModuleType, name: str, value: object) -> Iterator[None]:
     """`module.name` is `value` inside the block, and what it was after."""
     original = getattr(module, name)
     setattr(module, name, value)
@@ -89,7 +95,7 @@ def _with_shutdown_step(
         serve_lifespan = app.router.lifespan_context
 
         @contextlib.asynccontextmanager
-        async def lifespan(app):
+        async def lifespan(app: ASGIApp):
             async with serve_lifespan(app) as state:
                 try:
                     yield state

@@ -39,6 +39,7 @@ class StreamCutter:
         self._held = ""
 
     def feed(self, piece: str) -> str:
+        """The text of `piece` that may be sent now: cut at a stop string, holding back a possible start of one."""
         if self.stopped:
             return ""
         text, self.stopped = cut_at_stop(self._held + piece, self.stops)
@@ -53,5 +54,6 @@ class StreamCutter:
         return text[: len(text) - keep]
 
     def flush(self) -> str:
+        """The text held back, at the end of the stream (nothing after a stop)."""
         held, self._held = self._held, ""
         return "" if self.stopped else held

@@ -18,6 +18,7 @@ CONTINUE = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `gpn study`."""
     parser.add_argument("--study", default="cpu-small", help="a study name (configuration/studies/NAME.json) or path")
     parser.add_argument(
         "--output",
@@ -44,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run `gpn study`: train and evaluate each of its models, then write the report; returns the exit status."""
     import signal
 
     from modeling_gpn.data import DataError

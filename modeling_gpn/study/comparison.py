@@ -17,6 +17,7 @@ BASELINES = ("transformer++", "gated-deltanet")
 
 
 def pick(metrics: dict, *names: str) -> float | None:
+    """The first of the metrics `names` that `metrics` holds (not None), as a float; None if none."""
     for key in names:
         if key in metrics and metrics[key] is not None:
             return float(metrics[key])
@@ -24,6 +25,7 @@ def pick(metrics: dict, *names: str) -> float | None:
 
 
 def table_row(name: str, run: dict) -> dict[str, Any]:
+    """The comparison table's row of run `name`: its FineWeb and LAMBADA results."""
     tasks = run["eval"]["tasks"]
     fineweb, paper, openai = (
         tasks.get("fineweb_paper", {}),
@@ -79,7 +81,7 @@ def reading(rows: dict[str, dict], ratio_rows: list[dict]) -> list[str]:
     """A short, mechanical reading of which of the paper's claims hold at this scale."""
     lines = []
 
-    def fineweb(name):
+    def fineweb(name: str):
         return rows.get(name, {}).get("fineweb_ppl")
 
     ranked = sorted((r["fineweb_ppl"], n) for n, r in rows.items() if r.get("fineweb_ppl"))

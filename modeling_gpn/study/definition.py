@@ -37,6 +37,7 @@ def study_path(name_or_path: str) -> Path:
 
 
 def load_study(name_or_path: str) -> dict[str, Any]:
+    """The study `name_or_path` names (configuration/studies/NAME.json or a path), checked."""
     path = study_path(name_or_path)
     try:
         study = json.loads(path.read_text())

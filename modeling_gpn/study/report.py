@@ -10,7 +10,8 @@ from typing import Any
 from ..atomic_files import replacing
 
 
-def fmt(value, pattern="{:.3f}") -> str:
+def fmt(value: object, pattern: str = "{:.3f}") -> str:
+    """`value` by `pattern`, or a dash for None or a non-finite float."""
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "–"
     return pattern.format(value)
@@ -75,6 +76,7 @@ def resumed(row: dict[str, Any]) -> str:
 
 
 def render_report(results: dict[str, Any]) -> str:
+    """The study's Markdown report: the comparison table and the recipe."""
     rows, recipe = results["rows"], results["recipe"]
     lines = [
         f"# GPN small-scale replication: {results['study']}",
@@ -131,6 +133,7 @@ def render_report(results: dict[str, Any]) -> str:
 
 
 def plot_curves(runs: dict[str, dict], path: Path) -> None:
+    """Plot each run's training and validation loss curves to `path`."""
     import matplotlib
 
     matplotlib.use("Agg")

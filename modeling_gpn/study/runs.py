@@ -7,7 +7,12 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from ..evaluation.runner import EvalSettings
 
 from ..atomic_files import replacing, write_file_atomically
 from .comparison import PAPER_TABLE, ratios, reading, table_row
@@ -255,8 +260,8 @@ def evaluate_one(
     output: Path,
     data_dir: str | None,
     show_progress: bool,
-    model,
-    tokenizer,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     token_cache: str | None = None,
 ) -> dict[str, Any]:
     """Run the study's evaluation tasks on one trained (already loaded) model through `gpn eval`'s pipeline; its
@@ -288,7 +293,7 @@ def evaluate_one(
     return results
 
 
-def study_eval_settings(study: dict, data_dir: str | None, **overrides: Any):
+def study_eval_settings(study: dict, data_dir: str | None, **overrides: Any) -> EvalSettings:
     """The study's `gpn eval` settings (`overrides` set over them), reading `data_dir` (`gpn study --data-dir`)
     where the study names no data folder of its own: what each model's evaluation reads, and what the checks
     before training and the report say it reads."""
@@ -386,7 +391,7 @@ def held_out_source(study: dict, output: Path) -> str | None:
     return str(dataset)
 
 
-def parameter_counts(model) -> dict[str, int]:
+def parameter_counts(model: PreTrainedModel) -> dict[str, int]:
     """Total parameters and those outside the token embedding (tied output matrices counted once)."""
     from modeling_gpn.evaluation.runner import count_parameters
 
@@ -394,7 +399,7 @@ def parameter_counts(model) -> dict[str, int]:
     return {"total": total, "non_embedding": total - model.get_input_embeddings().weight.numel()}
 
 
-def describe(model) -> dict[str, Any]:
+def describe(model: PreTrainedModel) -> dict[str, Any]:
     """Layers, state width and memory cells, as the paper's table reports them."""
     config = model.config
     if config.model_type == "gpn":

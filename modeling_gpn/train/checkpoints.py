@@ -12,6 +12,17 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
+    import torch
+    from accelerate import Accelerator
+    from torch import nn
+
+    from modeling_gpn.data import TokenStream
 
 from .context import TrainingRun
 from .distributed import all_finite, collective_error, is_fsdp
@@ -87,7 +98,7 @@ def save_checkpoint(run: TrainingRun, step: int) -> Path:
 FINGERPRINT_SLICES, FINGERPRINT_SLICE_TOKENS = 64, 256
 
 
-def data_fingerprint(stream) -> dict:
+def data_fingerprint(stream: TokenStream) -> dict:
     """The token count and a SHA-256 of `FINGERPRINT_SLICES` slices spread evenly over the token stream (as int64,
     `data.stream.sample_digest`): a few memory-mapped reads whatever the corpus's size."""
     from modeling_gpn.data.stream import sample_digest
@@ -163,7 +174,13 @@ def resume_from_checkpoint(run: TrainingRun, resume: str | bool) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def save_training_state(accelerator, model, optimizer, scheduler, folder: Path) -> None:
+def save_training_state(
+    accelerator: Accelerator,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    folder: Path,
+) -> None:
     """Write the full training state to `folder` (every process calls this: FSDP gathers the shards)."""
     import random
 
@@ -202,7 +219,13 @@ def save_training_state(accelerator, model, optimizer, scheduler, folder: Path) 
     torch.save(generators, folder / RNG_FILE.format(accelerator.process_index))
 
 
-def load_training_state(accelerator, model, optimizer, scheduler, folder: Path) -> None:
+def load_training_state(
+    accelerator: Accelerator,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    folder: Path,
+) -> None:
     """Load a checkpoint written by `save_training_state` (or Accelerate's non-FSDP `save_state`) under any
     distribution. Random generators come back when the checkpoint has this process's file (same process count)."""
     import random
@@ -254,7 +277,7 @@ def load_training_state(accelerator, model, optimizer, scheduler, folder: Path) 
             torch.cuda.set_rng_state_all(generators["torch_cuda_manual_seed"])
 
 
-def read_checkpoint_file(path: Path, read):
+def read_checkpoint_file(path: Path, read: Callable[[Path], Any]) -> Any:
     """`read(path)`, where a missing or damaged file (truncated, overwritten, bit rot: checkpoints are written
     whole, so only something outside a run leaves one so) is a ValueError naming it and the checkpoints that
     can be resumed instead, not a reader's traceback."""
@@ -279,7 +302,7 @@ def read_checkpoint_file(path: Path, read):
         ) from error
 
 
-def drop_tied_copies(weights: dict, model) -> None:
+def drop_tied_copies(weights: dict, model: nn.Module) -> None:
     """Keep one name of each tied parameter (e.g. not `lm_head.weight` beside the embedding it is), as a
     non-FSDP state dict is stored; `complete_tied_weights` puts the others back on load."""
     names_of = {}
@@ -290,7 +313,7 @@ def drop_tied_copies(weights: dict, model) -> None:
             del weights[name]
 
 
-def complete_tied_weights(weights: dict, model) -> None:
+def complete_tied_weights(weights: dict, model: nn.Module) -> None:
     """Put back the tied copies that safetensors stores once (e.g. a tied lm_head), under every name the model uses."""
     names_of = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -314,7 +337,7 @@ def _optimizer_state_by_position(by_name: dict) -> dict:
     }
 
 
-def _optimizer_state_by_name(by_position: dict, model, optimizer) -> dict:
+def _optimizer_state_by_name(by_position: dict, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """`optimizer.state_dict()`'s layout -> torch's FQN-keyed full optimizer state, for `set_optimizer_state_dict`."""
     name_of = {id(param): name for name, param in model.named_parameters()}
     order = [name_of[id(param)] for group in optimizer.param_groups for param in group["params"]]

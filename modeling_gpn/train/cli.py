@@ -78,6 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run `gpn train` with the parsed options; returns the exit status."""
     from modeling_gpn.data import DataError
 
     config = None

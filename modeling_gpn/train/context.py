@@ -16,6 +16,8 @@ from ..packing import document_position_ids
 from .run_folder import append_log_record, storage_error
 
 if TYPE_CHECKING:
+    import torch
+
     from modeling_gpn.data import TokenStream, WindowDataset
 
     from .distributed import RunStage
@@ -51,30 +53,37 @@ class TrainingRun:
 
     @property
     def run_dir(self) -> Path:
+        """The run folder (`output_dir`)."""
         return Path(self.config["output_dir"])
 
     @property
     def checkpoints_dir(self) -> Path:
+        """The folder of the run's checkpoints."""
         return self.run_dir / "checkpoints"
 
     @property
     def log_path(self) -> Path:
+        """The run's log.jsonl."""
         return self.run_dir / "log.jsonl"
 
     @property
     def main(self) -> bool:
+        """Whether this is the main process."""
         return self.accelerator.is_main_process
 
     @property
     def world(self) -> int:
+        """The number of processes."""
         return self.accelerator.num_processes
 
     @property
     def steps(self) -> int:
+        """The number of optimizer steps of the run."""
         return self.config["steps"]
 
     @property
     def tokens_per_step(self) -> int:
+        """Tokens in one optimizer step: the global batch of windows, over all processes."""
         return self.config["batch_size"] * self.config["seq_len"]
 
     def say(self, message: str) -> None:
@@ -82,6 +91,7 @@ class TrainingRun:
         self.accelerator.print(message)
 
     def warn(self, message: str) -> None:
+        """Print `message` on stderr (main process only)."""
         if self.main:
             print(message, file=sys.stderr)
 
@@ -96,7 +106,7 @@ class TrainingRun:
                 {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}, step=record["step"]
             )
 
-    def forward_kwargs(self, batch) -> dict:
+    def forward_kwargs(self, batch: torch.Tensor) -> dict:
         """The model's keyword arguments for token windows `batch` besides input_ids and labels: no logits when
         the model can skip them, and --reset-at-document-start's position ids."""
         if not self.config["reset_at_document_start"]:

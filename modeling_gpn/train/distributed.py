@@ -14,6 +14,15 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch import nn
 
 from .errors import CollectiveError, LaunchError
 
@@ -48,7 +57,7 @@ def fsdp_requested() -> int | None:
     return int(os.environ.get("FSDP_VERSION", "1"))
 
 
-def start_accelerator(config: dict, trackers: list[str], run_dir: Path):
+def start_accelerator(config: dict, trackers: list[str], run_dir: Path) -> Accelerator:
     """The run's Accelerator, checked against the launch.
 
     - A job launched as several processes that Accelerate starts as one (an FSDP config file with `use_cpu`
@@ -128,7 +137,7 @@ def start_accelerator(config: dict, trackers: list[str], run_dir: Path):
     return accelerator
 
 
-def fit_fsdp_plugin(plugin, model, on_cpu: bool) -> str | None:
+def fit_fsdp_plugin(plugin: FullyShardedDataParallelPlugin, model: nn.Module, on_cpu: bool) -> str | None:
     """Before `accelerator.prepare(model)` under FSDP2: drop or refuse the options Accelerate (1.16) fails on
     with this model, a traceback deep in `fully_shard` otherwise. Returns a line saying what was changed, or None.
 
@@ -188,14 +197,14 @@ def fit_fsdp_plugin(plugin, model, on_cpu: bool) -> str | None:
     return note
 
 
-def _is_size_based(policy) -> bool:
+def _is_size_based(policy: Callable | str | None) -> bool:
     """Whether the plugin's auto-wrap policy is `SIZE_BASED_WRAP` (torch's function, or Accelerate's partial of it)."""
     from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 
     return getattr(policy, "func", policy) is size_based_auto_wrap_policy
 
 
-def _why_not_a_unit(module, model) -> str | None:
+def _why_not_a_unit(module: nn.Module, model: nn.Module) -> str | None:
     """Why Accelerate's FSDP2 preparation cannot shard `module` as a unit of its own, or None: a container without
     a forward (`fully_shard` refuses a ModuleList), or one holding the input embedding or the output layer
     (Accelerate shards those again in a group of their own: a table in two groups fails in `fully_shard`)."""
@@ -213,7 +222,7 @@ def _why_not_a_unit(module, model) -> str | None:
     return None
 
 
-def _size_policy_as_blocks(plugin, model, wrapped: list) -> str:
+def _size_policy_as_blocks(plugin: FullyShardedDataParallelPlugin, model: nn.Module, wrapped: list) -> str:
     """`SIZE_BASED_WRAP` whose units include one Accelerate cannot shard (a GPN's GPNModel and its ModuleList of
     predict layers, above any small `--fsdp_min_num_params`): Accelerate 1.16 would fail in `fully_shard`. Its
     other policy is one of classes, so the size rule becomes the classes whose every instance it wraps and that
@@ -247,7 +256,7 @@ def _accelerate_version() -> str:
     return accelerate.__version__
 
 
-def distribution_name(accelerator) -> str:
+def distribution_name(accelerator: Accelerator) -> str:
     """How the processes share the work, for the run's summary line: "DDP", "FSDP2", ... or "single process"."""
     from accelerate.utils import DistributedType
 
@@ -260,13 +269,14 @@ def distribution_name(accelerator) -> str:
     return "DDP"
 
 
-def is_fsdp(accelerator) -> bool:
+def is_fsdp(accelerator: Accelerator) -> bool:
+    """Whether the run shards the model with FSDP."""
     from accelerate.utils import DistributedType
 
     return accelerator.distributed_type == DistributedType.FSDP
 
 
-def all_finite(accelerator, tensors) -> bool:
+def all_finite(accelerator: Accelerator, tensors: Iterable[torch.Tensor]) -> bool:
     """Whether every tensor holds only finite values, on every process (a collective when world > 1)."""
     import torch
 
@@ -283,12 +293,12 @@ def all_finite(accelerator, tensors) -> bool:
     return not bool(bad > 0)
 
 
-def local_part(tensor):
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """The part of a (possibly FSDP-sharded DTensor) tensor this process holds."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def stop_requested(accelerator, received: int | None) -> int | None:
+def stop_requested(accelerator: Accelerator, received: int | None) -> int | None:
     """The signal that asks to stop (`received` here, or on any other process), agreed by every process (a
     collective when world > 1)."""
     import torch
@@ -320,6 +330,7 @@ class RunStage:
         self._timer: threading.Timer | None = None
 
     def enter(self, name: str, watch: bool = False) -> None:
+        """Enter stage `name`; with `watch`, it must end within the watchdog's seconds."""
         self.name = name
         self._cancel()
         if watch and self.watchdog_s:
@@ -334,6 +345,7 @@ class RunStage:
             self._timer.start()
 
     def finish(self) -> None:
+        """End the current stage (its watchdog stops)."""
         self._cancel()
 
     def _cancel(self) -> None:

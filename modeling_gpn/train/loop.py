@@ -16,6 +16,10 @@ import math
 import signal
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 from .checkpoints import save_checkpoint
 from .context import TrainingRun
@@ -160,7 +164,7 @@ def skip_or_stop_on_nonfinite(run: TrainingRun, done: int, loss: float, grad_nor
     run.say(f"{message} Skipping this step (--skip-nonfinite; {len(run.skipped_steps)} skipped so far).")
 
 
-def log_window(run: TrainingRun, done: int, lr: float, grad_norm: float, window: LogWindow, bar) -> None:
+def log_window(run: TrainingRun, done: int, lr: float, grad_norm: float, window: LogWindow, bar: tqdm) -> None:
     """The log record of the steps since the last one: mean loss, learning rate, gradient norm, speed (the
     window's tokens over its training time: a validation or checkpoint inside it once made a step look slow)."""
     elapsed = time.perf_counter() - window.started - window.paused
@@ -182,7 +186,7 @@ def log_window(run: TrainingRun, done: int, lr: float, grad_norm: float, window:
     run.running = []
 
 
-def between_steps(run: TrainingRun, done: int, stop: StopSignals, bar) -> None:
+def between_steps(run: TrainingRun, done: int, stop: StopSignals, bar: tqdm) -> None:
     """At the boundary after step `done` (not the last): validate and checkpoint when due, and stop (with a
     checkpoint of this step) when a signal asked, on any process."""
     config, steps = run.config, run.steps

@@ -6,6 +6,12 @@ from __future__ import annotations
 import hashlib
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .settings import read_json
 
@@ -55,7 +61,7 @@ def check_model_overrides(config: dict) -> None:
         )
 
 
-def build_model(config: dict, tokenizer):
+def build_model(config: dict, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
     """A freshly initialised GPNForCausalLM or LlamaForCausalLM, its vocabulary and special ids from `tokenizer`."""
     values = model_config_dict(config)
     model_type = values.pop("model_type")
@@ -101,7 +107,7 @@ def build_model(config: dict, tokenizer):
 NO_DECAY_NAMES = ("A_log", "dt_bias")
 
 
-def parameter_groups(model, weight_decay: float) -> list[dict]:
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """AdamW groups: weight decay on matrices only; 1-D parameters (norms, biases), A_log and dt_bias
     get none (as the reference). Each group lists its parameter names under "names"."""
     decay, no_decay = ([], []), ([], [])
@@ -126,7 +132,7 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: floa
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_optimizer(model, config: dict):
+def build_optimizer(model: nn.Module, config: dict) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over `parameter_groups` and the warmup + cosine `LambdaLR` (stepped once per optimizer step)."""
     import torch
 
@@ -144,7 +150,9 @@ def build_optimizer(model, config: dict):
     return optimizer, scheduler
 
 
-def generate_sample(model, tokenizer, prompt: str, max_new_tokens: int, seed: int) -> str:
+def generate_sample(
+    model: nn.Module, tokenizer: PreTrainedTokenizerBase, prompt: str, max_new_tokens: int, seed: int
+) -> str:
     """Sample `max_new_tokens` after `prompt` (top-k 40, temperature 0.8, seeded)."""
     import torch
 
@@ -167,7 +175,7 @@ def generate_sample(model, tokenizer, prompt: str, max_new_tokens: int, seed: in
     return tokenizer.decode(out[0], skip_special_tokens=True)
 
 
-def weights_sha256(model) -> str:
+def weights_sha256(model: nn.Module) -> str:
     """A fingerprint of the weights (names and float32 values), to check that every process ended alike."""
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):

@@ -22,6 +22,12 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+    from accelerate import Accelerator
 
 from ..atomic_files import fsync, write_file_atomically
 from .errors import RunFolderInUseError, StorageError
@@ -103,7 +109,7 @@ def append_log_record(path: Path, record: dict) -> None:
         raise
 
 
-def read_log(path: Path, warn=None) -> list[dict]:
+def read_log(path: Path, warn: Callable[[str], None] | None = None) -> list[dict]:
     """The records of a run's `log.jsonl`. A torn line (a write cut by a crash or a full disk) or any line
     that is not a JSON record is skipped, with a warning naming the file and the line."""
     records = []
@@ -125,7 +131,7 @@ def read_log(path: Path, warn=None) -> list[dict]:
     return records
 
 
-def truncate_log(path: Path, step: int, warn=None) -> None:
+def truncate_log(path: Path, step: int, warn: Callable[[str], None] | None = None) -> None:
     """On --resume: keep the log records up to the checkpoint's `step` (the later ones will be written
     again), skipping torn or unreadable lines with a warning naming the file; the kept records are written
     to a temporary file that then replaces the log, so a crash here loses nothing."""
@@ -160,7 +166,7 @@ class RunFolderLock:
         self.path = Path(run_dir) / self.FILE_NAME
         self._fd: int | None = None
 
-    def acquire(self, warn=None) -> RunFolderLock:
+    def acquire(self, warn: Callable[[str], None] | None = None) -> RunFolderLock:
         """Take the lock, or raise RunFolderInUseError naming the holder (StorageError: the folder cannot be
         written, e.g. read-only). Returns self."""
         import fcntl
@@ -224,7 +230,9 @@ class RunFolderLock:
 
 
 @contextlib.contextmanager
-def hold_run_folder(accelerator, run_dir: Path, warn=None):
+def hold_run_folder(
+    accelerator: Accelerator, run_dir: Path, warn: Callable[[str], None] | None = None
+) -> Iterator[RunFolderLock]:
     """Hold the run folder's lock for the block (the main process takes it; every process stops if it is taken)."""
     from accelerate.utils import broadcast_object_list
 

@@ -31,6 +31,8 @@ RECIPE_DIR = _recipe_dir()
 
 @dataclass(frozen=True)
 class Option:
+    """One training option: its key, type, default, help text, choices and other spellings of its flag."""
+
     key: str
     type: type
     default: object
@@ -304,7 +306,7 @@ NUMERIC_RANGES = (
 )
 
 
-def _wrong_type(option: Option, value) -> str | None:
+def _wrong_type(option: Option, value: object) -> str | None:
     """What `value` (of a recipe, a config file or the command line) should be for `option`, or None if it is
     of the option's type. None stands for unset only where the built-in is unset; a bool is no number here."""
     if value is None and option.default is None:

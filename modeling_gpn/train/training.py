@@ -19,6 +19,13 @@ import math
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from modeling_gpn.data import TokenStream, WindowDataset
 
 from .checkpoints import check_resume_path, complete_tied_weights, resume_from_checkpoint
 from .context import TrainingRun
@@ -96,7 +103,7 @@ def train(
 
 
 def run_training(
-    accelerator,
+    accelerator: Accelerator,
     config: dict,
     stage: RunStage,
     resume: str | bool | None = None,
@@ -151,7 +158,9 @@ def split_batch(config: dict, world: int) -> tuple[int, int]:
     return micro, rows_per_process // micro
 
 
-def prepare_data(accelerator, config: dict, show_progress: bool):
+def prepare_data(
+    accelerator: Accelerator, config: dict, show_progress: bool
+) -> tuple[PreTrainedTokenizerBase, TokenStream, WindowDataset]:
     """The tokenizer, the token stream and its windows. The main process tokenizes first; the others then
     read its cache."""
     from modeling_gpn.data import CorpusSpec, WindowDataset, build_token_stream, load_tokenizer
@@ -315,7 +324,7 @@ def finish(run: TrainingRun) -> dict:
     }
 
 
-def gather_final_weights(run: TrainingRun, unwrapped, record: dict):
+def gather_final_weights(run: TrainingRun, unwrapped: PreTrainedModel, record: dict) -> PreTrainedModel:
     """The model to save and sample from, its fingerprint added to `record`. Sharded (FSDP) weights are
     gathered into a plain copy on the main process, which saves it and samples from it alone (a sharded
     forward would wait for the other processes); unsharded ones must be the same on every process."""
@@ -337,7 +346,7 @@ def gather_final_weights(run: TrainingRun, unwrapped, record: dict):
     return unwrapped
 
 
-def save_model(run: TrainingRun, final_model, model_dir: Path) -> None:
+def save_model(run: TrainingRun, final_model: PreTrainedModel, model_dir: Path) -> None:
     """`save_pretrained` of the model and its tokenizer (with the generation settings of the tokenizer's special
     tokens) into a temporary folder, fsynced, then renamed to `model_dir` (main process)."""
     from transformers.utils import logging as transformers_logging
@@ -369,6 +378,7 @@ def save_model(run: TrainingRun, final_model, model_dir: Path) -> None:
 
 
 def print_summary(run: TrainingRun, val_loss: float, val_ppl: float, sample: str | None, model_dir: Path) -> None:
+    """Print the run's closing lines: validation loss and perplexity, the sample, and where the model is."""
     config = run.config
     evaluated = min(config["eval_windows"], run.windows.num_val)
     if evaluated:
