@@ -51,7 +51,10 @@ NLL_CHUNK_POSITIONS = 128
 
 
 def window_nll(
-    model, predicted_states: torch.Tensor, input_ids: torch.Tensor, decode_shift: torch.Tensor | None = None
+    model: PreTrainedModel,
+    predicted_states: torch.Tensor,
+    input_ids: torch.Tensor,
+    decode_shift: torch.Tensor | None = None,
 ) -> tuple[float, int]:
     """Summed next-token cross-entropy of every window position, and how many: p_t (`predicted_states`, batch, T,
     d, minus `decode_shift` where given) decoded (`model.decode`) predicts token t+1, `NLL_CHUNK_POSITIONS`
