@@ -162,7 +162,7 @@ def matched_llama(gpn_config: GPNConfig, params: int, dtype: torch.dtype | str, 
 
 
 def count_params(model: nn.Module) -> int:
-    """The number of parameter values of `model` (tied ones as often as they are listed)."""
+    """The number of parameter values of `model` (a tied matrix once: `parameters()` lists a shared one once)."""
     return sum(p.numel() for p in model.parameters())
 
 

@@ -19,8 +19,8 @@ Measurements (`modeling_gpn.analysis`): state geometry, the mean direction s_bar
 retention and the fast / slow head pools. Causal tests (the paper's Limitations (3)): perplexity of
 the same windows with s_bar subtracted from the decoded state, s_bar subtracted from the state carried
 to the next step, the fast pool's heads off, the slow pool's heads off, and every memory read off.
-The ablations run `ablated_logits`, a copy of the model's time loop built from the model's own pieces
-that reproduces the model's logits exactly when no ablation is active.
+The ablations run `ablated_states` (the states of `ablated_logits`), a copy of the model's time loop built
+from the model's own pieces that reproduces the model's states exactly when no ablation is active.
 
 Where its parts live (this face re-exports their public names):
 

@@ -3,7 +3,8 @@ removed.
 
 The conditions: s_bar subtracted from the decoded state, s_bar subtracted from the state carried to the
 next step, the fast pool's memory heads off, the slow pool's heads off, and every memory read off. They run
-`ablated_logits`, a copy of the model's time loop built from the model's own pieces that reproduces the
+`ablated_states` (the states of `ablated_logits`, decoded into the loss a few positions at a time:
+`states.window_nll`), a copy of the model's time loop built from the model's own pieces that reproduces the
 model's plain (module-calling) loop exactly when no ablation is active; the baseline they are compared with
 runs that same loop with nothing removed, and decode-only conditions decode its states. With document resets
 (`reset_after`, an EOS id) the loop resets (p, g, M) to the zero state right before every document start, as

@@ -119,7 +119,8 @@ def iter_documents(
     yield from _rows_text(rows, text_column, data)
 
 
-def _rows_text(rows: Iterable[dict], text_column: str, source: str) -> Iterator[tuple[str, bool]]:
+def _rows_text(rows: Iterable[dict], text_column: str, source: str) -> Iterator[tuple[str, bool, bool]]:
+    """Yield (text, False, True) for each non-blank row: a row is a whole document, as `iter_documents` says."""
     for number, row in enumerate(rows, start=1):
         # a row without text refused by its number, as gpn train refuses it (skipped, the corpus inspected would
         # not be the one trained on)
