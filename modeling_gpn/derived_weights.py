@@ -72,13 +72,27 @@ _PLAIN = (torch.nn.Parameter, torch.Tensor)
 def _tensor_key(tensor: torch.Tensor) -> tuple:
     kind = type(tensor)
     if kind in _PLAIN:
-        return tensor.data_ptr(), version_of(tensor), tensor.dtype, tensor.device
+        try:
+            return tensor.data_ptr(), version_of(tensor), tensor.dtype, tensor.device
+        except RuntimeError:  # a parameter swapped for a torch.func transform's wrapper, which has no storage
+            return _tensor_key(_unwrapped(tensor))
     flatten = getattr(kind, "__tensor_flatten__", None)
     if flatten is None:
         return tensor.data_ptr(), version_of(tensor), tensor.dtype, tensor.device
     with torch._C.DisableTorchFunctionSubclass():  # (its attributes without the subclass's dispatch)
         inner = [_held(tensor, name) for name in flatten(tensor)[0]]
         return (kind, tensor.dtype, tensor.device, *(_tensor_key(x) if torch.is_tensor(x) else id(x) for x in inner))
+
+
+def _unwrapped(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor with storage under a torch.func transform's wrappers (`functional_call` inside `grad`, `vmap`,
+    `jvp`: the tensor passed in), whose address and version the key reads; anything else raises as it did."""
+    functorch = torch._C._functorch
+    if not functorch.is_functorch_wrapped_tensor(tensor):
+        tensor.data_ptr()  # (re-raise: not a wrapper)
+    while functorch.is_functorch_wrapped_tensor(tensor):
+        tensor = functorch.get_unwrapped(tensor)
+    return tensor
 
 
 def _held(tensor: torch.Tensor, name: str):

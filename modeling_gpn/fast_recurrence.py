@@ -270,6 +270,28 @@ def saved_tensors_hooks_active() -> bool:
     return top is None or top(False) is not None
 
 
+# (C-level and module-level reads, cheap enough for every decoded token: about 60 ns together)
+_functorch_level = getattr(torch._C._functorch, "maybe_current_level", None)
+_forward_ad = torch.autograd.forward_ad
+
+
+def autograd_mode_blocker() -> str | None:
+    """Why the fast path cannot honour the autograd mode active now, or None where it can.
+
+    The C kernels read the tensors' memory and write plain results, the Triton kernels likewise, and the
+    custom autograd Function has a hand-written backward only: under a torch.func transform (grad, vjp,
+    jvp, vmap: its tensors are wrappers without storage, which the kernels cannot read and the transform
+    cannot see through) or forward-mode AD (`torch.autograd.forward_ad.dual_level`, which propagates tangents
+    under `no_grad` too) they would drop the tangents or the batching in silence, or fail obscurely. The
+    plain path, made of torch ops, honours both. (torch's private queries, read where they exist: the level
+    of the innermost functorch transform, and forward AD's open dual level.)"""
+    if _functorch_level is not None and _functorch_level() is not None:
+        return "a torch.func transform (grad, vjp, jvp, vmap, ...) is active, which the fast path's kernels cannot see through"
+    if getattr(_forward_ad, "_current_level", -1) >= 0:
+        return "forward-mode AD (torch.autograd.forward_ad.dual_level) is active: the fast path's kernels carry no tangents"
+    return None
+
+
 def foldable_parameter(module: torch.nn.Module, name: str, parameter: torch.nn.Parameter) -> bool:
     """Whether the fast path takes `parameter` (`module.<name>`) as the plain loop would use it: a plain
     nn.Parameter (or None), or the weight of an nn.Linear quantized by torchao's int8 weight-only config
@@ -517,6 +539,7 @@ def fast_decode_token(
         or input_ids.dtype is not torch.int64
         or not input_ids.is_cpu
         or torch.is_grad_enabled()
+        or autograd_mode_blocker() is not None  # (forward AD's tangents, a transform's wrappers: the forward)
         or not getattr(cache, "has_state", False)  # (a GPNCache holding a state; anything else: the forward says)
         or autocast_dtype("cpu") is not None
     ):

@@ -82,6 +82,7 @@ from .derived_weights import (
 )
 from .fast_recurrence import (
     DERIVED_ATTRIBUTES,
+    autograd_mode_blocker,
     fast_decode_token,
     fast_project,
     fast_recurrence,
@@ -709,8 +710,10 @@ class GPNModel(GPNPreTrainedModel):
 
     def few_row_kernels(self) -> bool:
         """Whether the products of a few rows outside the recurrence (the token and decoder projections, the logits
-        of a decoded token) may run on the C kernels (`fast_recurrence.fast_project`, `output_logits`)."""
-        return self.use_fast_path and self.use_c_kernels
+        of a decoded token) may run on the C kernels (`fast_recurrence.fast_project`, `output_logits`): not under
+        forward-mode AD or a torch.func transform, whose tangents and wrappers the kernels drop
+        (`autograd_mode_blocker`)."""
+        return self.use_fast_path and self.use_c_kernels and autograd_mode_blocker() is None
 
     def fast_path_blocker(self) -> str | None:
         """Why the fast path cannot run on this model now, or None when it can.
@@ -724,8 +727,12 @@ class GPNModel(GPNPreTrainedModel):
         an instance, overridden or assigned to its class. Anything else runs the plain path, which calls
         every module and method. So does gradient checkpointing with a checkpoint function other than
         `torch.utils.checkpoint.checkpoint` (whose work the fast path does itself), and a hook on the
-        segment layer: the plain path calls them on every segment.
+        segment layer: the plain path calls them on every segment. And so do forward-mode AD and torch.func's
+        transforms, whose tangents and wrapped tensors only torch ops carry (`autograd_mode_blocker`).
         """
+        mode = autograd_mode_blocker()  # (forward-mode AD, a torch.func transform: what the plain path honours)
+        if mode is not None:
+            return mode
         global_hook = registered_global_hook()
         if global_hook is not None:
             return f"a global module hook is registered ({global_hook})"
