@@ -3173,7 +3173,7 @@ MUTATIONS = [
     Mutation(
         "generate() refuses a state gone non-finite at a decoded token (float16 overflow decoded token 0 in silence)",
         "modeling_gpn/generation.py",
-        "    refuse_non_finite_decoded_state(model, model_kwargs.get(\"cache\"))\n",
+        '    refuse_non_finite_decoded_state(model, model_kwargs.get("cache"))\n',
         "    pass  # MUTATION\n",
         ("tests/model/test_generate.py::test_a_float16_overflow_is_refused_naming_float16_not_decoded",),
     ),
