@@ -294,13 +294,16 @@ def decode_keeping_the_sequences_state(
     model (for `_has_unfinished_sequences`, which alone sees whether this process has finished and is not given the
     model_kwargs) while the loop runs, and the result holds the cache of the sequences returned."""
     if not synced_gpus:
-        return loop(*args, **model_kwargs)
-    peer = model_kwargs[SYNCED_PEER] = SyncedPeer()
-    model.__dict__["_gpn_synced_peer"] = peer
-    try:
-        return peer.returned(loop(*args, synced_gpus=True, **model_kwargs))
-    finally:
-        model.__dict__.pop("_gpn_synced_peer", None)
+        result = loop(*args, **model_kwargs)
+    else:
+        peer = model_kwargs[SYNCED_PEER] = SyncedPeer()
+        model.__dict__["_gpn_synced_peer"] = peer
+        try:
+            result = peer.returned(loop(*args, synced_gpus=True, **model_kwargs))
+        finally:
+            model.__dict__.pop("_gpn_synced_peer", None)
+    refuse_non_finite_decoded_state(model, model_kwargs.get("cache"))
+    return result
 
 
 def refuse_peft_prompt_learning_generate(model: nn.Module) -> None:
@@ -375,4 +378,36 @@ def refuse_non_finite_prompt_logits(
     raise ValueError(
         f"generate(): the model's logits after the prompt are not finite (NaN or inf) in rows {rows}, and every token "
         f"would be picked from them meaninglessly; non-finite values: {', '.join(where)}"
+        + (float16_overflow_hint(model) if where[0] == "no parameter" else "")
+    )
+
+
+def refuse_non_finite_decoded_state(model: nn.Module, cache: object) -> None:
+    """The prompt's check (`refuse_non_finite_prompt_logits`) cannot see a value that overflows later, at a decoded
+    token (float16 weights whose largest product passes 65504 on some token): the state turns NaN there and stays
+    NaN (every step reads it), and greedy's argmax takes the NaN logits' first entry, so every later token was
+    token 0, or generation stopped at an eos of id 0, in silence. The state is NaN-sticky, so one check of the final
+    state after the loop (one host sync a call, nothing per token) finds any such token; the error names it instead
+    of returning the text."""
+    if not isinstance(cache, GPNCache) or not cache.has_state or is_tracing():
+        return
+    if all(bool(torch.isfinite(part).all()) for part in cache.state_buffers()):
+        return
+    raise ValueError(
+        "generate(): the state went non-finite (NaN or inf) at a decoded token after a finite prompt, and the tokens "
+        "from there on were picked from NaN logits meaninglessly" + float16_overflow_hint(model)
+    )
+
+
+def float16_overflow_hint(model: nn.Module) -> str:
+    """What to tell a user whose finite float16 model computed NaN or inf: the weights' dtype, not the model, is
+    where to look. The state and the memory are float32, but every product runs in the weights' dtype, and
+    float16's range ends at 65504 (an FFN's large activations pass it; bfloat16 has float32's range). Empty for
+    other dtypes."""
+    if not any(param.dtype is torch.float16 for param in model.parameters()):
+        return ""
+    return (
+        "; the weights are float16, whose largest value is 65504: a product in the step overflowed (the state is "
+        "float32, the products run in the weights' dtype): load the model in bfloat16 or float32 "
+        "(`from_pretrained(..., dtype=torch.bfloat16)`, `gpn generate --dtype bfloat16`)"
     )

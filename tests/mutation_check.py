@@ -3171,6 +3171,20 @@ MUTATIONS = [
         ("tests/model/test_generate.py -k non_finite_logits_are_refused",),
     ),
     Mutation(
+        "generate() refuses a state gone non-finite at a decoded token (float16 overflow decoded token 0 in silence)",
+        "modeling_gpn/generation.py",
+        '    refuse_non_finite_decoded_state(model, model_kwargs.get("cache"))\n',
+        "    pass  # MUTATION\n",
+        ("tests/model/test_generate.py::test_a_float16_overflow_is_refused_naming_float16_not_decoded",),
+    ),
+    Mutation(
+        "generate()'s non-finite errors name float16's range and what to load instead",
+        "modeling_gpn/generation.py",
+        "    if not any(param.dtype is torch.float16 for param in model.parameters()):\n",
+        "    if True:  # MUTATION\n",
+        ("tests/model/test_generate.py::test_a_float16_overflow_is_refused_naming_float16_not_decoded",),
+    ),
+    Mutation(
         "generate() checks the prompt's and the mask's shapes (IndexError from transformers; all-ones mask ignored)",
         "modeling_gpn/modeling_gpn.py",
         "        check_generate_input_shapes(args[0] if args",

@@ -361,6 +361,21 @@ def test_non_finite_logits_are_refused_by_name_not_decoded(mode):
         model.generate(prompt, max_new_tokens=3, **settings)
 
 
+@torch.no_grad()
+def test_a_float16_overflow_is_refused_naming_float16_not_decoded():
+    """float16 weights whose FFN products pass 65504 turn the (float32) state NaN: at a decoded token, generate()
+    returned token 0 for every later token in silence (greedy's argmax takes a NaN for the largest), the prompt's
+    check having seen finite logits; in the prompt, its error said "no parameter". Both are refused naming float16
+    and what to load instead; the same weights in float32 decode (the overflow is float16's range, not the model's)."""
+    prompt = torch.randint(1, 97, (1, 6), generator=torch.Generator().manual_seed(1))
+    for scale, when in ((255, "at a decoded token after a finite prompt"), (300, "after the prompt")):
+        model = perturbed_model(tiny_config(eos_token_id=None), seed=0)
+        model.model.predict_layers[0].ffn_in.weight.mul_(scale)  # (its products pass 65504 at some token)
+        assert model.generate(prompt, max_new_tokens=20, do_sample=False).shape == (1, 26)
+        with pytest.raises(ValueError, match=rf"{when}.*the weights are float16, whose largest value is 65504"):
+            model.half().generate(prompt, max_new_tokens=20, do_sample=False)
+
+
 def test_prompts_and_masks_of_the_wrong_shape_are_refused_by_name(model):
     """generate() reads the batch and length off the prompt and the mask before the model sees them, and drops an
     all-ones mask unread: a prompt of shape (seq,) failed with a bare IndexError from inside transformers, and an
