@@ -223,6 +223,12 @@ def continue_from_cache(
     elif start:
         input_ids = input_ids[:, start:]
     given = (input_ids if embeds is None else embeds).shape[1]
+    if mask is None:
+        # the length of the all-ones mask generate() dropped, as over the whole sequence (transformers' convention
+        # for new positions given with a cache): transformers 5.25's prefill takes ids whose mask is as long as
+        # they are for the whole sequence and slices them by the positions the cache read, which would drop
+        # positions chosen here (5.24 did not slice for a recurrent cache)
+        generation_config._mask_length = seen + given
     if mask is not None and not start and mask.shape[1] == given:
         # a mask over the new positions only: transformers' chunked prefill (`prefill_chunk_size`) slices the mask
         # as one over the whole sequence, read positions first, and gave a chunk the wrong columns; the read

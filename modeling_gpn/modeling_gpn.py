@@ -1296,6 +1296,11 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             if attention_mask is not None:
                 inputs["attention_mask"] = attention_mask
             return inputs | kwargs
+        if is_first_iteration and isinstance(cache, GPNCache) and cache.has_state:
+            # the prefill from a kept state: `_prefill` has chosen the positions to read (`continue_from_cache`);
+            # transformers 5.25 slices them again by the positions the cache read, as if they were the whole
+            # sequence (always for inputs_embeds), which would drop new positions (5.24 did not, for a recurrent cache)
+            next_sequence_length = None
         peer = kwargs.pop(SYNCED_PEER, None)
         if peer is not None:  # a synced decoding (`_sample`, `_beam_search`): its idle forwards advance a copy
             return self.prepare_inputs_for_generation(

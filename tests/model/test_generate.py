@@ -454,6 +454,45 @@ def test_continuing_with_a_mask_over_the_new_positions_in_prefill_chunks(model):
 
 
 @torch.no_grad()
+def test_continuing_with_new_embeddings_or_in_prefill_chunks_reads_every_new_position(model):
+    """A cache continued with the new positions as inputs_embeds (a mask over the whole sequence), or as ids
+    without a mask in prefill chunks: transformers 5.25 slices what a cache is continued with by the positions it
+    read, as if it were the whole sequence, which dropped new positions in silence. Tokens are the uninterrupted
+    run's, and the cache read every position."""
+    prompt = torch.randint(1, 97, (2, 3), generator=torch.Generator().manual_seed(71))
+    new = torch.randint(1, 97, (2, 6), generator=torch.Generator().manual_seed(72))
+    settings = dict(max_new_tokens=3, do_sample=False)
+    whole = model.generate(torch.cat([prompt, new], dim=1), **settings)[:, 9:]
+    cache = model(prompt, use_cache=True).cache
+    embeds = model.get_input_embeddings()(new)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    assert torch.equal(model.generate(inputs_embeds=embeds, attention_mask=mask, cache=cache, **settings), whole)
+    assert cache.get_seq_length() == 9 + 2
+    cache = model(prompt, use_cache=True).cache
+    assert torch.equal(model.generate(new, cache=cache, prefill_chunk_size=2, **settings)[:, 6:], whole)
+    assert cache.get_seq_length() == 9 + 2
+
+    # The same on any transformers 5: what the prefill is handed from a kept state follows transformers' own
+    # convention for new positions (a mask, or the length of the all-ones one generate() dropped, over the whole
+    # sequence: 5.25's prefill slices ids only when that length is theirs), and is fed whole whatever slice
+    # transformers asks for (`next_sequence_length`: 5.25 always slices inputs_embeds by the positions read)
+    from transformers import GenerationConfig
+
+    from modeling_gpn.generation import continue_from_cache
+
+    cache = model(prompt, use_cache=True).cache
+    config = GenerationConfig()
+    config._mask_length = 6  # generate() dropped an all-ones mask over the 6 new positions
+    ids, kwargs, seen = continue_from_cache(new, config, {"cache": cache})
+    assert torch.equal(ids, new) and seen == 3 and config._mask_length == 3 + 6
+    for given in (dict(input_ids=new), dict(input_ids=new[:, :0], inputs_embeds=embeds)):
+        inputs = model.prepare_inputs_for_generation(
+            **given, next_sequence_length=3, cache=cache, is_first_iteration=True
+        )
+        assert inputs["inputs_embeds" if "inputs_embeds" in given else "input_ids"].shape[1] == 6
+
+
+@torch.no_grad()
 def test_a_continued_whole_sequence_whose_mask_pads_what_the_cache_read_is_refused_by_name(model):
     """A row that ends (EOS) while others go on is fed pad tokens, unmasked, and its cache reads them as tokens; given
     the whole sequence back, transformers infers a mask from pad_token_id that marks them as padding. After two rounds
