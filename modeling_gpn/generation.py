@@ -166,6 +166,19 @@ def refuse_hub_decoding_a_state_cannot_run(generation_mode) -> None:
         raise ValueError(f"{reason}: decode greedily, sample or use beam search")
 
 
+def refuse_assisted_decoding(generation_mode) -> None:
+    """Assisted decoding with a GPN as the main model (`assistant_model`, `prompt_lookup_num_tokens`): after every
+    round the main model's cache is rolled back to the draft tokens it accepted, and a GPN's state cannot be rolled
+    back. transformers 5.24 refused it for every stateful model before anything ran; 5.25 refuses it only after the
+    first forward, which has advanced a cache the caller passed. Refused here, before any forward, on both."""
+    if generation_mode == GenerationMode.ASSISTED_GENERATION:
+        raise ValueError(
+            "Assisted decoding (assistant_model, prompt_lookup_num_tokens) cannot run with a GPN as the main model: "
+            "after every round its cache is rolled back to the draft tokens it accepted, and a GPN's state cannot be "
+            "rolled back. Decode without them"
+        )
+
+
 def custom_generate_offline_error(name) -> OSError | None:
     """transformers says a Hub repo given as `custom_generate` "does not contain a `custom_generate` subdirectory"
     whenever it cannot see the file, which under HF_HUB_OFFLINE=1 only means it is not in the local cache: the

@@ -93,6 +93,7 @@ from .generation import (
     custom_generate_offline_error,
     decode_keeping_the_sequences_state,
     generation_cache,
+    refuse_assisted_decoding,
     refuse_hub_decoding_a_state_cannot_run,
     refuse_non_finite_prompt_logits,
     refuse_peft_prompt_learning_generate,
@@ -429,7 +430,7 @@ class GPNPreTrainedModel(PreTrainedModel):
     # model, PEFT-wrapped too, as one unit. The price: device_map="auto" over several devices may place blocks
     # apart (correct through accelerate's hooks, on the plain recurrence, but slow): `from_pretrained` says so.
     _no_split_modules = []
-    _is_stateful = True  # generate() refuses assisted decoding: a recurrent state cannot be rolled back
+    _is_stateful = True  # a recurrent state cannot be rolled back (assisted decoding: `_validate_generation_mode`)
     _supports_cache_class = True
 
     # Folders saved before the decoder moved into the base model hold its keys at the top level (`decode_norm.*`,
@@ -1225,6 +1226,12 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         (`generation.refuse_hub_decoding_a_state_cannot_run`)."""
         refuse_hub_decoding_a_state_cannot_run(generation_mode)
         return super()._get_deprecated_gen_repo(generation_mode, trust_remote_code, custom_generate)
+
+    def _validate_generation_mode(self, generation_mode, *args, **kwargs) -> None:
+        """transformers' check of the decoding method, before any forward: assisted decoding is refused by name
+        (`generation.refuse_assisted_decoding`)."""
+        refuse_assisted_decoding(generation_mode)
+        return super()._validate_generation_mode(generation_mode, *args, **kwargs)
 
     def load_custom_generate(self, pretrained_model_name_or_path=None, trust_remote_code=None, **kwargs):
         """transformers' loader of a `custom_generate` decoding method, which under HF_HUB_OFFLINE=1 says a Hub repo

@@ -3216,6 +3216,13 @@ MUTATIONS = [
         ("tests/model/test_generate.py::test_a_gpn_as_the_draft_model_of_assisted_decoding_is_refused_clearly",),
     ),
     Mutation(
+        "assisted decoding with a GPN as the main model refused before any forward (transformers 5.25 refuses it after its first forward, which advanced a given cache)",
+        "modeling_gpn/modeling_gpn.py",
+        "        refuse_assisted_decoding(generation_mode)\n",
+        "",
+        ("tests/model/test_generate.py::test_assisted_decoding_is_refused_clearly",),
+    ),
+    Mutation(
         "the prefill from a kept state feeds the inputs_embeds _prefill chose (transformers 5.25 slices them again by the positions read)",
         "modeling_gpn/modeling_gpn.py",
         "        if is_first_iteration and isinstance(cache, GPNCache) and cache.has_state:\n",

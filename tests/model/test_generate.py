@@ -120,10 +120,19 @@ def test_left_padded_batch_gives_each_rows_solo_output(model, mode):
         assert torch.equal(batched[i, width:], solo[0, len(prompt) :]), f"row {i}"
 
 
+@torch.no_grad()
 def test_assisted_decoding_is_refused_clearly(model):
+    """Assisted and prompt-lookup decoding with a GPN as the main model are refused by name before any forward:
+    transformers 5.25 refuses them only after its first forward, which had advanced the cache the caller gave."""
     prompt = torch.randint(1, 97, (1, 4))
-    with pytest.raises(ValueError, match="stateful"):
-        model.generate(prompt, assistant_model=model, max_new_tokens=3)
+    cache = model(prompt, use_cache=True).cache
+    state = [buffer.clone() for buffer in cache.state_buffers()]
+    new = torch.randint(1, 97, (1, 3))
+    for decoding in (dict(assistant_model=model), dict(prompt_lookup_num_tokens=2)):
+        with pytest.raises(ValueError, match=r"Assisted decoding .* GPN as the main model.* cannot be rolled back"):
+            model.generate(new, cache=cache, max_new_tokens=3, do_sample=False, **decoding)
+    assert cache.get_seq_length() == 4
+    assert all(torch.equal(kept, now) for kept, now in zip(state, cache.state_buffers()))
 
 
 def test_a_gpn_as_the_draft_model_of_assisted_decoding_is_refused_clearly(model):
