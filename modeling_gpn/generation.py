@@ -176,6 +176,19 @@ def refuse_hub_decoding_a_state_cannot_run(generation_mode: GenerationMode | str
         raise ValueError(f"{reason}: decode greedily, sample or use beam search")
 
 
+def refuse_assisted_decoding(generation_mode: GenerationMode) -> None:
+    """Assisted decoding with a GPN as the main model (`assistant_model`, `prompt_lookup_num_tokens`): after every
+    round the main model's cache is rolled back to the draft tokens it accepted, and a GPN's state cannot be rolled
+    back. transformers 5.24 refused it for every stateful model before anything ran; 5.25 refuses it only after the
+    first forward, which has advanced a cache the caller passed. Refused here, before any forward, on both."""
+    if generation_mode == GenerationMode.ASSISTED_GENERATION:
+        raise ValueError(
+            "Assisted decoding (assistant_model, prompt_lookup_num_tokens) cannot run with a GPN as the main model: "
+            "after every round its cache is rolled back to the draft tokens it accepted, and a GPN's state cannot be "
+            "rolled back. Decode without them"
+        )
+
+
 def custom_generate_offline_error(name: object) -> OSError | None:
     """transformers says a Hub repo given as `custom_generate` "does not contain a `custom_generate` subdirectory"
     whenever it cannot see the file, which under HF_HUB_OFFLINE=1 only means it is not in the local cache: the
@@ -233,6 +246,12 @@ def continue_from_cache(
     elif start:
         input_ids = input_ids[:, start:]
     given = (input_ids if embeds is None else embeds).shape[1]
+    if mask is None:
+        # the length of the all-ones mask generate() dropped, as over the whole sequence (transformers' convention
+        # for new positions given with a cache): transformers 5.25's prefill takes ids whose mask is as long as
+        # they are for the whole sequence and slices them by the positions the cache read, which would drop
+        # positions chosen here (5.24 did not slice for a recurrent cache)
+        generation_config._mask_length = seen + given
     if mask is not None and not start and mask.shape[1] == given:
         # a mask over the new positions only: transformers' chunked prefill (`prefill_chunk_size`) slices the mask
         # as one over the whole sequence, read positions first, and gave a chunk the wrong columns; the read

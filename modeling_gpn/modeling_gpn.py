@@ -97,6 +97,7 @@ from .generation import (
     custom_generate_offline_error,
     decode_keeping_the_sequences_state,
     generation_cache,
+    refuse_assisted_decoding,
     refuse_hub_decoding_a_state_cannot_run,
     refuse_non_finite_prompt_logits,
     refuse_peft_prompt_learning_generate,
@@ -435,7 +436,7 @@ class GPNPreTrainedModel(PreTrainedModel):
     # model, PEFT-wrapped too, as one unit. The price: device_map="auto" over several devices may place blocks
     # apart (correct through accelerate's hooks, on the plain recurrence, but slow): `from_pretrained` says so.
     _no_split_modules = []
-    _is_stateful = True  # generate() refuses assisted decoding: a recurrent state cannot be rolled back
+    _is_stateful = True  # a recurrent state cannot be rolled back (assisted decoding: `_validate_generation_mode`)
     _supports_cache_class = True
 
     # Folders saved before the decoder moved into the base model hold its keys at the top level (`decode_norm.*`,
@@ -1248,6 +1249,12 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         refuse_hub_decoding_a_state_cannot_run(generation_mode)
         return super()._get_deprecated_gen_repo(generation_mode, trust_remote_code, custom_generate)
 
+    def _validate_generation_mode(self, generation_mode: GenerationMode, *args, **kwargs) -> None:
+        """transformers' check of the decoding method, before any forward: assisted decoding is refused by name
+        (`generation.refuse_assisted_decoding`)."""
+        refuse_assisted_decoding(generation_mode)
+        return super()._validate_generation_mode(generation_mode, *args, **kwargs)
+
     def load_custom_generate(
         self,
         pretrained_model_name_or_path: str | os.PathLike | None = None,
@@ -1325,6 +1332,11 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             if attention_mask is not None:
                 inputs["attention_mask"] = attention_mask
             return inputs | kwargs
+        if is_first_iteration and isinstance(cache, GPNCache) and cache.has_state:
+            # the prefill from a kept state: `_prefill` has chosen the positions to read (`continue_from_cache`);
+            # transformers 5.25 slices them again by the positions the cache read, as if they were the whole
+            # sequence (always for inputs_embeds), which would drop new positions (5.24 did not, for a recurrent cache)
+            next_sequence_length = None
         peer = kwargs.pop(SYNCED_PEER, None)
         if peer is not None:  # a synced decoding (`_sample`, `_beam_search`): its idle forwards advance a copy
             return self.prepare_inputs_for_generation(

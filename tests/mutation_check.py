@@ -3259,6 +3259,31 @@ MUTATIONS = [
         ("tests/model/test_generate.py::test_a_gpn_as_the_draft_model_of_assisted_decoding_is_refused_clearly",),
     ),
     Mutation(
+        "assisted decoding with a GPN as the main model refused before any forward (transformers 5.25 refuses it after its first forward, which advanced a given cache)",
+        "modeling_gpn/modeling_gpn.py",
+        "        refuse_assisted_decoding(generation_mode)\n",
+        "",
+        ("tests/model/test_generate.py::test_assisted_decoding_is_refused_clearly",),
+    ),
+    Mutation(
+        "the prefill from a kept state feeds the inputs_embeds _prefill chose (transformers 5.25 slices them again by the positions read)",
+        "modeling_gpn/modeling_gpn.py",
+        "        if is_first_iteration and isinstance(cache, GPNCache) and cache.has_state:\n",
+        "        if False:  # MUTATION\n",
+        (
+            "tests/model/test_generate.py::test_continuing_with_new_embeddings_or_in_prefill_chunks_reads_every_new_position",
+        ),
+    ),
+    Mutation(
+        "new positions without a mask continued in prefill chunks: the dropped mask's length as over the whole sequence (transformers 5.25 slices them by the positions read)",
+        "modeling_gpn/generation.py",
+        "        generation_config._mask_length = seen + given\n",
+        "        pass  # MUTATION\n",
+        (
+            "tests/model/test_generate.py::test_continuing_with_new_embeddings_or_in_prefill_chunks_reads_every_new_position",
+        ),
+    ),
+    Mutation(
         "generate() refuses generation values wrong in silence (0 sequences, eos/pad outside the vocabulary, beams' giant allocation)",
         "modeling_gpn/modeling_gpn.py",
         "        check_generation_values(self.config, generation_config, batch_size, self.device)\n",

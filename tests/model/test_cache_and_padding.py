@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers.cache_utils import LinearAttentionLayer
 
 from modeling_gpn import GPNCache
 
@@ -229,8 +230,11 @@ def test_the_cache_is_exactly_constant_in_size_from_its_first_position():
         **{f"loop@{k}": v for k, v in through_loop.items()},
     }
     assert len(set(sizes.values())) == 1, sizes
-    # the state (p, g, M), and the fingerprint of what it read: 2 int64 per row
-    assert sizes["loop@1"] == 4 * model.config.state_floats_per_row * rows + 2 * 8 * rows, sizes
+    # the state (p, g, M), the fingerprint of what it read (2 int64 per row), and what transformers' own base
+    # layer holds before any state, of one size at every length (5.25: a count of positions, which a GPN does not
+    # use; 5.24: nothing)
+    upstream = bytes_held(LinearAttentionLayer(number_of_states=3))
+    assert sizes["loop@1"] == 4 * model.config.state_floats_per_row * rows + 2 * 8 * rows + upstream, sizes
 
 
 def test_bf16_weights_keep_a_float32_state():

@@ -120,10 +120,19 @@ def test_left_padded_batch_gives_each_rows_solo_output(model, mode):
         assert torch.equal(batched[i, width:], solo[0, len(prompt) :]), f"row {i}"
 
 
+@torch.no_grad()
 def test_assisted_decoding_is_refused_clearly(model):
+    """Assisted and prompt-lookup decoding with a GPN as the main model are refused by name before any forward:
+    transformers 5.25 refuses them only after its first forward, which had advanced the cache the caller gave."""
     prompt = torch.randint(1, 97, (1, 4))
-    with pytest.raises(ValueError, match="stateful"):
-        model.generate(prompt, assistant_model=model, max_new_tokens=3)
+    cache = model(prompt, use_cache=True).cache
+    state = [buffer.clone() for buffer in cache.state_buffers()]
+    new = torch.randint(1, 97, (1, 3))
+    for decoding in (dict(assistant_model=model), dict(prompt_lookup_num_tokens=2)):
+        with pytest.raises(ValueError, match=r"Assisted decoding .* GPN as the main model.* cannot be rolled back"):
+            model.generate(new, cache=cache, max_new_tokens=3, do_sample=False, **decoding)
+    assert cache.get_seq_length() == 4
+    assert all(torch.equal(kept, now) for kept, now in zip(state, cache.state_buffers()))
 
 
 def test_a_gpn_as_the_draft_model_of_assisted_decoding_is_refused_clearly(model):
@@ -466,6 +475,45 @@ def test_continuing_with_a_mask_over_the_new_positions_in_prefill_chunks(model):
     continued = model.generate(new, attention_mask=new_mask, cache=cache, prefill_chunk_size=2, **settings)
     assert torch.equal(continued.sequences[:, 5:], whole.sequences[:, 12:])
     torch.testing.assert_close(torch.stack(continued.logits), torch.stack(whole.logits), atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def test_continuing_with_new_embeddings_or_in_prefill_chunks_reads_every_new_position(model):
+    """A cache continued with the new positions as inputs_embeds (a mask over the whole sequence), or as ids
+    without a mask in prefill chunks: transformers 5.25 slices what a cache is continued with by the positions it
+    read, as if it were the whole sequence, which dropped new positions in silence. Tokens are the uninterrupted
+    run's, and the cache read every position."""
+    prompt = torch.randint(1, 97, (2, 3), generator=torch.Generator().manual_seed(71))
+    new = torch.randint(1, 97, (2, 6), generator=torch.Generator().manual_seed(72))
+    settings = dict(max_new_tokens=3, do_sample=False)
+    whole = model.generate(torch.cat([prompt, new], dim=1), **settings)[:, 9:]
+    cache = model(prompt, use_cache=True).cache
+    embeds = model.get_input_embeddings()(new)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    assert torch.equal(model.generate(inputs_embeds=embeds, attention_mask=mask, cache=cache, **settings), whole)
+    assert cache.get_seq_length() == 9 + 2
+    cache = model(prompt, use_cache=True).cache
+    assert torch.equal(model.generate(new, cache=cache, prefill_chunk_size=2, **settings)[:, 6:], whole)
+    assert cache.get_seq_length() == 9 + 2
+
+    # The same on any transformers 5: what the prefill is handed from a kept state follows transformers' own
+    # convention for new positions (a mask, or the length of the all-ones one generate() dropped, over the whole
+    # sequence: 5.25's prefill slices ids only when that length is theirs), and is fed whole whatever slice
+    # transformers asks for (`next_sequence_length`: 5.25 always slices inputs_embeds by the positions read)
+    from transformers import GenerationConfig
+
+    from modeling_gpn.generation import continue_from_cache
+
+    cache = model(prompt, use_cache=True).cache
+    config = GenerationConfig()
+    config._mask_length = 6  # generate() dropped an all-ones mask over the 6 new positions
+    ids, kwargs, seen = continue_from_cache(new, config, {"cache": cache})
+    assert torch.equal(ids, new) and seen == 3 and config._mask_length == 3 + 6
+    for given in (dict(input_ids=new), dict(input_ids=new[:, :0], inputs_embeds=embeds)):
+        inputs = model.prepare_inputs_for_generation(
+            **given, next_sequence_length=3, cache=cache, is_first_iteration=True
+        )
+        assert inputs["inputs_embeds" if "inputs_embeds" in given else "input_ids"].shape[1] == 6
 
 
 @torch.no_grad()
