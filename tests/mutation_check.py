@@ -2990,6 +2990,35 @@ MUTATIONS = [
         ("tests/fast_path/test_step_kernels.py -k saved_quantized_as_saved",),
     ),
     Mutation(
+        "gpn generate --dtype float16 runs the weights as saved (float32), not cast to float16",
+        "modeling_gpn/cli/generate.py",
+        "        model = model.to(getattr(torch, dtype))\n",
+        '        model = model.to(getattr(torch, dtype)) if dtype != "float16" else model  # MUTATION\n',
+        ("tests/tools/test_generate_cli.py -k float16",),
+    ),
+    Mutation(
+        "gpn generate --dtype float16 runs weights the cast made inf (past 65504) instead of refusing them at load",
+        "modeling_gpn/cli/generate.py",
+        "        try:  # (the load refused non-finite weights: one here is one the cast made, past float16's range)\n"
+        "            refuse_non_finite_parameters(model, source)\n",
+        "        try:  # MUTATION\n            pass\n",
+        ("tests/tools/test_faults_io.py -k generate_bad_arguments and overflow",),
+    ),
+    Mutation(
+        "gpn bench --dtype float16 builds float32 models (4 bytes a weight in the byte limit and the memory check)",
+        "modeling_gpn/bench/models.py",
+        '        "float16": torch.float16,\n',
+        '        "float16": torch.float32,  # MUTATION\n',
+        ("tests/tools/test_bench.py -k float16",),
+    ),
+    Mutation(
+        "gpn bench --dtype float16 trains (AdamW turns float16 weights NaN, and generate() then refuses them)",
+        "modeling_gpn/bench/command.py",
+        '    if args.dtype == "float16" and not args.skip_training:',
+        "    if False:  # MUTATION",
+        ("tests/tools/test_bench.py -k float16",),
+    ),
+    Mutation(
         "a folder saved int4 is not told from another quantization (gpn generate --dtype int4 refuses it)",
         "modeling_gpn/bench/models.py",
         '        elif dequantized_by_linear(parameter) and getattr(parameter, "target_dtype", None) is torch.int4:\n',

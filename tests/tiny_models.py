@@ -68,16 +68,16 @@ TINY_TEXT = [
 ]
 
 
-def copy_with_a_nan_weight(folder, into):
-    """A copy of the saved GPN `folder` at `into` whose `model.fuse_gate.weight` holds one NaN (for the loaders'
-    refusal of non-finite weights)."""
+def copy_with_a_nan_weight(folder, into, value: float = float("nan")):
+    """A copy of the saved GPN `folder` at `into` whose `model.fuse_gate.weight` holds one NaN, or `value` (for the
+    loaders' refusal of non-finite weights; 1e5: finite, but inf in float16)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(folder, into)
     tensors = load_file(into / "model.safetensors")
-    tensors["model.fuse_gate.weight"][0, 0] = float("nan")
+    tensors["model.fuse_gate.weight"][0, 0] = value
     save_file(tensors, into / "model.safetensors", metadata={"format": "pt"})
     return into
 

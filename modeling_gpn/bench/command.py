@@ -122,7 +122,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default="float32",
         choices=DTYPES,
-        help="weight dtype; int8 / int4: the bfloat16 model with every nn.Linear quantized by torchao's "
+        help="weight dtype (float16: GPUs without bf16; 2 bytes a weight in the byte limit, as bfloat16; needs "
+        "--skip-training, AdamW's eps being 0 in float16); int8 / int4: the bfloat16 model with every nn.Linear quantized by torchao's "
         "int8 weight-only config / its int4 weight-only IntxWeightOnlyConfig (groups of 32) (needs torchao and "
         "--skip-training; the tied heads stay bf16)",
     )
@@ -205,6 +206,11 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.dtype in QUANTIZERS and not args.skip_training:
         raise BenchError(
             f"--dtype {args.dtype} measures inference only (quantized weights do not train): add --skip-training"
+        )
+    if args.dtype == "float16" and not args.skip_training:  # (the models trained are the ones then decoded)
+        raise BenchError(
+            "--dtype float16 measures inference only: AdamW on float16 weights turns them NaN (its eps, 1e-8, is 0 "
+            "in float16; float16 trains as mixed precision, gpn train --mixed-precision fp16): add --skip-training"
         )
     if args.json is not None:
         if Path(args.json).is_dir():

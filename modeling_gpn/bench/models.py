@@ -1,5 +1,5 @@
 """The models `gpn bench` measures: a GPN preset (random weights, every matrix non-zero), a parameter-matched
-`LlamaForCausalLM`, in float32, bfloat16, int8 or int4 (torchao's int8 or int4 weight-only quantization of the
+`LlamaForCausalLM`, in float32, bfloat16, float16, int8 or int4 (torchao's int8 or int4 weight-only quantization of the
 bfloat16 model, every `nn.Linear` but a tied output head), and the arithmetic they do per token."""
 
 from __future__ import annotations
@@ -13,12 +13,18 @@ if TYPE_CHECKING:
 
     from ..configuration_gpn import GPNConfig
 
-DTYPES = ("float32", "bfloat16", "int8", "int4")
+DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
 
 
 def weight_dtype(name: str) -> torch.dtype:
     """The dtype a model is built in for `--dtype name` (int8 and int4 quantize a bfloat16 model)."""
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.bfloat16, "int4": torch.bfloat16}[name]
+    return {
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+        "int8": torch.bfloat16,
+        "int4": torch.bfloat16,
+    }[name]
 
 
 def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:

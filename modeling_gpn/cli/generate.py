@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 from .arguments import ADAPTER_FOLDER_HELP
 
-DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "int4")
 DEFAULT_TEMPERATURE = 0.8
 DEFAULT_TOP_P = 0.95
 
@@ -70,9 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         choices=DTYPES,
-        help="weights: as saved (auto), float32, bfloat16, int8 or int4 (torchao's int8 weight-only / int4 "
-        "weight-only quantization of every nn.Linear of the bfloat16 model but the tied head; needs torchao; on CPU "
-        "the fast path runs int8 on its int8 kernels, int4 on the matrices it dequantizes to)",
+        help="weights: as saved (auto), float32, bfloat16, float16 (GPUs without bf16; a weight past float16's range "
+        "is refused), int8 or int4 (torchao's int8 weight-only / int4 weight-only quantization of every nn.Linear of "
+        "the bfloat16 model but the tied head; needs torchao; on CPU the fast path runs int8 on its int8 kernels, int4 "
+        "on the matrices it dequantizes to)",
     )
     parser.add_argument("--trust-remote-code", action="store_true", help="load the model's own code (Hub repos)")
     parser.add_argument(
@@ -182,15 +183,24 @@ def _load(args: argparse.Namespace):
 
 
 def _to_dtype(model: PreTrainedModel, dtype: str, source: str = "the model"):
-    """The model in `--dtype` (auto: as loaded). int8 and int4 quantize every nn.Linear of the bfloat16 model with
+    """The model in `--dtype` (auto: as loaded; a float dtype cast, a weight it makes inf refused naming the dtype,
+    as gpn eval's and gpn inspect's loads refuse one). int8 and int4 quantize every nn.Linear of the bfloat16 model with
     torchao's weight-only configs, as `gpn bench` does (`QUANTIZERS`: the output head, tied to the embedding, stays
     bfloat16). A model saved quantized already (`TorchAoConfig`) is kept as saved when it is of that kind, and
     refused otherwise: torchao cannot quantize its weights again (it failed deep in its dispatch), and int4 skipped
     int8 weights, giving an int8 model in silence."""
     if dtype == "auto":
         return model
-    if dtype in ("float32", "bfloat16"):
-        return model.to(getattr(torch, dtype))
+    if dtype in ("float32", "bfloat16", "float16"):
+        from modeling_gpn.cli.loading import refuse_non_finite_parameters
+
+        model = model.to(getattr(torch, dtype))
+        try:  # (the load refused non-finite weights: one here is one the cast made, past float16's range)
+            refuse_non_finite_parameters(model, source)
+        except ValueError as error:
+            hint = "; float16's largest value is 65504: use --dtype bfloat16 or float32" if dtype == "float16" else ""
+            raise GenerateError(f"{error}{hint}") from None
+        return model
     from modeling_gpn.bench.models import QUANTIZERS, quantized_as
 
     kinds = quantized_as(model)

@@ -434,6 +434,29 @@ def test_threads_take_the_name_gpn_train_and_eval_give_them():
     assert _bench_args(["--num-threads", "2"]).threads == 2 and _bench_args(["--threads", "3"]).threads == 3
 
 
+def test_float16_weights_are_two_bytes_in_the_byte_limit_and_the_memory_check(tmp_path, capsys):
+    """`gpn bench --dtype float16` (GPUs without bf16) builds the models in float16: a step's byte limit and the
+    check that a preset's weights fit count 2 bytes a weight, as for bfloat16 (no timed run here). It measures
+    inference only: its training step's AdamW turned the weights NaN, and generate() then refused them."""
+    import torch
+
+    from modeling_gpn.bench import build_gpn, step_bytes
+    from modeling_gpn.bench.models import weight_bytes
+    from modeling_gpn.configuration import load_preset
+
+    assert _bench_args(["--dtype", "float16"]).dtype == "float16"
+    half, bf16 = build_gpn("tiny", "float16", "cpu", 0), build_gpn("tiny", "bfloat16", "cpu", 0)
+    assert half.dtype == torch.float16 and step_bytes(half) == step_bytes(bf16)
+    config = load_preset("tiny")
+    assert weight_bytes(config, "float16") == weight_bytes(config, "bfloat16") == weight_bytes(config, "float32") // 2
+    preset = tmp_path / "huge.json"
+    preset.write_text('{"vocab_size": 1000000000000, "hidden_size": 32, "embedding_size": 32}')
+    assert main(["bench", "--preset", str(preset), "--skip-training", "--dtype", "float16", "--device", "cpu"]) == 2
+    assert "its weights alone take 59,604.6 GiB in float16, more than the " in refusal(capsys)
+    assert main(["bench", "--preset", "tiny", "--dtype", "float16", "--device", "cpu"]) == 2
+    assert refusal(capsys).startswith("--dtype float16 measures inference only: AdamW on float16 weights")
+
+
 def test_help_explains_every_column(capsys):
     """Every header the table can print (every option on) is named, in quotes, in `gpn bench --help`: the
     limit's columns were, the speed and memory ones only in the module's docstring."""

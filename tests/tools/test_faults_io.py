@@ -516,6 +516,12 @@ GENERATE_BAD = {
     "weights-short-of-config": (["{grown_model}", "hi"], "does not match its config.json: its weights lack model."),
     # a weight holding NaN: the same token over and over, as if generated
     "nan-weights": (["{nan_model}", "hi"], "has parameters holding NaN or inf (loaded as torch.float32): model."),
+    # a weight of 1e5, finite as saved, inf once cast to float16: refused as gpn eval --dtype float16 refuses it
+    "float16-overflow": (
+        ["{big_model}", "hi", "--dtype", "float16"],
+        "(loaded as torch.float16): model.fuse_gate.weight; nothing computed from them would mean anything; float16's "
+        "largest value is 65504",
+    ),
 }
 
 
@@ -531,7 +537,10 @@ def test_generate_bad_arguments_are_one_clear_line(generate_dir, tmp_path, capsy
         (tmp_path / "grown" / "config.json").write_text(json.dumps(config))
     if "{nan_model}" in args:
         copy_with_a_nan_weight(generate_dir, tmp_path / "nan")
+    if "{big_model}" in args:
+        copy_with_a_nan_weight(generate_dir, tmp_path / "big", value=1e5)
     folders = dict(small_model=tmp_path / "small", grown_model=tmp_path / "grown", nan_model=tmp_path / "nan")
+    folders["big_model"] = tmp_path / "big"
     args = [a.format(model=generate_dir, tmp=tmp_path, **folders) for a in args]
     code = gpn_main(["generate", *args])
     captured = capsys.readouterr()

@@ -39,13 +39,15 @@ def printed_texts(capsys, folder, *args) -> list[str]:
     return captured.out.split("\n" + "-" * 40 + "\n")[:-1]
 
 
-def generated_texts(folder, prompts: list[str], seed: int = 0, **settings) -> list[str]:
-    """What `model.generate()` gives for `prompts` in one left-padded batch, each decoded whole."""
+def generated_texts(folder, prompts: list[str], seed: int = 0, half: bool = False, **settings) -> list[str]:
+    """What `model.generate()` gives for `prompts` in one left-padded batch, each decoded whole (`half`: of
+    `model.half()`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    model = model.half() if half else model
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     torch.manual_seed(seed)
     with torch.no_grad():
@@ -70,6 +72,24 @@ def test_generate_prints_what_model_generate_gives(bpe_dir, capsys, case, prompt
     options, settings = CASES[case]
     printed = printed_texts(capsys, bpe_dir, *prompts, "--max-new-tokens", 10, *options)
     assert printed == generated_texts(bpe_dir, prompts, max_new_tokens=10, **settings)
+
+
+def test_generate_in_float16_prints_what_model_half_gives_and_keeps_its_states_to_float16(bpe_dir, capsys, tmp_path):
+    """`--dtype float16` (GPUs without bf16) runs `model.half()`: its tokens, and its state file names float16 weights,
+    so that a model in another dtype refuses to continue it (as a bf16 state is refused), and float16 continues it."""
+    from safetensors import safe_open
+
+    state = tmp_path / "half.safetensors"
+    printed = printed_texts(
+        capsys, bpe_dir, *PROMPTS, "--max-new-tokens", 8, "--dtype", "float16", "--save-state", state
+    )
+    assert printed == generated_texts(bpe_dir, PROMPTS, half=True, max_new_tokens=8, do_sample=False)
+    with safe_open(state, "pt") as saved:
+        assert saved.metadata()["weights_dtype"] == "float16"
+    code = gpn_main(["generate", str(bpe_dir), "--state", str(state), " on", " the", "--device", "cpu"])
+    assert code == 2 and "computed with float16 weights; this model's are float32" in capsys.readouterr().err
+    continued = ["generate", str(bpe_dir), "--state", str(state), " on", " the", "--max-new-tokens", "2"]
+    assert gpn_main([*continued, "--device", "cpu", "--dtype", "float16"]) == 0, capsys.readouterr().err
 
 
 def test_a_batch_prints_what_each_prompt_gives_alone_when_greedy(bpe_dir, capsys):
