@@ -215,7 +215,9 @@ def continue_from_cache(
     where it cannot tell, it refuses, saying what to pass. It never feeds a position twice: a recurrent state
     cannot be rolled back. What it cannot judge (new positions that repeat exactly what was read; a cache after
     beam search, whose rows are the last step's beams) is listed in `continuation_start` and docs/cache.md. With
-    `num_return_sequences`, a cache of one row a prompt is repeated as the prompts were.
+    `num_return_sequences`, a cache of one row a prompt is repeated as the prompts were. Where generate() dropped an
+    all-ones mask, `generation_config._mask_length` is set to cover the positions read and those kept, so that the
+    prefill takes the kept ones as new.
     """
     cache = model_kwargs.get("cache")
     seen = cache.get_seq_length() if isinstance(cache, GPNCache) and cache.has_state else 0
