@@ -270,7 +270,8 @@ def saved_tensors_hooks_active() -> bool:
     return top is None or top(False) is not None
 
 
-# (C-level and module-level reads, cheap enough for every decoded token: about 60 ns together)
+# (C-level and module-level reads, cheap enough for every decoded token: benchmarks/RESULTS.md, "The decode path
+# after the cache claim and the autograd-mode check")
 _functorch_level = getattr(torch._C._functorch, "maybe_current_level", None)
 _forward_ad = torch.autograd.forward_ad
 

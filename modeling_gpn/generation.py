@@ -215,7 +215,9 @@ def continue_from_cache(
     where it cannot tell, it refuses, saying what to pass. It never feeds a position twice: a recurrent state
     cannot be rolled back. What it cannot judge (new positions that repeat exactly what was read; a cache after
     beam search, whose rows are the last step's beams) is listed in `continuation_start` and docs/cache.md. With
-    `num_return_sequences`, a cache of one row a prompt is repeated as the prompts were.
+    `num_return_sequences`, a cache of one row a prompt is repeated as the prompts were. Where generate() dropped an
+    all-ones mask, `generation_config._mask_length` is set to cover the positions read and those kept, so that the
+    prefill takes the kept ones as new.
     """
     cache = model_kwargs.get("cache")
     seen = cache.get_seq_length() if isinstance(cache, GPNCache) and cache.has_state else 0
@@ -311,7 +313,8 @@ def decode_keeping_the_sequences_state(
     """Run transformers' decoding `loop` (the bound `_sample` or `_beam_search` of `model`'s class). Under
     `synced_gpus` a `SyncedPeer` goes with it: in `model_kwargs` (for `prepare_inputs_for_generation`) and on the
     model (for `_has_unfinished_sequences`, which alone sees whether this process has finished and is not given the
-    model_kwargs) while the loop runs, and the result holds the cache of the sequences returned."""
+    model_kwargs) while the loop runs, and the result holds the cache of the sequences returned. Either way, a state
+    gone non-finite at a decoded token is refused after the loop (`refuse_non_finite_decoded_state`)."""
     if not synced_gpus:
         result = loop(*args, **model_kwargs)
     else:
@@ -402,12 +405,14 @@ def refuse_non_finite_prompt_logits(
 
 
 def refuse_non_finite_decoded_state(model: nn.Module, cache: object) -> None:
-    """The prompt's check (`refuse_non_finite_prompt_logits`) cannot see a value that overflows later, at a decoded
-    token (float16 weights whose largest product passes 65504 on some token): the state turns NaN there and stays
-    NaN (every step reads it), and greedy's argmax takes the NaN logits' first entry, so every later token was
-    token 0, or generation stopped at an eos of id 0, in silence. The state is NaN-sticky, so one check of the final
-    state after the loop (one host sync a call, nothing per token) finds any such token; the error names it instead
-    of returning the text."""
+    """Refuse a `cache` whose state went non-finite at a decoded token, after the decoding loop.
+
+    The prompt's check (`refuse_non_finite_prompt_logits`) cannot see a value that overflows later (float16 weights
+    whose largest product passes 65504 on some token): the state turns NaN there and stays NaN (every step reads
+    it), and greedy's argmax takes the NaN logits' first entry, so every later token was token 0, or generation
+    stopped at an eos of id 0, in silence. The state is NaN-sticky, so one check of the final state after the loop
+    (one host sync a call, nothing per token) finds any such token; the error says so (and names float16's range
+    where the weights are float16) instead of returning the text."""
     if not isinstance(cache, GPNCache) or not cache.has_state or is_tracing():
         return
     if all(bool(torch.isfinite(part).all()) for part in cache.state_buffers()):

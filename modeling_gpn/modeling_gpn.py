@@ -1363,7 +1363,9 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
     def _sample(self, *args, synced_gpus: bool = False, **kwargs):
         """transformers' greedy and sampling loop. Under `synced_gpus`, the forwards this process runs after its rows
         have all finished (to keep the collectives matched) advance a throwaway copy of the cache, so the cache kept
-        and returned holds the sequences' state (`generation.SyncedPeer`); without it, the loop as it is."""
+        and returned holds the sequences' state (`generation.SyncedPeer`); without it, the loop as it is. Either way,
+        a state gone non-finite at a decoded token is refused after the loop (float16's overflow: see
+        `generation.refuse_non_finite_decoded_state`)."""
         return decode_keeping_the_sequences_state(self, super()._sample, args, synced_gpus, kwargs)
 
     def _beam_search(self, *args, synced_gpus: bool = False, **kwargs):
