@@ -540,7 +540,7 @@ def fast_decode_token(
         or input_ids.dtype is not torch.int64
         or not input_ids.is_cpu
         or torch.is_grad_enabled()
-        or autograd_mode_blocker() is not None  # (forward AD's tangents, a transform's wrappers: the forward)
+        or autograd_mode_blocker() is not None  # (tangents, a transform's wrappers: the plain path, via the forward)
         or not getattr(cache, "has_state", False)  # (a GPNCache holding a state; anything else: the forward says)
         or autocast_dtype("cpu") is not None
     ):

@@ -4545,7 +4545,7 @@ MUTATIONS = [
     Mutation(
         "forward-mode AD: a decoded token runs as one C call on a dual state",
         "modeling_gpn/fast_recurrence.py",
-        "        or autograd_mode_blocker() is not None  # (forward AD's tangents, a transform's wrappers: the forward)\n",
+        "        or autograd_mode_blocker() is not None  # (tangents, a transform's wrappers: the plain path, via the forward)\n",
         "",
         ("tests/fast_path/test_autograd_modes.py::test_a_decoded_token_continuing_a_dual_state_keeps_its_tangent",),
     ),
