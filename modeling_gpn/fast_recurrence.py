@@ -237,10 +237,9 @@ def choose_backends(
         # Triton's backward reads the records of Triton's forward steps (row-major rows); the torch-ops step's
         # records follow their inputs' layout (a window whose token inputs have the batch innermost makes
         # column-major ones), which the kernels would read as garbage: it runs behind Triton's steps only
-        backward_refusal = triton_backward_steps_refusal(s, U) if triton else None
-        triton_backward = step == TRITON and backward_refusal is None
-        step_backward = TRITON if triton_backward else TORCH_OPS
-        if step == TRITON and backward_refusal is not None:
+        backward_refusal = triton_backward_steps_refusal(s, U) if step == TRITON else None
+        step_backward = TRITON if step == TRITON and backward_refusal is None else TORCH_OPS
+        if backward_refusal is not None:
             refusal = "the backward steps", backward_refusal
     memory = (
         memory_backend(M0.view(-1, s.key_dim, s.value_dim), U, triton=triton, c_kernels=c_kernels) if s.memory else None
@@ -255,11 +254,17 @@ def choose_backends(
     triton_refused = None
     if refusal is not None:
         triton_refused = "Triton leaves {} of this window to the torch ops: {}".format(*refusal)
-        logged = model.__dict__.setdefault("_gpn_logged_triton_refusals", set())
-        if triton_refused not in logged:  # (once per reason and model, as `GPNModel.recurrence_path` logs its own)
-            logged.add(triton_refused)
-            logger.info(f"GPN: {triton_refused}")
+        log_once(logger, model, f"GPN: {triton_refused}")
     return Backends(step, step_backward, memory, graphs, triton_refused)
+
+
+def log_once(log: logging.Logger, model: torch.nn.Module, message: str) -> None:
+    """`log.info(message)` the first time `model` meets it: why the fast path, or a backend of it, gives way is said
+    once per reason and model (`GPNModel.recurrence_path`, `choose_backends`), not at every window."""
+    logged = model.__dict__.setdefault("_gpn_logged_reasons", set())
+    if message not in logged:
+        logged.add(message)
+        log.info(message)
 
 
 def saved_tensors_hooks_active() -> bool:

@@ -87,6 +87,7 @@ from .fast_recurrence import (
     fast_project,
     fast_recurrence,
     foldable_parameter,
+    log_once,
     output_logits,
 )
 from .generation import (
@@ -808,10 +809,7 @@ class GPNModel(GPNPreTrainedModel):
         blocker = self.fast_path_blocker()
         if blocker is None:
             return "fast"
-        logged = self.__dict__.setdefault("_gpn_logged_blockers", set())
-        if blocker not in logged:
-            logged.add(blocker)
-            logger.info(f"GPN runs the plain (module-calling) recurrence instead of the fast path: {blocker}")
+        log_once(logger, self, f"GPN runs the plain (module-calling) recurrence instead of the fast path: {blocker}")
         return "plain"
 
     def recurrence(

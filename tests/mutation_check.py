@@ -577,8 +577,8 @@ MUTATIONS = [
     Mutation(
         "Triton backward only behind Triton's forward steps (it reads their row-major records)",
         "modeling_gpn/fast_recurrence.py",
-        "triton_backward = step == TRITON and backward_refusal is None",
-        "triton_backward = triton and backward_refusal is None  # MUTATION",
+        "step_backward = TRITON if step == TRITON and backward_refusal is None else TORCH_OPS",
+        "step_backward = TRITON if triton and backward_refusal is None else TORCH_OPS  # MUTATION",
         (
             "tests/fast_path/test_triton_kernels.py::test_a_window_the_triton_step_does_not_take_runs_its_backward_on_the_torch_ops",
         ),
@@ -597,15 +597,15 @@ MUTATIONS = [
     Mutation(
         "why Triton leaves a window to the torch ops (not logged)",
         "modeling_gpn/fast_recurrence.py",
-        '            logger.info(f"GPN: {triton_refused}")\n',
-        "            pass  # MUTATION\n",
+        '        log_once(logger, model, f"GPN: {triton_refused}")\n',
+        "        pass  # MUTATION\n",
         ("tests/fast_path/test_dispatch.py::test_a_window_whose_sizes_the_triton_kernels_do_not_take_says_why",),
     ),
     Mutation(
         "why Triton leaves a window to the torch ops (logged for every window, not once per reason)",
         "modeling_gpn/fast_recurrence.py",
-        "        if triton_refused not in logged:",
-        "        if True:  # MUTATION",
+        "    if message not in logged:",
+        "    if True:  # MUTATION",
         ("tests/fast_path/test_dispatch.py::test_a_window_whose_sizes_the_triton_kernels_do_not_take_says_why",),
     ),
     Mutation(
