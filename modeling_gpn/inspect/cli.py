@@ -13,8 +13,7 @@ import torch
 
 from ..atomic_files import write_file_atomically
 from ..cli.arguments import check_no_earlier_output, torch_device, writable_folder
-from ..cli.loading import tokenizer_source
-from ..data import load_tokenizer
+from ..cli.loading import load_model_tokenizer
 from ..data.tokenizer import check_tokenizer_path
 from .figures import FIGURE_NAMES, write_figures
 from .inputs import (
@@ -181,8 +180,8 @@ def inspect_model(args: argparse.Namespace, output: Path, started: float) -> int
     progress = not args.quiet
     try:  # what the arguments name (a model, a tokenizer, data) missing or unusable: one line, no traceback
         model = load_model(args.model, args.device, args.dtype, args.trust_remote_code)
-        tokenizer = load_tokenizer(  # (an adapter folder's own, else its base's: `tokenizer_source`)
-            args.tokenizer or tokenizer_source(args.model), trust_remote_code=args.trust_remote_code, require_eos=False
+        tokenizer = load_model_tokenizer(  # (an adapter folder's own, else its base's, as gpn generate and eval)
+            args.model, args.tokenizer, trust_remote_code=args.trust_remote_code, require_eos=False
         )
         seq_len = args.seq_len or model.config.max_length_hint or 2048
         windows = load_token_windows(

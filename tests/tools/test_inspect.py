@@ -542,14 +542,14 @@ def test_document_resets_without_an_eos_token_are_one_line(tiny_llama_vocab_mode
     from gpn_cli import main
     from modeling_gpn.inspect import cli
 
-    load_tokenizer = cli.load_tokenizer
+    load_model_tokenizer = cli.load_model_tokenizer
 
     def without_eos(*args, **kwargs):
-        tokenizer = load_tokenizer(*args, **kwargs)
+        tokenizer = load_model_tokenizer(*args, **kwargs)
         tokenizer.eos_token = None
         return tokenizer
 
-    monkeypatch.setattr(cli, "load_tokenizer", without_eos)
+    monkeypatch.setattr(cli, "load_model_tokenizer", without_eos)
     text = require_shared("data/tinyshakespeare/input.txt")
     output = tmp_path / "report"
     arguments = [str(tiny_llama_vocab_model), "--data", str(text), "--tokens", "128", "--seq-len", "64"]
