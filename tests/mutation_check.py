@@ -3610,6 +3610,13 @@ MUTATIONS = [
         ("tests/tools/test_serve.py -k without_a_chat_template",),
     ),
     Mutation(
+        "gpn serve on a transformers outside the serving extra's pin is refused by version",
+        "modeling_gpn/serve/cli.py",
+        "    refusal = transformers_refusal()\n",
+        "    refusal = None  # MUTATION\n",
+        ("tests/tools/test_serve.py -k by_version",),
+    ),
+    Mutation(
         "gpn serve's missing-extra hint installs from the repository, not PyPI's unrelated gpn",
         "modeling_gpn/serve/cli.py",
         "pip install -e '.[serving]' in the gpn repository",

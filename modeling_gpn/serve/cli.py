@@ -165,10 +165,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def transformers_refusal() -> str | None:
+    """Why this environment's transformers cannot run `gpn serve`, or None. The serving extra pins the minor
+    whose serving internals `gpn serve` hooks into (5.25 moved them into a process per model that no hook reaches:
+    CONTRIBUTING.md, "The transformers versions tested"), while gpn itself allows the next one: refused by version
+    before an import fails on a moved name, or a later minor that kept the names serves with their meaning changed.
+    The pin is read from gpn's installed metadata, its one source (none there, as in a source tree: no check)."""
+    import importlib.metadata
+
+    import transformers
+    from packaging.requirements import Requirement
+
+    try:
+        requirements = [Requirement(line) for line in importlib.metadata.requires("gpn") or ()]
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for requirement in requirements:
+        serving = requirement.marker is not None and requirement.marker.evaluate({"extra": "serving"})
+        if serving and requirement.name == "transformers":
+            if requirement.specifier.contains(transformers.__version__, prereleases=True):
+                return None
+            return (
+                f"gpn serve runs on transformers{requirement.specifier} (the serving internals it hooks into), "
+                f"this environment has {transformers.__version__}: pip install -e '.[serving]' in the gpn repository"
+            )
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run `gpn serve` until stopped; returns the exit status."""
     import modeling_gpn  # noqa: F401  (registers GPN with the Auto classes)
 
+    refusal = transformers_refusal()
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        return 2
     try:
         from .server import GPNServe
     except ImportError as error:  # fastapi, uvicorn, openai: transformers' serving extra

@@ -1172,6 +1172,22 @@ def test_gpn_serve_that_cannot_start_says_why_without_a_traceback(tmp_path, caps
         assert words in capsys.readouterr().err, arguments
 
 
+def test_gpn_serve_on_a_transformers_outside_the_serving_pin_is_refused_by_version(tmp_path, capsys, monkeypatch):
+    """gpn allows transformers 5.25, whose serve runs each model in a process no hook of gpn serve reaches
+    (CONTRIBUTING.md): `gpn serve` there is refused in one line naming the version and the extra's pin, before
+    an import of a moved name fails (the old line blamed missing dependencies) or anything loads."""
+    import transformers
+
+    from gpn_cli import build_parser
+
+    args = build_parser("serve").parse_args(["serve", str(tmp_path / "no-such-model")])
+    monkeypatch.setattr(transformers, "__version__", "5.25.0")
+    assert args._run(args) == 2
+    err = capsys.readouterr().err
+    assert "gpn serve runs on transformers<5.25,>=5.24" in err and "this environment has 5.25.0" in err, err
+    assert "does not exist" not in err and len(err.strip().splitlines()) == 1
+
+
 def test_a_gpn_whose_weights_hold_nan_is_not_served(model_dir, tmp_path, monkeypatch):
     """The serving model manager builds a GPN with its weights checked as gpn eval, generate and inspect check theirs:
     a weight holding NaN is refused at load (each request failed at generate()'s check of the logits instead), as are
