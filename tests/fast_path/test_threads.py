@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from ..backend_observer import DECODE_CALLS, FAST_PATH, PLAIN_PATH, ran
+from ..backend_observer import C_STEP_KERNELS, DECODE_CALLS, FAST_PATH, PLAIN_PATH, ran
 from ..environment import require_c_kernels
 from ..tiny_models import perturbed_model, tiny_config
 
@@ -103,3 +103,30 @@ def test_a_cache_advanced_by_two_calls_at_once_is_refused(model, second):
     assert cache.get_seq_length() == 6
     with torch.no_grad(), ran(DECODE_CALLS):  # (released: the next call runs)
         model(ids[:, 6:7], cache=cache, use_cache=True)
+
+
+def test_the_c_kernels_give_the_same_bits_at_any_thread_count():
+    """torch's thread count (`torch.set_num_threads`) changes how the C kernels' work is shared out, never a sum:
+    each product's row, norm and memory head is summed whole by one thread, in one order. A prompt and its decoded
+    tokens (1 and 3 rows, widths that cut each product into several tasks) give the same logits, to the bit, at one
+    thread and at two (docs/transformers.md, "Reproducibility")."""
+    require_c_kernels()
+    wide = perturbed_model(tiny_config(hidden_size=256, embedding_size=128, intermediate_size=512), seed=32).eval()
+    results = {}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for rows in (1, 3):
+                ids = torch.randint(1, 97, (rows, 9), generator=torch.Generator().manual_seed(rows))
+                with torch.no_grad(), ran(FAST_PATH, C_STEP_KERNELS, DECODE_CALLS, not_ran=(PLAIN_PATH,)):
+                    out = wide(ids[:, :6], use_cache=True)
+                    logits = [out.logits]
+                    for position in range(6, 9):
+                        mask = torch.ones(rows, position + 1, dtype=torch.long)
+                        out = wide(ids[:, position : position + 1], cache=out.cache, attention_mask=mask)
+                        logits.append(out.logits)
+                results[threads, rows] = torch.cat(logits, 1)
+    finally:
+        torch.set_num_threads(1)
+    for rows in (1, 3):
+        torch.testing.assert_close(results[2, rows], results[1, rows], rtol=0, atol=0, msg=f"{rows} rows")

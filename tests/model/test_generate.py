@@ -7,6 +7,7 @@ import torch
 
 from modeling_gpn import GPNCache
 
+from ..backend_observer import FAST_PATH, PLAIN_PATH, ran
 from ..tiny_models import perturbed_model, tiny_config
 
 PAD = 0
@@ -90,14 +91,27 @@ def test_beam_search_reorders_what_each_cache_row_has_read(model):
 
 @torch.no_grad()
 def test_seeded_sampling_with_and_without_cache(model):
+    """The same seed, the same samples: with the cache or without, through `transformers.set_seed` as through
+    `torch.manual_seed`, and on the plain path (a forward draws nothing from torch's generator on either path, so
+    they leave it at the same state, as the later samples show)."""
+    from transformers import set_seed
+
     prompt = torch.randint(1, 97, (2, 5), generator=torch.Generator().manual_seed(2))
-    kwargs = dict(max_new_tokens=10, do_sample=True, top_k=20, temperature=0.9, num_return_sequences=3)
+    kwargs = dict(max_new_tokens=10, do_sample=True, top_k=20, top_p=0.9, temperature=0.9, num_return_sequences=3)
     torch.manual_seed(123)
-    cached = model.generate(prompt, use_cache=True, **kwargs)
-    torch.manual_seed(123)
+    with ran(FAST_PATH, not_ran=(PLAIN_PATH,)):
+        cached = model.generate(prompt, use_cache=True, **kwargs)
+    set_seed(123)
     uncached = model.generate(prompt, use_cache=False, **kwargs)
+    model.model.use_fast_path = False
+    try:
+        torch.manual_seed(123)
+        with ran(PLAIN_PATH, not_ran=(FAST_PATH,)):
+            plain = model.generate(prompt, **kwargs)
+    finally:
+        model.model.use_fast_path = True
     assert cached.shape == (6, 15)
-    assert torch.equal(cached, uncached)
+    assert torch.equal(cached, uncached) and torch.equal(cached, plain)
 
 
 @torch.no_grad()
