@@ -5128,6 +5128,13 @@ MUTATIONS = [
         "    else:\n        wanted = True  # MUTATION\n    return wanted and available()",
         ("tests/fast_path/test_dispatch.py -k another_device",),
     ),
+    Mutation(
+        "portability: --device mps (or xpu) where the machine has none is not refused before the model loads",
+        "modeling_gpn/cli/arguments.py",
+        '    elif not getattr(getattr(torch, parsed.type, None), "is_available", lambda: True)():\n',
+        "    elif False:  # MUTATION\n",
+        ("tests/tools/test_faults_io.py -k generate_bad and absent-device",),
+    ),
 ]
 
 

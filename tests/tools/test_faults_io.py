@@ -529,6 +529,7 @@ GENERATE_BAD = {
     "top-p-above-one": (["{model}", "hi", "--sample", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
     "zero-beams": (["{model}", "hi", "--num-beams", "0"], "--num-beams must be at least 1"),
     "bad-device": (["{model}", "hi", "--device", "toaster"], "is not a torch device"),
+    "absent-device": (["{model}", "hi", "--device", "mps"], "--device mps asks for mps, which this machine does not"),
     "missing-tokenizer": (["{model}", "hi", "--tokenizer", "{tmp}/nowhere"], "/nowhere does not exist"),
     "model-without-tokenizer": (["{small_model}", "hi"], "small holds no tokenizer (none of tokenizer.json"),
     "foreign-tokenizer": (["{small_model}", "hello there", "--tokenizer", "{model}"], "outside the model's vocabulary"),
