@@ -35,7 +35,6 @@ import json
 import math
 import pickle
 import re
-import resource
 import shutil
 import warnings
 import zipfile
@@ -52,6 +51,11 @@ from modeling_gpn import GPNConfig, GPNForCausalLM
 
 if TYPE_CHECKING:
     from typing import BinaryIO
+
+try:
+    import resource  # POSIX: the address-space limit `available_memory` heeds
+except ImportError:  # Windows: no such limit to heed
+    resource = None
 
 
 class CheckpointError(ValueError):
@@ -75,16 +79,22 @@ def _gib(n: int | float) -> str:
 
 
 def available_memory() -> int | None:
-    """Bytes this process may still allocate: MemAvailable, less where RLIMIT_AS is set; None if unknown."""
+    """Bytes this process may still allocate: MemAvailable (Linux; elsewhere psutil's count of the same), less
+    where RLIMIT_AS is set; None if unknown."""
     limits = []
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 limits.append(int(line.split()[1]) * 1024)
-    except OSError:
-        pass
-    soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
-    if soft != resource.RLIM_INFINITY:
+    except OSError:  # not Linux (macOS, Windows): psutil (accelerate's dependency) asks the system
+        try:
+            import psutil
+
+            limits.append(int(psutil.virtual_memory().available))
+        except Exception:  # noqa: BLE001 (no psutil, or a system it cannot ask: the check is skipped, as before)
+            pass
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0] if resource is not None else None
+    if soft is not None and soft != resource.RLIM_INFINITY:
         try:
             status = Path("/proc/self/status").read_text()
             used = int(re.search(r"VmSize:\s+(\d+)", status).group(1)) * 1024

@@ -1755,6 +1755,12 @@ int gpn_decode(const gpn_step_plan *P, const gpn_decode_plan *D, const i64 *ids,
 """
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c99"]
+# What a compiler that refuses "-march=native" is asked instead, in turn: "-mcpu=native" (what gcc on aarch64 and
+# older clang on arm64 take), then no CPU flag (a build for the target's baseline). "-fopenmp" has no stand-in:
+# the kernels need OpenMP (Apple's clang has none: the torch ops run instead).
+_NATIVE_FLAGS = ("-march=native", "-mcpu=native")
+_OPENMP_PROBE = "#include <omp.h>\nint gpn_probe(void) { return omp_get_max_threads(); }\n"
+_PLAIN_PROBE = "int gpn_probe(void) { return 0; }\n"
 _SYMBOLS = (
     "gpn_memory_step",
     "gpn_memory_write_backward",
@@ -1787,6 +1793,15 @@ class KernelWarning(UserWarning):
 
 class KernelRefusal(RuntimeError):
     """A kernel cannot take these arguments (or the kernels are unavailable); the torch ops can."""
+
+
+class _CompilerFailed(RuntimeError):
+    """The compiler exited with an error (the message holds the end of what it printed)."""
+
+
+class _NoOpenMP(RuntimeError):
+    """The compiler has no OpenMP (refuses -fopenmp or lacks omp.h), which the kernels need: like a missing
+    compiler, the usual case on some platforms (macOS with Apple's clang), so the torch ops run without a warning."""
 
 
 class _Untrusted(Exception):
@@ -1998,10 +2013,40 @@ def _run_compiler(command: list[str], timeout: float) -> None:
             f"{command[0]} did not finish within {timeout:g} s (GPN_KERNEL_BUILD_TIMEOUT); it was stopped"
         ) from None
     if process.returncode != 0:
-        raise RuntimeError(f"{command[0]} exited with {process.returncode}: {errors.strip()[-2000:]}")
+        raise _CompilerFailed(f"{command[0]} exited with {process.returncode}: {errors.strip()[-2000:]}")
 
 
-def _build(compiler: str, folder: Path, key: str, timeout: float, extra_flags: tuple[str, ...] = ()) -> None:
+def _refuses(compiler: str, flag: str, source: str, folder: Path, timeout: float) -> str | None:
+    """The first line of `compiler`'s error when it cannot build the tiny `source` into a shared library with
+    `flag`, None when it can (asked only after a build failed: which flag, if any, is to blame)."""
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".probe-") as scratch:
+        path = Path(scratch) / "probe.c"
+        path.write_text(source, encoding="ascii")
+        try:
+            _run_compiler([compiler, flag, "-shared", "-fPIC", str(path), "-o", str(path.with_suffix(".so"))], timeout)
+        except _CompilerFailed as failure:
+            lines = str(failure).split(": ", 1)[-1].strip().splitlines()
+            return lines[0] if lines else "no message"
+    return None
+
+
+def _flags_after_failure(compiler: str, flags: list[str], folder: Path, timeout: float) -> list[str] | None:
+    """The flags to build with next after a build with `flags` failed: its CPU flag replaced by the next of
+    `_NATIVE_FLAGS` (or dropped) where the compiler refuses it; None where no flag is to blame (the failure
+    stands). Raises `_NoOpenMP` where the compiler refuses -fopenmp."""
+    if "-fopenmp" in flags and (refusal := _refuses(compiler, "-fopenmp", _OPENMP_PROBE, folder, timeout)):
+        raise _NoOpenMP(
+            f"{compiler} has no OpenMP, which the kernels need ({refusal}); set CC to a compiler with OpenMP "
+            "(gcc; on macOS Homebrew's gcc) to build them"
+        )
+    native = next((flag for flag in flags if flag in _NATIVE_FLAGS), None)
+    if native is None or not _refuses(compiler, native, _PLAIN_PROBE, folder, timeout):
+        return None
+    following = _NATIVE_FLAGS[_NATIVE_FLAGS.index(native) + 1 :]
+    return [following[0] if flag == native else flag for flag in flags if following or flag != native]
+
+
+def _build(compiler: str, folder: Path, key: str, timeout: float, flags: list[str]) -> None:
     """Compile in a private temporary folder, then publish the library under its content-hash name and the
     record naming it (each fsynced, then renamed into place: no process ever sees a half-written file under
     a final name) and remove older builds of the same key."""
@@ -2010,7 +2055,7 @@ def _build(compiler: str, folder: Path, key: str, timeout: float, extra_flags: t
         source = Path(scratch) / "gpn_memory.c"
         source.write_text(_kernel_text())
         built = Path(scratch) / "gpn_memory.so"
-        _run_compiler([compiler, *_FLAGS, *extra_flags, str(source), "-o", str(built)], timeout)
+        _run_compiler([compiler, *flags, str(source), "-o", str(built)], timeout)
         os.chmod(built, stat.S_IMODE(built.stat().st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
         content_hash = hashlib.sha256(built.read_bytes()).hexdigest()
         written = Path(scratch) / record.name
@@ -2035,17 +2080,29 @@ def _build(compiler: str, folder: Path, key: str, timeout: float, extra_flags: t
 
 def _compile(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     """The kernels: this user's verified cached build, or a fresh one (replacing anything damaged or foreign),
-    compiled with `extra_flags` after the usual ones."""
+    compiled with `extra_flags` after the usual ones; where the compiler refuses -march=native, with
+    -mcpu=native or no CPU flag instead (`_flags_after_failure`)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise FileNotFoundError("no C compiler (cc, gcc or $CC) found")
     timeout = _build_timeout()
+    folder = _private_folder()
+    flags = [*_FLAGS, *extra_flags]
+    while True:
+        try:
+            return _compile_with(compiler, flags, folder, timeout)
+        except _CompilerFailed:
+            following = _flags_after_failure(compiler, flags, folder, timeout)
+            if following is None:
+                raise
+            flags = following
+
+
+def _compile_with(compiler: str, flags: list[str], folder: Path, timeout: float) -> ctypes.CDLL:
+    """`_compile` with these flags: the cached build of their key, else a fresh one."""
     # -march=native: the build is for this CPU, so the key names its features (a cache folder shared
     # between machines must not hand one machine's AVX-512 build to another)
-    key = hashlib.sha256(
-        "\0".join([_kernel_text(), compiler, *_FLAGS, *extra_flags, _cpu_features()]).encode()
-    ).hexdigest()[:16]
-    folder = _private_folder()
+    key = hashlib.sha256("\0".join([_kernel_text(), compiler, *flags, _cpu_features()]).encode()).hexdigest()[:16]
     with _build_lock(folder, f"gpn_memory_{key}.lock", timeout + 30):
         record = folder / f"gpn_memory_{key}.sha256"
         if os.path.lexists(record):
@@ -2055,7 +2112,7 @@ def _compile(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
                 _warn(f"not loading the cached build in {folder}: {problem}; building it again")
                 record.unlink(missing_ok=True)  # a link is removed, not what it points to
                 _remove_builds(folder, key)
-        _build(compiler, folder, key, timeout, extra_flags)
+        _build(compiler, folder, key, timeout, flags)
         try:
             return _load_verified(folder, key)
         except _Untrusted as problem:  # e.g. a compiler that is not what it claims
@@ -2096,7 +2153,7 @@ def available() -> bool:
         if _library is None and _failure is None:
             try:
                 _library = _compile()
-            except FileNotFoundError as error:  # no compiler: the usual case on many machines, no warning
+            except (FileNotFoundError, _NoOpenMP) as error:  # the usual case on many machines: no warning
                 _failure = str(error)
             except (OSError, RuntimeError) as error:  # a failed build, an untrusted folder: say so once
                 _failure = str(error)

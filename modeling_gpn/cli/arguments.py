@@ -42,7 +42,7 @@ def writable_folder(path: str | Path, option: str) -> Path:
 
 def torch_device(device: str, option: str = "--device") -> torch.device:
     """`device` as a torch device this machine has. Raises `ValueError` naming `option` for a name torch does not
-    know (`toaster`), CUDA on a machine without it, or a CUDA index beyond the machine's GPUs: otherwise each
+    know (`toaster`), CUDA (or mps, xpu...) on a machine without it, or a CUDA index beyond the machine's GPUs: otherwise each
     would surface as a traceback only once the model has loaded and is being moved."""
     import torch
 
@@ -55,6 +55,11 @@ def torch_device(device: str, option: str = "--device") -> torch.device:
             raise ValueError(f"{option} {device} asks for CUDA, which this machine does not have; use {option} cpu")
         if parsed.index is not None and parsed.index >= torch.cuda.device_count():
             raise ValueError(f"{option} {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    # mps (Apple silicon), xpu (Intel GPUs) and the like: torch.mps, torch.xpu, ... say whether this machine has one
+    elif not getattr(getattr(torch, parsed.type, None), "is_available", lambda: True)():
+        raise ValueError(
+            f"{option} {device} asks for {parsed.type}, which this machine does not have; use {option} cpu"
+        )
     return parsed
 
 

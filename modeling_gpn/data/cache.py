@@ -3,7 +3,6 @@ the content key of a cached folder, and writing such a folder whole or not at al
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -16,6 +15,11 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
 from .errors import DataError
+
+try:
+    import fcntl  # POSIX (Linux, macOS): the writing lock that tells a live write from a killed one
+except ImportError:  # Windows: no flock. Writes stay whole-or-nothing (the rename); abandoned ones are kept
+    fcntl = None
 
 
 def default_cache_dir() -> Path:
@@ -37,17 +41,20 @@ def write_folder_atomically(folder: Path, writer: Callable[[Path], None]) -> Non
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
-        lock = open(tmp / f"{WRITING_LOCK}.new", "w")
+        # (no lock file without flock: Windows cannot rename or delete a file that is open)
+        lock = open(tmp / f"{WRITING_LOCK}.new", "w") if fcntl is not None else None
     except OSError as error:
         raise cache_write_error(folder, error) from error
     try:
         # held while this process writes (the kernel drops it if the process is killed); the lock file gets its
         # name only once locked, so no other run ever finds it unlocked while this one lives
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        os.rename(tmp / f"{WRITING_LOCK}.new", tmp / WRITING_LOCK)
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            os.rename(tmp / f"{WRITING_LOCK}.new", tmp / WRITING_LOCK)
         remove_abandoned_writes(folder, tmp)
         writer(tmp)
-        (tmp / WRITING_LOCK).unlink()
+        if lock is not None:
+            (tmp / WRITING_LOCK).unlink()
         try:
             os.replace(tmp, folder)
         except OSError:  # another process finished first: keep theirs
@@ -56,7 +63,8 @@ def write_folder_atomically(folder: Path, writer: Callable[[Path], None]) -> Non
     except OSError as error:
         raise cache_write_error(folder, error) from error
     finally:
-        lock.close()
+        if lock is not None:
+            lock.close()
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
 
@@ -67,7 +75,10 @@ WRITING_LOCK = ".writing.lock"
 def remove_abandoned_writes(folder: Path, own: Path) -> None:
     """Delete the temporary folders that killed writes of `folder` left (a run killed while tokenizing leaves one
     as large as the token cache it was writing): those whose writing lock no process holds. A live writer's lock
-    is held; a folder without a lock file (being renamed into place, or left by an older version) is kept."""
+    is held; a folder without a lock file (being renamed into place, or left by an older version) is kept, and so
+    is every one where there is no flock (Windows): a live write cannot be told from a killed one there."""
+    if fcntl is None:
+        return
     for other in folder.parent.glob(f".{folder.name}.tmp-*"):
         if other == own:
             continue

@@ -168,9 +168,14 @@ class RunFolderLock:
 
     def acquire(self, warn: Callable[[str], None] | None = None) -> RunFolderLock:
         """Take the lock, or raise RunFolderInUseError naming the holder (StorageError: the folder cannot be
-        written, e.g. read-only). Returns self."""
-        import fcntl
+        written, e.g. read-only). Returns self. Where there is no flock (Windows) nothing is locked: `warn` says so
+        and the run goes on, as it would with the folder to itself."""
         import socket
+
+        try:
+            import fcntl
+        except ImportError:
+            fcntl = None
 
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -180,6 +185,14 @@ class RunFolderLock:
                 f"Cannot write the run folder {self.path.parent} ({error}): make it writable or choose another "
                 "--output-dir. Nothing was written"
             ) from error
+        if fcntl is None:
+            os.close(fd)
+            if warn:
+                warn(
+                    f"gpn train: warning: this platform has no flock, so {self.path.parent} is not locked: a second "
+                    "gpn train run into it would not be refused"
+                )
+            return self
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

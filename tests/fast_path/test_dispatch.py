@@ -156,3 +156,19 @@ def test_each_fast_path_setting_turns_its_backend_off_and_changes_nothing_else(t
     assert cuda_graphs.asked(core) and not cuda_graphs.asked(core, training=True)
     core.use_cuda_graphs = True
     assert cuda_graphs.asked(core) and cuda_graphs.asked(core, training=True)
+
+
+def test_tensors_on_another_device_get_the_torch_ops_never_a_kernel(monkeypatch):
+    """mps, xpu or meta tensors (a Mac's GPU, an Intel GPU, a model built without memory): neither the C kernels
+    (which read CPU memory) nor Triton (CUDA) are chosen for them, even with both forced on; `meta` stands in for
+    the devices this machine lacks (the choice reads only the device type)."""
+    from modeling_gpn import memory_kernels, triton_kernels
+
+    monkeypatch.setenv("GPN_TRITON", "1")
+    monkeypatch.setattr(memory_kernels, "available", lambda: True)  # (as if built: only the device may refuse)
+    monkeypatch.setattr(triton_kernels, "available", lambda: True)
+    M, U = torch.empty(4, 3, 5, device="meta"), torch.empty(2, 7, 8, device="meta")
+    assert not triton_kernels.selected(M, U) and not memory_kernels.usable(M, U)
+    assert fr.memory_backend(M, U) == fr.TORCH_OPS
+    s = fr.Shapes(batch=2, hidden=8, inter=8, heads=1, key_dim=3, value_dim=5, layers=1, memory=True)
+    assert not fr.step_kernels_fit(U, s, False, None, False)

@@ -719,6 +719,68 @@ def test_a_compiler_that_writes_junk_turns_the_kernels_off_with_a_warning(probed
     assert any("fresh build is unusable" in w for w in result["warnings"]), result
 
 
+def refusing_compiler(folder: Path, *refused: str) -> dict:
+    """`fake_compiler`: a `cc` that refuses the flags `refused` as a compiler without them does (one line on stderr,
+    exit 1) and is the real compiler otherwise."""
+    real = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
+    cases = "|".join(refused)
+    return fake_compiler(
+        folder,
+        f'for flag; do case "$flag" in {cases}) echo "cc: error: unsupported option \'$flag\'" >&2; exit 1;; esac; done\n'
+        f'exec "{real}" "$@"\n',
+    )
+
+
+def compiler_without_march_native(folder: Path, good_build: None) -> Scenario:
+    return Scenario([(folder / "cache", refusing_compiler(folder / "bin", "-march=native"))])
+
+
+@needs_compiler
+@pytest.mark.skipif(not Path("/bin/sh").exists(), reason="needs /bin/sh for the fake compiler")
+@kernel_cache(compiler_without_march_native)
+def test_a_compiler_refusing_march_native_builds_with_mcpu_native_and_computes_right(probed):
+    """gcc on aarch64 and older clang on Apple silicon refuse -march=native (it failed the build: the kernels off,
+    with the compiler's error as a warning); such a build asks for -mcpu=native instead, without a warning, and
+    its kernels compute what the torch ops compute."""
+    [cache], [result] = probed.caches, probed.results
+    assert result["available"] and not result["warnings"] and result["error"] < 1e-5, result
+    assert len(list(cache.glob("gpn_memory_*.so"))) == 1 and not list(cache.glob(".build-*"))
+
+
+@needs_compiler
+@pytest.mark.skipif(not Path("/bin/sh").exists(), reason="needs /bin/sh for the fake compiler")
+def test_the_cpu_flag_falls_back_in_turn_and_a_compiler_without_openmp_leaves_the_torch_ops(tmp_path, monkeypatch):
+    """Where -mcpu=native is refused too, no CPU flag (a build for the target's baseline); where the compiler has
+    no OpenMP (Apple's clang refuses -fopenmp), which the kernels need, the torch ops run: the reason recorded
+    (`unavailable_reason`), no warning, as with no compiler at all (the usual case there)."""
+    import warnings
+
+    from modeling_gpn import fast_recurrence as fr
+    from modeling_gpn import memory_kernels as mk
+
+    neither = refusing_compiler(tmp_path / "neither", "-march=native", "-mcpu=native")["PATH"].split(os.pathsep)[0]
+    flags = mk._flags_after_failure(f"{neither}/cc", list(mk._FLAGS), tmp_path, 60)
+    assert flags == [flag.replace("-march=native", "-mcpu=native") for flag in mk._FLAGS]
+    assert mk._flags_after_failure(f"{neither}/cc", flags, tmp_path, 60) == [
+        f for f in mk._FLAGS if f != "-march=native"
+    ]
+    real = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
+    assert mk._flags_after_failure(real, list(mk._FLAGS), tmp_path, 60) is None  # (no flag to blame: the error stands)
+
+    no_openmp = refusing_compiler(tmp_path / "no-openmp", "-fopenmp")["PATH"].split(os.pathsep)[0]
+    monkeypatch.setenv("CC", f"{no_openmp}/cc")
+    monkeypatch.setenv("GPN_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("GPN_MEMORY_KERNELS", raising=False)
+    monkeypatch.setattr(mk, "_library", None)
+    monkeypatch.setattr(mk, "_failure", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mk.KernelWarning)
+        assert not mk.available()
+    assert "has no OpenMP, which the kernels need (cc: error: unsupported option '-fopenmp')" in mk.unavailable_reason()
+    assert fr.memory_backend(torch.zeros(2, 3, 4), torch.zeros(2, 5)) == fr.TORCH_OPS
+    assert not list((tmp_path / "cache").glob("gpn_memory_*.so"))
+
+
 STACK_OVERFLOWING_SIZES = ((1, 1, 2, 1 << 20, 1), (1, 1, 1 << 20, 2, 2))
 
 

@@ -331,6 +331,26 @@ def test_convert_refuses_resource_bombs_before_allocating(bomb_runs, case):
     assert not (source / "out").exists()
 
 
+def test_the_memory_check_without_proc_or_resource_asks_psutil(monkeypatch):
+    """Where there is no /proc/meminfo (macOS, Windows) the bombs' memory check asked nothing and let them
+    allocate; there it asks psutil, and without the resource module (Windows) it skips RLIMIT_AS, not the check."""
+    import psutil
+
+    from modeling_gpn.conversion import reference
+
+    monkeypatch.setattr(reference, "resource", None)
+    real_read_text = Path.read_text
+
+    def no_proc(path: Path, *args, **kwargs) -> str:
+        if str(path).startswith("/proc/"):
+            raise FileNotFoundError(path)
+        return real_read_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", no_proc)
+    available = reference.available_memory()
+    assert available is not None and abs(available - psutil.virtual_memory().available) < 2**30, available
+
+
 def test_convert_under_the_same_bound_still_converts_a_real_checkpoint(bomb_runs):
     """The bound is not what refuses the bombs: a genuine checkpoint converts under it, exactly."""
     root, finished, _cap = bomb_runs
@@ -509,6 +529,7 @@ GENERATE_BAD = {
     "top-p-above-one": (["{model}", "hi", "--sample", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
     "zero-beams": (["{model}", "hi", "--num-beams", "0"], "--num-beams must be at least 1"),
     "bad-device": (["{model}", "hi", "--device", "toaster"], "is not a torch device"),
+    "absent-device": (["{model}", "hi", "--device", "mps"], "--device mps asks for mps, which this machine does not"),
     "missing-tokenizer": (["{model}", "hi", "--tokenizer", "{tmp}/nowhere"], "/nowhere does not exist"),
     "model-without-tokenizer": (["{small_model}", "hi"], "small holds no tokenizer (none of tokenizer.json"),
     "foreign-tokenizer": (["{small_model}", "hello there", "--tokenizer", "{model}"], "outside the model's vocabulary"),
@@ -1028,6 +1049,36 @@ def test_a_killed_write_of_the_token_cache_is_cleaned_up_by_the_next(bpe_tokeniz
         assert not stream.reused and not killed.exists() and alive.exists()
     assert sorted(p.name for p in folder.parent.iterdir()) == sorted([folder.name, alive.name])
     assert not (folder / ".writing.lock").exists()
+
+
+def test_without_flock_the_token_cache_is_still_written_whole_and_no_write_is_taken_for_abandoned(
+    bpe_tokenizer_dir, tmp_path, monkeypatch
+):
+    """Windows has no fcntl (`import fcntl` failed the import of the data package: `gpn train` did not start).
+    There the cache is written as elsewhere, without a lock file (Windows cannot rename or delete an open file),
+    and another run's temporary folder is kept: without a lock a live write cannot be told from a killed one.
+    A corpus with Windows line ends (CRLF) gives the tokens of the same text with LF (read as universal newlines)."""
+    from transformers import AutoTokenizer
+
+    from modeling_gpn import data
+    from modeling_gpn.data import cache
+
+    monkeypatch.setattr(cache, "fcntl", None)
+    tokenizer = AutoTokenizer.from_pretrained(bpe_tokenizer_dir)
+    streams = {}
+    for name, end in (("lf", b"\n"), ("crlf", b"\r\n")):
+        path = tmp_path / f"{name} corp\u00fcs.txt"  # (a space and a non-ASCII letter in the path)
+        path.write_bytes(("the cat sat on the m\u00e4t" + end.decode()).encode() * 50)
+        spec = data.CorpusSpec(source=str(path))
+        folder = data.build_token_stream(spec, tokenizer, tmp_path / "cache", show_progress=False).folder
+        other = folder.parent / f".{folder.name}.tmp-other"
+        other.mkdir()
+        (other / ".writing.lock").touch()
+        shutil.rmtree(folder)
+        streams[name] = data.build_token_stream(spec, tokenizer, tmp_path / "cache", show_progress=False)
+        assert other.exists() and not (folder / ".writing.lock").exists()
+    lf, crlf = streams["lf"], streams["crlf"]
+    assert len(lf) == len(crlf) and np.array_equal(lf[:], crlf[:])
 
 
 def test_a_cache_folder_that_cannot_be_written_is_one_clear_error(bpe_tokenizer_dir, tmp_path):

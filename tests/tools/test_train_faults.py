@@ -813,6 +813,20 @@ def test_the_lock_is_held_only_while_train_runs_in_process(tmp_path, cache, shak
     train_module.RunFolderLock(run_dir).acquire().release()
 
 
+def test_without_flock_the_run_folder_is_not_locked_and_says_so(tmp_path, monkeypatch):
+    """Windows has no fcntl (`gpn train` stopped there with ModuleNotFoundError): the run goes on unlocked, one
+    warning saying a second run into the folder would not be refused; an unwritable folder is still refused."""
+    monkeypatch.setitem(sys.modules, "fcntl", None)  # (import fails: ModuleNotFoundError)
+    warned = []
+    first = train_module.RunFolderLock(tmp_path / "run").acquire(warned.append)
+    train_module.RunFolderLock(tmp_path / "run").acquire(warned.append).release()
+    first.release()
+    assert len(warned) == 2 and f"{tmp_path / 'run'} is not locked" in warned[0], warned
+    (tmp_path / "file").touch()
+    with pytest.raises(train_module.StorageError, match="Cannot write the run folder"):
+        train_module.RunFolderLock(tmp_path / "file" / "run").acquire(warned.append)
+
+
 def test_a_quiet_run_prints_no_bar_and_no_warning_at_each_checkpoint(tmp_path, cache, shakespeare, capfd, caplog):
     """--no-progress (show_progress=False) still printed transformers' "Writing model shards" bar when the model
     was saved, and every checkpoint printed Accelerate's "Removed shared tensor {'lm_head.weight'} while saving ...
