@@ -3619,8 +3619,8 @@ MUTATIONS = [
     Mutation(
         "gpn serve's missing-extra hint installs from the repository, not PyPI's unrelated gpn",
         "modeling_gpn/serve/cli.py",
-        "pip install -e '.[serving]' in the gpn repository",
-        "pip install 'gpn[serving]'  # MUTATION",
+        "INSTALL_SERVING = \"pip install -e '.[serving]' in the gpn repository\"",
+        "INSTALL_SERVING = \"pip install 'gpn[serving]'\"  # MUTATION",
         ("tests/tools/test_docs.py -k unrelated_gpn",),
     ),
     Mutation(

@@ -36,6 +36,8 @@ GPN_OPTIONS = (
     "max_queued_requests",
     "max_request_bytes",
 )
+# where the serving extra comes from: this repository (PyPI's `gpn` is an unrelated project)
+INSTALL_SERVING = "pip install -e '.[serving]' in the gpn repository"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
 
@@ -187,7 +189,7 @@ def transformers_refusal() -> str | None:
                 return None
             return (
                 f"gpn serve runs on transformers{requirement.specifier} (the serving internals it hooks into), "
-                f"this environment has {transformers.__version__}: pip install -e '.[serving]' in the gpn repository"
+                f"this environment has {transformers.__version__}: {INSTALL_SERVING}"
             )
     return None
 
@@ -204,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         from .server import GPNServe
     except ImportError as error:  # fastapi, uvicorn, openai: transformers' serving extra
         print(
-            f"gpn serve needs the serving dependencies ({error}): pip install -e '.[serving]' in the gpn repository",
+            f"gpn serve needs the serving dependencies ({error}): {INSTALL_SERVING}",
             file=sys.stderr,
         )
         return 2
