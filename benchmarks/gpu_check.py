@@ -86,7 +86,7 @@ def write_json(out: str | None, name: str, value) -> None:
     """`value` as `out`/`name` (the folder made if need be: a dry run's --out was lost at the end otherwise)."""
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
-        Path(out, name).write_text(json.dumps(value, indent=1, default=str))
+        Path(out, name).write_text(json.dumps(value, indent=1, default=str), encoding="utf-8")
 
 
 def perturbed(config, device, seed=0):
@@ -721,7 +721,7 @@ def run_timing(name: str, timing, out: str | None) -> None:
         figures = timing("cuda")
         figures["self_checks"] = tk.self_check_summary()
         if out:
-            Path(out, f"{name}_timing.json").write_text(json.dumps(figures, default=str))
+            Path(out, f"{name}_timing.json").write_text(json.dumps(figures, default=str), encoding="utf-8")
     except Exception as error:  # noqa: BLE001
         report(False, f"{name} timing: {type(error).__name__}: {error}")
 

@@ -231,7 +231,7 @@ def main() -> int:
     if length:
         training_rows(args, rows, length, segment)
     if args.json:
-        with open(args.json, "w") as f:
+        with open(args.json, "w", encoding="utf-8") as f:
             json.dump(dict(rows=rows, details=details), f, indent=1)
     return 0
 

@@ -26,7 +26,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def status_mib(field: str) -> float:
-    return int(re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1)) / 1024
+    return (
+        int(re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(encoding="utf-8"), re.M).group(1))
+        / 1024
+    )
 
 
 class Report:

@@ -33,7 +33,9 @@ PRESETS = REPO_ROOT / "configuration"
 
 
 def status_kib(field: str) -> int:
-    return int(re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1))
+    return int(
+        re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(encoding="utf-8"), re.M).group(1)
+    )
 
 
 def build_model(preset: str, code: str | None):
@@ -60,7 +62,7 @@ def measure_one(preset: str, length: int, code: str | None, threads: int) -> dic
     ids = torch.randint(0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         model(ids[:, :64], use_cache=True, logits_to_keep=1)  # warm-up: kernels built, weights folded
-    Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark to the current RSS
+    Path("/proc/self/clear_refs").write_text("5", encoding="utf-8")  # reset the peak-RSS mark to the current RSS
     before = status_kib("VmRSS")
     start = time.perf_counter()
     with torch.no_grad():
@@ -145,7 +147,7 @@ def main() -> None:
             flush=True,
         )
         if args.json:
-            with open(args.json, "a") as file:
+            with open(args.json, "a", encoding="utf-8") as file:
                 file.write(json.dumps({"preset": args.preset, **record}) + "\n")
 
 

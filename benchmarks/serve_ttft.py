@@ -134,7 +134,7 @@ class Server:
     def __init__(self, name: str, command: list[str], port: int, log: Path, threads: int):
         self.name, self.port, self.log = name, port, log
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        with open(log, "w") as out:
+        with open(log, "w", encoding="utf-8") as out:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
 
     def wait(self, timeout: float = 300) -> None:
@@ -285,7 +285,7 @@ def requests_per_second(server: Server, model: str, texts: list[list[str]], answ
 
 
 def load_average() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    return " ".join(Path("/proc/loadavg").read_text(encoding="utf-8").split()[:3])
 
 
 def main() -> None:

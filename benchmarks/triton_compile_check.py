@@ -339,7 +339,7 @@ def main() -> int:
             flush=True,
         )
     if args.json:
-        with open(args.json, "w") as f:
+        with open(args.json, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=1)
     return 1 if failures else 0
 

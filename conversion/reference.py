@@ -83,7 +83,7 @@ def available_memory() -> int | None:
     where RLIMIT_AS is set; None if unknown."""
     limits = []
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
+        for line in Path("/proc/meminfo").read_text(encoding="utf-8").splitlines():
             if line.startswith("MemAvailable:"):
                 limits.append(int(line.split()[1]) * 1024)
     except OSError:  # not Linux (macOS, Windows): psutil (accelerate's dependency) asks the system
@@ -96,7 +96,7 @@ def available_memory() -> int | None:
     soft = resource.getrlimit(resource.RLIMIT_AS)[0] if resource is not None else None
     if soft is not None and soft != resource.RLIM_INFINITY:
         try:
-            status = Path("/proc/self/status").read_text()
+            status = Path("/proc/self/status").read_text(encoding="utf-8")
             used = int(re.search(r"VmSize:\s+(\d+)", status).group(1)) * 1024
             limits.append(max(0, soft - used))
         except (OSError, AttributeError):

@@ -58,7 +58,7 @@ def replacing(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     try:
         descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         created = True
-        with open(descriptor, mode) as handle:
+        with open(descriptor, mode, encoding="utf-8" if mode == "w" else None) as handle:
             yield handle
             handle.flush()
             os.fsync(handle.fileno())

@@ -1820,7 +1820,7 @@ def _kernel_text() -> str:
 
 def _cpu_features() -> str:
     try:
-        with open("/proc/cpuinfo") as cpuinfo:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
             for line in cpuinfo:
                 if line.startswith(("flags", "Features")):
                     return line
@@ -2053,13 +2053,13 @@ def _build(compiler: str, folder: Path, key: str, timeout: float, flags: list[st
     record = folder / f"gpn_memory_{key}.sha256"
     with tempfile.TemporaryDirectory(dir=folder, prefix=".build-") as scratch:
         source = Path(scratch) / "gpn_memory.c"
-        source.write_text(_kernel_text())
+        source.write_text(_kernel_text(), encoding="utf-8")
         built = Path(scratch) / "gpn_memory.so"
         _run_compiler([compiler, *flags, str(source), "-o", str(built)], timeout)
         os.chmod(built, stat.S_IMODE(built.stat().st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
         content_hash = hashlib.sha256(built.read_bytes()).hexdigest()
         written = Path(scratch) / record.name
-        written.write_text(content_hash + "\n")
+        written.write_text(content_hash + "\n", encoding="utf-8")
         os.chmod(written, 0o644)
         for path in (built, written):
             with open(path, "rb+") as handle:
@@ -2571,7 +2571,7 @@ def _segment(op: Operand, slot: dict, out: torch.Tensor, column: int, store_bf16
 def _last_level_cache_bytes() -> int:
     """The L3's size as Linux reports it for CPU 0 (32 MB where none is reported)."""
     try:
-        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text(encoding="utf-8").strip()
         return int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM" else int(text)
     except (OSError, ValueError, IndexError):
         return 32 << 20
@@ -2626,8 +2626,8 @@ def _madvise():
         try:
             thp = Path("/sys/kernel/mm/transparent_hugepage")
             if (
-                "[never]" not in (thp / "enabled").read_text()
-                and int((thp / "hpage_pmd_size").read_text()) == _HUGE_PAGE
+                "[never]" not in (thp / "enabled").read_text(encoding="utf-8")
+                and int((thp / "hpage_pmd_size").read_text(encoding="utf-8")) == _HUGE_PAGE
             ):
                 function = ctypes.CDLL(None, use_errno=True).madvise
                 function.argtypes, function.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int

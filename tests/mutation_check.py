@@ -3610,6 +3610,20 @@ MUTATIONS = [
         ("tests/tools/test_serve.py -k without_a_chat_template",),
     ),
     Mutation(
+        "portability: a kept state's record is read as UTF-8, not in the platform's default encoding",
+        "modeling_gpn/serve/state_store.py",
+        'record = json.loads(ids_path.read_text(encoding="utf-8"))',
+        "record = json.loads(ids_path.read_text())  # MUTATION",
+        ("tests/tools/test_faults_io.py -k names_its_encoding",),
+    ),
+    Mutation(
+        "portability: a replaced file written in text mode is UTF-8, not the platform's default encoding",
+        "modeling_gpn/atomic_files.py",
+        'with open(descriptor, mode, encoding="utf-8" if mode == "w" else None) as handle:',
+        "with open(descriptor, mode) as handle:  # MUTATION",
+        ("tests/tools/test_faults_io.py -k names_its_encoding",),
+    ),
+    Mutation(
         "gpn serve on a transformers outside the serving extra's pin is refused by version",
         "modeling_gpn/serve/cli.py",
         "    refusal = transformers_refusal()\n",
@@ -5082,8 +5096,8 @@ MUTATIONS = [
     Mutation(
         "portability: without flock the token cache still makes its lock file (Windows cannot rename an open file)",
         "modeling_gpn/data/cache.py",
-        '"w") if fcntl is not None else None',
-        '"w")  # MUTATION',
+        '"w", encoding="utf-8") if fcntl is not None else None',
+        '"w", encoding="utf-8")  # MUTATION',
         ("tests/tools/test_faults_io.py -k without_flock",),
     ),
     Mutation(

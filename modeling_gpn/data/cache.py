@@ -42,7 +42,7 @@ def write_folder_atomically(folder: Path, writer: Callable[[Path], None]) -> Non
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
         # (no lock file without flock: Windows cannot rename or delete a file that is open)
-        lock = open(tmp / f"{WRITING_LOCK}.new", "w") if fcntl is not None else None
+        lock = open(tmp / f"{WRITING_LOCK}.new", "w", encoding="utf-8") if fcntl is not None else None
     except OSError as error:
         raise cache_write_error(folder, error) from error
     try:
@@ -83,7 +83,7 @@ def remove_abandoned_writes(folder: Path, own: Path) -> None:
         if other == own:
             continue
         try:
-            with open(other / WRITING_LOCK, "r+") as handle:
+            with open(other / WRITING_LOCK, "r+", encoding="utf-8") as handle:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 shutil.rmtree(other, ignore_errors=True)
         except OSError:  # no lock file, or its writer is alive

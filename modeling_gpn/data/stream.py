@@ -41,7 +41,7 @@ class TokenStream:
         self.folder = Path(folder)
         meta_path = self.folder / "meta.json"
         try:
-            self.meta = json.loads(meta_path.read_text())
+            self.meta = json.loads(meta_path.read_text(encoding="utf-8"))
             dtype = np.dtype(self.meta["dtype"])
             names, lengths = list(self.meta["shards"]), [int(n) for n in self.meta["shard_tokens"]]
             self.vocab_size = int(self.meta["vocab_size"])
@@ -216,7 +216,7 @@ def tokenize_into(
         "tokens": total,
         "max_tokens": max_tokens,
     }
-    with open(folder / "meta.json", "w") as handle:
+    with open(folder / "meta.json", "w", encoding="utf-8") as handle:
         handle.write(json.dumps(meta, indent=1))
         handle.flush()
         os.fsync(handle.fileno())  # (the shards are fsynced as they close): on disk before the folder is renamed

@@ -58,7 +58,7 @@ def trained_with_document_resets(name: str) -> bool:
     folder = Path(name).expanduser()
     for candidate in (folder / "train_config.json", folder.parent / "train_config.json"):
         try:
-            config = json.loads(candidate.read_text())
+            config = json.loads(candidate.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
         return isinstance(config, dict) and config.get("reset_at_document_start") is True

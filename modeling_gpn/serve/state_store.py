@@ -384,7 +384,7 @@ class StateStore:
             key = ids_path.name.removesuffix(IDS_SUFFIX)
             state_path = self._state_path(key)
             try:
-                record = json.loads(ids_path.read_text())
+                record = json.loads(ids_path.read_text(encoding="utf-8"))
                 ids = [int(token) for token in record["ids"]]
                 ids_bytes, owner = _ids_bytes(ids), str(record["model"])
                 stat = state_path.stat()

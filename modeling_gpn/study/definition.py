@@ -40,7 +40,7 @@ def load_study(name_or_path: str) -> dict[str, Any]:
     """The study `name_or_path` names (configuration/studies/NAME.json or a path), checked."""
     path = study_path(name_or_path)
     try:
-        study = json.loads(path.read_text())
+        study = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise StudyError(f"Cannot read the study {path}: {error}") from None
     if not isinstance(study, dict):

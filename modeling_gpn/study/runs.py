@@ -181,7 +181,7 @@ def earlier_record(name: str, config: dict, output: Path) -> dict[str, Any] | No
     if not path.exists():
         return None
     try:
-        record = json.loads(path.read_text())
+        record = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise StudyError(f"Cannot read {path}, left by an earlier run of the study: {error}") from None
     earlier, now = record.get("config", {}), record_of(config)
@@ -202,7 +202,7 @@ def check_same_study(study_name: str, output: Path) -> None:
     if not path.exists():
         return
     try:
-        earlier = json.loads(path.read_text()).get("study")
+        earlier = json.loads(path.read_text(encoding="utf-8")).get("study")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as error:
         raise StudyError(f"Cannot read {path}, left by an earlier study: {error}") from None
     if earlier is not None and Path(str(earlier)).stem != Path(study_name).stem:
@@ -242,7 +242,11 @@ def train_one(
     start = time.perf_counter()
     summary = train(config, resume=resume or None, show_progress=show_progress)
     summary["wall_time_s"] = time.perf_counter() - start
-    log = [json.loads(line) for line in (output / name / "log.jsonl").read_text().splitlines() if line.strip()]
+    log = [
+        json.loads(line)
+        for line in (output / name / "log.jsonl").read_text(encoding="utf-8").splitlines()
+        if line.strip()
+    ]
     summary["curve"] = [
         (row["tokens"], row["loss"]) for row in log if "tokens" in row and "loss" in row and "lr" in row
     ]

@@ -224,7 +224,7 @@ def load_recipe(name_or_path: str, _seen: tuple = ()) -> dict:
 def read_json(path: Path, what: str) -> dict:
     """The JSON object in `path`; a ValueError naming `what` and the file if it is unreadable or not an object."""
     try:
-        values = json.loads(Path(path).read_text())
+        values = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:  # (a file not UTF-8 did not name the file)
         raise ValueError(f"Cannot read {what} {path}: {error}") from error
     if not isinstance(values, dict):

@@ -439,7 +439,7 @@ def huge_page_bytes(tensor: torch.Tensor) -> int:
     """Bytes on transparent huge pages in the mappings that overlap `tensor`'s bytes (/proc/self/smaps; advice
     splits a mapping where it starts and ends)."""
     first, end, inside, total = tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes, False, 0
-    with open("/proc/self/smaps") as smaps:
+    with open("/proc/self/smaps", encoding="utf-8") as smaps:
         for line in smaps:
             head = line.split()[0]
             if "-" in head and not head.endswith(":"):

@@ -698,9 +698,12 @@ def test_a_hanging_compiler_is_stopped_and_the_torch_ops_serve(probed):
     while Path(f"/proc/{sleeper}").exists() and time.monotonic() < deadline:  # reaped by init shortly
         time.sleep(0.1)
         with contextlib.suppress(OSError):
-            if Path(f"/proc/{sleeper}/stat").read_text().split()[2] == "Z":
+            if Path(f"/proc/{sleeper}/stat").read_text(encoding="utf-8").split()[2] == "Z":
                 break  # a zombie: killed, waiting for its reaper
-    assert not Path(f"/proc/{sleeper}").exists() or Path(f"/proc/{sleeper}/stat").read_text().split()[2] == "Z"
+    assert (
+        not Path(f"/proc/{sleeper}").exists()
+        or Path(f"/proc/{sleeper}/stat").read_text(encoding="utf-8").split()[2] == "Z"
+    )
     assert not list(cache.glob("gpn_memory_*.so")) and not list(cache.glob(".build-*"))
 
 

@@ -40,7 +40,7 @@ def decoded_backends(request, monkeypatch) -> tuple[str, ...]:
 
 def cpu_flags() -> set[str]:
     try:
-        with open("/proc/cpuinfo") as info:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
             return next((set(line.split(":", 1)[1].split()) for line in info if line.startswith("flags")), set())
     except OSError:
         return set()

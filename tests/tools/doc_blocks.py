@@ -27,7 +27,7 @@ class Block:
 
 def code_blocks(path: Path) -> list[Block]:
     blocks, opened, lines = [], None, []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         match = FENCE.match(line.strip())
         if opened is None and match:
             opened, lines = (number, match.group(1), frozenset(match.group(2).split())), []

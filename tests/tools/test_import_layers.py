@@ -74,7 +74,7 @@ def _resolve_relative(module: str, is_package: bool, level: int, target: str | N
 
 def imports_of(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """The project modules `module` (at `path`) imports anywhere in its file."""
-    tree = ast.parse(path.read_text(), filename=str(path))
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     is_package = path.name == "__init__.py"
     found: set[str] = set()
 

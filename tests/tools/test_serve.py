@@ -117,14 +117,16 @@ def serving(model_dir: Path | None, log_path: Path, *options: str) -> Iterator[t
         *options,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with open(log_path, "w") as log:
+    with open(log_path, "w", encoding="utf-8") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
         while get(base + "/health")[0] != 200:
             if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"gpn serve did not come up (exit {process.poll()}):\n{log_path.read_text()[-3000:]}")
+                pytest.fail(
+                    f"gpn serve did not come up (exit {process.poll()}):\n{log_path.read_text(encoding='utf-8')[-3000:]}"
+                )
             time.sleep(0.2)
         yield base, process
     finally:

@@ -549,7 +549,7 @@ def test_a_stuck_ddp_rank_fails_the_job_after_ddp_timeout(launched):
 
 def _process_state(pid: int) -> str:
     with contextlib.suppress(OSError):
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return Path(f"/proc/{pid}/stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()[0]
     return "X"
 
 

@@ -88,7 +88,7 @@ def launch(argv: list[str], log: Path, env: Mapping[str, str] | None = None) -> 
         TOKENIZERS_PARALLELISM="false",
         PYTHONFAULTHANDLER="1",
     )
-    handle = open(log, "w")
+    handle = open(log, "w", encoding="utf-8")
     process = subprocess.Popen(
         argv, env=env, cwd=REPO_ROOT, stdout=handle, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
