@@ -266,7 +266,34 @@ AVX512-VNNI on the integer dot products, the input rounded to 16 bits: see quant
 
 #include <stdint.h>
 #include <stdlib.h>
+#include <pthread.h>
 #include <omp.h>
+
+/* A buffer of the calling thread's own (the int8 products' quantized inputs, `quantize_input`), freed when the
+   thread ends: a `static __thread` pointer alone is not, so a server that starts a thread per request (each with
+   its OpenMP team) would leave one buffer behind per thread, for good. `old`: the thread's buffer, freed here
+   (NULL: none yet). Returns one of `bytes`, or NULL where malloc fails. */
+static pthread_key_t thread_buffer_key;
+static pthread_once_t thread_buffer_once = PTHREAD_ONCE_INIT;
+static i64 live_thread_buffers;  /* allocated and not yet freed, in every thread (`gpn_thread_buffers`) */
+static void free_thread_buffer(void *buffer)
+{
+    free(buffer);
+    __atomic_sub_fetch(&live_thread_buffers, 1, __ATOMIC_RELAXED);
+}
+static void make_thread_buffer_key(void) { pthread_key_create(&thread_buffer_key, free_thread_buffer); }
+static void *thread_buffer(void *old, size_t bytes)
+{
+    pthread_once(&thread_buffer_once, make_thread_buffer_key);
+    if (old) free_thread_buffer(old);
+    void *buffer = malloc(bytes);
+    if (buffer) __atomic_add_fetch(&live_thread_buffers, 1, __ATOMIC_RELAXED);
+    pthread_setspecific(thread_buffer_key, buffer);  /* (its destructor frees it when the thread ends) */
+    return buffer;
+}
+/* How many such buffers are alive now (`thread_buffers`: asked by the tests) */
+i64 gpn_thread_buffers(void) { return __atomic_load_n(&live_thread_buffers, __ATOMIC_RELAXED); }
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define GPN_AVX512 1
@@ -495,7 +522,7 @@ typedef struct {
 } gpn_quantized;
 /* each thread's own: a phase's threads quantize the inputs of the products they take (a few thousand floats,
    redone by each thread instead of a barrier), and every phase starts afresh (`run_tasks`), since the slots
-   are rewritten between phases */
+   are rewritten between phases; its buffer is freed when the thread ends (`thread_buffer`) */
 static __thread gpn_quantized quantized_input;
 
 static const gpn_quantized *quantize_input(const gpn_segment *sg, i64 B)
@@ -505,9 +532,8 @@ static const gpn_quantized *quantize_input(const gpn_segment *sg, i64 B)
     if (q->x == sg->x && q->stride == sg->x_stride && q->K == K && q->B == B) return q->finite ? q : 0;
     q->x = 0;
     if (2 * B * width > q->capacity) {
-        free(q->hi);
         q->capacity = 0;
-        q->hi = (int8_t *)malloc((size_t)(2 * B * width));
+        q->hi = (int8_t *)thread_buffer(q->hi, (size_t)(2 * B * width));
         if (!q->hi) return 0;  /* (the float products run) */
         q->capacity = 2 * B * width;
     }
@@ -788,9 +814,8 @@ static const gpn_quantized *quantize_input(const gpn_segment *sg, i64 B)
     if (q->x == sg->x && q->stride == sg->x_stride && q->K == K && q->B == B) return q->finite ? q : 0;
     q->x = 0;
     if (B * K > q->capacity) {
-        free(q->xq);
         q->capacity = 0;
-        q->xq = (int16_t *)malloc((size_t)(B * K) * sizeof(int16_t));
+        q->xq = (int16_t *)thread_buffer(q->xq, (size_t)(B * K) * sizeof(int16_t));
         if (!q->xq) return 0;  /* (the float products run) */
         q->capacity = B * K;
     }
@@ -1776,6 +1801,7 @@ _SYMBOLS = (
     "gpn_decode",
     "gpn_read_probe",
     "gpn_products_isa",
+    "gpn_thread_buffers",
     "gpn_kernel_source_digest",
 )
 BUILD_TIMEOUT_S = 60.0  # default bound on one compiler run (`GPN_KERNEL_BUILD_TIMEOUT` overrides it)
@@ -1945,6 +1971,7 @@ def _load_verified(folder: Path, key: str) -> ctypes.CDLL:
     lib.gpn_held_input.restype = ctypes.c_int
     lib.gpn_tiled_input.argtypes, lib.gpn_tiled_input.restype = [p, i64], ctypes.c_int
     lib.gpn_gates.argtypes, lib.gpn_gates.restype = [p, p, p, i64], None
+    lib.gpn_thread_buffers.argtypes, lib.gpn_thread_buffers.restype = [], i64
     lib.gpn_log_tasks.argtypes, lib.gpn_log_tasks.restype = [p], None
     lib.gpn_step.argtypes = [*[p] * 11, ctypes.c_int]
     lib.gpn_step.restype = None
@@ -3228,6 +3255,16 @@ def gates(x: torch.Tensor, library: ctypes.CDLL | None = None) -> tuple[torch.Te
     sigmoid, silu = torch.empty_like(x), torch.empty_like(x)
     library.gpn_gates(x.data_ptr(), sigmoid.data_ptr(), silu.data_ptr(), x.numel())
     return sigmoid, silu
+
+
+def thread_buffers(library: ctypes.CDLL | None = None) -> int:
+    """How many per-thread buffers of `library` (by default the kernels in use) are alive now, in every thread: the
+    int8 products' quantized inputs, one per thread that ran them, each freed when its thread ends (for the tests
+    that hold a thread per call to that)."""
+    if library is None:
+        _require()
+        library = _library
+    return library.gpn_thread_buffers()
 
 
 def products_isa(library: ctypes.CDLL | None = None) -> str:

@@ -121,6 +121,13 @@ MUTATIONS = [
         ("tests/fast_path/test_threads.py -k refused and decoded",),
     ),
     Mutation(
+        "threads (the int8 products' per-thread buffer is not freed when its thread ends)",
+        "modeling_gpn/memory_kernels.py",
+        "    pthread_setspecific(thread_buffer_key, buffer);  /* (its destructor",
+        "    /* MUTATION */ (void)thread_buffer_key;  /* (its destructor",
+        ("tests/fast_path/test_threads.py -k int8_products",),
+    ),
+    Mutation(
         "one-call decode (a plan kept after its modules changed)",
         "modeling_gpn/derived_weights.py",
         "    def unchanged(self) -> bool:\n",

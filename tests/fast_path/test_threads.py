@@ -1,18 +1,20 @@
 """Threads: two threads generating with one model at once (a threaded server) each get exactly their own tokens
 (what the fast path derives, its plans and their workspaces included, lives in a scope per thread:
-`derived_weights.py`), and one cache advanced by two calls at once is refused rather than computed from a
-half-written state (`GPNCache.claim`)."""
+`derived_weights.py`), one cache advanced by two calls at once is refused rather than computed from a
+half-written state (`GPNCache.claim`), and what the C kernels keep per thread goes when the thread does (a
+server that starts a thread per request)."""
 
 from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import pytest
 import torch
 
 from ..backend_observer import C_STEP_KERNELS, DECODE_CALLS, FAST_PATH, PLAIN_PATH, ran
-from ..environment import require_c_kernels
+from ..environment import require_c_kernels, require_exact_int8
 from ..tiny_models import perturbed_model, tiny_config
 
 
@@ -130,3 +132,29 @@ def test_the_c_kernels_give_the_same_bits_at_any_thread_count():
         torch.set_num_threads(1)
     for rows in (1, 3):
         torch.testing.assert_close(results[2, rows], results[1, rows], rtol=0, atol=0, msg=f"{rows} rows")
+
+
+def test_the_int8_products_buffer_of_a_thread_goes_with_the_thread():
+    """The int8 products quantize their input into a buffer of the thread's own (`quantize_input`): a thread that
+    ran them and ended leaves none behind (freed by its thread's destructor), so a server starting a thread per
+    request does not grow by one buffer per thread (per OpenMP thread of each) for good."""
+    require_exact_int8()
+    torchao = pytest.importorskip("torchao.quantization", reason="torchao (the test extra) quantizes the linear")
+    from modeling_gpn import memory_kernels
+
+    linear = torch.nn.Linear(64, 48, bias=False)
+    torchao.quantize_(linear, torchao.Int8WeightOnlyConfig())
+    x = torch.randn(1, 64)
+    memory_kernels.module_rows(linear, x)  # (this thread's buffer, and its OpenMP team's: they stay)
+    before = memory_kernels.thread_buffers()
+    assert before >= 1  # (the products quantized their input: the buffer this test is about was made)
+    for _ in range(4):
+        thread = threading.Thread(target=memory_kernels.module_rows, args=(linear, x))
+        thread.start()
+        thread.join()
+    # (a thread's destructors run as it exits, after join() returns: its OpenMP workers' after it; so wait for them)
+    for _ in range(500):
+        if memory_kernels.thread_buffers() <= before:
+            break
+        time.sleep(0.01)
+    assert memory_kernels.thread_buffers() == before
