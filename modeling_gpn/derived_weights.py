@@ -23,6 +23,7 @@ This file ships to the Hub with the model: it imports only torch and the standar
 from __future__ import annotations
 
 import operator
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Mapping
@@ -153,6 +154,47 @@ def called_as_is(module: torch.nn.Module) -> bool:
         or module._backward_hooks
         or "forward" in module.__dict__
     )
+
+
+# PEFT's LoRA linear layer, known by the module and name of its class, so that nothing here imports PEFT; and the PEFT
+# versions whose `Linear.forward` was read for `merged_lora_base` (0.21.2's peft/tuners/lora/layer.py; the test
+# extra pins peft to 0.21). Another version, or a class of another name (a subclass, bitsandbytes' or torchao's LoRA
+# layers, DoRA's embedding, `modules_to_save`'s wrapper), is a wrapper like any other: the plain path calls it.
+PEFT_LORA_LINEAR = ("peft.tuners.lora.layer", "Linear")
+PEFT_VERSIONS_READ = ("0.21.",)
+
+
+def merged_lora_base(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The base layer of a PEFT LoRA linear layer whose forward is provably that base layer's, or None.
+
+    PEFT 0.21's `lora.Linear.forward(x)` returns `self.base_layer(x)` and nothing else where its adapters are not
+    disabled (disabled and merged, it first unmerges: writes the weights), no `adapter_names` are passed (PEFT's
+    mixed batch passes them through forward pre-hooks) and some adapter is merged (`self.merged`), whatever the
+    others, their dropout or DoRA's magnitude (a merged DoRA's is in the weight). So: exactly that class, of a PEFT
+    version read, its forward the class's own (not assigned to the class or the instance), no hooks on it, adapters
+    not disabled, every active adapter merged (an active one left unmerged, which PEFT 0.21 ignores while another is
+    merged, keeps the plain path, as the user may mean it to compute), and the `weight` and `bias` it shows (what
+    the fast path reads) the base layer's own. Whether the base layer is a plain module is asked of it as of any."""
+    kind = type(module)
+    if kind.__name__ != PEFT_LORA_LINEAR[1] or kind.__module__ != PEFT_LORA_LINEAR[0]:
+        return None
+    peft = sys.modules.get("peft")
+    if peft is None or not str(getattr(peft, "__version__", "")).startswith(PEFT_VERSIONS_READ):
+        return None
+    forward = kind.__dict__.get("forward")
+    if getattr(forward, "__module__", None) != PEFT_LORA_LINEAR[0] or getattr(forward, "__qualname__", None) != (
+        "Linear.forward"
+    ):
+        return None
+    if not called_as_is(module):
+        return None
+    merged = module.merged_adapters
+    if module.disable_adapters or not merged or not set(module.active_adapters) <= set(merged):
+        return None
+    base = module._modules.get("base_layer")
+    if base is None or module.weight is not base.weight or module.bias is not base.bias:
+        return None
+    return base
 
 
 # (C-level reads of a tensor's version and address, for `map`)

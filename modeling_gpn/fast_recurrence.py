@@ -88,6 +88,7 @@ from .derived_weights import (
     derived_weights_of,
     derived_weights_scope,
     keep_with,
+    merged_lora_base,
     registered_global_hook,
     replaced_method,
     replaced_method_reason,
@@ -400,7 +401,9 @@ def fast_project(module: torch.nn.Module, x: torch.Tensor, fast: bool = True) ->
     kernels when `fast` (the model's `use_fast_path`): a decoded token's decoder and token projections, which
     torch's and torchao's int8 linear run far below the bandwidth limit at these sizes (a call's fixed cost
     is larger than its product).
-    Anything else calls the module."""
+    Anything else calls the module. (A PEFT LoRA layer merged in place whose forward is provably its base layer's
+    is that base layer: `derived_weights.merged_lora_base`.)"""
+    module = merged_lora_base(module) or module
     weight = getattr(module, "weight", None)
     if (
         fast
@@ -461,7 +464,8 @@ def decode_lane_blocker(lm: torch.nn.Module, norm_class: type, methods: dict) ->
     Anything else runs the forward as usual, which calls every module and method."""
     model = lm.model
     embedding, head = model.embed_tokens, lm.lm_head
-    for name, module in (("lm_head", head), ("fuse_proj", model.fuse_proj), ("decode_proj", model.decode_proj)):
+    fuse_proj, decode_proj = _projections(model)
+    for name, module in (("lm_head", head), ("fuse_proj", fuse_proj), ("decode_proj", decode_proj)):
         if not _plain_linear(module):  # (no global hooks either)
             return f"{name} is not a plain nn.Linear without hooks"
     if type(embedding) is not torch.nn.Embedding or embedding.max_norm is not None or not called_as_is(embedding):
@@ -482,6 +486,14 @@ def decode_lane_blocker(lm: torch.nn.Module, norm_class: type, methods: dict) ->
         if method is not None:
             return replaced_method_reason(type(obj).__name__, method)
     return model.fast_path_blocker()
+
+
+def _projections(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The token and decoder projections of the base model `model` as a decoded token reads them: a PEFT LoRA layer
+    merged in place whose forward is provably its base layer's as that base layer (`merged_lora_base`)."""
+    return merged_lora_base(model.fuse_proj) or model.fuse_proj, merged_lora_base(
+        model.decode_proj
+    ) or model.decode_proj
 
 
 class DecodeLane(NamedTuple):
@@ -507,9 +519,9 @@ def _decode_lane(lm: torch.nn.Module, derived: dict, rows: int, methods: dict) -
                         model.embed_tokens.weight,
                         model.config.vocab_size,
                         model.fuse_norm.weight,
-                        model.fuse_proj,
+                        _projections(model)[0],
                         model.decode_norm.weight,
-                        model.decode_proj,
+                        _projections(model)[1],
                         lm.lm_head.weight if lm.lm_head.weight is model.embed_tokens.weight else lm.lm_head,
                     )
             except KernelRefusal:
@@ -585,7 +597,8 @@ def fast_decode_token(
         # whose state this is, for GPNCache.save; never PEFT's mixed-batch inference, whose hooks sit on adapter layers,
         # which are no plain modules (`decode_lane_blocker`): nothing to look for on the decoded token
         cache.note_model(model, look_for_mixed_adapters=False)
-        keep_with(model, cache, scope)
+        if not model.reads_merged_adapters():  # (`GPNModel.reads_merged_adapters`: each call derives afresh)
+            keep_with(model, cache, scope)
         object.__setattr__(model, "last_recurrence_path", "fast")
         object.__setattr__(model, "last_recurrence_backends", _DECODED_BACKENDS[plan.step_plan.memory])
         return logits.view(rows, 1, -1)

@@ -76,6 +76,8 @@ from .derived_weights import (
     called_as_is,
     derived_weights_scope,
     keep_with,
+    merged_lora_base,
+    modules_below,
     registered_global_hook,
     replaced_method,
     replaced_method_reason,
@@ -748,17 +750,7 @@ class GPNModel(GPNPreTrainedModel):
         if GPNRMSNorm.forward is not RECURRENCE_METHODS[GPNRMSNorm]["forward"]:
             return replaced_method_reason("GPNRMSNorm", "forward")
         allowed = (nn.Linear, GPNRMSNorm, nn.ModuleList, GPNMemoryWrite, GPNPredictLayer)
-        # Runs before every fast call (decoding too): a flat walk over the two levels of modules below the
-        # model's children (the blocks and their projections); a wrapper fails on its own type, so what it
-        # wraps need not be visited. Names are looked up only once something is found.
-        modules = []
-        for child_name, child in self._modules.items():
-            if child_name in self._CALLED_CHILDREN or child is None:
-                continue
-            modules.append(child)
-            for block in child._modules.values():
-                modules.append(block)
-                modules.extend(block._modules.values())
+        modules = self._folded_modules()
         plain_parameters = {type(p) for module in modules for p in module._parameters.values()} <= {
             nn.Parameter,
             type(None),
@@ -779,6 +771,34 @@ class GPNModel(GPNPreTrainedModel):
                 name = next(n for n, m in self.named_modules() if m is module)
                 return _why_not_foldable(name, module, allowed)
         return None
+
+    def _folded_modules(self) -> list[nn.Module]:
+        """The modules whose weights the fast path folds, as it reads them: a flat walk over the model's children
+        (but those it calls) and the two levels of modules below them (the blocks and their projections), each
+        PEFT LoRA layer whose forward is provably its base layer's (merged in place: `merged_lora_base`) taken as
+        that base layer, whose weight and bias it shows. Runs before every fast call (decoding too); any other
+        wrapper fails on its own type in `fast_path_blocker`, so what it wraps need not be visited."""
+        modules = []
+        for child_name, child in self._modules.items():
+            if child_name in self._CALLED_CHILDREN or child is None:
+                continue
+            child = merged_lora_base(child) or child
+            modules.append(child)
+            for block in child._modules.values():
+                block = (merged_lora_base(block) or block) if block is not None else None
+                modules.append(block)
+                if block is not None:
+                    modules.extend(merged_lora_base(m) or m if m is not None else None for m in block._modules.values())
+        return modules
+
+    def reads_merged_adapters(self) -> bool:
+        """Whether the fast path reads some weights through a PEFT LoRA layer merged in place (`merged_lora_base`:
+        the folded step modules, the token and decoder projections). What it derives from them is then not left
+        with a cache for the next call (`keep_with`): PEFT's merge and unmerge write the weights through `.data`,
+        unseen by the derived weights' guard, and between two calls a user may unmerge, merge another adapter or
+        merge again (W + BA - BA + BA rounds otherwise than W + BA); each call derives from the weights as they are
+        then (a generate() call still derives once)."""
+        return any(merged_lora_base(module) is not None for module in modules_below(self))
 
     def _segment_layer_blocker(self) -> str | None:
         """Why the segment layer (gradient checkpointing's unit) needs the plain path, or None."""
@@ -1050,7 +1070,8 @@ class GPNModel(GPNPreTrainedModel):
                 cache.update_state(*final_state, num_new_tokens=seq_len)
                 cache.record_read(input_ids, mask)
                 cache.note_model(self)  # whose state this is, for GPNCache.save
-                keep_with(self, cache, derived)  # the next call that continues this cache reuses them
+                if not self.reads_merged_adapters():  # (then each call derives afresh: see there)
+                    keep_with(self, cache, derived)  # the next call that continues this cache reuses them
         finally:
             if claimed:
                 cache.release()

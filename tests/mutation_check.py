@@ -5163,6 +5163,48 @@ MUTATIONS = [
         "    elif False:  # MUTATION\n",
         ("tests/tools/test_faults_io.py -k generate_bad and absent-device",),
     ),
+    Mutation(
+        "merged LoRA (a layer merged in place is never taken as its base layer)",
+        "modeling_gpn/derived_weights.py",
+        '    base = module._modules.get("base_layer")\n',
+        "    base = None  # MUTATION\n",
+        ("tests/ecosystem/test_ecosystem.py -k merged_in_place_runs_the_fast_path",),
+    ),
+    Mutation(
+        "merged LoRA (an active adapter left unmerged beside a merged one is ignored)",
+        "modeling_gpn/derived_weights.py",
+        "    if module.disable_adapters or not merged or not set(module.active_adapters) <= set(merged):\n",
+        "    if module.disable_adapters or not merged:  # MUTATION\n",
+        ("tests/ecosystem/test_ecosystem.py -k merged_in_place_runs_the_fast_path",),
+    ),
+    Mutation(
+        "merged LoRA (adapters disabled are ignored)",
+        "modeling_gpn/derived_weights.py",
+        "    if module.disable_adapters or not merged or not set(module.active_adapters) <= set(merged):\n",
+        "    if not merged or not set(module.active_adapters) <= set(merged):  # MUTATION\n",
+        ("tests/ecosystem/test_ecosystem.py -k merged_in_place_runs_the_fast_path",),
+    ),
+    Mutation(
+        "merged LoRA (hooks on the PEFT layer are ignored)",
+        "modeling_gpn/derived_weights.py",
+        "    if not called_as_is(module):\n        return None\n    merged = module.merged_adapters\n",
+        "    if False:  # MUTATION\n        return None\n    merged = module.merged_adapters\n",
+        ("tests/ecosystem/test_ecosystem.py -k merged_in_place_runs_the_fast_path",),
+    ),
+    Mutation(
+        "merged LoRA (any PEFT version is taken as the one read)",
+        "modeling_gpn/derived_weights.py",
+        '    if peft is None or not str(getattr(peft, "__version__", "")).startswith(PEFT_VERSIONS_READ):\n',
+        "    if peft is None:  # MUTATION\n",
+        ("tests/ecosystem/test_ecosystem.py -k merged_in_place_runs_the_fast_path",),
+    ),
+    Mutation(
+        "merged LoRA (what a call derived is kept with its cache, across a merge or unmerge)",
+        "modeling_gpn/modeling_gpn.py",
+        "                if not self.reads_merged_adapters():  # (then each call derives afresh: see there)\n",
+        "                if True:  # MUTATION\n",
+        ("tests/ecosystem/test_ecosystem.py -k merged_in_place_runs_the_fast_path",),
+    ),
 ]
 
 

@@ -406,6 +406,71 @@ def test_peft_lora_trains_saves_reloads_and_merges(tmp_path):
     assert merged.model.last_recurrence_path == "fast"  # plain modules again: the fast path is back
 
 
+def test_a_lora_merged_in_place_runs_the_fast_path_exactly_as_merge_and_unload_and_nothing_else_does(monkeypatch):
+    """`merge_adapter()` leaves PEFT's layers around the merged weights, whose forward is then the base layer's
+    (`derived_weights.merged_lora_base`): the fast path (its folded steps, the decoded token in one C call) reads
+    the base layers and computes `merge_and_unload()`'s model bit for bit. Unmerged, disabled, a second adapter
+    active unmerged, or a hook on a layer: the plain loop again. A decode loop continuing one cache across an
+    adapter switch derives from the weights as they are (what it derived is not kept with the cache)."""
+    import peft
+
+    from ..backend_observer import DECODE_CALLS, FAST_PATH, PLAIN_PATH, ran
+
+    adapted = lora_model(perturbed_model(tiny_config(eos_token_id=None))).eval()
+    inner = adapted.get_base_model().model
+    ids = token_ids(2, 6)
+    greedy = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    adapted.merge_adapter()
+    with torch.no_grad(), ran(FAST_PATH, DECODE_CALLS, not_ran=(PLAIN_PATH,)):
+        in_place = adapted.generate(input_ids=ids, **greedy)
+        in_place_logits = logits_of(adapted, ids)
+    unloaded = copy.deepcopy(adapted).merge_and_unload().eval()
+    with torch.no_grad(), ran(FAST_PATH, DECODE_CALLS, not_ran=(PLAIN_PATH,)):
+        merged = unloaded.generate(input_ids=ids, **greedy)
+    assert torch.equal(in_place.sequences, merged.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(in_place.logits, merged.logits, strict=True))
+    assert torch.equal(in_place_logits, logits_of(unloaded, ids))
+    inner.use_fast_path = False
+    torch.testing.assert_close(logits_of(adapted, ids), in_place_logits)  # (the plain loop: other sums)
+    inner.use_fast_path = True
+
+    gate = inner.predict_layers[0].gate
+    for module, reason in ((gate, "lora"), (gate.base_layer, "gate.base_layer has hooks")):
+        hook = module.register_forward_hook(lambda *args: None)
+        assert reason in inner.fast_path_blocker()
+        hook.remove()
+    with adapted.disable_adapter():
+        assert "lora" in inner.fast_path_blocker()
+    with monkeypatch.context() as patch:  # (a PEFT whose forward was not read here)
+        patch.setattr(peft, "__version__", "0.22.0")
+        assert "lora" in inner.fast_path_blocker()
+    assert inner.fast_path_blocker() is None
+    adapted.unmerge_adapter()
+    assert "lora" in inner.fast_path_blocker()
+    torch.manual_seed(7)
+    adapted.add_adapter("other", peft.LoraConfig(r=4, target_modules=LORA_TARGETS, init_lora_weights=False))
+    adapted.base_model.set_adapter(["default", "other"])  # (PEFT unmerges before it sets adapters)
+    adapted.merge_adapter(["default"])  # ("other" active, not merged: PEFT 0.21 would ignore it)
+    assert "lora" in inner.fast_path_blocker()
+
+    # a loop continuing one cache across a switch of the merged adapter (same parameters: PEFT's merge writes
+    # through `.data`), on the folded torch-ops steps: what the first call derived must not serve the second
+    adapted.base_model.set_adapter("default")
+    adapted.merge_adapter()
+    inner.use_c_kernels = False
+    with torch.no_grad(), ran(FAST_PATH, not_ran=(PLAIN_PATH,)):
+        cache = adapted(input_ids=ids, use_cache=True).cache
+    adapted.base_model.set_adapter("other")
+    adapted.merge_adapter()
+    plain_cache = cache.fork(1)
+    with torch.no_grad(), ran(FAST_PATH, not_ran=(PLAIN_PATH,)):
+        fast = adapted(input_ids=ids[:, :2], cache=cache, use_cache=True).logits
+    inner.use_fast_path = False
+    with torch.no_grad():
+        plain = adapted(input_ids=ids[:, :2], cache=plain_cache, use_cache=True).logits
+    torch.testing.assert_close(fast, plain)
+
+
 def test_a_peft_models_state_loads_into_it_and_not_with_other_adapter_settings(tmp_path):
     """A state is loaded for the model a user generates with, the PeftModel itself, and continues as one run;
     the same parameters with another adapter active, or adapters disabled, compute other states, so they refuse it
