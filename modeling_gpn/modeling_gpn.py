@@ -32,6 +32,7 @@ import functools
 import inspect
 import math
 import os
+import sys
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -798,6 +799,8 @@ class GPNModel(GPNPreTrainedModel):
         unseen by the derived weights' guard, and between two calls a user may unmerge, merge another adapter or
         merge again (W + BA - BA + BA rounds otherwise than W + BA); each call derives from the weights as they are
         then (a generate() call still derives once)."""
+        if "peft" not in sys.modules:  # (no PEFT layer without it: the walk, tens of µs, only where PEFT is)
+            return False
         return any(merged_lora_base(module) is not None for module in modules_below(self))
 
     def _segment_layer_blocker(self) -> str | None:

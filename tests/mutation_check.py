@@ -3631,6 +3631,20 @@ MUTATIONS = [
         ("tests/tools/test_faults_io.py -k names_its_encoding",),
     ),
     Mutation(
+        "merged LoRA: a decoded token's scope, whose lane read a LoRA merged in place, is kept with the cache",
+        "modeling_gpn/fast_recurrence.py",
+        "        if not scope.entries.get(READS_MERGED_ADAPTERS):",
+        "        if True:  # MUTATION",
+        ("tests/ecosystem/test_ecosystem.py -k lora_merged_in_place",),
+    ),
+    Mutation(
+        "merged LoRA: a decode lane reading a LoRA merged in place is not marked so as it is built",
+        "modeling_gpn/fast_recurrence.py",
+        "                    scope.entries[READS_MERGED_ADAPTERS] = True\n",
+        "                    pass  # MUTATION\n",
+        ("tests/ecosystem/test_ecosystem.py -k lora_merged_in_place",),
+    ),
+    Mutation(
         "gpn serve on a transformers outside the serving extra's pin is refused by version",
         "modeling_gpn/serve/cli.py",
         "    refusal = transformers_refusal()\n",

@@ -470,6 +470,28 @@ def test_a_lora_merged_in_place_runs_the_fast_path_exactly_as_merge_and_unload_a
         plain = adapted(input_ids=ids[:, :2], cache=plain_cache, use_cache=True).logits
     torch.testing.assert_close(fast, plain)
 
+    # and across decoded tokens in one C call each, two of them in one scope, as generate() holds one: the second
+    # reuses the first's decode lane, and neither may leave it with the cache for a call after the switch
+    from modeling_gpn.derived_weights import derived_weights_scope
+
+    inner.use_fast_path = inner.use_c_kernels = True
+    adapted.base_model.set_adapter("default")
+    adapted.merge_adapter()
+    with torch.no_grad():
+        cache = adapted(input_ids=ids, use_cache=True).cache
+        with derived_weights_scope(inner), ran(DECODE_CALLS):
+            for position in range(2):
+                adapted(input_ids=ids[:, position : position + 1], cache=cache, use_cache=True)
+    adapted.base_model.set_adapter("other")
+    adapted.merge_adapter()
+    plain_cache = cache.fork(1)
+    with torch.no_grad(), ran(DECODE_CALLS):
+        fast = adapted(input_ids=ids[:, :1], cache=cache, use_cache=True).logits
+    inner.use_fast_path = False
+    with torch.no_grad():
+        plain = adapted(input_ids=ids[:, :1], cache=plain_cache, use_cache=True).logits
+    torch.testing.assert_close(fast, plain)
+
 
 def test_a_peft_models_state_loads_into_it_and_not_with_other_adapter_settings(tmp_path):
     """A state is loaded for the model a user generates with, the PeftModel itself, and continues as one run;
