@@ -1049,6 +1049,13 @@ MUTATIONS = [
         ("tests/tools/test_train.py -k two_process_fsdp",),
     ),
     Mutation(
+        "--resume of a checkpoint of the layout before the decoder moved (its top-level decode_* keys not renamed)",
+        "modeling_gpn/train/checkpoints.py",
+        "    weights = in_the_current_layout(weights, accelerator.unwrap_model(model))\n",
+        "    pass  # MUTATION\n",
+        ("tests/tools/test_train.py -k layout_before_the_decoder",),
+    ),
+    Mutation(
         "converted folder loadable (a weight left out of the saved folder)",
         "conversion/reference.py",
         "        model.save_pretrained(out)\n",

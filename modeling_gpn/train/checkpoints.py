@@ -237,6 +237,7 @@ def load_training_state(
     weights = read_checkpoint_file(folder / MODEL_FILE, lambda path: load_file(str(path)))
     if weights and all(name.startswith("module.") for name in weights):  # DDP checkpoints of older versions
         weights = {name[len("module.") :]: tensor for name, tensor in weights.items()}
+    weights = in_the_current_layout(weights, accelerator.unwrap_model(model))
     optimizer_state = read_checkpoint_file(
         folder / OPTIMIZER_FILE, lambda path: torch.load(path, map_location="cpu", weights_only=True)
     )
@@ -275,6 +276,18 @@ def load_training_state(
         torch.set_rng_state(generators["torch_manual_seed"])
         if torch.cuda.is_available() and "torch_cuda_manual_seed" in generators:
             torch.cuda.set_rng_state_all(generators["torch_cuda_manual_seed"])
+
+
+def in_the_current_layout(weights: dict, model: nn.Module) -> dict:
+    """`weights` under the names `model` has now. Checkpoints written before the decoder moved into the base model
+    (2026-12-01) hold it at the top level (`decode_norm.*`, `decode_proj.*`, where `model.decode_norm.*` is now):
+    such a name, unknown to the model, is read under the base model's prefix, as `from_pretrained` reads it in a
+    model folder. The parameters kept their order, so the optimizer state (numbered by position) still matches."""
+    names = set(model.state_dict())
+    prefix = getattr(model, "base_model_prefix", "") + "."
+    if prefix == "." or all(name in names for name in weights):
+        return weights
+    return {prefix + name if name not in names and prefix + name in names else name: t for name, t in weights.items()}
 
 
 def read_checkpoint_file(path: Path, read: Callable[[Path], Any]) -> Any:

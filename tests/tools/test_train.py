@@ -315,6 +315,38 @@ def test_two_process_fsdp_trains_saves_and_resumes_like_one_process(two_process_
         assert max(abs(a - b) for a, b in zip(losses(run)[-3:], losses(continued_from)[-3:])) < 1e-5
 
 
+def test_a_checkpoint_of_the_layout_before_the_decoder_moved_resumes_bit_for_bit(
+    two_process_runs, tmp_path, cache, shakespeare
+):
+    """A checkpoint gpn train wrote before the decoder moved into the base model (2026-12-01, af523f3) holds its
+    weights at the top level (`decode_norm.*`, `decode_proj.*`): --resume reads them under their current names and
+    continues the run exactly (it failed in load_state_dict naming missing and unexpected keys). Made here from the
+    one-process run's checkpoint by renaming those keys back, which is all that layout differed by (checked against
+    a run of that commit)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    one_dir, _ = two_process_runs["one"]
+    old = tmp_path / "old" / "step-0000003"
+    shutil.copytree(one_dir / "checkpoints" / "step-0000003", old)
+    weights = saved_weights(old)
+    older = {
+        name.removeprefix("model.") if name.startswith("model.decode_") else name: t for name, t in weights.items()
+    }
+    assert {"decode_norm.weight", "decode_proj.weight"} <= older.keys()
+    save_file(older, str(old / "model.safetensors"))
+
+    config = train_module.resolve_config(parse(small_args(shakespeare, tmp_path / "resumed", cache, *TWO_PROCESS_RUN)))
+    train_module.train(config, resume=str(old), show_progress=False)
+    assert losses(tmp_path / "resumed") == losses(one_dir)[-3:]
+    expected = saved_weights(one_dir / "model")
+    resumed = saved_weights(tmp_path / "resumed" / "model")
+    assert resumed.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(resumed[name], expected[name]), name
+
+
 TWO_STEPS = ("--steps", "2")
 # The blocks of the recurrence sharded apart, as `--fsdp_transformer_layer_cls_to_wrap` names them.
 BLOCKS_APART = (
