@@ -4159,8 +4159,8 @@ MUTATIONS = [
     Mutation(
         "gpn bench finds a --json folder that cannot hold a file only after the whole run (a traceback)",
         "modeling_gpn/bench/command.py",
-        "            tempfile.TemporaryFile(dir=folder).close()",
-        "            pass  # MUTATION",
+        "        tempfile.TemporaryFile(dir=folder).close()",
+        "        pass  # MUTATION",
         ("tests/tools/test_bench.py -k refused_before_any_model and json-in-no-file-folder",),
     ),
     Mutation(
@@ -5225,6 +5225,77 @@ MUTATIONS = [
         "                if not self.reads_merged_adapters():  # (then each call derives afresh: see there)\n",
         "                if True:  # MUTATION\n",
         ("tests/ecosystem/test_ecosystem.py -k merged_in_place_runs_the_fast_path",),
+    ),
+    Mutation(
+        "gpn train's loss.png of a resumed run draws only the steps since the resume",
+        "modeling_gpn/train/training.py",
+        "        draw_loss_figure(read_log(run.log_path, run.warn), path, title, run.tokens_per_step)\n",
+        "        draw_loss_figure([r for r in read_log(run.log_path, run.warn) if r.get('step', 0) > run.start_step], "
+        "path, title, run.tokens_per_step)  # MUTATION\n",
+        ("tests/tools/test_train.py::test_resume_after_sigkill_equals_uninterrupted_run",),
+    ),
+    Mutation(
+        "gpn train draws no loss.png at the end of a run",
+        "modeling_gpn/train/training.py",
+        "            write_loss_figure(run)\n",
+        "            pass  # MUTATION\n",
+        ("tests/tools/test_train.py::test_resume_after_sigkill_equals_uninterrupted_run",),
+    ),
+    Mutation(
+        "gpn train fails a finished run whose loss.png cannot be written",
+        "modeling_gpn/train/training.py",
+        "    except Exception as error:  # (whatever matplotlib raises",
+        "    except ImportError as error:  # MUTATION (whatever matplotlib raises",
+        ("tests/tools/test_train.py::test_resume_after_sigkill_equals_uninterrupted_run",),
+    ),
+    Mutation(
+        "gpn bench --plot writes no figure",
+        "modeling_gpn/bench/command.py",
+        "    if args.plot:\n",
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_bench.py::test_bench_reports_every_implementation",),
+    ),
+    Mutation(
+        "gpn bench --plot leaves out the GPN's byte limit",
+        "modeling_gpn/bench/plot.py",
+        "        if not gpn:\n            continue\n",
+        "        if True:  # MUTATION\n            continue\n",
+        ("tests/tools/test_bench.py::test_bench_reports_every_implementation",),
+    ),
+    Mutation(
+        "gpn bench --plot draws every line under the fast path's name (a line per implementation)",
+        "modeling_gpn/bench/plot.py",
+        "        label = IMPL_LABELS.get(r.impl, r.impl)",
+        '        label = IMPL_LABELS.get("fast", r.impl)  # MUTATION',
+        ("tests/tools/test_bench.py::test_bench_reports_every_implementation",),
+    ),
+    Mutation(
+        "gpn bench --plot into a folder is refused only after the whole run",
+        "modeling_gpn/bench/command.py",
+        '    for option, file in (("--json", args.json), ("--plot", args.plot)):\n',
+        '    for option, file in (("--json", args.json),):  # MUTATION\n',
+        ("tests/tools/test_bench.py::test_bad_arguments_are_refused_before_any_model_is_built[plot-a-folder]",),
+    ),
+    Mutation(
+        "gpn bench --plot without prompt lengths (nothing to draw) is not refused",
+        "modeling_gpn/bench/command.py",
+        "    if args.plot is not None and not args.decode_prompt_lengths:",
+        "    if False:  # MUTATION",
+        ("tests/tools/test_bench.py::test_bad_arguments_are_refused_before_any_model_is_built[plot-without-lengths]",),
+    ),
+    Mutation(
+        "gpn bench --plot naming the --json file is not refused (the figure replaces the report)",
+        "modeling_gpn/bench/command.py",
+        "    if args.plot is not None and args.json is not None and",
+        "    if False and",
+        ("tests/tools/test_bench.py::test_bad_arguments_are_refused_before_any_model_is_built[plot-over-json]",),
+    ),
+    Mutation(
+        "gpn study refuses a model trained before a setting existed as one trained with other settings",
+        "modeling_gpn/study/runs.py",
+        "if earlier.get(key, built_in.get(key)) != now.get(key, built_in.get(key))",
+        "if earlier.get(key) != now.get(key)  # MUTATION",
+        ("tests/tools/test_study.py::test_a_model_trained_before_a_setting_existed_is_reused",),
     ),
 ]
 

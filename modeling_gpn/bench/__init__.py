@@ -13,7 +13,8 @@ resident-set growth during the call on CPU (polled every 2 ms after returning fr
 GFLOP/s counts the matmul and memory arithmetic of the model (training = 3x forward).
 
 Modules: `command` (arguments, run), `models` (what is measured), `measure` (one preset's figures),
-`timing` (how things are timed), `limit` (the byte limit and the read probe), `report` (the table).
+`timing` (how things are timed), `limit` (the byte limit and the read probe), `report` (the table), `plot`
+(`--plot`'s figure).
 """
 
 from .command import IMPLEMENTATIONS, LIMIT_HELP, add_arguments, run
@@ -30,6 +31,7 @@ from .models import (
     quantize_int8,
     weight_dtype,
 )
+from .plot import draw_bench_plot
 from .report import fmt, print_limits, print_ratios, print_table
 from .timing import (
     BackendProbe,
@@ -61,6 +63,7 @@ __all__ = [
     "add_arguments",
     "build_gpn",
     "cache_nbytes",
+    "draw_bench_plot",
     "count_params",
     "fmt",
     "forward_flops_per_token",

@@ -22,6 +22,7 @@ from ..cli.arguments import torch_device
 from ..generation import device_memory_bytes
 from .measure import measure
 from .models import DTYPES, QUANTIZERS, build_gpn, count_params, matched_llama, weight_bytes
+from .plot import draw_bench_plot
 from .report import print_limits, print_ratios, print_table
 from .timing import memory_kernels_state, self_checks_state
 
@@ -153,6 +154,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json", default=None, help="also write all figures to this JSON file (replacing one there, in one step)"
     )
+    parser.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help="also draw decode ms per new token and cache bytes against the prompt length (one line per preset and "
+        "implementation: a GPN's flat, the Llama's growing), with each GPN's byte limit as a dotted line, to this "
+        "PNG (replacing one there, in one step; needs --decode-prompt-lengths)",
+    )
 
 
 TRAINING_DEFAULTS = {"batch": 8, "seq_len": 256, "segment_length": 256}  # what only training and the forward use
@@ -212,16 +221,29 @@ def check_arguments(args: argparse.Namespace) -> None:
             "--dtype float16 measures inference only: AdamW on float16 weights turns them NaN (its eps, 1e-8, is 0 "
             "in float16; float16 trains as mixed precision, gpn train --mixed-precision fp16): add --skip-training"
         )
-    if args.json is not None:
-        if Path(args.json).is_dir():
-            raise BenchError(f"--json {args.json} is a folder: name the file to write")
-        folder = Path(args.json).resolve().parent
-        if not folder.is_dir():
-            raise BenchError(f"--json {args.json}: its folder does not exist")
-        try:  # a file made there and removed: what the report will need (a read-only folder, a full disk, /proc)
-            tempfile.TemporaryFile(dir=folder).close()
-        except OSError as error:
-            raise BenchError(f"--json {args.json}: its folder cannot hold a new file ({error.strerror})") from None
+    if args.plot is not None and not args.decode_prompt_lengths:  # (an empty figure, after the whole run)
+        raise BenchError(
+            "--plot draws decode and cache figures against the prompt length: it needs --decode-prompt-lengths"
+        )
+    if args.plot is not None and args.json is not None and Path(args.plot).resolve() == Path(args.json).resolve():
+        raise BenchError(f"--plot and --json name the same file, {args.json}: the figure would replace the report")
+    for option, file in (("--json", args.json), ("--plot", args.plot)):
+        if file is not None:
+            check_writable(option, file)
+
+
+def check_writable(option: str, file: str) -> None:
+    """Refuse an output `file` that could not be written once the run is over: a folder, a missing or read-only
+    folder, a full disk."""
+    if Path(file).is_dir():
+        raise BenchError(f"{option} {file} is a folder: name the file to write")
+    folder = Path(file).resolve().parent
+    if not folder.is_dir():
+        raise BenchError(f"{option} {file}: its folder does not exist")
+    try:  # a file made there and removed: what the report will need (a read-only folder, a full disk, /proc)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as error:
+        raise BenchError(f"{option} {file}: its folder cannot hold a new file ({error.strerror})") from None
 
 
 def write_json(path: str, report: dict) -> None:
@@ -339,3 +361,9 @@ def report(rows: list, args: argparse.Namespace, interrupted: bool = False) -> N
                 "rows": [r.__dict__ for r in rows],
             },
         )
+    if args.plot:
+        try:
+            print(f"plot: {draw_bench_plot(rows, args, args.plot)}")
+        except OSError as error:  # (checked writable before the run: the disk filled, the folder went away)
+            where = f" and {args.json} hold" if args.json else " holds"
+            raise BenchError(f"--plot {args.plot}: not written ({error}); the table above{where} the figures") from None

@@ -16,23 +16,19 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 from .. import analysis
+from ..cli.figures import pyplot, save_figure
 
 # The figures a report may draw (ablations.png only with the causal tests)
 FIGURE_NAMES = ("geometry.png", "mean_direction.png", "horizons.png", "ablations.png")
 
 
 def write_figures(report: dict, output: Path) -> list[str]:
-    """Write geometry.png, mean_direction.png, horizons.png and (with ablations) ablations.png."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Write geometry.png, mean_direction.png, horizons.png and (with ablations) ablations.png, each whole or not
+    at all."""
+    plt = pyplot()
 
     def save(fig: Figure, name: str) -> str:
-        path = output / name
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        return str(path)
+        return save_figure(fig, output / name, dpi=110)
 
     written = [
         save(geometry_figure(plt, report["geometry"]), "geometry.png"),

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..atomic_files import replacing
+from ..cli.figures import pyplot, save_figure
 
 
 def fmt(value: object, pattern: str = "{:.3f}") -> str:
@@ -134,12 +134,7 @@ def render_report(results: dict[str, Any]) -> str:
 
 def plot_curves(runs: dict[str, dict], path: Path) -> None:
     """Plot each run's training and validation loss curves to `path`."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = pyplot().subplots(figsize=(7, 4.5))
     for name, run in runs.items():
         curve = run["train"]["curve"]
         if curve:
@@ -151,6 +146,4 @@ def plot_curves(runs: dict[str, dict], path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    with replacing(path, "wb") as handle:  # (whole or not at all, as the report beside it)
-        fig.savefig(handle, format="png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)  # (whole or not at all, as the report beside it)

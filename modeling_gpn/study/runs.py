@@ -185,7 +185,13 @@ def earlier_record(name: str, config: dict, output: Path) -> dict[str, Any] | No
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise StudyError(f"Cannot read {path}, left by an earlier run of the study: {error}") from None
     earlier, now = record.get("config", {}), record_of(config)
-    changed = sorted(key for key in {*earlier, *now} if earlier.get(key) != now.get(key))
+    # A setting the earlier run's gpn train did not have yet (loss_figure) had its built-in value there.
+    from modeling_gpn.train.settings import OPTION_BY_KEY
+
+    built_in = {key: option.default for key, option in OPTION_BY_KEY.items()}
+    changed = sorted(
+        key for key in {*earlier, *now} if earlier.get(key, built_in.get(key)) != now.get(key, built_in.get(key))
+    )
     if changed:
         raise StudyError(
             f"{output / name} holds model {name} trained by an earlier run with other settings "

@@ -12,8 +12,9 @@ configuration is written to `OUTPUT/train_config.json`.
 
 A run directory holds `model/` (the final `save_pretrained` folder: weights, config, tokenizer,
 generation config), `checkpoints/step-NNNNNNN/` (full training state, in one layout for one process, DDP and
-FSDP), `log.jsonl` (one JSON object per log/eval event), `tensorboard/` and `.gpn-train.lock` (the lock that
-keeps a second run out of the folder while one runs; it names the holder).
+FSDP), `log.jsonl` (one JSON object per log/eval event), `loss.png` (the loss curves of the whole log, drawn at
+the end; `--no-loss-figure`: none), `tensorboard/` and `.gpn-train.lock` (the lock that keeps a second run out of
+the folder while one runs; it names the holder).
 
 Nothing lost, nothing wrong in silence:
 - every folder and JSON file is written under a temporary name in its final folder, fsynced, then renamed
@@ -36,6 +37,7 @@ Where its parts live (each module is read top to bottom; this face re-exports th
     distributed.py  Accelerate / DDP / FSDP2 setup, launch checks, collective timeouts, the end-of-run watchdog
     models.py       the model, AdamW groups and schedule, document position ids, the sample
     context.py      `TrainingRun`, what the phases of a run share
+    loss_figure.py  loss.png: the whole log's training and held-out loss against step and tokens
     loop.py         `fit`, `training_step` and its non-finite handling, `validate`
     training.py     `train`: setup -> prepare data / model -> open the run folder -> fit -> finish
     stop_signals.py SIGTERM / SIGINT: checkpoint at the step boundary, then stop

@@ -3,6 +3,7 @@
     OUTPUT/model/                        the final save_pretrained folder
     OUTPUT/checkpoints/step-NNNNNNN/     full training states (see checkpoints.py)
     OUTPUT/log.jsonl                     one JSON object per log / eval event
+    OUTPUT/loss.png                      its loss curves, drawn at the end of the run (loss_figure.py)
     OUTPUT/train_config.json             the resolved settings
     OUTPUT/.gpn-train.lock               who holds the folder while a run writes it
 

@@ -189,6 +189,13 @@ OPTIONS: list[Option] = [
         "seconds a process waits for the others at a collective (all-reduce, barrier) "
         "before the job fails, so a stuck process cannot hold the job (torch's gloo default: 1800)",
     ),
+    Option(
+        "loss_figure",
+        bool,
+        True,
+        "draw loss.png in the run folder at the end: training and held-out loss (perplexity on the right axis) "
+        "against step and tokens seen, from the whole log.jsonl (a resumed run's too); --no-loss-figure: none",
+    ),
     Option("sample_prompt", str, "The", "prompt of the sample generated at the end"),
     Option("sample_tokens", int, 60, "tokens generated for the sample (0 = no sample)"),
 ]
@@ -412,6 +419,7 @@ RESUME_MAY_CHANGE = frozenset(
         "checkpoint_interval",
         "keep_checkpoints",
         "log_interval",
+        "loss_figure",
         "sample_prompt",
         "sample_tokens",
         "num_threads",

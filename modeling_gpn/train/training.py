@@ -41,6 +41,8 @@ from .distributed import (
 )
 from .errors import CollectiveError, LaunchError, NonFiniteLossError, RunFolderInUseError, StorageError
 from .loop import end_process_group, fit, validate
+from .loss_figure import FILE_NAME as LOSS_FIGURE
+from .loss_figure import draw_loss_figure
 from .models import build_model, build_optimizer, check_model_overrides, generate_sample, weights_sha256
 from .run_folder import (
     fsync_tree,
@@ -48,6 +50,7 @@ from .run_folder import (
     install_folder,
     intact,
     latest_checkpoint,
+    read_log,
     recover_folders,
     storage_error,
     truncate_log,
@@ -302,6 +305,8 @@ def finish(run: TrainingRun) -> dict:
                 final_model, run.tokenizer, config["sample_prompt"], config["sample_tokens"], config["seed"]
             )
         print_summary(run, val_loss, val_ppl, sample, model_dir)
+        if run.config["loss_figure"]:
+            write_loss_figure(run)
     run.stage.enter(
         "waiting for every process after the model was saved"
         if run.main
@@ -375,6 +380,25 @@ def save_model(run: TrainingRun, final_model: PreTrainedModel, model_dir: Path) 
     finally:
         if bars:
             transformers_logging.enable_progress_bar()
+
+
+def write_loss_figure(run: TrainingRun) -> None:
+    """Draw `loss.png` in the run folder from the whole log (main process, after the model is saved). A figure that
+    cannot be drawn (no matplotlib, a full disk, a log without a finite loss) is a warning naming why, never a
+    failure of the finished run."""
+    path = run.run_dir / LOSS_FIGURE
+    config = run.config
+    model = config["model"] if isinstance(config["model"], str) else "inline config"
+    title = f"{run.run_dir.name}: recipe {config['recipe'] or 'none'}, model {model}"
+    try:
+        draw_loss_figure(read_log(run.log_path, run.warn), path, title, run.tokens_per_step)
+    except Exception as error:  # (whatever matplotlib raises: the model is saved, the figure is a convenience)
+        run.warn(
+            f"gpn train: warning: {path} was not drawn ({type(error).__name__}: {error}); the run is complete and "
+            f"{run.log_path} holds the same losses"
+        )
+        return
+    run.say(f"loss curves: {path.resolve()}")
 
 
 def print_summary(run: TrainingRun, val_loss: float, val_ppl: float, sample: str | None, model_dir: Path) -> None:

@@ -752,6 +752,7 @@ def test_gpn_train_reset_at_document_start_trains_and_changes_the_loss(tmp_path)
                     "--cache-dir",
                     str(tmp_path / "cache"),
                     "--no-progress",
+                    "--no-loss-figure",
                     *extra,
                 ]
             )

@@ -40,10 +40,26 @@ def test_bench_reports_every_implementation(tmp_path, capsys):
             "cpu",
             "--json",
             str(out),
+            "--plot",
+            str(tmp_path / "bench.png"),
         ]
     )
     assert code == 0
     printed = capsys.readouterr().out
+    # --plot: a PNG of decode ms and cache bytes against the prompt length, a line per implementation, and the
+    # GPN's byte limit (its text says what was drawn, read from the figure's lines)
+    from PIL import Image
+
+    assert f"plot: {tmp_path / 'bench.png'}" in printed
+    with Image.open(tmp_path / "bench.png") as image:
+        drawn = image.text["Description"].split("; ")
+    decode, cache = "(a) generate() decode, batch 1: ", "(b) what a prompt leaves in the cache: "
+    lines = ("GPN plain loop", "GPN fast path", "Llama (matched)")  # (in --impl's order)
+    assert [line for line in drawn if line.startswith(decode)] == [
+        *(f"{decode}{line}: 2 points at x 4-9" for line in lines),
+        f"{decode}GPN byte limit: {rows_limit_mb(out)} MB a step / read bandwidth: 2 points at x 4-9",
+    ], drawn
+    assert [line for line in drawn if line.startswith(cache)] == [f"{cache}{line}: 2 points at x 4-9" for line in lines]
     for impl in ("plain", "fast", "llama"):
         assert f"| tiny | {impl} |" in printed
     assert "train tok/s / Llama's" in printed and "train peak memory @24 / @12" in printed
@@ -86,6 +102,12 @@ def test_bench_reports_every_implementation(tmp_path, capsys):
         assert cells["step ms (x limit)"] == f"{step:.3f} ({step / limit:.2f}x)", cells
         assert cells["decode ms @9 (x)"] == f"{row['decode_ms']['9']:.3f} ({row['decode_ms']['9'] / at:.2f}x)"
         assert cells["tok/s @4 rows"] == f"{row['batch_tok_s']['4']:,.0f}" and cells["tok/s @16 rows"] == "-"
+
+
+def rows_limit_mb(report_path) -> str:
+    """The fast row's step bytes of a --json report, in MB as --plot's legend writes them."""
+    (fast,) = [row for row in json.loads(report_path.read_text())["rows"] if row["impl"] == "fast"]
+    return f"{fast['limit_bytes'] / 1e6:.1f}"
 
 
 def table_cells(folder) -> list[dict]:
@@ -324,6 +346,9 @@ BENCH_BAD = {  # each was a traceback once the models were built (or, for --json
     "json-in-no-folder": (["--json", "{tmp}/no/such/bench.json"], "its folder does not exist"),
     "json-a-folder": (["--json", "{tmp}"], "is a folder"),
     "json-in-no-file-folder": (["--json", "/proc/bench.json"], "its folder cannot hold a new file"),  # (as root too)
+    "plot-a-folder": (["--plot", "{tmp}"], "is a folder: name the file to write"),
+    "plot-without-lengths": (["--decode-prompt-lengths", "--plot", "{tmp}/b.png"], "--plot draws decode and cache"),
+    "plot-over-json": (["--json", "{tmp}/b.out", "--plot", "{tmp}/b.out"], "--plot and --json name the same file"),
     "memory-without-training": (["--memory-seq-lens", "64"], "--memory-seq-lens measures the training step's"),
     "nothing-to-measure": (["--decode-prompt-lengths", "--decode-batches"], "nothing to measure"),
     # (measured twice, its rows and ratios printed twice)

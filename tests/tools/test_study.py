@@ -411,6 +411,25 @@ def test_a_report_write_cut_short_leaves_the_previous_one_whole(finished_study, 
     assert not [path.name for path in output.iterdir() if path.name.startswith(".")]
 
 
+def test_a_model_trained_before_a_setting_existed_is_reused(tmp_path):
+    """A model's record written before gpn train had a setting (loss_figure) holds no value for it: read as its
+    built-in value, the model is the study's, not one "trained by an earlier run with other settings" (which would
+    have trained every model of a study again after an upgrade). A setting that did change is still refused."""
+    from modeling_gpn.study import runs
+
+    study = load_study("toy")
+    name = next(iter(study["models"]))
+    config = runs.training_config(name, study["models"][name], study, tmp_path)
+    earlier = runs.record_of(config)
+    assert earlier.pop("loss_figure") is True
+    (tmp_path / name).mkdir()
+    runs.write_record(tmp_path / name, {"config": earlier})
+    assert runs.earlier_record(name, config, tmp_path) == {"config": earlier}
+    runs.write_record(tmp_path / name, {"config": {**earlier, "steps": earlier["steps"] + 1}})
+    with pytest.raises(runs.StudyError, match=r"with other settings \(steps\)"):
+        runs.earlier_record(name, config, tmp_path)
+
+
 def test_another_study_into_a_folder_holding_a_report_is_refused(finished_study, tmp_path, capsys):
     """A second study (other models) run into a folder holding a first study's report replaced its
     study_report.md, study_results.json and training curves in silence. It is refused before anything trains,

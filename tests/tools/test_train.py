@@ -8,6 +8,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -161,7 +162,11 @@ def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, cache, shakespe
         show_progress=False,
     )
 
-    reference = launch(train_cli + small_args(shakespeare, tmp_path / "reference", cache, *common), tmp_path / "r.log")
+    # loss.png: where it cannot be written (a folder in its place), the finished run warns and succeeds
+    (tmp_path / "reference" / "loss.png").mkdir(parents=True)
+    reference = launch(
+        train_cli + small_args(shakespeare, tmp_path / "reference", cache, *common, "--loss-figure"), tmp_path / "r.log"
+    )
     killed_dir = tmp_path / "killed"
     killed = launch(train_cli + small_args(shakespeare, killed_dir, cache, *common), tmp_path / "k.log")
     deadline = time.time() + 180
@@ -179,12 +184,32 @@ def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, cache, shakespe
     # Resumed in this process (the kill was of a CLI run; one import of torch and transformers less on 2 cores).
     capfd.readouterr()
     train_module.train(
-        train_module.resolve_config(parse(small_args(shakespeare, killed_dir, cache, *common))),
+        train_module.resolve_config(parse(small_args(shakespeare, killed_dir, cache, *common, "--loss-figure"))),
         resume=True,
         show_progress=False,
     )
-    assert f"resumed from {stopped_at}" in capfd.readouterr().out
-    finish(reference)
+    resumed_output = capfd.readouterr().out
+    assert f"resumed from {stopped_at}" in resumed_output
+    assert f"loss curves: {killed_dir.resolve() / 'loss.png'}" in resumed_output
+    reference_output = finish(reference)
+    assert f"gpn train: warning: {tmp_path / 'reference' / 'loss.png'} was not drawn (IsADirectoryError" in (
+        reference_output
+    ), reference_output[-3000:]
+
+    # the resumed run's loss.png is a PNG of the whole log: the steps before the kill too (its text says what the
+    # picture shows, read from the figure's lines)
+    from PIL import Image
+
+    figure = killed_dir / "loss.png"
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with Image.open(figure) as image:
+        image.verify()
+    with Image.open(figure) as image:
+        text = image.text
+    assert text["Title"] == "killed: recipe tiny-cpu, model tiny", text
+    assert "training loss (mean of each log interval): 24 points at x 1-24" in text["Description"], text
+    assert re.search(r"held-out loss, final \d\.\d{3}: PPL [\d.]+: 1 points at x 24-24", text["Description"]), text
+    assert not list(killed_dir.glob(".loss.png.tmp-*"))
 
     expected, actual = saved_weights(tmp_path / "reference" / "model"), saved_weights(killed_dir / "model")
     assert expected.keys() == actual.keys()
