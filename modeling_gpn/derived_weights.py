@@ -23,6 +23,7 @@ This file ships to the Hub with the model: it imports only torch and the standar
 from __future__ import annotations
 
 import operator
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Mapping
@@ -323,10 +324,16 @@ class derived_weights_scope:  # noqa: N801 (a context manager, named as the func
     def __enter__(self) -> DerivedWeights:
         scopes = _open_scopes()
         entry = scopes.get(id(self.model))
+        if entry is not None and not _running(entry[2]):
+            # an outermost block that ended without its __exit__ running: a KeyboardInterrupt (Ctrl-C) lands at a
+            # Python function's entry, __exit__'s too, and that left the scope open on this thread for good (every
+            # later call sharing what it derived, edits through `.data` unseen even with a new cache): dropped
+            entry = None
         if entry is None:
             kept = self.model.__dict__.get(KEPT_ATTRIBUTE)  # (weak reference to its cache, what was derived)
             reuse = kept is not None and self.kept_by is not None and kept[0]() is self.kept_by
-            entry = scopes[id(self.model)] = [0, kept[1] if reuse else DerivedWeights()]
+            # (with the frame of the outermost block's caller, by which a nested block tells it still runs)
+            entry = scopes[id(self.model)] = [0, kept[1] if reuse else DerivedWeights(), sys._getframe(1)]
         entry[0] += 1
         self.entry = entry
         return entry[1]
@@ -336,6 +343,16 @@ class derived_weights_scope:  # noqa: N801 (a context manager, named as the func
         entry[0] -= 1
         if entry[0] == 0:
             del _open_scopes()[id(self.model)]
+
+
+def _running(frame: object) -> bool:
+    """Whether `frame` is on this thread's stack (a nested block's outermost one is a few frames up: a short walk)."""
+    current = sys._getframe(2)
+    while current is not None:
+        if current is frame:
+            return True
+        current = current.f_back
+    return False
 
 
 KEPT_ATTRIBUTE = "_gpn_derived_weights_kept"
