@@ -324,8 +324,8 @@ class derived_weights_scope:  # noqa: N801 (a context manager, named as the func
     def __enter__(self) -> DerivedWeights:
         scopes = _open_scopes()
         entry = scopes.get(id(self.model))
-        if entry is not None and not _running(entry[2]):
-            # an outermost block that ended without its __exit__ running: a KeyboardInterrupt (Ctrl-C) lands at a
+        if entry is not None and (entry[0] == 0 or not _running(entry[2])):
+            # an outermost block that ended without its __exit__ running whole: a KeyboardInterrupt (Ctrl-C) lands at a
             # Python function's entry, __exit__'s too, and that left the scope open on this thread for good (every
             # later call sharing what it derived, edits through `.data` unseen even with a new cache): dropped
             entry = None

@@ -1,7 +1,8 @@
 """A call interrupted half-way (Ctrl-C, Jupyter's "interrupt kernel": a KeyboardInterrupt between any two bytecodes)
 leaves the cache it advances exactly as before the call, exactly advanced, or refused on its next use in one line
 (`GPNCache.start_writing`), never holding a position its count or fingerprint does not; and never claimed for good
-(`GPNCache.claim`), which would refuse every later call as "another call". Interrupts are injected deterministically,
+(`GPNCache.claim`), which would refuse every later call as "another call"; nor a scope of derived weights left open
+(`derived_weights_scope`). Interrupts are injected deterministically,
 at every line of the cache's bookkeeping, the forward and the one-call decode, by `sys.settrace`."""
 
 from __future__ import annotations
@@ -112,6 +113,8 @@ def test_a_call_interrupted_anywhere_leaves_the_cache_before_after_or_refused(mo
             sys.settrace(None)
         if not interrupted:
             break
+        with derived_weights.derived_weights_scope(model.model) as derived:  # (none left open: a new one is empty)
+            assert derived.key is None and not derived.entries, f"interrupt {at}: a scope of derived weights left open"
         if cache.state_layer.interrupted:
             for use in (
                 lambda cache=cache: model(following, cache=cache, use_cache=True),
