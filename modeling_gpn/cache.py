@@ -177,6 +177,11 @@ class GPNStateLayer(LinearAttentionLayer):
     # computed under several adapters, so no one model's state file can name it. (A class default: a layer
     # pickled before it existed reads none.)
     mixed_adapters: frozenset = frozenset()
+    # Set while a call writes this state and its bookkeeping (`GPNCache.start_writing`), cleared once all of it is
+    # done: still set afterwards, the call was interrupted part-way (a KeyboardInterrupt, Ctrl-C in a notebook, lands
+    # between any two bytecodes), and the state may hold positions its count and fingerprint do not. (A class default:
+    # a layer pickled before it existed reads False.)
+    interrupted: bool = False
 
     def __init__(self, **kwargs):
         super().__init__(number_of_states=3)
@@ -232,6 +237,7 @@ class GPNStateLayer(LinearAttentionLayer):
         self.seen_tokens = 0
         self.fingerprint = ReadFingerprint()
         self.mixed_adapters = frozenset()
+        self.interrupted = False
 
     def get_seq_length(self) -> int:
         """The number of tokens the state has read."""
@@ -272,7 +278,7 @@ class GPNStateLayer(LinearAttentionLayer):
         self.fingerprint.select_rows(lambda rows: rows[indices.to(rows.device)])
 
 
-_IN_USE = "_gpn_in_use"  # the attribute a forward sets while it advances a cache (`GPNCache.claim`)
+CLAIM_ATTRIBUTE = "_gpn_in_use"  # the attribute a forward sets while it advances a cache (`GPNCache.claim`)
 
 
 class GPNCache(Cache):
@@ -293,32 +299,51 @@ class GPNCache(Cache):
         state = self.__dict__.copy()
         state.pop("_gpn_model_ref", None)
         state.pop("_gpn_weights_snapshot", None)
-        state.pop(_IN_USE, None)
+        state.pop(CLAIM_ATTRIBUTE, None)
         return state
 
-    def claim(self) -> bool:
-        """Mark this cache as being advanced by the calling forward, until `release`; raise if another call holds it.
+    def claim(self, token: object) -> None:
+        """Mark this cache as being advanced by the calling forward (`token`, an object of the caller's) until the
+        caller releases it; raise if another call holds it, or if an earlier call was interrupted part-way.
 
         A forward reads the state, computes, and writes the state back (the one-call decode writes its buffers in
         place): two calls on one cache at once (two threads, or a hook calling the model inside a forward) would
         each continue from the same state, or from one the other is half-way through writing, and both return
         wrong results in silence. `dict.setdefault` is atomic, so of two calls racing here exactly one wins.
-        Returns False (nothing claimed, nothing to release) while tracing: a compiled or exported program's
-        cache is its own input."""
+        Nothing is claimed while tracing: a compiled or exported program's cache is its own input.
+
+        The caller calls this inside its `try` and releases in its `finally`, inline, only a claim that is its own
+        `token` (`release_claim`): a KeyboardInterrupt lands between bytecodes (at a Python function's entry, after a
+        call returns), so a claim taken before the `try`, or released by a method, could be left held for good, and
+        every later call refused as "another call"."""
+        self.refuse_if_interrupted()
         if is_tracing():
-            return False
-        token = object()
-        if self.__dict__.setdefault(_IN_USE, token) is not token:
+            return
+        if self.__dict__.setdefault(CLAIM_ATTRIBUTE, token) is not token:
             raise RuntimeError(
                 "this GPNCache is being advanced by another call right now (another thread, or a call made inside "
                 "the forward): a cache can be used by one call at a time; give each thread its own cache "
                 "(cache.fork(1) copies one)"
             )
-        return True
 
-    def release(self) -> None:
-        """End the calling forward's `claim`."""
-        self.__dict__.pop(_IN_USE, None)
+    def refuse_if_interrupted(self) -> None:
+        """Raise, in one line saying what to do, if a call was interrupted while it wrote this state (`start_writing`)."""
+        if self.state_layer.interrupted:
+            raise RuntimeError(
+                "this GPNCache was interrupted part-way through a call (Ctrl-C or another error while the call wrote "
+                "its state), so its state may hold positions its count and fingerprint do not: continue from a copy "
+                "taken before that call (fork, save), or empty it (cache.reset()) and read the text again"
+            )
+
+    def start_writing(self) -> None:
+        """Mark the state as being written, until `finish_writing`: a call interrupted in between leaves it marked,
+        and it is refused from then on (`refuse_if_interrupted`) rather than continued half-written. An attribute
+        store each: nothing a token would notice."""
+        self.state_layer.interrupted = True
+
+    def finish_writing(self) -> None:
+        """The state and its bookkeeping (count, fingerprint, model) are written whole: see `start_writing`."""
+        self.state_layer.interrupted = False
 
     def __deepcopy__(self, memo: dict) -> GPNCache:
         """A copy of the state that still knows the model that filled it (as `fork` does)."""
@@ -448,6 +473,7 @@ class GPNCache(Cache):
         """
         if isinstance(num_copies, bool) or not isinstance(num_copies, int) or num_copies < 1:
             raise ValueError(f"fork needs a positive number of copies, got {num_copies!r}")
+        self.refuse_if_interrupted()
         if not self.has_state:
             raise ValueError("This GPNCache holds no state to fork: run the model on a prompt with it first")
         layer = self.state_layer
@@ -490,6 +516,7 @@ class GPNCache(Cache):
                 file names none.
         """
         path = Path(path)
+        self.refuse_if_interrupted()
         if not self.has_state:
             raise ValueError(f"Cannot save {path}: this GPNCache holds no state (run the model on a prompt first)")
         mixed = self.state_layer.mixed_adapters

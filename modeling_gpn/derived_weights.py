@@ -365,10 +365,18 @@ class derived_weights_scope:  # noqa: N801 (a context manager, named as the func
     def __enter__(self) -> DerivedWeights:
         scopes = _open_scopes()
         entry = scopes.get(id(self.model))
+        if entry is not None and (entry[0] == 0 or (entry[2] is not None and not _running(entry[2]))):
+            # an outermost block that ended without its __exit__ running whole: a KeyboardInterrupt (Ctrl-C) lands at a
+            # Python function's entry, __exit__'s too, and that left the scope open on this thread for good (every
+            # later call sharing what it derived, edits through `.data` unseen even with a new cache): dropped
+            entry = None
         if entry is None:
             kept = self.model.__dict__.get(KEPT_ATTRIBUTE)  # (weak reference to its cache, what was derived)
             reuse = kept is not None and self.kept_by is not None and kept[0]() is self.kept_by
-            entry = scopes[id(self.model)] = [0, kept[1] if reuse else DerivedWeights()]
+            # (with the frame of the outermost block's caller, by which a nested block tells it still runs; none
+            # while torch.compile traces, which cannot trace frames: an interrupt there ends the whole trace)
+            caller = None if torch.compiler.is_compiling() else sys._getframe(1)
+            entry = scopes[id(self.model)] = [0, kept[1] if reuse else DerivedWeights(), caller]
         entry[0] += 1
         self.entry = entry
         return entry[1]
@@ -378,6 +386,16 @@ class derived_weights_scope:  # noqa: N801 (a context manager, named as the func
         entry[0] -= 1
         if entry[0] == 0:
             del _open_scopes()[id(self.model)]
+
+
+def _running(frame: object) -> bool:
+    """Whether `frame` is on this thread's stack (a nested block's outermost one is a few frames up: a short walk)."""
+    current = sys._getframe(2)
+    while current is not None:
+        if current is frame:
+            return True
+        current = current.f_back
+    return False
 
 
 KEPT_ATTRIBUTE = "_gpn_derived_weights_kept"

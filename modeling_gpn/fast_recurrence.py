@@ -78,6 +78,7 @@ if TYPE_CHECKING:
     from .cache import GPNCache
 
 from .arguments import check_input_ids
+from .cache import CLAIM_ATTRIBUTE
 from .cuda_graphs import GRAPHS_ATTRIBUTE, SWEEPS_ATTRIBUTE, GraphKernels, training_sweep
 from .cuda_graphs import asked as graphs_asked
 from .cuda_graphs import window_forward as graph_window_forward
@@ -572,8 +573,11 @@ def fast_decode_token(
         return None
     if attention_mask is not None and not _every_token_real(attention_mask, rows):
         return None  # (a padded row keeps its state: the forward's masked steps; a bad mask: the forward's error)
-    cache.claim()  # (the call writes the state's buffers in place: one call at a time, `GPNCache.claim`)
+    # (the call writes the state's buffers in place: one call at a time, `GPNCache.claim`; released inline, no call
+    # before the pop)
+    claim, held = object(), cache.__dict__
     try:
+        cache.claim(claim)
         p0, g0, M0 = cache.state_buffers()
         if p0.shape[0] != rows or p0.dtype is not torch.float32:
             return None  # (the forward says what is wrong)
@@ -592,11 +596,16 @@ def fast_decode_token(
             key = _decoded_key(derived, plan, g0) if plan.step_plan.memory else None
             ids = input_ids.reshape(-1).contiguous()  # (a column sliced from a prompt is not contiguous)
             ids_hash = cache.step_hash(rows)  # (the cache's fingerprint, folded by the same call)
+            # from here to `finish_writing` the state is advanced in place and its count and fingerprint follow: a
+            # call interrupted in between (Ctrl-C) leaves the cache marked, refused from then on (`start_writing`)
+            cache.start_writing()
             try:
                 logits = plan(ids, StepState(p0, g0, key, M0), ids_hash)  # (the cache's state, advanced in place)
             except KernelRefusal:
+                cache.finish_writing()  # (refused before writing anything)
                 return None
             except IndexError:  # an id outside the vocabulary: the forward's own check says which
+                cache.finish_writing()  # (refused before writing anything)
                 check_input_ids(input_ids, model.config.vocab_size)
                 raise
             derived["decoded key"] = (g0, version_of(g0), plan.key)
@@ -606,11 +615,12 @@ def fast_decode_token(
         cache.note_model(model, look_for_mixed_adapters=False)
         if not scope.entries.get(READS_MERGED_ADAPTERS):  # (`GPNModel.reads_merged_adapters`: each call derives afresh)
             keep_with(model, cache, scope)
+        cache.finish_writing()
         object.__setattr__(model, "last_recurrence_path", "fast")
         object.__setattr__(model, "last_recurrence_backends", _DECODED_BACKENDS[plan.step_plan.memory])
         return logits.view(rows, 1, -1)
     finally:
-        cache.release()
+        CLAIM_ATTRIBUTE in held and held[CLAIM_ATTRIBUTE] is claim and held.pop(CLAIM_ATTRIBUTE)
 
 
 def _every_token_real(attention_mask: torch.Tensor, rows: int) -> bool:

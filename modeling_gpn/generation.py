@@ -73,6 +73,7 @@ def generation_cache(config: GPNConfig, generation_config: GenerationConfig, mod
         )
     if user_cache is not None:
         check_cache_type(user_cache)
+        user_cache.refuse_if_interrupted()  # (before continue_from_cache judges its fingerprint)
         if (generation_config.num_beams or 1) > 1 and user_cache.has_state:
             # Beam search widens the rows but not a given cache, and drops an all-ones attention mask (with it,
             # how many positions the state has read): refused here, not by a row count the caller never chose.

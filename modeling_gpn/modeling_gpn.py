@@ -70,7 +70,7 @@ from .arguments import (
     refuse_attention_outputs,
     refuse_state_not_float32,
 )
-from .cache import GPNCache
+from .cache import CLAIM_ATTRIBUTE, GPNCache
 from .chunked_loss import chunked_causal_lm_loss, divide_loss_sum
 from .configuration_gpn import GPNConfig
 from .derived_weights import (
@@ -1040,8 +1040,13 @@ class GPNModel(GPNPreTrainedModel):
 
         # one call at a time advances a cache: another call reading or writing it meanwhile (a second thread, a hook
         # calling the model) would compute from a half-written state in silence (`GPNCache.claim` refuses it)
-        claimed = cache is not None and cache.claim()
+        # (claimed inside the `try` and released inline in the `finally`: `GPNCache.claim` says why)
+        # (nothing claimed while tracing: a compiled or exported program's cache is its own input)
+        claimable = cache is not None and not is_tracing()
+        held, claim = (cache.__dict__, object()) if claimable else ({}, None)
         try:
+            if claim is not None:
+                cache.claim(claim)
             state = cache.get_state() if cache is not None else None
             if state is not None:
                 check_cache_state(state, config, batch_size)
@@ -1070,14 +1075,17 @@ class GPNModel(GPNPreTrainedModel):
             if use_cache:
                 if cache is None:
                     cache = GPNCache(config)
+                # several writes in place (p, g, M, the count, the fingerprint): an interrupt between two of them
+                # leaves the cache marked, and refused from then on, rather than holding what its count does not
+                cache.start_writing()
                 cache.update_state(*final_state, num_new_tokens=seq_len)
                 cache.record_read(input_ids, mask)
                 cache.note_model(self)  # whose state this is, for GPNCache.save
                 if not self.reads_merged_adapters():  # (then each call derives afresh: see there)
                     keep_with(self, cache, derived)  # the next call that continues this cache reuses them
+                cache.finish_writing()
         finally:
-            if claimed:
-                cache.release()
+            CLAIM_ATTRIBUTE in held and held[CLAIM_ATTRIBUTE] is claim and held.pop(CLAIM_ATTRIBUTE)  # (no call before)
         decoded = self.decoded(predicted_states)
         output = GPNModelOutput(
             last_hidden_state=decoded,

@@ -1,0 +1,140 @@
+"""A call interrupted half-way (Ctrl-C, Jupyter's "interrupt kernel": a KeyboardInterrupt between any two bytecodes)
+leaves the cache it advances exactly as before the call, exactly advanced, or refused on its next use in one line
+(`GPNCache.start_writing`), never holding a position its count or fingerprint does not; and never claimed for good
+(`GPNCache.claim`), which would refuse every later call as "another call"; nor a scope of derived weights left open
+(`derived_weights_scope`). Interrupts are injected deterministically,
+at every line of the forward, the one-call decode and the cache's bookkeeping, by `sys.settrace`."""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+import torch
+
+from modeling_gpn import cache as cache_module
+from modeling_gpn import derived_weights, fast_recurrence
+from modeling_gpn import modeling_gpn as model_module
+
+from ..backend_observer import DECODE_CALLS, ran
+from ..environment import require_c_kernels
+from ..tiny_models import perturbed_model, tiny_config
+
+# Where the interrupt is injected: every line of the functions that claim, write and record a cache's state, in
+# these files (the recurrence itself computes from copies of the state and the checks read none: left out, the
+# sweep stays at about a hundred points a call)
+_FILES = {cache_module.__file__, fast_recurrence.__file__, model_module.__file__, derived_weights.__file__}
+_TRACED = {"forward", "fast_decode_token", "claim", "refuse_if_interrupted", "start_writing", "finish_writing"}
+_TRACED |= {"update_state", "record_read", "advanced_in_place", "step_hash", "note_model", "keep_with"}
+_TRACED |= {"__enter__", "__exit__", "current"}
+# The inline release of a claim (`held.pop(CLAIM_ATTRIBUTE)`, no call before it): settrace reports that line before it
+# runs, but a real KeyboardInterrupt lands only at a Python function's entry or after a call returns, never there.
+_RELEASE = "held.pop(CLAIM_ATTRIBUTE)"
+
+
+class _InterruptAt:
+    """A trace function raising KeyboardInterrupt at the `at`-th line event in `_FILES`."""
+
+    def __init__(self, at: int):
+        self.at, self.count = at, 0
+
+    def __call__(self, frame, event, arg):
+        if frame.f_code.co_filename not in _FILES or frame.f_code.co_name not in _TRACED:
+            return None
+        return self.local
+
+    def local(self, frame, event, arg):
+        # (line events only: an exception a trace function raises at a return event is dropped by CPython 3.11,
+        # and tracing stops; the next line event of the caller is the same point)
+        if event == "line":
+            if _RELEASE in _source_line(frame):
+                return self.local
+            self.count += 1
+            if self.count == self.at:
+                raise KeyboardInterrupt
+        return self.local
+
+
+_LINES: dict = {}
+
+
+def _source_line(frame) -> str:
+    key = (frame.f_code.co_filename, frame.f_lineno)
+    if key not in _LINES:
+        import linecache
+
+        _LINES[key] = linecache.getline(*key)
+    return _LINES[key]
+
+
+def _snapshot(cache):
+    return [t.clone() for t in cache.state_buffers()], cache.get_seq_length(), cache.read_fingerprint()
+
+
+def _same(a, b) -> bool:
+    return all(map(torch.equal, a[0], b[0])) and a[1] == b[1] and torch.equal(a[2], b[2])
+
+
+@pytest.fixture(scope="module")
+def model():
+    require_c_kernels()
+    return perturbed_model(tiny_config(num_predict_layers=1), seed=5).eval()
+
+
+@pytest.mark.parametrize("call", ["decoded token", "positions"])
+def test_a_call_interrupted_anywhere_leaves_the_cache_before_after_or_refused(model, call):
+    """At every injection point of a decoded token (the one-call decode, writing the state in place) and of a forward
+    over 2 positions: after the interrupt the cache holds exactly the state, count and fingerprint it had before the
+    call (and continues as the uninterrupted run does), or exactly those after it, or its next forward, `fork` and
+    `save` are refused in one line naming the interruption; never "being advanced by another call"."""
+    prompt = torch.tensor([[5, 9, 3], [7, 1, 4]])
+    ids = torch.tensor([[3], [4]]) if call == "decoded token" else torch.tensor([[3, 8], [4, 2]])
+    following = torch.tensor([[6], [2]])
+    with torch.no_grad():
+        start = model(prompt, use_cache=True).cache
+        reference = copy.deepcopy(start)
+        model(ids, cache=reference, use_cache=True)
+        after = _snapshot(reference)
+        continued = model(following, cache=copy.deepcopy(reference), use_cache=True).logits
+    before, outcomes, at = _snapshot(start), set(), 0
+    while True:
+        at += 1
+        cache = copy.deepcopy(start)
+        with torch.no_grad():  # (the model as every run finds it: what the interrupted run left is not seen)
+            model(ids, cache=copy.deepcopy(start), use_cache=True)
+        sys.settrace(_InterruptAt(at))
+        try:
+            with torch.no_grad():
+                model(ids, cache=cache, use_cache=True)
+            interrupted = False
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            sys.settrace(None)
+        if not interrupted:
+            break
+        with derived_weights.derived_weights_scope(model.model) as derived:  # (none left open: a new one is empty)
+            assert derived.key is None and not derived.entries, f"interrupt {at}: a scope of derived weights left open"
+        if cache.state_layer.interrupted:
+            for use in (
+                lambda cache=cache: model(following, cache=cache, use_cache=True),
+                lambda cache=cache: cache.fork(1),
+                lambda cache=cache: cache.save("never-written.safetensors"),
+            ):
+                with pytest.raises(RuntimeError, match="interrupted part-way through a call") as refusal:
+                    use()
+                assert "\n" not in str(refusal.value)
+            outcomes.add("refused")
+            continue
+        now = _snapshot(cache)
+        assert _same(now, before) or _same(now, after), f"interrupt {at}: the cache is neither as before nor after"
+        outcome = "before" if _same(now, before) else "after"
+        outcomes.add(outcome)
+        if outcome == "after":
+            with torch.no_grad():  # (not claimed for good, and continuing gives the uninterrupted run's logits)
+                torch.testing.assert_close(model(following, cache=cache, use_cache=True).logits, continued)
+    assert outcomes == {"before", "after", "refused"}, (outcomes, at)  # (every kind of point was reached)
+    if call == "decoded token":
+        with ran(DECODE_CALLS), torch.no_grad():  # (the sweep above went through the one-call decode)
+            model(ids, cache=copy.deepcopy(start), use_cache=True)
