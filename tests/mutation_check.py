@@ -137,7 +137,7 @@ MUTATIONS = [
     Mutation(
         "interrupted calls (a derived-weights scope left open by an interrupt is kept)",
         "modeling_gpn/derived_weights.py",
-        "        if entry is not None and (entry[0] == 0 or not _running(entry[2])):\n",
+        "        if entry is not None and (entry[0] == 0 or (entry[2] is not None and not _running(entry[2]))):\n",
         "        if False:  # MUTATION\n",
         ("tests/model/test_interrupted_calls.py -k decoded",),
     ),
