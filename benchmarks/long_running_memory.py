@@ -1,8 +1,9 @@
 """Long-running memory: repeat what a process kept alive for hours repeats, and print how its memory moves.
 
 Each scenario runs one operation `--iterations` times and prints, every `--every` iterations (after
-`gc.collect()`), the process's resident memory (`/proc/self/statm`), the count of objects the collector tracks
-and tracemalloc's Python-allocated bytes (`--tracemalloc`; it slows the run). A bounded operation levels off after
+`gc.collect()`), the process's resident memory (`/proc/self/statm`), the bytes glibc's malloc holds (C code's
+heap: torch's, the kernels'), the count of objects the collector tracks and tracemalloc's Python-allocated bytes
+(`--tracemalloc`; it slows the run). A bounded operation levels off after
 its first iterations; one that leaks grows by the same amount every report. Scenarios:
 
 - generate:   one model, `generate()` again and again (the fast path's one-call decode: plans built per call).

@@ -327,7 +327,8 @@ class GPNCache(Cache):
             )
 
     def refuse_if_interrupted(self) -> None:
-        """Raise, in one line saying what to do, if a call was interrupted while it wrote this state (`start_writing`)."""
+        """Raise, in one line saying what to do, if a call was interrupted while it wrote this state
+        (`start_writing`)."""
         if self.state_layer.interrupted:
             raise RuntimeError(
                 "this GPNCache was interrupted part-way through a call (Ctrl-C or another error while the call wrote "

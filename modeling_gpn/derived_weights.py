@@ -333,7 +333,7 @@ class DerivedWeights:
         return self.entries
 
 
-_scopes = threading.local()  # per thread: {id(model): [depth, DerivedWeights]}
+_scopes = threading.local()  # per thread: {id(model): [depth, DerivedWeights, outermost caller's frame or None]}
 
 
 def _open_scopes() -> dict:

@@ -492,9 +492,8 @@ def decode_lane_blocker(lm: torch.nn.Module, norm_class: type, methods: dict) ->
 def _projections(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
     """The token and decoder projections of the base model `model` as a decoded token reads them: a PEFT LoRA layer
     merged in place whose forward is provably its base layer's as that base layer (`merged_lora_base`)."""
-    return merged_lora_base(model.fuse_proj) or model.fuse_proj, merged_lora_base(
-        model.decode_proj
-    ) or model.decode_proj
+    fuse_proj, decode_proj = model.fuse_proj, model.decode_proj
+    return merged_lora_base(fuse_proj) or fuse_proj, merged_lora_base(decode_proj) or decode_proj
 
 
 # a scope's entry saying that a decode lane in it reads weights through a PEFT LoRA layer merged in place: the scope
@@ -518,6 +517,7 @@ def _decode_lane(lm: torch.nn.Module, derived: dict, rows: int, methods: dict) -
         model, plan = lm.model, None
         step = _step_plan(model, derived, rows)
         if step is not None:
+            fuse_proj, decode_proj = _projections(model)
             try:
                 with torch.no_grad():
                     plan = DecodePlan(
@@ -525,9 +525,9 @@ def _decode_lane(lm: torch.nn.Module, derived: dict, rows: int, methods: dict) -
                         model.embed_tokens.weight,
                         model.config.vocab_size,
                         model.fuse_norm.weight,
-                        _projections(model)[0],
+                        fuse_proj,
                         model.decode_norm.weight,
-                        _projections(model)[1],
+                        decode_proj,
                         lm.lm_head.weight if lm.lm_head.weight is model.embed_tokens.weight else lm.lm_head,
                     )
             except KernelRefusal:

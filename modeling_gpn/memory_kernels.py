@@ -2127,8 +2127,8 @@ def _compile(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
 
 def _compile_with(compiler: str, flags: list[str], folder: Path, timeout: float) -> ctypes.CDLL:
     """`_compile` with these flags: the cached build of their key, else a fresh one."""
-    # -march=native: the build is for this CPU, so the key names its features (a cache folder shared
-    # between machines must not hand one machine's AVX-512 build to another)
+    # -march=native (or -mcpu=native): the build is for this CPU, so the key names its features (a cache folder
+    # shared between machines must not hand one machine's AVX-512 build to another)
     key = hashlib.sha256("\0".join([_kernel_text(), compiler, *flags, _cpu_features()]).encode()).hexdigest()[:16]
     with _build_lock(folder, f"gpn_memory_{key}.lock", timeout + 30):
         record = folder / f"gpn_memory_{key}.sha256"

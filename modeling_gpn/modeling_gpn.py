@@ -1085,7 +1085,8 @@ class GPNModel(GPNPreTrainedModel):
                     keep_with(self, cache, derived)  # the next call that continues this cache reuses them
                 cache.finish_writing()
         finally:
-            CLAIM_ATTRIBUTE in held and held[CLAIM_ATTRIBUTE] is claim and held.pop(CLAIM_ATTRIBUTE)  # (no call before)
+            # (released inline, no call before the pop: `GPNCache.claim`)
+            CLAIM_ATTRIBUTE in held and held[CLAIM_ATTRIBUTE] is claim and held.pop(CLAIM_ATTRIBUTE)
         decoded = self.decoded(predicted_states)
         output = GPNModelOutput(
             last_hidden_state=decoded,

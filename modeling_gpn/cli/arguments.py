@@ -42,8 +42,8 @@ def writable_folder(path: str | Path, option: str) -> Path:
 
 def torch_device(device: str, option: str = "--device") -> torch.device:
     """`device` as a torch device this machine has. Raises `ValueError` naming `option` for a name torch does not
-    know (`toaster`), CUDA (or mps, xpu...) on a machine without it, or a CUDA index beyond the machine's GPUs: otherwise each
-    would surface as a traceback only once the model has loaded and is being moved."""
+    know (`toaster`), CUDA (or mps, xpu...) on a machine without it, or a CUDA index beyond the machine's GPUs:
+    otherwise each would surface as a traceback only once the model has loaded and is being moved."""
     import torch
 
     try:
