@@ -85,6 +85,7 @@ from .derived_weights import (
 )
 from .fast_recurrence import (
     DERIVED_ATTRIBUTES,
+    READS_MERGED_ADAPTERS,
     autograd_mode_blocker,
     fast_decode_token,
     fast_project,
@@ -798,8 +799,8 @@ class GPNModel(GPNPreTrainedModel):
         with a cache for the next call (`keep_with`): PEFT's merge and unmerge write the weights through `.data`,
         unseen by the derived weights' guard, and between two calls a user may unmerge, merge another adapter or
         merge again (W + BA - BA + BA rounds otherwise than W + BA); each call derives from the weights as they are
-        then (a generate() call still derives once)."""
-        if "peft" not in sys.modules:  # (no PEFT layer without it: the walk, tens of µs, only where PEFT is)
+        then (a generate() call still derives once). A walk over every module: its callers ask once a scope."""
+        if "peft" not in sys.modules:  # (no PEFT layer without it: the walk only where PEFT is)
             return False
         return any(merged_lora_base(module) is not None for module in modules_below(self))
 
@@ -1081,8 +1082,12 @@ class GPNModel(GPNPreTrainedModel):
                 cache.update_state(*final_state, num_new_tokens=seq_len)
                 cache.record_read(input_ids, mask)
                 cache.note_model(self)  # whose state this is, for GPNCache.save
-                if not self.reads_merged_adapters():  # (then each call derives afresh: see there)
-                    keep_with(self, cache, derived)  # the next call that continues this cache reuses them
+                # the next call that continues this cache reuses what this one derived, unless it was read through a
+                # LoRA merged in place (`reads_merged_adapters`: asked once a scope, where the fast path derived some)
+                if derived.entries and READS_MERGED_ADAPTERS not in derived.entries:
+                    derived.entries[READS_MERGED_ADAPTERS] = self.reads_merged_adapters()
+                if not derived.entries.get(READS_MERGED_ADAPTERS):
+                    keep_with(self, cache, derived)
                 cache.finish_writing()
         finally:
             # (released inline, no call before the pop: `GPNCache.claim`)

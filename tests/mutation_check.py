@@ -3687,6 +3687,13 @@ MUTATIONS = [
         ("tests/model/test_generate.py -k compiled_decode_step_counts",),
     ),
     Mutation(
+        "merged LoRA: a forward's scope is taken as reading no LoRA merged in place without asking",
+        "modeling_gpn/modeling_gpn.py",
+        "                    derived.entries[READS_MERGED_ADAPTERS] = self.reads_merged_adapters()\n",
+        "                    derived.entries[READS_MERGED_ADAPTERS] = False  # MUTATION\n",
+        ("tests/ecosystem/test_ecosystem.py -k lora_merged_in_place",),
+    ),
+    Mutation(
         "gpn serve on a transformers outside the serving extra's pin is refused by version",
         "modeling_gpn/serve/cli.py",
         "    refusal = transformers_refusal()\n",
@@ -5257,7 +5264,7 @@ MUTATIONS = [
     Mutation(
         "merged LoRA (what a call derived is kept with its cache, across a merge or unmerge)",
         "modeling_gpn/modeling_gpn.py",
-        "                if not self.reads_merged_adapters():  # (then each call derives afresh: see there)\n",
+        "                if not derived.entries.get(READS_MERGED_ADAPTERS):\n",
         "                if True:  # MUTATION\n",
         ("tests/ecosystem/test_ecosystem.py -k merged_in_place_runs_the_fast_path",),
     ),
