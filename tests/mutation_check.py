@@ -5300,8 +5300,15 @@ MUTATIONS = [
     Mutation(
         "a model whose generation config ends generate() at another token than its tokenizer's EOS is taken in silence",
         "modeling_gpn/cli/loading.py",
-        "    if not ends or eos in ends:\n",
+        "    if not ends or eos in ends or all(i in special for i in ends):\n",
         "    if True:  # MUTATION\n",
+        ("tests/tools/test_generate_cli.py -k ends_generate_at_another_token",),
+    ),
+    Mutation(
+        "a model whose generation config ends at a special token of its tokenizer only (an end of turn) is refused",
+        "modeling_gpn/cli/loading.py",
+        "    if not ends or eos in ends or all(i in special for i in ends):\n",
+        "    if not ends or eos in ends:  # MUTATION\n",
         ("tests/tools/test_generate_cli.py -k ends_generate_at_another_token",),
     ),
     Mutation(

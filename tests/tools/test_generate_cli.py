@@ -420,7 +420,8 @@ def test_a_model_whose_config_ends_generate_at_another_token_than_its_tokenizers
 ):
     """A folder whose config.json and generation_config.json end generate() at LLaMA-2's 2 beside a tokenizer whose
     end of text is another id (what `gpn convert --tokenizer` wrote before f3f1b1a): gpn generate and gpn serve's
-    model manager refuse it in one line naming both ids and the fix (their text would run past its end, or stop at
+    model manager refuse it in one line naming both ids and the fix (ends at special tokens only, a chat model's
+    end of turn, are taken) (their text would run past its end, or stop at
     an ordinary token), read from generation_config.json or, without one, from config.json; gpn eval warns (its
     scores read no EOS id of the config). `gpn push` refuses it too (tests/tools/test_hub.py)."""
     import shutil
@@ -450,3 +451,12 @@ def test_a_model_whose_config_ends_generate_at_another_token_than_its_tokenizers
     assert f"gpn eval: warning: {folder}'s generation config ends generate() at token id 2" in capsys.readouterr().err
     load_model(str(bpe_dir))  # (agreeing ids: not a word)
     assert "warning" not in capsys.readouterr().err
+    # Ending at a special token of the tokenizer only (a chat model's end of turn) is the model's choice: taken.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|end|>"]})
+    tokenizer.save_pretrained(folder)
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|end|>")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": end_of_turn}))
+    GPNModelManager(device="cpu")._load_processor(str(folder))
