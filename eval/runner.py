@@ -15,6 +15,7 @@ import json
 import math
 import re
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +29,7 @@ import torch
 from modeling_gpn.cli.loading import (
     adapter_base,
     check_model_path,
+    end_of_text_disagreement,
     load_causal_lm,
     load_model_tokenizer,
     tokenizer_source,
@@ -140,6 +142,9 @@ def load_model(
     model = load_causal_lm(path, dtype=dtypes[dtype], trust_remote_code=trust_remote_code)
     model = model.to(device).eval()
     tok = load_model_tokenizer(path, tokenizer, trust_remote_code=trust_remote_code, require_eos=False)
+    disagreement = end_of_text_disagreement(path, tok)
+    if disagreement is not None:  # (a warning: the scores read no EOS id of the config, generated text would)
+        print(f"gpn eval: warning: {disagreement}", file=sys.stderr)
     return model, tok
 
 

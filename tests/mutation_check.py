@@ -5339,6 +5339,48 @@ MUTATIONS = [
         "if earlier.get(key) != now.get(key)  # MUTATION",
         ("tests/tools/test_study.py::test_a_model_trained_before_a_setting_existed_is_reused",),
     ),
+    Mutation(
+        "a model whose generation config ends generate() at another token than its tokenizer's EOS is taken in silence",
+        "modeling_gpn/cli/loading.py",
+        "    if not ends or eos in ends or all(i in special for i in ends):\n",
+        "    if True:  # MUTATION\n",
+        ("tests/tools/test_generate_cli.py -k ends_generate_at_another_token",),
+    ),
+    Mutation(
+        "a model whose generation config ends at a special token of its tokenizer only (an end of turn) is refused",
+        "modeling_gpn/cli/loading.py",
+        "    if not ends or eos in ends or all(i in special for i in ends):\n",
+        "    if not ends or eos in ends:  # MUTATION\n",
+        ("tests/tools/test_generate_cli.py -k ends_generate_at_another_token",),
+    ),
+    Mutation(
+        "the end-of-text ids of a folder without generation_config.json are not read from its config.json",
+        "modeling_gpn/cli/loading.py",
+        "            ends = GenerationConfig.from_model_config(AutoConfig.from_pretrained(folder)).eos_token_id\n",
+        "            return None  # MUTATION\n",
+        ("tests/tools/test_generate_cli.py -k ends_generate_at_another_token",),
+    ),
+    Mutation(
+        "gpn generate runs a model whose config ends generate() at another token than its tokenizer's EOS",
+        "modeling_gpn/cli/generate.py",
+        "    if disagreement is not None:  # (the text printed would run past its end, or stop at an ordinary token)\n",
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_generate_cli.py -k ends_generate_at_another_token",),
+    ),
+    Mutation(
+        "gpn serve loads a model whose config ends generate() at another token than its tokenizer's EOS",
+        "modeling_gpn/serve/models.py",
+        "            if disagreement is not None:\n                raise ValueError(disagreement)\n",
+        "            pass  # MUTATION\n",
+        ("tests/tools/test_generate_cli.py -k ends_generate_at_another_token",),
+    ),
+    Mutation(
+        "gpn eval says nothing of a model whose config ends generate() at another token than its tokenizer's EOS",
+        "eval/runner.py",
+        '        print(f"gpn eval: warning: {disagreement}", file=sys.stderr)\n',
+        "        pass  # MUTATION\n",
+        ("tests/tools/test_generate_cli.py -k ends_generate_at_another_token",),
+    ),
 ]
 
 

@@ -153,7 +153,13 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 def _load(args: argparse.Namespace):
     import modeling_gpn  # noqa: F401  (registers GPN with the Auto classes)
-    from modeling_gpn.cli.loading import BaseModelNotFoundError, adapter_note, load_causal_lm, load_model_tokenizer
+    from modeling_gpn.cli.loading import (
+        BaseModelNotFoundError,
+        adapter_note,
+        end_of_text_disagreement,
+        load_causal_lm,
+        load_model_tokenizer,
+    )
     from modeling_gpn.data import DataError
 
     note = adapter_note(args.model, args.tokenizer)
@@ -164,6 +170,9 @@ def _load(args: argparse.Namespace):
         tokenizer = load_model_tokenizer(args.model, args.tokenizer, require_eos=False)
     except DataError as error:  # any loader failure, as one clear message
         raise GenerateError(str(error)) from error
+    disagreement = end_of_text_disagreement(args.model, tokenizer)
+    if disagreement is not None:  # (the text printed would run past its end, or stop at an ordinary token)
+        raise GenerateError(disagreement)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token is None and len(args.prompts) > 1:

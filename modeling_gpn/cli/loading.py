@@ -124,6 +124,46 @@ def load_model_tokenizer(path: str, tokenizer: str | None = None, **kwargs: Any)
         ) from None
 
 
+def end_of_text_disagreement(path: str, tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """One line, where generate() on the model `path` would not stop at the end of text of `tokenizer` (the one a
+    command runs it with): the token ids its generation config ends generate() at (generation_config.json, else
+    config.json's `eos_token_id`, as transformers reads them; a PEFT adapter's base's) lack the tokenizer's EOS id,
+    and one of them at least is no special token of the tokenizer (ends all special, a chat model's end of turn, are
+    its choice). Its text then runs on past the end of text, or stops at an ordinary token: a folder of `gpn convert
+    --tokenizer` before its ids followed the tokenizer carries LLaMA-2's 2, whatever the tokenizer. None where they
+    agree, where either has no EOS, or where the folder's configs cannot be read (a Hub id offline: the load says
+    so). gpn generate and gpn serve refuse such a model (what they print would be cut wrong), gpn eval and gpn
+    inspect warn (their scores read no EOS id of the config); gpn push refuses it (`hub.folder.check_end_of_text`, which
+    refuses special ends too)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        return None
+    folder = adapter_base(path) or path
+    try:
+        ends = GenerationConfig.from_pretrained(folder).eos_token_id
+    except (OSError, ValueError):  # no generation_config.json: generate() takes config.json's ids
+        try:
+            ends = GenerationConfig.from_model_config(AutoConfig.from_pretrained(folder)).eos_token_id
+        except (OSError, ValueError):
+            return None
+    ends = [] if ends is None else list(ends) if isinstance(ends, (list, tuple)) else [ends]
+    # Ends that are all special tokens of the tokenizer are a choice (a chat model ending at its end of turn,
+    # `<|end|>`, not at `<|endoftext|>`); an ordinary token, or an id the tokenizer has not, is no end of text.
+    special = set(tokenizer.all_special_ids) | {
+        i for i, token in tokenizer.added_tokens_decoder.items() if getattr(token, "special", False)
+    }
+    if not ends or eos in ends or all(i in special for i in ends):
+        return None
+    names = ", ".join(f"{i} ({tokenizer.convert_ids_to_tokens(i)!r})" for i in ends)
+    return (
+        f"{folder}'s generation config ends generate() at token id {names}, not at its tokenizer's end of text "
+        f"{eos} ({tokenizer.eos_token!r}), and not only at its special tokens: set eos_token_id in its config.json and generation_config.json to {eos}, "
+        "or give the tokenizer the model was trained with"
+    )
+
+
 def adapter_note(path: str, tokenizer: str | None = None) -> str | None:
     """One line saying what a PEFT adapter folder `path` runs as (None for a whole model), for the commands that
     merge it: its base, and whose tokenizer (`tokenizer`, where the command was given one)."""

@@ -13,7 +13,7 @@ import torch
 
 from ..atomic_files import write_file_atomically
 from ..cli.arguments import check_no_earlier_output, torch_device, writable_folder
-from ..cli.loading import load_model_tokenizer
+from ..cli.loading import end_of_text_disagreement, load_model_tokenizer
 from ..data.tokenizer import check_tokenizer_path
 from .figures import FIGURE_NAMES, write_figures
 from .inputs import (
@@ -183,6 +183,9 @@ def inspect_model(args: argparse.Namespace, output: Path, started: float) -> int
         tokenizer = load_model_tokenizer(  # (an adapter folder's own, else its base's, as gpn generate and eval)
             args.model, args.tokenizer, trust_remote_code=args.trust_remote_code, require_eos=False
         )
+        disagreement = end_of_text_disagreement(args.model, tokenizer)
+        if disagreement is not None:  # (a warning: the analysis reads no EOS id of the config; generate() would)
+            print(f"gpn inspect: warning: {disagreement}", file=sys.stderr)
         seq_len = args.seq_len or model.config.max_length_hint or 2048
         windows = load_token_windows(
             tokenizer, args.data, seq_len, args.tokens, args.data_config, args.split, args.text_column, progress

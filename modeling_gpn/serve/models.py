@@ -63,12 +63,21 @@ class GPNModelManager(model_manager.ModelManager):
     from a server of the base's."""
 
     def _load_processor(self, model_id_and_revision: str, gguf_file: str | None = None):
-        from ..cli.loading import adapter_base, tokenizer_source
+        from ..cli.loading import adapter_base, end_of_text_disagreement, tokenizer_source
 
         model_id, _ = split_revision(model_id_and_revision)
         if gguf_file is None and adapter_base(model_id) is not None:
-            return super()._load_processor(self.process_model_name(tokenizer_source(model_id)))
-        return super()._load_processor(model_id_and_revision, gguf_file=gguf_file)
+            processor = super()._load_processor(self.process_model_name(tokenizer_source(model_id)))
+        else:
+            processor = super()._load_processor(model_id_and_revision, gguf_file=gguf_file)
+        tokenizer = getattr(processor, "tokenizer", processor)  # (a multimodal processor holds its tokenizer)
+        if gguf_file is None and getattr(tokenizer, "eos_token_id", None) is not None:
+            # Refused as gpn generate and gpn push refuse it: every answer would run past its end of text, or stop
+            # at an ordinary token with finish_reason "stop". (A pinned model at startup; otherwise, the request.)
+            disagreement = end_of_text_disagreement(model_id, tokenizer)
+            if disagreement is not None:
+                raise ValueError(disagreement)
+        return processor
 
     def _load_model(
         self,

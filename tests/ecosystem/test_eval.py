@@ -61,7 +61,10 @@ def gpn_dir(tmp_path_factory, data):
 
     folder = tmp_path_factory.mktemp("gpn")
     tokenizer = AutoTokenizer.from_pretrained(data / "llama2-tokenizer")
-    model = perturbed_model(tiny_config(vocab_size=32000, max_length_hint=WINDOW, use_decoder_bias=True))
+    # (LLaMA-2's end of text: a config ending generate() elsewhere is warned of)
+    model = perturbed_model(
+        tiny_config(vocab_size=32000, max_length_hint=WINDOW, use_decoder_bias=True, eos_token_id=2, bos_token_id=1)
+    )
     predicting_everywhere(model, single_token_target(tokenizer, data)).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

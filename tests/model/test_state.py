@@ -882,6 +882,7 @@ def test_cli_save_state_of_a_model_without_a_gpn_state_is_refused_before_generat
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
     )
+    config.eos_token_id = tokenizer.eos_token_id  # (LlamaConfig's 2 is no end of text of this tokenizer: refused)
     LlamaForCausalLM(config).save_pretrained(llama)
     tokenizer.save_pretrained(llama)
     state = tmp_path / "s.safetensors"

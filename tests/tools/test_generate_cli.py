@@ -5,6 +5,7 @@ continuation as the decoded whole has it. (Bad arguments: tests/tools/test_fault
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -412,3 +413,50 @@ def test_an_adapter_where_peft_is_not_installed_is_one_line_naming_what_to_insta
         assert lines == [f"gpn {command}: error: {words}{PEFT_REQUIREMENT}'"], lines
     test_extra = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
     assert PEFT_REQUIREMENT in test_extra
+
+
+def test_a_model_whose_config_ends_generate_at_another_token_than_its_tokenizers_eos_is_named(
+    bpe_dir, tmp_path, capsys
+):
+    """A folder whose config.json and generation_config.json end generate() at LLaMA-2's 2 beside a tokenizer whose
+    end of text is another id (what `gpn convert --tokenizer` wrote before f3f1b1a): gpn generate and gpn serve's
+    model manager refuse it in one line naming both ids and the fix (ends at special tokens only, a chat model's
+    end of turn, are taken) (their text would run past its end, or stop at
+    an ordinary token), read from generation_config.json or, without one, from config.json; gpn eval warns (its
+    scores read no EOS id of the config). `gpn push` refuses it too (tests/tools/test_hub.py)."""
+    import shutil
+
+    from modeling_gpn.evaluation.runner import load_model
+    from modeling_gpn.serve.models import GPNModelManager
+
+    folder = tmp_path / "old-convert"
+    shutil.copytree(bpe_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    eos = config["eos_token_id"]
+    assert eos != 2
+    for name in ("config.json", "generation_config.json"):
+        values = json.loads((folder / name).read_text())
+        (folder / name).write_text(json.dumps({**values, "eos_token_id": 2}))
+    expected = "ends generate() at token id 2 ("
+    fix = f"not at its tokenizer's end of text {eos} "
+    for without_generation_config in (False, True):
+        if without_generation_config:
+            (folder / "generation_config.json").unlink()
+        assert gpn_main(["generate", str(folder), "the cat", "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and expected in err and fix in err and "eos_token_id" in err, err
+    with pytest.raises(ValueError, match=r"ends generate\(\) at token id 2 \("):
+        GPNModelManager(device="cpu")._load_processor(str(folder))
+    load_model(str(folder))
+    assert f"gpn eval: warning: {folder}'s generation config ends generate() at token id 2" in capsys.readouterr().err
+    load_model(str(bpe_dir))  # (agreeing ids: not a word)
+    assert "warning" not in capsys.readouterr().err
+    # Ending at a special token of the tokenizer only (a chat model's end of turn) is the model's choice: taken.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|end|>"]})
+    tokenizer.save_pretrained(folder)
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|end|>")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": end_of_turn}))
+    GPNModelManager(device="cpu")._load_processor(str(folder))

@@ -334,7 +334,8 @@ def tiny_llama_vocab_model(tmp_path_factory):
     from transformers import AutoTokenizer
 
     folder = tmp_path_factory.mktemp("tiny_gpn")
-    perturbed_model(tiny_config(vocab_size=32000)).save_pretrained(folder)
+    # (LLaMA-2's end of text: a config ending generate() elsewhere is warned of)
+    perturbed_model(tiny_config(vocab_size=32000, eos_token_id=2, bos_token_id=1)).save_pretrained(folder)
     AutoTokenizer.from_pretrained(require_shared("data/llama2-tokenizer")).save_pretrained(folder)
     return folder
 
