@@ -4534,8 +4534,8 @@ MUTATIONS = [
     Mutation(
         "gpn push publishes a generation config that does not stop at the tokenizer's end of text",
         "modeling_gpn/hub/folder.py",
-        "    if eos is not None and ends and eos not in ends:\n",
-        "    if False:  # MUTATION\n",
+        "    problem = end_of_text_disagreement(str(out), tokenizer)\n",
+        "    problem = None  # MUTATION\n",
         ("tests/tools/test_hub.py::test_refusals_name_the_problem",),
     ),
     Mutation(
@@ -5351,7 +5351,10 @@ MUTATIONS = [
         "modeling_gpn/cli/loading.py",
         "    if not ends or eos in ends or all(i in special for i in ends):\n",
         "    if not ends or eos in ends:  # MUTATION\n",
-        ("tests/tools/test_generate_cli.py -k ends_generate_at_another_token",),
+        (
+            "tests/tools/test_generate_cli.py -k ends_generate_at_another_token",
+            "tests/tools/test_hub.py -k ends_only_at_special",
+        ),
     ),
     Mutation(
         "the end-of-text ids of a folder without generation_config.json are not read from its config.json",

@@ -133,8 +133,7 @@ def end_of_text_disagreement(path: str, tokenizer: PreTrainedTokenizerBase) -> s
     --tokenizer` before its ids followed the tokenizer carries LLaMA-2's 2, whatever the tokenizer. None where they
     agree, where either has no EOS, or where the folder's configs cannot be read (a Hub id offline: the load says
     so). gpn generate and gpn serve refuse such a model (what they print would be cut wrong), gpn eval and gpn
-    inspect warn (their scores read no EOS id of the config); gpn push refuses it (`hub.folder.check_end_of_text`, which
-    refuses special ends too)."""
+    inspect warn (their scores read no EOS id of the config); gpn push refuses it (`hub.folder.check_end_of_text`)."""
     from transformers import AutoConfig, GenerationConfig
 
     eos = tokenizer.eos_token_id

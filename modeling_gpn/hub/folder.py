@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
     from ..configuration_gpn import GPNConfig
 
+from ..cli.loading import end_of_text_disagreement
 from .checks import (
     WEIGHTS_INDEX,
     check_prepared_folder,
@@ -274,20 +275,13 @@ def write_tokenizer(model_dir: Path, out: Path, config: GPNConfig, tokenizer: st
 
 
 def check_end_of_text(out: Path, tokenizer: PreTrainedTokenizerBase) -> None:
-    """generate() stops at the generation config's eos ids: the tokenizer's end of text must be one of them, or the
-    published model stops at an ordinary token (a config left with LLaMA-2's id 2 beside another tokenizer)."""
-    from transformers import GenerationConfig
-
-    ends = GenerationConfig.from_pretrained(out).eos_token_id
-    ends = [] if ends is None else ends if isinstance(ends, list) else [ends]
-    eos = tokenizer.eos_token_id
-    if eos is not None and ends and eos not in ends:
-        names = ", ".join(f"{i} ({tokenizer.convert_ids_to_tokens(i)!r})" for i in ends)
-        raise HubPushError(
-            f"generation_config.json ends generate() at token id {names}, not at the tokenizer's end of text "
-            f"{eos} ({tokenizer.eos_token!r}): set eos_token_id in config.json and generation_config.json to the "
-            "tokenizer's, or publish the tokenizer the model was trained with"
-        )
+    """generate() stops at the generation config's eos ids: the tokenizer's end of text must be one of them (or they
+    all special tokens of it, a chat model's end of turn), or the published model stops at an ordinary token (a
+    config left with LLaMA-2's id 2 beside another tokenizer). The rule gpn generate and gpn serve refuse by
+    (`cli.loading.end_of_text_disagreement`)."""
+    problem = end_of_text_disagreement(str(out), tokenizer)
+    if problem is not None:
+        raise HubPushError(problem)
 
 
 def _clean_tokenizer_config(path: Path) -> None:

@@ -521,7 +521,7 @@ def test_refusals_name_the_problem(source, tmp_path, capsys):
     wrong_end = copy_source(source, tmp_path / "wrongend")  # LLaMA-2's end of text is 2, "</s>"
     generation = json.loads((wrong_end / "generation_config.json").read_text())
     (wrong_end / "generation_config.json").write_text(json.dumps(dict(generation, eos_token_id=[5, 7])))
-    assert "ends generate() at token id 5 ('<0x02>'), 7 ('<0x04>'), not at the tokenizer's end of text 2" in refused(
+    assert "ends generate() at token id 5 ('<0x02>'), 7 ('<0x04>'), not at its tokenizer's end of text 2" in refused(
         wrong_end
     )
 
@@ -571,6 +571,23 @@ def test_relative_imports_the_hubs_loader_cannot_follow_are_refused(tmp_path):
     assert "modeling_gpn.py imports .gone, which is not in the folder" in message
     (tmp_path / "modeling_gpn.py").write_text("import torch\nfrom .helpers import X\n")
     assert check_remote_code(tmp_path) == ["configuration_gpn.py", "helpers.py", "modeling_gpn.py"]
+
+
+def test_push_takes_a_model_that_ends_only_at_special_tokens_as_generate_and_serve_do(source, tmp_path):
+    """A chat model may end generate() at its end of turn, a special token, not at `</s>`: gpn push takes it, as gpn
+    generate and gpn serve do (one rule: `cli.loading.end_of_text_disagreement`); an ordinary token is refused."""
+    from transformers import AutoTokenizer
+
+    from modeling_gpn.hub.folder import HubPushError, check_end_of_text
+
+    folder = copy_source(source, tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    generation = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps(dict(generation, eos_token_id=[1])))  # <s>: special
+    check_end_of_text(folder, tokenizer)
+    (folder / "generation_config.json").write_text(json.dumps(dict(generation, eos_token_id=[1, 5])))
+    with pytest.raises(HubPushError, match="not at its tokenizer's end of text 2"):
+        check_end_of_text(folder, tokenizer)
 
 
 def test_tokenizer_option_adds_a_tokenizer(source, tmp_path):
