@@ -281,6 +281,23 @@ class GPNStateLayer(LinearAttentionLayer):
 CLAIM_ATTRIBUTE = "_gpn_in_use"  # the attribute a forward sets while it advances a cache (`GPNCache.claim`)
 
 
+class ChunkedRead:
+    """The claim a forward read in chunks (`prefill.forward_in_chunks`) holds on a cache across all its chunks, lent
+    to each chunk's forward in turn (`GPNCache.claim`): the chunks are one write, which a lent forward starts
+    (`start_writing`) and does not finish, so a read interrupted between two chunks leaves the cache refused, not
+    holding only the chunks before the interrupt while the caller asked for all of them."""
+
+    def lend(self) -> None:
+        """Lend the cache to the next forward that borrows it (`GPNCache.claim`): the reader, before each chunk."""
+        self.lendable = True
+
+    def lent(self) -> bool:
+        """Whether the cache was lent to the calling forward, which takes the lending: one forward a lending, so a
+        call made inside it (a hook calling the model on the same cache) is refused as another call. (Atomic, as
+        the claim's `setdefault` is: of two calls racing for one lending, exactly one gets it.)"""
+        return self.__dict__.pop("lendable", False)
+
+
 class GPNCache(Cache):
     """transformers `Cache` holding a GPN's recurrent state (p, g, M) for every row.
 
@@ -302,9 +319,12 @@ class GPNCache(Cache):
         state.pop(CLAIM_ATTRIBUTE, None)
         return state
 
-    def claim(self, token: object) -> None:
+    def claim(self, token: object, borrow: bool = False) -> bool:
         """Mark this cache as being advanced by the calling forward (`token`, an object of the caller's) until the
         caller releases it; raise if another call holds it, or if an earlier call was interrupted part-way.
+        `borrow`: the caller (the base model's forward, which a read in chunks calls once a chunk) may run under a
+        `ChunkedRead` that lent it the cache; it is then told True, and leaves the write it starts unfinished (no
+        `finish_writing`): the reader finishes it after its last chunk. (The one-call decode never borrows.)
 
         A forward reads the state, computes, and writes the state back (the one-call decode writes its buffers in
         place): two calls on one cache at once (two threads, or a hook calling the model inside a forward) would
@@ -316,15 +336,20 @@ class GPNCache(Cache):
         `token` (`release_claim`): a KeyboardInterrupt lands between bytecodes (at a Python function's entry, after a
         call returns), so a claim taken before the `try`, or released by a method, could be left held for good, and
         every later call refused as "another call"."""
+        if borrow and type(held := self.__dict__.get(CLAIM_ATTRIBUTE)) is ChunkedRead and held.lent():
+            # (one of the reader's chunks; their write is marked from the first chunk on, and stays marked until the
+            # reader has read the last: the reader checked the mark when it claimed)
+            return True
         self.refuse_if_interrupted()
         if is_tracing():
-            return
-        if self.__dict__.setdefault(CLAIM_ATTRIBUTE, token) is not token:
-            raise RuntimeError(
-                "this GPNCache is being advanced by another call right now (another thread, or a call made inside "
-                "the forward): a cache can be used by one call at a time; give each thread its own cache "
-                "(cache.fork(1) copies one)"
-            )
+            return False
+        if self.__dict__.setdefault(CLAIM_ATTRIBUTE, token) is token:
+            return False
+        raise RuntimeError(
+            "this GPNCache is being advanced by another call right now (another thread, or a call made inside "
+            "the forward): a cache can be used by one call at a time; give each thread its own cache "
+            "(cache.fork(1) copies one)"
+        )
 
     def refuse_if_interrupted(self) -> None:
         """Raise, in one line saying what to do, if a call was interrupted while it wrote this state

@@ -1045,9 +1045,10 @@ class GPNModel(GPNPreTrainedModel):
         # (nothing claimed while tracing: a compiled or exported program's cache is its own input)
         claimable = cache is not None and not is_tracing()
         held, claim = (cache.__dict__, object()) if claimable else ({}, None)
+        lent = False  # True: one chunk of a read in chunks, whose write the reader finishes (`ChunkedRead`)
         try:
             if claim is not None:
-                cache.claim(claim)
+                lent = cache.claim(claim, borrow=True)
             state = cache.get_state() if cache is not None else None
             if state is not None:
                 check_cache_state(state, config, batch_size)
@@ -1088,7 +1089,8 @@ class GPNModel(GPNPreTrainedModel):
                     derived.entries[READS_MERGED_ADAPTERS] = self.reads_merged_adapters()
                 if not derived.entries.get(READS_MERGED_ADAPTERS):
                     keep_with(self, cache, derived)
-                cache.finish_writing()
+                if not lent:
+                    cache.finish_writing()
         finally:
             # (released inline, no call before the pop: `GPNCache.claim`)
             CLAIM_ATTRIBUTE in held and held[CLAIM_ATTRIBUTE] is claim and held.pop(CLAIM_ATTRIBUTE)

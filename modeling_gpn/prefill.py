@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .arguments import check_attention_mask
-from .cache import GPNCache
+from .cache import CLAIM_ATTRIBUTE, ChunkedRead, GPNCache
 from .chunked_loss import chunked_causal_lm_loss, divide_loss_sum
 from .packing import packed_sequence_starts, packing_arguments
 from .tracing import is_tracing
@@ -115,33 +115,51 @@ def forward_in_chunks(
         output_matrix = model.output_matrix()  # None: only calling the (wrapped) head gives the logits
         loss_sum = None
     tail = None  # the last `logits_to_keep` decoded vectors read so far
-    for start in range(0, seq_len, chunk_length):
-        stop = min(start + chunk_length, seq_len)
-        hidden = base(
-            input_ids=None if input_ids is None else input_ids[:, start:stop],
-            inputs_embeds=None if inputs_embeds is None else inputs_embeds[:, start:stop],
-            attention_mask=None if mask is None else mask[:, start:stop],
-            cache=running,
-            use_cache=True,
-            output_hidden_states=False,
-            return_dict=True,
-            **kwargs,
-        ).last_hidden_state
-        if wants_loss:
-            chunk_targets = targets[:, start:stop]
-            if output_matrix is not None:
-                chunk_sum = chunked_causal_lm_loss(
-                    hidden, output_matrix, None, shift_labels=chunk_targets, num_items_in_batch=1
-                )
+    # The chunks are one write, as one pass is: the first chunk's forward marks the cache (`start_writing`), no
+    # chunk's clears the mark, and it is cleared after the last one, so a read interrupted (or failing) between two
+    # chunks leaves the cache refused on its next use rather than holding only the earlier chunks, in silence. This
+    # call holds the cache's claim throughout and lends it to one chunk's forward at a time (`ChunkedRead`); as for
+    # any claim, taken inside the `try` and released inline in the `finally` (`GPNCache.claim`).
+    held, claim = (running.__dict__, ChunkedRead()) if isinstance(running, GPNCache) else ({}, None)
+    try:
+        if claim is not None:
+            running.claim(claim)
+        for start in range(0, seq_len, chunk_length):
+            stop = min(start + chunk_length, seq_len)
+            if claim is not None:
+                claim.lend()
+            hidden = base(
+                input_ids=None if input_ids is None else input_ids[:, start:stop],
+                inputs_embeds=None if inputs_embeds is None else inputs_embeds[:, start:stop],
+                attention_mask=None if mask is None else mask[:, start:stop],
+                cache=running,
+                use_cache=True,
+                output_hidden_states=False,
+                return_dict=True,
+                **kwargs,
+            ).last_hidden_state
+            if wants_loss:
+                chunk_targets = targets[:, start:stop]
+                if output_matrix is not None:
+                    chunk_sum = chunked_causal_lm_loss(
+                        hidden, output_matrix, None, shift_labels=chunk_targets, num_items_in_batch=1
+                    )
+                else:
+                    logits = model.logits_of(hidden).float()
+                    chunk_sum = F.cross_entropy(
+                        logits.reshape(-1, logits.shape[-1]),
+                        chunk_targets.reshape(-1),
+                        ignore_index=-100,
+                        reduction="sum",
+                    )
+                loss_sum = chunk_sum if loss_sum is None else loss_sum + chunk_sum
             else:
-                logits = model.logits_of(hidden).float()
-                chunk_sum = F.cross_entropy(
-                    logits.reshape(-1, logits.shape[-1]), chunk_targets.reshape(-1), ignore_index=-100, reduction="sum"
-                )
-            loss_sum = chunk_sum if loss_sum is None else loss_sum + chunk_sum
-        else:
-            joined = hidden if tail is None else torch.cat([tail, hidden], dim=1)
-            tail = joined[:, -logits_to_keep:].clone()  # not a view: the chunk's states are freed
+                joined = hidden if tail is None else torch.cat([tail, hidden], dim=1)
+                tail = joined[:, -logits_to_keep:].clone()  # not a view: the chunk's states are freed
+        if claim is not None:
+            running.finish_writing()  # (every chunk read: the state, count and fingerprint are those of one pass)
+    finally:
+        CLAIM_ATTRIBUTE in held and held[CLAIM_ATTRIBUTE] is claim and held.pop(CLAIM_ATTRIBUTE)
     loss = divide_loss_sum(loss_sum, targets, num_items_in_batch) if wants_loss else None
     logits = None if wants_loss else model.logits_of(tail)
     return loss, logits, running if use_cache else None

@@ -109,7 +109,7 @@ MUTATIONS = [
     Mutation(
         "threads (a forward does not claim the cache it advances)",
         "modeling_gpn/modeling_gpn.py",
-        "                cache.claim(claim)\n",
+        "                lent = cache.claim(claim, borrow=True)\n",
         "                pass  # MUTATION\n",
         ("tests/fast_path/test_threads.py -k refused and prompt",),
     ),
@@ -133,6 +133,13 @@ MUTATIONS = [
         "            cache.start_writing()\n            try:\n",
         "            pass  # MUTATION\n            try:\n",
         ("tests/model/test_interrupted_calls.py -k decoded",),
+    ),
+    Mutation(
+        "interrupted calls (each chunk of a prompt read in chunks finishes its write: left holding the earlier ones)",
+        "modeling_gpn/modeling_gpn.py",
+        "                if not lent:\n                    cache.finish_writing()\n",
+        "                if True:  # MUTATION\n                    cache.finish_writing()\n",
+        ("tests/model/test_interrupted_calls.py -k chunked",),
     ),
     Mutation(
         "interrupted calls (a derived-weights scope left open by an interrupt is kept)",

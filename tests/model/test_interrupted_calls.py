@@ -2,8 +2,9 @@
 leaves the cache it advances exactly as before the call, exactly advanced, or refused on its next use in one line
 (`GPNCache.start_writing`), never holding a position its count or fingerprint does not; and never claimed for good
 (`GPNCache.claim`), which would refuse every later call as "another call"; nor a scope of derived weights left open
-(`derived_weights_scope`). Interrupts are injected deterministically,
-at every line of the forward, the one-call decode and the cache's bookkeeping, by `sys.settrace`."""
+(`derived_weights_scope`). A prompt read in chunks (`prefill.forward_in_chunks`) is one such call: never left holding
+only its earlier chunks. Interrupts are injected deterministically, at every line of the forward, the read in chunks,
+the one-call decode and the cache's bookkeeping, by `sys.settrace`."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from modeling_gpn import cache as cache_module
-from modeling_gpn import derived_weights, fast_recurrence
+from modeling_gpn import derived_weights, fast_recurrence, prefill
 from modeling_gpn import modeling_gpn as model_module
 
 from ..backend_observer import DECODE_CALLS, ran
@@ -25,9 +26,10 @@ from ..tiny_models import perturbed_model, tiny_config
 # these files (the recurrence itself computes from copies of the state and the checks read none: left out, the
 # sweep stays at about a hundred points a call)
 _FILES = {cache_module.__file__, fast_recurrence.__file__, model_module.__file__, derived_weights.__file__}
+_FILES |= {prefill.__file__}
 _TRACED = {"forward", "fast_decode_token", "claim", "refuse_if_interrupted", "start_writing", "finish_writing"}
 _TRACED |= {"update_state", "record_read", "advanced_in_place", "step_hash", "note_model", "keep_with"}
-_TRACED |= {"__enter__", "__exit__", "current"}
+_TRACED |= {"__enter__", "__exit__", "current", "forward_in_chunks", "lend", "lent"}
 # The inline release of a claim (`held.pop(CLAIM_ATTRIBUTE)`, no call before it): settrace reports that line before it
 # runs, but a real KeyboardInterrupt lands only at a Python function's entry or after a call returns, never there.
 _RELEASE = "held.pop(CLAIM_ATTRIBUTE)"
@@ -82,19 +84,37 @@ def model():
     return perturbed_model(tiny_config(num_predict_layers=1), seed=5).eval()
 
 
-@pytest.mark.parametrize("call", ["decoded token", "positions"])
-def test_a_call_interrupted_anywhere_leaves_the_cache_before_after_or_refused(model, call):
-    """At every injection point of a decoded token (the one-call decode, writing the state in place) and of a forward
-    over 2 positions: after the interrupt the cache holds exactly the state, count and fingerprint it had before the
-    call (and continues as the uninterrupted run does), or exactly those after it, or its next forward, `fork` and
-    `save` are refused in one line naming the interruption; never "being advanced by another call"."""
+@pytest.fixture
+def chunk_length(model, call):
+    """The model reading a prompt of more than 2 positions in chunks of 2 for the "chunked prompt" case (the
+    bounded-memory prefill, `prefill.py`), and in one pass otherwise."""
+    model.prefill_chunk_length = 2 if call == "chunked prompt" else 0
+    yield model.prefill_chunk_length
+    del model.prefill_chunk_length  # (the class's default again)
+
+
+@pytest.mark.parametrize("call", ["decoded token", "positions", "chunked prompt"])
+def test_a_call_interrupted_anywhere_leaves_the_cache_before_after_or_refused(model, call, chunk_length):
+    """At every injection point of a decoded token (the one-call decode, writing the state in place), of a forward
+    over 2 positions and of one over 4 read in 2 chunks (never left holding the first chunk only): after the interrupt
+    the cache holds exactly the state, count and fingerprint it had before the call (and continues as the
+    uninterrupted run does), or exactly those after it, or its next forward, `fork` and `save` are refused in one line
+    naming the interruption; never "being advanced by another call"."""
     prompt = torch.tensor([[5, 9, 3], [7, 1, 4]])
-    ids = torch.tensor([[3], [4]]) if call == "decoded token" else torch.tensor([[3, 8], [4, 2]])
+    ids = {"decoded token": [[3], [4]], "positions": [[3, 8], [4, 2]], "chunked prompt": [[3, 8, 1, 7], [4, 2, 9, 5]]}
+    ids = torch.tensor(ids[call])
     following = torch.tensor([[6], [2]])
+    chunks = []  # (the base model's forwards of the uninterrupted call: one a chunk)
     with torch.no_grad():
         start = model(prompt, use_cache=True).cache
         reference = copy.deepcopy(start)
-        model(ids, cache=reference, use_cache=True)
+        # (a hook keeps the one-call decode from running: counted only where the call is read in chunks)
+        counting = model.model.register_forward_pre_hook(lambda *args: chunks.append(1)) if chunk_length else None
+        try:
+            model(ids, cache=reference, use_cache=True, logits_to_keep=1)
+        finally:
+            counting is not None and counting.remove()
+        assert len(chunks) == (2 if chunk_length else 0)
         after = _snapshot(reference)
         continued = model(following, cache=copy.deepcopy(reference), use_cache=True).logits
     before, outcomes, at = _snapshot(start), set(), 0
@@ -102,11 +122,11 @@ def test_a_call_interrupted_anywhere_leaves_the_cache_before_after_or_refused(mo
         at += 1
         cache = copy.deepcopy(start)
         with torch.no_grad():  # (the model as every run finds it: what the interrupted run left is not seen)
-            model(ids, cache=copy.deepcopy(start), use_cache=True)
+            model(ids, cache=copy.deepcopy(start), use_cache=True, logits_to_keep=1)
         sys.settrace(_InterruptAt(at))
         try:
             with torch.no_grad():
-                model(ids, cache=cache, use_cache=True)
+                model(ids, cache=cache, use_cache=True, logits_to_keep=1)
             interrupted = False
         except KeyboardInterrupt:
             interrupted = True
