@@ -361,6 +361,14 @@ class GPNCache(Cache):
                 "taken before that call (fork, save), or empty it (cache.reset()) and read the text again"
             )
 
+    def reset(self) -> None:
+        """Empty the state (the next forward starts from the zero state), and drop a claim an interrupted call left
+        held: `reset()` is what the interrupted cache's refusal says to do, and a claim left behind (an interrupt
+        landing between a claim and the `try` that releases it) would refuse every later call as "another call".
+        (Resetting a cache another call is advancing right now is that call's undoing in any case.)"""
+        super().reset()
+        self.__dict__.pop(CLAIM_ATTRIBUTE, None)
+
     def start_writing(self) -> None:
         """Mark the state as being written, until `finish_writing`: a call interrupted in between leaves it marked,
         and it is refused from then on (`refuse_if_interrupted`) rather than continued half-written. An attribute

@@ -3701,6 +3701,13 @@ MUTATIONS = [
         ("tests/ecosystem/test_ecosystem.py -k lora_merged_in_place",),
     ),
     Mutation(
+        "interrupted calls: cache.reset() keeps a claim an interrupted call left held (every later call refused)",
+        "modeling_gpn/cache.py",
+        "        super().reset()\n        self.__dict__.pop(CLAIM_ATTRIBUTE, None)\n",
+        "        super().reset()  # MUTATION\n",
+        ("tests/model/test_interrupted_calls.py -k decoded",),
+    ),
+    Mutation(
         "gpn serve on a transformers outside the serving extra's pin is refused by version",
         "modeling_gpn/serve/cli.py",
         "    refusal = transformers_refusal()\n",
