@@ -4097,6 +4097,15 @@ MUTATIONS = [
         ("tests/tools/test_generate_cli.py::test_a_sentencepiece_continuation_keeps_its_space",),
     ),
     Mutation(
+        "gpn generate's stream decodes after the prompt's last 8 tokens, which may begin inside a byte-token character",
+        "modeling_gpn/cli/generate.py",
+        "        self.tokenizer, self.context = tokenizer, character_aligned_context(tokenizer, prompt_ids, self.CONTEXT)\n",
+        "        self.tokenizer, self.context = tokenizer, prompt_ids[-self.CONTEXT :]  # MUTATION\n",
+        (
+            "tests/tools/test_generate_cli.py::test_a_character_split_over_byte_tokens_is_printed_whole_once_it_is_complete",
+        ),
+    ),
+    Mutation(
         "gpn generate --seed of 2**64 or more: generate()'s 'Overflow when unpacking long long'",
         "modeling_gpn/cli/generate.py",
         "    if not 0 <= args.seed < 2**64:",
