@@ -4111,6 +4111,22 @@ MUTATIONS = [
         ("tests/tools/test_generate_cli.py::test_a_sentencepiece_continuation_keeps_its_space",),
     ),
     Mutation(
+        "gpn generate's stream decodes after the prompt's last 8 tokens, which may begin inside a byte-token character",
+        "modeling_gpn/cli/generate.py",
+        "        self.tokenizer, self.context = tokenizer, character_aligned_context(tokenizer, prompt_ids, self.CONTEXT)\n",
+        "        self.tokenizer, self.context = tokenizer, prompt_ids[-self.CONTEXT :]  # MUTATION\n",
+        (
+            "tests/tools/test_generate_cli.py::test_a_character_split_over_byte_tokens_is_printed_whole_once_it_is_complete",
+        ),
+    ),
+    Mutation(
+        "gpn serve's stream of an answer ending inside a character never sends its replacement characters",
+        "modeling_gpn/serve/handlers.py",
+        "                            _add_unfinished_character(data, model, tokenizer)\n",
+        "                            pass  # MUTATION\n",
+        ("tests/tools/test_serve.py -k ends_inside_a_character",),
+    ),
+    Mutation(
         "gpn generate --seed of 2**64 or more: generate()'s 'Overflow when unpacking long long'",
         "modeling_gpn/cli/generate.py",
         "    if not 0 <= args.seed < 2**64:",
@@ -4319,7 +4335,7 @@ MUTATIONS = [
     Mutation(
         "gpn generate's streamed pieces decoded without the prompt's last tokens (a SentencePiece space lost)",
         "modeling_gpn/cli/generate.py",
-        "self.tokenizer, self.context = tokenizer, prompt_ids[-self.CONTEXT :]",
+        "self.tokenizer, self.context = tokenizer, character_aligned_context(tokenizer, prompt_ids, self.CONTEXT)",
         "self.tokenizer, self.context = tokenizer, prompt_ids[:0]  # MUTATION",
         ("tests/tools/test_generate_cli.py -k as_it_is_generated and SentencePiece",),
     ),

@@ -396,7 +396,7 @@ class PrintingStreamer:
     CONTEXT = 8  # prompt tokens decoded before the new ones: enough for a piece's space or a byte sequence
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: torch.Tensor, prompt: str):
-        self.tokenizer, self.context = tokenizer, prompt_ids[-self.CONTEXT :]
+        self.tokenizer, self.context = tokenizer, character_aligned_context(tokenizer, prompt_ids, self.CONTEXT)
         self.prompt, self.new_ids, self.printed, self.prompt_seen = prompt, [], "", False
 
     def put(self, ids: torch.Tensor) -> None:
@@ -422,6 +422,23 @@ class PrintingStreamer:
         """What `whole` (the finished continuation) adds to what was printed; all of it, on a line of its own, in
         the rare case the printed pieces are not how the whole decodes."""
         return whole[len(self.printed) :] if whole.startswith(self.printed) else f"\n{self.prompt}{whole}"
+
+
+def character_aligned_context(tokenizer: PreTrainedTokenizerBase, prompt_ids: torch.Tensor, size: int) -> torch.Tensor:
+    """The last `size` prompt tokens, or up to 3 more: enough to begin on a whole character.
+
+    The last `size` tokens can begin inside a character split over byte tokens (Llama 2's `<0xE9>`). A
+    byte-fallback decoder turns a run of byte tokens that is not valid UTF-8 into one U+FFFD per byte, so a run cut
+    at its start, and continued by the new tokens (a prompt and an answer in rare CJK characters or emoji),
+    decoded as replacement characters all along: the stream printed them, then the whole text again. A character
+    is at most 4 bytes, so at most 3 more tokens reach its first.
+    """
+    start = max(0, len(prompt_ids) - size)
+    for _ in range(3):
+        if start == 0 or not tokenizer.decode(prompt_ids[start:], skip_special_tokens=True).startswith("\ufffd"):
+            break
+        start -= 1
+    return prompt_ids[start:]
 
 
 def continuation(tokenizer: PreTrainedTokenizerBase, prompt_ids: torch.Tensor, new_ids: torch.Tensor) -> str:

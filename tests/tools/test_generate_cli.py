@@ -154,6 +154,32 @@ def test_one_prompt_is_printed_as_it_is_generated(bpe_dir, tmp_path, monkeypatch
     assert len(at_the_end) == 4, at_the_end  # (print: the text and its newline, the dashes and theirs)
 
 
+def test_a_character_split_over_byte_tokens_is_printed_whole_once_it_is_complete(monkeypatch):
+    """Llama 2's tokenizer spells a rare character (龘) in byte tokens, `<0xE9><0xBE><0x98>`. The stream decodes
+    the new tokens after the prompt's last 8; those 8 began inside a character of the prompt "x 龘龘龘", and the
+    answer's bytes continuing that run decoded as replacement characters: "������ world" was printed, then the whole
+    again. Each piece printed holds no U+FFFD; what is printed in all is the decoded continuation, ending bytes of an
+    unfinished character included (as `tokenizer.decode` shows them)."""
+    from transformers import AutoTokenizer
+
+    from modeling_gpn.cli.generate import PrintingStreamer, continuation
+
+    tokenizer = AutoTokenizer.from_pretrained(require_shared("data/llama2-tokenizer"))
+    for prompt, answer in (("x 龘龘龘", "龘龘 world 🙂"), ("x 🙂🙂", "🙂 ok 龘"), ("你好", "龘!龘")):
+        prompt_ids = tokenizer(prompt, return_tensors="pt")["input_ids"][0]
+        answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"][1:]  # (less the word start "▁")
+        for new_ids in (answer_ids, answer_ids[:-1]):  # (the second ends inside a character)
+            stdout = RecordedWrites()
+            monkeypatch.setattr("sys.stdout", stdout)
+            streamer = PrintingStreamer(tokenizer, prompt_ids, prompt)
+            for ids in [prompt_ids[None], *torch.tensor(new_ids)[:, None]]:
+                streamer.put(ids)
+            whole = continuation(tokenizer, prompt_ids, torch.tensor(new_ids))
+            assert not any("\ufffd" in piece for piece in stdout.writes), stdout.writes
+            assert "".join(stdout.writes) + streamer.rest(whole) == prompt + whole, (prompt, new_ids)
+        assert whole.endswith("\ufffd") and "\ufffd" not in answer
+
+
 def test_a_prompt_from_standard_input(bpe_dir, capsys, monkeypatch):
     """`-` is the text on standard input, less the newline that ends it: `echo "the cat" | gpn generate M -`
     prints what `gpn generate M "the cat"` does."""

@@ -202,16 +202,10 @@ def penalized_greedy(
 
 
 def as_text(tokenizer, ids: torch.Tensor, streamed: bool) -> str:
-    """The answer's text as the server sends it: decoded whole, or streamed token by token the way
-    transformers' streamer decodes (an incomplete UTF-8 character at the end is never sent)."""
-    if not streamed:
-        return tokenizer.decode(ids, skip_special_tokens=True)
-    from tokenizers.decoders import DecodeStream
-
-    stream = DecodeStream([], skip_special_tokens=True)
-    return "".join(
-        piece for piece in (stream.step(tokenizer._tokenizer, int(token)) for token in ids) if piece is not None
-    )
+    """The answer's text as the server sends it, streamed or not: decoded whole. (transformers' streamer never
+    sends an unfinished UTF-8 character at the end: the stream's last chunk adds it,
+    `test_a_streamed_answer_that_ends_inside_a_character_ends_as_the_answer_does`.)"""
+    return tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def streamed_text(stream) -> tuple[str, object]:
@@ -272,6 +266,21 @@ def test_completions_plain_and_streamed(client, model_name, reference):
     assert "".join(chunk.choices[0].text for chunk in stream) == as_text(tokenizer, answer, True)
     longer = client.completions.create(model=model_name, prompt=prompt + " mat. to be", max_tokens=4, temperature=0)
     assert longer.usage.prompt_tokens_details.cached_tokens >= ids["input_ids"].shape[1] - 1
+
+
+def test_a_streamed_answer_that_ends_inside_a_character_ends_as_the_answer_does(client, model_name, reference):
+    """An answer cut at its max_tokens inside a character (here the byte 0xE4, the first of 你's three, forced by
+    logit_bias) decodes with U+FFFD at its end; transformers' stream holds text ending in U+FFFD back until a token
+    completes it, so the streamed answer lacked it. Its last chunk now adds it: streamed and not streamed agree, and
+    no chunk before the last carries a replacement character."""
+    _, tokenizer = reference
+    byte = tokenizer.convert_tokens_to_ids("ä")  # (byte-level BPE spells the byte 0xE4 as "ä")
+    request = dict(model=model_name, prompt="the cat", max_tokens=2, temperature=0, logit_bias={str(byte): 100})
+    plain = client.completions.create(**request).choices[0].text
+    assert plain == tokenizer.decode([byte, byte]) and plain.endswith("\ufffd")
+    chunks = [chunk.choices[0] for chunk in client.completions.create(**request, stream=True) if chunk.choices]
+    assert "".join(choice.text for choice in chunks) == plain
+    assert all("\ufffd" not in choice.text for choice in chunks if choice.finish_reason is None)
 
 
 def test_completions_apply_logit_bias_and_refuse_what_they_would_ignore(client, model_name, reference):
