@@ -193,6 +193,14 @@ def test_a_prompt_from_standard_input(bpe_dir, capsys, monkeypatch):
     assert "can be given once" in capsys.readouterr().err
 
 
+def test_a_prompt_of_bytes_the_locale_cannot_decode_is_one_line(bpe_dir, capsys):
+    """Under an ASCII locale with UTF-8 mode off (`LC_ALL=C PYTHONUTF8=0`), Python passes a UTF-8 prompt's bytes on
+    as lone surrogates ("ü" as "\\udcc3\\udcbc"), on the command line and standard input alike; the tokenizer refused
+    them with "TypeError: TextEncodeInput must be ...". One line names the prompt and what to set."""
+    assert gpn_main(["generate", str(bpe_dir), "the cat", "w\udcc3\udcbcrld", "--device", "cpu"]) == 2
+    assert "prompt 2 holds bytes that are not text in this locale's encoding" in capsys.readouterr().err
+
+
 def test_sampling_takes_the_models_own_settings_unless_given(bpe_dir, tmp_path, capsys):
     """A model whose generation_config.json sets a temperature and top_p (its authors' choice) samples with them, as
     `model.generate(do_sample=True)` does; --temperature / --top-p given on the command line win; a model that sets
