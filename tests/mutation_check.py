@@ -2803,6 +2803,13 @@ MUTATIONS = [
         ("tests/tools/test_inspect.py -k before_the_model_loads",),
     ),
     Mutation(
+        "gpn generate: a prompt of bytes the locale cannot decode not refused in one line",
+        "modeling_gpn/cli/generate.py",
+        '            prompt.encode("utf-8")\n',
+        "            pass\n",
+        ("tests/tools/test_generate_cli.py::test_a_prompt_of_bytes_the_locale_cannot_decode_is_one_line",),
+    ),
+    Mutation(
         "gpn generate --save-state of a non-GPN model not refused before generating",
         "modeling_gpn/cli/generate.py",
         "        _check_saves_a_state(args, model)\n",

@@ -137,6 +137,13 @@ def check_arguments(args: argparse.Namespace) -> None:
     for index, prompt in enumerate(args.prompts, start=1):
         if not prompt.strip():
             raise GenerateError(f"prompt {index} is empty: give some text to continue")
+        try:  # (bytes the locale cannot decode arrive as lone surrogates; the tokenizer refused them with a TypeError)
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise GenerateError(
+                f"prompt {index} holds bytes that are not text in this locale's encoding ({sys.getfilesystemencoding()}): "
+                "run with a UTF-8 locale (LANG=C.UTF-8) or PYTHONUTF8=1"
+            ) from None
     from modeling_gpn.cli.arguments import torch_device
 
     try:

@@ -163,3 +163,59 @@ def test_a_call_interrupted_anywhere_leaves_the_cache_before_after_or_refused(mo
     if call == "decoded token":
         with ran(DECODE_CALLS), torch.no_grad():  # (the sweep above went through the one-call decode)
             model(ids, cache=copy.deepcopy(start), use_cache=True)
+
+
+class _InterruptOnCall:
+    """A generate() streamer (`put`) or logits processor (`__call__`) raising KeyboardInterrupt on its `at`-th call,
+    keeping the ids it was given: what a user interrupting generate() has of its sequence."""
+
+    def __init__(self, at: int):
+        self.at, self.calls, self.ids = at, 0, []
+
+    def put(self, ids):  # (a streamer: the prompt first, then each token chosen, before the forward reading it)
+        self.calls += 1
+        self.ids.append(ids.reshape(1, -1).clone())
+        if self.calls == self.at:
+            raise KeyboardInterrupt
+
+    def end(self):
+        pass
+
+    def __call__(self, ids, scores):  # (a logits processor: after the forward reading the last token chosen)
+        self.calls += 1
+        self.ids = [ids.clone()]
+        if self.calls == self.at:
+            raise KeyboardInterrupt
+        return scores
+
+
+@pytest.mark.parametrize("where", ["before its forward", "after its forward"])
+def test_a_generate_interrupted_between_decoded_tokens_continues_from_its_cache(model, where):
+    """docs/cache.md: a greedy `generate()` interrupted between two decoded tokens leaves its cache consistent, having
+    read the prompt and the tokens decoded before the interrupt. Interrupted after choosing its 2nd token, before the
+    forward reading it (a streamer's `put`), the whole sequence given again with that cache continues exactly as the
+    uninterrupted run (the fingerprint skips what was read); interrupted after that forward (a logits processor, before
+    the 3rd token is chosen), the cache has read the whole sequence and the next token's logits are lost: continuing
+    with it is refused in one line ("nothing new"), as the docs say."""
+    from transformers import LogitsProcessorList
+
+    prompt = torch.tensor([[5, 9, 3, 7]])
+    with torch.no_grad():
+        uninterrupted = model.generate(prompt, max_new_tokens=5, do_sample=False)
+        cache = model(prompt[:, :2], use_cache=True).cache  # (a cache passed in, as docs/cache.md shows)
+    stop = _InterruptOnCall(3)  # (streamer: the prompt, token 1, token 2; processor: after prompt, token 1, token 2)
+    hook = dict(streamer=stop) if where == "before its forward" else dict(logits_processor=LogitsProcessorList([stop]))
+    with pytest.raises(KeyboardInterrupt), torch.no_grad():
+        model.generate(prompt, cache=cache, max_new_tokens=5, do_sample=False, **hook)
+    have = torch.cat(stop.ids, dim=1)
+    assert torch.equal(have, uninterrupted[:, :6]) and not cache.state_layer.interrupted
+    if where == "before its forward":
+        assert cache.get_seq_length() == 5
+        with torch.no_grad():
+            continued = model.generate(have, cache=cache, max_new_tokens=3, do_sample=False)
+        assert torch.equal(continued, uninterrupted)
+    else:
+        assert cache.get_seq_length() == 6
+        with pytest.raises(ValueError, match="already read and nothing new") as refusal, torch.no_grad():
+            model.generate(have, cache=cache, max_new_tokens=3, do_sample=False)
+        assert "\n" not in str(refusal.value)

@@ -114,6 +114,48 @@ def test_a_sentencepiece_continuation_keeps_its_space(tmp_path, capsys):
     assert any(text[len(prompt)] == " " for prompt, text in zip(prompts, expected))  # (the case in point)
 
 
+def test_a_conversation_whose_answer_ends_inside_a_character_continues_as_its_whole_decodes(
+    tmp_path, capsys, monkeypatch
+):
+    """Llama 2's tokenizer spells 龘 in byte tokens (`<0xE9><0xBE><0x98>`); the model's generation_config biases it to
+    answer `<0xE9><0xBE>`, cut by --max-new-tokens inside the character. Continued with --state and a non-ASCII prompt
+    (on standard input; the first on the command line), the two turns print what `tokenizer.decode` gives for the whole
+    conversation's ids, the unfinished character as one U+FFFD a byte, and the states read exactly the ids
+    `tokenizer(prompt)` and `continuation_ids` give (their fingerprints are those of one forward over the whole)."""
+    import io
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from modeling_gpn.data.tokenizer import continuation_ids
+    from modeling_gpn.modeling_gpn import GPNCache
+
+    tokenizer = AutoTokenizer.from_pretrained(require_shared("data/llama2-tokenizer"))
+    tokenizer.save_pretrained(tmp_path)
+    perturbed_model(tiny_config(vocab_size=32000, eos_token_id=2, bos_token_id=1)).save_pretrained(tmp_path)
+    e9, be = 3 + 0xE9, 3 + 0xBE  # (byte b is token 3 + b)
+    settings = GenerationConfig.from_pretrained(tmp_path)
+    settings.sequence_bias = [[[e9], 100.0], [[e9, be], 300.0]]
+    settings.save_pretrained(tmp_path)
+    first, second = tmp_path / "first.safetensors", tmp_path / "second.safetensors"
+    turn = printed_texts(capsys, tmp_path, "Hello wörld", "--max-new-tokens", 2, "--save-state", first)[0]
+    monkeypatch.setattr("sys.stdin", io.StringIO(" Ünïcode 你好\n"))
+    turn += printed_texts(capsys, tmp_path, "--state", first, "-", "--max-new-tokens", 3, "--save-state", second)[0]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        answer = model.generate(**tokenizer("Hello wörld", return_tensors="pt"), max_new_tokens=2, do_sample=False)
+        assert answer[0, -2:].tolist() == [e9, be]  # (the case in point: an answer ending inside a character)
+        following = torch.tensor(continuation_ids(tokenizer, [" Ünïcode 你好"]))
+        whole = model.generate(torch.cat([answer, following], 1), max_new_tokens=3, do_sample=False)
+        for ids, state in ((answer, first), (whole, second)):
+            read = GPNCache.load(state, model, tokenizer=tokenizer)
+            assert torch.equal(read.read_fingerprint(), model(ids, use_cache=True).cache.read_fingerprint())
+    assert (
+        turn
+        == tokenizer.decode(whole[0], skip_special_tokens=True)
+        == "Hello wörld\ufffd\ufffd Ünïcode 你好" + turn[-3:]
+    )
+
+
 class RecordedWrites:
     """A standard output that keeps each write apart."""
 
@@ -191,6 +233,14 @@ def test_a_prompt_from_standard_input(bpe_dir, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("the cat\n"))
     assert gpn_main(["generate", str(bpe_dir), "-", "-", "--device", "cpu"]) == 2
     assert "can be given once" in capsys.readouterr().err
+
+
+def test_a_prompt_of_bytes_the_locale_cannot_decode_is_one_line(bpe_dir, capsys):
+    """Under an ASCII locale with UTF-8 mode off (`LC_ALL=C PYTHONUTF8=0`), Python passes a UTF-8 prompt's bytes on
+    as lone surrogates ("ü" as "\\udcc3\\udcbc"), on the command line and standard input alike; the tokenizer refused
+    them with "TypeError: TextEncodeInput must be ...". One line names the prompt and what to set."""
+    assert gpn_main(["generate", str(bpe_dir), "the cat", "w\udcc3\udcbcrld", "--device", "cpu"]) == 2
+    assert "prompt 2 holds bytes that are not text in this locale's encoding" in capsys.readouterr().err
 
 
 def test_sampling_takes_the_models_own_settings_unless_given(bpe_dir, tmp_path, capsys):
