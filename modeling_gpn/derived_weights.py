@@ -401,10 +401,32 @@ def _running(frame: object) -> bool:
 KEPT_ATTRIBUTE = "_gpn_derived_weights_kept"
 
 
+# a scope's entry: whether what it derived was read through a PEFT LoRA layer merged in place (`keep_with`)
+READS_MERGED_ADAPTERS = "reads merged adapters"
+
+
+def reads_merged_adapters(model: torch.nn.Module) -> bool:
+    """Whether some module below `model` is a PEFT LoRA layer merged in place that the fast path reads as its base
+    layer (`merged_lora_base`). A walk over every module (tens of µs): `keep_with` asks once a scope."""
+    if "peft" not in sys.modules:  # (no PEFT layer without it: the walk only where PEFT is)
+        return False
+    return any(merged_lora_base(module) is not None for module in modules_below(model))
+
+
 def keep_with(model: torch.nn.Module, cache: object, derived: DerivedWeights) -> None:
     """Leave `derived` with `model` for the next call that continues `cache` (`derived_weights_scope`), for as long
     as `cache` lives: when it is collected, `model` lets go of `derived` too (it held it for the model's life, or
-    until another call replaced it: for an int4 model, its matrices dequantized to bf16 beside the int4 ones)."""
+    until another call replaced it: for an int4 model, its matrices dequantized to bf16 beside the int4 ones).
+
+    Not what was read through a PEFT LoRA layer merged in place (`reads_merged_adapters`, asked once a scope where
+    something was derived): PEFT's merge and unmerge write the weights through `.data`, which no guard sees, and
+    between two calls a user may unmerge, merge another adapter or merge again (W + BA - BA + BA rounds otherwise
+    than W + BA), so each call derives from the weights as they are then (a generate() call still derives once)."""
+    entries = derived.entries
+    if entries and READS_MERGED_ADAPTERS not in entries:
+        entries[READS_MERGED_ADAPTERS] = reads_merged_adapters(model)
+    if entries.get(READS_MERGED_ADAPTERS):
+        return
     kept = model.__dict__.get(KEPT_ATTRIBUTE)
     if kept is not None and kept[1] is derived and kept[0]() is cache:
         return  # (every decoded token of a loop: kept already)

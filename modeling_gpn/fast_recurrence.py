@@ -496,11 +496,6 @@ def _projections(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Modu
     return merged_lora_base(fuse_proj) or fuse_proj, merged_lora_base(decode_proj) or decode_proj
 
 
-# a scope's entry saying that a decode lane in it reads weights through a PEFT LoRA layer merged in place: the scope
-# is then not kept with the cache (`GPNModel.reads_merged_adapters`)
-READS_MERGED_ADAPTERS = "reads merged adapters"
-
-
 class DecodeLane(NamedTuple):
     """A scope's one-call decode of `rows` rows: its plan, and the modules it was built from as they were."""
 
@@ -588,8 +583,6 @@ def fast_decode_token(
                     return None
                 # (current: dropping what older weights derived)
                 lane = _decode_lane(lm, scope.current(model), rows, methods)
-                if model.reads_merged_adapters():  # (asked as a lane is built, not at every token: a walk)
-                    scope.entries[READS_MERGED_ADAPTERS] = True
             if lane.plan is None:
                 return None
             plan, derived = lane.plan, scope.entries
@@ -613,8 +606,7 @@ def fast_decode_token(
         # whose state this is, for GPNCache.save; never PEFT's mixed-batch inference, whose hooks sit on adapter layers,
         # which are no plain modules (`decode_lane_blocker`): nothing to look for on the decoded token
         cache.note_model(model, look_for_mixed_adapters=False)
-        if not scope.entries.get(READS_MERGED_ADAPTERS):  # (`GPNModel.reads_merged_adapters`: each call derives afresh)
-            keep_with(model, cache, scope)
+        keep_with(model, cache, scope)
         cache.finish_writing()
         object.__setattr__(model, "last_recurrence_path", "fast")
         object.__setattr__(model, "last_recurrence_backends", _DECODED_BACKENDS[plan.step_plan.memory])

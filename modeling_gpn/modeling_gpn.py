@@ -32,7 +32,6 @@ import functools
 import inspect
 import math
 import os
-import sys
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,14 +77,12 @@ from .derived_weights import (
     derived_weights_scope,
     keep_with,
     merged_lora_base,
-    modules_below,
     registered_global_hook,
     replaced_method,
     replaced_method_reason,
 )
 from .fast_recurrence import (
     DERIVED_ATTRIBUTES,
-    READS_MERGED_ADAPTERS,
     autograd_mode_blocker,
     fast_decode_token,
     fast_project,
@@ -793,17 +790,6 @@ class GPNModel(GPNPreTrainedModel):
                     modules.extend(merged_lora_base(m) or m if m is not None else None for m in block._modules.values())
         return modules
 
-    def reads_merged_adapters(self) -> bool:
-        """Whether the fast path reads some weights through a PEFT LoRA layer merged in place (`merged_lora_base`:
-        the folded step modules, the token and decoder projections). What it derives from them is then not left
-        with a cache for the next call (`keep_with`): PEFT's merge and unmerge write the weights through `.data`,
-        unseen by the derived weights' guard, and between two calls a user may unmerge, merge another adapter or
-        merge again (W + BA - BA + BA rounds otherwise than W + BA); each call derives from the weights as they are
-        then (a generate() call still derives once). A walk over every module: its callers ask once a scope."""
-        if "peft" not in sys.modules:  # (no PEFT layer without it: the walk only where PEFT is)
-            return False
-        return any(merged_lora_base(module) is not None for module in modules_below(self))
-
     def _segment_layer_blocker(self) -> str | None:
         """Why the segment layer (gradient checkpointing's unit) needs the plain path, or None."""
         segment = self.segment_layer
@@ -1083,12 +1069,7 @@ class GPNModel(GPNPreTrainedModel):
                 cache.update_state(*final_state, num_new_tokens=seq_len)
                 cache.record_read(input_ids, mask)
                 cache.note_model(self)  # whose state this is, for GPNCache.save
-                # the next call that continues this cache reuses what this one derived, unless it was read through a
-                # LoRA merged in place (`reads_merged_adapters`: asked once a scope, where the fast path derived some)
-                if derived.entries and READS_MERGED_ADAPTERS not in derived.entries:
-                    derived.entries[READS_MERGED_ADAPTERS] = self.reads_merged_adapters()
-                if not derived.entries.get(READS_MERGED_ADAPTERS):
-                    keep_with(self, cache, derived)
+                keep_with(self, cache, derived)  # the next call that continues this cache reuses them
                 if not lent:
                     cache.finish_writing()
         finally:

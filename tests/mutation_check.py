@@ -3673,17 +3673,10 @@ MUTATIONS = [
         ("tests/tools/test_faults_io.py -k names_its_encoding",),
     ),
     Mutation(
-        "merged LoRA: a decoded token's scope, whose lane read a LoRA merged in place, is kept with the cache",
-        "modeling_gpn/fast_recurrence.py",
-        "        if not scope.entries.get(READS_MERGED_ADAPTERS):",
-        "        if True:  # MUTATION",
-        ("tests/ecosystem/test_ecosystem.py -k lora_merged_in_place",),
-    ),
-    Mutation(
-        "merged LoRA: a decode lane reading a LoRA merged in place is not marked so as it is built",
-        "modeling_gpn/fast_recurrence.py",
-        "                    scope.entries[READS_MERGED_ADAPTERS] = True\n",
-        "                    pass  # MUTATION\n",
+        "merged LoRA: a scope is taken as reading no LoRA merged in place without asking (and kept with the cache)",
+        "modeling_gpn/derived_weights.py",
+        "        entries[READS_MERGED_ADAPTERS] = reads_merged_adapters(model)\n",
+        "        entries[READS_MERGED_ADAPTERS] = False  # MUTATION\n",
         ("tests/ecosystem/test_ecosystem.py -k lora_merged_in_place",),
     ),
     Mutation(
@@ -3699,13 +3692,6 @@ MUTATIONS = [
         "        claimable = cache is not None and not is_tracing()\n",
         "        claimable = cache is not None  # MUTATION\n",
         ("tests/model/test_generate.py -k compiled_decode_step_counts",),
-    ),
-    Mutation(
-        "merged LoRA: a forward's scope is taken as reading no LoRA merged in place without asking",
-        "modeling_gpn/modeling_gpn.py",
-        "                    derived.entries[READS_MERGED_ADAPTERS] = self.reads_merged_adapters()\n",
-        "                    derived.entries[READS_MERGED_ADAPTERS] = False  # MUTATION\n",
-        ("tests/ecosystem/test_ecosystem.py -k lora_merged_in_place",),
     ),
     Mutation(
         "interrupted calls: cache.reset() keeps a claim an interrupted call left held (every later call refused)",
@@ -5300,9 +5286,9 @@ MUTATIONS = [
     ),
     Mutation(
         "merged LoRA (what a call derived is kept with its cache, across a merge or unmerge)",
-        "modeling_gpn/modeling_gpn.py",
-        "                if not derived.entries.get(READS_MERGED_ADAPTERS):\n",
-        "                if True:  # MUTATION\n",
+        "modeling_gpn/derived_weights.py",
+        "    if entries.get(READS_MERGED_ADAPTERS):\n        return\n",
+        "    if False:  # MUTATION\n        return\n",
         ("tests/ecosystem/test_ecosystem.py -k merged_in_place_runs_the_fast_path",),
     ),
     Mutation(
