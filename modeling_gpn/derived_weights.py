@@ -197,6 +197,12 @@ def merged_lora_base(module: torch.nn.Module) -> torch.nn.Module | None:
     return base
 
 
+def as_read(module: torch.nn.Module | None) -> torch.nn.Module | None:
+    """`module` as the fast path reads it: the base layer of a PEFT LoRA layer merged in place whose forward is
+    provably that base layer's (`merged_lora_base`), else `module` itself."""
+    return merged_lora_base(module) or module
+
+
 # (C-level reads of a tensor's version and address, for `map`)
 _version = operator.attrgetter("_version")
 _data_ptr = torch.Tensor.data_ptr

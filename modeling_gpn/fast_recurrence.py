@@ -85,11 +85,11 @@ from .cuda_graphs import window_forward as graph_window_forward
 from .derived_weights import (
     KEPT_ATTRIBUTE,
     WatchedModules,
+    as_read,
     called_as_is,
     derived_weights_of,
     derived_weights_scope,
     keep_with,
-    merged_lora_base,
     registered_global_hook,
     replaced_method,
     replaced_method_reason,
@@ -404,7 +404,7 @@ def fast_project(module: torch.nn.Module, x: torch.Tensor, fast: bool = True) ->
     is larger than its product).
     Anything else calls the module. (A PEFT LoRA layer merged in place whose forward is provably its base layer's
     is that base layer: `derived_weights.merged_lora_base`.)"""
-    module = merged_lora_base(module) or module
+    module = as_read(module)
     weight = getattr(module, "weight", None)
     if (
         fast
@@ -492,8 +492,7 @@ def decode_lane_blocker(lm: torch.nn.Module, norm_class: type, methods: dict) ->
 def _projections(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
     """The token and decoder projections of the base model `model` as a decoded token reads them: a PEFT LoRA layer
     merged in place whose forward is provably its base layer's as that base layer (`merged_lora_base`)."""
-    fuse_proj, decode_proj = model.fuse_proj, model.decode_proj
-    return merged_lora_base(fuse_proj) or fuse_proj, merged_lora_base(decode_proj) or decode_proj
+    return as_read(model.fuse_proj), as_read(model.decode_proj)
 
 
 class DecodeLane(NamedTuple):

@@ -73,10 +73,10 @@ from .cache import CLAIM_ATTRIBUTE, GPNCache
 from .chunked_loss import chunked_causal_lm_loss, divide_loss_sum
 from .configuration_gpn import GPNConfig
 from .derived_weights import (
+    as_read,
     called_as_is,
     derived_weights_scope,
     keep_with,
-    merged_lora_base,
     registered_global_hook,
     replaced_method,
     replaced_method_reason,
@@ -774,20 +774,19 @@ class GPNModel(GPNPreTrainedModel):
     def _folded_modules(self) -> list[nn.Module]:
         """The modules whose weights the fast path folds, as it reads them: a flat walk over the model's children
         (but those it calls) and the two levels of modules below them (the blocks and their projections), each
-        PEFT LoRA layer whose forward is provably its base layer's (merged in place: `merged_lora_base`) taken as
-        that base layer, whose weight and bias it shows. Runs before every fast call (decoding too); any other
+        PEFT LoRA layer whose forward is provably its base layer's (merged in place) taken as that base layer
+        (`as_read`), whose weight and bias it shows. Runs before every fast call (decoding too); any other
         wrapper fails on its own type in `fast_path_blocker`, so what it wraps need not be visited."""
         modules = []
         for child_name, child in self._modules.items():
             if child_name in self._CALLED_CHILDREN or child is None:
                 continue
-            child = merged_lora_base(child) or child
+            child = as_read(child)
             modules.append(child)
-            for block in child._modules.values():
-                block = (merged_lora_base(block) or block) if block is not None else None
+            for block in map(as_read, child._modules.values()):
                 modules.append(block)
                 if block is not None:
-                    modules.extend(merged_lora_base(m) or m if m is not None else None for m in block._modules.values())
+                    modules.extend(map(as_read, block._modules.values()))
         return modules
 
     def _segment_layer_blocker(self) -> str | None:
