@@ -333,7 +333,8 @@ class GPNCache(Cache):
         Nothing is claimed while tracing: a compiled or exported program's cache is its own input.
 
         The caller calls this inside its `try` and releases in its `finally`, inline, only a claim that is its own
-        `token` (`release_claim`): a KeyboardInterrupt lands between bytecodes (at a Python function's entry, after a
+        `token` (`CLAIM_ATTRIBUTE in held and held[CLAIM_ATTRIBUTE] is token and held.pop(CLAIM_ATTRIBUTE)`, `held`
+        the cache's `__dict__`): a KeyboardInterrupt lands between bytecodes (at a Python function's entry, after a
         call returns), so a claim taken before the `try`, or released by a method, could be left held for good, and
         every later call refused as "another call"."""
         if borrow and type(held := self.__dict__.get(CLAIM_ATTRIBUTE)) is ChunkedRead and held.lent():
