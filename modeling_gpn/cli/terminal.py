@@ -19,24 +19,26 @@ ERROR_HANDLER = "gpn-escape"
 _noted: list[bool] = []  # (one note a process)
 
 
-def _escape(error: UnicodeError) -> tuple[str, int]:
-    """The codec error handler: bytes that came in undecodable go back out as they came, any other character as
-    its escape, the first time with a note on stderr."""
+def _escape(error: UnicodeError) -> tuple[bytes, int]:
+    """The codec error handler: bytes that came in undecodable (lone surrogates U+DC80..U+DCFF) go back out as they
+    came, any other character as its escape, the first time with a note on stderr."""
     if not isinstance(error, UnicodeEncodeError):
         raise error
-    try:
-        return codecs.lookup_error("surrogateescape")(error)
-    except UnicodeEncodeError:
-        pass
-    if not _noted:
-        _noted.append(True)
-        sys.stderr.write(
-            f"gpn: note: this terminal's encoding ({error.encoding}) cannot show some characters of the output: they "
-            "are written as escapes (\\u4e2d for U+4E2D); run with a UTF-8 locale (LANG=C.UTF-8) or PYTHONUTF8=1 to see "
-            "them\n"
-        )
-        sys.stderr.flush()
-    return codecs.backslashreplace_errors(error)
+    out = bytearray()
+    for character in error.object[error.start : error.end]:
+        if 0xDC80 <= ord(character) <= 0xDCFF:
+            out.append(ord(character) - 0xDC00)
+            continue
+        out += character.encode("ascii", "backslashreplace")
+        if not _noted:
+            _noted.append(True)
+            sys.stderr.write(
+                f"gpn: note: this terminal's encoding ({error.encoding}) cannot show some characters of the output: "
+                "they are written as escapes (\\u4e2d for U+4E2D); run with a UTF-8 locale (LANG=C.UTF-8) or "
+                "PYTHONUTF8=1 to see them\n"
+            )
+            sys.stderr.flush()
+    return bytes(out), error.end
 
 
 def escape_what_stdout_cannot_show() -> None:
