@@ -163,4 +163,7 @@ def _parse_and_run(argv: list[str], selected: str | None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 0 if args.command is None else 2
+    from modeling_gpn.cli.terminal import escape_what_stdout_cannot_show
+
+    escape_what_stdout_cannot_show()  # (a sample of Chinese text on an ASCII terminal failed the command)
     return int(args._run(args) or 0)

@@ -3861,8 +3861,8 @@ MUTATIONS = [
     Mutation(
         "gpn inspect's error for a non-UTF-8 or non-text corpus names no file",
         "modeling_gpn/data/corpus.py",
-        '    except UnicodeDecodeError as error:\n        raise DataError(f"Cannot read training file {path}: it is not UTF-8',
-        '    except LookupError as error:\n        raise DataError(f"Cannot read training file {path}: it is not UTF-8',
+        "    except UnicodeDecodeError as error:  # (its position counts from the block decoded, not from the file's start)\n",
+        "    except LookupError as error:  # MUTATION\n",
         ("tests/tools/test_inspect.py -k rejects_bad_input",),
     ),
     Mutation(
@@ -5406,6 +5406,57 @@ MUTATIONS = [
         '        print(f"gpn eval: warning: {disagreement}", file=sys.stderr)\n',
         "        pass  # MUTATION\n",
         ("tests/tools/test_generate_cli.py -k ends_generate_at_another_token",),
+    ),
+    Mutation(
+        "a .txt file's byte-order mark is read as text (U+FEFF trained at its start)",
+        "modeling_gpn/data/corpus.py",
+        '        with open(path, encoding="utf-8-sig") as handle:\n',
+        '        with open(path, encoding="utf-8") as handle:  # MUTATION\n',
+        ("tests/tools/test_faults_io.py -k byte_order_mark",),
+    ),
+    Mutation(
+        "datasets' text builder keeps a .txt file's byte-order mark",
+        "modeling_gpn/data/corpus.py",
+        '                text = text.removeprefix("\\ufeff")\n',
+        "                pass  # MUTATION\n",
+        ("tests/tools/test_faults_io.py -k byte_order_mark",),
+    ),
+    Mutation(
+        "a file that is not UTF-8 is named at the decoder's position in its block, not the file's byte",
+        "modeling_gpn/data/corpus.py",
+        "    except UnicodeDecodeError as error:  # (its position counts from the block decoded, not from the file's start)\n"
+        "        raise DataError(not_utf8_message(path)) from error\n",
+        "    except UnicodeDecodeError as error:  # MUTATION\n"
+        '        raise DataError(f"Cannot read training file {path}: it is not UTF-8 text ({error})") from error\n',
+        ("tests/tools/test_faults_io.py -k not_utf8",),
+    ),
+    Mutation(
+        "the first byte that is not UTF-8 is counted from its block, not the file's start",
+        "modeling_gpn/data/corpus.py",
+        "return offset - len(pending) + error.start,",
+        "return error.start,  # MUTATION\n",
+        ("tests/tools/test_faults_io.py -k not_utf8",),
+    ),
+    Mutation(
+        "gpn's standard output is left strict: a character an ASCII terminal cannot show fails the command",
+        "gpn_cli/__init__.py",
+        "    escape_what_stdout_cannot_show()  # (a sample",
+        "    pass  # MUTATION (a sample",
+        ("tests/tools/test_train.py -k terminal_that_cannot",),
+    ),
+    Mutation(
+        "undecodable bytes are escaped instead of written back as they came",
+        "modeling_gpn/cli/terminal.py",
+        "        if 0xDC80 <= ord(character) <= 0xDCFF:\n",
+        "        if False:  # MUTATION\n",
+        ("tests/tools/test_train.py -k terminal_that_cannot",),
+    ),
+    Mutation(
+        "a training setting that is no Unicode text is not refused (it failed at TensorBoard, after the data)",
+        "modeling_gpn/train/settings.py",
+        '                value.encode("utf-8")\n',
+        "                pass  # MUTATION\n",
+        ("tests/tools/test_train.py -k terminal_that_cannot",),
     ),
 ]
 

@@ -17,6 +17,7 @@ A long document (one big .txt file) is read in pieces of about `PIECE_CHARS` cha
 
 from __future__ import annotations
 
+import codecs
 import fnmatch
 import glob
 import re
@@ -42,6 +43,9 @@ LOCAL_SUFFIXES = {
 # holding one is refused by name (its .json files are metadata, not documents; a DatasetDict's holds every split).
 SAVED_DATASET_FILES = ("state.json", "dataset_info.json", "dataset_dict.json")
 PIECE_CHARS = 1 << 18  # a long text document is read and tokenized in pieces of about this many characters
+# A UTF-8 byte-order mark: what Windows editors write at a text file's start. It marks the encoding and is no
+# character of the text; `datasets`' json and csv readers drop it, its text builder keeps it (as U+FEFF).
+BOM = codecs.BOM_UTF8
 
 
 @dataclass
@@ -142,11 +146,16 @@ class CorpusSpec:
         key), and the caches would then hand out the old file's tokens. No user-level call sets the ctime.
         """
         if self.kind == "local":
-            files = []
+            files, bom = [], []
             for path in self.local_files():
                 stat = path.stat()
                 files.append([str(path.resolve()), stat.st_size, int(stat.st_mtime_ns), int(stat.st_ctime_ns)])
-            return {"kind": "local", "files": files, "text_field": self.text_field}
+                if LOCAL_SUFFIXES[path.suffix.lower()] == "text" and starts_with_bom(path):
+                    bom.append(str(path.resolve()))
+            fingerprint = {"kind": "local", "files": files, "text_field": self.text_field}
+            # (a .txt file's byte-order mark was read as text before: their caches, keyed by the file alone, hold it.
+            # Named only where there is one, so the caches of every other corpus stay valid.)
+            return fingerprint | ({"byte_order_mark_dropped": bom} if bom else {})
         if self.kind == "builtin":
             files = shakespeare_files()
             return {"kind": "builtin", "name": self.source, "files": [[p.name, p.stat().st_size] for p in files]}
@@ -264,11 +273,15 @@ def _local_documents(path: Path, text_field: str) -> Iterator[str]:
         dataset = datasets.load_dataset(builder, data_files=[str(path)], split="train", streaming=True, **kwargs)
         for number, row in enumerate(dataset, start=1):
             text = row_text(row, number, str(path), text_field)
+            if builder == "text":  # (the file's one document: its byte-order mark is none of its text)
+                text = text.removeprefix("\ufeff")
             if text.strip():
                 count += 1
                 yield text
     except DataError:
         raise
+    except UnicodeDecodeError as error:  # (its position counts from a block the reader decoded, not the file's start)
+        raise DataError(not_utf8_message(path)) from error
     except Exception as error:  # noqa: BLE001 - any reader failure becomes one clear message
         raise DataError(f"Cannot read training file {path}: {type(error).__name__}: {error}") from error
     if count == 0:
@@ -321,12 +334,14 @@ def text_file_pieces(
 ) -> Iterator[tuple[str, bool, bool]]:
     """One .txt file (one document) as (piece, continues, ends) pieces of about `PIECE_CHARS` characters.
 
-    Read as `datasets`' text builder reads it (UTF-8, universal newlines); cut where `find_cut` says.
+    Read as `datasets`' text builder reads it (UTF-8, universal newlines), but for a byte-order mark at the file's
+    start, which is dropped (`BOM`); cut where `find_cut` says. Bytes that are not UTF-8 are a `DataError` naming the
+    first one's place in the file (`not_utf8_message`).
     """
     pieces = 0
     blank = True
     try:
-        with open(path, encoding="utf-8") as handle:
+        with open(path, encoding="utf-8-sig") as handle:
             pending = ""
             while block := handle.read(PIECE_CHARS):
                 pending += block
@@ -338,10 +353,54 @@ def text_file_pieces(
             if blank:
                 raise DataError(f"Training file {path} holds no text")
             yield pending, pieces > 0, True
-    except UnicodeDecodeError as error:
-        raise DataError(f"Cannot read training file {path}: it is not UTF-8 text ({error})") from error
+    except UnicodeDecodeError as error:  # (its position counts from the block decoded, not from the file's start)
+        raise DataError(not_utf8_message(path)) from error
     except OSError as error:
         raise DataError(f"Cannot read training file {path}: {error}") from error
+
+
+def starts_with_bom(path: Path) -> bool:
+    """Whether the file at `path` starts with a UTF-8 byte-order mark."""
+    with open(path, "rb") as handle:
+        return handle.read(len(BOM)) == BOM
+
+
+def first_invalid_utf8(path: Path, block_bytes: int = 1 << 20) -> tuple[int, int, str] | None:
+    """(byte offset from the file's start, line number from 1, the decoder's reason) of the first byte of `path`
+    that is not UTF-8, or None where it is all UTF-8. Read in blocks: a corpus file is not held in memory."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset, lines = 0, 0  # bytes decoded in the blocks before, and their line breaks
+    with open(path, "rb") as handle:
+        while True:
+            block = handle.read(block_bytes)
+            pending = decoder.getstate()[0]  # (the start of a character the block before ended in)
+            try:
+                decoder.decode(block, final=not block)
+            except UnicodeDecodeError as error:
+                seen = pending + block
+                return offset - len(pending) + error.start, lines + seen[: error.start].count(b"\n") + 1, error.reason
+            if not block:
+                return None
+            offset += len(block)
+            lines += block.count(b"\n")
+
+
+def not_utf8_message(path: Path) -> str:
+    """The one line saying that training file `path` is not UTF-8, where (byte offset and line of its first
+    byte that is not, with the bytes around it) and what to do."""
+    place = first_invalid_utf8(path)
+    if place is None:  # (the file changed since it failed to decode)
+        return f"Cannot read training file {path}: it is not UTF-8 text"
+    offset, line, reason = place
+    start = max(0, offset - 12)
+    with open(path, "rb") as handle:
+        handle.seek(start)
+        around = handle.read(offset - start + 12)
+    return (
+        f"Cannot read training file {path}: it is not UTF-8 text: byte {offset:,} (line {line:,}: "
+        f"{around[offset - start : offset - start + 1]!r} in {around!r}) is not UTF-8 ({reason}); convert the file "
+        "to UTF-8 (e.g. `iconv -f LATIN1 -t UTF-8` for Latin-1 text) or remove those bytes: none is replaced in silence"
+    )
 
 
 def resolve_hub_commit(name: str, revision: str | None) -> str | None:

@@ -8,6 +8,7 @@ import signal
 import sys
 
 from ..cli.formatting import AliasArgumentParser, HelpFormatter
+from ..cli.terminal import escape_what_stdout_cannot_show
 from .distributed import RunStage
 from .errors import RUN_ERRORS, CollectiveError, TrainingStopped
 from .settings import OPTIONS, list_recipes, resolve_config
@@ -122,4 +123,6 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m modeling_gpn.train` / `accelerate launch -m modeling_gpn.train`."""
     parser = AliasArgumentParser(prog="modeling_gpn.train", formatter_class=HelpFormatter)
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    escape_what_stdout_cannot_show()  # (as `gpn` does: the sample on an ASCII terminal failed the run at its end)
+    return run(args)

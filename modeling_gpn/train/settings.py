@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -337,6 +338,19 @@ def validate_config(config: dict) -> None:
         for option in OPTIONS
         if (expected := _wrong_type(option, config[option.key]))
     ]
+    # Text that is no Unicode (bytes the locale could not decode, read from the command line as lone surrogates
+    # under LC_ALL=C, or a config file's "\\udce4") failed at TensorBoard's record of the settings, after the data
+    # were tokenized, naming no setting.
+    for option in OPTIONS:
+        if isinstance(value := config[option.key], str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                problems.append(
+                    f"{option.key} holds bytes that are not text in this locale's encoding "
+                    f"({sys.getfilesystemencoding()}), or a lone surrogate: run with a UTF-8 locale (LANG=C.UTF-8) "
+                    "or PYTHONUTF8=1"
+                )
     if problems:
         raise ValueError("Invalid training configuration: " + "; ".join(problems))
     # Below, every value is of its option's type (a number is no bool), or None where the option may be unset.

@@ -7,6 +7,7 @@ MemoryError or a kill, never a pass.
 
 from __future__ import annotations
 
+import codecs
 import io
 import json
 import math
@@ -1079,6 +1080,86 @@ def test_without_flock_the_token_cache_is_still_written_whole_and_no_write_is_ta
         assert other.exists() and not (folder / ".writing.lock").exists()
     lf, crlf = streams["lf"], streams["crlf"]
     assert len(lf) == len(crlf) and np.array_equal(lf[:], crlf[:])
+
+
+# A corpus of what real text holds beside ASCII: Chinese, Japanese, Arabic and Hebrew (right to left), combining accents,
+# emoji joined by ZWJ and with skin-tone and flag sequences, NUL and other control characters, Unicode line
+# separators, a private-use character and a noncharacter.
+MIXED_TEXT = "".join(
+    f"{line} #{number}\n"
+    for number, line in enumerate(
+        [
+            "\u4e2d\u6587\u8bad\u7ec3\uff1a\u4eca\u5929\u5929\u6c14\u5f88\u597d\u3002",
+            "\u543e\u8f29\u306f\u732b\u3067\u3042\u308b\u3002\u30ab\u30bf\u30ab\u30ca",
+            "\u0645\u0631\u062d\u0628\u0627 \u0628\u0627\u0644\u0639\u0627\u0644\u0645 / \u05e9\u05dc\u05d5\u05dd",
+            "cafe\u0301 na\u0308ive z\u0336\u0317",
+            "\U0001f469\u200d\U0001f469\u200d\U0001f467\u200d\U0001f466 \U0001f3f3\ufe0f\u200d\U0001f308 \U0001f44d\U0001f3fd \U0001f1ef\U0001f1f5",
+            "tab\there NUL\x00here bell\x07 esc\x1b[31m DEL\x7f vtab\x0b ff\x0c",
+            "a\u2028b\u2029c NEL\x85d \ue000 \uffff \U0001d538",
+        ]
+        * 40
+    )
+)
+
+
+def test_a_byte_order_mark_is_no_text_and_every_character_comes_back(bpe_tokenizer_dir, tmp_path):
+    """A .txt file saved with a UTF-8 byte-order mark (Windows editors write one) trained the mark as a character,
+    U+FEFF, at the start of its document, where a jsonl or csv file's is dropped by its reader: it is dropped, and
+    the file gives the tokens of the same text without it (CRLF line ends as LF), by `gpn train`'s reader and by
+    `datasets`' alike. Every character of a mixed corpus comes back from the token cache as it was; the caches of
+    such a file are keyed apart from those written when the mark was read as text."""
+    from transformers import AutoTokenizer
+
+    from modeling_gpn import data
+
+    tokenizer = AutoTokenizer.from_pretrained(bpe_tokenizer_dir)
+    plain, marked = tmp_path / "plain.txt", tmp_path / "marked.txt"
+    plain.write_bytes(MIXED_TEXT.encode("utf-8"))
+    marked.write_bytes(codecs.BOM_UTF8 + MIXED_TEXT.replace("\n", "\r\n").encode("utf-8"))
+    streams = [
+        data.build_token_stream(data.CorpusSpec(str(path)), tokenizer, tmp_path / "cache", show_progress=False)
+        for path in (plain, marked)
+    ]
+    assert np.array_equal(streams[0][:], streams[1][:])
+    tokens = streams[1][:].tolist()
+    assert tokens[-1] == tokenizer.eos_token_id
+    assert tokenizer.decode(tokens[:-1]) == MIXED_TEXT  # (a byte-level BPE: no character lost)
+    assert list(data.CorpusSpec(str(marked)).documents()) == [MIXED_TEXT]  # (`datasets`' text builder kept it)
+    assert data.CorpusSpec(str(marked)).fingerprint()["byte_order_mark_dropped"] == [str(marked.resolve())]
+    assert "byte_order_mark_dropped" not in data.CorpusSpec(str(plain)).fingerprint()  # (other caches stay valid)
+
+
+def test_bytes_that_are_not_utf8_are_named_where_they_are_in_the_file(tmp_path):
+    """A file that is not UTF-8 is refused in one line naming its first such byte by its offset from the file's
+    start and its line, with the bytes around it. The decoder's own position counts from the block it decoded:
+    a byte at 1,792,743 of a .txt file was said to be at 178409, one on line 4 of a jsonl file at 492."""
+    from modeling_gpn.data import CorpusSpec, DataError
+    from modeling_gpn.data.corpus import first_invalid_utf8
+
+    good = MIXED_TEXT.encode("utf-8") * 3  # (over 40 KB: beyond the first block either reader decodes)
+    at = len(MIXED_TEXT[: MIXED_TEXT.index("#200")].encode("utf-8")) + 2 * len(MIXED_TEXT.encode("utf-8"))
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes(good[:at] + b"caf\xe9 " + good[at:])  # (0xe9 then a space: no continuation byte)
+    line = MIXED_TEXT.count("\n") * 2 + 201
+    with pytest.raises(DataError) as raised:
+        list(CorpusSpec(str(latin1)).document_pieces())
+    message = str(raised.value)
+    assert f"latin1.txt: it is not UTF-8 text: byte {at + 3:,} (line {line:,}: b'\\xe9' in b'" in message, message
+    assert "invalid continuation byte" in message and "\n" not in message
+    rows = tmp_path / "rows.jsonl"
+    lines = [json.dumps({"text": text}, ensure_ascii=False).encode("utf-8") for text in MIXED_TEXT.split("#")]
+    lines[150] = lines[150].replace(b"\\n", b"\xff\\n", 1)
+    rows.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(DataError, match=r"rows\.jsonl: it is not UTF-8 text: byte [\d,]+ \(line 151: b'\\xff'"):
+        list(CorpusSpec(str(rows)).document_pieces())
+    # Blocks shorter than a character: a character cut between two blocks is no error, and the offset is the file's.
+    assert first_invalid_utf8(latin1, block_bytes=5) == (at + 3, line, "invalid continuation byte")
+    assert first_invalid_utf8(latin1, block_bytes=1 << 20) == (at + 3, line, "invalid continuation byte")
+    (tmp_path / "good.txt").write_bytes(good)
+    assert first_invalid_utf8(tmp_path / "good.txt", block_bytes=5) is None
+    (tmp_path / "cut.txt").write_bytes(good[:-2] + "\u4e2d".encode("utf-8")[:2])  # (a file cut mid-character)
+    last = (len(good) - 2, good[:-2].count(b"\n") + 1, "unexpected end of data")
+    assert first_invalid_utf8(tmp_path / "cut.txt", block_bytes=5) == last
 
 
 def test_a_cache_folder_that_cannot_be_written_is_one_clear_error(bpe_tokenizer_dir, tmp_path):

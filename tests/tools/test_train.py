@@ -742,6 +742,49 @@ def test_settings_torch_would_train_wrongly_with_are_refused_before_the_data(tmp
     train_module.resolve_config(parse([*edges, "--seed", str(2**32 - 1), "--num-threads", "1"]))
 
 
+def test_a_terminal_that_cannot_show_the_sample_gets_escapes_and_one_note(tmp_path, capsys, monkeypatch):
+    """Under `LC_ALL=C PYTHONUTF8=0` standard output is ASCII: a sample holding one Chinese character ended `gpn
+    train` with "'ascii' codec can't encode character", exit 1, after the model was saved and before the loss
+    figure. It is written with escapes, said once on stderr, and the run succeeds; bytes the locale could not
+    decode go back out as they came. A prompt of such bytes (how Python reads a UTF-8 argument there) failed at
+    TensorBoard's record of the settings, after the data were tokenized, naming no setting: it is refused first."""
+    import io
+
+    from gpn_cli import main as gpn_main
+    from modeling_gpn.cli import terminal
+
+    corpus = tmp_path / "zh.txt"
+    corpus.write_text(
+        "\u4e2d\u6587\u8bad\u7ec3\u6587\u672c\uff0c\u4eca\u5929\u5929\u6c14\u5f88\u597d\u3002\n" * 300, encoding="utf-8"
+    )
+
+    def argv(prompt: str) -> list[str]:
+        return [
+            "train",
+            *small_args(corpus, tmp_path / "run", tmp_path / "cache", "--steps", "2"),
+            "--sample-tokens",
+            "3",
+            "--sample-prompt",
+            prompt,
+            "--loss-figure",
+        ]
+
+    assert gpn_main(argv("\udce4\udcb8\udcad")) == 1
+    err = capsys.readouterr().err
+    assert "sample_prompt holds bytes that are not text in this locale's encoding" in err and err.count("\n") == 1
+    assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
+    ascii_terminal = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", ascii_terminal)
+    monkeypatch.setattr(terminal, "_noted", [])
+    assert gpn_main(argv("\u4e2d\u6587")) == 0
+    print("\udcff\u4e2d")
+    ascii_terminal.flush()
+    printed = ascii_terminal.buffer.getvalue()
+    assert b"sample (prompt '\\u4e2d\\u6587'):\n\\u4e2d\\u6587" in printed and printed.endswith(b"\xff\\u4e2d\n")
+    assert capsys.readouterr().err.count("gpn: note: this terminal's encoding (ascii) cannot show some characters") == 1
+    assert (tmp_path / "run" / "loss.png").is_file()
+
+
 def test_nonfinite_loss_stops_naming_the_step_or_is_skipped(tmp_path, cache, shakespeare, monkeypatch):
     # At lr 1e30 the torch-ops fast path's folded matrices (norm weight x matrix) overflow float32, so its loss
     # is NaN from step 2; the plain loop and the C step kernels apply the norm weights to normalised inputs and

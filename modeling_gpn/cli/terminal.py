@@ -1,0 +1,55 @@
+"""The terminal the commands print to: a character its encoding cannot show is written as an escape, said once on
+stderr, instead of failing the command.
+
+Under a locale that is not UTF-8 with Python's UTF-8 mode off (`LC_ALL=C PYTHONUTF8=0`, an old server's ssh
+session), standard output is ASCII: a trained model's sample, or `gpn generate`'s text, holding one Chinese
+character or emoji ended the command with `UnicodeEncodeError` (after a `gpn train` run had saved its model: exit 1
+and no loss figure). Such characters are now written as Python escapes (`\\u4e2d`), visible and reversible, and
+the first one escaped prints a note naming the encoding and what to set; bytes the locale could not decode (lone
+surrogates, as Python reads such a command line) are written back as they came (`surrogateescape`, Python's own
+choice for such a terminal).
+"""
+
+from __future__ import annotations
+
+import codecs
+import sys
+
+ERROR_HANDLER = "gpn-escape"
+_noted: list[bool] = []  # (one note a process)
+
+
+def _escape(error: UnicodeError) -> tuple[bytes, int]:
+    """The codec error handler: bytes that came in undecodable (lone surrogates U+DC80..U+DCFF) go back out as they
+    came, any other character as its escape, the first time with a note on stderr."""
+    if not isinstance(error, UnicodeEncodeError):
+        raise error
+    out = bytearray()
+    for character in error.object[error.start : error.end]:
+        if 0xDC80 <= ord(character) <= 0xDCFF:
+            out.append(ord(character) - 0xDC00)
+            continue
+        out += character.encode("ascii", "backslashreplace")
+        if not _noted:
+            _noted.append(True)
+            sys.stderr.write(
+                f"gpn: note: this terminal's encoding ({error.encoding}) cannot show some characters of the output: "
+                "they are written as escapes (\\u4e2d for U+4E2D); run with a UTF-8 locale (LANG=C.UTF-8) or "
+                "PYTHONUTF8=1 to see them\n"
+            )
+            sys.stderr.flush()
+    return bytes(out), error.end
+
+
+def escape_what_stdout_cannot_show() -> None:
+    """Make standard output write the characters its encoding lacks as escapes (see the module's docstring). A
+    UTF-8 output, or one that cannot be reconfigured (a test's capture), is left as it is."""
+    try:
+        codecs.lookup_error(ERROR_HANDLER)
+    except LookupError:
+        codecs.register_error(ERROR_HANDLER, _escape)
+    stream = sys.stdout
+    encoding = getattr(stream, "encoding", None)
+    if encoding is None or codecs.lookup(encoding).name == "utf-8" or not hasattr(stream, "reconfigure"):
+        return
+    stream.reconfigure(errors=ERROR_HANDLER)
