@@ -107,9 +107,26 @@ class ReadFingerprint:
     never read again.
     """
 
-    def __init__(self, known: bool = True, fingerprint: torch.Tensor | None = None):
+    # The fingerprint of the first `head_length` positions read: the first half of what the first call read, where it
+    # read at least `HEAD_MIN_POSITIONS` (else none, length 0). Set once, by that call; it lets `continuation_start`
+    # tell a whole sequence that begins as the cache's history and then departs from it (a text tokenized again
+    # otherwise, a chat template rendering earlier turns anew) from new positions, which begin otherwise. (Class
+    # defaults: a fingerprint pickled before they existed, or loaded from a state file, has none.)
+    head: torch.Tensor | None = None  # (batch, 2) int64, unshifted
+    head_length = 0
+    HEAD_MIN_POSITIONS = 4
+
+    def __init__(
+        self,
+        known: bool = True,
+        fingerprint: torch.Tensor | None = None,
+        head: torch.Tensor | None = None,
+        head_length: int = 0,
+    ):
         self.known = known
         self.shifted = None if fingerprint is None else self._shift(fingerprint)  # (batch, 2) int64
+        if head is not None and head_length:
+            self.head, self.head_length = head, head_length
 
     @staticmethod
     def _shift(fingerprint: torch.Tensor) -> torch.Tensor:
@@ -129,6 +146,10 @@ class ReadFingerprint:
             torch.remainder(torch.addcmul(ids, shifted, bases), _FINGERPRINT_MODULUS, out=shifted)
             return
         folded = self._shift(token_fingerprint(token_ids, mask, self.value()))
+        if shifted is None and token_ids.shape[1] >= self.HEAD_MIN_POSITIONS:  # the first call: keep its head
+            length = token_ids.shape[1] // 2
+            self.head = token_fingerprint(token_ids[:, :length], None if mask is None else mask[:, :length])
+            self.head_length = length
         if shifted is None or shifted.device != folded.device:  # the first position (or the inputs moved)
             self.shifted = folded
         else:
@@ -160,6 +181,17 @@ class ReadFingerprint:
         """Apply a row operation (beam search's reordering, repeat_interleave) to the fingerprint."""
         if self.shifted is not None:
             self.shifted = select(self.shifted)
+        if self.head is not None:
+            self.head = select(self.head)
+
+    def head_matches(self, token_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """(batch,) bool: which rows of `token_ids` begin with the head of what was read (`head`), or None where
+        there is no head (unknown, none kept, or fewer positions given than it covers)."""
+        length = self.head_length
+        if not self.known or self.head is None or token_ids.shape[1] < length:
+            return None
+        given = token_fingerprint(token_ids[:, :length], None if mask is None else mask[:, :length])
+        return (given == self.head.to(given.device)).all(dim=1)
 
 
 # ---- end of the fingerprint ----------------------------------------------------------------------
@@ -518,8 +550,12 @@ class GPNCache(Cache):
             num_new_tokens=self.get_seq_length(),
         )
         read = self.read_fingerprint()  # each copy has read what its original row read
+        head = layer.fingerprint.head
         forked.state_layer.fingerprint = ReadFingerprint(
-            known=read is not None, fingerprint=None if read is None else read.repeat_interleave(num_copies, dim=0)
+            known=read is not None,
+            fingerprint=None if read is None else read.repeat_interleave(num_copies, dim=0),
+            head=None if head is None else head.repeat_interleave(num_copies, dim=0),
+            head_length=layer.fingerprint.head_length,
         )
         forked.state_layer.mixed_adapters = layer.mixed_adapters  # (each copy was computed as its original row)
         forked._gpn_model_ref = getattr(self, "_gpn_model_ref", None)
@@ -755,6 +791,7 @@ def continuation_start(
             f"({seen + given})."
         )
     if given < seen:  # the whole sequence would be at least as long as what was read
+        _refuse_a_departing_history(cache, seen, input_ids, attention_mask, None)
         return 0
     known = cache.read_fingerprint()
     if input_ids is None or known is None:
@@ -797,15 +834,52 @@ def continuation_start(
                 "cannot be rolled back to an earlier position; pass new positions to continue (to feed these again "
                 f"as new positions, pass an attention_mask of {2 * seen} columns)."
             )
+        _refuse_a_departing_history(cache, seen, input_ids, attention_mask, matches)
         return 0
     if bool(matches.all()):
         return seen
     if not bool(matches.any()):
+        _refuse_a_departing_history(cache, seen, input_ids, attention_mask, matches)
         return 0
     raise ValueError(
         f"generate() got {given} positions with a cache that has read {seen}: rows "
         f"{matches.nonzero()[:, 0].tolist()} begin with what the cache read (the whole sequence) and the others "
         f"do not (new positions). {how}"
+    )
+
+
+def _refuse_a_departing_history(
+    cache: GPNCache,
+    seen: int,
+    input_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    matches: torch.Tensor | None,
+) -> None:
+    """Refuse positions `continuation_start` would read as new (they do not begin with all `seen` positions the cache
+    read, `matches` False, or are fewer) where some row begins with the head of that history (`ReadFingerprint.head`,
+    the first half of the first call's positions). Such positions are, far more likely than new ones that happen to
+    repeat the history's opening, the whole sequence so far departing from what the cache read: transformers' recipe
+    that reuses a prompt's cache (`tokenizer(PROMPT + question)` with a copy of PROMPT's cache: the last token of
+    PROMPT tokenized alone, " ", is " question" in the whole text) and a chat loop whose template renders earlier
+    turns anew. Read as new positions, the whole conversation would be read a second time after itself, in silence;
+    as the whole sequence, a state cannot un-read what it read instead."""
+    if input_ids is None:
+        return
+    heads = cache.state_layer.fingerprint.head_matches(input_ids, attention_mask)
+    if heads is None:
+        return
+    departing = heads if matches is None else heads & ~matches
+    if not bool(departing.any()):
+        return
+    length = cache.state_layer.fingerprint.head_length
+    raise ValueError(
+        f"generate() got {input_ids.shape[1]} positions with a cache that has read {seen}: rows "
+        f"{departing.nonzero()[:, 0].tolist()} begin with the first {length} positions the cache read but do not "
+        f"continue with the rest of them. As the whole sequence so far it departs from what the cache read (the text "
+        "tokenized again otherwise, e.g. a prompt cached alone whose last token merges with the text that follows, or "
+        "a chat template that renders earlier turns anew), and a state cannot un-read positions: give only the text "
+        "that follows what the cache read, or read the whole sequence into a fresh cache. If they are new positions, "
+        f"pass an attention_mask of {seen} + {input_ids.shape[1]} = {seen + input_ids.shape[1]} columns."
     )
 
 

@@ -5407,6 +5407,20 @@ MUTATIONS = [
         "        pass  # MUTATION\n",
         ("tests/tools/test_generate_cli.py -k ends_generate_at_another_token",),
     ),
+    Mutation(
+        "a whole sequence departing from what the cache read is read again as new positions (the prompt-cache recipe)",
+        "modeling_gpn/cache.py",
+        "    heads = cache.state_layer.fingerprint.head_matches(input_ids, attention_mask)\n",
+        "    heads = None  # MUTATION\n",
+        ("tests/model/test_generate.py -k departing_from_what_the_cache_read",),
+    ),
+    Mutation(
+        "a forked cache forgets the head of what it read",
+        "modeling_gpn/cache.py",
+        "            head=None if head is None else head.repeat_interleave(num_copies, dim=0),\n",
+        "            head=None,  # MUTATION\n",
+        ("tests/model/test_generate.py -k departing_from_what_the_cache_read",),
+    ),
 ]
 
 
