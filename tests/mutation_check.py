@@ -5421,6 +5421,13 @@ MUTATIONS = [
         "            head=None,  # MUTATION\n",
         ("tests/model/test_generate.py -k departing_from_what_the_cache_read",),
     ),
+    Mutation(
+        "an assistant_model beside beam search reaches the forward as an unexpected argument",
+        "modeling_gpn/generation.py",
+        "    if assistant_model is not None:\n        raise ValueError(\n",
+        "    if False:  # MUTATION\n        raise ValueError(\n",
+        ("tests/model/test_generate.py::test_assisted_decoding_is_refused_clearly",),
+    ),
 ]
 
 

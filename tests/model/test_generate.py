@@ -149,6 +149,10 @@ def test_assisted_decoding_is_refused_clearly(model):
             model.generate(new, cache=cache, max_new_tokens=3, do_sample=False, **decoding)
     assert cache.get_seq_length() == 4
     assert all(torch.equal(kept, now) for kept, now in zip(state, cache.state_buffers()))
+    # an assistant beside beam search, which transformers says it ignores and hands to the forward (which failed
+    # naming an unexpected argument 'assistant_model'), is named for what it is
+    with pytest.raises(ValueError, match=r"assistant_model with beam_search: transformers assists only greedy"):
+        model.generate(new, max_new_tokens=3, num_beams=2, assistant_model=model)
 
 
 def test_a_gpn_as_the_draft_model_of_assisted_decoding_is_refused_clearly(model):
