@@ -92,6 +92,35 @@ def test_beam_search_reorders_what_each_cache_row_has_read(model):
 
 
 @torch.no_grad()
+def test_output_logits_and_transition_scores_are_the_forwards(model):
+    """transformers' recipe `return_dict_in_generate=True, output_logits=True, output_scores=True` then
+    `compute_transition_scores` (greedy; beams with `beam_indices`): each step's logits, and each chosen token's
+    log-probability, are the plain forward's over the returned sequence."""
+    prompt = torch.randint(1, 97, (1, 5), generator=torch.Generator().manual_seed(91))
+    out = model.generate(
+        prompt, max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_scores=True, output_logits=True
+    )
+    forward = model(out.sequences, use_cache=False).logits[:, 4:-1]
+    torch.testing.assert_close(torch.stack(out.logits, 1), forward, atol=1e-5, rtol=0)
+    chosen = forward.log_softmax(-1).gather(-1, out.sequences[:, 5:, None])[..., 0]
+    scores = model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
+    torch.testing.assert_close(scores, chosen, atol=1e-5, rtol=0)
+    beams = model.generate(
+        prompt,
+        max_new_tokens=4,
+        num_beams=3,
+        num_return_sequences=2,
+        length_penalty=0.0,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
+    forward = model(beams.sequences, use_cache=False).logits[:, 4:-1].log_softmax(-1)
+    chosen = forward.gather(-1, beams.sequences[:, 5:, None])[..., 0]
+    scores = model.compute_transition_scores(beams.sequences, beams.scores, beams.beam_indices)
+    torch.testing.assert_close(scores, chosen, atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
 def test_seeded_sampling_with_and_without_cache(model):
     """The same seed, the same samples: with the cache or without, through `transformers.set_seed` as through
     `torch.manual_seed`, and on the plain path (a forward draws nothing from torch's generator on either path, so
