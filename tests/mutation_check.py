@@ -3339,7 +3339,7 @@ MUTATIONS = [
     Mutation(
         "assisted decoding with a GPN as the main model refused before any forward (transformers 5.25 refuses it after its first forward, which advanced a given cache)",
         "modeling_gpn/modeling_gpn.py",
-        "        refuse_assisted_decoding(generation_mode)\n",
+        '        refuse_assisted_decoding(generation_mode, (mode_kwargs or {}).get("assistant_model"))\n',
         "",
         ("tests/model/test_generate.py::test_assisted_decoding_is_refused_clearly",),
     ),
