@@ -7,7 +7,8 @@ and loaded in another process (`fork`, `save`, `load`; the file format is `state
 registered pytree, so torch.export and torch.compile can take and return one.
 
 It also keeps a fingerprint of the positions it has read (`ReadFingerprint`: one (batch, 2) int64 tensor
-updated in place, so the cache is exactly constant in size from its first position), by which
+updated in place, and one more of the head its first call read, set once, so the cache is exactly constant in size
+from its first call), by which
 `continuation_start` tells generate()'s two ways of continuing from a cache apart (the whole sequence so
 far, or only the new positions). docs/cache.md is the user's page.
 """
@@ -99,8 +100,9 @@ class ReadFingerprint:
 
     One (batch, 2) int64 tensor from the first position on, updated in place by each call: a call of one
     position (a decode step) multiplies by the bases and adds the new position (two elementwise ops on 2
-    numbers a row), a longer call folds its positions in (`token_fingerprint` continuing it). Nothing else
-    is kept, so its size never changes and what it costs a call does not depend on how much was read. It is
+    numbers a row), a longer call folds its positions in (`token_fingerprint` continuing it). Beside it only the
+    head of the first call (`head`, set by that call) is kept, so its size never changes after the first call and
+    what it costs a call does not depend on how much was read. It is
     held shifted (see `_STEP_SHIFTS`); `value()` gives the fingerprint itself. It becomes unknown when the
     cache reads positions given as `inputs_embeds`, or is rebuilt without its history (pytree unflattening:
     a traced or exported program's cache); the tensor is kept then (the cache's size stays the same), and
@@ -764,6 +766,9 @@ def continuation_start(
     - G >= `seen` with a row whose fingerprint matches only with the padding inside it counted as read (the pad
       tokens generate() feeds a row that ended with EOS, which a mask inferred from pad_token_id pads): refused,
       naming the rows (a state cannot un-read them).
+    - positions the rules above read as new by their content (G < `seen`, or no row with the fingerprint) with a
+      row that begins with the first half of what the cache's first call read (`ReadFingerprint.head`): refused,
+      naming the rows: the whole sequence departing from what the cache read (`_refuse_a_departing_history`).
 
     What it cannot judge, and takes by the rule above: new positions that repeat, in every row, exactly what
     the cache has read (they are taken for the whole sequence; pass the mask of `seen` + G columns to feed
@@ -772,8 +777,9 @@ def continuation_start(
     (a beam search's cache continued in the order of its returned sequences), rows are paired as given.
     docs/cache.md says the same for users.
     The cost does not depend on anything the cache accumulates: the cache keeps one fingerprint of fixed
-    size (updated in O(1) per decoded token), and only a generate() call given at least as many positions as
-    were read, without the mask that settles it, hashes its first `seen` given positions, once.
+    size (updated in O(1) per decoded token) and the head, set once, and only a generate() call without the mask
+    that settles it hashes given positions, once: its first `seen` where it was given at least that many, the
+    head's where they are read as new by their content.
     """
     given = (input_ids if input_ids is not None else inputs_embeds).shape[1]
     if mask_columns is None:
