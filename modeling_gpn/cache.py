@@ -766,9 +766,11 @@ def continuation_start(
     - G >= `seen` with a row whose fingerprint matches only with the padding inside it counted as read (the pad
       tokens generate() feeds a row that ended with EOS, which a mask inferred from pad_token_id pads): refused,
       naming the rows (a state cannot un-read them).
-    - positions the rules above read as new by their content (G < `seen`, or no row with the fingerprint) with a
+    - G >= `seen` positions the rules above read as new by their content (no row with the fingerprint) with a
       row that begins with the first half of what the cache's first call read (`ReadFingerprint.head`): refused,
       naming the rows: the whole sequence departing from what the cache read (`_refuse_a_departing_history`).
+      (Fewer positions are new ones: a whole sequence is at least as long as what was read, and a loop that feeds
+      each new question alone often repeats the opening of a short first prompt, "Question: What is".)
 
     What it cannot judge, and takes by the rule above: new positions that repeat, in every row, exactly what
     the cache has read (they are taken for the whole sequence; pass the mask of `seen` + G columns to feed
@@ -797,7 +799,6 @@ def continuation_start(
             f"({seen + given})."
         )
     if given < seen:  # the whole sequence would be at least as long as what was read
-        _refuse_a_departing_history(cache, seen, input_ids, attention_mask, None)
         return 0
     known = cache.read_fingerprint()
     if input_ids is None or known is None:
@@ -859,10 +860,10 @@ def _refuse_a_departing_history(
     seen: int,
     input_ids: torch.Tensor | None,
     attention_mask: torch.Tensor | None,
-    matches: torch.Tensor | None,
+    matches: torch.Tensor,
 ) -> None:
-    """Refuse positions `continuation_start` would read as new (they do not begin with all `seen` positions the cache
-    read, `matches` False, or are fewer) where some row begins with the head of that history (`ReadFingerprint.head`,
+    """Refuse at least `seen` positions that `continuation_start` would read as new (they do not begin with the `seen`
+    positions the cache read, `matches` False) where some row begins with the head of that history (`ReadFingerprint.head`,
     the first half of the first call's positions). Such positions are, far more likely than new ones that happen to
     repeat the history's opening, the whole sequence so far departing from what the cache read: transformers' recipe
     that reuses a prompt's cache (`tokenizer(PROMPT + question)` with a copy of PROMPT's cache: the last token of
@@ -874,7 +875,7 @@ def _refuse_a_departing_history(
     heads = cache.state_layer.fingerprint.head_matches(input_ids, attention_mask)
     if heads is None:
         return
-    departing = heads if matches is None else heads & ~matches
+    departing = heads & ~matches
     if not bool(departing.any()):
         return
     length = cache.state_layer.fingerprint.head_length

@@ -5415,6 +5415,15 @@ MUTATIONS = [
         ("tests/model/test_generate.py -k departing_from_what_the_cache_read",),
     ),
     Mutation(
+        "fewer positions than the cache read, beginning with its first call's head, are refused (a question fed alone)",
+        "modeling_gpn/cache.py",
+        "    if given < seen:  # the whole sequence would be at least as long as what was read\n        return 0\n",
+        "    if given < seen:  # MUTATION\n"
+        "        _refuse_a_departing_history(cache, seen, input_ids, attention_mask, torch.zeros(given, dtype=torch.bool))\n"
+        "        return 0\n",
+        ("tests/model/test_generate.py -k departing_from_what_the_cache_read",),
+    ),
+    Mutation(
         "a forked cache forgets the head of what it read",
         "modeling_gpn/cache.py",
         "            head=None if head is None else head.repeat_interleave(num_copies, dim=0),\n",

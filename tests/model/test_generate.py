@@ -513,15 +513,16 @@ def test_a_whole_sequence_departing_from_what_the_cache_read_is_refused_not_read
     `generate(**tokenizer(PROMPT + question), cache=copy.deepcopy(prompt_cache))`): PROMPT's last token tokenized
     alone (" ") is another in the whole text (" to"), so the whole sequence does not begin with the positions the
     cache read, and it was read as new positions after them: the whole prompt read twice, in silence. It begins with
-    the first half of what the cache's first call read, so it is refused, saying what to pass; so are fewer or as
-    many positions beginning so. New positions that begin otherwise are read as before, and the same positions with
-    a mask over the whole sequence are new positions as always."""
+    the first half of what the cache's first call read, so it is refused, saying what to pass; so are as many
+    positions beginning so. Fewer are new positions (a loop feeding each question alone, repeating a short first
+    prompt's opening), new positions that begin otherwise are read as before, and the same positions with a mask
+    over the whole sequence are new positions as always."""
     prompt = torch.randint(1, 97, (1, 8), generator=torch.Generator().manual_seed(81))
     question = torch.randint(1, 97, (1, 3), generator=torch.Generator().manual_seed(82))
     prompt_cache = model(prompt, use_cache=True).cache
     retokenized = torch.cat([prompt[:, :7], (prompt[:, 7:] % 96) + 1, question], dim=1)  # last prompt token differs
     settings = dict(max_new_tokens=4, do_sample=False)
-    for given in (retokenized, retokenized[:, :7], retokenized[:, :8]):  # more, fewer, as many as were read
+    for given in (retokenized, retokenized[:, :8]):  # more, as many as were read
         cache = copy.deepcopy(prompt_cache) if given is retokenized else prompt_cache.fork(1)  # (both recipes' copies)
         with pytest.raises(ValueError, match=r"rows \[0\] begin with the first 4 positions the cache read but do"):
             model.generate(given, attention_mask=torch.ones_like(given), cache=cache, **settings)
@@ -529,9 +530,9 @@ def test_a_whole_sequence_departing_from_what_the_cache_read_is_refused_not_read
     mask = torch.ones(1, 8 + retokenized.shape[1], dtype=torch.long)  # meant as new positions: said so
     continued = model.generate(retokenized, attention_mask=mask, cache=copy.deepcopy(prompt_cache), **settings)
     assert torch.equal(continued[:, -4:], argmax_continuation(model, torch.cat([prompt, retokenized], 1), 4)[:, -4:])
-    new = torch.cat([question, prompt], dim=1)  # new positions that do not begin as the history: read as new
-    continued = model.generate(new, cache=copy.deepcopy(prompt_cache), **settings)
-    assert torch.equal(continued[:, -4:], argmax_continuation(model, torch.cat([prompt, new], 1), 4)[:, -4:])
+    for new in (torch.cat([question, prompt], dim=1), retokenized[:, :7]):  # not beginning as the history; fewer
+        continued = model.generate(new, cache=copy.deepcopy(prompt_cache), **settings)
+        assert torch.equal(continued[:, -4:], argmax_continuation(model, torch.cat([prompt, new], 1), 4)[:, -4:])
 
 
 @torch.no_grad()
