@@ -7,7 +7,8 @@ and loaded in another process (`fork`, `save`, `load`; the file format is `state
 registered pytree, so torch.export and torch.compile can take and return one.
 
 It also keeps a fingerprint of the positions it has read (`ReadFingerprint`: one (batch, 2) int64 tensor
-updated in place, so the cache is exactly constant in size from its first position), by which
+updated in place, and one more of the head its first call read, set once, so the cache is exactly constant in size
+from its first call), by which
 `continuation_start` tells generate()'s two ways of continuing from a cache apart (the whole sequence so
 far, or only the new positions). docs/cache.md is the user's page.
 """
@@ -99,17 +100,35 @@ class ReadFingerprint:
 
     One (batch, 2) int64 tensor from the first position on, updated in place by each call: a call of one
     position (a decode step) multiplies by the bases and adds the new position (two elementwise ops on 2
-    numbers a row), a longer call folds its positions in (`token_fingerprint` continuing it). Nothing else
-    is kept, so its size never changes and what it costs a call does not depend on how much was read. It is
+    numbers a row), a longer call folds its positions in (`token_fingerprint` continuing it). Beside it only the
+    head of the first call (`head`, set by that call) is kept, so its size never changes after the first call and
+    what it costs a call does not depend on how much was read. It is
     held shifted (see `_STEP_SHIFTS`); `value()` gives the fingerprint itself. It becomes unknown when the
     cache reads positions given as `inputs_embeds`, or is rebuilt without its history (pytree unflattening:
     a traced or exported program's cache); the tensor is kept then (the cache's size stays the same), and
     never read again.
     """
 
-    def __init__(self, known: bool = True, fingerprint: torch.Tensor | None = None):
+    # The fingerprint of the first `head_length` positions read: the first half of what the first call read, where it
+    # read at least `HEAD_MIN_POSITIONS` (else none, length 0). Set once, by that call; it lets `continuation_start`
+    # tell a whole sequence that begins as the cache's history and then departs from it (a text tokenized again
+    # otherwise, a chat template rendering earlier turns anew) from new positions, which begin otherwise. (Class
+    # defaults: a fingerprint pickled before they existed, or loaded from a state file, has none.)
+    head: torch.Tensor | None = None  # (batch, 2) int64, unshifted
+    head_length = 0
+    HEAD_MIN_POSITIONS = 4
+
+    def __init__(
+        self,
+        known: bool = True,
+        fingerprint: torch.Tensor | None = None,
+        head: torch.Tensor | None = None,
+        head_length: int = 0,
+    ):
         self.known = known
         self.shifted = None if fingerprint is None else self._shift(fingerprint)  # (batch, 2) int64
+        if head is not None and head_length:
+            self.head, self.head_length = head, head_length
 
     @staticmethod
     def _shift(fingerprint: torch.Tensor) -> torch.Tensor:
@@ -129,6 +148,10 @@ class ReadFingerprint:
             torch.remainder(torch.addcmul(ids, shifted, bases), _FINGERPRINT_MODULUS, out=shifted)
             return
         folded = self._shift(token_fingerprint(token_ids, mask, self.value()))
+        if shifted is None and token_ids.shape[1] >= self.HEAD_MIN_POSITIONS:  # the first call: keep its head
+            length = token_ids.shape[1] // 2
+            self.head = token_fingerprint(token_ids[:, :length], None if mask is None else mask[:, :length])
+            self.head_length = length
         if shifted is None or shifted.device != folded.device:  # the first position (or the inputs moved)
             self.shifted = folded
         else:
@@ -160,6 +183,17 @@ class ReadFingerprint:
         """Apply a row operation (beam search's reordering, repeat_interleave) to the fingerprint."""
         if self.shifted is not None:
             self.shifted = select(self.shifted)
+        if self.head is not None:
+            self.head = select(self.head)
+
+    def head_matches(self, token_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """(batch,) bool: which rows of `token_ids` begin with the head of what was read (`head`), or None where
+        there is no head (unknown, none kept, or fewer positions given than it covers)."""
+        length = self.head_length
+        if not self.known or self.head is None or token_ids.shape[1] < length:
+            return None
+        given = token_fingerprint(token_ids[:, :length], None if mask is None else mask[:, :length])
+        return (given == self.head.to(given.device)).all(dim=1)
 
 
 # ---- end of the fingerprint ----------------------------------------------------------------------
@@ -518,8 +552,12 @@ class GPNCache(Cache):
             num_new_tokens=self.get_seq_length(),
         )
         read = self.read_fingerprint()  # each copy has read what its original row read
+        head = layer.fingerprint.head
         forked.state_layer.fingerprint = ReadFingerprint(
-            known=read is not None, fingerprint=None if read is None else read.repeat_interleave(num_copies, dim=0)
+            known=read is not None,
+            fingerprint=None if read is None else read.repeat_interleave(num_copies, dim=0),
+            head=None if head is None else head.repeat_interleave(num_copies, dim=0),
+            head_length=layer.fingerprint.head_length,
         )
         forked.state_layer.mixed_adapters = layer.mixed_adapters  # (each copy was computed as its original row)
         forked._gpn_model_ref = getattr(self, "_gpn_model_ref", None)
@@ -728,6 +766,11 @@ def continuation_start(
     - G >= `seen` with a row whose fingerprint matches only with the padding inside it counted as read (the pad
       tokens generate() feeds a row that ended with EOS, which a mask inferred from pad_token_id pads): refused,
       naming the rows (a state cannot un-read them).
+    - G >= `seen` positions the rules above read as new by their content (no row with the fingerprint) with a
+      row that begins with the first half of what the cache's first call read (`ReadFingerprint.head`): refused,
+      naming the rows: the whole sequence departing from what the cache read (`_refuse_a_departing_history`).
+      (Fewer positions are new ones: a whole sequence is at least as long as what was read, and a loop that feeds
+      each new question alone often repeats the opening of a short first prompt, "Question: What is".)
 
     What it cannot judge, and takes by the rule above: new positions that repeat, in every row, exactly what
     the cache has read (they are taken for the whole sequence; pass the mask of `seen` + G columns to feed
@@ -736,8 +779,9 @@ def continuation_start(
     (a beam search's cache continued in the order of its returned sequences), rows are paired as given.
     docs/cache.md says the same for users.
     The cost does not depend on anything the cache accumulates: the cache keeps one fingerprint of fixed
-    size (updated in O(1) per decoded token), and only a generate() call given at least as many positions as
-    were read, without the mask that settles it, hashes its first `seen` given positions, once.
+    size (updated in O(1) per decoded token) and the head, set once, and only a generate() call without the mask
+    that settles it hashes given positions, once: its first `seen` where it was given at least that many, the
+    head's where they are read as new by their content.
     """
     given = (input_ids if input_ids is not None else inputs_embeds).shape[1]
     if mask_columns is None:
@@ -797,15 +841,52 @@ def continuation_start(
                 "cannot be rolled back to an earlier position; pass new positions to continue (to feed these again "
                 f"as new positions, pass an attention_mask of {2 * seen} columns)."
             )
+        _refuse_a_departing_history(cache, seen, input_ids, attention_mask, matches)
         return 0
     if bool(matches.all()):
         return seen
     if not bool(matches.any()):
+        _refuse_a_departing_history(cache, seen, input_ids, attention_mask, matches)
         return 0
     raise ValueError(
         f"generate() got {given} positions with a cache that has read {seen}: rows "
         f"{matches.nonzero()[:, 0].tolist()} begin with what the cache read (the whole sequence) and the others "
         f"do not (new positions). {how}"
+    )
+
+
+def _refuse_a_departing_history(
+    cache: GPNCache,
+    seen: int,
+    input_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    matches: torch.Tensor,
+) -> None:
+    """Refuse at least `seen` positions that `continuation_start` would read as new (they do not begin with the `seen`
+    positions the cache read, `matches` False) where some row begins with the head of that history (`ReadFingerprint.head`,
+    the first half of the first call's positions). Such positions are, far more likely than new ones that happen to
+    repeat the history's opening, the whole sequence so far departing from what the cache read: transformers' recipe
+    that reuses a prompt's cache (`tokenizer(PROMPT + question)` with a copy of PROMPT's cache: the last token of
+    PROMPT tokenized alone, " ", is " question" in the whole text) and a chat loop whose template renders earlier
+    turns anew. Read as new positions, the whole conversation would be read a second time after itself, in silence;
+    as the whole sequence, a state cannot un-read what it read instead."""
+    if input_ids is None:
+        return
+    heads = cache.state_layer.fingerprint.head_matches(input_ids, attention_mask)
+    if heads is None:
+        return
+    departing = heads & ~matches
+    if not bool(departing.any()):
+        return
+    length = cache.state_layer.fingerprint.head_length
+    raise ValueError(
+        f"generate() got {input_ids.shape[1]} positions with a cache that has read {seen}: rows "
+        f"{departing.nonzero()[:, 0].tolist()} begin with the first {length} positions the cache read but do not "
+        f"continue with the rest of them. As the whole sequence so far it departs from what the cache read (the text "
+        "tokenized again otherwise, e.g. a prompt cached alone whose last token merges with the text that follows, or "
+        "a chat template that renders earlier turns anew), and a state cannot un-read positions: give only the text "
+        "that follows what the cache read, or read the whole sequence into a fresh cache. If they are new positions, "
+        f"pass an attention_mask of {seen} + {input_ids.shape[1]} = {seen + input_ids.shape[1]} columns."
     )
 
 

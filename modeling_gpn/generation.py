@@ -177,16 +177,24 @@ def refuse_hub_decoding_a_state_cannot_run(generation_mode: GenerationMode | str
         raise ValueError(f"{reason}: decode greedily, sample or use beam search")
 
 
-def refuse_assisted_decoding(generation_mode: GenerationMode) -> None:
-    """Assisted decoding with a GPN as the main model (`assistant_model`, `prompt_lookup_num_tokens`): after every
-    round the main model's cache is rolled back to the draft tokens it accepted, and a GPN's state cannot be rolled
-    back. transformers 5.24 refused it for every stateful model before anything ran; 5.25 refuses it only after the
-    first forward, which has advanced a cache the caller passed. Refused here, before any forward, on both."""
+def refuse_assisted_decoding(generation_mode: GenerationMode, assistant_model: object = None) -> None:
+    """Assisted decoding with a GPN as the main model (`assistant_model`, `prompt_lookup_num_tokens`, `use_mtp`,
+    `assistant_early_exit`): after every round the main model's cache is rolled back to the draft tokens it accepted,
+    and a GPN's state cannot be rolled back. transformers 5.24 refused it for every stateful model before anything
+    ran; 5.25 refuses it only after the first forward, which has advanced a cache the caller passed. Refused here,
+    before any forward, on both. An `assistant_model` beside beam search, which transformers only warns it ignores,
+    is refused too: transformers hands it on to the forward, which failed naming an unexpected argument."""
     if generation_mode == GenerationMode.ASSISTED_GENERATION:
         raise ValueError(
-            "Assisted decoding (assistant_model, prompt_lookup_num_tokens) cannot run with a GPN as the main model: "
-            "after every round its cache is rolled back to the draft tokens it accepted, and a GPN's state cannot be "
-            "rolled back. Decode without them"
+            "Assisted decoding (assistant_model, prompt_lookup_num_tokens, use_mtp, assistant_early_exit) cannot run "
+            "with a GPN as the main model: after every round its cache is rolled back to the draft tokens it "
+            "accepted, and a GPN's state cannot be rolled back. Decode without them"
+        )
+    if assistant_model is not None:
+        raise ValueError(
+            f"assistant_model with {getattr(generation_mode, 'value', generation_mode)}: transformers assists only "
+            "greedy decoding and sampling (it would ignore the assistant here), and a GPN cannot be assisted at all "
+            "(its state cannot be rolled back to the accepted draft tokens). Decode without assistant_model"
         )
 
 

@@ -1269,8 +1269,9 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
 
     def _validate_generation_mode(self, generation_mode: GenerationMode, *args, **kwargs) -> None:
         """transformers' check of the decoding method, before any forward: assisted decoding is refused by name
-        (`generation.refuse_assisted_decoding`)."""
-        refuse_assisted_decoding(generation_mode)
+        (`generation.refuse_assisted_decoding`), as is an assistant beside beam search."""
+        mode_kwargs = args[1] if len(args) > 1 else kwargs.get("generation_mode_kwargs")
+        refuse_assisted_decoding(generation_mode, (mode_kwargs or {}).get("assistant_model"))
         return super()._validate_generation_mode(generation_mode, *args, **kwargs)
 
     def load_custom_generate(

@@ -3339,7 +3339,7 @@ MUTATIONS = [
     Mutation(
         "assisted decoding with a GPN as the main model refused before any forward (transformers 5.25 refuses it after its first forward, which advanced a given cache)",
         "modeling_gpn/modeling_gpn.py",
-        "        refuse_assisted_decoding(generation_mode)\n",
+        '        refuse_assisted_decoding(generation_mode, (mode_kwargs or {}).get("assistant_model"))\n',
         "",
         ("tests/model/test_generate.py::test_assisted_decoding_is_refused_clearly",),
     ),
@@ -5457,6 +5457,36 @@ MUTATIONS = [
         '                value.encode("utf-8")\n',
         "                pass  # MUTATION\n",
         ("tests/tools/test_train.py -k terminal_that_cannot",),
+    ),
+    Mutation(
+        "a whole sequence departing from what the cache read is read again as new positions (the prompt-cache recipe)",
+        "modeling_gpn/cache.py",
+        "    heads = cache.state_layer.fingerprint.head_matches(input_ids, attention_mask)\n",
+        "    heads = None  # MUTATION\n",
+        ("tests/model/test_generate.py -k departing_from_what_the_cache_read",),
+    ),
+    Mutation(
+        "fewer positions than the cache read, beginning with its first call's head, are refused (a question fed alone)",
+        "modeling_gpn/cache.py",
+        "    if given < seen:  # the whole sequence would be at least as long as what was read\n        return 0\n",
+        "    if given < seen:  # MUTATION\n"
+        "        _refuse_a_departing_history(cache, seen, input_ids, attention_mask, torch.zeros(given, dtype=torch.bool))\n"
+        "        return 0\n",
+        ("tests/model/test_generate.py -k departing_from_what_the_cache_read",),
+    ),
+    Mutation(
+        "a forked cache forgets the head of what it read",
+        "modeling_gpn/cache.py",
+        "            head=None if head is None else head.repeat_interleave(num_copies, dim=0),\n",
+        "            head=None,  # MUTATION\n",
+        ("tests/model/test_generate.py -k departing_from_what_the_cache_read",),
+    ),
+    Mutation(
+        "an assistant_model beside beam search reaches the forward as an unexpected argument",
+        "modeling_gpn/generation.py",
+        "    if assistant_model is not None:\n        raise ValueError(\n",
+        "    if False:  # MUTATION\n        raise ValueError(\n",
+        ("tests/model/test_generate.py::test_assisted_decoding_is_refused_clearly",),
     ),
 ]
 

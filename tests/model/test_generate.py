@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -90,6 +92,35 @@ def test_beam_search_reorders_what_each_cache_row_has_read(model):
 
 
 @torch.no_grad()
+def test_output_logits_and_transition_scores_are_the_forwards(model):
+    """transformers' recipe `return_dict_in_generate=True, output_logits=True, output_scores=True` then
+    `compute_transition_scores` (greedy; beams with `beam_indices`): each step's logits, and each chosen token's
+    log-probability, are the plain forward's over the returned sequence."""
+    prompt = torch.randint(1, 97, (1, 5), generator=torch.Generator().manual_seed(91))
+    out = model.generate(
+        prompt, max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_scores=True, output_logits=True
+    )
+    forward = model(out.sequences, use_cache=False).logits[:, 4:-1]
+    torch.testing.assert_close(torch.stack(out.logits, 1), forward, atol=1e-5, rtol=0)
+    chosen = forward.log_softmax(-1).gather(-1, out.sequences[:, 5:, None])[..., 0]
+    scores = model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
+    torch.testing.assert_close(scores, chosen, atol=1e-5, rtol=0)
+    beams = model.generate(
+        prompt,
+        max_new_tokens=4,
+        num_beams=3,
+        num_return_sequences=2,
+        length_penalty=0.0,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
+    forward = model(beams.sequences, use_cache=False).logits[:, 4:-1].log_softmax(-1)
+    chosen = forward.gather(-1, beams.sequences[:, 5:, None])[..., 0]
+    scores = model.compute_transition_scores(beams.sequences, beams.scores, beams.beam_indices)
+    torch.testing.assert_close(scores, chosen, atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
 def test_seeded_sampling_with_and_without_cache(model):
     """The same seed, the same samples: with the cache or without, through `transformers.set_seed` as through
     `torch.manual_seed`, and on the plain path (a forward draws nothing from torch's generator on either path, so
@@ -147,6 +178,10 @@ def test_assisted_decoding_is_refused_clearly(model):
             model.generate(new, cache=cache, max_new_tokens=3, do_sample=False, **decoding)
     assert cache.get_seq_length() == 4
     assert all(torch.equal(kept, now) for kept, now in zip(state, cache.state_buffers()))
+    # an assistant beside beam search, which transformers says it ignores and hands to the forward (which failed
+    # naming an unexpected argument 'assistant_model'), is named for what it is
+    with pytest.raises(ValueError, match=r"assistant_model with beam_search: transformers assists only greedy"):
+        model.generate(new, max_new_tokens=3, num_beams=2, assistant_model=model)
 
 
 def test_a_gpn_as_the_draft_model_of_assisted_decoding_is_refused_clearly(model):
@@ -470,6 +505,34 @@ def test_sampling_several_sequences_from_a_given_state(model, given):
     with pytest.raises(ValueError, match="nothing new"):
         model.generate(prompt, cache=cache, **settings)
     assert cache.state_layer.batch_size == 2
+
+
+@torch.no_grad()
+def test_a_whole_sequence_departing_from_what_the_cache_read_is_refused_not_read_twice(model):
+    """transformers' recipe that reuses a prompt's cache (docs "Caching": a cache of PROMPT, then
+    `generate(**tokenizer(PROMPT + question), cache=copy.deepcopy(prompt_cache))`): PROMPT's last token tokenized
+    alone (" ") is another in the whole text (" to"), so the whole sequence does not begin with the positions the
+    cache read, and it was read as new positions after them: the whole prompt read twice, in silence. It begins with
+    the first half of what the cache's first call read, so it is refused, saying what to pass; so are as many
+    positions beginning so. Fewer are new positions (a loop feeding each question alone, repeating a short first
+    prompt's opening), new positions that begin otherwise are read as before, and the same positions with a mask
+    over the whole sequence are new positions as always."""
+    prompt = torch.randint(1, 97, (1, 8), generator=torch.Generator().manual_seed(81))
+    question = torch.randint(1, 97, (1, 3), generator=torch.Generator().manual_seed(82))
+    prompt_cache = model(prompt, use_cache=True).cache
+    retokenized = torch.cat([prompt[:, :7], (prompt[:, 7:] % 96) + 1, question], dim=1)  # last prompt token differs
+    settings = dict(max_new_tokens=4, do_sample=False)
+    for given in (retokenized, retokenized[:, :8]):  # more, as many as were read
+        cache = copy.deepcopy(prompt_cache) if given is retokenized else prompt_cache.fork(1)  # (both recipes' copies)
+        with pytest.raises(ValueError, match=r"rows \[0\] begin with the first 4 positions the cache read but do"):
+            model.generate(given, attention_mask=torch.ones_like(given), cache=cache, **settings)
+        assert cache.get_seq_length() == 8  # nothing read
+    mask = torch.ones(1, 8 + retokenized.shape[1], dtype=torch.long)  # meant as new positions: said so
+    continued = model.generate(retokenized, attention_mask=mask, cache=copy.deepcopy(prompt_cache), **settings)
+    assert torch.equal(continued[:, -4:], argmax_continuation(model, torch.cat([prompt, retokenized], 1), 4)[:, -4:])
+    for new in (torch.cat([question, prompt], dim=1), retokenized[:, :7]):  # not beginning as the history; fewer
+        continued = model.generate(new, cache=copy.deepcopy(prompt_cache), **settings)
+        assert torch.equal(continued[:, -4:], argmax_continuation(model, torch.cat([prompt, new], 1), 4)[:, -4:])
 
 
 @torch.no_grad()
