@@ -2200,6 +2200,13 @@ MUTATIONS = [
         ("tests/tools/test_serve.py -k stop_sequence_the_prompt_begins",),
     ),
     Mutation(
+        "gpn inspect: warns of a model whose generation config ends generate() at another token than its tokenizer",
+        "modeling_gpn/inspect/cli.py",
+        '            print(f"gpn inspect: warning: {disagreement}", file=sys.stderr)\n',
+        "            pass  # MUTATION\n",
+        ("tests/tools/test_inspect.py -k warns_of_a_model_whose_generation_ends",),
+    ),
+    Mutation(
         "gpn serve: a stream holds back what may begin a stop sequence (one spread over pieces is sent)",
         "modeling_gpn/serve/stop_strings.py",
         '        self._held = text[len(text) - keep :] if keep else ""\n        return text[: len(text) - keep]\n',
