@@ -2088,9 +2088,12 @@ MUTATIONS = [
     Mutation(
         "gpn serve: n answers cut where a stop string ended their row (not at the padding after it)",
         "modeling_gpn/serve/handlers.py",
-        "                if token in ends or (stops is not None and bool(stops(whole[:, : input_len + position + 1], None)[0]))\n",
-        "                if token in ends  # MUTATION\n",
-        ("tests/tools/test_serve.py -k end_where_each_row_finished",),
+        "        at_stop = stop_position(tokenizer, tokens[:at_end], stops) if stops else None\n",
+        "        at_stop = None  # MUTATION\n",
+        (
+            "tests/tools/test_serve.py -k end_where_each_row_finished",
+            "tests/tools/test_serve_store.py -k stop_string_of_byte_tokens",
+        ),
     ),
     Mutation(
         "gpn serve: an answer that stopped at its max_tokens-th token is finish_reason stop",
@@ -2171,6 +2174,37 @@ MUTATIONS = [
         "    cutter = StreamCutter(stops) if stops else None\n",
         "    cutter = None  # MUTATION\n",
         ("tests/tools/test_serve.py -k answers_end_before_their_stop_sequence",),
+    ),
+    Mutation(
+        "gpn serve: an answer stops at a stop string in its own text, not one the prompt begins (transformers' check)",
+        "modeling_gpn/serve/generation.py",
+        "                config.stop_strings = None\n",
+        "                pass  # MUTATION\n",
+        (
+            "tests/tools/test_serve_store.py -k stop_string_of_byte_tokens",
+            "tests/tools/test_serve.py -k stop_sequence_the_prompt_begins",
+        ),
+    ),
+    Mutation(
+        "gpn serve: a stop string spread over the answer's pieces of text ends it (only each new piece was read)",
+        "modeling_gpn/serve/stop_strings.py",
+        "            tail = self.text[max(0, before - self.longest + 1) :]\n",
+        "            tail = self.text[before:]  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k stop_string_of_byte_tokens",),
+    ),
+    Mutation(
+        "gpn serve: a stop string naming a special token ends the answer at it (as transformers' check does)",
+        "modeling_gpn/serve/stop_strings.py",
+        "DecodeStream([], skip_special_tokens=False)",
+        "DecodeStream([], skip_special_tokens=True)  # MUTATION",
+        ("tests/tools/test_serve.py -k stop_sequence_the_prompt_begins",),
+    ),
+    Mutation(
+        "gpn inspect: warns of a model whose generation config ends generate() at another token than its tokenizer",
+        "modeling_gpn/inspect/cli.py",
+        '            print(f"gpn inspect: warning: {disagreement}", file=sys.stderr)\n',
+        "            pass  # MUTATION\n",
+        ("tests/tools/test_inspect.py -k warns_of_a_model_whose_generation_ends",),
     ),
     Mutation(
         "gpn serve: a stream holds back what may begin a stop sequence (one spread over pieces is sent)",

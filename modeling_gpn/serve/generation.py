@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 from .. import GPNCache, GPNForCausalLM
 from ..derived_weights import derived_weights_scope, drop_kept
 from .state_store import StateStore
+from .stop_strings import StopInAnswer
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +124,14 @@ class StateKeepingModel:
             )
             answers = self.answers  # rows made here: greedy decoding refuses num_return_sequences > 1
             watchers = [LastToken(self)] + ([] if self._client_gone is None else [ClientGone(self._client_gone)])
+            if config.stop_strings and kwargs.get("tokenizer") is not None:
+                # the answer stops where its text is cut, at a stop sequence in the answer itself (`StopInAnswer`);
+                # transformers' check, which a config's stop_strings adds, also stops on one the prompt begins
+                stops = [config.stop_strings] if isinstance(config.stop_strings, str) else list(config.stop_strings)
+                tokenizer = getattr(kwargs["tokenizer"], "tokenizer", kwargs["tokenizer"])
+                beams = (config.num_beams or 1) > 1
+                watchers.append(StopInAnswer(tokenizer, stops, prompt_length=input_ids.shape[-1], beams=beams))
+                config.stop_strings = None
             kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), *watchers])
             if self.penalties is not None:
                 processors = self.penalties.processors(config, prompt_length=input_ids.shape[-1])

@@ -20,7 +20,8 @@ mixin placed before them) adds, at the points where they hand over:
   `usage.prompt_tokens_details.cached_tokens`;
 - `n` answers (transformers ignores `n`): made as `n` rows of one `generate()` call, each formatted by
   transformers' own response builder (chat and completions: the Responses API has no `n`);
-- each answer cut before its `stop` sequence, streamed or not (`stop_strings`), a stream's error event in the
+- each answer cut before its `stop` sequence, streamed or not, and its generation ended there, not at one the
+  prompt begins (`stop_strings`), a stream's error event in the
   OpenAI API's shape (`errors`), and what the chat template would drop in silence refused with a 400: tools
   it never renders, a message's `name` it never renders, content parts other than text for a model that reads
   text; `stream_options: {"include_usage": false}` honoured (transformers sends usage in a stream's last chunk
@@ -49,7 +50,6 @@ from transformers.cli.serving.response import ResponseHandler
 from transformers.cli.serving.systemone import SystemOneHandler
 from transformers.cli.serving.transcription import TranscriptionHandler
 from transformers.cli.serving.utils import CBGenerateManager, Modality
-from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.utils.import_utils import is_multipart_available
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 from .errors import as_openai_stream_error, error_body
 from .generation import Penalties, StateKeepingModel
 from .state_store import StateStore
-from .stop_strings import StreamCutter, cut_at_stop, stop_sequences
+from .stop_strings import StreamCutter, cut_at_stop, stop_position, stop_sequences
 from .validation import (
     RequestError,
     check_chat_request,
@@ -681,25 +681,22 @@ def _answer_rows(
 
     A row that finished before the longest one is padded after its end with the pad token, which is the EOS
     token when the configuration has no pad: so the row's end is found the way generate() found it, at the
-    first EOS (kept, as generate() keeps it) or the first token that completes a stop string (the same check,
-    transformers' `StopStringCriteria`, built once for all rows), never by looking for padding. A row that did
+    first EOS (kept, as generate() keeps it) or the token with which the answer's text first holds a stop string
+    (the same check, `stop_strings.stop_position`, as `StopInAnswer`'s), never by looking for padding. A row that did
     neither ran to its length. `eos_token_id` is the model's, for a generation config (a request's own) that
     names none."""
     input_len = inputs["input_ids"].shape[-1]
     ends = _end_ids(gen_config, eos_token_id)
-    stop_strings = gen_config.stop_strings
-    stops = StopStringCriteria(getattr(processor, "tokenizer", processor), stop_strings) if stop_strings else None
+    stops = stop_sequences({"stop": gen_config.stop_strings})
+    tokenizer = getattr(processor, "tokenizer", processor)
     rows = []
     for row in range(sequences.shape[0]):
-        ids, whole = sequences[row, input_len:], sequences[row : row + 1]
-        end = next(
-            (
-                position
-                for position, token in enumerate(ids.tolist())
-                if token in ends or (stops is not None and bool(stops(whole[:, : input_len + position + 1], None)[0]))
-            ),
-            None,
-        )
+        ids = sequences[row, input_len:]
+        tokens = ids.tolist()
+        at_end = next((position for position, token in enumerate(tokens) if token in ends), None)
+        # (only the tokens before its end: the padding after an EOS is no part of the answer's text)
+        at_stop = stop_position(tokenizer, tokens[:at_end], stops) if stops else None
+        end = min((position for position in (at_end, at_stop) if position is not None), default=None)
         rows.append((input_len, ids, False) if end is None else (input_len, ids[: end + 1], True))
     return rows
 

@@ -356,6 +356,7 @@ def test_gpn_inspect_end_to_end(tiny_llama_vocab_model, tmp_path, capfd):
     assert code == 0
     err = capfd.readouterr().err
     assert "Loading weights" not in err and "it/s]" not in err, err
+    assert "gpn inspect: warning" not in err, err  # (its generation config ends at its tokenizer's end of text)
     written = {path.name: path.read_bytes() for path in output.iterdir()}
     assert main([*arguments, "--no-ablations", "--output", str(output), "--quiet"]) == 2
     assert capfd.readouterr().err == (
@@ -412,6 +413,31 @@ def test_gpn_inspect_says_when_the_model_was_trained_with_document_resets(tiny_l
     assert reports[False][0]["data"]["trained_with_document_resets"] is False
     assert "trained with `--reset-at-document-start`" in reports[True][1]
     assert "reset-at-document-start" not in reports[False][1]
+
+
+def test_gpn_inspect_warns_of_a_model_whose_generation_ends_at_another_token(tiny_llama_vocab_model, tmp_path, capsys):
+    """A folder whose configs end generate() at an ordinary token (13, LLaMA-2's byte 0x0A), not at its tokenizer's
+    end of text (2): inspect's analysis reads no EOS id of the config, so it runs, with one warning line naming both
+    ids (gpn generate and gpn serve refuse such a folder). (The folder whose ids agree is inspected without one:
+    `test_gpn_inspect_end_to_end`.)"""
+    from gpn_cli import main
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_llama_vocab_model, folder)
+    for name in ("config.json", "generation_config.json"):
+        settings = json.loads((folder / name).read_text(encoding="utf-8"))
+        settings["eos_token_id"] = 13
+        (folder / name).write_text(json.dumps(settings), encoding="utf-8")
+    text = require_shared("data/tinyshakespeare/input.txt")
+    output = tmp_path / "report"
+    arguments = [str(folder), "--data", str(text), "--tokens", "128", "--seq-len", "64", "--no-ablations"]
+    capsys.readouterr()
+    assert main(["inspect", *arguments, "--output", str(output), "--quiet"]) == 0
+    assert (output / "report.json").is_file()
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gpn inspect: warning: ")]
+    assert len(warnings) == 1, warnings
+    assert "generation config ends generate() at token id 13 ('<0x0A>')" in warnings[0]
+    assert "end of text 2 ('</s>')" in warnings[0]
 
 
 # --------------------------------------------------------------------------------------------------

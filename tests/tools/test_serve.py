@@ -372,6 +372,27 @@ def test_an_empty_stop_list_is_no_stop_sequence(client, model_name):
         assert empty.usage.completion_tokens == plain.usage.completion_tokens == 6
 
 
+def test_a_stop_sequence_the_prompt_begins_ends_no_answer(client, model_name, reference):
+    """A stop sequence begun by the prompt's end and completed by the answer ("cat" + " the" after "the cat") is
+    not in the answer's text, which the OpenAI API searches: the answer goes on to max_tokens. (transformers'
+    stop-string check reads the prompt too: it ended the answer after one token, "stop", with nothing cut.) One
+    naming a special token still ends the answer there."""
+    _, tokenizer = reference
+    word = tokenizer.convert_tokens_to_ids("Ġthe")
+    request = dict(model=model_name, prompt="the cat", max_tokens=3, temperature=0, logit_bias={str(word): 100})
+    plain = client.completions.create(**request, stop=["cat the"])
+    assert plain.choices[0].text == " the the the" == client.completions.create(**request).choices[0].text
+    assert plain.choices[0].finish_reason == "length" and plain.usage.completion_tokens == 3
+    streamed = client.completions.create(**request, stop=["cat the"], stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == " the the the"
+    # a stop sequence naming a special token ends the answer at that token (as transformers' check does), though
+    # the text sent leaves the token out
+    user = tokenizer.convert_tokens_to_ids("<|user|>")
+    request["logit_bias"] = {str(user): 100}
+    at_user = client.completions.create(**request, stop=["<|user|>"])
+    assert at_user.choices[0].finish_reason == "stop" and at_user.usage.completion_tokens == 1
+
+
 def test_a_stream_holds_back_what_may_begin_a_stop_sequence():
     """A stop sequence spread over several streamed pieces is cut whole: the pieces' text that could begin one
     waits for the next piece, and is sent when it does not."""
@@ -451,6 +472,7 @@ def test_n_answers_end_where_each_row_finished(client, model_name, reference):
     the n answers is cut where its row finished (its EOS kept, or the token that completes a stop string), the
     padding neither in its text nor its token count; an answer that ends so is "stop", even at max_tokens,
     streamed or not."""
+    from modeling_gpn.serve.generation import StateKeepingModel
     from modeling_gpn.serve.handlers import _answer_rows
 
     model, tokenizer = reference
@@ -461,8 +483,10 @@ def test_n_answers_end_where_each_row_finished(client, model_name, reference):
     config = copy.deepcopy(model.generation_config)
     config.update(max_new_tokens=12, do_sample=True, temperature=1.0, top_k=0, stop_strings=["e"])
     torch.manual_seed(1)
-    with torch.no_grad():
-        rows = model.generate(inputs["input_ids"].repeat(4, 1), generation_config=config, tokenizer=tokenizer)
+    with torch.no_grad():  # (the server's generate(): its rows stop at a stop string in the answer's text)
+        rows = StateKeepingModel(model, None, answers=4).generate(
+            inputs["input_ids"], generation_config=config, tokenizer=tokenizer
+        )
     eos, padded, at_the_stop_string = model.generation_config.eos_token_id, 0, 0
     for row, (_, ids, stopped) in enumerate(_answer_rows(rows, inputs, config, tokenizer)):
         generated = rows[row, prompt:]

@@ -337,3 +337,59 @@ def test_concurrent_saves_to_one_path_all_succeed(model, tmp_path):
     assert not any(thread.is_alive() for thread in threads)
     assert not errors, f"{len(errors)} of 60 saves failed, e.g. {errors[0]!r}"
     assert same_state(GPNCache.load(path, model), cache)
+
+
+@pytest.fixture(scope="module")
+def llama_model_and_tokenizer():
+    """A tiny GPN over the LLaMA-2 tokenizer, whose rare characters are byte tokens (龘 is <0xE9><0xBE><0x98>)."""
+    from transformers import AutoTokenizer
+
+    from ..environment import require_shared
+
+    tokenizer = AutoTokenizer.from_pretrained(require_shared("data/llama2-tokenizer"))
+    return perturbed_model(tiny_config(vocab_size=32000, eos_token_id=2, bos_token_id=1), seed=3), tokenizer
+
+
+# 龘 as byte tokens (byte b is token 3 + b), made again and again: <0xE9> always, <0xBE> after it, <0x98> after that
+DRAGON = [3 + 0xE9, 3 + 0xBE, 3 + 0x98]
+MAKES_DRAGONS = [[[DRAGON[0]], 50.0], [DRAGON[:2], 100.0], [DRAGON[1:], 100.0]]
+
+
+def test_a_stop_string_of_byte_tokens_ends_the_answer_and_its_kept_state_there(llama_model_and_tokenizer):
+    """A request's stop string (`stop_strings`, as transformers serve hands `stop` to generate()) ends the answer
+    at the token with which the answer's text first holds it, a character spelled in byte tokens too; what the
+    store keeps is what was generated, up to there. A stop string the prompt begins and the answer completes
+    ("lo" + 龘 after "hello") ends nothing: the answer's text does not hold it (transformers' own check, which
+    reads the prompt, stopped there, "stop"). n answers end each at its own stop string (`_answer_rows`); beam
+    search ends by the same rule."""
+    from transformers import GenerationConfig
+
+    from modeling_gpn.serve.handlers import _answer_rows
+
+    model, tokenizer = llama_model_and_tokenizer
+    prompt = tokenizer("hello")["input_ids"]
+
+    def answer(stops, answers=1, store=None, num_beams=1):
+        config = GenerationConfig(
+            max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=2, num_beams=num_beams
+        )
+        config.sequence_bias, config.stop_strings = MAKES_DRAGONS, stops
+        kept = StateKeepingModel(model, store or StateStore(1 << 24), answers=answers)
+        out = kept.generate(torch.tensor([prompt]), generation_config=config, tokenizer=tokenizer)
+        return out[:, len(prompt) :].tolist(), config
+
+    assert answer(None)[0] == [DRAGON * 4]  # the model makes 龘 after 龘: only a stop ends it
+    store = StateStore(1 << 24)
+    assert answer(["龘"], store=store)[0] == [DRAGON]
+    # the state after the answer: the prompt and the answer but its last token (generate() never reads it); the
+    # store holds nothing of the tokens the answer would have gone on with
+    assert store.lookup(model, prompt + DRAGON * 2)[0] == len(prompt) + len(DRAGON) - 1
+    assert answer(["lo龘"])[0] == [DRAGON * 4]
+    # beam search (not through the store) by the same rule, each candidate's answer read afresh
+    assert answer(["龘龘"], num_beams=2)[0] == [DRAGON * 2] and answer(["lo龘"], num_beams=2)[0] == [DRAGON * 4]
+    rows, config = answer(["龘龘", "never"], answers=2)
+    assert rows == [DRAGON * 2] * 2
+    ended = _answer_rows(
+        torch.tensor([prompt + row for row in rows]), {"input_ids": torch.tensor([prompt])}, config, tokenizer
+    )
+    assert [(ids.tolist(), stopped) for _, ids, stopped in ended] == [(DRAGON * 2, True)] * 2
