@@ -56,6 +56,10 @@ def alora_offsets(model: nn.Module) -> list | None:
     positions at the end of the call's input to adapt, or None for none), or None outside such a call."""
     if "peft" not in sys.modules:  # (no PEFT hook without it)
         return None
+    if torch.compiler.is_compiling():  # (a walk torch.compile traces: the weak references below it cannot guard)
+        return next(
+            (list(offsets) for module in modules_below(model) if (offsets := hook_keyword(module, ALORA_OFFSETS))), None
+        )
     registered = RemovableHandle.next_id
     look = _alora_looks.get(model)
     if look is None or look[0] != registered:
