@@ -5442,6 +5442,13 @@ MUTATIONS = [
         "",
         ("tests/ecosystem/test_ecosystem.py -k lora_on_parameters",),
     ),
+    Mutation(
+        "a few rows of a wrapped token or decoder projection (PEFT IA3, LoHa, OFT) are projected by its base weight",
+        "modeling_gpn/fast_recurrence.py",
+        "        and _plain_linear(module)\n        and _few_rows_on_kernels(x, *module.parameters())",
+        "        and _few_rows_on_kernels(x, *module.parameters())  # MUTATION",
+        ("tests/ecosystem/test_ecosystem.py -k modules_the_fast_path_calls_are_called",),
+    ),
 ]
 
 

@@ -619,6 +619,62 @@ def test_peft_prefix_tuning_is_refused_by_name():
         prefixed(input_ids=token_ids(1, 5))
 
 
+def other_tuner_config(tuner: str, targets: list):
+    import peft
+
+    return {
+        "ia3": lambda: peft.IA3Config(target_modules=targets, feedforward_modules=[], init_ia3_weights=False),
+        "loha": lambda: peft.LoHaConfig(r=4, target_modules=targets, init_weights=False),
+        "oft": lambda: peft.OFTConfig(r=0, oft_block_size=8, target_modules=targets, init_weights=False),
+    }[tuner]()
+
+
+@pytest.mark.parametrize("tuner", ["ia3", "loha", "oft"])
+def test_peft_tuners_on_the_modules_the_fast_path_calls_are_called_in_every_call(tuner):
+    """PEFT's other adapter families (IA3's scaling vector, LoHa's Hadamard product, OFT's rotation, OFT on the
+    embedding too, which the output follows) on the token and decoder projections, which the fast path calls rather
+    than folds: it runs, and gives the plain loop's logits (a forward, a prompt then tokens from its cache,
+    generate()) and gradients, which the adapter changes. (On the step's modules any such wrapper is no plain
+    module: the plain loop, as for LoRA; docs/fine-tuning.md has the table.)"""
+    import peft
+
+    from ..backend_observer import FAST_PATH, PLAIN_PATH, ran
+
+    targets = ["fuse_proj", "decode_proj"] + (["embed_tokens"] if tuner == "oft" else [])
+    base = perturbed_model(tiny_config(eos_token_id=None))
+    ids = token_ids(2, 6)
+    base_logits = logits_of(base, ids)
+    adapted = peft.get_peft_model(base, other_tuner_config(tuner, targets)).eval()
+    trained = [p for p in adapted.parameters() if p.requires_grad]
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in trained:  # (away from the identity each family starts from)
+            parameter.add_(0.3 * torch.randn(parameter.shape, generator=generator))
+    inner = adapted.get_base_model().model
+    greedy = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+
+    def run(path):
+        with ran(path, not_ran=tuple({FAST_PATH, PLAIN_PATH} - {path})):
+            with torch.no_grad():
+                logits = adapted(input_ids=ids).logits
+                cache = adapted(input_ids=ids[:, :4], use_cache=True).cache
+                steps = [adapted(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in (4, 5)]
+                generated = adapted.generate(input_ids=ids, **greedy)
+            adapted.zero_grad()
+            adapted(input_ids=ids, labels=ids).loss.backward()
+        return logits, torch.cat(steps, 1), generated, [p.grad.clone() for p in trained]
+
+    fast = run(FAST_PATH)
+    inner.use_fast_path = False
+    plain = run(PLAIN_PATH)
+    assert (fast[0] - base_logits).abs().max() > 1e-2
+    torch.testing.assert_close(fast[0], plain[0])
+    torch.testing.assert_close(fast[1], plain[0][:, 4:])
+    assert torch.equal(fast[2], plain[2])
+    assert all(g.abs().max() > 0 for g in fast[3])
+    torch.testing.assert_close(fast[3], plain[3])
+
+
 def test_peft_alora_adapts_from_its_invocation_or_is_refused():
     """aLoRA adapts the positions from its invocation tokens on, by a mask PEFT applies along each layer's input
     sequence; the step's layers see one position at a time, so the adapter ran at every position (neither aLoRA's
