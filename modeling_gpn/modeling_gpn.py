@@ -111,6 +111,7 @@ from .output_layer import (
     refuse_what_fsdp2_cannot_tie,
 )
 from .packing import add_packing_parameters, packed_sequence_starts, packing_arguments, refuse_packed_rows
+from .peft_layers import refuse_split_alora_offsets
 from .prefill import forward_in_chunks, prefill_chunk_length_for
 from .sharding import check_sharded_lengths, placement_warning
 from .state_file import GPNStateFileError
@@ -1023,6 +1024,7 @@ class GPNModel(GPNPreTrainedModel):
         check_not_empty(batch_size, seq_len)
         positions_to_keep(logits_to_keep, seq_len)  # (a wrong value is refused here as by the causal LM)
         check_sharded_lengths(self, seq_len, self._CALLED_CHILDREN, embeddings.device)  # (FSDP2: blocks apart)
+        refuse_split_alora_offsets(self, seq_len)  # (PEFT's aLoRA masks positions the step's layers never see)
 
         # one call at a time advances a cache: another call reading or writing it meanwhile (a second thread, a hook
         # calling the model) would compute from a half-written state in silence (`GPNCache.claim` refuses it)
@@ -1495,6 +1497,8 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
             output_memory_decays,
             output_predicted_states,
         )
+        if chunk_length:  # (aLoRA's offsets count the whole call's positions, not a chunk's: checked on the whole)
+            refuse_split_alora_offsets(self.model, (input_ids if input_ids is not None else inputs_embeds).shape[1])
         chunked = chunk_length and forward_in_chunks(
             self,
             chunk_length,

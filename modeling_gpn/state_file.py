@@ -17,6 +17,7 @@ import json
 import os
 import stat
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,6 +35,7 @@ from .atomic_files import write_file_atomically
 from .configuration_gpn import GPNConfig
 from .derived_weights import modules_below, parameters_key, version_of
 from .output_layer import mixed_batch_adapter_names
+from .peft_layers import cycled_parameters
 
 STATE_FILE_FORMAT = "gpn-state"
 # 2: the weights fingerprint hashes every parameter (1 hashed only the vectors, so a state loaded into the same
@@ -186,8 +188,21 @@ def weights_snapshot(model: nn.Module) -> tuple:
     (`parameters_key`), PEFT's `adapter_settings` and a glance at its adapters' matrices (`adapter_glance`). A cache
     takes one when a model first advances it, and `GPNCache.save` compares: weights edited in place, replaced, cast
     or moved, or an adapter switched or swapped, after the state was computed would otherwise give a file naming the
-    edited model. Other writes through `.data` (EMA, weight averaging) change none of it, as in `parameters_key`."""
-    return parameters_key(model), json.dumps(adapter_settings(model), sort_keys=True), adapter_glance(model)
+    edited model. Other writes through `.data` (EMA, weight averaging) change none of it, as in `parameters_key`.
+
+    A parameter that PEFT's `ParamWrapper` (`LoraConfig(target_parameters=...)`) parametrizes for each call has its
+    version moved by every forward, its values left as they were (`peft_layers.cycled_parameters`): it is read by
+    its values instead (a glance, as the adapters' matrices), or every state a forward leaves would be refused."""
+    key = parameters_key(model)
+    cycled = cycled_parameters(model)
+    if cycled:
+        ids = {id(parameter) for parameter in cycled}
+        key = tuple(
+            (k[0], None, *k[2:]) if id(parameter) in ids else k
+            for parameter, k in zip(model.parameters(), key, strict=True)
+        )
+        key += (_glance(cycled),)
+    return key, json.dumps(adapter_settings(model), sort_keys=True), adapter_glance(model)
 
 
 def _tuner_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -213,13 +228,21 @@ def adapter_glance(model: nn.Module) -> str:
     the loaded one's through `.data`, which bumps no version and leaves the settings as they were, so the
     parameters' keys alone take the swapped model for the one that computed a state. Adapters are small, and the
     values are gathered into one tensor: one copy to the host."""
-    parts = [
-        parameter.detach().reshape(-1)[:: max(1, parameter.numel() // GLANCE_VALUES)].to(torch.float64)
+    return _glance(
+        parameter
         for _, layer in _tuner_layers(model)
         for name, parameter in layer.named_parameters()
         if not name.startswith("base_layer.")
-        and not parameter.is_meta  # (offloaded: accelerate's hooks hold its values)
-        and not is_traceable_wrapper_subclass(parameter.detach())
+    )
+
+
+def _glance(parameters: Iterable[torch.Tensor]) -> str:
+    """A SHA-256 of `GLANCE_VALUES` evenly spaced values of each of `parameters` (but meta ones, offloaded: accelerate's
+    hooks hold their values, and tensor subclasses), gathered into one tensor (one copy to the host); "" for none."""
+    parts = [
+        parameter.detach().reshape(-1)[:: max(1, parameter.numel() // GLANCE_VALUES)].to(torch.float64)
+        for parameter in parameters
+        if not parameter.is_meta and not is_traceable_wrapper_subclass(parameter.detach())
     ]
     if not parts:
         return ""

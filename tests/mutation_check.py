@@ -4409,8 +4409,8 @@ MUTATIONS = [
     Mutation(
         "a state saved after PEFT's hotswap_adapter names the swapped model (no glance at the adapters' matrices)",
         "modeling_gpn/state_file.py",
-        "    return parameters_key(model), json.dumps(adapter_settings(model), sort_keys=True), adapter_glance(model)",
-        "    return parameters_key(model), json.dumps(adapter_settings(model), sort_keys=True)  # MUTATION",
+        "    return key, json.dumps(adapter_settings(model), sort_keys=True), adapter_glance(model)",
+        "    return key, json.dumps(adapter_settings(model), sort_keys=True)  # MUTATION",
         (
             "tests/ecosystem/test_ecosystem.py::test_a_peft_models_state_loads_into_it_and_not_with_other_adapter_settings",
         ),
@@ -5521,6 +5521,48 @@ MUTATIONS = [
         "    if assistant_model is not None:\n        raise ValueError(\n",
         "    if False:  # MUTATION\n        raise ValueError(\n",
         ("tests/model/test_generate.py::test_assisted_decoding_is_refused_clearly",),
+    ),
+    Mutation(
+        "PEFT aLoRA offsets that split a call of the base model are not refused (the step adapts every position)",
+        "modeling_gpn/modeling_gpn.py",
+        "        refuse_split_alora_offsets(self, seq_len)  # (PEFT's aLoRA masks positions the step's layers never see)\n",
+        "",
+        ("tests/ecosystem/test_ecosystem.py -k alora_adapts_from_its_invocation",),
+    ),
+    Mutation(
+        "PEFT aLoRA offsets are checked against each prefill chunk, not the whole call the chunks split",
+        "modeling_gpn/modeling_gpn.py",
+        "        if chunk_length:  # (aLoRA's offsets count the whole call's positions, not a chunk's: checked on the whole)\n",
+        "        if False:  # MUTATION\n",
+        ("tests/ecosystem/test_ecosystem.py -k alora_adapts_from_its_invocation",),
+    ),
+    Mutation(
+        "PEFT aLoRA is refused whatever its offsets (the call continuing from the invocation, adapted throughout, too)",
+        "modeling_gpn/peft_layers.py",
+        "offset is not None and 0 < int(offset) < seq_len]",
+        "offset is not None and 0 < int(offset)]  # MUTATION",
+        ("tests/ecosystem/test_ecosystem.py -k alora_adapts_from_its_invocation",),
+    ),
+    Mutation(
+        "a state snapshot keys a target_parameters LoRA's base parameter by its version, which each forward moves",
+        "modeling_gpn/state_file.py",
+        "    cycled = cycled_parameters(model)\n",
+        "    cycled = []  # MUTATION\n",
+        ("tests/ecosystem/test_ecosystem.py -k lora_on_parameters",),
+    ),
+    Mutation(
+        "a target_parameters LoRA's base parameter is not read at all by the state snapshot (an edit goes unseen)",
+        "modeling_gpn/state_file.py",
+        "        key += (_glance(cycled),)\n",
+        "",
+        ("tests/ecosystem/test_ecosystem.py -k lora_on_parameters",),
+    ),
+    Mutation(
+        "a few rows of a wrapped token or decoder projection (PEFT IA3, LoHa, OFT) are projected by its base weight",
+        "modeling_gpn/fast_recurrence.py",
+        "        and _plain_linear(module)\n        and _few_rows_on_kernels(x, *module.parameters())",
+        "        and _few_rows_on_kernels(x, *module.parameters())  # MUTATION",
+        ("tests/ecosystem/test_ecosystem.py -k modules_the_fast_path_calls_are_called",),
     ),
 ]
 

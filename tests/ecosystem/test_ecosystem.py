@@ -619,6 +619,147 @@ def test_peft_prefix_tuning_is_refused_by_name():
         prefixed(input_ids=token_ids(1, 5))
 
 
+def other_tuner_config(tuner: str, targets: list):
+    import peft
+
+    return {
+        "ia3": lambda: peft.IA3Config(target_modules=targets, feedforward_modules=[], init_ia3_weights=False),
+        "loha": lambda: peft.LoHaConfig(r=4, target_modules=targets, init_weights=False),
+        "oft": lambda: peft.OFTConfig(r=0, oft_block_size=8, target_modules=targets, init_weights=False),
+    }[tuner]()
+
+
+@pytest.mark.parametrize("tuner", ["ia3", "loha", "oft"])
+def test_peft_tuners_on_the_modules_the_fast_path_calls_are_called_in_every_call(tuner):
+    """PEFT's other adapter families (IA3's scaling vector, LoHa's Hadamard product, OFT's rotation, OFT on the
+    embedding too, which the output follows) on the token and decoder projections, which the fast path calls rather
+    than folds: it runs, and gives the plain loop's logits (a forward, a prompt then tokens from its cache,
+    generate()) and gradients, which the adapter changes. (On the step's modules any such wrapper is no plain
+    module: the plain loop, as for LoRA; docs/fine-tuning.md has the table.)"""
+    import peft
+
+    from ..backend_observer import FAST_PATH, PLAIN_PATH, ran
+
+    targets = ["fuse_proj", "decode_proj"] + (["embed_tokens"] if tuner == "oft" else [])
+    base = perturbed_model(tiny_config(eos_token_id=None))
+    ids = token_ids(2, 6)
+    base_logits = logits_of(base, ids)
+    adapted = peft.get_peft_model(base, other_tuner_config(tuner, targets)).eval()
+    trained = [p for p in adapted.parameters() if p.requires_grad]
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in trained:  # (away from the identity each family starts from)
+            parameter.add_(0.3 * torch.randn(parameter.shape, generator=generator))
+    inner = adapted.get_base_model().model
+    greedy = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+
+    def run(path):
+        with ran(path, not_ran=tuple({FAST_PATH, PLAIN_PATH} - {path})):
+            with torch.no_grad():
+                logits = adapted(input_ids=ids).logits
+                cache = adapted(input_ids=ids[:, :4], use_cache=True).cache
+                steps = [adapted(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in (4, 5)]
+                generated = adapted.generate(input_ids=ids, **greedy)
+            adapted.zero_grad()
+            adapted(input_ids=ids, labels=ids).loss.backward()
+        return logits, torch.cat(steps, 1), generated, [p.grad.clone() for p in trained]
+
+    fast = run(FAST_PATH)
+    inner.use_fast_path = False
+    plain = run(PLAIN_PATH)
+    assert (fast[0] - base_logits).abs().max() > 1e-2
+    torch.testing.assert_close(fast[0], plain[0])
+    torch.testing.assert_close(fast[1], plain[0][:, 4:])
+    assert torch.equal(fast[2], plain[2])
+    assert all(g.abs().max() > 0 for g in fast[3])
+    torch.testing.assert_close(fast[3], plain[3])
+
+
+def test_peft_alora_adapts_from_its_invocation_or_is_refused():
+    """aLoRA adapts the positions from its invocation tokens on, by a mask PEFT applies along each layer's input
+    sequence; the step's layers see one position at a time, so the adapter ran at every position (neither aLoRA's
+    output nor the base model's, in silence). A call the invocation splits is refused (forward, generate(), a
+    prefill run in chunks shorter than the adapted part); the documented way (the state before the invocation without
+    the adapter, continued with it) computes what aLoRA means: a plain LoRA of the same weights continuing the base
+    model's state."""
+    import peft
+
+    base = perturbed_model(tiny_config(eos_token_id=None))
+    targets = ["gate", "read_query", "fuse_proj", "decode_proj"]
+    torch.manual_seed(1)
+    alora = peft.get_peft_model(
+        copy.deepcopy(base),
+        peft.LoraConfig(
+            r=4, target_modules=targets, alora_invocation_tokens=[1, 2], task_type="CAUSAL_LM", init_lora_weights=False
+        ),
+    ).eval()
+    ids = token_ids(2, 8, seed=3).clamp(min=3)
+    ids[:, 4:6] = torch.tensor([1, 2])  # the invocation: positions 4 to 7 are adapted
+    with torch.no_grad():
+        for call in (
+            lambda: alora(input_ids=ids),
+            lambda: alora.generate(input_ids=ids, max_new_tokens=2, do_sample=False, pad_token_id=0),
+        ):
+            with pytest.raises(ValueError, match=r"aLoRA .* rows \[0, 1\] .*the last \[4, 4\] of 8 positions"):
+                call()
+        alora.get_base_model().prefill_chunk_length = 2  # (chunks of 2, each shorter than the 4 adapted positions)
+        with pytest.raises(ValueError, match="aLoRA"):
+            alora(input_ids=ids, logits_to_keep=1)
+        alora.get_base_model().prefill_chunk_length = 2048
+
+    lora = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=4, target_modules=targets)).eval()
+    lora.load_state_dict(alora.state_dict())
+    greedy = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    with torch.no_grad():
+        with alora.disable_adapter():
+            before = alora(input_ids=ids[:, :4], use_cache=True).cache
+        reference = base(input_ids=ids[:, :4], use_cache=True).cache
+        states = [before.fork(1) for _ in range(2)] + [reference.fork(1) for _ in range(3)]
+        adapted = alora(input_ids=ids[:, 4:], cache=states[0]).logits
+        expected = lora(input_ids=ids[:, 4:], cache=states[2]).logits
+        unadapted = base(input_ids=ids[:, 4:], cache=states[3]).logits
+        generated = alora.generate(input_ids=ids[:, 4:], cache=states[1], attention_mask=mask, **greedy)
+        expected_generated = lora.generate(input_ids=ids[:, 4:], cache=states[4], attention_mask=mask, **greedy)
+    torch.testing.assert_close(adapted, expected)
+    assert (adapted - unadapted).abs().max() > 1e-2
+    assert torch.equal(generated, expected_generated)
+
+
+def test_a_state_computed_under_lora_on_parameters_saves_loads_and_continues(tmp_path):
+    """PEFT's `target_parameters` LoRA parametrizes the parameter for each call and removes it after, which moves
+    its version and not its values: every state a forward left was refused at save as computed before the weights
+    changed. It saves, loads into the adapted model and continues as one run; the base model refuses it."""
+    import peft
+
+    from modeling_gpn import GPNCache
+    from modeling_gpn.state_file import GPNStateFileError
+
+    torch.manual_seed(1)
+    targets = ["model.decode_proj.weight", "model.predict_layers.0.gate.weight"]
+    adapted = peft.get_peft_model(
+        perturbed_model(tiny_config(eos_token_id=None)),
+        peft.LoraConfig(r=4, target_parameters=targets, target_modules=[], init_lora_weights=False),
+    ).eval()
+    prefix, new = token_ids(2, 5, seed=4), token_ids(2, 2, seed=5)
+    with torch.no_grad():
+        whole = adapted(input_ids=torch.cat([prefix, new], 1)).logits[:, 5:]
+        cache = adapted(input_ids=prefix, use_cache=True).cache
+        adapted(input_ids=new[:, :1], cache=cache.fork(1), use_cache=True)  # (another forward before the save)
+        cache.save(tmp_path / "state.safetensors")
+        continued = adapted(input_ids=new, cache=GPNCache.load(tmp_path / "state.safetensors", adapted)).logits
+    torch.testing.assert_close(continued, whole)
+    assert (
+        whole - logits_of(perturbed_model(tiny_config(eos_token_id=None)), torch.cat([prefix, new], 1))[:, 5:]
+    ).abs().max() > 1e-3
+    with pytest.raises(GPNStateFileError):
+        GPNCache.load(tmp_path / "state.safetensors", perturbed_model(tiny_config(eos_token_id=None)))
+    with torch.no_grad():  # (an edit of the parametrized weight itself is still seen, by its values)
+        adapted.get_base_model().model.decode_proj.get_base_layer().weight.add_(1.0)
+    with pytest.raises(ValueError, match="changed after this state was computed"):
+        cache.save(tmp_path / "edited.safetensors")
+
+
 def test_forward_hooks_run_and_count_on_every_projection_path():
     model = perturbed_model(tiny_config())
     ids = token_ids(2, 7)
