@@ -5407,6 +5407,20 @@ MUTATIONS = [
         "        pass  # MUTATION\n",
         ("tests/tools/test_generate_cli.py -k ends_generate_at_another_token",),
     ),
+    Mutation(
+        "generate() passes a prefill_chunk_size that is not a positive integer to transformers' split",
+        "modeling_gpn/generation.py",
+        "    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):\n",
+        "    if False:  # MUTATION\n",
+        ("tests/model/test_generate.py -k prefill_chunk_size_that_is_not",),
+    ),
+    Mutation(
+        "a prefill_chunk_length that is not a non-negative integer runs (one pass, chunks of one, or a TypeError)",
+        "modeling_gpn/prefill.py",
+        "    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0):\n",
+        "    if False:  # MUTATION\n",
+        ("tests/model/test_state.py -k prefill_chunk_length_that_is_not",),
+    ),
 ]
 
 
