@@ -5421,6 +5421,13 @@ MUTATIONS = [
         "    if False:  # MUTATION\n",
         ("tests/model/test_state.py -k prefill_chunk_length_that_is_not",),
     ),
+    Mutation(
+        "empty_state_logits hands a batch size that is not a count to torch.zeros",
+        "modeling_gpn/modeling_gpn.py",
+        "        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:\n",
+        "        if False:  # MUTATION\n",
+        ("tests/model/test_roundtrip_and_errors.py -k empty_state_batch_size",),
+    ),
 ]
 
 
