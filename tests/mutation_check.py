@@ -5428,6 +5428,20 @@ MUTATIONS = [
         "        if False:  # MUTATION\n",
         ("tests/model/test_roundtrip_and_errors.py -k empty_state_batch_size",),
     ),
+    Mutation(
+        "the AVX-512 float products drop the last element of a row's tail (widths not a multiple of 16)",
+        "modeling_gpn/memory_kernels.py",
+        "(__mmask16)((1u << (K - k)) - 1u);\n        __m512 xv[4];",
+        "(__mmask16)((1u << (K - k - 1)) - 1u);  /* MUTATION */\n        __m512 xv[4];",
+        ("tests/fast_path/test_step_kernels.py -k odd_widths and not int8",),
+    ),
+    Mutation(
+        "the AVX-512 VNNI int8 products drop the last weight of a row's tail (widths not a multiple of 64)",
+        "modeling_gpn/memory_kernels.py",
+        "(((__mmask64)1 << (K - k)) - 1);\n        if (PREFETCH)",
+        "(((__mmask64)1 << (K - k - 1)) - 1);  /* MUTATION */\n        if (PREFETCH)",
+        ("tests/fast_path/test_step_kernels.py -k odd_widths and int8",),
+    ),
 ]
 
 
