@@ -123,11 +123,18 @@ def check_generation_values(
       word); a `pad_token_id` outside it is written after a row's end and, greedy or sampling, fed back to the
       model, whose id check then blamed the prompt's tokenizer;
     - beam search preallocates its sequences for `max_length` positions: a huge `max_new_tokens` tried to
-      allocate terabytes (greedy decoding and sampling allocate as they go, so they are not limited here).
+      allocate terabytes (greedy decoding and sampling allocate as they go, so they are not limited here);
+    - a `prefill_chunk_size` that is not a positive integer failed inside torch's `split` after the prompt was
+      prepared (0 and negative sizes, a float), and `True` prefilled one position a chunk.
     """
     returned = generation_config.num_return_sequences
     if returned is not None and returned < 1:
         raise ValueError(f"num_return_sequences must be at least 1, got {returned}")
+    chunk = getattr(generation_config, "prefill_chunk_size", None)
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(
+            f"prefill_chunk_size must be a positive integer (positions a prefill chunk reads) or None, got {chunk!r}"
+        )
     vocab_size = config.vocab_size
     for name in ("eos_token_id", "pad_token_id"):
         outside = [i for i in _token_ids(getattr(generation_config, name)) if not 0 <= i < vocab_size]

@@ -1235,6 +1235,11 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
 
     def empty_state_logits(self, batch_size: int = 1) -> torch.Tensor:
         """Logits predicted from the empty (zero) state: the reference's position 0 (batch, vocab)."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
+            # (torch's zeros named neither the argument nor the method: "zeros() takes 1 positional argument")
+            raise ValueError(
+                f"empty_state_logits needs a batch size that is a non-negative integer, got {batch_size!r}"
+            )
         predicted = torch.zeros(batch_size, self.config.hidden_size, device=self.device)
         return self.decode(predicted)
 

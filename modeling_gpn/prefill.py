@@ -42,6 +42,13 @@ def prefill_chunk_length_for(
     more positions than one chunk. Malformed inputs take the one-pass path, whose checks name them.
     """
     chunk = model.prefill_chunk_length
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0):
+        # (a negative length ran one pass in silence, True chunks of one position; a float or a string failed
+        # inside the chunk loop)
+        raise ValueError(
+            "prefill_chunk_length must be a non-negative integer (positions a chunk reads; 0 or None: one pass), "
+            f"got {chunk!r}"
+        )
     if not chunk or torch.is_grad_enabled() or is_tracing() or output_memory_decays or output_predicted_states:
         return 0
     if output_hidden_states if output_hidden_states is not None else model.config.output_hidden_states:

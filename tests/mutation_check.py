@@ -5564,6 +5564,41 @@ MUTATIONS = [
         "        and _few_rows_on_kernels(x, *module.parameters())  # MUTATION",
         ("tests/ecosystem/test_ecosystem.py -k modules_the_fast_path_calls_are_called",),
     ),
+    Mutation(
+        "generate() passes a prefill_chunk_size that is not a positive integer to transformers' split",
+        "modeling_gpn/generation.py",
+        "    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):\n",
+        "    if False:  # MUTATION\n",
+        ("tests/model/test_generate.py -k prefill_chunk_size_that_is_not",),
+    ),
+    Mutation(
+        "a prefill_chunk_length that is not a non-negative integer runs (one pass, chunks of one, or a TypeError)",
+        "modeling_gpn/prefill.py",
+        "    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0):\n",
+        "    if False:  # MUTATION\n",
+        ("tests/model/test_state.py -k prefill_chunk_length_that_is_not",),
+    ),
+    Mutation(
+        "empty_state_logits hands a batch size that is not a count to torch.zeros",
+        "modeling_gpn/modeling_gpn.py",
+        "        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:\n",
+        "        if False:  # MUTATION\n",
+        ("tests/model/test_roundtrip_and_errors.py -k empty_state_batch_size",),
+    ),
+    Mutation(
+        "the AVX-512 float products drop the last element of a row's tail (widths not a multiple of 16)",
+        "modeling_gpn/memory_kernels.py",
+        "(__mmask16)((1u << (K - k)) - 1u);\n        __m512 xv[4];",
+        "(__mmask16)((1u << (K - k - 1)) - 1u);  /* MUTATION */\n        __m512 xv[4];",
+        ("tests/fast_path/test_step_kernels.py -k odd_widths and not int8",),
+    ),
+    Mutation(
+        "the AVX-512 VNNI int8 products drop the last weight of a row's tail (widths not a multiple of 64)",
+        "modeling_gpn/memory_kernels.py",
+        "(((__mmask64)1 << (K - k)) - 1);\n        if (PREFETCH)",
+        "(((__mmask64)1 << (K - k - 1)) - 1);  /* MUTATION */\n        if (PREFETCH)",
+        ("tests/fast_path/test_step_kernels.py -k odd_widths and int8",),
+    ),
 ]
 
 

@@ -140,6 +140,50 @@ def test_the_step_kernels_take_every_variant(one_thread, decoded_backends, varia
     assert (log_probs(fast) - log_probs(decode_loop(model, ids, None))).abs().max() < 1e-4
 
 
+def given_tokens_loop(model, ids: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
+    """The log-probabilities of a prompt's forward (with its cache) and of one-token forwards of `given` continuing it."""
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        steps = [out.logits]
+        for position in range(given.shape[1]):
+            out = model(given[:, position : position + 1], cache=out.cache, use_cache=True)
+            steps.append(out.logits)
+    return log_probs(torch.cat(steps, dim=1))
+
+
+# Widths below a vector and between vector multiples (the tiny config's are all multiples of 16), one head, a
+# key of one dimension and a vocabulary of two: every product, gate and memory loop of a step ends in a tail.
+ODD_WIDTHS = dict(
+    hidden_size=17, embedding_size=3, intermediate_size=33, num_memory_heads=1, memory_key_dim=1, memory_value_dim=5
+)
+
+
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8"])
+def test_the_step_kernels_compute_the_plain_loop_at_odd_widths(one_thread, weights):
+    """A prompt and three given tokens (not argmax-fed: a near tie would part the two paths) on a model of odd
+    widths and a vocabulary of 2, 1 and 3 rows, on the C step kernels and decoded tokens in one C call = the plain
+    loop (float32 to summation order, bf16 and int8 to their rounding)."""
+    require_c_kernels()
+    model = perturbed_model(tiny_config(vocab_size=2, **ODD_WIDTHS), seed=21)
+    if weights == "bfloat16":
+        model = model.to(torch.bfloat16)
+    elif weights == "int8":
+        model = quantized(model)
+    generator = torch.Generator().manual_seed(22)
+    for rows in (1, 3):
+        ids, given = (
+            torch.randint(0, 2, (rows, 6), generator=generator),
+            torch.randint(0, 2, (rows, 3), generator=generator),
+        )
+        model.model.use_fast_path = True
+        backends = (C_STEP_KERNELS, DECODE_CALLS) + ((INT8_STEPS,) if weights == "int8" else ())
+        with ran(FAST_PATH, *backends, not_ran=(PLAIN_PATH,)):
+            fast = given_tokens_loop(model, ids, given)
+        model.model.use_fast_path = False
+        plain = given_tokens_loop(model, ids, given)
+        assert (fast - plain).abs().max() < (1e-5 if weights == "float32" else 2e-2), (weights, rows)
+
+
 def test_int8_weights_run_the_fast_path_within_the_quantization_error(one_thread, decoded_backends):
     """A torchao int8 weight-only model runs the fast path (its step on the C kernels: nothing dequantized,
     no plain loop), = the plain loop of the same quantized model, and within the quantization's own error

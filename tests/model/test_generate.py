@@ -476,6 +476,15 @@ def test_generation_values_that_would_be_wrong_in_silence_are_refused_by_name(mo
         model.generate(prompt, max_new_tokens=10**13, num_beams=2)
 
 
+@pytest.mark.parametrize("size", [0, -1, 1.5, True])
+def test_a_prefill_chunk_size_that_is_not_a_positive_integer_is_refused_by_name(model, size):
+    """transformers' chunked prefill split the prompt by it: 0, -1 and 1.5 failed inside torch's `split` (a
+    RuntimeError or TypeError naming split sizes), True read one position a chunk."""
+    prompt = torch.randint(1, 97, (2, 5), generator=torch.Generator().manual_seed(65))
+    with pytest.raises(ValueError, match=rf"prefill_chunk_size must be a positive integer .* got {size!r}"):
+        model.generate(prompt, max_new_tokens=2, prefill_chunk_size=size)
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("given", ["new positions", "whole sequence"])
 def test_sampling_several_sequences_from_a_given_state(model, given):

@@ -121,6 +121,15 @@ def test_empty_input(model, shape):
         model(inputs_embeds=torch.zeros(*shape, model.config.embedding_size))
 
 
+@pytest.mark.parametrize("batch_size", [-1, 2.5, True])
+def test_an_empty_state_batch_size_that_is_not_a_count_is_named(model, batch_size):
+    """torch's zeros failed with "zeros() takes 1 positional argument but 2 were given" (2.5, True) or a bare
+    "Dimension size must be non-negative" (-1), naming neither the argument nor the method."""
+    with pytest.raises(ValueError, match=rf"empty_state_logits needs a batch size .* got {batch_size!r}"):
+        model.empty_state_logits(batch_size)
+    assert model.empty_state_logits(0).shape == (0, 97)
+
+
 def test_float_ids_and_wrong_cache(model):
     with pytest.raises(ValueError, match="integer token ids"):
         model(torch.zeros(1, 3))

@@ -180,6 +180,21 @@ def test_generate_prefills_in_chunks_and_gives_the_same_tokens(monkeypatch):
     assert torch.equal(chunked, whole)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("setting", [-1, 1.5, "8", True])
+def test_a_prefill_chunk_length_that_is_not_a_non_negative_integer_is_refused_by_name(setting):
+    """-1 ran one pass in silence (no chunk, unbounded memory, where the setting looked on), True chunks of one
+    position; 1.5 and "8" failed inside the chunk loop with a bare TypeError."""
+    model = perturbed_model(tiny_config(), seed=8)
+    model.prefill_chunk_length = setting
+    with pytest.raises(
+        ValueError, match=rf"prefill_chunk_length must be a non-negative integer .* got {re.escape(repr(setting))}"
+    ):
+        model(token_ids(1, 9, seed=3), logits_to_keep=1)
+    model.prefill_chunk_length = None  # off, as 0
+    model(token_ids(1, 9, seed=3), logits_to_keep=1)
+
+
 # --------------------------------------------------------------------------------------------------
 # 2. A state as a file
 # --------------------------------------------------------------------------------------------------
