@@ -301,16 +301,18 @@ def test_a_stream_goes_on_through_byte_tokens_that_form_no_character(tmp_path):
     with serving(folder, tmp_path / "serve.log") as (base, _):
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
         model, messages = str(folder), [{"role": "user", "content": "hello"}]
-        # 9 tokens: a run that is no UTF-8, "▁hello", then 龘 whole at the end; 11: ending inside a run
-        for max_tokens, stop in ((9, None), (11, None), (12, ["hello"])):
+        # 9 tokens: a run that is no UTF-8, "▁hello", then 龘 whole at the end; 11: ending inside a run; a stop
+        # sequence after the run, and one (龘) that ends generation at its last byte, the run still held then
+        for max_tokens, stop, made in ((9, None, 9), (11, None, 11), (12, ["hello"], 6), (12, ["龘"], 3)):
             request = dict(model=model, prompt="hello", max_tokens=max_tokens, temperature=0, stop=stop)
-            plain = client.completions.create(**request).choices[0].text
-            whole = tokenizer.decode((BYTE_RUNS * 2)[:max_tokens])
-            assert plain == (whole if stop is None else whole[: whole.index("hello")]), (max_tokens, plain)
+            plain = client.completions.create(**request)
+            whole = tokenizer.decode(BYTE_RUNS[:made] if made <= 6 else (BYTE_RUNS * 2)[:made])
+            assert plain.choices[0].text == (whole if stop is None else whole[: whole.index(stop[0])]), plain
+            assert plain.usage.completion_tokens == made, plain.usage
             chunks = [chunk.choices[0] for chunk in client.completions.create(**request, stream=True) if chunk.choices]
-            assert "".join(choice.text for choice in chunks) == plain, (max_tokens, [c.text for c in chunks])
+            assert "".join(choice.text for choice in chunks) == plain.choices[0].text, [c.text for c in chunks]
             assert chunks[-1].finish_reason == ("length" if stop is None else "stop")
-        assert plain == "\ufffd" * 5 + " "
+        assert tokenizer.decode(BYTE_RUNS[:6]) == "\ufffd" * 5 + " hello"
         request = dict(model=model, messages=messages, max_tokens=9, temperature=0)
         plain = client.chat.completions.create(**request).choices[0].message.content
         assert plain.startswith("\ufffd" * 5 + " hello") and plain.endswith("龘"), plain
