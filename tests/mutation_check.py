@@ -4148,10 +4148,10 @@ MUTATIONS = [
     ),
     Mutation(
         "gpn serve's stream of an answer ending inside a character never sends its replacement characters",
-        "modeling_gpn/serve/handlers.py",
-        "                            _add_unfinished_character(data, model, tokenizer)\n",
-        "                            pass  # MUTATION\n",
-        ("tests/tools/test_serve.py -k ends_inside_a_character",),
+        "modeling_gpn/serve/streaming.py",
+        "        rest = self.text.rest()\n",
+        '        rest = ""  # MUTATION\n',
+        ("tests/tools/test_serve.py -k ends_inside_a_character or byte_tokens_that_form_no_character",),
     ),
     Mutation(
         "gpn generate --seed of 2**64 or more: generate()'s 'Overflow when unpacking long long'",
@@ -5598,6 +5598,54 @@ MUTATIONS = [
         "(((__mmask64)1 << (K - k)) - 1);\n        if (PREFETCH)",
         "(((__mmask64)1 << (K - k - 1)) - 1);  /* MUTATION */\n        if (PREFETCH)",
         ("tests/fast_path/test_step_kernels.py -k odd_widths and int8",),
+    ),
+    Mutation(
+        "gpn serve streams with transformers' DecodeStream: a run of byte tokens that is no UTF-8 after a character "
+        "ends the stream in 'Invalid prefix encountered while decoding stream'",
+        "modeling_gpn/serve/generation.py",
+        "            streamer = sending_whole_text(streamer)\n",
+        "            pass  # MUTATION\n",
+        ("tests/tools/test_serve.py -k byte_tokens_that_form_no_character",),
+    ),
+    Mutation(
+        "a stream sends a character spelled in byte tokens when its last byte comes, though the bytes after it may "
+        "make the run replacement characters",
+        "modeling_gpn/cli/text_stream.py",
+        "        if not self.waiting or self.held(self.waiting[-1]):\n",
+        "        if not self.waiting:  # MUTATION\n",
+        (
+            "tests/tools/test_text_stream.py -k add_up or sent_with",
+            "tests/tools/test_serve.py -k byte_tokens_that_form_no_character",
+        ),
+    ),
+    Mutation(
+        "a stream sends the byte tokens before a skipped special token, though the run goes on after it",
+        "modeling_gpn/cli/text_stream.py",
+        "        if token in self._skipped:\n            return True\n",
+        "        if False:  # MUTATION\n            return True\n",
+        ("tests/tools/test_text_stream.py -k add_up and True",),
+    ),
+    Mutation(
+        "a stream whose DecodeStream refuses a token fails, rather than going on with the whole text's diffs",
+        "modeling_gpn/cli/text_stream.py",
+        "                self.stream = None\n",
+        "                raise  # MUTATION\n",
+        ("tests/tools/test_text_stream.py -k changes_after",),
+    ),
+    Mutation(
+        "a stream's text that changed after it was sent is left unsaid",
+        "modeling_gpn/cli/text_stream.py",
+        "            logger.warning(\"a streamed answer's text changed after it was sent",
+        "            logger.debug(\"a streamed answer's text changed after it was sent",
+        ("tests/tools/test_text_stream.py -k changes_after",),
+    ),
+    Mutation(
+        "gpn generate's stream prints a character spelled in byte tokens when its last byte comes: then nothing "
+        "more, and the whole continuation again at the end",
+        "modeling_gpn/cli/generate.py",
+        "        if self.held(self.new_ids[-1]):\n",
+        "        if False:  # MUTATION\n",
+        ("tests/tools/test_generate_cli.py -k byte_tokens_that_is_no_character",),
     ),
 ]
 

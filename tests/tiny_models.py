@@ -101,3 +101,26 @@ def saved_lora_adapter(base_folder, into, with_tokenizer: bool = False, seed: in
     if with_tokenizer:
         tokenizer.save_pretrained(adapter)
     return adapter, merged
+
+
+# LLaMA-2's byte tokens (byte b is token 3 + b) and its "▁hello"
+E9, BE, B98, HELLO = 3 + 0xE9, 3 + 0xBE, 3 + 0x98, 22172
+# what a model biased so (`sequence_bias`) makes, from any start: 龘 (<0xE9><0xBE><0x98>), then <0xE9><0xBE>, a run
+# that is no UTF-8 as a whole, then "▁hello", again and again; decoded: "����� hello����� hello..."
+BYTE_RUNS = [E9, BE, B98, E9, BE, HELLO]
+MAKES_BYTE_RUNS = [[[E9], 50.0], [[E9, BE], 100.0], [[E9, BE, B98], 150.0], [[B98, E9, BE, HELLO], 200.0]]
+
+
+def byte_runs_model_dir(folder, tokenizer_folder, chat_template: str | None = None):
+    """A tiny GPN folder over the LLaMA-2 tokenizer (at `tokenizer_folder`) whose generation config makes
+    `BYTE_RUNS` over and over, greedy, whatever the prompt (`gpn generate` and `gpn serve` read it as they load)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(folder)
+    model = perturbed_model(tiny_config(vocab_size=32000, eos_token_id=2, bos_token_id=1), seed=5)
+    model.generation_config.sequence_bias = MAKES_BYTE_RUNS
+    model.save_pretrained(folder)
+    return folder

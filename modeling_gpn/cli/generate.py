@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from ..cache import GPNCache
 
 from .arguments import ADAPTER_FOLDER_HELP
+from .text_stream import HeldTokens
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "int4")
 DEFAULT_TEMPERATURE = 0.8
@@ -398,13 +399,16 @@ class PrintingStreamer:
     the prompt first, then each new piece of text, flushed. Each piece is the continuation decoded with the last
     few prompt tokens before it (`continuation`, as the printed whole is; decoding the new tokens alone loses a
     SentencePiece word's space), less what was printed; text ending in an unfinished character (a byte token's
-    replacement character) waits for the token that completes it. `rest` gives what the finished text adds."""
+    replacement character) waits for the token that completes it, and text ending in a run of byte tokens for the
+    token that ends the run (`HeldTokens`: bytes after a character can turn it into replacement characters). `rest`
+    gives what the finished text adds."""
 
     CONTEXT = 8  # prompt tokens decoded before the new ones: enough for a piece's space or a byte sequence
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: torch.Tensor, prompt: str):
         self.tokenizer, self.context = tokenizer, character_aligned_context(tokenizer, prompt_ids, self.CONTEXT)
         self.prompt, self.new_ids, self.printed, self.prompt_seen = prompt, [], "", False
+        self.held = HeldTokens(tokenizer, skip_special_tokens=True)
 
     def put(self, ids: torch.Tensor) -> None:
         """Print the prompt on the first call (generate() puts it first), then each new piece of text."""
@@ -414,6 +418,8 @@ class PrintingStreamer:
             sys.stdout.flush()
             return
         self.new_ids.extend(ids.reshape(-1).tolist())
+        if self.held(self.new_ids[-1]):
+            return  # (a run of byte tokens that the next token may go on with: `text_stream`)
         text = continuation(self.tokenizer, self.context, torch.tensor(self.new_ids, dtype=self.context.dtype))
         text = text.rstrip("\ufffd")  # (an unfinished UTF-8 character: printed with the token that ends it)
         if text.startswith(self.printed) and len(text) > len(self.printed):

@@ -51,6 +51,7 @@ from .. import GPNCache, GPNForCausalLM
 from ..derived_weights import derived_weights_scope, drop_kept
 from .state_store import StateStore
 from .stop_strings import StopInAnswer
+from .streaming import sending_whole_text
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,8 @@ class StateKeepingModel:
     ) -> torch.Tensor:
         """generate() from the stored state of the conversation (when kept), storing the state it ends in."""
         try:
+            # (a stream's text is the answer's text, runs of byte tokens that are no UTF-8 included: `streaming`)
+            streamer = sending_whole_text(streamer)
             config = copy.deepcopy(
                 generation_config if generation_config is not None else self._model.generation_config
             )

@@ -458,7 +458,6 @@ class StateKeeping:
             request.usage,
             _end_ids(gen_config, model_eos),
             gen_config.max_new_tokens,
-            getattr(arguments["processor"], "tokenizer", arguments["processor"]),
         )
         return response
 
@@ -739,31 +738,6 @@ def _report_cached_tokens(usage: dict | None, cached_tokens: int) -> None:
         usage.setdefault(details, {})["cached_tokens"] = cached_tokens
 
 
-def unfinished_character(tokenizer: PreTrainedTokenizerBase, answer_ids: list[int]) -> str:
-    """What the decoded answer ends in that its stream never sent: the replacement characters of a character
-    whose bytes (byte tokens) were not all made. transformers' stream (tokenizers' `DecodeStream`) holds back text
-    ending in U+FFFD until the token that completes it; an answer cut at its `max_tokens` inside a character ended
-    there, and its streamed text lacked what the same answer not streamed has (`decode`: one U+FFFD a byte)."""
-    whole = tokenizer.decode(answer_ids, skip_special_tokens=True)
-    return whole[len(whole.rstrip("\ufffd")) :]
-
-
-def _add_unfinished_character(data: dict, model: StateKeepingModel, tokenizer: PreTrainedTokenizerBase) -> None:
-    """Give a stream's last chunk (a chat or completion choice with its finish reason and usage) the text its
-    answer ends in that was held back (`unfinished_character`), so that the streamed text is the answer's."""
-    choices, counts = data.get("choices") or [], data.get("usage") or {}
-    made, total = counts.get("completion_tokens"), counts.get("total_tokens")
-    if not choices or choices[0].get("finish_reason") is None or not made or total is None:
-        return
-    ids = model.ids_so_far
-    if ids is None or ids.shape[-1] < total:
-        return
-    rest = unfinished_character(tokenizer, ids[0, total - made : total].tolist())
-    if rest:
-        holder, key = _text_of(choices[0])
-        holder[key] = (holder.get(key) or "") + rest
-
-
 def _cut_chunk_at_stop(data: dict, cutter: StreamCutter) -> bool:
     """Cut one streamed chunk's text before the stop sequence (holding back what may begin one; the last chunk,
     with the finish reason, gets what was held). Returns whether the chunk is still worth sending."""
@@ -794,16 +768,15 @@ async def _finishing_stream(
     usage: bool = True,
     ends: set[int] | frozenset = frozenset(),
     max_new_tokens: int | None = None,
-    tokenizer: PreTrainedTokenizerBase | None = None,
 ):
     """transformers' SSE stream, its last chunk (the one with `usage`) given `cached_tokens`, or its usage left
     out when not `usage` (`include_usage: false`), its finish reason "stop" when the answer ended on one of `ends`
     (EOS) at its `max_tokens`-th token (transformers says "length"), a Responses API answer cut at its
     `max_new_tokens` ending in "response.incomplete" (`_mark_incomplete`; transformers: "response.completed"), the
-    text cut before the first `stop` sequence (`stop_strings`), the last chunk given the replacement characters of
-    an answer that ends inside a character (`unfinished_character`), an error event in the OpenAI API's shape; the request's slot is freed when the stream
-    ends, finished or cut off by the client (or when its generate() ends, if sooner: with continuous batching
-    there is no generate() call to end)."""
+    text cut before the first `stop` sequence (`stop_strings`; the text itself is the answer's, `streaming`), an
+    error event in the OpenAI API's shape; the request's slot is freed when the stream ends, finished or cut off by
+    the client (or when its generate() ends, if sooner: with continuous batching there is no generate() call to
+    end)."""
     cutter = StreamCutter(stops) if stops else None
     try:
         async for chunk in chunks:
@@ -815,8 +788,6 @@ async def _finishing_stream(
                         event = error
                     elif event.startswith("data: {"):
                         data = json.loads(event.removeprefix("data: "))
-                        if tokenizer is not None:
-                            _add_unfinished_character(data, model, tokenizer)
                         if cutter is not None and not _cut_chunk_at_stop(data, cutter):
                             continue  # its text is held back (or past the stop sequence): nothing to send yet
                         last, counts = (data.get("choices") or [{}])[0], data.get("usage") or {}

@@ -7,8 +7,8 @@ sequence", which clients rely on (an agent's `stop=["\\nObservation:"]` reads th
 answer is cut at the first stop sequence it holds: a non-streamed answer whole, a streamed one as it goes,
 holding back the end of the text that could still become a stop sequence until the next piece tells.
 
-Generation itself stops at the same place (`StopInAnswer`): at the token with which the answer's text, decoded as
-the stream decodes it, first holds a stop sequence. transformers' own check (`StopStringCriteria`) reads the
+Generation itself stops at the same place (`StopInAnswer`): at the token with which the answer's text, decoded
+token by token, first holds a stop sequence. transformers' own check (`StopStringCriteria`) reads the
 prompt too, so a stop sequence begun by the prompt's end and completed by the answer's first tokens ("lo" + "龘"
 for `stop: ["lo龘"]` after a prompt ending in "hello") ended the answer there, "stop", though its text holds no
 stop sequence and the API goes on.
@@ -74,8 +74,9 @@ class StreamCutter:
 class AnswerText:
     """One answer's text as its tokens come, and whether it holds one of `stops` yet.
 
-    Decoded as transformers serve's stream decodes it: tokenizers' `DecodeStream` (a step a token, whatever the
-    length), which gives a character spelled in byte tokens whole, with the token that completes it, and the
+    Decoded token by token with tokenizers' `DecodeStream` (a step a token, whatever the length), which gives a
+    character spelled in byte tokens whole, with the token that completes it (so a stop sequence counts once its
+    last byte is made; the stream itself sends a run of byte tokens once it has ended: `streaming`), and the
     first token's text as `decode` of the answer alone gives it (a SentencePiece word-start without its space). A
     tokenizer without a Rust backend decodes the whole answer each time (transformers serve streams only with one),
     as does an answer whose tokens DecodeStream refuses.

@@ -222,6 +222,27 @@ def test_a_character_split_over_byte_tokens_is_printed_whole_once_it_is_complete
         assert whole.endswith("\ufffd") and "\ufffd" not in answer
 
 
+def test_a_run_of_byte_tokens_that_is_no_character_is_printed_as_the_whole_decodes(tmp_path, monkeypatch):
+    """A byte-fallback decoder reads a run of byte tokens as one: 龘 (<0xE9><0xBE><0x98>) followed by <0xE9><0xBE>
+    decodes as five U+FFFD. The stream printed 龘 when its last byte came, then nothing more (no later text began
+    with what was printed), then the whole continuation again on a line of its own. It now holds a run until it
+    ends: what it prints is what --no-stream prints, a run of bytes that ends the answer (9 tokens: 龘 last)
+    included."""
+    from ..tiny_models import byte_runs_model_dir
+
+    folder = byte_runs_model_dir(tmp_path, require_shared("data/llama2-tokenizer"))
+    outputs = {}
+    for stream in ([], ["--no-stream"]):
+        stdout = RecordedWrites()
+        monkeypatch.setattr("sys.stdout", stdout)
+        assert gpn_main(["generate", str(folder), "hello", "--max-new-tokens", "9", "--device", "cpu", *stream]) == 0
+        outputs[bool(stream)] = stdout.writes
+    streamed, at_the_end = outputs[False], outputs[True]
+    assert "".join(at_the_end).startswith("hello" + "\ufffd" * 5 + " hello龘\n"), at_the_end  # (the biases work)
+    assert "".join(streamed) == "".join(at_the_end), streamed
+    assert "\ufffd" * 5 + " hello" in streamed, streamed  # (the run is printed with the token that ends it)
+
+
 def test_a_prompt_from_standard_input(bpe_dir, capsys, monkeypatch):
     """`-` is the text on standard input, less the newline that ends it: `echo "the cat" | gpn generate M -`
     prints what `gpn generate M "the cat"` does."""

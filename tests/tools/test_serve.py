@@ -271,8 +271,8 @@ def test_completions_plain_and_streamed(client, model_name, reference):
 def test_a_streamed_answer_that_ends_inside_a_character_ends_as_the_answer_does(client, model_name, reference):
     """An answer cut at its max_tokens inside a character (here the byte 0xE4, the first of 你's three, forced by
     logit_bias) decodes with U+FFFD at its end; transformers' stream holds text ending in U+FFFD back until a token
-    completes it, so the streamed answer lacked it. Its last chunk now adds it: streamed and not streamed agree, and
-    no chunk before the last carries a replacement character."""
+    completes it, so the streamed answer lacked it. The stream now sends it when generation ends: streamed and not
+    streamed agree, and no text before the stream's last carries a replacement character."""
     _, tokenizer = reference
     byte = tokenizer.convert_tokens_to_ids("ä")  # (byte-level BPE spells the byte 0xE4 as "ä")
     request = dict(model=model_name, prompt="the cat", max_tokens=2, temperature=0, logit_bias={str(byte): 100})
@@ -280,7 +280,47 @@ def test_a_streamed_answer_that_ends_inside_a_character_ends_as_the_answer_does(
     assert plain == tokenizer.decode([byte, byte]) and plain.endswith("\ufffd")
     chunks = [chunk.choices[0] for chunk in client.completions.create(**request, stream=True) if chunk.choices]
     assert "".join(choice.text for choice in chunks) == plain
-    assert all("\ufffd" not in choice.text for choice in chunks if choice.finish_reason is None)
+    texts = [choice.text for choice in chunks if choice.text]
+    assert texts[-1].endswith("\ufffd") and not any("\ufffd" in text for text in texts[:-1]), texts
+
+
+def test_a_stream_goes_on_through_byte_tokens_that_form_no_character(tmp_path):
+    """LLaMA-2's tokenizer spells 龘 in byte tokens, and decodes a run of byte tokens that is no UTF-8 as a whole
+    as one U+FFFD a byte: 龘 then <0xE9><0xBE> then "▁hello" is "����� hello". transformers' stream (tokenizers'
+    `DecodeStream`) sent 龘, then refused "▁hello" ("Invalid prefix encountered while decoding stream") and the
+    stream ended in an error. Now a run of byte tokens is sent once it has ended: the streamed text is the answer's,
+    for chat, completions and the Responses API, cut at `max_tokens` inside a run or after a whole character, or
+    before a `stop` sequence."""
+    from transformers import AutoTokenizer
+
+    from ..environment import require_shared
+    from ..tiny_models import BYTE_RUNS, byte_runs_model_dir
+
+    folder = byte_runs_model_dir(tmp_path / "model", require_shared("data/llama2-tokenizer"), CHAT_TEMPLATE)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    with serving(folder, tmp_path / "serve.log") as (base, _):
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        model, messages = str(folder), [{"role": "user", "content": "hello"}]
+        # 9 tokens: a run that is no UTF-8, "▁hello", then 龘 whole at the end; 11: ending inside a run; a stop
+        # sequence after the run, and one (龘) that ends generation at its last byte, the run still held then
+        for max_tokens, stop, made in ((9, None, 9), (11, None, 11), (12, ["hello"], 6), (12, ["龘"], 3)):
+            request = dict(model=model, prompt="hello", max_tokens=max_tokens, temperature=0, stop=stop)
+            plain = client.completions.create(**request)
+            whole = tokenizer.decode(BYTE_RUNS[:made] if made <= 6 else (BYTE_RUNS * 2)[:made])
+            assert plain.choices[0].text == (whole if stop is None else whole[: whole.index(stop[0])]), plain
+            assert plain.usage.completion_tokens == made, plain.usage
+            chunks = [chunk.choices[0] for chunk in client.completions.create(**request, stream=True) if chunk.choices]
+            assert "".join(choice.text for choice in chunks) == plain.choices[0].text, [c.text for c in chunks]
+            assert chunks[-1].finish_reason == ("length" if stop is None else "stop")
+        assert tokenizer.decode(BYTE_RUNS[:6]) == "\ufffd" * 5 + " hello"
+        request = dict(model=model, messages=messages, max_tokens=9, temperature=0)
+        plain = client.chat.completions.create(**request).choices[0].message.content
+        assert plain.startswith("\ufffd" * 5 + " hello") and plain.endswith("龘"), plain
+        assert streamed_text(client.chat.completions.create(**request, stream=True))[0] == plain
+        request = dict(model=model, input=messages, max_output_tokens=9, temperature=0)
+        assert client.responses.create(**request, stream=False).output_text == plain
+        events = list(client.responses.create(**request, stream=True))
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == plain, events[-1]
 
 
 def test_completions_apply_logit_bias_and_refuse_what_they_would_ignore(client, model_name, reference):
