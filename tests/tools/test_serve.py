@@ -158,6 +158,15 @@ def get(url: str) -> tuple[int | None, dict | None]:
         return None, None
 
 
+@pytest.fixture(scope="module")
+def unpinned_server(tmp_path_factory):
+    """`gpn serve` without MODEL (each request names its model, loaded on demand and unloaded after 2 idle
+    seconds), with the state store and a spill folder: one process for the tests that serve folders of their own."""
+    states, log_path = tmp_path_factory.mktemp("unpinned-states"), tmp_path_factory.mktemp("log") / "unpinned.log"
+    with serving(None, log_path, "--model-timeout", "2", "--state-dir", str(states)) as (base, _):
+        yield base
+
+
 @pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -284,7 +293,7 @@ def test_a_streamed_answer_that_ends_inside_a_character_ends_as_the_answer_does(
     assert texts[-1].endswith("\ufffd") and not any("\ufffd" in text for text in texts[:-1]), texts
 
 
-def test_a_stream_goes_on_through_byte_tokens_that_form_no_character(tmp_path):
+def test_a_stream_goes_on_through_byte_tokens_that_form_no_character(unpinned_server, tmp_path):
     """LLaMA-2's tokenizer spells 龘 in byte tokens, and decodes a run of byte tokens that is no UTF-8 as a whole
     as one U+FFFD a byte: 龘 then <0xE9><0xBE> then "▁hello" is "����� hello". transformers' stream (tokenizers'
     `DecodeStream`) sent 龘, then refused "▁hello" ("Invalid prefix encountered while decoding stream") and the
@@ -298,29 +307,28 @@ def test_a_stream_goes_on_through_byte_tokens_that_form_no_character(tmp_path):
 
     folder = byte_runs_model_dir(tmp_path / "model", require_shared("data/llama2-tokenizer"), CHAT_TEMPLATE)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    with serving(folder, tmp_path / "serve.log") as (base, _):
-        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
-        model, messages = str(folder), [{"role": "user", "content": "hello"}]
-        # 9 tokens: a run that is no UTF-8, "▁hello", then 龘 whole at the end; 11: ending inside a run; a stop
-        # sequence after the run, and one (龘) that ends generation at its last byte, the run still held then
-        for max_tokens, stop, made in ((9, None, 9), (11, None, 11), (12, ["hello"], 6), (12, ["龘"], 3)):
-            request = dict(model=model, prompt="hello", max_tokens=max_tokens, temperature=0, stop=stop)
-            plain = client.completions.create(**request)
-            whole = tokenizer.decode(BYTE_RUNS[:made] if made <= 6 else (BYTE_RUNS * 2)[:made])
-            assert plain.choices[0].text == (whole if stop is None else whole[: whole.index(stop[0])]), plain
-            assert plain.usage.completion_tokens == made, plain.usage
-            chunks = [chunk.choices[0] for chunk in client.completions.create(**request, stream=True) if chunk.choices]
-            assert "".join(choice.text for choice in chunks) == plain.choices[0].text, [c.text for c in chunks]
-            assert chunks[-1].finish_reason == ("length" if stop is None else "stop")
-        assert tokenizer.decode(BYTE_RUNS[:6]) == "\ufffd" * 5 + " hello"
-        request = dict(model=model, messages=messages, max_tokens=9, temperature=0)
-        plain = client.chat.completions.create(**request).choices[0].message.content
-        assert plain.startswith("\ufffd" * 5 + " hello") and plain.endswith("龘"), plain
-        assert streamed_text(client.chat.completions.create(**request, stream=True))[0] == plain
-        request = dict(model=model, input=messages, max_output_tokens=9, temperature=0)
-        assert client.responses.create(**request, stream=False).output_text == plain
-        events = list(client.responses.create(**request, stream=True))
-        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == plain, events[-1]
+    client = openai.OpenAI(base_url=unpinned_server + "/v1", api_key="unused", max_retries=0, timeout=120)
+    model, messages = str(folder), [{"role": "user", "content": "hello"}]
+    # 9 tokens: a run that is no UTF-8, "▁hello", then 龘 whole at the end; 11: ending inside a run; a stop
+    # sequence after the run, and one (龘) that ends generation at its last byte, the run still held then
+    for max_tokens, stop, made in ((9, None, 9), (11, None, 11), (12, ["hello"], 6), (12, ["龘"], 3)):
+        request = dict(model=model, prompt="hello", max_tokens=max_tokens, temperature=0, stop=stop)
+        plain = client.completions.create(**request)
+        whole = tokenizer.decode(BYTE_RUNS[:made] if made <= 6 else (BYTE_RUNS * 2)[:made])
+        assert plain.choices[0].text == (whole if stop is None else whole[: whole.index(stop[0])]), plain
+        assert plain.usage.completion_tokens == made, plain.usage
+        chunks = [chunk.choices[0] for chunk in client.completions.create(**request, stream=True) if chunk.choices]
+        assert "".join(choice.text for choice in chunks) == plain.choices[0].text, [c.text for c in chunks]
+        assert chunks[-1].finish_reason == ("length" if stop is None else "stop")
+    assert tokenizer.decode(BYTE_RUNS[:6]) == "\ufffd" * 5 + " hello"
+    request = dict(model=model, messages=messages, max_tokens=9, temperature=0)
+    plain = client.chat.completions.create(**request).choices[0].message.content
+    assert plain.startswith("\ufffd" * 5 + " hello") and plain.endswith("龘"), plain
+    assert streamed_text(client.chat.completions.create(**request, stream=True))[0] == plain
+    request = dict(model=model, input=messages, max_output_tokens=9, temperature=0)
+    assert client.responses.create(**request, stream=False).output_text == plain
+    events = list(client.responses.create(**request, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == plain, events[-1]
 
 
 def test_completions_apply_logit_bias_and_refuse_what_they_would_ignore(client, model_name, reference):
@@ -1129,7 +1137,9 @@ def test_ctrl_c_exits_130_in_a_process_that_started_with_sigint_ignored(model_di
         signal.signal(signal.SIGINT, original)
 
 
-def test_a_server_not_pinned_keeps_each_models_conversations_apart_and_across_unloads(model_dir, reference, tmp_path):
+def test_a_server_not_pinned_keeps_each_models_conversations_apart_and_across_unloads(
+    unpinned_server, model_dir, reference, tmp_path
+):
     """Without MODEL, each request names its model: two models given the same messages continue each from its own
     states (the same token ids, kept for each), a seeded sample of one is the same while the other samples beside it
     (two inference threads, one generator), and a model unloaded after --model-timeout, loaded again, continues its
@@ -1151,45 +1161,43 @@ def test_a_server_not_pinned_keeps_each_models_conversations_apart_and_across_un
         str(adapter): (AutoModelForCausalLM.from_pretrained(merged).eval(), reference[1]),
     }
     first = [{"role": "system", "content": "two models"}, {"role": "user", "content": "to be or not to be"}]
-    options = ("--model-timeout", "2", "--state-dir", str(tmp_path / "states"))
-    with serving(None, tmp_path / "serve.log", *options) as (base, _):
-        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
-        replies = {}
-        for name, model in models.items():
-            replies[name] = client.chat.completions.create(model=name, messages=first, max_tokens=6, temperature=0)
-            assert replies[name].choices[0].message.content == expected_chat(model, first, 6), name
-        assert len({reply.choices[0].message.content for reply in replies.values()}) == 3  # the models differ
+    client = openai.OpenAI(base_url=unpinned_server + "/v1", api_key="unused", max_retries=0, timeout=120)
+    replies = {}
+    for name, model in models.items():
+        replies[name] = client.chat.completions.create(model=name, messages=first, max_tokens=6, temperature=0)
+        assert replies[name].choices[0].message.content == expected_chat(model, first, 6), name
+    assert len({reply.choices[0].message.content for reply in replies.values()}) == 3  # the models differ
 
-        seeded, beside = str(model_dir), str(other_dir)
-        request = dict(model=seeded, prompt="the cat sat", max_tokens=48, temperature=1.0, seed=3)
-        alone = client.completions.create(**request).choices[0].text
-        answers = {}
-        start = threading.Barrier(2)
+    seeded, beside = str(model_dir), str(other_dir)
+    request = dict(model=seeded, prompt="the cat sat", max_tokens=48, temperature=1.0, seed=3)
+    alone = client.completions.create(**request).choices[0].text
+    answers = {}
+    start = threading.Barrier(2)
 
-        def sample_beside() -> None:
-            start.wait()
-            for _ in range(3):
-                client.completions.create(model=beside, prompt="to be", max_tokens=48, temperature=1.0)
-
-        sampler = threading.Thread(target=sample_beside)
-        sampler.start()
+    def sample_beside() -> None:
         start.wait()
-        answers["seeded"] = client.completions.create(**request).choices[0].text
-        sampler.join(timeout=120)
-        assert answers["seeded"] == alone
+        for _ in range(3):
+            client.completions.create(model=beside, prompt="to be", max_tokens=48, temperature=1.0)
 
-        deadline = time.monotonic() + 60
-        while [model.id for model in client.models.list().data if model.id in models]:  # unloaded when idle
-            assert time.monotonic() < deadline, "the idle models were not unloaded"
-            time.sleep(0.5)
-        for name, model in models.items():
-            messages = first + [
-                {"role": "assistant", "content": replies[name].choices[0].message.content},
-                {"role": "user", "content": "that is the question"},
-            ]
-            reply = client.chat.completions.create(model=name, messages=messages, max_tokens=6, temperature=0)
-            assert reply.choices[0].message.content == expected_chat(model, messages, 6), name
-            assert reply.usage.prompt_tokens_details.cached_tokens >= replies[name].usage.prompt_tokens - 1, name
+    sampler = threading.Thread(target=sample_beside)
+    sampler.start()
+    start.wait()
+    answers["seeded"] = client.completions.create(**request).choices[0].text
+    sampler.join(timeout=120)
+    assert answers["seeded"] == alone
+
+    deadline = time.monotonic() + 60
+    while [model.id for model in client.models.list().data if model.id in models]:  # unloaded when idle
+        assert time.monotonic() < deadline, "the idle models were not unloaded"
+        time.sleep(0.5)
+    for name, model in models.items():
+        messages = first + [
+            {"role": "assistant", "content": replies[name].choices[0].message.content},
+            {"role": "user", "content": "that is the question"},
+        ]
+        reply = client.chat.completions.create(model=name, messages=messages, max_tokens=6, temperature=0)
+        assert reply.choices[0].message.content == expected_chat(model, messages, 6), name
+        assert reply.usage.prompt_tokens_details.cached_tokens >= replies[name].usage.prompt_tokens - 1, name
 
 
 def test_gpn_serve_help_has_transformers_serve_options(capsys):
