@@ -946,7 +946,7 @@ def test_trainer_neftune_noise_reaches_the_fast_paths_recurrence(tmp_path):
     noised = seen["embeddings"].detach()
     magnitude = 20.0 / (10 * noised.shape[-1]) ** 0.5  # NEFTune's: alpha / sqrt(length x width)
     noise = noised - reference.model.embed_tokens(batch_ids)
-    assert 0.5 * magnitude < noise.abs().max() <= magnitude
+    assert 0.5 * magnitude < noise.abs().max() <= magnitude + 1e-6  # (+ the rounding of the sum)
     with torch.no_grad():
         expected = reference(inputs_embeds=noised, labels=batch_labels).loss
         clean = reference(input_ids=batch_ids, labels=batch_labels).loss
@@ -970,7 +970,8 @@ def test_a_no_grad_pass_in_training_mode_with_neftune_is_not_read_in_chunks():
         model(ids, logits_to_keep=1)
     noise = torch.cat(calls, dim=1) - model.model.embed_tokens.weight[ids]
     assert len(calls) == 1
-    assert noise.abs().max() <= 5.0 / (12 * noise.shape[-1]) ** 0.5
+    # within the bound of one call over 12 positions (+ the rounding of the sum), not of a call over 4 (1.7x it)
+    assert noise.abs().max() <= 5.0 / (12 * noise.shape[-1]) ** 0.5 + 1e-6
     with torch.no_grad():  # at inference the chunks stay (the hook is no noise there)
         model.eval()(ids, logits_to_keep=1)
     assert len(calls) == 1 + 3
