@@ -19,6 +19,7 @@ from torch import nn
 from .arguments import check_attention_mask
 from .cache import CLAIM_ATTRIBUTE, ChunkedRead, GPNCache
 from .chunked_loss import chunked_causal_lm_loss, divide_loss_sum
+from .derived_weights import called_as_is, registered_global_hook
 from .packing import packed_sequence_starts, packing_arguments
 from .tracing import is_tracing
 
@@ -39,7 +40,8 @@ def prefill_chunk_length_for(
 
     Chunks only what gives the same result in bounded memory: no gradient (training keeps what its
     backward needs), nothing per position asked back (hidden or predicted states, memory decays, all logits), and
-    more positions than one chunk. Malformed inputs take the one-pass path, whose checks name them.
+    more positions than one chunk; in training mode, only with an input embedding called as it is (a hook on it
+    sees the whole input, as in one pass). Malformed inputs take the one-pass path, whose checks name them.
     """
     chunk = model.prefill_chunk_length
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0):
@@ -50,6 +52,12 @@ def prefill_chunk_length_for(
             f"got {chunk!r}"
         )
     if not chunk or torch.is_grad_enabled() or is_tracing() or output_memory_decays or output_predicted_states:
+        return 0
+    if model.training and not embedding_called_as_is(model):
+        # a hook on the input embedding would see each chunk as a whole input: NEFTune (a Trainer's
+        # `neftune_noise_alpha`, active in training mode) scales its noise by the length of the call it sees, so a
+        # no-grad scoring pass in training mode (TRL's old log-probabilities) would be noised as if 2048 positions
+        # long. At inference (accelerate's offloading hooks, steering) the chunks keep memory bounded.
         return 0
     if output_hidden_states if output_hidden_states is not None else model.config.output_hidden_states:
         return 0
@@ -66,6 +74,12 @@ def prefill_chunk_length_for(
         return chunk if not return_logits else 0
     keeps_a_tail = isinstance(logits_to_keep, int) and not isinstance(logits_to_keep, bool)
     return chunk if keeps_a_tail and 0 < logits_to_keep <= chunk else 0
+
+
+def embedding_called_as_is(model: nn.Module) -> bool:
+    """Whether calling the input embedding of the causal LM `model` runs its class's forward alone (no hook of its
+    own or a global one, no `forward` set on the instance)."""
+    return called_as_is(model.model.embed_tokens) and registered_global_hook() is None
 
 
 def forward_in_chunks(

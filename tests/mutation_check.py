@@ -5647,6 +5647,22 @@ MUTATIONS = [
         "        if False:  # MUTATION\n",
         ("tests/tools/test_generate_cli.py -k byte_tokens_that_is_no_character",),
     ),
+    Mutation(
+        "NEFTune: the forward looks the ids up in the embedding's weight instead of calling it (its hooks skipped)",
+        "modeling_gpn/modeling_gpn.py",
+        "            embeddings = self.embed_tokens(input_ids)\n",
+        "            embeddings = F.embedding(input_ids, self.embed_tokens.weight)  # MUTATION\n",
+        ("tests/ecosystem/test_ecosystem.py -k test_trainer_neftune_noise_reaches_the_fast_paths_recurrence",),
+    ),
+    Mutation(
+        "NEFTune: a no-grad pass in training mode with a hooked embedding is read in chunks (noise scaled per chunk)",
+        "modeling_gpn/prefill.py",
+        "    if model.training and not embedding_called_as_is(model):\n",
+        "    if False:  # MUTATION\n",
+        (
+            "tests/ecosystem/test_ecosystem.py -k test_a_no_grad_pass_in_training_mode_with_neftune_is_not_read_in_chunks",
+        ),
+    ),
 ]
 
 

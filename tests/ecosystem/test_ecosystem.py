@@ -1056,6 +1056,68 @@ def test_trainer_label_smoothing_targets_the_next_token(tmp_path):
     assert trainer.evaluate()["eval_loss"] == pytest.approx(next_token.item(), rel=1e-5)
 
 
+def test_trainer_neftune_noise_reaches_the_fast_paths_recurrence(tmp_path):
+    """`neftune_noise_alpha`: the Trainer hooks the input embedding (noise in training mode). The fast path calls
+    the embedding module, so the recurrence reads the noised vectors: the step's loss is the plain loop's on them,
+    not the loss of the clean embeddings."""
+    from transformers import Trainer, TrainerCallback
+
+    ids = token_ids(2, 10, seed=5)
+    labels = ragged_labels(ids)
+    rows = [{"input_ids": i, "attention_mask": torch.ones_like(i), "labels": target} for i, target in zip(ids, labels)]
+    model = perturbed_model(tiny_config()).train()
+    reference = copy.deepcopy(model)
+    reference.model.use_fast_path = False
+    seen = {}
+
+    def first_call(module, args, kwargs, output):
+        seen.setdefault("call", (kwargs["input_ids"], kwargs["labels"], output.loss.detach()))
+
+    class FirstStep(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):  # (after the Trainer's NEFTune hook)
+            seen["hooks"] = len(model.model.embed_tokens._forward_hooks)
+            model.model.embed_tokens.register_forward_hook(lambda module, i, out: seen.setdefault("embeddings", out))
+            model.register_forward_hook(first_call, with_kwargs=True)
+
+    arguments = trainer_arguments(tmp_path, neftune_noise_alpha=20.0, max_steps=1, save_strategy="no")
+    Trainer(model=model, args=arguments, train_dataset=rows, callbacks=[FirstStep()]).train()
+
+    assert seen["hooks"] == 1 and model.model.last_recurrence_path == "fast"
+    batch_ids, batch_labels, loss = seen["call"]
+    noised = seen["embeddings"].detach()
+    magnitude = 20.0 / (10 * noised.shape[-1]) ** 0.5  # NEFTune's: alpha / sqrt(length x width)
+    noise = noised - reference.model.embed_tokens(batch_ids)
+    assert 0.5 * magnitude < noise.abs().max() <= magnitude + 1e-6  # (+ the rounding of the sum)
+    with torch.no_grad():
+        expected = reference(inputs_embeds=noised, labels=batch_labels).loss
+        clean = reference(input_ids=batch_ids, labels=batch_labels).loss
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-6)
+    assert abs(loss.item() - clean.item()) > 1e-3
+
+
+def test_a_no_grad_pass_in_training_mode_with_neftune_is_not_read_in_chunks():
+    """A long no-grad forward reads its positions in chunks (prefill.py), each calling the embedding. In training
+    mode (a trainer's scoring pass: TRL's old log-probabilities) NEFTune's hook would then scale its noise by the
+    chunk's length, not the input's: such a pass runs in one call of the embedding."""
+    from transformers.integrations.neftune import activate_neftune
+
+    ids = token_ids(2, 12, seed=5)
+    model = perturbed_model(tiny_config()).train()
+    model.prefill_chunk_length = 4
+    activate_neftune(model, 5.0)
+    calls = []
+    model.model.embed_tokens.register_forward_hook(lambda module, i, out: calls.append(out.detach()))
+    with torch.no_grad():
+        model(ids, logits_to_keep=1)
+    noise = torch.cat(calls, dim=1) - model.model.embed_tokens.weight[ids]
+    assert len(calls) == 1
+    # within the bound of one call over 12 positions (+ the rounding of the sum), not of a call over 4 (1.7x it)
+    assert noise.abs().max() <= 5.0 / (12 * noise.shape[-1]) ** 0.5 + 1e-6
+    with torch.no_grad():  # at inference the chunks stay (the hook is no noise there)
+        model.eval()(ids, logits_to_keep=1)
+    assert len(calls) == 1 + 3
+
+
 def test_trainer_weight_decay_reaches_a_log_unless_exempted_as_gpn_train_does(tmp_path):
     """Trainer exempts from `weight_decay` only parameters named like biases and norms: `dt_bias` is, `A_log` (the
     memory's decay rate, 1-D) is not, so it is pulled towards 0 (a retention of exp(-softplus(.)) per step) where
