@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from modeling_gpn import GPNConfig, GPNForCausalLM
 from modeling_gpn import triton_kernels as tk
 from modeling_gpn.bench import BackendProbe
+from modeling_gpn.bench.models import perturbed_gpn, tiny_config
 
 FAILURES: list[str] = []
 STARTED = time.monotonic()
@@ -89,36 +89,6 @@ def write_json(out: str | None, name: str, value) -> None:
         Path(out, name).write_text(json.dumps(value, indent=1, default=str), encoding="utf-8")
 
 
-def perturbed(config, device, seed=0):
-    torch.manual_seed(seed)
-    model = GPNForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1 + 0.1 * torch.randn_like(param))
-            elif param.dim() == 1:
-                param.add_(0.1 * torch.randn_like(param))
-            elif "embed" not in name:
-                param.copy_(0.5 * torch.randn_like(param) / param.shape[1] ** 0.5)
-    return model.to(device)
-
-
-def tiny(**overrides):
-    values = dict(
-        vocab_size=97,
-        hidden_size=48,
-        embedding_size=32,
-        intermediate_size=64,
-        num_memory_heads=3,
-        memory_key_dim=8,
-        memory_value_dim=16,
-        eos_token_id=0,
-        bos_token_id=None,
-    )
-    values.update(overrides)
-    return GPNConfig(**values)
-
-
 DRY_RUN = False  # --dry-run-cpu: the same checks on CPU through Triton's interpreter, short sequences
 
 
@@ -171,7 +141,7 @@ def correctness(device: str) -> None:
         "awkward-h1-dk5-dv7": dict(num_memory_heads=1, memory_key_dim=5, memory_value_dim=7),
     }
     for name, kw in variants.items():
-        model = perturbed(tiny(**kw), device).train()
+        model = perturbed_gpn(tiny_config(**kw)).to(device).train()
         g = torch.Generator().manual_seed(1)
         length = 9 if DRY_RUN else 63
         ids = torch.randint(0, 97, (3, length), generator=g).to(device)
@@ -189,9 +159,9 @@ def correctness(device: str) -> None:
             )
 
     # bf16 weights (the benchmark's setting): both backends track fp32 plain, and agree with each other
-    config = tiny()
-    reference = perturbed(config, device, seed=3).eval()
-    low = perturbed(config, device, seed=3).to(torch.bfloat16).eval()
+    config = tiny_config()
+    reference = perturbed_gpn(config, 3).to(device).eval()
+    low = perturbed_gpn(config, 3).to(device).to(torch.bfloat16).eval()
     length = 24 if DRY_RUN else 512
     ids = torch.randint(0, 97, (2, length), generator=torch.Generator().manual_seed(4)).to(device)
     with torch.no_grad():
@@ -224,7 +194,7 @@ def correctness(device: str) -> None:
     )
 
     # the decode step through a CUDA graph = plain generate()
-    model = perturbed(tiny(num_predict_layers=2), device, seed=12).eval()
+    model = perturbed_gpn(tiny_config(num_predict_layers=2), 12).to(device).eval()
     prompt = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(5)).to(device)
     backend("triton")
     with torch.no_grad():
@@ -288,7 +258,12 @@ def training_graphs(device: str) -> None:
     ids = torch.randint(0, 97, (3, length), generator=torch.Generator().manual_seed(7)).to(device)
     mask = torch.ones_like(ids)
     for dtype in (torch.float32, torch.bfloat16):
-        model = perturbed(tiny(num_predict_layers=2, bptt_segment_length=segment), device, seed=14).to(dtype).train()
+        model = (
+            perturbed_gpn(tiny_config(num_predict_layers=2, bptt_segment_length=segment), 14)
+            .to(device)
+            .to(dtype)
+            .train()
+        )
         try:
             plain_loss, plain, _ = grads_of(model, "plain" if dtype == torch.float32 else "triton", ids, mask)
             _, eager, _ = grads_of(model, "triton", ids, mask)

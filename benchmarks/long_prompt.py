@@ -45,21 +45,12 @@ def perturbed(preset: str, dtype=None, fast: bool = True):
     """`preset`'s model with its zero-initialised gates and outputs perturbed (seed 1), in `dtype`."""
     import torch
 
-    from modeling_gpn import GPNConfig, GPNForCausalLM
+    from modeling_gpn import GPNConfig
+    from modeling_gpn.bench.models import perturbed_gpn
 
     config = GPNConfig.from_json_file(str(PRESETS / f"{preset}.json"))
     config.eos_token_id = None  # (generate() runs its full length)
-    torch.manual_seed(1)
-    model = GPNForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1 + 0.1 * torch.randn_like(param))
-            elif param.dim() == 1:
-                param.add_(0.1 * torch.randn_like(param))
-            elif "embed" not in name:
-                param.copy_(0.5 * torch.randn_like(param) / param.shape[1] ** 0.5)
-    model = model.eval().to(dtype or torch.float32)
+    model = perturbed_gpn(config, seed=1).to(dtype or torch.float32)
     model.model.use_fast_path = fast
     return model
 

@@ -43,7 +43,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (this checkout's modeling_gpn)
 
 import modeling_gpn  # noqa: E402,F401  (registers GPN)
-from modeling_gpn import GPNCache, GPNConfig, GPNForCausalLM  # noqa: E402
+from modeling_gpn import GPNCache, GPNForCausalLM  # noqa: E402
+from modeling_gpn.bench.models import perturbed_gpn, tiny_config  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -83,36 +84,9 @@ def report(label: str, iteration: int, start: tuple) -> None:
     )
 
 
-# The model every scenario runs: a small GPN+M of 2 predict layers. (Built here from the package's public classes,
-# not from the tests' helpers: a benchmark runs where tests/ is not shipped. The shapes and the perturbation are
-# those of tests/tiny_models.py, whose models the figures in RESULTS.md were measured with.)
-TINY_CONFIG = dict(
-    vocab_size=97,
-    hidden_size=48,
-    embedding_size=32,
-    intermediate_size=64,
-    num_memory_heads=3,
-    memory_key_dim=8,
-    memory_value_dim=16,
-    eos_token_id=0,
-    bos_token_id=None,
-    num_predict_layers=2,
-)
-
-
 def tiny_model(seed: int, **overrides) -> GPNForCausalLM:
-    """The tiny GPN with its zero-initialised gates and outputs perturbed (seeded), so every path of the step works."""
-    torch.manual_seed(seed)
-    model = GPNForCausalLM(GPNConfig(**{**TINY_CONFIG, **overrides}))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1 + 0.1 * torch.randn_like(param))
-            elif param.dim() == 1:
-                param.add_(0.1 * torch.randn_like(param))
-            elif "embed" not in name:
-                param.copy_(0.5 * torch.randn_like(param) / param.shape[1] ** 0.5)
-    return model.eval()
+    """The model every scenario runs: the tests' tiny GPN+M of 2 predict layers (`perturbed_gpn`), seeded."""
+    return perturbed_gpn(tiny_config(**{"num_predict_layers": 2, **overrides}), seed)
 
 
 def make_model(seed: int, int8: bool = False, **overrides) -> torch.nn.Module:

@@ -8,38 +8,16 @@ import torch
 
 def tiny_config(**overrides):
     """A small GPN+M config (the fixtures' shapes) for fast tests."""
-    from modeling_gpn import GPNConfig
+    from modeling_gpn.bench.models import tiny_config as config_of_tiny_shapes
 
-    values = dict(
-        vocab_size=97,
-        hidden_size=48,
-        embedding_size=32,
-        intermediate_size=64,
-        num_memory_heads=3,
-        memory_key_dim=8,
-        memory_value_dim=16,
-        eos_token_id=0,
-        bos_token_id=None,
-    )
-    values.update(overrides)
-    return GPNConfig(**values)
+    return config_of_tiny_shapes(**overrides)
 
 
 def perturbed_model(config, seed: int = 0):
     """A model whose zero-initialised gates and outputs are perturbed, so every code path matters."""
-    from modeling_gpn import GPNForCausalLM
+    from modeling_gpn.bench.models import perturbed_gpn
 
-    torch.manual_seed(seed)
-    model = GPNForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1 + 0.1 * torch.randn_like(param))
-            elif param.dim() == 1:
-                param.add_(0.1 * torch.randn_like(param))
-            elif "embed" not in name:
-                param.copy_(0.5 * torch.randn_like(param) / param.shape[1] ** 0.5)
-    return model.eval()
+    return perturbed_gpn(config, seed)
 
 
 def well_conditioned_model(config, seed: int):

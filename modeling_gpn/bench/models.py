@@ -123,6 +123,46 @@ def build_gpn(preset: str, dtype: torch.dtype | str, device: str, segment_length
     return quantize(model) if quantize else model
 
 
+# The shapes of the reference fixtures' small GPN+M: the tests' tiny models and the benchmarks that run one.
+TINY_SHAPES = dict(
+    vocab_size=97,
+    hidden_size=48,
+    embedding_size=32,
+    intermediate_size=64,
+    num_memory_heads=3,
+    memory_key_dim=8,
+    memory_value_dim=16,
+    eos_token_id=0,
+    bos_token_id=None,
+)
+
+
+def tiny_config(**overrides) -> GPNConfig:
+    """A GPN config of `TINY_SHAPES`, with `overrides`."""
+    from modeling_gpn import GPNConfig
+
+    return GPNConfig(**{**TINY_SHAPES, **overrides})
+
+
+def perturbed_gpn(config: GPNConfig, seed: int = 0) -> nn.Module:
+    """A GPN of `config` (seeded) whose zero-initialised gates and outputs are perturbed, and its norms and vectors
+    moved off their initial values, so that every part of the step does work; in eval mode. (The tests' models and
+    the benchmarks that compare paths on them: one recipe, so a figure measured on one is measured on the other.)"""
+    from modeling_gpn import GPNForCausalLM
+
+    torch.manual_seed(seed)
+    model = GPNForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.1 * torch.randn_like(param))
+            elif param.dim() == 1:
+                param.add_(0.1 * torch.randn_like(param))
+            elif "embed" not in name:
+                param.copy_(0.5 * torch.randn_like(param) / param.shape[1] ** 0.5)
+    return model.eval()
+
+
 def weight_bytes(config: GPNConfig, dtype: str) -> int:
     """The bytes of the weights `build_gpn` would allocate for a model of `config` in `--dtype dtype` (counted on the
     meta device: nothing is allocated; int8 and int4 are built in bfloat16 first)."""
