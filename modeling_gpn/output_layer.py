@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .derived_weights import version_of
+from .peft_layers import hook_keyword
 
 
 class EmbeddingTableHead(nn.Module):
@@ -100,12 +101,7 @@ def mixed_batch_adapter_names(embedding: nn.Module) -> list | None:
     in a forward pre-hook holding them as its `adapter_names` keyword; the output side computes the table without
     calling the embedding's hooks (`GPNForCausalLM.embedding_table`), so it reads them there, or every row's logits
     would follow the active adapter whatever adapter its input side used."""
-    names = None
-    for hook in embedding._forward_pre_hooks.values():
-        keywords = getattr(hook, "keywords", None)
-        if isinstance(keywords, dict) and "adapter_names" in keywords:
-            names = keywords["adapter_names"]  # (the last one registered is the one the forward sees)
-    return names
+    return hook_keyword(embedding, "adapter_names")
 
 
 def mixed_batch_logits(

@@ -45,36 +45,49 @@ def hook_keyword(module: nn.Module, name: str) -> object | None:
     return value
 
 
-# model -> (`RemovableHandle.next_id` at the last walk over its modules, weak references to those that held aLoRA
-# offsets then): the check runs at every forward, decoded tokens too, and the modules are walked only after some hook
-# was registered (each registration takes a new `next_id`; PEFT registers its hooks for each call)
-_alora_looks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# model -> {keyword: (`RemovableHandle.next_id` at the last walk over its modules, weak references to those whose hooks
+# held the keyword then)}
+_looks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def call_keyword(model: nn.Module, name: str) -> object | None:
+    """The keyword `name` that PEFT hands the layers below `model` for the call now running, through forward
+    pre-hooks (aLoRA's `alora_offsets`, mixed-batch inference's `adapter_names`): the first hooked module's, or None
+    outside such a call.
+
+    It is asked at every forward, decoded tokens too, and walking every module would cost a decode step more than it
+    computes: the modules are walked only after some hook was registered (each registration, of any hook, takes a new
+    `RemovableHandle.next_id`; PEFT registers its hooks for each call); in between only the modules found holding it
+    then are looked at again (their hooks removed since: none)."""
+    if "peft" not in sys.modules:  # (no PEFT hook without it)
+        return None
+    if torch.compiler.is_compiling():  # (a walk torch.compile traces: the weak references below it cannot guard)
+        return next(
+            (value for module in modules_below(model) if (value := hook_keyword(module, name)) is not None), None
+        )
+    registered = RemovableHandle.next_id
+    looks = _looks.setdefault(model, {})
+    look = looks.get(name)
+    if look is None or look[0] != registered:
+        hooked = [
+            weakref.ref(module)
+            for module in modules_below(model)
+            if module._forward_pre_hooks and hook_keyword(module, name) is not None
+        ]
+        look = looks[name] = (registered, hooked)
+    for ref in look[1]:
+        module = ref()
+        value = hook_keyword(module, name) if module is not None else None
+        if value is not None:
+            return value
+    return None
 
 
 def alora_offsets(model: nn.Module) -> list | None:
     """The aLoRA offsets PEFT hands the layers below `model` for the call now running (one per row: the number of
     positions at the end of the call's input to adapt, or None for none), or None outside such a call."""
-    if "peft" not in sys.modules:  # (no PEFT hook without it)
-        return None
-    if torch.compiler.is_compiling():  # (a walk torch.compile traces: the weak references below it cannot guard)
-        return next(
-            (list(offsets) for module in modules_below(model) if (offsets := hook_keyword(module, ALORA_OFFSETS))), None
-        )
-    registered = RemovableHandle.next_id
-    look = _alora_looks.get(model)
-    if look is None or look[0] != registered:
-        hooked = [
-            weakref.ref(module)
-            for module in modules_below(model)
-            if module._forward_pre_hooks and hook_keyword(module, ALORA_OFFSETS) is not None
-        ]
-        look = _alora_looks[model] = (registered, hooked)
-    for ref in look[1]:
-        module = ref()
-        offsets = hook_keyword(module, ALORA_OFFSETS) if module is not None else None
-        if offsets is not None:
-            return list(offsets)
-    return None
+    offsets = call_keyword(model, ALORA_OFFSETS)
+    return None if offsets is None else list(offsets)
 
 
 def refuse_split_alora_offsets(model: nn.Module, seq_len: int) -> None:

@@ -26,7 +26,6 @@ import safetensors.torch
 import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-from torch.utils.hooks import RemovableHandle
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -34,8 +33,7 @@ if TYPE_CHECKING:
 from .atomic_files import write_file_atomically
 from .configuration_gpn import GPNConfig
 from .derived_weights import modules_below, parameters_key, version_of
-from .output_layer import mixed_batch_adapter_names
-from .peft_layers import cycled_parameters
+from .peft_layers import call_keyword, cycled_parameters
 
 STATE_FILE_FORMAT = "gpn-state"
 # 2: the weights fingerprint hashes every parameter (1 hashed only the vectors, so a state loaded into the same
@@ -268,37 +266,12 @@ def adapter_settings(model: nn.Module) -> dict[str, dict]:
     return settings
 
 
-# model -> (`RemovableHandle.next_id` at the last look at its modules' hooks, weak references to the modules that held
-# a mixed-batch hook then): `mixed_batch_adapters` runs after every forward that advances a cache.
-_mixed_batch_looks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def mixed_batch_adapters(model: nn.Module) -> list | None:
     """The adapter of each row (a name, or "__base__") while PEFT's mixed-batch inference runs on any module below
     `model` (a `GPNModel`), else None: a state such a call computes is no state of the model as a whole, whose
-    active adapter a state file would name (`GPNCache.save` refuses it).
-
-    PEFT 0.21 (`_enable_peft_forward_hooks` of LoRA and its kin) registers a forward pre-hook holding
-    `adapter_names` on every adapted layer for the call, and removes them after (`mixed_batch_adapter_names`
-    reads one module's). Walking every module at every forward would cost a decode step more than it computes,
-    so the modules are walked only after a hook was registered somewhere (each registration, of any hook, takes
-    a new `RemovableHandle.next_id`, as `WatchedModules` watches); in between only the modules found hooked then
-    are looked at again (their hooks removed since: no mixed batch)."""
-    registered = RemovableHandle.next_id
-    look = _mixed_batch_looks.get(model)
-    if look is None or look[0] != registered:
-        hooked = [
-            weakref.ref(module)
-            for module in modules_below(model)
-            if module._forward_pre_hooks and mixed_batch_adapter_names(module) is not None
-        ]
-        look = _mixed_batch_looks[model] = (registered, hooked)
-    for ref in look[1]:
-        module = ref()
-        names = mixed_batch_adapter_names(module) if module is not None else None
-        if names is not None:
-            return names
-    return None
+    active adapter a state file would name (`GPNCache.save` refuses it). PEFT 0.21 (`_enable_peft_forward_hooks` of
+    LoRA and its kin) hands `adapter_names` to every adapted layer for the call (`peft_layers.call_keyword`)."""
+    return call_keyword(model, "adapter_names")
 
 
 def _tensor_bytes(tensor: torch.Tensor):

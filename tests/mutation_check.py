@@ -817,9 +817,8 @@ MUTATIONS = [
     Mutation(
         "output layer (PEFT's mixed batch: every row's logits follow the active adapter's table)",
         "modeling_gpn/output_layer.py",
-        '            names = keywords["adapter_names"]  # (the last one registered is the one the forward sees)\n'
-        "    return names\n",
-        '            names = keywords["adapter_names"]\n    return None  # MUTATION\n',
+        '    return hook_keyword(embedding, "adapter_names")\n',
+        "    return None  # MUTATION\n",
         ("tests/ecosystem/test_ecosystem.py -k peft_lora_trains_saves_reloads_and_merges",),
     ),
     Mutation(
@@ -4426,16 +4425,16 @@ MUTATIONS = [
     ),
     Mutation(
         "a PEFT mixed batch is looked for on the embedding only (adapters on linear layers unseen)",
-        "modeling_gpn/state_file.py",
-        "            for module in modules_below(model)\n",
-        "            for module in [model.embed_tokens]  # MUTATION\n",
+        "modeling_gpn/peft_layers.py",
+        "            for module in modules_below(model)\n            if module._forward_pre_hooks",
+        "            for module in [model.embed_tokens]  # MUTATION\n            if module._forward_pre_hooks",
         (
             "tests/ecosystem/test_ecosystem.py::test_a_peft_models_state_loads_into_it_and_not_with_other_adapter_settings",
         ),
     ),
     Mutation(
         "a PEFT mixed batch's hooks are looked for once a model (never after a hook is registered)",
-        "modeling_gpn/state_file.py",
+        "modeling_gpn/peft_layers.py",
         "    if look is None or look[0] != registered:",
         "    if look is None:  # MUTATION",
         (
@@ -4444,9 +4443,9 @@ MUTATIONS = [
     ),
     Mutation(
         "a PEFT mixed batch is remembered after its hooks are gone (the modules found hooked not read again)",
-        "modeling_gpn/state_file.py",
-        "        names = mixed_batch_adapter_names(module) if module is not None else None",
-        "        names = ['stale'] if module is not None else None  # MUTATION",
+        "modeling_gpn/peft_layers.py",
+        "        value = hook_keyword(module, name) if module is not None else None",
+        "        value = ['stale'] if module is not None else None  # MUTATION",
         (
             "tests/ecosystem/test_ecosystem.py::test_a_peft_models_state_loads_into_it_and_not_with_other_adapter_settings",
         ),
