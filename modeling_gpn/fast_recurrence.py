@@ -84,6 +84,7 @@ from .cuda_graphs import asked as graphs_asked
 from .cuda_graphs import window_forward as graph_window_forward
 from .derived_weights import (
     KEPT_ATTRIBUTE,
+    DerivedWeights,
     WatchedModules,
     as_read,
     called_as_is,
@@ -502,13 +503,19 @@ class DecodeLane(NamedTuple):
     modules: WatchedModules
 
 
-def _decode_lane(lm: torch.nn.Module, derived: dict, rows: int, methods: dict) -> DecodeLane:
+def _decode_lane(lm: torch.nn.Module, scope: DerivedWeights, rows: int, methods: dict) -> DecodeLane:
     """The `DecodeLane` of `rows` rows for this scope, built (after `decode_lane_blocker` found the modules plain)
     on first use, and again whenever its modules are no longer what they were."""
+    model = lm.model
+    # the modules as they are noted before anything is read from them (the scope's key, the plan's weights): an edit
+    # another thread makes while the plan is built then differs from the note, and the next call builds anew; noted
+    # after, it would match, and every later call continuing the cache would read what was there before the edit
+    modules = WatchedModules(model, lm.lm_head, methods=methods, callers=(lm,))
+    derived = scope.current(model)  # (dropping what older weights derived)
     lanes = derived.setdefault("decode lanes", {})
     lane = lanes.get(rows)
     if lane is None or not lane.modules.unchanged():
-        model, plan = lm.model, None
+        plan = None
         step = _step_plan(model, derived, rows)
         if step is not None:
             fuse_proj, decode_proj = _projections(model)
@@ -526,7 +533,7 @@ def _decode_lane(lm: torch.nn.Module, derived: dict, rows: int, methods: dict) -
                     )
             except KernelRefusal:
                 pass
-        lane = lanes[rows] = DecodeLane(plan, WatchedModules(model, lm.lm_head, methods=methods, callers=(lm,)))
+        lane = lanes[rows] = DecodeLane(plan, modules)
     return lane
 
 
@@ -580,8 +587,7 @@ def fast_decode_token(
             if lane is None or not lane.modules.unchanged():
                 if decode_lane_blocker(lm, norm_class, methods) is not None:
                     return None
-                # (current: dropping what older weights derived)
-                lane = _decode_lane(lm, scope.current(model), rows, methods)
+                lane = _decode_lane(lm, scope, rows, methods)
             if lane.plan is None:
                 return None
             plan, derived = lane.plan, scope.entries

@@ -5564,6 +5564,58 @@ MUTATIONS = [
         "        and _few_rows_on_kernels(x, *module.parameters())  # MUTATION",
         ("tests/ecosystem/test_ecosystem.py -k modules_the_fast_path_calls_are_called",),
     ),
+    Mutation(
+        "decode lane (its modules noted after the plan read them: a weight another thread replaces meanwhile is lost)",
+        "modeling_gpn/fast_recurrence.py",
+        "    modules = WatchedModules(model, lm.lm_head, methods=methods, callers=(lm,))\n"
+        "    derived = scope.current(model)  # (dropping what older weights derived)\n"
+        '    lanes = derived.setdefault("decode lanes", {})\n'
+        "    lane = lanes.get(rows)\n"
+        "    if lane is None or not lane.modules.unchanged():\n"
+        "        plan = None\n"
+        "        step = _step_plan(model, derived, rows)\n"
+        "        if step is not None:\n"
+        "            fuse_proj, decode_proj = _projections(model)\n"
+        "            try:\n"
+        "                with torch.no_grad():\n"
+        "                    plan = DecodePlan(\n"
+        "                        step,\n"
+        "                        model.embed_tokens.weight,\n"
+        "                        model.config.vocab_size,\n"
+        "                        model.fuse_norm.weight,\n"
+        "                        fuse_proj,\n"
+        "                        model.decode_norm.weight,\n"
+        "                        decode_proj,\n"
+        "                        lm.lm_head.weight if lm.lm_head.weight is model.embed_tokens.weight else lm.lm_head,\n"
+        "                    )\n"
+        "            except KernelRefusal:\n"
+        "                pass\n"
+        "        lane = lanes[rows] = DecodeLane(plan, modules)",
+        "    derived = scope.current(model)  # (dropping what older weights derived)\n"
+        '    lanes = derived.setdefault("decode lanes", {})\n'
+        "    lane = lanes.get(rows)\n"
+        "    if lane is None or not lane.modules.unchanged():\n"
+        "        plan = None\n"
+        "        step = _step_plan(model, derived, rows)\n"
+        "        if step is not None:\n"
+        "            fuse_proj, decode_proj = _projections(model)\n"
+        "            try:\n"
+        "                with torch.no_grad():\n"
+        "                    plan = DecodePlan(\n"
+        "                        step,\n"
+        "                        model.embed_tokens.weight,\n"
+        "                        model.config.vocab_size,\n"
+        "                        model.fuse_norm.weight,\n"
+        "                        fuse_proj,\n"
+        "                        model.decode_norm.weight,\n"
+        "                        decode_proj,\n"
+        "                        lm.lm_head.weight if lm.lm_head.weight is model.embed_tokens.weight else lm.lm_head,\n"
+        "                    )\n"
+        "            except KernelRefusal:\n"
+        "                pass\n"
+        "        lane = lanes[rows] = DecodeLane(plan, WatchedModules(model, lm.lm_head, methods=methods, callers=(lm,)))  # MUTATION",
+        ("tests/fast_path/test_threads.py -k replaced_while_another_thread",),
+    ),
 ]
 
 

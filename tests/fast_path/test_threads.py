@@ -158,3 +158,50 @@ def test_the_int8_products_buffer_of_a_thread_goes_with_the_thread():
             break
         time.sleep(0.01)
     assert memory_kernels.thread_buffers() == before
+
+
+@pytest.mark.parametrize("weight", ["decode_proj", "fuse_gate_norm"])
+def test_a_weight_replaced_while_another_thread_derives_is_seen_by_the_next_call(model, weight):
+    """Another thread replaces a weight (`module.weight = nn.Parameter(...)`, as `load_state_dict(assign=True)` does)
+    while a one-token call builds its decode plan, after the plan read the old weight: the next call continuing that
+    cache (it starts after the edit) computes with the new weight, as the same calls on a model edited first do, not
+    with the plan built on the old one (kept with the cache, and alive through it). The modules are noted before the
+    plan reads them, so the note is older than the edit and the next call builds anew; noted after, the note matched
+    the edited model and the edit was lost for every later call on the cache. The edit is forced into that moment:
+    the note lets the editing thread run, and waits for it, before it is taken. `decode_proj` is read by the decode
+    plan, `fuse_gate_norm` by its step plan (the prompt's call derived the scope's key before)."""
+    from modeling_gpn import fast_recurrence
+
+    ids = torch.randint(1, 97, (1, 7), generator=torch.Generator().manual_seed(9))
+    model = copy.deepcopy(model)  # (edited: not the module's shared one)
+
+    def edit(target):
+        module = target.get_submodule(f"model.{weight}")
+        module.weight = torch.nn.Parameter(-module.weight.detach())
+
+    def calls(target, edit_first: bool = False):
+        with torch.no_grad():
+            cache = target(ids[:, :5], use_cache=True).cache
+            if edit_first:
+                edit(target)
+            target(ids[:, 5:6], cache=cache, use_cache=True)  # (the call during which the other thread edits)
+            with ran(DECODE_CALLS):
+                return target(ids[:, 6:7], cache=cache, use_cache=True).logits
+
+    expected, unedited = calls(copy.deepcopy(model), edit_first=True), calls(copy.deepcopy(model))
+    assert not torch.allclose(expected, unedited, atol=1e-3)
+    edits = []
+
+    class EditedMeanwhile(fast_recurrence.WatchedModules):
+        def __init__(self, *args, **kwargs):
+            if not edits:  # (the middle call's note: the edit lands once)
+                editor = threading.Thread(target=lambda: edits.append(edit(model)))
+                editor.start()
+                editor.join()
+            super().__init__(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fast_recurrence, "WatchedModules", EditedMeanwhile)
+        got = calls(model)
+    assert edits == [None]
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
