@@ -662,8 +662,8 @@ MUTATIONS = [
     Mutation(
         "a no-grad graph per dtype of every step matrix (keyed by the big matrix's alone)",
         "modeling_gpn/cuda_graphs.py",
-        "    key = (batch, device, steps, dtypes)\n",
-        "    key = (batch, device, steps, dtypes[1])  # MUTATION\n",
+        "    key = (batch, device, steps, dtypes, threading.get_ident())\n",
+        "    key = (batch, device, steps, dtypes[1], threading.get_ident())  # MUTATION\n",
         ("tests/fast_path/test_triton_kernels.py::test_a_graph_is_kept_per_dtype_of_every_step_matrix",),
     ),
     Mutation(
@@ -5615,6 +5615,13 @@ MUTATIONS = [
         "                pass\n"
         "        lane = lanes[rows] = DecodeLane(plan, WatchedModules(model, lm.lm_head, methods=methods, callers=(lm,)))  # MUTATION",
         ("tests/fast_path/test_threads.py -k replaced_while_another_thread",),
+    ),
+    Mutation(
+        "graph steps (one graph per model, shared by every thread: static buffers written by two calls at once)",
+        "modeling_gpn/cuda_graphs.py",
+        "    key = (batch, device, steps, dtypes, threading.get_ident())",
+        "    key = (batch, device, steps, dtypes)  # MUTATION",
+        ("tests/fast_path/test_threads.py -k graph_steps",),
     ),
 ]
 

@@ -205,3 +205,52 @@ def test_a_weight_replaced_while_another_thread_derives_is_seen_by_the_next_call
         got = calls(model)
     assert edits == [None]
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@torch.no_grad()
+def test_two_threads_on_graph_steps_each_read_their_own_tokens(triton_on, monkeypatch):
+    """GPN_CUDA_GRAPHS=1 (the graph steps on their static buffers, through Triton's interpreter on CPU): a thread
+    whose window is inside a step while another thread runs a whole window of the same batch size gets exactly the
+    logits and state it gets alone. The graphs (their token input, state slots and outputs are static buffers) are
+    each thread's own: one shared would have the second thread's tokens and state copied over the first's while it
+    steps. The moment is forced: the first thread's first step waits until the other thread's call is done."""
+    from modeling_gpn import fast_recurrence
+
+    monkeypatch.setenv("GPN_CUDA_GRAPHS", "1")
+    model = perturbed_model(tiny_config(), seed=33).eval()
+    first, second = (torch.randint(1, 97, (1, 3), generator=torch.Generator().manual_seed(n)) for n in (3, 4))
+    inside, done, waited = threading.Event(), threading.Event(), []
+    step = fast_recurrence.GRAPH_KERNELS.step
+
+    def waiting_step(*args, **kwargs):
+        if threading.current_thread() is waiter and not waited:
+            waited.append(True)
+            inside.set()
+            assert done.wait(timeout=60)
+        return step(*args, **kwargs)
+
+    def other():
+        assert inside.wait(timeout=60)
+        try:
+            with torch.no_grad():  # (grad mode is per thread)
+                model(second, use_cache=True)
+        finally:
+            done.set()
+
+    def alone_in_a_thread():
+        with torch.no_grad():
+            results.append(model(first, use_cache=True))
+
+    # (patched before the graph is made: it keeps the kernels it was made with)
+    monkeypatch.setattr(fast_recurrence, "GRAPH_KERNELS", fast_recurrence.GRAPH_KERNELS._replace(step=waiting_step))
+    waiter, results = None, []
+    alone = model(first, use_cache=True)
+    waiter = threading.Thread(target=alone_in_a_thread)
+    helper = threading.Thread(target=other)
+    waiter.start(), helper.start()
+    waiter.join(), helper.join()
+    assert waited and done.is_set() and model.model.last_recurrence_path == "fast"
+    assert {key[2] for key in model.model._gpn_graphs} == {1}  # (the graph steps ran)
+    torch.testing.assert_close(results[0].logits, alone.logits, rtol=0, atol=0)
+    for held, expected in zip(results[0].cache.get_state(), alone.cache.get_state(), strict=True):
+        torch.testing.assert_close(held, expected, rtol=0, atol=0)
