@@ -424,12 +424,15 @@ class GPNCache(Cache):
                 setattr(copied, name, self.__dict__[name])
         return copied
 
-    def note_model(self, model: nn.Module, look_for_mixed_adapters: bool = True) -> None:
+    def note_model(self, model: nn.Module, look_for_mixed_adapters: bool = True, snapshot: tuple | None = None) -> None:
         """Remember `model` (a `GPNModel`) as the one that advanced this state, for `save`. A model new to this
         cache also leaves a snapshot of its weights (`state_file.weights_snapshot`), by which `save` tells that
         they changed after the state was computed (the forward calls this after every step: a glance at one
         attribute while the model stays the same). A compiled or exported forward reads no storage: it leaves no
         snapshot, and the save of a state it advanced is not checked.
+
+        `snapshot`: the one `snapshot_before_call` took before the call that advanced the state read the weights (None:
+        one is taken now, for a state no call computed here: one loaded from a file).
 
         `look_for_mixed_adapters`: whether the call that advanced the state may have been PEFT's mixed-batch
         inference (`state_file.mixed_batch_adapters`); if it was, the cache keeps its adapters for good (its rows
@@ -446,7 +449,7 @@ class GPNCache(Cache):
         ref = self.__dict__.get("_gpn_model_ref")
         if ref is None or ref() is not model:
             self._gpn_model_ref = weakref.ref(model)
-            self._gpn_weights_snapshot = weights_snapshot(model)
+            self._gpn_weights_snapshot = snapshot if snapshot is not None else weights_snapshot(model)
 
     @property
     def state_layer(self) -> GPNStateLayer:
@@ -891,3 +894,15 @@ def _refuse_a_departing_history(
 
 
 # ---- end of continuing from a cache ------------------------------------------------------------------
+
+
+def snapshot_before_call(cache: GPNCache | None, model: nn.Module) -> tuple | None:
+    """The snapshot of `model`'s weights (`state_file.weights_snapshot`) that `GPNCache.note_model` keeps where
+    `model` is new to `cache` (None: a cache the call makes), taken by a call before it reads the weights; None where
+    `model` advanced that state already (the common case: one weak reference read), or while tracing. Taken after the
+    call, an edit another thread made while the call ran would be in the snapshot though not (or not all) in the
+    state, and `save` would name the edited model; taken before, `save` sees the edit and refuses."""
+    ref = cache.__dict__.get("_gpn_model_ref") if cache is not None else None
+    if (ref is not None and ref() is model) or is_tracing():
+        return None
+    return weights_snapshot(model)

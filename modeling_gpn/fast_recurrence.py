@@ -78,7 +78,7 @@ if TYPE_CHECKING:
     from .cache import GPNCache
 
 from .arguments import check_input_ids
-from .cache import CLAIM_ATTRIBUTE
+from .cache import CLAIM_ATTRIBUTE, snapshot_before_call
 from .cuda_graphs import GRAPHS_ATTRIBUTE, SWEEPS_ATTRIBUTE, GraphKernels, training_sweep
 from .cuda_graphs import asked as graphs_asked
 from .cuda_graphs import window_forward as graph_window_forward
@@ -582,6 +582,7 @@ def fast_decode_token(
         p0, g0, M0 = cache.state_buffers()
         if p0.shape[0] != rows or p0.dtype is not torch.float32:
             return None  # (the forward says what is wrong)
+        snapshot = snapshot_before_call(cache, model)  # (None: the model that advanced this state, the common case)
         with derived_weights_scope(model, kept_by=cache) as scope:
             lane = scope.entries.get("decode lanes", {}).get(rows)
             if lane is None or not lane.modules.unchanged():
@@ -610,7 +611,7 @@ def fast_decode_token(
         cache.advanced_in_place(input_ids, hashed=ids_hash is not None)
         # whose state this is, for GPNCache.save; never PEFT's mixed-batch inference, whose hooks sit on adapter layers,
         # which are no plain modules (`decode_lane_blocker`): nothing to look for on the decoded token
-        cache.note_model(model, look_for_mixed_adapters=False)
+        cache.note_model(model, look_for_mixed_adapters=False, snapshot=snapshot)
         keep_with(model, cache, scope)
         cache.finish_writing()
         object.__setattr__(model, "last_recurrence_path", "fast")

@@ -5623,6 +5623,20 @@ MUTATIONS = [
         "    key = (batch, device, steps, dtypes)  # MUTATION",
         ("tests/fast_path/test_threads.py -k graph_steps",),
     ),
+    Mutation(
+        "a prompt's state noted with the weights as they are after the call (another thread's edit meanwhile unseen)",
+        "modeling_gpn/modeling_gpn.py",
+        "            snapshot = snapshot_before_call(cache, self) if use_cache else None\n",
+        "            snapshot = None  # MUTATION\n",
+        ("tests/fast_path/test_threads.py -k not_saved and prompt",),
+    ),
+    Mutation(
+        "a decoded token's state noted with the weights as they are after the call (another thread's edit unseen)",
+        "modeling_gpn/fast_recurrence.py",
+        "        snapshot = snapshot_before_call(cache, model)",
+        "        snapshot = None  # MUTATION",
+        ("tests/fast_path/test_threads.py -k not_saved and decoded",),
+    ),
 ]
 
 

@@ -254,3 +254,46 @@ def test_two_threads_on_graph_steps_each_read_their_own_tokens(triton_on, monkey
     torch.testing.assert_close(results[0].logits, alone.logits, rtol=0, atol=0)
     for held, expected in zip(results[0].cache.get_state(), alone.cache.get_state(), strict=True):
         torch.testing.assert_close(held, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("call", ["prompt", "decoded token"])
+def test_a_state_computed_while_another_thread_edits_is_not_saved_as_the_edited_models(model, call, tmp_path):
+    """Another thread replaces a weight while a call advances a cache that model has not advanced before (a prompt
+    into a new cache; a token decoded in one C call from a state another model computed): the state was computed
+    (in part) with the old weight, so `GPNCache.save` refuses it as changed after it was computed, rather than write
+    a file naming the edited model. The weights are noted before the call reads them; noted after, the note was the
+    edited model's. The edit is forced into the call: a forward pre-hook on the token projection (the prompt), the
+    decode plan's note of its modules (the decoded token), lets the editing thread run and waits for it."""
+    from modeling_gpn import fast_recurrence
+
+    ids = torch.randint(1, 97, (1, 6), generator=torch.Generator().manual_seed(10))
+    model = copy.deepcopy(model)  # (edited: not the module's shared one)
+    edits = []
+
+    def edit():
+        module = model.model.fuse_gate
+        module.weight = torch.nn.Parameter(-module.weight.detach())
+
+    def edit_in_another_thread(*_):
+        if not edits:  # (once)
+            editor = threading.Thread(target=lambda: edits.append(edit()))
+            editor.start()
+            editor.join()
+
+    class EditedMeanwhile(fast_recurrence.WatchedModules):
+        def __init__(self, *args, **kwargs):
+            edit_in_another_thread()
+            super().__init__(*args, **kwargs)
+
+    with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
+        if call == "prompt":
+            with model.model.fuse_proj.register_forward_pre_hook(edit_in_another_thread):
+                cache = model(ids, use_cache=True).cache
+        else:
+            cache = copy.deepcopy(model)(ids[:, :5], use_cache=True).cache  # (another model's state)
+            patch.setattr(fast_recurrence, "WatchedModules", EditedMeanwhile)
+            with ran(DECODE_CALLS):
+                cache = model(ids[:, 5:6], cache=cache, use_cache=True).cache
+    assert edits == [None]
+    with pytest.raises(ValueError, match="changed after this state was computed"):
+        cache.save(tmp_path / "state.safetensors")
