@@ -21,7 +21,7 @@ import os
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.utils._pytree as pytree
@@ -313,6 +313,10 @@ class GPNStateLayer(LinearAttentionLayer):
 
 
 CLAIM_ATTRIBUTE = "_gpn_in_use"  # the attribute a forward sets while it advances a cache (`GPNCache.claim`)
+# how many calls have claimed the cache so far: a copy or a save that saw no claim before it read and none after (and
+# this count unchanged) read no state being written (`GPNCache.read_whole`)
+CLAIMS_ATTRIBUTE = "_gpn_claims"
+T = TypeVar("T")
 
 
 class ChunkedRead:
@@ -378,12 +382,33 @@ class GPNCache(Cache):
         self.refuse_if_interrupted()
         if is_tracing():
             return False
-        if self.__dict__.setdefault(CLAIM_ATTRIBUTE, token) is token:
+        held = self.__dict__
+        if held.setdefault(CLAIM_ATTRIBUTE, token) is token:
+            held[CLAIMS_ATTRIBUTE] = held.get(CLAIMS_ATTRIBUTE, 0) + 1  # (by the winner alone: no race)
             return False
         raise RuntimeError(
             "this GPNCache is being advanced by another call right now (another thread, or a call made inside "
             "the forward): a cache can be used by one call at a time; give each thread its own cache "
             "(cache.fork(1) copies one)"
+        )
+
+    def read_whole(self, read: Callable[[], T]) -> T:
+        """`read()` (a copy of the state and its bookkeeping: `fork`, `save`), refused where a call advancing the
+        cache ran meanwhile. A forward or decoded token writes the state, its count and fingerprint in several steps
+        (in place, in C, without the GIL), so a copy overlapping it, from another thread, would hold parts of two
+        positions in silence. Readers claim nothing (copies and saves from several threads at once go on): a read
+        that saw no claim before it began and none after, with no claim taken between (`CLAIMS_ATTRIBUTE`), read
+        a state no call was writing."""
+        self.refuse_if_interrupted()  # (first, as `claim` does: an interrupted call may have left its claim held)
+        held = self.__dict__
+        claims = held.get(CLAIMS_ATTRIBUTE, 0)
+        if held.get(CLAIM_ATTRIBUTE) is None:
+            result = read()
+            if held.get(CLAIM_ATTRIBUTE) is None and held.get(CLAIMS_ATTRIBUTE, 0) == claims:
+                return result
+        raise RuntimeError(
+            "this GPNCache was being advanced by another call while it was copied or saved (another thread, or a "
+            "call made inside the forward): copy or save it between the calls that advance it"
         )
 
     def refuse_if_interrupted(self) -> None:
@@ -545,7 +570,10 @@ class GPNCache(Cache):
         """
         if isinstance(num_copies, bool) or not isinstance(num_copies, int) or num_copies < 1:
             raise ValueError(f"fork needs a positive number of copies, got {num_copies!r}")
-        self.refuse_if_interrupted()
+        return self.read_whole(lambda: self._forked(num_copies))
+
+    def _forked(self, num_copies: int) -> GPNCache:
+        """`fork`'s copy (read through `read_whole`)."""
         if not self.has_state:
             raise ValueError("This GPNCache holds no state to fork: run the model on a prompt with it first")
         layer = self.state_layer
@@ -592,7 +620,12 @@ class GPNCache(Cache):
                 file names none.
         """
         path = Path(path)
-        self.refuse_if_interrupted()
+        write_state_file(path, *self.read_whole(lambda: self._saved(path, model_fingerprint, tokenizer)))
+
+    def _saved(
+        self, path: Path, model_fingerprint: dict[str, str] | None, tokenizer: PreTrainedTokenizerBase | None
+    ) -> tuple:
+        """What `save` writes (`write_state_file`'s arguments after the path), read through `read_whole`."""
         if not self.has_state:
             raise ValueError(f"Cannot save {path}: this GPNCache holds no state (run the model on a prompt first)")
         mixed = self.state_layer.mixed_adapters
@@ -630,7 +663,7 @@ class GPNCache(Cache):
         read = self.read_fingerprint()
         read_fingerprint = json.dumps(read.tolist()) if read is not None else "unknown"
         tokenizer_named = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
-        write_state_file(path, tensors, self.get_seq_length(), read_fingerprint, model_fingerprint, tokenizer_named)
+        return tensors, self.get_seq_length(), read_fingerprint, model_fingerprint, tokenizer_named
 
     @classmethod
     def load(

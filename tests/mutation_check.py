@@ -5637,6 +5637,20 @@ MUTATIONS = [
         "        snapshot = None  # MUTATION",
         ("tests/fast_path/test_threads.py -k not_saved and decoded",),
     ),
+    Mutation(
+        "fork and save read the state whatever call is advancing it meanwhile (no check at all)",
+        "modeling_gpn/cache.py",
+        "        held = self.__dict__\n        claims = held.get(CLAIMS_ATTRIBUTE, 0)\n        if held",
+        "        return read()  # MUTATION\n        held = self.__dict__\n        claims = held.get(CLAIMS_ATTRIBUTE, 0)\n        if held",
+        ("tests/fast_path/test_threads.py -k copy_or_save_overlapping",),
+    ),
+    Mutation(
+        "fork and save see only a claim held at their start and end, not one taken and released while they read",
+        "modeling_gpn/cache.py",
+        "            if held.get(CLAIM_ATTRIBUTE) is None and held.get(CLAIMS_ATTRIBUTE, 0) == claims:",
+        "            if held.get(CLAIM_ATTRIBUTE) is None:  # MUTATION",
+        ("tests/fast_path/test_threads.py -k copy_or_save_overlapping and call_during_the_copy",),
+    ),
 ]
 
 

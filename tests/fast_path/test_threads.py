@@ -297,3 +297,53 @@ def test_a_state_computed_while_another_thread_edits_is_not_saved_as_the_edited_
     assert edits == [None]
     with pytest.raises(ValueError, match="changed after this state was computed"):
         cache.save(tmp_path / "state.safetensors")
+
+
+@pytest.mark.parametrize("when", ["during_the_call", "call_during_the_copy"])
+def test_a_copy_or_save_overlapping_a_call_that_advances_the_cache_is_refused(model, when, tmp_path):
+    """`fork` and `save` from another thread while a call advances the cache (it writes the state, its count and
+    fingerprint in several steps, a decoded token in place in C) are refused with one line, rather than copying
+    parts of two positions: seen by the claim the call holds (a hook inside the forward copies from another
+    thread), or by a claim taken and released while the copy read (a whole call forced into the copy). Copies
+    and saves between calls, from any thread, succeed and hold the state (the cache is free again after)."""
+    ids = torch.randint(1, 97, (1, 7), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        cache = model(ids[:, :5], use_cache=True).cache
+    errors = []
+
+    def copy_and_save():
+        for read in (lambda: cache.fork(1), lambda: cache.save(tmp_path / "state.safetensors")):
+            try:
+                read()
+            except RuntimeError as error:
+                errors.append(str(error))
+
+    def in_another_thread(function):
+        thread = threading.Thread(target=function)
+        thread.start()
+        thread.join()
+
+    if when == "during_the_call":
+        with model.model.fuse_proj.register_forward_pre_hook(lambda *_: in_another_thread(copy_and_save)):
+            with torch.no_grad():
+                model(ids[:, 5:6], cache=cache, use_cache=True)
+    else:
+        forked, saved = cache._forked, cache._saved
+
+        def advanced_meanwhile(read):
+            def reading(*args):
+                with torch.no_grad():
+                    in_another_thread(lambda: model(ids[:, 5:6], cache=cache, use_cache=True))
+                return read(*args)
+
+            return reading
+
+        cache._forked, cache._saved = advanced_meanwhile(forked), advanced_meanwhile(saved)
+        copy_and_save()
+        del cache._forked, cache._saved
+    assert len(errors) == 2 and all("\n" not in error for error in errors), errors
+    assert all("being advanced by another call while it was copied or saved" in error for error in errors)
+    copy, expected = cache.fork(1), cache.get_state()  # (between calls: the copy holds the state)
+    cache.save(tmp_path / "state.safetensors")
+    for held, state in zip(copy.get_state(), expected, strict=True):
+        torch.testing.assert_close(held, state, rtol=0, atol=0)
