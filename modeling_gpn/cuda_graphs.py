@@ -360,6 +360,9 @@ def window_forward(
 TRAINING_CHUNK = 32  # steps per graph replay in a training window's forward and backward sweeps
 
 
+_take_lock = threading.Lock()  # (`TrainingSweep.take`)
+
+
 class _Owner:
     """What a training call holds while a `TrainingSweep`'s buffers carry its records (see `take`)."""
 
@@ -535,11 +538,14 @@ class TrainingSweep:
 
     def take(self) -> _Owner | None:
         """Reserve the buffers for one call (its forward to its backward); None while another call holds
-        them (a call whose autograd graph was dropped without backward frees them with its owner object)."""
-        if self.owner is not None and self.owner() is not None:
-            return None
-        owner = _Owner()
-        self.owner = weakref.ref(owner)
+        them (a call whose autograd graph was dropped without backward frees them with its owner object). Under a
+        lock: two threads' calls (a worker thread calling the model outside `torch.no_grad()`, whose grad mode is
+        its own) would otherwise both find the buffers free and both run on them, each reading the other's records."""
+        with _take_lock:
+            if self.owner is not None and self.owner() is not None:
+                return None
+            owner = _Owner()
+            self.owner = weakref.ref(owner)
         return owner
 
     def release(self) -> None:

@@ -5651,6 +5651,13 @@ MUTATIONS = [
         "            if held.get(CLAIM_ATTRIBUTE) is None:  # MUTATION",
         ("tests/fast_path/test_threads.py -k copy_or_save_overlapping and call_during_the_copy",),
     ),
+    Mutation(
+        "a training sweep's buffers taken without the lock (two threads both find them free and both take them)",
+        "modeling_gpn/cuda_graphs.py",
+        "        with _take_lock:\n            if self.owner is not None",
+        "        if True:  # MUTATION\n            if self.owner is not None",
+        ("tests/fast_path/test_threads.py -k training_sweep",),
+    ),
 ]
 
 

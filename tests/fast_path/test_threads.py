@@ -347,3 +347,44 @@ def test_a_copy_or_save_overlapping_a_call_that_advances_the_cache_is_refused(mo
     cache.save(tmp_path / "state.safetensors")
     for held, state in zip(copy.get_state(), expected, strict=True):
         torch.testing.assert_close(held, state, rtol=0, atol=0)
+
+
+def test_two_threads_taking_a_training_sweeps_buffers_at_once_get_one_owner(triton_on, monkeypatch):
+    """GPN_CUDA_GRAPHS=1, training windows on a `TrainingSweep`'s static buffers (through Triton's interpreter on
+    CPU): two threads' calls taking the free buffers at once (worker threads calling the model outside their own
+    `torch.no_grad()`) get one owner between them; the other runs without the sweep. Forced: the first thread,
+    between finding the buffers free and taking them, lets the second try, and goes on once it got an answer, or
+    waits on the lock the first holds."""
+    import inspect
+    import sys
+
+    from modeling_gpn import cuda_graphs
+
+    monkeypatch.setenv("GPN_CUDA_GRAPHS", "1")
+    model = perturbed_model(tiny_config(), seed=34)
+    model(torch.randint(1, 97, (1, 4), generator=torch.Generator().manual_seed(1))).logits.sum().backward()
+    (sweep,) = model.model._gpn_training_sweeps.values()  # (its call done: the buffers are free)
+    source, first = inspect.getsourcelines(cuda_graphs.TrainingSweep.take)
+    lock_line = next((first + i for i, line in enumerate(source) if "with _take_lock" in line), None)
+    owners, second = [], None
+
+    class Racing(cuda_graphs._Owner):
+        def __init__(self):
+            if second is None or threading.current_thread() is not first_thread:
+                return
+            second.start()
+            while second.is_alive():  # (until the second has its answer, or waits at the lock the first holds)
+                frame = sys._current_frames().get(second.ident)
+                while frame is not None and frame.f_code is not cuda_graphs.TrainingSweep.take.__code__:
+                    frame = frame.f_back
+                if frame is not None and frame.f_lineno == lock_line and cuda_graphs._take_lock.locked():
+                    break
+                time.sleep(0.001)
+
+    monkeypatch.setattr(cuda_graphs, "_Owner", Racing)
+    first_thread = threading.Thread(target=lambda: owners.append(sweep.take()))
+    second = threading.Thread(target=lambda: owners.append(sweep.take()))
+    first_thread.start()
+    first_thread.join()
+    second.join()
+    assert len(owners) == 2 and sum(owner is not None for owner in owners) == 1, owners
