@@ -808,7 +808,12 @@ class BufferPool:
     def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A buffer of this shape: a given-back one if there is one, else a new (uninitialised) one."""
         free = self.free.get(self._key(shape, dtype, device))
-        return free.pop() if free else torch.empty(shape, dtype=dtype, device=device)
+        if free:
+            try:
+                return free.pop()
+            except IndexError:  # (another thread's call took the last one since: both training at once)
+                pass
+        return torch.empty(shape, dtype=dtype, device=device)
 
     def give_back(self, *buffers: torch.Tensor | None) -> None:
         """Return buffers (None skipped) for a later `take` of the same shape, dtype and device."""

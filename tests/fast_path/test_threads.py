@@ -388,3 +388,29 @@ def test_two_threads_taking_a_training_sweeps_buffers_at_once_get_one_owner(trit
     first_thread.join()
     second.join()
     assert len(owners) == 2 and sum(owner is not None for owner in owners) == 1, owners
+
+
+def test_two_threads_taking_the_last_pooled_buffer_at_once_each_get_one():
+    """The buffer pool of training calls (`fast_recurrence.BufferPool`): two threads' calls taking a buffer of one
+    shape while one is free each get a buffer (one the pooled one, the other a new one), rather than the second
+    failing on an emptied list. Forced: the first, having seen the free one, lets the second take it first."""
+    from modeling_gpn.fast_recurrence import BufferPool
+
+    pool, pooled, taken = BufferPool(), torch.empty(2, 3), []
+    pool.give_back(pooled)
+    key = pool._key((2, 3), torch.float32, torch.device("cpu"))
+
+    class Racing(list):
+        def __bool__(self):
+            seen = len(self) > 0
+            if threading.current_thread() is first:
+                second = threading.Thread(target=lambda: taken.append(pool.take((2, 3), torch.float32, "cpu")))
+                second.start()
+                second.join()
+            return seen
+
+    pool.free[key] = Racing(pool.free[key])
+    first = threading.Thread(target=lambda: taken.append(pool.take((2, 3), torch.float32, "cpu")))
+    first.start()
+    first.join()
+    assert len(taken) == 2 and taken[0] is pooled and taken[1] is not pooled and taken[1].shape == (2, 3)
