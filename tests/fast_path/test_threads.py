@@ -2,7 +2,11 @@
 (what the fast path derives, its plans and their workspaces included, lives in a scope per thread:
 `derived_weights.py`), one cache advanced by two calls at once is refused rather than computed from a
 half-written state (`GPNCache.claim`), and what the C kernels keep per thread goes when the thread does (a
-server that starts a thread per request)."""
+server that starts a thread per request). And the moments another thread's work can land in, each forced (events,
+a hook, a frame seen waiting) rather than hoped for: a weight replaced while a call builds its decode plan or runs
+a cache's first call (seen by the next call, refused by `save`), a copy or save overlapping a call on the cache
+(refused), two threads on one CUDA graph (each its own) or taking a training sweep's or the pool's buffers at once
+(one each). The contract: docs/cache.md, "Threads"."""
 
 from __future__ import annotations
 
