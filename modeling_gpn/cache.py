@@ -21,7 +21,7 @@ import os
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.utils._pytree as pytree
@@ -313,6 +313,10 @@ class GPNStateLayer(LinearAttentionLayer):
 
 
 CLAIM_ATTRIBUTE = "_gpn_in_use"  # the attribute a forward sets while it advances a cache (`GPNCache.claim`)
+# how many calls have claimed the cache so far: a copy or a save that saw no claim before it read and none after (and
+# this count unchanged) read no state being written (`GPNCache.read_whole`)
+CLAIMS_ATTRIBUTE = "_gpn_claims"
+T = TypeVar("T")
 
 
 class ChunkedRead:
@@ -378,12 +382,33 @@ class GPNCache(Cache):
         self.refuse_if_interrupted()
         if is_tracing():
             return False
-        if self.__dict__.setdefault(CLAIM_ATTRIBUTE, token) is token:
+        held = self.__dict__
+        if held.setdefault(CLAIM_ATTRIBUTE, token) is token:
+            held[CLAIMS_ATTRIBUTE] = held.get(CLAIMS_ATTRIBUTE, 0) + 1  # (by the winner alone: no race)
             return False
         raise RuntimeError(
             "this GPNCache is being advanced by another call right now (another thread, or a call made inside "
             "the forward): a cache can be used by one call at a time; give each thread its own cache "
             "(cache.fork(1) copies one)"
+        )
+
+    def read_whole(self, read: Callable[[], T]) -> T:
+        """`read()` (a copy of the state and its bookkeeping: `fork`, `save`), refused where a call advancing the
+        cache ran meanwhile. A forward or decoded token writes the state, its count and fingerprint in several steps
+        (in place, in C, without the GIL), so a copy overlapping it, from another thread, would hold parts of two
+        positions in silence. Readers claim nothing (copies and saves from several threads at once go on): a read
+        that saw no claim before it began and none after, with no claim taken between (`CLAIMS_ATTRIBUTE`), read
+        a state no call was writing."""
+        self.refuse_if_interrupted()  # (first, as `claim` does: an interrupted call may have left its claim held)
+        held = self.__dict__
+        claims = held.get(CLAIMS_ATTRIBUTE, 0)
+        if held.get(CLAIM_ATTRIBUTE) is None:
+            result = read()
+            if held.get(CLAIM_ATTRIBUTE) is None and held.get(CLAIMS_ATTRIBUTE, 0) == claims:
+                return result
+        raise RuntimeError(
+            "this GPNCache was being advanced by another call while it was copied or saved (another thread, or a "
+            "call made inside the forward): copy or save it between the calls that advance it"
         )
 
     def refuse_if_interrupted(self) -> None:
@@ -424,12 +449,15 @@ class GPNCache(Cache):
                 setattr(copied, name, self.__dict__[name])
         return copied
 
-    def note_model(self, model: nn.Module, look_for_mixed_adapters: bool = True) -> None:
+    def note_model(self, model: nn.Module, look_for_mixed_adapters: bool = True, snapshot: tuple | None = None) -> None:
         """Remember `model` (a `GPNModel`) as the one that advanced this state, for `save`. A model new to this
         cache also leaves a snapshot of its weights (`state_file.weights_snapshot`), by which `save` tells that
         they changed after the state was computed (the forward calls this after every step: a glance at one
         attribute while the model stays the same). A compiled or exported forward reads no storage: it leaves no
         snapshot, and the save of a state it advanced is not checked.
+
+        `snapshot`: the one `snapshot_before_call` took before the call that advanced the state read the weights (None:
+        one is taken now, for a state no call computed here: one loaded from a file).
 
         `look_for_mixed_adapters`: whether the call that advanced the state may have been PEFT's mixed-batch
         inference (`state_file.mixed_batch_adapters`); if it was, the cache keeps its adapters for good (its rows
@@ -446,7 +474,7 @@ class GPNCache(Cache):
         ref = self.__dict__.get("_gpn_model_ref")
         if ref is None or ref() is not model:
             self._gpn_model_ref = weakref.ref(model)
-            self._gpn_weights_snapshot = weights_snapshot(model)
+            self._gpn_weights_snapshot = snapshot if snapshot is not None else weights_snapshot(model)
 
     @property
     def state_layer(self) -> GPNStateLayer:
@@ -542,7 +570,10 @@ class GPNCache(Cache):
         """
         if isinstance(num_copies, bool) or not isinstance(num_copies, int) or num_copies < 1:
             raise ValueError(f"fork needs a positive number of copies, got {num_copies!r}")
-        self.refuse_if_interrupted()
+        return self.read_whole(lambda: self._forked(num_copies))
+
+    def _forked(self, num_copies: int) -> GPNCache:
+        """`fork`'s copy (read through `read_whole`)."""
         if not self.has_state:
             raise ValueError("This GPNCache holds no state to fork: run the model on a prompt with it first")
         layer = self.state_layer
@@ -589,7 +620,12 @@ class GPNCache(Cache):
                 file names none.
         """
         path = Path(path)
-        self.refuse_if_interrupted()
+        write_state_file(path, *self.read_whole(lambda: self._saved(path, model_fingerprint, tokenizer)))
+
+    def _saved(
+        self, path: Path, model_fingerprint: dict[str, str] | None, tokenizer: PreTrainedTokenizerBase | None
+    ) -> tuple:
+        """What `save` writes (`write_state_file`'s arguments after the path), read through `read_whole`."""
         if not self.has_state:
             raise ValueError(f"Cannot save {path}: this GPNCache holds no state (run the model on a prompt first)")
         mixed = self.state_layer.mixed_adapters
@@ -627,7 +663,7 @@ class GPNCache(Cache):
         read = self.read_fingerprint()
         read_fingerprint = json.dumps(read.tolist()) if read is not None else "unknown"
         tokenizer_named = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
-        write_state_file(path, tensors, self.get_seq_length(), read_fingerprint, model_fingerprint, tokenizer_named)
+        return tensors, self.get_seq_length(), read_fingerprint, model_fingerprint, tokenizer_named
 
     @classmethod
     def load(
@@ -891,3 +927,15 @@ def _refuse_a_departing_history(
 
 
 # ---- end of continuing from a cache ------------------------------------------------------------------
+
+
+def snapshot_before_call(cache: GPNCache | None, model: nn.Module) -> tuple | None:
+    """The snapshot of `model`'s weights (`state_file.weights_snapshot`) that `GPNCache.note_model` keeps where
+    `model` is new to `cache` (None: a cache the call makes), taken by a call before it reads the weights; None where
+    `model` advanced that state already (the common case: one weak reference read), or while tracing. Taken after the
+    call, an edit another thread made while the call ran would be in the snapshot though not (or not all) in the
+    state, and `save` would name the edited model; taken before, `save` sees the edit and refuses."""
+    ref = cache.__dict__.get("_gpn_model_ref") if cache is not None else None
+    if (ref is not None and ref() is model) or is_tracing():
+        return None
+    return weights_snapshot(model)

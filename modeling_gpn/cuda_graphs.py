@@ -40,6 +40,7 @@ This file ships to the Hub with the model: it imports only torch, typing, the st
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -267,30 +268,43 @@ def graph_of(
     `load_weights` copies (casts) into them, so a model with one module cast since (its fuse gate kept in
     float32 beside bf16 matrices) would otherwise replay that module's products in the old dtype.
 
-    At most `MAX_INFERENCE_GRAPHS` are kept, the least recently used dropped to make room for a new one."""
-    graphs = getattr(model, GRAPHS_ATTRIBUTE, None)
-    if graphs is None:
-        graphs = OrderedDict()  # least recently used first
-        object.__setattr__(model, GRAPHS_ATTRIBUTE, graphs)
+    Each thread has its own graphs (the thread is part of the key): a graph's token input, state slots, outputs and
+    weights are static buffers, written by every call, so two threads running one graph at once would each read the
+    other's tokens and state in silence (and a state one call returned, a slot, would be overwritten by the other's
+    call before it is copied into the cache).
+
+    At most `MAX_INFERENCE_GRAPHS` are kept, the least recently used dropped to make room for a new one (a thread
+    that ended leaves its graphs until then)."""
     unpacked = lambda m: m.matrix if isinstance(m, PackedMatrix) else m
     dtypes = tuple(unpacked(m).dtype for m in (w.fg_w, w.big_w, *w.out_w, *w.layer_w))
-    key = (batch, device, steps, dtypes)
-    graph = graphs.get(key)
+    key = (batch, device, steps, dtypes, threading.get_ident())
     loaded = derived.setdefault("graphs holding these weights", set())
-    if graph is None:
-        while len(graphs) >= MAX_INFERENCE_GRAPHS:  # (before the new one's buffers are made)
-            # a state a dropped graph returned stays valid (its slots are referenced by whoever holds it) and is
-            # copied into the slots of the graph that reads it next
-            graphs.popitem(last=False)
-        graph = graphs[key] = StepsGraph(model, batch, device, steps, kernels=kernels, w=w)
+    with _graphs_lock:  # (the least recently used order, which other threads' calls move and trim meanwhile)
+        graphs = getattr(model, GRAPHS_ATTRIBUTE, None)
+        if graphs is None:
+            graphs = OrderedDict()  # least recently used first
+            object.__setattr__(model, GRAPHS_ATTRIBUTE, graphs)
+        graph = graphs.get(key)
+        if graph is None:
+            while len(graphs) >= MAX_INFERENCE_GRAPHS:  # (before the new one's buffers are made)
+                # a state a dropped graph returned stays valid (its slots are referenced by whoever holds it) and is
+                # copied into the slots of the graph that reads it next
+                graphs.popitem(last=False)
+        else:
+            graphs.move_to_end(key)
+    if graph is None:  # (made and captured outside the lock: no other thread makes or reads this thread's graphs)
+        graph = StepsGraph(model, batch, device, steps, kernels=kernels, w=w)
         if capture and device.type == "cuda":
             graph.capture()
-    else:
-        graphs.move_to_end(key)
-        if key not in loaded:
-            graph.load_weights(w)
+        with _graphs_lock:
+            graphs[key] = graph
+    elif key not in loaded:
+        graph.load_weights(w)
     loaded.add(key)
     return graph
+
+
+_graphs_lock = threading.Lock()
 
 
 def window_forward(
@@ -344,6 +358,9 @@ def window_forward(
 # --------------------------------------------------------------------------------------------------
 
 TRAINING_CHUNK = 32  # steps per graph replay in a training window's forward and backward sweeps
+
+
+_take_lock = threading.Lock()  # (`TrainingSweep.take`)
 
 
 class _Owner:
@@ -521,11 +538,14 @@ class TrainingSweep:
 
     def take(self) -> _Owner | None:
         """Reserve the buffers for one call (its forward to its backward); None while another call holds
-        them (a call whose autograd graph was dropped without backward frees them with its owner object)."""
-        if self.owner is not None and self.owner() is not None:
-            return None
-        owner = _Owner()
-        self.owner = weakref.ref(owner)
+        them (a call whose autograd graph was dropped without backward frees them with its owner object). Under a
+        lock: two threads' calls (a worker thread calling the model outside `torch.no_grad()`, whose grad mode is
+        its own) would otherwise both find the buffers free and both run on them, each reading the other's records."""
+        with _take_lock:
+            if self.owner is not None and self.owner() is not None:
+                return None
+            owner = _Owner()
+            self.owner = weakref.ref(owner)
         return owner
 
     def release(self) -> None:

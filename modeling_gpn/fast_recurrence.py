@@ -78,12 +78,13 @@ if TYPE_CHECKING:
     from .cache import GPNCache
 
 from .arguments import check_input_ids
-from .cache import CLAIM_ATTRIBUTE
+from .cache import CLAIM_ATTRIBUTE, snapshot_before_call
 from .cuda_graphs import GRAPHS_ATTRIBUTE, SWEEPS_ATTRIBUTE, GraphKernels, training_sweep
 from .cuda_graphs import asked as graphs_asked
 from .cuda_graphs import window_forward as graph_window_forward
 from .derived_weights import (
     KEPT_ATTRIBUTE,
+    DerivedWeights,
     WatchedModules,
     as_read,
     called_as_is,
@@ -502,13 +503,19 @@ class DecodeLane(NamedTuple):
     modules: WatchedModules
 
 
-def _decode_lane(lm: torch.nn.Module, derived: dict, rows: int, methods: dict) -> DecodeLane:
+def _decode_lane(lm: torch.nn.Module, scope: DerivedWeights, rows: int, methods: dict) -> DecodeLane:
     """The `DecodeLane` of `rows` rows for this scope, built (after `decode_lane_blocker` found the modules plain)
     on first use, and again whenever its modules are no longer what they were."""
+    model = lm.model
+    # the modules as they are noted before anything is read from them (the scope's key, the plan's weights): an edit
+    # another thread makes while the plan is built then differs from the note, and the next call builds anew; noted
+    # after, it would match, and every later call continuing the cache would read what was there before the edit
+    modules = WatchedModules(model, lm.lm_head, methods=methods, callers=(lm,))
+    derived = scope.current(model)  # (dropping what older weights derived)
     lanes = derived.setdefault("decode lanes", {})
     lane = lanes.get(rows)
     if lane is None or not lane.modules.unchanged():
-        model, plan = lm.model, None
+        plan = None
         step = _step_plan(model, derived, rows)
         if step is not None:
             fuse_proj, decode_proj = _projections(model)
@@ -526,7 +533,7 @@ def _decode_lane(lm: torch.nn.Module, derived: dict, rows: int, methods: dict) -
                     )
             except KernelRefusal:
                 pass
-        lane = lanes[rows] = DecodeLane(plan, WatchedModules(model, lm.lm_head, methods=methods, callers=(lm,)))
+        lane = lanes[rows] = DecodeLane(plan, modules)
     return lane
 
 
@@ -575,13 +582,13 @@ def fast_decode_token(
         p0, g0, M0 = cache.state_buffers()
         if p0.shape[0] != rows or p0.dtype is not torch.float32:
             return None  # (the forward says what is wrong)
+        snapshot = snapshot_before_call(cache, model)  # (None: the model that advanced this state, the common case)
         with derived_weights_scope(model, kept_by=cache) as scope:
             lane = scope.entries.get("decode lanes", {}).get(rows)
             if lane is None or not lane.modules.unchanged():
                 if decode_lane_blocker(lm, norm_class, methods) is not None:
                     return None
-                # (current: dropping what older weights derived)
-                lane = _decode_lane(lm, scope.current(model), rows, methods)
+                lane = _decode_lane(lm, scope, rows, methods)
             if lane.plan is None:
                 return None
             plan, derived = lane.plan, scope.entries
@@ -604,7 +611,7 @@ def fast_decode_token(
         cache.advanced_in_place(input_ids, hashed=ids_hash is not None)
         # whose state this is, for GPNCache.save; never PEFT's mixed-batch inference, whose hooks sit on adapter layers,
         # which are no plain modules (`decode_lane_blocker`): nothing to look for on the decoded token
-        cache.note_model(model, look_for_mixed_adapters=False)
+        cache.note_model(model, look_for_mixed_adapters=False, snapshot=snapshot)
         keep_with(model, cache, scope)
         cache.finish_writing()
         object.__setattr__(model, "last_recurrence_path", "fast")
@@ -801,7 +808,12 @@ class BufferPool:
     def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A buffer of this shape: a given-back one if there is one, else a new (uninitialised) one."""
         free = self.free.get(self._key(shape, dtype, device))
-        return free.pop() if free else torch.empty(shape, dtype=dtype, device=device)
+        if free:
+            try:
+                return free.pop()
+            except IndexError:  # (another thread's call took the last one since: both training at once)
+                pass
+        return torch.empty(shape, dtype=dtype, device=device)
 
     def give_back(self, *buffers: torch.Tensor | None) -> None:
         """Return buffers (None skipped) for a later `take` of the same shape, dtype and device."""

@@ -69,7 +69,7 @@ from .arguments import (
     refuse_attention_outputs,
     refuse_state_not_float32,
 )
-from .cache import CLAIM_ATTRIBUTE, GPNCache
+from .cache import CLAIM_ATTRIBUTE, GPNCache, snapshot_before_call
 from .chunked_loss import chunked_causal_lm_loss, divide_loss_sum
 from .configuration_gpn import GPNConfig
 from .derived_weights import (
@@ -1050,6 +1050,8 @@ class GPNModel(GPNPreTrainedModel):
             if state is None:
                 state = self.zero_state(batch_size, embeddings.device)
 
+            # the weights as this call is about to read them, for `GPNCache.save` (where this model is new to the cache)
+            snapshot = snapshot_before_call(cache, self) if use_cache else None
             # what the fast path derives from the parameters (folded matrices, ...) lives for this call, the
             # generate() call around it, or the cache it continues (a decode loop derives once): derived_weights.py
             with derived_weights_scope(self, kept_by=cache) as derived:
@@ -1069,7 +1071,7 @@ class GPNModel(GPNPreTrainedModel):
                 cache.start_writing()
                 cache.update_state(*final_state, num_new_tokens=seq_len)
                 cache.record_read(input_ids, mask)
-                cache.note_model(self)  # whose state this is, for GPNCache.save
+                cache.note_model(self, snapshot=snapshot)  # whose state this is, for GPNCache.save
                 keep_with(self, cache, derived)  # the next call that continues this cache reuses them
                 if not lent:
                     cache.finish_writing()

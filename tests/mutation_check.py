@@ -662,8 +662,8 @@ MUTATIONS = [
     Mutation(
         "a no-grad graph per dtype of every step matrix (keyed by the big matrix's alone)",
         "modeling_gpn/cuda_graphs.py",
-        "    key = (batch, device, steps, dtypes)\n",
-        "    key = (batch, device, steps, dtypes[1])  # MUTATION\n",
+        "    key = (batch, device, steps, dtypes, threading.get_ident())\n",
+        "    key = (batch, device, steps, dtypes[1], threading.get_ident())  # MUTATION\n",
         ("tests/fast_path/test_triton_kernels.py::test_a_graph_is_kept_per_dtype_of_every_step_matrix",),
     ),
     Mutation(
@@ -5661,6 +5661,108 @@ MUTATIONS = [
         (
             "tests/ecosystem/test_ecosystem.py -k test_a_no_grad_pass_in_training_mode_with_neftune_is_not_read_in_chunks",
         ),
+    ),
+    Mutation(
+        "decode lane (its modules noted after the plan read them: a weight another thread replaces meanwhile is lost)",
+        "modeling_gpn/fast_recurrence.py",
+        "    modules = WatchedModules(model, lm.lm_head, methods=methods, callers=(lm,))\n"
+        "    derived = scope.current(model)  # (dropping what older weights derived)\n"
+        '    lanes = derived.setdefault("decode lanes", {})\n'
+        "    lane = lanes.get(rows)\n"
+        "    if lane is None or not lane.modules.unchanged():\n"
+        "        plan = None\n"
+        "        step = _step_plan(model, derived, rows)\n"
+        "        if step is not None:\n"
+        "            fuse_proj, decode_proj = _projections(model)\n"
+        "            try:\n"
+        "                with torch.no_grad():\n"
+        "                    plan = DecodePlan(\n"
+        "                        step,\n"
+        "                        model.embed_tokens.weight,\n"
+        "                        model.config.vocab_size,\n"
+        "                        model.fuse_norm.weight,\n"
+        "                        fuse_proj,\n"
+        "                        model.decode_norm.weight,\n"
+        "                        decode_proj,\n"
+        "                        lm.lm_head.weight if lm.lm_head.weight is model.embed_tokens.weight else lm.lm_head,\n"
+        "                    )\n"
+        "            except KernelRefusal:\n"
+        "                pass\n"
+        "        lane = lanes[rows] = DecodeLane(plan, modules)",
+        "    derived = scope.current(model)  # (dropping what older weights derived)\n"
+        '    lanes = derived.setdefault("decode lanes", {})\n'
+        "    lane = lanes.get(rows)\n"
+        "    if lane is None or not lane.modules.unchanged():\n"
+        "        plan = None\n"
+        "        step = _step_plan(model, derived, rows)\n"
+        "        if step is not None:\n"
+        "            fuse_proj, decode_proj = _projections(model)\n"
+        "            try:\n"
+        "                with torch.no_grad():\n"
+        "                    plan = DecodePlan(\n"
+        "                        step,\n"
+        "                        model.embed_tokens.weight,\n"
+        "                        model.config.vocab_size,\n"
+        "                        model.fuse_norm.weight,\n"
+        "                        fuse_proj,\n"
+        "                        model.decode_norm.weight,\n"
+        "                        decode_proj,\n"
+        "                        lm.lm_head.weight if lm.lm_head.weight is model.embed_tokens.weight else lm.lm_head,\n"
+        "                    )\n"
+        "            except KernelRefusal:\n"
+        "                pass\n"
+        "        lane = lanes[rows] = DecodeLane(plan, WatchedModules(model, lm.lm_head, methods=methods, callers=(lm,)))  # MUTATION",
+        ("tests/fast_path/test_threads.py -k replaced_while_another_thread",),
+    ),
+    Mutation(
+        "graph steps (one graph per model, shared by every thread: static buffers written by two calls at once)",
+        "modeling_gpn/cuda_graphs.py",
+        "    key = (batch, device, steps, dtypes, threading.get_ident())",
+        "    key = (batch, device, steps, dtypes)  # MUTATION",
+        ("tests/fast_path/test_threads.py -k graph_steps",),
+    ),
+    Mutation(
+        "a prompt's state noted with the weights as they are after the call (another thread's edit meanwhile unseen)",
+        "modeling_gpn/modeling_gpn.py",
+        "            snapshot = snapshot_before_call(cache, self) if use_cache else None\n",
+        "            snapshot = None  # MUTATION\n",
+        ("tests/fast_path/test_threads.py -k not_saved and prompt",),
+    ),
+    Mutation(
+        "a decoded token's state noted with the weights as they are after the call (another thread's edit unseen)",
+        "modeling_gpn/fast_recurrence.py",
+        "        snapshot = snapshot_before_call(cache, model)",
+        "        snapshot = None  # MUTATION",
+        ("tests/fast_path/test_threads.py -k not_saved and decoded",),
+    ),
+    Mutation(
+        "fork and save read the state whatever call is advancing it meanwhile (no check at all)",
+        "modeling_gpn/cache.py",
+        "        held = self.__dict__\n        claims = held.get(CLAIMS_ATTRIBUTE, 0)\n        if held",
+        "        return read()  # MUTATION\n        held = self.__dict__\n        claims = held.get(CLAIMS_ATTRIBUTE, 0)\n        if held",
+        ("tests/fast_path/test_threads.py -k copy_or_save_overlapping",),
+    ),
+    Mutation(
+        "fork and save see only a claim held at their start and end, not one taken and released while they read",
+        "modeling_gpn/cache.py",
+        "            if held.get(CLAIM_ATTRIBUTE) is None and held.get(CLAIMS_ATTRIBUTE, 0) == claims:",
+        "            if held.get(CLAIM_ATTRIBUTE) is None:  # MUTATION",
+        ("tests/fast_path/test_threads.py -k copy_or_save_overlapping and call_during_the_copy",),
+    ),
+    Mutation(
+        "a training sweep's buffers taken without the lock (two threads both find them free and both take them)",
+        "modeling_gpn/cuda_graphs.py",
+        "        with _take_lock:\n            if self.owner is not None",
+        "        if True:  # MUTATION\n            if self.owner is not None",
+        ("tests/fast_path/test_threads.py -k training_sweep",),
+    ),
+    Mutation(
+        "the buffer pool pops a list another thread emptied since it was seen non-empty",
+        "modeling_gpn/fast_recurrence.py",
+        "            except IndexError:  # (another thread's call took the last one since: both training at once)\n"
+        "                pass\n",
+        "            except KeyError:  # MUTATION\n                pass\n",
+        ("tests/fast_path/test_threads.py -k pooled",),
     ),
 ]
 
