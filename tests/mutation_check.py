@@ -5564,6 +5564,13 @@ MUTATIONS = [
         "        and _few_rows_on_kernels(x, *module.parameters())  # MUTATION",
         ("tests/ecosystem/test_ecosystem.py -k modules_the_fast_path_calls_are_called",),
     ),
+    Mutation(
+        "gpn generate - with standard input closed an AttributeError traceback",
+        "modeling_gpn/cli/generate.py",
+        "    if sys.stdin is None:  # (started with standard input closed",
+        "    if False:  # MUTATION",
+        ("tests/tools/test_generate_cli.py::test_a_prompt_from_standard_input",),
+    ),
 ]
 
 
