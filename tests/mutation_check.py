@@ -5571,6 +5571,13 @@ MUTATIONS = [
         "    if False:  # MUTATION",
         ("tests/tools/test_generate_cli.py::test_a_prompt_from_standard_input",),
     ),
+    Mutation(
+        "gpn serve's log lines coloured as uvicorn decides (standard output a terminal, NO_COLOR ignored)",
+        "modeling_gpn/serve/server.py",
+        '            kwargs.setdefault("use_colors", colours_wanted())\n',
+        "            pass  # MUTATION\n",
+        ("tests/tools/test_serve.py -k coloured_only_on_a_terminal and (file or NO_COLOR)",),
+    ),
 ]
 
 

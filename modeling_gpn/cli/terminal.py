@@ -13,6 +13,7 @@ choice for such a terminal).
 from __future__ import annotations
 
 import codecs
+import os
 import sys
 
 ERROR_HANDLER = "gpn-escape"
@@ -53,3 +54,14 @@ def escape_what_stdout_cannot_show() -> None:
     if encoding is None or codecs.lookup(encoding).name == "utf-8" or not hasattr(stream, "reconfigure"):
         return
     stream.reconfigure(errors=ERROR_HANDLER)
+
+
+def colours_wanted() -> bool:
+    """Whether a command may colour what it prints with escape codes: only where standard output and standard error
+    are both terminals, and NO_COLOR (https://no-color.org) is unset or empty. (uvicorn, under `gpn serve`, asked
+    standard output alone, and wrote its log lines to standard error: `gpn serve 2> server.log` at a terminal filled
+    the file with escape codes, and NO_COLOR changed nothing.)"""
+    if os.environ.get("NO_COLOR"):
+        return False
+    streams = (sys.stdout, sys.stderr)
+    return all(stream is not None and getattr(stream, "isatty", lambda: False)() for stream in streams)
