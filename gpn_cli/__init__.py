@@ -126,7 +126,8 @@ def _build_parsers(selected: str | None) -> tuple[argparse.ArgumentParser, dict[
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=parser_class)
     subcommand_parsers = {}
     for name, (module_name, help_text) in listed.items():
-        epilog = f"example: {EXAMPLES[name]}" if name in EXAMPLES else None
+        # (indented: a line of its own that the formatter never wraps, so that it copies whole at any width)
+        epilog = f"example:\n  {EXAMPLES[name]}" if name in EXAMPLES else None
         sub = subparsers.add_parser(
             name, help=help_text, description=help_text, epilog=epilog, formatter_class=formatter_class
         )

@@ -4341,7 +4341,7 @@ MUTATIONS = [
     Mutation(
         "gpn CMD --help ends with no example",
         "gpn_cli/__init__.py",
-        '        epilog = f"example: {EXAMPLES[name]}" if name in EXAMPLES else None\n',
+        '        epilog = f"example:\\n  {EXAMPLES[name]}" if name in EXAMPLES else None\n',
         "        epilog = None  # MUTATION\n",
         ("tests/tools/test_docs.py -k every_option_has_help_and_the_help_an_example and not train",),
     ),
@@ -5577,6 +5577,27 @@ MUTATIONS = [
         '            kwargs.setdefault("use_colors", colours_wanted())\n',
         "            pass  # MUTATION\n",
         ("tests/tools/test_serve.py -k coloured_only_on_a_terminal and (file or NO_COLOR)",),
+    ),
+    Mutation(
+        "gpn CMD --help breaks option names and paths after a hyphen (argparse's wrapping)",
+        "modeling_gpn/cli/formatting.py",
+        "        break_on_hyphens=False,\n",
+        "        break_on_hyphens=True,  # MUTATION\n",
+        ("tests/tools/test_docs.py -k breaks_no_word",),
+    ),
+    Mutation(
+        "gpn CMD --help wraps the example's command like prose",
+        "modeling_gpn/cli/formatting.py",
+        "                lines += [indent + line for line in run] if indented else",
+        "                indented = False  # MUTATION\n                lines += [indent + line for line in run] if indented else",
+        ("tests/tools/test_docs.py -k breaks_no_word",),
+    ),
+    Mutation(
+        "gpn bench --help runs its description's paragraphs into one",
+        "modeling_gpn/cli/formatting.py",
+        '        for paragraph in _PARAGRAPH_BREAK.split(text.strip("\\n")):',
+        '        for paragraph in [text.strip("\\n")]:  # MUTATION',
+        ("tests/tools/test_docs.py -k breaks_no_word",),
     ),
 ]
 

@@ -63,9 +63,9 @@ the fast path's timings used."""
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `gpn bench`."""
+    # three paragraphs, each wrapped to the terminal (the command's formatter keeps blank-line breaks; the limit's
+    # paragraphs printed as written were lines of up to 130 characters, broken by an 80-column terminal)
     parser.description = (parser.description or "") + "\n\n" + LIMIT_HELP + "\n\n" + COLUMNS_HELP
-    # the limit's paragraphs as written, options as the `gpn` command formats them
-    parser.formatter_class = type("Formatter", (argparse.RawDescriptionHelpFormatter, parser.formatter_class), {})
     parser.add_argument(
         "--preset",
         nargs="+",
