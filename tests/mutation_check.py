@@ -5599,6 +5599,27 @@ MUTATIONS = [
         '        for paragraph in [text.strip("\\n")]:  # MUTATION',
         ("tests/tools/test_docs.py -k breaks_no_word",),
     ),
+    Mutation(
+        "HF_HUB_DISABLE_PROGRESS_BARS and TQDM_DISABLE leave gpn's own progress bars on",
+        "gpn_cli/__init__.py",
+        "    honour_progress_bar_environment(args)  # (HF_HUB_DISABLE_PROGRESS_BARS=1",
+        "    pass  # MUTATION (HF_HUB_DISABLE_PROGRESS_BARS=1",
+        ("tests/tools/test_cli_startup.py -k switches_of_the_hugging_face_libraries and (TQDM or HF_HUB)",),
+    ),
+    Mutation(
+        "HF_HUB_DISABLE_PROGRESS_BARS (huggingface_hub's setting) leaves gpn's own progress bars on",
+        "modeling_gpn/cli/terminal.py",
+        "    return are_progress_bars_disabled()\n",
+        "    return False  # MUTATION\n",
+        ("tests/tools/test_cli_startup.py -k switches_of_the_hugging_face_libraries and HF_HUB",),
+    ),
+    Mutation(
+        "gpn bench --no-progress shows the bar",
+        "modeling_gpn/bench/command.py",
+        'unit="preset", disable=args.no_progress)',
+        'unit="preset")  # MUTATION',
+        ("tests/tools/test_cli_startup.py -k switches_of_the_hugging_face_libraries and not nothing",),
+    ),
 ]
 
 

@@ -151,6 +151,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="torch intra-op threads (CPU; default: torch's own, one per core it sees)",
     )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (as gpn train, eval, inspect)")
     parser.add_argument(
         "--json", default=None, help="also write all figures to this JSON file (replacing one there, in one step)"
     )
@@ -281,7 +282,7 @@ def run_bench(args: argparse.Namespace) -> int:
         check_fits(preset, config, args.dtype, args.device)
     rows = []
     try:
-        for preset in tqdm(args.preset, desc="bench", unit="preset"):
+        for preset in tqdm(args.preset, desc="bench", unit="preset", disable=args.no_progress):
             rows += measure_preset(preset, args)
     except KeyboardInterrupt:  # Ctrl-C: the presets measured so far are reported (and written), not lost
         if not rows:

@@ -12,6 +12,7 @@ choice for such a terminal).
 
 from __future__ import annotations
 
+import argparse
 import codecs
 import os
 import sys
@@ -65,3 +66,27 @@ def colours_wanted() -> bool:
         return False
     streams = (sys.stdout, sys.stderr)
     return all(stream is not None and getattr(stream, "isatty", lambda: False)() for stream in streams)
+
+
+# the options by which a subcommand turns its progress bars off (`gpn eval` and `gpn inspect` spell it --quiet too)
+PROGRESS_OPTIONS = ("no_progress", "quiet")
+
+
+def progress_bars_off_by_environment() -> bool:
+    """Whether the environment turns progress bars off as the Hugging Face libraries read it: huggingface_hub's
+    HF_HUB_DISABLE_PROGRESS_BARS (or its `disable_progress_bars()`, which transformers' bars follow), or tqdm's
+    TQDM_DISABLE (any non-empty value, as tqdm reads it)."""
+    if os.environ.get("TQDM_DISABLE"):
+        return True
+    from huggingface_hub.utils import are_progress_bars_disabled
+
+    return are_progress_bars_disabled()
+
+
+def honour_progress_bar_environment(args: argparse.Namespace) -> None:
+    """Give a subcommand's `--no-progress` when the environment turns progress bars off: the bars of transformers
+    and huggingface_hub went, and the command's own (training, tokenizing, bench, inspect and eval) stayed."""
+    if progress_bars_off_by_environment():
+        for option in PROGRESS_OPTIONS:
+            if hasattr(args, option):
+                setattr(args, option, True)

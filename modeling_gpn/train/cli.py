@@ -8,7 +8,7 @@ import signal
 import sys
 
 from ..cli.formatting import AliasArgumentParser, HelpFormatter
-from ..cli.terminal import escape_what_stdout_cannot_show
+from ..cli.terminal import escape_what_stdout_cannot_show, honour_progress_bar_environment
 from .distributed import RunStage
 from .errors import RUN_ERRORS, CollectiveError, TrainingStopped
 from .settings import OPTIONS, list_recipes, resolve_config
@@ -125,4 +125,5 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     escape_what_stdout_cannot_show()  # (as `gpn` does: the sample on an ASCII terminal failed the run at its end)
+    honour_progress_bar_environment(args)  # (as `gpn` does)
     return run(args)

@@ -170,3 +170,35 @@ def test_an_unknown_option_is_refused_by_its_subcommand(capsys):
         err = capsys.readouterr().err
         assert exit.value.code == 2 and err.startswith(f"usage: {prefix} "), err
         assert err.splitlines()[-1] == f"{prefix}: error: unrecognized arguments: {' '.join(argv[3:] or argv)}"
+
+
+BENCH = ["bench", "--preset", "tiny", "--impl", "fast", "--skip-training", "--decode-prompt-lengths"]
+BENCH += ["--decode-batches", "1", "--repeats", "1", "--device", "cpu"]  # (a third of a second)
+
+
+@pytest.mark.parametrize(
+    "switched_off_by", ["nothing", "--no-progress", "TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS"]
+)
+def test_the_progress_bar_switches_of_the_hugging_face_libraries_are_every_commands_no_progress(
+    switched_off_by, monkeypatch, capsys
+):
+    """HF_HUB_DISABLE_PROGRESS_BARS=1 (huggingface_hub's, which transformers' bars follow) took away the bars of
+    transformers ("Loading weights", "Writing model shards") and left the command's own (training, tokenizing,
+    bench, inspect, eval) on standard error; TQDM_DISABLE=1 did the same (each command asks tqdm for its bars
+    explicitly, which overrides tqdm's environment). Either is now the command's --no-progress, which `gpn bench`
+    did not have. (huggingface_hub reads its variable once, when imported: its setting is put where it keeps it.)"""
+    import importlib
+
+    from gpn_cli import main
+
+    hub_bars = importlib.import_module("huggingface_hub.utils.tqdm")  # (the module: the package's name is its class)
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    monkeypatch.setattr(hub_bars, "HF_HUB_DISABLE_PROGRESS_BARS", None)
+    if switched_off_by == "TQDM_DISABLE":
+        monkeypatch.setenv("TQDM_DISABLE", "1")
+    elif switched_off_by == "HF_HUB_DISABLE_PROGRESS_BARS":
+        monkeypatch.setattr(hub_bars, "HF_HUB_DISABLE_PROGRESS_BARS", True)
+    assert main(BENCH + (["--no-progress"] if switched_off_by == "--no-progress" else [])) == 0
+    captured = capsys.readouterr()
+    assert "| tiny | fast |" in captured.out
+    assert ("bench: 100%" in captured.err) == (switched_off_by == "nothing"), captured.err
