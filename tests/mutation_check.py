@@ -4320,8 +4320,8 @@ MUTATIONS = [
     Mutation(
         "Ctrl-C while a gpn subcommand loads (its parser built) a traceback",
         "gpn_cli/__init__.py",
-        "    try:\n        return _parse_and_run(argv, selected)\n",
-        "    build_parser(selected)  # MUTATION\n    try:\n        return _parse_and_run(argv, selected)\n",
+        "    try:\n        code = _parse_and_run(argv, selected)\n",
+        "    build_parser(selected)  # MUTATION\n    try:\n        code = _parse_and_run(argv, selected)\n",
         ("tests/tools/test_cli_startup.py::test_ctrl_c_while_a_subcommand_loads_is_one_line_and_the_shells_status",),
     ),
     Mutation(
@@ -5619,6 +5619,30 @@ MUTATIONS = [
         'unit="preset", disable=args.no_progress)',
         'unit="preset")  # MUTATION',
         ("tests/tools/test_cli_startup.py -k switches_of_the_hugging_face_libraries and not nothing",),
+    ),
+    Mutation(
+        "a closed pipe's buffered output flushed at exit: Exception ignored ... BrokenPipeError, status 120",
+        "gpn_cli/__init__.py",
+        "                    os.dup2(devnull, stream.fileno())\n",
+        "                    pass  # MUTATION\n",
+        ("tests/tools/test_cli_startup.py -k sigpipes_status and buffered and not PYTHONUNBUFFERED",),
+    ),
+    Mutation(
+        "gpn --help into a closed pipe exits 0 (argparse ignores the failed write)",
+        "gpn_cli/__init__.py",
+        "    def _print_message(self, message: str, file: object = None) -> None:",
+        "    def _print_message_unused(self, message: str, file: object = None) -> None:  # MUTATION",
+        (
+            "tests/tools/test_cli_startup.py -k sigpipes_status and PYTHONUNBUFFERED",
+            "tests/tools/test_cli_startup.py -k help_and_version_into_a_closed_pipe and not bench",
+        ),
+    ),
+    Mutation(
+        "gpn CMD --help into a closed pipe exits 0 (argparse ignores the failed write)",
+        "modeling_gpn/cli/formatting.py",
+        "    def _print_message(self, message: str, file: object = None) -> None:",
+        "    def _print_message_unused(self, message: str, file: object = None) -> None:  # MUTATION",
+        ("tests/tools/test_cli_startup.py -k help_and_version_into_a_closed_pipe and bench",),
     ),
 ]
 

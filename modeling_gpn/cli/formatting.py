@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import re
+import sys
 import textwrap
 
 _PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n")
@@ -64,7 +65,15 @@ class AliasArgumentParser(argparse.ArgumentParser):
     Several subcommands accept two spellings of one option (an alias: `gpn inspect --output` or `--output-dir`,
     as `gpn eval` spells it; each page of docs/ names its own). argparse counts an abbreviation that matches both as
     ambiguous ("--out could match --output, --output-dir"), so adding an alias would have broken the
-    abbreviation `--out` that worked before it. Matches that name different options stay ambiguous, as before."""
+    abbreviation `--out` that worked before it. Matches that name different options stay ambiguous, as before.
+
+    Help, usage and version printed into a closed pipe raise the BrokenPipeError that the `gpn` command ends
+    quietly with 141 (argparse ignored the failed write; as the command's own parser, `gpn_cli.ArgumentParser`)."""
+
+    def _print_message(self, message: str, file: object = None) -> None:
+        stream = file or sys.stderr
+        if message and stream is not None:  # (None: the stream was closed when the process started)
+            stream.write(message)
 
     def _get_option_tuples(self, option_string: str) -> list[tuple]:
         # Each match is a tuple whose first item is the option's action (its other items differ by Python version).
