@@ -218,8 +218,13 @@ def _parse_and_run(argv: list[str], selected: str | None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 0 if args.command is None else 2
-    from modeling_gpn.cli.terminal import escape_what_stdout_cannot_show, honour_progress_bar_environment
+    from modeling_gpn.cli.terminal import (
+        escape_what_stdout_cannot_show,
+        honour_progress_bar_environment,
+        line_buffered_output,
+    )
 
     escape_what_stdout_cannot_show()  # (a sample of Chinese text on an ASCII terminal failed the command)
+    line_buffered_output()  # (`gpn train | tee log`: each line as it comes, not at the end)
     honour_progress_bar_environment(args)  # (HF_HUB_DISABLE_PROGRESS_BARS=1, TQDM_DISABLE=1: --no-progress)
     return int(args._run(args) or 0)

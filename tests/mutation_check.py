@@ -5644,6 +5644,13 @@ MUTATIONS = [
         "    def _print_message_unused(self, message: str, file: object = None) -> None:  # MUTATION",
         ("tests/tools/test_cli_startup.py -k help_and_version_into_a_closed_pipe and bench",),
     ),
+    Mutation(
+        "gpn's standard output block-buffered into a pipe (gpn train | tee: no line until the end)",
+        "gpn_cli/__init__.py",
+        "    line_buffered_output()  # (`gpn train | tee log`",
+        "    pass  # MUTATION (`gpn train | tee log`",
+        ("tests/tools/test_cli_startup.py -k as_it_is_printed_into_a_pipe",),
+    ),
 ]
 
 

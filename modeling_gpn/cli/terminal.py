@@ -57,6 +57,16 @@ def escape_what_stdout_cannot_show() -> None:
     stream.reconfigure(errors=ERROR_HANDLER)
 
 
+def line_buffered_output() -> None:
+    """Make standard output write each line as it is printed, into a pipe or file too (Python writes those in 8 KB
+    blocks): `gpn train ... | tee train.log` showed no line until the run ended (each evaluation's loss held back
+    for hours), and a run killed meanwhile (out of memory, `kill -9`) lost them. The commands print few lines; a
+    stream that cannot be reconfigured (a test's capture) is left as it is."""
+    stream = sys.stdout
+    if stream is not None and hasattr(stream, "reconfigure") and not stream.line_buffering:
+        stream.reconfigure(line_buffering=True)
+
+
 def colours_wanted() -> bool:
     """Whether a command may colour what it prints with escape codes: only where standard output and standard error
     are both terminals, and NO_COLOR (https://no-color.org) is unset or empty. (uvicorn, under `gpn serve`, asked

@@ -8,7 +8,7 @@ import signal
 import sys
 
 from ..cli.formatting import AliasArgumentParser, HelpFormatter
-from ..cli.terminal import escape_what_stdout_cannot_show, honour_progress_bar_environment
+from ..cli.terminal import escape_what_stdout_cannot_show, honour_progress_bar_environment, line_buffered_output
 from .distributed import RunStage
 from .errors import RUN_ERRORS, CollectiveError, TrainingStopped
 from .settings import OPTIONS, list_recipes, resolve_config
@@ -126,4 +126,5 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     escape_what_stdout_cannot_show()  # (as `gpn` does: the sample on an ASCII terminal failed the run at its end)
     honour_progress_bar_environment(args)  # (as `gpn` does)
+    line_buffered_output()  # (as `gpn` does: an accelerate launch's lines through a pipe as they come)
     return run(args)

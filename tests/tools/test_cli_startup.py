@@ -254,3 +254,35 @@ def test_help_and_version_into_a_closed_pipe_end_as_every_commands_output_does(a
     monkeypatch.setattr("sys.stdout", ClosedPipe())
     assert main(arguments) == 141
     assert capsys.readouterr().err == ""
+
+
+def test_each_line_is_written_as_it_is_printed_into_a_pipe_too(monkeypatch, capsys):
+    """Into a pipe or a file Python writes standard output in 8 KB blocks: `gpn train ... | tee train.log` showed
+    no line until the run ended (each evaluation's loss held back, for hours on a long run), and a run killed
+    meanwhile lost them. A command's standard output is line-buffered, wherever it goes. (Here a pipe's stream as
+    Python opens one, and a third-of-a-second `gpn bench`: its first line reaches the pipe before it returns.)"""
+    import io
+
+    from gpn_cli import main
+
+    read_end, write_end = os.pipe()
+    stream = io.TextIOWrapper(io.FileIO(write_end, "w"), encoding="utf-8")  # (block-buffered, as into a pipe)
+    assert not stream.line_buffering
+    arrived: list[bytes] = []
+
+    def first_line_before_the_end(rows, args, interrupted=False):  # (called once all is measured, to print it)
+        print("measured")
+        os.set_blocking(read_end, False)
+        try:
+            arrived.append(os.read(read_end, 1 << 16))
+        except BlockingIOError:
+            arrived.append(b"")
+
+    monkeypatch.setattr("sys.stdout", stream)
+    monkeypatch.setattr("modeling_gpn.bench.command.report", first_line_before_the_end)
+    try:
+        assert main(BENCH + ["--no-progress"]) == 0
+    finally:
+        stream.close()
+        os.close(read_end)
+    assert arrived == [b"measured\n"]
