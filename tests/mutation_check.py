@@ -5651,6 +5651,30 @@ MUTATIONS = [
         "    pass  # MUTATION (`gpn train | tee log`",
         ("tests/tools/test_cli_startup.py -k as_it_is_printed_into_a_pipe",),
     ),
+    Mutation(
+        "a SIGINT in a run's last step is forgotten once the run finishes (gpn train exits 0, gpn study goes on)",
+        "modeling_gpn/train/training.py",
+        '        summary["stop_signal"] = stop.received\n',
+        "        pass  # MUTATION\n",
+        (
+            "tests/tools/test_train_faults.py -k last_step_finishes_the_run",
+            "tests/tools/test_study.py -k last_step_stops_the_study",
+        ),
+    ),
+    Mutation(
+        "gpn train exits 0 after a SIGINT in its last step",
+        "modeling_gpn/train/cli.py",
+        '    if summary.get("stop_signal"):',
+        "    if False:  # MUTATION",
+        ("tests/tools/test_train_faults.py -k last_step_finishes_the_run",),
+    ),
+    Mutation(
+        "gpn study goes on to its next models after a SIGINT in a model's last step",
+        "modeling_gpn/study/runs.py",
+        "                raise StoppedAfterModel(stop_signal, name)\n",
+        "                pass  # MUTATION\n",
+        ("tests/tools/test_study.py -k last_step_stops_the_study",),
+    ),
 ]
 
 
