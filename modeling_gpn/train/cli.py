@@ -113,15 +113,15 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 128 + signal.SIGINT
+    if summary.get("processes", 1) > 1:
+        # The process is about to exit: joining threads and atexit handlers must not hold the job either.
+        RunStage(watchdog_s=config["ddp_timeout"] + 60).enter("exiting (joining threads, atexit handlers)", watch=True)
     if summary.get("stop_signal"):  # (in the last step or the final phase: the run finished all the same)
         name = signal.Signals(summary["stop_signal"]).name
         print(
             f"gpn train: {name} received after the last step began: the run finished, its model saved", file=sys.stderr
         )
         return 128 + summary["stop_signal"]
-    if summary.get("processes", 1) > 1:
-        # The process is about to exit: joining threads and atexit handlers must not hold the job either.
-        RunStage(watchdog_s=config["ddp_timeout"] + 60).enter("exiting (joining threads, atexit handlers)", watch=True)
     return 0
 
 
