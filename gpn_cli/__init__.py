@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import signal
 import sys
 
@@ -82,6 +83,18 @@ def version_line() -> str:
     )
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, but help, usage and version printed into a closed pipe (`gpn --help | head -1`) raise the
+    BrokenPipeError that `main` ends quietly with 141, as every command's output does: argparse ignored the failed
+    write and exited 0 (or, the text still buffered, Python's flush at exit failed: status 120). The subcommands'
+    parser class (`modeling_gpn.cli.formatting.AliasArgumentParser`) does the same."""
+
+    def _print_message(self, message: str, file: object = None) -> None:
+        stream = file or sys.stderr
+        if message and stream is not None:  # (None: the stream was closed when the process started)
+            stream.write(message)
+
+
 class VersionAction(argparse.Action):
     """argparse's `version` action, but the line is made when the option is given: it names the versions torch
     and transformers report once imported, and importing them for every command would cost each one seconds."""
@@ -112,13 +125,13 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
 
 def _build_parsers(selected: str | None) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """`build_parser`'s parser and its subcommands' parsers by name (to refuse an option by its subcommand)."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="gpn",
         description="Grounded Prediction Networks (arXiv 2605.10643) for the Hugging Face ecosystem.",
     )
     parser.add_argument("--version", action=VersionAction)
     # a subcommand that is not selected never prints its help nor parses its options
-    parser_class, formatter_class, listed = argparse.ArgumentParser, argparse.HelpFormatter, SUBCOMMANDS
+    parser_class, formatter_class, listed = ArgumentParser, argparse.HelpFormatter, SUBCOMMANDS
     if selected is not None:
         from modeling_gpn.cli.formatting import AliasArgumentParser, HelpFormatter
 
@@ -126,7 +139,8 @@ def _build_parsers(selected: str | None) -> tuple[argparse.ArgumentParser, dict[
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=parser_class)
     subcommand_parsers = {}
     for name, (module_name, help_text) in listed.items():
-        epilog = f"example: {EXAMPLES[name]}" if name in EXAMPLES else None
+        # (indented: a line of its own that the formatter never wraps, so that it copies whole at any width)
+        epilog = f"example:\n  {EXAMPLES[name]}" if name in EXAMPLES else None
         sub = subparsers.add_parser(
             name, help=help_text, description=help_text, epilog=epilog, formatter_class=formatter_class
         )
@@ -147,12 +161,53 @@ def main(argv: list[str] | None = None) -> int:
     # Ctrl-C is caught around the parsing too: a subcommand's parser imports its module (torch and transformers,
     # seconds), and a Ctrl-C then, at `gpn train --help` or at any command's start, printed a traceback.
     try:
-        return _parse_and_run(argv, selected)
+        code = _parse_and_run(argv, selected)
+        if sys.stdout is not None:  # (here, not at exit: a reader that went away shows as a BrokenPipeError below)
+            sys.stdout.flush()
     except KeyboardInterrupt:  # Ctrl-C where the subcommand has nothing of its own to say: no traceback
         print(f"gpn{f' {selected}' if selected else ''}: interrupted (Ctrl-C)", file=sys.stderr)
         return 128 + signal.SIGINT
     except BrokenPipeError:  # the reader went away (`gpn generate ... | head`): stop quietly, as `cat` would
-        return 128 + 13  # SIGPIPE's number (the signal module lacks it on Windows): the shell's "ended by SIGPIPE"
+        code = CLOSED_PIPE_STATUS
+    except SystemExit:  # argparse's --help, --version and usage errors (it ignores a write into a closed pipe)
+        if _silence_closed_pipes():
+            raise SystemExit(CLOSED_PIPE_STATUS) from None
+        raise
+    return CLOSED_PIPE_STATUS if _silence_closed_pipes() else code
+
+
+CLOSED_PIPE_STATUS = (
+    128 + 13
+)  # SIGPIPE's number (the signal module lacks it on Windows): the shell's "ended by SIGPIPE"
+
+
+def _silence_closed_pipes() -> bool:
+    """Point standard output and error, where the reader of either has gone, at os.devnull, as Python's
+    documentation advises (https://docs.python.org/3/library/signal.html#note-on-sigpipe); True when one had gone.
+
+    What a command printed into a closed pipe stays in the stream's buffer, and Python flushes the buffer at exit:
+    `gpn bench | head -1` (any command, `gpn --help` too) ended in "Exception ignored in: <_io.TextIOWrapper
+    name='<stdout>'> BrokenPipeError" and exit status 120. (Not where PYTHONUNBUFFERED=1 is set, as it was where
+    the commands were tested: nothing is kept in a buffer then.)"""
+    closed = False
+    for stream in (sys.stdout, sys.stderr):
+        if stream is None:
+            continue
+        try:
+            stream.flush()
+        except BrokenPipeError:
+            closed = True
+            try:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                try:
+                    os.dup2(devnull, stream.fileno())
+                finally:
+                    os.close(devnull)
+            except (OSError, ValueError):  # (a stream without a file descriptor, as a test's capture)
+                pass
+        except (OSError, ValueError):  # (a stream closed, or failing otherwise: nothing to flush at exit either)
+            pass
+    return closed
 
 
 def _parse_and_run(argv: list[str], selected: str | None) -> int:
@@ -163,7 +218,13 @@ def _parse_and_run(argv: list[str], selected: str | None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 0 if args.command is None else 2
-    from modeling_gpn.cli.terminal import escape_what_stdout_cannot_show
+    from modeling_gpn.cli.terminal import (
+        escape_what_stdout_cannot_show,
+        honour_progress_bar_environment,
+        line_buffered_output,
+    )
 
     escape_what_stdout_cannot_show()  # (a sample of Chinese text on an ASCII terminal failed the command)
+    line_buffered_output()  # (`gpn train | tee log`: each line as it comes, not at the end)
+    honour_progress_bar_environment(args)  # (HF_HUB_DISABLE_PROGRESS_BARS=1, TQDM_DISABLE=1: --no-progress)
     return int(args._run(args) or 0)

@@ -63,9 +63,9 @@ the fast path's timings used."""
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `gpn bench`."""
+    # three paragraphs, each wrapped to the terminal (the command's formatter keeps blank-line breaks; the limit's
+    # paragraphs printed as written were lines of up to 130 characters, broken by an 80-column terminal)
     parser.description = (parser.description or "") + "\n\n" + LIMIT_HELP + "\n\n" + COLUMNS_HELP
-    # the limit's paragraphs as written, options as the `gpn` command formats them
-    parser.formatter_class = type("Formatter", (argparse.RawDescriptionHelpFormatter, parser.formatter_class), {})
     parser.add_argument(
         "--preset",
         nargs="+",
@@ -151,6 +151,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="torch intra-op threads (CPU; default: torch's own, one per core it sees)",
     )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (as gpn train, eval, inspect)")
     parser.add_argument(
         "--json", default=None, help="also write all figures to this JSON file (replacing one there, in one step)"
     )
@@ -281,7 +282,7 @@ def run_bench(args: argparse.Namespace) -> int:
         check_fits(preset, config, args.dtype, args.device)
     rows = []
     try:
-        for preset in tqdm(args.preset, desc="bench", unit="preset"):
+        for preset in tqdm(args.preset, desc="bench", unit="preset", disable=args.no_progress):
             rows += measure_preset(preset, args)
     except KeyboardInterrupt:  # Ctrl-C: the presets measured so far are reported (and written), not lost
         if not rows:

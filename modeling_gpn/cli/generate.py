@@ -309,6 +309,8 @@ def read_stdin_prompt(prompts: list[str]) -> list[str]:
         raise GenerateError("- (a prompt from standard input) can be given once")
     if "-" not in prompts:
         return prompts
+    if sys.stdin is None:  # (started with standard input closed, `<&-`: reading it failed with an AttributeError)
+        raise GenerateError("- reads the prompt from standard input, which is closed: give the prompt, or < FILE")
     text = sys.stdin.read()
     text = text[:-1] if text.endswith("\n") else text
     return [text if prompt == "-" else prompt for prompt in prompts]

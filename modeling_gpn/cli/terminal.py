@@ -12,7 +12,9 @@ choice for such a terminal).
 
 from __future__ import annotations
 
+import argparse
 import codecs
+import os
 import sys
 
 ERROR_HANDLER = "gpn-escape"
@@ -53,3 +55,48 @@ def escape_what_stdout_cannot_show() -> None:
     if encoding is None or codecs.lookup(encoding).name == "utf-8" or not hasattr(stream, "reconfigure"):
         return
     stream.reconfigure(errors=ERROR_HANDLER)
+
+
+def line_buffered_output() -> None:
+    """Make standard output write each line as it is printed, into a pipe or file too (Python writes those in 8 KB
+    blocks): `gpn train ... | tee train.log` showed no line until the run ended (each evaluation's loss held back
+    for hours), and a run killed meanwhile (out of memory, `kill -9`) lost them. The commands print few lines; a
+    stream that cannot be reconfigured (a test's capture) is left as it is."""
+    stream = sys.stdout
+    if stream is not None and hasattr(stream, "reconfigure") and not stream.line_buffering:
+        stream.reconfigure(line_buffering=True)
+
+
+def colours_wanted() -> bool:
+    """Whether a command may colour what it prints with escape codes: only where standard output and standard error
+    are both terminals, and NO_COLOR (https://no-color.org) is unset or empty. (uvicorn, under `gpn serve`, asked
+    standard output alone, and wrote its log lines to standard error: `gpn serve 2> server.log` at a terminal filled
+    the file with escape codes, and NO_COLOR changed nothing.)"""
+    if os.environ.get("NO_COLOR"):
+        return False
+    streams = (sys.stdout, sys.stderr)
+    return all(stream is not None and getattr(stream, "isatty", lambda: False)() for stream in streams)
+
+
+# the options by which a subcommand turns its progress bars off (`gpn eval` and `gpn inspect` spell it --quiet too)
+PROGRESS_OPTIONS = ("no_progress", "quiet")
+
+
+def progress_bars_off_by_environment() -> bool:
+    """Whether the environment turns progress bars off as the Hugging Face libraries read it: huggingface_hub's
+    HF_HUB_DISABLE_PROGRESS_BARS (or its `disable_progress_bars()`, which transformers' bars follow), or tqdm's
+    TQDM_DISABLE (any non-empty value, as tqdm reads it)."""
+    if os.environ.get("TQDM_DISABLE"):
+        return True
+    from huggingface_hub.utils import are_progress_bars_disabled
+
+    return are_progress_bars_disabled()
+
+
+def honour_progress_bar_environment(args: argparse.Namespace) -> None:
+    """Give a subcommand's `--no-progress` when the environment turns progress bars off: the bars of transformers
+    and huggingface_hub went, and the command's own (training, tokenizing, bench, inspect and eval) stayed."""
+    if progress_bars_off_by_environment():
+        for option in PROGRESS_OPTIONS:
+            if hasattr(args, option):
+                setattr(args, option, True)

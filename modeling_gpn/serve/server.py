@@ -7,7 +7,7 @@ own while it builds: the chat, completion and Responses API handlers (`handlers.
 (admitted as they are), the `/v1/audio/transcriptions` one (a 501 without python-multipart), and `build_server`,
 whose app is given one step more at shutdown (the kept states written to `--state-dir`) and a middleware that
 tells the handlers when a request's client goes away, and the model manager (`GPNModelManager`: a PEFT adapter
-folder loaded merged into its base); and it makes the model manager able to build a GPN (`models.py`). Nothing of the server is copied. Everything else, every option included, is
+folder loaded merged into its base), and uvicorn's `Config` (log colours only on a terminal, never under NO_COLOR); and it makes the model manager able to build a GPN (`models.py`). Nothing of the server is copied. Everything else, every option included, is
 transformers' own.
 """
 
@@ -19,6 +19,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+import uvicorn
 from transformers.cli.serve import Serve
 from transformers.cli.serving import chat_completion, completion, model_manager, response, systemone, transcription
 from transformers.cli.serving import server as serving_server
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 
     from starlette.types import ASGIApp
 
+from ..cli.terminal import colours_wanted
 from . import (
     DEFAULT_MAX_CONTEXT,
     DEFAULT_MAX_QUEUED_REQUESTS,
@@ -108,6 +110,19 @@ def _with_shutdown_step(
     return build
 
 
+def _coloured_as_the_terminal(config_class: type) -> type:
+    """uvicorn's `Config`, whose log lines are coloured only where `colours_wanted()` says so (transformers builds
+    it without `use_colors`, and uvicorn then asked only whether standard output is a terminal)."""
+
+    class Config(config_class):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("use_colors", colours_wanted())
+            super().__init__(*args, **kwargs)
+
+    Config.__name__ = Config.__qualname__ = config_class.__name__
+    return Config
+
+
 class GPNServe(Serve):
     """`transformers serve`, serving GPNs, conversations kept as states (every `Serve` option is accepted).
 
@@ -162,6 +177,7 @@ class GPNServe(Serve):
             _pointing(systemone, "SystemOneHandler", decisions),
             _pointing(transcription, "TranscriptionHandler", CheckedTranscriptionHandler),
             _pointing(model_manager, "ModelManager", GPNModelManager),  # (PEFT adapter folders loaded, merged)
+            _pointing(uvicorn, "Config", _coloured_as_the_terminal(uvicorn.Config)),  # (NO_COLOR, logs to a file)
             _pointing(
                 serving_server,
                 "build_server",

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .definition import EvaluationError, StudyError
+from .definition import EvaluationError, StoppedAfterModel, StudyError
 from .report import render_report
 from .runs import run_study
 
@@ -86,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
             f"is saved in {stop.checkpoint}. {CONTINUE.format(output=args.output)}",
             file=sys.stderr,
         )
+        return 128 + stop.signum
+    except StoppedAfterModel as stop:  # (its model finished: kept, evaluated by the next run)
+        print(f"gpn study: {stop}. {CONTINUE.format(output=args.output)}", file=sys.stderr)
         return 128 + stop.signum
     except KeyboardInterrupt:  # a second Ctrl-C, or one outside training (evaluation, the report)
         print(f"gpn study: interrupted (Ctrl-C). {CONTINUE.format(output=args.output)}", file=sys.stderr)

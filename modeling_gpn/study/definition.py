@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,15 @@ class EvaluationError(RuntimeError):
     def __init__(self, name: str, folder: Path, error: BaseException) -> None:
         reason = error.args[0] if isinstance(error, KeyError) and error.args else error
         super().__init__(f"model {name} is trained ({folder}), but its evaluation failed: {reason}")
+
+
+class StoppedAfterModel(Exception):
+    """SIGTERM or SIGINT arrived in a model's last training step or its final phase: that model finished and is
+    kept, and the study stops there instead of going on to the next."""
+
+    def __init__(self, signum: int, name: str) -> None:
+        self.signum, self.name = signum, name
+        super().__init__(f"stopped by {signal.Signals(signum).name} once model {name} had finished training")
 
 
 def study_path(name_or_path: str) -> Path:

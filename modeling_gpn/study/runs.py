@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 from ..atomic_files import replacing, write_file_atomically
 from .comparison import PAPER_TABLE, ratios, reading, table_row
-from .definition import EvaluationError, StudyError, load_study
+from .definition import EvaluationError, StoppedAfterModel, StudyError, load_study
 from .report import plot_curves, render_report
 
 STUDY_RECORD = "study_run.json"  # in each model's folder: what a later run of the study reuses
@@ -91,8 +91,11 @@ def run_study(
             summary["wall_time_s"] += before
             if resume:  # (the report says so beside its wall time)
                 summary["resumed_at_step"] = int(checkpoint.name.removeprefix("step-"))
+            stop_signal = summary.pop("stop_signal", None)
             record["train"] = summary
             write_record(output / name, record)
+            if stop_signal:  # (Ctrl-C in its last step: the model is kept, the next run evaluates it)
+                raise StoppedAfterModel(stop_signal, name)
         print(f"== {name}: evaluating", flush=True)
         try:  # (gpn eval's one-line errors: the Hub unreachable, a data file without the column a task reads)
             model, tokenizer = load_model(str(output / name / "model"))

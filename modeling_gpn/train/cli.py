@@ -8,7 +8,7 @@ import signal
 import sys
 
 from ..cli.formatting import AliasArgumentParser, HelpFormatter
-from ..cli.terminal import escape_what_stdout_cannot_show
+from ..cli.terminal import escape_what_stdout_cannot_show, honour_progress_bar_environment, line_buffered_output
 from .distributed import RunStage
 from .errors import RUN_ERRORS, CollectiveError, TrainingStopped
 from .settings import OPTIONS, list_recipes, resolve_config
@@ -116,6 +116,12 @@ def run(args: argparse.Namespace) -> int:
     if summary.get("processes", 1) > 1:
         # The process is about to exit: joining threads and atexit handlers must not hold the job either.
         RunStage(watchdog_s=config["ddp_timeout"] + 60).enter("exiting (joining threads, atexit handlers)", watch=True)
+    if summary.get("stop_signal"):  # (in the last step or the final phase: the run finished all the same)
+        name = signal.Signals(summary["stop_signal"]).name
+        print(
+            f"gpn train: {name} received after the last step began: the run finished, its model saved", file=sys.stderr
+        )
+        return 128 + summary["stop_signal"]
     return 0
 
 
@@ -125,4 +131,6 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     escape_what_stdout_cannot_show()  # (as `gpn` does: the sample on an ASCII terminal failed the run at its end)
+    honour_progress_bar_environment(args)  # (as `gpn` does)
+    line_buffered_output()  # (as `gpn` does: an accelerate launch's lines through a pipe as they come)
     return run(args)

@@ -143,10 +143,14 @@ def run_training(
         f"{distribution_name(accelerator)}; mixed precision {config['mixed_precision']}"
     )
     # The handlers stay through the final phase: a SIGTERM there lets the run finish and save its model,
-    # the quickest way to keep its work.
+    # the quickest way to keep its work. The signal is still the caller's to act on (`stop_signal`): it was
+    # forgotten, and `gpn study` went on to its next models after a Ctrl-C, `gpn train` exited 0.
     with StopSignals() as stop:
         fit(run, stop)
-        return finish(run)
+        summary = finish(run)
+    if stop.received is not None:
+        summary["stop_signal"] = stop.received
+    return summary
 
 
 def split_batch(config: dict, world: int) -> tuple[int, int]:

@@ -170,3 +170,119 @@ def test_an_unknown_option_is_refused_by_its_subcommand(capsys):
         err = capsys.readouterr().err
         assert exit.value.code == 2 and err.startswith(f"usage: {prefix} "), err
         assert err.splitlines()[-1] == f"{prefix}: error: unrecognized arguments: {' '.join(argv[3:] or argv)}"
+
+
+BENCH = ["bench", "--preset", "tiny", "--impl", "fast", "--skip-training", "--decode-prompt-lengths"]
+BENCH += ["--decode-batches", "1", "--repeats", "1", "--device", "cpu"]  # (a third of a second)
+
+
+@pytest.mark.parametrize(
+    "switched_off_by", ["nothing", "--no-progress", "TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS"]
+)
+def test_the_progress_bar_switches_of_the_hugging_face_libraries_are_every_commands_no_progress(
+    switched_off_by, monkeypatch, capsys
+):
+    """HF_HUB_DISABLE_PROGRESS_BARS=1 (huggingface_hub's, which transformers' bars follow) took away the bars of
+    transformers ("Loading weights", "Writing model shards") and left the command's own (training, tokenizing,
+    bench, inspect, eval) on standard error; TQDM_DISABLE=1 did the same (each command asks tqdm for its bars
+    explicitly, which overrides tqdm's environment). Either is now the command's --no-progress, which `gpn bench`
+    did not have. (huggingface_hub reads its variable once, when imported: its setting is put where it keeps it.)"""
+    import importlib
+
+    from gpn_cli import main
+
+    hub_bars = importlib.import_module("huggingface_hub.utils.tqdm")  # (the module: the package's name is its class)
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    monkeypatch.setattr(hub_bars, "HF_HUB_DISABLE_PROGRESS_BARS", None)
+    if switched_off_by == "TQDM_DISABLE":
+        monkeypatch.setenv("TQDM_DISABLE", "1")
+    elif switched_off_by == "HF_HUB_DISABLE_PROGRESS_BARS":
+        monkeypatch.setattr(hub_bars, "HF_HUB_DISABLE_PROGRESS_BARS", True)
+    assert main(BENCH + (["--no-progress"] if switched_off_by == "--no-progress" else [])) == 0
+    captured = capsys.readouterr()
+    assert "| tiny | fast |" in captured.out
+    assert ("bench: 100%" in captured.err) == (switched_off_by == "nothing"), captured.err
+
+
+@pytest.mark.parametrize("unbuffered", ["", "1"], ids=["buffered", "PYTHONUNBUFFERED"])
+@pytest.mark.parametrize("arguments", [[], ["--help"]], ids=["gpn", "gpn --help"])
+def test_a_closed_pipe_ends_the_command_quietly_with_sigpipes_status(arguments, unbuffered):
+    """`gpn --help | head -1`, as any command whose reader goes away before it has printed all: what stayed in
+    standard output's buffer was flushed at exit, into the closed pipe, and Python printed "Exception ignored in:
+    <_io.TextIOWrapper name='<stdout>'> BrokenPipeError", exit status 120 (unseen where PYTHONUNBUFFERED=1 keeps
+    nothing in a buffer). Standard output is pointed at os.devnull then, and the status is the shell's for a command
+    ended by SIGPIPE, 141. (`gpn` without a command and `gpn --help` print without importing torch: 0.1 s each.)"""
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = unbuffered
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has gone before anything is printed
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "gpn_cli", *arguments],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert (result.returncode, result.stderr) == (141, "")
+
+
+class ClosedPipe:
+    """Standard output whose reader has gone: every write fails as a closed pipe's does."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    "arguments", [["--help"], ["bench", "--help"], ["--version"]], ids=["help", "bench-help", "version"]
+)
+def test_help_and_version_into_a_closed_pipe_end_as_every_commands_output_does(arguments, monkeypatch, capsys):
+    """argparse ignores a failed write of its help, usage or version and exits 0: `gpn --help | head -1` ended 0
+    where standard output is unbuffered, and 141 where it is buffered (the flush at exit failed). The parsers of
+    the command and of its subcommands let the BrokenPipeError through: 141 either way, as for any command's
+    output."""
+    from gpn_cli import main
+
+    monkeypatch.setattr("sys.stdout", ClosedPipe())
+    assert main(arguments) == 141
+    assert capsys.readouterr().err == ""
+
+
+def test_each_line_is_written_as_it_is_printed_into_a_pipe_too(monkeypatch, capsys):
+    """Into a pipe or a file Python writes standard output in 8 KB blocks: `gpn train ... | tee train.log` showed
+    no line until the run ended (each evaluation's loss held back, for hours on a long run), and a run killed
+    meanwhile lost them. A command's standard output is line-buffered, wherever it goes. (Here a pipe's stream as
+    Python opens one, and a third-of-a-second `gpn bench`: its first line reaches the pipe before it returns.)"""
+    import io
+
+    from gpn_cli import main
+
+    read_end, write_end = os.pipe()
+    stream = io.TextIOWrapper(io.FileIO(write_end, "w"), encoding="utf-8")  # (block-buffered, as into a pipe)
+    assert not stream.line_buffering
+    arrived: list[bytes] = []
+
+    def first_line_before_the_end(rows, args, interrupted=False):  # (called once all is measured, to print it)
+        print("measured")
+        os.set_blocking(read_end, False)
+        try:
+            arrived.append(os.read(read_end, 1 << 16))
+        except BlockingIOError:
+            arrived.append(b"")
+
+    monkeypatch.setattr("sys.stdout", stream)
+    monkeypatch.setattr("modeling_gpn.bench.command.report", first_line_before_the_end)
+    try:
+        assert main(BENCH + ["--no-progress"]) == 0
+    finally:
+        stream.close()
+        os.close(read_end)
+    assert arrived == [b"measured\n"]

@@ -176,6 +176,38 @@ def test_every_option_has_help_and_the_help_an_example(subcommand):
     assert parsed.command == subcommand
 
 
+def subcommand_help(subcommand: str) -> str:
+    from gpn_cli import build_parser
+
+    parser = build_parser(subcommand)
+    return (
+        next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[subcommand].format_help()
+    )
+
+
+@pytest.mark.parametrize("columns", [80, 40])
+def test_the_help_breaks_no_word_and_keeps_its_paragraphs_and_example(monkeypatch, columns):
+    """argparse wraps help text after hyphens too: at 80 columns `gpn train --help` printed "--max-skipped-" and
+    "steps" on two lines (and recipe names, paths, `tiny-` / `cpu-llama`), which no search for the option finds;
+    `gpn bench --help` printed its paragraphs as written, lines of up to 130 characters; at 40 columns the example
+    broke inside its path ("runs/tiny-" / "cpu/model"). Text now wraps at spaces only, to the terminal's width,
+    paragraphs kept, and the example is a line of its own, whole."""
+    from gpn_cli import EXAMPLES
+
+    monkeypatch.setenv("COLUMNS", str(columns))
+    for subcommand in ("train", "bench", "generate"):
+        text = subcommand_help(subcommand)
+        broken = [line for line in text.splitlines() if re.search(r"[\w]-$", line)]
+        assert broken == [], f"gpn {subcommand} --help breaks words after a hyphen: {broken}"
+        if subcommand in EXAMPLES:
+            assert text.endswith(f"example:\n  {EXAMPLES[subcommand]}\n"), text[-200:]
+    bench = subcommand_help("bench")
+    assert "\n\nthe byte limit: " in bench and "\n\nthe other columns: " in bench  # (its three paragraphs)
+    description = bench.split("\n\n")[1:4]
+    too_long = [line for paragraph in description for line in paragraph.splitlines() if len(line) > columns]
+    assert too_long == [], too_long
+
+
 # (subcommand, its own spelling of an option, the other subcommands' spelling it also takes): one option, two names
 ALIASES = [
     ("train", "--output-dir", "--output"),

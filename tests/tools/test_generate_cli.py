@@ -254,6 +254,13 @@ def test_a_prompt_from_standard_input(bpe_dir, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("the cat\n"))
     assert gpn_main(["generate", str(bpe_dir), "-", "-", "--device", "cpu"]) == 2
     assert "can be given once" in capsys.readouterr().err
+    # a command started with standard input closed (`gpn generate M - <&-`, a daemon's job) has no sys.stdin:
+    # refused in one line, before the model loads (an AttributeError traceback before)
+    monkeypatch.setattr("sys.stdin", None)
+    assert gpn_main(["generate", str(bpe_dir), "-", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == (
+        "gpn generate: error: - reads the prompt from standard input, which is closed: give the prompt, or < FILE\n"
+    )
 
 
 def test_a_prompt_of_bytes_the_locale_cannot_decode_is_one_line(bpe_dir, capsys):

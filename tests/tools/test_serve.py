@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import http.client
+import io
 import json
 import os
 import shutil
@@ -1357,3 +1358,37 @@ def test_chat_to_a_model_without_a_chat_template_is_a_400_that_points_to_complet
     )
     assert answered.status_code == 200
     manager.shutdown()
+
+
+class Terminal(io.StringIO):
+    """A stream that says it is a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(
+    ("stderr_is_a_terminal", "no_color", "coloured"),
+    [(True, "", True), (False, "", False), (True, "1", False)],
+    ids=["terminal", "stderr-to-a-file", "NO_COLOR"],
+)
+def test_the_servers_log_lines_are_coloured_only_on_a_terminal(monkeypatch, stderr_is_a_terminal, no_color, coloured):
+    """uvicorn coloured its log lines, written to standard error, where standard output was a terminal: `gpn serve
+    2> server.log` at a terminal filled the file with escape codes, and NO_COLOR (https://no-color.org) changed
+    nothing. Colours are now used only where both are terminals and NO_COLOR is unset. (A real server, not pinned
+    to a model, started in this process and stopped once it has said it runs.)"""
+    from modeling_gpn.serve.server import GPNServe
+
+    err = Terminal() if stderr_is_a_terminal else io.StringIO()  # (standard output a terminal in every case)
+    monkeypatch.setattr("sys.stdout", Terminal())
+    monkeypatch.setattr("sys.stderr", err)
+    monkeypatch.setenv("NO_COLOR", no_color)
+    server = GPNServe(host="127.0.0.1", port=free_port(), non_blocking=True)
+    try:
+        deadline = time.monotonic() + 30
+        while "Uvicorn running" not in err.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        server.kill_server()
+    assert "Uvicorn running" in err.getvalue()
+    assert ("\x1b[" in err.getvalue()) == coloured, err.getvalue()

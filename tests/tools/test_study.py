@@ -449,6 +449,39 @@ def test_another_study_into_a_folder_holding_a_report_is_refused(finished_study,
     assert not (output / "gpn-wide").exists()
 
 
+def test_ctrl_c_in_a_models_last_step_stops_the_study_there(tmp_path, monkeypatch, capsys):
+    """`gpn train` lets a run that gets SIGINT in its last step (or final phase) finish and save its model; in a
+    study the Ctrl-C was then forgotten: the study evaluated that model and went on to train the next ones (hours at
+    the cpu-small budget), and exited 0. It stops once that model's training is recorded (kept: the same command
+    goes on from there), with the signal's exit status."""
+    import os
+    import signal
+
+    from gpn_cli import main
+    from modeling_gpn.train.context import TrainingRun
+
+    corpus = require_shared("data/tinyshakespeare/input.txt")
+    study = load_study("toy")
+    study["recipe"].update(dataset=str(corpus), max_tokens=20000, cache_dir=str(tmp_path / "cache"), steps=3)
+    study["models"] = {name: study["models"][name] for name in ("gpn", "gpn-m-1l")}
+    (tmp_path / "study.json").write_text(json.dumps(study))
+    output = tmp_path / "out"
+    log = TrainingRun.log
+
+    def ctrl_c_in_the_first_models_last_step(run, record):
+        log(run, record)
+        if run.run_dir.name == "gpn" and record.get("step") == 3 and "loss" in record:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(TrainingRun, "log", ctrl_c_in_the_first_models_last_step)
+    command = ["study", "--study", str(tmp_path / "study.json"), "--output", str(output), "--no-progress"]
+    assert main(command) == 128 + signal.SIGINT
+    captured = capsys.readouterr()
+    assert "gpn study: stopped by SIGINT once model gpn had finished training. Run the same" in captured.err
+    assert "== gpn: evaluating" not in captured.out and not (output / "gpn-m-1l").exists()
+    assert "train" in json.loads((output / "gpn" / "study_run.json").read_text())  # (kept for the next run)
+
+
 def test_a_stopped_model_whose_corpus_changed_is_one_line_not_a_traceback(tmp_path, capsys):
     """A study stopped part-way, its corpus edited before it was run again: the model it was training cannot
     resume (other training windows). That was `gpn train`'s ValueError as a traceback, pointing to an

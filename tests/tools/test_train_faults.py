@@ -226,6 +226,29 @@ def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path, cache, shak
     assert not list((run_dir / "checkpoints").glob("step-*"))
 
 
+def test_ctrl_c_in_the_last_step_finishes_the_run_and_exits_130(tmp_path, cache, shakespeare, monkeypatch, capsys):
+    """A SIGINT in the last step (or the final phase: validation, the model's save, the sample) lets the run finish
+    and save its model, the quickest way to keep its work; but the signal was then forgotten: `gpn train` exited 0
+    after its "SIGINT received: ... stopping" line, so `gpn train ... && gpn push ...` went on, and `gpn study` went
+    on to train its next models. The run still finishes; the exit status is the signal's, with one line saying so."""
+    from gpn_cli import main
+    from modeling_gpn.train.context import TrainingRun
+
+    log = TrainingRun.log
+
+    def ctrl_c_in_the_last_step(run, record):
+        log(run, record)
+        if record.get("step") == 4 and "loss" in record:
+            os.kill(os.getpid(), signal.SIGINT)  # (gpn train's handler: noted, the step finishes)
+
+    monkeypatch.setattr(TrainingRun, "log", ctrl_c_in_the_last_step)
+    run_dir = tmp_path / "run"
+    assert main(["train", *small_args(shakespeare, run_dir, cache, "--steps", "4")]) == 128 + signal.SIGINT
+    err = capsys.readouterr().err
+    assert "gpn train: SIGINT received after the last step began: the run finished, its model saved" in err, err
+    assert (run_dir / "model" / "model.safetensors").is_file()
+
+
 # --------------------------------------------------------------------------------------------------
 # Crash-safe files and a full disk
 # --------------------------------------------------------------------------------------------------
