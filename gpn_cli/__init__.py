@@ -176,9 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     return CLOSED_PIPE_STATUS if _silence_closed_pipes() else code
 
 
-CLOSED_PIPE_STATUS = (
-    128 + 13
-)  # SIGPIPE's number (the signal module lacks it on Windows): the shell's "ended by SIGPIPE"
+# SIGPIPE's number (the signal module lacks it on Windows): the shell's "ended by SIGPIPE"
+CLOSED_PIPE_STATUS = 128 + 13
 
 
 def _silence_closed_pipes() -> bool:
