@@ -113,7 +113,7 @@ class ReadFingerprint:
     # read at least `HEAD_MIN_POSITIONS` (else none, length 0). Set once, by that call; it lets `continuation_start`
     # tell a whole sequence that begins as the cache's history and then departs from it (a text tokenized again
     # otherwise, a chat template rendering earlier turns anew) from new positions, which begin otherwise. (Class
-    # defaults: a fingerprint pickled before they existed, or loaded from a state file, has none.)
+    # defaults: a fingerprint pickled before they existed, or loaded from a state file saved before, has none.)
     head: torch.Tensor | None = None  # (batch, 2) int64, unshifted
     head_length = 0
     HEAD_MIN_POSITIONS = 4
@@ -663,7 +663,15 @@ class GPNCache(Cache):
         read = self.read_fingerprint()
         read_fingerprint = json.dumps(read.tolist()) if read is not None else "unknown"
         tokenizer_named = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
-        return tensors, self.get_seq_length(), read_fingerprint, model_fingerprint, tokenizer_named
+        # the head of the first call (`ReadFingerprint.head`), so a loaded state refuses a history departing from it
+        # as the cache that saved it would
+        kept = layer.fingerprint
+        head = (
+            json.dumps({"length": kept.head_length, "rows": kept.head.tolist()})
+            if read is not None and kept.head is not None
+            else None
+        )
+        return tensors, self.get_seq_length(), read_fingerprint, model_fingerprint, tokenizer_named, head
 
     @classmethod
     def load(
@@ -717,7 +725,8 @@ class GPNCache(Cache):
                 raise GPNStateFileError(
                     f"{path} holds a read fingerprint outside [0, {_FINGERPRINT_MODULUS}): not one a cache computes"
                 )
-            cache.state_layer.fingerprint = ReadFingerprint(fingerprint=read)
+            head, head_length = _loaded_head(state.read_head, batch_size, state.positions_read, path, base.device)
+            cache.state_layer.fingerprint = ReadFingerprint(fingerprint=read, head=head, head_length=head_length)
         else:
             cache.state_layer.fingerprint.forget()
         cache.note_model(base, look_for_mixed_adapters=False)  # (nothing has run: the file's state is the model's)
@@ -924,6 +933,38 @@ def _refuse_a_departing_history(
         "that follows what the cache read, or read the whole sequence into a fresh cache. If they are new positions, "
         f"pass an attention_mask of {seen} + {input_ids.shape[1]} = {seen + input_ids.shape[1]} columns."
     )
+
+
+def _loaded_head(
+    recorded: str | None, batch_size: int, positions_read: int, path: Path, device: torch.device
+) -> tuple[torch.Tensor | None, int]:
+    """The head of the first call (`ReadFingerprint.head`, its length) a state file records, checked; (None, 0) for a
+    file that records none (saved before heads were kept, or by a cache that kept none). It is no part of the
+    checksum (files with one stay readable where the head is not known), so it is checked as a cache computes it:
+    integer residues, one row per state row, a length within the positions read."""
+    if recorded is None:
+        return None, 0
+    try:
+        value = json.loads(recorded)
+        length, rows = value["length"], value["rows"]
+        residues = [residue for row in rows for residue in row]
+        if type(length) is not int or not all(type(residue) is int for residue in residues):
+            raise TypeError("it holds values that are not integers")
+        head = torch.tensor(rows, dtype=torch.int64, device=device)
+    except (ValueError, TypeError, KeyError, RuntimeError, OverflowError) as error:
+        raise GPNStateFileError(
+            f"{path} holds a read head that is not a length and a table of integers ({error})"
+        ) from None
+    if tuple(head.shape) != (batch_size, 2) or not 0 < length <= positions_read:
+        raise GPNStateFileError(
+            f"{path} holds a read head of shape {tuple(head.shape)} and length {length}, not ({batch_size}, 2) within "
+            f"the {positions_read} positions read"
+        )
+    if bool(((head < 0) | (head >= _FINGERPRINT_MODULUS)).any()):
+        raise GPNStateFileError(
+            f"{path} holds a read head outside [0, {_FINGERPRINT_MODULUS}): not one a cache computes"
+        )
+    return head, length
 
 
 # ---- end of continuing from a cache ------------------------------------------------------------------

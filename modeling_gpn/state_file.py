@@ -70,6 +70,7 @@ class StateFile:
     positions_read: int
     read_fingerprint: str
     tokenizer_fingerprint: str | None = None  # None: saved without naming its tokenizer
+    read_head: str | None = None  # the first call's head as recorded (`GPNCache.load` checks it); None: none
 
 
 def state_shapes(config: GPNConfig) -> dict[str, tuple[int, ...]]:
@@ -294,10 +295,13 @@ def write_state_file(
     read_fingerprint: str,
     model_fingerprint: dict[str, str],
     tokenizer_fingerprint: str | None = None,
+    read_head: str | None = None,
 ) -> None:
     """Write `tensors` (p, g, M on the CPU) as the state, after `positions_read`, of the model that
     `model_fingerprint` (`state_fingerprint` of a `GPNModel`) names, and of the tokenizer whose
-    `tokenizer_fingerprint` is given (None: the file names none).
+    `tokenizer_fingerprint` is given (None: the file names none). `read_head`: the head of the cache's first call
+    (`cache.ReadFingerprint.head`) as JSON, or None for none; outside the checksum, so that a file holding one reads
+    where heads are not known, and checked on loading instead.
 
     Written through `atomic_files.write_file_atomically` (a temporary name unique to this call, fsynced and
     renamed), so an interrupted save never leaves a partial file at `path`, concurrent saves to one path each
@@ -317,6 +321,7 @@ def write_state_file(
         "checksum": _state_checksum(tensors, read_fingerprint, str(positions_read)),
         **model_fingerprint,
         **({"tokenizer_fingerprint": tokenizer_fingerprint} if tokenizer_fingerprint is not None else {}),
+        **({"read_head": read_head} if read_head is not None else {}),
     }
     payload = safetensors.torch.save(tensors, metadata=metadata)
     write_file_atomically(path, payload)
@@ -373,7 +378,9 @@ def read_state_file(path: Path, model: nn.Module) -> StateFile:
         positions_read = -1
     if positions_read < 1:
         raise GPNStateFileError(f"{path} does not say how many positions its state has read")
-    return StateFile(tensors, positions_read, read_fingerprint, metadata.get("tokenizer_fingerprint"))
+    return StateFile(
+        tensors, positions_read, read_fingerprint, metadata.get("tokenizer_fingerprint"), metadata.get("read_head")
+    )
 
 
 def _read_state_bytes(path: Path) -> bytes:

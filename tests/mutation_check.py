@@ -5875,6 +5875,34 @@ MUTATIONS = [
         "                pass  # MUTATION\n",
         ("tests/tools/test_study.py -k last_step_stops_the_study",),
     ),
+    Mutation(
+        "a saved state records no head of its first call (a loaded prompt state reads a departing history twice)",
+        "modeling_gpn/state_file.py",
+        '        **({"read_head": read_head} if read_head is not None else {}),\n',
+        "        # MUTATION\n",
+        ("tests/model/test_generate.py -k departing_from_what_the_cache_read",),
+    ),
+    Mutation(
+        "a loaded state drops the head its file records",
+        "modeling_gpn/cache.py",
+        "            cache.state_layer.fingerprint = ReadFingerprint(fingerprint=read, head=head, head_length=head_length)\n",
+        "            cache.state_layer.fingerprint = ReadFingerprint(fingerprint=read)  # MUTATION\n",
+        ("tests/model/test_generate.py -k departing_from_what_the_cache_read",),
+    ),
+    Mutation(
+        "a recorded head no cache could keep (outside the residues, another number of rows, too long) is taken",
+        "modeling_gpn/cache.py",
+        "    if tuple(head.shape) != (batch_size, 2) or not 0 < length <= positions_read:\n",
+        "    if False:  # MUTATION\n",
+        ("tests/model/test_state.py -k read_head_no_cache_computes and (longer or rows)",),
+    ),
+    Mutation(
+        "a recorded head outside the fingerprint's residues is taken",
+        "modeling_gpn/cache.py",
+        "    if bool(((head < 0) | (head >= _FINGERPRINT_MODULUS)).any()):\n",
+        "    if False:  # MUTATION\n",
+        ("tests/model/test_state.py -k read_head_no_cache_computes and outside",),
+    ),
 ]
 
 

@@ -517,7 +517,7 @@ def test_sampling_several_sequences_from_a_given_state(model, given):
 
 
 @torch.no_grad()
-def test_a_whole_sequence_departing_from_what_the_cache_read_is_refused_not_read_twice(model):
+def test_a_whole_sequence_departing_from_what_the_cache_read_is_refused_not_read_twice(model, tmp_path):
     """transformers' recipe that reuses a prompt's cache (docs "Caching": a cache of PROMPT, then
     `generate(**tokenizer(PROMPT + question), cache=copy.deepcopy(prompt_cache))`): PROMPT's last token tokenized
     alone (" ") is another in the whole text (" to"), so the whole sequence does not begin with the positions the
@@ -542,6 +542,10 @@ def test_a_whole_sequence_departing_from_what_the_cache_read_is_refused_not_read
     for new in (torch.cat([question, prompt], dim=1), retokenized[:, :7]):  # not beginning as the history; fewer
         continued = model.generate(new, cache=copy.deepcopy(prompt_cache), **settings)
         assert torch.equal(continued[:, -4:], argmax_continuation(model, torch.cat([prompt, new], 1), 4)[:, -4:])
+    prompt_cache.save(tmp_path / "prompt.safetensors")  # a saved prompt state refuses it as its cache did
+    loaded = GPNCache.load(tmp_path / "prompt.safetensors", model)
+    with pytest.raises(ValueError, match=r"rows \[0\] begin with the first 4 positions the cache read but do"):
+        model.generate(retokenized, attention_mask=torch.ones_like(retokenized), cache=loaded, **settings)
 
 
 @torch.no_grad()

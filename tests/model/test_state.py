@@ -530,6 +530,31 @@ def test_a_read_fingerprint_no_cache_computes_is_refused(saved, tmp_path, read_f
     refused(forged, model, needle)
 
 
+@pytest.mark.parametrize(
+    "read_head, needle",
+    [
+        pytest.param('{"length": 3, "rows": [[1, 2], [3, 2147483647]]}', "outside", id="outside"),
+        pytest.param('{"length": 3, "rows": [[1.5, 2], [3, 4]]}', "not a length and a table", id="float"),
+        pytest.param('{"length": 8, "rows": [[1, 2], [3, 4]]}', "within the 7 positions read", id="longer"),
+        pytest.param('{"length": 3, "rows": [[1, 2]]}', "not (2, 2)", id="rows"),
+        pytest.param("[1, 2]", "not a length and a table", id="list"),
+    ],
+)
+def test_a_read_head_no_cache_computes_is_refused(saved, tmp_path, read_head, needle):
+    """The head of the first call (what a loaded state refuses a departing history by) is recorded outside the
+    checksum, so that an earlier version of format 2 reads the file: one that no cache could have kept (values
+    outside [0, 2^31 - 1), not integers, longer than what was read, another number of rows) is refused by name."""
+    model, path = saved
+    header_length = int.from_bytes(path.read_bytes()[:8], "little")
+    metadata = json.loads(path.read_bytes()[8 : 8 + header_length])["__metadata__"]
+    assert json.loads(metadata["read_head"])["length"] == 3  # (the first half of the 7 positions of its one call)
+    forged = tmp_path / "forged.safetensors"
+    forged.write_bytes(
+        safetensors.torch.save(safetensors.torch.load(path.read_bytes()), {**metadata, "read_head": read_head})
+    )
+    refused(forged, model, needle)
+
+
 def test_a_changed_count_of_positions_read_is_refused(saved, tmp_path):
     """The positions read are where a continuation counts from: a file whose count was changed after it was
     saved (its tensors and their checksum left as they were) is damaged, not a state of that many positions."""
