@@ -579,9 +579,7 @@ def fast_decode_token(
     claim, held = object(), cache.__dict__
     try:
         cache.claim(claim)
-        if (
-            cache.carries_graph
-        ):  # (a state a call with gradients kept: written in place below, never the graph's tensors)
+        if cache.carries_graph:  # (a state kept with its graph: written in place below, never the graph's tensors)
             cache.detach()
         p0, g0, M0 = cache.state_buffers()
         if p0.shape[0] != rows or p0.dtype is not torch.float32:

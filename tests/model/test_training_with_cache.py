@@ -140,24 +140,27 @@ def test_truncated_bptt_detaches_the_cache_and_a_forgotten_detach_is_refused(mod
                 param.copy_(original[name])
 
 
-def test_a_no_grad_continuation_ends_the_graph(model):
+@pytest.mark.parametrize("call", ["decoded token", "forward"])
+def test_a_no_grad_continuation_ends_the_graph(model, call):
     """A no-grad call continuing a cache that carries a graph (a decoded token in one C call, which writes the state
-    in place, and a forward) leaves a constant state: a later chunk's loss does not reach the first chunk's weights
-    through it (the decoded token wrote into the graph's own tensors, and the next call linked its values, which
-    the graph did not compute, to the first chunk's weights, in silence)."""
-    require_c_kernels()
+    in place, or a forward) leaves a constant state: a later chunk's loss does not reach the first chunk's weights
+    through it. (Written into the graph's own tensors, the next call linked values the graph did not compute to the
+    first chunk's weights, in silence.)"""
     first = model(IDS[:, :5], labels=IDS[:, :5], use_cache=True)
     cache = first.cache
     with torch.no_grad():
-        with ran(DECODE_CALLS):
-            model(IDS[:, 5:6], cache=cache, use_cache=True)
-        model(IDS[:, 6:8], cache=cache, use_cache=True)
+        if call == "decoded token":
+            require_c_kernels()
+            with ran(DECODE_CALLS):
+                model(IDS[:, 5:6], cache=cache, use_cache=True)
+        else:
+            model(IDS[:, 5:6], labels=IDS[:, 5:6], cache=cache, use_cache=True)
         constant = cache.fork(1)
     assert not cache.carries_graph
-    (first.loss + model(IDS[:, 8:], labels=IDS[:, 8:], cache=cache, use_cache=True).loss).backward()
+    (first.loss + model(IDS[:, 6:], labels=IDS[:, 6:], cache=cache, use_cache=True).loss).backward()
     got = gradients(model)
     first = model(IDS[:, :5], labels=IDS[:, :5], use_cache=True)
-    (first.loss + model(IDS[:, 8:], labels=IDS[:, 8:], cache=constant, use_cache=True).loss).backward()
+    (first.loss + model(IDS[:, 6:], labels=IDS[:, 6:], cache=constant, use_cache=True).loss).backward()
     for name, grad in gradients(model).items():
         torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
@@ -175,6 +178,9 @@ def test_a_cache_carrying_a_graph_copies_and_resets(model):
     unpickled = pickle.loads(pickle.dumps(cache))
     assert not unpickled.carries_graph and cache.carries_graph
     torch.testing.assert_close(unpickled.get_state(), cache.get_state(), rtol=0, atol=0)
-    cache.reset()
-    assert not cache.carries_graph and not cache.has_state
-    assert isinstance(cache, GPNCache)
+    out = model(IDS[:, :4], labels=IDS[:, :4], cache=cache, use_cache=True)
+    out.loss.backward()
+    cache.reset()  # (after a backward: the emptied state is no part of the spent graph)
+    assert isinstance(cache, GPNCache) and not cache.carries_graph and not cache.has_state
+    model(IDS[:, 4:], labels=IDS[:, 4:], cache=cache, use_cache=True).loss.backward()
+    model.zero_grad(set_to_none=True)
