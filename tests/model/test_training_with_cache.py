@@ -182,5 +182,6 @@ def test_a_cache_carrying_a_graph_copies_and_resets(model):
     out.loss.backward()
     cache.reset()  # (after a backward: the emptied state is no part of the spent graph)
     assert isinstance(cache, GPNCache) and not cache.carries_graph and not cache.has_state
+    assert not any(state.requires_grad for state in cache.state_layer.recurrent_states.values())  # (graph released)
     model(IDS[:, 4:], labels=IDS[:, 4:], cache=cache, use_cache=True).loss.backward()
     model.zero_grad(set_to_none=True)
