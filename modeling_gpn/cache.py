@@ -216,14 +216,30 @@ class GPNStateLayer(LinearAttentionLayer):
     # between any two bytecodes), and the state may hold positions its count and fingerprint do not. (A class default:
     # a layer pickled before it existed reads False.)
     interrupted: bool = False
+    # Where the state carries the autograd graph of the calls that computed it (`store`): the node that a backward
+    # through the last of them frees (`_CarriedIn`), and the weights that call read with their versions. (A class
+    # default: a layer pickled before it existed carries no graph.)
+    graph_probe: tuple | None = None
 
     def __init__(self, **kwargs):
         super().__init__(number_of_states=3)
         self.seen_tokens = 0
         self.fingerprint = ReadFingerprint()  # of the positions read (see GPNForCausalLM._prefill)
 
-    def store(self, predicted: torch.Tensor, grounded: torch.Tensor, memory: torch.Tensor) -> None:
-        """The state after a call: written into the held buffers in place, except in an exported program.
+    def store(
+        self,
+        predicted: torch.Tensor,
+        grounded: torch.Tensor,
+        memory: torch.Tensor,
+        graph_probe: tuple | None = None,
+    ) -> None:
+        """The state after a call: written into the held buffers in place, except in an exported program and where
+        it carries an autograd graph.
+
+        `graph_probe`: the call ran with gradients (`state_entering_call`), and the state is kept with the graph that
+        computed it, so that a later call's loss reaches this call's weights (backpropagation through time across
+        calls); the probe says later whether a backward has freed that graph or an optimizer step changed the
+        weights it holds (`GPNCache.refuse_a_spent_graph`). `GPNCache.detach()` drops it (truncated BPTT).
 
         An exported program runs a write into its input cache's buffers as an in-place write when it is called,
         but not what else the call changes (the count of positions read, the fingerprint), which it returns in a
@@ -233,6 +249,7 @@ class GPNStateLayer(LinearAttentionLayer):
         cache of inference tensors included, which torch lets nothing write outside inference mode)."""
         self._leave_inference_mode()
         out_of_place = is_exporting()
+        carries_graph = graph_probe is not None
         for index, tensor in ((self.PREDICTED, predicted), (self.GROUNDED, grounded), (self.MEMORY, memory)):
             stored = self.recurrent_states[index]
             if stored is not None and stored.shape != tensor.shape:
@@ -240,14 +257,24 @@ class GPNStateLayer(LinearAttentionLayer):
                     f"GPNCache holds a state of shape {tuple(stored.shape)} but the model produced "
                     f"{tuple(tensor.shape)}: the batch size changed between calls that share a cache"
                 )
-            if out_of_place and self.is_recurrent_states_initialized[index]:
-                self.recurrent_states[index] = tensor.detach()
+            if carries_graph:
+                # the autograd graph of the calls that computed it stays attached (full BPTT across calls): a tensor
+                # of its own (a copy: the result may be a view of the call's outputs), never written in place
+                self.recurrent_states[index] = tensor.clone()
+                self.is_recurrent_states_initialized[index] = True
+            elif (out_of_place and self.is_recurrent_states_initialized[index]) or (
+                stored is not None and stored.requires_grad
+            ):
+                # (a held state carrying a graph is replaced, not overwritten: a write in place would change the
+                # values the graph links the next call to)
+                self.recurrent_states[index] = tensor.detach().clone() if stored.requires_grad else tensor.detach()
             else:
                 self.update_recurrent_state(tensor.detach(), state_idx=index)
             # The stock layer only marks a state as present on conv updates; GPN has no conv.
             self.has_previous_state[index] = True
             if self.device is None:
                 self.device, self.dtype = tensor.device, tensor.dtype
+        self.graph_probe = graph_probe
 
     def _leave_inference_mode(self) -> None:
         """A cache filled under `torch.inference_mode()` holds inference tensors, which torch lets nothing write in
@@ -267,11 +294,21 @@ class GPNStateLayer(LinearAttentionLayer):
 
     def reset(self) -> None:
         """Empty the state (the next forward starts from the zero state)."""
+        self.detach()  # (zeroed in place below: never a tensor of a graph)
         super().reset()
         self.seen_tokens = 0
         self.fingerprint = ReadFingerprint()
         self.mixed_adapters = frozenset()
         self.interrupted = False
+        self.graph_probe = None
+
+    def detach(self) -> None:
+        """Keep the state's values, without the autograd graph that computed them (`GPNCache.detach`)."""
+        for index in range(self.number_of_states):
+            tensor = self.recurrent_states[index]
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                self.recurrent_states[index] = tensor.detach()
+        self.graph_probe = None
 
     def get_seq_length(self) -> int:
         """The number of tokens the state has read."""
@@ -295,11 +332,13 @@ class GPNStateLayer(LinearAttentionLayer):
             if self.is_recurrent_states_initialized[index]:
                 self.recurrent_states[index] = self.recurrent_states[index].repeat_interleave(repeats, dim=0)
         self.fingerprint.select_rows(lambda rows: rows.repeat_interleave(repeats, dim=0))
+        self._keep_probe_with_graph()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search's reordering: the states (the stock layer's) and, with them, what each row has read."""
         super().reorder_cache(beam_idx)
         self.fingerprint.select_rows(lambda rows: rows.index_select(0, beam_idx.to(rows.device)))
+        self._keep_probe_with_graph()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep the rows of the state at `indices` (beam search's reordering)."""
@@ -310,6 +349,14 @@ class GPNStateLayer(LinearAttentionLayer):
             if self.is_recurrent_states_initialized[index]:
                 self.recurrent_states[index] = self.recurrent_states[index][indices, ...]
         self.fingerprint.select_rows(lambda rows: rows[indices.to(rows.device)])
+        self._keep_probe_with_graph()
+
+    def _keep_probe_with_graph(self) -> None:
+        """After a row operation: rows selected without gradients (generate()'s, under no_grad) no longer carry the
+        graph, nor its probe."""
+        state = self.recurrent_states[self.PREDICTED]
+        if not (isinstance(state, torch.Tensor) and state.requires_grad):
+            self.graph_probe = None
 
 
 CLAIM_ATTRIBUTE = "_gpn_in_use"  # the attribute a forward sets while it advances a cache (`GPNCache.claim`)
@@ -355,6 +402,11 @@ class GPNCache(Cache):
         state.pop("_gpn_model_ref", None)
         state.pop("_gpn_weights_snapshot", None)
         state.pop(CLAIM_ATTRIBUTE, None)
+        if self.carries_graph:  # (an autograd graph does not pickle: the copy holds the values, `detach`ed)
+            layer = copy.copy(self.state_layer)
+            layer.recurrent_states = dict(layer.recurrent_states)
+            layer.detach()
+            state["layers"] = [layer]
         return state
 
     def claim(self, token: object, borrow: bool = False) -> bool:
@@ -447,6 +499,11 @@ class GPNCache(Cache):
         for name in ("_gpn_model_ref", "_gpn_weights_snapshot"):
             if name in self.__dict__:
                 setattr(copied, name, self.__dict__[name])
+        layer = self.state_layer
+        if layer.graph_probe is not None and torch.is_grad_enabled():  # (as `fork`: linked to the original's graph)
+            for index in range(layer.number_of_states):
+                copied.state_layer.recurrent_states[index] = layer.recurrent_states[index].clone()
+            copied.state_layer.graph_probe = layer.graph_probe
         return copied
 
     def note_model(self, model: nn.Module, look_for_mixed_adapters: bool = True, snapshot: tuple | None = None) -> None:
@@ -501,16 +558,68 @@ class GPNCache(Cache):
         return tuple(self.state_layer.recurrent_states[i] for i in range(3))
 
     def update_state(
-        self, predicted: torch.Tensor, grounded: torch.Tensor, memory: torch.Tensor, num_new_tokens: int
+        self,
+        predicted: torch.Tensor,
+        grounded: torch.Tensor,
+        memory: torch.Tensor,
+        num_new_tokens: int,
+        graph_probe: tuple | None = None,
     ) -> None:
-        """Store the state after `num_new_tokens` more tokens (in place, so addresses stay static)."""
-        self.state_layer.store(predicted, grounded, memory)
+        """Store the state after `num_new_tokens` more tokens (in place, so addresses stay static; with its
+        autograd graph, out of place, where `graph_probe` is given: `GPNStateLayer.store`)."""
+        self.state_layer.store(predicted, grounded, memory, graph_probe=graph_probe)
         seen = self.state_layer.seen_tokens
         if is_tracing() and not isinstance(seen, torch.Tensor):
             # a tensor while tracing, so the count of a dynamic-length program is computed, not frozen (see pytree);
             # it carries what the cache read before (an eagerly filled cache entering a compiled decode step)
             seen = torch.tensor(seen, dtype=torch.int64)
         self.state_layer.seen_tokens = seen + num_new_tokens
+
+    def detach(self) -> GPNCache:
+        """Drop the autograd graph the state carries, keeping its values; returns the cache itself (changed in place).
+
+        A forward with gradients that continues or fills a cache keeps its state attached to the graph that computed
+        it, so that a loss of a later call reaches the weights through every call before (backpropagation through
+        time across calls, as one forward over the whole sequence). Truncated BPTT detaches it after each backward
+        (and optimizer step): the next call then starts from these values as a constant. A no-grad call, `reset()`
+        and `save` never keep a graph. Without one, this changes nothing."""
+        self.state_layer.detach()
+        return self
+
+    @property
+    def carries_graph(self) -> bool:
+        """Whether the state is attached to the autograd graph of the calls that computed it (`detach`)."""
+        return self.state_layer.graph_probe is not None
+
+    def refuse_a_spent_graph(self) -> None:
+        """Raise, naming `detach()`, where the state carries a graph that a call with gradients cannot continue: a
+        backward has run through it (freeing it, without `retain_graph=True`) or an optimizer step changed the
+        weights it holds since. torch itself would fail later, in the backward, deep in the graph ("backward
+        through the graph a second time", "modified by an inplace operation"), without naming the cache."""
+        probe = self.state_layer.graph_probe
+        if probe is None:
+            return
+        node, weights = probe
+        try:
+            _ = node.saved_tensors  # (freed by the first backward through the call that does not retain the graph)
+            spent = next(
+                (
+                    "an optimizer step (or another in-place update) changed the weights it was computed with"
+                    for weight, version in weights
+                    if weight._version != version
+                ),
+                None,
+            )
+        except RuntimeError:
+            spent = "a backward() has already run through that graph and freed it"
+        if spent is not None:
+            raise RuntimeError(
+                "this GPNCache's state carries the autograd graph of the calls that computed it, and " + spent + ": "
+                "a call with gradients cannot continue it. For truncated backpropagation through time, call "
+                "cache.detach() after each backward (the state then enters the next call as a constant); for full "
+                "backpropagation across calls, run backward once, after the last call (docs/cache.md, "
+                '"Training with a carried state")'
+            )
 
     def advanced_in_place(self, token_ids: torch.Tensor, hashed: bool = False) -> None:
         """Count the positions `token_ids` (batch, seq), every one real, that a call read and wrote straight into
@@ -581,6 +690,8 @@ class GPNCache(Cache):
         forked.update_state(
             *(layer.recurrent_states[i].repeat_interleave(num_copies, dim=0) for i in range(3)),
             num_new_tokens=self.get_seq_length(),
+            # (with gradients, the copies stay linked to the original's graph, and are spent when it is)
+            graph_probe=layer.graph_probe if torch.is_grad_enabled() else None,
         )
         read = self.read_fingerprint()  # each copy has read what its original row read
         head = layer.fingerprint.head
@@ -968,6 +1079,64 @@ def _loaded_head(
 
 
 # ---- end of continuing from a cache ------------------------------------------------------------------
+
+
+# ---- gradients through a carried state ------------------------------------------------------------------------
+
+
+class _CarriedIn(torch.autograd.Function):
+    """The identity on the state a call with gradients starts from, whose node is freed by the first backward that runs
+    through the call without retaining the graph: a cache carrying the call's graph holds the node, and a later
+    call continuing it asks whether it was freed (`GPNCache.refuse_a_spent_graph`)."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, predicted: torch.Tensor, grounded: torch.Tensor, memory: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The state as it is; its first part kept, as the probe."""
+        ctx.save_for_backward(predicted)  # (what a freed node no longer gives: the probe)
+        return predicted.view_as(predicted), grounded.view_as(grounded), memory.view_as(memory)
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx,
+        d_predicted: torch.Tensor,
+        d_grounded: torch.Tensor,
+        d_memory: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The gradients as they come: the state goes on into the call before."""
+        return d_predicted, d_grounded, d_memory
+
+
+def state_entering_call(
+    cache: GPNCache | None,
+    state: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    model: nn.Module,
+    inputs: torch.Tensor,
+    keeps_state: bool,
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], tuple | None]:
+    """The state a forward that keeps its state in a cache starts from (`state`: the cache's copy, or the zero state),
+    and the probe to store the final state with (`GPNCache.update_state`), or None where the call builds no graph or
+    keeps no state (`keeps_state`: `use_cache`).
+
+    A call that builds an autograd graph (gradients enabled, and a trainable weight, `inputs` or the state requiring
+    them) keeps its final state attached to it: a later call's loss then reaches this call's weights, and the
+    gradients of calls over consecutive chunks are those of one forward over the whole sequence. A cache whose graph
+    is spent (freed by a backward, or its weights stepped) is refused here, naming `detach()`, rather than failing
+    later inside torch's backward. Nothing changes while tracing (a compiled or exported program's cache is detached)."""
+    if not torch.is_grad_enabled() or is_tracing():
+        return state, None
+    if cache is not None:
+        cache.refuse_a_spent_graph()
+    if not keeps_state:
+        return state, None
+    weights = [weight for weight in model.parameters() if weight.requires_grad]
+    if not (weights or inputs.requires_grad or any(part.requires_grad for part in state)):
+        return state, None
+    # (a state that does not require gradients, the zero state or a constant, is made a leaf that does: the probe's
+    # node is then in the graph of every call, the first included)
+    entering = _CarriedIn.apply(*(part if part.requires_grad else part.detach().requires_grad_() for part in state))
+    return entering, (entering[0].grad_fn, [(weight, weight._version) for weight in weights])
 
 
 def snapshot_before_call(cache: GPNCache | None, model: nn.Module) -> tuple | None:

@@ -579,6 +579,8 @@ def fast_decode_token(
     claim, held = object(), cache.__dict__
     try:
         cache.claim(claim)
+        if cache.carries_graph:  # (a state kept with its graph: written in place below, never the graph's tensors)
+            cache.detach()
         p0, g0, M0 = cache.state_buffers()
         if p0.shape[0] != rows or p0.dtype is not torch.float32:
             return None  # (the forward says what is wrong)

@@ -69,7 +69,7 @@ from .arguments import (
     refuse_attention_outputs,
     refuse_state_not_float32,
 )
-from .cache import CLAIM_ATTRIBUTE, GPNCache, snapshot_before_call
+from .cache import CLAIM_ATTRIBUTE, GPNCache, snapshot_before_call, state_entering_call
 from .chunked_loss import chunked_causal_lm_loss, divide_loss_sum
 from .configuration_gpn import GPNConfig
 from .derived_weights import (
@@ -1049,6 +1049,9 @@ class GPNModel(GPNPreTrainedModel):
             )
             if state is None:
                 state = self.zero_state(batch_size, embeddings.device)
+            # with gradients, a kept state stays attached to the graph of the calls that computed it, so that a later
+            # call's loss reaches them (BPTT across calls); a spent graph is refused, naming cache.detach()
+            state, graph_probe = state_entering_call(cache, state, self, embeddings, keeps_state=use_cache)
 
             # the weights as this call is about to read them, for `GPNCache.save` (where this model is new to the cache)
             snapshot = snapshot_before_call(cache, self) if use_cache else None
@@ -1069,7 +1072,7 @@ class GPNModel(GPNPreTrainedModel):
                 # several writes in place (p, g, M, the count, the fingerprint): an interrupt between two of them
                 # leaves the cache marked, and refused from then on, rather than holding what its count does not
                 cache.start_writing()
-                cache.update_state(*final_state, num_new_tokens=seq_len)
+                cache.update_state(*final_state, num_new_tokens=seq_len, graph_probe=graph_probe)
                 cache.record_read(input_ids, mask)
                 cache.note_model(self, snapshot=snapshot)  # whose state this is, for GPNCache.save
                 keep_with(self, cache, derived)  # the next call that continues this cache reuses them

@@ -342,6 +342,31 @@ def lora_model(base, targets=LORA_TARGETS, seed: int = 1):
     return peft.get_peft_model(base, config)
 
 
+def test_peft_lora_gradients_through_a_carried_state_are_those_of_one_forward():
+    """A LoRA model trained on a document in two chunks, the second continuing the first's cache: the adapters'
+    gradients are those of one forward over the whole document (the state enters the second call with its graph)."""
+    adapted = lora_model(perturbed_model(tiny_config(), seed=2).train())
+    ids = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(4))
+    targets = torch.cat([ids[:, 1:], ids.new_full((2, 1), -100)], dim=1)
+
+    def adapter_gradients():
+        grads = {name: p.grad.clone() for name, p in adapted.named_parameters() if p.grad is not None}
+        adapted.zero_grad(set_to_none=True)
+        return grads
+
+    adapted(input_ids=ids, shift_labels=targets, num_items_in_batch=1).loss.backward()
+    whole = adapter_gradients()
+    first = adapted(input_ids=ids[:, :4], shift_labels=targets[:, :4], num_items_in_batch=1, use_cache=True)
+    second = adapted(
+        input_ids=ids[:, 4:], shift_labels=targets[:, 4:], num_items_in_batch=1, cache=first.cache, use_cache=True
+    )
+    (first.loss + second.loss).backward()
+    chunked = adapter_gradients()
+    assert whole.keys() == chunked.keys() and all("lora_" in name for name in whole) and len(whole) > 10
+    for name, grad in whole.items():
+        torch.testing.assert_close(chunked[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_peft_lora_changes_the_logits_on_the_fast_and_plain_path():
     config = tiny_config(num_predict_layers=2)
     ids = token_ids(2, 9)
