@@ -2118,7 +2118,7 @@ MUTATIONS = [
     Mutation(
         "gpn serve: a MODEL folder that is not there, or holds no config.json, is one line, exit 2 (as gpn eval's)",
         "modeling_gpn/serve/cli.py",
-        '            check_model_path(args.model)  # (transformers: "Repo id must be in the form ...", or its load\'s error)\n',
+        "            args.model = check_model_path(args.model)\n",
         "            pass  # MUTATION\n",
         ("tests/tools/test_serve.py -k cannot_start_says_why",),
     ),
@@ -4086,7 +4086,7 @@ MUTATIONS = [
     Mutation(
         "gpn generate --save-state refuses a path that is a folder, device or pipe before generating",
         "modeling_gpn/cli/generate.py",
-        "        if Path(args.save_state).expanduser().exists() and not Path(args.save_state).expanduser().is_file():\n",
+        "        if Path(args.save_state).exists() and not Path(args.save_state).is_file():\n",
         "        if False:  # MUTATION\n",
         ("tests/model/test_state.py -k bad_state_is_one_clear_line and save-to-folder",),
     ),
@@ -5902,6 +5902,55 @@ MUTATIONS = [
         "    if bool(((head < 0) | (head >= _FINGERPRINT_MODULUS)).any()):\n",
         "    if False:  # MUTATION\n",
         ("tests/model/test_state.py -k read_head_no_cache_computes and outside",),
+    ),
+    Mutation(
+        "a state saved over a file that is no state (a model's weights) replaces it",
+        "modeling_gpn/state_file.py",
+        "    check_replaceable(path)\n    if tensors",
+        "    if tensors  # MUTATION",
+        ("tests/model/test_state.py -k save_over_a_file_that_is_no_state",),
+    ),
+    Mutation(
+        "an empty file (mktemp's) is refused as a state file's place",
+        "modeling_gpn/state_file.py",
+        "    if not stat.S_ISREG(status.st_mode) or status.st_size == 0:\n",
+        "    if not stat.S_ISREG(status.st_mode):  # MUTATION\n",
+        ("tests/model/test_state.py -k save_over_a_file_that_is_no_state",),
+    ),
+    Mutation(
+        "gpn generate --save-state over a model's weights is refused only after generating",
+        "modeling_gpn/cli/generate.py",
+        "            check_replaceable(args.save_state)\n",
+        "            pass  # MUTATION\n",
+        ("tests/model/test_state.py -k save_over_a_file_that_is_no_state",),
+    ),
+    Mutation(
+        'gpn generate --save-state "~/s" quoted is written under a folder named ~',
+        "modeling_gpn/cli/generate.py",
+        "    args.save_state = None if args.save_state is None else str(Path(args.save_state).expanduser())\n",
+        "    # MUTATION\n",
+        ("tests/tools/test_faults_io.py -k from_home and generate",),
+    ),
+    Mutation(
+        'a quoted "~/model" passes the model check and is loaded as a Hub id',
+        "modeling_gpn/cli/loading.py",
+        "        path = str(Path(path).expanduser())\n",
+        "        pass  # MUTATION\n",
+        ("tests/tools/test_faults_io.py -k from_home and generate",),
+    ),
+    Mutation(
+        "a model id neither here nor in the Hub cache, offline, is refused as a network fault only",
+        "modeling_gpn/cli/loading.py",
+        '    if not folder.exists() and not readable_offline(path, ("config.json", ADAPTER_CONFIG)):\n',
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_faults_io.py -k from_home",),
+    ),
+    Mutation(
+        "a tokenizer id neither here nor in the Hub cache, offline, is refused as a network fault only",
+        "modeling_gpn/data/tokenizer.py",
+        "    if not Path(name).expanduser().exists() and not readable_offline(name, TOKENIZER_FILES):\n",
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_faults_io.py -k passes_a_hub_id",),
     ),
 ]
 
