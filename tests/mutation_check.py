@@ -5952,6 +5952,20 @@ MUTATIONS = [
         "    if False:  # MUTATION\n",
         ("tests/tools/test_faults_io.py -k passes_a_hub_id",),
     ),
+    Mutation(
+        "gpn bench --json / --plot naming its own --preset config JSON replaces the preset with the report",
+        "modeling_gpn/bench/command.py",
+        '                refuse_output_over_inputs(file, option, {"--preset": args.preset})\n',
+        "                pass  # MUTATION\n",
+        ("tests/tools/test_bench.py -k refused_before_any_model and over-preset",),
+    ),
+    Mutation(
+        "two paths of one file (a hard link, ./x) compare as different",
+        "modeling_gpn/cli/arguments.py",
+        "        return os.path.samefile(first, second)\n",
+        "        return first == second  # MUTATION\n",
+        ("tests/tools/test_bench.py -k refused_before_any_model and (plot-over-preset or hard-link)",),
+    ),
 ]
 
 
