@@ -5966,6 +5966,27 @@ MUTATIONS = [
         "        return first == second  # MUTATION\n",
         ("tests/tools/test_bench.py -k refused_before_any_model and (plot-over-preset or hard-link)",),
     ),
+    Mutation(
+        "gpn train --output-dir inside the corpus folder writes its log and model among the documents",
+        "modeling_gpn/train/run_folder.py",
+        "    if (inside == folder or folder in inside.parents) and not hidden(inside.relative_to(folder)):\n",
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_train_faults.py -k inside_the_corpus",),
+    ),
+    Mutation(
+        "gpn train --output-dir a model folder puts a second model and its log in it",
+        "modeling_gpn/train/run_folder.py",
+        '    if (run_dir / "config.json").is_file():\n',
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_train_faults.py -k inside_the_corpus",),
+    ),
+    Mutation(
+        "gpn train runs into a model folder or its corpus folder unchecked (the call gone)",
+        "modeling_gpn/train/training.py",
+        '    if not prepare_only:  # (before the folder is locked or the trackers write in it, and the data are tokenized)\n        check_run_folder(run_dir, config["dataset"])\n',
+        "    # MUTATION\n",
+        ("tests/tools/test_train_faults.py -k inside_the_corpus",),
+    ),
 ]
 
 
