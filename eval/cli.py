@@ -335,7 +335,7 @@ def run(args: argparse.Namespace) -> int:
         if args.num_threads is not None and args.num_threads < 1:
             raise ValueError(f"--num-threads must be at least 1, got {args.num_threads}")
         torch_device(args.device)
-        check_model_path(args.model)
+        args.model = check_model_path(args.model)
         if args.tokenizer:
             check_tokenizer_path(args.tokenizer)
         for task in settings.tasks:  # a --data-dir without a task's files

@@ -138,7 +138,7 @@ def load_model(
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in dtypes:
         raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {dtype!r}")
-    check_model_path(path)
+    path = check_model_path(path)
     model = load_causal_lm(path, dtype=dtypes[dtype], trust_remote_code=trust_remote_code)
     model = model.to(device).eval()
     tok = load_model_tokenizer(path, tokenizer, trust_remote_code=trust_remote_code, require_eos=False)

@@ -39,6 +39,8 @@ STATE_FILE_FORMAT = "gpn-state"
 # 2: the weights fingerprint hashes every parameter (1 hashed only the vectors, so a state loaded into the same
 # model with other matrices, a merged LoRA's, unrefused), and the checksum covers the positions read.
 STATE_FILE_VERSION = 2
+# the largest header safetensors itself reads (its MAX_HEADER_SIZE): a longer one is no state file's
+SAFETENSORS_HEADER_LIMIT = 100_000_000
 STATE_TENSOR_NAMES = ("predicted", "grounded", "memory")  # p, g, M: the order of the cache layer's states
 # The configuration fields that give a state its meaning (what the recurrence computes and the shapes it
 # keeps); training settings (BPTT, token ids, the window hint) do not change it.
@@ -305,8 +307,10 @@ def write_state_file(
 
     Written through `atomic_files.write_file_atomically` (a temporary name unique to this call, fsynced and
     renamed), so an interrupted save never leaves a partial file at `path`, concurrent saves to one path each
-    leave a whole file (the last rename wins), and an error names `path`.
+    leave a whole file (the last rename wins), and an error names `path`. A file at `path` that is no state file
+    is refused, not replaced (`check_replaceable`).
     """
+    check_replaceable(path)
     if tensors["predicted"].shape[0] < 1:  # (a cache whose rows were all selected away): no load would take it
         raise ValueError(f"Cannot save {path}: the state holds no rows")
     if not all(bool(torch.isfinite(tensor).all()) for tensor in tensors.values()):
@@ -325,6 +329,31 @@ def write_state_file(
     }
     payload = safetensors.torch.save(tensors, metadata=metadata)
     write_file_atomically(path, payload)
+
+
+def check_replaceable(path: str | os.PathLike) -> None:
+    """Refuse (`GPNStateFileError`) to save a state over a file at `path` (through a link too) that holds something
+    else: `gpn generate --save-state MODEL/model.safetensors` replaced the model's weights with a state, in silence.
+    A state file of any format version, an empty file (`mktemp`'s) and no file at all may be replaced; a folder,
+    device or pipe is left to the write, which refuses it (`atomic_files.replacing`)."""
+    try:
+        status = os.stat(path)
+    except OSError:  # (nothing there, or a dangling link: the rename replaces the link, nothing is lost)
+        return
+    if not stat.S_ISREG(status.st_mode) or status.st_size == 0:
+        return
+    try:
+        with open(path, "rb") as file:
+            length = int.from_bytes(file.read(8), "little")
+            header = json.loads(file.read(min(length, status.st_size - 8, SAFETENSORS_HEADER_LIMIT)))
+        held = header.get("__metadata__", {}).get("format")
+    except (OSError, ValueError, AttributeError, UnicodeDecodeError):
+        held = None
+    if held != STATE_FILE_FORMAT:
+        raise GPNStateFileError(
+            f"Cannot save a state to {path}: it holds a file that is not a GPN state ({status.st_size:,} bytes), "
+            "which the state would replace; name another file, or remove that one first"
+        )
 
 
 def _check_model_fingerprint(fingerprint: dict[str, str], path: Path) -> None:

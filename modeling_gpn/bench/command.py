@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from ..configuration_gpn import GPNConfig
 
 from ..atomic_files import replacing
-from ..cli.arguments import torch_device
+from ..cli.arguments import refuse_output_over_inputs, same_path, torch_device
 from ..generation import device_memory_bytes
 from .measure import measure
 from .models import DTYPES, QUANTIZERS, build_gpn, count_params, matched_llama, weight_bytes
@@ -226,11 +226,15 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise BenchError(
             "--plot draws decode and cache figures against the prompt length: it needs --decode-prompt-lengths"
         )
-    if args.plot is not None and args.json is not None and Path(args.plot).resolve() == Path(args.json).resolve():
+    if args.plot is not None and args.json is not None and same_path(args.plot, args.json):
         raise BenchError(f"--plot and --json name the same file, {args.json}: the figure would replace the report")
     for option, file in (("--json", args.json), ("--plot", args.plot)):
         if file is not None:
             check_writable(option, file)
+            try:  # (a preset's config JSON, replaced by the report once the run ended)
+                refuse_output_over_inputs(file, option, {"--preset": args.preset})
+            except ValueError as error:
+                raise BenchError(str(error)) from None
 
 
 def check_writable(option: str, file: str) -> None:

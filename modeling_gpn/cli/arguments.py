@@ -4,6 +4,7 @@ subcommands' modules can import it without importing the command."""
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -72,3 +73,27 @@ def check_no_earlier_output(folder: Path, names: tuple[str, ...], option: str, w
             f"{option} {folder} already holds {what} ({', '.join(held)}); choose another folder, or give --overwrite "
             "to replace it"
         )
+
+
+def same_path(first: str | Path, second: str | Path) -> bool:
+    """Whether `first` and `second` name one file or folder however they are spelt: through a link or a hard link,
+    `./x` against `x`, a trailing slash, a leading `~`. Paths not there compare as written, resolved."""
+    first, second = Path(first).expanduser(), Path(second).expanduser()
+    try:
+        return os.path.samefile(first, second)
+    except OSError:
+        return first.resolve() == second.resolve()
+
+
+def refuse_output_over_inputs(output: str | Path, option: str, inputs: dict[str, list[str | Path]]) -> None:
+    """Refuse (`ValueError`) an output file `output`, given as `option`, that is one of the files the same command
+    reads (`inputs`: option -> the paths given to it; names that are no file, a preset's, are passed over): the
+    run would replace its own input once it ends (`gpn bench --preset my.json --json my.json` replaced the
+    preset with its report)."""
+    for input_option, paths in inputs.items():
+        for path in paths:
+            if Path(path).expanduser().is_file() and same_path(path, output):
+                raise ValueError(
+                    f"{option} {output} is the file {input_option} {path} reads: writing it would replace that "
+                    "input; name another file"
+                )

@@ -118,23 +118,31 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise GenerateError(f"--temperature must be > 0 and finite, got {args.temperature}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise GenerateError(f"--top-p must be in (0, 1], got {args.top_p}")
+    # "~/x" quoted (or from a script) arrives unexpanded: read and written as the model argument's is, at home
+    args.state = None if args.state is None else str(Path(args.state).expanduser())
+    args.save_state = None if args.save_state is None else str(Path(args.save_state).expanduser())
     if args.state is not None:
         if not Path(args.state).is_file():
             raise GenerateError(f"--state {args.state} is not a file")
         if args.num_beams > 1:
             raise GenerateError("--num-beams above 1 cannot continue from --state yet: use greedy decoding or --sample")
     if args.save_state is not None:
-        folder = Path(args.save_state).expanduser().resolve().parent
+        folder = Path(args.save_state).resolve().parent
         if not folder.is_dir():
             raise GenerateError(f"--save-state {args.save_state}: its folder does not exist")
-        if Path(args.save_state).expanduser().exists() and not Path(args.save_state).expanduser().is_file():
+        if Path(args.save_state).exists() and not Path(args.save_state).is_file():
             raise GenerateError(f"--save-state {args.save_state} is not a file (a folder, device or pipe)")
         from modeling_gpn.cli.arguments import writable_folder
+        from modeling_gpn.state_file import GPNStateFileError, check_replaceable
 
         try:  # (a read-only folder failed only after generating, at the save)
             writable_folder(folder, "--save-state")
         except ValueError as error:
             raise GenerateError(str(error)) from None
+        try:  # (the model's weights, named by mistake, were replaced by the state once it was generated)
+            check_replaceable(args.save_state)
+        except GPNStateFileError as error:
+            raise GenerateError(f"--save-state: {error}") from None
     for index, prompt in enumerate(args.prompts, start=1):
         if not prompt.strip():
             raise GenerateError(f"prompt {index} is empty: give some text to continue")
@@ -154,7 +162,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     from modeling_gpn.cli.loading import check_model_path
 
     try:
-        check_model_path(args.model)
+        args.model = check_model_path(args.model)
     except FileNotFoundError as error:
         raise GenerateError(str(error)) from None
 

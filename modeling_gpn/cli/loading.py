@@ -73,13 +73,21 @@ def adapter_base(path: str) -> str | None:
     return base
 
 
-def check_model_path(path: str) -> None:
+def check_model_path(path: str) -> str:
     """Refuse, naming it, a local path that does not exist or is not a model folder (from_pretrained would take it
     for a malformed Hub id); a Hub id passes. A PEFT adapter folder passes when its base does (`adapter_base`),
     refused naming the base and the adapter otherwise. (gpn eval, generate, inspect and serve check their model
-    this way.)"""
-    from ..data.tokenizer import names_a_local_path
+    this way.) Returns the name to load the model by: `path`, its leading `~` expanded (a quoted "~/model" arrives
+    as typed, and transformers took it for a malformed Hub id though the folder was there).
 
+    A name that could be either, `owner/name` with no such folder here, is refused where the Hub cannot be asked
+    (HF_HUB_OFFLINE=1) and its cache holds no such repo, naming both readings: transformers said only that the
+    Hub could not be reached, which reads as a network fault where the user meant a folder they had mistyped or
+    run from another folder."""
+    from ..data.tokenizer import NEITHER_FOLDER_NOR_CACHED, names_a_local_path, readable_offline
+
+    if path.startswith("~"):  # (never a Hub id)
+        path = str(Path(path).expanduser())
     base = adapter_base(path)
     if base is not None:
         require_peft(path)
@@ -89,12 +97,15 @@ def check_model_path(path: str) -> None:
             check_model_path(base)
         except FileNotFoundError as error:
             raise FileNotFoundError(f"the base model of the PEFT adapter {path} cannot be found: {error}") from None
-        return
-    folder = Path(path).expanduser()
+        return path
+    folder = Path(path)
     if folder.exists() and not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a model folder: it has no config.json")
     if not folder.exists() and names_a_local_path(path):
         raise FileNotFoundError(f"model folder {path} does not exist")
+    if not folder.exists() and not readable_offline(path, ("config.json", ADAPTER_CONFIG)):
+        raise FileNotFoundError(f"{path} {NEITHER_FOLDER_NOR_CACHED.format(cwd=Path.cwd())}")
+    return path
 
 
 def tokenizer_source(path: str) -> str:

@@ -54,11 +54,37 @@ def names_a_local_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.count("/") > 1
 
 
+# why a name that is no folder here cannot be read as a Hub repo either (with offline Hub access), the cwd filled in
+NEITHER_FOLDER_NOR_CACHED = (
+    "is neither a folder here (in {cwd}) nor a Hub repo in the local cache, and HF_HUB_OFFLINE=1 keeps the Hub "
+    "from being asked: give the folder's path, or download the repo first (without HF_HUB_OFFLINE)"
+)
+
+
+def readable_offline(repo_id: str, files: tuple[str, ...]) -> bool:
+    """False only where the Hub cannot be asked (HF_HUB_OFFLINE=1) and its local cache holds none of `files` of
+    `repo_id`; True otherwise, for a name that is no valid repo id too (its load names that). A name that is no
+    folder here and cannot be read from the Hub either was refused by transformers as a network fault only ("We
+    couldn't connect to 'https://huggingface.co'"), where the user had mistyped a folder or run from another one."""
+    import huggingface_hub
+    from huggingface_hub.errors import HFValidationError
+
+    if not huggingface_hub.constants.HF_HUB_OFFLINE:
+        return True
+    try:
+        return any(isinstance(huggingface_hub.try_to_load_from_cache(repo_id, name), str) for name in files)
+    except HFValidationError:
+        return True
+
+
 def check_tokenizer_path(name: str) -> None:
     """Refuse, naming it, a local path (`names_a_local_path`) that does not exist: transformers would take it for
-    a malformed Hub id ("Repo id must be in the form 'repo_name'..."). A Hub id passes."""
+    a malformed Hub id ("Repo id must be in the form 'repo_name'..."). A Hub id passes, but offline only when the
+    local Hub cache holds it (`readable_offline`)."""
     if names_a_local_path(name) and not Path(name).expanduser().exists():
         raise DataError(f"tokenizer folder {name} does not exist")
+    if not Path(name).expanduser().exists() and not readable_offline(name, TOKENIZER_FILES):
+        raise DataError(f"Cannot load tokenizer {name!r}: it {NEITHER_FOLDER_NOR_CACHED.format(cwd=Path.cwd())}")
 
 
 def load_tokenizer(

@@ -217,7 +217,8 @@ def run(args: argparse.Namespace) -> int:
     options.update({name: getattr(args, name) for name in GPN_OPTIONS})
     try:  # checked before the model loads: a bad argument costs nothing
         if args.model is not None:  # (as gpn eval, generate and inspect check theirs)
-            check_model_path(args.model)  # (transformers: "Repo id must be in the form ...", or its load's error)
+            # (transformers: "Repo id must be in the form ...", or its load's error)
+            args.model = check_model_path(args.model)
             refuse_quantized_adapter(args.model, options.get("quantization"))
             note = adapter_note(args.model)
             if note is not None:  # (which base is served, and whose tokenizer)

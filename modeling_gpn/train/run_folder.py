@@ -268,6 +268,31 @@ def hold_run_folder(
             lock.release()
 
 
+def check_run_folder(run_dir: Path, dataset: str) -> None:
+    """Refuse, before the data are tokenized, an --output-dir that is not a run's to write in: a model folder
+    (`save_pretrained`'s: config.json at its top), in which the run would have put a second model and its log, and
+    a folder whose files the run's corpus, --dataset, reads: the corpus folder itself or one inside it, where the
+    run's log.jsonl, train_config.json and model/ became training documents of the next run (of its --resume too,
+    which then refused the changed corpus)."""
+    from ..data.corpus import CorpusSpec, hidden
+
+    if (run_dir / "config.json").is_file():
+        raise FileExistsError(
+            f"--output-dir {run_dir} is a model folder (it holds config.json): a run writes a folder of its own, its "
+            "model in model/; name a new folder for the run"
+        )
+    corpus = Path(dataset).expanduser()
+    if CorpusSpec(source=dataset).kind != "local" or not corpus.is_dir():
+        return
+    folder, inside = corpus.resolve(), run_dir.resolve()
+    if (inside == folder or folder in inside.parents) and not hidden(inside.relative_to(folder)):
+        raise ValueError(
+            f"--output-dir {run_dir} is inside the corpus folder --dataset {dataset}: the run's log.jsonl, "
+            "train_config.json and model/ would be read as training documents by the next run on it (a --resume "
+            "too); name a folder outside it (or one named .* or __*, which the corpus leaves out)"
+        )
+
+
 # --------------------------------------------------------------------------------------------------
 # What a failed write leaves intact
 # --------------------------------------------------------------------------------------------------

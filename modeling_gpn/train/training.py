@@ -45,6 +45,7 @@ from .loss_figure import FILE_NAME as LOSS_FIGURE
 from .loss_figure import draw_loss_figure
 from .models import build_model, build_optimizer, check_model_overrides, generate_sample, weights_sha256
 from .run_folder import (
+    check_run_folder,
     fsync_tree,
     hold_run_folder,
     install_folder,
@@ -76,6 +77,8 @@ def train(
     if config["num_threads"]:
         torch.set_num_threads(config["num_threads"])
     run_dir = Path(config["output_dir"])
+    if not prepare_only:  # (before the folder is locked or the trackers write in it, and the data are tokenized)
+        check_run_folder(run_dir, config["dataset"])
     trackers = []
     try:
         import tensorboard  # noqa: F401

@@ -889,6 +889,43 @@ def test_cli_bad_state_is_one_clear_line(generate_dir, tmp_path, capsys, case):
         assert str(state) in lines[0]
 
 
+def test_a_save_over_a_file_that_is_no_state_is_refused_and_the_file_kept(generate_dir, saved, tmp_path, capsys):
+    """`gpn generate --save-state MODEL/model.safetensors` (or config.json, or a link to either) replaced the model's
+    weights with the state, in silence, exit status 0; `GPNCache.save` too. Now a file there that is not a state is
+    refused, before anything is generated, and kept; a state file, an empty file and no file are replaced. `--state
+    S --save-state S` continues and saves back to S, as saving to another file would."""
+    import os
+
+    model, path = saved
+    cache = GPNCache.load(path, model)
+    weights = tmp_path / "weights.safetensors"
+    safetensors.torch.save_file({"w": torch.ones(3)}, weights)
+    before = weights.read_bytes()
+    with pytest.raises(GPNStateFileError, match=f"^Cannot save a state to {weights}: it holds a file that is not"):
+        cache.save(weights)
+    assert weights.read_bytes() == before
+    (tmp_path / "empty").touch()
+    cache.save(tmp_path / "empty")
+    cache.save(path)  # (a state replaces a state)
+    assert GPNCache.load(tmp_path / "empty", model).get_seq_length() == GPNCache.load(path, model).get_seq_length()
+
+    model_files = {name: (generate_dir / name).read_bytes() for name in ("model.safetensors", "config.json")}
+    os.symlink(generate_dir / "model.safetensors", tmp_path / "link.safetensors")
+    for target in (generate_dir / "model.safetensors", generate_dir / "config.json", tmp_path / "link.safetensors"):
+        code, out, err = run_cli(capsys, generate_dir, "the cat", "--max-new-tokens", "1", "--save-state", target)
+        assert (code, out) == (2, ""), err
+        assert f"gpn generate: error: --save-state: Cannot save a state to {target}: it holds a file that" in err
+    assert {name: (generate_dir / name).read_bytes() for name in model_files} == model_files
+
+    state, elsewhere = tmp_path / "s.safetensors", tmp_path / "t.safetensors"
+    assert run_cli(capsys, generate_dir, "the cat", "--max-new-tokens", "2", "--save-state", state)[0] == 0
+    continued = ["--state", state, " sat", "--max-new-tokens", "2", "--save-state"]
+    assert run_cli(capsys, generate_dir, *continued, elsewhere)[0] == 0
+    assert run_cli(capsys, generate_dir, *continued, state)[0] == 0
+    saved_back, saved_elsewhere = (safetensors.safe_open(f, "pt") for f in (state, elsewhere))
+    assert saved_back.metadata() == saved_elsewhere.metadata()  # (its checksum covers the tensors)
+
+
 def test_a_read_only_or_full_disk_loses_no_text_and_names_the_state_file(generate_dir, saved, tmp_path, capsys):
     """A read-only file system: `save` failed naming its hidden temporary file (removing one that was never made
     fails there too, EROFS, and that error replaced the first), and `gpn generate --save-state` generated, then

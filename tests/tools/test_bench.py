@@ -9,6 +9,7 @@ import pytest
 from gpn_cli import main
 
 from ..backend_observer import C_STEP_KERNELS, FAST_PATH, PLAIN_PATH, ran
+from ..environment import REPO_ROOT
 
 
 def test_bench_reports_every_implementation(tmp_path, capsys):
@@ -349,6 +350,13 @@ BENCH_BAD = {  # each was a traceback once the models were built (or, for --json
     "plot-a-folder": (["--plot", "{tmp}"], "is a folder: name the file to write"),
     "plot-without-lengths": (["--decode-prompt-lengths", "--plot", "{tmp}/b.png"], "--plot draws decode and cache"),
     "plot-over-json": (["--json", "{tmp}/b.out", "--plot", "{tmp}/b.out"], "--plot and --json name the same file"),
+    # (a preset's config JSON, replaced by the report at the end of the run; a hard link to it too)
+    "json-over-preset": (
+        ["--preset", "{tmp}/p.json", "--json", "{tmp}/./p.json"],
+        "--json {tmp}/./p.json is the file --preset {tmp}/p.json reads: writing it would replace that input",
+    ),
+    "plot-over-preset": (["--preset", "{tmp}/p.json", "--plot", "{tmp}/link.json"], "is the file --preset"),
+    "plot-over-json-hard-link": (["--json", "{tmp}/p.json", "--plot", "{tmp}/link.json"], "name the same file"),
     "memory-without-training": (["--memory-seq-lens", "64"], "--memory-seq-lens measures the training step's"),
     "nothing-to-measure": (["--decode-prompt-lengths", "--decode-batches"], "nothing to measure"),
     # (measured twice, its rows and ratios printed twice)
@@ -381,8 +389,12 @@ def test_bad_arguments_are_refused_before_any_model_is_built(case, tmp_path, mon
 
     monkeypatch.setattr(command, "build_gpn", no_model)
     extra, needle = BENCH_BAD[case]
+    (tmp_path / "p.json").write_bytes((REPO_ROOT / "configuration" / "tiny.json").read_bytes())
+    (tmp_path / "link.json").hardlink_to(tmp_path / "p.json")
+    preset = (tmp_path / "p.json").read_bytes()
     assert main(["bench", *TINY, *[a.format(tmp=tmp_path) for a in extra]]) == 2
-    assert needle in refusal(capsys)
+    assert needle.format(tmp=tmp_path) in refusal(capsys)
+    assert (tmp_path / "p.json").read_bytes() == preset
 
 
 def test_an_interrupted_json_write_leaves_no_half_file(tmp_path, monkeypatch):

@@ -592,15 +592,53 @@ def test_a_missing_tokenizer_folder_is_named_not_taken_for_a_hub_id(generate_dir
     assert not (tmp_path / "out").exists() and not (tmp_path / "report").exists()
 
 
+@pytest.mark.parametrize("command", ["generate", "inspect", "eval"])
+def test_a_model_from_home_loads_and_an_id_neither_here_nor_cached_offline_names_both(
+    generate_dir, command, tmp_path, monkeypatch, capsys
+):
+    """A quoted "~/model" (the shell expands only an unquoted one) passed the model check, which expands it, then
+    failed in transformers as a malformed Hub id. `owner/name` that is no folder here, offline (HF_HUB_OFFLINE=1)
+    and not in the Hub cache, was refused as a network fault ("We couldn't connect to 'https://huggingface.co'")
+    only: the error names the folder it looked for and the cache, before the --output folder is made."""
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    kernels = os.environ.get("GPN_KERNEL_CACHE") or str(Path.home() / ".cache" / "gpn" / "kernels")
+    monkeypatch.setenv("GPN_KERNEL_CACHE", kernels)  # (the C kernels built, not built again under the new home)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(generate_dir, tmp_path / "my model")
+    monkeypatch.chdir(tmp_path)
+    report = ["--output", str(tmp_path / "report")] if command != "generate" else ["hi", "--max-new-tokens", "1"]
+    if command == "generate":  # (the other two run long: the missing model is refused before anything loads)
+        assert gpn_main(["generate", "~/my model", *report, "--save-state", "~/s.safetensors"]) == 0
+        assert (tmp_path / "s.safetensors").is_file(), capsys.readouterr().err
+        capsys.readouterr()
+    gpn_main([command, "nobody/no-such-model", *report])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith(f"gpn {command}:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].endswith(
+        f"nobody/no-such-model is neither a folder here (in {tmp_path}) nor a Hub repo in the local cache, and "
+        "HF_HUB_OFFLINE=1 keeps the Hub from being asked: give the folder's path, or download the repo first "
+        "(without HF_HUB_OFFLINE)"
+    ), lines[0]
+    assert not (tmp_path / "report").exists()
+
+
 def test_load_tokenizer_names_a_missing_local_path_and_passes_a_hub_id(tmp_path):
     from modeling_gpn.data import DataError, load_tokenizer
 
     for path in ("./nowhere", "/no/such", "~/no-such-tokenizer-here", "a/b/c"):
         with pytest.raises(DataError, match=f"^tokenizer folder {path} does not exist$"):
             load_tokenizer(path)
-    with pytest.raises(DataError) as hub:  # offline: the Hub cannot answer, but it was asked
+    with pytest.raises(DataError) as hub:  # offline and not in the cache: both readings named, not a network fault
         load_tokenizer("no-such-owner/no-such-tokenizer")
-    assert "does not exist" not in str(hub.value)
+    assert str(hub.value).startswith(
+        "Cannot load tokenizer 'no-such-owner/no-such-tokenizer': it is neither a folder here (in "
+    ) and str(hub.value).endswith(
+        "nor a Hub repo in the local cache, and HF_HUB_OFFLINE=1 keeps the Hub from being "
+        "asked: give the folder's path, or download the repo first (without HF_HUB_OFFLINE)"
+    )
 
 
 def test_generate_unparsable_number_is_argparse_usage_not_a_traceback(generate_dir, capsys):

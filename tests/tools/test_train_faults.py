@@ -907,6 +907,31 @@ def test_a_finished_run_without_checkpoints_is_not_overwritten_by_a_new_run(tmp_
     assert [path.read_bytes() for path in files] == before
 
 
+def test_an_output_folder_that_is_a_model_or_inside_the_corpus_is_refused_before_anything(
+    tmp_path, cache, shakespeare, capsys, monkeypatch
+):
+    """`--output-dir` naming the corpus folder --dataset reads (or a folder in it): the run wrote its log.jsonl,
+    train_config.json and model/ among the documents, which the next run on it read (its --resume refused the
+    corpus, changed). Naming a model folder (config.json at its top): the run put a second model and its log in
+    it. Both are refused, before the folder is locked or the data tokenized; nothing is written in either."""
+    data, model = tmp_path / "data", tmp_path / "model"
+    data.mkdir()
+    (data / "input.txt").symlink_to(shakespeare)
+    model.mkdir()
+    (model / "config.json").write_text("{}", encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    for out, needle in [
+        (data, f"--output-dir {data} is inside the corpus folder --dataset {data}: the run's log.jsonl"),
+        (Path("data/run"), f"--output-dir data{os.sep}run is inside the corpus folder --dataset {data}"),
+        (model, f"--output-dir {model} is a model folder (it holds config.json): a run writes a folder of its own"),
+    ]:
+        assert train_module.run(parse(small_args(data, out, cache, "--steps", "2"))) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"gpn train: error: {needle}") and err.count("\n") == 1, err
+    assert [path.name for path in data.iterdir()] == ["input.txt"]
+    assert [path.name for path in model.iterdir()] == ["config.json"]
+
+
 @pytest.mark.parametrize("given", ["missing", "a run folder"])
 def test_resume_from_a_path_that_is_no_checkpoint_names_that_path(
     tmp_path, cache, shakespeare, given, capsys, monkeypatch
