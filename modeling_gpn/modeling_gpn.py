@@ -59,6 +59,7 @@ from .arguments import (
     check_attention_mask,
     check_cache_state,
     check_cache_type,
+    check_classification_labels,
     check_input_ids,
     check_labels,
     check_not_empty,
@@ -1688,6 +1689,18 @@ class GPNForSequenceClassification(GPNPreTrainedModel):
         """Replace the base model's token embedding table."""
         self.model.embed_tokens = value
 
+    def refuse_unknown_padding(self, batch_size: int, attention_mask: torch.Tensor | None) -> None:
+        """Several rows with neither an attention mask nor `config.pad_token_id` are refused, as transformers'
+        sequence classifiers refuse them: nothing says where a padded row's real tokens end, and its score would
+        be read at its last position, a pad token (a tokenizer given a pad token that the config was not, the
+        mask left out), in silence."""
+        if attention_mask is None and self.config.pad_token_id is None and batch_size > 1:
+            raise ValueError(
+                f"{type(self).__name__} got {batch_size} rows without an attention_mask, and config.pad_token_id is "
+                "None: it cannot tell where a padded row's real tokens end. Pass the attention_mask (the tokenizer "
+                "returns it), or set config.pad_token_id to the id the rows are padded with"
+            )
+
     def last_real_positions(
         self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, batch_size: int, seq_len: int
     ) -> torch.Tensor:
@@ -1732,6 +1745,10 @@ class GPNForSequenceClassification(GPNPreTrainedModel):
         # TRL's RewardTrainer passes its batch whole, with the pairs' `margin` when the dataset has that column: its
         # own loss reads it from the batch, the scores do not depend on it (a Llama's forward drops it too)
         kwargs.pop("margin", None)
+        rows = input_ids if input_ids is not None else inputs_embeds
+        if isinstance(rows, torch.Tensor) and rows.dim() >= 2:  # (other inputs are the base model's to refuse)
+            self.refuse_unknown_padding(rows.shape[0], attention_mask)
+            check_classification_labels(labels, self.config, rows.shape[0])
         continuing = isinstance(cache, GPNCache) and cache.has_state  # (before the call below updates the cache)
         outputs = self.model(
             input_ids=input_ids,

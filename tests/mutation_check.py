@@ -1027,7 +1027,7 @@ MUTATIONS = [
         "        if False:  # MUTATION\n            real = attention_mask[:, -seq_len:].bool()\n        elif",
         (
             "tests/ecosystem/test_trl.py -k reward_trainer",
-            "tests/model/test_output_layer.py -k sequence_classification_scores",
+            "tests/model/test_output_layer.py -k sequence_classification_scores_each",
         ),
     ),
     Mutation(
@@ -5902,6 +5902,34 @@ MUTATIONS = [
         "    if bool(((head < 0) | (head >= _FINGERPRINT_MODULUS)).any()):\n",
         "    if False:  # MUTATION\n",
         ("tests/model/test_state.py -k read_head_no_cache_computes and outside",),
+    ),
+    Mutation(
+        "sequence classification of several rows with neither a mask nor a pad token (scored at their last position)",
+        "modeling_gpn/modeling_gpn.py",
+        "        if attention_mask is None and self.config.pad_token_id is None and batch_size > 1:\n",
+        "        if False:  # MUTATION\n",
+        ("tests/model/test_output_layer.py -k last_token_that_is_not_the_pad_token",),
+    ),
+    Mutation(
+        "sequence classification's labels unchecked (wrong dtype, shape or class id left to torch's losses)",
+        "modeling_gpn/modeling_gpn.py",
+        "            check_classification_labels(labels, self.config, rows.shape[0])\n",
+        "            pass  # MUTATION\n",
+        ("tests/model/test_output_layer.py -k losses_by_problem_type",),
+    ),
+    Mutation(
+        "sequence classification's class ids out of range left to cross-entropy (a device-side assert on a GPU)",
+        "modeling_gpn/arguments.py",
+        '    if problem != "single_label_classification" or is_tracing():\n        return\n',
+        "    return  # MUTATION\n",
+        ("tests/model/test_output_layer.py -k losses_by_problem_type",),
+    ),
+    Mutation(
+        "sequence classification continuing a cache (the longer mask's first columns read, not the new positions')",
+        "modeling_gpn/modeling_gpn.py",
+        "            real = attention_mask[:, -seq_len:].bool()\n",
+        "            real = attention_mask[:, :seq_len].bool()  # MUTATION\n",
+        ("tests/model/test_output_layer.py -k continuation_of_a_kept_prompt_state",),
     ),
 ]
 
