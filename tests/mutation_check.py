@@ -1008,7 +1008,7 @@ MUTATIONS = [
         "        return torch.where(last < 0, seq_len - 1, last)\n",
         "        return torch.zeros_like(last)  # MUTATION\n",
         (
-            "tests/ecosystem/test_trl.py -k reward_trainer or sequence_classification",
+            "tests/ecosystem/test_trl.py -k reward_trainer or sequence_classification or lora_reward_model",
             "tests/model/test_output_layer.py -k sequence_classification_scores",
             "tests/ecosystem/test_pipelines_and_loading.py -k text_classification_pipeline",
         ),
