@@ -1663,11 +1663,14 @@ class GPNForSequenceClassification(GPNPreTrainedModel):
     models (`num_labels=1`, as TRL's `RewardTrainer` builds them).
 
     A row's last real token is the last position its `attention_mask` marks 1 (padding may sit anywhere in the
-    row, as in the causal LM: padded positions leave the state unchanged); without a mask, the last token that is
-    not `config.pad_token_id`, as in transformers' models (every token, when no pad token is set). Without a
-    mask, padding is read as tokens: pass the mask with padded batches. A row holds one sequence: rows that pack
-    several (padding-free batches: position ids restarting, `cu_seq_lens_q/k`, `seq_idx`) are refused, as their
-    one score would be the last sequence's.
+    row, as in the causal LM: padded positions leave the state unchanged; transformers' own classifiers read the ids
+    alone, and skip a real last token that is the pad token, which a GPN scores); without a mask, the rightmost
+    token that is not `config.pad_token_id`, as in transformers' models (one row without a pad token set: its last
+    token; several are refused, as transformers refuses them). Without a mask, padding is read as tokens: pass the
+    mask with padded batches. A row holds one sequence: rows that pack several (padding-free batches: position ids
+    restarting, `cu_seq_lens_q/k`, `seq_idx`) are refused, as their one score would be the last sequence's.
+    Continuing a cache, the new positions are scored with what the cache read (the mask may cover both). Labels
+    that do not fit the problem type are refused by name (`arguments.check_classification_labels`).
     """
 
     # The loss is a mean over the batch's rows, not a sum over counted tokens: `Trainer` then divides it by the
