@@ -1692,17 +1692,26 @@ class GPNForSequenceClassification(GPNPreTrainedModel):
         """Replace the base model's token embedding table."""
         self.model.embed_tokens = value
 
-    def refuse_unknown_padding(self, batch_size: int, attention_mask: torch.Tensor | None) -> None:
-        """Several rows with neither an attention mask nor `config.pad_token_id` are refused, as transformers'
-        sequence classifiers refuse them: nothing says where a padded row's real tokens end, and its score would
-        be read at its last position, a pad token (a tokenizer given a pad token that the config was not, the
-        mask left out), in silence."""
-        if attention_mask is None and self.config.pad_token_id is None and batch_size > 1:
-            raise ValueError(
-                f"{type(self).__name__} got {batch_size} rows without an attention_mask, and config.pad_token_id is "
-                "None: it cannot tell where a padded row's real tokens end. Pass the attention_mask (the tokenizer "
-                "returns it), or set config.pad_token_id to the id the rows are padded with"
-            )
+    def refuse_unknown_padding(
+        self, batch_size: int, attention_mask: torch.Tensor | None, input_ids: torch.Tensor | None
+    ) -> None:
+        """Several rows whose padding nothing shows are refused: neither an attention mask nor `config.pad_token_id`
+        (transformers' sequence classifiers refuse these too), or embeddings without a mask (transformers warns,
+        once). A padded row would be scored at its last position, a pad token, in silence (a tokenizer given a pad
+        token that the config was not, the mask left out)."""
+        if attention_mask is not None or batch_size == 1:
+            return
+        if self.config.pad_token_id is None:
+            why = "config.pad_token_id is None"
+        elif input_ids is None:
+            why = "as inputs_embeds, with no token ids to find the pad token in"
+        else:
+            return
+        raise ValueError(
+            f"{type(self).__name__} got {batch_size} rows without an attention_mask, and {why}: it cannot tell "
+            "where a padded row's real tokens end. Pass the attention_mask (the tokenizer returns it)"
+            + (", or set config.pad_token_id to the id the rows are padded with" if input_ids is not None else "")
+        )
 
     def last_real_positions(
         self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, batch_size: int, seq_len: int
@@ -1750,7 +1759,7 @@ class GPNForSequenceClassification(GPNPreTrainedModel):
         kwargs.pop("margin", None)
         rows = input_ids if input_ids is not None else inputs_embeds
         if isinstance(rows, torch.Tensor) and rows.dim() >= 2:  # (other inputs are the base model's to refuse)
-            self.refuse_unknown_padding(rows.shape[0], attention_mask)
+            self.refuse_unknown_padding(rows.shape[0], attention_mask, input_ids)
             check_classification_labels(labels, self.config, rows.shape[0])
         continuing = isinstance(cache, GPNCache) and cache.has_state  # (before the call below updates the cache)
         outputs = self.model(

@@ -5906,8 +5906,15 @@ MUTATIONS = [
     Mutation(
         "sequence classification of several rows with neither a mask nor a pad token (scored at their last position)",
         "modeling_gpn/modeling_gpn.py",
-        "        if attention_mask is None and self.config.pad_token_id is None and batch_size > 1:\n",
-        "        if False:  # MUTATION\n",
+        '        if self.config.pad_token_id is None:\n            why = "config.pad_token_id is None"\n',
+        '        if False:  # MUTATION\n            why = "config.pad_token_id is None"\n',
+        ("tests/model/test_output_layer.py -k last_token_that_is_not_the_pad_token",),
+    ),
+    Mutation(
+        "sequence classification of several embedded rows without a mask (scored at their last position)",
+        "modeling_gpn/modeling_gpn.py",
+        "        elif input_ids is None:\n            why = ",
+        "        elif False:  # MUTATION\n            why = ",
         ("tests/model/test_output_layer.py -k last_token_that_is_not_the_pad_token",),
     ),
     Mutation(

@@ -456,9 +456,9 @@ def scorer(num_labels: int = 1, seed: int = 13, **overrides):
 @torch.no_grad()
 def test_sequence_classification_without_a_mask_finds_the_last_token_that_is_not_the_pad_token():
     """Without a mask, transformers' rule: each row's rightmost token that is not `config.pad_token_id` (a pad id
-    inside the text is read as a token). Several rows with neither a mask nor a pad token are refused by name, as
-    transformers refuses them (their padding cannot be found: scored at their last position, a padded row would be
-    scored at a pad token); one row is scored at its last token."""
+    inside the text is read as a token). Several rows whose padding nothing shows are refused by name: neither a mask
+    nor a pad token (transformers refuses them too), or embeddings without a mask (scored at their last position, a
+    padded row would be scored at a pad token); one row is scored at its last token."""
     model = scorer(num_labels=2)
     text = token_ids(1, 6, seed=21)
     text[0, 2] = 0  # the pad id inside the text: a token
@@ -468,12 +468,16 @@ def test_sequence_classification_without_a_mask_finds_the_last_token_that_is_not
     at_7 = model.score(model.model(left).last_hidden_state[:, 7])  # (without a mask the left padding is read)
     torch.testing.assert_close(model(torch.cat([right, left])).logits, torch.cat([alone, at_7]), rtol=1e-5, atol=1e-6)
 
+    embedded = model.model.embed_tokens(torch.cat([right, left]))
+    with pytest.raises(ValueError, match=r"got 2 rows without an attention_mask, and as inputs_embeds"):
+        model(inputs_embeds=embedded)  # (no ids: the pad token cannot be found)
+    mask = torch.tensor([[1] * 6 + [0] * 3, [0, 0] + [1] * 6 + [0]])
+    torch.testing.assert_close(model(inputs_embeds=embedded, attention_mask=mask).logits, alone.expand(2, -1))
+    torch.testing.assert_close(model(inputs_embeds=model.model.embed_tokens(text)).logits, alone)  # one row: its last
+
     model.config.pad_token_id = None
     with pytest.raises(ValueError, match=r"got 2 rows without an attention_mask, and config.pad_token_id is None"):
         model(torch.cat([right, right]))
-    with pytest.raises(ValueError, match=r"got 2 rows without an attention_mask"):  # (embeddings alike)
-        model(inputs_embeds=model.model.embed_tokens(torch.cat([right, right])))
-    mask = torch.tensor([[1] * 6 + [0] * 3, [0, 0] + [1] * 6 + [0]])
     torch.testing.assert_close(model(torch.cat([right, left]), attention_mask=mask).logits, alone.expand(2, -1))
     last = model.score(model.model(right).last_hidden_state[:, -1])
     torch.testing.assert_close(model(right).logits, last)  # one row, no pad token: every token is real
