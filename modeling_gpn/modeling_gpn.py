@@ -1702,14 +1702,14 @@ class GPNForSequenceClassification(GPNPreTrainedModel):
         if attention_mask is not None or batch_size == 1:
             return
         if self.config.pad_token_id is None:
-            why = "config.pad_token_id is None"
+            why = "rows without an attention_mask, and config.pad_token_id is None"
         elif input_ids is None:
-            why = "as inputs_embeds, with no token ids to find the pad token in"
+            why = "rows of inputs_embeds without an attention_mask (no token ids to find the pad token in)"
         else:
             return
         raise ValueError(
-            f"{type(self).__name__} got {batch_size} rows without an attention_mask, and {why}: it cannot tell "
-            "where a padded row's real tokens end. Pass the attention_mask (the tokenizer returns it)"
+            f"{type(self).__name__} got {batch_size} {why}: it cannot tell where a padded row's real tokens end. "
+            "Pass the attention_mask (the tokenizer returns it)"
             + (", or set config.pad_token_id to the id the rows are padded with" if input_ids is not None else "")
         )
 

@@ -5906,8 +5906,8 @@ MUTATIONS = [
     Mutation(
         "sequence classification of several rows with neither a mask nor a pad token (scored at their last position)",
         "modeling_gpn/modeling_gpn.py",
-        '        if self.config.pad_token_id is None:\n            why = "config.pad_token_id is None"\n',
-        '        if False:  # MUTATION\n            why = "config.pad_token_id is None"\n',
+        "        if self.config.pad_token_id is None:\n            why = ",
+        "        if False:  # MUTATION\n            why = ",
         ("tests/model/test_output_layer.py -k last_token_that_is_not_the_pad_token",),
     ),
     Mutation(

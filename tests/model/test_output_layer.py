@@ -469,7 +469,7 @@ def test_sequence_classification_without_a_mask_finds_the_last_token_that_is_not
     torch.testing.assert_close(model(torch.cat([right, left])).logits, torch.cat([alone, at_7]), rtol=1e-5, atol=1e-6)
 
     embedded = model.model.embed_tokens(torch.cat([right, left]))
-    with pytest.raises(ValueError, match=r"got 2 rows without an attention_mask, and as inputs_embeds"):
+    with pytest.raises(ValueError, match=r"got 2 rows of inputs_embeds without an attention_mask \(no token ids"):
         model(inputs_embeds=embedded)  # (no ids: the pad token cannot be found)
     mask = torch.tensor([[1] * 6 + [0] * 3, [0, 0] + [1] * 6 + [0]])
     torch.testing.assert_close(model(inputs_embeds=embedded, attention_mask=mask).logits, alone.expand(2, -1))
