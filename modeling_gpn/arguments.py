@@ -172,6 +172,75 @@ def check_labels(labels: torch.Tensor | None, name: str, vocab_size: int) -> Non
         )
 
 
+PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
+
+
+def classification_problem_type(config: GPNConfig, labels: torch.Tensor) -> tuple[str, str]:
+    """The problem type transformers' `ForSequenceClassificationLoss` settles for `labels`, and how it was settled:
+    `config.problem_type` where set, else regression for `num_labels=1`, single-label classification for integer
+    labels (int64 or int32), multi-label classification for any other dtype."""
+    if config.problem_type is not None:
+        return config.problem_type, f"config.problem_type={config.problem_type!r}"
+    how = f"config.problem_type unset, num_labels={config.num_labels}"
+    if config.num_labels == 1:
+        return "regression", how
+    if labels.dtype in (torch.int64, torch.int32):
+        return "single_label_classification", f"{how}, integer labels"
+    return "multi_label_classification", f"{how}, labels of dtype {labels.dtype}"
+
+
+def check_classification_labels(labels: object, config: GPNConfig, batch_size: int) -> None:
+    """A sequence classifier's `labels`, for the problem type transformers' loss settles (`classification_problem_type`):
+    regression, real numbers (batch,) or (batch, 1) for one label, (batch, num_labels) for more; single-label, int64
+    class ids (batch,) in [0, num_labels) or -100 (ignored); multi-label, floats (batch, num_labels). Other dtypes and
+    shapes failed inside torch's losses naming neither the labels nor the problem type (int32 class ids, ids out of
+    range: on a GPU a device-side assert), or, worse, were broadcast against the scores with a warning at most (a
+    regression label of another shape, as (batch, 2) or one label for the batch)."""
+    if labels is None:
+        return
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    problem, how = classification_problem_type(config, labels)
+    num_labels, shape, dtype = config.num_labels, tuple(labels.shape), labels.dtype
+    if problem not in PROBLEM_TYPES:
+        raise ValueError(f"config.problem_type={problem!r} is none of {', '.join(PROBLEM_TYPES)}")
+    # one number a row: (batch,) or (batch, 1), and () for a single row (transformers' loss squeezes both sides)
+    one_a_row = [(batch_size,), (batch_size, 1)] + ([()] if batch_size == 1 else [])
+    expected_shapes = {
+        "regression": one_a_row if num_labels == 1 else [(batch_size, num_labels)],
+        "single_label_classification": one_a_row,
+        "multi_label_classification": [(batch_size, num_labels)],
+    }[problem]
+    if problem == "regression":
+        dtype_ok, wanted, cast = not dtype.is_complex and dtype != torch.bool, "real numbers", "float"
+    elif problem == "single_label_classification":
+        dtype_ok, wanted, cast = dtype == torch.int64, "class ids of dtype torch.int64", "long"
+    else:
+        dtype_ok, wanted, cast = dtype.is_floating_point, "floats (1.0 where a class applies)", "float"
+    fixes = [] if dtype_ok else [f"pass labels.{cast}()"]
+    # where the labels' dtype settled the problem type, what the other dtype would have meant
+    if config.problem_type is None and problem == "multi_label_classification" and shape in one_a_row:
+        fixes.append("class ids for single-label classification are int64: pass labels.long()")
+    elif config.problem_type is None and problem == "single_label_classification" and shape == (batch_size, num_labels):
+        fixes.append("the classes of multi-label classification are floats: pass labels.float()")
+    if not dtype_ok or shape not in expected_shapes:
+        raise ValueError(
+            f"labels of dtype {dtype} and shape {shape} do not fit {problem} ({how}): it takes {wanted} of shape "
+            + " or ".join(str(s) for s in expected_shapes)
+            + "".join(f"; {fix}" for fix in dict.fromkeys(fixes))
+        )
+    if problem != "single_label_classification" or is_tracing():
+        return
+    ids = labels.reshape(-1)  # (one a row)
+    bad = ((ids < 0) | (ids >= num_labels)) & (ids != -100)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"labels hold {int(ids[row])} at row {row}: a class id must be in [0, {num_labels}) "
+            f"(num_labels={num_labels}), or -100 for a row without a loss"
+        )
+
+
 def positions_to_keep(logits_to_keep: int | torch.Tensor, seq_len: int) -> slice | torch.Tensor:
     """The positions whose logits the causal LM returns, read as transformers' causal LMs read `logits_to_keep`: an
     int keeps the last that many (0: every position), a 1-D integer tensor names the positions to keep (the packed

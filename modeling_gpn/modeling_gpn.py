@@ -59,6 +59,7 @@ from .arguments import (
     check_attention_mask,
     check_cache_state,
     check_cache_type,
+    check_classification_labels,
     check_input_ids,
     check_labels,
     check_not_empty,
@@ -1665,11 +1666,14 @@ class GPNForSequenceClassification(GPNPreTrainedModel):
     models (`num_labels=1`, as TRL's `RewardTrainer` builds them).
 
     A row's last real token is the last position its `attention_mask` marks 1 (padding may sit anywhere in the
-    row, as in the causal LM: padded positions leave the state unchanged); without a mask, the last token that is
-    not `config.pad_token_id`, as in transformers' models (every token, when no pad token is set). Without a
-    mask, padding is read as tokens: pass the mask with padded batches. A row holds one sequence: rows that pack
-    several (padding-free batches: position ids restarting, `cu_seq_lens_q/k`, `seq_idx`) are refused, as their
-    one score would be the last sequence's.
+    row, as in the causal LM: padded positions leave the state unchanged; transformers' own classifiers read the ids
+    alone, and skip a real last token that is the pad token, which a GPN scores); without a mask, the rightmost
+    token that is not `config.pad_token_id`, as in transformers' models (one row without a pad token set: its last
+    token; several are refused, as transformers refuses them). Without a mask, padding is read as tokens: pass the
+    mask with padded batches. A row holds one sequence: rows that pack several (padding-free batches: position ids
+    restarting, `cu_seq_lens_q/k`, `seq_idx`) are refused, as their one score would be the last sequence's.
+    Continuing a cache, the new positions are scored with what the cache read (the mask may cover both). Labels
+    that do not fit the problem type are refused by name (`arguments.check_classification_labels`).
     """
 
     # The loss is a mean over the batch's rows, not a sum over counted tokens: `Trainer` then divides it by the
@@ -1690,6 +1694,27 @@ class GPNForSequenceClassification(GPNPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         """Replace the base model's token embedding table."""
         self.model.embed_tokens = value
+
+    def refuse_unknown_padding(
+        self, batch_size: int, attention_mask: torch.Tensor | None, input_ids: torch.Tensor | None
+    ) -> None:
+        """Several rows whose padding nothing shows are refused: neither an attention mask nor `config.pad_token_id`
+        (transformers' sequence classifiers refuse these too), or embeddings without a mask (transformers warns,
+        once). A padded row would be scored at its last position, a pad token, in silence (a tokenizer given a pad
+        token that the config was not, the mask left out)."""
+        if attention_mask is not None or batch_size == 1:
+            return
+        if self.config.pad_token_id is None:
+            why = "rows without an attention_mask, and config.pad_token_id is None"
+        elif input_ids is None:
+            why = "rows of inputs_embeds without an attention_mask (no token ids to find the pad token in)"
+        else:
+            return
+        raise ValueError(
+            f"{type(self).__name__} got {batch_size} {why}: it cannot tell where a padded row's real tokens end. "
+            "Pass the attention_mask (the tokenizer returns it)"
+            + (", or set config.pad_token_id to the id the rows are padded with" if input_ids is not None else "")
+        )
 
     def last_real_positions(
         self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, batch_size: int, seq_len: int
@@ -1735,6 +1760,10 @@ class GPNForSequenceClassification(GPNPreTrainedModel):
         # TRL's RewardTrainer passes its batch whole, with the pairs' `margin` when the dataset has that column: its
         # own loss reads it from the batch, the scores do not depend on it (a Llama's forward drops it too)
         kwargs.pop("margin", None)
+        rows = input_ids if input_ids is not None else inputs_embeds
+        if isinstance(rows, torch.Tensor) and rows.dim() >= 2:  # (other inputs are the base model's to refuse)
+            self.refuse_unknown_padding(rows.shape[0], attention_mask, input_ids)
+            check_classification_labels(labels, self.config, rows.shape[0])
         continuing = isinstance(cache, GPNCache) and cache.has_state  # (before the call below updates the cache)
         outputs = self.model(
             input_ids=input_ids,

@@ -1008,7 +1008,7 @@ MUTATIONS = [
         "        return torch.where(last < 0, seq_len - 1, last)\n",
         "        return torch.zeros_like(last)  # MUTATION\n",
         (
-            "tests/ecosystem/test_trl.py -k reward_trainer or sequence_classification",
+            "tests/ecosystem/test_trl.py -k reward_trainer or sequence_classification or lora_reward_model",
             "tests/model/test_output_layer.py -k sequence_classification_scores",
             "tests/ecosystem/test_pipelines_and_loading.py -k text_classification_pipeline",
         ),
@@ -1027,7 +1027,7 @@ MUTATIONS = [
         "        if False:  # MUTATION\n            real = attention_mask[:, -seq_len:].bool()\n        elif",
         (
             "tests/ecosystem/test_trl.py -k reward_trainer",
-            "tests/model/test_output_layer.py -k sequence_classification_scores",
+            "tests/model/test_output_layer.py -k sequence_classification_scores_each",
         ),
     ),
     Mutation(
@@ -6063,6 +6063,41 @@ MUTATIONS = [
         '    if not prepare_only:  # (before the folder is locked or the trackers write in it, and the data are tokenized)\n        check_run_folder(run_dir, config["dataset"])\n',
         "    # MUTATION\n",
         ("tests/tools/test_train_faults.py -k inside_the_corpus",),
+    ),
+    Mutation(
+        "sequence classification of several rows with neither a mask nor a pad token (scored at their last position)",
+        "modeling_gpn/modeling_gpn.py",
+        "        if self.config.pad_token_id is None:\n            why = ",
+        "        if False:  # MUTATION\n            why = ",
+        ("tests/model/test_output_layer.py -k last_token_that_is_not_the_pad_token",),
+    ),
+    Mutation(
+        "sequence classification of several embedded rows without a mask (scored at their last position)",
+        "modeling_gpn/modeling_gpn.py",
+        "        elif input_ids is None:\n            why = ",
+        "        elif False:  # MUTATION\n            why = ",
+        ("tests/model/test_output_layer.py -k last_token_that_is_not_the_pad_token",),
+    ),
+    Mutation(
+        "sequence classification's labels unchecked (wrong dtype, shape or class id left to torch's losses)",
+        "modeling_gpn/modeling_gpn.py",
+        "            check_classification_labels(labels, self.config, rows.shape[0])\n",
+        "            pass  # MUTATION\n",
+        ("tests/model/test_output_layer.py -k losses_by_problem_type",),
+    ),
+    Mutation(
+        "sequence classification's class ids out of range left to cross-entropy (a device-side assert on a GPU)",
+        "modeling_gpn/arguments.py",
+        '    if problem != "single_label_classification" or is_tracing():\n        return\n',
+        "    return  # MUTATION\n",
+        ("tests/model/test_output_layer.py -k losses_by_problem_type",),
+    ),
+    Mutation(
+        "sequence classification continuing a cache (the longer mask's first columns read, not the new positions')",
+        "modeling_gpn/modeling_gpn.py",
+        "            real = attention_mask[:, -seq_len:].bool()\n",
+        "            real = attention_mask[:, :seq_len].bool()  # MUTATION\n",
+        ("tests/model/test_output_layer.py -k continuation_of_a_kept_prompt_state",),
     ),
 ]
 

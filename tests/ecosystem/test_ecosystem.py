@@ -1529,14 +1529,21 @@ def test_saved_folder_loads_every_auto_class_through_remote_code_without_the_pac
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
         assert MODEL_FOR_CAUSAL_LM_MAPPING_NAMES["gpn"] == "GPNForCausalLM"  # the Trainer's label smoothing shifts
-        scorer = AutoModelForSequenceClassification.from_pretrained(folder, trust_remote_code=True, num_labels=1)
+        scorer, info = AutoModelForSequenceClassification.from_pretrained(
+            folder, trust_remote_code=True, num_labels=1, output_loading_info=True
+        )
         assert type(scorer).__name__ == "GPNForSequenceClassification" and scorer.score.out_features == 1
+        # the causal LM's weights kept, the score head new (transformers' load report names it, and nothing else)
+        assert info["missing_keys"] == {{"score.weight"}} and not info["unexpected_keys"], info
         leaked = [n for n in sys.modules if n == "modeling_gpn" or n.startswith("modeling_gpn.")]
         assert not leaked, leaked
         with torch.no_grad():
-            torch.save(base(torch.tensor({ids.tolist()!r})).last_hidden_state, {str(out)!r})
+            ids = torch.tensor({ids.tolist()!r})
+            torch.save((base(ids).last_hidden_state, scorer.model.eval()(ids).last_hidden_state), {str(out)!r})
         """
     )
     result = run_python(code, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    torch.testing.assert_close(torch.load(out), hidden)
+    from_base, from_scorer = torch.load(out)
+    torch.testing.assert_close(from_base, hidden)
+    torch.testing.assert_close(from_scorer, hidden)

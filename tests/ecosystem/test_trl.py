@@ -395,34 +395,6 @@ def test_dpo_rewards_are_log_ratios_of_each_pair_alone(gpn_folder, tokenizer, tm
     assert first["loss"] == pytest.approx(-F.logsigmoid(chosen - rejected).mean().item(), rel=1e-6, abs=1e-5)
 
 
-def test_grpo_trainer_generates_and_trains_without_vllm(gpn_folder, tmp_path):
-    """GRPOTrainer with `use_vllm=False`: completions come from the GPN's own `generate()`, are scored by a reward
-    function, and the policy's log-probabilities of them are the model's own (every fused call checked)."""
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
-
-    def reward_cats(completions, **kwargs):
-        return [float(completion.count("cat")) - 0.1 * len(completion) for completion in completions]
-
-    args = GRPOConfig(
-        **common_arguments(tmp_path),
-        use_vllm=False,
-        num_generations=2,
-        max_completion_length=6,
-        per_device_train_batch_size=4,
-        temperature=1.0,
-    )
-    prompts = Dataset.from_dict({"prompt": ["the cat", "a dog", "once upon", "the end"]})
-    trainer = GRPOTrainer(model=gpn_folder, reward_funcs=reward_cats, args=args, train_dataset=prompts)
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    check = FusedHeadCheck(trainer.model)
-    trainer.train()
-    check.remove()
-    assert len(logged(trainer)) == 2 and check.calls
-    assert all(length > 0 for length in logged(trainer, "completions/mean_length"))
-    assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.model.named_parameters())
-
-
 @pytest.mark.parametrize("adapter", ["none", "lora on the embedding"])
 def test_grpo_log_probs_of_padded_rows_equal_each_sequence_alone(gpn_folder, tmp_path, adapter):
     """GRPO scores left-padded prompts of different lengths followed by right-padded completions (padding at both
@@ -567,6 +539,125 @@ def test_reward_trainer_trains_a_gpn_reward_model(tokenizer, tmp_path):
     assert len(losses) == 6
     assert losses == pytest.approx(seen[: len(losses)], rel=1e-4)  # scores at the last real token: the unpadded rows'
     assert losses[-1] < losses[0] and logged(trainer, "accuracy")[-1] == 1.0
+
+
+# A chat template whose turns end with EOS, which is also the pad token, then a newline: the pad id inside the text
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def test_a_lora_reward_model_trained_on_conversations_scores_grpo_completions(gpn_folder, tokenizer, tmp_path):
+    """TRL's documented path for a reward model, then its use in GRPO: `RewardTrainer` given the causal-LM folder (it
+    builds `AutoModelForSequenceClassification`, the score head new: the load report names it, the rest loaded) and a
+    chat-template tokenizer, on conversations, with `LoraConfig(task_type="SEQ_CLS")` (PEFT finds the head by its
+    name, `score`, trains and saves it): every score is the model's own at the row's last real token, the adapter
+    reloads (`AutoPeftModelForSequenceClassification`) and merges to the trained scores; merged, it is
+    `GRPOTrainer`'s reward model (with its tokenizer) for a GPN policy trained without vLLM: completions come from the
+    policy's own `generate()`, each reward equals the model's score of that conversation alone, the logged mean reward
+    is theirs, the policy's log-probabilities are its own (every fused call checked) and its weights move. (GRPO
+    with a reward function: docs/fine-tuning.md's snippet, run by `test_fine_tuning_doc_snippets_run`.)"""
+    import copy
+
+    from datasets import Dataset
+    from peft import AutoPeftModelForSequenceClassification, LoraConfig
+    from transformers import AutoModelForSequenceClassification
+    from transformers.testing_utils import CaptureLogger
+    from transformers.utils import logging as transformers_logging
+    from trl import GRPOConfig, GRPOTrainer, RewardConfig, RewardTrainer
+
+    chat = copy.deepcopy(tokenizer)
+    chat.chat_template = CHAT_TEMPLATE
+
+    def turn(question, answer):
+        return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+
+    questions = ["the cat?", "a cat?", "the end?", "once?"]
+    good = ["the cat sat on the mat.", "a cat.", "the cat and the mat.", "once upon a time a cat sat."]
+    bad = ["the dog dog dog.", "a dog log.", "the end end end end.", "a log."]
+    pairs = Dataset.from_dict({"chosen": list(map(turn, questions, good)), "rejected": list(map(turn, questions, bad))})
+    args = RewardConfig(
+        **common_arguments(tmp_path / "reward", max_steps=2, learning_rate=1e-2),
+        per_device_train_batch_size=4,
+        max_length=64,
+    )
+    lora = LoraConfig(task_type="SEQ_CLS", r=4, target_modules=["fuse_proj", "decode_proj"])
+    trainer = RewardTrainer(model=gpn_folder, args=args, train_dataset=pairs, processing_class=chat, peft_config=lora)
+    scorer = trainer.model.get_base_model()
+    assert type(scorer).__name__ == "GPNForSequenceClassification" and scorer.config.num_labels == 1
+    assert "base_model.model.score.modules_to_save.default.weight" in dict(trainer.model.named_parameters())
+
+    def own_scores(model, ids, mask):
+        with torch.no_grad():  # each row alone, unpadded
+            return torch.cat(
+                [model.score(model.model(row[None, :n]).last_hidden_state[:, -1]) for row, n in zip(ids, mask.sum(1))]
+            )
+
+    differences = []
+
+    def check(module, args, kwargs, output):
+        expected = own_scores(module.get_base_model(), kwargs["input_ids"], kwargs["attention_mask"])
+        differences.append(float((output.logits.detach() - expected).abs().max()))
+
+    handle = trainer.model.register_forward_hook(check, with_kwargs=True)
+    trainer.train()
+    handle.remove()
+    assert len(differences) == 2 and max(differences) < 1e-5
+    trained = trainer.model.eval()
+    trainer.save_model(tmp_path / "adapter")
+
+    logger = transformers_logging.get_logger("transformers.modeling_utils")
+    with CaptureLogger(logger) as report:
+        fresh, info = AutoModelForSequenceClassification.from_pretrained(
+            gpn_folder, num_labels=1, output_loading_info=True
+        )
+    assert info["missing_keys"] == {"score.weight"} and not info["unexpected_keys"], info
+    assert "score.weight" in report.out and "MISSING" in report.out
+    reloaded = AutoPeftModelForSequenceClassification.from_pretrained(tmp_path / "adapter", num_labels=1).eval()
+    sample = chat.apply_chat_template(turn("the cat?", "the cat sat."), return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        want = trained(**sample).logits
+        assert not torch.allclose(fresh.eval()(**sample).logits, want)
+        torch.testing.assert_close(reloaded(**sample).logits, want, rtol=1e-5, atol=1e-6)
+        reward_model = reloaded.merge_and_unload()
+        torch.testing.assert_close(reward_model(**sample).logits, want, rtol=1e-5, atol=1e-6)
+
+    rewards = []
+
+    def scored(module, args, kwargs, output):
+        expected = own_scores(module, kwargs["input_ids"], kwargs["attention_mask"])[:, 0]
+        torch.testing.assert_close(output.logits[:, 0], expected, rtol=1e-5, atol=1e-6)
+        assert bool((kwargs["input_ids"][:, 0] != chat.pad_token_id).all())  # (right-padded conversations)
+        rewards.append(expected)
+
+    grpo_args = GRPOConfig(
+        **common_arguments(tmp_path / "grpo", max_steps=1),
+        use_vllm=False,
+        num_generations=2,
+        max_completion_length=6,
+        per_device_train_batch_size=4,
+    )
+    prompts = Dataset.from_dict({"prompt": [[{"role": "user", "content": q}] for q in questions]})
+    handle = reward_model.register_forward_hook(scored, with_kwargs=True)
+    grpo = GRPOTrainer(
+        model=gpn_folder,
+        reward_funcs=reward_model,
+        reward_processing_classes=chat,
+        args=grpo_args,
+        train_dataset=prompts,
+        processing_class=chat,
+    )
+    before = {n: p.detach().clone() for n, p in grpo.model.named_parameters()}
+    fused = FusedHeadCheck(grpo.model)  # the policy's log-probabilities of its completions: its own
+    grpo.train()
+    fused.remove()
+    handle.remove()
+    assert fused.calls and logged(grpo, "completions/mean_length")[0] > 0
+    assert any(not torch.equal(p.detach(), before[n]) for n, p in grpo.model.named_parameters())
+    assert len(rewards) == 1 and rewards[0].numel() == 4
+    name = reward_model.config.name_or_path.split("/")[-1]
+    assert logged(grpo, f"rewards/{name}/mean")[0] == pytest.approx(rewards[0].mean().item(), rel=1e-5, abs=1e-7)
 
 
 def test_trainer_fine_tunes_sequence_classification_on_a_tiny_labelled_set(tokenizer, tmp_path):

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..bf16_closeness import relative_error
 from ..subprocesses import BLOCK_PACKAGE, run_python
 from ..tiny_models import perturbed_model, tiny_config
 
@@ -440,6 +441,133 @@ def test_sequence_classification_scores_each_rows_last_real_token():
     labels = torch.tensor([2, 0, 1])
     loss = model(ids[:3], attention_mask=mask[:3], labels=labels).loss
     torch.testing.assert_close(loss, F.cross_entropy(batched[:3], labels), rtol=1e-5, atol=1e-6)
+
+
+def scorer(num_labels: int = 1, seed: int = 13, **overrides):
+    """A `GPNForSequenceClassification` on perturbed tiny weights (pad token 0), in eval mode: the same for a seed."""
+    from modeling_gpn import GPNForSequenceClassification
+
+    torch.manual_seed(seed)  # (the score head: the base model's weights are loaded below)
+    model = GPNForSequenceClassification(tiny_config(num_labels=num_labels, pad_token_id=0, **overrides))
+    model.load_state_dict(perturbed_model(tiny_config(), seed=seed).state_dict(), strict=False)
+    return model.eval()
+
+
+@torch.no_grad()
+def test_sequence_classification_without_a_mask_finds_the_last_token_that_is_not_the_pad_token():
+    """Without a mask, transformers' rule: each row's rightmost token that is not `config.pad_token_id` (a pad id
+    inside the text is read as a token). Several rows whose padding nothing shows are refused by name: neither a mask
+    nor a pad token (transformers refuses them too), or embeddings without a mask (scored at their last position, a
+    padded row would be scored at a pad token); one row is scored at its last token."""
+    model = scorer(num_labels=2)
+    text = token_ids(1, 6, seed=21)
+    text[0, 2] = 0  # the pad id inside the text: a token
+    right = torch.cat([text, torch.zeros(1, 3, dtype=torch.long)], dim=1)  # right padding with the pad id, no mask
+    left = torch.cat([torch.zeros(1, 2, dtype=torch.long), text, torch.zeros(1, 1, dtype=torch.long)], dim=1)
+    alone = model.score(model.model(text).last_hidden_state[:, -1])
+    at_7 = model.score(model.model(left).last_hidden_state[:, 7])  # (without a mask the left padding is read)
+    torch.testing.assert_close(model(torch.cat([right, left])).logits, torch.cat([alone, at_7]), rtol=1e-5, atol=1e-6)
+
+    embedded = model.model.embed_tokens(torch.cat([right, left]))
+    with pytest.raises(ValueError, match=r"got 2 rows of inputs_embeds without an attention_mask \(no token ids"):
+        model(inputs_embeds=embedded)  # (no ids: the pad token cannot be found)
+    mask = torch.tensor([[1] * 6 + [0] * 3, [0, 0] + [1] * 6 + [0]])
+    torch.testing.assert_close(model(inputs_embeds=embedded, attention_mask=mask).logits, alone.expand(2, -1))
+    torch.testing.assert_close(model(inputs_embeds=model.model.embed_tokens(text)).logits, alone)  # one row: its last
+
+    model.config.pad_token_id = None
+    with pytest.raises(ValueError, match=r"got 2 rows without an attention_mask, and config.pad_token_id is None"):
+        model(torch.cat([right, right]))
+    torch.testing.assert_close(model(torch.cat([right, left]), attention_mask=mask).logits, alone.expand(2, -1))
+    last = model.score(model.model(right).last_hidden_state[:, -1])
+    torch.testing.assert_close(model(right).logits, last)  # one row, no pad token: every token is real
+
+
+@torch.no_grad()
+def test_sequence_classification_scores_a_continuation_of_a_kept_prompt_state():
+    """Scoring continuations of a prompt read once: the prompt's cache (`use_cache=True`, or `past_key_values`, the
+    deprecated name) continued with the new tokens alone and the mask of prompt + new columns gives each row's score
+    of its real tokens read alone (a row with padding inside its prompt; a row whose new positions are all padding:
+    the prompt's own score). The fast path (which ran) equals the plain loop, and bf16 weights score the whole
+    sequence within bf16's rounding of float32."""
+    from ..backend_observer import FAST_PATH, PLAIN_PATH, ran
+
+    model = scorer(num_labels=2)
+    prompt, new = token_ids(2, 5, seed=22), token_ids(2, 3, seed=23)
+    whole = torch.cat([prompt, new], dim=1)
+    mask = torch.tensor([[1, 0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0, 0, 0]])
+    expected = torch.cat(
+        [model.score(model.model(row[real.bool()][None]).last_hidden_state[:, -1]) for row, real in zip(whole, mask)]
+    )
+    scores = {}
+    for path, fast in (("fast", True), ("plain", False)):
+        model.model.use_fast_path = fast
+        with ran(FAST_PATH if fast else PLAIN_PATH):
+            kept = model(prompt, attention_mask=mask[:, :5], use_cache=True).cache
+            scores[path] = model(new, cache=kept, attention_mask=mask).logits
+        assert kept.get_seq_length() == 8
+    torch.testing.assert_close(scores["fast"], expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(scores["plain"], expected, rtol=1e-5, atol=1e-6)
+    kept = model(prompt, attention_mask=mask[:, :5], use_cache=True).cache
+    with pytest.warns(FutureWarning, match="past_key_values"):
+        torch.testing.assert_close(model(new, past_key_values=kept, attention_mask=mask).logits, scores["fast"])
+    half = scorer(num_labels=2).to(torch.bfloat16)
+    scored = half(whole, attention_mask=mask).logits
+    assert scored.dtype == torch.bfloat16 and relative_error(scored, expected) < 0.02
+
+
+def test_sequence_classification_losses_by_problem_type_and_labels_refused_by_name():
+    """transformers' loss by problem type, against a hand computation of the scores: regression for one label (MSE,
+    labels (batch,) or (batch, 1)), single-label for int64 class ids (cross-entropy, -100 ignored), multi-label for
+    floats (BCE), settled by the labels' dtype or set in the config. Labels of a wrong dtype, shape or range are
+    refused by name before the forward, the config's problem type left unset: they failed inside torch's losses
+    (int32 class ids, an id out of range: on a GPU a device-side assert) or were broadcast against the scores with a
+    warning at most (a regression label of shape (batch, 2), one label for the batch)."""
+    ids, mask = token_ids(3, 5, seed=24), torch.tensor([[1] * 5, [0, 0, 1, 1, 1], [1, 1, 1, 0, 0]])
+
+    def scores_and_loss(model, labels):
+        loss = model(ids, attention_mask=mask, labels=labels).loss
+        return model(ids, attention_mask=mask).logits, loss
+
+    regressor = scorer(num_labels=1)
+    target = torch.tensor([0.5, -1.0, 2.0])
+    scores, loss = scores_and_loss(regressor, target)
+    torch.testing.assert_close(loss, F.mse_loss(scores[:, 0], target))
+    assert regressor.config.problem_type == "regression"
+    torch.testing.assert_close(scores_and_loss(regressor, target[:, None])[1], loss)
+    regressor.config.problem_type = None
+    for bad, shape in ((torch.rand(3, 2), r"\(3, 2\)"), (torch.rand(1), r"\(1,\)"), (target > 0, r"\(3,\)")):
+        with pytest.raises(ValueError, match=rf"labels of dtype .* and shape {shape} do not fit regression"):
+            regressor(ids, attention_mask=mask, labels=bad)
+    assert regressor.config.problem_type is None
+
+    classifier = scorer(num_labels=3)
+    classes = torch.tensor([2, -100, 0])
+    scores, loss = scores_and_loss(classifier, classes)
+    torch.testing.assert_close(loss, F.cross_entropy(scores[[0, 2]], classes[[0, 2]]))
+    assert classifier.config.problem_type == "single_label_classification"
+    classifier.config.problem_type = None
+    with pytest.raises(ValueError, match=r"dtype torch.int32 .* single_label_classification.*; pass labels.long\(\)"):
+        classifier(ids, attention_mask=mask, labels=classes.int())
+    with pytest.raises(ValueError, match=r"labels hold 3 at row 1: a class id must be in \[0, 3\)"):
+        classifier(ids, attention_mask=mask, labels=torch.tensor([0, 3, 1]))
+    with pytest.raises(ValueError, match=r"shape \(3,\) do not fit multi_label_classification.*pass labels.long"):
+        classifier(ids, attention_mask=mask, labels=torch.tensor([2.0, 0.0, 1.0]))  # class ids as floats
+    with pytest.raises(ValueError, match=r"shape \(3, 3\) do not fit single_label.*pass labels.float"):
+        classifier(ids, attention_mask=mask, labels=torch.eye(3, dtype=torch.long))  # multi-hot as integers
+    assert classifier.config.problem_type is None
+
+    multi_hot = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    scores, loss = scores_and_loss(classifier, multi_hot)
+    torch.testing.assert_close(loss, F.binary_cross_entropy_with_logits(scores, multi_hot))
+    assert classifier.config.problem_type == "multi_label_classification"
+    with pytest.raises(ValueError, match=r"torch.bool .* multi_label_classification.*; pass labels.float"):
+        classifier(ids, attention_mask=mask, labels=multi_hot.bool())
+    classifier.config.problem_type = "regression"  # set in the config: several numbers a row
+    scores, loss = scores_and_loss(classifier, multi_hot)
+    torch.testing.assert_close(loss, F.mse_loss(scores, multi_hot))
+    with pytest.raises(ValueError, match=r"shape \(3,\) do not fit regression \(config.problem_type='regression'\)"):
+        classifier(ids, attention_mask=mask, labels=target)
 
 
 # --------------------------------------------------------------------------------------------------
