@@ -5903,6 +5903,27 @@ MUTATIONS = [
         "    if False:  # MUTATION\n",
         ("tests/model/test_state.py -k read_head_no_cache_computes and outside",),
     ),
+    Mutation(
+        "processes: gpn generate holds no --save-state file (two runs continuing one state: the later save drops a turn)",
+        "modeling_gpn/cli/generate.py",
+        "    if args.save_state is None or not Path(args.save_state).expanduser().is_file():\n        return None",
+        "    if True:  # MUTATION\n        return None",
+        ("tests/tools/test_generate_cli.py -k two_runs_continuing",),
+    ),
+    Mutation(
+        "processes: gpn generate saves over a --state file another writer replaced meanwhile",
+        "modeling_gpn/cli/generate.py",
+        "    if not unchanged_since(args.save_state, continued):",
+        "    if False:  # MUTATION",
+        ("tests/tools/test_generate_cli.py -k two_runs_continuing",),
+    ),
+    Mutation(
+        "processes: a path held by another process is refused without naming the holder's pid",
+        "modeling_gpn/atomic_files.py",
+        '                if fields[1] == "FLOCK" and fields[5] == device and fields[3] == "WRITE":',
+        "                if False:  # MUTATION",
+        ("tests/tools/test_generate_cli.py -k two_runs_continuing",),
+    ),
 ]
 
 
