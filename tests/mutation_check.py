@@ -5924,6 +5924,20 @@ MUTATIONS = [
         "                if False:  # MUTATION",
         ("tests/tools/test_generate_cli.py -k two_runs_continuing",),
     ),
+    Mutation(
+        "processes: gpn eval holds not its --output-dir (a second run into it replaced the first's results in silence)",
+        "eval/cli.py",
+        "        hold_output_folder(output_dir, holds)\n",
+        "",
+        ("tests/ecosystem/test_eval.py -k second_run_into_a_folder",),
+    ),
+    Mutation(
+        "processes: gpn eval leaves the --output-dir it created for the hold when it wrote nothing",
+        "eval/cli.py",
+        "            holds.callback(_remove_if_empty, output_dir, top)",
+        "            pass  # MUTATION",
+        ("tests/ecosystem/test_eval.py -k second_run_into_a_folder",),
+    ),
 ]
 
 
