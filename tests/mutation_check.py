@@ -2866,8 +2866,8 @@ MUTATIONS = [
     Mutation(
         "gpn convert writes into a folder with files in it",
         "conversion/reference.py",
-        "    if out.is_dir() and any(out.iterdir()):\n",
-        "    if False:  # MUTATION\n",
+        "        if any(out.iterdir()):\n            raise CheckpointError(",
+        "        if False:  # MUTATION\n            raise CheckpointError(",
         ("tests/model/test_config_and_conversion.py::test_gpn_convert_refuses_a_folder_with_files_in_it",),
     ),
     Mutation(
@@ -5937,6 +5937,20 @@ MUTATIONS = [
         "            holds.callback(_remove_if_empty, output_dir, top)",
         "            pass  # MUTATION",
         ("tests/ecosystem/test_eval.py -k second_run_into_a_folder",),
+    ),
+    Mutation(
+        "processes: gpn convert holds not OUT (two conversions into one new folder wrote a model mixed of two)",
+        "conversion/reference.py",
+        "            holding.enter_context(\n                held(\n                    out,",
+        "            (\n                (\n                    out,",
+        ("tests/model/test_config_and_conversion.py -k second_gpn_convert",),
+    ),
+    Mutation(
+        "processes: gpn push --dry-run holds not OUT (two dry runs into one new folder mixed their files)",
+        "modeling_gpn/hub/push.py",
+        "                holding.enter_context(\n                    held(",
+        "                (\n                    (",
+        ("tests/tools/test_hub.py -k second_dry_run",),
     ),
 ]
 
