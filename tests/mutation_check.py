@@ -5952,6 +5952,13 @@ MUTATIONS = [
         "                (\n                    (",
         ("tests/tools/test_hub.py -k second_dry_run",),
     ),
+    Mutation(
+        "processes: a kept state whose file another server on the --state-dir removed fails the request",
+        "modeling_gpn/serve/state_store.py",
+        '        except (GPNStateFileError, TypeError) as error:\n            logger.warning("state store: dropping %s: %s", path, error)',
+        '        except TypeError as error:  # MUTATION\n            logger.warning("state store: dropping %s: %s", path, error)',
+        ("tests/tools/test_serve_store.py -k two_servers_on_one_state_dir",),
+    ),
 ]
 
 
