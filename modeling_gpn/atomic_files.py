@@ -5,8 +5,11 @@ The one way gpn replaces a file: a kept state (`state_file.py`), a training run'
 and checkpoint state (`train/run_folder.py`), `gpn bench --json`'s report, `gpn study`'s report and results,
 `gpn serve`'s spilled states. A crash or an interruption at any instant leaves the old content or the new one,
 never a mix; an exception (Ctrl-C too) leaves no temporary file behind, a killed process (`kill -9`) its hidden one.
-A path that is a device, pipe or socket is refused, not replaced. The standard library only: it ships with the model,
-which saves states through it.
+A path that is a device, pipe or socket is refused, not replaced. `held` holds a file or folder for one process
+(an flock naming its holder to the process it refuses): what gpn generate's `--save-state`, gpn eval's
+`--output-dir`, gpn convert's and gpn push --dry-run's OUT take, so that two processes reading and then writing
+one path never overwrite each other's work in silence. The standard library only: it ships with the model, which
+saves states through it.
 """
 
 from __future__ import annotations
@@ -118,13 +121,14 @@ def _same_file(one: os.stat_result, other: os.stat_result) -> bool:
 @contextlib.contextmanager
 def held(
     path: str | os.PathLike, purpose: str, advice: str = "wait for it to end, or choose another path"
-) -> Iterator[os.stat_result | None]:
+) -> Iterator[os.stat_result]:
     """Hold `path` (an existing file or folder) for this process while the block runs, or raise `InUseError` at
     once, naming the process that holds it: an exclusive `flock` on what `path` names, which the kernel drops when
     its holder ends (`kill -9` too). Two processes that each read, then replace or fill, the same path (a state
     continued and saved back, an output folder checked empty and then written) would otherwise each overwrite
     the other's work in silence. `purpose` says what the holder does ("that continues the state in it") and
-    `advice` what to do, for the error. Yields the `os.stat` of what is held (None where there is no flock: Windows, which holds nothing).
+    `advice` what to do, for the error. Yields the `os.stat` of what is held (where there is no flock, Windows,
+    nothing is held: of what `path` names).
 
     A file that `replacing` renames over `path` while held is a new file: the hold stays on the old one, so a
     process that opens `path` after that rename reads the new content whole, as it should. Where the lock is
@@ -134,7 +138,7 @@ def held(
     try:
         import fcntl
     except ImportError:  # (Windows: no flock; the callers' checks of what they read still hold)
-        yield None
+        yield os.stat(path)
         return
     path = Path(path)
     while True:

@@ -5922,7 +5922,7 @@ MUTATIONS = [
         "modeling_gpn/atomic_files.py",
         '                if fields[1] == "FLOCK" and fields[5] == device and fields[3] == "WRITE":',
         "                if False:  # MUTATION",
-        ("tests/tools/test_generate_cli.py -k two_runs_continuing",),
+        ("tests/tools/test_generate_cli.py -k two_runs_continuing", "tests/tools/test_faults_io.py -k held_by_another"),
     ),
     Mutation(
         "processes: gpn eval holds not its --output-dir (a second run into it replaced the first's results in silence)",
@@ -5958,6 +5958,20 @@ MUTATIONS = [
         '        except (GPNStateFileError, TypeError) as error:\n            logger.warning("state store: dropping %s: %s", path, error)',
         '        except TypeError as error:  # MUTATION\n            logger.warning("state store: dropping %s: %s", path, error)',
         ("tests/tools/test_serve_store.py -k two_servers_on_one_state_dir",),
+    ),
+    Mutation(
+        "processes, portability: without flock a held path's replacement is not told (gpn generate saved over it)",
+        "modeling_gpn/atomic_files.py",
+        "        yield os.stat(path)\n        return",
+        "        yield None  # MUTATION\n        return",
+        ("tests/tools/test_faults_io.py -k held_by_another",),
+    ),
+    Mutation(
+        "processes: a held file replaced by a rename is taken for unchanged",
+        "modeling_gpn/atomic_files.py",
+        "    return _same_file(now, seen) and (now.st_size",
+        "    return True or (now.st_size",
+        ("tests/tools/test_faults_io.py -k held_by_another",),
     ),
 ]
 
