@@ -30,6 +30,7 @@ parameters of the inferred config need, and every claim is checked before anythi
 from __future__ import annotations
 
 import codecs
+import contextlib
 import io
 import json
 import math
@@ -48,6 +49,7 @@ import numpy as np
 import torch
 
 from modeling_gpn import GPNConfig, GPNForCausalLM
+from modeling_gpn.atomic_files import held
 
 if TYPE_CHECKING:
     from typing import BinaryIO
@@ -940,11 +942,39 @@ def convert(src: str | Path, out: str | Path, tokenizer: str | None = None) -> G
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"Cannot write the converted model to {out}: it is a file, not a folder")
-    if out.is_dir() and any(out.iterdir()):
-        raise CheckpointError(
-            f"Cannot write the converted model to {out}: the folder is not empty (its files would stay beside the "
-            "new model); name a new or empty folder, or remove it first"
-        )
+    # OUT is created and held (an flock) from the check that it is empty to the end of the write: two conversions
+    # into one new folder both found it empty and wrote into it, each file the last writer's, a model mixed of two
+    # in silence. A second one meanwhile is refused, naming the first; OUT is removed again (while held) where
+    # the conversion fails, as it would have been left unwritten.
+    created = not out.exists()
+    with contextlib.ExitStack() as holding:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            holding.enter_context(
+                held(
+                    out,
+                    "that writes a converted model into it (gpn convert)",
+                    "wait for it to end, or name another folder",
+                )
+            )
+        except OSError as error:  # (a folder that cannot be created, or one another process holds)
+            raise CheckpointError(f"Cannot write the converted model to {out}: {error.strerror or error}") from error
+        if any(out.iterdir()):
+            raise CheckpointError(
+                f"Cannot write the converted model to {out}: the folder is not empty (its files would stay beside the "
+                "new model); name a new or empty folder, or remove it first"
+            )
+        try:
+            return _convert_into(src, out, tokenizer)
+        except BaseException:
+            # OUT was new or empty: what was written of it is no model (code files without weights, or weights
+            # without the tokenizer), and left there it would make the next try refuse OUT as not empty
+            _remove_written(out, created)
+            raise
+
+
+def _convert_into(src: str | Path, out: Path, tokenizer: str | None) -> GPNForCausalLM:
+    """`convert`'s work, into the held, empty folder `out`."""
     loaded_tokenizer = _load_tokenizer(tokenizer) if tokenizer else None  # a bad name costs no conversion
     model = load_reference_model(src)
     if loaded_tokenizer is not None:
@@ -960,7 +990,6 @@ def convert(src: str | Path, out: str | Path, tokenizer: str | None = None) -> G
         bos, eos, pad = loaded_tokenizer.bos_token_id, loaded_tokenizer.eos_token_id, loaded_tokenizer.pad_token_id
         model.config.update({"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad})
         model.generation_config.update(bos_token_id=bos, eos_token_id=eos, pad_token_id=eos if pad is None else pad)
-    created = not out.exists()
     try:
         model.save_pretrained(out)
         if loaded_tokenizer is not None:
@@ -968,13 +997,8 @@ def convert(src: str | Path, out: str | Path, tokenizer: str | None = None) -> G
         # what the weights came from, for the card `gpn push` writes (modeling_gpn.hub's CONVERSION_RECORD); names,
         # not the local path, which says nothing to a reader of the card and may be private
         (out / "conversion.json").write_text(json.dumps(conversion_record(src), indent=2) + "\n", encoding="utf-8")
-    except BaseException as error:
-        # OUT was new or empty: what was written of it is no model (code files without weights, or weights
-        # without the tokenizer), and left there it would make the next try refuse OUT as not empty
-        _remove_written(out, created)
-        if isinstance(error, OSError):
-            raise CheckpointError(f"Cannot write the converted model to {out}: {error.strerror or error}") from error
-        raise
+    except OSError as error:
+        raise CheckpointError(f"Cannot write the converted model to {out}: {error.strerror or error}") from error
     return model
 
 

@@ -52,6 +52,7 @@ row, every metric with its wall time, and each row's protocol.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import sys
@@ -59,6 +60,7 @@ from pathlib import Path
 
 import torch
 
+from modeling_gpn.atomic_files import held, write_file_atomically
 from modeling_gpn.cli.arguments import ADAPTER_FOLDER_HELP, check_no_earlier_output
 
 from .runner import DEFAULT_FINEWEB_MAX_DOCUMENTS, DEFAULT_TASKS, TASKS, EvalSettings
@@ -285,9 +287,44 @@ def write_outputs(results: dict, output_dir: str | Path) -> tuple[Path, Path]:
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     json_path, report_path = (out / name for name in OUTPUT_FILES)
-    json_path.write_text(json.dumps(results, indent=2, allow_nan=True) + "\n", encoding="utf-8")
-    report_path.write_text(render_report(results), encoding="utf-8")
+    # each replaced whole (a reader, gpn push reading the model folder's eval_results.json, never sees half of one)
+    write_file_atomically(json_path, json.dumps(results, indent=2, allow_nan=True) + "\n")
+    write_file_atomically(report_path, render_report(results))
     return json_path, report_path
+
+
+def hold_output_folder(output_dir: Path, holds: contextlib.ExitStack) -> None:
+    """Hold `output_dir` (an flock on the folder, `atomic_files.held`) until the run ends, creating it if need be
+    (and removing it again, while held, if the run wrote nothing). Two runs into one folder (the default,
+    ./eval-<the model folder's name>, is the same for runs/a/model and runs/b/model) both found it free at their
+    start, and the later one's results replaced the earlier's in silence, or its eval_results.json and
+    eval_report.md were each the other run's: a second run is now refused at its start, naming the first."""
+    top = output_dir
+    while not top.parent.exists():
+        top = top.parent
+    created = not top.exists()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        holds.enter_context(
+            held(
+                output_dir,
+                "that writes an evaluation into it (gpn eval)",
+                "wait for it to end, or give another --output-dir",
+            )
+        )
+    finally:
+        if created:  # (runs after the hold is released when it was taken: the ExitStack unwinds last in, first out)
+            holds.callback(_remove_if_empty, output_dir, top)
+
+
+def _remove_if_empty(folder: Path, top: Path) -> None:
+    """Remove `folder` and its parents up to `top` that this run created, where nothing was written in them."""
+    while True:
+        with contextlib.suppress(OSError):  # (not empty: something was written, kept)
+            folder.rmdir()
+        if folder == top or folder.exists():
+            return
+        folder = folder.parent
 
 
 def keep_finished_tasks(finished: dict, tasks: list[str], message: object, output_dir: Path) -> str:
@@ -322,6 +359,11 @@ def fail(message: object) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run `gpn eval`: load the model, run its tasks and write the results; returns the exit status."""
+    with contextlib.ExitStack() as holds:
+        return _run(args, holds)
+
+
+def _run(args: argparse.Namespace, holds: contextlib.ExitStack) -> int:
     from modeling_gpn.cli.arguments import torch_device, writable_folder
     from modeling_gpn.cli.loading import adapter_note, check_model_path
     from modeling_gpn.data.tokenizer import check_tokenizer_path
@@ -341,6 +383,7 @@ def run(args: argparse.Namespace) -> int:
         for task in settings.tasks:  # a --data-dir without a task's files
             data_source(task, settings)
         output_dir = writable_folder(args.output_dir or f"eval-{Path(args.model.rstrip('/')).name}", "--output-dir")
+        hold_output_folder(output_dir, holds)
         if not args.overwrite:
             check_no_results(output_dir)
     except (OSError, ValueError) as error:

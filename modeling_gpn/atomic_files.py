@@ -5,8 +5,11 @@ The one way gpn replaces a file: a kept state (`state_file.py`), a training run'
 and checkpoint state (`train/run_folder.py`), `gpn bench --json`'s report, `gpn study`'s report and results,
 `gpn serve`'s spilled states. A crash or an interruption at any instant leaves the old content or the new one,
 never a mix; an exception (Ctrl-C too) leaves no temporary file behind, a killed process (`kill -9`) its hidden one.
-A path that is a device, pipe or socket is refused, not replaced. The standard library only: it ships with the model,
-which saves states through it.
+A path that is a device, pipe or socket is refused, not replaced. `held` holds a file or folder for one process
+(an flock naming its holder to the process it refuses): what gpn generate's `--save-state`, gpn eval's
+`--output-dir`, gpn convert's and gpn push --dry-run's OUT take, so that two processes reading and then writing
+one path never overwrite each other's work in silence. The standard library only: it ships with the model, which
+saves states through it.
 """
 
 from __future__ import annotations
@@ -81,3 +84,100 @@ def write_file_atomically(path: str | os.PathLike, data: str | bytes) -> None:
     leaves either its old content or the new one."""
     with replacing(path, "wb") as handle:
         handle.write(data.encode() if isinstance(data, str) else data)
+
+
+# --------------------------------------------------------------------------------------------------
+# One process at a time on a file or folder another process may also be changing
+# --------------------------------------------------------------------------------------------------
+
+
+class InUseError(OSError):
+    """The path is held by another process (`held`): its message names the holder where the system tells."""
+
+
+def _holder(identity: os.stat_result) -> str:
+    """Who holds the flock on the file or folder `identity` (Linux: `/proc/locks` names the pid, and that pid's
+    command line its command); elsewhere, or where it cannot be read, "another process"."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        device = f"{os.major(identity.st_dev):02x}:{os.minor(identity.st_dev):02x}:{identity.st_ino}"
+        with open("/proc/locks", encoding="utf-8") as locks:
+            for line in locks:
+                fields = line.split()
+                if fields[1] == "FLOCK" and fields[5] == device and fields[3] == "WRITE":
+                    pid = int(fields[4])
+                    try:
+                        with open(f"/proc/{pid}/cmdline", "rb") as raw:
+                            command = raw.read().replace(b"\0", b" ").decode(errors="replace").strip()
+                    except OSError:
+                        command = ""
+                    return f"pid {pid}" + (f": {command}" if command else "")
+    return "another process"
+
+
+def _same_file(one: os.stat_result, other: os.stat_result) -> bool:
+    return (one.st_dev, one.st_ino) == (other.st_dev, other.st_ino)
+
+
+@contextlib.contextmanager
+def held(
+    path: str | os.PathLike, purpose: str, advice: str = "wait for it to end, or choose another path"
+) -> Iterator[os.stat_result]:
+    """Hold `path` (an existing file or folder) for this process while the block runs, or raise `InUseError` at
+    once, naming the process that holds it: an exclusive `flock` on what `path` names, which the kernel drops when
+    its holder ends (`kill -9` too). Two processes that each read, then replace or fill, the same path (a state
+    continued and saved back, an output folder checked empty and then written) would otherwise each overwrite
+    the other's work in silence. `purpose` says what the holder does ("that continues the state in it") and
+    `advice` what to do, for the error. Yields the `os.stat` of what is held (where there is no flock, Windows,
+    nothing is held: of what `path` names).
+
+    A file that `replacing` renames over `path` while held is a new file: the hold stays on the old one, so a
+    process that opens `path` after that rename reads the new content whole, as it should. Where the lock is
+    taken after another process replaced `path`, the new file is held instead (looked up again until `path`
+    names what is locked).
+    """
+    try:
+        import fcntl
+    except ImportError:  # (Windows: no flock; the callers' checks of what they read still hold)
+        yield os.stat(path)
+        return
+    path = Path(path)
+    while True:
+        descriptor = os.open(path, os.O_RDONLY)
+        try:
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise InUseError(
+                    f"{path} is in use by another process ({_holder(os.fstat(descriptor))}) {purpose}: {advice}"
+                ) from None
+            locked = os.fstat(descriptor)
+            try:
+                now = os.stat(path)
+            except FileNotFoundError:
+                now = None
+            if now is not None and _same_file(now, locked):
+                break
+        except BaseException:
+            os.close(descriptor)
+            raise
+        os.close(descriptor)  # (replaced or removed between the open and the lock: take what it names now)
+    try:
+        yield locked
+    finally:
+        os.close(descriptor)
+
+
+def unchanged_since(path: str | os.PathLike, seen: os.stat_result | None) -> bool:
+    """Whether `path` still names the file `seen` (its `os.stat` when read, e.g. from `held`) with the same size,
+    modification and change time: False once another process replaced or rewrote it. True where `seen` is None."""
+    if seen is None:
+        return True
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return False
+    return _same_file(now, seen) and (now.st_size, now.st_mtime_ns, now.st_ctime_ns) == (
+        seen.st_size,
+        seen.st_mtime_ns,
+        seen.st_ctime_ns,
+    )

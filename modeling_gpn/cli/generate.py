@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -295,14 +297,24 @@ def _save_state(
     start: GPNCache | None,
     output: torch.Tensor,
     text_mask: torch.Tensor,
+    continued: os.stat_result | None = None,
 ) -> None:
     """Write the state after `start` (a cache, or None for the empty state) and every row's text, naming the
-    tokenizer whose ids it read (a later `--state` with another tokenizer is refused)."""
+    tokenizer whose ids it read (a later `--state` with another tokenizer is refused). `continued`: the `--state`
+    file as it was read, when this save replaces it: refused if another process replaced it meanwhile."""
+    from ..atomic_files import unchanged_since
+
     read_before = start.get_seq_length() if start is not None else 0
     if read_before:
         text_mask = torch.cat([text_mask.new_ones(text_mask.shape[0], read_before), text_mask], dim=1)
     with torch.no_grad():  # a no-grad forward keeping one logit runs in bounded memory, whatever the length
         state = model(output, attention_mask=text_mask, cache=start, use_cache=True, logits_to_keep=1).cache
+    if not unchanged_since(args.save_state, continued):
+        raise GenerateError(
+            f"--save-state {args.save_state} was replaced by another process since this run read it as --state: "
+            "not overwritten (the other process's state would be lost in silence). The text above continues the "
+            "state this run read; give another --save-state to keep this run's state too"
+        )
     try:
         state.save(args.save_state, tokenizer=tokenizer)
     except OSError as error:
@@ -324,11 +336,41 @@ def read_stdin_prompt(prompts: list[str]) -> list[str]:
     return [text if prompt == "-" else prompt for prompt in prompts]
 
 
+def _hold_saved_state(args: argparse.Namespace, holds: contextlib.ExitStack) -> os.stat_result | None:
+    """Hold the `--save-state` file, where there is one already, until the state is written (`atomic_files.held`),
+    so that a second `gpn generate` saving there meanwhile is refused at its start, naming this one. Two processes
+    continuing one state (`--state F --save-state F`) each read F and then replaced it: the later save dropped
+    the earlier one's turn in silence. Returns what is held when it is also the `--state` file (continued: the
+    save checks it was not replaced meanwhile by a writer that does not hold it), else None."""
+    from ..atomic_files import InUseError, held
+
+    if args.save_state is None or not Path(args.save_state).expanduser().is_file():
+        return None
+    try:
+        seen = holds.enter_context(
+            held(
+                Path(args.save_state).expanduser(),
+                "that continues or writes the state in it (gpn generate --save-state)",
+                "wait for it to end, or give this run another --save-state",
+            )
+        )
+    except InUseError as error:
+        raise GenerateError(f"--save-state {error}") from error
+    continued = args.state is not None and os.path.samefile(args.state, Path(args.save_state).expanduser())
+    return seen if continued else None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run `gpn generate`: load the model, generate for each prompt and print; returns the exit status."""
+    with contextlib.ExitStack() as holds:
+        return _run(args, holds)
+
+
+def _run(args: argparse.Namespace, holds: contextlib.ExitStack) -> int:
     try:
         args.prompts = read_stdin_prompt(args.prompts)
         check_arguments(args)
+        continued = _hold_saved_state(args, holds)
         model, tokenizer = _load(args)
         model.to(args.device).eval()
         model = _to_dtype(model, args.dtype, args.model)
@@ -394,7 +436,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         try:
             text_mask = _text_mask(prompt_mask, output[:, prompt_width:], model.generation_config.eos_token_id)
-            _save_state(args, model, tokenizer, start, output, text_mask)
+            _save_state(args, model, tokenizer, start, output, text_mask, continued)
         except GenerateError as error:
             print(f"gpn generate: error: {error}", file=sys.stderr)
             return 2

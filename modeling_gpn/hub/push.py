@@ -4,11 +4,13 @@ writes it. The token goes to `huggingface_hub.HfApi` only: never printed, never 
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..atomic_files import held
 from .checks import WEIGHTS_INDEX
 from .errors import HubPushError
 from .folder import TOKENIZER_FILES, prepare_folder
@@ -113,21 +115,32 @@ def push_folder(
         if out.resolve() == Path(folder).resolve():
             raise HubPushError("--dry-run OUT must be a new folder, not MODEL_DIR")
         created = not out.exists()
-        was_empty = out.is_dir() and not any(out.iterdir())  # (a folder with files is refused, untouched)
-        try:
-            prepared = prepare_folder(folder, out, repo_id, **options)
-        except BaseException:
-            # nothing half-written is left: a refused folder's weights and code would read as a dry run's output
-            # and make the next try refuse OUT as not empty
-            if created and out.exists():
-                shutil.rmtree(out)
-            elif was_empty:
-                for path in out.iterdir():
-                    if path.is_dir() and not path.is_symlink():
-                        shutil.rmtree(path)
-                    else:
-                        path.unlink()
-            raise
+        # OUT is held (an flock) from the check that it is empty to the end of the write: two dry runs into one new
+        # folder both found it empty and wrote into it, each file the last writer's, in silence. A second one
+        # meanwhile is refused, naming the first.
+        with contextlib.ExitStack() as holding:
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+                holding.enter_context(
+                    held(out, "that writes a prepared upload into it (gpn push --dry-run)", "wait for it to end")
+                )
+            except OSError as error:  # (a folder that cannot be created, or one another process holds)
+                raise HubPushError(f"--dry-run {out}: {error.strerror or error}") from error
+            was_empty = not any(out.iterdir())  # (a folder with files is refused, untouched)
+            try:
+                prepared = prepare_folder(folder, out, repo_id, **options)
+            except BaseException:
+                # nothing half-written is left: a refused folder's weights and code would read as a dry run's output
+                # and make the next try refuse OUT as not empty
+                if created and out.exists():
+                    shutil.rmtree(out)
+                elif was_empty:
+                    for path in out.iterdir():
+                        if path.is_dir() and not path.is_symlink():
+                            shutil.rmtree(path)
+                        else:
+                            path.unlink()
+                raise
         size = sum((out / f).stat().st_size for f in prepared.files)
         say(f"Dry run: wrote {len(prepared.files)} files ({size / 2**20:.1f} MiB) to {out}; nothing was uploaded.")
         for name in prepared.files:

@@ -881,6 +881,45 @@ def test_an_unusable_output_dir_is_refused_before_the_model_loads(gpn_dir, where
     assert err.startswith(f"gpn eval: error: --output-dir {output[where]}") and err.count("\n") == 1
 
 
+def test_a_second_run_into_a_folder_another_run_writes_is_refused_naming_it(
+    gpn_dir, data, tmp_path, capsys, monkeypatch
+):
+    """Two runs into one --output-dir at once (the default ./eval-model of runs/a/model and runs/b/model, two
+    terminals) both found it free at their start; the later one's results replaced the earlier's in silence, or
+    eval_results.json and eval_report.md were each another run's. A run holds the folder until it ends: a second
+    one started meanwhile (here while the first evaluates), --overwrite too, is refused at its start naming the
+    first's pid, and the results are the first's. A run that wrote nothing leaves no folder it created."""
+    import os
+
+    from gpn_cli import main
+    from modeling_gpn.evaluation import runner
+
+    out, real_evaluate, seen = tmp_path / "eval-model", runner.evaluate, {}
+    argv = ["eval", str(gpn_dir), "--data-dir", str(data), "--tasks", "lambada_paper", "--limit", "1", "--quiet"]
+
+    def evaluate_beside_another_run(*args, **kwargs):
+        seen["other"] = main([*argv, "--output-dir", str(out), "--overwrite", "--limit", "2"])
+        seen["said"] = capsys.readouterr().err
+        return real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "evaluate", evaluate_beside_another_run)
+    assert main([*argv, "--output-dir", str(out)]) == 0
+    assert seen["other"] == 2 and seen["said"].startswith(
+        f"gpn eval: error: {out} is in use by another process (pid {os.getpid()}: "
+    ), seen["said"]
+    assert (
+        "that writes an evaluation into it (gpn eval): wait for it to end, or give another --output-dir" in seen["said"]
+    )
+    assert json.loads((out / "eval_results.json").read_text())["limit"] == 1  # the first run's, whole
+
+    def fails(*args, **kwargs):
+        raise OSError("no such model")
+
+    monkeypatch.setattr(runner, "evaluate", fails)
+    assert main([*argv, "--output-dir", str(tmp_path / "new" / "eval")]) == 2
+    assert not (tmp_path / "new").exists()
+
+
 def test_quiet_shows_no_progress_bar_of_any_library(gpn_dir, data, tmp_path, capfd):
     """`--quiet` said "no progress bars", but lm-eval's "Running loglikelihood requests" bars (and those of
     transformers' weight loading and datasets' reading) still showed; each library's setting is restored after."""

@@ -445,6 +445,33 @@ def test_gpn_convert_refuses_a_folder_with_files_in_it(tmp_path, capsys):
         assert not (disk / "new").exists() and list((disk / "empty").iterdir()) == []
 
 
+def test_a_second_gpn_convert_into_the_folder_another_is_writing_is_refused_naming_it(tmp_path, capsys, monkeypatch):
+    """Two conversions into one new OUT at once both found it empty and wrote into it: each file the last writer's,
+    a model mixed of two checkpoints in silence. OUT is held from that check to the end of the write: a second
+    conversion started meanwhile (here while the first reads its checkpoint) is refused, naming the first's pid,
+    and OUT holds the first's model, whole."""
+    import os
+
+    from gpn_cli import main
+    from modeling_gpn.conversion import reference
+
+    folder, out = require_shared("fixtures/reference/sot_m_1l"), tmp_path / "converted"
+    real_load, seen = reference.load_reference_model, {}
+
+    def load_beside_another_conversion(src):
+        seen["other"] = main(["convert", str(require_shared("fixtures/reference/sot_m_2l")), str(out)])
+        seen["said"] = capsys.readouterr().err
+        return real_load(src)
+
+    monkeypatch.setattr(reference, "load_reference_model", load_beside_another_conversion)
+    assert main(["convert", str(folder), str(out)]) == 0
+    assert seen["other"] == 1 and seen["said"].startswith(
+        f"gpn convert: Cannot write the converted model to {out}: {out} is in use by another process "
+        f"(pid {os.getpid()}: "
+    ), seen["said"]
+    assert json.loads((out / "conversion.json").read_text())["source"] == "sot_m_1l"  # the first's, whole
+
+
 def test_gpn_convert_refuses_a_tokenizer_with_more_ids_than_the_model(tmp_path, capsys):
     """The LLaMA-2 tokenizer (32,000 ids) was saved beside a model of 97 tokens."""
     from gpn_cli import main

@@ -1432,3 +1432,41 @@ def test_every_text_file_the_package_reads_or_writes_names_its_encoding():
     ]
     assert len(files) > 50
     assert [call for path in files for call in text_io_without_an_encoding(path)] == []
+
+
+def test_a_path_held_by_another_process_is_refused_naming_it_and_a_replaced_one_is_seen(tmp_path, monkeypatch):
+    """`atomic_files.held`, what gpn generate, eval, convert and push --dry-run hold their file or folder with. A real
+    second process holding the flock (a bare interpreter: no torch to import) is named in the refusal by its pid
+    and command. A file replaced by a rename after a hold was taken is a new file: a process holding the path now
+    holds the new one (a run continuing the state another just saved), and `unchanged_since` tells it was
+    replaced. Without flock (Windows) nothing is held, and the replacement is still told."""
+    import subprocess
+
+    from modeling_gpn.atomic_files import InUseError, held, unchanged_since, write_file_atomically
+
+    state = tmp_path / "state.safetensors"
+    state.write_bytes(b"first")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1]); fcntl.flock(f, fcntl.LOCK_EX); print(flush=True)"
+         "; sys.stdin.read()", str(state)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        holder.stdout.readline()  # (it holds the lock once it printed)
+        with pytest.raises(
+            InUseError, match=rf"{state} is in use by another process \(pid {holder.pid}: \S+ -c import fcntl"
+        ):
+            with held(state, "that tests"):
+                pass
+    finally:
+        holder.stdin.close()
+        holder.wait()
+    with held(state, "that tests") as first:
+        write_file_atomically(state, b"second")  # (as GPNCache.save replaces it)
+        assert not unchanged_since(state, first)
+        with held(state, "that tests") as second:  # the new file, free
+            assert unchanged_since(state, second)
+    monkeypatch.setitem(sys.modules, "fcntl", None)  # (import fails, as on Windows)
+    with held(state, "that tests") as seen, held(state, "that tests"):
+        write_file_atomically(state, b"third")
+        assert not unchanged_since(state, seen)

@@ -564,3 +564,53 @@ def test_a_model_whose_config_ends_generate_at_another_token_than_its_tokenizers
     end_of_turn = tokenizer.convert_tokens_to_ids("<|end|>")
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": end_of_turn}))
     GPNModelManager(device="cpu")._load_processor(str(folder))
+
+
+def test_two_runs_continuing_one_state_file_never_drop_a_turn_in_silence(bpe_dir, tmp_path, monkeypatch, capsys):
+    """`gpn generate --state F --save-state F` run twice at once (two terminals continuing one conversation): each
+    read F, and the later save replaced the earlier one's, whose turn was gone from the conversation without a
+    word. A run holds F (an flock) from its start to its save: a second run saving to F meanwhile, started while
+    this one is inside generate(), between reading F and writing it, is refused at its start, naming the holder's
+    pid, and F is the first run's continuation. (The second run is this process's own `gpn generate`: a flock taken
+    through another open conflicts as another process's does; run as a real second process it printed the same,
+    at 5 s of CPU for its imports.) A writer that does not hold F (the library's `GPNCache.save`) replacing it
+    meanwhile makes the save refuse, naming why, instead of dropping that state."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    from modeling_gpn.modeling_gpn import GPNCache
+
+    state = tmp_path / "conversation.safetensors"
+    model = AutoModelForCausalLM.from_pretrained(bpe_dir)
+    continue_state = ["generate", str(bpe_dir), " on", "--state", str(state), "--save-state", str(state)]
+    continue_state += ["--device", "cpu", "--max-new-tokens", "2"]
+    assert gpn_main([*continue_state[:3], "--max-new-tokens", "2", "--device", "cpu", "--save-state", str(state)]) == 0
+    before = GPNCache.load(state, model).get_seq_length()
+    real_generate, seen = type(model).generate, {}
+
+    def generate_beside_another_run(self, *args, **kwargs):  # inside this run's read-continue-write of F
+        seen["other"] = gpn_main(continue_state)
+        seen["said"] = capsys.readouterr().err
+        return real_generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "generate", generate_beside_another_run)
+    capsys.readouterr()
+    assert gpn_main(continue_state) == 0
+    assert seen["other"] == 2, seen["said"]
+    assert (
+        f"gpn generate: error: --save-state {state} is in use by another process (pid {os.getpid()}: " in seen["said"]
+    )
+    assert GPNCache.load(state, model).get_seq_length() > before  # the first run's turn, the other's refused
+
+    def replaced_by_a_writer_that_holds_nothing(self, *args, **kwargs):
+        model(torch.tensor([[5, 6, 7]]), use_cache=True).cache.save(state)
+        return real_generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "generate", replaced_by_a_writer_that_holds_nothing)
+    capsys.readouterr()
+    assert gpn_main(continue_state) == 2
+    assert (
+        "was replaced by another process since this run read it as --state: not overwritten" in capsys.readouterr().err
+    )
+    assert GPNCache.load(state, model).get_seq_length() == 3  # the other writer's state, kept

@@ -537,6 +537,34 @@ def test_refusals_name_the_problem(source, tmp_path, capsys):
     assert "is not empty" in capsys.readouterr().err and (taken / "keep.txt").exists()
 
 
+def test_a_second_dry_run_into_the_folder_another_is_writing_is_refused_naming_it(
+    source, tmp_path, capsys, monkeypatch
+):
+    """Two `gpn push --dry-run OUT` at once (the same OUT, two models) both found it empty and wrote into it, each
+    file the last writer's, in silence. OUT is held from that check to the end of the write: a second dry run
+    meanwhile (here while the first prepares the folder) is refused, naming the first's pid. (The first is refused
+    after that, which removes the OUT it created: a whole dry run costs seconds.)"""
+    import os
+
+    from gpn_cli import main
+    from modeling_gpn.hub import HubPushError, push
+
+    out, seen = tmp_path / "upload", {}
+
+    def prepare_beside_another_dry_run(*args, **kwargs):
+        seen["other"] = main(["push", str(source["dir"]), REPO_ID, "--dry-run", str(out)])
+        seen["said"] = capsys.readouterr().err
+        raise HubPushError("refused after the other")
+
+    monkeypatch.setattr(push, "prepare_folder", prepare_beside_another_dry_run)
+    assert main(["push", str(source["dir"]), REPO_ID, "--dry-run", str(out)]) == 1
+    assert (
+        seen["other"] == 1
+        and f"--dry-run {out}: {out} is in use by another process (pid {os.getpid()}: " in (seen["said"])
+    )
+    assert "refused after the other" in capsys.readouterr().err and not out.exists()
+
+
 def test_remote_code_importing_the_installed_package_is_refused(tmp_path):
     from modeling_gpn.hub import HubPushError, check_remote_code
 

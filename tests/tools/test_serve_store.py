@@ -135,6 +135,24 @@ def test_states_of_an_unloaded_model_still_spill_to_files(model, tmp_path):
         assert found == length and same_state(cache, expected[length])
 
 
+def test_two_servers_on_one_state_dir_never_answer_from_a_state_another_removed(model, tmp_path):
+    """Two servers on one --state-dir (two stores sharing nothing but the folder, as two processes would). Files are
+    named by the model and the ids they hold, so both write the same state under the same name (whole: renamed
+    into place); one server reads the files another's index knew at its start. A file the other server has since
+    taken back into memory (deleting it) or trimmed is gone: the lookup drops it, logged, and continues from the
+    longest state still there, never failing the request nor answering from another state."""
+    first = StateStore(10 * state_bytes(model), spill_dir=tmp_path)
+    for length in (3, 5):
+        first.keep(model, IDS[:length], state_after(model, IDS[:length]))
+    first.spill_all()  # (as a server that stops writes them: here, for the second server to find)
+    second = StateStore(0, spill_dir=tmp_path)
+    assert second.summary()["states_in_files"] == 2
+    assert first.lookup(model, IDS[:5])[0] == 5  # back into the first's memory: its file deleted
+    found, cache = second.lookup(model, IDS[:6])
+    assert found == 3 and same_state(cache, state_after(model, IDS[:3]))
+    assert second.summary()["states_in_files"] == 1
+
+
 def test_the_spill_folder_is_bounded_and_a_damaged_file_is_dropped(model, tmp_path):
     state_after(model, IDS).save(tmp_path / "one-file")
     file_bytes = (tmp_path / "one-file").stat().st_size
