@@ -233,6 +233,35 @@ def full_bptt(fsdp: bool, ddp_kwargs: dict | None = None, last_only: bool = Fals
     }
 
 
+def checkpointed(fast: bool, reentrant: bool | None = None, static: bool = False) -> dict:
+    """A step of a prepared model with gradient checkpointing on (segments of 4 positions), on the fast path (its own
+    recomputation) or the plain one (torch's checkpoint of every segment: `use_reentrant` as given, transformers'
+    default False where None), under DDP with or without `static_graph`: twice, the gradients of the second."""
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    accelerator = accelerator_for(kwargs_handlers=[DistributedDataParallelKwargs(static_graph=static)])
+    rank, world = accelerator.process_index, accelerator.num_processes
+    model = tiny_model()
+    model.model.use_fast_path = fast
+    model.gradient_checkpointing_enable(None if reentrant is None else {"use_reentrant": reentrant})
+    model.config.bptt_segment_length = 4
+    reference = copy.deepcopy(model)
+    data = rows(ROWS * world)
+    mine = data[rank * ROWS : (rank + 1) * ROWS]
+    wrapped = accelerator.prepare(model)
+    with observed() as seen:
+        for _ in range(2):  # (twice: DDP's static graph records the first iteration)
+            wrapped.zero_grad()
+            accelerator.backward(wrapped(input_ids=mine, labels=mine).loss)
+    grads = flat(p.grad for p in model.parameters())
+    reference(input_ids=data, labels=data).loss.backward()
+    return {
+        "grads vs one process": relative(grads, flat(p.grad for p in reference.parameters())),
+        "processes differ by": across_processes(accelerator, grads),
+        "paths": paths(seen),
+    }
+
+
 def saved_and_gathered(fsdp: bool) -> dict:
     """A step, then `accelerator.unwrap_model(model).save_pretrained` on the main process (the folder shared) and
     `from_pretrained` on every process; and `gather_for_metrics` of the logits of an evaluation loop over a dataset
@@ -295,6 +324,10 @@ CASES = {
     "ddp-full-bptt-last-only": lambda: full_bptt(fsdp=False, last_only=True),
     "ddp-full-bptt-unused": lambda: full_bptt(fsdp=False, ddp_kwargs={"find_unused_parameters": True}),
     "ddp-full-bptt-static": lambda: full_bptt(fsdp=False, ddp_kwargs={"static_graph": True}),
+    "ddp-checkpointing": lambda: checkpointed(fast=True),
+    "ddp-plain-checkpointing": lambda: checkpointed(fast=False),
+    "ddp-plain-checkpointing-reentrant": lambda: checkpointed(fast=False, reentrant=True),
+    "ddp-plain-checkpointing-reentrant-static": lambda: checkpointed(fast=False, reentrant=True, static=True),
     "ddp-save-gather": lambda: saved_and_gathered(fsdp=False),
     "fsdp2-step": lambda: one_step(fsdp=True),
     "fsdp2-accumulate": lambda: one_step(fsdp=True, accumulation=2),
