@@ -3587,6 +3587,13 @@ MUTATIONS = [
         ("tests/tools/test_custom_loop.py",),
     ),
     Mutation(
+        "save_pretrained of a GPN under Accelerate's FSDP2 takes a state_dict of its shards (DTensors)",
+        "modeling_gpn/sharding.py",
+        "        name = next((name for name, tensor in state_dict.items() if isinstance(tensor, DTensor)), None)\n",
+        "        name = None  # MUTATION\n",
+        ("tests/tools/test_custom_loop.py",),
+    ),
+    Mutation(
         "fast path in a custom Accelerate loop under DDP and FSDP2 (the dispatcher always takes the plain loop)",
         "modeling_gpn/modeling_gpn.py",
         'if not self.use_fast_path or is_tracing():\n            return "plain"',

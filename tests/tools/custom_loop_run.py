@@ -298,6 +298,12 @@ def saved_and_gathered(fsdp: bool) -> dict:
             unwrapped.save_pretrained(folder)
         except ValueError as error:
             refused = {"error": str(error), "folder written": os.path.exists(folder)}
+        if fsdp:  # the model's own state dict, its shards (DTensors), given
+            try:
+                unwrapped.save_pretrained(folder, state_dict=unwrapped.state_dict())
+            except ValueError as error:
+                refused["state dict"] = str(error)
+            refused["folder written"] = refused["folder written"] or os.path.exists(folder)
     if fsdp:  # what Accelerate documents for a sharded model: the full weights gathered on every process
         state_dict = accelerator.get_state_dict(model)
         save = accelerator.save

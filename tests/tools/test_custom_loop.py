@@ -72,4 +72,6 @@ def test_a_custom_accelerate_loop_trains_a_gpn_under_ddp_and_fsdp2_as_one_proces
     refused = results["fsdp2-save-gather"]["refused"]
     assert refused["error"].startswith("FSDP2 shards this model's weights"), refused
     assert "state_dict = accelerator.get_state_dict(model)" in refused["error"], refused
+    assert refused["state dict"].startswith("the state_dict given holds model.embed_tokens.weight as FSDP2"), refused
+    assert "state_dict = accelerator.get_state_dict(model)" in refused["state dict"], refused
     assert refused["folder written"] is False, refused
