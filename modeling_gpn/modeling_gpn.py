@@ -114,7 +114,7 @@ from .output_layer import (
 from .packing import add_packing_parameters, packed_sequence_starts, packing_arguments, refuse_packed_rows
 from .peft_layers import refuse_split_alora_offsets
 from .prefill import forward_in_chunks, prefill_chunk_length_for
-from .sharding import check_sharded_lengths, placement_warning
+from .sharding import check_sharded_lengths, placement_warning, sharded_save_refusal
 from .state_file import GPNStateFileError
 from .tracing import is_exporting, is_tracing
 
@@ -419,7 +419,7 @@ def quantized_after_loading(model: PreTrainedModel, state_dict: dict | None = No
     named = state_dict.items() if state_dict is not None else model.named_parameters()
     for name, tensor in named:
         kind = type(tensor)
-        if kind.__module__.startswith("torchao."):  # (a subclass of torch's own, a DTensor, saves as usual)
+        if kind.__module__.startswith("torchao."):  # (a DTensor: `sharding.sharded_save_refusal`)
             return name, kind.__name__
     return None
 
@@ -511,9 +511,13 @@ class GPNPreTrainedModel(PreTrainedModel):
         `AutoModelForCausalLM` and `AutoModelForSequenceClassification` alike. The `bptt_segment_length` that
         enabling gradient checkpointing set is not saved (the folder says what the model was given). Weights that
         torchao's `quantize_` quantized after loading are refused before anything is written
-        (`quantized_after_loading`).
+        (`quantized_after_loading`), and so are weights FSDP2 shards, without their gathered `state_dict`
+        (`sharding.sharded_save_refusal`).
         """
         state_dict = kwargs.get("state_dict", args[1] if len(args) > 1 else None)
+        sharded = sharded_save_refusal(self, state_dict)
+        if sharded is not None:
+            raise ValueError(sharded)
         quantized = quantized_after_loading(self, state_dict)
         if quantized is not None:
             raise ValueError(

@@ -53,6 +53,41 @@ def check_sharded_lengths(
         )
 
 
+def sharded_save_refusal(model: torch.nn.Module, state_dict: dict | None) -> str | None:
+    """Why `save_pretrained` cannot write `model` (or the `state_dict` given for it), or None: weights that FSDP2
+    shards (DTensors, each process holding a part), where transformers does not gather them itself.
+
+    transformers 5.24 gathers the shards only of a model it sharded (`config.distributed_config`); under Accelerate's
+    FSDP2 (`accelerator.prepare`, `gpn train`'s launches) the model's own `save_pretrained` hands its state dict's
+    DTensors to safetensors, which writes the config and code, then fails on the first weight ("Attempted to access
+    the data pointer on an invalid python storage"): a folder without weights. (Its parameters may be gathered
+    plain tensors at that moment, after a forward of the root unit, which does not reshard: the sharding is told by
+    the modules.) Gathering them here would need every process in the call, and the usual call is the main
+    process's alone."""
+    if not torch.distributed.is_available():  # (no FSDP2 without it)
+        return None
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    if getattr(model.config, "distributed_config", None) is not None:  # (transformers' own sharding: it gathers)
+        return None
+    if state_dict is not None:
+        name = next((name for name, tensor in state_dict.items() if isinstance(tensor, DTensor)), None)
+        if name is None:
+            return None
+        what = f"the state_dict given holds {name} as FSDP2 shards it (a DTensor: each process holds a part of it)"
+    elif any(isinstance(module, FSDPModule) for module in model.modules()):
+        what = "FSDP2 shards this model's weights (DTensors: each process holds a part of each)"
+    else:
+        return None
+    return (
+        f"{what}, which save_pretrained cannot write: gather the full weights on every process and pass them, as "
+        "Accelerate documents it: `state_dict = accelerator.get_state_dict(model)`, then "
+        "`accelerator.unwrap_model(model).save_pretrained(folder, is_main_process=accelerator.is_main_process, "
+        "save_function=accelerator.save, state_dict=state_dict)`"
+    )
+
+
 def placement_warning(device_map: dict | None) -> str | None:
     """What to tell the user of a GPN that `from_pretrained(device_map=...)` placed on several devices, or offloaded
     to disk (transformers then dispatches it with accelerate's hooks), or None. The recurrence runs every block

@@ -3009,7 +3009,7 @@ MUTATIONS = [
     Mutation(
         "save_pretrained refuses weights torchao's quantize_ quantized after loading, before anything is written",
         "modeling_gpn/modeling_gpn.py",
-        '        if kind.__module__.startswith("torchao."):  # (a subclass of torch\'s own, a DTensor, saves as usual)\n',
+        '        if kind.__module__.startswith("torchao."):  # (a DTensor: `sharding.sharded_save_refusal`)\n',
         "        if False:  # MUTATION\n",
         ("tests/fast_path/test_step_kernels.py -k quantized_after_loading_is_refused",),
     ),
@@ -3578,6 +3578,27 @@ MUTATIONS = [
         "    if longest != shortest:\n",
         "    if False:  # MUTATION\n",
         ("tests/tools/test_sft_fsdp.py",),
+    ),
+    Mutation(
+        "save_pretrained of a GPN under Accelerate's FSDP2 takes its DTensors (writes the config, fails on a weight)",
+        "modeling_gpn/sharding.py",
+        "    elif any(isinstance(module, FSDPModule) for module in model.modules()):\n",
+        "    elif False:  # MUTATION\n",
+        ("tests/tools/test_custom_loop.py",),
+    ),
+    Mutation(
+        "save_pretrained of a GPN under Accelerate's FSDP2 takes a state_dict of its shards (DTensors)",
+        "modeling_gpn/sharding.py",
+        "        name = next((name for name, tensor in state_dict.items() if isinstance(tensor, DTensor)), None)\n",
+        "        name = None  # MUTATION\n",
+        ("tests/tools/test_custom_loop.py",),
+    ),
+    Mutation(
+        "fast path in a custom Accelerate loop under DDP and FSDP2 (the dispatcher always takes the plain loop)",
+        "modeling_gpn/modeling_gpn.py",
+        'if not self.use_fast_path or is_tracing():\n            return "plain"',
+        'if True:  # MUTATION\n            return "plain"',
+        ("tests/tools/test_custom_loop.py",),
     ),
     Mutation(
         "gpn train under FSDP2 on CPU takes --fsdp_offload_params (Accelerate's traceback pinning memory)",
