@@ -12,14 +12,18 @@ from __future__ import annotations
 import copy
 import json
 import pickle
+import subprocess
 import textwrap
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..subprocesses import BLOCK_PACKAGE, run_python
+from ..subprocesses import BLOCK_PACKAGE, run_python, two_at_a_time
 from ..tiny_models import perturbed_model, tiny_config
 
 VOCAB = 97
@@ -1497,18 +1501,15 @@ def test_a_model_offloaded_to_disk_by_device_map_runs_and_generates(tmp_path):
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_saved_folder_loads_every_auto_class_through_remote_code_without_the_package(tmp_path):
+REMOTE_CODE_TEST = "test_saved_folder_loads_every_auto_class_through_remote_code_without_the_package"
+
+
+def _remote_code_process(tmp_path: Path) -> tuple[dict, Callable[[], subprocess.CompletedProcess]]:
+    """A saved tiny GPN and its hidden states here: (what the test compares, the job that loads the folder through
+    every auto class in a fresh process without the package and writes its hidden states)."""
     model = perturbed_model(tiny_config())
     folder = tmp_path / "saved"
     model.save_pretrained(folder)
-    auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
-    assert auto_map == {
-        "AutoConfig": "configuration_gpn.GPNConfig",
-        "AutoModel": "modeling_gpn.GPNModel",
-        "AutoModelForCausalLM": "modeling_gpn.GPNForCausalLM",
-        "AutoModelForSequenceClassification": "modeling_gpn.GPNForSequenceClassification",
-    }
     ids = token_ids(1, 6)
     with torch.no_grad():
         hidden = model.model(ids).last_hidden_state
@@ -1542,8 +1543,38 @@ def test_saved_folder_loads_every_auto_class_through_remote_code_without_the_pac
             torch.save((base(ids).last_hidden_state, scorer.model.eval()(ids).last_hidden_state), {str(out)!r})
         """
     )
-    result = run_python(code, tmp_path)
+    return dict(folder=folder, hidden=hidden, out=out), lambda: run_python(code, tmp_path)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def remote_code_process(request, tmp_path_factory) -> Iterator[tuple[dict, Future] | None]:
+    """The fresh process of `REMOTE_CODE_TEST` (the module's last test, which needs nothing of those before it),
+    started in the background at the module's first test where that test is selected, beside the module's
+    in-process tests (`subprocesses.two_at_a_time`'s reason: the suite's time on 2 cores); its folder and the hidden
+    states it is compared with made here, in the test process: (those, the future of the finished process)."""
+    if not any(
+        item.originalname == REMOTE_CODE_TEST for item in request.session.items if item.module is request.module
+    ):
+        yield None
+        return
+    with torch.random.fork_rng():  # (the generator as it was, for the tests before that one)
+        made, job = _remote_code_process(tmp_path_factory.mktemp("remote-code"))
+    with two_at_a_time() as pool:
+        yield made, pool.submit(job)
+
+
+@pytest.mark.slow
+def test_saved_folder_loads_every_auto_class_through_remote_code_without_the_package(remote_code_process):
+    made, finished = remote_code_process
+    auto_map = json.loads((made["folder"] / "config.json").read_text())["auto_map"]
+    assert auto_map == {
+        "AutoConfig": "configuration_gpn.GPNConfig",
+        "AutoModel": "modeling_gpn.GPNModel",
+        "AutoModelForCausalLM": "modeling_gpn.GPNForCausalLM",
+        "AutoModelForSequenceClassification": "modeling_gpn.GPNForSequenceClassification",
+    }
+    result = finished.result()
     assert result.returncode == 0, result.stdout + result.stderr
-    from_base, from_scorer = torch.load(out)
-    torch.testing.assert_close(from_base, hidden)
-    torch.testing.assert_close(from_scorer, hidden)
+    from_base, from_scorer = torch.load(made["out"])
+    torch.testing.assert_close(from_base, made["hidden"])
+    torch.testing.assert_close(from_scorer, made["hidden"])

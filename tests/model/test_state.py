@@ -13,6 +13,9 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
 import safetensors.torch
@@ -22,6 +25,7 @@ from modeling_gpn import GPNCache
 from modeling_gpn.state_file import GPNStateFileError, _state_checksum, state_fingerprint
 
 from ..environment import REPO_ROOT, require_shared, small_disk
+from ..subprocesses import two_at_a_time
 from ..tiny_models import perturbed_model, tiny_config
 
 VOCAB = 97
@@ -215,9 +219,11 @@ print(json.dumps({"tokens": out.tolist(), "read": cache.get_seq_length()}))
 """
 
 
-def test_saved_state_continued_in_a_new_process_equals_one_run(tmp_path):
+def _saved_state_and_its_process(folder: Path) -> tuple[dict, Callable[[], subprocess.CompletedProcess]]:
+    """A model and the state of a prefix saved into `folder`, with the uninterrupted run to compare with: (what the
+    test compares, the job that continues the state in a new process)."""
     model = perturbed_model(tiny_config(eos_token_id=None), seed=9)
-    model.save_pretrained(tmp_path / "model")
+    model.save_pretrained(folder / "model")
     prefix, prefix_mask = token_ids(2, 12, seed=8), padded_mask(2, 12)
     new = token_ids(2, 4, seed=9)
     with torch.no_grad():
@@ -229,22 +235,43 @@ def test_saved_state_continued_in_a_new_process_equals_one_run(tmp_path):
             pad_token_id=0,
         )
         cache = model(prefix, attention_mask=prefix_mask, use_cache=True).cache
-    cache.save(tmp_path / "prefix.safetensors")
-    assert not list(tmp_path.glob(".*tmp*"))  # written under a temporary name, then renamed
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            CONTINUE_IN_A_NEW_PROCESS,
-            str(tmp_path / "model"),
-            str(tmp_path / "prefix.safetensors"),
-            json.dumps(new.tolist()),
-            json.dumps(prefix_mask.tolist()),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
+    cache.save(folder / "prefix.safetensors")
+    command = [
+        sys.executable,
+        "-c",
+        CONTINUE_IN_A_NEW_PROCESS,
+        str(folder / "model"),
+        str(folder / "prefix.safetensors"),
+        json.dumps(new.tolist()),
+        json.dumps(prefix_mask.tolist()),
+    ]
+    made = dict(folder=folder, model=model, prefix=prefix, uninterrupted=uninterrupted, cache=cache)
+    return made, lambda: subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def saved_state_in_a_new_process(request, tmp_path_factory) -> Iterator[tuple[dict, Future] | None]:
+    """The new process of `test_saved_state_continued_in_a_new_process_equals_one_run`, which needs nothing of the
+    tests before it, started in the background at the module's first test (where that test is selected), beside the
+    module's in-process tests (`subprocesses.two_at_a_time`'s reason: the suite's time on 2 cores; its inputs made
+    here, in the test process): (what it compares, the future of the finished process)."""
+    test = "test_saved_state_continued_in_a_new_process_equals_one_run"
+    if not any(item.originalname == test for item in request.session.items if item.module is request.module):
+        yield None
+        return
+    with torch.random.fork_rng():  # (the generator as it was, for the tests before that one)
+        made, job = _saved_state_and_its_process(tmp_path_factory.mktemp("saved-state"))
+    with two_at_a_time() as pool:
+        yield made, pool.submit(job)
+
+
+def test_saved_state_continued_in_a_new_process_equals_one_run(saved_state_in_a_new_process):
+    made, finished = saved_state_in_a_new_process
+    tmp_path, model, prefix, uninterrupted, cache = (
+        made[k] for k in ("folder", "model", "prefix", "uninterrupted", "cache")
     )
+    assert not list(tmp_path.glob(".*tmp*"))  # written under a temporary name, then renamed
+    result = finished.result()
     assert result.returncode == 0, result.stderr
     continued = json.loads(result.stdout.strip().splitlines()[-1])
     assert torch.equal(torch.tensor(continued["tokens"]), uninterrupted[:, prefix.shape[1] :])

@@ -19,6 +19,7 @@ import struct
 import subprocess
 import sys
 import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,6 +144,52 @@ def assert_one_clear_error(result: Finished | subprocess.CompletedProcess, comma
     for needle in needles:
         assert needle in lines[0], lines[0]
     return lines[0]
+
+
+# The tests below whose fresh processes need nothing of the tests before them (each imports torch and transformers on
+# one core): test name (or "bombs", the bomb tests' one child) -> what makes that job's inputs here (in the test
+# process: nothing else draws from torch's generator meanwhile) and returns the job, run in the background.
+BOMB_TESTS = {
+    "test_convert_refuses_resource_bombs_before_allocating",
+    "test_convert_under_the_same_bound_still_converts_a_real_checkpoint",
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_processes(request, tmp_path_factory) -> Iterator[dict]:
+    """The fresh processes of this module's slowest tests (the bombs' bounded child, gpn convert and gpn generate
+    in real processes, generate into a closed pipe, the bounded tokenization and perplexity), started two at a
+    time in the background from the module's first test on, beside its in-process tests (only the selected
+    tests'; subprocesses.started_in_the_background's reason): the suite's time on 2 cores. Each test
+    asserts on its job's result as it asserted on the process it ran itself. Name -> future of the job's result."""
+    selected = {item.originalname for item in request.session.items if item.module is request.module}
+    if selected & BOMB_TESTS:
+        selected.add("bombs")
+    env = dict(os.environ)  # (taken here: the tests' monkeypatches change os.environ)
+    makers: dict[str, Callable[[Path], Callable[[], object]]] = {
+        "bombs": _bombs_job,
+        "test_convert_malformed_input_in_a_real_process_prints_no_traceback": lambda root: _malformed_convert_job(
+            root, env
+        ),
+        "test_generate_in_a_real_process": lambda root: _generate_job(
+            root, request.getfixturevalue("generate_dir"), env
+        ),
+        "test_generate_into_a_closed_pipe_stops_quietly": lambda root: _closed_pipe_job(
+            request.getfixturevalue("generate_dir"), env
+        ),
+        "test_a_long_document_is_tokenized_in_bounded_memory": lambda root: _long_document_job(
+            root, request.getfixturevalue("bpe_tokenizer_dir")
+        ),
+        "test_fineweb_windows_at_2048_with_a_32k_vocabulary_in_bounded_memory": _fineweb_job,
+    }
+    with two_at_a_time() as pool:
+        started = {}
+        for name, make in makers.items():  # (in the order the tests need them; each started once its inputs are made)
+            if name in selected:
+                with torch.random.fork_rng():  # (the generator as it was, for the tests before those)
+                    job = make(tmp_path_factory.mktemp("fresh-process"))
+                started[name] = pool.submit(job)
+        yield started
 
 
 # --------------------------------------------------------------------------------------------------
@@ -310,18 +357,27 @@ BOMBS = {
 BOMB_MARGIN = 256 << 20  # what the child may allocate beyond its imports
 
 
-@pytest.fixture(scope="module")
-def bomb_runs(tmp_path_factory):
+def _bombs_job(root: Path) -> Callable[[], tuple]:
     """Every bomb, and then a genuine checkpoint, converted in one child capped at imports + 256 MiB."""
-    root = tmp_path_factory.mktemp("bombs")
     commands = []
     for case, (make, _needles) in BOMBS.items():
         (root / case).mkdir()
         commands.append(["convert", str(make(root / case)), str(root / case / "out")])
     genuine = write_pickle(root / "genuine.pkl", reference_params(), opt_state={"count": np.int32(10)})
     commands.append(["convert", str(genuine), str(root / "genuine-out")])
-    finished, cap = run_bounded(commands, BOMB_MARGIN)
-    return root, dict(zip([*BOMBS, "genuine"], finished)), cap
+
+    def job() -> tuple:
+        finished, cap = run_bounded(commands, BOMB_MARGIN)
+        return root, dict(zip([*BOMBS, "genuine"], finished)), cap
+
+    return job
+
+
+@pytest.fixture(scope="module")
+def bomb_runs(fresh_processes):
+    """Every bomb, and then a genuine checkpoint, converted in one child capped at imports + 256 MiB (`_bombs_job`,
+    started in the background): (its folder, command -> what it left, the cap)."""
+    return fresh_processes["bombs"].result()
 
 
 @pytest.mark.parametrize("case", list(BOMBS))
@@ -473,14 +529,15 @@ def test_convert_answers_every_malformed_input_with_one_clear_line(tmp_path, cap
     assert not (tmp_path / "out").exists()
 
 
-def test_convert_malformed_input_in_a_real_process_prints_no_traceback(tmp_path):
-    source = _truncated(write_pickle(tmp_path / "c.pkl", reference_params()), 0.5)
-    result = subprocess.run(
-        [sys.executable, "-m", "gpn_cli", "convert", str(source), str(tmp_path / "out")],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-    )
+def _malformed_convert_job(root: Path, env: dict[str, str]) -> Callable[[], subprocess.CompletedProcess]:
+    source = _truncated(write_pickle(root / "c.pkl", reference_params()), 0.5)
+    command = [sys.executable, "-m", "gpn_cli", "convert", str(source), str(root / "out")]
+    return lambda: subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, env=env)
+
+
+def test_convert_malformed_input_in_a_real_process_prints_no_traceback(fresh_processes, request):
+    """`gpn convert` of a truncated checkpoint in a real process (`_malformed_convert_job`): one line, no traceback."""
+    result = fresh_processes[request.node.originalname].result()
     assert_one_clear_error(result, "convert", "not a readable reference checkpoint")
 
 
@@ -648,19 +705,21 @@ def test_generate_unparsable_number_is_argparse_usage_not_a_traceback(generate_d
     assert "gpn generate: error: argument --max-new-tokens: invalid int value: 'many'" in capsys.readouterr().err
 
 
-def test_generate_in_a_real_process(generate_dir, tmp_path):
-    """The real console entry: a bad path is one line and exit 2; good arguments still generate."""
+def _generate_job(root: Path, generate_dir: Path, env: dict[str, str]) -> Callable[[], tuple]:
     command = [sys.executable, "-m", "gpn_cli", "generate"]
     arguments = {
-        "bad": [str(tmp_path / "nowhere"), "hi"],
+        "bad": [str(root / "nowhere"), "hi"],
         "good": [str(generate_dir), "the cat", "to be", "--max-new-tokens", "5", "--device", "cpu"],
     }
-    with two_at_a_time() as pool:  # (each process imports torch and transformers on one core)
-        runs = {
-            name: pool.submit(subprocess.run, [*command, *argv], capture_output=True, text=True, cwd=REPO_ROOT)
-            for name, argv in arguments.items()
-        }
-    bad, good = runs["bad"].result(), runs["good"].result()
+    return lambda: tuple(
+        subprocess.run([*command, *argv], capture_output=True, text=True, cwd=REPO_ROOT, env=env)
+        for argv in arguments.values()
+    )
+
+
+def test_generate_in_a_real_process(fresh_processes, request):
+    """The real console entry: a bad path is one line and exit 2; good arguments still generate (`_generate_job`)."""
+    bad, good = fresh_processes[request.node.originalname].result()
     assert_one_clear_error(bad, "generate", "does not exist")
     assert good.returncode == 0, good.stderr
     assert good.stdout.count("-" * 40) == 2 and good.stdout.startswith("the cat")
@@ -684,26 +743,34 @@ def test_generate_ctrl_c_is_one_line_and_the_shells_status(generate_dir, monkeyp
     assert "Traceback" not in captured.err and captured.err.strip().endswith("gpn generate: interrupted (Ctrl-C)")
 
 
-def test_generate_into_a_closed_pipe_stops_quietly(generate_dir):
+def _closed_pipe_job(generate_dir: Path, env: dict[str, str]) -> Callable[[], subprocess.CompletedProcess]:
+    env = {name: value for name, value in env.items() if name != "PYTHONUNBUFFERED"}
+
+    def job() -> subprocess.CompletedProcess:
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # the reader has gone before anything is printed
+        try:
+            return subprocess.run(
+                [sys.executable, "-m", "gpn_cli", "generate", str(generate_dir), "the cat", "to be"]
+                + ["--max-new-tokens", "3", "--device", "cpu"],
+                stdout=write_end,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=REPO_ROOT,
+                env=env,
+            )
+        finally:
+            os.close(write_end)
+
+    return job
+
+
+def test_generate_into_a_closed_pipe_stops_quietly(fresh_processes, request):
     """`gpn generate ... | head -c 10`: the reader gone, printing the texts raised BrokenPipeError with a
     traceback (exit status 1). It stops without one, with the status of a command ended by SIGPIPE. (Standard
     output buffered, as a user's is: with PYTHONUNBUFFERED=1, set where the tests ran, Python's "Exception
-    ignored ... BrokenPipeError" at exit, status 120, could not show.)"""
-    read_end, write_end = os.pipe()
-    os.close(read_end)  # the reader has gone before anything is printed
-    env = {name: value for name, value in os.environ.items() if name != "PYTHONUNBUFFERED"}
-    try:
-        result = subprocess.run(
-            [sys.executable, "-m", "gpn_cli", "generate", str(generate_dir), "the cat", "to be"]
-            + ["--max-new-tokens", "3", "--device", "cpu"],
-            stdout=write_end,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=REPO_ROOT,
-            env=env,
-        )
-    finally:
-        os.close(write_end)
+    ignored ... BrokenPipeError" at exit, status 120, could not show.) Run by `_closed_pipe_job`."""
+    result = fresh_processes[request.node.originalname].result()
     assert result.returncode == 141, result.stderr
     assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr, result.stderr
 
@@ -780,10 +847,7 @@ def test_streamed_tokens_equal_whole_document_tokens_llama(tmp_path, monkeypatch
     assert streamed == whole
 
 
-def test_a_long_document_is_tokenized_in_bounded_memory(bpe_tokenizer_dir, tmp_path):
-    """5 MB in one .txt file, tokenized under a cap of imports + 400 MiB. Measured (peak RSS over the imports,
-    same tokenizer): the old code took +674 MB for 5 MB and +3,045 MB for 20 MB (~150x the file); now +135 MB
-    and +145 MB, flat in the file's size."""
+def _long_document_job(tmp_path: Path, bpe_tokenizer_dir: Path) -> Callable[[], subprocess.CompletedProcess]:
     text = tricky_text(1_000_000)
     path = tmp_path / "big.txt"
     with open(path, "w", encoding="utf-8") as out:
@@ -796,7 +860,14 @@ corpus = modeling_gpn.data.CorpusSpec(source={str(path)!r})
 stream = modeling_gpn.data.build_token_stream(corpus, tokenizer, cache_dir={str(tmp_path / "cache")!r}, show_progress=False)
 print("TOKENS", len(stream), stream.meta["documents"], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
-    result = run_python_bounded(code, margin_bytes=400 << 20)
+    return lambda: run_python_bounded(code, margin_bytes=400 << 20)
+
+
+def test_a_long_document_is_tokenized_in_bounded_memory(fresh_processes, request):
+    """5 MB in one .txt file, tokenized under a cap of imports + 400 MiB (`_long_document_job`). Measured (peak RSS
+    over the imports, same tokenizer): the old code took +674 MB for 5 MB and +3,045 MB for 20 MB (~150x the
+    file); now +135 MB and +145 MB, flat in the file's size."""
+    result = fresh_processes[request.node.originalname].result()
     assert result.returncode == 0, result.stderr[-3000:]
     tokens, documents = map(int, result.stdout.split("TOKENS")[1].split()[:2])
     assert documents == 1 and tokens > 1_000_000
@@ -1296,11 +1367,11 @@ def test_chunked_window_nll_equals_the_full_logits_method(kind):
         assert summed_next_token_nll(model, batch, chunk_rows) == pytest.approx(expected, rel=1e-9, abs=0)
 
 
-def test_fineweb_windows_at_2048_with_a_32k_vocabulary_in_bounded_memory(tmp_path):
-    """The paper's window and a LLaMA-sized vocabulary, batch 4, under a cap of imports + 600 MiB: the full
-    logits alone would be 1.05 GB (and their float64 copies 2.1 GB each). The figure equals the full-logits
-    method's, computed in the parent without a cap."""
-    windows = 4
+FINEWEB_WINDOWS = 4
+
+
+def _fineweb_job(tmp_path: Path) -> Callable[[], tuple]:
+    windows = FINEWEB_WINDOWS
     model = perturbed_model(tiny_config(vocab_size=32000))
     model.save_pretrained(tmp_path / "model")
     stream = torch.randint(0, 32000, (windows * 2048 + 5,), generator=torch.Generator().manual_seed(2))
@@ -1313,7 +1384,15 @@ stream = torch.load({str(tmp_path / "stream.pt")!r}).tolist()
 result = windowed_perplexity(model, stream, window=2048, batch_size={windows}, progress=False)
 print("RESULT", json.dumps(result), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
-    child = run_python_bounded(code, margin_bytes=600 << 20)
+    return lambda: (model, stream, run_python_bounded(code, margin_bytes=600 << 20))
+
+
+def test_fineweb_windows_at_2048_with_a_32k_vocabulary_in_bounded_memory(fresh_processes, request):
+    """The paper's window and a LLaMA-sized vocabulary, batch 4, under a cap of imports + 600 MiB: the full
+    logits alone would be 1.05 GB (and their float64 copies 2.1 GB each). The figure equals the full-logits
+    method's, computed in the parent without a cap (the child run by `_fineweb_job`)."""
+    windows = FINEWEB_WINDOWS
+    model, stream, child = fresh_processes[request.node.originalname].result()
     assert child.returncode == 0, child.stderr[-3000:]
     result = json.loads(child.stdout.split("RESULT", 1)[1].rsplit(" ", 1)[0])
     tokens = stream[: windows * 2048].view(windows, 2048)

@@ -77,9 +77,18 @@ def reference(model_dir):
 
 
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free ports (their probes held open together: none is handed out twice)."""
+    with contextlib.ExitStack() as probes:
+        ports = []
+        for _ in range(count):
+            probe = probes.enter_context(socket.socket())
+            probe.bind(("127.0.0.1", 0))
+            ports.append(probe.getsockname()[1])
+        return ports
 
 
 def bare_handler(kind: type, manager=None, state=None):
@@ -98,11 +107,12 @@ def bare_handler(kind: type, manager=None, state=None):
     )
 
 
-@contextlib.contextmanager
-def serving(model_dir: Path | None, log_path: Path, *options: str) -> Iterator[tuple[str, subprocess.Popen]]:
-    """`gpn serve MODEL --device cpu OPTIONS` (without MODEL when None: not pinned) in its own process on a free
-    port: (its address, the process), once /health answers; killed at the end if it is still running."""
-    port = free_port()
+def launched(
+    model_dir: Path | None, log_path: Path, *options: str, port: int | None = None
+) -> tuple[str, subprocess.Popen]:
+    """`gpn serve MODEL --device cpu OPTIONS` (without MODEL when None: not pinned) started in its own process on
+    `port` (a free one when None), its output in `log_path`: (its address, the process), not waited for."""
+    port = port or free_port()
     command = [
         sys.executable,
         "-m",
@@ -120,33 +130,88 @@ def serving(model_dir: Path | None, log_path: Path, *options: str) -> Iterator[t
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(log_path, "w", encoding="utf-8") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
-    base = f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{port}", process
+
+
+def wait_until_up(base: str, process: subprocess.Popen, log_path: Path) -> None:
+    """Until the server `launched` at `base` answers /health (failing the test if it exits or takes 120 s)."""
+    deadline = time.monotonic() + 120
+    while get(base + "/health")[0] != 200:
+        if process.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(
+                f"gpn serve did not come up (exit {process.poll()}):\n{log_path.read_text(encoding='utf-8')[-3000:]}"
+            )
+        time.sleep(0.2)
+
+
+def stopped(process: subprocess.Popen) -> None:
+    """Terminate `process` if it is still running (killed if it has not ended 15 s later)."""
+    process.terminate()
     try:
-        deadline = time.monotonic() + 120
-        while get(base + "/health")[0] != 200:
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(
-                    f"gpn serve did not come up (exit {process.poll()}):\n{log_path.read_text(encoding='utf-8')[-3000:]}"
-                )
-            time.sleep(0.2)
+        process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=15)
+
+
+@contextlib.contextmanager
+def serving(model_dir: Path | None, log_path: Path, *options: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`gpn serve MODEL --device cpu OPTIONS` (`launched`) as a block: (its address, the process), once /health
+    answers; killed at the end if it is still running."""
+    base, process = launched(model_dir, log_path, *options)
+    try:
+        wait_until_up(base, process, log_path)
         yield base, process
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=15)
+        stopped(process)
+
+
+# The servers of this module that need nothing of the tests before them, each started as a user starts it: name ->
+# the fixture (or test) that serves through it. Started at once by `launched_servers` (each import costs seconds of
+# one core: one after another, they leave the other idle).
+SERVERS = {
+    "pinned": "server",
+    "unpinned": "unpinned_server",
+    "restart": "test_a_conversation_continues_after_the_server_is_stopped_and_restarted",
+}
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
+def launched_servers(request, tmp_path_factory) -> Iterator[dict[str, tuple[str, subprocess.Popen, Path, Path]]]:
+    """The module's servers that the selected tests use (`SERVERS`: the pinned `server`, the `unpinned_server`, the
+    first server of the restart test), launched together at the first test that needs one; each is waited for where
+    it is used, and all are stopped at the module's end. Name -> (address, process, log, state folder)."""
+    items = [item for item in request.session.items if item.module is request.module]
+    used = [
+        name
+        for name, user in SERVERS.items()
+        if any(user in item.fixturenames or item.originalname == user for item in items)
+    ]
+    model_dir = request.getfixturevalue("model_dir") if {"pinned", "restart"} & set(used) else None
+    limits = ["--max-queued-requests", str(MAX_QUEUED), "--max-context", str(MAX_CONTEXT)]
+    limits += ["--max-request-bytes", str(MAX_REQUEST_BYTES)]
+    options = {"pinned": (model_dir, limits), "unpinned": (None, ["--model-timeout", "2"]), "restart": (model_dir, [])}
+    launches = {}
+    try:
+        for name, port in zip(used, free_ports(len(used)), strict=True):
+            states, log_path = tmp_path_factory.mktemp(f"{name}-states"), tmp_path_factory.mktemp("log") / f"{name}.log"
+            if name == "restart":  # (a folder the server makes, as the test's own was)
+                states = states / "states"
+            model, extra = options[name]
+            base, process = launched(model, log_path, "--state-dir", str(states), *extra, port=port)
+            launches[name] = (base, process, log_path, states)
+        yield launches
+    finally:
+        for _, process, _, _ in launches.values():
+            stopped(process)
+
+
+@pytest.fixture(scope="module")
+def server(launched_servers):
     """`gpn serve MODEL` in its own process, with the state store, a spill folder and small limits."""
-    states, log_path = tmp_path_factory.mktemp("states"), tmp_path_factory.mktemp("log") / "serve.log"
-    options = ["--state-dir", str(states), "--max-queued-requests", str(MAX_QUEUED), "--max-context", str(MAX_CONTEXT)]
-    options += ["--max-request-bytes", str(MAX_REQUEST_BYTES)]
-    with serving(model_dir, log_path, *options) as (base, _):
-        yield base
+    base, process, log_path, _ = launched_servers["pinned"]
+    wait_until_up(base, process, log_path)
+    return base
 
 
 def get(url: str) -> tuple[int | None, dict | None]:
@@ -160,12 +225,12 @@ def get(url: str) -> tuple[int | None, dict | None]:
 
 
 @pytest.fixture(scope="module")
-def unpinned_server(tmp_path_factory):
+def unpinned_server(launched_servers):
     """`gpn serve` without MODEL (each request names its model, loaded on demand and unloaded after 2 idle
     seconds), with the state store and a spill folder: one process for the tests that serve folders of their own."""
-    states, log_path = tmp_path_factory.mktemp("unpinned-states"), tmp_path_factory.mktemp("log") / "unpinned.log"
-    with serving(None, log_path, "--model-timeout", "2", "--state-dir", str(states)) as (base, _):
-        yield base
+    base, process, log_path, _ = launched_servers["unpinned"]
+    wait_until_up(base, process, log_path)
+    return base
 
 
 @pytest.fixture
@@ -1088,17 +1153,20 @@ def wait_until_idle(client, model_name) -> None:
             time.sleep(0.2)
 
 
-def test_a_conversation_continues_after_the_server_is_stopped_and_restarted(model_dir, reference, tmp_path):
+def test_a_conversation_continues_after_the_server_is_stopped_and_restarted(
+    launched_servers, model_dir, reference, tmp_path
+):
     """With --state-dir, a server stopped with Ctrl-C (SIGINT) writes the states it kept in memory there; one
-    restarted on the folder continues the conversation from them (cached tokens), with the same answer."""
+    restarted on the folder continues the conversation from them (cached tokens), with the same answer. (The first
+    server was launched with the module's others, `launched_servers`.)"""
     messages = [{"role": "system", "content": "the cat sat"}, {"role": "user", "content": "to be or not to be"}]
-    states = tmp_path / "states"
-    with serving(model_dir, tmp_path / "first.log", "--state-dir", str(states)) as (base, process):
-        first = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
-        reply = first.chat.completions.create(model=str(model_dir), messages=messages, max_tokens=6, temperature=0)
-        first_prompt = reply.usage.prompt_tokens
-        process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=60) == 130, (tmp_path / "first.log").read_text()[-3000:]  # stopped, quietly
+    base, process, first_log, states = launched_servers["restart"]
+    wait_until_up(base, process, first_log)
+    first = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    reply = first.chat.completions.create(model=str(model_dir), messages=messages, max_tokens=6, temperature=0)
+    first_prompt = reply.usage.prompt_tokens
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=60) == 130, first_log.read_text()[-3000:]  # stopped, quietly
     messages += [
         {"role": "assistant", "content": reply.choices[0].message.content},
         {"role": "user", "content": "that is the question"},
