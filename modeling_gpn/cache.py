@@ -393,6 +393,23 @@ class GPNCache(Cache):
     def __init__(self, config: GPNConfig | None = None, **kwargs):
         super().__init__(layers=[GPNStateLayer()])
 
+    def __repr__(self) -> str:
+        """One line, as a notebook shows the cache: its rows, the positions read, the state's size and where it
+        lives, and whether it carries an autograd graph or was interrupted; never the state's values (transformers'
+        own line named only the layer class)."""
+        if not self.has_state:
+            return "GPNCache(empty: the next forward starts from the zero state)"
+        layer = self.state_layer
+        predicted = layer.recurrent_states[layer.PREDICTED]
+        notes = ", carries an autograd graph (detach() ends it)" if self.carries_graph else ""
+        if layer.interrupted:
+            notes += ", interrupted part-way through a call: refused until reset()"
+        return (
+            f"GPNCache(rows={predicted.shape[0]}, positions read={self.get_seq_length()}, "
+            f"state {self.nbytes() / 2**20:.2f} MiB {str(predicted.dtype).removeprefix('torch.')} on "
+            f"{predicted.device}{notes})"
+        )
+
     def __getstate__(self) -> dict:
         """For pickle (multiprocessing, `torch.save`): the state and what it read, without the weak link to the
         model that filled it (`_gpn_model_ref`, set by the forward), which does not pickle; the copy continues as

@@ -6190,6 +6190,20 @@ MUTATIONS = [
         "    return True or (now.st_size",
         ("tests/tools/test_faults_io.py -k held_by_another",),
     ),
+    Mutation(
+        "repr(cache) is transformers' line, naming only the layer class (not rows, positions, size, graph)",
+        "modeling_gpn/cache.py",
+        "    def __repr__(self) -> str:\n",
+        "    def _unused_repr(self) -> str:  # MUTATION\n",
+        ("tests/model/test_cache_and_padding.py -k one_line",),
+    ),
+    Mutation(
+        "repr(cache) does not say that the state carries an autograd graph",
+        "modeling_gpn/cache.py",
+        '        notes = ", carries an autograd graph (detach() ends it)" if self.carries_graph else ""\n',
+        '        notes = ""  # MUTATION\n',
+        ("tests/model/test_cache_and_padding.py -k one_line",),
+    ),
 ]
 
 

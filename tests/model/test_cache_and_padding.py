@@ -158,6 +158,26 @@ def test_cache_size_does_not_grow_with_length():
     assert long.get_seq_length() == 4096
 
 
+def test_a_cache_says_in_one_line_what_it_holds():
+    """`repr(cache)` (a notebook's display): empty, or its rows, positions read, the state's size, dtype and device,
+    and a graph it carries; never the state's values."""
+    from modeling_gpn import GPNCache
+
+    model = perturbed_model(tiny_config(), seed=3)
+    assert repr(GPNCache()) == "GPNCache(empty: the next forward starts from the zero state)"
+    with torch.no_grad():
+        cache = model(torch.randint(0, 97, (2, 5)), use_cache=True).cache
+    mib = cache.nbytes() / 2**20
+    assert repr(cache) == f"GPNCache(rows=2, positions read=5, state {mib:.2f} MiB float32 on cpu)"
+    model(torch.randint(0, 97, (2, 3)), cache=cache, use_cache=True)  # (with gradients: the graph is kept)
+    assert repr(cache).endswith(
+        "positions read=8, state " + f"{mib:.2f} MiB float32 on cpu, carries an autograd graph (detach() ends it))"
+    )
+    assert "carries" not in repr(cache.detach())
+    cache.state_layer.interrupted = True  # (as an interrupt between two writes leaves it: test_interrupted_calls.py)
+    assert repr(cache).endswith("on cpu, interrupted part-way through a call: refused until reset())")
+
+
 def bytes_held(cache) -> int:
     """Every byte of tensor storage reachable from `cache` (each storage once): its state, the fingerprint of
     what it read, and anything else it keeps, in its own attributes, its layers', and the containers and
