@@ -6190,6 +6190,13 @@ MUTATIONS = [
         "    return True or (now.st_size",
         ("tests/tools/test_faults_io.py -k held_by_another",),
     ),
+    Mutation(
+        "carried state: a compiled call with gradients stores its state without its graph (BPTT stops at it)",
+        "modeling_gpn/cache.py",
+        "    if tracing:\n        # (stored as the program returns it",
+        "    if False:  # MUTATION\n        # (stored as the program returns it",
+        ("tests/ecosystem/test_ecosystem.py -k fullgraph_matches_eager",),
+    ),
 ]
 
 
