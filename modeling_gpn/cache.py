@@ -614,7 +614,7 @@ class GPNCache(Cache):
         weights it holds since. torch itself would fail later, in the backward, deep in the graph ("backward
         through the graph a second time", "modified by an inplace operation"), without naming the cache."""
         probe = self.state_layer.graph_probe
-        if probe is None:
+        if probe is None or probe[0] is None:  # (none, or a compiled call's: `TRACED_PROBE`)
             return
         node, weights = probe
         try:
@@ -1101,6 +1101,10 @@ def _loaded_head(
 # ---- gradients through a carried state ------------------------------------------------------------------------
 
 
+# The probe of a state that a compiled call kept with its graph: no node to ask, no versions (`state_entering_call`).
+TRACED_PROBE: tuple = (None, ())
+
+
 class _CarriedIn(torch.autograd.Function):
     """The identity on the state a call with gradients starts from, whose node is freed by the first backward that runs
     through the call without retaining the graph: a cache carrying the call's graph holds the node, and a later
@@ -1140,16 +1144,24 @@ def state_entering_call(
     them) keeps its final state attached to it: a later call's loss then reaches this call's weights, and the
     gradients of calls over consecutive chunks are those of one forward over the whole sequence. A cache whose graph
     is spent (freed by a backward, or its weights stepped) is refused here, naming `detach()`, rather than failing
-    later inside torch's backward. Nothing changes while tracing (a compiled or exported program's cache is detached)."""
-    if not torch.is_grad_enabled() or is_tracing():
+    later inside torch's backward.
+
+    Compiled (torch.compile), the state is kept with its graph too, without the probe (`TRACED_PROBE`): a traced
+    program cannot read an autograd node or the weights' versions, and torch's own backward then tells a spent graph."""
+    if not torch.is_grad_enabled():
         return state, None
-    if cache is not None:
+    tracing = is_tracing()
+    if cache is not None and not tracing:
         cache.refuse_a_spent_graph()
     if not keeps_state:
         return state, None
     weights = [weight for weight in model.parameters() if weight.requires_grad]
     if not (weights or inputs.requires_grad or any(part.requires_grad for part in state)):
         return state, None
+    if tracing:
+        # (stored as the program returns it, graph and all: stored in place, detached, the gradients of a compiled
+        # loop over chunks stopped at each call in silence, or the next call's write broke the last one's backward)
+        return state, TRACED_PROBE
     # (a state that does not require gradients, the zero state or a constant, is made a leaf that does: the probe's
     # node is then in the graph of every call, the first included)
     entering = _CarriedIn.apply(*(part if part.requires_grad else part.detach().requires_grad_() for part in state))

@@ -6204,6 +6204,13 @@ MUTATIONS = [
         '        notes = ""  # MUTATION\n',
         ("tests/model/test_cache_and_padding.py -k one_line",),
     ),
+    Mutation(
+        "carried state: a compiled call with gradients stores its state without its graph (BPTT stops at it)",
+        "modeling_gpn/cache.py",
+        "    if tracing:\n        # (stored as the program returns it",
+        "    if False:  # MUTATION\n        # (stored as the program returns it",
+        ("tests/ecosystem/test_ecosystem.py -k fullgraph_matches_eager",),
+    ),
 ]
 
 

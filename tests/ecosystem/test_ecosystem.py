@@ -1414,7 +1414,12 @@ def test_transformers_executorch_exporter_and_torchscript_are_refused_by_name():
 @pytest.mark.slow
 def test_torch_compile_fullgraph_matches_eager():
     """Dynamo captures the whole forward (and the backward through AOT autograd); the aot_eager backend
-    runs the captured graph without generating C++, which the inductor test below adds."""
+    runs the captured graph without generating C++, which the inductor test below adds.
+
+    Trained over chunks that carry a cache, compiled calls keep the state with its graph, as eager ones do: a
+    compiled chunk, an eager one continuing its cache, and a compiled one continuing the eager one's give the
+    gradients of one eager forward over the whole sequence. (Compiled, the state was stored in place and detached:
+    the gradients stopped at each compiled call, and the next call's write broke the backward.)"""
     model = perturbed_model(tiny_config(num_predict_layers=1))
     ids, mask = export_inputs()
     torch._dynamo.reset()
@@ -1425,9 +1430,17 @@ def test_torch_compile_fullgraph_matches_eager():
     torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
     for a, b in zip(got.cache.get_state(), want.cache.get_state()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    # training through the compiled graph: the same loss and gradients as eager
+    # training through the compiled graph, in chunks carrying the cache (full BPTT across calls): the same loss and
+    # gradients as one eager forward over the whole sequence
     model.train()
-    loss = compiled(ids, labels=ids).loss
+    ids = token_ids(2, 9)
+    targets = torch.cat([ids[:, 1:], ids.new_full((2, 1), -100)], dim=1)  # (a chunk's last target: the next's first)
+    cache, loss = None, 0
+    for call, chunk in zip((compiled, model, compiled), range(0, 9, 3)):
+        part = slice(chunk, chunk + 3)
+        out = call(ids[:, part], shift_labels=targets[:, part], num_items_in_batch=16, cache=cache, use_cache=True)
+        cache, loss = out.cache, loss + out.loss
+        assert cache.carries_graph and all(state.requires_grad for state in cache.get_state())
     loss.backward()
     compiled_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()

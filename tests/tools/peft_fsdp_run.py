@@ -50,7 +50,30 @@ def losses(adapter: str, single: bool) -> list[float]:
         optimizer.step()
         optimizer.zero_grad()
         seen.append(float(loss))
+    if not single and adapter == "lora" and os.environ.get("PEFT_SAVE_DIR"):
+        saves(accelerator, model, os.environ["PEFT_SAVE_DIR"])
     return seen
+
+
+def saves(accelerator, model, folder: str) -> None:
+    """PeftModel.save_pretrained of the sharded adapter, as a user calls it on the main process, and as Accelerate
+    documents it (the state dict gathered on every process): what each wrote, printed as a `SAVED` line."""
+    from pathlib import Path
+
+    unwrapped = accelerator.unwrap_model(model)
+    outcome = {}
+    if accelerator.is_main_process:
+        try:
+            unwrapped.save_pretrained(f"{folder}/plain")
+            outcome["plain"] = sorted(path.name for path in Path(f"{folder}/plain").iterdir())
+        except Exception as error:  # noqa: BLE001 (what it does is the finding)
+            outcome["plain"] = f"{type(error).__name__}: {error}"
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)
+    unwrapped.save_pretrained(f"{folder}/gathered", is_main_process=accelerator.is_main_process, state_dict=state_dict)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        print("SAVED " + json.dumps(outcome), flush=True)
 
 
 def result(adapter: str) -> dict:

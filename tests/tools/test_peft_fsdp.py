@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from .peft_fsdp_run import losses
+from .peft_fsdp_run import ADAPTERS, losses
 from .train_runs import finish, launch_two_processes
 
 pytestmark = pytest.mark.usefixtures("accelerate_on_cpu")
@@ -21,8 +21,13 @@ FSDP2 = ["--use_fsdp", "--fsdp_version", "2"]
 PROGRAM = ("-m", "tests.tools.peft_fsdp_run")
 
 
-def test_an_embedding_adapter_trains_under_fsdp2_as_in_one_process_and_trainable_tokens_are_refused(tmp_path):
+def test_an_embedding_adapter_trains_under_fsdp2_as_in_one_process_and_trainable_tokens_are_refused(
+    tmp_path, monkeypatch
+):
     pytest.importorskip("peft")
+    # the LoRA's adapter saved after its steps, by PeftModel.save_pretrained as called on the main process, and with
+    # the state dict accelerator.get_state_dict gathered (peft_fsdp_run.saves)
+    monkeypatch.setenv("PEFT_SAVE_DIR", str(tmp_path / "saved"))
     # One launch runs every adapter in turn (tests/tools/peft_fsdp_run.py), the refused ones last.
     # Accelerate ties the weights before sharding unless told not to load CPU-RAM-efficiently: refused at each step.
     adapters = ("lora", "modules_to_save", "trainable_tokens", "trainable_tokens:no-tying")
@@ -42,3 +47,18 @@ def test_an_embedding_adapter_trains_under_fsdp2_as_in_one_process_and_trainable
         refused = results[refused_adapter]["error"]
         assert "ValueError: FSDP2 cannot shard a GPN whose embedding carries PEFT trainable tokens" in refused
         assert "accelerator.prepare" in refused  # (refused while preparing)
+    # PEFT's save of the sharded adapter writes its model card, then fails on the first DTensor (no adapter file, a
+    # loud if unhelpful error: PeftModel.save_pretrained passes no GPN code on its way); the gathered state dict
+    # writes the whole adapter, every tensor of its unsharded shape
+    import peft
+    from safetensors.torch import load_file
+
+    from tests.tiny_models import perturbed_model, tiny_config
+
+    saved = json.loads(next(line for line in output.splitlines() if line.startswith("SAVED "))[len("SAVED ") :])
+    assert "invalid python storage" in saved["plain"], saved
+    assert not (tmp_path / "saved" / "plain" / "adapter_model.safetensors").exists()
+    fresh = peft.get_peft_model(perturbed_model(tiny_config()), peft.LoraConfig(r=4, **ADAPTERS["lora"]))
+    want = {name: tuple(tensor.shape) for name, tensor in peft.get_peft_model_state_dict(fresh).items()}
+    got = load_file(tmp_path / "saved" / "gathered" / "adapter_model.safetensors")
+    assert {name: tuple(tensor.shape) for name, tensor in got.items()} == want
