@@ -75,3 +75,24 @@ def started_in_the_background(
     process run meanwhile the other (run by its own test, a fresh process leaves this one waiting)."""
     with two_at_a_time() as pool:
         yield {name: pool.submit(job) for name, job in jobs.items() if name in selected}
+
+
+@contextlib.contextmanager
+def one_started_in_the_background(
+    request: object, test: str, make: Callable[[], tuple[object, Callable[[], object]]]
+) -> Iterator[tuple[object, Future] | None]:
+    """For a module fixture: where `test` (a name without parameters) of `request`'s module is selected, `make()`'s
+    (what the test compares, the job running its fresh process), made here with the random generator left as it was
+    (for the tests before that one), and the job started in the background (`two_at_a_time`): (that, the job's
+    future); None where the test is not selected. The fresh process needs nothing of the tests before it
+    (`started_in_the_background`'s reason)."""
+    import torch  # (as the tests that use this do: this module starts no torch of its own otherwise)
+
+    session = request.session
+    if not any(item.originalname == test for item in session.items if item.module is request.module):
+        yield None
+        return
+    with torch.random.fork_rng():
+        made, job = make()
+    with two_at_a_time() as pool:
+        yield made, pool.submit(job)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..subprocesses import BLOCK_PACKAGE, run_python, two_at_a_time
+from ..subprocesses import BLOCK_PACKAGE, one_started_in_the_background, run_python
 from ..tiny_models import perturbed_model, tiny_config
 
 VOCAB = 97
@@ -1563,17 +1563,13 @@ def _remote_code_process(tmp_path: Path) -> tuple[dict, Callable[[], subprocess.
 def remote_code_process(request, tmp_path_factory) -> Iterator[tuple[dict, Future] | None]:
     """The fresh process of `REMOTE_CODE_TEST` (the module's last test, which needs nothing of those before it),
     started in the background at the module's first test where that test is selected, beside the module's
-    in-process tests (`subprocesses.two_at_a_time`'s reason: the suite's time on 2 cores); its folder and the hidden
+    in-process tests (`subprocesses.one_started_in_the_background`: the suite's time on 2 cores); its folder and the hidden
     states it is compared with made here, in the test process: (those, the future of the finished process)."""
-    if not any(
-        item.originalname == REMOTE_CODE_TEST for item in request.session.items if item.module is request.module
-    ):
-        yield None
-        return
-    with torch.random.fork_rng():  # (the generator as it was, for the tests before that one)
-        made, job = _remote_code_process(tmp_path_factory.mktemp("remote-code"))
-    with two_at_a_time() as pool:
-        yield made, pool.submit(job)
+    folder = tmp_path_factory.mktemp
+    with one_started_in_the_background(
+        request, REMOTE_CODE_TEST, lambda: _remote_code_process(folder("remote-code"))
+    ) as started:
+        yield started
 
 
 @pytest.mark.slow

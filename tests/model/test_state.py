@@ -25,7 +25,7 @@ from modeling_gpn import GPNCache
 from modeling_gpn.state_file import GPNStateFileError, _state_checksum, state_fingerprint
 
 from ..environment import REPO_ROOT, require_shared, small_disk
-from ..subprocesses import two_at_a_time
+from ..subprocesses import one_started_in_the_background
 from ..tiny_models import perturbed_model, tiny_config
 
 VOCAB = 97
@@ -253,16 +253,13 @@ def _saved_state_and_its_process(folder: Path) -> tuple[dict, Callable[[], subpr
 def saved_state_in_a_new_process(request, tmp_path_factory) -> Iterator[tuple[dict, Future] | None]:
     """The new process of `test_saved_state_continued_in_a_new_process_equals_one_run`, which needs nothing of the
     tests before it, started in the background at the module's first test (where that test is selected), beside the
-    module's in-process tests (`subprocesses.two_at_a_time`'s reason: the suite's time on 2 cores; its inputs made
+    module's in-process tests (`subprocesses.one_started_in_the_background`: the suite's time on 2 cores; its inputs made
     here, in the test process): (what it compares, the future of the finished process)."""
-    test = "test_saved_state_continued_in_a_new_process_equals_one_run"
-    if not any(item.originalname == test for item in request.session.items if item.module is request.module):
-        yield None
-        return
-    with torch.random.fork_rng():  # (the generator as it was, for the tests before that one)
-        made, job = _saved_state_and_its_process(tmp_path_factory.mktemp("saved-state"))
-    with two_at_a_time() as pool:
-        yield made, pool.submit(job)
+    test, folder = "test_saved_state_continued_in_a_new_process_equals_one_run", tmp_path_factory.mktemp
+    with one_started_in_the_background(
+        request, test, lambda: _saved_state_and_its_process(folder("saved-state"))
+    ) as started:
+        yield started
 
 
 def test_saved_state_continued_in_a_new_process_equals_one_run(saved_state_in_a_new_process):
