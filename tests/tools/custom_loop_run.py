@@ -58,6 +58,16 @@ def across_processes(accelerator, vector: torch.Tensor) -> float:
     return float((gathered - gathered[0]).abs().max())
 
 
+def compared_gradients(grads: torch.Tensor, reference: torch.nn.Module, accelerator, seen) -> dict:
+    """A case's result: this process's gradients (`grads`, flattened) against the one-process `reference`'s, the
+    processes' copies against each other, and the paths that ran (`seen`)."""
+    return {
+        "grads vs one process": relative(grads, flat(p.grad for p in reference.parameters())),
+        "processes differ by": across_processes(accelerator, grads),
+        "paths": paths(seen),
+    }
+
+
 def observed():
     """`tests.backend_observer.observe()`: which paths and backends ran in the block."""
     from tests.backend_observer import observe
@@ -148,11 +158,7 @@ def by_hand_no_sync() -> dict:
         (wrapped(input_ids=mine[1], labels=mine[1]).loss / 2).backward()
     grads = flat(p.grad for p in model.parameters())
     reference(input_ids=data, labels=data).loss.backward()
-    return {
-        "grads vs one process": relative(grads, flat(p.grad for p in reference.parameters())),
-        "processes differ by": across_processes(accelerator, grads),
-        "paths": paths(seen),
-    }
+    return compared_gradients(grads, reference, accelerator, seen)
 
 
 def chunked(document: torch.Tensor, size: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
@@ -226,11 +232,7 @@ def full_bptt(fsdp: bool, ddp_kwargs: dict | None = None, last_only: bool = Fals
 
     grads = flat(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters())
     run(reference, document, lambda loss: loss.backward())
-    return {
-        "grads vs one process": relative(grads, flat(p.grad for p in reference.parameters())),
-        "processes differ by": across_processes(accelerator, grads),
-        "paths": paths(seen),
-    }
+    return compared_gradients(grads, reference, accelerator, seen)
 
 
 def checkpointed(fast: bool, reentrant: bool | None = None, static: bool = False) -> dict:
@@ -255,11 +257,7 @@ def checkpointed(fast: bool, reentrant: bool | None = None, static: bool = False
             accelerator.backward(wrapped(input_ids=mine, labels=mine).loss)
     grads = flat(p.grad for p in model.parameters())
     reference(input_ids=data, labels=data).loss.backward()
-    return {
-        "grads vs one process": relative(grads, flat(p.grad for p in reference.parameters())),
-        "processes differ by": across_processes(accelerator, grads),
-        "paths": paths(seen),
-    }
+    return compared_gradients(grads, reference, accelerator, seen)
 
 
 def saved_and_gathered(fsdp: bool) -> dict:
