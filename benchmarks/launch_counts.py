@@ -30,9 +30,10 @@ from collections import Counter  # noqa: E402
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from modeling_gpn import GPNConfig, GPNForCausalLM  # noqa: E402
+from modeling_gpn import GPNForCausalLM  # noqa: E402
 from modeling_gpn import fast_recurrence as fr  # noqa: E402
 from modeling_gpn import triton_kernels as tk  # noqa: E402
+from modeling_gpn.bench.models import tiny_config  # noqa: E402
 
 NO_LAUNCH = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "detach"}
 
@@ -75,17 +76,8 @@ def count(fn, counter_mode: LaunchCounter):
 
 def model_of(layers: int, dtype: torch.dtype) -> GPNForCausalLM:
     torch.manual_seed(0)
-    config = GPNConfig(
-        vocab_size=97,
-        hidden_size=48,
-        embedding_size=32,
-        intermediate_size=64,
-        num_memory_heads=3,
-        memory_key_dim=8,
-        memory_value_dim=16,
-        num_predict_layers=layers,
-    )
-    return GPNForCausalLM(config).to(dtype).eval()
+    # the tests' tiny shapes, initialised as built (not perturbed: launches do not depend on the weights' values)
+    return GPNForCausalLM(tiny_config(num_predict_layers=layers)).to(dtype).eval()
 
 
 def one_step(model, triton: bool, backward: bool, masked: bool = False):
