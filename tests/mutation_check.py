@@ -6123,7 +6123,7 @@ MUTATIONS = [
     Mutation(
         "processes: gpn generate holds no --save-state file (two runs continuing one state: the later save drops a turn)",
         "modeling_gpn/cli/generate.py",
-        "    if args.save_state is None or not Path(args.save_state).expanduser().is_file():\n        return None",
+        "    if args.save_state is None or not Path(args.save_state).is_file():\n        return None",
         "    if True:  # MUTATION\n        return None",
         ("tests/tools/test_generate_cli.py -k two_runs_continuing",),
     ),

@@ -344,19 +344,20 @@ def _hold_saved_state(args: argparse.Namespace, holds: contextlib.ExitStack) -> 
     save checks it was not replaced meanwhile by a writer that does not hold it), else None."""
     from ..atomic_files import InUseError, held
 
-    if args.save_state is None or not Path(args.save_state).expanduser().is_file():
+    # (`check_arguments` expanded a leading ~ of both paths)
+    if args.save_state is None or not Path(args.save_state).is_file():
         return None
     try:
         seen = holds.enter_context(
             held(
-                Path(args.save_state).expanduser(),
+                Path(args.save_state),
                 "that continues or writes the state in it (gpn generate --save-state)",
                 "wait for it to end, or give this run another --save-state",
             )
         )
     except InUseError as error:
         raise GenerateError(f"--save-state {error}") from error
-    continued = args.state is not None and os.path.samefile(args.state, Path(args.save_state).expanduser())
+    continued = args.state is not None and os.path.samefile(args.state, args.save_state)
     return seen if continued else None
 
 
