@@ -69,18 +69,26 @@ def available_subcommands() -> dict[str, tuple[str, str]]:
 
 
 def version_line() -> str:
-    """What `gpn --version` prints: this package's version and those of what it runs on, for a bug report."""
+    """What `gpn --version` prints: this package's version and those of what it runs on, for a bug report.
+
+    Read from the installed packages' metadata, as `pip show` reads them: importing torch and transformers to ask
+    them took about 4 s. Only a package run from a source tree pip did not install (no metadata) is imported."""
     import platform
 
-    import torch
-    import transformers
-
-    from modeling_gpn import __version__
-
     return (
-        f"gpn {__version__} (torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"Python {platform.python_version()})"
+        f"gpn {_installed_version('gpn', 'modeling_gpn')} (torch {_installed_version('torch')}, "
+        f"transformers {_installed_version('transformers')}, Python {platform.python_version()})"
     )
+
+
+def _installed_version(distribution: str, module: str | None = None) -> str:
+    """`distribution`'s version as pip installed it, else the `__version__` of its module imported."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return str(getattr(importlib.import_module(module or distribution), "__version__", "unknown"))
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -96,8 +104,8 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 class VersionAction(argparse.Action):
-    """argparse's `version` action, but the line is made when the option is given: it names the versions torch
-    and transformers report once imported, and importing them for every command would cost each one seconds."""
+    """argparse's `version` action, but the line is made when the option is given: only then are the installed
+    packages' versions looked up."""
 
     def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs) -> None:
         kwargs.setdefault("help", "show program's version number and exit")

@@ -1947,6 +1947,13 @@ MUTATIONS = [
         ("tests/tools/test_cli_startup.py::test_gpn_help_imports_neither_torch_nor_transformers",),
     ),
     Mutation(
+        "gpn --version imports torch and transformers to ask their versions",
+        "gpn_cli/__init__.py",
+        "    try:\n        return version(distribution)\n",
+        "    try:\n        return str(importlib.import_module(module or distribution).__version__)  # MUTATION\n",
+        ("tests/tools/test_cli_startup.py::test_gpn_help_imports_neither_torch_nor_transformers",),
+    ),
+    Mutation(
         "gpn commands print upstream noise (the filters never installed)",
         "gpn_cli/__init__.py",
         "    quiet_known_upstream_noise()  # before",

@@ -35,13 +35,14 @@ def noise_in(text: str) -> list[str]:
 
 def test_gpn_help_imports_neither_torch_nor_transformers():
     """`gpn --help` took about 4 s: the entry point was inside `modeling_gpn`, whose `__init__` imports torch and
-    transformers (to register GPN with the Auto classes). `gpn`, `gpn --help` and a mistyped command now import
-    nothing of either, and say what they said before."""
+    transformers (to register GPN with the Auto classes). `gpn`, `gpn --help`, a mistyped command and
+    `gpn --version` (which imported both to ask their versions) now import nothing of either, and say what they
+    said before."""
     result = run(
         "import contextlib, io, json, sys\n"
         "from gpn_cli import main\n"
         "codes, out = [], io.StringIO()\n"
-        "for argv in (['--help'], [], ['nosuch']):\n"
+        "for argv in (['--help'], [], ['nosuch'], ['--version']):\n"
         "    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):\n"
         "        try:\n"
         "            codes.append(main(argv))\n"
@@ -53,8 +54,9 @@ def test_gpn_help_imports_neither_torch_nor_transformers():
     assert result.returncode == 0, result.stderr
     found = json.loads(result.stdout.splitlines()[-1])
     assert found["heavy"] == [], f"gpn --help imported {found['heavy']}"
-    assert found["codes"] == [0, 0, 2]  # help, help, argparse's usage error
+    assert found["codes"] == [0, 0, 2, 0]  # help, help, argparse's usage error, the version
     assert all(name in found["out"] for name in SUBCOMMANDS) and "invalid choice: 'nosuch'" in found["out"]
+    assert f"(torch {torch.__version__}, transformers " in found["out"]
     assert noise_in(found["out"] + result.stderr) == []
 
 
