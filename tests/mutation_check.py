@@ -6012,6 +6012,20 @@ MUTATIONS = [
         ("tests/ecosystem/test_ecosystem.py -k exported_programs_run_with_gradients",),
     ),
     Mutation(
+        "on the Triton path, a cache filled with gradients stores the values alone",
+        "modeling_gpn/cache.py",
+        "        carries_graph = graph_probe is not None\n",
+        "        carries_graph = False  # MUTATION\n",
+        ("tests/fast_path/test_triton_kernels.py -k carried_state",),
+    ),
+    Mutation(
+        "on the Triton path, the first call's backward takes no gradient of the second into its final memory",
+        "modeling_gpn/fast_recurrence.py",
+        "            grad_or_zero(dM_final, first.memory),\n",
+        "            torch.zeros_like(first.memory),  # MUTATION\n",
+        ("tests/fast_path/test_triton_kernels.py -k carried_state",),
+    ),
+    Mutation(
         "the one-call decode writes its token into the tensors of a cache's graph",
         "modeling_gpn/fast_recurrence.py",
         "        if cache.carries_graph:  # (a state kept with its graph: written in place below, never the graph's tensors)\n            cache.detach()\n",
