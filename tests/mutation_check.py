@@ -6026,6 +6026,13 @@ MUTATIONS = [
         ("tests/fast_path/test_triton_kernels.py -k carried_state",),
     ),
     Mutation(
+        "a hold whose holder let go between the refusal and the read of who it was is refused",
+        "modeling_gpn/atomic_files.py",
+        "                if holder is None and retries > 0:\n",
+        "                if False:  # MUTATION\n",
+        ("tests/tools/test_faults_io.py -k let_go_while_its_holder",),
+    ),
+    Mutation(
         "the one-call decode writes its token into the tensors of a cache's graph",
         "modeling_gpn/fast_recurrence.py",
         "        if cache.carries_graph:  # (a state kept with its graph: written in place below, never the graph's tensors)\n            cache.detach()\n",
