@@ -95,9 +95,10 @@ class InUseError(OSError):
     """The path is held by another process (`held`): its message names the holder where the system tells."""
 
 
-def _holder(identity: os.stat_result) -> str:
+def _holder(identity: os.stat_result) -> str | None:
     """Who holds the flock on the file or folder `identity` (Linux: `/proc/locks` names the pid, and that pid's
-    command line its command); elsewhere, or where it cannot be read, "another process"."""
+    command line its command); elsewhere, or where it cannot be read, "another process". None where `/proc/locks`
+    was read whole and lists no such flock: the holder let go since its lock refused ours."""
     with contextlib.suppress(OSError, ValueError, IndexError):
         device = f"{os.major(identity.st_dev):02x}:{os.minor(identity.st_dev):02x}:{identity.st_ino}"
         with open("/proc/locks", encoding="utf-8") as locks:
@@ -111,7 +112,13 @@ def _holder(identity: os.stat_result) -> str:
                     except OSError:
                         command = ""
                     return f"pid {pid}" + (f": {command}" if command else "")
+        return None
     return "another process"
+
+
+# How often `held` takes the lock again where its holder let go between the refusal and the read of who it was
+# (bounded: a file system whose flocks /proc/locks does not list as such, NFS's, reads as let go every time).
+_RETRIES_AFTER_A_RELEASE = 3
 
 
 def _same_file(one: os.stat_result, other: os.stat_result) -> bool:
@@ -141,14 +148,22 @@ def held(
         yield os.stat(path)
         return
     path = Path(path)
+    retries = _RETRIES_AFTER_A_RELEASE
     while True:
         descriptor = os.open(path, os.O_RDONLY)
         try:
             try:
                 fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                holder = _holder(os.fstat(descriptor))
+                if holder is None and retries > 0:
+                    # (its holder let go between the refusal and the read of who it was: refused, the path was free
+                    # by the time the message was written; take it now)
+                    retries -= 1
+                    os.close(descriptor)
+                    continue
                 raise InUseError(
-                    f"{path} is in use by another process ({_holder(os.fstat(descriptor))}) {purpose}: {advice}"
+                    f"{path} is in use by another process ({holder or 'another process'}) {purpose}: {advice}"
                 ) from None
             locked = os.fstat(descriptor)
             try:

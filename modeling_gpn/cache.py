@@ -610,33 +610,43 @@ class GPNCache(Cache):
 
     def refuse_a_spent_graph(self) -> None:
         """Raise, naming `detach()`, where the state carries a graph that a call with gradients cannot continue: a
-        backward has run through it (freeing it, without `retain_graph=True`) or an optimizer step changed the
-        weights it holds since. torch itself would fail later, in the backward, deep in the graph ("backward
-        through the graph a second time", "modified by an inplace operation"), without naming the cache."""
+        backward has run through any of the calls that computed it (freeing their part, without
+        `retain_graph=True`; the first call's part included, as a backward of an earlier chunk's loss alone frees)
+        or an optimizer step changed the weights it holds since. torch itself would fail later, in the backward, deep
+        in the graph ("backward through the graph a second time", "modified by an inplace operation"), without
+        naming the cache. A state a compiled call returned is asked through its program's node (`TRACED_PROBE`)."""
         probe = self.state_layer.graph_probe
-        if probe is None or probe[0] is None:  # (none, or a compiled call's: `TRACED_PROBE`)
+        if probe is None:
             return
-        node, weights = probe
-        try:
-            _ = node.saved_tensors  # (freed by the first backward through the call that does not retain the graph)
-            spent = next(
-                (
-                    "an optimizer step (or another in-place update) changed the weights it was computed with"
-                    for weight, version in weights
-                    if weight._version != version
-                ),
-                None,
-            )
-        except RuntimeError:
-            spent = "a backward() has already run through that graph and freed it"
+        last, weights, first = probe
+        if last is None:  # (a compiled call's: its program's node, read off the state it returned)
+            last = first = traced_call_node(self.state_layer.recurrent_states[GPNStateLayer.PREDICTED])
+        spent = None
+        for node in (first, last):  # (a backward through any of the calls runs through the first one's node)
+            try:
+                _ = node is not None and node.saved_tensors  # (freed by the first backward through it not retaining it)
+            except RuntimeError as error:
+                # (a compiled program saves the weights themselves: torch checks their versions as it hands them out)
+                spent = _STEPPED if "modified by an inplace operation" in str(error) else _FREED
+                break
+        if spent is None:
+            spent = next((_STEPPED for weight, version in weights if weight._version != version), None)
         if spent is not None:
             raise RuntimeError(
                 "this GPNCache's state carries the autograd graph of the calls that computed it, and " + spent + ": "
                 "a call with gradients cannot continue it. For truncated backpropagation through time, call "
                 "cache.detach() after each backward (the state then enters the next call as a constant); for full "
-                "backpropagation across calls, run backward once, after the last call (docs/cache.md, "
-                '"Training with a carried state")'
+                "backpropagation across calls, run backward once, after the last call, or keep the graph with "
+                'backward(retain_graph=True) (docs/cache.md, "Training with a carried state")'
             )
+
+    def first_call_node(self) -> torch.autograd.graph.Node | None:
+        """The probed node of the first call whose graph the state carries (`refuse_a_spent_graph`), which a backward
+        through any of the calls runs through; None where the state carries no graph or none is found."""
+        probe = self.state_layer.graph_probe
+        if probe is None:
+            return None
+        return probe[2] if probe[0] is not None else traced_call_node(self.state_layer.recurrent_states[0])
 
     def advanced_in_place(self, token_ids: torch.Tensor, hashed: bool = False) -> None:
         """Count the positions `token_ids` (batch, seq), every one real, that a call read and wrote straight into
@@ -889,6 +899,8 @@ def _unflatten_gpn_cache(children: list, context: pytree.Context) -> GPNCache:
             layer.is_recurrent_states_initialized[index] = True
             layer.has_previous_state[index] = True
         layer.device, layer.dtype = state[0].device, state[0].dtype
+        if state[0].requires_grad:  # (a program run with gradients returned it with its graph: `TRACED_PROBE`)
+            layer.graph_probe = TRACED_PROBE
     layer.fingerprint = ReadFingerprint(known=False)  # what it read is not part of the pytree
     layer.seen_tokens = seen_tokens  # stays a tensor (no int() on a traced value); get_seq_length() gives an int
     return cache
@@ -1101,8 +1113,25 @@ def _loaded_head(
 # ---- gradients through a carried state ------------------------------------------------------------------------
 
 
-# The probe of a state that a compiled call kept with its graph: no node to ask, no versions (`state_entering_call`).
-TRACED_PROBE: tuple = (None, ())
+# The probe of a state that a compiled call kept with its graph: no node of ours to ask, no versions
+# (`state_entering_call`); a later eager call asks the program's node instead (`traced_call_node`).
+TRACED_PROBE: tuple = (None, (), None)
+
+# What spent a carried graph (`GPNCache.refuse_a_spent_graph`).
+_FREED = "a backward() has already run through that graph (or an earlier call's part of it) and freed it"
+_STEPPED = "an optimizer step (or another in-place update) changed the weights it was computed with"
+
+
+def traced_call_node(state: torch.Tensor) -> torch.autograd.graph.Node | None:
+    """The autograd node of the compiled program (torch.compile's AOT autograd Function) that computed `state`,
+    reached through the copies and views after it: its saved tensors are freed by a backward through it, as the
+    probe's are. None where there is none within a few nodes (an exported program's graph is torch's own nodes)."""
+    node = state.grad_fn
+    for _ in range(8):
+        if node is None or isinstance(node, torch.autograd.function.BackwardCFunction):
+            return node
+        node = next((function for function, _ in node.next_functions if function is not None), None)
+    return None
 
 
 class _CarriedIn(torch.autograd.Function):
@@ -1143,11 +1172,13 @@ def state_entering_call(
     A call that builds an autograd graph (gradients enabled, and a trainable weight, `inputs` or the state requiring
     them) keeps its final state attached to it: a later call's loss then reaches this call's weights, and the
     gradients of calls over consecutive chunks are those of one forward over the whole sequence. A cache whose graph
-    is spent (freed by a backward, or its weights stepped) is refused here, naming `detach()`, rather than failing
-    later inside torch's backward.
+    is spent (freed by a backward through any of its calls, or its weights stepped) is refused here, naming
+    `detach()`, rather than failing later inside torch's backward: the probe holds this call's node and the first
+    call's (`GPNCache.refuse_a_spent_graph`).
 
     Compiled (torch.compile), the state is kept with its graph too, without the probe (`TRACED_PROBE`): a traced
-    program cannot read an autograd node or the weights' versions, and torch's own backward then tells a spent graph."""
+    program cannot read an autograd node or the weights' versions. An eager call continuing it asks the compiled
+    program's node; a traced call continuing a spent graph is told by torch's own backward (docs/cache.md)."""
     if not torch.is_grad_enabled():
         return state, None
     tracing = is_tracing()
@@ -1165,7 +1196,11 @@ def state_entering_call(
     # (a state that does not require gradients, the zero state or a constant, is made a leaf that does: the probe's
     # node is then in the graph of every call, the first included)
     entering = _CarriedIn.apply(*(part if part.requires_grad else part.detach().requires_grad_() for part in state))
-    return entering, (entering[0].grad_fn, [(weight, weight._version) for weight in weights])
+    node = entering[0].grad_fn
+    # the first call's node too: a backward of an earlier chunk's loss alone frees the calls up to it, not this one's
+    # parent, and the next call's backward would reach them
+    first = cache.first_call_node() if cache is not None else None
+    return entering, (node, [(weight, weight._version) for weight in weights], first or node)
 
 
 def snapshot_before_call(cache: GPNCache | None, model: nn.Module) -> tuple | None:

@@ -1332,15 +1332,10 @@ def save_and_load(program):
     return torch.export.load(buffer)
 
 
-def test_torch_export_save_load_round_trips_dynamic_programs_that_take_and_return_the_cache():
-    """The cache's pytree context is static (the positions read are a tensor child): a program exported with
-    dynamic shapes saves (a count in the context was a SymInt: "Object of type SymInt is not JSON
-    serializable"), and takes caches that have read any number of positions (a count in the context was a
-    constant the input had to match). The decode program returns the advanced cache and leaves the one it was
-    given as it was: it had written the new state into the given cache's buffers (not its count), shared with
-    the returned cache, and failed on a cache of inference tensors ("Inplace update to inference tensor").
-    Exported at 2 rows, both take 17: the few-row kernels' row limit (16), compared on the symbolic batch, made
-    the programs guard on it ("Guard failed: ids.size()[0] <= 16")."""
+@pytest.fixture(scope="module")
+def exported_programs():
+    """A tiny model, and its prefill and decode programs exported with dynamic shapes (gradients enabled, as
+    torch.export traces by default), saved and loaded."""
     model = perturbed_model(tiny_config(num_predict_layers=1))
     auto = torch.export.Dim.AUTO
     prompt = token_ids(2, 5)
@@ -1352,7 +1347,19 @@ def test_torch_export_save_load_round_trips_dynamic_programs_that_take_and_retur
     decode = save_and_load(
         torch.export.export(ExportedDecode(model), (prompt[:, :1], cache), dynamic_shapes=decode_shapes)
     )
+    return model, prefill, decode
 
+
+def test_torch_export_save_load_round_trips_dynamic_programs_that_take_and_return_the_cache(exported_programs):
+    """The cache's pytree context is static (the positions read are a tensor child): a program exported with
+    dynamic shapes saves (a count in the context was a SymInt: "Object of type SymInt is not JSON
+    serializable"), and takes caches that have read any number of positions (a count in the context was a
+    constant the input had to match). The decode program returns the advanced cache and leaves the one it was
+    given as it was: it had written the new state into the given cache's buffers (not its count), shared with
+    the returned cache, and failed on a cache of inference tensors ("Inplace update to inference tensor").
+    Exported at 2 rows, both take 17: the few-row kernels' row limit (16), compared on the symbolic batch, made
+    the programs guard on it ("Guard failed: ids.size()[0] <= 16")."""
+    model, prefill, decode = exported_programs
     other_prompt = token_ids(17, 5, seed=2)  # another batch size, past the few-row kernels' limit
     with torch.inference_mode():  # (a cache of inference tensors, which torch lets nothing write in place outside)
         logits, exported_cache = prefill.module()(other_prompt)
@@ -1390,6 +1397,32 @@ def test_torch_export_save_load_round_trips_dynamic_programs_that_take_and_retur
         continued = model(token[:3], cache=few_rows, use_cache=True)
     torch.testing.assert_close(continued.logits, whole[:3], rtol=1e-5, atol=1e-5)
     assert continued.cache.get_seq_length() == 6
+
+
+def test_exported_programs_run_with_gradients_carry_them_from_the_prefill_into_the_decode(exported_programs):
+    """Run with gradients, the prefill program's cache enters the decode program with its graph (a program traced
+    with gradients enabled stores the state with it, docs/cache.md): the gradients of a loss on both programs'
+    logits are those of one eager forward over the prompt and the token, for every weight (each program's module
+    holds its own copy of the weights: their gradients add up), the prefill's including what the decode's logits
+    reach through the carried state. The cache a program returns says it carries a graph (it said not: rebuilt
+    from its tensors, and `copy.deepcopy` of it failed inside torch)."""
+    model, prefill, decode = exported_programs
+    prompt, token = token_ids(2, 5, seed=3), token_ids(2, 1, seed=4)
+    weights = torch.randn(2, 6, model.config.vocab_size, generator=torch.Generator().manual_seed(5))
+    programs = prefill.module(), decode.module()
+    logits, cache = programs[0](prompt)
+    assert cache.carries_graph and all(state.requires_grad for state in cache.get_state())
+    step_logits, advanced = programs[1](token, cache)
+    assert advanced.get_seq_length() == 6
+    (torch.cat([logits, step_logits], dim=1) * weights).sum().backward()
+    model.zero_grad(set_to_none=True)
+    (model(torch.cat([prompt, token], dim=1)).logits * weights).sum().backward()
+    parts = [dict(program.named_parameters()) for program in programs]
+    tied = model.lm_head.weight is model.model.embed_tokens.weight  # (a program's module reads it as the head's)
+    for name, param in model.named_parameters():
+        names = [f"model.{name}"] + (["model.lm_head.weight"] if tied and name == "model.embed_tokens.weight" else [])
+        got = sum(part[each].grad for part in parts for each in names if part[each].grad is not None)
+        torch.testing.assert_close(got, param.grad, rtol=1e-4, atol=5e-5, msg=name)  # (sums of tens of terms)
 
 
 def test_transformers_executorch_exporter_and_torchscript_are_refused_by_name():
@@ -1449,6 +1482,16 @@ def test_torch_compile_fullgraph_matches_eager():
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
     for name, param in model.named_parameters():
         torch.testing.assert_close(compiled_grads[name], param.grad, rtol=1e-4, atol=1e-6, msg=name)
+    # a compiled call's graph spent, freed by the backward or its weights updated in place (as an optimizer step
+    # does): an eager call continuing its cache is refused by name, the compiled program's node asked
+    with pytest.raises(RuntimeError, match=r"a backward\(\) has already run through that graph.*cache\.detach\(\)"):
+        model(ids[:, :3], cache=cache, use_cache=True)
+    out = compiled(ids[:, :3], shift_labels=targets[:, :3], num_items_in_batch=16, cache=None, use_cache=True)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0)
+    with pytest.raises(RuntimeError, match=r"an optimizer step .* changed the weights.*cache\.detach\(\)"):
+        model(ids[:, 3:6], cache=out.cache, use_cache=True)
 
 
 @pytest.mark.slow

@@ -235,6 +235,34 @@ def test_padded_training_batch_on_the_triton_path_equals_plain(triton_on, varian
         torch.testing.assert_close(fast_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
+def test_gradients_through_a_carried_state_on_the_triton_path_are_one_plain_forwards(triton_on):
+    """Two calls with gradients, the second continuing the cache the first returned (full backpropagation through
+    time across calls, docs/cache.md): on the Triton path the summed losses' gradients are those of one plain
+    forward over the whole sequence, for every weight. The first call's backward starts from the gradient the
+    second call's carried state hands it (its final p, g and M), through the kernels' backward steps."""
+    model = perturbed_model(tiny_config(**VARIANTS["gpn+m"]), seed=5).train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 4), generator=torch.Generator().manual_seed(6))
+    targets = torch.cat([ids[:, 1:], ids.new_full((2, 1), -100)], dim=1)  # (a chunk's last target: the next's first)
+    model.model.use_fast_path = False
+    model(ids, shift_labels=targets, num_items_in_batch=1).loss.backward()
+    expected = {name: param.grad for name, param in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    model.model.use_fast_path = True
+
+    def two_calls():
+        first = model(ids[:, :2], shift_labels=targets[:, :2], num_items_in_batch=1, use_cache=True)
+        second = model(ids[:, 2:], shift_labels=targets[:, 2:], num_items_in_batch=1, cache=first.cache, use_cache=True)
+        assert second.cache.carries_graph
+        (first.loss + second.loss).backward()
+
+    with ran(FAST_PATH, TRITON, not_ran=(PLAIN_PATH,)):
+        _, n = launches(two_calls)
+    assert n["ground_gate_backward"] == 4 and n["memory_write_backward"] == 4  # (both calls' backward on the kernels)
+    assert expected.keys() == {name for name, param in model.named_parameters() if param.grad is not None}
+    for name, grad in expected.items():
+        torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("variant", ["gpn+m", "gpn+m-2l"])
 def test_inference_on_the_triton_path_equals_plain(triton_on, variant):

@@ -140,6 +140,28 @@ def test_truncated_bptt_detaches_the_cache_and_a_forgotten_detach_is_refused(mod
                 param.copy_(original[name])
 
 
+@pytest.mark.parametrize("path", ["plain", "fast"])
+def test_a_graph_freed_before_the_last_call_is_refused_by_name(model, path):
+    """Three calls, a backward of the first chunk's loss alone after the second (without retain_graph): it frees
+    the first call's part of the graph, not the second's, and the third call's backward would reach it. The third
+    call is refused naming `cache.detach()` and retain_graph, rather than failing in that backward inside torch
+    ("backward through the graph a second time") or, on the fast path, in its recurrence's backward (which names
+    the plain path, where the backward fails the same)."""
+    model.model.use_fast_path = path == "fast"
+    try:
+        first = model(IDS[:, :4], labels=IDS[:, :4], use_cache=True)
+        second = model(IDS[:, 4:8], cache=first.cache, use_cache=True)
+        first.loss.backward()
+        with pytest.raises(
+            RuntimeError, match=r"an earlier call's part of it\) and freed it.*cache\.detach\(\).*retain_graph=True"
+        ):
+            model(IDS[:, 8:], labels=IDS[:, 8:], cache=second.cache, use_cache=True)
+        model(IDS[:, 8:], labels=IDS[:, 8:], cache=second.cache.detach(), use_cache=True).loss.backward()
+    finally:
+        model.model.use_fast_path = True
+        model.zero_grad(set_to_none=True)
+
+
 @pytest.mark.parametrize("call", ["decoded token", "forward"])
 def test_a_no_grad_continuation_ends_the_graph(model, call):
     """A no-grad call continuing a cache that carries a graph (a decoded token in one C call, which writes the state

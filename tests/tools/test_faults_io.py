@@ -1549,3 +1549,41 @@ def test_a_path_held_by_another_process_is_refused_naming_it_and_a_replaced_one_
     with held(state, "that tests") as seen, held(state, "that tests"):
         write_file_atomically(state, b"third")
         assert not unchanged_since(state, seen)
+
+
+def test_a_hold_let_go_while_its_holder_is_read_is_taken(tmp_path, monkeypatch):
+    """`held` reads who holds the path after its flock was refused, for the message. A holder that lets go in
+    between (forced here: it lets go as the read starts) left the path free: it is taken, not refused naming
+    "another process". Where /proc/locks never lists the lock (NFS lists flocks as POSIX locks; forced here by
+    reading another file's entry), the retries are bounded and the refusal still comes."""
+    import fcntl
+
+    from modeling_gpn import atomic_files
+    from modeling_gpn.atomic_files import InUseError, held
+
+    state, other = tmp_path / "state.safetensors", tmp_path / "other"
+    state.write_bytes(b"state")
+    other.write_bytes(b"")
+    holder = os.open(state, os.O_RDONLY)  # (a descriptor of its own: its flock refuses held's, as another process's)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    read_holder, reads = atomic_files._holder, []
+
+    def letting_go_first(identity):
+        reads.append(identity)
+        os.close(holder)  # (the holder ends between the refused flock and the read of /proc/locks)
+        return read_holder(identity)
+
+    monkeypatch.setattr(atomic_files, "_holder", letting_go_first)
+    with held(state, "that tests"):
+        assert len(reads) == 1
+        probe = os.open(state, os.O_RDONLY)
+        try:
+            with pytest.raises(BlockingIOError):  # (held: the lock is taken, not only the refusal skipped)
+                fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(probe)
+        monkeypatch.setattr(atomic_files, "_holder", lambda identity: reads.append(0) or read_holder(os.stat(other)))
+        with pytest.raises(InUseError, match=r"in use by another process \(another process\) that tests"):
+            with held(state, "that tests"):
+                pass
+    assert len(reads) == 2 + atomic_files._RETRIES_AFTER_A_RELEASE
