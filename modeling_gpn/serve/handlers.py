@@ -61,6 +61,7 @@ if TYPE_CHECKING:
 
 from .errors import as_openai_stream_error, error_body
 from .generation import Penalties, StateKeepingModel
+from .prepared import PreparedProcessor
 from .state_store import StateStore
 from .stop_strings import StreamCutter, cut_at_stop, stop_position, stop_sequences
 from .validation import (
@@ -137,6 +138,8 @@ class _Request:
     stops: list[str]
     usage: bool = True  # whether a stream's last chunk keeps its usage (`stream_options.include_usage`)
     model: StateKeepingModel | None = None
+    # what `_resolve_model` returned (in the worker thread, `_prepare`): the handler's own call gets it again
+    resolved: tuple[str, StateKeepingModel, PreparedProcessor] | None = None
 
 
 # The request a handler is working on: set in handle_request, read where transformers' handler calls back.
@@ -288,6 +291,9 @@ class StateKeeping:
         token = _current.set(_Request(slot, answers, max_tokens_field, stop_sequences(body), usage))
         streaming = False
         try:
+            # what takes seconds on a large prompt is done in a worker thread, not on the event loop, where every
+            # other request would wait for it (the worker gets the context: `_current`, `_client_gone`)
+            await asyncio.to_thread(self._prepare, body)
             response = await super().handle_request(body, request_id)
             # a stream's answer is under way: its end (or its generate()'s) frees the slot
             streaming = isinstance(response, StreamingResponse)
@@ -301,8 +307,48 @@ class StateKeeping:
             if not streaming:
                 slot.release()
 
+    def _prepare(self, body: dict) -> None:
+        """In a worker thread, before transformers' handler runs on the event loop: its first steps as it takes them
+        (its field check, the model resolved: loaded if it is not, and checked against the request), then the
+        prompt rendered and tokenized with the arguments the handler will give (`prepared`)."""
+        self._validate_request(body)
+        _, model, processor = self._resolve_model(body)
+        modality = self.model_manager.get_model_modality(model, processor=processor)
+        self._tokenize_ahead(body, processor, modality, self.generation_state.use_continuous_batching(model, modality))
+
+    def _tokenize_ahead(self, body: dict, processor: PreparedProcessor, modality: Modality, use_cb: bool) -> None:
+        """The chat template's rendering and tokenization, prepared with the arguments transformers 5.24's chat and
+        Responses API handlers give `apply_chat_template` (their `handle_request`)."""
+        messages, tools = self._messages_and_tools(body)
+        processor_inputs = self.get_processor_inputs_from_messages(messages, modality)
+        has_video = any(
+            part.get("type") == "video"
+            for message in processor_inputs
+            for part in (message.get("content") if isinstance(message.get("content"), list) else [])
+        )
+        chat_template_kwargs = {"num_frames": 32} if has_video else {}
+        chat_template_kwargs.update(self.chat_template_kwargs)
+        chat_template_kwargs.update(body.get("chat_template_kwargs") or {})
+        processor.prepare(
+            "apply_chat_template",
+            processor_inputs,
+            add_generation_prompt=True,
+            tools=tools,
+            return_tensors=None if use_cb else "pt",
+            return_dict=True,
+            tokenize=True,
+            load_audio_from_video=modality == Modality.MULTIMODAL and has_video,
+            **chat_template_kwargs,
+        )
+
+    def _messages_and_tools(self, body: dict) -> tuple[list[dict], list[dict] | None]:
+        """The messages and tools the handler renders (chat: the request's own)."""
+        return body["messages"], body.get("tools")
+
     def _resolve_model(self, body: dict):
         request = _current.get()
+        if request.resolved is not None:  # (resolved in the worker thread: `_prepare`)
+            return request.resolved
         try:
             model_id, model, processor = super()._resolve_model(body)
         except HTTPException:
@@ -337,7 +383,8 @@ class StateKeeping:
             client_gone=_client_gone.get(),
             penalties=_penalties(body),
         )
-        return model_id, request.model, processor
+        request.resolved = (model_id, request.model, PreparedProcessor(processor))
+        return request.resolved
 
     def _check_renderable(
         self, body: dict, model: PreTrainedModel, processor: ProcessorMixin | PreTrainedTokenizerBase
@@ -585,6 +632,13 @@ class StateKeepingCompletionHandler(StateKeeping, CompletionHandler):
     check_request = staticmethod(check_completion_request)
     renders_chat = False  # raw text: no chat template needed
 
+    def _tokenize_ahead(self, body: dict, processor: PreparedProcessor, modality: Modality, use_cb: bool) -> None:
+        """The prompt's tokenization, prepared as transformers 5.24's completion handler makes it: by the processor
+        when it is the tokenizer (a processor's tokenizer, a multimodal model's, tokenizes on the loop, as before)."""
+        prompt = body.get("prompt", "")
+        if isinstance(prompt, str) and getattr(processor, "tokenizer", processor) is processor:
+            processor.prepare("__call__", prompt, return_tensors=None if use_cb else "pt")
+
 
 class StateKeepingResponseHandler(StateKeeping, ResponseHandler):
     """transformers' `/v1/responses` handler, through the state store, with the same checks and limits."""
@@ -592,6 +646,10 @@ class StateKeepingResponseHandler(StateKeeping, ResponseHandler):
     check_request = staticmethod(check_response_request)
     takes_n = False
     max_tokens_fields = ("max_output_tokens",)
+
+    def _messages_and_tools(self, body: dict) -> tuple[list[dict], list[dict] | None]:
+        """The Responses API's input as messages and its tools as the chat template takes them (transformers')."""
+        return self._normalize_input(body), self._normalize_tools(body.get("tools"))
 
     async def handle_request(self, body: dict, request_id: str) -> StreamingResponse | JSONResponse:
         """Answer /v1/responses: one JSON answer unless a stream is asked for."""
