@@ -537,7 +537,7 @@ class StateKeeping:
             request_id = arguments.arguments["request_id"]
             await gen_manager.generate_non_streaming(model, processor, inputs, gen_config, request_id=request_id)
             body = None
-            rows = _answer_rows(model.sequences, inputs, gen_config, processor, model.generation_config.eos_token_id)
+            rows = await _answer_rows_off_the_loop(model, inputs, gen_config, processor)
             for row, (input_len, ids, _) in enumerate(rows):
                 arguments.arguments["gen_manager"] = _Answer((input_len, ids), processor)
                 answer = json.loads((await super()._non_streaming(*arguments.args, **arguments.kwargs)).body)
@@ -549,18 +549,14 @@ class StateKeeping:
                 for name in ("completion_tokens", "total_tokens"):
                     body["usage"][name] += answer["usage"]["completion_tokens"]
         if body.get("object") == "response" and body.get("status") == "completed" and model.sequences is not None:
-            _, ids, stopped = _answer_rows(
-                model.sequences, inputs, gen_config, processor, model.generation_config.eos_token_id
-            )[0]
+            _, ids, stopped = (await _answer_rows_off_the_loop(model, inputs, gen_config, processor))[0]
             if not stopped and len(ids) >= (gen_config.max_new_tokens or float("inf")):
                 _mark_incomplete(body)
         choices = body.get("choices", [])
         at_length = [row for row, choice in enumerate(choices) if choice.get("finish_reason") == "length"]
         if at_length and model.sequences is not None:  # (None: continuous batching ran it, without generate())
             if rows is None:
-                rows = _answer_rows(
-                    model.sequences, inputs, gen_config, processor, model.generation_config.eos_token_id
-                )
+                rows = await _answer_rows_off_the_loop(model, inputs, gen_config, processor)
             for row in at_length:
                 if rows[row][2]:
                     # it ended on EOS or a stop string at its last allowed token: it stopped. (transformers says
@@ -724,6 +720,18 @@ class _Answer:
         request_id: str,
     ):
         return self.processor.decode(self.ids, skip_special_tokens=True), self.input_len, self.ids
+
+
+async def _answer_rows_off_the_loop(
+    model: StateKeepingModel,
+    inputs: dict,
+    gen_config: GenerationConfig,
+    processor: ProcessorMixin | PreTrainedTokenizerBase,
+) -> list[tuple[int, torch.Tensor, bool]]:
+    """`_answer_rows` of the answers `model` generated, in a worker thread: with a `stop` sequence each answer is
+    decoded token by token (about a second for 100,000 tokens), which on the event loop held every other request."""
+    eos_token_id = model.generation_config.eos_token_id
+    return await asyncio.to_thread(_answer_rows, model.sequences, inputs, gen_config, processor, eos_token_id)
 
 
 def _answer_rows(

@@ -1056,13 +1056,15 @@ def test_a_large_prompt_is_tokenized_off_the_event_loop(client, model_name, serv
 def test_each_endpoint_renders_and_tokenizes_its_prompt_in_a_worker_thread(model_dir, reference, monkeypatch):
     """Chat, completions and the Responses API each make ahead, in a worker thread, the tokenizer call that
     transformers' handler then makes on the event loop (`prepared`), with its arguments: no tokenizer call is left
-    on the loop (the main thread here). A call with other arguments is made then, as the tokenizer makes it."""
+    on the loop (the main thread here), nor the decoding of `n` answers that finds where each stopped. A call with
+    other arguments is made then, as the tokenizer makes it."""
     import asyncio
 
     from transformers.cli.serving import model_manager
     from transformers.cli.serving.model_manager import ModelManager
     from transformers.cli.serving.utils import GenerationState
 
+    from modeling_gpn.serve import handlers
     from modeling_gpn.serve.handlers import (
         StateKeepingChatCompletionHandler,
         StateKeepingCompletionHandler,
@@ -1086,6 +1088,14 @@ def test_each_endpoint_renders_and_tokenizes_its_prompt_in_a_worker_thread(model
 
     for name in ("__call__", "apply_chat_template"):
         monkeypatch.setattr(tokenizer_class, name, watching(name))
+    stop_checks = []
+
+    def watched_stop_position(*args, **kwargs):
+        stop_checks.append(threading.current_thread() is threading.main_thread())
+        return stop_position(*args, **kwargs)
+
+    stop_position = handlers.stop_position
+    monkeypatch.setattr(handlers, "stop_position", watched_stop_position)
     monkeypatch.setattr(model_manager, "transformers", TransformersWithGPN())  # as gpn serve does, for this test only
     manager, state = ModelManager(device="cpu", model_timeout=-1), GenerationState()
     try:
@@ -1093,6 +1103,7 @@ def test_each_endpoint_renders_and_tokenizes_its_prompt_in_a_worker_thread(model
             (StateKeepingChatCompletionHandler, {"messages": [{"role": "user", "content": "hi"}]}),
             (StateKeepingResponseHandler, {"input": "hi", "instructions": "be brief", "max_output_tokens": 2}),
             (StateKeepingCompletionHandler, {"prompt": "the cat"}),
+            (StateKeepingCompletionHandler, {"prompt": "the cat", "n": 2, "stop": ["zz"]}),
         ):
             request = {"model": str(model_dir), "max_tokens": 2, **body}
             if kind is StateKeepingResponseHandler:
@@ -1101,6 +1112,7 @@ def test_each_endpoint_renders_and_tokenizes_its_prompt_in_a_worker_thread(model
             assert answered.status_code == 200 and on_the_loop == [], (kind.__name__, on_the_loop)
     finally:
         manager.shutdown()
+    assert stop_checks == [False, False]  # (each of the n answers' ends found, in a worker thread)
     mat, cat = (reference[1](text)["input_ids"] for text in ("the mat", "the cat"))
     prepared = PreparedProcessor(reference[1])
     prepared.prepare("__call__", "the cat", return_tensors="pt")
