@@ -25,7 +25,11 @@ mixin placed before them) adds, at the points where they hand over:
   OpenAI API's shape (`errors`), and what the chat template would drop in silence refused with a 400: tools
   it never renders, a message's `name` it never renders, content parts other than text for a model that reads
   text; `stream_options: {"include_usage": false}` honoured (transformers sends usage in a stream's last chunk
-  whatever the request says).
+  whatever the request says);
+- the CPU-long steps before generation off the server's event loop, where every other request would wait for
+  them: the model resolved (loaded, when it is not yet) and checked against the request, and the prompt rendered
+  and tokenized, in a worker thread, with transformers' handler handed the result (`prepared`); so is the
+  decoding that finds where each of `n` answers stopped.
 """
 
 from __future__ import annotations
@@ -195,9 +199,9 @@ class LimitedBodies:
     kept: refused by its Content-Length, or (a chunked body) once the bytes read pass the limit. A body within the
     limit is read here and handed on as one message.
 
-    FastAPI reads a body whole into memory, and the handlers tokenize its prompt on the event loop, before the
-    context limit can refuse it: a body of hundreds of MB took the server's memory and every other request's
-    time. (starlette's own `RequestBodyLimitMiddleware` answers its 413 as plain text, which the `openai` client
+    FastAPI reads a body whole into memory, and its prompt is tokenized before the context limit can refuse it
+    (in a worker thread: `prepared`; transformers' handlers did it on the event loop): a body of hundreds of MB
+    took the server's memory, and a core for minutes. (starlette's own `RequestBodyLimitMiddleware` answers its 413 as plain text, which the `openai` client
     shows without the reason; and an error raised while FastAPI reads the body reaches it through transformers'
     request-id middleware as "There was an error parsing the body".)"""
 
