@@ -6277,6 +6277,49 @@ MUTATIONS = [
         "    if False:  # MUTATION\n        # (stored as the program returns it",
         ("tests/ecosystem/test_ecosystem.py -k fullgraph_matches_eager",),
     ),
+    Mutation(
+        "gpn serve, off the event loop: a request's prompt is rendered and tokenized on the event loop (nothing prepared in a worker thread)",
+        "modeling_gpn/serve/handlers.py",
+        "            await asyncio.to_thread(self._prepare, body)\n",
+        "            pass  # MUTATION\n",
+        ("tests/tools/test_serve.py -k large_prompt_is_tokenized_off or each_endpoint_renders_and_tokenizes",),
+    ),
+    Mutation(
+        "gpn serve, off the event loop: the chat template is prepared with other arguments than transformers' handler gives (made on the loop)",
+        "modeling_gpn/serve/handlers.py",
+        "            add_generation_prompt=True,\n            tools=tools,",
+        "            add_generation_prompt=False,  # MUTATION\n            tools=tools,",
+        ("tests/tools/test_serve.py -k each_endpoint_renders_and_tokenizes",),
+    ),
+    Mutation(
+        "gpn serve, off the event loop: a Responses API request's messages are not the ones its handler renders (rendered on the loop)",
+        "modeling_gpn/serve/handlers.py",
+        '        return self._normalize_input(body), self._normalize_tools(body.get("tools"))',
+        '        return [], self._normalize_tools(body.get("tools"))  # MUTATION',
+        ("tests/tools/test_serve.py -k each_endpoint_renders_and_tokenizes",),
+    ),
+    Mutation(
+        "gpn serve, off the event loop: a completion's prompt is prepared with other arguments than transformers' handler gives",
+        "modeling_gpn/serve/handlers.py",
+        '            processor.prepare("__call__", prompt, return_tensors=None if use_cb else "pt")',
+        '            processor.prepare("__call__", prompt, return_tensors=None)  # MUTATION',
+        # (not the large prompt's test: its prompt is then tokenized twice, in the thread first, then on the loop)
+        ("tests/tools/test_serve.py -k each_endpoint_renders_and_tokenizes",),
+    ),
+    Mutation(
+        "gpn serve, off the event loop: a prepared tokenization is handed out for a call with other arguments",
+        "modeling_gpn/serve/prepared.py",
+        "        return bool(prepared == given)",
+        "        return True  # MUTATION",
+        ("tests/tools/test_serve.py -k each_endpoint_renders_and_tokenizes",),
+    ),
+    Mutation(
+        "gpn serve, off the event loop: the n answers' ends (each decoded token by token, for its stop sequence) are found on the event loop",
+        "modeling_gpn/serve/handlers.py",
+        "    return await asyncio.to_thread(_answer_rows, model.sequences, inputs, gen_config, processor, eos_token_id)",
+        "    return _answer_rows(model.sequences, inputs, gen_config, processor, eos_token_id)  # MUTATION",
+        ("tests/tools/test_serve.py -k each_endpoint_renders_and_tokenizes",),
+    ),
 ]
 
 

@@ -7,6 +7,8 @@ where each conversation's whole context is one kept state.
 - `generation.StateKeepingModel`: where a request becomes a `generate()` call through the state store.
 - `state_store.StateStore`: the bounded store of states keyed by the token ids they have read.
 - `validation`: checks of OpenAI request bodies; `models`: the model manager's view of transformers, with GPN.
+- `prepared`: a request's prompt rendered and tokenized in a worker thread, handed to transformers' handler
+  (which would make it on the event loop).
 - `stop_strings`: answers cut before their stop sequence, and generation ended there; `streaming`: transformers'
   streamer sending the answer's whole text (runs of byte tokens once they end); `errors`: errors in the OpenAI
   API's shape.

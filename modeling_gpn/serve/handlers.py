@@ -25,7 +25,11 @@ mixin placed before them) adds, at the points where they hand over:
   OpenAI API's shape (`errors`), and what the chat template would drop in silence refused with a 400: tools
   it never renders, a message's `name` it never renders, content parts other than text for a model that reads
   text; `stream_options: {"include_usage": false}` honoured (transformers sends usage in a stream's last chunk
-  whatever the request says).
+  whatever the request says);
+- the CPU-long steps before generation off the server's event loop, where every other request would wait for
+  them: the model resolved (loaded, when it is not yet) and checked against the request, and the prompt rendered
+  and tokenized, in a worker thread, with transformers' handler handed the result (`prepared`); so is the
+  decoding that finds where each of `n` answers stopped.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ if TYPE_CHECKING:
 
 from .errors import as_openai_stream_error, error_body
 from .generation import Penalties, StateKeepingModel
+from .prepared import PreparedProcessor
 from .state_store import StateStore
 from .stop_strings import StreamCutter, cut_at_stop, stop_position, stop_sequences
 from .validation import (
@@ -137,6 +142,8 @@ class _Request:
     stops: list[str]
     usage: bool = True  # whether a stream's last chunk keeps its usage (`stream_options.include_usage`)
     model: StateKeepingModel | None = None
+    # what `_resolve_model` returned (in the worker thread, `_prepare`): the handler's own call gets it again
+    resolved: tuple[str, StateKeepingModel, PreparedProcessor] | None = None
 
 
 # The request a handler is working on: set in handle_request, read where transformers' handler calls back.
@@ -192,9 +199,9 @@ class LimitedBodies:
     kept: refused by its Content-Length, or (a chunked body) once the bytes read pass the limit. A body within the
     limit is read here and handed on as one message.
 
-    FastAPI reads a body whole into memory, and the handlers tokenize its prompt on the event loop, before the
-    context limit can refuse it: a body of hundreds of MB took the server's memory and every other request's
-    time. (starlette's own `RequestBodyLimitMiddleware` answers its 413 as plain text, which the `openai` client
+    FastAPI reads a body whole into memory, and its prompt is tokenized before the context limit can refuse it
+    (in a worker thread: `prepared`; transformers' handlers did it on the event loop): a body of hundreds of MB
+    took the server's memory, and a core for minutes. (starlette's own `RequestBodyLimitMiddleware` answers its 413 as plain text, which the `openai` client
     shows without the reason; and an error raised while FastAPI reads the body reaches it through transformers'
     request-id middleware as "There was an error parsing the body".)"""
 
@@ -288,6 +295,9 @@ class StateKeeping:
         token = _current.set(_Request(slot, answers, max_tokens_field, stop_sequences(body), usage))
         streaming = False
         try:
+            # what takes seconds on a large prompt is done in a worker thread, not on the event loop, where every
+            # other request would wait for it (the worker gets the context: `_current`, `_client_gone`)
+            await asyncio.to_thread(self._prepare, body)
             response = await super().handle_request(body, request_id)
             # a stream's answer is under way: its end (or its generate()'s) frees the slot
             streaming = isinstance(response, StreamingResponse)
@@ -301,8 +311,48 @@ class StateKeeping:
             if not streaming:
                 slot.release()
 
+    def _prepare(self, body: dict) -> None:
+        """In a worker thread, before transformers' handler runs on the event loop: its first steps as it takes them
+        (its field check, the model resolved: loaded if it is not, and checked against the request), then the
+        prompt rendered and tokenized with the arguments the handler will give (`prepared`)."""
+        self._validate_request(body)
+        _, model, processor = self._resolve_model(body)
+        modality = self.model_manager.get_model_modality(model, processor=processor)
+        self._tokenize_ahead(body, processor, modality, self.generation_state.use_continuous_batching(model, modality))
+
+    def _tokenize_ahead(self, body: dict, processor: PreparedProcessor, modality: Modality, use_cb: bool) -> None:
+        """The chat template's rendering and tokenization, prepared with the arguments transformers 5.24's chat and
+        Responses API handlers give `apply_chat_template` (their `handle_request`)."""
+        messages, tools = self._messages_and_tools(body)
+        processor_inputs = self.get_processor_inputs_from_messages(messages, modality)
+        has_video = any(
+            part.get("type") == "video"
+            for message in processor_inputs
+            for part in (message.get("content") if isinstance(message.get("content"), list) else [])
+        )
+        chat_template_kwargs = {"num_frames": 32} if has_video else {}
+        chat_template_kwargs.update(self.chat_template_kwargs)
+        chat_template_kwargs.update(body.get("chat_template_kwargs") or {})
+        processor.prepare(
+            "apply_chat_template",
+            processor_inputs,
+            add_generation_prompt=True,
+            tools=tools,
+            return_tensors=None if use_cb else "pt",
+            return_dict=True,
+            tokenize=True,
+            load_audio_from_video=modality == Modality.MULTIMODAL and has_video,
+            **chat_template_kwargs,
+        )
+
+    def _messages_and_tools(self, body: dict) -> tuple[list[dict], list[dict] | None]:
+        """The messages and tools the handler renders (chat: the request's own)."""
+        return body["messages"], body.get("tools")
+
     def _resolve_model(self, body: dict):
         request = _current.get()
+        if request.resolved is not None:  # (resolved in the worker thread: `_prepare`)
+            return request.resolved
         try:
             model_id, model, processor = super()._resolve_model(body)
         except HTTPException:
@@ -337,7 +387,8 @@ class StateKeeping:
             client_gone=_client_gone.get(),
             penalties=_penalties(body),
         )
-        return model_id, request.model, processor
+        request.resolved = (model_id, request.model, PreparedProcessor(processor))
+        return request.resolved
 
     def _check_renderable(
         self, body: dict, model: PreTrainedModel, processor: ProcessorMixin | PreTrainedTokenizerBase
@@ -490,7 +541,7 @@ class StateKeeping:
             request_id = arguments.arguments["request_id"]
             await gen_manager.generate_non_streaming(model, processor, inputs, gen_config, request_id=request_id)
             body = None
-            rows = _answer_rows(model.sequences, inputs, gen_config, processor, model.generation_config.eos_token_id)
+            rows = await _answer_rows_off_the_loop(model, inputs, gen_config, processor)
             for row, (input_len, ids, _) in enumerate(rows):
                 arguments.arguments["gen_manager"] = _Answer((input_len, ids), processor)
                 answer = json.loads((await super()._non_streaming(*arguments.args, **arguments.kwargs)).body)
@@ -502,18 +553,14 @@ class StateKeeping:
                 for name in ("completion_tokens", "total_tokens"):
                     body["usage"][name] += answer["usage"]["completion_tokens"]
         if body.get("object") == "response" and body.get("status") == "completed" and model.sequences is not None:
-            _, ids, stopped = _answer_rows(
-                model.sequences, inputs, gen_config, processor, model.generation_config.eos_token_id
-            )[0]
+            _, ids, stopped = (await _answer_rows_off_the_loop(model, inputs, gen_config, processor))[0]
             if not stopped and len(ids) >= (gen_config.max_new_tokens or float("inf")):
                 _mark_incomplete(body)
         choices = body.get("choices", [])
         at_length = [row for row, choice in enumerate(choices) if choice.get("finish_reason") == "length"]
         if at_length and model.sequences is not None:  # (None: continuous batching ran it, without generate())
             if rows is None:
-                rows = _answer_rows(
-                    model.sequences, inputs, gen_config, processor, model.generation_config.eos_token_id
-                )
+                rows = await _answer_rows_off_the_loop(model, inputs, gen_config, processor)
             for row in at_length:
                 if rows[row][2]:
                     # it ended on EOS or a stop string at its last allowed token: it stopped. (transformers says
@@ -585,6 +632,13 @@ class StateKeepingCompletionHandler(StateKeeping, CompletionHandler):
     check_request = staticmethod(check_completion_request)
     renders_chat = False  # raw text: no chat template needed
 
+    def _tokenize_ahead(self, body: dict, processor: PreparedProcessor, modality: Modality, use_cb: bool) -> None:
+        """The prompt's tokenization, prepared as transformers 5.24's completion handler makes it: by the processor
+        when it is the tokenizer (a processor's tokenizer, a multimodal model's, tokenizes on the loop, as before)."""
+        prompt = body.get("prompt", "")
+        if isinstance(prompt, str) and getattr(processor, "tokenizer", processor) is processor:
+            processor.prepare("__call__", prompt, return_tensors=None if use_cb else "pt")
+
 
 class StateKeepingResponseHandler(StateKeeping, ResponseHandler):
     """transformers' `/v1/responses` handler, through the state store, with the same checks and limits."""
@@ -592,6 +646,10 @@ class StateKeepingResponseHandler(StateKeeping, ResponseHandler):
     check_request = staticmethod(check_response_request)
     takes_n = False
     max_tokens_fields = ("max_output_tokens",)
+
+    def _messages_and_tools(self, body: dict) -> tuple[list[dict], list[dict] | None]:
+        """The Responses API's input as messages and its tools as the chat template takes them (transformers')."""
+        return self._normalize_input(body), self._normalize_tools(body.get("tools"))
 
     async def handle_request(self, body: dict, request_id: str) -> StreamingResponse | JSONResponse:
         """Answer /v1/responses: one JSON answer unless a stream is asked for."""
@@ -666,6 +724,18 @@ class _Answer:
         request_id: str,
     ):
         return self.processor.decode(self.ids, skip_special_tokens=True), self.input_len, self.ids
+
+
+async def _answer_rows_off_the_loop(
+    model: StateKeepingModel,
+    inputs: dict,
+    gen_config: GenerationConfig,
+    processor: ProcessorMixin | PreTrainedTokenizerBase,
+) -> list[tuple[int, torch.Tensor, bool]]:
+    """`_answer_rows` of the answers `model` generated, in a worker thread: with a `stop` sequence each answer is
+    decoded token by token (about a second for 100,000 tokens), which on the event loop held every other request."""
+    eos_token_id = model.generation_config.eos_token_id
+    return await asyncio.to_thread(_answer_rows, model.sequences, inputs, gen_config, processor, eos_token_id)
 
 
 def _answer_rows(

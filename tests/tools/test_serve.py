@@ -1021,6 +1021,106 @@ def test_bad_completion_requests_and_bodies_get_a_4xx(client, model_name, server
     assert get(server + "/health")[0] == 200  # and the server is still well
 
 
+def test_a_large_prompt_is_tokenized_off_the_event_loop(client, model_name, server):
+    """A prompt of most of --max-request-bytes takes its tokenizer a second or more, and transformers' handlers
+    tokenized it on the server's event loop: every other request (a small completion, /v1/models) waited for it.
+    Tokenized in a worker thread, they are answered while it is still being read; it is then refused (its tokens
+    pass --max-context), as before."""
+    wait_until_idle(client, model_name)
+    sentence = "to be or not to be, that is the question; the cat sat on the mat. "
+    prompt = sentence * (MAX_REQUEST_BYTES // len(sentence) - 64)
+    body = json.dumps({"model": model_name, "prompt": prompt, "max_tokens": 1}).encode()
+    assert 0.99 * MAX_REQUEST_BYTES < len(body) <= MAX_REQUEST_BYTES  # (taken: the check comes after the tokenizer)
+    finished: list[str] = []
+    large = http.client.HTTPConnection(*server.removeprefix("http://").split(":"), timeout=120)
+    large.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})  # (sent whole)
+
+    def answer_to_the_large() -> None:
+        response = large.getresponse()
+        finished.append(f"large {response.status} {response.read()[:300]!r}")
+
+    reader = threading.Thread(target=answer_to_the_large)
+    reader.start()
+    try:
+        time.sleep(0.3)  # (the server has its body: it is being tokenized, for a second or more)
+        small = client.completions.create(model=model_name, prompt="to be", max_tokens=2, temperature=0)
+        finished.append(f"small {small.choices[0].finish_reason}")
+        finished.append(f"models {get(server + '/v1/models')[0]}")
+    finally:
+        reader.join(timeout=120)
+        large.close()
+    assert [entry.split()[0] for entry in finished] == ["small", "models", "large"], finished
+    assert finished[2].startswith("large 400") and "--max-context" in finished[2], finished
+
+
+def test_each_endpoint_renders_and_tokenizes_its_prompt_in_a_worker_thread(model_dir, reference, monkeypatch):
+    """Chat, completions and the Responses API each make ahead, in a worker thread, the tokenizer call that
+    transformers' handler then makes on the event loop (`prepared`), with its arguments: no tokenizer call is left
+    on the loop (the main thread here), nor the decoding of `n` answers that finds where each stopped. A call with
+    other arguments is made then, as the tokenizer makes it."""
+    import asyncio
+
+    from transformers.cli.serving import model_manager
+    from transformers.cli.serving.model_manager import ModelManager
+    from transformers.cli.serving.utils import GenerationState
+
+    from modeling_gpn.serve import handlers
+    from modeling_gpn.serve.handlers import (
+        StateKeepingChatCompletionHandler,
+        StateKeepingCompletionHandler,
+        StateKeepingResponseHandler,
+    )
+    from modeling_gpn.serve.models import TransformersWithGPN
+    from modeling_gpn.serve.prepared import PreparedProcessor
+
+    tokenizer_class = type(reference[1])
+    on_the_loop = []
+
+    def watching(name: str):
+        made = getattr(tokenizer_class, name)
+
+        def watched(self, *args, **kwargs):
+            if threading.current_thread() is threading.main_thread():
+                on_the_loop.append(name)
+            return made(self, *args, **kwargs)
+
+        return watched
+
+    for name in ("__call__", "apply_chat_template"):
+        monkeypatch.setattr(tokenizer_class, name, watching(name))
+    stop_checks = []
+
+    def watched_stop_position(*args, **kwargs):
+        stop_checks.append(threading.current_thread() is threading.main_thread())
+        return stop_position(*args, **kwargs)
+
+    stop_position = handlers.stop_position
+    monkeypatch.setattr(handlers, "stop_position", watched_stop_position)
+    monkeypatch.setattr(model_manager, "transformers", TransformersWithGPN())  # as gpn serve does, for this test only
+    manager, state = ModelManager(device="cpu", model_timeout=-1), GenerationState()
+    try:
+        for kind, body in (
+            (StateKeepingChatCompletionHandler, {"messages": [{"role": "user", "content": "hi"}]}),
+            (StateKeepingResponseHandler, {"input": "hi", "instructions": "be brief", "max_output_tokens": 2}),
+            (StateKeepingCompletionHandler, {"prompt": "the cat"}),
+            (StateKeepingCompletionHandler, {"prompt": "the cat", "n": 2, "stop": ["zz"]}),
+        ):
+            request = {"model": str(model_dir), "max_tokens": 2, **body}
+            if kind is StateKeepingResponseHandler:
+                del request["max_tokens"]
+            answered = asyncio.run(bare_handler(kind, manager, state).handle_request(request, "id"))
+            assert answered.status_code == 200 and on_the_loop == [], (kind.__name__, on_the_loop)
+    finally:
+        manager.shutdown()
+    assert stop_checks == [False, False]  # (each of the n answers' ends found, in a worker thread)
+    mat, cat = (reference[1](text)["input_ids"] for text in ("the mat", "the cat"))
+    prepared = PreparedProcessor(reference[1])
+    prepared.prepare("__call__", "the cat", return_tensors="pt")
+    on_the_loop.clear()
+    assert prepared("the mat")["input_ids"] == mat and on_the_loop == ["__call__"]  # (other arguments: made now)
+    assert prepared("the cat", return_tensors="pt")["input_ids"].tolist() == [cat] and on_the_loop == ["__call__"]
+
+
 def test_errors_come_in_the_openai_apis_shape(client, model_name, server):
     """An error is the OpenAI API's `{"error": {"message", "type", ...}}`, which the `openai` client reads (its
     exception's message and type): transformers serve answered FastAPI's `{"detail": ...}`, and a stream's error
