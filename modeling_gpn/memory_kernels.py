@@ -1222,7 +1222,8 @@ static inline void int4_store(const gpn_segment *sg, i64 b, i64 r, i64 n, __m512
     else _mm512_mask_storeu_ps((float *)sg->out + at, m, y);
 }
 
-/* NT (1 or 4) tiles from row r (a multiple of 16) for batch row b; ASYM: the offsets are read (else all 8). The
+/* NT (1 or 4) tiles from row r (a multiple of 16) for batch row b; the offsets are read where the segment has them
+   (else all 8: a branch per group, not a variant of the loop: each variant adds to every build's compile time). The
    accumulators are named variables (as `tiled_int8_rows`'). */
 #define GPN_I4_ZERO(j) __m512i h##j = _mm512_setzero_si512(), l##j = h##j
 #define GPN_I4_TILE(j) do { \
@@ -1233,10 +1234,10 @@ static inline void int4_store(const gpn_segment *sg, i64 b, i64 r, i64 n, __m512
 #define GPN_I4_GROUP(j) do { \
         const i64 gi = ((t0 + (j)) * ng + g) * 16; \
         const __m512i u = _mm512_add_epi32(_mm512_slli_epi32(h##j, 8), l##j); \
-        const __m512i o = ASYM ? _mm512_mullo_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sg->offsets + gi))), xg) : xg8; \
+        const __m512i o = sg->offsets ? _mm512_mullo_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sg->offsets + gi))), xg) : xg8; \
         y##j = _mm512_fmadd_ps(_mm512_loadu_ps(sg->scale + gi), _mm512_cvtepi32_ps(_mm512_sub_epi32(u, o)), y##j); } while (0)
 static inline __attribute__((always_inline)) void int4_tiles(const gpn_segment *sg, const gpn_quantized *q, i64 b, i64 r,
-                                                             i64 r1, const int NT, const int ASYM)
+                                                             i64 r1, const int NT)
 {
     const i64 K = sg->cols, G = sg->group, ng = K / G, tile_bytes = 8 * K, t0 = r / 16;
     const int8_t *xh = q->hi + b * q->width, *xl = q->lo + b * q->width;
@@ -1286,13 +1287,8 @@ static void int4_rows(const gpn_segment *sg, const gpn_quantized *q, i64 B, i64 
     int4_sums8((gpn_quantized *)q);  /* (the calling thread's own) */
     for (i64 b = 0; b < B; b++) {
         i64 r = r0;
-        if (sg->offsets) {
-            for (; r + 48 < r1; r += 64) int4_tiles(sg, q, b, r, r1, 4, 1);
-            for (; r < r1; r += 16) int4_tiles(sg, q, b, r, r1, 1, 1);
-        } else {
-            for (; r + 48 < r1; r += 64) int4_tiles(sg, q, b, r, r1, 4, 0);
-            for (; r < r1; r += 16) int4_tiles(sg, q, b, r, r1, 1, 0);
-        }
+        for (; r + 48 < r1; r += 64) int4_tiles(sg, q, b, r, r1, 4);
+        for (; r < r1; r += 16) int4_tiles(sg, q, b, r, r1, 1);
     }
 }
 #endif

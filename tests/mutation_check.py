@@ -6247,8 +6247,8 @@ MUTATIONS = [
     Mutation(
         "the int4 products read no zero points (every offset taken as 8)",
         "modeling_gpn/memory_kernels.py",
-        "        if (sg->offsets) {\n            for (; r + 48 < r1; r += 64) int4_tiles(sg, q, b, r, r1, 4, 1);",
-        "        if (0) {  /* MUTATION */\n            for (; r + 48 < r1; r += 64) int4_tiles(sg, q, b, r, r1, 4, 1);",
+        "        const __m512i o = sg->offsets ? _mm512_mullo_epi32(",
+        "        const __m512i o = 0 /* MUTATION */ ? _mm512_mullo_epi32(",
         (
             "tests/fast_path/test_step_kernels.py -k int4_products",
             "tests/fast_path/test_decode_call.py -k int4_weights_edited and zero and not outside",
