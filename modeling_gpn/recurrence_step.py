@@ -157,7 +157,8 @@ def dequantized_by_linear(weight: torch.Tensor) -> bool:
     optional), without activation quantization, in float32 or bfloat16. Its `F.linear(x, W)` is
     `F.linear(x, W.dequantize())`: the fast path multiplies that same matrix, dequantized once where it derives its
     weights (a scope: one forward or generate() call, `derived_weights.py`), as it multiplies a float model's
-    weights. Anything else quantized keeps the plain path (`GPNModel.fast_path_blocker`)."""
+    weights; its C kernels multiply int4 values as int4 instead where they take them (`int4_weight_parts`). Anything
+    else quantized keeps the plain path (`GPNModel.fast_path_blocker`)."""
     kind = type(weight)
     if kind.__qualname__ != "IntxUnpackedToInt8Tensor" or not kind.__module__.startswith("torchao."):
         return False
