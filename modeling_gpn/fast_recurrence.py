@@ -38,7 +38,8 @@ What makes it fast (see the speed issue and `GPN.md`):
   modules' own weights (fp32, bf16, torchao int8 weight-only, torchao int4 packed once per call;
   `memory_kernels.StepPlan`, backend `C_STEP`): the products stream every weight once at close to the
   machine's read bandwidth, which torch's matrix-vector products here reach a third of; the decoder and token
-  projections and the logits of a few rows use the same products (`fast_project`, `output_logits`). GPN_STEP_KERNELS=0 turns them off.
+  projections and the logits of a few rows use the same products (`fast_project`, `output_logits`).
+  GPN_STEP_KERNELS=0 turns them off.
 - **Triton kernels (GPU)** (`triton_kernels.py`): the whole step's elementwise work and its memory half
   fused between the matmuls, forward and backward; and opt-in CUDA graphs (`cuda_graphs.py`).
 - **Memory-bounded BPTT.** The forward pass keeps the state (p, g, key, M) only at segment boundaries
