@@ -70,8 +70,8 @@ def main() -> None:
     parser.add_argument(
         "--dtype",
         default="float32",
-        choices=["float32", "bfloat16", "int8"],
-        help="int8: torchao weight-only, as gpn bench",
+        choices=["float32", "bfloat16", "int8", "int4"],
+        help="int8 / int4: torchao weight-only, as gpn bench",
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None)
@@ -80,7 +80,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     from modeling_gpn.bench import TokenTimes, synchronize
-    from modeling_gpn.bench.models import quantize_int8, weight_dtype
+    from modeling_gpn.bench.models import quantize_int4, quantize_int8, weight_dtype
     from modeling_gpn.configuration import load_preset
 
     config_values = load_preset(args.preset).to_dict()
@@ -99,8 +99,12 @@ def main() -> None:
                     weights.setdefault(tied, weights[original])
                 model.load_state_dict(weights)
             models[side] = model.to(args.device, dtype).eval()
-        if args.dtype == "int8":  # (once both hold the same weights: a quantized state dict does not load into bf16)
-            models = {side: quantize_int8(model) for side, model in models.items()}
+        if args.dtype in (
+            "int8",
+            "int4",
+        ):  # (once both hold the same weights: a quantized state dict does not load into bf16)
+            quantize = quantize_int8 if args.dtype == "int8" else quantize_int4
+            models = {side: quantize(model) for side, model in models.items()}
 
         def timings(model, prompt):
             streamer = TokenTimes(args.device)

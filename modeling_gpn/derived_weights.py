@@ -422,7 +422,8 @@ def reads_merged_adapters(model: torch.nn.Module) -> bool:
 def keep_with(model: torch.nn.Module, cache: object, derived: DerivedWeights) -> None:
     """Leave `derived` with `model` for the next call that continues `cache` (`derived_weights_scope`), for as long
     as `cache` lives: when it is collected, `model` lets go of `derived` too (it held it for the model's life, or
-    until another call replaced it: for an int4 model, its matrices dequantized to bf16 beside the int4 ones).
+    until another call replaced it: for an int4 model, its values packed again for the int4 products, or its matrices
+    dequantized to bf16 where those do not take them, beside torchao's own).
 
     Not what was read through a PEFT LoRA layer merged in place (`reads_merged_adapters`, asked once a scope where
     something was derived): PEFT's merge and unmerge write the weights through `.data`, which no guard sees, and
@@ -456,7 +457,7 @@ def _forgetting(model: torch.nn.Module) -> Callable:
 def drop_kept(model: torch.nn.Module) -> None:
     """Let go of what `keep_with` left with `model`, for a caller that will not continue that cache one call at a
     time (a server keeping states for later requests, each of which derives afresh): it would otherwise live as
-    long as the cache (for a quantized model, its dequantized matrices beside the quantized ones)."""
+    long as the cache (for a quantized model, its packed or dequantized copies beside the quantized weights)."""
     model.__dict__.pop(KEPT_ATTRIBUTE, None)
 
 

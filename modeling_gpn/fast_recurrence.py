@@ -35,10 +35,11 @@ What makes it fast (see the speed issue and `GPN.md`):
   and with GPN_MEMORY_KERNELS=0; tests run both.
 - **The whole step in C at a small batch (CPU, no autograd).** A window of up to `MAX_STEP_ROWS` rows
   (decoding, a prompt's prefill) runs each step, or all of an unmasked window's steps, in one C call on the
-  modules' own weights (fp32, bf16, torchao int8 weight-only; `memory_kernels.StepPlan`, backend `C_STEP`):
-  the products stream every weight once at close to the machine's read bandwidth, which torch's
-  matrix-vector products here reach a third of; the decoder and token projections and the logits of a few
-  rows use the same products (`fast_project`, `output_logits`). GPN_STEP_KERNELS=0 turns them off.
+  modules' own weights (fp32, bf16, torchao int8 weight-only, torchao int4 packed once per call;
+  `memory_kernels.StepPlan`, backend `C_STEP`): the products stream every weight once at close to the
+  machine's read bandwidth, which torch's matrix-vector products here reach a third of; the decoder and token
+  projections and the logits of a few rows use the same products (`fast_project`, `output_logits`).
+  GPN_STEP_KERNELS=0 turns them off.
 - **Triton kernels (GPU)** (`triton_kernels.py`): the whole step's elementwise work and its memory half
   fused between the matmuls, forward and backward; and opt-in CUDA graphs (`cuda_graphs.py`).
 - **Memory-bounded BPTT.** The forward pass keeps the state (p, g, key, M) only at segment boundaries
@@ -306,7 +307,8 @@ def foldable_parameter(module: torch.nn.Module, name: str, parameter: torch.nn.P
     nn.Parameter (or None), or the weight of an nn.Linear quantized by torchao's int8 weight-only config
     (exactly that tensor class and layout: `recurrence_step.int8_weight_parts`), which the C step kernels
     multiply as it is and the torch-ops steps dequantize, or by its low-bit weight-only config (int4, ...:
-    `recurrence_step.dequantized_by_linear`), whose dequantized matrix every backend multiplies. Any other
+    `recurrence_step.dequantized_by_linear`), whose dequantized matrix every backend multiplies, but the C kernels,
+    which multiply int4 values packed as int4 where they can (`memory_kernels.int4_operand`). Any other
     tensor subclass keeps the plain path (`GPNModel.fast_path_blocker`), which calls the module."""
     if parameter is None or type(parameter) is torch.nn.Parameter:
         return True

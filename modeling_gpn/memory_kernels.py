@@ -68,10 +68,12 @@ from torch.autograd.graph import increment_version
 from .recurrence_step import (
     Columns,
     FoldedWeights,
+    Int4Weight,
     MemoryStep,
     Shapes,
     StepState,
     dequantized_by_linear,
+    int4_weight_parts,
     int8_weight_parts,
     keep_padded_rows,
 )
@@ -302,7 +304,7 @@ i64 gpn_thread_buffers(void) { return __atomic_load_n(&live_thread_buffers, __AT
 #define GPN_AVX2 1
 #endif
 
-enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_I8 = 2 };
+enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_I8 = 2, KIND_I4 = 3 };
 #ifndef PREFETCH
 #define PREFETCH 1
 #endif
@@ -336,6 +338,8 @@ typedef struct { /* one linear map of a phase: out[b, j] = (round?)(scale_j * <W
     void *out;            /* float (or bf16 bits with STORE_BF16) */
     i64 rows, cols, x_stride, out_stride, kind, flags;
     const uint8_t *tiles; /* int8 only, or NULL: the weights again in tiles of 16 rows (`tiled_int8_rows`) */
+    const int8_t *offsets; /* int4 only: 8 + each group's zero point, (tiles, groups, 16), or NULL: all 8 (`int4_pack`) */
+    i64 group;            /* int4 only: the weights of a group (a multiple of 8 dividing cols) */
 } gpn_segment;
 
 static inline float bf16_bits_to_float(uint16_t h) { union { uint32_t u; float f; } v; v.u = (uint32_t)h << 16; return v.f; }
@@ -516,6 +520,8 @@ typedef struct {
     i64 stride, K, B, width; /* width: K rounded up to 64, the planes' row length */
     int finite;              /* 0: some input is not finite (the float products run) */
     int8_t *hi, *lo;         /* (B, width) each, zero past K */
+    int32_t *sums8;          /* (B, width / 8): the sums of x_q over each 8 elements (int4 products, `int4_sums8`) */
+    int sums8_ready;         /* 0: not yet computed for this input */
     i64 sum_hi[VNNI_MAX_ROWS], sum_lo[VNNI_MAX_ROWS];
     double unit[VNNI_MAX_ROWS]; /* 2^-sh */
     i64 capacity;            /* bytes held at hi (both planes) */
@@ -531,13 +537,15 @@ static const gpn_quantized *quantize_input(const gpn_segment *sg, i64 B)
     const i64 K = sg->cols, width = (K + 63) / 64 * 64;
     if (q->x == sg->x && q->stride == sg->x_stride && q->K == K && q->B == B) return q->finite ? q : 0;
     q->x = 0;
-    if (2 * B * width > q->capacity) {
+    q->sums8_ready = 0;
+    if (2 * B * width + 4 * B * (width / 8) > q->capacity) {  /* (the two planes, then the int4 products' sums) */
         q->capacity = 0;
-        q->hi = (int8_t *)thread_buffer(q->hi, (size_t)(2 * B * width));
+        q->hi = (int8_t *)thread_buffer(q->hi, (size_t)(2 * B * width + 4 * B * (width / 8)));
         if (!q->hi) return 0;  /* (the float products run) */
-        q->capacity = 2 * B * width;
+        q->capacity = 2 * B * width + 4 * B * (width / 8);
     }
     q->lo = q->hi + B * width;
+    q->sums8 = (int32_t *)(q->hi + 2 * B * width);  /* (2 B width is a multiple of 128: aligned as int32) */
     q->finite = 1;
     for (i64 b = 0; b < B && q->finite; b++) {
         const float *x = sg->x + b * sg->x_stride;
@@ -978,13 +986,43 @@ static inline i64 weight_size(i64 kind) { return kind == KIND_F32 ? 4 : kind == 
    the rounding; a bias the module adds afterwards in float32, the decay's dt_bias, after it) */
 static inline void store_output(const gpn_segment *sg, i64 b, i64 r, float y)
 {
-    if (sg->scale) y *= sg->scale[r];
+    if (sg->scale && sg->kind != KIND_I4) y *= sg->scale[r];  /* (int4's scales are its groups', applied already) */
     if (sg->bias && !(sg->flags & BIAS_AFTER_ROUND)) y += sg->bias[r];
     if (sg->flags & ROUND_OUTPUT) y = round_bf16(y);
     if (sg->bias && (sg->flags & BIAS_AFTER_ROUND)) y += sg->bias[r];
     const i64 at = b * sg->out_stride + r;
     if (sg->flags & STORE_BF16) ((uint16_t *)sg->out)[at] = float_to_bf16_bits(y);
     else ((float *)sg->out)[at] = y;
+}
+
+/* int4 weights in `int4_pack`'s layout: tiles of 16 rows, in which each 8 weights of a row are a 4-byte group, the
+   first four in its low nibbles and the next four in its high ones, each as u = q + 8 in [0, 15]; per group and row a
+   float32 scale and an offset 8 + z (z the group's zero point; NULL: every z is 0), at ((tile, group), row in tile).
+   The weight is (u - offset) scale, what torchao dequantizes. */
+static inline int int4_at(const gpn_segment *sg, i64 r, i64 k)
+{
+    const uint8_t at = ((const uint8_t *)sg->w)[(r / 16) * 8 * sg->cols + (k / 8) * 64 + 4 * (r % 16) + k % 4];
+    return k % 8 < 4 ? at & 15 : at >> 4;
+}
+/* rows [r0, r1) of an int4 segment in float32 from the exact input (an input that is not finite, or a build without
+   VNNI, which the Python side does not give int4 segments: its products carry NaN and infinities as torch's) */
+static void int4_rows_float(const gpn_segment *sg, i64 B, i64 r0, i64 r1)
+{
+    const i64 K = sg->cols, G = sg->group, ng = K / G;
+    for (i64 b = 0; b < B; b++) {
+        const float *x = sg->x + b * sg->x_stride;
+        for (i64 r = r0; r < r1; r++) {
+            float y = 0.f;
+            for (i64 g = 0; g < ng; g++) {
+                const i64 at = ((r / 16) * ng + g) * 16 + r % 16;
+                const int o = sg->offsets ? sg->offsets[at] : 8;
+                float sum = 0.f;
+                for (i64 k = g * G; k < g * G + G; k++) sum += (float)(int4_at(sg, r, k) - o) * x[k];
+                y += sg->scale[at] * sum;
+            }
+            store_output(sg, b, r, y);
+        }
+    }
 }
 
 /* Rows of 256, 512 or 768 weights at one batch row, outside FAR_ROWS (in the L3, or a little beyond it), hold the
@@ -1060,8 +1098,7 @@ static inline __attribute__((always_inline)) void held_int8_rows(const gpn_segme
 #ifndef TILED_INT8
 #define TILED_INT8 1
 #endif
-#if defined(GPN_VNNI) && TILED_INT8
-#define GPN_TILED_INT8 1
+#if defined(GPN_VNNI)
 /* float_to_bf16_bits in 16 lanes (in the low half of each) */
 static inline __m512i bf16_bits16(__m512 y)
 {
@@ -1070,6 +1107,17 @@ static inline __m512i bf16_bits16(__m512 y)
     const __m512i bits = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
     return _mm512_mask_mov_epi32(bits, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
 }
+
+/* four bytes of an input plane in every lane (memcpy: the planes are bytes) */
+static inline __m512i broadcast4(const int8_t *at)
+{
+    int32_t four;
+    memcpy(&four, at, 4);
+    return _mm512_set1_epi32(four);
+}
+#endif
+#if defined(GPN_VNNI) && TILED_INT8
+#define GPN_TILED_INT8 1
 
 /* store_output for rows [r, r + n) (n <= 16) from their two planes' sums: `vnni_dot` and `store_output` in
    16 lanes, the same operations in the same order (the sum in int64, scaled in double, rounded to float) */
@@ -1092,14 +1140,6 @@ static inline void store_tile(const gpn_segment *sg, const gpn_quantized *q, i64
     if (sg->bias && (sg->flags & BIAS_AFTER_ROUND)) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(m, sg->bias + r));
     if (sg->flags & STORE_BF16) _mm256_mask_storeu_epi16((uint16_t *)sg->out + r, m, _mm512_cvtepi32_epi16(bf16_bits16(y)));
     else _mm512_mask_storeu_ps((float *)sg->out + r, m, y);
-}
-
-/* four bytes of an input plane in every lane (memcpy: the planes are bytes) */
-static inline __m512i broadcast4(const int8_t *at)
-{
-    int32_t four;
-    memcpy(&four, at, 4);
-    return _mm512_set1_epi32(four);
 }
 
 /* rows [r0, r1) of an int8 segment with tiles at one batch row (r0 a multiple of 16). The accumulators are named
@@ -1142,6 +1182,128 @@ static void tiled_int8_rows(const gpn_segment *sg, const gpn_quantized *q, i64 r
     }
 }
 #endif
+
+/* int4 weights on the integer dot products (`int4_pack`'s tiles, above `int4_rows_float`): a 64-byte load holds 8
+   weights of 16 rows, which an and and a shift split into two vectors of four weights of the 16 rows, each as
+   int8's tiles hold them (`tiled_int8_rows`), so that the input, x = x_q 2^-sh in two signed byte planes
+   (`quantize_input`), goes in as four bytes broadcast, four tiles sharing each broadcast. Each group's sum is an
+   exact integer: sum u x_q - (8 + z) sum x_q = sum (q - z) x_q (|q - z| <= 15, groups of at most INT4_MAX_GROUP
+   weights: within int32), then multiplied by the group's float32 scale into a float32 sum, y = 2^-sh sum_g s_g (...):
+   the error against the products of the exact weights is the input's 16-bit rounding (as int8's) and float32's
+   rounding of the groups' sum. The weights are read at 0.5 bytes each (with 4 bytes of scale per group, and 1 of
+   offset where some zero point is not 0), against 2 for the bf16 matrix torchao's linear dequantizes. */
+#if defined(GPN_VNNI)
+#define GPN_INT4 1
+enum { INT4_MAX_GROUP = 4096 };
+
+/* the sums of x_q over each 8 elements of every batch row (`sums8`), once per input */
+static void int4_sums8(gpn_quantized *q)
+{
+    if (q->sums8_ready) return;
+    const i64 n = q->width / 8;
+    for (i64 b = 0; b < q->B; b++)
+        for (i64 j = 0; j < n; j++) {
+            int32_t sum = 0;
+            for (i64 k = 8 * j; k < 8 * j + 8; k++) sum += 256 * q->hi[b * q->width + k] + q->lo[b * q->width + k];
+            q->sums8[b * n + j] = sum;
+        }
+    q->sums8_ready = 1;
+}
+
+/* store_output for rows [r, r + n) (n <= 16) of batch row b from their float sums */
+static inline void int4_store(const gpn_segment *sg, i64 b, i64 r, i64 n, __m512 y)
+{
+    const __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+    if (sg->bias && !(sg->flags & BIAS_AFTER_ROUND)) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(m, sg->bias + r));
+    if (sg->flags & ROUND_OUTPUT) y = _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(y), 16));
+    if (sg->bias && (sg->flags & BIAS_AFTER_ROUND)) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(m, sg->bias + r));
+    const i64 at = b * sg->out_stride + r;
+    if (sg->flags & STORE_BF16) _mm256_mask_storeu_epi16((uint16_t *)sg->out + at, m, _mm512_cvtepi32_epi16(bf16_bits16(y)));
+    else _mm512_mask_storeu_ps((float *)sg->out + at, m, y);
+}
+
+/* NT (1 or 4) tiles from row r (a multiple of 16) for batch row b; the offsets are read where the segment has them
+   (else all 8: a branch per group, not a variant of the loop: each variant adds to every build's compile time). The
+   accumulators are named variables (as `tiled_int8_rows`'). */
+#define GPN_I4_ZERO(j) __m512i h##j = _mm512_setzero_si512(), l##j = h##j
+#define GPN_I4_TILE(j) do { \
+        const __m512i v = _mm512_loadu_si512((const void *)(at + (j) * tile_bytes)); \
+        const __m512i w0 = _mm512_and_si512(v, nibble), w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble); \
+        DPBUSD_HELD(h##j, w0, bh0); DPBUSD_HELD(l##j, w0, bl0); \
+        DPBUSD_HELD(h##j, w1, bh1); DPBUSD_HELD(l##j, w1, bl1); } while (0)
+#define GPN_I4_GROUP(j) do { \
+        const i64 gi = ((t0 + (j)) * ng + g) * 16; \
+        const __m512i u = _mm512_add_epi32(_mm512_slli_epi32(h##j, 8), l##j); \
+        const __m512i o = sg->offsets ? _mm512_mullo_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sg->offsets + gi))), xg) : xg8; \
+        y##j = _mm512_fmadd_ps(_mm512_loadu_ps(sg->scale + gi), _mm512_cvtepi32_ps(_mm512_sub_epi32(u, o)), y##j); } while (0)
+static inline __attribute__((always_inline)) void int4_tiles(const gpn_segment *sg, const gpn_quantized *q, i64 b, i64 r,
+                                                             i64 r1, const int NT)
+{
+    const i64 K = sg->cols, G = sg->group, ng = K / G, tile_bytes = 8 * K, t0 = r / 16;
+    const int8_t *xh = q->hi + b * q->width, *xl = q->lo + b * q->width;
+    const int32_t *s8 = q->sums8 + b * (q->width / 8);
+    const uint8_t *base = (const uint8_t *)sg->w + t0 * tile_bytes;
+    const __m512i nibble = _mm512_set1_epi8(0x0f);
+    __m512 y0 = _mm512_setzero_ps(), y1 = y0, y2 = y0, y3 = y0;
+    for (i64 g = 0; g < ng; g++) {
+        GPN_I4_ZERO(0); GPN_I4_ZERO(1); GPN_I4_ZERO(2); GPN_I4_ZERO(3);
+        int32_t xsum = 0;
+        for (i64 k = g * G; k < g * G + G; k += 8) {
+            xsum += s8[k / 8];
+            const __m512i bh0 = broadcast4(xh + k), bl0 = broadcast4(xl + k);
+            const __m512i bh1 = broadcast4(xh + k + 4), bl1 = broadcast4(xl + k + 4);
+            const uint8_t *at = base + 8 * k;
+            if (NEAR_PREFETCH) _mm_prefetch((const char *)at + NEAR_AHEAD, _MM_HINT_T1);
+            GPN_I4_TILE(0);
+            if (NT > 1) {
+                if (NEAR_PREFETCH) {
+                    _mm_prefetch((const char *)at + tile_bytes + NEAR_AHEAD, _MM_HINT_T1);
+                    _mm_prefetch((const char *)at + 2 * tile_bytes + NEAR_AHEAD, _MM_HINT_T1);
+                    _mm_prefetch((const char *)at + 3 * tile_bytes + NEAR_AHEAD, _MM_HINT_T1);
+                }
+                GPN_I4_TILE(1); GPN_I4_TILE(2); GPN_I4_TILE(3);
+            }
+        }
+        const __m512i xg = _mm512_set1_epi32(xsum), xg8 = _mm512_set1_epi32(8 * xsum);
+        (void)xg; (void)xg8;
+        GPN_I4_GROUP(0);
+        if (NT > 1) { GPN_I4_GROUP(1); GPN_I4_GROUP(2); GPN_I4_GROUP(3); }
+    }
+    const __m512 unit = _mm512_set1_ps((float)q->unit[b]);
+    int4_store(sg, b, r, r1 - r < 16 ? r1 - r : 16, _mm512_mul_ps(y0, unit));
+    if (NT > 1) {
+        int4_store(sg, b, r + 16, 16, _mm512_mul_ps(y1, unit));
+        int4_store(sg, b, r + 32, 16, _mm512_mul_ps(y2, unit));
+        int4_store(sg, b, r + 48, r1 - r - 48 < 16 ? r1 - r - 48 : 16, _mm512_mul_ps(y3, unit));
+    }
+}
+#undef GPN_I4_ZERO
+#undef GPN_I4_TILE
+#undef GPN_I4_GROUP
+
+/* rows [r0, r1) of an int4 segment (r0 a multiple of 16) for all B batch rows, on the quantized input */
+static void int4_rows(const gpn_segment *sg, const gpn_quantized *q, i64 B, i64 r0, i64 r1)
+{
+    int4_sums8((gpn_quantized *)q);  /* (the calling thread's own) */
+    for (i64 b = 0; b < B; b++) {
+        i64 r = r0;
+        for (; r + 48 < r1; r += 64) int4_tiles(sg, q, b, r, r1, 4);
+        for (; r < r1; r += 16) int4_tiles(sg, q, b, r, r1, 1);
+    }
+}
+#endif
+
+/* whether rows from r0 on of an int4 segment run the int4 products (else `int4_rows_float`; a finite input too) */
+static int int4_products(const gpn_segment *sg, i64 B, i64 r0)
+{
+#ifdef GPN_INT4
+    return sg->kind == KIND_I4 && B <= QUANTIZED_MAX_ROWS && sg->cols <= QUANTIZED_MAX_COLS && sg->group <= INT4_MAX_GROUP
+           && r0 % 16 == 0;
+#else
+    (void)sg; (void)B; (void)r0;
+    return 0;
+#endif
+}
 
 /* whether rows from r0 on are read from their tiles (a task that begins inside a tile reads the rows) */
 static int tiled_input(const gpn_segment *sg, i64 B, i64 r0)
@@ -1233,6 +1395,16 @@ static void segment_rows(const gpn_segment *sg, i64 B, i64 r0, i64 r1)
 {
     const i64 K = sg->cols, es = weight_size(sg->kind);
     const char *w = (const char *)sg->w;
+    if (sg->kind == KIND_I4) {
+#ifdef GPN_INT4
+        if (int4_products(sg, B, r0)) {
+            const gpn_quantized *q = quantize_input(sg, B);
+            if (q) { int4_rows(sg, q, B, r0, r1); return; }
+        }
+#endif
+        int4_rows_float(sg, B, r0, r1);
+        return;
+    }
 #ifdef GPN_QUANTIZED
     if (sg->kind == KIND_I8 && B <= QUANTIZED_MAX_ROWS && K <= QUANTIZED_MAX_COLS) {
         const gpn_quantized *q = quantize_input(sg, B);
@@ -1394,6 +1566,67 @@ void gpn_int8_tiles(const int8_t *w, i64 rows, i64 cols, uint8_t *tiles)
     }
 }
 
+/* `int4_pack`: torchao's int4 values q (rows, cols) int8 in [-8, 7], one a byte, with a scale (float32) and a zero
+   point z (int8; NULL: all 0) per group of `group` weights of a row (rows, cols / group), into the layout the int4
+   products read (`int4_rows_float`): `tiles` (ceil(rows / 16), cols / 8, 64) bytes, `scales` (ceil(rows / 16),
+   groups, 16) float32 and, with zero points, `offsets` (the same) int8 8 + z; padded rows hold 0 everywhere. cols a
+   multiple of 8 and of `group`. Returns 0, or 1 where some q or z lies outside [-8, 7] (a value edited out of int4's
+   range: nothing this layout holds; the caller keeps the dequantized matrix). With AVX-512 a tile's 16 rows are read
+   64 values at a time and their 4-byte groups transposed in registers, as `int8_tiles`; one thread, as it. */
+int gpn_int4_pack(const int8_t *q, const float *scale, const int8_t *zero, i64 rows, i64 cols, i64 group,
+                  uint8_t *tiles, float *scales, int8_t *offsets)
+{
+    const i64 n_tiles = (rows + 15) / 16, ng = cols / group;
+    int bad = 0;
+    for (i64 t = 0; t < n_tiles; t++) {
+        uint8_t *tile = tiles + t * 8 * cols;
+#ifdef GPN_AVX512
+        const __m512i eight = _mm512_set1_epi8(8), fifteen = _mm512_set1_epi8(15);
+        for (i64 k = 0; k < cols; k += 64) {
+            const __mmask64 m = cols - k >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (cols - k)) - 1);
+            __m512i r[16];
+            for (i64 i = 0; i < 16; i++) {
+                if (16 * t + i < rows) {
+                    r[i] = _mm512_add_epi8(_mm512_maskz_loadu_epi8(m, q + (16 * t + i) * cols + k), eight);
+                    bad |= _mm512_mask_cmpgt_epu8_mask(m, r[i], fifteen) != 0;
+                    r[i] = _mm512_and_si512(r[i], _mm512_movm_epi8(m));
+                } else {
+                    r[i] = _mm512_setzero_si512();
+                }
+            }
+            transpose16_epi32(r);  /* r[j]: columns k + 4j .. k + 4j + 3 of the 16 rows */
+            for (i64 j = 0; j < 8 && k + 8 * j < cols; j++)
+                _mm512_storeu_si512((void *)(tile + (k / 8 + j) * 64),
+                                    _mm512_or_si512(r[2 * j], _mm512_slli_epi16(r[2 * j + 1], 4)));
+        }
+#else
+        for (i64 k8 = 0; k8 < cols / 8; k8++)
+            for (i64 i = 0; i < 16; i++)
+                for (i64 j = 0; j < 4; j++) {
+                    const i64 r = 16 * t + i;
+                    int lo = 0, hi = 0;
+                    if (r < rows) {
+                        lo = q[r * cols + 8 * k8 + j] + 8;
+                        hi = q[r * cols + 8 * k8 + 4 + j] + 8;
+                        bad |= lo < 0 || lo > 15 || hi < 0 || hi > 15;
+                    }
+                    tile[k8 * 64 + 4 * i + j] = (uint8_t)((lo & 15) | (hi & 15) << 4);
+                }
+#endif
+        for (i64 g = 0; g < ng; g++)
+            for (i64 i = 0; i < 16; i++) {
+                const i64 r = 16 * t + i, at = (t * ng + g) * 16 + i;
+                scales[at] = r < rows ? scale[r * ng + g] : 0.f;
+                if (offsets) {
+                    const int z = r < rows ? zero[r * ng + g] : 0;
+                    bad |= z < -8 || z > 7;
+                    offsets[at] = (int8_t)(r < rows ? 8 + z : 0);
+                }
+            }
+    }
+    return bad;
+}
+
 /* One phase of products on its own (the logits of a few rows, and any product the fused step does not cover) */
 void gpn_linear(const gpn_segment *segs, const i64 *tasks, i64 n_tasks, i64 B, int threads)
 {
@@ -1406,6 +1639,8 @@ int gpn_paired_rows(const gpn_segment *sg, i64 B) { return paired_rows(sg, B); }
 /* Whether segment_rows holds the input of `sg` in registers at B batch rows (`held_input`; asked by the tests) */
 int gpn_held_input(const gpn_segment *sg, i64 B) { return held_input(sg, B); }
 int gpn_tiled_input(const gpn_segment *sg, i64 B) { return tiled_input(sg, B, 0); }
+/* Whether segment_rows runs the int4 products of `sg` at B batch rows (`int4_products`; asked by the tests) */
+int gpn_int4_products(const gpn_segment *sg, i64 B) { return int4_products(sg, B, 0); }
 
 /* The vector instructions the products were built for (`products_isa`: the bench says it, the tests ask it) */
 const char *gpn_products_isa(void)
@@ -1791,9 +2026,11 @@ _SYMBOLS = (
     "gpn_memory_write_backward",
     "gpn_linear",
     "gpn_int8_tiles",
+    "gpn_int4_pack",
     "gpn_paired_rows",
     "gpn_held_input",
     "gpn_tiled_input",
+    "gpn_int4_products",
     "gpn_gates",
     "gpn_log_tasks",
     "gpn_step",
@@ -1965,11 +2202,13 @@ def _load_verified(folder: Path, key: str) -> ctypes.CDLL:
     lib.gpn_linear.restype = None
     lib.gpn_int8_tiles.argtypes = [p, i64, i64, p]
     lib.gpn_int8_tiles.restype = None
+    lib.gpn_int4_pack.argtypes, lib.gpn_int4_pack.restype = [p, p, p, i64, i64, i64, p, p, p], ctypes.c_int
     lib.gpn_paired_rows.argtypes = [p, i64]
     lib.gpn_paired_rows.restype = ctypes.c_int
     lib.gpn_held_input.argtypes = [p, i64]
     lib.gpn_held_input.restype = ctypes.c_int
     lib.gpn_tiled_input.argtypes, lib.gpn_tiled_input.restype = [p, i64], ctypes.c_int
+    lib.gpn_int4_products.argtypes, lib.gpn_int4_products.restype = [p, i64], ctypes.c_int
     lib.gpn_gates.argtypes, lib.gpn_gates.restype = [p, p, p, i64], None
     lib.gpn_thread_buffers.argtypes, lib.gpn_thread_buffers.restype = [], i64
     lib.gpn_log_tasks.argtypes, lib.gpn_log_tasks.restype = [p], None
@@ -2440,7 +2679,7 @@ def memory_write_backward(
 
 MAX_STEP_ROWS = 16  # the most batch rows the step kernel takes (more rows amortise the weight read in a matmul)
 _TASK_BYTES = 1 << 18  # weight bytes per task of a product (threads take tasks in turn)
-KIND_F32, KIND_BF16, KIND_I8 = 0, 1, 2
+KIND_F32, KIND_BF16, KIND_I8, KIND_I4 = 0, 1, 2, 3
 ROUND_OUTPUT, STORE_BF16, BIAS_AFTER_ROUND, STREAM_ROWS, FAR_ROWS = 1, 2, 4, 8, 16
 _i64, _ptr = ctypes.c_longlong, ctypes.c_void_p
 
@@ -2460,6 +2699,8 @@ class _Segment(ctypes.Structure):  # gpn_segment
         ("kind", _i64),
         ("flags", _i64),
         ("tiles", _ptr),
+        ("offsets", _ptr),
+        ("group", _i64),
     ]
 
 
@@ -2505,10 +2746,12 @@ class _Plan(ctypes.Structure):  # gpn_step_plan
 
 
 class Operand(NamedTuple):
-    """A linear map as the products read it: `kind` (KIND_F32, KIND_BF16, KIND_I8), the weight (out, in)
-    (int8 data for KIND_I8), its per-row float32 scale (int8 only), the float32 bias, whether its input
-    and output are rounded to bfloat16 (bf16 weights; int8 weights of a bf16 model), as the module rounds,
-    and whether the bias is added after that rounding (a bias added outside the module)."""
+    """A linear map as the products read it: `kind` (KIND_F32, KIND_BF16, KIND_I8, KIND_I4), the weight (out, in)
+    (int8 data for KIND_I8; for KIND_I4 the packed tiles of `int4_pack`, whose (out, in) is `dims`), its per-row
+    float32 scale (int8; for int4 the groups' scales, packed), the float32 bias, whether its input and output are
+    rounded to bfloat16 (bf16 weights; quantized weights of a bf16 model), as the module rounds, whether the bias is
+    added after that rounding (a bias added outside the module), and for int4 the packed offsets (None: every zero
+    point 0) and the weights of a group."""
 
     kind: int
     weight: torch.Tensor
@@ -2516,6 +2759,85 @@ class Operand(NamedTuple):
     bias: torch.Tensor | None
     bf16_activations: bool
     bias_after_round: bool = False
+    offsets: torch.Tensor | None = None
+    group: int = 0
+    dims: tuple[int, int] | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(out, in) of the linear map (the weight's shape, but for packed int4)."""
+        return self.dims if self.dims is not None else tuple(self.weight.shape)
+
+
+class Int4Packed(NamedTuple):
+    """An int4 weight in the layout the int4 products read (`int4_pack`)."""
+
+    tiles: torch.Tensor  # (ceil(out / 16), in / 8, 64) uint8: 8 weights of 16 rows a 64-byte vector, two a byte
+    scales: torch.Tensor  # (ceil(out / 16), groups, 16) float32
+    offsets: torch.Tensor | None  # the same, int8: 8 + each zero point (None: every zero point 0)
+
+
+def int4_pack(parts: Int4Weight) -> Int4Packed | None:
+    """`parts` (`recurrence_step.int4_weight_parts`) packed for the int4 products (the kernel's `int4_rows`): the
+    values two a byte as q + 8, in tiles of 16 rows as int8's tiles hold four weights of 16 rows a vector (here 8,
+    two vectors once the nibbles are split), the groups' scales in float32 (a bf16 model's are bf16: exact) and, where
+    some zero point is not 0, 8 + each. None where some value or zero point lies outside int4's [-8, 7] (edited so:
+    nothing the layout holds; the caller keeps the dequantized matrix). One pass over the values (`gpn_int4_pack`)."""
+    _require()
+    qdata = parts.qdata
+    if qdata.dtype != torch.int8 or qdata.dim() != 2 or not qdata.is_cpu:
+        _refuse(f"int4 values of {qdata.dtype} and shape {tuple(qdata.shape)}; expected an int8 CPU matrix")
+    rows, cols = qdata.shape
+    groups = cols // parts.group
+    if cols % parts.group or parts.group % 8 or parts.scale.shape != (rows, groups):
+        _refuse(f"int4 groups of {parts.group} weights do not fit a ({rows}, {cols}) weight and its scales")
+    qdata = qdata.contiguous()
+    scale = parts.scale.detach().float().contiguous()
+    zero = parts.zero_point
+    zero = zero.contiguous() if zero is not None and bool(zero.any()) else None
+    n_tiles = -(-rows // 16)
+    tiles = torch.empty(n_tiles, cols // 8, 64, dtype=torch.uint8)
+    scales = torch.empty(n_tiles, groups, 16)
+    offsets = torch.empty(n_tiles, groups, 16, dtype=torch.int8) if zero is not None else None
+    outside = _library.gpn_int4_pack(
+        qdata.data_ptr(),
+        scale.data_ptr(),
+        zero.data_ptr() if zero is not None else None,
+        rows,
+        cols,
+        parts.group,
+        tiles.data_ptr(),
+        scales.data_ptr(),
+        offsets.data_ptr() if offsets is not None else None,
+    )
+    return None if outside else Int4Packed(tiles, scales, offsets)
+
+
+# why the int4 weights of the last operands made kept their dequantized matrix (`int4_operand`), by reason
+int4_dequantized: Counter = Counter()
+
+
+def int4_operand(weight: torch.Tensor) -> tuple[Int4Weight, Int4Packed] | None:
+    """The parts of a low-bit weight (`dequantized_by_linear`) and their packing for the int4 products, or None where
+    the int4 products do not take it (counted in `int4_dequantized` by reason): not int4 values in groups they take
+    (`int4_weight_parts`), products built without VNNI (the int4 products run on its dot products; without them
+    the bf16 matrix is read faster), `GPN_INT4_KERNEL=0` (for A/B runs), or a value outside int4's range."""
+    parts = int4_weight_parts(weight)
+    reason = None
+    if parts is None:
+        reason = "not int4 values in groups of a multiple of 8 weights (at most 4,096) along the rows"
+    elif switched_off("GPN_INT4_KERNEL"):
+        reason = "GPN_INT4_KERNEL=0"
+    elif "+vnni" not in products_isa():
+        reason = "the products were built without VNNI"
+    else:
+        with torch.no_grad():
+            packed = int4_pack(parts)
+        if packed is not None:
+            return parts, packed
+        reason = "a value or zero point outside int4's [-8, 7]"
+    int4_dequantized[reason] += 1
+    return None
 
 
 def operand_of(linear: torch.nn.Module, extra_bias: torch.Tensor | None = None) -> Operand:
@@ -2525,11 +2847,20 @@ def operand_of(linear: torch.nn.Module, extra_bias: torch.Tensor | None = None) 
     raises `KernelRefusal` for anything else. `extra_bias` is added to the module's own (float32; the decay's
     dt_bias)."""
     weight = linear.weight
+    dims, offsets, group = None, None, 0
     if dequantized_by_linear(weight):
-        with torch.no_grad():
-            weight = weight.dequantize().contiguous()
-    parts = int8_weight_parts(weight)
-    if parts is not None:
+        int4 = int4_operand(weight)
+        if int4 is None:
+            with torch.no_grad():
+                weight = weight.dequantize().contiguous()
+    else:
+        int4 = None
+    parts = int8_weight_parts(weight) if int4 is None else None
+    if int4 is not None:
+        (parts4, packed), dims = int4, tuple(weight.shape)
+        kind, matrix, scale, bf16 = KIND_I4, packed.tiles, packed.scales, parts4.dtype == torch.bfloat16
+        offsets, group = packed.offsets, parts4.group
+    elif parts is not None:
         data, scale = parts.qdata, parts.scale
         if not data.is_contiguous():
             _refuse("an int8 weight is not contiguous")
@@ -2555,9 +2886,10 @@ def operand_of(linear: torch.nn.Module, extra_bias: torch.Tensor | None = None) 
         bias = linear.bias.detach().float().contiguous()
     elif extra_bias is not None:
         bias = extra_bias.detach().float().contiguous()
-    if bias is not None and (bias.shape != (matrix.shape[0],) or not bias.is_cpu):
-        _refuse(f"a bias has shape {tuple(bias.shape)} for a ({matrix.shape[0]}, {matrix.shape[1]}) weight")
-    return Operand(kind, matrix, scale, bias, bf16, bias_after_round=extra_bias is not None)
+    rows, cols = dims if dims is not None else matrix.shape
+    if bias is not None and (bias.shape != (rows,) or not bias.is_cpu):
+        _refuse(f"a bias has shape {tuple(bias.shape)} for a ({rows}, {cols}) weight")
+    return Operand(kind, matrix, scale, bias, bf16, extra_bias is not None, offsets, group, dims)
 
 
 def _input_slot(rows: int, width: int) -> dict:
@@ -2571,12 +2903,16 @@ def _input_slot(rows: int, width: int) -> dict:
 
 def _segment(op: Operand, slot: dict, out: torch.Tensor, column: int, store_bf16: bool = False) -> _Segment:
     """The products of `op` on `slot`'s rows into columns [column, column + out rows) of `out` (B, width)."""
-    rows, cols = op.weight.shape
+    rows, cols = op.shape
     if slot["x"].shape[1] != cols:
         _refuse(f"a ({rows}, {cols}) weight meets an input of width {slot['x'].shape[1]}")
     if out.dim() != 2 or column + rows > out.shape[1] or not out.is_contiguous():
         _refuse("a product's output does not fit its buffer")
-    x = slot["x"] if (op.kind == KIND_F32 or (op.kind == KIND_I8 and not op.bf16_activations)) else slot["xr"]
+    x = (
+        slot["x"]
+        if (op.kind == KIND_F32 or (op.kind in (KIND_I8, KIND_I4) and not op.bf16_activations))
+        else slot["xr"]
+    )
     flags = (ROUND_OUTPUT if op.bf16_activations else 0) | (STORE_BF16 if store_bf16 else 0)
     flags |= BIAS_AFTER_ROUND if op.bias_after_round else 0
     return _Segment(
@@ -2592,6 +2928,8 @@ def _segment(op: Operand, slot: dict, out: torch.Tensor, column: int, store_bf16
         out.shape[1],
         op.kind,
         flags,
+        offsets=op.offsets.data_ptr() if op.offsets is not None else None,
+        group=op.group,
     )
 
 
@@ -2694,8 +3032,8 @@ def _tasks(segments: list, first_segment: int, count: int) -> list:
     triples = []
     for index in range(first_segment, first_segment + count):
         seg = segments[index]
-        size = {KIND_F32: 4, KIND_BF16: 2, KIND_I8: 1}[seg.kind]
-        block = max(16, (_TASK_BYTES // max(1, seg.cols * size)) // 16 * 16)
+        size = {KIND_F32: 4, KIND_BF16: 2, KIND_I8: 1, KIND_I4: 0.5}[seg.kind]
+        block = max(16, int(_TASK_BYTES // max(1, seg.cols * size)) // 16 * 16)
         triples += [(index, r, min(r + block, seg.rows)) for r in range(0, seg.rows, block)]
     return triples
 
@@ -2817,8 +3155,8 @@ class StepPlan:
             # (a replaced weight of another shape would run into its neighbours' columns, or leave some unwritten:
             # the plain loop raises on it, so the plan refuses it and the torch ops raise as the plain loop does)
             op = operand_of(module, extra_bias=extra_bias)
-            if op.weight.shape[0] != rows:
-                _refuse(f"a weight of shape {tuple(op.weight.shape)} where the config makes {rows} outputs")
+            if op.shape[0] != rows:
+                _refuse(f"a weight of shape {tuple(op.shape)} where the config makes {rows} outputs")
             return op
 
         layers, write_module = list(model.predict_layers), model.memory_write
@@ -2892,6 +3230,7 @@ class StepPlan:
         self._plan, self._keep, self._slots, self._buffers = plan, keep, slots, buffers
         self.weights = tuple(op.weight for op in keep)  # (what the plan reads; also for the byte count)
         self.int8 = any(op.kind == KIND_I8 for op in keep)
+        self.int4 = any(op.kind == KIND_I4 for op in keep)
 
     def step(
         self,
@@ -2932,6 +3271,7 @@ class StepPlan:
             memory_out, new_key, gamma = memory, p.new_empty(B, 0), None
         calls["step"] += 1
         calls["int8 step"] += self.int8
+        calls["int4 step"] += self.int4
         self.tiles.count(1)
         _library.gpn_step(
             ctypes.addressof(self._plan),
@@ -2979,6 +3319,7 @@ class StepPlan:
         _check_apart(outputs, "outputs", {"U": U, "p": p, "g": g, "memory": memory})
         calls["step"] += T
         calls["int8 step"] += T * self.int8
+        calls["int4 step"] += T * self.int4
         self.tiles.count(T)
         pointer = lambda t: t.data_ptr() if t is not None else None
         _library.gpn_steps(
@@ -3065,7 +3406,7 @@ class DecodePlan:
         else:  # the tied matrix, as `linear_rows` multiplies it
             logits_bf16 = output.dtype == torch.bfloat16
             head = Operand(KIND_BF16 if logits_bf16 else KIND_F32, output.detach(), None, None, logits_bf16)
-        if fuse.weight.shape != (d, e) or decoder.weight.shape != (e, d) or head.weight.shape[1] != e:
+        if fuse.shape != (d, e) or decoder.shape != (e, d) or head.shape[1] != e:
             _refuse("the token projection, decoder or output matrix does not fit the step's sizes")
         if fuse_norm.shape != (e,) or decode_norm.shape != (d,):
             _refuse("a norm weight has an unexpected shape")
@@ -3073,7 +3414,7 @@ class DecodePlan:
         self._norms = [fuse_norm.detach().float().contiguous(), decode_norm.detach().float().contiguous()]
         slots = [_input_slot(B, e), _input_slot(B, d), _input_slot(B, e)]
         self.u, self.decoded = torch.zeros(B, d), torch.zeros(B, e)
-        self.vocab_rows, self.logits_dtype = head.weight.shape[0], torch.bfloat16 if logits_bf16 else torch.float32
+        self.vocab_rows, self.logits_dtype = head.shape[0], torch.bfloat16 if logits_bf16 else torch.float32
         logits = torch.zeros(B, self.vocab_rows, dtype=self.logits_dtype)  # (a call gives its segment a new one)
         self.key = torch.zeros(B, H * dk if step.memory else 0)  # (the key of the grounded state a call leaves)
         segments = [
@@ -3167,6 +3508,7 @@ class DecodePlan:
         increment_version(written if ids_hash is None else (*written, ids_hash[0]))
         calls["step"] += 1
         calls["int8 step"] += self.step_plan.int8
+        calls["int4 step"] += self.step_plan.int4
         calls["decode"] += 1
         return logits
 
@@ -3187,9 +3529,9 @@ def _rows_product(x: torch.Tensor, op: Operand, store_bf16: bool) -> torch.Tenso
     if op.bf16_activations:
         rounded = x.to(torch.bfloat16)
         slot = {"x": x, "xr": rounded.float(), "xb": rounded.view(torch.int16)}
-    out = torch.empty(B, op.weight.shape[0], dtype=torch.bfloat16 if store_bf16 else torch.float32)
+    out = torch.empty(B, op.shape[0], dtype=torch.bfloat16 if store_bf16 else torch.float32)
     segment = _segment(op, slot, out, 0, store_bf16=store_bf16)
-    key = (op.weight.shape[0], K, op.kind)
+    key = (op.shape[0], K, op.kind)
     tasks = _task_cache.get(key)
     if tasks is None:
         tasks = _task_cache[key] = torch.tensor(_tasks([segment], 0, 1), dtype=torch.int64).reshape(-1)
@@ -3208,8 +3550,8 @@ def module_rows(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_STEP_ROWS:
         _refuse(f"x has shape {tuple(x.shape)}; expected (1 to {MAX_STEP_ROWS} rows, features)")
     op = operand_of(module)
-    if op.weight.shape[1] != x.shape[1]:
-        _refuse(f"x has {x.shape[1]} features for a ({op.weight.shape[0]}, {op.weight.shape[1]}) weight")
+    if op.shape[1] != x.shape[1]:
+        _refuse(f"x has {x.shape[1]} features for a ({op.shape[0]}, {op.shape[1]}) weight")
     return _rows_product(x, op, store_bf16=False)
 
 

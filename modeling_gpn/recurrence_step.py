@@ -157,7 +157,8 @@ def dequantized_by_linear(weight: torch.Tensor) -> bool:
     optional), without activation quantization, in float32 or bfloat16. Its `F.linear(x, W)` is
     `F.linear(x, W.dequantize())`: the fast path multiplies that same matrix, dequantized once where it derives its
     weights (a scope: one forward or generate() call, `derived_weights.py`), as it multiplies a float model's
-    weights. Anything else quantized keeps the plain path (`GPNModel.fast_path_blocker`)."""
+    weights; its C kernels multiply int4 values as int4 instead where they take them (`int4_weight_parts`). Anything
+    else quantized keeps the plain path (`GPNModel.fast_path_blocker`)."""
     kind = type(weight)
     if kind.__qualname__ != "IntxUnpackedToInt8Tensor" or not kind.__module__.startswith("torchao."):
         return False
@@ -170,6 +171,52 @@ def dequantized_by_linear(weight: torch.Tensor) -> bool:
         and qdata.dim() == 2
         and weight.dtype in (torch.float32, torch.bfloat16)
     )
+
+
+class Int4Weight(NamedTuple):
+    """The parts of a torchao int4 weight-only weight (`IntxUnpackedToInt8Tensor` of int4 values): W = (qdata -
+    zero_point) * scale per group of `group` weights of a row, what its `dequantize()` computes."""
+
+    qdata: torch.Tensor  # (out, in) int8, int4 values (in [-8, 7] unless edited: the packing checks)
+    scale: torch.Tensor  # (out, in / group) float32 or bfloat16
+    zero_point: torch.Tensor | None  # (out, in / group) int8, or None
+    group: int
+    dtype: torch.dtype  # the dtype the module computes in: float32 or bfloat16
+
+
+INT4_GROUPS = (
+    8,
+    4096,
+)  # a group's weights the C kernels' int4 layout takes: a multiple of the first, at most the second
+
+
+def int4_weight_parts(weight: torch.Tensor) -> Int4Weight | None:
+    """The parts of `weight` if it is a low-bit weight its linear dequantizes (`dequantized_by_linear`) holding int4
+    values on the CPU in groups along its rows (block (1, group)) of a size the C kernels' int4 layout takes
+    (`INT4_GROUPS`: a multiple of 8 weights, at most 4,096), with scales and zero points of the shapes those groups
+    make; else None (other bit widths, per-column blocks, groups of other sizes keep the dequantized matrix). The
+    values themselves are checked where they are packed (`memory_kernels.int4_pack`)."""
+    if not dequantized_by_linear(weight):
+        return None
+    held = weight.__dict__
+    qdata, scale, zero_point = held.get("qdata"), held.get("scale"), held.get("zero_point")
+    if held.get("target_dtype") is not torch.int4 or qdata.device.type != "cpu" or not isinstance(scale, torch.Tensor):
+        return None
+    rows, cols = qdata.shape
+    block = tuple(held.get("block_size", ()))
+    if len(block) != 2 or block[0] != 1:
+        return None
+    group = block[1]
+    if not (group % INT4_GROUPS[0] == 0 and 0 < group <= INT4_GROUPS[1] and cols % group == 0):
+        return None
+    groups = (rows, cols // group)
+    if scale.shape != groups or scale.dtype not in (torch.float32, torch.bfloat16) or scale.device.type != "cpu":
+        return None
+    if zero_point is not None and (
+        not isinstance(zero_point, torch.Tensor) or zero_point.shape != groups or zero_point.dtype != torch.int8
+    ):
+        return None
+    return Int4Weight(qdata, scale, zero_point, group, weight.dtype)
 
 
 def dense_weight(linear: torch.nn.Linear) -> torch.Tensor:

@@ -20,7 +20,8 @@ wrapper around the real function for the duration of the block; nothing is repla
 - C_KERNELS, C_KERNELS_BACKWARD: `memory_kernels.calls`, the count of calls into the compiled library (the
   memory half's forward runs in `memory_step`, or inside the whole-step kernel `step`, which counts too).
 - C_STEP_KERNELS: whole no-grad steps in one C call (`memory_kernels.StepPlan.step`, calls["step"]);
-  INT8_STEPS those of them on int8 weights (calls["int8 step"]).
+  INT8_STEPS those of them on int8 weights (calls["int8 step"]), INT4_STEPS those with int4 weights read as int4
+  by the int4 products (calls["int4 step"]; not those on matrices dequantized from them).
 - C_PRODUCTS: products of a few rows on the C kernels outside the step (the logits, the decoder and token
   projections: `memory_kernels.linear_rows` / `module_rows`, calls["linear"]).
 - PREPACKED: products by a oneDNN-prepacked matrix (`recurrence_step.PackedMatrix.mm`).
@@ -43,6 +44,7 @@ C_KERNELS = "C memory kernels (forward)"
 C_KERNELS_BACKWARD = "C memory kernels (backward)"
 C_STEP_KERNELS = "C step kernels"
 INT8_STEPS = "C steps on int8 weights"
+INT4_STEPS = "C steps on int4 weights read as int4"
 C_PRODUCTS = "C few-row products"
 DECODE_CALLS = "decoded tokens in one C call"
 PREPACKED = "prepacked matrix products"
@@ -139,6 +141,7 @@ def observe() -> Iterator[Observed]:
             seen[C_KERNELS] += kernels["memory_step"] + kernels["step"]
             seen[C_STEP_KERNELS] += kernels["step"]
             seen[INT8_STEPS] += kernels["int8 step"]
+            seen[INT4_STEPS] += kernels["int4 step"]
             seen[C_PRODUCTS] += kernels["linear"]
             seen[DECODE_CALLS] += kernels["decode"]
             seen[FAST_PATH] += kernels["decode"]

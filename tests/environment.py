@@ -88,6 +88,17 @@ def require_c_kernels() -> None:
     )
 
 
+def require_int4_products() -> None:
+    """Skip unless the C kernels run here with int4 products (`memory_kernels.int4_operand`: on AVX512-VNNI's dot
+    products; elsewhere int4 weights keep the matrices dequantized from them)."""
+    require_c_kernels()
+    from modeling_gpn import memory_kernels
+
+    isa = memory_kernels.products_isa()
+    if "vnni" not in isa:
+        pytest.skip(f"the C kernels are built for {isa}: int4 weights are multiplied as their dequantized matrices")
+
+
 def require_exact_int8() -> None:
     """Skip unless the C kernels run here with int8 products on integer sums of the input rounded to 16 bits:
     AVX512-VNNI's dot products or AVX2's 16-bit multiply-adds (elsewhere they convert each weight to float)."""

@@ -433,15 +433,16 @@ MUTATIONS = [
     Mutation(
         "a tile's outputs without the segment's bias",
         "modeling_gpn/memory_kernels.py",
+        "    if (sg->scale) y = _mm512_mul_ps(y, _mm512_maskz_loadu_ps(m, sg->scale + r));\n"
         "    if (sg->bias && !(sg->flags & BIAS_AFTER_ROUND)) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(m, sg->bias + r));\n",
-        "",
+        "    if (sg->scale) y = _mm512_mul_ps(y, _mm512_maskz_loadu_ps(m, sg->scale + r));\n",
         ("tests/fast_path/test_step_kernels.py -k tiles_of_16 and native",),
     ),
     Mutation(
         "a tile's outputs stored as floats where the segment asks for bf16",
         "modeling_gpn/memory_kernels.py",
-        "    if (sg->flags & STORE_BF16) _mm256_mask_storeu_epi16(",
-        "    if (0) _mm256_mask_storeu_epi16(",
+        "    if (sg->flags & STORE_BF16) _mm256_mask_storeu_epi16((uint16_t *)sg->out + r,",
+        "    if (0) _mm256_mask_storeu_epi16((uint16_t *)sg->out + r,",
         ("tests/fast_path/test_step_kernels.py -k tiles_of_16 and native",),
     ),
     Mutation(
@@ -482,8 +483,8 @@ MUTATIONS = [
     Mutation(
         "tasks cut at multiples of 4 rows (inside the tiles)",
         "modeling_gpn/memory_kernels.py",
-        "        block = max(16, (_TASK_BYTES // max(1, seg.cols * size)) // 16 * 16)\n",
-        "        block = max(4, (_TASK_BYTES // max(1, seg.cols * size)) // 4 * 4)\n",
+        "        block = max(16, int(_TASK_BYTES // max(1, seg.cols * size)) // 16 * 16)\n",
+        "        block = max(4, int(_TASK_BYTES // max(1, seg.cols * size)) // 4 * 4)\n",
         ("tests/fast_path/test_step_kernels.py -k tiles_of_16 and native",),
     ),
     Mutation(
@@ -3041,11 +3042,11 @@ MUTATIONS = [
         ("tests/fast_path/test_step_kernels.py::test_low_bit_weights_with_quantized_activations_keep_the_plain_path",),
     ),
     Mutation(
-        "the C kernels refuse int4 weights (not dequantized into the plan): the torch-ops steps run them",
+        "the C kernels refuse int4 weights left unpacked (not dequantized into the plan): the torch-ops steps run them",
         "modeling_gpn/memory_kernels.py",
-        "    if dequantized_by_linear(weight):\n        with torch.no_grad():\n",
-        "    if False:  # MUTATION\n        with torch.no_grad():\n",
-        ("tests/fast_path/test_step_kernels.py -k int4_weights_run or generate_runs_an_int8",),
+        "        if int4 is None:\n            with torch.no_grad():\n",
+        "        if False:  # MUTATION\n            with torch.no_grad():\n",
+        ("tests/fast_path/test_step_kernels.py -k int4_weights_run",),
     ),
     Mutation(
         "a decoded token of a model whose head is int4 weight-only runs off the one C call",
@@ -4741,7 +4742,7 @@ MUTATIONS = [
     Mutation(
         "a step weight of another shape than the config's: the C step plan takes its rows",
         "modeling_gpn/memory_kernels.py",
-        "            if op.weight.shape[0] != rows:\n",
+        "            if op.shape[0] != rows:\n",
         "            if False:  # MUTATION\n",
         ("tests/fast_path/test_kernel_safety.py -k replaced_by and ffn_in",),
     ),
@@ -6319,6 +6320,48 @@ MUTATIONS = [
         "    return await asyncio.to_thread(_answer_rows, model.sequences, inputs, gen_config, processor, eos_token_id)",
         "    return _answer_rows(model.sequences, inputs, gen_config, processor, eos_token_id)  # MUTATION",
         ("tests/tools/test_serve.py -k each_endpoint_renders_and_tokenizes",),
+    ),
+    Mutation(
+        "int4 weights never packed for the int4 products: the fast path multiplies their dequantized matrices",
+        "modeling_gpn/memory_kernels.py",
+        "        if packed is not None:\n            return parts, packed\n",
+        "        if False:  # MUTATION\n            return parts, packed\n",
+        (
+            "tests/fast_path/test_step_kernels.py -k int4_weights_run_the_fast_path_on_their_int4_values or int4_products",
+        ),
+    ),
+    Mutation(
+        "the C kernels never take the int4 products: every int4 segment runs the float32 loop",
+        "modeling_gpn/memory_kernels.py",
+        "    return sg->kind == KIND_I4 && B <= QUANTIZED_MAX_ROWS && sg->cols <= QUANTIZED_MAX_COLS",
+        "    return 0 && sg->kind == KIND_I4 && B <= QUANTIZED_MAX_ROWS && sg->cols <= QUANTIZED_MAX_COLS  /* MUTATION */",
+        ("tests/fast_path/test_step_kernels.py -k int4_products",),
+    ),
+    Mutation(
+        "int4 packing puts the first four weights of each eight in the high nibbles",
+        "modeling_gpn/memory_kernels.py",
+        "_mm512_or_si512(r[2 * j], _mm512_slli_epi16(r[2 * j + 1], 4))",
+        "_mm512_or_si512(r[2 * j + 1], _mm512_slli_epi16(r[2 * j], 4))  /* MUTATION */",
+        (
+            "tests/fast_path/test_step_kernels.py -k int4_products or int4_weights_run_the_fast_path_on_their_int4_values",
+        ),
+    ),
+    Mutation(
+        "int4 packing does not check the values: one edited outside int4's range is packed wrong",
+        "modeling_gpn/memory_kernels.py",
+        "                    bad |= _mm512_mask_cmpgt_epu8_mask(m, r[i], fifteen) != 0;\n",
+        "                    (void)fifteen;  /* MUTATION */\n",
+        ("tests/fast_path/test_decode_call.py -k int4_weights_edited and data and outside",),
+    ),
+    Mutation(
+        "the int4 products read no zero points (every offset taken as 8)",
+        "modeling_gpn/memory_kernels.py",
+        "        const __m512i o = sg->offsets ? _mm512_mullo_epi32(",
+        "        const __m512i o = 0 /* MUTATION */ ? _mm512_mullo_epi32(",
+        (
+            "tests/fast_path/test_step_kernels.py -k int4_products",
+            "tests/fast_path/test_decode_call.py -k int4_weights_edited and zero and not outside",
+        ),
     ),
 ]
 

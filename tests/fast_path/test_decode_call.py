@@ -318,27 +318,42 @@ def test_int8_weights_edited_between_two_calls_are_seen(one_thread, edit):
     assert_an_edit_between_two_calls_is_seen(model, INT8_EDITS[edit], ids, tolerance=1e-3)
 
 
-INT4_EDITS = {  # (torchao's int4 weight-only weight, whose linear multiplies its dequantized matrix)
-    "int4 data in place": lambda m: m.model.fuse_proj.weight.qdata.mul_(-1),
-    "scale in place": lambda m: m.model.decode_proj.weight.scale.mul_(1.5),
-    "zero points replaced": lambda m: setattr(
-        m.model.fuse_proj.weight, "zero_point", m.model.fuse_proj.weight.zero_point + 8
+INT4_EDITS = {  # (torchao's int4 weight-only weight: what it holds, edited or replaced; whether the values stay int4's)
+    "int4 data in place": (lambda m: m.model.fuse_proj.weight.qdata.clamp_(-7, 7).neg_(), True),
+    "int4 data in place, outside int4": (lambda m: m.model.fuse_proj.weight.qdata.mul_(-1), False),  # (-8 -> 8)
+    "scale in place": (lambda m: m.model.decode_proj.weight.scale.mul_(1.5), True),
+    "zero points replaced": (
+        lambda m: setattr(m.model.fuse_proj.weight, "zero_point", m.model.fuse_proj.weight.zero_point + 1),
+        True,
+    ),
+    "zero points replaced, outside int4": (
+        lambda m: setattr(m.model.fuse_proj.weight, "zero_point", m.model.fuse_proj.weight.zero_point + 8),
+        False,
     ),
 }
 
 
 @pytest.mark.parametrize("edit", INT4_EDITS)
 def test_int4_weights_edited_between_two_calls_are_seen(one_thread, edit):
-    """The same for torchao's int4 weight-only model, whose plans hold matrices dequantized from what the weights
-    hold: its int4 data or scale edited in place, or its zero points replaced, are multiplied afresh."""
+    """The same for torchao's int4 weight-only model, whose plans hold its values packed for the int4 products
+    (`memory_kernels.int4_pack`): its int4 data or scale edited in place, or its zero points replaced (all 0 before:
+    then read as offsets), are multiplied afresh; data or zero points edited outside int4's [-8, 7], which the packing
+    cannot hold, are multiplied as the matrix dequantized from them (`int4_dequantized` says why), not packed wrong."""
     require_c_kernels()
     torchao = pytest.importorskip("torchao.quantization", reason="torchao (the test extra) quantizes the model")
     from torchao.quantization.granularity import PerGroup
 
+    from modeling_gpn import memory_kernels
+
     model = perturbed_model(tiny_config(), seed=26).eval()
     torchao.quantize_(model, torchao.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(16)))
     ids = torch.randint(1, 97, (1, 6), generator=torch.Generator().manual_seed(27))
-    assert_an_edit_between_two_calls_is_seen(model, INT4_EDITS[edit], ids, tolerance=1e-3)
+    edit, stays_int4 = INT4_EDITS[edit]
+    memory_kernels.int4_dequantized.clear()
+    assert_an_edit_between_two_calls_is_seen(model, edit, ids, tolerance=1e-3)
+    if "+vnni" in memory_kernels.products_isa():  # (elsewhere every int4 weight keeps its dequantized matrix)
+        outside = memory_kernels.int4_dequantized["a value or zero point outside int4's [-8, 7]"]
+        assert (outside == 0) == stays_int4, dict(memory_kernels.int4_dequantized)
 
 
 def test_bad_ids_and_padded_tokens(one_thread, model):

@@ -312,7 +312,7 @@ def test_a_decode_loop_sees_weights_changed_between_two_calls_on_one_cache(route
 
 @torch.no_grad()
 def test_what_a_call_derived_goes_when_the_cache_it_was_kept_for_does():
-    """What the fast path derives (folded matrices; for an int4 model, its matrices dequantized to bf16) is kept
+    """What the fast path derives (folded matrices; for an int4 model, its values packed for the int4 products) is kept
     with the cache a call returned, for a decode loop continuing it (`derived_weights.keep_with`), and goes when
     that cache does: the model held it for its whole life (until another call replaced it), so an int4 model
     held its bf16 matrices beside its int4 ones after its first `generate()`."""

@@ -12,8 +12,17 @@ import platform
 import pytest
 import torch
 
-from ..backend_observer import C_PRODUCTS, C_STEP_KERNELS, DECODE_CALLS, FAST_PATH, INT8_STEPS, PLAIN_PATH, ran
-from ..environment import require_c_kernels, require_exact_int8
+from ..backend_observer import (
+    C_PRODUCTS,
+    C_STEP_KERNELS,
+    DECODE_CALLS,
+    FAST_PATH,
+    INT4_STEPS,
+    INT8_STEPS,
+    PLAIN_PATH,
+    ran,
+)
+from ..environment import require_c_kernels, require_exact_int8, require_int4_products
 from ..tiny_models import perturbed_model, tiny_config, well_conditioned_model
 
 torchao = pytest.importorskip("torchao.quantization", reason="torchao (the test extra) quantizes the int8 models")
@@ -240,38 +249,130 @@ def with_dequantized_weights(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def test_int4_weights_run_the_fast_path_on_the_matrices_their_linear_multiplies(one_thread, decoded_backends):
-    """torchao's int4 weight-only model (`IntxWeightOnlyConfig`, whose linear multiplies its dequantized matrix)
-    runs the fast path, its step and its decoded tokens on the C kernels, not the plain loop: to the bit what the
-    bf16 fast path computes of a model holding those dequantized matrices, and so within bf16's rounding of the
-    plain loop of the same int4 model; a batch beyond the kernels' rows, on the torch-ops steps, likewise. With
-    its head quantized too (`quantize_`'s default takes every nn.Linear), its decoded tokens still run in one C call,
-    within bf16's rounding of its plain loop."""
-    require_c_kernels()
+def exactly_dequantized(model: torch.nn.Module) -> torch.nn.Module:
+    """The same int4 model in float32, each quantized weight replaced by the exact matrix of its values, (q - z) s
+    (exact in float32: a bf16 scale times an integer of at most 4 bits), its head the tied embedding: the int4
+    values with no rounding but float32's after them."""
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and type(module.weight) is not torch.nn.Parameter:
+            held = module.weight.__dict__
+            group = held["block_size"][1]
+            values = held["qdata"].float() - held["zero_point"].float().repeat_interleave(group, 1)
+            matrix = values * held["scale"].float().repeat_interleave(group, 1)
+            module.weight = torch.nn.Parameter(matrix, requires_grad=False)
+    return model.float()
+
+
+def test_int4_weights_run_the_fast_path_on_their_int4_values(one_thread, decoded_backends, monkeypatch):
+    """torchao's int4 weight-only model (`IntxWeightOnlyConfig`, whose linear multiplies its matrix dequantized to bf16)
+    runs the fast path, its step and its decoded tokens on the C kernels' int4 products, which read the int4 values
+    (not the plain loop, not a dequantized matrix). They multiply the exact weights (q - z) s in float32 where the
+    plain loop multiplies them rounded to bf16 (2^-9 of each), so the two differ by that rounding: the fast path's
+    log-probabilities are within twice the plain loop's own distance from exact float32 arithmetic on the same int4
+    values (the two sides of that rounding, plus the int4 products' input rounded to 16 bits, some hundred times
+    smaller). A batch beyond the kernels' rows runs the torch-ops steps on the dequantized matrices: to the bit what
+    a bf16 model holding them computes; so does the C step on them where the int4 products are switched off
+    (`GPN_INT4_KERNEL=0`). With its head quantized too (`quantize_`'s default takes every nn.Linear), the logits are
+    int4 products as well, within bf16's rounding of its plain loop (a head apart from the embedding has no exact
+    float32 twin: a GPN ties them)."""
+    require_int4_products()
     model = int4(perturbed_model(tiny_config(), seed=5), head=False)
     reference = with_dequantized_weights(int4(perturbed_model(tiny_config(), seed=5), head=False))
+    exact = exactly_dequantized(int4(perturbed_model(tiny_config(), seed=5), head=False))
     assert model.model.fast_path_blocker() is None
-    ids = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(6))
-    with ran(FAST_PATH, C_STEP_KERNELS, *decoded_backends, not_ran=(PLAIN_PATH,)):
-        fast = decode_loop(model, ids, None)
-    assert torch.equal(fast, decode_loop(reference, ids, None))
+    generator = torch.Generator().manual_seed(6)
+    ids, given = torch.randint(1, 97, (2, 9), generator=generator), torch.randint(1, 97, (2, 3), generator=generator)
+    with ran(FAST_PATH, C_STEP_KERNELS, INT4_STEPS, *decoded_backends, not_ran=(PLAIN_PATH,)):
+        fast = given_tokens_loop(model, ids, given)
+    exact.model.use_fast_path = False
+    exact_log_probs = given_tokens_loop(exact, ids, given)
+    model.model.use_fast_path = False
+    with ran(PLAIN_PATH, not_ran=(FAST_PATH,)):
+        plain = given_tokens_loop(model, ids, given)
+    rounding = (plain - exact_log_probs).abs().max()
+    assert 0 < (fast - plain).abs().max() <= 2 * rounding, ((fast - plain).abs().max(), rounding)
+    model.model.use_fast_path = True
+
     wide = torch.randint(1, 97, (20, 4), generator=torch.Generator().manual_seed(7))  # more rows than the kernels take
     with torch.no_grad(), ran(FAST_PATH, not_ran=(PLAIN_PATH, C_STEP_KERNELS)):
         wide_fast = model(wide).logits
     with torch.no_grad():
         assert torch.equal(wide_fast, reference(wide).logits)
+    monkeypatch.setenv("GPN_INT4_KERNEL", "0")
+    with ran(FAST_PATH, C_STEP_KERNELS, *decoded_backends, not_ran=(PLAIN_PATH, INT4_STEPS)):
+        dequantized = given_tokens_loop(model, ids, given)
+    assert torch.equal(dequantized, given_tokens_loop(reference, ids, given))
+    monkeypatch.delenv("GPN_INT4_KERNEL")
+
     whole = int4(perturbed_model(tiny_config(), seed=5))
-    with ran(FAST_PATH, C_STEP_KERNELS, *decoded_backends, not_ran=(PLAIN_PATH,)):
-        whole_fast = decode_loop(whole, ids, None)
+    with ran(FAST_PATH, C_STEP_KERNELS, INT4_STEPS, *decoded_backends, not_ran=(PLAIN_PATH,)):
+        whole_fast = given_tokens_loop(whole, ids, given)
     whole.model.use_fast_path = False
-    assert (log_probs(whole_fast) - log_probs(decode_loop(whole, ids, None))).abs().max() < 2e-2
-    model.model.use_fast_path = False
-    with ran(PLAIN_PATH, not_ran=(FAST_PATH,)):
-        plain = decode_loop(model, ids, None)
-        with torch.no_grad():
-            wide_plain = model(wide).logits
-    assert (log_probs(fast) - log_probs(plain)).abs().max() < 2e-2
-    assert (log_probs(wide_fast) - log_probs(wide_plain)).abs().max() < 2e-2
+    assert 0 < (whole_fast - given_tokens_loop(whole, ids, given)).abs().max() < 2e-2
+
+
+def test_int4_products_multiply_the_exact_int4_weights_within_the_inputs_rounding(one_thread):
+    """The int4 products (`memory_kernels.int4_pack`'s layout, read by the kernel's `int4_rows`) of a torchao int4
+    linear, for rows not a multiple of 16 (a last tile partly past the end), groups of 8, 16 and 32 weights and of a
+    whole row, zero points all 0 and not, one and three batch rows, a float32 and a bf16 module: each output is the
+    product by the exact weights (q - z) s within the input's rounding to 16 bits (2^-15 of its row's largest |x|
+    in each element, the bound of int8's products) and float32's (for bf16, of the input rounded to bf16, then the
+    output's own rounding to bf16, as the module rounds). An input that is not finite is carried as torch's. Groups
+    of other sizes and values of other bit widths keep the dequantized matrix, and say why."""
+    import ctypes
+
+    require_int4_products()
+    from torchao.quantization import MappingType
+    from torchao.quantization.granularity import PerAxis, PerGroup
+
+    from modeling_gpn import memory_kernels as mk
+
+    generator = torch.Generator().manual_seed(71)
+    cases = [
+        (torch.float32, 61, 64, PerGroup(8), MappingType.SYMMETRIC),
+        (torch.float32, 61, 64, PerGroup(16), MappingType.ASYMMETRIC),
+        (torch.float32, 200, 768, PerGroup(32), MappingType.ASYMMETRIC),
+        (torch.float32, 33, 256, PerAxis(0), MappingType.SYMMETRIC),
+        (torch.bfloat16, 97, 256, PerGroup(32), MappingType.SYMMETRIC),
+        (torch.bfloat16, 48, 96, PerGroup(32), MappingType.ASYMMETRIC),
+    ]
+    for dtype, rows, cols, granularity, mapping in cases:
+        linear = torch.nn.Linear(cols, rows).to(dtype)
+        torchao.quantize_(
+            linear,
+            torchao.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=granularity, mapping_type=mapping),
+        )
+        held = linear.weight.__dict__
+        group = held["block_size"][1]
+        values = held["qdata"].double() - held["zero_point"].double().repeat_interleave(group, 1)
+        exact_weight = values * held["scale"].double().repeat_interleave(group, 1)
+        for batch in (1, 3):
+            x = torch.randn(batch, cols, generator=generator)
+            mk.int4_dequantized.clear()
+            y = mk.module_rows(linear, x).double()
+            assert not mk.int4_dequantized, dict(mk.int4_dequantized)
+            operand = mk.operand_of(linear)
+            segment = mk._segment(operand, mk._input_slot(batch, cols), torch.zeros(batch, rows), 0)
+            assert operand.kind == mk.KIND_I4 and mk._library.gpn_int4_products(ctypes.addressof(segment), batch)
+            x_in = x.to(dtype).double()
+            exact = x_in @ exact_weight.T + linear.bias.double()
+            bound = 2**-15 * x_in.abs().amax(1, keepdim=True) * exact_weight.abs().sum(1) + 1e-5 * exact.abs() + 1e-6
+            if dtype == torch.bfloat16:
+                bound = bound + 2**-8 * exact.abs()
+            assert ((y - exact).abs() <= bound).all(), (dtype, rows, cols, group, batch, (y - exact).abs().max())
+        x[0, 5] = float("nan")  # (the batch's products then run in float32 from the exact input: its other rows too)
+        carried = mk.module_rows(linear, x)
+        assert carried[0].isnan().all() and ((carried[1:].double() - exact[1:]).abs() <= bound[1:]).all()
+    for config, reason in (
+        (torchao.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(4)), "not int4 values"),
+        (torchao.IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerGroup(32)), "not int4 values"),
+    ):
+        linear = torch.nn.Linear(64, 40)
+        torchao.quantize_(linear, config)
+        mk.int4_dequantized.clear()
+        x = torch.randn(1, 64, generator=generator)
+        torch.testing.assert_close(mk.module_rows(linear, x), linear(x), rtol=1e-5, atol=1e-5)
+        assert list(mk.int4_dequantized) and all(key.startswith(reason) for key in mk.int4_dequantized)
 
 
 def test_int4_weights_train_the_float_parameters_around_them_as_their_dequantized_matrices(one_thread):
@@ -665,13 +766,17 @@ def test_a_model_quantized_by_torchao_config_runs_the_fast_path_saves_and_reload
     """transformers' way to quantize, and the way to save a quantized model (docs/inference-speed.md):
     `from_pretrained(quantization_config=TorchAoConfig(...))` gives int8 weight-only weights that run the fast
     path's int8 kernels (= the plain loop within the 16-bit input's rounding), or int4 weight-only ones
-    (`IntxWeightOnlyConfig`) that run its C kernels on their dequantized matrices (= the plain loop within bf16's
-    rounding), the head left the bf16 embedding; `save_pretrained` + `from_pretrained` give the same quantized
+    (`IntxWeightOnlyConfig`) that run its C kernels' int4 products where the CPU has VNNI, else the C kernels on their
+    dequantized matrices (= the plain loop within bf16's rounding), the head left the bf16 embedding; `save_pretrained` + `from_pretrained` give the same quantized
     model back, to the bit."""
     require_c_kernels()
     from transformers import AutoModelForCausalLM
 
     weights, steps = TORCHAO_CONFIGS[kind]
+    from modeling_gpn import memory_kernels as mk
+
+    if kind == "int4" and "vnni" in mk.products_isa():  # (elsewhere the dequantized matrices: no INT4_STEPS)
+        steps = (INT4_STEPS,)
     perturbed_model(tiny_config(), seed=60).save_pretrained(tmp_path / "float")
     model = AutoModelForCausalLM.from_pretrained(
         tmp_path / "float", dtype=torch.bfloat16, quantization_config=torchao_config(kind)
