@@ -2853,9 +2853,6 @@ class StepPlan:
             if self.memory:
                 outputs.append((sized(layer.read_out, d), "gated", "y_read", 0))
             phase(*outputs)
-        self.key_bias = None
-        if self.memory:
-            self.key_bias = key_op.bias if key_op.bias is not None else torch.zeros(kw)
         tasks, ranges = [], []
         for first, count in phases:
             start = len(tasks)
