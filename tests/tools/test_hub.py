@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import textwrap
 from pathlib import Path
@@ -197,10 +198,10 @@ def test_dry_run_folder_holds_exactly_what_the_hub_needs(source, published):
 def test_published_folder_loads_without_the_package_matches_and_its_card_snippet_runs(source, published, tmp_path):
     """In one fresh interpreter without the package (one start, not two): the folder loads as remote code and
     computes what the model did, and the card's usage snippet runs as written."""
-    from modeling_gpn.hub.model_card import extract_usage_snippet
-
     out = tmp_path / "loaded.safetensors"
-    snippet = extract_usage_snippet((published / "README.md").read_text())
+    usage = re.search(r"## Usage.*?```python\n(.*?)```", (published / "README.md").read_text(), re.DOTALL)
+    assert usage, "the card has no ```python block in a '## Usage' section"
+    snippet = usage.group(1)  # (the first one: what a reader would copy)
     assert f'repo = "{REPO_ID}"' in snippet and "trust_remote_code=True" in snippet
     code = BLOCK_PACKAGE + textwrap.dedent(
         f"""
