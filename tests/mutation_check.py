@@ -6211,6 +6211,20 @@ MUTATIONS = [
         "    if False:  # MUTATION\n        # (stored as the program returns it",
         ("tests/ecosystem/test_ecosystem.py -k fullgraph_matches_eager",),
     ),
+    Mutation(
+        "chunked loss: only the first chunk of rows counted (the loss and gradients of the others dropped)",
+        "modeling_gpn/chunked_loss.py",
+        "        for start in range(0, N, chunk):\n",
+        "        for start in range(0, min(N, chunk), chunk):  # MUTATION\n",
+        ("tests/fast_path/test_fast_path.py -k chunked_loss_adds_up_every_chunk",),
+    ),
+    Mutation(
+        "chunked loss: the embedding's gradient is the last chunk's alone",
+        "modeling_gpn/chunked_loss.py",
+        "                dE += torch.matmul(g.t(), h[rows]).float()\n",
+        "                dE = torch.matmul(g.t(), h[rows]).float()  # MUTATION\n",
+        ("tests/fast_path/test_fast_path.py -k chunked_loss_adds_up_every_chunk",),
+    ),
 ]
 
 
