@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from ..environment import require_shared
 from ..subprocesses import BLOCK_PACKAGE, run_python
@@ -193,6 +193,23 @@ def test_dry_run_folder_holds_exactly_what_the_hub_needs(source, published):
     for path in published.iterdir():  # no training leftovers, no secrets
         assert TOKEN.encode() not in path.read_bytes(), path.name
         assert not path.name.endswith((".bin", ".pt", ".pth", ".pkl"))
+
+
+def test_an_upload_folder_holding_the_token_is_refused_without_printing_it(published, tmp_path):
+    """The last check before an upload reads every file for the Hub token, streamed in chunks: a token in a file
+    copied byte for byte (here the weights' metadata) is refused by the file's name, and a token cut by a chunk's
+    end is found across it."""
+    from modeling_gpn.hub import HubPushError, check_prepared_folder
+    from modeling_gpn.hub.checks import _file_contains
+
+    folder = tmp_path / "upload"
+    shutil.copytree(published, folder)
+    weights = folder / "model.safetensors"
+    save_file(load_file(weights), weights, metadata={"note": TOKEN})
+    with pytest.raises(HubPushError, match="^model.safetensors contains the Hub token; refusing to upload it$"):
+        check_prepared_folder(folder, token=TOKEN)
+    assert _file_contains(weights, [TOKEN.encode()], chunk_size=7)  # (every chunk shorter than the token)
+    assert not _file_contains(folder / "config.json", [TOKEN.encode()], chunk_size=7)
 
 
 def test_published_folder_loads_without_the_package_matches_and_its_card_snippet_runs(source, published, tmp_path):
