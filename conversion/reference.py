@@ -907,15 +907,6 @@ def _convert(claims: dict[str, Any], config: GPNConfig, what: str) -> GPNForCaus
     return model.eval()
 
 
-def convert_params(params: dict[str, np.ndarray], config: GPNConfig) -> GPNForCausalLM:
-    """A `GPNForCausalLM` holding the reference parameters; one error lists every problem."""
-    claims = {
-        name: ArrayClaim(np.shape(array), np.asarray(array).dtype, lambda array=array: np.asarray(array))
-        for name, array in params.items()
-    }
-    return _convert(claims, config, "the parameters")
-
-
 def load_reference_model(src: str | Path) -> GPNForCausalLM:
     """Read a reference checkpoint (pickle or params.npz folder) and return the converted model.
 

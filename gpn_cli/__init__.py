@@ -55,13 +55,6 @@ EXAMPLES: dict[str, str] = {
 }
 
 
-def example_arguments(name: str) -> list[str]:
-    """`EXAMPLES[name]` as the arguments after `gpn`, for the test that parses it."""
-    import shlex
-
-    return shlex.split(EXAMPLES[name])[1:]
-
-
 def available_subcommands() -> dict[str, tuple[str, str]]:
     """The subcommands whose module is installed. (Looking a module up imports the packages above it, that is
     `modeling_gpn` with torch and transformers: only for a command that will run.)"""

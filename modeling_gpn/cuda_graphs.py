@@ -255,7 +255,6 @@ def graph_of(
     steps: int,
     w: FoldedWeights,
     derived: dict,
-    capture: bool = True,
     *,
     kernels: GraphKernels,
 ) -> StepsGraph:
@@ -294,7 +293,7 @@ def graph_of(
             graphs.move_to_end(key)
     if graph is None:  # (made and captured outside the lock: no other thread makes or reads this thread's graphs)
         graph = StepsGraph(model, batch, device, steps, kernels=kernels, w=w)
-        if capture and device.type == "cuda":
+        if device.type == "cuda":
             graph.capture()
         with _graphs_lock:
             graphs[key] = graph

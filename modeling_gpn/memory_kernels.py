@@ -3191,9 +3191,6 @@ class StepPlan:
             if self.memory:
                 outputs.append((sized(layer.read_out, d), "gated", "y_read", 0))
             phase(*outputs)
-        self.key_bias = None
-        if self.memory:
-            self.key_bias = key_op.bias if key_op.bias is not None else torch.zeros(kw)
         tasks, ranges = [], []
         for first, count in phases:
             start = len(tasks)
@@ -3599,25 +3596,21 @@ def gates(x: torch.Tensor, library: ctypes.CDLL | None = None) -> tuple[torch.Te
     return sigmoid, silu
 
 
-def thread_buffers(library: ctypes.CDLL | None = None) -> int:
-    """How many per-thread buffers of `library` (by default the kernels in use) are alive now, in every thread: the
-    int8 products' quantized inputs, one per thread that ran them, each freed when its thread ends (for the tests
-    that hold a thread per call to that)."""
-    if library is None:
-        _require()
-        library = _library
-    return library.gpn_thread_buffers()
+def thread_buffers() -> int:
+    """How many per-thread buffers of the kernels in use are alive now, in every thread: the int8 products'
+    quantized inputs, one per thread that ran them, each freed when its thread ends (for the tests that hold a
+    thread per call to that)."""
+    _require()
+    return _library.gpn_thread_buffers()
 
 
-def products_isa(library: ctypes.CDLL | None = None) -> str:
-    """The vector instructions the products of `library` (by default the kernels in use) were built for:
-    "avx512" (with "+bf16" and "+vnni" where the CPU has those), "avx2" (AVX2 and FMA) or "portable" (plain C
-    the compiler vectorises). int8 products are exact integer sums of the input rounded to 16 bits on "+vnni"
-    and "avx2" builds, float sums elsewhere."""
-    if library is None:
-        _require()
-        library = _library
-    return library.gpn_products_isa().decode()
+def products_isa() -> str:
+    """The vector instructions the products of the kernels in use were built for: "avx512" (with "+bf16" and
+    "+vnni" where the CPU has those), "avx2" (AVX2 and FMA) or "portable" (plain C the compiler vectorises). int8
+    products are exact integer sums of the input rounded to 16 bits on "+vnni" and "avx2" builds, float sums
+    elsewhere."""
+    _require()
+    return _library.gpn_products_isa().decode()
 
 
 def variant(extra_flags: tuple[str, ...]) -> ctypes.CDLL:

@@ -238,11 +238,9 @@ def _fold(linear: torch.nn.Linear, norm_weight: torch.Tensor) -> torch.Tensor:
     return (weight.float().t() * norm_weight.float()[:, None]).to(weight.dtype)
 
 
-def _bias(linear: torch.nn.Linear, size: int, device: torch.device, extra: torch.Tensor | None = None) -> torch.Tensor:
+def _bias(linear: torch.nn.Linear, size: int, device: torch.device) -> torch.Tensor:
     if linear is not None and linear.bias is not None:
         return linear.bias.float()
-    if extra is not None:
-        return extra.float()
     return torch.zeros(size, device=device, dtype=torch.float32)
 
 

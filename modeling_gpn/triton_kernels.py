@@ -677,10 +677,9 @@ def gated_residual(
 
 def steps_refusal(s: Shapes, U: torch.Tensor, p0: torch.Tensor, g0: torch.Tensor, M0: torch.Tensor) -> str | None:
     """Why `step` does not take every forward step of a window of the fast path, or None where it does: token
-    inputs U (B, T, d), the state before it (p0, g0, M0) and the model's sizes `s`. What `usable_step` asks of
-    one step, asked once for the window: each step's state and key (float32, contiguous or with unit column
-    stride, on U's device) are made by the previous step, so the window's inputs and the sizes decide for all
-    of them. (The dispatcher records and logs the reason: `fast_recurrence.choose_backends`.)"""
+    inputs U (B, T, d), the state before it (p0, g0, M0) and the model's sizes `s`. Asked once for the window,
+    not of each step: each step's state and key (float32, contiguous or with unit column stride, on U's device)
+    are made by the previous step, so the window's inputs and the sizes decide for all of them. (The dispatcher records and logs the reason: `fast_recurrence.choose_backends`.)"""
     if U.dim() != 3 or U.shape[1] == 0:
         return "the window has no steps"
     if not (p0.is_contiguous() and g0.is_contiguous()):
@@ -723,25 +722,11 @@ def sizes_fit(config: Any) -> bool:
     """Whether the Triton step takes this model's sizes whatever its inputs (what the CUDA graphs, which have
     no torch-ops fallback inside, need: the dispatcher asks it before choosing them)."""
     widths = [config.hidden_size, config.intermediate_size]
-    if config.use_memory:  # (the key rows too: `usable_step` bounds them)
+    if config.use_memory:  # (the key rows too: `steps_refusal` bounds them)
         widths += [config.num_memory_heads * config.memory_value_dim, config.num_memory_heads * config.memory_key_dim]
         if config.memory_key_dim > MAX_KEY_BLOCK:
             return False
     return max(widths) <= MAX_ROW_BLOCK
-
-
-def usable_step(state: StepState, u: torch.Tensor, w: FoldedWeights, s: Shapes) -> bool:
-    """Whether `step` takes this state, token input and weights (else the step runs on torch ops)."""
-    p, g, key, memory = state
-    if not (p.is_contiguous() and g.is_contiguous() and usable_rows(p, g, u)):
-        return False
-    if s.memory:
-        flat = memory.reshape(-1, s.key_dim, s.value_dim)
-        if not (usable_memory(flat, key) and key.stride(1) == 1 and key.shape[1] <= MAX_ROW_BLOCK):
-            return False
-        if s.heads * s.value_dim > MAX_ROW_BLOCK:
-            return False
-    return True
 
 
 def _product(x: torch.Tensor, w: torch.Tensor | PackedMatrix, ws: dict | None = None, name: str = "") -> torch.Tensor:

@@ -6363,6 +6363,34 @@ MUTATIONS = [
             "tests/fast_path/test_decode_call.py -k int4_weights_edited and zero and not outside",
         ),
     ),
+    Mutation(
+        "chunked loss: only the first chunk of rows counted (the loss and gradients of the others dropped)",
+        "modeling_gpn/chunked_loss.py",
+        "        for start in range(0, N, chunk):\n",
+        "        for start in range(0, min(N, chunk), chunk):  # MUTATION\n",
+        ("tests/fast_path/test_fast_path.py -k chunked_loss_adds_up_every_chunk",),
+    ),
+    Mutation(
+        "chunked loss: the embedding's gradient is the last chunk's alone",
+        "modeling_gpn/chunked_loss.py",
+        "                dE += torch.matmul(g.t(), h[rows]).float()\n",
+        "                dE = torch.matmul(g.t(), h[rows]).float()  # MUTATION\n",
+        ("tests/fast_path/test_fast_path.py -k chunked_loss_adds_up_every_chunk",),
+    ),
+    Mutation(
+        "gpn push uploads a file that holds the Hub token (the upload folder's token check gone)",
+        "modeling_gpn/hub/checks.py",
+        "        if secrets and _file_contains(folder / name, secrets):\n",
+        "        if False:  # MUTATION\n",
+        ("tests/tools/test_hub.py -k upload_folder_holding_the_token",),
+    ),
+    Mutation(
+        "the token check misses a token cut by the end of a read chunk (no overlap kept between chunks)",
+        "modeling_gpn/hub/checks.py",
+        '            tail = window[-overlap:] if overlap else b""\n',
+        '            tail = b""  # MUTATION\n',
+        ("tests/tools/test_hub.py -k upload_folder_holding_the_token",),
+    ),
 ]
 
 

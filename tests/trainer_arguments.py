@@ -1,5 +1,5 @@
-"""The arguments every Trainer / TRL trainer of the tests takes (tests/ecosystem/test_trl.py, the packed SFT test
-of tests/model/test_packed.py)."""
+"""The arguments every Trainer / TRL trainer of the tests takes (tests/ecosystem/test_trl.py, the Trainer and
+packed SFT tests of tests/model/test_packed.py)."""
 
 from __future__ import annotations
 

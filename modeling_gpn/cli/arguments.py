@@ -41,8 +41,8 @@ def writable_folder(path: str | Path, option: str) -> Path:
     return folder
 
 
-def torch_device(device: str, option: str = "--device") -> torch.device:
-    """`device` as a torch device this machine has. Raises `ValueError` naming `option` for a name torch does not
+def torch_device(device: str) -> torch.device:
+    """`device` as a torch device this machine has. Raises `ValueError` naming `--device` for a name torch does not
     know (`toaster`), CUDA (or mps, xpu...) on a machine without it, or a CUDA index beyond the machine's GPUs:
     otherwise each would surface as a traceback only once the model has loaded and is being moved."""
     import torch
@@ -50,16 +50,16 @@ def torch_device(device: str, option: str = "--device") -> torch.device:
     try:
         parsed = torch.device(device)
     except RuntimeError as error:
-        raise ValueError(f"{option} {device!r} is not a torch device: {error}") from None
+        raise ValueError(f"--device {device!r} is not a torch device: {error}") from None
     if parsed.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"{option} {device} asks for CUDA, which this machine does not have; use {option} cpu")
+            raise ValueError(f"--device {device} asks for CUDA, which this machine does not have; use --device cpu")
         if parsed.index is not None and parsed.index >= torch.cuda.device_count():
-            raise ValueError(f"{option} {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     # mps (Apple silicon), xpu (Intel GPUs) and the like: torch.mps, torch.xpu, ... say whether this machine has one
     elif not getattr(getattr(torch, parsed.type, None), "is_available", lambda: True)():
         raise ValueError(
-            f"{option} {device} asks for {parsed.type}, which this machine does not have; use {option} cpu"
+            f"--device {device} asks for {parsed.type}, which this machine does not have; use --device cpu"
         )
     return parsed
 

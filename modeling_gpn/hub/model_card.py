@@ -217,17 +217,6 @@ def usage_snippet(repo_id: str) -> str:
     )
 
 
-def extract_usage_snippet(card_text: str) -> str:
-    """The first ```python block of the card's Usage section (what a reader would copy)."""
-    section = card_text.split("## Usage", 1)
-    if len(section) < 2:
-        raise CardError("the card has no '## Usage' section")
-    match = re.search(r"```python\n(.*?)```", section[1], re.DOTALL)
-    if not match:
-        raise CardError("the card's Usage section has no ```python block")
-    return match.group(1)
-
-
 KERNEL_NOTE = (
     "**The remote code compiles and loads C.** On CPU, `memory_kernels.py` compiles its C kernels (the memory "
     "half of a step and its gradient, and the whole no-grad step of 1 to 16 rows: a prompt's prefill and every "
@@ -534,7 +523,6 @@ __all__ = [
     "TrainingInfo",
     "build_card",
     "eval_results_for_model_index",
-    "extract_usage_snippet",
     "model_paper_columns",
     "read_eval_results",
     "run_differences",

@@ -285,6 +285,28 @@ def test_causal_lm_loss_and_gradients_with_chunked_loss(variant):
             torch.testing.assert_close(grad, results[0][1][name], atol=1e-5, rtol=1e-4, msg=name)
 
 
+def test_the_chunked_loss_adds_up_every_chunk_of_rows():
+    """The loss and both gradients from chunks of 7 rows (the last one short) are those of the full logits: the
+    tests' models have so few rows that their loss is one chunk (`max(64, 2**20 // vocab)` rows), so a chunk
+    dropped or a gradient kept from the last chunk alone would pass every other test."""
+    from modeling_gpn.chunked_loss import chunked_causal_lm_loss
+
+    generator = torch.Generator().manual_seed(3)
+    decoded = torch.randn(2, 12, 8, generator=generator, requires_grad=True)
+    embedding = torch.randn(50, 8, generator=generator, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 12), generator=generator)
+    labels[0, 4] = -100
+    loss = chunked_causal_lm_loss(decoded, embedding, labels, chunk_rows=7)  # 22 rows: 7, 7, 7 and 1
+    expected = torch.nn.functional.cross_entropy(
+        (decoded @ embedding.t())[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
+    )
+    torch.testing.assert_close(loss, expected)
+    for grad, expected_grad in zip(
+        torch.autograd.grad(loss, (decoded, embedding)), torch.autograd.grad(expected, (decoded, embedding))
+    ):
+        torch.testing.assert_close(grad, expected_grad)
+
+
 @torch.no_grad()
 def test_inference_fast_path_matches_plain_and_follows_weight_changes():
     model = perturbed_model(tiny_config(num_predict_layers=2), seed=10)

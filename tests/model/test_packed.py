@@ -527,21 +527,7 @@ class FirstStep:
 def trainer_arguments(tmp_path, **overrides):
     from transformers import TrainingArguments
 
-    values = dict(
-        output_dir=str(tmp_path),
-        max_steps=3,
-        learning_rate=3e-3,
-        max_grad_norm=0.0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        seed=0,
-    )
-    values.update(overrides)
-    return TrainingArguments(**values)
+    return TrainingArguments(**common_arguments(tmp_path, **{"max_steps": 3, "max_grad_norm": 0.0} | overrides))
 
 
 def test_data_collator_with_flattening_trains_with_the_loss_of_the_sequences_one_by_one(tmp_path):

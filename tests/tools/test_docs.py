@@ -155,7 +155,7 @@ def test_help_gives_each_option_its_default_once(subcommand):
 def test_every_option_has_help_and_the_help_an_example(subcommand):
     """`gpn eval --batch-size` and `gpn bench --device` were listed in --help with nothing said about them; and only
     `gpn train --help` showed a command to start from. Each help now ends with an example, which parses."""
-    from gpn_cli import EXAMPLES, available_subcommands, build_parser, example_arguments
+    from gpn_cli import EXAMPLES, available_subcommands, build_parser
 
     if subcommand not in available_subcommands():
         pytest.skip(f"gpn {subcommand} needs what this environment lacks")
@@ -167,7 +167,7 @@ def test_every_option_has_help_and_the_help_an_example(subcommand):
         assert "Example: `gpn train --recipe tiny-cpu`" in help_text
         return
     assert help_text.endswith(f"example: {EXAMPLES[subcommand]}"), help_text[-200:]
-    arguments = example_arguments(subcommand)
+    arguments = shlex.split(EXAMPLES[subcommand])[1:]  # (the words after `gpn`)
     with contextlib.redirect_stderr(io.StringIO()) as errors:
         try:
             parsed = parser.parse_args(arguments)
@@ -230,7 +230,7 @@ def test_each_alias_parses_as_the_option_it_spells_and_abbreviations_still_do():
     spellings in each, as one option; and an abbreviation that matches only the two spellings of one option
     (`gpn eval --out`) is still that option, not "ambiguous" as argparse alone would call it (it worked before the
     alias)."""
-    from gpn_cli import EXAMPLES, build_parser, example_arguments
+    from gpn_cli import EXAMPLES, build_parser
 
     def options(parser: argparse.ArgumentParser, subcommand: str) -> dict[str, argparse.Action]:
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[subcommand]
@@ -238,7 +238,7 @@ def test_each_alias_parses_as_the_option_it_spells_and_abbreviations_still_do():
 
     def parse(subcommand: str, option: str, spelling: str) -> argparse.Namespace:
         """`gpn SUBCOMMAND ... OPTION VALUE`, where OPTION is a way to write `spelling`."""
-        base = example_arguments(subcommand) if subcommand in EXAMPLES else [subcommand]
+        base = shlex.split(EXAMPLES[subcommand])[1:] if subcommand in EXAMPLES else [subcommand]
         parser = build_parser(subcommand)
         action = options(parser, subcommand)[spelling]
         value = [] if action.nargs == 0 else ["7"] if action.type is int else ["somewhere"]

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from ..environment import require_shared
 from ..subprocesses import BLOCK_PACKAGE, run_python
@@ -194,13 +195,30 @@ def test_dry_run_folder_holds_exactly_what_the_hub_needs(source, published):
         assert not path.name.endswith((".bin", ".pt", ".pth", ".pkl"))
 
 
+def test_an_upload_folder_holding_the_token_is_refused_without_printing_it(published, tmp_path):
+    """The last check before an upload reads every file for the Hub token, streamed in chunks: a token in a file
+    copied byte for byte (here the weights' metadata) is refused by the file's name, and a token cut by a chunk's
+    end is found across it."""
+    from modeling_gpn.hub import HubPushError, check_prepared_folder
+    from modeling_gpn.hub.checks import _file_contains
+
+    folder = tmp_path / "upload"
+    shutil.copytree(published, folder)
+    weights = folder / "model.safetensors"
+    save_file(load_file(weights), weights, metadata={"note": TOKEN})
+    with pytest.raises(HubPushError, match="^model.safetensors contains the Hub token; refusing to upload it$"):
+        check_prepared_folder(folder, token=TOKEN)
+    assert _file_contains(weights, [TOKEN.encode()], chunk_size=7)  # (every chunk shorter than the token)
+    assert not _file_contains(folder / "config.json", [TOKEN.encode()], chunk_size=7)
+
+
 def test_published_folder_loads_without_the_package_matches_and_its_card_snippet_runs(source, published, tmp_path):
     """In one fresh interpreter without the package (one start, not two): the folder loads as remote code and
     computes what the model did, and the card's usage snippet runs as written."""
-    from modeling_gpn.hub.model_card import extract_usage_snippet
-
     out = tmp_path / "loaded.safetensors"
-    snippet = extract_usage_snippet((published / "README.md").read_text())
+    usage = re.search(r"## Usage.*?```python\n(.*?)```", (published / "README.md").read_text(), re.DOTALL)
+    assert usage, "the card has no ```python block in a '## Usage' section"
+    snippet = usage.group(1)  # (the first one: what a reader would copy)
     assert f'repo = "{REPO_ID}"' in snippet and "trust_remote_code=True" in snippet
     code = BLOCK_PACKAGE + textwrap.dedent(
         f"""
