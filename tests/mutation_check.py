@@ -5030,8 +5030,8 @@ MUTATIONS = [
     Mutation(
         "a token cache holding another tokenizer's files is read as this run's tokens",
         "modeling_gpn/data/stream.py",
-        "        if differ:\n",
-        "        if False:  # MUTATION\n",
+        "    if differ:\n",
+        "    if False:  # MUTATION\n",
         ("tests/tools/test_faults_io.py -k damaged_token_cache and another-tokenizer",),
     ),
     Mutation(
@@ -6210,6 +6210,27 @@ MUTATIONS = [
         "    if tracing:\n        # (stored as the program returns it",
         "    if False:  # MUTATION\n        # (stored as the program returns it",
         ("tests/ecosystem/test_ecosystem.py -k fullgraph_matches_eager",),
+    ),
+    Mutation(
+        "two runs needing one token cache each tokenize the corpus (no hold on the cache's key)",
+        "modeling_gpn/data/stream.py",
+        '    with writing_alone(folder, "the token cache", tell):\n',
+        '    with open(os.devnull, encoding="utf-8"):  # MUTATION\n',
+        ("tests/tools/test_faults_io.py -k second_run_waits",),
+    ),
+    Mutation(
+        "a run that waited for another's token cache tokenizes the corpus again instead of reading it",
+        "modeling_gpn/data/stream.py",
+        '        if (folder / "meta.json").exists():  # written by the process this one waited for\n',
+        "        if False:  # MUTATION\n",
+        ("tests/tools/test_faults_io.py -k second_run_waits",),
+    ),
+    Mutation(
+        "a process waiting on a held path is refused instead (held's wait ignored)",
+        "modeling_gpn/atomic_files.py",
+        "                if wait is None:\n                    raise InUseError",
+        "                if True:  # MUTATION\n                    raise InUseError",
+        ("tests/tools/test_faults_io.py -k second_run_waits",),
     ),
 ]
 
