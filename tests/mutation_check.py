@@ -6067,8 +6067,8 @@ MUTATIONS = [
     Mutation(
         "gpn train --output-dir inside the corpus folder writes its log and model among the documents",
         "modeling_gpn/train/run_folder.py",
-        "    if (inside == folder or folder in inside.parents) and not hidden(inside.relative_to(folder)):\n",
-        "    if False:  # MUTATION\n",
+        "        if (inside == folder or folder in inside.parents) and not hidden(inside.relative_to(folder)):\n",
+        "        if False:  # MUTATION\n",
         ("tests/tools/test_train_faults.py -k inside_the_corpus",),
     ),
     Mutation(
@@ -6231,6 +6231,34 @@ MUTATIONS = [
         "                if wait is None:\n                    raise InUseError",
         "                if True:  # MUTATION\n                    raise InUseError",
         ("tests/tools/test_faults_io.py -k second_run_waits",),
+    ),
+    Mutation(
+        "gpn train --dataset a glob that can match the files the run writes in its --output-dir",
+        "modeling_gpn/train/run_folder.py",
+        "    if spec.is_glob and glob_reaches(dataset, run_dir):\n",
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_train_faults.py -k inside_the_corpus",),
+    ),
+    Mutation(
+        "gpn train --dataset a file or folder inside its --output-dir",
+        "modeling_gpn/train/run_folder.py",
+        "    if corpus.exists() and any(folder in path.parents for path in named for folder in folders):\n",
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_train_faults.py -k inside_the_corpus",),
+    ),
+    Mutation(
+        "a glob's ** is taken to match no folder when asked whether it reaches into the output folder",
+        "modeling_gpn/data/corpus.py",
+        "            return reach(i + 1, j) or (not left_out and reach(i, j + 1))\n",
+        "            return reach(i + 1, j)  # MUTATION\n",
+        ("tests/tools/test_train_faults.py -k inside_the_corpus",),
+    ),
+    Mutation(
+        "a glob's ** through a link into the output folder is not seen to reach it",
+        "modeling_gpn/data/corpus.py",
+        "    return any(resolved in Path(match).resolve().parents for match in glob.glob(",
+        "    return False and any(resolved in Path(match).resolve().parents for match in glob.glob(",
+        ("tests/tools/test_train_faults.py -k inside_the_corpus",),
     ),
 ]
 
