@@ -2066,8 +2066,8 @@ MUTATIONS = [
     Mutation(
         "gpn serve: --state-dir-bytes counts the ids file a spilled state writes",
         "modeling_gpn/serve/state_store.py",
-        "            size = path.stat().st_size + ids_path.stat().st_size\n",
-        "            size = path.stat().st_size  # MUTATION\n",
+        "                size = stat.st_size + ids_path.stat().st_size\n",
+        "                size = stat.st_size  # MUTATION\n",
         ("tests/tools/test_serve_store.py -k spill_folder_limit_counts_every_file",),
     ),
     Mutation(
@@ -3809,7 +3809,7 @@ MUTATIONS = [
         "        raise cache_write_error(folder, error) from error\n",
         "        raise  # MUTATION\n",
         ("tests/tools/test_faults_io.py -k cache_folder_that_cannot_be_written",),
-        occurrences=2,
+        occurrences=3,
     ),
     Mutation(
         "a corpus folder's .ipynb_checkpoints/ and __MACOSX/ copies read as training files",
@@ -6259,6 +6259,27 @@ MUTATIONS = [
         "    return any(resolved in Path(match).resolve().parents for match in glob.glob(",
         "    return False and any(resolved in Path(match).resolve().parents for match in glob.glob(",
         ("tests/tools/test_train_faults.py -k inside_the_corpus",),
+    ),
+    Mutation(
+        "two servers on one --state-dir each bound only the state files they know (the folder holds the sum)",
+        "modeling_gpn/serve/state_store.py",
+        "            ids = entries.get(name[:64] + IDS_SUFFIX) if _STATE_NAME.match(name) else None\n",
+        "            ids = entries.get(name[:64] + IDS_SUFFIX) if _STATE_NAME.match(name) and name[:64] in own else None\n",
+        ("tests/tools/test_serve_store.py -k keep_together_to_its_limit",),
+    ),
+    Mutation(
+        "a server writes and trims a shared --state-dir without its hold (another's write or trim in between)",
+        "modeling_gpn/serve/state_store.py",
+        '        hold = held(self.spill_dir, "that writes its states", wait=lambda in_use: None)\n',
+        "        hold = contextlib.nullcontext()  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k keep_together_to_its_limit",),
+    ),
+    Mutation(
+        "a server trusts its view of a shared --state-dir after another server changed the folder",
+        "modeling_gpn/serve/state_store.py",
+        "            if self._view is not None and mark == self._view[0]:\n",
+        "            if self._view is not None:  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k keep_together_to_its_limit",),
     ),
 ]
 
