@@ -8,7 +8,8 @@ never a mix; an exception (Ctrl-C too) leaves no temporary file behind, a killed
 A path that is a device, pipe or socket is refused, not replaced. `held` holds a file or folder for one process
 (an flock naming its holder to the process it refuses): what gpn generate's `--save-state`, gpn eval's
 `--output-dir`, gpn convert's and gpn push --dry-run's OUT take, so that two processes reading and then writing
-one path never overwrite each other's work in silence. The standard library only: it ships with the model, which
+one path never overwrite each other's work in silence; or waits for it (a token cache's key: a second run reads
+what the first wrote instead of writing it again). The standard library only: it ships with the model, which
 saves states through it.
 """
 
@@ -20,7 +21,7 @@ import os
 import secrets
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -127,7 +128,10 @@ def _same_file(one: os.stat_result, other: os.stat_result) -> bool:
 
 @contextlib.contextmanager
 def held(
-    path: str | os.PathLike, purpose: str, advice: str = "wait for it to end, or choose another path"
+    path: str | os.PathLike,
+    purpose: str,
+    advice: str = "wait for it to end, or choose another path",
+    wait: Callable[[str], None] | None = None,
 ) -> Iterator[os.stat_result]:
     """Hold `path` (an existing file or folder) for this process while the block runs, or raise `InUseError` at
     once, naming the process that holds it: an exclusive `flock` on what `path` names, which the kernel drops when
@@ -135,7 +139,9 @@ def held(
     continued and saved back, an output folder checked empty and then written) would otherwise each overwrite
     the other's work in silence. `purpose` says what the holder does ("that continues the state in it") and
     `advice` what to do, for the error. Yields the `os.stat` of what is held (where there is no flock, Windows,
-    nothing is held: of what `path` names).
+    nothing is held: of what `path` names). With `wait`, a path another process holds is waited for instead: `wait`
+    is told first whom for (the refusal's words, without the advice), then the block runs once that process has
+    released it or ended (killed too: the kernel drops its flock, so no dead holder keeps a waiter waiting).
 
     A file that `replacing` renames over `path` while held is a new file: the hold stays on the old one, so a
     process that opens `path` after that rename reads the new content whole, as it should. Where the lock is
@@ -162,9 +168,11 @@ def held(
                     retries -= 1
                     os.close(descriptor)
                     continue
-                raise InUseError(
-                    f"{path} is in use by another process ({holder or 'another process'}) {purpose}: {advice}"
-                ) from None
+                in_use = f"{path} is in use by another process ({holder or 'another process'}) {purpose}"
+                if wait is None:
+                    raise InUseError(f"{in_use}: {advice}") from None
+                wait(in_use)
+                fcntl.flock(descriptor, fcntl.LOCK_EX)
             locked = os.fstat(descriptor)
             try:
                 now = os.stat(path)

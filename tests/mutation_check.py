@@ -2074,8 +2074,8 @@ MUTATIONS = [
     Mutation(
         "gpn serve: --state-dir-bytes counts the ids file a spilled state writes",
         "modeling_gpn/serve/state_store.py",
-        "            size = path.stat().st_size + ids_path.stat().st_size\n",
-        "            size = path.stat().st_size  # MUTATION\n",
+        "                size = stat.st_size + ids_path.stat().st_size\n",
+        "                size = stat.st_size  # MUTATION\n",
         ("tests/tools/test_serve_store.py -k spill_folder_limit_counts_every_file",),
     ),
     Mutation(
@@ -3817,7 +3817,7 @@ MUTATIONS = [
         "        raise cache_write_error(folder, error) from error\n",
         "        raise  # MUTATION\n",
         ("tests/tools/test_faults_io.py -k cache_folder_that_cannot_be_written",),
-        occurrences=2,
+        occurrences=3,
     ),
     Mutation(
         "a corpus folder's .ipynb_checkpoints/ and __MACOSX/ copies read as training files",
@@ -5038,8 +5038,8 @@ MUTATIONS = [
     Mutation(
         "a token cache holding another tokenizer's files is read as this run's tokens",
         "modeling_gpn/data/stream.py",
-        "        if differ:\n",
-        "        if False:  # MUTATION\n",
+        "    if differ:\n",
+        "    if False:  # MUTATION\n",
         ("tests/tools/test_faults_io.py -k damaged_token_cache and another-tokenizer",),
     ),
     Mutation(
@@ -6134,8 +6134,8 @@ MUTATIONS = [
     Mutation(
         "gpn train --output-dir inside the corpus folder writes its log and model among the documents",
         "modeling_gpn/train/run_folder.py",
-        "    if (inside == folder or folder in inside.parents) and not hidden(inside.relative_to(folder)):\n",
-        "    if False:  # MUTATION\n",
+        "        if (inside == folder or folder in inside.parents) and not hidden(inside.relative_to(folder)):\n",
+        "        if False:  # MUTATION\n",
         ("tests/tools/test_train_faults.py -k inside_the_corpus",),
     ),
     Mutation(
@@ -6390,6 +6390,76 @@ MUTATIONS = [
         '            tail = window[-overlap:] if overlap else b""\n',
         '            tail = b""  # MUTATION\n',
         ("tests/tools/test_hub.py -k upload_folder_holding_the_token",),
+    ),
+    Mutation(
+        "two runs needing one token cache each tokenize the corpus (no hold on the cache's key)",
+        "modeling_gpn/data/stream.py",
+        '    with writing_alone(folder, "the token cache", tell):\n',
+        '    with open(os.devnull, encoding="utf-8"):  # MUTATION\n',
+        ("tests/tools/test_faults_io.py -k second_run_waits",),
+    ),
+    Mutation(
+        "a run that waited for another's token cache tokenizes the corpus again instead of reading it",
+        "modeling_gpn/data/stream.py",
+        '        if (folder / "meta.json").exists():  # written by the process this one waited for\n',
+        "        if False:  # MUTATION\n",
+        ("tests/tools/test_faults_io.py -k second_run_waits",),
+    ),
+    Mutation(
+        "a process waiting on a held path is refused instead (held's wait ignored)",
+        "modeling_gpn/atomic_files.py",
+        "                if wait is None:\n                    raise InUseError",
+        "                if True:  # MUTATION\n                    raise InUseError",
+        ("tests/tools/test_faults_io.py -k second_run_waits",),
+    ),
+    Mutation(
+        "gpn train --dataset a glob that can match the files the run writes in its --output-dir",
+        "modeling_gpn/train/run_folder.py",
+        "    if spec.is_glob and glob_reaches(dataset, run_dir):\n",
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_train_faults.py -k inside_the_corpus",),
+    ),
+    Mutation(
+        "gpn train --dataset a file or folder inside its --output-dir",
+        "modeling_gpn/train/run_folder.py",
+        "    if corpus.exists() and any(folder in path.parents for path in named for folder in folders):\n",
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_train_faults.py -k inside_the_corpus",),
+    ),
+    Mutation(
+        "a glob's ** is taken to match no folder when asked whether it reaches into the output folder",
+        "modeling_gpn/data/corpus.py",
+        "            return reach(i + 1, j) or (not left_out and reach(i, j + 1))\n",
+        "            return reach(i + 1, j)  # MUTATION\n",
+        ("tests/tools/test_train_faults.py -k inside_the_corpus",),
+    ),
+    Mutation(
+        "a glob's ** through a link into the output folder is not seen to reach it",
+        "modeling_gpn/data/corpus.py",
+        "    return any(resolved in Path(match).resolve().parents for match in glob.glob(",
+        "    return False and any(resolved in Path(match).resolve().parents for match in glob.glob(",
+        ("tests/tools/test_train_faults.py -k inside_the_corpus",),
+    ),
+    Mutation(
+        "two servers on one --state-dir each bound only the state files they know (the folder holds the sum)",
+        "modeling_gpn/serve/state_store.py",
+        "            ids = entries.get(name[:64] + IDS_SUFFIX) if _STATE_NAME.match(name) else None\n",
+        "            ids = entries.get(name[:64] + IDS_SUFFIX) if _STATE_NAME.match(name) and name[:64] in own else None\n",
+        ("tests/tools/test_serve_store.py -k keep_together_to_its_limit",),
+    ),
+    Mutation(
+        "a server writes and trims a shared --state-dir without its hold (another's write or trim in between)",
+        "modeling_gpn/serve/state_store.py",
+        '        hold = held(self.spill_dir, "that writes its states", wait=lambda in_use: None)\n',
+        "        hold = contextlib.nullcontext()  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k keep_together_to_its_limit",),
+    ),
+    Mutation(
+        "a server trusts its view of a shared --state-dir after another server changed the folder",
+        "modeling_gpn/serve/state_store.py",
+        "            if self._view is not None and mark == self._view[0]:\n",
+        "            if self._view is not None:  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k keep_together_to_its_limit",),
     ),
 ]
 

@@ -3,17 +3,20 @@ the content key of a cached folder, and writing such a folder whole or not at al
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
+from ..atomic_files import held
 from .errors import DataError
 
 try:
@@ -30,6 +33,35 @@ def default_cache_dir() -> Path:
 def content_hash(value: object) -> str:
     """A short key for `value` (JSON-able): what names a cached folder after what it was made from."""
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def writing_alone(folder: Path, what: str, tell: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Hold the key of the cache folder `folder` (an flock on `.NAME.lock` beside it, through `atomic_files.held`)
+    while the block checks whether it is there and writes it. Two runs that need the same cache (two gpn train
+    runs on one corpus) each tokenized it, in temporary folders of their own, and the first rename won: the other's
+    minutes were wasted. The second now waits for the first, `tell` saying whom for (`what` names the cache), then
+    finds the folder written. A holder killed meanwhile (`kill -9` too) releases it, and the waiter writes it
+    itself. The lock file stays: it is empty, and two processes locking different files under one name would both
+    win."""
+    lock = folder.with_name(f".{folder.name}.lock")
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(lock, os.O_RDONLY | os.O_CREAT, 0o666))
+    except OSError as error:
+        raise cache_write_error(folder, error) from error
+
+    def waiting(in_use: str) -> None:
+        if tell is not None:
+            tell(f"waiting: {in_use}; this run reads {what} once that one has written it")
+
+    with held(lock, f"that writes {what} {folder}", wait=waiting):
+        yield
+
+
+def tell_on_stderr(message: str) -> None:
+    """Print `message` on stderr (what a wait for another process's cache says, where nothing else is told)."""
+    print(message, file=sys.stderr, flush=True)
 
 
 def write_folder_atomically(folder: Path, writer: Callable[[Path], None]) -> None:

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import codecs
 import fnmatch
+import functools
 import glob
+import os
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -246,6 +248,46 @@ def hidden_match(match: Path, pattern: Path) -> bool:
         part.startswith((".", "__")) and not any(fnmatch.fnmatchcase(part, name) for name in named)
         for part in match.parts
     )
+
+
+def glob_reaches(pattern: str, folder: Path) -> bool:
+    """Whether the glob `pattern`, read as `CorpusSpec.local_files` reads it (`**` any depth; a wildcard leaves out
+    names `.*` and `__*` the pattern does not give so itself), can match a file inside `folder`: one there now, or
+    one written there later (a training run's log and model in its output folder). The pattern's parts are matched
+    against the folder's, as written and with links resolved: a part left beyond them can name a file inside."""
+    pattern_path = Path(os.path.abspath(Path(pattern).expanduser()))
+    named = [part for part in pattern_path.parts if part.startswith((".", "__"))]
+    literal = next((i for i, part in enumerate(pattern_path.parts) if glob.has_magic(part)), len(pattern_path.parts))
+    patterns = {
+        pattern_path.parts,
+        (*Path(*pattern_path.parts[:literal]).resolve().parts, *pattern_path.parts[literal:]),
+    }
+    folders = {Path(os.path.abspath(folder)).parts, Path(folder).resolve().parts}
+    if any(_parts_reach(parts, inside, named) for parts in patterns for inside in folders):
+        return True
+    # a link inside the matched folders that leads into `folder` (`**` follows links to folders)
+    resolved = Path(folder).resolve()
+    return any(resolved in Path(match).resolve().parents for match in glob.glob(str(pattern_path), recursive=True))
+
+
+def _parts_reach(pattern: tuple[str, ...], folder: tuple[str, ...], named: list[str]) -> bool:
+    """Whether the glob's `pattern` parts can match `folder`'s parts and at least one part more."""
+
+    @functools.cache
+    def reach(i: int, j: int) -> bool:
+        if j == len(folder):
+            return i < len(pattern)  # (a part left: some name inside; none: the folder itself, not a file in it)
+        if i == len(pattern):
+            return False
+        part, name = pattern[i], folder[j]
+        left_out = name.startswith((".", "__")) and not any(fnmatch.fnmatch(name, given) for given in named)
+        if part == "**":
+            return reach(i + 1, j) or (not left_out and reach(i, j + 1))
+        if not glob.has_magic(part):
+            return os.path.normcase(part) == os.path.normcase(name) and reach(i + 1, j + 1)
+        return not left_out and fnmatch.fnmatch(name, part) and reach(i + 1, j + 1)
+
+    return reach(0, 0)
 
 
 def row_text(row: dict, number: int, source: str, text_field: str, option: str = "--text-field") -> str:

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 from . import corpus as corpus_module  # (its PIECE_CHARS read at call time: one setting for both modules)
-from .cache import content_hash, default_cache_dir, write_folder_atomically
+from .cache import content_hash, default_cache_dir, tell_on_stderr, write_folder_atomically, writing_alone
 from .corpus import CorpusSpec
 from .errors import DataError
 from .tokenizer import PieceEncoder, tokenizer_fingerprint
@@ -124,8 +124,10 @@ def build_token_stream(
     cache_dir: Path | None = None,
     max_tokens: int | None = None,
     show_progress: bool = True,
+    tell: Callable[[str], None] | None = tell_on_stderr,
 ) -> TokenStream:
-    """Tokenize `corpus` once (documents joined with EOS) into memory-mapped shards, or reuse the cache.
+    """Tokenize `corpus` once (documents joined with EOS) into memory-mapped shards, or reuse the cache. Where
+    another process is writing the same cache, wait for it (`tell` says whom for) and read what it wrote.
 
     Raises `DataError` when the corpus yields no tokens or its files cannot be read.
     """
@@ -138,22 +140,30 @@ def build_token_stream(
     }
     key = content_hash({**made_from, "version": CACHE_FORMAT_VERSION})
     folder = Path(cache_dir or default_cache_dir()) / "tokens" / key
-    if (folder / "meta.json").exists():
-        stream = TokenStream(folder)
-        # The folder's name is the key, its meta.json says what it was written from: another cache's files put in
-        # its place (another tokenizer's ids, another corpus) were read as this corpus's tokens, in silence.
-        written = {name: stream.meta.get(name) for name in made_from}
-        # (each compared as meta.json gives it back, through JSON: a tuple in a fingerprint reads as a list)
-        differ = [name for name in made_from if json.loads(json.dumps(made_from[name])) != written[name]]
-        if differ:
-            raise DataError(
-                f"The token cache {folder / 'meta.json'} was written for another {' and '.join(differ)} than this "
-                f"run's (files of another cache put in its place?); {stream.rebuild_hint}"
-            )
-        stream.reused = True
-        return stream
-    write_folder_atomically(folder, lambda tmp: tokenize_into(tmp, corpus, tokenizer, max_tokens, show_progress))
+    if (folder / "meta.json").exists():  # (a cache written: read without a hold, so a read-only cache folder serves)
+        return _reused(folder, made_from)
+    with writing_alone(folder, "the token cache", tell):
+        if (folder / "meta.json").exists():  # written by the process this one waited for
+            return _reused(folder, made_from)
+        write_folder_atomically(folder, lambda tmp: tokenize_into(tmp, corpus, tokenizer, max_tokens, show_progress))
     return TokenStream(folder)
+
+
+def _reused(folder: Path, made_from: dict) -> TokenStream:
+    """The cache written in `folder`, checked to be made from `made_from`."""
+    stream = TokenStream(folder)
+    # The folder's name is the key, its meta.json says what it was written from: another cache's files put in
+    # its place (another tokenizer's ids, another corpus) were read as this corpus's tokens, in silence.
+    written = {name: stream.meta.get(name) for name in made_from}
+    # (each compared as meta.json gives it back, through JSON: a tuple in a fingerprint reads as a list)
+    differ = [name for name in made_from if json.loads(json.dumps(made_from[name])) != written[name]]
+    if differ:
+        raise DataError(
+            f"The token cache {folder / 'meta.json'} was written for another {' and '.join(differ)} than this "
+            f"run's (files of another cache put in its place?); {stream.rebuild_hint}"
+        )
+    stream.reused = True
+    return stream
 
 
 def tokenize_into(

@@ -142,7 +142,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=parse_size,
         default=_size_text(DEFAULT_STATE_DIR_BYTES),
         metavar="SIZE",
-        help="the most the state files in --state-dir may take",
+        help="the most the state files in --state-dir may take (those of every server on it together)",
     )
     gpn.add_argument(
         "--max-context",

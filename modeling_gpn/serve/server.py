@@ -131,7 +131,7 @@ class GPNServe(Serve):
         state_store_bytes: the most the kept states may take in memory; 0 turns the state store off.
         state_dir: a folder for state files: the states evicted from memory, and every kept state when the server
             stops gracefully (Ctrl-C, SIGTERM); found again after a restart.
-        state_dir_bytes: the most the state files in `state_dir` may take.
+        state_dir_bytes: the most the state files in `state_dir` may take (those of every server on it together).
         max_context: the most tokens a request's prompt and answer may take together (None: no limit).
         max_queued_requests: the most requests taken on at once, running or waiting (None: no limit).
         max_request_bytes: the largest request body taken, a 413 beyond (None: no limit).

@@ -12,32 +12,36 @@ belongs to and the token ids it has read, and a request continues from the longe
 - Bounded: the states in memory take at most `max_bytes` (state buffers and kept ids); the least recently
   used are evicted first. With a `spill_dir` an evicted state is written there as a state file
   (`GPNCache.save`, beside a small JSON of its ids) and read back (`GPNCache.load`, which checks the file
-  belongs to the model) when a request needs it; the folder is bounded too (`spill_max_bytes`), and a
-  server started on a folder that holds such files continues from them (a server that stops writes the
-  states still in memory there too: `spill_all`).
+  belongs to the model) when a request needs it; the folder is bounded too (`spill_max_bytes`): every store
+  on it (each server on one `--state-dir`) writes and trims it under a hold on the folder, counting the state
+  files every store left there, so the servers together keep to the bound. A server started on a folder that
+  holds such files continues from them (a server that stops writes the states still in memory there too:
+  `spill_all`).
 - Thread-safe: one lock guards the store; every method may be called from any thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import re
+import secrets
 import threading
 import time
 import weakref
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from .. import GPNCache, GPNStateFileError
-from ..atomic_files import write_file_atomically
+from ..atomic_files import held, write_file_atomically
 from ..state_file import gpn_base_model, state_fingerprint, weights_hash
 
 logger = logging.getLogger(__name__)
@@ -50,6 +54,9 @@ ENTRY_OVERHEAD_BYTES = 512
 # A write (a state file, then its ids) takes well under this: what a killed server left half-done in the folder,
 # older than this, is no write in progress (of another server on the folder) and is deleted when a store opens it.
 LEFTOVER_AGE_SECONDS = 600
+# In the folder: a random mark that every store rewrites, under the folder's hold, when it has changed the folder's
+# state files; a store that finds the mark it last wrote knows the folder as it left it, without reading it again.
+CHANGE_MARK = ".gpn-state-dir-changed"
 _STATE_NAME = re.compile(rf"^[0-9a-f]{{64}}{re.escape(STATE_SUFFIX)}$")
 # the temporary names `atomic_files.replacing` writes under (the ids file, `GPNCache.save`): "." + the file's name + ".tmp-..."
 _LEFTOVER_TEMPORARY = re.compile(rf"^\.[0-9a-f]{{64}}({re.escape(STATE_SUFFIX)}|{re.escape(IDS_SUFFIX)})\.tmp-")
@@ -121,7 +128,8 @@ class StateStore:
         max_bytes: the most the states in memory may take (buffers and ids); least recently used evicted.
         spill_dir: a folder to write evicted states to (state files), read back when a request needs one;
             states already there (from an earlier run) are found too. None: evicted states are dropped.
-        spill_max_bytes: the most the folder's state files may take; the least recently used are deleted.
+        spill_max_bytes: the most the folder's state files may take, every store's on it together (`_folder_held`);
+            the least recently used are deleted.
     """
 
     def __init__(self, max_bytes: int, spill_dir: str | os.PathLike | None = None, spill_max_bytes: int | None = None):
@@ -138,6 +146,16 @@ class StateStore:
         self._files: OrderedDict[str, _Entry] = OrderedDict()
         self._memory_bytes = 0
         self._file_bytes = 0
+        # the folder's state files as every store on it left them (key -> (modification time, bytes), oldest
+        # first): None while this store does not hold the folder. Kept between holds with the change mark this
+        # store last wrote (`CHANGE_MARK`): read again only where another store has changed the folder since.
+        self._folder: OrderedDict[str, tuple[int, int]] | None = None
+        self._view: tuple[str, OrderedDict[str, tuple[int, int]]] | None = None
+        self._changed = False
+        self._holding = False  # (this store holds the folder: a nested hold is the same one)
+        # what reading the folder found of each file (name -> (inode, modification time, bytes)): a file is looked at
+        # again only where its name is new or names another file (a scan is one listing, not a stat of each file)
+        self._seen: dict[str, tuple[int, int, int]] = {}
         self._lengths: dict[str, dict[int, int]] = {}  # model -> {length: entries of that length}, both tiers
         # model key -> what a state file names the model by (`state_fingerprint`), taken while the model was loaded:
         # a server that unloads an idle model (--model-timeout) still writes its states to files
@@ -212,7 +230,7 @@ class StateStore:
         without a spill folder."""
         if self.spill_dir is None:
             return
-        with self._lock:
+        with self._lock, self._folder_held():  # (held once for all: the folder read once, not at every state)
             while self._memory:
                 key, entry = self._memory.popitem(last=False)
                 self._memory_bytes -= entry.nbytes
@@ -280,6 +298,11 @@ class StateStore:
         nbytes = self.entry_bytes(cache, entry.length)
         if nbytes > self.max_bytes:  # larger than the memory tier: it stays a file
             self._files.move_to_end(key)
+            with contextlib.suppress(OSError):  # (used now: the folder's trim, by modification time, keeps it longer)
+                os.utime(path)
+                self._seen.pop(path.name, None)
+                if self._view is not None and key in self._view[1]:
+                    self._view[1].move_to_end(key)
             return cache
         # back into memory (most recently used); the file goes, so each state lives in one tier
         self._remember_model(entry.model, model)
@@ -304,29 +327,133 @@ class StateStore:
         """Write an evicted state to the folder (the state file, then its ids: both written under a temporary
         name and renamed, so a file's presence means it is whole); drop it when it cannot be written."""
         path, ids_path = self._state_path(key), self._ids_path(key)
-        try:
-            # named by the fingerprint taken while the model was loaded: it may have been unloaded since
-            entry.cache.save(path, model_fingerprint=self._model_fingerprints.get(entry.model))
-            write_file_atomically(
-                ids_path, json.dumps({"model": entry.model, "ids": _ids_from_bytes(entry.ids)}).encode()
-            )
-            # both files count against the folder's limit: the ids outweigh the state in a long conversation
-            size = path.stat().st_size + ids_path.stat().st_size
-        except (OSError, ValueError) as error:
-            logger.warning("state store: cannot write %s, the state is dropped: %s", path, error)
-            _remove(path)
-            _remove(ids_path)
-            self._count_length(entry.model, entry.length, -1)
+        with self._folder_held():
+            try:
+                # named by the fingerprint taken while the model was loaded: it may have been unloaded since
+                entry.cache.save(path, model_fingerprint=self._model_fingerprints.get(entry.model))
+                write_file_atomically(
+                    ids_path, json.dumps({"model": entry.model, "ids": _ids_from_bytes(entry.ids)}).encode()
+                )
+                # both files count against the folder's limit: the ids outweigh the state in a long conversation
+                stat = path.stat()
+                size = stat.st_size + ids_path.stat().st_size
+            except (OSError, ValueError) as error:
+                logger.warning("state store: cannot write %s, the state is dropped: %s", path, error)
+                _remove(path)
+                _remove(ids_path)
+                self._count_length(entry.model, entry.length, -1)
+                return
+            self._files[key] = _Entry(entry.model, entry.ids, None, size)
+            self._file_bytes += size
+            self.stats.spilled += 1
+            if self._folder is not None:
+                self._folder.pop(key, None)
+                self._folder[key] = (stat.st_mtime_ns, size)  # the newest
+                self._changed = True
+            self._trim_files()
+
+    @contextlib.contextmanager
+    def _folder_held(self) -> Iterator[None]:
+        """Hold the spill folder (an flock on it, waited for while another store on it writes or trims) for the
+        block, with `_folder` read as the stores left it. Without a limit on the folder, nothing is held. Reentrant:
+        `spill_all` holds it once for all the states it writes."""
+        if self.spill_max_bytes is None or self._holding:
+            yield
             return
-        self._files[key] = _Entry(entry.model, entry.ids, None, size)
-        self._file_bytes += size
-        self.stats.spilled += 1
-        self._trim_files()
+        hold = held(self.spill_dir, "that writes its states", wait=lambda in_use: None)
+        try:
+            hold.__enter__()
+        except OSError as error:  # (the folder gone or unreadable: the write that follows fails and says so)
+            logger.warning(
+                "state store: cannot hold %s (%s): only this server's files are bounded", self.spill_dir, error
+            )
+            yield
+            return
+        with contextlib.ExitStack() as stack:
+            stack.push(hold)
+            self._holding = True
+            mark_path = self.spill_dir / CHANGE_MARK
+            try:
+                mark = mark_path.read_text(encoding="utf-8")
+            except (OSError, ValueError):
+                mark = None
+            if self._view is not None and mark == self._view[0]:
+                self._folder = self._view[1]  # (no other store has changed the folder since this one did)
+            else:
+                try:
+                    self._folder = self._read_folder()
+                except OSError as error:
+                    logger.warning(
+                        "state store: cannot read %s (%s): only this server's files are bounded", self.spill_dir, error
+                    )
+                    self._folder = mark = None
+            self._view, self._changed = None, False
+            try:
+                yield
+            finally:
+                folder, self._folder, self._holding = self._folder, None, False
+                if folder is None:
+                    mark = None
+                elif self._changed:
+                    mark = secrets.token_hex(8)
+                    try:
+                        mark_path.write_text(mark, encoding="utf-8")
+                    except OSError:  # (a read-only folder: nothing kept, the folder is read at the next hold)
+                        mark = None
+                if mark is not None:
+                    self._view = (mark, folder)
+
+    def _read_folder(self) -> OrderedDict[str, tuple[int, int]]:
+        """The folder's states (a state file with its ids beside it) as every store on it left them, least
+        recently used first: key -> (modification time, bytes of both files). The entries of this store's index
+        whose files are gone (another store took them back into memory, or trimmed them) leave the index."""
+        with os.scandir(self.spill_dir) as scan:
+            entries = {entry.name: entry for entry in scan}
+        own = {key: rank for rank, key in enumerate(self._files)}  # (ties of modification time: this store's order)
+        found, seen = [], {}
+        for name, entry in entries.items():
+            ids = entries.get(name[:64] + IDS_SUFFIX) if _STATE_NAME.match(name) else None
+            if ids is None:
+                continue
+            try:
+                for file in (entry, ids):
+                    known = self._seen.get(file.name)
+                    if known is None or known[0] != file.inode():
+                        stat = file.stat()
+                        known = (file.inode(), stat.st_mtime_ns, stat.st_size)
+                    seen[file.name] = known
+            except OSError:  # (deleted meanwhile, outside the hold: a state read back into another store's memory)
+                continue
+            size = seen[name][2] + seen[ids.name][2]
+            found.append((seen[name][1], own.get(name[:64], -1), name[:64], size))
+        self._seen = seen
+        folder = OrderedDict((key, (mtime, size)) for mtime, _, key, size in sorted(found))
+        for key in [key for key in self._files if key not in folder]:
+            entry = self._files.pop(key)
+            self._file_bytes -= entry.nbytes
+            self._count_length(entry.model, entry.length, -1)
+        return folder
 
     def _trim_files(self) -> None:
-        while self.spill_max_bytes is not None and self._file_bytes > self.spill_max_bytes and self._files:
-            key = next(iter(self._files))
-            self._forget(key)
+        """Delete the least recently used states of the folder, whichever store wrote them, until the state files
+        of every store on it fit `spill_max_bytes` (called with the folder held)."""
+        if self.spill_max_bytes is None:
+            return
+        if self._folder is None:  # (the folder could not be held: this store's files alone, as it knows them)
+            while self._file_bytes > self.spill_max_bytes and self._files:
+                self._forget(next(iter(self._files)))
+            return
+        total = sum(size for _, size in self._folder.values())
+        while total > self.spill_max_bytes and self._folder:
+            key, (_, size) = self._folder.popitem(last=False)
+            total -= size
+            self._changed = True
+            entry = self._files.pop(key, None)
+            if entry is not None:
+                self._file_bytes -= entry.nbytes
+                self._count_length(entry.model, entry.length, -1)
+            _remove(self._state_path(key))
+            _remove(self._ids_path(key))
 
     def _forget(self, key: str) -> None:
         """Remove an entry from whichever tier holds it (deleting its files)."""
@@ -338,8 +465,11 @@ class StateStore:
         if entry is not None:
             self._file_bytes -= entry.nbytes
             self._count_length(entry.model, entry.length, -1)
-            _remove(self._state_path(key))
-            _remove(self._ids_path(key))
+            with self._folder_held():  # (a change of the folder, which the other stores on it must see)
+                _remove(self._state_path(key))
+                _remove(self._ids_path(key))
+                if self._folder is not None:
+                    self._changed = self._folder.pop(key, None) is not None or self._changed
 
     def _remember_model(self, key_of_model: str, model: torch.nn.Module) -> None:
         if key_of_model not in self._model_fingerprints:
@@ -398,7 +528,8 @@ class StateStore:
             self._files[key] = entry
             self._file_bytes += entry.nbytes
             self._count_length(entry.model, entry.length, +1)
-        self._trim_files()
+        with self._folder_held():
+            self._trim_files()
 
 
 def _remove(path: Path) -> None:

@@ -271,25 +271,41 @@ def hold_run_folder(
 def check_run_folder(run_dir: Path, dataset: str) -> None:
     """Refuse, before the data are tokenized, an --output-dir that is not a run's to write in: a model folder
     (`save_pretrained`'s: config.json at its top), in which the run would have put a second model and its log, and
-    a folder whose files the run's corpus, --dataset, reads: the corpus folder itself or one inside it, where the
-    run's log.jsonl, train_config.json and model/ became training documents of the next run (of its --resume too,
-    which then refused the changed corpus)."""
-    from ..data.corpus import CorpusSpec, hidden
+    a folder that --dataset can read files in: the corpus folder itself or one inside it, where the run's log.jsonl,
+    train_config.json and model/ became training documents of the next run on it (of its --resume too, which then
+    refused the changed corpus); a folder that a glob --dataset can reach into (`corpus/**/*.json`, now or once the
+    run has written there); one that holds the corpus file or folder itself."""
+    from ..data.corpus import CorpusSpec, glob_reaches, hidden
 
     if (run_dir / "config.json").is_file():
         raise FileExistsError(
             f"--output-dir {run_dir} is a model folder (it holds config.json): a run writes a folder of its own, its "
             "model in model/; name a new folder for the run"
         )
-    corpus = Path(dataset).expanduser()
-    if CorpusSpec(source=dataset).kind != "local" or not corpus.is_dir():
+    spec = CorpusSpec(source=dataset)
+    if spec.kind != "local":
         return
-    folder, inside = corpus.resolve(), run_dir.resolve()
-    if (inside == folder or folder in inside.parents) and not hidden(inside.relative_to(folder)):
+    corpus, inside = Path(dataset).expanduser(), run_dir.resolve()
+    if corpus.is_dir():
+        folder = corpus.resolve()
+        if (inside == folder or folder in inside.parents) and not hidden(inside.relative_to(folder)):
+            raise ValueError(
+                f"--output-dir {run_dir} is inside the corpus folder --dataset {dataset}: the run's log.jsonl, "
+                "train_config.json and model/ would be read as training documents by the next run on it (a --resume "
+                "too); name a folder outside it (or one named .* or __*, which the corpus leaves out)"
+            )
+    if spec.is_glob and glob_reaches(dataset, run_dir):
         raise ValueError(
-            f"--output-dir {run_dir} is inside the corpus folder --dataset {dataset}: the run's log.jsonl, "
+            f"--dataset {dataset} can match files inside --output-dir {run_dir}: the run's log.jsonl, "
             "train_config.json and model/ would be read as training documents by the next run on it (a --resume "
-            "too); name a folder outside it (or one named .* or __*, which the corpus leaves out)"
+            "too); name an output folder the pattern cannot reach"
+        )
+    # (a corpus named inside the folder, or a link there to a file of it: as written and with links resolved)
+    named, folders = {Path(os.path.abspath(corpus)), corpus.resolve()}, {Path(os.path.abspath(run_dir)), inside}
+    if corpus.exists() and any(folder in path.parents for path in named for folder in folders):
+        raise ValueError(
+            f"--dataset {dataset} is inside --output-dir {run_dir}: the run writes its log, checkpoints and model in "
+            "that folder, among the corpus; keep the corpus outside the run's folder"
         )
 
 

@@ -206,6 +206,8 @@ def prepare_data(
             config["cache_dir"],
             max_tokens,
             show_progress=show_progress and accelerator.is_main_process,
+            # (another run writing the same cache: this one waits for it, then reads it)
+            tell=lambda message: print(f"gpn train: {message}", file=sys.stderr, flush=True),
         )
     windows = WindowDataset(stream, config["seq_len"], config["val_fraction"], config["seed"])
     accelerator.print(

@@ -1161,8 +1161,85 @@ def test_a_killed_write_of_the_token_cache_is_cleaned_up_by_the_next(bpe_tokeniz
         fcntl.flock(held, fcntl.LOCK_EX)  # (flock locks belong to an open file: this one conflicts)
         stream = build()
         assert not stream.reused and not killed.exists() and alive.exists()
-    assert sorted(p.name for p in folder.parent.iterdir()) == sorted([folder.name, alive.name])
+    # (and the empty lock file of the cache's key, which stays: `data.cache.writing_alone`)
+    assert sorted(p.name for p in folder.parent.iterdir()) == sorted([folder.name, alive.name, f".{folder.name}.lock"])
     assert not (folder / ".writing.lock").exists()
+
+
+# A run writing the token cache, as a second run sees it: a process holding the flock of the cache's key (a bare
+# interpreter, cheap to start), which on "write" puts the finished cache folder it is given in place, as a run's
+# rename does, and ends; or is killed while it holds the key.
+CACHE_WRITER = """
+import fcntl, os, shutil, sys
+lock, made, folder = sys.argv[1:]
+handle = open(lock)
+fcntl.flock(handle, fcntl.LOCK_EX)
+print(flush=True)
+if sys.stdin.readline().strip() == "write":
+    shutil.copytree(made, folder + ".tmp-writer")
+    os.replace(folder + ".tmp-writer", folder)
+"""
+
+
+def test_a_second_run_waits_for_the_one_writing_the_token_cache_and_reads_it_or_writes_it_if_that_one_is_killed(
+    bpe_tokenizer_dir, tmp_path
+):
+    """Two runs needing the same token cache each tokenized the corpus (each in its own temporary folder, the first
+    rename won): minutes wasted on a big corpus. The second waits on the cache's key, saying for whom (the writer's
+    pid), then reads what the first wrote; a first run killed meanwhile (`kill -9`: the kernel drops its flock)
+    leaves it waiting no longer: it tokenizes the corpus itself."""
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from modeling_gpn import data
+
+    path = tmp_path / "corpus.txt"
+    path.write_text("the cat sat on the mat\n" * 50, encoding="utf-8")
+    spec, tokenizer = data.CorpusSpec(source=str(path)), AutoTokenizer.from_pretrained(bpe_tokenizer_dir)
+    made = data.build_token_stream(spec, tokenizer, tmp_path / "made", show_progress=False)  # what the first writes
+    folder = tmp_path / "cache" / "tokens" / made.folder.name
+    folder.parent.mkdir(parents=True)
+    lock = folder.with_name(f".{folder.name}.lock")
+    lock.touch()
+    for ending in ("write", "killed"):
+        writer = subprocess.Popen(
+            [sys.executable, "-c", CACHE_WRITER, str(lock), str(made.folder), str(folder)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        told, waiting, built = [], threading.Event(), {}
+
+        def tell(message: str, told=told, waiting=waiting) -> None:
+            told.append(message)
+            waiting.set()
+
+        def second_run(built=built, tell=tell) -> None:
+            built["stream"] = data.build_token_stream(
+                spec, tokenizer, tmp_path / "cache", show_progress=False, tell=tell
+            )
+
+        try:
+            writer.stdout.readline()  # (it holds the key once it printed)
+            second = threading.Thread(target=second_run)
+            second.start()
+            assert waiting.wait(60), "the second run did not wait"
+            assert not built
+            if ending == "write":
+                writer.communicate("write\n", timeout=60)
+            else:
+                writer.kill()
+                writer.wait(timeout=60)
+            second.join(60)
+        finally:
+            writer.kill()
+            writer.wait()
+        (message,) = told
+        assert f"is in use by another process (pid {writer.pid}: " in message, message
+        assert f"that writes the token cache {folder}; this run reads the token cache once" in message, message
+        stream = built["stream"]
+        assert stream.folder == folder and stream.reused == (ending == "write"), ending
+        assert np.array_equal(stream[:], made[:])
+        shutil.rmtree(folder)
 
 
 def test_without_flock_the_token_cache_is_still_written_whole_and_no_write_is_taken_for_abandoned(

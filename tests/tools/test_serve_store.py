@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import shutil
 import threading
 
 import pytest
@@ -153,6 +154,55 @@ def test_two_servers_on_one_state_dir_never_answer_from_a_state_another_removed(
     assert second.summary()["states_in_files"] == 1
 
 
+def test_servers_sharing_a_state_dir_keep_together_to_its_limit(model, tmp_path):
+    """Each server bounded what it knew of a shared --state-dir by its --state-dir-bytes, so the folder held up to
+    the sum of the servers' limits. A store writes and trims the folder under a hold on it (an flock, waited for:
+    a real second process holding it keeps the write waiting), counting every store's state files: the folder
+    stays within the limit, the least recently used states go, whichever server wrote them, and a server's index
+    drops what the other trimmed."""
+    import subprocess
+    import sys
+
+    from modeling_gpn.serve.state_store import CHANGE_MARK
+
+    def states() -> list:  # (the state files and their ids, beside the mark the stores change)
+        return [path for path in tmp_path.iterdir() if path.name != CHANGE_MARK]
+
+    def on_disk() -> int:
+        return sum(path.stat().st_size for path in states())
+
+    sizing = StateStore(0, spill_dir=tmp_path / "sizing")
+    assert sizing.keep(model, IDS[:9], state_after(model, IDS[:9]))
+    pair = sum(path.stat().st_size for path in (tmp_path / "sizing").iterdir())  # the largest state's two files
+    shutil.rmtree(tmp_path / "sizing")
+    limit = 3 * pair + pair // 2  # three states, whoever wrote them
+    first, second = (StateStore(0, spill_dir=tmp_path, spill_max_bytes=limit) for _ in range(2))  # files only
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys; d = os.open(sys.argv[1], os.O_RDONLY); fcntl.flock(d, "
+         "fcntl.LOCK_EX); print(flush=True); sys.stdin.read()", str(tmp_path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        holder.stdout.readline()  # (it holds the folder once it printed)
+        writing = threading.Thread(target=first.keep, args=(model, IDS[:2], state_after(model, IDS[:2])))
+        writing.start()
+        writing.join(0.3)
+        assert writing.is_alive() and on_disk() == 0  # waiting for the folder
+    finally:
+        holder.stdin.close()
+        holder.wait()
+    writing.join(60)
+    assert first.summary()["states_in_files"] == 1
+    for length in range(3, 9):  # the two servers in turn
+        assert (first if length % 2 == 0 else second).keep(model, IDS[:length], state_after(model, IDS[:length]))
+        assert on_disk() <= limit, (length, on_disk(), limit)
+    assert sorted(path.name.endswith(STATE_SUFFIX) for path in states()) == [False] * 3 + [True] * 3
+    assert first.lookup(model, IDS[:8])[0] == 8 and second.lookup(model, IDS[:7])[0] == 7  # the newest stay
+    assert first.lookup(model, IDS[:5]) is None  # the oldest went, of both
+    second.keep(model, IDS[:9], state_after(model, IDS[:9]))  # (the folder read again: the first's trimmed leave)
+    assert second.summary()["file_bytes"] <= limit and on_disk() <= limit
+
+
 def test_the_spill_folder_is_bounded_and_a_damaged_file_is_dropped(model, tmp_path):
     state_after(model, IDS).save(tmp_path / "one-file")
     file_bytes = (tmp_path / "one-file").stat().st_size
@@ -173,8 +223,10 @@ def test_the_spill_folder_limit_counts_every_file_a_state_takes(model, tmp_path)
     """A spilled state is its state file and the JSON of its ids, which in a long conversation outweighs the
     state: the folder's limit counts both, when they are written and when a restarted store finds them."""
 
-    def on_disk() -> int:
-        return sum(path.stat().st_size for path in tmp_path.iterdir())
+    from modeling_gpn.serve.state_store import CHANGE_MARK
+
+    def on_disk() -> int:  # (the state files and their ids; the stores' change mark is no state's)
+        return sum(path.stat().st_size for path in tmp_path.iterdir() if path.name != CHANGE_MARK)
 
     long_ids = [(7 * position) % 90 + 1 for position in range(900)]
     store = StateStore(0, spill_dir=tmp_path, spill_max_bytes=12_000)  # files only

@@ -913,23 +913,46 @@ def test_an_output_folder_that_is_a_model_or_inside_the_corpus_is_refused_before
     """`--output-dir` naming the corpus folder --dataset reads (or a folder in it): the run wrote its log.jsonl,
     train_config.json and model/ among the documents, which the next run on it read (its --resume refused the
     corpus, changed). Naming a model folder (config.json at its top): the run put a second model and its log in
-    it. Both are refused, before the folder is locked or the data tokenized; nothing is written in either."""
+    it. Both are refused, before the folder is locked or the data tokenized; nothing is written in either. So is a
+    glob --dataset that can match files in the output folder, and a corpus inside the output folder."""
     data, model = tmp_path / "data", tmp_path / "model"
     data.mkdir()
     (data / "input.txt").symlink_to(shakespeare)
     model.mkdir()
     (model / "config.json").write_text("{}", encoding="utf-8")
     monkeypatch.chdir(tmp_path)
-    for out, needle in [
-        (data, f"--output-dir {data} is inside the corpus folder --dataset {data}: the run's log.jsonl"),
-        (Path("data/run"), f"--output-dir data{os.sep}run is inside the corpus folder --dataset {data}"),
-        (model, f"--output-dir {model} is a model folder (it holds config.json): a run writes a folder of its own"),
+    # A glob that can match the run's files (now or once written: none is there yet), and a corpus inside the run's
+    # folder, are refused too; `data/*.txt` never reaches into data/run (its `*` matches no folder's files).
+    globbed = "data/**/*.txt"
+    for dataset, out, needle in [
+        (data, data, f"--output-dir {data} is inside the corpus folder --dataset {data}: the run's log.jsonl"),
+        (data, Path("data/run"), f"--output-dir data{os.sep}run is inside the corpus folder --dataset {data}"),
+        (
+            data,
+            model,
+            f"--output-dir {model} is a model folder (it holds config.json): a run writes a folder of its own",
+        ),
+        (
+            globbed,
+            Path("data/run"),
+            f"--dataset {globbed} can match files inside --output-dir data{os.sep}run: the run",
+        ),
+        ("data/*.txt", data, f"--dataset data/*.txt can match files inside --output-dir {data}: the run's log.jsonl"),
+        (data / "input.txt", Path("."), f"--dataset {data / 'input.txt'} is inside --output-dir .: the run writes"),
     ]:
-        assert train_module.run(parse(small_args(data, out, cache, "--steps", "2"))) == 1
+        assert train_module.run(parse(small_args(dataset, out, cache, "--steps", "2"))) == 1
         err = capsys.readouterr().err
         assert err.startswith(f"gpn train: error: {needle}") and err.count("\n") == 1, err
     assert [path.name for path in data.iterdir()] == ["input.txt"]
     assert [path.name for path in model.iterdir()] == ["config.json"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["data", "model"]
+    from modeling_gpn.data.corpus import glob_reaches
+
+    assert not glob_reaches("data/*.txt", Path("data/run")) and not glob_reaches(globbed, Path("data/.run"))
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "log.txt").write_text("a run's file", encoding="utf-8")
+    (data / "link").symlink_to(tmp_path / "elsewhere")  # (`**` follows it into a folder written by a run)
+    assert glob_reaches(globbed, tmp_path / "elsewhere") and not glob_reaches("data/*.txt", tmp_path / "elsewhere")
 
 
 @pytest.mark.parametrize("given", ["missing", "a run folder"])
