@@ -6461,6 +6461,13 @@ MUTATIONS = [
         "            if self._view is not None:  # MUTATION\n",
         ("tests/tools/test_serve_store.py -k keep_together_to_its_limit",),
     ),
+    Mutation(
+        "gpn bench counts int4 weights as torchao holds them (a byte a value), not as the int4 products read them",
+        "modeling_gpn/bench/limit.py",
+        "        if int4 is not None:\n            return sum(",
+        "        if False:  # MUTATION\n            return sum(",
+        ("tests/tools/test_bench.py -k int4_weights_on_the_fast_path",),
+    ),
 ]
 
 

@@ -3,7 +3,7 @@ at, measured in the same run.
 
 A GPN reads each weight once per token (the tied embedding as the output matrix: every row) and its state
 (p, g, M read, M' written); nothing grows with the context. `step_bytes` counts those bytes (an int8
-weight as its int8 data and scales). A prompt token reads less (`prefill_bytes`): the recurrence's weights
+weight as its int8 data and scales, an int4 weight the C kernels' int4 products take as the packing they read). A prompt token reads less (`prefill_bytes`): the recurrence's weights
 only, since the token-side projection runs for the whole prompt at once and only the last position is
 decoded. The bandwidth is that of reading a buffer of the same size: a step
 whose weights fit the L3 cache streams from it, a larger one from DRAM, so the probe reads as many bytes
@@ -18,6 +18,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .. import memory_kernels
+from ..recurrence_step import dequantized_by_linear
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -31,11 +34,23 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
     return sum(tensor_bytes(getattr(tensor, name)) for name in flatten(tensor)[0])
 
 
+def weight_bytes(weight: torch.Tensor) -> int:
+    """Bytes a step reads of `weight`: what it holds (`tensor_bytes`), but for a low-bit weight the C kernels'
+    int4 products take (`memory_kernels.int4_operand`), the packing they read (two values a byte, a scale and an
+    offset per group), not torchao's int4 values held a byte each: counted as held, the limit would be nearly
+    twice the bytes actually read, and each ratio to it flattering."""
+    if dequantized_by_linear(weight) and memory_kernels.available():
+        int4 = memory_kernels.int4_operand(weight)
+        if int4 is not None:
+            return sum(tensor_bytes(part) for part in int4[1] if part is not None)
+    return tensor_bytes(weight)
+
+
 def step_bytes(model: nn.Module, rows: int = 1) -> int:
     """Bytes a GPN's one-token step reads and writes at `rows` batch rows: every parameter once (the
     weights are shared by the rows), and per row the state (p and g read, M read and M' written)."""
     config = model.config
-    weights = sum(tensor_bytes(p) for p in model.parameters())
+    weights = sum(weight_bytes(p) for p in model.parameters())
     cells = config.memory_cells if config.use_memory else 0
     return weights + rows * 4 * (2 * config.hidden_size + 2 * cells)
 
@@ -50,7 +65,7 @@ def prefill_bytes(model: nn.Module, rows: int = 1) -> int:
     token side, projected for the whole prompt beforehand, nor the decoder) and the state per row."""
     config = model.config
     core = getattr(model, "model", model)
-    weights = sum(tensor_bytes(p) for name, p in core.named_parameters() if not name.startswith(_NOT_IN_THE_RECURRENCE))
+    weights = sum(weight_bytes(p) for name, p in core.named_parameters() if not name.startswith(_NOT_IN_THE_RECURRENCE))
     cells = config.memory_cells if config.use_memory else 0
     return weights + rows * 4 * (2 * config.hidden_size + 2 * cells)
 

@@ -127,13 +127,15 @@ def table_cells(folder) -> list[dict]:
 def test_bench_measures_int4_weights_on_the_fast_path(tmp_path, capsys):
     """`gpn bench --dtype int4` quantizes both models with torchao's int4 weight-only config (the GPN's every
     nn.Linear but the tied head) and measures the GPN on the fast path against the bytes its quantized weights
-    hold; like int8 it measures inference only. With no one-token steps (--decode-batches none) the limits
+    hold, as the C kernels' int4 products read them where they take them; like int8 it measures inference only. With no one-token steps (--decode-batches none) the limits
     that generate()'s figures are ratios to are still stated, in the JSON and after the table (they were null,
     the ratios printed to a limit stated nowhere)."""
     import pytest
 
     pytest.importorskip("torchao.quantization", reason="--dtype int4 quantizes with torchao (the test extra)")
-    from modeling_gpn.bench import build_gpn, prefill_bytes, step_bytes
+    from modeling_gpn import memory_kernels
+    from modeling_gpn.bench import build_gpn, prefill_bytes, step_bytes, tensor_bytes
+    from modeling_gpn.bench.limit import weight_bytes
 
     out = tmp_path / "bench.json"
     common = ["bench", "--preset", "tiny", "--impl", "fast", "--dtype", "int4", "--device", "cpu"]
@@ -145,6 +147,11 @@ def test_bench_measures_int4_weights_on_the_fast_path(tmp_path, capsys):
     assert type(model.model.fuse_proj.weight).__name__ == "IntxUnpackedToInt8Tensor"
     assert fast["limit_bytes"] == step_bytes(model) < step_bytes(build_gpn("tiny", "bfloat16", "cpu", 0))
     assert fast["prefill_limit_bytes"] == prefill_bytes(model) and fast["step_ms"] is None
+    if "+vnni" in memory_kernels.products_isa():
+        # the limit counts what the int4 products read, not torchao's int4 values held a byte each: half a byte a
+        # value and a float32 scale a group (ffn_in's rows of 48 weights, no multiple of 32, are a group each)
+        weight = model.model.predict_layers[0].ffn_in.weight
+        assert weight.shape == (128, 48) and weight_bytes(weight) == 128 * 48 // 2 + 128 * 4 < tensor_bytes(weight)
     step, prompt, at = fast["limit_bytes"], fast["prefill_limit_bytes"], fast["limit_ms_at"]["6"]
     printed = capsys.readouterr().out
     assert f"tiny fast limit: {step / 1e6:.1f} MB a step, a prompt token {prompt / 1e6:.1f} MB (" in printed
