@@ -6,7 +6,7 @@
 # Usage: bash benchmarks/byte_limit.sh [OUT_DIR] [PROMPT_LENGTHS...]   (default 2048 16384; run nothing else
 # meanwhile: on 2 quiet cores about 2 hours, most of it the 16,384-token prefills of the 130M model before)
 # PRESETS, DTYPES, THREADS and CODES (environment) narrow the matrix, e.g. PRESETS=small THREADS=1 (DTYPES may
-# also name int4: torchao's int4 weight-only, which the fast path multiplies dequantized).
+# also name int4: torchao's int4 weight-only, which the C kernels' int4 products read as int4).
 set -euo pipefail
 out=${1:-byte-limit-out}
 shift || true

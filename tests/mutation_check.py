@@ -6468,6 +6468,13 @@ MUTATIONS = [
         "        if False:  # MUTATION\n            return sum(",
         ("tests/tools/test_bench.py -k int4_weights_on_the_fast_path",),
     ),
+    Mutation(
+        "inspect.load_model indexes its dtype table (a bare KeyError for a dtype it does not take)",
+        "modeling_gpn/inspect/inputs.py",
+        "    if dtype not in dtypes:  # (before anything loads",
+        "    if False:  # MUTATION (before anything loads",
+        ("tests/tools/test_inspect.py -k names_a_dtype_it_does_not_take",),
+    ),
 ]
 
 

@@ -37,8 +37,11 @@ def load_model(
     import modeling_gpn  # noqa: F401  (registers GPN with the Auto classes)
     from modeling_gpn.cli.loading import check_model_path, load_causal_lm
 
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in dtypes:  # (before anything loads; a bare KeyError named only the value)
+        raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {dtype!r}")
     name = check_model_path(name)
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    torch_dtype = dtypes[dtype]
     model = load_causal_lm(name, merge_adapter=False, dtype=torch_dtype, trust_remote_code=trust_remote_code)
     if getattr(model.config, "model_type", None) != "gpn" or not hasattr(getattr(model, "model", None), "token_inputs"):
         raise ValueError(

@@ -919,3 +919,12 @@ def test_a_damaged_weights_file_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"gpn inspect: error: cannot load a model from {folder}: SafetensorError: ")
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_load_model_names_a_dtype_it_does_not_take_before_loading(tmp_path):
+    """`inspect.load_model` from Python with a dtype the table lacks ("fp16") failed with a bare KeyError naming only
+    the value; it says what it takes, before it reads the folder (there is none here)."""
+    from modeling_gpn.inspect import load_model
+
+    with pytest.raises(ValueError, match=r"dtype must be one of \['bfloat16', 'float16', 'float32'\], got 'fp16'"):
+        load_model(str(tmp_path / "nothing"), dtype="fp16")
