@@ -65,7 +65,8 @@ def version_line() -> str:
     """What `gpn --version` prints: this package's version and those of what it runs on, for a bug report.
 
     Read from the installed packages' metadata, as `pip show` reads them: importing torch and transformers to ask
-    them took about 4 s. Only a package run from a source tree pip did not install (no metadata) is imported."""
+    them takes seconds (benchmarks/RESULTS.md, "Figures that were in the code's docstrings"). Only a package run
+    from a source tree pip did not install (no metadata) is imported."""
     import platform
 
     return (

@@ -127,7 +127,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--skip-training, AdamW's eps being 0 in float16); int8 / int4: the bfloat16 model with every nn.Linear quantized by torchao's "
         "int8 weight-only config / its int4 weight-only IntxWeightOnlyConfig (groups of 32) (needs torchao and "
         "--skip-training; the tied heads stay bf16; int4 counts in the byte limit as the C kernels' int4 "
-        "products read it, 0.625 bytes a weight, where they take it)",
+        "products read it, 0.625 bytes a weight, where they take it, else as torchao holds it, 1.09)",
     )
     parser.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device to measure on"

@@ -3,12 +3,13 @@ at, measured in the same run.
 
 A GPN reads each weight once per token (the tied embedding as the output matrix: every row) and its state
 (p, g, M read, M' written); nothing grows with the context. `step_bytes` counts those bytes (an int8
-weight as its int8 data and scales, an int4 weight the C kernels' int4 products take as the packing they read). A prompt token reads less (`prefill_bytes`): the recurrence's weights
-only, since the token-side projection runs for the whole prompt at once and only the last position is
-decoded. The bandwidth is that of reading a buffer of the same size: a step
-whose weights fit the L3 cache streams from it, a larger one from DRAM, so the probe reads as many bytes
-as the step, timed alternately with the step (`ReadProbe`). limit = time of that read; a figure's ratio to
-the limit is its time per token over the probe's time (1.0: the step costs its bytes and nothing else).
+weight as its int8 data and scales, an int4 weight the C kernels' int4 products take as the packing they
+read). A prompt token reads less (`prefill_bytes`): the recurrence's weights only, since the token-side
+projection runs for the whole prompt at once and only the last position is decoded. The bandwidth is that of
+reading a buffer of the same size: a step whose weights fit the L3 cache streams from it, a larger one from
+DRAM, so the probe reads as many bytes as the step, timed alternately with the step (`ReadProbe`). limit = time
+of that read; a figure's ratio to the limit is its time per token over the probe's time (1.0: the step costs its
+bytes and nothing else).
 """
 
 from __future__ import annotations

@@ -733,7 +733,8 @@ async def _answer_rows_off_the_loop(
     processor: ProcessorMixin | PreTrainedTokenizerBase,
 ) -> list[tuple[int, torch.Tensor, bool]]:
     """`_answer_rows` of the answers `model` generated, in a worker thread: with a `stop` sequence each answer is
-    decoded token by token (about a second for 100,000 tokens), which on the event loop held every other request."""
+    decoded token by token (benchmarks/RESULTS.md, "gpn serve: an answer's text, decoded"), which on the event loop
+    held every other request."""
     eos_token_id = model.generation_config.eos_token_id
     return await asyncio.to_thread(_answer_rows, model.sequences, inputs, gen_config, processor, eos_token_id)
 
