@@ -984,10 +984,14 @@ class GPNRecurrenceFunction(torch.autograd.Function):
         dM_final: torch.Tensor,
     ):
         if not ctx.hooked and ctx.boundaries[0] is None:  # (freed by the first backward, with the records and buffers)
+            # (a spent carried cache continued where no check could see it reaches here too: the message names
+            # that case's fix as well, since this backward cannot tell the two apart)
             raise RuntimeError(
                 "GPN's fast recurrence frees what its forward saved while its backward runs, so it takes one "
                 "backward per forward; for a second one (backward(retain_graph=True) twice, higher-order "
-                "gradients) run the plain path: model.model.use_fast_path = False"
+                "gradients) run the plain path: model.model.use_fast_path = False. If instead a forward continued "
+                "a cache whose graph an earlier backward had already used, detach it between the two "
+                "(cache.detach(): truncated BPTT)"
             )
         s, eps, segment, truncation, pool, sweep, _, step, step_backward = ctx.settings
         saved = ctx.saved_tensors

@@ -6475,6 +6475,13 @@ MUTATIONS = [
         "    if False:  # MUTATION (before anything loads",
         ("tests/tools/test_inspect.py -k names_a_dtype_it_does_not_take",),
     ),
+    Mutation(
+        "the fast recurrence's second-backward error names only the plain path, not detach() for a spent cache",
+        "modeling_gpn/fast_recurrence.py",
+        '                "(cache.detach(): truncated BPTT)"\n',
+        '                "(truncated BPTT)"  # MUTATION\n',
+        ("tests/fast_path/test_training_graphs.py -k second_backward_is_refused",),
+    ),
 ]
 
 
