@@ -5087,8 +5087,8 @@ MUTATIONS = [
     Mutation(
         "a damaged cached BPE tokenizer ends gpn train with a JSON error naming no file",
         "modeling_gpn/data/tokenizer.py",
-        "            except Exception as error:  # noqa: BLE001  (a file of it damaged: a JSON error naming no file)\n",
-        "            except ZeroDivisionError as error:  # MUTATION\n",
+        "    except Exception as error:  # noqa: BLE001  (a file of it damaged: a JSON error naming no file)\n",
+        "    except ZeroDivisionError as error:  # MUTATION\n",
         ("tests/tools/test_faults_io.py::test_a_damaged_cached_bpe_tokenizer_names_its_folder",),
     ),
     Mutation(
@@ -6474,6 +6474,20 @@ MUTATIONS = [
         "    if dtype not in dtypes:  # (before anything loads",
         "    if False:  # MUTATION (before anything loads",
         ("tests/tools/test_inspect.py -k names_a_dtype_it_does_not_take",),
+    ),
+    Mutation(
+        "two gpn train --tokenizer bpe runs on one corpus and cache each train the BPE (no hold on its key)",
+        "modeling_gpn/data/tokenizer.py",
+        '        with writing_alone(folder, "the BPE tokenizer", tell):\n',
+        '        with open(__file__, encoding="utf-8"):  # MUTATION\n',
+        ("tests/tools/test_faults_io.py -k training_the_bpe_tokenizer",),
+    ),
+    Mutation(
+        "a run that waited for another's BPE tokenizer trains it again instead of loading it",
+        "modeling_gpn/data/tokenizer.py",
+        '            if (folder / "tokenizer.json").exists():  # trained by the process this one waited for\n',
+        "            if False:  # MUTATION\n",
+        ("tests/tools/test_faults_io.py -k training_the_bpe_tokenizer",),
     ),
 ]
 
