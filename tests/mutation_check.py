@@ -6489,6 +6489,41 @@ MUTATIONS = [
         "            if False:  # MUTATION\n",
         ("tests/tools/test_faults_io.py -k training_the_bpe_tokenizer",),
     ),
+    Mutation(
+        "bench.memory.bytes_held skips what an object keeps in __slots__ (a cache counted as smaller than it is)",
+        "modeling_gpn/bench/memory.py",
+        "            stack += [getattr(value, name) for name in _slot_names(type(value)) if hasattr(value, name)]\n",
+        "            pass  # MUTATION\n",
+        ("tests/model/test_cache_and_padding.py -k bytes_held_counts_every_storage",),
+    ),
+    Mutation(
+        "bench.memory.bytes_held follows only the object's own class's __slots__, not its bases'",
+        "modeling_gpn/bench/memory.py",
+        "    for klass in cls.__mro__:\n",
+        "    for klass in cls.__mro__[:1]:  # MUTATION\n",
+        ("tests/model/test_cache_and_padding.py -k bytes_held_counts_every_storage",),
+    ),
+    Mutation(
+        "bench.memory.bytes_held reads a __slots__ string as one name a letter",
+        "modeling_gpn/bench/memory.py",
+        "        names += [slots] if isinstance(slots, str) else list(slots)\n",
+        "        names += list(slots)  # MUTATION\n",
+        ("tests/model/test_cache_and_padding.py -k bytes_held_counts_every_storage",),
+    ),
+    Mutation(
+        "bench.memory.bytes_held counts a tensor only a weak proxy refers to",
+        "modeling_gpn/bench/memory.py",
+        "        if type(value) in weakref.ProxyTypes or id(value) in seen:",
+        "        if id(value) in seen:  # MUTATION",
+        ("tests/model/test_cache_and_padding.py -k bytes_held_counts_every_storage",),
+    ),
+    Mutation(
+        "bench.memory.status_kib of a field /proc/self/status lacks ends in an AttributeError naming nothing",
+        "modeling_gpn/bench/memory.py",
+        "    if match is None:\n",
+        "    if False:  # MUTATION\n",
+        ("tests/model/test_cache_and_padding.py -k bytes_held_counts_every_storage",),
+    ),
 ]
 
 
