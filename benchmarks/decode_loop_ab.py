@@ -37,31 +37,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ab_decode import materialise  # noqa: E402 (the same side-by-side import of two revisions)
 
+from modeling_gpn.bench.memory import bytes_held  # noqa: E402
 from modeling_gpn.bench.timing import greedy_without_end  # noqa: E402
-
-
-def bytes_held(cache) -> int:
-    """Every byte of tensor storage reachable from `cache` (each storage once), not through weak references."""
-    seen, storages = set(), {}
-
-    def visit(value) -> None:
-        if id(value) in seen or isinstance(value, (str, bytes, int, float, bool, type(None), torch.nn.Module)):
-            return
-        seen.add(id(value))
-        if isinstance(value, torch.Tensor):
-            storages[value.untyped_storage().data_ptr(), value.device] = value.untyped_storage().nbytes()
-        elif isinstance(value, dict):
-            for item in value.values():
-                visit(item)
-        elif isinstance(value, (list, tuple, set, frozenset)):
-            for item in value:
-                visit(item)
-        elif hasattr(value, "__dict__"):
-            for item in vars(value).values():
-                visit(item)
-
-    visit(cache)
-    return sum(storages.values())
 
 
 def synchronize(device: str) -> None:

@@ -14,22 +14,15 @@ Memory figures are valid on a busy machine; the ms/token figures only on a quiet
 from __future__ import annotations
 
 import argparse
-import re
 import time
 from pathlib import Path
 
 import torch
 
 from modeling_gpn.bench import greedy_without_end
+from modeling_gpn.bench.memory import status_kib
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def status_mib(field: str) -> float:
-    return (
-        int(re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(encoding="utf-8"), re.M).group(1))
-        / 1024
-    )
 
 
 class Report:
@@ -47,7 +40,7 @@ class Report:
             ms = 1000 * (now - self.last) / self.interval
             self.last = now
             print(
-                f"| {self.count:,} | {ms:.3f} | {status_mib('VmRSS'):.1f} | {status_mib('VmHWM'):.1f} | "
+                f"| {self.count:,} | {ms:.3f} | {status_kib('VmRSS') / 1024:.1f} | {status_kib('VmHWM') / 1024:.1f} | "
                 f"{self.cache_bytes() / 1024:.1f} KB |",
                 flush=True,
             )

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -33,12 +32,6 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PRESETS = REPO_ROOT / "configuration"
 CALLS = ("forward-keep-1", "generate", "generate-chunked", "beams", "forward-all")
-
-
-def status_kib(field: str) -> int:
-    return int(
-        re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(encoding="utf-8"), re.M).group(1)
-    )
 
 
 def perturbed(preset: str, dtype=None, fast: bool = True):
@@ -105,6 +98,8 @@ def drift(preset: str, length: int, chunk: int) -> None:
 def memory_one(preset: str, length: int, call: str) -> dict:
     """In this (fresh) process: the call's peak RSS above the RSS before it."""
     import torch
+
+    from modeling_gpn.bench.memory import status_kib
 
     torch.set_num_threads(1)
     model = perturbed(preset)

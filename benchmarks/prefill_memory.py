@@ -19,23 +19,30 @@ before the prefill does not hide what it allocates. `--code DIR` imports `modeli
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.util
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PRESETS = REPO_ROOT / "configuration"
 
 
-def status_kib(field: str) -> int:
-    return int(
-        re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(encoding="utf-8"), re.M).group(1)
-    )
+@functools.cache
+def process_memory() -> ModuleType:
+    """This checkout's `modeling_gpn.bench.memory` (`status_kib`), its file loaded by its path: `--code` imports
+    another checkout's modeling_gpn in this process, which may have no such module and must not be imported after
+    this checkout's."""
+    spec = importlib.util.spec_from_file_location("gpn_bench_memory", REPO_ROOT / "modeling_gpn/bench/memory.py")
+    memory = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(memory)
+    return memory
 
 
 def build_model(preset: str, code: str | None):
@@ -62,6 +69,7 @@ def measure_one(preset: str, length: int, code: str | None, threads: int) -> dic
     ids = torch.randint(0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         model(ids[:, :64], use_cache=True, logits_to_keep=1)  # warm-up: kernels built, weights folded
+    status_kib = process_memory().status_kib  # (loaded before the peak-RSS mark is reset)
     Path("/proc/self/clear_refs").write_text("5", encoding="utf-8")  # reset the peak-RSS mark to the current RSS
     before = status_kib("VmRSS")
     start = time.perf_counter()

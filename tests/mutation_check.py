@@ -5087,8 +5087,8 @@ MUTATIONS = [
     Mutation(
         "a damaged cached BPE tokenizer ends gpn train with a JSON error naming no file",
         "modeling_gpn/data/tokenizer.py",
-        "            except Exception as error:  # noqa: BLE001  (a file of it damaged: a JSON error naming no file)\n",
-        "            except ZeroDivisionError as error:  # MUTATION\n",
+        "    except Exception as error:  # noqa: BLE001  (a file of it damaged: a JSON error naming no file)\n",
+        "    except ZeroDivisionError as error:  # MUTATION\n",
         ("tests/tools/test_faults_io.py::test_a_damaged_cached_bpe_tokenizer_names_its_folder",),
     ),
     Mutation(
@@ -6481,6 +6481,55 @@ MUTATIONS = [
         '                "(cache.detach(): truncated BPTT)"\n',
         '                "(truncated BPTT)"  # MUTATION\n',
         ("tests/fast_path/test_training_graphs.py -k second_backward_is_refused",),
+    ),
+    Mutation(
+        "two gpn train --tokenizer bpe runs on one corpus and cache each train the BPE (no hold on its key)",
+        "modeling_gpn/data/tokenizer.py",
+        '        with writing_alone(folder, "the BPE tokenizer", tell):\n',
+        '        with open(__file__, encoding="utf-8"):  # MUTATION\n',
+        ("tests/tools/test_faults_io.py -k training_the_bpe_tokenizer",),
+    ),
+    Mutation(
+        "a run that waited for another's BPE tokenizer trains it again instead of loading it",
+        "modeling_gpn/data/tokenizer.py",
+        '            if (folder / "tokenizer.json").exists():  # trained by the process this one waited for\n',
+        "            if False:  # MUTATION\n",
+        ("tests/tools/test_faults_io.py -k training_the_bpe_tokenizer",),
+    ),
+    Mutation(
+        "bench.memory.bytes_held skips what an object keeps in __slots__ (a cache counted as smaller than it is)",
+        "modeling_gpn/bench/memory.py",
+        "            stack += [getattr(value, name) for name in _slot_names(type(value)) if hasattr(value, name)]\n",
+        "            pass  # MUTATION\n",
+        ("tests/model/test_cache_and_padding.py -k bytes_held_counts_every_storage",),
+    ),
+    Mutation(
+        "bench.memory.bytes_held follows only the object's own class's __slots__, not its bases'",
+        "modeling_gpn/bench/memory.py",
+        "    for klass in cls.__mro__:\n",
+        "    for klass in cls.__mro__[:1]:  # MUTATION\n",
+        ("tests/model/test_cache_and_padding.py -k bytes_held_counts_every_storage",),
+    ),
+    Mutation(
+        "bench.memory.bytes_held reads a __slots__ string as one name a letter",
+        "modeling_gpn/bench/memory.py",
+        "        names += [slots] if isinstance(slots, str) else list(slots)\n",
+        "        names += list(slots)  # MUTATION\n",
+        ("tests/model/test_cache_and_padding.py -k bytes_held_counts_every_storage",),
+    ),
+    Mutation(
+        "bench.memory.bytes_held counts a tensor only a weak proxy refers to",
+        "modeling_gpn/bench/memory.py",
+        "        if type(value) in weakref.ProxyTypes or id(value) in seen:",
+        "        if id(value) in seen:  # MUTATION",
+        ("tests/model/test_cache_and_padding.py -k bytes_held_counts_every_storage",),
+    ),
+    Mutation(
+        "bench.memory.status_kib of a field /proc/self/status lacks ends in an AttributeError naming nothing",
+        "modeling_gpn/bench/memory.py",
+        "    if match is None:\n",
+        "    if False:  # MUTATION\n",
+        ("tests/model/test_cache_and_padding.py -k bytes_held_counts_every_storage",),
     ),
 ]
 

@@ -14,12 +14,13 @@ GFLOP/s counts the matmul and memory arithmetic of the model (training = 3x forw
 
 Modules: `command` (arguments, run), `models` (what is measured), `measure` (one preset's figures),
 `timing` (how things are timed), `limit` (the byte limit and the read probe), `report` (the table), `plot`
-(`--plot`'s figure).
+(`--plot`'s figure), `memory` (what a process and a cache hold: for benchmarks/ and the tests).
 """
 
 from .command import IMPLEMENTATIONS, LIMIT_HELP, add_arguments, run
 from .limit import ReadProbe, prefill_bytes, step_bytes, tensor_bytes
 from .measure import Row, measure
+from .memory import bytes_held, status_kib
 from .models import (
     DTYPES,
     QUANTIZERS,
@@ -62,6 +63,7 @@ __all__ = [
     "TokenTimes",
     "add_arguments",
     "build_gpn",
+    "bytes_held",
     "cache_nbytes",
     "count_params",
     "draw_bench_plot",
@@ -82,6 +84,7 @@ __all__ = [
     "release_reused_buffers",
     "run",
     "self_checks_state",
+    "status_kib",
     "prefill_bytes",
     "step_bytes",
     "synchronize",

@@ -9,11 +9,11 @@ so there it must have an EOS token.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .cache import content_hash, default_cache_dir, write_folder_atomically
+from .cache import content_hash, default_cache_dir, tell_on_stderr, write_folder_atomically, writing_alone
 from .corpus import CorpusSpec
 from .errors import DataError
 
@@ -96,9 +96,12 @@ def load_tokenizer(
     *,
     trust_remote_code: bool = False,
     require_eos: bool = True,
+    tell: Callable[[str], None] | None = tell_on_stderr,
 ) -> PreTrainedTokenizerBase:
     """The tokenizer named `name_or_path` (a Hub id or a folder), or (`"bpe"`, given a `corpus`) a byte-level
-    BPE trained on `corpus` and cached.
+    BPE trained on `corpus` and cached. Where another process is training the same BPE into the same cache, wait
+    for it (`tell` says whom for) and read what it wrote: two runs on one corpus trained it twice, and the second's
+    work was thrown away at its rename. A process killed meanwhile releases the wait, and this one trains it.
 
     Raises `DataError` if it cannot be loaded or (with `require_eos`, as training needs) has no EOS token.
     """
@@ -107,16 +110,13 @@ def load_tokenizer(
     if name_or_path == "bpe" and corpus is not None:
         key = content_hash({"corpus": corpus.fingerprint(), "vocab": bpe_vocab_size, "docs": bpe_max_documents, "v": 1})
         folder = Path(cache_dir or default_cache_dir()) / "tokenizers" / f"bpe-{bpe_vocab_size}-{key}"
-        if (folder / "tokenizer.json").exists():
-            try:
-                return AutoTokenizer.from_pretrained(str(folder))
-            except Exception as error:  # noqa: BLE001  (a file of it damaged: a JSON error naming no file)
-                raise DataError(
-                    f"The cached BPE tokenizer {folder} cannot be loaded ({_one_line(error)}): delete "
-                    "that folder and run again to train it anew"
-                ) from error
-        tokenizer = train_bpe_tokenizer(_bpe_training_texts(corpus, bpe_max_documents), bpe_vocab_size)
-        write_folder_atomically(folder, tokenizer.save_pretrained)
+        if (folder / "tokenizer.json").exists():  # (trained before: read without a hold, a read-only cache serves)
+            return _cached_bpe(folder)
+        with writing_alone(folder, "the BPE tokenizer", tell):
+            if (folder / "tokenizer.json").exists():  # trained by the process this one waited for
+                return _cached_bpe(folder)
+            tokenizer = train_bpe_tokenizer(_bpe_training_texts(corpus, bpe_max_documents), bpe_vocab_size)
+            write_folder_atomically(folder, tokenizer.save_pretrained)
         return tokenizer
     check_tokenizer_path(name_or_path)
     folder = Path(name_or_path).expanduser()
@@ -138,6 +138,19 @@ def load_tokenizer(
             "in its tokenizer_config.json or use --tokenizer bpe"
         )
     return tokenizer
+
+
+def _cached_bpe(folder: Path) -> PreTrainedTokenizerBase:
+    """The BPE tokenizer trained and cached in `folder`; a `DataError` naming the folder where it cannot be read."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as error:  # noqa: BLE001  (a file of it damaged: a JSON error naming no file)
+        raise DataError(
+            f"The cached BPE tokenizer {folder} cannot be loaded ({_one_line(error)}): delete "
+            "that folder and run again to train it anew"
+        ) from error
 
 
 def _one_line(error: Exception) -> str:

@@ -190,9 +190,18 @@ def prepare_data(
         corpus.local_files()  # bad paths fail here, on every rank, before anything else
     if corpus.kind == "hub":  # every rank resolves the commit now, before the main process tokenizes (which can
         corpus.hub_commit()  # take long): a commit landing meanwhile would give the others another cache key
+
+    def tell(message: str) -> None:  # (another run writing the same BPE tokenizer or token cache: this one waits)
+        print(f"gpn train: {message}", file=sys.stderr, flush=True)
+
     with accelerator.main_process_first():
         tokenizer = load_tokenizer(
-            config["tokenizer"], corpus, config["bpe_vocab_size"], config["bpe_max_documents"], config["cache_dir"]
+            config["tokenizer"],
+            corpus,
+            config["bpe_vocab_size"],
+            config["bpe_max_documents"],
+            config["cache_dir"],
+            tell=tell,
         )
         if config["tokenizer"] == "bpe" and len(tokenizer) < config["bpe_vocab_size"]:
             # (BPE stops merging when the corpus has no pair left: the model's vocabulary is then the smaller size)
@@ -206,8 +215,7 @@ def prepare_data(
             config["cache_dir"],
             max_tokens,
             show_progress=show_progress and accelerator.is_main_process,
-            # (another run writing the same cache: this one waits for it, then reads it)
-            tell=lambda message: print(f"gpn train: {message}", file=sys.stderr, flush=True),
+            tell=tell,
         )
     windows = WindowDataset(stream, config["seq_len"], config["val_fraction"], config["seed"])
     accelerator.print(

@@ -7,6 +7,7 @@ import torch
 from transformers.cache_utils import LinearAttentionLayer
 
 from modeling_gpn import GPNCache
+from modeling_gpn.bench.memory import bytes_held
 
 from ..tiny_models import perturbed_model, tiny_config
 
@@ -178,35 +179,6 @@ def test_a_cache_says_in_one_line_what_it_holds():
     assert repr(cache).endswith("on cpu, interrupted part-way through a call: refused until reset())")
 
 
-def bytes_held(cache) -> int:
-    """Every byte of tensor storage reachable from `cache` (each storage once): its state, the fingerprint of
-    what it read, and anything else it keeps, in its own attributes, its layers', and the containers and
-    objects they hold (not through weak references: the model a cache belongs to is not part of it)."""
-    seen_objects, storages = set(), {}
-
-    def visit(value) -> None:
-        if id(value) in seen_objects or isinstance(value, (str, bytes, int, float, bool, type(None), torch.nn.Module)):
-            return
-        seen_objects.add(id(value))
-        if isinstance(value, torch.Tensor):
-            storage = value.untyped_storage()
-            storages[storage.data_ptr(), value.device] = storage.nbytes()
-        elif isinstance(value, dict):
-            for item in value.values():
-                visit(item)
-        elif isinstance(value, (list, tuple, set, frozenset)):
-            for item in value:
-                visit(item)
-        elif hasattr(value, "__dict__") or hasattr(value, "__slots__"):
-            for name in getattr(value, "__slots__", ()):
-                visit(getattr(value, name, None))
-            for item in getattr(value, "__dict__", {}).values():
-                visit(item)
-
-    visit(cache)
-    return sum(storages.values())
-
-
 @torch.no_grad()
 def test_the_cache_is_exactly_constant_in_size_from_its_first_position():
     """Every tensor a cache holds, the fingerprint of what it read included, adds up to the same bytes after 1,
@@ -255,6 +227,41 @@ def test_the_cache_is_exactly_constant_in_size_from_its_first_position():
     # use; 5.24: nothing)
     upstream = bytes_held(LinearAttentionLayer(number_of_states=3))
     assert sizes["loop@1"] == 4 * model.config.state_floats_per_row * rows + 2 * 8 * rows + upstream, sizes
+
+
+def test_bytes_held_counts_every_storage_once_in_slots_too_and_status_kib_reads_the_process():
+    """`bench.memory.bytes_held` (what the cache-size test above and benchmarks/decode_loop_ab.py count) reaches
+    tensors kept in `__slots__`, a base class's included (a copy that read only `__dict__` counted such a cache as
+    smaller than it is), counts a view's storage once, and goes through no weak reference nor `nn.Module`.
+    `status_kib` reads this process's figures, and refuses a field it cannot find by name."""
+    import weakref
+
+    from modeling_gpn.bench.memory import status_kib
+
+    class Base:
+        __slots__ = ("kept",)
+
+    class Slotted(Base):
+        __slots__ = "more"  # (one name)
+
+    held, more = torch.zeros(100), torch.zeros(30, dtype=torch.float64)
+    slotted = Slotted()
+    slotted.kept, slotted.more = {"state": held, "view": held[10:20]}, [more, (more.T,)]
+    assert bytes_held(slotted) == 400 + 240
+
+    class Plain:
+        pass
+
+    plain = Plain()
+    elsewhere = torch.zeros(1000)  # (a model's, say: what a cache refers to without holding it)
+    plain.slotted, plain.model = slotted, torch.nn.Linear(50, 50)
+    plain.ref, plain.proxy = weakref.ref(elsewhere), weakref.proxy(elsewhere)
+    assert bytes_held(plain) == 400 + 240
+
+    rss = status_kib("VmRSS")
+    assert 10_000 < rss <= status_kib("VmHWM")  # (a Python with torch holds tens of MiB at least)
+    with pytest.raises(ValueError, match="has no 'VmNothing' line"):
+        status_kib("VmNothing")
 
 
 def test_bf16_weights_keep_a_float32_state():

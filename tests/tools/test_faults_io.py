@@ -1242,6 +1242,66 @@ def test_a_second_run_waits_for_the_one_writing_the_token_cache_and_reads_it_or_
         shutil.rmtree(folder)
 
 
+def test_a_second_run_waits_for_the_one_training_the_bpe_tokenizer_and_reads_it_or_trains_it_if_that_one_is_killed(
+    tmp_path,
+):
+    """Two `gpn train --tokenizer bpe` runs on one corpus and cache each trained the BPE (the second's rename lost
+    and its training was thrown away). The second waits on the cached tokenizer's key, naming the writer's pid, and
+    loads what the first saved; a first run killed meanwhile (`kill -9`) releases it: it trains the BPE itself."""
+    import threading
+
+    from modeling_gpn import data
+
+    path = tmp_path / "corpus.txt"
+    path.write_text("the cat sat on the mat\n" * 50, encoding="utf-8")
+    spec = data.CorpusSpec(source=str(path))
+    made = data.load_tokenizer("bpe", spec, 300, cache_dir=tmp_path / "made")  # what the first saves
+    (made_folder,) = (tmp_path / "made" / "tokenizers").glob("bpe-*")
+    folder = tmp_path / "cache" / "tokenizers" / made_folder.name
+    folder.parent.mkdir(parents=True)
+    lock = folder.with_name(f".{folder.name}.lock")
+    lock.touch()
+    for ending in ("write", "killed"):
+        writer = subprocess.Popen(
+            [sys.executable, "-c", CACHE_WRITER, str(lock), str(made_folder), str(folder)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        told, told_or_done, loaded = [], threading.Event(), {}
+
+        def tell(message: str, told=told, told_or_done=told_or_done) -> None:
+            told.append(message)
+            told_or_done.set()
+
+        def second_run(loaded=loaded, tell=tell, told_or_done=told_or_done) -> None:
+            try:
+                loaded["tokenizer"] = data.load_tokenizer("bpe", spec, 300, cache_dir=tmp_path / "cache", tell=tell)
+            finally:
+                told_or_done.set()
+
+        try:
+            writer.stdout.readline()  # (it holds the key once it printed)
+            second = threading.Thread(target=second_run)
+            second.start()
+            assert told_or_done.wait(60) and told and not loaded, "the second run did not wait"
+            if ending == "write":
+                writer.communicate("write\n", timeout=60)
+            else:
+                writer.kill()
+                writer.wait(timeout=60)
+            second.join(60)
+        finally:
+            writer.kill()
+            writer.wait()
+        (message,) = told
+        assert f"is in use by another process (pid {writer.pid}: " in message, message
+        assert f"that writes the BPE tokenizer {folder}; this run reads the BPE tokenizer once" in message, message
+        tokenizer = loaded["tokenizer"]
+        # (loaded from the folder: named after it; trained here: named after nothing)
+        assert tokenizer.name_or_path == (str(folder) if ending == "write" else ""), ending
+        assert tokenizer.get_vocab() == made.get_vocab() and (folder / "tokenizer.json").is_file()
+        shutil.rmtree(folder)
+
+
 def test_without_flock_the_token_cache_is_still_written_whole_and_no_write_is_taken_for_abandoned(
     bpe_tokenizer_dir, tmp_path, monkeypatch
 ):
