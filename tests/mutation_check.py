@@ -6396,14 +6396,14 @@ MUTATIONS = [
         "modeling_gpn/data/stream.py",
         '    with writing_alone(folder, "the token cache", tell):\n',
         '    with open(os.devnull, encoding="utf-8"):  # MUTATION\n',
-        ("tests/tools/test_faults_io.py -k second_run_waits",),
+        ("tests/tools/test_faults_io.py -k second_run_waits and token_cache",),
     ),
     Mutation(
         "a run that waited for another's token cache tokenizes the corpus again instead of reading it",
         "modeling_gpn/data/stream.py",
         '        if (folder / "meta.json").exists():  # written by the process this one waited for\n',
         "        if False:  # MUTATION\n",
-        ("tests/tools/test_faults_io.py -k second_run_waits",),
+        ("tests/tools/test_faults_io.py -k second_run_waits and token_cache",),
     ),
     Mutation(
         "a process waiting on a held path is refused instead (held's wait ignored)",

@@ -1181,6 +1181,45 @@ if sys.stdin.readline().strip() == "write":
 """
 
 
+def second_run_beside_a_writer(lock: Path, made: Path, folder: Path, ending: str, run) -> tuple[int, list[str], dict]:
+    """Start `CACHE_WRITER` holding `lock`, then `run(tell, result)` in a thread, as a second run that needs the
+    folder; once that run has said it waits (through `tell`) and finished nothing, the writer puts `made` in place as
+    `folder` (`ending` "write") or is killed ("killed"). Returns the writer's pid, what the run told, and its result."""
+    import threading
+
+    writer = subprocess.Popen(
+        [sys.executable, "-c", CACHE_WRITER, str(lock), str(made), str(folder)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    told, told_or_done, result = [], threading.Event(), {}
+
+    def tell(message: str) -> None:
+        told.append(message)
+        told_or_done.set()
+
+    def second_run() -> None:
+        try:
+            run(tell, result)
+        finally:
+            told_or_done.set()
+
+    try:
+        writer.stdout.readline()  # (it holds the key once it printed)
+        second = threading.Thread(target=second_run)
+        second.start()
+        assert told_or_done.wait(60) and told and not result, "the second run did not wait"
+        if ending == "write":
+            writer.communicate("write\n", timeout=60)
+        else:
+            writer.kill()
+            writer.wait(timeout=60)
+        second.join(60)
+    finally:
+        writer.kill()
+        writer.wait()
+    return writer.pid, told, result
+
+
 def test_a_second_run_waits_for_the_one_writing_the_token_cache_and_reads_it_or_writes_it_if_that_one_is_killed(
     bpe_tokenizer_dir, tmp_path
 ):
@@ -1188,7 +1227,6 @@ def test_a_second_run_waits_for_the_one_writing_the_token_cache_and_reads_it_or_
     rename won): minutes wasted on a big corpus. The second waits on the cache's key, saying for whom (the writer's
     pid), then reads what the first wrote; a first run killed meanwhile (`kill -9`: the kernel drops its flock)
     leaves it waiting no longer: it tokenizes the corpus itself."""
-    import threading
 
     from transformers import AutoTokenizer
 
@@ -1203,38 +1241,15 @@ def test_a_second_run_waits_for_the_one_writing_the_token_cache_and_reads_it_or_
     lock = folder.with_name(f".{folder.name}.lock")
     lock.touch()
     for ending in ("write", "killed"):
-        writer = subprocess.Popen(
-            [sys.executable, "-c", CACHE_WRITER, str(lock), str(made.folder), str(folder)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        told, waiting, built = [], threading.Event(), {}
 
-        def tell(message: str, told=told, waiting=waiting) -> None:
-            told.append(message)
-            waiting.set()
-
-        def second_run(built=built, tell=tell) -> None:
+        def second_run(tell, built) -> None:
             built["stream"] = data.build_token_stream(
                 spec, tokenizer, tmp_path / "cache", show_progress=False, tell=tell
             )
 
-        try:
-            writer.stdout.readline()  # (it holds the key once it printed)
-            second = threading.Thread(target=second_run)
-            second.start()
-            assert waiting.wait(60), "the second run did not wait"
-            assert not built
-            if ending == "write":
-                writer.communicate("write\n", timeout=60)
-            else:
-                writer.kill()
-                writer.wait(timeout=60)
-            second.join(60)
-        finally:
-            writer.kill()
-            writer.wait()
+        pid, told, built = second_run_beside_a_writer(lock, made.folder, folder, ending, second_run)
         (message,) = told
-        assert f"is in use by another process (pid {writer.pid}: " in message, message
+        assert f"is in use by another process (pid {pid}: " in message, message
         assert f"that writes the token cache {folder}; this run reads the token cache once" in message, message
         stream = built["stream"]
         assert stream.folder == folder and stream.reused == (ending == "write"), ending
@@ -1248,7 +1263,6 @@ def test_a_second_run_waits_for_the_one_training_the_bpe_tokenizer_and_reads_it_
     """Two `gpn train --tokenizer bpe` runs on one corpus and cache each trained the BPE (the second's rename lost
     and its training was thrown away). The second waits on the cached tokenizer's key, naming the writer's pid, and
     loads what the first saved; a first run killed meanwhile (`kill -9`) releases it: it trains the BPE itself."""
-    import threading
 
     from modeling_gpn import data
 
@@ -1262,38 +1276,13 @@ def test_a_second_run_waits_for_the_one_training_the_bpe_tokenizer_and_reads_it_
     lock = folder.with_name(f".{folder.name}.lock")
     lock.touch()
     for ending in ("write", "killed"):
-        writer = subprocess.Popen(
-            [sys.executable, "-c", CACHE_WRITER, str(lock), str(made_folder), str(folder)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        told, told_or_done, loaded = [], threading.Event(), {}
 
-        def tell(message: str, told=told, told_or_done=told_or_done) -> None:
-            told.append(message)
-            told_or_done.set()
+        def second_run(tell, loaded) -> None:
+            loaded["tokenizer"] = data.load_tokenizer("bpe", spec, 300, cache_dir=tmp_path / "cache", tell=tell)
 
-        def second_run(loaded=loaded, tell=tell, told_or_done=told_or_done) -> None:
-            try:
-                loaded["tokenizer"] = data.load_tokenizer("bpe", spec, 300, cache_dir=tmp_path / "cache", tell=tell)
-            finally:
-                told_or_done.set()
-
-        try:
-            writer.stdout.readline()  # (it holds the key once it printed)
-            second = threading.Thread(target=second_run)
-            second.start()
-            assert told_or_done.wait(60) and told and not loaded, "the second run did not wait"
-            if ending == "write":
-                writer.communicate("write\n", timeout=60)
-            else:
-                writer.kill()
-                writer.wait(timeout=60)
-            second.join(60)
-        finally:
-            writer.kill()
-            writer.wait()
+        pid, told, loaded = second_run_beside_a_writer(lock, made_folder, folder, ending, second_run)
         (message,) = told
-        assert f"is in use by another process (pid {writer.pid}: " in message, message
+        assert f"is in use by another process (pid {pid}: " in message, message
         assert f"that writes the BPE tokenizer {folder}; this run reads the BPE tokenizer once" in message, message
         tokenizer = loaded["tokenizer"]
         # (loaded from the folder: named after it; trained here: named after nothing)
