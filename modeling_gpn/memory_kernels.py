@@ -1194,6 +1194,7 @@ static void tiled_int8_rows(const gpn_segment *sg, const gpn_quantized *q, i64 r
    offset where some zero point is not 0), against 2 for the bf16 matrix torchao's linear dequantizes. */
 #if defined(GPN_VNNI)
 #define GPN_INT4 1
+/* 15 * 4096 * 32768 (|q - z|, the group, |x_q|) = 2.01e9 < 2^31: a longer group could wrap the int32 sums in silence */
 enum { INT4_MAX_GROUP = 4096 };
 
 /* the sums of x_q over each 8 elements of every batch row (`sums8`), once per input */

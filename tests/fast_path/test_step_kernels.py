@@ -314,11 +314,11 @@ def test_int4_weights_run_the_fast_path_on_their_int4_values(one_thread, decoded
 def test_int4_products_multiply_the_exact_int4_weights_within_the_inputs_rounding(one_thread):
     """The int4 products (`memory_kernels.int4_pack`'s layout, read by the kernel's `int4_rows`) of a torchao int4
     linear, for rows not a multiple of 16 (a last tile partly past the end), groups of 8, 16 and 32 weights and of a
-    whole row, zero points all 0 and not, one and three batch rows, a float32 and a bf16 module: each output is the
-    product by the exact weights (q - z) s within the input's rounding to 16 bits (2^-15 of its row's largest |x|
-    in each element, the bound of int8's products) and float32's (for bf16, of the input rounded to bf16, then the
-    output's own rounding to bf16, as the module rounds). An input that is not finite is carried as torch's. Groups
-    of other sizes and values of other bit widths keep the dequantized matrix, and say why."""
+    whole row, zero points all 0 and not, 1, 3 and 16 batch rows at 1 and 3 threads, a float32 and a bf16 module:
+    each output is the product by the exact weights (q - z) s within the input's rounding to 16 bits (2^-15 of its
+    row's largest |x| in each element, the bound of int8's products) and float32's (for bf16, of the input rounded to
+    bf16, then the output's own rounding to bf16, as the module rounds). An input that is not finite is carried as
+    torch's. Groups of other sizes and values of other bit widths keep the dequantized matrix, and say why."""
     import ctypes
 
     require_int4_products()
@@ -346,10 +346,14 @@ def test_int4_products_multiply_the_exact_int4_weights_within_the_inputs_roundin
         group = held["block_size"][1]
         values = held["qdata"].double() - held["zero_point"].double().repeat_interleave(group, 1)
         exact_weight = values * held["scale"].double().repeat_interleave(group, 1)
-        for batch in (1, 3):
+        for threads, batch in ((1, 1), (1, 3), (3, 16), (3, 3), (1, 16)):  # (3 threads: a matrix split unevenly)
             x = torch.randn(batch, cols, generator=generator)
             mk.int4_dequantized.clear()
-            y = mk.module_rows(linear, x).double()
+            torch.set_num_threads(threads)
+            try:
+                y = mk.module_rows(linear, x).double()
+            finally:
+                torch.set_num_threads(1)
             assert not mk.int4_dequantized, dict(mk.int4_dequantized)
             operand = mk.operand_of(linear)
             segment = mk._segment(operand, mk._input_slot(batch, cols), torch.zeros(batch, rows), 0)
