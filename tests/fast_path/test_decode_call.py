@@ -326,6 +326,7 @@ INT4_EDITS = {  # (torchao's int4 weight-only weight: what it holds, edited or r
         lambda m: setattr(m.model.fuse_proj.weight, "zero_point", m.model.fuse_proj.weight.zero_point + 1),
         True,
     ),
+    "zero points in place": (lambda m: m.model.fuse_proj.weight.zero_point.add_(1), True),  # (0 -> 1: now offsets)
     "zero points replaced, outside int4": (
         lambda m: setattr(m.model.fuse_proj.weight, "zero_point", m.model.fuse_proj.weight.zero_point + 8),
         False,
