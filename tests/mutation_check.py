@@ -6531,6 +6531,13 @@ MUTATIONS = [
         "    if False:  # MUTATION\n",
         ("tests/model/test_cache_and_padding.py -k bytes_held_counts_every_storage",),
     ),
+    Mutation(
+        "a path replaced between held's open and its lock: the old file held, the new one read unheld",
+        "modeling_gpn/atomic_files.py",
+        "            if now is not None and _same_file(now, locked):\n                break\n",
+        "            if True:  # MUTATION\n                break\n",
+        ("tests/tools/test_faults_io.py -k replaced_between_its_open_and_its_lock",),
+    ),
 ]
 
 

@@ -1677,6 +1677,30 @@ def test_a_path_held_by_another_process_is_refused_naming_it_and_a_replaced_one_
         assert not unchanged_since(state, seen)
 
 
+def test_a_path_replaced_between_its_open_and_its_lock_is_held_as_it_is_now(tmp_path, monkeypatch):
+    """`held` opens the path, then locks what it opened. A writer that renames a new file over the path in between
+    (forced here: the replacement is made as the flock is asked for) leaves the lock on a file the path no longer
+    names: `held` opens the path again and holds the new file, so the block reads what the path names now, held."""
+    import fcntl
+
+    from modeling_gpn.atomic_files import held, write_file_atomically
+
+    state = tmp_path / "state.safetensors"
+    state.write_bytes(b"first")
+    real_flock, replaced = fcntl.flock, []
+
+    def replaced_first(descriptor: int, operation: int) -> None:
+        if not replaced:
+            replaced.append(os.fstat(descriptor).st_ino)  # (the file held's first open named)
+            write_file_atomically(state, b"second")
+        real_flock(descriptor, operation)
+
+    monkeypatch.setattr(fcntl, "flock", replaced_first)
+    with held(state, "that tests") as locked:
+        assert replaced and locked.st_ino != replaced[0] and locked.st_ino == os.stat(state).st_ino
+        assert state.read_bytes() == b"second"
+
+
 def test_a_hold_let_go_while_its_holder_is_read_is_taken(tmp_path, monkeypatch):
     """`held` reads who holds the path after its flock was refused, for the message. A holder that lets go in
     between (forced here: it lets go as the read starts) left the path free: it is taken, not refused naming
