@@ -6078,9 +6078,17 @@ MUTATIONS = [
     Mutation(
         "an empty file (mktemp's) is refused as a state file's place",
         "modeling_gpn/state_file.py",
-        "    if not stat.S_ISREG(status.st_mode) or status.st_size == 0:\n",
-        "    if not stat.S_ISREG(status.st_mode):  # MUTATION\n",
+        "    if status is not None and stat.S_ISREG(status.st_mode) and status.st_size > 0:\n",
+        "    if status is not None and stat.S_ISREG(status.st_mode):  # MUTATION\n",
         ("tests/model/test_state.py -k save_over_a_file_that_is_no_state",),
+    ),
+    Mutation(
+        "a state saved as SHARDED/model.safetensors beside a sharded model's shards is written there (and read as "
+        "the model's weights by every later load)",
+        "modeling_gpn/state_file.py",
+        '    if place.name in WEIGHTS_FILE_NAMES and (place.parent / "config.json").is_file():\n',
+        "    if False:  # MUTATION\n",
+        ("tests/model/test_state.py -k weights_name_in_a_model_folder",),
     ),
     Mutation(
         "gpn generate --save-state over a model's weights is refused only after generating",
