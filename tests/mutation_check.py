@@ -1833,6 +1833,14 @@ MUTATIONS = [
         ("tests/tools/test_hub.py::test_upload_gets_the_right_arguments_and_the_dry_run_files",),
     ),
     Mutation(
+        "gpn push over an earlier push of pickled weights (pytorch_model.bin) leaves them, and "
+        "from_pretrained(use_safetensors=False) loads them in place of the new weights",
+        "modeling_gpn/hub/push.py",
+        '    "pytorch_model*.bin",\n    "pytorch_model.bin.index.json",\n',
+        "    # MUTATION\n",
+        ("tests/tools/test_hub.py::test_upload_gets_the_right_arguments_and_the_dry_run_files",),
+    ),
+    Mutation(
         "gpn push keeps the base_model of the card a Trainer or TRL wrote beside a fine-tune",
         "modeling_gpn/hub/folder.py",
         "    base_model = check_base_model(base_model) if base_model else card_base_model(model_dir)\n",
