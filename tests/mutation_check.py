@@ -6099,6 +6099,14 @@ MUTATIONS = [
         ("tests/model/test_state.py -k weights_name_in_a_model_folder",),
     ),
     Mutation(
+        "gpn generate (eval, inspect, serve) of a folder saved unsharded, then sharded, loads the stale "
+        "model.safetensors beside the new shards",
+        "modeling_gpn/cli/loading.py",
+        "    refuse_stale_single_weights(path)\n    try:\n",
+        "    try:  # MUTATION\n",
+        ("tests/tools/test_faults_io.py -k stale-weights-beside-shards",),
+    ),
+    Mutation(
         "gpn generate --save-state over a model's weights is refused only after generating",
         "modeling_gpn/cli/generate.py",
         "            check_replaceable(args.save_state)\n",
