@@ -41,6 +41,15 @@ STATE_FILE_FORMAT = "gpn-state"
 STATE_FILE_VERSION = 2
 # the largest header safetensors itself reads (its MAX_HEADER_SIZE): a longer one is no state file's
 SAFETENSORS_HEADER_LIMIT = 100_000_000
+# The files `from_pretrained` reads a folder's weights from unasked (transformers' SAFE_WEIGHTS_NAME,
+# SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME): a state written under one of them into a model folder
+# is read as its weights (model.safetensors first, before the shards an index names).
+WEIGHTS_FILE_NAMES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 STATE_TENSOR_NAMES = ("predicted", "grounded", "memory")  # p, g, M: the order of the cache layer's states
 # The configuration fields that give a state its meaning (what the recurrence computes and the shapes it
 # keeps); training settings (BPTT, token ids, the window hint) do not change it.
@@ -335,24 +344,38 @@ def check_replaceable(path: str | os.PathLike) -> None:
     """Refuse (`GPNStateFileError`) to save a state over a file at `path` (through a link too) that holds something
     else: `gpn generate --save-state MODEL/model.safetensors` replaced the model's weights with a state, in silence.
     A state file of any format version, an empty file (`mktemp`'s) and no file at all may be replaced; a folder,
-    device or pipe is left to the write, which refuses it (`atomic_files.replacing`)."""
+    device or pipe is left to the write, which refuses it (`atomic_files.replacing`). Nor is a state named as a
+    model's weights (`WEIGHTS_FILE_NAMES`) written into a model folder (one holding config.json), even where no file
+    of that name is there: `--save-state SHARDED/model.safetensors` beside a sharded model's shards and index made
+    every later load read the state as the model's weights (transformers reads model.safetensors before an index)."""
     try:
         status = os.stat(path)
     except OSError:  # (nothing there, or a dangling link: the rename replaces the link, nothing is lost)
-        return
-    if not stat.S_ISREG(status.st_mode) or status.st_size == 0:
-        return
-    try:
-        with open(path, "rb") as file:
-            length = int.from_bytes(file.read(8), "little")
-            header = json.loads(file.read(min(length, status.st_size - 8, SAFETENSORS_HEADER_LIMIT)))
-        held = header.get("__metadata__", {}).get("format")
-    except (OSError, ValueError, AttributeError, UnicodeDecodeError):
-        held = None
-    if held != STATE_FILE_FORMAT:
+        status = None
+    if status is not None and stat.S_ISREG(status.st_mode) and status.st_size > 0:
+        try:
+            with open(path, "rb") as file:
+                length = int.from_bytes(file.read(8), "little")
+                header = json.loads(file.read(min(length, status.st_size - 8, SAFETENSORS_HEADER_LIMIT)))
+            held = header.get("__metadata__", {}).get("format")
+        except (OSError, ValueError, AttributeError, UnicodeDecodeError):
+            held = None
+        if held != STATE_FILE_FORMAT:
+            raise GPNStateFileError(
+                f"Cannot save a state to {path}: it holds a file that is not a GPN state ({status.st_size:,} bytes), "
+                "which the state would replace; name another file, or remove that one first"
+            )
+    refuse_a_weights_name(path)
+
+
+def refuse_a_weights_name(path: str | os.PathLike) -> None:
+    """Refuse (`GPNStateFileError`) a state's `path` named as a model's weights file (`WEIGHTS_FILE_NAMES`) in a
+    folder holding config.json: `from_pretrained` of that folder would read the state as its weights."""
+    place = Path(path)
+    if place.name in WEIGHTS_FILE_NAMES and (place.parent / "config.json").is_file():
         raise GPNStateFileError(
-            f"Cannot save a state to {path}: it holds a file that is not a GPN state ({status.st_size:,} bytes), "
-            "which the state would replace; name another file, or remove that one first"
+            f"Cannot save a state to {path}: {place.parent} is a model folder (it holds config.json), where "
+            f"from_pretrained reads {place.name} as the model's weights; name another file"
         )
 
 

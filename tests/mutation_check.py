@@ -1833,6 +1833,14 @@ MUTATIONS = [
         ("tests/tools/test_hub.py::test_upload_gets_the_right_arguments_and_the_dry_run_files",),
     ),
     Mutation(
+        "gpn push over an earlier push of pickled weights (pytorch_model.bin) leaves them, and "
+        "from_pretrained(use_safetensors=False) loads them in place of the new weights",
+        "modeling_gpn/hub/push.py",
+        '    "pytorch_model*.bin",\n    "pytorch_model.bin.index.json",\n',
+        "    # MUTATION\n",
+        ("tests/tools/test_hub.py::test_upload_gets_the_right_arguments_and_the_dry_run_files",),
+    ),
+    Mutation(
         "gpn push keeps the base_model of the card a Trainer or TRL wrote beside a fine-tune",
         "modeling_gpn/hub/folder.py",
         "    base_model = check_base_model(base_model) if base_model else card_base_model(model_dir)\n",
@@ -6078,9 +6086,25 @@ MUTATIONS = [
     Mutation(
         "an empty file (mktemp's) is refused as a state file's place",
         "modeling_gpn/state_file.py",
-        "    if not stat.S_ISREG(status.st_mode) or status.st_size == 0:\n",
-        "    if not stat.S_ISREG(status.st_mode):  # MUTATION\n",
+        "    if status is not None and stat.S_ISREG(status.st_mode) and status.st_size > 0:\n",
+        "    if status is not None and stat.S_ISREG(status.st_mode):  # MUTATION\n",
         ("tests/model/test_state.py -k save_over_a_file_that_is_no_state",),
+    ),
+    Mutation(
+        "a state saved as SHARDED/model.safetensors beside a sharded model's shards is written there (and read as "
+        "the model's weights by every later load)",
+        "modeling_gpn/state_file.py",
+        '    if place.name in WEIGHTS_FILE_NAMES and (place.parent / "config.json").is_file():\n',
+        "    if False:  # MUTATION\n",
+        ("tests/model/test_state.py -k weights_name_in_a_model_folder",),
+    ),
+    Mutation(
+        "gpn generate (eval, inspect, serve) of a folder saved unsharded, then sharded, loads the stale "
+        "model.safetensors beside the new shards",
+        "modeling_gpn/cli/loading.py",
+        "    refuse_stale_single_weights(path)\n    try:\n",
+        "    try:  # MUTATION\n",
+        ("tests/tools/test_faults_io.py -k stale-weights-beside-shards",),
     ),
     Mutation(
         "gpn generate --save-state over a model's weights is refused only after generating",

@@ -305,6 +305,7 @@ def causal_lm_from_pretrained(path: str, **kwargs: Any) -> PreTrainedModel:
     (gpn eval wrote perplexities of NaN to its results, as if measured)."""
     from transformers import AutoModelForCausalLM
 
+    refuse_stale_single_weights(path)
     try:
         model, loading = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
     except (OSError, ValueError):  # a missing file, an unknown model type: transformers' own message names it
@@ -314,6 +315,30 @@ def causal_lm_from_pretrained(path: str, **kwargs: Any) -> PreTrainedModel:
     refuse_incomplete_weights(loading, path)
     refuse_non_finite_parameters(model, path)
     return model
+
+
+def refuse_stale_single_weights(path: str) -> None:
+    """A `ValueError` where the folder `path` holds model.safetensors beside a model.safetensors.index.json that names
+    other files there: `save_pretrained` with `max_shard_size` into a folder of an earlier unsharded save leaves the
+    earlier model.safetensors, and transformers loads it, not the shards, in silence (as `gpn push` refuses such a
+    folder). Which of the two is stale cannot be told; an index whose shards are gone (an unsharded save over a
+    sharded one, which removes the shards) is left alone: transformers loads the model.safetensors written last."""
+    folder = Path(path)
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    if not (single.is_file() and index.is_file()):
+        return
+    try:
+        named = {str(name) for name in json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return  # (transformers does not read the index beside model.safetensors)
+    shards = sorted(name for name in named - {single.name} if (folder / name).is_file())
+    if shards:
+        raise ValueError(
+            f"{path} holds both model.safetensors and the shards its model.safetensors.index.json names "
+            f"({_first_names(shards, 2)}): one set is left from an earlier save_pretrained into this folder (it "
+            "removes neither), and transformers would load model.safetensors; delete the stale files, or save to a "
+            "new folder"
+        )
 
 
 def refuse_incomplete_weights(loading: dict[str, Any], path: str) -> None:

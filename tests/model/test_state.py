@@ -950,6 +950,56 @@ def test_a_save_over_a_file_that_is_no_state_is_refused_and_the_file_kept(genera
     assert saved_back.metadata() == saved_elsewhere.metadata()  # (its checksum covers the tensors)
 
 
+def test_a_state_is_not_saved_under_a_weights_name_in_a_model_folder_and_a_sharded_copy_takes_its_states(
+    generate_dir, saved, tmp_path, capsys
+):
+    """`gpn generate SHARDED --save-state SHARDED/model.safetensors` (a `max_shard_size` save: shards and an index, no
+    model.safetensors) wrote the state there, exit status 0, and every later load of the folder read the state as
+    the model's weights (transformers reads model.safetensors before an index). A state named as a weights file
+    (model.safetensors, the index, pytorch_model.bin and its index) is refused in a folder holding config.json and
+    nothing is written; elsewhere the name is free. The sharded copy of a model takes the unsharded one's states
+    (one weights fingerprint) and gives the same tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model, path = saved
+    cache = GPNCache.load(path, model)
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(sharded, max_shard_size="20KB")
+    assert len(list(sharded.glob("model-*.safetensors"))) > 1 and not (sharded / "model.safetensors").exists()
+    names = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+    for name in names[:1] + names[2:]:  # (the index is there: refused as a file that is no state, as before)
+        with pytest.raises(GPNStateFileError, match=f"is a model folder .* reads {re.escape(name)} as the model"):
+            cache.save(sharded / name)
+        assert not (sharded / name).exists()
+    cache.save(tmp_path / "model.safetensors")  # (no config.json beside it: no model reads it)
+    reloaded = AutoModelForCausalLM.from_pretrained(sharded)
+    continued = GPNCache.load(path, reloaded)  # (the sharded copy's weights are the model's: its state is taken)
+    ids = token_ids(2, 3, seed=11)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            reloaded(ids, cache=continued, use_cache=True).logits,
+            model(ids, cache=GPNCache.load(path, model), use_cache=True).logits,
+            rtol=0,
+            atol=0,
+        )
+
+    shards = tmp_path / "generate-sharded"  # (generate_dir's model and tokenizer, the model in shards)
+    shards.mkdir()
+    for file in generate_dir.glob("tokenizer*"):
+        (shards / file.name).write_bytes(file.read_bytes())
+    AutoModelForCausalLM.from_pretrained(generate_dir).save_pretrained(shards, max_shard_size="20KB")
+    target = shards / "model.safetensors"
+    code, out, err = run_cli(capsys, shards, "the cat", "--max-new-tokens", "1", "--save-state", target)
+    assert (code, out) == (2, "") and not target.exists(), err
+    assert f"--save-state: Cannot save a state to {target}: {shards} is a model folder" in err
+    state, again = tmp_path / "from-sharded.safetensors", tmp_path / "from-whole.safetensors"
+    assert run_cli(capsys, shards, "the cat", "--max-new-tokens", "2", "--save-state", state)[0] == 0
+    assert run_cli(capsys, generate_dir, "the cat", "--max-new-tokens", "2", "--save-state", again)[0] == 0
+    on_whole = run_cli(capsys, generate_dir, "--state", state, " sat", "--max-new-tokens", "3")
+    on_sharded = run_cli(capsys, shards, "--state", again, " sat", "--max-new-tokens", "3")
+    assert on_whole[0] == on_sharded[0] == 0 and on_whole[1] == on_sharded[1], (on_whole, on_sharded)
+
+
 def test_a_read_only_or_full_disk_loses_no_text_and_names_the_state_file(generate_dir, saved, tmp_path, capsys):
     """A read-only file system: `save` failed naming its hidden temporary file (removing one that was never made
     fails there too, EROFS, and that error replaced the first), and `gpn generate --save-state` generated, then

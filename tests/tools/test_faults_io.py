@@ -593,6 +593,11 @@ GENERATE_BAD = {
     "foreign-tokenizer": (["{small_model}", "hello there", "--tokenizer", "{model}"], "outside the model's vocabulary"),
     # a config.json of more layers than the weights hold: transformers drew the missing ones at random
     "weights-short-of-config": (["{grown_model}", "hi"], "does not match its config.json: its weights lack model."),
+    # an unsharded save, then a sharded one into the same folder: transformers loaded the first, in silence
+    "stale-weights-beside-shards": (
+        ["{resaved_model}", "hi"],
+        "holds both model.safetensors and the shards its model.safetensors.index.json names (model-0000",
+    ),
     # a weight holding NaN: the same token over and over, as if generated
     "nan-weights": (["{nan_model}", "hi"], "has parameters holding NaN or inf (loaded as torch.float32): model."),
     # a weight of 1e5, finite as saved, inf once cast to float16: refused as gpn eval --dtype float16 refuses it
@@ -616,10 +621,17 @@ def test_generate_bad_arguments_are_one_clear_line(generate_dir, tmp_path, capsy
         (tmp_path / "grown" / "config.json").write_text(json.dumps(config))
     if "{nan_model}" in args:
         copy_with_a_nan_weight(generate_dir, tmp_path / "nan")
+    if "{resaved_model}" in args:
+        shutil.copytree(generate_dir, tmp_path / "resaved")
+        from modeling_gpn import GPNConfig
+
+        perturbed_model(GPNConfig.from_pretrained(generate_dir), seed=9).save_pretrained(
+            tmp_path / "resaved", max_shard_size="20KB"
+        )
     if "{big_model}" in args:
         copy_with_a_nan_weight(generate_dir, tmp_path / "big", value=1e5)
     folders = dict(small_model=tmp_path / "small", grown_model=tmp_path / "grown", nan_model=tmp_path / "nan")
-    folders["big_model"] = tmp_path / "big"
+    folders.update(big_model=tmp_path / "big", resaved_model=tmp_path / "resaved")
     args = [a.format(model=generate_dir, tmp=tmp_path, **folders) for a in args]
     code = gpn_main(["generate", *args])
     captured = capsys.readouterr()

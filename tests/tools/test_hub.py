@@ -716,13 +716,17 @@ def test_upload_gets_the_right_arguments_and_the_dry_run_files(source, published
     dry_run = {p.name: p.read_bytes() for p in published.iterdir()}
     assert upload["snapshot"] == dry_run  # the upload is exactly the dry-run folder
     assert not any(TOKEN.encode() in data for data in upload["snapshot"].values())
-    # a push over an earlier one (sharded weights, another tokenizer) leaves only this one's weights and tokenizer:
-    # upload_folder only adds, and transformers loaded a stale shard set's index, or a stale chat template
+    # a push over an earlier one (sharded weights, pickled weights, another tokenizer) leaves only this one's weights
+    # and tokenizer: upload_folder only adds, and transformers loaded a stale shard set's index, a stale chat template,
+    # or (`use_safetensors=False`) the stale pickled weights
     from huggingface_hub.utils import filter_repo_objects
 
     earlier = {
         "model-00001-of-00002.safetensors",
         "model.safetensors.index.json",
+        "pytorch_model.bin",
+        "pytorch_model-00001-of-00002.bin",
+        "pytorch_model.bin.index.json",
         "tokenizer.model",
         "chat_template.jinja",
     }
