@@ -17,6 +17,12 @@ Transformer++ baseline). Writes two files into `--output-dir`:
       "state_dim": int | null,       # config.hidden_size
       "max_length": int,             # context length given to lm-eval (GPN default: config.max_length_hint)
       "dtype": str, "device": str, "batch_size": int, "limit": int | null,
+      "quantization": {              # null for float weights; read from the weights (--dtype int8 | int4, or a
+        "weights": str,              #   folder saved quantized): "int8" or "int4"
+        "scheme": str,               # in words (torchao's config, what shares a scale)
+        "group_sizes": [int, ...],   # weights per scale (int4: 32, a row's length where it is no multiple of 32)
+        "quantized_linears": int, "head": str,  # the tied head stays float (its dtype)
+        "summary": str} | null,      # one line of the above (the report's)
       "tasks": {task: {metric: float, ...}, ...},
       "protocols": {task: str, ...}, # one line per task: what the numbers mean
       "data": {task: str, ...},      # local path(s) or "hf://name (config, split)"
@@ -123,9 +129,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         default="float32",
-        choices=["float32", "bfloat16", "float16"],
+        choices=["float32", "bfloat16", "float16", "int8", "int4"],
         help="weights' dtype, float32 whatever the saved one (gpn generate's default, auto, keeps the saved one); a "
-        "GPN's state stays float32",
+        "GPN's state stays float32. int8 or int4: torchao's int8 / int4 weight-only quantization (groups of 32) of "
+        "every nn.Linear of the bfloat16 model but the tied head, as gpn generate --dtype (needs torchao); the "
+        "log-likelihoods stay float32 and the results say how the weights were quantized",
     )
     parser.add_argument(
         "--max-length",
@@ -377,6 +385,10 @@ def _run(args: argparse.Namespace, holds: contextlib.ExitStack) -> int:
         if args.num_threads is not None and args.num_threads < 1:
             raise ValueError(f"--num-threads must be at least 1, got {args.num_threads}")
         torch_device(args.device)
+        if args.dtype in ("int8", "int4"):  # (torchao missing: one line before the model loads)
+            from modeling_gpn.bench.models import require_torchao
+
+            require_torchao(args.dtype)
         args.model = check_model_path(args.model)
         if args.tokenizer:
             check_tokenizer_path(args.tokenizer)

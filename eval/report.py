@@ -37,6 +37,7 @@ def render_report(results: dict[str, Any]) -> str:
     metrics = results["baseline_metrics"]
     measured = results["comparison"]["measured"]
     name = results["model"]
+    quantization = results.get("quantization")  # (absent from results written before it was recorded: float)
     lines = [
         f"# Evaluation of `{name}`",
         "",
@@ -50,6 +51,7 @@ def render_report(results: dict[str, Any]) -> str:
         ),
         f"- lm-eval {results['lm_eval_version']}; max_length {results['max_length']}; dtype {results['dtype']}; "
         f"device {results['device']}; batch size {results['batch_size']}"
+        + (f"; **weights quantized: {quantization['summary']}**" if quantization else "")
         # (--limit cuts the LAMBADA and lm-eval tasks only: the FineWeb windows are counted in their own note)
         + (
             f"; **limit: the first {results['limit']} examples of each LAMBADA and lm-eval task**"
@@ -81,8 +83,10 @@ def render_report(results: dict[str, Any]) -> str:
     layers = results.get("layers", "–")
     state = results.get("state_dim", "–")
     cells = [_fmt(measured.get(key), pattern) for key, _, pattern in COLUMNS]
+    # (a quantized run's row says so in its name: never read as the float model's)
+    row_name = f"**{name}** ({quantization['weights']} weights)" if quantization else f"**{name}**"
     lines.append(
-        f"| **{name}** | measured | {_params(results['n_params'])} | {layers} | {state} | "
+        f"| {row_name} | measured | {_params(results['n_params'])} | {layers} | {state} | "
         + " | ".join(f"**{c}**" for c in cells)
         + " |"
     )

@@ -124,6 +124,18 @@ class EvalSettings:
 # --------------------------------------------------------------------------------------------------
 
 
+#: `gpn eval --dtype` -> the dtype the weights load in; int8 and int4 then quantize the bfloat16 model's linears
+#: (`bench.models.quantize_for`, as gpn generate's --dtype): the head stays bfloat16, the scores float32 as ever.
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int8": torch.bfloat16,
+    "int4": torch.bfloat16,
+}
+QUANTIZED_DTYPES = ("int8", "int4")
+
+
 def load_model(
     path: str,
     device: str = "cpu",
@@ -135,12 +147,16 @@ def load_model(
     the adapter merged) and its tokenizer (`tokenizer`, else the model's: an adapter folder's own, else its base's)."""
     import modeling_gpn  # noqa: F401  (registers the GPN Auto classes for folders without remote code)
 
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if dtype not in dtypes:
-        raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {dtype!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     path = check_model_path(path)
-    model = load_causal_lm(path, dtype=dtypes[dtype], trust_remote_code=trust_remote_code)
+    # (int8, int4: the bfloat16 model quantized on its device as gpn generate's --dtype quantizes it, one function)
+    model = load_causal_lm(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
     model = model.to(device).eval()
+    if dtype in QUANTIZED_DTYPES:
+        from modeling_gpn.bench.models import quantize_for
+
+        model = quantize_for(model, dtype, path)
     tok = load_model_tokenizer(path, tokenizer, trust_remote_code=trust_remote_code, require_eos=False)
     disagreement = end_of_text_disagreement(path, tok)
     if disagreement is not None:  # (a warning: the scores read no EOS id of the config, generated text would)
@@ -631,6 +647,7 @@ def _evaluate(
 ) -> dict[str, Any]:
     import lm_eval
 
+    from modeling_gpn.bench.models import quantization_of
     from modeling_gpn.data import build_token_stream
 
     if model is None:
@@ -654,6 +671,9 @@ def _evaluate(
         "state_dim": getattr(model.config, "hidden_size", None),
         "max_length": max_length,
         "dtype": settings.dtype,
+        # (read from the weights: a quantized row is never taken for the float model's, a folder saved quantized
+        # included, whatever --dtype said)
+        "quantization": quantization_of(model),
         "device": settings.device,
         "batch_size": settings.batch_size,
         "limit": settings.limit,

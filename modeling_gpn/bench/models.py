@@ -86,6 +86,78 @@ def quantized_as(model: torch.nn.Module) -> set[str]:
     return kinds
 
 
+def quantize_for(model: torch.nn.Module, kind: str, source: str = "the model") -> torch.nn.Module:
+    """`model` quantized to `kind` ("int8", "int4": `QUANTIZERS`, of the model cast to bfloat16), for `--dtype KIND`
+    of `gpn generate` and `gpn eval` alike. A model saved quantized already (`TorchAoConfig`) is returned as saved
+    when it is of that kind, and refused otherwise: torchao cannot quantize its weights again (it failed deep in its
+    dispatch), and int4 skipped int8 weights, giving an int8 model in silence. Every refusal, torchao missing
+    included, is a ValueError in one line naming the problem."""
+    if kind not in QUANTIZERS:
+        raise ValueError(f"cannot quantize to {kind!r}: one of {', '.join(QUANTIZERS)}")
+    kinds = quantized_as(model)
+    if kinds == {kind}:
+        return model
+    if kinds:
+        # (--dtype of the saved kind runs it as saved, in gpn generate and gpn eval alike; gpn eval has no auto)
+        saved = f"use --dtype {'/'.join(sorted(kinds))} to run it as saved, or " if kinds <= QUANTIZERS.keys() else ""
+        raise ValueError(
+            f"{source} is saved quantized already ({', '.join(sorted(kinds))} weights): --dtype {kind} quantizes a "
+            f"float model; {saved}give the float model"
+        )
+    try:
+        return QUANTIZERS[kind](model.to(torch.bfloat16))
+    except ImportError as error:
+        raise ValueError(str(error)) from None
+
+
+def quantization_of(model: torch.nn.Module) -> dict | None:
+    """What a report says of `model`'s quantized weights, read from the weights themselves (so that a folder saved
+    quantized is described as it is, whatever was asked): None for a float model, else `weights` (the
+    `quantized_as` kinds, joined), `scheme` (in words), `group_sizes` (weights sharing a scale: int4's groups, the
+    whole row where a row's length is no multiple of `INT4_GROUP`; int8's one scale per row), `quantized_linears`,
+    `head` (the output head's dtype: it stays float, tied to the embedding) and `summary` (one line of all that)."""
+    kinds = quantized_as(model)
+    if not kinds:
+        return None
+    groups, count = set(), 0
+    for parameter in model.parameters():
+        if type(parameter) is torch.nn.Parameter or type(parameter) is torch.Tensor:
+            continue
+        count += 1
+        block = getattr(parameter, "block_size", None)
+        groups.add(int(block[-1]) if block is not None else int(parameter.shape[-1]))
+    schemes = {
+        "int8": "int8 weight-only (torchao Int8WeightOnlyConfig: one scale per output row)",
+        "int4": "int4 weight-only (torchao IntxWeightOnlyConfig: values in [-8, 7], a scale and a zero point per group)",
+    }
+    scheme = "; ".join(schemes.get(kind, f"{kind} weights") for kind in sorted(kinds))
+    head = model.get_output_embeddings()
+    head_dtype = str(head.weight.dtype).removeprefix("torch.") if head is not None else None
+    sizes = sorted(groups)
+    grouping = ""  # (int8's scheme says it: one scale per row)
+    if "int4" in kinds:  # (IntxWeightOnlyConfig's groups; a row whose length is no multiple of them is one group)
+        rows = [str(size) for size in sizes[1:] if size % sizes[0]]
+        grouping = f", groups of {sizes[0]}" + (f" (rows of {', '.join(rows)}: whole)" if rows else "")
+    return {
+        "weights": "+".join(sorted(kinds)),
+        "scheme": scheme,
+        "group_sizes": sizes,
+        "quantized_linears": count,
+        "head": head_dtype,
+        "summary": f"{scheme}{grouping}, {count} linears; head {head_dtype}",
+    }
+
+
+def require_torchao(kind: str) -> None:
+    """Refuse `--dtype kind` (int8, int4) where torchao cannot be imported: a ValueError in one line saying what to
+    install, for a command to raise before it loads a model (`quantize_for` refuses so too, later)."""
+    if kind in QUANTIZERS:
+        try:
+            _torchao(kind)
+        except ImportError as error:
+            raise ValueError(str(error)) from None
+
+
 def _torchao(name: str):
     """torchao's quantization module, or ImportError saying what `--dtype name` needs installed."""
     try:

@@ -212,10 +212,9 @@ def _load(args: argparse.Namespace):
 def _to_dtype(model: PreTrainedModel, dtype: str, source: str = "the model"):
     """The model in `--dtype` (auto: as loaded; a float dtype cast, a weight it makes inf refused naming the dtype,
     as gpn eval's and gpn inspect's loads refuse one). int8 and int4 quantize every nn.Linear of the bfloat16 model with
-    torchao's weight-only configs, as `gpn bench` does (`QUANTIZERS`: the output head, tied to the embedding, stays
-    bfloat16). A model saved quantized already (`TorchAoConfig`) is kept as saved when it is of that kind, and
-    refused otherwise: torchao cannot quantize its weights again (it failed deep in its dispatch), and int4 skipped
-    int8 weights, giving an int8 model in silence."""
+    torchao's weight-only configs, as `gpn bench` and `gpn eval` do (`bench.models.quantize_for`: the output head,
+    tied to the embedding, stays bfloat16; a model saved quantized already is kept when of that kind, refused
+    otherwise)."""
     if dtype == "auto":
         return model
     if dtype in ("float32", "bfloat16", "float16"):
@@ -228,19 +227,11 @@ def _to_dtype(model: PreTrainedModel, dtype: str, source: str = "the model"):
             hint = "; float16's largest value is 65504: use --dtype bfloat16 or float32" if dtype == "float16" else ""
             raise GenerateError(f"{error}{hint}") from None
         return model
-    from modeling_gpn.bench.models import QUANTIZERS, quantized_as
+    from modeling_gpn.bench.models import quantize_for
 
-    kinds = quantized_as(model)
-    if kinds == {dtype}:
-        return model
-    if kinds:
-        raise GenerateError(
-            f"{source} is saved quantized already ({', '.join(sorted(kinds))} weights): --dtype {dtype} quantizes a "
-            "float model; use --dtype auto to run it as saved, or give the float model"
-        )
-    try:
-        return QUANTIZERS[dtype](model.to(torch.bfloat16))
-    except ImportError as error:
+    try:  # (gpn eval --dtype int8 | int4 quantizes through the same function)
+        return quantize_for(model, dtype, source)
+    except ValueError as error:
         raise GenerateError(str(error)) from None
 
 

@@ -34,6 +34,8 @@ class EvalInfo:
     data: dict[str, str] = field(default_factory=dict)
     limit: int | None = None  # `gpn eval --limit N`: only the first N examples of a task were scored
     dtype: str | None = None  # `gpn eval --dtype`: the weights' dtype the figures were measured in
+    quantization: str | None = None  # how the weights were quantized (eval_results.json "quantization" summary)
+    quantized: str | None = None  # what they were quantized to ("int8", "int4": its "weights"), None for float ones
 
 
 @dataclass
@@ -110,6 +112,12 @@ def read_eval_results(path: str | Path) -> EvalInfo:
         data={str(k): str(v) for k, v in sources.items()},
         limit=int(limit) if is_number(limit := data.get("limit")) and limit >= 1 else None,
         dtype=str(data["dtype"]) if data.get("dtype") else None,
+        quantization=(
+            str(quantized["summary"])
+            if isinstance(quantized := data.get("quantization"), dict) and quantized.get("summary")
+            else None
+        ),
+        quantized=str(quantized["weights"]) if isinstance(quantized, dict) and quantized.get("weights") else None,
     )
 
 

@@ -393,7 +393,9 @@ def evaluation_lines(config: GPNConfig, model_name: str, n_params: int, evaluati
         "|---|---|---|---|---|---|---|",
     ]
     row = [
-        f"**{model_name}** (this model)",
+        # (a quantized run's figures are never read as the float model's: gpn eval's report names its row so too)
+        f"**{model_name}** (this model"
+        + (f", {evaluation.quantized} weights)" if evaluation and evaluation.quantized else ")"),
         str(config.num_predict_layers),
         f"{config.hidden_size:,}",
         _human(n_params),
@@ -457,7 +459,9 @@ def run_differences(evaluation: EvalInfo) -> list[str]:
             f"LAMBADA with {truncated:,} contexts left-truncated to `gpn eval --max-length` (the paper "
             "reads them whole)"
         )
-    if evaluation.dtype and evaluation.dtype != "float32":
+    if evaluation.quantization:  # (a quantized run is never read as the float model's figures)
+        differences.append(f"the weights quantized: {evaluation.quantization} (`gpn eval --dtype {evaluation.dtype}`)")
+    elif evaluation.dtype and evaluation.dtype != "float32":
         differences.append(f"the weights cast to {evaluation.dtype} (`gpn eval --dtype {evaluation.dtype}`)")
     return differences
 
@@ -468,6 +472,7 @@ def results_lines(evaluation: EvalInfo) -> list[str]:
         "All results of this model"
         + (f" (lm-eval {evaluation.lm_eval_version})" if evaluation.lm_eval_version else "")
         + (f", measured with the weights in {evaluation.dtype}" if evaluation.dtype else "")
+        + (f" ({evaluation.quantization})" if evaluation.quantization else "")
         + ":",
         "",
     ]

@@ -345,6 +345,23 @@ def test_card_says_lambada_contexts_were_truncated(source, tmp_path):
     assert "LAMBADA with 67 contexts left-truncated to `gpn eval --max-length` (the paper reads them whole)" in text
 
 
+def test_card_says_the_figures_are_of_quantized_weights(source, tmp_path):
+    """An `eval_results.json` of `gpn eval --dtype int4` (its `quantization`): the card's row, the list of what differs
+    from the paper's runs and the results' heading say the weights were quantized, and how, so that the figures are
+    never read as the float model's."""
+    from modeling_gpn.hub import push_folder
+
+    folder = copy_source(source, tmp_path)
+    results = json.loads((folder / "eval_results.json").read_text())
+    summary = "int4 weight-only (torchao IntxWeightOnlyConfig), groups of 32, 13 linears; head bfloat16"
+    results |= {"dtype": "int4", "quantization": {"weights": "int4", "summary": summary}}
+    (folder / "eval_results.json").write_text(json.dumps(results))
+    text = (push_folder(folder, "gpn-int4", dry_run=tmp_path / "out", quiet=True).path / "README.md").read_text()
+    assert "| **gpn-int4** (this model, int4 weights) | 1 | 48 |" in text
+    assert f"the weights quantized: {summary} (`gpn eval --dtype int4`)" in text
+    assert f"measured with the weights in int4 ({summary}):" in text
+
+
 def test_card_without_eval_or_training_log_uses_the_paper_table(source, tmp_path):
     from modeling_gpn.hub import push_folder
     from modeling_gpn.hub.model_card import PAPER_TABLE_1
