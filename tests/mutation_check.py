@@ -2065,6 +2065,13 @@ MUTATIONS = [
         ("tests/tools/test_serve_store.py -k killed_write_left",),
     ),
     Mutation(
+        "gpn serve: the ids a trim killed between its two deletions left in --state-dir are deleted at the next open",
+        "modeling_gpn/serve/state_store.py",
+        "            if not (temporary or unlisted or stateless):\n",
+        "            if not (temporary or unlisted):  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k killed_write_left",),
+    ),
+    Mutation(
         "gpn serve: a write in progress in --state-dir (fresh) is left to finish, not deleted as a leftover",
         "modeling_gpn/serve/state_store.py",
         "                if now - path.stat().st_mtime > LEFTOVER_AGE_SECONDS:\n",

@@ -58,6 +58,7 @@ LEFTOVER_AGE_SECONDS = 600
 # state files; a store that finds the mark it last wrote knows the folder as it left it, without reading it again.
 CHANGE_MARK = ".gpn-state-dir-changed"
 _STATE_NAME = re.compile(rf"^[0-9a-f]{{64}}{re.escape(STATE_SUFFIX)}$")
+_IDS_NAME = re.compile(rf"^[0-9a-f]{{64}}{re.escape(IDS_SUFFIX)}$")
 # the temporary names `atomic_files.replacing` writes under (the ids file, `GPNCache.save`): "." + the file's name + ".tmp-..."
 _LEFTOVER_TEMPORARY = re.compile(rf"^\.[0-9a-f]{{64}}({re.escape(STATE_SUFFIX)}|{re.escape(IDS_SUFFIX)})\.tmp-")
 
@@ -482,13 +483,16 @@ class StateStore:
             del lengths[length]
 
     def _delete_leftovers(self) -> None:
-        """Delete, once older than `LEFTOVER_AGE_SECONDS`, the temporary files of this store's writes and its state
-        files without their ids (only names of this store's own: a user's state file in the folder is left)."""
+        """Delete, once older than `LEFTOVER_AGE_SECONDS`, the temporary files of this store's writes, its state
+        files without their ids (a killed write) and its ids files without their state (a server killed between a
+        trim's two deletions: never counted against the folder's limit, and never read, so never deleted) (only
+        names of this store's own: a user's state file in the folder is left)."""
         now = time.time()
         for path in self.spill_dir.iterdir():
             temporary = _LEFTOVER_TEMPORARY.match(path.name)
             unlisted = _STATE_NAME.match(path.name) and not self._ids_path(path.name[:64]).exists()
-            if not (temporary or unlisted):
+            stateless = _IDS_NAME.match(path.name) and not self._state_path(path.name[:64]).exists()
+            if not (temporary or unlisted or stateless):
                 continue
             try:
                 if now - path.stat().st_mtime > LEFTOVER_AGE_SECONDS:

@@ -240,9 +240,9 @@ def test_the_spill_folder_limit_counts_every_file_a_state_takes(model, tmp_path)
 
 def test_what_a_killed_write_left_is_deleted_when_a_store_opens_the_folder(model, tmp_path):
     """A server killed while writing a state leaves its temporary file, or the state file without the ids written
-    after it: no store counted them against the folder's limit, and nothing deleted them. A store opening the
-    folder deletes those that are old, and leaves a fresh one (another server's write in progress), the finished
-    states and a user's own state file."""
+    after it; one killed while trimming, the ids of a state file it had deleted: no store counted them against the
+    folder's limit, and nothing deleted them. A store opening the folder deletes those that are old, and leaves a
+    fresh one (another server's write in progress), the finished states and a user's own state file."""
     import os
     import time
 
@@ -255,6 +255,7 @@ def test_what_a_killed_write_left_is_deleted_when_a_store_opens_the_folder(model
         tmp_path / f".{key}{STATE_SUFFIX}.tmp-1-2-abcd",
         tmp_path / f".{key}{IDS_SUFFIX}.tmp-1-2-abcd",
         tmp_path / f"{key}{STATE_SUFFIX}",  # (its ids never written)
+        tmp_path / f"{'ef' * 32}{IDS_SUFFIX}",  # (a trim killed between deleting the state file and its ids)
     ]
     in_progress, users = tmp_path / f".{'cd' * 32}{STATE_SUFFIX}.tmp-3-4-abcd", tmp_path / f"system{STATE_SUFFIX}"
     for path in [*left, in_progress, users]:
