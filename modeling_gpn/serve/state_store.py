@@ -154,8 +154,9 @@ class StateStore:
         self._view: tuple[str, OrderedDict[str, tuple[int, int]]] | None = None
         self._changed = False
         self._holding = False  # (this store holds the folder: a nested hold is the same one)
-        # what reading the folder found of each file (name -> (inode, modification time, bytes)): a file is looked at
-        # again only where its name is new or names another file (a scan is one listing, not a stat of each file)
+        # what reading the folder found of each file (name -> (inode, modification time, bytes)): an ids file is looked
+        # at again only where its name is new or names another file (a scan is one listing and a stat of each state
+        # file, whose modification time is when a store last read it, not a stat of each file)
         self._seen: dict[str, tuple[int, int, int]] = {}
         self._lengths: dict[str, dict[int, int]] = {}  # model -> {length: entries of that length}, both tiers
         # model key -> what a state file names the model by (`state_fingerprint`), taken while the model was loaded:
@@ -299,11 +300,14 @@ class StateStore:
         nbytes = self.entry_bytes(cache, entry.length)
         if nbytes > self.max_bytes:  # larger than the memory tier: it stays a file
             self._files.move_to_end(key)
-            with contextlib.suppress(OSError):  # (used now: the folder's trim, by modification time, keeps it longer)
+            # used now: the folder's trims, by modification time, keep it longer, every store's (a change of the
+            # folder, which the others must see: without it they trimmed by their older view, this state first)
+            with self._folder_held(), contextlib.suppress(OSError):
                 os.utime(path)
-                self._seen.pop(path.name, None)
-                if self._view is not None and key in self._view[1]:
-                    self._view[1].move_to_end(key)
+                if self._folder is not None and key in self._folder:
+                    self._folder.pop(key)
+                    self._folder[key] = (path.stat().st_mtime_ns, self._files[key].nbytes)  # the newest
+                    self._changed = True
             return cache
         # back into memory (most recently used); the file goes, so each state lives in one tier
         self._remember_model(entry.model, model)
@@ -419,7 +423,7 @@ class StateStore:
             try:
                 for file in (entry, ids):
                     known = self._seen.get(file.name)
-                    if known is None or known[0] != file.inode():
+                    if known is None or known[0] != file.inode() or file is entry:
                         stat = file.stat()
                         known = (file.inode(), stat.st_mtime_ns, stat.st_size)
                     seen[file.name] = known

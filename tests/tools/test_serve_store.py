@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 
 import pytest
 import torch
@@ -201,6 +202,26 @@ def test_servers_sharing_a_state_dir_keep_together_to_its_limit(model, tmp_path)
     assert first.lookup(model, IDS[:5]) is None  # the oldest went, of both
     second.keep(model, IDS[:9], state_after(model, IDS[:9]))  # (the folder read again: the first's trimmed leave)
     assert second.summary()["file_bytes"] <= limit and on_disk() <= limit
+
+
+def test_a_state_one_server_read_from_a_shared_state_dir_is_trimmed_last_by_the_other(model, tmp_path):
+    """A state larger than the memory tier (here every state: `--state-store-bytes` below one) is read from its file
+    and stays there, its modification time made now so that the folder's trims, least recently used first, keep it
+    longer. The other server on the folder kept its view of the folder (the change mark unchanged) and the times it
+    had read: it trimmed the state just read first, and kept the least recently used."""
+    sizing = StateStore(0, spill_dir=tmp_path / "sizing")
+    sizing.keep(model, IDS[:2], state_after(model, IDS[:2]))
+    pair = sum(path.stat().st_size for path in (tmp_path / "sizing").iterdir())
+    folder = tmp_path / "shared"
+    first = StateStore(0, spill_dir=folder, spill_max_bytes=3 * pair + pair // 2)  # three states
+    for length in (2, 3, 4):
+        first.keep(model, IDS[:length], state_after(model, IDS[:length]))
+        time.sleep(0.01)  # (modification times apart, on any file system's clock)
+    second = StateStore(0, spill_dir=folder, spill_max_bytes=3 * pair + pair // 2)
+    time.sleep(0.01)
+    assert first.lookup(model, IDS[:2])[0] == 2  # the oldest written, read now
+    assert second.keep(model, IDS[:5], state_after(model, IDS[:5]))
+    assert second.lookup(model, IDS[:3])[0] == 2  # the state of 3 ids went (least recently used), that of 2 stayed
 
 
 def test_the_spill_folder_is_bounded_and_a_damaged_file_is_dropped(model, tmp_path):
