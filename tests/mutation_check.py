@@ -2073,6 +2073,28 @@ MUTATIONS = [
         ("tests/tools/test_serve_store.py -k killed_write_left",),
     ),
     Mutation(
+        "gpn serve: a state read from its file in a shared --state-dir changes the folder's mark (the others reread)",
+        "modeling_gpn/serve/state_store.py",
+        "                    self._folder[key] = (path.stat().st_mtime_ns, self._files[key].nbytes)  # the newest\n"
+        "                    self._changed = True\n",
+        "                    self._folder[key] = (path.stat().st_mtime_ns, self._files[key].nbytes)  # the newest\n",
+        ("tests/tools/test_serve_store.py -k read_from_a_shared_state_dir",),
+    ),
+    Mutation(
+        "gpn serve: reading a shared --state-dir stats each state file again (another store's read moved its time)",
+        "modeling_gpn/serve/state_store.py",
+        "                    if known is None or known[0] != file.inode() or file is entry:\n",
+        "                    if known is None or known[0] != file.inode():  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k read_from_a_shared_state_dir",),
+    ),
+    Mutation(
+        "gpn serve: the ids a trim killed between its two deletions left in --state-dir are deleted at the next open",
+        "modeling_gpn/serve/state_store.py",
+        "            if not (temporary or unlisted or stateless):\n",
+        "            if not (temporary or unlisted):  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k killed_write_left",),
+    ),
+    Mutation(
         "gpn serve: a write in progress in --state-dir (fresh) is left to finish, not deleted as a leftover",
         "modeling_gpn/serve/state_store.py",
         "                if now - path.stat().st_mtime > LEFTOVER_AGE_SECONDS:\n",

@@ -58,6 +58,7 @@ LEFTOVER_AGE_SECONDS = 600
 # state files; a store that finds the mark it last wrote knows the folder as it left it, without reading it again.
 CHANGE_MARK = ".gpn-state-dir-changed"
 _STATE_NAME = re.compile(rf"^[0-9a-f]{{64}}{re.escape(STATE_SUFFIX)}$")
+_IDS_NAME = re.compile(rf"^[0-9a-f]{{64}}{re.escape(IDS_SUFFIX)}$")
 # the temporary names `atomic_files.replacing` writes under (the ids file, `GPNCache.save`): "." + the file's name + ".tmp-..."
 _LEFTOVER_TEMPORARY = re.compile(rf"^\.[0-9a-f]{{64}}({re.escape(STATE_SUFFIX)}|{re.escape(IDS_SUFFIX)})\.tmp-")
 
@@ -153,8 +154,9 @@ class StateStore:
         self._view: tuple[str, OrderedDict[str, tuple[int, int]]] | None = None
         self._changed = False
         self._holding = False  # (this store holds the folder: a nested hold is the same one)
-        # what reading the folder found of each file (name -> (inode, modification time, bytes)): a file is looked at
-        # again only where its name is new or names another file (a scan is one listing, not a stat of each file)
+        # what reading the folder found of each file (name -> (inode, modification time, bytes)): an ids file is looked
+        # at again only where its name is new or names another file (a scan is one listing and a stat of each state
+        # file, whose modification time is when a store last read it, not a stat of each file)
         self._seen: dict[str, tuple[int, int, int]] = {}
         self._lengths: dict[str, dict[int, int]] = {}  # model -> {length: entries of that length}, both tiers
         # model key -> what a state file names the model by (`state_fingerprint`), taken while the model was loaded:
@@ -298,11 +300,14 @@ class StateStore:
         nbytes = self.entry_bytes(cache, entry.length)
         if nbytes > self.max_bytes:  # larger than the memory tier: it stays a file
             self._files.move_to_end(key)
-            with contextlib.suppress(OSError):  # (used now: the folder's trim, by modification time, keeps it longer)
+            # used now: the folder's trims, by modification time, keep it longer, every store's (a change of the
+            # folder, which the others must see: without it they trimmed by their older view, this state first)
+            with self._folder_held(), contextlib.suppress(OSError):
                 os.utime(path)
-                self._seen.pop(path.name, None)
-                if self._view is not None and key in self._view[1]:
-                    self._view[1].move_to_end(key)
+                if self._folder is not None and key in self._folder:
+                    self._folder.pop(key)
+                    self._folder[key] = (path.stat().st_mtime_ns, self._files[key].nbytes)  # the newest
+                    self._changed = True
             return cache
         # back into memory (most recently used); the file goes, so each state lives in one tier
         self._remember_model(entry.model, model)
@@ -418,7 +423,7 @@ class StateStore:
             try:
                 for file in (entry, ids):
                     known = self._seen.get(file.name)
-                    if known is None or known[0] != file.inode():
+                    if known is None or known[0] != file.inode() or file is entry:
                         stat = file.stat()
                         known = (file.inode(), stat.st_mtime_ns, stat.st_size)
                     seen[file.name] = known
@@ -482,13 +487,16 @@ class StateStore:
             del lengths[length]
 
     def _delete_leftovers(self) -> None:
-        """Delete, once older than `LEFTOVER_AGE_SECONDS`, the temporary files of this store's writes and its state
-        files without their ids (only names of this store's own: a user's state file in the folder is left)."""
+        """Delete, once older than `LEFTOVER_AGE_SECONDS`, the temporary files of this store's writes, its state
+        files without their ids (a killed write) and its ids files without their state (a server killed between a
+        trim's two deletions: never counted against the folder's limit, and never read, so never deleted) (only
+        names of this store's own: a user's state file in the folder is left)."""
         now = time.time()
         for path in self.spill_dir.iterdir():
             temporary = _LEFTOVER_TEMPORARY.match(path.name)
             unlisted = _STATE_NAME.match(path.name) and not self._ids_path(path.name[:64]).exists()
-            if not (temporary or unlisted):
+            stateless = _IDS_NAME.match(path.name) and not self._state_path(path.name[:64]).exists()
+            if not (temporary or unlisted or stateless):
                 continue
             try:
                 if now - path.stat().st_mtime > LEFTOVER_AGE_SECONDS:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 
 import pytest
 import torch
@@ -203,6 +204,26 @@ def test_servers_sharing_a_state_dir_keep_together_to_its_limit(model, tmp_path)
     assert second.summary()["file_bytes"] <= limit and on_disk() <= limit
 
 
+def test_a_state_one_server_read_from_a_shared_state_dir_is_trimmed_last_by_the_other(model, tmp_path):
+    """A state larger than the memory tier (here every state: `--state-store-bytes` below one) is read from its file
+    and stays there, its modification time made now so that the folder's trims, least recently used first, keep it
+    longer. The other server on the folder kept its view of the folder (the change mark unchanged) and the times it
+    had read: it trimmed the state just read first, and kept the least recently used."""
+    sizing = StateStore(0, spill_dir=tmp_path / "sizing")
+    sizing.keep(model, IDS[:2], state_after(model, IDS[:2]))
+    pair = sum(path.stat().st_size for path in (tmp_path / "sizing").iterdir())
+    folder = tmp_path / "shared"
+    first = StateStore(0, spill_dir=folder, spill_max_bytes=3 * pair + pair // 2)  # three states
+    for length in (2, 3, 4):
+        first.keep(model, IDS[:length], state_after(model, IDS[:length]))
+        time.sleep(0.01)  # (modification times apart, on any file system's clock)
+    second = StateStore(0, spill_dir=folder, spill_max_bytes=3 * pair + pair // 2)
+    time.sleep(0.01)
+    assert first.lookup(model, IDS[:2])[0] == 2  # the oldest written, read now
+    assert second.keep(model, IDS[:5], state_after(model, IDS[:5]))
+    assert second.lookup(model, IDS[:3])[0] == 2  # the state of 3 ids went (least recently used), that of 2 stayed
+
+
 def test_the_spill_folder_is_bounded_and_a_damaged_file_is_dropped(model, tmp_path):
     state_after(model, IDS).save(tmp_path / "one-file")
     file_bytes = (tmp_path / "one-file").stat().st_size
@@ -240,9 +261,9 @@ def test_the_spill_folder_limit_counts_every_file_a_state_takes(model, tmp_path)
 
 def test_what_a_killed_write_left_is_deleted_when_a_store_opens_the_folder(model, tmp_path):
     """A server killed while writing a state leaves its temporary file, or the state file without the ids written
-    after it: no store counted them against the folder's limit, and nothing deleted them. A store opening the
-    folder deletes those that are old, and leaves a fresh one (another server's write in progress), the finished
-    states and a user's own state file."""
+    after it; one killed while trimming, the ids of a state file it had deleted: no store counted them against the
+    folder's limit, and nothing deleted them. A store opening the folder deletes those that are old, and leaves a
+    fresh one (another server's write in progress), the finished states and a user's own state file."""
     import os
     import time
 
@@ -255,6 +276,7 @@ def test_what_a_killed_write_left_is_deleted_when_a_store_opens_the_folder(model
         tmp_path / f".{key}{STATE_SUFFIX}.tmp-1-2-abcd",
         tmp_path / f".{key}{IDS_SUFFIX}.tmp-1-2-abcd",
         tmp_path / f"{key}{STATE_SUFFIX}",  # (its ids never written)
+        tmp_path / f"{'ef' * 32}{IDS_SUFFIX}",  # (a trim killed between deleting the state file and its ids)
     ]
     in_progress, users = tmp_path / f".{'cd' * 32}{STATE_SUFFIX}.tmp-3-4-abcd", tmp_path / f"system{STATE_SUFFIX}"
     for path in [*left, in_progress, users]:
