@@ -130,10 +130,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default="float32",
         choices=["float32", "bfloat16", "float16", "int8", "int4"],
-        help="weights' dtype, float32 whatever the saved one (gpn generate's default, auto, keeps the saved one); a "
-        "GPN's state stays float32. int8 or int4: torchao's int8 / int4 weight-only quantization (groups of 32) of "
-        "every nn.Linear of the bfloat16 model but the tied head, as gpn generate --dtype (needs torchao); the "
-        "log-likelihoods stay float32 and the results say how the weights were quantized",
+        help="weights' dtype, float32 whatever the saved one (gpn generate's default, auto, keeps the saved one; a "
+        "folder saved quantized stays so); a GPN's state stays float32. int8 or int4: torchao's weight-only "
+        "quantization (int8: a scale per row; int4: groups of 32) of every nn.Linear of the bfloat16 model but the "
+        "tied head, as gpn generate --dtype (needs torchao); the log-likelihoods are taken as for float weights and "
+        "the results say how the weights were quantized",
     )
     parser.add_argument(
         "--max-length",
