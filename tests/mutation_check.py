@@ -6633,6 +6633,34 @@ MUTATIONS = [
         "            if True:  # MUTATION\n                break\n",
         ("tests/tools/test_faults_io.py -k replaced_between_its_open_and_its_lock",),
     ),
+    Mutation(
+        "gpn serve: /v1/responses instructions kept before a system message after a reasoning item (overwritten)",
+        "modeling_gpn/serve/handlers.py",
+        '        if body.get("instructions"):\n            messages.insert(0, {"role": "system", "content": body["instructions"]})\n',
+        '        first = items[0] if isinstance(items, list) else None\n        if body.get("instructions") and not (isinstance(first, dict) and first.get("role") == "system"):\n            if messages and messages[0]["role"] == "system":  # MUTATION: only the first item looked at\n                messages[0]["content"] = body["instructions"]\n            else:\n                messages.insert(0, {"role": "system", "content": body["instructions"]})\n        elif body.get("instructions"):\n            messages.insert(0, {"role": "system", "content": body["instructions"]})\n',
+        ("tests/tools/test_serve.py -k responses_instructions",),
+    ),
+    Mutation(
+        "gpn serve: /v1/responses input beginning with a reasoning item read as items (one message's parts)",
+        "modeling_gpn/serve/handlers.py",
+        "        if isinstance(items, list) and not all(_is_content_part(item) for item in items):\n",
+        '        if isinstance(items, list) and "role" in items[0]:  # MUTATION\n',
+        ("tests/tools/test_serve.py -k responses_instructions",),
+    ),
+    Mutation(
+        "gpn serve: a reasoning item's part without a type and a text is a 400 (a KeyError, a 500)",
+        "modeling_gpn/serve/validation.py",
+        '            _check_reasoning(item.get("content"), where)\n',
+        "            pass  # MUTATION\n",
+        ("tests/tools/test_serve.py -k responses_answer_through_the_store",),
+    ),
+    Mutation(
+        "gpn serve: a reasoning item's parts are not a message's (a 400 calling them a non-text part)",
+        "modeling_gpn/serve/validation.py",
+        '            is_message = item.get("type", "message") == "message" and ("role" in item or "type" in item)\n',
+        '            is_message = "role" in item or item.get("type") == "message"  # MUTATION\n',
+        ("tests/tools/test_serve.py -k responses_instructions",),
+    ),
 ]
 
 
