@@ -6661,6 +6661,27 @@ MUTATIONS = [
         '            is_message = "role" in item or item.get("type") == "message"  # MUTATION\n',
         ("tests/tools/test_serve.py -k responses_instructions",),
     ),
+    Mutation(
+        "gpn serve: a state larger than --state-dir-bytes is logged once (deleted at once in silence)",
+        "modeling_gpn/serve/state_store.py",
+        "            if self.spill_max_bytes is not None and size > self.spill_max_bytes and not self._told_too_large:\n",
+        "            if False:  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k bounded_and_a_damaged",),
+    ),
+    Mutation(
+        "gpn serve: a store's spill_max_bytes of 0 with a spill_dir is refused (every state deleted at once)",
+        "modeling_gpn/serve/state_store.py",
+        "        if spill_dir is not None and spill_max_bytes is not None and spill_max_bytes < 1:\n",
+        "        if False:  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k bounded_and_a_damaged",),
+    ),
+    Mutation(
+        "gpn serve: --state-dir-bytes 0 with --state-dir is one line, exit 2 (it deleted every server's states)",
+        "modeling_gpn/serve/cli.py",
+        "            if args.state_dir_bytes < 1:  # (0 would delete every state once written, the other servers' too)\n",
+        "            if False:  # MUTATION\n",
+        ("tests/tools/test_serve.py -k cannot_start_says_why",),
+    ),
 ]
 
 

@@ -1424,6 +1424,11 @@ def test_gpn_serve_that_cannot_start_says_why_without_a_traceback(tmp_path, caps
             f"gpn serve: {tmp_path / 'adapter'} is a PEFT adapter: --quantization applies to a whole model; merge",
         ),
         ([str(tmp_path / "unknown"), "--state-dir", str(tmp_path / "a-file" / "states")], 2, "--state-dir"),
+        (  # (0 would delete every state once written, and every other server's on the folder)
+            [str(tmp_path / "unknown"), "--state-dir", str(tmp_path / "states"), "--state-dir-bytes", "0"],
+            2,
+            "gpn serve: --state-dir-bytes must be more than 0 with --state-dir, got 0",
+        ),
         ([str(tmp_path / "no-such-model")], 2, "does not exist"),
         ([str(tmp_path / "empty"), "--device", "cpu"], 2, "is not a model folder: it has no config.json"),
         ([str(tmp_path / "unknown"), "--device", "cpu"], 1, "gpn serve: cannot start:"),
