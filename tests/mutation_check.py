@@ -2298,8 +2298,8 @@ MUTATIONS = [
     Mutation(
         "gpn serve: /v1/responses instructions inserted before an input's system message (transformers: over it)",
         "modeling_gpn/serve/handlers.py",
-        "        body = _instructions_before_the_input(body)\n",
-        "        pass  # MUTATION\n",
+        '        if body.get("instructions"):\n            messages.insert(0, {"role": "system", "content": body["instructions"]})\n',
+        "        return ResponseHandler._normalize_input(body)  # MUTATION\n",
         ("tests/tools/test_serve.py -k instructions_come_before",),
     ),
     Mutation(
