@@ -2298,8 +2298,8 @@ MUTATIONS = [
     Mutation(
         "gpn serve: /v1/responses instructions inserted before an input's system message (transformers: over it)",
         "modeling_gpn/serve/handlers.py",
-        "        body = _instructions_before_the_input(body)\n",
-        "        pass  # MUTATION\n",
+        '        if body.get("instructions"):\n            messages.insert(0, {"role": "system", "content": body["instructions"]})\n',
+        "        return ResponseHandler._normalize_input(body)  # MUTATION\n",
         ("tests/tools/test_serve.py -k instructions_come_before",),
     ),
     Mutation(
@@ -6632,6 +6632,55 @@ MUTATIONS = [
         "            if now is not None and _same_file(now, locked):\n                break\n",
         "            if True:  # MUTATION\n                break\n",
         ("tests/tools/test_faults_io.py -k replaced_between_its_open_and_its_lock",),
+    ),
+    Mutation(
+        "gpn serve: /v1/responses instructions kept before a system message after a reasoning item (overwritten)",
+        "modeling_gpn/serve/handlers.py",
+        '        if body.get("instructions"):\n            messages.insert(0, {"role": "system", "content": body["instructions"]})\n',
+        '        first = items[0] if isinstance(items, list) else None\n        if body.get("instructions") and not (isinstance(first, dict) and first.get("role") == "system"):\n            if messages and messages[0]["role"] == "system":  # MUTATION: only the first item looked at\n                messages[0]["content"] = body["instructions"]\n            else:\n                messages.insert(0, {"role": "system", "content": body["instructions"]})\n        elif body.get("instructions"):\n            messages.insert(0, {"role": "system", "content": body["instructions"]})\n',
+        ("tests/tools/test_serve.py -k responses_instructions",),
+    ),
+    Mutation(
+        "gpn serve: /v1/responses input beginning with a reasoning item read as items (one message's parts)",
+        "modeling_gpn/serve/handlers.py",
+        "        if isinstance(items, list) and not all(_is_content_part(item) for item in items):\n",
+        '        if isinstance(items, list) and "role" in items[0]:  # MUTATION\n',
+        ("tests/tools/test_serve.py -k responses_instructions",),
+    ),
+    Mutation(
+        "gpn serve: a reasoning item's part without a type and a text is a 400 (a KeyError, a 500)",
+        "modeling_gpn/serve/validation.py",
+        '            _check_reasoning(item.get("content"), where)\n',
+        "            pass  # MUTATION\n",
+        ("tests/tools/test_serve.py -k responses_answer_through_the_store",),
+    ),
+    Mutation(
+        "gpn serve: a reasoning item's parts are not a message's (a 400 calling them a non-text part)",
+        "modeling_gpn/serve/validation.py",
+        '            is_message = item.get("type", "message") == "message" and ("role" in item or "type" in item)\n',
+        '            is_message = "role" in item or item.get("type") == "message"  # MUTATION\n',
+        ("tests/tools/test_serve.py -k responses_instructions",),
+    ),
+    Mutation(
+        "gpn serve: a state larger than --state-dir-bytes is logged once (deleted at once in silence)",
+        "modeling_gpn/serve/state_store.py",
+        "            if self.spill_max_bytes is not None and size > self.spill_max_bytes and not self._told_too_large:\n",
+        "            if False:  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k bounded_and_a_damaged",),
+    ),
+    Mutation(
+        "gpn serve: a store's spill_max_bytes of 0 with a spill_dir is refused (every state deleted at once)",
+        "modeling_gpn/serve/state_store.py",
+        "        if spill_dir is not None and spill_max_bytes is not None and spill_max_bytes < 1:\n",
+        "        if False:  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k bounded_and_a_damaged",),
+    ),
+    Mutation(
+        "gpn serve: --state-dir-bytes 0 with --state-dir is one line, exit 2 (it deleted every server's states)",
+        "modeling_gpn/serve/cli.py",
+        "            if args.state_dir_bytes < 1:  # (0 would delete every state once written, the other servers' too)\n",
+        "            if False:  # MUTATION\n",
+        ("tests/tools/test_serve.py -k cannot_start_says_why",),
     ),
 ]
 

@@ -225,6 +225,11 @@ def run(args: argparse.Namespace) -> int:
                 print(f"gpn serve: {note}", file=sys.stderr)
         if args.state_dir is not None:
             writable_folder(args.state_dir, "--state-dir")
+            if args.state_dir_bytes < 1:  # (0 would delete every state once written, the other servers' too)
+                raise ValueError(
+                    f"--state-dir-bytes must be more than 0 with --state-dir, got {args.state_dir_bytes}: "
+                    "leave out --state-dir to keep no state files"
+                )
     except (FileNotFoundError, ValueError) as error:
         print(f"gpn serve: {error}", file=sys.stderr)
         return 2

@@ -69,6 +69,7 @@ from .prepared import PreparedProcessor
 from .state_store import StateStore
 from .stop_strings import StreamCutter, cut_at_stop, stop_position, stop_sequences
 from .validation import (
+    RESPONSE_ITEM_TYPES,
     RequestError,
     check_chat_request,
     check_completion_request,
@@ -651,9 +652,24 @@ class StateKeepingResponseHandler(StateKeeping, ResponseHandler):
         """The Responses API's input as messages and its tools as the chat template takes them (transformers')."""
         return self._normalize_input(body), self._normalize_tools(body.get("tools"))
 
+    @staticmethod
+    def _normalize_input(body: dict) -> list[dict]:
+        """The input as messages, as transformers makes them, `instructions` a system message of their own before
+        them, as the API inserts them: transformers' handler writes them over the content of the first message it
+        makes when that is a system message (the input's first item, or one after items that make no message, such
+        as reasoning), which the model then never sees. An input of items that begins with one without a role (a
+        reasoning item) is read as items; transformers took it for one message's content parts, dropping them."""
+        items = body["input"]
+        if isinstance(items, list) and not all(_is_content_part(item) for item in items):
+            messages = ResponseHandler._normalize_response_items(items)
+        else:
+            messages = ResponseHandler._normalize_input({**body, "instructions": None})
+        if body.get("instructions"):
+            messages.insert(0, {"role": "system", "content": body["instructions"]})
+        return messages
+
     async def handle_request(self, body: dict, request_id: str) -> StreamingResponse | JSONResponse:
         """Answer /v1/responses: one JSON answer unless a stream is asked for."""
-        body = _instructions_before_the_input(body)
         if body.get("stream") is None:
             # the API answers with one JSON response unless asked to stream; transformers' handler streams by
             # default, which the `openai` client, not having asked for a stream, cannot read (it returns the raw text)
@@ -695,16 +711,10 @@ class CheckedTranscriptionHandler(TranscriptionHandler):
         return await super().handle_request(request)
 
 
-def _instructions_before_the_input(body: dict) -> dict:
-    """`instructions` as a system message of their own before the input, as the API inserts them: transformers'
-    handler writes them over the content of an input that begins with a system message, which the model then
-    never sees."""
-    instructions, items = body.get("instructions"), body.get("input")
-    if not isinstance(instructions, str) or not instructions or not isinstance(items, list) or not items:
-        return body
-    if not isinstance(items[0], dict) or items[0].get("role") != "system":
-        return body  # (transformers puts them before the input itself)
-    return {**body, "instructions": None, "input": [{"role": "system", "content": instructions}, *items]}
+def _is_content_part(item: object) -> bool:
+    """Whether a Responses API input item is a bare content part (`input_text`, ...: transformers reads an input
+    of them as one user message's content), not a message or another item (reasoning, a tool call)."""
+    return isinstance(item, dict) and "role" not in item and item.get("type") not in RESPONSE_ITEM_TYPES
 
 
 class _Answer:

@@ -136,11 +136,13 @@ class StateStore:
     def __init__(self, max_bytes: int, spill_dir: str | os.PathLike | None = None, spill_max_bytes: int | None = None):
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
-        if spill_max_bytes is not None and spill_max_bytes < 0:
-            raise ValueError(f"spill_max_bytes must be >= 0, got {spill_max_bytes}")
+        if spill_dir is not None and spill_max_bytes is not None and spill_max_bytes < 1:
+            # (0 would write every state and delete it at once, and delete the other servers' states on the folder)
+            raise ValueError(f"spill_max_bytes must be at least 1 with a spill_dir, got {spill_max_bytes}")
         self.max_bytes = max_bytes
         self.spill_dir = None if spill_dir is None else Path(spill_dir)
         self.spill_max_bytes = spill_max_bytes
+        self._told_too_large = False  # whether a state larger than spill_max_bytes was logged
         self.stats = StoreStats()
         self._lock = threading.RLock()
         self._memory: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
@@ -348,6 +350,14 @@ class StateStore:
                 _remove(ids_path)
                 self._count_length(entry.model, entry.length, -1)
                 return
+            if self.spill_max_bytes is not None and size > self.spill_max_bytes and not self._told_too_large:
+                self._told_too_large = True  # (once: every state of the model is as large)
+                logger.warning(
+                    "state store: a state's files take %d bytes, more than the folder's bound (%d bytes, "
+                    "--state-dir-bytes): it is deleted once written, and so is every state this large",
+                    size,
+                    self.spill_max_bytes,
+                )
             self._files[key] = _Entry(entry.model, entry.ids, None, size)
             self._file_bytes += size
             self.stats.spilled += 1

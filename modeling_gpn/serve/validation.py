@@ -18,6 +18,8 @@ MAX_ANSWERS = 128  # the OpenAI API's bound on `n`
 MAX_STOP_STRINGS = 4
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 TEXT_PARTS = ("text", "input_text", "output_text")  # the content parts a text-only model reads
+# the Responses API input items other than content parts (transformers' `_normalize_response_items` reads them)
+RESPONSE_ITEM_TYPES = ("message", "reasoning", "function_call", "function_call_output")
 # what transformers' handler passes to apply_chat_template itself: a request setting one would collide with it
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {
@@ -211,6 +213,8 @@ def check_response_request(body: dict[str, Any]) -> None:
                 for part in (content if isinstance(content, list) else [])
             ):
                 raise RequestError(f"{where}.content must be a string or a list of content parts with a type")
+        elif item.get("type") == "reasoning":
+            _check_reasoning(item.get("content"), where)
         elif item.get("type") == "function_call" and not all(
             isinstance(item.get(name), str) for name in ("call_id", "name", "arguments")
         ):
@@ -219,6 +223,22 @@ def check_response_request(body: dict[str, Any]) -> None:
             not isinstance(item.get("call_id"), str) or "output" not in item
         ):
             raise RequestError(f"{where} (a function_call_output) must have a call_id and an output")
+
+
+def _check_reasoning(content: Any, where: str) -> None:
+    """A reasoning item's content as transformers joins it: null, or parts with a type and a text (a part without
+    them was a KeyError in its handler, a 500)."""
+    if content is None:
+        return
+    if not isinstance(content, list):
+        raise RequestError(
+            f"{where}.content (a reasoning item's) must be a list of parts, got {type(content).__name__}"
+        )
+    for index, part in enumerate(content):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str) or not isinstance(part.get("text"), str):
+            raise RequestError(
+                f"{where}.content[{index}] (a reasoning item's part) must be an object with a type and a text"
+            )
 
 
 def check_text_only(body: dict[str, Any]) -> None:
@@ -233,7 +253,8 @@ def check_text_only(body: dict[str, Any]) -> None:
         if "role" not in item and str(item.get("type", "")).startswith("input_"):
             parts = [(f"{name}[{index}]", item)]  # (a Responses API input of bare content parts)
         else:  # a message's parts (not those of other Responses API items: reasoning, tool calls)
-            content = item.get("content") if "role" in item or item.get("type") == "message" else None
+            is_message = item.get("type", "message") == "message" and ("role" in item or "type" in item)
+            content = item.get("content") if is_message else None
             content = content if isinstance(content, list) else []
             parts = [(f"{name}[{index}].content[{number}]", part) for number, part in enumerate(content)]
         for where, part in parts:

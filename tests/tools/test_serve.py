@@ -657,6 +657,10 @@ def test_responses_answer_through_the_store_with_the_checks_and_limits_of_chat(c
         ({"text": {"verbosity": "low"}}, "does not support text"),
         ({"conversation": "conv_1"}, "does not support conversation"),  # (its stored items would never be read)
         ({"reasoning": {"effort": "high"}}, "does not support reasoning"),
+        (  # (transformers: a KeyError, a 500)
+            {"input": [{"role": "user", "content": "hi"}, {"type": "reasoning", "content": [{"text": "hmm"}]}]},
+            "input[1].content[0] (a reasoning item's part) must be an object with a type and a text",
+        ),
         ({"context_management": [{"type": "compaction"}]}, "does not support context_management"),
         (
             {"input": [{"type": "input_image", "image_url": "http://x/a.png"}]},
@@ -696,20 +700,25 @@ def test_a_response_cut_at_max_output_tokens_is_incomplete(client, model_name, r
 
 def test_responses_instructions_come_before_an_input_that_begins_with_a_system_message(client, model_name, reference):
     """The Responses API inserts `instructions` before the input; transformers' handler wrote them over the
-    content of an input's first system message, which the model then never saw."""
+    content of the first message it made when that was a system message, which the model then never saw: the
+    input's first item, or the first after a reasoning item (which makes no message of its own). An input that
+    begins with a reasoning item, which transformers took for one message's content parts (dropping every item), is
+    read as items."""
     instructions = {"role": "system", "content": "that is the question"}
     given = [{"role": "system", "content": "the cat sat on the mat"}, {"role": "user", "content": "to be or not"}]
     expected = expected_chat(reference, [instructions, *given], 12)
     assert expected != expected_chat(reference, [instructions, given[1]], 12)  # the system message counts here
-    reply = client.responses.create(
-        model=model_name,
-        instructions=instructions["content"],
-        input=given,
-        max_output_tokens=12,
-        temperature=0,
-        stream=False,
-    )
-    assert reply.output_text == expected
+    reasoning = {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "hmm"}]}
+    for before in ([], [reasoning], [{**reasoning, "role": "assistant"}]):
+        reply = client.responses.create(
+            model=model_name,
+            instructions=instructions["content"],
+            input=[*before, *given],
+            max_output_tokens=12,
+            temperature=0,
+            stream=False,
+        )
+        assert reply.output_text == expected, before
 
 
 def test_clients_at_once_each_get_their_own_answer(client, model_name, reference):
@@ -1415,6 +1424,11 @@ def test_gpn_serve_that_cannot_start_says_why_without_a_traceback(tmp_path, caps
             f"gpn serve: {tmp_path / 'adapter'} is a PEFT adapter: --quantization applies to a whole model; merge",
         ),
         ([str(tmp_path / "unknown"), "--state-dir", str(tmp_path / "a-file" / "states")], 2, "--state-dir"),
+        (  # (0 would delete every state once written, and every other server's on the folder)
+            [str(tmp_path / "unknown"), "--state-dir", str(tmp_path / "states"), "--state-dir-bytes", "0"],
+            2,
+            "gpn serve: --state-dir-bytes must be more than 0 with --state-dir, got 0",
+        ),
         ([str(tmp_path / "no-such-model")], 2, "does not exist"),
         ([str(tmp_path / "empty"), "--device", "cpu"], 2, "is not a model folder: it has no config.json"),
         ([str(tmp_path / "unknown"), "--device", "cpu"], 1, "gpn serve: cannot start:"),

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import threading
 import time
@@ -224,7 +225,7 @@ def test_a_state_one_server_read_from_a_shared_state_dir_is_trimmed_last_by_the_
     assert second.lookup(model, IDS[:3])[0] == 2  # the state of 3 ids went (least recently used), that of 2 stayed
 
 
-def test_the_spill_folder_is_bounded_and_a_damaged_file_is_dropped(model, tmp_path):
+def test_the_spill_folder_is_bounded_and_a_damaged_file_is_dropped(model, tmp_path, caplog):
     state_after(model, IDS).save(tmp_path / "one-file")
     file_bytes = (tmp_path / "one-file").stat().st_size
     (tmp_path / "one-file").unlink()
@@ -238,6 +239,14 @@ def test_the_spill_folder_is_bounded_and_a_damaged_file_is_dropped(model, tmp_pa
     newest.write_bytes(bytes(data))
     assert store.lookup(model, IDS[:4])[0] == 3  # the damaged one is refused (checksum), the other serves
     assert not newest.exists()
+    with pytest.raises(ValueError, match="spill_max_bytes must be at least 1"):  # (0 deleted every state at once)
+        StateStore(0, spill_dir=tmp_path, spill_max_bytes=0)
+    small = StateStore(0, spill_dir=tmp_path / "small", spill_max_bytes=file_bytes // 2)  # no state fits: said once
+    with caplog.at_level(logging.WARNING, logger="modeling_gpn.serve.state_store"):
+        for length in (2, 3):
+            small.keep(model, IDS[:length], state_after(model, IDS[:length]))
+    told = [record.getMessage() for record in caplog.records if "more than the folder's bound" in record.getMessage()]
+    assert len(told) == 1 and "--state-dir-bytes" in told[0], caplog.records
 
 
 def test_the_spill_folder_limit_counts_every_file_a_state_takes(model, tmp_path):
