@@ -184,10 +184,8 @@ class Int4Weight(NamedTuple):
     dtype: torch.dtype  # the dtype the module computes in: float32 or bfloat16
 
 
-INT4_GROUPS = (
-    8,
-    4096,
-)  # a group's weights the C kernels' int4 layout takes: a multiple of the first, at most the second
+# a group's weights the C kernels' int4 layout takes: a multiple of the first, at most the second
+INT4_GROUPS = (8, 4096)
 
 
 def int4_weight_parts(weight: torch.Tensor) -> Int4Weight | None:
