@@ -201,8 +201,8 @@ class LimitedBodies:
     limit is read here and handed on as one message.
 
     FastAPI reads a body whole into memory, and its prompt is tokenized before the context limit can refuse it
-    (in a worker thread: `prepared`; transformers' handlers did it on the event loop): a body of hundreds of MB
-    took the server's memory, and a core for minutes. (starlette's own `RequestBodyLimitMiddleware` answers its 413 as plain text, which the `openai` client
+    (in a worker thread: `prepared`): a body of hundreds of MB would take the server's memory, and a core for
+    minutes. (starlette's own `RequestBodyLimitMiddleware` answers its 413 as plain text, which the `openai` client
     shows without the reason; and an error raised while FastAPI reads the body reaches it through transformers'
     request-id middleware as "There was an error parsing the body".)"""
 
