@@ -32,7 +32,7 @@ from gpn_cli import main as gpn_main  # noqa: E402
 from modeling_gpn.conversion.reference import parameter_map  # noqa: E402
 
 from ..environment import REPO_ROOT
-from ..subprocesses import two_at_a_time
+from ..subprocesses import another_process_holding, two_at_a_time
 from ..tiny_models import copy_with_a_nan_weight, perturbed_model, tiny_config
 
 GIB = 1 << 30
@@ -1657,27 +1657,16 @@ def test_a_path_held_by_another_process_is_refused_naming_it_and_a_replaced_one_
     and command. A file replaced by a rename after a hold was taken is a new file: a process holding the path now
     holds the new one (a run continuing the state another just saved), and `unchanged_since` tells it was
     replaced. Without flock (Windows) nothing is held, and the replacement is still told."""
-    import subprocess
-
     from modeling_gpn.atomic_files import InUseError, held, unchanged_since, write_file_atomically
 
     state = tmp_path / "state.safetensors"
     state.write_bytes(b"first")
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1]); fcntl.flock(f, fcntl.LOCK_EX); print(flush=True)"
-         "; sys.stdin.read()", str(state)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        holder.stdout.readline()  # (it holds the lock once it printed)
+    with another_process_holding(state) as holder:
         with pytest.raises(
             InUseError, match=rf"{state} is in use by another process \(pid {holder.pid}: \S+ -c import fcntl"
         ):
             with held(state, "that tests"):
                 pass
-    finally:
-        holder.stdin.close()
-        holder.wait()
     with held(state, "that tests") as first:
         write_file_atomically(state, b"second")  # (as GPNCache.save replaces it)
         assert not unchanged_since(state, first)

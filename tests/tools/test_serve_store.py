@@ -24,6 +24,7 @@ from modeling_gpn.serve.generation import StateKeepingModel
 from modeling_gpn.serve.state_store import STATE_SUFFIX, StateStore
 
 from ..environment import small_disk
+from ..subprocesses import another_process_holding
 from ..tiny_models import perturbed_model, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -162,9 +163,6 @@ def test_servers_sharing_a_state_dir_keep_together_to_its_limit(model, tmp_path)
     a real second process holding it keeps the write waiting), counting every store's state files: the folder
     stays within the limit, the least recently used states go, whichever server wrote them, and a server's index
     drops what the other trimmed."""
-    import subprocess
-    import sys
-
     from modeling_gpn.serve.state_store import CHANGE_MARK
 
     def states() -> list:  # (the state files and their ids, beside the mark the stores change)
@@ -179,20 +177,11 @@ def test_servers_sharing_a_state_dir_keep_together_to_its_limit(model, tmp_path)
     shutil.rmtree(tmp_path / "sizing")
     limit = 3 * pair + pair // 2  # three states, whoever wrote them
     first, second = (StateStore(0, spill_dir=tmp_path, spill_max_bytes=limit) for _ in range(2))  # files only
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import fcntl, os, sys; d = os.open(sys.argv[1], os.O_RDONLY); fcntl.flock(d, "
-         "fcntl.LOCK_EX); print(flush=True); sys.stdin.read()", str(tmp_path)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        holder.stdout.readline()  # (it holds the folder once it printed)
+    with another_process_holding(tmp_path):
         writing = threading.Thread(target=first.keep, args=(model, IDS[:2], state_after(model, IDS[:2])))
         writing.start()
         writing.join(0.3)
         assert writing.is_alive() and on_disk() == 0  # waiting for the folder
-    finally:
-        holder.stdin.close()
-        holder.wait()
     writing.join(60)
     assert first.summary()["states_in_files"] == 1
     for length in range(3, 9):  # the two servers in turn
