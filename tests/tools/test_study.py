@@ -39,7 +39,8 @@ def test_toy_study_end_to_end(tmp_path):
     # token cache (once tokenized, for every model): not the end of the whole corpus
     from modeling_gpn.data import TokenStream, WindowDataset
 
-    (cache,) = (tmp_path / "cache" / "tokens").iterdir()
+    # (the one cache folder, beside the empty lock file of its key: `data.cache.writing_alone`)
+    (cache,) = (path for path in (tmp_path / "cache" / "tokens").iterdir() if path.is_dir())
     held_out = WindowDataset(TokenStream(cache), 32, 0.1, seed=0)
     for name in expected:
         evaluated = json.loads((tmp_path / name / "eval" / "eval_results.json").read_text())
