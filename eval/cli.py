@@ -67,6 +67,7 @@ from pathlib import Path
 import torch
 
 from modeling_gpn.atomic_files import held, write_file_atomically
+from modeling_gpn.bench.models import DTYPES
 from modeling_gpn.cli.arguments import ADAPTER_FOLDER_HELP, check_no_earlier_output
 
 from .runner import DEFAULT_FINEWEB_MAX_DOCUMENTS, DEFAULT_TASKS, TASKS, EvalSettings
@@ -129,7 +130,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         default="float32",
-        choices=["float32", "bfloat16", "float16", "int8", "int4"],
+        choices=DTYPES,
         help="weights' dtype, float32 whatever the saved one (gpn generate's default, auto, keeps the saved one; a "
         "folder saved quantized stays so); a GPN's state stays float32. int8 or int4: torchao's weight-only "
         "quantization (int8: a scale per row; int4: groups of 32) of every nn.Linear of the bfloat16 model but the "

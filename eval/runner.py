@@ -124,18 +124,6 @@ class EvalSettings:
 # --------------------------------------------------------------------------------------------------
 
 
-#: `gpn eval --dtype` -> the dtype the weights load in; int8 and int4 then quantize the bfloat16 model's linears
-#: (`bench.models.quantize_for`, as gpn generate's --dtype): the head stays bfloat16, the scores float32 as ever.
-DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "int8": torch.bfloat16,
-    "int4": torch.bfloat16,
-}
-QUANTIZED_DTYPES = ("int8", "int4")
-
-
 def load_model(
     path: str,
     device: str = "cpu",
@@ -146,16 +134,16 @@ def load_model(
     """Load any causal LM (a GPN folder, a Hub repo, a LlamaForCausalLM folder, a PEFT adapter folder: its base with
     the adapter merged) and its tokenizer (`tokenizer`, else the model's: an adapter folder's own, else its base's)."""
     import modeling_gpn  # noqa: F401  (registers the GPN Auto classes for folders without remote code)
+    from modeling_gpn.bench.models import DTYPES, QUANTIZERS, quantize_for, weight_dtype
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     path = check_model_path(path)
-    # (int8, int4: the bfloat16 model quantized on its device as gpn generate's --dtype quantizes it, one function)
-    model = load_causal_lm(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+    # (int8, int4: the bfloat16 model quantized on its device as gpn generate's --dtype quantizes it, one function;
+    # the head stays bfloat16, the scores float32 as ever)
+    model = load_causal_lm(path, dtype=weight_dtype(dtype), trust_remote_code=trust_remote_code)
     model = model.to(device).eval()
-    if dtype in QUANTIZED_DTYPES:
-        from modeling_gpn.bench.models import quantize_for
-
+    if dtype in QUANTIZERS:
         model = quantize_for(model, dtype, path)
     tok = load_model_tokenizer(path, tokenizer, trust_remote_code=trust_remote_code, require_eos=False)
     disagreement = end_of_text_disagreement(path, tok)

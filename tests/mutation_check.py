@@ -3112,7 +3112,7 @@ MUTATIONS = [
     Mutation(
         "gpn eval --dtype int8 | int4 scores the bfloat16 model unquantized, under the quantized label",
         "eval/runner.py",
-        "    if dtype in QUANTIZED_DTYPES:\n",
+        "    if dtype in QUANTIZERS:\n",
         "    if False:  # MUTATION\n",
         ("tests/ecosystem/test_eval.py -k quantized_scores_near",),
     ),
