@@ -1060,6 +1060,7 @@ MUTATIONS = [
         (
             "tests/model/test_cache_and_padding.py -k padded_training_batch and fast",
             "tests/ecosystem/test_trl.py -k grpo_log_probs_of_padded_rows",
+            "tests/fast_path/test_step_kernels.py -k int4_weights_run_the_fast_path",
         ),
     ),
     Mutation(

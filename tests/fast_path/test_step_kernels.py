@@ -274,7 +274,7 @@ def test_int4_weights_run_the_fast_path_on_their_int4_values(one_thread, decoded
     a bf16 model holding them computes; so does the C step on them where the int4 products are switched off
     (`GPN_INT4_KERNEL=0`). With its head quantized too (`quantize_`'s default takes every nn.Linear), the logits are
     int4 products as well, within bf16's rounding of its plain loop (a head apart from the embedding has no exact
-    float32 twin: a GPN ties them)."""
+    float32 twin: a GPN ties them). A left-padded batch keeps the same bound at its real positions."""
     require_int4_products()
     model = int4(perturbed_model(tiny_config(), seed=5), head=False)
     reference = with_dequantized_weights(int4(perturbed_model(tiny_config(), seed=5), head=False))
@@ -291,7 +291,19 @@ def test_int4_weights_run_the_fast_path_on_their_int4_values(one_thread, decoded
         plain = given_tokens_loop(model, ids, given)
     rounding = (plain - exact_log_probs).abs().max()
     assert 0 < (fast - plain).abs().max() <= 2 * rounding, ((fast - plain).abs().max(), rounding)
-    model.model.use_fast_path = True
+
+    # a left-padded batch in one forward: the padded row's real positions alike, within the same bound
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    real = mask.bool()
+    with torch.no_grad():
+        plain_masked = model(ids, attention_mask=mask).logits.log_softmax(-1)[real]
+        exact_masked = exact(ids, attention_mask=mask).logits.log_softmax(-1)[real]
+        model.model.use_fast_path = True
+        with ran(FAST_PATH, INT4_STEPS, not_ran=(PLAIN_PATH,)):
+            fast_masked = model(ids, attention_mask=mask).logits.log_softmax(-1)[real]
+    masked_rounding = (plain_masked - exact_masked).abs().max()
+    assert 0 < (fast_masked - plain_masked).abs().max() <= 2 * masked_rounding
 
     wide = torch.randint(1, 97, (20, 4), generator=torch.Generator().manual_seed(7))  # more rows than the kernels take
     with torch.no_grad(), ran(FAST_PATH, not_ran=(PLAIN_PATH, C_STEP_KERNELS)):
