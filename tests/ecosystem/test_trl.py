@@ -336,12 +336,35 @@ REFERENCES = {  # DPO's reference -> the policy's PEFT adapter (disabled, it is 
 }
 
 
+DPO_LOSSES = {"sigmoid": 1.0, "hinge": 0.5, "ipo": 0.25, "sft": 0.1}  # (a list of TRL's loss types, weighted)
+
+
+def dpo_loss_by_hand(
+    loss_type: str, beta: float, logps: torch.Tensor, ref_logps: torch.Tensor, lengths
+) -> torch.Tensor:
+    """One of TRL's DPO losses from each pair's summed log-probabilities, (pairs, 2) for chosen and rejected, and its
+    completions' token counts, as the papers TRL cites define them."""
+    ratios = logps - ref_logps
+    delta = ratios[:, 0] - ratios[:, 1]
+    if loss_type == "sigmoid":
+        return -F.logsigmoid(beta * delta).mean()
+    if loss_type == "hinge":
+        return torch.relu(1 - beta * delta).mean()
+    if loss_type == "ipo":  # (TRL averages the log-ratios over each completion's tokens)
+        averaged = ratios[:, 0] / lengths[:, 0] - ratios[:, 1] / lengths[:, 1]
+        return ((averaged - 1 / (2 * beta)) ** 2).mean()
+    assert loss_type == "sft"  # the chosen completions' mean token NLL
+    return -logps[:, 0].sum() / lengths[:, 0].sum()
+
+
 @pytest.mark.parametrize("reference", REFERENCES)
 def test_dpo_rewards_are_log_ratios_of_each_pair_alone(gpn_folder, tokenizer, tmp_path, reference):
     """DPO's reference paths (a separate model; `ref_model=None` with a LoRA, whose disabled adapter is the
     reference, on the embedding too, which the output and TRL's head follow; `precompute_ref_log_probs`): the
     first step's loss and rewards equal beta * (policy - reference) log-probabilities of each pair computed alone,
-    from the plain forward of the models the trainer holds."""
+    from the plain forward of the models the trainer holds. Rows cut to `max_length` from the start
+    (`truncation_mode="keep_end"`: a row begins inside its prompt) and padded to a multiple of 8 are read as the
+    kept tokens alone; with a separate reference the loss is a weighted list of TRL's loss types."""
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
@@ -354,12 +377,17 @@ def test_dpo_rewards_are_log_ratios_of_each_pair_alone(gpn_folder, tokenizer, tm
             "rejected": [" dog dog.", " mat mat mat.", " end.", " cat cat."],
         }
     )
-    beta = 0.5
+    beta, max_length = 0.5, 8
+    losses = DPO_LOSSES if reference == "separate model" else {"sigmoid": 1.0}
     args = DPOConfig(
         **common_arguments(tmp_path, max_steps=1),
         per_device_train_batch_size=4,
-        max_length=32,
+        max_length=max_length,
+        truncation_mode="keep_end",
+        pad_to_multiple_of=8,
         beta=beta,
+        loss_type=list(losses),
+        loss_weights=list(losses.values()),
         precompute_ref_log_probs=reference == "precomputed",
     )
     adapter = REFERENCES[reference]
@@ -376,37 +404,49 @@ def test_dpo_rewards_are_log_ratios_of_each_pair_alone(gpn_folder, tokenizer, tm
         peft_config=peft_config,
     )
     policy = trainer.model.get_base_model() if peft_config else trainer.model
-    rewards = []
+    logps, ref_logps, lengths, cut = [], [], [], 0
     for row in trainer.train_dataset:
         for side in ("chosen_ids", "rejected_ids"):
-            logp = alone_log_probs(policy, row["prompt_ids"], row[side])
+            completion = row[side]
+            prompt = row["prompt_ids"][-(max_length - len(completion)) :]  # what keep_end leaves of it
+            cut += len(prompt) < len(row["prompt_ids"])
+            logps.append(alone_log_probs(policy, prompt, completion))
             if peft_config:
                 with trainer.model.disable_adapter():
-                    ref_logp = alone_log_probs(policy, row["prompt_ids"], row[side])
+                    ref_logps.append(alone_log_probs(policy, prompt, completion))
             else:
-                ref_logp = alone_log_probs(ref_model, row["prompt_ids"], row[side])
-            rewards.append(beta * (logp - ref_logp))
-    chosen, rejected = torch.tensor(rewards).view(-1, 2).unbind(1)
+                ref_logps.append(alone_log_probs(ref_model, prompt, completion))
+            lengths.append(len(completion))
+    assert cut and max(lengths) < max_length  # some prompts cut, no completion
+    logps, ref_logps, lengths = (torch.tensor(x).view(-1, 2) for x in (logps, ref_logps, lengths))
+    chosen, rejected = (beta * (logps - ref_logps)).unbind(1)
     assert (chosen - rejected).abs().max() > 1e-3  # the check means something
     trainer.train()
     first = trainer.state.log_history[0]
     assert first["rewards/chosen"] == pytest.approx(chosen.mean().item(), rel=1e-6, abs=1e-5)
     assert first["rewards/rejected"] == pytest.approx(rejected.mean().item(), rel=1e-6, abs=1e-5)
-    assert first["loss"] == pytest.approx(-F.logsigmoid(chosen - rejected).mean().item(), rel=1e-6, abs=1e-5)
+    loss = sum(weight * dpo_loss_by_hand(kind, beta, logps, ref_logps, lengths) for kind, weight in losses.items())
+    assert first["loss"] == pytest.approx(loss.item(), rel=1e-6, abs=1e-5)
 
 
 @pytest.mark.parametrize("adapter", ["none", "lora on the embedding"])
 def test_grpo_log_probs_of_padded_rows_equal_each_sequence_alone(gpn_folder, tmp_path, adapter):
     """GRPO scores left-padded prompts of different lengths followed by right-padded completions (padding at both
-    ends of a row), for the policy and the reference (`beta` > 0), at the sampling temperature: every per-token
-    log-probability equals the plain forward's on that prompt and completion alone. With a LoRA on the embedding
-    (the reference: its adapter disabled), TRL's head follows the adapted table, as the forward does."""
+    ends of a row, to a multiple of 8), for the policy, the reference (`beta` > 0) and the old policy (one
+    generation for two steps), at the sampling temperature: every per-token log-probability equals the plain forward's
+    on that prompt and completion alone. With a LoRA on the embedding (the reference: its adapter disabled), TRL's
+    head follows the adapted table, as the forward does; without one, `cast_lm_head_to_fp32` (TRL replaces the
+    head's forward and hooks the embedding) changes none of it. (The loss type, sequence-level importance sampling
+    and weighted rewards are TRL's arithmetic on these log-probabilities.)"""
     from datasets import Dataset
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
     def reward_length(completions, **kwargs):
         return [0.1 * len(completion) for completion in completions]
+
+    def reward_cat(completions, **kwargs):
+        return [float("cat" in completion) for completion in completions]
 
     args = GRPOConfig(
         **common_arguments(tmp_path, max_steps=1),
@@ -419,6 +459,11 @@ def test_grpo_log_probs_of_padded_rows_equal_each_sequence_alone(gpn_folder, tmp
         temperature=0.7,
         top_p=0.9,
         top_k=20,
+        pad_to_multiple_of=8,
+        loss_type="dr_grpo",
+        importance_sampling_level="sequence",
+        reward_weights=[1.0, 0.5],
+        cast_lm_head_to_fp32=adapter == "none",
     )
     prompts = Dataset.from_dict({"prompt": ["the cat", "a dog sat on the", "once upon a time there", "the"]})
     peft_config = None
@@ -427,7 +472,11 @@ def test_grpo_log_probs_of_padded_rows_equal_each_sequence_alone(gpn_folder, tmp
             r=4, lora_alpha=1, target_modules=["embed_tokens", "decode_proj"], init_lora_weights=False
         )
     trainer = GRPOTrainer(
-        model=gpn_folder, reward_funcs=reward_length, args=args, train_dataset=prompts, peft_config=peft_config
+        model=gpn_folder,
+        reward_funcs=[reward_length, reward_cat],
+        args=args,
+        train_dataset=prompts,
+        peft_config=peft_config,
     )
     scored = trainer._get_per_token_logps_and_entropies
     compared = []
@@ -447,7 +496,9 @@ def test_grpo_log_probs_of_padded_rows_equal_each_sequence_alone(gpn_folder, tmp
 
     trainer._get_per_token_logps_and_entropies = compare_with_each_alone
     trainer.train()
-    assert len(compared) >= 16 and any(compared)  # policy and reference rows, some with padded prompts
+    # the old policy's rows (8: one generation for two steps), the reference's (8) and the policy's (4), some with
+    # padded prompts
+    assert len(compared) == 20 and any(compared)
 
 
 def test_distillation_trainer_distils_a_gpn_teacher_into_a_gpn(gpn_folder, tokenizer, tmp_path):
@@ -495,8 +546,9 @@ def test_distillation_trainer_distils_a_gpn_teacher_into_a_gpn(gpn_folder, token
 
 def test_reward_trainer_trains_a_gpn_reward_model(tokenizer, tmp_path):
     """RewardTrainer on chosen/rejected pairs with a `GPNForSequenceClassification(num_labels=1)`: each step's loss
-    is -log sigmoid(r_chosen - r_rejected - margin) of the model's own scores on that batch (the dataset's `margin`
-    column, which TRL passes to the model with the batch), and the chosen ones win."""
+    is -log sigmoid(r_chosen - r_rejected - margin) + c * mean((r_chosen + r_rejected)^2) of the model's own scores
+    on that batch (the dataset's `margin` column, which TRL passes to the model with the batch;
+    `center_rewards_coefficient` c), and the chosen ones win."""
     from datasets import Dataset
     from trl import RewardConfig, RewardTrainer
 
@@ -518,7 +570,10 @@ def test_reward_trainer_trains_a_gpn_reward_model(tokenizer, tmp_path):
         }
     )
     args = RewardConfig(
-        **common_arguments(tmp_path, max_steps=6, learning_rate=1e-2), per_device_train_batch_size=4, max_length=32
+        **common_arguments(tmp_path, max_steps=6, learning_rate=1e-2),
+        per_device_train_batch_size=4,
+        max_length=32,
+        center_rewards_coefficient=0.3,
     )
     trainer = RewardTrainer(model=model, args=args, train_dataset=pairs, processing_class=tokenizer)
     seen = []
@@ -530,7 +585,8 @@ def test_reward_trainer_trains_a_gpn_reward_model(tokenizer, tmp_path):
                 for row, n in zip(kwargs["input_ids"], kwargs["attention_mask"].sum(1))
             ]
         chosen, rejected = torch.stack(scores).chunk(2)
-        seen.append(float(-F.logsigmoid(chosen - rejected - kwargs["margin"]).mean()))
+        centring = 0.3 * ((chosen + rejected) ** 2).mean()
+        seen.append(float(-F.logsigmoid(chosen - rejected - kwargs["margin"]).mean() + centring))
 
     handle = trainer.model.register_forward_hook(own_loss, with_kwargs=True)
     trainer.train()
