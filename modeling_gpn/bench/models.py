@@ -44,8 +44,9 @@ def quantize_int4(model: torch.nn.Module) -> torch.nn.Module:
     """`model` with every nn.Linear but its output head quantized by torchao's low-bit weight-only config to int4
     (`IntxWeightOnlyConfig`, torchao's int4 with a CPU path: values in [-8, 7], a scale and a zero point per group
     of `INT4_GROUP` weights of a row, or per row where a row's length is not a multiple of it), in place; the head
-    as in `quantize_int8`. Its linear multiplies the dequantized matrix, as the fast path does
-    (`recurrence_step.dequantized_by_linear`). Without torchao: ImportError, saying what to install."""
+    as in `quantize_int8`. Its linear multiplies the dequantized matrix (`recurrence_step.dequantized_by_linear`);
+    the fast path's C kernels read the int4 values packed where they take them (`memory_kernels.int4_operand`), and
+    the same dequantized matrix elsewhere. Without torchao: ImportError, saying what to install."""
     quantization = _torchao("int4")
     from torchao.quantization.granularity import PerAxis, PerGroup
 
@@ -70,7 +71,7 @@ def quantized_as(model: torch.nn.Module) -> set[str]:
     `QUANTIZERS` names of those they make ("int8": torchao's int8 weight-only weight, `int8_weight_parts`; "int4":
     its int4 weight-only one, `dequantized_by_linear` with int4 values), any other tensor subclass by its class name;
     empty for a float model. torchao cannot quantize a quantized weight again (quantize_ fails inside its dispatch)
-    and `QUANTIZERS` skip int4's, so a caller asked for one kind checks this first."""
+    and `quantize_int4` leaves any quantized weight as it is, so a caller asked for one kind checks this first."""
     from modeling_gpn.recurrence_step import dequantized_by_linear, int8_weight_parts
 
     kinds = set()
@@ -89,9 +90,9 @@ def quantized_as(model: torch.nn.Module) -> set[str]:
 def quantize_for(model: torch.nn.Module, kind: str, source: str = "the model") -> torch.nn.Module:
     """`model` quantized to `kind` ("int8", "int4": `QUANTIZERS`, of the model cast to bfloat16), for `--dtype KIND`
     of `gpn generate` and `gpn eval` alike. A model saved quantized already (`TorchAoConfig`) is returned as saved
-    when it is of that kind, and refused otherwise: torchao cannot quantize its weights again (it failed deep in its
-    dispatch), and int4 skipped int8 weights, giving an int8 model in silence. Every refusal, torchao missing
-    included, is a ValueError in one line naming the problem."""
+    when it is of that kind, and refused otherwise: torchao cannot quantize its weights again (it fails deep in its
+    dispatch), and `quantize_int4` leaves int8 weights as they are, which would pass an int8 model for an int4 one
+    in silence. Every refusal, torchao missing included, is a ValueError in one line naming the problem."""
     if kind not in QUANTIZERS:
         raise ValueError(f"cannot quantize to {kind!r}: one of {', '.join(QUANTIZERS)}")
     kinds = quantized_as(model)
