@@ -120,13 +120,17 @@ def quantization_of(model: torch.nn.Module) -> dict | None:
     kinds = quantized_as(model)
     if not kinds:
         return None
-    groups, count = set(), 0
+    # (a weight's scale covers a group, part of its row, or its whole row: told apart by its own row's length, as a
+    # row shorter than a group is a whole row, not a smaller group)
+    groups, whole, count = set(), set(), 0
     for parameter in model.parameters():
         if type(parameter) is torch.nn.Parameter or type(parameter) is torch.Tensor:
             continue
         count += 1
+        row = int(parameter.shape[-1])
         block = getattr(parameter, "block_size", None)
-        groups.add(int(block[-1]) if block is not None else int(parameter.shape[-1]))
+        size = int(block[-1]) if block is not None else row
+        (groups if size < row else whole).add(size)
     schemes = {
         "int8": "int8 weight-only (torchao Int8WeightOnlyConfig: one scale per output row)",
         "int4": "int4 weight-only (torchao IntxWeightOnlyConfig: values in [-8, 7], a scale and a zero point per group)",
@@ -134,11 +138,15 @@ def quantization_of(model: torch.nn.Module) -> dict | None:
     scheme = "; ".join(schemes.get(kind, f"{kind} weights") for kind in sorted(kinds))
     head = model.get_output_embeddings()
     head_dtype = str(head.weight.dtype).removeprefix("torch.") if head is not None else None
-    sizes = sorted(groups)
+    sizes = sorted(groups | whole)
     grouping = ""  # (int8's scheme says it: one scale per row)
     if "int4" in kinds:  # (IntxWeightOnlyConfig's groups; a row whose length is no multiple of them is one group)
-        rows = [str(size) for size in sizes[1:] if size % sizes[0]]
-        grouping = f", groups of {sizes[0]}" + (f" (rows of {', '.join(rows)}: whole)" if rows else "")
+        rows = [str(size) for size in sorted(whole) if not any(size % group == 0 for group in groups)]
+        if groups:
+            named = ", ".join(str(size) for size in sorted(groups))
+            grouping = f", groups of {named}" + (f" (rows of {', '.join(rows)}: whole)" if rows else "")
+        else:
+            grouping = ", each row one group"
     return {
         "weights": "+".join(sorted(kinds)),
         "scheme": scheme,
