@@ -2674,9 +2674,10 @@ def memory_write_backward(
 # reaches about a third of a plain read here) or the per-step work around them costs more than the
 # products (a dozen small torch ops and their Python calls). `StepPlan` runs a whole step in one C call:
 # the products read the modules' own weights in place (nn.Linear's (out, in) layout: float32, bfloat16 or
-# torchao's int8 weight-only; nothing is folded, cast or copied), each projection with its own RMS-norm
-# weight applied to its input as the plain path does, and the elementwise work, the memory half and the
-# reads between them, threads taking the products' row blocks in turn.
+# torchao's int8 weight-only; nothing is folded, cast or copied; torchao's int4 values alone are packed, once per
+# plan, `int4_pack`), each projection with its own RMS-norm weight applied to its input as the plain path does,
+# and the elementwise work, the memory half and the reads between them, threads taking the products' row blocks
+# in turn.
 
 MAX_STEP_ROWS = 16  # the most batch rows the step kernel takes (more rows amortise the weight read in a matmul)
 _TASK_BYTES = 1 << 18  # weight bytes per task of a product (threads take tasks in turn)
