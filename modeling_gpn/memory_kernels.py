@@ -2815,7 +2815,8 @@ def int4_pack(parts: Int4Weight) -> Int4Packed | None:
     return None if outside else Int4Packed(tiles, scales, offsets)
 
 
-# why the int4 weights of the last operands made kept their dequantized matrix (`int4_operand`), by reason
+# why low-bit weights kept their dequantized matrix (`int4_operand`), by reason: counted at every operand made
+# since the process began (the tests clear it before the call they look at)
 int4_dequantized: Counter = Counter()
 
 
