@@ -8,8 +8,9 @@ never a mix; an exception (Ctrl-C too) leaves no temporary file behind, a killed
 A path that is a device, pipe or socket is refused, not replaced. `held` holds a file or folder for one process
 (an flock naming its holder to the process it refuses): what gpn generate's `--save-state`, gpn eval's
 `--output-dir`, gpn convert's and gpn push --dry-run's OUT take, so that two processes reading and then writing
-one path never overwrite each other's work in silence; or waits for it (the key of a token cache or of a trained BPE
-tokenizer: a second run reads what the first wrote instead of writing it again). The standard library only: it ships with the model, which
+one path never overwrite each other's work in silence; or waits for it (the key of a token cache or of a trained
+BPE tokenizer: a second run reads what the first wrote instead of writing it again; `gpn serve`'s `--state-dir`,
+which every server on it writes and trims in turn). The standard library only: it ships with the model, which
 saves states through it.
 """
 

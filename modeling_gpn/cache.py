@@ -618,9 +618,10 @@ class GPNCache(Cache):
         probe = self.state_layer.graph_probe
         if probe is None:
             return
-        last, weights, first = probe
-        if last is None:  # (a compiled call's: its program's node, read off the state it returned)
-            last = first = traced_call_node(self.state_layer.recurrent_states[GPNStateLayer.PREDICTED])
+        last, weights, _ = probe
+        first = self.first_call_node()
+        if last is None:  # (a compiled call's probe holds no node: its program's node stands for both)
+            last = first
         spent = None
         for node in (first, last):  # (a backward through any of the calls runs through the first one's node)
             try:
@@ -646,7 +647,9 @@ class GPNCache(Cache):
         probe = self.state_layer.graph_probe
         if probe is None:
             return None
-        return probe[2] if probe[0] is not None else traced_call_node(self.state_layer.recurrent_states[0])
+        if probe[0] is None:  # (a compiled call's: its program's node, read off the state it returned)
+            return traced_call_node(self.state_layer.recurrent_states[GPNStateLayer.PREDICTED])
+        return probe[2]
 
     def advanced_in_place(self, token_ids: torch.Tensor, hashed: bool = False) -> None:
         """Count the positions `token_ids` (batch, seq), every one real, that a call read and wrote straight into

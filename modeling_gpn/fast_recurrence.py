@@ -401,7 +401,7 @@ def _plain_linear(module: torch.nn.Module) -> bool:
 
 def fast_project(module: torch.nn.Module, x: torch.Tensor, fast: bool = True) -> torch.Tensor:
     """`module(x.to(its weight's dtype)).float()` (`modeling_gpn.project`), for a few rows of a plain
-    nn.Linear (float32, bfloat16 or torchao int8 weight-only weight; no hooks) without autograd on the C
+    nn.Linear (float32, bfloat16, torchao int8 or low-bit weight-only weight; no hooks) without autograd on the C
     kernels when `fast` (the model's `use_fast_path`): a decoded token's decoder and token projections, which
     torch's and torchao's int8 linear run far below the bandwidth limit at these sizes (a call's fixed cost
     is larger than its product).

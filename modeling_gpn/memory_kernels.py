@@ -66,6 +66,7 @@ import torch
 from torch.autograd.graph import increment_version
 
 from .recurrence_step import (
+    INT4_GROUPS,
     Columns,
     FoldedWeights,
     Int4Weight,
@@ -1266,7 +1267,6 @@ static inline __attribute__((always_inline)) void int4_tiles(const gpn_segment *
             }
         }
         const __m512i xg = _mm512_set1_epi32(xsum), xg8 = _mm512_set1_epi32(8 * xsum);
-        (void)xg; (void)xg8;
         GPN_I4_GROUP(0);
         if (NT > 1) { GPN_I4_GROUP(1); GPN_I4_GROUP(2); GPN_I4_GROUP(3); }
     }
@@ -2674,9 +2674,10 @@ def memory_write_backward(
 # reaches about a third of a plain read here) or the per-step work around them costs more than the
 # products (a dozen small torch ops and their Python calls). `StepPlan` runs a whole step in one C call:
 # the products read the modules' own weights in place (nn.Linear's (out, in) layout: float32, bfloat16 or
-# torchao's int8 weight-only; nothing is folded, cast or copied), each projection with its own RMS-norm
-# weight applied to its input as the plain path does, and the elementwise work, the memory half and the
-# reads between them, threads taking the products' row blocks in turn.
+# torchao's int8 weight-only; nothing is folded, cast or copied; torchao's int4 values alone are packed, once per
+# plan, `int4_pack`), each projection with its own RMS-norm weight applied to its input as the plain path does,
+# and the elementwise work, the memory half and the reads between them, threads taking the products' row blocks
+# in turn.
 
 MAX_STEP_ROWS = 16  # the most batch rows the step kernel takes (more rows amortise the weight read in a matmul)
 _TASK_BYTES = 1 << 18  # weight bytes per task of a product (threads take tasks in turn)
@@ -2814,7 +2815,8 @@ def int4_pack(parts: Int4Weight) -> Int4Packed | None:
     return None if outside else Int4Packed(tiles, scales, offsets)
 
 
-# why the int4 weights of the last operands made kept their dequantized matrix (`int4_operand`), by reason
+# why low-bit weights kept their dequantized matrix (`int4_operand`), by reason: counted at every operand made
+# since the process began (the tests clear it before the call they look at)
 int4_dequantized: Counter = Counter()
 
 
@@ -2826,7 +2828,8 @@ def int4_operand(weight: torch.Tensor) -> tuple[Int4Weight, Int4Packed] | None:
     parts = int4_weight_parts(weight)
     reason = None
     if parts is None:
-        reason = "not int4 values in groups of a multiple of 8 weights (at most 4,096) along the rows"
+        least, most = INT4_GROUPS
+        reason = f"not int4 values in groups of a multiple of {least} weights (at most {most:,}) along the rows"
     elif switched_off("GPN_INT4_KERNEL"):
         reason = "GPN_INT4_KERNEL=0"
     elif "+vnni" not in products_isa():
@@ -2844,8 +2847,9 @@ def int4_operand(weight: torch.Tensor) -> tuple[Int4Weight, Int4Packed] | None:
 def operand_of(linear: torch.nn.Module, extra_bias: torch.Tensor | None = None) -> Operand:
     """The `Operand` of an nn.Linear whose weight is a plain float32 / bfloat16 CPU matrix, a torchao int8
     weight-only one (`recurrence_step.int8_weight_parts`) or a low-bit one its linear dequantizes
-    (`recurrence_step.dequantized_by_linear`: the dequantized matrix, made here, which the operand holds);
-    raises `KernelRefusal` for anything else. `extra_bias` is added to the module's own (float32; the decay's
+    (`recurrence_step.dequantized_by_linear`: int4 values packed for the int4 products where they take them,
+    `int4_operand`, else the dequantized matrix; either made here and held by the operand); raises
+    `KernelRefusal` for anything else. `extra_bias` is added to the module's own (float32; the decay's
     dt_bias)."""
     weight = linear.weight
     dims, offsets, group = None, None, 0
@@ -3103,9 +3107,9 @@ class StepPlan:
 
     Built once per derived-weights scope (`derived_weights.py`: one forward or generate() call, or the
     calls continuing one cache): it holds pointers to the weights, float32 copies of the norm weights and
-    biases, and its workspace. Raises `KernelRefusal` for a model whose step it cannot take (a weight that is
-    not float32 / bfloat16 / torchao int8 weight-only, sizes the kernel does not assume, the kernels
-    unavailable); `step` refuses state tensors that do not fit (the dispatcher then runs the torch ops)."""
+    biases, and its workspace. Raises `KernelRefusal` for a model whose step it cannot take (a weight
+    `operand_of` does not take, sizes the kernel does not assume, the kernels unavailable); `step` refuses
+    state tensors that do not fit (the dispatcher then runs the torch ops)."""
 
     def __init__(self, model: torch.nn.Module, rows: int):
         _require()
@@ -3163,7 +3167,7 @@ class StepPlan:
         layers, write_module = list(model.predict_layers), model.memory_write
         norms = [model.fuse_gate_norm.weight, write_module.norm.weight if self.memory else model.fuse_gate_norm.weight]
         phase((sized(model.fuse_gate, d), "fg", "zfg", 0))
-        # (one operand for the key, read by two products: an int4 weight is dequantized once, not three times)
+        # (one operand for the key, read by two products: a low-bit weight is packed or dequantized once per plan)
         key_op = sized(write_module.key, kw) if self.memory else None
         if self.memory:
             phase((key_op, "key", "key0", 0))
@@ -3540,7 +3544,7 @@ def _rows_product(x: torch.Tensor, op: Operand, store_bf16: bool) -> torch.Tenso
 
 def module_rows(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`module(x.to(its weight's dtype)).float()` for a few rows of float32 `x` (B, K) and an nn.Linear
-    whose weight the products take (`operand_of`: float32, bfloat16, torchao int8 weight-only): as the
+    whose weight the products take (`operand_of`: float32, bfloat16, torchao int8 or low-bit weight-only): as the
     module computes it, rounded to bf16 where the module's output is bf16. Raises `KernelRefusal` otherwise
     (the caller checks that the module is exactly an nn.Linear without hooks)."""
     _require()
@@ -3598,8 +3602,8 @@ def gates(x: torch.Tensor, library: ctypes.CDLL | None = None) -> tuple[torch.Te
 
 
 def thread_buffers() -> int:
-    """How many per-thread buffers of the kernels in use are alive now, in every thread: the int8 products'
-    quantized inputs, one per thread that ran them, each freed when its thread ends (for the tests that hold a
+    """How many per-thread buffers of the kernels in use are alive now, in every thread: the int8 and int4
+    products' quantized inputs, one per thread that ran them, each freed when its thread ends (for the tests that hold a
     thread per call to that)."""
     _require()
     return _library.gpn_thread_buffers()
@@ -3609,7 +3613,7 @@ def products_isa() -> str:
     """The vector instructions the products of the kernels in use were built for: "avx512" (with "+bf16" and
     "+vnni" where the CPU has those), "avx2" (AVX2 and FMA) or "portable" (plain C the compiler vectorises). int8
     products are exact integer sums of the input rounded to 16 bits on "+vnni" and "avx2" builds, float sums
-    elsewhere."""
+    elsewhere; int4 weights are read as int4 on "+vnni" builds only (`int4_operand`)."""
     _require()
     return _library.gpn_products_isa().decode()
 

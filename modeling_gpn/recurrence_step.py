@@ -184,7 +184,8 @@ class Int4Weight(NamedTuple):
     dtype: torch.dtype  # the dtype the module computes in: float32 or bfloat16
 
 
-# a group's weights the C kernels' int4 layout takes: a multiple of the first, at most the second
+# a group's weights the C kernels' int4 layout takes: a multiple of the first, at most the second (the C source's
+# INT4_MAX_GROUP, which keeps a group's integer sum within int32)
 INT4_GROUPS = (8, 4096)
 
 

@@ -342,12 +342,10 @@ def write_state_file(
 
 def check_replaceable(path: str | os.PathLike) -> None:
     """Refuse (`GPNStateFileError`) to save a state over a file at `path` (through a link too) that holds something
-    else: `gpn generate --save-state MODEL/model.safetensors` replaced the model's weights with a state, in silence.
+    else (`gpn generate --save-state MODEL/model.safetensors` would replace the model's weights with a state).
     A state file of any format version, an empty file (`mktemp`'s) and no file at all may be replaced; a folder,
     device or pipe is left to the write, which refuses it (`atomic_files.replacing`). Nor is a state named as a
-    model's weights (`WEIGHTS_FILE_NAMES`) written into a model folder (one holding config.json), even where no file
-    of that name is there: `--save-state SHARDED/model.safetensors` beside a sharded model's shards and index made
-    every later load read the state as the model's weights (transformers reads model.safetensors before an index)."""
+    model's weights written into a model folder, even where no file of that name is there (`refuse_a_weights_name`)."""
     try:
         status = os.stat(path)
     except OSError:  # (nothing there, or a dangling link: the rename replaces the link, nothing is lost)
@@ -370,7 +368,9 @@ def check_replaceable(path: str | os.PathLike) -> None:
 
 def refuse_a_weights_name(path: str | os.PathLike) -> None:
     """Refuse (`GPNStateFileError`) a state's `path` named as a model's weights file (`WEIGHTS_FILE_NAMES`) in a
-    folder holding config.json: `from_pretrained` of that folder would read the state as its weights."""
+    folder holding config.json: `from_pretrained` of that folder would read the state as its weights (with
+    `--save-state SHARDED/model.safetensors` beside a sharded model's shards and index too: transformers reads
+    model.safetensors before an index)."""
     place = Path(path)
     if place.name in WEIGHTS_FILE_NAMES and (place.parent / "config.json").is_file():
         raise GPNStateFileError(

@@ -6683,6 +6683,13 @@ MUTATIONS = [
         "            if False:  # MUTATION\n",
         ("tests/tools/test_serve.py -k cannot_start_says_why",),
     ),
+    Mutation(
+        "the recorded quantization takes every scale's size for an int4 group, whole rows' too (a row of 16 a group)",
+        "modeling_gpn/bench/models.py",
+        "        (groups if size < row else whole).add(size)\n",
+        "        groups.add(size)  # MUTATION\n",
+        ("tests/ecosystem/test_eval.py -k tells_int4_groups_from_whole_rows",),
+    ),
 ]
 
 

@@ -44,8 +44,9 @@ def quantize_int4(model: torch.nn.Module) -> torch.nn.Module:
     """`model` with every nn.Linear but its output head quantized by torchao's low-bit weight-only config to int4
     (`IntxWeightOnlyConfig`, torchao's int4 with a CPU path: values in [-8, 7], a scale and a zero point per group
     of `INT4_GROUP` weights of a row, or per row where a row's length is not a multiple of it), in place; the head
-    as in `quantize_int8`. Its linear multiplies the dequantized matrix, as the fast path does
-    (`recurrence_step.dequantized_by_linear`). Without torchao: ImportError, saying what to install."""
+    as in `quantize_int8`. Its linear multiplies the dequantized matrix (`recurrence_step.dequantized_by_linear`);
+    the fast path's C kernels read the int4 values packed where they take them (`memory_kernels.int4_operand`), and
+    the same dequantized matrix elsewhere. Without torchao: ImportError, saying what to install."""
     quantization = _torchao("int4")
     from torchao.quantization.granularity import PerAxis, PerGroup
 
@@ -70,7 +71,7 @@ def quantized_as(model: torch.nn.Module) -> set[str]:
     `QUANTIZERS` names of those they make ("int8": torchao's int8 weight-only weight, `int8_weight_parts`; "int4":
     its int4 weight-only one, `dequantized_by_linear` with int4 values), any other tensor subclass by its class name;
     empty for a float model. torchao cannot quantize a quantized weight again (quantize_ fails inside its dispatch)
-    and `QUANTIZERS` skip int4's, so a caller asked for one kind checks this first."""
+    and `quantize_int4` leaves any quantized weight as it is, so a caller asked for one kind checks this first."""
     from modeling_gpn.recurrence_step import dequantized_by_linear, int8_weight_parts
 
     kinds = set()
@@ -89,9 +90,9 @@ def quantized_as(model: torch.nn.Module) -> set[str]:
 def quantize_for(model: torch.nn.Module, kind: str, source: str = "the model") -> torch.nn.Module:
     """`model` quantized to `kind` ("int8", "int4": `QUANTIZERS`, of the model cast to bfloat16), for `--dtype KIND`
     of `gpn generate` and `gpn eval` alike. A model saved quantized already (`TorchAoConfig`) is returned as saved
-    when it is of that kind, and refused otherwise: torchao cannot quantize its weights again (it failed deep in its
-    dispatch), and int4 skipped int8 weights, giving an int8 model in silence. Every refusal, torchao missing
-    included, is a ValueError in one line naming the problem."""
+    when it is of that kind, and refused otherwise: torchao cannot quantize its weights again (it fails deep in its
+    dispatch), and `quantize_int4` leaves int8 weights as they are, which would pass an int8 model for an int4 one
+    in silence. Every refusal, torchao missing included, is a ValueError in one line naming the problem."""
     if kind not in QUANTIZERS:
         raise ValueError(f"cannot quantize to {kind!r}: one of {', '.join(QUANTIZERS)}")
     kinds = quantized_as(model)
@@ -119,13 +120,17 @@ def quantization_of(model: torch.nn.Module) -> dict | None:
     kinds = quantized_as(model)
     if not kinds:
         return None
-    groups, count = set(), 0
+    # (a weight's scale covers a group, part of its row, or its whole row: told apart by its own row's length, as a
+    # row shorter than a group is a whole row, not a smaller group)
+    groups, whole, count = set(), set(), 0
     for parameter in model.parameters():
         if type(parameter) is torch.nn.Parameter or type(parameter) is torch.Tensor:
             continue
         count += 1
+        row = int(parameter.shape[-1])
         block = getattr(parameter, "block_size", None)
-        groups.add(int(block[-1]) if block is not None else int(parameter.shape[-1]))
+        size = int(block[-1]) if block is not None else row
+        (groups if size < row else whole).add(size)
     schemes = {
         "int8": "int8 weight-only (torchao Int8WeightOnlyConfig: one scale per output row)",
         "int4": "int4 weight-only (torchao IntxWeightOnlyConfig: values in [-8, 7], a scale and a zero point per group)",
@@ -133,11 +138,15 @@ def quantization_of(model: torch.nn.Module) -> dict | None:
     scheme = "; ".join(schemes.get(kind, f"{kind} weights") for kind in sorted(kinds))
     head = model.get_output_embeddings()
     head_dtype = str(head.weight.dtype).removeprefix("torch.") if head is not None else None
-    sizes = sorted(groups)
+    sizes = sorted(groups | whole)
     grouping = ""  # (int8's scheme says it: one scale per row)
     if "int4" in kinds:  # (IntxWeightOnlyConfig's groups; a row whose length is no multiple of them is one group)
-        rows = [str(size) for size in sizes[1:] if size % sizes[0]]
-        grouping = f", groups of {sizes[0]}" + (f" (rows of {', '.join(rows)}: whole)" if rows else "")
+        rows = [str(size) for size in sorted(whole) if not any(size % group == 0 for group in groups)]
+        if groups:
+            named = ", ".join(str(size) for size in sorted(groups))
+            grouping = f", groups of {named}" + (f" (rows of {', '.join(rows)}: whole)" if rows else "")
+        else:
+            grouping = ", each row one group"
     return {
         "weights": "+".join(sorted(kinds)),
         "scheme": scheme,

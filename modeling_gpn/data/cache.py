@@ -38,12 +38,12 @@ def content_hash(value: object) -> str:
 @contextlib.contextmanager
 def writing_alone(folder: Path, what: str, tell: Callable[[str], None] | None = None) -> Iterator[None]:
     """Hold the key of the cache folder `folder` (an flock on `.NAME.lock` beside it, through `atomic_files.held`)
-    while the block checks whether it is there and writes it. Two runs that need the same cache (two gpn train
-    runs on one corpus) each tokenized it, in temporary folders of their own, and the first rename won: the other's
-    minutes were wasted. The second now waits for the first, `tell` saying whom for (`what` names the cache), then
-    finds the folder written. A holder killed meanwhile (`kill -9` too) releases it, and the waiter writes it
-    itself. The lock file stays: it is empty, and two processes locking different files under one name would both
-    win."""
+    while the block checks whether it is there and writes it. Without it, two runs that need the same cache (two
+    gpn train runs on one corpus) would each write it, in temporary folders of their own, and the first rename would
+    win: the other's minutes wasted. With it the second waits for the first, `tell` saying whom for (`what` names
+    the cache), then finds the folder written. A holder killed meanwhile (`kill -9` too) releases it, and the
+    waiter writes it itself. The lock file stays: it is empty, and two processes locking different files under one
+    name would both win."""
     lock = folder.with_name(f".{folder.name}.lock")
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)

@@ -153,7 +153,7 @@ def _reused(folder: Path, made_from: dict) -> TokenStream:
     """The cache written in `folder`, checked to be made from `made_from`."""
     stream = TokenStream(folder)
     # The folder's name is the key, its meta.json says what it was written from: another cache's files put in
-    # its place (another tokenizer's ids, another corpus) were read as this corpus's tokens, in silence.
+    # its place (another tokenizer's ids, another corpus) would be read as this corpus's tokens, in silence.
     written = {name: stream.meta.get(name) for name in made_from}
     # (each compared as meta.json gives it back, through JSON: a tuple in a fingerprint reads as a list)
     differ = [name for name in made_from if json.loads(json.dumps(made_from[name])) != written[name]]

@@ -100,8 +100,8 @@ def load_tokenizer(
 ) -> PreTrainedTokenizerBase:
     """The tokenizer named `name_or_path` (a Hub id or a folder), or (`"bpe"`, given a `corpus`) a byte-level
     BPE trained on `corpus` and cached. Where another process is training the same BPE into the same cache, wait
-    for it (`tell` says whom for) and read what it wrote: two runs on one corpus trained it twice, and the second's
-    work was thrown away at its rename. A process killed meanwhile releases the wait, and this one trains it.
+    for it (`tell` says whom for) and read what it wrote, rather than train it a second time
+    (`cache.writing_alone`). A process killed meanwhile releases the wait, and this one trains it.
 
     Raises `DataError` if it cannot be loaded or (with `require_eos`, as training needs) has no EOS token.
     """

@@ -99,6 +99,7 @@ def read_eval_results(path: str | Path) -> EvalInfo:
     measured = comparison.get("measured") if isinstance(comparison.get("measured"), dict) else {}
     measured = {str(k): v for k, v in measured.items() if is_number(v) and math.isfinite(v)}
     sources = data.get("data") if isinstance(data.get("data"), dict) else {}
+    quantized = data.get("quantization") if isinstance(data.get("quantization"), dict) else {}
     return EvalInfo(
         path=path,
         model=str(data["model"]) if data.get("model") is not None else None,
@@ -112,12 +113,8 @@ def read_eval_results(path: str | Path) -> EvalInfo:
         data={str(k): str(v) for k, v in sources.items()},
         limit=int(limit) if is_number(limit := data.get("limit")) and limit >= 1 else None,
         dtype=str(data["dtype"]) if data.get("dtype") else None,
-        quantization=(
-            str(quantized["summary"])
-            if isinstance(quantized := data.get("quantization"), dict) and quantized.get("summary")
-            else None
-        ),
-        quantized=str(quantized["weights"]) if isinstance(quantized, dict) and quantized.get("weights") else None,
+        quantization=str(quantized["summary"]) if quantized.get("summary") else None,
+        quantized=str(quantized["weights"]) if quantized.get("weights") else None,
     )
 
 

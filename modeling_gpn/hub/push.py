@@ -21,12 +21,12 @@ if TYPE_CHECKING:
     from .folder import PreparedFolder
 
 #: The repo's files an upload replaces as a set (huggingface_hub's `delete_patterns`, matched against the repo's top
-#: level by fnmatch; a file uploaded again is kept): `upload_folder` only adds, so a push over an earlier one left
-#: the earlier weights or tokenizer files beside the new ones, and transformers loads a stale model.safetensors
+#: level by fnmatch; a file uploaded again is kept): `upload_folder` only adds, so a push over an earlier one would
+#: leave the earlier weights or tokenizer files beside the new ones, and transformers loads a stale model.safetensors
 #: before the shards an index names, or a stale chat_template.jinja / added_tokens.json with the new tokenizer.
 #: An earlier push of pickled weights (`pytorch_model.bin`, or its shards and index: transformers 4's
-#: `safe_serialization=False`) goes too: `from_pretrained(..., use_safetensors=False)` loaded it in place of the new
-#: weights. Other files of the repo (a user's own, `.gitattributes`) are left alone.
+#: `safe_serialization=False`) goes too: `from_pretrained(..., use_safetensors=False)` would load it in place of the
+#: new weights. Other files of the repo (a user's own, `.gitattributes`) are left alone.
 REPLACED_FILES = (
     "model*.safetensors",
     WEIGHTS_INDEX,

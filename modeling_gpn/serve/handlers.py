@@ -658,7 +658,7 @@ class StateKeepingResponseHandler(StateKeeping, ResponseHandler):
         them, as the API inserts them: transformers' handler writes them over the content of the first message it
         makes when that is a system message (the input's first item, or one after items that make no message, such
         as reasoning), which the model then never sees. An input of items that begins with one without a role (a
-        reasoning item) is read as items; transformers took it for one message's content parts, dropping them."""
+        reasoning item) is read as items; transformers takes it for one message's content parts, dropping them."""
         items = body["input"]
         if isinstance(items, list) and not all(_is_content_part(item) for item in items):
             messages = ResponseHandler._normalize_response_items(items)
@@ -744,7 +744,7 @@ async def _answer_rows_off_the_loop(
 ) -> list[tuple[int, torch.Tensor, bool]]:
     """`_answer_rows` of the answers `model` generated, in a worker thread: with a `stop` sequence each answer is
     decoded token by token (benchmarks/RESULTS.md, "gpn serve: an answer's text, decoded"), which on the event loop
-    held every other request."""
+    would hold every other request."""
     eos_token_id = model.generation_config.eos_token_id
     return await asyncio.to_thread(_answer_rows, model.sequences, inputs, gen_config, processor, eos_token_id)
 

@@ -1,13 +1,13 @@
 """A request's prompt rendered and tokenized in a worker thread, before transformers' handler asks for it.
 
-transformers' handlers render the chat template and tokenize the prompt in `handle_request`, on the server's
-event loop, and only then can `--max-context` refuse it: while a large prompt is tokenized (a second or more a MB
-of text), no other request is read or answered, and every stream stops. The handler is transformers' and its
-call is synchronous, so it cannot be moved; what reaches it is the processor our `_resolve_model` hands back.
-`gpn serve` hands back a `PreparedProcessor`: the handler's seam (`StateKeeping._prepare`, in a worker thread)
-makes the same call the handler will make, with the same arguments, and when the handler makes it on the loop
-the result is there. A call made with other arguments than the prepared one (a transformers version that builds
-them otherwise) is made on the loop, as before: the answer is always the processor's for the arguments given.
+transformers' handlers render the chat template and tokenize the prompt in `handle_request`, on the server's event
+loop, and only then can `--max-context` refuse it: while a large prompt is tokenized (seconds for a few MB of text:
+benchmarks/RESULTS.md), no other request is read or answered, and every stream stops. The handler is transformers'
+and its call is synchronous, so it cannot be moved; what reaches it is the processor our `_resolve_model` hands
+back. `gpn serve` hands back a `PreparedProcessor`: the handler's seam (`StateKeeping._prepare`, in a worker thread)
+makes the same call the handler will make, with the same arguments, and when the handler makes it on the loop the
+result is there. A call made with other arguments than the prepared one (a transformers version that builds them
+otherwise) is made on the loop, as before: the answer is always the processor's for the arguments given.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ class PreparedProcessor:
 
 
 def _same(prepared: Any, given: Any) -> bool:
-    """Whether the arguments are equal (values that cannot be compared, as the handler's own, are not)."""
+    """Whether the arguments are equal; where comparing them fails or is ambiguous (an array among them), they are
+    taken as different, and the handler's call is made anew."""
     try:
         return bool(prepared == given)
     except Exception:  # noqa: BLE001 - a value whose == fails or is ambiguous (an array): not the prepared call

@@ -227,7 +227,7 @@ def check_response_request(body: dict[str, Any]) -> None:
 
 def _check_reasoning(content: Any, where: str) -> None:
     """A reasoning item's content as transformers joins it: null, or parts with a type and a text (a part without
-    them was a KeyError in its handler, a 500)."""
+    them would be a KeyError in its handler: a 500)."""
     if content is None:
         return
     if not isinstance(content, list):

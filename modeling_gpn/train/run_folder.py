@@ -272,9 +272,9 @@ def check_run_folder(run_dir: Path, dataset: str) -> None:
     """Refuse, before the data are tokenized, an --output-dir that is not a run's to write in: a model folder
     (`save_pretrained`'s: config.json at its top), in which the run would have put a second model and its log, and
     a folder that --dataset can read files in: the corpus folder itself or one inside it, where the run's log.jsonl,
-    train_config.json and model/ became training documents of the next run on it (of its --resume too, which then
-    refused the changed corpus); a folder that a glob --dataset can reach into (`corpus/**/*.json`, now or once the
-    run has written there); one that holds the corpus file or folder itself."""
+    train_config.json and model/ would become training documents of the next run on it (of its --resume too, which
+    would then refuse the changed corpus); a folder that a glob --dataset can reach into (`corpus/**/*.json`, now or
+    once the run has written there); one that holds the corpus file or folder itself."""
     from ..data.corpus import CorpusSpec, glob_reaches, hidden
 
     if (run_dir / "config.json").is_file():

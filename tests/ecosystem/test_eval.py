@@ -195,6 +195,19 @@ def test_gpn_eval_quantized_scores_near_the_bfloat16_model_and_says_so(gpn_dir, 
         assert f"| **{gpn_dir}** ({kind} weights) | measured |" in report
 
 
+def test_the_quantization_recorded_tells_int4_groups_from_whole_rows():
+    """The results' `quantization` (`bench.models.quantization_of`) names int4's groups by the rows they split,
+    and the rows no group divides as whole: a model of hidden size 16 has rows of 16, 32, 48 and 64, of which only
+    the 64-long ones are split (into 32s). Read from the sizes alone, the smallest taken for the group, this model
+    was named "groups of 16"."""
+    pytest.importorskip("torchao.quantization", reason="--dtype int4 quantizes with torchao (the test extra)")
+    from modeling_gpn.bench.models import perturbed_gpn, quantization_of, quantize_int4, tiny_config
+
+    quantization = quantization_of(quantize_int4(perturbed_gpn(tiny_config(hidden_size=16)).to(torch.bfloat16)))
+    assert quantization["group_sizes"] == [16, 32, 48]
+    assert ", groups of 32 (rows of 16, 48: whole), 13 linears;" in quantization["summary"], quantization["summary"]
+
+
 def test_gpn_eval_quantized_without_torchao_is_one_line(gpn_dir, tmp_path, capsys, monkeypatch):
     """`--dtype int8` where torchao cannot be imported: one line naming what to install, exit status 2 (no
     traceback), before the model loads, nothing written."""
