@@ -80,7 +80,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     from modeling_gpn.bench import TokenTimes, synchronize
-    from modeling_gpn.bench.models import quantize_int4, quantize_int8, weight_dtype
+    from modeling_gpn.cli.quantization import quantize_int4, quantize_int8, weight_dtype
     from modeling_gpn.configuration import load_preset
 
     config_values = load_preset(args.preset).to_dict()

@@ -121,7 +121,7 @@ def main() -> None:
         parser.error("--tokens must be at least 3 (the gaps after the first new token are timed)")
     torch.set_num_threads(args.threads)
 
-    from modeling_gpn.bench import quantize_int8, weight_dtype
+    from modeling_gpn.cli.quantization import quantize_int8, weight_dtype
     from modeling_gpn.configuration import load_preset
 
     config_values = load_preset(args.preset).to_dict()

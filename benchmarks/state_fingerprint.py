@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from modeling_gpn.bench import build_gpn, weight_dtype
+from modeling_gpn.bench import build_gpn
+from modeling_gpn.cli.quantization import weight_dtype
 from modeling_gpn.state_file import state_fingerprint
 
 

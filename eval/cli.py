@@ -67,8 +67,8 @@ from pathlib import Path
 import torch
 
 from modeling_gpn.atomic_files import held, write_file_atomically
-from modeling_gpn.bench.models import DTYPES
 from modeling_gpn.cli.arguments import ADAPTER_FOLDER_HELP, check_no_earlier_output
+from modeling_gpn.cli.quantization import DTYPES
 
 from .runner import DEFAULT_FINEWEB_MAX_DOCUMENTS, DEFAULT_TASKS, TASKS, EvalSettings
 
@@ -388,7 +388,7 @@ def _run(args: argparse.Namespace, holds: contextlib.ExitStack) -> int:
             raise ValueError(f"--num-threads must be at least 1, got {args.num_threads}")
         torch_device(args.device)
         if args.dtype in ("int8", "int4"):  # (torchao missing: one line before the model loads)
-            from modeling_gpn.bench.models import require_torchao
+            from modeling_gpn.cli.quantization import require_torchao
 
             require_torchao(args.dtype)
         args.model = check_model_path(args.model)

@@ -134,7 +134,7 @@ def load_model(
     """Load any causal LM (a GPN folder, a Hub repo, a LlamaForCausalLM folder, a PEFT adapter folder: its base with
     the adapter merged) and its tokenizer (`tokenizer`, else the model's: an adapter folder's own, else its base's)."""
     import modeling_gpn  # noqa: F401  (registers the GPN Auto classes for folders without remote code)
-    from modeling_gpn.bench.models import DTYPES, QUANTIZERS, quantize_for, weight_dtype
+    from modeling_gpn.cli.quantization import DTYPES, QUANTIZERS, quantize_for, weight_dtype
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -635,7 +635,7 @@ def _evaluate(
 ) -> dict[str, Any]:
     import lm_eval
 
-    from modeling_gpn.bench.models import quantization_of
+    from modeling_gpn.cli.quantization import quantization_of
     from modeling_gpn.data import build_token_stream
 
     if model is None:

@@ -3098,14 +3098,14 @@ MUTATIONS = [
     ),
     Mutation(
         "gpn generate / eval --dtype KIND quantizes a folder saved quantized to KIND again (torchao fails in its dispatch)",
-        "modeling_gpn/bench/models.py",
+        "modeling_gpn/cli/quantization.py",
         "    if kinds == {kind}:\n        return model\n",
         "    if False:  # MUTATION\n        return model\n",
         ("tests/fast_path/test_step_kernels.py -k saved_quantized_as_saved",),
     ),
     Mutation(
         "gpn generate / eval --dtype of another quantization than the folder's is not refused (int4 ran int8 in silence)",
-        "modeling_gpn/bench/models.py",
+        "modeling_gpn/cli/quantization.py",
         "    if kinds:\n        # (--dtype of the saved kind",
         "    if False:  # MUTATION\n        # (--dtype of the saved kind",
         ("tests/fast_path/test_step_kernels.py -k saved_quantized_as_saved",),
@@ -3147,7 +3147,7 @@ MUTATIONS = [
     ),
     Mutation(
         "int4 quantization's groups of 32 (int4 quantized per row, as coarse as int8's scales)",
-        "modeling_gpn/bench/models.py",
+        "modeling_gpn/cli/quantization.py",
         "    for granularity, fits in ((PerGroup(INT4_GROUP), True), (PerAxis(0), False)):\n",
         "    for granularity, fits in ((PerAxis(0), True), (PerAxis(0), False)):  # MUTATION\n",
         ("tests/ecosystem/test_eval.py -k quantized_scores_near",),
@@ -3176,7 +3176,7 @@ MUTATIONS = [
     ),
     Mutation(
         "gpn bench --dtype float16 builds float32 models (4 bytes a weight in the byte limit and the memory check)",
-        "modeling_gpn/bench/models.py",
+        "modeling_gpn/cli/quantization.py",
         '        "float16": torch.float16,\n',
         '        "float16": torch.float32,  # MUTATION\n',
         ("tests/tools/test_bench.py -k float16",),
@@ -3190,7 +3190,7 @@ MUTATIONS = [
     ),
     Mutation(
         "a folder saved int4 is not told from another quantization (gpn generate --dtype int4 refuses it)",
-        "modeling_gpn/bench/models.py",
+        "modeling_gpn/cli/quantization.py",
         '        elif dequantized_by_linear(parameter) and getattr(parameter, "target_dtype", None) is torch.int4:\n',
         "        elif False:  # MUTATION\n",
         (
@@ -6685,7 +6685,7 @@ MUTATIONS = [
     ),
     Mutation(
         "the recorded quantization takes every scale's size for an int4 group, whole rows' too (a row of 16 a group)",
-        "modeling_gpn/bench/models.py",
+        "modeling_gpn/cli/quantization.py",
         "        (groups if size < row else whole).add(size)\n",
         "        groups.add(size)  # MUTATION\n",
         ("tests/ecosystem/test_eval.py -k tells_int4_groups_from_whole_rows",),

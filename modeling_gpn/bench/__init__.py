@@ -21,17 +21,7 @@ from .command import IMPLEMENTATIONS, LIMIT_HELP, add_arguments, run
 from .limit import ReadProbe, prefill_bytes, step_bytes, tensor_bytes
 from .measure import Row, measure
 from .memory import bytes_held, status_kib
-from .models import (
-    DTYPES,
-    QUANTIZERS,
-    build_gpn,
-    count_params,
-    forward_flops_per_token,
-    matched_llama,
-    quantize_int4,
-    quantize_int8,
-    weight_dtype,
-)
+from .models import build_gpn, count_params, forward_flops_per_token, matched_llama
 from .plot import draw_bench_plot
 from .report import fmt, print_limits, print_ratios, print_table
 from .timing import (
@@ -53,8 +43,6 @@ from .timing import (
 
 __all__ = [
     "BackendProbe",
-    "DTYPES",
-    "QUANTIZERS",
     "IMPLEMENTATIONS",
     "LIMIT_HELP",
     "PeakMemory",
@@ -79,8 +67,6 @@ __all__ = [
     "print_limits",
     "print_ratios",
     "print_table",
-    "quantize_int4",
-    "quantize_int8",
     "release_reused_buffers",
     "run",
     "self_checks_state",
@@ -91,5 +77,4 @@ __all__ = [
     "tensor_bytes",
     "timed_alternating",
     "train_step_fn",
-    "weight_dtype",
 ]

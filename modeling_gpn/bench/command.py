@@ -19,9 +19,10 @@ if TYPE_CHECKING:
 
 from ..atomic_files import replacing
 from ..cli.arguments import refuse_output_over_inputs, same_path, torch_device
+from ..cli.quantization import DTYPES, QUANTIZERS
 from ..generation import device_memory_bytes
 from .measure import measure
-from .models import DTYPES, QUANTIZERS, build_gpn, count_params, matched_llama, weight_bytes
+from .models import build_gpn, count_params, matched_llama, weight_bytes
 from .plot import draw_bench_plot
 from .report import print_limits, print_ratios, print_table
 from .timing import memory_kernels_state, self_checks_state

@@ -212,7 +212,7 @@ def _load(args: argparse.Namespace):
 def _to_dtype(model: PreTrainedModel, dtype: str, source: str = "the model"):
     """The model in `--dtype` (auto: as loaded; a float dtype cast, a weight it makes inf refused naming the dtype,
     as gpn eval's and gpn inspect's loads refuse one). int8 and int4 quantize every nn.Linear of the bfloat16 model with
-    torchao's weight-only configs, as `gpn bench` and `gpn eval` do (`bench.models.quantize_for`: the output head,
+    torchao's weight-only configs, as `gpn bench` and `gpn eval` do (`cli.quantization.quantize_for`: the output head,
     tied to the embedding, stays bfloat16; a model saved quantized already is kept when of that kind, refused
     otherwise)."""
     if dtype == "auto":
@@ -227,7 +227,7 @@ def _to_dtype(model: PreTrainedModel, dtype: str, source: str = "the model"):
             hint = "; float16's largest value is 65504: use --dtype bfloat16 or float32" if dtype == "float16" else ""
             raise GenerateError(f"{error}{hint}") from None
         return model
-    from modeling_gpn.bench.models import quantize_for
+    from modeling_gpn.cli.quantization import quantize_for
 
     try:  # (gpn eval --dtype int8 | int4 quantizes through the same function)
         return quantize_for(model, dtype, source)

@@ -196,12 +196,13 @@ def test_gpn_eval_quantized_scores_near_the_bfloat16_model_and_says_so(gpn_dir, 
 
 
 def test_the_quantization_recorded_tells_int4_groups_from_whole_rows():
-    """The results' `quantization` (`bench.models.quantization_of`) names int4's groups by the rows they split,
+    """The results' `quantization` (`cli.quantization.quantization_of`) names int4's groups by the rows they split,
     and the rows no group divides as whole: a model of hidden size 16 has rows of 16, 32, 48 and 64, of which only
     the 64-long ones are split (into 32s). Read from the sizes alone, the smallest taken for the group, this model
     was named "groups of 16"."""
     pytest.importorskip("torchao.quantization", reason="--dtype int4 quantizes with torchao (the test extra)")
-    from modeling_gpn.bench.models import perturbed_gpn, quantization_of, quantize_int4, tiny_config
+    from modeling_gpn.bench.models import perturbed_gpn, tiny_config
+    from modeling_gpn.cli.quantization import quantization_of, quantize_int4
 
     quantization = quantization_of(quantize_int4(perturbed_gpn(tiny_config(hidden_size=16)).to(torch.bfloat16)))
     assert quantization["group_sizes"] == [16, 32, 48]
