@@ -6697,6 +6697,13 @@ MUTATIONS = [
         "    previous = signal.getsignal(signal.SIGTERM)  # MUTATION\n",
         ("tests/tools/test_bench.py::test_sigterm_reports_the_presets_measured_before_it",),
     ),
+    Mutation(
+        "gpn train --help ends with no example (README: every gpn CMD --help ends with one)",
+        "gpn_cli/__init__.py",
+        '    "train": "gpn train --recipe tiny-cpu",\n',
+        "",
+        ("tests/tools/test_docs.py::test_every_option_has_help_and_the_help_an_example[train]",),
+    ),
 ]
 
 
