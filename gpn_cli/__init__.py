@@ -45,6 +45,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 # break it (each parses: tests/tools/test_docs.py). `gpn train` shows its own in its description, beside its recipes.
 EXAMPLES: dict[str, str] = {
     "convert": "gpn convert path/to/checkpoint.pkl converted/ --tokenizer TOKENIZER",
+    "train": "gpn train --recipe tiny-cpu",
     "eval": "gpn eval runs/tiny-cpu/model --data-dir ../shared/data --limit 100",
     "push": "gpn push runs/tiny-cpu/model me/gpn-tiny --dry-run upload/",
     "inspect": "gpn inspect runs/tiny-cpu/model --data my_text.jsonl --output inspect/",

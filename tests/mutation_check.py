@@ -6690,6 +6690,20 @@ MUTATIONS = [
         "        groups.add(size)  # MUTATION\n",
         ("tests/ecosystem/test_eval.py -k tells_int4_groups_from_whole_rows",),
     ),
+    Mutation(
+        "gpn bench: SIGTERM (timeout, a scheduler) kills the run, the presets measured before it never printed",
+        "modeling_gpn/bench/command.py",
+        "    previous = signal.signal(signal.SIGTERM, stop)\n",
+        "    previous = signal.getsignal(signal.SIGTERM)  # MUTATION\n",
+        ("tests/tools/test_bench.py::test_sigterm_reports_the_presets_measured_before_it",),
+    ),
+    Mutation(
+        "gpn train --help ends with no example (README: every gpn CMD --help ends with one)",
+        "gpn_cli/__init__.py",
+        '    "train": "gpn train --recipe tiny-cpu",\n',
+        "",
+        ("tests/tools/test_docs.py::test_every_option_has_help_and_the_help_an_example[train]",),
+    ),
 ]
 
 

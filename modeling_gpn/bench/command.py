@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
 import signal
 import sys
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,6 +31,29 @@ from .report import print_limits, print_ratios, print_table
 from .timing import memory_kernels_state, self_checks_state
 
 IMPLEMENTATIONS = ("plain", "fast", "llama")
+
+
+class Terminated(Exception):
+    """SIGTERM while presets are measured (`timeout`, a batch scheduler's time limit, `kill`)."""
+
+
+@contextlib.contextmanager
+def sigterm_stops() -> Iterator[None]:
+    """Inside it SIGTERM raises `Terminated`, so that the presets measured before it are reported as after a
+    Ctrl-C: by default it killed the process, and a preset takes minutes, the table being printed at the end.
+    Off the main thread (where Python takes no handler) it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class BenchError(ValueError):
@@ -288,18 +314,25 @@ def run_bench(args: argparse.Namespace) -> int:
         check_fits(preset, config, args.dtype, args.device)
     rows = []
     try:
-        for preset in tqdm(args.preset, desc="bench", unit="preset", disable=args.no_progress):
-            rows += measure_preset(preset, args)
-    except KeyboardInterrupt:  # Ctrl-C: the presets measured so far are reported (and written), not lost
+        with sigterm_stops():
+            for preset in tqdm(args.preset, desc="bench", unit="preset", disable=args.no_progress):
+                rows += measure_preset(preset, args)
+    except (KeyboardInterrupt, Terminated) as stopped:  # the presets measured so far are reported, not lost
+        how, signum = (
+            ("Ctrl-C", signal.SIGINT) if isinstance(stopped, KeyboardInterrupt) else ("SIGTERM", signal.SIGTERM)
+        )
         if not rows:
-            raise
+            if how == "Ctrl-C":
+                raise
+            print("gpn bench: interrupted (SIGTERM) before a preset was measured", file=sys.stderr)
+            return 128 + signal.SIGTERM
         finished = list(dict.fromkeys(r.preset for r in rows))
         print(
-            f"gpn bench: interrupted (Ctrl-C); reported: the presets measured before it ({', '.join(finished)})",
+            f"gpn bench: interrupted ({how}); reported: the presets measured before it ({', '.join(finished)})",
             file=sys.stderr,
         )
         report(rows, args, interrupted=True)
-        return 128 + signal.SIGINT
+        return 128 + signum
     report(rows, args)
     return 0
 

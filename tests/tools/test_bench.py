@@ -564,3 +564,37 @@ def test_ctrl_c_reports_the_presets_measured_before_it(tmp_path, monkeypatch, ca
     monkeypatch.setattr(command, "measure", lambda *args: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):  # (nothing measured: the command's own one line, no empty table)
         command.run(_bench_args(["--preset", "tiny", "--json", str(out)]))
+
+
+def test_sigterm_reports_the_presets_measured_before_it(tmp_path, monkeypatch, capsys):
+    """SIGTERM (`timeout 600 gpn bench ...`, a scheduler's time limit) while the second preset is measured killed
+    the run with nothing printed: the first preset's minutes lost. They are reported as after Ctrl-C, exit 143."""
+    import os
+    import signal
+
+    import modeling_gpn.bench.command as command
+    from modeling_gpn.bench.measure import Row
+
+    def measured(models, preset, args):
+        if preset == "small":
+            os.kill(os.getpid(), signal.SIGTERM)
+        limits = dict(limit_bytes=1000, limit_probe="a read", prefill_limit_bytes=500, prefill_limit_ms=0.125)
+        return [Row(preset, "fast", 1000, step_ms=0.5, limit_ms=0.25, **limits)]
+
+    def unhandled(signum, frame):  # what the default action (the process killed) would mean here
+        raise AssertionError("SIGTERM was not taken by gpn bench: the process would have died, nothing printed")
+
+    monkeypatch.setattr(command, "measure", measured)
+    out = tmp_path / "bench.json"
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        status = command.run(_bench_args(["--preset", "tiny", "small", "--json", str(out)]))
+        assert signal.getsignal(signal.SIGTERM) is unhandled  # given back after the run
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert status == 143
+    captured = capsys.readouterr()
+    assert "| tiny | fast |" in captured.out and "| small |" not in captured.out, captured.out
+    assert "interrupted (SIGTERM)" in captured.err and "(tiny)" in captured.err
+    report = json.loads(out.read_text(encoding="utf-8"))
+    assert report["interrupted"] is True and [r["preset"] for r in report["rows"]] == ["tiny"]
