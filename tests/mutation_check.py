@@ -6683,6 +6683,34 @@ MUTATIONS = [
         "            if False:  # MUTATION\n",
         ("tests/tools/test_serve.py -k cannot_start_says_why",),
     ),
+    Mutation(
+        "gpn serve: a --state-dir-bytes below one state of the pinned model is refused (every state deleted once written)",
+        "modeling_gpn/serve/cli.py",
+        "        if args.state_dir_bytes < least:\n",
+        "        if False:  # MUTATION\n",
+        ("tests/tools/test_serve.py -k below_one_state",),
+    ),
+    Mutation(
+        "gpn serve: a --state-store-bytes below one state, without --state-dir, is refused (no state kept)",
+        "modeling_gpn/serve/cli.py",
+        "    elif 0 < args.state_store_bytes < (least := StateStore.smallest_entry_bytes(config)):\n",
+        "    elif False:  # MUTATION\n",
+        ("tests/tools/test_serve.py -k below_one_state",),
+    ),
+    Mutation(
+        "state store: the smallest files of a spilled state count its ids file",
+        "modeling_gpn/serve/state_store.py",
+        '        return smallest_state_file_bytes(config, weights_dtype) + len(_ids_file("0" * 64, [0]))  # (a SHA-256 key)\n',
+        "        return smallest_state_file_bytes(config, weights_dtype)  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k smallest_state",),
+    ),
+    Mutation(
+        "state file: the smallest state file is the one write_state_file writes (its header counted)",
+        "modeling_gpn/state_file.py",
+        "    return len(state_file_payload(tensors, 1, json.dumps([[0, 0]]), fingerprint))\n",
+        "    return sum(tensor.numel() * 4 for tensor in tensors.values())  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k smallest_state",),
+    ),
 ]
 
 
