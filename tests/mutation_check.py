@@ -6644,7 +6644,7 @@ MUTATIONS = [
     Mutation(
         "gpn serve: /v1/responses input beginning with a reasoning item read as items (one message's parts)",
         "modeling_gpn/serve/handlers.py",
-        "        if isinstance(items, list) and not all(_is_content_part(item) for item in items):\n",
+        "        if isinstance(items, list) and not all(is_content_part(item) for item in items):\n",
         '        if isinstance(items, list) and "role" in items[0]:  # MUTATION\n',
         ("tests/tools/test_serve.py -k responses_instructions",),
     ),
@@ -6710,6 +6710,13 @@ MUTATIONS = [
         "    return len(state_file_payload(tensors, 1, json.dumps([[0, 0]]), fingerprint))\n",
         "    return sum(tensor.numel() * 4 for tensor in tensors.values())  # MUTATION\n",
         ("tests/tools/test_serve_store.py -k smallest_state",),
+    ),
+    Mutation(
+        "gpn serve: a Responses input mixing bare content parts with items is a 400 naming the part (a 422 of none)",
+        "modeling_gpn/serve/validation.py",
+        "        _check_not_mixed(items)\n",
+        "        pass  # MUTATION\n",
+        ("tests/tools/test_serve.py -k responses_answer_through_the_store",),
     ),
 ]
 

@@ -670,6 +670,14 @@ def test_responses_answer_through_the_store_with_the_checks_and_limits_of_chat(c
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/a.png"}]}]},
             "input[0].content[0] is a part of type 'input_image'",
         ),
+        (  # (the API's input list holds items, never bare parts; transformers: its 422, naming no item)
+            {"input": [{"role": "user", "content": "hi"}, {"type": "input_text", "text": "there"}]},
+            "input[1] is a content part (type 'input_text') in a list of items (input[0] is a message)",
+        ),
+        (
+            {"input": [{"type": "input_text", "text": "hi"}, {"type": "reasoning", "content": None}]},
+            "input[0] is a content part (type 'input_text') in a list of items (input[1] is an item of type 'reasoning')",
+        ),
     ):
         with pytest.raises(openai.BadRequestError) as refused:
             client.responses.create(model=model_name, input="hi", stream=False, extra_body=fields)
