@@ -6718,6 +6718,15 @@ MUTATIONS = [
         "        pass  # MUTATION\n",
         ("tests/tools/test_serve.py -k responses_answer_through_the_store",),
     ),
+    Mutation(
+        "gpn's loading reads model.safetensors, never a stale pytorch_model.bin beside it (what leaving it rests on)",
+        "modeling_gpn/cli/loading.py",
+        "        model, loading = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)\n",
+        "        model, loading = AutoModelForCausalLM.from_pretrained(  # MUTATION\n"
+        "            path, output_loading_info=True, use_safetensors=False, **kwargs\n"
+        "        )\n",
+        ("tests/tools/test_faults_io.py -k pickled_weights_beside",),
+    ),
 ]
 
 
