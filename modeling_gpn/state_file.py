@@ -325,6 +325,21 @@ def write_state_file(
     if not all(bool(torch.isfinite(tensor).all()) for tensor in tensors.values()):
         raise ValueError(f"Cannot save {path}: the state holds NaN or infinite values")
     _check_model_fingerprint(model_fingerprint, path)
+    payload = state_file_payload(
+        tensors, positions_read, read_fingerprint, model_fingerprint, tokenizer_fingerprint, read_head
+    )
+    write_file_atomically(path, payload)
+
+
+def state_file_payload(
+    tensors: dict[str, torch.Tensor],
+    positions_read: int,
+    read_fingerprint: str,
+    model_fingerprint: dict[str, str],
+    tokenizer_fingerprint: str | None = None,
+    read_head: str | None = None,
+) -> bytes:
+    """The bytes of the state file `write_state_file` writes (its arguments after the path, unchecked)."""
     metadata = {
         "format": STATE_FILE_FORMAT,
         "format_version": str(STATE_FILE_VERSION),
@@ -336,8 +351,26 @@ def write_state_file(
         **({"tokenizer_fingerprint": tokenizer_fingerprint} if tokenizer_fingerprint is not None else {}),
         **({"read_head": read_head} if read_head is not None else {}),
     }
-    payload = safetensors.torch.save(tensors, metadata=metadata)
-    write_file_atomically(path, payload)
+    return safetensors.torch.save(tensors, metadata=metadata)
+
+
+def smallest_state_file_bytes(config: GPNConfig, weights_dtype: str) -> int:
+    """The fewest bytes a state file of one row of a model of `config`, its weights of `weights_dtype` (as
+    `weights_kind` names it), can take: the file `write_state_file` writes after one position read, the numbers of
+    its metadata at their fewest digits and its hashes at their length. A longer history (more digits, the head of
+    the first call) or a quantized model's longer dtype name adds bytes, never removes any; known from the
+    configuration alone, before the model loads (`gpn serve` refuses a --state-dir-bytes below it)."""
+    tensors = {name: torch.zeros(shape, dtype=torch.float32) for name, shape in state_shapes(config).items()}
+    tensors = {name: tensor.unsqueeze(0) for name, tensor in tensors.items()}  # (one row)
+    config_json = json.dumps({name: getattr(config, name) for name in STATE_CONFIG_FIELDS}, sort_keys=True)
+    fingerprint = {  # (what `state_fingerprint` gives, its weights' hash as long as a SHA-256's)
+        "state_config": config_json,
+        "config_fingerprint": hashlib.sha256(config_json.encode()).hexdigest(),
+        "weights_dtype": weights_dtype,
+        "weights_fingerprint": "0" * 64,
+        "unmerged_adapters": "no",
+    }
+    return len(state_file_payload(tensors, 1, json.dumps([[0, 0]]), fingerprint))
 
 
 def check_replaceable(path: str | os.PathLike) -> None:

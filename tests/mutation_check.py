@@ -6644,7 +6644,7 @@ MUTATIONS = [
     Mutation(
         "gpn serve: /v1/responses input beginning with a reasoning item read as items (one message's parts)",
         "modeling_gpn/serve/handlers.py",
-        "        if isinstance(items, list) and not all(_is_content_part(item) for item in items):\n",
+        "        if isinstance(items, list) and not all(is_content_part(item) for item in items):\n",
         '        if isinstance(items, list) and "role" in items[0]:  # MUTATION\n',
         ("tests/tools/test_serve.py -k responses_instructions",),
     ),
@@ -6703,6 +6703,50 @@ MUTATIONS = [
         '    "train": "gpn train --recipe tiny-cpu",\n',
         "",
         ("tests/tools/test_docs.py::test_every_option_has_help_and_the_help_an_example[train]",),
+    ),
+    Mutation(
+        "gpn serve: a --state-dir-bytes below one state of the pinned model is refused (every state deleted once written)",
+        "modeling_gpn/serve/cli.py",
+        "        if args.state_dir_bytes < least:\n",
+        "        if False:  # MUTATION\n",
+        ("tests/tools/test_serve.py -k below_one_state",),
+    ),
+    Mutation(
+        "gpn serve: a --state-store-bytes below one state, without --state-dir, is refused (no state kept)",
+        "modeling_gpn/serve/cli.py",
+        "    elif 0 < args.state_store_bytes < (least := StateStore.smallest_entry_bytes(config)):\n",
+        "    elif False:  # MUTATION\n",
+        ("tests/tools/test_serve.py -k below_one_state",),
+    ),
+    Mutation(
+        "state store: the smallest files of a spilled state count its ids file",
+        "modeling_gpn/serve/state_store.py",
+        '        return smallest_state_file_bytes(config, weights_dtype) + len(_ids_file("0" * 64, [0]))  # (a SHA-256 key)\n',
+        "        return smallest_state_file_bytes(config, weights_dtype)  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k smallest_state",),
+    ),
+    Mutation(
+        "state file: the smallest state file is the one write_state_file writes (its header counted)",
+        "modeling_gpn/state_file.py",
+        "    return len(state_file_payload(tensors, 1, json.dumps([[0, 0]]), fingerprint))\n",
+        "    return sum(tensor.numel() * 4 for tensor in tensors.values())  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k smallest_state",),
+    ),
+    Mutation(
+        "gpn serve: a Responses input mixing bare content parts with items is a 400 naming the part (a 422 of none)",
+        "modeling_gpn/serve/validation.py",
+        "        _check_not_mixed(items)\n",
+        "        pass  # MUTATION\n",
+        ("tests/tools/test_serve.py -k responses_answer_through_the_store",),
+    ),
+    Mutation(
+        "gpn's loading reads model.safetensors, never a stale pytorch_model.bin beside it (what leaving it rests on)",
+        "modeling_gpn/cli/loading.py",
+        "        model, loading = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)\n",
+        "        model, loading = AutoModelForCausalLM.from_pretrained(  # MUTATION\n"
+        "            path, output_loading_info=True, use_safetensors=False, **kwargs\n"
+        "        )\n",
+        ("tests/tools/test_faults_io.py -k pickled_weights_beside",),
     ),
 ]
 

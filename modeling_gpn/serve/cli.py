@@ -230,6 +230,8 @@ def run(args: argparse.Namespace) -> int:
                     f"--state-dir-bytes must be more than 0 with --state-dir, got {args.state_dir_bytes}: "
                     "leave out --state-dir to keep no state files"
                 )
+        if args.model is not None:
+            refuse_bounds_below_one_state(args)
     except (FileNotFoundError, ValueError) as error:
         print(f"gpn serve: {error}", file=sys.stderr)
         return 2
@@ -244,6 +246,43 @@ def run(args: argparse.Namespace) -> int:
             print(f"gpn serve: cannot start: {type(error).__name__}: {error}", file=sys.stderr)
             return 1
     return 130 if interrupted else 0
+
+
+def refuse_bounds_below_one_state(args: argparse.Namespace) -> None:
+    """A `ValueError` where a positive --state-dir-bytes (with --state-dir) or --state-store-bytes (without it) is
+    smaller than one state of the pinned model `args.model`: every conversation would be deleted once written, or
+    none kept in memory, each request read whole again (the store only logged it, once, at the first state). The
+    smallest state (`StateStore.smallest_files_bytes`, `smallest_entry_bytes`) is known from the model's config
+    alone, read from its folder or the Hub's cache (a few ms; nothing where it cannot be read offline: the load then
+    says what is wrong, and the store logs a state over the bound). A smaller memory bound with --state-dir is
+    allowed: every state then goes to a file."""
+    from transformers import AutoConfig
+
+    from ..cli.loading import adapter_base
+    from ..configuration_gpn import GPNConfig
+    from .state_store import StateStore
+
+    try:
+        config = AutoConfig.from_pretrained(adapter_base(args.model) or args.model, local_files_only=True)
+    except (OSError, ValueError):
+        return
+    if not isinstance(config, GPNConfig):  # (another model type: the load refuses it)
+        return
+    if args.state_dir is not None:
+        dtype = args.dtype if args.dtype not in (None, "auto") else getattr(config, "dtype", None) or "float32"
+        least = StateStore.smallest_files_bytes(config, str(dtype).removeprefix("torch."))
+        if args.state_dir_bytes < least:
+            raise ValueError(
+                f"--state-dir-bytes {args.state_dir_bytes} is smaller than one state of {args.model} (its state file "
+                f"and ids take at least {least} bytes): every kept conversation would be deleted once written; give "
+                f"--state-dir-bytes {least} or more"
+            )
+    elif 0 < args.state_store_bytes < (least := StateStore.smallest_entry_bytes(config)):
+        raise ValueError(
+            f"--state-store-bytes {args.state_store_bytes} is smaller than one state of {args.model} (at least {least} "
+            f"bytes in memory): no conversation would be kept; give --state-store-bytes {least} or more, or 0 to keep "
+            "none"
+        )
 
 
 @contextlib.contextmanager

@@ -69,12 +69,12 @@ from .prepared import PreparedProcessor
 from .state_store import StateStore
 from .stop_strings import StreamCutter, cut_at_stop, stop_position, stop_sequences
 from .validation import (
-    RESPONSE_ITEM_TYPES,
     RequestError,
     check_chat_request,
     check_completion_request,
     check_response_request,
     check_text_only,
+    is_content_part,
 )
 
 # The seconds a client refused for a full queue is told to wait: about one short answer's time on a CPU.
@@ -660,7 +660,7 @@ class StateKeepingResponseHandler(StateKeeping, ResponseHandler):
         as reasoning), which the model then never sees. An input of items that begins with one without a role (a
         reasoning item) is read as items; transformers takes it for one message's content parts, dropping them."""
         items = body["input"]
-        if isinstance(items, list) and not all(_is_content_part(item) for item in items):
+        if isinstance(items, list) and not all(is_content_part(item) for item in items):
             messages = ResponseHandler._normalize_response_items(items)
         else:
             messages = ResponseHandler._normalize_input({**body, "instructions": None})
@@ -709,12 +709,6 @@ class CheckedTranscriptionHandler(TranscriptionHandler):
                 "python-multipart, which is not installed (pip install python-multipart; it serves speech models)",
             )
         return await super().handle_request(request)
-
-
-def _is_content_part(item: object) -> bool:
-    """Whether a Responses API input item is a bare content part (`input_text`, ...: transformers reads an input
-    of them as one user message's content), not a message or another item (reasoning, a tool call)."""
-    return isinstance(item, dict) and "role" not in item and item.get("type") not in RESPONSE_ITEM_TYPES
 
 
 class _Answer:

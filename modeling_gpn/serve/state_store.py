@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -42,7 +43,14 @@ import torch
 
 from .. import GPNCache, GPNStateFileError
 from ..atomic_files import held, write_file_atomically
-from ..state_file import gpn_base_model, state_fingerprint, weights_hash
+from ..configuration_gpn import GPNConfig
+from ..state_file import (
+    gpn_base_model,
+    smallest_state_file_bytes,
+    state_fingerprint,
+    state_shapes,
+    weights_hash,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +94,11 @@ def model_key(model: torch.nn.Module) -> str:
         key = digest.hexdigest()
         _model_keys[model] = key
         return key
+
+
+def _ids_file(model: str, ids: Sequence[int]) -> bytes:
+    """What the ids file beside a spilled state holds: the model's key and the ids, as JSON."""
+    return json.dumps({"model": model, "ids": list(ids)}).encode()
 
 
 def _ids_bytes(ids: Sequence[int]) -> bytes:
@@ -262,6 +275,19 @@ class StateStore:
         """What keeping `cache` under `length` ids counts against the memory limit."""
         return cache.nbytes() + 8 * length + ENTRY_OVERHEAD_BYTES
 
+    @staticmethod
+    def smallest_entry_bytes(config: GPNConfig) -> int:
+        """The least `entry_bytes` of a state of a model of `config`: one id read (its buffers, p, g and M, are
+        float32 and of one size from the first position on). A `max_bytes` below it keeps no state in memory."""
+        return 4 * sum(math.prod(shape) for shape in state_shapes(config).values()) + 8 + ENTRY_OVERHEAD_BYTES
+
+    @staticmethod
+    def smallest_files_bytes(config: GPNConfig, weights_dtype: str) -> int:
+        """The fewest bytes the files of one spilled state of a model of `config` take (its state file, at its
+        smallest, `smallest_state_file_bytes`, and the JSON of one id, beside it, as `_spill` writes them): a
+        `spill_max_bytes` below it deletes every state once written."""
+        return smallest_state_file_bytes(config, weights_dtype) + len(_ids_file("0" * 64, [0]))  # (a SHA-256 key)
+
     # ---- inside --------------------------------------------------------------------------------------
 
     @staticmethod
@@ -338,9 +364,7 @@ class StateStore:
             try:
                 # named by the fingerprint taken while the model was loaded: it may have been unloaded since
                 entry.cache.save(path, model_fingerprint=self._model_fingerprints.get(entry.model))
-                write_file_atomically(
-                    ids_path, json.dumps({"model": entry.model, "ids": _ids_from_bytes(entry.ids)}).encode()
-                )
+                write_file_atomically(ids_path, _ids_file(entry.model, _ids_from_bytes(entry.ids)))
                 # both files count against the folder's limit: the ids outweigh the state in a long conversation
                 stat = path.stat()
                 size = stat.st_size + ids_path.stat().st_size

@@ -223,6 +223,30 @@ def check_response_request(body: dict[str, Any]) -> None:
             not isinstance(item.get("call_id"), str) or "output" not in item
         ):
             raise RequestError(f"{where} (a function_call_output) must have a call_id and an output")
+    if isinstance(items, list):
+        _check_not_mixed(items)
+
+
+def is_content_part(item: object) -> bool:
+    """Whether a Responses API input item is a bare content part (`input_text`, ...: transformers reads an input
+    of them as one user message's content), not a message or another item (reasoning, a tool call)."""
+    return isinstance(item, dict) and "role" not in item and item.get("type") not in RESPONSE_ITEM_TYPES
+
+
+def _check_not_mixed(items: list) -> None:
+    """Refuse an input list of bare content parts and items together. The API's input list holds items (messages,
+    reasoning, tool calls), never bare parts; transformers reads a list of parts alone as one user message's content
+    (kept: its own extension), and a mixed one was its 422, naming no item."""
+    parts = [index for index, item in enumerate(items) if is_content_part(item)]
+    if not parts or len(parts) == len(items):
+        return
+    other = next(index for index, item in enumerate(items) if not is_content_part(item))
+    kind = "a message" if "role" in items[other] else f"an item of type {items[other].get('type')!r}"
+    raise RequestError(
+        f"input[{parts[0]}] is a content part (type {items[parts[0]].get('type')!r}) in a list of items "
+        f"(input[{other}] is {kind}): an input list holds items (messages with a role, reasoning, function calls); "
+        "put the parts in the content of a message with a role (user)"
+    )
 
 
 def _check_reasoning(content: Any, where: str) -> None:

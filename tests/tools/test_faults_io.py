@@ -642,6 +642,24 @@ def test_generate_bad_arguments_are_one_clear_line(generate_dir, tmp_path, capsy
     assert captured.out == ""
 
 
+def test_pickled_weights_beside_model_safetensors_are_never_what_gpn_loads(tmp_path):
+    """A pytorch_model.bin beside model.safetensors (an older save's: transformers 5 saves safetensors only) is left
+    alone, not refused (docs/generate.md says why): gpn loads model.safetensors, as transformers' resolution does
+    by default; only `use_safetensors=False`, which asks for the pickle, reads it."""
+    from transformers import AutoModelForCausalLM
+
+    from modeling_gpn.cli.loading import causal_lm_from_pretrained
+
+    config = tiny_config()
+    saved, pickled = perturbed_model(config, seed=1), perturbed_model(config, seed=2)
+    saved.save_pretrained(tmp_path)
+    torch.save(pickled.state_dict(), tmp_path / "pytorch_model.bin")
+    loaded = causal_lm_from_pretrained(str(tmp_path)).state_dict()
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in saved.state_dict().items())
+    asked = AutoModelForCausalLM.from_pretrained(tmp_path, use_safetensors=False).state_dict()
+    assert all(torch.equal(asked[name], tensor) for name, tensor in pickled.state_dict().items())
+
+
 @pytest.mark.parametrize("command", ["generate", "convert", "inspect", "eval"])
 def test_a_missing_tokenizer_folder_is_named_not_taken_for_a_hub_id(generate_dir, command, tmp_path, capsys):
     """`--tokenizer ./no/such` ended in transformers' "Repo id must be in the form 'repo_name'..." (or a traceback):

@@ -670,6 +670,14 @@ def test_responses_answer_through_the_store_with_the_checks_and_limits_of_chat(c
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/a.png"}]}]},
             "input[0].content[0] is a part of type 'input_image'",
         ),
+        (  # (the API's input list holds items, never bare parts; transformers: its 422, naming no item)
+            {"input": [{"role": "user", "content": "hi"}, {"type": "input_text", "text": "there"}]},
+            "input[1] is a content part (type 'input_text') in a list of items (input[0] is a message)",
+        ),
+        (
+            {"input": [{"type": "input_text", "text": "hi"}, {"type": "reasoning", "content": None}]},
+            "input[0] is a content part (type 'input_text') in a list of items (input[1] is an item of type 'reasoning')",
+        ),
     ):
         with pytest.raises(openai.BadRequestError) as refused:
             client.responses.create(model=model_name, input="hi", stream=False, extra_body=fields)
@@ -1436,6 +1444,44 @@ def test_gpn_serve_that_cannot_start_says_why_without_a_traceback(tmp_path, caps
         args = build_parser("serve").parse_args(["serve", *arguments])
         assert args._run(args) == status, arguments
         assert words in capsys.readouterr().err, arguments
+
+
+def test_gpn_serve_refuses_a_state_bound_below_one_state_of_its_model(model_dir, tmp_path, capsys, monkeypatch):
+    """A positive --state-dir-bytes smaller than one state of the pinned model deleted every kept conversation once
+    written (logged once, at the first); a --state-store-bytes as small, without --state-dir, kept none. Both are
+    refused with the arguments, naming the flag, the value and the least that holds one state, read from the
+    model's config (`StateStore.smallest_files_bytes`, checked against real states in test_serve_store.py)."""
+    from gpn_cli import build_parser
+    from modeling_gpn import GPNConfig
+    from modeling_gpn.serve import server
+    from modeling_gpn.serve.state_store import StateStore
+
+    class Started(Exception):
+        pass
+
+    def started(*args, **kwargs):  # (past the checks: the server would load the model and serve, here it stops)
+        raise Started
+
+    monkeypatch.setattr(server, "GPNServe", started)
+    config = GPNConfig.from_pretrained(model_dir)
+    files, memory = StateStore.smallest_files_bytes(config, "float32"), StateStore.smallest_entry_bytes(config)
+    states = str(tmp_path / "states")
+    for arguments, words in (
+        (["--state-dir", states, "--state-dir-bytes", str(files - 1)], f"--state-dir-bytes {files - 1} is smaller"),
+        (["--state-store-bytes", str(memory - 1)], f"--state-store-bytes {memory - 1} is smaller"),
+    ):
+        args = build_parser("serve").parse_args(["serve", str(model_dir), *arguments])
+        assert args._run(args) == 2, arguments
+        err = capsys.readouterr().err
+        assert words in err and str(files if "dir" in words else memory) in err and len(err.splitlines()) == 1, err
+    for arguments in (  # (the least is allowed, and any memory bound with --state-dir: every state goes to a file)
+        ["--state-dir", states, "--state-dir-bytes", str(files)],
+        ["--state-store-bytes", str(memory)],
+        ["--state-dir", states, "--state-dir-bytes", str(files), "--state-store-bytes", "1"],
+    ):
+        args = build_parser("serve").parse_args(["serve", str(model_dir), *arguments])
+        with pytest.raises(Started):
+            args._run(args)
 
 
 def test_gpn_serve_on_a_transformers_outside_the_serving_pin_is_refused_by_version(tmp_path, capsys, monkeypatch):

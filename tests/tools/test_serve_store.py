@@ -238,6 +238,21 @@ def test_the_spill_folder_is_bounded_and_a_damaged_file_is_dropped(model, tmp_pa
     assert len(told) == 1 and "--state-dir-bytes" in told[0], caplog.records
 
 
+def test_the_smallest_state_is_known_from_the_config(model, tmp_path):
+    """`gpn serve` refuses a bound below one state before the model loads, from its config alone: the smallest
+    files of a spilled state and the smallest entry in memory are those of a state of one id, to the byte, and a
+    longer conversation's are larger."""
+    from modeling_gpn.state_file import weights_kind
+
+    least_files = StateStore.smallest_files_bytes(model.config, weights_kind(model))
+    for ids, exact in (([7], True), (IDS, False)):
+        folder = tmp_path / str(len(ids))
+        StateStore(0, spill_dir=folder).keep(model, ids, state_after(model, ids))
+        files = sum(path.stat().st_size for path in folder.iterdir() if not path.name.startswith("."))
+        assert files == least_files if exact else files > least_files, (ids, files, least_files)
+    assert StateStore.smallest_entry_bytes(model.config) == StateStore.entry_bytes(state_after(model, [7]), 1)
+
+
 def test_the_spill_folder_limit_counts_every_file_a_state_takes(model, tmp_path):
     """A spilled state is its state file and the JSON of its ids, which in a long conversation outweighs the
     state: the folder's limit counts both, when they are written and when a restarted store finds them."""
