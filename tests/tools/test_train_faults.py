@@ -166,43 +166,61 @@ def test_an_update_that_makes_the_weights_nonfinite_is_never_checkpointed(tmp_pa
 # --------------------------------------------------------------------------------------------------
 
 
-def test_sigterm_and_sigint_checkpoint_at_the_step_boundary_and_resume_bit_exact(tmp_path, cache, shakespeare):
-    # No periodic checkpoints, and a log window of 3 steps, so the signal's checkpoint alone carries the run
-    # (including the half-filled log window) across each stop.
-    common = ["--steps", "60", "--checkpoint-interval", "0", "--log-interval", "3"]
-    reference = launch(TRAIN_CLI + small_args(shakespeare, tmp_path / "reference", cache, *common), tmp_path / "r.log")
-    run_dir = tmp_path / "stopped"
+# No periodic checkpoints, and a log window of 3 steps, so the signal's checkpoint alone carries the run (including
+# the half-filled log window) across each stop.
+STOPPED_RUN = ("--steps", "60", "--checkpoint-interval", "0", "--log-interval", "3")
 
-    first = launch(TRAIN_CLI + small_args(shakespeare, run_dir, cache, *common), tmp_path / "1.log")
+
+def _stopped_twice(folder: Path, cache: Path, shakespeare: Path, env: dict[str, str]) -> dict:
+    """`gpn train` stopped by SIGTERM after step 4, its log's last line then torn, resumed by `gpn train --resume`
+    and stopped by SIGINT 3 steps later; beside them, the uninterrupted run as a `gpn train` process:
+    `{"run_dir", "reference", "first", "second"}`, each leg's output, the checkpoints it left and whether a model
+    was saved."""
+    reference = launch(
+        TRAIN_CLI + small_args(shakespeare, folder / "reference", cache, *STOPPED_RUN), folder / "r.log", env
+    )
+    run_dir = folder / "stopped"
+    legs = {}
+    first = launch(TRAIN_CLI + small_args(shakespeare, run_dir, cache, *STOPPED_RUN), folder / "1.log", env)
     wait_for_step(first, run_dir, 4)
     first.send_signal(signal.SIGTERM)
-    output = stopped(first, 128 + signal.SIGTERM)
-    [stop_term] = checkpoint_steps(run_dir)
-    assert 4 <= stop_term < 60 and not (run_dir / "model").exists()
-    assert f"stopped by SIGTERM after step {stop_term} of 60; the training state is saved in " in output
-    assert "plus --resume" in output
-
+    legs["first"] = (stopped(first, 128 + signal.SIGTERM), checkpoint_steps(run_dir), (run_dir / "model").exists())
     # A torn last line, as a full disk during an append leaves it: --resume skips it with a warning naming the file.
     with open(run_dir / "log.jsonl", "ab") as handle:
         handle.write(b'{"step": 999, "loss": 4.2')
-    second = launch(TRAIN_CLI + small_args(shakespeare, run_dir, cache, *common, "--resume"), tmp_path / "2.log")
-    wait_for_step(second, run_dir, stop_term + 3)
+    second = launch(
+        TRAIN_CLI + small_args(shakespeare, run_dir, cache, *STOPPED_RUN, "--resume"), folder / "2.log", env
+    )
+    wait_for_step(second, run_dir, max(legs["first"][1], default=0) + 3)
     second.send_signal(signal.SIGINT)
-    output = stopped(second, 128 + signal.SIGINT)
+    legs["second"] = (stopped(second, 128 + signal.SIGINT), checkpoint_steps(run_dir), (run_dir / "model").exists())
+    finish(reference)
+    return {"run_dir": run_dir, "reference": folder / "reference", **legs}
+
+
+def test_sigterm_and_sigint_checkpoint_at_the_step_boundary_and_resume_bit_exact(launched, cache, shakespeare):
+    # The two `gpn train` legs and the uninterrupted run ran in the background (_stopped_twice, FAULT_LAUNCHES).
+    run_dir = launched["run_dir"]
+    output, [stop_term], saved = launched["first"]
+    assert 4 <= stop_term < 60 and not saved
+    assert f"stopped by SIGTERM after step {stop_term} of 60; the training state is saved in " in output
+    assert "plus --resume" in output
+
+    output, checkpoints, saved = launched["second"]
     assert f"warning: {run_dir / 'log.jsonl'}: line " in output and " is torn " in output, output[-3000:]
     assert f"resumed from {run_dir / 'checkpoints' / f'step-{stop_term:07d}'} at step {stop_term}" in output
-    stop_int = checkpoint_steps(run_dir)[-1]
-    assert stop_term < stop_int < 60 and "stopped by SIGINT" in output
+    stop_int = checkpoints[-1]
+    assert stop_term < stop_int < 60 and "stopped by SIGINT" in output and not saved
 
     # The rest of the run in this process (the stops above are the CLI's; one import of torch and transformers
     # less on 2 cores).
-    run_train(shakespeare, run_dir, cache, *common, resume=True)
-    finish(reference)
-    expected, actual = saved_weights(tmp_path / "reference" / "model"), saved_weights(run_dir / "model")
+    run_train(shakespeare, run_dir, cache, *STOPPED_RUN, resume=True)
+    reference = launched["reference"]
+    expected, actual = saved_weights(reference / "model"), saved_weights(run_dir / "model")
     assert expected.keys() == actual.keys()
     for name in expected:
         assert torch.equal(expected[name], actual[name]), name
-    assert losses(run_dir) == losses(tmp_path / "reference")  # windows cut by the stops average the same steps
+    assert losses(run_dir) == losses(reference)  # windows cut by the stops average the same steps
     stops = [r["signal"] for r in read_log(run_dir) if r.get("event") == "stopped"]
     assert stops == ["SIGTERM", "SIGINT"]
 
@@ -498,13 +516,14 @@ def changed_settings_of(run_dir: Path, *argv: str) -> list[str]:
 
 @pytest.fixture(scope="module", autouse=True)
 def fault_launches(request, tmp_path_factory) -> Iterator[dict[str, Future]]:
-    """The fresh processes of the tests named in FAULT_LAUNCHES (2-process DDP runs driven to their fault, the
-    watched-stage processes), run two at a time in the background from the module's first test on: test name ->
-    the future of what that test asserts on. Why: the suite's time on 2 cores. This process's tests keep one core
-    busy, and each launch leaves a core idle for seconds (its launcher importing, a stopped rank's --ddp-timeout,
-    a watchdog's wait); one after another they took about 50 s of the suite. Only the launches of the tests
-    selected in this run start. (The second-Ctrl-C run stays in its test: run in this pool, it failed once in a
-    run of the whole module, for a reason not seen.)"""
+    """The fresh processes of the tests named in FAULT_LAUNCHES (the `gpn train` legs stopped by SIGTERM and SIGINT
+    with their uninterrupted reference, 2-process DDP runs driven to their fault, the watched-stage processes), run
+    two at a time in the background from the module's first test on: test name -> the future of what that test
+    asserts on. Why: the suite's time on 2 cores. This process's tests keep one core busy, and each launch leaves a
+    core idle for seconds (its launcher importing, a stopped rank's --ddp-timeout, a watchdog's wait); one after
+    another they took about 50 s of the suite, and so did the stopped legs waited on in their own test. Only
+    the launches of the tests selected in this run start. (The second-Ctrl-C run stays in its test: run in this
+    pool, it failed once in a run of the whole module, for a reason not seen.)"""
     selected = {item.name for item in request.session.items if item.module is request.module}
     jobs = {test: scenario for test, scenario in FAULT_LAUNCHES.items() if test in selected}
     if not jobs:  # (nor the corpus, which the tests that need it ask for)
@@ -770,6 +789,7 @@ def test_a_watched_stage_that_hangs_ends_the_process_naming_it_with_every_stack(
 # The launches of the tests above (test name -> what runs it, given its own folder, the token cache, the corpus and
 # the environment), two at a time in the order of the tests (fault_launches).
 FAULT_LAUNCHES: dict[str, Callable[[Path, Path, Path, dict[str, str]], object]] = {
+    test_sigterm_and_sigint_checkpoint_at_the_step_boundary_and_resume_bit_exact.__name__: _stopped_twice,
     test_a_stuck_ddp_rank_fails_the_job_after_ddp_timeout.__name__: _stuck_rank_in_training,
     test_sigterm_to_one_ddp_rank_stops_every_rank_at_the_same_step_with_a_checkpoint.__name__: _sigterm_to_rank_1,
     test_ranks_whose_launcher_is_killed_stop_with_a_checkpoint.__name__: _launcher_killed,
