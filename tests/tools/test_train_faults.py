@@ -787,7 +787,7 @@ def test_a_watched_stage_that_hangs_ends_the_process_naming_it_with_every_stack(
 
 
 # The launches of the tests above (test name -> what runs it, given its own folder, the token cache, the corpus and
-# the environment), two at a time in the order of the tests (fault_launches).
+# the environment), two at a time in the order of the tests (fault_launches); one test below adds its own.
 FAULT_LAUNCHES: dict[str, Callable[[Path, Path, Path, dict[str, str]], object]] = {
     test_sigterm_and_sigint_checkpoint_at_the_step_boundary_and_resume_bit_exact.__name__: _stopped_twice,
     test_a_stuck_ddp_rank_fails_the_job_after_ddp_timeout.__name__: _stuck_rank_in_training,
@@ -804,28 +804,49 @@ FAULT_LAUNCHES: dict[str, Callable[[Path, Path, Path, dict[str, str]], object]] 
 # --------------------------------------------------------------------------------------------------
 
 
-def test_a_second_run_into_the_same_folder_stops_at_once_and_a_killed_runs_lock_is_taken_over(
-    tmp_path, cache, shakespeare, capfd
-):
-    run_dir = tmp_path / "run"
-    first = launch(TRAIN_CLI + small_args(shakespeare, run_dir, cache, "--steps", "100000"), tmp_path / "1.log")
+def _second_run_into_the_same_folder(folder: Path, cache: Path, shakespeare: Path, env: dict[str, str]) -> dict:
+    """A `gpn train` run, and once it has logged step 2 a second one into its folder, waited for (at most 120 s);
+    then the first run's next step, and the first killed (SIGKILL: the kernel drops its flock, the record of who held
+    it stays): `{"run_dir", "first_pid", "second_returncode", "second_output", "second_took", "steps",
+    "model_saved"}`, the last two read once the first had logged another step."""
+    run_dir = folder / "run"
+    first = launch(TRAIN_CLI + small_args(shakespeare, run_dir, cache, "--steps", "100000"), folder / "1.log", env)
     try:
         wait_for_step(first, run_dir, 2)
         started = time.time()
-        second = launch(TRAIN_CLI + small_args(shakespeare, run_dir, cache, "--steps", "3"), tmp_path / "2.log")
+        second = launch(TRAIN_CLI + small_args(shakespeare, run_dir, cache, "--steps", "3"), folder / "2.log", env)
         second.wait(timeout=120)
-        output = second.log_path.read_text()
-        assert second.returncode == 1, output[-3000:]
-        assert f"is in use by another gpn train run (pid {first.pid} on " in output, output[-3000:]
-        assert "__main__.py train --recipe tiny-cpu" in output  # the holder's command (python -m gpn_cli)
-        assert time.time() - started < 60
-        # It wrote nothing: the first run's log goes on, one record per step, and has no model yet.
+        took = time.time() - started
+        # (what the second run left: the first run's log goes on from where it was)
         wait_for_step(first, run_dir, max(r["step"] for r in read_log(run_dir)) + 1)
         steps = [r["step"] for r in read_log(run_dir)]
-        assert steps == list(range(1, len(steps) + 1)) and not (run_dir / "model").exists()
+        model_saved = (run_dir / "model").exists()
     finally:
-        first.kill()  # SIGKILL: the kernel drops its flock, the record of who held it stays
+        first.kill()
         first.wait()
+    return {
+        "run_dir": run_dir,
+        "first_pid": first.pid,
+        "second_returncode": second.returncode,
+        "second_output": second.log_path.read_text(),
+        "second_took": took,
+        "steps": steps,
+        "model_saved": model_saved,
+    }
+
+
+def test_a_second_run_into_the_same_folder_stops_at_once_and_a_killed_runs_lock_is_taken_over(
+    launched, cache, shakespeare, capfd
+):
+    # The first two runs ran in the background (_second_run_into_the_same_folder, FAULT_LAUNCHES).
+    run_dir, first_pid, output = launched["run_dir"], launched["first_pid"], launched["second_output"]
+    assert launched["second_returncode"] == 1, output[-3000:]
+    assert f"is in use by another gpn train run (pid {first_pid} on " in output, output[-3000:]
+    assert "__main__.py train --recipe tiny-cpu" in output  # the holder's command (python -m gpn_cli)
+    assert launched["second_took"] < 60
+    # It wrote nothing: the first run's log goes on, one record per step, and has no model yet.
+    steps = launched["steps"]
+    assert steps == list(range(1, len(steps) + 1)) and not launched["model_saved"]
 
     # The third run in this process (the lock is the same in a `gpn train` process; one import of torch and
     # transformers less, seconds of the suite's time on 2 cores).
@@ -833,11 +854,16 @@ def test_a_second_run_into_the_same_folder_stops_at_once_and_a_killed_runs_lock_
     run_train(shakespeare, run_dir, cache, "--steps", "2")
     output = capfd.readouterr().err
     assert (
-        f"taking over the lock of {run_dir} from a run that ended without releasing it (pid {first.pid} on " in output
+        f"taking over the lock of {run_dir} from a run that ended without releasing it (pid {first_pid} on " in output
     ), output[-3000:]
     assert (run_dir / "model").exists()
     assert (run_dir / train_module.RunFolderLock.FILE_NAME).read_text() == ""  # released at the end
     train_module.RunFolderLock(run_dir).acquire().release()  # free again
+
+
+FAULT_LAUNCHES[test_a_second_run_into_the_same_folder_stops_at_once_and_a_killed_runs_lock_is_taken_over.__name__] = (
+    _second_run_into_the_same_folder
+)
 
 
 def test_the_lock_is_held_only_while_train_runs_in_process(tmp_path, cache, shakespeare):
