@@ -717,14 +717,15 @@ def _stuck_rank_at_the_end(folder: Path, cache: Path, shakespeare: Path, env: di
         folder / "ddp.log",
         env=env,
     )
+    # The ranks found while the run trains (a `pgrep` process takes a while on a busy machine): the stop must land
+    # between the final record and the end's last collective.
+    wait_for_step(launcher, run_dir, 1)
+    ranks = _ranks(launcher)
     deadline = time.time() + 180
-    while not (run_dir / "log.jsonl").exists() or not any(
-        r.get("event") == "final" for r in train_module.read_log(run_dir / "log.jsonl")
-    ):
+    while not any(r.get("event") == "final" for r in train_module.read_log(run_dir / "log.jsonl")):
         assert launcher.poll() is None, launcher.log_path.read_text()[-3000:]
         assert time.time() < deadline, "no final record within 180 s"
         time.sleep(0.01)
-    ranks = _ranks(launcher)
     os.kill(ranks[1], signal.SIGSTOP)
     stopped_at = time.time()
     try:
