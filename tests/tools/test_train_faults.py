@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -311,17 +310,37 @@ def test_full_disk_during_a_checkpoint_names_the_path_and_keeps_the_last_good_on
         assert torch.equal(expected[name], actual[name]), name
 
 
-def test_a_failed_checkpoint_write_is_one_clear_cli_error(tmp_path, cache, shakespeare):
+# Python run under a file-size limit (RLIMIT_FSIZE, set before anything is imported): `python -c FILE_SIZE_LIMITED
+# BYTES MODULE ARG...` runs MODULE as `python -m MODULE ARG...` would, `... BYTES -c CODE` runs CODE. A write past the
+# limit returns a real EFBIG (SIGXFSZ ignored, as CPython does anyway). (Set here rather than in a preexec_fn: these
+# processes start in the background pool's threads, where a preexec_fn is unsafe.)
+FILE_SIZE_LIMITED = (
+    "import resource, runpy, signal, sys\n"
+    "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+    "resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
+    "if sys.argv[2] == '-c':\n"
+    "    exec(sys.argv[3], {'__name__': '__main__'})\n"
+    "else:\n"
+    "    sys.argv = sys.argv[2:]\n"
+    "    runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n"
+)
+
+
+def _checkpoint_over_a_file_size_limit(
+    folder: Path, cache: Path, shakespeare: Path, env: dict[str, str]
+) -> tuple[Path, subprocess.CompletedProcess]:
+    """`gpn train` under a 64 KiB file-size limit, its first checkpoint at step 4: (its run folder, the process)."""
+    run_dir = folder / "run"
+    argv = [sys.executable, "-c", FILE_SIZE_LIMITED, str(64 * 1024), "gpn_cli", "train"]
+    argv += small_args(shakespeare, run_dir, cache, "--steps", "6", "--checkpoint-interval", "4")
+    env = dict(env, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    return run_dir, subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_a_failed_checkpoint_write_is_one_clear_cli_error(launched):
     # Needs no root: a 64 KiB file-size limit on the `gpn train` process makes the first checkpoint's weight
-    # file fail with a real EFBIG (CPython ignores SIGXFSZ, so the write returns the error).
-    run_dir = tmp_path / "run"
-
-    def limit_file_size() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-
-    argv = TRAIN_CLI + small_args(shakespeare, run_dir, cache, "--steps", "6", "--checkpoint-interval", "4")
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    done = subprocess.run(argv, preexec_fn=limit_file_size, capture_output=True, text=True, env=env, timeout=300)
+    # file fail with a real EFBIG (_checkpoint_over_a_file_size_limit, in the background).
+    run_dir, done = launched
     assert done.returncode == 1, done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     assert f"gpn train: error: Cannot write {run_dir / 'checkpoints' / 'step-0000004'}: " in done.stderr
@@ -330,29 +349,35 @@ def test_a_failed_checkpoint_write_is_one_clear_cli_error(tmp_path, cache, shake
     assert [r["step"] for r in read_log(run_dir)] == [1, 2, 3, 4]
 
 
-def test_log_rewrite_on_resume_is_write_then_rename(tmp_path):
-    log = tmp_path / "log.jsonl"
-    records = [{"step": step, "loss": 5.0 - step / 10} for step in range(1, 41)]
-    original = "".join(json.dumps(r) + "\n" for r in records) + '{"step": 41, "lo'  # torn last line
-    log.write_text(original)
+LOG_RECORDS = [{"step": step, "loss": 5.0 - step / 10} for step in range(1, 41)]
+TORN_LOG = "".join(json.dumps(r) + "\n" for r in LOG_RECORDS) + '{"step": 41, "lo'  # torn last line
 
-    # A real write failure while the kept records are written (a 200-byte file-size limit on the process
-    # doing it, so write() fails with EFBIG): the log is left exactly as it was, no temporary file behind.
-    def limit_file_size() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get the error instead of being killed by the signal
-        resource.setrlimit(resource.RLIMIT_FSIZE, (200, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
+def _log_rewrite_over_a_file_size_limit(
+    folder: Path, cache: Path, shakespeare: Path, env: dict[str, str]
+) -> tuple[Path, subprocess.CompletedProcess]:
+    """`truncate_log` of TORN_LOG to 20 records in a process under a 200-byte file-size limit, so write() fails with
+    EFBIG while the kept records are written: (the log, alone in its folder, and the process)."""
+    log = folder / "log.jsonl"
+    log.write_text(TORN_LOG)
     code = (
         f"from modeling_gpn.train import truncate_log; from pathlib import Path; truncate_log(Path({str(log)!r}), 20)"
     )
-    failed = subprocess.run([sys.executable, "-c", code], preexec_fn=limit_file_size, capture_output=True, text=True)
+    argv = [sys.executable, "-c", FILE_SIZE_LIMITED, "200", "-c", code]
+    return log, subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_log_rewrite_on_resume_is_write_then_rename(launched):
+    # A real write failure while the kept records are written (_log_rewrite_over_a_file_size_limit, in the
+    # background): the log is left exactly as it was, no temporary file behind.
+    log, failed = launched
     assert failed.returncode == 1 and "OSError: [Errno 27] File too large" in failed.stderr, failed.stderr[-2000:]
-    assert log.read_text() == original
-    assert [p.name for p in tmp_path.iterdir()] == ["log.jsonl"]
+    assert log.read_text() == TORN_LOG
+    assert [p.name for p in log.parent.iterdir()] == ["log.jsonl"]
 
     warnings = []
     train_module.truncate_log(log, 20, warn=warnings.append)
-    assert train_module.read_log(log) == records[:20]
+    assert train_module.read_log(log) == LOG_RECORDS[:20]
     assert len(warnings) == 1 and warnings[0].startswith(
         f"warning: {log}: line 41 is torn (a write cut short by a crash or a full disk); skipped it (Unterminated"
     )
@@ -516,22 +541,25 @@ def changed_settings_of(run_dir: Path, *argv: str) -> list[str]:
 
 @pytest.fixture(scope="module", autouse=True)
 def fault_launches(request, tmp_path_factory) -> Iterator[dict[str, Future]]:
-    """The fresh processes of the tests named in FAULT_LAUNCHES (the `gpn train` legs stopped by SIGTERM and SIGINT
-    with their uninterrupted reference, 2-process DDP runs driven to their fault, the watched-stage processes), run
-    two at a time in the background from the module's first test on: test name -> the future of what that test
-    asserts on. Why: the suite's time on 2 cores. This process's tests keep one core busy, and each launch leaves a
-    core idle for seconds (its launcher importing, a stopped rank's --ddp-timeout, a watchdog's wait); one after
-    another they took about 50 s of the suite, and so did the stopped legs waited on in their own test. Only
-    the launches of the tests selected in this run start. (The second-Ctrl-C run stays in its test: run in this
-    pool, it failed once in a run of the whole module, for a reason not seen.)"""
+    """The fresh processes of the tests named in FAULT_LAUNCHES (the `gpn train` legs stopped by SIGTERM and SIGINT with
+    their uninterrupted reference, the processes under a file-size limit, 2-process DDP runs driven to their fault, the
+    watched-stage processes, two runs into one folder), run two at a time in the background from the module's first test
+    on: test name -> the future of what that test asserts on. Why: the suite's time on 2 cores. This process's tests
+    keep one core busy, and each launch leaves a core idle for seconds (its launcher importing, a stopped rank's
+    --ddp-timeout, a watchdog's wait); one after another they took about 50 s of the suite, and so did the stopped legs
+    waited on in their own test. Only the launches of the tests selected in this run start. (The second-Ctrl-C run stays
+    in its test: run in this pool, it failed once in a run of the whole module, for a reason not seen.)"""
     selected = {item.name for item in request.session.items if item.module is request.module}
     jobs = {test: scenario for test, scenario in FAULT_LAUNCHES.items() if test in selected}
     if not jobs:  # (nor the corpus, which the tests that need it ask for)
         yield {}
         return
-    # (the corpus only for the training runs: the watched stages need none)
+    # (the corpus only for the training runs: the watched stages and the log's rewrite need none)
     cache, shakespeare = None, None
-    if jobs.keys() - {test_a_watched_stage_that_hangs_ends_the_process_naming_it_with_every_stack.__name__}:
+    if jobs.keys() - {
+        test_a_watched_stage_that_hangs_ends_the_process_naming_it_with_every_stack.__name__,
+        test_log_rewrite_on_resume_is_write_then_rename.__name__,
+    }:
         cache, shakespeare = request.getfixturevalue("cache"), request.getfixturevalue("shakespeare")
     root = tmp_path_factory.mktemp("fault-launches")
     # The launches' environment, taken here: the tests meanwhile change os.environ (monkeypatch).
@@ -791,6 +819,8 @@ def test_a_watched_stage_that_hangs_ends_the_process_naming_it_with_every_stack(
 # the environment), two at a time in the order of the tests (fault_launches); one test below adds its own.
 FAULT_LAUNCHES: dict[str, Callable[[Path, Path, Path, dict[str, str]], object]] = {
     test_sigterm_and_sigint_checkpoint_at_the_step_boundary_and_resume_bit_exact.__name__: _stopped_twice,
+    test_a_failed_checkpoint_write_is_one_clear_cli_error.__name__: _checkpoint_over_a_file_size_limit,
+    test_log_rewrite_on_resume_is_write_then_rename.__name__: _log_rewrite_over_a_file_size_limit,
     test_a_stuck_ddp_rank_fails_the_job_after_ddp_timeout.__name__: _stuck_rank_in_training,
     test_sigterm_to_one_ddp_rank_stops_every_rank_at_the_same_step_with_a_checkpoint.__name__: _sigterm_to_rank_1,
     test_ranks_whose_launcher_is_killed_stop_with_a_checkpoint.__name__: _launcher_killed,
