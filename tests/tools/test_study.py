@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,6 +15,7 @@ import pytest
 from modeling_gpn.study import load_study, run_study
 
 from ..environment import require_shared
+from ..subprocesses import started_in_the_background
 
 
 @pytest.mark.slow
@@ -88,9 +91,10 @@ def test_toy_study_end_to_end(tmp_path):
     assert (tmp_path / "training_curves.png").stat().st_size > 10_000
 
 
-def test_sigterm_during_a_study_stops_cleanly_with_the_model_checkpointed(tmp_path):
-    """`gpn study` trains in-process: SIGTERM reaches `gpn train`'s handler, which checkpoints the model being
-    trained; the study then ends with the signal's exit code and one line, not a traceback."""
+def _stopped_study(folder: Path, env: dict[str, str]) -> tuple[Path, str]:
+    """`gpn study` of one toy model in a process of its own (in `env`), sent SIGTERM once its model has logged step
+    2: (its output folder, its output; `stopped` checks the signal's exit code and that no traceback was
+    printed)."""
     import signal
     import sys
 
@@ -98,10 +102,10 @@ def test_sigterm_during_a_study_stops_cleanly_with_the_model_checkpointed(tmp_pa
 
     corpus = require_shared("data/tinyshakespeare/input.txt")
     study = load_study("toy")
-    study["recipe"].update(dataset=str(corpus), max_tokens=20000, cache_dir=str(tmp_path / "cache"), steps=100000)
+    study["recipe"].update(dataset=str(corpus), max_tokens=20000, cache_dir=str(folder / "cache"), steps=100000)
     study["models"] = {"gpn-m-1l": study["models"]["gpn-m-1l"]}
-    (tmp_path / "study.json").write_text(json.dumps(study))
-    output = tmp_path / "out"
+    (folder / "study.json").write_text(json.dumps(study))
+    output = folder / "out"
     process = launch(
         [
             sys.executable,
@@ -109,16 +113,39 @@ def test_sigterm_during_a_study_stops_cleanly_with_the_model_checkpointed(tmp_pa
             "gpn_cli",
             "study",
             "--study",
-            str(tmp_path / "study.json"),
+            str(folder / "study.json"),
             "--output",
             str(output),
             "--no-progress",
         ],
-        tmp_path / "study.log",
+        folder / "study.log",
+        env,
     )
     wait_for_step(process, output / "gpn-m-1l", 2)
     process.send_signal(signal.SIGTERM)
-    text = stopped(process, 128 + signal.SIGTERM)
+    return output, stopped(process, 128 + signal.SIGTERM)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def study_processes(request, tmp_path_factory) -> Iterator[dict]:
+    """The `gpn study` process of the SIGTERM test (`_stopped_study`), started in the background at the module's
+    first test, beside the module's in-process studies (subprocesses.started_in_the_background; only where that
+    test is selected): the suite's time on 2 cores, where a process waited on in its test leaves a core idle while
+    it imports and tokenizes. Test name -> future of what the test asserts on."""
+    selected = {item.name for item in request.session.items if item.module is request.module}
+    env = dict(os.environ)  # (taken here: the tests meanwhile change os.environ with monkeypatch)
+    folder = tmp_path_factory.mktemp("study-sigterm")
+    jobs = {
+        "test_sigterm_during_a_study_stops_cleanly_with_the_model_checkpointed": lambda: _stopped_study(folder, env)
+    }
+    with started_in_the_background(jobs, selected) as started:
+        yield started
+
+
+def test_sigterm_during_a_study_stops_cleanly_with_the_model_checkpointed(study_processes, request):
+    """`gpn study` trains in-process: SIGTERM reaches `gpn train`'s handler, which checkpoints the model being
+    trained; the study then ends with the signal's exit code and one line, not a traceback."""
+    output, text = study_processes[request.node.name].result()  # (_stopped_study, in the background)
     assert "gpn study: stopped by SIGTERM after step " in text, text[-3000:]
     assert list((output / "gpn-m-1l" / "checkpoints").glob("step-*"))
 

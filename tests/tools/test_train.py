@@ -41,6 +41,7 @@ pytestmark = pytest.mark.usefixtures("accelerate_on_cpu")
 
 
 FRESH_PROCESS_TESTS = {
+    "test_resume_after_sigkill_equals_uninterrupted_run",
     "test_a_launch_of_several_processes_that_accelerate_runs_as_one_each_is_refused",
     "test_mixed_precision_that_would_not_be_applied_is_refused",
     "test_gpn_train_mixed_precision_bf16_on_cpu_ends_finite",
@@ -49,8 +50,8 @@ FRESH_PROCESS_TESTS = {
 
 @pytest.fixture(scope="module", autouse=True)
 def fresh_processes(request, tmp_path_factory) -> Iterator[dict]:
-    """The `gpn train` processes of three tests further down (a launch Accelerate runs as one process each, the
-    mixed-precision refusals, a bf16 run), started in the background at the module's first test, beside the
+    """The `gpn train` processes of four tests further down (the killed run and its uninterrupted reference, a
+    launch Accelerate runs as one process each, the mixed-precision refusals, a bf16 run), started in the background at the module's first test, beside the
     module's in-process tests (subprocesses.started_in_the_background; only the selected tests'): the suite's time
     on 2 cores. Test name -> future of what the test asserts on."""
     selected = {item.name for item in request.session.items if item.module is request.module}
@@ -61,6 +62,9 @@ def fresh_processes(request, tmp_path_factory) -> Iterator[dict]:
     root = tmp_path_factory.mktemp("fresh-processes")
     env = dict(os.environ, ACCELERATE_USE_CPU="1")  # (taken here: the tests' monkeypatches change os.environ)
     jobs = {  # (FRESH_PROCESS_TESTS)
+        "test_resume_after_sigkill_equals_uninterrupted_run": lambda: _killed_after_a_checkpoint(
+            root / "sigkill", cache, shakespeare, env
+        ),
         "test_a_launch_of_several_processes_that_accelerate_runs_as_one_each_is_refused": lambda: (
             _several_processes_accelerate_runs_as_one_each(root / "several", cache, shakespeare, env)
         ),
@@ -152,23 +156,24 @@ def test_llama_baseline_trains_from_the_same_entry_point(tmp_path, cache, shakes
     assert len(losses(out)) == 3
 
 
-def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, cache, shakespeare, capfd):
-    common = ["--steps", "24", "--checkpoint-interval", "4", "--keep-checkpoints", "3"]
-    train_cli = [sys.executable, "-m", "modeling_gpn.train"]
-    # Tokenize once so both runs start at the same point quickly.
-    train_module.train(
-        train_module.resolve_config(parse(small_args(shakespeare, tmp_path / "p", cache))),
-        prepare_only=True,
-        show_progress=False,
-    )
+KILLED_RUN = ("--steps", "24", "--checkpoint-interval", "4", "--keep-checkpoints", "3")
 
+
+def _killed_after_a_checkpoint(folder: Path, cache: Path, shakespeare: Path, env: dict[str, str]) -> dict:
+    """`python -m modeling_gpn.train` killed (SIGKILL) once it has written a checkpoint, beside the uninterrupted run
+    (its loss.png a folder, so the figure cannot be written) in a process of its own: `{"killed_dir", "returncode",
+    "reference_dir", "reference_output"}` (the shakespeare fixture has tokenized the corpus into `cache`, so both
+    runs start at the same point quickly)."""
+    train_cli = [sys.executable, "-m", "modeling_gpn.train"]
     # loss.png: where it cannot be written (a folder in its place), the finished run warns and succeeds
-    (tmp_path / "reference" / "loss.png").mkdir(parents=True)
+    (folder / "reference" / "loss.png").mkdir(parents=True)
     reference = launch(
-        train_cli + small_args(shakespeare, tmp_path / "reference", cache, *common, "--loss-figure"), tmp_path / "r.log"
+        train_cli + small_args(shakespeare, folder / "reference", cache, *KILLED_RUN, "--loss-figure"),
+        folder / "r.log",
+        env,
     )
-    killed_dir = tmp_path / "killed"
-    killed = launch(train_cli + small_args(shakespeare, killed_dir, cache, *common), tmp_path / "k.log")
+    killed_dir = folder / "killed"
+    killed = launch(train_cli + small_args(shakespeare, killed_dir, cache, *KILLED_RUN), folder / "k.log", env)
     deadline = time.time() + 180
     while not list((killed_dir / "checkpoints").glob("step-*")):
         assert killed.poll() is None, "the run ended before writing a checkpoint"
@@ -176,7 +181,19 @@ def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, cache, shakespe
         time.sleep(0.02)
     killed.send_signal(signal.SIGKILL)
     killed.wait()
-    assert killed.returncode == -signal.SIGKILL
+    return {
+        "killed_dir": killed_dir,
+        "returncode": killed.returncode,
+        "reference_dir": folder / "reference",
+        "reference_output": finish(reference),
+    }
+
+
+def test_resume_after_sigkill_equals_uninterrupted_run(fresh_processes, request, cache, shakespeare, capfd):
+    # Both runs ran in the background (_killed_after_a_checkpoint, fresh_processes).
+    launched = fresh_processes[request.node.name].result()
+    killed_dir, reference_dir = launched["killed_dir"], launched["reference_dir"]
+    assert launched["returncode"] == -signal.SIGKILL
     assert not (killed_dir / "model").exists(), "the run finished before it was killed"
     stopped_at = train_module.latest_checkpoint(killed_dir)
     assert stopped_at is not None and int(stopped_at.name.split("-")[1]) < 24
@@ -184,17 +201,17 @@ def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, cache, shakespe
     # Resumed in this process (the kill was of a CLI run; one import of torch and transformers less on 2 cores).
     capfd.readouterr()
     train_module.train(
-        train_module.resolve_config(parse(small_args(shakespeare, killed_dir, cache, *common, "--loss-figure"))),
+        train_module.resolve_config(parse(small_args(shakespeare, killed_dir, cache, *KILLED_RUN, "--loss-figure"))),
         resume=True,
         show_progress=False,
     )
     resumed_output = capfd.readouterr().out
     assert f"resumed from {stopped_at}" in resumed_output
     assert f"loss curves: {killed_dir.resolve() / 'loss.png'}" in resumed_output
-    reference_output = finish(reference)
-    assert f"gpn train: warning: {tmp_path / 'reference' / 'loss.png'} was not drawn (IsADirectoryError" in (
-        reference_output
-    ), reference_output[-3000:]
+    reference_output = launched["reference_output"]
+    assert f"gpn train: warning: {reference_dir / 'loss.png'} was not drawn (IsADirectoryError" in reference_output, (
+        reference_output[-3000:]
+    )
 
     # the resumed run's loss.png is a PNG of the whole log: the steps before the kill too (its text says what the
     # picture shows, read from the figure's lines)
@@ -211,11 +228,11 @@ def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, cache, shakespe
     assert re.search(r"held-out loss, final \d\.\d{3}: PPL [\d.]+: 1 points at x 24-24", text["Description"]), text
     assert not list(killed_dir.glob(".loss.png.tmp-*"))
 
-    expected, actual = saved_weights(tmp_path / "reference" / "model"), saved_weights(killed_dir / "model")
+    expected, actual = saved_weights(reference_dir / "model"), saved_weights(killed_dir / "model")
     assert expected.keys() == actual.keys()
     for name in expected:
         assert torch.equal(expected[name], actual[name]), name
-    assert losses(killed_dir) == losses(tmp_path / "reference")  # the log is continued, not duplicated
+    assert losses(killed_dir) == losses(reference_dir)  # the log is continued, not duplicated
 
 
 DDP = ["--multi_gpu"]
@@ -238,30 +255,22 @@ TWO_PROCESS_RUN = [
 
 
 @pytest.fixture(scope="module")
-def two_process_runs(tmp_path_factory, cache, shakespeare) -> dict[str, tuple[Path, str]]:
-    """One process, 2-process DDP and 2-process FSDP2 of the same run, launched together: name -> (run, output)."""
+def two_process_runs(tmp_path_factory, cache, shakespeare) -> dict[str, tuple[Path, str | None]]:
+    """One process, 2-process DDP and 2-process FSDP2 of the same run, the launches started together and the
+    one-process run made here meanwhile: name -> (run, output; None for the one-process run)."""
     root = tmp_path_factory.mktemp("two-process")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("ACCELERATE_USE_CPU", "1")  # (the function-scoped accelerate_on_cpu fixture does not cover this one)
         return _run_two_process_runs(root, cache, shakespeare)
 
 
-def _run_two_process_runs(root: Path, cache: Path, shakespeare: Path) -> dict[str, tuple[Path, str]]:
+def _run_two_process_runs(root: Path, cache: Path, shakespeare: Path) -> dict[str, tuple[Path, str | None]]:
     train_module.train(
         train_module.resolve_config(parse(small_args(shakespeare, root / "p", cache))),
         prepare_only=True,
         show_progress=False,
     )
     launches = {
-        "one": launch(
-            [
-                sys.executable,
-                "-m",
-                "modeling_gpn.train",
-                *small_args(shakespeare, root / "one", cache, *TWO_PROCESS_RUN),
-            ],
-            root / "one.log",
-        ),
         "ddp": launch_two_processes(
             DDP, small_args(shakespeare, root / "ddp", cache, *TWO_PROCESS_RUN), root / "ddp.log"
         ),
@@ -269,8 +278,15 @@ def _run_two_process_runs(root: Path, cache: Path, shakespeare: Path) -> dict[st
             FSDP2, small_args(shakespeare, root / "fsdp", cache, *TWO_PROCESS_RUN), root / "fsdp.log"
         ),
     }
+    # The one-process run in this process meanwhile (its output is not read: one import of torch and transformers
+    # less on 2 cores).
+    train_module.train(
+        train_module.resolve_config(parse(small_args(shakespeare, root / "one", cache, *TWO_PROCESS_RUN))),
+        show_progress=False,
+    )
     # Every process must exit by itself within the bound (`finish` dumps every stack and fails otherwise).
-    return {name: (root / name, finish(process, timeout=300)) for name, process in launches.items()}
+    finished = {name: (root / name, finish(process, timeout=300)) for name, process in launches.items()}
+    return {"one": (root / "one", None), **finished}
 
 
 def test_two_process_ddp_matches_one_process(two_process_runs):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -166,43 +165,61 @@ def test_an_update_that_makes_the_weights_nonfinite_is_never_checkpointed(tmp_pa
 # --------------------------------------------------------------------------------------------------
 
 
-def test_sigterm_and_sigint_checkpoint_at_the_step_boundary_and_resume_bit_exact(tmp_path, cache, shakespeare):
-    # No periodic checkpoints, and a log window of 3 steps, so the signal's checkpoint alone carries the run
-    # (including the half-filled log window) across each stop.
-    common = ["--steps", "60", "--checkpoint-interval", "0", "--log-interval", "3"]
-    reference = launch(TRAIN_CLI + small_args(shakespeare, tmp_path / "reference", cache, *common), tmp_path / "r.log")
-    run_dir = tmp_path / "stopped"
+# No periodic checkpoints, and a log window of 3 steps, so the signal's checkpoint alone carries the run (including
+# the half-filled log window) across each stop.
+STOPPED_RUN = ("--steps", "60", "--checkpoint-interval", "0", "--log-interval", "3")
 
-    first = launch(TRAIN_CLI + small_args(shakespeare, run_dir, cache, *common), tmp_path / "1.log")
+
+def _stopped_twice(folder: Path, cache: Path, shakespeare: Path, env: dict[str, str]) -> dict:
+    """`gpn train` stopped by SIGTERM after step 4, its log's last line then torn, resumed by `gpn train --resume`
+    and stopped by SIGINT 3 steps later; beside them, the uninterrupted run as a `gpn train` process:
+    `{"run_dir", "reference", "first", "second"}`, each leg's output, the checkpoints it left and whether a model
+    was saved."""
+    reference = launch(
+        TRAIN_CLI + small_args(shakespeare, folder / "reference", cache, *STOPPED_RUN), folder / "r.log", env
+    )
+    run_dir = folder / "stopped"
+    legs = {}
+    first = launch(TRAIN_CLI + small_args(shakespeare, run_dir, cache, *STOPPED_RUN), folder / "1.log", env)
     wait_for_step(first, run_dir, 4)
     first.send_signal(signal.SIGTERM)
-    output = stopped(first, 128 + signal.SIGTERM)
-    [stop_term] = checkpoint_steps(run_dir)
-    assert 4 <= stop_term < 60 and not (run_dir / "model").exists()
-    assert f"stopped by SIGTERM after step {stop_term} of 60; the training state is saved in " in output
-    assert "plus --resume" in output
-
+    legs["first"] = (stopped(first, 128 + signal.SIGTERM), checkpoint_steps(run_dir), (run_dir / "model").exists())
     # A torn last line, as a full disk during an append leaves it: --resume skips it with a warning naming the file.
     with open(run_dir / "log.jsonl", "ab") as handle:
         handle.write(b'{"step": 999, "loss": 4.2')
-    second = launch(TRAIN_CLI + small_args(shakespeare, run_dir, cache, *common, "--resume"), tmp_path / "2.log")
-    wait_for_step(second, run_dir, stop_term + 3)
+    second = launch(
+        TRAIN_CLI + small_args(shakespeare, run_dir, cache, *STOPPED_RUN, "--resume"), folder / "2.log", env
+    )
+    wait_for_step(second, run_dir, max(legs["first"][1], default=0) + 3)
     second.send_signal(signal.SIGINT)
-    output = stopped(second, 128 + signal.SIGINT)
+    legs["second"] = (stopped(second, 128 + signal.SIGINT), checkpoint_steps(run_dir), (run_dir / "model").exists())
+    finish(reference)
+    return {"run_dir": run_dir, "reference": folder / "reference", **legs}
+
+
+def test_sigterm_and_sigint_checkpoint_at_the_step_boundary_and_resume_bit_exact(launched, cache, shakespeare):
+    # The two `gpn train` legs and the uninterrupted run ran in the background (_stopped_twice, FAULT_LAUNCHES).
+    run_dir = launched["run_dir"]
+    output, [stop_term], saved = launched["first"]
+    assert 4 <= stop_term < 60 and not saved
+    assert f"stopped by SIGTERM after step {stop_term} of 60; the training state is saved in " in output
+    assert "plus --resume" in output
+
+    output, checkpoints, saved = launched["second"]
     assert f"warning: {run_dir / 'log.jsonl'}: line " in output and " is torn " in output, output[-3000:]
     assert f"resumed from {run_dir / 'checkpoints' / f'step-{stop_term:07d}'} at step {stop_term}" in output
-    stop_int = checkpoint_steps(run_dir)[-1]
-    assert stop_term < stop_int < 60 and "stopped by SIGINT" in output
+    stop_int = checkpoints[-1]
+    assert stop_term < stop_int < 60 and "stopped by SIGINT" in output and not saved
 
     # The rest of the run in this process (the stops above are the CLI's; one import of torch and transformers
     # less on 2 cores).
-    run_train(shakespeare, run_dir, cache, *common, resume=True)
-    finish(reference)
-    expected, actual = saved_weights(tmp_path / "reference" / "model"), saved_weights(run_dir / "model")
+    run_train(shakespeare, run_dir, cache, *STOPPED_RUN, resume=True)
+    reference = launched["reference"]
+    expected, actual = saved_weights(reference / "model"), saved_weights(run_dir / "model")
     assert expected.keys() == actual.keys()
     for name in expected:
         assert torch.equal(expected[name], actual[name]), name
-    assert losses(run_dir) == losses(tmp_path / "reference")  # windows cut by the stops average the same steps
+    assert losses(run_dir) == losses(reference)  # windows cut by the stops average the same steps
     stops = [r["signal"] for r in read_log(run_dir) if r.get("event") == "stopped"]
     assert stops == ["SIGTERM", "SIGINT"]
 
@@ -293,17 +310,37 @@ def test_full_disk_during_a_checkpoint_names_the_path_and_keeps_the_last_good_on
         assert torch.equal(expected[name], actual[name]), name
 
 
-def test_a_failed_checkpoint_write_is_one_clear_cli_error(tmp_path, cache, shakespeare):
+# Python run under a file-size limit (RLIMIT_FSIZE, set before anything is imported): `python -c FILE_SIZE_LIMITED
+# BYTES MODULE ARG...` runs MODULE as `python -m MODULE ARG...` would, `... BYTES -c CODE` runs CODE. A write past the
+# limit returns a real EFBIG (SIGXFSZ ignored, as CPython does anyway). (Set here rather than in a preexec_fn: these
+# processes start in the background pool's threads, where a preexec_fn is unsafe.)
+FILE_SIZE_LIMITED = (
+    "import resource, runpy, signal, sys\n"
+    "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+    "resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
+    "if sys.argv[2] == '-c':\n"
+    "    exec(sys.argv[3], {'__name__': '__main__'})\n"
+    "else:\n"
+    "    sys.argv = sys.argv[2:]\n"
+    "    runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n"
+)
+
+
+def _checkpoint_over_a_file_size_limit(
+    folder: Path, cache: Path, shakespeare: Path, env: dict[str, str]
+) -> tuple[Path, subprocess.CompletedProcess]:
+    """`gpn train` under a 64 KiB file-size limit, its first checkpoint at step 4: (its run folder, the process)."""
+    run_dir = folder / "run"
+    argv = [sys.executable, "-c", FILE_SIZE_LIMITED, str(64 * 1024), "gpn_cli", "train"]
+    argv += small_args(shakespeare, run_dir, cache, "--steps", "6", "--checkpoint-interval", "4")
+    env = dict(env, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    return run_dir, subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_a_failed_checkpoint_write_is_one_clear_cli_error(launched):
     # Needs no root: a 64 KiB file-size limit on the `gpn train` process makes the first checkpoint's weight
-    # file fail with a real EFBIG (CPython ignores SIGXFSZ, so the write returns the error).
-    run_dir = tmp_path / "run"
-
-    def limit_file_size() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-
-    argv = TRAIN_CLI + small_args(shakespeare, run_dir, cache, "--steps", "6", "--checkpoint-interval", "4")
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    done = subprocess.run(argv, preexec_fn=limit_file_size, capture_output=True, text=True, env=env, timeout=300)
+    # file fail with a real EFBIG (_checkpoint_over_a_file_size_limit, in the background).
+    run_dir, done = launched
     assert done.returncode == 1, done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     assert f"gpn train: error: Cannot write {run_dir / 'checkpoints' / 'step-0000004'}: " in done.stderr
@@ -312,29 +349,35 @@ def test_a_failed_checkpoint_write_is_one_clear_cli_error(tmp_path, cache, shake
     assert [r["step"] for r in read_log(run_dir)] == [1, 2, 3, 4]
 
 
-def test_log_rewrite_on_resume_is_write_then_rename(tmp_path):
-    log = tmp_path / "log.jsonl"
-    records = [{"step": step, "loss": 5.0 - step / 10} for step in range(1, 41)]
-    original = "".join(json.dumps(r) + "\n" for r in records) + '{"step": 41, "lo'  # torn last line
-    log.write_text(original)
+LOG_RECORDS = [{"step": step, "loss": 5.0 - step / 10} for step in range(1, 41)]
+TORN_LOG = "".join(json.dumps(r) + "\n" for r in LOG_RECORDS) + '{"step": 41, "lo'  # torn last line
 
-    # A real write failure while the kept records are written (a 200-byte file-size limit on the process
-    # doing it, so write() fails with EFBIG): the log is left exactly as it was, no temporary file behind.
-    def limit_file_size() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get the error instead of being killed by the signal
-        resource.setrlimit(resource.RLIMIT_FSIZE, (200, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
+def _log_rewrite_over_a_file_size_limit(
+    folder: Path, cache: Path, shakespeare: Path, env: dict[str, str]
+) -> tuple[Path, subprocess.CompletedProcess]:
+    """`truncate_log` of TORN_LOG to 20 records in a process under a 200-byte file-size limit, so write() fails with
+    EFBIG while the kept records are written: (the log, alone in its folder, and the process)."""
+    log = folder / "log.jsonl"
+    log.write_text(TORN_LOG)
     code = (
         f"from modeling_gpn.train import truncate_log; from pathlib import Path; truncate_log(Path({str(log)!r}), 20)"
     )
-    failed = subprocess.run([sys.executable, "-c", code], preexec_fn=limit_file_size, capture_output=True, text=True)
+    argv = [sys.executable, "-c", FILE_SIZE_LIMITED, "200", "-c", code]
+    return log, subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_log_rewrite_on_resume_is_write_then_rename(launched):
+    # A real write failure while the kept records are written (_log_rewrite_over_a_file_size_limit, in the
+    # background): the log is left exactly as it was, no temporary file behind.
+    log, failed = launched
     assert failed.returncode == 1 and "OSError: [Errno 27] File too large" in failed.stderr, failed.stderr[-2000:]
-    assert log.read_text() == original
-    assert [p.name for p in tmp_path.iterdir()] == ["log.jsonl"]
+    assert log.read_text() == TORN_LOG
+    assert [p.name for p in log.parent.iterdir()] == ["log.jsonl"]
 
     warnings = []
     train_module.truncate_log(log, 20, warn=warnings.append)
-    assert train_module.read_log(log) == records[:20]
+    assert train_module.read_log(log) == LOG_RECORDS[:20]
     assert len(warnings) == 1 and warnings[0].startswith(
         f"warning: {log}: line 41 is torn (a write cut short by a crash or a full disk); skipped it (Unterminated"
     )
@@ -498,21 +541,25 @@ def changed_settings_of(run_dir: Path, *argv: str) -> list[str]:
 
 @pytest.fixture(scope="module", autouse=True)
 def fault_launches(request, tmp_path_factory) -> Iterator[dict[str, Future]]:
-    """The fresh processes of the tests named in FAULT_LAUNCHES (2-process DDP runs driven to their fault, the
-    watched-stage processes), run two at a time in the background from the module's first test on: test name ->
-    the future of what that test asserts on. Why: the suite's time on 2 cores. This process's tests keep one core
-    busy, and each launch leaves a core idle for seconds (its launcher importing, a stopped rank's --ddp-timeout,
-    a watchdog's wait); one after another they took about 50 s of the suite. Only the launches of the tests
-    selected in this run start. (The second-Ctrl-C run stays in its test: run in this pool, it failed once in a
-    run of the whole module, for a reason not seen.)"""
+    """The fresh processes of the tests named in FAULT_LAUNCHES (the `gpn train` legs stopped by SIGTERM and SIGINT with
+    their uninterrupted reference, the processes under a file-size limit, 2-process DDP runs driven to their fault, the
+    watched-stage processes, two runs into one folder), run two at a time in the background from the module's first test
+    on: test name -> the future of what that test asserts on. Why: the suite's time on 2 cores. This process's tests
+    keep one core busy, and each launch leaves a core idle for seconds (its launcher importing, a stopped rank's
+    --ddp-timeout, a watchdog's wait); one after another they took about 50 s of the suite, and so did the stopped legs
+    waited on in their own test. Only the launches of the tests selected in this run start. (The second-Ctrl-C run stays
+    in its test: run in this pool, it failed once in a run of the whole module, for a reason not seen.)"""
     selected = {item.name for item in request.session.items if item.module is request.module}
     jobs = {test: scenario for test, scenario in FAULT_LAUNCHES.items() if test in selected}
     if not jobs:  # (nor the corpus, which the tests that need it ask for)
         yield {}
         return
-    # (the corpus only for the training runs: the watched stages need none)
+    # (the corpus only for the training runs: the watched stages and the log's rewrite need none)
     cache, shakespeare = None, None
-    if jobs.keys() - {test_a_watched_stage_that_hangs_ends_the_process_naming_it_with_every_stack.__name__}:
+    if jobs.keys() - {
+        test_a_watched_stage_that_hangs_ends_the_process_naming_it_with_every_stack.__name__,
+        test_log_rewrite_on_resume_is_write_then_rename.__name__,
+    }:
         cache, shakespeare = request.getfixturevalue("cache"), request.getfixturevalue("shakespeare")
     root = tmp_path_factory.mktemp("fault-launches")
     # The launches' environment, taken here: the tests meanwhile change os.environ (monkeypatch).
@@ -698,14 +745,15 @@ def _stuck_rank_at_the_end(folder: Path, cache: Path, shakespeare: Path, env: di
         folder / "ddp.log",
         env=env,
     )
+    # The ranks found while the run trains (a `pgrep` process takes a while on a busy machine): the stop must land
+    # between the final record and the end's last collective.
+    wait_for_step(launcher, run_dir, 1)
+    ranks = _ranks(launcher)
     deadline = time.time() + 180
-    while not (run_dir / "log.jsonl").exists() or not any(
-        r.get("event") == "final" for r in train_module.read_log(run_dir / "log.jsonl")
-    ):
+    while not any(r.get("event") == "final" for r in train_module.read_log(run_dir / "log.jsonl")):
         assert launcher.poll() is None, launcher.log_path.read_text()[-3000:]
         assert time.time() < deadline, "no final record within 180 s"
         time.sleep(0.01)
-    ranks = _ranks(launcher)
     os.kill(ranks[1], signal.SIGSTOP)
     stopped_at = time.time()
     try:
@@ -768,8 +816,11 @@ def test_a_watched_stage_that_hangs_ends_the_process_naming_it_with_every_stack(
 
 
 # The launches of the tests above (test name -> what runs it, given its own folder, the token cache, the corpus and
-# the environment), two at a time in the order of the tests (fault_launches).
+# the environment), two at a time in the order of the tests (fault_launches); one test below adds its own.
 FAULT_LAUNCHES: dict[str, Callable[[Path, Path, Path, dict[str, str]], object]] = {
+    test_sigterm_and_sigint_checkpoint_at_the_step_boundary_and_resume_bit_exact.__name__: _stopped_twice,
+    test_a_failed_checkpoint_write_is_one_clear_cli_error.__name__: _checkpoint_over_a_file_size_limit,
+    test_log_rewrite_on_resume_is_write_then_rename.__name__: _log_rewrite_over_a_file_size_limit,
     test_a_stuck_ddp_rank_fails_the_job_after_ddp_timeout.__name__: _stuck_rank_in_training,
     test_sigterm_to_one_ddp_rank_stops_every_rank_at_the_same_step_with_a_checkpoint.__name__: _sigterm_to_rank_1,
     test_ranks_whose_launcher_is_killed_stop_with_a_checkpoint.__name__: _launcher_killed,
@@ -784,28 +835,49 @@ FAULT_LAUNCHES: dict[str, Callable[[Path, Path, Path, dict[str, str]], object]] 
 # --------------------------------------------------------------------------------------------------
 
 
-def test_a_second_run_into_the_same_folder_stops_at_once_and_a_killed_runs_lock_is_taken_over(
-    tmp_path, cache, shakespeare, capfd
-):
-    run_dir = tmp_path / "run"
-    first = launch(TRAIN_CLI + small_args(shakespeare, run_dir, cache, "--steps", "100000"), tmp_path / "1.log")
+def _second_run_into_the_same_folder(folder: Path, cache: Path, shakespeare: Path, env: dict[str, str]) -> dict:
+    """A `gpn train` run, and once it has logged step 2 a second one into its folder, waited for (at most 120 s);
+    then the first run's next step, and the first killed (SIGKILL: the kernel drops its flock, the record of who held
+    it stays): `{"run_dir", "first_pid", "second_returncode", "second_output", "second_took", "steps",
+    "model_saved"}`, the last two read once the first had logged another step."""
+    run_dir = folder / "run"
+    first = launch(TRAIN_CLI + small_args(shakespeare, run_dir, cache, "--steps", "100000"), folder / "1.log", env)
     try:
         wait_for_step(first, run_dir, 2)
         started = time.time()
-        second = launch(TRAIN_CLI + small_args(shakespeare, run_dir, cache, "--steps", "3"), tmp_path / "2.log")
+        second = launch(TRAIN_CLI + small_args(shakespeare, run_dir, cache, "--steps", "3"), folder / "2.log", env)
         second.wait(timeout=120)
-        output = second.log_path.read_text()
-        assert second.returncode == 1, output[-3000:]
-        assert f"is in use by another gpn train run (pid {first.pid} on " in output, output[-3000:]
-        assert "__main__.py train --recipe tiny-cpu" in output  # the holder's command (python -m gpn_cli)
-        assert time.time() - started < 60
-        # It wrote nothing: the first run's log goes on, one record per step, and has no model yet.
+        took = time.time() - started
+        # (what the second run left: the first run's log goes on from where it was)
         wait_for_step(first, run_dir, max(r["step"] for r in read_log(run_dir)) + 1)
         steps = [r["step"] for r in read_log(run_dir)]
-        assert steps == list(range(1, len(steps) + 1)) and not (run_dir / "model").exists()
+        model_saved = (run_dir / "model").exists()
     finally:
-        first.kill()  # SIGKILL: the kernel drops its flock, the record of who held it stays
+        first.kill()
         first.wait()
+    return {
+        "run_dir": run_dir,
+        "first_pid": first.pid,
+        "second_returncode": second.returncode,
+        "second_output": second.log_path.read_text(),
+        "second_took": took,
+        "steps": steps,
+        "model_saved": model_saved,
+    }
+
+
+def test_a_second_run_into_the_same_folder_stops_at_once_and_a_killed_runs_lock_is_taken_over(
+    launched, cache, shakespeare, capfd
+):
+    # The first two runs ran in the background (_second_run_into_the_same_folder, FAULT_LAUNCHES).
+    run_dir, first_pid, output = launched["run_dir"], launched["first_pid"], launched["second_output"]
+    assert launched["second_returncode"] == 1, output[-3000:]
+    assert f"is in use by another gpn train run (pid {first_pid} on " in output, output[-3000:]
+    assert "__main__.py train --recipe tiny-cpu" in output  # the holder's command (python -m gpn_cli)
+    assert launched["second_took"] < 60
+    # It wrote nothing: the first run's log goes on, one record per step, and has no model yet.
+    steps = launched["steps"]
+    assert steps == list(range(1, len(steps) + 1)) and not launched["model_saved"]
 
     # The third run in this process (the lock is the same in a `gpn train` process; one import of torch and
     # transformers less, seconds of the suite's time on 2 cores).
@@ -813,11 +885,16 @@ def test_a_second_run_into_the_same_folder_stops_at_once_and_a_killed_runs_lock_
     run_train(shakespeare, run_dir, cache, "--steps", "2")
     output = capfd.readouterr().err
     assert (
-        f"taking over the lock of {run_dir} from a run that ended without releasing it (pid {first.pid} on " in output
+        f"taking over the lock of {run_dir} from a run that ended without releasing it (pid {first_pid} on " in output
     ), output[-3000:]
     assert (run_dir / "model").exists()
     assert (run_dir / train_module.RunFolderLock.FILE_NAME).read_text() == ""  # released at the end
     train_module.RunFolderLock(run_dir).acquire().release()  # free again
+
+
+FAULT_LAUNCHES[test_a_second_run_into_the_same_folder_stops_at_once_and_a_killed_runs_lock_is_taken_over.__name__] = (
+    _second_run_into_the_same_folder
+)
 
 
 def test_the_lock_is_held_only_while_train_runs_in_process(tmp_path, cache, shakespeare):
