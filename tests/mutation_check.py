@@ -6690,6 +6690,13 @@ MUTATIONS = [
         "        groups.add(size)  # MUTATION\n",
         ("tests/ecosystem/test_eval.py -k tells_int4_groups_from_whole_rows",),
     ),
+    Mutation(
+        "a LoRA layer's merge asked only outside tracing (its class __dict__ read broke a fullgraph compile)",
+        "modeling_gpn/fast_recurrence.py",
+        "    if fast and not is_tracing():\n        module = as_read(module)\n",
+        "    module = as_read(module)  # MUTATION\n",
+        ("tests/ecosystem/test_ecosystem.py::test_a_peft_lora_model_compiles_with_fullgraph_after_an_eager_call",),
+    ),
 ]
 
 
