@@ -406,8 +406,10 @@ def fast_project(module: torch.nn.Module, x: torch.Tensor, fast: bool = True) ->
     torch's and torchao's int8 linear run far below the bandwidth limit at these sizes (a call's fixed cost
     is larger than its product).
     Anything else calls the module. (A PEFT LoRA layer merged in place whose forward is provably its base layer's
-    is that base layer: `derived_weights.merged_lora_base`.)"""
-    module = as_read(module)
+    is that base layer: `derived_weights.merged_lora_base`, asked only where the kernels may run, not under tracing,
+    where dynamo refuses its read of the LoRA class's `__dict__` (under `fullgraph=True`, once the model ran eagerly).)"""
+    if fast and not is_tracing():
+        module = as_read(module)
     weight = getattr(module, "weight", None)
     if (
         fast

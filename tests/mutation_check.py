@@ -6748,6 +6748,20 @@ MUTATIONS = [
         "        )\n",
         ("tests/tools/test_faults_io.py -k pickled_weights_beside",),
     ),
+    Mutation(
+        "a LoRA layer's merge asked only outside tracing (its class __dict__ read broke a fullgraph compile)",
+        "modeling_gpn/fast_recurrence.py",
+        "    if fast and not is_tracing():\n        module = as_read(module)\n",
+        "    module = as_read(module)  # MUTATION\n",
+        ("tests/ecosystem/test_ecosystem.py::test_a_peft_lora_model_compiles_with_fullgraph_after_an_eager_call",),
+    ),
+    Mutation(
+        "an adapter folder merged as saved, then cast to the dtype asked (merged in bfloat16 it rounded apart)",
+        "modeling_gpn/cli/loading.py",
+        '    cast = kwargs.get("dtype") if merge_adapter and kwargs.get("dtype") not in (None, "auto") else None\n',
+        "    cast = None  # MUTATION\n",
+        ("tests/tools/test_generate_cli.py::test_generate_of_a_peft_adapter_folder_is_the_merged_models",),
+    ),
 ]
 
 

@@ -192,7 +192,8 @@ def load_causal_lm(path: str, *, merge_adapter: bool = True, **kwargs: Any) -> P
     loaded so (its weights checked as any model's) with the adapter merged into it (`PeftModel.from_pretrained` and
     `merge_and_unload()`, as a user merges one in Python: the same weights, bit for bit) or, without
     `merge_adapter`, attached (the base's modules wrapped by PEFT's, as transformers' `load_adapter` leaves them,
-    loaded as PEFT loads it: transformers' `load_adapter` misses DoRA's magnitude vectors). A base that
+    loaded as PEFT loads it: transformers' `load_adapter` misses DoRA's magnitude vectors). Merged, a `dtype` asked
+    for is the merged model's cast to it: the base is loaded as saved, merged, then cast. A base that
     cannot be loaded (a Hub id offline, a folder removed since the check) is a `FileNotFoundError` naming it and
     the adapter, in one line; an adapter whose weights file lacks some of its weights, or holds weights the model
     has no place for, a `ValueError` naming them (`refuse_incomplete_adapter`, `refuse_unplaced_adapter_weights`).
@@ -201,6 +202,12 @@ def load_causal_lm(path: str, *, merge_adapter: bool = True, **kwargs: Any) -> P
     if base is None:
         return causal_lm_from_pretrained(path, **kwargs)
     require_peft(path)  # (before the base loads: gpn serve loads a request's model here, unchecked)
+    # Merged, the base is loaded as saved and cast after the merge: merged in another dtype (gpn eval --dtype bfloat16,
+    # int8, int4; gpn serve --dtype), the base's weights and the adapter's product were each rounded to it before
+    # their sum, which was then rounded again, and the figures were not those of the merged model in that dtype.
+    cast = kwargs.get("dtype") if merge_adapter and kwargs.get("dtype") not in (None, "auto") else None
+    if cast is not None:
+        kwargs["dtype"] = "auto"
     try:
         model = causal_lm_from_pretrained(base, **kwargs)
     except OSError as error:
@@ -226,7 +233,10 @@ def load_causal_lm(path: str, *, merge_adapter: bool = True, **kwargs: Any) -> P
         refuse_non_finite_parameters(model, path)
         return model
     model = adapted.merge_and_unload()
-    refuse_non_finite_parameters(model, path)  # (an adapter holding NaN makes the merged weights NaN)
+    if cast is not None:
+        model = model.to(getattr(torch, cast) if isinstance(cast, str) else cast)
+    # (an adapter holding NaN makes the merged weights NaN; a merged weight past float16's range, inf once cast)
+    refuse_non_finite_parameters(model, path)
     return model
 
 

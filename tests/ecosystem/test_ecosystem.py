@@ -387,6 +387,19 @@ def test_peft_lora_changes_the_logits_on_the_fast_and_plain_path():
     torch.testing.assert_close(fast_requested, plain)
 
 
+def test_a_peft_lora_model_compiles_with_fullgraph_after_an_eager_call():
+    """torch.compile(fullgraph=True) of a LoRA model that has run eagerly gives the eager logits. (The token and decoder
+    projections asked, under tracing too, whether a LoRA layer was merged in place by reading its class's `__dict__`,
+    which dynamo refuses once an eager call has run: a graph break, an error under fullgraph.)"""
+    adapted = lora_model(perturbed_model(tiny_config(num_predict_layers=1)), targets=["fuse_proj"]).eval()
+    ids = token_ids(1, 1)  # (one position, no cache: the least for dynamo to trace)
+    with torch.no_grad():
+        eager = adapted(ids, use_cache=False).logits
+        torch._dynamo.reset()
+        compiled = torch.compile(adapted, fullgraph=True, backend="eager")(ids, use_cache=False).logits
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
 def test_peft_lora_trains_saves_reloads_and_merges(tmp_path):
     import peft
 

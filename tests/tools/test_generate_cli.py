@@ -357,10 +357,13 @@ def test_generate_of_a_peft_adapter_folder_is_the_merged_models(bpe_dir, adapter
     # The merged weights are PEFT's merge bit for bit (the adapter's file read once, and given to PEFT).
     from modeling_gpn.cli.loading import load_causal_lm
 
-    merged_weights = AutoModelForCausalLM.from_pretrained(merged).state_dict()
-    loaded_weights = load_causal_lm(str(folder)).state_dict()
-    assert loaded_weights.keys() == merged_weights.keys()
-    assert all(torch.equal(loaded_weights[name], merged_weights[name]) for name in merged_weights)
+    # In another dtype (gpn eval --dtype, gpn serve --dtype), the merged model's in it: merged as saved, then cast (the
+    # base loaded in bfloat16 and merged there rounded the weights and the adapter's product apart before their sum).
+    for dtype in (None, torch.bfloat16):
+        merged_weights = AutoModelForCausalLM.from_pretrained(merged, dtype=dtype).state_dict()
+        loaded_weights = load_causal_lm(str(folder), dtype=dtype).state_dict()
+        assert loaded_weights.keys() == merged_weights.keys()
+        assert all(torch.equal(loaded_weights[name], merged_weights[name]) for name in merged_weights), dtype
 
 
 def test_an_adapter_with_weights_its_base_has_no_place_for_is_one_line_and_peft_saved_ones_load(
