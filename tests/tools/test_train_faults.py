@@ -624,14 +624,22 @@ def _process_state(pid: int) -> str:
 
 
 def _ranks(launcher: subprocess.Popen) -> dict[int, int]:
-    """LOCAL_RANK -> pid of the launcher's worker processes."""
-    found = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
-    ranks = {
-        int(Path(f"/proc/{pid}/environ").read_bytes().split(b"LOCAL_RANK=")[1].split(b"\0")[0]): int(pid)
-        for pid in found
-    }
-    assert sorted(ranks) == [0, 1], found
-    return ranks
+    """LOCAL_RANK -> pid of the launcher's worker processes, looked for until both are seen (at most 60 s): a child
+    that `pgrep` lists may have ended before its environment is read (one did in a fresh-clone run), and one that
+    is no worker has no LOCAL_RANK."""
+    deadline = time.time() + 60
+    while True:
+        found = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+        ranks = {}
+        for pid in found:
+            with contextlib.suppress(OSError):  # (ended since pgrep listed it)
+                environ = Path(f"/proc/{pid}/environ").read_bytes()
+                if b"LOCAL_RANK=" in environ:
+                    ranks[int(environ.split(b"LOCAL_RANK=")[1].split(b"\0")[0])] = int(pid)
+        if sorted(ranks) == [0, 1]:
+            return ranks
+        assert launcher.poll() is None and time.time() < deadline, (found, ranks)
+        time.sleep(0.1)
 
 
 def _sigterm_to_rank_1(folder: Path, cache: Path, shakespeare: Path, env: dict[str, str]) -> tuple[Path, str]:
