@@ -128,15 +128,19 @@ def state_fingerprint(model: nn.Module) -> dict[str, str]:
     weights (`computes_unmerged_adapters`), else "no", so that a refusal can say why a PeftModel's state is not its
     merged model's.
     """
-    config = {name: getattr(model.config, name) for name in STATE_CONFIG_FIELDS}
-    config_json = json.dumps(config, sort_keys=True)
     return {
-        "state_config": config_json,
-        "config_fingerprint": hashlib.sha256(config_json.encode()).hexdigest(),
+        **config_fingerprint(model.config),
         "weights_dtype": weights_kind(model),
         "weights_fingerprint": weights_hash(model),
         "unmerged_adapters": "yes" if computes_unmerged_adapters(model) else "no",
     }
+
+
+def config_fingerprint(config: GPNConfig) -> dict[str, str]:
+    """The part of `state_fingerprint` the configuration alone gives: `state_config` (the `STATE_CONFIG_FIELDS` as
+    JSON) and `config_fingerprint` (its SHA-256)."""
+    config_json = json.dumps({name: getattr(config, name) for name in STATE_CONFIG_FIELDS}, sort_keys=True)
+    return {"state_config": config_json, "config_fingerprint": hashlib.sha256(config_json.encode()).hexdigest()}
 
 
 def computes_unmerged_adapters(model: nn.Module) -> bool:
@@ -362,10 +366,8 @@ def smallest_state_file_bytes(config: GPNConfig, weights_dtype: str) -> int:
     configuration alone, before the model loads (`gpn serve` refuses a --state-dir-bytes below it)."""
     tensors = {name: torch.zeros(shape, dtype=torch.float32) for name, shape in state_shapes(config).items()}
     tensors = {name: tensor.unsqueeze(0) for name, tensor in tensors.items()}  # (one row)
-    config_json = json.dumps({name: getattr(config, name) for name in STATE_CONFIG_FIELDS}, sort_keys=True)
     fingerprint = {  # (what `state_fingerprint` gives, its weights' hash as long as a SHA-256's)
-        "state_config": config_json,
-        "config_fingerprint": hashlib.sha256(config_json.encode()).hexdigest(),
+        **config_fingerprint(config),
         "weights_dtype": weights_dtype,
         "weights_fingerprint": "0" * 64,
         "unmerged_adapters": "no",
