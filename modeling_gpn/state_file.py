@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 from .atomic_files import write_file_atomically
 from .configuration_gpn import GPNConfig
-from .derived_weights import modules_below, parameters_key, version_of
+from .derived_weights import merged_lora_base, modules_below, parameters_key, version_of
 from .peft_layers import call_keyword, cycled_parameters
 
 STATE_FILE_FORMAT = "gpn-state"
@@ -65,6 +65,20 @@ STATE_CONFIG_FIELDS = (
     "memory_key_dim",
     "memory_value_dim",
     "rms_norm_eps",
+)
+# `gpn generate --dtype`'s names of quantized weights -> the torchao class (torchao 0.18) its quantization makes: a
+# state file names both (`weights_kind`, `dtype_name`), so that a refusal speaks the user's words
+QUANTIZED_TENSORS = {"int8": "Int8Tensor", "int4": "IntxUnpackedToInt8Tensor"}
+FLOAT_DTYPE_NAMES = ("float32", "bfloat16", "float16")  # `--dtype`'s names of float weights
+# the fields `state_fingerprint` gives (a file of an earlier version of format 2 lacks the last two)
+FINGERPRINT_FIELDS = (
+    "state_config",
+    "config_fingerprint",
+    "weights_dtype",
+    "weights_fingerprint",
+    "unmerged_adapters",
+    "dtype_name",
+    "merged_adapters_hashed",
 )
 
 
@@ -126,13 +140,18 @@ def state_fingerprint(model: nn.Module) -> dict[str, str]:
     unmerged adapter's matrices), in order, and of PEFT's adapter settings (`adapter_settings`): two models that
     compute different states differ in it; `unmerged_adapters`: "yes" where PEFT adapters compute beside the
     weights (`computes_unmerged_adapters`), else "no", so that a refusal can say why a PeftModel's state is not its
-    merged model's.
+    merged model's; `dtype_name`: the weights as `gpn generate --dtype` names them (`dtype_name`: "int8", "" where
+    no name fits), so that a refusal across dtypes names both sides in the user's words; `merged_adapters_hashed`:
+    "yes" where PEFT adapters merged in place are hashed beside the weights (`merged_in_place_as_stored`), so that
+    a refusal can say why such a PeftModel's state is not its merge's.
     """
     return {
         **config_fingerprint(model.config),
         "weights_dtype": weights_kind(model),
         "weights_fingerprint": weights_hash(model),
         "unmerged_adapters": "yes" if computes_unmerged_adapters(model) else "no",
+        "dtype_name": dtype_name(model),
+        "merged_adapters_hashed": "yes" if merged_in_place_as_stored(model) else "no",
     }
 
 
@@ -168,17 +187,56 @@ def weights_kind(model: nn.Module) -> str:
     "bfloat16, quantized (Int8Tensor)". A state of int8 weights loaded beside bf16 ones is then refused naming
     both, not as "computed with bfloat16 weights", which sent users to load the model in bf16."""
     dtype = str(model.dtype).removeprefix("torch.")
-    quantized = sorted({type(p).__name__ for p in model.parameters() if is_traceable_wrapper_subclass(p.detach())})
+    return named_weights_kind(dtype, {type(p).__name__ for p in model.parameters() if _quantized(p)})
+
+
+def named_weights_kind(dtype: str, quantized: Iterable[str]) -> str:
+    """`weights_kind` of a model of float `dtype` whose quantized weights are of the classes `quantized`."""
+    quantized = sorted(quantized)
     return f"{dtype}, quantized ({', '.join(quantized)})" if quantized else dtype
 
 
-def weights_hash(model: nn.Module) -> str:
+def dtype_name(model: nn.Module) -> str:
+    """The weights as `gpn generate --dtype` (and `gpn serve --dtype`, for float ones) names them: "float32",
+    "bfloat16", "float16", or "int8" / "int4" where every quantized weight is torchao's of that kind
+    (`QUANTIZED_TENSORS`; int4: `IntxUnpackedToInt8Tensor` of int4 values); "" where no name fits (another dtype, another
+    quantization, two kinds). A refusal across dtypes names both sides so, not by torchao's classes alone."""
+    kinds = set()
+    for parameter in model.parameters():
+        if not _quantized(parameter):
+            continue
+        kind = type(parameter).__name__
+        if kind == QUANTIZED_TENSORS["int4"] and getattr(parameter, "target_dtype", None) is not torch.int4:
+            return ""  # (int1 to int8 values: no --dtype makes those)
+        kinds.add(next((name for name, tensor in QUANTIZED_TENSORS.items() if tensor == kind), ""))
+    if kinds:
+        return kinds.pop() if len(kinds) == 1 else ""
+    dtype = str(model.dtype).removeprefix("torch.")
+    return dtype if dtype in FLOAT_DTYPE_NAMES else ""
+
+
+def _quantized(parameter: torch.Tensor) -> bool:
+    """Whether `parameter` is a quantized weight (a tensor subclass: torchao's)."""
+    return is_traceable_wrapper_subclass(parameter.detach())
+
+
+def weights_hash(model: nn.Module, as_stored: bool = False) -> str:
     """SHA-256 of `model`'s parameters as stored (names, shapes, dtypes and bytes; a quantized weight's inner tensors), recomputed when a glance says they changed since last hashed:
     their names, shapes and dtypes, the version counters every in-place write bumps (an optimizer step, `copy_`,
     `load_state_dict`), and `GLANCE_VALUES` evenly spaced values of each, for what writes through `.data` without
     a bump (EMA, weight averaging, PEFT's merge), which changes values all over a matrix. A model with PEFT
-    adapters gets the hash of that hash and of its `adapter_settings` (read afresh each call: cheap)."""
-    stored = [part for name, parameter in model.named_parameters() for part in stored_tensors(name, parameter.detach())]
+    adapters gets the hash of that hash and of its `adapter_settings` (read afresh each call: cheap).
+
+    A model whose every adapter layer is PEFT's LoRA merged in place and provably its base layer's forward
+    (`computes_as_its_merge`) computes its merge's states bit for bit (the fast path reads those base layers), so it
+    gets its merge's hash (`merge_and_unload()`'s: the base layers' parameters under the names they take there, no
+    adapter matrices or settings), and the two take each other's states. `as_stored`: the hash as an earlier version
+    of format 2 wrote it for such a model too (its adapters hashed), which a load still accepts."""
+    named = model.named_parameters()
+    merged_in_place = not as_stored and computes_as_its_merge(model)
+    if merged_in_place:
+        named = _as_merged(named, [name for name, _ in _tuner_layers(model)])
+    stored = [part for name, parameter in named for part in stored_tensors(name, parameter.detach())]
     glance = hashlib.sha256()
     for name, tensor in stored:
         flat = tensor.reshape(-1)
@@ -192,9 +250,36 @@ def weights_hash(model: nn.Module) -> str:
             digest.update(_tensor_bytes(tensor))
         cached = _weights_hashes[model] = (glance.digest(), digest.hexdigest())
     adapters = adapter_settings(model)
-    if not adapters:  # a model without adapters: the hash of its weights alone, as format version 2 has it
+    if not adapters or merged_in_place:  # a model without adapters, or as its merge: the hash of its weights alone
         return cached[1]
     return hashlib.sha256(f"{cached[1]}/{json.dumps(adapters, sort_keys=True)}".encode()).hexdigest()
+
+
+def computes_as_its_merge(model: nn.Module) -> bool:
+    """Whether `model` has PEFT adapter layers and each is a LoRA layer merged in place whose forward is provably its
+    base layer's (`derived_weights.merged_lora_base`: PEFT 0.21's `lora.Linear`, adapters not disabled, every active
+    one merged, no hooks): the model then computes, on the fast path, `merge_and_unload()`'s states bit for bit."""
+    layers = _tuner_layers(model)
+    return bool(layers) and all(merged_lora_base(layer) is not None for _, layer in layers)
+
+
+def merged_in_place_as_stored(model: nn.Module) -> bool:
+    """Whether some PEFT adapter of `model` is merged in place while the model is not taken for its merge
+    (`computes_as_its_merge`): its fingerprint then hashes the adapters beside the merged weights."""
+    layers = _tuner_layers(model)
+    return any(layer.merged_adapters for _, layer in layers) and not computes_as_its_merge(model)
+
+
+def _as_merged(named: Iterable[tuple[str, torch.Tensor]], layers: list[str]):
+    """`named` parameters as `merge_and_unload()` leaves them: those of each adapter layer of `layers` (names) but
+    its base layer's left out, and the base layer's under the layer's name (`x.base_layer.weight` as `x.weight`)."""
+    prefixes = sorted((f"{name}." for name in layers), key=len, reverse=True)  # (the innermost layer first)
+    for name, parameter in named:
+        prefix = next((prefix for prefix in prefixes if name.startswith(prefix)), None)
+        if prefix is None:
+            yield name, parameter
+        elif name.startswith(f"{prefix}base_layer."):
+            yield prefix + name.removeprefix(f"{prefix}base_layer."), parameter
 
 
 def weights_snapshot(model: nn.Module) -> tuple:
@@ -358,19 +443,25 @@ def state_file_payload(
     return safetensors.torch.save(tensors, metadata=metadata)
 
 
-def smallest_state_file_bytes(config: GPNConfig, weights_dtype: str) -> int:
-    """The fewest bytes a state file of one row of a model of `config`, its weights of `weights_dtype` (as
-    `weights_kind` names it), can take: the file `write_state_file` writes after one position read, the numbers of
-    its metadata at their fewest digits and its hashes at their length. A longer history (more digits, the head of
-    the first call) or a quantized model's longer dtype name adds bytes, never removes any; known from the
-    configuration alone, before the model loads (`gpn serve` refuses a --state-dir-bytes below it)."""
+def smallest_state_file_bytes(config: GPNConfig, dtype: str, quantized: str | None = None) -> int:
+    """The fewest bytes a state file of one row of a model of `config` can take, its weights of float `dtype`
+    ("bfloat16") and, where `quantized` ("int8", "int4": `QUANTIZED_TENSORS`), quantized so by torchao (as `gpn
+    generate --dtype int8` quantizes a bfloat16 model, or a folder saved through `TorchAoConfig` loads): the file
+    `write_state_file` writes after one position read, its dtype named as `weights_kind` and `dtype_name` name it,
+    the numbers of its metadata at their fewest digits and its hashes at their length. A longer history (more
+    digits, the head of the first call) adds bytes, never removes any; known from the configuration alone, before
+    the model loads (`gpn serve` refuses a --state-dir-bytes below it)."""
+    if quantized is not None and quantized not in QUANTIZED_TENSORS:
+        raise ValueError(f"cannot size a state of {quantized!r} weights: one of {', '.join(QUANTIZED_TENSORS)}")
     tensors = {name: torch.zeros(shape, dtype=torch.float32) for name, shape in state_shapes(config).items()}
     tensors = {name: tensor.unsqueeze(0) for name, tensor in tensors.items()}  # (one row)
     fingerprint = {  # (what `state_fingerprint` gives, its weights' hash as long as a SHA-256's)
         **config_fingerprint(config),
-        "weights_dtype": weights_dtype,
+        "weights_dtype": named_weights_kind(dtype, [QUANTIZED_TENSORS[quantized]] if quantized else []),
         "weights_fingerprint": "0" * 64,
         "unmerged_adapters": "no",
+        "dtype_name": quantized or (dtype if dtype in FLOAT_DTYPE_NAMES else ""),
+        "merged_adapters_hashed": "no",
     }
     return len(state_file_payload(tensors, 1, json.dumps([[0, 0]]), fingerprint))
 
@@ -416,7 +507,7 @@ def refuse_a_weights_name(path: str | os.PathLike) -> None:
 
 def _check_model_fingerprint(fingerprint: dict[str, str], path: Path) -> None:
     """Refuse to write a file whose model fingerprint is not one `state_fingerprint` gives: no load would take it."""
-    names = ("state_config", "config_fingerprint", "weights_dtype", "weights_fingerprint", "unmerged_adapters")
+    names = FINGERPRINT_FIELDS
     if not isinstance(fingerprint, dict) or sorted(fingerprint) != sorted(names):
         got = sorted(fingerprint) if isinstance(fingerprint, dict) else type(fingerprint).__name__
         raise ValueError(f"Cannot save {path}: a model fingerprint has the fields {list(names)}, got {got}")
@@ -543,15 +634,63 @@ def _check_state_belongs_to(metadata: dict[str, str], model: nn.Module, path: Pa
         )
     their_dtype = metadata.get("weights_dtype")
     if their_dtype != ours["weights_dtype"]:
+        their_name = metadata.get("dtype_name")
+        if their_name is None:  # (saved before the field was written: named as the file names it)
+            raise GPNStateFileError(
+                f"{path} holds a state computed with {their_dtype} weights; this model's are {ours['weights_dtype']}"
+            )
         raise GPNStateFileError(
-            f"{path} holds a state computed with {their_dtype} weights; this model's are {ours['weights_dtype']}"
+            f"{path} holds a state computed with {_named(their_name, their_dtype)} weights; this model's are "
+            f"{_named(ours['dtype_name'], ours['weights_dtype'])}"
+            + (f": continue it with the model loaded as --dtype {their_name} loads it" if their_name else "")
         )
-    if metadata.get("weights_fingerprint") != ours["weights_fingerprint"]:
+    theirs = metadata.get("weights_fingerprint")
+    if theirs != ours["weights_fingerprint"]:
+        if computes_as_its_merge(model) and theirs == weights_hash(model, as_stored=True):
+            return  # (saved by this model before its fingerprint was its merge's: its adapters hashed)
+        note = _unmerged_adapters_note(metadata.get("unmerged_adapters"), ours["unmerged_adapters"])
+        merged = (
+            ""
+            if note
+            else _merged_in_place_note(metadata.get("merged_adapters_hashed"), ours["merged_adapters_hashed"])
+        )
         raise GPNStateFileError(
-            f"{path} holds the state of another model: same configuration, other weights (weights fingerprint differs;"
-            " with PEFT adapters: other adapter weights, another adapter active, or adapters disabled)"
-            + _unmerged_adapters_note(metadata.get("unmerged_adapters"), ours["unmerged_adapters"])
+            f"{path} holds the state of another model: same configuration, other weights (weights fingerprint differs"
+            + (
+                ")"
+                if merged
+                else "; with PEFT adapters: other adapter weights, another adapter active, or adapters disabled)"
+            )
+            + (note or merged)
         )
+
+
+def _named(name: str, kind: str) -> str:
+    """A side of a refusal across dtypes: the weights as `--dtype` names them (`dtype_name`), with their kind as the
+    file names it (`weights_kind`) where it says more ("int8 (bfloat16, quantized (Int8Tensor))")."""
+    return kind if not name or name == kind else f"{name} ({kind})"
+
+
+def _merged_in_place_note(theirs: str | None, ours: str) -> str:
+    """Why a state refused for its weights cannot be continued where one model is a PeftModel whose adapters are
+    merged in place but hashed beside the weights (`merged_in_place_as_stored`) and the other is not; "" otherwise,
+    and for files saved before the field was written."""
+    why = (
+        "its adapter layers are not provably their base layers (only PEFT 0.21's lora.Linear, adapters not disabled,"
+        " every active adapter merged, no hooks on it, is), so it runs PEFT's own forward on the plain loop, and its"
+        " states are not the merged model's bit for bit: its fingerprint hashes the adapters beside the merged weights"
+    )
+    if (theirs, ours) == ("yes", "no"):
+        return (
+            f". It was computed by a PeftModel with adapters merged in place (merge_adapter()), and {why}; continue it"
+            " with that model, or compute the state again with this one"
+        )
+    if (theirs, ours) == ("no", "yes"):
+        return (
+            f". This model is a PeftModel with adapters merged in place (merge_adapter()), and {why}; continue the"
+            " state with the model that computed it (merge_and_unload() where it is this one's merge)"
+        )
+    return ""
 
 
 def _unmerged_adapters_note(theirs: str | None, ours: str) -> str:

@@ -1765,8 +1765,8 @@ MUTATIONS = [
     Mutation(
         "the state file's weights fingerprint hashes the matrices, not only the vectors",
         "modeling_gpn/state_file.py",
-        "for name, parameter in model.named_parameters() for part in stored_tensors(name, parameter.detach())]",
-        "for name, parameter in model.named_parameters() if parameter.dim() == 1 for part in stored_tensors(name, parameter.detach())]  # MUTATION",
+        "for name, parameter in named for part in stored_tensors(name, parameter.detach())]",
+        "for name, parameter in named if parameter.dim() == 1 for part in stored_tensors(name, parameter.detach())]  # MUTATION",
         ("tests/model/test_state.py::test_a_state_of_another_model_is_refused",),
     ),
     Mutation(
@@ -1786,7 +1786,7 @@ MUTATIONS = [
     Mutation(
         "the weights fingerprint covers PEFT's adapter settings (active adapter, disabled)",
         "modeling_gpn/state_file.py",
-        "    if not adapters:  # a model without adapters: the hash of its weights alone, as format version 2 has it",
+        "    if not adapters or merged_in_place:  # a model without adapters, or as its merge: the hash of its weights alone",
         "    if True:  # MUTATION",
         ("tests/ecosystem/test_ecosystem.py -k peft_models_state",),
     ),
@@ -6721,8 +6721,8 @@ MUTATIONS = [
     Mutation(
         "state store: the smallest files of a spilled state count its ids file",
         "modeling_gpn/serve/state_store.py",
-        '        return smallest_state_file_bytes(config, weights_dtype) + len(_ids_file("0" * 64, [0]))  # (a SHA-256 key)\n',
-        "        return smallest_state_file_bytes(config, weights_dtype)  # MUTATION\n",
+        '        return smallest_state_file_bytes(config, dtype, quantized) + len(_ids_file("0" * 64, [0]))  # (a SHA-256 key)\n',
+        "        return smallest_state_file_bytes(config, dtype, quantized)  # MUTATION\n",
         ("tests/tools/test_serve_store.py -k smallest_state",),
     ),
     Mutation(
@@ -6761,6 +6761,62 @@ MUTATIONS = [
         '    cast = kwargs.get("dtype") if merge_adapter and kwargs.get("dtype") not in (None, "auto") else None\n',
         "    cast = None  # MUTATION\n",
         ("tests/tools/test_generate_cli.py::test_generate_of_a_peft_adapter_folder_is_the_merged_models",),
+    ),
+    Mutation(
+        "a state refused across dtypes names the weights by their kind alone (Int8Tensor), not as --dtype names them",
+        "modeling_gpn/state_file.py",
+        '        "dtype_name": dtype_name(model),\n',
+        '        "dtype_name": "",  # MUTATION\n',
+        ("tests/model/test_state.py -k across_dtypes",),
+    ),
+    Mutation(
+        "a state file saved before dtype_name was written is refused with other words than it was",
+        "modeling_gpn/state_file.py",
+        '        their_name = metadata.get("dtype_name")\n',
+        '        their_name = metadata.get("dtype_name", "")  # MUTATION\n',
+        ("tests/model/test_state.py -k across_dtypes",),
+    ),
+    Mutation(
+        "a LoRA merged in place, provably its base layers, is fingerprinted as stored, not as its merge",
+        "modeling_gpn/state_file.py",
+        "    merged_in_place = not as_stored and computes_as_its_merge(model)\n",
+        "    merged_in_place = False  # MUTATION\n",
+        ("tests/ecosystem/test_ecosystem.py -k merged_in_place_and_of_its_merge",),
+    ),
+    Mutation(
+        "a LoRA merged in place is hashed under its PEFT names (x.base_layer.weight), not its merge's (x.weight)",
+        "modeling_gpn/state_file.py",
+        '            yield prefix + name.removeprefix(f"{prefix}base_layer."), parameter\n',
+        "            yield name, parameter  # MUTATION\n",
+        ("tests/ecosystem/test_ecosystem.py -k merged_in_place_and_of_its_merge",),
+    ),
+    Mutation(
+        "a state saved by a LoRA merged in place before its fingerprint was its merge's no longer loads on it",
+        "modeling_gpn/state_file.py",
+        "        if computes_as_its_merge(model) and theirs == weights_hash(model, as_stored=True):\n",
+        "        if False:  # MUTATION\n",
+        ("tests/ecosystem/test_ecosystem.py -k merged_in_place_and_of_its_merge",),
+    ),
+    Mutation(
+        "a LoRA merged in place but not read as its base layers is refused by its merge in words of another case",
+        "modeling_gpn/state_file.py",
+        '            else _merged_in_place_note(metadata.get("merged_adapters_hashed"), ours["merged_adapters_hashed"])\n',
+        '            else ""  # MUTATION\n',
+        ("tests/ecosystem/test_ecosystem.py -k merged_in_place_and_of_its_merge",),
+    ),
+    Mutation(
+        "the smallest state file of a quantized model names its dtype as a float model's (a lower bound only)",
+        "modeling_gpn/state_file.py",
+        '        "weights_dtype": named_weights_kind(dtype, [QUANTIZED_TENSORS[quantized]] if quantized else []),\n',
+        '        "weights_dtype": dtype,  # MUTATION\n',
+        ("tests/tools/test_serve_store.py -k quantized_model_is_known",),
+    ),
+    Mutation(
+        "gpn serve sizes the smallest state of a folder saved quantized as a float model's",
+        "modeling_gpn/serve/cli.py",
+        '        least = StateStore.smallest_files_bytes(config, str(dtype).removeprefix("torch."), quantized_as_saved(config))\n',
+        '        least = StateStore.smallest_files_bytes(config, str(dtype).removeprefix("torch."))  # MUTATION\n',
+        ("tests/tools/test_serve_store.py -k quantized_model_is_known",),
     ),
 ]
 

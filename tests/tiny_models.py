@@ -102,3 +102,15 @@ def byte_runs_model_dir(folder, tokenizer_folder, chat_template: str | None = No
     model.generation_config.sequence_bias = MAKES_BYTE_RUNS
     model.save_pretrained(folder)
     return folder
+
+
+def without_metadata(path, *names: str) -> None:
+    """Rewrite the state file at `path` without the metadata fields `names`, as an earlier version of format 2
+    wrote it (the checksum covers the tensors, the read fingerprint and the positions read, not these fields)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(path, "pt") as file:
+        metadata, tensors = file.metadata(), {name: file.get_tensor(name) for name in file.keys()}  # noqa: SIM118
+    assert set(names) <= set(metadata), (names, sorted(metadata))
+    save_file(tensors, path, metadata={key: value for key, value in metadata.items() if key not in names})

@@ -28,6 +28,9 @@ from . import (
     DEFAULT_STATE_STORE_BYTES,
 )
 
+if typing.TYPE_CHECKING:
+    from ..configuration_gpn import GPNConfig
+
 GPN_OPTIONS = (
     "state_store_bytes",
     "state_dir",
@@ -270,7 +273,7 @@ def refuse_bounds_below_one_state(args: argparse.Namespace) -> None:
         return
     if args.state_dir is not None:
         dtype = args.dtype if args.dtype not in (None, "auto") else getattr(config, "dtype", None) or "float32"
-        least = StateStore.smallest_files_bytes(config, str(dtype).removeprefix("torch."))
+        least = StateStore.smallest_files_bytes(config, str(dtype).removeprefix("torch."), quantized_as_saved(config))
         if args.state_dir_bytes < least:
             raise ValueError(
                 f"--state-dir-bytes {args.state_dir_bytes} is smaller than one state of {args.model} (its state file "
@@ -283,6 +286,31 @@ def refuse_bounds_below_one_state(args: argparse.Namespace) -> None:
             f"bytes in memory): no conversation would be kept; give --state-store-bytes {least} or more, or 0 to keep "
             "none"
         )
+
+
+def quantized_as_saved(config: GPNConfig) -> str | None:
+    """How a folder saved quantized through transformers' `TorchAoConfig` quantizes its weights, as `gpn generate
+    --dtype` names it, read from its config's `quantization_config`: "int8" (`Int8WeightOnlyConfig`), "int4"
+    (`IntxWeightOnlyConfig` of int4 values), else None (a float model, or a quantization a state file names
+    otherwise: the smallest state is then that of the float dtype, fewer bytes than the file, a bound still)."""
+    quantization = getattr(config, "quantization_config", None)
+    if hasattr(quantization, "to_dict"):
+        quantization = quantization.to_dict()
+    if not isinstance(quantization, dict) or quantization.get("quant_method") != "torchao":
+        return None
+    quant_type = quantization.get("quant_type")
+    kind = quant_type.get("default") if isinstance(quant_type, dict) and len(quant_type) == 1 else None
+    if not isinstance(kind, dict):
+        return None
+    data = kind.get("_data") if isinstance(kind.get("_data"), dict) else {}
+    if kind.get("_type") == "Int8WeightOnlyConfig":
+        return "int8"
+    if kind.get("_type") == "IntxWeightOnlyConfig" and data.get("weight_dtype") == {
+        "_data": "int4",
+        "_type": "torch.dtype",
+    }:
+        return "int4"
+    return None
 
 
 @contextlib.contextmanager

@@ -282,11 +282,12 @@ class StateStore:
         return 4 * sum(math.prod(shape) for shape in state_shapes(config).values()) + 8 + ENTRY_OVERHEAD_BYTES
 
     @staticmethod
-    def smallest_files_bytes(config: GPNConfig, weights_dtype: str) -> int:
-        """The fewest bytes the files of one spilled state of a model of `config` take (its state file, at its
-        smallest, `smallest_state_file_bytes`, and the JSON of one id, beside it, as `_spill` writes them): a
-        `spill_max_bytes` below it deletes every state once written."""
-        return smallest_state_file_bytes(config, weights_dtype) + len(_ids_file("0" * 64, [0]))  # (a SHA-256 key)
+    def smallest_files_bytes(config: GPNConfig, dtype: str, quantized: str | None = None) -> int:
+        """The fewest bytes the files of one spilled state of a model of `config`, of float `dtype` and quantized as
+        `quantized` ("int8", "int4", None), take (its state file, at its smallest, `smallest_state_file_bytes`, and
+        the JSON of one id, beside it, as `_spill` writes them): a `spill_max_bytes` below it deletes every state
+        once written."""
+        return smallest_state_file_bytes(config, dtype, quantized) + len(_ids_file("0" * 64, [0]))  # (a SHA-256 key)
 
     # ---- inside --------------------------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..subprocesses import BLOCK_PACKAGE, one_started_in_the_background, run_python
-from ..tiny_models import perturbed_model, tiny_config
+from ..tiny_models import perturbed_model, tiny_config, without_metadata
 
 VOCAB = 97
 
@@ -533,6 +533,58 @@ def test_a_lora_merged_in_place_runs_the_fast_path_exactly_as_merge_and_unload_a
     with torch.no_grad():
         plain = adapted(input_ids=ids[:, :1], cache=plain_cache, use_cache=True).logits
     torch.testing.assert_close(fast, plain)
+
+
+def test_a_state_of_a_lora_merged_in_place_and_of_its_merge_load_on_each_other(tmp_path):
+    """A PeftModel merged in place (`merge_adapter()`) whose layers are provably their base layers computes
+    `merge_and_unload()`'s states bit for bit (the fast path reads those base layers), but its state was refused
+    there, and the merge's on it, as "other weights ... another adapter active, or adapters disabled", words that
+    did not fit: its fingerprint hashed the adapters beside the merged weights. It is now its merge's, and each
+    continues the other's state as its own. A file saved by it before (its adapters hashed) still loads on it; one
+    merged in place but not so read (a hook on a layer: the plain loop, PEFT's own forward) is refused on the merge,
+    and the merge's state on it, saying so."""
+    from modeling_gpn import GPNCache
+    from modeling_gpn.state_file import GPNStateFileError, state_fingerprint, weights_hash
+
+    adapted = lora_model(perturbed_model(tiny_config(eos_token_id=None))).eval()
+    adapted.merge_adapter()
+    unloaded = copy.deepcopy(adapted).merge_and_unload().eval()
+    prefix, new = token_ids(2, 7, seed=4), token_ids(2, 3, seed=5)
+    greedy = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    mask = torch.ones(2, 10, dtype=torch.long)
+    paths = {"in place": tmp_path / "in-place.st", "unloaded": tmp_path / "unloaded.st"}
+    with torch.no_grad():
+        adapted(input_ids=prefix, use_cache=True).cache.save(paths["in place"])
+        unloaded(input_ids=prefix, use_cache=True).cache.save(paths["unloaded"])
+        runs = [
+            model.generate(input_ids=new, attention_mask=mask, cache=GPNCache.load(path, model), **greedy)
+            for path in paths.values()
+            for model in (adapted, unloaded)
+        ]
+    for run in runs[1:]:
+        assert torch.equal(run.sequences, runs[0].sequences)
+        assert all(torch.equal(a, b) for a, b in zip(run.logits, runs[0].logits, strict=True))
+
+    inner = adapted.get_base_model().model
+    legacy = tmp_path / "legacy.st"  # (as the previous version wrote it: the adapters hashed, no new fields)
+    fingerprint = state_fingerprint(inner) | {"weights_fingerprint": weights_hash(inner, as_stored=True)}
+    with torch.no_grad():
+        adapted(input_ids=prefix, use_cache=True).cache.save(legacy, model_fingerprint=fingerprint)
+    without_metadata(legacy, "dtype_name", "merged_adapters_hashed")
+    assert GPNCache.load(legacy, adapted).get_seq_length() == 7
+    with pytest.raises(GPNStateFileError, match="other weights"):
+        GPNCache.load(legacy, unloaded)
+
+    hook = inner.predict_layers[0].gate.register_forward_hook(lambda *args: None)
+    hooked = tmp_path / "hooked.st"
+    with torch.no_grad():
+        adapted(input_ids=prefix, use_cache=True).cache.save(hooked)
+    with pytest.raises(GPNStateFileError, match=r"This model is a PeftModel with adapters merged in place") as error:
+        GPNCache.load(paths["unloaded"], adapted)
+    assert "not provably their base layers" in str(error.value) and "another adapter" not in str(error.value)
+    hook.remove()
+    with pytest.raises(GPNStateFileError, match=r"It was computed by a PeftModel with adapters merged in place"):
+        GPNCache.load(hooked, unloaded)
 
 
 def test_a_peft_models_state_loads_into_it_and_not_with_other_adapter_settings(tmp_path):

@@ -26,7 +26,7 @@ from modeling_gpn.state_file import GPNStateFileError, _state_checksum, state_fi
 
 from ..environment import REPO_ROOT, require_shared, small_disk
 from ..subprocesses import one_started_in_the_background
-from ..tiny_models import perturbed_model, tiny_config
+from ..tiny_models import perturbed_model, tiny_config, without_metadata
 
 VOCAB = 97
 
@@ -393,25 +393,34 @@ def test_a_state_of_another_model_is_refused(saved, tmp_path):
     GPNCache.load(path, same)
 
 
-def test_a_state_of_quantized_weights_is_refused_beside_float_ones_naming_both(tmp_path):
+def test_a_state_of_quantized_weights_refused_across_dtypes_names_both_sides_as_dtype_spells_them(tmp_path):
     """A quantized model's dtype is the float one it computes in: a state of int8 weights was refused beside bf16 ones
     as "computed with bfloat16 weights; this model's are bfloat16"-like words that sent users to load the model in
-    bf16. Both sides now name the quantization, and a quantized model takes its own state back."""
+    bf16, and then by torchao's class (Int8Tensor), not the words the user typed. The file now names the weights'
+    kind and the weights as `--dtype` does (`dtype_name`), and the refusal gives both sides so, with the kind beside
+    where it says more, and how to continue; a quantized model takes its own state back. A file saved before that
+    field was written still loads, and is refused with the words it was refused with."""
     torchao = pytest.importorskip("torchao.quantization", reason="torchao (the test extra) quantizes the int8 model")
     int8 = perturbed_model(tiny_config(), seed=10).to(torch.bfloat16)
     torchao.quantize_(int8, torchao.Int8WeightOnlyConfig())
-    with torch.no_grad():
-        cache = int8(token_ids(1, 5, seed=2), use_cache=True).cache
-    path = tmp_path / "int8.st"
-    cache.save(path)
-    GPNCache.load(path, int8)
     bf16 = perturbed_model(tiny_config(), seed=10).to(torch.bfloat16)
-    message = refused(path, bf16, "computed with bfloat16, quantized (")
-    assert message.endswith("this model's are bfloat16"), message
-    bf16_path = tmp_path / "bf16.st"
+    paths = {"int8": tmp_path / "int8.st", "bf16": tmp_path / "bf16.st"}
     with torch.no_grad():
-        bf16(token_ids(1, 5, seed=2), use_cache=True).cache.save(bf16_path)
-    refused(bf16_path, int8, "this model's are bfloat16, quantized (")
+        int8(token_ids(1, 5, seed=2), use_cache=True).cache.save(paths["int8"])
+        bf16(token_ids(1, 5, seed=2), use_cache=True).cache.save(paths["bf16"])
+    GPNCache.load(paths["int8"], int8)
+    message = refused(paths["int8"], bf16, "computed with int8 (bfloat16, quantized (Int8Tensor)) weights;")
+    assert message.endswith("this model's are bfloat16: continue it with the model loaded as --dtype int8 loads it")
+    message = refused(paths["bf16"], int8, "computed with bfloat16 weights; this model's are int8 (bfloat16, quantized")
+    assert message.endswith("continue it with the model loaded as --dtype bfloat16 loads it"), message
+    for path in paths.values():
+        without_metadata(path, "dtype_name", "merged_adapters_hashed")
+    GPNCache.load(paths["int8"], int8)
+    GPNCache.load(paths["bf16"], bf16)
+    message = refused(paths["int8"], bf16, "computed with bfloat16, quantized (Int8Tensor) weights;")
+    assert message.endswith("this model's are bfloat16"), message
+    message = refused(paths["bf16"], int8, "computed with bfloat16 weights;")
+    assert message.endswith("this model's are bfloat16, quantized (Int8Tensor)"), message
 
 
 @pytest.mark.parametrize("cut", [4, 40, "header", "data", 1])

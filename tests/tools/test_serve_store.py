@@ -244,13 +244,54 @@ def test_the_smallest_state_is_known_from_the_config(model, tmp_path):
     longer conversation's are larger."""
     from modeling_gpn.state_file import weights_kind
 
-    least_files = StateStore.smallest_files_bytes(model.config, weights_kind(model))
+    least_files = StateStore.smallest_files_bytes(model.config, weights_kind(model))  # (float32: its name)
     for ids, exact in (([7], True), (IDS, False)):
         folder = tmp_path / str(len(ids))
         StateStore(0, spill_dir=folder).keep(model, ids, state_after(model, ids))
         files = sum(path.stat().st_size for path in folder.iterdir() if not path.name.startswith("."))
         assert files == least_files if exact else files > least_files, (ids, files, least_files)
     assert StateStore.smallest_entry_bytes(model.config) == StateStore.entry_bytes(state_after(model, [7]), 1)
+
+
+def test_the_smallest_state_of_a_bf16_or_quantized_model_is_known_to_the_byte(model, tmp_path):
+    """The bound was exact for a float model only: a quantized model's file names its dtype longer ("bfloat16,
+    quantized (Int8Tensor)", and `dtype_name` "int8"), so a --state-dir-bytes just above it was taken and every state
+    then deleted once written. A bfloat16 model, and folders saved quantized to int8 and int4 (`TorchAoConfig`, what
+    `gpn serve` loads quantized; `gpn generate --dtype int8 | int4` makes the same weights), spill a state of one id
+    of exactly the bytes `gpn serve` refuses a bound below (`refuse_bounds_below_one_state`, from the folder's
+    config.json), and a bound one byte less is refused."""
+    import argparse
+
+    torchao = pytest.importorskip("torchao.quantization", reason="torchao (the test extra) quantizes the models")
+    from torchao.quantization.granularity import PerGroup
+    from transformers import AutoModelForCausalLM, TorchAoConfig
+
+    from modeling_gpn.serve.cli import refuse_bounds_below_one_state
+
+    def spilled(model, folder) -> int:
+        StateStore(0, spill_dir=folder).keep(model, [7], state_after(model, [7]))
+        return sum(path.stat().st_size for path in folder.iterdir() if not path.name.startswith("."))
+
+    float_folder = tmp_path / "float"
+    model.save_pretrained(float_folder)
+    bf16 = perturbed_model(tiny_config(eos_token_id=None), seed=21).to(torch.bfloat16)
+    assert spilled(bf16, tmp_path / "bf16-states") == StateStore.smallest_files_bytes(model.config, "bfloat16")
+    configs = {
+        "int8": torchao.Int8WeightOnlyConfig(),
+        "int4": torchao.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(16)),
+    }
+    for kind, quantization in configs.items():
+        folder = tmp_path / kind
+        AutoModelForCausalLM.from_pretrained(
+            float_folder, dtype=torch.bfloat16, quantization_config=TorchAoConfig(quantization)
+        ).save_pretrained(folder)
+        files = spilled(AutoModelForCausalLM.from_pretrained(folder), tmp_path / f"{kind}-states")
+        assert files == StateStore.smallest_files_bytes(model.config, "bfloat16", kind), kind
+        args = argparse.Namespace(model=str(folder), state_dir=str(tmp_path), dtype="auto", state_dir_bytes=files)
+        refuse_bounds_below_one_state(args)  # (the least that holds one state is allowed)
+        args.state_dir_bytes = files - 1
+        with pytest.raises(ValueError, match=f"--state-dir-bytes {files - 1} is smaller .* at least {files} bytes"):
+            refuse_bounds_below_one_state(args)
 
 
 def test_the_spill_folder_limit_counts_every_file_a_state_takes(model, tmp_path):
