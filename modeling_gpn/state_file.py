@@ -642,7 +642,7 @@ def _check_state_belongs_to(metadata: dict[str, str], model: nn.Module, path: Pa
         raise GPNStateFileError(
             f"{path} holds a state computed with {_named(their_name, their_dtype)} weights; this model's are "
             f"{_named(ours['dtype_name'], ours['weights_dtype'])}"
-            + (f": continue it with the model loaded as --dtype {their_name} loads it" if their_name else "")
+            + (f": continue it on the model loaded with --dtype {their_name}" if their_name else "")
         )
     theirs = metadata.get("weights_fingerprint")
     if theirs != ours["weights_fingerprint"]:

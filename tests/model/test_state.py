@@ -410,9 +410,9 @@ def test_a_state_of_quantized_weights_refused_across_dtypes_names_both_sides_as_
         bf16(token_ids(1, 5, seed=2), use_cache=True).cache.save(paths["bf16"])
     GPNCache.load(paths["int8"], int8)
     message = refused(paths["int8"], bf16, "computed with int8 (bfloat16, quantized (Int8Tensor)) weights;")
-    assert message.endswith("this model's are bfloat16: continue it with the model loaded as --dtype int8 loads it")
+    assert message.endswith("this model's are bfloat16: continue it on the model loaded with --dtype int8")
     message = refused(paths["bf16"], int8, "computed with bfloat16 weights; this model's are int8 (bfloat16, quantized")
-    assert message.endswith("continue it with the model loaded as --dtype bfloat16 loads it"), message
+    assert message.endswith("continue it on the model loaded with --dtype bfloat16"), message
     for path in paths.values():
         without_metadata(path, "dtype_name", "merged_adapters_hashed")
     GPNCache.load(paths["int8"], int8)
