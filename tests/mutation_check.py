@@ -6762,6 +6762,13 @@ MUTATIONS = [
         "    cast = None  # MUTATION\n",
         ("tests/tools/test_generate_cli.py::test_generate_of_a_peft_adapter_folder_is_the_merged_models",),
     ),
+    Mutation(
+        "gpn train: a second Ctrl-C waits, as the first, for the step to finish and its checkpoint",
+        "modeling_gpn/train/stop_signals.py",
+        "        if self.received is not None and signum == signal.SIGINT:\n            raise KeyboardInterrupt\n",
+        "        if False:  # MUTATION\n            raise KeyboardInterrupt\n",
+        ("tests/tools/test_train_faults.py -k second_ctrl_c",),
+    ),
 ]
 
 

@@ -33,6 +33,7 @@ from .train_runs import (
     parse,
     read_log,
     saved_weights,
+    signalled,
     small_args,
     stopped,
     wait_for_step,
@@ -171,28 +172,30 @@ STOPPED_RUN = ("--steps", "60", "--checkpoint-interval", "0", "--log-interval", 
 
 
 def _stopped_twice(folder: Path, cache: Path, shakespeare: Path, env: dict[str, str]) -> dict:
-    """`gpn train` stopped by SIGTERM after step 4, its log's last line then torn, resumed by `gpn train --resume`
-    and stopped by SIGINT 3 steps later; beside them, the uninterrupted run as a `gpn train` process:
-    `{"run_dir", "reference", "first", "second"}`, each leg's output, the checkpoints it left and whether a model
-    was saved."""
+    """`gpn train` stopped by SIGTERM in step 5, its log's last line then torn, resumed by `gpn train --resume`
+    and stopped by SIGINT in step 8 (each signal sent by the process itself on entering the step, `signalled`:
+    sent from here once a step was logged, it raced the 60-step run's end); beside them, the uninterrupted run as
+    a `gpn train` process: `{"run_dir", "reference", "first", "second"}`, each leg's output, the checkpoints it
+    left and whether a model was saved."""
     reference = launch(
         TRAIN_CLI + small_args(shakespeare, folder / "reference", cache, *STOPPED_RUN), folder / "r.log", env
     )
     run_dir = folder / "stopped"
     legs = {}
-    first = launch(TRAIN_CLI + small_args(shakespeare, run_dir, cache, *STOPPED_RUN), folder / "1.log", env)
-    wait_for_step(first, run_dir, 4)
-    first.send_signal(signal.SIGTERM)
-    legs["first"] = (stopped(first, 128 + signal.SIGTERM), checkpoint_steps(run_dir), (run_dir / "model").exists())
+    # (steps 4 and 5 of a log window of 3, then 7 and 8: each stop carries a half-filled window)
+    train = [*signalled(folder, "gpn_cli", "enter:5:SIGTERM"), "train"]
+    first = launch(train + small_args(shakespeare, run_dir, cache, *STOPPED_RUN), folder / "1.log", env)
+    legs["first"] = (stopped(first, 128 + signal.SIGTERM, 300), checkpoint_steps(run_dir), (run_dir / "model").exists())
     # A torn last line, as a full disk during an append leaves it: --resume skips it with a warning naming the file.
     with open(run_dir / "log.jsonl", "ab") as handle:
         handle.write(b'{"step": 999, "loss": 4.2')
-    second = launch(
-        TRAIN_CLI + small_args(shakespeare, run_dir, cache, *STOPPED_RUN, "--resume"), folder / "2.log", env
+    train = [*signalled(folder, "gpn_cli", "enter:8:SIGINT"), "train"]
+    second = launch(train + small_args(shakespeare, run_dir, cache, *STOPPED_RUN, "--resume"), folder / "2.log", env)
+    legs["second"] = (
+        stopped(second, 128 + signal.SIGINT, 300),
+        checkpoint_steps(run_dir),
+        (run_dir / "model").exists(),
     )
-    wait_for_step(second, run_dir, max(legs["first"][1], default=0) + 3)
-    second.send_signal(signal.SIGINT)
-    legs["second"] = (stopped(second, 128 + signal.SIGINT), checkpoint_steps(run_dir), (run_dir / "model").exists())
     finish(reference)
     return {"run_dir": run_dir, "reference": folder / "reference", **legs}
 
@@ -201,7 +204,7 @@ def test_sigterm_and_sigint_checkpoint_at_the_step_boundary_and_resume_bit_exact
     # The two `gpn train` legs and the uninterrupted run ran in the background (_stopped_twice, FAULT_LAUNCHES).
     run_dir = launched["run_dir"]
     output, [stop_term], saved = launched["first"]
-    assert 4 <= stop_term < 60 and not saved
+    assert stop_term == 5 and not saved, output[-3000:]
     assert f"stopped by SIGTERM after step {stop_term} of 60; the training state is saved in " in output
     assert "plus --resume" in output
 
@@ -209,7 +212,7 @@ def test_sigterm_and_sigint_checkpoint_at_the_step_boundary_and_resume_bit_exact
     assert f"warning: {run_dir / 'log.jsonl'}: line " in output and " is torn " in output, output[-3000:]
     assert f"resumed from {run_dir / 'checkpoints' / f'step-{stop_term:07d}'} at step {stop_term}" in output
     stop_int = checkpoints[-1]
-    assert stop_term < stop_int < 60 and "stopped by SIGINT" in output and not saved
+    assert stop_int == 8 and "stopped by SIGINT" in output and not saved, output[-3000:]
 
     # The rest of the run in this process (the stops above are the CLI's; one import of torch and transformers
     # less on 2 cores).
@@ -226,20 +229,15 @@ def test_sigterm_and_sigint_checkpoint_at_the_step_boundary_and_resume_bit_exact
 
 def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path, cache, shakespeare):
     run_dir = tmp_path / "run"
-    # Slow steps (256 windows each), so the second Ctrl-C lands inside the step the first one let finish.
-    argv = small_args(
-        shakespeare, run_dir, cache, "--steps", "100000", "--batch-size", "256", "--micro-batch-size", "256"
-    )
-    process = launch(TRAIN_CLI + argv, tmp_path / "run.log")
-    wait_for_step(process, run_dir, 1)
-    process.send_signal(signal.SIGINT)
-    deadline = time.time() + 60
-    while "SIGINT received" not in process.log_path.read_text():
-        assert time.time() < deadline and process.poll() is None, process.log_path.read_text()[-3000:]
-        time.sleep(0.01)
-    process.send_signal(signal.SIGINT)
-    output = stopped(process, 128 + signal.SIGINT)
+    # The first Ctrl-C on entering step 2, the second once that step's loss is logged: inside the step the first
+    # one let finish, before its checkpoint. (Sent by the process itself, `signalled`: sent from here once the
+    # first was seen received, the second raced the rest of the step, which a busy machine's test thread can miss.)
+    train = [*signalled(tmp_path, "gpn_cli", "enter:2:SIGINT", "log:2:SIGINT"), "train"]
+    process = launch(train + small_args(shakespeare, run_dir, cache, "--steps", "4"), tmp_path / "run.log")
+    output = stopped(process, 128 + signal.SIGINT, 300)
+    assert "gpn train: SIGINT received: finishing this step" in output, output[-3000:]
     assert "gpn train: interrupted (Ctrl-C) before a checkpoint could be written" in output, output[-3000:]
+    assert [r["step"] for r in read_log(run_dir)] == [1, 2]  # (step 2 finished, then the second Ctrl-C)
     assert not list((run_dir / "checkpoints").glob("step-*"))
 
 
