@@ -6769,6 +6769,20 @@ MUTATIONS = [
         "        if False:  # MUTATION\n            raise KeyboardInterrupt\n",
         ("tests/tools/test_train_faults.py -k second_ctrl_c",),
     ),
+    Mutation(
+        "gpn train's process group ignores --ddp-timeout (gloo's default, 30 minutes: a stopped rank holds the job)",
+        "modeling_gpn/train/distributed.py",
+        'InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=config["ddp_timeout"]))',
+        "InitProcessGroupKwargs()  # MUTATION",
+        ("tests/tools/test_train_faults.py -k stuck_ddp_rank_fails or end_of_a_ddp_run_is_bounded",),
+    ),
+    Mutation(
+        "gpn train's collectives give up sooner than --ddp-timeout (1 s)",
+        "modeling_gpn/train/distributed.py",
+        'InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=config["ddp_timeout"]))',
+        "InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=1))  # MUTATION",
+        ("tests/tools/test_train_faults.py -k stuck_ddp_rank_fails",),
+    ),
 ]
 
 
