@@ -6772,15 +6772,15 @@ MUTATIONS = [
     Mutation(
         "gpn train's process group ignores --ddp-timeout (gloo's default, 30 minutes: a stopped rank holds the job)",
         "modeling_gpn/train/distributed.py",
-        'InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=config["ddp_timeout"]))',
-        "InitProcessGroupKwargs()  # MUTATION",
+        'kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=config["ddp_timeout"]))],\n',
+        "kwargs_handlers=[],  # MUTATION\n",
         ("tests/tools/test_train_faults.py -k stuck_ddp_rank_fails or end_of_a_ddp_run_is_bounded",),
     ),
     Mutation(
         "gpn train's collectives give up sooner than --ddp-timeout (1 s)",
         "modeling_gpn/train/distributed.py",
-        'InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=config["ddp_timeout"]))',
-        "InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=1))  # MUTATION",
+        'kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=config["ddp_timeout"]))],\n',
+        "kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=1))],  # MUTATION\n",
         ("tests/tools/test_train_faults.py -k stuck_ddp_rank_fails",),
     ),
 ]
