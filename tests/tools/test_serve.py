@@ -1278,7 +1278,8 @@ def test_a_client_that_gives_up_on_a_non_streamed_answer_frees_the_model(server,
         {"model": model_name, "messages": [{"role": "user", "content": f"next {index}"}], "stream": True}
         for index in range(MAX_QUEUED)
     ]
-    deadline = time.monotonic() + 10
+    # (30 s: seconds, not the minutes of its answer; each look opens MAX_QUEUED streams, slow on a busy machine)
+    deadline = time.monotonic() + 30
     while not all_admitted(client, requests):
         assert time.monotonic() < deadline, "the abandoned answer still holds its slot"
         time.sleep(0.2)

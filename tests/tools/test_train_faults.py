@@ -861,16 +861,15 @@ FAULT_LAUNCHES: dict[str, Callable[[Path, Path, Path, dict[str, str]], object]] 
 def _second_run_into_the_same_folder(folder: Path, cache: Path, shakespeare: Path, env: dict[str, str]) -> dict:
     """A `gpn train` run, and once it has logged step 2 a second one into its folder, waited for (at most 120 s);
     then the first run's next step, and the first killed (SIGKILL: the kernel drops its flock, the record of who held
-    it stays): `{"run_dir", "first_pid", "second_returncode", "second_output", "second_took", "steps",
+    it stays): `{"run_dir", "first_pid", "second_returncode", "second_output", "first_held_the_lock", "steps",
     "model_saved"}`, the last two read once the first had logged another step."""
     run_dir = folder / "run"
     first = launch(TRAIN_CLI + small_args(shakespeare, run_dir, cache, "--steps", "100000"), folder / "1.log", env)
     try:
         wait_for_step(first, run_dir, 2)
-        started = time.time()
         second = launch(TRAIN_CLI + small_args(shakespeare, run_dir, cache, "--steps", "3"), folder / "2.log", env)
         second.wait(timeout=120)
-        took = time.time() - started
+        first_held_the_lock = first.poll() is None  # (the first runs until killed: a second that waited never ends)
         # (what the second run left: the first run's log goes on from where it was)
         wait_for_step(first, run_dir, max(r["step"] for r in read_log(run_dir)) + 1)
         steps = [r["step"] for r in read_log(run_dir)]
@@ -883,7 +882,7 @@ def _second_run_into_the_same_folder(folder: Path, cache: Path, shakespeare: Pat
         "first_pid": first.pid,
         "second_returncode": second.returncode,
         "second_output": second.log_path.read_text(),
-        "second_took": took,
+        "first_held_the_lock": first_held_the_lock,
         "steps": steps,
         "model_saved": model_saved,
     }
@@ -897,7 +896,8 @@ def test_a_second_run_into_the_same_folder_stops_at_once_and_a_killed_runs_lock_
     assert launched["second_returncode"] == 1, output[-3000:]
     assert f"is in use by another gpn train run (pid {first_pid} on " in output, output[-3000:]
     assert "__main__.py train --recipe tiny-cpu" in output  # the holder's command (python -m gpn_cli)
-    assert launched["second_took"] < 60
+    assert launched["first_held_the_lock"]  # it stopped at once, not waiting for the lock (no time bound: a busy
+    # machine's imports can take a minute)
     # It wrote nothing: the first run's log goes on, one record per step, and has no model yet.
     steps = launched["steps"]
     assert steps == list(range(1, len(steps) + 1)) and not launched["model_saved"]
