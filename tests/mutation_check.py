@@ -6818,6 +6818,27 @@ MUTATIONS = [
         '        least = StateStore.smallest_files_bytes(config, str(dtype).removeprefix("torch."))  # MUTATION\n',
         ("tests/tools/test_serve_store.py -k quantized_model_is_known",),
     ),
+    Mutation(
+        "gpn train: a second Ctrl-C waits, as the first, for the step to finish and its checkpoint",
+        "modeling_gpn/train/stop_signals.py",
+        "        if self.received is not None and signum == signal.SIGINT:\n            raise KeyboardInterrupt\n",
+        "        if False:  # MUTATION\n            raise KeyboardInterrupt\n",
+        ("tests/tools/test_train_faults.py -k second_ctrl_c",),
+    ),
+    Mutation(
+        "gpn train's process group ignores --ddp-timeout (gloo's default, 30 minutes: a stopped rank holds the job)",
+        "modeling_gpn/train/distributed.py",
+        'kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=config["ddp_timeout"]))],\n',
+        "kwargs_handlers=[],  # MUTATION\n",
+        ("tests/tools/test_train_faults.py -k stuck_ddp_rank_fails or end_of_a_ddp_run_is_bounded",),
+    ),
+    Mutation(
+        "gpn train's collectives give up sooner than --ddp-timeout (1 s)",
+        "modeling_gpn/train/distributed.py",
+        'kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=config["ddp_timeout"]))],\n',
+        "kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=1))],  # MUTATION\n",
+        ("tests/tools/test_train_faults.py -k stuck_ddp_rank_fails",),
+    ),
 ]
 
 

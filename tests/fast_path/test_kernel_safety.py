@@ -694,16 +694,19 @@ def test_a_hanging_compiler_is_stopped_and_the_torch_ops_serve(probed):
     assert any("did not finish within 3 s" in w for w in result["warnings"]), result
     assert result["seconds"] < 60
     sleeper = int(probed.noted["pid_file"].read_text())
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{sleeper}").exists() and time.monotonic() < deadline:  # reaped by init shortly
-        time.sleep(0.1)
+
+    def state() -> str:
+        """The sleeper's state, "gone" once reaped: read once (checked for existence, then read, it could be reaped
+        in between, FileNotFoundError)."""
         with contextlib.suppress(OSError):
-            if Path(f"/proc/{sleeper}/stat").read_text(encoding="utf-8").split()[2] == "Z":
-                break  # a zombie: killed, waiting for its reaper
-    assert (
-        not Path(f"/proc/{sleeper}").exists()
-        or Path(f"/proc/{sleeper}/stat").read_text(encoding="utf-8").split()[2] == "Z"
-    )
+            return Path(f"/proc/{sleeper}/stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()[0]
+        return "gone"
+
+    deadline, seen = time.monotonic() + 60, state()
+    while seen not in ("gone", "Z") and time.monotonic() < deadline:  # killed: a zombie, or reaped by init
+        time.sleep(0.1)
+        seen = state()
+    assert seen in ("gone", "Z"), seen
     assert not list(cache.glob("gpn_memory_*.so")) and not list(cache.glob(".build-*"))
 
 

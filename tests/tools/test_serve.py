@@ -108,15 +108,19 @@ def bare_handler(kind: type, manager=None, state=None):
 
 
 def launched(
-    model_dir: Path | None, log_path: Path, *options: str, port: int | None = None
+    model_dir: Path | None,
+    log_path: Path,
+    *options: str,
+    port: int | None = None,
+    program: tuple[str, ...] = ("-m", "gpn_cli"),
 ) -> tuple[str, subprocess.Popen]:
     """`gpn serve MODEL --device cpu OPTIONS` (without MODEL when None: not pinned) started in its own process on
-    `port` (a free one when None), its output in `log_path`: (its address, the process), not waited for."""
+    `port` (a free one when None), its output in `log_path`: (its address, the process), not waited for. `program`:
+    what runs `gpn`, a script that wraps it (HOLDS_MARKED_PROMPTS)."""
     port = port or free_port()
     command = [
         sys.executable,
-        "-m",
-        "gpn_cli",
+        *program,
         "serve",
         *([] if model_dir is None else [str(model_dir)]),
         "--host",
@@ -166,6 +170,42 @@ def serving(model_dir: Path | None, log_path: Path, *options: str) -> Iterator[t
         stopped(process)
 
 
+# `gpn serve` (`python -m gpn_cli`) whose completions' tokenization ahead of transformers' handler (in the worker
+# thread) waits, for a prompt that begins with HELD, until the file FOLDER/release exists (at most 30 s), having made
+# FOLDER/held. The large-prompt test holds its prompt there while other requests are answered: a second or so of
+# real tokenization, awaited with a sleep, was a race that a fast machine (or a slow test thread) could lose.
+HELD = "[held] "
+HOLDS_MARKED_PROMPTS = f"""
+import runpy, sys, time
+from pathlib import Path
+from modeling_gpn.serve.handlers import StateKeepingCompletionHandler as Completions
+
+folder = Path(sys.argv.pop(1))
+tokenize_ahead = Completions._tokenize_ahead
+
+
+def held_then_tokenized(self, body, *args):
+    if str(body.get("prompt", "")).startswith({HELD!r}):
+        (folder / "held").touch()
+        deadline = time.monotonic() + 30
+        while not (folder / "release").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return tokenize_ahead(self, body, *args)
+
+
+Completions._tokenize_ahead = held_then_tokenized
+runpy.run_module("gpn_cli", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def holds(tmp_path_factory) -> Path:
+    """The folder through which the pinned server's marked prompts are held (HOLDS_MARKED_PROMPTS)."""
+    folder = tmp_path_factory.mktemp("holds")
+    (folder / "holds_marked_prompts.py").write_text(HOLDS_MARKED_PROMPTS, encoding="utf-8")
+    return folder
+
+
 # The servers of this module that need nothing of the tests before them, each started as a user starts it: name ->
 # the fixture (or test) that serves through it. Started at once by `launched_servers` (each import costs seconds of
 # one core: one after another, they leave the other idle).
@@ -177,7 +217,7 @@ SERVERS = {
 
 
 @pytest.fixture(scope="module")
-def launched_servers(request, tmp_path_factory) -> Iterator[dict[str, tuple[str, subprocess.Popen, Path, Path]]]:
+def launched_servers(request, tmp_path_factory, holds) -> Iterator[dict[str, tuple[str, subprocess.Popen, Path, Path]]]:
     """The module's servers that the selected tests use (`SERVERS`: the pinned `server`, the `unpinned_server`, the
     first server of the restart test), launched together at the first test that needs one; each is waited for where
     it is used, and all are stopped at the module's end. Name -> (address, process, log, state folder)."""
@@ -198,7 +238,9 @@ def launched_servers(request, tmp_path_factory) -> Iterator[dict[str, tuple[str,
             if name == "restart":  # (a folder the server makes, as the test's own was)
                 states = states / "states"
             model, extra = options[name]
-            base, process = launched(model, log_path, "--state-dir", str(states), *extra, port=port)
+            # (the pinned one through HOLDS_MARKED_PROMPTS: the large-prompt test holds its prompt there)
+            program = (str(holds / "holds_marked_prompts.py"), str(holds)) if name == "pinned" else ("-m", "gpn_cli")
+            base, process = launched(model, log_path, "--state-dir", str(states), *extra, port=port, program=program)
             launches[name] = (base, process, log_path, states)
         yield launches
     finally:
@@ -1038,14 +1080,15 @@ def test_bad_completion_requests_and_bodies_get_a_4xx(client, model_name, server
     assert get(server + "/health")[0] == 200  # and the server is still well
 
 
-def test_a_large_prompt_is_tokenized_off_the_event_loop(client, model_name, server):
+def test_a_large_prompt_is_tokenized_off_the_event_loop(client, model_name, server, holds):
     """A prompt of most of --max-request-bytes takes its tokenizer a second or more, and transformers' handlers
     tokenized it on the server's event loop: every other request (a small completion, /v1/models) waited for it.
     Tokenized in a worker thread, they are answered while it is still being read; it is then refused (its tokens
-    pass --max-context), as before."""
+    pass --max-context), as before. Its tokenization is held (HOLDS_MARKED_PROMPTS) until they are answered: made on
+    the event loop, it would hold them too (and let them go after 30 s, answered after it)."""
     wait_until_idle(client, model_name)
     sentence = "to be or not to be, that is the question; the cat sat on the mat. "
-    prompt = sentence * (MAX_REQUEST_BYTES // len(sentence) - 64)
+    prompt = HELD + sentence * (MAX_REQUEST_BYTES // len(sentence) - 64)
     body = json.dumps({"model": model_name, "prompt": prompt, "max_tokens": 1}).encode()
     assert 0.99 * MAX_REQUEST_BYTES < len(body) <= MAX_REQUEST_BYTES  # (taken: the check comes after the tokenizer)
     finished: list[str] = []
@@ -1059,11 +1102,15 @@ def test_a_large_prompt_is_tokenized_off_the_event_loop(client, model_name, serv
     reader = threading.Thread(target=answer_to_the_large)
     reader.start()
     try:
-        time.sleep(0.3)  # (the server has its body: it is being tokenized, for a second or more)
+        deadline = time.monotonic() + 60
+        while not (holds / "held").exists():  # (the server has its body: its tokenization has begun)
+            assert time.monotonic() < deadline and reader.is_alive(), ("the large prompt was not tokenized", finished)
+            time.sleep(0.05)
         small = client.completions.create(model=model_name, prompt="to be", max_tokens=2, temperature=0)
         finished.append(f"small {small.choices[0].finish_reason}")
         finished.append(f"models {get(server + '/v1/models')[0]}")
     finally:
+        (holds / "release").touch()
         reader.join(timeout=120)
         large.close()
     assert [entry.split()[0] for entry in finished] == ["small", "models", "large"], finished
@@ -1231,7 +1278,8 @@ def test_a_client_that_gives_up_on_a_non_streamed_answer_frees_the_model(server,
         {"model": model_name, "messages": [{"role": "user", "content": f"next {index}"}], "stream": True}
         for index in range(MAX_QUEUED)
     ]
-    deadline = time.monotonic() + 10
+    # (30 s: seconds, not the minutes of its answer; each look opens MAX_QUEUED streams, slow on a busy machine)
+    deadline = time.monotonic() + 30
     while not all_admitted(client, requests):
         assert time.monotonic() < deadline, "the abandoned answer still holds its slot"
         time.sleep(0.2)

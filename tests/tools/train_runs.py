@@ -78,6 +78,55 @@ def losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_log(run_dir) if "loss" in r and "event" not in r]
 
 
+# A training program (`python -m MODULE ARGS`) that sends itself signals at named points: on entering a step's
+# stage ("enter") or once that step's loss record is logged ("log"), e.g. `enter:5:SIGTERM,log:5:SIGINT`. A signal
+# sent from the test once a step was seen in the log raced the run: a test thread held up for a second or two on a
+# busy machine let a short run reach its end first (or a step finish) and the test failed on a correct program.
+# Sent from inside, it is the same signal to the same handler, at a point that no machine's speed moves.
+SIGNALS_AT_STEPS = """
+import os, runpy, signal, sys
+from modeling_gpn.train import RunStage
+from modeling_gpn.train.context import TrainingRun
+
+pending = {}
+for item in sys.argv[1].split(","):
+    point, step, name = item.split(":")
+    pending.setdefault((point, int(step)), []).append(getattr(signal, name))
+module = sys.argv[2]
+sys.argv = [sys.argv[0], *sys.argv[3:]]
+enter, log = RunStage.enter, TrainingRun.log
+
+
+def send(point, step):
+    for signum in pending.pop((point, step), ()):
+        os.kill(os.getpid(), signum)  # (the handler runs before the next line)
+
+
+def enter_then_signal(self, name, watch=False):
+    enter(self, name, watch)
+    if name.startswith("training step "):
+        send("enter", int(name.rsplit(" ", 1)[1]))
+
+
+def log_then_signal(run, record):
+    log(run, record)
+    if "loss" in record and "event" not in record:
+        send("log", record["step"])
+
+
+RunStage.enter, TrainingRun.log = enter_then_signal, log_then_signal
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+"""
+
+
+def signalled(folder: Path, module: str, *signals: str) -> list[str]:
+    """The command that runs `python -m module` sending itself `signals` (SIGNALS_AT_STEPS's `point:step:SIGNAL`),
+    its script written in `folder`; the module's arguments follow."""
+    script = folder / "signals_at_steps.py"
+    script.write_text(SIGNALS_AT_STEPS, encoding="utf-8")
+    return [sys.executable, str(script), ",".join(signals), module]
+
+
 def launch(argv: list[str], log: Path, env: Mapping[str, str] | None = None) -> subprocess.Popen:
     """`argv` started in its own process group from the repository root, its output to `log` (`.log_path`), in
     `env` (default: this process's environment)."""
@@ -190,9 +239,10 @@ def wait_for_step(process: subprocess.Popen, run_dir: Path, step: int, timeout: 
         time.sleep(0.01)
 
 
-def stopped(process: subprocess.Popen, expected_code: int) -> str:
-    """The output of a launched run that was stopped: it ends with `expected_code`, without a traceback."""
-    process.wait(timeout=120)
+def stopped(process: subprocess.Popen, expected_code: int, timeout: float = 120) -> str:
+    """The output of a launched run that was stopped: it ends with `expected_code` (within `timeout` s), without a
+    traceback."""
+    process.wait(timeout=timeout)
     output = process.log_path.read_text()
     assert process.returncode == expected_code, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
