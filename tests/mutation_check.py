@@ -6762,6 +6762,14 @@ MUTATIONS = [
         "    cast = None  # MUTATION\n",
         ("tests/tools/test_generate_cli.py::test_generate_of_a_peft_adapter_folder_is_the_merged_models",),
     ),
+    Mutation(
+        "gpn push's parses of the remote code kept by the file's text (keyed by its name, a file rewritten in the same "
+        "process would be checked as it was)",
+        "modeling_gpn/hub/checks.py",
+        '    key = hashlib.sha256(text.encode("utf-8")).digest()\n',
+        "    key = path.name.encode()  # MUTATION\n",
+        ("tests/tools/test_hub.py -k loader_cannot_follow",),
+    ),
 ]
 
 
