@@ -45,6 +45,12 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+def pytest_unconfigure(config):
+    # (given back to the collector before the interpreter ends, which frees what it holds: triton's nanobind
+    # objects left frozen printed leak warnings at exit)
+    gc.unfreeze()
+
+
 def pytest_configure(config):
     # The marks of transformers' tests/test_modeling_common.py (tests/ecosystem/test_transformers_common.py runs
     # it), registered as transformers' own conftest registers them.
