@@ -10,6 +10,8 @@ from __future__ import annotations
 from .environment import require_shared
 
 # isort: split
+import gc
+
 import pytest
 import torch
 
@@ -30,6 +32,23 @@ def one_thread():
 @pytest.fixture
 def shared():
     return require_shared
+
+
+def pytest_collection_finish(session):
+    """What collection left alive (the packages imported, the test modules and items: alive to the end of the
+    session) frozen out of the garbage collector's passes. Every full collection walks every object tracked: the
+    explicit ones (two at the end of each in-process `gpn train` run, accelerate's `free_memory` and
+    loop.end_process_group's own; transformers' test tear-downs) and the automatic ones walked the whole session's
+    heap, most of it these objects, and took most of a short in-process run late in the suite. Objects made later,
+    by the tests, are collected as before; a frozen object is never freed, and these live to the end anyway."""
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_unconfigure(config):
+    # (given back to the collector before the interpreter ends, which frees what it holds: triton's nanobind
+    # objects left frozen printed leak warnings at exit)
+    gc.unfreeze()
 
 
 def pytest_configure(config):

@@ -6839,6 +6839,14 @@ MUTATIONS = [
         "kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=1))],  # MUTATION\n",
         ("tests/tools/test_train_faults.py -k stuck_ddp_rank_fails",),
     ),
+    Mutation(
+        "gpn push's parses of the remote code kept by the file's text (keyed by its name, a file rewritten in the same "
+        "process would be checked as it was)",
+        "modeling_gpn/hub/checks.py",
+        '    key = hashlib.sha256(text.encode("utf-8")).digest()\n',
+        "    key = path.name.encode()  # MUTATION\n",
+        ("tests/tools/test_hub.py -k loader_cannot_follow",),
+    ),
 ]
 
 
