@@ -6847,6 +6847,21 @@ MUTATIONS = [
         "    key = path.name.encode()  # MUTATION\n",
         ("tests/tools/test_hub.py -k loader_cannot_follow",),
     ),
+    Mutation(
+        "a launch whose rendezvous port was taken meanwhile is not started again (the tests' launches failed when "
+        "anything on the machine took the port between the probe and the launcher's bind)",
+        "tests/tools/train_runs.py",
+        '        if port_taken_line(port) not in self.log.read_text(encoding="utf-8").splitlines():\n',
+        "        if True:  # MUTATION\n",
+        ("tests/tools/test_train_faults.py -k rendezvous_port_was_taken",),
+    ),
+    Mutation(
+        "every failed launch started again on a new port, not only one whose rendezvous found its port taken",
+        "tests/tools/train_runs.py",
+        '        if port_taken_line(port) not in self.log.read_text(encoding="utf-8").splitlines():\n',
+        "        if False:  # MUTATION\n",
+        ("tests/tools/test_train_faults.py -k rendezvous_port_was_taken",),
+    ),
 ]
 
 
