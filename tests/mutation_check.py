@@ -6862,6 +6862,21 @@ MUTATIONS = [
         "        if False:  # MUTATION\n",
         ("tests/tools/test_train_faults.py -k rendezvous_port_was_taken",),
     ),
+    Mutation(
+        "test_serve's get answers (None, None) for a request that got no answer (a test that expected a status said "
+        "only that it got None, never the URL nor the timeout)",
+        "tests/tools/test_serve.py",
+        "    except OSError as error:\n        reason = error.reason",
+        "    except OSError as error:\n        return None, None  # MUTATION\n        reason = error.reason",
+        ("tests/tools/test_serve.py -k get_that_gets_no_answer",),
+    ),
+    Mutation(
+        "test_serve's status_if_up, for the callers that poll a server coming up, raises while nothing answers",
+        "tests/tools/test_serve.py",
+        "    except Unanswered:\n        return None\n",
+        "    except ZeroDivisionError:  # MUTATION\n        return None\n",
+        ("tests/tools/test_serve.py -k get_that_gets_no_answer",),
+    ),
 ]
 
 
