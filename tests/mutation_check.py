@@ -6847,6 +6847,36 @@ MUTATIONS = [
         "    key = path.name.encode()  # MUTATION\n",
         ("tests/tools/test_hub.py -k loader_cannot_follow",),
     ),
+    Mutation(
+        "a launch whose rendezvous port was taken meanwhile is not started again (the tests' launches failed when "
+        "anything on the machine took the port between the probe and the launcher's bind)",
+        "tests/tools/train_runs.py",
+        '        if port_taken_line(port) not in self.log.read_text(encoding="utf-8").splitlines():\n',
+        "        if True:  # MUTATION\n",
+        ("tests/tools/test_train_faults.py -k rendezvous_port_was_taken",),
+    ),
+    Mutation(
+        "every failed launch started again on a new port, not only one whose rendezvous found its port taken",
+        "tests/tools/train_runs.py",
+        '        if port_taken_line(port) not in self.log.read_text(encoding="utf-8").splitlines():\n',
+        "        if False:  # MUTATION\n",
+        ("tests/tools/test_train_faults.py -k rendezvous_port_was_taken",),
+    ),
+    Mutation(
+        "test_serve's get answers (None, None) for a request that got no answer (a test that expected a status said "
+        "only that it got None, never the URL nor the timeout)",
+        "tests/tools/test_serve.py",
+        "    except OSError as error:\n        reason = error.reason",
+        "    except OSError as error:\n        return None, None  # MUTATION\n        reason = error.reason",
+        ("tests/tools/test_serve.py -k get_that_gets_no_answer",),
+    ),
+    Mutation(
+        "test_serve's status_if_up, for the callers that poll a server coming up, raises while nothing answers",
+        "tests/tools/test_serve.py",
+        "    except Unanswered:\n        return None\n",
+        "    except ZeroDivisionError:  # MUTATION\n        return None\n",
+        ("tests/tools/test_serve.py -k get_that_gets_no_answer",),
+    ),
 ]
 
 

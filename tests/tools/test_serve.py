@@ -20,6 +20,7 @@ import http.client
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -76,21 +77,6 @@ def reference(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
 
 
-def free_port() -> int:
-    return free_ports(1)[0]
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` distinct free ports (their probes held open together: none is handed out twice)."""
-    with contextlib.ExitStack() as probes:
-        ports = []
-        for _ in range(count):
-            probe = probes.enter_context(socket.socket())
-            probe.bind(("127.0.0.1", 0))
-            ports.append(probe.getsockname()[1])
-        return ports
-
-
 def bare_handler(kind: type, manager=None, state=None):
     """A `gpn serve` handler of `kind` outside a server: no store, no context limit, one slot, and a model manager
     without transformers' idle-unload timer (a non-daemon 300 s threading.Timer, which kept the test process alive
@@ -108,16 +94,13 @@ def bare_handler(kind: type, manager=None, state=None):
 
 
 def launched(
-    model_dir: Path | None,
-    log_path: Path,
-    *options: str,
-    port: int | None = None,
-    program: tuple[str, ...] = ("-m", "gpn_cli"),
-) -> tuple[str, subprocess.Popen]:
+    model_dir: Path | None, log_path: Path, *options: str, program: tuple[str, ...] = ("-m", "gpn_cli")
+) -> subprocess.Popen:
     """`gpn serve MODEL --device cpu OPTIONS` (without MODEL when None: not pinned) started in its own process on
-    `port` (a free one when None), its output in `log_path`: (its address, the process), not waited for. `program`:
+    `--port 0`, its output in `log_path`: the process, not waited for (`wait_until_up` gives its address). `program`:
     what runs `gpn`, a script that wraps it (HOLDS_MARKED_PROMPTS)."""
-    port = port or free_port()
+    # Port 0: the server binds a port the system gives it, and says which. A port found free here and bound by the
+    # server seconds later (after its imports) could be taken meanwhile by anything on the machine.
     command = [
         sys.executable,
         *program,
@@ -126,21 +109,28 @@ def launched(
         "--host",
         "127.0.0.1",
         "--port",
-        str(port),
+        "0",
         "--device",
         "cpu",
         *options,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(log_path, "w", encoding="utf-8") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
-    return f"http://127.0.0.1:{port}", process
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
 
 
-def wait_until_up(base: str, process: subprocess.Popen, log_path: Path) -> None:
-    """Until the server `launched` at `base` answers /health (failing the test if it exits or takes 120 s)."""
+# The line a server says where it listens with (uvicorn's), the port the system gave it under `--port 0` included.
+LISTENING = re.compile(r"^.*Uvicorn running on (http://127\.0\.0\.1:(\d+)) \(Press CTRL\+C to quit\)$", re.MULTILINE)
+
+
+def wait_until_up(process: subprocess.Popen, log_path: Path) -> str:
+    """The address of the server `launched` (the one its log says it listens on), once it answers /health there
+    (failing the test if it exits or takes 120 s)."""
     deadline = time.monotonic() + 120
-    while get(base + "/health")[0] != 200:
+    while True:
+        listening = LISTENING.search(log_path.read_text(encoding="utf-8"))
+        if listening and int(listening[2]) != 0 and status_if_up(listening[1] + "/health") == 200:
+            return listening[1]
         if process.poll() is not None or time.monotonic() > deadline:
             pytest.fail(
                 f"gpn serve did not come up (exit {process.poll()}):\n{log_path.read_text(encoding='utf-8')[-3000:]}"
@@ -162,10 +152,9 @@ def stopped(process: subprocess.Popen) -> None:
 def serving(model_dir: Path | None, log_path: Path, *options: str) -> Iterator[tuple[str, subprocess.Popen]]:
     """`gpn serve MODEL --device cpu OPTIONS` (`launched`) as a block: (its address, the process), once /health
     answers; killed at the end if it is still running."""
-    base, process = launched(model_dir, log_path, *options)
+    process = launched(model_dir, log_path, *options)
     try:
-        wait_until_up(base, process, log_path)
-        yield base, process
+        yield wait_until_up(process, log_path), process
     finally:
         stopped(process)
 
@@ -220,7 +209,8 @@ SERVERS = {
 def launched_servers(request, tmp_path_factory, holds) -> Iterator[dict[str, tuple[str, subprocess.Popen, Path, Path]]]:
     """The module's servers that the selected tests use (`SERVERS`: the pinned `server`, the `unpinned_server`, the
     first server of the restart test), launched together at the first test that needs one; each is waited for where
-    it is used, and all are stopped at the module's end. Name -> (address, process, log, state folder)."""
+    it is used (`wait_until_up`, which gives its address), and all are stopped at the module's end. Name -> (process,
+    log, state folder)."""
     items = [item for item in request.session.items if item.module is request.module]
     used = [
         name
@@ -233,46 +223,63 @@ def launched_servers(request, tmp_path_factory, holds) -> Iterator[dict[str, tup
     options = {"pinned": (model_dir, limits), "unpinned": (None, ["--model-timeout", "2"]), "restart": (model_dir, [])}
     launches = {}
     try:
-        for name, port in zip(used, free_ports(len(used)), strict=True):
+        for name in used:
             states, log_path = tmp_path_factory.mktemp(f"{name}-states"), tmp_path_factory.mktemp("log") / f"{name}.log"
             if name == "restart":  # (a folder the server makes, as the test's own was)
                 states = states / "states"
             model, extra = options[name]
             # (the pinned one through HOLDS_MARKED_PROMPTS: the large-prompt test holds its prompt there)
             program = (str(holds / "holds_marked_prompts.py"), str(holds)) if name == "pinned" else ("-m", "gpn_cli")
-            base, process = launched(model, log_path, "--state-dir", str(states), *extra, port=port, program=program)
-            launches[name] = (base, process, log_path, states)
+            process = launched(model, log_path, "--state-dir", str(states), *extra, program=program)
+            launches[name] = (process, log_path, states)
         yield launches
     finally:
-        for _, process, _, _ in launches.values():
+        for process, _, _ in launches.values():
             stopped(process)
 
 
 @pytest.fixture(scope="module")
 def server(launched_servers):
     """`gpn serve MODEL` in its own process, with the state store, a spill folder and small limits."""
-    base, process, log_path, _ = launched_servers["pinned"]
-    wait_until_up(base, process, log_path)
-    return base
+    process, log_path, _ = launched_servers["pinned"]
+    return wait_until_up(process, log_path)
 
 
-def get(url: str) -> tuple[int | None, dict | None]:
+class Unanswered(AssertionError):
+    """A GET that got no HTTP answer: refused, reset, or none within its timeout; the message names the URL."""
+
+
+def get(url: str, timeout: float = 5) -> tuple[int, dict | None]:
+    """GET `url`: (its status, its JSON body; None for an error status). No answer within `timeout` s, or none at
+    all (refused, reset), raises `Unanswered` naming the URL and what happened: it was (None, None), and a test
+    that expected a status said only that it got None."""
     try:
-        with urllib.request.urlopen(url, timeout=5) as response:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
         return error.code, None
-    except OSError:
-        return None, None
+    except OSError as error:
+        reason = error.reason if isinstance(error, urllib.error.URLError) else error
+        if isinstance(reason, TimeoutError):
+            raise Unanswered(f"GET {url}: timed out, no answer within {timeout} s") from error
+        raise Unanswered(f"GET {url}: no answer: {reason!r}") from error
+
+
+def status_if_up(url: str) -> int | None:
+    """The status of GET `url`, None while nothing answers there (refused, or no answer within 5 s): for polling a
+    server that is coming up."""
+    try:
+        return get(url)[0]
+    except Unanswered:
+        return None
 
 
 @pytest.fixture(scope="module")
 def unpinned_server(launched_servers):
     """`gpn serve` without MODEL (each request names its model, loaded on demand and unloaded after 2 idle
     seconds), with the state store and a spill folder: one process for the tests that serve folders of their own."""
-    base, process, log_path, _ = launched_servers["unpinned"]
-    wait_until_up(base, process, log_path)
-    return base
+    process, log_path, _ = launched_servers["unpinned"]
+    return wait_until_up(process, log_path)
 
 
 @pytest.fixture
@@ -332,6 +339,33 @@ def streamed_text(stream) -> tuple[str, object]:
             parts.append(chunk.choices[0].delta.content)
         usage = chunk.usage or usage
     return "".join(parts), usage
+
+
+def test_a_server_started_on_port_0_says_the_port_it_listens_on(launched_servers, unpinned_server):
+    """`gpn serve --port 0` (as every server of this module is started: a port found free here could be taken before
+    the server binds it) listens on a port the system gives it, and its line says which: it answers there."""
+    process, log_path, _ = launched_servers["unpinned"]
+    assert process.args[process.args.index("--port") + 1] == "0"
+    [line] = LISTENING.findall(log_path.read_text(encoding="utf-8"))
+    assert line[0] == unpinned_server and int(line[1]) != 0, line
+    assert get(unpinned_server + "/health") == (200, {"status": "ok"})
+
+
+def test_a_get_that_gets_no_answer_fails_naming_the_url_and_what_happened():
+    """`get` answered (None, None) for any request that failed, and a test that expected a status said only that it
+    got None: it now raises, naming the URL and a timeout as such; `status_if_up`, for the callers that poll a server
+    coming up, gives None."""
+    with socket.socket() as silent, socket.socket() as closed:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()  # (the connection is made, in its backlog, and never answered)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/health"
+        with pytest.raises(Unanswered, match=rf"^GET {re.escape(url)}: timed out, no answer within 0.2 s$"):
+            get(url, timeout=0.2)
+        closed.bind(("127.0.0.1", 0))  # (bound, not listening: refused)
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}/health"
+        with pytest.raises(Unanswered, match=rf"^GET {re.escape(url)}: no answer: .*Connection refused"):
+            get(url)
+        assert status_if_up(url) is None
 
 
 def test_chat_turns_continue_from_kept_states_with_the_tokens_of_the_whole_prompt(client, model_name, reference):
@@ -1325,8 +1359,8 @@ def test_a_conversation_continues_after_the_server_is_stopped_and_restarted(
     restarted on the folder continues the conversation from them (cached tokens), with the same answer. (The first
     server was launched with the module's others, `launched_servers`.)"""
     messages = [{"role": "system", "content": "the cat sat"}, {"role": "user", "content": "to be or not to be"}]
-    base, process, first_log, states = launched_servers["restart"]
-    wait_until_up(base, process, first_log)
+    process, first_log, states = launched_servers["restart"]
+    base = wait_until_up(process, first_log)
     first = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
     reply = first.chat.completions.create(model=str(model_dir), messages=messages, max_tokens=6, temperature=0)
     first_prompt = reply.usage.prompt_tokens
@@ -1659,7 +1693,7 @@ def test_the_servers_log_lines_are_coloured_only_on_a_terminal(monkeypatch, stde
     monkeypatch.setattr("sys.stdout", Terminal())
     monkeypatch.setattr("sys.stderr", err)
     monkeypatch.setenv("NO_COLOR", no_color)
-    server = GPNServe(host="127.0.0.1", port=free_port(), non_blocking=True)
+    server = GPNServe(host="127.0.0.1", port=0, non_blocking=True)  # (a port the system gives it: never taken)
     try:
         deadline = time.monotonic() + 30
         while "Uvicorn running" not in err.getvalue() and time.monotonic() < deadline:

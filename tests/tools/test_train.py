@@ -25,8 +25,8 @@ from ..environment import REPO_ROOT
 from ..subprocesses import started_in_the_background, two_at_a_time
 from ..tiny_models import tiny_config
 from .train_runs import (
+    RendezvousLaunch,
     finish,
-    free_port,
     launch,
     launch_two_processes,
     losses,
@@ -586,20 +586,22 @@ def _several_processes_accelerate_runs_as_one_each(
         "mixed_precision: 'no'\nnum_machines: 1\nnum_processes: 2\nuse_cpu: true\n"
     )
     run_dir = folder / "run"
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(config_file),
-        "--main_process_port",
-        str(free_port()),
-        "-m",
-        "modeling_gpn.train",
-        *small_args(shakespeare, run_dir, cache, "--steps", "3"),
-    ]
+    arguments = small_args(shakespeare, run_dir, cache, "--steps", "3")
+
+    def command(port: int) -> list[str]:
+        launch_options = ["--config_file", str(config_file), "--main_process_port", str(port)]
+        return [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            *launch_options,
+            "-m",
+            "modeling_gpn.train",
+            *arguments,
+        ]
+
     without_use_cpu = {name: value for name, value in env.items() if name != "ACCELERATE_USE_CPU"}
-    launcher = launch(command, folder / "launch.log", env=without_use_cpu)
+    launcher = RendezvousLaunch(command, folder / "launch.log", without_use_cpu)
     launcher.wait(timeout=300)
     return run_dir, launcher.log_path.read_text(), launcher.returncode
 

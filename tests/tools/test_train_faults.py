@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -31,6 +32,7 @@ from .train_runs import (
     launch_two_processes,
     losses,
     parse,
+    port_taken_line,
     read_log,
     saved_weights,
     signalled,
@@ -552,11 +554,12 @@ def fault_launches(request, tmp_path_factory) -> Iterator[dict[str, Future]]:
     if not jobs:  # (nor the corpus, which the tests that need it ask for)
         yield {}
         return
-    # (the corpus only for the training runs: the watched stages and the log's rewrite need none)
+    # (the corpus only for the training runs: the watched stages, the log's rewrite and the taken port need none)
     cache, shakespeare = None, None
     if jobs.keys() - {
         test_a_watched_stage_that_hangs_ends_the_process_naming_it_with_every_stack.__name__,
         test_log_rewrite_on_resume_is_write_then_rename.__name__,
+        test_a_launch_whose_rendezvous_port_was_taken_starts_again_on_another_and_fails_on_its_own_failure.__name__,
     }:
         cache, shakespeare = request.getfixturevalue("cache"), request.getfixturevalue("shakespeare")
     root = tmp_path_factory.mktemp("fault-launches")
@@ -838,6 +841,52 @@ def test_a_watched_stage_that_hangs_ends_the_process_naming_it_with_every_stack(
     assert processes[1].returncode == 0 and in_time_out.strip() == "done", in_time_err
 
 
+# Each rank of a launch of it touches FOLDER/RANK (FOLDER its argument), then fails on its own: exit 3.
+TOUCHES_AND_FAILS = """
+import os, pathlib, sys
+pathlib.Path(sys.argv[1], os.environ["RANK"]).touch()
+sys.exit(3)
+"""
+
+
+def _launch_on_a_taken_port(folder: Path, cache: Path, shakespeare: Path, env: dict[str, str]) -> dict:
+    """A 2-process DDP launch of TOUCHES_AND_FAILS whose first port is taken on purpose (bound here, not listened
+    on, as an outgoing connection holds its port: Accelerate's own check, a connect, finds it free), held until the
+    launch has ended: `{"taken", "ports", "returncode", "output", "taken_output", "ranks"}`."""
+    script, ranks = folder / "touches_and_fails.py", folder / "ranks"
+    script.write_text(TOUCHES_AND_FAILS, encoding="utf-8")
+    ranks.mkdir()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        launcher = launch_two_processes(
+            ["--multi_gpu"], [str(ranks)], folder / "ddp.log", program=(str(script),), env=env, port=port
+        )
+        returncode = launcher.wait(timeout=120)
+    taken_log = folder / f"ddp.port-{port}-taken.log"
+    return {
+        "taken": port,
+        "ports": launcher.ports,
+        "returncode": returncode,
+        "output": launcher.log_path.read_text(encoding="utf-8"),
+        "taken_output": taken_log.read_text(encoding="utf-8") if taken_log.exists() else None,
+        "ranks": sorted(path.name for path in ranks.iterdir()),
+    }
+
+
+def test_a_launch_whose_rendezvous_port_was_taken_starts_again_on_another_and_fails_on_its_own_failure(launched):
+    """The tests find a port free and the launcher binds it seconds later: anything on the machine may take it
+    meanwhile, and the launch failed before any rank ran. Such a launch (that exact failure, on that port) is
+    started again on a new port; a launch that fails otherwise, the ranks' own exit 3 here, is not (`ports` would
+    have a third entry: it is started at most 3 times)."""
+    result = launched
+    port = result["taken"]
+    assert result["ports"][0] == port and len(result["ports"]) == 2, result
+    assert port_taken_line(port) in result["taken_output"].splitlines(), result["taken_output"]
+    assert result["ranks"] == ["0", "1"], result["output"][-3000:]  # (the second attempt ran them)
+    assert result["returncode"] != 0 and "address already in use" not in result["output"], result["output"][-3000:]
+
+
 # The launches of the tests above (test name -> what runs it, given its own folder, the token cache, the corpus and
 # the environment), two at a time in the order of the tests (fault_launches); one test below adds its own.
 FAULT_LAUNCHES: dict[str, Callable[[Path, Path, Path, dict[str, str]], object]] = {
@@ -850,6 +899,9 @@ FAULT_LAUNCHES: dict[str, Callable[[Path, Path, Path, dict[str, str]], object]] 
     test_a_rank_that_dies_inside_a_checkpoint_is_named_not_blamed_on_the_disk.__name__: _rank_dies_in_a_checkpoint,
     test_the_end_of_a_ddp_run_is_bounded_by_ddp_timeout_and_names_the_stage.__name__: _stuck_rank_at_the_end,
     test_a_watched_stage_that_hangs_ends_the_process_naming_it_with_every_stack.__name__: _watched_stages,
+    test_a_launch_whose_rendezvous_port_was_taken_starts_again_on_another_and_fails_on_its_own_failure.__name__: (
+        _launch_on_a_taken_port
+    ),
 }
 
 

@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import pytest
@@ -127,17 +127,23 @@ def signalled(folder: Path, module: str, *signals: str) -> list[str]:
     return [sys.executable, str(script), ",".join(signals), module]
 
 
-def launch(argv: list[str], log: Path, env: Mapping[str, str] | None = None) -> subprocess.Popen:
-    """`argv` started in its own process group from the repository root, its output to `log` (`.log_path`), in
-    `env` (default: this process's environment)."""
+def run_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment a launched run gets: `env` (default: this process's environment) with the repository on the
+    path and one thread."""
     # PYTHONFAULTHANDLER: a run that hangs dumps every thread's Python stack on the SIGABRT `finish` sends
-    env = dict(
+    return dict(
         os.environ if env is None else env,
         PYTHONPATH=str(REPO_ROOT),
         OMP_NUM_THREADS="1",
         TOKENIZERS_PARALLELISM="false",
         PYTHONFAULTHANDLER="1",
     )
+
+
+def launch(argv: list[str], log: Path, env: Mapping[str, str] | None = None) -> subprocess.Popen:
+    """`argv` started in its own process group from the repository root, its output to `log` (`.log_path`), in
+    `env` (default: this process's environment)."""
+    env = run_environment(env)
     handle = open(log, "w", encoding="utf-8")
     process = subprocess.Popen(
         argv, env=env, cwd=REPO_ROOT, stdout=handle, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -146,7 +152,7 @@ def launch(argv: list[str], log: Path, env: Mapping[str, str] | None = None) -> 
     return process
 
 
-def finish(process: subprocess.Popen, timeout: float = 300) -> str:
+def finish(process: subprocess.Popen | RendezvousLaunch, timeout: float = 300) -> str:
     """The output of a launched run that must end within `timeout` s and succeed (a hang fails the test with
     every process's stack)."""
     try:
@@ -172,12 +178,14 @@ def launch_two_processes(
     log: Path,
     program: tuple[str, ...] = ("-m", "modeling_gpn.train"),
     env: Mapping[str, str] | None = None,
-) -> subprocess.Popen:
+    port: int | None = None,
+) -> RendezvousLaunch:
     """`accelerate launch` of 2 CPU processes with `distribution`'s flags (`--multi_gpu` for DDP, FSDP's),
     running `gpn train` (or `program`, a script that wraps it) with `args` (ACCELERATE_USE_CPU=1 comes from the
-    accelerate_on_cpu fixture, or from `env`, which replaces this process's environment as `launch`'s does)."""
-    return launch(
-        [
+    accelerate_on_cpu fixture, or from `env`, which replaces this process's environment as `launch`'s does). Its
+    rendezvous is on a free port (`RendezvousLaunch`), `port` the first one tried (default: one found free)."""
+    return RendezvousLaunch(
+        lambda port: [
             sys.executable,
             "-m",
             "accelerate.commands.launch",
@@ -191,16 +199,17 @@ def launch_two_processes(
             "--dynamo_backend",
             "no",
             "--main_process_port",
-            str(free_port()),
+            str(port),
             *program,
             *args,
         ],
         log,
         env,
+        port,
     )
 
 
-def failed_launch_output(launcher: subprocess.Popen, timeout: float = 120) -> str:
+def failed_launch_output(launcher: subprocess.Popen | RendezvousLaunch, timeout: float = 120) -> str:
     """Wait for a launch that must fail by itself (its process group killed whatever happens, so no rank
     outlives the test), and give its output after checking it ended with an error."""
     try:
@@ -214,10 +223,76 @@ def failed_launch_output(launcher: subprocess.Popen, timeout: float = 120) -> st
 
 
 def free_port() -> int:
-    """A free TCP port on the loopback, for a launch's rendezvous."""
+    """A free TCP port on the loopback, for a launch's rendezvous (free now: `RendezvousLaunch` for a launch)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+# How many times a launch is started in all, each on a new port, while its rendezvous finds its port taken.
+LAUNCH_ATTEMPTS = 3
+
+
+def port_taken_line(port: int) -> str:
+    """The line torch's rendezvous (its TCPStore, in the launcher) ends with when it cannot listen on `port` because
+    something else holds it: that exact failure, on that port, and no other."""
+    return (
+        "torch.distributed.DistNetworkError: The server socket has failed to listen on any local network address. "
+        f"port: {port}, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use"
+    )
+
+
+class RendezvousLaunch:
+    """`command(port)` (an `accelerate launch` whose rendezvous listens on `port`) launched as `launch` does, on a
+    port found free, and started again on a new one when its rendezvous says the port was taken
+    (`port_taken_line`), at most `LAUNCH_ATTEMPTS` times in all: the port is free when `free_port` closes its
+    probe, and the launcher binds it seconds later, after its imports; anything on the machine may take it meanwhile
+    (another test's launch or server, an outgoing connection's ephemeral port). The launcher then fails before any
+    rank starts, so nothing of the run exists yet. Any other failure is the run's own: never started again.
+
+    It is waited on as the `subprocess.Popen` of its current attempt (`pid`, `returncode`, `args`, `log_path`, ...
+    are that process's); `wait` and `poll`, which see an attempt end, start the next one. An attempt that failed
+    on its port leaves its output in `log` with `.port-N-taken` before the suffix; `ports` lists the ports tried."""
+
+    def __init__(
+        self, command: Callable[[int], list[str]], log: Path, env: Mapping[str, str] | None, port: int | None = None
+    ) -> None:
+        self.command, self.log, self.env = command, log, run_environment(env)  # (the same for every attempt)
+        self.ports: list[int] = []
+        self.process = self._started(port or free_port())
+
+    def _started(self, port: int) -> subprocess.Popen:
+        self.ports.append(port)
+        return launch(self.command(port), self.log, self.env)
+
+    def _started_again(self) -> bool:
+        """Whether the attempt, ended, failed on its port and the next one was started."""
+        port = self.ports[-1]
+        if self.process.returncode == 0 or len(self.ports) >= LAUNCH_ATTEMPTS:
+            return False
+        if port_taken_line(port) not in self.log.read_text(encoding="utf-8").splitlines():
+            return False
+        self.log.replace(self.log.with_name(f"{self.log.stem}.port-{port}-taken{self.log.suffix}"))
+        self.process = self._started(free_port())
+        return True
+
+    def poll(self) -> int | None:
+        """The current attempt's exit status (None: running), the next attempt started if it failed on its port."""
+        while self.process.poll() is not None and self._started_again():
+            pass
+        return self.process.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit status of the last attempt, within `timeout` s of now for them all (`subprocess.TimeoutExpired`
+        past it, as `Popen.wait` raises it)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self.process.wait(timeout=None if deadline is None else max(deadline - time.monotonic(), 0))
+            if not self._started_again():
+                return self.process.returncode
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.process, name)
 
 
 def saved_weights(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -227,7 +302,7 @@ def saved_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(model_dir / "model.safetensors"))
 
 
-def wait_for_step(process: subprocess.Popen, run_dir: Path, step: int, timeout: float = 180) -> None:
+def wait_for_step(process: subprocess.Popen | RendezvousLaunch, run_dir: Path, step: int, timeout: float = 180) -> None:
     """Wait until the launched run has logged `step` (it must still be running, and get there in `timeout` s)."""
     deadline = time.time() + timeout
     while True:
@@ -239,7 +314,7 @@ def wait_for_step(process: subprocess.Popen, run_dir: Path, step: int, timeout: 
         time.sleep(0.01)
 
 
-def stopped(process: subprocess.Popen, expected_code: int, timeout: float = 120) -> str:
+def stopped(process: subprocess.Popen | RendezvousLaunch, expected_code: int, timeout: float = 120) -> str:
     """The output of a launched run that was stopped: it ends with `expected_code` (within `timeout` s), without a
     traceback."""
     process.wait(timeout=timeout)
