@@ -6847,6 +6847,20 @@ MUTATIONS = [
         "    key = path.name.encode()  # MUTATION\n",
         ("tests/tools/test_hub.py -k loader_cannot_follow",),
     ),
+    Mutation(
+        "gpn push's kept parses of the remote code are never let go (a long-lived process keeps every text's)",
+        "modeling_gpn/hub/checks.py",
+        "        while len(_IMPORTS_OF_TEXT) > IMPORTS_KEPT:  # (the least recently checked first)\n",
+        "        while False:  # MUTATION\n",
+        ("tests/tools/test_hub.py -k kept_parses_are_bounded",),
+    ),
+    Mutation(
+        "gpn push's kept parses of the remote code let go the first kept, not the least recently checked",
+        "modeling_gpn/hub/checks.py",
+        "    found = _IMPORTS_OF_TEXT.pop(key, None)\n",
+        "    found = _IMPORTS_OF_TEXT.get(key)  # MUTATION (kept where it was: its place of first insertion)\n",
+        ("tests/tools/test_hub.py -k kept_parses_are_bounded",),
+    ),
 ]
 
 
