@@ -6861,6 +6861,13 @@ MUTATIONS = [
         "    found = _IMPORTS_OF_TEXT.get(key)  # MUTATION (kept where it was: its place of first insertion)\n",
         ("tests/tools/test_hub.py -k kept_parses_are_bounded",),
     ),
+    Mutation(
+        "a state refused across dtypes, both int8 of other float weights, says to continue it under the --dtype both have",
+        "modeling_gpn/state_file.py",
+        "    if their_name != our_name:\n",
+        "    if True:  # MUTATION\n",
+        ("tests/model/test_state.py -k refused_across_dtypes",),
+    ),
 ]
 
 
