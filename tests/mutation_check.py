@@ -6382,6 +6382,15 @@ MUTATIONS = [
         ("tests/tools/test_serve.py -k large_prompt_is_tokenized_off or each_endpoint_renders_and_tokenizes",),
     ),
     Mutation(
+        # (the mutation above makes no call the large prompt's test holds: that test then fails waiting for its hold;
+        # here its hold, HOLDS_MARKED_PROMPTS, is on the loop, and the test must see the other requests wait for it)
+        "gpn serve, off the event loop: a request's prompt is rendered and tokenized ahead, but on the event loop",
+        "modeling_gpn/serve/handlers.py",
+        "            await asyncio.to_thread(self._prepare, body)\n",
+        "            self._prepare(body)  # MUTATION\n",
+        ("tests/tools/test_serve.py -k large_prompt_is_tokenized_off",),
+    ),
+    Mutation(
         "gpn serve, off the event loop: the chat template is prepared with other arguments than transformers' handler gives (made on the loop)",
         "modeling_gpn/serve/handlers.py",
         "            add_generation_prompt=True,\n            tools=tools,",
