@@ -291,7 +291,11 @@ def weights_snapshot(model: nn.Module) -> tuple:
 
     A parameter that PEFT's `ParamWrapper` (`LoraConfig(target_parameters=...)`) parametrizes for each call has its
     version moved by every forward, its values left as they were (`peft_layers.cycled_parameters`): it is read by
-    its values instead (a glance, as the adapters' matrices), or every state a forward leaves would be refused."""
+    its values instead (a glance, as the adapters' matrices), or every state a forward leaves would be refused.
+
+    The token embedding is glanced at too: the head, outside the `GPNModel`, is a view of that table, so PEFT's LoRA
+    on `lm_head`, merged in place, writes the merge into it through `.data`, and no adapter layer below the model
+    says so: the state computed before was saved naming the merged model, which then continued it as its own."""
     key = parameters_key(model)
     cycled = cycled_parameters(model)
     if cycled:
@@ -301,7 +305,14 @@ def weights_snapshot(model: nn.Module) -> tuple:
             for parameter, k in zip(model.parameters(), key, strict=True)
         )
         key += (_glance(cycled),)
-    return key, json.dumps(adapter_settings(model), sort_keys=True), adapter_glance(model)
+    return key, json.dumps(adapter_settings(model), sort_keys=True), adapter_glance(model), _table_glance(model)
+
+
+def _table_glance(model: nn.Module) -> str:
+    """`_glance` of `model`'s token embedding table (the head's weight: `weights_snapshot`), "" where it has none."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    table = getattr(embeddings, "weight", None)
+    return _glance([table]) if isinstance(table, torch.Tensor) else ""
 
 
 def _tuner_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:

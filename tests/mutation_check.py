@@ -6877,6 +6877,13 @@ MUTATIONS = [
         "    if True:  # MUTATION\n",
         ("tests/model/test_state.py -k refused_across_dtypes",),
     ),
+    Mutation(
+        "GPNCache.save takes a state computed before a LoRA on the head (a view of the embedding table) was merged in place",
+        "modeling_gpn/state_file.py",
+        "    return key, json.dumps(adapter_settings(model), sort_keys=True), adapter_glance(model), _table_glance(model)\n",
+        "    return key, json.dumps(adapter_settings(model), sort_keys=True), adapter_glance(model)  # MUTATION\n",
+        ("tests/ecosystem/test_ecosystem.py -k lora_on_the_head_was_merged",),
+    ),
 ]
 
 
