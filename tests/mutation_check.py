@@ -6884,6 +6884,15 @@ MUTATIONS = [
         "    return key, json.dumps(adapter_settings(model), sort_keys=True), adapter_glance(model)  # MUTATION\n",
         ("tests/ecosystem/test_ecosystem.py -k lora_on_the_head_was_merged",),
     ),
+    Mutation(
+        # (the signals are sent by the run itself at named steps, SIGNALS_AT_STEPS: the stop must still be the
+        # program's own, at the step boundary, for its handlers' signal)
+        "gpn train: SIGTERM and SIGINT received are never acted on at the step boundary (the run trains to its end)",
+        "modeling_gpn/train/loop.py",
+        "    signum = stop_requested(run.accelerator, stop.received) if done != steps else None\n",
+        "    signum = None  # MUTATION\n",
+        ("tests/tools/test_train_faults.py -k sigterm_and_sigint",),
+    ),
 ]
 
 
