@@ -291,7 +291,11 @@ def weights_snapshot(model: nn.Module) -> tuple:
 
     A parameter that PEFT's `ParamWrapper` (`LoraConfig(target_parameters=...)`) parametrizes for each call has its
     version moved by every forward, its values left as they were (`peft_layers.cycled_parameters`): it is read by
-    its values instead (a glance, as the adapters' matrices), or every state a forward leaves would be refused."""
+    its values instead (a glance, as the adapters' matrices), or every state a forward leaves would be refused.
+
+    The token embedding is glanced at too: the head, outside the `GPNModel`, is a view of that table, so PEFT's LoRA
+    on `lm_head`, merged in place, writes the merge into it through `.data`, and no adapter layer below the model
+    says so: the state computed before was saved naming the merged model, which then continued it as its own."""
     key = parameters_key(model)
     cycled = cycled_parameters(model)
     if cycled:
@@ -301,7 +305,14 @@ def weights_snapshot(model: nn.Module) -> tuple:
             for parameter, k in zip(model.parameters(), key, strict=True)
         )
         key += (_glance(cycled),)
-    return key, json.dumps(adapter_settings(model), sort_keys=True), adapter_glance(model)
+    return key, json.dumps(adapter_settings(model), sort_keys=True), adapter_glance(model), _table_glance(model)
+
+
+def _table_glance(model: nn.Module) -> str:
+    """`_glance` of `model`'s token embedding table (the head's weight: `weights_snapshot`), "" where it has none."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    table = getattr(embeddings, "weight", None)
+    return _glance([table]) if isinstance(table, torch.Tensor) else ""
 
 
 def _tuner_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -642,7 +653,7 @@ def _check_state_belongs_to(metadata: dict[str, str], model: nn.Module, path: Pa
         raise GPNStateFileError(
             f"{path} holds a state computed with {_named(their_name, their_dtype)} weights; this model's are "
             f"{_named(ours['dtype_name'], ours['weights_dtype'])}"
-            + (f": continue it on the model loaded with --dtype {their_name}" if their_name else "")
+            + _continue_across_dtypes(their_name, their_dtype, ours["dtype_name"])
         )
     theirs = metadata.get("weights_fingerprint")
     if theirs != ours["weights_fingerprint"]:
@@ -669,6 +680,18 @@ def _named(name: str, kind: str) -> str:
     """A side of a refusal across dtypes: the weights as `--dtype` names them (`dtype_name`), with their kind as the
     file names it (`weights_kind`) where it says more ("int8 (bfloat16, quantized (Int8Tensor))")."""
     return kind if not name or name == kind else f"{name} ({kind})"
+
+
+def _continue_across_dtypes(their_name: str, their_kind: str, our_name: str) -> str:
+    """How to continue a state refused across dtypes (`dtype_name`s, `weights_kind`): on the model loaded with the
+    file's `--dtype`; where both sides have that name (int8 weights quantized from other float dtypes: `--dtype int8`
+    quantizes the bfloat16 model, a folder saved quantized from float32 runs as saved), naming that `--dtype` would
+    send the user to the model they have, so the float weights the file's were quantized from are named instead."""
+    if not their_name:
+        return ""
+    if their_name != our_name:
+        return f": continue it on the model loaded with --dtype {their_name}"
+    return f": both are {their_name}, quantized from other float weights; continue it on a model whose are {their_kind}"
 
 
 def _merged_in_place_note(theirs: str | None, ours: str) -> str:

@@ -6382,6 +6382,15 @@ MUTATIONS = [
         ("tests/tools/test_serve.py -k large_prompt_is_tokenized_off or each_endpoint_renders_and_tokenizes",),
     ),
     Mutation(
+        # (the mutation above makes no call the large prompt's test holds: that test then fails waiting for its hold;
+        # here its hold, HOLDS_MARKED_PROMPTS, is on the loop, and the test must see the other requests wait for it)
+        "gpn serve, off the event loop: a request's prompt is rendered and tokenized ahead, but on the event loop",
+        "modeling_gpn/serve/handlers.py",
+        "            await asyncio.to_thread(self._prepare, body)\n",
+        "            self._prepare(body)  # MUTATION\n",
+        ("tests/tools/test_serve.py -k large_prompt_is_tokenized_off",),
+    ),
+    Mutation(
         "gpn serve, off the event loop: the chat template is prepared with other arguments than transformers' handler gives (made on the loop)",
         "modeling_gpn/serve/handlers.py",
         "            add_generation_prompt=True,\n            tools=tools,",
@@ -6876,6 +6885,43 @@ MUTATIONS = [
         "    except Unanswered:\n        return None\n",
         "    except ZeroDivisionError:  # MUTATION\n        return None\n",
         ("tests/tools/test_serve.py -k get_that_gets_no_answer",),
+    ),
+    Mutation(
+        "gpn push's kept parses of the remote code are never let go (a long-lived process keeps every text's)",
+        "modeling_gpn/hub/checks.py",
+        "        while len(_IMPORTS_OF_TEXT) > IMPORTS_KEPT:  # (the least recently checked first)\n",
+        "        while False:  # MUTATION\n",
+        ("tests/tools/test_hub.py -k kept_parses_are_bounded",),
+    ),
+    Mutation(
+        "gpn push's kept parses of the remote code let go the first kept, not the least recently checked",
+        "modeling_gpn/hub/checks.py",
+        "    found = _IMPORTS_OF_TEXT.pop(key, None)\n",
+        "    found = _IMPORTS_OF_TEXT.get(key)  # MUTATION (kept where it was: its place of first insertion)\n",
+        ("tests/tools/test_hub.py -k kept_parses_are_bounded",),
+    ),
+    Mutation(
+        "a state refused across dtypes, both int8 of other float weights, says to continue it under the --dtype both have",
+        "modeling_gpn/state_file.py",
+        "    if their_name != our_name:\n",
+        "    if True:  # MUTATION\n",
+        ("tests/model/test_state.py -k refused_across_dtypes",),
+    ),
+    Mutation(
+        "GPNCache.save takes a state computed before a LoRA on the head (a view of the embedding table) was merged in place",
+        "modeling_gpn/state_file.py",
+        "    return key, json.dumps(adapter_settings(model), sort_keys=True), adapter_glance(model), _table_glance(model)\n",
+        "    return key, json.dumps(adapter_settings(model), sort_keys=True), adapter_glance(model)  # MUTATION\n",
+        ("tests/ecosystem/test_ecosystem.py -k lora_on_the_head_was_merged",),
+    ),
+    Mutation(
+        # (the signals are sent by the run itself at named steps, SIGNALS_AT_STEPS: the stop must still be the
+        # program's own, at the step boundary, for its handlers' signal)
+        "gpn train: SIGTERM and SIGINT received are never acted on at the step boundary (the run trains to its end)",
+        "modeling_gpn/train/loop.py",
+        "    signum = stop_requested(run.accelerator, stop.received) if done != steps else None\n",
+        "    signum = None  # MUTATION\n",
+        ("tests/tools/test_train_faults.py -k sigterm_and_sigint",),
     ),
 ]
 

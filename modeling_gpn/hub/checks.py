@@ -163,8 +163,11 @@ def _relative_imports_of(text: str, filename: str) -> list[tuple[int, int, str |
 # What each shipped file imports, by the SHA-256 of its text: a push parses the twenty-odd files of the remote code
 # twice (once written, and in the last checks before the upload), and a process that pushes again (a script, the
 # tests) parses the same files each time; the parses were most of a dry run's time. Keyed by the text, a file that
-# changed is parsed anew.
+# changed is parsed anew. The texts least recently checked are let go past IMPORTS_KEPT: a long-lived process that
+# pushes code edited between pushes (a notebook, a training script pushing each checkpoint) would otherwise keep every
+# text's imports to its end.
 _IMPORTS_OF_TEXT: dict[bytes, tuple[frozenset[str], list[tuple[int, int, str | None, list[str]]]]] = {}
+IMPORTS_KEPT = 256  # texts whose imports are kept (a push checks some twenty files, twice)
 
 
 def _code_imports(path: Path) -> tuple[frozenset[str], list[tuple[int, int, str | None, list[str]]]]:
@@ -173,11 +176,15 @@ def _code_imports(path: Path) -> tuple[frozenset[str], list[tuple[int, int, str 
 
     text = path.read_text(encoding="utf-8")
     key = hashlib.sha256(text.encode("utf-8")).digest()
-    if key in _IMPORTS_OF_TEXT:
-        return _IMPORTS_OF_TEXT[key]
+    found = _IMPORTS_OF_TEXT.pop(key, None)
+    if found is not None:
+        _IMPORTS_OF_TEXT[key] = found  # (now the most recently checked: a dict keeps its order of insertion)
+        return found
     found = (frozenset(get_imports(path)), _relative_imports_of(text, str(path)))
     if path.read_text(encoding="utf-8") == text:  # (get_imports read the same text: kept for that text alone)
         _IMPORTS_OF_TEXT[key] = found
+        while len(_IMPORTS_OF_TEXT) > IMPORTS_KEPT:  # (the least recently checked first)
+            _IMPORTS_OF_TEXT.pop(next(iter(_IMPORTS_OF_TEXT)), None)
     return found
 
 

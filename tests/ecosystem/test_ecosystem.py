@@ -653,6 +653,24 @@ def test_a_peft_models_state_loads_into_it_and_not_with_other_adapter_settings(t
         after.save(tmp_path / "swapped.safetensors")
 
 
+def test_a_state_computed_before_a_lora_on_the_head_was_merged_in_place_is_not_saved(tmp_path):
+    """The head is a view of the token embedding table, outside the `GPNModel`: PEFT's LoRA on `lm_head`, merged in
+    place, writes the merge into that table through `.data` (no version bump), and no adapter layer below the model
+    says so. A state computed before the merge was saved naming the merged model (its fingerprint is its merge's),
+    and `merge_and_unload()`'s model then continued a state it did not compute, in silence; `save` now refuses it,
+    and the state computed after the merge is saved."""
+    adapted = lora_model(perturbed_model(tiny_config(eos_token_id=None)), targets=["lm_head"]).eval()
+    prefix = token_ids(2, 5, seed=4)
+    with torch.no_grad():
+        before = adapted(input_ids=prefix, use_cache=True).cache
+        adapted.merge_adapter()
+        after = adapted(input_ids=prefix, use_cache=True).cache
+    assert not all(torch.equal(a, b) for a, b in zip(before.get_state(), after.get_state(), strict=True))
+    with pytest.raises(ValueError, match="changed after this state was computed"):
+        before.save(tmp_path / "before.safetensors")
+    after.save(tmp_path / "after.safetensors")
+
+
 def prompt_tuned(config, seed: int = 3):
     """A GPN under PEFT prompt tuning with 4 virtual tokens of random values (PEFT takes their width from
     `hidden_size`, the state's, unless told the embedding's)."""

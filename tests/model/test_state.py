@@ -398,8 +398,9 @@ def test_a_state_of_quantized_weights_refused_across_dtypes_names_both_sides_as_
     as "computed with bfloat16 weights; this model's are bfloat16"-like words that sent users to load the model in
     bf16, and then by torchao's class (Int8Tensor), not the words the user typed. The file now names the weights'
     kind and the weights as `--dtype` does (`dtype_name`), and the refusal gives both sides so, with the kind beside
-    where it says more, and how to continue; a quantized model takes its own state back. A file saved before that
-    field was written still loads, and is refused with the words it was refused with."""
+    where it says more, and how to continue (not the --dtype both sides have: int8 of other float weights); a
+    quantized model takes its own state back. A file saved before that field was written still loads, and is
+    refused with the words it was refused with."""
     torchao = pytest.importorskip("torchao.quantization", reason="torchao (the test extra) quantizes the int8 model")
     int8 = perturbed_model(tiny_config(), seed=10).to(torch.bfloat16)
     torchao.quantize_(int8, torchao.Int8WeightOnlyConfig())
@@ -413,6 +414,15 @@ def test_a_state_of_quantized_weights_refused_across_dtypes_names_both_sides_as_
     assert message.endswith("this model's are bfloat16: continue it on the model loaded with --dtype int8")
     message = refused(paths["bf16"], int8, "computed with bfloat16 weights; this model's are int8 (bfloat16, quantized")
     assert message.endswith("continue it on the model loaded with --dtype bfloat16"), message
+    # int8 both, quantized from other float weights (a folder saved quantized from float32 runs as saved under
+    # --dtype int8): the way on is the file's float weights, not the --dtype the user already gave
+    int8_of_float32 = perturbed_model(tiny_config(), seed=10)
+    torchao.quantize_(int8_of_float32, torchao.Int8WeightOnlyConfig())
+    message = refused(paths["int8"], int8_of_float32, "this model's are int8 (float32, quantized (Int8Tensor))")
+    assert message.endswith(
+        ": both are int8, quantized from other float weights; continue it on a model whose are bfloat16, quantized"
+        " (Int8Tensor)"
+    ), message
     for path in paths.values():
         without_metadata(path, "dtype_name", "merged_adapters_hashed")
     GPNCache.load(paths["int8"], int8)

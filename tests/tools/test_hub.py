@@ -636,6 +636,29 @@ def test_relative_imports_the_hubs_loader_cannot_follow_are_refused(tmp_path):
     assert check_remote_code(tmp_path) == ["configuration_gpn.py", "helpers.py", "modeling_gpn.py"]
 
 
+def test_the_remote_codes_kept_parses_are_bounded_the_least_recently_checked_let_go(tmp_path, monkeypatch):
+    """What each remote-code file imports is kept by its text for the process's later pushes (`_IMPORTS_OF_TEXT`);
+    a process that pushes code edited between pushes kept every text's to its end. Past `IMPORTS_KEPT` texts the
+    least recently checked goes: a file checked at every push stays, and each text is still checked as it is."""
+    import hashlib
+
+    from modeling_gpn.hub import HubPushError, check_remote_code, checks
+
+    kept: dict = {}
+    monkeypatch.setattr(checks, "_IMPORTS_OF_TEXT", kept)  # (this test's alone: others' pushes leave theirs)
+    monkeypatch.setattr(checks, "IMPORTS_KEPT", 16)  # (the bound read at each check: fewer pushes to pass it)
+    (tmp_path / "configuration_gpn.py").write_text("import torch\n", encoding="utf-8")
+    edited, unchanged = tmp_path / "modeling_gpn.py", hashlib.sha256(b"import torch\n").digest()
+    for push in range(checks.IMPORTS_KEPT + 8):
+        edited.write_text(f"import torch\nfrom .configuration_gpn import GPNConfig\nPUSH = {push}\n", encoding="utf-8")
+        check_remote_code(tmp_path)
+        assert len(kept) <= checks.IMPORTS_KEPT and unchanged in kept  # (checked at every push: never the least recent)
+    assert len(kept) == checks.IMPORTS_KEPT
+    edited.write_text("import torch\nimport numpy\n", encoding="utf-8")
+    with pytest.raises(HubPushError, match="modeling_gpn.py imports numpy"):
+        check_remote_code(tmp_path)
+
+
 def test_push_takes_a_model_that_ends_only_at_special_tokens_as_generate_and_serve_do(source, tmp_path):
     """A chat model may end generate() at its end of turn, a special token, not at `</s>`: gpn push takes it, as gpn
     generate and gpn serve do (one rule: `cli.loading.end_of_text_disagreement`); an ordinary token is refused."""
