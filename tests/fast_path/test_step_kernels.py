@@ -22,7 +22,7 @@ from ..backend_observer import (
     PLAIN_PATH,
     ran,
 )
-from ..environment import require_c_kernels, require_exact_int8, require_int4_products
+from ..environment import require_c_kernels, require_exact_int8, require_int4_products, require_int8_tiles
 from ..tiny_models import perturbed_model, tiny_config, well_conditioned_model
 
 torchao = pytest.importorskip("torchao.quantization", reason="torchao (the test extra) quantizes the int8 models")
@@ -964,7 +964,7 @@ def test_an_int8_model_tiles_its_weights_once_its_steps_pay_for_them(monkeypatch
     prompt shorter than that, forwarded once, builds no tiles (they would cost more than they save)."""
     import ctypes
 
-    require_exact_int8()
+    require_int8_tiles()
     from modeling_gpn import memory_kernels
 
     model = quantized(perturbed_model(tiny_config(), seed=53))
