@@ -20,7 +20,7 @@ import argparse
 import http.client
 import json
 import os
-import socket
+import re
 import subprocess
 import sys
 import threading
@@ -66,10 +66,24 @@ def make_model(folder: Path) -> Path:
     return folder
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+# The line gpn serve says where it listens with (uvicorn's), the port the system gave it under `--port 0` included.
+LISTENING = re.compile(r"^.*Uvicorn running on http://127\.0\.0\.1:(\d+) \(Press CTRL\+C to quit\)$", re.MULTILINE)
+
+
+def listening_port(server: subprocess.Popen, log: Path, timeout: float = 180) -> int:
+    """The port the server started on `--port 0` listens on (its log names it), once /health answers there."""
+    deadline = time.monotonic() + timeout
+    while True:
+        listening = LISTENING.search(log.read_text(encoding="utf-8"))
+        if listening and int(listening[1]) != 0:
+            try:
+                health_wait(int(listening[1]))
+                return int(listening[1])
+            except OSError:
+                pass
+        if server.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"gpn serve did not start: see {log}")
+        time.sleep(0.2)
 
 
 def health_wait(port: int) -> float:
@@ -120,26 +134,19 @@ def main() -> None:
     plays = (shared_dir() / "data" / "tinyshakespeare" / "input.txt").read_text(encoding="utf-8")
     largest = int(max(args.sizes) * MIB)
     text = (plays * (largest // len(plays) + 1))[:largest]
-    port = free_port()
     source = args.source.resolve()
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=source, capture_output=True, text=True, check=False
     ).stdout.strip()
     env = {**os.environ, "PYTHONPATH": str(source), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-m", "gpn_cli", "serve", str(model), "--host", "127.0.0.1", "--port", str(port)]
+    command = [sys.executable, "-m", "gpn_cli", "serve", str(model), "--host", "127.0.0.1", "--port", "0"]
     command += ["--device", "cpu", "--max-request-bytes", str(largest + MIB)]
     log = open(args.work / "server.log", "w", encoding="utf-8")  # noqa: SIM115 - open while the server runs
     server = subprocess.Popen(command, cwd=source, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                health_wait(port)
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"gpn serve did not start: see {args.work / 'server.log'}") from None
-                time.sleep(0.2)
+        # Port 0: the system gives the server a port and its log names it. A port found free here and bound by the
+        # server after its imports could be taken meanwhile by anything else on the machine.
+        port = listening_port(server, args.work / "server.log")
         load = os.getloadavg()[0]
         print(f"gpn serve from {source} (commit {commit}), load average {load:.1f} before")
         print("| endpoint | prompt | longest /health wait (s) | the large request (s) | /health answers | its answer |")

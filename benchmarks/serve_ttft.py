@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
+import re
 import statistics
 import subprocess
 import sys
@@ -124,32 +124,40 @@ def banned_tokens(tokenizer) -> dict[str, float]:
 # --------------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+# The line a server says where it listens with (uvicorn's, for gpn serve and transformers serve alike), the port the
+# system gave it under `--port 0` included.
+LISTENING = re.compile(r"^.*Uvicorn running on http://127\.0\.0\.1:(\d+) \(Press CTRL\+C to quit\)$", re.MULTILINE)
 
 
 class Server:
-    def __init__(self, name: str, command: list[str], port: int, log: Path, threads: int):
-        self.name, self.port, self.log = name, port, log
+    def __init__(self, name: str, command: list[str], log: Path, threads: int):
+        # Port 0: the server binds a port the system gives it and says which in its log (`wait` reads it). A port
+        # found free here and bound by the server after its imports could be taken meanwhile by anything else.
+        self.name, self.port, self.log = name, 0, log
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         with open(log, "w", encoding="utf-8") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+            self.process = subprocess.Popen(
+                [*command, "--port", "0"], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT
+            )
 
     def wait(self, timeout: float = 300) -> None:
+        """Until the server answers /health on the port its log names (`self.port` set to it)."""
         import urllib.request
 
         deadline = time.monotonic() + timeout
         while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                pass
+            listening = LISTENING.search(self.log.read_text(encoding="utf-8"))
+            if listening and int(listening[1]) != 0:
+                try:
+                    url = f"http://127.0.0.1:{listening[1]}/health"
+                    with urllib.request.urlopen(url, timeout=5) as response:
+                        if response.status == 200:
+                            self.port = int(listening[1])
+                            return
+                except OSError:
+                    pass
             if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} did not start:\n{self.log.read_text()[-3000:]}")
+                raise RuntimeError(f"{self.name} did not start:\n{self.log.read_text(encoding='utf-8')[-3000:]}")
             time.sleep(0.5)
 
     def client(self):
@@ -175,12 +183,10 @@ def start_servers(gpn_dir: Path, llama_dir: Path, work: Path, threads: int) -> l
         ("gpn serve, no store", [*gpn, "--state-store-bytes", "0"]),
         ("transformers serve (Llama)", plain),
     ]
-    servers = []
-    for name, command in specs:
-        port = free_port()
-        servers.append(
-            Server(name, [*command, "--port", str(port)], port, work / f"{name.split()[0]}-{port}.log", threads)
-        )
+    servers = [
+        Server(name, command, work / f"{index}-{name.split()[0]}.log", threads)
+        for index, (name, command) in enumerate(specs)
+    ]
     for server in servers:
         server.wait()
     return servers

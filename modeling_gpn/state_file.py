@@ -349,14 +349,14 @@ def adapter_glance(model: nn.Module) -> str:
 def _glance(parameters: Iterable[torch.Tensor]) -> str:
     """A SHA-256 of `GLANCE_VALUES` evenly spaced values of each of `parameters` (but meta ones, offloaded: accelerate's
     hooks hold their values, and tensor subclasses), gathered into one tensor (one copy to the host); "" for none."""
-    parts = [
-        parameter.detach().reshape(-1)[:: max(1, parameter.numel() // GLANCE_VALUES)].to(torch.float64)
-        for parameter in parameters
-        if not parameter.is_meta and not is_traceable_wrapper_subclass(parameter.detach())
-    ]
-    if not parts:
+    held = [p.detach() for p in parameters if not p.is_meta and not is_traceable_wrapper_subclass(p.detach())]
+    if not held:
         return ""
-    return hashlib.sha256(_tensor_bytes(torch.cat([part.to(parts[0].device) for part in parts]))).hexdigest()
+    # (inside a torch.func transform, `functional_call` in `grad` or `jvp`: its wrappers' values read as plain
+    # tensors, with storage, rather than as the transform's wrapped results, which have none to read bytes from)
+    with torch._C._DisableFuncTorch():
+        parts = [tensor.reshape(-1)[:: max(1, tensor.numel() // GLANCE_VALUES)].to(torch.float64) for tensor in held]
+        return hashlib.sha256(_tensor_bytes(torch.cat([part.to(parts[0].device) for part in parts]))).hexdigest()
 
 
 def adapter_settings(model: nn.Module) -> dict[str, dict]:

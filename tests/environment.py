@@ -99,6 +99,17 @@ def require_int4_products() -> None:
         pytest.skip(f"the C kernels are built for {isa}: int4 weights are multiplied as their dequantized matrices")
 
 
+def require_int8_tiles() -> None:
+    """Skip unless the C kernels run here with int8 products that read their weights from tiles
+    (`memory_kernels._tile_int8`: on AVX512-VNNI's dot products; AVX2's exact int8 products read them by rows)."""
+    require_c_kernels()
+    from modeling_gpn import memory_kernels
+
+    isa = memory_kernels.products_isa()
+    if "+vnni" not in isa:
+        pytest.skip(f"the C kernels are built for {isa}: int8 weights are read by rows, never tiled")
+
+
 def require_exact_int8() -> None:
     """Skip unless the C kernels run here with int8 products on integer sums of the input rounded to 16 bits:
     AVX512-VNNI's dot products or AVX2's 16-bit multiply-adds (elsewhere they convert each weight to float)."""

@@ -6923,6 +6923,13 @@ MUTATIONS = [
         "    signum = None  # MUTATION\n",
         ("tests/tools/test_train_faults.py -k sigterm_and_sigint",),
     ),
+    Mutation(
+        "a weights snapshot inside a torch.func transform (functional_call in grad, jvp) reads the wrapped parameters",
+        "modeling_gpn/state_file.py",
+        "    with torch._C._DisableFuncTorch():\n",
+        "    if True:  # MUTATION\n",
+        ("tests/fast_path/test_autograd_modes.py -k grad_and_jvp",),
+    ),
 ]
 
 

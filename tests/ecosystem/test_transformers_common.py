@@ -43,39 +43,53 @@ STAND_INS = {
 PACKAGE = "transformers_common_tests"  # the sdist's tests/ folder, importable (its imports are relative)
 
 
+def stand_in(text: str) -> str:
+    """The file written for a module the sdist lacks, `text` its body."""
+    return f'"""Empty stand-in (see gpn tests/ecosystem/test_transformers_common.py)."""\n\n\n{text}'
+
+
 def common_tests_folder() -> Path:
     """The cache folder holding `PACKAGE` for the installed transformers, downloaded on first use."""
     version = transformers.__version__
     root = Path(os.environ.get("GPN_TRANSFORMERS_TESTS_CACHE", Path.home() / ".cache" / "gpn" / "transformers-tests"))
     folder = root / version
     package = folder / PACKAGE
-    if (package / "test_modeling_common.py").exists():
-        return folder
+    if (package / "test_modeling_common.py").exists() and all(
+        (package / relative).is_file() and (package / relative).read_text(encoding="utf-8") == stand_in(text)
+        for relative, text in STAND_INS.items()
+    ):
+        return folder  # (a folder an older checkout made with other stand-ins is made again)
     folder.mkdir(parents=True, exist_ok=True)
-    download = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-binary",
-            ":all:",
-            "--no-deps",
-            f"transformers=={version}",
-            "-d",
-            str(folder),
-            "--quiet",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    sdists = list(folder.glob(f"transformers-{version}.tar.gz"))
-    if download.returncode != 0 or not sdists:
-        said = [
-            line for line in download.stderr.splitlines() if line.strip() and not line.startswith("WARNING: Location")
-        ]
-        raise RuntimeError(f"pip download of the transformers {version} sdist failed: {' / '.join(said[-3:])[-600:]}")
+    sdists = list(folder.glob(f"transformers-{version}.tar.gz"))  # (kept: remade without the network)
+    if not sdists:
+        download = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-binary",
+                ":all:",
+                "--no-deps",
+                f"transformers=={version}",
+                "-d",
+                str(folder),
+                "--quiet",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        sdists = list(folder.glob(f"transformers-{version}.tar.gz"))
+        if download.returncode != 0 or not sdists:
+            said = [
+                line
+                for line in download.stderr.splitlines()
+                if line.strip() and not line.startswith("WARNING: Location")
+            ]
+            raise RuntimeError(
+                f"pip download of the transformers {version} sdist failed: {' / '.join(said[-3:])[-600:]}"
+            )
     staging = folder / "staging"
     shutil.rmtree(staging, ignore_errors=True)
     with tarfile.open(sdists[0]) as archive:
@@ -90,7 +104,7 @@ def common_tests_folder() -> Path:
         path = staged_package / relative
         path.parent.mkdir(exist_ok=True)
         (path.parent / "__init__.py").write_text("")
-        path.write_text(f'"""Empty stand-in (see gpn tests/ecosystem/test_transformers_common.py)."""\n\n\n{text}')
+        path.write_text(stand_in(text), encoding="utf-8")
     shutil.rmtree(package, ignore_errors=True)
     shutil.move(staged_package, package)  # complete or absent: a later run never sees half a folder
     shutil.rmtree(staging, ignore_errors=True)

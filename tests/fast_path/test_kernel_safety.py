@@ -418,6 +418,10 @@ def plant(cache: Path, content: bytes) -> Path:
     planted = library.with_name(library.name.rsplit("-", 1)[0] + f"-{content_hash[:16]}.so")
     planted.write_bytes(content)
     record.write_text(content_hash + "\n")
+    # (as a build leaves them, whatever the umask: a library writable by the group, under umask 002, is refused for
+    # that before the complaint the test plants it for)
+    planted.chmod(0o644)
+    record.chmod(0o644)
     return planted
 
 

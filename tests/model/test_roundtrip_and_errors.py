@@ -81,6 +81,7 @@ def test_trust_remote_code_in_a_fresh_process_without_the_package(saved, tmp_pat
         """
     )
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
+    env["OMP_NUM_THREADS"] = "1"  # (this process's one thread, tests/conftest.py: its logits compared to the bit)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert torch.equal(torch.load(tmp_path / "logits.pt"), logits)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import re
 import subprocess
 import sys
@@ -203,6 +204,13 @@ def test_a_prefill_chunk_length_that_is_not_a_non_negative_integer_is_refused_by
 # 2. A state as a file
 # --------------------------------------------------------------------------------------------------
 
+
+# A new process's environment: torch's one thread, as in this one (tests/conftest.py), so that what it computes is
+# compared with what this process computed at the same thread count, whatever the machine's cores (torch's default).
+def one_thread_environment() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
 CONTINUE_IN_A_NEW_PROCESS = """
 import json, sys, torch
 from transformers import AutoModelForCausalLM
@@ -246,7 +254,9 @@ def _saved_state_and_its_process(folder: Path) -> tuple[dict, Callable[[], subpr
         json.dumps(prefix_mask.tolist()),
     ]
     made = dict(folder=folder, model=model, prefix=prefix, uninterrupted=uninterrupted, cache=cache)
-    return made, lambda: subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT)
+    return made, lambda: subprocess.run(
+        command, capture_output=True, text=True, cwd=REPO_ROOT, env=one_thread_environment()
+    )
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -787,7 +797,7 @@ def printed_texts(stdout: str) -> list[str]:
 
 def gpn_generate(*args) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "gpn_cli", "generate", *map(str, args), "--device", "cpu"]
-    return subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT)
+    return subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, env=one_thread_environment())
 
 
 def test_cli_save_state_then_continue_equals_one_run(generate_dir, tmp_path, capsys):
