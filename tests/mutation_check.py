@@ -6930,6 +6930,13 @@ MUTATIONS = [
         "    if True:  # MUTATION\n",
         ("tests/fast_path/test_autograd_modes.py -k grad_and_jvp",),
     ),
+    Mutation(
+        "gpn train refuses a run folder whose lock a child forked during the last run still holds, unrecorded",
+        "modeling_gpn/train/run_folder.py",
+        "                if os.pread(fd, 4096, 0).strip() or time.monotonic() >= deadline:\n",
+        "                if True:  # MUTATION\n",
+        ("tests/tools/test_train_faults.py -k forked_child",),
+    ),
 ]
 
 

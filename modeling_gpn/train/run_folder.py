@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import types
     from collections.abc import Callable, Iterator
 
     from accelerate import Accelerator
@@ -195,7 +196,7 @@ class RunFolderLock:
                 )
             return self
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._flock(fcntl, fd)
         except BlockingIOError:
             holder = self._describe(os.pread(fd, 4096, 0))
             os.close(fd)
@@ -225,6 +226,26 @@ class RunFolderLock:
         self._fd = fd
         return self
 
+    # How long a lock held without a record is waited for. A flock belongs to the open file, which a process forked
+    # while a run held it (`subprocess` forks, then closes the file as it executes) shares: the run's release then
+    # leaves the lock held, its record emptied, for as long as that child takes to exec (milliseconds, longer on a
+    # busy machine), and a run into the folder just then (a resume in the same process) was refused as in use by a
+    # holder unknown. A run that has just taken the lock and not yet written its record is seen so too.
+    UNRECORDED_WAIT_S = 5.0
+
+    def _flock(self, fcntl: types.ModuleType, fd: int) -> None:
+        """Take the flock on `fd` (BlockingIOError: held), waiting up to UNRECORDED_WAIT_S while it is held
+        with no record of its holder."""
+        deadline = time.monotonic() + self.UNRECORDED_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if os.pread(fd, 4096, 0).strip() or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.01)
+
     def release(self) -> None:
         """Empty the holder record, then unlock (closing the file releases the flock)."""
         if self._fd is None:
@@ -240,7 +261,13 @@ class RunFolderLock:
             record = json.loads(raw.decode())
             return f"pid {record['pid']} on {record['host']}, started {record['started']}: {record['command']}"
         except (ValueError, KeyError, TypeError):
-            return "holder unknown: the lock file holds no readable record"
+            if raw.strip():
+                return "holder unknown: the lock file holds no readable record"
+            return (
+                f"holder unknown: the lock file held no record for {RunFolderLock.UNRECORDED_WAIT_S:g} s: a run "
+                "that could not write it, or a process that inherited the lock from a run that has ended (forked "
+                "while it ran)"
+            )
 
 
 @contextlib.contextmanager

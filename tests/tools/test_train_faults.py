@@ -988,6 +988,37 @@ def test_the_lock_is_held_only_while_train_runs_in_process(tmp_path, cache, shak
     train_module.RunFolderLock(run_dir).acquire().release()
 
 
+def test_a_lock_a_forked_child_still_holds_after_its_run_released_it_is_waited_for(tmp_path):
+    """A flock belongs to the open file, which a process forked while a run held it shares until it execs (the
+    tests' background launches fork beside in-process runs): a resume in the same folder right after the run ended
+    was refused, "in use by another gpn train run (holder unknown ...)" (a fresh-clone CI). The next run now waits
+    while the lock is held with no record of a holder, and takes it once that child lets go; a lock held for longer
+    with no record is refused naming both causes."""
+    run_dir = tmp_path / "run"
+    first = train_module.RunFolderLock(run_dir).acquire()
+    # (a child given the lock's file as a forked one has it, gone 0.5 s after the run's release)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"], pass_fds=[first._fd])
+    try:
+        first.release()
+        waited = time.monotonic()
+        train_module.RunFolderLock(run_dir).acquire().release()
+        assert child.poll() is not None and time.monotonic() - waited < 5
+    finally:
+        child.kill()
+        child.wait()
+    lock = train_module.RunFolderLock(run_dir).acquire()
+    kept = os.dup(lock._fd)  # (the same open file: the flock stays held once the lock is released)
+    lock.release()
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(train_module.RunFolderLock, "UNRECORDED_WAIT_S", 0.2)
+            with pytest.raises(train_module.RunFolderInUseError, match=r"held no record for 0.2 s: a run that could"):
+                train_module.RunFolderLock(run_dir).acquire()
+    finally:
+        os.close(kept)
+    train_module.RunFolderLock(run_dir).acquire().release()
+
+
 def test_without_flock_the_run_folder_is_not_locked_and_says_so(tmp_path, monkeypatch):
     """Windows has no fcntl (`gpn train` stopped there with ModuleNotFoundError): the run goes on unlocked, one
     warning saying a second run into the folder would not be refused; an unwritable folder is still refused."""
