@@ -3190,9 +3190,9 @@ MUTATIONS = [
     ),
     Mutation(
         "a folder saved int4 is not told from another quantization (gpn generate --dtype int4 refuses it)",
-        "modeling_gpn/cli/quantization.py",
-        '        elif dequantized_by_linear(parameter) and getattr(parameter, "target_dtype", None) is torch.int4:\n',
-        "        elif False:  # MUTATION\n",
+        "modeling_gpn/state_file.py",
+        '    return "int4" if along_rows and held.get("target_dtype") is torch.int4 and weight_only else name\n',
+        "    return name  # MUTATION\n",
         (
             "tests/fast_path/test_step_kernels.py::"
             "test_gpn_generate_runs_a_folder_saved_quantized_as_saved_and_refuses_another_quantization[int4-int8]",
@@ -6936,6 +6936,50 @@ MUTATIONS = [
         "                if os.pread(fd, 4096, 0).strip() or time.monotonic() >= deadline:\n",
         "                if True:  # MUTATION\n",
         ("tests/tools/test_train_faults.py -k forked_child",),
+    ),
+    Mutation(
+        "an int8 weight with activation quantization (no --dtype makes it) is named int8",
+        "modeling_gpn/state_file.py",
+        '        return "int8" if along_rows and block[1] == cols and symmetric and weight_only else name\n',
+        '        return "int8" if along_rows and block[1] == cols and symmetric else name  # MUTATION\n',
+        ("tests/model/test_state.py -k one_dtype_name",),
+    ),
+    Mutation(
+        "an int8 weight of per-group scales (not --dtype int8's one per row) is named int8",
+        "modeling_gpn/state_file.py",
+        '        return "int8" if along_rows and block[1] == cols and symmetric and weight_only else name\n',
+        '        return "int8" if along_rows and symmetric and weight_only else name  # MUTATION\n',
+        ("tests/model/test_state.py -k one_dtype_name",),
+    ),
+    Mutation(
+        "an int4 weight with activation quantization (no --dtype makes it) is named int4",
+        "modeling_gpn/state_file.py",
+        '    return "int4" if along_rows and held.get("target_dtype") is torch.int4 and weight_only else name\n',
+        '    return "int4" if along_rows and held.get("target_dtype") is torch.int4 else name  # MUTATION\n',
+        ("tests/model/test_state.py -k one_dtype_name",),
+    ),
+    Mutation(
+        "a low-bit weight of other values than int4 is named int4",
+        "modeling_gpn/state_file.py",
+        '    return "int4" if along_rows and held.get("target_dtype") is torch.int4 and weight_only else name\n',
+        '    return "int4" if along_rows and weight_only else name  # MUTATION\n',
+        ("tests/model/test_state.py -k one_dtype_name",),
+    ),
+    Mutation(
+        "a state file's dtype_name reads torchao's class names again, not the one definition",
+        "modeling_gpn/state_file.py",
+        "    kinds = {quantized_kind(parameter) for parameter in model.parameters() if _quantized(parameter)}\n",
+        "    kinds = {next((n for n, c in QUANTIZED_TENSORS.items() if c == type(parameter).__name__), '') for parameter in model.parameters() if _quantized(parameter)}  # MUTATION\n",
+        ("tests/model/test_state.py -k one_dtype_name",),
+    ),
+    Mutation(
+        "--dtype's quantized_as reads the fast path's recogniser again (an int8 weight of float16 is another kind)",
+        "modeling_gpn/cli/quantization.py",
+        '    return {quantized_kind(parameter) for parameter in model.parameters()} - {""}\n',
+        "    from modeling_gpn.recurrence_step import int8_weight_parts  # MUTATION\n"
+        '    kinds = {quantized_kind(parameter) for parameter in model.parameters()} - {""}\n'
+        '    return {"Int8Tensor" if k == "int8" and not any(map(int8_weight_parts, model.parameters())) else k for k in kinds}\n',
+        ("tests/model/test_state.py -k one_dtype_name",),
     ),
 ]
 
