@@ -683,8 +683,14 @@ def _check_state_belongs_to(metadata: dict[str, str], model: nn.Module, path: Pa
         )
     theirs = metadata.get("weights_fingerprint")
     if theirs != ours["weights_fingerprint"]:
-        if computes_as_its_merge(model) and theirs == weights_hash(model, as_stored=True):
-            return  # (saved by this model before its fingerprint was its merge's: its adapters hashed)
+        # (saved by this model before its fingerprint was its merge's: its adapters hashed. A file that says
+        # "no" adapters merged and hashed as stored never holds that hash, so its refusal hashes the weights once)
+        if (
+            metadata.get("merged_adapters_hashed") != "no"
+            and computes_as_its_merge(model)
+            and theirs == weights_hash(model, as_stored=True)
+        ):
+            return
         note = _unmerged_adapters_note(metadata.get("unmerged_adapters"), ours["unmerged_adapters"])
         merged = (
             ""

@@ -6802,8 +6802,8 @@ MUTATIONS = [
     Mutation(
         "a state saved by a LoRA merged in place before its fingerprint was its merge's no longer loads on it",
         "modeling_gpn/state_file.py",
-        "        if computes_as_its_merge(model) and theirs == weights_hash(model, as_stored=True):\n",
-        "        if False:  # MUTATION\n",
+        "            and computes_as_its_merge(model)\n            and theirs == weights_hash(model, as_stored=True)\n",
+        "            and False  # MUTATION\n",
         ("tests/ecosystem/test_ecosystem.py -k merged_in_place_and_of_its_merge",),
     ),
     Mutation(
@@ -6980,6 +6980,13 @@ MUTATIONS = [
         '    kinds = {quantized_kind(parameter) for parameter in model.parameters()} - {""}\n'
         '    return {"Int8Tensor" if k == "int8" and not any(map(int8_weight_parts, model.parameters())) else k for k in kinds}\n',
         ("tests/model/test_state.py -k one_dtype_name",),
+    ),
+    Mutation(
+        "a state of another model, written by this version, is refused on a LoRA merged in place after hashing twice",
+        "modeling_gpn/state_file.py",
+        '            metadata.get("merged_adapters_hashed") != "no"\n',
+        "            True  # MUTATION\n",
+        ("tests/ecosystem/test_ecosystem.py -k merged_in_place_and_of_its_merge",),
     ),
 ]
 
