@@ -2712,7 +2712,7 @@ MUTATIONS = [
     Mutation(
         "gpn serve cannot load a PEFT adapter folder (transformers' model manager: no config.json)",
         "modeling_gpn/serve/server.py",
-        '            _pointing(model_manager, "ModelManager", GPNModelManager),',
+        '            _pointing(model_manager, "ModelManager", quantizing_model_manager(quantize_to)),',
         "            # MUTATION",
         ("tests/tools/test_serve.py -k not_pinned_keeps_each_models_conversations",),
     ),
@@ -6823,8 +6823,8 @@ MUTATIONS = [
     Mutation(
         "gpn serve sizes the smallest state of a folder saved quantized as a float model's",
         "modeling_gpn/serve/cli.py",
-        '        least = StateStore.smallest_files_bytes(config, str(dtype).removeprefix("torch."), quantized_as_saved(config))\n',
-        '        least = StateStore.smallest_files_bytes(config, str(dtype).removeprefix("torch."))  # MUTATION\n',
+        "        dtype, quantized = args.dtype, saved\n",
+        "        dtype, quantized = args.dtype, None  # MUTATION\n",
         ("tests/tools/test_serve_store.py -k quantized_model_is_known",),
     ),
     Mutation(
@@ -6987,6 +6987,37 @@ MUTATIONS = [
         '            metadata.get("merged_adapters_hashed") != "no"\n',
         "            True  # MUTATION\n",
         ("tests/ecosystem/test_ecosystem.py -k merged_in_place_and_of_its_merge",),
+    ),
+    Mutation(
+        "gpn serve --dtype int8 | int4 serves the model unquantized (its states named by its float dtype)",
+        "modeling_gpn/serve/models.py",
+        "        if self.quantize_to is None:\n            return model\n",
+        "        if True:  # MUTATION\n            return model\n",
+        (
+            "tests/tools/test_serve.py::test_a_conversation_continues_after_the_server_is_stopped_and_restarted",
+            "tests/tools/test_serve_store.py -k bf16_or_quantized",
+        ),
+    ),
+    Mutation(
+        "gpn serve --dtype int8 | int4 hands transformers the integer dtype (its 'not a floating-point dtype' error)",
+        "modeling_gpn/serve/server.py",
+        '            quantize_to, serve_options["dtype"] = serve_options["dtype"], "auto"\n',
+        '            quantize_to = serve_options["dtype"]  # MUTATION\n',
+        ("tests/tools/test_serve.py::test_a_conversation_continues_after_the_server_is_stopped_and_restarted",),
+    ),
+    Mutation(
+        "gpn serve FLOAT --dtype int8 | int4 bounds --state-dir-bytes by the float model's smaller states",
+        "modeling_gpn/serve/cli.py",
+        '            dtype, quantized = ("auto" if saved == args.dtype else "bfloat16"), args.dtype\n',
+        '            dtype, quantized = "bfloat16", saved  # MUTATION\n',
+        ("tests/tools/test_serve_store.py -k bf16_or_quantized",),
+    ),
+    Mutation(
+        "gpn serve --dtype int8 with --quantization is not refused with the arguments",
+        "modeling_gpn/serve/cli.py",
+        "        refuse_two_quantizations(args.dtype, args.quantization)\n",
+        "        pass  # MUTATION\n",
+        ("tests/tools/test_serve.py::test_gpn_serve_that_cannot_start_says_why_without_a_traceback",),
     ),
 ]
 
