@@ -197,22 +197,48 @@ def named_weights_kind(dtype: str, quantized: Iterable[str]) -> str:
 
 
 def dtype_name(model: nn.Module) -> str:
-    """The weights as `gpn generate --dtype` (and `gpn serve --dtype`, for float ones) names them: "float32",
-    "bfloat16", "float16", or "int8" / "int4" where every quantized weight is torchao's of that kind
-    (`QUANTIZED_TENSORS`; int4: `IntxUnpackedToInt8Tensor` of int4 values); "" where no name fits (another dtype, another
-    quantization, two kinds). A refusal across dtypes names both sides so, not by torchao's classes alone."""
-    kinds = set()
-    for parameter in model.parameters():
-        if not _quantized(parameter):
-            continue
-        kind = type(parameter).__name__
-        if kind == QUANTIZED_TENSORS["int4"] and getattr(parameter, "target_dtype", None) is not torch.int4:
-            return ""  # (int1 to int8 values: no --dtype makes those)
-        kinds.add(next((name for name, tensor in QUANTIZED_TENSORS.items() if tensor == kind), ""))
+    """The weights as `gpn generate --dtype` (and `gpn serve --dtype`) names them: "float32", "bfloat16", "float16",
+    or "int8" / "int4" where every quantized weight is of that kind (`quantized_kind`); "" where no name fits
+    (another dtype, another quantization, two kinds). A refusal across dtypes names both sides so, not by torchao's
+    classes alone."""
+    kinds = {quantized_kind(parameter) for parameter in model.parameters() if _quantized(parameter)}
     if kinds:
-        return kinds.pop() if len(kinds) == 1 else ""
+        return kinds.pop() if len(kinds) == 1 and kinds <= QUANTIZED_TENSORS.keys() else ""
     dtype = str(model.dtype).removeprefix("torch.")
     return dtype if dtype in FLOAT_DTYPE_NAMES else ""
+
+
+def quantized_kind(weight: torch.Tensor) -> str:
+    """The one definition of a quantized weight's `--dtype` name: "int8" where `weight` is what `--dtype int8` makes
+    (torchao's `Int8WeightOnlyConfig`: that class, `Int8Tensor`, not a subclass, of int8 values with one scale per
+    output row, symmetric, no activation quantization), "int4" where it is what `--dtype int4` makes
+    (`IntxWeightOnlyConfig` of int4 values: `IntxUnpackedToInt8Tensor` in groups along its rows, of any size, no
+    activation quantization), on any device and of any float dtype (`weights_kind` names that); any other quantized
+    weight by its class name; "" for a weight not quantized. `dtype_name` and the tools' `quantized_as` both read
+    it, so that a state file and `--dtype` never name one model two ways; the fast path's recognisers
+    (`recurrence_step.int8_weight_parts`, `dequantized_by_linear`) only say what it can compute, a narrower set.
+    Read from the weight's own attributes (named, not imported: torchao stays optional), without its
+    __torch_function__."""
+    if not _quantized(weight):
+        return ""
+    kind = type(weight)
+    name = kind.__qualname__
+    if not kind.__module__.startswith("torchao.") or name not in QUANTIZED_TENSORS.values():
+        return name
+    held = weight.__dict__
+    qdata, block = held.get("qdata"), tuple(held.get("block_size") or ())
+    if not (isinstance(qdata, torch.Tensor) and qdata.dtype == torch.int8 and qdata.dim() == 2 and len(block) == 2):
+        return name
+    rows, cols = qdata.shape
+    along_rows = block[0] == 1 and 0 < block[1] <= cols and cols % block[1] == 0
+    if name == QUANTIZED_TENSORS["int8"]:
+        zero_point = held.get("zero_point")
+        with torch._C.DisableTorchFunctionSubclass():
+            symmetric = zero_point is None or (isinstance(zero_point, torch.Tensor) and not bool(zero_point.any()))
+        weight_only = all(held.get(part) is None for part in ("act_quant_kwargs", "act_pre_scale", "act_quant_scale"))
+        return "int8" if along_rows and block[1] == cols and symmetric and weight_only else name
+    weight_only = held.get("activation_quantization") is None
+    return "int4" if along_rows and held.get("target_dtype") is torch.int4 and weight_only else name
 
 
 def _quantized(parameter: torch.Tensor) -> bool:
@@ -657,8 +683,14 @@ def _check_state_belongs_to(metadata: dict[str, str], model: nn.Module, path: Pa
         )
     theirs = metadata.get("weights_fingerprint")
     if theirs != ours["weights_fingerprint"]:
-        if computes_as_its_merge(model) and theirs == weights_hash(model, as_stored=True):
-            return  # (saved by this model before its fingerprint was its merge's: its adapters hashed)
+        # (saved by this model before its fingerprint was its merge's: its adapters hashed. A file that says
+        # "no" adapters merged and hashed as stored never holds that hash, so its refusal hashes the weights once)
+        if (
+            metadata.get("merged_adapters_hashed") != "no"
+            and computes_as_its_merge(model)
+            and theirs == weights_hash(model, as_stored=True)
+        ):
+            return
         note = _unmerged_adapters_note(metadata.get("unmerged_adapters"), ours["unmerged_adapters"])
         merged = (
             ""

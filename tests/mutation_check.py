@@ -2712,7 +2712,7 @@ MUTATIONS = [
     Mutation(
         "gpn serve cannot load a PEFT adapter folder (transformers' model manager: no config.json)",
         "modeling_gpn/serve/server.py",
-        '            _pointing(model_manager, "ModelManager", GPNModelManager),',
+        '            _pointing(model_manager, "ModelManager", quantizing_model_manager(quantize_to)),',
         "            # MUTATION",
         ("tests/tools/test_serve.py -k not_pinned_keeps_each_models_conversations",),
     ),
@@ -3190,9 +3190,9 @@ MUTATIONS = [
     ),
     Mutation(
         "a folder saved int4 is not told from another quantization (gpn generate --dtype int4 refuses it)",
-        "modeling_gpn/cli/quantization.py",
-        '        elif dequantized_by_linear(parameter) and getattr(parameter, "target_dtype", None) is torch.int4:\n',
-        "        elif False:  # MUTATION\n",
+        "modeling_gpn/state_file.py",
+        '    return "int4" if along_rows and held.get("target_dtype") is torch.int4 and weight_only else name\n',
+        "    return name  # MUTATION\n",
         (
             "tests/fast_path/test_step_kernels.py::"
             "test_gpn_generate_runs_a_folder_saved_quantized_as_saved_and_refuses_another_quantization[int4-int8]",
@@ -6802,8 +6802,8 @@ MUTATIONS = [
     Mutation(
         "a state saved by a LoRA merged in place before its fingerprint was its merge's no longer loads on it",
         "modeling_gpn/state_file.py",
-        "        if computes_as_its_merge(model) and theirs == weights_hash(model, as_stored=True):\n",
-        "        if False:  # MUTATION\n",
+        "            and computes_as_its_merge(model)\n            and theirs == weights_hash(model, as_stored=True)\n",
+        "            and False  # MUTATION\n",
         ("tests/ecosystem/test_ecosystem.py -k merged_in_place_and_of_its_merge",),
     ),
     Mutation(
@@ -6823,8 +6823,8 @@ MUTATIONS = [
     Mutation(
         "gpn serve sizes the smallest state of a folder saved quantized as a float model's",
         "modeling_gpn/serve/cli.py",
-        '        least = StateStore.smallest_files_bytes(config, str(dtype).removeprefix("torch."), quantized_as_saved(config))\n',
-        '        least = StateStore.smallest_files_bytes(config, str(dtype).removeprefix("torch."))  # MUTATION\n',
+        "        dtype, quantized = args.dtype, saved\n",
+        "        dtype, quantized = args.dtype, None  # MUTATION\n",
         ("tests/tools/test_serve_store.py -k quantized_model_is_known",),
     ),
     Mutation(
@@ -6936,6 +6936,88 @@ MUTATIONS = [
         "                if os.pread(fd, 4096, 0).strip() or time.monotonic() >= deadline:\n",
         "                if True:  # MUTATION\n",
         ("tests/tools/test_train_faults.py -k forked_child",),
+    ),
+    Mutation(
+        "an int8 weight with activation quantization (no --dtype makes it) is named int8",
+        "modeling_gpn/state_file.py",
+        '        return "int8" if along_rows and block[1] == cols and symmetric and weight_only else name\n',
+        '        return "int8" if along_rows and block[1] == cols and symmetric else name  # MUTATION\n',
+        ("tests/model/test_state.py -k one_dtype_name",),
+    ),
+    Mutation(
+        "an int8 weight of per-group scales (not --dtype int8's one per row) is named int8",
+        "modeling_gpn/state_file.py",
+        '        return "int8" if along_rows and block[1] == cols and symmetric and weight_only else name\n',
+        '        return "int8" if along_rows and symmetric and weight_only else name  # MUTATION\n',
+        ("tests/model/test_state.py -k one_dtype_name",),
+    ),
+    Mutation(
+        "an int4 weight with activation quantization (no --dtype makes it) is named int4",
+        "modeling_gpn/state_file.py",
+        '    return "int4" if along_rows and held.get("target_dtype") is torch.int4 and weight_only else name\n',
+        '    return "int4" if along_rows and held.get("target_dtype") is torch.int4 else name  # MUTATION\n',
+        ("tests/model/test_state.py -k one_dtype_name",),
+    ),
+    Mutation(
+        "a low-bit weight of other values than int4 is named int4",
+        "modeling_gpn/state_file.py",
+        '    return "int4" if along_rows and held.get("target_dtype") is torch.int4 and weight_only else name\n',
+        '    return "int4" if along_rows and weight_only else name  # MUTATION\n',
+        ("tests/model/test_state.py -k one_dtype_name",),
+    ),
+    Mutation(
+        "a state file's dtype_name reads torchao's class names again, not the one definition",
+        "modeling_gpn/state_file.py",
+        "    kinds = {quantized_kind(parameter) for parameter in model.parameters() if _quantized(parameter)}\n",
+        "    kinds = {next((n for n, c in QUANTIZED_TENSORS.items() if c == type(parameter).__name__), '') for parameter in model.parameters() if _quantized(parameter)}  # MUTATION\n",
+        ("tests/model/test_state.py -k one_dtype_name",),
+    ),
+    Mutation(
+        "--dtype's quantized_as reads the fast path's recogniser again (an int8 weight of float16 is another kind)",
+        "modeling_gpn/cli/quantization.py",
+        '    return {quantized_kind(parameter) for parameter in model.parameters()} - {""}\n',
+        "    from modeling_gpn.recurrence_step import int8_weight_parts  # MUTATION\n"
+        '    kinds = {quantized_kind(parameter) for parameter in model.parameters()} - {""}\n'
+        '    return {"Int8Tensor" if k == "int8" and not any(map(int8_weight_parts, model.parameters())) else k for k in kinds}\n',
+        ("tests/model/test_state.py -k one_dtype_name",),
+    ),
+    Mutation(
+        "a state of another model, written by this version, is refused on a LoRA merged in place after hashing twice",
+        "modeling_gpn/state_file.py",
+        '            metadata.get("merged_adapters_hashed") != "no"\n',
+        "            True  # MUTATION\n",
+        ("tests/ecosystem/test_ecosystem.py -k merged_in_place_and_of_its_merge",),
+    ),
+    Mutation(
+        "gpn serve --dtype int8 | int4 serves the model unquantized (its states named by its float dtype)",
+        "modeling_gpn/serve/models.py",
+        "        if self.quantize_to is None:\n            return model\n",
+        "        if True:  # MUTATION\n            return model\n",
+        (
+            "tests/tools/test_serve.py::test_a_conversation_continues_after_the_server_is_stopped_and_restarted",
+            "tests/tools/test_serve_store.py -k bf16_or_quantized",
+        ),
+    ),
+    Mutation(
+        "gpn serve --dtype int8 | int4 hands transformers the integer dtype (its 'not a floating-point dtype' error)",
+        "modeling_gpn/serve/server.py",
+        '            quantize_to, serve_options["dtype"] = serve_options["dtype"], "auto"\n',
+        '            quantize_to = serve_options["dtype"]  # MUTATION\n',
+        ("tests/tools/test_serve.py::test_a_conversation_continues_after_the_server_is_stopped_and_restarted",),
+    ),
+    Mutation(
+        "gpn serve FLOAT --dtype int8 | int4 bounds --state-dir-bytes by the float model's smaller states",
+        "modeling_gpn/serve/cli.py",
+        '            dtype, quantized = ("auto" if saved == args.dtype else "bfloat16"), args.dtype\n',
+        '            dtype, quantized = "bfloat16", saved  # MUTATION\n',
+        ("tests/tools/test_serve_store.py -k bf16_or_quantized",),
+    ),
+    Mutation(
+        "gpn serve --dtype int8 with --quantization is not refused with the arguments",
+        "modeling_gpn/serve/cli.py",
+        "        refuse_two_quantizations(args.dtype, args.quantization)\n",
+        "        pass  # MUTATION\n",
+        ("tests/tools/test_serve.py::test_gpn_serve_that_cannot_start_says_why_without_a_traceback",),
     ),
 ]
 

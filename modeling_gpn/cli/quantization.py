@@ -62,23 +62,13 @@ QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}  # --dtype name -> w
 
 def quantized_as(model: torch.nn.Module) -> set[str]:
     """How `model`'s weights are already quantized (a folder saved through transformers' `TorchAoConfig`): the
-    `QUANTIZERS` names of those they make ("int8": torchao's int8 weight-only weight, `int8_weight_parts`; "int4":
-    its int4 weight-only one, `dequantized_by_linear` with int4 values), any other tensor subclass by its class name;
-    empty for a float model. torchao cannot quantize a quantized weight again (quantize_ fails inside its dispatch)
-    and `quantize_int4` leaves any quantized weight as it is, so a caller asked for one kind checks this first."""
-    from modeling_gpn.recurrence_step import dequantized_by_linear, int8_weight_parts
+    `QUANTIZERS` names of those they make, any other tensor subclass by its class name, as a state file names them
+    (`state_file.quantized_kind`: the one definition); empty for a float model. torchao cannot quantize a quantized
+    weight again (quantize_ fails inside its dispatch) and `quantize_int4` leaves any quantized weight as it is, so
+    a caller asked for one kind checks this first."""
+    from modeling_gpn.state_file import quantized_kind
 
-    kinds = set()
-    for parameter in model.parameters():
-        if type(parameter) is torch.nn.Parameter or type(parameter) is torch.Tensor:
-            continue
-        if int8_weight_parts(parameter) is not None:
-            kinds.add("int8")
-        elif dequantized_by_linear(parameter) and getattr(parameter, "target_dtype", None) is torch.int4:
-            kinds.add("int4")
-        else:
-            kinds.add(type(parameter).__name__)
-    return kinds
+    return {quantized_kind(parameter) for parameter in model.parameters()} - {""}
 
 
 def quantize_for(model: torch.nn.Module, kind: str, source: str = "the model") -> torch.nn.Module:

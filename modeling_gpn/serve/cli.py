@@ -20,6 +20,7 @@ import typing
 from transformers.cli.serve import Serve
 
 from ..cli.arguments import ADAPTER_FOLDER_HELP, writable_folder
+from ..cli.quantization import QUANTIZERS
 from . import (
     DEFAULT_MAX_CONTEXT,
     DEFAULT_MAX_QUEUED_REQUESTS,
@@ -113,6 +114,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         elif kind is bool:
             parser.add_argument(
                 f"--{name.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=default, help=help_text
+            )
+        elif name == "dtype":
+            parser.add_argument(
+                "--dtype",
+                default=default,
+                help=help_text + " A torch float dtype's name (float32, bfloat16, float16), or int8 or int4: torchao's "
+                "int8 / int4 weight-only quantization of every nn.Linear of the bfloat16 model but its output head, as "
+                "gpn generate --dtype int8 | int4 makes it (a folder saved quantized so is served as saved; one "
+                "saved otherwise quantized is refused).",
             )
         elif isinstance(kind, type) and issubclass(kind, enum.Enum):
             choices = [member.value for member in kind]
@@ -214,11 +224,14 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     from ..cli.loading import adapter_note, check_model_path
-    from .models import refuse_quantized_adapter
+    from ..cli.quantization import require_torchao
+    from .models import refuse_quantized_adapter, refuse_two_quantizations
 
     options = {name: getattr(args, name) for name, *_ in _serve_parameters() if name != "force_model"}
     options.update({name: getattr(args, name) for name in GPN_OPTIONS})
     try:  # checked before the model loads: a bad argument costs nothing
+        require_torchao(args.dtype)  # (--dtype int8 | int4: torchao's quantization, as gpn generate's)
+        refuse_two_quantizations(args.dtype, args.quantization)
         if args.model is not None:  # (as gpn eval, generate and inspect check theirs)
             # (transformers: "Repo id must be in the form ...", or its load's error)
             args.model = check_model_path(args.model)
@@ -272,8 +285,13 @@ def refuse_bounds_below_one_state(args: argparse.Namespace) -> None:
     if not isinstance(config, GPNConfig):  # (another model type: the load refuses it)
         return
     if args.state_dir is not None:
-        dtype = args.dtype if args.dtype not in (None, "auto") else getattr(config, "dtype", None) or "float32"
-        least = StateStore.smallest_files_bytes(config, str(dtype).removeprefix("torch."), quantized_as_saved(config))
+        saved = quantized_as_saved(config)
+        dtype, quantized = args.dtype, saved
+        if args.dtype in QUANTIZERS:  # (the bfloat16 model quantized so; a folder saved so, as saved)
+            dtype, quantized = ("auto" if saved == args.dtype else "bfloat16"), args.dtype
+        if dtype in (None, "auto"):
+            dtype = getattr(config, "dtype", None) or "float32"
+        least = StateStore.smallest_files_bytes(config, str(dtype).removeprefix("torch."), quantized)
         if args.state_dir_bytes < least:
             raise ValueError(
                 f"--state-dir-bytes {args.state_dir_bytes} is smaller than one state of {args.model} (its state file "

@@ -55,12 +55,22 @@ def refuse_quantized_adapter(model_id: str, quantization: str | None) -> None:
         )
 
 
+def refuse_two_quantizations(dtype: str | None, quantization: str | None) -> None:
+    """A `ValueError` where `--dtype int8 | int4` (torchao's quantization, `gpn serve --dtype`) and `--quantization`
+    (transformers serve's bitsandbytes) are both given: each quantizes the model, and torchao cannot quantize
+    bitsandbytes' layers."""
+    if dtype in ("int8", "int4") and quantization is not None:
+        raise ValueError(f"--dtype {dtype} and --quantization {quantization} are two quantizations: give one")
+
+
 class GPNModelManager(model_manager.ModelManager):
     """transformers' serving model manager, able to load a local PEFT adapter folder as the other `gpn` commands
     do (`cli.loading.load_causal_lm`): its base with the adapter merged, and the adapter folder's tokenizer, else
     the base's. transformers' own reads the folder's config.json, which an adapter folder has not. The model is
     the merged one, so the state store keeps its states under its own weights (`state_store.model_key`), apart
     from a server of the base's."""
+
+    quantize_to: str | None = None  # "int8", "int4": each model loaded is quantized so (`quantizing_model_manager`)
 
     def _load_processor(self, model_id_and_revision: str, gguf_file: str | None = None):
         from ..cli.loading import adapter_base, end_of_text_disagreement, tokenizer_source
@@ -90,16 +100,32 @@ class GPNModelManager(model_manager.ModelManager):
 
         model_id, _ = split_revision(model_id_and_revision)
         if gguf_file is not None or adapter_base(model_id) is None:
-            return super()._load_model(model_id_and_revision, tqdm_class, progress_callback, gguf_file)
-        refuse_quantized_adapter(model_id, self.quantization)  # (a server not pinned: the request's model)
-        return load_causal_lm(
-            model_id,
-            dtype=self.dtype,
-            device_map=self.device,
-            attn_implementation=self.attn_implementation,
-            trust_remote_code=self.trust_remote_code,
-            tqdm_class=tqdm_class,
-        )
+            model = super()._load_model(model_id_and_revision, tqdm_class, progress_callback, gguf_file)
+        else:
+            refuse_quantized_adapter(model_id, self.quantization)  # (a server not pinned: the request's model)
+            model = load_causal_lm(
+                model_id,
+                dtype=self.dtype,
+                device_map=self.device,
+                attn_implementation=self.attn_implementation,
+                trust_remote_code=self.trust_remote_code,
+                tqdm_class=tqdm_class,
+            )
+        if self.quantize_to is None:
+            return model
+        from ..cli.quantization import quantize_for
+
+        # (as gpn generate --dtype int8 | int4: the bfloat16 model quantized, a folder saved so served as saved,
+        # another quantization refused in one line)
+        return quantize_for(model, self.quantize_to, model_id)
+
+
+def quantizing_model_manager(kind: str | None) -> type[GPNModelManager]:
+    """`GPNModelManager`, each model it loads quantized to `kind` ("int8", "int4": `gpn serve --dtype int8 | int4`,
+    through `cli.quantization.quantize_for`), or as it is for None."""
+    if kind is None:
+        return GPNModelManager
+    return type(GPNModelManager.__name__, (GPNModelManager,), {"quantize_to": kind, "__module__": __name__})
 
 
 class TransformersWithGPN(types.ModuleType):

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
     from starlette.types import ASGIApp
 
+from ..cli.quantization import QUANTIZERS
 from ..cli.terminal import colours_wanted
 from . import (
     DEFAULT_MAX_CONTEXT,
@@ -49,7 +50,12 @@ from .handlers import (
     StateKeepingResponseHandler,
     WatchingClients,
 )
-from .models import GPNModelManager, load_only_the_pinned_model, make_gpn_loadable
+from .models import (
+    load_only_the_pinned_model,
+    make_gpn_loadable,
+    quantizing_model_manager,
+    refuse_two_quantizations,
+)
 from .state_store import StateStore
 
 
@@ -135,7 +141,10 @@ class GPNServe(Serve):
         max_context: the most tokens a request's prompt and answer may take together (None: no limit).
         max_queued_requests: the most requests taken on at once, running or waiting (None: no limit).
         max_request_bytes: the largest request body taken, a 413 beyond (None: no limit).
-        **serve_options: `Serve`'s options (`host`, `port`, `device`, `dtype`, ...).
+        **serve_options: `Serve`'s options (`host`, `port`, `device`, `dtype`, ...); `dtype` may be "int8" or
+            "int4" too: each model is loaded as saved and quantized as `gpn generate --dtype int8 | int4` quantizes
+            it (`cli.quantization.quantize_for`: torchao's weight-only quantization of the bfloat16 model, a folder
+            saved so served as saved, another quantization refused).
     """
 
     def __init__(
@@ -163,6 +172,10 @@ class GPNServe(Serve):
             store = StateStore(state_store_bytes, spill_dir=state_dir, spill_max_bytes=state_dir_bytes)
         self.policy = ServingPolicy(store=store, max_context=max_context, admission=Admission(max_queued_requests))
         make_gpn_loadable()
+        quantize_to = None
+        if serve_options.get("dtype") in QUANTIZERS:  # (transformers takes torch.int8 for a float dtype, and fails)
+            quantize_to, serve_options["dtype"] = serve_options["dtype"], "auto"
+            refuse_two_quantizations(quantize_to, serve_options.get("quantization"))
         chat = _with_policy(StateKeepingChatCompletionHandler, self.policy)
         legacy = _with_policy(StateKeepingCompletionHandler, self.policy)
         responses = _with_policy(StateKeepingResponseHandler, self.policy)
@@ -176,7 +189,8 @@ class GPNServe(Serve):
             _pointing(response, "ResponseHandler", responses),
             _pointing(systemone, "SystemOneHandler", decisions),
             _pointing(transcription, "TranscriptionHandler", CheckedTranscriptionHandler),
-            _pointing(model_manager, "ModelManager", GPNModelManager),  # (PEFT adapter folders loaded, merged)
+            # (PEFT adapter folders loaded, merged; quantized for --dtype int8 | int4)
+            _pointing(model_manager, "ModelManager", quantizing_model_manager(quantize_to)),
             _pointing(uvicorn, "Config", _coloured_as_the_terminal(uvicorn.Config)),  # (NO_COLOR, logs to a file)
             _pointing(
                 serving_server,

@@ -535,17 +535,19 @@ def test_a_lora_merged_in_place_runs_the_fast_path_exactly_as_merge_and_unload_a
     torch.testing.assert_close(fast, plain)
 
 
-def test_a_state_of_a_lora_merged_in_place_and_of_its_merge_load_on_each_other(tmp_path):
+def test_a_state_of_a_lora_merged_in_place_and_of_its_merge_load_on_each_other(tmp_path, monkeypatch):
     """A PeftModel merged in place (`merge_adapter()`) whose layers are provably their base layers computes
     `merge_and_unload()`'s states bit for bit (the fast path reads those base layers), but its state was refused
     there, and the merge's on it, as "other weights ... another adapter active, or adapters disabled", words that
     did not fit: its fingerprint hashed the adapters beside the merged weights. It is now its merge's, and each
     continues the other's state as its own. A file saved by it before (its adapters hashed) still loads on it; one
     merged in place but not so read (a hook on a layer: the plain loop, PEFT's own forward) is refused on the merge,
-    and the merge's state on it, saying so."""
-    from modeling_gpn import GPNCache
+    and the merge's state on it, saying so. Another model's state is refused on the weights hashed once (they were
+    hashed a second time, in their stored form, which a file of this version cannot hold)."""
+    from modeling_gpn import GPNCache, state_file
     from modeling_gpn.state_file import GPNStateFileError, state_fingerprint, weights_hash
 
+    hash_of = weights_hash
     adapted = lora_model(perturbed_model(tiny_config(eos_token_id=None))).eval()
     adapted.merge_adapter()
     unloaded = copy.deepcopy(adapted).merge_and_unload().eval()
@@ -574,6 +576,21 @@ def test_a_state_of_a_lora_merged_in_place_and_of_its_merge_load_on_each_other(t
     assert GPNCache.load(legacy, adapted).get_seq_length() == 7
     with pytest.raises(GPNStateFileError, match="other weights"):
         GPNCache.load(legacy, unloaded)
+    # another model's state, as this version writes it ("no" adapters hashed as stored): refused on the weights
+    # hashed once, its merge's form (the stored form, every byte again, cannot be the file's)
+    other = tmp_path / "other.st"
+    with torch.no_grad():
+        unloaded(input_ids=prefix, use_cache=True).cache.save(
+            other, model_fingerprint=state_fingerprint(inner) | {"weights_fingerprint": "0" * 64}
+        )
+    hashed = []
+    monkeypatch.setattr(
+        state_file, "weights_hash", lambda model, as_stored=False: hashed.append(as_stored) or hash_of(model, as_stored)
+    )
+    with pytest.raises(GPNStateFileError, match="other weights"):
+        GPNCache.load(other, adapted)
+    assert hashed == [False], hashed
+    monkeypatch.undo()
 
     hook = inner.predict_layers[0].gate.register_forward_hook(lambda *args: None)
     hooked = tmp_path / "hooked.st"

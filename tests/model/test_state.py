@@ -443,6 +443,44 @@ def test_a_state_of_quantized_weights_refused_across_dtypes_names_both_sides_as_
     assert message.endswith("this model's are bfloat16, quantized (Int8Tensor)"), message
 
 
+def test_a_quantized_weight_has_one_dtype_name_for_state_files_and_for_dtype():
+    """A state file's `dtype_name` and the tools' `quantized_as` (what `--dtype int8 | int4` takes a folder saved
+    quantized for) had two recognisers, torchao's class names and the fast path's, which disagreed at the edges: an
+    int8 or int4 weight of float16 was "int8" / "int4" to a state file and another quantization to `--dtype int8`,
+    refused as saved; an int8 weight of per-group scales, or either with activation quantization (which no `--dtype`
+    makes), was "int8" / "int4" to a state file, whose refusal then sent the user to `--dtype int8`. Both now read
+    `state_file.quantized_kind`: the name is what `--dtype` makes, of any float dtype; any other quantization is its
+    class."""
+    torchao = pytest.importorskip("torchao.quantization", reason="torchao (the test extra) quantizes the weights")
+    from torchao.quantization.granularity import PerAxis, PerGroup
+
+    from modeling_gpn.cli.quantization import quantize_for, quantized_as
+    from modeling_gpn.state_file import dtype_name
+
+    int4 = {"weight_dtype": torch.int4}
+    cases = [  # (float dtype, torchao's config, the name)
+        (torch.bfloat16, torchao.Int8WeightOnlyConfig(), "int8"),
+        (torch.float16, torchao.Int8WeightOnlyConfig(), "int8"),
+        (torch.bfloat16, torchao.Int8WeightOnlyConfig(granularity=PerGroup(16)), "Int8Tensor"),
+        (torch.bfloat16, torchao.Int8DynamicActivationInt8WeightConfig(), "Int8Tensor"),
+        (torch.bfloat16, torchao.IntxWeightOnlyConfig(**int4, granularity=PerAxis(0)), "int4"),
+        (torch.float16, torchao.IntxWeightOnlyConfig(**int4, granularity=PerGroup(16)), "int4"),
+        (torch.float32, torchao.Int8DynamicActivationIntxWeightConfig(**int4), "IntxUnpackedToInt8Tensor"),
+        (torch.bfloat16, torchao.IntxWeightOnlyConfig(weight_dtype=torch.int2), "IntxUnpackedToInt8Tensor"),
+    ]
+    for dtype, config, name in cases:
+        model = torch.nn.Sequential(torch.nn.Linear(32, 32, bias=False), torch.nn.Linear(32, 8, bias=False)).to(dtype)
+        torchao.quantize_(model, config)
+        case = f"{config} of {dtype}"
+        assert quantized_as(model) == {name}, case
+        assert dtype_name(model) == (name if name in ("int8", "int4") else ""), case
+        if name in ("int8", "int4"):
+            assert quantize_for(model, name) is model, case  # (run as saved)
+        else:
+            with pytest.raises(ValueError, match=rf"saved quantized already \({name} weights\): --dtype int8"):
+                quantize_for(model, "int8")
+
+
 @pytest.mark.parametrize("cut", [4, 40, "header", "data", 1])
 def test_a_truncated_state_file_is_refused(saved, tmp_path, cut):
     model, path = saved

@@ -220,7 +220,11 @@ def launched_servers(request, tmp_path_factory, holds) -> Iterator[dict[str, tup
     model_dir = request.getfixturevalue("model_dir") if {"pinned", "restart"} & set(used) else None
     limits = ["--max-queued-requests", str(MAX_QUEUED), "--max-context", str(MAX_CONTEXT)]
     limits += ["--max-request-bytes", str(MAX_REQUEST_BYTES)]
-    options = {"pinned": (model_dir, limits), "unpinned": (None, ["--model-timeout", "2"]), "restart": (model_dir, [])}
+    options = {
+        "pinned": (model_dir, limits),
+        "unpinned": (None, ["--model-timeout", "2"]),
+        "restart": (model_dir, ["--dtype", "int8"]),  # (the restart test serves a quantized model too)
+    }
     launches = {}
     try:
         for name in used:
@@ -1357,23 +1361,34 @@ def test_a_conversation_continues_after_the_server_is_stopped_and_restarted(
 ):
     """With --state-dir, a server stopped with Ctrl-C (SIGINT) writes the states it kept in memory there; one
     restarted on the folder continues the conversation from them (cached tokens), with the same answer. (The first
-    server was launched with the module's others, `launched_servers`.)"""
+    server was launched with the module's others, `launched_servers`.) Both serve `--dtype int8`, which gave
+    transformers' "not a floating-point dtype" error: the model is quantized as `gpn generate --dtype int8`
+    quantizes it (its answers are that model's), and its kept states name their weights int8."""
+    import safetensors
+
+    from modeling_gpn.cli.quantization import quantize_for
+    from modeling_gpn.serve.state_store import STATE_SUFFIX
+
+    int8 = (quantize_for(copy.deepcopy(reference[0]), "int8"), reference[1])
     messages = [{"role": "system", "content": "the cat sat"}, {"role": "user", "content": "to be or not to be"}]
     process, first_log, states = launched_servers["restart"]
     base = wait_until_up(process, first_log)
     first = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
     reply = first.chat.completions.create(model=str(model_dir), messages=messages, max_tokens=6, temperature=0)
+    assert reply.choices[0].message.content == expected_chat(int8, messages, 6)
     first_prompt = reply.usage.prompt_tokens
     process.send_signal(signal.SIGINT)
     assert process.wait(timeout=60) == 130, first_log.read_text()[-3000:]  # stopped, quietly
+    kept = list(states.glob(f"*{STATE_SUFFIX}"))
+    assert kept and all(safetensors.safe_open(path, "pt").metadata()["dtype_name"] == "int8" for path in kept)
     messages += [
         {"role": "assistant", "content": reply.choices[0].message.content},
         {"role": "user", "content": "that is the question"},
     ]
-    with serving(model_dir, tmp_path / "second.log", "--state-dir", str(states)) as (base, _):
+    with serving(model_dir, tmp_path / "second.log", "--state-dir", str(states), "--dtype", "int8") as (base, _):
         second = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
         reply = second.chat.completions.create(model=str(model_dir), messages=messages, max_tokens=6, temperature=0)
-    assert reply.choices[0].message.content == expected_chat(reference, messages, 6)
+    assert reply.choices[0].message.content == expected_chat(int8, messages, 6)
     assert reply.usage.prompt_tokens_details.cached_tokens >= first_prompt - 1  # (a fresh server: nothing in memory)
 
 
@@ -1496,7 +1511,7 @@ def test_gpn_serve_that_cannot_start_says_why_without_a_traceback(tmp_path, caps
     model transformers cannot load: one line naming the problem and a non-zero exit (they were tracebacks:
     NotADirectoryError from the state store, transformers' "Repo id must be in the form ...", its error from the
     preload). MODEL is checked as gpn eval, generate and inspect check theirs: a folder without config.json is
-    refused with the arguments (exit 2), before anything loads."""
+    refused with the arguments (exit 2), before anything loads; so is --dtype int8 | int4 with --quantization."""
     from gpn_cli import build_parser
 
     (tmp_path / "a-file").write_text("")
@@ -1520,6 +1535,11 @@ def test_gpn_serve_that_cannot_start_says_why_without_a_traceback(tmp_path, caps
             "gpn serve: --state-dir-bytes must be more than 0 with --state-dir, got 0",
         ),
         ([str(tmp_path / "no-such-model")], 2, "does not exist"),
+        (  # (torchao's quantization and bitsandbytes': torchao cannot quantize bitsandbytes' layers)
+            [str(tmp_path / "unknown"), "--dtype", "int8", "--quantization", "bnb-8bit"],
+            2,
+            "gpn serve: --dtype int8 and --quantization bnb-8bit are two quantizations: give one",
+        ),
         ([str(tmp_path / "empty"), "--device", "cpu"], 2, "is not a model folder: it has no config.json"),
         ([str(tmp_path / "unknown"), "--device", "cpu"], 1, "gpn serve: cannot start:"),
     ):

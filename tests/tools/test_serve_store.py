@@ -253,7 +253,7 @@ def test_the_smallest_state_is_known_from_the_config(model, tmp_path):
     assert StateStore.smallest_entry_bytes(model.config) == StateStore.entry_bytes(state_after(model, [7]), 1)
 
 
-def test_the_smallest_state_of_a_bf16_or_quantized_model_is_known_to_the_byte(model, tmp_path):
+def test_the_smallest_state_of_a_bf16_or_quantized_model_is_known_to_the_byte(model, tmp_path, monkeypatch):
     """The bound was exact for a float model only: a quantized model's file names its dtype longer ("bfloat16,
     quantized (Int8Tensor)", and `dtype_name` "int8"), so a --state-dir-bytes just above it was taken and every state
     then deleted once written. A bfloat16 model, and folders saved quantized to int8 and int4 (`TorchAoConfig`, what
@@ -265,8 +265,13 @@ def test_the_smallest_state_of_a_bf16_or_quantized_model_is_known_to_the_byte(mo
     torchao = pytest.importorskip("torchao.quantization", reason="torchao (the test extra) quantizes the models")
     from torchao.quantization.granularity import PerGroup
     from transformers import AutoModelForCausalLM, TorchAoConfig
+    from transformers.cli.serving import model_manager
 
+    from modeling_gpn.cli.quantization import quantized_as
     from modeling_gpn.serve.cli import refuse_bounds_below_one_state
+    from modeling_gpn.serve.models import TransformersWithGPN, quantizing_model_manager
+
+    monkeypatch.setattr(model_manager, "transformers", TransformersWithGPN())  # as gpn serve does, for this test only
 
     def spilled(model, folder) -> int:
         StateStore(0, spill_dir=folder).keep(model, [7], state_after(model, [7]))
@@ -292,6 +297,20 @@ def test_the_smallest_state_of_a_bf16_or_quantized_model_is_known_to_the_byte(mo
         args.state_dir_bytes = files - 1
         with pytest.raises(ValueError, match=f"--state-dir-bytes {files - 1} is smaller .* at least {files} bytes"):
             refuse_bounds_below_one_state(args)
+        # `gpn serve FLOAT --dtype KIND` quantizes the bfloat16 model as the folder was: its states are as long, and
+        # the bound is theirs (it was the float model's, the dtype named "int8" as if a float one)
+        args = argparse.Namespace(model=str(float_folder), state_dir=str(tmp_path), dtype=kind, state_dir_bytes=files)
+        refuse_bounds_below_one_state(args)
+        args.state_dir_bytes = files - 1
+        with pytest.raises(ValueError, match=f"at least {files} bytes"):
+            refuse_bounds_below_one_state(args)
+        # and its model manager serves the folder saved so as saved, and refuses one saved otherwise, in one line
+        other = "int4" if kind == "int8" else "int8"
+        served = quantizing_model_manager(kind)(device="cpu", model_timeout=-1)._load_model(str(folder))
+        assert quantized_as(served) == {kind}
+        refused = quantizing_model_manager(other)(device="cpu", model_timeout=-1)
+        with pytest.raises(ValueError, match=rf"saved quantized already \({kind} weights\): --dtype {other} quantizes"):
+            refused._load_model(str(folder))
 
 
 def test_the_spill_folder_limit_counts_every_file_a_state_takes(model, tmp_path):
