@@ -7134,6 +7134,7 @@ MUTATIONS = [
             "tests/model/test_cache_and_padding.py::test_padding_is_exactly_inert",
             "tests/model/test_cache_and_padding.py::test_padding_leaves_the_state_unchanged",
             "tests/model/test_generate.py::test_left_padded_batch_gives_each_rows_solo_output",
+            "tests/model/test_generate.py::test_the_text_generation_pipeline_gives_generates_tokens",
         ),
     ),
     Mutation(
@@ -7727,6 +7728,20 @@ MUTATIONS = [
         "        segment = (self.config.bptt_segment_length or DEFAULT_CHECKPOINT_SEGMENT_LENGTH) if checkpointing else seq_len\n",
         "        segment = seq_len  # MUTATION\n",
         ("tests/ecosystem/test_ecosystem.py -k checkpointing_runs_every_bptt_segment",),
+    ),
+    Mutation(
+        "gpn train --reset-at-document-start gives the model each window's document position ids",
+        "modeling_gpn/train/context.py",
+        '        return {**self.loss_kwargs, "position_ids": document_position_ids(batch, self.tokenizer.eos_token_id)}\n',
+        "        return self.loss_kwargs  # MUTATION\n",
+        ("tests/model/test_packed.py::test_gpn_train_reset_at_document_start_trains_and_changes_the_loss",),
+    ),
+    Mutation(
+        "gpn train --reset-at-document-start refuses a model that is not a GPN",
+        "modeling_gpn/train/training.py",
+        '    if config["reset_at_document_start"] and model.config.model_type != "gpn":\n',
+        "    if False:  # MUTATION\n",
+        ("tests/model/test_packed.py::test_gpn_train_reset_at_document_start_trains_and_changes_the_loss",),
     ),
 ]
 
