@@ -6,8 +6,9 @@ checks behind the tests that once could not fail), the tests that claim that fea
 a table says, per mutation, how many of them ran and how many failed. Every one of them must fail: a test
 that passes with its feature gone does not test it. Exit status 0 only then.
 
-Not part of CI (it runs a slice of the suite once per mutation, some 380 of them: tens of minutes on 2 cores). Run from the
-repository root, with the test environment active (and GPN_SHARED_DIR set, as for the tests):
+Not part of CI (it runs a slice of the suite once per mutation, some 1,000 of them, 20 to 60 s each: hours
+on 2 cores, so run a few with --only). Run from the repository root, with the test environment active (and
+GPN_SHARED_DIR set, as for the tests):
 
     python tests/mutation_check.py                # all mutations
     python tests/mutation_check.py --only triton  # those whose name contains "triton"
