@@ -7744,6 +7744,27 @@ MUTATIONS = [
         "    if False:  # MUTATION\n",
         ("tests/model/test_packed.py::test_gpn_train_reset_at_document_start_trains_and_changes_the_loss",),
     ),
+    Mutation(
+        "gpn push's card names a --tokenizer given as a local path by its kind and size, not the path",
+        "modeling_gpn/hub/folder.py",
+        "    tokenizer_name = tokenizer if tokenizer and not Path(tokenizer).exists() else None\n",
+        "    tokenizer_name = tokenizer  # MUTATION\n",
+        ("tests/tools/test_hub.py::test_tokenizer_option_adds_a_tokenizer",),
+    ),
+    Mutation(
+        "gpn push --tokenizer writes the given tokenizer into the folder",
+        "modeling_gpn/hub/folder.py",
+        "            AutoTokenizer.from_pretrained(tokenizer).save_pretrained(out)\n",
+        "            AutoTokenizer.from_pretrained(tokenizer)  # MUTATION\n",
+        ("tests/tools/test_hub.py::test_tokenizer_option_adds_a_tokenizer",),
+    ),
+    Mutation(
+        "gpn train gives its run folder's lock back when the run ends, failing or not (gpn study runs several)",
+        "modeling_gpn/train/run_folder.py",
+        "    finally:\n        if lock is not None:\n            lock.release()\n",
+        "    finally:\n        pass  # MUTATION\n",
+        ("tests/tools/test_train_faults.py::test_the_lock_is_held_only_while_train_runs_in_process",),
+    ),
 ]
 
 
