@@ -7765,6 +7765,13 @@ MUTATIONS = [
         "    finally:\n        pass  # MUTATION\n",
         ("tests/tools/test_train_faults.py::test_the_lock_is_held_only_while_train_runs_in_process",),
     ),
+    Mutation(
+        "a module the fast path cannot fold (a PEFT LoRA layer) keeps the plain path, which calls it",
+        "modeling_gpn/modeling_gpn.py",
+        '                type(module) not in allowed\n                or "forward" in module.__dict__',
+        '                False  # MUTATION\n                or "forward" in module.__dict__',
+        ("tests/ecosystem/test_ecosystem.py::test_peft_lora_changes_the_logits_on_the_fast_and_plain_path",),
+    ),
 ]
 
 
