@@ -33,6 +33,11 @@ def test_the_cpu_window_records_its_backends_and_the_plain_path_none(memory_kern
     # no backward to run; a no-grad window of a few rows runs the whole step on the C step kernels
     step = fr.C_STEP if memory_kernels == "memory-kernels" else fr.TORCH_OPS
     assert core.last_recurrence_backends == fr.Backends(step, None, memory, None)
+    # and a plain window after a fast one records none (the first plain run above found the class default)
+    core.use_fast_path = False
+    with torch.no_grad():
+        core.recurrence(*problem[:3])
+    assert core.last_recurrence_backends is None
 
 
 def test_the_c_kernels_are_chosen_once_per_window_not_per_step(monkeypatch):

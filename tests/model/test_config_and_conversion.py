@@ -147,6 +147,8 @@ def test_memoryless_config_ignores_memory_sizes():
     config = GPNConfig(use_memory=False, num_memory_heads=0)
     assert config.memory_cells == 0
     assert config.state_floats_per_row == 2 * config.hidden_size
+    # memory sizes left at their defaults (not zero) count for nothing without memory
+    assert GPNConfig(use_memory=False).memory_cells == 0
 
 
 def test_presets_load_and_have_the_paper_sizes():

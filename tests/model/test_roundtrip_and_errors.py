@@ -48,6 +48,9 @@ def test_save_writes_safetensors_modeling_files_and_auto_map(saved):
     assert not any(name.endswith((".bin", ".pt", ".pkl")) for name in names)
     config = AutoConfig.from_pretrained(folder)
     assert config.auto_map["AutoModelForCausalLM"] == "modeling_gpn.GPNForCausalLM"
+    # (transformers itself records only the saved class's own auto class: the others are gpn's save_pretrained's)
+    assert config.auto_map["AutoModel"] == "modeling_gpn.GPNModel"
+    assert config.auto_map["AutoModelForSequenceClassification"] == "modeling_gpn.GPNForSequenceClassification"
 
 
 def test_from_pretrained_with_registered_classes(saved):

@@ -749,6 +749,13 @@ def test_fork_equals_separate_prompts():
     continued = model.generate(questions, attention_mask=mask, cache=forked, **settings)
     assert torch.equal(continued[:, 4:], separate[:, 19:])
     assert cache.get_seq_length() == 15 and cache.get_state()[0].shape[0] == 1  # the original is untouched
+    # of several rows, each row's copies lie together (rows i*n .. i*n + n - 1 hold row i), not the batch tiled
+    two_rows = model(token_ids(2, 5, seed=15), use_cache=True).cache
+    three_each = two_rows.fork(3)
+    for original, copies in zip(two_rows.get_state(), three_each.get_state()):
+        assert not torch.equal(original[0], original[1])
+        assert torch.equal(copies, original.repeat_interleave(3, dim=0))
+    assert torch.equal(three_each.read_fingerprint(), two_rows.read_fingerprint().repeat_interleave(3, dim=0))
 
     # N sampled continuations of one prompt: the prompt's state forked, each row sampled on its own
     sampling = dict(max_new_tokens=6, do_sample=True, top_k=30, pad_token_id=0)
