@@ -6915,7 +6915,7 @@ MUTATIONS = [
         ("tests/ecosystem/test_ecosystem.py -k lora_on_the_head_was_merged",),
     ),
     Mutation(
-        # (the signals are sent by the run itself at named steps, SIGNALS_AT_STEPS: the stop must still be the
+        # (the signals are sent by the run itself at named steps, SIGNALS_AT_STAGES: the stop must still be the
         # program's own, at the step boundary, for its handlers' signal)
         "gpn train: SIGTERM and SIGINT received are never acted on at the step boundary (the run trains to its end)",
         "modeling_gpn/train/loop.py",
