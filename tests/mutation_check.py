@@ -6937,6 +6937,13 @@ MUTATIONS = [
         "                if True:  # MUTATION\n",
         ("tests/tools/test_train_faults.py -k forked_child",),
     ),
+    Mutation(
+        "a state file's header is written in the order of safetensors' own hash maps (one state saved twice: other bytes)",
+        "modeling_gpn/state_file.py",
+        "    return _in_a_fixed_order(safetensors.torch.save(tensors, metadata=metadata))\n",
+        "    return safetensors.torch.save(tensors, metadata=metadata)  # MUTATION\n",
+        ("tests/model/test_state.py -k same_file_byte_for_byte",),
+    ),
 ]
 
 
