@@ -6944,6 +6944,13 @@ MUTATIONS = [
         "    return safetensors.torch.save(tensors, metadata=metadata)  # MUTATION\n",
         ("tests/model/test_state.py -k same_file_byte_for_byte",),
     ),
+    Mutation(
+        "the suite writes the user's caches (datasets' locks, module copies, gpn's tokens, C kernels, Triton's builds)",
+        "tests/environment.py",
+        "os.environ.update(\n    HF_HOME=",
+        "dict(  # MUTATION\n    HF_HOME=",
+        ("tests/tools/test_suite_caches.py",),
+    ),
 ]
 
 

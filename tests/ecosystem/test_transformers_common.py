@@ -71,6 +71,7 @@ def common_tests_folder() -> Path:
                 "--no-binary",
                 ":all:",
                 "--no-deps",
+                "--no-cache-dir",  # (the sdist is kept here: pip's own cache, in the user's home, is left alone)
                 f"transformers=={version}",
                 "-d",
                 str(folder),
