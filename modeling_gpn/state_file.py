@@ -477,7 +477,27 @@ def state_file_payload(
         **({"tokenizer_fingerprint": tokenizer_fingerprint} if tokenizer_fingerprint is not None else {}),
         **({"read_head": read_head} if read_head is not None else {}),
     }
-    return safetensors.torch.save(tensors, metadata=metadata)
+    return _in_a_fixed_order(safetensors.torch.save(tensors, metadata=metadata))
+
+
+def _in_a_fixed_order(payload: bytes) -> bytes:
+    """A safetensors file's bytes with its header's entries, and its metadata's, in order of their names.
+
+    safetensors writes the header from hash maps of its own, seeded afresh for each save: the same state saved twice
+    (in one process, or in two) gave files whose bytes differed, so equal states could not be told equal by their
+    files' hashes, and every save rewrote a cached copy. The tensors' offsets are relative to the data after the
+    header, so the header is written again, padded with spaces to a multiple of 8 bytes as safetensors pads it, and
+    the data left as it is."""
+    length = int.from_bytes(payload[:8], "little")
+    header = json.loads(payload[8 : 8 + length])
+    metadata = header.pop("__metadata__", None)
+    ordered = {
+        **({"__metadata__": dict(sorted(metadata.items()))} if metadata is not None else {}),
+        **dict(sorted(header.items())),
+    }
+    text = json.dumps(ordered, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + payload[8 + length :]
 
 
 def smallest_state_file_bytes(config: GPNConfig, dtype: str, quantized: str | None = None) -> int:

@@ -16,9 +16,13 @@ tests/conftest.py imports this module before it imports torch; this module must 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
+import stat
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -32,6 +36,52 @@ TRITON_INTERPRETER_AT_START = os.environ["TRITON_INTERPRET"].lower() in ("1", "t
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# The caches the suite writes, none of them the user's: the tests wrote the datasets library's lock files and
+# prepared copies of every corpus they read (~/.cache/huggingface/datasets), trust_remote_code's copies of the model
+# code (~/.cache/huggingface/modules), gpn's token shards and tokenizers (~/.cache/gpn), the C kernels
+# (~/.cache/gpn/kernels) and Triton's compiled kernels (~/.triton/cache). Set here, before torch and the Hugging
+# Face libraries are imported (they read them then), over the user's own settings, which name the user's caches
+# too; the processes the tests launch inherit them. A test about a default location gives itself a HOME of its own.
+# Left out: GPN_TRANSFORMERS_TESTS_CACHE (the transformers sdist test_transformers_common.py downloads, kept to be
+# read offline).
+SESSION_CACHES_VARIABLE = "GPN_TESTS_SESSION_CACHES"
+if SESSION_CACHES_VARIABLE not in os.environ:  # (a process the session launches that imports this keeps its folder)
+    os.environ[SESSION_CACHES_VARIABLE] = tempfile.mkdtemp(prefix="gpn-tests-caches-")
+    atexit.register(shutil.rmtree, os.environ[SESSION_CACHES_VARIABLE], ignore_errors=True)
+SESSION_CACHES = Path(os.environ[SESSION_CACHES_VARIABLE])
+
+
+def _build_caches() -> Path:
+    """The folder of the costly builds' caches, kept between sessions under the temporary folder (one a user, as
+    torch's inductor keeps its own): a session of its own built the C kernels again (seconds a build) and compiled
+    every Triton kernel for sm_90 again (test_triton_compile: 130 s cold against 41 s warm, loaded); both caches are
+    keyed by what they were built from. Where that folder is not this user's alone, the session's own."""
+    folder = Path(tempfile.gettempdir()) / f"gpn-tests-build-caches-{os.getuid()}"
+    with contextlib.suppress(OSError):
+        folder.mkdir(mode=0o700, exist_ok=True)
+        info = folder.lstat()
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077:
+            return folder
+    return SESSION_CACHES / "builds"
+
+
+BUILD_CACHES = _build_caches()
+# (the older names, which the libraries read before HF_HUB_CACHE)
+for legacy in ("HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE", "PYTORCH_TRANSFORMERS_CACHE"):
+    os.environ.pop(legacy, None)
+os.environ.update(
+    HF_HOME=str(SESSION_CACHES / "huggingface"),
+    HF_HUB_CACHE=str(SESSION_CACHES / "huggingface" / "hub"),
+    HF_DATASETS_CACHE=str(SESSION_CACHES / "huggingface" / "datasets"),
+    HF_MODULES_CACHE=str(SESSION_CACHES / "huggingface" / "modules"),
+    HF_XET_CACHE=str(SESSION_CACHES / "huggingface" / "xet"),
+    HF_ASSETS_CACHE=str(SESSION_CACHES / "huggingface" / "assets"),
+    GPN_CACHE=str(SESSION_CACHES / "gpn"),
+    MPLCONFIGDIR=str(SESSION_CACHES / "matplotlib"),
+    GPN_KERNEL_CACHE=str(BUILD_CACHES / "kernels"),
+    TRITON_CACHE_DIR=str(BUILD_CACHES / "triton"),
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DIR = Path(os.environ.get("GPN_SHARED_DIR", REPO_ROOT.parent / "shared")).resolve()

@@ -6916,7 +6916,7 @@ MUTATIONS = [
         ("tests/ecosystem/test_ecosystem.py -k lora_on_the_head_was_merged",),
     ),
     Mutation(
-        # (the signals are sent by the run itself at named steps, SIGNALS_AT_STEPS: the stop must still be the
+        # (the signals are sent by the run itself at named steps, SIGNALS_AT_STAGES: the stop must still be the
         # program's own, at the step boundary, for its handlers' signal)
         "gpn train: SIGTERM and SIGINT received are never acted on at the step boundary (the run trains to its end)",
         "modeling_gpn/train/loop.py",
@@ -7853,6 +7853,20 @@ MUTATIONS = [
         '                type(module) not in allowed\n                or "forward" in module.__dict__',
         '                False  # MUTATION\n                or "forward" in module.__dict__',
         ("tests/ecosystem/test_ecosystem.py::test_peft_lora_changes_the_logits_on_the_fast_and_plain_path",),
+    ),
+    Mutation(
+        "a state file's header is written in the order of safetensors' own hash maps (one state saved twice: other bytes)",
+        "modeling_gpn/state_file.py",
+        "    return _in_a_fixed_order(safetensors.torch.save(tensors, metadata=metadata))\n",
+        "    return safetensors.torch.save(tensors, metadata=metadata)  # MUTATION\n",
+        ("tests/model/test_state.py -k same_file_byte_for_byte",),
+    ),
+    Mutation(
+        "the suite writes the user's caches (datasets' locks, module copies, gpn's tokens, C kernels, Triton's builds)",
+        "tests/environment.py",
+        "os.environ.update(\n    HF_HOME=",
+        "dict(  # MUTATION\n    HF_HOME=",
+        ("tests/tools/test_suite_caches.py",),
     ),
 ]
 

@@ -79,6 +79,9 @@ def common_tests_folder() -> Path:
             capture_output=True,
             text=True,
             timeout=600,
+            # (the sdist is kept here: pip's own cache in the user's home is left alone, by the pip that builds the
+            # sdist's metadata too, which --no-cache-dir does not reach)
+            env=dict(os.environ, PIP_NO_CACHE_DIR="1"),
         )
         sdists = list(folder.glob(f"transformers-{version}.tar.gz"))
         if download.returncode != 0 or not sdists:

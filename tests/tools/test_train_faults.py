@@ -580,42 +580,17 @@ def launched(request, fault_launches):
     return fault_launches[request.node.name].result()
 
 
-# `gpn train` whose rank 1 stops itself (SIGSTOP) on entering the stage named by its second argument ("training step
-# 3"), having written the time to PIDS/stopped_at; each rank first writes its pid to PIDS/LOCAL_RANK (PIDS its first
-# argument). Stopped from outside at a moment the test chose by polling, the stop raced the run: see the callers.
-STOPS_ON_ENTERING = """
-import os, signal, sys, time
-from pathlib import Path
-from modeling_gpn.train import RunStage
-from modeling_gpn.train.cli import main
-
-pids, stage = Path(sys.argv.pop(1)), sys.argv.pop(1)
-Path(pids, os.environ["LOCAL_RANK"]).write_text(str(os.getpid()))
-enter = RunStage.enter
-
-def enter_then_stop(self, name, watch=False):
-    enter(self, name, watch)
-    if os.environ["LOCAL_RANK"] == "1" and name.startswith(stage):
-        Path(pids, "stopped_at").write_text(repr(time.time()))
-        os.kill(os.getpid(), signal.SIGSTOP)
-
-RunStage.enter = enter_then_stop
-sys.exit(main())
-"""
-
-
 def _rank_1_stopped_on_entering(
     stage: str, folder: Path, args: list[str], env: dict[str, str], bound: float
 ) -> tuple[float, str]:
-    """A 2-process DDP run of `args` whose rank 1 stops on entering `stage` (STOPS_ON_ENTERING), waited for until
-    rank 0 ends (at most `bound` s after the stop): (the seconds from the stop to the end of rank 0 seen here, the
-    launch's output)."""
-    script, pids = folder / "stops_on_entering.py", folder / "pids"
-    script.write_text(STOPS_ON_ENTERING)
+    """A 2-process DDP run of `args` whose rank 1 stops itself (SIGSTOP) on entering `stage` (`signalled`'s WHERE:
+    a step number, or the beginning of a stage's name), waited for until rank 0 ends (at most `bound` s after the stop): (the seconds from
+    the stop to the end of rank 0 seen here, the launch's output). (Stopped from outside at a moment the test chose
+    by polling, the stop raced the run: see the callers.)"""
+    pids = folder / "pids"
     pids.mkdir()
-    launcher = launch_two_processes(
-        ["--multi_gpu"], args, folder / "ddp.log", program=(str(script), str(pids), stage), env=env
-    )
+    program = signalled(folder, "modeling_gpn.train", f"enter:{stage}:SIGSTOP:1", record=pids)[1:]
+    launcher = launch_two_processes(["--multi_gpu"], args, folder / "ddp.log", program=tuple(program), env=env)
     try:
         deadline = time.time() + 180
         rank_1 = pids / "1"
@@ -624,7 +599,7 @@ def _rank_1_stopped_on_entering(
             assert time.time() < deadline, "rank 1 did not stop within 180 s"
             time.sleep(0.1)
         # (the stop's own time: this thread may see it late, which would shorten the wait measured from here)
-        stopped_at, rank_0 = float((pids / "stopped_at").read_text()), int((pids / "0").read_text())
+        stopped_at, rank_0 = float((pids / "signalled_at").read_text()), int((pids / "0").read_text())
         while _process_state(rank_0) not in ("X", "Z"):
             assert time.time() - stopped_at < bound, f"rank 0 still waits {bound} s after rank 1 stopped"
             time.sleep(0.1)
@@ -640,7 +615,7 @@ def _rank_1_stopped_on_entering(
 
 
 def _stuck_rank_in_training(folder: Path, cache: Path, shakespeare: Path, env: dict[str, str]) -> tuple[float, str]:
-    """A 2-process DDP run whose rank 1 stops on entering step 3 (STOPS_ON_ENTERING): (the seconds rank 0 waited
+    """A 2-process DDP run whose rank 1 stops on entering step 3 (`signalled`): (the seconds rank 0 waited
     before it ended, the launch's output). Rank 0 then reaches step 3's first collective after its forward and
     backward, so the stop comes first and rank 0's --ddp-timeout runs from after it. (Stopped from outside once
     step 2 was logged, rank 0 could already wait in a collective for a rank 1 held up on a busy machine, and time
@@ -648,7 +623,7 @@ def _stuck_rank_in_training(folder: Path, cache: Path, shakespeare: Path, env: d
     args = small_args(shakespeare, folder / "ddp", cache, "--steps", "100000", "--ddp-timeout", "5")
     # Rank 0 must give up on its collective after --ddp-timeout and fail; the launcher then tears the job down
     # (after its own grace period for the stopped rank, which this test does not wait for).
-    return _rank_1_stopped_on_entering("training step 3", folder, args, env, 60)
+    return _rank_1_stopped_on_entering("3", folder, args, env, 60)
 
 
 def test_a_stuck_ddp_rank_fails_the_job_after_ddp_timeout(launched):
@@ -787,7 +762,7 @@ def test_a_rank_that_dies_inside_a_checkpoint_is_named_not_blamed_on_the_disk(la
 
 def _stuck_rank_at_the_end(folder: Path, cache: Path, shakespeare: Path, env: dict[str, str]) -> str:
     """A 2-process DDP run whose rank 1 stops on entering its last stage, before the barrier that follows the model's
-    save (STOPS_ON_ENTERING), waited for until rank 0 ends (at most 90 s): the launch's output. (Stopped from outside
+    save (`signalled`), waited for until rank 0 ends (at most 90 s): the launch's output. (Stopped from outside
     once the final record was logged, the stop raced rank 0's save and sample: a test thread held up for those
     seconds on a busy machine stopped rank 1 after the barrier, and the run ended cleanly: a fresh-clone CI.)"""
     args = small_args(shakespeare, folder / "ddp", cache, "--steps", "3", "--ddp-timeout", "5")

@@ -78,40 +78,58 @@ def losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_log(run_dir) if "loss" in r and "event" not in r]
 
 
-# A training program (`python -m MODULE ARGS`) that sends itself signals at named points: on entering a step's
-# stage ("enter") or once that step's loss record is logged ("log"), e.g. `enter:5:SIGTERM,log:5:SIGINT`. A signal
-# sent from the test once a step was seen in the log raced the run: a test thread held up for a second or two on a
-# busy machine let a short run reach its end first (or a step finish) and the test failed on a correct program.
-# Sent from inside, it is the same signal to the same handler, at a point that no machine's speed moves.
-SIGNALS_AT_STEPS = """
-import os, runpy, signal, sys
+# A training program (`python -m MODULE ARGS`) that sends itself signals at named points, the one fault-injection
+# wrapper of the tests: `POINT:WHERE:SIGNAL[:RANK]` items, comma-separated. POINT "enter" fires on entering a stage,
+# WHERE a step number (the stage "training step N", matched exactly) or the beginning of a stage's name ("waiting for
+# the main process"); POINT "log" once step WHERE's loss record is logged. RANK (LOCAL_RANK of a launch, 0 alone)
+# limits an item to one process. Each item fires once. With a RECORD folder (not "-"), each process first writes its
+# pid to RECORD/LOCAL_RANK, and the time of each signal sent to RECORD/signalled_at, just before it is sent.
+# Why from inside: a signal sent from the test once a step was seen in the log raced the run: a test thread held up
+# for a second or two on a busy machine let a short run reach its end first (or a step finish, or rank 0 wait in a
+# collective already) and the test failed on a correct program. Sent from inside, it is the same signal to the same
+# handler (SIGSTOP: the same stopped rank), at a point that no machine's speed moves.
+SIGNALS_AT_STAGES = """
+import os, runpy, signal, sys, time
+from pathlib import Path
 from modeling_gpn.train import RunStage
 from modeling_gpn.train.context import TrainingRun
 
-pending = {}
-for item in sys.argv[1].split(","):
-    point, step, name = item.split(":")
-    pending.setdefault((point, int(step)), []).append(getattr(signal, name))
-module = sys.argv[2]
-sys.argv = [sys.argv[0], *sys.argv[3:]]
+spec, record, module = sys.argv[1:4]
+sys.argv = [sys.argv[0], *sys.argv[4:]]
+rank = os.environ.get("LOCAL_RANK", "0")
+pending = []
+for item in spec.split(","):
+    point, where, name, *only = item.split(":")
+    if point not in ("enter", "log") or len(only) > 1:
+        sys.exit(f"signals_at_stages: bad item {item!r}: POINT:WHERE:SIGNAL[:RANK], POINT enter or log")
+    if not only or only[0] == rank:
+        pending.append([point, where, getattr(signal, name)])
+if record != "-":
+    Path(record, rank).write_text(str(os.getpid()), encoding="utf-8")
 enter, log = RunStage.enter, TrainingRun.log
 
 
-def send(point, step):
-    for signum in pending.pop((point, step), ()):
-        os.kill(os.getpid(), signum)  # (the handler runs before the next line)
+def send(point, matches):
+    for item in [item for item in pending if item[0] == point and matches(item[1])]:
+        pending.remove(item)
+        if record != "-":
+            Path(record, "signalled_at").write_text(repr(time.time()), encoding="utf-8")
+        os.kill(os.getpid(), item[2])  # (the handler runs before the next line; SIGSTOP stops here)
+
+
+def stage_matches(name):
+    return lambda where: name == f"training step {where}" if where.isdigit() else name.startswith(where)
 
 
 def enter_then_signal(self, name, watch=False):
     enter(self, name, watch)
-    if name.startswith("training step "):
-        send("enter", int(name.rsplit(" ", 1)[1]))
+    send("enter", stage_matches(name))
 
 
-def log_then_signal(run, record):
-    log(run, record)
-    if "loss" in record and "event" not in record:
-        send("log", record["step"])
+def log_then_signal(run, record_):
+    log(run, record_)
+    if "loss" in record_ and "event" not in record_:
+        send("log", lambda where: where == str(record_["step"]))
 
 
 RunStage.enter, TrainingRun.log = enter_then_signal, log_then_signal
@@ -119,12 +137,14 @@ runpy.run_module(module, run_name="__main__", alter_sys=True)
 """
 
 
-def signalled(folder: Path, module: str, *signals: str) -> list[str]:
-    """The command that runs `python -m module` sending itself `signals` (SIGNALS_AT_STEPS's `point:step:SIGNAL`),
-    its script written in `folder`; the module's arguments follow."""
-    script = folder / "signals_at_steps.py"
-    script.write_text(SIGNALS_AT_STEPS, encoding="utf-8")
-    return [sys.executable, str(script), ",".join(signals), module]
+def signalled(folder: Path, module: str, *signals: str, record: Path | None = None) -> list[str]:
+    """The command that runs `python -m module` sending itself `signals` (SIGNALS_AT_STAGES's
+    `POINT:WHERE:SIGNAL[:RANK]`), its script written in `folder`, each process's pid and the signal's time written
+    in `record` (a folder) when given; the module's arguments follow. (A launch's program: the command without its
+    first item, the interpreter.)"""
+    script = folder / "signals_at_stages.py"
+    script.write_text(SIGNALS_AT_STAGES, encoding="utf-8")
+    return [sys.executable, str(script), ",".join(signals), "-" if record is None else str(record), module]
 
 
 def run_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
