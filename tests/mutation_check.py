@@ -7314,6 +7314,7 @@ MUTATIONS = [
             "tests/fast_path/test_edited_weights.py::test_generate_folds_once_per_call_and_sees_edits_between_calls",
             "tests/fast_path/test_edited_weights.py::test_the_graph_steps_see_edited_weights",
             "tests/fast_path/test_edited_weights.py::test_a_decode_loop_folds_once_per_cache_and_a_new_cache_sees_edits",
+            "tests/fast_path/test_edited_weights.py -k data_written or sharing_the_storage or (peft and torch-ops and not unmerge)",
         ),
     ),
     Mutation(
@@ -7867,6 +7868,16 @@ MUTATIONS = [
         "os.environ.update(\n    HF_HOME=",
         "dict(  # MUTATION\n    HF_HOME=",
         ("tests/tools/test_suite_caches.py",),
+    ),
+    Mutation(
+        "derived weights derived once for the model's whole life (no scope drops them, no key renews them)",
+        "modeling_gpn/derived_weights.py",
+        "        key = parameters_key(model)\n        if key != self.key:\n            self.entries = {}\n            self.key = key\n        return self.entries\n",
+        "        return model.__dict__.setdefault('_life_entries', {})  # MUTATION\n",
+        (
+            "tests/fast_path/test_edited_weights.py -k data_ or copy_under or load_state_dict or optimizer_step"
+            " or (another_dtype and not float64) or parametrize_register or (peft and torch-ops)",
+        ),
     ),
 ]
 
