@@ -49,6 +49,9 @@ class Mutation:
     new: str  # what replaces it (every occurrence)
     tests: tuple[str, ...]  # pytest node ids or `path -k expression` arguments, the tests that claim the feature
     occurrences: int = 1  # more than one: the same line in each instruction set's kernels (all are removed)
+    # further edits made with this one, (file, old, new), each old text occurring exactly once: a feature kept by
+    # two safeguards in two files is removed only with both (either one gone, the other still keeps it)
+    also: tuple[tuple[str, str, str], ...] = ()
 
 
 FAST_PATH_TESTS = (
@@ -7879,6 +7882,20 @@ MUTATIONS = [
             " or (another_dtype and not float64) or parametrize_register or (peft and torch-ops)",
         ),
     ),
+    Mutation(
+        "bf16 weights keep a float32 state (zero state in the weights' dtype and the fast path takes it as it comes)",
+        "modeling_gpn/modeling_gpn.py",
+        "            torch.zeros(shape, device=device, dtype=torch.float32)\n",
+        "            torch.zeros(shape, device=device, dtype=self.embed_tokens.weight.dtype)  # MUTATION\n",
+        ("tests/model/test_cache_and_padding.py::test_bf16_weights_keep_a_float32_state",),
+        also=(
+            (
+                "modeling_gpn/fast_recurrence.py",
+                "    p0, g0, M0 = (x.float().contiguous() for x in state)\n",
+                "    p0, g0, M0 = (x.contiguous() for x in state)  # MUTATION\n",
+            ),
+        ),
+    ),
 ]
 
 
@@ -7967,15 +7984,18 @@ def unapplied(mutations: list[Mutation]) -> list[str]:
     missing, the text not unique, a test file it names missing. Empty when every one applies."""
     problems = []
     for mutation in mutations:
-        path = REPO_ROOT / mutation.file
-        count = path.read_text().count(mutation.old) if path.is_file() else -1
-        if count != mutation.occurrences:
-            found = (
-                "the file does not exist"
-                if count < 0
-                else f"its source text occurs {count} times, not {mutation.occurrences}"
-            )
-            problems.append(f"{mutation.name!r}: {mutation.file}: {found}")
+        edits = [(mutation.file, mutation.old, mutation.occurrences)]
+        edits += [(file, old, 1) for file, old, _ in mutation.also]
+        for file, old, occurrences in edits:
+            path = REPO_ROOT / file
+            count = path.read_text().count(old) if path.is_file() else -1
+            if count != occurrences:
+                found = (
+                    "the file does not exist"
+                    if count < 0
+                    else f"its source text occurs {count} times, not {occurrences}"
+                )
+                problems.append(f"{mutation.name!r}: {file}: {found}")
         for spec in mutation.tests:
             test_file = pytest_arguments(spec)[0].split("::")[0]
             if not (REPO_ROOT / test_file).is_file():
@@ -8014,8 +8034,9 @@ def main(argv: list[str] | None = None) -> int:
             copy_of_repository(root)
             if number == 0:
                 check_imports_the_copy(root)
-            path = root / mutation.file
-            path.write_text(path.read_text().replace(mutation.old, mutation.new))
+            for file, old, new in ((mutation.file, mutation.old, mutation.new), *mutation.also):
+                path = root / file
+                path.write_text(path.read_text().replace(old, new))
             ran, failed, passed = run_tests(root, mutation.tests, Path(scratch) / f"report-{number}.xml")
             all_failed &= ran > 0 and failed == ran and not passed
             rows.append((mutation.name, ran, failed, passed))
