@@ -7896,6 +7896,37 @@ MUTATIONS = [
             ),
         ),
     ),
+    Mutation(
+        "a cache's size does not grow with length (its fingerprint keeps the first call's token ids)",
+        "modeling_gpn/cache.py",
+        "            self.head_length = length\n",
+        "            self.head_length = length\n            self.read_ids = token_ids.clone()  # MUTATION\n",
+        ("tests/model/test_cache_and_padding.py::test_cache_size_does_not_grow_with_length",),
+    ),
+    Mutation(
+        "a cache is constant in size from its first position (its fingerprint keeps a record per decode step)",
+        "modeling_gpn/cache.py",
+        "            torch.remainder(torch.addcmul(ids, shifted, bases), _FINGERPRINT_MODULUS, out=shifted)\n            return\n",
+        "            torch.remainder(torch.addcmul(ids, shifted, bases), _FINGERPRINT_MODULUS, out=shifted)\n"
+        "            self.__dict__.setdefault('steps', []).append(ids)  # MUTATION\n            return\n",
+        ("tests/model/test_cache_and_padding.py::test_the_cache_is_exactly_constant_in_size_from_its_first_position",),
+    ),
+    Mutation(
+        "bf16 weights give a bf16 hidden state (the decoder's output left float32)",
+        "modeling_gpn/modeling_gpn.py",
+        "        return decoded.to(dtype) if dtype.is_floating_point else decoded\n",
+        "        return decoded  # MUTATION\n",
+        (
+            "tests/model/test_output_layer.py::test_bf16_weights_give_a_bf16_hidden_state_that_the_head_multiplies_exactly",
+        ),
+    ),
+    Mutation(
+        "packed windows never run on CUDA graphs (whose static steps do not reset the state)",
+        "modeling_gpn/fast_recurrence.py",
+        "    graphs_possible = mask is None and not packed and triton and triton_sizes_fit(model.config)\n",
+        "    graphs_possible = mask is None and triton and triton_sizes_fit(model.config)  # MUTATION\n",
+        ("tests/model/test_packed.py::test_packed_windows_never_run_on_cuda_graphs",),
+    ),
 ]
 
 
