@@ -7927,6 +7927,28 @@ MUTATIONS = [
         "    graphs_possible = mask is None and triton and triton_sizes_fit(model.config)  # MUTATION\n",
         ("tests/model/test_packed.py::test_packed_windows_never_run_on_cuda_graphs",),
     ),
+    Mutation(
+        "the one-call decode computes with the token generate() chose (a processor's pick), not greedy's argmax",
+        "modeling_gpn/fast_recurrence.py",
+        "            ids = input_ids.reshape(-1).contiguous()  # (a column sliced from a prompt is not contiguous)\n",
+        "            ids = derived.get('argmax', input_ids.reshape(-1)).contiguous()  # MUTATION\n",
+        ("tests/fast_path/test_decode_call.py::test_processors_that_read_the_history_see_the_one_calls_tokens",),
+        also=(
+            (
+                "modeling_gpn/fast_recurrence.py",
+                '            derived["decoded key"] = (g0, version_of(g0), plan.key)\n',
+                '            derived["decoded key"] = (g0, version_of(g0), plan.key)\n'
+                "            derived['argmax'] = logits.view(rows, -1).argmax(-1)  # MUTATION\n",
+            ),
+        ),
+    ),
+    Mutation(
+        "threads (derived-weights scopes shared by every thread: one thread's plan and buffers used by another)",
+        "modeling_gpn/derived_weights.py",
+        "_scopes = threading.local()",
+        '_scopes = type("Shared", (), {})()  # MUTATION',
+        ("tests/fast_path/test_threads.py::test_two_threads_generating_with_one_model_each_get_their_own_tokens",),
+    ),
 ]
 
 
