@@ -7887,7 +7887,10 @@ MUTATIONS = [
         "modeling_gpn/modeling_gpn.py",
         "            torch.zeros(shape, device=device, dtype=torch.float32)\n",
         "            torch.zeros(shape, device=device, dtype=self.embed_tokens.weight.dtype)  # MUTATION\n",
-        ("tests/model/test_cache_and_padding.py::test_bf16_weights_keep_a_float32_state",),
+        (
+            "tests/model/test_cache_and_padding.py::test_bf16_weights_keep_a_float32_state",
+            "tests/fast_path/test_fast_path.py::test_bf16_tracks_fp32_over_512_tokens",
+        ),
         also=(
             (
                 "modeling_gpn/fast_recurrence.py",
@@ -7948,6 +7951,27 @@ MUTATIONS = [
         "_scopes = threading.local()",
         '_scopes = type("Shared", (), {})()  # MUTATION',
         ("tests/fast_path/test_threads.py::test_two_threads_generating_with_one_model_each_get_their_own_tokens",),
+    ),
+    Mutation(
+        "reused memory buffers (a buffer handed out stays in the pool: overlapping training calls share one)",
+        "modeling_gpn/fast_recurrence.py",
+        "                return free.pop()\n",
+        "                return free[-1]  # MUTATION\n",
+        ("tests/fast_path/test_fast_path.py::test_reused_memory_buffers_keep_overlapping_calls_apart",),
+    ),
+    Mutation(
+        "the C kernels build where there is a compiler (their build fails)",
+        "modeling_gpn/memory_kernels.py",
+        "                _library = _compile()\n",
+        '                raise RuntimeError("the build failed")  # MUTATION\n',
+        ("tests/fast_path/test_fast_path.py::test_memory_kernels_build_where_there_is_a_compiler",),
+    ),
+    Mutation(
+        "the one-token step writes M' into the buffer it is given (a static address for CUDA graphs)",
+        "modeling_gpn/recurrence_step.py",
+        "    memory_flat = memory_out.view(B * H, dk, dv) if memory_out is not None else torch.empty_like(old_flat)\n",
+        "    memory_flat = torch.empty_like(old_flat)  # MUTATION\n",
+        ("tests/fast_path/test_fast_path.py::test_decode_step_compiles_as_one_graph_writing_memory_in_place",),
     ),
 ]
 
