@@ -7973,6 +7973,22 @@ MUTATIONS = [
         "    memory_flat = torch.empty_like(old_flat)  # MUTATION\n",
         ("tests/fast_path/test_fast_path.py::test_decode_step_compiles_as_one_graph_writing_memory_in_place",),
     ),
+    Mutation(
+        "a compiler that writes junk turns the kernels off with a warning (turned off in silence)",
+        "modeling_gpn/memory_kernels.py",
+        '            raise RuntimeError(f"the fresh build is unusable: {problem}") from None\n',
+        "            return None  # MUTATION\n",
+        (
+            "tests/fast_path/test_kernel_safety.py::test_a_compiler_that_writes_junk_turns_the_kernels_off_with_a_warning",
+        ),
+    ),
+    Mutation(
+        "the memory kernels keep no arrays on the stack (a head's dv values there again: large sizes overflow it)",
+        "modeling_gpn/memory_kernels.py",
+        "    /* M^T k and M^T q accumulate straight in the error and read rows (no stack arrays) */\n",
+        "    volatile double on_stack[4 * dv]; on_stack[0] = 0.; on_stack[4 * dv - 1] = 0.;  /* MUTATION */\n",
+        ("tests/fast_path/test_kernel_safety.py::test_memory_sizes_that_overflowed_the_kernel_stack_compute_right",),
+    ),
 ]
 
 
