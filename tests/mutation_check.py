@@ -7989,6 +7989,20 @@ MUTATIONS = [
         "    volatile double on_stack[4 * dv]; on_stack[0] = 0.; on_stack[4 * dv - 1] = 0.;  /* MUTATION */\n",
         ("tests/fast_path/test_kernel_safety.py::test_memory_sizes_that_overflowed_the_kernel_stack_compute_right",),
     ),
+    Mutation(
+        "the derived-weights guard keys a torchao weight by the tensors it holds (keyed by its own storage: 0)",
+        "modeling_gpn/derived_weights.py",
+        '    flatten = getattr(kind, "__tensor_flatten__", None)\n    if flatten is None:\n',
+        "    flatten = None  # MUTATION\n    if flatten is None:\n",
+        ("tests/fast_path/test_step_kernels.py::test_the_derived_weights_guard_sees_an_int8_weight_edited_in_place",),
+    ),
+    Mutation(
+        "the read probe reads every byte (the tail past its last 64 floats left out)",
+        "modeling_gpn/memory_kernels.py",
+        "    for (i64 i = n / 64 * 64; i < n; i++) total += x[i];\n    return total;\n",
+        "    return total;  /* MUTATION */\n",
+        ("tests/fast_path/test_step_kernels.py::test_the_read_probe_reads_every_byte",),
+    ),
 ]
 
 
