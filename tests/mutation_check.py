@@ -8003,6 +8003,38 @@ MUTATIONS = [
         "    return total;  /* MUTATION */\n",
         ("tests/fast_path/test_step_kernels.py::test_the_read_probe_reads_every_byte",),
     ),
+    Mutation(
+        "the C memory kernels are chosen once per window (asked again in every step)",
+        "modeling_gpn/fast_recurrence.py",
+        "    try:\n        return memory_step(Z, c, key, neg_decay_rate, memory, memory_out, eps)\n",
+        "    memory_kernels_usable(Z)  # MUTATION\n    try:\n        return memory_step(Z, c, key, neg_decay_rate, memory, memory_out, eps)\n",
+        ("tests/fast_path/test_dispatch.py::test_the_c_kernels_are_chosen_once_per_window_not_per_step",),
+    ),
+    Mutation(
+        "the Triton backward is chosen once per window (each backward step checks its tensors again)",
+        "modeling_gpn/triton_kernels.py",
+        '    real = saved.get("real")\n    if ws is not None and not (real is None and usable_step_backward(saved, grads, s)):\n',
+        '    usable_step_backward(saved, grads, s)  # MUTATION\n    real = saved.get("real")\n'
+        "    if ws is not None and not (real is None and usable_step_backward(saved, grads, s)):\n",
+        ("tests/fast_path/test_dispatch.py::test_the_triton_backward_is_chosen_once_per_window_not_per_step",),
+    ),
+    Mutation(
+        "a strided gradient from autograd made contiguous (by the dispatcher and the memory backward: handed on as it comes)",
+        "modeling_gpn/fast_recurrence.py",
+        "        grad_or_zero = lambda g, like: g.contiguous() if g is not None else torch.zeros_like(like)\n",
+        "        grad_or_zero = lambda g, like: g if g is not None else torch.zeros_like(like)  # MUTATION\n",
+        (
+            "tests/fast_path/test_dispatch.py::test_a_strided_gradient_from_autograd_keeps_every_backward_step_on_the_triton_kernels",
+        ),
+        also=(  # (the Triton memory backward's own copy too: either one alone keeps the kernel's input contiguous)
+            (
+                "modeling_gpn/triton_kernels.py",
+                "        t.contiguous() for t in (memory_grad, memory, queries, read_grads, update, a, beta)\n",
+                "        t if t is memory_grad else t.contiguous()  # MUTATION\n"
+                "        for t in (memory_grad, memory, queries, read_grads, update, a, beta)\n",
+            ),
+        ),
+    ),
 ]
 
 
