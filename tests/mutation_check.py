@@ -8035,6 +8035,34 @@ MUTATIONS = [
             ),
         ),
     ),
+    Mutation(
+        "a training sweep's buffers are held by one call until its backward (a second call takes them meanwhile)",
+        "modeling_gpn/cuda_graphs.py",
+        "            if self.owner is not None and self.owner() is not None:\n                return None\n",
+        "            pass  # MUTATION\n",
+        ("tests/fast_path/test_training_graphs.py::test_a_second_call_before_the_first_backward_runs_the_fast_path",),
+    ),
+    Mutation(
+        "windows of other lengths reuse one training sweep (a sweep made per window length)",
+        "modeling_gpn/cuda_graphs.py",
+        "    key = (batch, segment, dtypes[0], device)\n",
+        "    key = (batch, segment, dtypes[0], device, length)  # MUTATION\n",
+        ("tests/fast_path/test_training_graphs.py::test_windows_of_other_lengths_reuse_one_sweep",),
+    ),
+    Mutation(
+        "a training chunk runs on static buffers (every intermediate a fresh tensor)",
+        "modeling_gpn/triton_kernels.py",
+        "    if ws is None:\n        return torch.empty(shape, dtype=dtype, device=device)\n    buffer = ws.get(name)\n",
+        "    if True:  # MUTATION\n        return torch.empty(shape, dtype=dtype, device=device)\n    buffer = ws.get(name)\n",
+        ("tests/fast_path/test_training_graphs.py::test_a_training_chunk_runs_without_allocation_or_host_sync",),
+    ),
+    Mutation(
+        "a bf16 autocast sweep casts its weight-gradient blocks to bf16 (left float32)",
+        "modeling_gpn/recurrence_step.py",
+        "        self.cast_blocks = None\n        if dtype != torch.float32:\n",
+        "        self.cast_blocks = None\n        if False:  # MUTATION\n",
+        ("tests/fast_path/test_training_graphs.py::test_bf16_autocast_sweep_tracks_the_fast_path",),
+    ),
 ]
 
 
