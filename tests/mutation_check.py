@@ -8063,6 +8063,59 @@ MUTATIONS = [
         "        self.cast_blocks = None\n        if False:  # MUTATION\n",
         ("tests/fast_path/test_training_graphs.py::test_bf16_autocast_sweep_tracks_the_fast_path",),
     ),
+    Mutation(
+        "the Triton self-check's tolerance is sized from float32 rounding (one ulp: correct kernels on a GPU fail)",
+        "modeling_gpn/triton_kernels.py",
+        "SELF_CHECK_TOLERANCE = 2.0**-13\n",
+        "SELF_CHECK_TOLERANCE = 2.0**-23  # MUTATION\n",
+        (
+            "tests/fast_path/test_self_check.py::test_the_self_check_passes_correct_kernels_whose_results_carry_gpu_noise",
+        ),
+    ),
+    Mutation(
+        "the Triton self-check runs full float32 matmuls (the process's TF32 / bf16 setting kept)",
+        "modeling_gpn/triton_kernels.py",
+        '    torch.set_float32_matmul_precision("highest")\n    try:\n        yield\n',
+        "    try:  # MUTATION\n        yield\n",
+        ("tests/fast_path/test_self_check.py::test_the_self_check_runs_full_float32_matmuls_whatever_the_process_set",),
+    ),
+    Mutation(
+        "the Triton self-check fails an error of 1e-2 in any single output (a tolerance 100 times looser)",
+        "modeling_gpn/triton_kernels.py",
+        "        if not error <= tolerance:\n",
+        "        if not error <= 100 * tolerance:  # MUTATION\n",
+        ("tests/fast_path/test_self_check.py::test_an_error_of_1e_2_in_any_single_output_fails",),
+    ),
+    Mutation(
+        "the Triton self-check runs on random weights (the model's own: a fresh model's zero branches compare 0 = 0)",
+        "modeling_gpn/triton_kernels.py",
+        "    weights = _random_weights(w, device)\n",
+        "    weights = w  # MUTATION\n",
+        ("tests/fast_path/test_self_check.py::test_an_error_in_a_branch_a_fresh_model_zeroes_is_caught",),
+    ),
+    Mutation(
+        "the Triton self-check checks batch 16 (the variant compiled for batches divisible by 16 unchecked)",
+        "modeling_gpn/triton_kernels.py",
+        "SELF_CHECK_BATCHES = (2, 16)\n",
+        "SELF_CHECK_BATCHES = (2,)  # MUTATION\n",
+        (
+            "tests/fast_path/test_self_check.py::test_an_error_only_in_the_variant_for_batches_divisible_by_16_turns_off_that_batch_only",
+        ),
+    ),
+    Mutation(
+        "a passed Triton self-check runs once per sizes (run again at every window)",
+        "modeling_gpn/triton_kernels.py",
+        "    return _self_check_key(device, s, matmul_dtype) not in _self_checks\n",
+        "    return True  # MUTATION\n",
+        ("tests/fast_path/test_self_check.py::test_a_passed_check_runs_once_per_sizes_and_the_kernels_stay_on",),
+        also=(  # (and each batch's check not skipped where done: either alone keeps it to once)
+            (
+                "modeling_gpn/triton_kernels.py",
+                "    key = _self_check_key(device, sizes, matmul_dtype)\n    if key in _self_checks:\n        return\n",
+                "    key = _self_check_key(device, sizes, matmul_dtype)  # MUTATION\n",
+            ),
+        ),
+    ),
 ]
 
 
