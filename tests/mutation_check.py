@@ -8116,6 +8116,40 @@ MUTATIONS = [
             ),
         ),
     ),
+    Mutation(
+        "a CUDA graph is captured in thread_local mode (global: another thread's CUDA call breaks it)",
+        "modeling_gpn/cuda_graphs.py",
+        '            with torch.cuda.graph(graph, capture_error_mode="thread_local"):\n',
+        "            with torch.cuda.graph(graph):  # MUTATION\n",
+        (
+            "tests/fast_path/test_self_check.py::test_a_capture_warms_up_on_a_side_stream_then_captures_thread_local_on_the_tensors_device",
+            "tests/fast_path/test_self_check.py::test_the_training_sweep_and_the_decode_graph_capture_through_it",
+        ),
+    ),
+    Mutation(
+        "a CUDA graph's warm-up runs on a side stream (on the current one)",
+        "modeling_gpn/cuda_graphs.py",
+        "        with torch.cuda.stream(stream):\n            warm_up()\n",
+        "        if True:  # MUTATION\n            warm_up()\n",
+        (
+            "tests/fast_path/test_self_check.py::test_a_capture_warms_up_on_a_side_stream_then_captures_thread_local_on_the_tensors_device",
+            "tests/fast_path/test_self_check.py::test_the_training_sweep_and_the_decode_graph_capture_through_it",
+        ),
+    ),
+    Mutation(
+        "one training sweep is kept (one per batch size, none freed)",
+        "modeling_gpn/cuda_graphs.py",
+        "        sweeps.clear()  # (before the new one's buffers are made",
+        "        pass  # MUTATION (before the new one's buffers are made",
+        ("tests/fast_path/test_self_check.py::test_one_training_sweep_is_kept_and_it_always_has_a_segment",),
+    ),
+    Mutation(
+        "the backend probe counts the launches made while it was entered (all since the process started)",
+        "modeling_gpn/bench/timing.py",
+        "        self.launches = sum(triton_kernels.launches.values())\n",
+        "        self.launches = 0  # MUTATION\n",
+        ("tests/fast_path/test_self_check.py::test_the_backend_probe_tells_the_kernels_from_the_torch_ops",),
+    ),
 ]
 
 
