@@ -8150,6 +8150,52 @@ MUTATIONS = [
         "        self.launches = 0  # MUTATION\n",
         ("tests/fast_path/test_self_check.py::test_the_backend_probe_tells_the_kernels_from_the_torch_ops",),
     ),
+    Mutation(
+        "the Triton memory step's softplus keeps a tiny value (log1p rounds it to 0)",
+        "modeling_gpn/triton_jit.py",
+        "    softplus = tl.where(x > 20.0, x, log1p)\n",
+        "    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # MUTATION\n",
+        ("tests/fast_path/test_triton_kernels.py::test_memory_step_matches_the_torch_ops",),
+    ),
+    Mutation(
+        "the Triton kernels' relu keeps a NaN key as NaN (turned to 0)",
+        "modeling_gpn/triton_jit.py",
+        "    raw = tl.where(x < 0.0, 0.0, x)\n",
+        "    raw = tl.where(x > 0.0, x, 0.0)  # MUTATION\n",
+        ("tests/fast_path/test_triton_kernels.py::test_memory_step_keeps_a_nan_key_as_nan",),
+    ),
+    Mutation(
+        "the Triton memory write backward's gradient of the decay factor (left 0)",
+        "modeling_gpn/triton_jit.py",
+        "    tl.store(D_A + bh, tl.sum(d_a, axis=0))\n",
+        "    tl.store(D_A + bh, 0.0 * tl.sum(d_a, axis=0))  # MUTATION\n",
+        (
+            "tests/fast_path/test_triton_kernels.py::test_memory_write_backward_matches_the_torch_ops_and_autograd",
+            "tests/fast_path/test_triton_kernels.py -k one_step_forward_and_backward and not gpn-dtype",  # (no memory)
+        ),
+    ),
+    Mutation(
+        "the Triton memory read takes a strided query by its row stride (read as contiguous)",
+        "modeling_gpn/triton_jit.py",
+        "    q_raw, q, q_inv = _relu_l2(tl.load(QUERY + b * query_stride + h * dk + i, mask=in_k, other=0.0))\n",
+        "    q_raw, q, q_inv = _relu_l2(tl.load(QUERY + bh * dk + i, mask=in_k, other=0.0))  # MUTATION\n",
+        ("tests/fast_path/test_triton_kernels.py -k memory_read_matches and not 1-2-8-16",),  # (one row: no stride)
+    ),
+    Mutation(
+        "the Triton ground kernel adds the fuse gate's bias (left out)",
+        "modeling_gpn/triton_jit.py",
+        "    sig = tl.sigmoid(z + tl.load(BIAS + j, mask=valid, other=0.0))\n",
+        "    sig = tl.sigmoid(z)  # MUTATION\n",
+        ("tests/fast_path/test_triton_kernels.py::test_row_kernels_match_the_torch_ops",),
+    ),
+    Mutation(
+        "the Triton predict-input kernel loops over every block of the FFN width (one block only)",
+        "modeling_gpn/triton_jit.py",
+        "    for j0 in range(0, inter, BLOCK_F):\n",
+        "    for j0 in range(0, BLOCK_F, BLOCK_F):  # MUTATION\n",
+        ("tests/fast_path/test_triton_kernels.py::test_predict_input_and_gated_residual_match_the_torch_ops",),
+        occurrences=2,
+    ),
 ]
 
 
