@@ -8050,11 +8050,14 @@ MUTATIONS = [
         ("tests/fast_path/test_training_graphs.py::test_windows_of_other_lengths_reuse_one_sweep",),
     ),
     Mutation(
-        "a training chunk runs on static buffers (every intermediate a fresh tensor)",
+        "a training chunk and a graph's steps run on static buffers (every intermediate a fresh tensor)",
         "modeling_gpn/triton_kernels.py",
         "    if ws is None:\n        return torch.empty(shape, dtype=dtype, device=device)\n    buffer = ws.get(name)\n",
         "    if True:  # MUTATION\n        return torch.empty(shape, dtype=dtype, device=device)\n    buffer = ws.get(name)\n",
-        ("tests/fast_path/test_training_graphs.py::test_a_training_chunk_runs_without_allocation_or_host_sync",),
+        (
+            "tests/fast_path/test_training_graphs.py::test_a_training_chunk_runs_without_allocation_or_host_sync",
+            "tests/fast_path/test_triton_kernels.py::test_graph_steps_run_on_static_buffers_without_allocation_or_host_sync",
+        ),
     ),
     Mutation(
         "a bf16 autocast sweep casts its weight-gradient blocks to bf16 (left float32)",
@@ -8195,6 +8198,34 @@ MUTATIONS = [
         "    for j0 in range(0, BLOCK_F, BLOCK_F):  # MUTATION\n",
         ("tests/fast_path/test_triton_kernels.py::test_predict_input_and_gated_residual_match_the_torch_ops",),
         occurrences=2,
+    ),
+    Mutation(
+        "the Triton memory kernels refuse a memory that is not contiguous (taken as if it were)",
+        "modeling_gpn/triton_kernels.py",
+        "    if memory.dim() != 3 or not memory.is_contiguous():\n",
+        "    if memory.dim() != 3:  # MUTATION\n",
+        ("tests/fast_path/test_triton_kernels.py::test_backend_choice",),
+    ),
+    Mutation(
+        "a no-grad window runs on graph chunks of WINDOW_CHUNK steps (single steps only)",
+        "modeling_gpn/cuda_graphs.py",
+        "        steps = WINDOW_CHUNK if T - start >= WINDOW_CHUNK else 1\n",
+        "        steps = 1  # MUTATION\n",
+        ("tests/fast_path/test_triton_kernels.py::test_a_window_through_graph_chunks_equals_plain",),
+    ),
+    Mutation(
+        "the decode graph's key step takes prepacked step matrices (their PackedMatrix used as a tensor)",
+        "modeling_gpn/cuda_graphs.py",
+        "            big_w = w.big_w.matrix if isinstance(w.big_w, PackedMatrix) else w.big_w\n",
+        "            big_w = w.big_w  # MUTATION\n",
+        ("tests/fast_path/test_triton_kernels.py::test_the_decode_graph_takes_prepacked_weights",),
+    ),
+    Mutation(
+        "without triton the model runs on the other backends (its ImportError not caught)",
+        "modeling_gpn/triton_kernels.py",
+        "    except ImportError as error:  # CPU installs without triton: the torch ops still work\n",
+        "    except ValueError as error:  # MUTATION\n",
+        ("tests/fast_path/test_triton_kernels.py::test_without_triton_the_model_runs_on_the_other_backends",),
     ),
 ]
 
