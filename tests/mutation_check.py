@@ -8227,6 +8227,13 @@ MUTATIONS = [
         "    except ValueError as error:  # MUTATION\n",
         ("tests/fast_path/test_triton_kernels.py::test_without_triton_the_model_runs_on_the_other_backends",),
     ),
+    Mutation(
+        "every Triton kernel compiles for sm90 (one of them given a range of 3, which Triton does not compile)",
+        "modeling_gpn/triton_jit.py",
+        "        tl.store(READ + bh * dv + j, tl.sum(q[:, None] * m, axis=0), mask=in_v)\n",
+        "        tl.store(READ + bh * dv + j + 0 * tl.arange(0, 3)[:1], tl.sum(q[:, None] * m, axis=0), mask=in_v)  # MUTATION\n",
+        ("tests/fast_path/test_triton_compile.py::test_every_triton_kernel_compiles_for_sm90",),
+    ),
 ]
 
 
