@@ -8234,6 +8234,13 @@ MUTATIONS = [
         "        tl.store(READ + bh * dv + j + 0 * tl.arange(0, 3)[:1], tl.sum(q[:, None] * m, axis=0), mask=in_v)  # MUTATION\n",
         ("tests/fast_path/test_triton_compile.py::test_every_triton_kernel_compiles_for_sm90",),
     ),
+    Mutation(
+        "the C kernels give the same bits at any thread count (a row's norm rounded otherwise with the team's size)",
+        "modeling_gpn/memory_kernels.py",
+        "    return 1.f / sqrtf(sq / (float)n + eps);\n",
+        "    return 1.f / sqrtf(sq / (float)n + eps * (float)omp_get_num_threads());  /* MUTATION */\n",
+        ("tests/fast_path/test_threads.py::test_the_c_kernels_give_the_same_bits_at_any_thread_count",),
+    ),
 ]
 
 
