@@ -49,6 +49,9 @@ class Mutation:
     new: str  # what replaces it (every occurrence)
     tests: tuple[str, ...]  # pytest node ids or `path -k expression` arguments, the tests that claim the feature
     occurrences: int = 1  # more than one: the same line in each instruction set's kernels (all are removed)
+    # further edits made with this one, (file, old, new), each old text occurring exactly once: a feature kept by
+    # two safeguards in two files is removed only with both (either one gone, the other still keeps it)
+    also: tuple[tuple[str, str, str], ...] = ()
 
 
 FAST_PATH_TESTS = (
@@ -7314,6 +7317,7 @@ MUTATIONS = [
             "tests/fast_path/test_edited_weights.py::test_generate_folds_once_per_call_and_sees_edits_between_calls",
             "tests/fast_path/test_edited_weights.py::test_the_graph_steps_see_edited_weights",
             "tests/fast_path/test_edited_weights.py::test_a_decode_loop_folds_once_per_cache_and_a_new_cache_sees_edits",
+            "tests/fast_path/test_edited_weights.py -k data_written or sharing_the_storage or (peft and torch-ops and not unmerge)",
         ),
     ),
     Mutation(
@@ -7868,6 +7872,375 @@ MUTATIONS = [
         "dict(  # MUTATION\n    HF_HOME=",
         ("tests/tools/test_suite_caches.py",),
     ),
+    Mutation(
+        "derived weights derived once for the model's whole life (no scope drops them, no key renews them)",
+        "modeling_gpn/derived_weights.py",
+        "        key = parameters_key(model)\n        if key != self.key:\n            self.entries = {}\n            self.key = key\n        return self.entries\n",
+        "        return model.__dict__.setdefault('_life_entries', {})  # MUTATION\n",
+        (
+            "tests/fast_path/test_edited_weights.py -k data_ or copy_under or load_state_dict or optimizer_step"
+            " or (another_dtype and not float64) or parametrize_register or (peft and torch-ops)",
+        ),
+    ),
+    Mutation(
+        "bf16 weights keep a float32 state (zero state in the weights' dtype and the fast path takes it as it comes)",
+        "modeling_gpn/modeling_gpn.py",
+        "            torch.zeros(shape, device=device, dtype=torch.float32)\n",
+        "            torch.zeros(shape, device=device, dtype=self.embed_tokens.weight.dtype)  # MUTATION\n",
+        (
+            "tests/model/test_cache_and_padding.py::test_bf16_weights_keep_a_float32_state",
+            "tests/fast_path/test_fast_path.py::test_bf16_tracks_fp32_over_512_tokens",
+        ),
+        also=(
+            (
+                "modeling_gpn/fast_recurrence.py",
+                "    p0, g0, M0 = (x.float().contiguous() for x in state)\n",
+                "    p0, g0, M0 = (x.contiguous() for x in state)  # MUTATION\n",
+            ),
+        ),
+    ),
+    Mutation(
+        "a cache's size does not grow with length (its fingerprint keeps the first call's token ids)",
+        "modeling_gpn/cache.py",
+        "            self.head_length = length\n",
+        "            self.head_length = length\n            self.read_ids = token_ids.clone()  # MUTATION\n",
+        ("tests/model/test_cache_and_padding.py::test_cache_size_does_not_grow_with_length",),
+    ),
+    Mutation(
+        "a cache is constant in size from its first position (its fingerprint keeps a record per decode step)",
+        "modeling_gpn/cache.py",
+        "            torch.remainder(torch.addcmul(ids, shifted, bases), _FINGERPRINT_MODULUS, out=shifted)\n            return\n",
+        "            torch.remainder(torch.addcmul(ids, shifted, bases), _FINGERPRINT_MODULUS, out=shifted)\n"
+        "            self.__dict__.setdefault('steps', []).append(ids)  # MUTATION\n            return\n",
+        ("tests/model/test_cache_and_padding.py::test_the_cache_is_exactly_constant_in_size_from_its_first_position",),
+    ),
+    Mutation(
+        "bf16 weights give a bf16 hidden state (the decoder's output left float32)",
+        "modeling_gpn/modeling_gpn.py",
+        "        return decoded.to(dtype) if dtype.is_floating_point else decoded\n",
+        "        return decoded  # MUTATION\n",
+        (
+            "tests/model/test_output_layer.py::test_bf16_weights_give_a_bf16_hidden_state_that_the_head_multiplies_exactly",
+        ),
+    ),
+    Mutation(
+        "packed windows never run on CUDA graphs (whose static steps do not reset the state)",
+        "modeling_gpn/fast_recurrence.py",
+        "    graphs_possible = mask is None and not packed and triton and triton_sizes_fit(model.config)\n",
+        "    graphs_possible = mask is None and triton and triton_sizes_fit(model.config)  # MUTATION\n",
+        ("tests/model/test_packed.py::test_packed_windows_never_run_on_cuda_graphs",),
+    ),
+    Mutation(
+        "the one-call decode computes with the token generate() chose (a processor's pick), not greedy's argmax",
+        "modeling_gpn/fast_recurrence.py",
+        "            ids = input_ids.reshape(-1).contiguous()  # (a column sliced from a prompt is not contiguous)\n",
+        "            ids = derived.get('argmax', input_ids.reshape(-1)).contiguous()  # MUTATION\n",
+        ("tests/fast_path/test_decode_call.py::test_processors_that_read_the_history_see_the_one_calls_tokens",),
+        also=(
+            (
+                "modeling_gpn/fast_recurrence.py",
+                '            derived["decoded key"] = (g0, version_of(g0), plan.key)\n',
+                '            derived["decoded key"] = (g0, version_of(g0), plan.key)\n'
+                "            derived['argmax'] = logits.view(rows, -1).argmax(-1)  # MUTATION\n",
+            ),
+        ),
+    ),
+    Mutation(
+        "threads (derived-weights scopes shared by every thread: one thread's plan and buffers used by another)",
+        "modeling_gpn/derived_weights.py",
+        "_scopes = threading.local()",
+        '_scopes = type("Shared", (), {})()  # MUTATION',
+        ("tests/fast_path/test_threads.py::test_two_threads_generating_with_one_model_each_get_their_own_tokens",),
+    ),
+    Mutation(
+        "reused memory buffers (a buffer handed out stays in the pool: overlapping training calls share one)",
+        "modeling_gpn/fast_recurrence.py",
+        "                return free.pop()\n",
+        "                return free[-1]  # MUTATION\n",
+        ("tests/fast_path/test_fast_path.py::test_reused_memory_buffers_keep_overlapping_calls_apart",),
+    ),
+    Mutation(
+        "the C kernels build where there is a compiler (their build fails)",
+        "modeling_gpn/memory_kernels.py",
+        "                _library = _compile()\n",
+        '                raise RuntimeError("the build failed")  # MUTATION\n',
+        ("tests/fast_path/test_fast_path.py::test_memory_kernels_build_where_there_is_a_compiler",),
+    ),
+    Mutation(
+        "the one-token step writes M' into the buffer it is given (a static address for CUDA graphs)",
+        "modeling_gpn/recurrence_step.py",
+        "    memory_flat = memory_out.view(B * H, dk, dv) if memory_out is not None else torch.empty_like(old_flat)\n",
+        "    memory_flat = torch.empty_like(old_flat)  # MUTATION\n",
+        ("tests/fast_path/test_fast_path.py::test_decode_step_compiles_as_one_graph_writing_memory_in_place",),
+    ),
+    Mutation(
+        "a compiler that writes junk turns the kernels off with a warning (turned off in silence)",
+        "modeling_gpn/memory_kernels.py",
+        '            raise RuntimeError(f"the fresh build is unusable: {problem}") from None\n',
+        "            return None  # MUTATION\n",
+        (
+            "tests/fast_path/test_kernel_safety.py::test_a_compiler_that_writes_junk_turns_the_kernels_off_with_a_warning",
+        ),
+    ),
+    Mutation(
+        "the memory kernels keep no arrays on the stack (a head's dv values there again: large sizes overflow it)",
+        "modeling_gpn/memory_kernels.py",
+        "    /* M^T k and M^T q accumulate straight in the error and read rows (no stack arrays) */\n",
+        "    volatile double on_stack[4 * dv]; on_stack[0] = 0.; on_stack[4 * dv - 1] = 0.;  /* MUTATION */\n",
+        ("tests/fast_path/test_kernel_safety.py::test_memory_sizes_that_overflowed_the_kernel_stack_compute_right",),
+    ),
+    Mutation(
+        "the derived-weights guard keys a torchao weight by the tensors it holds (keyed by its own storage: 0)",
+        "modeling_gpn/derived_weights.py",
+        '    flatten = getattr(kind, "__tensor_flatten__", None)\n    if flatten is None:\n',
+        "    flatten = None  # MUTATION\n    if flatten is None:\n",
+        ("tests/fast_path/test_step_kernels.py::test_the_derived_weights_guard_sees_an_int8_weight_edited_in_place",),
+    ),
+    Mutation(
+        "the read probe reads every byte (the tail past its last 64 floats left out)",
+        "modeling_gpn/memory_kernels.py",
+        "    for (i64 i = n / 64 * 64; i < n; i++) total += x[i];\n    return total;\n",
+        "    return total;  /* MUTATION */\n",
+        ("tests/fast_path/test_step_kernels.py::test_the_read_probe_reads_every_byte",),
+    ),
+    Mutation(
+        "the C memory kernels are chosen once per window (asked again in every step)",
+        "modeling_gpn/fast_recurrence.py",
+        "    try:\n        return memory_step(Z, c, key, neg_decay_rate, memory, memory_out, eps)\n",
+        "    memory_kernels_usable(Z)  # MUTATION\n    try:\n        return memory_step(Z, c, key, neg_decay_rate, memory, memory_out, eps)\n",
+        ("tests/fast_path/test_dispatch.py::test_the_c_kernels_are_chosen_once_per_window_not_per_step",),
+    ),
+    Mutation(
+        "the Triton backward is chosen once per window (each backward step checks its tensors again)",
+        "modeling_gpn/triton_kernels.py",
+        '    real = saved.get("real")\n    if ws is not None and not (real is None and usable_step_backward(saved, grads, s)):\n',
+        '    usable_step_backward(saved, grads, s)  # MUTATION\n    real = saved.get("real")\n'
+        "    if ws is not None and not (real is None and usable_step_backward(saved, grads, s)):\n",
+        ("tests/fast_path/test_dispatch.py::test_the_triton_backward_is_chosen_once_per_window_not_per_step",),
+    ),
+    Mutation(
+        "a strided gradient from autograd made contiguous (by the dispatcher and the memory backward: handed on as it comes)",
+        "modeling_gpn/fast_recurrence.py",
+        "        grad_or_zero = lambda g, like: g.contiguous() if g is not None else torch.zeros_like(like)\n",
+        "        grad_or_zero = lambda g, like: g if g is not None else torch.zeros_like(like)  # MUTATION\n",
+        (
+            "tests/fast_path/test_dispatch.py::test_a_strided_gradient_from_autograd_keeps_every_backward_step_on_the_triton_kernels",
+        ),
+        also=(  # (the Triton memory backward's own copy too: either one alone keeps the kernel's input contiguous)
+            (
+                "modeling_gpn/triton_kernels.py",
+                "        t.contiguous() for t in (memory_grad, memory, queries, read_grads, update, a, beta)\n",
+                "        t if t is memory_grad else t.contiguous()  # MUTATION\n"
+                "        for t in (memory_grad, memory, queries, read_grads, update, a, beta)\n",
+            ),
+        ),
+    ),
+    Mutation(
+        "a training sweep's buffers are held by one call until its backward (a second call takes them meanwhile)",
+        "modeling_gpn/cuda_graphs.py",
+        "            if self.owner is not None and self.owner() is not None:\n                return None\n",
+        "            pass  # MUTATION\n",
+        ("tests/fast_path/test_training_graphs.py::test_a_second_call_before_the_first_backward_runs_the_fast_path",),
+    ),
+    Mutation(
+        "windows of other lengths reuse one training sweep (a sweep made per window length)",
+        "modeling_gpn/cuda_graphs.py",
+        "    key = (batch, segment, dtypes[0], device)\n",
+        "    key = (batch, segment, dtypes[0], device, length)  # MUTATION\n",
+        ("tests/fast_path/test_training_graphs.py::test_windows_of_other_lengths_reuse_one_sweep",),
+    ),
+    Mutation(
+        "a training chunk and a graph's steps run on static buffers (every intermediate a fresh tensor)",
+        "modeling_gpn/triton_kernels.py",
+        "    if ws is None:\n        return torch.empty(shape, dtype=dtype, device=device)\n    buffer = ws.get(name)\n",
+        "    if True:  # MUTATION\n        return torch.empty(shape, dtype=dtype, device=device)\n    buffer = ws.get(name)\n",
+        (
+            "tests/fast_path/test_training_graphs.py::test_a_training_chunk_runs_without_allocation_or_host_sync",
+            "tests/fast_path/test_triton_kernels.py::test_graph_steps_run_on_static_buffers_without_allocation_or_host_sync",
+        ),
+    ),
+    Mutation(
+        "a bf16 autocast sweep casts its weight-gradient blocks to bf16 (left float32)",
+        "modeling_gpn/recurrence_step.py",
+        "        self.cast_blocks = None\n        if dtype != torch.float32:\n",
+        "        self.cast_blocks = None\n        if False:  # MUTATION\n",
+        ("tests/fast_path/test_training_graphs.py::test_bf16_autocast_sweep_tracks_the_fast_path",),
+    ),
+    Mutation(
+        "the Triton self-check's tolerance is sized from float32 rounding (one ulp: correct kernels on a GPU fail)",
+        "modeling_gpn/triton_kernels.py",
+        "SELF_CHECK_TOLERANCE = 2.0**-13\n",
+        "SELF_CHECK_TOLERANCE = 2.0**-23  # MUTATION\n",
+        (
+            "tests/fast_path/test_self_check.py::test_the_self_check_passes_correct_kernels_whose_results_carry_gpu_noise",
+        ),
+    ),
+    Mutation(
+        "the Triton self-check runs full float32 matmuls (the process's TF32 / bf16 setting kept)",
+        "modeling_gpn/triton_kernels.py",
+        '    torch.set_float32_matmul_precision("highest")\n    try:\n        yield\n',
+        "    try:  # MUTATION\n        yield\n",
+        ("tests/fast_path/test_self_check.py::test_the_self_check_runs_full_float32_matmuls_whatever_the_process_set",),
+    ),
+    Mutation(
+        "the Triton self-check fails an error of 1e-2 in any single output (a tolerance 100 times looser)",
+        "modeling_gpn/triton_kernels.py",
+        "        if not error <= tolerance:\n",
+        "        if not error <= 100 * tolerance:  # MUTATION\n",
+        ("tests/fast_path/test_self_check.py::test_an_error_of_1e_2_in_any_single_output_fails",),
+    ),
+    Mutation(
+        "the Triton self-check runs on random weights (the model's own: a fresh model's zero branches compare 0 = 0)",
+        "modeling_gpn/triton_kernels.py",
+        "    weights = _random_weights(w, device)\n",
+        "    weights = w  # MUTATION\n",
+        ("tests/fast_path/test_self_check.py::test_an_error_in_a_branch_a_fresh_model_zeroes_is_caught",),
+    ),
+    Mutation(
+        "the Triton self-check checks batch 16 (the variant compiled for batches divisible by 16 unchecked)",
+        "modeling_gpn/triton_kernels.py",
+        "SELF_CHECK_BATCHES = (2, 16)\n",
+        "SELF_CHECK_BATCHES = (2,)  # MUTATION\n",
+        (
+            "tests/fast_path/test_self_check.py::test_an_error_only_in_the_variant_for_batches_divisible_by_16_turns_off_that_batch_only",
+        ),
+    ),
+    Mutation(
+        "a passed Triton self-check runs once per sizes (run again at every window)",
+        "modeling_gpn/triton_kernels.py",
+        "    return _self_check_key(device, s, matmul_dtype) not in _self_checks\n",
+        "    return True  # MUTATION\n",
+        ("tests/fast_path/test_self_check.py::test_a_passed_check_runs_once_per_sizes_and_the_kernels_stay_on",),
+        also=(  # (and each batch's check not skipped where done: either alone keeps it to once)
+            (
+                "modeling_gpn/triton_kernels.py",
+                "    key = _self_check_key(device, sizes, matmul_dtype)\n    if key in _self_checks:\n        return\n",
+                "    key = _self_check_key(device, sizes, matmul_dtype)  # MUTATION\n",
+            ),
+        ),
+    ),
+    Mutation(
+        "a CUDA graph is captured in thread_local mode (global: another thread's CUDA call breaks it)",
+        "modeling_gpn/cuda_graphs.py",
+        '            with torch.cuda.graph(graph, capture_error_mode="thread_local"):\n',
+        "            with torch.cuda.graph(graph):  # MUTATION\n",
+        (
+            "tests/fast_path/test_self_check.py::test_a_capture_warms_up_on_a_side_stream_then_captures_thread_local_on_the_tensors_device",
+            "tests/fast_path/test_self_check.py::test_the_training_sweep_and_the_decode_graph_capture_through_it",
+        ),
+    ),
+    Mutation(
+        "a CUDA graph's warm-up runs on a side stream (on the current one)",
+        "modeling_gpn/cuda_graphs.py",
+        "        with torch.cuda.stream(stream):\n            warm_up()\n",
+        "        if True:  # MUTATION\n            warm_up()\n",
+        (
+            "tests/fast_path/test_self_check.py::test_a_capture_warms_up_on_a_side_stream_then_captures_thread_local_on_the_tensors_device",
+            "tests/fast_path/test_self_check.py::test_the_training_sweep_and_the_decode_graph_capture_through_it",
+        ),
+    ),
+    Mutation(
+        "one training sweep is kept (one per batch size, none freed)",
+        "modeling_gpn/cuda_graphs.py",
+        "        sweeps.clear()  # (before the new one's buffers are made",
+        "        pass  # MUTATION (before the new one's buffers are made",
+        ("tests/fast_path/test_self_check.py::test_one_training_sweep_is_kept_and_it_always_has_a_segment",),
+    ),
+    Mutation(
+        "the backend probe counts the launches made while it was entered (all since the process started)",
+        "modeling_gpn/bench/timing.py",
+        "        self.launches = sum(triton_kernels.launches.values())\n",
+        "        self.launches = 0  # MUTATION\n",
+        ("tests/fast_path/test_self_check.py::test_the_backend_probe_tells_the_kernels_from_the_torch_ops",),
+    ),
+    Mutation(
+        "the Triton memory step's softplus keeps a tiny value (log1p rounds it to 0)",
+        "modeling_gpn/triton_jit.py",
+        "    softplus = tl.where(x > 20.0, x, log1p)\n",
+        "    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # MUTATION\n",
+        ("tests/fast_path/test_triton_kernels.py::test_memory_step_matches_the_torch_ops",),
+    ),
+    Mutation(
+        "the Triton kernels' relu keeps a NaN key as NaN (turned to 0)",
+        "modeling_gpn/triton_jit.py",
+        "    raw = tl.where(x < 0.0, 0.0, x)\n",
+        "    raw = tl.where(x > 0.0, x, 0.0)  # MUTATION\n",
+        ("tests/fast_path/test_triton_kernels.py::test_memory_step_keeps_a_nan_key_as_nan",),
+    ),
+    Mutation(
+        "the Triton memory write backward's gradient of the decay factor (left 0)",
+        "modeling_gpn/triton_jit.py",
+        "    tl.store(D_A + bh, tl.sum(d_a, axis=0))\n",
+        "    tl.store(D_A + bh, 0.0 * tl.sum(d_a, axis=0))  # MUTATION\n",
+        (
+            "tests/fast_path/test_triton_kernels.py::test_memory_write_backward_matches_the_torch_ops_and_autograd",
+            "tests/fast_path/test_triton_kernels.py -k one_step_forward_and_backward and not gpn-dtype",  # (no memory)
+        ),
+    ),
+    Mutation(
+        "the Triton memory read takes a strided query by its row stride (read as contiguous)",
+        "modeling_gpn/triton_jit.py",
+        "    q_raw, q, q_inv = _relu_l2(tl.load(QUERY + b * query_stride + h * dk + i, mask=in_k, other=0.0))\n",
+        "    q_raw, q, q_inv = _relu_l2(tl.load(QUERY + bh * dk + i, mask=in_k, other=0.0))  # MUTATION\n",
+        ("tests/fast_path/test_triton_kernels.py -k memory_read_matches and not 1-2-8-16",),  # (one row: no stride)
+    ),
+    Mutation(
+        "the Triton ground kernel adds the fuse gate's bias (left out)",
+        "modeling_gpn/triton_jit.py",
+        "    sig = tl.sigmoid(z + tl.load(BIAS + j, mask=valid, other=0.0))\n",
+        "    sig = tl.sigmoid(z)  # MUTATION\n",
+        ("tests/fast_path/test_triton_kernels.py::test_row_kernels_match_the_torch_ops",),
+    ),
+    Mutation(
+        "the Triton predict-input kernel loops over every block of the FFN width (one block only)",
+        "modeling_gpn/triton_jit.py",
+        "    for j0 in range(0, inter, BLOCK_F):\n",
+        "    for j0 in range(0, BLOCK_F, BLOCK_F):  # MUTATION\n",
+        ("tests/fast_path/test_triton_kernels.py::test_predict_input_and_gated_residual_match_the_torch_ops",),
+        occurrences=2,
+    ),
+    Mutation(
+        "the Triton memory kernels refuse a memory that is not contiguous (taken as if it were)",
+        "modeling_gpn/triton_kernels.py",
+        "    if memory.dim() != 3 or not memory.is_contiguous():\n",
+        "    if memory.dim() != 3:  # MUTATION\n",
+        ("tests/fast_path/test_triton_kernels.py::test_backend_choice",),
+    ),
+    Mutation(
+        "a no-grad window runs on graph chunks of WINDOW_CHUNK steps (single steps only)",
+        "modeling_gpn/cuda_graphs.py",
+        "        steps = WINDOW_CHUNK if T - start >= WINDOW_CHUNK else 1\n",
+        "        steps = 1  # MUTATION\n",
+        ("tests/fast_path/test_triton_kernels.py::test_a_window_through_graph_chunks_equals_plain",),
+    ),
+    Mutation(
+        "the decode graph's key step takes prepacked step matrices (their PackedMatrix used as a tensor)",
+        "modeling_gpn/cuda_graphs.py",
+        "            big_w = w.big_w.matrix if isinstance(w.big_w, PackedMatrix) else w.big_w\n",
+        "            big_w = w.big_w  # MUTATION\n",
+        ("tests/fast_path/test_triton_kernels.py::test_the_decode_graph_takes_prepacked_weights",),
+    ),
+    Mutation(
+        "without triton the model runs on the other backends (its ImportError not caught)",
+        "modeling_gpn/triton_kernels.py",
+        "    except ImportError as error:  # CPU installs without triton: the torch ops still work\n",
+        "    except ValueError as error:  # MUTATION\n",
+        ("tests/fast_path/test_triton_kernels.py::test_without_triton_the_model_runs_on_the_other_backends",),
+    ),
+    Mutation(
+        "every Triton kernel compiles for sm90 (one of them given a range of 3, which Triton does not compile)",
+        "modeling_gpn/triton_jit.py",
+        "        tl.store(READ + bh * dv + j, tl.sum(q[:, None] * m, axis=0), mask=in_v)\n",
+        "        tl.store(READ + bh * dv + j + 0 * tl.arange(0, 3)[:1], tl.sum(q[:, None] * m, axis=0), mask=in_v)  # MUTATION\n",
+        ("tests/fast_path/test_triton_compile.py::test_every_triton_kernel_compiles_for_sm90",),
+    ),
+    Mutation(
+        "the C kernels give the same bits at any thread count (a row's norm rounded otherwise with the team's size)",
+        "modeling_gpn/memory_kernels.py",
+        "    return 1.f / sqrtf(sq / (float)n + eps);\n",
+        "    return 1.f / sqrtf(sq / (float)n + eps * (float)omp_get_num_threads());  /* MUTATION */\n",
+        ("tests/fast_path/test_threads.py::test_the_c_kernels_give_the_same_bits_at_any_thread_count",),
+    ),
 ]
 
 
@@ -7956,15 +8329,18 @@ def unapplied(mutations: list[Mutation]) -> list[str]:
     missing, the text not unique, a test file it names missing. Empty when every one applies."""
     problems = []
     for mutation in mutations:
-        path = REPO_ROOT / mutation.file
-        count = path.read_text().count(mutation.old) if path.is_file() else -1
-        if count != mutation.occurrences:
-            found = (
-                "the file does not exist"
-                if count < 0
-                else f"its source text occurs {count} times, not {mutation.occurrences}"
-            )
-            problems.append(f"{mutation.name!r}: {mutation.file}: {found}")
+        edits = [(mutation.file, mutation.old, mutation.occurrences)]
+        edits += [(file, old, 1) for file, old, _ in mutation.also]
+        for file, old, occurrences in edits:
+            path = REPO_ROOT / file
+            count = path.read_text().count(old) if path.is_file() else -1
+            if count != occurrences:
+                found = (
+                    "the file does not exist"
+                    if count < 0
+                    else f"its source text occurs {count} times, not {occurrences}"
+                )
+                problems.append(f"{mutation.name!r}: {file}: {found}")
         for spec in mutation.tests:
             test_file = pytest_arguments(spec)[0].split("::")[0]
             if not (REPO_ROOT / test_file).is_file():
@@ -8003,8 +8379,9 @@ def main(argv: list[str] | None = None) -> int:
             copy_of_repository(root)
             if number == 0:
                 check_imports_the_copy(root)
-            path = root / mutation.file
-            path.write_text(path.read_text().replace(mutation.old, mutation.new))
+            for file, old, new in ((mutation.file, mutation.old, mutation.new), *mutation.also):
+                path = root / file
+                path.write_text(path.read_text().replace(old, new))
             ran, failed, passed = run_tests(root, mutation.tests, Path(scratch) / f"report-{number}.xml")
             all_failed &= ran > 0 and failed == ran and not passed
             rows.append((mutation.name, ran, failed, passed))

@@ -132,17 +132,30 @@ HISTORY_PROCESSORS = {
 @pytest.mark.parametrize("processor", HISTORY_PROCESSORS)
 def test_processors_that_read_the_history_see_the_one_calls_tokens(one_thread, model, processor):
     """generate()'s logits processors that read the tokens so far (penalties, banned n-grams, biases) choose
-    the same tokens over the one-call decode as over the plain loop, and they change what greedy picks."""
+    the same tokens over the one-call decode as over the plain loop, and they change what greedy picks; the
+    one-call decode computes with the tokens they chose (its logits, before the processors, are the plain loop's:
+    a bias that picks its token whatever the logits would hide a state advanced with another token)."""
     ids = torch.randint(1, 97, (2, 6), generator=torch.Generator().manual_seed(3))
-    greedy = lambda **processed: model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, **processed
-    )
+
+    def greedy(**processed):
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=10,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **processed,
+        )
+        return out.sequences, torch.stack(out.logits)
+
     with ran(DECODE_CALLS):
-        fast = greedy(**HISTORY_PROCESSORS[processor])
+        fast, fast_logits = greedy(**HISTORY_PROCESSORS[processor])
     model.model.use_fast_path = False
     with ran(PLAIN_PATH, not_ran=(DECODE_CALLS,)):
-        assert torch.equal(fast, greedy(**HISTORY_PROCESSORS[processor]))
-        assert not torch.equal(fast, greedy())
+        plain, plain_logits = greedy(**HISTORY_PROCESSORS[processor])
+        assert torch.equal(fast, plain)
+        torch.testing.assert_close(fast_logits, plain_logits, rtol=1e-4, atol=1e-4)
+        assert not torch.equal(fast, greedy()[0])
 
 
 def doubling(module, args, output):

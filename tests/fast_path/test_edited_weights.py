@@ -7,6 +7,8 @@ optimizer step, `to(dtype)`, `parametrize` register and remove, and the same thr
 decode CUDA graph (Triton's interpreter on CPU). Writes through `.data` bump no version counter, so the old
 key (storage, version, dtype, device) was fooled by them; derived weights now live for one forward or one
 generate() call (modeling_gpn/derived_weights.py), and decoding still folds once per generate() call.
+The routes run on both CPU steps: the C step kernels' plan (which copies norms, biases and decay rates and reads
+the matrices in place) and the torch ops on folded matrices (copies of them all, as the Triton path derives).
 """
 
 from __future__ import annotations
@@ -44,9 +46,24 @@ def matrices(model):
     return [p for name, p in model.model.named_parameters() if p.dim() == 2 and "embed" not in name]
 
 
-def warmed_model(seed: int = 0, **overrides):
-    """A model whose fast path has run (and derived its weights) once."""
+def edited(model):
+    """Every parameter but the embedding: the matrices, which a fold copies, and the norms, biases and decay rates,
+    which the C step kernels' plan copies too (it reads the matrices in place, so an edit of them alone could not
+    tell a stale plan from a fresh one)."""
+    return [p for name, p in model.model.named_parameters() if "embed" not in name]
+
+
+@pytest.fixture(params=[True, False], ids=["c-steps", "torch-ops-steps"])
+def c_kernels(request) -> bool:
+    """The CPU's no-grad steps: the C step kernels' plan (the default) or the torch ops on folded matrices (what
+    the Triton path on a GPU derives too: copies of every matrix, stale after any edit if kept)."""
+    return request.param
+
+
+def warmed_model(c_kernels: bool = True, seed: int = 0, **overrides):
+    """A model whose fast path has run (and derived its weights) once, on the C step kernels or the torch ops."""
     model = perturbed_model(tiny_config(**overrides), seed=seed)
+    model.model.use_c_kernels = c_kernels
     logits_on(model, token_ids(), True)
     return model
 
@@ -56,53 +73,54 @@ def warmed_model(seed: int = 0, **overrides):
 # --------------------------------------------------------------------------------------------------
 
 
-def test_data_written_in_place():
-    """The issue's case: `p.data.mul_(1.5)` on every matrix after one forward (3.28 apart before)."""
-    model = warmed_model()
-    for p in matrices(model):
+def test_data_written_in_place(c_kernels):
+    """The issue's case: `p.data.mul_(1.5)` on every matrix (here every parameter) after one forward (3.28 apart
+    before)."""
+    model = warmed_model(c_kernels)
+    for p in edited(model):
         p.data.mul_(1.5)
     assert_fast_follows(model, token_ids())
 
 
-def test_data_assigned_sharing_the_storage():
-    model = warmed_model()
-    for p in matrices(model):
+def test_data_assigned_sharing_the_storage(c_kernels):
+    model = warmed_model(c_kernels)
+    for p in edited(model):
         p.data = p.data.mul_(1.5)  # same storage, no version bump
     assert_fast_follows(model, token_ids())
 
 
-def test_data_assigned_a_new_tensor():
-    model = warmed_model()
-    for p in matrices(model):
+def test_data_assigned_a_new_tensor(c_kernels):
+    model = warmed_model(c_kernels)
+    for p in edited(model):
         p.data = p.data * 1.5
     assert_fast_follows(model, token_ids())
 
 
-def test_copy_under_no_grad():
-    model = warmed_model()
+def test_copy_under_no_grad(c_kernels):
+    model = warmed_model(c_kernels)
     with torch.no_grad():
-        for p in matrices(model):
+        for p in edited(model):
             p.copy_(p * 1.5)
     assert_fast_follows(model, token_ids())
 
 
-def test_load_state_dict():
-    model = warmed_model()
+def test_load_state_dict(c_kernels):
+    model = warmed_model(c_kernels)
     model.load_state_dict(perturbed_model(tiny_config(), seed=1).state_dict())
     assert_fast_follows(model, token_ids())
 
 
-def test_an_optimizer_step():
-    model = warmed_model().train()
+def test_an_optimizer_step(c_kernels):
+    model = warmed_model(c_kernels).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     model(token_ids(), labels=token_ids()).loss.backward()
     optimizer.step()
     assert_fast_follows(model.eval(), token_ids())
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
-def test_to_another_dtype_and_back(dtype):
-    model = warmed_model()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=["bf16", "float64"])
+def test_to_another_dtype_and_back(dtype, c_kernels):
+    model = warmed_model(c_kernels)
     model.to(dtype)
     tolerance = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else {}
     assert_fast_follows(model, token_ids(), **tolerance)
@@ -110,14 +128,14 @@ def test_to_another_dtype_and_back(dtype):
     assert_fast_follows(model, token_ids())
 
 
-def test_parametrize_register_and_remove():
+def test_parametrize_register_and_remove(c_kernels):
     from torch.nn.utils import parametrize
 
     class Scaled(torch.nn.Module):
         def forward(self, weight):
             return 1.5 * weight
 
-    model = warmed_model()
+    model = warmed_model(c_kernels)
     gate = model.model.fuse_gate
     parametrize.register_parametrization(gate, "weight", Scaled())
     plain = logits_on(model, token_ids(), False)  # (a parametrized module runs the plain path)
@@ -144,16 +162,16 @@ def lora_model_after_one_step(model):
     return peft_model.eval()
 
 
-def test_peft_merge_and_unload():
+def test_peft_merge_and_unload(c_kernels):
     """The issue's case: merged LoRA logits 0.55 (fresh adapter) to 7.1 (after one step) apart before."""
-    model = warmed_model()
+    model = warmed_model(c_kernels)
     merged = lora_model_after_one_step(model).merge_and_unload()
     assert merged is model
     assert_fast_follows(merged, token_ids())
 
 
-def test_peft_merge_adapter_then_unload():
-    model = warmed_model()
+def test_peft_merge_adapter_then_unload(c_kernels):
+    model = warmed_model(c_kernels)
     peft_model = lora_model_after_one_step(model)
     peft_model.merge_adapter()
     merged_logits = logits_on(peft_model, token_ids(), False)
@@ -161,16 +179,18 @@ def test_peft_merge_adapter_then_unload():
     torch.testing.assert_close(logits_on(base, token_ids(), True), merged_logits, rtol=2e-4, atol=2e-5)
 
 
-def test_peft_merge_unmerge_then_unload():
-    """merge, unmerge (both through `.data`), unload: the base weights are back (up to rounding). While the
-    adapter wraps the projections the plain path runs, so the fast path meets unmerged weights only after an
-    unload; this guards that sequence (it held before too: the weights come back to what was folded)."""
-    model = warmed_model()
+def test_peft_merge_unmerge_then_unload(c_kernels):
+    """merge, unmerge (both through `.data`), unload: the base weights are back (up to rounding). Merged, the
+    fast path reads the LoRA layers' base layers (`merged_lora_base`) and derives from the merged weights; the
+    unmerge must leave none of that behind (after it the plain path runs until the unload, then the fast path
+    again, on the base weights)."""
+    model = warmed_model(c_kernels)
     peft_model = lora_model_after_one_step(model)
     weight = model.model.fuse_gate.base_layer.weight
     before = weight.detach().clone()
     peft_model.merge_adapter()
     assert not torch.allclose(weight, before, rtol=1e-4, atol=1e-4)  # (the merge wrote the update in)
+    assert_fast_follows(peft_model, token_ids())  # (the fast path derives from the merged weights)
     peft_model.unmerge_adapter()
     base = peft_model.unload()
     assert_fast_follows(base, token_ids())

@@ -133,12 +133,14 @@ def test_a_second_call_before_the_first_backward_runs_the_fast_path(graphs_on):
     problems = [random_problem(model, batch=2, length=3, mask_kind=None, seed=s) for s in (8, 9)]
     expected = [run_recurrence(model, False, *p[:2], None, p[3]) for p in problems]
     core.use_fast_path = True
-    objectives, inputs = [], []
+    objectives, inputs, graphs = [], [], []
     for tokens, state, _, weights in problems:
         tokens = tokens.clone().requires_grad_(True)
         outputs, final, _ = core.recurrence(tokens, state, None)
         objectives.append((outputs * weights[0]).sum() + sum((x * w).sum() for x, w in zip(final, weights[1:])))
         inputs.append(tokens)
+        graphs.append(core.last_recurrence_backends.graphs)
+    assert graphs == ["training", None]  # the second call: the fast path without the buffers the first one holds
     (sweep,) = sweeps_of(model)
     assert sweep.owner is not None and sweep.owner() is not None  # the first call holds the buffers
     for index in (1, 0):
@@ -177,7 +179,7 @@ def test_windows_of_other_lengths_reuse_one_sweep(graphs_on, segment):
     """One sweep per segment length serves windows of every length (a shorter one is one shorter segment);
     without segments the sweep's are `SWEEP_SEGMENT_LENGTH` long: always = plain."""
     model = perturbed_model(tiny_config(bptt_segment_length=segment), seed=26)
-    lengths = []
+    lengths, used = [], []
     for length in (3, 5, 2):
         tokens, state, _, weights = random_problem(model, batch=2, length=length, mask_kind=None, seed=length)
         assert_same(
@@ -186,7 +188,9 @@ def test_windows_of_other_lengths_reuse_one_sweep(graphs_on, segment):
         )
         (sweep,) = sweeps_of(model)
         lengths.append(sweep.length)
+        used.append(sweep)
     assert lengths == [segment or cuda_graphs.SWEEP_SEGMENT_LENGTH] * 3
+    assert all(sweep is used[0] for sweep in used)  # (one sweep, not a new one of the same length per window)
 
 
 @pytest.mark.parametrize("graphs", ["1", "0"])
