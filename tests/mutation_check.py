@@ -7868,6 +7868,13 @@ MUTATIONS = [
         "dict(  # MUTATION\n    HF_HOME=",
         ("tests/tools/test_suite_caches.py",),
     ),
+    Mutation(
+        "gpn generate: a batch's shorter prompts read their left padding (the fast path's steps unmasked)",
+        "modeling_gpn/fast_recurrence.py",
+        "mask[:, t] if t in masked_steps else None",
+        "None if 'MUTATION' else None",
+        ("tests/tools/test_generate_cli.py::test_a_batch_prints_what_each_prompt_gives_alone_when_greedy",),
+    ),
 ]
 
 
