@@ -7875,6 +7875,20 @@ MUTATIONS = [
         "None if 'MUTATION' else None",
         ("tests/tools/test_generate_cli.py::test_a_batch_prints_what_each_prompt_gives_alone_when_greedy",),
     ),
+    Mutation(
+        "LAMBADA's paper accuracy counts a hit on the last word's first subword (the whole word asked instead)",
+        "eval/protocols.py",
+        '"acc": sum(s.target_is_top1[0] for s in scores) / n,',
+        '"acc": sum(all(s.target_is_top1) for s in scores) / n,  # MUTATION',
+        ("tests/ecosystem/test_eval.py::test_lambada_first_subword_accuracy_counts_a_hit",),
+    ),
+    Mutation(
+        "gpn eval's LAMBADA reads each target token's logits at the position before it (position t predicts t+1)",
+        "eval/protocols.py",
+        "            window = logits[row, end - len(target) : end]  # position t predicts token t+1\n",
+        "            window = logits[row, end - len(target) - 1 : end - 1]  # MUTATION\n",
+        ("tests/ecosystem/test_eval.py::test_lambada_paper_metrics_match_a_hand_computation",),
+    ),
 ]
 
 
