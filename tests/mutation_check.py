@@ -7889,6 +7889,49 @@ MUTATIONS = [
         "            window = logits[row, end - len(target) - 1 : end - 1]  # MUTATION\n",
         ("tests/ecosystem/test_eval.py::test_lambada_paper_metrics_match_a_hand_computation",),
     ),
+    Mutation(
+        "hostile pickles: BUILD is the standard library's (a dict's state set, not refused naming it)",
+        "conversion/reference.py",
+        "    dispatch[pickle.BUILD[0]] = load_build\n",
+        "    pass  # MUTATION\n",
+        ("tests/tools/test_faults_io.py -k hostile_pickles and build-on-a-dict",),
+    ),
+    Mutation(
+        "hostile pickles: a persistent id not refused by name (the standard library's error, worded as damage)",
+        "conversion/reference.py",
+        "    def persistent_load(self, pid: Any) -> Any:\n",
+        "    def persistent_load_unused(self, pid: Any) -> Any:  # MUTATION\n",
+        ("tests/tools/test_faults_io.py -k hostile_pickles and persistent-id",),
+    ),
+    Mutation(
+        "hostile pickles: codecs.encode passes any codec the pickle names (not latin1 only)",
+        "conversion/reference.py",
+        "            if not isinstance(text, str) or not isinstance(encoding, str) or encoding.lower() not in _LATIN1:\n",
+        "            if not isinstance(text, str) or not isinstance(encoding, str):  # MUTATION\n",
+        ("tests/tools/test_faults_io.py -k hostile_pickles and codec-other-than-latin1",),
+    ),
+    Mutation(
+        "hostile pickles: numpy.ndarray is the real class (called directly, it allocates the shape a pickle claims)",
+        "conversion/reference.py",
+        '            ("numpy", "ndarray"): _NDARRAY,\n',
+        '            ("numpy", "ndarray"): np.ndarray,  # MUTATION\n',
+        ("tests/tools/test_faults_io.py -k hostile_pickles and ndarray-called-directly",),
+    ),
+    Mutation(
+        "hostile pickles: builtins.list is the real type (NEWOBJ builds it unchecked, past the budget)",
+        "conversion/reference.py",
+        "        for kind in (dict, list, tuple, set, frozenset):\n            table[(\"builtins\", kind.__name__)] = container(kind)\n",
+        "        for kind in (dict, list, tuple, set, frozenset):\n            table[(\"builtins\", kind.__name__)] = kind if kind is list else container(kind)  # MUTATION\n",
+        ("tests/tools/test_faults_io.py -k hostile_pickles and newobj-of-a-wrapper",),
+    ),
+    Mutation(
+        "hostile pickles: a dotted numpy name walked as the standard library walks it (numpy.dtype.__class__)",
+        "conversion/reference.py",
+        '        if module == "optax" or module.startswith("optax."):\n',
+        '        if module == "numpy" and "." in name:  # MUTATION\n            return super().find_class(module, name)\n'
+        '        if module == "optax" or module.startswith("optax."):\n',
+        ("tests/tools/test_faults_io.py -k hostile_pickles and dotted-name",),
+    ),
 ]
 
 
