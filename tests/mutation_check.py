@@ -8437,6 +8437,48 @@ MUTATIONS = [
         "            print(streamer.rest(continuation(tokenizer, prompt_ids, row[prompt_width + 1 :])))  # MUTATION\n",
         ("tests/tools/test_generate_cli.py -k generate_prints_what_model_generate_gives and one-prompt and not beams",),
     ),
+    Mutation(
+        "the documented gpn eval commands parse (the model argument made an option)",
+        "eval/cli.py",
+        '    parser.add_argument(\n        "model",\n        help=f"model folder or Hub repo id (a GPN',
+        '    parser.add_argument(\n        "--model",\n        help=f"model folder or Hub repo id (a GPN',
+        ("tests/tools/test_docs.py -k documented_gpn_commands_parse and eval",),
+    ),
+    Mutation(
+        "the documented gpn eval options parse (--data-dir renamed)",
+        "eval/cli.py",
+        '        "--data-dir",\n        default=None,',
+        '        "--local-data",\n        dest="data_dir",\n        default=None,',
+        ("tests/tools/test_docs.py -k documented_gpn_commands_parse and evaluation.md and eval0",),
+    ),
+    Mutation(
+        "the documented gpn eval options parse (--fineweb-max-windows renamed)",
+        "eval/cli.py",
+        '    parser.add_argument("--fineweb-max-windows", type=int,',
+        '    parser.add_argument("--max-windows", dest="fineweb_max_windows", type=int,',
+        ("tests/tools/test_docs.py -k documented_gpn_commands_parse and evaluation.md and eval2 and not 108",),
+    ),
+    Mutation(
+        "the documented gpn convert commands parse (the source argument made an option)",
+        "conversion/cli.py",
+        '    parser.add_argument(\n        "src",\n',
+        '    parser.add_argument(\n        "--src",\n',
+        ("tests/tools/test_docs.py -k documented_gpn_commands_parse and convert",),
+    ),
+    Mutation(
+        "the documented gpn push options parse (--private renamed)",
+        "modeling_gpn/hub/cli.py",
+        '        "--private", action="store_true",',
+        '        "--hidden", dest="private", action="store_true",',
+        ("tests/tools/test_docs.py -k documented_gpn_commands_parse and push1",),
+    ),
+    Mutation(
+        "the documented gpn bench options parse (--batch renamed)",
+        "modeling_gpn/bench/command.py",
+        '        "--batch",\n        "--batch-size",\n        dest="batch",',
+        '        "--rows",\n        "--rows-per-call",\n        dest="batch",',
+        ("tests/tools/test_docs.py -k documented_gpn_commands_parse and bench4",),
+    ),
 ]
 
 
