@@ -8479,6 +8479,34 @@ MUTATIONS = [
         '        "--rows",\n        "--rows-per-call",\n        dest="batch",',
         ("tests/tools/test_docs.py -k documented_gpn_commands_parse and bench4",),
     ),
+    Mutation(
+        "gpn inspect's state geometry is that of the centred states (the offset removed)",
+        "modeling_gpn/analysis/geometry.py",
+        "    centred = x - x.mean(axis=0, keepdims=True)\n",
+        "    centred = x  # MUTATION\n",
+        ("tests/tools/test_inspect.py -k geometry_recovers_a_known_covariance",),
+    ),
+    Mutation(
+        "gpn inspect's stable rank is sum(lambda) / max(lambda) and its participation ratio sum^2 / sum of squares",
+        "modeling_gpn/analysis/geometry.py",
+        '        "participation_ratio": float(total**2 / np.square(lam).sum()),\n',
+        '        "participation_ratio": float(total / np.square(lam).sum()),  # MUTATION\n',
+        ("tests/tools/test_inspect.py -k geometry_recovers_a_known_covariance",),
+    ),
+    Mutation(
+        "gpn inspect's mean-rate half-life is the 1/e one, -1 / mean(gamma) (not ln 2 / rate)",
+        "modeling_gpn/analysis/retention.py",
+        '        "mean_rate_half_lives": np.where(mean_gamma < 0, -1.0 / np.minimum(mean_gamma, -1e-300), np.inf),\n',
+        '        "mean_rate_half_lives": np.where(mean_gamma < 0, -np.log(2.0) / np.minimum(mean_gamma, -1e-300), np.inf),\n',
+        ("tests/tools/test_inspect.py::test_constant_decays_give_exact_half_lives_and_pools",),
+    ),
+    Mutation(
+        "gpn inspect's 1/e half-life interpolated between the two lags that bracket it (not the first lag past it)",
+        "modeling_gpn/analysis/retention.py",
+        "                lives[h] = (k - 1) + (before + 1.0) / (before - after)\n",
+        "                lives[h] = float(k)  # MUTATION\n",
+        ("tests/tools/test_inspect.py::test_constant_decays_give_exact_half_lives_and_pools",),
+    ),
 ]
 
 
