@@ -8507,6 +8507,27 @@ MUTATIONS = [
         "                lives[h] = float(k)  # MUTATION\n",
         ("tests/tools/test_inspect.py::test_constant_decays_give_exact_half_lives_and_pools",),
     ),
+    Mutation(
+        "gpn inspect's ablations' loop carries each step's predicted state to the next (the model's recurrence)",
+        "modeling_gpn/inspect/ablations.py",
+        "        predicted = state if ablation.carry_shift is None else state - ablation.carry_shift\n",
+        "        predicted = new_grounded if ablation.carry_shift is None else state - ablation.carry_shift  # MUTATION\n",
+        ("tests/tools/test_inspect.py -k unablated_recurrence_reproduces_the_model_exactly",),
+    ),
+    Mutation(
+        "gpn inspect's decoded-states shortcut subtracts the decode shift it is given",
+        "modeling_gpn/inspect/ablations.py",
+        "        s, c = window_nll(model, p, batch, decode_shift)\n",
+        "        s, c = window_nll(model, p, batch, None)  # MUTATION\n",
+        ("tests/tools/test_inspect.py::test_decode_only_shortcut_matches_the_ablated_recurrence",),
+    ),
+    Mutation(
+        "gpn inspect collects the model's log retentions gamma (not the retentions exp(gamma))",
+        "modeling_gpn/inspect/states.py",
+        "            gammas.append(out.memory_decays.float().cpu().numpy())\n",
+        "            gammas.append(out.memory_decays.float().exp().cpu().numpy())  # MUTATION\n",
+        ("tests/tools/test_inspect.py::test_constant_decays_set_in_a_model_come_back_from_its_forward_pass",),
+    ),
 ]
 
 
