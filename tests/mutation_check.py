@@ -8528,6 +8528,13 @@ MUTATIONS = [
         "            gammas.append(out.memory_decays.float().exp().cpu().numpy())  # MUTATION\n",
         ("tests/tools/test_inspect.py::test_constant_decays_set_in_a_model_come_back_from_its_forward_pass",),
     ),
+    Mutation(
+        "gpn inspect's mean direction decodes to its top tokens, most likely first",
+        "modeling_gpn/analysis/direction.py",
+        '    top_ids = np.argsort(-logits, kind="stable")[:k]\n',
+        '    top_ids = np.argsort(logits, kind="stable")[:k]  # MUTATION\n',
+        ("tests/tools/test_inspect.py::test_a_planted_mean_direction_is_recovered_with_its_decoded_tokens",),
+    ),
 ]
 
 
