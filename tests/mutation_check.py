@@ -8535,6 +8535,24 @@ MUTATIONS = [
         '    top_ids = np.argsort(logits, kind="stable")[:k]  # MUTATION\n',
         ("tests/tools/test_inspect.py::test_a_planted_mean_direction_is_recovered_with_its_decoded_tokens",),
     ),
+    Mutation(
+        "the read fingerprint counts a padded position as padding, whatever its id",
+        "modeling_gpn/cache.py",
+        "        values = torch.where(mask.bool(), values, torch.full_like(values, _PADDING_VALUE))\n",
+        "        pass  # MUTATION\n",
+        (
+            "tests/ecosystem/test_ecosystem.py::test_the_read_fingerprint_does_not_depend_on_how_the_positions_were_split",
+        ),
+    ),
+    Mutation(
+        "the read fingerprint of a split call continues the one before it (shifted by its length)",
+        "modeling_gpn/cache.py",
+        "        folded = (folded + start.to(values.device) * shift % modulus) % modulus\n",
+        "        folded = (folded + start.to(values.device)) % modulus  # MUTATION\n",
+        (
+            "tests/ecosystem/test_ecosystem.py::test_the_read_fingerprint_does_not_depend_on_how_the_positions_were_split",
+        ),
+    ),
 ]
 
 
