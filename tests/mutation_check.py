@@ -8553,6 +8553,33 @@ MUTATIONS = [
             "tests/ecosystem/test_ecosystem.py::test_the_read_fingerprint_does_not_depend_on_how_the_positions_were_split",
         ),
     ),
+    Mutation(
+        "generate() given a cache and more new positions than it read, none beginning with its history, reads them all",
+        "modeling_gpn/cache.py",
+        "        _refuse_a_departing_history(cache, seen, input_ids, attention_mask, matches)\n        return 0\n    raise ValueError(",
+        "        _refuse_a_departing_history(cache, seen, input_ids, attention_mask, matches)\n        return seen  # MUTATION\n    raise ValueError(",
+        (
+            "tests/ecosystem/test_ecosystem.py::test_generation_continued_with_only_the_new_positions_as_mamba_matches_one_run",
+        ),
+    ),
+    Mutation(
+        "generate() given a cache and the whole sequence (beginning with what it read) reads only the positions after it",
+        "modeling_gpn/cache.py",
+        "    if bool(matches.all()):\n        return seen\n",
+        "    if bool(matches.all()):\n        return 0  # MUTATION\n",
+        (
+            "tests/ecosystem/test_ecosystem.py::test_generation_continued_with_the_full_sequence_and_its_cache_matches_one_run",
+        ),
+    ),
+    Mutation(
+        "generate() given a cache, new positions and a mask over the whole sequence reads the new positions as given",
+        "modeling_gpn/cache.py",
+        "        if mask_columns == seen + given:\n            return 0\n",
+        "        if mask_columns == seen + given:\n            return seen  # MUTATION\n",
+        (
+            "tests/ecosystem/test_ecosystem.py::test_generation_continued_with_the_full_sequence_and_its_cache_matches_one_run",
+        ),
+    ),
 ]
 
 
