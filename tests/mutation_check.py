@@ -8580,6 +8580,20 @@ MUTATIONS = [
             "tests/ecosystem/test_ecosystem.py::test_generation_continued_with_the_full_sequence_and_its_cache_matches_one_run",
         ),
     ),
+    Mutation(
+        "gpn eval's fineweb_paper scores each window's first token from the empty state (the paper's convention)",
+        "eval/protocols.py",
+        "        first_nll = -empty[tokens[:, 0]].sum().item()\n",
+        "        first_nll = -empty[tokens[:, 1]].sum().item()  # MUTATION\n",
+        ("tests/ecosystem/test_eval.py::test_fineweb_windows_match_a_direct_forward_computation",),
+    ),
+    Mutation(
+        "gpn eval's fineweb_paper perplexity excluding the first position divides by window - 1 tokens a window",
+        "eval/protocols.py",
+        "    rest_tokens = n_windows * (window - 1)\n",
+        "    rest_tokens = n_windows * window  # MUTATION\n",
+        ("tests/ecosystem/test_eval.py::test_fineweb_windows_match_a_direct_forward_computation",),
+    ),
 ]
 
 
