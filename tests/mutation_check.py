@@ -8594,6 +8594,13 @@ MUTATIONS = [
         "    rest_tokens = n_windows * window  # MUTATION\n",
         ("tests/ecosystem/test_eval.py::test_fineweb_windows_match_a_direct_forward_computation",),
     ),
+    Mutation(
+        "gpn eval's LAMBADA batches pad on the right (each row's positions as when it is alone)",
+        "eval/protocols.py",
+        "        batch[i, : len(row)] = torch.tensor(row, dtype=torch.long)\n",
+        "        batch[i, length - len(row) :] = torch.tensor(row, dtype=torch.long)  # MUTATION\n",
+        ("tests/ecosystem/test_eval.py::test_batch_size_1_and_8_give_identical_metrics",),
+    ),
 ]
 
 
