@@ -8601,6 +8601,13 @@ MUTATIONS = [
         "        batch[i, length - len(row) :] = torch.tensor(row, dtype=torch.long)  # MUTATION\n",
         ("tests/ecosystem/test_eval.py::test_batch_size_1_and_8_give_identical_metrics",),
     ),
+    Mutation(
+        "gpn eval's rolling perplexity puts one BOS before each document (lm-eval's prefix token, not the tokenizer's too)",
+        "eval/runner.py",
+        "        add_bos_token=False if rolling else None,\n",
+        "        add_bos_token=None,  # MUTATION\n",
+        ("tests/ecosystem/test_eval.py::test_rolling_perplexity_equals_the_direct_sum_over_tokens",),
+    ),
 ]
 
 
