@@ -8608,6 +8608,13 @@ MUTATIONS = [
         "        add_bos_token=None,  # MUTATION\n",
         ("tests/ecosystem/test_eval.py::test_rolling_perplexity_equals_the_direct_sum_over_tokens",),
     ),
+    Mutation(
+        "gpn bench shows its progress bar unless it is switched off",
+        "modeling_gpn/bench/command.py",
+        '            for preset in tqdm(args.preset, desc="bench", unit="preset", disable=args.no_progress):\n',
+        '            for preset in tqdm(args.preset, desc="bench", unit="preset", disable=True):  # MUTATION\n',
+        ("tests/tools/test_cli_startup.py -k progress_bar_switches and nothing",),
+    ),
 ]
 
 
