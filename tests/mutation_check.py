@@ -8615,6 +8615,29 @@ MUTATIONS = [
         '            for preset in tqdm(args.preset, desc="bench", unit="preset", disable=True):  # MUTATION\n',
         ("tests/tools/test_cli_startup.py -k progress_bar_switches and nothing",),
     ),
+    Mutation(
+        "gpn train stops at a non-finite loss naming the step (without --skip-nonfinite)",
+        "modeling_gpn/train/loop.py",
+        "    if not run.skip_nonfinite:\n        raise NonFiniteLossError(",
+        "    if False:  # MUTATION\n        raise NonFiniteLossError(",
+        ("tests/tools/test_train.py::test_nonfinite_loss_stops_naming_the_step_or_is_skipped",),
+    ),
+    Mutation(
+        "gpn train never saves a model that ended non-finite (skipped steps and a NaN validation loss)",
+        "modeling_gpn/train/training.py",
+        "    if not all_finite(run.accelerator, unwrapped.parameters()) or (evaluated and not math.isfinite(val_loss)):\n",
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_train.py::test_nonfinite_loss_stops_naming_the_step_or_is_skipped",),
+    ),
+    Mutation(
+        "gpn train stops after more skipped steps than --max-skipped-steps",
+        "modeling_gpn/train/loop.py",
+        "    if len(run.skipped_steps) > cap:\n",
+        "    if False:  # MUTATION\n",
+        (
+            "tests/tools/test_train_faults.py::test_skipped_steps_are_capped_reported_and_a_nonfinite_model_is_never_saved",
+        ),
+    ),
 ]
 
 
