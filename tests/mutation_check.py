@@ -8638,6 +8638,20 @@ MUTATIONS = [
             "tests/tools/test_train_faults.py::test_skipped_steps_are_capped_reported_and_a_nonfinite_model_is_never_saved",
         ),
     ),
+    Mutation(
+        "gpn train removes a partial checkpoint whose write failed",
+        "modeling_gpn/train/checkpoints.py",
+        "            shutil.rmtree(tmp, ignore_errors=True)  # frees the space the partial checkpoint took\n",
+        "            pass  # MUTATION\n",
+        ("tests/tools/test_train_faults.py::test_a_failed_checkpoint_write_is_one_clear_cli_error",),
+    ),
+    Mutation(
+        "gpn train refuses a launch of several processes that Accelerate starts as one each",
+        "modeling_gpn/train/distributed.py",
+        "    if launched and accelerator.num_processes == 1:\n",
+        "    if False:  # MUTATION\n",
+        ("tests/tools/test_train.py::test_a_launch_of_several_processes_that_accelerate_runs_as_one_each_is_refused",),
+    ),
 ]
 
 
