@@ -8652,6 +8652,20 @@ MUTATIONS = [
         "    if False:  # MUTATION\n",
         ("tests/tools/test_train.py::test_a_launch_of_several_processes_that_accelerate_runs_as_one_each_is_refused",),
     ),
+    Mutation(
+        "gpn push's card fills the paper's LAMBADA columns only from the paper's variant (not lm-eval's lambada_openai)",
+        "modeling_gpn/hub/model_card.py",
+        '    return "lambada" in task.lower() and ("paper" in text or "first subword" in text or "first-subword" in text)\n',
+        '    return "lambada" in task.lower()  # MUTATION\n',
+        ("tests/tools/test_hub.py::test_paper_columns_without_gpn_evals_comparison_match_protocols_only",),
+    ),
+    Mutation(
+        "gpn push's card takes a LAMBADA task its protocol names the first-subword variant for the paper's",
+        "modeling_gpn/hub/model_card.py",
+        '    return "lambada" in task.lower() and ("paper" in text or "first subword" in text or "first-subword" in text)\n',
+        '    return "lambada" in task.lower() and "paper" in text  # MUTATION\n',
+        ("tests/tools/test_hub.py::test_paper_columns_without_gpn_evals_comparison_match_protocols_only",),
+    ),
 ]
 
 
