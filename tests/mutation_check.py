@@ -8666,6 +8666,13 @@ MUTATIONS = [
         '    return "lambada" in task.lower() and "paper" in text  # MUTATION\n',
         ("tests/tools/test_hub.py::test_paper_columns_without_gpn_evals_comparison_match_protocols_only",),
     ),
+    Mutation(
+        "gpn serve colours its log lines where both streams are terminals (uvicorn's use_colors set from them)",
+        "modeling_gpn/serve/server.py",
+        '            kwargs.setdefault("use_colors", colours_wanted())\n',
+        '            kwargs.setdefault("use_colors", False)  # MUTATION\n',
+        ("tests/tools/test_serve.py::test_the_servers_log_lines_are_coloured_only_on_a_terminal[terminal]",),
+    ),
 ]
 
 
