@@ -324,6 +324,13 @@ def test_the_read_fingerprint_does_not_depend_on_how_the_positions_were_split():
         for t in range(150):
             model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=stepped, use_cache=True)
     assert torch.equal(one_call.read_fingerprint(), stepped.read_fingerprint())
+    # calls of several positions each continue the fingerprint of those before (one-position calls fold theirs in
+    # place, another update)
+    chunked = GPNCache(model.config)
+    with torch.no_grad():
+        for start, stop in ((0, 7), (7, 67), (67, 150)):
+            model(ids[:, start:stop], attention_mask=mask[:, :stop], cache=chunked, use_cache=True)
+    assert torch.equal(one_call.read_fingerprint(), chunked.read_fingerprint())
     assert torch.equal(one_call.read_fingerprint(), token_fingerprint(ids, mask))
     other_padding = ids.clone()
     other_padding[0, :5] = 0  # the ids of padded positions do not count
