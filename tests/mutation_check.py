@@ -9046,6 +9046,62 @@ MUTATIONS = [
         '            kwargs.setdefault("use_colors", False)  # MUTATION\n',
         ("tests/tools/test_serve.py::test_the_servers_log_lines_are_coloured_only_on_a_terminal[terminal]",),
     ),
+    Mutation(
+        "gpn train leaves a partial checkpoint (.tmp-step-N) behind when its write fails on a full disk",
+        "modeling_gpn/train/checkpoints.py",
+        "            shutil.rmtree(tmp, ignore_errors=True)  # frees the space the partial checkpoint took\n",
+        "            pass  # MUTATION\n",
+        ("tests/tools/test_train_faults.py -k full_disk_during_a_checkpoint",),
+    ),
+    Mutation(
+        "gpn train's log.jsonl keeps half a record when an append fails (not cut back to its old length)",
+        "modeling_gpn/train/run_folder.py",
+        "        with contextlib.suppress(OSError):\n            os.truncate(path, size)\n        raise\n",
+        "        raise  # MUTATION\n",
+        ("tests/tools/test_train_faults.py -k full_disk_during_a_checkpoint",),
+    ),
+    Mutation(
+        "gpn train's recovery leaves a folder renamed aside by a crash between two renames (the checkpoint lost)",
+        "modeling_gpn/train/run_folder.py",
+        "        else:\n            os.replace(aside, final)\n    for unfinished in",
+        "        else:\n            pass  # MUTATION\n    for unfinished in",
+        ("tests/tools/test_train_faults.py -k crash_between_the_renames",),
+    ),
+    Mutation(
+        "gpn train under DDP: a stop signal to one rank is not agreed by every rank (each stops on its own)",
+        "modeling_gpn/train/distributed.py",
+        "    if accelerator.num_processes > 1:\n        received = int(accelerator.reduce(",
+        "    if False:  # MUTATION\n        received = int(accelerator.reduce(",
+        ("tests/tools/test_train_faults.py -k sigterm_to_one_ddp_rank",),
+    ),
+    Mutation(
+        "gpn train under DDP: every rank trains on the first rank's rows (the batch not split between processes)",
+        "modeling_gpn/train/loop.py",
+        "    first_row = accelerator.process_index * run.micro * run.accumulation\n",
+        "    first_row = 0  # MUTATION\n",
+        ("tests/tools/test_train.py -k two_process_ddp_matches",),
+    ),
+    Mutation(
+        "gpn train under DDP: the final record holds only this rank's weights fingerprint (not every rank's)",
+        "modeling_gpn/train/training.py",
+        '    record["weights_sha256_per_rank"] = fingerprints = gather_object([weights_sha256(unwrapped)])\n',
+        '    record["weights_sha256_per_rank"] = fingerprints = [weights_sha256(unwrapped)]  # MUTATION\n',
+        ("tests/tools/test_train.py -k two_process_ddp_matches",),
+    ),
+    Mutation(
+        "gpn train ignores an inline model's model_type (the llama baseline recipe trains a GPN)",
+        "modeling_gpn/train/models.py",
+        '    values.setdefault("model_type", "gpn")\n',
+        '    values["model_type"] = "gpn"  # MUTATION\n',
+        ("tests/tools/test_train.py -k llama_baseline_trains",),
+    ),
+    Mutation(
+        "gpn train's watchdog on a hung stage never fires its own message (faulthandler's bare dump ends it)",
+        "modeling_gpn/train/distributed.py",
+        "            self._timer.start()\n",
+        "            pass  # MUTATION\n",
+        ("tests/tools/test_train_faults.py -k watched_stage_that_hangs",),
+    ),
 ]
 
 
