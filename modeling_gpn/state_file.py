@@ -201,11 +201,17 @@ def dtype_name(model: nn.Module) -> str:
     or "int8" / "int4" where every quantized weight is of that kind (`quantized_kind`); "" where no name fits
     (another dtype, another quantization, two kinds). A refusal across dtypes names both sides so, not by torchao's
     classes alone."""
-    kinds = {quantized_kind(parameter) for parameter in model.parameters() if _quantized(parameter)}
+    kinds = quantized_kinds(model)
     if kinds:
         return kinds.pop() if len(kinds) == 1 and kinds <= QUANTIZED_TENSORS.keys() else ""
     dtype = str(model.dtype).removeprefix("torch.")
     return dtype if dtype in FLOAT_DTYPE_NAMES else ""
+
+
+def quantized_kinds(model: nn.Module) -> set[str]:
+    """The `quantized_kind`s of `model`'s quantized weights ("int8", "int4", other classes' names); empty for a float
+    model: what `dtype_name` and the tools' `quantized_as` read."""
+    return {quantized_kind(parameter) for parameter in model.parameters()} - {""}
 
 
 def quantized_kind(weight: torch.Tensor) -> str:

@@ -6972,16 +6972,16 @@ MUTATIONS = [
     Mutation(
         "a state file's dtype_name reads torchao's class names again, not the one definition",
         "modeling_gpn/state_file.py",
-        "    kinds = {quantized_kind(parameter) for parameter in model.parameters() if _quantized(parameter)}\n",
+        "    kinds = quantized_kinds(model)\n",
         "    kinds = {next((n for n, c in QUANTIZED_TENSORS.items() if c == type(parameter).__name__), '') for parameter in model.parameters() if _quantized(parameter)}  # MUTATION\n",
         ("tests/model/test_state.py -k one_dtype_name",),
     ),
     Mutation(
         "--dtype's quantized_as reads the fast path's recogniser again (an int8 weight of float16 is another kind)",
         "modeling_gpn/cli/quantization.py",
-        '    return {quantized_kind(parameter) for parameter in model.parameters()} - {""}\n',
+        "    return quantized_kinds(model)\n",
         "    from modeling_gpn.recurrence_step import int8_weight_parts  # MUTATION\n"
-        '    kinds = {quantized_kind(parameter) for parameter in model.parameters()} - {""}\n'
+        "    kinds = quantized_kinds(model)\n"
         '    return {"Int8Tensor" if k == "int8" and not any(map(int8_weight_parts, model.parameters())) else k for k in kinds}\n',
         ("tests/model/test_state.py -k one_dtype_name",),
     ),

@@ -66,9 +66,9 @@ def quantized_as(model: torch.nn.Module) -> set[str]:
     (`state_file.quantized_kind`: the one definition); empty for a float model. torchao cannot quantize a quantized
     weight again (quantize_ fails inside its dispatch) and `quantize_int4` leaves any quantized weight as it is, so
     a caller asked for one kind checks this first."""
-    from modeling_gpn.state_file import quantized_kind
+    from modeling_gpn.state_file import quantized_kinds
 
-    return {quantized_kind(parameter) for parameter in model.parameters()} - {""}
+    return quantized_kinds(model)
 
 
 def quantize_for(model: torch.nn.Module, kind: str, source: str = "the model") -> torch.nn.Module:
