@@ -119,3 +119,11 @@ def another_process_holding(path: Path) -> Iterator[subprocess.Popen]:
     finally:
         holder.stdin.close()
         holder.wait()
+
+
+def process_state(pid: int) -> str:
+    """The state letter of process `pid` from /proc/PID/stat ("R", "S", "T" stopped, "Z" a zombie, ...), "X" (dead)
+    once it is gone. Read once: checked for existence and then read, a process can be reaped in between."""
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()[0]
+    return "X"

@@ -27,7 +27,7 @@ import torch
 from ..backend_observer import CHUNKED_LOSS, FAST_PATH, PLAIN_PATH, ran
 from ..bf16_closeness import assert_bf16_close
 from ..environment import REPO_ROOT, require_environment
-from ..subprocesses import two_at_a_time
+from ..subprocesses import process_state, two_at_a_time
 from ..tiny_models import perturbed_model, tiny_config, well_conditioned_model
 from .recurrences import KERNEL_MODES
 
@@ -698,19 +698,11 @@ def test_a_hanging_compiler_is_stopped_and_the_torch_ops_serve(probed):
     assert any("did not finish within 3 s" in w for w in result["warnings"]), result
     assert result["seconds"] < 60
     sleeper = int(probed.noted["pid_file"].read_text())
-
-    def state() -> str:
-        """The sleeper's state, "gone" once reaped: read once (checked for existence, then read, it could be reaped
-        in between, FileNotFoundError)."""
-        with contextlib.suppress(OSError):
-            return Path(f"/proc/{sleeper}/stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()[0]
-        return "gone"
-
-    deadline, seen = time.monotonic() + 60, state()
-    while seen not in ("gone", "Z") and time.monotonic() < deadline:  # killed: a zombie, or reaped by init
+    deadline, seen = time.monotonic() + 60, process_state(sleeper)
+    while seen not in ("X", "Z") and time.monotonic() < deadline:  # killed: a zombie, or reaped by init ("X")
         time.sleep(0.1)
-        seen = state()
-    assert seen in ("gone", "Z"), seen
+        seen = process_state(sleeper)
+    assert seen in ("X", "Z"), seen
     assert not list(cache.glob("gpn_memory_*.so")) and not list(cache.glob(".build-*"))
 
 

@@ -24,7 +24,7 @@ import torch
 from modeling_gpn import train as train_module
 
 from ..environment import small_disk
-from ..subprocesses import two_at_a_time
+from ..subprocesses import process_state, two_at_a_time
 from .train_runs import (
     failed_launch_output,
     finish,
@@ -594,13 +594,13 @@ def _rank_1_stopped_on_entering(
     try:
         deadline = time.time() + 180
         rank_1 = pids / "1"
-        while not rank_1.exists() or _process_state(int(rank_1.read_text() or 0)) != "T":
+        while not rank_1.exists() or process_state(int(rank_1.read_text() or 0)) != "T":
             assert launcher.poll() is None, launcher.log_path.read_text()[-3000:]
             assert time.time() < deadline, "rank 1 did not stop within 180 s"
             time.sleep(0.1)
         # (the stop's own time: this thread may see it late, which would shorten the wait measured from here)
         stopped_at, rank_0 = float((pids / "signalled_at").read_text()), int((pids / "0").read_text())
-        while _process_state(rank_0) not in ("X", "Z"):
+        while process_state(rank_0) not in ("X", "Z"):
             assert time.time() - stopped_at < bound, f"rank 0 still waits {bound} s after rank 1 stopped"
             time.sleep(0.1)
         waited = time.time() - stopped_at
@@ -632,12 +632,6 @@ def test_a_stuck_ddp_rank_fails_the_job_after_ddp_timeout(launched):
     assert (
         "gpn train: error: a collective operation timed out after --ddp-timeout 5 s while training step 3:" in output
     ), output[-3000:]
-
-
-def _process_state(pid: int) -> str:
-    with contextlib.suppress(OSError):
-        return Path(f"/proc/{pid}/stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()[0]
-    return "X"
 
 
 def _ranks(launcher: subprocess.Popen) -> dict[int, int]:
@@ -692,7 +686,7 @@ def _launcher_killed(folder: Path, cache: Path, shakespeare: Path, env: dict[str
     os.kill(launcher.pid, signal.SIGKILL)  # the launcher alone: its ranks are left to themselves
     killed_at = time.time()
     try:
-        while any(_process_state(pid) not in ("X", "Z") for pid in ranks.values()):
+        while any(process_state(pid) not in ("X", "Z") for pid in ranks.values()):
             assert time.time() - killed_at < 60, "the ranks still train 60 s after their launcher was killed"
             time.sleep(0.1)
     finally:
