@@ -4252,8 +4252,8 @@ MUTATIONS = [
     Mutation(
         "gpn generate's stream decodes after the prompt's last 8 tokens, which may begin inside a byte-token character",
         "modeling_gpn/cli/generate.py",
-        "        self.tokenizer, self.context = tokenizer, character_aligned_context(tokenizer, prompt_ids, self.CONTEXT)\n",
-        "        self.tokenizer, self.context = tokenizer, prompt_ids[-self.CONTEXT :]  # MUTATION\n",
+        "        context = character_aligned_context(tokenizer, prompt_ids, self.CONTEXT)\n",
+        "        context = prompt_ids[-self.CONTEXT :]  # MUTATION\n",
         (
             "tests/tools/test_generate_cli.py::test_a_character_split_over_byte_tokens_is_printed_whole_once_it_is_complete",
         ),
@@ -4474,8 +4474,8 @@ MUTATIONS = [
     Mutation(
         "gpn generate's streamed pieces decoded without the prompt's last tokens (a SentencePiece space lost)",
         "modeling_gpn/cli/generate.py",
-        "self.tokenizer, self.context = tokenizer, character_aligned_context(tokenizer, prompt_ids, self.CONTEXT)",
-        "self.tokenizer, self.context = tokenizer, prompt_ids[:0]  # MUTATION",
+        "context = character_aligned_context(tokenizer, prompt_ids, self.CONTEXT)",
+        "context = prompt_ids[:0]  # MUTATION",
         ("tests/tools/test_generate_cli.py -k as_it_is_generated and SentencePiece",),
     ),
     Mutation(
@@ -5720,14 +5720,15 @@ MUTATIONS = [
         ("tests/tools/test_serve.py -k byte_tokens_that_form_no_character",),
     ),
     Mutation(
-        "a stream sends a character spelled in byte tokens when its last byte comes, though the bytes after it may "
-        "make the run replacement characters",
+        "a stream (gpn serve's, gpn generate's) sends a character spelled in byte tokens when its last byte comes, "
+        "though the bytes after it may make the run replacement characters",
         "modeling_gpn/cli/text_stream.py",
         "        if not self.waiting or self.held(self.waiting[-1]):\n",
         "        if not self.waiting:  # MUTATION\n",
         (
             "tests/tools/test_text_stream.py -k add_up or sent_with",
             "tests/tools/test_serve.py -k byte_tokens_that_form_no_character",
+            "tests/tools/test_generate_cli.py -k byte_tokens_that_is_no_character",
         ),
     ),
     Mutation(
@@ -5750,14 +5751,6 @@ MUTATIONS = [
         "            logger.warning(\"a streamed answer's text changed after it was sent",
         "            logger.debug(\"a streamed answer's text changed after it was sent",
         ("tests/tools/test_text_stream.py -k changes_after",),
-    ),
-    Mutation(
-        "gpn generate's stream prints a character spelled in byte tokens when its last byte comes: then nothing "
-        "more, and the whole continuation again at the end",
-        "modeling_gpn/cli/generate.py",
-        "        if self.held(self.new_ids[-1]):\n",
-        "        if False:  # MUTATION\n",
-        ("tests/tools/test_generate_cli.py -k byte_tokens_that_is_no_character",),
     ),
     Mutation(
         "NEFTune: the forward looks the ids up in the embedding's weight instead of calling it (its hooks skipped)",
