@@ -6417,6 +6417,33 @@ MUTATIONS = [
         ("tests/tools/test_serve.py -k each_endpoint_renders_and_tokenizes",),
     ),
     Mutation(
+        "gpn serve's prepared processor is no instance of the processor's class (transformers cannot tell a tokenizer "
+        "from a multimodal processor: a model of an architecture it does not list has no modality)",
+        "modeling_gpn/serve/prepared.py",
+        'types.new_class(f"Prepared{kind.__name__}", (PreparedProcessor, kind))',
+        'types.new_class(f"Prepared{kind.__name__}", (PreparedProcessor, _Delegating))  # MUTATION',
+        ("tests/tools/test_serve.py -k each_endpoint_renders_and_tokenizes",),
+        also=(
+            (
+                "modeling_gpn/serve/prepared.py",
+                "class PreparedProcessor:\n",
+                "class _Delegating:  # MUTATION: the processor's attributes, read through __getattr__\n"
+                "    def __getattr__(self, name):\n"
+                "        return getattr(self._of, name)\n\n"
+                "    def __call__(self, *args, **kwargs):\n"
+                "        return self._of(*args, **kwargs)\n\n"
+                "    def apply_chat_template(self, *args, **kwargs):\n"
+                "        return self._of.apply_chat_template(*args, **kwargs)\n\n\n"
+                "class PreparedProcessor:\n",
+            ),
+            (
+                "modeling_gpn/serve/prepared.py",
+                "    prepared.__dict__.update(vars(processor))\n",
+                "    prepared.__dict__.update(vars(processor), _of=processor)  # MUTATION\n",
+            ),
+        ),
+    ),
+    Mutation(
         "gpn serve, off the event loop: the n answers' ends (each decoded token by token, for its stop sequence) are found on the event loop",
         "modeling_gpn/serve/handlers.py",
         "    return await asyncio.to_thread(_answer_rows, model.sequences, inputs, gen_config, processor, eos_token_id)",
