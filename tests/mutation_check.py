@@ -4243,6 +4243,13 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "bench's weight_bytes counts the weights it reads among the kernels' operands that kept a dequantized matrix",
+        "modeling_gpn/bench/limit.py",
+        "        int4, _ = memory_kernels.int4_packing(weight)\n",
+        "        int4 = memory_kernels.int4_operand(weight)  # MUTATION\n",
+        ("tests/tools/test_bench.py::test_bench_measures_int4_weights_on_the_fast_path",),
+    ),
+    Mutation(
         "gpn generate decodes the new tokens alone (a SentencePiece continuation loses its leading space)",
         "modeling_gpn/cli/generate.py",
         '        print(f"{prompt}{continuation(tokenizer, prompt_ids, row[prompt_width:])}")\n',
@@ -6453,8 +6460,8 @@ MUTATIONS = [
     Mutation(
         "int4 weights never packed for the int4 products: the fast path multiplies their dequantized matrices",
         "modeling_gpn/memory_kernels.py",
-        "        if packed is not None:\n            return parts, packed\n",
-        "        if False:  # MUTATION\n            return parts, packed\n",
+        '    if packed is None:\n        return None, "a value or zero point outside int4\'s [-8, 7]"\n',
+        '    if True:  # MUTATION\n        return None, "a value or zero point outside int4\'s [-8, 7]"\n',
         (
             "tests/fast_path/test_step_kernels.py -k int4_weights_run_the_fast_path_on_their_int4_values or int4_products",
         ),
