@@ -6819,7 +6819,7 @@ MUTATIONS = [
     Mutation(
         "a LoRA merged in place, provably its base layers, is fingerprinted as stored, not as its merge",
         "modeling_gpn/state_file.py",
-        "    merged_in_place = not as_stored and computes_as_its_merge(model)\n",
+        "    merged_in_place = not as_stored and computes_as_its_merge(model, layers=layers)\n",
         "    merged_in_place = False  # MUTATION\n",
         ("tests/ecosystem/test_ecosystem.py -k merged_in_place_and_of_its_merge",),
     ),
