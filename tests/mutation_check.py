@@ -7044,6 +7044,13 @@ MUTATIONS = [
         ("tests/tools/test_serve_store.py -k bf16_or_quantized",),
     ),
     Mutation(
+        "GPNServe made from Python with dtype int4 and a quantization is not refused (its models' loads fail)",
+        "modeling_gpn/serve/server.py",
+        '            refuse_two_quantizations(quantize_to, serve_options.get("quantization"))\n',
+        "            pass  # MUTATION\n",
+        ("tests/tools/test_serve.py::test_gpnserve_made_from_python_refuses_two_quantizations_before_it_serves",),
+    ),
+    Mutation(
         "gpn serve --dtype int8 with --quantization is not refused with the arguments",
         "modeling_gpn/serve/cli.py",
         "        refuse_two_quantizations(args.dtype, args.quantization)\n",

@@ -1553,6 +1553,25 @@ def test_gpn_serve_that_cannot_start_says_why_without_a_traceback(tmp_path, caps
         assert words in capsys.readouterr().err, arguments
 
 
+def test_gpnserve_made_from_python_refuses_two_quantizations_before_it_serves(monkeypatch):
+    """`GPNServe(dtype="int8" | "int4", quantization=...)`, made from Python rather than by `gpn serve` (which
+    refuses it with its arguments), is refused as it is made: torchao cannot quantize bitsandbytes' layers, and
+    the server would have started, each model's load failing."""
+    from modeling_gpn.serve import server
+
+    class Built(Exception):
+        pass
+
+    def built(*args, **kwargs):  # (past the checks: the server would be built and serve, here it stops)
+        raise Built
+
+    monkeypatch.setattr(server, "_with_policy", built)
+    with pytest.raises(ValueError, match="--dtype int4 and --quantization bnb-4bit are two quantizations"):
+        server.GPNServe(dtype="int4", quantization="bnb-4bit", state_store_bytes=0)
+    with pytest.raises(Built):  # (one quantization: past the check)
+        server.GPNServe(dtype="int4", state_store_bytes=0)
+
+
 def test_gpn_serve_refuses_a_state_bound_below_one_state_of_its_model(model_dir, tmp_path, capsys, monkeypatch):
     """A positive --state-dir-bytes smaller than one state of the pinned model deleted every kept conversation once
     written (logged once, at the first); a --state-store-bytes as small, without --state-dir, kept none. Both are
