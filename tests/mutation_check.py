@@ -4250,6 +4250,13 @@ MUTATIONS = [
         ("tests/tools/test_bench.py::test_bench_measures_int4_weights_on_the_fast_path",),
     ),
     Mutation(
+        "gpn generate pads a batch of prompts on the right (a Llama reads a short prompt's first new token at a pad)",
+        "modeling_gpn/cli/generate.py",
+        '    tokenizer.padding_side = "left"\n',
+        '    tokenizer.padding_side = "right"  # MUTATION\n',
+        ("tests/tools/test_generate_cli.py::test_a_batch_of_a_llama_prints_what_each_prompt_gives_alone_when_greedy",),
+    ),
+    Mutation(
         "gpn generate decodes the new tokens alone (a SentencePiece continuation loses its leading space)",
         "modeling_gpn/cli/generate.py",
         '        print(f"{prompt}{continuation(tokenizer, prompt_ids, row[prompt_width:])}")\n',
