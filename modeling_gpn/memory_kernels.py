@@ -2822,26 +2822,32 @@ int4_dequantized: Counter = Counter()
 
 def int4_operand(weight: torch.Tensor) -> tuple[Int4Weight, Int4Packed] | None:
     """The parts of a low-bit weight (`dequantized_by_linear`) and their packing for the int4 products, or None where
-    the int4 products do not take it (counted in `int4_dequantized` by reason): not int4 values in groups they take
-    (`int4_weight_parts`), products built without VNNI (the int4 products run on its dot products; without them
-    the bf16 matrix is read faster), `GPN_INT4_KERNEL=0` (for A/B runs), or a value outside int4's range."""
+    the int4 products do not take it (`int4_packing`), counted in `int4_dequantized` by reason: what the kernels'
+    operands are made with."""
+    operand, reason = int4_packing(weight)
+    if operand is None:
+        int4_dequantized[reason] += 1
+    return operand
+
+
+def int4_packing(weight: torch.Tensor) -> tuple[tuple[Int4Weight, Int4Packed] | None, str]:
+    """The parts of a low-bit weight and their packing for the int4 products, or None and why they do not take it:
+    not int4 values in groups they take (`int4_weight_parts`), products built without VNNI (the int4 products run
+    on its dot products; without them the bf16 matrix is read faster), `GPN_INT4_KERNEL=0` (for A/B runs), or a
+    value outside int4's range. Counts nothing (`int4_operand` does, for the operands made)."""
     parts = int4_weight_parts(weight)
-    reason = None
     if parts is None:
         least, most = INT4_GROUPS
-        reason = f"not int4 values in groups of a multiple of {least} weights (at most {most:,}) along the rows"
-    elif switched_off("GPN_INT4_KERNEL"):
-        reason = "GPN_INT4_KERNEL=0"
-    elif "+vnni" not in products_isa():
-        reason = "the products were built without VNNI"
-    else:
-        with torch.no_grad():
-            packed = int4_pack(parts)
-        if packed is not None:
-            return parts, packed
-        reason = "a value or zero point outside int4's [-8, 7]"
-    int4_dequantized[reason] += 1
-    return None
+        return None, f"not int4 values in groups of a multiple of {least} weights (at most {most:,}) along the rows"
+    if switched_off("GPN_INT4_KERNEL"):
+        return None, "GPN_INT4_KERNEL=0"
+    if "+vnni" not in products_isa():
+        return None, "the products were built without VNNI"
+    with torch.no_grad():
+        packed = int4_pack(parts)
+    if packed is None:
+        return None, "a value or zero point outside int4's [-8, 7]"
+    return (parts, packed), ""
 
 
 def operand_of(linear: torch.nn.Module, extra_bias: torch.Tensor | None = None) -> Operand:

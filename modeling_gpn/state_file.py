@@ -129,6 +129,9 @@ def gpn_base_model(model: nn.Module) -> nn.Module:
 # model -> (a glance at its parameters when hashed, their hash): a state is saved and loaded many times between two
 # edits of the weights, and hashing them all (every byte of the model) once per edit is enough.
 _weights_hashes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+TunerLayers = list[tuple[str, nn.Module]]  # PEFT's adapter layers below a model, by name (`_tuner_layers`)
+
 GLANCE_VALUES = 4096  # values of each stored tensor read, evenly spaced, to tell whether it changed since hashed
 
 
@@ -145,13 +148,14 @@ def state_fingerprint(model: nn.Module) -> dict[str, str]:
     "yes" where PEFT adapters merged in place are hashed beside the weights (`merged_in_place_as_stored`), so that
     a refusal can say why such a PeftModel's state is not its merge's.
     """
+    layers = _tuner_layers(model)  # (found once, read by each part that reads the adapters)
     return {
         **config_fingerprint(model.config),
         "weights_dtype": weights_kind(model),
-        "weights_fingerprint": weights_hash(model),
-        "unmerged_adapters": "yes" if computes_unmerged_adapters(model) else "no",
+        "weights_fingerprint": weights_hash(model, layers=layers),
+        "unmerged_adapters": "yes" if computes_unmerged_adapters(model, layers=layers) else "no",
         "dtype_name": dtype_name(model),
-        "merged_adapters_hashed": "yes" if merged_in_place_as_stored(model) else "no",
+        "merged_adapters_hashed": "yes" if merged_in_place_as_stored(model, layers=layers) else "no",
     }
 
 
@@ -162,14 +166,15 @@ def config_fingerprint(config: GPNConfig) -> dict[str, str]:
     return {"state_config": config_json, "config_fingerprint": hashlib.sha256(config_json.encode()).hexdigest()}
 
 
-def computes_unmerged_adapters(model: nn.Module) -> bool:
+def computes_unmerged_adapters(model: nn.Module, *, layers: TunerLayers | None = None) -> bool:
     """Whether some PEFT adapter of `model` computes apart from the weights it adapts (active, not disabled, not
     merged): such a model's states are not those of its merge (`merge_and_unload()`, as `gpn generate` runs an
     adapter folder) bit for bit, since the adapter's product added beside the weights rounds otherwise than the
-    merged weights, and a continuation of one from the other's state would not be the run it continues."""
+    merged weights, and a continuation of one from the other's state would not be the run it continues.
+    (`layers`: `model`'s adapter layers, where the caller has found them.)"""
     return any(
         not settings["disabled"] and set(settings["active"]) - set(settings["merged"])
-        for settings in adapter_settings(model).values()
+        for settings in adapter_settings(model, layers=layers).values()
     )
 
 
@@ -252,7 +257,7 @@ def _quantized(parameter: torch.Tensor) -> bool:
     return is_traceable_wrapper_subclass(parameter.detach())
 
 
-def weights_hash(model: nn.Module, as_stored: bool = False) -> str:
+def weights_hash(model: nn.Module, as_stored: bool = False, *, layers: TunerLayers | None = None) -> str:
     """SHA-256 of `model`'s parameters as stored (names, shapes, dtypes and bytes; a quantized weight's inner tensors), recomputed when a glance says they changed since last hashed:
     their names, shapes and dtypes, the version counters every in-place write bumps (an optimizer step, `copy_`,
     `load_state_dict`), and `GLANCE_VALUES` evenly spaced values of each, for what writes through `.data` without
@@ -263,11 +268,13 @@ def weights_hash(model: nn.Module, as_stored: bool = False) -> str:
     (`computes_as_its_merge`) computes its merge's states bit for bit (the fast path reads those base layers), so it
     gets its merge's hash (`merge_and_unload()`'s: the base layers' parameters under the names they take there, no
     adapter matrices or settings), and the two take each other's states. `as_stored`: the hash as an earlier version
-    of format 2 wrote it for such a model too (its adapters hashed), which a load still accepts."""
+    of format 2 wrote it for such a model too (its adapters hashed), which a load still accepts. (`layers`:
+    `model`'s adapter layers, where the caller has found them.)"""
+    layers = _tuner_layers(model) if layers is None else layers
     named = model.named_parameters()
-    merged_in_place = not as_stored and computes_as_its_merge(model)
+    merged_in_place = not as_stored and computes_as_its_merge(model, layers=layers)
     if merged_in_place:
-        named = _as_merged(named, [name for name, _ in _tuner_layers(model)])
+        named = _as_merged(named, [name for name, _ in layers])
     stored = [part for name, parameter in named for part in stored_tensors(name, parameter.detach())]
     glance = hashlib.sha256()
     for name, tensor in stored:
@@ -281,25 +288,27 @@ def weights_hash(model: nn.Module, as_stored: bool = False) -> str:
             digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
             digest.update(_tensor_bytes(tensor))
         cached = _weights_hashes[model] = (glance.digest(), digest.hexdigest())
-    adapters = adapter_settings(model)
+    adapters = adapter_settings(model, layers=layers)
     if not adapters or merged_in_place:  # a model without adapters, or as its merge: the hash of its weights alone
         return cached[1]
     return hashlib.sha256(f"{cached[1]}/{json.dumps(adapters, sort_keys=True)}".encode()).hexdigest()
 
 
-def computes_as_its_merge(model: nn.Module) -> bool:
+def computes_as_its_merge(model: nn.Module, *, layers: TunerLayers | None = None) -> bool:
     """Whether `model` has PEFT adapter layers and each is a LoRA layer merged in place whose forward is provably its
     base layer's (`derived_weights.merged_lora_base`: PEFT 0.21's `lora.Linear`, adapters not disabled, every active
-    one merged, no hooks): the model then computes, on the fast path, `merge_and_unload()`'s states bit for bit."""
-    layers = _tuner_layers(model)
+    one merged, no hooks): the model then computes, on the fast path, `merge_and_unload()`'s states bit for bit.
+    (`layers`: `model`'s adapter layers, where the caller has found them.)"""
+    layers = _tuner_layers(model) if layers is None else layers
     return bool(layers) and all(merged_lora_base(layer) is not None for _, layer in layers)
 
 
-def merged_in_place_as_stored(model: nn.Module) -> bool:
+def merged_in_place_as_stored(model: nn.Module, *, layers: TunerLayers | None = None) -> bool:
     """Whether some PEFT adapter of `model` is merged in place while the model is not taken for its merge
-    (`computes_as_its_merge`): its fingerprint then hashes the adapters beside the merged weights."""
-    layers = _tuner_layers(model)
-    return any(layer.merged_adapters for _, layer in layers) and not computes_as_its_merge(model)
+    (`computes_as_its_merge`): its fingerprint then hashes the adapters beside the merged weights. (`layers`:
+    `model`'s adapter layers, where the caller has found them.)"""
+    layers = _tuner_layers(model) if layers is None else layers
+    return any(layer.merged_adapters for _, layer in layers) and not computes_as_its_merge(model, layers=layers)
 
 
 def _as_merged(named: Iterable[tuple[str, torch.Tensor]], layers: list[str]):
@@ -347,7 +356,7 @@ def _table_glance(model: nn.Module) -> str:
     return _glance([table]) if isinstance(table, torch.Tensor) else ""
 
 
-def _tuner_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def _tuner_layers(model: nn.Module) -> TunerLayers:
     """PEFT's adapter layers (LoRA and its kin: `BaseTunerLayer`, recognized by attribute, so nothing here imports
     PEFT) below `model`, by name."""
     if not any(
@@ -391,15 +400,16 @@ def _glance(parameters: Iterable[torch.Tensor]) -> str:
         return hashlib.sha256(_tensor_bytes(torch.cat([part.to(parts[0].device) for part in parts]))).hexdigest()
 
 
-def adapter_settings(model: nn.Module) -> dict[str, dict]:
+def adapter_settings(model: nn.Module, *, layers: TunerLayers | None = None) -> dict[str, dict]:
     """What PEFT's adapter layers (LoRA and its kin) compute with beyond their weights, by module name: the
     active adapters, whether adapters are disabled, which are merged, and LoRA's scaling.
 
     The adapters' matrices are parameters, hashed with the others; but a model holding two adapters computes
     another state with the other one active (`set_adapter`), and none of them inside `disable_adapter()`, with
-    the same parameters. Read by attribute (PEFT's `BaseTunerLayer`), so nothing here imports PEFT."""
+    the same parameters. Read by attribute (PEFT's `BaseTunerLayer`), so nothing here imports PEFT. (`layers`:
+    `model`'s adapter layers, where the caller has found them.)"""
     settings = {}
-    for name, module in _tuner_layers(model):
+    for name, module in _tuner_layers(model) if layers is None else layers:
         scaling = getattr(module, "scaling", None)
         settings[name] = {
             "active": sorted(str(adapter) for adapter in module.active_adapters),

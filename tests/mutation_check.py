@@ -4243,6 +4243,20 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "bench's weight_bytes counts the weights it reads among the kernels' operands that kept a dequantized matrix",
+        "modeling_gpn/bench/limit.py",
+        "        int4, _ = memory_kernels.int4_packing(weight)\n",
+        "        int4 = memory_kernels.int4_operand(weight)  # MUTATION\n",
+        ("tests/tools/test_bench.py::test_bench_measures_int4_weights_on_the_fast_path",),
+    ),
+    Mutation(
+        "gpn generate pads a batch of prompts on the right (a Llama reads a short prompt's first new token at a pad)",
+        "modeling_gpn/cli/generate.py",
+        '    tokenizer.padding_side = "left"\n',
+        '    tokenizer.padding_side = "right"  # MUTATION\n',
+        ("tests/tools/test_generate_cli.py::test_a_batch_of_a_llama_prints_what_each_prompt_gives_alone_when_greedy",),
+    ),
+    Mutation(
         "gpn generate decodes the new tokens alone (a SentencePiece continuation loses its leading space)",
         "modeling_gpn/cli/generate.py",
         '        print(f"{prompt}{continuation(tokenizer, prompt_ids, row[prompt_width:])}")\n',
@@ -4252,8 +4266,8 @@ MUTATIONS = [
     Mutation(
         "gpn generate's stream decodes after the prompt's last 8 tokens, which may begin inside a byte-token character",
         "modeling_gpn/cli/generate.py",
-        "        self.tokenizer, self.context = tokenizer, character_aligned_context(tokenizer, prompt_ids, self.CONTEXT)\n",
-        "        self.tokenizer, self.context = tokenizer, prompt_ids[-self.CONTEXT :]  # MUTATION\n",
+        "        context = character_aligned_context(tokenizer, prompt_ids, self.CONTEXT)\n",
+        "        context = prompt_ids[-self.CONTEXT :]  # MUTATION\n",
         (
             "tests/tools/test_generate_cli.py::test_a_character_split_over_byte_tokens_is_printed_whole_once_it_is_complete",
         ),
@@ -4474,8 +4488,8 @@ MUTATIONS = [
     Mutation(
         "gpn generate's streamed pieces decoded without the prompt's last tokens (a SentencePiece space lost)",
         "modeling_gpn/cli/generate.py",
-        "self.tokenizer, self.context = tokenizer, character_aligned_context(tokenizer, prompt_ids, self.CONTEXT)",
-        "self.tokenizer, self.context = tokenizer, prompt_ids[:0]  # MUTATION",
+        "context = character_aligned_context(tokenizer, prompt_ids, self.CONTEXT)",
+        "context = prompt_ids[:0]  # MUTATION",
         ("tests/tools/test_generate_cli.py -k as_it_is_generated and SentencePiece",),
     ),
     Mutation(
@@ -5720,14 +5734,15 @@ MUTATIONS = [
         ("tests/tools/test_serve.py -k byte_tokens_that_form_no_character",),
     ),
     Mutation(
-        "a stream sends a character spelled in byte tokens when its last byte comes, though the bytes after it may "
-        "make the run replacement characters",
+        "a stream (gpn serve's, gpn generate's) sends a character spelled in byte tokens when its last byte comes, "
+        "though the bytes after it may make the run replacement characters",
         "modeling_gpn/cli/text_stream.py",
         "        if not self.waiting or self.held(self.waiting[-1]):\n",
         "        if not self.waiting:  # MUTATION\n",
         (
             "tests/tools/test_text_stream.py -k add_up or sent_with",
             "tests/tools/test_serve.py -k byte_tokens_that_form_no_character",
+            "tests/tools/test_generate_cli.py -k byte_tokens_that_is_no_character",
         ),
     ),
     Mutation(
@@ -5750,14 +5765,6 @@ MUTATIONS = [
         "            logger.warning(\"a streamed answer's text changed after it was sent",
         "            logger.debug(\"a streamed answer's text changed after it was sent",
         ("tests/tools/test_text_stream.py -k changes_after",),
-    ),
-    Mutation(
-        "gpn generate's stream prints a character spelled in byte tokens when its last byte comes: then nothing "
-        "more, and the whole continuation again at the end",
-        "modeling_gpn/cli/generate.py",
-        "        if self.held(self.new_ids[-1]):\n",
-        "        if False:  # MUTATION\n",
-        ("tests/tools/test_generate_cli.py -k byte_tokens_that_is_no_character",),
     ),
     Mutation(
         "NEFTune: the forward looks the ids up in the embedding's weight instead of calling it (its hooks skipped)",
@@ -6424,6 +6431,33 @@ MUTATIONS = [
         ("tests/tools/test_serve.py -k each_endpoint_renders_and_tokenizes",),
     ),
     Mutation(
+        "gpn serve's prepared processor is no instance of the processor's class (transformers cannot tell a tokenizer "
+        "from a multimodal processor: a model of an architecture it does not list has no modality)",
+        "modeling_gpn/serve/prepared.py",
+        'types.new_class(f"Prepared{kind.__name__}", (PreparedProcessor, kind))',
+        'types.new_class(f"Prepared{kind.__name__}", (PreparedProcessor, _Delegating))  # MUTATION',
+        ("tests/tools/test_serve.py -k each_endpoint_renders_and_tokenizes",),
+        also=(
+            (
+                "modeling_gpn/serve/prepared.py",
+                "class PreparedProcessor:\n",
+                "class _Delegating:  # MUTATION: the processor's attributes, read through __getattr__\n"
+                "    def __getattr__(self, name):\n"
+                "        return getattr(self._of, name)\n\n"
+                "    def __call__(self, *args, **kwargs):\n"
+                "        return self._of(*args, **kwargs)\n\n"
+                "    def apply_chat_template(self, *args, **kwargs):\n"
+                "        return self._of.apply_chat_template(*args, **kwargs)\n\n\n"
+                "class PreparedProcessor:\n",
+            ),
+            (
+                "modeling_gpn/serve/prepared.py",
+                "    prepared.__dict__.update(vars(processor))\n",
+                "    prepared.__dict__.update(vars(processor), _of=processor)  # MUTATION\n",
+            ),
+        ),
+    ),
+    Mutation(
         "gpn serve, off the event loop: the n answers' ends (each decoded token by token, for its stop sequence) are found on the event loop",
         "modeling_gpn/serve/handlers.py",
         "    return await asyncio.to_thread(_answer_rows, model.sequences, inputs, gen_config, processor, eos_token_id)",
@@ -6433,8 +6467,8 @@ MUTATIONS = [
     Mutation(
         "int4 weights never packed for the int4 products: the fast path multiplies their dequantized matrices",
         "modeling_gpn/memory_kernels.py",
-        "        if packed is not None:\n            return parts, packed\n",
-        "        if False:  # MUTATION\n            return parts, packed\n",
+        '    if packed is None:\n        return None, "a value or zero point outside int4\'s [-8, 7]"\n',
+        '    if True:  # MUTATION\n        return None, "a value or zero point outside int4\'s [-8, 7]"\n',
         (
             "tests/fast_path/test_step_kernels.py -k int4_weights_run_the_fast_path_on_their_int4_values or int4_products",
         ),
@@ -6792,7 +6826,7 @@ MUTATIONS = [
     Mutation(
         "a LoRA merged in place, provably its base layers, is fingerprinted as stored, not as its merge",
         "modeling_gpn/state_file.py",
-        "    merged_in_place = not as_stored and computes_as_its_merge(model)\n",
+        "    merged_in_place = not as_stored and computes_as_its_merge(model, layers=layers)\n",
         "    merged_in_place = False  # MUTATION\n",
         ("tests/ecosystem/test_ecosystem.py -k merged_in_place_and_of_its_merge",),
     ),
@@ -7015,6 +7049,13 @@ MUTATIONS = [
         '            dtype, quantized = ("auto" if saved == args.dtype else "bfloat16"), args.dtype\n',
         '            dtype, quantized = "bfloat16", saved  # MUTATION\n',
         ("tests/tools/test_serve_store.py -k bf16_or_quantized",),
+    ),
+    Mutation(
+        "GPNServe made from Python with dtype int4 and a quantization is not refused (its models' loads fail)",
+        "modeling_gpn/serve/server.py",
+        '            refuse_two_quantizations(quantize_to, serve_options.get("quantization"))\n',
+        "            pass  # MUTATION\n",
+        ("tests/tools/test_serve.py::test_gpnserve_made_from_python_refuses_two_quantizations_before_it_serves",),
     ),
     Mutation(
         "gpn serve --dtype int8 with --quantization is not refused with the arguments",

@@ -37,11 +37,12 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
 
 def weight_bytes(weight: torch.Tensor) -> int:
     """Bytes a step reads of `weight`: what it holds (`tensor_bytes`), but for a low-bit weight the C kernels'
-    int4 products take (`memory_kernels.int4_operand`), the packing they read (two values a byte, a scale and an
+    int4 products take (`memory_kernels.int4_packing`), the packing they read (two values a byte, a scale and an
     offset per group), not torchao's int4 values held a byte each: counted as held, the limit would be nearly
-    twice the bytes actually read, and each ratio to it flattering."""
+    twice the bytes actually read, and each ratio to it flattering. (Not counted among the kernels' operands:
+    `int4_dequantized` tells why operands made kept the dequantized matrix, and a limit made none.)"""
     if dequantized_by_linear(weight) and memory_kernels.available():
-        int4 = memory_kernels.int4_operand(weight)
+        int4, _ = memory_kernels.int4_packing(weight)
         if int4 is not None:
             return sum(tensor_bytes(part) for part in int4[1] if part is not None)
     return tensor_bytes(weight)

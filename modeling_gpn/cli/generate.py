@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from ..cache import GPNCache
 
 from .arguments import ADAPTER_FOLDER_HELP
-from .text_stream import HeldTokens
+from .text_stream import StreamText, continuation
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "int4")
 DEFAULT_TEMPERATURE = 0.8
@@ -440,19 +440,17 @@ def _run(args: argparse.Namespace, holds: contextlib.ExitStack) -> int:
 
 class PrintingStreamer:
     """A generate() streamer (transformers' `put` / `end`) that prints one prompt's continuation as its tokens come:
-    the prompt first, then each new piece of text, flushed. Each piece is the continuation decoded with the last
-    few prompt tokens before it (`continuation`, as the printed whole is; decoding the new tokens alone loses a
-    SentencePiece word's space), less what was printed; text ending in an unfinished character (a byte token's
-    replacement character) waits for the token that completes it, and text ending in a run of byte tokens for the
-    token that ends the run (`HeldTokens`: bytes after a character can turn it into replacement characters). `rest`
-    gives what the finished text adds."""
+    the prompt first, then each piece of text that `StreamText` gives, flushed: decoded after the last few prompt
+    tokens (decoding the new tokens alone loses a SentencePiece word's space), text ending in an unfinished
+    character (a byte token's replacement character) or in a run of byte tokens held until the token that completes
+    it. `rest` gives what the finished text adds."""
 
     CONTEXT = 8  # prompt tokens decoded before the new ones: enough for a piece's space or a byte sequence
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: torch.Tensor, prompt: str):
-        self.tokenizer, self.context = tokenizer, character_aligned_context(tokenizer, prompt_ids, self.CONTEXT)
-        self.prompt, self.new_ids, self.printed, self.prompt_seen = prompt, [], "", False
-        self.held = HeldTokens(tokenizer, skip_special_tokens=True)
+        context = character_aligned_context(tokenizer, prompt_ids, self.CONTEXT)
+        self.text = StreamText(tokenizer, skip_special_tokens=True, context=context.tolist())
+        self.prompt, self.printed, self.prompt_seen = prompt, "", False
 
     def put(self, ids: torch.Tensor) -> None:
         """Print the prompt on the first call (generate() puts it first), then each new piece of text."""
@@ -461,15 +459,11 @@ class PrintingStreamer:
             sys.stdout.write(self.prompt)
             sys.stdout.flush()
             return
-        self.new_ids.extend(ids.reshape(-1).tolist())
-        if self.held(self.new_ids[-1]):
-            return  # (a run of byte tokens that the next token may go on with: `text_stream`)
-        text = continuation(self.tokenizer, self.context, torch.tensor(self.new_ids, dtype=self.context.dtype))
-        text = text.rstrip("\ufffd")  # (an unfinished UTF-8 character: printed with the token that ends it)
-        if text.startswith(self.printed) and len(text) > len(self.printed):
-            sys.stdout.write(text[len(self.printed) :])
+        piece = self.text.step(self.text.tokenizer, ids.reshape(-1).tolist())
+        if piece:
+            sys.stdout.write(piece)
             sys.stdout.flush()
-            self.printed = text
+            self.printed += piece
 
     def end(self) -> None:
         """Nothing to do: `put` printed each piece as it came (`rest` gives what the finished text adds)."""
@@ -496,17 +490,3 @@ def character_aligned_context(tokenizer: PreTrainedTokenizerBase, prompt_ids: to
             break
         start -= 1
     return prompt_ids[start:]
-
-
-def continuation(tokenizer: PreTrainedTokenizerBase, prompt_ids: torch.Tensor, new_ids: torch.Tensor) -> str:
-    """The text `new_ids` add after `prompt_ids`: the decoded whole less the decoded prompt.
-
-    Decoding the new tokens alone loses what depends on the token before them: a SentencePiece tokenizer
-    (Llama 2's, that of the paper's models) drops the space a word-start piece opens with, so "Hello" and
-    " world" printed as "Helloworld".
-    """
-    whole = tokenizer.decode(torch.cat([prompt_ids, new_ids]), skip_special_tokens=True)
-    before = tokenizer.decode(prompt_ids, skip_special_tokens=True)
-    if whole.startswith(before):
-        return whole[len(before) :]
-    return tokenizer.decode(new_ids, skip_special_tokens=True)  # (the prompt's text changed when decoded on)

@@ -16,7 +16,10 @@ import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import tokenizers
+    import torch
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
@@ -64,28 +67,40 @@ class StreamText:
     A stand-in for tokenizers' `DecodeStream` (the same `step`): the tokens go to a `DecodeStream` (a step a
     token, whatever the answer's length), but a run of byte tokens (`HeldTokens`) only once it has ended. Should
     `DecodeStream` refuse a token all the same, the answer is decoded whole from there, each piece what the
-    whole adds to what was sent. `rest()`, at the end, is what the answer's text holds that was not sent: a run
-    still held, or an unfinished character's replacement characters (which `DecodeStream` holds back until a
-    token that never comes completes them).
+    whole adds to what was sent (from the start with a tokenizer that has no Rust backend). `rest()`, at the
+    end, is what the answer's text holds that was not sent: a run still held, or an unfinished character's
+    replacement characters (which `DecodeStream` holds back until a token that never comes completes them).
 
     Args:
-        tokenizer: the tokenizers `Tokenizer` that decodes.
+        tokenizer: the tokenizers `Tokenizer` that decodes, or a transformers tokenizer (decoding with its Rust
+            backend where it has one).
         skip_special_tokens: whether the text is decoded without special tokens.
+        context: tokens before the answer (a prompt's last few), decoded with it and their own text left out: the
+            answer's text as it continues them (`continuation`: a SentencePiece word-start keeps its space).
     """
 
-    def __init__(self, tokenizer: tokenizers.Tokenizer, skip_special_tokens: bool):
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer | PreTrainedTokenizerBase,
+        skip_special_tokens: bool,
+        context: Sequence[int] = (),
+    ):
         from tokenizers.decoders import DecodeStream
 
-        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
+        self.tokenizer, self.skip_special_tokens, self.context = tokenizer, skip_special_tokens, list(context)
+        self.backend = tokenizer if hasattr(tokenizer, "id_to_token") else getattr(tokenizer, "backend_tokenizer", None)
         self.held = HeldTokens(tokenizer, skip_special_tokens)
-        self.stream: DecodeStream | None = DecodeStream([], skip_special_tokens=skip_special_tokens)
+        self.stream: DecodeStream | None = None
+        if self.backend is not None:
+            self.stream = DecodeStream(self.context, skip_special_tokens=skip_special_tokens)
         self.ids: list[int] = []  # every token of the answer (`rest`, and decoding whole once DecodeStream refused)
         self.waiting: list[int] = []  # tokens held back, not given to DecodeStream yet
         self.sent = ""  # the text given out so far
         self.warned = False
 
-    def step(self, tokenizer: tokenizers.Tokenizer, token: int | list[int]) -> str | None:
-        """Read the answer's next token (or tokens): the text that may be sent now, or None."""
+    def step(self, tokenizer: object, token: int | list[int]) -> str | None:
+        """Read the answer's next token (or tokens): the text that may be sent now, or None. (`tokenizer`, which
+        `DecodeStream.step` takes, is not read: the one given at construction decodes.)"""
         tokens = [token] if isinstance(token, int) else list(token)
         self.ids.extend(tokens)
         self.waiting.extend(tokens)
@@ -94,7 +109,7 @@ class StreamText:
         waiting, self.waiting = self.waiting, []
         if self.stream is not None:
             try:
-                piece = self.stream.step(self.tokenizer, waiting)
+                piece = self.stream.step(self.backend, waiting)
             except Exception as error:  # noqa: BLE001 - tokenizers' own error, of no narrower type
                 logger.info("DecodeStream refused a token (%s): this answer is decoded whole from here", error)
                 self.stream = None
@@ -128,4 +143,30 @@ class StreamText:
         self.sent = whole
 
     def _decode(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
+        return continuation(self.tokenizer, self.context, self.ids, self.skip_special_tokens)
+
+
+def continuation(
+    tokenizer: tokenizers.Tokenizer | PreTrainedTokenizerBase,
+    prompt_ids: Sequence[int] | torch.Tensor,
+    new_ids: Sequence[int] | torch.Tensor,
+    skip_special_tokens: bool = True,
+) -> str:
+    """The text `new_ids` add after `prompt_ids`: the decoded whole less the decoded prompt.
+
+    Decoding the new tokens alone loses what depends on the token before them: a SentencePiece tokenizer
+    (Llama 2's, that of the paper's models) drops the space a word-start piece opens with, so "Hello" and
+    " world" printed as "Helloworld".
+    """
+    prompt, new = _as_list(prompt_ids), _as_list(new_ids)
+    if not prompt:
+        return tokenizer.decode(new, skip_special_tokens=skip_special_tokens)
+    whole = tokenizer.decode(prompt + new, skip_special_tokens=skip_special_tokens)
+    before = tokenizer.decode(prompt, skip_special_tokens=skip_special_tokens)
+    if whole.startswith(before):
+        return whole[len(before) :]
+    return tokenizer.decode(new, skip_special_tokens=skip_special_tokens)  # (the prompt's text changed when decoded on)
+
+
+def _as_list(ids: Sequence[int] | torch.Tensor) -> list[int]:
+    return ids.tolist() if hasattr(ids, "tolist") else list(ids)

@@ -65,7 +65,7 @@ if TYPE_CHECKING:
 
 from .errors import as_openai_stream_error, error_body
 from .generation import Penalties, StateKeepingModel
-from .prepared import PreparedProcessor
+from .prepared import PreparedProcessor, prepared_processor
 from .state_store import StateStore
 from .stop_strings import StreamCutter, cut_at_stop, stop_position, stop_sequences
 from .validation import (
@@ -388,7 +388,7 @@ class StateKeeping:
             client_gone=_client_gone.get(),
             penalties=_penalties(body),
         )
-        request.resolved = (model_id, request.model, PreparedProcessor(processor))
+        request.resolved = (model_id, request.model, prepared_processor(processor))
         return request.resolved
 
     def _check_renderable(

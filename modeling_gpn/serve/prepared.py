@@ -4,7 +4,7 @@ transformers' handlers render the chat template and tokenize the prompt in `hand
 loop, and only then can `--max-context` refuse it: while a large prompt is tokenized (seconds for a few MB of text:
 benchmarks/RESULTS.md), no other request is read or answered, and every stream stops. The handler is transformers'
 and its call is synchronous, so it cannot be moved; what reaches it is the processor our `_resolve_model` hands
-back. `gpn serve` hands back a `PreparedProcessor`: the handler's seam (`StateKeeping._prepare`, in a worker thread)
+back. `gpn serve` hands back a `PreparedProcessor` (`prepared_processor`): the handler's seam (`StateKeeping._prepare`, in a worker thread)
 makes the same call the handler will make, with the same arguments, and when the handler makes it on the loop the
 result is there. A call made with other arguments than the prepared one (a transformers version that builds them
 otherwise) is made on the loop, as before: the answer is always the processor's for the arguments given.
@@ -12,34 +12,42 @@ otherwise) is made on the loop, as before: the answer is always the processor's 
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
+_SUBCLASSES: dict[type, type] = {}  # a processor's class -> its PreparedProcessor subclass (made once)
 
-class PreparedProcessor:
-    """The model's processor (or tokenizer) as transformers' handler sees it for one request: every attribute is
-    the processor's, and `apply_chat_template` and calling it return what `prepare` computed ahead for the same
-    arguments (once), or compute it then.
+
+def prepared_processor(processor: Any) -> PreparedProcessor:
+    """`processor` for one request, as an instance of a subclass of its own class (`PreparedProcessor` and the
+    processor's class): transformers tells a tokenizer from a multimodal processor with `isinstance`
+    (`ModelManager.get_model_modality`), so what the handler gets must be one. It holds the processor's
+    attributes (the same objects: its Rust tokenizer, its template), the processor itself is left as it is.
 
     Args:
         processor: the processor the model manager loaded (shared by every request for the model).
     """
+    kind = type(processor)
+    subclass = _SUBCLASSES.get(kind)
+    if subclass is None:
+        subclass = _SUBCLASSES[kind] = types.new_class(f"Prepared{kind.__name__}", (PreparedProcessor, kind))
+    prepared = object.__new__(subclass)
+    prepared.__dict__.update(vars(processor))
+    # (made in the worker thread, read on the loop once the thread is done: never at once)
+    prepared._prepared = []
+    return prepared
 
-    def __init__(self, processor: Any):
-        self._processor = processor
-        # (made in the worker thread, read on the loop once the thread is done: never at once)
-        self._prepared: list[tuple[str, tuple, dict, Any]] = []
 
-    @property
-    def __class__(self):
-        """The processor's: transformers tells a tokenizer from a multimodal processor by its class."""
-        return type(self._processor)
+class PreparedProcessor:
+    """A processor (or tokenizer) as transformers' handler sees it for one request (`prepared_processor` makes one,
+    a subclass of the processor's class too): `apply_chat_template` and calling it return what `prepare` computed
+    ahead for the same arguments (once), or compute it then, as the processor's class does."""
 
-    def __getattr__(self, name: str):
-        return getattr(self._processor, name)
+    _prepared: list[tuple[str, tuple, dict, Any]]
 
     def prepare(self, method: str, *args, **kwargs) -> None:
         """Make the processor's call `method(*args, **kwargs)` now (in a worker thread), for the handler's same call."""
-        self._prepared.append((method, args, kwargs, getattr(self._processor, method)(*args, **kwargs)))
+        self._prepared.append((method, args, kwargs, getattr(super(), method)(*args, **kwargs)))
 
     def apply_chat_template(self, *args, **kwargs) -> Any:
         """The processor's `apply_chat_template`, prepared ahead when these are the prepared arguments."""
@@ -54,7 +62,7 @@ class PreparedProcessor:
             if name == method and _same(prepared_args, args) and _same(prepared_kwargs, kwargs):
                 del self._prepared[index]  # (a result is handed out once: the handler changes it in place)
                 return result
-        return getattr(self._processor, method)(*args, **kwargs)
+        return getattr(super(), method)(*args, **kwargs)
 
 
 def _same(prepared: Any, given: Any) -> bool:

@@ -175,6 +175,8 @@ class GPNServe(Serve):
         quantize_to = None
         if serve_options.get("dtype") in QUANTIZERS:  # (transformers takes torch.int8 for a float dtype, and fails)
             quantize_to, serve_options["dtype"] = serve_options["dtype"], "auto"
+            # (`gpn serve` refuses it with its arguments, exit 2, before the state store opens its folder; this is
+            # GPNServe's own check, made from Python)
             refuse_two_quantizations(quantize_to, serve_options.get("quantization"))
         chat = _with_policy(StateKeepingChatCompletionHandler, self.policy)
         legacy = _with_policy(StateKeepingCompletionHandler, self.policy)

@@ -592,7 +592,9 @@ def test_a_state_of_a_lora_merged_in_place_and_of_its_merge_load_on_each_other(t
         )
     hashed = []
     monkeypatch.setattr(
-        state_file, "weights_hash", lambda model, as_stored=False: hashed.append(as_stored) or hash_of(model, as_stored)
+        state_file,
+        "weights_hash",
+        lambda model, as_stored=False, **given: hashed.append(as_stored) or hash_of(model, as_stored, **given),
     )
     with pytest.raises(GPNStateFileError, match="other weights"):
         GPNCache.load(other, adapted)

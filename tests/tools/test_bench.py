@@ -147,11 +147,17 @@ def test_bench_measures_int4_weights_on_the_fast_path(tmp_path, capsys):
     assert type(model.model.fuse_proj.weight).__name__ == "IntxUnpackedToInt8Tensor"
     assert fast["limit_bytes"] == step_bytes(model) < step_bytes(build_gpn("tiny", "bfloat16", "cpu", 0))
     assert fast["prefill_limit_bytes"] == prefill_bytes(model) and fast["step_ms"] is None
+    weight = model.model.predict_layers[0].ffn_in.weight
     if "+vnni" in memory_kernels.products_isa():
         # the limit counts what the int4 products read, not torchao's int4 values held a byte each: half a byte a
         # value and a float32 scale a group (ffn_in's rows of 48 weights, no multiple of 32, are a group each)
-        weight = model.model.predict_layers[0].ffn_in.weight
         assert weight.shape == (128, 48) and weight_bytes(weight) == 128 * 48 // 2 + 128 * 4 < tensor_bytes(weight)
+    # a weight the products do not take is counted as held, and not among the operands the kernels made (which
+    # `int4_dequantized` counts by why they kept the dequantized matrix)
+    memory_kernels.int4_dequantized.clear()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GPN_INT4_KERNEL", "0")
+        assert weight_bytes(weight) == tensor_bytes(weight) and not memory_kernels.int4_dequantized
     step, prompt, at = fast["limit_bytes"], fast["prefill_limit_bytes"], fast["limit_ms_at"]["6"]
     printed = capsys.readouterr().out
     assert f"tiny fast limit: {step / 1e6:.1f} MB a step, a prompt token {prompt / 1e6:.1f} MB (" in printed

@@ -102,6 +102,33 @@ def test_a_batch_prints_what_each_prompt_gives_alone_when_greedy(bpe_dir, capsys
     assert batch == [printed_texts(capsys, bpe_dir, prompt, "--max-new-tokens", 10)[0] for prompt in prompts]
 
 
+def test_a_batch_of_a_llama_prints_what_each_prompt_gives_alone_when_greedy(bpe_dir, tmp_path, capsys):
+    """A GPN's padded positions are inert, so no GPN batch can tell left padding from right; a Llama's cannot be
+    (`gpn generate` runs the study's Llama baselines): padded on the right, a short prompt's first new token is
+    read from a pad position. A tiny random Llama, with the GPN tests' tokenizer: each row of a greedy batch of
+    prompts of different lengths is the prompt's own greedy text."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(bpe_dir)
+    tokenizer.save_pretrained(tmp_path)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        initializer_range=0.5,  # (weights large enough that each token's logits depend on what it reads)
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    prompts = ["the", PROMPTS[1]]
+    batch = printed_texts(capsys, tmp_path, *prompts, "--max-new-tokens", 6)
+    assert batch == [printed_texts(capsys, tmp_path, prompt, "--max-new-tokens", 6)[0] for prompt in prompts]
+
+
 def test_a_sentencepiece_continuation_keeps_its_space(tmp_path, capsys):
     """With Llama 2's tokenizer (the paper's models'), the new tokens were decoded alone, which drops the
     space a word-start piece opens with: "The cat sat" + "▁controls..." printed as "The cat satcontrols...".

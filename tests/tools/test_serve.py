@@ -1159,12 +1159,14 @@ def test_each_endpoint_renders_and_tokenizes_its_prompt_in_a_worker_thread(model
     """Chat, completions and the Responses API each make ahead, in a worker thread, the tokenizer call that
     transformers' handler then makes on the event loop (`prepared`), with its arguments: no tokenizer call is left
     on the loop (the main thread here), nor the decoding of `n` answers that finds where each stopped. A call with
-    other arguments is made then, as the tokenizer makes it."""
+    other arguments is made then, as the tokenizer makes it. What the handler gets is an instance of the
+    tokenizer's class (transformers reads a model as a text model by its processor's class), the tokenizer itself
+    left as it was."""
     import asyncio
 
     from transformers.cli.serving import model_manager
     from transformers.cli.serving.model_manager import ModelManager
-    from transformers.cli.serving.utils import GenerationState
+    from transformers.cli.serving.utils import GenerationState, Modality
 
     from modeling_gpn.serve import handlers
     from modeling_gpn.serve.handlers import (
@@ -1173,7 +1175,7 @@ def test_each_endpoint_renders_and_tokenizes_its_prompt_in_a_worker_thread(model
         StateKeepingResponseHandler,
     )
     from modeling_gpn.serve.models import TransformersWithGPN
-    from modeling_gpn.serve.prepared import PreparedProcessor
+    from modeling_gpn.serve.prepared import prepared_processor
 
     tokenizer_class = type(reference[1])
     on_the_loop = []
@@ -1216,11 +1218,14 @@ def test_each_endpoint_renders_and_tokenizes_its_prompt_in_a_worker_thread(model
         manager.shutdown()
     assert stop_checks == [False, False]  # (each of the n answers' ends found, in a worker thread)
     mat, cat = (reference[1](text)["input_ids"] for text in ("the mat", "the cat"))
-    prepared = PreparedProcessor(reference[1])
+    prepared = prepared_processor(reference[1])
     prepared.prepare("__call__", "the cat", return_tensors="pt")
     on_the_loop.clear()
     assert prepared("the mat")["input_ids"] == mat and on_the_loop == ["__call__"]  # (other arguments: made now)
     assert prepared("the cat", return_tensors="pt")["input_ids"].tolist() == [cat] and on_the_loop == ["__call__"]
+    # (a module of no architecture transformers knows: only the processor's class tells it is a text model)
+    assert ModelManager.get_model_modality(torch.nn.Linear(1, 1), processor=prepared) is Modality.LLM
+    assert prepared.chat_template == reference[1].chat_template and not hasattr(reference[1], "_prepared")
 
 
 def test_errors_come_in_the_openai_apis_shape(client, model_name, server):
@@ -1546,6 +1551,25 @@ def test_gpn_serve_that_cannot_start_says_why_without_a_traceback(tmp_path, caps
         args = build_parser("serve").parse_args(["serve", *arguments])
         assert args._run(args) == status, arguments
         assert words in capsys.readouterr().err, arguments
+
+
+def test_gpnserve_made_from_python_refuses_two_quantizations_before_it_serves(monkeypatch):
+    """`GPNServe(dtype="int8" | "int4", quantization=...)`, made from Python rather than by `gpn serve` (which
+    refuses it with its arguments), is refused as it is made: torchao cannot quantize bitsandbytes' layers, and
+    the server would have started, each model's load failing."""
+    from modeling_gpn.serve import server
+
+    class Built(Exception):
+        pass
+
+    def built(*args, **kwargs):  # (past the checks: the server would be built and serve, here it stops)
+        raise Built
+
+    monkeypatch.setattr(server, "_with_policy", built)
+    with pytest.raises(ValueError, match="--dtype int4 and --quantization bnb-4bit are two quantizations"):
+        server.GPNServe(dtype="int4", quantization="bnb-4bit", state_store_bytes=0)
+    with pytest.raises(Built):  # (one quantization: past the check)
+        server.GPNServe(dtype="int4", state_store_bytes=0)
 
 
 def test_gpn_serve_refuses_a_state_bound_below_one_state_of_its_model(model_dir, tmp_path, capsys, monkeypatch):
