@@ -9102,6 +9102,20 @@ MUTATIONS = [
         "            pass  # MUTATION\n",
         ("tests/tools/test_train_faults.py -k watched_stage_that_hangs",),
     ),
+    Mutation(
+        "the C memory kernels read bf16 projections as float32 (bf16 products left bf16, the kernels' dtype check gone)",
+        "modeling_gpn/recurrence_step.py",
+        "    return torch.matmul(x.to(w.dtype), w).float().add_(b)\n",
+        "    return torch.matmul(x.to(w.dtype), w).add_(b)  # MUTATION\n",
+        ("tests/tools/test_train.py -k bf16_on_cpu_ends_finite",),
+        also=(
+            (
+                "modeling_gpn/memory_kernels.py",
+                '    if t.dtype is not torch.float32:\n        _refuse(f"{name} is {t.dtype}; the kernels read float32")\n',
+                "    pass  # MUTATION\n",
+            ),
+        ),
+    ),
 ]
 
 
