@@ -9107,7 +9107,11 @@ MUTATIONS = [
         "modeling_gpn/recurrence_step.py",
         "    return torch.matmul(x.to(w.dtype), w).float().add_(b)\n",
         "    return torch.matmul(x.to(w.dtype), w).add_(b)  # MUTATION\n",
-        ("tests/tools/test_train.py -k bf16_on_cpu_ends_finite",),
+        (
+            "tests/tools/test_train.py -k bf16_on_cpu_ends_finite",
+            "tests/fast_path/test_kernel_safety.py -k (bf16_autocast_fast_equals_plain or bf16_weights_fast_equals_plain)"
+            " and memory-kernels",
+        ),
         also=(
             (
                 "modeling_gpn/memory_kernels.py",
@@ -9115,6 +9119,13 @@ MUTATIONS = [
                 "    pass  # MUTATION\n",
             ),
         ),
+    ),
+    Mutation(
+        "the fast path's step projections come back in the autocast dtype (fp16 under fp16 autocast, not float32)",
+        "modeling_gpn/recurrence_step.py",
+        "    return torch.matmul(x.to(w.dtype), w).float().add_(b)\n",
+        "    return torch.matmul(x.to(w.dtype), w).add_(b)  # MUTATION\n",
+        ("tests/fast_path/test_kernel_safety.py -k bf16_autocast_fast_equals_plain and dtype1 and not variant4",),
     ),
 ]
 
