@@ -9127,6 +9127,13 @@ MUTATIONS = [
         "    return torch.matmul(x.to(w.dtype), w).add_(b)  # MUTATION\n",
         ("tests/fast_path/test_kernel_safety.py -k bf16_autocast_fast_equals_plain and dtype1 and not variant4",),
     ),
+    Mutation(
+        "gpn serve does not pass --port on to the server (it listens on transformers serve's default port)",
+        "modeling_gpn/serve/cli.py",
+        '    options = {name: getattr(args, name) for name, *_ in _serve_parameters() if name != "force_model"}\n',
+        '    options = {name: getattr(args, name) for name, *_ in _serve_parameters() if name not in ("force_model", "port")}  # MUTATION\n',
+        ("tests/tools/test_serve.py::test_a_server_started_on_port_0_says_the_port_it_listens_on",),
+    ),
 ]
 
 
