@@ -9134,6 +9134,13 @@ MUTATIONS = [
         '    options = {name: getattr(args, name) for name, *_ in _serve_parameters() if name not in ("force_model", "port")}  # MUTATION\n',
         ("tests/tools/test_serve.py::test_a_server_started_on_port_0_says_the_port_it_listens_on",),
     ),
+    Mutation(
+        "gpn serve takes on one request fewer at once than --max-queued-requests (the last of N clients at once refused)",
+        "modeling_gpn/serve/handlers.py",
+        "            if self.limit is not None and self.active >= self.limit:\n",
+        "            if self.limit is not None and self.active >= self.limit - 1:  # MUTATION\n",
+        ("tests/tools/test_serve.py::test_clients_at_once_each_get_their_own_answer",),
+    ),
 ]
 
 
