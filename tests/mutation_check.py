@@ -9141,6 +9141,15 @@ MUTATIONS = [
         "            if self.limit is not None and self.active >= self.limit - 1:  # MUTATION\n",
         ("tests/tools/test_serve.py::test_clients_at_once_each_get_their_own_answer",),
     ),
+    Mutation(
+        "gpn generate's prompt from standard input (-) keeps the newline that ends it (the state reads a newline)",
+        "modeling_gpn/cli/generate.py",
+        '    text = text[:-1] if text.endswith("\\n") else text\n',
+        "    pass  # MUTATION\n",
+        (
+            "tests/tools/test_generate_cli.py::test_a_conversation_whose_answer_ends_inside_a_character_continues_as_its_whole_decodes",
+        ),
+    ),
 ]
 
 
