@@ -9150,6 +9150,49 @@ MUTATIONS = [
             "tests/tools/test_generate_cli.py::test_a_conversation_whose_answer_ends_inside_a_character_continues_as_its_whole_decodes",
         ),
     ),
+    Mutation(
+        "fineweb_paper's windows scored from all their logits at once (no chunks of rows: the full float64 logits)",
+        "eval/protocols.py",
+        "        chunk_rows = chunk_rows or max(16, (1 << 22) // vocab)",
+        "        chunk_rows = states.shape[0]  # MUTATION",
+        ("tests/tools/test_faults_io.py::test_fineweb_windows_at_2048_with_a_32k_vocabulary_in_bounded_memory",),
+    ),
+    Mutation(
+        "a long .txt document read and tokenized whole (not in pieces of PIECE_CHARS): memory grows with the file",
+        "modeling_gpn/data/corpus.py",
+        "PIECE_CHARS = 1 << 18  #",
+        "PIECE_CHARS = 1 << 40  # MUTATION",
+        ("tests/tools/test_faults_io.py::test_a_long_document_is_tokenized_in_bounded_memory",),
+    ),
+    Mutation(
+        "a long document cut at any line break before a non-space (the tokenizer's safe_cut not asked)",
+        "modeling_gpn/data/corpus.py",
+        "            and (safe_cut is None or safe_cut(pending[line_start:cut], pending[cut : line_end + 1]))\n",
+        "            and True  # MUTATION\n",
+        (
+            "tests/tools/test_faults_io.py::test_streamed_tokens_equal_whole_document_tokens_byte_level_bpe",
+            "tests/tools/test_faults_io.py::test_eval_token_stream_of_a_long_document_equals_whole_tokenization",
+        ),
+    ),
+    Mutation(
+        "a piece that continues a document encoded alone, not after a line break (SentencePiece's \u2581 in front), cut anywhere",
+        "modeling_gpn/data/tokenizer.py",
+        '        encoded = self._encode(["\\n" + text if continues else text for text, continues in pieces])\n',
+        "        encoded = self._encode([text for text, continues in pieces])  # MUTATION\n",
+        ("tests/tools/test_faults_io.py::test_streamed_tokens_equal_whole_document_tokens_llama",),
+        also=(
+            (
+                "modeling_gpn/data/tokenizer.py",
+                '        self.newline_ids = self._encode(["\\n"])[0]\n',
+                "        self.newline_ids = []  # MUTATION\n",
+            ),
+            (
+                "modeling_gpn/data/corpus.py",
+                "            and (safe_cut is None or safe_cut(pending[line_start:cut], pending[cut : line_end + 1]))\n",
+                "            and True  # MUTATION\n",
+            ),
+        ),
+    ),
 ]
 
 
