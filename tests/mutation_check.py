@@ -9193,6 +9193,27 @@ MUTATIONS = [
             ),
         ),
     ),
+    Mutation(
+        "gpn convert in a real process: a truncated pickle is a traceback (not refused as no readable checkpoint)",
+        "conversion/reference.py",
+        "    except Exception as error:  # truncated, not a pickle, a wrapper's own TypeError, ...\n",
+        "    except ZeroDivisionError as error:  # MUTATION\n",
+        ("tests/tools/test_faults_io.py::test_convert_malformed_input_in_a_real_process_prints_no_traceback",),
+    ),
+    Mutation(
+        "gpn convert's pickle budget below what a genuine checkpoint builds (the bound refuses a real one too)",
+        "conversion/reference.py",
+        "            io.BytesIO(data), budget=PICKLE_BUDGET_FACTOR * size + SMALL_CLAIM_BYTES\n",
+        "            io.BytesIO(data), budget=size // 2  # MUTATION\n",
+        ("tests/tools/test_faults_io.py::test_convert_under_the_same_bound_still_converts_a_real_checkpoint",),
+    ),
+    Mutation(
+        "python -m gpn_cli exits 0 whatever the command's status (a bad model path in a real process not an error)",
+        "gpn_cli/__main__.py",
+        "sys.exit(main())\n",
+        "main()  # MUTATION\n",
+        ("tests/tools/test_faults_io.py::test_generate_in_a_real_process",),
+    ),
 ]
 
 
