@@ -9214,6 +9214,20 @@ MUTATIONS = [
         "main()  # MUTATION\n",
         ("tests/tools/test_faults_io.py::test_generate_in_a_real_process",),
     ),
+    Mutation(
+        "gpn push's model-index: two tasks on one dataset keep their bare metric types (lambada_openai's acc and lambada_paper's alike)",
+        "modeling_gpn/hub/card_metadata.py",
+        '                    metric_type=metric if len(group) == 1 else f"{task}_{metric}",\n',
+        "                    metric_type=metric,  # MUTATION\n",
+        ("tests/tools/test_hub.py::test_card_metadata_parses_with_huggingface_hub",),
+    ),
+    Mutation(
+        "gpn push's model-index lists lm-eval's counts (examples) as metrics",
+        "modeling_gpn/hub/card_metadata.py",
+        "            if metric in COUNT_METRICS:\n                continue\n",
+        "            if False:  # MUTATION\n                continue\n",
+        ("tests/tools/test_hub.py::test_card_metadata_parses_with_huggingface_hub",),
+    ),
 ]
 
 
