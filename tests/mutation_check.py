@@ -9228,6 +9228,20 @@ MUTATIONS = [
         "            if False:  # MUTATION\n                continue\n",
         ("tests/tools/test_hub.py::test_card_metadata_parses_with_huggingface_hub",),
     ),
+    Mutation(
+        "gpn push's auto_map names no AutoModel (the published folder's base model does not load as remote code)",
+        "modeling_gpn/hub/folder.py",
+        '            ("AutoModel", GPNModel),\n',
+        "",
+        ("tests/tools/test_hub.py::test_published_folder_loads_without_the_package_matches_and_its_card_snippet_runs",),
+    ),
+    Mutation(
+        "gpn push's card snippet loads the model without trust_remote_code (it fails where gpn is not installed)",
+        "modeling_gpn/hub/model_card.py",
+        '        "model = AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True)\\n"\n',
+        '        "model = AutoModelForCausalLM.from_pretrained(repo)\\n"  # MUTATION\n',
+        ("tests/tools/test_hub.py::test_published_folder_loads_without_the_package_matches_and_its_card_snippet_runs",),
+    ),
 ]
 
 
