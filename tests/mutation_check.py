@@ -9242,6 +9242,13 @@ MUTATIONS = [
         '        "model = AutoModelForCausalLM.from_pretrained(repo)\\n"  # MUTATION\n',
         ("tests/tools/test_hub.py::test_published_folder_loads_without_the_package_matches_and_its_card_snippet_runs",),
     ),
+    Mutation(
+        "gpn study stopped by SIGTERM while a model trains ends in a traceback (gpn train's stop not caught)",
+        "modeling_gpn/study/cli.py",
+        "    except TrainingStopped as stop:  # SIGTERM/SIGINT: `gpn train` checkpointed the model it was training\n",
+        "    except ZeroDivisionError as stop:  # MUTATION\n",
+        ("tests/tools/test_study.py::test_sigterm_during_a_study_stops_cleanly_with_the_model_checkpointed",),
+    ),
 ]
 
 
