@@ -9249,6 +9249,20 @@ MUTATIONS = [
         "    except ZeroDivisionError as stop:  # MUTATION\n",
         ("tests/tools/test_study.py::test_sigterm_during_a_study_stops_cleanly_with_the_model_checkpointed",),
     ),
+    Mutation(
+        "chunked_loss.py imported by absolute name (transformers' loader leaves it out of the remote code)",
+        "modeling_gpn/modeling_gpn.py",
+        "from .chunked_loss import chunked_causal_lm_loss, divide_loss_sum\n",
+        "from modeling_gpn.chunked_loss import chunked_causal_lm_loss, divide_loss_sum  # MUTATION\n",
+        ("tests/tools/test_import_layers.py -k (fast_path_modules_ship and chunked_loss) or top_of_the_package",),
+        also=(
+            (
+                "modeling_gpn/prefill.py",
+                "from .chunked_loss import chunked_causal_lm_loss, divide_loss_sum\n",
+                "from modeling_gpn.chunked_loss import chunked_causal_lm_loss, divide_loss_sum  # MUTATION\n",
+            ),
+        ),
+    ),
 ]
 
 
