@@ -9263,6 +9263,24 @@ MUTATIONS = [
             ),
         ),
     ),
+    Mutation(
+        "gpu_check.sh runs a stage without its time limit (a hung stage takes the machine's whole budget)",
+        "benchmarks/gpu_check.sh",
+        '  timeout "$limit" "$@" 2>&1 | grep',
+        '  "$@" 2>&1 | grep',
+        (
+            "tests/tools/test_gpu_check_report.py::test_a_stage_past_its_limit_is_stopped_timed_and_noted_in_the_summary",
+        ),
+    ),
+    Mutation(
+        "gpu_check.sh records the status of the output's filter, not the stage's (a failed or timed-out stage is 0)",
+        "benchmarks/gpu_check.sh",
+        "  code=${PIPESTATUS[0]}\n",
+        "  code=$?\n",
+        (
+            "tests/tools/test_gpu_check_report.py::test_a_stage_past_its_limit_is_stopped_timed_and_noted_in_the_summary",
+        ),
+    ),
 ]
 
 
