@@ -9281,6 +9281,22 @@ MUTATIONS = [
             "tests/tools/test_gpu_check_report.py::test_a_stage_past_its_limit_is_stopped_timed_and_noted_in_the_summary",
         ),
     ),
+    Mutation(
+        "gradient_checkpointing_enable() leaves bptt_segment_length unset (nothing is checkpointed: one segment)",
+        "modeling_gpn/modeling_gpn.py",
+        "        if enable and config.bptt_segment_length is None:\n",
+        "        if False:  # MUTATION\n",
+        ("tests/ecosystem/test_ecosystem.py::test_gradient_checkpointing_recomputes_segments_with_the_same_gradients",),
+    ),
+    Mutation(
+        "the plain loop's segments are not checkpointed (GPNSegmentLayer a plain module: nothing recomputed)",
+        "modeling_gpn/modeling_gpn.py",
+        "class GPNSegmentLayer(GradientCheckpointingLayer):\n",
+        "class GPNSegmentLayer(nn.Module):  # MUTATION\n",
+        (
+            "tests/ecosystem/test_ecosystem.py::test_gradient_checkpointing_recomputes_segments_with_the_same_gradients[plain]",
+        ),
+    ),
 ]
 
 
