@@ -9306,6 +9306,13 @@ MUTATIONS = [
             "tests/ecosystem/test_ecosystem.py::test_peft_lora_gradients_through_a_carried_state_are_those_of_one_forward",
         ),
     ),
+    Mutation(
+        "a model under torch.compile takes the fast path, not the plain loop (no full graph for inductor)",
+        "modeling_gpn/modeling_gpn.py",
+        'if not self.use_fast_path or is_tracing():\n            return "plain"',
+        'if not self.use_fast_path:  # MUTATION\n            return "plain"',
+        ("tests/ecosystem/test_ecosystem.py::test_torch_compile_fullgraph_inductor_matches_eager",),
+    ),
 ]
 
 
