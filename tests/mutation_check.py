@@ -9313,6 +9313,15 @@ MUTATIONS = [
         'if not self.use_fast_path:  # MUTATION\n            return "plain"',
         ("tests/ecosystem/test_ecosystem.py::test_torch_compile_fullgraph_inductor_matches_eager",),
     ),
+    Mutation(
+        "Trainer with accumulation: the loss ignores num_items_in_batch (each micro-batch's mean, not the token mean)",
+        "modeling_gpn/chunked_loss.py",
+        "    if num_items_in_batch is None:\n",
+        "    if True:  # MUTATION\n",
+        (
+            "tests/ecosystem/test_ecosystem.py::test_trainer_with_accumulation_and_checkpointing_trains_evaluates_with_the_token_mean_loss",
+        ),
+    ),
 ]
 
 
