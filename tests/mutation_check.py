@@ -9322,6 +9322,20 @@ MUTATIONS = [
             "tests/ecosystem/test_ecosystem.py::test_trainer_with_accumulation_and_checkpointing_trains_evaluates_with_the_token_mean_loss",
         ),
     ),
+    Mutation(
+        "gpn eval scores a model without an empty state (a Llama) by the paper's all-positions protocol",
+        "eval/runner.py",
+        "        protocols.PAPER_FIRST_POSITION if protocols.has_empty_state(model) else protocols.SKIP_FIRST_POSITION\n",
+        "        protocols.PAPER_FIRST_POSITION  # MUTATION\n",
+        ("tests/ecosystem/test_eval.py::test_same_command_on_a_llama",),
+    ),
+    Mutation(
+        "gpn eval's results give a Llama's layers as null (num_hidden_layers not read)",
+        "eval/runner.py",
+        '        "layers": getattr(model.config, "num_predict_layers", getattr(model.config, "num_hidden_layers", None)),\n',
+        '        "layers": getattr(model.config, "num_predict_layers", None),  # MUTATION\n',
+        ("tests/ecosystem/test_eval.py::test_same_command_on_a_llama",),
+    ),
 ]
 
 
