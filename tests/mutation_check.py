@@ -9336,6 +9336,13 @@ MUTATIONS = [
         '        "layers": getattr(model.config, "num_predict_layers", None),  # MUTATION\n',
         ("tests/ecosystem/test_eval.py::test_same_command_on_a_llama",),
     ),
+    Mutation(
+        "importing gpn does not register GPNForSequenceClassification (the fine-tuning page's classifier snippet fails)",
+        "modeling_gpn/__init__.py",
+        "AutoModelForSequenceClassification.register(GPNConfig, GPNForSequenceClassification, exist_ok=True)\n",
+        "",
+        ("tests/ecosystem/test_trl.py::test_fine_tuning_doc_snippets_run",),
+    ),
 ]
 
 
