@@ -9343,6 +9343,20 @@ MUTATIONS = [
         "",
         ("tests/ecosystem/test_trl.py::test_fine_tuning_doc_snippets_run",),
     ),
+    Mutation(
+        "lm-eval's left-padded batched generation: the model reads no attention mask (left pads read as tokens)",
+        "modeling_gpn/modeling_gpn.py",
+        "            mask = check_attention_mask(attention_mask, batch_size, seq_len, continuing=state is not None)\n",
+        "            mask = None  # MUTATION\n",
+        ("tests/ecosystem/test_eval.py::test_plain_lm_eval_hf_model_loglikelihood_and_left_padded_generation",),
+    ),
+    Mutation(
+        "lm-eval's left-padded batched generation: the fast path's steps read no mask",
+        "modeling_gpn/fast_recurrence.py",
+        "mask[:, t] if t in masked_steps else None",
+        "None if 'MUTATION' else None",
+        ("tests/ecosystem/test_eval.py::test_plain_lm_eval_hf_model_loglikelihood_and_left_padded_generation",),
+    ),
 ]
 
 
