@@ -9175,7 +9175,7 @@ MUTATIONS = [
         ),
     ),
     Mutation(
-        "a piece that continues a document encoded alone, not after a line break (SentencePiece's \u2581 in front), cut anywhere",
+        "a piece that continues a document encoded alone, not after a line break (SentencePiece's word-start piece in front), cut anywhere",
         "modeling_gpn/data/tokenizer.py",
         '        encoded = self._encode(["\\n" + text if continues else text for text, continues in pieces])\n',
         "        encoded = self._encode([text for text, continues in pieces])  # MUTATION\n",
