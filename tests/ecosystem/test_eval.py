@@ -467,15 +467,26 @@ def test_rolling_perplexity_equals_the_direct_sum_over_tokens(gpn_dir, loaded, t
     assert measured["word_perplexity"] == pytest.approx(math.exp(-total_ll / words), rel=1e-5)
 
 
-def test_plain_lm_eval_hf_model_loglikelihood_and_left_padded_generation(gpn_dir, data):
+def test_plain_lm_eval_hf_model_loglikelihood_and_left_padded_generation(gpn_dir, data, tmp_path):
     """The path of `lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True`: batched
-    log-likelihoods equal the batch-1 ones, and left-padded batched generation equals row-by-row."""
+    log-likelihoods equal the batch-1 ones, and left-padded batched generation equals row-by-row. (On `gpn_dir`'s
+    model undone from predicting one token everywhere: that one generated the same text whatever its state, so
+    pads read as tokens went unseen.)"""
     import lm_eval
     from lm_eval.tasks import TaskManager
     from lm_eval.tasks._yaml_loader import load_yaml
+    from transformers import AutoModelForCausalLM
 
     from modeling_gpn.evaluation.runner import lm_eval_task_yaml
 
+    model = AutoModelForCausalLM.from_pretrained(gpn_dir)
+    with torch.no_grad():  # (`predicting_everywhere` undone: no decoder bias, its token's row of a usual length)
+        model.model.decode_proj.bias.zero_()
+        norms = model.get_input_embeddings().weight.norm(dim=1)
+        model.get_input_embeddings().weight[norms.argmax()] *= norms.median() / norms.max()
+    shutil.copytree(gpn_dir, tmp_path / "gpn")
+    gpn_dir = tmp_path / "gpn"
+    model.save_pretrained(gpn_dir)
     lambada = load_yaml(lm_eval_task_yaml("lambada_openai"))
     lambada.pop("tag", None)
     lambada.update(
