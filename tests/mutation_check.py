@@ -2080,9 +2080,8 @@ MUTATIONS = [
     Mutation(
         "gpn serve: a state read from its file in a shared --state-dir changes the folder's mark (the others reread)",
         "modeling_gpn/serve/state_store.py",
-        "                    self._folder[key] = (path.stat().st_mtime_ns, self._files[key].nbytes)  # the newest\n"
-        "                    self._changed = True\n",
-        "                    self._folder[key] = (path.stat().st_mtime_ns, self._files[key].nbytes)  # the newest\n",
+        "                self._changing(key)\n                os.utime(path)\n",
+        "                os.utime(path)\n",
         ("tests/tools/test_serve_store.py -k read_from_a_shared_state_dir",),
     ),
     Mutation(
@@ -2090,7 +2089,7 @@ MUTATIONS = [
         "modeling_gpn/serve/state_store.py",
         "                    if known is None or known[0] != file.inode() or file is entry:\n",
         "                    if known is None or known[0] != file.inode():  # MUTATION\n",
-        ("tests/tools/test_serve_store.py -k read_from_a_shared_state_dir",),
+        ("tests/tools/test_serve_store.py -k older_server_or_a_killed_save",),
     ),
     Mutation(
         "gpn serve: the ids a trim killed between its two deletions left in --state-dir are deleted at the next open",
@@ -2119,6 +2118,13 @@ MUTATIONS = [
         "                size = stat.st_size + ids_path.stat().st_size  # both files count, as when they were written\n",
         "                size = stat.st_size  # MUTATION\n",
         ("tests/tools/test_serve_store.py -k spill_folder_limit_counts_every_file",),
+        also=(
+            (  # (the listing of the folder at the store's open sizes each state again: both files there too)
+                "modeling_gpn/serve/state_store.py",
+                "            size = seen[name][2] + seen[ids.name][2]\n",
+                "            size = seen[name][2]  # MUTATION\n",
+            ),
+        ),
     ),
     Mutation(
         "gpn serve: the kept states written to --state-dir when the server stops",
@@ -6554,7 +6560,7 @@ MUTATIONS = [
         "modeling_gpn/serve/state_store.py",
         "            ids = entries.get(name[:64] + IDS_SUFFIX) if _STATE_NAME.match(name) else None\n",
         "            ids = entries.get(name[:64] + IDS_SUFFIX) if _STATE_NAME.match(name) and name[:64] in own else None\n",
-        ("tests/tools/test_serve_store.py -k keep_together_to_its_limit",),
+        ("tests/tools/test_serve_store.py -k older_server_or_a_killed_save",),
     ),
     Mutation(
         "a server writes and trims a shared --state-dir without its hold (another's write or trim in between)",
@@ -6566,8 +6572,8 @@ MUTATIONS = [
     Mutation(
         "a server trusts its view of a shared --state-dir after another server changed the folder",
         "modeling_gpn/serve/state_store.py",
-        "            if self._view is not None and mark == self._view[0]:\n",
-        "            if self._view is not None:  # MUTATION\n",
+        "            changed = view.changed_since(mark, journal) if view is not None else None\n",
+        "            changed = [] if view is not None else None  # MUTATION\n",
         ("tests/tools/test_serve_store.py -k keep_together_to_its_limit",),
     ),
     Mutation(
@@ -9101,6 +9107,90 @@ MUTATIONS = [
         "            self._timer.start()\n",
         "            pass  # MUTATION\n",
         ("tests/tools/test_train_faults.py -k watched_stage_that_hangs",),
+    ),
+    Mutation(
+        "journal: a save into a shared --state-dir lists the whole folder again (the journal unread)",
+        "modeling_gpn/serve/state_store.py",
+        "            changed = view.changed_since(mark, journal) if view is not None else None\n",
+        "            changed = None  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k reads_what_changed_not_the_folder",),
+    ),
+    Mutation(
+        "journal: the lines another store added are not read (its changes unseen where the mark is of the generation)",
+        "modeling_gpn/serve/state_store.py",
+        "        return list(dict.fromkeys(keys))  # (each state looked at once)\n",
+        "        return []  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k reads_what_changed_not_the_folder",),
+    ),
+    Mutation(
+        "journal: a state another server wrote to a shared --state-dir is not indexed (not found by this one)",
+        "modeling_gpn/serve/state_store.py",
+        "        self._unusable.discard(key)\n        self._adopt(key, size)\n",
+        "        self._unusable.discard(key)\n",
+        ("tests/tools/test_serve_store.py -k reads_what_changed_not_the_folder",),
+    ),
+    Mutation(
+        "journal: a state whose files another server deleted stays in this one's index",
+        "modeling_gpn/serve/state_store.py",
+        "        except OSError:  # (gone: read back into another store's memory, or trimmed)\n            self._folder_drop(key)\n            entry = self._files.pop(key, None)\n",
+        "        except OSError:  # (gone: read back into another store's memory, or trimmed)\n            self._folder_drop(key)\n            entry = None  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k reads_what_changed_not_the_folder",),
+    ),
+    Mutation(
+        "journal: a lookup does not bring a shared --state-dir up to date (the other server's newest state unfound)",
+        "modeling_gpn/serve/state_store.py",
+        "                with self._folder_held():  # (the states another store on the folder wrote or took since: found)\n                    pass\n",
+        "                pass  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k reads_what_changed_not_the_folder",),
+    ),
+    Mutation(
+        "journal: a store opening a folder without a whole journal does not start one (each other store lists the folder at its next save)",
+        "modeling_gpn/serve/state_store.py",
+        "            if self._journal is not None and self._folder is not None and self._journal.begin(self._journal_limit()):\n",
+        "            if False:  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k reads_what_changed_not_the_folder",),
+    ),
+    Mutation(
+        "journal: the folder's bytes are not kept up to date as states are written (no trim: the bound exceeded)",
+        "modeling_gpn/serve/state_store.py",
+        "        self._folder[key] = (mtime, size)\n        self._folder_bytes += size\n",
+        "        self._folder[key] = (mtime, size)\n",
+        ("tests/tools/test_serve_store.py -k reads_what_changed_not_the_folder",),
+    ),
+    Mutation(
+        "journal: an older server's random mark is taken for no change (its state uncounted, unfound)",
+        "modeling_gpn/serve/state_store.py",
+        '        if mark != self.mark and not (mark or "").startswith(f"{self.generation}:"):\n',
+        "        if False:  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k older_server_or_a_killed_save",),
+    ),
+    Mutation(
+        "journal: a store that listed the folder after an older server's change extends the old generation (the others follow it and miss the change)",
+        "modeling_gpn/serve/state_store.py",
+        "        if self.failed or (self.trusted and self.generation is not None and self.offset == self.size <= limit):\n",
+        "        if self.failed or (self.generation is not None and self.offset == self.size <= limit):  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k older_server_or_a_killed_save",),
+    ),
+    Mutation(
+        "journal: a line left half-written is extended (a new generation not started)",
+        "modeling_gpn/serve/state_store.py",
+        "        if self.failed or (self.trusted and self.generation is not None and self.offset == self.size <= limit):\n",
+        "        if self.failed or (self.trusted and self.generation is not None and self.size <= limit):  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k older_server_or_a_killed_save",),
+    ),
+    Mutation(
+        "journal: a store's save is noted after its files are written (a save cut off between is counted by no other store)",
+        "modeling_gpn/serve/state_store.py",
+        "            self._changing(key)\n            try:\n                # named by the fingerprint taken while the model was loaded: it may have been unloaded since\n                entry.cache.save(path, model_fingerprint=self._model_fingerprints.get(entry.model))\n                write_file_atomically(ids_path, _ids_file(entry.model, _ids_from_bytes(entry.ids)))\n",
+        "            try:\n                # named by the fingerprint taken while the model was loaded: it may have been unloaded since\n                entry.cache.save(path, model_fingerprint=self._model_fingerprints.get(entry.model))\n                write_file_atomically(ids_path, _ids_file(entry.model, _ids_from_bytes(entry.ids)))\n                self._changing(key)  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k older_server_or_a_killed_save",),
+    ),
+    Mutation(
+        "journal: the journal of a shared --state-dir grows without bound (no new generation past its limit)",
+        "modeling_gpn/serve/state_store.py",
+        "        if self.failed or (self.trusted and self.generation is not None and self.offset == self.size <= limit):\n",
+        "        if self.failed or (self.trusted and self.generation is not None and self.offset == self.size):  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k journal_of_a_shared_state_dir_stays_bounded",),
     ),
 ]
 
