@@ -2722,8 +2722,9 @@ MUTATIONS = [
     Mutation(
         "gpn serve cannot load a PEFT adapter folder (transformers' model manager: no config.json)",
         "modeling_gpn/serve/server.py",
-        '            _pointing(model_manager, "ModelManager", quantizing_model_manager(quantize_to)),',
-        "            # MUTATION",
+        '            _pointing(\n                model_manager,\n                "ModelManager",\n                quantizing_model_manager(\n                    quantize_to, store.refuse_a_model_over_the_folder_bound if store is not None else None\n                ),\n'
+        "            ),\n",
+        "            # MUTATION\n",
         ("tests/tools/test_serve.py -k not_pinned_keeps_each_models_conversations",),
     ),
     Mutation(
@@ -7001,8 +7002,8 @@ MUTATIONS = [
     Mutation(
         "gpn serve --dtype int8 | int4 serves the model unquantized (its states named by its float dtype)",
         "modeling_gpn/serve/models.py",
-        "        if self.quantize_to is None:\n            return model\n",
-        "        if True:  # MUTATION\n            return model\n",
+        "        if self.quantize_to is not None:\n",
+        "        if False:  # MUTATION\n",
         (
             "tests/tools/test_serve.py::test_a_conversation_continues_after_the_server_is_stopped_and_restarted",
             "tests/tools/test_serve_store.py -k bf16_or_quantized",
@@ -9191,6 +9192,27 @@ MUTATIONS = [
         "        if self.failed or (self.trusted and self.generation is not None and self.offset == self.size <= limit):\n",
         "        if self.failed or (self.trusted and self.generation is not None and self.offset == self.size):  # MUTATION\n",
         ("tests/tools/test_serve_store.py -k journal_of_a_shared_state_dir_stays_bounded",),
+    ),
+    Mutation(
+        "gpn serve: a GPN loaded is not checked against --state-dir-bytes (a quantization its config does not name: a lower bound)",
+        "modeling_gpn/serve/models.py",
+        "            self.check_loaded(model, model_id)  # (a pinned model at startup; otherwise, the request)\n",
+        "            pass  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k quantized_otherwise", "tests/tools/test_serve.py -k quantized_otherwise"),
+    ),
+    Mutation(
+        "gpn serve: the check of a loaded GPN sizes its state from the config (a quantization it does not name: too few bytes)",
+        "modeling_gpn/serve/state_store.py",
+        '        least = smallest_state_file_bytes_of(gpn_base_model(model)) + len(_ids_file("0" * 64, [0]))\n',
+        '        least = smallest_state_file_bytes(model.config, "bfloat16") + len(_ids_file("0" * 64, [0]))  # MUTATION\n',
+        ("tests/tools/test_serve_store.py -k quantized_otherwise", "tests/tools/test_serve.py -k quantized_otherwise"),
+    ),
+    Mutation(
+        "gpn serve: the server's model manager is not given the store's check of a loaded GPN",
+        "modeling_gpn/serve/server.py",
+        "                    quantize_to, store.refuse_a_model_over_the_folder_bound if store is not None else None\n",
+        "                    quantize_to, None  # MUTATION\n",
+        ("tests/tools/test_serve.py -k quantized_otherwise",),
     ),
 ]
 

@@ -49,9 +49,11 @@ from ..configuration_gpn import GPNConfig
 from ..state_file import (
     gpn_base_model,
     smallest_state_file_bytes,
+    smallest_state_file_bytes_of,
     state_fingerprint,
     state_shapes,
     weights_hash,
+    weights_kind,
 )
 
 logger = logging.getLogger(__name__)
@@ -414,6 +416,22 @@ class StateStore:
         the JSON of one id, beside it, as `_spill` writes them): a `spill_max_bytes` below it deletes every state
         once written."""
         return smallest_state_file_bytes(config, dtype, quantized) + len(_ids_file("0" * 64, [0]))  # (a SHA-256 key)
+
+    def refuse_a_model_over_the_folder_bound(self, model: torch.nn.Module, name: str) -> None:
+        """A `ValueError` where one state of `model` (as loaded, named `name`) takes more than `spill_max_bytes`:
+        every kept conversation would be deleted once written. Exact for any quantization of its weights (the
+        state file its fingerprint gives, `smallest_state_file_bytes_of`, and the ids of one token), where the
+        configuration alone (`smallest_files_bytes`, checked before the load) is exact for torchao's int8 and int4
+        only. Nothing without a spill folder or its bound."""
+        if self.spill_dir is None or self.spill_max_bytes is None:
+            return
+        least = smallest_state_file_bytes_of(gpn_base_model(model)) + len(_ids_file("0" * 64, [0]))
+        if self.spill_max_bytes < least:
+            raise ValueError(
+                f"--state-dir-bytes {self.spill_max_bytes} is smaller than one state of {name} as loaded (its state "
+                f"file and ids take at least {least} bytes, its weights {weights_kind(gpn_base_model(model))}): every "
+                f"kept conversation would be deleted once written; give --state-dir-bytes {least} or more"
+            )
 
     # ---- inside --------------------------------------------------------------------------------------
 

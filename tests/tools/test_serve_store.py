@@ -434,6 +434,46 @@ def test_the_smallest_state_of_a_bf16_or_quantized_model_is_known_to_the_byte(mo
             refused._load_model(str(folder))
 
 
+def test_a_model_quantized_otherwise_is_refused_once_loaded_where_its_state_is_over_the_bound(
+    model, tmp_path, monkeypatch
+):
+    """A quantization other than torchao's int8 and int4 (here int8 values through `IntxWeightOnlyConfig`, which a
+    state file names by its tensors' class) left the startup check, from the config alone, a lower bound: a
+    --state-dir-bytes between it and the real state was taken, and every state deleted once written. The model
+    loaded is now checked exactly (its state file's fingerprint), through the server's model manager: the least
+    that holds one state is allowed, one byte less refused naming the least (a float model's too)."""
+    torchao = pytest.importorskip("torchao.quantization", reason="torchao (the test extra) quantizes the models")
+    from torchao.quantization.granularity import PerGroup
+    from transformers import AutoModelForCausalLM, TorchAoConfig
+    from transformers.cli.serving import model_manager
+
+    from modeling_gpn.serve.cli import quantized_as_saved
+    from modeling_gpn.serve.models import TransformersWithGPN, quantizing_model_manager
+
+    monkeypatch.setattr(model_manager, "transformers", TransformersWithGPN())  # as gpn serve does, for this test only
+    model.save_pretrained(tmp_path / "float")
+    folder = tmp_path / "intx-int8"
+    quantization = torchao.IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerGroup(16))
+    AutoModelForCausalLM.from_pretrained(
+        tmp_path / "float", dtype=torch.bfloat16, quantization_config=TorchAoConfig(quantization)
+    ).save_pretrained(folder)
+    quantized = AutoModelForCausalLM.from_pretrained(folder)
+    assert quantized_as_saved(quantized.config) is None  # (a quantization the config does not name)
+    for name, served in (("float", model), ("intx-int8", quantized)):
+        states = tmp_path / f"{name}-states"
+        StateStore(0, spill_dir=states).keep(served, [7], state_after(served, [7]))
+        files = on_disk_bytes(states)
+        if served is quantized:  # (what the config alone tells: fewer bytes than the state)
+            assert StateStore.smallest_files_bytes(quantized.config, "bfloat16") < files
+        StateStore(0, spill_dir=tmp_path / "fits", spill_max_bytes=files).refuse_a_model_over_the_folder_bound(
+            served, name
+        )
+        store = StateStore(0, spill_dir=tmp_path / "short", spill_max_bytes=files - 1)
+        manager = quantizing_model_manager(None, store.refuse_a_model_over_the_folder_bound)
+        with pytest.raises(ValueError, match=f"--state-dir-bytes {files - 1} is smaller .* at least {files} bytes"):
+            manager(device="cpu", model_timeout=-1)._load_model(str(tmp_path / name))
+
+
 def test_the_spill_folder_limit_counts_every_file_a_state_takes(model, tmp_path):
     """A spilled state is its state file and the JSON of its ids, which in a long conversation outweighs the
     state: the folder's limit counts both, when they are written and when a restarted store finds them."""
