@@ -9214,6 +9214,13 @@ MUTATIONS = [
         "                    quantize_to, None  # MUTATION\n",
         ("tests/tools/test_serve.py -k quantized_otherwise",),
     ),
+    Mutation(
+        "journal: the temporary file of a killed store's new journal generation is left in --state-dir for good",
+        "modeling_gpn/serve/state_store.py",
+        '    rf"^\\.([0-9a-f]{{64}}({re.escape(STATE_SUFFIX)}|{re.escape(IDS_SUFFIX)})|{re.escape(JOURNAL)})\\.tmp-"\n',
+        '    rf"^\\.([0-9a-f]{{64}}({re.escape(STATE_SUFFIX)}|{re.escape(IDS_SUFFIX)}))\\.tmp-"  # MUTATION\n',
+        ("tests/tools/test_serve_store.py -k killed_write_left",),
+    ),
 ]
 
 

@@ -84,8 +84,11 @@ JOURNAL_LEAST_LINES = 4096
 _STATE_NAME = re.compile(rf"^[0-9a-f]{{64}}{re.escape(STATE_SUFFIX)}$")
 _HEX = re.compile("[0-9a-f]{64}")
 _IDS_NAME = re.compile(rf"^[0-9a-f]{{64}}{re.escape(IDS_SUFFIX)}$")
-# the temporary names `atomic_files.replacing` writes under (the ids file, `GPNCache.save`): "." + the file's name + ".tmp-..."
-_LEFTOVER_TEMPORARY = re.compile(rf"^\.[0-9a-f]{{64}}({re.escape(STATE_SUFFIX)}|{re.escape(IDS_SUFFIX)})\.tmp-")
+# the temporary names `atomic_files.replacing` writes under (the ids file, `GPNCache.save`, a new journal's header):
+# "." + the file's name + ".tmp-..."
+_LEFTOVER_TEMPORARY = re.compile(
+    rf"^\.([0-9a-f]{{64}}({re.escape(STATE_SUFFIX)}|{re.escape(IDS_SUFFIX)})|{re.escape(JOURNAL)})\.tmp-"
+)
 
 # where the model was read from, and by which transformers: not what it computes
 _CONFIG_NOT_MEANING = ("_name_or_path", "transformers_version", "name_or_path")

@@ -493,13 +493,14 @@ def test_the_spill_folder_limit_counts_every_file_a_state_takes(model, tmp_path)
 
 def test_what_a_killed_write_left_is_deleted_when_a_store_opens_the_folder(model, tmp_path):
     """A server killed while writing a state leaves its temporary file, or the state file without the ids written
-    after it; one killed while trimming, the ids of a state file it had deleted: no store counted them against the
+    after it (or the temporary file of the journal's new generation); one killed while trimming, the ids of a state
+    file it had deleted: no store counted them against the
     folder's limit, and nothing deleted them. A store opening the folder deletes those that are old, and leaves a
     fresh one (another server's write in progress), the finished states and a user's own state file."""
     import os
     import time
 
-    from modeling_gpn.serve.state_store import IDS_SUFFIX, LEFTOVER_AGE_SECONDS
+    from modeling_gpn.serve.state_store import IDS_SUFFIX, JOURNAL, LEFTOVER_AGE_SECONDS
 
     StateStore(0, spill_dir=tmp_path).keep(model, IDS[:3], state_after(model, IDS[:3]))  # a finished state
     finished = list(tmp_path.iterdir())
@@ -509,6 +510,7 @@ def test_what_a_killed_write_left_is_deleted_when_a_store_opens_the_folder(model
         tmp_path / f".{key}{IDS_SUFFIX}.tmp-1-2-abcd",
         tmp_path / f"{key}{STATE_SUFFIX}",  # (its ids never written)
         tmp_path / f"{'ef' * 32}{IDS_SUFFIX}",  # (a trim killed between deleting the state file and its ids)
+        tmp_path / f".{JOURNAL}.tmp-1-2-abcd",  # (a store killed while starting the journal's new generation)
     ]
     in_progress, users = tmp_path / f".{'cd' * 32}{STATE_SUFFIX}.tmp-3-4-abcd", tmp_path / f"system{STATE_SUFFIX}"
     for path in [*left, in_progress, users]:
