@@ -80,7 +80,7 @@ _JOURNAL_HEADER = "gpn-state-dir-journal 1 "
 _JOURNAL_LINE = 65  # (a key, 64 hex digits, and its newline)
 # the journal starts a new generation (the other stores list the folder once) past this many lines per state held
 JOURNAL_LINES_PER_STATE = 4
-JOURNAL_LEAST_LINES = 4096
+JOURNAL_LEAST_LINES = 1024
 _STATE_NAME = re.compile(rf"^[0-9a-f]{{64}}{re.escape(STATE_SUFFIX)}$")
 _HEX = re.compile("[0-9a-f]{64}")
 _IDS_NAME = re.compile(rf"^[0-9a-f]{{64}}{re.escape(IDS_SUFFIX)}$")
