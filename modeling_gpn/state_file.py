@@ -148,11 +148,19 @@ def state_fingerprint(model: nn.Module) -> dict[str, str]:
     "yes" where PEFT adapters merged in place are hashed beside the weights (`merged_in_place_as_stored`), so that
     a refusal can say why such a PeftModel's state is not its merge's.
     """
+    return _fingerprint(model, None)
+
+
+def _fingerprint(model: nn.Module, weights_fingerprint: str | None) -> dict[str, str]:
+    """`state_fingerprint` of `model`; its weights' hash given, or None to hash them (`smallest_state_file_bytes_of`
+    gives one as long, unhashed)."""
     layers = _tuner_layers(model)  # (found once, read by each part that reads the adapters)
     return {
         **config_fingerprint(model.config),
         "weights_dtype": weights_kind(model),
-        "weights_fingerprint": weights_hash(model, layers=layers),
+        "weights_fingerprint": weights_hash(model, layers=layers)
+        if weights_fingerprint is None
+        else weights_fingerprint,
         "unmerged_adapters": "yes" if computes_unmerged_adapters(model, layers=layers) else "no",
         "dtype_name": dtype_name(model),
         "merged_adapters_hashed": "yes" if merged_in_place_as_stored(model, layers=layers) else "no",
@@ -526,8 +534,6 @@ def smallest_state_file_bytes(config: GPNConfig, dtype: str, quantized: str | No
     the model loads (`gpn serve` refuses a --state-dir-bytes below it)."""
     if quantized is not None and quantized not in QUANTIZED_TENSORS:
         raise ValueError(f"cannot size a state of {quantized!r} weights: one of {', '.join(QUANTIZED_TENSORS)}")
-    tensors = {name: torch.zeros(shape, dtype=torch.float32) for name, shape in state_shapes(config).items()}
-    tensors = {name: tensor.unsqueeze(0) for name, tensor in tensors.items()}  # (one row)
     fingerprint = {  # (what `state_fingerprint` gives, its weights' hash as long as a SHA-256's)
         **config_fingerprint(config),
         "weights_dtype": named_weights_kind(dtype, [QUANTIZED_TENSORS[quantized]] if quantized else []),
@@ -536,6 +542,21 @@ def smallest_state_file_bytes(config: GPNConfig, dtype: str, quantized: str | No
         "dtype_name": quantized or (dtype if dtype in FLOAT_DTYPE_NAMES else ""),
         "merged_adapters_hashed": "no",
     }
+    return _smallest_state_file_bytes(config, fingerprint)
+
+
+def smallest_state_file_bytes_of(model: nn.Module) -> int:
+    """The fewest bytes a state file of one row of `model` (a `GPNModel`, as loaded) can take, whatever its weights'
+    dtype or quantization: `smallest_state_file_bytes` from the fingerprint its own state files carry (its dtype
+    and quantized classes as `weights_kind` names them, its adapters), the weights' hash at its length (not
+    hashed: the same bytes). Exact where the configuration alone cannot tell (a quantization other than torchao's
+    int8 and int4, which a state file names by its tensors' classes)."""
+    return _smallest_state_file_bytes(model.config, _fingerprint(model, "0" * 64))
+
+
+def _smallest_state_file_bytes(config: GPNConfig, fingerprint: dict[str, str]) -> int:
+    tensors = {name: torch.zeros(shape, dtype=torch.float32) for name, shape in state_shapes(config).items()}
+    tensors = {name: tensor.unsqueeze(0) for name, tensor in tensors.items()}  # (one row)
     return len(state_file_payload(tensors, 1, json.dumps([[0, 0]]), fingerprint))
 
 

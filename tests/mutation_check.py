@@ -2080,9 +2080,8 @@ MUTATIONS = [
     Mutation(
         "gpn serve: a state read from its file in a shared --state-dir changes the folder's mark (the others reread)",
         "modeling_gpn/serve/state_store.py",
-        "                    self._folder[key] = (path.stat().st_mtime_ns, self._files[key].nbytes)  # the newest\n"
-        "                    self._changed = True\n",
-        "                    self._folder[key] = (path.stat().st_mtime_ns, self._files[key].nbytes)  # the newest\n",
+        "                self._changing(key)\n                os.utime(path)\n",
+        "                os.utime(path)\n",
         ("tests/tools/test_serve_store.py -k read_from_a_shared_state_dir",),
     ),
     Mutation(
@@ -2090,7 +2089,7 @@ MUTATIONS = [
         "modeling_gpn/serve/state_store.py",
         "                    if known is None or known[0] != file.inode() or file is entry:\n",
         "                    if known is None or known[0] != file.inode():  # MUTATION\n",
-        ("tests/tools/test_serve_store.py -k read_from_a_shared_state_dir",),
+        ("tests/tools/test_serve_store.py -k older_server_or_a_killed_save",),
     ),
     Mutation(
         "gpn serve: the ids a trim killed between its two deletions left in --state-dir are deleted at the next open",
@@ -2119,6 +2118,13 @@ MUTATIONS = [
         "                size = stat.st_size + ids_path.stat().st_size  # both files count, as when they were written\n",
         "                size = stat.st_size  # MUTATION\n",
         ("tests/tools/test_serve_store.py -k spill_folder_limit_counts_every_file",),
+        also=(
+            (  # (the listing of the folder at the store's open sizes each state again: both files there too)
+                "modeling_gpn/serve/state_store.py",
+                "            size = seen[name][2] + seen[ids.name][2]\n",
+                "            size = seen[name][2]  # MUTATION\n",
+            ),
+        ),
     ),
     Mutation(
         "gpn serve: the kept states written to --state-dir when the server stops",
@@ -2716,8 +2722,9 @@ MUTATIONS = [
     Mutation(
         "gpn serve cannot load a PEFT adapter folder (transformers' model manager: no config.json)",
         "modeling_gpn/serve/server.py",
-        '            _pointing(model_manager, "ModelManager", quantizing_model_manager(quantize_to)),',
-        "            # MUTATION",
+        '            _pointing(\n                model_manager,\n                "ModelManager",\n                quantizing_model_manager(\n                    quantize_to, store.refuse_a_model_over_the_folder_bound if store is not None else None\n                ),\n'
+        "            ),\n",
+        "            # MUTATION\n",
         ("tests/tools/test_serve.py -k not_pinned_keeps_each_models_conversations",),
     ),
     Mutation(
@@ -6588,7 +6595,7 @@ MUTATIONS = [
         "modeling_gpn/serve/state_store.py",
         "            ids = entries.get(name[:64] + IDS_SUFFIX) if _STATE_NAME.match(name) else None\n",
         "            ids = entries.get(name[:64] + IDS_SUFFIX) if _STATE_NAME.match(name) and name[:64] in own else None\n",
-        ("tests/tools/test_serve_store.py -k keep_together_to_its_limit",),
+        ("tests/tools/test_serve_store.py -k older_server_or_a_killed_save",),
     ),
     Mutation(
         "a server writes and trims a shared --state-dir without its hold (another's write or trim in between)",
@@ -6600,8 +6607,8 @@ MUTATIONS = [
     Mutation(
         "a server trusts its view of a shared --state-dir after another server changed the folder",
         "modeling_gpn/serve/state_store.py",
-        "            if self._view is not None and mark == self._view[0]:\n",
-        "            if self._view is not None:  # MUTATION\n",
+        "            changed = view.changed_since(mark, journal) if view is not None else None\n",
+        "            changed = [] if view is not None else None  # MUTATION\n",
         ("tests/tools/test_serve_store.py -k keep_together_to_its_limit",),
     ),
     Mutation(
@@ -7029,8 +7036,8 @@ MUTATIONS = [
     Mutation(
         "gpn serve --dtype int8 | int4 serves the model unquantized (its states named by its float dtype)",
         "modeling_gpn/serve/models.py",
-        "        if self.quantize_to is None:\n            return model\n",
-        "        if True:  # MUTATION\n            return model\n",
+        "        if self.quantize_to is not None:\n",
+        "        if False:  # MUTATION\n",
         (
             "tests/tools/test_serve.py::test_a_conversation_continues_after_the_server_is_stopped_and_restarted",
             "tests/tools/test_serve_store.py -k bf16_or_quantized",
@@ -9397,6 +9404,118 @@ MUTATIONS = [
         "mask[:, t] if t in masked_steps else None",
         "None if 'MUTATION' else None",
         ("tests/ecosystem/test_eval.py::test_plain_lm_eval_hf_model_loglikelihood_and_left_padded_generation",),
+    ),
+    Mutation(
+        "journal: a save into a shared --state-dir lists the whole folder again (the journal unread)",
+        "modeling_gpn/serve/state_store.py",
+        "            changed = view.changed_since(mark, journal) if view is not None else None\n",
+        "            changed = None  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k reads_what_changed_not_the_folder",),
+    ),
+    Mutation(
+        "journal: the lines another store added are not read (its changes unseen where the mark is of the generation)",
+        "modeling_gpn/serve/state_store.py",
+        "        return list(dict.fromkeys(keys))  # (each state looked at once)\n",
+        "        return []  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k reads_what_changed_not_the_folder",),
+    ),
+    Mutation(
+        "journal: a state another server wrote to a shared --state-dir is not indexed (not found by this one)",
+        "modeling_gpn/serve/state_store.py",
+        "        self._unusable.discard(key)\n        self._adopt(key, size)\n",
+        "        self._unusable.discard(key)\n",
+        ("tests/tools/test_serve_store.py -k reads_what_changed_not_the_folder",),
+    ),
+    Mutation(
+        "journal: a state whose files another server deleted stays in this one's index",
+        "modeling_gpn/serve/state_store.py",
+        "        except OSError:  # (gone: read back into another store's memory, or trimmed)\n            self._folder_drop(key)\n            entry = self._files.pop(key, None)\n",
+        "        except OSError:  # (gone: read back into another store's memory, or trimmed)\n            self._folder_drop(key)\n            entry = None  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k reads_what_changed_not_the_folder",),
+    ),
+    Mutation(
+        "journal: a lookup does not bring a shared --state-dir up to date (the other server's newest state unfound)",
+        "modeling_gpn/serve/state_store.py",
+        "                with self._folder_held():  # (the states another store on the folder wrote or took since: found)\n                    pass\n",
+        "                pass  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k reads_what_changed_not_the_folder",),
+    ),
+    Mutation(
+        "journal: a store opening a folder without a whole journal does not start one (each other store lists the folder at its next save)",
+        "modeling_gpn/serve/state_store.py",
+        "            if self._journal is not None and self._folder is not None and self._journal.begin(self._journal_limit()):\n",
+        "            if False:  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k reads_what_changed_not_the_folder",),
+    ),
+    Mutation(
+        "journal: the folder's bytes are not kept up to date as states are written (no trim: the bound exceeded)",
+        "modeling_gpn/serve/state_store.py",
+        "        self._folder[key] = (mtime, size)\n        self._folder_bytes += size\n",
+        "        self._folder[key] = (mtime, size)\n",
+        ("tests/tools/test_serve_store.py -k reads_what_changed_not_the_folder",),
+    ),
+    Mutation(
+        "journal: an older server's random mark is taken for no change (its state uncounted, unfound)",
+        "modeling_gpn/serve/state_store.py",
+        '        if mark != self.mark and not (mark or "").startswith(f"{self.generation}:"):\n',
+        "        if False:  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k older_server_or_a_killed_save",),
+    ),
+    Mutation(
+        "journal: a store that listed the folder after an older server's change extends the old generation (the others follow it and miss the change)",
+        "modeling_gpn/serve/state_store.py",
+        "        if self.failed or (self.trusted and self.generation is not None and self.offset == self.size <= limit):\n",
+        "        if self.failed or (self.generation is not None and self.offset == self.size <= limit):  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k older_server_or_a_killed_save",),
+    ),
+    Mutation(
+        "journal: a line left half-written is extended (a new generation not started)",
+        "modeling_gpn/serve/state_store.py",
+        "        if self.failed or (self.trusted and self.generation is not None and self.offset == self.size <= limit):\n",
+        "        if self.failed or (self.trusted and self.generation is not None and self.size <= limit):  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k older_server_or_a_killed_save",),
+    ),
+    Mutation(
+        "journal: a store's save is noted after its files are written (a save cut off between is counted by no other store)",
+        "modeling_gpn/serve/state_store.py",
+        "            self._changing(key)\n            try:\n                # named by the fingerprint taken while the model was loaded: it may have been unloaded since\n                entry.cache.save(path, model_fingerprint=self._model_fingerprints.get(entry.model))\n                write_file_atomically(ids_path, _ids_file(entry.model, _ids_from_bytes(entry.ids)))\n",
+        "            try:\n                # named by the fingerprint taken while the model was loaded: it may have been unloaded since\n                entry.cache.save(path, model_fingerprint=self._model_fingerprints.get(entry.model))\n                write_file_atomically(ids_path, _ids_file(entry.model, _ids_from_bytes(entry.ids)))\n                self._changing(key)  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k older_server_or_a_killed_save",),
+    ),
+    Mutation(
+        "journal: the journal of a shared --state-dir grows without bound (no new generation past its limit)",
+        "modeling_gpn/serve/state_store.py",
+        "        if self.failed or (self.trusted and self.generation is not None and self.offset == self.size <= limit):\n",
+        "        if self.failed or (self.trusted and self.generation is not None and self.offset == self.size):  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k journal_of_a_shared_state_dir_stays_bounded",),
+    ),
+    Mutation(
+        "gpn serve: a GPN loaded is not checked against --state-dir-bytes (a quantization its config does not name: a lower bound)",
+        "modeling_gpn/serve/models.py",
+        "            self.check_loaded(model, model_id)  # (a pinned model at startup; otherwise, the request)\n",
+        "            pass  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k quantized_otherwise", "tests/tools/test_serve.py -k quantized_otherwise"),
+    ),
+    Mutation(
+        "gpn serve: the check of a loaded GPN sizes its state from the config (a quantization it does not name: too few bytes)",
+        "modeling_gpn/serve/state_store.py",
+        '        least = smallest_state_file_bytes_of(gpn_base_model(model)) + len(_ids_file("0" * 64, [0]))\n',
+        '        least = smallest_state_file_bytes(model.config, "bfloat16") + len(_ids_file("0" * 64, [0]))  # MUTATION\n',
+        ("tests/tools/test_serve_store.py -k quantized_otherwise", "tests/tools/test_serve.py -k quantized_otherwise"),
+    ),
+    Mutation(
+        "gpn serve: the server's model manager is not given the store's check of a loaded GPN",
+        "modeling_gpn/serve/server.py",
+        "                    quantize_to, store.refuse_a_model_over_the_folder_bound if store is not None else None\n",
+        "                    quantize_to, None  # MUTATION\n",
+        ("tests/tools/test_serve.py -k quantized_otherwise",),
+    ),
+    Mutation(
+        "journal: the temporary file of a killed store's new journal generation is left in --state-dir for good",
+        "modeling_gpn/serve/state_store.py",
+        '    rf"^\\.([0-9a-f]{{64}}({re.escape(STATE_SUFFIX)}|{re.escape(IDS_SUFFIX)})|{re.escape(JOURNAL)})\\.tmp-"\n',
+        '    rf"^\\.([0-9a-f]{{64}}({re.escape(STATE_SUFFIX)}|{re.escape(IDS_SUFFIX)}))\\.tmp-"  # MUTATION\n',
+        ("tests/tools/test_serve_store.py -k killed_write_left",),
     ),
 ]
 

@@ -310,7 +310,8 @@ def quantized_as_saved(config: GPNConfig) -> str | None:
     """How a folder saved quantized through transformers' `TorchAoConfig` quantizes its weights, as `gpn generate
     --dtype` names it, read from its config's `quantization_config`: "int8" (`Int8WeightOnlyConfig`), "int4"
     (`IntxWeightOnlyConfig` of int4 values), else None (a float model, or a quantization a state file names
-    otherwise: the smallest state is then that of the float dtype, fewer bytes than the file, a bound still)."""
+    otherwise: the smallest state here is then that of the float dtype, fewer bytes than the file, and the model
+    loaded is checked exactly, `StateStore.refuse_a_model_over_the_folder_bound`)."""
     quantization = getattr(config, "quantization_config", None)
     if hasattr(quantization, "to_dict"):
         quantization = quantization.to_dict()

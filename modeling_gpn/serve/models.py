@@ -22,6 +22,8 @@ from transformers.cli.serving.utils import split_model_id, split_revision
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    import torch
+
 from .. import GPNForCausalLM, GPNModel
 
 
@@ -71,6 +73,9 @@ class GPNModelManager(model_manager.ModelManager):
     from a server of the base's."""
 
     quantize_to: str | None = None  # "int8", "int4": each model loaded is quantized so (`quantizing_model_manager`)
+    # called with each GPN loaded and its name, to refuse it (a ValueError) where the state store cannot keep its
+    # states (`StateStore.refuse_a_model_over_the_folder_bound`: known exactly only once loaded)
+    check_loaded: Callable[[torch.nn.Module, str], None] | None = None
 
     def _load_processor(self, model_id_and_revision: str, gguf_file: str | None = None):
         from ..cli.loading import adapter_base, end_of_text_disagreement, tokenizer_source
@@ -111,21 +116,26 @@ class GPNModelManager(model_manager.ModelManager):
                 trust_remote_code=self.trust_remote_code,
                 tqdm_class=tqdm_class,
             )
-        if self.quantize_to is None:
-            return model
-        from ..cli.quantization import quantize_for
+        if self.quantize_to is not None:
+            from ..cli.quantization import quantize_for
 
-        # (as gpn generate --dtype int8 | int4: the bfloat16 model quantized, a folder saved so served as saved,
-        # another quantization refused in one line)
-        return quantize_for(model, self.quantize_to, model_id)
+            # (as gpn generate --dtype int8 | int4: the bfloat16 model quantized, a folder saved so served as saved,
+            # another quantization refused in one line)
+            model = quantize_for(model, self.quantize_to, model_id)
+        if self.check_loaded is not None and isinstance(model, (GPNForCausalLM, GPNModel)):
+            self.check_loaded(model, model_id)  # (a pinned model at startup; otherwise, the request)
+        return model
 
 
-def quantizing_model_manager(kind: str | None) -> type[GPNModelManager]:
+def quantizing_model_manager(
+    kind: str | None, check_loaded: Callable[[torch.nn.Module, str], None] | None = None
+) -> type[GPNModelManager]:
     """`GPNModelManager`, each model it loads quantized to `kind` ("int8", "int4": `gpn serve --dtype int8 | int4`,
-    through `cli.quantization.quantize_for`), or as it is for None."""
-    if kind is None:
+    through `cli.quantization.quantize_for`), or as it is for None, and each GPN loaded checked by `check_loaded`."""
+    if kind is None and check_loaded is None:
         return GPNModelManager
-    return type(GPNModelManager.__name__, (GPNModelManager,), {"quantize_to": kind, "__module__": __name__})
+    attributes = {"quantize_to": kind, "check_loaded": None if check_loaded is None else staticmethod(check_loaded)}
+    return type(GPNModelManager.__name__, (GPNModelManager,), {**attributes, "__module__": __name__})
 
 
 class TransformersWithGPN(types.ModuleType):

@@ -192,7 +192,15 @@ class GPNServe(Serve):
             _pointing(systemone, "SystemOneHandler", decisions),
             _pointing(transcription, "TranscriptionHandler", CheckedTranscriptionHandler),
             # (PEFT adapter folders loaded, merged; quantized for --dtype int8 | int4)
-            _pointing(model_manager, "ModelManager", quantizing_model_manager(quantize_to)),
+            # (and each GPN loaded refused where one of its states is larger than --state-dir-bytes: exact only
+            # once loaded, for a quantization its config does not name)
+            _pointing(
+                model_manager,
+                "ModelManager",
+                quantizing_model_manager(
+                    quantize_to, store.refuse_a_model_over_the_folder_bound if store is not None else None
+                ),
+            ),
             _pointing(uvicorn, "Config", _coloured_as_the_terminal(uvicorn.Config)),  # (NO_COLOR, logs to a file)
             _pointing(
                 serving_server,

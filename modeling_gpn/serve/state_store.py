@@ -14,7 +14,9 @@ belongs to and the token ids it has read, and a request continues from the longe
   (`GPNCache.save`, beside a small JSON of its ids) and read back (`GPNCache.load`, which checks the file
   belongs to the model) when a request needs it; the folder is bounded too (`spill_max_bytes`): every store
   on it (each server on one `--state-dir`) writes and trims it under a hold on the folder, counting the state
-  files every store left there, so the servers together keep to the bound. A server started on a folder that
+  files every store left there, so the servers together keep to the bound; each finds the states the others
+  wrote there. A journal in the folder (`JOURNAL`) tells each store which states the others changed since it
+  last held the folder, so a save looks at those alone, not at every file. A server started on a folder that
   holds such files continues from them (a server that stops writes the states still in memory there too:
   `spill_all`).
 - Thread-safe: one lock guards the store; every method may be called from any thread.
@@ -47,9 +49,11 @@ from ..configuration_gpn import GPNConfig
 from ..state_file import (
     gpn_base_model,
     smallest_state_file_bytes,
+    smallest_state_file_bytes_of,
     state_fingerprint,
     state_shapes,
     weights_hash,
+    weights_kind,
 )
 
 logger = logging.getLogger(__name__)
@@ -62,13 +66,29 @@ ENTRY_OVERHEAD_BYTES = 512
 # A write (a state file, then its ids) takes well under this: what a killed server left half-done in the folder,
 # older than this, is no write in progress (of another server on the folder) and is deleted when a store opens it.
 LEFTOVER_AGE_SECONDS = 600
-# In the folder: a random mark that every store rewrites, under the folder's hold, when it has changed the folder's
-# state files; a store that finds the mark it last wrote knows the folder as it left it, without reading it again.
+# In the folder: a mark that every store rewrites, under the folder's hold, when it has changed the folder's state
+# files ("GENERATION:OFFSET" of the journal below; a server of before the journal writes a random one): a store that
+# finds the mark it last saw, or one of the journal's generation it follows, knows what changed from the journal alone.
 CHANGE_MARK = ".gpn-state-dir-changed"
+# In the folder: the keys of the states each store changed (wrote, deleted, or read and so made the most recently
+# used), appended under the folder's hold before the change, one line each after a header naming the journal's
+# generation. A store reads the lines added since its last hold and looks at those states' files alone, instead of
+# listing the folder (thousands of states: tens of milliseconds a save); it lists the folder again only where the
+# journal cannot tell it (another generation, a mark written by an older server, no journal).
+JOURNAL = ".gpn-state-dir-journal"
+_JOURNAL_HEADER = "gpn-state-dir-journal 1 "
+_JOURNAL_LINE = 65  # (a key, 64 hex digits, and its newline)
+# the journal starts a new generation (the other stores list the folder once) past this many lines per state held
+JOURNAL_LINES_PER_STATE = 4
+JOURNAL_LEAST_LINES = 1024
 _STATE_NAME = re.compile(rf"^[0-9a-f]{{64}}{re.escape(STATE_SUFFIX)}$")
+_HEX = re.compile("[0-9a-f]{64}")
 _IDS_NAME = re.compile(rf"^[0-9a-f]{{64}}{re.escape(IDS_SUFFIX)}$")
-# the temporary names `atomic_files.replacing` writes under (the ids file, `GPNCache.save`): "." + the file's name + ".tmp-..."
-_LEFTOVER_TEMPORARY = re.compile(rf"^\.[0-9a-f]{{64}}({re.escape(STATE_SUFFIX)}|{re.escape(IDS_SUFFIX)})\.tmp-")
+# the temporary names `atomic_files.replacing` writes under (the ids file, `GPNCache.save`, a new journal's header):
+# "." + the file's name + ".tmp-..."
+_LEFTOVER_TEMPORARY = re.compile(
+    rf"^\.([0-9a-f]{{64}}({re.escape(STATE_SUFFIX)}|{re.escape(IDS_SUFFIX)})|{re.escape(JOURNAL)})\.tmp-"
+)
 
 # where the model was read from, and by which transformers: not what it computes
 _CONFIG_NOT_MEANING = ("_name_or_path", "transformers_version", "name_or_path")
@@ -121,6 +141,110 @@ class _Entry:
         return len(self.ids) // 8
 
 
+class _Journal:
+    """The folder's journal (`JOURNAL`) as one hold of the folder reads and extends it: its generation (None: no
+    journal, or not one this code reads), its bytes, the place up to which its lines were read (`offset`), and
+    whether its lines since this store's view are whole (`trusted`: no change of an older server between)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.generation, self.size, self.offset = path, None, 0, 0
+        self.trusted, self.failed = False, False
+        self._reading = self._writing = None
+        with contextlib.suppress(OSError, ValueError):
+            self._reading = open(path, "rb")  # noqa: SIM115  (closed by `close`, at the hold's end)
+            header = self._reading.readline(len(_JOURNAL_HEADER) + 64).decode()
+            if header.startswith(_JOURNAL_HEADER) and header.endswith("\n"):
+                self.generation = header[len(_JOURNAL_HEADER) : -1]
+                self.size = os.fstat(self._reading.fileno()).st_size
+                self.offset = self.size
+
+    def lines_since(self, offset: int) -> list[str] | None:
+        """The keys appended since `offset` (the place a view last read to), `offset` moved past them; None where
+        the journal cannot tell (shorter than that place, or a line that is no key: the folder is read again)."""
+        if self.generation is None or self._reading is None or offset > self.size:
+            return None
+        try:
+            self._reading.seek(offset)
+            data = self._reading.read(self.size - offset)
+        except OSError:
+            return None
+        whole = len(data) - len(data) % _JOURNAL_LINE  # (a line a killed store left half-written: not read)
+        keys = data[:whole].decode("ascii", errors="replace").split("\n")[:-1] if whole else []
+        if any(len(key) != 64 or _HEX.fullmatch(key) is None for key in keys):
+            return None
+        self.offset = offset + whole
+        return list(dict.fromkeys(keys))  # (each state looked at once)
+
+    def append(self, key: str, limit: int) -> None:
+        """Note `key` as changing; the first note of a hold starts a new generation where this journal cannot
+        be extended (none yet, lines not whole since this store's view, a line left half-written, past `limit`
+        bytes): the other stores read the folder once, then follow the new one."""
+        if self._writing is None:
+            self.begin(limit)
+        if self.failed:
+            return
+        try:
+            if self._writing is None:
+                self._writing = open(self.path, "ab")  # noqa: SIM115  (closed by `close`)
+            self._writing.write(f"{key}\n".encode())
+            self._writing.flush()
+            self.offset = self.size = self.offset + _JOURNAL_LINE
+        except OSError:  # (a read-only folder: the mark is left random, so every store reads the folder again)
+            self.failed = True
+
+    def begin(self, limit: int) -> bool:
+        """Start a new generation where this journal cannot be extended (see `append`); whether it started one."""
+        if self.failed or (self.trusted and self.generation is not None and self.offset == self.size <= limit):
+            return False
+        try:
+            generation = secrets.token_hex(8)
+            write_file_atomically(self.path, f"{_JOURNAL_HEADER}{generation}\n")
+        except OSError:
+            self.failed = True
+            return False
+        self.generation, self.trusted = generation, True
+        self.offset = self.size = len(_JOURNAL_HEADER) + len(generation) + 1
+        return True
+
+    def mark(self) -> str:
+        """The change mark to write after changing the folder: the journal's generation and end, or, where the
+        journal could not be written, a random one (as an older server's: the other stores read the folder)."""
+        if self.failed or self.generation is None:
+            self.generation, self.trusted = None, False
+            return secrets.token_hex(8)
+        return f"{self.generation}:{self.offset}"
+
+    def close(self) -> None:
+        for handle in (self._reading, self._writing):
+            if handle is not None:
+                with contextlib.suppress(OSError):
+                    handle.close()
+        self._reading = self._writing = None
+
+
+@dataclass
+class _FolderView:
+    """What a store knew of the folder when it last let go of it: the mark it saw or wrote, the journal's generation
+    and the place read to, whether that journal was whole, and the folder's states (`StateStore._folder`)."""
+
+    mark: str | None
+    generation: str | None
+    offset: int
+    trusted: bool
+    folder: OrderedDict[str, tuple[int, int]]
+    folder_bytes: int
+
+    def changed_since(self, mark: str | None, journal: _Journal) -> list[str] | None:
+        """The states changed since (their keys, from the journal), or None where the folder must be read again:
+        the journal of another generation (started anew, or gone), or a mark neither the one this view saw nor
+        one of its generation's (an older server changed the folder: its change is in no journal)."""
+        if journal.generation is None or journal.generation != self.generation:
+            return [] if journal.generation is None and self.generation is None and mark == self.mark else None
+        if mark != self.mark and not (mark or "").startswith(f"{self.generation}:"):
+            return None
+        return journal.lines_since(self.offset)
+
+
 @dataclass
 class StoreStats:
     """Counts since start: lookups that found a state, and the prompt tokens they spared reading."""
@@ -163,11 +287,15 @@ class StateStore:
         self._memory_bytes = 0
         self._file_bytes = 0
         # the folder's state files as every store on it left them (key -> (modification time, bytes), oldest
-        # first): None while this store does not hold the folder. Kept between holds with the change mark this
-        # store last wrote (`CHANGE_MARK`): read again only where another store has changed the folder since.
+        # first) and their bytes: None while this store does not hold the folder. Kept between holds (`_view`), with
+        # the change mark and the journal's place this store last saw: brought up to date from the journal's new
+        # lines, or read again where the journal cannot tell what changed (`_folder_held`).
         self._folder: OrderedDict[str, tuple[int, int]] | None = None
-        self._view: tuple[str, OrderedDict[str, tuple[int, int]]] | None = None
+        self._folder_bytes = 0
+        self._view: _FolderView | None = None
+        self._journal: _Journal | None = None  # (while held: the journal as this store knows it)
         self._changed = False
+        self._unusable: set[str] = set()  # another store's states whose ids file could not be read (not retried)
         self._holding = False  # (this store holds the folder: a nested hold is the same one)
         # what reading the folder found of each file (name -> (inode, modification time, bytes)): an ids file is looked
         # at again only where its name is new or names another file (a scan is one listing and a stat of each state
@@ -192,6 +320,9 @@ class StateStore:
         ids_bytes = _ids_bytes(ids)
         limit = len(ids) if max_length is None else min(max_length, len(ids))
         with self._lock:
+            if self.spill_dir is not None:
+                with self._folder_held():  # (the states another store on the folder wrote or took since: found)
+                    pass
             candidates = sorted(length for length in self._lengths.get(key_of_model, {}) if 0 < length <= limit)
             digests, hasher, done = {}, hashlib.sha256(key_of_model.encode()), 0
             for length in candidates:  # one pass over the ids, a digest at each kept length
@@ -289,6 +420,22 @@ class StateStore:
         once written."""
         return smallest_state_file_bytes(config, dtype, quantized) + len(_ids_file("0" * 64, [0]))  # (a SHA-256 key)
 
+    def refuse_a_model_over_the_folder_bound(self, model: torch.nn.Module, name: str) -> None:
+        """A `ValueError` where one state of `model` (as loaded, named `name`) takes more than `spill_max_bytes`:
+        every kept conversation would be deleted once written. Exact for any quantization of its weights (the
+        state file its fingerprint gives, `smallest_state_file_bytes_of`, and the ids of one token), where the
+        configuration alone (`smallest_files_bytes`, checked before the load) is exact for torchao's int8 and int4
+        only. Nothing without a spill folder or its bound."""
+        if self.spill_dir is None or self.spill_max_bytes is None:
+            return
+        least = smallest_state_file_bytes_of(gpn_base_model(model)) + len(_ids_file("0" * 64, [0]))
+        if self.spill_max_bytes < least:
+            raise ValueError(
+                f"--state-dir-bytes {self.spill_max_bytes} is smaller than one state of {name} as loaded (its state "
+                f"file and ids take at least {least} bytes, its weights {weights_kind(gpn_base_model(model))}): every "
+                f"kept conversation would be deleted once written; give --state-dir-bytes {least} or more"
+            )
+
     # ---- inside --------------------------------------------------------------------------------------
 
     @staticmethod
@@ -332,11 +479,10 @@ class StateStore:
             # used now: the folder's trims, by modification time, keep it longer, every store's (a change of the
             # folder, which the others must see: without it they trimmed by their older view, this state first)
             with self._folder_held(), contextlib.suppress(OSError):
+                self._changing(key)
                 os.utime(path)
                 if self._folder is not None and key in self._folder:
-                    self._folder.pop(key)
-                    self._folder[key] = (path.stat().st_mtime_ns, self._files[key].nbytes)  # the newest
-                    self._changed = True
+                    self._folder_put(key, path.stat().st_mtime_ns, self._files[key].nbytes)  # the newest
             return cache
         # back into memory (most recently used); the file goes, so each state lives in one tier
         self._remember_model(entry.model, model)
@@ -362,6 +508,7 @@ class StateStore:
         name and renamed, so a file's presence means it is whole); drop it when it cannot be written."""
         path, ids_path = self._state_path(key), self._ids_path(key)
         with self._folder_held():
+            self._changing(key)
             try:
                 # named by the fingerprint taken while the model was loaded: it may have been unloaded since
                 entry.cache.save(path, model_fingerprint=self._model_fingerprints.get(entry.model))
@@ -383,19 +530,23 @@ class StateStore:
                     size,
                     self.spill_max_bytes,
                 )
+            known = self._files.pop(key, None)  # (another store's write of this state, found since)
+            if known is not None:
+                self._file_bytes -= known.nbytes
+                self._count_length(known.model, known.length, -1)
             self._files[key] = _Entry(entry.model, entry.ids, None, size)
             self._file_bytes += size
             self.stats.spilled += 1
             if self._folder is not None:
-                self._folder.pop(key, None)
-                self._folder[key] = (stat.st_mtime_ns, size)  # the newest
-                self._changed = True
+                self._folder_put(key, stat.st_mtime_ns, size)  # the newest
             self._trim_files()
 
     @contextlib.contextmanager
     def _folder_held(self) -> Iterator[None]:
         """Hold the spill folder (an flock on it, waited for while another store on it writes or trims) for the
-        block, with `_folder` read as the stores left it. Without a limit on the folder, nothing is held. Reentrant:
+        block, with `_folder` as the stores left it: this store's view brought up to date from the journal's new
+        lines (`JOURNAL`: the states another store changed since, each looked at), or the folder read again where
+        the journal cannot tell (`_read_folder`). Without a limit on the folder, nothing is held. Reentrant:
         `spill_all` holds it once for all the states it writes."""
         if self.spill_max_bytes is None or self._holding:
             yield
@@ -417,8 +568,15 @@ class StateStore:
                 mark = mark_path.read_text(encoding="utf-8")
             except (OSError, ValueError):
                 mark = None
-            if self._view is not None and mark == self._view[0]:
-                self._folder = self._view[1]  # (no other store has changed the folder since this one did)
+            view, self._view, self._changed = self._view, None, False
+            journal = _Journal(self.spill_dir / JOURNAL)
+            self._journal = journal
+            changed = view.changed_since(mark, journal) if view is not None else None
+            if changed is not None:
+                self._folder, self._folder_bytes = view.folder, view.folder_bytes
+                journal.trusted = view.trusted
+                for key in changed:  # (what another store changed since this one held the folder: those alone)
+                    self._look_again(key)
             else:
                 try:
                     self._folder = self._read_folder()
@@ -426,27 +584,102 @@ class StateStore:
                     logger.warning(
                         "state store: cannot read %s (%s): only this server's files are bounded", self.spill_dir, error
                     )
-                    self._folder = mark = None
-            self._view, self._changed = None, False
+                    self._folder = None
+                # the journal's lines are whole since this listing only where the mark is one a journaling store
+                # wrote (an older server's change, after its random mark, is in no journal: a new generation first)
+                journal.trusted = journal.generation is not None and (mark or "").startswith(journal.generation + ":")
             try:
                 yield
             finally:
                 folder, self._folder, self._holding = self._folder, None, False
-                if folder is None:
-                    mark = None
-                elif self._changed:
-                    mark = secrets.token_hex(8)
+                journal, self._journal = self._journal, None
+                journal.close()
+                if folder is not None and self._changed:
+                    mark = journal.mark()
                     try:
                         mark_path.write_text(mark, encoding="utf-8")
                     except OSError:  # (a read-only folder: nothing kept, the folder is read at the next hold)
-                        mark = None
-                if mark is not None:
-                    self._view = (mark, folder)
+                        folder = None
+                if folder is not None:
+                    self._view = _FolderView(
+                        mark, journal.generation, journal.offset, journal.trusted, folder, self._folder_bytes
+                    )
+
+    def _changing(self, key: str) -> None:
+        """Note in the journal, before the change, that this store changes state `key`'s files (called with the
+        folder held): a store that reads the line later looks at what the files are by then, so a store killed
+        in the middle of the change leaves nothing uncounted. A journal that cannot be written leaves the mark
+        random (as an older server's), so that every store reads the folder again."""
+        if self._folder is None or self._journal is None:
+            return
+        self._changed = True
+        self._journal.append(key, self._journal_limit())
+
+    def _journal_limit(self) -> int:
+        """The journal's bytes past which a save starts a new generation: lines enough for every state held to
+        change a few times, so the other stores' listings of the folder (one each a generation) cost a save little."""
+        return _JOURNAL_LINE * max(JOURNAL_LEAST_LINES, JOURNAL_LINES_PER_STATE * len(self._folder))
+
+    def _look_again(self, key: str) -> None:
+        """Bring `_folder` up to date for one state another store changed: its files' size and time as they are
+        now, or gone (a state this store knew whose files another store deleted leaves its index too; one it did
+        not know is found, `_adopt`)."""
+        state, ids = self._state_path(key), self._ids_path(key)
+        try:
+            state_stat, ids_stat = state.stat(), ids.stat()
+        except OSError:  # (gone: read back into another store's memory, or trimmed)
+            self._folder_drop(key)
+            entry = self._files.pop(key, None)
+            if entry is not None:
+                self._file_bytes -= entry.nbytes
+                self._count_length(entry.model, entry.length, -1)
+            return
+        size = state_stat.st_size + ids_stat.st_size
+        self._seen[state.name] = (state_stat.st_ino, state_stat.st_mtime_ns, state_stat.st_size)
+        self._seen[ids.name] = (ids_stat.st_ino, ids_stat.st_mtime_ns, ids_stat.st_size)
+        self._folder_put(key, state_stat.st_mtime_ns, size)
+        self._unusable.discard(key)
+        self._adopt(key, size)
+
+    def _adopt(self, key: str, size: int) -> None:
+        """Index a state another store wrote to the folder (its ids file read and checked against its name), so
+        that a lookup here finds it; one this store indexes already has its size brought up to date."""
+        entry = self._files.get(key)
+        if entry is not None:
+            self._file_bytes += size - entry.nbytes
+            entry.nbytes = size
+            return
+        if key in self._memory or key in self._unusable:
+            return
+        try:
+            record = json.loads(self._ids_path(key).read_text(encoding="utf-8"))
+            ids = [int(token) for token in record["ids"]]
+            ids_bytes, owner = _ids_bytes(ids), str(record["model"])
+        except (OSError, ValueError, KeyError, TypeError, OverflowError):
+            ids_bytes, owner = b"", ""
+        if not ids_bytes or _entry_key(owner, ids_bytes) != key:  # (not a state a store wrote: left alone, unused)
+            self._unusable.add(key)
+            return
+        self._files[key] = _Entry(owner, ids_bytes, None, size)
+        self._file_bytes += size
+        self._count_length(owner, len(ids), +1)
+
+    def _folder_put(self, key: str, mtime: int, size: int) -> None:
+        """`_folder` holds `key` as the most recently used state (its time `mtime`, its files `size` bytes)."""
+        self._folder_drop(key)
+        self._folder[key] = (mtime, size)
+        self._folder_bytes += size
+
+    def _folder_drop(self, key: str) -> None:
+        known = self._folder.pop(key, None)
+        if known is not None:
+            self._folder_bytes -= known[1]
 
     def _read_folder(self) -> OrderedDict[str, tuple[int, int]]:
         """The folder's states (a state file with its ids beside it) as every store on it left them, least
-        recently used first: key -> (modification time, bytes of both files). The entries of this store's index
-        whose files are gone (another store took them back into memory, or trimmed them) leave the index."""
+        recently used first: key -> (modification time, bytes of both files), and their bytes in `_folder_bytes`.
+        The entries of this store's index whose files are gone (another store took them back into memory, or
+        trimmed them) leave the index; the states another store wrote join it (`_adopt`)."""
         with os.scandir(self.spill_dir) as scan:
             entries = {entry.name: entry for entry in scan}
         own = {key: rank for rank, key in enumerate(self._files)}  # (ties of modification time: this store's order)
@@ -468,10 +701,14 @@ class StateStore:
             found.append((seen[name][1], own.get(name[:64], -1), name[:64], size))
         self._seen = seen
         folder = OrderedDict((key, (mtime, size)) for mtime, _, key, size in sorted(found))
+        self._folder_bytes = sum(size for _, size in folder.values())
         for key in [key for key in self._files if key not in folder]:
             entry = self._files.pop(key)
             self._file_bytes -= entry.nbytes
             self._count_length(entry.model, entry.length, -1)
+        self._unusable &= folder.keys()
+        for key, (_, size) in folder.items():
+            self._adopt(key, size)
         return folder
 
     def _trim_files(self) -> None:
@@ -483,11 +720,10 @@ class StateStore:
             while self._file_bytes > self.spill_max_bytes and self._files:
                 self._forget(next(iter(self._files)))
             return
-        total = sum(size for _, size in self._folder.values())
-        while total > self.spill_max_bytes and self._folder:
-            key, (_, size) = self._folder.popitem(last=False)
-            total -= size
-            self._changed = True
+        while self._folder_bytes > self.spill_max_bytes and self._folder:
+            key = next(iter(self._folder))
+            self._changing(key)
+            self._folder_drop(key)
             entry = self._files.pop(key, None)
             if entry is not None:
                 self._file_bytes -= entry.nbytes
@@ -506,10 +742,11 @@ class StateStore:
             self._file_bytes -= entry.nbytes
             self._count_length(entry.model, entry.length, -1)
             with self._folder_held():  # (a change of the folder, which the other stores on it must see)
+                self._changing(key)
                 _remove(self._state_path(key))
                 _remove(self._ids_path(key))
                 if self._folder is not None:
-                    self._changed = self._folder.pop(key, None) is not None or self._changed
+                    self._folder_drop(key)
 
     def _remember_model(self, key_of_model: str, model: torch.nn.Module) -> None:
         if key_of_model not in self._model_fingerprints:
@@ -573,6 +810,10 @@ class StateStore:
             self._count_length(entry.model, entry.length, +1)
         with self._folder_held():
             self._trim_files()
+            # a journal this store can follow, started now where there is none whole (the other stores on the
+            # folder list it once, then follow it; without it the next save here would start it)
+            if self._journal is not None and self._folder is not None and self._journal.begin(self._journal_limit()):
+                self._changed = True
 
 
 def _remove(path: Path) -> None:

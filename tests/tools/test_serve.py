@@ -1614,6 +1614,56 @@ def test_gpn_serve_refuses_a_state_bound_below_one_state_of_its_model(model_dir,
             args._run(args)
 
 
+def test_gpn_serve_refuses_a_state_bound_below_one_state_of_a_model_quantized_otherwise(
+    model_dir, tmp_path, capsys, monkeypatch
+):
+    """A folder quantized otherwise than torchao's int8 and int4 (int8 values through `IntxWeightOnlyConfig`) names
+    a state's dtype by its tensors' class, which its config does not tell: the check before the load was a lower
+    bound, and a --state-dir-bytes below the real state was served, every kept conversation deleted once written.
+    The model loaded is checked exactly (`StateStore.refuse_a_model_over_the_folder_bound`): one byte below its
+    smallest state cannot start, naming the least; the least starts."""
+    torchao = pytest.importorskip("torchao.quantization", reason="torchao (the test extra) quantizes the models")
+    from torchao.quantization.granularity import PerGroup
+    from transformers import AutoModelForCausalLM, TorchAoConfig
+    from transformers.cli.serving import server as serving_server
+
+    from gpn_cli import build_parser
+    from modeling_gpn.serve.state_store import StateStore
+
+    class Started(Exception):
+        pass
+
+    def started(*args, **kwargs):  # (past the model's load: the server would serve, here it stops)
+        raise Started
+
+    monkeypatch.setattr(serving_server, "build_server", started)
+    folder = tmp_path / "intx-int8"
+    quantization = torchao.IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerGroup(16))
+    AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.bfloat16, quantization_config=TorchAoConfig(quantization)
+    ).save_pretrained(folder)
+    for path in model_dir.iterdir():  # (its tokenizer)
+        if not (folder / path.name).exists():
+            shutil.copy(path, folder / path.name)
+    quantized = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        state = quantized(torch.tensor([[7]]), use_cache=True, logits_to_keep=1).cache
+    StateStore(0, spill_dir=tmp_path / "one").keep(quantized, [7], state)
+    least = sum(path.stat().st_size for path in (tmp_path / "one").iterdir() if not path.name.startswith("."))
+    states = str(tmp_path / "states")
+    args = build_parser("serve").parse_args(
+        ["serve", str(folder), "--device", "cpu", "--state-dir", states, "--state-dir-bytes", str(least - 1)]
+    )
+    assert args._run(args) == 1
+    err = capsys.readouterr().err
+    assert f"--state-dir-bytes {least - 1} is smaller" in err and f"at least {least} bytes" in err, err
+    args = build_parser("serve").parse_args(
+        ["serve", str(folder), "--device", "cpu", "--state-dir", states, "--state-dir-bytes", str(least)]
+    )
+    with pytest.raises(Started):
+        args._run(args)
+
+
 def test_gpn_serve_on_a_transformers_outside_the_serving_pin_is_refused_by_version(tmp_path, capsys, monkeypatch):
     """gpn allows transformers 5.25, whose serve runs each model in a process no hook of gpn serve reaches
     (CONTRIBUTING.md): `gpn serve` there is refused in one line naming the version and the extra's pin, before

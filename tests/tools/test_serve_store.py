@@ -163,10 +163,9 @@ def test_servers_sharing_a_state_dir_keep_together_to_its_limit(model, tmp_path)
     a real second process holding it keeps the write waiting), counting every store's state files: the folder
     stays within the limit, the least recently used states go, whichever server wrote them, and a server's index
     drops what the other trimmed."""
-    from modeling_gpn.serve.state_store import CHANGE_MARK
 
-    def states() -> list:  # (the state files and their ids, beside the mark the stores change)
-        return [path for path in tmp_path.iterdir() if path.name != CHANGE_MARK]
+    def states() -> list:  # (the state files and their ids, beside the mark and journal the stores change)
+        return [path for path in tmp_path.iterdir() if not path.name.startswith(".")]
 
     def on_disk() -> int:
         return sum(path.stat().st_size for path in states())
@@ -212,6 +211,128 @@ def test_a_state_one_server_read_from_a_shared_state_dir_is_trimmed_last_by_the_
     assert first.lookup(model, IDS[:2])[0] == 2  # the oldest written, read now
     assert second.keep(model, IDS[:5], state_after(model, IDS[:5]))
     assert second.lookup(model, IDS[:3])[0] == 2  # the state of 3 ids went (least recently used), that of 2 stayed
+
+
+def pair_bytes(model, folder) -> int:
+    """The bytes of the largest state of `IDS[:9]` (its state file and ids), as a store spills it."""
+    StateStore(0, spill_dir=folder).keep(model, IDS[:9], state_after(model, IDS[:9]))
+    size = sum(path.stat().st_size for path in folder.iterdir() if not path.name.startswith("."))
+    shutil.rmtree(folder)
+    return size
+
+
+def written_elsewhere(model, ids, folder) -> None:
+    """Move the files of the state after `ids` into `folder`, the newest there, as a store that neither journals nor
+    marks its change would leave them (an older server's write, before its mark; one killed after its files)."""
+    import os
+
+    elsewhere = folder.parent / f"elsewhere-{len(ids)}"
+    StateStore(0, spill_dir=elsewhere).keep(model, ids, state_after(model, ids))
+    for path in elsewhere.iterdir():
+        if not path.name.startswith("."):
+            os.replace(path, folder / path.name)
+            os.utime(folder / path.name)
+
+
+def written_keys(model, ids_lists) -> list[str]:
+    """The names (keys) of the files of the states after each of `ids_lists`."""
+    from modeling_gpn.serve.state_store import _entry_key, _ids_bytes, model_key
+
+    return [_entry_key(model_key(model), _ids_bytes(ids)) for ids in ids_lists]
+
+
+def on_disk_bytes(folder) -> int:
+    return sum(path.stat().st_size for path in folder.iterdir() if not path.name.startswith("."))
+
+
+def test_a_save_into_a_shared_state_dir_reads_what_changed_not_the_folder(model, tmp_path, monkeypatch):
+    """Two servers on one --state-dir listed the whole folder at each save (each found the other's mark): tens of
+    thousands of states, hundreds of milliseconds a save. Each now reads the journal's lines added since its last
+    hold and looks at those states alone: the folder is listed once, when a store opens it, however the two take
+    turns; the bound still holds over both servers' states, and each finds the states the other wrote (looked up
+    in the other's files) and no longer the ones the other deleted."""
+    limit = 3 * pair_bytes(model, tmp_path / "sizing") + 100  # three states, whoever wrote them
+    folder = tmp_path / "shared"
+    first, second = (StateStore(0, spill_dir=folder, spill_max_bytes=limit) for _ in range(2))  # files only
+    listings = []
+    read_folder = StateStore._read_folder
+    monkeypatch.setattr(StateStore, "_read_folder", lambda store: listings.append(store) or read_folder(store))
+    for length in range(2, 8):  # the two servers in turn
+        assert (first if length % 2 == 0 else second).keep(model, IDS[:length], state_after(model, IDS[:length]))
+        assert on_disk_bytes(folder) <= limit, (length, on_disk_bytes(folder), limit)
+    found, cache = first.lookup(model, IDS[:8])  # the second's newest state, found by the first
+    assert found == 7 and same_state(cache, state_after(model, IDS[:7]))
+    assert second.lookup(model, IDS[:7])[0] == 7 and second.lookup(model, IDS[:4]) is None  # trimmed, by the first
+    assert first.summary()["states_in_files"] == second.summary()["states_in_files"] == 3
+    assert listings == []
+
+
+def test_a_shared_state_dir_changed_by_an_older_server_or_a_killed_save_is_read_again(model, tmp_path, monkeypatch):
+    """What the journal does not say is not trusted: a server of before the journal (its random mark, no line)
+    changed the folder, so the store that sees its mark lists the folder, and starts a new generation of the
+    journal, which sends every other store to list the folder too; a save cut off after its files (its line is
+    written before them) is counted by the others; a line left half-written is not read, and the next save
+    starts a new generation. The bound holds over every state there, all the way."""
+    import os
+
+    from modeling_gpn.serve.state_store import CHANGE_MARK, JOURNAL
+
+    limit = 3 * pair_bytes(model, tmp_path / "sizing") + 100  # three states
+    folder = tmp_path / "shared"
+    first, second = (StateStore(0, spill_dir=folder, spill_max_bytes=limit) for _ in range(2))
+    assert first.keep(model, IDS[:2], state_after(model, IDS[:2]))
+    written_elsewhere(model, IDS[:3], folder)  # an older server's save: the files, then its random mark
+    (folder / CHANGE_MARK).write_text("0123456789abcdef", encoding="utf-8")
+    generation = (folder / JOURNAL).read_text(encoding="utf-8").split("\n")[0]
+    assert first.keep(model, IDS[:4], state_after(model, IDS[:4]))  # lists the folder: three states
+    assert (folder / JOURNAL).read_text(encoding="utf-8").split("\n")[0] != generation  # a new generation
+    assert second.keep(model, IDS[:5], state_after(model, IDS[:5]))  # (lists it too: the oldest goes)
+    assert on_disk_bytes(folder) <= limit and first.lookup(model, IDS[:2]) is None
+    time.sleep(0.01)  # (modification times apart, on any file system's clock)
+    read = folder / f"{written_keys(model, [IDS[:3]])[0]}{STATE_SUFFIX}"
+    os.utime(read)  # the older server reads the state of 3 ids: the most recently used now, told by its mark alone
+    (folder / CHANGE_MARK).write_text("fedcba9876543210", encoding="utf-8")
+    assert first.keep(model, IDS[:1], state_after(model, IDS[:1]))  # (the folder listed, each file's time read)
+    assert first.lookup(model, IDS[:4])[0] == 3  # the state of 4 ids went first, not the one just read
+    assert second.lookup(model, IDS[:3])[0] == 3  # the older server's state, found
+
+    import modeling_gpn.serve.state_store as state_store
+
+    writing = state_store.write_file_atomically
+
+    def killed_after_the_ids(path, data):  # (a save cut off once its files are written, before its mark)
+        writing(path, data)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(state_store, "write_file_atomically", killed_after_the_ids)
+    with pytest.raises(KeyboardInterrupt):
+        first.keep(model, IDS[:6], state_after(model, IDS[:6]))
+    monkeypatch.setattr(state_store, "write_file_atomically", writing)
+    assert second.keep(model, IDS[:7], state_after(model, IDS[:7]))
+    assert on_disk_bytes(folder) <= limit and second.lookup(model, IDS[:6])[0] == 6  # counted, and found
+    with open(folder / JOURNAL, "a", encoding="utf-8") as journal:  # (a store killed in the middle of a line)
+        journal.write("0123")
+    assert first.keep(model, IDS[:8], state_after(model, IDS[:8]))
+    assert (folder / JOURNAL).read_text(encoding="utf-8").count("0123") == 0  # a new generation
+    assert second.keep(model, IDS[:9], state_after(model, IDS[:9]))
+    assert on_disk_bytes(folder) <= limit and first.lookup(model, IDS[:9])[0] == 9
+    assert second.summary()["states_in_files"] == first.summary()["states_in_files"] == 3
+
+
+def test_the_journal_of_a_shared_state_dir_stays_bounded(model, tmp_path, monkeypatch):
+    """The journal gains a line at every change: past its bound (lines per state held, and a least) a save starts
+    a new generation, and the other stores list the folder once and follow it."""
+    import modeling_gpn.serve.state_store as state_store
+
+    monkeypatch.setattr(state_store, "JOURNAL_LEAST_LINES", 6)
+    limit = 2 * pair_bytes(model, tmp_path / "sizing") + 100  # two states
+    folder = tmp_path / "shared"
+    first, second = (StateStore(0, spill_dir=folder, spill_max_bytes=limit) for _ in range(2))
+    for length in range(1, 10):
+        assert (first if length % 2 else second).keep(model, IDS[:length], state_after(model, IDS[:length]))
+        assert (folder / state_store.JOURNAL).stat().st_size <= 100 + (6 + 2) * 65  # (a save's lines beyond)
+        assert on_disk_bytes(folder) <= limit
+    assert first.lookup(model, IDS)[0] == 9 and second.lookup(model, IDS[:8])[0] == 8
 
 
 def test_the_spill_folder_is_bounded_and_a_damaged_file_is_dropped(model, tmp_path, caplog):
@@ -313,14 +434,52 @@ def test_the_smallest_state_of_a_bf16_or_quantized_model_is_known_to_the_byte(mo
             refused._load_model(str(folder))
 
 
+def test_a_model_quantized_otherwise_is_refused_once_loaded_where_its_state_is_over_the_bound(
+    model, tmp_path, monkeypatch
+):
+    """A quantization other than torchao's int8 and int4 (here int8 values through `IntxWeightOnlyConfig`, which a
+    state file names by its tensors' class) left the startup check, from the config alone, a lower bound: a
+    --state-dir-bytes between it and the real state was taken, and every state deleted once written. The model
+    loaded is now checked exactly (its state file's fingerprint), through the server's model manager: the least
+    that holds one state is allowed, one byte less refused naming the least (a float model's too)."""
+    torchao = pytest.importorskip("torchao.quantization", reason="torchao (the test extra) quantizes the models")
+    from torchao.quantization.granularity import PerGroup
+    from transformers import AutoModelForCausalLM, TorchAoConfig
+    from transformers.cli.serving import model_manager
+
+    from modeling_gpn.serve.cli import quantized_as_saved
+    from modeling_gpn.serve.models import TransformersWithGPN, quantizing_model_manager
+
+    monkeypatch.setattr(model_manager, "transformers", TransformersWithGPN())  # as gpn serve does, for this test only
+    model.save_pretrained(tmp_path / "float")
+    folder = tmp_path / "intx-int8"
+    quantization = torchao.IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerGroup(16))
+    AutoModelForCausalLM.from_pretrained(
+        tmp_path / "float", dtype=torch.bfloat16, quantization_config=TorchAoConfig(quantization)
+    ).save_pretrained(folder)
+    quantized = AutoModelForCausalLM.from_pretrained(folder)
+    assert quantized_as_saved(quantized.config) is None  # (a quantization the config does not name)
+    for name, served in (("float", model), ("intx-int8", quantized)):
+        states = tmp_path / f"{name}-states"
+        StateStore(0, spill_dir=states).keep(served, [7], state_after(served, [7]))
+        files = on_disk_bytes(states)
+        if served is quantized:  # (what the config alone tells: fewer bytes than the state)
+            assert StateStore.smallest_files_bytes(quantized.config, "bfloat16") < files
+        StateStore(0, spill_dir=tmp_path / "fits", spill_max_bytes=files).refuse_a_model_over_the_folder_bound(
+            served, name
+        )
+        store = StateStore(0, spill_dir=tmp_path / "short", spill_max_bytes=files - 1)
+        manager = quantizing_model_manager(None, store.refuse_a_model_over_the_folder_bound)
+        with pytest.raises(ValueError, match=f"--state-dir-bytes {files - 1} is smaller .* at least {files} bytes"):
+            manager(device="cpu", model_timeout=-1)._load_model(str(tmp_path / name))
+
+
 def test_the_spill_folder_limit_counts_every_file_a_state_takes(model, tmp_path):
     """A spilled state is its state file and the JSON of its ids, which in a long conversation outweighs the
     state: the folder's limit counts both, when they are written and when a restarted store finds them."""
 
-    from modeling_gpn.serve.state_store import CHANGE_MARK
-
-    def on_disk() -> int:  # (the state files and their ids; the stores' change mark is no state's)
-        return sum(path.stat().st_size for path in tmp_path.iterdir() if path.name != CHANGE_MARK)
+    def on_disk() -> int:  # (the state files and their ids; the stores' change mark and journal are no state's)
+        return sum(path.stat().st_size for path in tmp_path.iterdir() if not path.name.startswith("."))
 
     long_ids = [(7 * position) % 90 + 1 for position in range(900)]
     store = StateStore(0, spill_dir=tmp_path, spill_max_bytes=12_000)  # files only
@@ -334,13 +493,14 @@ def test_the_spill_folder_limit_counts_every_file_a_state_takes(model, tmp_path)
 
 def test_what_a_killed_write_left_is_deleted_when_a_store_opens_the_folder(model, tmp_path):
     """A server killed while writing a state leaves its temporary file, or the state file without the ids written
-    after it; one killed while trimming, the ids of a state file it had deleted: no store counted them against the
+    after it (or the temporary file of the journal's new generation); one killed while trimming, the ids of a state
+    file it had deleted: no store counted them against the
     folder's limit, and nothing deleted them. A store opening the folder deletes those that are old, and leaves a
     fresh one (another server's write in progress), the finished states and a user's own state file."""
     import os
     import time
 
-    from modeling_gpn.serve.state_store import IDS_SUFFIX, LEFTOVER_AGE_SECONDS
+    from modeling_gpn.serve.state_store import IDS_SUFFIX, JOURNAL, LEFTOVER_AGE_SECONDS
 
     StateStore(0, spill_dir=tmp_path).keep(model, IDS[:3], state_after(model, IDS[:3]))  # a finished state
     finished = list(tmp_path.iterdir())
@@ -350,6 +510,7 @@ def test_what_a_killed_write_left_is_deleted_when_a_store_opens_the_folder(model
         tmp_path / f".{key}{IDS_SUFFIX}.tmp-1-2-abcd",
         tmp_path / f"{key}{STATE_SUFFIX}",  # (its ids never written)
         tmp_path / f"{'ef' * 32}{IDS_SUFFIX}",  # (a trim killed between deleting the state file and its ids)
+        tmp_path / f".{JOURNAL}.tmp-1-2-abcd",  # (a store killed while starting the journal's new generation)
     ]
     in_progress, users = tmp_path / f".{'cd' * 32}{STATE_SUFFIX}.tmp-3-4-abcd", tmp_path / f"system{STATE_SUFFIX}"
     for path in [*left, in_progress, users]:
