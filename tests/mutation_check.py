@@ -9398,6 +9398,20 @@ MUTATIONS = [
         "None if 'MUTATION' else None",
         ("tests/ecosystem/test_eval.py::test_plain_lm_eval_hf_model_loglikelihood_and_left_padded_generation",),
     ),
+    Mutation(
+        "gpn serve's store hands out the kept state itself (branches of one conversation at once each advance it)",
+        "modeling_gpn/serve/state_store.py",
+        "            self._memory.move_to_end(key)\n            return entry.cache.fork(1)\n",
+        "            self._memory.move_to_end(key)\n            return entry.cache  # MUTATION\n",
+        ("tests/tools/test_serve.py::test_clients_at_once_each_get_their_own_answer",),
+    ),
+    Mutation(
+        "gpn serve's streamed chat answer sends its special tokens as text (the README session's second turn)",
+        "modeling_gpn/serve/streaming.py",
+        "    text = StreamText(streamer._tokenizer, skip_special_tokens=streamer._parser is None)\n",
+        "    text = StreamText(streamer._tokenizer, skip_special_tokens=False)  # MUTATION\n",
+        ("tests/tools/test_serve.py::test_the_readmes_serving_session_runs_against_a_served_gpn",),
+    ),
 ]
 
 

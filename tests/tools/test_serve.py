@@ -412,7 +412,15 @@ def test_the_readmes_serving_session_runs_against_a_served_gpn(server, model_nam
     exec(compile(code, block.where, "exec"), namespace)
     first_turn = namespace["messages"][:1]
     assert namespace["reply"].choices[0].message.content == expected_chat(reference, first_turn, 60)
-    assert capsys.readouterr().out.strip(), "the session printed nothing"
+    # what it printed: the streamed second turn (greedy, as a GPN answers without a temperature), from the state
+    # the first kept, then the completion
+    model, tokenizer = reference
+    second_turn = expected_chat(reference, namespace["messages"], 60, streamed=True)
+    inputs = tokenizer("Once upon a time", return_tensors="pt")
+    with torch.no_grad():
+        completion = model.generate(**inputs, max_new_tokens=20, do_sample=False)[0, inputs["input_ids"].shape[1] :]
+    assert second_turn and second_turn != expected_chat(reference, namespace["messages"][-1:], 60, streamed=True)
+    assert capsys.readouterr().out == second_turn + as_text(tokenizer, completion, False) + "\n"
 
 
 def test_completions_plain_and_streamed(client, model_name, reference):
