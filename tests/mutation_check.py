@@ -9517,6 +9517,20 @@ MUTATIONS = [
         '    rf"^\\.([0-9a-f]{{64}}({re.escape(STATE_SUFFIX)}|{re.escape(IDS_SUFFIX)}))\\.tmp-"  # MUTATION\n',
         ("tests/tools/test_serve_store.py -k killed_write_left",),
     ),
+    Mutation(
+        "gpn serve's store hands out the kept state itself (branches of one conversation at once each advance it)",
+        "modeling_gpn/serve/state_store.py",
+        "            self._memory.move_to_end(key)\n            return entry.cache.fork(1)\n",
+        "            self._memory.move_to_end(key)\n            return entry.cache  # MUTATION\n",
+        ("tests/tools/test_serve.py::test_clients_at_once_each_get_their_own_answer",),
+    ),
+    Mutation(
+        "gpn serve's streamed chat answer sends its special tokens as text (the README session's second turn)",
+        "modeling_gpn/serve/streaming.py",
+        "    text = StreamText(streamer._tokenizer, skip_special_tokens=streamer._parser is None)\n",
+        "    text = StreamText(streamer._tokenizer, skip_special_tokens=False)  # MUTATION\n",
+        ("tests/tools/test_serve.py::test_the_readmes_serving_session_runs_against_a_served_gpn",),
+    ),
 ]
 
 

@@ -33,6 +33,31 @@ def well_conditioned_model(config, seed: int):
     return model
 
 
+def state_sensitive_model(config, seed: int, tokenizer=None):
+    """`perturbed_model` made to remember: its fuse gate's bias raised by 3 (the state kept about 95% a token, not
+    50%) and its memory's dt_bias lowered by 3 (the memory decaying about 20 times slower), so that a greedy answer
+    depends on what was read a hundred tokens back; with `tokenizer`, the output rows of the tokens that decode to
+    no whole character (lone bytes of a longer UTF-8 character) shrunk, so that answers differing in their tokens
+    differ in their text, not only in runs of U+FFFD. (`perturbed_model`'s text hardly depends on anything but the
+    last few tokens: prompts differing only in a system message 50 to 300 tokens back got 2 or 3 distinct greedy
+    answers of 8; here 7 or 8. A test comparing served answers with `generate()` on it could not tell a state
+    shared, lost or read from the wrong point from the right one. Not larger weight matrices: at 3 times their
+    scale the recurrence is chaotic, and float32 and float64 disagree on most answers; here they agree.)"""
+    model = perturbed_model(config, seed=seed)
+    with torch.no_grad():
+        model.model.fuse_gate.bias.add_(3.0)
+        model.model.memory_write.dt_bias.sub_(3.0)
+        if tokenizer is not None:
+            unprintable = [i for i in range(len(tokenizer)) if not printable(tokenizer.decode([i]))]
+            model.model.embed_tokens.weight[unprintable] *= 0.2
+    return model
+
+
+def printable(text: str) -> bool:
+    """Whether `text` is whole printable characters (no control character, no U+FFFD of a lone byte)."""
+    return text.isprintable() and "\ufffd" not in text
+
+
 # A tiny corpus of short documents (TRL's trainers and their FSDP launch train a tokenizer and a model on it)
 TINY_TEXT = [
     "the cat sat on the mat.",

@@ -38,7 +38,7 @@ import pytest
 import torch
 
 from ..environment import REPO_ROOT
-from ..tiny_models import copy_with_a_nan_weight, perturbed_model, tiny_config
+from ..tiny_models import copy_with_a_nan_weight, perturbed_model, state_sensitive_model, tiny_config
 from .doc_blocks import ALL_BLOCKS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -65,7 +65,9 @@ def model_dir(tmp_path_factory) -> Path:
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)
     config = tiny_config(vocab_size=len(tokenizer), eos_token_id=tokenizer.convert_tokens_to_ids("<|end|>"))
-    perturbed_model(config, seed=31).save_pretrained(folder)
+    # (a model whose answers depend on the whole conversation: on `perturbed_model`'s, a kept state shared between
+    # requests, or continued from the wrong point, gave the answers of the right one)
+    state_sensitive_model(config, seed=40, tokenizer=tokenizer).save_pretrained(folder)
     return folder
 
 
@@ -410,7 +412,15 @@ def test_the_readmes_serving_session_runs_against_a_served_gpn(server, model_nam
     exec(compile(code, block.where, "exec"), namespace)
     first_turn = namespace["messages"][:1]
     assert namespace["reply"].choices[0].message.content == expected_chat(reference, first_turn, 60)
-    assert capsys.readouterr().out.strip(), "the session printed nothing"
+    # what it printed: the streamed second turn (greedy, as a GPN answers without a temperature), from the state
+    # the first kept, then the completion
+    model, tokenizer = reference
+    second_turn = expected_chat(reference, namespace["messages"], 60, streamed=True)
+    inputs = tokenizer("Once upon a time", return_tensors="pt")
+    with torch.no_grad():
+        completion = model.generate(**inputs, max_new_tokens=20, do_sample=False)[0, inputs["input_ids"].shape[1] :]
+    assert second_turn and second_turn != expected_chat(reference, namespace["messages"][-1:], 60, streamed=True)
+    assert capsys.readouterr().out == second_turn + as_text(tokenizer, completion, False) + "\n"
 
 
 def test_completions_plain_and_streamed(client, model_name, reference):
@@ -898,13 +908,12 @@ def test_penalties_are_the_apis(client, model_name, reference):
     count in the answer so far (not the prompt), and once it is there, before temperature scales the logits
     (transformers serve: a repetition penalty of 1 + frequency_penalty dividing the logits of the prompt's tokens
     too, and presence_penalty ignored): each greedy answer is a loop of the API's formula. (This tiny model's
-    answers decode to few distinct texts: each case is one whose text tells the API's way from the others.)"""
+    logits are small: each case is one whose text tells the API's way from the others, asserted so.)"""
     repeated = [{"role": "user", "content": "the cat sat on the mat. the cat sat on the mat. the cat"}]
-    short = [{"role": "user", "content": "to be"}]
     for messages, frequency, presence, others in (
-        (repeated, 0.3, 0.0, [(0.0, 0.0, False), (0.3, 0.0, True)]),  # (the prompt counted: transformers' way)
-        (short, 0.05, 0.0, [(0.0, 0.0, False), (0.0, 0.05, False)]),
-        (short, 0.0, 0.05, [(0.0, 0.0, False), (0.05, 0.0, False)]),
+        (repeated, 0.05, 0.0, [(0.0, 0.0, False), (0.05, 0.0, True)]),  # (the prompt counted: transformers' way)
+        (repeated, 0.02, 0.0, [(0.0, 0.0, False), (0.0, 0.02, False)]),
+        (repeated, 0.0, 0.02, [(0.0, 0.0, False), (0.02, 0.0, False)]),
     ):
         expected = penalized_greedy(reference, messages, 12, frequency, presence)
         for other in others:  # the case can fail
@@ -1267,9 +1276,10 @@ def test_errors_come_in_the_openai_apis_shape(client, model_name, server):
     assert json.loads(event.removeprefix("data: "))["error"]["message"] == 'no "such" thing'
 
 
-def test_the_queue_limit_refuses_and_a_client_that_goes_away_frees_its_slot(client, model_name):
+def test_the_queue_limit_refuses_and_a_client_that_goes_away_frees_its_slot(client, model_name, reference):
     wait_until_idle(client, model_name)
     long = dict(model=model_name, max_tokens=MAX_CONTEXT - 100, temperature=0, stream=True)  # minutes, unless cut short
+    long["logit_bias"] = never_ending(reference)
     streams = []
     try:
         for index in range(MAX_QUEUED):
@@ -1311,7 +1321,7 @@ def test_the_queue_limit_refuses_and_a_client_that_goes_away_frees_its_slot(clie
     wait_until_idle(client, model_name)
 
 
-def test_a_client_that_gives_up_on_a_non_streamed_answer_frees_the_model(server, client, model_name):
+def test_a_client_that_gives_up_on_a_non_streamed_answer_frees_the_model(server, client, model_name, reference):
     """A non-streamed request whose client goes away (its timeout: the `openai` client would then retry) stops
     generating at its next token: its slot, and the model's inference thread, are free again within seconds, not
     after the minutes its answer of almost MAX_CONTEXT tokens would take."""
@@ -1319,7 +1329,10 @@ def test_a_client_that_gives_up_on_a_non_streamed_answer_frees_the_model(server,
     impatient = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=1)
     with pytest.raises(openai.APITimeoutError):
         impatient.chat.completions.create(
-            model=model_name, messages=[{"role": "user", "content": "a long one"}], max_tokens=MAX_CONTEXT - 100
+            model=model_name,
+            messages=[{"role": "user", "content": "a long one"}],
+            max_tokens=MAX_CONTEXT - 100,
+            logit_bias=never_ending(reference),
         )
     requests = [
         {"model": model_name, "messages": [{"role": "user", "content": f"next {index}"}], "stream": True}
@@ -1335,6 +1348,12 @@ def test_a_client_that_gives_up_on_a_non_streamed_answer_frees_the_model(server,
     )
     assert reply.choices[0].message.content is not None  # the model answers again
     wait_until_idle(client, model_name)
+
+
+def never_ending(reference) -> dict[str, int]:
+    """The logit_bias of an answer that never ends of itself (its EOS never drawn), for the tests that need one
+    long: the served model, whose answers depend on what they read, may end any of them early."""
+    return {str(reference[0].generation_config.eos_token_id): -100}
 
 
 def all_admitted(client, requests: list[dict]) -> bool:
