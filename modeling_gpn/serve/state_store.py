@@ -787,8 +787,10 @@ class StateStore:
         """Find the states an earlier run left in the folder (oldest first). Files that do not parse, or whose
         name is not the hash of what they say they hold, are left alone (and not used). What a server killed
         while writing left (a temporary file, a state file whose ids were never written) is deleted: counted
-        nowhere, it would take the disk beyond the folder's limit, one killed write after another."""
-        self._delete_leftovers()
+        nowhere, it would take the disk beyond the folder's limit, one killed write after another. They are deleted
+        under the folder's hold: outside it, a leftover looked at and then deleted could be another store's state
+        written in that instant under the same name (its ids, or its state file, deleted: a state its index and the
+        others' count, gone)."""
         found = []
         for ids_path in self.spill_dir.glob(f"*{IDS_SUFFIX}"):
             key = ids_path.name.removesuffix(IDS_SUFFIX)
@@ -809,6 +811,7 @@ class StateStore:
             self._file_bytes += entry.nbytes
             self._count_length(entry.model, entry.length, +1)
         with self._folder_held():
+            self._delete_leftovers()
             self._trim_files()
             # a journal this store can follow, started now where there is none whole (the other stores on the
             # folder list it once, then follow it; without it the next save here would start it)

@@ -524,6 +524,28 @@ def test_what_a_killed_write_left_is_deleted_when_a_store_opens_the_folder(model
     assert restarted.lookup(model, IDS[:4])[0] == 3
 
 
+def test_a_store_opening_a_shared_folder_deletes_leftovers_only_while_it_holds_the_folder(model, tmp_path):
+    """A store opening a --state-dir deleted what killed writes left (a state file without its ids, ids without
+    their state) before it held the folder: the file it had looked at could be, by the time it deleted it, the ids
+    or state file another server was writing under that name (a state every store counted, gone). Now it deletes
+    them holding the folder: while another process holds it, the leftover is still there."""
+    import os
+
+    from modeling_gpn.serve.state_store import IDS_SUFFIX, LEFTOVER_AGE_SECONDS
+
+    leftover = tmp_path / f"{'ef' * 32}{IDS_SUFFIX}"  # (a trim killed between deleting the state file and its ids)
+    leftover.write_bytes(b"{}")
+    long_ago = time.time() - LEFTOVER_AGE_SECONDS - 60
+    os.utime(leftover, (long_ago, long_ago))
+    with another_process_holding(tmp_path):
+        opening = threading.Thread(target=StateStore, args=(0,), kwargs={"spill_dir": tmp_path, "spill_max_bytes": 1})
+        opening.start()
+        opening.join(0.3)
+        assert opening.is_alive() and leftover.exists()  # waiting for the folder, the leftover untouched
+    opening.join(60)
+    assert not leftover.exists()
+
+
 def test_a_spill_folder_turned_read_only_fails_no_request(model, tmp_path):
     """A spill folder whose file system turns read-only (remounted so after an error): a state read back from its
     file, which could not be deleted then, failed the request (the OSError of the delete), as did every later
