@@ -9448,6 +9448,13 @@ MUTATIONS = [
         ("tests/tools/test_serve_store.py -k deletes_leftovers_only_while_it_holds_the_folder",),
     ),
     Mutation(
+        "a shared --state-dir left over its bound by a save killed before its trim stays over it until the next save (a hold does not trim)",
+        "modeling_gpn/serve/state_store.py",
+        "                if self._folder is not None and self._folder_bytes > self.spill_max_bytes:\n",
+        "                if False:  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k trimmed_at_the_next_lookup",),
+    ),
+    Mutation(
         "journal: a store opening a folder without a whole journal does not start one (each other store lists the folder at its next save)",
         "modeling_gpn/serve/state_store.py",
         "            if self._journal is not None and self._folder is not None and self._journal.begin(self._journal_limit()):\n",

@@ -589,6 +589,10 @@ class StateStore:
                 # wrote (an older server's change, after its random mark, is in no journal: a new generation first)
                 journal.trusted = journal.generation is not None and (mark or "").startswith(journal.generation + ":")
             try:
+                if self._folder is not None and self._folder_bytes > self.spill_max_bytes:
+                    # (a store killed between writing a state and trimming left the folder over the bound: trimmed
+                    # at the next hold of any store on it, a lookup's too, not only at the next save)
+                    self._trim_files()
                 yield
             finally:
                 folder, self._folder, self._holding = self._folder, None, False

@@ -319,6 +319,34 @@ def test_a_shared_state_dir_changed_by_an_older_server_or_a_killed_save_is_read_
     assert second.summary()["states_in_files"] == first.summary()["states_in_files"] == 3
 
 
+def test_a_shared_state_dir_left_over_its_bound_by_a_killed_save_is_trimmed_at_the_next_lookup(
+    model, tmp_path, monkeypatch
+):
+    """A server killed between writing a state and trimming the folder left it over --state-dir-bytes until the
+    next save on it, however many lookups came between (each holds the folder). Now any store that holds the folder
+    and finds it over its bound trims it: a lookup brings it back within the bound."""
+    import modeling_gpn.serve.state_store as state_store
+
+    limit = 2 * pair_bytes(model, tmp_path / "sizing") + 100  # two states
+    folder = tmp_path / "shared"
+    first, second = (StateStore(0, spill_dir=folder, spill_max_bytes=limit) for _ in range(2))
+    for length in (2, 3):
+        assert first.keep(model, IDS[:length], state_after(model, IDS[:length]))
+    writing = state_store.write_file_atomically
+
+    def killed_after_the_ids(path, data):  # (a save cut off once its files are written, before its trim)
+        writing(path, data)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(state_store, "write_file_atomically", killed_after_the_ids)
+    with pytest.raises(KeyboardInterrupt):
+        first.keep(model, IDS[:4], state_after(model, IDS[:4]))
+    monkeypatch.setattr(state_store, "write_file_atomically", writing)
+    assert on_disk_bytes(folder) > limit  # three states
+    assert second.lookup(model, IDS[:3])[0] == 3
+    assert on_disk_bytes(folder) <= limit and second.lookup(model, IDS[:2]) is None  # the oldest went
+
+
 def test_the_journal_of_a_shared_state_dir_stays_bounded(model, tmp_path, monkeypatch):
     """The journal gains a line at every change: past its bound (lines per state held, and a least) a save starts
     a new generation, and the other stores list the folder once and follow it."""
