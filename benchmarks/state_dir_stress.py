@@ -9,9 +9,11 @@ for a sample its state against one computed from scratch), the prompt's rest rea
 memory bound makes every store spill, a small folder bound (`--folder-states` states' worth) makes them trim.
 
 Every `--check-every` seconds, and at the end, the parent checks the folder from outside:
-  1. under its own flock on the folder: the states' bytes (state file + ids file) within the bound; every state file
+  1. under its own flock on the folder: the states' bytes (state file + ids file) within the bound (over it by one
+     state only where a child was killed since the last check: serving.md's slack); every state file
      whole (loads, for the model) and its ids file naming it (the key of its ids) and matching what it read;
-  2. a store open all along that only looks (its view kept up to date by the journal alone): under its hold, its
+  2. a store open all along that only looks (its view kept up to date by the journal, or a listing where the journal
+     cannot tell): under its hold, its
      view of the folder (keys and bytes) and its index are those of the disk;
   3. a store opened fresh: it deletes the leftovers of killed writes older than `--leftover-age` (the store's
      LEFTOVER_AGE_SECONDS, set so in every process: 600 s in a server), none older is left; it indexes every state.
@@ -24,6 +26,7 @@ Children write what they find wrong to their log, which the parent reads at the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import json
 import os
@@ -108,6 +111,16 @@ def child(args) -> None:
         os._exit(0)
 
     signal.signal(signal.SIGTERM, stop)
+    taking = state_store.held
+
+    @contextlib.contextmanager
+    def timed_hold(*args, **kwargs):  # (how long taking the folder's flock waits: for another process's hold)
+        started = time.perf_counter()
+        with taking(*args, **kwargs) as got:
+            times.append(("hold", time.perf_counter() - started))
+            yield got
+
+    state_store.held = timed_hold
     store = StateStore(args.memory_bytes, spill_dir=args.folder, spill_max_bytes=args.folder_bytes)
     Path(f"{args.log}.ready").touch()  # (the parent kills only children past their start: in their loop)
     rng = random.Random(args.seed)
@@ -168,6 +181,8 @@ class Checker:
         self.violations: list[tuple[str, str]] = []
         self.most_bytes = 0
         self.leftovers_seen = 0
+        self.killed_before = 0
+        self.over_after_a_kill = 0  # (checks that found the folder over by one state just after a kill)
 
     def wrong(self, kind: str, detail: str) -> None:
         self.violations.append((kind, detail))
@@ -193,7 +208,8 @@ class Checker:
                 others.append(path)
         return states, others
 
-    def check(self) -> None:
+    def check(self, killed: int) -> None:
+        """The checks 1-3 of the module's docstring; `killed`: the children killed so far."""
         self.checks += 1
         folder = Path(self.args.folder)
         # 1. under a flock of our own: the bound, every state whole and named by its ids
@@ -204,7 +220,13 @@ class Checker:
             total = sum(states.values())
             self.most_bytes = max(self.most_bytes, total)
             if total > self.args.folder_bytes:
-                self.wrong("bound", f"{len(states)} states take {total} bytes > {self.args.folder_bytes}")
+                # serving.md's slack: a store killed between writing a state and trimming leaves the folder over by
+                # that state until the next hold of any store; only where a kill came since the last check
+                if killed > self.killed_before and total - max(states.values()) <= self.args.folder_bytes:
+                    self.over_after_a_kill += 1
+                else:
+                    self.wrong("bound", f"{len(states)} states take {total} bytes > {self.args.folder_bytes}")
+            self.killed_before = killed
             for key in states:
                 try:
                     record = json.loads((folder / f"{key}{IDS_SUFFIX}").read_text(encoding="utf-8"))
@@ -286,7 +308,7 @@ def run(args, processes: int, seconds: float, kills: bool, checker: Checker | No
             children[index] = start(args, index, incarnations[index], logs)
             next_kill = time.monotonic() + rng.expovariate(1 / args.kill_every)
         if checker is not None and time.monotonic() >= next_check:
-            checker.check()
+            checker.check(killed)
             next_check = time.monotonic() + args.check_every
     for process, _ in children:
         process.send_signal(signal.SIGTERM)
@@ -296,7 +318,16 @@ def run(args, processes: int, seconds: float, kills: bool, checker: Checker | No
 
 
 def read_logs(logs: Path) -> dict:
-    found = {"lookup": [], "save": [], "violations": [], "hits": 0, "misses": 0, "from_files": 0, "tracebacks": []}
+    found = {
+        "lookup": [],
+        "save": [],
+        "hold": [],
+        "violations": [],
+        "hits": 0,
+        "misses": 0,
+        "from_files": 0,
+        "tracebacks": [],
+    }
     for log in sorted(logs.glob("*.jsonl")):
         last = None
         for line in log.read_text(encoding="utf-8").splitlines():
@@ -354,8 +385,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.dir) as work:
         work = Path(work)
         if args.timing:
-            print("| processes | lookups | lookup (median) | saves | save (median) |")
-            print("|---|---|---|---|---|")
+            print(
+                "| processes | lookups | lookup (median) | saves | save (median) | taking the folder's hold (median, p90) |"
+            )
+            print("|---|---|---|---|---|---|")
             for processes in (1, 3):
                 args.folder = str(work / f"folder{processes}")
                 Path(args.folder).mkdir()
@@ -365,7 +398,9 @@ def main() -> None:
                 found = read_logs(logs)
                 print(
                     f"| {processes} | {len(found['lookup'])} | {statistics.median(found['lookup']) * 1e3:.2f} ms "
-                    f"| {len(found['save'])} | {statistics.median(found['save']) * 1e3:.2f} ms |",
+                    f"| {len(found['save'])} | {statistics.median(found['save']) * 1e3:.2f} ms "
+                    f"| {statistics.median(found['hold']) * 1e3:.2f} ms, "
+                    f"{statistics.quantiles(found['hold'], n=10)[-1] * 1e3:.2f} ms |",
                     flush=True,
                 )
             return
@@ -380,7 +415,7 @@ def main() -> None:
         )
         checker = Checker(args, model)
         ran = run(args, args.processes, args.seconds, True, checker, logs)
-        checker.check()  # (the end: every child stopped)
+        checker.check(ran["killed"])  # (the end: every child stopped)
         found = read_logs(logs)
         for record in found["violations"]:
             checker.wrong(record["violation"], record["detail"])
@@ -388,7 +423,8 @@ def main() -> None:
             f"kills {ran['killed']}; checks {checker.checks}; lookups {len(found['lookup'])} (hits {found['hits']}, "
             f"misses {found['misses']}, read from files {found['from_files']}; counts of the logs' last summaries); "
             f"saves {len(found['save'])}; most bytes in the folder {checker.most_bytes} of {args.folder_bytes}; "
-            f"leftovers seen (younger than the age) {checker.leftovers_seen}; violations {len(checker.violations)}; "
+            f"leftovers seen (younger than the age) {checker.leftovers_seen}; over the bound by one state just after a "
+            f"kill {checker.over_after_a_kill}; violations {len(checker.violations)}; "
             f"children's tracebacks {len(found['tracebacks'])}"
         )
         for traceback in found["tracebacks"][:5]:
