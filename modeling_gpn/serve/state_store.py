@@ -546,7 +546,8 @@ class StateStore:
         """Hold the spill folder (an flock on it, waited for while another store on it writes or trims) for the
         block, with `_folder` as the stores left it: this store's view brought up to date from the journal's new
         lines (`JOURNAL`: the states another store changed since, each looked at), or the folder read again where
-        the journal cannot tell (`_read_folder`). Without a limit on the folder, nothing is held. Reentrant:
+        the journal cannot tell (`_read_folder`); a folder found over `spill_max_bytes` (a store killed between a
+        write and its trim) trimmed first. Without a limit on the folder, nothing is held. Reentrant:
         `spill_all` holds it once for all the states it writes."""
         if self.spill_max_bytes is None or self._holding:
             yield
