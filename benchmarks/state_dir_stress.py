@@ -327,6 +327,7 @@ def read_logs(logs: Path) -> dict:
         "misses": 0,
         "from_files": 0,
         "tracebacks": [],
+        "dropped": 0,
     }
     for log in sorted(logs.glob("*.jsonl")):
         last = None
@@ -347,6 +348,7 @@ def read_logs(logs: Path) -> dict:
             found["from_files"] += last["loaded_from_files"]
     for err in sorted(logs.glob("*.err")):
         text = err.read_text(encoding="utf-8")
+        found["dropped"] += text.count("state store: dropping")  # (a file gone between the hold and the read)
         if "Traceback" in text:
             found["tracebacks"].append(f"{err.name}: {text[-600:]}")
     return found
@@ -425,7 +427,7 @@ def main() -> None:
             f"saves {len(found['save'])}; most bytes in the folder {checker.most_bytes} of {args.folder_bytes}; "
             f"leftovers seen (younger than the age) {checker.leftovers_seen}; over the bound by one state just after a "
             f"kill {checker.over_after_a_kill}; violations {len(checker.violations)}; "
-            f"children's tracebacks {len(found['tracebacks'])}"
+            f"children's tracebacks {len(found['tracebacks'])}; files dropped at a lookup (logged) {found['dropped']}"
         )
         for traceback in found["tracebacks"][:5]:
             print(traceback)
