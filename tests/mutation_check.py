@@ -9441,6 +9441,20 @@ MUTATIONS = [
         ("tests/tools/test_serve_store.py -k reads_what_changed_not_the_folder",),
     ),
     Mutation(
+        "a store opening a shared --state-dir deletes killed writes' leftovers before holding the folder (another server's write of that name in between deleted)",
+        "modeling_gpn/serve/state_store.py",
+        '        found = []\n        for ids_path in self.spill_dir.glob(f"*{IDS_SUFFIX}"):\n',
+        '        self._delete_leftovers()  # MUTATION\n        found = []\n        for ids_path in self.spill_dir.glob(f"*{IDS_SUFFIX}"):\n',
+        ("tests/tools/test_serve_store.py -k deletes_leftovers_only_while_it_holds_the_folder",),
+    ),
+    Mutation(
+        "a shared --state-dir left over its bound by a save killed before its trim stays over it until the next save (a hold does not trim)",
+        "modeling_gpn/serve/state_store.py",
+        "                if self._folder is not None and self._folder_bytes > self.spill_max_bytes:\n",
+        "                if False:  # MUTATION\n",
+        ("tests/tools/test_serve_store.py -k trimmed_at_the_next_lookup",),
+    ),
+    Mutation(
         "journal: a store opening a folder without a whole journal does not start one (each other store lists the folder at its next save)",
         "modeling_gpn/serve/state_store.py",
         "            if self._journal is not None and self._folder is not None and self._journal.begin(self._journal_limit()):\n",

@@ -546,7 +546,8 @@ class StateStore:
         """Hold the spill folder (an flock on it, waited for while another store on it writes or trims) for the
         block, with `_folder` as the stores left it: this store's view brought up to date from the journal's new
         lines (`JOURNAL`: the states another store changed since, each looked at), or the folder read again where
-        the journal cannot tell (`_read_folder`). Without a limit on the folder, nothing is held. Reentrant:
+        the journal cannot tell (`_read_folder`); a folder found over `spill_max_bytes` (a store killed between a
+        write and its trim) trimmed first. Without a limit on the folder, nothing is held. Reentrant:
         `spill_all` holds it once for all the states it writes."""
         if self.spill_max_bytes is None or self._holding:
             yield
@@ -589,6 +590,10 @@ class StateStore:
                 # wrote (an older server's change, after its random mark, is in no journal: a new generation first)
                 journal.trusted = journal.generation is not None and (mark or "").startswith(journal.generation + ":")
             try:
+                if self._folder is not None and self._folder_bytes > self.spill_max_bytes:
+                    # (a store killed between writing a state and trimming left the folder over the bound: trimmed
+                    # at the next hold of any store on it, a lookup's too, not only at the next save)
+                    self._trim_files()
                 yield
             finally:
                 folder, self._folder, self._holding = self._folder, None, False
@@ -787,8 +792,10 @@ class StateStore:
         """Find the states an earlier run left in the folder (oldest first). Files that do not parse, or whose
         name is not the hash of what they say they hold, are left alone (and not used). What a server killed
         while writing left (a temporary file, a state file whose ids were never written) is deleted: counted
-        nowhere, it would take the disk beyond the folder's limit, one killed write after another."""
-        self._delete_leftovers()
+        nowhere, it would take the disk beyond the folder's limit, one killed write after another. They are deleted
+        under the folder's hold: outside it, a leftover looked at and then deleted could be another store's state
+        written in that instant under the same name (its ids, or its state file, deleted: a state its index and the
+        others' count, gone)."""
         found = []
         for ids_path in self.spill_dir.glob(f"*{IDS_SUFFIX}"):
             key = ids_path.name.removesuffix(IDS_SUFFIX)
@@ -809,6 +816,7 @@ class StateStore:
             self._file_bytes += entry.nbytes
             self._count_length(entry.model, entry.length, +1)
         with self._folder_held():
+            self._delete_leftovers()
             self._trim_files()
             # a journal this store can follow, started now where there is none whole (the other stores on the
             # folder list it once, then follow it; without it the next save here would start it)

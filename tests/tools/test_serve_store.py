@@ -319,6 +319,34 @@ def test_a_shared_state_dir_changed_by_an_older_server_or_a_killed_save_is_read_
     assert second.summary()["states_in_files"] == first.summary()["states_in_files"] == 3
 
 
+def test_a_shared_state_dir_left_over_its_bound_by_a_killed_save_is_trimmed_at_the_next_lookup(
+    model, tmp_path, monkeypatch
+):
+    """A server killed between writing a state and trimming the folder left it over --state-dir-bytes until the
+    next save on it, however many lookups came between (each holds the folder). Now any store that holds the folder
+    and finds it over its bound trims it: a lookup brings it back within the bound."""
+    import modeling_gpn.serve.state_store as state_store
+
+    limit = 2 * pair_bytes(model, tmp_path / "sizing") + 100  # two states
+    folder = tmp_path / "shared"
+    first, second = (StateStore(0, spill_dir=folder, spill_max_bytes=limit) for _ in range(2))
+    for length in (2, 3):
+        assert first.keep(model, IDS[:length], state_after(model, IDS[:length]))
+    writing = state_store.write_file_atomically
+
+    def killed_after_the_ids(path, data):  # (a save cut off once its files are written, before its trim)
+        writing(path, data)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(state_store, "write_file_atomically", killed_after_the_ids)
+    with pytest.raises(KeyboardInterrupt):
+        first.keep(model, IDS[:4], state_after(model, IDS[:4]))
+    monkeypatch.setattr(state_store, "write_file_atomically", writing)
+    assert on_disk_bytes(folder) > limit  # three states
+    assert second.lookup(model, IDS[:3])[0] == 3
+    assert on_disk_bytes(folder) <= limit and second.lookup(model, IDS[:2]) is None  # the oldest went
+
+
 def test_the_journal_of_a_shared_state_dir_stays_bounded(model, tmp_path, monkeypatch):
     """The journal gains a line at every change: past its bound (lines per state held, and a least) a save starts
     a new generation, and the other stores list the folder once and follow it."""
@@ -522,6 +550,28 @@ def test_what_a_killed_write_left_is_deleted_when_a_store_opens_the_folder(model
     assert [path.name for path in left if path.exists()] == []
     assert in_progress.exists() and users.exists() and all(path.exists() for path in finished)
     assert restarted.lookup(model, IDS[:4])[0] == 3
+
+
+def test_a_store_opening_a_shared_folder_deletes_leftovers_only_while_it_holds_the_folder(model, tmp_path):
+    """A store opening a --state-dir deleted what killed writes left (a state file without its ids, ids without
+    their state) before it held the folder: the file it had looked at could be, by the time it deleted it, the ids
+    or state file another server was writing under that name (a state every store counted, gone). Now it deletes
+    them holding the folder: while another process holds it, the leftover is still there."""
+    import os
+
+    from modeling_gpn.serve.state_store import IDS_SUFFIX, LEFTOVER_AGE_SECONDS
+
+    leftover = tmp_path / f"{'ef' * 32}{IDS_SUFFIX}"  # (a trim killed between deleting the state file and its ids)
+    leftover.write_bytes(b"{}")
+    long_ago = time.time() - LEFTOVER_AGE_SECONDS - 60
+    os.utime(leftover, (long_ago, long_ago))
+    with another_process_holding(tmp_path):
+        opening = threading.Thread(target=StateStore, args=(0,), kwargs={"spill_dir": tmp_path, "spill_max_bytes": 1})
+        opening.start()
+        opening.join(0.3)
+        assert opening.is_alive() and leftover.exists()  # waiting for the folder, the leftover untouched
+    opening.join(60)
+    assert not leftover.exists()
 
 
 def test_a_spill_folder_turned_read_only_fails_no_request(model, tmp_path):
