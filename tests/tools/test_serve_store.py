@@ -11,10 +11,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -241,6 +243,23 @@ def written_keys(model, ids_lists) -> list[str]:
     return [_entry_key(model_key(model), _ids_bytes(ids)) for ids in ids_lists]
 
 
+@contextlib.contextmanager
+def a_save_cut_off_after_its_files() -> Iterator[None]:
+    """The block's save is cut off (KeyboardInterrupt, as a kill) once its files are written: before its mark and
+    its trim."""
+    import modeling_gpn.serve.state_store as state_store
+
+    writing = state_store.write_file_atomically
+
+    def killed_after_the_ids(path, data):
+        writing(path, data)
+        raise KeyboardInterrupt
+
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(KeyboardInterrupt):
+        patch.setattr(state_store, "write_file_atomically", killed_after_the_ids)
+        yield
+
+
 def on_disk_bytes(folder) -> int:
     return sum(path.stat().st_size for path in folder.iterdir() if not path.name.startswith("."))
 
@@ -267,7 +286,7 @@ def test_a_save_into_a_shared_state_dir_reads_what_changed_not_the_folder(model,
     assert listings == []
 
 
-def test_a_shared_state_dir_changed_by_an_older_server_or_a_killed_save_is_read_again(model, tmp_path, monkeypatch):
+def test_a_shared_state_dir_changed_by_an_older_server_or_a_killed_save_is_read_again(model, tmp_path):
     """What the journal does not say is not trusted: a server of before the journal (its random mark, no line)
     changed the folder, so the store that sees its mark lists the folder, and starts a new generation of the
     journal, which sends every other store to list the folder too; a save cut off after its files (its line is
@@ -296,18 +315,8 @@ def test_a_shared_state_dir_changed_by_an_older_server_or_a_killed_save_is_read_
     assert first.lookup(model, IDS[:4])[0] == 3  # the state of 4 ids went first, not the one just read
     assert second.lookup(model, IDS[:3])[0] == 3  # the older server's state, found
 
-    import modeling_gpn.serve.state_store as state_store
-
-    writing = state_store.write_file_atomically
-
-    def killed_after_the_ids(path, data):  # (a save cut off once its files are written, before its mark)
-        writing(path, data)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(state_store, "write_file_atomically", killed_after_the_ids)
-    with pytest.raises(KeyboardInterrupt):
+    with a_save_cut_off_after_its_files():  # (before its mark)
         first.keep(model, IDS[:6], state_after(model, IDS[:6]))
-    monkeypatch.setattr(state_store, "write_file_atomically", writing)
     assert second.keep(model, IDS[:7], state_after(model, IDS[:7]))
     assert on_disk_bytes(folder) <= limit and second.lookup(model, IDS[:6])[0] == 6  # counted, and found
     with open(folder / JOURNAL, "a", encoding="utf-8") as journal:  # (a store killed in the middle of a line)
@@ -319,29 +328,17 @@ def test_a_shared_state_dir_changed_by_an_older_server_or_a_killed_save_is_read_
     assert second.summary()["states_in_files"] == first.summary()["states_in_files"] == 3
 
 
-def test_a_shared_state_dir_left_over_its_bound_by_a_killed_save_is_trimmed_at_the_next_lookup(
-    model, tmp_path, monkeypatch
-):
+def test_a_shared_state_dir_left_over_its_bound_by_a_killed_save_is_trimmed_at_the_next_lookup(model, tmp_path):
     """A server killed between writing a state and trimming the folder left it over --state-dir-bytes until the
     next save on it, however many lookups came between (each holds the folder). Now any store that holds the folder
     and finds it over its bound trims it: a lookup brings it back within the bound."""
-    import modeling_gpn.serve.state_store as state_store
-
     limit = 2 * pair_bytes(model, tmp_path / "sizing") + 100  # two states
     folder = tmp_path / "shared"
     first, second = (StateStore(0, spill_dir=folder, spill_max_bytes=limit) for _ in range(2))
     for length in (2, 3):
         assert first.keep(model, IDS[:length], state_after(model, IDS[:length]))
-    writing = state_store.write_file_atomically
-
-    def killed_after_the_ids(path, data):  # (a save cut off once its files are written, before its trim)
-        writing(path, data)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(state_store, "write_file_atomically", killed_after_the_ids)
-    with pytest.raises(KeyboardInterrupt):
+    with a_save_cut_off_after_its_files():  # (before its trim)
         first.keep(model, IDS[:4], state_after(model, IDS[:4]))
-    monkeypatch.setattr(state_store, "write_file_atomically", writing)
     assert on_disk_bytes(folder) > limit  # three states
     assert second.lookup(model, IDS[:3])[0] == 3
     assert on_disk_bytes(folder) <= limit and second.lookup(model, IDS[:2]) is None  # the oldest went
