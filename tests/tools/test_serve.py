@@ -1464,7 +1464,7 @@ def test_a_server_not_pinned_keeps_each_models_conversations_apart_and_across_un
 
     other_dir = tmp_path / "other-gpn"
     shutil.copytree(model_dir, other_dir)
-    perturbed_model(reference[0].config, seed=77).save_pretrained(other_dir)
+    state_sensitive_model(reference[0].config, seed=77, tokenizer=reference[1]).save_pretrained(other_dir)
     adapter, merged = saved_lora_adapter(model_dir, tmp_path)
     models = {
         str(model_dir): reference,
