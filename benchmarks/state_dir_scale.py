@@ -69,7 +69,7 @@ def timed_keeps(stores: list[StateStore], model, saves: int, first: int) -> list
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--states", type=int, nargs="+", default=[1000, 10000, 30000])
     parser.add_argument("--saves", type=int, default=40)
     parser.add_argument("--dir", default=None, help="where to make the folders (default: the system's temporary)")

@@ -355,7 +355,7 @@ def read_logs(logs: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--processes", type=int, default=3, help="stores on the folder, each a process (2-4)")
     parser.add_argument("--seconds", type=float, default=180, help="how long to run (each phase with --timing)")
     parser.add_argument(

@@ -9436,8 +9436,8 @@ MUTATIONS = [
     Mutation(
         "journal: a lookup does not bring a shared --state-dir up to date (the other server's newest state unfound)",
         "modeling_gpn/serve/state_store.py",
-        "                with self._folder_held():  # (the states another store on the folder wrote or took since: found)\n                    pass\n",
-        "                pass  # MUTATION\n",
+        "        with self._lock, self._folder_held() if self.spill_dir is not None else contextlib.nullcontext():\n",
+        "        with self._lock:  # MUTATION\n",
         ("tests/tools/test_serve_store.py -k reads_what_changed_not_the_folder",),
     ),
     Mutation(

@@ -319,10 +319,9 @@ class StateStore:
         key_of_model = model_key(model)
         ids_bytes = _ids_bytes(ids)
         limit = len(ids) if max_length is None else min(max_length, len(ids))
-        with self._lock:
-            if self.spill_dir is not None:
-                with self._folder_held():  # (the states another store on the folder wrote or took since: found)
-                    pass
+        # (the folder held for the whole lookup, once: the states another store on it wrote or took since are found,
+        # and a state file read back cannot be trimmed by another store between the look and the read)
+        with self._lock, self._folder_held() if self.spill_dir is not None else contextlib.nullcontext():
             candidates = sorted(length for length in self._lengths.get(key_of_model, {}) if 0 < length <= limit)
             digests, hasher, done = {}, hashlib.sha256(key_of_model.encode()), 0
             for length in candidates:  # one pass over the ids, a digest at each kept length
