@@ -6763,14 +6763,14 @@ MUTATIONS = [
         "modeling_gpn/serve/cli.py",
         "        if args.state_dir_bytes < least:\n",
         "        if False:  # MUTATION\n",
-        ("tests/tools/test_serve.py -k below_one_state",),
+        ("tests/tools/test_serve.py -k below_one_state_of_its_model",),
     ),
     Mutation(
         "gpn serve: a --state-store-bytes below one state, without --state-dir, is refused (no state kept)",
         "modeling_gpn/serve/cli.py",
         "    elif 0 < args.state_store_bytes < (least := StateStore.smallest_entry_bytes(config)):\n",
         "    elif False:  # MUTATION\n",
-        ("tests/tools/test_serve.py -k below_one_state",),
+        ("tests/tools/test_serve.py -k below_one_state_of_its_model",),
     ),
     Mutation(
         "state store: the smallest files of a spilled state count its ids file",
