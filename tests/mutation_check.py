@@ -3814,8 +3814,8 @@ MUTATIONS = [
     Mutation(
         "portability: a kept state's record is read as UTF-8, not in the platform's default encoding",
         "modeling_gpn/serve/state_store.py",
-        'record = json.loads(ids_path.read_text(encoding="utf-8"))',
-        "record = json.loads(ids_path.read_text())  # MUTATION",
+        'record = json.loads(self._ids_path(key).read_text(encoding="utf-8"))',
+        "record = json.loads(self._ids_path(key).read_text())  # MUTATION",
         ("tests/tools/test_faults_io.py -k names_its_encoding",),
     ),
     Mutation(
@@ -9429,8 +9429,8 @@ MUTATIONS = [
     Mutation(
         "journal: a state whose files another server deleted stays in this one's index",
         "modeling_gpn/serve/state_store.py",
-        "        except OSError:  # (gone: read back into another store's memory, or trimmed)\n            self._folder_drop(key)\n            entry = self._files.pop(key, None)\n",
-        "        except OSError:  # (gone: read back into another store's memory, or trimmed)\n            self._folder_drop(key)\n            entry = None  # MUTATION\n",
+        "        except OSError:  # (gone: read back into another store's memory, or trimmed)\n            self._folder_drop(key)\n            self._unindex_file(key)\n",
+        "        except OSError:  # (gone: read back into another store's memory, or trimmed)\n            self._folder_drop(key)\n            pass  # MUTATION\n",
         ("tests/tools/test_serve_store.py -k reads_what_changed_not_the_folder",),
     ),
     Mutation(

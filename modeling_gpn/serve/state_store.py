@@ -529,10 +529,7 @@ class StateStore:
                     size,
                     self.spill_max_bytes,
                 )
-            known = self._files.pop(key, None)  # (another store's write of this state, found since)
-            if known is not None:
-                self._file_bytes -= known.nbytes
-                self._count_length(known.model, known.length, -1)
+            self._unindex_file(key)  # (another store's write of this state, found since)
             self._files[key] = _Entry(entry.model, entry.ids, None, size)
             self._file_bytes += size
             self.stats.spilled += 1
@@ -633,10 +630,7 @@ class StateStore:
             state_stat, ids_stat = state.stat(), ids.stat()
         except OSError:  # (gone: read back into another store's memory, or trimmed)
             self._folder_drop(key)
-            entry = self._files.pop(key, None)
-            if entry is not None:
-                self._file_bytes -= entry.nbytes
-                self._count_length(entry.model, entry.length, -1)
+            self._unindex_file(key)
             return
         size = state_stat.st_size + ids_stat.st_size
         self._seen[state.name] = (state_stat.st_ino, state_stat.st_mtime_ns, state_stat.st_size)
@@ -655,18 +649,27 @@ class StateStore:
             return
         if key in self._memory or key in self._unusable:
             return
-        try:
-            record = json.loads(self._ids_path(key).read_text(encoding="utf-8"))
-            ids = [int(token) for token in record["ids"]]
-            ids_bytes, owner = _ids_bytes(ids), str(record["model"])
-        except (OSError, ValueError, KeyError, TypeError, OverflowError):
-            ids_bytes, owner = b"", ""
-        if not ids_bytes or _entry_key(owner, ids_bytes) != key:  # (not a state a store wrote: left alone, unused)
+        record = self._ids_record(key)
+        if record is None:  # (not a state a store wrote: left alone, unused)
             self._unusable.add(key)
             return
+        owner, ids_bytes = record
         self._files[key] = _Entry(owner, ids_bytes, None, size)
         self._file_bytes += size
-        self._count_length(owner, len(ids), +1)
+        self._count_length(owner, len(ids_bytes) // 8, +1)
+
+    def _ids_record(self, key: str) -> tuple[str, bytes] | None:
+        """The model key and ids (as `_ids_bytes`) that state `key`'s ids file holds, or None where it cannot be
+        read, does not parse, holds no ids, or its name is not the hash of what it holds (not a state a store
+        wrote)."""
+        try:
+            record = json.loads(self._ids_path(key).read_text(encoding="utf-8"))
+            ids_bytes, owner = _ids_bytes([int(token) for token in record["ids"]]), str(record["model"])
+        except (OSError, ValueError, KeyError, TypeError, OverflowError):
+            return None
+        if not ids_bytes or _entry_key(owner, ids_bytes) != key:
+            return None
+        return owner, ids_bytes
 
     def _folder_put(self, key: str, mtime: int, size: int) -> None:
         """`_folder` holds `key` as the most recently used state (its time `mtime`, its files `size` bytes)."""
@@ -707,9 +710,7 @@ class StateStore:
         folder = OrderedDict((key, (mtime, size)) for mtime, _, key, size in sorted(found))
         self._folder_bytes = sum(size for _, size in folder.values())
         for key in [key for key in self._files if key not in folder]:
-            entry = self._files.pop(key)
-            self._file_bytes -= entry.nbytes
-            self._count_length(entry.model, entry.length, -1)
+            self._unindex_file(key)
         self._unusable &= folder.keys()
         for key, (_, size) in folder.items():
             self._adopt(key, size)
@@ -728,10 +729,7 @@ class StateStore:
             key = next(iter(self._folder))
             self._changing(key)
             self._folder_drop(key)
-            entry = self._files.pop(key, None)
-            if entry is not None:
-                self._file_bytes -= entry.nbytes
-                self._count_length(entry.model, entry.length, -1)
+            self._unindex_file(key)
             _remove(self._state_path(key))
             _remove(self._ids_path(key))
 
@@ -741,16 +739,22 @@ class StateStore:
         if entry is not None:
             self._memory_bytes -= entry.nbytes
             self._count_length(entry.model, entry.length, -1)
-        entry = self._files.pop(key, None)
-        if entry is not None:
-            self._file_bytes -= entry.nbytes
-            self._count_length(entry.model, entry.length, -1)
+        if self._unindex_file(key) is not None:
             with self._folder_held():  # (a change of the folder, which the other stores on it must see)
                 self._changing(key)
                 _remove(self._state_path(key))
                 _remove(self._ids_path(key))
                 if self._folder is not None:
                     self._folder_drop(key)
+
+    def _unindex_file(self, key: str) -> _Entry | None:
+        """Take `key` out of this store's index of the folder's states (its bytes and its length uncounted), its
+        files left as they are; the entry, or None where the index did not hold it."""
+        entry = self._files.pop(key, None)
+        if entry is not None:
+            self._file_bytes -= entry.nbytes
+            self._count_length(entry.model, entry.length, -1)
+        return entry
 
     def _remember_model(self, key_of_model: str, model: torch.nn.Module) -> None:
         if key_of_model not in self._model_fingerprints:
@@ -798,16 +802,14 @@ class StateStore:
         found = []
         for ids_path in self.spill_dir.glob(f"*{IDS_SUFFIX}"):
             key = ids_path.name.removesuffix(IDS_SUFFIX)
-            state_path = self._state_path(key)
-            try:
-                record = json.loads(ids_path.read_text(encoding="utf-8"))
-                ids = [int(token) for token in record["ids"]]
-                ids_bytes, owner = _ids_bytes(ids), str(record["model"])
-                stat = state_path.stat()
-                size = stat.st_size + ids_path.stat().st_size  # both files count, as when they were written
-            except (OSError, ValueError, KeyError, TypeError, OverflowError):
+            record = self._ids_record(key)
+            if record is None:
                 continue
-            if _entry_key(owner, ids_bytes) != key or not ids:
+            owner, ids_bytes = record
+            try:
+                stat = self._state_path(key).stat()
+                size = stat.st_size + ids_path.stat().st_size  # both files count, as when they were written
+            except OSError:
                 continue
             found.append((stat.st_mtime, key, _Entry(owner, ids_bytes, None, size)))
         for _, key, entry in sorted(found, key=lambda item: item[0]):
