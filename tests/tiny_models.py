@@ -53,6 +53,23 @@ def state_sensitive_model(config, seed: int, tokenizer=None):
     return model
 
 
+def saved_tiny_llama(folder, tokenizer, seed: int = 0, **overrides) -> None:
+    """A tiny random Llama (hidden 16, one layer, two heads) with `tokenizer`, saved to `folder` as a model folder
+    `gpn generate` runs: its end of text the tokenizer's (LlamaConfig's 2 is none of the tests' tokenizers')."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    settings = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        **{**settings, **overrides},
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
 def printable(text: str) -> bool:
     """Whether `text` is whole printable characters (no control character, no U+FFFD of a lone byte)."""
     return text.isprintable() and "\ufffd" not in text

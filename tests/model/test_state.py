@@ -1111,16 +1111,12 @@ def test_a_read_only_or_full_disk_loses_no_text_and_names_the_state_file(generat
 
 def test_cli_save_state_of_a_model_without_a_gpn_state_is_refused_before_generating(generate_dir, tmp_path, capsys):
     """A Llama's cache is no GPN state: `--save-state` ended in an AttributeError traceback after generating."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
+
+    from ..tiny_models import saved_tiny_llama
 
     llama = tmp_path / "llama"
-    tokenizer = AutoTokenizer.from_pretrained(generate_dir)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
-    )
-    config.eos_token_id = tokenizer.eos_token_id  # (LlamaConfig's 2 is no end of text of this tokenizer: refused)
-    LlamaForCausalLM(config).save_pretrained(llama)
-    tokenizer.save_pretrained(llama)
+    saved_tiny_llama(llama, AutoTokenizer.from_pretrained(generate_dir))
     state = tmp_path / "s.safetensors"
     code, out, err = run_cli(capsys, llama, "the cat", "--max-new-tokens", "2", "--save-state", state)
     assert (code, out) == (2, "") and not state.exists(), err

@@ -107,23 +107,12 @@ def test_a_batch_of_a_llama_prints_what_each_prompt_gives_alone_when_greedy(bpe_
     (`gpn generate` runs the study's Llama baselines): padded on the right, a short prompt's first new token is
     read from a pad position. A tiny random Llama, with the GPN tests' tokenizer: each row of a greedy batch of
     prompts of different lengths is the prompt's own greedy text."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(bpe_dir)
-    tokenizer.save_pretrained(tmp_path)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        initializer_range=0.5,  # (weights large enough that each token's logits depend on what it reads)
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    from ..tiny_models import saved_tiny_llama
+
+    # (weights large enough that each token's logits depend on what it reads)
+    saved_tiny_llama(tmp_path, AutoTokenizer.from_pretrained(bpe_dir), initializer_range=0.5)
     prompts = ["the", PROMPTS[1]]
     batch = printed_texts(capsys, tmp_path, *prompts, "--max-new-tokens", 6)
     assert batch == [printed_texts(capsys, tmp_path, prompt, "--max-new-tokens", 6)[0] for prompt in prompts]
