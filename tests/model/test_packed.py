@@ -358,7 +358,20 @@ def test_inconsistent_packing_arguments_are_refused_by_name(arguments, message):
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["c kernels", "torch ops", "triton"])
+BACKENDS = ("c kernels", "torch ops", "triton")
+
+
+def on_every_backend(names: str, values: list[tuple], triton_takes: tuple) -> pytest.MarkDecorator:
+    """`names` (after "backend") over `values` on every backend, Triton on `triton_takes` alone: a packed
+    batch reaches every backend as the same resets (fast_recurrence marks them), and Triton's interpreter
+    takes about 40 times the others' time, so it runs one of the cases, not each."""
+    cases = [
+        (backend, *value) for backend in BACKENDS for value in values if backend != "triton" or value == triton_takes
+    ]
+    return pytest.mark.parametrize(f"backend,{names}", cases, indirect=["backend"])
+
+
+@pytest.fixture(params=BACKENDS)
 def backend(request, monkeypatch):
     """The fast path's backend for the test, and what `model.model.last_recurrence_backends` must say it ran:
     the C memory kernels (where they build), the torch ops (GPN_MEMORY_KERNELS=0), or Triton's steps forced
@@ -396,10 +409,11 @@ def assert_backend_ran(model, backend: str, training: bool = True) -> None:
         assert ran.step == "torch ops" and ran.memory in (None, backend), ran
 
 
-@pytest.mark.parametrize("form", INPUT_FORMS)
+@on_every_backend("form", [(form,) for form in INPUT_FORMS], triton_takes=("all",))
 def test_packed_batch_equals_one_by_one_on_the_fast_path(backend, form):
     """Loss, logits and every gradient of a packed batch on the fast path == its sequences one by one (plain
-    path), for every input form on every backend; and the no-grad window (inference) too."""
+    path), for every input form on every backend (Triton: the forms together); and the no-grad window
+    (inference) too."""
     model = perturbed_model(tiny_config(), seed=20).train()
     sequences, row_ids, row_labels = packed_problem(seed=21)
     num_items = int((row_labels[:, 1:] != -100).sum())
@@ -429,7 +443,7 @@ def test_packed_variants_on_the_fast_path(backend, variant):
     assert_same_run(expected, got)
 
 
-@pytest.mark.parametrize("segment,truncation", [(4, None), (3, 5), (None, 4)])
+@on_every_backend("segment,truncation", [(4, None), (3, 5), (None, 4)], triton_takes=(3, 5))
 def test_packed_fast_path_across_bptt_segments_and_truncation_equals_plain(backend, segment, truncation):
     """BPTT segments (the backward recomputes each from its boundary, resets included) and truncation cuts:
     the fast path's loss and gradients == the plain path's on the same packed batch with padding."""
