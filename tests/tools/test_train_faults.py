@@ -811,9 +811,15 @@ def test_a_watched_stage_that_hangs_ends_the_process_naming_it_with_every_stack(
 
 
 # Each rank of a launch of it touches FOLDER/RANK (FOLDER its argument), then fails on its own: exit 3.
+# Each rank waits for every rank's file before it fails: the launcher stops the other ranks at the first exit, and
+# on a loaded machine the first could exit before the second had started (a test's outcome must not rest on speed).
 TOUCHES_AND_FAILS = """
-import os, pathlib, sys
-pathlib.Path(sys.argv[1], os.environ["RANK"]).touch()
+import os, pathlib, sys, time
+folder = pathlib.Path(sys.argv[1])
+(folder / os.environ["RANK"]).touch()
+deadline = time.monotonic() + 60  # (within the launch's own bound below)
+while len(list(folder.iterdir())) < int(os.environ["WORLD_SIZE"]) and time.monotonic() < deadline:
+    time.sleep(0.05)
 sys.exit(3)
 """
 
