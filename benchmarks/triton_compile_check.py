@@ -272,8 +272,8 @@ def compile_step_launches(target: GPUTarget, arch: int, registers: bool, presets
             return torch.zeros(*x.shape[:-1], w.shape[1], dtype=w.dtype)
         return tk._empty(ws, name, x.shape[0], w.shape[1], device=x.device, dtype=w.dtype)
 
-    launch, product, active = tk._launch, tk._product, getattr(driver, "_active", None)  # (None: Triton makes
-    # the default when asked)
+    # (the driver's `_active` None: Triton makes the default when asked)
+    launch, product, active = tk._launch, tk._product, getattr(driver, "_active", None)
     driver.set_active(CompileOnlyDriver(target))
     tk._launch, tk._product = compile_launch, product_left_undone
     try:

@@ -810,9 +810,9 @@ def test_a_watched_stage_that_hangs_ends_the_process_naming_it_with_every_stack(
     assert processes[1].returncode == 0 and in_time_out.strip() == "done", in_time_err
 
 
-# Each rank of a launch of it touches FOLDER/RANK (FOLDER its argument), then fails on its own: exit 3.
-# Each rank waits for every rank's file before it fails: the launcher stops the other ranks at the first exit, and
-# on a loaded machine the first could exit before the second had started (a test's outcome must not rest on speed).
+# Each rank of a launch of it touches FOLDER/RANK (FOLDER its argument), waits for every rank's file, then fails on
+# its own: exit 3. (Without the wait, the launcher stopped the other ranks at the first exit, and on a loaded machine
+# the first exited before the second had started: a test's outcome must not rest on speed.)
 TOUCHES_AND_FAILS = """
 import os, pathlib, sys, time
 folder = pathlib.Path(sys.argv[1])
