@@ -654,9 +654,7 @@ class StateStore:
             self._unusable.add(key)
             return
         owner, ids_bytes = record
-        self._files[key] = _Entry(owner, ids_bytes, None, size)
-        self._file_bytes += size
-        self._count_length(owner, len(ids_bytes) // 8, +1)
+        self._index_file(key, _Entry(owner, ids_bytes, None, size))
 
     def _ids_record(self, key: str) -> tuple[str, bytes] | None:
         """The model key and ids (as `_ids_bytes`) that state `key`'s ids file holds, or None where it cannot be
@@ -747,6 +745,13 @@ class StateStore:
                 if self._folder is not None:
                     self._folder_drop(key)
 
+    def _index_file(self, key: str, entry: _Entry) -> None:
+        """Put a state found in the folder (`entry`, its files' bytes as `nbytes`) into this store's index of the
+        folder's states, its bytes and its length counted (`_unindex_file` takes it out)."""
+        self._files[key] = entry
+        self._file_bytes += entry.nbytes
+        self._count_length(entry.model, entry.length, +1)
+
     def _unindex_file(self, key: str) -> _Entry | None:
         """Take `key` out of this store's index of the folder's states (its bytes and its length uncounted), its
         files left as they are; the entry, or None where the index did not hold it."""
@@ -813,9 +818,7 @@ class StateStore:
                 continue
             found.append((stat.st_mtime, key, _Entry(owner, ids_bytes, None, size)))
         for _, key, entry in sorted(found, key=lambda item: item[0]):
-            self._files[key] = entry
-            self._file_bytes += entry.nbytes
-            self._count_length(entry.model, entry.length, +1)
+            self._index_file(key, entry)
         with self._folder_held():
             self._delete_leftovers()
             self._trim_files()
