@@ -324,11 +324,15 @@ enum { FAR_AHEAD = 4096 };
    the int8 rows that hold their input, `held_input`) are prefetched this much nearer, into the L2. Between two
    decoded tokens the L3's other tenants evict part of them, and the hardware's prefetcher alone then keeps too few
    reads in flight: small's bf16 step was faster with it in 10 of 12 A/Bs, its prefill no faster; 4 KB ahead, or
-   into the L1, was slower (benchmarks/RESULTS.md; -DNEAR_PREFETCH=0 builds without it, for an A/B) */
+   into the L1, was slower. The AVX2 build's bf16 rows too (its step and prefill 10-20% faster); not its float32
+   rows, whose step was slower with it (benchmarks/RESULTS.md; -DNEAR_PREFETCH=0 builds without it and
+   -DNEAR_AHEAD=... with another distance, for an A/B) */
 #ifndef NEAR_PREFETCH
 #define NEAR_PREFETCH 1
 #endif
-enum { NEAR_AHEAD = 2048 };
+#ifndef NEAR_AHEAD
+#define NEAR_AHEAD 2048
+#endif
 
 typedef struct { /* one linear map of a phase: out[b, j] = (round?)(scale_j * <W_j, x_b>) + bias_j */
     const void *w;        /* (rows, cols) row-major: float, uint16 (bf16 bits) or int8 */
@@ -777,6 +781,8 @@ static inline __attribute__((always_inline)) void dot_rows(const void *const row
             if (FAR && KIND != KIND_I8)
                 for (i64 line = 0; line < 32 * ES; line += 64)
                     _mm_prefetch((const char *)rows[i] + ES * k + line + FAR_AHEAD, _MM_HINT_T2);
+            else if (!FAR && NEAR_PREFETCH && KIND == KIND_BF16)
+                _mm_prefetch((const char *)rows[i] + ES * k + NEAR_AHEAD, _MM_HINT_T1);
         for (int a = 0; a < 4; a++) {
             const __m256 xv = _mm256_loadu_ps(x + k + 8 * a);
             for (int i = 0; i < NR; i++) acc[i][a] = _mm256_fmadd_ps(load_weights(rows[i], KIND, k + 8 * a), xv, acc[i][a]);
