@@ -9,7 +9,9 @@ configuration in its own process, minutes apart).
 
 Per preset and dtype, medians over the repeats: the one-token step (a forward of one token with its cache,
 batch 1) over the step's byte limit, and a prompt's prefill per token (`--prompt` tokens, `logits_to_keep=1`,
-as generate() asks) over a prompt token's limit (`bench.limit`). `--clock cpu` (default with one thread)
+as generate() asks) over a prompt token's limit (`bench.limit`). The steps and the prompts continue one
+cache, so what they derive from the weights (their plans: int4 weights packed or dequantized) is derived once, as
+inside one generate() call, not at every timing. `--clock cpu` (default with one thread)
 times the thread's CPU time, which a descheduled thread does not accrue.
 """
 
@@ -22,7 +24,7 @@ import time
 
 import torch
 
-from modeling_gpn.bench import ReadProbe, build_gpn, one_token_step_fn, prefill_bytes, step_bytes
+from modeling_gpn.bench import ReadProbe, build_gpn, prefill_bytes, step_bytes
 
 SIDES = {  # the settings of each side (the prefill is the same on the last two: only decoding differs)
     "torch ops": {"GPN_STEP_KERNELS": "0", "GPN_DECODE_KERNEL": "1"},
@@ -57,7 +59,13 @@ def main() -> None:
             ids = torch.randint(
                 1, model.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0)
             )
-            step = one_token_step_fn(model, 1, model.config.vocab_size, "cpu")
+            with torch.no_grad():  # (one cache, as in generate(): a second would hold a second copy of what is derived)
+                held = {"cache": model(ids, logits_to_keep=1, use_cache=True).cache}
+
+            def step(held=held, token=ids[:, -1:], model=model) -> None:  # (a one-token step, as `one_token_step_fn`)
+                with torch.no_grad():
+                    held["cache"] = model(token, cache=held["cache"], use_cache=True).cache
+
             limit, prompt_limit = ReadProbe(step_bytes(model)), ReadProbe(prefill_bytes(model))
             times = {
                 key: [] for key in ("limit", "prompt limit", *[(s, k) for s in SIDES for k in ("step", "prefill")])
@@ -73,7 +81,7 @@ def main() -> None:
                         continue  # (its prefill is the step kernels')
                     with torch.no_grad():
                         start = clock()
-                        model(ids, logits_to_keep=1, use_cache=False)  # (not taking over the step cache's scope)
+                        held["cache"] = model(ids, cache=held["cache"], logits_to_keep=1, use_cache=True).cache
                         times[(side, "prefill")].append((clock() - start) / args.prompt)
                 for key, probe in (("limit", limit), ("prompt limit", prompt_limit)):
                     start = clock()
