@@ -8,6 +8,7 @@ from __future__ import annotations
 # First, before torch: importing it sets TRITON_INTERPRET (which torch's import of triton.language reads) and
 # the offline hub.
 from .environment import require_shared
+from .subprocesses import refuse_modules_split_between_workers
 
 # isort: split
 import gc
@@ -52,6 +53,8 @@ def pytest_unconfigure(config):
 
 
 def pytest_configure(config):
+    # (pytest-xdist's `-n` without `--dist` has made it "load" by now, in its pytest_cmdline_main)
+    refuse_modules_split_between_workers(config.getoption("dist", "no"))
     # The marks of transformers' tests/test_modeling_common.py (tests/ecosystem/test_transformers_common.py runs
     # it), registered as transformers' own conftest registers them.
     for mark in ("accelerate_tests", "flash_attn_test", "flash_attn_3_test", "flash_attn_4_test", "torch_compile_test"):

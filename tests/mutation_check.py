@@ -7918,7 +7918,14 @@ MUTATIONS = [
         "tests/environment.py",
         "os.environ.update(\n    HF_HOME=",
         "dict(  # MUTATION\n    HF_HOME=",
-        ("tests/tools/test_suite_caches.py",),
+        ("tests/tools/test_suite_setup.py -k caches",),
+    ),
+    Mutation(
+        "the suite runs under a pytest-xdist distribution that splits a module between workers",
+        "tests/conftest.py",
+        '    refuse_modules_split_between_workers(config.getoption("dist", "no"))\n',
+        "    pass  # MUTATION\n",
+        ("tests/tools/test_suite_setup.py::test_two_workers_that_may_split_a_module_are_refused_before_any_test",),
     ),
     Mutation(
         "derived weights derived once for the model's whole life (no scope drops them, no key renews them)",

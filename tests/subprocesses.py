@@ -77,6 +77,24 @@ def started_in_the_background(
         yield {name: pool.submit(job) for name, job in jobs.items() if name in selected}
 
 
+# pytest-xdist's distributions that keep a module's tests in one worker (none: one process). The module fixtures above
+# start the fresh processes of every selected test of their module at the module's first test: a module whose tests
+# two workers shared (`--dist load`, the default of `-n`; `loadscope` splits a module's test classes) would start each
+# of them in both workers.
+WHOLE_MODULE_DISTRIBUTIONS = ("no", "loadfile")
+
+
+def refuse_modules_split_between_workers(dist: str) -> None:
+    """Raise `pytest.UsageError` for a pytest-xdist distribution (`--dist`) that may split a module's tests."""
+    if dist not in WHOLE_MODULE_DISTRIBUTIONS:
+        import pytest
+
+        raise pytest.UsageError(
+            f"--dist {dist} may split a test module between workers, whose module fixtures would then start the "
+            "module's fresh processes twice: run the suite as the README does, python -m pytest -q -n 2 --dist loadfile"
+        )
+
+
 @contextlib.contextmanager
 def one_started_in_the_background(
     request: object, test: str, make: Callable[[], tuple[object, Callable[[], object]]]
