@@ -813,11 +813,14 @@ enum { MADD_MAX_ROWS = 16, MADD_CHUNK = 256 * 16 };  /* weights one accumulator 
 
 typedef struct {
     const float *x;          /* the input quantized (NULL: none yet in this phase) */
-    i64 stride, K, B;
+    i64 stride, K, B, width; /* width: K rounded up to 8, the planes' row length */
     int finite;              /* 0: some input is not finite (the float products run) */
     int16_t *xq;             /* (B, K) */
+    int8_t *hi, *lo;         /* (B, width) each, x_q = 256 hi + lo, zero past K: the int4 products' (`int4_sums8`) */
+    int32_t *sums8;          /* (B, width / 8): the sums of x_q over each 8 elements (the same) */
+    int sums8_ready;         /* 0: the planes and sums not yet made for this input */
     double unit[MADD_MAX_ROWS]; /* 2^-sh */
-    i64 capacity;            /* elements held at xq */
+    i64 capacity;            /* bytes held at sums8 (the sums, xq, then the planes) */
 } gpn_quantized;
 /* each thread's own, as for VNNI */
 static __thread gpn_quantized quantized_input;
@@ -828,12 +831,17 @@ static const gpn_quantized *quantize_input(const gpn_segment *sg, i64 B)
     const i64 K = sg->cols;
     if (q->x == sg->x && q->stride == sg->x_stride && q->K == K && q->B == B) return q->finite ? q : 0;
     q->x = 0;
-    if (B * K > q->capacity) {
+    q->sums8_ready = 0;
+    const i64 width = (K + 7) / 8 * 8, bytes = 4 * B * (width / 8) + 2 * B * K + 2 * B * width;
+    if (bytes > q->capacity) {
         q->capacity = 0;
-        q->xq = (int16_t *)thread_buffer(q->xq, (size_t)(B * K) * sizeof(int16_t));
-        if (!q->xq) return 0;  /* (the float products run) */
-        q->capacity = B * K;
+        q->sums8 = (int32_t *)thread_buffer(q->sums8, (size_t)bytes);
+        if (!q->sums8) return 0;  /* (the float products run) */
+        q->capacity = bytes;
     }
+    q->xq = (int16_t *)(q->sums8 + B * (width / 8));  /* (B width / 2 bytes on: a multiple of 4) */
+    q->hi = (int8_t *)(q->xq + B * K);
+    q->lo = q->hi + B * width;
     q->finite = 1;
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (i64 b = 0; b < B && q->finite; b++) {
@@ -870,7 +878,7 @@ static const gpn_quantized *quantize_input(const gpn_segment *sg, i64 B)
         for (; k < K; k++) xq[k] = (int16_t)lrint((double)x[k] * scale);
         q->unit[b] = ldexp(1.0, -sh);
     }
-    q->x = sg->x; q->stride = sg->x_stride; q->K = K; q->B = B;
+    q->x = sg->x; q->stride = sg->x_stride; q->K = K; q->B = B; q->width = width;
     return q->finite ? q : 0;
 }
 
@@ -1295,6 +1303,112 @@ static void int4_rows(const gpn_segment *sg, const gpn_quantized *q, i64 B, i64 
     for (i64 b = 0; b < B; b++) {
         i64 r = r0;
         for (; r + 48 < r1; r += 64) int4_tiles(sg, q, b, r, r1, 4);
+        for (; r < r1; r += 16) int4_tiles(sg, q, b, r, r1, 1);
+    }
+}
+
+#elif defined(GPN_MADD)
+/* int4 weights on AVX2's byte multiply-adds: the same tiles, a 32-byte load holding 8 weights of 8 rows (half a
+   tile's 16), split by an and and a shift as above, against the same two signed byte planes of the input (made from
+   its 16 bits once per input, `int4_sums8`, as VNNI's `quantize_input` makes them). vpmaddubsw multiplies the
+   unsigned weights by four bytes of a plane broadcast, into pairs of products (at most 2 x 15 x 128 in magnitude:
+   never saturated), and vpmaddwd against ones adds each two pairs into the row's int32 lane: VNNI's vpdpbusd in two
+   instructions, the same exact integers, then the same float32 epilogue a group at a time, so the outputs are
+   VNNI's to the bit. Two tiles at a time: their 8 accumulators, the 4 broadcasts and 2 constants fill the 16
+   registers. */
+#define GPN_INT4 1
+enum { INT4_MAX_GROUP = 4096 };  /* (as VNNI's: the same int32 sums) */
+
+/* the planes of the 16-bit input and the sums of x_q over each 8 elements of every batch row, once per input */
+static void int4_sums8(gpn_quantized *q)
+{
+    if (q->sums8_ready) return;
+    const i64 K = q->K, width = q->width, n = width / 8;
+    for (i64 b = 0; b < q->B; b++) {
+        for (i64 k = 0; k < width; k++) {
+            const int32_t x = k < K ? q->xq[b * K + k] : 0;
+            const int32_t hi = (x + 128) >> 8;  /* (arithmetic: |x_q| <= 32,512, so hi and lo are signed bytes) */
+            q->hi[b * width + k] = (int8_t)hi;
+            q->lo[b * width + k] = (int8_t)(x - 256 * hi);
+        }
+        for (i64 j = 0; j < n; j++) {
+            int32_t sum = 0;
+            for (i64 k = 8 * j; k < 8 * j + 8 && k < K; k++) sum += q->xq[b * K + k];
+            q->sums8[b * n + j] = sum;
+        }
+    }
+    q->sums8_ready = 1;
+}
+
+static inline __m256i broadcast4(const int8_t *at)
+{
+    int32_t four;
+    memcpy(&four, at, 4);
+    return _mm256_set1_epi32(four);
+}
+
+/* NT (1 or 2) tiles from row r (a multiple of 16) for batch row b: the 8 rows of half h of tile t in lane order */
+static inline __attribute__((always_inline)) void int4_tiles(const gpn_segment *sg, const gpn_quantized *q, i64 b, i64 r,
+                                                             i64 r1, const int NT)
+{
+    const i64 K = sg->cols, G = sg->group, ng = K / G, tile_bytes = 8 * K, t0 = r / 16;
+    const int8_t *xh = q->hi + b * q->width, *xl = q->lo + b * q->width;
+    const int32_t *s8 = q->sums8 + b * (q->width / 8);
+    const uint8_t *base = (const uint8_t *)sg->w + t0 * tile_bytes;
+    const __m256i nibble = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    __m256 y[2][2];
+    for (int t = 0; t < NT; t++) y[t][0] = y[t][1] = _mm256_setzero_ps();
+    for (i64 g = 0; g < ng; g++) {
+        __m256i h[2][2], l[2][2];
+        for (int t = 0; t < NT; t++) h[t][0] = h[t][1] = l[t][0] = l[t][1] = _mm256_setzero_si256();
+        int32_t xsum = 0;
+        for (i64 k = g * G; k < g * G + G; k += 8) {
+            xsum += s8[k / 8];
+            const __m256i bh0 = broadcast4(xh + k), bl0 = broadcast4(xl + k);
+            const __m256i bh1 = broadcast4(xh + k + 4), bl1 = broadcast4(xl + k + 4);
+            const uint8_t *at = base + 8 * k;
+            for (int t = 0; t < NT; t++) {
+                if (NEAR_PREFETCH) _mm_prefetch((const char *)at + t * tile_bytes + NEAR_AHEAD, _MM_HINT_T1);
+                for (int half = 0; half < 2; half++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(at + t * tile_bytes + 32 * half));
+                    const __m256i w0 = _mm256_and_si256(v, nibble);
+                    const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+                    h[t][half] = _mm256_add_epi32(h[t][half], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, bh0), ones));
+                    l[t][half] = _mm256_add_epi32(l[t][half], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, bl0), ones));
+                    h[t][half] = _mm256_add_epi32(h[t][half], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, bh1), ones));
+                    l[t][half] = _mm256_add_epi32(l[t][half], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, bl1), ones));
+                }
+            }
+        }
+        const __m256i xg = _mm256_set1_epi32(xsum), xg8 = _mm256_set1_epi32(8 * xsum);
+        for (int t = 0; t < NT; t++)
+            for (int half = 0; half < 2; half++) {
+                const i64 gi = ((t0 + t) * ng + g) * 16 + 8 * half;
+                const __m256i u = _mm256_add_epi32(_mm256_slli_epi32(h[t][half], 8), l[t][half]);
+                const __m256i o = sg->offsets
+                    ? _mm256_mullo_epi32(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sg->offsets + gi))), xg)
+                    : xg8;
+                y[t][half] = _mm256_fmadd_ps(_mm256_loadu_ps(sg->scale + gi), _mm256_cvtepi32_ps(_mm256_sub_epi32(u, o)),
+                                             y[t][half]);
+            }
+    }
+    const __m256 unit = _mm256_set1_ps((float)q->unit[b]);
+    for (int t = 0; t < NT; t++)
+        for (int half = 0; half < 2; half++) {
+            const i64 first = r + 16 * t + 8 * half;
+            float out[8];
+            _mm256_storeu_ps(out, _mm256_mul_ps(y[t][half], unit));
+            for (i64 i = 0; i < 8 && first + i < r1; i++) store_output(sg, b, first + i, out[i]);
+        }
+}
+
+/* rows [r0, r1) of an int4 segment (r0 a multiple of 16) for all B batch rows, on the quantized input */
+static void int4_rows(const gpn_segment *sg, const gpn_quantized *q, i64 B, i64 r0, i64 r1)
+{
+    int4_sums8((gpn_quantized *)q);  /* (the calling thread's own) */
+    for (i64 b = 0; b < B; b++) {
+        i64 r = r0;
+        for (; r + 16 < r1; r += 32) int4_tiles(sg, q, b, r, r1, 2);
         for (; r < r1; r += 16) int4_tiles(sg, q, b, r, r1, 1);
     }
 }
@@ -2838,8 +2952,8 @@ def int4_operand(weight: torch.Tensor) -> tuple[Int4Weight, Int4Packed] | None:
 
 def int4_packing(weight: torch.Tensor) -> tuple[tuple[Int4Weight, Int4Packed] | None, str]:
     """The parts of a low-bit weight and their packing for the int4 products, or None and why they do not take it:
-    not int4 values in groups they take (`int4_weight_parts`), products built without VNNI (the int4 products run
-    on its dot products; without them the bf16 matrix is read faster), `GPN_INT4_KERNEL=0` (for A/B runs), or a
+    not int4 values in groups they take (`int4_weight_parts`), products built without VNNI or AVX2 (the int4
+    products run on their integer multiply-adds; without them the bf16 matrix is read faster), `GPN_INT4_KERNEL=0` (for A/B runs), or a
     value outside int4's range. Counts nothing (`int4_operand` does, for the operands made)."""
     parts = int4_weight_parts(weight)
     if parts is None:
@@ -2847,8 +2961,8 @@ def int4_packing(weight: torch.Tensor) -> tuple[tuple[Int4Weight, Int4Packed] | 
         return None, f"not int4 values in groups of a multiple of {least} weights (at most {most:,}) along the rows"
     if switched_off("GPN_INT4_KERNEL"):
         return None, "GPN_INT4_KERNEL=0"
-    if "+vnni" not in products_isa():
-        return None, "the products were built without VNNI"
+    if not reads_int4():
+        return None, f"the products were built for {products_isa()}: neither VNNI nor AVX2"
     with torch.no_grad():
         packed = int4_pack(parts)
     if packed is None:
@@ -3625,9 +3739,17 @@ def products_isa() -> str:
     """The vector instructions the products of the kernels in use were built for: "avx512" (with "+bf16" and
     "+vnni" where the CPU has those), "avx2" (AVX2 and FMA) or "portable" (plain C the compiler vectorises). int8
     products are exact integer sums of the input rounded to 16 bits on "+vnni" and "avx2" builds, float sums
-    elsewhere; int4 weights are read as int4 on "+vnni" builds only (`int4_operand`)."""
+    elsewhere; int4 weights are read as int4 on "+vnni" and "avx2" builds (`reads_int4`)."""
     _require()
     return _library.gpn_products_isa().decode()
+
+
+def reads_int4() -> bool:
+    """Whether the kernels in use multiply int4 weights as int4 (`int4_operand`): on AVX512-VNNI's dot products
+    or AVX2's byte multiply-adds, exact integer sums either way (the same outputs); elsewhere a low-bit weight is
+    read as the matrix it dequantizes to."""
+    isa = products_isa()
+    return "+vnni" in isa or isa == "avx2"
 
 
 def variant(extra_flags: tuple[str, ...]) -> ctypes.CDLL:

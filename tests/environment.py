@@ -139,13 +139,13 @@ def require_c_kernels() -> None:
 
 
 def require_int4_products() -> None:
-    """Skip unless the C kernels run here with int4 products (`memory_kernels.int4_operand`: on AVX512-VNNI's dot
-    products; elsewhere int4 weights keep the matrices dequantized from them)."""
+    """Skip unless the C kernels run here with int4 products (`memory_kernels.reads_int4`: on AVX512-VNNI's dot
+    products or AVX2's byte multiply-adds; elsewhere int4 weights keep the matrices dequantized from them)."""
     require_c_kernels()
     from modeling_gpn import memory_kernels
 
     isa = memory_kernels.products_isa()
-    if "vnni" not in isa:
+    if not memory_kernels.reads_int4():
         pytest.skip(f"the C kernels are built for {isa}: int4 weights are multiplied as their dequantized matrices")
 
 

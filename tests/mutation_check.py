@@ -1068,6 +1068,24 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "AVX2's int4 products without the input's low byte plane (its 16-bit rounding cut to the high byte)",
+        "modeling_gpn/memory_kernels.py",
+        "            q->lo[b * width + k] = (int8_t)(x - 256 * hi);\n",
+        "            q->lo[b * width + k] = 0;  /* MUTATION */\n",
+        (
+            "tests/fast_path/test_step_kernels.py -k int4_products_are_exact_group_sums or int4_products_multiply_the_exact",
+        ),
+    ),
+    Mutation(
+        "AVX2's int4 products take every zero point as 0",
+        "modeling_gpn/memory_kernels.py",
+        "                const __m256i o = sg->offsets\n",
+        "                const __m256i o = 0 && sg->offsets  /* MUTATION */\n",
+        (
+            "tests/fast_path/test_step_kernels.py -k int4_products_are_exact_group_sums or int4_products_multiply_the_exact",
+        ),
+    ),
+    Mutation(
         "sequence classification of packed rows (scored as their last sequence, not refused)",
         "modeling_gpn/packing.py",
         "    if not packing or is_tracing():\n        return\n    starts = packed_sequence_starts(",

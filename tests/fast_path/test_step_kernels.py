@@ -391,6 +391,89 @@ def test_int4_products_multiply_the_exact_int4_weights_within_the_inputs_roundin
         assert list(mk.int4_dequantized) and all(key.startswith(reason) for key in mk.int4_dequantized)
 
 
+@pytest.fixture(params=[name for name in RUNNABLE if name != "portable"])
+def int4_build(request, monkeypatch) -> str:
+    """Each build of the kernels this machine runs that reads int4 weights as int4 (`memory_kernels.reads_int4`:
+    VNNI's dot products, AVX2's byte multiply-adds; `require_int4_products` skips the others)."""
+    build = build_in_place(request.param, monkeypatch)
+    require_int4_products()
+    return build
+
+
+def int4_on_sixteen_bits(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
+    """What the int4 products compute: each row of x (rounded to bf16 first on a bf16 module) as x_q 2^-sh
+    (`on_sixteen_bits`' rounding), each group's exact integer sum of (q - z) x_q, the groups added in order as
+    float32 multiply-adds of their float32 scales, times 2^-sh, plus the bias, then rounded to bf16 on a bf16 module.
+    (A multiply-add here is the exact product, exact in float64, plus the sum rounded to float64 then to float32:
+    twice, where the kernels' fused one rounds once; the two differ only where float64 lands on a float32 tie.)"""
+    import math
+
+    from modeling_gpn.recurrence_step import int4_weight_parts
+
+    parts = int4_weight_parts(linear.weight)
+    group, bf16 = parts.group, parts.dtype == torch.bfloat16
+    q = parts.qdata.to(torch.int64)
+    zero = (
+        parts.zero_point.to(torch.int64)
+        if parts.zero_point is not None
+        else torch.zeros_like(parts.scale, dtype=torch.int64)
+    )
+    values = (q - zero.repeat_interleave(group, 1)).reshape(q.shape[0], -1, group)  # (rows, groups, group)
+    scale = parts.scale.float().double()
+    bias = linear.bias.float() if linear.bias is not None else None
+    out = []
+    for row in x.bfloat16().float() if bf16 else x:
+        top, shift = row.abs().max().item(), 0
+        if top > 0:
+            shift = 15 - math.frexp(top)[1]
+            if math.ldexp(top, shift) > 32512:
+                shift -= 1
+        x_q = torch.round(row.double() * 2.0**shift).to(torch.int64).reshape(-1, group)
+        sums = (values * x_q).sum(-1).float().double()  # (rows, groups): exact integers, then float32 as cvtepi32_ps
+        y = torch.zeros(q.shape[0], dtype=torch.float64)
+        for g in range(sums.shape[1]):
+            y = (scale[:, g] * sums[:, g] + y).float().double()
+        y = y.float() * torch.tensor(2.0**-shift, dtype=torch.float32)
+        if bias is not None:
+            y = y + bias
+        out.append(y.bfloat16().float() if bf16 else y)
+    return torch.stack(out)
+
+
+def test_int4_products_are_exact_group_sums_on_sixteen_bits_in_every_build(int4_build):
+    """Every build that reads int4 weights as int4 computes the same outputs to the bit: `int4_on_sixteen_bits`, for
+    rows not a multiple of 16 (a last tile partly past the end; one tile and two at a time), groups of 8, 16 and 32
+    weights and of a whole row, zero points all 0 and not, float32 and bf16 modules with a bias, and 1-16 batch rows.
+    So AVX2's byte multiply-adds sum what VNNI's dot products sum, in the same order after the sums."""
+    from torchao.quantization import MappingType
+    from torchao.quantization.granularity import PerAxis, PerGroup
+
+    from modeling_gpn import memory_kernels as mk
+
+    generator = torch.Generator().manual_seed(72)
+    cases = [
+        (torch.float32, 61, 64, PerGroup(8), MappingType.SYMMETRIC),
+        (torch.float32, 45, 96, PerGroup(16), MappingType.ASYMMETRIC),
+        (torch.float32, 16, 32, PerGroup(32), MappingType.ASYMMETRIC),
+        (torch.bfloat16, 97, 256, PerGroup(32), MappingType.SYMMETRIC),
+        (torch.bfloat16, 33, 128, PerAxis(0), MappingType.ASYMMETRIC),
+    ]
+    for dtype, rows, cols, granularity, mapping in cases:
+        linear = torch.nn.Linear(cols, rows).to(dtype)
+        torchao.quantize_(
+            linear,
+            torchao.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=granularity, mapping_type=mapping),
+        )
+        for batch in (1, 3, 16):
+            x = torch.randn(batch, cols, generator=generator) * 10.0 ** torch.empty(batch, cols).uniform_(
+                -3, 3, generator=generator
+            )
+            mk.int4_dequantized.clear()
+            got = mk.module_rows(linear, x)
+            assert not mk.int4_dequantized, dict(mk.int4_dequantized)
+            assert torch.equal(got, int4_on_sixteen_bits(x, linear)), (int4_build, dtype, rows, cols, batch)
+
+
 def test_int4_weights_train_the_float_parameters_around_them_as_their_dequantized_matrices(one_thread):
     """Training the float parameters around frozen int4 weight-only weights (a bf16 model, `quantize_` freezes them)
     runs the fast path, forward and backward: its loss and every gradient are to the bit those of the bf16 model
