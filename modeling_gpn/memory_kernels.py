@@ -1296,16 +1296,7 @@ static inline __attribute__((always_inline)) void int4_tiles(const gpn_segment *
 #undef GPN_I4_TILE
 #undef GPN_I4_GROUP
 
-/* rows [r0, r1) of an int4 segment (r0 a multiple of 16) for all B batch rows, on the quantized input */
-static void int4_rows(const gpn_segment *sg, const gpn_quantized *q, i64 B, i64 r0, i64 r1)
-{
-    int4_sums8((gpn_quantized *)q);  /* (the calling thread's own) */
-    for (i64 b = 0; b < B; b++) {
-        i64 r = r0;
-        for (; r + 48 < r1; r += 64) int4_tiles(sg, q, b, r, r1, 4);
-        for (; r < r1; r += 16) int4_tiles(sg, q, b, r, r1, 1);
-    }
-}
+enum { INT4_TILES = 4 };  /* tiles a pass: four share each broadcast */
 
 #elif defined(GPN_MADD)
 /* int4 weights on AVX2's byte multiply-adds: the same tiles, a 32-byte load holding 8 weights of 8 rows (half a
@@ -1402,13 +1393,18 @@ static inline __attribute__((always_inline)) void int4_tiles(const gpn_segment *
         }
 }
 
-/* rows [r0, r1) of an int4 segment (r0 a multiple of 16) for all B batch rows, on the quantized input */
+enum { INT4_TILES = 2 };
+#endif
+
+#ifdef GPN_INT4
+/* rows [r0, r1) of an int4 segment (r0 a multiple of 16) for all B batch rows, on the quantized input: INT4_TILES
+   tiles at a time, then one at a time */
 static void int4_rows(const gpn_segment *sg, const gpn_quantized *q, i64 B, i64 r0, i64 r1)
 {
     int4_sums8((gpn_quantized *)q);  /* (the calling thread's own) */
     for (i64 b = 0; b < B; b++) {
         i64 r = r0;
-        for (; r + 16 < r1; r += 32) int4_tiles(sg, q, b, r, r1, 2);
+        for (; r + 16 * (INT4_TILES - 1) < r1; r += 16 * INT4_TILES) int4_tiles(sg, q, b, r, r1, INT4_TILES);
         for (; r < r1; r += 16) int4_tiles(sg, q, b, r, r1, 1);
     }
 }

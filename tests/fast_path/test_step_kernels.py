@@ -323,6 +323,32 @@ def test_int4_weights_run_the_fast_path_on_their_int4_values(one_thread, decoded
     assert 0 < (whole_fast - given_tokens_loop(whole, ids, given)).abs().max() < 2e-2
 
 
+def int4_cases() -> list[tuple]:
+    """(dtype, rows, cols, granularity, mapping) of the int4 products' tests: rows not a multiple of 16 (a last tile
+    partly past the end), one tile whole, groups of 8, 16 and 32 weights and of a whole row, zero points all 0 and
+    not, float32 and bf16 modules."""
+    from torchao.quantization import MappingType
+    from torchao.quantization.granularity import PerAxis, PerGroup
+
+    return [
+        (torch.float32, 61, 64, PerGroup(8), MappingType.SYMMETRIC),
+        (torch.float32, 61, 64, PerGroup(16), MappingType.ASYMMETRIC),
+        (torch.float32, 16, 32, PerGroup(32), MappingType.ASYMMETRIC),
+        (torch.float32, 200, 768, PerGroup(32), MappingType.ASYMMETRIC),
+        (torch.float32, 33, 256, PerAxis(0), MappingType.SYMMETRIC),
+        (torch.bfloat16, 97, 256, PerGroup(32), MappingType.SYMMETRIC),
+        (torch.bfloat16, 48, 96, PerGroup(32), MappingType.ASYMMETRIC),
+    ]
+
+
+def int4_linear(dtype: torch.dtype, rows: int, cols: int, granularity, mapping) -> torch.nn.Linear:
+    """An nn.Linear (cols -> rows, with a bias) in `dtype`, its weight quantized by torchao's int4 weight-only config."""
+    linear = torch.nn.Linear(cols, rows).to(dtype)
+    config = torchao.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=granularity, mapping_type=mapping)
+    torchao.quantize_(linear, config)
+    return linear
+
+
 def test_int4_products_multiply_the_exact_int4_weights_within_the_inputs_rounding(one_thread):
     """The int4 products (`memory_kernels.int4_pack`'s layout, read by the kernel's `int4_rows`) of a torchao int4
     linear, for rows not a multiple of 16 (a last tile partly past the end), groups of 8, 16 and 32 weights and of a
@@ -334,26 +360,13 @@ def test_int4_products_multiply_the_exact_int4_weights_within_the_inputs_roundin
     import ctypes
 
     require_int4_products()
-    from torchao.quantization import MappingType
-    from torchao.quantization.granularity import PerAxis, PerGroup
+    from torchao.quantization.granularity import PerGroup
 
     from modeling_gpn import memory_kernels as mk
 
     generator = torch.Generator().manual_seed(71)
-    cases = [
-        (torch.float32, 61, 64, PerGroup(8), MappingType.SYMMETRIC),
-        (torch.float32, 61, 64, PerGroup(16), MappingType.ASYMMETRIC),
-        (torch.float32, 200, 768, PerGroup(32), MappingType.ASYMMETRIC),
-        (torch.float32, 33, 256, PerAxis(0), MappingType.SYMMETRIC),
-        (torch.bfloat16, 97, 256, PerGroup(32), MappingType.SYMMETRIC),
-        (torch.bfloat16, 48, 96, PerGroup(32), MappingType.ASYMMETRIC),
-    ]
-    for dtype, rows, cols, granularity, mapping in cases:
-        linear = torch.nn.Linear(cols, rows).to(dtype)
-        torchao.quantize_(
-            linear,
-            torchao.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=granularity, mapping_type=mapping),
-        )
+    for dtype, rows, cols, granularity, mapping in int4_cases():
+        linear = int4_linear(dtype, rows, cols, granularity, mapping)
         held = linear.weight.__dict__
         group = held["block_size"][1]
         values = held["qdata"].double() - held["zero_point"].double().repeat_interleave(group, 1)
@@ -406,7 +419,6 @@ def int4_on_sixteen_bits(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tens
     float32 multiply-adds of their float32 scales, times 2^-sh, plus the bias, then rounded to bf16 on a bf16 module.
     (A multiply-add here is the exact product, exact in float64, plus the sum rounded to float64 then to float32:
     twice, where the kernels' fused one rounds once; the two differ only where float64 lands on a float32 tie.)"""
-    import math
 
     from modeling_gpn.recurrence_step import int4_weight_parts
 
@@ -423,12 +435,8 @@ def int4_on_sixteen_bits(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tens
     bias = linear.bias.float() if linear.bias is not None else None
     out = []
     for row in x.bfloat16().float() if bf16 else x:
-        top, shift = row.abs().max().item(), 0
-        if top > 0:
-            shift = 15 - math.frexp(top)[1]
-            if math.ldexp(top, shift) > 32512:
-                shift -= 1
-        x_q = torch.round(row.double() * 2.0**shift).to(torch.int64).reshape(-1, group)
+        x_q, shift = on_sixteen_bits_row(row)
+        x_q = x_q.reshape(-1, group)
         sums = (values * x_q).sum(-1).float().double()  # (rows, groups): exact integers, then float32 as cvtepi32_ps
         y = torch.zeros(q.shape[0], dtype=torch.float64)
         for g in range(sums.shape[1]):
@@ -445,25 +453,12 @@ def test_int4_products_are_exact_group_sums_on_sixteen_bits_in_every_build(int4_
     rows not a multiple of 16 (a last tile partly past the end; one tile and two at a time), groups of 8, 16 and 32
     weights and of a whole row, zero points all 0 and not, float32 and bf16 modules with a bias, and 1-16 batch rows.
     So AVX2's byte multiply-adds sum what VNNI's dot products sum, in the same order after the sums."""
-    from torchao.quantization import MappingType
-    from torchao.quantization.granularity import PerAxis, PerGroup
 
     from modeling_gpn import memory_kernels as mk
 
     generator = torch.Generator().manual_seed(72)
-    cases = [
-        (torch.float32, 61, 64, PerGroup(8), MappingType.SYMMETRIC),
-        (torch.float32, 45, 96, PerGroup(16), MappingType.ASYMMETRIC),
-        (torch.float32, 16, 32, PerGroup(32), MappingType.ASYMMETRIC),
-        (torch.bfloat16, 97, 256, PerGroup(32), MappingType.SYMMETRIC),
-        (torch.bfloat16, 33, 128, PerAxis(0), MappingType.ASYMMETRIC),
-    ]
-    for dtype, rows, cols, granularity, mapping in cases:
-        linear = torch.nn.Linear(cols, rows).to(dtype)
-        torchao.quantize_(
-            linear,
-            torchao.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=granularity, mapping_type=mapping),
-        )
+    for dtype, rows, cols, granularity, mapping in int4_cases():
+        linear = int4_linear(dtype, rows, cols, granularity, mapping)
         for batch in (1, 3, 16):
             x = torch.randn(batch, cols, generator=generator) * 10.0 ** torch.empty(batch, cols).uniform_(
                 -3, 3, generator=generator
@@ -960,12 +955,24 @@ def int8_linear(rows: int, cols: int, dtype: torch.dtype, seed: int) -> torch.nn
     return linear
 
 
+def on_sixteen_bits_row(row: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(x_q, sh): a float32 row as x_q 2^-sh, x_q the integers nearest row 2^sh (ties to even), sh chosen for the row's
+    largest |x| times 2^sh in (16256, 32512], as the kernels' `quantize_input` rounds an input row (sh = 0 for zeros)."""
+    import math
+
+    top, shift = row.abs().max().item(), 0
+    if top > 0:
+        shift = 15 - math.frexp(top)[1]
+        if math.ldexp(top, shift) > 32512:
+            shift -= 1
+    return torch.round(row.double() * 2.0**shift).to(torch.int64), shift
+
+
 def on_sixteen_bits(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
     """What the kernels compute: each row of x (rounded to bf16 first on a bf16 module) written as x_q 2^-sh with
     x_q the integers nearest x 2^sh (sh: the row's largest |x| times 2^sh in (16256, 32512]), the exact integer
     sums <w, x_q> times 2^-sh, rounded once to float32, times the row's scale (then rounded to bf16 on a bf16
     module)."""
-    import math
 
     from modeling_gpn.recurrence_step import int8_weight_parts
 
@@ -973,12 +980,8 @@ def on_sixteen_bits(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
     weights, scale, bf16 = parts.qdata.to(torch.int64), parts.scale.float().reshape(-1), parts.dtype == torch.bfloat16
     rows = []
     for row in x.bfloat16().float() if bf16 else x:
-        top, shift = row.abs().max().item(), 0
-        if top > 0:
-            shift = 15 - math.frexp(top)[1]
-            if math.ldexp(top, shift) > 32512:
-                shift -= 1
-        sums = weights @ torch.round(row.double() * 2.0**shift).to(torch.int64)
+        x_q, shift = on_sixteen_bits_row(row)
+        sums = weights @ x_q
         y = (sums.double() * 2.0**-shift).float() * scale
         rows.append(y.bfloat16().float() if bf16 else y)
     return torch.stack(rows)
