@@ -48,6 +48,7 @@ def test_two_workers_that_may_split_a_module_are_refused_before_any_test():
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", __file__ + "::test_nothing"],
         cwd=REPO_ROOT,
+        env={name: value for name, value in os.environ.items() if name != "PYTEST_ADDOPTS"},  # (the options above only)
         capture_output=True,
         text=True,
         timeout=300,
