@@ -2949,8 +2949,8 @@ def int4_operand(weight: torch.Tensor) -> tuple[Int4Weight, Int4Packed] | None:
 def int4_packing(weight: torch.Tensor) -> tuple[tuple[Int4Weight, Int4Packed] | None, str]:
     """The parts of a low-bit weight and their packing for the int4 products, or None and why they do not take it:
     not int4 values in groups they take (`int4_weight_parts`), products built without VNNI or AVX2 (the int4
-    products run on their integer multiply-adds; without them the bf16 matrix is read faster), `GPN_INT4_KERNEL=0` (for A/B runs), or a
-    value outside int4's range. Counts nothing (`int4_operand` does, for the operands made)."""
+    products run on their integer multiply-adds; without them the bf16 matrix is read faster), `GPN_INT4_KERNEL=0`
+    (for A/B runs), or a value outside int4's range. Counts nothing (`int4_operand` does, for the operands made)."""
     parts = int4_weight_parts(weight)
     if parts is None:
         least, most = INT4_GROUPS
