@@ -7,7 +7,9 @@ in every repeat, so the machine's noisy spells hit both builds alike.
     python benchmarks/ab_kernel_builds.py --dtype bfloat16 --a=-DPREFETCH=0 --b=
 
 Per preset and dtype, medians over the repeats: the one-token step (a forward of one token with its cache,
-batch 1) and a prompt's prefill per token (`--prompt` tokens), each over its byte limit (`bench.limit`).
+batch 1) and a prompt's prefill per token (`--prompt` tokens), each over its byte limit (`bench.limit`). The steps
+and the prompts continue one cache, so what they derive from the weights (int4 packed, int8 tiles) is derived once,
+as inside one generate() call, whichever build runs.
 Each build is compiled into a kernel cache of its own under the system's temporary folder. With one thread
 the clock is the thread's CPU time (a descheduled thread does not accrue it); with more, wall time.
 """
@@ -23,7 +25,7 @@ import time
 import torch
 
 from modeling_gpn import memory_kernels
-from modeling_gpn.bench import ReadProbe, build_gpn, one_token_step_fn, prefill_bytes, step_bytes
+from modeling_gpn.bench import ReadProbe, build_gpn, prefill_bytes, step_bytes
 
 
 def build(extra_flags: str, folder: str):
@@ -73,8 +75,14 @@ def main() -> None:
 
 def run(preset: str, dtype: str, args, builds: dict, clock) -> None:
     model = build_gpn(preset, dtype, "cpu", 0).eval()
-    step = one_token_step_fn(model, 1, model.config.vocab_size, "cpu")
     ids = torch.randint(1, model.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # (one cache for the steps and the prompts, as in generate(): what they derive, derived once)
+        held = {"cache": model(ids, logits_to_keep=1, use_cache=True).cache}
+
+    def step() -> None:  # (a one-token step, as `one_token_step_fn`'s)
+        with torch.no_grad():
+            held["cache"] = model(ids[:, -1:], cache=held["cache"], use_cache=True).cache
+
     limit, prompt_limit = ReadProbe(step_bytes(model)), ReadProbe(prefill_bytes(model))
     times = {key: [] for key in ("A", "B", "prefill A", "prefill B", "limit", "prompt limit")}
     for repeat in range(args.repeats + 1):  # (the first repeat warms up and is dropped)
@@ -90,9 +98,8 @@ def run(preset: str, dtype: str, args, builds: dict, clock) -> None:
                 times[side].append((clock() - start) / args.steps)
             if position % 2 == 0:  # (each side's prefill once a repeat)
                 with torch.no_grad():
-                    model(ids[:, :8], logits_to_keep=1, use_cache=False)
                     start = clock()
-                    model(ids, logits_to_keep=1, use_cache=False)
+                    held["cache"] = model(ids, cache=held["cache"], logits_to_keep=1, use_cache=True).cache
                     if repeat:
                         times[f"prefill {side}"].append((clock() - start) / args.prompt)
         for key, probe in (("limit", limit), ("prompt limit", prompt_limit)):

@@ -1309,6 +1309,12 @@ enum { INT4_TILES = 4 };  /* tiles a pass: four share each broadcast */
    registers. */
 #define GPN_INT4 1
 enum { INT4_MAX_GROUP = 4096 };  /* (as VNNI's: the same int32 sums) */
+/* rounds of 8 weights a 16-bit lane sums before it is widened: each round adds two pairs of products, at most
+   2 x 2 x 15 x 128 = 7,680 in magnitude, so four stay within int16 (30,720) and the sums stay exact.
+   -DINT4_STEPS16=1 widens every round, for an A/B. */
+#ifndef INT4_STEPS16
+#define INT4_STEPS16 4
+#endif
 
 /* the planes of the 16-bit input and the sums of x_q over each 8 elements of every batch row, once per input */
 static void int4_sums8(gpn_quantized *q)
@@ -1353,23 +1359,34 @@ static inline __attribute__((always_inline)) void int4_tiles(const gpn_segment *
         __m256i h[2][2], l[2][2];
         for (int t = 0; t < NT; t++) h[t][0] = h[t][1] = l[t][0] = l[t][1] = _mm256_setzero_si256();
         int32_t xsum = 0;
-        for (i64 k = g * G; k < g * G + G; k += 8) {
-            xsum += s8[k / 8];
-            const __m256i bh0 = broadcast4(xh + k), bl0 = broadcast4(xl + k);
-            const __m256i bh1 = broadcast4(xh + k + 4), bl1 = broadcast4(xl + k + 4);
-            const uint8_t *at = base + 8 * k;
-            for (int t = 0; t < NT; t++) {
-                if (NEAR_PREFETCH) _mm_prefetch((const char *)at + t * tile_bytes + NEAR_AHEAD, _MM_HINT_T1);
-                for (int half = 0; half < 2; half++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(at + t * tile_bytes + 32 * half));
-                    const __m256i w0 = _mm256_and_si256(v, nibble);
-                    const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-                    h[t][half] = _mm256_add_epi32(h[t][half], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, bh0), ones));
-                    l[t][half] = _mm256_add_epi32(l[t][half], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, bl0), ones));
-                    h[t][half] = _mm256_add_epi32(h[t][half], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, bh1), ones));
-                    l[t][half] = _mm256_add_epi32(l[t][half], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, bl1), ones));
+        for (i64 chunk = g * G; chunk < g * G + G; chunk += 8 * INT4_STEPS16) {
+            /* up to INT4_STEPS16 rounds of 8 weights summed in 16 bits, then widened once */
+            __m256i h16[2][2], l16[2][2];
+            for (int t = 0; t < NT; t++) h16[t][0] = h16[t][1] = l16[t][0] = l16[t][1] = _mm256_setzero_si256();
+            const i64 end = chunk + 8 * INT4_STEPS16 < g * G + G ? chunk + 8 * INT4_STEPS16 : g * G + G;
+            for (i64 k = chunk; k < end; k += 8) {
+                xsum += s8[k / 8];
+                const __m256i bh0 = broadcast4(xh + k), bl0 = broadcast4(xl + k);
+                const __m256i bh1 = broadcast4(xh + k + 4), bl1 = broadcast4(xl + k + 4);
+                const uint8_t *at = base + 8 * k;
+                for (int t = 0; t < NT; t++) {
+                    if (NEAR_PREFETCH) _mm_prefetch((const char *)at + t * tile_bytes + NEAR_AHEAD, _MM_HINT_T1);
+                    for (int half = 0; half < 2; half++) {
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)(at + t * tile_bytes + 32 * half));
+                        const __m256i w0 = _mm256_and_si256(v, nibble);
+                        const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+                        h16[t][half] = _mm256_add_epi16(h16[t][half], _mm256_add_epi16(_mm256_maddubs_epi16(w0, bh0),
+                                                                                        _mm256_maddubs_epi16(w1, bh1)));
+                        l16[t][half] = _mm256_add_epi16(l16[t][half], _mm256_add_epi16(_mm256_maddubs_epi16(w0, bl0),
+                                                                                        _mm256_maddubs_epi16(w1, bl1)));
+                    }
                 }
             }
+            for (int t = 0; t < NT; t++)
+                for (int half = 0; half < 2; half++) {
+                    h[t][half] = _mm256_add_epi32(h[t][half], _mm256_madd_epi16(h16[t][half], ones));
+                    l[t][half] = _mm256_add_epi32(l[t][half], _mm256_madd_epi16(l16[t][half], ones));
+                }
         }
         const __m256i xg = _mm256_set1_epi32(xsum), xg8 = _mm256_set1_epi32(8 * xsum);
         for (int t = 0; t < NT; t++)
