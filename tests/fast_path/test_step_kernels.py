@@ -451,8 +451,9 @@ def int4_on_sixteen_bits(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tens
 def test_int4_products_are_exact_group_sums_on_sixteen_bits_in_every_build(int4_build):
     """Every build that reads int4 weights as int4 computes the same outputs to the bit: `int4_on_sixteen_bits`, for
     rows not a multiple of 16 (a last tile partly past the end; one tile and two at a time), groups of 8, 16 and 32
-    weights and of a whole row, zero points all 0 and not, float32 and bf16 modules with a bias, and 1-16 batch rows.
-    So AVX2's byte multiply-adds sum what VNNI's dot products sum, in the same order after the sums."""
+    weights and of a whole row, zero points all 0 and not, float32 and bf16 modules with a bias, and 1-16 batch rows,
+    and at the sums' extremes. So AVX2's byte multiply-adds sum what VNNI's dot products sum, in the same order after
+    the sums."""
 
     from modeling_gpn import memory_kernels as mk
 
@@ -467,6 +468,17 @@ def test_int4_products_are_exact_group_sums_on_sixteen_bits_in_every_build(int4_
             got = mk.module_rows(linear, x)
             assert not mk.int4_dequantized, dict(mk.int4_dequantized)
             assert torch.equal(got, int4_on_sixteen_bits(x, linear)), (int4_build, dtype, rows, cols, batch)
+
+    # the sums' extremes: every weight's value 7 (unsigned 15, the most) against an input at its largest in every
+    # element, of either sign, over a whole row of 256 (AVX2 sums rounds of 8 weights in 16-bit lanes before it widens
+    # them: 4 rounds reach 30,480 of int16's 32,767, a fifth would wrap)
+    from torchao.quantization import MappingType
+    from torchao.quantization.granularity import PerAxis
+
+    linear = int4_linear(torch.float32, 16, 256, PerAxis(0), MappingType.SYMMETRIC)
+    linear.weight.__dict__["qdata"].fill_(7)
+    x = torch.tensor([[1.0], [-1.0], [3e-3]]).expand(3, 256).contiguous()
+    assert torch.equal(mk.module_rows(linear, x), int4_on_sixteen_bits(x, linear)), int4_build
 
 
 def test_int4_weights_train_the_float_parameters_around_them_as_their_dequantized_matrices(one_thread):
