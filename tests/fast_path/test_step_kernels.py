@@ -477,7 +477,7 @@ def test_int4_products_are_exact_group_sums_on_sixteen_bits_in_every_build(int4_
 
     linear = int4_linear(torch.float32, 16, 256, PerAxis(0), MappingType.SYMMETRIC)
     linear.weight.__dict__["qdata"].fill_(7)
-    x = torch.tensor([[1.0], [-1.0], [3e-3]]).expand(3, 256).contiguous()
+    x = torch.tensor([[127 / 64], [-127 / 64], [3e-3]]).expand(3, 256).contiguous()  # (x_q = +-32,512: planes +-127)
     assert torch.equal(mk.module_rows(linear, x), int4_on_sixteen_bits(x, linear)), int4_build
 
 
