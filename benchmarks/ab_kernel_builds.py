@@ -25,7 +25,7 @@ import time
 import torch
 
 from modeling_gpn import memory_kernels
-from modeling_gpn.bench import ReadProbe, build_gpn, prefill_bytes, step_bytes
+from modeling_gpn.bench import ReadProbe, build_gpn, prefill_bytes, step_and_prefill_fns, step_bytes
 
 
 def build(extra_flags: str, folder: str):
@@ -76,13 +76,7 @@ def main() -> None:
 def run(preset: str, dtype: str, args, builds: dict, clock) -> None:
     model = build_gpn(preset, dtype, "cpu", 0).eval()
     ids = torch.randint(1, model.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():  # (one cache for the steps and the prompts, as in generate(): what they derive, derived once)
-        held = {"cache": model(ids, logits_to_keep=1, use_cache=True).cache}
-
-    def step() -> None:  # (a one-token step, as `one_token_step_fn`'s)
-        with torch.no_grad():
-            held["cache"] = model(ids[:, -1:], cache=held["cache"], use_cache=True).cache
-
+    step, prefill = step_and_prefill_fns(model, ids)  # (one cache, as in generate())
     limit, prompt_limit = ReadProbe(step_bytes(model)), ReadProbe(prefill_bytes(model))
     times = {key: [] for key in ("A", "B", "prefill A", "prefill B", "limit", "prompt limit")}
     for repeat in range(args.repeats + 1):  # (the first repeat warms up and is dropped)
@@ -97,11 +91,10 @@ def run(preset: str, dtype: str, args, builds: dict, clock) -> None:
             if repeat:
                 times[side].append((clock() - start) / args.steps)
             if position % 2 == 0:  # (each side's prefill once a repeat)
-                with torch.no_grad():
-                    start = clock()
-                    held["cache"] = model(ids, cache=held["cache"], logits_to_keep=1, use_cache=True).cache
-                    if repeat:
-                        times[f"prefill {side}"].append((clock() - start) / args.prompt)
+                start = clock()
+                prefill()
+                if repeat:
+                    times[f"prefill {side}"].append((clock() - start) / args.prompt)
         for key, probe in (("limit", limit), ("prompt limit", prompt_limit)):
             start = clock()
             for _ in range(args.steps):

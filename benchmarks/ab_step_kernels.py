@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from modeling_gpn.bench import ReadProbe, build_gpn, prefill_bytes, step_bytes
+from modeling_gpn.bench import ReadProbe, build_gpn, prefill_bytes, step_and_prefill_fns, step_bytes
 
 SIDES = {  # the settings of each side (the prefill is the same on the last two: only decoding differs)
     "torch ops": {"GPN_STEP_KERNELS": "0", "GPN_DECODE_KERNEL": "1"},
@@ -59,13 +59,7 @@ def main() -> None:
             ids = torch.randint(
                 1, model.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0)
             )
-            with torch.no_grad():  # (one cache, as in generate(): a second would hold a second copy of what is derived)
-                held = {"cache": model(ids, logits_to_keep=1, use_cache=True).cache}
-
-            def step(held=held, token=ids[:, -1:], model=model) -> None:  # (a one-token step, as `one_token_step_fn`)
-                with torch.no_grad():
-                    held["cache"] = model(token, cache=held["cache"], use_cache=True).cache
-
+            step, prefill = step_and_prefill_fns(model, ids)  # (one cache, as in generate())
             limit, prompt_limit = ReadProbe(step_bytes(model)), ReadProbe(prefill_bytes(model))
             times = {
                 key: [] for key in ("limit", "prompt limit", *[(s, k) for s in SIDES for k in ("step", "prefill")])
@@ -79,10 +73,9 @@ def main() -> None:
                     times[(side, "step")].append((clock() - start) / args.steps)
                     if side == "one-call decode":
                         continue  # (its prefill is the step kernels')
-                    with torch.no_grad():
-                        start = clock()
-                        held["cache"] = model(ids, cache=held["cache"], logits_to_keep=1, use_cache=True).cache
-                        times[(side, "prefill")].append((clock() - start) / args.prompt)
+                    start = clock()
+                    prefill()
+                    times[(side, "prefill")].append((clock() - start) / args.prompt)
                 for key, probe in (("limit", limit), ("prompt limit", prompt_limit)):
                     start = clock()
                     for _ in range(args.steps):
@@ -99,7 +92,7 @@ def main() -> None:
                 f"{ratio((torch_ops, 'prefill'), 'prompt limit')} | {ratio((kernels, 'prefill'), 'prompt limit')} |",
                 flush=True,
             )
-            del model, step
+            del model, step, prefill
 
 
 if __name__ == "__main__":

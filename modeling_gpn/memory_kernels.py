@@ -1305,8 +1305,8 @@ enum { INT4_TILES = 4 };  /* tiles a pass: four share each broadcast */
    unsigned weights by four bytes of a plane broadcast, into pairs of products (at most 2 x 15 x 128 in magnitude:
    never saturated), and vpmaddwd against ones adds each two pairs into the row's int32 lane: VNNI's vpdpbusd in two
    instructions, the same exact integers, then the same float32 epilogue a group at a time, so the outputs are
-   VNNI's to the bit. Two tiles at a time: their 8 accumulators, the 4 broadcasts and 2 constants fill the 16
-   registers. */
+   VNNI's to the bit. Two tiles at a time (four halves of 8 rows) share each round's 4 broadcasts; more would spill
+   their accumulators (16-bit and 32-bit, `INT4_STEPS16`) from AVX2's 16 registers. */
 #define GPN_INT4 1
 enum { INT4_MAX_GROUP = 4096 };  /* (as VNNI's: the same int32 sums) */
 /* rounds of 8 weights a 16-bit lane sums before it is widened: each round adds two pairs of products, at most

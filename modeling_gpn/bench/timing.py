@@ -253,6 +253,15 @@ def one_token_step_fn(
     Without autograd, as decoding runs."""
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(1, vocab, (rows, prompt_length), generator=generator).to(device)
+    return step_and_prefill_fns(model, prompt)[0]
+
+
+def step_and_prefill_fns(model: PreTrainedModel, prompt: torch.Tensor) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(step, prefill) after a forward of `prompt` (rows, length) with a new cache: a call of `step` is the model's
+    one-token step (`prompt`'s last token again, as `one_token_step_fn`'s), one of `prefill` a forward of the whole
+    prompt (`logits_to_keep=1`, as generate() asks), both continuing that one cache, so what they derive from the
+    weights (a plan, int4 values packed, int8 tiles) is derived once, as inside one generate() call: a cache-less
+    prompt would derive it at every call, a second cache would hold a second copy. Without autograd."""
     token = prompt[:, -1:]
 
     def cache_of(output: ModelOutput):
@@ -265,4 +274,8 @@ def one_token_step_fn(
         with torch.no_grad():
             state["cache"] = cache_of(model(input_ids=token, cache=state["cache"], use_cache=True))
 
-    return step
+    def prefill() -> None:
+        with torch.no_grad():
+            state["cache"] = cache_of(model(input_ids=prompt, cache=state["cache"], use_cache=True, logits_to_keep=1))
+
+    return step, prefill
