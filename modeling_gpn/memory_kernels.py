@@ -763,22 +763,43 @@ static inline __attribute__((always_inline)) void dot_block(
     for (int b = 0; b < NB; b++) { sums[2][b] = upper[0][b]; sums[3][b] = upper[1][b]; }
 }
 
-/* <rows[i], x> for NR = 1 or 2 rows and one batch row, each row read as one sequential stream (four
-   accumulators a row, 32 weights a round). Two rows share each load of the input (`paired_rows`); each row's
-   sum is the one it has alone, to the bit. */
-static inline __attribute__((always_inline)) void dot_rows(const void *const rows[2], const int NR, const int KIND,
+/* Rows streamed from DRAM (FAR_ROWS) at one batch row are read four at a time (`far_quads`), four streams in
+   flight: one row at a time (prefetched FAR_AHEAD on), which reads as fast as a plain read on the AVX-512 build's
+   hosts, kept too few reads in flight on AMD's Zen 3, where the 130M model's float32 and bf16 steps and prefill
+   were faster with quads at 1 and 2 threads (benchmarks/RESULTS.md). Float32 quads stream fastest on the
+   hardware's prefetcher alone; bf16 ones, half the bytes a multiply-add, still need the next quad's lines
+   prefetched. -DFAR_QUADS=0 builds the rows one at a time, -DQUAD_PREFETCH=... names the kinds prefetched
+   (1 << KIND), for an A/B. */
+#ifndef FAR_QUADS
+#define FAR_QUADS 1
+#endif
+#if FAR_QUADS
+#define GPN_FAR_QUADS 1
+#endif
+#ifndef QUAD_PREFETCH
+#define QUAD_PREFETCH (1 << KIND_BF16)
+#endif
+
+/* <rows[i], x> for NR = 1, 2 or 4 rows and one batch row, each row read as one sequential stream (four
+   accumulators a row, 32 weights a round). The rows share each load of the input (`paired_rows`, `far_quads`);
+   each row's sum is the one it has alone, to the bit. */
+static inline __attribute__((always_inline)) void dot_rows(const void *const rows[], const int NR, const int KIND,
                                                            const float *x, const uint16_t *xb, i64 K, const int FAR,
-                                                           float sums[2])
+                                                           float sums[])
 {
     (void)xb;
     const i64 ES = KIND == KIND_F32 ? 4 : KIND == KIND_BF16 ? 2 : 1;
-    __m256 acc[2][4];
+    __m256 acc[4][4];
     for (int i = 0; i < NR; i++)
         for (int a = 0; a < 4; a++) acc[i][a] = _mm256_setzero_ps();
     i64 k = 0;
     for (; k + 32 <= K; k += 32) {
         for (int i = 0; i < NR; i++)
-            if (FAR && KIND != KIND_I8)
+            if (FAR && NR == 4) {
+                if ((QUAD_PREFETCH >> KIND) & 1)  /* (the same columns of the next quad, once a line) */
+                    for (i64 line = 0; line < 32 * ES; line += 64)
+                        _mm_prefetch((const char *)rows[i] + ES * (4 * K + k) + line, _MM_HINT_T0);
+            } else if (FAR && KIND != KIND_I8)
                 for (i64 line = 0; line < 32 * ES; line += 64)
                     _mm_prefetch((const char *)rows[i] + ES * k + line + FAR_AHEAD, _MM_HINT_T2);
             else if (!FAR && NEAR_PREFETCH && KIND == KIND_BF16)
@@ -1525,6 +1546,17 @@ static int paired_rows(const gpn_segment *sg, i64 B)
 #endif
 }
 
+/* Whether segment_rows reads the rows of `sg` four at a time at B batch rows (the AVX2 build's `far_quads`) */
+static int far_quads(const gpn_segment *sg, i64 B)
+{
+#ifdef GPN_FAR_QUADS
+    return B == 1 && (sg->kind == KIND_F32 || sg->kind == KIND_BF16) && (sg->flags & FAR_ROWS);
+#else
+    (void)sg; (void)B;
+    return 0;
+#endif
+}
+
 static void segment_rows(const gpn_segment *sg, i64 B, i64 r0, i64 r1)
 {
     const i64 K = sg->cols, es = weight_size(sg->kind);
@@ -1559,6 +1591,16 @@ static void segment_rows(const gpn_segment *sg, i64 B, i64 r0, i64 r1)
     if (B == 1 && (sg->kind != KIND_I8 || (sg->flags & STREAM_ROWS))) {
         const int far = (sg->flags & FAR_ROWS) != 0;
         i64 r = r0;
+#ifdef GPN_FAR_QUADS
+        if (far_quads(sg, B))  /* (the rows left over then go as below: each row's sum is the same either way) */
+            for (; r + 4 <= r1; r += 4) {
+                const void *rows[4] = {w + r * K * es, w + (r + 1) * K * es, w + (r + 2) * K * es, w + (r + 3) * K * es};
+                float y[4];
+                if (sg->kind == KIND_F32) dot_rows(rows, 4, KIND_F32, sg->x, sg->xb, K, 1, y);
+                else dot_rows(rows, 4, KIND_BF16, sg->x, sg->xb, K, 1, y);
+                for (int i = 0; i < 4; i++) store_output(sg, 0, r + i, y[i]);
+            }
+#endif
         if (paired_rows(sg, B))
             for (; r + 2 <= r1; r += 2) {
                 const void *rows[2] = {w + r * K * es, w + (r + 1) * K * es};
@@ -1770,6 +1812,8 @@ void gpn_linear(const gpn_segment *segs, const i64 *tasks, i64 n_tasks, i64 B, i
 
 /* Whether segment_rows reads the rows of `sg` two at a time at B batch rows (`paired_rows`; asked by the tests) */
 int gpn_paired_rows(const gpn_segment *sg, i64 B) { return paired_rows(sg, B); }
+/* Whether segment_rows reads the rows of `sg` four at a time at B batch rows (`far_quads`; asked by the tests) */
+int gpn_far_quads(const gpn_segment *sg, i64 B) { return far_quads(sg, B); }
 /* Whether segment_rows holds the input of `sg` in registers at B batch rows (`held_input`; asked by the tests) */
 int gpn_held_input(const gpn_segment *sg, i64 B) { return held_input(sg, B); }
 int gpn_tiled_input(const gpn_segment *sg, i64 B) { return tiled_input(sg, B, 0); }
@@ -2162,6 +2206,7 @@ _SYMBOLS = (
     "gpn_int8_tiles",
     "gpn_int4_pack",
     "gpn_paired_rows",
+    "gpn_far_quads",
     "gpn_held_input",
     "gpn_tiled_input",
     "gpn_int4_products",
@@ -2339,6 +2384,8 @@ def _load_verified(folder: Path, key: str) -> ctypes.CDLL:
     lib.gpn_int4_pack.argtypes, lib.gpn_int4_pack.restype = [p, p, p, i64, i64, i64, p, p, p], ctypes.c_int
     lib.gpn_paired_rows.argtypes = [p, i64]
     lib.gpn_paired_rows.restype = ctypes.c_int
+    lib.gpn_far_quads.argtypes = [p, i64]
+    lib.gpn_far_quads.restype = ctypes.c_int
     lib.gpn_held_input.argtypes = [p, i64]
     lib.gpn_held_input.restype = ctypes.c_int
     lib.gpn_tiled_input.argtypes, lib.gpn_tiled_input.restype = [p, i64], ctypes.c_int

@@ -386,6 +386,24 @@ MUTATIONS = [
         ("tests/fast_path/test_step_kernels.py -k read_in_pairs and not portable",),
     ),
     Mutation(
+        "rows streamed from DRAM read one at a time in the AVX2 build, not four at a time",
+        "modeling_gpn/memory_kernels.py",
+        "#if FAR_QUADS\n#define GPN_FAR_QUADS 1\n#endif\n",
+        "",
+        (
+            "tests/fast_path/test_step_kernels.py::test_rows_streamed_from_dram_are_read_four_at_a_time_in_the_avx2_build[avx2]",
+        ),
+    ),
+    Mutation(
+        "a quad of rows (the fourth row given the third's sum)",
+        "modeling_gpn/memory_kernels.py",
+        "                for (int i = 0; i < 4; i++) store_output(sg, 0, r + i, y[i]);\n",
+        "                for (int i = 0; i < 4; i++) store_output(sg, 0, r + i, y[i < 3 ? i : 2]);\n",
+        (
+            "tests/fast_path/test_step_kernels.py::test_rows_streamed_from_dram_are_read_four_at_a_time_in_the_avx2_build[avx2]",
+        ),
+    ),
+    Mutation(
         "a pair of float rows (the second row given the first's sum)",
         "modeling_gpn/memory_kernels.py",
         "                store_output(sg, 0, r + 1, y[1]);\n",

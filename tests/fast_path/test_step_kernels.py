@@ -646,9 +646,9 @@ def segment_product(monkeypatch, op, x: torch.Tensor, streamed: bool) -> tuple[t
 
 def test_long_float_rows_streamed_from_dram_are_read_in_pairs(monkeypatch, products_build):
     """Float32 rows of 4,096 weights and more, streamed from DRAM at one batch row, are read two at a time (one
-    read of the input for both): each row's sum is the one it has read alone, to the bit, and the product is
-    F.linear's. Shorter rows, rows within the L3 and more batch rows are read as before, a row at a time or four.
-    (The plain C build has no pairs.)"""
+    read of the input for both; in the AVX2 build, the rows its quads leave: `far_quads`): each row's sum is the one
+    it has read alone, to the bit, and the product is F.linear's. Shorter rows, rows within the L3 and more batch
+    rows are read as before, a row at a time or four. (The plain C build has no pairs.)"""
     from modeling_gpn import memory_kernels as mk
 
     def product(rows: int, cols: int, streamed: bool, batch: int = 1):
@@ -658,13 +658,51 @@ def test_long_float_rows_streamed_from_dram_are_read_in_pairs(monkeypatch, produ
         out, paired = segment_product(monkeypatch, op, x, streamed)
         return paired, out, torch.nn.functional.linear(x, weight)
 
-    # (9 rows: a pair's tail row; 4,100 weights: a masked tail of each row)
-    for rows, cols, streamed, batch, pairs in ((9, 4100, True, 1, 1), (9, 4000, True, 1, 0), (9, 4100, False, 1, 0)):
+    # (11 rows: a pair's tail row, and in the AVX2 build a pair after two quads; 4,100 weights: a masked tail of
+    # each row)
+    for rows, cols, streamed, batch, pairs in ((11, 4100, True, 1, 1), (11, 4000, True, 1, 0), (11, 4100, False, 1, 0)):
         paired, out, want = product(rows, cols, streamed, batch)
         assert paired == (pairs if products_build != "portable" else 0), (rows, cols, streamed)
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
-    assert product(9, 4100, True, batch=2)[0] == 0
-    assert torch.equal(product(9, 4100, True)[1], product(9, 4100, False)[1])
+    assert product(11, 4100, True, batch=2)[0] == 0
+    assert torch.equal(product(11, 4100, True)[1], product(11, 4100, False)[1])
+
+
+def test_rows_streamed_from_dram_are_read_four_at_a_time_in_the_avx2_build(monkeypatch, products_build):
+    """In the AVX2 build, float32 and bf16 rows streamed from DRAM at one batch row are read four at a time, four
+    streams in flight (`far_quads`): each row's sum is the one it has read alone (in the L3, a row at a time), to
+    the bit, whatever the rows left over after the quads (a pair, one row) and the row's length (a tail of fewer
+    than 32 or 8 weights), and the product is F.linear's. Rows in the L3, int8 rows, more batch rows and the
+    other builds are read as before."""
+    import ctypes
+
+    from modeling_gpn import memory_kernels as mk
+
+    def product(kind: int, rows: int, cols: int, streamed: bool, batch: int = 1):
+        x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(54))
+        weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(55))
+        if kind == mk.KIND_BF16:
+            weight, x = weight.bfloat16(), x.bfloat16().float()
+            want = torch.nn.functional.linear(x.bfloat16(), weight).float()
+        else:
+            want = torch.nn.functional.linear(x, weight)
+        run = segment_phase(monkeypatch, mk.Operand(kind, weight, None, None, kind == mk.KIND_BF16), x, streamed)
+        return mk._library.gpn_far_quads(ctypes.addressof(run.segment), batch), run().clone(), want
+
+    quads_here = products_build == "avx2"
+    for kind in (mk.KIND_F32, mk.KIND_BF16):
+        # (rows: quads alone, a pair left, one left, both; 300 rows: tasks cut inside the phase)
+        for rows, cols in ((8, 768), (10, 1000), (5, 100), (7, 45), (300, 256)):
+            quads, out, want = product(kind, rows, cols, streamed=True)
+            assert quads == quads_here, (kind, rows, cols)
+            torch.testing.assert_close(out, want, rtol=1e-2 if kind == mk.KIND_BF16 else 1e-5, atol=1e-2)
+            quads_in_l3, out_in_l3, _ = product(kind, rows, cols, streamed=False)
+            assert quads_in_l3 == 0
+            assert torch.equal(out, out_in_l3), (kind, rows, cols)
+        assert product(kind, 8, 768, streamed=True, batch=2)[0] == 0
+    int8 = mk.Operand(mk.KIND_I8, torch.randint(-127, 128, (8, 768), dtype=torch.int8), torch.rand(8), None, False)
+    run = segment_phase(monkeypatch, int8, torch.randn(1, 768), streamed=True)
+    assert mk._library.gpn_far_quads(ctypes.addressof(run.segment), 1) == 0
 
 
 def test_short_rows_in_the_l3_hold_their_input_in_registers(monkeypatch, products_build):
