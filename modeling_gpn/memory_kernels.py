@@ -1529,10 +1529,11 @@ static void quantized_rows(const gpn_segment *sg, const gpn_quantized *q, i64 B,
 }
 #endif
 
-/* Float rows this long and longer, streamed from DRAM at one batch row, are read two at a time (`dot_rows`): a
-   row's weights and the input then overflow the L1 together (16 KB each at 4,096 floats), so that a row at a time
-   reads the input again from the L2 for every row, where a pair of rows reads it once. Shorter rows stream
-   faster one at a time (benchmarks/RESULTS.md; -DPAIR_MIN_COLS=... for an A/B of builds). */
+/* Float rows this long and longer, streamed from DRAM at one batch row, are read two at a time (`dot_rows`; in the
+   AVX2 build, the rows its quads leave over, `far_quads`): a row's weights and the input then overflow the L1
+   together (16 KB each at 4,096 floats), so that a row at a time reads the input again from the L2 for every row,
+   where a pair of rows reads it once. Shorter rows stream faster one at a time (benchmarks/RESULTS.md;
+   -DPAIR_MIN_COLS=... for an A/B of builds). */
 #ifndef PAIR_MIN_COLS
 #define PAIR_MIN_COLS 4096
 #endif
