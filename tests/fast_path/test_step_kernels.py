@@ -644,6 +644,20 @@ def segment_product(monkeypatch, op, x: torch.Tensor, streamed: bool) -> tuple[t
     return run(), mk._library.gpn_paired_rows(ctypes.addressof(run.segment), x.shape[0])
 
 
+def float_operand_case(kind: int, rows: int, cols: int, batch: int, seed: int):
+    """(operand, input, F.linear's product) of a random float32 or bf16 (rows, cols) weight (seeded `seed`) and a
+    (batch, cols) input (seeded `seed + 1`; for bf16 weights its bf16 rounding, the output rounded as torch's bf16
+    linear rounds it)."""
+    from modeling_gpn import memory_kernels as mk
+
+    weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+    x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(seed + 1))
+    if kind == mk.KIND_BF16:
+        weight, x = weight.bfloat16(), x.bfloat16().float()
+        return mk.Operand(kind, weight, None, None, True), x, torch.nn.functional.linear(x.bfloat16(), weight).float()
+    return mk.Operand(kind, weight, None, None, False), x, torch.nn.functional.linear(x, weight)
+
+
 def test_long_float_rows_streamed_from_dram_are_read_in_pairs(monkeypatch, products_build):
     """Float32 rows of 4,096 weights and more, streamed from DRAM at one batch row, are read two at a time (one
     read of the input for both; in the AVX2 build, the rows its quads leave: `far_quads`): each row's sum is the one
@@ -652,11 +666,9 @@ def test_long_float_rows_streamed_from_dram_are_read_in_pairs(monkeypatch, produ
     from modeling_gpn import memory_kernels as mk
 
     def product(rows: int, cols: int, streamed: bool, batch: int = 1):
-        weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(46))
-        x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(47))
-        op = mk.Operand(mk.KIND_F32, weight, None, None, False)
+        op, x, want = float_operand_case(mk.KIND_F32, rows, cols, batch, seed=46)
         out, paired = segment_product(monkeypatch, op, x, streamed)
-        return paired, out, torch.nn.functional.linear(x, weight)
+        return paired, out, want
 
     # (11 rows: a pair's tail row, and in the AVX2 build a pair after two quads; 4,100 weights: a masked tail of
     # each row)
@@ -679,14 +691,8 @@ def test_rows_streamed_from_dram_are_read_four_at_a_time_in_the_avx2_build(monke
     from modeling_gpn import memory_kernels as mk
 
     def product(kind: int, rows: int, cols: int, streamed: bool, batch: int = 1):
-        x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(54))
-        weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(55))
-        if kind == mk.KIND_BF16:
-            weight, x = weight.bfloat16(), x.bfloat16().float()
-            want = torch.nn.functional.linear(x.bfloat16(), weight).float()
-        else:
-            want = torch.nn.functional.linear(x, weight)
-        run = segment_phase(monkeypatch, mk.Operand(kind, weight, None, None, kind == mk.KIND_BF16), x, streamed)
+        op, x, want = float_operand_case(kind, rows, cols, batch, seed=54)
+        run = segment_phase(monkeypatch, op, x, streamed)
         return mk._library.gpn_far_quads(ctypes.addressof(run.segment), batch), run().clone(), want
 
     quads_here = products_build == "avx2"
